@@ -1,0 +1,1 @@
+"""DPPO Binary-TV vs GRPO experiment harness for Tinker-compatible services."""

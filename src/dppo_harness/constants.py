@@ -1,0 +1,23 @@
+"""Pinned numbers and revisions shared by every module (see docs/architecture.md)."""
+
+PPO_EPS = 0.2
+DPPO_DELTA = 0.15
+DPPO_RATIO_CAP = 10.0  # C of the released-code variant (the paper's text uses 5)
+LOG_RATIO_CLAMP_MAX = 20.0
+
+BASE_MODEL = "Qwen/Qwen3.5-2B"
+RENDERER_NAME = "qwen3_5"
+STOP_TOKEN_ID = 248046  # <|im_end|>
+
+REFERENCE_REVISION = (
+    "sail-sg/Stable-RL@c6af1d119c0fe30d16dd9a837d35fdf695acd226:"
+    "verl/trainer/ppo/core_algos.py"
+)
+REFERENCE_PORT_REVISION = "verl-project/verl@182383bbb58035a5587db6835872977e26441dcd"
+BASELINE_REVISION = (
+    "tinker==0.38.0 ppo loss; tinker-cookbook==0.5.8 rl/train.py, "
+    "rl/data_processing.py::compute_advantages"
+)
+
+# Not a secret: the embedded server ignores API keys, but the SDK insists on the tml- prefix.
+LOCAL_API_KEY = "tml-local-rehearsal"
