@@ -1,0 +1,86 @@
+"""Stage model of the gated experiment: order, prerequisites, and how a test's stage is derived.
+
+Pure helpers, so the pytest plugin stays a thin adapter and the rules are unit-testable.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import PurePath
+
+STAGES: tuple[str, ...] = ("unit", "preflight", "gate", "diagnostic", "comparison")
+
+# What each stage needs to have passed first, in run order (the stage itself comes last).
+PREREQUISITES: dict[str, tuple[str, ...]] = {
+    "unit": (),
+    "preflight": ("unit",),
+    "gate": ("unit", "preflight"),
+    "diagnostic": ("unit", "preflight"),
+    "comparison": ("unit", "preflight", "gate"),
+}
+
+FOLDER_STAGE: dict[str, str] = {
+    "unit": "unit",
+    "integration": "unit",
+    "preflight": "preflight",
+    "gates": "gate",
+    "diagnostic": "diagnostic",
+    "comparison": "comparison",
+}
+
+# Folders whose tests belong to stage "unit" but are not part of "unit parity" as a prerequisite.
+INTEGRATION_FOLDER = "integration"
+
+_STAGE_EXPR = re.compile(r"^\s*\w+(\s+or\s+\w+)*\s*$")
+
+
+def stage_index(stage: str) -> int:
+    return STAGES.index(stage)
+
+
+def stage_from_path(path: PurePath, tests_root: PurePath) -> str | None:
+    """The stage of a test file from its first folder below `tests/`, or None outside it."""
+    try:
+        parts = path.relative_to(tests_root).parts
+    except ValueError:
+        return None
+    return FOLDER_STAGE.get(parts[0]) if len(parts) > 1 else None
+
+
+def stage_of(marker_names: Iterable[str], path: PurePath, tests_root: PurePath) -> str:
+    """An explicit stage marker wins; else the folder decides; else the test is a unit test."""
+    marked = [m for m in marker_names if m in STAGES]
+    if len(set(marked)) > 1:
+        raise ValueError(f"{path}: a test may carry one stage marker, got {sorted(set(marked))}")
+    if marked:
+        return marked[0]
+    return stage_from_path(path, tests_root) or "unit"
+
+
+def parse_stage_selection(markexpr: str) -> tuple[str, ...] | None:
+    """Stages named by a plain `-m a or b` expression; None when the expression is anything else."""
+    if not markexpr or not _STAGE_EXPR.match(markexpr):
+        return None
+    names = [n for n in re.split(r"\s+or\s+", markexpr.strip())]
+    if not all(n in STAGES for n in names):
+        return None
+    return tuple(sorted(set(names), key=stage_index))
+
+
+def expand_selection(selected: Sequence[str]) -> tuple[dict[str, bool], tuple[str, ...]]:
+    """Stages to run, each flagged True when it was selected itself (False: only a prerequisite)."""
+    run: dict[str, bool] = {}
+    for stage in selected:
+        for pre in PREREQUISITES[stage]:
+            run.setdefault(pre, False)
+        run[stage] = True
+    order = tuple(sorted(run, key=stage_index))
+    return run, order
+
+
+def default_plan_name(stages: Iterable[str]) -> str:
+    """The diagnostic runs the requester's revised plan; every other stage runs the saved spec."""
+    return (
+        "exp_e6b0965af3-diagnostic-r1.json" if "diagnostic" in set(stages) else "exp_e6b0965af3.json"
+    )

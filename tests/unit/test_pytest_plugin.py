@@ -1,0 +1,154 @@
+"""The stage plugin, driven through pytester on a throwaway project."""
+
+import textwrap
+
+import pytest
+
+PROJECT = {
+    "tests/unit/test_u.py": "def test_parity():\n    assert True\n",
+    "tests/integration/test_i.py": "def test_server():\n    assert True\n",
+    "tests/preflight/test_p.py": "def test_restore():\n    assert {ok}\n",
+    "tests/gates/test_g.py": "def test_gate():\n    assert True\n",
+    "tests/diagnostic/test_d.py": "def test_diag():\n    assert True\n",
+}
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester):
+    def make(preflight_ok: bool = True, unit_ok: bool = True):
+        (pytester.path / "plans").mkdir()
+        for name in ("exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json"):
+            (pytester.path / "plans" / name).write_text("{}")
+        pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin"]')
+        pytester.makeini("[pytest]\ntestpaths = tests\naddopts = --strict-markers -p no:cacheprovider\n")
+        for rel, src in PROJECT.items():
+            path = pytester.path / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            src = src.format(ok=preflight_ok)
+            if rel.endswith("test_u.py") and not unit_ok:
+                src = "def test_parity():\n    assert False\n"
+            path.write_text(src)
+        return pytester
+
+    return make
+
+
+def _order(result) -> list[str]:
+    return [
+        line.split("::")[1].split()[0]
+        for line in result.outlines
+        if "::test_" in line and (" PASSED" in line or " FAILED" in line or " SKIPPED" in line)
+    ]
+
+
+def test_plain_run_is_unit_and_integration_only(project):
+    res = project().runpytest("-v")
+    res.assert_outcomes(passed=2, deselected=3)
+
+
+def test_preflight_runs_unit_parity_first_not_integration(project):
+    res = project().runpytest("-v", "-m", "preflight")
+    res.assert_outcomes(passed=2, deselected=3)
+    assert _order(res) == ["test_parity", "test_restore"]
+
+
+def test_diagnostic_runs_prerequisites_in_order(project):
+    p = project()
+    # Folders collect alphabetically (diagnostic, gates, ..., unit): the plugin must reorder.
+    res = p.runpytest("-v", "-m", "diagnostic")
+    res.assert_outcomes(passed=3, deselected=2)
+    assert _order(res) == ["test_parity", "test_restore", "test_diag"]
+
+
+def test_failed_prerequisite_blocks_later_stages_and_names_the_test(project):
+    res = project(preflight_ok=False).runpytest("-v", "-rs", "-m", "diagnostic")
+    res.assert_outcomes(passed=1, failed=1, skipped=1, deselected=2)
+    res.stdout.fnmatch_lines(["*blocked: stage 'preflight' failed (tests/preflight/test_p.py::test_restore)*"])
+
+
+def test_failing_unit_stage_still_runs_all_its_tests(project):
+    p = project(unit_ok=False)
+    (p.path / "tests/unit/test_u2.py").write_text("def test_other():\n    assert True\n")
+    res = p.runpytest("-v", "-m", "preflight")
+    res.assert_outcomes(passed=1, failed=1, skipped=1, deselected=3)
+
+
+def test_comparison_also_runs_gate(project):
+    p = project()
+    (p.path / "tests/comparison").mkdir()
+    (p.path / "tests/comparison/test_c.py").write_text("def test_cmp():\n    assert True\n")
+    res = p.runpytest("-v", "-m", "comparison")
+    assert _order(res) == ["test_parity", "test_restore", "test_gate", "test_cmp"]
+
+
+def test_stage_marker_outside_its_folder(project):
+    p = project()
+    (p.path / "tests/unit/test_m.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.mark.gate
+            def test_marked_gate():
+                assert True
+            """
+        )
+    )
+    res = p.runpytest("-v", "-m", "gate")
+    assert _order(res) == ["test_parity", "test_restore", "test_gate", "test_marked_gate"]
+
+
+def test_options_are_validated(project, monkeypatch):
+    p = project()
+    res = p.runpytest("--plan", "missing.json")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--plan: no such plan file*"])
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    res = p.runpytest("--backend", "tinker")
+    res.stderr.fnmatch_lines(["*needs the environment variable TINKER_BASE_URL*"])
+    res = p.runpytest("--backend", "nope")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_options_reach_a_session_fixture(project, monkeypatch):
+    p = project()
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    (p.path / "tests/unit/test_opts.py").write_text(
+        textwrap.dedent(
+            """
+            def test_opts(harness_options):
+                assert harness_options.backend == "local"
+                assert harness_options.plan_path.name == "exp_e6b0965af3.json"
+                assert harness_options.evidence_dir.name == "ev"
+            """
+        )
+    )
+    res = p.runpytest("tests/unit/test_opts.py", "--evidence-dir", "ev")
+    res.assert_outcomes(passed=1)
+    monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:9")
+    (p.path / "tests/unit/test_opts.py").write_text(
+        "def test_opts(harness_options):\n    assert harness_options.backend == 'tinker'\n"
+    )
+    res = p.runpytest("tests/unit/test_opts.py")
+    res.assert_outcomes(passed=1)
+
+
+def test_fixture_error_blocks_later_stages(project):
+    p = project()
+    (p.path / "tests/preflight/test_p.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.fixture
+            def broken():
+                raise RuntimeError("service refused")
+
+            def test_restore(broken):
+                pass
+            """
+        )
+    )
+    res = p.runpytest("-v", "-rs", "-m", "gate")
+    res.assert_outcomes(passed=1, errors=1, skipped=1, deselected=2)
+    res.stdout.fnmatch_lines(["*blocked: stage 'preflight' failed*"])

@@ -1,0 +1,51 @@
+from pathlib import PurePath
+
+import pytest
+
+from dppo_harness import stages
+
+ROOT = PurePath("/p/tests")
+
+
+def test_stage_from_folder():
+    assert stages.stage_of([], ROOT / "unit" / "test_a.py", ROOT) == "unit"
+    assert stages.stage_of([], ROOT / "integration" / "test_a.py", ROOT) == "unit"
+    assert stages.stage_of([], ROOT / "preflight" / "test_a.py", ROOT) == "preflight"
+    assert stages.stage_of([], ROOT / "gates" / "test_a.py", ROOT) == "gate"
+    assert stages.stage_of([], ROOT / "diagnostic" / "test_a.py", ROOT) == "diagnostic"
+
+
+def test_marker_overrides_folder_and_conflicting_markers_fail():
+    assert stages.stage_of(["gate", "parametrize"], ROOT / "unit" / "t.py", ROOT) == "gate"
+    with pytest.raises(ValueError, match="one stage marker"):
+        stages.stage_of(["gate", "preflight"], ROOT / "unit" / "t.py", ROOT)
+
+
+@pytest.mark.parametrize(
+    "expr,expected",
+    [
+        ("preflight", ("preflight",)),
+        ("diagnostic or unit", ("unit", "diagnostic")),
+        ("not preflight", None),
+        ("preflight and slow", None),
+        ("bogus", None),
+        ("", None),
+    ],
+)
+def test_parse_stage_selection(expr, expected):
+    assert stages.parse_stage_selection(expr) == expected
+
+
+def test_prerequisites_expand_in_order():
+    run, order = stages.expand_selection(["diagnostic"])
+    assert order == ("unit", "preflight", "diagnostic")
+    assert run == {"unit": False, "preflight": False, "diagnostic": True}
+    _, order = stages.expand_selection(["comparison"])
+    assert order == ("unit", "preflight", "gate", "comparison")
+    _, order = stages.expand_selection(["preflight"])
+    assert order == ("unit", "preflight")
+
+
+def test_default_plan_follows_stage():
+    assert stages.default_plan_name(["unit", "preflight", "diagnostic"]).endswith("diagnostic-r1.json")
+    assert stages.default_plan_name(["unit", "preflight"]) == "exp_e6b0965af3.json"
