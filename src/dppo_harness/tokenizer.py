@@ -1,0 +1,201 @@
+"""Tokenizer choice and renderer construction.
+
+The tokenizer is picked by an explicit configuration string, never by catching a network error:
+- ``"tml-qwen3.5"``: the offline ``tml_renderers.tokenizers.Qwen35Tokenizer`` (tml-renderers 0.2.1)
+  behind :class:`TmlQwen35Tokenizer`, a small HF-style adapter the cookbook renderers can use;
+- ``"hf:<name>"``: ``transformers.AutoTokenizer.from_pretrained(<name>)`` (needs the hub or a cache).
+
+The renderer name is explicit (``constants.RENDERER_NAME``): ``Qwen/Qwen3.5-2B`` is not in the
+cookbook's model table, so ``get_recommended_renderer_name`` cannot be used.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tinker_cookbook import renderers
+from tinker_cookbook.tokenizer_utils import Tokenizer, register_tokenizer
+
+from dppo_harness import constants
+
+TML_QWEN35 = "tml-qwen3.5"
+HF_PREFIX = "hf:"
+DEFAULT_TOKENIZER = TML_QWEN35
+# Ids every Qwen3.5 tokenizer must agree on; checked at load so a wrong tokenizer fails loudly.
+EXPECTED_SPECIAL_IDS = {"<|im_start|>": 248045, "<|im_end|>": constants.STOP_TOKEN_ID}
+
+
+class TokenizerConfigError(ValueError):
+    """Unknown or malformed tokenizer choice, or a tokenizer that disagrees with the pinned ids."""
+
+
+class TmlQwen35Tokenizer:
+    """HF-style facade (encode/decode/eos_token_id) over the offline tml-renderers Qwen3.5 tokenizer.
+
+    The cookbook renderers call ``encode(text, add_special_tokens=False)`` on strings that contain
+    chat-template special tokens (``<|im_start|>``, ``<think>``...). HF tokenizers map those
+    substrings to their single ids; ``encode_ordinary`` would split them into bytes, so this
+    adapter cuts the text at every special-token surface string first.
+    """
+
+    name_or_path = TML_QWEN35
+
+    def __init__(self) -> None:
+        from tml_renderers.tokenizers import Qwen35Tokenizer
+
+        self.tml_tokenizer = Qwen35Tokenizer()
+        special: dict[str, int] = {}
+        for name in self.tml_tokenizer.special_tokens():
+            token_id = int(self.tml_tokenizer.encode_special(name))
+            special[self.tml_tokenizer.decode([token_id])] = token_id
+        self.special_token_ids: dict[str, int] = special
+        # Longest first so a token that is a prefix of another never wins.
+        alternatives = sorted(special, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(re.escape(s) for s in alternatives) + ")")
+        self.eos_token = self.tml_tokenizer.decode([self.encode_special_name(self.tml_tokenizer.eos_token)])
+        self.eos_token_id = special[self.eos_token]
+        self.bos_token = self.tml_tokenizer.bos_token or None
+
+    def encode_special_name(self, name: str) -> int:
+        return int(self.tml_tokenizer.encode_special(name))
+
+    def encode(self, text: str, add_special_tokens: bool = False, **_: Any) -> list[int]:
+        if add_special_tokens:
+            # Qwen tokenizers add no BOS; refusing keeps the behaviour explicit rather than guessed.
+            raise ValueError("TmlQwen35Tokenizer does not add special tokens; pass add_special_tokens=False")
+        out: list[int] = []
+        for piece in self._special_re.split(text):
+            if not piece:
+                continue
+            if piece in self.special_token_ids:
+                out.append(self.special_token_ids[piece])
+            else:
+                out.extend(self.tml_tokenizer.encode_ordinary(piece))
+        return out
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
+        ids = [int(t) for t in token_ids]
+        if skip_special_tokens:
+            ids = [t for t in ids if not self.tml_tokenizer.is_special_token(t)]
+        return str(self.tml_tokenizer.decode(ids))
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        if token not in self.special_token_ids:
+            raise KeyError(f"{token!r} is not a special token of the tml-renderers Qwen3.5 tokenizer")
+        return self.special_token_ids[token]
+
+
+@functools.cache
+def _tml_qwen35() -> TmlQwen35Tokenizer:
+    # Construction takes seconds (vocabulary load); one instance per process is enough.
+    return TmlQwen35Tokenizer()
+
+
+# Registered under the configuration name so cookbook code that calls
+# ``tokenizer_utils.get_tokenizer("tml-qwen3.5")`` gets the same object.
+register_tokenizer(TML_QWEN35, _tml_qwen35)
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class TokenizerBundle:
+    choice: str
+    tokenizer: Tokenizer
+    renderer: renderers.Renderer
+    renderer_name: str
+    provenance: dict[str, Any]
+
+
+def parse_choice(choice: str) -> tuple[str, str | None]:
+    """Return ``("tml", None)`` or ``("hf", name)``; raise on anything else."""
+    if choice == TML_QWEN35:
+        return "tml", None
+    if choice.startswith(HF_PREFIX) and len(choice) > len(HF_PREFIX):
+        return "hf", choice[len(HF_PREFIX) :]
+    raise TokenizerConfigError(
+        f"unknown tokenizer choice {choice!r}: expected {TML_QWEN35!r} or 'hf:<model name>'"
+    )
+
+
+def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, dict[str, Any]]:
+    """Load the configured tokenizer and return it with its provenance record."""
+    kind, hf_name = parse_choice(choice)
+    if kind == "tml":
+        tokenizer: Tokenizer = _tml_qwen35()
+        prov: dict[str, Any] = {
+            "choice": choice,
+            "kind": "tml-renderers",
+            "class": "tml_renderers.tokenizers.Qwen35Tokenizer",
+            "adapter": f"{__name__}.TmlQwen35Tokenizer",
+            "package_version": _package_version("tml-renderers"),
+        }
+    else:
+        from transformers import AutoTokenizer
+
+        assert hf_name is not None
+        # A network failure here propagates: the caller chose the HF tokenizer explicitly.
+        tokenizer = AutoTokenizer.from_pretrained(hf_name)
+        prov = {
+            "choice": choice,
+            "kind": "huggingface",
+            "class": type(tokenizer).__name__,
+            "name_or_path": hf_name,
+            "package_version": _package_version("transformers"),
+        }
+    check_special_ids(tokenizer)
+    prov["special_ids"] = {k: v for k, v in EXPECTED_SPECIAL_IDS.items()}
+    prov["vocab_fingerprint"] = vocab_fingerprint(tokenizer)
+    return tokenizer, prov
+
+
+def check_special_ids(tokenizer: Tokenizer) -> None:
+    for text, expected in EXPECTED_SPECIAL_IDS.items():
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if got != [expected]:
+            raise TokenizerConfigError(
+                f"tokenizer encodes {text!r} as {got}, expected [{expected}]: not a Qwen3.5 tokenizer"
+            )
+
+
+# Fixed probe text: special tokens, digits, LaTeX and unicode the GSM8K path produces.
+_FINGERPRINT_TEXT = (
+    "<|im_start|>user\nJanet\u2019s ducks lay 16 eggs per day. 16 - 3 - 4 = 9; 9 * $2 = $18."
+    " Write your answer in \\boxed{} format.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    "\\boxed{18}<|im_end|>"
+)
+
+
+def vocab_fingerprint(tokenizer: Tokenizer) -> str:
+    """sha256 of the token ids of a fixed probe text: two tokenizers that agree here agree on
+    the GSM8K chat template's pieces (not a proof of full-vocabulary identity)."""
+    ids = tokenizer.encode(_FINGERPRINT_TEXT, add_special_tokens=False)
+    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
+
+
+def make_renderer(
+    choice: str = DEFAULT_TOKENIZER, renderer_name: str = constants.RENDERER_NAME
+) -> TokenizerBundle:
+    """Tokenizer + cookbook renderer, with a provenance dict for the evidence bundle."""
+    tokenizer, tok_prov = load_tokenizer(choice)
+    renderer = renderers.get_renderer(renderer_name, tokenizer=tokenizer)
+    stop = renderer.get_stop_sequences()
+    provenance = {
+        "tokenizer": tok_prov,
+        "renderer_name": renderer_name,
+        "renderer_class": f"{type(renderer).__module__}.{type(renderer).__qualname__}",
+        "stop_sequences": list(stop),
+        "tinker_cookbook_version": _package_version("tinker-cookbook"),
+    }
+    return TokenizerBundle(choice, tokenizer, renderer, renderer_name, provenance)
