@@ -39,6 +39,7 @@ class _StageState:
     finished: dict[str, float] = field(default_factory=dict)
     current: str | None = None
     bundle: object | None = None  # the session's EvidenceBundle, once a test asked for it
+    registry: object | None = None  # the session's ClientRegistry, once a test asked for it
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -159,6 +160,8 @@ def _enter_stage(state: _StageState, stage: str) -> None:
 
 def _close_stage(state: _StageState, stage: str) -> None:
     state.finished[stage] = time.monotonic()
+    if state.registry is not None:
+        state.registry.release_stage(stage)
     bundle = state.bundle
     if bundle is None:
         return
@@ -182,10 +185,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _close_stage(state, state.current)
     state.current = None
     if state.bundle is not None:
-        blocked = {
-            s: nodeid for s, nodeid in state.first_failure.items()
-        }
-        state.bundle.finish_session(stage_failures=blocked)
+        state.bundle.finish_session(stage_failures=dict(state.first_failure))
 
 
 # ---- session fixtures --------------------------------------------------------------------------
@@ -216,10 +216,25 @@ def service_backend(harness_options: HarnessOptions, tmp_path_factory) -> Iterat
 
 
 @pytest.fixture(scope="session")
-def service_client(service_backend: ServiceBackend):
+def client_registry(pytestconfig: pytest.Config) -> Iterator[object]:
+    """Every service client the harness creates; stage-scoped ones are released at stage end."""
+    from dppo_harness.service import ClientRegistry
+
+    registry = ClientRegistry()
+    registry.install_atexit()
+    pytestconfig.stash[_STATE_KEY].registry = registry
+    yield registry
+    registry.release_all()
+
+
+@pytest.fixture(scope="session")
+def service_client(service_backend: ServiceBackend, client_registry):
+    """The session's client: the restored arms live on it across stages; released on exit."""
     from dppo_harness.service import make_service_client
 
-    return make_service_client(service_backend.kind, service_backend.base_url)
+    return make_service_client(
+        service_backend.kind, service_backend.base_url, registry=client_registry, stage="session"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,115 @@
+"""Scan bytes for live secret values (raw, base64 at any alignment, URL-encoded, JSON-escaped, hex).
+
+Matches are reported by the secret's *label* (an environment variable name) and the encoding,
+never by value, so an error message can be shown and logged safely.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import quote, quote_plus
+
+# Every variable whose value is a credential this harness may hold.
+SECRET_ENV_VARS = (
+    "TINKER_API_KEY",
+    "MODAL_PROXY_TOKEN_ID",
+    "MODAL_PROXY_TOKEN_SECRET",
+    "RUNS_PROXY_TOKEN_ID",
+    "RUNS_PROXY_TOKEN_SECRET",
+)
+
+
+class SecretLeakError(RuntimeError):
+    """Bytes about to leave memory contain a live secret. The message never holds the value."""
+
+
+@dataclass(frozen=True)
+class SecretMatch:
+    label: str
+    encoding: str
+
+
+def live_secret_items(env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """(variable name, value) for each secret variable set (non-empty) in env."""
+    env = os.environ if env is None else env
+    return [(name, env[name]) for name in SECRET_ENV_VARS if env.get(name)]
+
+
+def _b64_fragments(raw: bytes) -> dict[str, bytes]:
+    """Base64 text that must appear if `raw` sits at any offset inside base64-encoded data.
+
+    With s = offset mod 3 leading unknown bytes, only the characters whose 6 bits come entirely
+    from `raw` are fixed: from ceil(8s/6) up to floor(8(s+n)/6).
+    """
+    out: dict[str, bytes] = {}
+    n = len(raw)
+    for s in range(3):
+        enc = base64.b64encode(b"\0" * s + raw + b"\0\0\0")
+        start, stop = -(-8 * s // 6), (8 * (s + n)) // 6
+        frag = enc[start:stop]
+        if len(frag) >= 4:
+            out[f"base64@{s}"] = frag
+            out[f"base64url@{s}"] = frag.replace(b"+", b"-").replace(b"/", b"_")
+    return out
+
+
+def encoded_variants(value: str) -> dict[str, bytes]:
+    """encoding name -> byte pattern, for one secret value."""
+    raw = value.encode("utf-8")
+    variants: dict[str, bytes] = {"raw": raw}
+    stripped = value.strip().encode("utf-8")
+    if stripped and stripped != raw:
+        variants["raw_stripped"] = stripped
+    variants["json_escaped"] = json.dumps(value)[1:-1].encode("ascii")
+    for name, enc in (("url", quote(value, safe="")), ("url_plus", quote_plus(value, safe=""))):
+        variants[name] = enc.encode("ascii")
+        variants[name + "_lower"] = re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), enc).encode("ascii")
+    variants["base64"] = base64.b64encode(raw)
+    variants["base64url"] = base64.urlsafe_b64encode(raw)
+    variants.update(_b64_fragments(raw))
+    variants["hex"] = binascii.hexlify(raw)
+    variants["hex_upper"] = binascii.hexlify(raw).upper()
+    # Deduplicate identical patterns (e.g. a plain alphanumeric value is its own URL form).
+    seen: dict[bytes, str] = {}
+    for name, pat in variants.items():
+        seen.setdefault(pat, name)
+    return {name: pat for pat, name in seen.items() if pat}
+
+
+class SecretScanner:
+    def __init__(self, items: Iterable[tuple[str, str]]):
+        self._patterns: list[tuple[str, str, bytes]] = []
+        for label, value in items:
+            if not value:
+                continue
+            for enc, pat in encoded_variants(value).items():
+                self._patterns.append((label, enc, pat))
+
+    def __len__(self) -> int:
+        return len(self._patterns)
+
+    def find(self, data: bytes) -> list[SecretMatch]:
+        found: list[SecretMatch] = []
+        for label, enc, pat in self._patterns:
+            if pat in data:
+                found.append(SecretMatch(label, enc))
+        return found
+
+    def check(self, data: bytes, what: str) -> None:
+        """Raise SecretLeakError naming `what`, the variables and encodings (never the value)."""
+        matches = self.find(data)
+        if matches:
+            desc = ", ".join(sorted({f"{m.label} ({m.encoding})" for m in matches}))
+            raise SecretLeakError(f"{what} blocked: it contains the live value of {desc}")
+
+
+def scanner_for(env: Mapping[str, str] | None = None, extra: Iterable[str] = ()) -> SecretScanner:
+    items = live_secret_items(env)
+    items += [(f"explicit_secret[{i}]", v) for i, v in enumerate(extra) if v]
+    return SecretScanner(items)

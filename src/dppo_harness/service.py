@@ -1,0 +1,369 @@
+"""Service layer: ServiceClient factory from the environment, capacity retry, client release.
+
+Credentials come from the environment only and are never logged: errors name variables, not
+values. The local backend talks to the embedded server on loopback with a non-secret key.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import tinker
+
+from dppo_harness import constants
+from dppo_harness.secrets_scan import live_secret_items
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Backend = Literal["local", "tinker"]
+ProxyTokens = Literal["modal", "runs", "none"]
+
+_PROXY_VARS: dict[str, tuple[str, str]] = {
+    "modal": ("MODAL_PROXY_TOKEN_ID", "MODAL_PROXY_TOKEN_SECRET"),  # shared Spindle
+    "runs": ("RUNS_PROXY_TOKEN_ID", "RUNS_PROXY_TOKEN_SECRET"),  # a Spindle fork in research-exchange-runs
+}
+
+
+class ServiceConfigError(RuntimeError):
+    """The service cannot be configured; the message names the variable or option, never a value."""
+
+
+def _require(env: Mapping[str, str], name: str, why: str) -> str:
+    value = env.get(name)
+    if not value:
+        raise ServiceConfigError(f"environment variable {name} is not set (needed {why})")
+    return value
+
+
+def is_loopback_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def redact_url(url: str | None) -> str | None:
+    """scheme://host[:port]/path without credentials or query (safe for evidence)."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+def client_kwargs(
+    backend: Backend,
+    base_url: str | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    proxy_tokens: ProxyTokens = "modal",
+) -> dict[str, Any]:
+    """The ServiceClient keyword arguments for a backend (holds secrets: never log the result)."""
+    env = os.environ if env is None else env
+    if backend == "local":
+        if not base_url:
+            raise ServiceConfigError("the local backend needs the embedded server's base_url (got none)")
+        if not is_loopback_url(base_url):
+            raise ServiceConfigError(f"the local backend must use a loopback base_url, got host {urlsplit(base_url).hostname!r}")
+        return {"base_url": base_url, "api_key": constants.LOCAL_API_KEY}
+    if backend != "tinker":
+        raise ServiceConfigError(f"unknown backend {backend!r}: expected 'local' or 'tinker'")
+    url = base_url or _require(env, "TINKER_BASE_URL", "for the tinker backend")
+    api_key = _require(env, "TINKER_API_KEY", "for the tinker backend")
+    headers: dict[str, str] = {}
+    if proxy_tokens != "none":
+        if proxy_tokens not in _PROXY_VARS:
+            raise ServiceConfigError(f"unknown proxy_tokens option {proxy_tokens!r}: expected modal, runs or none")
+        id_var, secret_var = _PROXY_VARS[proxy_tokens]
+        headers["Modal-Key"] = _require(env, id_var, "for the Modal-Key proxy header")
+        headers["Modal-Secret"] = _require(env, secret_var, "for the Modal-Secret proxy header")
+    return {"base_url": url, "api_key": api_key, "default_headers_overrides": headers}
+
+
+def make_service_client(
+    backend: Backend,
+    base_url: str | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    proxy_tokens: ProxyTokens = "modal",
+    registry: "ClientRegistry | None" = None,
+    stage: str = "session",
+) -> tinker.ServiceClient:
+    """A tinker.ServiceClient for `backend`. Construction is lazy (no network until first call).
+
+    tinker: TINKER_BASE_URL (unless base_url is given), TINKER_API_KEY, and the proxy headers
+    Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (proxy_tokens="modal", shared Spindle) or
+    RUNS_PROXY_TOKEN_* (proxy_tokens="runs", a fork); proxy_tokens="none" sends no proxy headers.
+    local: the given loopback base_url and constants.LOCAL_API_KEY; no environment needed.
+    """
+    client = tinker.ServiceClient(**client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens))
+    if registry is not None:
+        registry.register(client, stage=stage, label=f"{backend}-service-client")
+    return client
+
+
+def live_secret_values(env: Mapping[str, str] | None = None) -> list[str]:
+    """The secret values present in env that evidence must never contain."""
+    return [v for _, v in live_secret_items(env)]
+
+
+def describe_service(backend: Backend, base_url: str | None, *, proxy_tokens: ProxyTokens = "modal") -> dict[str, Any]:
+    """Evidence-safe description of the connection (no values of credentials)."""
+    return {
+        "backend": backend,
+        "base_url": redact_url(base_url),
+        "auth": "constants.LOCAL_API_KEY (not a secret)" if backend == "local" else "TINKER_API_KEY from environment",
+        "proxy_headers": [] if backend == "local" or proxy_tokens == "none" else
+        [f"Modal-Key from {_PROXY_VARS[proxy_tokens][0]}", f"Modal-Secret from {_PROXY_VARS[proxy_tokens][1]}"],
+    }
+
+
+def sdk_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("tinker", "tinker-cookbook", "tml-renderers", "torch"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+# ----------------------------------------------------------------------------- client release
+
+
+@dataclass
+class _Entry:
+    client: Any
+    stage: str
+    label: str
+    released: bool = False
+    error: str | None = None
+
+
+class ClientRegistry:
+    """ServiceClients this harness created, released per stage and always on exit.
+
+    The SDK's only release is `ServiceClient.close(status)`: it finishes the session on the server
+    (POST sessions/{id}/finish, which ends the session's training and sampling clients) and stops
+    heartbeats. A client counts as released only when that future completed without error.
+    """
+
+    def __init__(self, release_timeout_s: float = 60.0):
+        self._entries: list[_Entry] = []
+        self._lock = threading.Lock()
+        self.release_timeout_s = release_timeout_s
+        self._atexit = False
+
+    def register(self, client: Any, *, stage: str, label: str = "service-client") -> Any:
+        with self._lock:
+            self._entries.append(_Entry(client, stage, label))
+        return client
+
+    def install_atexit(self) -> None:
+        if not self._atexit:
+            atexit.register(self.release_all, "interrupted")
+            self._atexit = True
+
+    def _release(self, entry: _Entry, status: str) -> None:
+        if entry.released:
+            return
+        try:
+            fut = entry.client.close(status)
+            if hasattr(fut, "result"):
+                fut.result(timeout=self.release_timeout_s)
+            entry.released, entry.error = True, None
+        except Exception as exc:  # record and carry on: releasing the rest matters more
+            entry.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("releasing %s failed: %s", entry.label, entry.error)
+
+    def release_stage(self, stage: str, status: str = "success") -> list[dict[str, Any]]:
+        with self._lock:
+            entries = [e for e in self._entries if e.stage == stage]
+        for e in entries:
+            self._release(e, status)
+        return [self._record(e) for e in entries]
+
+    def release_all(self, status: str = "success") -> bool:
+        """Release every registered client; True iff all of them are released (vacuously with none)."""
+        with self._lock:
+            entries = list(self._entries)
+        for e in entries:
+            self._release(e, status)
+        return all(e.released for e in entries)
+
+    @staticmethod
+    def _record(e: _Entry) -> dict[str, Any]:
+        return {"label": e.label, "stage": e.stage, "released": e.released, "error": e.error}
+
+    def records(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [self._record(e) for e in self._entries]
+
+    @property
+    def all_released(self) -> bool:
+        with self._lock:
+            return all(e.released for e in self._entries)
+
+
+# ----------------------------------------------------------------------------- capacity handling
+
+
+@dataclass(frozen=True)
+class CapacityPolicy:
+    """Backoff 1, 2, 4 minutes (then 4 again); give up after ~10 min with no comparison step
+    completed, or after 30 min once steps ran. `scale` shrinks every duration (tests, rehearsals)."""
+
+    backoff_s: tuple[float, ...] = (60.0, 120.0, 240.0)
+    give_up_no_steps_s: float = 600.0
+    give_up_after_steps_s: float = 1800.0
+    scale: float = 1.0
+
+    def backoff(self, attempt: int) -> float:
+        return self.backoff_s[min(attempt, len(self.backoff_s) - 1)] * self.scale
+
+    def window(self, steps_completed: int) -> float:
+        return (self.give_up_after_steps_s if steps_completed > 0 else self.give_up_no_steps_s) * self.scale
+
+
+@dataclass(frozen=True)
+class CapacityBlock:
+    error: str  # the exact error text the service returned
+    comparison_steps_completed: int
+    released_clients: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"error": self.error, "comparison_steps_completed": self.comparison_steps_completed,
+                "released_clients": self.released_clients}
+
+    def result_fields(self) -> dict[str, Any]:
+        """The result.json fields for a run stopped by capacity."""
+        return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
+                "capacity_block": self.as_dict()}
+
+
+class CapacityExhausted(RuntimeError):
+    def __init__(self, block: CapacityBlock, waited_s: float, attempts: int):
+        super().__init__(
+            f"service capacity refused for {waited_s:.0f}s over {attempts} attempts; giving up "
+            f"(comparison steps completed: {block.comparison_steps_completed}, "
+            f"clients released: {block.released_clients}): {block.error}"
+        )
+        self.block, self.waited_s, self.attempts = block, waited_s, attempts
+
+
+CAPACITY_MARKERS = ("capacity exhausted", "capacity_exhausted")
+
+
+_SDK_FAILED_RE = re.compile(r"^Request failed: (.*) for self\.request_id=.*$", re.DOTALL)
+
+
+def error_text(exc: BaseException) -> str:
+    """The service's own error text: a failed future's server message without the SDK's
+    'Request failed: ... for self.request_id=...' wrapper; otherwise the exception's message."""
+    text = getattr(exc, "message", None) or str(exc)
+    m = _SDK_FAILED_RE.match(text)
+    return m.group(1) if m else text
+
+
+def is_capacity_error(exc: BaseException) -> bool:
+    """429, 503, or a 'trainer capacity exhausted' message, from creation or any call."""
+    if isinstance(exc, tinker.RateLimitError):
+        return True
+    status = getattr(exc, "status_code", None)
+    if isinstance(exc, tinker.APIStatusError) and status in (429, 503):
+        return True
+    text = error_text(exc).lower()
+    if any(m in text for m in CAPACITY_MARKERS):
+        return True
+    # A failed future carries only a message; the server's status may be inside it.
+    if isinstance(exc, tinker.RequestFailedError) and any(c in text for c in ("429", "503", "too many requests",
+                                                                               "service unavailable")):
+        return True
+    return False
+
+
+@dataclass
+class CapacityEvent:
+    attempt: int
+    elapsed_s: float
+    sleep_s: float
+    error: str
+
+
+def call_with_capacity_retry(
+    fn: Callable[[], T],
+    *,
+    policy: CapacityPolicy = CapacityPolicy(),
+    steps_completed: int | Callable[[], int] = 0,
+    registry: ClientRegistry | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    on_retry: Callable[[CapacityEvent], None] | None = None,
+) -> T:
+    """Call fn; on a capacity refusal, back off and retry until the policy's window closes.
+
+    The window runs from the start of the first refused attempt and is ~10 min if no comparison step has
+    run, 30 min otherwise (re-read on every refusal). On give-up the registry's clients are
+    released and CapacityExhausted carries the CapacityBlock. Other errors propagate at once.
+    `fn` should bound its own wait (e.g. `future.result(timeout=...)`) since the SDK itself
+    retries 429/5xx internally for several minutes before surfacing an error.
+    """
+    started: float | None = None
+    attempt = 0
+    while True:
+        attempt_start = clock()
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_capacity_error(exc):
+                raise
+            now = clock()
+            # The window opens when the first refused attempt began: time the SDK already spent
+            # retrying 429/503 internally before raising counts as waiting on the service.
+            started = attempt_start if started is None else started
+            elapsed = now - started
+            steps = steps_completed() if callable(steps_completed) else steps_completed
+            window = policy.window(steps)
+            if elapsed >= window:
+                released = registry.release_all("errored") if registry is not None else False
+                block = CapacityBlock(error_text(exc), int(steps), released)
+                raise CapacityExhausted(block, elapsed, attempt + 1) from exc
+            wait = min(policy.backoff(attempt), window - elapsed)
+            event = CapacityEvent(attempt + 1, elapsed, wait, error_text(exc))
+            logger.warning("capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s",
+                           event.attempt, elapsed, wait, event.error)
+            if on_retry is not None:
+                on_retry(event)
+            sleep(wait)
+            attempt += 1
+
+
+@dataclass
+class CapacityTracker:
+    """Counts completed comparison steps so retry windows can switch from 10 to 30 minutes."""
+
+    comparison_steps_completed: int = 0
+    events: list[CapacityEvent] = field(default_factory=list)
+
+    def step_done(self) -> None:
+        self.comparison_steps_completed += 1
+
+    def __call__(self) -> int:
+        return self.comparison_steps_completed

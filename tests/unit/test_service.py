@@ -1,0 +1,214 @@
+"""Service layer: client factory from env, capacity retry with a fake clock, client release."""
+
+import httpx
+import pytest
+import tinker
+
+from dppo_harness import constants
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.service import (
+    CapacityExhausted,
+    CapacityPolicy,
+    CapacityTracker,
+    ClientRegistry,
+    ServiceConfigError,
+    call_with_capacity_retry,
+    client_kwargs,
+    describe_service,
+    is_capacity_error,
+    live_secret_values,
+    make_service_client,
+)
+
+FAKE_ENV = {
+    "TINKER_BASE_URL": "https://spindle.example.invalid/api",
+    "TINKER_API_KEY": "tml-FAKE-api-key-0001",
+    "MODAL_PROXY_TOKEN_ID": "wk-FAKE-token-id-0002",
+    "MODAL_PROXY_TOKEN_SECRET": "ws-FAKE-token-secret-0003",
+    "RUNS_PROXY_TOKEN_ID": "wk-FAKE-runs-id-0004",
+    "RUNS_PROXY_TOKEN_SECRET": "ws-FAKE-runs-secret-0005",
+}
+
+
+def _status_error(cls, code: int, text: str):
+    req = httpx.Request("POST", "http://127.0.0.1:1/api/v1/create_model")
+    return cls(text, response=httpx.Response(code, request=req), body=None)
+
+
+def test_tinker_client_uses_env_and_modal_headers():
+    kw = client_kwargs("tinker", env=FAKE_ENV)
+    assert kw["base_url"] == FAKE_ENV["TINKER_BASE_URL"] and kw["api_key"] == FAKE_ENV["TINKER_API_KEY"]
+    assert kw["default_headers_overrides"] == {"Modal-Key": FAKE_ENV["MODAL_PROXY_TOKEN_ID"],
+                                               "Modal-Secret": FAKE_ENV["MODAL_PROXY_TOKEN_SECRET"]}
+    fork = client_kwargs("tinker", env=FAKE_ENV, proxy_tokens="runs")["default_headers_overrides"]
+    assert fork == {"Modal-Key": FAKE_ENV["RUNS_PROXY_TOKEN_ID"], "Modal-Secret": FAKE_ENV["RUNS_PROXY_TOKEN_SECRET"]}
+    assert client_kwargs("tinker", env=FAKE_ENV, proxy_tokens="none")["default_headers_overrides"] == {}
+    client = make_service_client("tinker", env=FAKE_ENV)
+    assert isinstance(client, tinker.ServiceClient)
+    client.close("success").result()  # lazy client: nothing was opened, release is immediate
+    desc = str(describe_service("tinker", FAKE_ENV["TINKER_BASE_URL"]))
+    assert not any(v in desc for k, v in FAKE_ENV.items() if k != "TINKER_BASE_URL")
+
+
+@pytest.mark.parametrize("missing, proxy", [
+    ("TINKER_BASE_URL", "modal"), ("TINKER_API_KEY", "modal"), ("MODAL_PROXY_TOKEN_ID", "modal"),
+    ("MODAL_PROXY_TOKEN_SECRET", "modal"), ("RUNS_PROXY_TOKEN_SECRET", "runs"),
+])
+def test_missing_variable_named_without_values(missing, proxy):
+    env = {k: v for k, v in FAKE_ENV.items() if k != missing}
+    with pytest.raises(ServiceConfigError) as e:
+        make_service_client("tinker", env=env, proxy_tokens=proxy)
+    msg = str(e.value)
+    assert missing in msg
+    assert not any(v in msg for v in FAKE_ENV.values())
+    empty = dict(FAKE_ENV, **{missing: ""})  # set but empty counts as missing
+    with pytest.raises(ServiceConfigError, match=missing):
+        make_service_client("tinker", env=empty, proxy_tokens=proxy)
+
+
+def test_local_backend_needs_no_env_and_loopback_only():
+    kw = client_kwargs("local", "http://127.0.0.1:8123", env={})
+    assert kw == {"base_url": "http://127.0.0.1:8123", "api_key": constants.LOCAL_API_KEY}
+    assert isinstance(make_service_client("local", "http://localhost:9", env={}), tinker.ServiceClient)
+    with pytest.raises(ServiceConfigError, match="loopback"):
+        client_kwargs("local", "http://10.0.0.5:8000", env={})
+    with pytest.raises(ServiceConfigError, match="base_url"):
+        client_kwargs("local", None, env={})
+    with pytest.raises(ServiceConfigError, match="unknown backend"):
+        client_kwargs("spindle", env=FAKE_ENV)
+
+
+def test_live_secret_values_from_env():
+    assert sorted(live_secret_values(FAKE_ENV)) == sorted(v for k, v in FAKE_ENV.items() if k != "TINKER_BASE_URL")
+    assert live_secret_values({"TINKER_API_KEY": ""}) == []
+
+
+def test_capacity_error_classification():
+    assert is_capacity_error(_status_error(tinker.RateLimitError, 429, "Too Many Requests"))
+    assert is_capacity_error(_status_error(tinker.InternalServerError, 503, "Service Unavailable"))
+    assert not is_capacity_error(_status_error(tinker.InternalServerError, 500, "boom"))
+    assert not is_capacity_error(_status_error(tinker.BadRequestError, 400, "bad optimizer"))
+    assert is_capacity_error(tinker.RequestFailedError("trainer capacity exhausted", "req-1", "server"))
+    assert not is_capacity_error(tinker.RequestFailedError("shape mismatch", "req-2", "user"))
+    assert not is_capacity_error(ValueError("nope"))
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.t += s
+
+
+class FakeClient:
+    def __init__(self, fail: bool = False):
+        self.closed_with: str | None = None
+        self.fail = fail
+
+    def close(self, status):
+        if self.fail:
+            raise RuntimeError("finish refused")
+        self.closed_with = status
+        return None
+
+
+def _storm(error):
+    calls = {"n": 0}
+
+    def fn():
+        calls["n"] += 1
+        raise error
+    return fn, calls
+
+
+def test_capacity_storm_before_any_step_gives_up_after_ten_minutes(tmp_path):
+    clock, reg = FakeClock(), ClientRegistry()
+    real = make_service_client("local", "http://127.0.0.1:9", env={}, registry=reg, stage="preflight")
+    fake = reg.register(FakeClient(), stage="preflight", label="probe")
+    # As the SDK raises it for a failed future; the block keeps the service's own text.
+    err = tinker.RequestFailedError(
+        "Request failed: trainer capacity exhausted: 0 of 8 trainers free for self.request_id='req-9' "
+        "and expected type self.model_cls=<class 'CreateModelResponse'>", "req-9", "server")
+    fn, calls = _storm(err)
+    with pytest.raises(CapacityExhausted) as e:
+        call_with_capacity_retry(fn, policy=CapacityPolicy(), steps_completed=0, registry=reg,
+                                 clock=clock, sleep=clock.sleep)
+    assert clock.sleeps == [60.0, 120.0, 240.0, 180.0]  # 1, 2, 4 min, then up to the 10-minute mark
+    assert calls["n"] == 5
+    block = e.value.block
+    assert block.as_dict() == {"error": "trainer capacity exhausted: 0 of 8 trainers free",
+                               "comparison_steps_completed": 0, "released_clients": True}
+    assert fake.closed_with == "errored" and reg.all_released and real._closed
+    bundle = EvidenceBundle.create(tmp_path, "storm", env={})
+    bundle.update_result(**block.result_fields(), original_hypothesis_tested=False,
+                         tested_instead="nothing: capacity refused before the first step",
+                         summary="Spindle refused capacity for 10 minutes before any step.")
+    r = bundle.result
+    assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
+    assert r["capacity_block"]["released_clients"] is True
+
+
+def test_capacity_storm_after_steps_keeps_trying_for_thirty_minutes():
+    clock, tracker = FakeClock(), CapacityTracker()
+    tracker.step_done(); tracker.step_done(); tracker.step_done()
+    fn, _ = _storm(_status_error(tinker.RateLimitError, 429, "rate limited"))
+    reg = ClientRegistry()
+    reg.register(FakeClient(fail=True), stage="diagnostic", label="trainer")
+    with pytest.raises(CapacityExhausted) as e:
+        call_with_capacity_retry(fn, steps_completed=tracker, registry=reg, clock=clock, sleep=clock.sleep)
+    assert sum(clock.sleeps) == pytest.approx(1800.0)
+    assert max(clock.sleeps) == 240.0
+    assert e.value.block.comparison_steps_completed == 3
+    assert e.value.block.released_clients is False  # the finish call failed: reported truthfully
+    assert "finish refused" in reg.records()[0]["error"]
+
+
+def test_capacity_retry_recovers_and_scales():
+    clock = FakeClock()
+    outcomes = [_status_error(tinker.InternalServerError, 503, "busy")] * 2
+    events = []
+
+    def fn():
+        if outcomes:
+            raise outcomes.pop()
+        return "ok"
+    assert call_with_capacity_retry(fn, policy=CapacityPolicy(scale=0.01), clock=clock, sleep=clock.sleep,
+                                    on_retry=events.append) == "ok"
+    assert clock.sleeps == pytest.approx([0.6, 1.2])
+    assert [ev.attempt for ev in events] == [1, 2]
+
+
+def test_non_capacity_error_is_not_retried():
+    clock = FakeClock()
+    fn, calls = _storm(_status_error(tinker.BadRequestError, 400, "unsupported optimizer"))
+    with pytest.raises(tinker.BadRequestError):
+        call_with_capacity_retry(fn, clock=clock, sleep=clock.sleep)
+    assert calls["n"] == 1 and clock.sleeps == []
+
+
+def test_registry_releases_per_stage():
+    reg = ClientRegistry()
+    a = reg.register(FakeClient(), stage="preflight", label="probe")
+    b = reg.register(FakeClient(), stage="diagnostic", label="trainer")
+    recs = reg.release_stage("preflight")
+    assert recs == [{"label": "probe", "stage": "preflight", "released": True, "error": None}]
+    assert a.closed_with == "success" and b.closed_with is None and not reg.all_released
+    assert reg.release_all("interrupted") and b.closed_with == "interrupted"
+
+
+def test_sdk_internal_retry_time_counts_toward_the_window():
+    clock = FakeClock()
+
+    def fn():  # the SDK retried 429/503 itself for 5 minutes before raising
+        clock.t += 300.0
+        raise _status_error(tinker.InternalServerError, 503, "Service Unavailable")
+    with pytest.raises(CapacityExhausted) as e:
+        call_with_capacity_retry(fn, clock=clock, sleep=clock.sleep)
+    assert clock.sleeps == [60.0] and e.value.attempts == 2
+    assert e.value.block.error == "Service Unavailable" and e.value.block.released_clients is False
