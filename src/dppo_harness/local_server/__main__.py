@@ -1,0 +1,158 @@
+"""CLI: `python -m dppo_harness.local_server --host 127.0.0.1 --port PORT [options]`.
+
+Prints exactly one line `listening on http://127.0.0.1:PORT` on stdout once the engine is
+loaded and the socket accepts connections; logs go to stderr. SIGTERM/SIGINT shut it down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dppo_harness.local_server.faults import (
+    DEFAULT_VALUE_HEADERS,
+    FaultConfig,
+    FaultInjector,
+    FaultSpecError,
+    HeaderRecorder,
+    parse_latency,
+    parse_reject_first,
+    parse_reject_prob,
+)
+
+STATS_FILE = "server_stats.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dppo_harness.local_server", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="loopback address only (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
+    p.add_argument("--model", default=None, help="engine model name (default: the engine's default)")
+    p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
+    p.add_argument("--sampler-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="sampler precision; bfloat16 rehearses trainer/sampler mismatch")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--sample-workers", type=int, default=64, help="threads running sample requests")
+    f = p.add_argument_group("fault injection (seeded and counted; see GET /_harness/stats)")
+    f.add_argument("--fault-seed", type=int, default=0)
+    f.add_argument("--fault-reject-first", action="append", default=[], metavar="KIND:STATUS:N",
+                   help="answer the first N requests of KIND ('*' = any) with HTTP STATUS (429|503)")
+    f.add_argument("--fault-reject-prob", action="append", default=[], metavar="KIND:STATUS:P",
+                   help="answer each request of KIND with HTTP STATUS with probability P")
+    f.add_argument("--fault-capacity-exhausted", type=int, default=0, metavar="N",
+                   help="fail the first N create_model requests with 'trainer capacity exhausted'")
+    f.add_argument("--fault-capacity-mode", choices=("future", "http"), default="future",
+                   help="future: failed future (SDK raises RequestFailedError, category server); "
+                        "http: HTTP 503 (the SDK's own retries absorb it)")
+    f.add_argument("--fault-latency-ms", action="append", default=[], metavar="KIND:MS",
+                   help="add MS milliseconds (non-blocking) before handling each request of KIND")
+    f.add_argument("--fault-die-after", type=int, default=None, metavar="K",
+                   help=f"exit (code 75) when API request K+1 arrives (healthz not counted)")
+    f.add_argument("--fault-retry-after-ms", type=int, default=None, metavar="MS",
+                   help="send Retry-After-Ms with injected 429/503 (the SDK honours it)")
+    f.add_argument("--record-header-values", default=",".join(DEFAULT_VALUE_HEADERS), metavar="NAMES",
+                   help="comma-separated header names whose values are recorded (never secrets)")
+    return p.parse_args(argv)
+
+
+def fault_config(args: argparse.Namespace) -> FaultConfig:
+    return FaultConfig(
+        seed=args.fault_seed,
+        reject_first=tuple(parse_reject_first(s) for s in args.fault_reject_first),
+        reject_prob=tuple(parse_reject_prob(s) for s in args.fault_reject_prob),
+        capacity_exhausted=args.fault_capacity_exhausted,
+        capacity_mode=args.fault_capacity_mode,
+        latency_ms=tuple(parse_latency(s) for s in args.fault_latency_ms),
+        die_after=args.fault_die_after,
+        retry_after_ms=args.fault_retry_after_ms,
+        record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
+    )
+
+
+def loopback_host(host: str) -> str:
+    """The numeric loopback address for `host`; anything else is refused."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        raise SystemExit(f"--host {host!r}: not an IP address; the local server binds loopback only") from None
+    if not addr.is_loopback:
+        raise SystemExit(f"--host {host!r}: not a loopback address; the local server binds loopback only")
+    return str(addr)
+
+
+async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path) -> None:
+    from aiohttp import web
+
+    from dppo_harness.local_server.app import ServerState, build_app
+    from dppo_harness.local_server.engine import Engine
+
+    t0 = time.perf_counter()
+    engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed}
+    if args.model:
+        engine_kwargs["model_name"] = args.model
+    engine = await asyncio.to_thread(Engine, run_dir, **engine_kwargs)
+    state = ServerState(
+        engine=engine,
+        faults=FaultInjector(faults),
+        headers=HeaderRecorder(faults.record_header_values),
+        sample_workers=args.sample_workers,
+        stats_path=run_dir / STATS_FILE,
+    )
+    runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False)
+    await runner.setup()
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(512)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    base_info = getattr(engine, "base_info", {}) or {}
+    logging.getLogger("dppo_harness.local_server").info(
+        "engine %s ready in %.1fs (warm-start cache hit: %s); run dir %s", getattr(engine, "model_name", "?"),
+        time.perf_counter() - t0, base_info.get("cache_hit"), run_dir)
+    print(f"listening on http://{host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    (run_dir / STATS_FILE).write_text(json.dumps(state.stats(), indent=1))
+    await runner.cleanup()
+    state.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.host = loopback_host(args.host)
+    try:
+        faults = fault_config(args)
+    except FaultSpecError as exc:
+        raise SystemExit(str(exc)) from None
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="dppo-local-server-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    asyncio.run(serve(args, faults, run_dir))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Engine worker threads cannot be interrupted mid-call; do not wait for them at exit.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

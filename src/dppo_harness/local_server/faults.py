@@ -1,0 +1,222 @@
+"""Seeded, counted fault injection for the embedded server's reliability tests.
+
+A request's *kind* is its endpoint name (`create_model`, `forward_backward`, `asample`,
+`retrieve_future`, ...); `*` matches every kind. Every decision is drawn from one seeded RNG and
+every injected fault is counted, so a test can assert exactly what the client went through.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+CAPACITY_EXHAUSTED_TEXT = "trainer capacity exhausted"
+REJECT_STATUSES = (429, 503)
+ANY_KIND = "*"
+# Values of these headers are never recorded, whatever the whitelist says.
+SECRET_HEADERS = frozenset(
+    {"authorization", "x-api-key", "modal-secret", "modal-key", "cookie", "proxy-authorization",
+     "cf-access-client-secret", "cf-access-client-id"}
+)
+DEFAULT_VALUE_HEADERS = ("x-harness-probe",)
+
+
+class FaultSpecError(ValueError):
+    """A fault option that cannot be parsed; the message names the option and the problem."""
+
+
+@dataclass(frozen=True)
+class RejectFirst:
+    kind: str
+    status: int
+    count: int
+
+
+@dataclass(frozen=True)
+class RejectProb:
+    kind: str
+    status: int
+    prob: float
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    seed: int = 0
+    reject_first: tuple[RejectFirst, ...] = ()
+    reject_prob: tuple[RejectProb, ...] = ()
+    capacity_exhausted: int = 0  # first N create_model requests fail with CAPACITY_EXHAUSTED_TEXT
+    capacity_mode: str = "future"  # "future": failed future (RequestFailedError); "http": HTTP 503
+    latency_ms: tuple[tuple[str, float], ...] = ()  # (kind, ms) added before handling
+    die_after: int | None = None  # exit the process when API request K+1 arrives
+    retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
+    record_header_values: tuple[str, ...] = DEFAULT_VALUE_HEADERS
+
+    def __post_init__(self) -> None:
+        for name in self.record_header_values:
+            if name.lower() in SECRET_HEADERS:
+                raise FaultSpecError(f"--record-header-values: refusing to record secret header {name!r}")
+        if self.capacity_mode not in ("future", "http"):
+            raise FaultSpecError(f"--fault-capacity-mode must be 'future' or 'http', got {self.capacity_mode!r}")
+        if self.capacity_exhausted < 0:
+            raise FaultSpecError("--fault-capacity-exhausted must be >= 0")
+        if self.die_after is not None and self.die_after < 0:
+            raise FaultSpecError("--fault-die-after must be >= 0")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.reject_first or self.reject_prob or self.capacity_exhausted
+                    or self.latency_ms or self.die_after is not None)
+
+
+def _split(spec: str, option: str, parts: int) -> list[str]:
+    fields = spec.split(":")
+    if len(fields) != parts or not all(fields):
+        raise FaultSpecError(f"{option}: expected {parts} ':'-separated fields, got {spec!r}")
+    return fields
+
+
+def _status(value: str, option: str) -> int:
+    try:
+        status = int(value)
+    except ValueError:
+        raise FaultSpecError(f"{option}: status must be an integer, got {value!r}") from None
+    if status not in REJECT_STATUSES:
+        raise FaultSpecError(f"{option}: status must be one of {REJECT_STATUSES}, got {status}")
+    return status
+
+
+def parse_reject_first(spec: str) -> RejectFirst:
+    """`KIND:STATUS:N`, e.g. `forward_backward:429:2`."""
+    kind, status, count = _split(spec, "--fault-reject-first", 3)
+    try:
+        n = int(count)
+    except ValueError:
+        raise FaultSpecError(f"--fault-reject-first: N must be an integer, got {count!r}") from None
+    if n < 0:
+        raise FaultSpecError(f"--fault-reject-first: N must be >= 0, got {n}")
+    return RejectFirst(kind, _status(status, "--fault-reject-first"), n)
+
+
+def parse_reject_prob(spec: str) -> RejectProb:
+    """`KIND:STATUS:P`, e.g. `asample:503:0.1`."""
+    kind, status, prob = _split(spec, "--fault-reject-prob", 3)
+    try:
+        p = float(prob)
+    except ValueError:
+        raise FaultSpecError(f"--fault-reject-prob: P must be a number, got {prob!r}") from None
+    if not 0.0 <= p <= 1.0:
+        raise FaultSpecError(f"--fault-reject-prob: P must be in [0, 1], got {p}")
+    return RejectProb(kind, _status(status, "--fault-reject-prob"), p)
+
+
+def parse_latency(spec: str) -> tuple[str, float]:
+    """`KIND:MS`, e.g. `asample:200`."""
+    kind, ms = _split(spec, "--fault-latency-ms", 2)
+    try:
+        value = float(ms)
+    except ValueError:
+        raise FaultSpecError(f"--fault-latency-ms: MS must be a number, got {ms!r}") from None
+    if value < 0:
+        raise FaultSpecError(f"--fault-latency-ms: MS must be >= 0, got {value}")
+    return kind, value
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one request before handling it."""
+
+    reject_status: int | None = None
+    reject_reason: str = ""
+    latency_s: float = 0.0
+    die: bool = False
+
+
+@dataclass
+class FaultInjector:
+    """Thread-safe decisions and counters; one per server."""
+
+    config: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.config.seed)
+        self._lock = threading.Lock()
+        self.requests: Counter[str] = Counter()  # kind -> requests seen (faults included)
+        self.injected: Counter[str] = Counter()  # "kind:what" -> count
+        self.api_requests = 0  # counted toward die_after
+        self._capacity_left = self.config.capacity_exhausted
+
+    def decide(self, kind: str, counts_toward_death: bool = True) -> Decision:
+        cfg = self.config
+        with self._lock:
+            self.requests[kind] += 1
+            seen = self.requests[kind]
+            if counts_toward_death:
+                self.api_requests += 1
+                if cfg.die_after is not None and self.api_requests > cfg.die_after:
+                    self.injected["*:die"] += 1
+                    return Decision(die=True)
+            latency = sum(ms for k, ms in cfg.latency_ms if k in (kind, ANY_KIND)) / 1000.0
+            if latency:
+                self.injected[f"{kind}:latency"] += 1
+            for rule in cfg.reject_first:
+                if rule.kind in (kind, ANY_KIND) and seen <= rule.count:
+                    self.injected[f"{kind}:{rule.status}"] += 1
+                    return Decision(rule.status, f"injected {rule.status} (first {rule.count} {rule.kind})", latency)
+            for rule in cfg.reject_prob:
+                if rule.kind in (kind, ANY_KIND) and self._rng.random() < rule.prob:
+                    self.injected[f"{kind}:{rule.status}"] += 1
+                    return Decision(rule.status, f"injected {rule.status} (p={rule.prob} {rule.kind})", latency)
+            if cfg.capacity_mode == "http" and kind == "create_model" and self._capacity_left > 0:
+                self._capacity_left -= 1
+                self.injected["create_model:capacity_exhausted"] += 1
+                return Decision(503, CAPACITY_EXHAUSTED_TEXT, latency)
+            return Decision(latency_s=latency)
+
+    def take_capacity_failure(self) -> bool:
+        """For capacity_mode "future": True while create_model should fail its future."""
+        with self._lock:
+            if self.config.capacity_mode != "future" or self._capacity_left <= 0:
+                return False
+            self._capacity_left -= 1
+            self.injected["create_model:capacity_exhausted"] += 1
+            return True
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "seed": self.config.seed,
+                "requests": dict(self.requests),
+                "injected": dict(self.injected),
+                "api_requests": self.api_requests,
+                "die_after": self.config.die_after,
+                "capacity_exhausted_left": self._capacity_left,
+            }
+
+
+@dataclass
+class HeaderRecorder:
+    """Counts header names of every request; keeps values only of whitelisted, non-secret names."""
+
+    value_names: tuple[str, ...] = DEFAULT_VALUE_HEADERS
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wanted = {n.lower() for n in self.value_names} - SECRET_HEADERS
+        self.names: Counter[str] = Counter()
+        self.values: dict[str, list[str]] = {}
+
+    def record(self, headers) -> None:
+        with self._lock:
+            for name in {k.lower() for k in headers.keys()}:
+                self.names[name] += 1
+                if name in self._wanted:
+                    seen = self.values.setdefault(name, [])
+                    value = headers.get(name)
+                    if value not in seen and len(seen) < 100:
+                        seen.append(value)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"names": dict(self.names), "values": {k: list(v) for k, v in self.values.items()}}

@@ -1,0 +1,323 @@
+"""Start and stop the embedded server: as a subprocess (`LocalServerProcess`, used by the pytest
+plugin and the integration tests) or in this process on a background thread (`InProcessServer`,
+for tests that must read the engine's tensors directly).
+
+Both bind 127.0.0.1 only and leave nothing running after `stop()` / the `with` block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
+LOG_NAME = "server.log"
+_live: "weakref.WeakSet[LocalServerProcess]" = weakref.WeakSet()
+
+
+class LocalServerDied(RuntimeError):
+    """The server process exited (or never became ready); the message carries its log tail."""
+
+
+def _src_root() -> str:
+    import dppo_harness
+
+    return str(Path(dppo_harness.__file__).resolve().parents[1])
+
+
+def _get_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback URL we built
+        return json.loads(resp.read())
+
+
+class LocalServerProcess:
+    """`python -m dppo_harness.local_server` as a child process.
+
+    with LocalServerProcess(run_dir=tmp, fault_args=["--fault-reject-first", "asample:429:2"]) as srv:
+        client = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
+        ...
+        srv.stats()  # GET /_harness/stats: fault counters, header names, whitelisted values
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | str | None = None,
+        *,
+        port: int = 0,
+        model: str | None = None,
+        sampler_dtype: str | None = None,
+        seed: int | None = None,
+        fault_args: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        startup_timeout: float = 900.0,
+        python: str = sys.executable,
+    ) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="dppo-local-server-"))
+        self.port = port
+        self.startup_timeout = startup_timeout
+        self.cmd = [python, "-m", "dppo_harness.local_server", "--host", "127.0.0.1", "--port", str(port),
+                    "--run-dir", str(self.run_dir)]
+        if model:
+            self.cmd += ["--model", model]
+        if sampler_dtype:
+            self.cmd += ["--sampler-dtype", sampler_dtype]
+        if seed is not None:
+            self.cmd += ["--seed", str(seed)]
+        self.cmd += list(fault_args) + list(extra_args)
+        self.env = dict(os.environ if env is None else env)
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_root(), self.env.get("PYTHONPATH")) if p)
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc: subprocess.Popen | None = None
+        self.base_url: str = ""
+        self.start_seconds: float | None = None
+        self._stdout: queue.Queue[str | None] = queue.Queue()
+        self._stdout_tail: collections.deque[str] = collections.deque(maxlen=50)
+
+    # -- lifecycle
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / LOG_NAME
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> "LocalServerProcess":
+        if self.proc is not None:
+            raise RuntimeError("LocalServerProcess already started")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child, closed below
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                         env=self.env, text=True, bufsize=1)
+        finally:
+            log.close()
+        _live.add(self)
+        threading.Thread(target=self._pump_stdout, name="local-server-stdout", daemon=True).start()
+        try:
+            self.base_url = self._wait_ready(t0)
+            self._wait_healthy(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+        return self
+
+    def _pump_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self._stdout_tail.append(line)
+            self._stdout.put(line)
+        self._stdout.put(None)
+
+    def _wait_ready(self, t0: float) -> str:
+        while True:
+            left = self.startup_timeout - (time.perf_counter() - t0)
+            if left <= 0:
+                raise LocalServerDied(self._describe(f"not ready after {self.startup_timeout:.0f}s"))
+            try:
+                line = self._stdout.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                self.proc.wait(timeout=10)  # type: ignore[union-attr]
+                raise LocalServerDied(self._describe("exited before printing its ready line"))
+            match = READY_RE.match(line)
+            if match:
+                return match.group(1)
+
+    def _wait_healthy(self, t0: float) -> None:
+        while True:
+            try:
+                if _get_json(f"{self.base_url}/api/v1/healthz", timeout=2.0).get("status") == "ok":
+                    return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            self.check_alive()
+            if time.perf_counter() - t0 > self.startup_timeout:
+                raise LocalServerDied(self._describe("healthz never answered ok"))
+            time.sleep(0.1)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _describe(self, what: str) -> str:
+        code = self.returncode
+        status = f"exit code {code}" if code is not None else "still running"
+        return (f"local server (pid {self.pid}, {status}) {what}; command: {' '.join(self.cmd)}\n"
+                f"--- last lines of {self.log_path} ---\n{self.log_tail()}")
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise LocalServerDied(self._describe("is not running"))
+
+    def stats(self) -> dict[str, Any]:
+        """GET /_harness/stats while running; after exit, the stats file the server left behind."""
+        if self.alive():
+            return _get_json(f"{self.base_url}/_harness/stats")
+        path = self.run_dir / "server_stats.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        raise LocalServerDied(self._describe("is not running and left no stats file"))
+
+    def wait_result(self, future: Any, timeout: float = 600.0, poll: float = 0.5) -> Any:
+        """`future.result()` that fails fast with LocalServerDied when the server exits meanwhile.
+
+        The stock SDK retries a vanished server for minutes; this names the real cause at once.
+        """
+        import concurrent.futures
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(timeout=poll)
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                pass
+            if not self.alive():
+                raise LocalServerDied(self._describe("died while a request was pending"))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no result after {timeout:.0f}s from a live local server (pid {self.pid})")
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL; returns the exit code. Idempotent."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout)
+            except ProcessLookupError:
+                pass
+        if proc.stdout is not None:
+            proc.stdout.close()
+        _live.discard(self)
+        return proc.returncode
+
+    def __enter__(self) -> "LocalServerProcess":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_live):
+        server.stop(timeout=5.0)
+
+
+class InProcessServer:
+    """The same app on a background event loop in this process, sharing `engine` with the caller.
+
+    Tests use it to compare what crossed HTTP with the engine's own tensors
+    (`engine.get_parameter_grads(server.state.engine_model_id(training_client.model_id))`).
+    """
+
+    def __init__(self, engine: Any, faults: Any = None, sample_workers: int = 64) -> None:
+        from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
+
+        cfg = faults or FaultConfig()
+        self.engine = engine
+        self._cfg = cfg
+        self._injector = FaultInjector(cfg)
+        self._headers = HeaderRecorder(cfg.record_header_values)
+        self._sample_workers = sample_workers
+        self.state: Any = None
+        self.base_url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: Any = None
+        self.died: str | None = None
+
+    def start(self) -> "InProcessServer":
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._setup())
+            except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="local-server-inprocess", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise errors[0]
+        return self
+
+    async def _setup(self) -> None:
+        from aiohttp import web
+
+        from dppo_harness.local_server.app import ServerState, build_app
+
+        self.state = ServerState(self.engine, self._injector, self._headers, sample_workers=self._sample_workers,
+                                 on_die=self._on_die)
+        self._runner = web.AppRunner(build_app(self.state), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(512)
+        await web.SockSite(self._runner, sock).start()
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def _on_die(self, message: str) -> None:
+        self.died = message
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        if self.state is not None:
+            self.state.shutdown()
+
+    def __enter__(self) -> "InProcessServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
