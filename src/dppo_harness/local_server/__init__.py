@@ -1,0 +1,1 @@
+"""Embedded Tinker-protocol server (model side: engine, model, vocab, warmstart)."""

@@ -1,0 +1,825 @@
+"""Model side of the embedded Tinker-protocol server: training models, optimizer, sampling.
+
+Final signatures (docs/architecture.md contract; extensions are optional keyword args only):
+
+    class UserError(Exception)
+    @dataclass SampledSeq(tokens: list[int], logprobs: list[float], stop_reason: "stop"|"length",
+                          prompt_logprobs: list[float | None] | None)
+    class Engine:
+        __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype="float32", seed=0, *,
+                 cache_dir=None, batch_window_s=0.05, num_threads=2)
+        served_models: list[str]; served_model_name: str; model_name: str
+        create_model(base_model, lora_rank, seed, *, model_id=None) -> str
+        get_info(model_id) -> dict  # model_name (served), model_id, is_lora, lora_rank,
+                                    # optimizer_config {"type": "adamw"}, model_data, requested_base_model
+        forward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
+        forward_backward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
+        optim_step(model_id, adam) -> dict[str, float]
+        save_state(model_id, name, overwrite=False) -> "tinker://<model_id>/weights/<name>"
+        save_for_sampler(model_id, name=None, *, overwrite=False) -> "tinker://<model_id>/sampler_weights/<name>"
+        load_state(model_id, path, with_optimizer) -> None
+        create_model_from_state(path, with_optimizer, *, model_id=None) -> str
+        sample(sampler_path_or_base, prompt_tokens, num_samples, max_tokens, temperature, top_k,
+               top_p, stop_token_ids, stop_strings, seed, prompt_logprobs) -> list[SampledSeq]
+        compute_logprobs(model_id, data, *, grad=False) -> list[torch.Tensor]   # in-process tests
+        direct_loss_grads(model_id, data, loss_of_logprobs) -> dict[str, torch.Tensor]  # parity reference
+        get_parameter_grads(model_id) -> dict[str, torch.Tensor]
+        get_parameters(model_id) -> dict[str, torch.Tensor]
+        unload_model(model_id) -> None
+        close() -> None
+
+``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``. Token ids are real
+Qwen3.5 ids; prompt_logprobs (when requested) is on every returned sequence, first element None.
+Sampled-token logprobs are the model's untempered log-softmax (the trainer's distribution),
+whatever temperature/top_k/top_p shaped the draw; at temperature 1 without truncation they are
+exactly the sampling distribution.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from dppo_harness.constants import BASE_MODEL
+from dppo_harness.local_server import model as M
+from dppo_harness.local_server.vocab import Vocab, get_tokenizer, load_vocab
+
+DatumIn = tuple[Sequence[int], dict[str, np.ndarray]]
+FwdBwdOut = tuple[list[dict[str, np.ndarray]], dict[str, float]]
+
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+_REQUIRED_INPUTS = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+}
+ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memory)
+_NAME_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
+
+
+class UserError(Exception):
+    """Bad request from the client; maps to an error with category "user"."""
+
+
+@dataclass
+class SampledSeq:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    served_name: str
+    config: M.TinyConfig
+    warm_start: bool
+
+
+PRESETS = {
+    "tiny-qwen3-gsm8k": ModelPreset("local/tiny-qwen3-gsm8k", M.TinyConfig(), True),
+    # Fast random-init model for unit tests of the protocol plumbing (no warm start).
+    "tiny-qwen3-random": ModelPreset(
+        "local/tiny-qwen3-random",
+        M.TinyConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=32),
+        False,
+    ),
+}
+
+
+@dataclass
+class _TrainModel:
+    model_id: str
+    requested_base_model: str
+    lora_rank: int
+    seed: int
+    net: torch.nn.Module
+    params: list[tuple[str, torch.nn.Parameter]]
+    optimizer: torch.optim.AdamW
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    steps: int = 0
+
+
+def _make_optimizer(params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        [p for _, p in params], lr=0.0, betas=(ADAM_DEFAULTS["beta1"], ADAM_DEFAULTS["beta2"]),
+        eps=ADAM_DEFAULTS["eps"], weight_decay=0.0,
+    )
+
+
+def _atomic_dir_write(final: Path, files: dict[str, bytes], overwrite: bool) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    for fname, data in files.items():
+        (tmp / fname).write_bytes(data)
+    if final.exists():
+        if not overwrite:
+            shutil.rmtree(tmp)
+            raise UserError(f"checkpoint {final.name!r} already exists; pass overwrite=True to replace it")
+        old = final.parent / f".old-{final.name}-{secrets.token_hex(4)}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+
+
+class Engine:
+    def __init__(
+        self,
+        run_dir: Path,
+        model_name: str = "tiny-qwen3-gsm8k",
+        sampler_dtype: str = "float32",
+        seed: int = 0,
+        *,
+        cache_dir: Path | None = None,
+        batch_window_s: float = 0.05,
+        num_threads: int = 2,
+    ):
+        if model_name not in PRESETS:
+            raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
+        if sampler_dtype not in ("float32", "bfloat16"):
+            raise UserError(f"sampler_dtype must be 'float32' or 'bfloat16', got {sampler_dtype!r}")
+        torch.set_num_threads(int(num_threads))
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model_name = model_name
+        self.preset = PRESETS[model_name]
+        self.served_model_name = self.preset.served_name
+        self.served_models = [BASE_MODEL, self.served_model_name]
+        self.sampler_dtype = getattr(torch, sampler_dtype)
+        self.seed = int(seed)
+        self.vocab: Vocab = load_vocab()
+        self.tokenizer = get_tokenizer()
+        self.config = self.preset.config
+        self.base_info: dict = {}
+        self.base_model = self._load_base(cache_dir)
+        self.base_sha256 = M.state_sha256(self.base_model.state_dict())
+        self._models: dict[str, _TrainModel] = {}
+        self._models_lock = threading.Lock()
+        self._counter = 0
+        self._sampler_cache: OrderedDict[tuple[str, str], torch.nn.Module] = OrderedDict()
+        self._sampler_cache_lock = threading.Lock()
+        self._batch_window_s = float(batch_window_s)
+        self._queue: list[_SampleJob] = []
+        self._queue_cv = threading.Condition()
+        self._closed = False
+        self._sampler_thread = threading.Thread(target=self._sampler_loop, name="engine-sampler", daemon=True)
+        self._sampler_thread.start()
+
+    # ----- base model -----------------------------------------------------------------------
+    def _load_base(self, cache_dir: Path | None) -> torch.nn.Module:
+        if self.preset.warm_start:
+            from dppo_harness.local_server import warmstart
+
+            net, info = warmstart.load_or_build(self.config, self.vocab, seed=self.seed, cache_dir=cache_dir)
+            self.base_info = info
+            return net
+        net = M.build_base_model(self.config, self.vocab.num_embeddings, self.seed)
+        self.base_info = {"warm_start": None, "init_seed": self.seed}
+        return net
+
+    # ----- model lifecycle ------------------------------------------------------------------
+    def _check_base(self, base_model: str) -> None:
+        if base_model not in self.served_models:
+            raise UserError(
+                f"base model {base_model!r} is not served by this local server; served: {self.served_models}"
+            )
+
+    def create_model(self, base_model: str, lora_rank: int, seed: int | None, *, model_id: str | None = None) -> str:
+        self._check_base(base_model)
+        if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 1 or lora_rank > 512:
+            raise UserError(f"lora_rank must be an integer in [1, 512], got {lora_rank!r}")
+        with self._models_lock:
+            n = self._counter
+            self._counter += 1
+            model_id = model_id or f"local-model-{n}"
+            if model_id in self._models:
+                raise UserError(f"model id {model_id!r} already exists")
+        # seed=None: derived from the server seed and the creation counter (deterministic per server run).
+        lora_seed = int(seed) if seed is not None else self.seed * 1_000_003 + n
+        net = M.add_lora(copy.deepcopy(self.base_model), lora_rank, lora_seed)
+        net.eval()  # no dropout anywhere; training mode is irrelevant for this model
+        params = list(M.lora_named_parameters(net))
+        tm = _TrainModel(model_id, base_model, lora_rank, lora_seed, net, params, _make_optimizer(params))
+        with self._models_lock:
+            self._models[model_id] = tm
+        return model_id
+
+    def _get(self, model_id: str) -> _TrainModel:
+        tm = self._models.get(model_id)
+        if tm is None:
+            raise UserError(f"unknown model id {model_id!r}")
+        return tm
+
+    def unload_model(self, model_id: str) -> None:
+        with self._models_lock:
+            self._models.pop(model_id, None)
+
+    def get_info(self, model_id: str) -> dict:
+        tm = self._get(model_id)
+        return {
+            "model_name": self.served_model_name,
+            "model_id": model_id,
+            "is_lora": True,
+            "lora_rank": tm.lora_rank,
+            "optimizer_config": {"type": "adamw"},
+            "model_data": {
+                "arch": "Qwen3ForCausalLM",
+                "model_name": self.served_model_name,
+                "tokenizer_id": BASE_MODEL,
+            },
+            "requested_base_model": tm.requested_base_model,
+        }
+
+    # ----- trainer --------------------------------------------------------------------------
+    def _validate(self, data: Sequence[DatumIn], loss_fn: str) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        if loss_fn not in LOSS_FNS:
+            raise UserError(f"unsupported loss_fn {loss_fn!r}; supported: {list(LOSS_FNS)}")
+        if len(data) == 0:
+            raise UserError("data is empty")
+        out = []
+        for i, (tokens, inputs) in enumerate(data):
+            toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+            T = int(toks.size)
+            if T == 0:
+                raise UserError(f"datum {i}: empty model_input")
+            if T > self.config.max_position_embeddings:
+                raise UserError(f"datum {i}: {T} tokens exceed the model's {self.config.max_position_embeddings}")
+            conv: dict[str, torch.Tensor] = {}
+            for key in _REQUIRED_INPUTS[loss_fn]:
+                if key not in inputs or inputs[key] is None:
+                    raise UserError(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]")
+                arr = np.asarray(inputs[key]).reshape(-1)
+                if arr.size != T:
+                    raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has length {arr.size}, model_input has {T}")
+                if key == "target_tokens":
+                    conv[key] = self.vocab.to_local(arr.astype(np.int64))
+                else:
+                    t = torch.from_numpy(arr.astype(np.float32))
+                    if not bool(torch.isfinite(t).all()):
+                        raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has non-finite values")
+                    conv[key] = t
+            out.append((self.vocab.to_local(toks), conv))
+        return out
+
+    def _microbatches(self, lengths: list[int]) -> list[list[int]]:
+        """Datum indices grouped into micro-batches of <= TOKEN_BUDGET padded tokens; datums are
+        visited in (stable) length order so padding stays small."""
+        batches, cur, cur_max = [], [], 0
+        for i in sorted(range(len(lengths)), key=lambda k: lengths[k]):
+            L = lengths[i]
+            new_max = max(cur_max, L)
+            if cur and new_max * (len(cur) + 1) > TOKEN_BUDGET:
+                batches.append(cur)
+                cur, new_max = [], L
+            cur.append(i)
+            cur_max = new_max
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _logprobs_mb(self, net: torch.nn.Module, items: list[tuple[torch.Tensor, dict]], idx: list[int]) -> list[torch.Tensor]:
+        lens = [int(items[i][0].numel()) for i in idx]
+        Tm = max(lens)
+        ids_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
+        tgt_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
+        mask_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
+        for b, i in enumerate(idx):
+            L = lens[b]
+            ids_BT[b, :L] = items[i][0]
+            tgt_BT[b, :L] = items[i][1]["target_tokens"]
+            mask_BT[b, :L] = 1
+        kw = {"attention_mask": mask_BT} if min(lens) != Tm else {}
+        logits_BTV = net(input_ids=ids_BT, use_cache=False, **kw).logits
+        lp_BT = M.token_logprobs(logits_BTV, tgt_BT, self.vocab.size)
+        return [lp_BT[b, : lens[b]] for b in range(len(idx))]
+
+    @staticmethod
+    def _loss(loss_fn: str, lp_T: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
+        if loss_fn == "cross_entropy":
+            return -lp_T * inp["weights"]
+        ratio_T = torch.exp(lp_T - inp["logprobs"])
+        adv_T = inp["advantages"]
+        if loss_fn == "importance_sampling":
+            return -(ratio_T * adv_T)
+        lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
+        return -torch.minimum(ratio_T * adv_T, torch.clamp(ratio_T, lo, hi) * adv_T)
+
+    @staticmethod
+    def _loss_cfg(loss_fn: str, loss_fn_config: dict | None) -> dict:
+        cfg = dict(loss_fn_config or {})
+        if loss_fn != "ppo":
+            if cfg:
+                raise UserError(f"loss_fn {loss_fn!r} takes no loss_fn_config, got keys {sorted(cfg)}")
+            return {}
+        unknown = set(cfg) - {"clip_low_threshold", "clip_high_threshold"}
+        if unknown:
+            raise UserError(f"unknown ppo loss_fn_config keys {sorted(unknown)}")
+        out = {"clip_low_threshold": float(cfg.get("clip_low_threshold", 0.8)),
+               "clip_high_threshold": float(cfg.get("clip_high_threshold", 1.2))}
+        if not (0 < out["clip_low_threshold"] <= 1.0 <= out["clip_high_threshold"]):
+            raise UserError(f"ppo thresholds must satisfy 0 < low <= 1 <= high, got {out}")
+        return out
+
+    def _run(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: dict | None,
+             backward: bool) -> FwdBwdOut:
+        tm = self._get(model_id)
+        cfg = self._loss_cfg(loss_fn, loss_fn_config)
+        items = self._validate(data, loss_fn)
+        outputs: list[dict[str, np.ndarray] | None] = [None] * len(items)
+        total = 0.0
+        with tm.lock, torch.set_grad_enabled(backward):
+            for idx in self._microbatches([int(it[0].numel()) for it in items]):
+                lps = self._logprobs_mb(tm.net, items, idx)
+                losses = [self._loss(loss_fn, lp, items[i][1], cfg) for lp, i in zip(lps, idx)]
+                mb_loss = torch.stack([l.sum() for l in losses]).sum()
+                if backward:
+                    mb_loss.backward()
+                total += float(mb_loss.detach())
+                for lp, l, i in zip(lps, losses, idx):
+                    outputs[i] = {
+                        "logprobs": lp.detach().float().numpy().copy(),
+                        "elementwise_loss": l.detach().float().numpy().copy(),
+                    }
+        return [o for o in outputs if o is not None], {"loss:sum": total}
+
+    def forward(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: dict | None = None) -> FwdBwdOut:
+        return self._run(model_id, data, loss_fn, loss_fn_config, backward=False)
+
+    def forward_backward(self, model_id: str, data: Sequence[DatumIn], loss_fn: str,
+                         loss_fn_config: dict | None = None) -> FwdBwdOut:
+        """Forward + backward; LoRA gradients accumulate until ``optim_step``."""
+        return self._run(model_id, data, loss_fn, loss_fn_config, backward=True)
+
+    def compute_logprobs(self, model_id: str, data: Sequence[DatumIn], *, grad: bool = False) -> list[torch.Tensor]:
+        """Per-datum target logprobs exactly as ``forward`` computes them (graph kept if grad)."""
+        tm = self._get(model_id)
+        only_targets = [(t, {"target_tokens": inp["target_tokens"], "weights": np.zeros(len(t), np.float32)})
+                        if "target_tokens" in inp else (t, inp) for t, inp in data]
+        items = self._validate(only_targets, "cross_entropy")
+        out: list[torch.Tensor | None] = [None] * len(items)
+        with tm.lock, torch.set_grad_enabled(grad):
+            for idx in self._microbatches([int(it[0].numel()) for it in items]):
+                for lp, i in zip(self._logprobs_mb(tm.net, items, idx), idx):
+                    out[i] = lp
+        return [o for o in out if o is not None]
+
+    def optim_step(self, model_id: str, adam: dict) -> dict[str, float]:
+        tm = self._get(model_id)
+        if "learning_rate" not in adam:
+            raise UserError("optim_step needs adam_params.learning_rate")
+        p = {**ADAM_DEFAULTS, **{k: v for k, v in adam.items() if v is not None}}
+        unknown = set(p) - set(ADAM_DEFAULTS) - {"learning_rate"}
+        if unknown:
+            raise UserError(f"unknown adam_params fields {sorted(unknown)}")
+        lr, b1, b2, eps, wd, clip = (float(p[k]) for k in
+                                     ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"))
+        checks = [(lr >= 0 and math.isfinite(lr), "learning_rate >= 0"), (0 <= b1 < 1, "0 <= beta1 < 1"),
+                  (0 <= b2 < 1, "0 <= beta2 < 1"), (eps > 0, "eps > 0"), (wd >= 0, "weight_decay >= 0"),
+                  (clip >= 0, "grad_clip_norm >= 0 (0 = off)")]
+        for ok, what in checks:
+            if not ok:
+                raise UserError(f"invalid adam_params: need {what}, got {adam}")
+        with tm.lock:
+            grads = [q.grad for _, q in tm.params if q.grad is not None]
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+            if clip > 0 and grads:
+                torch.nn.utils.clip_grad_norm_([q for _, q in tm.params if q.grad is not None], clip)
+            for g in tm.optimizer.param_groups:
+                g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+            tm.optimizer.step()
+            tm.optimizer.zero_grad(set_to_none=True)
+            tm.steps += 1
+        return {"optim/learning_rate": lr, "optim/beta1": b1, "optim/beta2": b2, "optim/eps": eps,
+                "optim/weight_decay": wd, "optim/grad_clip_norm": clip, "optim/grad_norm": grad_norm,
+                "optim/step": float(tm.steps)}
+
+    def direct_loss_grads(self, model_id: str, data: Sequence[DatumIn],
+                          loss_of_logprobs: Callable[[list[torch.Tensor]], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gradient of ``loss_of_logprobs(per-datum target logprobs)`` w.r.t. the LoRA parameters by
+        plain autograd through the model (no accumulation into ``.grad``): the reference the
+        two-pass ``forward_backward_custom`` path must reproduce."""
+        tm = self._get(model_id)
+        with tm.lock:
+            lps = self.compute_logprobs(model_id, data, grad=True)
+            loss = loss_of_logprobs(lps)
+            grads = torch.autograd.grad(loss, [q for _, q in tm.params], allow_unused=True)
+        return {n: (g if g is not None else torch.zeros_like(q)).detach() for (n, q), g in zip(tm.params, grads)}
+
+    def get_parameter_grads(self, model_id: str) -> dict[str, torch.Tensor]:
+        tm = self._get(model_id)
+        with tm.lock:
+            return {n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q)) for n, q in tm.params}
+
+    def get_parameters(self, model_id: str) -> dict[str, torch.Tensor]:
+        tm = self._get(model_id)
+        with tm.lock:
+            return {n: q.detach().clone() for n, q in tm.params}
+
+    # ----- checkpoints ----------------------------------------------------------------------
+    def _ckpt_dir(self, model_id: str, kind: str, name: str) -> Path:
+        safe_id = model_id.replace("/", "_")
+        return self.run_dir / "checkpoints" / safe_id / kind / name
+
+    def _parse_path(self, path: str) -> tuple[str, str, str]:
+        m = re.match(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$", path or "")
+        if not m:
+            raise UserError(f"malformed checkpoint path {path!r}; expected tinker://<model_id>/weights/<name>")
+        return m.group(1), m.group(2), m.group(3)
+
+    def _meta(self, tm: _TrainModel, kind: str, name: str) -> dict:
+        return {"kind": kind, "name": name, "model_id": tm.model_id, "requested_base_model": tm.requested_base_model,
+                "served_model": self.served_model_name, "lora_rank": tm.lora_rank, "lora_seed": tm.seed, "optimizer_steps": tm.steps,
+                "base_sha256": self.base_sha256, "created_unix": time.time()}
+
+    def save_state(self, model_id: str, name: str, overwrite: bool = False) -> str:
+        tm = self._get(model_id)
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
+        with tm.lock:
+            adapter = {n: q.detach().clone() for n, q in tm.params}
+            files = {"adapter.pt": M.tensor_bytes(adapter),
+                     "optimizer.pt": M.tensor_bytes(tm.optimizer.state_dict())}
+            meta = self._meta(tm, "weights", name) | {"adapter_sha256": M.state_sha256(adapter)}
+        files["meta.json"] = json.dumps(meta, indent=1).encode()
+        _atomic_dir_write(self._ckpt_dir(model_id, "weights", name), files, overwrite)
+        path = f"tinker://{model_id}/weights/{name}"
+        self._forget_sampler(path)
+        return path
+
+    def save_for_sampler(self, model_id: str, name: str | None = None, *, overwrite: bool = False) -> str:
+        tm = self._get(model_id)
+        if name is None:
+            name = f"sampler-{tm.steps}-{secrets.token_hex(4)}"
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise UserError(f"sampler weights name {name!r} must match {_NAME_RE.pattern}")
+        with tm.lock:
+            adapter = {n: q.detach().clone() for n, q in tm.params}
+            meta = self._meta(tm, "sampler_weights", name) | {"adapter_sha256": M.state_sha256(adapter)}
+        files = {"adapter.pt": M.tensor_bytes(adapter), "meta.json": json.dumps(meta, indent=1).encode()}
+        _atomic_dir_write(self._ckpt_dir(model_id, "sampler_weights", name), files, overwrite)
+        path = f"tinker://{model_id}/sampler_weights/{name}"
+        self._forget_sampler(path)
+        return path
+
+    def _forget_sampler(self, path: str) -> None:
+        """Drop a cached sampler built from ``path`` (its bytes were just overwritten)."""
+        with self._sampler_cache_lock:
+            for k in [k for k in self._sampler_cache if k[0] == path]:
+                del self._sampler_cache[k]
+
+    def _read_ckpt(self, path: str) -> tuple[Path, dict]:
+        mid, kind, name = self._parse_path(path)
+        d = self._ckpt_dir(mid, kind, name)
+        if not (d / "meta.json").exists():
+            raise UserError(f"checkpoint {path!r} not found")
+        meta = json.loads((d / "meta.json").read_text())
+        if meta.get("base_sha256") != self.base_sha256:
+            raise UserError(f"checkpoint {path!r} was saved on a different base model (base weights hash differs)")
+        return d, meta
+
+    def _load_adapter(self, d: Path, meta: dict) -> dict[str, torch.Tensor]:
+        adapter = torch.load(d / "adapter.pt", map_location="cpu", weights_only=True)
+        if M.state_sha256(adapter) != meta.get("adapter_sha256"):
+            raise UserError(f"checkpoint {d} fails its adapter sha256 check")
+        return adapter
+
+    def load_state(self, model_id: str, path: str, with_optimizer: bool) -> None:
+        tm = self._get(model_id)
+        d, meta = self._read_ckpt(path)
+        if meta["kind"] != "weights" and with_optimizer:
+            raise UserError(f"{path!r} is sampler weights: it has no optimizer state")
+        if int(meta["lora_rank"]) != tm.lora_rank:
+            raise UserError(f"checkpoint rank {meta['lora_rank']} != model rank {tm.lora_rank}")
+        adapter = self._load_adapter(d, meta)
+        with tm.lock:
+            names = [n for n, _ in tm.params]
+            if sorted(adapter) != sorted(names):
+                raise UserError(f"checkpoint {path!r} parameter names do not match the model")
+            with torch.no_grad():
+                for n, q in tm.params:
+                    q.copy_(adapter[n])
+                    q.grad = None
+            tm.optimizer = _make_optimizer(tm.params)
+            if with_optimizer:
+                tm.optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
+                tm.steps = int(meta.get("optimizer_steps", 0))
+            else:
+                tm.steps = 0
+
+    def create_model_from_state(self, path: str, with_optimizer: bool, *, model_id: str | None = None) -> str:
+        _, meta = self._read_ckpt(path)
+        mid = self.create_model(meta["requested_base_model"], int(meta["lora_rank"]), int(meta["lora_seed"]),
+                                model_id=model_id)
+        try:
+            self.load_state(mid, path, with_optimizer)
+        except Exception:
+            self.unload_model(mid)
+            raise
+        return mid
+
+    # ----- sampling -------------------------------------------------------------------------
+    def _sampler_net(self, key: str) -> torch.nn.Module:
+        dkey = (key, str(self.sampler_dtype))
+        with self._sampler_cache_lock:
+            if dkey in self._sampler_cache:
+                self._sampler_cache.move_to_end(dkey)
+                return self._sampler_cache[dkey]
+        if key == "base":
+            net = copy.deepcopy(self.base_model)
+        else:
+            d, meta = self._read_ckpt(key)
+            adapter = self._load_adapter(d, meta)
+            pm = M.add_lora(copy.deepcopy(self.base_model), int(meta["lora_rank"]), 0)
+            with torch.no_grad():
+                for n, q in M.lora_named_parameters(pm):
+                    q.copy_(adapter[n])
+            net = pm.merge_and_unload()
+        net = net.to(self.sampler_dtype).eval()
+        for q in net.parameters():
+            q.requires_grad_(False)
+        with self._sampler_cache_lock:
+            self._sampler_cache[dkey] = net
+            while len(self._sampler_cache) > 4:
+                self._sampler_cache.popitem(last=False)
+        return net
+
+    def sample(self, sampler_path_or_base: str, prompt_tokens: Sequence[int], num_samples: int, max_tokens: int,
+               temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+               stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+               seed: int | None = None, prompt_logprobs: bool = False) -> list[SampledSeq]:
+        """Blocking; concurrent calls are batched together by the sampler thread."""
+        if sampler_path_or_base in self.served_models:
+            key = "base"
+        elif isinstance(sampler_path_or_base, str) and sampler_path_or_base.startswith("tinker://"):
+            self._read_ckpt(sampler_path_or_base)  # validates now, with a clear error
+            key = sampler_path_or_base
+        else:
+            raise UserError(f"cannot sample from {sampler_path_or_base!r}: not a served base model or tinker:// path")
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt:
+            raise UserError("prompt is empty")
+        if not (isinstance(num_samples, int) and 1 <= num_samples <= 1024):
+            raise UserError(f"num_samples must be an integer in [1, 1024], got {num_samples!r}")
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if len(prompt) + max_tokens > self.config.max_position_embeddings:
+            raise UserError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context "
+                            f"{self.config.max_position_embeddings}")
+        if temperature is None or temperature < 0 or not math.isfinite(temperature):
+            raise UserError(f"temperature must be >= 0, got {temperature!r}")
+        if top_k is None or (top_k != -1 and top_k < 1):
+            raise UserError(f"top_k must be -1 (off) or >= 1, got {top_k!r}")
+        if top_p is None or not (0 < top_p <= 1):
+            raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
+        if seed is None:
+            seed = secrets.randbits(63)
+        job = _SampleJob(key=key, prompt=prompt, n=num_samples, max_tokens=max_tokens, temperature=float(temperature),
+                         top_k=int(top_k), top_p=float(top_p), stop_ids=[int(s) for s in (stop_token_ids or ())],
+                         stop_strings=[s for s in (stop_strings or ()) if s], seed=int(seed), want_prompt_lp=bool(prompt_logprobs))
+        with self._queue_cv:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._queue.append(job)
+            self._queue_cv.notify()
+        return job.future.result()
+
+    def _sampler_loop(self) -> None:
+        while True:
+            with self._queue_cv:
+                while not self._queue and not self._closed:
+                    self._queue_cv.wait()
+                if self._closed and not self._queue:
+                    return
+            time.sleep(self._batch_window_s)  # let concurrent requests join the batch
+            with self._queue_cv:
+                key = self._queue[0].key
+                jobs = [j for j in self._queue if j.key == key]
+                self._queue = [j for j in self._queue if j.key != key]
+            try:
+                net = self._sampler_net(key)
+                with torch.no_grad():
+                    results = _generate(net, self.vocab, self.tokenizer, jobs)
+                for j, r in zip(jobs, results):
+                    j.future.set_result(r)
+            except Exception as e:  # noqa: BLE001 - delivered to each waiting caller
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(e)
+
+    def close(self) -> None:
+        with self._queue_cv:
+            self._closed = True
+            self._queue_cv.notify_all()
+        self._sampler_thread.join(timeout=10)
+
+
+@dataclass
+class _SampleJob:
+    key: str
+    prompt: list[int]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop_ids: list[int]
+    stop_strings: list[str]
+    seed: int
+    want_prompt_lp: bool
+    future: Future = field(default_factory=Future)
+
+
+class _BufferLayer(CacheLayerMixin):
+    """KV-cache layer over a preallocated [B, H, cap, D] buffer (no per-step concatenation)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        self.kbuf, self.vbuf, self.len = keys, values, length
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kbuf[:, :, : self.len]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.vbuf[:, :, : self.len]
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - prefilled
+        raise RuntimeError("buffer layer is prefilled")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        self.kbuf[:, :, self.len : self.len + n] = key_states
+        self.vbuf[:, :, self.len : self.len + n] = value_states
+        self.len += n
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.len + query_length, 0
+
+    def get_seq_length(self, *args) -> int:
+        return self.len
+
+    def get_max_cache_shape(self, *args) -> int:
+        return -1
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.kbuf, self.vbuf = self.kbuf[idx], self.vbuf[idx]
+
+
+def _buffer_cache(layers: list[_BufferLayer]) -> Cache:
+    return Cache(layers=layers)
+
+
+def _filter_logits(logits_RV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    x = logits_RV / temperature
+    if top_k != -1 and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        cum_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = cum_before >= top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def _generate(net: torch.nn.Module, vocab: Vocab, tokenizer, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
+    """Batched KV-cache decoding of every sample of every job; rows drop out as they finish."""
+    V = vocab.size
+    dtype = next(net.parameters()).dtype
+    # 1) prefill each distinct prompt once (batch 1, no padding), keep its KV and last logits.
+    pre = []
+    for j in jobs:
+        ids = vocab.to_local(j.prompt).unsqueeze(0)
+        out = net(input_ids=ids, use_cache=True)
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        plp = None
+        if j.want_prompt_lp:
+            lp = M.token_logprobs(out.logits[:, :-1].float(), vocab.to_local(j.prompt[1:]).unsqueeze(0), V)[0]
+            plp = [None] + [float(x) for x in lp]
+        pre.append((kv, out.logits[0, -1, :V].float(), plp))
+    # 2) rows: sample r of job j; left-pad each prompt's KV to the longest prompt.
+    row_job = [ji for ji, j in enumerate(jobs) for _ in range(j.n)]
+    R = len(row_job)
+    Lp = max(len(j.prompt) for j in jobs)
+    cap = Lp + max(j.max_tokens for j in jobs)
+    n_layers = len(pre[0][0])
+    H, D = pre[0][0][0][0].shape[1], pre[0][0][0][0].shape[3]
+    layers = []
+    for li in range(n_layers):
+        kb = torch.zeros((R, H, cap, D), dtype=dtype)
+        vb = torch.zeros((R, H, cap, D), dtype=dtype)
+        r = 0
+        for ji, j in enumerate(jobs):
+            k, v = pre[ji][0][li]
+            L = len(j.prompt)
+            kb[r : r + j.n, :, Lp - L : Lp] = k
+            vb[r : r + j.n, :, Lp - L : Lp] = v
+            r += j.n
+        layers.append(_BufferLayer(kb, vb, Lp))
+    cache = _buffer_cache(layers)
+    attn = torch.zeros((R, cap), dtype=torch.int64)
+    for r, ji in enumerate(row_job):
+        attn[r, Lp - len(jobs[ji].prompt) : Lp] = 1
+    pos = torch.tensor([len(jobs[ji].prompt) for ji in row_job], dtype=torch.int64)
+    gens = [torch.Generator().manual_seed(j.seed) for j in jobs]
+    stop_local = [set(int(x) for x in vocab.to_local(j.stop_ids).tolist() if int(x) < V) if j.stop_ids else set()
+                  for j in jobs]
+    toks: list[list[int]] = [[] for _ in range(R)]
+    lps: list[list[float]] = [[] for _ in range(R)]
+    reason: list[str | None] = [None] * R
+    active = torch.arange(R)  # original row ids of the batch rows
+    logits_RV = torch.stack([pre[ji][1] for ji in row_job])
+    step = 0
+    while True:
+        logp_RV = torch.log_softmax(logits_RV, dim=-1)
+        nxt = torch.empty(len(active), dtype=torch.int64)
+        a_list = active.tolist()
+        # group batch rows by job (rows of one job are contiguous and in order)
+        b = 0
+        while b < len(a_list):
+            ji = row_job[a_list[b]]
+            e = b
+            while e < len(a_list) and row_job[a_list[e]] == ji:
+                e += 1
+            j = jobs[ji]
+            if j.temperature == 0.0:
+                nxt[b:e] = logits_RV[b:e].argmax(dim=-1)
+            else:
+                x = _filter_logits(logits_RV[b:e], j.temperature, j.top_k, j.top_p)
+                nxt[b:e] = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gens[ji]).squeeze(-1)
+            b = e
+        chosen_lp = logp_RV.gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
+        keep = []
+        for b, (r, t, lp) in enumerate(zip(a_list, nxt.tolist(), chosen_lp)):
+            j = jobs[row_job[r]]
+            toks[r].append(t)
+            lps[r].append(lp)
+            if t in stop_local[row_job[r]]:
+                reason[r] = "stop"
+            elif j.stop_strings and _hits_stop_string(tokenizer, vocab, toks[r], j.stop_strings):
+                reason[r] = "stop"
+            elif len(toks[r]) >= j.max_tokens:
+                reason[r] = "length"
+            else:
+                keep.append(b)
+        step += 1
+        if not keep:
+            break
+        if len(keep) < len(a_list):
+            kidx = torch.tensor(keep, dtype=torch.int64)
+            for layer in layers:
+                layer.select(kidx)
+            attn = attn[kidx]
+            pos = pos[kidx]
+            nxt = nxt[kidx]
+            active = active[kidx]
+        cur = Lp + step
+        attn[:, cur - 1] = 1
+        out = net(input_ids=nxt.unsqueeze(-1), attention_mask=attn[:, :cur], position_ids=pos.unsqueeze(-1),
+                  past_key_values=cache, use_cache=True)
+        pos = pos + 1
+        logits_RV = out.logits[:, -1, :V].float()
+    results: list[list[SampledSeq]] = []
+    r = 0
+    for ji, j in enumerate(jobs):
+        seqs = []
+        for _ in range(j.n):
+            seqs.append(SampledSeq(vocab.to_real(toks[r]), lps[r], reason[r] or "length", pre[ji][2]))
+            r += 1
+        results.append(seqs)
+    return results
+
+
+def _hits_stop_string(tokenizer, vocab: Vocab, local_toks: list[int], stop_strings: list[str]) -> bool:
+    # The newest token can complete a stop string spanning at most a few earlier tokens.
+    longest = max(len(s) for s in stop_strings)
+    tail = tokenizer.decode(vocab.to_real(local_toks[-(longest + 1):]))
+    return any(s in tail for s in stop_strings)

@@ -1,0 +1,235 @@
+"""Deterministic warm start of the tiny model: a short supervised pass on GSM8K train solutions.
+
+Recipe (RECIPE below is hashed into the cache key):
+- data: vendored GSM8K train (``src/dppo_harness/data/gsm8k/train.jsonl``, sha256 checked);
+- example: the cookbook math_rl conversation (one-shot strawberry prefix, question + " Write your
+  answer in \\boxed{} format.") with the assistant reply ``vocab.solution_reply`` (rationale
+  without ``<<calc>>`` annotations, then "The answer is \\boxed{N}."), rendered with the cookbook
+  ``qwen3_5`` renderer's ``build_supervised_example`` (its weights: loss on the assistant turn,
+  which includes the closing ``</think>`` and the ``<|im_end|>`` stop token);
+- model: ``model.build_base_model(config, vocab, seed)``, full-parameter training;
+- order: one permutation of the train rows from ``torch.Generator().manual_seed(seed)``;
+- optimizer: torch AdamW (betas 0.9/0.98, eps 1e-8, weight decay 0.01), peak lr 3e-3, 15 linear
+  warmup steps, then a cosine decay laid out over ``schedule_steps`` (300) of which only ``steps``
+  (60) run (measured enough: 32/32 groups with non-constant reward); ``batch_size`` 8 examples per
+  step, loss = weighted mean over assistant tokens, the unembedding applied only at loss positions;
+  grad-norm clip 1.0; 2 torch threads.
+Same config and seed -> same weights sha256 (same torch build and CPU). The result is cached
+under ``${DPPO_HARNESS_CACHE:-~/.cache/dppo_harness}/models/<config-hash>/`` (atomic write,
+sha256 verified on every load).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from dppo_harness.local_server import model as M
+from dppo_harness.local_server.vocab import Vocab, get_renderer, prompt_messages, read_jsonl, solution_reply
+
+RECIPE_VERSION = "gsm8k-sft-v1"
+RECIPE = {
+    "version": RECIPE_VERSION,
+    "steps": 60,
+    "schedule_steps": 300,
+    "batch_size": 8,
+    "lr": 3e-3,
+    "warmup_steps": 15,
+    "final_lr_frac": 0.1,
+    "betas": [0.9, 0.98],
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "grad_clip_norm": 1.0,
+    "num_threads": 2,
+}
+
+
+def data_dir() -> Path:
+    override = os.environ.get("DPPO_HARNESS_GSM8K_DIR")
+    return Path(override) if override else Path(__file__).resolve().parent.parent / "data" / "gsm8k"
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("DPPO_HARNESS_CACHE") or Path.home() / ".cache" / "dppo_harness")
+
+
+def _train_sha256(ddir: Path) -> str:
+    data = (ddir / "train.jsonl").read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    sums = ddir / "SHA256SUMS"
+    if sums.exists():
+        pinned = {ln.split()[1]: ln.split()[0] for ln in sums.read_text().splitlines() if ln.strip()}
+        if pinned.get("train.jsonl") not in (None, got):
+            raise ValueError(f"{ddir / 'train.jsonl'} sha256 {got} != pinned {pinned['train.jsonl']}")
+    return got
+
+
+def config_key(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, train_sha: str) -> dict:
+    return {"recipe": recipe, "model_config": config.to_dict(), "vocab_sha256": vocab.sha256,
+            "num_embeddings": vocab.num_embeddings, "seed": int(seed), "train_sha256": train_sha,
+            "torch": torch.__version__}
+
+
+def config_hash(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_example(vocab: Vocab, renderer, row: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local token ids [T], loss weights [T]) of one GSM8K train row."""
+    msgs = prompt_messages(row["question"]) + [{"role": "assistant", "content": solution_reply(row["answer"])}]
+    mi, w = renderer.build_supervised_example(msgs)
+    return vocab.to_local(mi.to_ints()), torch.as_tensor(w, dtype=torch.float32)
+
+
+def train(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path,
+          log_every: int = 0, on_step=None) -> tuple[torch.nn.Module, dict]:
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(int(recipe["num_threads"]))
+    try:
+        t0 = time.time()
+        rows = read_jsonl(ddir / "train.jsonl")
+        gen = torch.Generator().manual_seed(int(seed))
+        order = torch.randperm(len(rows), generator=gen).tolist()
+        steps, bs = int(recipe["steps"]), int(recipe["batch_size"])
+        sched = int(recipe.get("schedule_steps", steps))  # cosine length; training may stop earlier
+        renderer = get_renderer()
+        # Render only the rows the schedule visits.
+        examples = {i: build_example(vocab, renderer, rows[i])
+                    for i in {order[k % len(order)] for k in range(steps * bs)}}
+        t_data = time.time() - t0
+        net = M.build_base_model(config, vocab.num_embeddings, seed)
+        net.train()
+        opt = torch.optim.AdamW(net.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]),
+                                eps=recipe["eps"], weight_decay=recipe["weight_decay"])
+        losses = []
+        for step in range(steps):
+            if step < recipe["warmup_steps"]:
+                lr = recipe["lr"] * (step + 1) / recipe["warmup_steps"]
+            else:
+                frac = (step - recipe["warmup_steps"]) / max(1, sched - recipe["warmup_steps"])
+                lr = recipe["lr"] * (recipe["final_lr_frac"] + (1 - recipe["final_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * frac)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idx = [order[(step * bs + k) % len(order)] for k in range(bs)]
+            batch = [examples[i] for i in idx]
+            Tm = max(int(t.numel()) for t, _ in batch) - 1
+            ids = torch.zeros((bs, Tm), dtype=torch.int64)
+            tgt = torch.zeros((bs, Tm), dtype=torch.int64)
+            wts = torch.zeros((bs, Tm), dtype=torch.float32)
+            att = torch.zeros((bs, Tm), dtype=torch.int64)
+            for b, (t, w) in enumerate(batch):
+                L = int(t.numel()) - 1
+                ids[b, :L], tgt[b, :L], wts[b, :L], att[b, :L] = t[:-1], t[1:], w[1:], 1
+            # The unembedding (15k rows) dominates the cost: apply it only where the loss looks.
+            hidden = net.model(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
+            sel = wts > 0
+            logits = net.lm_head(hidden[sel]).unsqueeze(0)
+            lp = M.token_logprobs(logits, tgt[sel].unsqueeze(0), vocab.size)[0]
+            loss = -(lp * wts[sel]).sum() / wts[sel].sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), recipe["grad_clip_norm"])
+            opt.step()
+            losses.append(float(loss.detach()))
+            if on_step is not None:
+                on_step(step, net)
+            if log_every and (step % log_every == 0 or step == steps - 1):
+                print(f"warmstart step {step} loss {losses[-1]:.4f} lr {lr:.2e} t {time.time() - t0:.1f}s "
+                      f"cpu {time.process_time():.1f}s", flush=True)
+        net.eval()
+        info = {"data_seconds": t_data, "train_seconds": time.time() - t0 - t_data,
+                "final_loss_mean_last10": sum(losses[-10:]) / len(losses[-10:]), "first_loss": losses[0]}
+        return net, info
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def load_or_build(config: M.TinyConfig, vocab: Vocab, seed: int = 0, cache_dir: Path | None = None,
+                  recipe: dict | None = None, log_every: int = 0) -> tuple[torch.nn.Module, dict]:
+    """Return the warm-started base model (eval mode) and provenance info; build + cache on miss."""
+    recipe = dict(recipe or RECIPE)
+    ddir = data_dir()
+    if not (ddir / "train.jsonl").exists():
+        raise FileNotFoundError(f"GSM8K train data not found at {ddir} (set DPPO_HARNESS_GSM8K_DIR)")
+    key = config_key(config, vocab, seed, recipe, _train_sha256(ddir))
+    chash = config_hash(key)
+    final = cache_root(cache_dir) / "models" / chash
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # One builder per cache entry: concurrent servers wait for it and then load its result.
+    with open(final.parent / f".{chash}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final, log_every)
+
+
+def _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final: Path, log_every: int):
+    wfile, mfile = final / "weights.pt", final / "meta.json"
+    if wfile.exists() and mfile.exists():
+        meta = json.loads(mfile.read_text())
+        state = torch.load(wfile, map_location="cpu", weights_only=True)
+        if M.state_sha256(state) != meta.get("weights_sha256"):
+            raise ValueError(f"cached warm start {wfile} fails its sha256 check; delete {final} to rebuild")
+        net = M.build_base_model(config, vocab.num_embeddings, seed)
+        net.load_state_dict(state)
+        net.eval()
+        return net, meta | {"cache_hit": True, "cache_dir": str(final)}
+    t0 = time.time()
+    net, info = train(config, vocab, seed, recipe, ddir, log_every=log_every)
+    state = net.state_dict()
+    meta = {"config_hash": chash, "key": key, "weights_sha256": M.state_sha256(state),
+            "build_seconds": time.time() - t0, **info}
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{chash}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    torch.save(state, tmp / "weights.pt")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process finished first: keep theirs (same recipe, same bytes)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return net, meta | {"cache_hit": False, "cache_dir": str(final)}
+
+
+def signal_rate(engine, n_groups: int = 32, group_size: int = 8, max_tokens: int = 512,
+                temperature: float = 1.0, sample_seed: int = 0, shuffle_seed: int = 0) -> dict:
+    """Sample the first ``n_groups`` GSM8K train prompts (cookbook order) x ``group_size`` from the
+    engine's base model and score them with the cookbook MathEnv reward. Returns counts, including
+    how many groups have non-constant rewards (the RL signal the diagnostic needs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dppo_harness import gsm8k
+    from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
+
+    renderer = get_renderer()
+    items = gsm8k.load_split("train", seed=shuffle_seed).batch(0, n_groups)
+    prompts = [gsm8k.build_prompt(it, renderer)[0].to_ints() for it in items]
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=n_groups) as pool:
+        futs = [pool.submit(engine.sample, BASE_MODEL, p, group_size, max_tokens, temperature, -1, 1.0,
+                            [STOP_TOKEN_ID], [], sample_seed + g, False) for g, p in enumerate(prompts)]
+        groups = [f.result() for f in futs]
+    seconds = time.time() - t0
+    rewards, fmt, correct, stops, n_tokens = [], 0, 0, 0, 0
+    for it, seqs in zip(items, groups):
+        graded = [gsm8k.grade_response(it, renderer, s.tokens) for s in seqs]
+        rewards.append([g.reward for g in graded])
+        fmt += sum(g.format_ok for g in graded)
+        correct += sum(g.correct for g in graded)
+        stops += sum(s.stop_reason == "stop" for s in seqs)
+        n_tokens += sum(len(s.tokens) for s in seqs)
+    nonconst = sum(len(set(r)) > 1 for r in rewards)
+    n = n_groups * group_size
+    return {"groups": n_groups, "group_size": group_size, "nonconstant_groups": nonconst,
+            "format_ok": fmt, "correct": correct, "stopped": stops, "samples": n,
+            "sampled_tokens": n_tokens, "sample_seconds": seconds, "tokens_per_second": n_tokens / seconds,
+            "rewards": rewards}
