@@ -661,7 +661,8 @@ class EvidenceBundle:
     # -- pytest session (called by dppo_harness.pytest_plugin)
 
     def start_session(self, *, backend: str, plan: Any, stages: Sequence[str], project_root: Path,
-                      test_files: Sequence[str | Path] = (), served_model: str | None = None) -> None:
+                      test_files: Sequence[str | Path] = (), served_model: str | None = None,
+                      size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
         """Everything that must be in evidence before any service call of the session.
 
         Backend block, code revision (+ patch), the executed stage test files (kind script; unit and
@@ -697,7 +698,7 @@ class EvidenceBundle:
         info = P.BackendInfo(backend=backend, requested_model=plan.base_model,  # type: ignore[arg-type]
                              served_model=served_model or "the embedded server's model (named at client creation)"
                              if backend == "local" else (served_model or plan.base_model),
-                             sdk_versions=versions)
+                             sdk_versions=versions, size_reductions=tuple(size_reductions))
         self.record_plan(plan, P.effective_config(plan, info))
         budget, source = plan.budget, f"{plan.name} budget"
         if plan.kind == "bounded_diagnostic":

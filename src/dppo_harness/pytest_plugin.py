@@ -254,14 +254,18 @@ def plan(harness_options: HarnessOptions):
 @pytest.fixture(scope="session")
 def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan):
     from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.feasibility import local_rehearsal
 
     bundle = EvidenceBundle.create(harness_options.evidence_dir)
+    # Recorded before any service call: a local run rehearses the spec at a declared, fixed size.
+    _, reductions = local_rehearsal(plan) if harness_options.backend == "local" else ({}, [])
     bundle.start_session(
         backend=harness_options.backend,
         plan=plan,
         stages=harness_options.selected_stages,
         project_root=pytestconfig.rootpath,
         test_files=sorted({str(p) for p in _stage_test_files(pytestconfig)}),
+        size_reductions=reductions,
     )
     pytestconfig.stash[_STATE_KEY].bundle = bundle
     return bundle

@@ -1,0 +1,87 @@
+"""Session fixtures of the `preflight` stage (registered as a plugin by the harness plugin).
+
+- `restoration`: the restoration preflight, run once per session. Later stages reuse its shared
+  initial checkpoint, the arms' restored clients (never updated here) and the fixed batch.
+- `verified_restoration`: the same object, but fails the requesting test unless every check passed.
+- `feasibility`: the timing pilot + projection of the selected plan, run once per session.
+
+Probe clients live on their own ServiceClient, closed (released) as soon as the preflight ends;
+the arms' clients stay on the session's ServiceClient for later stages.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+logger = logging.getLogger(__name__)
+
+
+def backend_info(service_backend: Any, plan: Any, client: Any) -> Any:
+    """plans.BackendInfo from what the server reported at client creation."""
+    from dppo_harness import plans, service
+
+    info = client.get_info()
+    served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
+        info.model_data.model_name or info.model_name or plan.base_model)
+    return plans.BackendInfo(backend=service_backend.kind, requested_model=plan.base_model,
+                             served_model=str(served), base_url=service.redact_url(service_backend.base_url),
+                             sdk_versions=service.sdk_versions())
+
+
+@pytest.fixture(scope="session")
+def restoration(service_client, service_backend, spec_plan, evidence_bundle):
+    """restoration.RestorationResult for the spec's initialization group (runs once)."""
+    from dppo_harness import restoration as R
+    from dppo_harness.service import call_with_capacity_retry, make_service_client
+
+    reader = None
+    if service_backend.kind == "local" and service_backend.server is not None:
+        reader = R.LocalCheckpointReader(service_backend.server.run_dir)
+    probe_sc = make_service_client(service_backend.kind, service_backend.base_url)
+    try:
+        result = R.run_restoration_preflight(
+            service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
+            probe_service_client=probe_sc,
+            call=lambda fn: call_with_capacity_retry(fn),  # 429/503/capacity on client creation
+            update_norm_unavailable_reason=(
+                "tinker backend: the API exposes neither parameters nor an update-norm metric "
+                "(optim_step reports the gradient norm only); update norms were not measured"),
+        )
+    finally:
+        try:
+            fut = probe_sc.close("success")
+            if hasattr(fut, "result"):
+                fut.result(timeout=60)
+        except Exception as exc:  # noqa: BLE001 - releasing probes must not hide the result
+            logger.warning("closing the probe ServiceClient failed: %s", exc)
+    return result
+
+
+@pytest.fixture(scope="session")
+def verified_restoration(restoration):
+    if not restoration.passed:
+        pytest.fail(restoration.failure_message(), pytrace=False)
+    return restoration
+
+
+@pytest.fixture(scope="session")
+def feasibility(service_client, service_backend, plan, evidence_bundle, verified_restoration):
+    """feasibility.FeasibilityResult of the selected plan on this backend (runs once)."""
+    from dppo_harness import feasibility as F
+    from dppo_harness import plans
+
+    arm_client = next(iter(verified_restoration.clients.values()))
+    overrides, reductions = F.local_rehearsal(plan) if service_backend.kind == "local" else ({}, [])
+    info = replace(backend_info(service_backend, plan, arm_client), size_reductions=tuple(reductions))
+    eff = plans.effective_config(plan, info)
+    # The plan's own budget is compared with the plan's projected work; time already spent in this
+    # session is the budget ledger's business (evidence.budget_allows per stage).
+    return F.run_feasibility(
+        service_client, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
+        backend_kind=service_backend.kind, effective_config=eff,
+        schedule_overrides=overrides or None,
+        measured_setup={"restoration_preflight": verified_restoration.wall_seconds})

@@ -1,0 +1,26 @@
+"""Stage `preflight`: the correctness preflight (golden parity of the custom loss path) with the
+LR-scaling probe of the restoration preflight, written as `correctness_preflight`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dppo_harness import correctness
+from dppo_harness import restoration as R
+
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
+
+
+def test_correctness_preflight_passes_and_is_recorded(restoration, spec_plan, evidence_bundle):
+    report = correctness.check_golden(GOLDEN, tolerances=correctness.spec_tolerances(spec_plan.raw))
+    block = R.attach_lr_scaling(correctness.build_preflight_block(report, spec_plan.raw), restoration.lr_scaling)
+    status, messages = correctness.validate_preflight(spec_plan.raw, block)
+    evidence_bundle.register_file(GOLDEN.name, "tensors", GOLDEN)
+    evidence_bundle.register_json("correctness-golden-report.json", "metrics", report.to_json())
+    evidence_bundle.register_json("correctness-preflight.json", "metrics",
+                                  {"status": status, "messages": messages, "correctness_preflight": block})
+    evidence_bundle.update_result(correctness_preflight=block)
+    assert report.n_failed == 0, "\n".join(r.line() for r in report.results if not r.passed)
+    assert status == "passed", "\n".join(messages)
+    assert evidence_bundle.result["correctness_preflight"] == json.loads(json.dumps(block))

@@ -1,0 +1,20 @@
+"""Stage `preflight`: timing pilot on the session's backend and the projection of the selected
+plan against its budget. A plan that cannot fit fails here, which blocks the later stages."""
+
+from __future__ import annotations
+
+from dppo_harness import feasibility as F
+
+
+def test_plan_fits_its_budget(feasibility):
+    assert feasibility.passed, feasibility.failure_message()
+
+
+def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bundle, plan):
+    written = evidence_bundle.result["feasibility"]
+    assert written == feasibility.block
+    m = written["measurements"]
+    assert m["setup"]["seconds"] > 0 and m["training"]["seconds"] > 0
+    assert m["training"]["planned_units"] == F.schedule_from_plan(plan).arm_steps
+    assert written["source"] == F.PILOT_FILE
+    assert evidence_bundle.entry(F.PILOT_FILE) is not None

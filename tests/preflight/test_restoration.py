@@ -1,0 +1,61 @@
+"""Stage `preflight`: the restoration preflight on the session's backend (thin: asserts on the
+library's measured result; `restoration` runs once and later stages reuse its clients)."""
+
+from __future__ import annotations
+
+from dppo_harness import restoration as R
+
+
+def test_restoration_preflight_passes(restoration):
+    assert restoration.passed, restoration.failure_message()
+
+
+def test_both_arms_loaded_the_one_initial_checkpoint(restoration, spec_plan):
+    arms = [a["name"] for a in R.restoration_arms(spec_plan.raw)]
+    assert sorted(restoration.clients) == sorted(arms)
+    assert restoration.loaded_paths == {a: restoration.initial_checkpoint for a in arms}
+    entries = restoration.provenance["arms"]
+    for a in arms:
+        init = entries[a]["initialization"]
+        assert init["checkpoint_uri"] == init["loaded_checkpoint_uri"] == restoration.initial_checkpoint
+        assert init["load_succeeded"] and init["checkpoint_immutable"]
+
+
+def test_initial_outputs_match_before_any_update(restoration):
+    cmp = restoration.provenance["group"]["initial_output_comparison"]
+    assert cmp and all(c["within_tolerance"] for c in cmp.values()), cmp
+    assert restoration.batch_sha256 == R.batch_sha256(restoration.fixed_batch)
+    assert all(e["initial_output"]["batch_sha256"] == restoration.batch_sha256
+               for e in restoration.provenance["arms"].values())
+
+
+def test_restored_probe_update_matches_uninterrupted(restoration):
+    probe = restoration.probe
+    assert probe["restored_vs_uninterrupted"]["within_tolerance"], probe["restored_vs_uninterrupted"]
+    assert not probe["second_update_effect"]["within_tolerance"], "the probe update must move logprobs"
+
+
+def test_optimizer_checks_cover_creation_and_every_restore(restoration):
+    for arm, e in restoration.provenance["arms"].items():
+        assert [c["after_restore"] for c in e["optimizer_checks"]] == list(range(e["restore_count"] + 1))
+        for c in e["optimizer_checks"]:
+            assert c["matches"], (arm, c["mismatches"])
+            if c["actual_config"] is None:  # nothing exposed it: must stay unverified
+                assert c["source"] == "declared" and not c["verified"]
+
+
+def test_lr_scaling_measured_where_the_backend_can(restoration, service_backend):
+    lr = restoration.lr_scaling
+    if service_backend.kind == "local":
+        assert lr["available"] and lr["passed"], lr
+        assert len(lr["lr_scaling"]) >= 2 and all(p["update_norm"] > 0 for p in lr["lr_scaling"])
+    else:
+        assert not lr["available"] and lr["reason"]
+
+
+def test_provenance_is_in_the_evidence(restoration, evidence_bundle):
+    written = evidence_bundle.result["initialization_provenance"]
+    assert written["version"] == 1
+    assert written["arms"] == restoration.provenance["arms"]
+    names = {f["name"] for f in evidence_bundle.files()}
+    assert {R.PROVENANCE_FILE, R.FIXED_BATCH_FILE, R.INITIAL_OUTPUT_FILE, R.RESPONSES_FILE} <= names
