@@ -1,0 +1,62 @@
+"""Session fixtures of the `gate` and `diagnostic` stages (registered by the harness plugin).
+
+Thin adapters: they call `gate.run_activation_gate` / `diagnostic.run_bounded_diagnostic` with
+the session's service client, plan, evidence bundle and the restoration preflight's shared initial
+checkpoint, and show progress lines on the terminal (pytest captures ordinary output).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+
+def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+    def say(msg: str) -> None:
+        if reporter is None:
+            print(msg, flush=True)
+            return
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(msg)
+        else:
+            reporter.write_line(msg)
+
+    return say
+
+
+def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
+    """When the plugin saw the stage begin (time.monotonic), else now."""
+    from dppo_harness import pytest_plugin
+
+    state = request.config.stash.get(pytest_plugin._STATE_KEY, None)
+    started = getattr(state, "started", {}) if state is not None else {}
+    return started.get(stage, time.monotonic())
+
+
+@pytest.fixture(scope="session")
+def gate_report(request, service_client, service_backend, spec_plan, evidence_bundle, restoration):
+    """The original spec's activation-gate pilot, run once per session."""
+    from dppo_harness.gate import run_activation_gate
+
+    return run_activation_gate(
+        service_client, spec_plan, evidence_bundle, restoration.initial_checkpoint,
+        backend=service_backend.kind, progress=_progress(request),
+    )
+
+
+@pytest.fixture(scope="session")
+def diagnostic_run(request, service_client, service_backend, plan, spec_plan, evidence_bundle, restoration):
+    """The requester's bounded diagnostic, run once; the wall cap counts from the stage's start."""
+    from dppo_harness.diagnostic import run_bounded_diagnostic
+
+    start = _stage_start(request, "diagnostic")
+    return run_bounded_diagnostic(
+        service_client, plan, evidence_bundle, restoration.initial_checkpoint,
+        backend=service_backend.kind, stage_start=start, spec_raw=spec_plan.raw, progress=_progress(request),
+    )

@@ -1,0 +1,391 @@
+"""Activation gate of the original spec: a short pilot of the treatment arm, checked against the
+frozen plan's `activation_gate` ranges.
+
+The pilot is the spec's own schedule, shortened: fresh sampling each step from the current
+weights, the batch split into 2 complete-group minibatches, one `forward_backward_custom` +
+`optim_step` per minibatch, DPPO trained, GRPO clip counted on the same tensors. Every check of
+the plan is evaluated; a value outside its range or missing fails the gate. The gate report is
+its own immutable evidence file; nothing later rewrites it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dppo_harness import instrumentation as ins
+
+GATE_REPORT_FILE = "activation-gate-report.json"
+TREATMENT_ARM = "dppo_seed0"
+PILOT_STEPS = 5
+# The spec states these only in its method text ("groups_per_batch=32 with group_size=8 rollouts
+# at temperature 1.0 and max_tokens=512"); `pilot_config` checks the text still says so.
+SPEC_GROUP_SIZE = 8
+SPEC_TEMPERATURE = 1.0
+SPEC_MAX_TOKENS = 512
+NORMALIZATION = "token_mean"  # declared by the diagnostic plan; the spec declares none
+
+# How each gate metric is measured in the pilot (written into the report).
+DEFINITIONS = {
+    "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens (A != 0 tokens removed by the mask / "
+    "all loss tokens) of the loss call of the 2nd minibatch update of each pilot step, unweighted "
+    "mean over pilot steps",
+    "policy_drift_abs_p_q90": "drift/abs_p90 (q90 of |p_current - p_sampler| over loss tokens) of the "
+    "loss call of the 2nd minibatch update of each pilot step, unweighted mean over pilot steps",
+    "grpo_clip_fraction": "ppo/clip_frac_loss_tokens: eps=0.2 clip removing the gradient, counted "
+    "counterfactually on the same tensors as the DPPO metric (2nd update), mean over pilot steps",
+    "executed_updates_per_batch": "optim_step calls that returned, counted per rollout batch; the "
+    "value is that count when it is the same for every batch, else the list (which fails)",
+    "executed_base_model": "the model that computes: get_info().model_data.model_name of the pilot's training "
+    "client on a Tinker service; on the embedded server (which echoes the requested name there) its served "
+    "model from get_info().model_data.arch",
+}
+
+
+class GateError(RuntimeError):
+    """The pilot cannot be configured from the plan (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    metric: str
+    value: Any
+    passed: bool
+    reason: str
+    bounds: dict[str, Any]
+    measures: str = ""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def evaluate_check(check: Mapping[str, Any], value: Any) -> CheckResult:
+    """One plan check against one measured value. Missing or non-numeric values fail."""
+    metric = str(check.get("metric", "?"))
+    bounds = {k: check[k] for k in ("min", "max", "one_of") if k in check}
+    measures = str(check.get("measures", ""))
+    if not bounds:
+        return CheckResult(metric, value, False, "check declares no min, max or one_of", bounds, measures)
+    if value is None:
+        return CheckResult(metric, None, False, "missing: not measured", bounds, measures)
+    problems = []
+    if "one_of" in check:
+        if value not in check["one_of"]:
+            problems.append(f"{value!r} not in {check['one_of']!r}")
+    if "min" in check or "max" in check:
+        if not _is_number(value):
+            problems.append(f"{value!r} is not a finite number")
+        else:
+            if "min" in check and value < check["min"]:
+                problems.append(f"{value:.6g} < min {check['min']}")
+            if "max" in check and value > check["max"]:
+                problems.append(f"{value:.6g} > max {check['max']}")
+    if problems:
+        return CheckResult(metric, value, False, "; ".join(problems), bounds, measures)
+    return CheckResult(metric, value, True, "in range", bounds, measures)
+
+
+def evaluate_gate(checks: Sequence[Mapping[str, Any]], values: Mapping[str, Any]) -> list[CheckResult]:
+    """Every plan check, in plan order; a metric with no measurement fails as missing."""
+    return [evaluate_check(c, values.get(str(c.get("metric")))) for c in checks]
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def gate_values(
+    records: Sequence[ins.LossCallRecord],
+    optim_steps_per_batch: Sequence[int],
+    executed_base_model: str | None,
+    pilot_steps: int,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
+
+    A step whose 2nd update never ran contributes nothing, and then the metric is missing
+    (None) rather than a mean over fewer steps.
+    """
+    second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == 2}
+    rows = []
+    for step in range(pilot_steps):
+        rec = second.get(step)
+        rows.append(
+            {
+                "step": step,
+                "optim_steps": optim_steps_per_batch[step] if step < len(optim_steps_per_batch) else 0,
+                "second_update_recorded": rec is not None,
+                **({k: rec.stats[k] for k in ins.COUNT_KEYS + ins.FLOAT_KEYS} if rec else {}),
+            }
+        )
+    complete = len(second) == pilot_steps
+
+    def over_steps(key: str) -> float | None:
+        return _mean([second[s].stats[key] for s in sorted(second)]) if complete else None
+
+    counts = list(optim_steps_per_batch)
+    if len(counts) == pilot_steps and len(set(counts)) == 1:
+        updates: Any = counts[0]
+    else:
+        updates = counts if counts else None
+    values = {
+        "dppo_masked_token_fraction": over_steps("dppo/masked_frac_loss_tokens"),
+        "policy_drift_abs_p_q90": over_steps("drift/abs_p90"),
+        "grpo_clip_fraction": over_steps("ppo/clip_frac_loss_tokens"),
+        "executed_updates_per_batch": updates,
+        "executed_base_model": executed_base_model,
+    }
+    return values, rows
+
+
+def split_complete_groups(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
+    """Datum indices of `n_minibatches` minibatches of whole groups, groups in order."""
+    groups = sorted(set(group_of_datum))
+    if not groups or len(groups) % n_minibatches:
+        raise GateError(f"{len(groups)} groups cannot be split into {n_minibatches} equal complete-group minibatches")
+    per = len(groups) // n_minibatches
+    out = []
+    for m in range(n_minibatches):
+        chosen = set(groups[m * per : (m + 1) * per])
+        out.append([i for i, g in enumerate(group_of_datum) if g in chosen])
+    return out
+
+
+@dataclass(frozen=True)
+class PilotConfig:
+    arm: str
+    steps: int
+    groups_per_batch: int
+    group_size: int
+    temperature: float
+    max_tokens: int
+    updates_per_batch: int
+    adam: dict[str, float]
+    normalization: str
+    seed: int
+    reductions: tuple[dict[str, Any], ...] = ()  # explicit size reductions (tests only)
+
+
+def pilot_config(spec_raw: Mapping[str, Any], **overrides: Any) -> PilotConfig:
+    """The treatment arm's pilot schedule from the original spec; overrides are recorded as
+    reductions (the stage test passes none)."""
+    arms = {a.get("name"): a for a in spec_raw.get("arms", [])}
+    if TREATMENT_ARM not in arms:
+        raise GateError(f"arms: no arm named {TREATMENT_ARM!r}")
+    arm = arms[TREATMENT_ARM]
+    method = str(spec_raw.get("method", ""))
+    for needle in (f"group_size={SPEC_GROUP_SIZE}", f"max_tokens={SPEC_MAX_TOKENS}"):
+        if needle not in method:
+            raise GateError(f"method: the spec no longer says {needle!r}; pilot settings need revisiting")
+    batch = int(spec_raw["batch_size"])
+    if batch % SPEC_GROUP_SIZE:
+        raise GateError(f"batch_size: {batch} is not a multiple of group_size {SPEC_GROUP_SIZE}")
+    opt = None
+    for group in spec_raw.get("restoration_preflight", {}).get("groups", []):
+        for a in group.get("arms", []):
+            if a.get("name") == TREATMENT_ARM:
+                opt = dict(a["optimizer_config"])
+    if opt is None:
+        raise GateError(f"restoration_preflight: no optimizer_config for {TREATMENT_ARM}")
+    if float(opt["learning_rate"]) != float(arm["lr"]):
+        raise GateError(f"arms[{TREATMENT_ARM}].lr {arm['lr']} != optimizer_config.learning_rate {opt['learning_rate']}")
+    adam = {"learning_rate": float(arm["lr"]), "beta1": float(opt["beta1"]), "beta2": float(opt["beta2"]),
+            "eps": float(opt["eps"]), "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    base = {
+        "steps": PILOT_STEPS,
+        "groups_per_batch": batch // SPEC_GROUP_SIZE,
+        "group_size": SPEC_GROUP_SIZE,
+        "max_tokens": SPEC_MAX_TOKENS,
+    }
+    unknown = set(overrides) - set(base) - {"learning_rate"}
+    if unknown:
+        raise GateError(f"unknown pilot overrides {sorted(unknown)}")
+    reductions = []
+    for k, v in overrides.items():
+        original = adam["learning_rate"] if k == "learning_rate" else base[k]
+        if v != original:
+            reductions.append({"field": k, "original": original, "effective": v})
+        if k == "learning_rate":
+            adam["learning_rate"] = float(v)
+        else:
+            base[k] = int(v)
+    return PilotConfig(
+        arm=TREATMENT_ARM,
+        steps=base["steps"],
+        groups_per_batch=base["groups_per_batch"],
+        group_size=base["group_size"],
+        temperature=SPEC_TEMPERATURE,
+        max_tokens=base["max_tokens"],
+        updates_per_batch=int(arm["updates_per_batch"]),
+        adam=adam,
+        normalization=NORMALIZATION,
+        seed=int(arm.get("seed", 0)),
+        reductions=tuple(reductions),
+    )
+
+
+def executed_model(info: Any, backend: str, bundle: Any) -> tuple[str | None, str]:
+    """The model that actually computed, and where that came from.
+
+    A Tinker service's `get_info().model_data.model_name` is its word. The embedded server answers
+    with the REQUESTED name there (so the SDK accepts it) while a small stand-in computes; its real
+    model is `model_data.arch`, where the embedded server puts it (else the backend block's
+    `served_model`). Using the requested name would make this check pass on a stand-in.
+    """
+    reported = getattr(getattr(info, "model_data", None), "model_name", None)
+    if backend != "local":
+        return reported, "get_info().model_data.model_name"
+    arch = getattr(getattr(info, "model_data", None), "arch", None)
+    if arch:
+        return arch, f"get_info().model_data.arch (embedded server's served model; model_name reports {reported!r})"
+    block = (bundle.result.get("backend") or {}) if hasattr(bundle, "result") else {}
+    if block.get("served_model"):
+        return block["served_model"], f"backend.served_model (embedded server; get_info reports {reported!r})"
+    return None, f"embedded server exposes no served-model name (get_info reports {reported!r})"
+
+
+@dataclass
+class GateReport:
+    passed: bool
+    checks: list[CheckResult]
+    values: dict[str, Any]
+    per_step: list[dict[str, Any]]
+    pilot: dict[str, Any]
+    plan: dict[str, Any]
+    wall_seconds: float
+    errors: list[str] = field(default_factory=list)
+    records: list[ins.LossCallRecord] = field(default_factory=list, repr=False)
+
+    def failures(self) -> list[str]:
+        return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
+
+    def to_json(self) -> dict[str, Any]:
+        return ins.nan_free({
+            "kind": "activation_gate_report",
+            "passed": self.passed,
+            "plan": self.plan,
+            "pilot": self.pilot,
+            "definitions": DEFINITIONS,
+            "checks": [asdict(c) for c in self.checks],
+            "values": self.values,
+            "per_step": self.per_step,
+            "errors": self.errors,
+            "wall_seconds": self.wall_seconds,
+            "note": "written once by the gate stage; later stages never rewrite it",
+        })
+
+    def calibration(self) -> dict[str, Any]:
+        p = self.pilot
+        values = {k: (v if v is not None else "missing") for k, v in self.values.items()}
+        note = (
+            f"{p['steps_completed']}/{p['steps']}-step pilot of {p['arm']} (DPPO Binary-TV delta 0.15, C 10, "
+            f"{p['normalization']}), fresh sampling each step from the current weights, "
+            f"{p['groups_per_batch']} groups x {p['group_size']} at T={p['temperature']}, max_tokens {p['max_tokens']}, "
+            f"{p['updates_per_batch']} complete-group minibatch updates per batch, AdamW lr {p['adam']['learning_rate']:g}; "
+            f"backend {p['backend']}; gate {'passed' if self.passed else 'FAILED'}"
+        )
+        if p.get("reductions"):
+            note += f"; size reductions {p['reductions']}"
+        return {"values": values, "note": note}
+
+
+def run_activation_gate(
+    service_client: Any,
+    spec_plan: Any,
+    bundle: Any,
+    initial_checkpoint: str,
+    *,
+    backend: str,
+    progress: Callable[[str], None] | None = None,
+    tag: str = "gate",
+    **overrides: Any,
+) -> GateReport:
+    """Run the pilot from the shared initial checkpoint, evaluate every check, write the report
+    (own immutable evidence file), the per-step tensors and `activation_calibration`."""
+    import tinker
+
+    from dppo_harness import gsm8k, losses, rollouts, tokenizer
+    from dppo_harness.restoration import create_from_state_observed
+
+    say = progress or (lambda _msg: None)
+    t0 = time.monotonic()
+    cfg = pilot_config(spec_plan.raw, **overrides)
+    checks = list(spec_plan.raw["activation_gate"]["checks"])
+    loss_cfg = losses.LossConfig(arm="dppo", normalization=cfg.normalization)
+    recorder = ins.LossCallRecorder(loss_cfg)
+    loss_fn = losses.make_loss_fn(loss_cfg)
+    adam = tinker.AdamParams(**cfg.adam)
+    optim_counts: list[int] = []
+    samplers: list[str] = []
+    errors: list[str] = []
+    base_model: str | None = None
+    base_model_source = "not measured"
+    load_response: Any = None
+    try:
+        tc, load_response = create_from_state_observed(service_client, initial_checkpoint)
+        info = tc.get_info()
+        base_model, base_model_source = executed_model(info, backend, bundle)
+        bundle_tok = tokenizer.make_renderer()
+        train = gsm8k.load_split("train", seed=cfg.seed)
+        rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
+        for step in range(cfg.steps):
+            path = tc.save_weights_for_sampler(f"{tag}-sampler-s{step}").result().path
+            samplers.append(path)
+            sampler = tc.create_sampling_client(path).result()
+            batch = rollouts.sample_batch(
+                sampler, train.batch(step, cfg.groups_per_batch), bundle_tok.renderer, rcfg, sampler_checkpoint=path
+            )
+            datums, meta = rollouts.batch_to_datums(batch)
+            minibatches = split_complete_groups([m["group_idx"] for m in meta], cfg.updates_per_batch)
+            optim_counts.append(0)
+            start = len(recorder.records)
+            for u, idx in enumerate(minibatches, start=1):
+                wrapped = recorder.wrap(loss_fn, step=step, update_in_batch=u, update_index=step * cfg.updates_per_batch + u,
+                                        sampler_checkpoint=path, n_sequences=len(idx))
+                fb = tc.forward_backward_custom([datums[i] for i in idx], wrapped)
+                opt = tc.optim_step(adam)
+                fb.result()
+                opt.result()
+                optim_counts[step] += 1
+            step_records = recorder.records[start:]
+            bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(step_records))
+            last = step_records[-1].stats if step_records else {}
+            say(
+                f"[gate] step {step + 1}/{cfg.steps}: {optim_counts[step]} updates, "
+                f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
+                f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
+                f"elapsed {time.monotonic() - t0:.0f}s"
+            )
+    except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
+        errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
+    values, per_step = gate_values(recorder.records, optim_counts, base_model, cfg.steps)
+    results = evaluate_gate(checks, values)
+    problems = [p for r in recorder.records for p in ins.crosscheck_loss_metrics(r)]
+    errors += problems
+    pilot = {
+        **asdict(cfg),
+        "steps_completed": sum(1 for c in optim_counts if c == cfg.updates_per_batch),
+        "sampler_checkpoints": samplers,
+        "initial_checkpoint": initial_checkpoint,
+        "loaded_checkpoint": getattr(load_response, "path", None),
+        "backend": backend,
+        "loss_calls": len(recorder.records),
+        "executed_base_model_source": base_model_source,
+    }
+    report = GateReport(
+        passed=all(r.passed for r in results) and not errors,
+        checks=results,
+        values=values,
+        per_step=per_step,
+        pilot=pilot,
+        plan={"file": spec_plan.name, "sha256": spec_plan.sha256},
+        wall_seconds=time.monotonic() - t0,
+        errors=errors,
+        records=recorder.records,
+    )
+    bundle.register_json(GATE_REPORT_FILE, "report", report.to_json())
+    bundle.update_result(activation_calibration=report.calibration())
+    return report

@@ -1,0 +1,45 @@
+"""Stage `diagnostic`: the requester's bounded diagnostic, then its evidence checked offline.
+
+The run itself happens once, in the session fixture `diagnostic_run` (dppo_harness.fixtures_stages).
+"""
+
+import subprocess
+import sys
+
+from dppo_harness import diagnostic
+
+
+def _cli(module: str, path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *(["verify"] if module.endswith("evidence") else []), str(path)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_diagnostic_ran_as_planned_within_its_caps(diagnostic_run):
+    run = diagnostic_run
+    assert not run.errors, run.errors
+    assert run.frozen_batch_sha256, "no frozen batch: the diagnostic never sampled"
+    assert 1 <= run.updates_done <= run.config.max_updates
+    assert run.wall_seconds <= run.config.max_wall_seconds, f"{run.wall_seconds:.0f}s > cap"
+    assert [r.context["update_index"] for r in run.records] == list(range(1, run.updates_done + 1))
+    assert all(r.context["frozen_batch_sha256"] == run.frozen_batch_sha256 for r in run.records)
+    assert run.selftest["passed"], run.selftest
+
+
+def test_conclusion_is_classified_and_not_a_defect(diagnostic_run, evidence_bundle):
+    c = diagnostic_run.classification
+    assert c["active"] or c["cause"] in diagnostic.CAUSES
+    assert c["cause"] != "code_or_instrumentation_defect", c["explanation"]
+    assert not c["integrity_problems"], c["integrity_problems"]
+    result = evidence_bundle.result
+    assert result["original_hypothesis_tested"] is False and result["tested_instead"]
+    assert result["metrics"]["diagnostic/updates_done"] == diagnostic_run.updates_done
+    for name in (diagnostic.ANALYSIS_FILE, diagnostic.REFERENCES_FILE, diagnostic.NEXT_ACTION_FILE, "report.md"):
+        assert evidence_bundle.entry(name), f"{name} not registered"
+
+
+def test_evidence_verify_and_offline_replay_pass(diagnostic_run, evidence_bundle):
+    verify = _cli("dppo_harness.evidence", evidence_bundle.dir)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    replay = _cli("dppo_harness.replay", evidence_bundle.dir)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert f"{diagnostic_run.updates_done} loss calls" in replay.stdout

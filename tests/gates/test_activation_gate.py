@@ -1,0 +1,28 @@
+"""Stage `gate`: the original spec's activation gate (5-step treatment pilot, 2 updates per batch).
+
+On the embedded backend `executed_base_model` is the stand-in model's name, so the gate fails
+that check there, as it must; the comparison stage is then blocked.
+"""
+
+import json
+
+import pytest
+
+from dppo_harness import gate
+from dppo_harness.evidence import ImmutableNameError
+
+
+def test_gate_report_is_its_own_immutable_evidence_file(gate_report, evidence_bundle):
+    entry = evidence_bundle.entry(gate.GATE_REPORT_FILE)
+    assert entry is not None and entry["kind"] == "report"
+    on_disk = json.loads(evidence_bundle.file_path(gate.GATE_REPORT_FILE).read_text())
+    assert on_disk["passed"] == gate_report.passed
+    assert [c["metric"] for c in on_disk["checks"]] == [c.metric for c in gate_report.checks]
+    with pytest.raises(ImmutableNameError):
+        evidence_bundle.register_json(gate.GATE_REPORT_FILE, "report", {**on_disk, "passed": not on_disk["passed"]})
+    calibration = evidence_bundle.result["activation_calibration"]
+    assert set(calibration["values"]) == {c.metric for c in gate_report.checks} and calibration["note"]
+
+
+def test_activation_gate_passes(gate_report):
+    assert gate_report.passed, "activation gate failed:\n  " + "\n  ".join(gate_report.failures())

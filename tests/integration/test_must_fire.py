@@ -1,0 +1,80 @@
+"""Must fire / must not fire on the real engine (embedded server, stock SDK, small plans).
+
+A deliberately high learning rate, two epochs over one frozen batch: the DPPO mask must remove
+nonzero-advantage gradients on BOTH advantage signs. A zero learning rate: the mask must stay
+silent, and the diagnostic must call that an inactive regime, not a defect.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import tinker
+
+from dppo_harness import constants, diagnostic, replay
+from dppo_harness.evidence import EvidenceBundle, verify_bundle
+from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.plans import load_plan
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
+# Small plan: 8 groups x 4, one minibatch of all 8 complete groups, 2 epochs = 2 updates; the
+# second-epoch loss call sees the policy after one update.
+SMALL = dict(groups_per_batch=8, group_size=4, max_tokens=64, minibatches_per_epoch=1, groups_per_minibatch=8,
+             max_updates=2, sentinels_per_sign=1)
+HIGH_LR = 1e-2  # 500x the plan's 2e-5: deliberately far off-policy after one update
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("must-fire-server")).start()
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
+    try:
+        tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+        init = tc.save_state("must-fire-initial").result().path
+        yield sc, init
+    finally:
+        sc.close("success").result(timeout=60)
+        srv.stop()
+
+
+def _run(engine, tmp_path, lr):
+    sc, init = engine
+    bundle = EvidenceBundle.create(tmp_path / "evidence")
+    res = diagnostic.run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", learning_rate=lr, **SMALL)
+    assert not res.errors, res.errors
+    assert res.updates_done == SMALL["max_updates"]
+    assert verify_bundle(bundle.dir) == []
+    rep = replay.replay_bundle(bundle.dir)
+    assert rep.ok, rep.problems
+    return res
+
+
+def test_high_lr_fires_on_both_sides_with_removed_gradients(engine, tmp_path):
+    res = _run(engine, tmp_path, HIGH_LR)
+    p = res.pooled
+    assert p["tokens/pos_adv"] > 0 and p["tokens/neg_adv"] > 0, "the small batch has no advantage signal"
+    assert p["dppo/removed_pos_adv"] > 0 and p["dppo/removed_neg_adv"] > 0, p
+    assert p["dppo/exceed_pos_on_pos_adv"] == p["dppo/removed_pos_adv"]
+    assert p["dppo/exceed_neg_on_neg_adv"] == p["dppo/removed_neg_adv"]
+    assert res.classification["mask_fired"] and not res.classification["integrity_problems"]
+
+
+def test_zero_lr_stays_silent_and_is_an_inactive_regime(engine, tmp_path):
+    res = _run(engine, tmp_path, 0.0)
+    assert all(r.stats["dppo/removed"] == 0 for r in res.records)
+    assert res.pooled["tokens/nonzero_adv"] > 0  # silent with signal present, not for lack of it
+    c = res.classification
+    assert c["state"] == "inactive" and c["cause"] == "legitimate_inactive_regime", c["explanation"]
+
+
+def test_wall_cap_exhausted_in_setup_persists_evidence_and_stops(engine, tmp_path):
+    sc, init = engine
+    bundle = EvidenceBundle.create(tmp_path / "evidence")
+    res = diagnostic.run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", max_wall_seconds=0.5, **SMALL)
+    assert res.updates_done == 0 and "wall cap" in res.stop_reason
+    assert res.classification["cause"] == "missing_evidence"
+    assert bundle.entry(diagnostic.ANALYSIS_FILE) and bundle.entry("report.md")
+    assert verify_bundle(bundle.dir) == []

@@ -1,0 +1,122 @@
+"""Activation-gate checks: ranges from the frozen spec, missing values fail, pilot aggregation."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dppo_harness import gate
+from dppo_harness.instrumentation import LossCallRecord
+
+SPEC = json.loads((Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json").read_text())
+CHECKS = SPEC["activation_gate"]["checks"]
+GOOD = {
+    "dppo_masked_token_fraction": 0.01,
+    "policy_drift_abs_p_q90": 0.02,
+    "grpo_clip_fraction": 0.003,
+    "executed_updates_per_batch": 2,
+    "executed_base_model": "Qwen/Qwen3.5-2B",
+}
+
+
+def _by_metric(results):
+    return {r.metric: r for r in results}
+
+
+def test_all_in_range_passes_every_check_of_the_plan():
+    results = gate.evaluate_gate(CHECKS, GOOD)
+    assert [r.metric for r in results] == [c["metric"] for c in CHECKS]
+    assert all(r.passed for r in results), [r.reason for r in results]
+
+
+@pytest.mark.parametrize(
+    "metric,value,needle",
+    [
+        ("dppo_masked_token_fraction", 0.0, "< min"),  # the zero-mask failure of the earlier pilot
+        ("dppo_masked_token_fraction", 0.31, "> max"),
+        ("policy_drift_abs_p_q90", 0.004, "< min"),
+        ("grpo_clip_fraction", 0.0, "< min"),
+        ("executed_updates_per_batch", 1, "< min"),
+        ("executed_updates_per_batch", [2, 1], "not a finite number"),
+        ("executed_base_model", "tiny-qwen3-gsm8k", "not in"),
+        ("policy_drift_abs_p_q90", None, "missing"),
+        ("policy_drift_abs_p_q90", float("nan"), "not a finite number"),
+        ("executed_updates_per_batch", True, "not a finite number"),
+    ],
+)
+def test_out_of_range_or_missing_fails_that_check(metric, value, needle):
+    results = _by_metric(gate.evaluate_gate(CHECKS, {**GOOD, metric: value}))
+    assert not results[metric].passed and needle in results[metric].reason
+    assert all(r.passed for m, r in results.items() if m != metric)
+
+
+def test_unmeasured_metric_and_boundless_check_fail():
+    values = dict(GOOD)
+    del values["grpo_clip_fraction"]
+    assert not _by_metric(gate.evaluate_gate(CHECKS, values))["grpo_clip_fraction"].passed
+    assert not gate.evaluate_check({"metric": "x"}, 1.0).passed
+    # Bounds are inclusive, as the spec writes them.
+    assert gate.evaluate_check({"metric": "x", "min": 2, "max": 2}, 2).passed
+
+
+def _rec(step, u, frac, q90, clip):
+    stats = {k: 0 for k in gate.ins.COUNT_KEYS} | {k: 0.0 for k in gate.ins.FLOAT_KEYS}
+    stats.update({"dppo/masked_frac_loss_tokens": frac, "drift/abs_p90": q90, "ppo/clip_frac_loss_tokens": clip})
+    return LossCallRecord(call_index=2 * step + u - 1, context={"step": step, "update_in_batch": u},
+                          dtype="float32", tensors={}, stats=stats)
+
+
+def test_gate_values_use_the_second_update_mean_over_steps():
+    recs = []
+    for s in range(5):
+        recs += [_rec(s, 1, 0.9, 0.9, 0.9), _rec(s, 2, 0.01 * (s + 1), 0.001 * (s + 1), 0.002)]
+    values, rows = gate.gate_values(recs, [2] * 5, "Qwen/Qwen3.5-2B", 5)
+    assert values["dppo_masked_token_fraction"] == pytest.approx(0.03)
+    assert values["policy_drift_abs_p_q90"] == pytest.approx(0.003)
+    assert values["grpo_clip_fraction"] == pytest.approx(0.002)
+    assert values["executed_updates_per_batch"] == 2
+    assert len(rows) == 5 and all(r["second_update_recorded"] for r in rows)
+    # A step without its 2nd update makes the metrics missing, and uneven counts fail.
+    values, _ = gate.gate_values(recs[:-1], [2, 2, 2, 2, 1], "Qwen/Qwen3.5-2B", 5)
+    assert values["dppo_masked_token_fraction"] is None
+    results = _by_metric(gate.evaluate_gate(CHECKS, values))
+    assert not results["dppo_masked_token_fraction"].passed
+    assert not results["executed_updates_per_batch"].passed
+
+
+def test_pilot_config_reads_the_spec_and_records_reductions():
+    cfg = gate.pilot_config(SPEC)
+    assert (cfg.steps, cfg.groups_per_batch, cfg.group_size, cfg.max_tokens) == (5, 32, 8, 512)
+    assert cfg.updates_per_batch == 2 and cfg.adam["learning_rate"] == 2e-5 and cfg.adam["eps"] == 1e-8
+    assert cfg.reductions == ()
+    small = gate.pilot_config(SPEC, groups_per_batch=4, max_tokens=32)
+    assert {r["field"] for r in small.reductions} == {"groups_per_batch", "max_tokens"}
+    with pytest.raises(gate.GateError, match="unknown pilot overrides"):
+        gate.pilot_config(SPEC, delta=0.1)
+    broken = json.loads(json.dumps(SPEC))
+    broken["arms"] = [a for a in broken["arms"] if a["name"] != "dppo_seed0"]
+    with pytest.raises(gate.GateError, match="dppo_seed0"):
+        gate.pilot_config(broken)
+
+
+def test_complete_group_split():
+    assert gate.split_complete_groups([0, 0, 1, 1, 2, 2, 3, 3], 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(gate.GateError):
+        gate.split_complete_groups([0, 1, 2], 2)
+
+
+def test_executed_model_is_the_model_that_computes_not_the_requested_name():
+    from types import SimpleNamespace as NS
+
+    info = NS(model_data=NS(model_name="Qwen/Qwen3.5-2B", arch="local/tiny-qwen3-gsm8k"))
+    remote = NS(result={"backend": None})
+    assert gate.executed_model(info, "tinker", remote)[0] == "Qwen/Qwen3.5-2B"
+    # Embedded server: it echoes the requested name, so the stand-in's name must be used.
+    model, source = gate.executed_model(info, "local", remote)
+    assert model == "local/tiny-qwen3-gsm8k" and "Qwen/Qwen3.5-2B" in source
+    local = NS(result={"backend": {"kind": "local", "served_model": "local/tiny-qwen3-gsm8k"}})
+    no_arch = NS(model_data=NS(model_name="Qwen/Qwen3.5-2B", arch=""))
+    assert gate.executed_model(no_arch, "local", local)[0] == "local/tiny-qwen3-gsm8k"
+    check = next(c for c in CHECKS if c["metric"] == "executed_base_model")
+    assert not gate.evaluate_check(check, model).passed
+    assert gate.executed_model(NS(model_data=NS(model_name="Qwen/Qwen3.5-2B", arch="")), "local", remote)[0] is None
