@@ -32,11 +32,10 @@ def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
 
 def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
     """When the plugin saw the stage begin (time.monotonic), else now."""
-    from dppo_harness import pytest_plugin
+    from dppo_harness.pytest_plugin import stage_started_at
 
-    state = request.config.stash.get(pytest_plugin._STATE_KEY, None)
-    started = getattr(state, "started", {}) if state is not None else {}
-    return started.get(stage, time.monotonic())
+    started = stage_started_at(request.config, stage)
+    return time.monotonic() if started is None else started
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +54,12 @@ def diagnostic_run(request, service_client, service_backend, plan, spec_plan, ev
     """The requester's bounded diagnostic, run once; the wall cap counts from the stage's start."""
     from dppo_harness.diagnostic import run_bounded_diagnostic
 
+    from dppo_harness.pytest_plugin import propose_outcome
+
     start = _stage_start(request, "diagnostic")
-    return run_bounded_diagnostic(
+    run = run_bounded_diagnostic(
         service_client, plan, evidence_bundle, restoration.initial_checkpoint,
         backend=service_backend.kind, stage_start=start, spec_raw=spec_plan.raw, progress=_progress(request),
     )
+    propose_outcome(request.config, **run.result_fields["final"])
+    return run

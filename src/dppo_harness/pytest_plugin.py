@@ -5,7 +5,6 @@ Registered from the project's top-level conftest.py. Stage rules live in `stages
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ class _StageState:
     current: str | None = None
     bundle: object | None = None  # the session's EvidenceBundle, once a test asked for it
     registry: object | None = None  # the session's ClientRegistry, once a test asked for it
+    outcome: dict | None = None  # final result fields a stage proposed, applied if nothing failed
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -67,8 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STATE_KEY] = state
     config.stash[_OPTIONS_KEY] = _resolve_options(config, state)
     for name in FIXTURE_PLUGINS:
-        if importlib.util.find_spec(name) is not None:  # TEMP while stage modules land
-            config.pluginmanager.import_plugin(name)
+        config.pluginmanager.import_plugin(name)
 
 
 _OPTIONS_KEY = pytest.StashKey[HarnessOptions]()
@@ -92,6 +91,12 @@ def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOption
     if evidence_dir.exists() and not evidence_dir.is_dir():
         raise pytest.UsageError(f"--evidence-dir: not a directory: {evidence_dir}")
     return HarnessOptions(backend, plan_path.resolve(), evidence_dir.resolve(), run_stages)
+
+
+def stage_started_at(config: pytest.Config, stage: str) -> float | None:
+    """time.monotonic() when the stage's first test began, or None before that."""
+    state = config.stash.get(_STATE_KEY, None)
+    return state.started.get(stage) if state is not None else None
 
 
 def _tests_root(config: pytest.Config) -> Path:
@@ -184,8 +189,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     _close_stage(state, state.current)
     state.current = None
-    if state.bundle is not None:
-        state.bundle.finish_session(stage_failures=dict(state.first_failure))
+    if state.bundle is None:
+        return
+    if state.outcome is not None and not state.first_failure:
+        state.bundle.finish(**state.outcome)
+    state.bundle.finish_session(stage_failures=dict(state.first_failure))
+
+
+def propose_outcome(config: pytest.Config, **fields: object) -> None:
+    """A stage's final status/verdict/outcome_reason, written at session end only if no test failed."""
+    config.stash[_STATE_KEY].outcome = dict(fields)
 
 
 # ---- session fixtures --------------------------------------------------------------------------

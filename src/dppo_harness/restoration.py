@@ -521,15 +521,9 @@ class LocalCheckpointReader:
 
     def adapter_sha256(self, path: str) -> str:
         """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
-        import torch  # noqa: PLC0415
+        from dppo_harness.local_server.model import state_sha256  # noqa: PLC0415 - local route only
 
-        state = self.adapter(path)
-        h = hashlib.sha256()
-        for k in sorted(state):
-            t = state[k].detach().contiguous().cpu()
-            h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return h.hexdigest()
+        return state_sha256(self.adapter(path))
 
     def update_norm(self, before: str, after: str) -> float:
         import torch  # noqa: PLC0415

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import tinker
 from tinker.types import SampledSequence, SampleResponse
 
 from dppo_harness import constants, gsm8k, rollouts

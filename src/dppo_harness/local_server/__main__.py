@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--fault-latency-ms", action="append", default=[], metavar="KIND:MS",
                    help="add MS milliseconds (non-blocking) before handling each request of KIND")
     f.add_argument("--fault-die-after", type=int, default=None, metavar="K",
-                   help=f"exit (code 75) when API request K+1 arrives (healthz not counted)")
+                   help="exit (code 75) when API request K+1 arrives (healthz not counted)")
     f.add_argument("--fault-retry-after-ms", type=int, default=None, metavar="MS",
                    help="send Retry-After-Ms with injected 429/503 (the SDK honours it)")
     f.add_argument("--record-header-values", default=",".join(DEFAULT_VALUE_HEADERS), metavar="NAMES",

@@ -18,12 +18,15 @@ import argparse
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dppo_harness.constants import RENDERER_NAME
+from dppo_harness.tokenizer import TML_QWEN35, load_tokenizer
 
 ASSET_PATH = Path(__file__).parent / "assets" / "vocab_qwen35_gsm8k.json"
 TOKENIZER_NAME = "tml_renderers.tokenizers.Qwen35Tokenizer (tml-renderers 0.2.1)"
@@ -37,60 +40,17 @@ FEWSHOT_ASSISTANT = (
 )
 
 
-class Qwen35TokenizerAdapter:
-    """HF-like adapter over the offline tml-renderers Qwen3.5 tokenizer.
-
-    Gives the cookbook renderers the ``encode``/``decode``/``eos_token_id`` surface they use;
-    special-token text (``<|im_end|>``, ``<think>``, ...) in ``encode`` input maps to its id.
-    """
-
-    name_or_path = "Qwen/Qwen3.5-2B"
-
-    def __init__(self) -> None:
-        from tml_renderers.tokenizers import Qwen35Tokenizer
-
-        self._tok = Qwen35Tokenizer()
-        self.special_text_to_id: dict[str, int] = {}
-        for name in self._tok.special_tokens():
-            tid = self._tok.encode_special(name)
-            self.special_text_to_id[self._tok.decode([tid])] = tid
-        pattern = "|".join(re.escape(s) for s in sorted(self.special_text_to_id, key=len, reverse=True))
-        self._split_re = re.compile(f"({pattern})")
-        self.eos_token_id = self.special_text_to_id["<|im_end|>"]
-        self.bos_token_id = None
-        self.pad_token_id = self.special_text_to_id["<|endoftext|>"]
-
-    def encode(self, text: str, add_special_tokens: bool = False, **_: object) -> list[int]:
-        ids: list[int] = []
-        for piece in self._split_re.split(text):
-            if not piece:
-                continue
-            if piece in self.special_text_to_id:
-                ids.append(self.special_text_to_id[piece])
-            else:
-                ids.extend(self._tok.encode_ordinary(piece))
-        return ids
-
-    def decode(self, ids: Sequence[int] | Iterable[int], skip_special_tokens: bool = False, **_: object) -> str:
-        ids = [int(i) for i in ids]
-        if skip_special_tokens:
-            ids = [i for i in ids if not self._tok.is_special_token(i)]
-        return self._tok.decode(ids)
-
-    def __call__(self, text: str, **kw: object) -> dict[str, list[int]]:
-        return {"input_ids": self.encode(text)}
-
-
 @lru_cache(maxsize=1)
-def get_tokenizer() -> Qwen35TokenizerAdapter:
-    return Qwen35TokenizerAdapter()
+def get_tokenizer():
+    """The harness's offline Qwen3.5 tokenizer adapter (dppo_harness.tokenizer)."""
+    return load_tokenizer(TML_QWEN35)[0]
 
 
 def get_renderer():
     """The cookbook ``qwen3_5`` renderer over the offline tokenizer."""
     from tinker_cookbook import renderers
 
-    return renderers.get_renderer("qwen3_5", tokenizer=get_tokenizer())
+    return renderers.get_renderer(RENDERER_NAME, tokenizer=get_tokenizer())
 
 
 def gsm8k_final_answer(answer: str) -> str:
