@@ -3,6 +3,8 @@ plan against its budget. A plan that cannot fit fails here, which blocks the lat
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dppo_harness import feasibility as F
 
 
@@ -10,11 +12,16 @@ def test_plan_fits_its_budget(feasibility):
     assert feasibility.passed, feasibility.failure_message()
 
 
-def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bundle, plan):
+def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bundle, plan, service_backend):
     written = evidence_bundle.result["feasibility"]
     assert written == feasibility.block
     m = written["measurements"]
     assert m["setup"]["seconds"] > 0 and m["training"]["seconds"] > 0
-    assert m["training"]["planned_units"] == F.schedule_from_plan(plan).arm_steps
+    # The projected schedule is the plan's, at the declared rehearsal size on the local backend.
+    overrides, _ = F.local_rehearsal(plan) if service_backend.kind == "local" else ({}, [])
+    expected = replace(F.schedule_from_plan(plan), **overrides)
+    assert feasibility.schedule == expected
+    assert m["training"]["planned_units"] == expected.arm_steps
+    assert m["evaluation"]["planned_units"] == expected.eval_items
     assert written["source"] == F.PILOT_FILE
     assert evidence_bundle.entry(F.PILOT_FILE) is not None
