@@ -265,7 +265,7 @@ def plan(harness_options: HarnessOptions):
 
 
 @pytest.fixture(scope="session")
-def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan):
+def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan, service_backend):
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.feasibility import local_rehearsal
 
@@ -279,6 +279,8 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
         project_root=pytestconfig.rootpath,
         test_files=sorted({str(p) for p in _stage_test_files(pytestconfig)}),
         size_reductions=reductions,
+        # The embedded server names its stand-in model; a real service names it at client creation.
+        served_model=service_backend.server.stats()["served_model"] if service_backend.server else None,
     )
     pytestconfig.stash[_STATE_KEY].bundle = bundle
     return bundle

@@ -316,6 +316,7 @@ class ServerState:
     def stats(self) -> dict[str, Any]:
         return {
             "uptime_s": time.time() - self.started,
+            "served_model": self.engine.served_model_name,
             "faults": self.faults.snapshot(),
             "headers": self.headers.snapshot(),
             "sessions": len(self.sessions),

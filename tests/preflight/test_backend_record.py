@@ -1,0 +1,13 @@
+"""Stage `preflight`: the evidence names the backend and, on the embedded server, the substitution."""
+
+
+def test_backend_and_model_substitution_recorded(evidence_bundle, service_backend, plan):
+    result = evidence_bundle.result
+    assert result["backend"]["kind"] == service_backend.kind
+    assert result["backend"]["requested_model"] == plan.base_model
+    if service_backend.kind != "local":
+        return
+    served = service_backend.server.stats()["served_model"]
+    assert served != plan.base_model, "the stand-in must not claim to be the planned model"
+    assert result["backend"]["served_model"] == served
+    assert any(d["field"] == "model" and served in d["effective"] for d in result["deviations"])
