@@ -101,14 +101,19 @@ def ref_dppo(
         weight = np.minimum(np.exp(np.minimum(lp_BT - mu_BT, log_ratio_max)), cap)
         coef = np.where(kept, -adv_BT * weight, 0.0)
         loss = float(np.where(kept, coef * lp_BT, 0.0).sum())
-    grad = coef.astype(np.float64)
-    if normalization == "token_mean":
-        n = _token_count(mask_BT)
-        scale = 1.0 / n if n > 0 else 0.0
-        loss, grad = loss * scale, grad * scale
-    elif normalization != "sum":
-        raise ValueError(f"unknown normalization {normalization!r}")
+    loss, grad = _normalize(loss, coef.astype(np.float64), mask_BT, normalization)
     return RefResult(loss, grad, kept)
+
+
+def _normalize(loss: float, grad_BT: np.ndarray, mask_BT: np.ndarray, normalization: str) -> tuple[float, np.ndarray]:
+    """`sum` as is; `token_mean` divides by the call's loss-token count (zero-advantage included)."""
+    if normalization == "sum":
+        return loss, grad_BT
+    if normalization != "token_mean":
+        raise ValueError(f"unknown normalization {normalization!r}")
+    n = _token_count(mask_BT)
+    scale = 1.0 / n if n > 0 else 0.0
+    return loss * scale, grad_BT * scale
 
 
 def ref_ppo(
@@ -146,12 +151,7 @@ def ref_ppo(
             grad = np.where(dual, 0.0, grad)
         loss = float(np.where(on, token, 0.0).sum())
     grad = np.where(on & (adv_BT != 0), grad, 0.0)
-    if normalization == "token_mean":
-        n = _token_count(mask_BT)
-        scale = 1.0 / n if n > 0 else 0.0
-        loss, grad = loss * scale, grad * scale
-    elif normalization != "sum":
-        raise ValueError(f"unknown normalization {normalization!r}")
+    loss, grad = _normalize(loss, grad, mask_BT, normalization)
     return RefResult(loss, grad, clipped)
 
 
