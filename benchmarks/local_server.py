@@ -29,6 +29,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from dppo_harness import constants  # noqa: E402
+from dppo_harness.feasibility import timed_updates  # noqa: E402
 from dppo_harness.local_server.process import LocalServerProcess  # noqa: E402
 
 
@@ -127,14 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ))
         loss_fn = make_loss_fn(LossConfig(arm="dppo", normalization="token_mean"))
         adam = types.AdamParams(learning_rate=1e-5, eps=1e-8)
-        times = []
-        for _ in range(args.updates):
-            t0 = time.perf_counter()
-            fb = tc.forward_backward_custom(data, loss_fn)
-            opt = tc.optim_step(adam)
-            fb.result()
-            opt.result()
-            times.append(time.perf_counter() - t0)
+        times = timed_updates(tc, data, loss_fn, adam, args.updates)
         n_train_tokens = sum(d.model_input.length for d in data)
         figures["update"] = {"sequences": len(data), "tokens": n_train_tokens, "seconds_each": times,
                              "seconds_mean": statistics.mean(times)}

@@ -401,14 +401,7 @@ def run_timing_pilot(
     loss_fn = losses.make_loss_fn(losses.LossConfig(arm="dppo", normalization="token_mean"))
     adam = tinker.AdamParams(**{k: float(v) for k, v in optimizer_config.items()
                                 if k in tinker.AdamParams.model_fields})
-    update_s = []
-    for _ in range(pilot_updates):
-        t = time.perf_counter()
-        fb = client.forward_backward_custom(minibatch, loss_fn)
-        opt = client.optim_step(adam)
-        fb.result()
-        opt.result()
-        update_s.append(time.perf_counter() - t)
+    update_s = timed_updates(client, minibatch, loss_fn, adam, pilot_updates)
 
     eval_n = pilot_eval_items if schedule.eval_items else 0
     eval_s, eval_tokens = 0.0, 0
@@ -440,6 +433,19 @@ def run_timing_pilot(
                        "submitted_together": True},
     }
     return timings, details
+
+
+def timed_updates(client: Any, data: Sequence[Any], loss_fn: Any, adam: Any, n: int) -> list[float]:
+    """Wall seconds of each of `n` forward_backward_custom + optim_step rounds, both awaited."""
+    seconds = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fb = client.forward_backward_custom(list(data), loss_fn)
+        opt = client.optim_step(adam)
+        fb.result()
+        opt.result()
+        seconds.append(time.perf_counter() - t)
+    return seconds
 
 
 def run_feasibility(
