@@ -25,7 +25,7 @@ from dppo_harness.evidence import (
 )
 from dppo_harness.plans import load_plan
 
-SRC = Path(ev.__file__).resolve().parents[1]
+SRC = Path(ev.__file__).resolve().parents[2]  # src/ (evidence is a package)
 PLANS = SRC.parent / "plans"
 FAKE_KEY = "tml-FAKE-leak-canary-7f3a9c"
 FAKE_MODAL = "ws-FAKE-modal-secret-b81e"
@@ -100,7 +100,7 @@ def test_atomic_write_failure_keeps_old_state(bundle, monkeypatch):
 
     def broken_replace(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(ev.os, "replace", broken_replace)
+    monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         bundle.register_bytes("late.txt", "log", b"data")
     with pytest.raises(OSError):
@@ -414,3 +414,31 @@ def test_session_start_and_finish(tmp_path):
     assert done.result["deviations"] == [] and done.result["original_hypothesis_tested"] is True
     done.finish_session({})
     assert (done.result["status"], done.result["verdict"]) == ("succeeded", "inconclusive")
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r["metrics"]["arms"].__setitem__("dppo", {"loss": True}),
+     "metrics.arms.dppo.loss: expected number, got bool"),
+    (lambda r: r["metrics"].__setitem__("x", "1.0"), "metrics.x: expected number, got str"),
+    (lambda r: r["deviations"].append({"field": "model", "original": "a", "effective": "b"}),
+     "deviations[0].reason: missing required key"),
+    (lambda r: r["evidence"]["files"].append({"name": "a", "kind": "weights", "sha256": "0" * 64, "size": 1}),
+     "evidence.files[0].kind: expected one of"),
+    (lambda r: r["evidence"].__setitem__("version", 2), "evidence.version: expected one of"),
+    (lambda r: r.__setitem__("backend", {"kind": "remote"}), "backend.kind: expected one of"),
+    (lambda r: r.__setitem__("completed_arms", ["dppo"]), "completed_arms: arm 'dppo' has no metrics"),
+    (lambda r: r.update(status="failed", verdict="inconclusive", original_hypothesis_tested=False,
+                        tested_instead=" "), "tested_instead: required when"),
+    (lambda r: r.update(status="failed", verdict="inconclusive", original_hypothesis_tested=True,
+                        capacity_block={"error": "x", "comparison_steps_completed": 1.0, "released_clients": True}),
+     "capacity_block.comparison_steps_completed: expected integer, got float"),
+    (lambda r: r.__setitem__("decision", {"p": float("nan")}), "result: non-finite number"),
+    (lambda r: r.__setitem__("verdict", None), "verdict: leave the key out"),
+])
+def test_result_shape_errors_name_the_field(mutate, message):
+    r = ev.initial_result()
+    ev.validate_result(r)
+    mutate(r)
+    with pytest.raises(ResultShapeError) as e:
+        ev.validate_result(r)
+    assert str(e.value).startswith(message), str(e.value)

@@ -1,0 +1,354 @@
+"""EvidenceBundle: one run's evidence directory, composed of its parts.
+
+- files.FileRegistry: immutable `files/<name>` within the limits;
+- result: result.json (shape, merge rules, rehearsal label);
+- ledger.BudgetLedger: the run budget and stage times (`ledger.json`);
+- session: what a pytest session records first and how it closes the result.
+
+The bundle holds the one lock, scans every byte for live secrets before it leaves memory, and
+writes every file atomically. On any error nothing changes, on disk or in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
+
+from dppo_harness.evidence import session
+from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
+from dppo_harness.evidence.files import (
+    FILES_DIR,
+    LEDGER_FILE,
+    NAME_RE,
+    RESULT_FILE,
+    FileEntry,
+    FileRegistry,
+    atomic_write,
+    dump_json,
+    json_file_bytes,
+)
+from dppo_harness.evidence.ledger import BudgetLedger
+from dppo_harness.evidence.provenance import code_revision
+from dppo_harness.evidence.result import (
+    DEVIATION_FIELDS,
+    as_text,
+    check_update_keys,
+    initial_result,
+    label_summary,
+    leak_failure_state,
+    merged_result,
+    validate_result,
+)
+from dppo_harness.secrets_scan import SecretLeakError, SecretScanner, scanner_for
+
+if TYPE_CHECKING:
+    from dppo_harness.plans import Plan
+
+
+class EvidenceBundle:
+    """One run's evidence directory (`<root>/<run_id>/`). Thread-safe; every write is atomic."""
+
+    def __init__(self, run_dir: Path, result: dict[str, Any], secret_values: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.dir = run_dir
+        self.run_id = run_dir.name
+        self._result = result
+        self._secret_values = tuple(secret_values)
+        self._env = env  # None = os.environ, read at every scan so late-set secrets count too
+        self._lock = threading.RLock()
+        self._files = FileRegistry(run_dir / FILES_DIR)
+        self._ledger = BudgetLedger(run_dir / LEDGER_FILE, clock)
+
+    # -- construction
+
+    @classmethod
+    def create(cls, root: Path, run_id: str | None = None, secret_values: Sequence[str] = (), *,
+               env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> EvidenceBundle:
+        root = Path(root)
+        run_id = run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+        if not NAME_RE.match(run_id):
+            raise EvidenceError(f"run_id {run_id!r}: use letters, digits, '.', '_' or '-' only")
+        run_dir = root / run_id
+        if run_dir.exists():
+            raise EvidenceError(f"run directory {run_dir} already exists; open it with EvidenceBundle.open")
+        (run_dir / FILES_DIR).mkdir(parents=True)
+        bundle = cls(run_dir, initial_result(), secret_values, env, clock)
+        bundle._write_result(bundle._result)
+        atomic_write(root / "LATEST", (run_id + "\n").encode())
+        return bundle
+
+    @classmethod
+    def open(cls, run_dir: Path, secret_values: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
+             clock: Callable[[], float] = time.monotonic) -> EvidenceBundle:
+        run_dir = Path(run_dir)
+        result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
+        validate_result(result)
+        return cls(run_dir, result, secret_values, env, clock)
+
+    # -- reading
+
+    @property
+    def result(self) -> dict[str, Any]:
+        with self._lock:
+            return copy.deepcopy(self._result)
+
+    def file_path(self, name: str) -> Path:
+        return self._files.path(name)
+
+    def files(self) -> list[FileEntry]:
+        with self._lock:
+            return [FileEntry(**f) for f in self._entries()]
+
+    def entry(self, name: str) -> FileEntry | None:
+        with self._lock:
+            for f in self._entries():
+                if f["name"] == name:
+                    return FileEntry(**f)
+        return None
+
+    def _entries(self) -> list[FileEntry]:
+        files: list[FileEntry] = self._result["evidence"]["files"]
+        return files
+
+    # -- secret scanning
+
+    def _scanner(self) -> SecretScanner:
+        return scanner_for(self._env, self._secret_values)
+
+    def _scan(self, data: bytes, what: str) -> None:
+        try:
+            self._scanner().check(data, what)
+        except SecretLeakError as exc:
+            self._mark_failed_after_leak(str(exc))
+            raise
+
+    def _mark_failed_after_leak(self, message: str) -> None:
+        state = leak_failure_state(self._result, message)
+        try:
+            data = dump_json(state)
+            self._scanner().check(data, RESULT_FILE)
+            validate_result(state)
+        except (SecretLeakError, ResultShapeError, ValueError):
+            return  # the old result.json stays; the exception already fails the run loudly
+        self._result = state
+        atomic_write(self.dir / RESULT_FILE, data)
+
+    # -- files
+
+    def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry:
+        """Register immutable bytes under `name`. Same bytes again is a no-op; different bytes fail."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise EvidenceError(f"file {name!r}: expected bytes, got {type(data).__name__}")
+        data = bytes(data)
+        with self._lock:
+            entries = self._entries()
+            entry, is_new = self._files.admit(name, kind, data, entries)
+            if not is_new:
+                return entry
+            self._scan(data, f"evidence file {name!r}")
+            self._files.check_limits(entry, entries)
+            self._files.write(entry, data)
+            new = copy.deepcopy(self._result)
+            new["evidence"]["files"].append(dict(entry))
+            self._commit(new)
+            return FileEntry(**entry)
+
+    def register_json(self, name: str, kind: str, obj: Any) -> FileEntry:
+        return self.register_bytes(name, kind, json_file_bytes(name, obj))
+
+    def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
+        return self.register_bytes(name, kind, FileRegistry.read_source(name, Path(path)))
+
+    # -- result.json
+
+    def _write_result(self, state: dict[str, Any]) -> None:
+        state["summary"] = label_summary(state, state["summary"])
+        validate_result(state)
+        data = dump_json(state)
+        self._scan(data, RESULT_FILE)
+        atomic_write(self.dir / RESULT_FILE, data)
+
+    def _commit(self, new: dict[str, Any]) -> None:
+        """Write `new` as result.json, then adopt it (a failed write leaves the old state)."""
+        self._write_result(new)
+        self._result = new
+
+    def update_result(self, **fields: Any) -> None:
+        """Deep-merge fields into result.json and rewrite it atomically.
+
+        Every number posted earlier must still be there afterwards (values may be updated, never
+        dropped); completed_arms only grows. On any error nothing changes, on disk or in memory.
+        """
+        check_update_keys(fields)
+        with self._lock:
+            self._commit(merged_result(self._result, fields))
+
+    def set_backend(self, kind: Literal["local", "tinker"], *, requested_model: str, served_model: str,
+                    sdk_versions: Mapping[str, str], **extra: Any) -> None:
+        """The backend block; a local backend also forces the rehearsal label onto the summary."""
+        if kind not in ("local", "tinker"):
+            raise EvidenceError(f"backend kind {kind!r}: expected 'local' or 'tinker'")
+        block = {"kind": kind, "requested_model": requested_model, "served_model": served_model,
+                 "sdk_versions": dict(sdk_versions), **extra}
+        with self._lock:
+            new = copy.deepcopy(self._result)
+            new["backend"] = block
+            self._commit(new)
+
+    def post_arm_metrics(self, arm: str, metrics: Mapping[str, float], *, completed: bool = False) -> None:
+        fields: dict[str, Any] = {"metrics": {"arms": {arm: dict(metrics)}},
+                                  "evidence": {"per_arm_metrics": {arm: dict(metrics)}}}
+        if completed:
+            fields["completed_arms"] = [arm]
+        self.update_result(**fields)
+
+    def add_deviation(self, field: str, original: Any, effective: Any, reason: str) -> None:
+        if field not in DEVIATION_FIELDS:
+            raise EvidenceError(f"deviation field {field!r}: expected one of {list(DEVIATION_FIELDS)}")
+        dev = {"field": field, "original": as_text(original), "effective": as_text(effective), "reason": str(reason)}
+        with self._lock:
+            if dev in self._result["deviations"]:
+                return
+            new = copy.deepcopy(self._result)
+            new["deviations"].append(dev)
+            self._commit(new)
+
+    def add_checkpoint(self, arm: str, step: int, uri: str) -> None:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise EvidenceError(f"checkpoint step: expected int, got {type(step).__name__}")
+        parts = urlsplit(uri)
+        if not parts.scheme or parts.query or parts.fragment or "@" in parts.netloc:
+            raise EvidenceError("checkpoint uri: expected a plain reference such as tinker://<id>/weights/<name> "
+                                "(no query string, fragment or credentials)")
+        cp = {"arm": arm, "step": step, "uri": uri}
+        with self._lock:
+            if cp in self._result["evidence"]["checkpoints"]:
+                return
+            new = copy.deepcopy(self._result)
+            new["evidence"]["checkpoints"].append(cp)
+            self._commit(new)
+
+    def finish(self, status: str, verdict: str, outcome_reason: str | None = None, summary: str | None = None,
+               **fields: Any) -> None:
+        """Final result; also registers the budget ledger."""
+        final = dict(fields, status=status, verdict=verdict)
+        if outcome_reason is not None:
+            final["outcome_reason"] = outcome_reason
+        if summary is not None:
+            final["summary"] = summary
+        with self._lock:
+            if self._ledger.has_entries():
+                self.register_json("budget-ledger.json", "manifest", self._ledger.snapshot())
+            self.update_result(**final)
+
+    # -- budget ledger
+
+    def elapsed_seconds(self) -> float:
+        return self._ledger.elapsed_seconds()
+
+    def set_budget(self, max_wall_seconds: float, gpu_hours: float | None = None) -> None:
+        with self._lock:
+            metrics = self._ledger.set_budget(max_wall_seconds, gpu_hours)
+            self._write_ledger()
+            self.update_result(metrics=metrics)
+
+    def remaining_seconds(self) -> float | None:
+        return self._ledger.remaining_seconds()
+
+    def budget_allows(self, stage: str, projected_seconds: float, projected_gpu_hours: float | None = None) -> bool:
+        """False (and the stage recorded as blocked_by_budget) if the projection exceeds what remains."""
+        with self._lock:
+            metrics = self._ledger.block_if_over(stage, projected_seconds, projected_gpu_hours)
+            if metrics is None:
+                return True
+            self._write_ledger()
+            self.update_result(metrics=metrics)
+            return False
+
+    def stage_timing(self, stage: str, seconds: float, status: str) -> None:
+        with self._lock:
+            metrics = self._ledger.record_stage(stage, seconds, status)
+            self._write_ledger()
+            self.update_result(metrics=metrics)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time a stage into the ledger; status 'passed' or 'failed' by whether it raised."""
+        clock = self._ledger.elapsed_seconds
+        t = clock()
+        try:
+            yield
+        except BaseException:
+            self.stage_timing(name, clock() - t, "failed")
+            raise
+        self.stage_timing(name, clock() - t, "passed")
+
+    def ledger(self) -> dict[str, Any]:
+        with self._lock:
+            return self._ledger.snapshot()
+
+    def note_ledger(self, **items: Any) -> None:
+        """Session facts kept in ledger.json (stages_selected, budget_source, stage_failures)."""
+        with self._lock:
+            self._ledger.note(**items)
+            self._write_ledger()
+
+    def _write_ledger(self) -> None:
+        data = dump_json(self._ledger.data)
+        self._scan(data, LEDGER_FILE)
+        atomic_write(self._ledger.path, data)
+
+    # -- provenance
+
+    def register_code_revision(self, repo_root: Path) -> list[FileEntry]:
+        info, patch = code_revision(Path(repo_root), exclude=[self.dir])
+        entries = [self.register_json("code-revision.json", "code_revision", info)]
+        if patch:
+            entries.append(self.register_bytes("code.patch", "code_patch", patch))
+        return entries
+
+    def register_script(self, path: Path, repo_root: Path | None = None) -> FileEntry:
+        path = Path(path).resolve()
+        rel = path.relative_to(repo_root.resolve()) if repo_root else Path(path.name)
+        name = "script-" + str(rel).replace(os.sep, "__")
+        return self.register_file(name, "script", path)
+
+    def register_provenance(self, repo_root: Path, scripts: Iterable[Path] = ()) -> list[FileEntry]:
+        """Code revision (+ code_patch) and the executed stage test files (kind script)."""
+        entries = self.register_code_revision(repo_root)
+        for s in scripts:
+            entries.append(self.register_script(Path(s), Path(repo_root)))
+        return entries
+
+    def register_plan(self, plan: Plan, name: str | None = None) -> FileEntry:
+        """Register a plans.Plan's exact file bytes; the recorded sha256 must equal Plan.sha256."""
+        entry = self.register_bytes(name or plan.name, "plan", plan.data)
+        if entry["sha256"] != plan.sha256:
+            raise EvidenceError(f"plan {plan.name}: registered sha256 differs from the loaded plan's")
+        return entry
+
+    def register_effective_config(self, config: Mapping[str, Any], name: str = "effective-config.json") -> FileEntry:
+        return self.register_json(name, "effective_config", config)
+
+    # -- pytest session (called by dppo_harness.pytest_plugin; see evidence.session)
+
+    def record_plan(self, plan: Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None) -> None:
+        session.record_plan(self, plan, effective_config, plan_name=plan_name)
+
+    def start_session(self, *, backend: Literal["local", "tinker"], plan: Plan, stages: Sequence[str],
+                      project_root: Path, test_files: Sequence[str | Path] = (), served_model: str | None = None,
+                      size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
+        session.start_session(self, backend=backend, plan=plan, stages=stages, project_root=project_root,
+                              test_files=test_files, served_model=served_model, size_reductions=size_reductions)
+
+    def finish_session(self, stage_failures: Mapping[str, str] | None = None) -> None:
+        session.finish_session(self, stage_failures)
