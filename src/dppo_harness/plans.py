@@ -1,355 +1,505 @@
 """Frozen plans: schema validation, sha256 of the exact file bytes, effective config, deviations.
 
-Two plan kinds live in `plans/`:
+Three plan kinds live in `plans/`:
 - `experiment_spec`: the saved experiment spec, verbatim from the brief (it has no `kind` key);
-- `bounded_diagnostic`: the requester's revised diagnostic (`"kind": "bounded_diagnostic"`).
+- `bounded_diagnostic`: the requester's revised diagnostic (`"kind": "bounded_diagnostic"`);
+- `rehearsal`: a complete experiment spec at rehearsal size, derived from a saved spec (by path
+  and sha256) with every difference declared (`"kind": "rehearsal"`, `plans/rehearsal/`).
 
-Validation is strict: an unknown key, a missing key or a wrong type raises `PlanError` whose
-message starts with the field path, e.g. `activation_gate.checks[2].min: expected number, got str`.
+Each kind is a strict pydantic model (no unknown keys, no coercion, no NaN/inf). An invalid plan
+raises `PlanError` whose message starts with the field path, e.g.
+`activation_gate.checks[2].min: expected number, got str`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
 from dppo_harness import constants
+from dppo_harness.schema_errors import STRICT, first_error, format_path, rule_error, type_name
 
-PlanKind = Literal["experiment_spec", "bounded_diagnostic"]
+PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
 # The brief's structured output only knows these deviation fields.
 DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
 class PlanError(ValueError):
     """A plan file that cannot be used; the message names the offending field path."""
 
 
-# ----------------------------------------------------------------------------- schema DSL
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, dict):
-        return "object"
-    if isinstance(value, list):
-        return "list"
-    return type(value).__name__
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
 def _fail(path: str, msg: str) -> PlanError:
     return PlanError(f"{path or '<root>'}: {msg}")
 
 
-class Schema:
-    def check(self, value: Any, path: str) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+# ----------------------------------------------------------------------------- field types
+
+NonNeg = Annotated[float, Field(ge=0)]
+Unit = Annotated[float, Field(ge=0, le=1)]
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Sha256 = Annotated[str, Field(pattern=_SHA256_PATTERN)]
+NonEmptyStr = Annotated[str, Field(min_length=1, pattern=r"\S")]
 
 
-class Str(Schema):
-    def __init__(self, pattern: str | None = None, choices: Sequence[str] | None = None):
-        self.pattern = re.compile(pattern) if pattern else None
-        self.choices = tuple(choices) if choices else None
+class _Model(BaseModel):
+    """Strict, closed model. An optional key (default None) may be left out but not given as null,
+    unless the field is listed in `_nullable`."""
 
-    def check(self, value: Any, path: str) -> None:
-        if not isinstance(value, str):
-            raise _fail(path, f"expected string, got {_type_name(value)}")
-        if self.choices is not None and value not in self.choices:
-            raise _fail(path, f"expected one of {list(self.choices)}, got {value!r}")
-        if self.pattern is not None and not self.pattern.fullmatch(value):
-            raise _fail(path, f"expected a string matching {self.pattern.pattern!r}, got {value!r}")
+    model_config = STRICT
+    _nullable: ClassVar[frozenset[str]] = frozenset()
 
-
-class Num(Schema):
-    def __init__(self, lo: float | None = None, hi: float | None = None):
-        self.lo, self.hi = lo, hi
-
-    def check(self, value: Any, path: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail(path, f"expected number, got {_type_name(value)}")
-        if not math.isfinite(value):
-            raise _fail(path, f"expected a finite number, got {value!r}")
-        if self.lo is not None and value < self.lo:
-            raise _fail(path, f"expected a number >= {self.lo}, got {value!r}")
-        if self.hi is not None and value > self.hi:
-            raise _fail(path, f"expected a number <= {self.hi}, got {value!r}")
+    @model_validator(mode="before")
+    @classmethod
+    def _no_null_for_optional_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                f = cls.model_fields.get(key)
+                if value is None and f is not None and not f.is_required() and key not in cls._nullable:
+                    raise rule_error(key, "expected a value, got null (leave the key out instead)")
+        return data
 
 
-class Int(Num):
-    def check(self, value: Any, path: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(path, f"expected integer, got {_type_name(value)}")
-        super().check(value, path)
+def _needs_bound(check: BaseModel, keys: Sequence[str]) -> None:
+    given = [k for k in keys if getattr(check, k, None) is not None]
+    if not given:
+        raise rule_error("", f"expected at least one of {', '.join(keys)}")
+    lo, hi = getattr(check, "min", None), getattr(check, "max", None)
+    if lo is not None and hi is not None and lo > hi:
+        raise rule_error("max", f"max {hi!r} is below min {lo!r}")
 
 
-class Bool(Schema):
-    def __init__(self, const: bool | None = None):
-        self.const = const
-
-    def check(self, value: Any, path: str) -> None:
-        if not isinstance(value, bool):
-            raise _fail(path, f"expected bool, got {_type_name(value)}")
-        if self.const is not None and value is not self.const:
-            raise _fail(path, f"expected {str(self.const).lower()}, got {str(value).lower()}")
+# ----------------------------------------------------------------------------- experiment_spec
 
 
-class Null(Schema):
-    def check(self, value: Any, path: str) -> None:
-        if value is not None:
-            raise _fail(path, f"expected null, got {_type_name(value)}")
+class ExperimentFeatures(_Model):
+    custom_loss: bool
+    custom_optimizer: bool
+    paired_comparison: bool
+    paired_training_arms: bool
+    checkpoint_restore: bool
+    warmup_adaptation: bool
+    generated_training_data: bool
+    learned_generator: bool
+    heldout_loss: bool
+    adaptive_selection: bool
 
 
-class Nullable(Schema):
-    def __init__(self, inner: Schema):
-        self.inner = inner
-
-    def check(self, value: Any, path: str) -> None:
-        if value is not None:
-            self.inner.check(value, path)
+class Tolerance(_Model):
+    atol: NonNeg
+    rtol: NonNeg
+    min_cosine: Annotated[float, Field(ge=-1, le=1)] | None = None
 
 
-class AnyJson(Schema):
-    def check(self, value: Any, path: str) -> None:
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise _fail(path, f"expected JSON data, got {_type_name(value)} ({exc})") from None
+class OptimizerConfig(_Model):
+    learning_rate: NonNeg
+    beta1: Unit
+    beta2: Unit
+    eps: NonNeg
+    weight_decay: NonNeg | None = None
+    grad_clip_norm: NonNeg | None = None
 
 
-class ListOf(Schema):
-    def __init__(self, item: Schema, min_len: int = 0, max_len: int | None = None):
-        self.item, self.min_len, self.max_len = item, min_len, max_len
+class GateCheck(_Model):
+    metric: str
+    measures: str
+    min: float | None = None
+    max: float | None = None
+    one_of: Annotated[list[str], Field(min_length=1)] | None = None
 
-    def check(self, value: Any, path: str) -> None:
-        if not isinstance(value, list):
-            raise _fail(path, f"expected list, got {_type_name(value)}")
-        if len(value) < self.min_len:
-            raise _fail(path, f"expected at least {self.min_len} items, got {len(value)}")
-        if self.max_len is not None and len(value) > self.max_len:
-            raise _fail(path, f"expected at most {self.max_len} items, got {len(value)}")
-        for i, item in enumerate(value):
-            self.item.check(item, f"{path}[{i}]")
+    @model_validator(mode="after")
+    def _bounded(self) -> GateCheck:
+        _needs_bound(self, ("min", "max", "one_of", "min_exclusive"))
+        return self
 
 
-class MapOf(Schema):
-    """An object with free keys and uniform values."""
-
-    def __init__(self, value: Schema):
-        self.value = value
-
-    def check(self, value: Any, path: str) -> None:
-        if not isinstance(value, dict):
-            raise _fail(path, f"expected object, got {_type_name(value)}")
-        for k, v in value.items():
-            self.value.check(v, _join(path, k))
+class SpecDataset(_Model):
+    name: str
+    hf_path: str
+    split: str
+    n_examples: PosInt
 
 
-class Obj(Schema):
-    """An object with a closed key set: unknown keys and missing required keys are errors."""
-
-    def __init__(
-        self,
-        required: Mapping[str, Schema],
-        optional: Mapping[str, Schema] | None = None,
-        rule: Any = None,
-    ):
-        self.required = dict(required)
-        self.optional = dict(optional or {})
-        self.rule = rule  # extra cross-field check: rule(value, path) raises PlanError
-
-    def check(self, value: Any, path: str) -> None:
-        if not isinstance(value, dict):
-            raise _fail(path, f"expected object, got {_type_name(value)}")
-        for key in value:
-            if key not in self.required and key not in self.optional:
-                raise _fail(_join(path, key), "unknown key")
-        for key in self.required:
-            if key not in value:
-                raise _fail(_join(path, key), "missing required key")
-        for key, v in value.items():
-            (self.required.get(key) or self.optional[key]).check(v, _join(path, key))
-        if self.rule is not None:
-            self.rule(value, path)
+class SpecOptimizer(_Model):
+    name: str
+    lr: NonNeg
 
 
-def _needs_bound(value: dict, path: str) -> None:
-    if not any(k in value for k in ("min", "max", "one_of", "min_exclusive")):
-        raise _fail(path, "expected at least one of min, max, one_of, min_exclusive")
-    if "min" in value and "max" in value and value["min"] > value["max"]:
-        raise _fail(_join(path, "max"), f"max {value['max']!r} is below min {value['min']!r}")
+class SpecEval(_Model):
+    benchmark: str
+    metric: str
+    n_examples: PosInt
+    aggregation: str | None
 
 
-# ----------------------------------------------------------------------------- schemas
-
-_FEATURES = Obj({k: Bool() for k in (
-    "custom_loss", "custom_optimizer", "paired_comparison", "paired_training_arms",
-    "checkpoint_restore", "warmup_adaptation", "generated_training_data", "learned_generator",
-    "heldout_loss", "adaptive_selection",
-)})
-_TOL = Obj({"atol": Num(lo=0), "rtol": Num(lo=0)}, {"min_cosine": Num(-1, 1)})
-_OPT_CONFIG = Obj(
-    {"learning_rate": Num(lo=0), "beta1": Num(0, 1), "beta2": Num(0, 1), "eps": Num(lo=0)},
-    {"weight_decay": Num(lo=0), "grad_clip_norm": Num(lo=0)},
-)
-_GATE_CHECK = Obj(
-    {"metric": Str(), "measures": Str()},
-    {"min": Num(), "max": Num(), "one_of": ListOf(Str(), min_len=1)},
-    rule=_needs_bound,
-)
-_DEVIATION = Obj({"field": Str(choices=DEVIATION_FIELDS), "original": Str(), "effective": Str(), "reason": Str()})
-
-EXPERIMENT_SPEC_SCHEMA = Obj({
-    "title": Str(), "hypothesis": Str(), "method": Str(), "base_model": Str(),
-    "lora_rank": Int(lo=1), "training_type": Str(),
-    "dataset": Obj({"name": Str(), "hf_path": Str(), "split": Str(), "n_examples": Int(lo=1)}),
-    "optimizer": Obj({"name": Str(), "lr": Num(lo=0)}),
-    "steps": Int(lo=1), "batch_size": Int(lo=1), "max_seq_len": Int(lo=1),
-    "eval": Obj({"benchmark": Str(), "metric": Str(), "n_examples": Int(lo=1), "aggregation": Nullable(Str())}),
-    "baseline": Str(),
-    "experiment_features": _FEATURES,
-    "correctness_preflight": Obj({
-        "required": Bool(), "status": Str(),
-        "paths": ListOf(Obj({
-            "id": Str(), "kind": Str(), "baseline_revision": Str(), "reference_revision": Str(),
-            "tolerances": MapOf(_TOL),
-        })),
-    }),
-    "activation_gate": Obj({"applicable": Bool(), "reason": Str(), "checks": ListOf(_GATE_CHECK)}),
-    "restoration_preflight": Obj({
-        "applicable": Bool(), "reason": Str(), "fixed_batch_required": Bool(),
-        "groups": ListOf(Obj({"arms": ListOf(Obj({
-            "name": Str(), "optimizer": Str(), "optimizer_config": _OPT_CONFIG,
-        }), min_len=1)})),
-    }),
-    "success_criterion": Str(),
-    "decision_rule": Obj({
-        "version": Int(), "estimand": Str(), "unit": Str(), "seeds": ListOf(Int()),
-        "alpha": Num(0, 1), "method": Str(),
-        "criteria": ListOf(Obj({
-            "id": Str(), "metric": Str(), "weights": MapOf(Num()), "margin": Num(),
-            "bounds": ListOf(Num(), min_len=2, max_len=2),
-        }), min_len=1),
-    }),
-    "primary_endpoint": Str(),
-    "arms": ListOf(Obj({
-        "name": Str(), "loss": Str(), "seed": Int(), "lr": Num(lo=0), "updates_per_batch": Int(lo=1),
-    }), min_len=1),
-    "feasibility_required": Bool(),
-    "feasibility": Nullable(AnyJson()),
-    "budget": Obj({"gpu_hours": Num(lo=0), "max_wall_minutes": Num(lo=0)}),
-    "generation_audit": Obj({
-        "required": Bool(), "answer_comparison": Str(), "min_sample_size": Int(lo=0),
-        "max_label_errors": Int(lo=0), "max_eval_overlaps": Int(lo=0),
-    }),
-    "command": Str(),
-    "feasibility_check": Obj({
-        "status": Str(), "problems": ListOf(Str()), "wall_seconds": Nullable(Num()),
-        "gpu_hours": Nullable(Num()), "known_gpu_hours": Num(), "phases": MapOf(AnyJson()),
-    }),
-})
+class CorrectnessPath(_Model):
+    id: str
+    kind: str
+    baseline_revision: str
+    reference_revision: str
+    tolerances: dict[str, Tolerance]
 
 
-def _schedule_rule(value: dict, path: str) -> None:
-    if value["minibatches_per_epoch"] * value["groups_per_minibatch"] != value["groups_per_batch"]:
-        raise _fail(_join(path, "groups_per_minibatch"),
-                    "minibatches_per_epoch x groups_per_minibatch must equal groups_per_batch")
-    if value["max_optimizer_updates"] > value["epochs"] * value["minibatches_per_epoch"]:
-        raise _fail(_join(path, "max_optimizer_updates"), "exceeds epochs x minibatches_per_epoch")
+class CorrectnessPreflight(_Model):
+    required: bool
+    status: str
+    paths: list[CorrectnessPath]
 
 
-def _diagnostic_rule(value: dict, path: str) -> None:
-    if value["original_hypothesis_tested"] is False and not value["tested_instead"].strip():
-        raise _fail("tested_instead", "must describe the claim tested when original_hypothesis_tested is false")
-    updates = value["recording"]["sentinels"]["after_updates"]
-    cap = value["schedule"]["max_optimizer_updates"]
-    if any(u > cap for u in updates):
-        raise _fail("recording.sentinels.after_updates", f"an update index exceeds max_optimizer_updates {cap}")
+class ActivationGate(_Model):
+    applicable: bool
+    reason: str
+    checks: list[GateCheck]
 
 
-DIAGNOSTIC_SCHEMA = Obj({
-    "kind": Str(choices=("bounded_diagnostic",)),
-    "version": Int(lo=1, hi=1),
-    "plan_id": Str(),
-    "title": Str(),
-    "original_plan": Obj({
-        "file": Str(), "sha256": Str(pattern=_SHA256_RE.pattern), "experiment_version": Str(),
-        "kept_intact": Bool(const=True),
-    }),
-    "authorization": Obj({"source": Str(), "launch_mode": Str(), "scope": Str(), "only_authorized_run": Bool()}),
-    "question": Str(),
-    "original_hypothesis_tested": Bool(),
-    "tested_instead": Str(),
-    "experiment_features": _FEATURES,
-    "fixed_settings": Obj({
-        "base_model": Str(), "lora_rank": Int(lo=1), "seed": Int(),
-        "initialization": Obj({
-            "source": Str(), "require_observed_successful_load": Bool(), "trained_pilot_weights_allowed": Bool(),
-        }),
-        "treatment": Obj({
-            "arm": Str(), "loss": Str(choices=("dppo_binary_tv",)), "delta": Num(lo=0), "ratio_cap": Num(lo=0),
-            "variant": Str(), "variant_note": Str(), "anchor": Str(choices=("sampler_logprobs",)),
-            "divergence": Str(), "reference_revision": Str(),
-        }),
-        "counterfactual_baseline": Obj({"loss": Str(), "ppo_eps": Num(lo=0), "trained": Bool(), "note": Str()}),
-        "optimizer": Obj({
-            "name": Str(choices=("adamw",)), "learning_rate": Num(lo=0), "beta1": Num(0, 1), "beta2": Num(0, 1),
-            "eps": Num(lo=0), "weight_decay": Num(lo=0), "grad_clip_norm": Num(lo=0),
-        }),
-        "sampling": Obj({
-            "renderer": Str(), "dataset": Str(), "split": Str(choices=("train",)),
-            "temperature": Num(lo=0), "max_tokens": Int(lo=1),
-        }),
-        "advantages": Str(choices=("group_mean_centered",)),
-        "loss_normalization": Obj({"mode": Str(choices=("sum", "token_mean")), "denominator": Str(), "reason": Str()}),
-    }),
-    "schedule": Obj({
-        "sampling_batches": Int(lo=1, hi=1), "groups_per_batch": Int(lo=1), "group_size": Int(lo=1),
-        "minibatches_per_epoch": Int(lo=1), "groups_per_minibatch": Int(lo=1), "complete_groups_only": Bool(),
-        "epochs": Int(lo=1), "max_optimizer_updates": Int(lo=1), "new_sampling_after_batch": Bool(const=False),
-        "old_logprob_refresh": Bool(const=False), "frozen_fields": ListOf(Str(), min_len=1),
-        "assert_hashes_before_every_reuse": Bool(), "record_sampler_checkpoint": Bool(),
-    }, rule=_schedule_rule),
-    "caps": Obj({
-        "max_wall_minutes": Num(lo=0), "wall_clock_includes": ListOf(Str()), "gpu_hours_cap": Num(lo=0),
-        "gpu_hours_cap_source": Str(), "stop_rule": Str(), "on_setup_exhausting_cap": Str(),
-        "check_remaining_budget_before_service_work": Bool(),
-    }),
-    "recording": Obj({
-        "before_each_loss_and_update": ListOf(Str(), min_len=1),
-        "sentinels": Obj({"source": Str(), "compare": Str(), "after_updates": ListOf(Int(lo=0), min_len=1),
-                          "purpose": Str()}),
-    }),
-    "analysis": Obj({
-        "scope": Str(), "pooling": Str(), "selection_rule": Str(),
-        "criteria": ListOf(Obj(
-            {"id": Str(), "metric": Str(), "measures": Str(),
-             "pooling": Str(choices=("token_weighted_ratio", "pooled_quantile", "token_count_sum"))},
-            {"min": Num(), "max": Num(), "min_exclusive": Num(), "applies_when": Str()},
-            rule=_needs_bound,
-        ), min_len=1),
-        "engagement_exclusions": ListOf(Str()),
-        "original_gate_report": Str(),
-    }),
-    "forbidden": ListOf(Str(), min_len=1),
-    "outcomes": Obj({"inactive": Str(), "active": Str(), "verdict": Str()}),
-    "unavailable_references": ListOf(Obj({"ref": Str(), "reason": Str()})),
-    "deviations": ListOf(_DEVIATION),
-}, rule=_diagnostic_rule)
+class RestorationArm(_Model):
+    name: str
+    optimizer: str
+    optimizer_config: OptimizerConfig
 
-SCHEMAS: dict[str, Obj] = {"experiment_spec": EXPERIMENT_SPEC_SCHEMA, "bounded_diagnostic": DIAGNOSTIC_SCHEMA}
+
+class RestorationGroup(_Model):
+    arms: Annotated[list[RestorationArm], Field(min_length=1)]
+
+
+class RestorationPreflight(_Model):
+    applicable: bool
+    reason: str
+    fixed_batch_required: bool
+    groups: list[RestorationGroup]
+
+
+class DecisionCriterion(_Model):
+    id: str
+    metric: str
+    weights: dict[str, float]
+    margin: float
+    bounds: Annotated[list[float], Field(min_length=2, max_length=2)]
+
+
+class DecisionRule(_Model):
+    version: int
+    estimand: str
+    unit: str
+    seeds: list[int]
+    alpha: Unit
+    method: str
+    criteria: Annotated[list[DecisionCriterion], Field(min_length=1)]
+
+
+class SpecArm(_Model):
+    name: str
+    loss: str
+    seed: int
+    lr: NonNeg
+    updates_per_batch: PosInt
+
+
+class Budget(_Model):
+    gpu_hours: NonNeg
+    max_wall_minutes: NonNeg
+
+
+class GenerationAudit(_Model):
+    required: bool
+    answer_comparison: str
+    min_sample_size: NonNegInt
+    max_label_errors: NonNegInt
+    max_eval_overlaps: NonNegInt
+
+
+class FeasibilityCheck(_Model):
+    status: str
+    problems: list[str]
+    wall_seconds: float | None
+    gpu_hours: float | None
+    known_gpu_hours: float
+    phases: dict[str, JsonValue]
+
+
+class ExperimentSpec(_Model):
+    """The brief's saved experiment spec (verbatim; no `kind` key)."""
+
+    title: str
+    hypothesis: str
+    method: str
+    base_model: str
+    lora_rank: PosInt
+    training_type: str
+    dataset: SpecDataset
+    optimizer: SpecOptimizer
+    steps: PosInt
+    batch_size: PosInt
+    max_seq_len: PosInt
+    eval: SpecEval
+    baseline: str
+    experiment_features: ExperimentFeatures
+    correctness_preflight: CorrectnessPreflight
+    activation_gate: ActivationGate
+    restoration_preflight: RestorationPreflight
+    success_criterion: str
+    decision_rule: DecisionRule
+    primary_endpoint: str
+    arms: Annotated[list[SpecArm], Field(min_length=1)]
+    feasibility_required: bool
+    feasibility: JsonValue
+    budget: Budget
+    generation_audit: GenerationAudit
+    command: str
+    feasibility_check: FeasibilityCheck
+
+
+# ----------------------------------------------------------------------------- bounded_diagnostic
+
+
+class OriginalPlanRef(_Model):
+    file: str
+    sha256: Sha256
+    experiment_version: str
+    kept_intact: Literal[True]
+
+
+class Authorization(_Model):
+    source: str
+    launch_mode: str
+    scope: str
+    only_authorized_run: bool
+
+
+class Initialization(_Model):
+    source: str
+    require_observed_successful_load: bool
+    trained_pilot_weights_allowed: bool
+
+
+class Treatment(_Model):
+    arm: str
+    loss: Literal["dppo_binary_tv"]
+    delta: NonNeg
+    ratio_cap: NonNeg
+    variant: str
+    variant_note: str
+    anchor: Literal["sampler_logprobs"]
+    divergence: str
+    reference_revision: str
+
+
+class CounterfactualBaseline(_Model):
+    loss: str
+    ppo_eps: NonNeg
+    trained: bool
+    note: str
+
+
+class DiagnosticOptimizer(_Model):
+    name: Literal["adamw"]
+    learning_rate: NonNeg
+    beta1: Unit
+    beta2: Unit
+    eps: NonNeg
+    weight_decay: NonNeg
+    grad_clip_norm: NonNeg
+
+
+class Sampling(_Model):
+    renderer: str
+    dataset: str
+    split: Literal["train"]
+    temperature: NonNeg
+    max_tokens: PosInt
+
+
+class LossNormalization(_Model):
+    mode: Literal["sum", "token_mean"]
+    denominator: str
+    reason: str
+
+
+class FixedSettings(_Model):
+    base_model: str
+    lora_rank: PosInt
+    seed: int
+    initialization: Initialization
+    treatment: Treatment
+    counterfactual_baseline: CounterfactualBaseline
+    optimizer: DiagnosticOptimizer
+    sampling: Sampling
+    advantages: Literal["group_mean_centered"]
+    loss_normalization: LossNormalization
+
+
+class Schedule(_Model):
+    sampling_batches: Annotated[int, Field(ge=1, le=1)]
+    groups_per_batch: PosInt
+    group_size: PosInt
+    minibatches_per_epoch: PosInt
+    groups_per_minibatch: PosInt
+    complete_groups_only: bool
+    epochs: PosInt
+    max_optimizer_updates: PosInt
+    new_sampling_after_batch: Literal[False]
+    old_logprob_refresh: Literal[False]
+    frozen_fields: Annotated[list[str], Field(min_length=1)]
+    assert_hashes_before_every_reuse: bool
+    record_sampler_checkpoint: bool
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Schedule:
+        if self.minibatches_per_epoch * self.groups_per_minibatch != self.groups_per_batch:
+            raise rule_error("groups_per_minibatch",
+                             "minibatches_per_epoch x groups_per_minibatch must equal groups_per_batch")
+        if self.max_optimizer_updates > self.epochs * self.minibatches_per_epoch:
+            raise rule_error("max_optimizer_updates", "exceeds epochs x minibatches_per_epoch")
+        return self
+
+
+class Caps(_Model):
+    max_wall_minutes: NonNeg
+    wall_clock_includes: list[str]
+    gpu_hours_cap: NonNeg
+    gpu_hours_cap_source: str
+    stop_rule: str
+    on_setup_exhausting_cap: str
+    check_remaining_budget_before_service_work: bool
+
+
+class Sentinels(_Model):
+    source: str
+    compare: str
+    after_updates: Annotated[list[NonNegInt], Field(min_length=1)]
+    purpose: str
+
+
+class Recording(_Model):
+    before_each_loss_and_update: Annotated[list[str], Field(min_length=1)]
+    sentinels: Sentinels
+
+
+class AnalysisCriterion(_Model):
+    id: str
+    metric: str
+    measures: str
+    pooling: Literal["token_weighted_ratio", "pooled_quantile", "token_count_sum"]
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: float | None = None
+    applies_when: str | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> AnalysisCriterion:
+        _needs_bound(self, ("min", "max", "one_of", "min_exclusive"))
+        return self
+
+
+class Analysis(_Model):
+    scope: str
+    pooling: str
+    selection_rule: str
+    criteria: Annotated[list[AnalysisCriterion], Field(min_length=1)]
+    engagement_exclusions: list[str]
+    original_gate_report: str
+
+
+class Outcomes(_Model):
+    inactive: str
+    active: str
+    verdict: str
+
+
+class UnavailableReference(_Model):
+    ref: str
+    reason: str
+
+
+class PlanDeviation(_Model):
+    field: Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
+    original: str
+    effective: str
+    reason: str
+
+
+class BoundedDiagnostic(_Model):
+    kind: Literal["bounded_diagnostic"]
+    version: Annotated[int, Field(ge=1, le=1)]
+    plan_id: str
+    title: str
+    original_plan: OriginalPlanRef
+    authorization: Authorization
+    question: str
+    original_hypothesis_tested: bool
+    tested_instead: str
+    experiment_features: ExperimentFeatures
+    fixed_settings: FixedSettings
+    schedule: Schedule
+    caps: Caps
+    recording: Recording
+    analysis: Analysis
+    forbidden: Annotated[list[str], Field(min_length=1)]
+    outcomes: Outcomes
+    unavailable_references: list[UnavailableReference]
+    deviations: list[PlanDeviation]
+
+    @model_validator(mode="after")
+    def _scope_and_sentinels(self) -> BoundedDiagnostic:
+        if self.original_hypothesis_tested is False and not self.tested_instead.strip():
+            raise rule_error("tested_instead", "must describe the claim tested when original_hypothesis_tested is false")
+        cap = self.schedule.max_optimizer_updates
+        if any(u > cap for u in self.recording.sentinels.after_updates):
+            raise rule_error("recording.sentinels.after_updates", f"an update index exceeds max_optimizer_updates {cap}")
+        return self
+
+
+# ----------------------------------------------------------------------------- rehearsal
+
+
+class DerivedFrom(_Model):
+    path: NonEmptyStr  # relative to the repository root holding the plan file
+    sha256: Sha256
+
+
+class Difference(_Model):
+    field: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*(\.[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*)*$")]
+    spec: JsonValue
+    rehearsal: JsonValue
+    reason: NonEmptyStr
+    _nullable: ClassVar[frozenset[str]] = frozenset({"spec", "rehearsal"})
+
+
+class RehearsalPlan(_Model):
+    """A complete experiment spec at rehearsal size; its differences from `derived_from` are
+    declared one by one, and the spec's gates and thresholds stay as written (see
+    check_rehearsal, which needs the derived-from file)."""
+
+    kind: Literal["rehearsal"]
+    version: Literal[1]
+    plan_id: NonEmptyStr
+    label: Literal["rehearsal"]
+    purpose: NonEmptyStr
+    derived_from: DerivedFrom
+    differences: list[Difference]
+    spec: ExperimentSpec
+
+    @model_validator(mode="after")
+    def _unique_fields(self) -> RehearsalPlan:
+        seen: set[str] = set()
+        for i, d in enumerate(self.differences):
+            if d.field in seen:
+                raise rule_error(f"differences[{i}].field", f"{d.field!r} is listed twice")
+            seen.add(d.field)
+        return self
+
+
+MODELS: dict[str, type[_Model]] = {
+    "experiment_spec": ExperimentSpec, "bounded_diagnostic": BoundedDiagnostic, "rehearsal": RehearsalPlan,
+}
 
 
 # ----------------------------------------------------------------------------- Plan
@@ -362,54 +512,79 @@ class Plan:
     kind: PlanKind
     path: Path | None = None
     data: bytes = field(default=b"", repr=False)
+    model: BaseModel | None = field(default=None, repr=False, compare=False)  # the validated pydantic model
 
     @property
     def name(self) -> str:
         return self.path.name if self.path else f"plan-{self.sha256[:12]}.json"
 
     @property
-    def base_model(self) -> str:
+    def spec(self) -> dict[str, Any]:
+        """The experiment spec this plan runs: the plan itself, or a rehearsal's inner spec."""
         if self.kind == "experiment_spec":
-            return self.raw["base_model"]
-        return self.raw["fixed_settings"]["base_model"]
+            return self.raw
+        if self.kind == "rehearsal":
+            spec: dict[str, Any] = self.raw["spec"]
+            return spec
+        raise PlanError("kind: a bounded_diagnostic plan carries no experiment spec")
+
+    @property
+    def base_model(self) -> str:
+        if self.kind == "bounded_diagnostic":
+            return str(self.raw["fixed_settings"]["base_model"])
+        return str(self.spec["base_model"])
 
     @property
     def experiment_features(self) -> dict[str, bool]:
-        return dict(self.raw["experiment_features"])
+        src = self.raw if self.kind == "bounded_diagnostic" else self.spec
+        return dict(src["experiment_features"])
 
     @property
     def budget(self) -> dict[str, float]:
         """{'gpu_hours', 'max_wall_minutes'} that this plan allows."""
-        if self.kind == "experiment_spec":
-            return {"gpu_hours": float(self.raw["budget"]["gpu_hours"]),
-                    "max_wall_minutes": float(self.raw["budget"]["max_wall_minutes"])}
-        caps = self.raw["caps"]
-        return {"gpu_hours": float(caps["gpu_hours_cap"]), "max_wall_minutes": float(caps["max_wall_minutes"])}
+        if self.kind == "bounded_diagnostic":
+            caps = self.raw["caps"]
+            return {"gpu_hours": float(caps["gpu_hours_cap"]), "max_wall_minutes": float(caps["max_wall_minutes"])}
+        b = self.spec["budget"]
+        return {"gpu_hours": float(b["gpu_hours"]), "max_wall_minutes": float(b["max_wall_minutes"])}
 
     @property
     def deviations(self) -> list[dict[str, str]]:
+        """Deviations the plan itself declares (a rehearsal's differences, in the brief's fields)."""
+        if self.kind == "rehearsal":
+            return [rehearsal_deviation(d) for d in self.raw["differences"]]
         return [dict(d) for d in self.raw.get("deviations", [])]
 
 
 def detect_kind(raw: Any) -> PlanKind:
     if not isinstance(raw, dict):
-        raise _fail("", f"expected object, got {_type_name(raw)}")
+        raise _fail("", f"expected object, got {type_name(raw)}")
     if "kind" in raw:
         kind = raw["kind"]
-        if kind not in SCHEMAS or kind == "experiment_spec":
-            raise _fail("kind", f"expected one of ['bounded_diagnostic'] (a saved experiment spec has no kind), got {kind!r}")
-        return kind
+        if kind not in ("bounded_diagnostic", "rehearsal"):
+            raise _fail("kind", "expected one of ['bounded_diagnostic', 'rehearsal'] "
+                                f"(a saved experiment spec has no kind), got {kind!r}")
+        return kind  # type: ignore[no-any-return]
     return "experiment_spec"
+
+
+def validate_model(raw: Any) -> tuple[PlanKind, BaseModel]:
+    """Validate a decoded plan against its kind's model; returns (kind, model) or raises PlanError."""
+    kind = detect_kind(raw)
+    try:
+        return kind, MODELS[kind].model_validate(raw)
+    except ValidationError as exc:
+        raise PlanError(first_error(exc)) from None
 
 
 def validate_plan(raw: Any) -> PlanKind:
     """Validate a decoded plan against its kind's schema; returns the kind or raises PlanError."""
-    kind = detect_kind(raw)
-    SCHEMAS[kind].check(raw, "")
-    return kind
+    return validate_model(raw)[0]
 
 
-def parse_plan(data: bytes, path: Path | None = None) -> Plan:
+def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None = None) -> Plan:
+    """Decode and validate plan bytes. A rehearsal is also checked against its derived-from spec,
+    found under `repo_root` (default: the nearest directory above `path` that holds it)."""
     where = f"{path}: " if path else ""
     try:
         raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
@@ -420,23 +595,25 @@ def parse_plan(data: bytes, path: Path | None = None) -> Plan:
     except ValueError as exc:
         raise PlanError(f"{where}<root>: {exc}") from None
     try:
-        kind = validate_plan(raw)
+        kind, model = validate_model(raw)
+        if kind == "rehearsal":
+            check_rehearsal(raw, _derived_from_file(raw["derived_from"]["path"], path, repo_root))
     except PlanError as exc:
         raise PlanError(f"{where}{exc}") from None
-    return Plan(raw=raw, sha256=hashlib.sha256(data).hexdigest(), kind=kind, path=path, data=data)
+    return Plan(raw=raw, sha256=hashlib.sha256(data).hexdigest(), kind=kind, path=path, data=data, model=model)
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not allowed")
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plan(path: str | Path, *, repo_root: Path | None = None) -> Plan:
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise PlanError(f"{path}: cannot read plan file ({exc.strerror})") from None
-    return parse_plan(data, path)
+    return parse_plan(data, path, repo_root=repo_root)
 
 
 def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan:
@@ -451,6 +628,146 @@ def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan
             f"original_plan.sha256: recorded {ref['sha256']} but {ref['file']} hashes to {original.sha256}"
         )
     return original
+
+
+# ----------------------------------------------------------------------------- rehearsal rules
+
+# Spec subtrees a rehearsal may not change (its gates and thresholds stay as written), as
+# (pattern over the leaf path, exception pattern or None).
+_FROZEN = (
+    re.compile(r"^activation_gate(\.|\[|$)"),
+    re.compile(r"^decision_rule(\.|\[|$)"),
+    re.compile(r"^success_criterion$"),
+    re.compile(r"^correctness_preflight(\.|\[|$)"),
+    re.compile(r"^arms\[\d+\]\.(loss|updates_per_batch)$"),
+    re.compile(r"^restoration_preflight(\.|\[|$)"),
+)
+_FOLLOWS_BASE_MODEL = re.compile(r"^activation_gate\.checks\[(\d+)\]\.one_of(\[\d+\])?$")
+_FOLLOWS_LR = re.compile(r"^restoration_preflight\.groups\[\d+\]\.arms\[\d+\]\.optimizer_config\.learning_rate$")
+_MISSING: Any = object()
+# Brief deviation field for a difference, by the spec's top-level key (default "objective").
+_DEVIATION_FIELD_OF = {"base_model": "model", "steps": "steps", "batch_size": "effective_batch",
+                       "dataset": "dataset", "eval": "evaluator", "primary_endpoint": "endpoint"}
+
+
+def _leaves(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+    """(path, value) of every leaf; an empty object or list is a leaf itself."""
+    if isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(obj, list) and obj:
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, obj
+
+
+def _parse_path(dotted: str) -> tuple[str | int, ...]:
+    out: list[str | int] = []
+    for part in dotted.split("."):
+        name, *idx = part.split("[")
+        out.append(name)
+        out += [int(i.rstrip("]")) for i in idx]
+    return tuple(out)
+
+
+def _get(obj: Any, path: tuple[str | int, ...]) -> Any:
+    for p in path:
+        if isinstance(p, int) and isinstance(obj, list) and p < len(obj):
+            obj = obj[p]
+        elif isinstance(p, str) and isinstance(obj, dict) and p in obj:
+            obj = obj[p]
+        else:
+            return _MISSING
+    return obj
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality that keeps true apart from 1 (and 1 from 1.0 only by value)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) or (
+        type(a) in (int, float) and type(b) in (int, float) and a == b)
+
+
+def _derived_from_file(rel: str, plan_path: Path | None, repo_root: Path | None) -> Path:
+    if repo_root is not None:
+        return Path(repo_root) / rel
+    if plan_path is None:
+        raise PlanError("derived_from.path: a rehearsal given as bytes needs repo_root to find its derived-from spec")
+    for base in Path(plan_path).resolve().parents:
+        if (base / rel).is_file():
+            return base / rel
+    raise PlanError(f"derived_from.path: {rel} not found in any directory above {plan_path}")
+
+
+def check_rehearsal(raw: Mapping[str, Any], derived_path: Path) -> None:
+    """The rules a rehearsal plan obeys against the spec it derives from (PlanError naming the field):
+    the derived-from file's sha256 matches; the frozen subtrees are unchanged; every leaf that
+    differs is declared in `differences` with matching values, and every declared difference
+    really differs."""
+    ref = raw["derived_from"]
+    try:
+        data = derived_path.read_bytes()
+    except OSError as exc:
+        raise _fail("derived_from.path", f"cannot read {derived_path} ({exc.strerror})") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != ref["sha256"]:
+        raise _fail("derived_from.sha256", f"recorded {ref['sha256']} but {ref['path']} hashes to {got}")
+    try:
+        base_plan = parse_plan(data, derived_path)
+    except PlanError as exc:
+        raise _fail("derived_from.path", f"not a usable plan ({exc})") from None
+    if base_plan.kind != "experiment_spec":
+        raise _fail("derived_from.path", f"expected an experiment spec, got kind {base_plan.kind!r}")
+    base, spec = base_plan.raw, raw["spec"]
+    declared = [(i, d, _parse_path(d["field"])) for i, d in enumerate(raw["differences"])]
+
+    changed = sorted({p for p, v in _leaves(spec) if not _same(_get(base, p), v)}
+                     | {p for p, v in _leaves(base) if not _same(_get(spec, p), v)}, key=str)
+    for p in changed:
+        leaf = format_path(p)
+        _check_not_frozen(leaf, spec)
+        if not any(p[: len(dp)] == dp for _, _, dp in declared):
+            raise _fail(f"spec.{leaf}", f"differs from {ref['path']} ({_show(_get(base, p))} -> "
+                                        f"{_show(_get(spec, p))}) but is not listed in differences")
+    for i, d, dp in declared:
+        old, new = _get(base, dp), _get(spec, dp)
+        if old is _MISSING or new is _MISSING:
+            raise _fail(f"differences[{i}].field", f"{d['field']!r} is not a field of both specs")
+        if _same(old, new):
+            raise _fail(f"differences[{i}]", f"{d['field']!r} does not differ: both specs have {_show(old)}")
+        if not _same(d["spec"], old):
+            raise _fail(f"differences[{i}].spec", f"expected {_show(old)} (the value in {ref['path']}), "
+                                                  f"got {_show(d['spec'])}")
+        if not _same(d["rehearsal"], new):
+            raise _fail(f"differences[{i}].rehearsal", f"expected {_show(new)} (the value in spec), "
+                                                       f"got {_show(d['rehearsal'])}")
+
+
+def _check_not_frozen(leaf: str, spec: Mapping[str, Any]) -> None:
+    m = _FOLLOWS_BASE_MODEL.match(leaf)
+    if m:
+        check = spec["activation_gate"]["checks"][int(m.group(1))]
+        if check.get("metric") == "executed_base_model" and spec["base_model"] in check.get("one_of", []):
+            return  # the executed-model check follows base_model
+    if _FOLLOWS_LR.match(leaf) and _same(_get(spec, _parse_path(leaf)), spec["optimizer"]["lr"]):
+        return  # the restoration preflight's learning rate follows optimizer.lr
+    if any(f.match(leaf) for f in _FROZEN):
+        raise _fail(f"spec.{leaf}", "a rehearsal keeps the spec's gates and thresholds as written "
+                                    "(activation_gate, decision_rule, success_criterion, correctness_preflight, "
+                                    "arms[*].loss, arms[*].updates_per_batch, restoration_preflight)")
+
+
+def _show(v: Any) -> str:
+    return "<absent>" if v is _MISSING else json.dumps(v)
+
+
+def rehearsal_deviation(d: Mapping[str, Any]) -> dict[str, str]:
+    """A declared rehearsal difference as a brief deviation ({field, original, effective, reason})."""
+    top = str(d["field"]).split(".")[0].split("[")[0]
+    return {"field": _DEVIATION_FIELD_OF.get(top, "objective"),
+            "original": f"{d['field']} = {json.dumps(d['spec'])}",
+            "effective": f"{d['field']} = {json.dumps(d['rehearsal'])}",
+            "reason": f"rehearsal: {d['reason']}"}
 
 
 # ----------------------------------------------------------------------------- backend + effective config
@@ -507,8 +824,9 @@ def generation_audit_applicability(plan: Plan) -> dict[str, Any]:
     generated_training_data=true requires it (overriding a legacy required=false); false makes it
     not applicable unless an explicit contract (generation_audit.required=true) asks for it.
     """
-    features = plan.raw.get("experiment_features", {})
-    explicit = plan.raw.get("generation_audit", {}).get("required") if plan.kind == "experiment_spec" else None
+    src = plan.raw if plan.kind == "bounded_diagnostic" else plan.spec
+    features = src.get("experiment_features", {})
+    explicit = src.get("generation_audit", {}).get("required") if plan.kind != "bounded_diagnostic" else None
     gen = features.get("generated_training_data")
     if gen is True:
         return {"applicable": True, "status": "required",
@@ -526,8 +844,8 @@ def generation_audit_applicability(plan: Plan) -> dict[str, Any]:
 def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) -> dict[str, Any]:
     """The configuration that will actually run, in the brief's feasibility.effective_config terms."""
     info = backend_info if isinstance(backend_info, BackendInfo) else BackendInfo.from_mapping(backend_info)
-    raw = plan.raw
-    if plan.kind == "experiment_spec":
+    raw = plan.raw if plan.kind == "bounded_diagnostic" else plan.spec
+    if plan.kind != "bounded_diagnostic":
         body: dict[str, Any] = {
             "base_model": raw["base_model"],
             "lora_rank": raw["lora_rank"],
@@ -561,8 +879,11 @@ def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) 
             "caps": dict(raw["caps"]),
             "analysis_criteria": [dict(c) for c in raw["analysis"]["criteria"]],
         }
+    plan_block: dict[str, Any] = {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}
+    if plan.kind == "rehearsal":
+        plan_block.update(label="rehearsal", derived_from=dict(plan.raw["derived_from"]))
     return {
-        "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256},
+        "plan": plan_block,
         "backend": {
             "backend": info.backend,
             "requested_model": info.requested_model,

@@ -64,6 +64,8 @@ def describe(err: ErrorDetails) -> str:
         msg = f"expected {_EXPECTED[kind]}, got {type_name(value)}"
     elif kind == "finite_number":
         msg = f"expected a finite number, got {value!r}"
+    elif kind == "literal_error" and isinstance(value, bool) and ctx["expected"] in ("True", "False"):
+        msg = f"expected {ctx['expected'].lower()}, got {str(value).lower()}"
     elif kind == "literal_error":
         msg = f"expected one of [{ctx['expected']}], got {value!r}"
     elif kind == "string_pattern_mismatch":

@@ -188,3 +188,95 @@ def test_generation_audit_applicability_follows_features():
     del raw["experiment_features"]["generated_training_data"]
     object.__setattr__(diag, "raw", raw)  # bypass schema: a missing feature must stay unknown
     assert generation_audit_applicability(diag)["status"] == "unknown"
+
+
+# ---- rehearsal plans (kind "rehearsal", CONTRACTS.md "Rehearsal plans") ----------------------
+
+LOCAL_MODEL = "local/tiny-qwen3-gsm8k"
+
+
+def _rehearsal(tmp_path, mutate=None):
+    """A rehearsal of the saved spec at a small size, written under a scratch repo; returns its path."""
+    (tmp_path / "plans" / "rehearsal").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "plans" / SPEC.name).write_bytes(SPEC.read_bytes())
+    base = _spec_raw()
+    spec = copy.deepcopy(base)
+    changes = {"steps": 4, "batch_size": 16, "eval.n_examples": 32, "optimizer.lr": 1e-3, "arms[0].lr": 1e-3,
+               "arms[1].lr": 1e-3, "base_model": LOCAL_MODEL, "activation_gate.checks[4].one_of[0]": LOCAL_MODEL}
+    for g, group in enumerate(spec["restoration_preflight"]["groups"]):
+        for a, _ in enumerate(group["arms"]):
+            changes[f"restoration_preflight.groups[{g}].arms[{a}].optimizer_config.learning_rate"] = 1e-3
+    from dppo_harness.plans import _get, _parse_path
+
+    differences = []
+    for dotted, value in changes.items():
+        path = _parse_path(dotted)
+        parent = _get(spec, path[:-1])
+        parent[path[-1]] = value
+        differences.append({"field": dotted, "spec": _get(base, path), "rehearsal": value,
+                            "reason": "CPU rehearsal size on the embedded server"})
+    raw = {"kind": "rehearsal", "version": 1, "plan_id": "comparison-local", "label": "rehearsal",
+           "purpose": "rehearse the comparison stage end to end on the embedded server",
+           "derived_from": {"path": f"plans/{SPEC.name}", "sha256": SPEC_SHA256},
+           "differences": differences, "spec": spec}
+    if mutate:
+        mutate(raw)
+    path = tmp_path / "plans" / "rehearsal" / "comparison-local.json"
+    path.write_text(json.dumps(raw, indent=2))
+    return path
+
+
+def test_rehearsal_plan_loads_and_exposes_its_spec(tmp_path):
+    plan = load_plan(_rehearsal(tmp_path))
+    assert plan.kind == "rehearsal" and plan.spec["steps"] == 4 and plan.spec["base_model"] == LOCAL_MODEL
+    assert plan.base_model == LOCAL_MODEL and plan.budget == {"gpu_hours": 2.0, "max_wall_minutes": 120.0}
+    devs = {d["original"].split(" = ")[0]: d["field"] for d in plan.deviations}
+    assert devs["steps"] == "steps" and devs["batch_size"] == "effective_batch" and devs["base_model"] == "model"
+    assert devs["eval.n_examples"] == "evaluator" and devs["optimizer.lr"] == "objective"
+    cfg = effective_config(plan, BackendInfo("local", LOCAL_MODEL, LOCAL_MODEL))
+    assert cfg["plan"]["kind"] == "rehearsal" and cfg["plan"]["label"] == "rehearsal"
+    assert cfg["plan"]["derived_from"]["sha256"] == SPEC_SHA256
+    assert (cfg["config"]["steps"], cfg["config"]["batch_size"], cfg["config"]["n_eval"]) == (4, 16, 32)
+    # given as bytes, it needs the repo root to find the derived-from spec
+    again = parse_plan(plan.data, repo_root=tmp_path)
+    assert again.sha256 == plan.sha256
+    with pytest.raises(PlanError, match="derived_from.path: a rehearsal given as bytes needs repo_root"):
+        parse_plan(plan.data)
+
+
+def _add_difference(field, spec, rehearsal):
+    return lambda r: r["differences"].append({"field": field, "spec": spec, "rehearsal": rehearsal, "reason": "r"})
+
+
+@pytest.mark.parametrize("mutate, message", [
+    # an undeclared difference
+    (lambda r: r["spec"].__setitem__("max_seq_len", 512),
+     "spec.max_seq_len: differs from plans/exp_e6b0965af3.json (1024 -> 512) but is not listed in differences"),
+    # a phantom difference (listed, but both specs agree)
+    (_add_difference("lora_rank", 32, 32), "differences[10]: 'lora_rank' does not differ"),
+    # a gate threshold changed (even when declared)
+    (lambda r: (r["spec"]["activation_gate"]["checks"][0].__setitem__("min", 0.01),
+                _add_difference("activation_gate.checks[0].min", 0.001, 0.01)(r)),
+     "spec.activation_gate.checks[0].min: a rehearsal keeps the spec's gates and thresholds"),
+    (lambda r: (r["spec"]["arms"][1].__setitem__("loss", "grpo_clip_eps0.2"),
+                _add_difference("arms[1].loss", "dppo_divergence_mask", "grpo_clip_eps0.2")(r)),
+     "spec.arms[1].loss: a rehearsal keeps"),
+    (lambda r: r["spec"]["decision_rule"].__setitem__("alpha", 0.5), "spec.decision_rule.alpha: a rehearsal keeps"),
+    # the restoration learning rate may only follow optimizer.lr
+    (lambda r: r["spec"]["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"].__setitem__(
+        "learning_rate", 0.5), "spec.restoration_preflight.groups[0].arms[0].optimizer_config.learning_rate: "),
+    # a wrong derived_from sha256
+    (lambda r: r["derived_from"].__setitem__("sha256", "0" * 64), "derived_from.sha256: recorded 0000"),
+    # declared values that do not match the specs
+    (lambda r: r["differences"][0].__setitem__("spec", 99), "differences[0].spec: expected 100"),
+    (lambda r: r["differences"][0].__setitem__("rehearsal", 5), "differences[0].rehearsal: expected 4"),
+    (lambda r: r["differences"][0].__setitem__("reason", " "), "differences[0].reason: expected a string matching"),
+    (_add_difference("no_such.key", 1, 2), "differences[10].field: 'no_such.key' is not a field of both specs"),
+    (lambda r: r["spec"].__setitem__("lora_rank", "32"), "spec.lora_rank: expected integer, got str"),
+    (lambda r: r.__setitem__("label", "comparison"), "label: expected one of"),
+    (lambda r: r["derived_from"].__setitem__("path", "plans/missing.json"), "derived_from.path: plans/missing.json"),
+])
+def test_malformed_rehearsal_names_the_field(tmp_path, mutate, message):
+    with pytest.raises(PlanError) as e:
+        load_plan(_rehearsal(tmp_path, mutate))
+    assert str(e.value).split(": ", 1)[1].startswith(message), str(e.value)

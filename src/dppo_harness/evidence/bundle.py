@@ -41,6 +41,7 @@ from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
     DEVIATION_FIELDS,
     as_text,
+    check_rehearsal_plan_result,
     check_update_keys,
     initial_result,
     label_summary,
@@ -67,6 +68,7 @@ class EvidenceBundle:
         self._lock = threading.RLock()
         self._files = FileRegistry(run_dir / FILES_DIR)
         self._ledger = BudgetLedger(run_dir / LEDGER_FILE, clock)
+        self._rehearsal_plan = False  # set by record_plan for a plan of kind "rehearsal"
 
     # -- construction
 
@@ -171,8 +173,10 @@ class EvidenceBundle:
     # -- result.json
 
     def _write_result(self, state: dict[str, Any]) -> None:
-        state["summary"] = label_summary(state, state["summary"])
+        state["summary"] = label_summary(state, state["summary"], self._rehearsal_plan)
         validate_result(state)
+        if self._rehearsal_plan:
+            check_rehearsal_plan_result(state)
         data = dump_json(state)
         self._scan(data, RESULT_FILE)
         atomic_write(self.dir / RESULT_FILE, data)
@@ -342,6 +346,10 @@ class EvidenceBundle:
     # -- pytest session (called by dppo_harness.pytest_plugin; see evidence.session)
 
     def record_plan(self, plan: Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None) -> None:
+        if plan.kind == "rehearsal":
+            with self._lock:
+                check_rehearsal_plan_result(self._result)
+                self._rehearsal_plan = True
         session.record_plan(self, plan, effective_config, plan_name=plan_name)
 
     def start_session(self, *, backend: Literal["local", "tinker"], plan: Plan, stages: Sequence[str],
