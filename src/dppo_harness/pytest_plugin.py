@@ -1,6 +1,10 @@
 """Pytest plugin: the experiment's gated stages, their order, fail-fast and session fixtures.
 
-Registered from the project's top-level conftest.py. Stage rules live in `stages.py`.
+Registered through the `pytest11` entry point `dppo_harness.pytest_plugin` (pyproject.toml), so
+`--plan` and friends are known wherever pytest runs; the project's conftest.py names the same
+module, which pytest then skips as already registered (the entry point's name is the module
+name). Stage rules live in `stages.py`; the plan is validated in pytest_configure, so a
+malformed plan is a one-line usage error before anything is collected.
 """
 
 from __future__ import annotations
@@ -10,13 +14,24 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
 from dppo_harness import stages
+from dppo_harness.plans import Plan, PlanError, load_plan
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.local_server.process import LocalServerProcess
+    from dppo_harness.service import ClientRegistry
 
 STAGE_KEY = pytest.StashKey[str]()
 _STATE_KEY = pytest.StashKey["_StageState"]()
+_PLAN_KEY = pytest.StashKey[Plan]()
+_ITEMS_KEY = pytest.StashKey[list[pytest.Item]]()
 
 # Fixture modules of later stages; each owns the session fixtures of its step.
 FIXTURE_PLUGINS = ("dppo_harness.fixtures_preflight", "dppo_harness.fixtures_stages")
@@ -24,7 +39,7 @@ FIXTURE_PLUGINS = ("dppo_harness.fixtures_preflight", "dppo_harness.fixtures_sta
 
 @dataclass(frozen=True)
 class HarnessOptions:
-    backend: str  # "local" (embedded server) or "tinker" (TINKER_BASE_URL)
+    backend: Literal["local", "tinker"]  # "local": embedded server; "tinker": TINKER_BASE_URL
     plan_path: Path
     evidence_dir: Path
     selected_stages: tuple[str, ...]  # the stages this session runs, in order
@@ -37,9 +52,9 @@ class _StageState:
     started: dict[str, float] = field(default_factory=dict)
     finished: dict[str, float] = field(default_factory=dict)
     current: str | None = None
-    bundle: object | None = None  # the session's EvidenceBundle, once a test asked for it
-    registry: object | None = None  # the session's ClientRegistry, once a test asked for it
-    outcome: dict | None = None  # final result fields a stage proposed, applied if nothing failed
+    bundle: EvidenceBundle | None = None  # the session's bundle, once a test asked for it
+    registry: ClientRegistry | None = None  # the session's client registry, once a test asked for it
+    outcome: dict[str, Any] | None = None  # final result fields a stage proposed, applied if nothing failed
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,7 +80,11 @@ def pytest_configure(config: pytest.Config) -> None:
         state.run, _ = stages.expand_selection(selected)
         config.option.markexpr = ""
     config.stash[_STATE_KEY] = state
-    config.stash[_OPTIONS_KEY] = _resolve_options(config, state)
+    options = _resolve_options(config, state)
+    config.stash[_OPTIONS_KEY] = options
+    plan = _validated_plan(config, options)
+    if plan is not None:
+        config.stash[_PLAN_KEY] = plan
     for name in FIXTURE_PLUGINS:
         config.pluginmanager.import_plugin(name)
 
@@ -73,8 +92,27 @@ def pytest_configure(config: pytest.Config) -> None:
 _OPTIONS_KEY = pytest.StashKey[HarnessOptions]()
 
 
+def _validated_plan(config: pytest.Config, options: HarnessOptions) -> Plan | None:
+    """Load the session's plan now: an explicit --plan always, the default plan when a stage that
+    uses it is selected. A malformed plan is a usage error naming the field."""
+    explicit = config.getoption("--plan") is not None
+    if not explicit and set(options.selected_stages) <= {"unit"}:
+        return None
+    try:
+        plan = load_plan(options.plan_path)
+    except PlanError as exc:
+        raise pytest.UsageError(f"{'--plan' if explicit else 'default plan'}: {exc}") from None
+    if explicit and config.inipath is None and options.plan_path.parent in (config.rootpath, *config.rootpath.parents):
+        # `--plan PATH` (space) outside the project: pytest picks the rootdir before any plugin
+        # option is known, so it takes PATH for a test path and roots the session above it.
+        raise pytest.UsageError(f"--plan: pytest rooted this session at {config.rootpath} (no project config "
+                                f"found) because it read the plan path as a test path; write --plan={options.plan_path}")
+    return plan
+
+
 def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOptions:
-    backend = config.getoption("--backend") or (
+    backend_opt = config.getoption("--backend")
+    backend: Literal["local", "tinker"] = backend_opt or (
         "tinker" if os.environ.get("TINKER_BASE_URL") else "local"
     )
     if backend == "tinker" and not os.environ.get("TINKER_BASE_URL"):
@@ -211,13 +249,14 @@ def harness_options(pytestconfig: pytest.Config) -> HarnessOptions:
 
 @dataclass(frozen=True)
 class ServiceBackend:
-    kind: str  # "local" or "tinker"
+    kind: Literal["local", "tinker"]
     base_url: str
-    server: object | None  # the LocalServerProcess when kind == "local"
+    server: LocalServerProcess | None  # the embedded server when kind == "local"
 
 
 @pytest.fixture(scope="session")
-def service_backend(harness_options: HarnessOptions, tmp_path_factory) -> Iterator[ServiceBackend]:
+def service_backend(harness_options: HarnessOptions,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceBackend]:
     if harness_options.backend == "tinker":
         yield ServiceBackend("tinker", os.environ["TINKER_BASE_URL"], None)
         return
@@ -229,7 +268,7 @@ def service_backend(harness_options: HarnessOptions, tmp_path_factory) -> Iterat
 
 
 @pytest.fixture(scope="session")
-def client_registry(pytestconfig: pytest.Config) -> Iterator[object]:
+def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     """Every service client the harness creates; stage-scoped ones are released at stage end."""
     from dppo_harness.service import ClientRegistry
 
@@ -241,7 +280,7 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def service_client(service_backend: ServiceBackend, client_registry):
+def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
     from dppo_harness.service import make_service_client
 
@@ -251,21 +290,19 @@ def service_client(service_backend: ServiceBackend, client_registry):
 
 
 @pytest.fixture(scope="session")
-def spec_plan(pytestconfig: pytest.Config):
-    from dppo_harness.plans import load_plan
-
+def spec_plan(pytestconfig: pytest.Config) -> Plan:
     return load_plan(pytestconfig.rootpath / "plans" / "exp_e6b0965af3.json")
 
 
 @pytest.fixture(scope="session")
-def plan(harness_options: HarnessOptions):
-    from dppo_harness.plans import load_plan
-
-    return load_plan(harness_options.plan_path)
+def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
+    """The plan validated at configure time (the same bytes), else loaded now."""
+    return pytestconfig.stash.get(_PLAN_KEY, None) or load_plan(harness_options.plan_path)
 
 
 @pytest.fixture(scope="session")
-def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan, service_backend):
+def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan: Plan,
+                    service_backend: ServiceBackend) -> EvidenceBundle:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.feasibility import local_rehearsal
 
@@ -287,10 +324,8 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
 
 
 def _stage_test_files(config: pytest.Config) -> list[Path]:
-    session = getattr(config, "_harness_session", None)
-    items = session.items if session is not None else []
-    return [Path(it.path) for it in items]
+    return [Path(it.path) for it in config.stash.get(_ITEMS_KEY, [])]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    session.config._harness_session = session  # type: ignore[attr-defined]
+    session.config.stash[_ITEMS_KEY] = list(session.items)

@@ -1,8 +1,17 @@
-"""The stage plugin, driven through pytester on a throwaway project."""
+"""The stage plugin, driven through pytester on a throwaway project (and once as a subprocess)."""
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 PROJECT = {
     "tests/unit/test_u.py": "def test_parity():\n    assert True\n",
@@ -18,7 +27,7 @@ def project(pytester: pytest.Pytester):
     def make(preflight_ok: bool = True, unit_ok: bool = True):
         (pytester.path / "plans").mkdir()
         for name in ("exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json"):
-            (pytester.path / "plans" / name).write_text("{}")
+            (pytester.path / "plans" / name).write_bytes((REPO / "plans" / name).read_bytes())
         pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin"]')
         pytester.makeini("[pytest]\ntestpaths = tests\naddopts = --strict-markers -p no:cacheprovider\n")
         for rel, src in PROJECT.items():
@@ -152,3 +161,54 @@ def test_fixture_error_blocks_later_stages(project):
     res = p.runpytest("-v", "-rs", "-m", "gate")
     res.assert_outcomes(passed=1, errors=1, skipped=1, deselected=2)
     res.stdout.fnmatch_lines(["*blocked: stage 'preflight' failed*"])
+
+
+def test_malformed_plan_is_one_usage_error_before_collection(project):
+    p = project()
+    raw = json.loads((REPO / "plans" / "exp_e6b0965af3-diagnostic-r1.json").read_text())
+    del raw["schedule"]["epochs"]
+    (p.path / "elsewhere").mkdir()
+    (p.path / "elsewhere" / "x.json").write_text(json.dumps(raw))
+    res = p.runpytest("-m", "diagnostic", "--plan", "elsewhere/x.json")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [ln for ln in res.errlines if ln.startswith("ERROR")]
+    assert len(errors) == 1 and errors[0].endswith("x.json: schedule.epochs: missing required key"), res.errlines
+    assert not any("passed" in ln or "collected" in ln for ln in res.outlines)
+    # the default plan of a selected stage is validated as well
+    (p.path / "plans" / "exp_e6b0965af3-diagnostic-r1.json").write_text("{}")
+    res = p.runpytest("-m", "diagnostic")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["ERROR: default plan: *exp_e6b0965af3-diagnostic-r1.json: title: missing required key*"])
+
+
+def _entry_point_path(tmp_path: Path) -> list[str]:
+    """sys.path entries that make the pytest11 entry point visible, as an installed package has it."""
+    if any(ep.value == "dppo_harness.pytest_plugin" for ep in entry_points(group="pytest11")):
+        return []
+    dist = tmp_path / "ep" / "dppo_harness_entry_point-0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dppo-harness-entry-point\nVersion: 0.0\n")
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"dppo_harness.pytest_plugin" = "dppo_harness.pytest_plugin"' in pyproject  # what we simulate
+    (dist / "entry_points.txt").write_text("[pytest11]\ndppo_harness.pytest_plugin = dppo_harness.pytest_plugin\n")
+    return [str(tmp_path / "ep")]
+
+
+def test_plan_outside_the_project_fails_fast_as_a_new_user_runs_it(tmp_path):
+    """`pytest -m diagnostic --plan /elsewhere/x.json` from the project root: pytest roots the
+    session outside the project, so only the entry point knows --plan; the malformed plan is one
+    error line within 10 s."""
+    bad = tmp_path / "x.json"
+    bad.write_text('{"kind": "bounded_diagnostic", "version": }')
+    src = str(REPO / "src")
+    env = dict(os.environ, TINKER_TELEMETRY="0",
+               PYTHONPATH=os.pathsep.join([src, *_entry_point_path(tmp_path)]))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "pytest", "-m", "diagnostic", "--plan", str(bad),
+                          "-p", "no:cacheprovider"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == pytest.ExitCode.USAGE_ERROR, res.stdout + res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines == [f"ERROR: --plan: {bad}: <root>: invalid JSON at line 1 column 43: Expecting value"], lines
+    assert "unrecognized arguments" not in res.stderr
+    assert elapsed < 10, f"{elapsed:.1f}s"
