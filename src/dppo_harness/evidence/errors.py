@@ -1,0 +1,19 @@
+"""Errors of the evidence bundle (SecretLeakError comes from secrets_scan)."""
+
+from __future__ import annotations
+
+
+class EvidenceError(RuntimeError):
+    """Bad input to the bundle; nothing was written."""
+
+
+class LimitError(EvidenceError):
+    """A file, the file count or the run's total bytes would exceed the bundle's limits."""
+
+
+class ImmutableNameError(EvidenceError):
+    """A registered name was offered different bytes or a different kind."""
+
+
+class ResultShapeError(EvidenceError):
+    """result.json would not have the brief's structured-output shape."""

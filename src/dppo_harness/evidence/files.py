@@ -1,0 +1,129 @@
+"""The file registry: `files/<name>`, immutable once registered, within the bundle's limits.
+
+The registry's entries ({name, kind, sha256, size}) live in result.json under evidence.files;
+the bundle keeps them there. This module decides whether bytes may be registered and writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypedDict
+
+from dppo_harness.evidence.errors import EvidenceError, ImmutableNameError, LimitError
+
+MAX_FILE_BYTES = 10 * 1024 * 1024
+MAX_FILES = 64
+MAX_TOTAL_BYTES = 40 * 1024 * 1024
+
+KINDS = frozenset({
+    "script", "effective_config", "code_revision", "code_patch", "predictions", "metrics", "plan",
+    "report", "tensors", "manifest", "plot", "log", "generated_tasks",
+})
+RESULT_FILE = "result.json"
+LEDGER_FILE = "ledger.json"
+FILES_DIR = "files"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RESERVED_NAMES = frozenset({RESULT_FILE, LEDGER_FILE, "LATEST"})
+
+
+class FileEntry(TypedDict):
+    name: str
+    kind: str
+    sha256: str
+    size: int
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same directory, fsync, then os.replace (never a torn file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def dump_json(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def json_file_bytes(name: str, obj: Any) -> bytes:
+    """A registered JSON file's bytes: sorted keys, no NaN/inf."""
+    try:
+        return (json.dumps(obj, indent=2, sort_keys=True, allow_nan=False, ensure_ascii=False) + "\n").encode()
+    except (TypeError, ValueError) as exc:
+        raise EvidenceError(f"file {name!r}: not JSON-serializable without NaN/inf ({exc})") from None
+
+
+def valid_name(name: object) -> bool:
+    return isinstance(name, str) and bool(NAME_RE.match(name)) and name not in RESERVED_NAMES
+
+
+class FileRegistry:
+    """Admits and writes evidence files under `<run>/files/`."""
+
+    def __init__(self, files_dir: Path):
+        self.dir = files_dir
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def admit(self, name: str, kind: str, data: bytes, entries: Sequence[FileEntry]) -> tuple[FileEntry, bool]:
+        """(entry, is_new). Same name, bytes and kind again is a no-op (is_new False).
+
+        Raises EvidenceError for a bad name/kind, ImmutableNameError for a changed file."""
+        if not valid_name(name):
+            raise EvidenceError(f"file name {name!r}: use 1-128 of letters, digits, '.', '_', '-' (not a reserved name)")
+        if kind not in KINDS:
+            raise EvidenceError(f"file {name!r}: unknown kind {kind!r}; expected one of {sorted(KINDS)}")
+        entry = FileEntry(name=name, kind=kind, sha256=sha256_bytes(data), size=len(data))
+        for existing in entries:
+            if existing["name"] != name:
+                continue
+            if existing["sha256"] == entry["sha256"] and existing["kind"] == kind:
+                return FileEntry(**existing), False
+            what = "bytes" if existing["sha256"] != entry["sha256"] else "kind"
+            raise ImmutableNameError(
+                f"file {name!r} is already registered with different {what}"
+                f" (sha256 {existing['sha256'][:12]}…, kind {existing['kind']}); use a new name")
+        return entry, True
+
+    @staticmethod
+    def check_limits(entry: FileEntry, entries: Sequence[FileEntry]) -> None:
+        name, size = entry["name"], entry["size"]
+        if size > MAX_FILE_BYTES:
+            raise LimitError(f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file")
+        if len(entries) + 1 > MAX_FILES:
+            raise LimitError(f"file {name!r} would be file {len(entries) + 1}; the limit is {MAX_FILES} files per run")
+        total = sum(f["size"] for f in entries)
+        if total + size > MAX_TOTAL_BYTES:
+            raise LimitError(f"file {name!r} ({size} bytes) would bring the run to {total + size} bytes; "
+                             f"the limit is {MAX_TOTAL_BYTES} bytes (40 MiB) in total")
+
+    def write(self, entry: FileEntry, data: bytes) -> None:
+        atomic_write(self.path(entry["name"]), data)
+
+    @staticmethod
+    def read_source(name: str, path: Path) -> bytes:
+        """Bytes of a file on disk to register, refusing a missing or oversized source early."""
+        if not path.is_file():
+            raise EvidenceError(f"file {name!r}: source {path} does not exist or is not a file")
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise LimitError(f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file")
+        return path.read_bytes()

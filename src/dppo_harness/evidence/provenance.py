@@ -1,0 +1,58 @@
+"""Code revision of the run: git commit plus the full uncommitted diff (read-only git calls)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from dppo_harness.evidence.files import sha256_bytes
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=60)
+
+
+def _source_sha256(root: Path) -> str | None:
+    pkg = root / "src" / "dppo_harness"
+    if not pkg.is_dir():
+        return None
+    h = hashlib.sha256()
+    for p in sorted(pkg.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[dict[str, Any], bytes]:
+    """(revision info, patch bytes): git commit plus the full uncommitted diff, untracked files included.
+
+    Read-only: uses `git diff --no-index` for untracked files instead of touching the index.
+    """
+    info: dict[str, Any] = {"repo": root.name, "source_sha256": _source_sha256(root)}
+    head = _git(root, "rev-parse", "HEAD") if (root / ".git").exists() else None
+    if head is None or head.returncode != 0:
+        info.update({"commit": None, "available": False,
+                     "reason": "not a git checkout (or no commit); source_sha256 identifies the package source"})
+        return info, b""
+    info.update({"commit": head.stdout.decode().strip(), "available": True})
+    tracked = _git(root, "diff", "HEAD", "--binary").stdout
+    excl = [Path(e).resolve() for e in exclude]
+    untracked, skipped = [], []
+    out = _git(root, "ls-files", "--others", "--exclude-standard", "-z").stdout.decode()
+    for rel in filter(None, out.split("\0")):
+        p = (root / rel).resolve()
+        if any(p == e or e in p.parents for e in excl):
+            continue
+        if p.stat().st_size > 2 * 1024 * 1024:  # large data: listed with its hash, not inlined
+            skipped.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_bytes(p.read_bytes())})
+            continue
+        untracked.append(rel)
+    parts = [tracked]
+    for rel in untracked:
+        parts.append(_git(root, "diff", "--no-index", "--binary", "--", "/dev/null", rel).stdout)
+    patch = b"".join(parts)
+    info.update({"dirty": bool(patch), "untracked_files": untracked, "untracked_not_in_patch": skipped,
+                 "patch_sha256": sha256_bytes(patch) if patch else None})
+    return info, patch

@@ -1,0 +1,285 @@
+"""result.json: the brief's structured output (+ the harness's `backend` block).
+
+`ResultModel` is its shape as a strict pydantic model (no extra keys, no coercion, no NaN/inf);
+the cross-field rules (verdict only when final, outcome_reason implies verdict, a local backend's
+summary carries the rehearsal label, ...) are its model validator. The bundle keeps the result as
+a plain dict (what is written is exactly what was posted) and validates every new state with
+`validate_result` before it is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator, Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
+from dppo_harness.schema_errors import STRICT, first_error, rule_error
+
+DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
+STATUSES = ("running", "succeeded", "failed")
+VERDICTS = ("supported", "refuted", "inconclusive")
+OUTCOME_REASONS = ("supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence", "incomplete_execution")
+REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
+# A run under a rehearsal plan (plans/rehearsal/) on a real service is a rehearsal as well.
+REHEARSAL_PLAN_PREFIX = "Rehearsal plan, not the saved experiment spec: "
+
+Status = Literal["running", "succeeded", "failed"]
+Verdict = Literal["supported", "refuted", "inconclusive"]
+OutcomeReason = Literal["supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence",
+                        "incomplete_execution"]
+DeviationField = Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
+FileKind = Literal["script", "effective_config", "code_revision", "code_patch", "predictions", "metrics", "plan",
+                   "report", "tensors", "manifest", "plot", "log", "generated_tasks"]
+NumberMap = dict[str, float]  # strict float: ints pass, bools and strings do not; finite only
+# Keys update_result may not touch; dedicated bundle methods keep their invariants.
+PROTECTED = frozenset({("deviations",), ("evidence", "files"), ("evidence", "checkpoints"), ("evidence", "version"),
+                       ("backend",)})
+
+
+class _Strict(BaseModel):
+    model_config = STRICT
+
+
+class Metrics(BaseModel):
+    """`arms` holds per-arm number maps; every other key is a finite number."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    arms: dict[str, NumberMap]
+    __pydantic_extra__: dict[str, float] = Field(init=False)
+
+
+class Deviation(_Strict):
+    field: DeviationField
+    original: str
+    effective: str
+    reason: str
+
+
+class FileEntryModel(_Strict):
+    name: str
+    kind: FileKind
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    size: Annotated[int, Field(ge=0)]
+
+
+class Checkpoint(_Strict):
+    arm: str
+    step: int
+    uri: str
+
+
+class EvidenceBlock(_Strict):
+    version: Literal[1]
+    files: list[FileEntryModel]
+    checkpoints: list[Checkpoint]
+    per_arm_metrics: dict[str, NumberMap]
+
+
+class CapacityBlock(_Strict):
+    error: str
+    comparison_steps_completed: int
+    released_clients: bool
+
+
+class Backend(BaseModel):
+    """The backend block; `kind` is fixed, the rest (models, sdk_versions, base_url, ...) is free."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    kind: Literal["local", "tinker"]
+
+
+JsonBlock = Any  # free JSON written by one stage (finite numbers checked on the whole result)
+
+
+class ResultModel(_Strict):
+    status: Status
+    summary: str
+    metrics: Metrics
+    completed_arms: list[str]
+    deviations: list[Deviation]
+    original_hypothesis_tested: bool | None
+    tested_instead: str | None
+    correctness_preflight: JsonBlock
+    initialization_provenance: JsonBlock
+    activation_calibration: JsonBlock
+    feasibility: JsonBlock
+    evaluation: JsonBlock
+    decision: JsonBlock
+    evidence: EvidenceBlock
+    backend: Backend | None
+    verdict: Verdict | None = None
+    outcome_reason: OutcomeReason | None = None
+    capacity_block: CapacityBlock | None = None
+    generation_audit: JsonBlock = None
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> ResultModel:
+        final = self.status != "running"
+        given = self.model_fields_set
+        for a in self.completed_arms:
+            if a not in self.metrics.arms:
+                raise rule_error("completed_arms", f"arm {a!r} has no metrics under metrics.arms")
+        if "verdict" in given and not final:
+            raise rule_error("verdict", "leave it out while status is running")
+        if final and self.verdict is None:
+            raise rule_error("verdict", f"a finished result (status {self.status}) must include a verdict")
+        if "outcome_reason" in given:
+            reason = self.outcome_reason
+            if not final:
+                raise rule_error("outcome_reason", "report it only with a final result")
+            if reason in ("supported", "refuted") and self.verdict != reason:
+                raise rule_error("outcome_reason", f"{reason!r} requires verdict {reason!r}")
+            if reason not in ("supported", "refuted") and self.verdict != "inconclusive":
+                raise rule_error("outcome_reason", f"{reason!r} requires verdict 'inconclusive'")
+        if "capacity_block" in given and self.status != "failed":
+            raise rule_error("capacity_block", "only a failed run stopped by capacity carries it")
+        if self.original_hypothesis_tested is None and final:
+            raise rule_error("original_hypothesis_tested", "a finished result must say true or false")
+        if self.original_hypothesis_tested is False and not (self.tested_instead or "").strip():
+            raise rule_error("tested_instead", "required when original_hypothesis_tested is false")
+        if self.backend is not None and self.backend.kind == "local" and not self.summary.startswith(REHEARSAL_PREFIX):
+            raise rule_error("summary", "a local-backend result must be labelled as a rehearsal")
+        return self
+
+
+def validate_result(r: Any) -> None:
+    """Raise ResultShapeError unless r has the brief's structured-output shape (+ backend)."""
+    if not isinstance(r, dict):
+        raise ResultShapeError("result: expected object")
+    for key in ("verdict", "outcome_reason", "capacity_block"):
+        if key in r and r[key] is None:  # optional keys are left out, never null
+            raise ResultShapeError(f"{key}: leave the key out instead of null")
+    try:
+        ResultModel.model_validate(r)
+    except ValidationError as exc:
+        raise ResultShapeError(first_error(exc)) from None
+    try:  # the free JSON blocks: no NaN/inf anywhere
+        json.dumps(r, allow_nan=False)
+    except ValueError as exc:
+        raise ResultShapeError(f"result: non-finite number ({exc})") from None
+
+
+def initial_result() -> dict[str, Any]:
+    return {
+        "status": "running",
+        "summary": "",
+        "metrics": {"arms": {}},
+        "completed_arms": [],
+        "deviations": [],
+        "original_hypothesis_tested": None,
+        "tested_instead": None,
+        "correctness_preflight": None,
+        "initialization_provenance": None,
+        "activation_calibration": None,
+        "feasibility": None,
+        "evaluation": None,
+        "decision": None,
+        "evidence": {"version": 1, "files": [], "checkpoints": [], "per_arm_metrics": {}},
+        "backend": None,
+    }
+
+
+def label_summary(state: Mapping[str, Any], summary: str, rehearsal_plan: bool = False) -> str:
+    """A local backend's summary always starts with the rehearsal label; so does a run under a
+    rehearsal plan."""
+    be = state.get("backend")
+    if isinstance(be, dict) and be.get("kind") == "local":
+        return summary if summary.startswith(REHEARSAL_PREFIX) else REHEARSAL_PREFIX + summary
+    if rehearsal_plan and not summary.startswith(REHEARSAL_PLAN_PREFIX):
+        return REHEARSAL_PLAN_PREFIX + summary
+    return summary
+
+
+def check_rehearsal_plan_result(state: Mapping[str, Any]) -> None:
+    """A result under a rehearsal plan is always inconclusive."""
+    if state.get("verdict", "inconclusive") != "inconclusive":
+        raise ResultShapeError("verdict: a result under a rehearsal plan is always 'inconclusive'")
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+_MISSING = object()
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number_paths(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    if _is_number(obj):
+        yield path
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _number_paths(v, (*path, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _number_paths(v, (*path, i))
+
+
+def _get_path(obj: Any, path: tuple[str | int, ...]) -> Any:
+    for p in path:
+        if (isinstance(obj, dict) and p in obj) or (isinstance(obj, list) and isinstance(p, int) and p < len(obj)):
+            obj = obj[p]
+        else:
+            return _MISSING
+    return obj
+
+
+def deep_merge(old: Any, new: Any) -> Any:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = dict(old)
+        for k, v in new.items():
+            out[k] = deep_merge(old[k], v) if k in old else copy.deepcopy(v)
+        return out
+    return copy.deepcopy(new)
+
+
+def fmt_path(path: tuple[str | int, ...]) -> str:
+    s = ""
+    for p in path:
+        s += f"[{p}]" if isinstance(p, int) else (f".{p}" if s else str(p))
+    return s
+
+
+def check_update_keys(fields: Mapping[str, Any]) -> None:
+    """update_result may not touch the blocks that dedicated bundle methods manage."""
+    for key, value in fields.items():
+        if (key,) in PROTECTED:
+            raise EvidenceError(f"{key}: use the dedicated bundle method, not update_result")
+        if key == "evidence" and isinstance(value, dict):
+            for sub in value:
+                if ("evidence", sub) in PROTECTED:
+                    raise EvidenceError(f"evidence.{sub}: managed by the bundle (register_*/add_checkpoint)")
+
+
+def merged_result(old: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """old deep-merged with fields; every number in old survives, completed_arms only grows."""
+    new = deep_merge(old, dict(fields))
+    if "completed_arms" in fields:
+        arms = list(old["completed_arms"])
+        arms += [a for a in fields["completed_arms"] if a not in arms]
+        new["completed_arms"] = arms
+    for path in _number_paths(old):
+        if not _is_number(_get_path(new, path)):
+            raise EvidenceError(f"{fmt_path(path)}: an earlier posted number would be dropped")
+    return new
+
+
+def leak_failure_state(old: dict[str, Any], message: str) -> dict[str, Any]:
+    """The result after the secret scanner stopped the run (the message names variables only)."""
+    fields = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
+    state = deep_merge(old, fields)
+    if state["original_hypothesis_tested"] is None:
+        state["original_hypothesis_tested"] = False
+        state["tested_instead"] = "nothing: the run stopped before any claim could be tested"
+    state["summary"] = label_summary(state, f"Run stopped by the evidence secret scanner ({message}).")
+    return state
+
+
+def as_text(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)

@@ -1,0 +1,135 @@
+"""The pytest session's part of the evidence: what is recorded before any service call, and the
+closing of the result when the session ends (called by dppo_harness.pytest_plugin)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from dppo_harness import plans as P
+from dppo_harness.evidence.files import sha256_bytes
+from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence.bundle import EvidenceBundle
+
+STAGE_TEST_FOLDERS = ("preflight", "gates", "diagnostic")
+
+
+def record_plan(bundle: EvidenceBundle, plan: P.Plan, effective_config: Mapping[str, Any], *,
+                plan_name: str | None = None) -> None:
+    """Before any training call: the plan's exact bytes, the effective config, every deviation
+    it declares (plan + backend), the hypothesis scope and generation_audit applicability.
+
+    `effective_config` is plans.effective_config(plan, backend_info)."""
+    if effective_config.get("plan", {}).get("sha256") != plan.sha256:
+        from dppo_harness.evidence.errors import EvidenceError
+
+        raise EvidenceError("effective config was not built from this plan (sha256 differs)")
+    bundle.register_plan(plan, plan_name)
+    bundle.register_effective_config(effective_config)
+    for d in effective_config.get("deviations", []):
+        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    fields: dict[str, Any] = {"generation_audit": dict(effective_config["generation_audit"])}
+    current = bundle.result
+    if "original_hypothesis_tested" in plan.raw:
+        fields["original_hypothesis_tested"] = plan.raw["original_hypothesis_tested"]
+        fields["tested_instead"] = plan.raw.get("tested_instead")
+    elif current["original_hypothesis_tested"] is None and not current["deviations"]:
+        fields["original_hypothesis_tested"] = True
+    bundle.update_result(**fields)
+
+
+def _split_test_files(root: Path, test_files: Sequence[str | Path]) -> tuple[list[Path], list[Path]]:
+    """(stage test files, other test files): unit and integration files are many, so they go into
+    one sha256 manifest to spare the 64-file limit."""
+    stage_files, other_files = [], []
+    for f in sorted({Path(p).resolve() for p in test_files}):
+        try:
+            parts = f.relative_to(root.resolve()).parts
+        except ValueError:
+            parts = ()
+        is_stage = len(parts) > 1 and parts[0] == "tests" and parts[1] in STAGE_TEST_FOLDERS
+        (stage_files if is_stage else other_files).append(f)
+    return stage_files, other_files
+
+
+def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"], plan: P.Plan,
+                  stages: Sequence[str], project_root: Path, test_files: Sequence[str | Path] = (),
+                  served_model: str | None = None, size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
+    """Everything that must be in evidence before any service call of the session.
+
+    Backend block, code revision (+ patch), the executed stage test files (kind script), a
+    manifest of the other test files, the plan's bytes, the effective config, its deviations,
+    and the run budget.
+    """
+    from dppo_harness.service import sdk_versions  # imports the SDK; only sessions need it
+
+    root = Path(project_root)
+    versions = sdk_versions()
+    bundle.set_backend(backend, requested_model=plan.base_model,
+                       served_model=served_model or "reported at client creation (see initialization_provenance)",
+                       sdk_versions=versions)
+    bundle.register_provenance(root, [])
+    stage_files, other_files = _split_test_files(root, test_files)
+    for f in stage_files:
+        bundle.register_script(f, root)
+    conftest = root / "conftest.py"
+    if conftest.is_file():
+        bundle.register_script(conftest, root)
+    if other_files:
+        bundle.register_json("test-files.json", "manifest", [
+            {"path": str(f.relative_to(root.resolve())) if root.resolve() in f.parents else str(f),
+             "sha256": sha256_bytes(f.read_bytes()), "size": f.stat().st_size} for f in other_files if f.is_file()])
+    if backend == "local":
+        served = served_model or "the embedded server's model (named at client creation)"
+    else:
+        served = served_model or plan.base_model
+    info = P.BackendInfo(backend=backend, requested_model=plan.base_model, served_model=served,
+                         sdk_versions=versions, size_reductions=tuple(size_reductions))
+    record_plan(bundle, plan, P.effective_config(plan, info))
+    budget, source = plan.budget, f"{plan.name} budget"
+    if plan.kind == "bounded_diagnostic":
+        # The diagnostic's 12-minute cap belongs to its stage; the run as a whole stays
+        # inside the original experiment's budget.
+        try:
+            budget = P.check_original_plan(plan).budget
+            source = f"original plan {plan.raw['original_plan']['file']}"
+        except P.PlanError as exc:
+            source = f"{plan.name} caps (original plan unavailable: {exc})"
+    bundle.note_ledger(stages_selected=list(stages), budget_source=source)
+    bundle.set_budget(budget["max_wall_minutes"] * 60.0, budget["gpu_hours"])
+
+
+def closing_fields(result: Mapping[str, Any], stages_selected: Sequence[str],
+                   failures: Mapping[str, str]) -> dict[str, Any] | None:
+    """The final fields no stage has set (status, verdict, reason, scope, summary); None if the
+    result is already final."""
+    if result["status"] != "running":
+        return None
+    fields: dict[str, Any] = {"status": "failed" if failures else "succeeded",
+                              "verdict": result.get("verdict", "inconclusive")}
+    if result["original_hypothesis_tested"] is None:
+        fields["original_hypothesis_tested"] = False
+        fields["tested_instead"] = ("harness stages only (" + ", ".join(stages_selected)
+                                    + "); the accuracy comparison did not run")
+    if "outcome_reason" not in result and fields["verdict"] == "inconclusive":
+        fields["outcome_reason"] = "incomplete_execution"
+    if not result["summary"].removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip():
+        ran = ", ".join(stages_selected) or "no stage"
+        if failures:
+            tail = "Failed: " + "; ".join(f"{s} ({n})" for s, n in failures.items()) + "."
+        else:
+            tail = "All selected stages passed; the accuracy hypothesis was not tested."
+        fields["summary"] = f"Stages run: {ran}. {tail}"
+    return fields
+
+
+def finish_session(bundle: EvidenceBundle, stage_failures: Mapping[str, str] | None = None) -> None:
+    """Close the session's result: fills only what no stage has set (status, verdict, reason)."""
+    failures = dict(stage_failures or {})
+    bundle.note_ledger(stage_failures=failures)
+    fields = closing_fields(bundle.result, bundle.ledger().get("stages_selected", []), failures)
+    if fields is not None:
+        bundle.finish(**fields)

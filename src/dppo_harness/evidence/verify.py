@@ -1,0 +1,154 @@
+"""`python -m dppo_harness.evidence verify DIR`: re-check a bundle from disk alone.
+
+Every registered file's sha256 and size, the limits, the secret scan, the result shape, and every
+reference (`*_ref`, `observations_file`, ...) in result.json pointing at a registered file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dppo_harness.evidence.errors import ResultShapeError
+from dppo_harness.evidence.files import (
+    FILES_DIR,
+    MAX_FILE_BYTES,
+    MAX_FILES,
+    MAX_TOTAL_BYTES,
+    NAME_RE,
+    RESULT_FILE,
+    sha256_bytes,
+)
+from dppo_harness.evidence.result import fmt_path, validate_result
+from dppo_harness.secrets_scan import SecretLeakError, scanner_for
+
+_REF_KEYS = ("evidence_ref", "predictions_ref", "manifest_ref", "dataset_file", "evaluation_file", "audit_file")
+
+
+def _iter_refs(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            p = (*path, k)
+            if (isinstance(k, str) and (k in _REF_KEYS or k.endswith("_ref") or k == "observations_file")) or (path == ("feasibility",) and k == "source" and isinstance(v, str) and v and " " not in v):
+                yield fmt_path(p), v
+            else:
+                yield from _iter_refs(v, p)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _iter_refs(v, (*path, i))
+
+
+def _split_refs(ref: str) -> list[str]:
+    """'a.json#x; b.json#y' -> ['a.json#x', 'b.json#y'] (file names never hold ';' or ',')."""
+    return [r.strip() for r in re.split(r"[;,]", ref) if r.strip()]
+
+
+def run_dir_of(path: Path) -> Path:
+    """A run dir as given, or the LATEST run under a root."""
+    if not (path / RESULT_FILE).exists() and (path / "LATEST").exists():
+        return path / (path / "LATEST").read_text().strip()
+    return path
+
+
+def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]:
+    """Problems found (empty list = verified). `path` is a run dir, or a root holding LATEST."""
+    path = run_dir_of(Path(path))
+    problems: list[str] = []
+    try:
+        raw = (path / RESULT_FILE).read_bytes()
+        result = json.loads(raw)
+    except FileNotFoundError:
+        return [f"{path / RESULT_FILE}: missing"]
+    except (ValueError, UnicodeDecodeError) as exc:
+        return [f"{RESULT_FILE}: not valid JSON ({exc})"]
+    try:
+        validate_result(result)
+    except ResultShapeError as exc:
+        problems.append(f"{RESULT_FILE}: {exc}")
+        if not isinstance(result, dict) or not isinstance(result.get("evidence"), dict):
+            return problems
+    scanner = scanner_for(env)
+    try:
+        scanner.check(raw, RESULT_FILE)
+    except SecretLeakError as exc:
+        problems.append(str(exc))
+    files = result["evidence"].get("files", [])
+    by_name: dict[str, dict[str, Any]] = {}
+    total = 0
+    for i, f in enumerate(files):
+        if not isinstance(f, dict):
+            problems.append(f"evidence.files[{i}]: not an object")
+            continue
+        name = f.get("name")
+        if name in by_name:
+            problems.append(f"{name}: registered twice")
+        by_name[str(name)] = f
+        fp = path / FILES_DIR / str(name)
+        if not isinstance(name, str) or not NAME_RE.match(name) or not fp.is_file():
+            problems.append(f"{name}: registered but missing from {FILES_DIR}/")
+            continue
+        data = fp.read_bytes()
+        total += len(data)
+        if len(data) != f.get("size"):
+            problems.append(f"{name}: size {len(data)} != recorded {f.get('size')}")
+        if sha256_bytes(data) != f.get("sha256"):
+            problems.append(f"{name}: sha256 does not match the recorded value (file changed)")
+        if len(data) > MAX_FILE_BYTES:
+            problems.append(f"{name}: exceeds the 10 MiB per-file limit")
+        try:
+            scanner.check(data, f"evidence file {name!r}")
+        except SecretLeakError as exc:
+            problems.append(str(exc))
+    if len(files) > MAX_FILES:
+        problems.append(f"{len(files)} files registered; the limit is {MAX_FILES}")
+    if total > MAX_TOTAL_BYTES:
+        problems.append(f"{total} bytes registered; the limit is {MAX_TOTAL_BYTES}")
+    problems += _reference_problems(result, by_name)
+    return problems
+
+
+def _reference_problems(result: Any, by_name: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    problems = []
+    for where, ref in _iter_refs(result):
+        names: list[tuple[str, str | None]] = []
+        if isinstance(ref, str):
+            names += [(r, None) for r in _split_refs(ref)]
+        elif isinstance(ref, list):
+            names += [(r, None) for x in ref if isinstance(x, str) for r in _split_refs(x)]
+        elif isinstance(ref, dict) and isinstance(ref.get("name"), str):
+            names.append((ref["name"], ref.get("sha256")))
+        elif ref is not None:
+            problems.append(f"{where}: unrecognised reference {type(ref).__name__}")
+        for name, sha in names:
+            base = name.split("#", 1)[0]
+            if base not in by_name:
+                problems.append(f"{where}: references {base!r}, which is not a registered file")
+            elif sha is not None and sha != by_name[base].get("sha256"):
+                problems.append(f"{where}: sha256 for {base!r} differs from the registered file")
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dppo_harness.evidence")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="check every registered file's sha256 and size, and result.json references")
+    v.add_argument("dir", type=Path)
+    args = parser.parse_args(argv)
+    if not args.dir.exists():
+        print(f"verify: {args.dir} does not exist", file=sys.stderr)
+        return 2
+    problems = verify_bundle(args.dir)
+    if problems:
+        for p in problems:
+            print(f"FAIL {p}")
+        print(f"verify: {len(problems)} problem(s) in {args.dir}")
+        return 1
+    target = run_dir_of(args.dir)
+    n = len(json.loads((target / RESULT_FILE).read_text())["evidence"]["files"])
+    print(f"verify: OK, {n} registered file(s) match their sha256 and size in {target}")
+    return 0
