@@ -673,12 +673,10 @@ def _parse_path(dotted: str) -> tuple[str | int, ...]:
 
 def _get(obj: Any, path: tuple[str | int, ...]) -> Any:
     for p in path:
-        if isinstance(p, int) and isinstance(obj, list) and p < len(obj):
-            obj = obj[p]
-        elif isinstance(p, str) and isinstance(obj, dict) and p in obj:
-            obj = obj[p]
-        else:
+        in_list = isinstance(p, int) and isinstance(obj, list) and p < len(obj)
+        if not (in_list or (isinstance(p, str) and isinstance(obj, dict) and p in obj)):
             return _MISSING
+        obj = obj[p]
     return obj
 
 
@@ -786,7 +784,7 @@ class BackendInfo:
     size_reductions: Sequence[Mapping[str, str]] = ()
 
     @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> "BackendInfo":
+    def from_mapping(cls, m: Mapping[str, Any]) -> BackendInfo:
         return cls(
             backend=m["backend"], requested_model=m["requested_model"], served_model=m["served_model"],
             base_url=m.get("base_url"), sdk_versions=dict(m.get("sdk_versions", {})),

@@ -101,7 +101,7 @@ def make_service_client(
     env: Mapping[str, str] | None = None,
     *,
     proxy_tokens: ProxyTokens = "modal",
-    registry: "ClientRegistry | None" = None,
+    registry: ClientRegistry | None = None,
     stage: str = "session",
 ) -> tinker.ServiceClient:
     """A tinker.ServiceClient for `backend`. Construction is lazy (no network until first call).
@@ -293,10 +293,8 @@ def is_capacity_error(exc: BaseException) -> bool:
     if any(m in text for m in CAPACITY_MARKERS):
         return True
     # A failed future carries only a message; the server's status may be inside it.
-    if isinstance(exc, tinker.RequestFailedError) and any(c in text for c in ("429", "503", "too many requests",
-                                                                               "service unavailable")):
-        return True
-    return False
+    return isinstance(exc, tinker.RequestFailedError) and any(
+        c in text for c in ("429", "503", "too many requests", "service unavailable"))
 
 
 @dataclass

@@ -62,7 +62,7 @@ def parse_stage_selection(markexpr: str) -> tuple[str, ...] | None:
     """Stages named by a plain `-m a or b` expression; None when the expression is anything else."""
     if not markexpr or not _STAGE_EXPR.match(markexpr):
         return None
-    names = [n for n in re.split(r"\s+or\s+", markexpr.strip())]
+    names = list(re.split(r"\s+or\s+", markexpr.strip()))
     if not all(n in STAGES for n in names):
         return None
     return tuple(sorted(set(names), key=stage_index))

@@ -107,7 +107,7 @@ def test_atomic_write_failure_keeps_old_state(bundle, monkeypatch):
         bundle.update_result(metrics={"y": 2.0})
     monkeypatch.undo()
     assert (bundle.dir / "result.json").read_bytes() == before
-    assert not [p for p in bundle.dir.rglob(".*tmp-*")]  # no temp files left behind
+    assert not list(bundle.dir.rglob(".*tmp-*"))  # no temp files left behind
     assert bundle.entry("late.txt") is None and "y" not in bundle.result["metrics"]
     bundle.register_bytes("late.txt", "log", b"data")  # nothing lost: it still works afterwards
     assert verify_bundle(bundle.dir) == []
@@ -230,10 +230,9 @@ def test_budget_ledger_blocks_a_stage(tmp_path):
     m = b.result["metrics"]
     assert m["budget/wall_seconds/preflight"] == 500.0 and m["budget/blocked/diagnostic"] == 1.0
     assert m["budget/remaining_seconds/diagnostic"] == 220.0
-    with pytest.raises(RuntimeError):
-        with b.stage("gate"):
-            now[0] += 3.0
-            raise RuntimeError("gate failed")
+    with pytest.raises(RuntimeError), b.stage("gate"):
+        now[0] += 3.0
+        raise RuntimeError("gate failed")
     stages = b.ledger()["stages"]
     assert [(s["stage"], s["status"]) for s in stages] == [
         ("preflight", "passed"), ("diagnostic", "blocked_by_budget"), ("gate", "failed")]

@@ -223,10 +223,10 @@ def _number_paths(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[
 
 def _get_path(obj: Any, path: tuple[str | int, ...]) -> Any:
     for p in path:
-        if (isinstance(obj, dict) and p in obj) or (isinstance(obj, list) and isinstance(p, int) and p < len(obj)):
-            obj = obj[p]
-        else:
+        in_list = isinstance(obj, list) and isinstance(p, int) and p < len(obj)
+        if not (in_list or (isinstance(obj, dict) and p in obj)):
             return _MISSING
+        obj = obj[p]
     return obj
 
 

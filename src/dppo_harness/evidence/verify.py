@@ -30,11 +30,18 @@ from dppo_harness.secrets_scan import SecretLeakError, scanner_for
 _REF_KEYS = ("evidence_ref", "predictions_ref", "manifest_ref", "dataset_file", "evaluation_file", "audit_file")
 
 
+def _is_ref(path: tuple[str | int, ...], key: object, value: Any) -> bool:
+    if isinstance(key, str) and (key in _REF_KEYS or key.endswith("_ref") or key == "observations_file"):
+        return True
+    # feasibility.source names a file when it is one word
+    return path == ("feasibility",) and key == "source" and isinstance(value, str) and bool(value) and " " not in value
+
+
 def _iter_refs(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             p = (*path, k)
-            if (isinstance(k, str) and (k in _REF_KEYS or k.endswith("_ref") or k == "observations_file")) or (path == ("feasibility",) and k == "source" and isinstance(v, str) and v and " " not in v):
+            if _is_ref(path, k, v):
                 yield fmt_path(p), v
             else:
                 yield from _iter_refs(v, p)
