@@ -3,9 +3,12 @@
 The stand-in model only has embedding/unembedding rows for the Qwen3.5 token ids that GSM8K
 (train + test, questions and answers, as raw text and as the rendered cookbook math_rl prompt
 and warm-start reply) and the qwen3_5 chat template use, plus every special token and every
-single printable ASCII character. The id list ships as ``assets/vocab_qwen35_gsm8k.json``;
-``build_vocab_ids`` rebuilds it deterministically (``python -m
-dppo_harness.local_server.vocab --data DIR --out FILE``).
+single printable ASCII character. The prompt is the cookbook's own (``MathEnv``'s one-shot
+prefix and question suffix) and the final answer its ``extract_gsm8k_final_answer``, imported,
+not copied. The id list ships as ``assets/vocab_qwen35_gsm8k.json``; ``build_vocab_ids``
+rebuilds it deterministically::
+
+    python -m dppo_harness.local_server.vocab --out /tmp/vocab.json   # --check: compare with the asset
 
 Local index layout: ``0..V-1`` are the sorted real ids; index ``V`` (``unk_index``) is the
 input-only "unknown" row. Out-of-vocabulary input ids map to ``unk_index``; the output head
@@ -18,35 +21,35 @@ import argparse
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from dppo_harness.constants import RENDERER_NAME
-from dppo_harness.tokenizer import TML_QWEN35, load_tokenizer
+from dppo_harness.tokenizer import TML_QWEN35, TmlQwen35Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from tinker_cookbook.renderers import Message, Renderer
 
 ASSET_PATH = Path(__file__).parent / "assets" / "vocab_qwen35_gsm8k.json"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "gsm8k"
 TOKENIZER_NAME = "tml_renderers.tokenizers.Qwen35Tokenizer (tml-renderers 0.2.1)"
-QUESTION_SUFFIX = " Write your answer in \\boxed{} format."
-# Text of MathEnv.standard_fewshot_prefix() (cookbook 0.5.8); the vocab build imports it from
-# the cookbook when available and checks it matches.
-FEWSHOT_USER = "How many r's are in strawberry?" + QUESTION_SUFFIX
-FEWSHOT_ASSISTANT = (
-    "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a 5) w 6) b 7) e "
-    "8) r 9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}"
-)
 
 
 @lru_cache(maxsize=1)
-def get_tokenizer():
+def get_tokenizer() -> TmlQwen35Tokenizer:
     """The harness's offline Qwen3.5 tokenizer adapter (dppo_harness.tokenizer)."""
-    return load_tokenizer(TML_QWEN35)[0]
+    tok = load_tokenizer(TML_QWEN35)[0]
+    assert isinstance(tok, TmlQwen35Tokenizer)
+    return tok
 
 
-def get_renderer():
+def get_renderer() -> Renderer:
     """The cookbook ``qwen3_5`` renderer over the offline tokenizer."""
     from tinker_cookbook import renderers
 
@@ -54,12 +57,10 @@ def get_renderer():
 
 
 def gsm8k_final_answer(answer: str) -> str:
-    """Ground truth after the ``####`` line, commas stripped (cookbook rule)."""
-    for line in reversed(answer.splitlines()):
-        s = line.strip()
-        if s.startswith("####"):
-            return s[4:].strip().lstrip(":").strip().replace(",", "")
-    raise ValueError("no '####' line in GSM8K answer")
+    """Ground truth of a GSM8K answer field: the cookbook's ``extract_gsm8k_final_answer``."""
+    from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer
+
+    return extract_gsm8k_final_answer(answer)
 
 
 _CALC_RE = re.compile(r"<<[^>]*>>")
@@ -73,24 +74,23 @@ def solution_reply(answer: str) -> str:
     return f"{body}\nThe answer is \\boxed{{{gsm8k_final_answer(answer)}}}."
 
 
-def prompt_messages(question: str) -> list[dict]:
-    """Cookbook math_rl GSM8K conversation: one-shot strawberry prefix + question + suffix."""
-    return [
-        {"role": "user", "content": FEWSHOT_USER},
-        {"role": "assistant", "content": FEWSHOT_ASSISTANT},
-        {"role": "user", "content": question + QUESTION_SUFFIX},
-    ]
+def prompt_messages(question: str) -> list[Message]:
+    """The cookbook math_rl GSM8K conversation: ``MathEnv``'s one-shot prefix, then the question
+    with ``MathEnv.question_suffix()`` (the same messages MathEnv renders)."""
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
+
+    return [*MathEnv.standard_fewshot_prefix(), {"role": "user", "content": question + MathEnv.question_suffix()}]
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def build_vocab_ids(data_dir: Path) -> list[int]:
+def build_vocab_ids(data_dir: Path = DATA_DIR) -> list[int]:
     """Deterministic sorted list of real ids (see module docstring)."""
     tok = get_tokenizer()
     renderer = get_renderer()
-    ids: set[int] = set(tok.special_text_to_id.values())
+    ids: set[int] = set(tok.special_token_ids.values())
     for c in range(32, 127):
         ids.update(tok.encode(chr(c)))
     ids.update(tok.encode("\n\n\n"))
@@ -98,9 +98,7 @@ def build_vocab_ids(data_dir: Path) -> list[int]:
         for row in read_jsonl(Path(data_dir) / f"{split}.jsonl"):
             ids.update(tok.encode(row["question"]))
             ids.update(tok.encode(row["answer"]))
-            msgs = prompt_messages(row["question"]) + [
-                {"role": "assistant", "content": solution_reply(row["answer"])}
-            ]
+            msgs = [*prompt_messages(row["question"]), {"role": "assistant", "content": solution_reply(row["answer"])}]
             ids.update(renderer.build_generation_prompt(msgs[:-1]).to_ints())
             ids.update(renderer.build_supervised_example(msgs)[0].to_ints())
     return sorted(int(i) for i in ids)
@@ -110,7 +108,7 @@ class Vocab:
     """Bidirectional map between real Qwen3.5 ids and local indices."""
 
     def __init__(self, real_ids: Sequence[int]):
-        real = np.asarray(sorted(set(int(i) for i in real_ids)), dtype=np.int64)
+        real = np.asarray(sorted({int(i) for i in real_ids}), dtype=np.int64)
         if real.size == 0:
             raise ValueError("empty vocabulary")
         self.real_ids = real
@@ -147,24 +145,32 @@ def load_vocab(path: Path = ASSET_PATH) -> Vocab:
     return vocab
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="Rebuild the restricted vocabulary asset.")
-    ap.add_argument("--data", type=Path, required=True, help="GSM8K dir with train/test.jsonl")
-    ap.add_argument("--out", type=Path, default=ASSET_PATH)
-    args = ap.parse_args()
-    ids = build_vocab_ids(args.data)
+def asset_payload(ids: Sequence[int]) -> dict[str, Any]:
     vocab = Vocab(ids)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "tokenizer": TOKENIZER_NAME,
-        "recipe": "dppo_harness.local_server.vocab.build_vocab_ids",
-        "size": vocab.size,
-        "sha256": vocab.sha256,
-        "real_ids": ids,
-    }
-    args.out.write_text(json.dumps(payload, separators=(",", ":")) + "\n")
-    print(f"wrote {args.out}: {vocab.size} ids, sha256 {vocab.sha256}")
+    return {"tokenizer": TOKENIZER_NAME, "recipe": "dppo_harness.local_server.vocab.build_vocab_ids",
+            "size": vocab.size, "sha256": vocab.sha256, "real_ids": [int(i) for i in ids]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Rebuild the restricted vocabulary asset.")
+    ap.add_argument("--data", type=Path, default=DATA_DIR, help="GSM8K dir with train/test.jsonl (default: vendored)")
+    ap.add_argument("--out", type=Path, default=None, help="write the rebuilt asset here")
+    ap.add_argument("--check", action="store_true", help="compare the rebuild with the shipped asset's sha256")
+    args = ap.parse_args(argv)
+    payload = asset_payload(build_vocab_ids(args.data))
+    print(f"rebuilt {payload['size']} ids, sha256 {payload['sha256']}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(payload, separators=(",", ":")) + "\n")
+        print(f"wrote {args.out}")
+    if args.check:
+        shipped = json.loads(ASSET_PATH.read_text())["sha256"]
+        if payload["sha256"] != shipped:
+            print(f"MISMATCH: shipped {ASSET_PATH.name} has sha256 {shipped}", file=sys.stderr)
+            return 1
+        print(f"matches the shipped {ASSET_PATH.name}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

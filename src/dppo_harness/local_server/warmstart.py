@@ -65,13 +65,13 @@ def cache_root(cache_dir: Path | None = None) -> Path:
 
 
 def _train_sha256(ddir: Path) -> str:
-    data = (ddir / "train.jsonl").read_bytes()
-    got = hashlib.sha256(data).hexdigest()
-    sums = ddir / "SHA256SUMS"
-    if sums.exists():
-        pinned = {ln.split()[1]: ln.split()[0] for ln in sums.read_text().splitlines() if ln.strip()}
-        if pinned.get("train.jsonl") not in (None, got):
-            raise ValueError(f"{ddir / 'train.jsonl'} sha256 {got} != pinned {pinned['train.jsonl']}")
+    """sha256 of ``train.jsonl``; it must equal the value pinned in ``ddir/SHA256SUMS``."""
+    from dppo_harness import gsm8k  # late: it imports the SDK and the cookbook
+
+    got = hashlib.sha256((ddir / "train.jsonl").read_bytes()).hexdigest()
+    pinned = gsm8k.pinned_sha256("train", ddir)
+    if got != pinned:
+        raise gsm8k.DataIntegrityError(f"{ddir / 'train.jsonl'} sha256 {got} != pinned {pinned} (SHA256SUMS)")
     return got
 
 
@@ -220,7 +220,7 @@ def signal_rate(engine, n_groups: int = 32, group_size: int = 8, max_tokens: int
         groups = [f.result() for f in futs]
     seconds = time.time() - t0
     rewards, fmt, correct, stops, n_tokens = [], 0, 0, 0, 0
-    for it, seqs in zip(items, groups):
+    for it, seqs in zip(items, groups, strict=True):
         graded = [gsm8k.grade_response(it, renderer, s.tokens) for s in seqs]
         rewards.append([g.reward for g in graded])
         fmt += sum(g.format_ok for g in graded)
