@@ -682,8 +682,25 @@ def _get(obj: Any, path: tuple[str | int, ...]) -> Any:
 
 def _same(a: Any, b: Any) -> bool:
     """JSON equality that keeps true apart from 1 (and 1 from 1.0 only by value)."""
+    if a is _MISSING or b is _MISSING:
+        return a is b
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) or (
         type(a) in (int, float) and type(b) in (int, float) and a == b)
+
+
+def _changed_leaves(a: Any, b: Any) -> list[tuple[str | int, ...]]:
+    return sorted({p for p, v in _leaves(b) if not _same(_get(a, p), v)}
+                  | {p for p, v in _leaves(a) if not _same(_get(b, p), v)}, key=str)
+
+
+def leaf_differences(a: Any, b: Any) -> dict[str, tuple[Any, Any]]:
+    """Field path -> (value in a, value in b) of every leaf where two JSON documents differ
+    (None where one side lacks the leaf)."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for p in _changed_leaves(a, b):
+        x, y = _get(a, p), _get(b, p)
+        out[format_path(p)] = (None if x is _MISSING else x, None if y is _MISSING else y)
+    return out
 
 
 def _derived_from_file(rel: str, plan_path: Path | None, repo_root: Path | None) -> Path:
@@ -719,9 +736,7 @@ def check_rehearsal(raw: Mapping[str, Any], derived_path: Path) -> None:
     base, spec = base_plan.raw, raw["spec"]
     declared = [(i, d, _parse_path(d["field"])) for i, d in enumerate(raw["differences"])]
 
-    changed = sorted({p for p, v in _leaves(spec) if not _same(_get(base, p), v)}
-                     | {p for p, v in _leaves(base) if not _same(_get(spec, p), v)}, key=str)
-    for p in changed:
+    for p in _changed_leaves(base, spec):
         leaf = format_path(p)
         _check_not_frozen(leaf, spec)
         if not any(p[: len(dp)] == dp for _, _, dp in declared):
