@@ -107,6 +107,3 @@ def ppo(lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[
     adv_T = inputs["advantages"]
     clipped_T = torch.clamp(ratio_T, config["clip_low_threshold"], config["clip_high_threshold"])
     return -torch.minimum(ratio_T * adv_T, clipped_T * adv_T)
-
-
-LOSS_FNS = loss_names()
