@@ -879,6 +879,8 @@ async def _save_weights_for_sampler(request: web.Request) -> web.Response:
     entry = _model(state, req.model_id)
     if req.path is None and req.sampling_session_seq_id is None:
         raise ProtocolError("save_weights_for_sampler needs 'path' or 'sampling_session_seq_id'")
+    if req.kind != "snapshot":
+        raise UserError(f"sampler weights kind {req.kind!r} is not supported by the local server; only 'snapshot'")
 
     def fn() -> _Outcome:
         path = state.engine.save_for_sampler(entry.engine_id, req.path)
