@@ -159,3 +159,13 @@ def test_spindle_profile_serves_the_base_model_and_drops_optimizer_echo():
     metrics = {k: 1.0 for k in OPTIMIZER_ECHO_KEYS} | {"optim/grad_norm": 2.0}
     assert profile.optim_metrics(metrics) == {"optim/grad_norm": 2.0}
     assert Profile().optim_metrics(metrics) == metrics
+
+
+def test_fault_kinds_of_rest_reads_do_not_carry_ids():
+    from dppo_harness.local_server.app import kind_of
+
+    assert kind_of("/api/v1/training_runs/s:train:0") == "get_training_run"
+    assert kind_of("/api/v1/training_runs/s:train:0/checkpoints") == "list_checkpoints"
+    assert kind_of("/api/v1/training_runs") == "list_training_runs"
+    assert kind_of("/api/v1/weights_info") == "weights_info"
+    assert kind_of("/api/v1/sessions/abc/finish") == "session_finish"

@@ -95,6 +95,10 @@ def kind_of(path: str) -> str:
         return "get_session"
     if rest.startswith("samplers/"):
         return "get_sampler"
+    if rest.startswith("training_runs/"):
+        return "list_checkpoints" if rest.endswith("/checkpoints") else "get_training_run"
+    if rest == "training_runs":
+        return "list_training_runs"
     return rest.replace("/", "_")
 
 
