@@ -43,6 +43,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types._pydantic_types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
 from tinker.types.session_status import ClientSessionFinishReason
+from tinker.types.try_again_response import TryAgainResponse
 
 from dppo_harness import constants
 from dppo_harness.local_server.errors import UserError
@@ -436,7 +437,13 @@ class ServerState:
 
 
 def _error_json(message: str, status: int, category: str = "user") -> web.Response:
-    return web.json_response({"error": message, "category": category}, status=status)
+    return web.json_response(dump(types.RequestFailedResponse(error=message, category=category)), status=status)
+
+
+def _future_json(request_id: str, model_id: str | None = None, sample_sequence_ids: list[str] | None = None
+                 ) -> web.Response:
+    return web.json_response(dump(types.UntypedAPIFuture(request_id=request_id, model_id=model_id,
+                                                         sample_sequence_ids=sample_sequence_ids)))
 
 
 async def _parse(request: web.Request, model: type[RequestT]) -> RequestT:
@@ -505,7 +512,7 @@ def _submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, l
     entry.last_request_time = _now()
     if seq_id is not None:
         if seq_id in entry.requests_by_seq:  # a resent request: same future
-            return web.json_response({"request_id": entry.requests_by_seq[seq_id], "model_id": entry.model_id})
+            return _future_json(entry.requests_by_seq[seq_id], entry.model_id)
         if seq_id < entry.next_seq:
             return _error_json(
                 f"{label}: seq_id {seq_id} of model {entry.model_id} is older than the next expected "
@@ -518,7 +525,7 @@ def _submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, l
         return await _in_seq_order(state, entry, seq_id, label, fn)
 
     _spawn(state, fut, label, work)
-    return web.json_response({"request_id": request_id, "model_id": entry.model_id})
+    return _future_json(request_id, entry.model_id)
 
 
 def _model(state: ServerState, model_id: str | None) -> ModelEntry:
@@ -652,8 +659,8 @@ async def _faults_and_errors(request: web.Request, handler):
         headers = {}
         if state.faults.config.retry_after_ms is not None:
             headers["retry-after-ms"] = str(state.faults.config.retry_after_ms)
-        body = {"error": decision.reject_reason, "category": "server"}
-        return web.json_response(body, status=decision.reject_status, headers=headers)
+        rejection = dump(types.RequestFailedResponse(error=decision.reject_reason, category="server"))
+        return web.json_response(rejection, status=decision.reject_status, headers=headers)
     try:
         return await handler(request)
     except (ProtocolError, UserError) as exc:
@@ -770,7 +777,7 @@ async def _create_model(request: web.Request) -> web.Response:
     req = await _parse(request, types.CreateModelRequest)
     key = (req.session_id, req.model_seq_id)
     if key in state.model_requests:  # resent request
-        return web.json_response({"request_id": state.model_requests[key]})
+        return _future_json(state.model_requests[key])
     _session(state, req.session_id)
     lora = req.lora_config
     if lora is None:
@@ -798,7 +805,7 @@ async def _create_model(request: web.Request) -> web.Response:
         return _Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
 
     _spawn(state, fut, "create_model", work)
-    return web.json_response({"request_id": request_id})
+    return _future_json(request_id)
 
 
 def _model_data(state: ServerState, entry: ModelEntry) -> dict[str, Any]:
@@ -919,7 +926,7 @@ async def _load_weights(request: web.Request) -> web.Response:
     _session(state, session_id)
     key = (session_id, model_seq_id)
     if key in state.model_requests:
-        return web.json_response({"request_id": state.model_requests[key]})
+        return _future_json(state.model_requests[key])
     model_id = f"{session_id}:train:{model_seq_id}"
     request_id, fut = state.new_future()
     state.model_requests[key] = request_id
@@ -939,7 +946,7 @@ async def _load_weights(request: web.Request) -> web.Response:
         return _Outcome("json", dump(types.LoadWeightsResponse(path=path, model_id=model_id, type="load_weights")))
 
     _spawn(state, fut, "load_weights", work)
-    return web.json_response({"request_id": request_id, "model_id": model_id})
+    return _future_json(request_id, model_id)
 
 
 # ---- handlers: sampling ------------------------------------------------------------------------
@@ -1031,7 +1038,7 @@ async def _asample(request: web.Request) -> web.Response:
         return await _run_engine(state, state.sample_pool, "asample", fn)
 
     _spawn(state, fut, "asample", work)
-    return web.json_response({"request_id": request_id, "sample_sequence_ids": sequence_ids})
+    return _future_json(request_id, sample_sequence_ids=sequence_ids)
 
 
 def _prompt_logprobs_of(seqs: list[Any], prompt_len: int) -> list[float | None]:
@@ -1061,14 +1068,13 @@ async def _retrieve_future(request: web.Request) -> web.Response:
         try:
             await asyncio.wait_for(asyncio.shield(fut), LONG_POLL_S)
         except asyncio.TimeoutError:
-            return web.json_response(
-                {"type": "try_again", "request_id": request_id, "queue_state": "active"}, status=408
-            )
+            pending = TryAgainResponse(request_id=request_id, queue_state="active")
+            return web.json_response(dump(pending), status=408)
     outcome: _Outcome = fut.result()
     if outcome.kind == "proto":
         return web.Response(body=outcome.payload, content_type="application/x-protobuf")
     if outcome.kind == "error":
-        return web.json_response({"error": outcome.payload, "category": outcome.category})
+        return _error_json(outcome.payload, 200, outcome.category)
     return web.json_response(outcome.payload)
 
 
