@@ -283,6 +283,10 @@ def test_rest_reads_through_the_sdk_rest_client(spindle):
     assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == state_path
     assert run.last_sampler_checkpoint is not None and run.last_sampler_checkpoint.tinker_path == sampler_path
     assert rest.get_training_run(training.model_id).result() == run
+    # The cookbook's own resume/load check reads it through the same call (it used to warn and skip).
+    from tinker_cookbook import checkpoint_utils
+
+    assert checkpoint_utils.get_renderer_name_from_checkpoint(client, state_path) == constants.RENDERER_NAME
 
     listing = rest.list_checkpoints(training.model_id).result()
     assert [(c.checkpoint_type, c.checkpoint_id, c.tinker_path) for c in listing.checkpoints] == [
