@@ -1,0 +1,171 @@
+"""Pure parts of the embedded server's HTTP side: SDK-typed request parsing (a bad request is a
+clear error naming the field), the loss registry, and the spindle profile's credential check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tinker import types
+
+from dppo_harness import constants
+from dppo_harness.local_server.app import ProtocolError, decode_fwdbwd_request, parse_request
+from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.loss_fns import get_loss, loss_names, register_loss
+from dppo_harness.local_server.profiles import (
+    OPTIMIZER_ECHO_KEYS,
+    MissingCredential,
+    Profile,
+    make_profile,
+)
+
+
+def _raw(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+CREATE = {"session_id": "s", "model_seq_id": 0, "base_model": constants.BASE_MODEL, "lora_config": {"rank": 8}}
+
+
+def test_create_model_parses_into_the_sdk_type_with_its_defaults():
+    req = parse_request(types.CreateModelRequest, _raw(CREATE))
+    assert isinstance(req, types.CreateModelRequest)
+    assert req.lora_config == types.LoraConfig(rank=8)
+    assert req.optimizer_config == types.AdamOptimizerConfig()
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({k: v for k, v in CREATE.items() if k != "model_seq_id"}, "missing field model_seq_id"),
+        ({**CREATE, "lora_config": {"rank": "eight"}}, "field lora_config.rank"),
+        ({**CREATE, "surprise": True}, "unknown field surprise"),
+        ({**CREATE, "model_seq_id": [1]}, "field model_seq_id"),
+    ],
+)
+def test_bad_create_model_names_the_field(body, needle):
+    with pytest.raises(ProtocolError, match="CreateModelRequest") as info:
+        parse_request(types.CreateModelRequest, _raw(body))
+    assert needle in str(info.value)
+
+
+def test_not_json_and_empty_bodies_are_protocol_errors():
+    with pytest.raises(ProtocolError, match="not JSON"):
+        parse_request(types.GetInfoRequest, b"{oops")
+    with pytest.raises(ProtocolError, match="empty body"):
+        parse_request(types.GetInfoRequest, b"")
+    with pytest.raises(ProtocolError, match="GetInfoRequest: missing field model_id"):
+        parse_request(types.GetInfoRequest, b"{}")
+
+
+def test_optim_step_takes_adam_params_and_the_sdk_defaults():
+    req = parse_request(types.OptimStepRequest, _raw({"model_id": "m", "seq_id": 3,
+                                                       "adam_params": {"learning_rate": 2e-3}}))
+    assert isinstance(req.optim_params, types.AdamParams)
+    # The server no longer holds its own copy of the defaults: they are the pinned SDK's.
+    assert req.optim_params.model_dump() == types.AdamParams(learning_rate=2e-3).model_dump()
+    other = parse_request(types.OptimStepRequest, _raw({"model_id": "m", "optimizer_params": {"type": "dimuon",
+                                                                                              "learning_rate": 1.0}}))
+    assert not isinstance(other.optim_params, types.AdamParams)
+    with pytest.raises(ProtocolError, match="learning_rate"):
+        parse_request(types.OptimStepRequest, _raw({"model_id": "m", "adam_params": {"learning_rate": "fast"}}))
+
+
+def test_sample_request_prompt_and_params_are_typed():
+    body = {"num_samples": 2, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "sampling_params": {"max_tokens": 5, "stop": [248046], "seed": 1}, "base_model": constants.BASE_MODEL}
+    req = parse_request(types.SampleRequest, _raw(body))
+    assert req.prompt.to_ints() == [1, 2, 3] and list(req.sampling_params.stop) == [248046]
+    with pytest.raises(ProtocolError, match="sampling_params"):
+        parse_request(types.SampleRequest, _raw({**body, "sampling_params": "hot"}))
+
+
+def test_load_weights_both_forms_parse():
+    form1 = parse_request(types.LoadWeightsRequest, _raw({"model_id": "m", "seq_id": 1, "path": "tinker://m/weights/a",
+                                                           "optimizer": True}))
+    form2 = parse_request(types.LoadWeightsRequest, _raw({"session_id": "s", "model_seq_id": 2,
+                                                           "path": "tinker://m/weights/a", "optimizer": False}))
+    assert form1.model_id == "m" and form2.session_id == "s" and form2.model_id is None
+    with pytest.raises(ProtocolError, match="missing field optimizer"):
+        parse_request(types.LoadWeightsRequest, _raw({"model_id": "m", "path": "tinker://m/weights/a"}))
+
+
+def test_compressed_forward_backward_is_refused():
+    with pytest.raises(ProtocolError, match="Content-Encoding 'zstd'"):
+        decode_fwdbwd_request(b"\x28\xb5\x2f\xfd", "zstd")
+
+
+# ---- loss registry ------------------------------------------------------------------------------
+
+
+def test_registry_holds_the_built_in_losses_once():
+    assert loss_names() == ("cross_entropy", "importance_sampling", "ppo")
+    with pytest.raises(UserError, match=r"unsupported loss_fn 'dro'.*cross_entropy"):
+        get_loss("dro")
+    with pytest.raises(ValueError, match="already registered"):
+        register_loss("ppo", inputs=("target_tokens",))(lambda lp, inp, cfg: lp)
+
+
+def test_ppo_config_defaults_and_bounds():
+    spec = get_loss("ppo")
+    assert spec.config(None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert spec.config({"clip_high_threshold": 1.28})["clip_high_threshold"] == 1.28
+    with pytest.raises(UserError, match="unknown ppo loss_fn_config keys"):
+        spec.config({"eps": 0.2})
+    with pytest.raises(UserError, match="clip_low_threshold <= 1"):
+        spec.config({"clip_low_threshold": 1.5})
+    with pytest.raises(UserError, match="takes no loss_fn_config"):
+        get_loss("cross_entropy").config({"clip_low_threshold": 0.8})
+
+
+def test_losses_compute_the_documented_formulas():
+    lp_T = torch.tensor([-1.0, -0.5, -2.0])
+    inputs = {"weights": torch.tensor([1.0, 0.0, 2.0]), "logprobs": torch.tensor([-1.2, -0.5, -1.0]),
+              "advantages": torch.tensor([1.0, -1.0, 0.5])}
+    assert torch.allclose(get_loss("cross_entropy").fn(lp_T, inputs, {}), torch.tensor([1.0, 0.0, 4.0]))
+    ratio = torch.exp(lp_T - inputs["logprobs"])
+    assert torch.allclose(get_loss("importance_sampling").fn(lp_T, inputs, {}), -(ratio * inputs["advantages"]))
+    cfg = get_loss("ppo").config(None)
+    expected = -torch.minimum(ratio * inputs["advantages"], ratio.clamp(0.8, 1.2) * inputs["advantages"])
+    got = get_loss("ppo").fn(lp_T, inputs, cfg)
+    assert torch.allclose(got, expected)
+    assert not torch.allclose(got, -(ratio * inputs["advantages"]))  # the clip is engaged here
+
+
+# ---- profiles -----------------------------------------------------------------------------------
+
+
+ENV = {"TINKER_API_KEY": "tml-k", "MODAL_PROXY_TOKEN_ID": "wk-i", "MODAL_PROXY_TOKEN_SECRET": "ws-s"}
+
+
+def test_spindle_profile_needs_every_variable_and_hides_values():
+    for var in ENV:
+        with pytest.raises(MissingCredential, match=var):
+            make_profile("spindle", {k: v for k, v in ENV.items() if k != var})
+    profile = make_profile("spindle", ENV)
+    assert all(v not in repr(profile) for v in ENV.values())
+    good = {"X-API-Key": "tml-k", "Modal-Key": "wk-i", "Modal-Secret": "ws-s"}
+    assert profile.auth_error(good) is None
+    assert profile.auth_error({**good, "Modal-Secret": "ws-x"}) == "invalid credentials in header Modal-Secret"
+    assert profile.auth_error({"X-API-Key": "tml-k"}) == "missing header Modal-Key"
+    assert Profile().auth_error({}) is None
+
+
+def test_spindle_profile_serves_the_base_model_and_drops_optimizer_echo():
+    profile = make_profile("spindle", ENV)
+    assert profile.served_models([constants.BASE_MODEL, "local/x"], "local/x") == [constants.BASE_MODEL]
+    assert Profile().served_models([constants.BASE_MODEL, "local/x"], "local/x") == [constants.BASE_MODEL, "local/x"]
+    metrics = {k: 1.0 for k in OPTIMIZER_ECHO_KEYS} | {"optim/grad_norm": 2.0}
+    assert profile.optim_metrics(metrics) == {"optim/grad_norm": 2.0}
+    assert Profile().optim_metrics(metrics) == metrics
+
+
+def test_fault_kinds_of_rest_reads_do_not_carry_ids():
+    from dppo_harness.local_server.app import kind_of
+
+    assert kind_of("/api/v1/training_runs/s:train:0") == "get_training_run"
+    assert kind_of("/api/v1/training_runs/s:train:0/checkpoints") == "list_checkpoints"
+    assert kind_of("/api/v1/training_runs") == "list_training_runs"
+    assert kind_of("/api/v1/weights_info") == "weights_info"
+    assert kind_of("/api/v1/sessions/abc/finish") == "session_finish"
