@@ -70,8 +70,8 @@ def _from_method(method: str, key: str) -> int:
 
 def schedule_from_plan(plan: Any) -> Schedule:
     """The executed schedule of an experiment spec or a bounded-diagnostic plan."""
-    raw = plan.raw
-    if plan.kind == "experiment_spec":
+    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
+    if plan.kind in ("experiment_spec", "rehearsal"):  # a rehearsal runs its inner spec at its declared size
         arms = raw["arms"]
         upb = {int(a["updates_per_batch"]) for a in arms}
         if len(upb) != 1:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from dppo_harness import constants
 
-PlanKind = Literal["experiment_spec", "bounded_diagnostic"]
+PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
 # The brief's structured output only knows these deviation fields.
 DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -368,26 +368,37 @@ class Plan:
         return self.path.name if self.path else f"plan-{self.sha256[:12]}.json"
 
     @property
+    def spec(self) -> dict[str, Any]:
+        """The experiment spec this plan runs: itself, or a rehearsal's inner spec."""
+        if self.kind == "rehearsal":
+            return self.raw["spec"]
+        if self.kind != "experiment_spec":
+            raise PlanError(f"kind: a {self.kind} plan has no experiment spec")
+        return self.raw
+
+    @property
     def base_model(self) -> str:
-        if self.kind == "experiment_spec":
-            return self.raw["base_model"]
+        if self.kind in ("experiment_spec", "rehearsal"):
+            return self.spec["base_model"]
         return self.raw["fixed_settings"]["base_model"]
 
     @property
     def experiment_features(self) -> dict[str, bool]:
-        return dict(self.raw["experiment_features"])
+        return dict((self.spec if self.kind == "rehearsal" else self.raw)["experiment_features"])
 
     @property
     def budget(self) -> dict[str, float]:
         """{'gpu_hours', 'max_wall_minutes'} that this plan allows."""
-        if self.kind == "experiment_spec":
-            return {"gpu_hours": float(self.raw["budget"]["gpu_hours"]),
-                    "max_wall_minutes": float(self.raw["budget"]["max_wall_minutes"])}
+        if self.kind in ("experiment_spec", "rehearsal"):
+            return {"gpu_hours": float(self.spec["budget"]["gpu_hours"]),
+                    "max_wall_minutes": float(self.spec["budget"]["max_wall_minutes"])}
         caps = self.raw["caps"]
         return {"gpu_hours": float(caps["gpu_hours_cap"]), "max_wall_minutes": float(caps["max_wall_minutes"])}
 
     @property
     def deviations(self) -> list[dict[str, str]]:
+        if self.kind == "rehearsal":
+            return rehearsal_deviations(self.raw)
         return [dict(d) for d in self.raw.get("deviations", [])]
 
 
@@ -397,7 +408,7 @@ def detect_kind(raw: Any) -> PlanKind:
     if "kind" in raw:
         kind = raw["kind"]
         if kind not in SCHEMAS or kind == "experiment_spec":
-            raise _fail("kind", f"expected one of ['bounded_diagnostic'] (a saved experiment spec has no kind), got {kind!r}")
+            raise _fail("kind", f"expected one of ['bounded_diagnostic', 'rehearsal'] (a saved experiment spec has no kind), got {kind!r}")
         return kind
     return "experiment_spec"
 
@@ -421,6 +432,8 @@ def parse_plan(data: bytes, path: Path | None = None) -> Plan:
         raise PlanError(f"{where}<root>: {exc}") from None
     try:
         kind = validate_plan(raw)
+        if kind == "rehearsal":
+            check_rehearsal(raw, path)
     except PlanError as exc:
         raise PlanError(f"{where}{exc}") from None
     return Plan(raw=raw, sha256=hashlib.sha256(data).hexdigest(), kind=kind, path=path, data=data)
@@ -507,8 +520,9 @@ def generation_audit_applicability(plan: Plan) -> dict[str, Any]:
     generated_training_data=true requires it (overriding a legacy required=false); false makes it
     not applicable unless an explicit contract (generation_audit.required=true) asks for it.
     """
-    features = plan.raw.get("experiment_features", {})
-    explicit = plan.raw.get("generation_audit", {}).get("required") if plan.kind == "experiment_spec" else None
+    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
+    features = raw.get("experiment_features", {})
+    explicit = raw.get("generation_audit", {}).get("required") if plan.kind in ("experiment_spec", "rehearsal") else None
     gen = features.get("generated_training_data")
     if gen is True:
         return {"applicable": True, "status": "required",
@@ -526,8 +540,8 @@ def generation_audit_applicability(plan: Plan) -> dict[str, Any]:
 def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) -> dict[str, Any]:
     """The configuration that will actually run, in the brief's feasibility.effective_config terms."""
     info = backend_info if isinstance(backend_info, BackendInfo) else BackendInfo.from_mapping(backend_info)
-    raw = plan.raw
-    if plan.kind == "experiment_spec":
+    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
+    if plan.kind in ("experiment_spec", "rehearsal"):
         body: dict[str, Any] = {
             "base_model": raw["base_model"],
             "lora_rank": raw["lora_rank"],
@@ -579,3 +593,105 @@ def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) 
         "config": body,
         "deviations": plan.deviations + backend_deviations(plan, info),
     }
+
+
+# ----------------------------------------------------------------------------- rehearsal plans (issue 9)
+# A declared, offline-only derivative of an experiment spec (CONTRACTS.md "Rehearsal plans"): the
+# inner `spec` runs like an experiment spec; every leaf that differs from the derived-from spec is
+# listed with a reason, and the gates, thresholds and decision rule may not differ.
+
+_DIFFERENCE = Obj({"field": Str(), "spec": AnyJson(), "rehearsal": AnyJson(), "reason": Str(pattern=r"(?s)\s*\S.*")})
+REHEARSAL_SCHEMA = Obj({
+    "kind": Str(choices=["rehearsal"]), "version": Int(lo=1, hi=1), "plan_id": Str(), "label": Str(choices=["rehearsal"]),
+    "purpose": Str(), "derived_from": Obj({"path": Str(), "sha256": Str(pattern=r"^[0-9a-f]{64}$")}),
+    "differences": ListOf(_DIFFERENCE), "spec": AnyJson(),
+})
+SCHEMAS["rehearsal"] = REHEARSAL_SCHEMA
+# Subtrees that must stay as written (dotted prefixes); the listed exceptions follow other fields.
+_FROZEN_PREFIXES = ("activation_gate", "decision_rule", "success_criterion", "correctness_preflight",
+                    "restoration_preflight")
+_FROZEN_ARM_KEYS = ("loss", "updates_per_batch")
+# Spec field -> the brief's deviation field.
+_DEVIATION_OF = {"base_model": "model", "activation_gate": "model", "steps": "steps", "batch_size": "effective_batch",
+                 "method": "effective_batch", "eval": "evaluator", "optimizer": "objective", "arms": "objective",
+                 "restoration_preflight": "objective", "dataset": "dataset"}
+
+
+def leaf_differences(a: Any, b: Any, path: str = "") -> dict[str, tuple[Any, Any]]:
+    """Dotted path -> (a value, b value) of every leaf where `a` and `b` differ (lists by index)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: dict[str, tuple[Any, Any]] = {}
+        for k in sorted(set(a) | set(b)):
+            out.update(leaf_differences(a.get(k), b.get(k), f"{path}.{k}" if path else str(k)))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        out = {}
+        for i, (x, y) in enumerate(zip(a, b)):
+            out.update(leaf_differences(x, y, f"{path}[{i}]"))
+        return out
+    return {} if a == b and type(a) is type(b) else {path: (a, b)}
+
+
+def _frozen_violation(field_path: str) -> bool:
+    if field_path.startswith("activation_gate"):
+        return not re.fullmatch(r"activation_gate\.checks\[\d+\]\.one_of(\[\d+\])?", field_path)
+    if field_path.startswith("restoration_preflight"):
+        return not re.fullmatch(r"restoration_preflight\.groups\[\d+\]\.arms\[\d+\]\.optimizer_config\.learning_rate",
+                                field_path)
+    if re.fullmatch(r"arms\[\d+\]\.(" + "|".join(_FROZEN_ARM_KEYS) + ")", field_path):
+        return True
+    return field_path.split(".")[0].split("[")[0] in _FROZEN_PREFIXES
+
+
+def check_rehearsal(raw: Mapping[str, Any], path: Path | None) -> None:
+    """The contract's rules: valid inner spec, declared = actual differences, frozen subtrees."""
+    try:
+        EXPERIMENT_SPEC_SCHEMA.check(raw["spec"], "spec")
+    except PlanError:
+        raise
+    root = _repo_root(path)
+    src = root / raw["derived_from"]["path"]
+    try:
+        data = src.read_bytes()
+    except OSError as exc:
+        raise _fail("derived_from.path", f"cannot read {src} ({exc.strerror})") from None
+    if hashlib.sha256(data).hexdigest() != raw["derived_from"]["sha256"]:
+        raise _fail("derived_from.sha256", f"{raw['derived_from']['path']} hashes to {hashlib.sha256(data).hexdigest()}")
+    actual = leaf_differences(json.loads(data), raw["spec"])
+    declared = {d["field"]: d for d in raw["differences"]}
+    if len(declared) != len(raw["differences"]):
+        raise _fail("differences", "a field is listed twice")
+    for f, (orig, new) in actual.items():
+        if f not in declared:
+            raise _fail(f"spec.{f}", f"differs from {raw['derived_from']['path']} ({orig!r} -> {new!r}) but is not declared")
+        if declared[f]["spec"] != orig or declared[f]["rehearsal"] != new:
+            raise _fail(f"differences[{f}]", "declared spec/rehearsal values do not match the files")
+        if _frozen_violation(f):
+            raise _fail(f"spec.{f}", "may not differ in a rehearsal (gates, thresholds and the decision rule stay as written)")
+    for f in declared:
+        if f not in actual:
+            raise _fail(f"differences[{f}]", "listed but does not differ (phantom difference)")
+    spec_lr = raw["spec"]["optimizer"]["lr"]
+    for g in raw["spec"]["restoration_preflight"]["groups"]:
+        for a in g["arms"]:
+            if a["optimizer_config"]["learning_rate"] != spec_lr:
+                raise _fail("spec.restoration_preflight", "optimizer_config.learning_rate must follow optimizer.lr")
+
+
+def _repo_root(path: Path | None) -> Path:
+    """The repository root above a plan file (the folder holding plans/), else the working dir."""
+    if path is not None:
+        for parent in Path(path).resolve().parents:
+            if (parent / "plans").is_dir() and (parent / "pyproject.toml").exists():
+                return parent
+    return Path.cwd()
+
+
+def rehearsal_deviations(raw: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Each declared difference as a deviation record (field mapped to the brief's names)."""
+    out = []
+    for d in raw["differences"]:
+        top = d["field"].split(".")[0].split("[")[0]
+        out.append({"field": _DEVIATION_OF.get(top, "objective"), "original": f"{d['field']}={json.dumps(d['spec'])}",
+                    "effective": f"{d['field']}={json.dumps(d['rehearsal'])}", "reason": d["reason"]})
+    return out
