@@ -142,6 +142,25 @@ def comparison_config(spec: Mapping[str, Any], *, save_every: int = 1) -> Compar
     )
 
 
+def resized_spec(spec: Mapping[str, Any], *, rollout_steps: int, groups_per_batch: int, max_tokens: int | None = None,
+                 eval_items: int | None = None) -> dict[str, Any]:
+    """A copy of `spec` at another size (tests and benchmarks only; never a plan): steps,
+    batch_size, eval.n_examples and the method text's numbers change together."""
+    import re
+
+    out = json.loads(json.dumps(spec))
+    upb = int(out["arms"][0]["updates_per_batch"])
+    group_size = _method_int(out["method"], "group_size", "method")
+    out["steps"] = rollout_steps * upb
+    out["batch_size"] = groups_per_batch * group_size
+    out["method"] = re.sub(r"groups_per_batch\s*=\s*\d+", f"groups_per_batch={groups_per_batch}", out["method"])
+    if max_tokens is not None:
+        out["method"] = re.sub(r"max_tokens\s*=\s*\d+", f"max_tokens={max_tokens}", out["method"])
+    if eval_items is not None:
+        out["eval"]["n_examples"] = eval_items
+    return out
+
+
 def step_seed(cfg: ComparisonConfig, step: int) -> int:
     """Sampling seed base of a rollout step: the same for both arms, distinct across steps."""
     return cfg.arms[0].seed + step * cfg.groups_per_batch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,9 +138,10 @@ def run_comparison(
         return service.call_with_capacity_retry(fn, policy=capacity_policy, steps_completed=tracker,
                                                 registry=registry, on_retry=tracker.events.append)
 
-    bundle.update_result(comparison={"run_id": state.run_id, "resumed_sessions": state.resumed, "schedule": schedule,
-                                     "rehearsal": rehearsal, "state_file": str(spath),
-                                     "evaluator_id": evaluator.evaluator_id, "code_revision": state.code_revision})
+    bundle.register_json(f"comparison-run-{state.resumed}.json", "manifest", {
+        "run_id": state.run_id, "resumed_sessions": state.resumed, "schedule": schedule, "rehearsal": rehearsal,
+        "state_file": str(spath), "evaluator_id": evaluator.evaluator_id, "code_revision": state.code_revision,
+        "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg)})
     clients = _open_arms(service_client, state, cfg, restoration, bundle, call)
     state.save(spath)
     runners = C.make_runners(clients, cfg)

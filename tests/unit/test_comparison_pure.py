@@ -177,3 +177,10 @@ def _reparse(mutate):
 def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
     with pytest.raises(PlanError, match=match):
         _reparse(mutate)
+
+
+def test_resized_spec_changes_size_fields_together_and_never_the_input():
+    small = C.resized_spec(SPEC.raw, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)
+    cfg = C.comparison_config(small)
+    assert (cfg.steps, cfg.groups_per_batch, cfg.max_tokens, cfg.eval_items) == (3, 2, 64, 5)
+    assert SPEC.raw["steps"] == 100 and "groups_per_batch=32" in SPEC.raw["method"]
