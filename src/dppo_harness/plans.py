@@ -632,9 +632,11 @@ def leaf_differences(a: Any, b: Any, path: str = "") -> dict[str, tuple[Any, Any
     return {} if a == b and type(a) is type(b) else {path: (a, b)}
 
 
-def _frozen_violation(field_path: str) -> bool:
+def _frozen_violation(field_path: str, spec: Mapping[str, Any]) -> bool:
     if field_path.startswith("activation_gate"):
-        return not re.fullmatch(r"activation_gate\.checks\[\d+\]\.one_of(\[\d+\])?", field_path)
+        m = re.fullmatch(r"activation_gate\.checks\[(\d+)\]\.one_of(\[\d+\])?", field_path)
+        checks = spec["activation_gate"]["checks"]
+        return not (m and int(m.group(1)) < len(checks) and checks[int(m.group(1))]["metric"] == "executed_base_model")
     if field_path.startswith("restoration_preflight"):
         return not re.fullmatch(r"restoration_preflight\.groups\[\d+\]\.arms\[\d+\]\.optimizer_config\.learning_rate",
                                 field_path)
@@ -666,7 +668,7 @@ def check_rehearsal(raw: Mapping[str, Any], path: Path | None) -> None:
             raise _fail(f"spec.{f}", f"differs from {raw['derived_from']['path']} ({orig!r} -> {new!r}) but is not declared")
         if declared[f]["spec"] != orig or declared[f]["rehearsal"] != new:
             raise _fail(f"differences[{f}]", "declared spec/rehearsal values do not match the files")
-        if _frozen_violation(f):
+        if _frozen_violation(f, raw["spec"]):
             raise _fail(f"spec.{f}", "may not differ in a rehearsal (gates, thresholds and the decision rule stay as written)")
     for f in declared:
         if f not in actual:

@@ -172,6 +172,9 @@ def _reparse(mutate):
                 r["differences"].append({"field": "arms[0].updates_per_batch", "spec": 2, "rehearsal": 1,
                                          "reason": "x"})), "may not differ"),
     (lambda r: r["spec"].pop("decision_rule"), "decision_rule"),
+    (lambda r: (r["spec"]["activation_gate"]["checks"][0].update(one_of=["x"]),
+                r["differences"].append({"field": "activation_gate.checks[0].one_of", "spec": None, "rehearsal": ["x"],
+                                         "reason": "x"})), "may not differ"),
     (lambda r: r.update(kind="rehearsal", label="final"), "label"),
 ])
 def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
