@@ -29,7 +29,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from dppo_harness import constants  # noqa: E402
-from dppo_harness.feasibility import timed_updates  # noqa: E402
+from dppo_harness.train_step import timed_updates  # noqa: E402
 from dppo_harness.local_server.process import LocalServerProcess  # noqa: E402
 
 

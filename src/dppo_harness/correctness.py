@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -785,10 +786,16 @@ def validate_preflight(spec: dict, preflight: dict) -> tuple[str, list[str]]:
     return status, msgs
 
 
-def lr_scaling_error(entries: list[dict[str, float]]) -> list[float]:
-    """Relative change of update_norm/learning_rate against the first probe, per later probe."""
-    base = entries[0]["update_norm"] / entries[0]["learning_rate"]
-    return [abs(e["update_norm"] / e["learning_rate"] / base - 1.0) for e in entries[1:]]
+def lr_scaling_error(probes: Sequence[Mapping[str, float]]) -> list[float]:
+    """Relative change of update_norm/learning_rate against the first probe, for every probe
+    (the first is 0.0); a zero or non-finite first ratio makes every entry inf. The one
+    definition: the restoration preflight's LR probe and the correctness CLI both use it."""
+    if not probes:
+        return []
+    base = probes[0]["update_norm"] / probes[0]["learning_rate"]
+    if not math.isfinite(base) or base == 0.0:
+        return [math.inf for _ in probes]
+    return [abs((p["update_norm"] / p["learning_rate"]) / base - 1.0) for p in probes]
 
 
 def _check_lr_scaling(pid: str, lr: list, tol: dict) -> list[str]:

@@ -18,22 +18,25 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import tinker
 import torch
 
-from dppo_harness import constants
+from dppo_harness import constants, gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
 from dppo_harness import instrumentation as ins
+from dppo_harness.frozen_batch import FrozenBatch, Minibatch
+from dppo_harness.pooled import (  # noqa: F401 - re-exported: the diagnostic's file names
+    ANALYSIS_FILE, FROZEN_BATCH_STEM, NEXT_ACTION_FILE, POOLED_QUANTILES, RATIO_PARTS, REFERENCES_FILE,
+    REVISED_SPEC_FILE, SELFTEST_FILE, SENTINEL_FILE, pool_calls, update_record_name)
+from dppo_harness.restoration import create_from_state_observed, dump_response, full_logprobs, make_datum
 
-ANALYSIS_FILE = "diagnostic-analysis.json"
-SELFTEST_FILE = "diagnostic-selftest.json"
-SENTINEL_FILE = "diagnostic-sentinels.json"
-REFERENCES_FILE = "diagnostic-prior-references.json"
-NEXT_ACTION_FILE = "diagnostic-next-action.json"
-REVISED_SPEC_FILE = "revised-diagnostic-spec.json"
-FROZEN_BATCH_STEM = "diagnostic-frozen-batch"
+if TYPE_CHECKING:
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import Plan
+
 # Seconds kept free at the end of the cap for analysis, replay re-check, report and evidence.
 FINALIZE_RESERVE_S = 30.0
 CAUSES = (
@@ -65,10 +68,6 @@ BASIS_FOR_REFERENCES = (
 
 class DiagnosticError(RuntimeError):
     """The diagnostic cannot run as planned; the message says which requirement failed."""
-
-
-def update_record_name(update_index: int) -> str:
-    return f"diagnostic-update-{update_index:02d}.npz"
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -168,42 +167,6 @@ def diagnostic_config(plan_raw: Mapping[str, Any], **overrides: Any) -> Diagnost
 
 
 # ---- pooled second-epoch analysis --------------------------------------------------------------
-
-# Token-weighted ratios: summed numerator over summed denominator across pooled calls.
-RATIO_PARTS = {
-    "dppo/masked_frac_loss_tokens": ("dppo/removed", "tokens/loss"),
-    "dppo/masked_frac_nonzero_adv": ("dppo/removed", "tokens/nonzero_adv"),
-    "ppo/clip_frac_loss_tokens": ("ppo/clipped", "tokens/loss"),
-    "ppo/clip_frac_nonzero_adv": ("ppo/clipped", "tokens/nonzero_adv"),
-}
-POOLED_QUANTILES = {"drift/abs_p90": (True, 0.9), "drift/abs_p99": (True, 0.99),
-                    "drift/signed_p90": (False, 0.9), "drift/signed_p99": (False, 0.99)}
-
-
-def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> dict[str, Any]:
-    """Pooled statistics of the given loss calls, weighted by their loss-token counts."""
-    sums = {k: int(sum(r.stats[k] for r in records)) for k in ins.COUNT_KEYS}
-    pooled: dict[str, Any] = {"calls": len(records), **sums}
-    for metric, (num, den) in RATIO_PARTS.items():
-        pooled[metric] = sums[num] / sums[den] if sums[den] else 0.0
-    loss_d = [d[r.tensors["mask_N"] != 0] for r, d in zip(records, prob_diffs, strict=True)]
-    d = np.concatenate(loss_d) if loss_d else np.zeros(0)
-    adv = np.concatenate([r.tensors["advantages_N"][r.tensors["mask_N"] != 0] for r in records]) if records else np.zeros(0)
-    for metric, (absolute, q) in POOLED_QUANTILES.items():
-        x = np.abs(d) if absolute else d
-        pooled[metric] = float(np.quantile(x, q)) if x.size else None
-    pooled["drift/abs_max"] = float(np.abs(d).max()) if d.size else None
-    pooled["drift/signed_max"] = float(d.max()) if d.size else None
-    pooled["drift/signed_min"] = float(d.min()) if d.size else None
-    pooled["drift/max_on_pos_adv"] = float(d[adv > 0].max()) if (adv > 0).any() else None
-    pooled["drift/min_on_neg_adv"] = float(d[adv < 0].min()) if (adv < 0).any() else None
-    hist = {s: np.zeros(ins.N_HIST_BINS, dtype=np.int64) for s in ins.HIST_SIGNS}
-    for r in records:
-        for s in ins.HIST_SIGNS:
-            hist[s] += np.asarray(r.stats["hist"][s], dtype=np.int64)
-    pooled["hist"] = {s: h.tolist() for s, h in hist.items()}
-    return pooled
-
 
 @dataclass(frozen=True)
 class CriterionResult:
@@ -386,6 +349,25 @@ def anchor_problems(records: Sequence[ins.LossCallRecord], frozen_sampler_by_cal
     return problems
 
 
+@dataclass(frozen=True)
+class Classification:
+    """Active or not, and if not, why (one of CAUSES), explained from the measured numbers."""
+
+    state: str  # "active", "partially_active" or "inactive"
+    mask_fired: bool
+    active: bool
+    cause: str | None
+    explanation: str
+    evidence_against_code_defect: str
+    integrity_problems: tuple[str, ...]
+    variant_problems: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["integrity_problems"], d["variant_problems"] = list(self.integrity_problems), list(self.variant_problems)
+        return d
+
+
 def classify(
     *,
     criteria: Sequence[CriterionResult],
@@ -400,8 +382,10 @@ def classify(
     delta: float,
     updates_planned: int = 0,
     minibatches_per_epoch: int = 0,
-) -> dict[str, Any]:
-    """Active or not, and if not, why: one of CAUSES, explained from the measured numbers."""
+    errors: Sequence[str] = (),
+) -> Classification:
+    """Active or not, and if not, why: one of CAUSES, explained from the measured numbers. A run
+    that stopped on an error and is not active lacks evidence (unless a defect was shown)."""
     evidence_against_defect = (
         f"deterministic must-fire/must-not-fire self-test {'passed' if selftest.get('passed') else 'FAILED'} "
         f"({sum(c['passed'] for c in selftest.get('cases', {}).values())}/{len(selftest.get('cases', {}))} cases)"
@@ -464,22 +448,21 @@ def classify(
             "sampler logprobs, and the variant is the pinned one; the criteria fail on the measured drift itself: "
             + "; ".join(failing) + "."
         )
-    return {
-        "state": state,
-        "mask_fired": fired,
-        "active": active,
-        "cause": cause,
-        "explanation": " ".join(lines),
-        "evidence_against_code_defect": evidence_against_defect,
-        "integrity_problems": list(integrity_problems),
-        "variant_problems": list(variant_problems),
-    }
+    explanation = " ".join(lines)
+    if errors and not active and cause != "code_or_instrumentation_defect":
+        cause = "missing_evidence"
+        explanation += f" The run stopped on an error before completing its schedule: {errors[0]}"
+    return Classification(
+        state=state, mask_fired=fired, active=active, cause=cause, explanation=explanation,
+        evidence_against_code_defect=evidence_against_defect,
+        integrity_problems=tuple(integrity_problems), variant_problems=tuple(variant_problems),
+    )
 
 
-def next_action(classification: Mapping[str, Any], cfg: DiagnosticConfig, spec_raw: Mapping[str, Any] | None,
+def next_action(classification: Classification, cfg: DiagnosticConfig, spec_raw: Mapping[str, Any] | None,
                 plan_id: str) -> dict[str, Any]:
     """Active: the frozen revised comparison spec (not executed). Otherwise: the cheapest next step."""
-    if classification["active"] and spec_raw is not None:
+    if classification.active and spec_raw is not None:
         revised = json.loads(json.dumps(spec_raw))
         revised["title"] = spec_raw["title"] + " (revised schedule r2, proposed)"
         revised["method"] = (
@@ -504,7 +487,7 @@ def next_action(classification: Mapping[str, Any], cfg: DiagnosticConfig, spec_r
                                           "restoration preflight", "activation gate of the revised spec"],
             "spec": revised,
         }
-    cause = classification.get("cause")
+    cause = classification.cause
     cheapest = {
         "missing_evidence": "rerun this same bounded diagnostic unchanged on a backend fast enough to reach the second "
                             "epoch inside the 12-minute cap (measure feasibility first); no setting changes",
@@ -523,14 +506,14 @@ def next_action(classification: Mapping[str, Any], cfg: DiagnosticConfig, spec_r
 # ---- the loop ----------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiagnosticResult:
     config: DiagnosticConfig
     records: list[ins.LossCallRecord]
     sentinels: dict[str, Any]
     pooled: dict[str, Any] | None
     criteria: list[CriterionResult]
-    classification: dict[str, Any]
+    classification: Classification
     selftest: dict[str, Any]
     updates_done: int
     stop_reason: str
@@ -539,11 +522,15 @@ class DiagnosticResult:
     frozen_batch_sha256: str | None
     minibatches: list[dict[str, Any]]
     next_action: dict[str, Any]
-    result_fields: dict[str, Any] = field(default_factory=dict)
-    files: list[str] = field(default_factory=list)
+    files: tuple[str, ...] = ()
     restore: dict[str, Any] = field(default_factory=dict)
     effective_cap_seconds: float | None = None
     errors: list[str] = field(default_factory=list)
+
+    @property
+    def result_fields(self) -> dict[str, Any]:
+        """What this stage contributes to result.json."""
+        return result_fields(self)
 
     def analysis_json(self) -> dict[str, Any]:
         return ins.nan_free({
@@ -561,7 +548,7 @@ class DiagnosticResult:
             "per_update": [ins.summary_row(r) | {"loss_seconds": r.loss_seconds} for r in self.records],
             "pooled_second_epoch": self.pooled,
             "criteria": [asdict(c) for c in self.criteria],
-            "classification": self.classification,
+            "classification": self.classification.as_dict(),
             "selftest_passed": self.selftest.get("passed"),
             "fixes": list(FIXES),
             "sentinels": self.sentinels,
@@ -570,37 +557,198 @@ class DiagnosticResult:
         })
 
 
-def _sentinel_datums(frozen: Any, indices: Sequence[int]):
-    """Forward-only cross-entropy datums (targets + zero weights) of the sentinel sequences."""
-    import tinker
+class SentinelTracker:
+    """Fixed sentinel sequences of the frozen batch, chosen before training: the trainer's
+    logprobs on them at initialization and after the planned updates (forward only)."""
 
-    out = []
-    for s in indices:
-        seq = frozen.sequence(s)
-        toks = seq["tokens"].tolist()
-        out.append(tinker.Datum(
-            model_input=tinker.ModelInput.from_ints(toks[:-1]),
-            loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(seq["tokens"][1:].astype(np.int64)),
-                            "weights": tinker.TensorData.from_numpy(np.zeros(len(toks) - 1, dtype=np.float32))},
-        ))
-    return out
+    def __init__(self, frozen: FrozenBatch, per_sign: int, after_updates: Sequence[int]):
+        adv_S = [float(frozen.sequence(s)["advantages"][frozen.sequence(s)["mask"] > 0][:1].sum())
+                 for s in range(frozen.n_sequences)]
+        chosen = ins.choose_sentinel_sequences(adv_S, per_sign)
+        seqs = [frozen.sequence(s) for s in chosen.sequence_indices]
+        # Forward-only cross-entropy datums: the whole sequence, weight 0 everywhere.
+        self.datums = [make_datum(q["tokens"][:1].tolist(), q["tokens"][1:].tolist(), completion_weight=0.0)
+                       for q in seqs]
+        self.sampler_logprobs = np.concatenate([q["logprobs"] for q in seqs])
+        self.mask = np.concatenate([q["mask"] for q in seqs])
+        self.advantages = np.concatenate([q["advantages"] for q in seqs])
+        self.after_updates = tuple(after_updates)
+        self.meta = {"sequence_indices": list(chosen.sequence_indices), "selection_rule": chosen.selection_rule,
+                     "tokens": int(self.mask.sum()), "after_updates": list(after_updates)}
+        self.points: list[dict[str, Any]] = []
+        self._init: np.ndarray | None = None
+
+    def measure(self, tc: tinker.TrainingClient, after_update: int, elapsed_s: float) -> None:
+        lp = np.concatenate([x.astype(np.float32).reshape(-1) for x in full_logprobs(tc, self.datums)])
+        if self._init is None:
+            self._init = lp
+        self.points.append({"after_update": after_update, "elapsed_s": elapsed_s,
+                            "summary": ins.sentinel_summary(lp, self.sampler_logprobs, self._init, self.mask,
+                                                            self.advantages),
+                            "logprobs": lp.tolist()})
+
+    def maybe_measure(self, tc: tinker.TrainingClient, after_update: int, elapsed_s: float) -> None:
+        if after_update in self.after_updates:
+            self.measure(tc, after_update, elapsed_s)
+
+    def summary(self) -> dict[str, Any]:
+        """Points without the raw logprobs, plus the first and last (for the analysis)."""
+        return {**self.meta, "points": [{k: v for k, v in p.items() if k != "logprobs"} for p in self.points],
+                "at_init": self.points[0]["summary"] if self.points else None,
+                "last": self.points[-1] if len(self.points) > 1 else None}
+
+    def evidence(self) -> dict[str, Any]:
+        return {**self.summary(), "points": self.points, "sampler_logprobs": self.sampler_logprobs.tolist(),
+                "mask": self.mask.tolist()}
 
 
-def _forward_logprobs(tc: Any, datums: Sequence[Any]) -> np.ndarray:
-    out = tc.forward(list(datums), "cross_entropy").result()
-    return np.concatenate([np.asarray(o["logprobs"].to_numpy(), dtype=np.float32).reshape(-1) for o in out.loss_fn_outputs])
+class _Stop(Exception):
+    """Planned stop (wall cap) before training could start."""
 
 
-def _dump_response(obj: Any) -> Any:
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump(mode="json")
-    return repr(obj)
+@dataclass
+class _RunState:
+    """What the run measured so far; kept when it stops early, read once into the result."""
+
+    files: list[str] = field(default_factory=list)
+    records: list[ins.LossCallRecord] = field(default_factory=list)
+    frozen_by_call: list[np.ndarray] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    restore: dict[str, Any] = field(default_factory=dict)
+    frozen: FrozenBatch | None = None
+    minibatches: list[dict[str, Any]] = field(default_factory=list)
+    sentinels: SentinelTracker | None = None
+    updates_done: int = 0
+    stop_reason: str = "update cap reached"
+    setup_seconds: float = 0.0
+
+
+def _register_json(bundle: EvidenceBundle, state: _RunState, name: str, kind: str, obj: Any) -> None:
+    bundle.register_json(name, kind, ins.nan_free(obj))
+    state.files.append(name)
+
+
+def _declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _RunState) -> dict[str, Any]:
+    """Before any service work: revised spec, deviations, unavailable references, self-test."""
+    bundle.register_plan(plan, REVISED_SPEC_FILE)
+    state.files.append(REVISED_SPEC_FILE)
+    for dev in plan.raw.get("deviations", []):
+        bundle.add_deviation(dev["field"], dev["original"], dev["effective"], dev["reason"])
+    for red in cfg.reductions:
+        bundle.add_deviation("steps" if red["field"] in ("max_updates", "max_wall_seconds") else "effective_batch",
+                             f"{red['field']}={red['original']}", f"{red['field']}={red['effective']}",
+                             "size reduction for a small test plan (not the requester's settings)")
+    _register_json(bundle, state, REFERENCES_FILE, "report", {
+        "loop": LOOP_LABEL,
+        "unavailable_references": [dict(r, available=False) for r in plan.raw.get("unavailable_references", [])],
+        "reason": BASIS_FOR_REFERENCES,
+        "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
+    })
+    bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.raw["tested_instead"])
+    selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
+    _register_json(bundle, state, SELFTEST_FILE, "report", selftest)
+    return selftest
+
+
+def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
+    """A fresh client from the shared initial state, the load observed (never trained weights)."""
+    tc, load_response = create_from_state_observed(service_client, initial_checkpoint)
+    info = tc.get_info()
+    restore = {
+        "initial_checkpoint": initial_checkpoint,
+        "loaded_checkpoint_uri": getattr(load_response, "path", None),
+        "load_succeeded": load_response is not None,
+        "load_response": dump_response(load_response),
+        "get_info": dump_response(info),
+        "before_first_update": True,
+    }
+    if load_response is None:
+        raise DiagnosticError("the initial-state load was not observed (plan requires an observed successful load)")
+    return tc, restore
+
+
+def _sample_and_freeze(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: _RunState,
+                       tag: str) -> tuple[str, FrozenBatch, dict[str, Any]]:
+    """ONE batch from the restored weights, frozen and persisted; returns (sampler path, batch, summary)."""
+    tok = tokenizer.make_renderer()
+    train = gsm8k.load_split("train", seed=cfg.seed)
+    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
+    sampled = rollout_batch.sample_rollout_batch(tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer,
+                                                 rcfg, sampler_name=f"{tag}-sampler-initial")
+    load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
+    frozen = rollout_batch.freeze(sampled, {"load": load, "tokenizer": tok.provenance})
+    npz, manifest = frozen.to_bytes()
+    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
+    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
+    state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
+    bundle.add_checkpoint("dppo_seed0", 0, sampled.sampler_path)
+    return sampled.sampler_path, frozen, sampled.batch.summary()
+
+
+def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: FrozenBatch, mbs: Sequence[Minibatch],
+                  sampler_path: str, bundle: EvidenceBundle, state: _RunState, *, elapsed: Callable[[], float],
+                  clock: Callable[[], float], cap_s: float, say: Callable[[str], None], tag: str) -> str:
+    """Epochs over the same frozen batch (no sampling, no anchor refresh) until the update cap,
+    the wall cap or the schedule's end; returns the stop reason."""
+    loss_cfg = cfg.loss_config()
+    loss_fn = losses.make_loss_fn(loss_cfg)
+    recorder = ins.LossCallRecorder(loss_cfg)
+    adam = tinker.AdamParams(**cfg.adam)
+    last_update_s = 0.0
+    tokens_seen = 0
+    for epoch, mb in [(e, mb) for e in range(1, cfg.epochs + 1) for mb in mbs]:
+        if state.updates_done >= cfg.max_updates:
+            return "update cap reached"
+        if elapsed() + last_update_s + FINALIZE_RESERVE_S > cap_s:
+            return (f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
+                    f"{FINALIZE_RESERVE_S:.0f}s to write the analysis would exceed {cap_s:.0f}s")
+        u0 = clock()
+        frozen.assert_intact()  # before every reuse (to_datums checks again)
+        datums = frozen.to_datums(mb.sequence_indices)
+        anchor = np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices])
+        update_index = state.updates_done + 1
+        context = {"update_index": update_index, "epoch": epoch, "minibatch": mb.index, "group_ids": list(mb.group_ids),
+                   "sequence_indices": list(mb.sequence_indices), "sampler_checkpoint": sampler_path,
+                   "frozen_batch_sha256": frozen.sha256}
+
+        def persist(rec: ins.LossCallRecord, update_index: int = update_index, anchor: np.ndarray = anchor) -> None:
+            # Persisted before the optimizer step it feeds.
+            bundle.register_bytes(update_record_name(update_index), "tensors", ins.records_to_npz([rec]))
+            state.files.append(update_record_name(update_index))
+            state.records.append(rec)
+            state.frozen_by_call.append(anchor)
+
+        rec, _ = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist)
+        state.updates_done = update_index
+        tokens_seen += rec.stats["tokens/loss"]
+        if state.sentinels is not None:
+            state.sentinels.maybe_measure(tc, update_index, elapsed())
+        last_update_s = clock() - u0
+        s = rec.stats
+        say(f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
+            f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
+            f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
+            f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
+            f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
+    return "schedule complete" if state.updates_done < cfg.max_updates else "update cap reached"
+
+
+def _effective_cap(bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: float, say: Callable[[str], None],
+                   tag: str) -> float:
+    """The plan's wall cap, shortened to the run budget's end when that comes first."""
+    cap_s = cfg.max_wall_seconds
+    remaining = bundle.remaining_seconds()
+    if remaining is not None and elapsed_s + remaining < cap_s:
+        cap_s = max(0.0, elapsed_s + float(remaining))
+        say(f"[{tag}] the run budget ends {cap_s:.0f}s after the stage start, before the "
+            f"{cfg.max_wall_seconds:.0f}s cap: stopping there")
+    return cap_s
 
 
 def run_bounded_diagnostic(
-    service_client: Any,
-    plan: Any,
-    bundle: Any,
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
     initial_checkpoint: str,
     *,
     backend: str,
@@ -613,212 +761,85 @@ def run_bounded_diagnostic(
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
 
-    `stage_start` (a `clock()` reading) is when the stage began: the wall cap counts from it.
+    Named steps: declare -> restore -> sample and freeze -> sentinels -> train epochs -> analyse
+    -> write evidence. `stage_start` (a `clock()` reading) is when the stage began: the wall cap
+    counts from it.
     """
-    import tinker
-
-    from dppo_harness import gsm8k, losses, rollouts, tokenizer
-    from dppo_harness.frozen_batch import FrozenBatch
-    from dppo_harness.restoration import create_from_state_observed
-
     t0 = clock() if stage_start is None else stage_start
     cfg = diagnostic_config(plan.raw, **overrides)
     say = progress or (lambda _m: None)
-    loss_cfg = cfg.loss_config()
-    errors: list[str] = []
-    files: list[str] = []
 
     def elapsed() -> float:
         return clock() - t0
 
-    def register_json(name: str, kind: str, obj: Any) -> None:
-        bundle.register_json(name, kind, ins.nan_free(obj))
-        files.append(name)
-
-    # -- declarations before any service work: revised spec, deviations, unavailable references.
-    bundle.register_plan(plan, REVISED_SPEC_FILE)
-    files.append(REVISED_SPEC_FILE)
-    for dev in plan.raw.get("deviations", []):
-        bundle.add_deviation(dev["field"], dev["original"], dev["effective"], dev["reason"])
-    for red in cfg.reductions:
-        bundle.add_deviation("steps" if red["field"] in ("max_updates", "max_wall_seconds") else "effective_batch",
-                             f"{red['field']}={red['original']}", f"{red['field']}={red['effective']}",
-                             "size reduction for a small test plan (not the requester's settings)")
-    register_json(REFERENCES_FILE, "report", {
-        "loop": LOOP_LABEL,
-        "unavailable_references": [dict(r, available=False) for r in plan.raw.get("unavailable_references", [])],
-        "reason": BASIS_FOR_REFERENCES,
-        "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
-    })
-    bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.raw["tested_instead"])
-    selftest = deterministic_selftest(loss_cfg=loss_cfg)
-    register_json(SELFTEST_FILE, "report", selftest)
-
-    records: list[ins.LossCallRecord] = []
-    sentinel_points: list[dict[str, Any]] = []
-    sentinel_meta: dict[str, Any] = {}
-    frozen = None
-    minibatches: list[dict[str, Any]] = []
-    updates_done = 0
-    stop_reason = "update cap reached"
-    setup_seconds = 0.0
-    frozen_by_call: list[np.ndarray] = []
-    restore: dict[str, Any] = {}
+    state = _RunState()
+    selftest = _declare(bundle, plan, cfg, state)
     cap_s = cfg.max_wall_seconds
     try:
         # Remaining run budget first (the ledger's, when one is set): never start what cannot fit.
-        remaining = bundle.remaining_seconds() if hasattr(bundle, "remaining_seconds") else None
-        if remaining is not None and elapsed() + remaining < cap_s:
-            cap_s = max(0.0, elapsed() + float(remaining))
-            say(f"[{tag}] the run budget ends {cap_s:.0f}s after the stage start, before the "
-                f"{cfg.max_wall_seconds:.0f}s cap: stopping there")
+        cap_s = _effective_cap(bundle, cfg, elapsed(), say, tag)
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted before service work")
-        # -- restore the shared initial state (fresh client, observed load, never trained weights).
-        tc, load_response = create_from_state_observed(service_client, initial_checkpoint)
-        info = tc.get_info()
-        load = restore = {
-            "initial_checkpoint": initial_checkpoint,
-            "loaded_checkpoint_uri": getattr(load_response, "path", None),
-            "load_succeeded": load_response is not None,
-            "load_response": _dump_response(load_response),
-            "get_info": _dump_response(info),
-            "before_first_update": True,
-        }
-        if load_response is None:
-            raise DiagnosticError("the initial-state load was not observed (plan requires an observed successful load)")
+        tc, state.restore = _restore(service_client, initial_checkpoint)
         say(f"[{tag}] restored {initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)")
-        # -- sample ONE batch from the restored weights and freeze it.
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted during setup (after restore)")
-        sampler_path = tc.save_weights_for_sampler(f"{tag}-sampler-initial").result().path
-        sampler = tc.create_sampling_client(sampler_path).result()
-        tok = tokenizer.make_renderer()
-        train = gsm8k.load_split("train", seed=cfg.seed)
-        rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
-        batch = rollouts.sample_batch(sampler, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer, rcfg,
-                                      sampler_checkpoint=sampler_path)
-        frozen = FrozenBatch.from_rollouts(batch, sampler_version=sampler_path,
-                                           extra_metadata={"load": {k: load[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")},
-                                                           "tokenizer": tok.provenance})
-        npz, manifest = frozen.to_bytes()
-        bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
-        bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
-        files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
-        bundle.add_checkpoint("dppo_seed0", 0, sampler_path)
-        summary = batch.summary()
-        say(f"[{tag}] sampled and froze {frozen.n_sequences} sequences ({summary['response_tokens']} response tokens, "
-            f"{summary['nonconstant_reward_groups']} groups with signal) in {summary['sampling_seconds']:.0f}s; "
+        sampler_path, state.frozen, summary = _sample_and_freeze(tc, cfg, bundle, state, tag)
+        say(f"[{tag}] sampled and froze {state.frozen.n_sequences} sequences ({summary['response_tokens']} response "
+            f"tokens, {summary['nonconstant_reward_groups']} groups with signal) in {summary['sampling_seconds']:.0f}s; "
             f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
-        mbs = frozen.split_minibatches(cfg.minibatches_per_epoch)
-        minibatches = [mb.record() for mb in mbs]
-        # -- sentinels: fixed sequences of this batch, chosen deterministically before training.
-        adv_S = [float(frozen.sequence(s)["advantages"][frozen.sequence(s)["mask"] > 0][:1].sum()) for s in range(frozen.n_sequences)]
-        sset = ins.choose_sentinel_sequences(adv_S, cfg.sentinels_per_sign)
-        sdatums = _sentinel_datums(frozen, sset.sequence_indices)
-        s_mu = np.concatenate([frozen.sequence(s)["logprobs"] for s in sset.sequence_indices])
-        s_mask = np.concatenate([frozen.sequence(s)["mask"] for s in sset.sequence_indices])
-        s_adv = np.concatenate([frozen.sequence(s)["advantages"] for s in sset.sequence_indices])
-        sentinel_meta = {"sequence_indices": list(sset.sequence_indices), "selection_rule": sset.selection_rule,
-                         "tokens": int(s_mask.sum()), "after_updates": list(cfg.sentinel_after_updates)}
-        s_init = None
-
-        def sentinel_point(after_update: int) -> None:
-            nonlocal s_init
-            lp = _forward_logprobs(tc, sdatums)
-            if s_init is None:
-                s_init = lp
-            sentinel_points.append({"after_update": after_update, "elapsed_s": elapsed(),
-                                    "summary": ins.sentinel_summary(lp, s_mu, s_init, s_mask, s_adv),
-                                    "logprobs": lp.tolist()})
-
-        if 0 in cfg.sentinel_after_updates:
-            sentinel_point(0)
-        setup_seconds = elapsed()
-        say(f"[{tag}] setup done in {setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
+        mbs = state.frozen.split_minibatches(cfg.minibatches_per_epoch)
+        state.minibatches = [mb.record() for mb in mbs]
+        state.sentinels = SentinelTracker(state.frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
+        state.sentinels.maybe_measure(tc, 0, elapsed())
+        state.setup_seconds = elapsed()
+        say(f"[{tag}] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
             f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)")
-        # -- two epochs over the same frozen batch; no sampling, no anchor refresh.
-        loss_fn = losses.make_loss_fn(loss_cfg)
-        recorder = ins.LossCallRecorder(loss_cfg)
-        adam = tinker.AdamParams(**cfg.adam)
-        last_update_s = 0.0
-        tokens_seen = 0
-        schedule = [(e, mb) for e in range(1, cfg.epochs + 1) for mb in mbs]
-        for epoch, mb in schedule:
-            if updates_done >= cfg.max_updates:
-                stop_reason = "update cap reached"
-                break
-            if elapsed() + last_update_s + FINALIZE_RESERVE_S > cap_s:
-                stop_reason = (f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
-                               f"{FINALIZE_RESERVE_S:.0f}s to write the analysis would exceed {cap_s:.0f}s")
-                break
-            u0 = clock()
-            frozen.assert_intact()  # before every reuse (to_datums checks again)
-            datums = frozen.to_datums(mb.sequence_indices)
-            frozen_by_call.append(np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices]))
-            update_index = updates_done + 1
-            wrapped = recorder.wrap(loss_fn, update_index=update_index, epoch=epoch, minibatch=mb.index,
-                                    group_ids=list(mb.group_ids), sequence_indices=list(mb.sequence_indices),
-                                    sampler_checkpoint=sampler_path, frozen_batch_sha256=frozen.sha256)
-            tc.forward_backward_custom(datums, wrapped).result()
-            rec = recorder.records[-1]
-            # Persisted before the optimizer step it feeds.
-            bundle.register_bytes(update_record_name(update_index), "tensors", ins.records_to_npz([rec]))
-            files.append(update_record_name(update_index))
-            records.append(rec)
-            tc.optim_step(adam).result()
-            updates_done = update_index
-            tokens_seen += rec.stats["tokens/loss"]
-            if update_index in cfg.sentinel_after_updates:
-                sentinel_point(update_index)
-            last_update_s = clock() - u0
-            s = rec.stats
-            say(f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
-                f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
-                f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
-                f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
-                f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
-        else:
-            stop_reason = "schedule complete" if updates_done < cfg.max_updates else "update cap reached"
+        state.stop_reason = _train_epochs(tc, cfg, state.frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
+                                          clock=clock, cap_s=cap_s, say=say, tag=tag)
     except _Stop as stop:
-        stop_reason = str(stop)
-        setup_seconds = setup_seconds or elapsed()
+        state.stop_reason = str(stop)
+        state.setup_seconds = state.setup_seconds or elapsed()
     except Exception as exc:  # persist what was measured; the classification says evidence is missing
-        errors.append(f"{type(exc).__name__}: {exc}")
-        stop_reason = f"error: {type(exc).__name__}"
-        setup_seconds = setup_seconds or elapsed()
+        state.errors.append(f"{type(exc).__name__}: {exc}")
+        state.stop_reason = f"error: {type(exc).__name__}"
+        state.setup_seconds = state.setup_seconds or elapsed()
     wall = elapsed()
-    say(f"[{tag}] stopped: {stop_reason}; {updates_done} updates in {wall:.0f}s")
+    say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
+    return _write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
+                           spec_raw=spec_raw)
 
-    sentinels = {**sentinel_meta, "points": [{k: v for k, v in p.items() if k != "logprobs"} for p in sentinel_points],
-                 "at_init": sentinel_points[0]["summary"] if sentinel_points else None,
-                 "last": sentinel_points[-1] if len(sentinel_points) > 1 else None}
-    result = analyse(cfg, plan, records, selftest=selftest, sentinels=sentinels,
-                     frozen_by_call=frozen_by_call or None, updates_done=updates_done, stop_reason=stop_reason,
-                     wall_seconds=wall, setup_seconds=setup_seconds, frozen_sha256=frozen.sha256 if frozen else None,
-                     minibatches=minibatches, errors=errors, spec_raw=spec_raw)
-    result.files = files
-    result.restore = restore
-    result.effective_cap_seconds = cap_s
-    action = result.next_action
-    if sentinel_points:
-        register_json(SENTINEL_FILE, "metrics", {**sentinels, "points": sentinel_points,
-                                                  "sampler_logprobs": s_mu.tolist(), "mask": s_mask.tolist()})
-    analysis = result.analysis_json()
-    register_json(ANALYSIS_FILE, "metrics", analysis)
-    register_json(NEXT_ACTION_FILE, "report", action)
+
+def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _RunState,
+                    selftest: Mapping[str, Any], *, wall: float, cap_s: float, backend: str,
+                    spec_raw: Mapping[str, Any] | None) -> DiagnosticResult:
+    """Analyse, then write sentinels, analysis, next action, report and result fields."""
     from dppo_harness import report
 
-    files += list(report.write_report(bundle, analysis, backend, action).values())
-    result.result_fields = result_fields(result, plan)
-    bundle.update_result(**{k: v for k, v in result.result_fields.items() if k in ("metrics", "summary", "activation_calibration")
+    tracker = state.sentinels
+    sentinels = tracker.summary() if tracker is not None else {
+        "points": [], "at_init": None, "last": None}
+    result = analyse(cfg, plan, state.records, selftest=selftest, sentinels=sentinels,
+                     frozen_by_call=state.frozen_by_call or None, updates_done=state.updates_done,
+                     stop_reason=state.stop_reason, wall_seconds=wall, setup_seconds=state.setup_seconds,
+                     frozen_sha256=state.frozen.sha256 if state.frozen else None, minibatches=state.minibatches,
+                     errors=state.errors, spec_raw=spec_raw, restore=state.restore, effective_cap_seconds=cap_s)
+    if tracker is not None and tracker.points:
+        _register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
+    analysis = result.analysis_json()
+    _register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
+    _register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
+    result = replace(result, files=tuple(state.files))
+    fields_ = result.result_fields
+    bundle.update_result(**{k: v for k, v in fields_.items() if k in ("metrics", "summary", "activation_calibration")
                             and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))})
     return result
 
 
 def analyse(
     cfg: DiagnosticConfig,
-    plan: Any,
+    plan: Plan,
     records: Sequence[ins.LossCallRecord],
     *,
     selftest: Mapping[str, Any],
@@ -832,6 +853,8 @@ def analyse(
     minibatches: list[dict[str, Any]],
     errors: list[str],
     spec_raw: Mapping[str, Any] | None,
+    restore: Mapping[str, Any] | None = None,
+    effective_cap_seconds: float | None = None,
 ) -> DiagnosticResult:
     """The fixed analysis: ALL second-epoch loss calls pooled by loss tokens (no selection),
     the plan's criteria, integrity re-checks, and the classification."""
@@ -848,21 +871,16 @@ def analyse(
     classification = classify(criteria=criteria, pooled=pooled, selftest=selftest, integrity_problems=integrity,
                               variant_problems=variant, sentinels=sentinels, updates_done=updates_done,
                               second_epoch_calls=len(second), stop_reason=stop_reason, delta=cfg.delta,
-                              updates_planned=cfg.max_updates, minibatches_per_epoch=cfg.minibatches_per_epoch)
-    if errors and not classification["active"] and classification["cause"] != "code_or_instrumentation_defect":
-        classification["cause"] = "missing_evidence"
-        classification["explanation"] += f" The run stopped on an error before completing its schedule: {errors[0]}"
+                              updates_planned=cfg.max_updates, minibatches_per_epoch=cfg.minibatches_per_epoch,
+                              errors=errors)
     action = next_action(classification, cfg, spec_raw, plan.raw.get("plan_id", plan.name))
     return DiagnosticResult(
         config=cfg, records=list(records), sentinels=dict(sentinels), pooled=pooled, criteria=criteria,
         classification=classification, selftest=dict(selftest), updates_done=updates_done, stop_reason=stop_reason,
         wall_seconds=wall_seconds, setup_seconds=setup_seconds, frozen_batch_sha256=frozen_sha256,
-        minibatches=minibatches, next_action=action, errors=list(errors),
+        minibatches=minibatches, next_action=action, errors=list(errors), restore=dict(restore or {}),
+        effective_cap_seconds=effective_cap_seconds,
     )
-
-
-class _Stop(Exception):
-    """Planned stop (wall cap) before training could start."""
 
 
 def _independent_recheck(records: Sequence[ins.LossCallRecord], loss_cfg: Any) -> list[str]:
@@ -875,9 +893,9 @@ def _independent_recheck(records: Sequence[ins.LossCallRecord], loss_cfg: Any) -
     return problems
 
 
-def result_fields(res: DiagnosticResult, plan: Any) -> dict[str, Any]:
+def result_fields(res: DiagnosticResult) -> dict[str, Any]:
     """What this stage contributes to result.json (numbers only under metrics)."""
-    c = res.classification
+    c = res.classification.as_dict()
     metrics: dict[str, float] = {
         "diagnostic/updates_done": float(res.updates_done),
         "diagnostic/wall_seconds": float(res.wall_seconds),

@@ -20,7 +20,11 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import Plan
 
 DEFAULT_RESERVE_FRACTION = 0.25
 PILOT_FILE = "feasibility-pilot.json"
@@ -66,8 +70,8 @@ def _from_method(method: str, key: str) -> int:
 
 def schedule_from_plan(plan: Any) -> Schedule:
     """The executed schedule of an experiment spec or a bounded-diagnostic plan."""
-    raw = plan.raw
-    if plan.kind == "experiment_spec":
+    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
+    if plan.kind in ("experiment_spec", "rehearsal"):  # a rehearsal runs its inner spec at its declared size
         arms = raw["arms"]
         upb = {int(a["updates_per_batch"]) for a in arms}
         if len(upb) != 1:
@@ -357,11 +361,6 @@ def _tile(datums: Sequence[Any], n: int) -> list[Any]:
     return [datums[i % len(datums)] for i in range(n)]
 
 
-def _resolved(maybe_future: Any) -> Any:
-    # SDK 0.38 returns a future of the SamplingClient here (using it directly is deprecated).
-    return maybe_future.result() if hasattr(maybe_future, "result") else maybe_future
-
-
 def run_timing_pilot(
     service_client: Any,
     schedule: Schedule,
@@ -381,7 +380,7 @@ def run_timing_pilot(
     import numpy as np  # noqa: PLC0415
     import tinker  # noqa: PLC0415
 
-    from dppo_harness import gsm8k, losses, rollouts, tokenizer  # noqa: PLC0415
+    from dppo_harness import gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step  # noqa: PLC0415
 
     bundle = tokenizer.make_renderer()
     t0 = time.perf_counter()
@@ -392,16 +391,14 @@ def run_timing_pilot(
     items = train.items[:pilot_groups]
     cfg = rollouts.RolloutConfig(groups_per_batch=pilot_groups, group_size=schedule.group_size,
                                  temperature=schedule.temperature, max_tokens=schedule.max_tokens, seed=seed)
-    t1 = time.perf_counter()
-    sampler = _resolved(client.save_weights_and_get_sampling_client())
-    batch = rollouts.sample_batch(sampler, items, bundle.renderer, cfg, sampler_checkpoint="feasibility-pilot")
-    sampling_s = time.perf_counter() - t1  # includes saving sampler weights, as every real step does
-    datums, _ = rollouts.batch_to_datums(batch)
+    sampled = rollout_batch.sample_rollout_batch(client, items, bundle.renderer, cfg, sampler_name="feasibility-pilot")
+    sampling_s = sampled.seconds  # includes saving sampler weights, as every real step does
+    batch, datums = sampled.batch, list(sampled.datums)
     minibatch = _tile(datums, schedule.sequences_per_update)
     loss_fn = losses.make_loss_fn(losses.LossConfig(arm="dppo", normalization="token_mean"))
     adam = tinker.AdamParams(**{k: float(v) for k, v in optimizer_config.items()
                                 if k in tinker.AdamParams.model_fields})
-    update_s = timed_updates(client, minibatch, loss_fn, adam, pilot_updates)
+    update_s = train_step.timed_updates(client, minibatch, loss_fn, adam, pilot_updates)
 
     eval_n = pilot_eval_items if schedule.eval_items else 0
     eval_s, eval_tokens = 0.0, 0
@@ -410,7 +407,7 @@ def run_timing_pilot(
         prompts = [gsm8k.build_prompt(it, bundle.renderer) for it in test]
         params = tinker.SamplingParams(max_tokens=schedule.max_tokens, temperature=0.0,
                                        stop=list(prompts[0][1]))
-        sampler = _resolved(client.save_weights_and_get_sampling_client())
+        _, sampler = rollout_batch.save_sampler(client, "feasibility-eval")
         t2 = time.perf_counter()
         futures = [sampler.sample(ob, 1, params) for ob, _ in prompts]
         results = [f.result() for f in futures]
@@ -435,23 +432,10 @@ def run_timing_pilot(
     return timings, details
 
 
-def timed_updates(client: Any, data: Sequence[Any], loss_fn: Any, adam: Any, n: int) -> list[float]:
-    """Wall seconds of each of `n` forward_backward_custom + optim_step rounds, both awaited."""
-    seconds = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fb = client.forward_backward_custom(list(data), loss_fn)
-        opt = client.optim_step(adam)
-        fb.result()
-        opt.result()
-        seconds.append(time.perf_counter() - t)
-    return seconds
-
-
 def run_feasibility(
     service_client: Any,
-    plan: Any,
-    evidence: Any,
+    plan: Plan,
+    bundle: EvidenceBundle,
     *,
     initial_checkpoint: str,
     backend_kind: str,
@@ -466,7 +450,7 @@ def run_feasibility(
     schedule_overrides: Mapping[str, Any] | None = None,
     measured_setup: Mapping[str, float] | None = None,
 ) -> FeasibilityResult:
-    """Pilot (unless `timings` is given), project `plan`, write `feasibility` to evidence.
+    """Pilot (unless `timings` is given), project `plan`, write `feasibility` to the bundle.
 
     `schedule_overrides` applies explicit size reductions (Schedule field -> value, e.g.
     {"batches_per_arm": 5}); they are recorded in the pilot config and the caller must record
@@ -521,14 +505,14 @@ def run_feasibility(
     record = {"schedule": asdict(schedule), "timings": asdict(timings), "pilot": details,
               "projection": proj.as_dict(), "stage_projections_with_reserve": stages,
               "feasibility_check": check}
-    evidence.register_json(PILOT_FILE, "metrics", record)
+    bundle.register_json(PILOT_FILE, "metrics", record)
     metrics = {"feasibility/pilot_wall_seconds": time.perf_counter() - t0,
                "feasibility/projected_wall_seconds": proj.total_seconds,
                "feasibility/remaining_wall_budget_seconds": proj.budget_seconds,
                "feasibility/fits": 1.0 if proj.fits else 0.0}
     if proj.gpu_hours is not None:
         metrics["feasibility/projected_gpu_hours"] = proj.gpu_hours
-    evidence.update_result(feasibility=block, metrics=metrics)
+    bundle.update_result(feasibility=block, metrics=metrics)
     return FeasibilityResult(schedule, timings, proj, block, check, proj.fits, failures, details, stages)
 
 

@@ -33,7 +33,13 @@ def backend_info(service_backend: Any, plan: Any, client: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def restoration(service_client, service_backend, spec_plan, evidence_bundle):
+def run_spec(plan, spec_plan) -> dict:
+    """The experiment spec this session executes: a rehearsal plan's inner spec, else the saved spec."""
+    return plan.spec if plan.kind == "rehearsal" else spec_plan.raw
+
+
+@pytest.fixture(scope="session")
+def restoration(service_client, service_backend, spec_plan, run_spec, evidence_bundle):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
     from dppo_harness.service import call_with_capacity_retry, make_service_client
@@ -45,7 +51,7 @@ def restoration(service_client, service_backend, spec_plan, evidence_bundle):
     try:
         result = R.run_restoration_preflight(
             service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
-            probe_service_client=probe_sc,
+            probe_service_client=probe_sc, spec_raw=run_spec, base_model=run_spec["base_model"],
             call=lambda fn: call_with_capacity_retry(fn),  # 429/503/capacity on client creation
             update_norm_unavailable_reason=(
                 "tinker backend: the API exposes neither parameters nor an update-norm metric "

@@ -39,14 +39,39 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 
 
 @pytest.fixture(scope="session")
-def gate_report(request, service_client, service_backend, spec_plan, evidence_bundle, restoration):
-    """The original spec's activation-gate pilot, run once per session."""
+def gate_report(request, service_client, service_backend, spec_plan, run_spec, evidence_bundle, restoration):
+    """The executed spec's activation-gate pilot (a rehearsal's inner spec), run once per session."""
     from dppo_harness.gate import run_activation_gate
 
     return run_activation_gate(
         service_client, spec_plan, evidence_bundle, restoration.initial_checkpoint,
-        backend=service_backend.kind, progress=_progress(request),
+        backend=service_backend.kind, progress=_progress(request), spec_raw=run_spec,
     )
+
+
+@pytest.fixture(scope="session")
+def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
+                   verified_restoration, gate_report, client_registry):
+    """The paired comparison (or its continuation with --resume RUN_ID), run once per session."""
+    from dppo_harness.comparison_run import run_comparison
+    from dppo_harness.pytest_plugin import propose_outcome
+    from dppo_harness.service import CapacityPolicy
+
+    if not gate_report.passed:
+        pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
+                    pytrace=False)
+    run = run_comparison(
+        service_client, plan, evidence_bundle, verified_restoration, backend=service_backend.kind,
+        state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
+        schedule=harness_options.comparison_schedule, registry=client_registry,
+        # The local rehearsal has no shared capacity to wait for: scaled-down windows, same rules.
+        capacity_policy=CapacityPolicy(scale=0.01) if service_backend.kind == "local" else CapacityPolicy(),
+        progress=_progress(request),
+    )
+    propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
+    if run.capacity_block:
+        evidence_bundle.update_result(capacity_block=run.capacity_block)
+    return run
 
 
 @pytest.fixture(scope="session")

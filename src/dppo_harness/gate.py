@@ -14,9 +14,16 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dppo_harness import instrumentation as ins
+from dppo_harness import rollout_batch, rollouts, train_step
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import Plan
 
 GATE_REPORT_FILE = "activation-gate-report.json"
 TREATMENT_ARM = "dppo_seed0"
@@ -142,16 +149,11 @@ def gate_values(
 
 
 def split_complete_groups(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
-    """Datum indices of `n_minibatches` minibatches of whole groups, groups in order."""
-    groups = sorted(set(group_of_datum))
-    if not groups or len(groups) % n_minibatches:
-        raise GateError(f"{len(groups)} groups cannot be split into {n_minibatches} equal complete-group minibatches")
-    per = len(groups) // n_minibatches
-    out = []
-    for m in range(n_minibatches):
-        chosen = set(groups[m * per : (m + 1) * per])
-        out.append([i for i, g in enumerate(group_of_datum) if g in chosen])
-    return out
+    """`train_step.prepare_minibatches`, with the gate's error type."""
+    try:
+        return train_step.prepare_minibatches(group_of_datum, n_minibatches)
+    except train_step.TrainStepError as exc:
+        raise GateError(str(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,7 @@ def pilot_config(spec_raw: Mapping[str, Any], **overrides: Any) -> PilotConfig:
     )
 
 
-def executed_model(info: Any, backend: str, bundle: Any) -> tuple[str | None, str]:
+def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
     """The model that actually computed, and where that came from.
 
     A Tinker service's `get_info().model_data.model_name` is its word. The embedded server answers
@@ -241,13 +243,13 @@ def executed_model(info: Any, backend: str, bundle: Any) -> tuple[str | None, st
     arch = getattr(getattr(info, "model_data", None), "arch", None)
     if arch:
         return arch, f"get_info().model_data.arch (embedded server's served model; model_name reports {reported!r})"
-    block = (bundle.result.get("backend") or {}) if hasattr(bundle, "result") else {}
+    block = bundle.result.get("backend") or {}
     if block.get("served_model"):
         return block["served_model"], f"backend.served_model (embedded server; get_info reports {reported!r})"
     return None, f"embedded server exposes no served-model name (get_info reports {reported!r})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class GateReport:
     passed: bool
     checks: list[CheckResult]
@@ -292,99 +294,114 @@ class GateReport:
         return {"values": values, "note": note}
 
 
+@dataclass
+class _Pilot:
+    """What the pilot measured so far (kept when it stops early)."""
+
+    recorder: ins.LossCallRecorder
+    optim_counts: list[int] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)
+    base_model: str | None = None
+    base_model_source: str = "not measured"
+    loaded_checkpoint: str | None = None
+
+
+def _pilot_step(
+    tc: tinker.TrainingClient, step: int, cfg: PilotConfig, pilot: _Pilot, items: Sequence[Any], renderer: Any,
+    loss_fn: train_step.LossFn, adam: tinker.AdamParams, bundle: EvidenceBundle, tag: str,
+) -> list[ins.LossCallRecord]:
+    """One pilot step: fresh rollout batch from the current weights, then one recorded update per
+    complete-group minibatch. Returns this step's loss-call records (also persisted)."""
+    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
+    sampled = rollout_batch.sample_rollout_batch(tc, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}")
+    pilot.samplers.append(sampled.sampler_path)
+    minibatches = split_complete_groups(sampled.group_of_datum, cfg.updates_per_batch)
+    pilot.optim_counts.append(0)
+    records = []
+    for u, idx in enumerate(minibatches, start=1):
+        context = {"step": step, "update_in_batch": u, "update_index": step * cfg.updates_per_batch + u,
+                   "sampler_checkpoint": sampled.sampler_path, "n_sequences": len(idx)}
+        record, _ = train_step.train_step(tc, [sampled.datums[i] for i in idx], loss_fn, adam, pilot.recorder, context)
+        records.append(record)
+        pilot.optim_counts[step] += 1
+    bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(records))
+    return records
+
+
 def run_activation_gate(
-    service_client: Any,
-    spec_plan: Any,
-    bundle: Any,
+    service_client: tinker.ServiceClient,
+    spec_plan: Plan,
+    bundle: EvidenceBundle,
     initial_checkpoint: str,
     *,
     backend: str,
     progress: Callable[[str], None] | None = None,
     tag: str = "gate",
+    spec_raw: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> GateReport:
     """Run the pilot from the shared initial checkpoint, evaluate every check, write the report
-    (own immutable evidence file), the per-step tensors and `activation_calibration`."""
+    (own immutable evidence file), the per-step tensors and `activation_calibration`.
+
+    `spec_raw` (default `spec_plan.raw`) is the experiment spec whose gate runs: a rehearsal
+    plan passes its inner spec."""
     import tinker
 
-    from dppo_harness import gsm8k, losses, rollouts, tokenizer
+    from dppo_harness import gsm8k, losses, tokenizer
     from dppo_harness.restoration import create_from_state_observed
 
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
-    cfg = pilot_config(spec_plan.raw, **overrides)
-    checks = list(spec_plan.raw["activation_gate"]["checks"])
+    raw = spec_plan.raw if spec_raw is None else spec_raw
+    cfg = pilot_config(raw, **overrides)
+    checks = list(raw["activation_gate"]["checks"])
     loss_cfg = losses.LossConfig(arm="dppo", normalization=cfg.normalization)
-    recorder = ins.LossCallRecorder(loss_cfg)
+    pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
     loss_fn = losses.make_loss_fn(loss_cfg)
     adam = tinker.AdamParams(**cfg.adam)
-    optim_counts: list[int] = []
-    samplers: list[str] = []
     errors: list[str] = []
-    base_model: str | None = None
-    base_model_source = "not measured"
-    load_response: Any = None
     try:
         tc, load_response = create_from_state_observed(service_client, initial_checkpoint)
-        info = tc.get_info()
-        base_model, base_model_source = executed_model(info, backend, bundle)
-        bundle_tok = tokenizer.make_renderer()
+        pilot.loaded_checkpoint = getattr(load_response, "path", None)
+        pilot.base_model, pilot.base_model_source = executed_model(tc.get_info(), backend, bundle)
+        renderer = tokenizer.make_renderer().renderer
         train = gsm8k.load_split("train", seed=cfg.seed)
-        rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
         for step in range(cfg.steps):
-            path = tc.save_weights_for_sampler(f"{tag}-sampler-s{step}").result().path
-            samplers.append(path)
-            sampler = tc.create_sampling_client(path).result()
-            batch = rollouts.sample_batch(
-                sampler, train.batch(step, cfg.groups_per_batch), bundle_tok.renderer, rcfg, sampler_checkpoint=path
-            )
-            datums, meta = rollouts.batch_to_datums(batch)
-            minibatches = split_complete_groups([m["group_idx"] for m in meta], cfg.updates_per_batch)
-            optim_counts.append(0)
-            start = len(recorder.records)
-            for u, idx in enumerate(minibatches, start=1):
-                wrapped = recorder.wrap(loss_fn, step=step, update_in_batch=u, update_index=step * cfg.updates_per_batch + u,
-                                        sampler_checkpoint=path, n_sequences=len(idx))
-                fb = tc.forward_backward_custom([datums[i] for i in idx], wrapped)
-                opt = tc.optim_step(adam)
-                fb.result()
-                opt.result()
-                optim_counts[step] += 1
-            step_records = recorder.records[start:]
-            bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(step_records))
+            step_records = _pilot_step(tc, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer,
+                                       loss_fn, adam, bundle, tag)
             last = step_records[-1].stats if step_records else {}
             say(
-                f"[gate] step {step + 1}/{cfg.steps}: {optim_counts[step]} updates, "
+                f"[gate] step {step + 1}/{cfg.steps}: {pilot.optim_counts[step]} updates, "
                 f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
                 f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
                 f"elapsed {time.monotonic() - t0:.0f}s"
             )
     except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
         errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
-    values, per_step = gate_values(recorder.records, optim_counts, base_model, cfg.steps)
+    records = pilot.recorder.records
+    values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps)
     results = evaluate_gate(checks, values)
-    problems = [p for r in recorder.records for p in ins.crosscheck_loss_metrics(r)]
-    errors += problems
-    pilot = {
+    errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
+    pilot_block = {
         **asdict(cfg),
-        "steps_completed": sum(1 for c in optim_counts if c == cfg.updates_per_batch),
-        "sampler_checkpoints": samplers,
+        "steps_completed": sum(1 for c in pilot.optim_counts if c == cfg.updates_per_batch),
+        "sampler_checkpoints": pilot.samplers,
         "initial_checkpoint": initial_checkpoint,
-        "loaded_checkpoint": getattr(load_response, "path", None),
+        "loaded_checkpoint": pilot.loaded_checkpoint,
         "backend": backend,
-        "loss_calls": len(recorder.records),
-        "executed_base_model_source": base_model_source,
+        "loss_calls": len(records),
+        "executed_base_model_source": pilot.base_model_source,
     }
     report = GateReport(
         passed=all(r.passed for r in results) and not errors,
         checks=results,
         values=values,
         per_step=per_step,
-        pilot=pilot,
+        pilot=pilot_block,
         plan={"file": spec_plan.name, "sha256": spec_plan.sha256},
         wall_seconds=time.monotonic() - t0,
         errors=errors,
-        records=recorder.records,
+        records=list(records),
     )
     bundle.register_json(GATE_REPORT_FILE, "report", report.to_json())
     bundle.update_result(activation_calibration=report.calibration())

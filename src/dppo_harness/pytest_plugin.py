@@ -43,6 +43,9 @@ class HarnessOptions:
     plan_path: Path
     evidence_dir: Path
     selected_stages: tuple[str, ...]  # the stages this session runs, in order
+    # -- comparison stage (issue 9)
+    resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
+    comparison_schedule: str = "interleaved"
 
 
 @dataclass
@@ -67,6 +70,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--plan", default=None, help="plan JSON (default: chosen by the selected stage)")
     group.addoption("--evidence-dir", default=None, help="evidence root (default: ./evidence)")
+    # -- comparison stage (issue 9)
+    group.addoption("--resume", default=None, metavar="RUN_ID",
+                    help="continue a stopped comparison from its arms' last saved state (refused if the plan, "
+                         "evaluator or code changed)")
+    group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default="interleaved",
+                    help="how the two arms advance step by step (see benchmarks/comparison_schedule.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -122,13 +131,17 @@ def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOption
     plan_path = (
         Path(plan_opt) if plan_opt else config.rootpath / "plans" / stages.default_plan_name(run_stages)
     )
+    if not plan_opt and backend == "local" and "comparison" in run_stages:  # issue 9: the declared rehearsal
+        plan_path = config.rootpath / "plans" / "rehearsal" / "comparison-local.json"
     if plan_opt and not plan_path.is_file():
         raise pytest.UsageError(f"--plan: no such plan file: {plan_path}")
     evidence_opt = config.getoption("--evidence-dir")
     evidence_dir = Path(evidence_opt) if evidence_opt else config.rootpath / "evidence"
     if evidence_dir.exists() and not evidence_dir.is_dir():
         raise pytest.UsageError(f"--evidence-dir: not a directory: {evidence_dir}")
-    return HarnessOptions(backend, plan_path.resolve(), evidence_dir.resolve(), run_stages)
+    return HarnessOptions(backend, plan_path.resolve(), evidence_dir.resolve(), run_stages,
+                          resume=config.getoption("--resume"),
+                          comparison_schedule=config.getoption("--comparison-schedule"))
 
 
 def stage_started_at(config: pytest.Config, stage: str) -> float | None:
@@ -263,6 +276,9 @@ def service_backend(harness_options: HarnessOptions,
     from dppo_harness.local_server.process import LocalServerProcess
 
     run_dir = tmp_path_factory.mktemp("local-server")
+    if "comparison" in harness_options.selected_stages:  # issue 9: --resume loads states saved by an earlier server
+        run_dir = harness_options.evidence_dir / "local-server"
+        run_dir.mkdir(parents=True, exist_ok=True)
     with LocalServerProcess(run_dir=run_dir) as server:
         yield ServiceBackend("local", server.base_url, server)
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from dppo_harness import correctness
 from dppo_harness import instrumentation as ins
+from dppo_harness import pooled as pooled_mod
 from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 
 # A decision may legitimately differ between two float64 exp() implementations only when p - q
@@ -160,10 +161,10 @@ def load_records(files_dir: Path) -> tuple[list[str], list[ins.LossCallRecord]]:
 
 def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecord]) -> list[str]:
     """Each call's anchor, advantages, mask and tokens must be the frozen batch's, bit for bit."""
-    from dppo_harness.diagnostic import FROZEN_BATCH_STEM
     from dppo_harness.frozen_batch import FrozenBatch
 
-    npz, man = files_dir / f"{FROZEN_BATCH_STEM}.npz", files_dir / f"{FROZEN_BATCH_STEM}.manifest.json"
+    stem = pooled_mod.FROZEN_BATCH_STEM
+    npz, man = files_dir / f"{stem}.npz", files_dir / f"{stem}.manifest.json"
     if not (npz.exists() and man.exists()):
         return []
     try:
@@ -194,19 +195,17 @@ def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecor
 def _pooled_problems(files_dir: Path, records: Sequence[ins.LossCallRecord], normalization: str, delta: float,
                      cap: float, eps: float) -> tuple[list[str], dict[str, Any] | None]:
     """The logged pooled second-epoch analysis against a pooled recompute from the padded path."""
-    from dppo_harness import diagnostic
-
     second = [r for r in records if r.context.get("epoch") == 2]
     if not second:
         return [], None
     tvs = [recompute(r, normalization, delta, cap, eps)[0]["prob_diff_N"] for r in second]
-    pooled = diagnostic.pool_calls(second, tvs)
-    path = files_dir / diagnostic.ANALYSIS_FILE
+    pooled = pooled_mod.pool_calls(second, tvs)
+    path = files_dir / pooled_mod.ANALYSIS_FILE
     if not path.exists():
         return [], pooled
     logged = json.loads(path.read_text()).get("pooled_second_epoch") or {}
     problems = []
-    for key in list(ins.COUNT_KEYS) + list(diagnostic.RATIO_PARTS) + list(diagnostic.POOLED_QUANTILES):
+    for key in list(ins.COUNT_KEYS) + list(pooled_mod.RATIO_PARTS) + list(pooled_mod.POOLED_QUANTILES):
         if key in logged and not _close(logged[key], pooled[key]):
             problems.append(f"pooled second epoch: logged {key}={logged[key]}, replay {pooled[key]}")
     return problems, pooled
@@ -215,7 +214,7 @@ def _pooled_problems(files_dir: Path, records: Sequence[ins.LossCallRecord], nor
 def replay_bundle(path: Path) -> ReplayReport:
     files_dir = _files_dir(path)
     names, records = load_records(files_dir)
-    analysis = files_dir / "diagnostic-analysis.json"
+    analysis = files_dir / pooled_mod.ANALYSIS_FILE
     normalization, delta, cap, eps = "token_mean", DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
     if analysis.exists():
         cfg = json.loads(analysis.read_text()).get("config", {})

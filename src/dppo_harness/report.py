@@ -246,3 +246,90 @@ def write_report(bundle: Any, analysis: Mapping[str, Any], backend: str,
     text = render_markdown(analysis, names, backend, next_action)
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**names, "report": REPORT_FILE}
+
+
+# ---- comparison section ------------------------------------------------------------------------
+
+COMPARISON_PLOTS = {
+    "reward": "comparison-reward-per-step.png",
+    "fractions": "comparison-masked-and-clip-fraction.png",
+    "difference": "comparison-accuracy-difference-ci.png",
+}
+
+
+def _by_arm(rows: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r["arm"], []).append(r)
+    return {a: sorted(rs, key=lambda r: r["step"]) for a, rs in out.items()}
+
+
+def plot_comparison_reward(rows: list[Mapping[str, Any]]) -> bytes:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for arm, rs in _by_arm(rows).items():
+        ax.plot([r["step"] + 1 for r in rs], [r["reward_mean"] for r in rs], marker="o", label=arm)
+    ax.set_xlabel("rollout step"), ax.set_ylabel("mean reward of the step's batch"), ax.legend()
+    ax.set_title("per-step reward, both arms")
+    return _png(fig)
+
+
+def plot_comparison_fractions(rows: list[Mapping[str, Any]]) -> bytes:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for arm, rs in _by_arm(rows).items():
+        xs = [r["step"] + 1 for r in rs]
+        ax.plot(xs, [r["dppo_masked_frac"] for r in rs], marker="o", label=f"{arm}: DPPO masked fraction")
+        ax.plot(xs, [r["ppo_clip_frac"] for r in rs], marker="x", linestyle="--", label=f"{arm}: PPO clip fraction")
+    ax.set_xlabel("rollout step"), ax.set_ylabel("fraction of loss tokens"), ax.legend(fontsize=7)
+    ax.set_title("masked / clipped fraction per step (token-pooled over the step's updates)")
+    return _png(fig)
+
+
+def plot_accuracy_difference(scores: list[Mapping[str, Any]], decision: Mapping[str, Any]) -> bytes:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax1.bar([s["arm"] for s in scores], [s["value"] for s in scores])
+    ax1.set_ylabel("greedy accuracy"), ax1.set_title("accuracy per scored model")
+    for i, c in enumerate(decision.get("criteria", [])):
+        d = c["mean_difference"]
+        ax2.errorbar([i], [d], yerr=[[d - c["lower"]], [c["upper"] - d]], fmt="o", capsize=6)
+        ax2.axhline(c["margin"], color="grey", linestyle=":")
+    ax2.set_xticks(range(len(decision.get("criteria", []))), [c["id"] for c in decision.get("criteria", [])])
+    ax2.set_ylabel("treatment - baseline"), ax2.set_title("paired difference, Hoeffding CI")
+    return _png(fig)
+
+
+def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
+                               decision: Mapping[str, Any], plot_files: Mapping[str, str], backend: str) -> str:
+    lines = ["# Paired comparison: DPPO Binary-TV vs GRPO clipped-ratio", ""]
+    if backend == "local" or decision.get("rehearsal"):
+        lines += ["**REHEARSAL** on the embedded CPU server's stand-in model under the declared rehearsal plan; "
+                  "not a result about Qwen3.5-2B. Verdict always inconclusive.", ""]
+    lines += ["## Per step and arm", "", "| arm | step | reward | format | masked frac | clip frac | |p-q| q90 | loss tokens | s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['step'] + 1} | {_v(r['reward_mean'])} | {_v(r['format_rate'])} | "
+                     f"{_v(r['dppo_masked_frac'])} | {_v(r['ppo_clip_frac'])} | {_v(r['drift_abs_p90'])} | "
+                     f"{r['loss_tokens']} | {_v(r['seconds'], '.1f')} |")
+    lines += ["", f"![reward]({plot_files['reward']})", "", f"![fractions]({plot_files['fractions']})", "",
+              "## Evaluation (one frozen evaluator, greedy)", "", "| model | accuracy | predictions |", "|---|---|---|"]
+    for s in scores:
+        lines.append(f"| {s['arm']} | {_v(s['value'])} | `{s['predictions_ref']}` |")
+    lines += ["", "## Decision (paired Hoeffding)", ""]
+    for c in decision.get("criteria", []):
+        lines.append(f"- {c['id']}: {c['treatment']} - {c['baseline']} = {_v(c['mean_difference'])}, "
+                     f"{100 * (1 - c['alpha']):g}% CI [{_v(c['lower'])}, {_v(c['upper'])}] (n={c['n']}, margin {c['margin']:g})")
+    lines += [f"- verdict **{decision.get('verdict')}** ({decision.get('outcome_reason')}): {decision.get('explanation')}",
+              f"- observations: `{decision['observations_file']['name']}` sha256 `{decision['observations_file']['sha256']}`",
+              "", f"![difference]({plot_files['difference']})", ""]
+    return "\n".join(lines)
+
+
+def write_comparison_report(bundle: Any, rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
+                            decision: Mapping[str, Any], backend: str) -> dict[str, str]:
+    """The comparison section of report.md with its plots, registered in the bundle."""
+    plots = {"reward": plot_comparison_reward(rows), "fractions": plot_comparison_fractions(rows),
+             "difference": plot_accuracy_difference(scores, decision)}
+    for key, data in plots.items():
+        bundle.register_bytes(COMPARISON_PLOTS[key], "plot", data)
+    text = render_comparison_markdown(rows, scores, decision, COMPARISON_PLOTS, backend)
+    bundle.register_bytes(REPORT_FILE, "report", text.encode())
+    return {**COMPARISON_PLOTS, "report": REPORT_FILE}

@@ -25,12 +25,17 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import tinker
 
 from dppo_harness import constants
+from dppo_harness.correctness import lr_scaling_error  # noqa: F401 - one definition, shared
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -226,16 +231,6 @@ def optimizer_check(
     }
 
 
-def lr_scaling_error(probes: Sequence[Mapping[str, float]]) -> list[float]:
-    """Relative change of update_norm/LR against the first probe, per probe (first is 0)."""
-    if not probes:
-        return []
-    base = probes[0]["update_norm"] / probes[0]["learning_rate"]
-    if not math.isfinite(base) or base == 0.0:
-        return [math.inf for _ in probes]
-    return [abs((p["update_norm"] / p["learning_rate"]) / base - 1.0) for p in probes]
-
-
 def initialization_entry(
     *,
     base_checkpoint: str,
@@ -326,13 +321,15 @@ def check_provenance(provenance: Mapping[str, Any], arms: Sequence[str]) -> list
 # --------------------------------------------------------------------------------------------
 
 
-def make_datum(prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> tinker.Datum:
-    """Datum for `forward(..., "cross_entropy")`: shifted input/targets, weight 1 on completion."""
+def make_datum(prompt_tokens: Sequence[int], completion_tokens: Sequence[int],
+               completion_weight: float = 1.0) -> tinker.Datum:
+    """Datum for `forward(..., "cross_entropy")`: shifted input/targets, `completion_weight` on the
+    completion's targets, 0 on the prompt (weight 0 everywhere: a forward-only logprob read)."""
     tokens = list(prompt_tokens) + list(completion_tokens)
     if len(completion_tokens) == 0 or len(tokens) < 2:
         raise ValueError("fixed-batch item needs a non-empty completion")
     weights_T = np.zeros(len(tokens) - 1, dtype=np.float32)
-    weights_T[len(prompt_tokens) - 1:] = 1.0
+    weights_T[len(prompt_tokens) - 1:] = completion_weight
     return tinker.Datum(
         model_input=tinker.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
@@ -423,16 +420,16 @@ def full_logprobs(client: tinker.TrainingClient, batch: Sequence[tinker.Datum]) 
     return result
 
 
-def _dump(obj: Any) -> Any:
+def dump_response(obj: Any) -> Any:
     """JSON-able form of an SDK response (pydantic model, dataclass or plain value)."""
     if hasattr(obj, "model_dump"):
         return obj.model_dump(mode="json")
     if hasattr(obj, "__dataclass_fields__"):
-        return {k: _dump(getattr(obj, k)) for k in obj.__dataclass_fields__}
+        return {k: dump_response(getattr(obj, k)) for k in obj.__dataclass_fields__}
     if isinstance(obj, dict):
-        return {str(k): _dump(v) for k, v in obj.items()}
+        return {str(k): dump_response(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_dump(v) for v in obj]
+        return [dump_response(v) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
         return repr(obj)
     return obj
@@ -557,7 +554,7 @@ class _Recorder:
     responses: dict[str, Any] = field(default_factory=dict)
 
     def keep(self, ref: str, obj: Any) -> str:
-        self.responses[ref] = _dump(obj)
+        self.responses[ref] = dump_response(obj)
         return f"{RESPONSES_FILE}#{ref}"
 
 
@@ -608,10 +605,137 @@ def _step(client: tinker.TrainingClient, batch: Sequence[tinker.Datum], adam: ti
     return fb.result(), opt.result()
 
 
+@dataclass(frozen=True)
+class InitialCheckpoint:
+    client: tinker.TrainingClient  # the fresh setup client that saved it (released with its ServiceClient)
+    path: str
+    immutable: bool
+
+
+@dataclass(frozen=True)
+class LoadedArm:
+    client: tinker.TrainingClient
+    loaded_path: str | None  # the server's load response path (the proof), None if not observed
+    load_ref: str
+    load_succeeded: bool
+
+
+def _register_fixed_batch(bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: Any) -> str:
+    b_sha = batch_sha256(fixed_batch)
+    bundle.register_json(FIXED_BATCH_FILE, "tensors", {
+        "batch_sha256": b_sha,
+        "hash": "sha256 over each datum's int64 input ids, int64 target ids and float32 mask (weights), "
+                "length-prefixed; see restoration.batch_sha256",
+        "description": description, "datums": batch_to_json(fixed_batch)})
+    return b_sha
+
+
+def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int, label: str, seed: int, tag: str,
+                      rec: _Recorder, call: Callable[[Callable[[], Any]], Any]) -> InitialCheckpoint:
+    """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
+    # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
+    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
+    rec.keep(f"create_{label}.get_info", client.get_info())
+    name = f"{tag}-initial-{label}-seed{seed}"
+    saved = client.save_state(name).result()
+    rec.keep(f"save_{label}", saved)
+    # Immutability: the server must refuse to replace the name without overwrite=True.
+    try:
+        again = client.save_state(name).result()
+        rec.keep(f"save_{label}_again", again)
+        immutable = False
+    except Exception as exc:  # noqa: BLE001 - the refusal itself is the evidence
+        rec.keep(f"save_{label}_again_refused", {"error": f"{type(exc).__name__}: {exc}"})
+        immutable = True
+    return InitialCheckpoint(client, saved.path, immutable)
+
+
+def _load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: _Recorder,
+              call: Callable[[Callable[[], Any]], Any]) -> LoadedArm:
+    """Step 2: the arm's client from the checkpoint with optimizer; the load response kept."""
+    client, resp = call(lambda: create_from_state_observed(service_client, path))
+    load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
+    rec.keep(f"load_{arm}.get_info", client.get_info())
+    return LoadedArm(client, resp.path if resp is not None and resp.path else None, load_ref, resp is not None)
+
+
+def _adapter_hashes(reader: LocalCheckpointReader | None, arms: Mapping[str, LoadedArm],
+                    source_of: Mapping[str, str], tag: str, rec: _Recorder) -> tuple[dict[str, str | None], str, list[str]]:
+    """Adapter hashes as loaded (local backend: read back from a save of each arm; not an update)."""
+    hashes: dict[str, str | None] = {a: None for a in arms}
+    if reader is None:
+        return hashes, "not measurable over the Tinker API on this backend", []
+    note = ("local_hash: sha256 of the LoRA tensors in a save_state of each arm taken right "
+            "after its load, read from the embedded server's run_dir")
+    failures = []
+    for a, arm in arms.items():
+        snap = arm.client.save_state(f"{tag}-{a}-as-loaded").result()
+        rec.keep(f"save_{a}_as_loaded", snap)
+        hashes[a] = reader.adapter_sha256(snap.path)
+        src_sha = reader.adapter_sha256(source_of[a])
+        if hashes[a] != src_sha:
+            failures.append(f"{a}: adapter as loaded ({hashes[a][:12]}) differs from its checkpoint's ({src_sha[:12]})")
+    return hashes, note, failures
+
+
+def _initial_outputs(bundle: EvidenceBundle, arms: Mapping[str, LoadedArm], fixed_batch: Sequence[tinker.Datum],
+                     b_sha: str, atol: float) -> tuple[dict[str, str], dict[str, Any], list[str]]:
+    """Step 3: full logprobs of every arm on the fixed batch before any update, compared."""
+    names = list(arms)
+    logprobs = {a: full_logprobs(arms[a].client, fixed_batch) for a in names}
+    out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
+    cmp, failures = {}, []
+    for other in names[1:]:
+        c = compare_logprobs(logprobs[names[0]], logprobs[other], atol)
+        cmp[f"{names[0]}_vs_{other}"] = c
+        if not c["within_tolerance"]:
+            failures.append(f"initial logprobs differ between {names[0]} and {other}: max |diff| "
+                            f"{c['max_abs_diff']} > {atol}" + (f" ({c['problem']})" if "problem" in c else ""))
+    bundle.register_json(INITIAL_OUTPUT_FILE, "tensors", {
+        "batch_sha256": b_sha, "dtype": {a: str(lp[0].dtype) for a, lp in logprobs.items()},
+        "output_sha256": out_sha, "comparison": cmp,
+        "hash": "sha256 over every datum's per-token logprobs at the returned precision; see "
+                "restoration.logprobs_sha256",
+        "logprobs": {a: [x.tolist() for x in lp] for a, lp in logprobs.items()}})
+    return out_sha, cmp, failures
+
+
+def _provenance_entries(arms_cfg: Sequence[Mapping[str, Any]], base_model: str, sources: Mapping[str, InitialCheckpoint],
+                        source_label: Mapping[str, str], loaded: Mapping[str, LoadedArm], probe: Mapping[str, Any],
+                        b_sha: str, out_sha: Mapping[str, str], adapter_sha: Mapping[str, str | None]) -> dict[str, Any]:
+    """Step 5: each arm's initialization entry with optimizer checks at creation (0) and restore (1)."""
+    echo = probe.get("echoed_config") or None
+    entries: dict[str, Any] = {}
+    for arm in arms_cfg:
+        a = arm["name"]
+        common = dict(requested_optimizer=arm["optimizer"], requested_config=arm["optimizer_config"],
+                      echoed=echo, echo_ref=probe.get("echo_ref"), echo_observed_on=probe.get("echo_observed_on"))
+        checks = [
+            optimizer_check(after_restore=0, info=sources[a].client.get_info(),
+                            info_ref=f"{RESPONSES_FILE}#create_{source_label[a]}.get_info", **common),
+            optimizer_check(after_restore=1, info=loaded[a].client.get_info(),
+                            info_ref=f"{RESPONSES_FILE}#load_{a}.get_info", **common),
+        ]
+        entries[a] = initialization_entry(
+            base_checkpoint=base_model,
+            checkpoint_uri=sources[a].path,
+            checkpoint_immutable=sources[a].immutable,
+            loaded_checkpoint_uri=loaded[a].loaded_path,
+            load_succeeded=loaded[a].load_succeeded,
+            evidence_ref=loaded[a].load_ref,
+            restore_count=1,
+            optimizer_checks=checks,
+            initial_output={"available": True, "batch_sha256": b_sha, "output_sha256": out_sha[a],
+                            "evidence_ref": INITIAL_OUTPUT_FILE, "before_first_update": True},
+            adapter_sha256=adapter_sha[a],
+        )
+    return entries
+
+
 def run_restoration_preflight(
     service_client: tinker.ServiceClient,
-    spec_plan: Any,
-    evidence: Any,
+    spec_plan: Plan,
+    bundle: EvidenceBundle,
     *,
     base_model: str = constants.BASE_MODEL,
     fixed_batch: Sequence[tinker.Datum] | None = None,
@@ -629,6 +753,7 @@ def run_restoration_preflight(
     probe_restore_with_optimizer: bool = True,
     call: Callable[[Callable[[], Any]], Any] | None = None,
     run_tag: str | None = None,
+    spec_raw: Mapping[str, Any] | None = None,
 ) -> RestorationResult:
     """Run the restoration preflight for the spec's initialization group; see module docstring.
 
@@ -643,11 +768,12 @@ def run_restoration_preflight(
     - `probe_restore_with_optimizer=False`: the probe restores weights only (failure-path tests:
       the restored-vs-uninterrupted check must then fail).
     - `call`: wraps every client-creating call (e.g. `service.call_with_capacity_retry`).
+    - `spec_raw`: the experiment spec to run (default `spec_plan.raw`; a rehearsal's inner spec).
     """
     t0 = time.monotonic()
     call = call or (lambda fn: fn())
     probe_sc = probe_service_client or service_client
-    raw = spec_plan.raw
+    raw = spec_plan.raw if spec_raw is None else spec_raw
     arms = restoration_arms(raw)
     arm_names = [a["name"] for a in arms]
     rank = int(raw["lora_rank"])
@@ -655,7 +781,7 @@ def run_restoration_preflight(
     if len({seeds.get(a) for a in arm_names}) > 1:
         raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
     seed = seeds.get(arm_names[0], 0)
-    tag = run_tag or getattr(evidence, "run_id", None) or uuid.uuid4().hex[:12]
+    tag = run_tag or bundle.run_id or uuid.uuid4().hex[:12]
     tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(tag))[:64]
     rec = _Recorder()
     failures: list[str] = []
@@ -665,87 +791,28 @@ def run_restoration_preflight(
     fixed_batch = list(fixed_batch)
     if len(fixed_batch) < 2:
         raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")
-    b_sha = batch_sha256(fixed_batch)
-    evidence.register_json(FIXED_BATCH_FILE, "tensors", {
-        "batch_sha256": b_sha,
-        "hash": "sha256 over each datum's int64 input ids, int64 target ids and float32 mask (weights), "
-                "length-prefixed; see restoration.batch_sha256",
-        "description": fixed_batch_description, "datums": batch_to_json(fixed_batch)})
+    b_sha = _register_fixed_batch(bundle, fixed_batch, fixed_batch_description)
 
     # 1. Fresh LoRA client(s) and the immutable initial checkpoint(s).
-    def fresh_checkpoint(label: str, s: int) -> tuple[tinker.TrainingClient, str, bool]:
-        # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
-        client = call(lambda: probe_sc.create_lora_training_client(
-            base_model=base_model, rank=rank, seed=s).result())
-        rec.keep(f"create_{label}.get_info", client.get_info())
-        name = f"{tag}-initial-{label}-seed{s}"
-        saved = client.save_state(name).result()
-        rec.keep(f"save_{label}", saved)
-        # Immutability: the server must refuse to replace the name without overwrite=True.
-        try:
-            again = client.save_state(name).result()
-            rec.keep(f"save_{label}_again", again)
-            immutable = False
-        except Exception as exc:  # noqa: BLE001 - the refusal itself is the evidence
-            rec.keep(f"save_{label}_again_refused", {"error": f"{type(exc).__name__}: {exc}"})
-            immutable = True
-        return client, saved.path, immutable
-
     arm_seed = {a: (arm_seed_overrides or {}).get(a, seed) for a in arm_names}
-    sources: dict[int, tuple[tinker.TrainingClient, str, bool]] = {seed: fresh_checkpoint("shared", seed)}
+    by_seed = {seed: _fresh_checkpoint(probe_sc, base_model, rank, "shared", seed, tag, rec, call)}
     for a, s in arm_seed.items():
-        if s not in sources:
-            sources[s] = fresh_checkpoint(a, s)
-    initial_checkpoint = sources[seed][1]
-    if hasattr(evidence, "add_checkpoint"):
-        evidence.add_checkpoint("initial", 0, initial_checkpoint)
+        if s not in by_seed:
+            by_seed[s] = _fresh_checkpoint(probe_sc, base_model, rank, a, s, tag, rec, call)
+    sources = {a: by_seed[arm_seed[a]] for a in arm_names}
+    source_label = {a: "shared" if arm_seed[a] == seed else a for a in arm_names}
+    initial_checkpoint = by_seed[seed].path
+    bundle.add_checkpoint("initial", 0, initial_checkpoint)
 
     # 2. Arms from the checkpoint with optimizer; keep the load responses.
-    clients: dict[str, tinker.TrainingClient] = {}
-    loaded: dict[str, str] = {}
-    load_refs: dict[str, str] = {}
-    load_ok: dict[str, bool] = {}
-    for a in arm_names:
-        path = sources[arm_seed[a]][1]
-        client, resp = call(lambda p=path: create_from_state_observed(service_client, p))
-        clients[a] = client
-        load_refs[a] = rec.keep(f"load_{a}", resp if resp is not None else {"response": None})
-        rec.keep(f"load_{a}.get_info", client.get_info())
-        load_ok[a] = resp is not None
-        if resp is not None and resp.path:
-            loaded[a] = resp.path
-
-    # Adapter hashes as loaded (local backend: read back from a save of each arm; not an update).
-    adapter_sha: dict[str, str | None] = {a: None for a in arm_names}
-    adapter_note = "not measurable over the Tinker API on this backend"
-    if checkpoint_reader is not None:
-        adapter_note = ("local_hash: sha256 of the LoRA tensors in a save_state of each arm taken right "
-                        "after its load, read from the embedded server's run_dir")
-        for a in arm_names:
-            snap = clients[a].save_state(f"{tag}-{a}-as-loaded").result()
-            rec.keep(f"save_{a}_as_loaded", snap)
-            adapter_sha[a] = checkpoint_reader.adapter_sha256(snap.path)
-            src_sha = checkpoint_reader.adapter_sha256(sources[arm_seed[a]][1])
-            if adapter_sha[a] != src_sha:
-                failures.append(f"{a}: adapter as loaded ({adapter_sha[a][:12]}) differs from its "
-                                f"checkpoint's ({src_sha[:12]})")
+    loaded = {a: _load_arm(service_client, a, sources[a].path, rec, call) for a in arm_names}
+    adapter_sha, adapter_note, adapter_failures = _adapter_hashes(
+        checkpoint_reader, loaded, {a: sources[a].path for a in arm_names}, tag, rec)
+    failures += adapter_failures
 
     # 3. Initial outputs on the fixed batch, before any update.
-    logprobs = {a: full_logprobs(clients[a], fixed_batch) for a in arm_names}
-    out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
-    cmp = {}
-    for other in arm_names[1:]:
-        c = compare_logprobs(logprobs[arm_names[0]], logprobs[other], atol)
-        cmp[f"{arm_names[0]}_vs_{other}"] = c
-        if not c["within_tolerance"]:
-            failures.append(f"initial logprobs differ between {arm_names[0]} and {other}: max |diff| "
-                            f"{c['max_abs_diff']} > {atol}" + (f" ({c['problem']})" if "problem" in c else ""))
-    evidence.register_json(INITIAL_OUTPUT_FILE, "tensors", {
-        "batch_sha256": b_sha, "dtype": {a: str(lp[0].dtype) for a, lp in logprobs.items()},
-        "output_sha256": out_sha, "comparison": cmp,
-        "hash": "sha256 over every datum's per-token logprobs at the returned precision; see "
-                "restoration.logprobs_sha256",
-        "logprobs": {a: [x.tolist() for x in lp] for a, lp in logprobs.items()}})
+    out_sha, cmp, output_failures = _initial_outputs(bundle, loaded, fixed_batch, b_sha, atol)
+    failures += output_failures
 
     # 4. Probe clients: uninterrupted vs create-save-restore, same two fixed-gradient updates.
     opt_cfg = dict(arms[0]["optimizer_config"])
@@ -753,34 +820,9 @@ def run_restoration_preflight(
                            restore_optimizer=probe_restore_with_optimizer)
     failures.extend(probe["failures"])
 
-    # 5. Optimizer checks: creation of the fresh client (0) and the restore into each arm (1).
-    echo = probe.get("echoed_config") or None
-    entries: dict[str, Any] = {}
-    for arm in arms:
-        a = arm["name"]
-        src_label = "shared" if arm_seed[a] == seed else a
-        common = dict(requested_optimizer=arm["optimizer"], requested_config=arm["optimizer_config"],
-                      echoed=echo, echo_ref=probe.get("echo_ref"), echo_observed_on=probe.get("echo_observed_on"))
-        checks = [
-            optimizer_check(after_restore=0, info=sources[arm_seed[a]][0].get_info(),
-                            info_ref=f"{RESPONSES_FILE}#create_{src_label}.get_info", **common),
-            optimizer_check(after_restore=1, info=clients[a].get_info(),
-                            info_ref=f"{RESPONSES_FILE}#load_{a}.get_info", **common),
-        ]
-        entries[a] = initialization_entry(
-            base_checkpoint=base_model,
-            checkpoint_uri=sources[arm_seed[a]][1],
-            checkpoint_immutable=sources[arm_seed[a]][2],
-            loaded_checkpoint_uri=loaded.get(a),
-            load_succeeded=load_ok[a],
-            evidence_ref=load_refs[a],
-            restore_count=1,
-            optimizer_checks=checks,
-            initial_output={"available": True, "batch_sha256": b_sha, "output_sha256": out_sha[a],
-                            "evidence_ref": INITIAL_OUTPUT_FILE, "before_first_update": True},
-            adapter_sha256=adapter_sha[a],
-        )
-    prov_body = {"version": 1, "arms": entries}
+    # 5. Optimizer checks and the provenance entries.
+    prov_body = {"version": 1, "arms": _provenance_entries(arms, base_model, sources, source_label, loaded, probe,
+                                                           b_sha, out_sha, adapter_sha)}
     failures.extend(check_provenance(prov_body, arm_names))
 
     # 6. LR-scaling probe.
@@ -799,16 +841,18 @@ def run_restoration_preflight(
                   "restore_probe": PROBE_FILE, "server_responses": RESPONSES_FILE},
         "passed": passed, "failures": list(failures),
     }
-    evidence.register_json(RESPONSES_FILE, "log", rec.responses)
-    evidence.register_json(PROBE_FILE, "metrics", probe)
-    evidence.register_json(LR_SCALING_FILE, "metrics", lr_block)
-    evidence.register_json(PROVENANCE_FILE, "manifest", provenance)
+    bundle.register_json(RESPONSES_FILE, "log", rec.responses)
+    bundle.register_json(PROBE_FILE, "metrics", probe)
+    bundle.register_json(LR_SCALING_FILE, "metrics", lr_block)
+    bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
     wall = time.monotonic() - t0
-    evidence.update_result(initialization_provenance=prov_body,
-                           metrics={"preflight/restoration_wall_seconds": wall,
-                                    "preflight/restoration_passed": 1.0 if passed else 0.0})
+    bundle.update_result(initialization_provenance=prov_body,
+                         metrics={"preflight/restoration_wall_seconds": wall,
+                                  "preflight/restoration_passed": 1.0 if passed else 0.0})
     return RestorationResult(
-        initial_checkpoint=initial_checkpoint, loaded_paths=loaded, clients=clients,
+        initial_checkpoint=initial_checkpoint, loaded_paths={a: arm.loaded_path for a, arm in loaded.items()
+                                                             if arm.loaded_path},
+        clients={a: arm.client for a, arm in loaded.items()},
         fixed_batch=fixed_batch, batch_sha256=b_sha, output_sha256=out_sha, provenance=provenance,
         passed=passed, failures=failures, lr_scaling=lr_block, probe=probe, wall_seconds=wall)
 

@@ -27,9 +27,9 @@ def test_diagnostic_ran_as_planned_within_its_caps(diagnostic_run):
 
 def test_conclusion_is_classified_and_not_a_defect(diagnostic_run, evidence_bundle):
     c = diagnostic_run.classification
-    assert c["active"] or c["cause"] in diagnostic.CAUSES
-    assert c["cause"] != "code_or_instrumentation_defect", c["explanation"]
-    assert not c["integrity_problems"], c["integrity_problems"]
+    assert c.active or c.cause in diagnostic.CAUSES
+    assert c.cause != "code_or_instrumentation_defect", c.explanation
+    assert not c.integrity_problems, c.integrity_problems
     result = evidence_bundle.result
     assert result["original_hypothesis_tested"] is False and result["tested_instead"]
     assert result["metrics"]["diagnostic/updates_done"] == diagnostic_run.updates_done

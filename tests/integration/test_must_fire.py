@@ -59,7 +59,7 @@ def test_high_lr_fires_on_both_sides_with_removed_gradients(engine, tmp_path):
     assert p["dppo/removed_pos_adv"] > 0 and p["dppo/removed_neg_adv"] > 0, p
     assert p["dppo/exceed_pos_on_pos_adv"] == p["dppo/removed_pos_adv"]
     assert p["dppo/exceed_neg_on_neg_adv"] == p["dppo/removed_neg_adv"]
-    assert res.classification["mask_fired"] and not res.classification["integrity_problems"]
+    assert res.classification.mask_fired and not res.classification.integrity_problems
 
 
 def test_zero_lr_stays_silent_and_is_an_inactive_regime(engine, tmp_path):
@@ -67,7 +67,7 @@ def test_zero_lr_stays_silent_and_is_an_inactive_regime(engine, tmp_path):
     assert all(r.stats["dppo/removed"] == 0 for r in res.records)
     assert res.pooled["tokens/nonzero_adv"] > 0  # silent with signal present, not for lack of it
     c = res.classification
-    assert c["state"] == "inactive" and c["cause"] == "legitimate_inactive_regime", c["explanation"]
+    assert c.state == "inactive" and c.cause == "legitimate_inactive_regime", c.explanation
 
 
 def test_wall_cap_exhausted_in_setup_persists_evidence_and_stops(engine, tmp_path):
@@ -75,6 +75,6 @@ def test_wall_cap_exhausted_in_setup_persists_evidence_and_stops(engine, tmp_pat
     bundle = EvidenceBundle.create(tmp_path / "evidence")
     res = diagnostic.run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", max_wall_seconds=0.5, **SMALL)
     assert res.updates_done == 0 and "wall cap" in res.stop_reason
-    assert res.classification["cause"] == "missing_evidence"
+    assert res.classification.cause == "missing_evidence"
     assert bundle.entry(diagnostic.ANALYSIS_FILE) and bundle.entry("report.md")
     assert verify_bundle(bundle.dir) == []

@@ -78,8 +78,8 @@ def test_on_policy_run_is_an_inactive_regime_not_a_defect():
     by_id = {c.id: c for c in crit}
     assert by_id["dppo_masked_fraction"].passed is False and by_id["pooled_abs_drift_q90"].passed is False
     c = _classify(records)
-    assert c["state"] == "inactive" and c["cause"] == "legitimate_inactive_regime"
-    assert "vs +delta 0.15" in c["explanation"] and "self-test passed" in c["explanation"]
+    assert c.state == "inactive" and c.cause == "legitimate_inactive_regime"
+    assert "vs +delta 0.15" in c.explanation and "self-test passed" in c.explanation
     action = dg.next_action(c, CFG, SPEC, "r1")
     assert action["kind"] == "cheapest_next_action" and not action["executed"]
 
@@ -90,7 +90,7 @@ def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
     assert pooled["dppo/removed_pos_adv"] > 0 and pooled["dppo/removed_neg_adv"] > 0
     assert all(c.passed for c in crit if c.applies), [(c.id, c.reason) for c in crit]
     c = _classify(records)
-    assert c["active"] and c["state"] == "active" and c["cause"] is None
+    assert c.active and c.state == "active" and c.cause is None
     action = dg.next_action(c, CFG, SPEC, "r1")
     assert action["kind"] == "frozen_revised_comparison_spec" and action["executed"] is False
     assert len(action["spec_sha256"]) == 64
@@ -124,15 +124,15 @@ def test_causes_missing_evidence_defect_and_wrong_anchor():
     records = dg.simulate_records(seed=1, drift_per_update=0.0)
     first_epoch = [r for r in records if r.context["epoch"] == 1]
     c = _classify(first_epoch, stop_reason="wall cap")
-    assert c["cause"] == "missing_evidence" and "No second-epoch loss call" in c["explanation"]
+    assert c.cause == "missing_evidence" and "No second-epoch loss call" in c.explanation
     c = _classify(records, integrity_problems=["update 9: dppo_keep_N differs on 1 tokens"])
-    assert c["cause"] == "code_or_instrumentation_defect" and not c["active"]
+    assert c.cause == "code_or_instrumentation_defect" and not c.active
     broken = dg.deterministic_selftest(loss_fn_factory=lambda cfg: make_loss_fn(LossConfig(arm="grpo", normalization="sum")))
-    assert _classify(records, selftest=broken)["cause"] == "code_or_instrumentation_defect"
+    assert _classify(records, selftest=broken).cause == "code_or_instrumentation_defect"
     # The anchor equal to the current policy after updates: detected as the wrong reference.
     for r in records:
         r.tensors["sampler_logprobs_N"] = r.tensors["logprobs_N"].copy()
     assert dg.anchor_problems(records, None, moved=False) == []  # zero lr: equality is legitimate
     problems = dg.anchor_problems(records, None, moved=True)
     assert any("anchored on the current policy" in p for p in problems)
-    assert _classify(records, variant_problems=problems)["cause"] == "wrong_reference_or_variant"
+    assert _classify(records, variant_problems=problems).cause == "wrong_reference_or_variant"

@@ -1,0 +1,65 @@
+"""Which arm schedule is faster: interleaved (arm after arm on one thread) or concurrent (both
+arms' step at once on their own clients), on the embedded server with injected per-request
+latency standing in for a remote service's round trips.
+
+    python benchmarks/comparison_schedule.py [--latency-ms 300] [--steps 2] [--groups 2] [--max-tokens 64]
+
+Prints the wall seconds of each schedule for the same steps; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import tinker  # noqa: E402
+
+from dppo_harness import comparison as C  # noqa: E402
+from dppo_harness import constants, gsm8k, tokenizer  # noqa: E402
+from dppo_harness.local_server.process import LocalServerProcess  # noqa: E402
+from dppo_harness.plans import load_plan  # noqa: E402
+from dppo_harness.restoration import create_from_state_observed  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--latency-ms", type=float, default=300.0)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    plan = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
+    spec = C.resized_spec(plan.spec, rollout_steps=args.steps, groups_per_batch=args.groups, max_tokens=args.max_tokens)
+    cfg = C.comparison_config(spec)
+    renderer = tokenizer.make_renderer().renderer
+    train = gsm8k.load_split("train", seed=0)
+    faults = [f"--fault-latency-ms=*:{args.latency_ms:g}"] if args.latency_ms else []
+    with tempfile.TemporaryDirectory() as tmp, LocalServerProcess(run_dir=Path(tmp), fault_args=faults) as srv:
+        sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
+        init = sc.create_lora_training_client(base_model=cfg.base_model, rank=32, seed=0).result().save_state("i").result().path
+        rows = {}
+        for schedule in ("interleaved", "concurrent", "interleaved", "concurrent"):
+            clients = {a.name: create_from_state_observed(sc, init)[0] for a in cfg.arms}
+            state = C.RunState("bench", "", "", "", init, {a.name: C.ArmState(a.name) for a in cfg.arms})
+            t0 = time.perf_counter()
+            out = C.train_arms(C.make_runners(clients, cfg), cfg, state, renderer=renderer, tag=f"b{time.time_ns()}",
+                               items_for_step=lambda s: train.batch(s, cfg.groups_per_batch), schedule=schedule)
+            wall = time.perf_counter() - t0
+            rows.setdefault(schedule, []).append(wall)
+            print(f"{schedule:12s} {out.steps_completed} steps x 2 arms: {wall:.1f}s "
+                  f"(latency {args.latency_ms:g} ms/request, {args.groups} groups x 8, max_tokens {args.max_tokens})",
+                  flush=True)
+        sc.close("success").result(timeout=60)
+    for k, v in rows.items():
+        print(f"{k}: best {min(v):.1f}s of {len(v)} runs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""The paired comparison: both arms trained step by step from one shared initial state.
+
+Per rollout step and arm (cookbook `rl/train.py` shape): `rollout_batch.sample_rollout_batch`
+(the same prompts and sampling seeds for both arms, each arm sampling from its own current
+weights), then one `train_step.train_step` per complete-group minibatch; the single
+`LossConfig.arm` switch is the only difference between the arms. The arms advance together
+(interleaved on one thread, or concurrently on their own clients), so a stop at any moment leaves
+them at equal or adjacent step counts.
+
+Every arm-step appends a row to a JSONL log and posts `metrics.arms`; each arm saves its state
+(with optimizer) every `save_every` steps into a resume file, so `--resume RUN_ID` continues at
+the last step boundary. Evaluation and the decision live in `comparison_eval`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from dppo_harness import instrumentation as ins
+from dppo_harness import losses, rollout_batch, rollouts, train_step
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+
+STEPS_FILE = "comparison-steps.jsonl"
+STATE_FILE = "comparison-state.json"
+MAX_SAVE_EVERY = 10  # the brief: state saved at least every 10 steps per arm
+# Spec loss names -> the one switch.
+LOSS_ARMS: dict[str, losses.Arm] = {"grpo_clip_eps0.2": "grpo", "dppo_divergence_mask": "dppo"}
+# decision_rule weights name roles; the role of each arm follows from its loss.
+ROLE_OF_LOSS = {"grpo": "baseline", "dppo": "treatment"}
+NORMALIZATION: losses.Normalization = "token_mean"  # as the gate pilot (the spec declares none)
+Schedule = Literal["interleaved", "concurrent"]
+
+
+class ComparisonError(RuntimeError):
+    """The comparison cannot be configured or resumed as asked (the message names the field)."""
+
+
+# ---- configuration (pure) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    name: str
+    loss: losses.Arm
+    role: str  # "baseline" or "treatment"
+    seed: int
+    lr: float
+    updates_per_batch: int
+
+
+@dataclass(frozen=True)
+class ComparisonConfig:
+    arms: tuple[ArmSpec, ...]
+    steps: int  # rollout steps per arm
+    groups_per_batch: int
+    group_size: int
+    temperature: float
+    max_tokens: int
+    adam: dict[str, float]
+    eval_items: int
+    base_model: str
+    lora_rank: int
+    save_every: int = 1
+    normalization: str = NORMALIZATION
+
+    def adam_config_requested(self) -> dict[str, float]:
+        """The spec's optimizer_config keys (what an optimizer check compares)."""
+        return {k: self.adam[k] for k in ("learning_rate", "beta1", "beta2", "eps")}
+
+    def arm(self, name: str) -> ArmSpec:
+        return next(a for a in self.arms if a.name == name)
+
+    def role(self, role: str) -> ArmSpec:
+        return next(a for a in self.arms if a.role == role)
+
+
+def _method_int(method: str, key: str, field_name: str) -> int:
+    import re
+
+    m = re.search(rf"{key}\s*=\s*(\d+)", method)
+    if not m:
+        raise ComparisonError(f"{field_name}: method text does not state {key}=<int>")
+    return int(m.group(1))
+
+
+def comparison_config(spec: Mapping[str, Any], *, save_every: int = 1) -> ComparisonConfig:
+    """The paired schedule of an experiment spec (a rehearsal passes its inner spec)."""
+    if not 1 <= save_every <= MAX_SAVE_EVERY:
+        raise ComparisonError(f"save_every: {save_every} not in [1, {MAX_SAVE_EVERY}]")
+    arms = []
+    for i, a in enumerate(spec.get("arms", [])):
+        if a.get("loss") not in LOSS_ARMS:
+            raise ComparisonError(f"arms[{i}].loss: {a.get('loss')!r} is not one of {sorted(LOSS_ARMS)}")
+        loss = LOSS_ARMS[a["loss"]]
+        arms.append(ArmSpec(a["name"], loss, ROLE_OF_LOSS[loss], int(a["seed"]), float(a["lr"]),
+                            int(a["updates_per_batch"])))
+    if sorted(a.role for a in arms) != ["baseline", "treatment"]:
+        raise ComparisonError("arms: a paired comparison needs exactly one GRPO (baseline) and one DPPO (treatment) arm")
+    if len({(a.seed, a.lr, a.updates_per_batch) for a in arms}) != 1:
+        raise ComparisonError("arms: seed, lr and updates_per_batch must be equal (the loss is the only switch)")
+    upb = arms[0].updates_per_batch
+    steps = int(spec["steps"])
+    if steps % upb:
+        raise ComparisonError(f"steps: {steps} optimizer steps is not a multiple of updates_per_batch {upb}")
+    method = str(spec.get("method", ""))
+    groups = _method_int(method, "groups_per_batch", "method")
+    group_size = _method_int(method, "group_size", "method")
+    if groups * group_size != int(spec["batch_size"]):
+        raise ComparisonError(f"batch_size: {spec['batch_size']} != groups_per_batch {groups} x group_size {group_size}")
+    if groups % upb:
+        raise ComparisonError(f"method: {groups} groups cannot form {upb} complete-group minibatches")
+    opt = None
+    for g in spec.get("restoration_preflight", {}).get("groups", []):
+        for a in g.get("arms", []):
+            if a.get("name") == arms[0].name:
+                opt = a["optimizer_config"]
+    if opt is None:
+        raise ComparisonError(f"restoration_preflight: no optimizer_config for {arms[0].name}")
+    if float(opt["learning_rate"]) != arms[0].lr:
+        raise ComparisonError("restoration_preflight: optimizer_config.learning_rate differs from arms[*].lr")
+    adam = {"learning_rate": arms[0].lr, "beta1": float(opt["beta1"]), "beta2": float(opt["beta2"]),
+            "eps": float(opt["eps"]), "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    return ComparisonConfig(
+        arms=tuple(sorted(arms, key=lambda a: a.role)), steps=steps // upb, groups_per_batch=groups,
+        group_size=group_size, temperature=1.0, max_tokens=_method_int(method, "max_tokens", "method"), adam=adam,
+        eval_items=int(spec["eval"]["n_examples"]), base_model=str(spec["base_model"]),
+        lora_rank=int(spec["lora_rank"]), save_every=save_every,
+    )
+
+
+def resized_spec(spec: Mapping[str, Any], *, rollout_steps: int, groups_per_batch: int, max_tokens: int | None = None,
+                 eval_items: int | None = None) -> dict[str, Any]:
+    """A copy of `spec` at another size (tests and benchmarks only; never a plan): steps,
+    batch_size, eval.n_examples and the method text's numbers change together."""
+    import re
+
+    out = json.loads(json.dumps(spec))
+    upb = int(out["arms"][0]["updates_per_batch"])
+    group_size = _method_int(out["method"], "group_size", "method")
+    out["steps"] = rollout_steps * upb
+    out["batch_size"] = groups_per_batch * group_size
+    out["method"] = re.sub(r"groups_per_batch\s*=\s*\d+", f"groups_per_batch={groups_per_batch}", out["method"])
+    if max_tokens is not None:
+        out["method"] = re.sub(r"max_tokens\s*=\s*\d+", f"max_tokens={max_tokens}", out["method"])
+    if eval_items is not None:
+        out["eval"]["n_examples"] = eval_items
+    return out
+
+
+def step_seed(cfg: ComparisonConfig, step: int) -> int:
+    """Sampling seed base of a rollout step: the same for both arms, distinct across steps."""
+    return cfg.arms[0].seed + step * cfg.groups_per_batch
+
+
+# ---- per-step metrics (pure) -------------------------------------------------------------------
+
+
+def step_metrics(arm: str, step: int, summary: Mapping[str, Any], records: Sequence[ins.LossCallRecord],
+                 *, seconds: float, sample_seconds: float, sampler_checkpoint: str) -> dict[str, Any]:
+    """One arm-step row: reward/format from the batch, loss metrics of the step's minibatch
+    updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate)."""
+    sums = {k: int(sum(r.stats[k] for r in records)) for k in ("tokens/loss", "dppo/removed", "ppo/clipped")}
+    last = records[-1].stats if records else {}
+    den = sums["tokens/loss"]
+    return {
+        "arm": arm, "step": step,
+        "reward_mean": float(summary["mean_reward"]), "format_rate": float(summary["frac_format"]),
+        "correct_rate": float(summary["frac_correct"]),
+        "dppo_masked_frac": sums["dppo/removed"] / den if den else 0.0,
+        "ppo_clip_frac": sums["ppo/clipped"] / den if den else 0.0,
+        "last_update_masked_frac": float(last.get("dppo/masked_frac_loss_tokens", 0.0)),
+        "last_update_clip_frac": float(last.get("ppo/clip_frac_loss_tokens", 0.0)),
+        "drift_abs_p90": float(last.get("drift/abs_p90", 0.0)), "drift_abs_p99": float(last.get("drift/abs_p99", 0.0)),
+        "drift_abs_max": float(last.get("drift/abs_max", 0.0)),
+        "loss_tokens": den, "response_tokens": int(summary["response_tokens"]), "updates": len(records),
+        "seconds": float(seconds), "sample_seconds": float(sample_seconds), "sampler_checkpoint": sampler_checkpoint,
+    }
+
+
+TIMING_KEYS = ("seconds", "sample_seconds", "sampler_checkpoint")
+
+
+def comparable(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A step row without wall times and paths (what must match between a resumed and an
+    uninterrupted run)."""
+    return {k: v for k, v in row.items() if k not in TIMING_KEYS}
+
+
+def arm_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """`metrics.arms[arm]`: plain floats over the steps so far."""
+    if not rows:
+        return {}
+    last = rows[-1]
+    return {
+        "steps_completed": float(len(rows)),
+        "reward_mean_last": float(last["reward_mean"]),
+        "reward_mean_over_steps": float(np.mean([r["reward_mean"] for r in rows])),
+        "format_rate_last": float(last["format_rate"]),
+        "dppo_masked_frac_mean": float(np.mean([r["dppo_masked_frac"] for r in rows])),
+        "ppo_clip_frac_mean": float(np.mean([r["ppo_clip_frac"] for r in rows])),
+        "drift_abs_p90_last": float(last["drift_abs_p90"]),
+        "loss_tokens_total": float(sum(r["loss_tokens"] for r in rows)),
+        "train_seconds_total": float(sum(r["seconds"] for r in rows)),
+    }
+
+
+# ---- resumable state ---------------------------------------------------------------------------
+
+
+def code_revision(package_dir: Path | None = None) -> str:
+    """sha256 over the package's Python sources (path + bytes): what the resume must match."""
+    root = package_dir or Path(__file__).parent
+    h = hashlib.sha256(b"dppo-harness/code/v1")
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@dataclass
+class ArmState:
+    """One arm's resumable position: its last saved state (weights + optimizer) at a step boundary."""
+
+    name: str
+    steps_done: int = 0
+    state_path: str | None = None  # tinker:// save_state path at `steps_done`
+    restore_count: int = 0
+    optimizer_checks: list[dict[str, Any]] = field(default_factory=list)
+    final_sampler: str | None = None
+    final_state: str | None = None
+
+
+@dataclass
+class RunState:
+    run_id: str
+    plan_sha256: str
+    evaluator_id: str
+    code_revision: str
+    initial_checkpoint: str
+    arms: dict[str, ArmState]
+    rows: list[dict[str, Any]] = field(default_factory=list)  # every completed arm-step, in order
+    resumed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: v for k, v in asdict(self).items() if k != "arms"},
+                "arms": {a: asdict(s) for a, s in self.arms.items()}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RunState:
+        arms = {a: ArmState(**s) for a, s in d["arms"].items()}
+        return cls(**{**{k: v for k, v in d.items() if k != "arms"}, "arms": arms})
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> RunState:
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ComparisonError(f"resume state {path}: unreadable ({exc})") from None
+
+
+def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, code_rev: str) -> list[str]:
+    """Why a saved run may not be continued: plan, evaluator or code changed."""
+    out = []
+    for what, saved, now in (("plan sha256", state.plan_sha256, plan_sha256),
+                             ("evaluator id", state.evaluator_id, evaluator_id),
+                             ("code revision", state.code_revision, code_rev)):
+        if saved != now:
+            out.append(f"{what} changed since run {state.run_id}: saved {saved[:16]}, now {now[:16]}")
+    steps = [s.steps_done for s in state.arms.values()]
+    if steps and max(steps) - min(steps) > 1:
+        out.append(f"arms are {max(steps) - min(steps)} steps apart ({steps}): not a paired step boundary")
+    return out
+
+
+def state_path(state_root: Path, run_id: str) -> Path:
+    return Path(state_root) / run_id / STATE_FILE
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArmRunner:
+    """Everything one arm needs for a step; its client is its own."""
+
+    spec: ArmSpec
+    client: Any  # tinker.TrainingClient
+    loss_fn: train_step.LossFn
+    recorder: ins.LossCallRecorder
+
+
+def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Sequence[Any], renderer: Any,
+                 adam: tinker.AdamParams, tag: str) -> tuple[dict[str, Any], list[ins.LossCallRecord]]:
+    """One rollout step of one arm: sample from its current weights, then its minibatch updates."""
+    t0 = time.perf_counter()
+    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens,
+                                  seed=step_seed(cfg, step))
+    sampled = rollout_batch.sample_rollout_batch(runner.client, items, renderer, rcfg,
+                                                 sampler_name=f"{tag}-{runner.spec.name}-s{step}")
+    minibatches = train_step.prepare_minibatches(sampled.group_of_datum, runner.spec.updates_per_batch)
+    records = []
+    for u, idx in enumerate(minibatches, start=1):
+        context = {"arm": runner.spec.name, "step": step, "update_in_batch": u,
+                   "update_index": step * runner.spec.updates_per_batch + u, "sampler_checkpoint": sampled.sampler_path}
+        rec, _ = train_step.train_step(runner.client, [sampled.datums[i] for i in idx], runner.loss_fn, adam,
+                                       runner.recorder, context)
+        records.append(rec)
+    row = step_metrics(runner.spec.name, step, sampled.batch.summary(), records, seconds=time.perf_counter() - t0,
+                       sample_seconds=sampled.seconds, sampler_checkpoint=sampled.sampler_path)
+    return row, records
+
+
+@dataclass(frozen=True)
+class TrainingOutcome:
+    rows: tuple[dict[str, Any], ...]
+    steps_completed: int  # min over arms
+    wall_seconds: float
+    schedule: str
+    stopped: str | None  # None when every arm finished
+
+
+class StopRequested(Exception):
+    """Raised by a `stop_after` hook to end the run at a step boundary (tests: a kill)."""
+
+
+def train_arms(
+    runners: Sequence[ArmRunner],
+    cfg: ComparisonConfig,
+    state: RunState,
+    *,
+    items_for_step: Callable[[int], Sequence[Any]],
+    renderer: Any,
+    tag: str,
+    schedule: Schedule = "interleaved",
+    on_row: Callable[[dict[str, Any]], None] = lambda _r: None,
+    save_state: Callable[[ArmRunner, int], str] | None = None,
+    call: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
+    stop_after: Callable[[int], None] | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> TrainingOutcome:
+    """Advance every arm from its saved step to `cfg.steps`, step by step.
+
+    `interleaved`: arm after arm on this thread. `concurrent`: both arms' step at once on their
+    own clients, joined before the next step. Either way the arms never drift apart by more than
+    one step. `call` wraps each arm-step (capacity retry); `save_state(runner, step)` returns the
+    tinker:// path saved after `step` steps; `stop_after(step)` may raise StopRequested.
+    """
+    import tinker
+
+    adam = tinker.AdamParams(**cfg.adam)
+    t0 = time.perf_counter()
+    start = min(state.arms[r.spec.name].steps_done for r in runners)
+
+    def one(runner: ArmRunner, step: int) -> dict[str, Any]:
+        arm = state.arms[runner.spec.name]
+        if arm.steps_done > step:  # this arm already finished the step before a stop
+            return {}
+        row, _ = call(lambda: run_arm_step(runner, step, cfg, items_for_step(step), renderer, adam, tag))
+        return row
+
+    def commit(runner: ArmRunner, step: int, row: dict[str, Any]) -> None:
+        if not row:
+            return
+        arm = state.arms[runner.spec.name]
+        arm.steps_done = step + 1
+        if save_state is not None and (arm.steps_done % cfg.save_every == 0 or arm.steps_done == cfg.steps):
+            arm.state_path = save_state(runner, arm.steps_done)
+        state.rows.append(row)
+        on_row(row)
+        progress(f"[comparison] {row['arm']} step {step + 1}/{cfg.steps}: reward {row['reward_mean']:.3f}, format "
+                 f"{row['format_rate']:.2f}, masked {row['dppo_masked_frac']:.4g}, clip {row['ppo_clip_frac']:.4g}, "
+                 f"|p-q| q90 {row['drift_abs_p90']:.4g}, {row['seconds']:.1f}s")
+
+    stopped = None
+    pool = ThreadPoolExecutor(max_workers=len(runners)) if schedule == "concurrent" else None
+    try:
+        for step in range(start, cfg.steps):
+            if pool is None:
+                for r in runners:
+                    commit(r, step, one(r, step))
+            else:
+                futures = [(r, pool.submit(one, r, step)) for r in runners]
+                results = [(r, f.result()) for r, f in futures]
+                for r, row in results:
+                    commit(r, step, row)
+            if stop_after is not None:
+                stop_after(step + 1)
+    except StopRequested as stop:
+        stopped = str(stop) or "stop requested"
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    done = min(state.arms[r.spec.name].steps_done for r in runners)
+    return TrainingOutcome(tuple(state.rows), done, time.perf_counter() - t0, schedule, stopped)
+
+
+def make_runners(clients: Mapping[str, Any], cfg: ComparisonConfig) -> list[ArmRunner]:
+    out = []
+    for a in cfg.arms:
+        lc = losses.LossConfig(arm=a.loss, normalization=cfg.normalization)  # type: ignore[arg-type]
+        out.append(ArmRunner(a, clients[a.name], losses.make_loss_fn(lc), ins.LossCallRecorder(lc)))
+    return out
+
+
+def jsonl(rows: Sequence[Mapping[str, Any]]) -> bytes:
+    return "".join(json.dumps(ins.nan_free(dict(r)), sort_keys=True) + "\n" for r in rows).encode()
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

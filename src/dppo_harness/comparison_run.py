@@ -1,0 +1,265 @@
+"""The comparison stage's run: named steps over `comparison` (training) and `comparison_eval`.
+
+prepare (config, frozen evaluator, resume state) -> open arms (the preflight's loaded clients, or
+each arm's saved state on resume) -> train both arms step by step (JSONL + metrics.arms as they
+go, state saved every `save_every` steps, capacity retry) -> finalize each arm (checkpoint,
+completed_arms, metrics) -> evaluate base and both final checkpoints -> decision -> report.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness import comparison as C
+from dppo_harness import comparison_eval as E
+from dppo_harness import evaluation, gsm8k, service, tokenizer
+from dppo_harness.restoration import create_from_state_observed, dump_response, optimizer_check
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import Plan
+    from dppo_harness.restoration import RestorationResult
+
+EVAL_SUBSET_REASON = ("declared rehearsal size: the plan evaluates its first {n} GSM8K test items (see the plan's "
+                      "differences), so that the offline rehearsal fits 10 minutes on 2 CPU cores")
+
+
+@dataclass(frozen=True)
+class ComparisonResult:
+    config: C.ComparisonConfig
+    run_id: str  # the run whose state this continues (== this bundle's run id unless resumed)
+    rows: tuple[dict[str, Any], ...]
+    steps_completed: int
+    training_seconds: float
+    schedule: str
+    stopped: str | None
+    capacity_block: dict[str, Any] | None
+    scores: tuple[dict[str, Any], ...] = ()
+    decision: dict[str, Any] | None = None
+    final: dict[str, Any] = field(default_factory=dict)  # status, verdict, outcome_reason
+    files: tuple[str, ...] = ()
+
+
+def _spec(plan: Plan) -> Mapping[str, Any]:
+    return plan.spec if plan.kind == "rehearsal" else plan.raw
+
+
+def _prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: C.ComparisonConfig, evaluator_id: str,
+                   initial_checkpoint: str, state_root: Path, resume_run_id: str | None) -> C.RunState:
+    code_rev = C.code_revision()
+    if resume_run_id is None:
+        return C.RunState(run_id=bundle.run_id, plan_sha256=plan.sha256, evaluator_id=evaluator_id,
+                          code_revision=code_rev, initial_checkpoint=initial_checkpoint,
+                          arms={a.name: C.ArmState(a.name) for a in cfg.arms})
+    path = C.state_path(state_root, resume_run_id)
+    if not path.is_file():
+        raise C.ComparisonError(f"--resume {resume_run_id}: no saved comparison state at {path}")
+    state = C.RunState.load(path)
+    problems = C.resume_problems(state, plan_sha256=plan.sha256, evaluator_id=evaluator_id, code_rev=code_rev)
+    if problems:
+        raise C.ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))
+    state.resumed += 1
+    return state
+
+
+def _open_arms(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.ComparisonConfig,
+               restoration: RestorationResult, bundle: EvidenceBundle, call: Callable) -> dict[str, Any]:
+    """New run: the arms' clients the preflight loaded from the shared initial checkpoint (its
+    observed load). Resume: each arm from its last saved state with optimizer; every restore is one
+    more restore_count and optimizer check."""
+    clients = {}
+    prov_arms = {}
+    for a in cfg.arms:
+        arm = state.arms[a.name]
+        if arm.state_path is None:
+            if state.resumed:
+                raise C.ComparisonError(f"--resume: arm {a.name} has no saved state to continue from")
+            clients[a.name] = restoration.clients[a.name]
+            continue
+        client, resp = call(lambda p=arm.state_path: create_from_state_observed(service_client, p))
+        if resp is None or resp.path != arm.state_path:
+            raise C.ComparisonError(f"{a.name}: restore of {arm.state_path} not observed (load response "
+                                    f"{getattr(resp, 'path', None)!r})")
+        arm.restore_count += 1
+        prior = restoration.provenance["arms"][a.name]
+        check = optimizer_check(after_restore=prior["restore_count"] + arm.restore_count,
+                                requested_optimizer="adam", requested_config=cfg.adam_config_requested(),
+                                info=client.get_info(), info_ref=f"{C.STATE_FILE}#{a.name}.restore{arm.restore_count}",
+                                echoed=None, echo_ref=None, echo_observed_on=None)
+        arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path,
+                                     "load_response": dump_response(resp)})
+        clients[a.name] = client
+        prov_arms[a.name] = {"restore_count": prior["restore_count"] + arm.restore_count,
+                             "optimizer_checks": list(prior["optimizer_checks"]) + [
+                                 {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
+    if prov_arms:
+        bundle.update_result(initialization_provenance={"arms": prov_arms})
+    return clients
+
+
+def run_comparison(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    restoration: RestorationResult,
+    *,
+    backend: str,
+    state_root: Path,
+    resume_run_id: str | None = None,
+    schedule: C.Schedule = "interleaved",
+    save_every: int = 1,
+    capacity_policy: service.CapacityPolicy = service.CapacityPolicy(),
+    registry: service.ClientRegistry | None = None,
+    stop_after: Callable[[int], None] | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+    tag: str = "cmp",
+) -> ComparisonResult:
+    """Run (or continue) the paired comparison and write its evidence; see the module docstring."""
+    spec = _spec(plan)
+    cfg = C.comparison_config(spec, save_every=save_every)
+    rehearsal = plan.kind == "rehearsal" or backend == "local"
+    evaluator = E.freeze_for(cfg, EVAL_SUBSET_REASON.format(n=cfg.eval_items))
+    if evaluator.deviation:
+        d = evaluator.deviation
+        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    state = _prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration.initial_checkpoint,
+                           Path(state_root), resume_run_id)
+    spath = C.state_path(Path(state_root), state.run_id)
+    tracker = service.CapacityTracker(comparison_steps_completed=min(s.steps_done for s in state.arms.values()))
+
+    def call(fn: Callable[[], Any]) -> Any:
+        return service.call_with_capacity_retry(fn, policy=capacity_policy, steps_completed=tracker,
+                                                registry=registry, on_retry=tracker.events.append)
+
+    bundle.register_json(f"comparison-run-{state.resumed}.json", "manifest", {
+        "run_id": state.run_id, "resumed_sessions": state.resumed, "schedule": schedule, "rehearsal": rehearsal,
+        "state_file": str(spath), "evaluator_id": evaluator.evaluator_id, "code_revision": state.code_revision,
+        "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg)})
+    clients = _open_arms(service_client, state, cfg, restoration, bundle, call)
+    state.save(spath)
+    runners = C.make_runners(clients, cfg)
+    train = gsm8k.load_split("train", seed=cfg.arms[0].seed)
+    renderer = tokenizer.make_renderer().renderer
+    by_arm = {a.name: [r for r in state.rows if r["arm"] == a.name] for a in cfg.arms}
+
+    def save_arm_state(runner: C.ArmRunner, steps_done: int) -> str:
+        return runner.client.save_state(f"{tag}-{state.run_id}-{runner.spec.name}-step{steps_done}-r{state.resumed}").result().path
+
+    def on_row(row: dict[str, Any]) -> None:
+        by_arm[row["arm"]].append(row)
+        state.save(spath)
+        bundle.post_arm_metrics(row["arm"], C.arm_summary(by_arm[row["arm"]]))
+        if all(s.steps_done > row["step"] for s in state.arms.values()):
+            tracker.step_done()
+        arm = state.arms[row["arm"]]
+        if arm.steps_done == cfg.steps:
+            _finalize_arm(runners, row["arm"], state, bundle, by_arm, tag)
+            state.save(spath)
+
+    capacity_block = None
+    try:
+        outcome = C.train_arms(runners, cfg, state, items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
+                               renderer=renderer, tag=f"{tag}-{state.run_id}-r{state.resumed}", schedule=schedule,
+                               on_row=on_row, save_state=save_arm_state, call=call, stop_after=stop_after,
+                               progress=progress)
+    except service.CapacityExhausted as exc:
+        capacity_block = exc.block.as_dict()
+        outcome = C.TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
+                                    f"capacity: {exc}")
+    files = [_register_steps(bundle, state)]
+    bundle.register_json(f"comparison-state-{state.resumed}.json", "manifest", state.to_json())
+    files.append(f"comparison-state-{state.resumed}.json")
+    base = dict(config=cfg, run_id=state.run_id, rows=tuple(state.rows), steps_completed=outcome.steps_completed,
+                training_seconds=outcome.wall_seconds, schedule=schedule, stopped=outcome.stopped)
+    if capacity_block is not None:
+        final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
+                 "capacity_block": capacity_block}
+        return ComparisonResult(**base, capacity_block=capacity_block, final=final, files=tuple(files))
+    if outcome.stopped is not None:
+        final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
+        return ComparisonResult(**base, capacity_block=None, final=final, files=tuple(files))
+    scores, decision, eval_files = _evaluate_and_decide(service_client, cfg, spec, state, evaluator, bundle, rehearsal,
+                                                        progress)
+    files += eval_files
+    from dppo_harness import report
+
+    files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend).values())
+    final = {"status": "succeeded", "verdict": decision["verdict"], "outcome_reason": decision["outcome_reason"]}
+    return ComparisonResult(**base, capacity_block=None, scores=tuple(scores), decision=decision, final=final,
+                            files=tuple(files))
+
+
+def _register_steps(bundle: EvidenceBundle, state: C.RunState) -> str:
+    name = f"{C.STEPS_FILE.removesuffix('.jsonl')}-{state.resumed}.jsonl" if state.resumed else C.STEPS_FILE
+    bundle.register_bytes(name, "metrics", C.jsonl(state.rows))
+    return name
+
+
+def _finalize_arm(runners: list[C.ArmRunner], arm: str, state: C.RunState, bundle: EvidenceBundle,
+                  by_arm: Mapping[str, list[dict[str, Any]]], tag: str) -> None:
+    """After an arm's last step: final sampler weights + state, checkpoint URI, completed_arms, metrics."""
+    runner = next(r for r in runners if r.spec.name == arm)
+    s = state.arms[arm]
+    s.final_sampler = runner.client.save_weights_for_sampler(f"{tag}-{state.run_id}-{arm}-final").result().path
+    s.final_state = s.state_path
+    if s.final_state:
+        bundle.add_checkpoint(arm, s.steps_done, s.final_state)
+    bundle.add_checkpoint(arm, s.steps_done, s.final_sampler)
+    bundle.post_arm_metrics(arm, C.arm_summary(by_arm[arm]), completed=True)
+
+
+def _evaluate_and_decide(service_client: tinker.ServiceClient, cfg: C.ComparisonConfig, spec: Mapping[str, Any],
+                         state: C.RunState, evaluator: evaluation.FrozenEvaluator, bundle: EvidenceBundle,
+                         rehearsal: bool, progress: Callable[[str], None]) -> tuple[list[dict], dict, list[str]]:
+    """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
+    files: list[str] = []
+    bundle.register_json(f"evaluator-{evaluator.evaluator_id[:16]}.json", "manifest",
+                         {"evaluator_id": evaluator.evaluator_id, "provenance": evaluator.provenance,
+                          "code_manifest": evaluator.code_manifest, "deviation": evaluator.deviation})
+    files.append(f"evaluator-{evaluator.evaluator_id[:16]}.json")
+    seed = cfg.arms[0].seed
+    scores: list[dict[str, Any]] = []
+    comparisons = [{"metric": evaluation.METRIC, "arms": [cfg.role("baseline").name, cfg.role("treatment").name]}]
+
+    def post() -> None:
+        bundle.update_result(evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
+                             metrics={f"eval/accuracy/{s['arm']}": float(s["value"]) for s in scores})
+
+    t0 = time.perf_counter()
+    base_client = service_client.create_sampling_client(base_model=cfg.base_model).result()
+    base = evaluation.evaluate(base_client, evaluator, arm=E.BASE_ARM, seed=seed, checkpoint=f"base:{cfg.base_model}")
+    scores.append(E.register_predictions(bundle, base))
+    files.append(scores[-1]["predictions_ref"])
+    post()
+    progress(f"[comparison] base model accuracy {base.accuracy:.3f} on {len(base.rows)} items ({time.perf_counter() - t0:.0f}s)")
+    results = {}
+    for a in cfg.arms:
+        path = state.arms[a.name].final_sampler
+        sampler = service_client.create_sampling_client(model_path=path).result()
+        res = evaluation.evaluate(sampler, evaluator, arm=a.name, seed=seed, checkpoint=path)
+        results[a.name] = res
+        scores.append(E.register_predictions(bundle, res))
+        files.append(scores[-1]["predictions_ref"])
+        post()
+        progress(f"[comparison] {a.name} accuracy {res.accuracy:.3f} ({time.perf_counter() - t0:.0f}s)")
+    obs = evaluation.observations_jsonl([results[a.name] for a in cfg.arms])
+    bundle.register_bytes(E.OBSERVATIONS_FILE, "metrics", obs)
+    files.append(E.OBSERVATIONS_FILE)
+    rows = [json.loads(line) for line in obs.decode().splitlines()]
+    arm_of_role = {"treatment": cfg.role("treatment").name, "baseline": cfg.role("baseline").name}
+    criteria = E.decide_criteria(rows, spec["decision_rule"], arm_of_role)
+    decision = E.decision_block(obs, criteria, E.verdict(criteria, rehearsal=rehearsal), rehearsal=rehearsal)
+    bundle.register_json(E.DECISION_FILE, "metrics", decision)
+    files.append(E.DECISION_FILE)
+    bundle.update_result(decision=decision, metrics={
+        "comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
+        "comparison/ci_lower": criteria[0].lower, "comparison/ci_upper": criteria[0].upper,
+        "comparison/eval_seconds": time.perf_counter() - t0})
+    return scores, decision, files

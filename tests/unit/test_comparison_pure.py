@@ -1,0 +1,189 @@
+"""Pure parts of the paired comparison: config, metrics, resume rules, verdict rules, rehearsal plans."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from dppo_harness import comparison as C
+from dppo_harness import comparison_eval as E
+from dppo_harness import plans, stats
+from dppo_harness.plans import PlanError, load_plan, parse_plan
+
+ROOT = Path(__file__).parents[2]
+SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
+REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
+
+
+def test_config_of_the_saved_spec_and_the_rehearsal():
+    full = C.comparison_config(SPEC.raw)
+    assert (full.steps, full.groups_per_batch, full.group_size, full.max_tokens, full.eval_items) == (50, 32, 8, 512, 1319)
+    assert [(a.name, a.loss, a.role) for a in full.arms] == [("grpo_seed0", "grpo", "baseline"),
+                                                            ("dppo_seed0", "dppo", "treatment")]
+    assert full.adam["learning_rate"] == 2e-5
+    small = C.comparison_config(REHEARSAL.spec)
+    assert small.base_model == "local/tiny-qwen3-gsm8k" and small.arms[0].updates_per_batch == 2
+    assert small.steps * 2 == REHEARSAL.spec["steps"] and small.eval_items == REHEARSAL.spec["eval"]["n_examples"]
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda s: s["arms"][1].update(loss="reinforce"), "arms\\[1\\].loss"),
+    (lambda s: s["arms"][1].update(lr=1e-3), "loss is the only switch"),
+    (lambda s: s.update(steps=101), "not a multiple"),
+    (lambda s: s.update(batch_size=128), "batch_size"),
+    (lambda s: s["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"].update(learning_rate=1.0), "learning_rate"),
+])
+def test_config_refuses_specs_that_break_the_pairing(mutate, match):
+    spec = copy.deepcopy(SPEC.raw)
+    mutate(spec)
+    with pytest.raises(C.ComparisonError, match=match):
+        C.comparison_config(spec)
+    with pytest.raises(C.ComparisonError, match="save_every"):
+        C.comparison_config(SPEC.raw, save_every=11)
+
+
+def test_same_seeds_for_both_arms_distinct_across_steps():
+    cfg = C.comparison_config(SPEC.raw)
+    seeds = [C.step_seed(cfg, s) for s in range(cfg.steps)]
+    assert len(set(seeds)) == cfg.steps and seeds[1] - seeds[0] == cfg.groups_per_batch
+
+
+class _Rec:
+    def __init__(self, **stats):
+        self.stats = stats
+
+
+def test_step_metrics_pool_fractions_by_loss_tokens():
+    recs = [_Rec(**{"tokens/loss": 100, "dppo/removed": 10, "ppo/clipped": 0, "dppo/masked_frac_loss_tokens": 0.1,
+                    "ppo/clip_frac_loss_tokens": 0.0, "drift/abs_p90": 0.01}),
+            _Rec(**{"tokens/loss": 300, "dppo/removed": 0, "ppo/clipped": 3, "dppo/masked_frac_loss_tokens": 0.0,
+                    "ppo/clip_frac_loss_tokens": 0.01, "drift/abs_p90": 0.02})]
+    summary = {"mean_reward": 0.5, "frac_format": 0.75, "frac_correct": 0.25, "response_tokens": 400}
+    row = C.step_metrics("a", 3, summary, recs, seconds=2.0, sample_seconds=1.0, sampler_checkpoint="tinker://x")
+    assert row["dppo_masked_frac"] == pytest.approx(10 / 400) and row["ppo_clip_frac"] == pytest.approx(3 / 400)
+    assert row["drift_abs_p90"] == 0.02 and row["updates"] == 2 and row["loss_tokens"] == 400
+    assert "seconds" not in C.comparable(row) and C.comparable(row)["reward_mean"] == 0.5
+    s = C.arm_summary([row, {**row, "step": 4, "reward_mean": 1.0}])
+    assert s["steps_completed"] == 2.0 and s["reward_mean_over_steps"] == 0.75
+    assert all(isinstance(v, float) for v in s.values())
+
+
+def _state(tmp_path, **arms):
+    st = C.RunState("r1", "p" * 64, "e" * 64, "c" * 64, "tinker://init",
+                    {a: C.ArmState(a, steps_done=n, state_path=f"tinker://{a}/{n}") for a, n in arms.items()})
+    st.save(C.state_path(tmp_path, "r1"))
+    return C.RunState.load(C.state_path(tmp_path, "r1"))
+
+
+def test_resume_refuses_changed_plan_evaluator_code_or_unpaired_steps(tmp_path):
+    st = _state(tmp_path, grpo_seed0=2, dppo_seed0=2)
+    ok = dict(plan_sha256="p" * 64, evaluator_id="e" * 64, code_rev="c" * 64)
+    assert C.resume_problems(st, **ok) == []
+    assert st.arms["dppo_seed0"].state_path == "tinker://dppo_seed0/2"
+    for key, what in (("plan_sha256", "plan"), ("evaluator_id", "evaluator"), ("code_rev", "code revision")):
+        problems = C.resume_problems(st, **{**ok, key: "x" * 64})
+        assert len(problems) == 1 and what in problems[0]
+    assert "apart" in C.resume_problems(_state(tmp_path, grpo_seed0=3, dppo_seed0=1), **ok)[0]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / C.STATE_FILE).write_text("{not json")
+    with pytest.raises(C.ComparisonError, match="unreadable"):
+        C.RunState.load(tmp_path / "bad" / C.STATE_FILE)
+
+
+def test_code_revision_changes_with_the_sources(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    before = C.code_revision(tmp_path)
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert C.code_revision(tmp_path) != before
+
+
+def _crit(lower, upper, margin=0.0, cid="primary"):
+    return E.CriterionDecision(cid, "accuracy", "dppo_seed0", "grpo_seed0",
+                               {"lower": lower, "upper": upper, "margin": margin})
+
+
+def test_verdict_rules_including_must_fail_inputs():
+    assert E.verdict([_crit(0.01, 0.2)], rehearsal=False)[:2] == ("supported", "supported")
+    assert E.verdict([_crit(-0.2, -0.01)], rehearsal=False)[:2] == ("refuted", "refuted")
+    assert E.verdict([_crit(0.0, 0.2)], rehearsal=False)[:2] == ("inconclusive", "insufficient_evidence")  # lower == margin
+    assert E.verdict([_crit(-0.1, 0.1)], rehearsal=False)[:2] == ("inconclusive", "insufficient_evidence")
+    assert E.verdict([_crit(0.01, 0.2), _crit(-0.3, -0.1, cid="b")], rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
+    assert E.verdict([_crit(0.01, 0.2), _crit(-0.1, 0.1, cid="b")], rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
+    v, reason, text = E.verdict([_crit(0.01, 0.2)], rehearsal=True)
+    assert (v, reason) == ("inconclusive", "insufficient_evidence") and "supported" in text
+    assert E.verdict([], rehearsal=False)[:2] == ("inconclusive", "incomplete_execution")
+
+
+def _rows(t_vals, b_vals):
+    rows = []
+    for i, (t, b) in enumerate(zip(t_vals, b_vals)):
+        rows += [{"item_id": f"i{i}", "arm": "dppo_seed0", "seed": 0, "metric": "accuracy", "value": t, "evaluator_id": "e"},
+                 {"item_id": f"i{i}", "arm": "grpo_seed0", "seed": 0, "metric": "accuracy", "value": b, "evaluator_id": "e"}]
+    return rows
+
+
+def test_decide_criteria_uses_the_spec_rule_and_recomputes_from_file(tmp_path):
+    roles = {"treatment": "dppo_seed0", "baseline": "grpo_seed0"}
+    rows = _rows([1] * 900 + [0] * 100, [0] * 1000)
+    crit = E.decide_criteria(rows, SPEC.raw["decision_rule"], roles)
+    assert crit[0].lower > 0 and E.verdict(crit, rehearsal=False)[0] == "supported"
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "obs.jsonl").write_bytes(data)
+    again = E.recompute_from_file(tmp_path / "obs.jsonl", SPEC.raw["decision_rule"], roles)
+    assert again[0]["lower"] == crit[0].lower
+    block = E.decision_block(data, crit, E.verdict(crit, rehearsal=False), rehearsal=False)
+    assert block["version"] == 1 and block["observations_file"]["name"] == E.OBSERVATIONS_FILE
+    with pytest.raises(stats.ObservationError, match="unpaired"):
+        E.decide_criteria(rows[:-1], SPEC.raw["decision_rule"], roles)
+    bad_rule = {**SPEC.raw["decision_rule"], "method": "bootstrap"}
+    with pytest.raises(stats.ObservationError, match="paired_hoeffding"):
+        E.decide_criteria(rows, bad_rule, roles)
+
+
+# ---- rehearsal plans (CONTRACTS.md) ------------------------------------------------------------
+
+
+def test_rehearsal_plan_loads_and_declares_every_difference():
+    assert REHEARSAL.kind == "rehearsal" and REHEARSAL.raw["label"] == "rehearsal"
+    diffs = plans.leaf_differences(SPEC.raw, REHEARSAL.spec)
+    assert set(diffs) == {d["field"] for d in REHEARSAL.raw["differences"]}
+    assert all(d["reason"].strip() for d in REHEARSAL.raw["differences"])
+    assert REHEARSAL.spec["activation_gate"]["checks"][:4] == SPEC.raw["activation_gate"]["checks"][:4]
+    assert REHEARSAL.spec["decision_rule"] == SPEC.raw["decision_rule"]
+    assert {d["field"] for d in REHEARSAL.deviations} <= set(plans.DEVIATION_FIELDS)
+
+
+def _reparse(mutate):
+    raw = copy.deepcopy(REHEARSAL.raw)
+    mutate(raw)
+    return parse_plan(json.dumps(raw).encode(), REHEARSAL.path)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda r: r["spec"].update(max_seq_len=2048), "not declared"),
+    (lambda r: r["differences"].append({"field": "lora_rank", "spec": 32, "rehearsal": 32, "reason": "x"}), "phantom"),
+    (lambda r: r["differences"][0].update(reason="  "), "reason"),
+    (lambda r: r["derived_from"].update(sha256="0" * 64), "derived_from.sha256"),
+    (lambda r: (r["spec"]["activation_gate"]["checks"][0].update(min=0.0),
+                r["differences"].append({"field": "activation_gate.checks[0].min", "spec": 0.001, "rehearsal": 0.0,
+                                         "reason": "relax"})), "may not differ"),
+    (lambda r: (r["spec"]["arms"][0].update(updates_per_batch=1),
+                r["differences"].append({"field": "arms[0].updates_per_batch", "spec": 2, "rehearsal": 1,
+                                         "reason": "x"})), "may not differ"),
+    (lambda r: r["spec"].pop("decision_rule"), "decision_rule"),
+    (lambda r: (r["spec"]["activation_gate"]["checks"][0].update(one_of=["x"]),
+                r["differences"].append({"field": "activation_gate.checks[0].one_of", "spec": None, "rehearsal": ["x"],
+                                         "reason": "x"})), "may not differ"),
+    (lambda r: r.update(kind="rehearsal", label="final"), "label"),
+])
+def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
+    with pytest.raises(PlanError, match=match):
+        _reparse(mutate)
+
+
+def test_resized_spec_changes_size_fields_together_and_never_the_input():
+    small = C.resized_spec(SPEC.raw, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)
+    cfg = C.comparison_config(small)
+    assert (cfg.steps, cfg.groups_per_batch, cfg.max_tokens, cfg.eval_items) == (3, 2, 64, 5)
+    assert SPEC.raw["steps"] == 100 and "groups_per_batch=32" in SPEC.raw["method"]

@@ -1,0 +1,143 @@
+"""The one training core (`rollout_batch`, `train_step`) and the shared lower helpers."""
+
+import ast
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+import torch
+
+from dppo_harness import correctness, diagnostic, gate, instrumentation, losses, pooled, replay, restoration, train_step
+
+SRC = Path(diagnostic.__file__).parent
+
+
+class _Future:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class FakeTrainingClient:
+    """Records the order of calls; runs the custom loss on fixed logprobs like the SDK would."""
+
+    def __init__(self, call_loss: int = 1):
+        self.calls: list[str] = []
+        self.call_loss = call_loss
+
+    def forward_backward_custom(self, data, loss_fn):
+        self.calls.append("fwd_bwd")
+        out = None
+        for _ in range(self.call_loss):
+            lps = [torch.tensor(np.asarray(d.loss_fn_inputs["logprobs"].to_numpy()) - 0.05, requires_grad=True)
+                   for d in data]
+            out = loss_fn(data, lps)
+        return _Future(out)
+
+    def optim_step(self, adam):
+        self.calls.append("optim")
+        return _Future({"lr": adam.learning_rate})
+
+
+def _datums(n=2):
+    out = []
+    for i in range(n):
+        toks = [5 + i, 6, 7, 8]
+        out.append(tinker.Datum(model_input=tinker.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
+            "target_tokens": toks[1:], "logprobs": [0.0, -1.0, -0.5], "advantages": [0.0, 1.0 - 2 * i, 1.0 - 2 * i],
+            "mask": np.array([0.0, 1.0, 1.0], dtype=np.float32)}))
+    return out
+
+
+def test_prepare_minibatches_keeps_groups_whole_and_refuses_uneven_splits():
+    assert train_step.prepare_minibatches([0, 0, 1, 1, 2, 2, 3, 3], 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(train_step.TrainStepError, match="3 groups"):
+        train_step.prepare_minibatches([0, 1, 2], 2)
+    with pytest.raises(gate.GateError):
+        gate.split_complete_groups([0, 1, 2], 2)
+
+
+def test_train_step_records_one_call_and_persists_before_the_optimizer_step():
+    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    tc, rec = FakeTrainingClient(), instrumentation.LossCallRecorder(cfg)
+    seen = []
+
+    def persist(record):
+        seen.append((record.context["update_index"], list(tc.calls)))
+
+    record, result = train_step.train_step(tc, _datums(), losses.make_loss_fn(cfg), tinker.AdamParams(learning_rate=1e-3),
+                                           rec, {"update_index": 7}, persist=persist)
+    assert record is rec.records[-1] and record.context["update_index"] == 7
+    assert seen == [(7, ["fwd_bwd"])], "persist must run after the loss call and before optim_step"
+    assert tc.calls == ["fwd_bwd", "optim"] and result.optim == {"lr": 1e-3} and result.seconds >= 0
+
+
+def test_train_step_fails_when_the_loss_is_not_called_exactly_once():
+    cfg = losses.LossConfig(arm="grpo", normalization="sum")
+    for n in (0, 2):
+        with pytest.raises(train_step.TrainStepError, match="expected one loss call"):
+            train_step.train_step(FakeTrainingClient(call_loss=n), _datums(), losses.make_loss_fn(cfg),
+                                  tinker.AdamParams(learning_rate=1e-3), instrumentation.LossCallRecorder(cfg), {})
+
+
+def test_timed_updates_runs_n_unrecorded_updates():
+    tc = FakeTrainingClient()
+    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    secs = train_step.timed_updates(tc, _datums(), losses.make_loss_fn(cfg), tinker.AdamParams(learning_rate=1e-3), 3)
+    assert len(secs) == 3 and tc.calls == ["fwd_bwd", "optim"] * 3
+
+
+def test_lr_scaling_error_has_one_definition_including_the_first_probe():
+    assert restoration.lr_scaling_error is correctness.lr_scaling_error
+    good = [{"learning_rate": 1e-5, "update_norm": 1.0}, {"learning_rate": 2e-5, "update_norm": 2.0}]
+    assert correctness.lr_scaling_error(good) == [0.0, 0.0]
+    bad = [{"learning_rate": 1e-5, "update_norm": 1.0}, {"learning_rate": 2e-5, "update_norm": 1.0}]
+    assert correctness.lr_scaling_error(bad) == [0.0, pytest.approx(0.5)]
+    assert correctness.lr_scaling_error([{"learning_rate": 1e-5, "update_norm": 0.0}, good[1]]) == [math.inf] * 2
+    assert correctness.lr_scaling_error([]) == []
+    # The correctness CLI's check uses it and fails on the bad probes.
+    assert correctness._check_lr_scaling("p", bad, {"max_relative_error": 0.05})[0].startswith("FAIL")
+
+
+def test_make_datum_zero_weight_is_a_forward_only_read_of_the_whole_sequence():
+    d = restoration.make_datum([3], [4, 5, 6], completion_weight=0.0)
+    assert d.model_input.to_ints() == [3, 4, 5]
+    assert d.loss_fn_inputs["target_tokens"].to_numpy().tolist() == [4, 5, 6]
+    assert d.loss_fn_inputs["weights"].to_numpy().tolist() == [0.0, 0.0, 0.0]
+    assert restoration.make_datum([3, 4], [5, 6]).loss_fn_inputs["weights"].to_numpy().tolist() == [0.0, 1.0, 1.0]
+
+
+def _imports(module) -> set[str]:
+    tree = ast.parse(Path(module.__file__).read_text())
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module:
+            out.add(n.module)
+            out.update(f"{n.module}.{a.name}" for a in n.names)
+        elif isinstance(n, ast.Import):
+            out.update(a.name for a in n.names)
+    return out
+
+
+def test_module_graph_replay_and_pooled_do_not_import_the_diagnostic():
+    assert not any("diagnostic" in m for m in _imports(replay)), "replay must not import diagnostic (cycle)"
+    assert not any("diagnostic" in m for m in _imports(pooled))
+    assert diagnostic.pool_calls is pooled.pool_calls and diagnostic.ANALYSIS_FILE == pooled.ANALYSIS_FILE
+
+
+def test_no_training_loop_outside_the_core():
+    """forward_backward_custom / optim_step for training live in train_step only."""
+    offenders = []
+    for path in SRC.glob("*.py"):
+        if path.name in ("train_step.py",):
+            continue
+        text = path.read_text()
+        for needle in (".forward_backward_custom(", ".optim_step("):
+            if needle in text:
+                offenders.append(f"{path.name}: {needle}")
+    # restoration's fixed-gradient probe (cross_entropy, not the RL loss) is the only other optim_step.
+    assert offenders == ["restoration.py: .optim_step("], offenders
