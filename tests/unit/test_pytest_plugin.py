@@ -26,7 +26,8 @@ PROJECT = {
 def project(pytester: pytest.Pytester):
     def make(preflight_ok: bool = True, unit_ok: bool = True):
         (pytester.path / "plans").mkdir()
-        for name in ("exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json"):
+        for name in ("exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json", "rehearsal/comparison-local.json"):
+            (pytester.path / "plans" / name).parent.mkdir(parents=True, exist_ok=True)
             (pytester.path / "plans" / name).write_bytes((REPO / "plans" / name).read_bytes())
         pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin"]')
         pytester.makeini("[pytest]\ntestpaths = tests\naddopts = --strict-markers -p no:cacheprovider\n")
