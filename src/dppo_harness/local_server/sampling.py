@@ -1,0 +1,259 @@
+"""Batched KV-cache sampling for Hugging Face causal LMs (the `--model-path` backend).
+
+Every sample of every request in a batch goes through one decode loop:
+1. prefill the distinct prompts once, as one left-padded batch (attention mask + position ids);
+2. copy each prompt's cache to its samples' rows (`Cache.reorder_cache` with repeated indices);
+   pure-attention models (Qwen3) move their KV into preallocated buffers (`BufferLayer`), so a
+   step writes one position instead of concatenating the whole cache;
+3. decode all rows together; the output head runs on the last position only; finished rows stay
+   in the batch until a quarter of it is finished, then the batch is compacted.
+
+Draws: temperature 0 is argmax; otherwise Gumbel-max, `argmax(logits / T - log E)` with
+`E ~ Exp(1)` drawn from the request's own `torch.Generator` (seeded with the request seed, on
+the model's device). That is an exact draw from softmax(logits / T) (after top_k / top_p),
+costs one elementwise pass instead of softmax + multinomial over the vocabulary, and keeps the
+seed's meaning: the same request alone, or with the same concurrent batch, gives the same tokens.
+Per-token logprobs are the untempered log-softmax of the drawn token (the trainer's distribution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from dppo_harness.local_server.logprobs import chunked_target_logprobs
+
+COMPACT_FRACTION = 0.25  # compact the batch once this fraction of its rows has finished
+
+
+@dataclass
+class DecodeRequest:
+    prompt: list[int]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop_ids: list[int]
+    stop_strings: list[str]
+    seed: int
+    want_prompt_lp: bool
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+    prompt_logprobs: list[float | None] | None
+
+
+class BufferLayer(CacheLayerMixin):
+    """KV-cache layer over a preallocated [B, H, cap, D] buffer (no per-step concatenation)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        self.kbuf, self.vbuf, self.len = keys, values, length
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kbuf[:, :, : self.len]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.vbuf[:, :, : self.len]
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - prefilled
+        raise RuntimeError("buffer layer is prefilled")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        self.kbuf[:, :, self.len : self.len + n] = key_states
+        self.vbuf[:, :, self.len : self.len + n] = value_states
+        self.len += n
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.len + query_length, 0
+
+    def get_seq_length(self, *args) -> int:
+        return self.len
+
+    def get_max_cache_shape(self, *args) -> int:
+        return -1
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.kbuf, self.vbuf = self.kbuf[idx], self.vbuf[idx]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select(beam_idx.to(self.kbuf.device))
+
+
+def filter_logits(logits_RV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Tempered logits with everything outside top_k / the top_p nucleus set to -inf."""
+    x = logits_RV / temperature
+    if top_k != -1 and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        cum_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = cum_before >= top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def gumbel_max(x_RV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row from softmax(x): argmax(x - log E), E ~ Exp(1)."""
+    e_RV = torch.empty_like(x_RV, dtype=torch.float32).exponential_(generator=generator)
+    return (x_RV.float() - e_RV.log()).argmax(dim=-1)
+
+
+def draw(logits_RV: torch.Tensor, req: DecodeRequest, generator: torch.Generator) -> torch.Tensor:
+    if req.temperature == 0.0:
+        return logits_RV.argmax(dim=-1)
+    return gumbel_max(filter_logits(logits_RV, req.temperature, req.top_k, req.top_p), generator)
+
+
+def _buffered(cache: Cache, cap: int) -> Cache:
+    """Pure-attention caches move into preallocated buffers of `cap` positions; others (e.g.
+    Qwen3.5's linear-attention layers) are used as they are."""
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return cache
+    layers = []
+    for layer in cache.layers:
+        k, v = layer.keys, layer.values
+        kb = k.new_zeros((k.shape[0], k.shape[1], cap, k.shape[3]))
+        vb = v.new_zeros((v.shape[0], v.shape[1], cap, v.shape[3]))
+        kb[:, :, : k.shape[2]] = k
+        vb[:, :, : v.shape[2]] = v
+        layers.append(BufferLayer(kb, vb, k.shape[2]))
+    return Cache(layers=layers)
+
+
+@dataclass
+class _Prefill:
+    cache: Cache
+    last_logits_JV: torch.Tensor
+    mask_JL: torch.Tensor
+    prompt_lps: list[list[float | None] | None]
+
+
+def _prefill(net, reqs: Sequence[DecodeRequest], device: torch.device) -> _Prefill:
+    decoder, head = net.get_decoder(), net.get_output_embeddings()
+    J, Lp = len(reqs), max(len(r.prompt) for r in reqs)
+    ids_JL = torch.zeros((J, Lp), dtype=torch.int64)
+    mask_JL = torch.zeros((J, Lp), dtype=torch.int64)
+    for j, r in enumerate(reqs):
+        ids_JL[j, Lp - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.int64)
+        mask_JL[j, Lp - len(r.prompt):] = 1
+    ids_JL, mask_JL = ids_JL.to(device), mask_JL.to(device)
+    pos_JL = (mask_JL.cumsum(-1) - 1).clamp_min(0)
+    out = decoder(input_ids=ids_JL, attention_mask=mask_JL, position_ids=pos_JL, use_cache=True)
+    hidden_JLH = out.last_hidden_state
+    prompt_lps: list[list[float | None] | None] = []
+    for j, r in enumerate(reqs):
+        if not r.want_prompt_lp:
+            prompt_lps.append(None)
+            continue
+        L = len(r.prompt)
+        tgt = torch.tensor(r.prompt[1:], dtype=torch.int64, device=device)
+        lp = chunked_target_logprobs(hidden_JLH[j, Lp - L : Lp - 1], tgt, head)
+        prompt_lps.append([None] + lp.cpu().tolist())
+    last = head(hidden_JLH[:, -1]).float()
+    return _Prefill(out.past_key_values, last, mask_JL, prompt_lps)
+
+
+def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str]) -> list[list[Decoded]]:
+    """All samples of all `reqs` through one batched decode loop (see module docstring)."""
+    head = net.get_output_embeddings()
+    decoder = net.get_decoder()
+    device = head.weight.device
+    pre = _prefill(net, reqs, device)
+    Lp = pre.mask_JL.shape[1]
+    row_req = [j for j, r in enumerate(reqs) for _ in range(r.n)]
+    R = len(row_req)
+    cap = Lp + max(r.max_tokens for r in reqs)
+    rows_idx = torch.tensor(row_req, dtype=torch.int64, device=device)
+    cache = pre.cache
+    cache.reorder_cache(rows_idx)  # each prompt's cache -> one row per sample
+    cache = _buffered(cache, cap)
+    attn_RC = torch.zeros((R, cap), dtype=torch.int64, device=device)
+    attn_RC[:, :Lp] = pre.mask_JL[rows_idx]
+    pos_R = torch.tensor([len(reqs[j].prompt) for j in row_req], dtype=torch.int64, device=device)
+    gens = [torch.Generator(device=device).manual_seed(r.seed) for r in reqs]
+    stops = [set(r.stop_ids) for r in reqs]
+    toks: list[list[int]] = [[] for _ in range(R)]
+    lps: list[list[float]] = [[] for _ in range(R)]
+    reason: list[str | None] = [None] * R
+    batch_rows = list(range(R))  # original row of each batch position
+    logits_BV = pre.last_logits_JV[rows_idx]
+    step = 0
+    while True:
+        nxt_B = torch.zeros(len(batch_rows), dtype=torch.int64, device=device)  # finished rows feed 0
+        b = 0
+        while b < len(batch_rows):  # rows of one request are contiguous
+            j = row_req[batch_rows[b]]
+            e = b
+            while e < len(batch_rows) and row_req[batch_rows[e]] == j:
+                e += 1
+            live = [k for k in range(b, e) if reason[batch_rows[k]] is None]
+            if live:
+                sel = torch.tensor(live, dtype=torch.int64, device=device) if len(live) < e - b else slice(b, e)
+                nxt_B[sel] = draw(logits_BV[sel], reqs[j], gens[j])
+            b = e
+        lp_B = logits_BV.gather(-1, nxt_B.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits_BV, dim=-1)
+        nxt_list, lp_list = nxt_B.tolist(), lp_B.tolist()  # the step's one host sync
+        for k, row in enumerate(batch_rows):
+            if reason[row] is not None:
+                continue
+            r = reqs[row_req[row]]
+            toks[row].append(nxt_list[k])
+            lps[row].append(lp_list[k])
+            if nxt_list[k] in stops[row_req[row]]:
+                reason[row] = "stop"
+            elif r.stop_strings and _hits_stop_string(decode_text, toks[row], r.stop_strings):
+                reason[row] = "stop"
+            elif len(toks[row]) >= r.max_tokens:
+                reason[row] = "length"
+        step += 1
+        live_k = [k for k, row in enumerate(batch_rows) if reason[row] is None]
+        if not live_k:
+            break
+        dead = len(batch_rows) - len(live_k)
+        if dead and dead >= max(1, int(COMPACT_FRACTION * len(batch_rows))):
+            kidx = torch.tensor(live_k, dtype=torch.int64, device=device)
+            cache.reorder_cache(kidx)
+            attn_RC, pos_R, nxt_B = attn_RC[kidx], pos_R[kidx], nxt_B[kidx]
+            batch_rows = [batch_rows[k] for k in live_k]
+        cur = Lp + step
+        attn_RC[:, cur - 1] = 1
+        out = decoder(input_ids=nxt_B.unsqueeze(-1), attention_mask=attn_RC[:, :cur],
+                      position_ids=pos_R.unsqueeze(-1), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        pos_R = pos_R + 1
+        logits_BV = head(out.last_hidden_state[:, -1]).float()
+    results: list[list[Decoded]] = []
+    row = 0
+    for j, r in enumerate(reqs):
+        seqs = []
+        for _ in range(r.n):
+            seqs.append(Decoded(toks[row], lps[row], reason[row] or "length", pre.prompt_lps[j]))
+            row += 1
+        results.append(seqs)
+    return results
+
+
+def _hits_stop_string(decode_text: Callable[[list[int]], str], toks: list[int], stop_strings: list[str]) -> bool:
+    # The newest token can complete a stop string spanning at most a few earlier tokens.
+    longest = max(len(s) for s in stop_strings)
+    tail = decode_text(toks[-(longest + 1):])
+    return any(s in tail for s in stop_strings)
