@@ -6,7 +6,8 @@ One prepared run (meant to finish in under 6 minutes on one H200):
    bf16 on the device and `save_pretrained` it to local disk;
 2. start the engine on it exactly as `--model-path` does (`Engine(model_path=...)`);
 3. sampling: 32 prompts x 8 samples = 256 sequences x 512 new tokens at temperature 1, full
-   vocabulary, no stop tokens, all requests in flight together; prints new tokens/s;
+   vocabulary, no stop tokens, all requests in flight together; prints new tokens/s and the decode
+   mode that ran (CUDA graph of the decode step by default on CUDA; "static" if capture failed);
 4. updates on 32 x 600 tokens, LoRA r32 on all 7 projections: `forward` (logprobs), then
    `forward_backward` with weights, then `optim_step` (AdamW); prints seconds per update;
 5. peak device memory of each phase, and the diagnostic-compute projection (sampling + 16 updates).
@@ -106,6 +107,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--decode-mode", choices=("auto", "dynamic", "static", "graph"), default="auto",
+                    help="sampler decode step (sampling.py): auto = CUDA graph on CUDA, eager elsewhere")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     args = ap.parse_args()
     device = HF.resolve_device(args.device)
@@ -122,7 +125,7 @@ def main() -> None:
         emit(event="checkpoint", **build_checkpoint(ckpt, cfg, device, dtype))
         t = time.perf_counter()
         eng = Engine(work / "run", model_path=ckpt, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                     batch_window_s=0.5)
+                     batch_window_s=0.5, decode_mode=args.decode_mode)
         n_params = sum(p.numel() for p in eng.base_model.parameters())
         emit(event="engine_ready", engine_start_s=time.perf_counter() - t, base_parameters=n_params,
              **{k: v for k, v in eng.base_info.items() if k != "checkpoint"})
@@ -149,7 +152,7 @@ def run(eng: Engine, device: torch.device, n_prompts: int, n_samples: int, promp
     reset_peak(device)
     wall, n_tok = sample_all(eng, path, prompts, n_samples, new_tokens)
     emit(event="sampling", sequences=n_prompts * n_samples, new_tokens_per_seq=new_tokens, new_tokens=n_tok,
-         wall_s=wall, tokens_per_s=n_tok / wall, warmup_s=warm_s, **peak_memory(device))
+         wall_s=wall, tokens_per_s=n_tok / wall, warmup_s=warm_s, **eng.last_sample_stats, **peak_memory(device))
 
     # ---- updates ----
     toks = [rng.integers(0, V, upd_tokens + 1).tolist() for _ in range(upd_seqs)]

@@ -165,22 +165,25 @@ def _trainer_logprobs(engine, mid, prompt, seq):
     return engine.compute_logprobs(mid, [(full[:-1], {"target_tokens": np.array(full[1:])})])[0].numpy()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_batched_requests_match_alone_and_the_trainer(arch, qwen3_dir, qwen35_dir, tmp_path):
+@pytest.mark.parametrize(("arch", "mode"), [("qwen3", "dynamic"), ("qwen3", "static"), ("qwen3_5", "dynamic")])
+def test_batched_requests_match_alone_and_the_trainer(arch, mode, qwen3_dir, qwen35_dir, tmp_path):
     """Two prompts of different lengths in one decode loop (left-padded prefill, rows finishing
-    early on a stop token, batch compaction) give each request's own tokens, and every logprob
-    equals the trainer's forward."""
+    early on a stop token; batch compaction in "dynamic", fixed shapes in "static", the eager form
+    of the CUDA-graph step) give each request's own tokens, and every logprob equals the trainer's
+    forward."""
     e = Engine(tmp_path, model_path=qwen3_dir if arch == "qwen3" else qwen35_dir, device="cpu")
     try:
         mid = e.create_model("Qwen/Qwen3.5-2B", 4, 0)
         net = e._sampler_net(e.save_for_sampler(mid, "s"))
         p1, p2 = list(range(100, 109)), list(range(300, 317))
+        stats: dict = {}
         with torch.no_grad():
-            alone1 = S.generate(net, [_req(p1, 3, 5)], e._decode_text)[0]
+            alone1 = S.generate(net, [_req(p1, 3, 5)], e._decode_text, mode)[0]
             stop = [alone1[0].tokens[2], alone1[1].tokens[4]]  # make rows finish at different steps
-            alone1 = S.generate(net, [_req(p1, 3, 5, stop)], e._decode_text)[0]
-            alone2 = S.generate(net, [_req(p2, 4, 6)], e._decode_text)[0]
-            both = S.generate(net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text)
+            alone1 = S.generate(net, [_req(p1, 3, 5, stop)], e._decode_text, mode)[0]
+            alone2 = S.generate(net, [_req(p2, 4, 6)], e._decode_text, mode)[0]
+            both = S.generate(net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text, mode, stats)
+        assert stats["decode_mode"] == mode and stats["rows"] == 7
         assert any(s.stop_reason == "stop" for s in alone1) and any(s.stop_reason == "length" for s in alone1)
         for got, want in ((both[0], alone1), (both[1], alone2)):
             assert [s.tokens for s in got] == [s.tokens for s in want]
@@ -193,6 +196,25 @@ def test_batched_requests_match_alone_and_the_trainer(arch, qwen3_dir, qwen35_di
                 np.testing.assert_allclose(lp[: len(prompt) - 1], s.prompt_logprobs[1:], atol=1e-5)
     finally:
         e.close()
+
+
+def test_decode_mode_resolution(engine, qwen35_dir, tmp_path):
+    """CPU: auto -> dynamic, graph -> its eager form; hybrid (Qwen3.5) caches have no static step."""
+    net = engine.base_model
+    buffered = S._buffered(transformers.DynamicCache(), 4)  # no layers yet: trivially "pure attention"
+    assert S.resolve_mode("auto", net, buffered) == "dynamic"
+    assert S.resolve_mode("graph", net, buffered) == "static"
+    assert S.resolve_mode("static", net, buffered) == "static"
+    with pytest.raises(ValueError, match="decode mode"):
+        S.resolve_mode("fast", net, buffered)
+    e = Engine(tmp_path, model_path=qwen35_dir, device="cpu", decode_mode="static")
+    try:
+        e.sample("Qwen/Qwen3.5-2B", [1, 2, 3], 2, 3, 1.0, -1, 1.0, [], [], 0, False)
+        assert e.last_sample_stats["decode_mode"] == "dynamic"
+    finally:
+        e.close()
+    with pytest.raises(UserError, match="decode_mode"):
+        Engine(tmp_path, model_path=qwen35_dir, device="cpu", decode_mode="fast")
 
 
 def test_qwen35_lora_covers_linear_attention_projections(qwen35_dir, tmp_path):

@@ -8,7 +8,8 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
     class Engine:
         __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
                  cache_dir=None, batch_window_s=0.05, num_threads=2,
-                 model_path=None, device="auto", dtype=None, served_name=None, token_budget=None)
+                 model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
+                 decode_mode="auto")
         served_models: list[str]; served_model_name: str; model_name: str
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
                      train_unembed=True) -> str
@@ -171,6 +172,7 @@ class Engine:
         dtype: str | None = None,
         served_name: str | None = None,
         token_budget: int | None = None,
+        decode_mode: str = "auto",
     ):
         if model_path is None and model_name not in PRESETS:
             raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
@@ -184,6 +186,10 @@ class Engine:
         self.checkpoint: HF.LoadedCheckpoint | None = None
         self.device = torch.device("cpu")
         self.chunk_tokens = DEFAULT_CHUNK_TOKENS
+        if decode_mode not in S.MODES:
+            raise UserError(f"decode_mode must be one of {S.MODES}, got {decode_mode!r}")
+        self.decode_mode = decode_mode  # --model-path sampler (sampling.py); the presets ignore it
+        self.last_sample_stats: dict = {}
         if model_path is not None:
             self._init_checkpoint(model_path, device, dtype, served_name, sampler_dtype)
         else:
@@ -751,7 +757,9 @@ class Engine:
                                 top_k=j.top_k, top_p=j.top_p, stop_ids=[s for s in j.stop_ids if 0 <= s < self.vocab.size],
                                 stop_strings=j.stop_strings, seed=j.seed, want_prompt_lp=j.want_prompt_lp)
                 for j in jobs]
-        out = S.generate(net, reqs, self._decode_text)
+        stats: dict = {}
+        out = S.generate(net, reqs, self._decode_text, mode=self.decode_mode, stats=stats)
+        self.last_sample_stats = stats
         return [[SampledSeq(d.tokens, d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs] for seqs in out]
 
     def close(self) -> None:

@@ -8,6 +8,14 @@ Every sample of every request in a batch goes through one decode loop:
 3. decode all rows together; the output head runs on the last position only; finished rows stay
    in the batch until a quarter of it is finished, then the batch is compacted.
 
+Decode modes (`generate(..., mode=)`): "dynamic" runs the steps above eagerly. "static" (Qwen3,
+pure attention) gives every step the same shapes and no host values: attention covers the whole
+preallocated cache under a boolean mask, the new KV is written at a position held in a device
+tensor, finished rows stay in the batch. "graph" is "static" with the step captured once as a
+CUDA graph and replayed (the decode of a 2B model is bound by CPU dispatch otherwise, see
+gpu-anchor.md). "auto" = "graph" on CUDA for pure-attention models, else "dynamic"; a failed
+capture falls back to "static" and says so in the returned stats.
+
 Draws: temperature 0 is argmax; otherwise Gumbel-max, `argmax(logits / T - log E)` with
 `E ~ Exp(1)` drawn from the request's own `torch.Generator` (seeded with the request seed, on
 the model's device). That is an exact draw from softmax(logits / T) (after top_k / top_p),
@@ -21,12 +29,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import logging
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from dppo_harness.local_server.logprobs import chunked_target_logprobs
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of its rows has finished
+MODES = ("auto", "dynamic", "static", "graph")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,6 +105,91 @@ class BufferLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select(beam_idx.to(self.kbuf.device))
+
+
+class StaticKVLayer(CacheLayerMixin):
+    """Fixed-shape KV layer for captured decode steps: writes the new position at the column held
+    in the shared device tensor `write_col` and returns the whole buffer (the attention mask hides
+    unused columns), so a step's shapes and kernels never change."""
+
+    is_sliding = False
+    is_compileable = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_col: torch.Tensor):
+        self.kbuf, self.vbuf, self.write_col = keys, values, write_col
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kbuf
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.vbuf
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - prefilled
+        raise RuntimeError("static layer is prefilled")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.kbuf.index_copy_(2, self.write_col, key_states)
+        self.vbuf.index_copy_(2, self.write_col, value_states)
+        return self.kbuf, self.vbuf
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.kbuf.shape[2], 0
+
+    def get_seq_length(self, *args) -> int:
+        return self.kbuf.shape[2]
+
+    def get_max_cache_shape(self, *args) -> int:
+        return self.kbuf.shape[2]
+
+
+class StaticDecodeStep:
+    """One decode step over fixed buffers: ids/positions/mask/column are copied into static
+    tensors, then the step runs eagerly or as a replayed CUDA graph (captured on first use)."""
+
+    def __init__(self, net, layers: list[BufferLayer], attn_RC: torch.Tensor, use_graph: bool):
+        self.decoder, self.head = net.get_decoder(), net.get_output_embeddings()
+        dev = attn_RC.device
+        R = attn_RC.shape[0]
+        self.write_col = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.cache = Cache(layers=[StaticKVLayer(lay.kbuf, lay.vbuf, self.write_col) for lay in layers])
+        self.mask_R11C = attn_RC.bool()[:, None, None, :].clone()
+        self.ids_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
+        self.pos_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
+        self.use_graph = use_graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits_RV: torch.Tensor | None = None
+
+    def _forward(self) -> torch.Tensor:
+        out = self.decoder(input_ids=self.ids_R1, attention_mask={"full_attention": self.mask_R11C},
+                           position_ids=self.pos_R1, past_key_values=self.cache, use_cache=True)
+        return self.head(out.last_hidden_state[:, -1]).float()
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (rewrites the same column: idempotent)
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # trainer threads may run meanwhile
+            self.logits_RV = self._forward()
+        self.graph = graph
+
+    def __call__(self, ids_R: torch.Tensor, pos_R: torch.Tensor, col: int) -> torch.Tensor:
+        self.ids_R1.copy_(ids_R.unsqueeze(-1))
+        self.pos_R1.copy_(pos_R.unsqueeze(-1))
+        self.write_col.fill_(col)
+        self.mask_R11C[:, 0, 0, col] = True
+        if not self.use_graph:
+            return self._forward()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.logits_RV
 
 
 def filter_logits(logits_RV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -172,8 +269,25 @@ def _prefill(net, reqs: Sequence[DecodeRequest], device: torch.device) -> _Prefi
     return _Prefill(out.past_key_values, last, mask_JL, prompt_lps)
 
 
-def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str]) -> list[list[Decoded]]:
-    """All samples of all `reqs` through one batched decode loop (see module docstring)."""
+def resolve_mode(mode: str, net, cache: Cache) -> str:
+    if mode not in MODES:
+        raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
+    static_ok = isinstance(cache, Cache) and all(isinstance(lay, BufferLayer) for lay in cache.layers) and not getattr(
+        net.get_decoder(), "has_sliding_layers", False)
+    on_cuda = net.get_output_embeddings().weight.device.type == "cuda"
+    if mode == "auto":
+        return "graph" if (static_ok and on_cuda) else "dynamic"
+    if mode in ("static", "graph") and not static_ok:
+        return "dynamic"  # hybrid / sliding caches have no static step
+    if mode == "graph" and not on_cuda:
+        return "static"
+    return mode
+
+
+def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], mode: str = "auto",
+             stats: dict | None = None) -> list[list[Decoded]]:
+    """All samples of all `reqs` through one batched decode loop (see module docstring). `stats`,
+    if given, receives the decode mode used and the step count."""
     head = net.get_output_embeddings()
     decoder = net.get_decoder()
     device = head.weight.device
@@ -188,6 +302,8 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
     cache = _buffered(cache, cap)
     attn_RC = torch.zeros((R, cap), dtype=torch.int64, device=device)
     attn_RC[:, :Lp] = pre.mask_JL[rows_idx]
+    mode = resolve_mode(mode, net, cache)
+    static = StaticDecodeStep(net, cache.layers, attn_RC, mode == "graph") if mode in ("static", "graph") else None
     pos_R = torch.tensor([len(reqs[j].prompt) for j in row_req], dtype=torch.int64, device=device)
     gens = [torch.Generator(device=device).manual_seed(r.seed) for r in reqs]
     stops = [set(r.stop_ids) for r in reqs]
@@ -229,18 +345,31 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
         if not live_k:
             break
         dead = len(batch_rows) - len(live_k)
+        cur = Lp + step
+        if static is not None:  # fixed shapes: finished rows keep running, their tokens are ignored
+            try:
+                logits_BV = static(nxt_B, pos_R, cur - 1)
+            except Exception as exc:  # noqa: BLE001 - capture failure: same static step, eager
+                if not static.use_graph or static.graph is not None:
+                    raise
+                log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
+                mode, static.use_graph = "static", False
+                logits_BV = static(nxt_B, pos_R, cur - 1)
+            pos_R = pos_R + 1
+            continue
         if dead and dead >= max(1, int(COMPACT_FRACTION * len(batch_rows))):
             kidx = torch.tensor(live_k, dtype=torch.int64, device=device)
             cache.reorder_cache(kidx)
             attn_RC, pos_R, nxt_B = attn_RC[kidx], pos_R[kidx], nxt_B[kidx]
             batch_rows = [batch_rows[k] for k in live_k]
-        cur = Lp + step
         attn_RC[:, cur - 1] = 1
         out = decoder(input_ids=nxt_B.unsqueeze(-1), attention_mask=attn_RC[:, :cur],
                       position_ids=pos_R.unsqueeze(-1), past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         pos_R = pos_R + 1
         logits_BV = head(out.last_hidden_state[:, -1]).float()
+    if stats is not None:
+        stats.update(decode_mode=mode, decode_steps=step, rows=R)
     results: list[list[Decoded]] = []
     row = 0
     for j, r in enumerate(reqs):
