@@ -235,3 +235,25 @@ def test_merging_into_a_tied_head_leaves_the_embedding_alone(qwen3_dir):
     with torch.no_grad():
         net.get_output_embeddings().weight.add_(1.0)
     assert torch.equal(net.get_input_embeddings().weight, emb)
+
+
+def test_gqa_decode_attention_equals_sdpa_with_repeated_kv():
+    """The static decode step's attention (no K/V repeat) equals transformers' sdpa path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    R, H, Hkv, C, D = 3, 8, 2, 11, 16
+    q, k, v = (torch.randn(R, h, n, D, generator=g) for h, n in ((H, 1), (Hkv, C), (Hkv, C)))
+    mask = torch.rand(R, 1, 1, C, generator=g) > 0.4
+    mask[:, :, :, 0] = True
+    module = torch.nn.Module()
+    module.num_key_value_groups = H // Hkv
+    module.is_causal = True
+    got, _ = S.gqa_decode_attention(module, q, k, v, mask, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape == (R, 1, H, D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # A wrong head grouping (query head h on KV head h % Hkv) is detected.
+    bad, _ = S.gqa_decode_attention(module, q.reshape(R, H // Hkv, Hkv, 1, D).transpose(1, 2).reshape(R, H, 1, D),
+                                    k, v, mask, scaling=0.25)
+    assert not torch.allclose(bad, want, atol=1e-3)

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import logging
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dppo_harness.local_server.logprobs import chunked_target_logprobs
 
@@ -107,6 +109,31 @@ class BufferLayer(CacheLayerMixin):
         self.select(beam_idx.to(self.kbuf.device))
 
 
+GQA_DECODE_ATTENTION = "dppo_gqa_decode"
+
+
+def gqa_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         **kwargs) -> tuple[torch.Tensor, None]:
+    """Single-query attention over a grouped KV cache without repeating K/V per query head (sdpa
+    with a mask repeats the whole cache per step); any other shape goes to transformers' sdpa.
+    Query head h reads KV head h // (H / Hkv), as transformers' repeat_kv does."""
+    if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    R, H, _, D = query.shape
+    Hkv = key.shape[1]
+    q_RKGD = query.reshape(R, Hkv, H // Hkv, D)
+    scale = scaling if scaling is not None else D**-0.5
+    scores_RKGC = torch.matmul(q_RKGD, key.transpose(-1, -2)).float() * scale
+    scores_RKGC = scores_RKGC.masked_fill(~attention_mask, float("-inf"))  # mask [R, 1, 1, C] broadcasts
+    out_RKGD = torch.matmul(scores_RKGC.softmax(dim=-1).to(value.dtype), value)
+    return out_RKGD.reshape(R, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GQA_DECODE_ATTENTION, gqa_decode_attention)
+
+
 class StaticKVLayer(CacheLayerMixin):
     """Fixed-shape KV layer for captured decode steps: writes the new position at the column held
     in the shared device tensor `write_col` and returns the whole buffer (the attention mask hides
@@ -163,8 +190,13 @@ class StaticDecodeStep:
         self.logits_RV: torch.Tensor | None = None
 
     def _forward(self) -> torch.Tensor:
-        out = self.decoder(input_ids=self.ids_R1, attention_mask={"full_attention": self.mask_R11C},
-                           position_ids=self.pos_R1, past_key_values=self.cache, use_cache=True)
+        cfg = self.decoder.config
+        prev, cfg._attn_implementation = cfg._attn_implementation, GQA_DECODE_ATTENTION
+        try:
+            out = self.decoder(input_ids=self.ids_R1, attention_mask={"full_attention": self.mask_R11C},
+                               position_ids=self.pos_R1, past_key_values=self.cache, use_cache=True)
+        finally:
+            cfg._attn_implementation = prev
         return self.head(out.last_hidden_state[:, -1]).float()
 
     def _capture(self) -> None:
