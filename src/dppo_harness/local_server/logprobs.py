@@ -34,7 +34,8 @@ def chunked_target_logprobs(hidden_NH: torch.Tensor, targets_N: torch.Tensor, he
     for s in range(0, hidden_NH.shape[0], chunk_tokens):
         h_CH, t_C = hidden_NH[s : s + chunk_tokens], targets_N[s : s + chunk_tokens]
         if needs_graph:
-            out.append(checkpoint(_chunk_logprobs, h_CH, t_C, head, use_reentrant=False))
+            out.append(checkpoint(_chunk_logprobs, h_CH, t_C, head, use_reentrant=False,
+                                  preserve_rng_state=False))  # no randomness in the head
         else:
             out.append(_chunk_logprobs(h_CH, t_C, head))
     if not out:
