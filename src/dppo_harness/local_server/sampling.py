@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import logging
 
+import functools
+
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dppo_harness.local_server.logprobs import chunked_target_logprobs
 
@@ -119,6 +119,8 @@ def gqa_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     with a mask repeats the whole cache per step); any other shape goes to transformers' sdpa.
     Query head h reads KV head h // (H / Hkv), as transformers' repeat_kv does."""
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     R, H, _, D = query.shape
@@ -131,7 +133,14 @@ def gqa_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     return out_RKGD.reshape(R, H, 1, D).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GQA_DECODE_ATTENTION, gqa_decode_attention)
+@functools.cache
+def register_gqa_decode_attention() -> str:
+    """Registered on first static decode (importing transformers' attention registry early slows
+    the preset server's first requests)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GQA_DECODE_ATTENTION, gqa_decode_attention)
+    return GQA_DECODE_ATTENTION
 
 
 class StaticKVLayer(CacheLayerMixin):
@@ -191,7 +200,7 @@ class StaticDecodeStep:
 
     def _forward(self) -> torch.Tensor:
         cfg = self.decoder.config
-        prev, cfg._attn_implementation = cfg._attn_implementation, GQA_DECODE_ATTENTION
+        prev, cfg._attn_implementation = cfg._attn_implementation, register_gqa_decode_attention()
         try:
             out = self.decoder(input_ids=self.ids_R1, attention_mask={"full_attention": self.mask_R11C},
                                position_ids=self.pos_R1, past_key_values=self.cache, use_cache=True)
