@@ -5,6 +5,7 @@ the SDK integration tests (tests/integration/test_local_server_sdk.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,8 +80,10 @@ def test_cli_refuses_a_bad_model_path_with_one_line(tmp_path):
         check_model_path_args(parse_args(["--model-path", str(tmp_path / "nope")]))
     with pytest.raises(SystemExit, match="exclusive"):
         check_model_path_args(parse_args(["--model-path", str(tmp_path), "--model", "tiny-qwen3-random"]))
+    src = str(Path(HF.__file__).resolve().parents[2])  # this checkout's src/, as LocalServerProcess does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-m", "dppo_harness.local_server", "--model-path", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"--model-path {tmp_path / 'nope'}: no such directory"]
 
