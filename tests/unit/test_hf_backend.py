@@ -260,3 +260,26 @@ def test_gqa_decode_attention_equals_sdpa_with_repeated_kv():
     bad, _ = S.gqa_decode_attention(module, q.reshape(R, H // Hkv, Hkv, 1, D).transpose(1, 2).reshape(R, H, 1, D),
                                     k, v, mask, scaling=0.25)
     assert not torch.allclose(bad, want, atol=1e-3)
+
+
+def test_greedy_top_k_top_p_and_stop_strings(engine):
+    base = "Qwen/Qwen3.5-2B"
+    prompt = list(range(200, 212))
+
+    def toks(**kw):
+        args = dict(temperature=1.0, top_k=-1, top_p=1.0, stop_strings=[], seed=3) | kw
+        out = engine.sample(base, prompt, 2, 6, args["temperature"], args["top_k"], args["top_p"], [],
+                            args["stop_strings"], args["seed"], False)
+        return [s.tokens for s in out], out
+
+    greedy, _ = toks(temperature=0.0)
+    assert greedy[0] == greedy[1]  # argmax: both samples identical
+    assert toks(top_k=1)[0] == greedy and toks(top_p=1e-6, seed=9)[0] == greedy
+    free, _ = toks(seed=4)
+    assert free != greedy and toks(seed=4)[0] == free  # seeded Gumbel-max draws repeat
+    text = engine._decode_text(free[0][:3])
+    stop = text[-2:] if len(text) >= 2 else text
+    cut, out = toks(seed=4, stop_strings=[stop])
+    assert out[0].stop_reason == "stop" and len(cut[0]) <= 3 and cut[0] == free[0][: len(cut[0])]
+    # ids the tokenizer cannot decode (embedding padding rows) are skipped, not fatal
+    assert engine._decode_text([300, 10**7, 301]) == engine._decode_text([300, 301])
