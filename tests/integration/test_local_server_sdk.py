@@ -3,6 +3,10 @@
 Two servers: a `python -m dppo_harness.local_server` child for the end-to-end flow, and the same
 app in this process (`InProcessServer`) where a test must compare what crossed HTTP with the
 engine's own tensors (custom-loss gradient parity, AdamW parity).
+
+Every test runs on both backends (`backend` fixture): the tiny preset (restricted vocabulary) and
+`--model-path` with a tiny random Qwen3 checkpoint carrying the full 248,320-row vocabulary,
+saved by `save_pretrained` into a temp dir and loaded on CPU.
 """
 
 from __future__ import annotations
@@ -50,9 +54,27 @@ def answer(tok) -> list[int]:
     return list(tok.encode(ANSWER))
 
 
+# 2 layers, hidden 64, full Qwen3.5 vocabulary: the CI stand-in for a real checkpoint.
+FULL_VOCAB_CONFIG = dict(vocab_size=248_320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+
+
+@pytest.fixture(scope="module", params=["preset", "hf-full-vocab"])
+def backend(request, tmp_path_factory) -> dict:
+    """Engine kwargs and CLI args of one backend."""
+    if request.param == "preset":
+        return {"engine": {"model_name": TEST_MODEL}, "cli": {"model": TEST_MODEL}}
+    from dppo_harness.local_server.hf_model import qwen3_config, save_random_checkpoint
+
+    path = save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-full-vocab",
+                                  qwen3_config(**FULL_VOCAB_CONFIG), seed=0)
+    return {"engine": {"model_path": path, "device": "cpu"},
+            "cli": {"extra_args": ["--model-path", str(path), "--device", "cpu"]}}
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("sdk-server"), model=TEST_MODEL).start()
+def server(tmp_path_factory, backend):
+    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("sdk-server"), **backend["cli"]).start()
     yield srv
     srv.stop()
     assert not srv.alive()
@@ -66,12 +88,12 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def inproc(tmp_path_factory):
+def inproc(tmp_path_factory, backend):
     """Engine + app in this process; tests read gradients and parameters from `engine`."""
     from dppo_harness.local_server.engine import Engine
     from dppo_harness.local_server.process import InProcessServer
 
-    engine = Engine(tmp_path_factory.mktemp("inproc-run"), model_name=TEST_MODEL)
+    engine = Engine(tmp_path_factory.mktemp("inproc-run"), **backend["engine"])
     srv = InProcessServer(engine).start()
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     yield srv, sc
@@ -162,10 +184,13 @@ def perturbed(lps: list[list[float]], seed: int) -> list[list[float]]:
 # ---- end-to-end flow over a child-process server ------------------------------------------------
 
 
-def test_create_client_reports_model_lora_and_optimizer(client):
+def test_create_client_reports_model_lora_and_optimizer(client, backend):
     tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=3).result(timeout=300)
     info = tc.get_info()
     assert info.model_data.model_name == BASE
+    # The stand-in identity: the preset's served name, or local/<checkpoint dir name>.
+    want_arch = "local/tiny-qwen3-full-vocab" if "model_path" in backend["engine"] else f"local/{TEST_MODEL}"
+    assert info.model_data.arch == want_arch
     assert info.model_id == tc.model_id and info.is_lora is True and info.lora_rank == 8
     assert info.optimizer_config.type == "adamw"
 

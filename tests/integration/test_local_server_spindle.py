@@ -311,6 +311,23 @@ def test_rest_reads_through_the_sdk_rest_client(spindle):
         rest.get_weights_info_by_tinker_path(f"tinker://{training.model_id}/weights/never-saved").result()
 
 
+def test_lora_switches_reach_the_engine_and_are_reported(spindle):
+    """train_mlp / train_attn / train_unembed select the LoRA targets over HTTP (not silently all
+    layers), and the weights info of a checkpoint reports the switches it was trained with."""
+    client = _service_client(spindle)
+    rest = _rest_client(client)
+    attn_only = client.create_lora_training_client(constants.BASE_MODEL, rank=4, train_mlp=False,
+                                                   train_unembed=False).result()
+    everything = client.create_lora_training_client(constants.BASE_MODEL, rank=4).result()
+    for training in (attn_only, everything):
+        training.forward_backward([_datum()], "cross_entropy").result()
+    path = attn_only.save_state("switches-1").result().path
+    weights = rest.get_weights_info_by_tinker_path(path).result()
+    assert (weights.train_mlp, weights.train_attn, weights.train_unembed) == (False, True, False)
+    full = rest.get_weights_info_by_tinker_path(everything.save_state("switches-2").result().path).result()
+    assert (full.train_mlp, full.train_attn, full.train_unembed) == (True, True, True)
+
+
 # ---- faults in the spindle profile --------------------------------------------------------------
 
 

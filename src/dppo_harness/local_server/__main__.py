@@ -49,10 +49,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="spindle: require the Spindle credential headers and serve the plan's base model by name")
     p.add_argument("--model", default=None, help="engine model name (default: the engine's default)")
     p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
-    p.add_argument("--sampler-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="sampler precision; bfloat16 rehearses trainer/sampler mismatch")
+    p.add_argument("--sampler-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="sampler precision (default: float32 for the presets, the checkpoint dtype for "
+                        "--model-path); bfloat16 rehearses trainer/sampler mismatch")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--sample-workers", type=int, default=64, help="threads running sample requests")
+    h = p.add_argument_group("Hugging Face checkpoint backend (instead of the tiny presets)")
+    h.add_argument("--model-path", default=None, metavar="DIR",
+                   help="local Qwen3 / Qwen3.5 checkpoint (config.json + weights); nothing is downloaded")
+    h.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="with --model-path")
+    h.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="with --model-path (default: bfloat16 on CUDA, float32 on CPU)")
+    h.add_argument("--served-name", default=None, help="with --model-path: name to serve it under "
+                   "(default: the checkpoint's name)")
     f = p.add_argument_group("fault injection (seeded and counted; see GET /_harness/stats)")
     f.add_argument("--fault-seed", type=int, default=0)
     f.add_argument("--fault-reject-first", action="append", default=[], metavar="KIND:STATUS:N",
@@ -102,6 +111,23 @@ def loopback_host(host: str) -> str:
     return str(addr)
 
 
+def check_model_path_args(args: argparse.Namespace) -> None:
+    """--model-path problems exit with one line before anything heavy is imported or loaded."""
+    if not args.model_path:
+        if args.served_name or args.dtype:
+            raise SystemExit("--served-name and --dtype need --model-path")
+        return
+    if args.model:
+        raise SystemExit("--model (a tiny preset) and --model-path are exclusive")
+    from dppo_harness.local_server.hf_model import CheckpointError, check_checkpoint_dir, resolve_device
+
+    try:
+        check_checkpoint_dir(args.model_path)
+        resolve_device(args.device)
+    except CheckpointError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, profile: Profile) -> None:
     from aiohttp import web
 
@@ -112,7 +138,15 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed}
     if args.model:
         engine_kwargs["model_name"] = args.model
-    engine = await asyncio.to_thread(Engine, run_dir, **engine_kwargs)
+    if args.model_path:
+        engine_kwargs.update(model_path=args.model_path, device=args.device, dtype=args.dtype,
+                             served_name=args.served_name)
+    from dppo_harness.local_server.hf_model import CheckpointError
+
+    try:
+        engine = await asyncio.to_thread(Engine, run_dir, **engine_kwargs)
+    except CheckpointError as exc:
+        raise SystemExit(str(exc)) from None
     state = ServerState(
         engine=engine,
         faults=FaultInjector(faults),
@@ -151,6 +185,7 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.host = loopback_host(args.host)
+    check_model_path_args(args)
     try:
         faults = fault_config(args)
     except FaultSpecError as exc:

@@ -309,6 +309,8 @@ class ModelEntry:
     cond: asyncio.Condition
     lora_rank: int | None = None
     user_metadata: dict[str, str] | None = None
+    # Tinker's LoRA switches (train_mlp, train_attn, train_unembed), as created.
+    lora_switches: tuple[bool, bool, bool] = (True, True, True)
     next_seq: int = 1
     requests_by_seq: dict[int, str] = field(default_factory=dict)
     last_request_time: datetime = field(default_factory=_now)
@@ -329,6 +331,7 @@ class CheckpointRecord:
     checkpoint: types.Checkpoint
     base_model: str
     lora_rank: int | None
+    lora_switches: tuple[bool, bool, bool] = (True, True, True)  # train_mlp, train_attn, train_unembed
 
 
 def _str_metadata(meta: dict[str, Any] | None) -> dict[str, str] | None:
@@ -400,7 +403,8 @@ class ServerState:
         checkpoint = types.Checkpoint(checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type,
                                       time=_now(), tinker_path=path, user_metadata=user_metadata)
         self.checkpoints.pop(path, None)  # an overwrite moves to the end
-        self.checkpoints[path] = CheckpointRecord(entry.model_id, checkpoint, entry.base_model, entry.lora_rank)
+        self.checkpoints[path] = CheckpointRecord(entry.model_id, checkpoint, entry.base_model, entry.lora_rank,
+                                                 entry.lora_switches)
 
     def training_run(self, entry: ModelEntry) -> types.TrainingRun:
         mine = [r.checkpoint for r in self.checkpoints.values() if r.model_id == entry.model_id]
@@ -535,7 +539,8 @@ def _model(state: ServerState, model_id: str | None) -> ModelEntry:
 
 
 def _new_entry(state: ServerState, model_id: str, engine_id: str, base_model: str, session_id: str, *,
-               lora_rank: int | None, user_metadata: dict[str, str] | None) -> ModelEntry:
+               lora_rank: int | None, user_metadata: dict[str, str] | None,
+               lora_switches: tuple[bool, bool, bool] = (True, True, True)) -> ModelEntry:
     entry = ModelEntry(
         model_id=model_id,
         engine_id=engine_id,
@@ -545,6 +550,7 @@ def _new_entry(state: ServerState, model_id: str, engine_id: str, base_model: st
         cond=asyncio.Condition(),
         lora_rank=lora_rank,
         user_metadata=user_metadata,
+        lora_switches=lora_switches,
     )
     state.models[model_id] = entry
     return entry
@@ -782,10 +788,7 @@ async def _create_model(request: web.Request) -> web.Response:
     lora = req.lora_config
     if lora is None:
         raise UserError("lora_config is required: the local server trains LoRA adapters only")
-    fixed = [name for name in ("train_unembed", "train_mlp", "train_attn") if not getattr(lora, name)]
-    if fixed:
-        raise UserError(f"lora_config {', '.join(f'{n}=False' for n in fixed)} is not supported: the local server "
-                        f"trains LoRA on every linear layer")
+    switches = (lora.train_mlp, lora.train_attn, lora.train_unembed)
     request_id, fut = state.new_future()
     state.model_requests[key] = request_id
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
@@ -798,10 +801,12 @@ async def _create_model(request: web.Request) -> web.Response:
         _check_served(state, req.base_model)
         engine_id = await _run_engine(
             state, state.misc_pool, "create_model",
-            lambda: state.engine.create_model(req.base_model, lora.rank, lora.seed, model_id=model_id),
+            lambda: state.engine.create_model(req.base_model, lora.rank, lora.seed, model_id=model_id,
+                                              train_mlp=switches[0], train_attn=switches[1],
+                                              train_unembed=switches[2]),
         )
         _new_entry(state, model_id, engine_id, req.base_model, req.session_id, lora_rank=lora.rank,
-                   user_metadata=_str_metadata(req.user_metadata))
+                   user_metadata=_str_metadata(req.user_metadata), lora_switches=switches)
         return _Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
 
     _spawn(state, fut, "create_model", work)
@@ -1155,5 +1160,6 @@ async def _weights_info(request: web.Request) -> web.Response:
         return _error_json(f"unknown checkpoint {req.tinker_path!r} (not saved through this server)", 404)
     return web.json_response(dump(types.WeightsInfoResponse(
         base_model=saved.base_model, optimizer_config=types.AdamOptimizerConfig(), is_lora=True,
-        lora_rank=saved.lora_rank, train_unembed=True, train_mlp=True, train_attn=True,
+        lora_rank=saved.lora_rank, train_mlp=saved.lora_switches[0], train_attn=saved.lora_switches[1],
+        train_unembed=saved.lora_switches[2],
     )))

@@ -6,10 +6,13 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
     @dataclass SampledSeq(tokens: list[int], logprobs: list[float], stop_reason: "stop"|"length",
                           prompt_logprobs: list[float | None] | None)
     class Engine:
-        __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype="float32", seed=0, *,
-                 cache_dir=None, batch_window_s=0.05, num_threads=2)
+        __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
+                 cache_dir=None, batch_window_s=0.05, num_threads=2,
+                 model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
+                 decode_mode="auto")
         served_models: list[str]; served_model_name: str; model_name: str
-        create_model(base_model, lora_rank, seed, *, model_id=None) -> str
+        create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
+                     train_unembed=True) -> str
         get_info(model_id) -> dict  # model_name (served), model_id, is_lora, lora_rank,
                                     # optimizer_config {"type": "adamw"}, model_data, requested_base_model
         forward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
@@ -33,6 +36,11 @@ Qwen3.5 ids; prompt_logprobs (when requested) is on every returned sequence, fir
 Sampled-token logprobs are the model's untempered log-softmax (the trainer's distribution),
 whatever temperature/top_k/top_p shaped the draw; at temperature 1 without truncation they are
 exactly the sampling distribution.
+
+Two base-model backends: the tiny presets (restricted vocabulary, CPU, offline/CI default) and
+`model_path=DIR`, a local Hugging Face Qwen3 / Qwen3.5 checkpoint with its full vocabulary on
+CUDA or CPU (`hf_model.py`; chunked target logprobs, `logprobs.py`; batched Gumbel-max
+sampling, `sampling.py`).
 """
 
 from __future__ import annotations
@@ -54,12 +62,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from dppo_harness.constants import BASE_MODEL
+from dppo_harness.local_server import hf_model as HF
 from dppo_harness.local_server import model as M
-from dppo_harness.local_server.errors import UserError  # noqa: F401 - re-exported (i10s)
-from dppo_harness.local_server.loss_fns import get_loss  # loss registry (i10s)
+from dppo_harness.local_server import sampling as S
+from dppo_harness.local_server.errors import UserError  # noqa: F401 - re-exported
+from dppo_harness.local_server.logprobs import DEFAULT_CHUNK_TOKENS, chunked_target_logprobs
+from dppo_harness.local_server.loss_fns import get_loss
 from dppo_harness.local_server.vocab import Vocab, get_tokenizer, load_vocab
 
 DatumIn = tuple[Sequence[int], dict[str, np.ndarray]]
@@ -67,6 +78,7 @@ FwdBwdOut = tuple[list[dict[str, np.ndarray]], dict[str, float]]
 
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memory)
+CUDA_TOKEN_BUDGET = 16384  # --model-path on CUDA: logits are chunked, so the budget bounds activations only
 _NAME_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
 
 
@@ -106,6 +118,7 @@ class _TrainModel:
     net: torch.nn.Module
     params: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.AdamW
+    targets: tuple[str, ...] = tuple(M.LORA_TARGETS)
     lock: threading.RLock = field(default_factory=threading.RLock)
     steps: int = 0
 
@@ -140,32 +153,51 @@ class Engine:
         self,
         run_dir: Path,
         model_name: str = "tiny-qwen3-gsm8k",
-        sampler_dtype: str = "float32",
+        sampler_dtype: str | None = None,
         seed: int = 0,
         *,
         cache_dir: Path | None = None,
         batch_window_s: float = 0.05,
         num_threads: int = 2,
+        model_path: str | Path | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        served_name: str | None = None,
+        token_budget: int | None = None,
+        decode_mode: str = "auto",
     ):
-        if model_name not in PRESETS:
+        if model_path is None and model_name not in PRESETS:
             raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
-        if sampler_dtype not in ("float32", "bfloat16"):
+        if sampler_dtype not in (None, "float32", "bfloat16"):
             raise UserError(f"sampler_dtype must be 'float32' or 'bfloat16', got {sampler_dtype!r}")
         torch.set_num_threads(int(num_threads))
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model_name = model_name
-        self.preset = PRESETS[model_name]
-        self.served_model_name = self.preset.served_name
-        self.served_models = [BASE_MODEL, self.served_model_name]
-        self.sampler_dtype = getattr(torch, sampler_dtype)
         self.seed = int(seed)
-        self.vocab: Vocab = load_vocab()
-        self.tokenizer = get_tokenizer()
-        self.config = self.preset.config
         self.base_info: dict = {}
-        self.base_model = self._load_base(cache_dir)
-        self.base_sha256 = M.state_sha256(self.base_model.state_dict())
+        self.checkpoint: HF.LoadedCheckpoint | None = None
+        self.device = torch.device("cpu")
+        self.chunk_tokens = DEFAULT_CHUNK_TOKENS
+        if decode_mode not in S.MODES:
+            raise UserError(f"decode_mode must be one of {S.MODES}, got {decode_mode!r}")
+        self.decode_mode = decode_mode  # --model-path sampler (sampling.py); the presets ignore it
+        self.last_sample_stats: dict = {}
+        if model_path is not None:
+            self._init_checkpoint(model_path, device, dtype, served_name, sampler_dtype)
+        else:
+            self.model_name = model_name
+            self.preset = PRESETS[model_name]
+            self.served_model_name = self.preset.served_name
+            self.served_models = [BASE_MODEL, self.served_model_name]
+            self.sampler_dtype = getattr(torch, sampler_dtype or "float32")
+            self.vocab: Vocab | HF.FullVocab = load_vocab()
+            self.tokenizer = get_tokenizer()
+            self.config = self.preset.config
+            self.base_model = self._load_base(cache_dir)
+            self.base_sha256 = M.state_sha256(self.base_model.state_dict())
+        default_budget = CUDA_TOKEN_BUDGET if self.device.type == "cuda" else TOKEN_BUDGET
+        self.token_budget = int(token_budget or default_budget)
+        self._sampler_cache_size = 4 if self.checkpoint is None else 2
         self._models: dict[str, _TrainModel] = {}
         self._models_lock = threading.Lock()
         self._counter = 0
@@ -179,6 +211,54 @@ class Engine:
         self._sampler_thread.start()
 
     # ----- base model -----------------------------------------------------------------------
+    def _init_checkpoint(self, model_path, device: str, dtype: str | None, served_name: str | None,
+                         sampler_dtype: str | None) -> None:
+        """--model-path backend: full vocabulary, served under the checkpoint's name (or
+        `served_name`); the stand-in identity (HTTP model_data.arch) is local/<dir name>."""
+        ck = HF.load_checkpoint(model_path, device=device, dtype=dtype)  # CheckpointError: one line
+        self.checkpoint = ck
+        self.device = ck.device
+        self.model_name = served_name or ck.name
+        self.served_model_name = f"local/{ck.dir_name}"
+        self.served_models = list(dict.fromkeys([BASE_MODEL, self.model_name, self.served_model_name]))
+        # Sampler precision defaults to the checkpoint's dtype (bf16 on CUDA).
+        self.sampler_dtype = getattr(torch, sampler_dtype) if sampler_dtype else ck.dtype
+        self.vocab = HF.FullVocab(ck.vocab_size)
+        self.tokenizer = self._checkpoint_tokenizer(ck)
+        self.config = HF.ContextConfig(ck.max_position_embeddings)
+        self.base_model = ck.net
+        self.base_sha256 = ck.identity_sha256
+        self.base_info = {"checkpoint": str(ck.path), "checkpoint_name": ck.name, "model_type": ck.model_type,
+                          "device": str(ck.device), "dtype": str(ck.dtype).removeprefix("torch."),
+                          "vocab_size": ck.vocab_size, "identity_sha256": ck.identity_sha256}
+
+    @staticmethod
+    def _checkpoint_tokenizer(ck: HF.LoadedCheckpoint):
+        """The checkpoint's own tokenizer when it ships one (for stop strings), else the
+        harness's offline Qwen3.5 tokenizer."""
+        if any((ck.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            try:
+                import transformers
+
+                return transformers.AutoTokenizer.from_pretrained(ck.path, local_files_only=True)
+            except (OSError, ValueError):
+                pass
+        return get_tokenizer()
+
+    def _decode_text(self, ids: list[int]) -> str:
+        """Text of model ids for stop-string checks; ids the tokenizer cannot decode (padding rows
+        of the embedding) are skipped."""
+        try:
+            return self.tokenizer.decode(ids)
+        except ValueError:
+            out = []
+            for i in ids:
+                try:
+                    out.append(self.tokenizer.decode([i]))
+                except ValueError:
+                    continue
+            return "".join(out)
+
     def _load_base(self, cache_dir: Path | None) -> torch.nn.Module:
         if self.preset.warm_start:
             from dppo_harness.local_server import warmstart
@@ -197,7 +277,18 @@ class Engine:
                 f"base model {base_model!r} is not served by this local server; served: {self.served_models}"
             )
 
-    def create_model(self, base_model: str, lora_rank: int, seed: int | None, *, model_id: str | None = None) -> str:
+    def create_model(self, base_model: str, lora_rank: int, seed: int | None, *, model_id: str | None = None,
+                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True) -> str:
+        """LoRA of `lora_rank` on the linear layers the three switches select (Tinker's
+        train_mlp / train_attn / train_unembed); AdamW over the LoRA parameters only."""
+        targets = HF.lora_targets(self.base_model, train_attn=train_attn, train_mlp=train_mlp,
+                                  train_unembed=train_unembed)
+        if not targets:
+            raise UserError("train_mlp, train_attn and train_unembed are all off: nothing to train")
+        return self._create_model(base_model, lora_rank, seed, tuple(targets), model_id)
+
+    def _create_model(self, base_model: str, lora_rank: int, seed: int | None, targets: tuple[str, ...],
+                      model_id: str | None) -> str:
         self._check_base(base_model)
         if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 1 or lora_rank > 512:
             raise UserError(f"lora_rank must be an integer in [1, 512], got {lora_rank!r}")
@@ -209,10 +300,10 @@ class Engine:
                 raise UserError(f"model id {model_id!r} already exists")
         # seed=None: derived from the server seed and the creation counter (deterministic per server run).
         lora_seed = int(seed) if seed is not None else self.seed * 1_000_003 + n
-        net = M.add_lora(copy.deepcopy(self.base_model), lora_rank, lora_seed)
+        net = M.add_lora(copy.deepcopy(self.base_model), lora_rank, lora_seed, targets)
         net.eval()  # no dropout anywhere; training mode is irrelevant for this model
         params = list(M.lora_named_parameters(net))
-        tm = _TrainModel(model_id, base_model, lora_rank, lora_seed, net, params, _make_optimizer(params))
+        tm = _TrainModel(model_id, base_model, lora_rank, lora_seed, net, params, _make_optimizer(params), targets)
         with self._models_lock:
             self._models[model_id] = tm
         return model_id
@@ -236,7 +327,7 @@ class Engine:
             "lora_rank": tm.lora_rank,
             "optimizer_config": {"type": "adamw"},
             "model_data": {
-                "arch": "Qwen3ForCausalLM",
+                "arch": type(self.base_model).__name__,
                 "model_name": self.served_model_name,
                 "tokenizer_id": BASE_MODEL,
             },
@@ -245,7 +336,7 @@ class Engine:
 
     # ----- trainer --------------------------------------------------------------------------
     def _validate(self, data: Sequence[DatumIn], loss_fn: str) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        required_inputs = get_loss(loss_fn).inputs  # UserError naming the supported losses (i10s)
+        required_inputs = get_loss(loss_fn).inputs  # UserError naming the supported losses
         if len(data) == 0:
             raise UserError("data is empty")
         out = []
@@ -264,14 +355,20 @@ class Engine:
                 if arr.size != T:
                     raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has length {arr.size}, model_input has {T}")
                 if key == "target_tokens":
-                    conv[key] = self.vocab.to_local(arr.astype(np.int64))
+                    conv[key] = self._to_local(arr.astype(np.int64), f"datum {i}: loss_fn_inputs['target_tokens']")
                 else:
                     t = torch.from_numpy(arr.astype(np.float32))
                     if not bool(torch.isfinite(t).all()):
                         raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has non-finite values")
                     conv[key] = t
-            out.append((self.vocab.to_local(toks), conv))
+            out.append((self._to_local(toks, f"datum {i}: model_input"), conv))
         return out
+
+    def _to_local(self, ids, what: str) -> torch.Tensor:
+        try:
+            return self.vocab.to_local(ids)
+        except ValueError as exc:  # full vocabulary: ids outside the model's rows
+            raise UserError(f"{what}: {exc}") from None
 
     def _microbatches(self, lengths: list[int]) -> list[list[int]]:
         """Datum indices grouped into micro-batches of <= TOKEN_BUDGET padded tokens; datums are
@@ -280,7 +377,7 @@ class Engine:
         for i in sorted(range(len(lengths)), key=lambda k: lengths[k]):
             L = lengths[i]
             new_max = max(cur_max, L)
-            if cur and new_max * (len(cur) + 1) > TOKEN_BUDGET:
+            if cur and new_max * (len(cur) + 1) > self.token_budget:
                 batches.append(cur)
                 cur, new_max = [], L
             cur.append(i)
@@ -300,18 +397,34 @@ class Engine:
             ids_BT[b, :L] = items[i][0]
             tgt_BT[b, :L] = items[i][1]["target_tokens"]
             mask_BT[b, :L] = 1
+        if self.checkpoint is not None:
+            return self._logprobs_hf(net, ids_BT, tgt_BT, mask_BT, lens)
         kw = {"attention_mask": mask_BT} if min(lens) != Tm else {}
         logits_BTV = net(input_ids=ids_BT, use_cache=False, **kw).logits
         lp_BT = M.token_logprobs(logits_BTV, tgt_BT, self.vocab.size)
         return [lp_BT[b, : lens[b]] for b in range(len(idx))]
 
+    def _logprobs_hf(self, net: torch.nn.Module, ids_BT: torch.Tensor, tgt_BT: torch.Tensor, mask_BT: torch.Tensor,
+                     lens: list[int]) -> list[torch.Tensor]:
+        """Full vocabulary: the decoder's hidden states at the real (unpadded) positions, then the
+        target log-softmax in token chunks (never a [B, T, V] float32 logits tensor)."""
+        causal = net.get_base_model() if hasattr(net, "get_base_model") else net
+        dev = self.device
+        ids_BT, tgt_BT, mask_BT = ids_BT.to(dev), tgt_BT.to(dev), mask_BT.to(dev)
+        kw = {"attention_mask": mask_BT} if min(lens) != ids_BT.shape[1] else {}
+        hidden_BTH = causal.get_decoder()(input_ids=ids_BT, use_cache=False, **kw).last_hidden_state
+        real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
+        lp_N = chunked_target_logprobs(hidden_BTH[real_BT], tgt_BT[real_BT], causal.get_output_embeddings(),
+                                       self.chunk_tokens)
+        return list(lp_N.split(lens))
+
     @staticmethod
     def _loss(loss_fn: str, lp_T: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
-        return get_loss(loss_fn).fn(lp_T, inp, cfg)  # loss registry (i10s)
+        return get_loss(loss_fn).fn(lp_T, inp, cfg)
 
     @staticmethod
     def _loss_cfg(loss_fn: str, loss_fn_config: dict | None) -> dict:
-        return get_loss(loss_fn).config(loss_fn_config)  # loss registry (i10s)
+        return get_loss(loss_fn).config(loss_fn_config)
 
     def _run(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: dict | None,
              backward: bool) -> FwdBwdOut:
@@ -323,15 +436,16 @@ class Engine:
         with tm.lock, torch.set_grad_enabled(backward):
             for idx in self._microbatches([int(it[0].numel()) for it in items]):
                 lps = self._logprobs_mb(tm.net, items, idx)
-                losses = [self._loss(loss_fn, lp, items[i][1], cfg) for lp, i in zip(lps, idx)]
+                losses = [self._loss(loss_fn, lp, {k: v.to(lp.device) for k, v in items[i][1].items()}, cfg)
+                          for lp, i in zip(lps, idx)]
                 mb_loss = torch.stack([l.sum() for l in losses]).sum()
                 if backward:
                     mb_loss.backward()
                 total += float(mb_loss.detach())
                 for lp, l, i in zip(lps, losses, idx):
                     outputs[i] = {
-                        "logprobs": lp.detach().float().numpy().copy(),
-                        "elementwise_loss": l.detach().float().numpy().copy(),
+                        "logprobs": lp.detach().float().cpu().numpy().copy(),
+                        "elementwise_loss": l.detach().float().cpu().numpy().copy(),
                     }
         return [o for o in outputs if o is not None], {"loss:sum": total}
 
@@ -422,6 +536,7 @@ class Engine:
     def _meta(self, tm: _TrainModel, kind: str, name: str) -> dict:
         return {"kind": kind, "name": name, "model_id": tm.model_id, "requested_base_model": tm.requested_base_model,
                 "served_model": self.served_model_name, "lora_rank": tm.lora_rank, "lora_seed": tm.seed, "optimizer_steps": tm.steps,
+                "lora_targets": list(tm.targets),
                 "base_sha256": self.base_sha256, "created_unix": time.time()}
 
     def save_state(self, model_id: str, name: str, overwrite: bool = False) -> str:
@@ -429,7 +544,7 @@ class Engine:
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
         with tm.lock:
-            adapter = {n: q.detach().clone() for n, q in tm.params}
+            adapter = {n: q.detach().to("cpu", copy=True) for n, q in tm.params}
             files = {"adapter.pt": M.tensor_bytes(adapter),
                      "optimizer.pt": M.tensor_bytes(tm.optimizer.state_dict())}
             meta = self._meta(tm, "weights", name) | {"adapter_sha256": M.state_sha256(adapter)}
@@ -446,7 +561,7 @@ class Engine:
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise UserError(f"sampler weights name {name!r} must match {_NAME_RE.pattern}")
         with tm.lock:
-            adapter = {n: q.detach().clone() for n, q in tm.params}
+            adapter = {n: q.detach().to("cpu", copy=True) for n, q in tm.params}
             meta = self._meta(tm, "sampler_weights", name) | {"adapter_sha256": M.state_sha256(adapter)}
         files = {"adapter.pt": M.tensor_bytes(adapter), "meta.json": json.dumps(meta, indent=1).encode()}
         _atomic_dir_write(self._ckpt_dir(model_id, "sampler_weights", name), files, overwrite)
@@ -501,8 +616,9 @@ class Engine:
 
     def create_model_from_state(self, path: str, with_optimizer: bool, *, model_id: str | None = None) -> str:
         _, meta = self._read_ckpt(path)
-        mid = self.create_model(meta["requested_base_model"], int(meta["lora_rank"]), int(meta["lora_seed"]),
-                                model_id=model_id)
+        targets = tuple(meta.get("lora_targets") or M.LORA_TARGETS)
+        mid = self._create_model(meta["requested_base_model"], int(meta["lora_rank"]), int(meta["lora_seed"]),
+                                 targets, model_id)
         try:
             self.load_state(mid, path, with_optimizer)
         except Exception:
@@ -517,12 +633,16 @@ class Engine:
             if dkey in self._sampler_cache:
                 self._sampler_cache.move_to_end(dkey)
                 return self._sampler_cache[dkey]
-        if key == "base":
+        if key == "base" and self.checkpoint is not None and self.sampler_dtype == self.checkpoint.dtype:
+            net = self.base_model  # frozen and never modified: no copy of a multi-GB model
+        elif key == "base":
             net = copy.deepcopy(self.base_model)
         else:
             d, meta = self._read_ckpt(key)
             adapter = self._load_adapter(d, meta)
-            pm = M.add_lora(copy.deepcopy(self.base_model), int(meta["lora_rank"]), 0)
+            base = copy.deepcopy(self.base_model)
+            HF.untie_output_head(base)  # merging into a tied head would also change the embedding
+            pm = M.add_lora(base, int(meta["lora_rank"]), 0, meta.get("lora_targets"))
             with torch.no_grad():
                 for n, q in M.lora_named_parameters(pm):
                     q.copy_(adapter[n])
@@ -532,7 +652,7 @@ class Engine:
             q.requires_grad_(False)
         with self._sampler_cache_lock:
             self._sampler_cache[dkey] = net
-            while len(self._sampler_cache) > 4:
+            while len(self._sampler_cache) > self._sampler_cache_size:
                 self._sampler_cache.popitem(last=False)
         return net
 
@@ -551,6 +671,8 @@ class Engine:
         prompt = [int(t) for t in prompt_tokens]
         if not prompt:
             raise UserError("prompt is empty")
+        if self.checkpoint is not None:
+            self._to_local(prompt, "prompt")
         if not (isinstance(num_samples, int) and 1 <= num_samples <= 1024):
             raise UserError(f"num_samples must be an integer in [1, 1024], got {num_samples!r}")
         if not (isinstance(max_tokens, int) and max_tokens >= 1):
@@ -591,13 +713,26 @@ class Engine:
             try:
                 net = self._sampler_net(key)
                 with torch.no_grad():
-                    results = _generate(net, self.vocab, self.tokenizer, jobs)
+                    if self.checkpoint is not None:
+                        results = self._generate_hf(net, jobs)
+                    else:
+                        results = _generate(net, self.vocab, self.tokenizer, jobs)
                 for j, r in zip(jobs, results):
                     j.future.set_result(r)
             except Exception as e:  # noqa: BLE001 - delivered to each waiting caller
                 for j in jobs:
                     if not j.future.done():
                         j.future.set_exception(e)
+
+    def _generate_hf(self, net: torch.nn.Module, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
+        reqs = [S.DecodeRequest(prompt=j.prompt, n=j.n, max_tokens=j.max_tokens, temperature=j.temperature,
+                                top_k=j.top_k, top_p=j.top_p, stop_ids=[s for s in j.stop_ids if 0 <= s < self.vocab.size],
+                                stop_strings=j.stop_strings, seed=j.seed, want_prompt_lp=j.want_prompt_lp)
+                for j in jobs]
+        stats: dict = {}
+        out = S.generate(net, reqs, self._decode_text, mode=self.decode_mode, stats=stats)
+        self.last_sample_stats = stats
+        return [[SampledSeq(d.tokens, d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs] for seqs in out]
 
     def close(self) -> None:
         with self._queue_cv:
@@ -622,64 +757,13 @@ class _SampleJob:
     future: Future = field(default_factory=Future)
 
 
-class _BufferLayer(CacheLayerMixin):
-    """KV-cache layer over a preallocated [B, H, cap, D] buffer (no per-step concatenation)."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        self.kbuf, self.vbuf, self.len = keys, values, length
-        self.is_initialized = True
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.kbuf[:, :, : self.len]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.vbuf[:, :, : self.len]
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - prefilled
-        raise RuntimeError("buffer layer is prefilled")
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n = key_states.shape[-2]
-        self.kbuf[:, :, self.len : self.len + n] = key_states
-        self.vbuf[:, :, self.len : self.len + n] = value_states
-        self.len += n
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.len + query_length, 0
-
-    def get_seq_length(self, *args) -> int:
-        return self.len
-
-    def get_max_cache_shape(self, *args) -> int:
-        return -1
-
-    def select(self, idx: torch.Tensor) -> None:
-        self.kbuf, self.vbuf = self.kbuf[idx], self.vbuf[idx]
+# The preset path shares the buffer KV layer and the top_k / top_p filter with sampling.py.
+_BufferLayer = S.BufferLayer
+_filter_logits = S.filter_logits
 
 
-def _buffer_cache(layers: list[_BufferLayer]) -> Cache:
+def _buffer_cache(layers: list[S.BufferLayer]) -> Cache:
     return Cache(layers=layers)
-
-
-def _filter_logits(logits_RV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    x = logits_RV / temperature
-    if top_k != -1 and top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        cum_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = cum_before >= top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x
 
 
 def _generate(net: torch.nn.Module, vocab: Vocab, tokenizer, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:

@@ -93,8 +93,9 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int):
-    """Wrap with peft LoRA on every linear layer (attention, MLP and unembedding).
+def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int, targets=None):
+    """Wrap with peft LoRA on ``targets`` (default: every linear layer: attention, MLP and
+    unembedding).
 
     A matrices get kaiming-uniform init (bound 1/sqrt(fan_in), peft's default distribution)
     from a private generator seeded with ``seed`` in sorted-name order; B matrices start at zero,
@@ -103,7 +104,8 @@ def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int):
     import peft
 
     lcfg = peft.LoraConfig(
-        r=int(rank), lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS, bias="none"
+        r=int(rank), lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(targets or LORA_TARGETS),
+        bias="none"
     )
     pm = peft.get_peft_model(model, lcfg)
     gen = torch.Generator().manual_seed(int(seed))

@@ -1,0 +1,285 @@
+"""`--model-path` backend: checkpoint checks, LoRA target switches, batched sampling (Qwen3 and
+Qwen3.5), Gumbel-max draws. Small random checkpoints on CPU; the full-vocabulary checkpoint runs
+the SDK integration tests (tests/integration/test_local_server_sdk.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from dppo_harness.local_server import hf_model as HF
+from dppo_harness.local_server import sampling as S
+from dppo_harness.local_server.__main__ import check_model_path_args, parse_args
+from dppo_harness.local_server.engine import Engine, UserError
+
+SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return HF.save_random_checkpoint(tmp_path_factory.mktemp("ck") / "small-qwen3", HF.qwen3_config(**SMALL), seed=1)
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory) -> Path:
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True)
+    return HF.save_random_checkpoint(tmp_path_factory.mktemp("ck35") / "small-qwen3_5", cfg, seed=2)
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir, tmp_path_factory):
+    e = Engine(tmp_path_factory.mktemp("run"), model_path=qwen3_dir, device="cpu")
+    yield e
+    e.close()
+
+
+# ---- checkpoint checks --------------------------------------------------------------------------
+
+
+def _one_line_error(path, match: str) -> str:
+    with pytest.raises(HF.CheckpointError, match=match) as ei:
+        HF.check_checkpoint_dir(path)
+    msg = str(ei.value)
+    assert "\n" not in msg and str(Path(path).name) in msg
+    return msg
+
+
+def test_missing_or_incomplete_checkpoints_get_one_line_errors(tmp_path, qwen3_dir):
+    _one_line_error(tmp_path / "nope", "no such directory")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(tmp_path / "empty", "missing config.json")
+    bad = tmp_path / "llama"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _one_line_error(bad, "not a Qwen3 / Qwen3.5 checkpoint")
+    noweights = tmp_path / "noweights"
+    noweights.mkdir()
+    (noweights / "config.json").write_text((qwen3_dir / "config.json").read_text())
+    _one_line_error(noweights, "no weights found")
+    (noweights / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    _one_line_error(noweights, "missing shard")
+    path, cfg, files = HF.check_checkpoint_dir(qwen3_dir)  # the good one passes
+    assert cfg["model_type"] == "qwen3" and [f.name for f in files] == ["model.safetensors"]
+
+
+def test_cli_refuses_a_bad_model_path_with_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="no such directory"):
+        check_model_path_args(parse_args(["--model-path", str(tmp_path / "nope")]))
+    with pytest.raises(SystemExit, match="exclusive"):
+        check_model_path_args(parse_args(["--model-path", str(tmp_path), "--model", "tiny-qwen3-random"]))
+    src = str(Path(HF.__file__).resolve().parents[2])  # this checkout's src/, as LocalServerProcess does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "dppo_harness.local_server", "--model-path", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"--model-path {tmp_path / 'nope'}: no such directory"]
+
+
+def test_checkpoint_name_and_identity(tmp_path, engine, qwen3_dir):
+    snap = tmp_path / "models--Qwen--Qwen3.5-2B" / "snapshots" / "abc123"
+    assert HF.checkpoint_name(snap) == "Qwen/Qwen3.5-2B"
+    assert HF.checkpoint_name(tmp_path / "my-ckpt") == "my-ckpt"
+    assert engine.served_models == ["Qwen/Qwen3.5-2B", "small-qwen3", "local/small-qwen3"]
+    assert engine.served_model_name == "local/small-qwen3" and engine.vocab.size == 1000
+    assert engine.base_info["dtype"] == "float32" and engine.base_info["device"] == "cpu"
+
+
+def test_served_name_overrides_the_checkpoint_name(qwen3_dir, tmp_path):
+    e = Engine(tmp_path, model_path=qwen3_dir, device="cpu", served_name="my/served")
+    try:
+        assert e.served_models == ["Qwen/Qwen3.5-2B", "my/served", "local/small-qwen3"]
+        with pytest.raises(UserError, match="not served"):
+            e.create_model("small-qwen3", 4, 0)
+    finally:
+        e.close()
+
+
+# ---- LoRA targets --------------------------------------------------------------------------------
+
+
+def _targets(engine, mid: str) -> set[str]:
+    return {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in engine._models[mid].params if "lora_A" in n}
+
+
+def test_train_switches_select_lora_targets(engine):
+    attn, mlp = {"q_proj", "k_proj", "v_proj", "o_proj"}, {"gate_proj", "up_proj", "down_proj"}
+    assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0)) == attn | mlp | {"lm_head"}
+    assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_mlp=False, train_unembed=False)) == attn
+    assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_unembed=False)) == mlp
+    assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_mlp=False)) == {"lm_head"}
+    with pytest.raises(UserError, match="nothing to train"):
+        engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_mlp=False, train_unembed=False)
+
+
+def test_only_lora_parameters_train_and_targets_survive_restore(engine):
+    mid = engine.create_model("Qwen/Qwen3.5-2B", 8, 3, train_unembed=False)
+    tm = engine._models[mid]
+    assert all("lora_" in n for n, _ in tm.params) and tm.params
+    frozen = [n for n, q in tm.net.named_parameters() if q.requires_grad and "lora_" not in n]
+    assert frozen == []
+    toks = list(range(10, 40))
+    data = [(toks[:-1], {"target_tokens": np.array(toks[1:]), "weights": np.ones(29, np.float32)})]
+    engine.forward_backward(mid, data, "cross_entropy")
+    engine.optim_step(mid, {"learning_rate": 1e-2})
+    path = engine.save_state(mid, "targets")
+    mid2 = engine.create_model_from_state(path, with_optimizer=True)
+    assert _targets(engine, mid2) == _targets(engine, mid) and "lm_head" not in _targets(engine, mid2)
+    with pytest.raises(UserError, match="outside the model's vocabulary"):
+        engine.forward(mid, [([1, 2, 1000], {"target_tokens": np.array([2, 3, 4]),
+                                              "weights": np.ones(3, np.float32)})], "cross_entropy")
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+
+
+def test_gumbel_max_draws_follow_softmax_and_are_seeded():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(40_000, 1)
+    draws = S.gumbel_max(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), rtol=0, atol=0.01)
+    again = S.gumbel_max(logits[:100], torch.Generator().manual_seed(0))
+    other = S.gumbel_max(logits[:100], torch.Generator().manual_seed(1))
+    assert torch.equal(again, draws[:100]) and not torch.equal(other, again)
+    # -inf (filtered) entries are never drawn
+    masked = S.filter_logits(logits[:2000], 1.0, 2, 1.0)
+    assert set(S.gumbel_max(masked, torch.Generator().manual_seed(2)).tolist()) <= {0, 1}
+
+
+def _req(prompt, n, seed, stop=()):
+    return S.DecodeRequest(prompt=list(prompt), n=n, max_tokens=10, temperature=1.0, top_k=-1, top_p=1.0,
+                           stop_ids=list(stop), stop_strings=[], seed=seed, want_prompt_lp=True)
+
+
+def _trainer_logprobs(engine, mid, prompt, seq):
+    full = list(prompt) + list(seq.tokens)
+    return engine.compute_logprobs(mid, [(full[:-1], {"target_tokens": np.array(full[1:])})])[0].numpy()
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("qwen3", "dynamic"), ("qwen3", "static"), ("qwen3_5", "dynamic")])
+def test_batched_requests_match_alone_and_the_trainer(arch, mode, qwen3_dir, qwen35_dir, tmp_path):
+    """Two prompts of different lengths in one decode loop (left-padded prefill, rows finishing
+    early on a stop token; batch compaction in "dynamic", fixed shapes in "static", the eager form
+    of the CUDA-graph step) give each request's own tokens, and every logprob equals the trainer's
+    forward."""
+    e = Engine(tmp_path, model_path=qwen3_dir if arch == "qwen3" else qwen35_dir, device="cpu")
+    try:
+        mid = e.create_model("Qwen/Qwen3.5-2B", 4, 0)
+        net = e._sampler_net(e.save_for_sampler(mid, "s"))
+        p1, p2 = list(range(100, 109)), list(range(300, 317))
+        stats: dict = {}
+        with torch.no_grad():
+            alone1 = S.generate(net, [_req(p1, 3, 5)], e._decode_text, mode)[0]
+            stop = [alone1[0].tokens[2], alone1[1].tokens[4]]  # make rows finish at different steps
+            alone1 = S.generate(net, [_req(p1, 3, 5, stop)], e._decode_text, mode)[0]
+            alone2 = S.generate(net, [_req(p2, 4, 6)], e._decode_text, mode)[0]
+            both = S.generate(net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text, mode, stats)
+        assert stats["decode_mode"] == mode and stats["rows"] == 7
+        assert any(s.stop_reason == "stop" for s in alone1) and any(s.stop_reason == "length" for s in alone1)
+        for got, want in ((both[0], alone1), (both[1], alone2)):
+            assert [s.tokens for s in got] == [s.tokens for s in want]
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        for prompt, seqs in ((p1, both[0]), (p2, both[1])):
+            for s in seqs:
+                lp = _trainer_logprobs(e, mid, prompt, s)
+                np.testing.assert_allclose(lp[len(prompt) - 1 :], s.logprobs, atol=1e-5)
+                np.testing.assert_allclose(lp[: len(prompt) - 1], s.prompt_logprobs[1:], atol=1e-5)
+    finally:
+        e.close()
+
+
+def test_decode_mode_resolution(engine, qwen35_dir, tmp_path):
+    """CPU: auto -> dynamic, graph -> its eager form; hybrid (Qwen3.5) caches have no static step."""
+    net = engine.base_model
+    buffered = S._buffered(transformers.DynamicCache(), 4)  # no layers yet: trivially "pure attention"
+    assert S.resolve_mode("auto", net, buffered) == "dynamic"
+    assert S.resolve_mode("graph", net, buffered) == "static"
+    assert S.resolve_mode("static", net, buffered) == "static"
+    with pytest.raises(ValueError, match="decode mode"):
+        S.resolve_mode("fast", net, buffered)
+    e = Engine(tmp_path, model_path=qwen35_dir, device="cpu", decode_mode="static")
+    try:
+        e.sample("Qwen/Qwen3.5-2B", [1, 2, 3], 2, 3, 1.0, -1, 1.0, [], [], 0, False)
+        assert e.last_sample_stats["decode_mode"] == "dynamic"
+    finally:
+        e.close()
+    with pytest.raises(UserError, match="decode_mode"):
+        Engine(tmp_path, model_path=qwen35_dir, device="cpu", decode_mode="fast")
+
+
+def test_qwen35_lora_covers_linear_attention_projections(qwen35_dir, tmp_path):
+    e = Engine(tmp_path, model_path=qwen35_dir, device="cpu")
+    try:
+        names = _targets(e, e.create_model("Qwen/Qwen3.5-2B", 4, 0, train_mlp=False, train_unembed=False))
+        assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj"} <= names
+        assert type(e.base_model).__name__ == "Qwen3_5ForCausalLM"
+    finally:
+        e.close()
+
+
+def test_merging_into_a_tied_head_leaves_the_embedding_alone(qwen3_dir):
+    net = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, local_files_only=True)
+    assert net.get_output_embeddings().weight is net.get_input_embeddings().weight  # tied checkpoint
+    emb = net.get_input_embeddings().weight.detach().clone()
+    HF.untie_output_head(net)
+    with torch.no_grad():
+        net.get_output_embeddings().weight.add_(1.0)
+    assert torch.equal(net.get_input_embeddings().weight, emb)
+
+
+def test_gqa_decode_attention_equals_sdpa_with_repeated_kv():
+    """The static decode step's attention (no K/V repeat) equals transformers' sdpa path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    R, H, Hkv, C, D = 3, 8, 2, 11, 16
+    q, k, v = (torch.randn(R, h, n, D, generator=g) for h, n in ((H, 1), (Hkv, C), (Hkv, C)))
+    mask = torch.rand(R, 1, 1, C, generator=g) > 0.4
+    mask[:, :, :, 0] = True
+    module = torch.nn.Module()
+    module.num_key_value_groups = H // Hkv
+    module.is_causal = True
+    got, _ = S.gqa_decode_attention(module, q, k, v, mask, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape == (R, 1, H, D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # A wrong head grouping (query head h on KV head h % Hkv) is detected.
+    bad, _ = S.gqa_decode_attention(module, q.reshape(R, H // Hkv, Hkv, 1, D).transpose(1, 2).reshape(R, H, 1, D),
+                                    k, v, mask, scaling=0.25)
+    assert not torch.allclose(bad, want, atol=1e-3)
+
+
+def test_greedy_top_k_top_p_and_stop_strings(engine):
+    base = "Qwen/Qwen3.5-2B"
+    prompt = list(range(200, 212))
+
+    def toks(**kw):
+        args = dict(temperature=1.0, top_k=-1, top_p=1.0, stop_strings=[], seed=3) | kw
+        out = engine.sample(base, prompt, 2, 6, args["temperature"], args["top_k"], args["top_p"], [],
+                            args["stop_strings"], args["seed"], False)
+        return [s.tokens for s in out], out
+
+    greedy, _ = toks(temperature=0.0)
+    assert greedy[0] == greedy[1]  # argmax: both samples identical
+    assert toks(top_k=1)[0] == greedy and toks(top_p=1e-6, seed=9)[0] == greedy
+    free, _ = toks(seed=4)
+    assert free != greedy and toks(seed=4)[0] == free  # seeded Gumbel-max draws repeat
+    text = engine._decode_text(free[0][:3])
+    stop = text[-2:] if len(text) >= 2 else text
+    cut, out = toks(seed=4, stop_strings=[stop])
+    assert out[0].stop_reason == "stop" and len(cut[0]) <= 3 and cut[0] == free[0][: len(cut[0])]
+    # ids the tokenizer cannot decode (embedding padding rows) are skipped, not fatal
+    assert engine._decode_text([300, 10**7, 301]) == engine._decode_text([300, 301])
