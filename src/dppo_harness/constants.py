@@ -21,3 +21,6 @@ BASELINE_REVISION = (
 
 # Not a secret: the embedded server ignores API keys, but the SDK insists on the tml- prefix.
 LOCAL_API_KEY = "tml-local-rehearsal"
+
+EMBEDDED_SERVER_HEADER = "X-Embedded-Tinker-Server"
+EMBEDDED_SERVER_MARKER = "dppo-harness"

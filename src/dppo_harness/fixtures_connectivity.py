@@ -1,0 +1,28 @@
+"""Session fixtures of the connectivity preflight (registered by the harness plugin).
+
+- `connectivity`: connectivity.check_connectivity on the session's backend, once, before any
+  training client; a failure fails the requesting test with its one line (later stages skip).
+- `training_client_observer`: records every training client's served identity into evidence.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def connectivity(service_backend, plan):
+    from dppo_harness.connectivity import ConnectivityError, check_connectivity
+
+    try:
+        return check_connectivity(service_backend.kind, service_backend.base_url, plan.base_model)
+    except ConnectivityError as exc:
+        pytest.fail(f"connectivity preflight ({exc.check}): {exc.line}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def training_client_observer(evidence_bundle, service_backend):
+    from dppo_harness import identity, service
+
+    kwargs = service.client_kwargs(service_backend.kind, service_backend.base_url)
+    return identity.TrainingClientRecorder(evidence_bundle, str(kwargs["base_url"]), identity.auth_headers(kwargs))
