@@ -35,25 +35,35 @@ def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: An
 
 
 @pytest.fixture(scope="session")
-def restoration(service_client, service_backend, spec_plan, evidence_bundle, training_client_observer):
+def restoration(service_client, service_backend, spec_plan, evidence_bundle, training_client_observer,
+                client_registry):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
-    from dppo_harness.service import call_with_capacity_retry, make_service_client
+    from dppo_harness.service import CapacityExhausted, CapacityPolicy, call_with_capacity_retry, make_service_client
 
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
                                    observer=training_client_observer)  # issue 10
+    policy = CapacityPolicy.from_env()  # issue 10
     try:
         result = R.run_restoration_preflight(
             service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
             probe_service_client=probe_sc,
-            call=lambda fn: call_with_capacity_retry(fn),  # 429/503/capacity on client creation
+            # 429/503/capacity on client creation; issue 10: scaled policy + capacity_block on give-up
+            call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
             update_norm_unavailable_reason=(
                 "tinker backend: the API exposes neither parameters nor an update-norm metric "
                 "(optim_step reports the gradient norm only); update norms were not measured"),
         )
+    except CapacityExhausted as exc:  # issue 10: the run ends with the brief's capacity_block
+        fields = exc.block.result_fields()
+        if evidence_bundle.result["original_hypothesis_tested"] is None:
+            fields.update(original_hypothesis_tested=False,
+                          tested_instead="nothing: the run stopped on service capacity before any training")
+        evidence_bundle.update_result(**fields)
+        pytest.fail(f"capacity: {exc}", pytrace=False)
     finally:
         try:
             fut = probe_sc.close("success")

@@ -287,6 +287,9 @@ class ClientRegistry:
 # ----------------------------------------------------------------------------- capacity handling
 
 
+CAPACITY_SCALE_VAR = "DPPO_HARNESS_CAPACITY_SCALE"
+
+
 @dataclass(frozen=True)
 class CapacityPolicy:
     """Backoff 1, 2, 4 minutes (then 4 again); give up after ~10 min with no comparison step
@@ -296,6 +299,22 @@ class CapacityPolicy:
     give_up_no_steps_s: float = 600.0
     give_up_after_steps_s: float = 1800.0
     scale: float = 1.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "CapacityPolicy":
+        """The default policy, shrunk by DPPO_HARNESS_CAPACITY_SCALE (0 < scale <= 1) when set:
+        rehearsals and CI use it to exercise backoff and give-up in seconds, not minutes."""
+        env = os.environ if env is None else env
+        raw = env.get(CAPACITY_SCALE_VAR)
+        if not raw:
+            return cls()
+        try:
+            scale = float(raw)
+        except ValueError:
+            raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}") from None
+        if not 0.0 < scale <= 1.0:
+            raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}")
+        return cls(scale=scale)
 
     def backoff(self, attempt: int) -> float:
         return self.backoff_s[min(attempt, len(self.backoff_s) - 1)] * self.scale
