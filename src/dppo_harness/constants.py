@@ -22,5 +22,7 @@ BASELINE_REVISION = (
 # Not a secret: the embedded server ignores API keys, but the SDK insists on the tml- prefix.
 LOCAL_API_KEY = "tml-local-rehearsal"
 
+# Marker of the embedded stand-in server (issue 10 §1): a response header on every answer, and the
+# value found in `get_server_capabilities()["embedded_server"]` and `model_data["embedded_server"]`.
 EMBEDDED_SERVER_HEADER = "X-Embedded-Tinker-Server"
 EMBEDDED_SERVER_MARKER = "dppo-harness"

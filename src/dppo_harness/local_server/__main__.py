@@ -1,7 +1,12 @@
 """CLI: `python -m dppo_harness.local_server --host 127.0.0.1 --port PORT [options]`.
 
 Prints exactly one line `listening on http://127.0.0.1:PORT` on stdout once the engine is
-loaded and the socket accepts connections; logs go to stderr. SIGTERM/SIGINT shut it down.
+loaded and the socket accepts connections; logs go to stderr (one line per request: method, path,
+status, milliseconds). SIGTERM/SIGINT shut it down.
+
+`--profile spindle` behaves like the shared Spindle service: it reads TINKER_API_KEY,
+MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET from its own environment (exit code 2, naming
+the variable, if one is unset) and requires them as X-API-Key / Modal-Key / Modal-Secret.
 """
 
 from __future__ import annotations
@@ -30,13 +35,18 @@ from dppo_harness.local_server.faults import (
     parse_reject_prob,
 )
 
+from dppo_harness.local_server.profiles import PROFILES, MissingCredential, Profile, make_profile
+
 STATS_FILE = "server_stats.json"
+USAGE_EXIT_CODE = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dppo_harness.local_server", description=__doc__)
     p.add_argument("--host", default="127.0.0.1", help="loopback address only (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
+    p.add_argument("--profile", choices=PROFILES, default="default",
+                   help="spindle: require the Spindle credential headers and serve the plan's base model by name")
     p.add_argument("--model", default=None, help="engine model name (default: the engine's default)")
     p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
     p.add_argument("--sampler-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -92,7 +102,7 @@ def loopback_host(host: str) -> str:
     return str(addr)
 
 
-async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path) -> None:
+async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, profile: Profile) -> None:
     from aiohttp import web
 
     from dppo_harness.local_server.app import ServerState, build_app
@@ -108,6 +118,7 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path) ->
         faults=FaultInjector(faults),
         headers=HeaderRecorder(faults.record_header_values),
         sample_workers=args.sample_workers,
+        profile=profile,
         stats_path=run_dir / STATS_FILE,
     )
     runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False)
@@ -123,8 +134,8 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path) ->
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     base_info = getattr(engine, "base_info", {}) or {}
     logging.getLogger("dppo_harness.local_server").info(
-        "engine %s ready in %.1fs (warm-start cache hit: %s); run dir %s", getattr(engine, "model_name", "?"),
-        time.perf_counter() - t0, base_info.get("cache_hit"), run_dir)
+        "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
+        getattr(engine, "model_name", "?"), time.perf_counter() - t0, base_info.get("cache_hit"), profile.name, run_dir)
     print(f"listening on http://{host}:{port}", flush=True)
 
     stop = asyncio.Event()
@@ -144,10 +155,15 @@ def main(argv: list[str] | None = None) -> None:
         faults = fault_config(args)
     except FaultSpecError as exc:
         raise SystemExit(str(exc)) from None
+    try:
+        profile = make_profile(args.profile, os.environ)
+    except MissingCredential as exc:
+        print(f"local server: {exc}", file=sys.stderr, flush=True)
+        sys.exit(USAGE_EXIT_CODE)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="dppo-local-server-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    asyncio.run(serve(args, faults, run_dir))
+    asyncio.run(serve(args, faults, run_dir, profile))
     sys.stdout.flush()
     sys.stderr.flush()
     # Engine worker threads cannot be interrupted mid-call; do not wait for them at exit.

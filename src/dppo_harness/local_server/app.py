@@ -1,14 +1,19 @@
 """aiohttp app speaking the Tinker SDK 0.38 wire protocol over a local `Engine`.
 
 Protocol (read from the SDK source, see docs/local-server.md "HTTP side"):
+- JSON requests are validated into the SDK's own pydantic request types (`tinker.types`) and
+  answers are built from its response types, so the server cannot drift from the pinned SDK; a
+  request that does not validate gets HTTP 400 naming the field.
 - Work endpoints answer at once with an `UntypedAPIFuture` (`{"request_id": ...}`); the SDK then
-  long-polls `POST /api/v1/retrieve_future`. Pending → HTTP 408 `{"type": "try_again", ...}`
-  (the SDK re-polls at once); failure → 200 `{"error": ..., "category": "user"|"server"}`
-  (the SDK raises `RequestFailedError`); success → JSON, or protobuf for `ForwardBackwardOutput`
-  and `SampleResponse` (SDK 0.38 refuses JSON for those two).
+  long-polls `POST /api/v1/retrieve_future`. Pending -> HTTP 408 `{"type": "try_again", ...}`
+  (the SDK re-polls at once); failure -> 200 `{"error": ..., "category": "user"|"server"}`
+  (the SDK raises `RequestFailedError`); success -> JSON, or protobuf for `ForwardBackwardOutput`
+  and `SampleResponse` (SDK 0.38 refuses JSON for those two; the SDK ships no encoder).
 - `forward_backward` requests arrive as protobuf (`forward_only` distinguishes `forward`).
 - Requests on one training model run strictly in `seq_id` order on that model's own worker
   thread; sampling runs on a shared thread pool so concurrent samples overlap.
+- Every response carries the embedded-server marker header; the `spindle` profile checks the
+  credential headers first (401 naming the header, never a value); one log line per request.
 """
 
 from __future__ import annotations
@@ -25,34 +30,37 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from datetime import datetime, timezone
+from typing import Any, Callable, TypeVar
 
 import numpy as np
+import pydantic
 from aiohttp import web
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.types._pydantic_types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
+from tinker.types.session_status import ClientSessionFinishReason
 
 from dppo_harness import constants
+from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT, FaultInjector, HeaderRecorder
-
-try:  # the Engine contract's user-facing error; fall back so this module imports on its own
-    from dppo_harness.local_server.engine import UserError
-except ImportError:  # pragma: no cover - only while engine.py is absent
-
-    class UserError(Exception):  # type: ignore[no-redef]
-        pass
-
-
-from tinker.proto import tinker_public_pb2 as pb
+from dppo_harness.local_server.loss_fns import get_loss
+from dppo_harness.local_server.profiles import Profile
 
 log = logging.getLogger("dppo_harness.local_server")
+request_log = logging.getLogger("dppo_harness.local_server.requests")
 
 API = "/api/v1"
 LONG_POLL_S = 20.0  # the SDK's retrieve_future timeout is 45 s
 SEQ_GAP_TIMEOUT_S = 900.0  # a missing earlier seq_id fails the waiting request after this
 MAX_KEPT_RESULTS = 20000
 FAULT_EXIT_CODE = 75
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+MODEL_OWNER = "local"  # TrainingRun.model_owner: the embedded server has no accounts
+
+RequestT = TypeVar("RequestT", bound=pydantic.BaseModel)
 
 _PB_TO_NP = {
     pb.DTYPE_FLOAT32: np.float32,
@@ -63,6 +71,14 @@ _PB_TO_NP = {
 
 class ProtocolError(Exception):
     """A request the server cannot parse: answered with HTTP 400 and a message naming the field."""
+
+
+class FinishSessionRequest(pydantic.BaseModel):
+    """Body of `POST sessions/{id}/finish` (the SDK posts it untyped; its parts are SDK types)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    reason: ClientSessionFinishReason
+    detail: str | None = None
 
 
 # ---- request/response codecs (pure) ------------------------------------------------------------
@@ -112,10 +128,9 @@ def decode_tensor(msg: pb.Tensor) -> np.ndarray:
 
 def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> dict[str, Any]:
     """The protobuf `ForwardBackwardRequest` as plain Python: model_id, seq_id, data, loss_fn, ..."""
-    if content_encoding and "zstd" in content_encoding.lower():
-        import zstandard
-
-        body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    if content_encoding and content_encoding.lower() != "identity":
+        # client/config answers proto_compress_fwdbwd=false, so the stock SDK never compresses.
+        raise ProtocolError(f"Content-Encoding {content_encoding!r} is not supported; send uncompressed protobuf")
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -212,31 +227,64 @@ def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] 
     return msg.SerializeToString()
 
 
-def parse_stop(stop: Any, default_ids: list[int]) -> tuple[list[int], list[str]]:
-    """SamplingParams.stop: None → the model's EOS; [] → nothing; str / [str] / [int]."""
+def parse_stop(stop: str | Sequence[str] | Sequence[int] | None, default_ids: list[int]) -> tuple[list[int], list[str]]:
+    """SamplingParams.stop: None -> the model's EOS; [] -> nothing; str / [str] / [int]."""
     if stop is None:
         return list(default_ids), []
     if isinstance(stop, str):
         return [], [stop]
-    if not isinstance(stop, list):
-        raise UserError(f"sampling_params.stop must be a string or a list, got {type(stop).__name__}")
-    if all(isinstance(s, str) for s in stop):
-        return [], list(stop)
-    if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-        return list(stop), []
-    raise UserError("sampling_params.stop must be all strings or all token ids")
+    items = list(stop)
+    if all(isinstance(s, str) for s in items):
+        return [], [str(s) for s in items]
+    return [int(s) for s in items], []
 
 
-def prompt_tokens_of(model_input: dict) -> list[int]:
+def prompt_tokens_of(model_input: types.ModelInput) -> list[int]:
     tokens: list[int] = []
-    for i, chunk in enumerate(model_input.get("chunks", [])):
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise UserError(f"prompt chunk {i} has type {chunk.get('type')!r}; only token chunks are supported")
-        tokens.extend(int(t) for t in chunk["tokens"])
+    for i, chunk in enumerate(model_input.chunks):
+        if not isinstance(chunk, types.EncodedTextChunk):
+            raise UserError(f"prompt chunk {i} has type {chunk.type!r}; only token chunks are supported")
+        tokens.extend(int(t) for t in chunk.tokens)
     return tokens
 
 
+def validation_message(exc: pydantic.ValidationError) -> str:
+    """A pydantic error as one line naming each bad field (`field lora_config.rank: ...`)."""
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        if err["type"] == "missing":
+            parts.append(f"missing field {loc}")
+        elif err["type"] == "extra_forbidden":
+            parts.append(f"unknown field {loc}")
+        else:
+            parts.append(f"field {loc}: {err['msg']}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+def parse_request(model: type[RequestT], raw: bytes) -> RequestT:
+    """The JSON body validated into the SDK's own request type; ProtocolError names the field."""
+    if not raw:
+        raise ProtocolError(f"empty body; expected a {model.__name__} JSON object")
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise ProtocolError(f"request body is not JSON ({model.__name__} expected)") from None
+        raise ProtocolError(f"{model.__name__}: {validation_message(exc)}") from None
+
+
+def dump(response: pydantic.BaseModel) -> dict[str, Any]:
+    """An SDK response model as wire JSON."""
+    return response.model_dump(mode="json", exclude_none=True)
+
+
 # ---- server state ------------------------------------------------------------------------------
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
 
 
 @dataclass
@@ -254,8 +302,11 @@ class ModelEntry:
     session_id: str
     executor: ThreadPoolExecutor
     cond: asyncio.Condition
+    lora_rank: int | None = None
+    user_metadata: dict[str, str] | None = None
     next_seq: int = 1
     requests_by_seq: dict[int, str] = field(default_factory=dict)
+    last_request_time: datetime = field(default_factory=_now)
 
 
 @dataclass
@@ -265,12 +316,30 @@ class SamplerEntry:
     model_path: str | None
 
 
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint saved through this server, for the REST reads (listing, weights info)."""
+
+    model_id: str
+    checkpoint: types.Checkpoint
+    base_model: str
+    lora_rank: int | None
+
+
+def _str_metadata(meta: dict[str, Any] | None) -> dict[str, str] | None:
+    """TrainingRun/Checkpoint carry `dict[str, str]`; creation requests allow any JSON values."""
+    if meta is None:
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+
 @dataclass
 class ServerState:
     engine: Any
     faults: FaultInjector
     headers: HeaderRecorder
     sample_workers: int = 64
+    profile: Profile = field(default_factory=Profile)
     started: float = field(default_factory=time.time)
     on_die: Callable[[str], None] | None = None  # called instead of os._exit in-process
     stats_path: Any = None  # written when the process exits on purpose (fault die, SIGTERM)
@@ -279,7 +348,7 @@ class ServerState:
         self.sessions: dict[str, dict[str, Any]] = {}
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, SamplerEntry] = {}
-        self.path_base_model: dict[str, str] = {}
+        self.checkpoints: dict[str, CheckpointRecord] = {}  # tinker path -> record, in save order
         self.results: OrderedDict[str, asyncio.Future] = OrderedDict()
         self.model_requests: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> request
         self.sample_pool = ThreadPoolExecutor(self.sample_workers, thread_name_prefix="sample")
@@ -310,18 +379,46 @@ class ServerState:
         ids = getattr(self.engine, "default_stop_token_ids", None)
         return list(ids) if ids else [constants.STOP_TOKEN_ID]
 
+    @property
+    def stand_in(self) -> str:
+        """The identity of the model really computing (e.g. `local/tiny-qwen3-gsm8k`)."""
+        return str(self.engine.served_model_name)
+
     def served_models(self) -> list[str]:
-        return list(getattr(self.engine, "served_models", [constants.BASE_MODEL]))
+        return self.profile.served_models(list(getattr(self.engine, "served_models", [])), self.stand_in)
+
+    def marker(self) -> dict[str, str]:
+        return {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile.name}
+
+    def record_checkpoint(self, entry: ModelEntry, path: str, user_metadata: dict[str, str] | None) -> None:
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        checkpoint = types.Checkpoint(checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type,
+                                      time=_now(), tinker_path=path, user_metadata=user_metadata)
+        self.checkpoints.pop(path, None)  # an overwrite moves to the end
+        self.checkpoints[path] = CheckpointRecord(entry.model_id, checkpoint, entry.base_model, entry.lora_rank)
+
+    def training_run(self, entry: ModelEntry) -> types.TrainingRun:
+        mine = [r.checkpoint for r in self.checkpoints.values() if r.model_id == entry.model_id]
+        last = {kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
+                for kind in ("training", "sampler")}
+        return types.TrainingRun(
+            training_run_id=entry.model_id, base_model=entry.base_model, model_owner=MODEL_OWNER, is_lora=True,
+            lora_rank=entry.lora_rank, last_request_time=entry.last_request_time,
+            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"],
+            user_metadata=entry.user_metadata,
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
             "uptime_s": time.time() - self.started,
-            "served_model": self.engine.served_model_name,
+            "served_model": self.stand_in,
+            "profile": self.profile.name,
             "faults": self.faults.snapshot(),
             "headers": self.headers.snapshot(),
             "sessions": len(self.sessions),
             "models": {m: e.engine_id for m, e in self.models.items()},
             "samplers": len(self.samplers),
+            "checkpoints": len(self.checkpoints),
             "inflight": self.inflight,
             "telemetry_events": self.telemetry_events,
             "engine_seconds": dict(self.engine_seconds),
@@ -338,22 +435,8 @@ def _error_json(message: str, status: int, category: str = "user") -> web.Respon
     return web.json_response({"error": message, "category": category}, status=status)
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"request body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ProtocolError("request body must be a JSON object")
-    return body
-
-
-def _require(body: dict, name: str, typ: type | tuple[type, ...]) -> Any:
-    if name not in body or body[name] is None:
-        raise ProtocolError(f"missing field {name!r}")
-    if not isinstance(body[name], typ):
-        raise ProtocolError(f"field {name!r} has type {type(body[name]).__name__}")
-    return body[name]
+async def _parse(request: web.Request, model: type[RequestT]) -> RequestT:
+    return parse_request(model, await request.read())
 
 
 # ---- work execution ----------------------------------------------------------------------------
@@ -415,6 +498,7 @@ async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | Non
 
 def _submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, label: str,
                     fn: Callable[[], _Outcome]) -> web.Response:
+    entry.last_request_time = _now()
     if seq_id is not None:
         if seq_id in entry.requests_by_seq:  # a resent request: same future
             return web.json_response({"request_id": entry.requests_by_seq[seq_id], "model_id": entry.model_id})
@@ -433,14 +517,14 @@ def _submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, l
     return web.json_response({"request_id": request_id, "model_id": entry.model_id})
 
 
-def _model(state: ServerState, model_id: Any) -> ModelEntry:
-    if not isinstance(model_id, str) or model_id not in state.models:
+def _model(state: ServerState, model_id: str | None) -> ModelEntry:
+    if model_id is None or model_id not in state.models:
         raise UserError(f"unknown model_id {model_id!r}: create it with create_model or load_weights first")
     return state.models[model_id]
 
 
-def _new_entry(state: ServerState, model_id: str, engine_id: str, base_model: str, session_id: str,
-               next_seq: int = 1) -> ModelEntry:
+def _new_entry(state: ServerState, model_id: str, engine_id: str, base_model: str, session_id: str, *,
+               lora_rank: int | None, user_metadata: dict[str, str] | None) -> ModelEntry:
     entry = ModelEntry(
         model_id=model_id,
         engine_id=engine_id,
@@ -448,18 +532,33 @@ def _new_entry(state: ServerState, model_id: str, engine_id: str, base_model: st
         session_id=session_id,
         executor=ThreadPoolExecutor(1, thread_name_prefix=f"model-{len(state.models)}"),
         cond=asyncio.Condition(),
-        next_seq=next_seq,
+        lora_rank=lora_rank,
+        user_metadata=user_metadata,
     )
     state.models[model_id] = entry
     return entry
 
 
-# ---- handlers ----------------------------------------------------------------------------------
+def _check_optimizer(config: types.OptimizerConfig | None) -> None:
+    kind = getattr(config, "type", "adamw") if config is not None else "adamw"
+    if kind != "adamw":
+        raise UserError(f"optimizer {kind!r} is not supported; only 'adamw'")
+
+
+def _check_served(state: ServerState, base_model: str) -> None:
+    if base_model not in state.served_models():
+        raise UserError(f"base model {base_model!r} is not served by the local server; served models: "
+                        f"{state.served_models()}")
+
+
+# ---- app, middlewares --------------------------------------------------------------------------
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_middleware(state)], client_max_size=512 * 1024 * 1024)
+    app = web.Application(middlewares=[_log_requests, _authenticate, _faults_and_errors],
+                          client_max_size=512 * 1024 * 1024)
     app["state"] = state
+    app.on_response_prepare.append(_add_marker)
     r = app.router
     r.add_get(f"{API}/healthz", _healthz)
     r.add_get(f"{API}/get_server_capabilities", _capabilities)
@@ -482,6 +581,12 @@ def build_app(state: ServerState) -> web.Application:
     r.add_post(f"{API}/asample", _asample)
     r.add_post(f"{API}/retrieve_future", _retrieve_future)
     r.add_post(f"{API}/cancel_future", _cancel_future)
+    # REST reads (RestClient; the cookbook's checkpoint_utils)
+    r.add_get(f"{API}/training_runs", _list_training_runs)
+    r.add_get(f"{API}/training_runs/{{model_id}}", _get_training_run)
+    r.add_get(f"{API}/training_runs/{{model_id}}/checkpoints", _list_checkpoints)
+    r.add_get(f"{API}/checkpoints", _list_user_checkpoints)
+    r.add_post(f"{API}/weights_info", _weights_info)
     r.add_get("/_harness/stats", _stats)
     return app
 
@@ -490,45 +595,72 @@ def _state(request: web.Request) -> ServerState:
     return request.app["state"]
 
 
-def _middleware(state: ServerState):
-    @web.middleware
-    async def middleware(request: web.Request, handler):
-        if request.path.startswith("/_harness/"):
-            return await handler(request)
-        kind = kind_of(request.path)
-        state.headers.record(request.headers)
-        decision = state.faults.decide(kind, counts_toward_death=kind != "healthz")
-        if decision.die:
-            message = (f"local server: fault injection: exiting after "
-                       f"{state.faults.config.die_after} API requests (request {kind})")
-            if state.on_die is not None:
-                state.on_die(message)
-                raise web.HTTPServiceUnavailable(text=message)
-            print(message, file=sys.stderr, flush=True)
-            if state.stats_path is not None:
-                with contextlib.suppress(OSError):
-                    state.stats_path.write_text(json.dumps(state.stats(), indent=1))
-            os._exit(FAULT_EXIT_CODE)
-        if decision.latency_s:
-            await asyncio.sleep(decision.latency_s)  # non-blocking: concurrent requests overlap
-        if decision.reject_status is not None:
-            headers = {}
-            if state.faults.config.retry_after_ms is not None:
-                headers["retry-after-ms"] = str(state.faults.config.retry_after_ms)
-            body = {"error": decision.reject_reason, "category": "server"}
-            return web.json_response(body, status=decision.reject_status, headers=headers)
-        try:
-            return await handler(request)
-        except ProtocolError as exc:
-            return _error_json(f"{kind}: {exc}", 400)
-        except UserError as exc:
-            return _error_json(f"{kind}: {exc}", 400)
+async def _add_marker(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[constants.EMBEDDED_SERVER_HEADER] = constants.EMBEDDED_SERVER_MARKER
 
-    return middleware
+
+@web.middleware
+async def _log_requests(request: web.Request, handler):
+    """One line per request: method, path, status, milliseconds (never headers or bodies)."""
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        request_log.info("%s %s %d %.1fms", request.method, request.path, status, (time.perf_counter() - t0) * 1e3)
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler):
+    problem = _state(request).profile.auth_error(request.headers)
+    if problem is not None:
+        return _error_json(problem, 401)
+    return await handler(request)
+
+
+@web.middleware
+async def _faults_and_errors(request: web.Request, handler):
+    state = _state(request)
+    if request.path.startswith("/_harness/"):
+        return await handler(request)
+    kind = kind_of(request.path)
+    state.headers.record(request.headers)
+    decision = state.faults.decide(kind, counts_toward_death=kind != "healthz")
+    if decision.die:
+        message = (f"local server: fault injection: exiting after "
+                   f"{state.faults.config.die_after} API requests (request {kind})")
+        if state.on_die is not None:
+            state.on_die(message)
+            raise web.HTTPServiceUnavailable(text=message)
+        print(message, file=sys.stderr, flush=True)
+        if state.stats_path is not None:
+            with contextlib.suppress(OSError):
+                state.stats_path.write_text(json.dumps(state.stats(), indent=1))
+        os._exit(FAULT_EXIT_CODE)
+    if decision.latency_s:
+        await asyncio.sleep(decision.latency_s)  # non-blocking: concurrent requests overlap
+    if decision.reject_status is not None:
+        headers = {}
+        if state.faults.config.retry_after_ms is not None:
+            headers["retry-after-ms"] = str(state.faults.config.retry_after_ms)
+        body = {"error": decision.reject_reason, "category": "server"}
+        return web.json_response(body, status=decision.reject_status, headers=headers)
+    try:
+        return await handler(request)
+    except (ProtocolError, UserError) as exc:
+        return _error_json(f"{kind}: {exc}", 400)
+
+
+# ---- handlers: service -------------------------------------------------------------------------
 
 
 async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response(dump(types.HealthResponse(status="ok")))
 
 
 async def _stats(request: web.Request) -> web.Response:
@@ -539,76 +671,78 @@ async def _capabilities(request: web.Request) -> web.Response:
     state = _state(request)
     config = getattr(state.engine, "config", None)
     max_ctx = getattr(config, "max_position_embeddings", None)
-    models = [
-        {"model_name": name, "max_context_length": max_ctx, "trainable": True, "sampleable": True}
+    response = types.GetServerCapabilitiesResponse(supported_models=[
+        types.SupportedModel(model_name=name, max_context_length=max_ctx, trainable=True, sampleable=True)
         for name in state.served_models()
-    ]
-    return web.json_response({"supported_models": models})
+    ])
+    # Extra key (the SDK's type ignores it): who is really answering.
+    return web.json_response(dump(response) | {"embedded_server": state.marker()})
 
 
 async def _client_config(request: web.Request) -> web.Response:
     # API-key auth, httpx transport, uncompressed protobuf, client-side custom losses,
     # per-request retrieve_future polling: the simplest paths of SDK 0.38.
-    return web.json_response(
-        {
-            "pjwt_auth_enabled": False,
-            "credential_default_source": "api_key",
-            "use_pyqwest_transport": False,
-            "proto_compress_fwdbwd": False,
-            "parallel_fwdbwd_chunks": True,
-            "sample_use_retrieve_futures": False,
-            "custom_loss_server_side": False,
-            "sample_join_sampling_session": False,
-        }
-    )
+    return web.json_response(dump(types.ClientConfigResponse(
+        pjwt_auth_enabled=False,
+        credential_default_source="api_key",
+        use_pyqwest_transport=False,
+        proto_compress_fwdbwd=False,
+        parallel_fwdbwd_chunks=True,
+        sample_use_retrieve_futures=False,
+        custom_loss_server_side=False,
+        sample_join_sampling_session=False,
+    )))
 
 
 async def _client_dynamic_config(request: web.Request) -> web.Response:
-    return web.json_response({"refresh_interval_sec": 300, "sample_cancel_enabled": False})
+    return web.json_response(dump(types.ClientDynamicConfigResponse(refresh_interval_sec=300,
+                                                                    sample_cancel_enabled=False)))
 
 
 async def _create_session(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
+    req = await _parse(request, types.CreateSessionRequest)
     session_id = str(uuid.uuid4())
     state.sessions[session_id] = {
         "created": time.time(),
         "last_heartbeat": time.time(),
         "finished": None,
-        "sdk_version": body.get("sdk_version"),
-        "tags": body.get("tags", []),
+        "sdk_version": req.sdk_version,
+        "tags": list(req.tags),
+        "user_metadata": _str_metadata(req.user_metadata),
+        "display_name": req.display_name,
     }
-    return web.json_response({"type": "create_session", "session_id": session_id})
+    return web.json_response(dump(types.CreateSessionResponse(session_id=session_id)))
 
 
-def _session(state: ServerState, session_id: Any) -> dict[str, Any]:
-    if not isinstance(session_id, str) or session_id not in state.sessions:
+def _session(state: ServerState, session_id: str) -> dict[str, Any]:
+    if session_id not in state.sessions:
         raise UserError(f"unknown session_id {session_id!r}")
     return state.sessions[session_id]
 
 
 async def _session_heartbeat(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    session = _session(state, body.get("session_id"))
+    req = await _parse(request, types.SessionHeartbeatRequest)
+    session = _session(state, req.session_id)
     if session["finished"] is not None:
         return _error_json("session is finished", 410)
     session["last_heartbeat"] = time.time()
-    return web.json_response({"type": "session_heartbeat"})
+    return web.json_response(dump(types.SessionHeartbeatResponse()))
 
 
 async def _telemetry(request: web.Request) -> web.Response:
-    body = await _json_body(request)
-    _state(request).telemetry_events += len(body.get("events", []))
-    return web.json_response({"status": "accepted"})
+    req = await _parse(request, types.TelemetrySendRequest)
+    _state(request).telemetry_events += len(req.events)
+    return web.json_response(dump(types.TelemetryResponse(status="accepted")))
 
 
 async def _finish_session(request: web.Request) -> web.Response:
     state = _state(request)
     session = _session(state, request.match_info["session_id"])
-    body = await _json_body(request)
+    req = await _parse(request, FinishSessionRequest)
     if session["finished"] is None:  # first reason wins
-        session["finished"] = (body.get("reason") or {}).get("type", "unknown")
+        session["finished"] = req.reason.type
     return web.json_response({})
 
 
@@ -616,94 +750,87 @@ async def _get_session(request: web.Request) -> web.Response:
     state = _state(request)
     session_id = request.match_info["session_id"]
     session = _session(state, session_id)
-    models = [m for m, e in state.models.items() if e.session_id == session_id]
-    samplers = [s for s in state.samplers if s.startswith(session_id)]
-    return web.json_response({"training_run_ids": models, "sampler_ids": samplers,
-                              "finished": session["finished"]})
+    return web.json_response(dump(types.GetSessionResponse(
+        training_run_ids=[m for m, e in state.models.items() if e.session_id == session_id],
+        sampler_ids=[s for s in state.samplers if s.startswith(session_id)],
+        user_metadata=session["user_metadata"],
+        display_name=session["display_name"],
+    )))
+
+
+# ---- handlers: training ------------------------------------------------------------------------
 
 
 async def _create_model(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    session_id = _require(body, "session_id", str)
-    model_seq_id = _require(body, "model_seq_id", int)
-    base_model = _require(body, "base_model", str)
-    key = (session_id, model_seq_id)
+    req = await _parse(request, types.CreateModelRequest)
+    key = (req.session_id, req.model_seq_id)
     if key in state.model_requests:  # resent request
         return web.json_response({"request_id": state.model_requests[key]})
-    _session(state, session_id)
-    lora = body.get("lora_config") or {}
-    optimizer = body.get("optimizer_config") or {"type": "adamw"}
+    _session(state, req.session_id)
+    lora = req.lora_config
+    if lora is None:
+        raise UserError("lora_config is required: the local server trains LoRA adapters only")
+    fixed = [name for name in ("train_unembed", "train_mlp", "train_attn") if not getattr(lora, name)]
+    if fixed:
+        raise UserError(f"lora_config {', '.join(f'{n}=False' for n in fixed)} is not supported: the local server "
+                        f"trains LoRA on every linear layer")
     request_id, fut = state.new_future()
     state.model_requests[key] = request_id
-    model_id = f"{session_id}:train:{model_seq_id}"
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
 
     async def work() -> _Outcome:
         if state.faults.take_capacity_failure():
             state.model_requests.pop(key, None)  # a retry is a new creation attempt
-            return _Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {base_model}", "server")
-        if optimizer.get("type", "adamw") != "adamw":
-            raise UserError(f"optimizer {optimizer.get('type')!r} is not supported; only 'adamw'")
-        if base_model not in state.served_models():
-            raise UserError(
-                f"base model {base_model!r} is not served by the local server; served models: "
-                f"{state.served_models()}"
-            )
-        rank = lora.get("rank")
-        if not isinstance(rank, int) or rank <= 0:
-            raise UserError(f"lora_config.rank must be a positive integer, got {rank!r}")
+            return _Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {req.base_model}", "server")
+        _check_optimizer(req.optimizer_config)
+        _check_served(state, req.base_model)
         engine_id = await _run_engine(
             state, state.misc_pool, "create_model",
-            lambda: state.engine.create_model(base_model, rank, lora.get("seed"), model_id=model_id),
+            lambda: state.engine.create_model(req.base_model, lora.rank, lora.seed, model_id=model_id),
         )
-        _new_entry(state, model_id, engine_id, base_model, session_id)
-        return _Outcome("json", {"model_id": model_id, "type": "create_model"})
+        _new_entry(state, model_id, engine_id, req.base_model, req.session_id, lora_rank=lora.rank,
+                   user_metadata=_str_metadata(req.user_metadata))
+        return _Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
 
     _spawn(state, fut, "create_model", work)
     return web.json_response({"request_id": request_id})
 
 
+def _model_data(state: ServerState, entry: ModelEntry) -> dict[str, Any]:
+    # The SDK reuses model_data.model_name as the base model of its sampling sessions, so it is the
+    # requested name; `arch` names the stand-in really computing, plus the marker (extra key).
+    data = types.ModelData(arch=state.stand_in, model_name=entry.base_model, tokenizer_id=entry.base_model)
+    return dump(data) | {"embedded_server": constants.EMBEDDED_SERVER_MARKER}
+
+
 async def _get_info(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    entry = _model(state, body.get("model_id"))
+    req = await _parse(request, types.GetInfoRequest)
+    entry = _model(state, req.model_id)
     info = state.engine.get_info(entry.engine_id)
-    optimizer = info.get("optimizer_config") or {"type": "adamw"}
-    if not isinstance(optimizer, dict) or optimizer.get("type") != "adamw":
-        optimizer = {"type": "adamw"}
-    return web.json_response(
-        {
-            "type": "get_info",
-            "model_data": {
-                "arch": str(info.get("model_name") or ""),
-                "model_name": entry.base_model,
-                "tokenizer_id": entry.base_model,
-            },
-            "model_id": entry.model_id,
-            "optimizer_config": optimizer,
-            "is_lora": bool(info.get("is_lora", True)),
-            "lora_rank": info.get("lora_rank"),
-            "model_name": entry.base_model,
-        }
+    response = types.GetInfoResponse(
+        type="get_info", model_data=types.ModelData(), model_id=entry.model_id,
+        optimizer_config=types.AdamOptimizerConfig(), is_lora=bool(info.get("is_lora", True)),
+        lora_rank=info.get("lora_rank"), model_name=entry.base_model,
     )
+    return web.json_response(dump(response) | {"model_data": _model_data(state, entry)})
 
 
 async def _forward_backward(request: web.Request) -> web.Response:
     state = _state(request)
     body = await request.read()
     req = decode_fwdbwd_request(body, request.headers.get("Content-Encoding"))
-    entry = _model(state, req["model_id"])
-    loss_fn = req["loss_fn"]
+    entry = _model(state, req["model_id"] or None)
     forward_only = req["forward_only"]
     label = "forward" if forward_only else "forward_backward"
-    if loss_fn not in SUPPORTED_LOSSES:
-        raise UserError(f"{label} with loss_fn {loss_fn!r} is not supported; use one of {SUPPORTED_LOSSES}")
+    get_loss(req["loss_fn"])  # UserError naming the supported losses
     if not req["data"]:
         raise UserError(f"{label} without data")
     engine_call = state.engine.forward if forward_only else state.engine.forward_backward
 
     def fn() -> _Outcome:
-        outputs, metrics = engine_call(entry.engine_id, req["data"], loss_fn, req["loss_fn_config"])
+        outputs, metrics = engine_call(entry.engine_id, req["data"], req["loss_fn"], req["loss_fn_config"])
         if "loss:sum" not in metrics:
             raise RuntimeError("engine returned no 'loss:sum' metric")
         return _Outcome("proto", encode_fwdbwd_output(outputs, metrics))
@@ -713,44 +840,31 @@ async def _forward_backward(request: web.Request) -> web.Response:
 
 async def _optim_step(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    entry = _model(state, body.get("model_id"))
-    params = body.get("adam_params")
-    if params is None:
-        other = body.get("optimizer_params") or {}
-        raise UserError(f"optim_step: optimizer {other.get('type')!r} is not supported; only AdamW (adam_params)")
-    if not isinstance(params, dict):
-        raise ProtocolError("adam_params must be an object")
-    adam = {
-        "learning_rate": float(params.get("learning_rate", 1e-4)),
-        "beta1": float(params.get("beta1", 0.9)),
-        "beta2": float(params.get("beta2", 0.95)),
-        "eps": float(params.get("eps", 1e-12)),
-        "weight_decay": float(params.get("weight_decay", 0.0)),
-        "grad_clip_norm": float(params.get("grad_clip_norm", 0.0)),
-    }
+    req = await _parse(request, types.OptimStepRequest)
+    entry = _model(state, req.model_id)
+    if not isinstance(req.optim_params, types.AdamParams):
+        raise UserError(f"optimizer {req.optim_params.type!r} is not supported; only AdamW (adam_params)")
+    adam = req.optim_params.model_dump()  # every field, SDK defaults filled in
 
     def fn() -> _Outcome:
         metrics = state.engine.optim_step(entry.engine_id, adam)
-        return _Outcome("json", {"metrics": {k: float(v) for k, v in metrics.items()}})
+        return _Outcome("json", dump(types.OptimStepResponse(metrics=state.profile.optim_metrics(metrics))))
 
-    return _submit_ordered(state, entry, body.get("seq_id"), "optim_step", fn)
+    return _submit_ordered(state, entry, req.seq_id, "optim_step", fn)
 
 
 async def _save_weights(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    entry = _model(state, body.get("model_id"))
-    seq_id = body.get("seq_id")
-    name = body.get("path") or f"checkpoint-seq{seq_id}"
-    overwrite = bool(body.get("overwrite", False))
+    req = await _parse(request, types.SaveWeightsRequest)
+    entry = _model(state, req.model_id)
+    name = req.path or f"checkpoint-seq{req.seq_id}"
 
     def fn() -> _Outcome:
-        path = state.engine.save_state(entry.engine_id, name, overwrite=overwrite)
-        state.path_base_model[path] = entry.base_model
-        return _Outcome("json", {"path": path, "type": "save_weights"})
+        path = state.engine.save_state(entry.engine_id, name, overwrite=req.overwrite)
+        state.record_checkpoint(entry, path, req.user_metadata)
+        return _Outcome("json", dump(types.SaveWeightsResponse(path=path, type="save_weights")))
 
-    return _submit_ordered(state, entry, seq_id, "save_weights", fn)
+    return _submit_ordered(state, entry, req.seq_id, "save_weights", fn)
 
 
 def _new_sampler(state: ServerState, session_id: str, seq: int, base_model: str, model_path: str | None) -> str:
@@ -761,86 +875,86 @@ def _new_sampler(state: ServerState, session_id: str, seq: int, base_model: str,
 
 async def _save_weights_for_sampler(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    entry = _model(state, body.get("model_id"))
-    name = body.get("path")
-    sampling_seq = body.get("sampling_session_seq_id")
-    if name is None and sampling_seq is None:
+    req = await _parse(request, types.SaveWeightsForSamplerRequest)
+    entry = _model(state, req.model_id)
+    if req.path is None and req.sampling_session_seq_id is None:
         raise ProtocolError("save_weights_for_sampler needs 'path' or 'sampling_session_seq_id'")
 
     def fn() -> _Outcome:
-        path = state.engine.save_for_sampler(entry.engine_id, name)
-        state.path_base_model[path] = entry.base_model
-        result: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
-        if name is None:
-            result["sampling_session_id"] = _new_sampler(state, entry.session_id, int(sampling_seq), entry.base_model, path)
-        return _Outcome("json", result)
+        path = state.engine.save_for_sampler(entry.engine_id, req.path)
+        state.record_checkpoint(entry, path, req.user_metadata)
+        sampler_id = None
+        if req.path is None:
+            sampler_id = _new_sampler(state, entry.session_id, int(req.sampling_session_seq_id), entry.base_model, path)
+        return _Outcome("json", dump(SaveWeightsForSamplerResponseInternal(
+            path=path, sampling_session_id=sampler_id, type="save_weights_for_sampler")))
 
-    return _submit_ordered(state, entry, body.get("seq_id"), "save_weights_for_sampler", fn)
+    return _submit_ordered(state, entry, req.seq_id, "save_weights_for_sampler", fn)
 
 
 async def _load_weights(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    path = _require(body, "path", str)
-    with_optimizer = bool(body.get("optimizer", False))
-    if body.get("model_id") is not None:  # form 1: load into an existing model, in seq order
-        entry = _model(state, body["model_id"])
+    req = await _parse(request, types.LoadWeightsRequest)
+    path = req.path
+    if req.model_id is not None:  # form 1: load into an existing model, in seq order
+        entry = _model(state, req.model_id)
 
         def fn() -> _Outcome:
-            state.engine.load_state(entry.engine_id, path, with_optimizer)
-            return _Outcome("json", {"path": path, "model_id": entry.model_id, "type": "load_weights"})
+            state.engine.load_state(entry.engine_id, path, req.optimizer)
+            return _Outcome("json", dump(types.LoadWeightsResponse(path=path, model_id=entry.model_id,
+                                                                   type="load_weights")))
 
-        return _submit_ordered(state, entry, body.get("seq_id"), "load_weights", fn)
+        return _submit_ordered(state, entry, req.seq_id, "load_weights", fn)
 
     # form 2: create-via-load; the SDK derives the model id "{session_id}:train:{model_seq_id}"
-    session_id = _require(body, "session_id", str)
-    model_seq_id = _require(body, "model_seq_id", int)
+    if req.session_id is None or req.model_seq_id is None:
+        raise ProtocolError("LoadWeightsRequest: needs model_id, or session_id with model_seq_id")
+    session_id, model_seq_id = req.session_id, req.model_seq_id
     _session(state, session_id)
     key = (session_id, model_seq_id)
     if key in state.model_requests:
         return web.json_response({"request_id": state.model_requests[key]})
     model_id = f"{session_id}:train:{model_seq_id}"
-    optimizer = body.get("optimizer_config") or {"type": "adamw"}
     request_id, fut = state.new_future()
     state.model_requests[key] = request_id
 
     async def work() -> _Outcome:
-        if optimizer.get("type", "adamw") != "adamw":
-            raise UserError(f"optimizer {optimizer.get('type')!r} is not supported; only 'adamw'")
+        _check_optimizer(req.optimizer_config)
         engine_id = await _run_engine(
             state, state.misc_pool, "load_weights",
-            lambda: state.engine.create_model_from_state(path, with_optimizer, model_id=model_id),
+            lambda: state.engine.create_model_from_state(path, req.optimizer, model_id=model_id),
         )
         info = await _run_engine(state, state.misc_pool, "get_info", lambda: state.engine.get_info(engine_id))
-        base_model = (body.get("base_model") or info.get("requested_base_model")
-                      or state.path_base_model.get(path) or constants.BASE_MODEL)
-        _new_entry(state, model_id, engine_id, base_model, session_id)
-        return _Outcome("json", {"path": path, "model_id": model_id, "type": "load_weights"})
+        saved = state.checkpoints.get(path)
+        base_model = (req.base_model or info.get("requested_base_model")
+                      or (saved.base_model if saved else None) or constants.BASE_MODEL)
+        _new_entry(state, model_id, engine_id, base_model, session_id, lora_rank=info.get("lora_rank"),
+                   user_metadata=_str_metadata(req.user_metadata))
+        return _Outcome("json", dump(types.LoadWeightsResponse(path=path, model_id=model_id, type="load_weights")))
 
     _spawn(state, fut, "load_weights", work)
     return web.json_response({"request_id": request_id, "model_id": model_id})
 
 
+# ---- handlers: sampling ------------------------------------------------------------------------
+
+
 async def _create_sampling_session(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    session_id = _require(body, "session_id", str)
-    seq = _require(body, "sampling_session_seq_id", int)
-    _session(state, session_id)
-    model_path = body.get("model_path")
-    base_model = body.get("base_model")
-    if model_path is None:
+    req = await _parse(request, types.CreateSamplingSessionRequest)
+    _session(state, req.session_id)
+    base_model = req.base_model
+    if req.model_path is None:
         if base_model is None:
             raise UserError("create_sampling_session needs model_path or base_model")
-        if base_model not in state.served_models():
-            raise UserError(f"base model {base_model!r} is not served; served models: {state.served_models()}")
+        _check_served(state, base_model)
     else:
-        if not model_path.startswith("tinker://"):
-            raise UserError(f"model_path must start with tinker://, got {model_path!r}")
-        base_model = base_model or state.path_base_model.get(model_path) or constants.BASE_MODEL
-    sampler_id = _new_sampler(state, session_id, seq, base_model, model_path)
-    return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
+        if not req.model_path.startswith("tinker://"):
+            raise UserError(f"model_path must start with tinker://, got {req.model_path!r}")
+        saved = state.checkpoints.get(req.model_path)
+        base_model = base_model or (saved.base_model if saved else None) or constants.BASE_MODEL
+    sampler_id = _new_sampler(state, req.session_id, req.sampling_session_seq_id, base_model, req.model_path)
+    return web.json_response(dump(types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)))
 
 
 async def _get_sampler(request: web.Request) -> web.Response:
@@ -849,53 +963,53 @@ async def _get_sampler(request: web.Request) -> web.Response:
     if sampler_id not in state.samplers:
         return _error_json(f"unknown sampler {sampler_id!r}", 404)
     s = state.samplers[sampler_id]
-    return web.json_response({"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path})
+    return web.json_response(dump(types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model,
+                                                           model_path=s.model_path)))
 
 
-_UNSUPPORTED_SAMPLE_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+def _unsupported_sample_fields(req: types.SampleRequest) -> list[str]:
+    return [name for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
+                              "target_prompt_logprobs", "record_stability_info") if getattr(req, name)]
 
 
 async def _asample(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    for name in _UNSUPPORTED_SAMPLE_FIELDS:
-        if body.get(name):
-            raise UserError(f"asample: {name} is not supported by the local server")
-    if body.get("target_prompt_logprobs") is not None:
-        raise UserError("asample: target_prompt_logprobs is not supported by the local server")
-    sampler_id = body.get("sampling_session_id")
-    if sampler_id is not None:
-        if sampler_id not in state.samplers:
-            raise UserError(f"asample: unknown sampling_session_id {sampler_id!r}")
-        sampler = state.samplers[sampler_id]
+    req = await _parse(request, types.SampleRequest)
+    unsupported = _unsupported_sample_fields(req)
+    if unsupported:
+        raise UserError(f"asample: {', '.join(unsupported)} not supported by the local server")
+    if req.sampling_session_id is not None:
+        if req.sampling_session_id not in state.samplers:
+            raise UserError(f"asample: unknown sampling_session_id {req.sampling_session_id!r}")
+        sampler = state.samplers[req.sampling_session_id]
         target = sampler.model_path or sampler.base_model
     else:
-        target = body.get("model_path") or body.get("base_model")
+        target = req.model_path or req.base_model
         if not target:
             raise UserError("asample needs sampling_session_id, model_path or base_model")
-    prompt = prompt_tokens_of(_require(body, "prompt", dict))
+        if req.model_path is None:
+            _check_served(state, target)
+    prompt = prompt_tokens_of(req.prompt)
     if not prompt:
         raise UserError("asample: empty prompt")
-    params = _require(body, "sampling_params", dict)
-    num_samples = int(body.get("num_samples", 1))
-    if num_samples < 1:
-        raise UserError(f"asample: num_samples must be >= 1, got {num_samples}")
-    max_tokens = params.get("max_tokens")
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise UserError(f"asample: sampling_params.max_tokens must be a positive integer, got {max_tokens!r}")
-    stop_ids, stop_strings = parse_stop(params.get("stop"), state.default_stop_ids())
-    want_prompt_lp = bool(body.get("prompt_logprobs"))
-    last_n = body.get("prompt_logprobs_last_n")
-    if last_n is not None and not (want_prompt_lp and 1 <= int(last_n) <= len(prompt) - 1):
+    if req.num_samples < 1:
+        raise UserError(f"asample: num_samples must be >= 1, got {req.num_samples}")
+    params = req.sampling_params
+    if params.max_tokens is None or params.max_tokens < 1:
+        raise UserError(f"asample: sampling_params.max_tokens must be a positive integer, got {params.max_tokens!r}")
+    stop_ids, stop_strings = parse_stop(params.stop, state.default_stop_ids())
+    want_prompt_lp = bool(req.prompt_logprobs)
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None and not (want_prompt_lp and 1 <= last_n <= len(prompt) - 1):
         raise UserError(f"asample: prompt_logprobs_last_n must be in [1, {len(prompt) - 1}] with prompt_logprobs")
+    num_samples = req.num_samples
     request_id, fut = state.new_future()
     sequence_ids = [f"{request_id}:{i}" for i in range(num_samples)]
 
     def fn() -> _Outcome:
         seqs = state.engine.sample(
-            target, prompt, num_samples, max_tokens,
-            float(params.get("temperature", 1.0)), int(params.get("top_k", -1)),
-            float(params.get("top_p", 1.0)), stop_ids, stop_strings, params.get("seed"), want_prompt_lp,
+            target, prompt, num_samples, params.max_tokens, float(params.temperature), int(params.top_k),
+            float(params.top_p), stop_ids, stop_strings, params.seed, want_prompt_lp,
         )
         if len(seqs) != num_samples:
             raise RuntimeError(f"engine returned {len(seqs)} sequences for {num_samples} samples")
@@ -903,7 +1017,7 @@ async def _asample(request: web.Request) -> web.Response:
         if want_prompt_lp:
             prompt_lp = _prompt_logprobs_of(seqs, len(prompt))
             if last_n is not None:
-                cut = len(prompt) - int(last_n)
+                cut = len(prompt) - last_n
                 prompt_lp = [None] * cut + prompt_lp[cut:]
         return _Outcome("proto", encode_sample_response(seqs, prompt_lp))
 
@@ -927,10 +1041,13 @@ def _prompt_logprobs_of(seqs: list[Any], prompt_len: int) -> list[float | None]:
     return lp
 
 
+# ---- handlers: futures -------------------------------------------------------------------------
+
+
 async def _retrieve_future(request: web.Request) -> web.Response:
     state = _state(request)
-    body = await _json_body(request)
-    request_id = _require(body, "request_id", str)
+    req = await _parse(request, types.FutureRetrieveRequest)
+    request_id = req.request_id
     fut = state.results.get(request_id)
     if fut is None:
         return _error_json(f"unknown request_id {request_id!r}", 404)
@@ -950,6 +1067,81 @@ async def _retrieve_future(request: web.Request) -> web.Response:
 
 
 async def _cancel_future(request: web.Request) -> web.Response:
-    # Engine calls cannot be interrupted; the result is simply never fetched.
-    await _json_body(request)
+    # Same body shape as retrieve_future ({"request_id"}). Engine calls cannot be interrupted;
+    # the result is simply never fetched.
+    await _parse(request, types.FutureRetrieveRequest)
     return web.json_response({})
+
+
+# ---- handlers: REST reads (RestClient, cookbook checkpoint_utils) --------------------------------
+
+
+def _int_query(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ProtocolError(f"query parameter {name} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ProtocolError(f"query parameter {name} must be >= 0, got {value}")
+    return value
+
+
+def _page(request: web.Request, total: int) -> tuple[int, int]:
+    limit = _int_query(request, "limit", 20)
+    offset = _int_query(request, "offset", 0)
+    return offset, offset + limit if limit else total
+
+
+async def _get_training_run(request: web.Request) -> web.Response:
+    state = _state(request)
+    model_id = request.match_info["model_id"]
+    if model_id not in state.models:
+        return _error_json(f"unknown training run {model_id!r}", 404)
+    return web.json_response(dump(state.training_run(state.models[model_id])))
+
+
+async def _list_training_runs(request: web.Request) -> web.Response:
+    state = _state(request)
+    runs = [state.training_run(e) for e in state.models.values()]
+    lo, hi = _page(request, len(runs))
+    cursor = types.Cursor(offset=lo, limit=hi - lo, total_count=len(runs))
+    return web.json_response(dump(types.TrainingRunsResponse(training_runs=runs[lo:hi], cursor=cursor)))
+
+
+async def _list_checkpoints(request: web.Request) -> web.Response:
+    state = _state(request)
+    model_id = request.match_info["model_id"]
+    if model_id not in state.models:
+        return _error_json(f"unknown training run {model_id!r}", 404)
+    mine = [r.checkpoint for r in state.checkpoints.values() if r.model_id == model_id]
+    return web.json_response(dump(types.CheckpointsListResponse(checkpoints=mine)))
+
+
+async def _list_user_checkpoints(request: web.Request) -> web.Response:
+    state = _state(request)
+    every = [r.checkpoint for r in state.checkpoints.values()]
+    lo, hi = _page(request, len(every))
+    cursor = types.Cursor(offset=lo, limit=hi - lo, total_count=len(every))
+    return web.json_response(dump(types.CheckpointsListResponse(checkpoints=every[lo:hi], cursor=cursor)))
+
+
+class WeightsInfoRequest(pydantic.BaseModel):
+    """Body of `POST weights_info` (RestClient.get_weights_info_by_tinker_path posts it untyped)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    tinker_path: str
+
+
+async def _weights_info(request: web.Request) -> web.Response:
+    state = _state(request)
+    req = await _parse(request, WeightsInfoRequest)
+    saved = state.checkpoints.get(req.tinker_path)
+    if saved is None:
+        return _error_json(f"unknown checkpoint {req.tinker_path!r} (not saved through this server)", 404)
+    return web.json_response(dump(types.WeightsInfoResponse(
+        base_model=saved.base_model, optimizer_config=types.AdamOptimizerConfig(), is_lora=True,
+        lora_rank=saved.lora_rank, train_unembed=True, train_mlp=True, train_attn=True,
+    )))

@@ -58,24 +58,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dppo_harness.constants import BASE_MODEL
 from dppo_harness.local_server import model as M
+from dppo_harness.local_server.errors import UserError  # noqa: F401 - re-exported (i10s)
+from dppo_harness.local_server.loss_fns import get_loss  # loss registry (i10s)
 from dppo_harness.local_server.vocab import Vocab, get_tokenizer, load_vocab
 
 DatumIn = tuple[Sequence[int], dict[str, np.ndarray]]
 FwdBwdOut = tuple[list[dict[str, np.ndarray]], dict[str, float]]
 
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
-_REQUIRED_INPUTS = {
-    "cross_entropy": ("target_tokens", "weights"),
-    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-    "ppo": ("target_tokens", "logprobs", "advantages"),
-}
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memory)
 _NAME_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
-
-
-class UserError(Exception):
-    """Bad request from the client; maps to an error with category "user"."""
 
 
 @dataclass
@@ -253,8 +245,7 @@ class Engine:
 
     # ----- trainer --------------------------------------------------------------------------
     def _validate(self, data: Sequence[DatumIn], loss_fn: str) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        if loss_fn not in LOSS_FNS:
-            raise UserError(f"unsupported loss_fn {loss_fn!r}; supported: {list(LOSS_FNS)}")
+        required_inputs = get_loss(loss_fn).inputs  # UserError naming the supported losses (i10s)
         if len(data) == 0:
             raise UserError("data is empty")
         out = []
@@ -266,7 +257,7 @@ class Engine:
             if T > self.config.max_position_embeddings:
                 raise UserError(f"datum {i}: {T} tokens exceed the model's {self.config.max_position_embeddings}")
             conv: dict[str, torch.Tensor] = {}
-            for key in _REQUIRED_INPUTS[loss_fn]:
+            for key in required_inputs:
                 if key not in inputs or inputs[key] is None:
                     raise UserError(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]")
                 arr = np.asarray(inputs[key]).reshape(-1)
@@ -316,30 +307,11 @@ class Engine:
 
     @staticmethod
     def _loss(loss_fn: str, lp_T: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
-        if loss_fn == "cross_entropy":
-            return -lp_T * inp["weights"]
-        ratio_T = torch.exp(lp_T - inp["logprobs"])
-        adv_T = inp["advantages"]
-        if loss_fn == "importance_sampling":
-            return -(ratio_T * adv_T)
-        lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
-        return -torch.minimum(ratio_T * adv_T, torch.clamp(ratio_T, lo, hi) * adv_T)
+        return get_loss(loss_fn).fn(lp_T, inp, cfg)  # loss registry (i10s)
 
     @staticmethod
     def _loss_cfg(loss_fn: str, loss_fn_config: dict | None) -> dict:
-        cfg = dict(loss_fn_config or {})
-        if loss_fn != "ppo":
-            if cfg:
-                raise UserError(f"loss_fn {loss_fn!r} takes no loss_fn_config, got keys {sorted(cfg)}")
-            return {}
-        unknown = set(cfg) - {"clip_low_threshold", "clip_high_threshold"}
-        if unknown:
-            raise UserError(f"unknown ppo loss_fn_config keys {sorted(unknown)}")
-        out = {"clip_low_threshold": float(cfg.get("clip_low_threshold", 0.8)),
-               "clip_high_threshold": float(cfg.get("clip_high_threshold", 1.2))}
-        if not (0 < out["clip_low_threshold"] <= 1.0 <= out["clip_high_threshold"]):
-            raise UserError(f"ppo thresholds must satisfy 0 < low <= 1 <= high, got {out}")
-        return out
+        return get_loss(loss_fn).config(loss_fn_config)  # loss registry (i10s)
 
     def _run(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: dict | None,
              backward: bool) -> FwdBwdOut:

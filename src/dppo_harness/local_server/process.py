@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dppo_harness.local_server.profiles import client_auth_headers
+
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 LOG_NAME = "server.log"
 _live: "weakref.WeakSet[LocalServerProcess]" = weakref.WeakSet()
@@ -43,8 +45,9 @@ def _src_root() -> str:
     return str(Path(dppo_harness.__file__).resolve().parents[1])
 
 
-def _get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback URL we built
+def _get_json(url: str, timeout: float = 5.0, headers: Mapping[str, str] | None = None) -> Any:
+    request = urllib.request.Request(url, headers=dict(headers or {}))
+    with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 - loopback URL we built
         return json.loads(resp.read())
 
 
@@ -55,6 +58,11 @@ class LocalServerProcess:
         client = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
         ...
         srv.stats()  # GET /_harness/stats: fault counters, header names, whitelisted values
+
+    `profile="spindle"` starts `--profile spindle`; its expected credentials are read from `env`
+    (TINKER_API_KEY, MODAL_PROXY_TOKEN_ID, MODAL_PROXY_TOKEN_SECRET), and this helper's own probes
+    (healthz, stats) send them. `env=None` inherits this process's environment; a given `env` is
+    the child's whole environment (PYTHONPATH is added).
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class LocalServerProcess:
         *,
         port: int = 0,
         model: str | None = None,
+        profile: str = "default",
         sampler_dtype: str | None = None,
         seed: int | None = None,
         fault_args: Sequence[str] = (),
@@ -78,6 +87,9 @@ class LocalServerProcess:
                     "--run-dir", str(self.run_dir)]
         if model:
             self.cmd += ["--model", model]
+        self.profile = profile
+        if profile != "default":
+            self.cmd += ["--profile", profile]
         if sampler_dtype:
             self.cmd += ["--sampler-dtype", sampler_dtype]
         if seed is not None:
@@ -86,6 +98,8 @@ class LocalServerProcess:
         self.env = dict(os.environ if env is None else env)
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_root(), self.env.get("PYTHONPATH")) if p)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        # Never in the command line or a log: only sent as headers by this helper's probes.
+        self._probe_headers = client_auth_headers(self.env) if profile == "spindle" else {}
         self.proc: subprocess.Popen | None = None
         self.base_url: str = ""
         self.start_seconds: float | None = None
@@ -150,7 +164,8 @@ class LocalServerProcess:
     def _wait_healthy(self, t0: float) -> None:
         while True:
             try:
-                if _get_json(f"{self.base_url}/api/v1/healthz", timeout=2.0).get("status") == "ok":
+                health = _get_json(f"{self.base_url}/api/v1/healthz", timeout=2.0, headers=self._probe_headers)
+                if health.get("status") == "ok":
                     return
             except (urllib.error.URLError, OSError, ValueError):
                 pass
@@ -186,7 +201,7 @@ class LocalServerProcess:
     def stats(self) -> dict[str, Any]:
         """GET /_harness/stats while running; after exit, the stats file the server left behind."""
         if self.alive():
-            return _get_json(f"{self.base_url}/_harness/stats")
+            return _get_json(f"{self.base_url}/_harness/stats", headers=self._probe_headers)
         path = self.run_dir / "server_stats.json"
         if path.is_file():
             return json.loads(path.read_text())
@@ -249,7 +264,7 @@ class InProcessServer:
     (`engine.get_parameter_grads(server.state.engine_model_id(training_client.model_id))`).
     """
 
-    def __init__(self, engine: Any, faults: Any = None, sample_workers: int = 64) -> None:
+    def __init__(self, engine: Any, faults: Any = None, sample_workers: int = 64, profile: Any = None) -> None:
         from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
 
         cfg = faults or FaultConfig()
@@ -258,6 +273,7 @@ class InProcessServer:
         self._injector = FaultInjector(cfg)
         self._headers = HeaderRecorder(cfg.record_header_values)
         self._sample_workers = sample_workers
+        self._profile = profile  # a profiles.Profile; None = default
         self.state: Any = None
         self.base_url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -296,8 +312,10 @@ class InProcessServer:
 
         from dppo_harness.local_server.app import ServerState, build_app
 
+        from dppo_harness.local_server.profiles import Profile
+
         self.state = ServerState(self.engine, self._injector, self._headers, sample_workers=self._sample_workers,
-                                 on_die=self._on_die)
+                                 profile=self._profile or Profile(), on_die=self._on_die)
         self._runner = web.AppRunner(build_app(self.state), access_log=None, handle_signals=False)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
