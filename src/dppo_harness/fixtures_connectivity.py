@@ -25,4 +25,6 @@ def training_client_observer(evidence_bundle, service_backend):
     from dppo_harness import identity, service
 
     kwargs = service.client_kwargs(service_backend.kind, service_backend.base_url)
-    return identity.TrainingClientRecorder(evidence_bundle, str(kwargs["base_url"]), identity.auth_headers(kwargs))
+    recorder = identity.TrainingClientRecorder(evidence_bundle, str(kwargs["base_url"]), identity.auth_headers(kwargs))
+    yield recorder
+    recorder.flush()  # every client's get_info, in one file (keeps the bundle under its file limit)

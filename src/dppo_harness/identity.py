@@ -262,6 +262,8 @@ class TrainingClientRecorder:
     def __init__(self, bundle: Any, base_url: str, headers: Mapping[str, str], timeout_s: float = 10.0):
         self.bundle, self.base_url, self._headers, self.timeout_s = bundle, base_url, dict(headers), timeout_s
         self.records: list[ClientIdentity] = []
+        self._written: dict[str, str] = {}  # identity key -> file holding it
+        self._flushed = False
 
     def __call__(self, client: Any, label: str) -> ClientIdentity:
         sdk_info = client.get_info()
@@ -294,10 +296,30 @@ class TrainingClientRecorder:
                                     dict(backend_block or {}, embedded_server=marker.as_dict()))
         rec = ClientIdentity(label, model_id, info_json, caps, marker, name, source, errors)
         self.records.append(rec)
-        safe_label = re.sub(r"[^A-Za-z0-9._-]", "-", label)[:40]
-        self.bundle.register_json(f"client-identity-{len(self.records):02d}-{safe_label}.json", "manifest",
-                                  rec.as_dict())
+        # A file now for the first client and for any client whose identity differs from all earlier
+        # ones; the rest (same identity, other model_id) go into the index written by flush().
+        key = _identity_key(rec)
+        if key not in self._written:
+            safe_label = re.sub(r"[^A-Za-z0-9._-]", "-", label)[:40]
+            name_ = f"client-identity-{len(self._written) + 1:02d}-{safe_label}.json"
+            self.bundle.register_json(name_, "manifest", rec.as_dict())
+            self._written[key] = name_
         return rec
+
+    def flush(self, name: str = "client-identities.json") -> None:
+        """Every training client's complete get_info, in creation order (once, at session end)."""
+        if not self.records or self._flushed:
+            return
+        self._flushed = True
+        self.bundle.register_json(name, "manifest", {
+            "clients": [{"label": r.label, "model_id": r.model_id, "get_info": r.get_info,
+                         "served_model": r.served_model, "served_model_source": r.served_model_source,
+                         "embedded_server": r.marker.as_dict() if r.marker else None, "errors": r.errors,
+                         "capabilities_and_identity_file": self._written[_identity_key(r)]}
+                        for r in self.records],
+            "note": "get_server_capabilities of each client is in the named file (identical for all clients "
+                    "sharing it: the file is written per distinct model_data + capabilities + marker)",
+        })
 
 
 def record_session_identity(bundle: Any, report: Any, option_backend: str, sdk_versions: Mapping[str, str]) -> None:
@@ -333,3 +355,15 @@ def finalize_labels(bundle: Any) -> None:
     missing = labels_missing_stand_in(bundle.result)
     if missing:
         bundle.update_result(**missing)
+
+
+def _identity_key(rec: ClientIdentity) -> str:
+    """What must be equal for two clients to share an identity file (everything but the model id)."""
+    import hashlib
+    import json
+
+    info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
+    info.pop("model_id", None)
+    blob = json.dumps([info, rec.capabilities, rec.marker.as_dict() if rec.marker else None, rec.served_model],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -153,6 +153,10 @@ def test_rehearsal_label_and_stand_in_everywhere(spindle_run):
         assert rec["served_model"] == stand_in and rec["embedded_server"]["stand_in"] == stand_in
         assert rec["get_info"]["model_data"]["embedded_server"] == "dppo-harness"
         assert rec["get_server_capabilities"]["embedded_server"]["profile"] == "spindle"
+    index = json.loads((bundle / "files" / "client-identities.json").read_text())["clients"]
+    assert len(index) >= 3 and len({c["model_id"] for c in index}) == len(index)  # every training client
+    assert all(c["served_model"] == stand_in and c["get_info"]["model_data"]["embedded_server"] == "dppo-harness"
+               for c in index)
 
 
 def test_planted_values_in_no_evidence_file(spindle_run):

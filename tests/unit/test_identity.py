@@ -125,3 +125,15 @@ def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):
     saved = json.loads(b.file_path("client-identity-01-create_lora_training_client.json").read_bytes())
     assert saved["get_info"]["model_data"]["embedded_server"] == EMBEDDED_SERVER_MARKER
     assert saved["get_server_capabilities"]["embedded_server"]["stand_in"] == STAND_IN
+
+    # a second client with the same identity: no new file now, one index entry at flush
+    full2 = dict(full, model_id="m2")
+    monkeypatch.setattr(identity, "get_info_raw", lambda *a, **k: identity.RawResponse(200, full2, EMBEDDED_SERVER_MARKER))
+    info2 = SimpleNamespace(model_id="m2", model_dump=lambda mode: {"model_id": "m2"})
+    rec(SimpleNamespace(get_info=lambda: info2), "create_training_client_from_state")
+    assert len([f for f in b.files() if f["name"].startswith("client-identity-")]) == 1
+    rec.flush()
+    rec.flush()  # once only
+    index = json.loads(b.file_path("client-identities.json").read_bytes())
+    assert [c["model_id"] for c in index["clients"]] == ["m1", "m2"]
+    assert index["clients"][1]["get_info"]["model_data"]["embedded_server"] == EMBEDDED_SERVER_MARKER
