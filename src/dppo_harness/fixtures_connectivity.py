@@ -17,7 +17,8 @@ def connectivity(service_backend, plan):
     try:
         return check_connectivity(service_backend.kind, service_backend.base_url, plan.base_model)
     except ConnectivityError as exc:
-        pytest.fail(f"connectivity preflight ({exc.check}): {exc.line}", pytrace=False)
+        line = f"connectivity preflight ({exc.check}): {exc.line}"
+    pytest.fail(line, pytrace=False)  # outside the except: the one line, without a chained traceback
 
 
 @pytest.fixture(scope="session")
