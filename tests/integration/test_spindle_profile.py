@@ -74,9 +74,9 @@ def _harness_env(base_url: str | None, **overrides: str | None) -> dict[str, str
 
 def _harness(args: list[str], env: dict[str, str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    # --rootdir: with a plan outside the repo and no test path, pytest would pick rootdir from the plan's folder.
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
-                           f"--rootdir={ROOT}", *args],
+    # Options as --opt=value: a separate value that is a path outside the repo (the plan, the evidence
+    # dir) would be taken for a test path before the harness plugin is loaded from conftest.py.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
@@ -110,8 +110,8 @@ def spindle(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spindle_run(spindle, plan_file, tmp_path_factory):
     evidence = tmp_path_factory.mktemp("evidence-tinker")
-    proc, secs = _harness(["-m", "diagnostic", "--backend", "tinker", "--plan", str(plan_file),
-                           "--evidence-dir", str(evidence), "--timeout=900"],
+    proc, secs = _harness(["-m", "diagnostic", "--backend=tinker", f"--plan={plan_file}",
+                           f"--evidence-dir={evidence}", "--timeout=900"],
                           _harness_env(spindle.base_url), timeout=1200)
     return proc, secs, evidence
 
@@ -179,8 +179,8 @@ def test_same_plan_on_the_local_backend_computes_the_same(spindle_run, plan_file
     """
     _, _, evidence = spindle_run
     local_ev = tmp_path / "evidence-local"
-    proc, secs = _harness(["tests/preflight", "tests/diagnostic", "--backend", "local", "--plan", str(plan_file),
-                           "--evidence-dir", str(local_ev), "--timeout=900"],
+    proc, secs = _harness(["tests/preflight", "tests/diagnostic", "--backend=local", f"--plan={plan_file}",
+                           f"--evidence-dir={local_ev}", "--timeout=900"],
                           _harness_env(None, TINKER_API_KEY=None, MODAL_PROXY_TOKEN_ID=None,
                                        MODAL_PROXY_TOKEN_SECRET=None), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -199,8 +199,8 @@ def test_long_storm_ends_in_a_correct_capacity_block(plan_file, tmp_path):
     srv = _spindle(tmp_path / "storm", "--fault-capacity-exhausted", "100000")
     try:
         evidence = tmp_path / "evidence-storm"
-        proc, secs = _harness(["tests/preflight", "--backend", "tinker", "--plan", str(plan_file),
-                               "--evidence-dir", str(evidence)], _harness_env(srv.base_url), timeout=300)
+        proc, secs = _harness(["tests/preflight", "--backend=tinker", f"--plan={plan_file}",
+                               f"--evidence-dir={evidence}"], _harness_env(srv.base_url), timeout=300)
         assert proc.returncode != 0
         r = _result(evidence)
         assert r["status"] == "failed" and r["verdict"] == "inconclusive"
@@ -233,8 +233,8 @@ def test_bad_credentials_one_line_within_30s(case, spindle, tmp_path):
             s.bind(("127.0.0.1", 0))
             url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
         expect = f"cannot connect to TINKER_BASE_URL {url}"
-    proc, secs = _harness(["tests/preflight/test_connectivity.py", "--backend", "tinker",
-                           "--evidence-dir", str(tmp_path / "ev")], _harness_env(url, **overrides), timeout=60)
+    proc, secs = _harness(["tests/preflight/test_connectivity.py", "--backend=tinker",
+                           f"--evidence-dir={tmp_path / 'ev'}"], _harness_env(url, **overrides), timeout=60)
     assert secs < 30, f"{case}: {secs:.1f} s"
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
