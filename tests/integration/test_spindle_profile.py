@@ -36,7 +36,8 @@ PLANTED = {  # planted, not real: the server checks them, the evidence must neve
 }
 SHORT_STORM = 2  # refusals; backoff 0.6 s + 1.2 s at scale 0.01, inside the 6 s window
 CAPACITY_SCALE = "0.01"  # backoff 0.6/1.2/2.4 s, give-up window 6 s before any comparison step
-POOLED_RTOL = 1e-6  # see test_same_plan_on_the_local_backend_computes_the_same
+SAMPLER_LP_ATOL = 1e-4  # see test_same_plan_on_the_local_backend_computes_the_same
+POOLED_ATOL = 1e-4
 
 
 def _proc_children() -> set[int]:
@@ -173,11 +174,18 @@ def test_planted_values_in_no_evidence_file(spindle_run):
 def test_same_plan_on_the_local_backend_computes_the_same(spindle_run, plan_file, tmp_path):
     """Same plan and seed on `--backend local` (its own embedded server, default profile).
 
-    Both servers run the same deterministic CPU engine with the same seeds (one seeded generator per
-    sampling request), so every tensor of the frozen batch is expected to be bitwise equal; the
-    pooled statistics are sums and quantiles over the same tensors after the same updates, compared
-    at rtol 1e-6 to allow float summation order only.
+    Bitwise: every frozen-batch tensor except the sampler logprobs (tokens, advantages, masks,
+    rewards, ids, lengths). Not bitwise across server processes: the sampler logprobs. The embedded
+    sampler batches the requests that arrive within a short window and left-pads them to one
+    length, so which groups share a forward pass depends on arrival timing and changes float
+    summation order (two runs that happened to batch alike matched bitwise). Measured differences
+    are ~1e-6; the sampled tokens agree. So sampler logprobs are compared at SAMPLER_LP_ATOL and
+    the pooled second-epoch statistics (which use them as p_old) at POOLED_ATOL, counts exactly.
     """
+    import io
+
+    import numpy as np
+
     _, _, evidence = spindle_run
     local_ev = tmp_path / "evidence-local"
     proc, secs = _harness(["tests/preflight", "tests/diagnostic", "--backend=local", f"--plan={plan_file}",
@@ -186,18 +194,29 @@ def test_same_plan_on_the_local_backend_computes_the_same(spindle_run, plan_file
                                        MODAL_PROXY_TOKEN_SECRET=None), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     print(f"local-backend run: {secs:.0f} s")
-    # The frozen batch's overall sha256 also covers run metadata (creation time, checkpoint URIs with
-    # session ids), so the comparison is per tensor field: tokens, sampler logprobs, advantages, masks...
-    fa, fb = (json.loads((_bundle_dir(e) / "files" / "diagnostic-frozen-batch.manifest.json").read_text())["fields"]
-              for e in (evidence, local_ev))
-    assert fa == fb, {k: (fa[k], fb.get(k)) for k in fa if fa[k] != fb.get(k)}
-    a = json.loads((_bundle_dir(evidence) / "files" / "diagnostic-analysis.json").read_text())
-    b = json.loads((_bundle_dir(local_ev) / "files" / "diagnostic-analysis.json").read_text())
-    pa, pb = a["pooled_second_epoch"], b["pooled_second_epoch"]
+    files = [_bundle_dir(e) / "files" for e in (evidence, local_ev)]
+    # The overall frozen-batch sha256 also covers run metadata (time, checkpoint URIs): compare fields.
+    fa, fb = (json.loads((f / "diagnostic-frozen-batch.manifest.json").read_text())["fields"] for f in files)
+    assert set(fa) == set(fb)
+    assert {k: v for k, v in fa.items() if k != "sampler_logprobs_N"} == \
+           {k: v for k, v in fb.items() if k != "sampler_logprobs_N"}
+    za, zb = (np.load(io.BytesIO((f / "diagnostic-frozen-batch.npz").read_bytes())) for f in files)
+    lp_diff = float(np.max(np.abs(za["sampler_logprobs_N"].astype(np.float64) - zb["sampler_logprobs_N"])))
+    print(f"frozen batch: sampler logprobs max |diff| {lp_diff:.3g} (bitwise: {fa['sampler_logprobs_N'] == fb['sampler_logprobs_N']})")
+    assert lp_diff <= SAMPLER_LP_ATOL
+    pa, pb = (json.loads((f / "diagnostic-analysis.json").read_text())["pooled_second_epoch"] for f in files)
     assert set(pa) == set(pb)
-    for k in pa:
-        if isinstance(pa[k], (int, float)):
-            assert pb[k] == pytest.approx(pa[k], rel=POOLED_RTOL, abs=1e-12), k
+    worst = 0.0
+    for k, va in pa.items():
+        vb = pb[k]
+        if isinstance(va, bool) or not isinstance(va, (int, float)):
+            assert va == vb, k
+        elif isinstance(va, int) and isinstance(vb, int):
+            assert va == vb, k  # token counts, removed/clipped/exceedance counts
+        else:
+            worst = max(worst, abs(va - vb))
+            assert vb == pytest.approx(va, abs=POOLED_ATOL), k
+    print(f"pooled second-epoch statistics: max |diff| {worst:.3g}")
 
 
 def test_long_storm_ends_in_a_correct_capacity_block(plan_file, tmp_path):
