@@ -20,13 +20,15 @@ import pytest
 logger = logging.getLogger(__name__)
 
 
-def backend_info(service_backend: Any, plan: Any, client: Any) -> Any:
+def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: Any = None) -> Any:
     """plans.BackendInfo from what the server reported at client creation."""
-    from dppo_harness import plans, service
+    from dppo_harness import identity, plans, service
 
     info = client.get_info()
     served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
         info.model_data.model_name or info.model_name or plan.base_model)
+    if backend_block:  # issue 10: on the embedded server (marker seen) the stand-in computes
+        served = identity.served_model(info.model_data.model_dump(), backend_block)[0] or served
     return plans.BackendInfo(backend=service_backend.kind, requested_model=plan.base_model,
                              served_model=str(served), base_url=service.redact_url(service_backend.base_url),
                              sdk_versions=service.sdk_versions())
@@ -39,24 +41,35 @@ def run_spec(plan, spec_plan) -> dict:
 
 
 @pytest.fixture(scope="session")
-def restoration(service_client, service_backend, spec_plan, run_spec, evidence_bundle):
+def restoration(service_client, service_backend, spec_plan, run_spec, evidence_bundle, training_client_observer,
+                client_registry):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
-    from dppo_harness.service import call_with_capacity_retry, make_service_client
+    from dppo_harness.service import CapacityExhausted, CapacityPolicy, call_with_capacity_retry, make_service_client
 
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
-    probe_sc = make_service_client(service_backend.kind, service_backend.base_url)
+    probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
+                                   observer=training_client_observer)  # issue 10
+    policy = CapacityPolicy.from_env()  # issue 10
     try:
         result = R.run_restoration_preflight(
             service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
             probe_service_client=probe_sc, spec_raw=run_spec, base_model=run_spec["base_model"],
-            call=lambda fn: call_with_capacity_retry(fn),  # 429/503/capacity on client creation
+            # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
+            call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
             update_norm_unavailable_reason=(
                 "tinker backend: the API exposes neither parameters nor an update-norm metric "
                 "(optim_step reports the gradient norm only); update norms were not measured"),
         )
+    except CapacityExhausted as exc:  # issue 10: the run ends with the brief's capacity_block
+        fields = exc.block.result_fields()
+        if evidence_bundle.result["original_hypothesis_tested"] is None:
+            fields.update(original_hypothesis_tested=False,
+                          tested_instead="nothing: the run stopped on service capacity before any training")
+        evidence_bundle.update_result(**fields)
+        pytest.fail(f"capacity: {exc}", pytrace=False)
     finally:
         try:
             fut = probe_sc.close("success")
@@ -82,7 +95,8 @@ def feasibility(service_client, service_backend, plan, evidence_bundle, verified
 
     arm_client = next(iter(verified_restoration.clients.values()))
     overrides, reductions = F.local_rehearsal(plan) if service_backend.kind == "local" else ({}, [])
-    info = replace(backend_info(service_backend, plan, arm_client), size_reductions=tuple(reductions))
+    info = replace(backend_info(service_backend, plan, arm_client, evidence_bundle.result.get("backend")),
+                   size_reductions=tuple(reductions))
     eff = plans.effective_config(plan, info)
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).

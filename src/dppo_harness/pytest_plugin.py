@@ -34,7 +34,8 @@ _PLAN_KEY = pytest.StashKey[Plan]()
 _ITEMS_KEY = pytest.StashKey[list[pytest.Item]]()
 
 # Fixture modules of later stages; each owns the session fixtures of its step.
-FIXTURE_PLUGINS = ("dppo_harness.fixtures_preflight", "dppo_harness.fixtures_stages")
+FIXTURE_PLUGINS = ("dppo_harness.fixtures_preflight", "dppo_harness.fixtures_stages",
+                   "dppo_harness.fixtures_connectivity")  # issue 10: connectivity + served identity
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if state.outcome is not None and not state.first_failure:
         state.bundle.finish(**state.outcome)
     state.bundle.finish_session(stage_failures=dict(state.first_failure))
+    from dppo_harness.identity import finalize_labels  # issue 10: the stand-in stays named
+
+    finalize_labels(state.bundle)
 
 
 def propose_outcome(config: pytest.Config, **fields: object) -> None:
@@ -296,12 +300,14 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
 
 
 @pytest.fixture(scope="session")
-def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry) -> tinker.ServiceClient:
+def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry,
+                   training_client_observer: Any) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
     from dppo_harness.service import make_service_client
 
     return make_service_client(
-        service_backend.kind, service_backend.base_url, registry=client_registry, stage="session"
+        service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
+        observer=training_client_observer,  # issue 10: every training client's identity -> evidence
     )
 
 
@@ -318,7 +324,7 @@ def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
 
 @pytest.fixture(scope="session")
 def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan: Plan,
-                    service_backend: ServiceBackend) -> EvidenceBundle:
+                    service_backend: ServiceBackend, connectivity: Any) -> EvidenceBundle:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.feasibility import local_rehearsal
 
@@ -333,8 +339,14 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
         test_files=sorted({str(p) for p in _stage_test_files(pytestconfig)}),
         size_reductions=reductions,
         # The embedded server names its stand-in model; a real service names it at client creation.
-        served_model=service_backend.server.stats()["served_model"] if service_backend.server else None,
+        served_model=(connectivity.marker.stand_in if connectivity.marker and connectivity.marker.stand_in  # issue 10
+                      else service_backend.server.stats()["served_model"] if service_backend.server else None),
     )
+    # issue 10: the connectivity report; on the embedded server (marker), the rehearsal label.
+    from dppo_harness.identity import record_session_identity
+    from dppo_harness.service import sdk_versions
+
+    record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())
     pytestconfig.stash[_STATE_KEY].bundle = bundle
     return bundle
 

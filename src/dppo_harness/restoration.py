@@ -478,7 +478,11 @@ def create_from_state_observed(
         info = await fetch_training_info(holder, model_id)
         return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info), response
 
-    return holder.run_coroutine_threadsafe(_create()).result()
+    client, response = holder.run_coroutine_threadsafe(_create()).result()
+    from dppo_harness.service import notify_training_client  # noqa: PLC0415 - issue 10: identity evidence
+
+    notify_training_client(service_client, client, "create_training_client_from_state_with_optimizer")
+    return client, response
 
 
 class UpdateNormMeasure(Protocol):

@@ -103,6 +103,7 @@ def make_service_client(
     proxy_tokens: ProxyTokens = "modal",
     registry: ClientRegistry | None = None,
     stage: str = "session",
+    observer: "TrainingClientObserver | None" = None,
 ) -> tinker.ServiceClient:
     """A tinker.ServiceClient for `backend`. Construction is lazy (no network until first call).
 
@@ -110,11 +111,72 @@ def make_service_client(
     Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (proxy_tokens="modal", shared Spindle) or
     RUNS_PROXY_TOKEN_* (proxy_tokens="runs", a fork); proxy_tokens="none" sends no proxy headers.
     local: the given loopback base_url and constants.LOCAL_API_KEY; no environment needed.
+    observer: called with each training client this ServiceClient creates (see ObservedServiceClient).
     """
-    client = tinker.ServiceClient(**client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens))
+    kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
+    client = (tinker.ServiceClient(**kwargs) if observer is None
+              else ObservedServiceClient(observer=observer, **kwargs))
     if registry is not None:
         registry.register(client, stage=stage, label=f"{backend}-service-client")
     return client
+
+
+# ----------------------------------------------------------------------------- observed creation
+
+TrainingClientObserver = Callable[[Any, str], Any]  # (training client, creation label)
+
+
+class _ObservedFuture:
+    """A creation future whose first .result() hands the new client to the observer."""
+
+    def __init__(self, inner: Any, observe: Callable[[Any], None]):
+        self._inner, self._observe, self._seen = inner, observe, False
+
+    def result(self, timeout: float | None = None) -> Any:
+        client = self._inner.result(timeout)
+        if not self._seen:
+            self._seen = True
+            self._observe(client)
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class ObservedServiceClient(tinker.ServiceClient):
+    """A ServiceClient that reports every training client it creates, before the caller uses it.
+
+    The observer (e.g. identity.TrainingClientRecorder) records what the server says the client
+    is. Its errors are logged, never raised: observing must not change the run.
+    """
+
+    def __init__(self, *args: Any, observer: TrainingClientObserver, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._observer = observer
+
+    def observe(self, client: Any, label: str) -> None:
+        try:
+            self._observer(client, label)
+        except Exception as exc:  # noqa: BLE001 - see class docstring
+            logger.warning("recording training client (%s) failed: %s: %s", label, type(exc).__name__, exc)
+
+    def create_lora_training_client(self, *args: Any, **kwargs: Any) -> Any:
+        return _ObservedFuture(super().create_lora_training_client(*args, **kwargs),
+                               lambda c: self.observe(c, "create_lora_training_client"))
+
+    def create_training_client_from_state(self, *args: Any, **kwargs: Any) -> Any:
+        return _ObservedFuture(super().create_training_client_from_state(*args, **kwargs),
+                               lambda c: self.observe(c, "create_training_client_from_state"))
+
+    def create_training_client_from_state_with_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        return _ObservedFuture(super().create_training_client_from_state_with_optimizer(*args, **kwargs),
+                               lambda c: self.observe(c, "create_training_client_from_state_with_optimizer"))
+
+
+def notify_training_client(service_client: Any, client: Any, label: str) -> None:
+    """For code that builds a TrainingClient around the public methods (e.g. to keep a load response)."""
+    if isinstance(service_client, ObservedServiceClient):
+        service_client.observe(client, label)
 
 
 def live_secret_values(env: Mapping[str, str] | None = None) -> list[str]:
@@ -225,6 +287,9 @@ class ClientRegistry:
 # ----------------------------------------------------------------------------- capacity handling
 
 
+CAPACITY_SCALE_VAR = "DPPO_HARNESS_CAPACITY_SCALE"
+
+
 @dataclass(frozen=True)
 class CapacityPolicy:
     """Backoff 1, 2, 4 minutes (then 4 again); give up after ~10 min with no comparison step
@@ -234,6 +299,22 @@ class CapacityPolicy:
     give_up_no_steps_s: float = 600.0
     give_up_after_steps_s: float = 1800.0
     scale: float = 1.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "CapacityPolicy":
+        """The default policy, shrunk by DPPO_HARNESS_CAPACITY_SCALE (0 < scale <= 1) when set:
+        rehearsals and CI use it to exercise backoff and give-up in seconds, not minutes."""
+        env = os.environ if env is None else env
+        raw = env.get(CAPACITY_SCALE_VAR)
+        if not raw:
+            return cls()
+        try:
+            scale = float(raw)
+        except ValueError:
+            raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}") from None
+        if not 0.0 < scale <= 1.0:
+            raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}")
+        return cls(scale=scale)
 
     def backoff(self, attempt: int) -> float:
         return self.backoff_s[min(attempt, len(self.backoff_s) - 1)] * self.scale

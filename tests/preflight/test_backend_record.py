@@ -1,9 +1,10 @@
 """Stage `preflight`: the evidence names the backend and, on the embedded server, the substitution."""
 
 
-def test_backend_and_model_substitution_recorded(evidence_bundle, service_backend, plan):
+def test_backend_and_model_substitution_recorded(evidence_bundle, service_backend, plan, connectivity):
     result = evidence_bundle.result
-    assert result["backend"]["kind"] == service_backend.kind
+    # issue 10: the embedded server's marker makes the evidence kind `local` whatever --backend said.
+    assert result["backend"]["kind"] == ("local" if connectivity.marker else service_backend.kind)
     assert result["backend"]["requested_model"] == plan.base_model
     if service_backend.kind != "local":
         return

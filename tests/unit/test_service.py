@@ -212,3 +212,35 @@ def test_sdk_internal_retry_time_counts_toward_the_window():
         call_with_capacity_retry(fn, clock=clock, sleep=clock.sleep)
     assert clock.sleeps == [60.0] and e.value.attempts == 2
     assert e.value.block.error == "Service Unavailable" and e.value.block.released_clients is False
+
+
+def test_capacity_policy_scale_from_env():
+    from dppo_harness.service import CAPACITY_SCALE_VAR
+
+    assert CapacityPolicy.from_env({}) == CapacityPolicy()
+    p = CapacityPolicy.from_env({CAPACITY_SCALE_VAR: "0.01"})
+    assert p.backoff(0) == pytest.approx(0.6) and p.window(0) == pytest.approx(6.0) and p.window(1) == pytest.approx(18.0)
+    for bad in ("0", "-1", "2", "fast"):
+        with pytest.raises(ServiceConfigError, match=CAPACITY_SCALE_VAR):
+            CapacityPolicy.from_env({CAPACITY_SCALE_VAR: bad})
+
+
+def test_observed_service_client_reports_training_clients_without_breaking_them(monkeypatch):
+    from dppo_harness.service import ObservedServiceClient
+
+    seen = []
+
+    def boom(client, label):
+        seen.append((client, label))
+        raise RuntimeError("recording failed")
+
+    class _Fut:
+        def result(self, timeout=None):
+            return "tc"
+
+    monkeypatch.setattr(tinker.ServiceClient, "create_lora_training_client", lambda self, *a, **k: _Fut())
+    sc = make_service_client("tinker", env=FAKE_ENV, observer=boom)
+    assert isinstance(sc, ObservedServiceClient)
+    assert sc.create_lora_training_client(base_model="Qwen/Qwen3.5-2B").result() == "tc"  # observer error swallowed
+    assert seen == [("tc", "create_lora_training_client")]
+    assert type(make_service_client("tinker", env=FAKE_ENV)) is tinker.ServiceClient

@@ -1,0 +1,31 @@
+"""Session fixtures of the connectivity preflight (registered by the harness plugin).
+
+- `connectivity`: connectivity.check_connectivity on the session's backend, once, before any
+  training client; a failure fails the requesting test with its one line (later stages skip).
+- `training_client_observer`: records every training client's served identity into evidence.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def connectivity(service_backend, plan):
+    from dppo_harness.connectivity import ConnectivityError, check_connectivity
+
+    try:
+        return check_connectivity(service_backend.kind, service_backend.base_url, plan.base_model)
+    except ConnectivityError as exc:
+        line = f"connectivity preflight ({exc.check}): {exc.line}"
+    pytest.fail(line, pytrace=False)  # outside the except: the one line, without a chained traceback
+
+
+@pytest.fixture(scope="session")
+def training_client_observer(evidence_bundle, service_backend):
+    from dppo_harness import identity, service
+
+    kwargs = service.client_kwargs(service_backend.kind, service_backend.base_url)
+    recorder = identity.TrainingClientRecorder(evidence_bundle, str(kwargs["base_url"]), identity.auth_headers(kwargs))
+    yield recorder
+    recorder.flush()  # every client's get_info, in one file (keeps the bundle under its file limit)

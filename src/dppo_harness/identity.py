@@ -1,0 +1,369 @@
+"""Served-model identity: who really computes, whatever `--backend` says.
+
+The embedded server answers to the planned model's name (so the SDK accepts it) while a small
+stand-in computes. It marks itself on every response (header `X-Embedded-Tinker-Server`), in its
+capabilities (`embedded_server` key) and in `get_info().model_data` (`embedded_server` key). The
+SDK's response types drop unknown keys, so the raw JSON is read here with httpx, sending the same
+auth headers as the SDK. A run that meets the marker is a rehearsal, and every place that names
+the model names the stand-in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+
+CAPABILITIES_PATH = "/api/v1/get_server_capabilities"
+GET_INFO_PATH = "/api/v1/get_info"
+EMBEDDED_KEY = "embedded_server"
+
+
+@dataclass(frozen=True)
+class EmbeddedMarker:
+    """The embedded server's self-identification, and where it was seen."""
+
+    stand_in: str | None  # the model that really computes, e.g. local/tiny-qwen3-gsm8k
+    profile: str | None  # "default" or "spindle"
+    sources: tuple[str, ...]  # "header", "capabilities", "model_data"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"marker": EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile,
+                "sources": list(self.sources)}
+
+
+def detect_marker(headers: Mapping[str, str] | None = None, capabilities: Mapping[str, Any] | None = None,
+                  model_data: Mapping[str, Any] | None = None) -> EmbeddedMarker | None:
+    """The embedded-server marker from any of its three places, or None (a real service)."""
+    sources: list[str] = []
+    stand_in = profile = None
+    if headers is not None and _header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
+        sources.append("header")
+    caps = (capabilities or {}).get(EMBEDDED_KEY)
+    if isinstance(caps, Mapping) and caps.get("marker") == EMBEDDED_SERVER_MARKER:
+        sources.append("capabilities")
+        stand_in, profile = caps.get("stand_in") or None, caps.get("profile") or None
+    if model_data is not None and model_data.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER:
+        sources.append("model_data")
+        stand_in = stand_in or (model_data.get("arch") or None)
+    return EmbeddedMarker(stand_in, profile, tuple(sources)) if sources else None
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    for k, v in headers.items():
+        if k.lower() == name.lower():
+            return v
+    return None
+
+
+# ----------------------------------------------------------------------------- raw reads
+
+
+def auth_headers(client_kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """The headers the SDK sends for service.client_kwargs(...) (holds secrets: never log)."""
+    headers = {"X-API-Key": str(client_kwargs["api_key"])}
+    headers.update(client_kwargs.get("default_headers_overrides") or {})
+    return headers
+
+
+@dataclass(frozen=True)
+class RawResponse:
+    status: int
+    json: Any  # None when the body is not JSON
+    marker_header: str | None  # value of the embedded-server header, if present
+
+
+def _raw(method: str, base_url: str, path: str, headers: Mapping[str, str], timeout_s: float,
+         body: Any = None) -> RawResponse:
+    url = base_url.rstrip("/") + path
+    with httpx.Client(timeout=timeout_s, follow_redirects=False, trust_env=False) as http:
+        resp = http.request(method, url, headers=dict(headers), json=body)
+    try:
+        payload = resp.json()
+    except ValueError:
+        payload = None
+    return RawResponse(resp.status_code, payload, _header(resp.headers, EMBEDDED_SERVER_HEADER))
+
+
+def get_capabilities_raw(base_url: str, headers: Mapping[str, str], timeout_s: float = 10.0) -> RawResponse:
+    """GET get_server_capabilities as raw JSON (keeps keys the SDK type drops). Raises httpx errors."""
+    return _raw("GET", base_url, CAPABILITIES_PATH, headers, timeout_s)
+
+
+def get_info_raw(base_url: str, headers: Mapping[str, str], model_id: str, timeout_s: float = 10.0) -> RawResponse:
+    """POST get_info for one model as raw JSON (the complete model_data)."""
+    return _raw("POST", base_url, GET_INFO_PATH, headers, timeout_s, body={"model_id": model_id})
+
+
+# ----------------------------------------------------------------------------- the served model
+
+
+def served_model(model_data: Mapping[str, Any] | None, backend_block: Mapping[str, Any] | None) -> tuple[str | None, str]:
+    """The model that computes, and where that came from.
+
+    On the embedded server (seen now in model_data, or recorded earlier in the evidence's backend
+    block) it is the stand-in, never the name the server answers to; on a real service it is
+    `model_data.model_name`, the service's word.
+    """
+    md = dict(model_data or {})
+    block = dict(backend_block or {})
+    reported = md.get("model_name")
+    embedded = block.get("embedded_server")
+    marker = detect_marker(model_data=md)
+    if marker is not None or embedded or block.get("kind") == "local":
+        if md.get("arch"):
+            return str(md["arch"]), f"get_info().model_data.arch (embedded server's stand-in; model_name reports {reported!r})"
+        stand_in = (embedded or {}).get("stand_in") if isinstance(embedded, Mapping) else None
+        name = stand_in or block.get("served_model")
+        if name:
+            return str(name), f"evidence backend block (embedded server; get_info reports {reported!r})"
+        return None, f"embedded server exposes no stand-in name (get_info reports {reported!r})"
+    return (str(reported) if reported else None), "get_info().model_data.model_name"
+
+
+def substitution_deviation(requested_model: str, marker: EmbeddedMarker, base_url: str | None,
+                           answers_to: str | None) -> dict[str, str]:
+    """The model deviation a run on the embedded server records before any training."""
+    where = ", ".join(marker.sources)
+    return {
+        "field": "model",
+        "original": requested_model,
+        "effective": f"{marker.stand_in or 'an unnamed stand-in'} (embedded dppo-harness server"
+                     f"{f', profile {marker.profile}' if marker.profile else ''}, answering to the name {answers_to or requested_model})",
+        "reason": f"the service at {base_url or 'the configured URL'} identified itself as the embedded rehearsal server "
+                  f"(marker in: {where}); a small stand-in model computes, so results are a rehearsal, not "
+                  f"measurements of {requested_model}",
+    }
+
+
+def stand_in_note(stand_in: str | None, requested_model: str) -> str:
+    return (f"computed by the embedded server's stand-in model {stand_in or '(unnamed)'}, not {requested_model}; "
+            "a rehearsal, not a scientific result")
+
+
+def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
+    """result fields (summary, tested_instead) that must still name the stand-in, with the text to use.
+
+    Empty when the backend block carries no embedded marker or both already name it.
+    """
+    block = result.get("backend") or {}
+    embedded = block.get("embedded_server") if isinstance(block, Mapping) else None
+    if not isinstance(embedded, Mapping):
+        return {}
+    stand_in = embedded.get("stand_in") or block.get("served_model")
+    note = stand_in_note(stand_in, str(block.get("requested_model") or "the planned model"))
+    out: dict[str, str] = {}
+    summary = str(result.get("summary") or "")
+    if not stand_in or stand_in not in summary:
+        out["summary"] = (summary.rstrip() + " " if summary.strip() else "") + f"Served model: {note}."
+    tested = result.get("tested_instead")
+    if isinstance(tested, str) and tested.strip() and (not stand_in or stand_in not in tested):
+        out["tested_instead"] = tested.rstrip().rstrip(".") + f" ({note})"
+    return out
+
+
+def report_lines(backend_block: Mapping[str, Any] | None) -> list[str]:
+    """Markdown lines for report.md naming the stand-in (empty on a real service)."""
+    block = dict(backend_block or {})
+    embedded = block.get("embedded_server")
+    if not isinstance(embedded, Mapping):
+        return []
+    stand_in = embedded.get("stand_in") or block.get("served_model")
+    return ["", "## Served model (embedded server)", "",
+            f"- REHEARSAL: {stand_in_note(stand_in, str(block.get('requested_model')))}.",
+            f"- The service at `{block.get('base_url')}` carries the embedded-server marker "
+            f"(in: {', '.join(embedded.get('sources') or [])}; profile {embedded.get('profile')}); "
+            f"it answers to the name `{block.get('answers_to')}`.",
+            f"- Limitation: numbers here describe the stand-in {stand_in}, not {block.get('requested_model')}."]
+
+
+# ----------------------------------------------------------------------------- model choice
+
+
+_SIZE_RE = re.compile(r"^(?P<family>.+?)-(?P<size>\d+(?:\.\d+)?)(?P<unit>[BbMm])(?:-(?P<suffix>.*))?$")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    model: str | None  # None: nothing of the family is served
+    substituted: bool
+    served: tuple[str, ...]
+
+
+def _parse(name: str) -> tuple[str, float, str] | None:
+    m = _SIZE_RE.match(name)
+    if not m:
+        return None
+    size = float(m["size"]) * (1.0 if m["unit"] in "Bb" else 1e-3)
+    return m["family"], size, (m["suffix"] or "")
+
+
+def choose_model(requested: str, served: list[str]) -> ModelChoice:
+    """The requested model if served, else the closest served model of the same family.
+
+    Family = the name before the size (`Qwen/Qwen3.5` of `Qwen/Qwen3.5-0.8B`); closest = smallest
+    |log size ratio|, same variant suffix preferred, ties to the smaller model.
+    """
+    import math
+
+    names = tuple(dict.fromkeys(served))
+    if requested in names:
+        return ModelChoice(requested, False, names)
+    want = _parse(requested)
+    if want is None:
+        return ModelChoice(None, False, names)
+    cands = []
+    for n in names:
+        p = _parse(n)
+        if p and p[0] == want[0] and p[1] > 0 and want[1] > 0:
+            cands.append(((p[2] != want[2]), abs(math.log(p[1] / want[1])), p[1], n))
+    if not cands:
+        return ModelChoice(None, False, names)
+    return ModelChoice(min(cands)[3], True, names)
+
+
+@dataclass
+class ClientIdentity:
+    """One training client's identity record (what goes into evidence)."""
+
+    label: str
+    model_id: str
+    get_info: Any  # raw JSON of get_info (complete model_data), or the SDK's dump if raw failed
+    capabilities: Any  # raw JSON of get_server_capabilities
+    marker: EmbeddedMarker | None
+    served_model: str | None
+    served_model_source: str
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "model_id": self.model_id, "get_info": self.get_info,
+                "get_server_capabilities": self.capabilities,
+                "embedded_server": self.marker.as_dict() if self.marker else None,
+                "served_model": self.served_model, "served_model_source": self.served_model_source,
+                "errors": self.errors}
+
+
+# ----------------------------------------------------------------------------- evidence
+
+
+class TrainingClientRecorder:
+    """Records each training client's complete get_info and the capabilities read beside it.
+
+    Called by service.ObservedServiceClient right after a client exists (before it trains). A
+    failed raw read is recorded with its error and the SDK's own get_info dump, never raised: the
+    record must not break the run it describes.
+    """
+
+    def __init__(self, bundle: Any, base_url: str, headers: Mapping[str, str], timeout_s: float = 10.0):
+        self.bundle, self.base_url, self._headers, self.timeout_s = bundle, base_url, dict(headers), timeout_s
+        self.records: list[ClientIdentity] = []
+        self._written: dict[str, str] = {}  # identity key -> file holding it
+        self._flushed = False
+
+    def __call__(self, client: Any, label: str) -> ClientIdentity:
+        sdk_info = client.get_info()
+        model_id = str(sdk_info.model_id)
+        errors: list[str] = []
+        info_json: Any = sdk_info.model_dump(mode="json")
+        marker_headers: dict[str, str] = {}
+        try:
+            raw = get_info_raw(self.base_url, self._headers, model_id, self.timeout_s)
+            if raw.status == 200 and isinstance(raw.json, Mapping):
+                info_json = raw.json
+            else:
+                errors.append(f"raw get_info answered HTTP {raw.status}; the SDK's parsed get_info is recorded")
+            if raw.marker_header:
+                marker_headers[EMBEDDED_SERVER_HEADER] = raw.marker_header
+        except httpx.HTTPError as exc:
+            errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
+        caps: Any = None
+        try:
+            cr = get_capabilities_raw(self.base_url, self._headers, self.timeout_s)
+            caps = cr.json if cr.status == 200 else {"http_status": cr.status}
+            if cr.marker_header:
+                marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header
+        except httpx.HTTPError as exc:
+            errors.append(f"raw get_server_capabilities failed ({type(exc).__name__})")
+        model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
+        marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
+        backend_block = self.bundle.result.get("backend") if hasattr(self.bundle, "result") else None
+        name, source = served_model(model_data, backend_block if marker is None else
+                                    dict(backend_block or {}, embedded_server=marker.as_dict()))
+        rec = ClientIdentity(label, model_id, info_json, caps, marker, name, source, errors)
+        self.records.append(rec)
+        # A file now for the first client and for any client whose identity differs from all earlier
+        # ones; the rest (same identity, other model_id) go into the index written by flush().
+        key = _identity_key(rec)
+        if key not in self._written:
+            safe_label = re.sub(r"[^A-Za-z0-9._-]", "-", label)[:40]
+            name_ = f"client-identity-{len(self._written) + 1:02d}-{safe_label}.json"
+            self.bundle.register_json(name_, "manifest", rec.as_dict())
+            self._written[key] = name_
+        return rec
+
+    def flush(self, name: str = "client-identities.json") -> None:
+        """Every training client's complete get_info, in creation order (once, at session end)."""
+        if not self.records or self._flushed:
+            return
+        self._flushed = True
+        self.bundle.register_json(name, "manifest", {
+            "clients": [{"label": r.label, "model_id": r.model_id, "get_info": r.get_info,
+                         "served_model": r.served_model, "served_model_source": r.served_model_source,
+                         "embedded_server": r.marker.as_dict() if r.marker else None, "errors": r.errors,
+                         "capabilities_and_identity_file": self._written[_identity_key(r)]}
+                        for r in self.records],
+            "note": "get_server_capabilities of each client is in the named file (identical for all clients "
+                    "sharing it: the file is written per distinct model_data + capabilities + marker)",
+        })
+
+
+def record_session_identity(bundle: Any, report: Any, option_backend: str, sdk_versions: Mapping[str, str]) -> None:
+    """Before any training client: the connectivity report, a model choice, and on the embedded
+    server the rehearsal label (evidence backend kind `local`, whatever `--backend` said), the
+    substitution deviation and the stand-in's name in summary/tested_instead.
+
+    `report` is a connectivity.ConnectivityReport.
+    """
+    bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
+    if report.substitution:
+        d = report.substitution
+        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    marker = report.marker
+    if marker is None:
+        return
+    block = dict(bundle.result.get("backend") or {})
+    stand_in = marker.stand_in or block.get("served_model")
+    # Kind `local` = the embedded server computed this run; the bundle then labels every summary.
+    bundle.set_backend(
+        "local", requested_model=report.requested_model, served_model=str(stand_in),
+        sdk_versions=sdk_versions, base_url=report.base_url, requested_backend=option_backend,
+        answers_to=report.model, embedded_server=marker.as_dict(),
+        kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
+    )
+    d = substitution_deviation(report.requested_model, marker, report.base_url, report.model)
+    bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    finalize_labels(bundle)
+
+
+def finalize_labels(bundle: Any) -> None:
+    """Make summary and tested_instead name the stand-in (no-op on a real service)."""
+    missing = labels_missing_stand_in(bundle.result)
+    if missing:
+        bundle.update_result(**missing)
+
+
+def _identity_key(rec: ClientIdentity) -> str:
+    """What must be equal for two clients to share an identity file (everything but the model id)."""
+    import hashlib
+    import json
+
+    info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
+    info.pop("model_id", None)
+    blob = json.dumps([info, rec.capabilities, rec.marker.as_dict() if rec.marker else None, rec.served_model],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -1,0 +1,187 @@
+"""Connectivity preflight against a tiny HTTP stub on 127.0.0.1: one actionable line per failure,
+never a secret value; the marker and the model choice come from the same capabilities read."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from dppo_harness.connectivity import ConnectivityError, auth_failure_line, check_connectivity
+from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+
+ENV = {"TINKER_API_KEY": "tml-PLANTED-key-7f3a", "MODAL_PROXY_TOKEN_ID": "wk-PLANTED-id-91c2",
+       "MODAL_PROXY_TOKEN_SECRET": "ws-PLANTED-secret-5d0e"}
+QWEN = "Qwen/Qwen3.5-2B"
+
+
+class Stub:
+    """Answers GET /api/v1/get_server_capabilities as configured; checks the proxy headers."""
+
+    def __init__(self, *, status=200, models=(QWEN,), marker=False, require_auth=True, body=None):
+        self.status, self.models, self.marker, self.require_auth, self.body = status, models, marker, require_auth, body
+        self.seen_headers: list[dict] = []
+        stub = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def do_GET(self):
+                stub.seen_headers.append(dict(self.headers))
+                code, payload = stub.answer(self.path, self.headers)
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                if stub.marker:
+                    self.send_header(EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def answer(self, path, headers):
+        if path != "/api/v1/get_server_capabilities":
+            return 404, {"error": "not found"}
+        if self.require_auth:
+            for h, var in (("X-API-Key", "TINKER_API_KEY"), ("Modal-Key", "MODAL_PROXY_TOKEN_ID"),
+                           ("Modal-Secret", "MODAL_PROXY_TOKEN_SECRET")):
+                if h not in headers:
+                    return 401, {"error": f"missing header {h}", "category": "user"}
+                if headers[h] != ENV[var]:
+                    return 401, {"error": f"invalid credentials in header {h}", "category": "user"}
+        if self.status != 200:
+            return self.status, self.body or {"error": "nope"}
+        caps = self.body or {"supported_models": [{"model_name": m, "trainable": True} for m in self.models]}
+        if self.marker:
+            caps = dict(caps, embedded_server={"marker": EMBEDDED_SERVER_MARKER, "stand_in": "local/tiny-qwen3-gsm8k",
+                                               "profile": "spindle"})
+        return 200, caps
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stub_factory():
+    made = []
+
+    def make(**kw):
+        s = Stub(**kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _fail(url, env=ENV, model=QWEN) -> ConnectivityError:
+    with pytest.raises(ConnectivityError) as ei:
+        check_connectivity("tinker", None, model, env=dict(env, TINKER_BASE_URL=url), timeout_s=5)
+    line = str(ei.value)
+    assert "\n" not in line
+    for v in ENV.values():
+        assert v not in line and v[3:] not in line
+    return ei.value
+
+
+def test_all_checks_pass_and_headers_are_the_sdks(stub_factory):
+    s = stub_factory()
+    rep = check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url))
+    assert [c["check"] for c in rep.checks] == ["variables", "reachable", "auth", "model"]
+    assert rep.model == QWEN and rep.substitution is None and rep.marker is None
+    assert s.seen_headers[0]["X-API-Key"] == ENV["TINKER_API_KEY"]
+    assert json.dumps(rep.as_evidence()).count("PLANTED") == 0
+
+
+@pytest.mark.parametrize("missing", sorted(ENV))
+def test_missing_variable_names_it(stub_factory, missing):
+    s = stub_factory()
+    env = {k: v for k, v in ENV.items() if k != missing}
+    err = _fail(s.url, env)
+    assert err.check == "variables" and missing in str(err)
+    assert s.seen_headers == []  # nothing was sent
+
+
+def test_wrong_modal_secret_is_a_401_line_naming_the_variable(stub_factory):
+    s = stub_factory()
+    err = _fail(s.url, dict(ENV, MODAL_PROXY_TOKEN_SECRET="ws-wrong-value"))
+    assert err.check == "auth"
+    assert "HTTP 401" in str(err) and "check MODAL_PROXY_TOKEN_ID/SECRET" in str(err)
+    assert "MODAL_PROXY_TOKEN_SECRET" in str(err) and "Modal-Secret" in str(err) and "ws-wrong" not in str(err)
+
+
+def test_wrong_api_key_names_tinker_api_key(stub_factory):
+    s = stub_factory()
+    err = _fail(s.url, dict(ENV, TINKER_API_KEY="tml-wrong"))
+    assert "check TINKER_API_KEY" in str(err)
+
+
+def test_401_without_a_header_name_still_points_at_the_modal_tokens():
+    line = auth_failure_line(401, "<html>Unauthorized</html>", "https://x.invalid")
+    assert "check MODAL_PROXY_TOKEN_ID/SECRET" in line
+
+
+def test_404_names_the_url(stub_factory):
+    s = stub_factory()
+    err = _fail(s.url + "/wrong/root")
+    assert err.check == "reachable" and "404" in str(err) and f"{s.url}/wrong/root" in str(err)
+
+
+def test_connection_refused_names_the_url():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    t0 = time.monotonic()
+    err = _fail(f"http://127.0.0.1:{port}")
+    assert err.check == "reachable" and f"127.0.0.1:{port}" in str(err) and "TINKER_BASE_URL" in str(err)
+    assert time.monotonic() - t0 < 5
+
+
+def test_url_credentials_are_not_echoed(stub_factory):
+    s = stub_factory()
+    url = s.url.replace("http://", "http://user:tml-PLANTED-key-7f3a@") + "/nope"
+    err = _fail(url)
+    assert "user" not in str(err)
+
+
+def test_missing_model_lists_the_served_ones(stub_factory):
+    s = stub_factory(models=("meta-llama/Llama-3.2-1B", "moonshotai/Kimi-K2"))
+    err = _fail(s.url)
+    assert err.check == "model" and "meta-llama/Llama-3.2-1B" in str(err) and "moonshotai/Kimi-K2" in str(err)
+
+
+def test_closest_family_model_is_chosen_and_recorded(stub_factory):
+    s = stub_factory(models=("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-9B", "Qwen/Qwen3-0.6B"))
+    rep = check_connectivity("tinker", None, "Qwen/Qwen3.5-0.8B", env=dict(ENV, TINKER_BASE_URL=s.url))
+    assert rep.model == "Qwen/Qwen3.5-2B"
+    assert rep.substitution["original"] == "Qwen/Qwen3.5-0.8B" and rep.substitution["effective"] == "Qwen/Qwen3.5-2B"
+
+
+def test_server_error_and_non_tinker_answers_fail(stub_factory):
+    assert "HTTP 503" in str(_fail(stub_factory(status=503).url))
+    assert "supported_models" in str(_fail(stub_factory(body={"hello": 1}).url))
+
+
+def test_marker_is_detected_on_the_tinker_backend(stub_factory):
+    s = stub_factory(marker=True)
+    rep = check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url))
+    assert rep.embedded and rep.marker.stand_in == "local/tiny-qwen3-gsm8k"
+    assert rep.marker.sources == ("header", "capabilities") and rep.marker.profile == "spindle"
+
+
+def test_local_backend_needs_no_credentials(stub_factory):
+    s = stub_factory(require_auth=False)
+    rep = check_connectivity("local", s.url, QWEN, env={})
+    assert rep.model == QWEN
+    with pytest.raises(ConnectivityError, match="loopback"):
+        check_connectivity("local", "http://10.0.0.1:1", QWEN, env={})

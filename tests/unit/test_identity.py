@@ -1,0 +1,139 @@
+"""Served-model identity: marker detection, the executed model, the rehearsal label on any backend."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from dppo_harness import identity
+from dppo_harness.connectivity import ConnectivityReport
+from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
+from dppo_harness.plans import load_plan
+from dppo_harness.service import _ObservedFuture, notify_training_client
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STAND_IN = "local/tiny-qwen3-gsm8k"
+CAPS = {"supported_models": [{"model_name": "Qwen/Qwen3.5-2B"}],
+        "embedded_server": {"marker": EMBEDDED_SERVER_MARKER, "stand_in": STAND_IN, "profile": "spindle"}}
+
+
+def test_marker_from_each_place_and_none_on_a_real_service():
+    assert identity.detect_marker() is None
+    assert identity.detect_marker({"x-embedded-tinker-server": "dppo-harness"}).sources == ("header",)
+    assert identity.detect_marker({EMBEDDED_SERVER_HEADER: "something-else"}) is None
+    m = identity.detect_marker(capabilities=CAPS)
+    assert (m.stand_in, m.profile, m.sources) == (STAND_IN, "spindle", ("capabilities",))
+    m = identity.detect_marker(model_data={"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B",
+                                           "embedded_server": EMBEDDED_SERVER_MARKER})
+    assert m.stand_in == STAND_IN and m.sources == ("model_data",)
+    assert identity.detect_marker(capabilities={"supported_models": [], "embedded_server": {"marker": "x"}}) is None
+
+
+def test_served_model_is_the_stand_in_on_the_embedded_server_and_model_name_elsewhere():
+    md = {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B", "embedded_server": EMBEDDED_SERVER_MARKER}
+    assert identity.served_model(md, {"kind": "tinker"})[0] == STAND_IN
+    # marker key dropped by the SDK's type: the evidence block still says embedded
+    md_sdk = {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B"}
+    assert identity.served_model(md_sdk, {"kind": "local", "embedded_server": {"stand_in": STAND_IN}})[0] == STAND_IN
+    assert identity.served_model({"model_name": "Qwen/Qwen3.5-2B"},
+                                 {"kind": "local", "served_model": STAND_IN})[0] == STAND_IN
+    # a real service: its own word, even when arch is something else
+    assert identity.served_model({"arch": "Qwen3_5ForCausalLM", "model_name": "Qwen/Qwen3.5-2B"},
+                                 {"kind": "tinker"}) == ("Qwen/Qwen3.5-2B", "get_info().model_data.model_name")
+
+
+@pytest.mark.parametrize("requested,served,want", [
+    ("Qwen/Qwen3.5-2B", ["Qwen/Qwen3.5-2B"], ("Qwen/Qwen3.5-2B", False)),
+    ("Qwen/Qwen3.5-0.8B", ["Qwen/Qwen3.5-9B", "Qwen/Qwen3.5-2B", "Qwen/Qwen3-0.6B"], ("Qwen/Qwen3.5-2B", True)),
+    ("Qwen/Qwen3.5-4B", ["Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-8B"], ("Qwen/Qwen3.5-2B", True)),  # tie -> smaller
+    ("Qwen/Qwen3.5-2B-Base", ["Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-4B-Base"], ("Qwen/Qwen3.5-4B-Base", True)),
+    ("Qwen/Qwen3.5-0.8B", ["meta-llama/Llama-3.2-1B"], (None, False)),
+    ("some-model", ["Qwen/Qwen3.5-2B"], (None, False)),
+])
+def test_choose_model(requested, served, want):
+    c = identity.choose_model(requested, served)
+    assert (c.model, c.substituted) == want
+
+
+def _report(marker=True, model="Qwen/Qwen3.5-2B", substitution=None):
+    m = identity.detect_marker({EMBEDDED_SERVER_HEADER: EMBEDDED_SERVER_MARKER}, CAPS) if marker else None
+    return ConnectivityReport("tinker", "http://127.0.0.1:9", "Qwen/Qwen3.5-2B", model, [model], substitution, m,
+                              CAPS if marker else {"supported_models": []})
+
+
+def _bundle(tmp_path, plan_name="exp_e6b0965af3-diagnostic-r1.json", served=None):
+    plan = load_plan(ROOT / "plans" / plan_name)
+    b = EvidenceBundle.create(tmp_path)
+    b.start_session(backend="tinker", plan=plan, stages=("unit", "preflight"), project_root=ROOT, served_model=served)
+    return b, plan
+
+
+def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training(tmp_path):
+    b, plan = _bundle(tmp_path, served=STAND_IN)
+    identity.record_session_identity(b, _report(), "tinker", {"tinker": "0.38.0"})
+    r = b.result
+    assert r["backend"]["kind"] == "local" and r["backend"]["requested_backend"] == "tinker"
+    assert r["backend"]["served_model"] == STAND_IN and r["backend"]["answers_to"] == "Qwen/Qwen3.5-2B"
+    assert r["summary"].startswith(REHEARSAL_PREFIX) and STAND_IN in r["summary"]
+    assert STAND_IN in r["tested_instead"]
+    assert any(d["field"] == "model" and STAND_IN in d["effective"] and "marker" in d["reason"] for d in r["deviations"])
+    eff = json.loads(b.file_path("effective-config.json").read_bytes())
+    assert eff["backend"]["served_model"] == STAND_IN
+    # a later stage overwrites summary and tested_instead: the label stays, the stand-in is named again
+    b.update_result(summary="Diagnostic done.", tested_instead="the bounded diagnostic")
+    assert b.result["summary"].startswith(REHEARSAL_PREFIX)
+    identity.finalize_labels(b)
+    assert STAND_IN in b.result["summary"] and STAND_IN in b.result["tested_instead"]
+    assert any(line.startswith("- REHEARSAL") and STAND_IN in line for line in identity.report_lines(b.result["backend"]))
+
+
+def test_real_service_is_not_relabelled(tmp_path):
+    b, plan = _bundle(tmp_path)
+    sub = {"field": "model", "original": "Qwen/Qwen3.5-0.8B", "effective": "Qwen/Qwen3.5-2B", "reason": "closest"}
+    identity.record_session_identity(b, _report(marker=False, substitution=sub), "tinker", {})
+    r = b.result
+    assert r["backend"]["kind"] == "tinker" and not r["summary"].startswith(REHEARSAL_PREFIX)
+    assert sub in r["deviations"]
+    assert identity.labels_missing_stand_in(r) == {} and identity.report_lines(r["backend"]) == []
+    assert b.entry("connectivity-preflight.json") is not None
+
+
+def test_observed_future_reports_the_client_once():
+    seen = []
+    inner = SimpleNamespace(result=lambda timeout=None: "client", other=7)
+    f = _ObservedFuture(inner, seen.append)
+    assert f.result() == "client" and f.result() == "client" and f.other == 7
+    assert seen == ["client"]
+    notify_training_client(object(), "c", "x")  # a plain ServiceClient: nothing to notify, no error
+
+
+def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):
+    b, _ = _bundle(tmp_path, served=STAND_IN)
+    identity.record_session_identity(b, _report(), "tinker", {})
+    full = {"model_id": "m1", "model_data": {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B",
+                                             "embedded_server": EMBEDDED_SERVER_MARKER}}
+    monkeypatch.setattr(identity, "get_info_raw", lambda *a, **k: identity.RawResponse(200, full, EMBEDDED_SERVER_MARKER))
+    monkeypatch.setattr(identity, "get_capabilities_raw", lambda *a, **k: identity.RawResponse(200, CAPS, None))
+    info = SimpleNamespace(model_id="m1", model_dump=lambda mode: {"model_id": "m1"})
+    rec = identity.TrainingClientRecorder(b, "http://127.0.0.1:9", {"X-API-Key": "tml-x"})
+    out = rec(SimpleNamespace(get_info=lambda: info), "create_lora_training_client")
+    assert out.served_model == STAND_IN and out.marker.sources == ("header", "capabilities", "model_data")
+    saved = json.loads(b.file_path("client-identity-01-create_lora_training_client.json").read_bytes())
+    assert saved["get_info"]["model_data"]["embedded_server"] == EMBEDDED_SERVER_MARKER
+    assert saved["get_server_capabilities"]["embedded_server"]["stand_in"] == STAND_IN
+
+    # a second client with the same identity: no new file now, one index entry at flush
+    full2 = dict(full, model_id="m2")
+    monkeypatch.setattr(identity, "get_info_raw", lambda *a, **k: identity.RawResponse(200, full2, EMBEDDED_SERVER_MARKER))
+    info2 = SimpleNamespace(model_id="m2", model_dump=lambda mode: {"model_id": "m2"})
+    rec(SimpleNamespace(get_info=lambda: info2), "create_training_client_from_state")
+    assert len([f for f in b.files() if f["name"].startswith("client-identity-")]) == 1
+    rec.flush()
+    rec.flush()  # once only
+    index = json.loads(b.file_path("client-identities.json").read_bytes())
+    assert [c["model_id"] for c in index["clients"]] == ["m1", "m2"]
+    assert index["clients"][1]["get_info"]["model_data"]["embedded_server"] == EMBEDDED_SERVER_MARKER
