@@ -57,6 +57,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -725,9 +726,9 @@ class Engine:
                         j.future.set_exception(e)
 
     def _generate_hf(self, net: torch.nn.Module, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
-        reqs = [S.DecodeRequest(prompt=j.prompt, n=j.n, max_tokens=j.max_tokens, temperature=j.temperature,
-                                top_k=j.top_k, top_p=j.top_p, stop_ids=[s for s in j.stop_ids if 0 <= s < self.vocab.size],
-                                stop_strings=j.stop_strings, seed=j.seed, want_prompt_lp=j.want_prompt_lp)
+        fields = [f.name for f in dataclasses.fields(S.DecodeRequest)]
+        reqs = [S.DecodeRequest(**{**{f: getattr(j, f) for f in fields},
+                                   "stop_ids": [s for s in j.stop_ids if 0 <= s < self.vocab.size]})
                 for j in jobs]
         stats: dict = {}
         out = S.generate(net, reqs, self._decode_text, mode=self.decode_mode, stats=stats)
@@ -742,18 +743,10 @@ class Engine:
 
 
 @dataclass
-class _SampleJob:
-    key: str
-    prompt: list[int]
-    n: int
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    stop_ids: list[int]
-    stop_strings: list[str]
-    seed: int
-    want_prompt_lp: bool
+class _SampleJob(S.DecodeRequest):
+    """One queued sample request: the decode request plus its cache key and result future."""
+
+    key: str = ""
     future: Future = field(default_factory=Future)
 
 
