@@ -142,6 +142,10 @@ def run_comparison(
         "run_id": state.run_id, "resumed_sessions": state.resumed, "schedule": schedule, "rehearsal": rehearsal,
         "state_file": str(spath), "evaluator_id": evaluator.evaluator_id, "code_revision": state.code_revision,
         "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg)})
+    if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
+        bundle.update_result(original_hypothesis_tested=False, tested_instead=(
+            f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
+            f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"))
     clients = _open_arms(service_client, state, cfg, restoration, bundle, call)
     state.save(spath)
     runners = C.make_runners(clients, cfg)
