@@ -142,6 +142,10 @@ def run_comparison(
         "run_id": state.run_id, "resumed_sessions": state.resumed, "schedule": schedule, "rehearsal": rehearsal,
         "state_file": str(spath), "evaluator_id": evaluator.evaluator_id, "code_revision": state.code_revision,
         "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg)})
+    if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
+        bundle.update_result(original_hypothesis_tested=False, tested_instead=(
+            f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
+            f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"))
     clients = _open_arms(service_client, state, cfg, restoration, bundle, call)
     state.save(spath)
     runners = C.make_runners(clients, cfg)
@@ -191,7 +195,15 @@ def run_comparison(
     from dppo_harness import report
 
     files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend).values())
-    final = {"status": "succeeded", "verdict": decision["verdict"], "outcome_reason": decision["outcome_reason"]}
+    acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
+    c0 = decision["criteria"][0]
+    final = {"status": "succeeded", "verdict": decision["verdict"], "outcome_reason": decision["outcome_reason"],
+             "summary": (f"Paired comparison under {plan.name}: {outcome.steps_completed}/{cfg.steps} rollout steps per arm "
+                         f"({cfg.groups_per_batch} groups x {cfg.group_size}, 2 updates per batch, lr {cfg.adam['learning_rate']:g}); "
+                         f"greedy accuracy on {cfg.eval_items} test items: {acc}; {c0['treatment']} - {c0['baseline']} = "
+                         f"{c0['mean_difference']:.4g}, {100 * (1 - c0['alpha']):g}% paired Hoeffding CI "
+                         f"[{c0['lower']:.4g}, {c0['upper']:.4g}]; verdict {decision['verdict']} ({decision['outcome_reason']})"
+                         + ("; rehearsal on a stand-in model, not a test of the hypothesis" if rehearsal else ""))}
     return ComparisonResult(**base, capacity_block=None, scores=tuple(scores), decision=decision, final=final,
                             files=tuple(files))
 

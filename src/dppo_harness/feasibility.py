@@ -327,7 +327,7 @@ def stage_projections(schedule: Schedule, timings: PilotTimings, *, gate_steps: 
     step_s = group_s * schedule.groups_per_batch + schedule.updates_per_batch * update_s
     out = {"plan": timings.setup_seconds + schedule.arm_steps * step_s
            + schedule.eval_items * (timings.seconds_per_eval_item or 0.0)}
-    if schedule.plan_kind == "experiment_spec":
+    if schedule.plan_kind in ("experiment_spec", "rehearsal"):
         out["gate"] = timings.setup_seconds + gate_steps * step_s
     return out
 
@@ -494,8 +494,8 @@ def run_feasibility(
                          "updates_per_batch, per arm-step; eval seconds per item x eval items",
     }
     eff = dict(effective_config) if effective_config is not None else {"schedule": asdict(schedule)}
-    endpoint = plan.raw.get("primary_endpoint") or plan.raw.get("eval", {}).get("metric") or \
-        plan.raw.get("question", "")
+    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
+    endpoint = raw.get("primary_endpoint") or raw.get("eval", {}).get("metric") or raw.get("question", "")
     block = feasibility_block(schedule=schedule, timings=timings, projection=proj,
                               pilot_config=pilot_config, effective_config=eff,
                               primary_endpoint=endpoint, source=PILOT_FILE, allocation_source=alloc)
@@ -517,7 +517,7 @@ def run_feasibility(
 
 
 def _plan_optimizer(plan: Any) -> dict[str, float]:
-    raw = plan.raw
+    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
     if plan.kind == "bounded_diagnostic":
         o = raw["fixed_settings"]["optimizer"]
         return {k: o[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}

@@ -28,8 +28,9 @@ def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence
     assert {a.name for a in cfg.arms} <= uris
 
 
-def test_treatment_mask_fires_and_grpo_arm_never_masks(comparison_run):
-    """The one switch: the DPPO arm's loss masks tokens, the GRPO arm's loss never removes any (it clips)."""
+def test_treatment_mask_fires_in_the_comparison(comparison_run):
+    """The DPPO arm's mask removes tokens during training (the rehearsal lr is chosen so it does); the
+    GRPO arm's masked fraction is the same rule counted counterfactually on its own tensors."""
     cfg = comparison_run.config
     t, b = cfg.role("treatment").name, cfg.role("baseline").name
     assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t) > 0
