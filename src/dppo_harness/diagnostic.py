@@ -25,7 +25,7 @@ import numpy as np
 import tinker
 import torch
 
-from dppo_harness import constants, gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
+from dppo_harness import conclusion, constants, gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
 from dppo_harness import instrumentation as ins
 from dppo_harness.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.pooled import (  # noqa: F401 - re-exported: the diagnostic's file names
@@ -361,6 +361,11 @@ class Classification:
     evidence_against_code_defect: str
     integrity_problems: tuple[str, ...]
     variant_problems: tuple[str, ...]
+    # The cause the measurements alone gave, before judging them for the planned model (a
+    # stand-in's measured state is a fact about the stand-in only), and who computed.
+    measured_cause: str | None = None
+    served_model: str | None = None
+    stand_in: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -459,9 +464,27 @@ def classify(
     )
 
 
+def for_planned_model(c: Classification, served: conclusion.ServedModel) -> Classification:
+    """The classification judged for the question asked: on a stand-in, keep the measured state and
+    cause (`measured_cause`) but the cause for the planned model is missing_evidence."""
+    cause = conclusion.cause_for_question(c.cause, c.active, served)
+    extra = ""
+    if served.is_stand_in:
+        extra = (f" These measurements come from the stand-in {served.stand_in}, not {served.requested}: the measured "
+                 f"state ({c.state}, measured cause {c.cause or 'none'}) is a fact about the stand-in only, so for "
+                 f"{served.requested} the evidence is missing.")
+    return replace(c, cause=cause, explanation=c.explanation + extra, measured_cause=c.cause,
+                   served_model=served.served, stand_in=served.is_stand_in)
+
+
 def next_action(classification: Classification, cfg: DiagnosticConfig, spec_raw: Mapping[str, Any] | None,
-                plan_id: str) -> dict[str, Any]:
-    """Active: the frozen revised comparison spec (not executed). Otherwise: the cheapest next step."""
+                plan_id: str, served: conclusion.ServedModel | None = None,
+                measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Stand-in: the same frozen plan unchanged on the real service. Active: the frozen revised
+    comparison spec (not executed). Otherwise: the cheapest next step."""
+    if served is not None and served.is_stand_in and classification.cause != "code_or_instrumentation_defect":
+        return conclusion.stand_in_next_action(served, plan_id, measured or {
+            "state": classification.state, "measured_cause": classification.measured_cause})
     if classification.active and spec_raw is not None:
         revised = json.loads(json.dumps(spec_raw))
         revised["title"] = spec_raw["title"] + " (revised schedule r2, proposed)"
@@ -526,6 +549,7 @@ class DiagnosticResult:
     restore: dict[str, Any] = field(default_factory=dict)
     effective_cap_seconds: float | None = None
     errors: list[str] = field(default_factory=list)
+    served: conclusion.ServedModel | None = None
 
     @property
     def result_fields(self) -> dict[str, Any]:
@@ -757,6 +781,7 @@ def run_bounded_diagnostic(
     progress: Callable[[str], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     tag: str = "diagnostic",
+    served: conclusion.ServedModel | None = None,
     **overrides: Any,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
@@ -806,13 +831,16 @@ def run_bounded_diagnostic(
         state.setup_seconds = state.setup_seconds or elapsed()
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
+    if served is None:
+        served = conclusion.served_model_from_info(state.restore.get("get_info"), cfg.base_model, backend=backend)
     return _write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
-                           spec_raw=spec_raw)
+                           spec_raw=spec_raw, served=served)
 
 
 def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _RunState,
                     selftest: Mapping[str, Any], *, wall: float, cap_s: float, backend: str,
-                    spec_raw: Mapping[str, Any] | None) -> DiagnosticResult:
+                    spec_raw: Mapping[str, Any] | None,
+                    served: conclusion.ServedModel | None = None) -> DiagnosticResult:
     """Analyse, then write sentinels, analysis, next action, report and result fields."""
     from dppo_harness import report
 
@@ -823,7 +851,8 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
                      frozen_by_call=state.frozen_by_call or None, updates_done=state.updates_done,
                      stop_reason=state.stop_reason, wall_seconds=wall, setup_seconds=state.setup_seconds,
                      frozen_sha256=state.frozen.sha256 if state.frozen else None, minibatches=state.minibatches,
-                     errors=state.errors, spec_raw=spec_raw, restore=state.restore, effective_cap_seconds=cap_s)
+                     errors=state.errors, spec_raw=spec_raw, restore=state.restore, effective_cap_seconds=cap_s,
+                     served=served)
     if tracker is not None and tracker.points:
         _register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
     analysis = result.analysis_json()
@@ -855,6 +884,7 @@ def analyse(
     spec_raw: Mapping[str, Any] | None,
     restore: Mapping[str, Any] | None = None,
     effective_cap_seconds: float | None = None,
+    served: conclusion.ServedModel | None = None,
 ) -> DiagnosticResult:
     """The fixed analysis: ALL second-epoch loss calls pooled by loss tokens (no selection),
     the plan's criteria, integrity re-checks, and the classification."""
@@ -873,13 +903,17 @@ def analyse(
                               second_epoch_calls=len(second), stop_reason=stop_reason, delta=cfg.delta,
                               updates_planned=cfg.max_updates, minibatches_per_epoch=cfg.minibatches_per_epoch,
                               errors=errors)
-    action = next_action(classification, cfg, spec_raw, plan.raw.get("plan_id", plan.name))
+    if served is not None:
+        classification = for_planned_model(classification, served)
+    measured = {"state": classification.state, "measured_cause": classification.measured_cause,
+                "mask_fired": classification.mask_fired, "updates_done": updates_done}
+    action = next_action(classification, cfg, spec_raw, plan.raw.get("plan_id", plan.name), served, measured)
     return DiagnosticResult(
         config=cfg, records=list(records), sentinels=dict(sentinels), pooled=pooled, criteria=criteria,
         classification=classification, selftest=dict(selftest), updates_done=updates_done, stop_reason=stop_reason,
         wall_seconds=wall_seconds, setup_seconds=setup_seconds, frozen_batch_sha256=frozen_sha256,
         minibatches=minibatches, next_action=action, errors=list(errors), restore=dict(restore or {}),
-        effective_cap_seconds=effective_cap_seconds,
+        effective_cap_seconds=effective_cap_seconds, served=served,
     )
 
 
@@ -912,19 +946,12 @@ def result_fields(res: DiagnosticResult) -> dict[str, Any]:
             v = res.pooled.get(k)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 metrics[f"diagnostic/epoch2_pooled/{k}"] = float(v)
-    cause = c["cause"] or ("none (active)" if c["active"] else "none")
-    summary = (
-        f"Bounded DPPO diagnostic ({LOOP_LABEL.split(';')[0]}): one frozen batch of {res.config.groups_per_batch}x"
-        f"{res.config.group_size}, {res.updates_done} of {res.config.max_updates} updates in {res.wall_seconds:.0f}s "
-        f"(stop: {res.stop_reason}); the mask {'fired' if c['mask_fired'] else 'never fired'} and the pooled "
-        f"second-epoch criteria were {'met' if c['active'] else 'not met'} (state {c['state']}, cause: {cause}). "
-        "Fixes in this replacement loop: frozen never-refreshed sampler anchor, probability-difference mask, "
-        "multi-update reuse of one frozen batch, zero-advantage/padding excluded from engagement. "
-        f"Tests: deterministic must-fire/must-not-fire self-test {'passed' if res.selftest.get('passed') else 'failed'}, "
-        "independent padded recompute of every loss call, golden parity in the unit suite. "
-        "Limitations: the accuracy hypothesis was not tested (verdict inconclusive); the prior run's code and diagnosis "
-        f"were unavailable. Next: {res.next_action.get('action', 'frozen revised comparison spec written, not executed')}."
-    )
+    served = res.served or conclusion.ServedModel(res.config.base_model, res.config.base_model, None, "plan")
+    summary = conclusion.compose_summary(
+        served=served, updates_done=res.updates_done, max_updates=res.config.max_updates,
+        groups=res.config.groups_per_batch, group_size=res.config.group_size, wall_seconds=res.wall_seconds,
+        state=c["state"], cause=c["cause"], active=c["active"],
+        next_action=str(res.next_action.get("action", "review the frozen revised comparison spec (not executed)")))
     calibration = {
         "values": {cr.id: (cr.value if cr.value is not None else "missing") for cr in res.criteria},
         "note": (f"bounded diagnostic, not the original gate: {res.updates_done} updates over one frozen batch "
