@@ -654,7 +654,8 @@ def _register_json(bundle: EvidenceBundle, state: _RunState, name: str, kind: st
 
 def _declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _RunState) -> dict[str, Any]:
     """Before any service work: revised spec, deviations, unavailable references, self-test."""
-    bundle.register_plan(plan, REVISED_SPEC_FILE)
+    if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
+        bundle.register_plan(plan, REVISED_SPEC_FILE)
     state.files.append(REVISED_SPEC_FILE)
     for dev in plan.raw.get("deviations", []):
         bundle.add_deviation(dev["field"], dev["original"], dev["effective"], dev["reason"])

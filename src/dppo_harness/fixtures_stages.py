@@ -76,12 +76,13 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
 
 @pytest.fixture(scope="session")
 def diagnostic_run(request, service_client, service_backend, plan, spec_plan, evidence_bundle, restoration):
-    """The requester's bounded diagnostic, run once; the wall cap counts from the stage's start."""
+    """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
+    (the bundle's ledger clock): the 12 minutes include setup and earlier stages (issue 11 point 6)."""
     from dppo_harness.diagnostic import run_bounded_diagnostic
 
     from dppo_harness.pytest_plugin import propose_outcome
 
-    start = _stage_start(request, "diagnostic")
+    start = time.monotonic() - evidence_bundle.elapsed_seconds()
     run = run_bounded_diagnostic(
         service_client, plan, evidence_bundle, restoration.initial_checkpoint,
         backend=service_backend.kind, stage_start=start, spec_raw=spec_plan.raw, progress=_progress(request),

@@ -58,6 +58,7 @@ class _StageState:
     bundle: EvidenceBundle | None = None  # the session's bundle, once a test asked for it
     registry: ClientRegistry | None = None  # the session's client registry, once a test asked for it
     outcome: dict[str, Any] | None = None  # final result fields a stage proposed, applied if nothing failed
+    budget_checked: set[str] = field(default_factory=set)  # stages whose entry budget check ran
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -199,6 +200,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     state = item.config.stash[_STATE_KEY]
     stage = item.stash.get(STAGE_KEY, "unit")
     _enter_stage(state, stage)
+    _check_budget_on_entry(state, stage)  # issue 11 point 6: before the stage's first service call
+    if state.first_failure.get(stage, "").startswith("blocked_by_budget"):
+        pytest.skip(f"{state.first_failure[stage]}: the run budget is spent (see ledger.json)")
     idx = stages.stage_index(stage)
     for failed_stage, nodeid in state.first_failure.items():
         if stages.stage_index(failed_stage) < idx:
@@ -212,6 +216,16 @@ def _enter_stage(state: _StageState, stage: str) -> None:
         _close_stage(state, state.current)
     state.current = stage
     state.started.setdefault(stage, time.monotonic())
+
+
+def _check_budget_on_entry(state: _StageState, stage: str) -> None:
+    """Once per service stage, before its first test: a spent run budget blocks the stage (recorded
+    as blocked_by_budget in the ledger; evidence so far stays persisted) and fails it."""
+    if stage == "unit" or state.bundle is None or stage in state.budget_checked:
+        return
+    state.budget_checked.add(stage)
+    if state.bundle.remaining_seconds() is not None and not state.bundle.budget_allows(stage, 0.0):
+        state.first_failure.setdefault(stage, f"blocked_by_budget before {stage}")
 
 
 def _close_stage(state: _StageState, stage: str) -> None:
