@@ -227,24 +227,50 @@ def evaluate_criteria(criteria: Sequence[Mapping[str, Any]], pooled: Mapping[str
 # ---- deterministic must-fire / must-not-fire self-test -----------------------------------------
 
 
-def _case_datums(rows: Sequence[tuple[float, float, float, float]]):
-    """One datum per row (p, q, A, mask) after two prompt positions with junk logprobs."""
+def _case_datums(rows: Sequence[tuple[float, ...]]):
+    """One datum per row (p, q, A, mask[, exact current logprob]) after two prompt positions with
+    junk logprobs. The sampler logprob travels as the SDK's float32, the current one is float64
+    (the loss computes in float64), so exact decision boundaries are reachable."""
     import tinker
 
     data, lps = [], []
-    for i, (p, q, a, m) in enumerate(rows):
+    for i, row in enumerate(rows):
+        p, q, a, m = row[:4]
+        lp = row[4] if len(row) > 4 else math.log(p)
         target = [11 + i, 12 + i, 13 + i]
         data.append(tinker.Datum(
             model_input=tinker.ModelInput.from_ints([10 + i, 11 + i, 12 + i]),
             loss_fn_inputs={"target_tokens": target, "logprobs": [-7.0, 3.0, math.log(q)],
                             "advantages": [0.0, 0.0, a], "mask": np.array([0.0, 0.0, m], dtype=np.float32)},
         ))
-        lps.append(torch.tensor([0.5, -40.0, math.log(p)], dtype=torch.float32, requires_grad=True))
+        lps.append(torch.tensor([0.5, -40.0, lp], dtype=torch.float64, requires_grad=True))
     return data, lps
 
 
-# name -> ((p, q, A, mask) rows, expected (removed_pos, removed_neg, mask_zero_adv), grad must be zero per row)
-SELFTEST_CASES: dict[str, tuple[tuple[tuple[float, float, float, float], ...], tuple[int, int, int], tuple[bool, ...]]] = {
+def _boundary_row(q: float, a: float, diff: float) -> tuple[float, float, float, float, float]:
+    """A row whose p - q is EXACTLY `diff` as the loss computes it (torch float64 exp of the
+    float64 current logprob minus exp of the float32 sampler logprob). Not every q admits one,
+    so q walks float32 steps from the given value until one does (deterministic). Choose q so that
+    the smaller of p, q lies in [0.125, 0.25): only then is an odd multiple of 2**-55 like 0.15 a
+    representable exact difference."""
+    mu32 = np.float32(math.log(q))
+    for _ in range(200):
+        q64 = torch.tensor(float(mu32), dtype=torch.float64).exp()
+        lp0 = torch.log(q64 + diff)
+        for k in range(-8, 9):
+            lp = lp0
+            step = torch.tensor(math.inf if k > 0 else -math.inf, dtype=torch.float64)
+            for _ in range(abs(k)):
+                lp = torch.nextafter(lp, step)
+            if float(lp.exp() - q64) == diff:
+                return (float(lp.exp()), float(np.exp(np.float64(mu32))), a, 1.0, float(lp))
+        mu32 = np.nextafter(mu32, np.float32(0.0))
+    raise DiagnosticError(f"no float64 logprob gives p - q == {diff!r} exactly")
+
+
+_D = constants.DPPO_DELTA
+# name -> ((p, q, A, mask[, lp]) rows, expected (removed_pos, removed_neg, mask_zero_adv), grad must be zero per row)
+SELFTEST_CASES: dict[str, tuple[tuple[tuple[float, ...], ...], tuple[int, int, int], tuple[bool, ...]]] = {
     "must_fire_pos_adv_up": (((0.80, 0.40, 1.0, 1.0),), (1, 0, 0), (True,)),
     "must_fire_neg_adv_down": (((0.10, 0.60, -1.0, 1.0),), (0, 1, 0), (True,)),
     "must_fire_both_signs": (((0.95, 0.50, 0.5, 1.0), (0.05, 0.50, -0.5, 1.0), (0.5, 0.5, 0.5, 1.0)), (1, 1, 0), (True, True, False)),
@@ -255,7 +281,31 @@ SELFTEST_CASES: dict[str, tuple[tuple[tuple[float, float, float, float], ...], t
     "must_not_fire_below_delta": (((0.60, 0.50, 1.0, 1.0), (0.40, 0.50, -1.0, 1.0)), (0, 0, 0), (False, False)),
     "must_not_fire_recovery_direction": (((0.05, 0.90, 1.0, 1.0), (0.90, 0.05, -1.0, 1.0)), (0, 0, 0), (False, False)),
     "zero_advantage_is_not_engagement": (((0.05, 0.90, 0.0, 1.0),), (0, 0, 1), (True,)),
-    "padding_is_not_engagement": (((0.99, 0.01, 1.0, 0.0), (0.01, 0.99, -1.0, 0.0)), (0, 0, 0), (True, True)),
+    "padding_is_not_engagement": (((0.99, 0.01, 1.0, 0.0), (0.01, 0.99, -1.0, 0.0), (0.5, 1e-4, 1.0, 0.0)), (0, 0, 0),
+                                  (True, True, True)),
+    # Exact +-delta boundaries: the rule is strict, so p - q == +-delta is kept, one ulp beyond is removed.
+    "boundary_exact_plus_delta_kept": ((_boundary_row(0.20, 1.0, _D),), (0, 0, 0), (False,)),
+    "boundary_one_ulp_above_plus_delta_removed": ((_boundary_row(0.20, 1.0, math.nextafter(_D, 1.0)),), (1, 0, 0), (True,)),
+    "boundary_exact_minus_delta_kept": ((_boundary_row(0.30, -1.0, -_D),), (0, 0, 0), (False,)),
+    "boundary_one_ulp_below_minus_delta_removed": ((_boundary_row(0.30, -1.0, math.nextafter(-_D, -1.0)),), (0, 1, 0), (True,)),
+    # Ratio cap C: r = 20 on a kept token is a hit (weight C); on a dropped token it is not (no gradient to cap).
+    "ratio_cap_hit_on_kept_token": (((2e-5, 1e-6, 1.0, 1.0),), (0, 0, 0), (False,)),
+    "ratio_cap_not_counted_on_dropped_token": (((0.90, 0.04, 1.0, 1.0),), (1, 0, 0), (True,)),
+    # Counterfactual PPO eps=0.2, both sides: clipped only where the ratio left [0.8, 1.2] in A's direction.
+    "ppo_clip_pos_side": (((0.13, 0.10, 1.0, 1.0), (0.07, 0.10, 1.0, 1.0)), (0, 0, 0), (False, False)),
+    "ppo_clip_neg_side": (((0.07, 0.10, -1.0, 1.0), (0.13, 0.10, -1.0, 1.0)), (0, 0, 0), (False, False)),
+}
+# Further recorded/reported counts a case must show (cap hits and counterfactual clips).
+SELFTEST_EXTRA: dict[str, dict[str, int]] = {
+    "padding_is_not_engagement": {"dppo/ratio_cap_hits": 0, "ppo/clipped": 0, "tokens/loss": 0},
+    "ratio_cap_hit_on_kept_token": {"dppo/ratio_cap_hits": 1, "ppo/clipped": 1},
+    "ratio_cap_not_counted_on_dropped_token": {"dppo/ratio_cap_hits": 0},
+    "ppo_clip_pos_side": {"ppo/clipped": 1, "ppo/clipped_pos_adv": 1, "ppo/clipped_neg_adv": 0},
+    "ppo_clip_neg_side": {"ppo/clipped": 1, "ppo/clipped_pos_adv": 0, "ppo/clipped_neg_adv": 1},
+    "boundary_exact_plus_delta_kept": {"dppo/exceed_pos": 0},
+    "boundary_one_ulp_above_plus_delta_removed": {"dppo/exceed_pos": 1},
+    "boundary_exact_minus_delta_kept": {"dppo/exceed_neg": 0},
+    "boundary_one_ulp_below_minus_delta_removed": {"dppo/exceed_neg": 1},
 }
 
 
@@ -290,7 +340,13 @@ def deterministic_selftest(
             problems.append(f"response-token gradients {grads} (zero expected: {list(zero_grad)})")
         if not prompt_grads_zero:
             problems.append("prompt positions received a gradient")
+        for key, want in SELFTEST_EXTRA.get(name, {}).items():
+            if s.get(key) != want:
+                problems.append(f"recorded {key}={s.get(key)} != expected {want}")
+            if key in metrics and int(metrics[key]) != want:
+                problems.append(f"loss reported {key}={metrics[key]} != expected {want}")
         cases[name] = {"expected": list(expected), "recorded": list(got), "loss_reported": list(reported),
+                       "expected_counts": SELFTEST_EXTRA.get(name, {}),
                        "grads": grads, "passed": not problems, "problems": problems}
     return {
         "passed": all(c["passed"] for c in cases.values()),
