@@ -48,14 +48,17 @@ def restoration(service_client, service_backend, spec_plan, run_spec, evidence_b
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url)
+    update_norm = None
+    if reader is None:  # tinker backend: read trained weights back through the SDK (issue 11 point 10)
+        from dppo_harness.weights_readback import ExternalWeightsUpdateNorm
+
+        update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
     try:
         result = R.run_restoration_preflight(
             service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
             probe_service_client=probe_sc, spec_raw=run_spec, base_model=run_spec["base_model"],
             call=lambda fn: call_with_capacity_retry(fn),  # 429/503/capacity on client creation
-            update_norm_unavailable_reason=(
-                "tinker backend: the API exposes neither parameters nor an update-norm metric "
-                "(optim_step reports the gradient norm only); update norms were not measured"),
+            update_norm=update_norm,
         )
     finally:
         try:

@@ -939,7 +939,8 @@ def lr_scaling_probe(
         adam = _adam(opt_cfg, lr)
         norm = update_norm(client, lambda c=client, a=adam: _step(c, g, a))
         if norm is None:
-            return {"available": False, "reason": f"{update_norm.description}: no measurement",
+            why = getattr(update_norm, "last_error", None) or "no measurement"
+            return {"available": False, "reason": f"{update_norm.description}: {why}",
                     "learning_rates": lrs, "lr_scaling": [], "passed": None}
         probes.append({"learning_rate": lr, "update_norm": float(norm)})
     errors = lr_scaling_error(probes)
@@ -959,8 +960,9 @@ def lr_scaling_probe(
 def attach_lr_scaling(correctness_block: Mapping[str, Any], lr_block: Mapping[str, Any]) -> dict[str, Any]:
     """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe.
 
-    Where the backend could not measure update norms, `lr_scaling` stays [] and
-    `lr_scaling_status` says why (unavailable, never invented).
+    Where the backend could not measure update norms, each planned LR gets an entry with
+    `update_norm: null`, `available: false` and the reason (never invented, never an empty list),
+    and `lr_scaling_status` says why.
     """
     out = json.loads(json.dumps(correctness_block))
     status = {"available": bool(lr_block.get("available")),
@@ -972,6 +974,13 @@ def attach_lr_scaling(correctness_block: Mapping[str, Any], lr_block: Mapping[st
     else:
         status["reason"] = lr_block.get("reason")
     for path in out.get("paths", []):
-        path["lr_scaling"] = [dict(p) for p in lr_block.get("lr_scaling", [])] if lr_block.get("available") else []
+        if lr_block.get("available"):
+            path["lr_scaling"] = [dict(p) for p in lr_block.get("lr_scaling", [])]
+        else:  # the brief's block, one entry per planned LR: unmeasured, with the exact reason (never [])
+            path["lr_scaling"] = [{"learning_rate": float(lr), "update_norm": None, "available": False,
+                                   "reason": str(lr_block.get("reason") or "not measured")}
+                                  for lr in (lr_block.get("learning_rates") or [])] or [
+                {"learning_rate": None, "update_norm": None, "available": False,
+                 "reason": str(lr_block.get("reason") or "not measured")}]
         path["lr_scaling_status"] = status
     return out
