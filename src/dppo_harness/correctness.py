@@ -844,6 +844,24 @@ def _load_json(path: str, what: str) -> Any:
         raise SystemExit(f"error: cannot read {what} {path}: {exc}")
 
 
+def run_validator_cli(spec_bytes: bytes, preflight_block: Mapping[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run `python -m dppo_harness.correctness validate` on the WRITTEN preflight block, as the brief
+    asks of its validator, and return its exit code and output (issue 11 point 8)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        spec_f, pre_f = Path(d) / "spec.json", Path(d) / "correctness-preflight.json"
+        spec_f.write_bytes(spec_bytes)
+        pre_f.write_text(json.dumps(preflight_block, indent=1))
+        cmd = [sys.executable, "-m", "dppo_harness.correctness", "validate", str(spec_f), str(pre_f)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    return {"kind": "correctness_validator", "command": "python -m dppo_harness.correctness validate <spec> <preflight>",
+            "spec_sha256": hashlib.sha256(spec_bytes).hexdigest(),
+            "preflight_sha256": hashlib.sha256(json.dumps(preflight_block, indent=1).encode()).hexdigest(),
+            "exit_code": proc.returncode, "stdout": proc.stdout[-20000:], "stderr": proc.stderr[-4000:]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dppo_harness.correctness")
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -26,7 +26,9 @@ import tinker
 import torch
 
 from dppo_harness import conclusion, constants, gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
+from dppo_harness import diagnostic_evidence as dx
 from dppo_harness import instrumentation as ins
+from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.pooled import (  # noqa: F401 - re-exported: the diagnostic's file names
     ANALYSIS_FILE, FROZEN_BATCH_STEM, NEXT_ACTION_FILE, POOLED_QUANTILES, RATIO_PARTS, REFERENCES_FILE,
@@ -682,6 +684,24 @@ class SentinelTracker:
                 "mask": self.mask.tolist()}
 
 
+SNAPSHOT_EVERY_UPDATES = 4
+
+
+def _save_final_checkpoint(tc: tinker.TrainingClient, bundle: EvidenceBundle, state: _RunState, tag: str,
+                           say: Callable[[str], None]) -> None:
+    """The trained client's final state, saved and its URI recorded (issue 11 point 8)."""
+    if state.updates_done == 0:
+        return
+    try:
+        uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
+    except Exception as exc:  # noqa: BLE001 - recorded: the claim must not exist without the checkpoint
+        state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
+        return
+    state.final_checkpoint = uri
+    bundle.add_checkpoint("dppo_seed0", state.updates_done, uri)
+    say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
+
+
 class _Stop(Exception):
     """Planned stop (wall cap) before training could start."""
 
@@ -701,6 +721,12 @@ class _RunState:
     updates_done: int = 0
     stop_reason: str = "update cap reached"
     setup_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    sampling_seconds: float = 0.0
+    sampled_sequences: int = 0
+    update_seconds: list[float] = field(default_factory=list)
+    final_checkpoint: str | None = None
+    snapshots: list[str] = field(default_factory=list)
 
 
 def _register_json(bundle: EvidenceBundle, state: _RunState, name: str, kind: str, obj: Any) -> None:
@@ -725,6 +751,9 @@ def _declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _
         "reason": BASIS_FOR_REFERENCES,
         "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
     })
+    # What the deviations' "kept separately" points at (issue 11 point 8).
+    _register_json(bundle, state, dx.ORIGINAL_GATE_REPORT_FILE, "report", dx.original_gate_report(
+        plan.raw, "gate-report.json" if bundle.entry("gate-report.json") else None))
     bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.raw["tested_instead"])
     selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
     _register_json(bundle, state, SELFTEST_FILE, "report", selftest)
@@ -805,6 +834,13 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         if state.sentinels is not None:
             state.sentinels.maybe_measure(tc, update_index, elapsed())
         last_update_s = clock() - u0
+        state.update_seconds.append(last_update_s)
+        if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running (issue 11 point 7)
+            bundle.update_result(metrics={"diagnostic/updates_done": float(update_index),
+                                          "diagnostic/elapsed_seconds": float(elapsed())})
+            name = post_snapshot(bundle, f"{tag} after update {update_index}")
+            if name:
+                state.snapshots.append(name)
         s = rec.stats
         say(f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
             f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
@@ -839,6 +875,7 @@ def run_bounded_diagnostic(
     clock: Callable[[], float] = time.monotonic,
     tag: str = "diagnostic",
     served: conclusion.ServedModel | None = None,
+    prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
     **overrides: Any,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
@@ -862,11 +899,15 @@ def run_bounded_diagnostic(
         cap_s = _effective_cap(bundle, cfg, elapsed(), say, tag)
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted before service work")
+        r0 = clock()
         tc, state.restore = _restore(service_client, initial_checkpoint)
+        state.restore_seconds = clock() - r0
         say(f"[{tag}] restored {initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)")
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted during setup (after restore)")
         sampler_path, state.frozen, summary = _sample_and_freeze(tc, cfg, bundle, state, tag)
+        state.sampling_seconds = float(summary["sampling_seconds"])
+        state.sampled_sequences = int(state.frozen.n_sequences)
         say(f"[{tag}] sampled and froze {state.frozen.n_sequences} sequences ({summary['response_tokens']} response "
             f"tokens, {summary['nonconstant_reward_groups']} groups with signal) in {summary['sampling_seconds']:.0f}s; "
             f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
@@ -879,6 +920,7 @@ def run_bounded_diagnostic(
             f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)")
         state.stop_reason = _train_epochs(tc, cfg, state.frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
                                           clock=clock, cap_s=cap_s, say=say, tag=tag)
+        _save_final_checkpoint(tc, bundle, state, tag, say)
     except _Stop as stop:
         state.stop_reason = str(stop)
         state.setup_seconds = state.setup_seconds or elapsed()
@@ -891,13 +933,14 @@ def run_bounded_diagnostic(
     if served is None:
         served = conclusion.served_model_from_info(state.restore.get("get_info"), cfg.base_model, backend=backend)
     return _write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
-                           spec_raw=spec_raw, served=served)
+                           spec_raw=spec_raw, served=served, prior_service_work=prior_service_work)
 
 
 def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _RunState,
                     selftest: Mapping[str, Any], *, wall: float, cap_s: float, backend: str,
                     spec_raw: Mapping[str, Any] | None,
-                    served: conclusion.ServedModel | None = None) -> DiagnosticResult:
+                    served: conclusion.ServedModel | None = None,
+                    prior_service_work: Mapping[str, Mapping[str, int]] | None = None) -> DiagnosticResult:
     """Analyse, then write sentinels, analysis, next action, report and result fields."""
     from dppo_harness import report
 
@@ -913,13 +956,42 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
     if tracker is not None and tracker.points:
         _register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
     analysis = result.analysis_json()
+    analysis["timings"] = {"restore_seconds": state.restore_seconds, "sampling_seconds": state.sampling_seconds,
+                           "sampled_sequences": state.sampled_sequences, "update_seconds": state.update_seconds,
+                           "setup_seconds": state.setup_seconds, "wall_seconds": wall,
+                           "wall_counted_from": "session start (the budget ledger's clock)"}
+    analysis["final_checkpoint"] = state.final_checkpoint
+    analysis["snapshots"] = state.snapshots
     _register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
     _register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    # Declared vs executed service work (issue 11 point 5).
+    executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
+    executed["bounded_diagnostic"] = {"optimizer_updates": state.updates_done,
+                                      "sampling_batches": 1 if state.frozen is not None else 0}
+    _register_json(bundle, state, dx.SERVICE_WORK_FILE, "report", dx.service_work_ledger(plan.raw, executed))
+    # Feasibility from the diagnostic's own measured setup, no extra pilot (issue 11 point 5).
+    if state.update_seconds:
+        eff_path = bundle.file_path("effective-config.json")
+        eff = json.loads(eff_path.read_text()) if bundle.entry("effective-config.json") else {}
+        bundle.update_result(feasibility=dx.diagnostic_feasibility(
+            config=asdict(cfg), effective_config=eff,
+            primary_endpoint=str((spec_raw or {}).get("primary_endpoint", "none in this diagnostic")),
+            setup_seconds=state.restore_seconds, sampling_seconds=state.sampling_seconds,
+            sampled_sequences=state.sampled_sequences, update_seconds=state.update_seconds,
+            sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
+            planned_updates=cfg.max_updates, recovery_seconds=FINALIZE_RESERVE_S))
+    # The replay output itself, as evidence (issue 11 point 8).
+    if state.records:
+        code, text = dx.replay_output(bundle.dir)
+        bundle.register_bytes(dx.REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
+        state.files.append(dx.REPLAY_OUTPUT_FILE)
+        bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
     state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
     result = replace(result, files=tuple(state.files))
     fields_ = result.result_fields
     bundle.update_result(**{k: v for k, v in fields_.items() if k in ("metrics", "summary", "activation_calibration")
                             and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))})
+    post_snapshot(bundle, "diagnostic stage end", reserve=4)
     return result
 
 

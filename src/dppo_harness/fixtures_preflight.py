@@ -39,7 +39,7 @@ def run_spec(plan, spec_plan) -> dict:
 
 
 @pytest.fixture(scope="session")
-def restoration(service_client, service_backend, spec_plan, run_spec, evidence_bundle):
+def restoration(request, service_client, service_backend, spec_plan, run_spec, evidence_bundle, client_registry):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
     from dppo_harness.service import call_with_capacity_retry, make_service_client
@@ -61,12 +61,11 @@ def restoration(service_client, service_backend, spec_plan, run_spec, evidence_b
             update_norm=update_norm,
         )
     finally:
-        try:
-            fut = probe_sc.close("success")
-            if hasattr(fut, "result"):
-                fut.result(timeout=60)
-        except Exception as exc:  # noqa: BLE001 - releasing probes must not hide the result
-            logger.warning("closing the probe ServiceClient failed: %s", exc)
+        # Release the setup/probe clients before anything trains, and record it (issue 11 point 8).
+        from dppo_harness.pytest_plugin import record_client_releases
+
+        client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
+        record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
     return result
 
 
@@ -83,6 +82,10 @@ def feasibility(service_client, service_backend, plan, evidence_bundle, verified
     from dppo_harness import feasibility as F
     from dppo_harness import plans
 
+    if plan.kind == "bounded_diagnostic":
+        # Issue 11 point 5: under the diagnostic plan no extra pilot samples or trains; the
+        # feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
+        pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     overrides, reductions = F.local_rehearsal(plan) if service_backend.kind == "local" else ({}, [])
     info = replace(backend_info(service_backend, plan, arm_client), size_reductions=tuple(reductions))
