@@ -687,6 +687,40 @@ class SentinelTracker:
 SNAPSHOT_EVERY_UPDATES = 4
 
 
+def _initial_output(tc: tinker.TrainingClient, ref: Any) -> dict[str, Any]:
+    """Full logprobs of the trained client on the restoration preflight's fixed batch, before its
+    first update, compared bitwise with the group's (same initial checkpoint)."""
+    from dppo_harness.restoration import batch_sha256, logprobs_sha256
+
+    out_sha = logprobs_sha256(full_logprobs(tc, ref.fixed_batch))
+    group = dict(ref.output_sha256)
+    return {"available": True, "batch_sha256": batch_sha256(ref.fixed_batch), "output_sha256": out_sha,
+            "evidence_ref": f"{ANALYSIS_FILE}#trained_client_initial_output", "before_first_update": True,
+            "group_output_sha256": group, "bitwise_equal_to_group": {a: out_sha == h for a, h in group.items()}}
+
+
+def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> None:
+    """Post the trained arm's provenance: restore count + 1, the optimizer check from ITS OWN first
+    optim_step response, its own initial output (issue 11 point 4)."""
+    from dppo_harness.restoration import echoed_config, optimizer_check
+
+    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get("dppo_seed0")
+    if not prior or state.initial_output is None:
+        return
+    own = None
+    if state.first_optim is not None:
+        metrics = getattr(state.first_optim, "metrics", None) or {}
+        requested = dict(cfg.adam)
+        own = optimizer_check(
+            after_restore=0, requested_optimizer=str(plan.raw["fixed_settings"]["optimizer"].get("name", "adamw")),
+            requested_config=requested, info=state.info, info_ref=f"{ANALYSIS_FILE}#restore.get_info",
+            echoed=echoed_config(metrics, list(requested)), echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
+            echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)")
+    entry = dx.trained_client_entry(prior, restore=state.restore, initial_output=state.initial_output, own_check=own,
+                                    restore_ref=f"{ANALYSIS_FILE}#restore")
+    bundle.update_result(initialization_provenance={"arms": {"dppo_seed0": entry}})
+
+
 def _save_final_checkpoint(tc: tinker.TrainingClient, bundle: EvidenceBundle, state: _RunState, tag: str,
                            say: Callable[[str], None]) -> None:
     """The trained client's final state, saved and its URI recorded (issue 11 point 8)."""
@@ -727,6 +761,9 @@ class _RunState:
     update_seconds: list[float] = field(default_factory=list)
     final_checkpoint: str | None = None
     snapshots: list[str] = field(default_factory=list)
+    info: Any = None  # the trained client's get_info response (object)
+    first_optim: Any = None  # the trained client's own first optim_step response
+    initial_output: dict[str, Any] | None = None
 
 
 def _register_json(bundle: EvidenceBundle, state: _RunState, name: str, kind: str, obj: Any) -> None:
@@ -828,7 +865,9 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 
-        rec, _ = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist)
+        rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist)
+        if state.first_optim is None:
+            state.first_optim = upd.optim
         state.updates_done = update_index
         tokens_seen += rec.stats["tokens/loss"]
         if state.sentinels is not None:
@@ -876,6 +915,7 @@ def run_bounded_diagnostic(
     tag: str = "diagnostic",
     served: conclusion.ServedModel | None = None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
+    init_reference: Any = None,
     **overrides: Any,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
@@ -901,6 +941,9 @@ def run_bounded_diagnostic(
             raise _Stop("wall cap exhausted before service work")
         r0 = clock()
         tc, state.restore = _restore(service_client, initial_checkpoint)
+        state.info = tc.get_info()
+        if init_reference is not None:  # the trained client's own initial output, before any update
+            state.initial_output = _initial_output(tc, init_reference)
         state.restore_seconds = clock() - r0
         say(f"[{tag}] restored {initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)")
         if elapsed() >= cap_s:
@@ -961,9 +1004,12 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
                            "setup_seconds": state.setup_seconds, "wall_seconds": wall,
                            "wall_counted_from": "session start (the budget ledger's clock)"}
     analysis["final_checkpoint"] = state.final_checkpoint
+    analysis["trained_client_initial_output"] = state.initial_output
+    analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
     analysis["snapshots"] = state.snapshots
     _register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
     _register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    _trained_client_provenance(bundle, cfg, plan, state)
     # Declared vs executed service work (issue 11 point 5).
     executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
     executed["bounded_diagnostic"] = {"optimizer_updates": state.updates_done,

@@ -105,3 +105,39 @@ def replay_output(bundle_dir: Path) -> tuple[int, str]:
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         code = replay.main([str(bundle_dir)])
     return code, buf.getvalue()
+
+
+PROBE_ECHO_REASON = ("the config was echoed only by a probe client's optim_step, not by this arm's own client: "
+                     "stays declared")
+
+
+def own_response_only(check: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer check whose config came from a PROBE client's response, reduced to what the
+    arm's own responses exposed (the family from its own get_info); the config stays declared/null."""
+    c = dict(check)
+    observed = str(c.get("actual_config_observed_on") or "")
+    if c.get("actual_config") is None or "probe" not in observed:
+        return c
+    c.update(actual_config=None, actual_config_source="declared", actual_config_observed_on=None,
+             source="server_response" if c.get("actual_optimizer") else "declared", verified=False,
+             evidence_ref=str(c.get("evidence_ref", "")).split("; ")[0],
+             unverified_reasons=list(c.get("unverified_reasons", [])) + [PROBE_ECHO_REASON])
+    return c
+
+
+def trained_client_entry(prior: Mapping[str, Any], *, restore: Mapping[str, Any], initial_output: Mapping[str, Any],
+                         own_check: Mapping[str, Any] | None, restore_ref: str) -> dict[str, Any]:
+    """The trained arm's `initialization_provenance` entry once the diagnostic restored it again:
+    one more restore, an optimizer check for it from the trained client's OWN response, and that
+    client's initial output before its first update (issue 11 point 4)."""
+    n = int(prior.get("restore_count", 0)) + 1
+    checks = [own_response_only(c) for c in prior.get("optimizer_checks", [])]
+    if own_check is not None:
+        checks.append(dict(own_check, after_restore=n))
+    init = dict(prior.get("initialization", {}))
+    init.update(loaded_checkpoint_uri=restore.get("loaded_checkpoint_uri"), load_succeeded=bool(restore.get("load_succeeded")),
+                evidence_ref=restore_ref, before_first_update=True)
+    return {"initialization": init, "restore_count": n, "optimizer_checks": checks,
+            "initial_output": dict(initial_output),
+            "trained_client": {"restore": n, "note": "the client the bounded diagnostic trained, restored from the "
+                                                     "shared initial checkpoint"}}

@@ -39,7 +39,7 @@ def run_spec(plan, spec_plan) -> dict:
 
 
 @pytest.fixture(scope="session")
-def restoration(request, service_client, service_backend, spec_plan, run_spec, evidence_bundle, client_registry):
+def restoration(request, service_client, service_backend, plan, spec_plan, run_spec, evidence_bundle, client_registry):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
     from dppo_harness.service import call_with_capacity_retry, make_service_client
@@ -48,6 +48,7 @@ def restoration(request, service_client, service_backend, spec_plan, run_spec, e
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url)
+    plan_kind = plan.kind
     update_norm = None
     if reader is None:  # tinker backend: read trained weights back through the SDK (issue 11 point 10)
         from dppo_harness.weights_readback import ExternalWeightsUpdateNorm
@@ -59,6 +60,8 @@ def restoration(request, service_client, service_backend, spec_plan, run_spec, e
             probe_service_client=probe_sc, spec_raw=run_spec, base_model=run_spec["base_model"],
             call=lambda fn: call_with_capacity_retry(fn),  # 429/503/capacity on client creation
             update_norm=update_norm,
+            # Under the diagnostic plan only the DPPO arm trains (issue 11 point 4).
+            trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
         )
     finally:
         # Release the setup/probe clients before anything trains, and record it (issue 11 point 8).

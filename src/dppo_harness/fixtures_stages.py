@@ -97,7 +97,7 @@ def diagnostic_run(request, service_client, service_backend, plan, spec_plan, ev
     run = run_bounded_diagnostic(
         service_client, plan, evidence_bundle, restoration.initial_checkpoint,
         backend=service_backend.kind, stage_start=start, spec_raw=spec_plan.raw, progress=_progress(request),
-        prior_service_work=preflight_service_work(restoration),
+        prior_service_work=preflight_service_work(restoration), init_reference=restoration,
     )
     propose_outcome(request.config, **run.result_fields["final"])
     return run

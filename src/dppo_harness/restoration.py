@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 LOGPROB_ATOL = 1e-6  # brief: initial outputs "bitwise equal or within 1e-6"
 LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
 DEFAULT_LR_MULTIPLIERS = (0.5, 1.0, 2.0)
+# The arm the bounded diagnostic trains (the PPO baseline is only a counterfactual there).
+DIAGNOSTIC_TRAINED_ARMS = ("dppo_seed0",)
 FIXED_BATCH_ITEMS = 4
 ADAM_FAMILIES = {"adam": "adamw", "adamw": "adamw"}  # tinker's Adam is torch AdamW; wd=0 makes them equal
 PROVENANCE_FILE = "initialization-provenance.json"
@@ -754,8 +756,14 @@ def run_restoration_preflight(
     call: Callable[[Callable[[], Any]], Any] | None = None,
     run_tag: str | None = None,
     spec_raw: Mapping[str, Any] | None = None,
+    trained_arms: Sequence[str] | None = None,
 ) -> RestorationResult:
     """Run the restoration preflight for the spec's initialization group; see module docstring.
+
+    - `trained_arms`: the arms that will train in this session (None: all). Only they are posted in
+      the result's `initialization_provenance`; an untrained arm is left out of the optimizer-
+      restoration groups as the brief asks (listed under `excluded_arms` with the reason; its checks
+      stay in initialization-provenance.json).
 
     - `checkpoint_reader` (local backend): measures adapter_sha256 of each arm as loaded and the
       LR-scaling update norms from server-written checkpoints. Without it (and without
@@ -846,7 +854,13 @@ def run_restoration_preflight(
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block)
     bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
     wall = time.monotonic() - t0
-    bundle.update_result(initialization_provenance=prov_body,
+    posted = prov_body
+    if trained_arms is not None:
+        posted = {"version": 1, "arms": {a: e for a, e in prov_body["arms"].items() if a in set(trained_arms)},
+                  "excluded_arms": {a: "never trains in this session: excluded from the optimizer-restoration groups "
+                                       "(its preflight checks stay in " + PROVENANCE_FILE + ")"
+                                    for a in prov_body["arms"] if a not in set(trained_arms)}}
+    bundle.update_result(initialization_provenance=posted,
                          metrics={"preflight/restoration_wall_seconds": wall,
                                   "preflight/restoration_passed": 1.0 if passed else 0.0})
     return RestorationResult(
