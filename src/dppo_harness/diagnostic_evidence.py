@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dppo_harness.restoration import own_response_only  # noqa: F401 - one definition, used below
+
 ORIGINAL_GATE_REPORT_FILE = "original-gate-report.json"
 SERVICE_WORK_FILE = "service-work-ledger.json"
 REPLAY_OUTPUT_FILE = "diagnostic-replay.txt"
@@ -105,24 +107,6 @@ def replay_output(bundle_dir: Path) -> tuple[int, str]:
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         code = replay.main([str(bundle_dir)])
     return code, buf.getvalue()
-
-
-PROBE_ECHO_REASON = ("the config was echoed only by a probe client's optim_step, not by this arm's own client: "
-                     "stays declared")
-
-
-def own_response_only(check: Mapping[str, Any]) -> dict[str, Any]:
-    """An optimizer check whose config came from a PROBE client's response, reduced to what the
-    arm's own responses exposed (the family from its own get_info); the config stays declared/null."""
-    c = dict(check)
-    observed = str(c.get("actual_config_observed_on") or "")
-    if c.get("actual_config") is None or "probe" not in observed:
-        return c
-    c.update(actual_config=None, actual_config_source="declared", actual_config_observed_on=None,
-             source="server_response" if c.get("actual_optimizer") else "declared", verified=False,
-             evidence_ref=str(c.get("evidence_ref", "")).split("; ")[0],
-             unverified_reasons=list(c.get("unverified_reasons", [])) + [PROBE_ECHO_REASON])
-    return c
 
 
 def trained_client_entry(prior: Mapping[str, Any], *, restore: Mapping[str, Any], initial_output: Mapping[str, Any],

@@ -268,6 +268,24 @@ def initialization_entry(
     }
 
 
+PROBE_ECHO_REASON = ("the config was echoed only by a probe client's optim_step, not by this arm's own client: "
+                     "stays declared")
+
+
+def own_response_only(check: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer check whose config came from a PROBE client's response, reduced to what the
+    arm's own responses exposed (the family from its own get_info); the config stays declared/null."""
+    c = dict(check)
+    observed = str(c.get("actual_config_observed_on") or "")
+    if c.get("actual_config") is None or "probe" not in observed:
+        return c
+    c.update(actual_config=None, actual_config_source="declared", actual_config_observed_on=None,
+             source="server_response" if c.get("actual_optimizer") else "declared", verified=False,
+             evidence_ref=str(c.get("evidence_ref", "")).split("; ")[0],
+             unverified_reasons=list(c.get("unverified_reasons", [])) + [PROBE_ECHO_REASON])
+    return c
+
+
 def check_provenance(provenance: Mapping[str, Any], arms: Sequence[str]) -> list[str]:
     """Every failure of the group's initialization proof; empty means the group is proved."""
     failures: list[str] = []
@@ -856,7 +874,9 @@ def run_restoration_preflight(
     wall = time.monotonic() - t0
     posted = prov_body
     if trained_arms is not None:
-        posted = {"version": 1, "arms": {a: e for a, e in prov_body["arms"].items() if a in set(trained_arms)},
+        # Each posted check keeps only what the arm's OWN responses exposed (issue 11 point 4).
+        posted = {"version": 1, "arms": {a: dict(e, optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]])
+                                         for a, e in prov_body["arms"].items() if a in set(trained_arms)},
                   "excluded_arms": {a: "never trains in this session: excluded from the optimizer-restoration groups "
                                        "(its preflight checks stay in " + PROVENANCE_FILE + ")"
                                     for a in prov_body["arms"] if a not in set(trained_arms)}}

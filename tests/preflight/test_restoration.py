@@ -57,6 +57,9 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
     written = evidence_bundle.result["initialization_provenance"]
     assert written["version"] == 1
     posted = {a: e for a, e in restoration.provenance["arms"].items() if a not in written.get("excluded_arms", {})}
+    if plan.kind == "bounded_diagnostic":  # posted checks keep only the arm's own responses
+        posted = {a: dict(e, optimizer_checks=[R.own_response_only(c) for c in e["optimizer_checks"]])
+                  for a, e in posted.items()}
     assert written["arms"] == posted
     if plan.kind == "bounded_diagnostic":  # issue 11 point 4: the untrained baseline is left out
         assert set(written["arms"]) == set(R.DIAGNOSTIC_TRAINED_ARMS) and "grpo_seed0" in written["excluded_arms"]

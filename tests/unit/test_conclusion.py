@@ -72,3 +72,14 @@ def test_served_model_from_get_info():
     assert cc.served_model_from_info({"model_data": {"arch": "Qwen/Qwen3.5-2B"}}, "Qwen/Qwen3.5-2B",
                                      backend="tinker").stand_in is None
     assert cc.served_model_from_info(None, "Qwen/Qwen3.5-2B", backend="local").is_stand_in
+
+
+def test_report_labels_the_cause_and_the_stand_in_limitation_on_any_backend():
+    from dppo_harness import report
+
+    res = _result(STAND_IN)
+    a = res.analysis_json()
+    text = report.render_markdown(a, {}, "tinker", res.next_action)  # bundle B: tinker backend, stand-in served
+    assert "verified: a stand-in served" in text and "suspected" in text
+    assert "Stand-in model `local/tiny-qwen3-gsm8k`" in text
+    assert "unchanged on the real service" in text
