@@ -31,8 +31,18 @@ from dppo_harness import instrumentation as ins
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.pooled import (  # noqa: F401 - re-exported: the diagnostic's file names
-    ANALYSIS_FILE, FROZEN_BATCH_STEM, NEXT_ACTION_FILE, POOLED_QUANTILES, RATIO_PARTS, REFERENCES_FILE,
-    REVISED_SPEC_FILE, SELFTEST_FILE, SENTINEL_FILE, pool_calls, update_record_name)
+    ANALYSIS_FILE,
+    FROZEN_BATCH_STEM,
+    NEXT_ACTION_FILE,
+    POOLED_QUANTILES,
+    RATIO_PARTS,
+    REFERENCES_FILE,
+    REVISED_SPEC_FILE,
+    SELFTEST_FILE,
+    SENTINEL_FILE,
+    pool_calls,
+    update_record_name,
+)
 from dppo_harness.restoration import create_from_state_observed, dump_response, full_logprobs, make_datum
 
 if TYPE_CHECKING:
@@ -728,7 +738,7 @@ def _save_final_checkpoint(tc: tinker.TrainingClient, bundle: EvidenceBundle, st
         return
     try:
         uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
-    except Exception as exc:  # noqa: BLE001 - recorded: the claim must not exist without the checkpoint
+    except Exception as exc:  # recorded: no claim without the checkpoint
         state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
         return
     state.final_checkpoint = uri

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dppo_harness.restoration import own_response_only  # noqa: F401 - one definition, used below
+from dppo_harness.restoration import own_response_only
 
 ORIGINAL_GATE_REPORT_FILE = "original-gate-report.json"
 SERVICE_WORK_FILE = "service-work-ledger.json"

@@ -67,14 +67,14 @@ class ExternalWeightsUpdateNorm:
         self._n += 1
         try:
             before = self.read(client, f"lr-probe-{self._n}-before")
-        except Exception as exc:  # noqa: BLE001 - the reason is recorded, never hidden
+        except Exception as exc:
             self.last_error = f"reading weights before the update failed: {type(exc).__name__}: {exc}"[:500]
             return None  # no update on a client whose weights cannot be read
         apply_update()
         try:
             after = self.read(client, f"lr-probe-{self._n}-after")
             return update_norm_from_tensors(before, after)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.last_error = f"reading weights after the update failed: {type(exc).__name__}: {exc}"[:500]
             return None
 

@@ -6,7 +6,13 @@ import zipfile
 from pathlib import Path
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.evidence.archive import ARCHIVE_NAME, MANIFEST_MEMBER, build_archive, register_code_archive, verify_archive
+from dppo_harness.evidence.archive import (
+    ARCHIVE_NAME,
+    MANIFEST_MEMBER,
+    build_archive,
+    register_code_archive,
+    verify_archive,
+)
 
 ROOT = Path(__file__).parents[2]
 
