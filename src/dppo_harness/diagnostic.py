@@ -906,8 +906,9 @@ def _effective_cap(bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: flo
     remaining = bundle.remaining_seconds()
     if remaining is not None and elapsed_s + remaining < cap_s:
         cap_s = max(0.0, elapsed_s + float(remaining))
-        say(f"[{tag}] the run budget ends {cap_s:.0f}s after the stage start, before the "
-            f"{cfg.max_wall_seconds:.0f}s cap: stopping there")
+        if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
+            say(f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
+                f"{cfg.max_wall_seconds:.0f}s cap: stopping there")
     return cap_s
 
 
