@@ -284,19 +284,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state.bundle.finish_session(stage_failures=dict(state.first_failure))
 
 
+def _release_remaining(state: _StageState) -> None:
+    """Release every client not yet released and note when (the session fixture's teardown may
+    run before pytest_sessionfinish, so both call this; the second call finds nothing pending)."""
+    if state.registry is None:
+        return
+    pending = [r for r in state.registry.records() if not r["released"]]
+    if not pending:
+        return
+    state.registry.release_all()
+    now = {(r["label"], r["stage"]): r for r in state.registry.records()}
+    _note_releases(state, [dict(r, released=now[(r["label"], r["stage"])]["released"],
+                                error=now[(r["label"], r["stage"])]["error"]) for r in pending])
+
+
 def _write_session_records(state: _StageState) -> None:
     """Unit-parity summary and client-release records as evidence files (issue 11 point 8). The
     session's own clients are released here, before the result is closed, so the record is true."""
     bundle = state.bundle
-    if state.registry is not None:
-        pending = [r for r in state.registry.records() if not r["released"]]
-        state.registry.release_all()
-        _note_releases(state, pending)
-        now = {(r["label"], r["stage"]): r for r in state.registry.records()}
-        for rec in state.releases:
-            cur = now.get((rec["label"], rec["stage"]))
-            if cur is not None:
-                rec.update(released=cur["released"], error=cur["error"])
+    _release_remaining(state)
     if bundle.entry("client-releases.json") is None:
         bundle.register_json("client-releases.json", "log", {
             "kind": "client_releases", "all_released": all(r["released"] for r in state.releases),
@@ -355,6 +361,7 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     registry.install_atexit()
     pytestconfig.stash[_STATE_KEY].registry = registry
     yield registry
+    _release_remaining(pytestconfig.stash[_STATE_KEY])  # recorded for client-releases.json
     registry.release_all()
 
 
