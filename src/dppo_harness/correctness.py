@@ -536,6 +536,15 @@ def check_case(case: GoldenCase, mode: str, tolerances: dict[str, dict[str, floa
         fails.append("ppo/clipped metric differs")
     subs.append(_loss_grad_check("grpo_baseline", run.loss, run.grad_BT, rb.loss, rb.grad_BT, tol, "baseline_loss", "baseline_gradient", fails, "vs tinker ppo formula"))
 
+    # Baseline parity under the normalization that is trained (token_mean; issue 11 point 10):
+    # the same Tinker ppo formula divided by the call's loss-token count.
+    run = run_packed(case, packed, "grpo", "token_mean", mode)
+    rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean")
+    fails = _common_failures(run)
+    if not np.array_equal(run.clipped_BT, rb.decision_BT):
+        fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
+    subs.append(_loss_grad_check("grpo_baseline_token_mean", run.loss, run.grad_BT, rb.loss, rb.grad_BT, tol, "baseline_loss", "baseline_gradient", fails, "vs tinker ppo formula / loss tokens"))
+
     # GRPO path (token_mean) vs the golden grpo_no_dual_clip, on the domain where verl == Tinker ppo.
     if case.grpo_loss is not None:
         on = case.mask_BT > 0
@@ -693,8 +702,9 @@ def build_preflight_block(report: GoldenReport, spec: dict | None = None) -> dic
                 ),
                 "normalization": (
                     "reference_*: DPPO token_mean = sum over loss tokens (mask==1, zero-advantage tokens included) / "
-                    "their count per forward_backward_custom call (Stable-RL token-mean); baseline_*: GRPO sum over "
-                    "loss tokens (Tinker built-in ppo convention); prompt positions mask 0; no update or rank scaling"
+                    "their count per forward_backward_custom call (Stable-RL token-mean); baseline_*: GRPO through the "
+                    "same path under BOTH sum over loss tokens (Tinker built-in ppo convention) and token_mean (the "
+                    "normalization trained), worst case of the two; prompt positions mask 0; no update or rank scaling"
                 ),
                 "errors": errors,
                 "lr_scaling": [],
@@ -770,6 +780,17 @@ def validate_preflight(spec: dict, preflight: dict) -> tuple[str, list[str]]:
         if not isinstance(lr, list):
             msgs.append(f"FAIL {pid}: lr_scaling must be a list")
         else:
+            lr_tol = tols.get("lr_scaling") if isinstance(tols, dict) else None
+            unavailable = [e for e in lr if isinstance(e, dict) and e.get("available") is False]
+            for e in unavailable:  # recorded as unmeasured with its reason: unverified, never a pass
+                if not (isinstance(e.get("reason"), str) and e["reason"].strip()) or e.get("update_norm") is not None:
+                    msgs.append(f"FAIL {pid}: an unavailable lr_scaling entry needs a reason and update_norm null")
+            if unavailable and isinstance(lr_tol, dict):
+                msgs.append(f"FAIL {pid}: lr_scaling unavailable ({unavailable[0].get('reason')}) but the spec sets a tolerance")
+            elif unavailable:
+                msgs.append(f"note {pid}: lr_scaling unavailable: {unavailable[0].get('reason')} (unverified; the spec "
+                            "sets no LR-scaling tolerance for this path)")
+            lr = [e for e in lr if not (isinstance(e, dict) and e.get("available") is False)]
             for i, e in enumerate(lr):
                 good = isinstance(e, dict) and all(
                     isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool) and math.isfinite(e[k]) and e[k] > 0
@@ -777,10 +798,9 @@ def validate_preflight(spec: dict, preflight: dict) -> tuple[str, list[str]]:
                 )
                 if not good:
                     msgs.append(f"FAIL {pid}: lr_scaling[{i}] needs positive finite learning_rate and update_norm")
-            lr_tol = tols.get("lr_scaling") if isinstance(tols, dict) else None
-            if isinstance(lr_tol, dict):
+            if isinstance(lr_tol, dict) and not unavailable:
                 msgs += _check_lr_scaling(pid, lr, lr_tol)
-            elif not lr:
+            elif not lr and not unavailable:
                 msgs.append(f"note {pid}: lr_scaling empty (the spec sets no LR-scaling tolerance for this path)")
     status = "failed" if any(m.startswith("FAIL") for m in msgs) else "passed"
     return status, msgs
@@ -822,6 +842,24 @@ def _load_json(path: str, what: str) -> Any:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"error: cannot read {what} {path}: {exc}")
+
+
+def run_validator_cli(spec_bytes: bytes, preflight_block: Mapping[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run `python -m dppo_harness.correctness validate` on the WRITTEN preflight block, as the brief
+    asks of its validator, and return its exit code and output (issue 11 point 8)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        spec_f, pre_f = Path(d) / "spec.json", Path(d) / "correctness-preflight.json"
+        spec_f.write_bytes(spec_bytes)
+        pre_f.write_text(json.dumps(preflight_block, indent=1))
+        cmd = [sys.executable, "-m", "dppo_harness.correctness", "validate", str(spec_f), str(pre_f)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    return {"kind": "correctness_validator", "command": "python -m dppo_harness.correctness validate <spec> <preflight>",
+            "spec_sha256": hashlib.sha256(spec_bytes).hexdigest(),
+            "preflight_sha256": hashlib.sha256(json.dumps(preflight_block, indent=1).encode()).hexdigest(),
+            "exit_code": proc.returncode, "stdout": proc.stdout[-20000:], "stderr": proc.stderr[-4000:]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,12 +25,24 @@ import numpy as np
 import tinker
 import torch
 
-from dppo_harness import constants, gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
+from dppo_harness import conclusion, constants, gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
+from dppo_harness import diagnostic_evidence as dx
 from dppo_harness import instrumentation as ins
+from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.pooled import (  # noqa: F401 - re-exported: the diagnostic's file names
-    ANALYSIS_FILE, FROZEN_BATCH_STEM, NEXT_ACTION_FILE, POOLED_QUANTILES, RATIO_PARTS, REFERENCES_FILE,
-    REVISED_SPEC_FILE, SELFTEST_FILE, SENTINEL_FILE, pool_calls, update_record_name)
+    ANALYSIS_FILE,
+    FROZEN_BATCH_STEM,
+    NEXT_ACTION_FILE,
+    POOLED_QUANTILES,
+    RATIO_PARTS,
+    REFERENCES_FILE,
+    REVISED_SPEC_FILE,
+    SELFTEST_FILE,
+    SENTINEL_FILE,
+    pool_calls,
+    update_record_name,
+)
 from dppo_harness.restoration import create_from_state_observed, dump_response, full_logprobs, make_datum
 
 if TYPE_CHECKING:
@@ -227,24 +239,50 @@ def evaluate_criteria(criteria: Sequence[Mapping[str, Any]], pooled: Mapping[str
 # ---- deterministic must-fire / must-not-fire self-test -----------------------------------------
 
 
-def _case_datums(rows: Sequence[tuple[float, float, float, float]]):
-    """One datum per row (p, q, A, mask) after two prompt positions with junk logprobs."""
+def _case_datums(rows: Sequence[tuple[float, ...]]):
+    """One datum per row (p, q, A, mask[, exact current logprob]) after two prompt positions with
+    junk logprobs. The sampler logprob travels as the SDK's float32, the current one is float64
+    (the loss computes in float64), so exact decision boundaries are reachable."""
     import tinker
 
     data, lps = [], []
-    for i, (p, q, a, m) in enumerate(rows):
+    for i, row in enumerate(rows):
+        p, q, a, m = row[:4]
+        lp = row[4] if len(row) > 4 else math.log(p)
         target = [11 + i, 12 + i, 13 + i]
         data.append(tinker.Datum(
             model_input=tinker.ModelInput.from_ints([10 + i, 11 + i, 12 + i]),
             loss_fn_inputs={"target_tokens": target, "logprobs": [-7.0, 3.0, math.log(q)],
                             "advantages": [0.0, 0.0, a], "mask": np.array([0.0, 0.0, m], dtype=np.float32)},
         ))
-        lps.append(torch.tensor([0.5, -40.0, math.log(p)], dtype=torch.float32, requires_grad=True))
+        lps.append(torch.tensor([0.5, -40.0, lp], dtype=torch.float64, requires_grad=True))
     return data, lps
 
 
-# name -> ((p, q, A, mask) rows, expected (removed_pos, removed_neg, mask_zero_adv), grad must be zero per row)
-SELFTEST_CASES: dict[str, tuple[tuple[tuple[float, float, float, float], ...], tuple[int, int, int], tuple[bool, ...]]] = {
+def _boundary_row(q: float, a: float, diff: float) -> tuple[float, float, float, float, float]:
+    """A row whose p - q is EXACTLY `diff` as the loss computes it (torch float64 exp of the
+    float64 current logprob minus exp of the float32 sampler logprob). Not every q admits one,
+    so q walks float32 steps from the given value until one does (deterministic). Choose q so that
+    the smaller of p, q lies in [0.125, 0.25): only then is an odd multiple of 2**-55 like 0.15 a
+    representable exact difference."""
+    mu32 = np.float32(math.log(q))
+    for _ in range(200):
+        q64 = torch.tensor(float(mu32), dtype=torch.float64).exp()
+        lp0 = torch.log(q64 + diff)
+        for k in range(-8, 9):
+            lp = lp0
+            step = torch.tensor(math.inf if k > 0 else -math.inf, dtype=torch.float64)
+            for _ in range(abs(k)):
+                lp = torch.nextafter(lp, step)
+            if float(lp.exp() - q64) == diff:
+                return (float(lp.exp()), float(np.exp(np.float64(mu32))), a, 1.0, float(lp))
+        mu32 = np.nextafter(mu32, np.float32(0.0))
+    raise DiagnosticError(f"no float64 logprob gives p - q == {diff!r} exactly")
+
+
+_D = constants.DPPO_DELTA
+# name -> ((p, q, A, mask[, lp]) rows, expected (removed_pos, removed_neg, mask_zero_adv), grad must be zero per row)
+SELFTEST_CASES: dict[str, tuple[tuple[tuple[float, ...], ...], tuple[int, int, int], tuple[bool, ...]]] = {
     "must_fire_pos_adv_up": (((0.80, 0.40, 1.0, 1.0),), (1, 0, 0), (True,)),
     "must_fire_neg_adv_down": (((0.10, 0.60, -1.0, 1.0),), (0, 1, 0), (True,)),
     "must_fire_both_signs": (((0.95, 0.50, 0.5, 1.0), (0.05, 0.50, -0.5, 1.0), (0.5, 0.5, 0.5, 1.0)), (1, 1, 0), (True, True, False)),
@@ -255,7 +293,31 @@ SELFTEST_CASES: dict[str, tuple[tuple[tuple[float, float, float, float], ...], t
     "must_not_fire_below_delta": (((0.60, 0.50, 1.0, 1.0), (0.40, 0.50, -1.0, 1.0)), (0, 0, 0), (False, False)),
     "must_not_fire_recovery_direction": (((0.05, 0.90, 1.0, 1.0), (0.90, 0.05, -1.0, 1.0)), (0, 0, 0), (False, False)),
     "zero_advantage_is_not_engagement": (((0.05, 0.90, 0.0, 1.0),), (0, 0, 1), (True,)),
-    "padding_is_not_engagement": (((0.99, 0.01, 1.0, 0.0), (0.01, 0.99, -1.0, 0.0)), (0, 0, 0), (True, True)),
+    "padding_is_not_engagement": (((0.99, 0.01, 1.0, 0.0), (0.01, 0.99, -1.0, 0.0), (0.5, 1e-4, 1.0, 0.0)), (0, 0, 0),
+                                  (True, True, True)),
+    # Exact +-delta boundaries: the rule is strict, so p - q == +-delta is kept, one ulp beyond is removed.
+    "boundary_exact_plus_delta_kept": ((_boundary_row(0.20, 1.0, _D),), (0, 0, 0), (False,)),
+    "boundary_one_ulp_above_plus_delta_removed": ((_boundary_row(0.20, 1.0, math.nextafter(_D, 1.0)),), (1, 0, 0), (True,)),
+    "boundary_exact_minus_delta_kept": ((_boundary_row(0.30, -1.0, -_D),), (0, 0, 0), (False,)),
+    "boundary_one_ulp_below_minus_delta_removed": ((_boundary_row(0.30, -1.0, math.nextafter(-_D, -1.0)),), (0, 1, 0), (True,)),
+    # Ratio cap C: r = 20 on a kept token is a hit (weight C); on a dropped token it is not (no gradient to cap).
+    "ratio_cap_hit_on_kept_token": (((2e-5, 1e-6, 1.0, 1.0),), (0, 0, 0), (False,)),
+    "ratio_cap_not_counted_on_dropped_token": (((0.90, 0.04, 1.0, 1.0),), (1, 0, 0), (True,)),
+    # Counterfactual PPO eps=0.2, both sides: clipped only where the ratio left [0.8, 1.2] in A's direction.
+    "ppo_clip_pos_side": (((0.13, 0.10, 1.0, 1.0), (0.07, 0.10, 1.0, 1.0)), (0, 0, 0), (False, False)),
+    "ppo_clip_neg_side": (((0.07, 0.10, -1.0, 1.0), (0.13, 0.10, -1.0, 1.0)), (0, 0, 0), (False, False)),
+}
+# Further recorded/reported counts a case must show (cap hits and counterfactual clips).
+SELFTEST_EXTRA: dict[str, dict[str, int]] = {
+    "padding_is_not_engagement": {"dppo/ratio_cap_hits": 0, "ppo/clipped": 0, "tokens/loss": 0},
+    "ratio_cap_hit_on_kept_token": {"dppo/ratio_cap_hits": 1, "ppo/clipped": 1},
+    "ratio_cap_not_counted_on_dropped_token": {"dppo/ratio_cap_hits": 0},
+    "ppo_clip_pos_side": {"ppo/clipped": 1, "ppo/clipped_pos_adv": 1, "ppo/clipped_neg_adv": 0},
+    "ppo_clip_neg_side": {"ppo/clipped": 1, "ppo/clipped_pos_adv": 0, "ppo/clipped_neg_adv": 1},
+    "boundary_exact_plus_delta_kept": {"dppo/exceed_pos": 0},
+    "boundary_one_ulp_above_plus_delta_removed": {"dppo/exceed_pos": 1},
+    "boundary_exact_minus_delta_kept": {"dppo/exceed_neg": 0},
+    "boundary_one_ulp_below_minus_delta_removed": {"dppo/exceed_neg": 1},
 }
 
 
@@ -290,7 +352,13 @@ def deterministic_selftest(
             problems.append(f"response-token gradients {grads} (zero expected: {list(zero_grad)})")
         if not prompt_grads_zero:
             problems.append("prompt positions received a gradient")
+        for key, want in SELFTEST_EXTRA.get(name, {}).items():
+            if s.get(key) != want:
+                problems.append(f"recorded {key}={s.get(key)} != expected {want}")
+            if key in metrics and int(metrics[key]) != want:
+                problems.append(f"loss reported {key}={metrics[key]} != expected {want}")
         cases[name] = {"expected": list(expected), "recorded": list(got), "loss_reported": list(reported),
+                       "expected_counts": SELFTEST_EXTRA.get(name, {}),
                        "grads": grads, "passed": not problems, "problems": problems}
     return {
         "passed": all(c["passed"] for c in cases.values()),
@@ -361,6 +429,11 @@ class Classification:
     evidence_against_code_defect: str
     integrity_problems: tuple[str, ...]
     variant_problems: tuple[str, ...]
+    # The cause the measurements alone gave, before judging them for the planned model (a
+    # stand-in's measured state is a fact about the stand-in only), and who computed.
+    measured_cause: str | None = None
+    served_model: str | None = None
+    stand_in: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -459,9 +532,27 @@ def classify(
     )
 
 
+def for_planned_model(c: Classification, served: conclusion.ServedModel) -> Classification:
+    """The classification judged for the question asked: on a stand-in, keep the measured state and
+    cause (`measured_cause`) but the cause for the planned model is missing_evidence."""
+    cause = conclusion.cause_for_question(c.cause, c.active, served)
+    extra = ""
+    if served.is_stand_in:
+        extra = (f" These measurements come from the stand-in {served.stand_in}, not {served.requested}: the measured "
+                 f"state ({c.state}, measured cause {c.cause or 'none'}) is a fact about the stand-in only, so for "
+                 f"{served.requested} the evidence is missing.")
+    return replace(c, cause=cause, explanation=c.explanation + extra, measured_cause=c.cause,
+                   served_model=served.served, stand_in=served.is_stand_in)
+
+
 def next_action(classification: Classification, cfg: DiagnosticConfig, spec_raw: Mapping[str, Any] | None,
-                plan_id: str) -> dict[str, Any]:
-    """Active: the frozen revised comparison spec (not executed). Otherwise: the cheapest next step."""
+                plan_id: str, served: conclusion.ServedModel | None = None,
+                measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Stand-in: the same frozen plan unchanged on the real service. Active: the frozen revised
+    comparison spec (not executed). Otherwise: the cheapest next step."""
+    if served is not None and served.is_stand_in and classification.cause != "code_or_instrumentation_defect":
+        return conclusion.stand_in_next_action(served, plan_id, measured or {
+            "state": classification.state, "measured_cause": classification.measured_cause})
     if classification.active and spec_raw is not None:
         revised = json.loads(json.dumps(spec_raw))
         revised["title"] = spec_raw["title"] + " (revised schedule r2, proposed)"
@@ -526,6 +617,7 @@ class DiagnosticResult:
     restore: dict[str, Any] = field(default_factory=dict)
     effective_cap_seconds: float | None = None
     errors: list[str] = field(default_factory=list)
+    served: conclusion.ServedModel | None = None
 
     @property
     def result_fields(self) -> dict[str, Any]:
@@ -602,6 +694,58 @@ class SentinelTracker:
                 "mask": self.mask.tolist()}
 
 
+SNAPSHOT_EVERY_UPDATES = 4
+
+
+def _initial_output(tc: tinker.TrainingClient, ref: Any) -> dict[str, Any]:
+    """Full logprobs of the trained client on the restoration preflight's fixed batch, before its
+    first update, compared bitwise with the group's (same initial checkpoint)."""
+    from dppo_harness.restoration import batch_sha256, logprobs_sha256
+
+    out_sha = logprobs_sha256(full_logprobs(tc, ref.fixed_batch))
+    group = dict(ref.output_sha256)
+    return {"available": True, "batch_sha256": batch_sha256(ref.fixed_batch), "output_sha256": out_sha,
+            "evidence_ref": f"{ANALYSIS_FILE}#trained_client_initial_output", "before_first_update": True,
+            "group_output_sha256": group, "bitwise_equal_to_group": {a: out_sha == h for a, h in group.items()}}
+
+
+def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> None:
+    """Post the trained arm's provenance: restore count + 1, the optimizer check from ITS OWN first
+    optim_step response, its own initial output (issue 11 point 4)."""
+    from dppo_harness.restoration import echoed_config, optimizer_check
+
+    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get("dppo_seed0")
+    if not prior or state.initial_output is None:
+        return
+    own = None
+    if state.first_optim is not None:
+        metrics = getattr(state.first_optim, "metrics", None) or {}
+        requested = dict(cfg.adam)
+        own = optimizer_check(
+            after_restore=0, requested_optimizer=str(plan.raw["fixed_settings"]["optimizer"].get("name", "adamw")),
+            requested_config=requested, info=state.info, info_ref=f"{ANALYSIS_FILE}#restore.get_info",
+            echoed=echoed_config(metrics, list(requested)), echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
+            echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)")
+    entry = dx.trained_client_entry(prior, restore=state.restore, initial_output=state.initial_output, own_check=own,
+                                    restore_ref=f"{ANALYSIS_FILE}#restore")
+    bundle.update_result(initialization_provenance={"arms": {"dppo_seed0": entry}})
+
+
+def _save_final_checkpoint(tc: tinker.TrainingClient, bundle: EvidenceBundle, state: _RunState, tag: str,
+                           say: Callable[[str], None]) -> None:
+    """The trained client's final state, saved and its URI recorded (issue 11 point 8)."""
+    if state.updates_done == 0:
+        return
+    try:
+        uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
+    except Exception as exc:  # recorded: no claim without the checkpoint
+        state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
+        return
+    state.final_checkpoint = uri
+    bundle.add_checkpoint("dppo_seed0", state.updates_done, uri)
+    say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
+
+
 class _Stop(Exception):
     """Planned stop (wall cap) before training could start."""
 
@@ -621,6 +765,15 @@ class _RunState:
     updates_done: int = 0
     stop_reason: str = "update cap reached"
     setup_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    sampling_seconds: float = 0.0
+    sampled_sequences: int = 0
+    update_seconds: list[float] = field(default_factory=list)
+    final_checkpoint: str | None = None
+    snapshots: list[str] = field(default_factory=list)
+    info: Any = None  # the trained client's get_info response (object)
+    first_optim: Any = None  # the trained client's own first optim_step response
+    initial_output: dict[str, Any] | None = None
 
 
 def _register_json(bundle: EvidenceBundle, state: _RunState, name: str, kind: str, obj: Any) -> None:
@@ -630,7 +783,8 @@ def _register_json(bundle: EvidenceBundle, state: _RunState, name: str, kind: st
 
 def _declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _RunState) -> dict[str, Any]:
     """Before any service work: revised spec, deviations, unavailable references, self-test."""
-    bundle.register_plan(plan, REVISED_SPEC_FILE)
+    if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
+        bundle.register_plan(plan, REVISED_SPEC_FILE)
     state.files.append(REVISED_SPEC_FILE)
     for dev in plan.raw.get("deviations", []):
         bundle.add_deviation(dev["field"], dev["original"], dev["effective"], dev["reason"])
@@ -644,6 +798,9 @@ def _declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _
         "reason": BASIS_FOR_REFERENCES,
         "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
     })
+    # What the deviations' "kept separately" points at (issue 11 point 8).
+    _register_json(bundle, state, dx.ORIGINAL_GATE_REPORT_FILE, "report", dx.original_gate_report(
+        plan.raw, "gate-report.json" if bundle.entry("gate-report.json") else None))
     bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.raw["tested_instead"])
     selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
     _register_json(bundle, state, SELFTEST_FILE, "report", selftest)
@@ -718,12 +875,21 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 
-        rec, _ = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist)
+        rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist)
+        if state.first_optim is None:
+            state.first_optim = upd.optim
         state.updates_done = update_index
         tokens_seen += rec.stats["tokens/loss"]
         if state.sentinels is not None:
             state.sentinels.maybe_measure(tc, update_index, elapsed())
         last_update_s = clock() - u0
+        state.update_seconds.append(last_update_s)
+        if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running (issue 11 point 7)
+            bundle.update_result(metrics={"diagnostic/updates_done": float(update_index),
+                                          "diagnostic/elapsed_seconds": float(elapsed())})
+            name = post_snapshot(bundle, f"{tag} after update {update_index}")
+            if name:
+                state.snapshots.append(name)
         s = rec.stats
         say(f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
             f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
@@ -740,8 +906,9 @@ def _effective_cap(bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: flo
     remaining = bundle.remaining_seconds()
     if remaining is not None and elapsed_s + remaining < cap_s:
         cap_s = max(0.0, elapsed_s + float(remaining))
-        say(f"[{tag}] the run budget ends {cap_s:.0f}s after the stage start, before the "
-            f"{cfg.max_wall_seconds:.0f}s cap: stopping there")
+        if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
+            say(f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
+                f"{cfg.max_wall_seconds:.0f}s cap: stopping there")
     return cap_s
 
 
@@ -757,6 +924,9 @@ def run_bounded_diagnostic(
     progress: Callable[[str], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     tag: str = "diagnostic",
+    served: conclusion.ServedModel | None = None,
+    prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
+    init_reference: Any = None,
     **overrides: Any,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
@@ -780,11 +950,18 @@ def run_bounded_diagnostic(
         cap_s = _effective_cap(bundle, cfg, elapsed(), say, tag)
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted before service work")
+        r0 = clock()
         tc, state.restore = _restore(service_client, initial_checkpoint)
+        state.info = tc.get_info()
+        if init_reference is not None:  # the trained client's own initial output, before any update
+            state.initial_output = _initial_output(tc, init_reference)
+        state.restore_seconds = clock() - r0
         say(f"[{tag}] restored {initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)")
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted during setup (after restore)")
         sampler_path, state.frozen, summary = _sample_and_freeze(tc, cfg, bundle, state, tag)
+        state.sampling_seconds = float(summary["sampling_seconds"])
+        state.sampled_sequences = int(state.frozen.n_sequences)
         say(f"[{tag}] sampled and froze {state.frozen.n_sequences} sequences ({summary['response_tokens']} response "
             f"tokens, {summary['nonconstant_reward_groups']} groups with signal) in {summary['sampling_seconds']:.0f}s; "
             f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
@@ -797,6 +974,7 @@ def run_bounded_diagnostic(
             f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)")
         state.stop_reason = _train_epochs(tc, cfg, state.frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
                                           clock=clock, cap_s=cap_s, say=say, tag=tag)
+        _save_final_checkpoint(tc, bundle, state, tag, say)
     except _Stop as stop:
         state.stop_reason = str(stop)
         state.setup_seconds = state.setup_seconds or elapsed()
@@ -806,13 +984,17 @@ def run_bounded_diagnostic(
         state.setup_seconds = state.setup_seconds or elapsed()
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
+    if served is None:
+        served = conclusion.served_model_from_info(state.restore.get("get_info"), cfg.base_model, backend=backend)
     return _write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
-                           spec_raw=spec_raw)
+                           spec_raw=spec_raw, served=served, prior_service_work=prior_service_work)
 
 
 def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _RunState,
                     selftest: Mapping[str, Any], *, wall: float, cap_s: float, backend: str,
-                    spec_raw: Mapping[str, Any] | None) -> DiagnosticResult:
+                    spec_raw: Mapping[str, Any] | None,
+                    served: conclusion.ServedModel | None = None,
+                    prior_service_work: Mapping[str, Mapping[str, int]] | None = None) -> DiagnosticResult:
     """Analyse, then write sentinels, analysis, next action, report and result fields."""
     from dppo_harness import report
 
@@ -823,17 +1005,50 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
                      frozen_by_call=state.frozen_by_call or None, updates_done=state.updates_done,
                      stop_reason=state.stop_reason, wall_seconds=wall, setup_seconds=state.setup_seconds,
                      frozen_sha256=state.frozen.sha256 if state.frozen else None, minibatches=state.minibatches,
-                     errors=state.errors, spec_raw=spec_raw, restore=state.restore, effective_cap_seconds=cap_s)
+                     errors=state.errors, spec_raw=spec_raw, restore=state.restore, effective_cap_seconds=cap_s,
+                     served=served)
     if tracker is not None and tracker.points:
         _register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
     analysis = result.analysis_json()
+    analysis["timings"] = {"restore_seconds": state.restore_seconds, "sampling_seconds": state.sampling_seconds,
+                           "sampled_sequences": state.sampled_sequences, "update_seconds": state.update_seconds,
+                           "setup_seconds": state.setup_seconds, "wall_seconds": wall,
+                           "wall_counted_from": "session start (the budget ledger's clock)"}
+    analysis["final_checkpoint"] = state.final_checkpoint
+    analysis["trained_client_initial_output"] = state.initial_output
+    analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
+    analysis["snapshots"] = state.snapshots
     _register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
     _register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    _trained_client_provenance(bundle, cfg, plan, state)
+    # Declared vs executed service work (issue 11 point 5).
+    executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
+    executed["bounded_diagnostic"] = {"optimizer_updates": state.updates_done,
+                                      "sampling_batches": 1 if state.frozen is not None else 0}
+    _register_json(bundle, state, dx.SERVICE_WORK_FILE, "report", dx.service_work_ledger(plan.raw, executed))
+    # Feasibility from the diagnostic's own measured setup, no extra pilot (issue 11 point 5).
+    if state.update_seconds:
+        eff_path = bundle.file_path("effective-config.json")
+        eff = json.loads(eff_path.read_text()) if bundle.entry("effective-config.json") else {}
+        bundle.update_result(feasibility=dx.diagnostic_feasibility(
+            config=asdict(cfg), effective_config=eff,
+            primary_endpoint=str((spec_raw or {}).get("primary_endpoint", "none in this diagnostic")),
+            setup_seconds=state.restore_seconds, sampling_seconds=state.sampling_seconds,
+            sampled_sequences=state.sampled_sequences, update_seconds=state.update_seconds,
+            sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
+            planned_updates=cfg.max_updates, recovery_seconds=FINALIZE_RESERVE_S))
+    # The replay output itself, as evidence (issue 11 point 8).
+    if state.records:
+        code, text = dx.replay_output(bundle.dir)
+        bundle.register_bytes(dx.REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
+        state.files.append(dx.REPLAY_OUTPUT_FILE)
+        bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
     state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
     result = replace(result, files=tuple(state.files))
     fields_ = result.result_fields
     bundle.update_result(**{k: v for k, v in fields_.items() if k in ("metrics", "summary", "activation_calibration")
                             and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))})
+    post_snapshot(bundle, "diagnostic stage end", reserve=4)
     return result
 
 
@@ -855,6 +1070,7 @@ def analyse(
     spec_raw: Mapping[str, Any] | None,
     restore: Mapping[str, Any] | None = None,
     effective_cap_seconds: float | None = None,
+    served: conclusion.ServedModel | None = None,
 ) -> DiagnosticResult:
     """The fixed analysis: ALL second-epoch loss calls pooled by loss tokens (no selection),
     the plan's criteria, integrity re-checks, and the classification."""
@@ -873,13 +1089,17 @@ def analyse(
                               second_epoch_calls=len(second), stop_reason=stop_reason, delta=cfg.delta,
                               updates_planned=cfg.max_updates, minibatches_per_epoch=cfg.minibatches_per_epoch,
                               errors=errors)
-    action = next_action(classification, cfg, spec_raw, plan.raw.get("plan_id", plan.name))
+    if served is not None:
+        classification = for_planned_model(classification, served)
+    measured = {"state": classification.state, "measured_cause": classification.measured_cause,
+                "mask_fired": classification.mask_fired, "updates_done": updates_done}
+    action = next_action(classification, cfg, spec_raw, plan.raw.get("plan_id", plan.name), served, measured)
     return DiagnosticResult(
         config=cfg, records=list(records), sentinels=dict(sentinels), pooled=pooled, criteria=criteria,
         classification=classification, selftest=dict(selftest), updates_done=updates_done, stop_reason=stop_reason,
         wall_seconds=wall_seconds, setup_seconds=setup_seconds, frozen_batch_sha256=frozen_sha256,
         minibatches=minibatches, next_action=action, errors=list(errors), restore=dict(restore or {}),
-        effective_cap_seconds=effective_cap_seconds,
+        effective_cap_seconds=effective_cap_seconds, served=served,
     )
 
 
@@ -912,19 +1132,12 @@ def result_fields(res: DiagnosticResult) -> dict[str, Any]:
             v = res.pooled.get(k)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 metrics[f"diagnostic/epoch2_pooled/{k}"] = float(v)
-    cause = c["cause"] or ("none (active)" if c["active"] else "none")
-    summary = (
-        f"Bounded DPPO diagnostic ({LOOP_LABEL.split(';')[0]}): one frozen batch of {res.config.groups_per_batch}x"
-        f"{res.config.group_size}, {res.updates_done} of {res.config.max_updates} updates in {res.wall_seconds:.0f}s "
-        f"(stop: {res.stop_reason}); the mask {'fired' if c['mask_fired'] else 'never fired'} and the pooled "
-        f"second-epoch criteria were {'met' if c['active'] else 'not met'} (state {c['state']}, cause: {cause}). "
-        "Fixes in this replacement loop: frozen never-refreshed sampler anchor, probability-difference mask, "
-        "multi-update reuse of one frozen batch, zero-advantage/padding excluded from engagement. "
-        f"Tests: deterministic must-fire/must-not-fire self-test {'passed' if res.selftest.get('passed') else 'failed'}, "
-        "independent padded recompute of every loss call, golden parity in the unit suite. "
-        "Limitations: the accuracy hypothesis was not tested (verdict inconclusive); the prior run's code and diagnosis "
-        f"were unavailable. Next: {res.next_action.get('action', 'frozen revised comparison spec written, not executed')}."
-    )
+    served = res.served or conclusion.ServedModel(res.config.base_model, res.config.base_model, None, "plan")
+    summary = conclusion.compose_summary(
+        served=served, updates_done=res.updates_done, max_updates=res.config.max_updates,
+        groups=res.config.groups_per_batch, group_size=res.config.group_size, wall_seconds=res.wall_seconds,
+        state=c["state"], cause=c["cause"], active=c["active"],
+        next_action=str(res.next_action.get("action", "review the frozen revised comparison spec (not executed)")))
     calibration = {
         "values": {cr.id: (cr.value if cr.value is not None else "missing") for cr in res.criteria},
         "note": (f"bounded diagnostic, not the original gate: {res.updates_done} updates over one frozen batch "

@@ -41,8 +41,8 @@ def run_spec(plan, spec_plan) -> dict:
 
 
 @pytest.fixture(scope="session")
-def restoration(service_client, service_backend, spec_plan, run_spec, evidence_bundle, training_client_observer,
-                client_registry):
+def restoration(request, service_client, service_backend, plan, spec_plan, run_spec, evidence_bundle,
+                training_client_observer, client_registry):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
     from dppo_harness.service import CapacityExhausted, CapacityPolicy, call_with_capacity_retry, make_service_client
@@ -51,17 +51,23 @@ def restoration(service_client, service_backend, spec_plan, run_spec, evidence_b
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
-                                   observer=training_client_observer)  # issue 10
-    policy = CapacityPolicy.from_env()  # issue 10
+                                   observer=training_client_observer)  # every training client's identity
+    policy = CapacityPolicy.from_env()
+    plan_kind = plan.kind
+    update_norm = None
+    if reader is None:  # tinker backend: read trained weights back through the SDK (issue 11 point 10)
+        from dppo_harness.weights_readback import ExternalWeightsUpdateNorm
+
+        update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
     try:
         result = R.run_restoration_preflight(
             service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
             probe_service_client=probe_sc, spec_raw=run_spec, base_model=run_spec["base_model"],
             # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
             call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
-            update_norm_unavailable_reason=(
-                "tinker backend: the API exposes neither parameters nor an update-norm metric "
-                "(optim_step reports the gradient norm only); update norms were not measured"),
+            update_norm=update_norm,
+            # Under the diagnostic plan only the DPPO arm trains (issue 11 point 4).
+            trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
         )
     except CapacityExhausted as exc:  # issue 10: the run ends with the brief's capacity_block
         fields = exc.block.result_fields()
@@ -71,12 +77,11 @@ def restoration(service_client, service_backend, spec_plan, run_spec, evidence_b
         evidence_bundle.update_result(**fields)
         pytest.fail(f"capacity: {exc}", pytrace=False)
     finally:
-        try:
-            fut = probe_sc.close("success")
-            if hasattr(fut, "result"):
-                fut.result(timeout=60)
-        except Exception as exc:  # noqa: BLE001 - releasing probes must not hide the result
-            logger.warning("closing the probe ServiceClient failed: %s", exc)
+        # Release the setup/probe clients before anything trains, and record it (issue 11 point 8).
+        from dppo_harness.pytest_plugin import record_client_releases
+
+        client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
+        record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
     return result
 
 
@@ -93,6 +98,10 @@ def feasibility(service_client, service_backend, plan, evidence_bundle, verified
     from dppo_harness import feasibility as F
     from dppo_harness import plans
 
+    if plan.kind == "bounded_diagnostic":
+        # Issue 11 point 5: under the diagnostic plan no extra pilot samples or trains; the
+        # feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
+        pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     overrides, reductions = F.local_rehearsal(plan) if service_backend.kind == "local" else ({}, [])
     info = replace(backend_info(service_backend, plan, arm_client, evidence_bundle.result.get("backend")),

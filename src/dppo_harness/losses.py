@@ -87,7 +87,7 @@ class TokenTerms:
     ratio_N: torch.Tensor  # r = exp(lp - mu) on loss tokens, 1.0 elsewhere
     dppo_keep_N: torch.Tensor  # recorded DPPO mask (includes the loss mask, like the reference)
     ppo_clipped_N: torch.Tensor  # clamp active and removing the gradient
-    ratio_cap_hit_N: torch.Tensor  # loss & A != 0 & r > C
+    ratio_cap_hit_N: torch.Tensor  # loss & A != 0 & kept & r > C
     loss_token_N: torch.Tensor  # mask == 1
     nonzero_adv_N: torch.Tensor  # loss & A != 0
     advantages_N: torch.Tensor  # float64, as given (junk kept on non-loss tokens)
@@ -181,7 +181,8 @@ def token_terms(
     drop_N = torch.where(pos_N, diff_N > cfg.dppo_delta, diff_N < -cfg.dppo_delta)
     keep_N = loss_N & ~drop_N
     clipped_N = loss_N & ((pos_N & (ratio_N > 1 + cfg.ppo_eps)) | (neg_N & (ratio_N < 1 - cfg.ppo_eps)))
-    cap_hit_N = nonzero_N & (ratio_N > cfg.ratio_cap)
+    # Only a KEPT token is shaped by the cap; a dropped one gets no gradient at all (issue 11 §9).
+    cap_hit_N = nonzero_N & keep_N & (ratio_N > cfg.ratio_cap)
     return TokenTerms(
         prob_diff_N=diff_N,
         ratio_N=ratio_N,

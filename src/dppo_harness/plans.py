@@ -426,6 +426,35 @@ class PlanDeviation(_Model):
     reason: str
 
 
+class DeclaredServiceWork(_Model):
+    id: str
+    stage: str
+    optimizer_updates: Annotated[int, Field(ge=0)]
+    sampling_batches: Annotated[int, Field(ge=0)]
+    client: str
+    reason: Annotated[str, Field(min_length=1)]
+
+
+class ServiceWork(_Model):
+    """Every optimizer update and sampling batch of the session, declared before execution (issue 11 §5)."""
+
+    declared_before_execution: Literal[True]
+    note: str | None = None
+    items: Annotated[list[DeclaredServiceWork], Field(min_length=1)]
+    max_total_optimizer_updates: Annotated[int, Field(ge=0)]
+    max_total_sampling_batches: Annotated[int, Field(ge=0)]
+
+    @model_validator(mode="after")
+    def _totals(self) -> ServiceWork:
+        if sum(i.optimizer_updates for i in self.items) != self.max_total_optimizer_updates:
+            raise rule_error("max_total_optimizer_updates", "must equal the sum of the items' optimizer_updates")
+        if sum(i.sampling_batches for i in self.items) != self.max_total_sampling_batches:
+            raise rule_error("max_total_sampling_batches", "must equal the sum of the items' sampling_batches")
+        if len({i.id for i in self.items}) != len(self.items):
+            raise rule_error("items", "ids must be unique")
+        return self
+
+
 class BoundedDiagnostic(_Model):
     kind: Literal["bounded_diagnostic"]
     version: Annotated[int, Field(ge=1, le=1)]
@@ -446,9 +475,17 @@ class BoundedDiagnostic(_Model):
     outcomes: Outcomes
     unavailable_references: list[UnavailableReference]
     deviations: list[PlanDeviation]
+    service_work: ServiceWork | None = None
 
     @model_validator(mode="after")
     def _scope_and_sentinels(self) -> BoundedDiagnostic:
+        if self.service_work is not None:
+            diag = [i for i in self.service_work.items if i.stage == "diagnostic"]
+            if sum(i.optimizer_updates for i in diag) != self.schedule.max_optimizer_updates:
+                raise rule_error("service_work.items", "the diagnostic's optimizer_updates must equal "
+                                 "schedule.max_optimizer_updates")
+            if sum(i.sampling_batches for i in diag) != self.schedule.sampling_batches:
+                raise rule_error("service_work.items", "the diagnostic's sampling_batches must equal schedule.sampling_batches")
         if self.original_hypothesis_tested is False and not self.tested_instead.strip():
             raise rule_error("tested_instead", "must describe the claim tested when original_hypothesis_tested is false")
         cap = self.schedule.max_optimizer_updates

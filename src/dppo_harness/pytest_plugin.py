@@ -59,6 +59,9 @@ class _StageState:
     bundle: EvidenceBundle | None = None  # the session's bundle, once a test asked for it
     registry: ClientRegistry | None = None  # the session's client registry, once a test asked for it
     outcome: dict[str, Any] | None = None  # final result fields a stage proposed, applied if nothing failed
+    budget_checked: set[str] = field(default_factory=set)  # stages whose entry budget check ran
+    releases: list[dict[str, Any]] = field(default_factory=list)  # client releases, when (issue 11 §8)
+    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)  # stage -> test outcome counts
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -200,6 +203,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     state = item.config.stash[_STATE_KEY]
     stage = item.stash.get(STAGE_KEY, "unit")
     _enter_stage(state, stage)
+    _check_budget_on_entry(state, stage)  # issue 11 point 6: before the stage's first service call
+    if state.first_failure.get(stage, "").startswith("blocked_by_budget"):
+        pytest.skip(f"{state.first_failure[stage]}: the run budget is spent (see ledger.json)")
     idx = stages.stage_index(stage)
     for failed_stage, nodeid in state.first_failure.items():
         if stages.stage_index(failed_stage) < idx:
@@ -215,21 +221,51 @@ def _enter_stage(state: _StageState, stage: str) -> None:
     state.started.setdefault(stage, time.monotonic())
 
 
+def _check_budget_on_entry(state: _StageState, stage: str) -> None:
+    """Once per service stage, before its first test: a spent run budget blocks the stage (recorded
+    as blocked_by_budget in the ledger; evidence so far stays persisted) and fails it."""
+    if stage == "unit" or state.bundle is None or stage in state.budget_checked:
+        return
+    state.budget_checked.add(stage)
+    if state.bundle.remaining_seconds() is not None and not state.bundle.budget_allows(stage, 0.0):
+        state.first_failure.setdefault(stage, f"blocked_by_budget before {stage}")
+
+
 def _close_stage(state: _StageState, stage: str) -> None:
     state.finished[stage] = time.monotonic()
     if state.registry is not None:
-        state.registry.release_stage(stage)
+        _note_releases(state, state.registry.release_stage(stage))
     bundle = state.bundle
     if bundle is None:
         return
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
+    if stage != "unit":  # an immutable result snapshot at each service stage's end (issue 11 §7)
+        from dppo_harness.evidence.snapshots import post_snapshot
+
+        post_snapshot(bundle, f"stage {stage} end", reserve=4)
+
+
+def _note_releases(state: _StageState, records: list[dict[str, Any]]) -> None:
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    state.releases += [dict(r, released_at=at) for r in records]
+
+
+def record_client_releases(config: pytest.Config, records: list[dict[str, Any]]) -> None:
+    """Release records of clients a fixture released itself (kept for client-releases.json)."""
+    _note_releases(config.stash[_STATE_KEY], records)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
+    if report.when == "call" or report.outcome != "passed":
+        counts = item.config.stash[_STATE_KEY].outcomes.setdefault(
+            item.stash.get(STAGE_KEY, "unit"), {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []})
+        counts[report.outcome] += 1
+        if report.failed:
+            counts["failed_tests"].append(f"{item.nodeid} ({report.when})")
     if report.failed:
         state = item.config.stash[_STATE_KEY]
         state.first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
@@ -243,12 +279,45 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state.current = None
     if state.bundle is None:
         return
+    _write_session_records(state)
     if state.outcome is not None and not state.first_failure:
         state.bundle.finish(**state.outcome)
     state.bundle.finish_session(stage_failures=dict(state.first_failure))
     from dppo_harness.identity import finalize_labels  # issue 10: the stand-in stays named
 
     finalize_labels(state.bundle)
+
+
+def _release_remaining(state: _StageState) -> None:
+    """Release every client not yet released and note when (the session fixture's teardown may
+    run before pytest_sessionfinish, so both call this; the second call finds nothing pending)."""
+    if state.registry is None:
+        return
+    pending = [r for r in state.registry.records() if not r["released"]]
+    if not pending:
+        return
+    state.registry.release_all()
+    now = {(r["label"], r["stage"]): r for r in state.registry.records()}
+    _note_releases(state, [dict(r, released=now[(r["label"], r["stage"])]["released"],
+                                error=now[(r["label"], r["stage"])]["error"]) for r in pending])
+
+
+def _write_session_records(state: _StageState) -> None:
+    """Unit-parity summary and client-release records as evidence files (issue 11 point 8). The
+    session's own clients are released here, before the result is closed, so the record is true."""
+    bundle = state.bundle
+    _release_remaining(state)
+    if bundle.entry("client-releases.json") is None:
+        bundle.register_json("client-releases.json", "log", {
+            "kind": "client_releases", "all_released": all(r["released"] for r in state.releases),
+            "releases": state.releases,
+            "note": "ServiceClient.close(status) is the SDK's only release; it ends the session's training and "
+                    "sampling clients. Probe/setup clients are released at the end of the preflight, before training."})
+    unit = state.outcomes.get("unit")
+    if unit is not None and bundle.entry("unit-parity-summary.json") is None:
+        bundle.register_json("unit-parity-summary.json", "report", {
+            "kind": "unit_parity_summary", "stage": "unit", **unit,
+            "all_stages": {k: {kk: vv for kk, vv in v.items() if kk != "failed_tests"} for k, v in state.outcomes.items()}})
 
 
 def propose_outcome(config: pytest.Config, **fields: object) -> None:
@@ -296,6 +365,7 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     registry.install_atexit()
     pytestconfig.stash[_STATE_KEY].registry = registry
     yield registry
+    _release_remaining(pytestconfig.stash[_STATE_KEY])  # recorded for client-releases.json
     registry.release_all()
 
 

@@ -73,7 +73,8 @@ def recompute(record: ins.LossCallRecord, normalization: str = "token_mean", del
     ppo = correctness.ref_ppo(lp, mu, adv, mask, normalization, eps=eps)
     with np.errstate(over="ignore", invalid="ignore"):
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
-        cap_hit = on & (adv != 0) & (np.exp(np.where(on, lp - mu, 0.0)) > cap)
+        # The cap shapes only kept tokens (a dropped token has no gradient to cap).
+        cap_hit = on & (adv != 0) & dppo.decision_BT.astype(bool) & (np.exp(np.where(on, lp - mu, 0.0)) > cap)
     decisions = {
         "dppo_keep_N": from_padded(dppo.decision_BT, lengths).astype(bool),
         "ppo_clipped_N": from_padded(ppo.decision_BT, lengths).astype(bool),
@@ -84,6 +85,9 @@ def recompute(record: ins.LossCallRecord, normalization: str = "token_mean", del
     stats = ins.decision_stats(decisions["prob_diff_N"], t["advantages_N"].astype(np.float64), decisions["loss_token_N"],
                                decisions["dppo_keep_N"], decisions["ppo_clipped_N"], decisions["ratio_cap_hit_N"], delta=delta)
     return decisions, stats
+
+
+DRIFT_KEYS: tuple[str, ...] = tuple(k for k in ins.FLOAT_KEYS if k.startswith("drift/"))
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -112,12 +116,16 @@ def check_record(record: ins.LossCallRecord, normalization: str = "token_mean", 
         if diff.any():
             idx = np.flatnonzero(diff)
             check.problems.append(f"{where}: {name} differs on {idx.size} tokens (first packed index {int(idx[0])})")
-    if check.ties:  # a tie moves counts; compare statistics only when decisions agree exactly
+    # p - q tails do not depend on any decision: always cross-checked, ties or not.
+    for key in DRIFT_KEYS:
+        if not _close(record.stats.get(key), stats[key]):
+            check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
+    if check.ties:  # a tie moves counts; compare decision statistics only when decisions agree exactly
         return check
     for key in ins.COUNT_KEYS:
         if record.stats.get(key) != stats[key]:
             check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
-    for key in ins.FLOAT_KEYS:
+    for key in (k for k in ins.FLOAT_KEYS if k not in DRIFT_KEYS):
         if not _close(record.stats.get(key), stats[key]):
             check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
     for sign in ins.HIST_SIGNS:

@@ -139,6 +139,16 @@ def _v(x: Any, spec: str = ".4g") -> str:
     return str(x)
 
 
+def _cause_status(c: Mapping[str, Any]) -> str:
+    """Verified or suspected, said plainly (issue 11): a stand-in run verifies only that the evidence
+    for the planned model is missing; its measured cause is suspected, for the stand-in only."""
+    if c.get("stand_in"):
+        return (f"Cause for the planned model: **{c['cause']}** (verified: a stand-in served). Measured cause on the "
+                f"stand-in: {c.get('measured_cause') or 'none'} (suspected, and about the stand-in only).")
+    label = "verified" if c["cause"] in ("code_or_instrumentation_defect", "missing_evidence") else "suspected"
+    return f"Cause: **{c['cause'] or 'none (active)'}** ({label if c['cause'] else 'criteria met'})."
+
+
 def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], backend: str,
                     next_action: Mapping[str, Any] | None = None) -> str:
     c = analysis["classification"]
@@ -153,6 +163,8 @@ def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], 
         f"{'It removed nonzero-advantage gradients' if fired else 'No nonzero-advantage token was removed'} "
         f"in {'the second epoch' if c['mask_fired'] else 'any recorded loss call' if not fired else 'the first epoch only'}. "
         f"State: **{c['state']}**; cause: **{c['cause'] or 'n/a (criteria met)'}**.",
+        "",
+        _cause_status(c),
         "",
         c["explanation"],
         "",
@@ -230,8 +242,9 @@ def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], 
               "- The accuracy hypothesis was not tested: verdict stays inconclusive.",
               "- The earlier run's code, patch, audit script and evidence could not be fetched; this loop is a replacement.",
               ]
-    if backend == "local":
-        lines.append("- Local backend: a small stand-in model on CPU, so drift magnitudes say nothing about Qwen3.5-2B.")
+    if backend == "local" or c.get("stand_in"):
+        lines.append(f"- Stand-in model `{c.get('served_model') or 'embedded server model'}` computed every number here "
+                     "(backend `" + backend + "`), so drift magnitudes and the mask's activity say nothing about Qwen3.5-2B.")
     return "\n".join(lines) + "\n"
 
 

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 LOGPROB_ATOL = 1e-6  # brief: initial outputs "bitwise equal or within 1e-6"
 LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
 DEFAULT_LR_MULTIPLIERS = (0.5, 1.0, 2.0)
+# The arm the bounded diagnostic trains (the PPO baseline is only a counterfactual there).
+DIAGNOSTIC_TRAINED_ARMS = ("dppo_seed0",)
 FIXED_BATCH_ITEMS = 4
 ADAM_FAMILIES = {"adam": "adamw", "adamw": "adamw"}  # tinker's Adam is torch AdamW; wd=0 makes them equal
 PROVENANCE_FILE = "initialization-provenance.json"
@@ -264,6 +266,24 @@ def initialization_entry(
         "optimizer_checks": optimizer_checks,
         "initial_output": initial_output,
     }
+
+
+PROBE_ECHO_REASON = ("the config was echoed only by a probe client's optim_step, not by this arm's own client: "
+                     "stays declared")
+
+
+def own_response_only(check: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer check whose config came from a PROBE client's response, reduced to what the
+    arm's own responses exposed (the family from its own get_info); the config stays declared/null."""
+    c = dict(check)
+    observed = str(c.get("actual_config_observed_on") or "")
+    if c.get("actual_config") is None or "probe" not in observed:
+        return c
+    c.update(actual_config=None, actual_config_source="declared", actual_config_observed_on=None,
+             source="server_response" if c.get("actual_optimizer") else "declared", verified=False,
+             evidence_ref=str(c.get("evidence_ref", "")).split("; ")[0],
+             unverified_reasons=list(c.get("unverified_reasons", [])) + [PROBE_ECHO_REASON])
+    return c
 
 
 def check_provenance(provenance: Mapping[str, Any], arms: Sequence[str]) -> list[str]:
@@ -758,8 +778,14 @@ def run_restoration_preflight(
     call: Callable[[Callable[[], Any]], Any] | None = None,
     run_tag: str | None = None,
     spec_raw: Mapping[str, Any] | None = None,
+    trained_arms: Sequence[str] | None = None,
 ) -> RestorationResult:
     """Run the restoration preflight for the spec's initialization group; see module docstring.
+
+    - `trained_arms`: the arms that will train in this session (None: all). Only they are posted in
+      the result's `initialization_provenance`; an untrained arm is left out of the optimizer-
+      restoration groups as the brief asks (listed under `excluded_arms` with the reason; its checks
+      stay in initialization-provenance.json).
 
     - `checkpoint_reader` (local backend): measures adapter_sha256 of each arm as loaded and the
       LR-scaling update norms from server-written checkpoints. Without it (and without
@@ -850,7 +876,15 @@ def run_restoration_preflight(
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block)
     bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
     wall = time.monotonic() - t0
-    bundle.update_result(initialization_provenance=prov_body,
+    posted = prov_body
+    if trained_arms is not None:
+        # Each posted check keeps only what the arm's OWN responses exposed (issue 11 point 4).
+        posted = {"version": 1, "arms": {a: dict(e, optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]])
+                                         for a, e in prov_body["arms"].items() if a in set(trained_arms)},
+                  "excluded_arms": {a: "never trains in this session: excluded from the optimizer-restoration groups "
+                                       "(its preflight checks stay in " + PROVENANCE_FILE + ")"
+                                    for a in prov_body["arms"] if a not in set(trained_arms)}}
+    bundle.update_result(initialization_provenance=posted,
                          metrics={"preflight/restoration_wall_seconds": wall,
                                   "preflight/restoration_passed": 1.0 if passed else 0.0})
     return RestorationResult(
@@ -943,7 +977,8 @@ def lr_scaling_probe(
         adam = _adam(opt_cfg, lr)
         norm = update_norm(client, lambda c=client, a=adam: _step(c, g, a))
         if norm is None:
-            return {"available": False, "reason": f"{update_norm.description}: no measurement",
+            why = getattr(update_norm, "last_error", None) or "no measurement"
+            return {"available": False, "reason": f"{update_norm.description}: {why}",
                     "learning_rates": lrs, "lr_scaling": [], "passed": None}
         probes.append({"learning_rate": lr, "update_norm": float(norm)})
     errors = lr_scaling_error(probes)
@@ -963,8 +998,9 @@ def lr_scaling_probe(
 def attach_lr_scaling(correctness_block: Mapping[str, Any], lr_block: Mapping[str, Any]) -> dict[str, Any]:
     """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe.
 
-    Where the backend could not measure update norms, `lr_scaling` stays [] and
-    `lr_scaling_status` says why (unavailable, never invented).
+    Where the backend could not measure update norms, each planned LR gets an entry with
+    `update_norm: null`, `available: false` and the reason (never invented, never an empty list),
+    and `lr_scaling_status` says why.
     """
     out = json.loads(json.dumps(correctness_block))
     status = {"available": bool(lr_block.get("available")),
@@ -976,6 +1012,13 @@ def attach_lr_scaling(correctness_block: Mapping[str, Any], lr_block: Mapping[st
     else:
         status["reason"] = lr_block.get("reason")
     for path in out.get("paths", []):
-        path["lr_scaling"] = [dict(p) for p in lr_block.get("lr_scaling", [])] if lr_block.get("available") else []
+        if lr_block.get("available"):
+            path["lr_scaling"] = [dict(p) for p in lr_block.get("lr_scaling", [])]
+        else:  # the brief's block, one entry per planned LR: unmeasured, with the exact reason (never [])
+            path["lr_scaling"] = [{"learning_rate": float(lr), "update_norm": None, "available": False,
+                                   "reason": str(lr_block.get("reason") or "not measured")}
+                                  for lr in (lr_block.get("learning_rates") or [])] or [
+                {"learning_rate": None, "update_norm": None, "available": False,
+                 "reason": str(lr_block.get("reason") or "not measured")}]
         path["lr_scaling_status"] = status
     return out

@@ -67,7 +67,11 @@ def test_zero_lr_stays_silent_and_is_an_inactive_regime(engine, tmp_path):
     assert all(r.stats["dppo/removed"] == 0 for r in res.records)
     assert res.pooled["tokens/nonzero_adv"] > 0  # silent with signal present, not for lack of it
     c = res.classification
-    assert c.state == "inactive" and c.cause == "legitimate_inactive_regime", c.explanation
+    # Measured on the stand-in: the state is kept, but for the planned model it is missing evidence
+    # (issue 11 point 2); the next action is the same plan, unchanged, on the real service.
+    assert c.state == "inactive" and c.measured_cause == "legitimate_inactive_regime", c.explanation
+    assert c.cause == "missing_evidence" and c.stand_in
+    assert "unchanged on the real service" in res.next_action["action"]
 
 
 def test_wall_cap_exhausted_in_setup_persists_evidence_and_stops(engine, tmp_path):

@@ -24,3 +24,13 @@ def test_correctness_preflight_passes_and_is_recorded(restoration, spec_plan, ev
     assert report.n_failed == 0, "\n".join(r.line() for r in report.results if not r.passed)
     assert status == "passed", "\n".join(messages)
     assert evidence_bundle.result["correctness_preflight"] == json.loads(json.dumps(block))
+
+
+def test_correctness_validator_exit_code_is_recorded(spec_plan, evidence_bundle):
+    """Issue 11 point 8: the brief's validator runs on the written preflight; its exit code is evidence."""
+    block = evidence_bundle.result["correctness_preflight"]
+    assert block, "the correctness preflight was not written"
+    out = correctness.run_validator_cli(spec_plan.data, block)
+    evidence_bundle.register_json("correctness-validator.json", "report", out)
+    evidence_bundle.update_result(metrics={"correctness/validator_exit_code": float(out["exit_code"])})
+    assert out["exit_code"] == 0, out["stdout"] + out["stderr"]

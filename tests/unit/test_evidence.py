@@ -394,11 +394,15 @@ def test_session_start_and_finish(tmp_path):
     names = {f["name"]: f["kind"] for f in b.files()}
     assert names == {"code-revision.json": "code_revision", "script-tests__preflight__test_a.py": "script",
                      "script-conftest.py": "script", "test-files.json": "manifest",
-                     "exp_e6b0965af3-diagnostic-r1.json": "plan", "effective-config.json": "effective_config"}
+                     "exp_e6b0965af3-diagnostic-r1.json": "plan", "effective-config.json": "effective_config",
+                     "code-archive.zip": "script", "revised-diagnostic-spec.json": "plan"}
     r = b.result
     assert r["backend"]["kind"] == "local" and r["summary"].startswith(REHEARSAL_PREFIX)
     assert r["deviations"][-1]["field"] == "model" and r["original_hypothesis_tested"] is False
-    assert r["metrics"]["budget/max_wall_seconds"] == 7200.0  # the original plan's 120 minutes
+    # Issue 11 point 6: the diagnostic plan's own 12 minutes, from the session start (not 7200 s).
+    assert r["metrics"]["budget/max_wall_seconds"] == 720.0
+    # Issue 11 point 5: the revised spec exists before any stage ran (same bytes as the plan).
+    assert b.entry("revised-diagnostic-spec.json")["sha256"] == plan.sha256
     b.stage_timing("preflight", 3.0, "failed")
     b.finish_session({"preflight": "tests/preflight/test_a.py::test_a"})
     r = b.result

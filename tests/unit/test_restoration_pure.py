@@ -230,6 +230,8 @@ def test_attach_lr_scaling_fills_or_explains():
     assert block["paths"][0]["lr_scaling"] == []  # input untouched
     missing = r.attach_lr_scaling(block, {"available": False, "reason": "no parameters over the API",
                                           "lr_scaling": []})
-    assert missing["paths"][0]["lr_scaling"] == []
+    # Issue 11 point 10: never an empty list; the brief's block says unmeasured and why.
+    assert missing["paths"][0]["lr_scaling"] == [{"learning_rate": None, "update_norm": None, "available": False,
+                                                  "reason": "no parameters over the API"}]
     assert missing["paths"][0]["lr_scaling_status"] == {
         "available": False, "evidence_ref": r.LR_SCALING_FILE, "reason": "no parameters over the API"}

@@ -3,6 +3,7 @@ closing of the result when the session ends (called by dppo_harness.pytest_plugi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -60,7 +61,8 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
                   served_model: str | None = None, size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
     """Everything that must be in evidence before any service call of the session.
 
-    Backend block, code revision (+ patch), the executed stage test files (kind script), a
+    Backend block, code revision (+ patch), one hashed archive of all executed code
+    (`code-archive.zip`, kind script), the executed stage test files (kind script), a
     manifest of the other test files, the plan's bytes, the effective config, its deviations,
     and the run budget.
     """
@@ -72,6 +74,12 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
                        served_model=served_model or "reported at client creation (see initialization_provenance)",
                        sdk_versions=versions)
     bundle.register_provenance(root, [])
+    # All executed code (library incl. the embedded server, tests, plans) as one hashed archive.
+    from dppo_harness.evidence.archive import register_code_archive
+
+    rev = bundle.dir / "files" / "code-revision.json"
+    commit = json.loads(rev.read_text()).get("commit") if rev.is_file() else None
+    register_code_archive(bundle, root, commit=commit)
     stage_files, other_files = _split_test_files(root, test_files)
     for f in stage_files:
         bundle.register_script(f, root)
@@ -89,15 +97,16 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     info = P.BackendInfo(backend=backend, requested_model=plan.base_model, served_model=served,
                          sdk_versions=versions, size_reductions=tuple(size_reductions))
     record_plan(bundle, plan, P.effective_config(plan, info))
-    budget, source = plan.budget, f"{plan.name} budget"
     if plan.kind == "bounded_diagnostic":
-        # The diagnostic's 12-minute cap belongs to its stage; the run as a whole stays
-        # inside the original experiment's budget.
-        try:
-            budget = P.check_original_plan(plan).budget
-            source = f"original plan {plan.raw['original_plan']['file']}"
-        except P.PlanError as exc:
-            source = f"{plan.name} caps (original plan unavailable: {exc})"
+        # The revised spec, with the effective config and deviations above, before ANY optimizer
+        # update of the session (the preflight's probes included; issue 11 point 5).
+        from dppo_harness.pooled import REVISED_SPEC_FILE
+
+        bundle.register_plan(plan, REVISED_SPEC_FILE)
+    # The ledger's budget is the executed plan's own, counted from the session start (the ledger's
+    # clock starts with the bundle): a bounded diagnostic's 12-minute cap includes setup and every
+    # stage before it (issue 11 point 6), inside the original experiment's GPU-hour cap.
+    budget, source = plan.budget, f"{plan.name} " + ("caps" if plan.kind == "bounded_diagnostic" else "budget")
     bundle.note_ledger(stages_selected=list(stages), budget_source=source)
     bundle.set_budget(budget["max_wall_minutes"] * 60.0, budget["gpu_hours"])
 

@@ -1,0 +1,85 @@
+"""One hashed archive of all the code a session executed (issue 11 point 3).
+
+The library (`src/dppo_harness/**`: loop, losses, instrumentation, the embedded server, the vendored
+data it reads), the tests, the plans and the packaging metadata, as ONE deterministic zip of kind
+`script` (sorted members, fixed timestamps, so equal trees give equal bytes) with a member
+manifest (`ARCHIVE-MANIFEST.json`: path, sha256, size of every member, and the commit). One file
+keeps the bundle far under the 64-file limit; with it the run is auditable without the repository.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence.bundle import EvidenceBundle
+
+ARCHIVE_NAME = "code-archive.zip"
+MANIFEST_MEMBER = "ARCHIVE-MANIFEST.json"
+# Relative to the project root; folders are taken recursively.
+ARCHIVED = ("src/dppo_harness", "tests", "plans", "conftest.py", "pyproject.toml", "benchmarks")
+_SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
+_FIXED_TIME = (2020, 1, 1, 0, 0, 0)
+
+
+def archived_paths(root: Path, include: Iterable[str] = ARCHIVED) -> list[Path]:
+    """Every file under the archived roots (sorted, caches and compiled files left out)."""
+    out: set[Path] = set()
+    for rel in include:
+        p = root / rel
+        if p.is_file():
+            out.add(p)
+        elif p.is_dir():
+            out.update(f for f in p.rglob("*") if f.is_file() and not _SKIP_PARTS & set(f.parts)
+                       and f.suffix not in (".pyc", ".pyo"))
+    return sorted(out)
+
+
+def build_archive(root: Path, *, commit: str | None = None,
+                  include: Iterable[str] = ARCHIVED) -> tuple[bytes, dict[str, Any]]:
+    """(zip bytes, manifest). Deterministic for a given tree and commit."""
+    root = Path(root).resolve()
+    members = []
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+        for f in archived_paths(root, include):
+            data = f.read_bytes()
+            rel = f.relative_to(root).as_posix()
+            members.append({"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+            info = zipfile.ZipInfo(rel, date_time=_FIXED_TIME)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, data)
+        manifest = {"kind": "code_archive", "version": 1, "commit": commit, "roots": list(include),
+                    "members": members, "n_members": len(members)}
+        info = zipfile.ZipInfo(MANIFEST_MEMBER, date_time=_FIXED_TIME)
+        info.compress_type = zipfile.ZIP_DEFLATED
+        zf.writestr(info, json.dumps(manifest, indent=1, sort_keys=True))
+    return buf.getvalue(), manifest
+
+
+def register_code_archive(bundle: EvidenceBundle, root: Path, commit: str | None = None) -> dict[str, Any]:
+    """Register the archive (kind script); returns its file entry."""
+    data, _ = build_archive(root, commit=commit)
+    return bundle.register_bytes(ARCHIVE_NAME, "script", data)
+
+
+def verify_archive(data: bytes) -> list[str]:
+    """Problems with an archive's members against its own manifest (empty when intact)."""
+    problems = []
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        manifest = json.loads(zf.read(MANIFEST_MEMBER))
+        names = set(zf.namelist()) - {MANIFEST_MEMBER}
+        listed = {m["path"] for m in manifest["members"]}
+        if names != listed:
+            problems.append(f"members differ from the manifest: {sorted(names ^ listed)[:5]}")
+        for m in manifest["members"]:
+            if m["path"] in names and hashlib.sha256(zf.read(m["path"])).hexdigest() != m["sha256"]:
+                problems.append(f"{m['path']}: sha256 differs from the manifest")
+    return problems

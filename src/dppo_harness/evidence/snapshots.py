@@ -1,0 +1,44 @@
+"""Immutable result snapshots while the run works (issue 11 point 7; the brief's "update it while you
+work": the exchange saves each update, so a session that ends early still leaves its results).
+
+`post_snapshot` registers the current result.json, exactly as posted, under the next free name
+`result-0001.json`, `result-0002.json`, ... (names are immutable, so each is a new file). It keeps
+`reserve` file slots free for the evidence still to come and never breaks the 64-file limit: when
+the slots are spent it posts nothing and says so in the ledger.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness.evidence.files import MAX_FILES
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence.bundle import EvidenceBundle
+
+SNAPSHOT_RE = re.compile(r"^result-(\d{4})\.json$")
+DEFAULT_RESERVE = 10  # slots kept for the files a stage writes at its end
+
+
+def snapshot_names(bundle: EvidenceBundle) -> list[str]:
+    return sorted(e["name"] for e in bundle.files() if SNAPSHOT_RE.match(e["name"]))
+
+
+def post_snapshot(bundle: EvidenceBundle, label: str, *, reserve: int = DEFAULT_RESERVE) -> str | None:
+    """Register the current result as the next `result-NNNN.json`; returns its name, or None when
+    the file limit (less `reserve`) leaves no room (recorded in the ledger as skipped)."""
+    names = snapshot_names(bundle)
+    ledger = bundle.ledger()
+    log: list[dict[str, Any]] = list(ledger.get("snapshots", []))
+    if len(bundle.files()) + 1 > MAX_FILES - reserve:
+        log.append({"label": label, "name": None, "skipped": f"file limit: {len(bundle.files())} of {MAX_FILES} "
+                                                              f"files used, {reserve} kept for later evidence"})
+        bundle.note_ledger(snapshots=log)
+        return None
+    index = int(SNAPSHOT_RE.match(names[-1]).group(1)) + 1 if names else 1
+    name = f"result-{index:04d}.json"
+    bundle.register_json(name, "metrics", bundle.result)
+    log.append({"label": label, "name": name, "elapsed_s": round(bundle.elapsed_seconds(), 3)})
+    bundle.note_ledger(snapshots=log)
+    return name

@@ -1,0 +1,50 @@
+"""Issue 11 point 3: all executed library code is archived as one hashed script archive."""
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence.archive import (
+    ARCHIVE_NAME,
+    MANIFEST_MEMBER,
+    build_archive,
+    register_code_archive,
+    verify_archive,
+)
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_archive_holds_the_library_the_server_and_the_tests_deterministically():
+    data, manifest = build_archive(ROOT, commit="abc")
+    paths = {m["path"] for m in manifest["members"]}
+    for must in ("src/dppo_harness/diagnostic.py", "src/dppo_harness/losses.py", "src/dppo_harness/instrumentation.py",
+                 "src/dppo_harness/local_server/engine.py", "src/dppo_harness/local_server/app.py",
+                 "tests/diagnostic/test_bounded_diagnostic.py", "plans/exp_e6b0965af3-diagnostic-r1.json"):
+        assert must in paths, must
+    assert not any("__pycache__" in p or p.endswith(".pyc") for p in paths)
+    src = ROOT / "src/dppo_harness/losses.py"
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert zf.read("src/dppo_harness/losses.py") == src.read_bytes()
+        assert json.loads(zf.read(MANIFEST_MEMBER))["commit"] == "abc"
+    assert verify_archive(data) == []
+    assert build_archive(ROOT, commit="abc")[0] == data  # deterministic
+    assert len(data) < 10 * 1024 * 1024
+
+
+def test_archive_is_one_script_file_in_the_bundle(tmp_path):
+    b = EvidenceBundle.create(tmp_path)
+    entry = register_code_archive(b, ROOT, commit="abc")
+    files = [f for f in b.result["evidence"]["files"] if f["kind"] == "script" and f["name"] == ARCHIVE_NAME]
+    assert len(files) == 1 and len(entry["sha256"]) == 64
+
+
+def test_tampered_archive_is_detected():
+    data, _ = build_archive(ROOT, include=("src/dppo_harness/losses.py",))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as zin, zipfile.ZipFile(buf, "w") as zout:
+        for n in zin.namelist():
+            zout.writestr(n, zin.read(n) + (b"# changed\n" if n.endswith("losses.py") else b""))
+    assert any("sha256 differs" in p for p in verify_archive(buf.getvalue()))

@@ -1,0 +1,85 @@
+"""Issue 11 points 1-2: the summary is <= 2 plain sentences naming the stand-in, and a stand-in's
+inactive mask is missing evidence for the planned model, next action = same plan on the service."""
+
+from pathlib import Path
+
+import pytest
+
+from dppo_harness import conclusion as cc
+from dppo_harness import diagnostic as dg
+from dppo_harness.plans import load_plan
+
+PLANS = Path(__file__).parents[2] / "plans"
+PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
+CFG = dg.diagnostic_config(PLAN.raw)
+STAND_IN = cc.ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k", "local/tiny-qwen3-gsm8k", "get_info")
+REAL = cc.ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B", None, "get_info")
+
+
+def _result(served, drift=0.0):
+    records = dg.simulate_records(seed=1, drift_per_update=drift)
+    return dg.analyse(CFG, PLAN, records, selftest=dg.deterministic_selftest(), sentinels={}, frozen_by_call=None,
+                      updates_done=len(records), stop_reason="update cap reached", wall_seconds=579.4,
+                      setup_seconds=40.0, frozen_sha256="0" * 64, minibatches=[], errors=[], spec_raw=None,
+                      served=served)
+
+
+def test_count_sentences():
+    assert cc.count_sentences("One. Two.") == 2
+    assert cc.count_sentences("Drift q90 0.0006 on local/tiny-qwen3.5 stayed low. Next: rerun") == 2
+    assert cc.count_sentences("A. B. C. D. E. F.") == 6
+
+
+def test_stand_in_inactive_is_missing_evidence_and_next_action_is_rerun_unchanged():
+    res = _result(STAND_IN)
+    c = res.classification
+    assert c.state == "inactive" and c.measured_cause == "legitimate_inactive_regime"  # measured state kept
+    assert c.cause == "missing_evidence" and c.stand_in
+    assert "stand-in only" in c.explanation
+    a = res.next_action
+    assert a["cause"] == "missing_evidence" and a["plan_changes"] == [] and not a["executed"]
+    assert "unchanged on the real service" in a["action"]
+    assert "more epochs" not in a["action"].split("more epochs become")[0]
+
+
+def test_real_model_inactive_keeps_legitimate_regime_and_more_epochs():
+    res = _result(REAL)
+    assert res.classification.cause == "legitimate_inactive_regime"
+    assert "more epochs" in res.next_action["action"]
+
+
+def test_code_defect_on_a_stand_in_stays_a_defect():
+    assert cc.cause_for_question("code_or_instrumentation_defect", False, STAND_IN) == "code_or_instrumentation_defect"
+    assert cc.cause_for_question(None, True, STAND_IN) == "missing_evidence"
+
+
+@pytest.mark.parametrize("served", [STAND_IN, REAL], ids=["stand-in", "real"])
+def test_summary_is_at_most_two_plain_sentences_and_names_the_stand_in(served):
+    s = _result(served).result_fields["summary"]
+    assert cc.count_sentences(s) <= 2, s
+    assert len(s) < 500, len(s)
+    if served.is_stand_in:
+        assert "local/tiny-qwen3-gsm8k" in s and "missing_evidence" in s
+    else:
+        assert "stand-in" not in s
+
+
+def test_served_model_from_get_info():
+    info = {"model_data": {"arch": "local/tiny-qwen3-gsm8k", "model_name": "Qwen/Qwen3.5-2B",
+                           "embedded_server": "dppo-harness"}}
+    # Through TINKER_BASE_URL (backend tinker) the embedded server is still a stand-in.
+    assert cc.served_model_from_info(info, "Qwen/Qwen3.5-2B", backend="tinker").stand_in == "local/tiny-qwen3-gsm8k"
+    assert cc.served_model_from_info({"model_data": {"arch": "Qwen/Qwen3.5-2B"}}, "Qwen/Qwen3.5-2B",
+                                     backend="tinker").stand_in is None
+    assert cc.served_model_from_info(None, "Qwen/Qwen3.5-2B", backend="local").is_stand_in
+
+
+def test_report_labels_the_cause_and_the_stand_in_limitation_on_any_backend():
+    from dppo_harness import report
+
+    res = _result(STAND_IN)
+    a = res.analysis_json()
+    text = report.render_markdown(a, {}, "tinker", res.next_action)  # bundle B: tinker backend, stand-in served
+    assert "verified: a stand-in served" in text and "suspected" in text
+    assert "Stand-in model `local/tiny-qwen3-gsm8k`" in text
+    assert "unchanged on the real service" in text

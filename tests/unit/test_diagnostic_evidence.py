@@ -1,0 +1,88 @@
+"""Issue 11 points 5, 7, 8: declared service work, snapshots, original gate report, validator CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dppo_harness import correctness
+from dppo_harness import diagnostic_evidence as dx
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.snapshots import post_snapshot, snapshot_names
+from dppo_harness.plans import PlanError, load_plan
+
+ROOT = Path(__file__).parents[2]
+PLAN = load_plan(ROOT / "plans/exp_e6b0965af3-diagnostic-r1.json")
+
+
+def test_plan_declares_every_probe_update_with_reason_and_count():
+    sw = PLAN.raw["service_work"]
+    ids = {i["id"]: i for i in sw["items"]}
+    assert ids["restore_continuity_probe"]["optimizer_updates"] == 3 and ids["lr_scaling_probe"]["optimizer_updates"] == 3
+    assert ids["feasibility_pilot"]["optimizer_updates"] == 0 and ids["feasibility_pilot"]["sampling_batches"] == 0
+    assert ids["bounded_diagnostic"]["optimizer_updates"] == 16 and sw["max_total_sampling_batches"] == 1
+    assert all(i["reason"] for i in sw["items"])
+
+
+def test_plan_totals_must_match(tmp_path):
+    raw = json.loads(PLAN.data)
+    raw["service_work"]["max_total_optimizer_updates"] = 16
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(raw))
+    with pytest.raises(PlanError, match="max_total_optimizer_updates"):
+        load_plan(f)
+
+
+def test_service_work_ledger_flags_undeclared_and_excess_work():
+    ok = dx.service_work_ledger(PLAN.raw, {"restore_continuity_probe": {"optimizer_updates": 3},
+                                           "lr_scaling_probe": {"optimizer_updates": 3},
+                                           "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1}})
+    assert ok["within_declaration"] and ok["executed_totals"] == {"optimizer_updates": 22, "sampling_batches": 1}
+    # The old behaviour: a feasibility pilot with 2 updates and 16 rollouts under the diagnostic plan.
+    bad = dx.service_work_ledger(PLAN.raw, {"feasibility_pilot": {"optimizer_updates": 2, "sampling_batches": 1},
+                                            "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1}})
+    assert not bad["within_declaration"] and any("feasibility_pilot" in p for p in bad["problems"])
+    assert any("undeclared_probe" in p for p in dx.service_work_ledger(
+        PLAN.raw, {"undeclared_probe": {"optimizer_updates": 1}})["problems"])
+
+
+def test_original_gate_report_is_a_real_file_saying_unavailable():
+    r = dx.original_gate_report(PLAN.raw)
+    assert r["available"] is False and "run_19badd842c" in r["reason"] and r["overwritten"] is False
+    reasons = " ".join(d["reason"] for d in PLAN.raw["deviations"])
+    assert "kept separately" not in reasons and dx.ORIGINAL_GATE_REPORT_FILE in reasons
+
+
+def test_feasibility_from_the_diagnostics_own_measurements():
+    f = dx.diagnostic_feasibility(config={}, effective_config={}, primary_endpoint="x", setup_seconds=5.0,
+                                  sampling_seconds=60.0, sampled_sequences=256, update_seconds=[10.0] * 16,
+                                  sequences_per_update=32, planned_updates=16, recovery_seconds=30.0)
+    m = f["measurements"]
+    assert m["training"]["seconds"] == 220.0 and m["training"]["units"] == 16 and m["training"]["samples"] == 768
+    assert m["evaluation"]["planned_units"] == 0 and f["source"] == dx.FEASIBILITY_SOURCE
+
+
+def test_snapshots_are_immutable_numbered_and_respect_the_file_limit(tmp_path):
+    b = EvidenceBundle.create(tmp_path, "s", env={})
+    b.update_result(metrics={"diagnostic/updates_done": 4.0})
+    assert post_snapshot(b, "after 4") == "result-0001.json"
+    b.update_result(metrics={"diagnostic/updates_done": 8.0})
+    assert post_snapshot(b, "after 8") == "result-0002.json"
+    first = json.loads(b.file_path("result-0001.json").read_text())
+    assert first["metrics"]["diagnostic/updates_done"] == 4.0  # unchanged by later updates
+    for i in range(MAX_FILES - len(b.files()) - 3):
+        b.register_json(f"x{i}.json", "log", {})
+    assert post_snapshot(b, "late", reserve=4) is None
+    assert snapshot_names(b) == ["result-0001.json", "result-0002.json"]
+    assert b.ledger()["snapshots"][-1]["skipped"].startswith("file limit")
+
+
+def test_validator_cli_exit_code():
+    report = correctness.check_golden(ROOT / "tests/fixtures/dppo_golden_v1.json", modes=("float64",))
+    block = correctness.build_preflight_block(report, PLAN.raw and json.loads((ROOT / "plans/exp_e6b0965af3.json").read_text()))
+    spec = (ROOT / "plans/exp_e6b0965af3.json").read_bytes()
+    assert correctness.run_validator_cli(spec, block)["exit_code"] == 0
+    block["paths"][0]["errors"] = {}
+    out = correctness.run_validator_cli(spec, block)
+    assert out["exit_code"] != 0 and "FAIL" in out["stdout"]
