@@ -17,13 +17,13 @@ from pathlib import Path
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-import tinker  # noqa: E402
+import tinker
 
-from dppo_harness import comparison as C  # noqa: E402
-from dppo_harness import constants, gsm8k, tokenizer  # noqa: E402
-from dppo_harness.local_server.process import LocalServerProcess  # noqa: E402
-from dppo_harness.plans import load_plan  # noqa: E402
-from dppo_harness.restoration import create_from_state_observed  # noqa: E402
+from dppo_harness import comparison as C
+from dppo_harness import constants, gsm8k, tokenizer
+from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.plans import load_plan
+from dppo_harness.restoration import create_from_state_observed
 
 ROOT = Path(__file__).parents[1]
 

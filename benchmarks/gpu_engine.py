@@ -115,7 +115,7 @@ def main() -> None:
     dtype = HF.resolve_dtype(args.dtype, device)
     cfg = TINY if args.tiny else FULL
     n_prompts, n_samples, prompt_len, new_tokens, upd_seqs, upd_tokens, n_updates = SHAPES["tiny" if args.tiny else "full"]
-    emit(event="start", date_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    emit(event="start", date_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
          device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
          torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype), config=cfg,
          shape="tiny" if args.tiny else "full", threads=torch.get_num_threads())
@@ -167,7 +167,7 @@ def run(eng: Engine, device: torch.device, n_prompts: int, n_samples: int, promp
         warm_s, _ = sample_all(eng, path, prompts[:2], 2, 4)  # builds the merged sampler, warms kernels
         reset_peak(device)
         wall, n_tok = sample_all(eng, path, prompts, n_samples, new_tokens)
-    except Exception as exc:  # noqa: BLE001 - reported, never replaced by a number
+    except Exception as exc:
         emit(event="sampling", available=False, error=f"{type(exc).__name__}: {exc}"[:500])
         emit(event="diagnostic_projection", available=False, reason="sampling failed")
         return

@@ -24,13 +24,13 @@ from pathlib import Path
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-import numpy as np  # noqa: E402
-import tinker  # noqa: E402
-from tinker import types  # noqa: E402
+import numpy as np
+import tinker
+from tinker import types
 
-from dppo_harness import constants  # noqa: E402
-from dppo_harness.train_step import timed_updates  # noqa: E402
-from dppo_harness.local_server.process import LocalServerProcess  # noqa: E402
+from dppo_harness import constants
+from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.train_step import timed_updates
 
 
 def start_once(cache: Path, run_dir: Path, model: str | None) -> tuple[LocalServerProcess, float]:

@@ -58,7 +58,7 @@ def time_call(loss_fn, datums, current, repeats: int) -> tuple[float, float]:
         # Same construction as the SDK's _compute_custom_loss: fresh leaf tensors per call.
         lps = [torch.tensor(c).requires_grad_(True) for c in current]
         t0 = time.perf_counter()
-        loss, metrics = loss_fn(datums, lps)
+        loss, _metrics = loss_fn(datums, lps)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()

@@ -32,7 +32,6 @@ from dppo_harness import losses, rollout_batch, rollouts, train_step
 if TYPE_CHECKING:
     import tinker
 
-    from dppo_harness.evidence import EvidenceBundle
 
 STEPS_FILE = "comparison-steps.jsonl"
 STATE_FILE = "comparison-state.json"

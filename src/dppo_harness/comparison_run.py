@@ -115,7 +115,7 @@ def run_comparison(
     resume_run_id: str | None = None,
     schedule: C.Schedule = "interleaved",
     save_every: int = 1,
-    capacity_policy: service.CapacityPolicy = service.CapacityPolicy(),
+    capacity_policy: service.CapacityPolicy | None = None,
     registry: service.ClientRegistry | None = None,
     stop_after: Callable[[int], None] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
@@ -135,7 +135,7 @@ def run_comparison(
     tracker = service.CapacityTracker(comparison_steps_completed=min(s.steps_done for s in state.arms.values()))
 
     def call(fn: Callable[[], Any]) -> Any:
-        return service.call_with_capacity_retry(fn, policy=capacity_policy, steps_completed=tracker,
+        return service.call_with_capacity_retry(fn, policy=capacity_policy or service.CapacityPolicy(), steps_completed=tracker,
                                                 registry=registry, on_retry=tracker.events.append)
 
     bundle.register_json(f"comparison-run-{state.resumed}.json", "manifest", {

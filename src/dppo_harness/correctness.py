@@ -29,10 +29,10 @@ import hashlib
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -317,7 +317,7 @@ class PackedCase:
 
 def pack_case(case: GoldenCase, seed: int = 0) -> PackedCase:
     rng = np.random.default_rng(seed)
-    B, T = case.mask_BT.shape
+    B, _T = case.mask_BT.shape
     packed = PackedCase([], [], [], [], [], [], [])
     for b in range(B):
         on = np.nonzero(case.mask_BT[b] > 0)[0]
@@ -841,7 +841,7 @@ def _load_json(path: str, what: str) -> Any:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"error: cannot read {what} {path}: {exc}")
+        raise SystemExit(f"error: cannot read {what} {path}: {exc}") from None
 
 
 def run_validator_cli(spec_bytes: bytes, preflight_block: Mapping[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:

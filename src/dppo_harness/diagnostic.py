@@ -30,7 +30,7 @@ from dppo_harness import diagnostic_evidence as dx
 from dppo_harness import instrumentation as ins
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.frozen_batch import FrozenBatch, Minibatch
-from dppo_harness.pooled import (  # noqa: F401 - re-exported: the diagnostic's file names
+from dppo_harness.pooled import (
     ANALYSIS_FILE,
     FROZEN_BATCH_STEM,
     NEXT_ACTION_FILE,
@@ -1174,9 +1174,9 @@ def simulate_records(
     recorder = ins.LossCallRecorder(cfg)
     loss_fn = losses.make_loss_fn(cfg)
     batches = []
-    for mb in range(minibatches_per_epoch):
+    for _mb in range(minibatches_per_epoch):
         data, q_list, a_list = [], [], []
-        for s in range(sequences):
+        for _s in range(sequences):
             n_prompt, n_resp = int(rng.integers(2, 6)), int(rng.integers(4, 24))
             adv = float(rng.choice([-0.5, 0.0, 0.5, 0.25, -0.25]))
             q = np.clip(rng.beta(0.6, 0.6, size=n_resp), 1e-4, 1 - 1e-4)

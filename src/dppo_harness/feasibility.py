@@ -377,10 +377,10 @@ def run_timing_pilot(
     The update minibatch has the plan's `sequences_per_update` sequences, tiled from the pilot's
     sampled sequences (real sampled lengths) when the pilot sampled fewer.
     """
-    import numpy as np  # noqa: PLC0415
-    import tinker  # noqa: PLC0415
+    import numpy as np
+    import tinker
 
-    from dppo_harness import gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step  # noqa: PLC0415
+    from dppo_harness import gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
 
     bundle = tokenizer.make_renderer()
     t0 = time.perf_counter()
@@ -530,10 +530,10 @@ def gpu_allocation(backend_kind: str) -> tuple[int | None, str | None]:
     if backend_kind != "local":
         return None, None  # shared service: allocation unknown
     try:
-        import torch  # noqa: PLC0415
+        import torch
 
         n = torch.cuda.device_count()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None, None
     if n == 0:
         return 0, "local embedded server on this host: torch.cuda.device_count() == 0 (CPU only)"

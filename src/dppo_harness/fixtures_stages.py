@@ -90,7 +90,6 @@ def diagnostic_run(request, service_client, service_backend, plan, spec_plan, ev
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages (issue 11 point 6)."""
     from dppo_harness.diagnostic import run_bounded_diagnostic
-
     from dppo_harness.pytest_plugin import propose_outcome
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()

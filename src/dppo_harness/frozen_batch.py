@@ -76,7 +76,7 @@ class Minibatch:
 class FrozenBatch:
     """Immutable rollout batch. Build with :meth:`from_datums` / :meth:`from_rollouts` or :meth:`load`."""
 
-    __slots__ = ("_arrays", "_metadata_json", "_field_hashes", "_sha256", "_offsets_N", "_offsets_K")
+    __slots__ = ("_arrays", "_field_hashes", "_metadata_json", "_offsets_K", "_offsets_N", "_sha256")
 
     def __init__(self, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any]):
         missing = [f for f in FIELDS if f not in arrays]

@@ -80,9 +80,8 @@ def evaluate_check(check: Mapping[str, Any], value: Any) -> CheckResult:
     if value is None:
         return CheckResult(metric, None, False, "missing: not measured", bounds, measures)
     problems = []
-    if "one_of" in check:
-        if value not in check["one_of"]:
-            problems.append(f"{value!r} not in {check['one_of']!r}")
+    if "one_of" in check and value not in check["one_of"]:
+        problems.append(f"{value!r} not in {check['one_of']!r}")
     if "min" in check or "max" in check:
         if not _is_number(value):
             problems.append(f"{value!r} is not a finite number")

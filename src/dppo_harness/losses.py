@@ -13,8 +13,9 @@ the exact values the service returned (bf16/float32 probabilities flip boundary 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch

@@ -13,9 +13,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from dppo_harness import instrumentation as ins  # noqa: E402
+from dppo_harness import instrumentation as ins
 
 REPORT_FILE = "report.md"
 PLOTS = {

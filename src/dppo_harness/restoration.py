@@ -31,7 +31,7 @@ import numpy as np
 import tinker
 
 from dppo_harness import constants
-from dppo_harness.correctness import lr_scaling_error  # noqa: F401 - one definition, shared
+from dppo_harness.correctness import lr_scaling_error
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -82,7 +82,7 @@ def datum_arrays(datum: tinker.Datum) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return tokens_T, targets_T, mask_T
 
 
-def _update_array(h: "hashlib._Hash", tag: bytes, arr: np.ndarray) -> None:
+def _update_array(h: hashlib._Hash, tag: bytes, arr: np.ndarray) -> None:
     # Length-prefixed, little-endian: concatenations of different splits cannot collide.
     data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
     h.update(tag + len(arr).to_bytes(8, "little") + data)
@@ -386,7 +386,7 @@ def build_fixed_batch(n_items: int = FIXED_BATCH_ITEMS, seed: int = 0) -> tuple[
     Weights are 1 on the assistant answer's tokens, 0 on the prompt (the renderer's supervised
     example). Returns the datums and a description (item ids, lengths) for evidence.
     """
-    from dppo_harness import gsm8k, tokenizer  # noqa: PLC0415
+    from dppo_harness import gsm8k, tokenizer
 
     bundle = tokenizer.make_renderer()
     items = gsm8k.load_split("train", seed=seed).items[:n_items]
@@ -467,10 +467,9 @@ def create_from_state_observed(
     None for the response, which leaves `loaded_checkpoint_uri` unproved.
     """
     try:
-        from tinker.lib.api_future_impl import _APIFuture  # noqa: PLC0415
-        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType  # noqa: PLC0415
-        from tinker.lib.public_interfaces.training_client import (  # noqa: PLC0415
-            TrainingClient, fetch_training_info)
+        from tinker.lib.api_future_impl import _APIFuture
+        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+        from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
 
         holder = service_client.holder
         session_id = holder.get_session_id()
@@ -499,7 +498,7 @@ def create_from_state_observed(
         return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info), response
 
     client, response = holder.run_coroutine_threadsafe(_create()).result()
-    from dppo_harness.service import notify_training_client  # noqa: PLC0415 - issue 10: identity evidence
+    from dppo_harness.service import notify_training_client
 
     notify_training_client(service_client, client, "create_training_client_from_state_with_optimizer")
     return client, response
@@ -524,12 +523,12 @@ class LocalCheckpointReader:
                    "save_state checkpoints the embedded server wrote under its run_dir")
 
     def __init__(self, run_dir: Any):
-        from pathlib import Path  # noqa: PLC0415
+        from pathlib import Path
 
         self.run_dir = Path(run_dir)
 
     def adapter(self, path: str) -> dict[str, Any]:
-        import torch  # noqa: PLC0415
+        import torch
 
         m = re.match(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$", path or "")
         if not m:
@@ -542,12 +541,12 @@ class LocalCheckpointReader:
 
     def adapter_sha256(self, path: str) -> str:
         """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
-        from dppo_harness.local_server.model import state_sha256  # noqa: PLC0415 - local route only
+        from dppo_harness.local_server.model import state_sha256
 
         return state_sha256(self.adapter(path))
 
     def update_norm(self, before: str, after: str) -> float:
-        import torch  # noqa: PLC0415
+        import torch
 
         a, b = self.adapter(before), self.adapter(after)
         if sorted(a) != sorted(b):
@@ -668,7 +667,7 @@ def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int
         again = client.save_state(name).result()
         rec.keep(f"save_{label}_again", again)
         immutable = False
-    except Exception as exc:  # noqa: BLE001 - the refusal itself is the evidence
+    except Exception as exc:
         rec.keep(f"save_{label}_again_refused", {"error": f"{type(exc).__name__}: {exc}"})
         immutable = True
     return InitialCheckpoint(client, saved.path, immutable)
@@ -686,7 +685,7 @@ def _load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: _R
 def _adapter_hashes(reader: LocalCheckpointReader | None, arms: Mapping[str, LoadedArm],
                     source_of: Mapping[str, str], tag: str, rec: _Recorder) -> tuple[dict[str, str | None], str, list[str]]:
     """Adapter hashes as loaded (local backend: read back from a save of each arm; not an update)."""
-    hashes: dict[str, str | None] = {a: None for a in arms}
+    hashes: dict[str, str | None] = dict.fromkeys(arms)
     if reader is None:
         return hashes, "not measurable over the Tinker API on this backend", []
     note = ("local_hash: sha256 of the LoRA tensors in a save_state of each arm taken right "

@@ -103,7 +103,7 @@ def make_service_client(
     proxy_tokens: ProxyTokens = "modal",
     registry: ClientRegistry | None = None,
     stage: str = "session",
-    observer: "TrainingClientObserver | None" = None,
+    observer: TrainingClientObserver | None = None,
 ) -> tinker.ServiceClient:
     """A tinker.ServiceClient for `backend`. Construction is lazy (no network until first call).
 
@@ -157,7 +157,7 @@ class ObservedServiceClient(tinker.ServiceClient):
     def observe(self, client: Any, label: str) -> None:
         try:
             self._observer(client, label)
-        except Exception as exc:  # noqa: BLE001 - see class docstring
+        except Exception as exc:
             logger.warning("recording training client (%s) failed: %s: %s", label, type(exc).__name__, exc)
 
     def create_lora_training_client(self, *args: Any, **kwargs: Any) -> Any:
@@ -301,7 +301,7 @@ class CapacityPolicy:
     scale: float = 1.0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "CapacityPolicy":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CapacityPolicy:
         """The default policy, shrunk by DPPO_HARNESS_CAPACITY_SCALE (0 < scale <= 1) when set:
         rehearsals and CI use it to exercise backoff and give-up in seconds, not minutes."""
         env = os.environ if env is None else env

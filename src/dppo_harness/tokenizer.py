@@ -155,7 +155,7 @@ def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, dict[str
             "package_version": _package_version("transformers"),
         }
     check_special_ids(tokenizer)
-    prov["special_ids"] = {k: v for k, v in EXPECTED_SPECIAL_IDS.items()}
+    prov["special_ids"] = dict(EXPECTED_SPECIAL_IDS.items())
     prov["vocab_fingerprint"] = vocab_fingerprint(tokenizer)
     return tokenizer, prov
 

@@ -32,7 +32,7 @@ def test_treatment_mask_fires_in_the_comparison(comparison_run):
     """The DPPO arm's mask removes tokens during training (the rehearsal lr is chosen so it does); the
     GRPO arm's masked fraction is the same rule counted counterfactually on its own tensors."""
     cfg = comparison_run.config
-    t, b = cfg.role("treatment").name, cfg.role("baseline").name
+    t, _b = cfg.role("treatment").name, cfg.role("baseline").name
     assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t) > 0
     assert all(r["loss_tokens"] > 0 for r in comparison_run.rows)
 

@@ -81,7 +81,7 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, tmp_path):
     full, _ = _run(engine, tmp_path, "full")
     assert full.stopped is None and full.steps_completed == 3
 
-    first, first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(2))
+    first, _first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(2))
     assert first.stopped == "killed after step 2" and first.steps_completed == 2
     assert first.final["outcome_reason"] == "incomplete_execution"
     saved = json.loads(C.state_path(tmp_path / "state", first.run_id).read_text())

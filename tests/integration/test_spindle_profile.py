@@ -224,7 +224,7 @@ def test_long_storm_ends_in_a_correct_capacity_block(plan_file, tmp_path):
     srv = _spindle(tmp_path / "storm", "--fault-capacity-exhausted", "100000")
     try:
         evidence = tmp_path / "evidence-storm"
-        proc, secs = _harness(["tests/preflight", "--backend=tinker", f"--plan={plan_file}",
+        proc, _secs = _harness(["tests/preflight", "--backend=tinker", f"--plan={plan_file}",
                                f"--evidence-dir={evidence}"], _harness_env(srv.base_url), timeout=300)
         assert proc.returncode != 0
         r = _result(evidence)

@@ -13,7 +13,7 @@ def test_restoration_preflight_passes(restoration):
 def test_both_arms_loaded_the_one_initial_checkpoint(restoration, spec_plan):
     arms = [a["name"] for a in R.restoration_arms(spec_plan.raw)]
     assert sorted(restoration.clients) == sorted(arms)
-    assert restoration.loaded_paths == {a: restoration.initial_checkpoint for a in arms}
+    assert restoration.loaded_paths == dict.fromkeys(arms, restoration.initial_checkpoint)
     entries = restoration.provenance["arms"]
     for a in arms:
         init = entries[a]["initialization"]

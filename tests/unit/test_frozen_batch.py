@@ -132,7 +132,7 @@ def test_minibatches_hold_complete_groups(fb):
         assert [mb.group_ids for mb in mbs] == [tuple(range(k * per, (k + 1) * per)) for k in range(n)]
         seen = []
         for mb in mbs:
-            gids = set(int(fb.field("group_ids_S")[s]) for s in mb.sequence_indices)
+            gids = {int(fb.field("group_ids_S")[s]) for s in mb.sequence_indices}
             assert gids == set(mb.group_ids) and len(mb.sequence_indices) == per * 8
             assert mb.loss_tokens == int(sum(mask[offsets[s] : offsets[s + 1]].sum() for s in mb.sequence_indices))
             assert mb.record()["n_sequences"] == per * 8

@@ -60,7 +60,7 @@ def test_unmeasured_metric_and_boundless_check_fail():
 
 
 def _rec(step, u, frac, q90, clip):
-    stats = {k: 0 for k in gate.ins.COUNT_KEYS} | {k: 0.0 for k in gate.ins.FLOAT_KEYS}
+    stats = dict.fromkeys(gate.ins.COUNT_KEYS, 0) | dict.fromkeys(gate.ins.FLOAT_KEYS, 0.0)
     stats.update({"dppo/masked_frac_loss_tokens": frac, "drift/abs_p90": q90, "ppo/clip_frac_loss_tokens": clip})
     return LossCallRecord(call_index=2 * step + u - 1, context={"step": step, "update_in_batch": u},
                           dtype="float32", tensors={}, stats=stats)

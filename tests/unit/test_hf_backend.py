@@ -71,7 +71,7 @@ def test_missing_or_incomplete_checkpoints_get_one_line_errors(tmp_path, qwen3_d
     (noweights / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     _one_line_error(noweights, "missing shard")
-    path, cfg, files = HF.check_checkpoint_dir(qwen3_dir)  # the good one passes
+    _path, cfg, files = HF.check_checkpoint_dir(qwen3_dir)  # the good one passes
     assert cfg["model_type"] == "qwen3" and [f.name for f in files] == ["model.safetensors"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,6 @@ from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKE
 from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
 from dppo_harness.plans import load_plan
 from dppo_harness.service import _ObservedFuture, notify_training_client
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "local/tiny-qwen3-gsm8k"
@@ -73,7 +73,7 @@ def _bundle(tmp_path, plan_name="exp_e6b0965af3-diagnostic-r1.json", served=None
 
 
 def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training(tmp_path):
-    b, plan = _bundle(tmp_path, served=STAND_IN)
+    b, _plan = _bundle(tmp_path, served=STAND_IN)
     identity.record_session_identity(b, _report(), "tinker", {"tinker": "0.38.0"})
     r = b.result
     assert r["backend"]["kind"] == "local" and r["backend"]["requested_backend"] == "tinker"
@@ -92,7 +92,7 @@ def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training
 
 
 def test_real_service_is_not_relabelled(tmp_path):
-    b, plan = _bundle(tmp_path)
+    b, _plan = _bundle(tmp_path)
     sub = {"field": "model", "original": "Qwen/Qwen3.5-0.8B", "effective": "Qwen/Qwen3.5-2B", "reason": "closest"}
     identity.record_session_identity(b, _report(marker=False, substitution=sub), "tinker", {})
     r = b.result

@@ -86,17 +86,17 @@ def test_loss_functions_match_formulas(engine, batch):
     out_ce, met_ce = engine.forward(mid, _ce(batch), "cross_entropy")
     lp = [o["logprobs"] for o in out_ce]
     assert all(o["logprobs"].dtype == np.float32 for o in out_ce)
-    want_ce = sum(float((-l * d["weights"]).sum()) for l, (_, d) in zip(lp, batch))
-    scale = sum(float(np.abs(l * d["weights"]).sum()) for l, (_, d) in zip(lp, batch))
+    want_ce = sum(float((-lp_T * d["weights"]).sum()) for lp_T, (_, d) in zip(lp, batch))
+    scale = sum(float(np.abs(lp_T * d["weights"]).sum()) for lp_T, (_, d) in zip(lp, batch))
     assert met_ce["loss:sum"] == pytest.approx(want_ce, abs=1e-5 * scale)
     # Shift the sampler logprobs so ratios leave [0.9, 1.1] and clipping engages.
     shifted = [(t, {**d, "logprobs": d["logprobs"] - 0.3 * (i % 2) + 0.3 * ((i + 1) % 2)}) for i, (t, d) in enumerate(batch)]
     ppo_in = [(t, {k: d[k] for k in ("target_tokens", "logprobs", "advantages")}) for t, d in shifted]
-    out_is, met_is = engine.forward(mid, ppo_in, "importance_sampling")
+    _out_is, met_is = engine.forward(mid, ppo_in, "importance_sampling")
     out_ppo, met_ppo = engine.forward(mid, ppo_in, "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
     want_is, want_ppo, scale = 0.0, 0.0, 0.0
-    for l, (_, d) in zip(lp, shifted):
-        r = np.exp(l.astype(np.float64) - d["logprobs"])
+    for lp_T, (_, d) in zip(lp, shifted):
+        r = np.exp(lp_T.astype(np.float64) - d["logprobs"])
         A = d["advantages"]
         want_is += float(-(r * A).sum())
         want_ppo += float(-np.minimum(r * A, np.clip(r, 0.9, 1.1) * A).sum())
@@ -140,7 +140,7 @@ def test_gradients_accumulate_until_optim_step(engine, batch):
 def test_optim_step_equals_torch_adamw(engine, batch, adam):
     mid = engine.create_model(BASE_MODEL, 4, 3)
     refs = None
-    for step in range(2):  # two steps: moments carry over
+    for _step in range(2):  # two steps: moments carry over
         engine.forward_backward(mid, _ce(batch), "cross_entropy")
         params, grads = engine.get_parameters(mid), engine.get_parameter_grads(mid)
         if refs is None:
@@ -277,7 +277,7 @@ def test_out_of_vocab_ids(engine, prompt):
     assert int(vocab.to_local([oov])[0]) == vocab.unk_index
     mid = engine.create_model(BASE_MODEL, 4, 0)
     toks = prompt[:10] + [oov] + prompt[10:20]
-    out, met = engine.forward(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:]),
+    out, _met = engine.forward(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:]),
                                                   "weights": np.zeros(len(toks) - 1, np.float32)})], "cross_entropy")
     lp = out[0]["logprobs"]
     assert lp[9] == M.OOV_TARGET_LOGPROB and np.isfinite(lp).all()

@@ -156,7 +156,7 @@ def test_spindle_profile_serves_the_base_model_and_drops_optimizer_echo():
     profile = make_profile("spindle", ENV)
     assert profile.served_models([constants.BASE_MODEL, "local/x"], "local/x") == [constants.BASE_MODEL]
     assert Profile().served_models([constants.BASE_MODEL, "local/x"], "local/x") == [constants.BASE_MODEL, "local/x"]
-    metrics = {k: 1.0 for k in OPTIMIZER_ECHO_KEYS} | {"optim/grad_norm": 2.0}
+    metrics = dict.fromkeys(OPTIMIZER_ECHO_KEYS, 1.0) | {"optim/grad_norm": 2.0}
     assert profile.optim_metrics(metrics) == {"optim/grad_norm": 2.0}
     assert Profile().optim_metrics(metrics) == metrics
 

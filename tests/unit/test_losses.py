@@ -164,7 +164,7 @@ def test_must_fire_and_must_not_fire_both_signs():
     assert grad[0] == 0 and grad[3] == 0
     assert torch.all(grad[[1, 2]] < 0) and torch.all(grad[[4, 5]] > 0)
     # The recovery token A<0 with r = 9.5 keeps its full (uncapped, r <= C) weight.
-    assert grad[5].item() == pytest.approx(-(-1.0) * 9.5 / 6, rel=1e-12)
+    assert grad[5].item() == pytest.approx(9.5 / 6, rel=1e-12)  # -A * r / n with A = -1
 
 
 def test_exact_boundary_tokens_are_kept():

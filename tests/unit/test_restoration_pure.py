@@ -32,7 +32,7 @@ def test_batch_sha256_is_stable_and_sensitive_to_tokens_targets_and_mask():
     changed_token = [r.make_datum([1, 2, 6], [4, 5]), _batch()[1]]
     assert r.batch_sha256(changed_token) != h
     d = _batch()[0]
-    tokens_T, targets_T, mask_T = r.datum_arrays(d)
+    _tokens_T, targets_T, _mask_T = r.datum_arrays(d)
     other_mask = tinker.Datum(model_input=d.model_input, loss_fn_inputs={
         "target_tokens": tinker.TensorData.from_numpy(targets_T),
         "weights": tinker.TensorData.from_numpy(np.array([0, 1, 1, 1], dtype=np.float32))})

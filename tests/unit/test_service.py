@@ -156,7 +156,8 @@ def test_capacity_storm_before_any_step_gives_up_after_ten_minutes(tmp_path):
 
 def test_capacity_storm_after_steps_keeps_trying_for_thirty_minutes():
     clock, tracker = FakeClock(), CapacityTracker()
-    tracker.step_done(); tracker.step_done(); tracker.step_done()
+    for _ in range(3):
+        tracker.step_done()
     fn, _ = _storm(_status_error(tinker.RateLimitError, 429, "rate limited"))
     reg = ClientRegistry()
     reg.register(FakeClient(fail=True), stage="diagnostic", label="trainer")

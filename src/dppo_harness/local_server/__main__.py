@@ -34,7 +34,6 @@ from dppo_harness.local_server.faults import (
     parse_reject_first,
     parse_reject_prob,
 )
-
 from dppo_harness.local_server.profiles import PROFILES, MissingCredential, Profile, make_profile
 
 STATS_FILE = "server_stats.json"

@@ -30,11 +30,11 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Callable, TypeVar
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import numpy as np
 import pydantic
@@ -139,7 +139,7 @@ def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> dict[str
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
-    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError subclasses
+    except Exception as exc:
         raise ProtocolError(f"forward_backward body is not a ForwardBackwardRequest protobuf: {exc}") from exc
     data = []
     for i, datum in enumerate(msg.data):
@@ -289,7 +289,7 @@ def dump(response: pydantic.BaseModel) -> dict[str, Any]:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @dataclass
@@ -481,7 +481,7 @@ def _spawn(state: ServerState, fut: asyncio.Future, label: str, coro_fn: Callabl
     async def runner() -> None:
         try:
             outcome = await coro_fn()
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a failed future
+        except Exception as exc:
             outcome = _outcome_of_exception(exc, label)
         if not fut.done():
             fut.set_result(outcome)
@@ -498,7 +498,7 @@ async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | Non
     async with entry.cond:
         try:
             await asyncio.wait_for(entry.cond.wait_for(lambda: entry.next_seq >= seq_id), SEQ_GAP_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UserError(
                 f"{label}: seq_id {seq_id} waited {SEQ_GAP_TIMEOUT_S:.0f}s for seq_id {entry.next_seq} "
                 f"of model {entry.model_id}, which never arrived"
@@ -1072,7 +1072,7 @@ async def _retrieve_future(request: web.Request) -> web.Response:
     if not fut.done():
         try:
             await asyncio.wait_for(asyncio.shield(fut), LONG_POLL_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pending = TryAgainResponse(request_id=request_id, queue_state="active")
             return web.json_response(dump(pending), status=408)
     outcome: _Outcome = fut.result()

@@ -46,6 +46,7 @@ sampling, `sampling.py`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -57,7 +58,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +69,7 @@ from dppo_harness.constants import BASE_MODEL
 from dppo_harness.local_server import hf_model as HF
 from dppo_harness.local_server import model as M
 from dppo_harness.local_server import sampling as S
-from dppo_harness.local_server.errors import UserError  # noqa: F401 - re-exported
+from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.logprobs import DEFAULT_CHUNK_TOKENS, chunked_target_logprobs
 from dppo_harness.local_server.loss_fns import get_loss
 from dppo_harness.local_server.vocab import Vocab, get_tokenizer, load_vocab
@@ -346,7 +346,7 @@ class Engine:
             T = int(toks.size)
             if T == 0:
                 raise UserError(f"datum {i}: empty model_input")
-            if T > self.config.max_position_embeddings:
+            if self.config.max_position_embeddings < T:
                 raise UserError(f"datum {i}: {T} tokens exceed the model's {self.config.max_position_embeddings}")
             conv: dict[str, torch.Tensor] = {}
             for key in required_inputs:
@@ -439,14 +439,14 @@ class Engine:
                 lps = self._logprobs_mb(tm.net, items, idx)
                 losses = [self._loss(loss_fn, lp, {k: v.to(lp.device) for k, v in items[i][1].items()}, cfg)
                           for lp, i in zip(lps, idx)]
-                mb_loss = torch.stack([l.sum() for l in losses]).sum()
+                mb_loss = torch.stack([loss_T.sum() for loss_T in losses]).sum()
                 if backward:
                     mb_loss.backward()
                 total += float(mb_loss.detach())
-                for lp, l, i in zip(lps, losses, idx):
+                for lp, loss_T, i in zip(lps, losses, idx):
                     outputs[i] = {
                         "logprobs": lp.detach().float().cpu().numpy().copy(),
-                        "elementwise_loss": l.detach().float().cpu().numpy().copy(),
+                        "elementwise_loss": loss_T.detach().float().cpu().numpy().copy(),
                     }
         return [o for o in outputs if o is not None], {"loss:sum": total}
 
@@ -720,7 +720,7 @@ class Engine:
                         results = _generate(net, self.vocab, self.tokenizer, jobs)
                 for j, r in zip(jobs, results):
                     j.future.set_result(r)
-            except Exception as e:  # noqa: BLE001 - delivered to each waiting caller
+            except Exception as e:
                 for j in jobs:
                     if not j.future.done():
                         j.future.set_exception(e)
@@ -799,7 +799,7 @@ def _generate(net: torch.nn.Module, vocab: Vocab, tokenizer, jobs: list[_SampleJ
         attn[r, Lp - len(jobs[ji].prompt) : Lp] = 1
     pos = torch.tensor([len(jobs[ji].prompt) for ji in row_job], dtype=torch.int64)
     gens = [torch.Generator().manual_seed(j.seed) for j in jobs]
-    stop_local = [set(int(x) for x in vocab.to_local(j.stop_ids).tolist() if int(x) < V) if j.stop_ids else set()
+    stop_local = [{int(x) for x in vocab.to_local(j.stop_ids).tolist() if int(x) < V} if j.stop_ids else set()
                   for j in jobs]
     toks: list[list[int]] = [[] for _ in range(R)]
     lps: list[list[float]] = [[] for _ in range(R)]
@@ -831,9 +831,7 @@ def _generate(net: torch.nn.Module, vocab: Vocab, tokenizer, jobs: list[_SampleJ
             j = jobs[row_job[r]]
             toks[r].append(t)
             lps[r].append(lp)
-            if t in stop_local[row_job[r]]:
-                reason[r] = "stop"
-            elif j.stop_strings and _hits_stop_string(tokenizer, vocab, toks[r], j.stop_strings):
+            if t in stop_local[row_job[r]] or (j.stop_strings and _hits_stop_string(tokenizer, vocab, toks[r], j.stop_strings)):
                 reason[r] = "stop"
             elif len(toks[r]) >= j.max_tokens:
                 reason[r] = "length"

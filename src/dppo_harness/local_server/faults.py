@@ -209,7 +209,7 @@ class HeaderRecorder:
 
     def record(self, headers) -> None:
         with self._lock:
-            for name in {k.lower() for k in headers.keys()}:
+            for name in {k.lower() for k in headers}:
                 self.names[name] += 1
                 if name in self._wanted:
                     seen = self.values.setdefault(name, [])

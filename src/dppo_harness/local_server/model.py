@@ -74,7 +74,7 @@ def build_base_model(cfg: TinyConfig, num_embeddings: int, seed: int) -> transfo
     model = transformers.Qwen3ForCausalLM(hf_cfg)
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        for _name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if p.dim() == 1:
                 p.fill_(1.0)  # RMSNorm weights
             else:

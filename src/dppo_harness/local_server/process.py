@@ -32,7 +32,7 @@ from dppo_harness.local_server.profiles import client_auth_headers
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 LOG_NAME = "server.log"
-_live: "weakref.WeakSet[LocalServerProcess]" = weakref.WeakSet()
+_live: weakref.WeakSet[LocalServerProcess] = weakref.WeakSet()
 
 
 class LocalServerDied(RuntimeError):
@@ -47,7 +47,7 @@ def _src_root() -> str:
 
 def _get_json(url: str, timeout: float = 5.0, headers: Mapping[str, str] | None = None) -> Any:
     request = urllib.request.Request(url, headers=dict(headers or {}))
-    with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 - loopback URL we built
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -115,7 +115,7 @@ class LocalServerProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self) -> "LocalServerProcess":
+    def start(self) -> LocalServerProcess:
         if self.proc is not None:
             raise RuntimeError("LocalServerProcess already started")
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -244,7 +244,7 @@ class LocalServerProcess:
         _live.discard(self)
         return proc.returncode
 
-    def __enter__(self) -> "LocalServerProcess":
+    def __enter__(self) -> LocalServerProcess:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc: object) -> None:
@@ -281,7 +281,7 @@ class InProcessServer:
         self._runner: Any = None
         self.died: str | None = None
 
-    def start(self) -> "InProcessServer":
+    def start(self) -> InProcessServer:
         ready = threading.Event()
         errors: list[BaseException] = []
 
@@ -291,7 +291,7 @@ class InProcessServer:
             asyncio.set_event_loop(loop)
             try:
                 loop.run_until_complete(self._setup())
-            except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+            except BaseException as exc:
                 errors.append(exc)
                 ready.set()
                 return
@@ -311,7 +311,6 @@ class InProcessServer:
         from aiohttp import web
 
         from dppo_harness.local_server.app import ServerState, build_app
-
         from dppo_harness.local_server.profiles import Profile
 
         self.state = ServerState(self.engine, self._injector, self._headers, sample_workers=self._sample_workers,
@@ -334,7 +333,7 @@ class InProcessServer:
         if self.state is not None:
             self.state.shutdown()
 
-    def __enter__(self) -> "InProcessServer":
+    def __enter__(self) -> InProcessServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -26,12 +26,10 @@ Per-token logprobs are the untempered log-softmax of the drawn token (the traine
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import logging
-
-import functools
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
@@ -375,9 +373,7 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
             r = reqs[row_req[row]]
             toks[row].append(nxt_list[k])
             lps[row].append(lp_list[k])
-            if nxt_list[k] in stops[row_req[row]]:
-                reason[row] = "stop"
-            elif r.stop_strings and _hits_stop_string(decode_text, toks[row], r.stop_strings):
+            if nxt_list[k] in stops[row_req[row]] or (r.stop_strings and _hits_stop_string(decode_text, toks[row], r.stop_strings)):
                 reason[row] = "stop"
             elif len(toks[row]) >= r.max_tokens:
                 reason[row] = "length"
@@ -390,7 +386,7 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
         if static is not None:  # fixed shapes: finished rows keep running, their tokens are ignored
             try:
                 logits_BV = static(nxt_B, pos_R, cur - 1)
-            except Exception as exc:  # noqa: BLE001 - capture failure: same static step, eager
+            except Exception as exc:
                 if not static.use_graph or static.graph is not None:
                     raise
                 log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
