@@ -338,14 +338,17 @@ def record_session_identity(bundle: Any, report: Any, option_backend: str, sdk_v
         return
     block = dict(bundle.result.get("backend") or {})
     stand_in = marker.stand_in or block.get("served_model")
+    # The model the experiment is about (a rehearsal plan's derived-from spec names it), as the
+    # session recorded it; the connectivity check asked for the plan's own base_model.
+    planned = str(block.get("requested_model") or report.requested_model)
     # Kind `local` = the embedded server computed this run; the bundle then labels every summary.
     bundle.set_backend(
-        "local", requested_model=report.requested_model, served_model=str(stand_in),
+        "local", requested_model=planned, served_model=str(stand_in),
         sdk_versions=sdk_versions, base_url=report.base_url, requested_backend=option_backend,
         answers_to=report.model, embedded_server=marker.as_dict(),
         kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
     )
-    d = substitution_deviation(report.requested_model, marker, report.base_url, report.model)
+    d = substitution_deviation(planned, marker, report.base_url, report.model)
     bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     finalize_labels(bundle)
 

@@ -572,6 +572,16 @@ class Plan:
         return str(self.spec["base_model"])
 
     @property
+    def planned_model(self) -> str:
+        """The model the experiment is about: a rehearsal's derived-from spec names it (its own
+        base_model is the declared stand-in), every other plan its base_model."""
+        if self.kind == "rehearsal":
+            for d in self.raw["differences"]:
+                if d["field"] == "base_model":
+                    return str(d["spec"])
+        return self.base_model
+
+    @property
     def experiment_features(self) -> dict[str, bool]:
         src = self.raw if self.kind == "bounded_diagnostic" else self.spec
         return dict(src["experiment_features"])
@@ -851,8 +861,8 @@ def backend_deviations(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]
     if info.backend == "local":
         out.append({
             "field": "model",
-            "original": plan.base_model,
-            "effective": f"{info.served_model} (embedded local CPU server on loopback, answering to the name {info.requested_model})",
+            "original": plan.planned_model,
+            "effective": f"{info.served_model} (embedded local CPU server on loopback, answering to the name {plan.base_model})",
             "reason": "no Tinker/Spindle service is reachable from this machine; this run is a local rehearsal of the harness, not a measurement of the planned model",
         })
     elif info.served_model != plan.base_model:

@@ -23,7 +23,10 @@ def test_embedded_server_is_labelled_rehearsal(connectivity, evidence_bundle, pl
         assert "embedded_server" not in result["backend"]
         return
     stand_in = connectivity.marker.stand_in
-    assert stand_in and stand_in != plan.base_model
+    # A rehearsal plan declares the stand-in as its base_model; the experiment is still about the
+    # derived-from spec's model, which the evidence must say was not the one that computed.
+    assert stand_in and stand_in != plan.planned_model
+    assert result["backend"]["requested_model"] == plan.planned_model
     assert result["backend"]["kind"] == "local" and result["backend"]["served_model"] == stand_in
     assert result["summary"].startswith("Local rehearsal") and stand_in in result["summary"]
     assert any(d["field"] == "model" and stand_in in d["effective"] and "marker" in d["reason"]

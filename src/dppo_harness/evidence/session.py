@@ -70,7 +70,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
 
     root = Path(project_root)
     versions = sdk_versions()
-    bundle.set_backend(backend, requested_model=plan.base_model,
+    bundle.set_backend(backend, requested_model=plan.planned_model,
                        served_model=served_model or "reported at client creation (see initialization_provenance)",
                        sdk_versions=versions)
     bundle.register_provenance(root, [])
@@ -94,7 +94,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
         served = served_model or "the embedded server's model (named at client creation)"
     else:
         served = served_model or plan.base_model
-    info = P.BackendInfo(backend=backend, requested_model=plan.base_model, served_model=served,
+    info = P.BackendInfo(backend=backend, requested_model=plan.planned_model, served_model=served,
                          sdk_versions=versions, size_reductions=tuple(size_reductions))
     record_plan(bundle, plan, P.effective_config(plan, info))
     if plan.kind == "bounded_diagnostic":
