@@ -1,4 +1,5 @@
-"""The dppo_harness module graph is acyclic (module-level imports, TYPE_CHECKING blocks excluded)."""
+"""The dppo_harness module graph is acyclic (TYPE_CHECKING blocks excluded): at module level, and
+also with the imports inside function bodies, so a deferred import cannot hide a cycle."""
 
 import ast
 from pathlib import Path
@@ -20,14 +21,22 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _top_level_imports(tree: ast.Module, module: str, is_pkg: bool) -> set[str]:
+# Statements whose bodies run later (or repeatedly): followed only for the function-level graph.
+_BLOCKS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)
+
+
+def _top_level_imports(tree: ast.Module, module: str, is_pkg: bool, functions: bool = False) -> set[str]:
     """Modules imported when `module` is imported: top-level statements (and try/if bodies),
-    not function bodies and not `if TYPE_CHECKING:` blocks."""
+    not `if TYPE_CHECKING:` blocks; function and class bodies too when `functions`."""
     out: set[str] = set()
     stack: list[ast.stmt] = list(tree.body)
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If):
+        if functions and isinstance(node, _BLOCKS):
+            stack += node.body
+            if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+                stack += node.orelse
+        elif isinstance(node, ast.If):
             if not _is_type_checking(node):
                 stack += node.body + node.orelse
         elif isinstance(node, ast.Try):
@@ -45,11 +54,11 @@ def _top_level_imports(tree: ast.Module, module: str, is_pkg: bool) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(functions: bool = False) -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PKG.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
-        imported = _top_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py")
+        imported = _top_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py", functions)
         deps = set()
         for mod in imported:
             # importing a.b.c runs a, a.b and a.b.c
@@ -84,6 +93,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_module_graph_is_acyclic():
     graph = import_graph()
     assert "dppo_harness.evidence.bundle" in graph and "dppo_harness.plans" in graph["dppo_harness.evidence.session"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_module_graph_with_function_level_imports_is_acyclic():
+    graph = import_graph(functions=True)
+    # fixtures_stages imports pytest_plugin inside a fixture: only the function-level graph has that edge.
+    assert "dppo_harness.pytest_plugin" in graph["dppo_harness.fixtures_stages"]
+    assert "dppo_harness.pytest_plugin" not in import_graph()["dppo_harness.fixtures_stages"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
