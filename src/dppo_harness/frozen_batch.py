@@ -56,6 +56,22 @@ def _overall_sha256(field_hashes: Mapping[str, str], metadata_json: str) -> str:
     return hashlib.sha256(_canonical_json({"fields": dict(field_hashes), "metadata": json.loads(metadata_json)}).encode()).hexdigest()
 
 
+def split_complete_groups(group_of_seq: Sequence[int], n_minibatches: int) -> list[tuple[list[int], list[int]]]:
+    """(group ids, sequence indices) of `n_minibatches` minibatches of equally many complete
+    groups, groups in first-appearance order. The one home of this rule (frozen batches and the
+    training core both split with it); ValueError when it does not split evenly."""
+    groups = list(dict.fromkeys(int(g) for g in group_of_seq))
+    if n_minibatches < 1 or not groups or len(groups) % n_minibatches:
+        raise ValueError(f"cannot split {len(groups)} groups into {n_minibatches} minibatches of complete groups")
+    per = len(groups) // n_minibatches
+    out = []
+    for k in range(n_minibatches):
+        chosen = groups[k * per : (k + 1) * per]
+        members = set(chosen)
+        out.append((chosen, [s for s, g in enumerate(group_of_seq) if int(g) in members]))
+    return out
+
+
 @dataclass(frozen=True)
 class Minibatch:
     index: int
@@ -275,20 +291,15 @@ class FrozenBatch:
     def split_minibatches(self, n_minibatches: int) -> list[Minibatch]:
         """Split into ``n_minibatches`` of complete, equally many groups, in group order."""
         self.assert_intact()
-        groups = self.group_ids
-        if n_minibatches < 1 or len(groups) % n_minibatches:
-            raise FrozenBatchError(
-                f"cannot split {len(groups)} groups into {n_minibatches} minibatches of complete groups"
-            )
-        per = len(groups) // n_minibatches
-        gid_S = self._arrays["group_ids_S"]
+        try:
+            split = split_complete_groups(self._arrays["group_ids_S"].tolist(), n_minibatches)
+        except ValueError as exc:
+            raise FrozenBatchError(str(exc)) from None
         mask_N = self._arrays["loss_mask_N"]
         out = []
-        for k in range(n_minibatches):
-            chosen = groups[k * per : (k + 1) * per]
-            seqs = tuple(int(s) for s in np.flatnonzero(np.isin(gid_S, chosen)))
+        for k, (chosen, seqs) in enumerate(split):
             loss_tokens = int(sum(mask_N[self._offsets_N[s] : self._offsets_N[s + 1]].sum() for s in seqs))
-            out.append(Minibatch(k, tuple(chosen), seqs, loss_tokens))
+            out.append(Minibatch(k, tuple(chosen), tuple(seqs), loss_tokens))
         return out
 
     # --- persistence ---------------------------------------------------------------------

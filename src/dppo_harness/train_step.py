@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dppo_harness import instrumentation as ins
+from dppo_harness.frozen_batch import split_complete_groups
 
 if TYPE_CHECKING:
     import tinker
@@ -26,16 +27,12 @@ class TrainStepError(RuntimeError):
 
 
 def prepare_minibatches(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
-    """Datum indices of `n_minibatches` minibatches of whole groups, groups in order."""
-    groups = sorted(set(group_of_datum))
-    if not groups or len(groups) % n_minibatches:
-        raise TrainStepError(f"{len(groups)} groups cannot be split into {n_minibatches} equal complete-group minibatches")
-    per = len(groups) // n_minibatches
-    out = []
-    for m in range(n_minibatches):
-        chosen = set(groups[m * per : (m + 1) * per])
-        out.append([i for i, g in enumerate(group_of_datum) if g in chosen])
-    return out
+    """Datum indices of `n_minibatches` minibatches of whole groups, groups in order
+    (`frozen_batch.split_complete_groups`, the one home of the rule)."""
+    try:
+        return [seqs for _, seqs in split_complete_groups(group_of_datum, n_minibatches)]
+    except ValueError as exc:
+        raise TrainStepError(str(exc)) from None
 
 
 @dataclass(frozen=True)
