@@ -392,10 +392,14 @@ def test_session_start_and_finish(tmp_path):
     b.start_session(backend="local", plan=plan, stages=["unit", "preflight", "diagnostic"], project_root=repo,
                     test_files=[str(repo / "tests/preflight/test_a.py"), str(repo / "tests/unit/test_u.py")])
     names = {f["name"]: f["kind"] for f in b.files()}
-    assert names == {"code-revision.json": "code_revision", "script-tests__preflight__test_a.py": "script",
-                     "script-conftest.py": "script", "test-files.json": "manifest",
+    assert names == {"code-revision.json": "code_revision", "test-files.json": "manifest",
                      "exp_e6b0965af3-diagnostic-r1.json": "plan", "effective-config.json": "effective_config",
                      "code-archive.zip": "script", "revised-diagnostic-spec.json": "plan"}
+    # Executed test files: hashed in one manifest (stage files flagged), their bytes in the archive.
+    listed = json.loads((b.dir / "files" / "test-files.json").read_text())
+    assert listed["archive"] == "code-archive.zip"
+    assert {f["path"]: f["stage_test"] for f in listed["files"]} == {
+        "tests/preflight/test_a.py": True, "conftest.py": True, "tests/unit/test_u.py": False}
     r = b.result
     assert r["backend"]["kind"] == "local" and r["summary"].startswith(REHEARSAL_PREFIX)
     assert r["deviations"][-1]["field"] == "model" and r["original_hypothesis_tested"] is False

@@ -75,21 +75,24 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
                        sdk_versions=versions)
     bundle.register_provenance(root, [])
     # All executed code (library incl. the embedded server, tests, plans) as one hashed archive.
-    from dppo_harness.evidence.archive import register_code_archive
+    from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 
     rev = bundle.dir / "files" / "code-revision.json"
     commit = json.loads(rev.read_text()).get("commit") if rev.is_file() else None
     register_code_archive(bundle, root, commit=commit)
+    # The executed test files' bytes are in the archive; one manifest says which ran (stage test
+    # files flagged) with their hashes, so the 64-file limit is spent on measurements, not copies.
     stage_files, other_files = _split_test_files(root, test_files)
-    for f in stage_files:
-        bundle.register_script(f, root)
     conftest = root / "conftest.py"
-    if conftest.is_file():
-        bundle.register_script(conftest, root)
-    if other_files:
-        bundle.register_json("test-files.json", "manifest", [
-            {"path": str(f.relative_to(root.resolve())) if root.resolve() in f.parents else str(f),
-             "sha256": sha256_bytes(f.read_bytes()), "size": f.stat().st_size} for f in other_files if f.is_file()])
+    hooks = [conftest.resolve()] if conftest.is_file() else []
+    executed = [*stage_files, *hooks, *other_files]
+    if executed:
+        stage_set = {*stage_files, *hooks}
+        bundle.register_json("test-files.json", "manifest", {
+            "archive": ARCHIVE_NAME,
+            "files": [{"path": str(f.relative_to(root.resolve())) if root.resolve() in f.parents else str(f),
+                       "stage_test": f in stage_set, "sha256": sha256_bytes(f.read_bytes()),
+                       "size": f.stat().st_size} for f in executed if f.is_file()]})
     if backend == "local":
         served = served_model or "the embedded server's model (named at client creation)"
     else:
