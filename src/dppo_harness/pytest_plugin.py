@@ -279,7 +279,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state.current = None
     if state.bundle is None:
         return
-    _write_session_records(state)
+    from dppo_harness.evidence import LimitError
+
+    try:
+        _write_session_records(state)
+    except LimitError as exc:  # the records do not fit: say so in the ledger, still close the result
+        state.bundle.note_ledger(session_records_not_written=str(exc))
+        session.config.get_terminal_writer().line(f"evidence: session records not written: {exc}", red=True)
     if state.outcome is not None and not state.first_failure:
         state.bundle.finish(**state.outcome)
     state.bundle.finish_session(stage_failures=dict(state.first_failure))
