@@ -31,14 +31,30 @@ SMALL_SPEC = C.resized_spec(REHEARSAL.spec, rollout_steps=3, groups_per_batch=2,
 PLAN = dataclasses.replace(REHEARSAL, raw={**REHEARSAL.raw, "spec": SMALL_SPEC})  # same sha256: a test-size copy
 
 
+def _live_session_holders():
+    """The SDK's session holders whose heartbeat still runs (each one a client not released).
+    Reads SDK internals (tinker 0.38.0 InternalClientHolder), for this check only."""
+    import gc
+
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    gc.collect()
+    return [h for h in gc.get_objects() if isinstance(h, InternalClientHolder) and not getattr(h, "_closed", True)
+            and getattr(h, "_session_heartbeat_task", None) is not None and not h._session_heartbeat_task.done()]
+
+
 @pytest.fixture(scope="module")
 def registry():
-    """Every ServiceClient of this file; all must be released when the file ends."""
+    """Every ServiceClient of this file; all must be released when the file ends, and no SDK
+    session (heartbeat) of this file may outlive it."""
+    before = {id(h) for h in _live_session_holders()}
     reg = service.ClientRegistry()
     yield reg
     reg.release_all()
     records = reg.records()
     assert records and all(r["released"] for r in records), f"clients not released: {records}"
+    left = [h._session_id for h in _live_session_holders() if id(h) not in before]
+    assert not left, f"SDK sessions still heart-beating after the file: {left}"
 
 
 def _server_and_initial_state(srv, registry, stage):
