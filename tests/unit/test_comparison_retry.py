@@ -1,8 +1,13 @@
 """GuardedArmStep: a retried arm-step never applies an update twice (pure, with a fake arm)."""
 
+from pathlib import Path
+
 import pytest
 
 from dppo_harness import comparison as C
+from dppo_harness.plans import load_plan
+
+SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
 
 
 class FakeArm:
@@ -88,3 +93,52 @@ def test_without_a_state_at_the_step_start_the_retry_is_refused():
         guard()
     with pytest.raises(C.ComparisonError, match="would apply updates twice"):
         guard()
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "concurrent"])
+def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypatch, schedule):
+    """The wiring in train_arms: both schedules, a refusal after the first update of the GRPO arm's
+    step 1; that arm is restored from its state saved after step 1 and ends with 3 x 2 updates."""
+    cfg = C.comparison_config(SPEC.spec)
+    cfg = C.ComparisonConfig(**{**cfg.__dict__, "steps": 3})
+    fakes = {a.name: FakeArm(refuse_at=4 if a.loss == "grpo" else None) for a in cfg.arms}
+    saved: dict[str, int] = {}
+
+    def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
+        for _ in range(runner.spec.updates_per_batch):
+            progress.updates_submitted += 1
+            runner.client.update()
+        return {"arm": runner.spec.name, "step": step, "applied": runner.client.applied, "reward_mean": 0.0,
+                "format_rate": 0.0, "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0,
+                "seconds": 0.0}, []
+
+    def save_state(runner, steps_done):
+        path = f"tinker://{runner.spec.name}/weights/step{steps_done}"
+        saved[path] = runner.client.applied
+        return path
+
+    restored = []
+
+    def restore(runner, path, failure):
+        restored.append((runner.spec.name, path))
+        return C.ArmRunner(runner.spec, FakeArm(applied=saved[path]), None, None)
+
+    def call(fn):
+        try:
+            return fn()
+        except RuntimeError:
+            return fn()
+
+    monkeypatch.setattr(C, "run_arm_step", fake_step)
+    state = C.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: C.ArmState(a.name) for a in cfg.arms})
+    runners = [C.ArmRunner(a, fakes[a.name], None, None) for a in cfg.arms]
+    out = C.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", schedule=schedule,
+                       save_state=save_state, restore=restore, call=call)
+    assert out.steps_completed == 3 and out.stopped is None
+    assert restored == [("grpo_seed0", "tinker://grpo_seed0/weights/step1")]
+    final = {r["arm"]: r["applied"] for r in out.rows if r["step"] == 2}
+    assert final == {"grpo_seed0": 6, "dppo_seed0": 6}  # exactly 3 steps x 2 updates each
+    assert [r["retries"] for r in out.rows if r["arm"] == "grpo_seed0"] == [0, 1, 0]
+    (retry,) = state.arms["grpo_seed0"].step_retries
+    assert retry["step"] == 1 and retry["updates_sent_before_failure"] == 2
+    assert all(s.state_step == 3 for s in state.arms.values())
