@@ -190,7 +190,7 @@ def step_metrics(arm: str, step: int, summary: Mapping[str, Any], records: Seque
     }
 
 
-TIMING_KEYS = ("seconds", "sample_seconds", "sampler_checkpoint")
+TIMING_KEYS = ("seconds", "sample_seconds", "sampler_checkpoint", "retries")
 
 
 def comparable(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -235,11 +235,13 @@ class ArmState:
 
     name: str
     steps_done: int = 0
-    state_path: str | None = None  # tinker:// save_state path at `steps_done`
+    state_path: str | None = None  # tinker:// save_state path (weights + optimizer) at `state_step`
+    state_step: int = 0  # steps_done when `state_path` was saved
     restore_count: int = 0
     optimizer_checks: list[dict[str, Any]] = field(default_factory=list)
     final_sampler: str | None = None
     final_state: str | None = None
+    step_retries: list[dict[str, Any]] = field(default_factory=list)  # refused attempts, see GuardedArmStep
 
 
 @dataclass
@@ -307,17 +309,29 @@ class ArmRunner:
     recorder: ins.LossCallRecorder
 
 
+@dataclass
+class AttemptProgress:
+    """What one attempt at an arm-step has sent that changes the arm's training state."""
+
+    updates_submitted: int = 0
+
+
 def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Sequence[Any], renderer: Any,
-                 adam: tinker.AdamParams, tag: str) -> tuple[dict[str, Any], list[ins.LossCallRecord]]:
-    """One rollout step of one arm: sample from its current weights, then its minibatch updates."""
+                 adam: tinker.AdamParams, tag: str, *, attempt: int = 0,
+                 progress: AttemptProgress | None = None) -> tuple[dict[str, Any], list[ins.LossCallRecord]]:
+    """One rollout step of one arm: sample from its current weights, then its minibatch updates.
+    `progress.updates_submitted` counts updates sent (so a failed attempt says whether it moved the arm)."""
+    progress = progress if progress is not None else AttemptProgress()
     t0 = time.perf_counter()
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens,
                                   seed=step_seed(cfg, step))
+    retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
     sampled = rollout_batch.sample_rollout_batch(runner.client, items, renderer, rcfg,
-                                                 sampler_name=f"{tag}-{runner.spec.name}-s{step}")
+                                                 sampler_name=f"{tag}-{runner.spec.name}-s{step}{retry}")
     minibatches = train_step.prepare_minibatches(sampled.group_of_datum, runner.spec.updates_per_batch)
     records = []
     for u, idx in enumerate(minibatches, start=1):
+        progress.updates_submitted += 1  # before the call: a refusal may come after the server applied it
         context = {"arm": runner.spec.name, "step": step, "update_in_batch": u,
                    "update_index": step * runner.spec.updates_per_batch + u, "sampler_checkpoint": sampled.sampler_path}
         rec, _ = train_step.train_step(runner.client, [sampled.datums[i] for i in idx], runner.loss_fn, adam,
@@ -326,6 +340,51 @@ def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Seq
     row = step_metrics(runner.spec.name, step, sampled.batch.summary(), records, seconds=time.perf_counter() - t0,
                        sample_seconds=sampled.seconds, sampler_checkpoint=sampled.sampler_path)
     return row, records
+
+
+RestoreFn = Callable[[ArmRunner, str, dict[str, Any]], ArmRunner]
+
+
+@dataclass
+class GuardedArmStep:
+    """One arm-step as the capacity retry calls it: a retry never applies an update twice.
+
+    An attempt refused after it sent a minibatch update leaves the arm's weights and optimizer
+    part-way through the step. Before the next attempt the arm is restored (a new training client)
+    from its saved state at the step's start, weights + optimizer, so every step applies exactly
+    its `updates_per_batch` updates to the state it started from, and the redo samples from the
+    same weights with the same seeds. An attempt refused before any update is retried as is.
+    Every refused attempt is kept in `failures` (the arm's `step_retries` in the evidence).
+    """
+
+    runner: ArmRunner
+    step: int
+    start_state: str | None  # tinker:// state at the step's start (None: none saved there)
+    restore: RestoreFn
+    run: Callable[[ArmRunner, int, AttemptProgress], dict[str, Any]]
+    attempts: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    dirty: bool = False  # the last attempt sent updates: the arm is not at the step's start
+
+    def __call__(self) -> dict[str, Any]:
+        if self.dirty:
+            if self.start_state is None:
+                raise ComparisonError(
+                    f"{self.runner.spec.name} step {self.step}: refused after it sent updates, and no state was saved "
+                    f"at the step's start (save_every > 1), so a retry would apply updates twice; continue with "
+                    f"--resume from the last saved state")
+            self.runner = self.restore(self.runner, self.start_state, self.failures[-1])
+            self.failures[-1]["restored_from"] = self.start_state
+            self.dirty = False
+        progress = AttemptProgress()
+        attempt, self.attempts = self.attempts, self.attempts + 1
+        try:
+            return self.run(self.runner, attempt, progress)
+        except Exception as exc:
+            self.failures.append({"step": self.step, "attempt": attempt, "error": f"{type(exc).__name__}: {exc}"[:500],
+                                  "updates_sent_before_failure": progress.updates_submitted, "restored_from": None})
+            self.dirty = progress.updates_submitted > 0
+            raise
 
 
 @dataclass(frozen=True)
@@ -352,6 +411,7 @@ def train_arms(
     schedule: Schedule = "interleaved",
     on_row: Callable[[dict[str, Any]], None] = lambda _r: None,
     save_state: Callable[[ArmRunner, int], str] | None = None,
+    restore: RestoreFn | None = None,
     call: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
     stop_after: Callable[[int], None] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
@@ -360,29 +420,52 @@ def train_arms(
 
     `interleaved`: arm after arm on this thread. `concurrent`: both arms' step at once on their
     own clients, joined before the next step. Either way the arms never drift apart by more than
-    one step. `call` wraps each arm-step (capacity retry); `save_state(runner, step)` returns the
-    tinker:// path saved after `step` steps; `stop_after(step)` may raise StopRequested.
+    one step. `call` wraps each arm-step (capacity retry) as a `GuardedArmStep`, whose retries
+    `restore(runner, state_path, failure)` from the step's start (a new runner; None: refuse to
+    retry an attempt that sent updates); `save_state(runner, step)` returns the tinker:// path
+    saved after `step` steps; `stop_after(step)` may raise StopRequested.
     """
     import tinker
 
     adam = tinker.AdamParams(**cfg.adam)
     t0 = time.perf_counter()
     start = min(state.arms[r.spec.name].steps_done for r in runners)
+    current = {r.spec.name: r for r in runners}  # a restore replaces an arm's runner (new client)
 
-    def one(runner: ArmRunner, step: int) -> dict[str, Any]:
-        arm = state.arms[runner.spec.name]
+    def no_restore(runner: ArmRunner, path: str, failure: dict[str, Any]) -> ArmRunner:
+        raise ComparisonError(f"{runner.spec.name} step {failure['step']}: refused after it sent updates and no "
+                              "restore is configured; a retry would apply updates twice")
+
+    def step_start_state(arm: ArmState) -> str | None:
+        if arm.state_path is not None and arm.state_step == arm.steps_done:
+            return arm.state_path
+        return state.initial_checkpoint if arm.steps_done == 0 else None
+
+    def one(name: str, step: int) -> tuple[dict[str, Any], GuardedArmStep | None]:
+        arm = state.arms[name]
         if arm.steps_done > step:  # this arm already finished the step before a stop
-            return {}
-        row, _ = call(lambda: run_arm_step(runner, step, cfg, items_for_step(step), renderer, adam, tag))
-        return row
+            return {}, None
+        items = items_for_step(step)
+        guard = GuardedArmStep(
+            current[name], step, step_start_state(arm), restore or no_restore,
+            run=lambda r, attempt, prog: run_arm_step(r, step, cfg, items, renderer, adam, tag, attempt=attempt,
+                                                      progress=prog)[0])
+        try:
+            return call(guard), guard
+        finally:
+            current[name] = guard.runner
+            arm.step_retries.extend(guard.failures)
 
-    def commit(runner: ArmRunner, step: int, row: dict[str, Any]) -> None:
+    def commit(name: str, step: int, row: dict[str, Any], guard: GuardedArmStep | None) -> None:
         if not row:
             return
-        arm = state.arms[runner.spec.name]
+        runner = current[name]
+        arm = state.arms[name]
         arm.steps_done = step + 1
+        row = {**row, "retries": len(guard.failures) if guard else 0}
         if save_state is not None and (arm.steps_done % cfg.save_every == 0 or arm.steps_done == cfg.steps):
             arm.state_path = save_state(runner, arm.steps_done)
+            arm.state_step = arm.steps_done
         state.rows.append(row)
         on_row(row)
         progress(f"[comparison] {row['arm']} step {step + 1}/{cfg.steps}: reward {row['reward_mean']:.3f}, format "
@@ -393,14 +476,15 @@ def train_arms(
     pool = ThreadPoolExecutor(max_workers=len(runners)) if schedule == "concurrent" else None
     try:
         for step in range(start, cfg.steps):
+            names = [r.spec.name for r in runners]
             if pool is None:
-                for r in runners:
-                    commit(r, step, one(r, step))
+                for n in names:
+                    commit(n, step, *one(n, step))
             else:
-                futures = [(r, pool.submit(one, r, step)) for r in runners]
-                results = [(r, f.result()) for r, f in futures]
-                for r, row in results:
-                    commit(r, step, row)
+                futures = [(n, pool.submit(one, n, step)) for n in names]
+                results = [(n, f.result()) for n, f in futures]
+                for n, (row, guard) in results:
+                    commit(n, step, row, guard)
             if stop_after is not None:
                 stop_after(step + 1)
     except StopRequested as stop:

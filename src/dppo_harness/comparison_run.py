@@ -8,6 +8,7 @@ completed_arms, metrics) -> evaluate base and both final checkpoints -> decision
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -69,6 +70,27 @@ def _prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: C.ComparisonConfig, 
     return state
 
 
+def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.ComparisonConfig,
+                restoration: RestorationResult, name: str, path: str) -> tuple[Any, dict[str, Any]]:
+    """A new training client for arm `name` from its saved state `path`, weights + optimizer, the
+    load observed; one more restore_count and optimizer check. Returns (client, provenance entry)."""
+    arm = state.arms[name]
+    client, resp = create_from_state_observed(service_client, path)
+    if resp is None or resp.path != path:
+        raise C.ComparisonError(f"{name}: restore of {path} not observed (load response {getattr(resp, 'path', None)!r})")
+    arm.restore_count += 1
+    prior = restoration.provenance["arms"][name]
+    check = optimizer_check(after_restore=prior["restore_count"] + arm.restore_count,
+                            requested_optimizer="adam", requested_config=cfg.adam_config_requested(),
+                            info=client.get_info(), info_ref=f"{C.STATE_FILE}#{name}.restore{arm.restore_count}",
+                            echoed=None, echo_ref=None, echo_observed_on=None)
+    arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path, "load_response": dump_response(resp)})
+    prov = {"restore_count": prior["restore_count"] + arm.restore_count,
+            "optimizer_checks": list(prior["optimizer_checks"]) + [
+                {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
+    return client, prov
+
+
 def _open_arms(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.ComparisonConfig,
                restoration: RestorationResult, bundle: EvidenceBundle, call: Callable) -> dict[str, Any]:
     """New run: the arms' clients the preflight loaded from the shared initial checkpoint (its
@@ -83,22 +105,11 @@ def _open_arms(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.C
                 raise C.ComparisonError(f"--resume: arm {a.name} has no saved state to continue from")
             clients[a.name] = restoration.clients[a.name]
             continue
-        client, resp = call(lambda p=arm.state_path: create_from_state_observed(service_client, p))
-        if resp is None or resp.path != arm.state_path:
-            raise C.ComparisonError(f"{a.name}: restore of {arm.state_path} not observed (load response "
-                                    f"{getattr(resp, 'path', None)!r})")
-        arm.restore_count += 1
-        prior = restoration.provenance["arms"][a.name]
-        check = optimizer_check(after_restore=prior["restore_count"] + arm.restore_count,
-                                requested_optimizer="adam", requested_config=cfg.adam_config_requested(),
-                                info=client.get_info(), info_ref=f"{C.STATE_FILE}#{a.name}.restore{arm.restore_count}",
-                                echoed=None, echo_ref=None, echo_observed_on=None)
-        arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path,
-                                     "load_response": dump_response(resp)})
-        clients[a.name] = client
-        prov_arms[a.name] = {"restore_count": prior["restore_count"] + arm.restore_count,
-                             "optimizer_checks": list(prior["optimizer_checks"]) + [
-                                 {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
+        if arm.state_step != arm.steps_done:
+            raise C.ComparisonError(f"--resume: arm {a.name} saved its state at step {arm.state_step}, not at its "
+                                    f"last completed step {arm.steps_done} (save_every > 1)")
+        clients[a.name], prov_arms[a.name] = call(
+            lambda n=a.name, p=arm.state_path: restore_arm(service_client, state, cfg, restoration, n, p))
     if prov_arms:
         bundle.update_result(initialization_provenance={"arms": prov_arms})
     return clients
@@ -153,6 +164,16 @@ def run_comparison(
     renderer = tokenizer.make_renderer().renderer
     by_arm = {a.name: [r for r in state.rows if r["arm"] == a.name] for a in cfg.arms}
 
+    def restore_mid_step(runner: C.ArmRunner, path: str, failure: dict[str, Any]) -> C.ArmRunner:
+        """A refused attempt sent updates: back to the step's start before the retry (inside `call`)."""
+        name = runner.spec.name
+        progress(f"[comparison] {name} step {failure['step'] + 1}: refused after {failure['updates_sent_before_failure']} "
+                 f"update(s) ({failure['error'][:120]}); restoring {path} (weights + optimizer) before the retry")
+        client, prov = restore_arm(service_client, state, cfg, restoration, name, path)
+        clients[name] = client
+        bundle.update_result(initialization_provenance={"arms": {name: prov}})
+        return dataclasses.replace(runner, client=client)
+
     def save_arm_state(runner: C.ArmRunner, steps_done: int) -> str:
         return runner.client.save_state(f"{tag}-{state.run_id}-{runner.spec.name}-step{steps_done}-r{state.resumed}").result().path
 
@@ -164,14 +185,15 @@ def run_comparison(
             tracker.step_done()
         arm = state.arms[row["arm"]]
         if arm.steps_done == cfg.steps:
-            _finalize_arm(runners, row["arm"], state, bundle, by_arm, tag)
+            _finalize_arm(clients[row["arm"]], row["arm"], state, bundle, by_arm, tag)
             state.save(spath)
 
     capacity_block = None
     try:
         outcome = C.train_arms(runners, cfg, state, items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
                                renderer=renderer, tag=f"{tag}-{state.run_id}-r{state.resumed}", schedule=schedule,
-                               on_row=on_row, save_state=save_arm_state, call=call, stop_after=stop_after,
+                               on_row=on_row, save_state=save_arm_state, restore=restore_mid_step, call=call,
+                               stop_after=stop_after,
                                progress=progress)
     except service.CapacityExhausted as exc:
         capacity_block = exc.block.as_dict()
@@ -214,12 +236,11 @@ def _register_steps(bundle: EvidenceBundle, state: C.RunState) -> str:
     return name
 
 
-def _finalize_arm(runners: list[C.ArmRunner], arm: str, state: C.RunState, bundle: EvidenceBundle,
+def _finalize_arm(client: Any, arm: str, state: C.RunState, bundle: EvidenceBundle,
                   by_arm: Mapping[str, list[dict[str, Any]]], tag: str) -> None:
     """After an arm's last step: final sampler weights + state, checkpoint URI, completed_arms, metrics."""
-    runner = next(r for r in runners if r.spec.name == arm)
     s = state.arms[arm]
-    s.final_sampler = runner.client.save_weights_for_sampler(f"{tag}-{state.run_id}-{arm}-final").result().path
+    s.final_sampler = client.save_weights_for_sampler(f"{tag}-{state.run_id}-{arm}-final").result().path
     s.final_state = s.state_path
     if s.final_state:
         bundle.add_checkpoint(arm, s.steps_done, s.final_state)

@@ -1,8 +1,11 @@
 """Resume of the paired comparison on the embedded server: a rehearsal stopped after step 2
 (at the step boundary, as a kill leaves it: the last saved state of each arm on disk, nothing
 else), continued with `resume_run_id`, gives the same per-step metrics as an uninterrupted run;
-a changed plan is refused. Small size (3 rollout steps x 2 groups x 8, max_tokens 64, 5 test
-items) so the three runs fit the unit stage."""
+a changed plan is refused. A capacity refusal in the middle of an arm-step (after its first
+minibatch update) is retried from the arm's state at the step's start, so the run equals an
+undisturbed one; retrying the step as it stands (the behaviour before) applies an extra update.
+Small size (3 rollout steps x 2 groups x 8, max_tokens 64, 5 test items) so the runs fit the
+unit stage. Every ServiceClient the file creates is registered and must be released."""
 
 from __future__ import annotations
 
@@ -13,10 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import tinker
 
 from dppo_harness import comparison as C
-from dppo_harness import constants
+from dppo_harness import service
 from dppo_harness.comparison_run import run_comparison
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.local_server.process import LocalServerProcess
@@ -29,15 +31,64 @@ SMALL_SPEC = C.resized_spec(REHEARSAL.spec, rollout_steps=3, groups_per_batch=2,
 PLAN = dataclasses.replace(REHEARSAL, raw={**REHEARSAL.raw, "spec": SMALL_SPEC})  # same sha256: a test-size copy
 
 
+def _live_session_holders():
+    """The SDK's session holders whose heartbeat still runs (each one a client not released).
+    Reads SDK internals (tinker 0.38.0 InternalClientHolder), for this check only."""
+    import gc
+
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    gc.collect()
+    return [h for h in gc.get_objects() if isinstance(h, InternalClientHolder) and not getattr(h, "_closed", True)
+            and getattr(h, "_session_heartbeat_task", None) is not None and not h._session_heartbeat_task.done()]
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def registry():
+    """Every ServiceClient of this file; all must be released when the file ends, and no SDK
+    session (heartbeat) of this file may outlive it."""
+    before = {id(h) for h in _live_session_holders()}
+    reg = service.ClientRegistry()
+    yield reg
+    reg.release_all()
+    records = reg.records()
+    assert records and all(r["released"] for r in records), f"clients not released: {records}"
+    left = [h._session_id for h in _live_session_holders() if id(h) not in before]
+    assert not left, f"SDK sessions still heart-beating after the file: {left}"
+
+
+def _server_and_initial_state(srv, registry, stage):
+    sc = service.make_service_client("local", srv.base_url, registry=registry, stage=stage)
+    tc = sc.create_lora_training_client(base_model=SMALL_SPEC["base_model"], rank=32, seed=0).result()
+    return sc, tc.save_state("resume-initial").result().path
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, registry):
     srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("resume-server")).start()
-    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     try:
-        tc = sc.create_lora_training_client(base_model=SMALL_SPEC["base_model"], rank=32, seed=0).result()
-        yield sc, tc.save_state("resume-initial").result().path
+        yield _server_and_initial_state(srv, registry, "resume")
+        assert all(r["released"] for r in registry.release_stage("resume"))  # before its server stops
     finally:
-        sc.close("success").result(timeout=60)
+        registry.release_stage("resume")
+        srv.stop()
+
+
+# The 18th optim_step on this server (numbered when they execute, interleaved schedule, 2 arms x
+# 2 updates per step) is the GRPO arm's second update of step 1 in the second run; the 32nd is the
+# same update of the third run (the second run sends 14: 12 + the refused one + the redone first).
+CAPACITY_FAIL = "optim_step:18,32"
+
+
+@pytest.fixture(scope="module")
+def faulty_engine(tmp_path_factory, registry):
+    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("capacity-server"),
+                             fault_args=["--fault-capacity-fail", CAPACITY_FAIL]).start()
+    try:
+        yield (*_server_and_initial_state(srv, registry, "capacity"), srv)
+        assert all(r["released"] for r in registry.release_stage("capacity"))
+    finally:
+        registry.release_stage("capacity")
         srv.stop()
 
 
@@ -49,7 +100,7 @@ def _restoration(sc, init):
 
 
 def _run(engine, tmp_path, name, **kw):
-    sc, init = engine
+    sc, init = engine[:2]
     bundle = EvidenceBundle.create(tmp_path / name)
     return run_comparison(sc, PLAN, bundle, _restoration(sc, init), backend="local",
                           state_root=tmp_path / "state", tag=name, **kw), bundle
@@ -111,3 +162,62 @@ def test_resume_is_refused_when_the_plan_changed(engine, tmp_path):
         _run(engine, tmp_path, "resumed", resume_run_id=first.run_id)
     with pytest.raises(C.ComparisonError, match="no saved comparison state"):
         _run(engine, tmp_path, "resumed2", resume_run_id="no-such-run")
+
+
+def _rows(result):
+    return sorted((C.comparable(r) for r in result.rows), key=lambda r: (r["arm"], r["step"]))
+
+
+def _optimizer_steps(srv, state_uri):
+    """What the server's saved state says: optimizer steps applied to that arm's weights."""
+    name = state_uri.rsplit("/", 1)[1]
+    (meta,) = Path(srv.run_dir).glob(f"checkpoints/*/weights/{name}/meta.json")
+    return json.loads(meta.read_text())["optimizer_steps"]
+
+
+def _final_steps(srv, result, tmp_path):
+    state = json.loads(C.state_path(tmp_path / "state", result.run_id).read_text())
+    return {a: _optimizer_steps(srv, s["final_state"]) for a, s in state["arms"].items()}, state
+
+
+class _RetryAsItStands(C.GuardedArmStep):
+    """The behaviour before the fix: a refused arm-step is rerun on the arm as it stands."""
+
+    def __call__(self):
+        self.dirty = False
+        return super().__call__()
+
+
+def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine, tmp_path, monkeypatch):
+    srv = faulty_engine[2]
+    # Back off 0.1 s; the window (which opens when the refused attempt began) outlasts any step here.
+    policy = service.CapacityPolicy(backoff_s=(0.1,), give_up_no_steps_s=600.0, give_up_after_steps_s=600.0)
+    clean, _ = _run(faulty_engine, tmp_path, "clean", capacity_policy=policy)
+    clean_steps, clean_state = _final_steps(srv, clean, tmp_path)
+    assert clean_steps == {"grpo_seed0": 6, "dppo_seed0": 6}  # 3 steps x 2 updates, from the initial state
+    assert all(not s["step_retries"] for s in clean_state["arms"].values())
+
+    refused, bundle = _run(faulty_engine, tmp_path, "refused", capacity_policy=policy)
+    assert srv.stats()["faults"]["injected"]["optim_step:capacity_exhausted"] == 1
+    assert refused.stopped is None and refused.steps_completed == 3
+    steps, state = _final_steps(srv, refused, tmp_path)
+    assert steps == clean_steps  # no update applied twice
+    (retry,) = state["arms"]["grpo_seed0"]["step_retries"]
+    assert retry["step"] == 1 and retry["updates_sent_before_failure"] == 2  # the refused one was the 2nd
+    assert "trainer capacity exhausted" in retry["error"] and retry["restored_from"].endswith("-step1-r0")
+    assert not state["arms"]["dppo_seed0"]["step_retries"]
+    # The restore is in the evidence: one more restore and optimizer check for that arm only.
+    prov = bundle.result["initialization_provenance"]["arms"]
+    assert prov["grpo_seed0"]["restore_count"] == 2 and "dppo_seed0" not in prov  # the preflight's load + this
+    assert [c["after_restore"] for c in prov["grpo_seed0"]["optimizer_checks"]] == [2]
+    assert [r["retries"] for r in refused.rows if r["arm"] == "grpo_seed0"] == [0, 1, 0]
+    got, want = _rows(refused), _rows(clean)
+    problems = [p for g, w in zip(got, want, strict=True) for p in _row_differences(g, w)]
+    assert not problems, "run with a mid-step refusal differs from the undisturbed run:\n" + "\n".join(problems)
+
+    # Before the fix the step was rerun on the arm as it stood: one update more than the plan.
+    monkeypatch.setattr(C, "GuardedArmStep", _RetryAsItStands)
+    old, _ = _run(faulty_engine, tmp_path, "old", capacity_policy=policy)
+    assert srv.stats()["faults"]["injected"]["optim_step:capacity_exhausted"] == 2
+    old_steps, _ = _final_steps(srv, old, tmp_path)
+    assert old_steps == {"grpo_seed0": 7, "dppo_seed0": 6}

@@ -30,6 +30,7 @@ from dppo_harness.local_server.faults import (
     FaultInjector,
     FaultSpecError,
     HeaderRecorder,
+    parse_capacity_fail,
     parse_latency,
     parse_reject_first,
     parse_reject_prob,
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--fault-capacity-mode", choices=("future", "http"), default="future",
                    help="future: failed future (SDK raises RequestFailedError, category server); "
                         "http: HTTP 503 (the SDK's own retries absorb it)")
+    f.add_argument("--fault-capacity-fail", action="append", default=[], metavar="KIND:N1[,N2...]",
+                   help="fail the N-th ordered training request of KIND (forward_backward, optim_step, ...; "
+                        "counted when it executes) with 'trainer capacity exhausted' before it runs")
     f.add_argument("--fault-latency-ms", action="append", default=[], metavar="KIND:MS",
                    help="add MS milliseconds (non-blocking) before handling each request of KIND")
     f.add_argument("--fault-die-after", type=int, default=None, metavar="K",
@@ -90,6 +94,7 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         reject_prob=tuple(parse_reject_prob(s) for s in args.fault_reject_prob),
         capacity_exhausted=args.fault_capacity_exhausted,
         capacity_mode=args.fault_capacity_mode,
+        capacity_fail=tuple(parse_capacity_fail(s) for s in args.fault_capacity_fail),
         latency_ms=tuple(parse_latency(s) for s in args.fault_latency_ms),
         die_after=args.fault_die_after,
         retry_after_ms=args.fault_retry_after_ms,

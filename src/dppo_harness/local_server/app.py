@@ -525,8 +525,13 @@ def _submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, l
     if seq_id is not None:
         entry.requests_by_seq[seq_id] = request_id
 
+    def checked() -> _Outcome:  # in seq order, so the injected failure hits a definite request
+        if state.faults.take_call_capacity_failure(label):
+            return _Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {label}", "server")
+        return fn()
+
     async def work() -> _Outcome:
-        return await _in_seq_order(state, entry, seq_id, label, fn)
+        return await _in_seq_order(state, entry, seq_id, label, checked)
 
     _spawn(state, fut, label, work)
     return _future_json(request_id, entry.model_id)

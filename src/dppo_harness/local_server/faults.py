@@ -42,12 +42,22 @@ class RejectProb:
 
 
 @dataclass(frozen=True)
+class CapacityFail:
+    """The listed requests of `kind` (1-based, counted per kind when they execute) fail their
+    future with CAPACITY_EXHAUSTED_TEXT before the engine runs them (nothing is applied)."""
+
+    kind: str
+    numbers: frozenset[int]
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     seed: int = 0
     reject_first: tuple[RejectFirst, ...] = ()
     reject_prob: tuple[RejectProb, ...] = ()
     capacity_exhausted: int = 0  # first N create_model requests fail with CAPACITY_EXHAUSTED_TEXT
     capacity_mode: str = "future"  # "future": failed future (RequestFailedError); "http": HTTP 503
+    capacity_fail: tuple[CapacityFail, ...] = ()  # ordered training calls whose future fails with capacity
     latency_ms: tuple[tuple[str, float], ...] = ()  # (kind, ms) added before handling
     die_after: int | None = None  # exit the process when API request K+1 arrives
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
@@ -66,7 +76,7 @@ class FaultConfig:
 
     @property
     def active(self) -> bool:
-        return bool(self.reject_first or self.reject_prob or self.capacity_exhausted
+        return bool(self.reject_first or self.reject_prob or self.capacity_exhausted or self.capacity_fail
                     or self.latency_ms or self.die_after is not None)
 
 
@@ -111,6 +121,18 @@ def parse_reject_prob(spec: str) -> RejectProb:
     return RejectProb(kind, _status(status, "--fault-reject-prob"), p)
 
 
+def parse_capacity_fail(spec: str) -> CapacityFail:
+    """`KIND:N1[,N2...]`, e.g. `optim_step:6`: the 6th optim_step fails with capacity exhausted."""
+    kind, numbers = _split(spec, "--fault-capacity-fail", 2)
+    try:
+        ns = frozenset(int(n) for n in numbers.split(","))
+    except ValueError:
+        raise FaultSpecError(f"--fault-capacity-fail: request numbers must be integers, got {numbers!r}") from None
+    if min(ns) < 1:
+        raise FaultSpecError(f"--fault-capacity-fail: request numbers start at 1, got {numbers!r}")
+    return CapacityFail(kind, ns)
+
+
 def parse_latency(spec: str) -> tuple[str, float]:
     """`KIND:MS`, e.g. `asample:200`."""
     kind, ms = _split(spec, "--fault-latency-ms", 2)
@@ -146,6 +168,7 @@ class FaultInjector:
         self.injected: Counter[str] = Counter()  # "kind:what" -> count
         self.api_requests = 0  # counted toward die_after
         self._capacity_left = self.config.capacity_exhausted
+        self.executed: Counter[str] = Counter()  # kind -> ordered calls that reached execution
 
     def decide(self, kind: str, counts_toward_death: bool = True) -> Decision:
         cfg = self.config
@@ -183,10 +206,21 @@ class FaultInjector:
             self.injected["create_model:capacity_exhausted"] += 1
             return True
 
+    def take_call_capacity_failure(self, kind: str) -> bool:
+        """For an ordered call about to execute: True if this one (by its number) must fail."""
+        with self._lock:
+            self.executed[kind] += 1
+            n = self.executed[kind]
+            if any(rule.kind in (kind, ANY_KIND) and n in rule.numbers for rule in self.config.capacity_fail):
+                self.injected[f"{kind}:capacity_exhausted"] += 1
+                return True
+            return False
+
     def snapshot(self) -> dict:
         with self._lock:
             return {
                 "seed": self.config.seed,
+                "executed": dict(self.executed),
                 "requests": dict(self.requests),
                 "injected": dict(self.injected),
                 "api_requests": self.api_requests,
