@@ -59,6 +59,15 @@ class ConnectivityReport:
                 "seconds": round(self.seconds, 3)}
 
 
+def client_base_model(requested_model: str, report: ConnectivityReport) -> str:
+    """The base model every stage creates clients with: the preflight's choice for this requested
+    model (a served model of the same family when the requested one is not served, recorded as a
+    deviation), else the requested model itself. The only place that resolves it."""
+    if requested_model == report.requested_model:
+        return report.model
+    return requested_model  # not the model the preflight checked: nothing to substitute
+
+
 def auth_failure_line(status: int, payload: Any, url: str) -> str:
     """The line for a 401/403: the header the service names (never its value) and its variable."""
     text = str(payload.get("error", "")) if isinstance(payload, Mapping) else ""

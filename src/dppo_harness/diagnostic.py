@@ -669,9 +669,37 @@ class SentinelTracker:
                      "tokens": int(self.mask.sum()), "after_updates": list(after_updates)}
         self.points: list[dict[str, Any]] = []
         self._init: np.ndarray | None = None
+        self._pending: list[tuple[Any, int, float]] = []  # (forward future, after_update, elapsed_s)
+
+    def due(self, after_update: int) -> bool:
+        return after_update in self.after_updates
+
+    def submit(self, tc: tinker.TrainingClient) -> Any:
+        """The sentinel forward, submitted (not awaited): queued behind whatever the client has in
+        flight, so it reads the weights after those requests."""
+        return tc.forward(list(self.datums), "cross_entropy")
+
+    def defer(self, future: Any, after_update: int, elapsed_s: float) -> None:
+        """Keep a submitted sentinel forward; `collect()` awaits it (one wait less per update)."""
+        self._pending.append((future, after_update, elapsed_s))
+
+    def collect(self) -> None:
+        """Await the deferred sentinel forwards, in submission order, and record their points."""
+        while self._pending:
+            future, after_update, elapsed_s = self._pending.pop(0)
+            out = future.result()
+            if len(out.loss_fn_outputs) != len(self.datums):
+                raise RuntimeError(f"sentinel forward returned {len(out.loss_fn_outputs)} outputs for "
+                                   f"{len(self.datums)} datums")
+            self._add(after_update, elapsed_s,
+                      [np.asarray(o["logprobs"].to_numpy()).reshape(-1) for o in out.loss_fn_outputs])
 
     def measure(self, tc: tinker.TrainingClient, after_update: int, elapsed_s: float) -> None:
-        lp = np.concatenate([x.astype(np.float32).reshape(-1) for x in full_logprobs(tc, self.datums)])
+        self.collect()
+        self._add(after_update, elapsed_s, full_logprobs(tc, self.datums))
+
+    def _add(self, after_update: int, elapsed_s: float, logprobs: Sequence[np.ndarray]) -> None:
+        lp = np.concatenate([x.astype(np.float32).reshape(-1) for x in logprobs])
         if self._init is None:
             self._init = lp
         self.points.append({"after_update": after_update, "elapsed_s": elapsed_s,
@@ -684,7 +712,13 @@ class SentinelTracker:
             self.measure(tc, after_update, elapsed_s)
 
     def summary(self) -> dict[str, Any]:
-        """Points without the raw logprobs, plus the first and last (for the analysis)."""
+        """Points without the raw logprobs, plus the first and last (for the analysis). A deferred
+        forward still pending after a training error is dropped, not waited on twice."""
+        if self._pending:
+            try:
+                self.collect()
+            except Exception:  # the run's error is already recorded; the point is missing evidence
+                self._pending.clear()
         return {**self.meta, "points": [{k: v for k, v in p.items() if k != "logprobs"} for p in self.points],
                 "at_init": self.points[0]["summary"] if self.points else None,
                 "last": self.points[-1] if len(self.points) > 1 else None}
@@ -853,12 +887,15 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
     adam = tinker.AdamParams(**cfg.adam)
     last_update_s = 0.0
     tokens_seen = 0
+    stop = None
     for epoch, mb in [(e, mb) for e in range(1, cfg.epochs + 1) for mb in mbs]:
         if state.updates_done >= cfg.max_updates:
-            return "update cap reached"
+            stop = "update cap reached"
+            break
         if elapsed() + last_update_s + FINALIZE_RESERVE_S > cap_s:
-            return (f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
+            stop = (f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
                     f"{FINALIZE_RESERVE_S:.0f}s to write the analysis would exceed {cap_s:.0f}s")
+            break
         u0 = clock()
         frozen.assert_intact()  # before every reuse (to_datums checks again)
         datums = frozen.to_datums(mb.sequence_indices)
@@ -875,13 +912,19 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 
-        rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist)
+        sentinels = state.sentinels if state.sentinels is not None and state.sentinels.due(update_index) else None
+        # A due sentinel forward is submitted right behind the optimizer step (it reads the
+        # updated weights) and awaited after the next update's submission (issue 10 section 5).
+        rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist,
+                                         submit_behind=None if sentinels is None else (lambda s=sentinels: s.submit(tc)))
+        if state.sentinels is not None:
+            state.sentinels.collect()  # the previous update's sentinel: long done by now
+        if sentinels is not None:
+            sentinels.defer(upd.behind, update_index, elapsed())
         if state.first_optim is None:
             state.first_optim = upd.optim
         state.updates_done = update_index
         tokens_seen += rec.stats["tokens/loss"]
-        if state.sentinels is not None:
-            state.sentinels.maybe_measure(tc, update_index, elapsed())
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
         if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running (issue 11 point 7)
@@ -896,6 +939,10 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
             f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
             f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
             f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
+    if state.sentinels is not None:
+        state.sentinels.collect()
+    if stop is not None:
+        return stop
     return "schedule complete" if state.updates_done < cfg.max_updates else "update cap reached"
 
 

@@ -2,6 +2,8 @@
 
 - `connectivity`: connectivity.check_connectivity on the session's backend, once, before any
   training client; a failure fails the requesting test with its one line (later stages skip).
+- `client_base_model`: the base model the stages create training clients with (the plan's, or
+  the preflight's same-family substitute); `connectivity.client_base_model` resolves it.
 - `training_client_observer`: records every training client's served identity into evidence.
 """
 
@@ -19,6 +21,13 @@ def connectivity(service_backend, plan):
     except ConnectivityError as exc:
         line = f"connectivity preflight ({exc.check}): {exc.line}"
     pytest.fail(line, pytrace=False)  # outside the except: the one line, without a chained traceback
+
+
+@pytest.fixture(scope="session")
+def client_base_model(connectivity, run_spec) -> str:
+    from dppo_harness.connectivity import client_base_model as resolve
+
+    return resolve(str(run_spec["base_model"]), connectivity)
 
 
 @pytest.fixture(scope="session")

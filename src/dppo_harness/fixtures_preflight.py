@@ -42,7 +42,7 @@ def run_spec(plan, spec_plan) -> dict:
 
 @pytest.fixture(scope="session")
 def restoration(request, service_client, service_backend, plan, spec_plan, run_spec, evidence_bundle,
-                training_client_observer, client_registry):
+                training_client_observer, client_registry, client_base_model):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
     from dppo_harness.service import CapacityExhausted, CapacityPolicy, call_with_capacity_retry, make_service_client
@@ -62,7 +62,7 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
     try:
         result = R.run_restoration_preflight(
             service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
-            probe_service_client=probe_sc, spec_raw=run_spec, base_model=run_spec["base_model"],
+            probe_service_client=probe_sc, spec_raw=run_spec, base_model=client_base_model,  # issue 10: the served substitute
             # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
             call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
             update_norm=update_norm,

@@ -40,6 +40,7 @@ class UpdateResult:
     fwd_bwd: Any  # tinker ForwardBackwardOutput (metrics from the loss)
     optim: Any  # tinker OptimStepResponse
     seconds: float  # submit -> both awaited
+    behind: Any = None  # what `submit_behind()` returned (e.g. a forward future), not awaited here
 
 
 def minibatch_update(
@@ -49,23 +50,41 @@ def minibatch_update(
     adam: tinker.AdamParams,
     *,
     before_optim: Callable[[], None] | None = None,
+    submit_behind: Callable[[], Any] | None = None,
+    sequential: bool = False,
 ) -> UpdateResult:
-    """One `forward_backward_custom` + `optim_step`.
+    """One `forward_backward_custom` + `optim_step`, then `submit_behind()` (optional, e.g. a
+    sentinel forward that must see the updated weights).
 
-    Without `before_optim` both are submitted before either is awaited (the server orders them).
-    With it, the optimizer step is submitted only after the loss call returned and
-    `before_optim()` ran (e.g. to persist what the loss saw before the step it feeds).
+    Pipelined (default): the SDK reserves the custom loss's forward and backward request ids at
+    submission and a client executes requests in id order, so `optim_step` and `submit_behind()`
+    are submitted at once and queue behind the backward: one wait instead of three.
+    `before_optim` then runs inside the loss call (it needs what the loss saw), before the
+    backward is sent, so still before the optimizer step reaches the server.
+    `sequential=True` is the old schedule (each call awaited before the next is submitted), kept
+    for benchmarks/round_trips.py and the equivalence test.
     """
     t0 = time.perf_counter()
-    fb = training_client.forward_backward_custom(list(datums), loss_fn)
-    if before_optim is None:
-        opt = training_client.optim_step(adam)
-        fb_out, opt_out = fb.result(), opt.result()
-    else:
-        fb_out = fb.result()
-        before_optim()
+    if sequential:
+        fb_out = training_client.forward_backward_custom(list(datums), loss_fn).result()
+        if before_optim is not None:
+            before_optim()
         opt_out = training_client.optim_step(adam).result()
-    return UpdateResult(fb_out, opt_out, time.perf_counter() - t0)
+        behind = submit_behind() if submit_behind is not None else None
+        return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind)
+    if before_optim is not None:
+        inner = loss_fn
+
+        def loss_fn(data: list, logprobs: list) -> tuple[Any, dict[str, float]]:
+            out = inner(data, logprobs)
+            before_optim()
+            return out
+
+    fb = training_client.forward_backward_custom(list(datums), loss_fn)
+    opt = training_client.optim_step(adam)
+    behind = submit_behind() if submit_behind is not None else None
+    fb_out, opt_out = fb.result(), opt.result()
+    return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind)
 
 
 def train_step(
@@ -77,13 +96,17 @@ def train_step(
     context: Mapping[str, Any],
     *,
     persist: Callable[[ins.LossCallRecord], None] | None = None,
+    submit_behind: Callable[[], Any] | None = None,
+    sequential: bool = False,
 ) -> tuple[ins.LossCallRecord, UpdateResult]:
     """One recorded update: the loss wrapped by `recorder` with `context`, then the update.
-    `persist(record)` (optional) runs after the loss call and before the optimizer step."""
+    `persist(record)` (optional) runs after the loss call and before the optimizer step reaches
+    the server; `submit_behind` and `sequential` as in `minibatch_update`."""
     wrapped = recorder.wrap(loss_fn, **dict(context))
     n_before = len(recorder.records)
     hook = None if persist is None else (lambda: persist(recorder.records[-1]))
-    result = minibatch_update(training_client, datums, wrapped, adam, before_optim=hook)
+    result = minibatch_update(training_client, datums, wrapped, adam, before_optim=hook,
+                              submit_behind=submit_behind, sequential=sequential)
     if len(recorder.records) != n_before + 1:
         raise TrainStepError(f"expected one loss call, the recorder saw {len(recorder.records) - n_before}")
     return recorder.records[-1], result

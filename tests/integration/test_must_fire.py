@@ -46,6 +46,8 @@ def _run(engine, tmp_path, lr):
     res = diagnostic.run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", learning_rate=lr, **SMALL)
     assert not res.errors, res.errors
     assert res.updates_done == SMALL["max_updates"]
+    # Sentinel forwards after updates 1 and 2 are deferred (issue 10 section 5); all are collected.
+    assert [pt["after_update"] for pt in res.sentinels["points"]] == [0, 1, 2]
     assert verify_bundle(bundle.dir) == []
     rep = replay.replay_bundle(bundle.dir)
     assert rep.ok, rep.problems

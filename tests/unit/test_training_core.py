@@ -141,3 +141,36 @@ def test_no_training_loop_outside_the_core():
                 offenders.append(f"{path.name}: {needle}")
     # restoration's fixed-gradient probe (cross_entropy, not the RL loss) is the only other optim_step.
     assert offenders == ["restoration.py: .optim_step("], offenders
+
+
+class _LoggedFuture:
+    def __init__(self, log, name, value):
+        self.log, self.name, self.value = log, name, value
+
+    def result(self):
+        self.log.append(f"await {self.name}")
+        return self.value
+
+
+class OrderClient(FakeTrainingClient):
+    """Logs submissions and awaits, so the schedule itself is visible."""
+
+    def forward_backward_custom(self, data, loss_fn):
+        return _LoggedFuture(self.calls, "fwd_bwd", super().forward_backward_custom(data, loss_fn).value)
+
+    def optim_step(self, adam):
+        return _LoggedFuture(self.calls, "optim", super().optim_step(adam).value)
+
+
+@pytest.mark.parametrize(("sequential", "want"), [
+    (False, ["fwd_bwd", "persist", "optim", "behind", "await fwd_bwd", "await optim"]),
+    (True, ["fwd_bwd", "await fwd_bwd", "persist", "optim", "await optim", "behind"]),
+])
+def test_pipelined_schedule_submits_optim_and_the_behind_call_before_awaiting(sequential, want):
+    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    tc, rec = OrderClient(), instrumentation.LossCallRecorder(cfg)
+    _, result = train_step.train_step(
+        tc, _datums(), losses.make_loss_fn(cfg), tinker.AdamParams(learning_rate=1e-3), rec, {"update_index": 1},
+        persist=lambda r: tc.calls.append("persist"), sequential=sequential,
+        submit_behind=lambda: tc.calls.append("behind") or "sentinel-future")
+    assert tc.calls == want and result.behind == "sentinel-future"
