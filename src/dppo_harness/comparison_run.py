@@ -131,6 +131,7 @@ def run_comparison(
     stop_after: Callable[[int], None] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
     tag: str = "cmp",
+    base_model: str | None = None,
 ) -> ComparisonResult:
     """Run (or continue) the paired comparison and write its evidence; see the module docstring."""
     spec = _spec(plan)
@@ -212,7 +213,7 @@ def run_comparison(
         final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
         return ComparisonResult(**base, capacity_block=None, final=final, files=tuple(files))
     scores, decision, eval_files = _evaluate_and_decide(service_client, cfg, spec, state, evaluator, bundle, rehearsal,
-                                                        progress)
+                                                        progress, base_model or cfg.base_model)
     files += eval_files
     from dppo_harness import report
 
@@ -250,7 +251,8 @@ def _finalize_arm(client: Any, arm: str, state: C.RunState, bundle: EvidenceBund
 
 def _evaluate_and_decide(service_client: tinker.ServiceClient, cfg: C.ComparisonConfig, spec: Mapping[str, Any],
                          state: C.RunState, evaluator: evaluation.FrozenEvaluator, bundle: EvidenceBundle,
-                         rehearsal: bool, progress: Callable[[str], None]) -> tuple[list[dict], dict, list[str]]:
+                         rehearsal: bool, progress: Callable[[str], None],
+                         base_model: str) -> tuple[list[dict], dict, list[str]]:
     """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
     files: list[str] = []
     bundle.register_json(f"evaluator-{evaluator.evaluator_id[:16]}.json", "manifest",
@@ -266,8 +268,9 @@ def _evaluate_and_decide(service_client: tinker.ServiceClient, cfg: C.Comparison
                              metrics={f"eval/accuracy/{s['arm']}": float(s["value"]) for s in scores})
 
     t0 = time.perf_counter()
-    base_client = service_client.create_sampling_client(base_model=cfg.base_model).result()
-    base = evaluation.evaluate(base_client, evaluator, arm=E.BASE_ARM, seed=seed, checkpoint=f"base:{cfg.base_model}")
+    # The served model the arms were created on (the connectivity preflight's choice).
+    base_client = service_client.create_sampling_client(base_model=base_model).result()
+    base = evaluation.evaluate(base_client, evaluator, arm=E.BASE_ARM, seed=seed, checkpoint=f"base:{base_model}")
     scores.append(E.register_predictions(bundle, base))
     files.append(scores[-1]["predictions_ref"])
     post()

@@ -51,7 +51,7 @@ def gate_report(request, service_client, service_backend, spec_plan, run_spec, e
 
 @pytest.fixture(scope="session")
 def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
-                   verified_restoration, gate_report, client_registry):
+                   verified_restoration, gate_report, client_registry, client_base_model):
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session."""
     from dppo_harness.comparison_run import run_comparison
     from dppo_harness.pytest_plugin import propose_outcome
@@ -66,7 +66,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
         schedule=harness_options.comparison_schedule, registry=client_registry,
         # The local rehearsal has no shared capacity to wait for: scaled-down windows, same rules.
         capacity_policy=CapacityPolicy(scale=0.01) if service_backend.kind == "local" else CapacityPolicy(),
-        progress=_progress(request),
+        progress=_progress(request), base_model=client_base_model,
     )
     propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
     if run.capacity_block:
