@@ -220,13 +220,16 @@ def run_comparison(
     files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend).values())
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
     c0 = decision["criteria"][0]
+    served = (bundle.result.get("backend") or {}).get("served_model") or cfg.base_model
+    # At most two plain sentences (the brief's output shape); the details are in report.md.
     final = {"status": "succeeded", "verdict": decision["verdict"], "outcome_reason": decision["outcome_reason"],
-             "summary": (f"Paired comparison under {plan.name}: {outcome.steps_completed}/{cfg.steps} rollout steps per arm "
-                         f"({cfg.groups_per_batch} groups x {cfg.group_size}, 2 updates per batch, lr {cfg.adam['learning_rate']:g}); "
-                         f"greedy accuracy on {cfg.eval_items} test items: {acc}; {c0['treatment']} - {c0['baseline']} = "
-                         f"{c0['mean_difference']:.4g}, {100 * (1 - c0['alpha']):g}% paired Hoeffding CI "
-                         f"[{c0['lower']:.4g}, {c0['upper']:.4g}]; verdict {decision['verdict']} ({decision['outcome_reason']})"
-                         + ("; rehearsal on a stand-in model, not a test of the hypothesis" if rehearsal else ""))}
+             "summary": (f"Paired comparison under {plan.name} ({outcome.steps_completed}/{cfg.steps} rollout steps per "
+                         f"arm): greedy accuracy on {cfg.eval_items} test items {acc}, {c0['treatment']} minus "
+                         f"{c0['baseline']} {c0['mean_difference']:.4g} with {100 * (1 - c0['alpha']):g}% paired Hoeffding "
+                         f"CI [{c0['lower']:.4g}, {c0['upper']:.4g}], verdict {decision['verdict']} "
+                         f"({decision['outcome_reason']})."
+                         + (f" It is a rehearsal on the stand-in model {served}, not a test of the hypothesis on "
+                            f"{plan.planned_model}." if rehearsal else ""))}
     return ComparisonResult(**base, capacity_block=None, scores=tuple(scores), decision=decision, final=final,
                             files=tuple(files))
 

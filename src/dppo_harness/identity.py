@@ -160,7 +160,9 @@ def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     summary = str(result.get("summary") or "")
     if not stand_in or stand_in not in summary:
-        out["summary"] = (summary.rstrip() + " " if summary.strip() else "") + f"Served model: {note}."
+        text = summary.strip()
+        out["summary"] = (text if not text or text.endswith(".") else text + ".") + (" " if text else "") + \
+            f"Served model: {note}."
     tested = result.get("tested_instead")
     if isinstance(tested, str) and tested.strip() and (not stand_in or stand_in not in tested):
         out["tested_instead"] = tested.rstrip().rstrip(".") + f" ({note})"

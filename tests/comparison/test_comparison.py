@@ -66,3 +66,14 @@ def test_evidence_verify_passes(comparison_run, evidence_bundle):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert evidence_bundle.entry("report.md") is not None
+
+
+def test_summary_is_two_plain_sentences_naming_the_served_model(comparison_run, evidence_bundle):
+    """The brief's output shape: at most 2 sentences; a rehearsal names the stand-in that computed."""
+    from dppo_harness.conclusion import count_sentences
+
+    summary = comparison_run.final["summary"]
+    assert count_sentences(summary) <= 2, summary
+    served = evidence_bundle.result["backend"]["served_model"]
+    if evidence_bundle.result["backend"]["kind"] == "local":
+        assert served in summary and "rehearsal" in summary
