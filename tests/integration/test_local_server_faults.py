@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import tinker
@@ -20,27 +19,11 @@ from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.local_server.faults import FaultSpecError, parse_reject_first
-from dppo_harness.local_server.process import LocalServerDied, LocalServerProcess
+from dppo_harness.local_server.process import LocalServerDied, LocalServerProcess, live_child_pids
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 PROMPT = [248045, 846, 198]  # "<|im_start|>user\n": real Qwen3.5 ids the stand-in vocabulary keeps
-
-
-def _child_pids() -> set[int]:
-    """PIDs whose parent is this test process (from /proc), to prove nothing is left running."""
-    me, found = os.getpid(), set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
 
 
 # The protocol and fault paths do not depend on the weights: the small random-init preset starts
@@ -59,7 +42,7 @@ def _client(server: LocalServerProcess, **kwargs) -> tinker.ServiceClient:
 def _assert_gone(server: LocalServerProcess) -> None:
     server.stop()
     assert not server.alive()
-    assert server.pid not in _child_pids()
+    assert server.pid not in live_child_pids()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
-from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
 from dppo_harness.secrets_scan import SecretScanner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,20 +38,6 @@ SHORT_STORM = 2  # refusals; backoff 0.6 s + 1.2 s at scale 0.01, inside the 6 s
 CAPACITY_SCALE = "0.01"  # backoff 0.6/1.2/2.4 s, give-up window 6 s before any comparison step
 SAMPLER_LP_ATOL = 1e-4  # see test_same_plan_on_the_local_backend_computes_the_same
 POOLED_ATOL = 1e-4
-
-
-def _proc_children() -> set[int]:
-    me, out = os.getpid(), set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.add(int(entry.name))
-    return out
 
 
 def _spindle(run_dir: Path, *fault_args: str) -> LocalServerProcess:
@@ -241,7 +227,7 @@ def test_long_storm_ends_in_a_correct_capacity_block(plan_file, tmp_path):
 
 @pytest.mark.parametrize("case", ["missing_key", "wrong_modal_secret", "wrong_url"])
 def test_bad_credentials_one_line_within_30s(case, spindle, tmp_path):
-    before = _proc_children()
+    before = live_child_pids()
     sessions_before = spindle.stats()["sessions"]
     url = spindle.base_url
     overrides: dict[str, str | None] = {}
@@ -269,5 +255,5 @@ def test_bad_credentials_one_line_within_30s(case, spindle, tmp_path):
     for v in PLANTED.values():
         assert v not in out
     assert "ws-wrong-secret" not in out
-    assert _proc_children() <= before  # nothing left running
+    assert live_child_pids() <= before  # nothing left running
     assert spindle.stats()["sessions"] == sessions_before  # no session was opened on the service
