@@ -27,7 +27,7 @@ def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: An
     info = client.get_info()
     served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
         info.model_data.model_name or info.model_name or plan.base_model)
-    if backend_block:  # issue 10: on the embedded server (marker seen) the stand-in computes
+    if backend_block:  # on the embedded server (marker seen) the stand-in computes
         served = identity.served_model(info.model_data.model_dump(), backend_block)[0] or served
     return plans.BackendInfo(backend=service_backend.kind, requested_model=plan.base_model,
                              served_model=str(served), base_url=service.redact_url(service_backend.base_url),
@@ -62,14 +62,14 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
     try:
         result = R.run_restoration_preflight(
             service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
-            probe_service_client=probe_sc, spec_raw=run_spec, base_model=client_base_model,  # issue 10: the served substitute
+            probe_service_client=probe_sc, spec_raw=run_spec, base_model=client_base_model,  # the served substitute
             # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
             call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
             update_norm=update_norm,
             # Under the diagnostic plan only the DPPO arm trains (issue 11 point 4).
             trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
         )
-    except CapacityExhausted as exc:  # issue 10: the run ends with the brief's capacity_block
+    except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
         fields = exc.block.result_fields()
         if evidence_bundle.result["original_hypothesis_tested"] is None:
             fields.update(original_hypothesis_tested=False,

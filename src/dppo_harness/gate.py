@@ -237,7 +237,7 @@ def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str
     `served_model`). Using the requested name would make this check pass on a stand-in.
     """
     reported = getattr(getattr(info, "model_data", None), "model_name", None)
-    # issue 10: the evidence's backend kind is `local` whenever the embedded server's marker was seen.
+    # the evidence's backend kind is `local` whenever the embedded server's marker was seen.
     if backend != "local" and ((bundle.result.get("backend") or {}) if hasattr(bundle, "result") else {}).get("kind") != "local":
         return reported, "get_info().model_data.model_name"
     arch = getattr(getattr(info, "model_data", None), "arch", None)

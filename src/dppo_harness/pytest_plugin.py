@@ -35,7 +35,7 @@ _ITEMS_KEY = pytest.StashKey[list[pytest.Item]]()
 
 # Fixture modules of later stages; each owns the session fixtures of its step.
 FIXTURE_PLUGINS = ("dppo_harness.fixtures_preflight", "dppo_harness.fixtures_stages",
-                   "dppo_harness.fixtures_connectivity")  # issue 10: connectivity + served identity
+                   "dppo_harness.fixtures_connectivity")  # connectivity + served identity
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if state.outcome is not None and not state.first_failure:
         state.bundle.finish(**state.outcome)
     state.bundle.finish_session(stage_failures=dict(state.first_failure))
-    from dppo_harness.identity import finalize_labels  # issue 10: the stand-in stays named
+    from dppo_harness.identity import finalize_labels  # the stand-in stays named
 
     finalize_labels(state.bundle)
 
@@ -383,7 +383,7 @@ def service_client(service_backend: ServiceBackend, client_registry: ClientRegis
 
     return make_service_client(
         service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
-        observer=training_client_observer,  # issue 10: every training client's identity -> evidence
+        observer=training_client_observer,  # every training client's identity -> evidence
     )
 
 
@@ -415,10 +415,10 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
         test_files=sorted({str(p) for p in _stage_test_files(pytestconfig)}),
         size_reductions=reductions,
         # The embedded server names its stand-in model; a real service names it at client creation.
-        served_model=(connectivity.marker.stand_in if connectivity.marker and connectivity.marker.stand_in  # issue 10
+        served_model=(connectivity.marker.stand_in if connectivity.marker and connectivity.marker.stand_in
                       else service_backend.server.stats()["served_model"] if service_backend.server else None),
     )
-    # issue 10: the connectivity report; on the embedded server (marker), the rehearsal label.
+    # the connectivity report; on the embedded server (marker), the rehearsal label.
     from dppo_harness.identity import record_session_identity
     from dppo_harness.service import sdk_versions
 

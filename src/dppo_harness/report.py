@@ -257,7 +257,7 @@ def write_report(bundle: Any, analysis: Mapping[str, Any], backend: str,
         bundle.register_bytes(PLOTS[key], "plot", data)
         names[key] = PLOTS[key]
     text = render_markdown(analysis, names, backend, next_action)
-    # issue 10 (identity.report_lines): on the embedded server, name the stand-in that computed.
+    # identity.report_lines: on the embedded server, name the stand-in that computed.
     from dppo_harness.identity import report_lines
 
     text += "".join(line + "\n" for line in report_lines(getattr(bundle, "result", {}).get("backend")))
