@@ -34,6 +34,7 @@ def test_small_greedy_evaluation(tmp_path, bundle):
             tuple(sampler.sample(gsm8k.build_prompt(it, bundle.renderer)[0], 1, tinker.SamplingParams(max_tokens=24, temperature=1.0, stop=[constants.STOP_TOKEN_ID])).result().sequences[0].tokens)
             for it in items[:4] for _ in range(2)
         ]
+        sc.close("success").result(timeout=60)  # before the server stops: no SDK heartbeat outlives it
     assert len(a.rows) == N_ITEMS and [r["item_id"] for r in a.rows] == [it.item_id for it in items]
     assert all(r["value"] in (0, 1) and r["evaluator_id"] == evaluator.evaluator_id for r in a.rows)
     assert all(r["checkpoint"] == path and r["n_tokens"] <= 24 for r in a.rows)

@@ -6,6 +6,7 @@ Credentials are planted per test run; no planted value may appear in any respons
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -59,11 +60,29 @@ def _headers(creds: dict[str, str] = CREDS, **override: str | None) -> dict[str,
     return headers
 
 
+_OPENED: list[tuple[LocalServerProcess, tinker.ServiceClient]] = []
+
+
+def _opened(server: LocalServerProcess, client: tinker.ServiceClient) -> tinker.ServiceClient:
+    """Track a client so its server's fixture closes it before stopping (no SDK heartbeat outlives it)."""
+    _OPENED.append((server, client))
+    return client
+
+
+def _close_clients_of(server: LocalServerProcess) -> None:
+    for srv, client in [e for e in _OPENED if e[0] is server]:
+        _OPENED.remove((srv, client))
+        with contextlib.suppress(Exception):  # a client refused at auth has nothing to end
+            fut = client.close("success")
+            if hasattr(fut, "result"):
+                fut.result(timeout=30)
+
+
 def _service_client(server: LocalServerProcess, creds: dict[str, str] = CREDS, **overrides: str) -> tinker.ServiceClient:
     modal = {"Modal-Key": creds["MODAL_PROXY_TOKEN_ID"], "Modal-Secret": creds["MODAL_PROXY_TOKEN_SECRET"]}
     modal.update(overrides)
-    return tinker.ServiceClient(base_url=server.base_url, api_key=creds["TINKER_API_KEY"],
-                                default_headers_overrides=modal)
+    return _opened(server, tinker.ServiceClient(base_url=server.base_url, api_key=creds["TINKER_API_KEY"],
+                                                default_headers_overrides=modal))
 
 
 def _rest_client(service_client: tinker.ServiceClient) -> tinker.RestClient:
@@ -92,6 +111,7 @@ def spindle(tmp_path_factory):
                     "--fault-latency-ms", "asample:150", "--fault-retry-after-ms", "50"],
     ).start()
     yield server
+    _close_clients_of(server)
     server.stop()
     assert not server.alive()
 
@@ -100,6 +120,7 @@ def spindle(tmp_path_factory):
 def default_server(tmp_path_factory):
     server = LocalServerProcess(run_dir=tmp_path_factory.mktemp("default"), model=FAST_MODEL).start()
     yield server
+    _close_clients_of(server)
     server.stop()
     assert not server.alive()
 
@@ -232,7 +253,8 @@ def test_default_profile_carries_the_marker_too(default_server):
     missing = httpx.get(default_server.base_url + f"{API}/no_such_endpoint")
     assert missing.status_code == 404
     assert missing.headers[constants.EMBEDDED_SERVER_HEADER] == constants.EMBEDDED_SERVER_MARKER
-    client = tinker.ServiceClient(base_url=default_server.base_url, api_key=constants.LOCAL_API_KEY)
+    client = _opened(default_server,
+                     tinker.ServiceClient(base_url=default_server.base_url, api_key=constants.LOCAL_API_KEY))
     training = client.create_lora_training_client(constants.BASE_MODEL, rank=4).result()
     info = training.get_info()
     assert info.model_data.arch == STAND_IN and info.model_name == constants.BASE_MODEL
