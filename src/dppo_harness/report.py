@@ -316,7 +316,8 @@ def plot_accuracy_difference(scores: list[Mapping[str, Any]], decision: Mapping[
 
 def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
                                decision: Mapping[str, Any], plot_files: Mapping[str, str], backend: str) -> str:
-    lines = ["# Paired comparison: DPPO Binary-TV vs GRPO clipped-ratio", ""]
+    pairs = "; ".join(dict.fromkeys(f"{c['treatment']} vs {c['baseline']}" for c in decision.get("criteria", [])))
+    lines = [f"# Paired comparison: {pairs or 'no criterion decided'}", ""]
     if backend == "local" or decision.get("rehearsal"):
         lines += ["**REHEARSAL** on the embedded CPU server's stand-in model under the declared rehearsal plan; "
                   "not a result about Qwen3.5-2B. Verdict always inconclusive.", ""]
