@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from dppo_harness import comparison_eval as E
-from dppo_harness import stats
+from dppo_harness import losses, stats
 
 
 def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence_bundle):
@@ -29,11 +29,12 @@ def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence
 
 
 def test_treatment_mask_fires_in_the_comparison(comparison_run):
-    """The DPPO arm's mask removes tokens during training (the rehearsal lr is chosen so it does); the
-    GRPO arm's masked fraction is the same rule counted counterfactually on its own tensors."""
+    """Each DPPO treatment arm's mask removes tokens during training (the rehearsal lr is chosen so it
+    does); the baseline's masked fraction is the same rule counted counterfactually on its own tensors."""
     cfg = comparison_run.config
-    t, _b = cfg.role("treatment").name, cfg.role("baseline").name
-    assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t) > 0
+    for t in cfg.treatments:
+        if t.loss == losses.DPPO_LOSS:
+            assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t.name) > 0, t.name
     assert all(r["loss_tokens"] > 0 for r in comparison_run.rows)
 
 
@@ -52,9 +53,7 @@ def test_predictions_observations_and_decision_are_consistent(comparison_run, ev
     assert decision["version"] == 1 and decision["observations_file"]["name"] == E.OBSERVATIONS_FILE
     assert decision["observations_file"]["sha256"] == evidence_bundle.entry(E.OBSERVATIONS_FILE)["sha256"]
     # Recomputing the Hoeffding CI from the retained file reproduces the reported one.
-    spec = plan.spec if plan.kind == "rehearsal" else plan.raw
-    roles = {"treatment": run.config.role("treatment").name, "baseline": run.config.role("baseline").name}
-    again = E.recompute_from_file(obs_path, spec["decision_rule"], roles)
+    again = E.recompute_from_file(obs_path, run.config.criteria, alpha=run.config.alpha)
     for reported, recomputed in zip(decision["criteria"], again, strict=True):
         assert (reported["lower"], reported["upper"]) == (recomputed["lower"], recomputed["upper"])
     if plan.kind == "rehearsal":
