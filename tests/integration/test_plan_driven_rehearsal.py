@@ -2,11 +2,15 @@
 
 `tests/fixtures/plans/spec-variant.json` differs from the saved spec in arm names, seed, LoRA
 rank, lr, group sizes, max_tokens, gate pilot length and ranges, and margin. `plans rehearse`
-turns it into a rehearsal plan (2 rollout steps x 2 groups x 4, 8 test items, lr 1e-2), and the
+turns it into a rehearsal plan (2 rollout steps x 8 groups x 4, 8 test items, lr 1e-2), and the
 harness runs preflight -> gate -> both arms -> evaluation -> decision -> report from that plan as
 a user runs it (the stage folders given as paths, so unit parity, which the unit stage already
 is, does not run twice). The bundle must show the variant's own values everywhere and never a
 saved-spec arm name.
+
+Opt-in (`DPPO_HARNESS_E2E=1`): measured 261 s wall on the shared 2-core machine at load average
+about 5 (2026-12-01), too much for the default suite's budget; the unit tests cover the
+plan-driven configuration and `test_comparison_resume.py` the comparison run itself.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ROOT / "tests" / "fixtures" / "plans" / "spec-variant.json"
 SAVED_ARMS = ("grpo_seed0", "dppo_seed0")
 CODE_KINDS = ("script", "code_revision", "code_patch")  # the executed code itself, not the run's values
+pytestmark = pytest.mark.skipif(os.environ.get("DPPO_HARNESS_E2E") != "1",
+                                reason="plan-driven end-to-end rehearsal (about 4-5 min): set DPPO_HARNESS_E2E=1")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,7 @@ def rehearsal_run(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TINKER_TELEMETRY": "0"}
     env.pop("TINKER_BASE_URL", None)
     made = subprocess.run([sys.executable, "-m", "dppo_harness.plans", "rehearse", str(VARIANT), "--out", str(plan),
-                           "--steps", "2", "--groups", "2", "--eval-items", "8", "--lr", "1e-2"],
+                           "--steps", "2", "--groups", "8", "--eval-items", "8", "--lr", "1e-2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     t0 = time.monotonic()
@@ -66,7 +72,7 @@ def test_the_bundle_shows_the_variants_own_values(rehearsal_run):
     run = json.loads((files / "effective-config.json").read_text())["config"]["run"]
     assert [(a["name"], a["role"], a["seed"], a["lr"]) for a in run["arms"]] == [
         ("clip_ref_s7", "baseline", 7, 0.01), ("tv_mask_s7", "treatment", 7, 0.01)]
-    assert (run["lora_rank"], run["group_size"], run["groups_per_batch"], run["max_tokens"]) == (16, 4, 2, 96)
+    assert (run["lora_rank"], run["group_size"], run["groups_per_batch"], run["max_tokens"]) == (16, 4, 8, 96)
     assert run["decision"]["criteria"][0]["margin"] == 0.05
     gate = json.loads((files / "activation-gate-report.json").read_text())
     assert (gate["pilot"]["arm"], gate["pilot"]["steps"], gate["pilot"]["group_size"], gate["pilot"]["seed"]) == (
