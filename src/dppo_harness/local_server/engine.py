@@ -712,18 +712,20 @@ class Engine:
                 jobs = [j for j in self._queue if j.key == key]
                 self._queue = [j for j in self._queue if j.key != key]
             try:
-                net = self._sampler_net(key)
-                with torch.no_grad():
-                    if self.checkpoint is not None:
-                        results = self._generate_hf(net, jobs)
-                    else:
-                        results = _generate(net, self.vocab, self.tokenizer, jobs)
+                results = self._decode_batch(self._sampler_net(key), jobs)
                 for j, r in zip(jobs, results):
                     j.future.set_result(r)
             except Exception as e:
                 for j in jobs:
                     if not j.future.done():
                         j.future.set_exception(e)
+
+    def _decode_batch(self, net: torch.nn.Module, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
+        """Every sample of `jobs` (one sampler) decoded together."""
+        with torch.no_grad():
+            if self.checkpoint is not None:
+                return self._generate_hf(net, jobs)
+            return _generate(net, self.vocab, self.tokenizer, jobs)
 
     def _generate_hf(self, net: torch.nn.Module, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
         fields = [f.name for f in dataclasses.fields(S.DecodeRequest)]
