@@ -174,6 +174,10 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     logging.getLogger("dppo_harness.local_server").info(
         "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
         getattr(engine, "model_name", "?"), time.perf_counter() - t0, base_info.get("cache_hit"), profile.name, run_dir)
+    if getattr(engine, "kernels", None):
+        from dppo_harness.local_server.hf_model import kernel_summary
+
+        logging.getLogger("dppo_harness.local_server").info("kernels: %s", kernel_summary(engine.kernels))
     print(f"listening on http://{host}:{port}", flush=True)
 
     stop = asyncio.Event()

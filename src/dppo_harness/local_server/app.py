@@ -431,6 +431,7 @@ class ServerState:
             "inflight": self.inflight,
             "telemetry_events": self.telemetry_events,
             "engine_seconds": dict(self.engine_seconds),
+            "kernels": getattr(self.engine, "kernels", None),  # implementation per layer type
         }
 
     def shutdown(self) -> None:
