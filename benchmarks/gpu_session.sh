@@ -5,7 +5,8 @@
 #               the torch fallback (JSON lines in $OUT/gpu_engine.jsonl)
 #   diagnostic: the embedded server on that checkpoint (CUDA, bf16), then the whole
 #               `pytest -m diagnostic --backend tinker` against it, timed ($OUT/diagnostic.log,
-#               $OUT/diagnostic.json)
+#               $OUT/diagnostic.json); LINEAR_ATTENTION=torch / DECODE_MODE=static pass the server's
+#               fallbacks through
 # Needs the wheels of benchmarks/gpu_wheels.py in .whl/ (carried with the working tree); they go
 # to /tmp/site, ahead of the image's own packages on PYTHONPATH.
 set -uo pipefail
@@ -45,7 +46,8 @@ if [ "$PHASE" = diagnostic ] || [ "$PHASE" = all ]; then
       --workdir "$WORK" --build-only --out "$WORK/checkpoint.jsonl" 2>>"$OUT/gpu_engine.stderr"
   rm -f "$WORK/server.stdout"
   "$PY" -m dppo_harness.local_server --host 127.0.0.1 --port "$PORT" --model-path "$CKPT" --device "$DEVICE" \
-      --served-name Qwen/Qwen3.5-2B --run-dir "$WORK/server-run" >"$WORK/server.stdout" 2>"$OUT/server.log" &
+      --served-name Qwen/Qwen3.5-2B --linear-attention "${LINEAR_ATTENTION:-auto}" --decode-mode "${DECODE_MODE:-auto}" \
+      --run-dir "$WORK/server-run" >"$WORK/server.stdout" 2>"$OUT/server.log" &
   SERVER=$!
   for _ in $(seq 1 180); do grep -q listening "$WORK/server.stdout" 2>/dev/null && break; sleep 1; done
   grep -q listening "$WORK/server.stdout" || { echo "server did not start"; tail -5 "$OUT/server.log"; kill "$SERVER"; exit 4; }

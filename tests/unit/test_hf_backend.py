@@ -408,6 +408,26 @@ def test_kernel_report_names_the_torch_fallback_and_why(qwen35_dir, engine, tmp_
         e.close()
 
 
+def test_linear_attention_option_forces_the_torch_fallback(qwen35_dir, tmp_path, monkeypatch):
+    """`Engine(linear_attention=...)` / `--linear-attention`: with a (fake) fla recurrent kernel
+    found at load, "auto" keeps it and "torch" replaces it; bad values are one-line errors."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as Q
+
+    monkeypatch.setattr(Q, "fused_recurrent_gated_delta_rule", _fake_fast(Q.torch_recurrent_gated_delta_rule))
+    for option, path in (("auto", "mixed"), ("torch", "torch fallback")):
+        e = Engine(tmp_path / option, model_path=qwen35_dir, device="cpu", linear_attention=option)
+        try:
+            assert e.kernels["linear_attention"]["path"] == path
+            assert len(e.sample("Qwen/Qwen3.5-2B", [1, 2, 3], 2, 3, 1.0, -1, 1.0, [], [], 0, False)) == 2
+        finally:
+            e.close()
+    with pytest.raises(UserError, match="linear_attention"):
+        Engine(tmp_path / "bad", model_path=qwen35_dir, device="cpu", linear_attention="fla")
+    with pytest.raises(SystemExit, match="need --model-path"):
+        check_model_path_args(parse_args(["--linear-attention", "torch"]))
+    assert parse_args(["--model-path", "x", "--decode-mode", "static"]).decode_mode == "static"
+
+
 def test_merging_into_a_tied_head_leaves_the_embedding_alone(qwen3_dir):
     net = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, local_files_only=True)
     assert net.get_output_embeddings().weight is net.get_input_embeddings().weight  # tied checkpoint

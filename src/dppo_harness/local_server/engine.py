@@ -9,7 +9,7 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
         __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
                  cache_dir=None, batch_window_s=0.05, num_threads=2,
                  model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
-                 decode_mode="auto")
+                 decode_mode="auto", linear_attention="auto")
         served_models: list[str]; served_model_name: str; model_name: str
         kernels: dict  # hf_model.kernel_report: implementation per layer type (fast kernels / torch fallback)
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
@@ -174,6 +174,7 @@ class Engine:
         served_name: str | None = None,
         token_budget: int | None = None,
         decode_mode: str = "auto",
+        linear_attention: str = "auto",
     ):
         if model_path is None and model_name not in PRESETS:
             raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
@@ -191,8 +192,12 @@ class Engine:
             raise UserError(f"decode_mode must be one of {S.MODES}, got {decode_mode!r}")
         self.decode_mode = decode_mode  # sampling.generate's mode; "auto" = CUDA graph on CUDA, eager on CPU
         self.last_sample_stats: dict = {}
+        if linear_attention not in ("auto", "torch"):
+            raise UserError(f"linear_attention must be 'auto' or 'torch', got {linear_attention!r}")
         if model_path is not None:
             self._init_checkpoint(model_path, device, dtype, served_name, sampler_dtype)
+            if linear_attention == "torch":  # transformers' torch fallback whatever kernels it found
+                HF.use_torch_linear_attention(self.base_model)
         else:
             self.model_name = model_name
             self.preset = PRESETS[model_name]
