@@ -182,7 +182,8 @@ def check_connectivity(
     url = str(kwargs["base_url"])
     shown = service.redact_url(url) or url
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
-    ok("variables", "TINKER_BASE_URL, TINKER_API_KEY and the proxy-token variables are set"
+    proxy = ", ".join(service.describe_service(backend, url, proxy_tokens=proxy_tokens)["proxy_headers"])
+    ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: {proxy or 'none'}"
        if backend == "tinker" else "local backend: no credentials needed")
     service.apply_sdk_telemetry(sdk_telemetry)
 

@@ -57,6 +57,8 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
                                    observer=training_client_observer,  # every training client's identity
                                    waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
                                    sdk_telemetry=harness_options.sdk_telemetry)
+    # Registered before its first call: a stop on the way (capacity, hang) releases it with the rest.
+    client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
     policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     plan_kind = plan.kind
     update_norm = None
@@ -85,7 +87,6 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
         # Release the setup/probe clients before anything trains, and record it (issue 11 point 8).
         from dppo_harness.pytest_plugin import record_client_releases
 
-        client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
     return result
 
