@@ -42,7 +42,7 @@ def run_spec(plan, spec_plan) -> dict:
 
 @pytest.fixture(scope="session")
 def restoration(request, service_client, service_backend, plan, spec_plan, run_spec, evidence_bundle,
-                training_client_observer, client_registry, client_base_model):
+                training_client_observer, client_registry, client_base_model, harness_progress):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
     from dppo_harness.service import CapacityExhausted, CapacityPolicy, call_with_capacity_retry, make_service_client
@@ -68,6 +68,7 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
             update_norm=update_norm,
             # Under the diagnostic plan only the DPPO arm trains (issue 11 point 4).
             trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
+            progress=harness_progress,
         )
     except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
         fields = exc.block.result_fields()
@@ -93,7 +94,7 @@ def verified_restoration(restoration):
 
 
 @pytest.fixture(scope="session")
-def feasibility(service_client, service_backend, plan, evidence_bundle, verified_restoration):
+def feasibility(service_client, service_backend, plan, evidence_bundle, verified_restoration, harness_progress):
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once)."""
     from dppo_harness import feasibility as F
     from dppo_harness import plans
@@ -113,4 +114,4 @@ def feasibility(service_client, service_backend, plan, evidence_bundle, verified
         service_client, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
         backend_kind=service_backend.kind, effective_config=eff,
         schedule_overrides=overrides or None,
-        measured_setup={"restoration_preflight": verified_restoration.wall_seconds})
+        measured_setup={"restoration_preflight": verified_restoration.wall_seconds}, progress=harness_progress)

@@ -30,6 +30,12 @@ def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
     return say
 
 
+@pytest.fixture(scope="session")
+def harness_progress(request):
+    """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
+    return _progress(request)
+
+
 def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
     """When the plugin saw the stage begin (time.monotonic), else now."""
     from dppo_harness.pytest_plugin import stage_started_at
@@ -54,6 +60,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
                    verified_restoration, gate_report, client_registry, client_base_model):
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session."""
     from dppo_harness.comparison_run import run_comparison
+    from dppo_harness.cookbook_metrics import WandbRequest
     from dppo_harness.pytest_plugin import propose_outcome
     from dppo_harness.service import CapacityPolicy
 
@@ -67,6 +74,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
         # The local rehearsal has no shared capacity to wait for: scaled-down windows, same rules.
         capacity_policy=CapacityPolicy(scale=0.01) if service_backend.kind == "local" else CapacityPolicy(),
         progress=_progress(request), base_model=client_base_model,
+        wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
     )
     propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
     if run.capacity_block:
