@@ -289,10 +289,10 @@ def normalization_declaration(mode: Normalization) -> dict[str, str]:
     """What `effective-config.json` and the reports declare about the loss normalization."""
     if mode not in _NORMALIZATIONS:
         raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {mode!r}")
-    ours = ("token_mean: the summed token losses of one forward_backward_custom call (one minibatch) divided by "
-            "the number of loss tokens (mask 1) in that call, zero-advantage tokens included"
+    ours = ("the summed token losses of one forward_backward_custom call (one minibatch) divided by the number "
+            "of loss tokens (mask 1) in that call, zero-advantage tokens included"
             if mode == "token_mean" else
-            "sum: the token losses of one forward_backward_custom call (one minibatch) summed over its loss tokens")
+            "the token losses of one forward_backward_custom call (one minibatch) summed over its loss tokens")
     return {
         "mode": mode,
         "definition": ours,

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from dppo_harness import instrumentation as ins
 
@@ -152,19 +153,22 @@ def yield_text(y: Mapping[str, Any]) -> str:
 
 
 def declared_lines(declared: Mapping[str, Any], measured: list[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
-    """The renderer and its thinking mode with the measured truncation next to it, and the loss
+    """The renderer and its thinking mode with the measured truncation right under it, and the loss
     normalization against the cookbook ppo's sum (both as effective-config.json declares them)."""
     out = []
     r = declared.get("renderer")
-    seen = "; ".join(f"{label}: {yield_text(y)}" for label, y in measured if y) or "not measured"
+    seen = [f"  - {label}: {yield_text(y)}" for label, y in measured if y]
     if r:
         prefill = "every generation prompt ends with `<think>\\n`" if r.get("thinking") == "enabled" else "no think prefill"
-        out.append(f"- renderer `{r['name']}`, thinking {r.get('thinking')} ({prefill}); measured truncation: {seen}")
+        head = f"- renderer `{r['name']}`, thinking {r.get('thinking')} ({prefill}); measured truncation"
     else:
-        out.append(f"- renderer: not declared in effective-config.json; measured truncation: {seen}")
+        head = "- renderer: not declared in effective-config.json; measured truncation"
+    out.append(head + (":" if seen else ": not measured"))
+    out += seen
     n = declared.get("loss_normalization")
     if n:
-        out.append(f"- loss normalization `{n['mode']}`: {n['definition']}. The cookbook's `ppo`: {n['cookbook_ppo']}.")
+        out.append(f"- loss normalization `{n['mode']}`: {n['definition']}. The cookbook's `ppo` instead: "
+                   f"{n['cookbook_ppo']}.")
     return out
 
 
@@ -355,6 +359,7 @@ def plot_truncation(rows: list[Mapping[str, Any]], eval_metrics: Mapping[str, Ma
         ax1.plot(xs, [r.get("no_answer_frac", float("nan")) for r in rs], marker="x", linestyle="--",
                  label=f"{arm}: no parseable answer")
     ax1.set_ylim(-0.02, 1.02), ax1.set_xlabel("rollout step"), ax1.set_ylabel("fraction of the step's responses")
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax1.set_title(f"rollouts (T=1): stopped at max_tokens {max_tokens or ''} / no \\boxed{{}} answer", fontsize=9)
     ax1.legend(fontsize=7)
     models = [m for m in eval_metrics if "eval_truncated_frac" in eval_metrics[m]]
@@ -364,6 +369,7 @@ def plot_truncation(rows: list[Mapping[str, Any]], eval_metrics: Mapping[str, Ma
             label="no parseable answer")
     ax2.set_xticks(list(xs), models, fontsize=7), ax2.set_ylim(0, 1.02), ax2.legend(fontsize=7)
     ax2.set_title("greedy evaluation, per scored model", fontsize=9)
+    fig.tight_layout()
     return _png(fig)
 
 
@@ -387,6 +393,7 @@ def plot_accuracy_difference(scores: list[Mapping[str, Any]], decision: Mapping[
     ax2.set_xticks(range(len(labels)), labels)
     ax2.set_ylabel("treatment - baseline"), ax2.set_title("paired difference: rule CI and informational CI")
     ax2.legend(fontsize=7)
+    fig.tight_layout()
     return _png(fig)
 
 
