@@ -7,10 +7,13 @@ checkpoint, and show progress lines on the terminal (pytest captures ordinary ou
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
 import pytest
+
+_SAY_LOCK = threading.Lock()  # progress.Watchdog writes from a background thread too
 
 
 def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
@@ -18,14 +21,15 @@ def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
     capture = request.config.pluginmanager.get_plugin("capturemanager")
 
     def say(msg: str) -> None:
-        if reporter is None:
-            print(msg, flush=True)
-            return
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
+        with _SAY_LOCK:
+            if reporter is None:
+                print(msg, flush=True)
+                return
+            if capture is not None:
+                with capture.global_and_fixture_disabled():
+                    reporter.write_line(msg)
+            else:
                 reporter.write_line(msg)
-        else:
-            reporter.write_line(msg)
 
     return say
 

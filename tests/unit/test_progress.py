@@ -120,3 +120,18 @@ def test_warm_start_logs_progress_lines_the_harness_forwards(tmp_path, caplog):
 def test_progress_marker_round_trip(msg):
     line = f"2026-12-01 10:00:00,000 {W.__name__} {W.PROGRESS_MARKER}{msg}"
     assert P.PROGRESS_RE.search(line).group(1) == msg
+
+
+def test_watchdog_repeats_a_blocking_step_and_stops_with_its_block():
+    import time
+
+    lines: list[str] = []
+    with progress.Watchdog(lines.append, every_s=0.3, poll_s=0.05) as w:
+        w.say("[x] 1/2: a slow call")
+        time.sleep(1.1)
+        w.say("[x] 2/2: a quick one")
+    n = len(lines)
+    time.sleep(0.5)
+    assert len(lines) == n  # nothing after the block
+    still = [ln for ln in lines if ln.startswith("[x] 1/2: a slow call: still working (")]
+    assert 2 <= len(still) <= 4 and lines[0] == "[x] 1/2: a slow call" and lines[-1] == "[x] 2/2: a quick one"
