@@ -41,7 +41,7 @@ METRICS_FILE = "metrics.jsonl"  # the name ml_log's JsonLogger writes
 OPTIONAL_TRACKERS = ("wandb", "neptune_scale", "trackio")  # what ml_log imports when installed
 WANDB_ENV = "WANDB_PROJECT"
 # Step-row keys that are not metrics (or are logged under a cookbook name instead).
-_NOT_HARNESS = {"arm", "step", "loss", "sampler_checkpoint", "cookbook_env", "seconds", "sample_seconds",
+_NOT_HARNESS = {"arm", "step", "loss", "sampler_checkpoint", "cookbook_env", "seconds", "sample_seconds", "max_tokens",
                 "rollout_seconds", "retries", "reward_mean", "format_rate", "correct_rate", *ROW_KL_KEYS.values()}
 
 

@@ -331,6 +331,7 @@ def plot_comparison_reward(rows: list[Mapping[str, Any]]) -> bytes:
     for arm, rs in _by_arm(rows).items():
         ax.plot([r["step"] + 1 for r in rs], [r["reward_mean"] for r in rs], marker="o", label=arm)
     ax.set_xlabel("rollout step"), ax.set_ylabel("mean reward of the step's batch"), ax.legend()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("per-step reward, both arms")
     return _png(fig)
 
@@ -345,6 +346,7 @@ def plot_comparison_fractions(rows: list[Mapping[str, Any]]) -> bytes:
             ax.plot(xs, [_fraction(r, base)[1] for r in rs], marker=marker, linestyle=":" if cf else ls,
                     label=f"{arm}: {title}{' (counterfactual)' if cf else ''}")
     ax.set_xlabel("rollout step"), ax.set_ylabel("fraction of loss tokens"), ax.legend(fontsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("masked / clipped fraction per step (token-pooled over the step's updates)")
     return _png(fig)
 
@@ -367,7 +369,8 @@ def plot_truncation(rows: list[Mapping[str, Any]], eval_metrics: Mapping[str, Ma
     ax2.bar([x - 0.2 for x in xs], [eval_metrics[m]["eval_truncated_frac"] for m in models], width=0.4, label="truncated")
     ax2.bar([x + 0.2 for x in xs], [eval_metrics[m]["eval_no_answer_frac"] for m in models], width=0.4,
             label="no parseable answer")
-    ax2.set_xticks(list(xs), models, fontsize=7), ax2.set_ylim(0, 1.02), ax2.legend(fontsize=7)
+    ax2.set_xticks(list(xs), models, fontsize=7), ax2.set_ylim(0, 1.3)
+    ax2.legend(fontsize=7, loc="upper center", ncol=2)
     ax2.set_title("greedy evaluation, per scored model", fontsize=9)
     fig.tight_layout()
     return _png(fig)
@@ -376,7 +379,7 @@ def plot_truncation(rows: list[Mapping[str, Any]], eval_metrics: Mapping[str, Ma
 def plot_accuracy_difference(scores: list[Mapping[str, Any]], decision: Mapping[str, Any]) -> bytes:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     ax1.bar([s["arm"] for s in scores], [s["value"] for s in scores])
-    ax1.set_ylabel("greedy accuracy"), ax1.set_title("accuracy per scored model")
+    ax1.set_ylim(0, 1), ax1.set_ylabel("greedy accuracy"), ax1.set_title("accuracy per scored model")
     labels = []
     for i, c in enumerate(decision.get("criteria", [])):
         d = c["mean_difference"]
@@ -407,6 +410,23 @@ def _pooled_rollout_yield(rs: list[Mapping[str, Any]]) -> dict[str, Any] | None:
     return {"n": n, "truncated": trunc, "truncated_frac": trunc / n, "no_answer": none, "no_answer_frac": none / n,
             "mean_response_tokens": sum(r["mean_response_tokens"] * r["responses"] for r in rs) / n,
             "max_tokens": rs[0].get("max_tokens")}
+
+
+TRUNCATION_WARN_FRAC = 0.5  # from here on, a scored model's accuracy mostly measures truncation
+
+
+def truncation_warnings(scores: list[Mapping[str, Any]], eval_metrics: Mapping[str, Mapping[str, Any]],
+                        max_tokens: int | None) -> list[str]:
+    """A plain warning for each scored model whose greedy outputs were mostly cut off at max_tokens."""
+    out = []
+    for s in scores:
+        m = eval_metrics.get(s["arm"]) or {}
+        frac = m.get("eval_truncated_frac")
+        if isinstance(frac, (int, float)) and frac >= TRUNCATION_WARN_FRAC:
+            out.append(f"\n**{s['arm']}: {_pct(frac)} of its greedy outputs stopped at max_tokens {max_tokens or ''}** "
+                       f"({_pct(m.get('eval_no_answer_frac', 0.0))} without a parseable answer): its accuracy measures "
+                       "truncation more than answers.")
+    return out
 
 
 def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
@@ -453,6 +473,7 @@ def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mappi
         lines.append(f"| {s['arm']} | {_v(s['value'])} | {_v(m.get('eval_n'), '.0f')} | "
                      f"{_v(m.get('eval_invalid_outputs'), '.0f')} | {_v(m.get('eval_truncated_frac'), '.3f')} | "
                      f"{_v(m.get('eval_mean_response_tokens'), '.0f')} | `{s['predictions_ref']}` |")
+    lines += truncation_warnings(scores, eval_metrics, max_tokens)
     lines += ["", "## Decision (paired Hoeffding)", ""]
     for c in decision.get("criteria", []):
         lines.append(f"- {c['id']}: {c['treatment']} - {c['baseline']} = {_v(c['mean_difference'])}, "

@@ -86,6 +86,10 @@ def test_comparison_report_shows_labels_truncation_plot_and_informational_interv
     assert "5 items only dppo_seed0 got right, 0 only grpo_seed0" in text and "exact McNemar p = 0.0625" in text
     assert stats.INFORMATIONAL_LABEL in text
     assert "| base | 0.4 | 41 | 12 | 0.250 | 50 |" in text
+    assert "stopped at max_tokens" not in text  # 25% truncated: no warning
+    warn = report.truncation_warnings([{"arm": "base"}], {"base": {"eval_truncated_frac": 1.0, "eval_no_answer_frac": 1.0}}, 512)
+    assert warn == ["\n**base: 100.0% of its greedy outputs stopped at max_tokens 512** (100.0% without a parseable "
+                    "answer): its accuracy measures truncation more than answers."]
     assert verify_bundle(bundle.dir) == []
 
 
