@@ -19,6 +19,12 @@ def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
     return progress_printer(request.config)
 
 
+@pytest.fixture(scope="session")
+def harness_progress(request):
+    """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
+    return _progress(request)
+
+
 def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
     """When the plugin saw the stage begin (time.monotonic), else now."""
     from dppo_harness.pytest_plugin import stage_started_at
@@ -45,6 +51,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
                    verified_restoration, gate_report, client_registry, client_base_model, service_waiter):
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session."""
     from dppo_harness.comparison_run import run_comparison
+    from dppo_harness.cookbook_metrics import WandbRequest
     from dppo_harness.pytest_plugin import propose_outcome
 
     if not gate_report.passed:
@@ -56,6 +63,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
         schedule=harness_options.comparison_schedule, registry=client_registry,
         capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
         progress=_progress(request), base_model=client_base_model,
+        wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
     )
     propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
     if run.capacity_block:
