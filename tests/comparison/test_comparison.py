@@ -7,7 +7,11 @@ The run itself happens once, in the session fixture `comparison_run` (dppo_harne
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+from dppo_harness import comparison as C
 from dppo_harness import comparison_eval as E
 from dppo_harness import losses, stats
 
@@ -23,19 +27,85 @@ def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence
         assert all(r["updates"] == a.updates_per_batch for r in run.rows if r["arm"] == a.name)
     result = evidence_bundle.result
     assert sorted(result["completed_arms"]) == sorted(a.name for a in cfg.arms)
-    assert set(result["metrics"]["arms"]) == {a.name for a in cfg.arms}
+    # the trained arms, and the base model under its own key (scored, never trained or completed)
+    assert set(result["metrics"]["arms"]) == {a.name for a in cfg.arms} | {E.BASE_ARM}
     uris = {c["arm"] for c in result["evidence"]["checkpoints"]}
     assert {a.name for a in cfg.arms} <= uris
 
 
-def test_treatment_mask_fires_in_the_comparison(comparison_run):
+def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle):
     """Each DPPO treatment arm's mask removes tokens during training (the rehearsal lr is chosen so it
-    does); the baseline's masked fraction is the same rule counted counterfactually on its own tensors."""
+    does). A rule an arm's registered loss does not train with is counted counterfactually on the
+    arm's own tensors, and says so in its name (rows and metrics.arms): for the spec's pair, the
+    GRPO arm's DPPO mask and the DPPO arm's PPO clip."""
     cfg = comparison_run.config
     for t in cfg.treatments:
         if t.loss == losses.DPPO_LOSS:
             assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t.name) > 0, t.name
     assert all(r["loss_tokens"] > 0 for r in comparison_run.rows)
+    arms = evidence_bundle.result["metrics"]["arms"]
+    for a in cfg.arms:
+        names = C.fraction_names(a.loss)
+        for r in (r for r in comparison_run.rows if r["arm"] == a.name):
+            for base, key in names.items():
+                other = base if key != base else f"counterfactual_{base}"
+                assert key in r and other not in r, (a.name, key)
+        for base in ("dppo_masked_frac", "ppo_clip_frac"):
+            assert f"{names[base]}_mean" in arms[a.name], (a.name, names[base])
+    own = {a.loss: {k for k in C.fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms}
+    assert own.get(losses.GRPO_LOSS, {"ppo_clip_frac", "last_update_clip_frac"}) == {"ppo_clip_frac", "last_update_clip_frac"}
+    assert own.get(losses.DPPO_LOSS, {"dppo_masked_frac", "last_update_masked_frac"}) == {"dppo_masked_frac",
+                                                                                           "last_update_masked_frac"}
+
+
+def test_every_scored_model_has_accuracy_n_and_invalid_outputs_under_its_own_key(comparison_run, evidence_bundle):
+    result = evidence_bundle.result
+    for s in comparison_run.scores:
+        for where in (result["metrics"]["arms"], result["evidence"]["per_arm_metrics"]):
+            m = where[s["arm"]]
+            assert m["accuracy"] == s["value"] and m["eval_n"] == comparison_run.config.eval_items
+            assert 0 <= m["eval_invalid_outputs"] <= m["eval_n"]
+            assert 0 <= m["eval_truncated_frac"] <= 1 and m["eval_mean_response_tokens"] > 0
+        assert result["metrics"][f"eval/accuracy/{s['arm']}"] == s["value"]  # the earlier key stays
+
+
+def test_rows_carry_truncation_kl_and_entropy(comparison_run):
+    for r in comparison_run.rows:
+        assert 0 <= r["truncated_frac"] <= 1 and 0 <= r["no_answer_frac"] <= 1 and r["mean_response_tokens"] > 0
+        assert r["entropy"] > 0 and "kl_sample_train_v1" in r and r["kl_sample_train_v2"] >= 0
+        assert r["cookbook_env"]["env/all/reward/total"] == pytest.approx(r["reward_mean"])
+
+
+def test_each_arms_metrics_jsonl_loads_with_the_cookbooks_own_readers(comparison_run, evidence_bundle):
+    from tinker_cookbook.stores.storage import LocalStorage
+    from tinker_cookbook.stores.training_store import TrainingRunStore
+    from tinker_cookbook.utils.file_utils import read_jsonl
+
+    manifest = json.loads(evidence_bundle.file_path("comparison-run-0.json").read_text())["cookbook_metrics"]
+    assert manifest["writer"] == "tinker_cookbook.utils.ml_log.JsonLogger"
+    for a in comparison_run.config.arms:
+        name = manifest["evidence_files"][a.name]
+        assert evidence_bundle.entry(name)["kind"] == "metrics"
+        records = read_jsonl(str(evidence_bundle.file_path(name)))
+        live = Path(manifest["live_files"][a.name])
+        assert TrainingRunStore(LocalStorage(live.parent)).read_metrics() == records
+        assert [r["step"] for r in records] == list(range(comparison_run.config.steps))
+        for key in ("env/all/reward/total", "optim/kl_sample_train_v1", "optim/entropy", "env/all/total_ac_tokens",
+                    "time/total", "progress/done_frac"):
+            assert all(key in r for r in records), key
+    assert len(evidence_bundle.files()) <= 64
+
+
+def test_report_shows_the_truncation_plot_and_the_informational_interval(comparison_run, evidence_bundle):
+    text = evidence_bundle.file_path("report.md").read_text()
+    assert "![truncation and answer yield](comparison-truncation-and-answer-yield.png)" in text
+    assert evidence_bundle.entry("comparison-truncation-and-answer-yield.png")["kind"] == "plot"
+    assert "### Informational paired interval (not the decision rule)" in text and "discordant pairs" in text
+    info = evidence_bundle.result["decision"]["informational"]
+    assert info["used_for_verdict"] is False and info["n"] == comparison_run.config.eval_items
+    assert info["treatment_only_correct"] + info["baseline_only_correct"] == info["discordant_pairs"]
+    metrics = evidence_bundle.result["metrics"]
+    assert metrics["comparison/informational_newcombe_lower"] == info["lower"]
 
 
 def test_predictions_observations_and_decision_are_consistent(comparison_run, evidence_bundle, plan):

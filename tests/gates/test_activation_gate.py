@@ -26,6 +26,11 @@ def test_gate_report_is_its_own_immutable_evidence_file(gate_report, evidence_bu
         assert [c["metric"] for c in on_disk["checks"]] == [c.metric for c in plan.spec_plan.run.gate_checks]
         with pytest.raises(ImmutableNameError):
             evidence_bundle.register_json(name, "report", {**on_disk, "passed": not on_disk["passed"]})
+        # Every pilot step that sampled says how many responses stopped at max_tokens or had no answer.
+        sampled = [r for r in on_disk["per_step"] if r["optim_steps"]]
+        assert sampled and all({"truncated_frac", "no_answer_frac", "mean_response_tokens"} <= set(r) for r in sampled)
+        y = on_disk["pilot"]["rollout_yield"]
+        assert y["max_tokens"] == on_disk["pilot"]["max_tokens"] and y["n"] == sum(r["responses"] for r in sampled)
     calibration = evidence_bundle.result["activation_calibration"]
     assert set(calibration["values"]) == {c.metric for c in reports[0].checks} and calibration["note"]
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from dppo_harness import comparison as C
+from dppo_harness import losses
 from dppo_harness.plans import load_plan
 
 SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
@@ -24,7 +25,7 @@ class FakeArm:
 
 
 def _runner(arm):
-    spec = C.ArmSpec("grpo_seed0", "grpo", "baseline", 0, 1e-2, 2)
+    spec = C.ArmSpec("grpo_seed0", losses.GRPO_LOSS, "baseline", 0, 1e-2, 2)
     return C.ArmRunner(spec, arm, loss_fn=None, recorder=None)
 
 

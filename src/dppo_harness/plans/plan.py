@@ -317,7 +317,16 @@ def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) 
         "sdk_versions": dict(info.sdk_versions),
     }
     out["deviations"] = out["deviations"] + backend_deviations(plan, info)
-    return {k: out[k] for k in ("plan", "backend", "pinned", "budget", "generation_audit", "config", "deviations")}
+    from dppo_harness import losses as loss_path
+    from dppo_harness import tokenizer
+
+    # Declared for every plan: the renderer's thinking mode (read off a rendered prompt) and the
+    # loss normalization, against the cookbook ppo's sum.
+    mode = plan.diagnostic.fixed_settings.loss_normalization.mode if plan.kind == "bounded_diagnostic" else plan.run.normalization
+    out["renderer"] = tokenizer.default_renderer_declaration()
+    out["loss_normalization"] = loss_path.normalization_declaration(mode)
+    keys = ("plan", "backend", "pinned", "budget", "generation_audit", "config", "renderer", "loss_normalization", "deviations")
+    return {k: out[k] for k in keys}
 
 
 def plan_config(plan: Plan) -> dict[str, Any]:
