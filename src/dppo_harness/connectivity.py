@@ -77,6 +77,9 @@ def auth_failure_line(status: int, payload: Any, url: str) -> str:
     what = ("missing" if "missing" in text.lower() else "rejected") if header else "rejected"
     if var == "TINKER_API_KEY":
         hint = "check TINKER_API_KEY (sent as X-API-Key)"
+    elif var and what == "missing":  # Modal headers are sent only when both variables are set
+        hint = ("the service requires the Modal proxy headers Modal-Key/Modal-Secret; set MODAL_PROXY_TOKEN_ID and "
+                "MODAL_PROXY_TOKEN_SECRET")
     elif var:
         hint = f"check MODAL_PROXY_TOKEN_ID/SECRET ({var} is sent as {header})"
     else:
@@ -108,7 +111,9 @@ def check_connectivity(
     url = str(kwargs["base_url"])
     shown = service.redact_url(url) or url
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
-    ok("variables", "TINKER_BASE_URL, TINKER_API_KEY and the proxy-token variables are set"
+    proxy = ("the proxy-token variables are set" if kwargs.get("default_headers_overrides")
+             else "no proxy-token variables set: no Modal proxy headers sent")
+    ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; {proxy}"
        if backend == "tinker" else "local backend: no credentials needed")
 
     # 2. reachable (3. auth is judged on the same request)
