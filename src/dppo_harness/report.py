@@ -314,12 +314,28 @@ def plot_accuracy_difference(scores: list[Mapping[str, Any]], decision: Mapping[
     return _png(fig)
 
 
+def resume_lines(resume: Mapping[str, Any] | None) -> list[str]:
+    """The report's account of a resumed run: which run and session it continues, from which
+    step, how many times it was resumed (the provenance block's `resume`)."""
+    if not resume:
+        return []
+    cont = resume["continues_session"]
+    snap = cont.get("last_snapshot") or {}
+    return [f"**Resumed** ({resume['resumed_times']} time(s) in all): this session continued comparison run "
+            f"`{resume['comparison_run']}` from step {resume['from_step']} (the last step every arm had saved), after "
+            f"session `{cont['run_id']}` stopped with status `{cont['status']}`; its last snapshot "
+            f"`{snap.get('name')}` sha256 `{snap.get('sha256')}`. The preflight and the gate were not rerun: their "
+            f"evidence was reused after it verified by sha256 (`{resume['evidence_ref']}`).", ""]
+
+
 def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
-                               decision: Mapping[str, Any], plot_files: Mapping[str, str], backend: str) -> str:
+                               decision: Mapping[str, Any], plot_files: Mapping[str, str], backend: str,
+                               resume: Mapping[str, Any] | None = None) -> str:
     lines = ["# Paired comparison: DPPO Binary-TV vs GRPO clipped-ratio", ""]
     if backend == "local" or decision.get("rehearsal"):
         lines += ["**REHEARSAL** on the embedded CPU server's stand-in model under the declared rehearsal plan; "
                   "not a result about Qwen3.5-2B. Verdict always inconclusive.", ""]
+    lines += resume_lines(resume)
     lines += ["## Per step and arm", "", "| arm | step | reward | format | masked frac | clip frac | |p-q| q90 | loss tokens | s |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -341,12 +357,13 @@ def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mappi
 
 
 def write_comparison_report(bundle: Any, rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
-                            decision: Mapping[str, Any], backend: str) -> dict[str, str]:
+                            decision: Mapping[str, Any], backend: str,
+                            resume: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The comparison section of report.md with its plots, registered in the bundle."""
     plots = {"reward": plot_comparison_reward(rows), "fractions": plot_comparison_fractions(rows),
              "difference": plot_accuracy_difference(scores, decision)}
     for key, data in plots.items():
         bundle.register_bytes(COMPARISON_PLOTS[key], "plot", data)
-    text = render_comparison_markdown(rows, scores, decision, COMPARISON_PLOTS, backend)
+    text = render_comparison_markdown(rows, scores, decision, COMPARISON_PLOTS, backend, resume)
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**COMPARISON_PLOTS, "report": REPORT_FILE}
