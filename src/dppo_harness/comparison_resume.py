@@ -9,6 +9,8 @@ sha256 is checked against the one recorded when the run started. Then the setup 
 posted in the new bundle, each file they reference registered again with the same bytes, and a
 `resumed-from-N.json` manifest names the run, the session it continues, that session's last
 snapshot and every reused file with its sha256. Any mismatch refuses the resume with one line.
+The run's state exists only because its first session's preflight and gate passed (a failed
+stage blocks the comparison); the gate report's own `passed` is checked again.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from dppo_harness.comparison import ComparisonError, RunState
 from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.snapshots import snapshot_names
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
+from dppo_harness.gate import GATE_REPORT_FILE
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
 
 SETUP_BLOCKS = ("correctness_preflight", "initialization_provenance", "activation_calibration", "feasibility")
-GATE_REPORT_FILE = "activation-gate-report.json"  # gate.GATE_REPORT_FILE (gate imports the SDK)
 
 
 @dataclass(frozen=True)
