@@ -484,11 +484,11 @@ def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
 def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan: Plan,
                     service_backend: ServiceBackend, connectivity: Any) -> EvidenceBundle:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.feasibility import local_rehearsal
+    from dppo_harness.feasibility import rehearsal_sizing
 
     bundle = EvidenceBundle.create(harness_options.evidence_dir)
     # Recorded before any service call: a local run rehearses the spec at a declared, fixed size.
-    _, reductions = local_rehearsal(plan) if harness_options.backend == "local" else ({}, [])
+    _, reductions = rehearsal_sizing(plan, embedded_server=connectivity.embedded)
     bundle.start_session(
         backend=harness_options.backend,
         plan=plan,
