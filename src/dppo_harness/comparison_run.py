@@ -103,7 +103,7 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
     load observed; one more restore_count and optimizer check, whose get_info is kept in the run
     state registered as `state_file`. Returns (client, provenance entry)."""
     arm = state.arms[name]
-    client, resp = create_from_state_observed(service_client, path)
+    client, resp = create_from_state_observed(service_client, path, name)
     if resp is None or resp.path != path:
         raise C.ComparisonError(f"{name}: restore of {path} not observed (load response {getattr(resp, 'path', None)!r})")
     arm.restore_count += 1
@@ -179,7 +179,10 @@ def run_comparison(
             "comparison_run": state.run_id, "resumed_times": state.resumed,
             "from_step": state.resumes[-1]["from_step"], "continues_session": reused.continued,
             "evidence_ref": reused.manifest}})
-    tracker = service.CapacityTracker(comparison_steps_completed=min(s.steps_done for s in state.arms.values()))
+    # The session waiter's tracker when there is one: its capacity window widens after the first step too.
+    waiter = getattr(service_client, "waiter", None)
+    tracker = waiter.tracker if waiter is not None else service.CapacityTracker()
+    tracker.comparison_steps_completed = min(s.steps_done for s in state.arms.values())
 
     def call(fn: Callable[[], Any]) -> Any:
         return service.call_with_capacity_retry(fn, policy=capacity_policy or service.CapacityPolicy(), steps_completed=tracker,

@@ -843,7 +843,7 @@ def _declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _
 
 def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
     """A fresh client from the shared initial state, the load observed (never trained weights)."""
-    tc, load_response = create_from_state_observed(service_client, initial_checkpoint)
+    tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "diagnostic DPPO client")
     info = tc.get_info()
     restore = {
         "initial_checkpoint": initial_checkpoint,

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from dppo_harness.pytest_plugin import stops_stage
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,18 +43,23 @@ def run_spec(plan, spec_plan) -> dict:
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def restoration(request, service_client, service_backend, plan, spec_plan, run_spec, evidence_bundle,
-                training_client_observer, client_registry, client_base_model):
+                training_client_observer, client_registry, client_base_model, service_waiter, harness_options):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
-    from dppo_harness.service import CapacityExhausted, CapacityPolicy, call_with_capacity_retry, make_service_client
+    from dppo_harness.service import CapacityExhausted, call_with_capacity_retry, make_service_client
 
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
-                                   observer=training_client_observer)  # every training client's identity
-    policy = CapacityPolicy.from_env()
+                                   observer=training_client_observer,  # every training client's identity
+                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+                                   sdk_telemetry=harness_options.sdk_telemetry)
+    # Registered before its first call: a stop on the way (capacity, hang) releases it with the rest.
+    client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
+    policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     plan_kind = plan.kind
     update_norm = None
     if reader is None:  # tinker backend: read trained weights back through the SDK (issue 11 point 10)
@@ -75,12 +82,11 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
             fields.update(original_hypothesis_tested=False,
                           tested_instead="nothing: the run stopped on service capacity before any training")
         evidence_bundle.update_result(**fields)
-        pytest.fail(f"capacity: {exc}", pytrace=False)
+        raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
         # Release the setup/probe clients before anything trains, and record it (issue 11 point 8).
         from dppo_harness.pytest_plugin import record_client_releases
 
-        client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
     return result
 
@@ -93,6 +99,7 @@ def verified_restoration(restoration):
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def feasibility(service_client, service_backend, plan, evidence_bundle, verified_restoration, connectivity):
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once)."""
     from dppo_harness import feasibility as F

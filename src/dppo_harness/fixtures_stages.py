@@ -12,22 +12,11 @@ from collections.abc import Callable
 
 import pytest
 
+from dppo_harness.pytest_plugin import progress_printer, stops_stage
+
 
 def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-
-    def say(msg: str) -> None:
-        if reporter is None:
-            print(msg, flush=True)
-            return
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(msg)
-        else:
-            reporter.write_line(msg)
-
-    return say
+    return progress_printer(request.config)
 
 
 def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
@@ -39,6 +28,7 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def gate_report(request, service_client, service_backend, spec_plan, run_spec, evidence_bundle, restoration):
     """The executed spec's activation-gate pilot (a rehearsal's inner spec), run once per session."""
     from dppo_harness.gate import run_activation_gate
@@ -50,8 +40,9 @@ def gate_report(request, service_client, service_backend, spec_plan, run_spec, e
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
-                   client_registry, client_base_model):
+                   client_registry, client_base_model, service_waiter):
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session.
 
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
@@ -59,7 +50,6 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     from dppo_harness.comparison import ComparisonError
     from dppo_harness.comparison_run import run_comparison
     from dppo_harness.pytest_plugin import propose_outcome, unit_parity_passed
-    from dppo_harness.service import CapacityPolicy
 
     if not unit_parity_passed(request.config):
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
@@ -76,8 +66,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
             state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
             schedule=harness_options.comparison_schedule, save_every=harness_options.save_every,
             registry=client_registry,
-            # The local rehearsal has no shared capacity to wait for: scaled-down windows, same rules.
-            capacity_policy=CapacityPolicy(scale=0.01) if service_backend.kind == "local" else CapacityPolicy(),
+            capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
             progress=_progress(request), base_model=client_base_model,
         )
     except ComparisonError as exc:  # a refused resume or configuration: its one line
@@ -102,6 +91,7 @@ def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def diagnostic_run(request, service_client, service_backend, plan, spec_plan, evidence_bundle, restoration):
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages (issue 11 point 6)."""

@@ -361,7 +361,7 @@ def run_activation_gate(
     adam = tinker.AdamParams(**cfg.adam)
     errors: list[str] = []
     try:
-        tc, load_response = create_from_state_observed(service_client, initial_checkpoint)
+        tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "gate pilot client")
         pilot.loaded_checkpoint = getattr(load_response, "path", None)
         pilot.base_model, pilot.base_model_source = executed_model(tc.get_info(), backend, bundle)
         renderer = tokenizer.make_renderer().renderer

@@ -9,9 +9,10 @@ malformed plan is a one-line usage error before anything is collected.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -48,6 +49,13 @@ class HarnessOptions:
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
     comparison_schedule: str = "interleaved"
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
+    # -- the service wait policy (service_wait.WaitPolicy); None: the default (capacity defaults
+    # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
+    capacity_patience_s: float | None = None
+    capacity_patience_after_steps_s: float | None = None
+    service_timeout_s: float | None = None
+    proxy_credentials: Literal["modal", "runs"] = "modal"  # which proxy tokens feed Modal-Key/Modal-Secret
+    sdk_telemetry: bool = False  # let the SDK post its telemetry (off: TINKER_TELEMETRY=0)
 
 
 @dataclass
@@ -86,6 +94,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "from the last step every arm saved")
     group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default="interleaved",
                     help="how the two arms advance step by step (see benchmarks/comparison_schedule.py)")
+    # -- service waits (docs/service.md)
+    group.addoption("--capacity-patience-s", type=float, default=None, metavar="S",
+                    help="give up after the service paused or refused work for S seconds before any comparison "
+                         "step completed (default 600)")
+    group.addoption("--capacity-patience-after-steps-s", type=float, default=None, metavar="S",
+                    help="the same window once a comparison step completed (default 1800)")
+    group.addoption("--service-timeout-s", type=float, default=None, metavar="S",
+                    help="stop the stage when a request whose queue is active gives no answer for S seconds "
+                         "(default 900)")
+    group.addoption("--proxy-credentials", choices=("modal", "runs"), default="modal",
+                    help="Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (shared Spindle, default) or "
+                         "RUNS_PROXY_TOKEN_* (the brief's fork)")
+    group.addoption("--sdk-telemetry", action="store_true", default=False,
+                    help="let the tinker SDK post its telemetry to the service (off by default: on auth "
+                         "errors its events carry the request headers, credentials included)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -212,9 +235,17 @@ def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOption
     if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
         raise pytest.UsageError(f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (the brief asks "
                                 f"for each arm's state to be saved at least every {constants.MAX_SAVE_EVERY} steps)")
+    waits = {}
+    for opt in ("--capacity-patience-s", "--capacity-patience-after-steps-s", "--service-timeout-s"):
+        value = config.getoption(opt)
+        if value is not None and not (value > 0 and value != float("inf")):
+            raise pytest.UsageError(f"{opt}: expected a positive number of seconds, got {value}")
+        waits[opt.removeprefix("--").replace("-", "_")] = value
     return HarnessOptions(backend, plan_path, evidence_dir, run_stages,
                           resume=_resume_run_id(config, config.getoption("--resume"), evidence_dir),
-                          comparison_schedule=config.getoption("--comparison-schedule"), save_every=save_every)
+                          comparison_schedule=config.getoption("--comparison-schedule"), save_every=save_every,
+                          proxy_credentials=config.getoption("--proxy-credentials"),
+                          sdk_telemetry=config.getoption("--sdk-telemetry"), **waits)
 
 
 def _resume_run_id(config: pytest.Config, value: str | None, evidence_dir: Path) -> str | None:
@@ -335,6 +366,9 @@ def record_client_releases(config: pytest.Config, records: list[dict[str, Any]])
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
+    stop = _service_stop(call.excinfo.value if call.excinfo is not None else None)
+    if stop is not None:  # the wait policy stopped the stage: its one line, not a traceback
+        report.longrepr = stop.line
     if report.when == "call" or report.outcome != "passed":
         counts = item.config.stash[_STATE_KEY].outcomes.setdefault(
             item.stash.get(STAGE_KEY, "unit"), {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []})
@@ -344,6 +378,54 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if report.failed:
         state = item.config.stash[_STATE_KEY]
         state.first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
+
+
+def progress_printer(config: pytest.Config) -> Callable[[str], None]:
+    """A function printing one progress line on the terminal (past pytest's output capture)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def say(msg: str) -> None:
+        if reporter is None:
+            print(msg, flush=True)
+            return
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(msg)
+        else:
+            reporter.write_line(msg)
+
+    return say
+
+
+def stops_stage(fixture: Callable[..., Any]) -> Callable[..., Any]:
+    """For a stage's session fixture: a stop by the service wait policy (service_wait.ServiceStopped,
+    a BaseException so that stage code cannot swallow it) fails the requesting test with its one
+    line, cached like any fixture failure, so every later test of the stage gets the same line."""
+
+    @functools.wraps(fixture)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fixture(*args, **kwargs)
+        except BaseException as exc:
+            stop = _service_stop(exc)
+            if stop is None:
+                raise
+            line = stop.line
+        pytest.fail(line, pytrace=False)  # outside the except: the line, without a chained traceback
+
+    return run
+
+
+def _service_stop(exc: BaseException | None) -> Any:
+    """The service_wait.ServiceStopped behind a failure, if any (the module is loaded only once
+    a service client exists, so a session without one never imports the SDK here)."""
+    import sys
+
+    module = sys.modules.get("dppo_harness.service_wait")
+    if exc is None or module is None:
+        return None
+    return exc if isinstance(exc, module.ServiceStopped) else None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -458,14 +540,33 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
 
 
 @pytest.fixture(scope="session")
-def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry,
-                   training_client_observer: Any) -> tinker.ServiceClient:
+def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptions, service_backend: ServiceBackend,
+                   evidence_bundle: EvidenceBundle, client_registry: ClientRegistry) -> Any:
+    """The session's one wait policy: every client of every ServiceClient the harness makes waits
+    under it; long waits are posted to the evidence, a stop releases the clients and records why."""
+    from dppo_harness.service_wait import CAPACITY_SCALE_VAR, ServiceWaiter, WaitPolicy
+    from dppo_harness.wait_evidence import BundlePoster
+
+    # The local rehearsal has no shared capacity to wait for: capacity defaults 100x shorter, same rules.
+    scale = 0.01 if service_backend.kind == "local" and not os.environ.get(CAPACITY_SCALE_VAR) else None
+    policy = WaitPolicy.from_options(capacity_patience_s=harness_options.capacity_patience_s,
+                                     capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
+                                     service_timeout_s=harness_options.service_timeout_s, scale=scale)
+    poster = BundlePoster(evidence_bundle, client_registry)
+    return ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
+
+
+@pytest.fixture(scope="session")
+def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry, harness_options: HarnessOptions,
+                   training_client_observer: Any, service_waiter: Any) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
     from dppo_harness.service import make_service_client
 
     return make_service_client(
         service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
         observer=training_client_observer,  # every training client's identity -> evidence
+        waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+        sdk_telemetry=harness_options.sdk_telemetry,
     )
 
 

@@ -32,6 +32,7 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.correctness import lr_scaling_error
+from dppo_harness.service_wait import name_client
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -456,52 +457,14 @@ def dump_response(obj: Any) -> Any:
 
 
 def create_from_state_observed(
-    service_client: tinker.ServiceClient, path: str
+    service_client: tinker.ServiceClient, path: str, name: str | None = None
 ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
-    """`create_training_client_from_state_with_optimizer`, keeping the server's load response.
+    """`create_training_client_from_state_with_optimizer`, keeping the server's load response
+    (`service.create_from_state_with_response`: the SDK drops it, yet it is the brief's proof of
+    what was loaded). `name` names the client in wait lines (e.g. the arm)."""
+    from dppo_harness.service import create_from_state_with_response
 
-    The public SDK method (0.38.0) awaits the LoadWeightsResponse and drops it, yet that response
-    is the brief's proof of what was loaded. This issues the same single LoadWeightsRequest
-    (optimizer=True) the SDK issues, through the SDK's own client holder, and keeps the response.
-    If the SDK internals differ (another version), it falls back to the public method and returns
-    None for the response, which leaves `loaded_checkpoint_uri` unproved.
-    """
-    try:
-        from tinker.lib.api_future_impl import _APIFuture
-        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
-        from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
-
-        holder = service_client.holder
-        session_id = holder.get_session_id()
-        model_seq_id = holder.get_training_client_id()
-    except (ImportError, AttributeError) as exc:  # pragma: no cover - other SDK versions
-        logger.warning("SDK internals unavailable (%s); load response will not be observed", exc)
-        return service_client.create_training_client_from_state_with_optimizer(path).result(), None
-
-    model_id = f"{session_id}:train:{model_seq_id}"
-
-    async def _create() -> tuple[TrainingClient, Any]:
-        start = time.time()
-
-        async def _send():
-            request = tinker.types.LoadWeightsRequest(
-                session_id=session_id, model_seq_id=model_seq_id, path=path, optimizer=True,
-                optimizer_config=None, base_model=None, user_metadata=None,
-                weights_access_token=None)
-            with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
-                return await client.weights.load(request=request)
-
-        future = await holder.execute_with_retries(_send)
-        response = await _APIFuture(tinker.types.LoadWeightsResponse, holder, future,
-                                    request_start_time=start, request_type="LoadWeights").result_async()
-        info = await fetch_training_info(holder, model_id)
-        return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info), response
-
-    client, response = holder.run_coroutine_threadsafe(_create()).result()
-    from dppo_harness.service import notify_training_client
-
-    notify_training_client(service_client, client, "create_training_client_from_state_with_optimizer")
-    return client, response
+    return create_from_state_with_response(service_client, path, name)
 
 
 class UpdateNormMeasure(Protocol):
@@ -658,6 +621,7 @@ def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int
     """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
     # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
     client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
+    name_client(client, f"setup client ({label}, seed {seed})")
     rec.keep(f"create_{label}.get_info", client.get_info())
     name = f"{tag}-initial-{label}-seed{seed}"
     saved = client.save_state(name).result()
@@ -676,7 +640,7 @@ def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int
 def _load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: _Recorder,
               call: Callable[[Callable[[], Any]], Any]) -> LoadedArm:
     """Step 2: the arm's client from the checkpoint with optimizer; the load response kept."""
-    client, resp = call(lambda: create_from_state_observed(service_client, path))
+    client, resp = call(lambda: create_from_state_observed(service_client, path, arm))
     load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
     rec.keep(f"load_{arm}.get_info", client.get_info())
     return LoadedArm(client, resp.path if resp is not None and resp.path else None, load_ref, resp is not None)

@@ -48,7 +48,7 @@ def test_gpu_recipe_step_2_runs_as_written(readme, tmp_path):
     assert result["status"] == "succeeded" and result["backend"]["requested_backend"] == "tinker", result["backend"]
     conn = json.loads((run / "files" / "connectivity-preflight.json").read_text())
     variables = next(c for c in conn["checks"] if c["check"] == "variables")
-    assert "no Modal proxy headers sent" in variables["detail"], variables
+    assert "proxy headers: none" in variables["detail"], variables
     verify = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)],
                             capture_output=True, text=True, timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
