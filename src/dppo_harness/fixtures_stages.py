@@ -19,6 +19,12 @@ def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
     return progress_printer(request.config)
 
 
+@pytest.fixture(scope="session")
+def harness_progress(request):
+    """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
+    return _progress(request)
+
+
 def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
     """When the plugin saw the stage begin (time.monotonic), else now."""
     from dppo_harness.pytest_plugin import stage_started_at
@@ -49,6 +55,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
     from dppo_harness.comparison import ComparisonError
     from dppo_harness.comparison_run import run_comparison
+    from dppo_harness.cookbook_metrics import WandbRequest
     from dppo_harness.pytest_plugin import propose_outcome, unit_parity_passed
 
     if not unit_parity_passed(request.config):
@@ -68,6 +75,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
             registry=client_registry,
             capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
             progress=_progress(request), base_model=client_base_model,
+            wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
         )
     except ComparisonError as exc:  # a refused resume or configuration: its one line
         line = str(exc)

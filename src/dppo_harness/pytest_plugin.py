@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class HarnessOptions:
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
     comparison_schedule: str = "interleaved"
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
+    wandb_project: str | None = None  # --wandb-project or WANDB_PROJECT; None: W&B is never touched
+    wandb_source: str = "not requested"
     # -- the service wait policy (service_wait.WaitPolicy); None: the default (capacity defaults
     # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
     capacity_patience_s: float | None = None
@@ -94,6 +97,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "from the last step every arm saved")
     group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default="interleaved",
                     help="how the two arms advance step by step (see benchmarks/comparison_schedule.py)")
+    group.addoption("--wandb-project", default=None, metavar="PROJECT",
+                    help="also log each arm's cookbook metrics to this W&B project (default: WANDB_PROJECT; "
+                         "unset: no W&B at all)")
     # -- service waits (docs/service.md)
     group.addoption("--capacity-patience-s", type=float, default=None, metavar="S",
                     help="give up after the service paused or refused work for S seconds before any comparison "
@@ -241,11 +247,17 @@ def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOption
         if value is not None and not (value > 0 and value != float("inf")):
             raise pytest.UsageError(f"{opt}: expected a positive number of seconds, got {value}")
         waits[opt.removeprefix("--").replace("-", "_")] = value
+    from dppo_harness.cookbook_metrics import wandb_problem, wandb_request
+
+    wandb = wandb_request(config.getoption("--wandb-project"))
+    if wandb_problem(wandb):
+        raise pytest.UsageError(wandb_problem(wandb))
     return HarnessOptions(backend, plan_path, evidence_dir, run_stages,
                           resume=_resume_run_id(config, config.getoption("--resume"), evidence_dir),
                           comparison_schedule=config.getoption("--comparison-schedule"), save_every=save_every,
                           proxy_credentials=config.getoption("--proxy-credentials"),
-                          sdk_telemetry=config.getoption("--sdk-telemetry"), **waits)
+                          sdk_telemetry=config.getoption("--sdk-telemetry"),
+                          wandb_project=wandb.project, wandb_source=wandb.source, **waits)
 
 
 def _resume_run_id(config: pytest.Config, value: str | None, evidence_dir: Path) -> str | None:
@@ -380,20 +392,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         state.first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
 
 
+_SAY_LOCK = threading.Lock()  # progress.Watchdog writes from a background thread too
+
+
 def progress_printer(config: pytest.Config) -> Callable[[str], None]:
-    """A function printing one progress line on the terminal (past pytest's output capture)."""
+    """A function printing one progress line on the terminal (past pytest's output capture);
+    writers on several threads take turns."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
 
     def say(msg: str) -> None:
-        if reporter is None:
-            print(msg, flush=True)
-            return
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
+        with _SAY_LOCK:
+            if reporter is None:
+                print(msg, flush=True)
+                return
+            if capture is not None:
+                with capture.global_and_fixture_disabled():
+                    reporter.write_line(msg)
+            else:
                 reporter.write_line(msg)
-        else:
-            reporter.write_line(msg)
 
     return say
 
@@ -449,6 +466,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from dppo_harness.identity import finalize_labels  # the stand-in stays named
 
     finalize_labels(state.bundle)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The run's closing block (run_summary.summary_lines), when a stage opened an evidence bundle."""
+    state = config.stash.get(_STATE_KEY, None)
+    if state is None or state.bundle is None:
+        return
+    from dppo_harness.run_summary import TITLE, summary_lines
+
+    messages = {}
+    for rep in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", []):
+        for stage, nodeid in state.first_failure.items():
+            if getattr(rep, "nodeid", None) == nodeid and stage not in messages:
+                crash = getattr(getattr(rep, "longrepr", None), "reprcrash", None)
+                messages[stage] = f"{nodeid}: {(getattr(crash, 'message', '') or 'failed').splitlines()[0]}"
+    terminalreporter.write_sep("=", TITLE)
+    for line in summary_lines(state.bundle.result, state.bundle.dir, stage_failures=state.first_failure,
+                              failure_messages=messages, stage_order=stages.STAGES):
+        terminalreporter.write_line(line)
 
 
 def _release_remaining(state: _StageState) -> None:
@@ -511,8 +547,8 @@ class ServiceBackend:
 
 
 @pytest.fixture(scope="session")
-def service_backend(harness_options: HarnessOptions,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceBackend]:
+def service_backend(harness_options: HarnessOptions, tmp_path_factory: pytest.TempPathFactory,
+                    harness_progress: Any) -> Iterator[ServiceBackend]:
     if harness_options.backend == "tinker":
         yield ServiceBackend("tinker", os.environ["TINKER_BASE_URL"], None)
         return
@@ -522,7 +558,8 @@ def service_backend(harness_options: HarnessOptions,
     if "comparison" in harness_options.selected_stages:  # issue 9: --resume loads states saved by an earlier server
         run_dir = harness_options.evidence_dir / "local-server"
         run_dir.mkdir(parents=True, exist_ok=True)
-    with LocalServerProcess(run_dir=run_dir) as server:
+    # The first start builds the stand-in model (minutes on 2 cores): its progress is forwarded.
+    with LocalServerProcess(run_dir=run_dir, progress=harness_progress) as server:
         yield ServiceBackend("local", server.base_url, server)
 
 

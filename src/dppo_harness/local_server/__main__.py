@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --model-path (default: bfloat16 on CUDA, float32 on CPU)")
     h.add_argument("--served-name", default=None, help="with --model-path: name to serve it under "
                    "(default: the checkpoint's name)")
+    h.add_argument("--linear-attention", choices=("auto", "torch"), default="auto",
+                   help="with --model-path: Qwen3.5's linear-attention layers run the kernels transformers picked "
+                        "(auto) or its torch fallback (torch)")
+    h.add_argument("--decode-mode", choices=("auto", "dynamic", "static", "graph"), default="auto",
+                   help="sampler decode step: auto = the CUDA graph of the whole step on CUDA, eager on CPU")
     f = p.add_argument_group("fault injection (seeded and counted; see GET /_harness/stats)")
     f.add_argument("--fault-seed", type=int, default=0)
     f.add_argument("--fault-reject-first", action="append", default=[], metavar="KIND:STATUS:N",
@@ -137,8 +142,8 @@ def loopback_host(host: str) -> str:
 def check_model_path_args(args: argparse.Namespace) -> None:
     """--model-path problems exit with one line before anything heavy is imported or loaded."""
     if not args.model_path:
-        if args.served_name or args.dtype:
-            raise SystemExit("--served-name and --dtype need --model-path")
+        if args.served_name or args.dtype or args.linear_attention != "auto":
+            raise SystemExit("--served-name, --dtype and --linear-attention need --model-path")
         return
     if args.model:
         raise SystemExit("--model (a tiny preset) and --model-path are exclusive")
@@ -158,12 +163,12 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     from dppo_harness.local_server.engine import Engine
 
     t0 = time.perf_counter()
-    engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed}
+    engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed, "decode_mode": args.decode_mode}
     if args.model:
         engine_kwargs["model_name"] = args.model
     if args.model_path:
         engine_kwargs.update(model_path=args.model_path, device=args.device, dtype=args.dtype,
-                             served_name=args.served_name)
+                             served_name=args.served_name, linear_attention=args.linear_attention)
     from dppo_harness.local_server.hf_model import CheckpointError
 
     try:
@@ -193,6 +198,10 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     logging.getLogger("dppo_harness.local_server").info(
         "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
         getattr(engine, "model_name", "?"), time.perf_counter() - t0, base_info.get("cache_hit"), profile.name, run_dir)
+    if getattr(engine, "kernels", None):
+        from dppo_harness.local_server.hf_model import kernel_summary
+
+        logging.getLogger("dppo_harness.local_server").info("kernels: %s", kernel_summary(engine.kernels))
     print(f"listening on http://{host}:{port}", flush=True)
 
     stop = asyncio.Event()

@@ -439,6 +439,7 @@ class ServerState:
             "telemetry_posts": len(self.telemetry_bodies),
             "held_requests": len(self.holds),
             "engine_seconds": dict(self.engine_seconds),
+            "kernels": getattr(self.engine, "kernels", None),  # implementation per layer type
         }
 
     def shutdown(self) -> None:
