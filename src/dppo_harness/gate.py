@@ -237,6 +237,12 @@ def report_file(run: RunConfig, arm: str) -> str:
     return GATE_REPORT_FILE if len(run.treatments) == 1 else f"activation-gate-report-{arm}.json"
 
 
+def is_report_file(name: str) -> bool:
+    """Whether an evidence name is a gate report (`report_file` of any plan and arm)."""
+    stem = GATE_REPORT_FILE.removesuffix(".json")
+    return name == GATE_REPORT_FILE or (name.startswith(f"{stem}-") and name.endswith(".json"))
+
+
 def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
     """The model that actually computed, and where that came from.
 

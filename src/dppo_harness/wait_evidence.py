@@ -14,11 +14,17 @@ from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.service_wait import CapacityExhausted, ServiceStopped, ServiceWaiter, WaitStatus
 
+# Waiting snapshots per bundle. On the embedded CPU server (windows 100x shorter) nearly every
+# call counts as a wait and a snapshot falls due every few seconds: uncapped, they filled a
+# comparison bundle to its 64-file limit before the comparison began, leaving no room for the
+# stage's own evidence. result.json itself is still updated at every post.
+MAX_WAIT_SNAPSHOTS = 6
+
 
 class BundlePoster:
     """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block (what is
     waited on, since when, queue state and reason) into result.json and, at most every
-    `snapshot_every_s`, a result snapshot; `stop` releases every registered client and writes the
+    `snapshot_every_s`, a result snapshot (at most MAX_WAIT_SNAPSHOTS); `stop` releases every registered client and writes the
     stopped run's result (status failed, verdict inconclusive, incomplete_execution, and the
     capacity_block or the hang), then a snapshot."""
 
@@ -26,14 +32,16 @@ class BundlePoster:
         self.bundle, self.registry, self.clock = bundle, registry, clock
         self._last_snapshot: float | None = None
         self.posts = 0
+        self.snapshots = 0
 
     def post(self, waiter: ServiceWaiter, status: WaitStatus) -> None:
         self.posts += 1
         self.bundle.update_result(service_wait={**waiter.evidence(), "waiting": status.as_dict()})
         now = self.clock()
-        if self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s:
+        due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
+        if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
             self._last_snapshot = now
-            post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}")
+            self.snapshots += post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}") is not None
 
     def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
         released = bool(self.registry.release_all("errored")) if self.registry is not None else False

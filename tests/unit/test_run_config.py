@@ -154,6 +154,20 @@ def test_n_arms_one_baseline_several_treatments_each_criterion_on_its_own():
         _parse(_three_arms(SPEC.raw["decision_rule"]["criteria"]))
 
 
+def test_each_treatments_gate_report_is_one_a_resume_takes_over():
+    """A resume re-registers and re-checks every gate report of the run (comparison_resume), so
+    every name gate.report_file gives, one treatment or several, must be recognized as one."""
+    from dppo_harness import gate
+
+    three = _parse(_three_arms([_criterion("a", "dppo_seed0"), _criterion("b", "dppo_seed0_b")])).run
+    names = [gate.report_file(three, a.name) for a in three.treatments] + [gate.report_file(SPEC.run, "dppo_seed0")]
+    assert names == ["activation-gate-report-dppo_seed0.json", "activation-gate-report-dppo_seed0_b.json",
+                     gate.GATE_REPORT_FILE]
+    assert all(gate.is_report_file(n) for n in names)
+    assert not any(gate.is_report_file(n) for n in ("original-gate-report.json", "activation-gate-report.md",
+                                                     "comparison-state-r1-end.json"))
+
+
 def test_diagnostic_plan_names_a_registered_dataset_and_an_arm_of_its_original(tmp_path):
     raw = json.loads((ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json").read_text())
     raw["fixed_settings"]["sampling"]["dataset"] = "math500"
