@@ -117,12 +117,10 @@ def spindle(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def default_server(tmp_path_factory):
-    server = LocalServerProcess(run_dir=tmp_path_factory.mktemp("default"), model=FAST_MODEL).start()
-    yield server
-    _close_clients_of(server)
-    server.stop()
-    assert not server.alive()
+def default_server(shared_random_server):
+    """The default profile on the FAST_MODEL preset: the session's shared server."""
+    yield shared_random_server
+    _close_clients_of(shared_random_server)
 
 
 def _datum(n: int = 4) -> types.Datum:

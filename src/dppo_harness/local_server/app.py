@@ -479,7 +479,8 @@ async def _run_engine(state: ServerState, executor: ThreadPoolExecutor, label: s
         state.engine_seconds[label] = state.engine_seconds.get(label, 0.0) + wall
         state.engine_cpu_seconds[label] = state.engine_cpu_seconds.get(label, 0.0) + cpu
         state.engine_calls[label] = state.engine_calls.get(label, 0) + 1
-        engine_log.info("engine %s %.3fs wall %.3fs cpu%s", label, wall, cpu, f" {detail}" if detail else "")
+        engine_log.info("engine %s %.3fs wall %.3fs cpu (process %.2fs cpu)%s", label, wall, cpu, time.process_time(),
+                        f" {detail}" if detail else "")
 
 
 def _outcome_of_exception(exc: BaseException, label: str) -> _Outcome:
@@ -781,6 +782,10 @@ async def _finish_session(request: web.Request) -> web.Response:
     req = await _parse(request, FinishSessionRequest)
     if session["finished"] is None:  # first reason wins
         session["finished"] = req.reason.type
+    drop = getattr(state.engine, "drop_retained", None)
+    for entry in list(state.models.values()):
+        if drop is not None and entry.session_id == request.match_info["session_id"]:
+            drop(entry.engine_id)  # a finished session sends no second pass
     return web.json_response({})
 
 

@@ -9,7 +9,7 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
         __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
                  cache_dir=None, batch_window_s=0.05, num_threads=2,
                  model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
-                 decode_mode="auto")
+                 decode_mode="auto", retain_forward=None)
         served_models: list[str]; served_model_name: str; model_name: str
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
                      train_unembed=True) -> str
@@ -86,7 +86,7 @@ ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
 TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memory)
 # Retained first passes (see Engine._run), engine-wide: their kept float32 logits and their number
 # (a forward_backward_custom the SDK splits into chunks sends one forward per chunk).
-RETAINED_LOGIT_BYTES = 3 << 29
+RETAINED_LOGIT_BYTES = 1 << 30
 MAX_RETAINED = 4
 CUDA_TOKEN_BUDGET = 16384  # --model-path on CUDA: logits are chunked, so the budget bounds activations only
 _NAME_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
@@ -533,6 +533,10 @@ class Engine:
                     self.retained_stats["reused"] += 1
                     return self._retained.pop(k)
         return None
+
+    def drop_retained(self, model_id: str) -> None:
+        """Free the model's kept first passes (its session ended: no second pass will come)."""
+        self._drop_retained(model_id)
 
     def _drop_retained(self, model_id: str) -> None:
         """The model's weights change (or it goes): a kept graph no longer describes them."""
