@@ -124,6 +124,8 @@ def summarize(out: Path, run: dict) -> dict:
     run_id = (evidence / "LATEST").read_text().strip() if (evidence / "LATEST").is_file() else None
     files = evidence / run_id / "files" if run_id else None
     analysis = _json(files / "diagnostic-analysis.json" if files else None)
+    ledger = _json(evidence / run_id / "ledger.json" if run_id else None)
+    stage_ends = {row["stage"]: row for row in ledger.get("stages", [])}
     server_dirs = sorted((out / "pytest").glob("local-server*"))
     server_dir = server_dirs[0] if server_dirs else out / "pytest"
     stats = _json(server_dir / "server_stats.json")
@@ -132,7 +134,8 @@ def summarize(out: Path, run: dict) -> dict:
     ready = [float(m["s"]) for m in map(READY_LINE.search, text.splitlines()) if m]
     started = [_ts(m["ts"]) for m in map(STARTING_LINE.search, text.splitlines()) if m]
     calls = engine_calls(log)
-    tests = _json(out / "tests.json").get("tests", [])
+    recorded = _json(out / "tests.json")
+    tests = recorded.get("tests", [])
     stages: dict[str, dict] = {}
     for row in tests:
         st = stages.setdefault(stage_of(row["nodeid"]), {"tests": 0, "start": row["start"], "end": row["end"],
@@ -149,6 +152,8 @@ def summarize(out: Path, run: dict) -> dict:
     return {
         "run": run,
         "server_process_cpu_s": stats.get("process_cpu_seconds"),
+        "harness_process_cpu_s": recorded.get("session_cpu_s"),
+        "harness_tests_cpu_s": sum(r["cpu_s"] for r in tests),
         "server_engine_ready_s": ready[0] if ready else None,
         "server_started_at": started[0] if started else None,
         "stages": stages,
@@ -160,6 +165,11 @@ def summarize(out: Path, run: dict) -> dict:
         "update_phases": timings.get("update_phases") or [],
         "engine_by_kind": trained_model_calls(calls),
         "retained_forwards": stats.get("retained_forwards"),
+        # the ledger's clock starts with the evidence bundle, inside the preflight's first test
+        "session_start_after_preflight_start_s": (stage_ends["preflight"]["seconds"]
+                                                  - stage_ends["preflight"]["elapsed_at_end"])
+        if "preflight" in stage_ends else None,
+        "diagnostic_stage_end_s": stage_ends.get("diagnostic", {}).get("elapsed_at_end"),
     }
 
 
@@ -176,6 +186,11 @@ def print_report(s: dict) -> None:
     split = (f"server process {server_cpu:.1f} s, harness {run['cpu_s'] - server_cpu:.1f} s"
              if server_cpu is not None else "server CPU not recorded")
     print(f"wall {run['wall_s']:.1f} s; CPU {run['cpu_s']:.1f} s ({split})")
+    if s["harness_process_cpu_s"] is not None and server_cpu is not None:
+        own = s["harness_process_cpu_s"]
+        print(f"  harness: pytest process {own:.1f} s (tests {s['harness_tests_cpu_s']:.1f} s; collection, imports, "
+              f"session start and end {own - s['harness_tests_cpu_s']:.1f} s), CLIs the tests ran in subprocesses "
+              f"{run['cpu_s'] - server_cpu - own:.1f} s")
     print("\nstage            tests   wall s  harness CPU s  server CPU s")
     for name in ("unit parity", "preflight", "diagnostic", "other"):
         st = s["stages"].get(name)
@@ -206,11 +221,12 @@ def print_report(s: dict) -> None:
                   f"{_mean([r['cpu'] for r in rows]):6.2f} / {sum(r['cpu'] for r in rows):6.1f}")
     if s["retained_forwards"]:
         print(f"  retained first passes: {s['retained_forwards']}")
-    diag = s["stages"].get("diagnostic")
-    if diag and d.get("wall_seconds") is not None and s["stages"].get("preflight"):
-        after = diag["end"] - (s["stages"]["preflight"]["start"] + d["wall_seconds"])
+    if s["diagnostic_stage_end_s"] is not None and d.get("wall_seconds") is not None:
         print(f"  after training (final checkpoint, analysis, replay, report, evidence, the stage's other tests): "
-              f"about {after:.1f} s of wall")
+              f"{s['diagnostic_stage_end_s'] - d['wall_seconds']:.1f} s")
+    if s["session_start_after_preflight_start_s"] is not None:
+        print(f"  the session clock started {s['session_start_after_preflight_start_s']:.1f} s into the preflight "
+              "(server start, connectivity, evidence bundle)")
 
 
 def main() -> None:
