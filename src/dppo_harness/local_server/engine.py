@@ -11,6 +11,7 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
                  model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
                  decode_mode="auto", retain_forward=None)
         served_models: list[str]; served_model_name: str; model_name: str
+        retained_stats: dict[str, int]  # kept first passes: retained, reused, dropped
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
                      train_unembed=True) -> str
         get_info(model_id) -> dict  # model_name (served), model_id, is_lora, lora_rank,
@@ -29,6 +30,7 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
         get_parameter_grads(model_id) -> dict[str, torch.Tensor]
         get_parameters(model_id) -> dict[str, torch.Tensor]
         unload_model(model_id) -> None
+        drop_retained(model_id) -> None  # free its kept first passes (the model's session ended)
         close() -> None
 
 ``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``. Token ids are real
