@@ -17,6 +17,9 @@ from typing import Any
 
 import pytest
 
+from dppo_harness.progress import Watchdog
+from dppo_harness.pytest_plugin import stops_stage
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,18 +44,24 @@ def run_spec(plan, spec_plan) -> dict:
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def restoration(request, service_client, service_backend, plan, spec_plan, run_spec, evidence_bundle,
-                training_client_observer, client_registry, client_base_model):
+                training_client_observer, client_registry, client_base_model, service_waiter, harness_options,
+                harness_progress):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
-    from dppo_harness.service import CapacityExhausted, CapacityPolicy, call_with_capacity_retry, make_service_client
+    from dppo_harness.service import CapacityExhausted, call_with_capacity_retry, make_service_client
 
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
-                                   observer=training_client_observer)  # every training client's identity
-    policy = CapacityPolicy.from_env()
+                                   observer=training_client_observer,  # every training client's identity
+                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+                                   sdk_telemetry=harness_options.sdk_telemetry)
+    # Registered before its first call: a stop on the way (capacity, hang) releases it with the rest.
+    client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
+    policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     plan_kind = plan.kind
     update_norm = None
     if reader is None:  # tinker backend: read trained weights back through the SDK (issue 11 point 10)
@@ -60,27 +69,29 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
 
         update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
     try:
-        result = R.run_restoration_preflight(
-            service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
-            probe_service_client=probe_sc, spec_raw=run_spec, base_model=client_base_model,  # the served substitute
-            # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
-            call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
-            update_norm=update_norm,
-            # Under the diagnostic plan only the DPPO arm trains (issue 11 point 4).
-            trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
-        )
+        # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
+        with Watchdog(harness_progress, every_s=10.0) as watch:
+            result = R.run_restoration_preflight(
+                service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
+                probe_service_client=probe_sc, spec_raw=run_spec, base_model=client_base_model,  # the served substitute
+                # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
+                call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
+                update_norm=update_norm,
+                # Under the diagnostic plan only the DPPO arm trains (issue 11 point 4).
+                trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
+                progress=watch.say,
+            )
     except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
         fields = exc.block.result_fields()
         if evidence_bundle.result["original_hypothesis_tested"] is None:
             fields.update(original_hypothesis_tested=False,
                           tested_instead="nothing: the run stopped on service capacity before any training")
         evidence_bundle.update_result(**fields)
-        pytest.fail(f"capacity: {exc}", pytrace=False)
+        raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
         # Release the setup/probe clients before anything trains, and record it (issue 11 point 8).
         from dppo_harness.pytest_plugin import record_client_releases
 
-        client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
     return result
 
@@ -93,7 +104,8 @@ def verified_restoration(restoration):
 
 
 @pytest.fixture(scope="session")
-def feasibility(service_client, service_backend, plan, evidence_bundle, verified_restoration):
+@stops_stage
+def feasibility(service_client, service_backend, plan, evidence_bundle, verified_restoration, harness_progress):
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once)."""
     from dppo_harness import feasibility as F
     from dppo_harness import plans
@@ -109,8 +121,9 @@ def feasibility(service_client, service_backend, plan, evidence_bundle, verified
     eff = plans.effective_config(plan, info)
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).
-    return F.run_feasibility(
-        service_client, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
-        backend_kind=service_backend.kind, effective_config=eff,
-        schedule_overrides=overrides or None,
-        measured_setup={"restoration_preflight": verified_restoration.wall_seconds})
+    with Watchdog(harness_progress, every_s=10.0) as watch:
+        return F.run_feasibility(
+            service_client, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
+            backend_kind=service_backend.kind, effective_config=eff,
+            schedule_overrides=overrides or None,
+            measured_setup={"restoration_preflight": verified_restoration.wall_seconds}, progress=watch.say)

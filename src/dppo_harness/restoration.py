@@ -32,6 +32,7 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.correctness import lr_scaling_error
+from dppo_harness.service_wait import name_client
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -456,52 +457,14 @@ def dump_response(obj: Any) -> Any:
 
 
 def create_from_state_observed(
-    service_client: tinker.ServiceClient, path: str
+    service_client: tinker.ServiceClient, path: str, name: str | None = None
 ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
-    """`create_training_client_from_state_with_optimizer`, keeping the server's load response.
+    """`create_training_client_from_state_with_optimizer`, keeping the server's load response
+    (`service.create_from_state_with_response`: the SDK drops it, yet it is the brief's proof of
+    what was loaded). `name` names the client in wait lines (e.g. the arm)."""
+    from dppo_harness.service import create_from_state_with_response
 
-    The public SDK method (0.38.0) awaits the LoadWeightsResponse and drops it, yet that response
-    is the brief's proof of what was loaded. This issues the same single LoadWeightsRequest
-    (optimizer=True) the SDK issues, through the SDK's own client holder, and keeps the response.
-    If the SDK internals differ (another version), it falls back to the public method and returns
-    None for the response, which leaves `loaded_checkpoint_uri` unproved.
-    """
-    try:
-        from tinker.lib.api_future_impl import _APIFuture
-        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
-        from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
-
-        holder = service_client.holder
-        session_id = holder.get_session_id()
-        model_seq_id = holder.get_training_client_id()
-    except (ImportError, AttributeError) as exc:  # pragma: no cover - other SDK versions
-        logger.warning("SDK internals unavailable (%s); load response will not be observed", exc)
-        return service_client.create_training_client_from_state_with_optimizer(path).result(), None
-
-    model_id = f"{session_id}:train:{model_seq_id}"
-
-    async def _create() -> tuple[TrainingClient, Any]:
-        start = time.time()
-
-        async def _send():
-            request = tinker.types.LoadWeightsRequest(
-                session_id=session_id, model_seq_id=model_seq_id, path=path, optimizer=True,
-                optimizer_config=None, base_model=None, user_metadata=None,
-                weights_access_token=None)
-            with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
-                return await client.weights.load(request=request)
-
-        future = await holder.execute_with_retries(_send)
-        response = await _APIFuture(tinker.types.LoadWeightsResponse, holder, future,
-                                    request_start_time=start, request_type="LoadWeights").result_async()
-        info = await fetch_training_info(holder, model_id)
-        return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info), response
-
-    client, response = holder.run_coroutine_threadsafe(_create()).result()
-    from dppo_harness.service import notify_training_client
-
-    notify_training_client(service_client, client, "create_training_client_from_state_with_optimizer")
-    return client, response
+    return create_from_state_with_response(service_client, path, name)
 
 
 class UpdateNormMeasure(Protocol):
@@ -658,6 +621,7 @@ def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int
     """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
     # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
     client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
+    name_client(client, f"setup client ({label}, seed {seed})")
     rec.keep(f"create_{label}.get_info", client.get_info())
     name = f"{tag}-initial-{label}-seed{seed}"
     saved = client.save_state(name).result()
@@ -676,7 +640,7 @@ def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int
 def _load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: _Recorder,
               call: Callable[[Callable[[], Any]], Any]) -> LoadedArm:
     """Step 2: the arm's client from the checkpoint with optimizer; the load response kept."""
-    client, resp = call(lambda: create_from_state_observed(service_client, path))
+    client, resp = call(lambda: create_from_state_observed(service_client, path, arm))
     load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
     rec.keep(f"load_{arm}.get_info", client.get_info())
     return LoadedArm(client, resp.path if resp is not None and resp.path else None, load_ref, resp is not None)
@@ -778,6 +742,7 @@ def run_restoration_preflight(
     run_tag: str | None = None,
     spec_raw: Mapping[str, Any] | None = None,
     trained_arms: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> RestorationResult:
     """Run the restoration preflight for the spec's initialization group; see module docstring.
 
@@ -798,8 +763,14 @@ def run_restoration_preflight(
       the restored-vs-uninterrupted check must then fail).
     - `call`: wraps every client-creating call (e.g. `service.call_with_capacity_retry`).
     - `spec_raw`: the experiment spec to run (default `spec_plan.raw`; a rehearsal's inner spec).
+    - `progress`: one line at every step (which of the six, how far along), so the preflight is never silent.
     """
     t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
+
     call = call or (lambda fn: fn())
     probe_sc = probe_service_client or service_client
     raw = spec_plan.raw if spec_raw is None else spec_raw
@@ -823,6 +794,7 @@ def run_restoration_preflight(
     b_sha = _register_fixed_batch(bundle, fixed_batch, fixed_batch_description)
 
     # 1. Fresh LoRA client(s) and the immutable initial checkpoint(s).
+    say(f"1/6: fresh LoRA rank-{rank} client on {base_model} and the shared initial checkpoint")
     arm_seed = {a: (arm_seed_overrides or {}).get(a, seed) for a in arm_names}
     by_seed = {seed: _fresh_checkpoint(probe_sc, base_model, rank, "shared", seed, tag, rec, call)}
     for a, s in arm_seed.items():
@@ -834,22 +806,28 @@ def run_restoration_preflight(
     bundle.add_checkpoint("initial", 0, initial_checkpoint)
 
     # 2. Arms from the checkpoint with optimizer; keep the load responses.
-    loaded = {a: _load_arm(service_client, a, sources[a].path, rec, call) for a in arm_names}
+    loaded = {}
+    for i, a in enumerate(arm_names, start=1):
+        say(f"2/6: loading arm {a} ({i}/{len(arm_names)}) from {sources[a].path} with optimizer")
+        loaded[a] = _load_arm(service_client, a, sources[a].path, rec, call)
     adapter_sha, adapter_note, adapter_failures = _adapter_hashes(
         checkpoint_reader, loaded, {a: sources[a].path for a in arm_names}, tag, rec)
     failures += adapter_failures
 
     # 3. Initial outputs on the fixed batch, before any update.
+    say(f"3/6: initial logprobs of {len(arm_names)} arms on the fixed batch ({len(fixed_batch)} datums)")
     out_sha, cmp, output_failures = _initial_outputs(bundle, loaded, fixed_batch, b_sha, atol)
     failures += output_failures
 
     # 4. Probe clients: uninterrupted vs create-save-restore, same two fixed-gradient updates.
     opt_cfg = dict(arms[0]["optimizer_config"])
+    say("4/6: create-save-restore probe (uninterrupted vs restored client, 2 fixed-gradient updates)")
     probe = _restore_probe(probe_sc, initial_checkpoint, fixed_batch, opt_cfg, tag, rec, atol, call,
-                           restore_optimizer=probe_restore_with_optimizer)
+                           restore_optimizer=probe_restore_with_optimizer, say=say)
     failures.extend(probe["failures"])
 
     # 5. Optimizer checks and the provenance entries.
+    say("5/6: optimizer checks and initialization provenance")
     prov_body = {"version": 1, "arms": _provenance_entries(arms, base_model, sources, source_label, loaded, probe,
                                                            b_sha, out_sha, adapter_sha)}
     failures.extend(check_provenance(prov_body, arm_names))
@@ -857,8 +835,9 @@ def run_restoration_preflight(
     # 6. LR-scaling probe.
     if update_norm is None and checkpoint_reader is not None:
         update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
+    say(f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh client each)")
     lr_block = lr_scaling_probe(probe_sc, initial_checkpoint, fixed_batch, opt_cfg, lr_multipliers,
-                                lr_rtol, update_norm, update_norm_unavailable_reason, call)
+                                lr_rtol, update_norm, update_norm_unavailable_reason, call, say=say)
     if lr_block["available"] and not lr_block["passed"]:
         failures.append(f"LR scaling: {lr_block['problem']}")
 
@@ -870,6 +849,7 @@ def run_restoration_preflight(
                   "restore_probe": PROBE_FILE, "server_responses": RESPONSES_FILE},
         "passed": passed, "failures": list(failures),
     }
+    say(f"{'passed' if passed else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
     bundle.register_json(RESPONSES_FILE, "log", rec.responses)
     bundle.register_json(PROBE_FILE, "metrics", probe)
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block)
@@ -895,7 +875,7 @@ def run_restoration_preflight(
 
 
 def _restore_probe(service_client, initial_checkpoint, batch, opt_cfg, tag, rec, atol, call,
-                   restore_optimizer: bool = True) -> dict[str, Any]:
+                   restore_optimizer: bool = True, say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Uninterrupted vs create-save-restore probe clients must agree after the same update.
 
     Two different fixed gradients (even / odd datums) are used so that a restore that dropped
@@ -907,6 +887,7 @@ def _restore_probe(service_client, initial_checkpoint, batch, opt_cfg, tag, rec,
     g1 = reweighted(batch, 1.0, lambda i: i % 2 == 0)
     g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
     uninterrupted, _ = call(lambda: create_from_state_observed(service_client, initial_checkpoint))
+    say("4/6: probe update 1 on the uninterrupted client")
     _, opt1 = _step(uninterrupted, g1, adam)
     echo_ref = rec.keep("probe_optim_step_1", opt1)
     mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
@@ -918,6 +899,7 @@ def _restore_probe(service_client, initial_checkpoint, batch, opt_cfg, tag, rec,
         resp = tinker.types.LoadWeightsResponse(path=mid.path)
     rec.keep("probe_load_mid", resp if resp is not None else {"response": None})
     rec.keep("probe_load_mid.get_info", restored.get_info())
+    say("4/6: probe update 2 on both clients, then logprobs compared")
     before = full_logprobs(uninterrupted, batch)
     _, opt2_u = _step(uninterrupted, g2, adam)
     _, opt2_r = _step(restored, g2, adam)
@@ -957,6 +939,7 @@ def _restore_probe(service_client, initial_checkpoint, batch, opt_cfg, tag, rec,
 def lr_scaling_probe(
     service_client, initial_checkpoint, batch, opt_cfg, multipliers, rtol,
     update_norm: UpdateNormMeasure | None, unavailable_reason: str, call=None,
+    say: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     """Fresh client from the initial checkpoint per LR, the same fixed gradient, update norms.
 
@@ -970,7 +953,8 @@ def lr_scaling_probe(
                 "lr_scaling": [], "passed": None}
     g = reweighted(batch, 1.0, lambda i: True)
     probes: list[dict[str, float]] = []
-    for lr in lrs:
+    for i, lr in enumerate(lrs, start=1):
+        say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
         client, _ = (call or (lambda fn: fn()))(
             lambda: create_from_state_observed(service_client, initial_checkpoint))
         adam = _adam(opt_cfg, lr)

@@ -43,3 +43,22 @@ def test_evidence_verify_and_offline_replay_pass(diagnostic_run, evidence_bundle
     replay = _cli("dppo_harness.replay", evidence_bundle.dir)
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert f"{diagnostic_run.updates_done} loss calls" in replay.stdout
+
+
+def test_truncation_and_declarations_are_recorded_and_reported(diagnostic_run, evidence_bundle):
+    """The frozen batch's truncation at max_tokens and answer yield are measured and stated in the
+    report next to the declared renderer (thinking mode) and loss normalization."""
+    import json
+
+    analysis = json.loads(evidence_bundle.file_path(diagnostic.ANALYSIS_FILE).read_text())
+    y = analysis["rollout_yield"]
+    assert y["n"] == diagnostic_run.config.groups_per_batch * diagnostic_run.config.group_size
+    assert y["max_tokens"] == diagnostic_run.config.max_tokens and 0 <= y["truncated"] <= y["n"]
+    metrics = evidence_bundle.result["metrics"]
+    assert metrics["diagnostic/rollout_truncated_frac"] == y["truncated_frac"]
+    eff = json.loads(evidence_bundle.file_path("effective-config.json").read_text())
+    assert eff["renderer"]["thinking"] in ("enabled", "disabled") and eff["loss_normalization"]["mode"] == "token_mean"
+    text = evidence_bundle.file_path("report.md").read_text()
+    assert f"- renderer `{eff['renderer']['name']}`, thinking {eff['renderer']['thinking']}" in text
+    assert f"frozen batch rollouts: {y['truncated']} of {y['n']} responses" in text
+    assert "- loss normalization `token_mean`" in text

@@ -52,9 +52,15 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
 def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
     sc, probe_sc = _client(server), _client(server)
     try:
-        result, bundle = _run(server, spec, fixed_batch, tmp_path, sc=sc, probe_service_client=probe_sc)
+        lines: list[str] = []
+        result, bundle = _run(server, spec, fixed_batch, tmp_path, sc=sc, probe_service_client=probe_sc,
+                              progress=lines.append)
         probe_sc.close("success").result(timeout=60)  # release setup + probe clients
         assert result.passed, result.failure_message()
+        # Never silent: every one of the six steps says so, with how far along it is.
+        for k in range(1, 7):
+            assert any(m.startswith(f"[preflight] restoration {k}/6: ") for m in lines), (k, lines)
+        assert any("LR probe 3/3" in m for m in lines) and lines[-1].startswith("[preflight] restoration passed")
         assert result.lr_scaling["available"] and result.lr_scaling["passed"]
         hashes = {e["initialization"]["adapter_sha256"] for e in result.provenance["arms"].values()}
         assert len(hashes) == 1 and None not in hashes
