@@ -10,30 +10,43 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.service_wait import CapacityExhausted, ServiceStopped, ServiceWaiter, WaitStatus
+
+# Waits leave at most WAIT_SNAPSHOTS_MAX snapshots per run, and only while the run uses under half
+# its file slots: the rest stay for the stages' own evidence, written after the waits (the
+# diagnostic alone registers about 40 files: 16 update tensors, the frozen batch, snapshots,
+# sentinels, analysis, plots, report; then the session's closing records). On the embedded server
+# the scaled-down policy would snapshot every few seconds of a long call and fill the limit;
+# result.json's service_wait block still follows every wait.
+WAIT_SNAPSHOTS_MAX = 4
+WAIT_SNAPSHOT_RESERVE = MAX_FILES // 2
 
 
 class BundlePoster:
     """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block (what is
     waited on, since when, queue state and reason) into result.json and, at most every
-    `snapshot_every_s`, a result snapshot; `stop` releases every registered client and writes the
-    stopped run's result (status failed, verdict inconclusive, incomplete_execution, and the
-    capacity_block or the hang), then a snapshot."""
+    `snapshot_every_s`, a result snapshot (at most WAIT_SNAPSHOTS_MAX, under half the file limit); `stop`
+    releases every registered client and writes the stopped run's result (status failed, verdict
+    inconclusive, incomplete_execution, and the capacity_block or the hang), then a snapshot."""
 
     def __init__(self, bundle: Any, registry: Any = None, clock: Callable[[], float] = time.monotonic):
         self.bundle, self.registry, self.clock = bundle, registry, clock
         self._last_snapshot: float | None = None
         self.posts = 0
+        self.wait_snapshots = 0
 
     def post(self, waiter: ServiceWaiter, status: WaitStatus) -> None:
         self.posts += 1
         self.bundle.update_result(service_wait={**waiter.evidence(), "waiting": status.as_dict()})
         now = self.clock()
-        if self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s:
+        due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
+        if due and self.wait_snapshots < WAIT_SNAPSHOTS_MAX:
             self._last_snapshot = now
-            post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}")
+            if post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}", reserve=WAIT_SNAPSHOT_RESERVE):
+                self.wait_snapshots += 1
 
     def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
         released = bool(self.registry.release_all("errored")) if self.registry is not None else False
