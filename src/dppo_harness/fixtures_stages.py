@@ -48,27 +48,43 @@ def gate_report(request, service_client, service_backend, spec_plan, run_spec, e
 @pytest.fixture(scope="session")
 @stops_stage
 def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
-                   verified_restoration, gate_report, client_registry, client_base_model, service_waiter):
-    """The paired comparison (or its continuation with --resume RUN_ID), run once per session."""
+                   client_registry, client_base_model, service_waiter):
+    """The paired comparison (or its continuation with --resume RUN_ID), run once per session.
+
+    A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
+    run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
+    from dppo_harness.comparison import ComparisonError
     from dppo_harness.comparison_run import run_comparison
     from dppo_harness.cookbook_metrics import WandbRequest
-    from dppo_harness.pytest_plugin import propose_outcome
+    from dppo_harness.pytest_plugin import propose_outcome, unit_parity_passed
 
-    if not gate_report.passed:
-        pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
-                    pytrace=False)
-    run = run_comparison(
-        service_client, plan, evidence_bundle, verified_restoration, backend=service_backend.kind,
-        state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
-        schedule=harness_options.comparison_schedule, registry=client_registry,
-        capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
-        progress=_progress(request), base_model=client_base_model,
-        wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
-    )
-    propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
-    if run.capacity_block:
-        evidence_bundle.update_result(capacity_block=run.capacity_block)
-    return run
+    if not unit_parity_passed(request.config):
+        pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
+    restoration = None
+    if harness_options.resume is None:
+        restoration = request.getfixturevalue("verified_restoration")
+        gate_report = request.getfixturevalue("gate_report")
+        if not gate_report.passed:
+            pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
+                        pytrace=False)
+    try:
+        run = run_comparison(
+            service_client, plan, evidence_bundle, restoration, backend=service_backend.kind,
+            state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
+            schedule=harness_options.comparison_schedule, save_every=harness_options.save_every,
+            registry=client_registry,
+            capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
+            progress=_progress(request), base_model=client_base_model,
+            wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
+        )
+    except ComparisonError as exc:  # a refused resume or configuration: its one line
+        line = str(exc)
+    else:
+        propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
+        if run.capacity_block:
+            evidence_bundle.update_result(capacity_block=run.capacity_block)
+        return run
+    pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
 
 def preflight_service_work(restoration) -> dict[str, dict[str, int]]:

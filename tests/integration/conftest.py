@@ -1,15 +1,19 @@
-"""Embedded servers shared by the integration tests whose behaviour does not depend on having a
-server of their own (no faults, default profile, nothing read from server-wide counters or logs):
-each starts once per session, when a test first asks for it, and is stopped (and checked gone) at
-the end. Tests that inject faults, need a profile, or count requests start their own."""
+"""Shared by the integration tests: embedded servers for the tests whose behaviour does not depend
+on having a server of their own (no faults, default profile, nothing read from server-wide counters
+or logs): each starts once per session, when a test first asks for it, and is stopped (and checked
+gone) at the end; tests that inject faults, need a profile, or count requests start their own. And
+the README's commands, read from the README itself."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _shared(tmp_path_factory: pytest.TempPathFactory, name: str, model: str | None) -> Iterator[LocalServerProcess]:
@@ -31,3 +35,28 @@ def shared_server(tmp_path_factory) -> Iterator[LocalServerProcess]:
 def shared_random_server(tmp_path_factory) -> Iterator[LocalServerProcess]:
     """The small random-init preset: for protocol and plumbing checks that do not need the weights."""
     yield from _shared(tmp_path_factory, "shared-random-server", "tiny-qwen3-random")
+
+
+def readme_command(heading: str, starts_with: str) -> str:
+    """The command in the README's section `heading` whose first line starts with `starts_with`,
+    its continuation lines joined, exactly as a user pastes it into bash."""
+    text = README.read_text()
+    marker = f"\n## {heading}\n"
+    if marker not in text:
+        raise LookupError(f"README.md has no section '## {heading}'")
+    section = text.split(marker, 1)[1].split("\n## ", 1)[0]
+    for block in section.split("```bash\n")[1:]:
+        lines = block.split("```", 1)[0].splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith(starts_with):
+                parts = []
+                for cont in lines[i:]:
+                    parts.append(cont.strip().removesuffix("\\").strip())
+                    if not cont.rstrip().endswith("\\"):
+                        return " ".join(parts)
+    raise LookupError(f"README.md section '## {heading}' has no command starting with {starts_with!r}")
+
+
+@pytest.fixture(scope="session")
+def readme() -> Callable[[str, str], str]:
+    return readme_command

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import tinker
 
-from dppo_harness import constants
+from dppo_harness import constants, project
 from dppo_harness import restoration as R
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
@@ -21,8 +21,8 @@ def server(shared_random_server):
 
 
 @pytest.fixture(scope="module")
-def spec(pytestconfig):
-    return load_plan(pytestconfig.rootpath / "plans" / "exp_e6b0965af3.json")
+def spec():
+    return load_plan(project.plan_file(project.SPEC_PLAN))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from dppo_harness.service_wait import (
     WaitedFuture,
     WaitPolicy,
 )
-from dppo_harness.wait_evidence import WAIT_SNAPSHOTS_MAX, BundlePoster
+from dppo_harness.wait_evidence import MAX_WAIT_SNAPSHOTS, BundlePoster
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = "Tinker backend is running short on capacity, please wait (sent by the service)"
@@ -271,39 +271,30 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
     assert on_disk["service_wait"]["pauses"][0]["queue_state"] == "paused_capacity"
     snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
     assert poster.posts >= 10 and len(snaps) == 2  # at the first post, then once 300 s later
-
-
-def test_wait_snapshots_are_few_and_leave_the_file_slots_to_the_stages(tmp_path):
-    """A long run of waits (the embedded server's scaled policy is due a snapshot every few
-    seconds) leaves at most WAIT_SNAPSHOTS_MAX snapshots, never past half the file limit, and
-    still posts result.json; the stages' own files still fit afterwards."""
-    b = _bundle(tmp_path)
-    start = len(b.files())
-    clock = Clock()
-    poster = BundlePoster(b, Registry(), clock=clock)
-    watch = QueueWatch(clock=clock)
-    w = ServiceWaiter(WaitPolicy(post_after_s=1, post_every_s=1, snapshot_every_s=1), clock=clock,
-                      on_post=poster.post, on_stop=poster.stop)
-    w.wait(FakeFuture(clock, watch, done_at=clock.t + 200, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
-           call="forward_backward_custom", client="diagnostic DPPO client", watch=watch)
-    assert poster.posts >= 100
+    # however long the waits, at most MAX_WAIT_SNAPSHOTS snapshots: the stages' own files need the slots
+    long = ServiceWaiter(WaitPolicy(capacity_patience_s=1e5, capacity_patience_after_steps_s=1e5, post_after_s=60,
+                                    post_every_s=30, snapshot_every_s=300), clock=clock, on_post=poster.post)
+    long.wait(FakeFuture(clock, watch, done_at=clock.t + 3600, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
+              call="save_state", client="dppo_seed0", watch=watch)
     snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
-    assert len(snaps) == WAIT_SNAPSHOTS_MAX == 4 and len(b.files()) == start + 4
-    assert json.loads((b.dir / "result.json").read_text())["service_wait"]["waiting"]["waited_s"] >= 150
-    for i in range(MAX_FILES - len(b.files())):  # the stages' own files still fit
-        b.register_json(f"stage-file-{i:02d}.json", "metrics", {"i": i})
+    assert len(snaps) == MAX_WAIT_SNAPSHOTS == poster.snapshots
 
-    full = _bundle(tmp_path / "full")  # past half the limit: no wait snapshot at all
+
+def test_wait_snapshots_stop_at_half_the_file_limit(tmp_path):
+    """Past half the 64 file slots a wait posts result.json but no snapshot (the ledger says
+    why): the rest stays for the stages' own evidence and the session's closing records."""
+    full = _bundle(tmp_path)
     for i in range(MAX_FILES // 2 - len(full.files())):
         full.register_json(f"stage-file-{i:02d}.json", "metrics", {"i": i})
-    clock2 = Clock()
-    poster2 = BundlePoster(full, Registry(), clock=clock2)
-    w2 = ServiceWaiter(WaitPolicy(post_after_s=1, post_every_s=1, snapshot_every_s=1), clock=clock2,
-                       on_post=poster2.post)
-    w2.wait(FakeFuture(clock2, QueueWatch(clock=clock2), done_at=clock2.t + 20), call="sample", client="s",
-            watch=QueueWatch(clock=clock2))
-    assert poster2.posts > 0 and poster2.wait_snapshots == 0 and len(full.files()) == MAX_FILES // 2
-    assert all(s["name"] is None for s in full.ledger()["snapshots"])
+    clock = Clock()
+    poster = BundlePoster(full, Registry(), clock=clock)
+    w = ServiceWaiter(WaitPolicy(post_after_s=1, post_every_s=1, snapshot_every_s=1), clock=clock,
+                      on_post=poster.post)
+    w.wait(FakeFuture(clock, done_at=clock.t + 20), call="sample", client="diagnostic sampler", watch=None)
+    assert poster.posts > 0 and poster.snapshots == 0 and len(full.files()) == MAX_FILES // 2
+    assert json.loads((full.dir / "result.json").read_text())["service_wait"]["waiting"]["call"] == "sample"
+    skipped = full.ledger()["snapshots"]
+    assert skipped and all(s["name"] is None and "kept for later evidence" in s["skipped"] for s in skipped)
 
 
 def test_a_stop_releases_clients_and_writes_the_failed_result(tmp_path):
