@@ -35,13 +35,13 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 
 @pytest.fixture(scope="session")
 @stops_stage
-def gate_report(request, service_client, service_backend, spec_plan, run_spec, evidence_bundle, restoration):
-    """The executed spec's activation-gate pilot (a rehearsal's inner spec), run once per session."""
-    from dppo_harness.gate import run_activation_gate
+def gate_report(request, service_client, service_backend, plan, evidence_bundle, restoration):
+    """The plan's activation-gate pilot of each treatment arm, run once per session."""
+    from dppo_harness.gate import run_activation_gates
 
-    return run_activation_gate(
-        service_client, spec_plan, evidence_bundle, restoration.initial_checkpoint,
-        backend=service_backend.kind, progress=_progress(request), spec_raw=run_spec,
+    return run_activation_gates(
+        service_client, plan, evidence_bundle, restoration.initial_checkpoint,
+        backend=service_backend.kind, progress=_progress(request),
     )
 
 
@@ -100,7 +100,7 @@ def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
 
 @pytest.fixture(scope="session")
 @stops_stage
-def diagnostic_run(request, service_client, service_backend, plan, spec_plan, evidence_bundle, restoration):
+def diagnostic_run(request, service_client, service_backend, plan, evidence_bundle, restoration):
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages (issue 11 point 6)."""
     from dppo_harness.diagnostic import run_bounded_diagnostic
@@ -109,7 +109,7 @@ def diagnostic_run(request, service_client, service_backend, plan, spec_plan, ev
     start = time.monotonic() - evidence_bundle.elapsed_seconds()
     run = run_bounded_diagnostic(
         service_client, plan, evidence_bundle, restoration.initial_checkpoint,
-        backend=service_backend.kind, stage_start=start, spec_raw=spec_plan.raw, progress=_progress(request),
+        backend=service_backend.kind, stage_start=start, spec=plan.original.experiment, progress=_progress(request),
         prior_service_work=preflight_service_work(restoration), init_reference=restoration,
     )
     propose_outcome(request.config, **run.result_fields["final"])
