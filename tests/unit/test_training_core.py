@@ -79,7 +79,7 @@ def test_train_step_records_one_call_and_persists_before_the_optimizer_step():
 
 @pytest.mark.parametrize("sequential", [False, True])
 def test_an_update_says_where_its_seconds_went(sequential):
-    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     hook_span = []
 
     def persist(_record):
