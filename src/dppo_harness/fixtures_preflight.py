@@ -5,8 +5,9 @@
 - `verified_restoration`: the same object, but fails the requesting test unless every check passed.
 - `feasibility`: the timing pilot + projection of the selected plan, run once per session.
 
-Probe clients live on their own ServiceClient, closed (released) as soon as the preflight ends;
-the arms' clients stay on the session's ServiceClient for later stages.
+Setup and probe clients live on their own ServiceClient session, closed (released) as soon as
+the preflight ends; the feasibility pilot's client has its own session, closed when the pilot
+ends; the arms' clients stay on the session's ServiceClient for later stages.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: An
 
     info = client.get_info()
     served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
-        info.model_data.model_name or info.model_name or plan.base_model)
+        info.model_data.model_name or info.model_name)
     if backend_block:  # on the embedded server (marker seen) the stand-in computes
         served = identity.served_model(info.model_data.model_dump(), backend_block)[0] or served
+    if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
+        served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
     return plans.BackendInfo(backend=service_backend.kind, requested_model=plan.base_model,
                              served_model=str(served), base_url=service.redact_url(service_backend.base_url),
                              sdk_versions=service.sdk_versions())
@@ -50,8 +53,11 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
+    # Its own session, registered now: a capacity give-up releases it with the rest.
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
-                                   observer=training_client_observer)  # every training client's identity
+                                   observer=training_client_observer,  # every training client's identity
+                                   registry=client_registry, stage="preflight-probes",
+                                   label="preflight setup and probe clients (closed when the preflight ends)")
     policy = CapacityPolicy.from_env()
     plan_kind = plan.kind
     update_norm = None
@@ -66,22 +72,27 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
             # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
             call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
             update_norm=update_norm,
-            # Under the diagnostic plan only the DPPO arm trains (issue 11 point 4).
+            # Under the diagnostic plan only the DPPO arm trains: the untrained baseline gets no client.
             trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
         )
+    except R.RestorationError as exc:  # e.g. a response without a field the proof needs: one line
+        failure = f"restoration preflight: {exc}"
     except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
         fields = exc.block.result_fields()
         if evidence_bundle.result["original_hypothesis_tested"] is None:
             fields.update(original_hypothesis_tested=False,
                           tested_instead="nothing: the run stopped on service capacity before any training")
         evidence_bundle.update_result(**fields)
-        pytest.fail(f"capacity: {exc}", pytrace=False)
+        failure = f"capacity: {exc}"
+    else:
+        failure = None
     finally:
-        # Release the setup/probe clients before anything trains, and record it (issue 11 point 8).
+        # Release the setup/probe session before anything trains, and record it.
         from dppo_harness.pytest_plugin import record_client_releases
 
-        client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)  # outside the except: the line, without a chained traceback
     return result
 
 
@@ -93,10 +104,14 @@ def verified_restoration(restoration):
 
 
 @pytest.fixture(scope="session")
-def feasibility(service_client, service_backend, plan, evidence_bundle, verified_restoration):
-    """feasibility.FeasibilityResult of the selected plan on this backend (runs once)."""
+def feasibility(request, service_backend, plan, evidence_bundle, verified_restoration, client_registry,
+                training_client_observer):
+    """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
+    client lives in its own session, closed when the pilot ends."""
     from dppo_harness import feasibility as F
     from dppo_harness import plans
+    from dppo_harness.pytest_plugin import record_client_releases
+    from dppo_harness.service import make_service_client
 
     if plan.kind == "bounded_diagnostic":
         # Issue 11 point 5: under the diagnostic plan no extra pilot samples or trains; the
@@ -109,8 +124,14 @@ def feasibility(service_client, service_backend, plan, evidence_bundle, verified
     eff = plans.effective_config(plan, info)
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).
-    return F.run_feasibility(
-        service_client, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
-        backend_kind=service_backend.kind, effective_config=eff,
-        schedule_overrides=overrides or None,
-        measured_setup={"restoration_preflight": verified_restoration.wall_seconds})
+    pilot_sc = make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
+                                   registry=client_registry, stage="feasibility-pilot",
+                                   label="feasibility timing pilot (closed when the pilot ends)")
+    try:
+        return F.run_feasibility(
+            pilot_sc, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
+            backend_kind=service_backend.kind, effective_config=eff,
+            schedule_overrides=overrides or None,
+            measured_setup={"restoration_preflight": verified_restoration.wall_seconds})
+    finally:
+        record_client_releases(request.config, client_registry.release_stage("feasibility-pilot"))
