@@ -39,20 +39,32 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 
 
 @pytest.fixture(scope="session")
-def gate_report(request, service_client, service_backend, spec_plan, run_spec, evidence_bundle, restoration):
-    """The executed spec's activation-gate pilot (a rehearsal's inner spec), run once per session."""
+def gate_report(request, service_backend, spec_plan, run_spec, evidence_bundle, restoration, client_registry,
+                training_client_observer):
+    """The executed spec's activation-gate pilot (a rehearsal's inner spec), run once per session.
+    The pilot's client lives in its own session, closed as soon as the pilot ends (before any arm
+    trains)."""
     from dppo_harness.gate import run_activation_gate
+    from dppo_harness.pytest_plugin import record_client_releases
+    from dppo_harness.service import make_service_client
 
-    return run_activation_gate(
-        service_client, spec_plan, evidence_bundle, restoration.initial_checkpoint,
-        backend=service_backend.kind, progress=_progress(request), spec_raw=run_spec,
-    )
+    pilot_sc = make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
+                                   registry=client_registry, stage="gate-pilot",
+                                   label="activation-gate pilot (closed when the pilot ends)")
+    try:
+        return run_activation_gate(
+            pilot_sc, spec_plan, evidence_bundle, restoration.initial_checkpoint,
+            backend=service_backend.kind, progress=_progress(request), spec_raw=run_spec,
+        )
+    finally:
+        record_client_releases(request.config, client_registry.release_stage("gate-pilot"))
 
 
 @pytest.fixture(scope="session")
 def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
                    verified_restoration, gate_report, client_registry, client_base_model):
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session."""
+    from dppo_harness import comparison as C
     from dppo_harness.comparison_run import run_comparison
     from dppo_harness.pytest_plugin import propose_outcome
     from dppo_harness.service import CapacityPolicy
@@ -60,26 +72,44 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     if not gate_report.passed:
         pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
                     pytrace=False)
+    schedule, source = comparison_schedule(harness_options.comparison_schedule, evidence_bundle.result.get("backend"))
+    spec = plan.spec if plan.kind == "rehearsal" else plan.raw
+    guard = C.wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
+                                          arms=len(spec["arms"]), eval_items=int(spec["eval"]["n_examples"]))
     run = run_comparison(
         service_client, plan, evidence_bundle, verified_restoration, backend=service_backend.kind,
         state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
-        schedule=harness_options.comparison_schedule, registry=client_registry,
+        schedule=schedule, schedule_source=source, guard=guard, registry=client_registry,
         # The local rehearsal has no shared capacity to wait for: scaled-down windows, same rules.
         capacity_policy=CapacityPolicy(scale=0.01) if service_backend.kind == "local" else CapacityPolicy(),
         progress=_progress(request), base_model=client_base_model,
     )
     propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
-    if run.capacity_block:
-        evidence_bundle.update_result(capacity_block=run.capacity_block)
+    if run.stopped is not None:  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
+        evidence_bundle.update_result(**run.final)
     return run
+
+
+def comparison_schedule(option: str | None, backend_block: dict | None) -> tuple[str, str]:
+    """(schedule, why): --comparison-schedule when given, else concurrent on a real service and
+    interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
+    from dppo_harness import comparison as C
+
+    if option:
+        return option, "--comparison-schedule"
+    embedded = (backend_block or {}).get("kind") == "local"
+    return C.default_schedule(embedded), ("default on the embedded server" if embedded else
+                                          "default on a real service (benchmarks/comparison_schedule.py)")
 
 
 def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
     """Optimizer updates the preflight issued on its throwaway probe clients, from its own records:
     the restore-continuity probe (one update on the uninterrupted client, then one on each of the
-    uninterrupted and the restored client) and one update per measured LR probe. No sampling."""
+    uninterrupted and the restored client) and one update per measured LR probe, less the one at
+    the planned LR, which is the continuity probe's first update. No sampling."""
     lr = restoration.lr_scaling or {}
-    lr_updates = len(lr.get("lr_scaling") or []) if lr.get("available") else 0
+    shared = 1 if (restoration.probe or {}).get("base_lr_update_norm") is not None else 0
+    lr_updates = max(0, len(lr.get("lr_scaling") or []) - shared) if lr.get("available") else 0
     return {"restore_continuity_probe": {"optimizer_updates": 3 if restoration.probe else 0, "sampling_batches": 0},
             "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
             "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0}}
@@ -88,7 +118,9 @@ def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
 @pytest.fixture(scope="session")
 def diagnostic_run(request, service_client, service_backend, plan, spec_plan, evidence_bundle, restoration):
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
-    (the bundle's ledger clock): the 12 minutes include setup and earlier stages (issue 11 point 6)."""
+    (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
+    preflight's loaded client of the trained arm (no third client)."""
+    from dppo_harness import restoration as R
     from dppo_harness.diagnostic import run_bounded_diagnostic
     from dppo_harness.pytest_plugin import propose_outcome
 
@@ -97,6 +129,7 @@ def diagnostic_run(request, service_client, service_backend, plan, spec_plan, ev
         service_client, plan, evidence_bundle, restoration.initial_checkpoint,
         backend=service_backend.kind, stage_start=start, spec_raw=spec_plan.raw, progress=_progress(request),
         prior_service_work=preflight_service_work(restoration), init_reference=restoration,
+        restored=restoration.loaded.get(R.DIAGNOSTIC_TRAINED_ARMS[0]),
     )
     propose_outcome(request.config, **run.result_fields["final"])
     return run
