@@ -646,7 +646,7 @@ def _step(client: tinker.TrainingClient, batch: Sequence[tinker.Datum], adam: ti
 
 # A refusal to overwrite names the existing checkpoint; other failures of the duplicate save
 # (timeouts, 5xx, capacity, connection errors) say nothing about immutability.
-OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable|conflict", re.IGNORECASE)
+OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable", re.IGNORECASE)
 
 
 def duplicate_save_outcome(exc: BaseException | None) -> tuple[bool | None, str]:

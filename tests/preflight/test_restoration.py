@@ -81,4 +81,4 @@ def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, c
     assert sum(r.startswith("restore probe") for r in roles) == 1
     assert len(roles) <= 2 + len(R.DEFAULT_LR_MULTIPLIERS) - 1  # one client per LR other than the planned one
     arms = [c for c in sessions["session"]["training_clients"] if (c["role"] or "").startswith("arm ")]
-    assert sorted(c["role"].split()[1] for c in arms) == sorted(restoration.clients)
+    assert sorted(c["role"].split()[1].rstrip(":") for c in arms) == sorted(restoration.clients)
