@@ -520,7 +520,12 @@ def create_from_state_observed(
 
 
 class UpdateNormMeasure(Protocol):
-    """Measures ||theta_after - theta_before|| around `apply_update()` on `client`, or None."""
+    """Measures ||theta_after - theta_before|| around `apply_update()` on `client`, or None.
+
+    A measure whose own requests can be refused (e.g. a service without external weights) must
+    not run on a client that has more work to do: the SDK numbers each client's requests, and one
+    refused at submit leaves a gap the server waits on before running that client's next request.
+    `safe_on_a_working_client` says the measure's requests cannot be refused that way."""
 
     description: str
 
@@ -572,6 +577,8 @@ class LocalCheckpointReader:
 
 class CheckpointUpdateNorm:
     """UpdateNormMeasure via save_state before and after the update (local backend)."""
+
+    safe_on_a_working_client = True  # save_state only: a request every backend serves
 
     def __init__(self, reader: LocalCheckpointReader, tag: str):
         self.reader, self.tag, self.description = reader, tag, reader.description
@@ -953,7 +960,7 @@ def run_restoration_preflight(
     if update_norm is None and checkpoint_reader is not None:
         update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
     base_lr = float(opt_cfg["learning_rate"])
-    lr_in_plan = any(base_lr * float(m) == base_lr for m in lr_multipliers)
+    lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
     probe = _restore_probe(probe_sc, by_seed[seed].client, initial_checkpoint, fixed_batch, opt_cfg, tag, rec,
                            atol, call, restore_optimizer=probe_restore_with_optimizer,
                            update_norm=update_norm if lr_in_plan else None)
@@ -1002,6 +1009,14 @@ def run_restoration_preflight(
         clients={a: arm.client for a, arm in loaded.items()}, loaded=dict(loaded),
         fixed_batch=fixed_batch, batch_sha256=b_sha, output_sha256=out_sha, provenance=provenance,
         passed=passed, failures=failures, lr_scaling=lr_block, probe=probe, wall_seconds=wall)
+
+
+def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multipliers: Sequence[float]) -> bool:
+    """Whether the planned LR's scaling probe is the setup client's update 1 (no client of its own):
+    only with a measure that cannot leave that client waiting on a refused request (it still has
+    the restore probe to run); otherwise every LR gets its own client."""
+    return (update_norm is not None and any(float(m) == 1.0 for m in multipliers)
+            and bool(getattr(update_norm, "safe_on_a_working_client", False)))
 
 
 def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
@@ -1132,10 +1147,10 @@ def lr_scaling_probe(
     if not passed:
         problem = (f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {rtol})"
                    if worst > rtol else "an update norm is zero: the update did not move parameters")
-    return {"available": True, "measure": update_norm.description, "reset": (
-                "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing "
-                "applied before; the restore probe's update 1) at the planned LR, a client created from it with "
-                "optimizer at every other LR"),
+    reset = ("a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
+             "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
+             "every other LR") if measured else "a client created from the initial checkpoint with optimizer per probe"
+    return {"available": True, "measure": update_norm.description, "reset": reset,
             "gradient": "cross_entropy on the even fixed-batch datums (the restore probe's update 1)",
             "lr_scaling": probes, "relative_error": [e if math.isfinite(e) else None for e in errors],
             "rtol": rtol, "passed": passed,
