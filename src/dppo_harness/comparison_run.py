@@ -87,7 +87,7 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
     prior = restoration.provenance["arms"][name]
     check = optimizer_check(after_restore=prior["restore_count"] + arm.restore_count,
                             requested_optimizer="adam", requested_config=cfg.adam_config_requested(),
-                            info=client.get_info(), info_ref=f"{C.STATE_FILE}#{name}.restore{arm.restore_count}",
+                            info=client.get_info(), info_ref=f"comparison-state-{state.resumed}.json#{name}.restore{arm.restore_count}",
                             echoed=None, echo_ref=None, echo_observed_on=None)
     arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path, "load_response": dump_response(resp)})
     prov = {"restore_count": prior["restore_count"] + arm.restore_count,
