@@ -1,7 +1,7 @@
 """How much a sampled row depends on the batch it ran in (embedded server, preset sampler).
 
 The same seeded request is decoded alone and batched with the other requests (engine
-`_generate`, base weights of the default preset, temperature 1); prints, as one JSON line, how
+`Engine._decode_batch`, base weights of the default preset, temperature 1); prints, as one JSON line, how
 many target rows got other tokens, how many got logprobs that are not bitwise equal, and the
 largest |logprob difference| over the common token prefix. `--same-length` cuts or extends the
 companions to the target's prompt length, so only the batch's rows differ (no padding).
@@ -22,7 +22,7 @@ import torch
 
 from dppo_harness import gsm8k
 from dppo_harness.constants import STOP_TOKEN_ID
-from dppo_harness.local_server.engine import Engine, _generate, _SampleJob
+from dppo_harness.local_server.engine import Engine, _SampleJob
 from dppo_harness.local_server.vocab import get_renderer, prompt_messages
 
 
@@ -47,8 +47,7 @@ def main() -> None:
                           top_p=1.0, stop_ids=[STOP_TOKEN_ID], stop_strings=[], seed=100 + i, want_prompt_lp=False)
 
     def run(jobs: list[_SampleJob]):
-        with torch.no_grad():
-            return _generate(net, eng.vocab, eng.tokenizer, jobs)
+        return eng._decode_batch(net, jobs)
 
     if a.per_request_cost:
         out = {}

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from dppo_harness import cookbook_metrics, losses, rollout_batch, rollouts, train_step
 from dppo_harness import instrumentation as ins
-from dppo_harness import losses, rollout_batch, rollouts, train_step
 
 if TYPE_CHECKING:
     import tinker
@@ -252,29 +252,67 @@ def step_seed(cfg: ComparisonConfig, step: int) -> int:
 # ---- per-step metrics (pure) -------------------------------------------------------------------
 
 
+def fraction_label(name: str, *, trained: bool) -> str:
+    """A loss-rule metric's name in an arm's rows: the rule the arm does not train with is counted
+    counterfactually on the arm's own tensors, and its name says so."""
+    return name if trained else f"counterfactual_{name}"
+
+
+def fraction_names(loss: losses.Arm) -> dict[str, str]:
+    """Base name -> label in the rows of an arm training with `loss` (DPPO mask, PPO clip)."""
+    return {"dppo_masked_frac": fraction_label("dppo_masked_frac", trained=loss == "dppo"),
+            "last_update_masked_frac": fraction_label("last_update_masked_frac", trained=loss == "dppo"),
+            "ppo_clip_frac": fraction_label("ppo_clip_frac", trained=loss == "grpo"),
+            "last_update_clip_frac": fraction_label("last_update_clip_frac", trained=loss == "grpo")}
+
+
+def labelled(row: Mapping[str, Any], base: str) -> tuple[str, Any]:
+    """(key, value) of a loss-rule fraction in a row, whichever label it carries."""
+    for key in (base, f"counterfactual_{base}"):
+        if key in row:
+            return key, row[key]
+    raise KeyError(base)
+
+
 def step_metrics(arm: str, step: int, summary: Mapping[str, Any], records: Sequence[ins.LossCallRecord],
-                 *, seconds: float, sample_seconds: float, sampler_checkpoint: str) -> dict[str, Any]:
-    """One arm-step row: reward/format from the batch, loss metrics of the step's minibatch
-    updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate)."""
+                 *, loss: losses.Arm, seconds: float, sample_seconds: float, sampler_checkpoint: str,
+                 kl: Mapping[str, float] | None = None, cookbook_env: Mapping[str, float] | None = None,
+                 rollout_seconds: float | None = None) -> dict[str, Any]:
+    """One arm-step row: reward/format/truncation from the batch, loss metrics of the step's minibatch
+    updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate).
+
+    The rule the arm does not train with (the GRPO arm's DPPO mask, the DPPO arm's PPO clip) is a
+    counterfactual count on the same tensors: its keys start with `counterfactual_`. `kl` is the
+    cookbook's `compute_kl_sample_train` of the step (`cookbook_metrics.kl_sample_train`)."""
     sums = {k: int(sum(r.stats[k] for r in records)) for k in ("tokens/loss", "dppo/removed", "ppo/clipped")}
     last = records[-1].stats if records else {}
     den = sums["tokens/loss"]
-    return {
-        "arm": arm, "step": step,
+    names = fraction_names(loss)
+    row: dict[str, Any] = {
+        "arm": arm, "step": step, "loss": loss,
         "reward_mean": float(summary["mean_reward"]), "format_rate": float(summary["frac_format"]),
         "correct_rate": float(summary["frac_correct"]),
-        "dppo_masked_frac": sums["dppo/removed"] / den if den else 0.0,
-        "ppo_clip_frac": sums["ppo/clipped"] / den if den else 0.0,
-        "last_update_masked_frac": float(last.get("dppo/masked_frac_loss_tokens", 0.0)),
-        "last_update_clip_frac": float(last.get("ppo/clip_frac_loss_tokens", 0.0)),
+        "truncated_frac": float(summary["frac_truncated"]), "no_answer_frac": float(summary["frac_no_answer"]),
+        "mean_response_tokens": float(summary["mean_response_tokens"]), "responses": int(summary["n_sequences"]),
+        "max_tokens": int(summary["config"]["max_tokens"]),
+        names["dppo_masked_frac"]: sums["dppo/removed"] / den if den else 0.0,
+        names["ppo_clip_frac"]: sums["ppo/clipped"] / den if den else 0.0,
+        names["last_update_masked_frac"]: float(last.get("dppo/masked_frac_loss_tokens", 0.0)),
+        names["last_update_clip_frac"]: float(last.get("ppo/clip_frac_loss_tokens", 0.0)),
         "drift_abs_p90": float(last.get("drift/abs_p90", 0.0)), "drift_abs_p99": float(last.get("drift/abs_p99", 0.0)),
         "drift_abs_max": float(last.get("drift/abs_max", 0.0)),
         "loss_tokens": den, "response_tokens": int(summary["response_tokens"]), "updates": len(records),
         "seconds": float(seconds), "sample_seconds": float(sample_seconds), "sampler_checkpoint": sampler_checkpoint,
     }
+    row.update({cookbook_metrics.ROW_KL_KEYS[k]: float(v) for k, v in (kl or {}).items() if k in cookbook_metrics.ROW_KL_KEYS})
+    if rollout_seconds is not None:
+        row["rollout_seconds"] = float(rollout_seconds)
+    if cookbook_env is not None:
+        row["cookbook_env"] = {k: float(v) for k, v in cookbook_env.items()}
+    return row
 
 
-TIMING_KEYS = ("seconds", "sample_seconds", "sampler_checkpoint", "retries")
+TIMING_KEYS = ("seconds", "sample_seconds", "rollout_seconds", "sampler_checkpoint", "retries")
 
 
 def comparable(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -284,21 +322,31 @@ def comparable(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def arm_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """`metrics.arms[arm]`: plain floats over the steps so far."""
+    """`metrics.arms[arm]`: plain floats over the steps so far (loss-rule fractions keep their
+    counterfactual label)."""
     if not rows:
         return {}
     last = rows[-1]
-    return {
+    out = {
         "steps_completed": float(len(rows)),
         "reward_mean_last": float(last["reward_mean"]),
         "reward_mean_over_steps": float(np.mean([r["reward_mean"] for r in rows])),
         "format_rate_last": float(last["format_rate"]),
-        "dppo_masked_frac_mean": float(np.mean([r["dppo_masked_frac"] for r in rows])),
-        "ppo_clip_frac_mean": float(np.mean([r["ppo_clip_frac"] for r in rows])),
-        "drift_abs_p90_last": float(last["drift_abs_p90"]),
-        "loss_tokens_total": float(sum(r["loss_tokens"] for r in rows)),
-        "train_seconds_total": float(sum(r["seconds"] for r in rows)),
     }
+    for base in ("dppo_masked_frac", "ppo_clip_frac"):
+        key, _ = labelled(last, base)
+        out[f"{key}_mean"] = float(np.mean([labelled(r, base)[1] for r in rows]))
+    out["drift_abs_p90_last"] = float(last["drift_abs_p90"])
+    for key in ("truncated_frac", "no_answer_frac", "mean_response_tokens"):
+        if all(key in r for r in rows):
+            out[f"{key}_last"] = float(last[key])
+            out[f"{key}_mean"] = float(np.mean([r[key] for r in rows]))
+    for key in ("kl_sample_train_v1", "kl_sample_train_v2", "entropy"):
+        if key in last:
+            out[f"{key}_last"] = float(last[key])
+    out["loss_tokens_total"] = float(sum(r["loss_tokens"] for r in rows))
+    out["train_seconds_total"] = float(sum(r["seconds"] for r in rows))
+    return out
 
 
 # ---- resumable state ---------------------------------------------------------------------------
@@ -421,8 +469,11 @@ def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Seq
         rec, _ = train_step.train_step(runner.client, [sampled.datums[i] for i in idx], runner.loss_fn, adam,
                                        runner.recorder, context)
         records.append(rec)
-    row = step_metrics(runner.spec.name, step, sampled.batch.summary(), records, seconds=time.perf_counter() - t0,
-                       sample_seconds=sampled.seconds, sampler_checkpoint=sampled.sampler_path)
+    row = step_metrics(runner.spec.name, step, sampled.batch.summary(), records, loss=runner.spec.loss,
+                       seconds=time.perf_counter() - t0, sample_seconds=sampled.seconds,
+                       sampler_checkpoint=sampled.sampler_path, kl=cookbook_metrics.kl_sample_train(records),
+                       cookbook_env=cookbook_metrics.trajectory_metrics(sampled.batch),
+                       rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds)
     return row, records
 
 
@@ -554,9 +605,7 @@ def train_arms(
             arm.state_step = arm.steps_done
         state.rows.append(row)
         on_row(row)
-        progress(f"[comparison] {row['arm']} step {step + 1}/{cfg.steps}: reward {row['reward_mean']:.3f}, format "
-                 f"{row['format_rate']:.2f}, masked {row['dppo_masked_frac']:.4g}, clip {row['ppo_clip_frac']:.4g}, "
-                 f"|p-q| q90 {row['drift_abs_p90']:.4g}, {row['seconds']:.1f}s")
+        progress(step_line(row, cfg.steps))
 
     stopped = None
     pool = ThreadPoolExecutor(max_workers=len(runners)) if schedule == "concurrent" else None
@@ -588,6 +637,22 @@ def train_arms(
             pool.shutdown(wait=True)
     done = min(state.arms[r.spec.name].steps_done for r in runners)
     return TrainingOutcome(tuple(state.rows), done, time.perf_counter() - t0, schedule, stopped)
+
+
+def step_line(row: Mapping[str, Any], steps: int) -> str:
+    """The terminal line of one committed arm-step (a counterfactual fraction is labelled 'cf')."""
+    parts = [f"[comparison] {row['arm']} step {row['step'] + 1}/{steps}: reward {row['reward_mean']:.3f}, "
+             f"format {row['format_rate']:.2f}"]
+    for base, short in (("dppo_masked_frac", "masked"), ("ppo_clip_frac", "clip")):
+        try:
+            key, value = labelled(row, base)
+        except KeyError:
+            continue
+        parts.append(f"{'cf ' if key.startswith('counterfactual_') else ''}{short} {value:.4g}")
+    if "truncated_frac" in row:
+        parts.append(f"truncated {row['truncated_frac']:.2f}")
+    parts.append(f"|p-q| q90 {row.get('drift_abs_p90', 0.0):.4g}, {row.get('seconds', 0.0):.1f}s")
+    return ", ".join(parts)
 
 
 def make_runners(clients: Mapping[str, Any], cfg: ComparisonConfig) -> list[ArmRunner]:

@@ -110,9 +110,36 @@ def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[
     return v, reason, text
 
 
+def informational_interval(rows: Sequence[Mapping[str, Any]], decision_rule: Mapping[str, Any],
+                           arm_of_role: Mapping[str, str]) -> dict[str, Any]:
+    """Newcombe's paired interval and the exact McNemar test for the first criterion's metric, at the
+    rule's alpha: shown beside the decision, never used for the verdict."""
+    c = decision_rule["criteria"][0]
+    return stats.paired_binary_informational(rows, arm_of_role["treatment"], arm_of_role["baseline"],
+                                             alpha=float(decision_rule["alpha"]), metric=c["metric"])
+
+
+def informational_metrics(info: Mapping[str, Any]) -> dict[str, float]:
+    """result.json `metrics` of the informational interval (labelled: none of it decides)."""
+    return {"comparison/informational_newcombe_lower": float(info["lower"]),
+            "comparison/informational_newcombe_upper": float(info["upper"]),
+            "comparison/informational_mcnemar_exact_p": float(info["mcnemar_exact_p"]),
+            "comparison/discordant_treatment_only_correct": float(info["treatment_only_correct"]),
+            "comparison/discordant_baseline_only_correct": float(info["baseline_only_correct"])}
+
+
+def eval_line(res: evaluation.EvalResult, max_tokens: int, elapsed_s: float) -> str:
+    """The terminal line after one scored model."""
+    ry = res.response_yield(max_tokens)
+    return (f"[comparison] {res.arm} accuracy {res.accuracy:.3f} on {len(res.rows)} items, {res.invalid_outputs} "
+            f"without an answer, {ry.truncated} truncated at max_tokens {max_tokens}, mean "
+            f"{ry.mean_response_tokens:.0f} tokens ({elapsed_s:.0f}s)")
+
+
 def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecision], rule_verdict: tuple[str, str, str],
-                   *, rehearsal: bool) -> dict[str, Any]:
-    """The brief's decision object (version 1, observations_file) plus the computed intervals."""
+                   *, rehearsal: bool, informational: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The brief's decision object (version 1, observations_file) plus the computed intervals, and
+    the informational interval beside them (`informational.used_for_verdict` is false)."""
     block = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
     block["method"] = "paired_hoeffding"
     block["criteria"] = [{"id": c.id, "metric": c.metric, "treatment": c.treatment, "baseline": c.baseline,
@@ -121,6 +148,8 @@ def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecisi
                          for c in criteria]
     block["verdict"], block["outcome_reason"], block["explanation"] = rule_verdict
     block["rehearsal"] = rehearsal
+    if informational is not None:
+        block["informational"] = dict(informational)
     return block
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dppo_harness import comparison as C
 from dppo_harness import comparison_eval as E
-from dppo_harness import evaluation, gsm8k, service, tokenizer
+from dppo_harness import cookbook_metrics, evaluation, gsm8k, service, tokenizer
 from dppo_harness.restoration import create_from_state_observed, dump_response, optimizer_check
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
     A check that finds the server's optimizer differs from the request stops the run
     (OptimizerMismatch, after the check is recorded in the state)."""
     arm = state.arms[name]
-    client, resp = create_from_state_observed(service_client, path)
+    client, resp = create_from_state_observed(service_client, path, name)
     if resp is None or resp.path is None:
         raise C.ComparisonError(f"{name}: restore of {path} not observed: the load response has no path "
                                 "(optional in the SDK's LoadWeightsResponse)")
@@ -142,12 +142,16 @@ def run_comparison(
     base_model: str | None = None,
     schedule_source: str = "given",
     guard: C.WallGuard | None = None,
+    wandb: cookbook_metrics.WandbRequest | None = None,
 ) -> ComparisonResult:
     """Run (or continue) the paired comparison and write its evidence; see the module docstring.
 
     Any stop before every arm finished (wall-clock guard, optimizer mismatch on a restore, a
     response the run cannot use, capacity) leaves the evidence written so far and returns a final
-    failed / inconclusive / incomplete_execution with the reason."""
+    failed / inconclusive / incomplete_execution with the reason. Each arm's steps are also written
+    through the cookbook's `ml_log` (`metrics-<arm>.jsonl` in the bundle, live under
+    `<state_root>/<run_id>/cookbook-metrics/<arm>/metrics.jsonl`), and to W&B only when `wandb`
+    asks for a project."""
     spec = _spec(plan)
     cfg = C.comparison_config(spec, save_every=save_every)
     rehearsal = plan.kind == "rehearsal" or backend == "local"
@@ -158,17 +162,28 @@ def run_comparison(
     state = _prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration.initial_checkpoint,
                            Path(state_root), resume_run_id)
     spath = C.state_path(Path(state_root), state.run_id)
-    tracker = service.CapacityTracker(comparison_steps_completed=min(s.steps_done for s in state.arms.values()))
+    # The session waiter's tracker when there is one: its capacity window widens after the first step too.
+    waiter = getattr(service_client, "waiter", None)
+    tracker = waiter.tracker if waiter is not None else service.CapacityTracker()
+    tracker.comparison_steps_completed = min(s.steps_done for s in state.arms.values())
 
     def call(fn: Callable[[], Any]) -> Any:
         return service.call_with_capacity_retry(fn, policy=capacity_policy or service.CapacityPolicy(), steps_completed=tracker,
                                                 registry=registry, on_retry=tracker.events.append)
 
+    mlog = cookbook_metrics.ArmMetricsLog(
+        Path(state_root) / state.run_id / "cookbook-metrics", [a.name for a in cfg.arms], run_name=state.run_id,
+        wandb=wandb or cookbook_metrics.WandbRequest(None, "not requested"),
+        config={"plan": plan.name, "plan_sha256": plan.sha256, "run_id": state.run_id, **asdict(cfg)})
+    for problem in mlog.status["wandb"]["problems"]:
+        progress(f"[comparison] W&B not used: {problem} (the metrics.jsonl logs go on)")
     bundle.register_json(f"comparison-run-{state.resumed}.json", "manifest", {
         "run_id": state.run_id, "resumed_sessions": state.resumed, "schedule": schedule,
         "schedule_source": schedule_source, "rehearsal": rehearsal,
         "state_file": str(spath), "evaluator_id": evaluator.evaluator_id, "code_revision": state.code_revision,
-        "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg)})
+        "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg),
+        "cookbook_metrics": {**mlog.status, "live_files": {a.name: str(mlog.path(a.name)) for a in cfg.arms},
+                             "evidence_files": {a.name: _metrics_name(a.name, state) for a in cfg.arms}}})
     if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
         bundle.update_result(original_hypothesis_tested=False, tested_instead=(
             f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
@@ -195,6 +210,8 @@ def run_comparison(
     def on_row(row: dict[str, Any]) -> None:
         by_arm[row["arm"]].append(row)
         state.save(spath)
+        mlog.log(row["arm"], cookbook_metrics.step_record(row, steps=cfg.steps, learning_rate=cfg.adam["learning_rate"]),
+                 row["step"])
         bundle.post_arm_metrics(row["arm"], C.arm_summary(by_arm[row["arm"]]))
         if all(s.steps_done > row["step"] for s in state.arms.values()):
             tracker.step_done()
@@ -223,8 +240,11 @@ def run_comparison(
         progress(f"[comparison] stopped: {reason}")
         outcome = C.TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
                                     reason)
+    finally:
+        mlog.close()
     state.save(spath)
     files = [_register_steps(bundle, state)]
+    files += _register_cookbook_metrics(bundle, state, mlog)
     bundle.register_json(f"comparison-state-{state.resumed}.json", "manifest", {
         **state.to_json(), "training": {"schedule": schedule, "schedule_source": schedule_source,
                                         "stopped": outcome.stopped, "steps_completed": outcome.steps_completed,
@@ -248,7 +268,8 @@ def run_comparison(
     files += eval_files
     from dppo_harness import report
 
-    files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend).values())
+    files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend,
+                                                 max_tokens=cfg.max_tokens).values())
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
     c0 = decision["criteria"][0]
     served = (bundle.result.get("backend") or {}).get("served_model") or cfg.base_model
@@ -269,6 +290,24 @@ def _register_steps(bundle: EvidenceBundle, state: C.RunState) -> str:
     name = f"{C.STEPS_FILE.removesuffix('.jsonl')}-{state.resumed}.jsonl" if state.resumed else C.STEPS_FILE
     bundle.register_bytes(name, "metrics", C.jsonl(state.rows))
     return name
+
+
+def _metrics_name(arm: str, state: C.RunState) -> str:
+    """The bundle name of an arm's cookbook `metrics.jsonl` (a resumed session's own copy gets -rN)."""
+    return f"metrics-{arm}-r{state.resumed}.jsonl" if state.resumed else f"metrics-{arm}.jsonl"
+
+
+def _register_cookbook_metrics(bundle: EvidenceBundle, state: C.RunState, mlog: cookbook_metrics.ArmMetricsLog) -> list[str]:
+    """Each arm's ml_log `metrics.jsonl`, as written (every step of the run so far, resumed sessions
+    included), registered as kind metrics."""
+    names = []
+    for arm in state.arms:
+        path = mlog.path(arm)
+        if path.is_file():
+            name = _metrics_name(arm, state)
+            bundle.register_file(name, "metrics", path)
+            names.append(name)
+    return names
 
 
 def _finalize_arm(client: Any, arm: str, state: C.RunState, bundle: EvidenceBundle,
@@ -304,32 +343,39 @@ def _evaluate_and_decide(service_client: tinker.ServiceClient, cfg: C.Comparison
     t0 = time.perf_counter()
     # The served model the arms were created on (the connectivity preflight's choice).
     base_client = service_client.create_sampling_client(base_model=base_model).result()
+    progress(f"[comparison] evaluating the base model on {len(evaluator.items)} test items (greedy)")
     base = evaluation.evaluate(base_client, evaluator, arm=E.BASE_ARM, seed=seed, checkpoint=f"base:{base_model}")
     scores.append(E.register_predictions(bundle, base))
     files.append(scores[-1]["predictions_ref"])
     post()
-    progress(f"[comparison] base model accuracy {base.accuracy:.3f} on {len(base.rows)} items ({time.perf_counter() - t0:.0f}s)")
+    # Accuracy, n and invalid outputs under the scored model's own key (the base model's is "base").
+    bundle.post_arm_metrics(E.BASE_ARM, base.arm_metrics(cfg.max_tokens))
+    progress(E.eval_line(base, cfg.max_tokens, time.perf_counter() - t0))
     results = {}
     for a in cfg.arms:
         path = state.arms[a.name].final_sampler
         sampler = service_client.create_sampling_client(model_path=path).result()
+        progress(f"[comparison] evaluating {a.name} (final checkpoint) on {len(evaluator.items)} test items")
         res = evaluation.evaluate(sampler, evaluator, arm=a.name, seed=seed, checkpoint=path)
         results[a.name] = res
         scores.append(E.register_predictions(bundle, res))
         files.append(scores[-1]["predictions_ref"])
         post()
-        progress(f"[comparison] {a.name} accuracy {res.accuracy:.3f} ({time.perf_counter() - t0:.0f}s)")
+        bundle.post_arm_metrics(a.name, res.arm_metrics(cfg.max_tokens))
+        progress(E.eval_line(res, cfg.max_tokens, time.perf_counter() - t0))
     obs = evaluation.observations_jsonl([results[a.name] for a in cfg.arms])
     bundle.register_bytes(E.OBSERVATIONS_FILE, "metrics", obs)
     files.append(E.OBSERVATIONS_FILE)
     rows = [json.loads(line) for line in obs.decode().splitlines()]
     arm_of_role = {"treatment": cfg.role("treatment").name, "baseline": cfg.role("baseline").name}
     criteria = E.decide_criteria(rows, spec["decision_rule"], arm_of_role)
-    decision = E.decision_block(obs, criteria, E.verdict(criteria, rehearsal=rehearsal), rehearsal=rehearsal)
+    informational = E.informational_interval(rows, spec["decision_rule"], arm_of_role)
+    decision = E.decision_block(obs, criteria, E.verdict(criteria, rehearsal=rehearsal), rehearsal=rehearsal,
+                                informational=informational)
     bundle.register_json(E.DECISION_FILE, "metrics", decision)
     files.append(E.DECISION_FILE)
     bundle.update_result(decision=decision, metrics={
         "comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
         "comparison/ci_lower": criteria[0].lower, "comparison/ci_upper": criteria[0].upper,
-        "comparison/eval_seconds": time.perf_counter() - t0})
+        "comparison/eval_seconds": time.perf_counter() - t0, **E.informational_metrics(informational)})
     return scores, decision, files

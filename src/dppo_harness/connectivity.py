@@ -3,18 +3,25 @@
 In order: the variables are set, the URL is reachable, authentication is accepted, the plan's base
 model is served (or the closest served model of its family is chosen, a recorded deviation). Each
 failure is one actionable line that names the variable, header or URL and never a secret value.
-The same single capabilities read also tells whether the service is the embedded server.
+
+Every request goes the way the SDK's own go (docs/service.md), so a passing check means the SDK
+connects: the SDK's HTTP client (`tinker.AsyncTinker`, which honours the proxy and CA settings of
+the environment) sends the SDK's first request, `client/config`, once and without retries, for a
+clear line on a wrong URL or key; then the SDK builds its client holder as every ServiceClient
+does (that config, the auth it asks for, API key or JWT exchange, and the dynamic config); the
+capabilities are read through that holder, raw, so the same read also tells whether the service
+is the embedded server (its marker header and `embedded_server` key, which the SDK type drops).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import httpx
 
 from dppo_harness import identity, service
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
@@ -23,6 +30,10 @@ from dppo_harness.identity import EmbeddedMarker
 # Which variable feeds which request header (tinker backend, shared Spindle).
 HEADER_VARS = {"x-api-key": "TINKER_API_KEY", "modal-key": "MODAL_PROXY_TOKEN_ID",
                "modal-secret": "MODAL_PROXY_TOKEN_SECRET"}
+# ... and with --proxy-credentials runs (the brief's fork)
+HEADER_VARS_RUNS = {"x-api-key": "TINKER_API_KEY", "modal-key": "RUNS_PROXY_TOKEN_ID",
+                    "modal-secret": "RUNS_PROXY_TOKEN_SECRET"}
+CLIENT_CONFIG_PATH = "/api/v1/client/config"
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
 
 
@@ -68,20 +79,80 @@ def client_base_model(requested_model: str, report: ConnectivityReport) -> str:
     return requested_model  # not the model the preflight checked: nothing to substitute
 
 
-def auth_failure_line(status: int, payload: Any, url: str) -> str:
+def auth_failure_line(status: int, payload: Any, url: str, proxy_tokens: service.ProxyTokens = "modal") -> str:
     """The line for a 401/403: the header the service names (never its value) and its variable."""
     text = str(payload.get("error", "")) if isinstance(payload, Mapping) else ""
     m = _HEADER_IN_ERROR.search(text)
     header = m.group(1) if m else None
-    var = HEADER_VARS.get(header.lower()) if header else None
+    header_vars = HEADER_VARS_RUNS if proxy_tokens == "runs" else HEADER_VARS
+    var = header_vars.get(header.lower()) if header else None
+    prefix = "RUNS" if proxy_tokens == "runs" else "MODAL"
     what = ("missing" if "missing" in text.lower() else "rejected") if header else "rejected"
     if var == "TINKER_API_KEY":
         hint = "check TINKER_API_KEY (sent as X-API-Key)"
     elif var:
-        hint = f"check MODAL_PROXY_TOKEN_ID/SECRET ({var} is sent as {header})"
+        hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET ({var} is sent as {header})"
     else:
-        hint = "check MODAL_PROXY_TOKEN_ID/SECRET (Modal-Key/Modal-Secret headers) and TINKER_API_KEY"
+        hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET (Modal-Key/Modal-Secret headers) and TINKER_API_KEY"
     return f"authentication {what} by {url} (HTTP {status}{f', header {header}' if header else ''}): {hint}"
+
+
+def _status_line(status: int, payload: Any, path: str, var: str, shown: str, proxy_tokens: service.ProxyTokens
+                 ) -> tuple[str, str]:
+    """(check, line) for a non-200 answer to `path`."""
+    if status in (401, 403):
+        return "auth", auth_failure_line(status, payload, shown, proxy_tokens)
+    if status == 404:
+        return "reachable", f"{var} {shown} answered HTTP 404 for {path}: not a Tinker service root; check the URL"
+    return "reachable", f"{var} {shown} answered HTTP {status} for {path}; retry later or check the service"
+
+
+def first_contact(kwargs: Mapping[str, Any], timeout_s: float) -> tuple[int, Any] | None:
+    """The SDK's first request (POST client/config) with the SDK's HTTP client, once, no retries.
+
+    None when the service answered it; else (HTTP status, JSON body). Raises the SDK's
+    APIConnectionError / APITimeoutError when nothing answered.
+    """
+    import tinker
+    from tinker._client import AsyncTinker
+    from tinker.lib.internal_client_holder import _get_default_headers
+
+    async def send() -> tuple[int, Any] | None:
+        client = AsyncTinker(base_url=str(kwargs["base_url"]), api_key=str(kwargs["api_key"]),
+                                    default_headers=_get_default_headers() | dict(kwargs.get("default_headers_overrides")
+                                                                                  or {}),
+                                    max_retries=0, timeout=timeout_s)
+        try:
+            await client.service.client_config(request=tinker.types.ClientConfigRequest(sdk_version=tinker.__version__))
+            return None
+        except tinker.APIStatusError as exc:
+            return exc.status_code, identity.raw_response(exc.response).json
+        finally:
+            await client.close()
+
+    return asyncio.run(send())
+
+
+def sdk_holder(client: Any, timeout_s: float) -> Any:
+    """The session-less holder the ServiceClient builds for REST reads (config, auth, dynamic
+    config), built on a daemon thread so that the SDK's own minutes of retries cannot hold the
+    check: TimeoutError after `timeout_s`."""
+    out: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            out["holder"] = client._get_rest_holder()
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+
+    t = threading.Thread(target=build, name="connectivity-sdk-holder", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if "error" in out:
+        raise out["error"]
+    if "holder" not in out:
+        raise TimeoutError(f"the SDK did not finish setting up its client within {timeout_s:.0f} s")
+    return out["holder"]
 
 
 def check_connectivity(
@@ -92,8 +163,11 @@ def check_connectivity(
     *,
     proxy_tokens: service.ProxyTokens = "modal",
     timeout_s: float = 10.0,
+    sdk_telemetry: bool = False,
 ) -> ConnectivityReport:
     """Run the four checks; raise ConnectivityError (one line) on the first that fails."""
+    import tinker
+
     t0 = time.monotonic()
     checks: list[dict[str, Any]] = []
 
@@ -108,30 +182,43 @@ def check_connectivity(
     url = str(kwargs["base_url"])
     shown = service.redact_url(url) or url
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
-    ok("variables", "TINKER_BASE_URL, TINKER_API_KEY and the proxy-token variables are set"
+    proxy = ", ".join(service.describe_service(backend, url, proxy_tokens=proxy_tokens)["proxy_headers"])
+    ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: {proxy or 'none'}"
        if backend == "tinker" else "local backend: no credentials needed")
+    service.apply_sdk_telemetry(sdk_telemetry)
 
-    # 2. reachable (3. auth is judged on the same request)
-    headers = identity.auth_headers(kwargs)
+    # 2. reachable (3. auth is judged on the same requests): the SDK's first request, then its holder
     try:
-        resp = identity.get_capabilities_raw(url, headers, timeout_s)
-    except httpx.ConnectError:
+        refused = first_contact(kwargs, timeout_s)
+    except tinker.APITimeoutError:
+        raise ConnectivityError("reachable", f"{var} {shown} did not answer within {timeout_s:.0f} s") from None
+    except tinker.APIConnectionError:
         raise ConnectivityError("reachable", f"cannot connect to {var} {shown}: connection refused or host unknown; "
                                              "check the URL and that the service is up") from None
-    except httpx.TimeoutException:
-        raise ConnectivityError("reachable", f"{var} {shown} did not answer within {timeout_s:.0f} s") from None
-    except httpx.HTTPError as exc:
-        raise ConnectivityError("reachable", f"{var} {shown}: request failed ({type(exc).__name__})") from None
-    if resp.status in (401, 403):
-        ok("reachable", f"{shown} answered HTTP {resp.status}")
-        raise ConnectivityError("auth", auth_failure_line(resp.status, resp.json, shown))
-    if resp.status == 404:
-        raise ConnectivityError("reachable", f"{var} {shown} answered HTTP 404 for {identity.CAPABILITIES_PATH}: "
-                                             "not a Tinker service root; check the URL")
+    if refused is not None:
+        status, payload = refused
+        if status in (401, 403):
+            ok("reachable", f"{shown} answered HTTP {status}")
+        raise ConnectivityError(*_status_line(status, payload, CLIENT_CONFIG_PATH, var, shown, proxy_tokens))
+    probe = tinker.ServiceClient(**kwargs)
+    try:
+        try:
+            holder = sdk_holder(probe, timeout_s)
+            resp = identity.get_capabilities_raw(holder, timeout_s)
+        except tinker.APIStatusError as exc:
+            raise ConnectivityError(*_status_line(exc.status_code, identity.raw_response(exc.response).json,
+                                                  CLIENT_CONFIG_PATH, var, shown, proxy_tokens)) from None
+        except (TimeoutError, tinker.APIConnectionError) as exc:
+            raise ConnectivityError("reachable", f"{var} {shown}: the SDK could not set up its client "
+                                                 f"({type(exc).__name__}: {service.error_text(exc)})") from None
+    finally:
+        probe.close("success").result(timeout_s)  # a session-less holder: nothing to finish on the server
     if resp.status != 200:
-        raise ConnectivityError("reachable", f"{var} {shown} answered HTTP {resp.status} for "
-                                             f"{identity.CAPABILITIES_PATH}; retry later or check the service")
-    ok("reachable", f"{shown} answered {identity.CAPABILITIES_PATH}")
+        if resp.status in (401, 403):
+            ok("reachable", f"{shown} answered HTTP {resp.status}")
+        raise ConnectivityError(*_status_line(resp.status, resp.json, identity.CAPABILITIES_PATH, var, shown,
+                                              proxy_tokens))
+    ok("reachable", f"{shown} answered {identity.CAPABILITIES_PATH} through the SDK's client")
     ok("auth", "credentials accepted" if backend == "tinker" else "no authentication on the local backend")
 
     # 4. the base model

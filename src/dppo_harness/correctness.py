@@ -29,7 +29,7 @@ import hashlib
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -622,8 +622,14 @@ class GoldenReport:
         }
 
 
-def check_golden(path: Path, modes: Sequence[str] = MODES, tolerances: dict | None = None) -> GoldenReport:
+def check_golden(path: Path, modes: Sequence[str] = MODES, tolerances: dict | None = None,
+                 progress: Callable[[str], None] | None = None) -> GoldenReport:
+    """Every golden case in every mode; `progress` gets a line at least every few seconds of work."""
+    from dppo_harness.progress import Ticker, quiet
+
     _, cases = load_golden(path)
+    ticker = Ticker(progress or quiet, "[preflight] correctness: golden parity", total=len(cases) * len(modes))
+    ticker.start(f"{len(cases)} cases x {len(modes)} modes")
     results = []
     for c in cases:
         for m in modes:
@@ -631,6 +637,7 @@ def check_golden(path: Path, modes: Sequence[str] = MODES, tolerances: dict | No
                 results.append(check_case(c, m, tolerances))
             except (ValueError, TypeError, FloatingPointError) as exc:  # bad case data: a failed line, not a crash
                 results.append(CaseResult(c.name, m, [SubCheck("error", False, f"{type(exc).__name__}: {exc}")]))
+            ticker.tick(len(results), f"{c.name} [{m}] {'ok' if results[-1].passed else 'FAILED'}")
     return GoldenReport(str(path), file_sha256(path), results)
 
 

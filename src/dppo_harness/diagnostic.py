@@ -816,6 +816,7 @@ class _RunState:
     first_optim: Any = None  # the trained client's own first optim_step response
     initial_output: dict[str, Any] | None = None
     preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
+    rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
 
 
 def _register_json(bundle: EvidenceBundle, state: _RunState, name: str, kind: str, obj: Any) -> None:
@@ -866,7 +867,7 @@ def _preflight_client(loaded: Any, initial_checkpoint: str) -> tuple[tinker.Trai
 
 def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
     """A fresh client from the shared initial state, the load observed (never trained weights)."""
-    tc, load_response = create_from_state_observed(service_client, initial_checkpoint)
+    tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "diagnostic DPPO client")
     info = tc.get_info()
     restore = {
         "initial_checkpoint": initial_checkpoint,
@@ -899,6 +900,7 @@ def _sample_and_freeze(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle:
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
     state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
     bundle.add_checkpoint("dppo_seed0", 0, sampled.sampler_path)
+    state.rollout_yield = sampled.batch.response_yield().as_dict()
     return sampled.sampler_path, frozen, sampled.batch.summary()
 
 
@@ -1049,8 +1051,9 @@ def run_bounded_diagnostic(
         state.sampling_seconds = float(summary["sampling_seconds"])
         state.sampled_sequences = int(state.frozen.n_sequences)
         say(f"[{tag}] sampled and froze {state.frozen.n_sequences} sequences ({summary['response_tokens']} response "
-            f"tokens, {summary['nonconstant_reward_groups']} groups with signal) in {summary['sampling_seconds']:.0f}s; "
-            f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
+            f"tokens, {summary['nonconstant_reward_groups']} groups with signal, {summary['frac_truncated']:.1%} "
+            f"truncated at max_tokens {cfg.max_tokens}, {summary['frac_no_answer']:.1%} without an answer) in "
+            f"{summary['sampling_seconds']:.0f}s; elapsed {elapsed():.0f}s / {cap_s:.0f}s")
         mbs = state.frozen.split_minibatches(cfg.minibatches_per_epoch)
         state.minibatches = [mb.record() for mb in mbs]
         state.sentinels = SentinelTracker(state.frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
@@ -1113,6 +1116,8 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
     analysis["trained_client_initial_output"] = state.initial_output
     analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
     analysis["snapshots"] = state.snapshots
+    analysis["rollout_yield"] = state.rollout_yield
+    analysis["declared"] = _declared(bundle)
     _register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
     _register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
     _trained_client_provenance(bundle, cfg, plan, state)
@@ -1141,10 +1146,23 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
     state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
     result = replace(result, files=tuple(state.files))
     fields_ = result.result_fields
+    if state.rollout_yield:
+        bundle.update_result(metrics={"diagnostic/rollout_truncated_frac": state.rollout_yield["truncated_frac"],
+                                      "diagnostic/rollout_no_answer_frac": state.rollout_yield["no_answer_frac"],
+                                      "diagnostic/rollout_mean_response_tokens":
+                                          state.rollout_yield["mean_response_tokens"]})
     bundle.update_result(**{k: v for k, v in fields_.items() if k in ("metrics", "summary", "activation_calibration")
                             and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))})
     post_snapshot(bundle, "diagnostic stage end", reserve=4)
     return result
+
+
+def _declared(bundle: EvidenceBundle) -> dict[str, Any]:
+    """The renderer and loss normalization effective-config.json declares (what the report cites)."""
+    if bundle.entry("effective-config.json") is None:
+        return {}
+    eff = json.loads(bundle.file_path("effective-config.json").read_text())
+    return {k: eff[k] for k in ("renderer", "loss_normalization") if k in eff}
 
 
 def analyse(

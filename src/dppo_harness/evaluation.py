@@ -27,7 +27,7 @@ import tinker
 from tinker_cookbook.recipes.math_rl import math_env, math_grading
 from tinker_cookbook.rl import problem_env
 
-from dppo_harness import gsm8k
+from dppo_harness import answer_yield, gsm8k
 from dppo_harness import tokenizer as tokenizer_mod
 from dppo_harness.gsm8k import Gsm8kItem
 from dppo_harness.tokenizer import TokenizerBundle
@@ -206,6 +206,23 @@ class EvalResult:
     def accuracy(self) -> float:
         """Unrounded mean of the per-item values (failures count as 0)."""
         return sum(r["value"] for r in self.rows) / len(self.rows)
+
+    @property
+    def invalid_outputs(self) -> int:
+        """Outputs with no parseable answer (no \\boxed{}): rows that stay, scoring 0."""
+        return sum(r["prediction"] is None for r in self.rows)
+
+    def response_yield(self, max_tokens: int | None = None) -> answer_yield.ResponseYield:
+        return answer_yield.response_yield([r["stop_reason"] for r in self.rows],
+                                           [r["prediction"] is not None for r in self.rows],
+                                           [r["n_tokens"] for r in self.rows], max_tokens=max_tokens)
+
+    def arm_metrics(self, max_tokens: int | None = None) -> dict[str, float]:
+        """What `metrics.arms[arm]` and `evidence.per_arm_metrics[arm]` hold for this scored model."""
+        ry = self.response_yield(max_tokens)
+        return {"accuracy": self.accuracy, "eval_n": float(len(self.rows)),
+                "eval_invalid_outputs": float(self.invalid_outputs), "eval_truncated_frac": ry.truncated_frac,
+                "eval_no_answer_frac": ry.no_answer_frac, "eval_mean_response_tokens": ry.mean_response_tokens}
 
     def predictions_jsonl(self) -> bytes:
         return "".join(canonical_json(r) + "\n" for r in self.rows).encode("utf-8")

@@ -18,7 +18,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -371,6 +371,7 @@ def run_timing_pilot(
     pilot_eval_items: int = 4,
     optimizer_config: Mapping[str, float],
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[PilotTimings, dict[str, Any]]:
     """Time setup, sampling + updates, and greedy evaluation on `service_client`'s backend.
 
@@ -384,8 +385,15 @@ def run_timing_pilot(
 
     bundle = tokenizer.make_renderer()
     t0 = time.perf_counter()
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(f"[preflight] feasibility pilot {msg} ({time.perf_counter() - t0:.0f}s)")
+
+    say("1/4: client from the initial checkpoint")
     client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint).result()
     setup_s = time.perf_counter() - t0
+    say(f"2/4: sampling {pilot_groups} groups x {schedule.group_size} (max_tokens {schedule.max_tokens})")
 
     train = gsm8k.load_split("train", seed=seed)
     items = train.items[:pilot_groups]
@@ -398,10 +406,13 @@ def run_timing_pilot(
     loss_fn = losses.make_loss_fn(losses.LossConfig(arm="dppo", normalization="token_mean"))
     adam = tinker.AdamParams(**{k: float(v) for k, v in optimizer_config.items()
                                 if k in tinker.AdamParams.model_fields})
+    say(f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences "
+        f"({batch.response_yield().truncated} of {batch.response_yield().n} sampled responses truncated)")
     update_s = train_step.timed_updates(client, minibatch, loss_fn, adam, pilot_updates)
 
     eval_n = pilot_eval_items if schedule.eval_items else 0
     eval_s, eval_tokens = 0.0, 0
+    say(f"4/4: greedy evaluation of {eval_n} test items" if eval_n else "4/4: no evaluation in this plan")
     if eval_n:
         test = gsm8k.load_split("test").items[:eval_n]
         prompts = [gsm8k.build_prompt(it, bundle.renderer) for it in test]
@@ -449,6 +460,7 @@ def run_feasibility(
     timings: PilotTimings | None = None,
     schedule_overrides: Mapping[str, Any] | None = None,
     measured_setup: Mapping[str, float] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> FeasibilityResult:
     """Pilot (unless `timings` is given), project `plan`, write `feasibility` to the bundle.
 
@@ -470,7 +482,7 @@ def run_feasibility(
         timings, details = run_timing_pilot(
             service_client, schedule, initial_checkpoint, pilot_groups=pilot_groups,
             pilot_updates=pilot_updates, pilot_eval_items=pilot_eval_items,
-            optimizer_config=opt_cfg)
+            optimizer_config=opt_cfg, progress=progress)
     setup_parts = {"create_client_from_initial_checkpoint": timings.setup_seconds}
     for name, secs in (measured_setup or {}).items():
         if not (isinstance(secs, (int, float)) and math.isfinite(secs) and secs >= 0):

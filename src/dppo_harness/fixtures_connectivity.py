@@ -13,11 +13,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def connectivity(service_backend, plan):
+def connectivity(service_backend, plan, harness_options):
     from dppo_harness.connectivity import ConnectivityError, check_connectivity
 
     try:
-        return check_connectivity(service_backend.kind, service_backend.base_url, plan.base_model)
+        return check_connectivity(service_backend.kind, service_backend.base_url, plan.base_model,
+                                  proxy_tokens=harness_options.proxy_credentials,
+                                  sdk_telemetry=harness_options.sdk_telemetry)
     except ConnectivityError as exc:
         line = f"connectivity preflight ({exc.check}): {exc.line}"
     pytest.fail(line, pytrace=False)  # outside the except: the one line, without a chained traceback
@@ -31,10 +33,9 @@ def client_base_model(connectivity, run_spec) -> str:
 
 
 @pytest.fixture(scope="session")
-def training_client_observer(evidence_bundle, service_backend):
-    from dppo_harness import identity, service
+def training_client_observer(evidence_bundle):
+    from dppo_harness import identity
 
-    kwargs = service.client_kwargs(service_backend.kind, service_backend.base_url)
-    recorder = identity.TrainingClientRecorder(evidence_bundle, str(kwargs["base_url"]), identity.auth_headers(kwargs))
+    recorder = identity.TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
     yield recorder
     recorder.flush()  # every client's get_info, in one file (keeps the bundle under its file limit)

@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+from dppo_harness.progress import Watchdog
+from dppo_harness.pytest_plugin import stops_stage
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,37 +47,46 @@ def run_spec(plan, spec_plan) -> dict:
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def restoration(request, service_client, service_backend, plan, spec_plan, run_spec, evidence_bundle,
-                training_client_observer, client_registry, client_base_model):
+                training_client_observer, client_registry, client_base_model, service_waiter, harness_options,
+                harness_progress):
     """restoration.RestorationResult for the spec's initialization group (runs once)."""
     from dppo_harness import restoration as R
-    from dppo_harness.service import CapacityExhausted, CapacityPolicy, call_with_capacity_retry, make_service_client
+    from dppo_harness.service import CapacityExhausted, call_with_capacity_retry, make_service_client
 
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
-    # Its own session, registered now: a capacity give-up releases it with the rest.
+    # Its own session, registered before its first call: a stop on the way (capacity, hang)
+    # releases it with the rest.
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
                                    observer=training_client_observer,  # every training client's identity
                                    registry=client_registry, stage="preflight-probes",
-                                   label="preflight setup and probe clients (closed when the preflight ends)")
-    policy = CapacityPolicy.from_env()
+                                   label="preflight setup and probe clients (closed when the preflight ends)",
+                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+                                   sdk_telemetry=harness_options.sdk_telemetry)
+    policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     plan_kind = plan.kind
     update_norm = None
     if reader is None:  # tinker backend: read trained weights back through the SDK (issue 11 point 10)
         from dppo_harness.weights_readback import ExternalWeightsUpdateNorm
 
         update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
+    failure = None
     try:
-        result = R.run_restoration_preflight(
-            service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
-            probe_service_client=probe_sc, spec_raw=run_spec, base_model=client_base_model,  # the served substitute
-            # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
-            call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
-            update_norm=update_norm,
-            # Under the diagnostic plan only the DPPO arm trains: the untrained baseline gets no client.
-            trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
-        )
+        # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
+        with Watchdog(harness_progress, every_s=10.0) as watch:
+            result = R.run_restoration_preflight(
+                service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
+                probe_service_client=probe_sc, spec_raw=run_spec, base_model=client_base_model,  # the served substitute
+                # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
+                call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
+                update_norm=update_norm,
+                # Under the diagnostic plan only the DPPO arm trains: the untrained baseline gets no client.
+                trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
+                progress=watch.say,
+            )
     except R.RestorationError as exc:  # e.g. a response without a field the proof needs: one line
         failure = f"restoration preflight: {exc}"
     except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
@@ -83,9 +95,7 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
             fields.update(original_hypothesis_tested=False,
                           tested_instead="nothing: the run stopped on service capacity before any training")
         evidence_bundle.update_result(**fields)
-        failure = f"capacity: {exc}"
-    else:
-        failure = None
+        raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
         # Release the setup/probe session before anything trains, and record it.
         from dppo_harness.pytest_plugin import record_client_releases
@@ -104,8 +114,9 @@ def verified_restoration(restoration):
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def feasibility(request, service_backend, plan, evidence_bundle, verified_restoration, client_registry,
-                training_client_observer):
+                training_client_observer, service_waiter, harness_options, harness_progress):
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
     client lives in its own session, closed when the pilot ends."""
     from dppo_harness import feasibility as F
@@ -126,12 +137,15 @@ def feasibility(request, service_backend, plan, evidence_bundle, verified_restor
     # session is the budget ledger's business (evidence.budget_allows per stage).
     pilot_sc = make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
                                    registry=client_registry, stage="feasibility-pilot",
-                                   label="feasibility timing pilot (closed when the pilot ends)")
+                                   label="feasibility timing pilot (closed when the pilot ends)",
+                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+                                   sdk_telemetry=harness_options.sdk_telemetry)
     try:
-        return F.run_feasibility(
-            pilot_sc, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
-            backend_kind=service_backend.kind, effective_config=eff,
-            schedule_overrides=overrides or None,
-            measured_setup={"restoration_preflight": verified_restoration.wall_seconds})
+        with Watchdog(harness_progress, every_s=10.0) as watch:
+            return F.run_feasibility(
+                pilot_sc, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
+                backend_kind=service_backend.kind, effective_config=eff,
+                schedule_overrides=overrides or None,
+                measured_setup={"restoration_preflight": verified_restoration.wall_seconds}, progress=watch.say)
     finally:
         record_client_releases(request.config, client_registry.release_stage("feasibility-pilot"))

@@ -12,22 +12,17 @@ from collections.abc import Callable
 
 import pytest
 
+from dppo_harness.pytest_plugin import progress_printer, stops_stage
+
 
 def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    return progress_printer(request.config)
 
-    def say(msg: str) -> None:
-        if reporter is None:
-            print(msg, flush=True)
-            return
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(msg)
-        else:
-            reporter.write_line(msg)
 
-    return say
+@pytest.fixture(scope="session")
+def harness_progress(request):
+    """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
+    return _progress(request)
 
 
 def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
@@ -39,8 +34,9 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def gate_report(request, service_backend, spec_plan, run_spec, evidence_bundle, restoration, client_registry,
-                training_client_observer):
+                training_client_observer, service_waiter, harness_options):
     """The executed spec's activation-gate pilot (a rehearsal's inner spec), run once per session.
     The pilot's client lives in its own session, closed as soon as the pilot ends (before any arm
     trains)."""
@@ -50,7 +46,9 @@ def gate_report(request, service_backend, spec_plan, run_spec, evidence_bundle, 
 
     pilot_sc = make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
                                    registry=client_registry, stage="gate-pilot",
-                                   label="activation-gate pilot (closed when the pilot ends)")
+                                   label="activation-gate pilot (closed when the pilot ends)",
+                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+                                   sdk_telemetry=harness_options.sdk_telemetry)
     try:
         return run_activation_gate(
             pilot_sc, spec_plan, evidence_bundle, restoration.initial_checkpoint,
@@ -61,13 +59,14 @@ def gate_report(request, service_backend, spec_plan, run_spec, evidence_bundle, 
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
-                   verified_restoration, gate_report, client_registry, client_base_model):
+                   verified_restoration, gate_report, client_registry, client_base_model, service_waiter):
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session."""
     from dppo_harness import comparison as C
     from dppo_harness.comparison_run import run_comparison
+    from dppo_harness.cookbook_metrics import WandbRequest
     from dppo_harness.pytest_plugin import propose_outcome
-    from dppo_harness.service import CapacityPolicy
 
     if not gate_report.passed:
         pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
@@ -80,9 +79,9 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
         service_client, plan, evidence_bundle, verified_restoration, backend=service_backend.kind,
         state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
         schedule=schedule, schedule_source=source, guard=guard, registry=client_registry,
-        # The local rehearsal has no shared capacity to wait for: scaled-down windows, same rules.
-        capacity_policy=CapacityPolicy(scale=0.01) if service_backend.kind == "local" else CapacityPolicy(),
+        capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
         progress=_progress(request), base_model=client_base_model,
+        wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
     )
     propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
     if run.stopped is not None:  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
@@ -116,6 +115,7 @@ def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
 
 
 @pytest.fixture(scope="session")
+@stops_stage
 def diagnostic_run(request, service_client, service_backend, plan, spec_plan, evidence_bundle, restoration):
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the

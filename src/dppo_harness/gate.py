@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dppo_harness import answer_yield, rollout_batch, rollouts, train_step
 from dppo_harness import instrumentation as ins
-from dppo_harness import rollout_batch, rollouts, train_step
 
 if TYPE_CHECKING:
     import tinker
@@ -145,6 +145,17 @@ def gate_values(
         "executed_base_model": executed_base_model,
     }
     return values, rows
+
+
+def with_rollout_yield(rows: Sequence[dict[str, Any]], yields: Sequence[answer_yield.ResponseYield]) -> list[dict[str, Any]]:
+    """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
+    length (a step that sampled nothing gets none)."""
+    out = []
+    for row in rows:
+        y = yields[row["step"]] if row["step"] < len(yields) else None
+        out.append({**row, **({"truncated_frac": y.truncated_frac, "no_answer_frac": y.no_answer_frac,
+                               "mean_response_tokens": y.mean_response_tokens, "responses": y.n} if y else {})})
+    return out
 
 
 def split_complete_groups(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
@@ -304,6 +315,7 @@ class _Pilot:
     base_model: str | None = None
     base_model_source: str = "not measured"
     loaded_checkpoint: str | None = None
+    yields: list[Any] = field(default_factory=list)  # answer_yield.ResponseYield of each step's batch
 
 
 def _pilot_step(
@@ -315,6 +327,7 @@ def _pilot_step(
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
     sampled = rollout_batch.sample_rollout_batch(tc, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}")
     pilot.samplers.append(sampled.sampler_path)
+    pilot.yields.append(sampled.batch.response_yield())
     minibatches = split_complete_groups(sampled.group_of_datum, cfg.updates_per_batch)
     pilot.optim_counts.append(0)
     records = []
@@ -361,7 +374,7 @@ def run_activation_gate(
     adam = tinker.AdamParams(**cfg.adam)
     errors: list[str] = []
     try:
-        tc, load_response = create_from_state_observed(service_client, initial_checkpoint)
+        tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "gate pilot client")
         pilot.loaded_checkpoint = getattr(load_response, "path", None)
         pilot.base_model, pilot.base_model_source = executed_model(tc.get_info(), backend, bundle)
         if pilot.base_model is None:  # model_name is optional in the SDK's ModelData: never the requested name
@@ -377,12 +390,14 @@ def run_activation_gate(
                 f"[gate] step {step + 1}/{cfg.steps}: {pilot.optim_counts[step]} updates, "
                 f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
                 f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
+                f"truncated {pilot.yields[step].truncated_frac:.2f}, no answer {pilot.yields[step].no_answer_frac:.2f}, "
                 f"elapsed {time.monotonic() - t0:.0f}s"
             )
     except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
         errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
     records = pilot.recorder.records
     values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps)
+    per_step = with_rollout_yield(per_step, pilot.yields)
     results = evaluate_gate(checks, values)
     errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
     pilot_block = {
@@ -396,6 +411,7 @@ def run_activation_gate(
         "backend": backend,
         "loss_calls": len(records),
         "executed_base_model_source": pilot.base_model_source,
+        "rollout_yield": answer_yield.pooled(pilot.yields).as_dict() if pilot.yields else None,
     }
     report = GateReport(
         passed=all(r.passed for r in results) and not errors,

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import tinker
 from tinker_cookbook import renderers
+from tinker_cookbook.recipes.math_rl import math_grading
 from tinker_cookbook.recipes.math_rl.math_env import MathEnv, extract_gsm8k_final_answer
 
 Split = Literal["train", "test"]
@@ -235,6 +236,7 @@ class Graded:
     correct: bool
     content: str  # parsed assistant text (what the grader read)
     stop_sequence: bool  # ended with the renderer's stop token
+    answer_found: bool  # a \\boxed{} answer is in `content` (math_grading.extract_boxed finds one)
 
 
 def grade_response(item: Gsm8kItem, renderer: renderers.Renderer, response_tokens: Sequence[int]) -> Graded:
@@ -243,10 +245,21 @@ def grade_response(item: Gsm8kItem, renderer: renderers.Renderer, response_token
     tokens = [int(t) for t in response_tokens]
     result = _run_ready(env.step(tokens))
     message, termination = renderer.parse_response(tokens)
+    content = renderers.get_text_content(message)
     return Graded(
         reward=float(result.reward),
         format_ok=bool(result.metrics["format"]),
         correct=bool(result.metrics["correct"]),
-        content=renderers.get_text_content(message),
+        content=content,
         stop_sequence=bool(termination.is_stop_sequence),
+        answer_found=has_boxed_answer(content),
     )
+
+
+def has_boxed_answer(content: str) -> bool:
+    """Whether the grader finds an answer at all: the cookbook's `extract_boxed` on the parsed text."""
+    try:
+        math_grading.extract_boxed(content)
+    except ValueError:
+        return False
+    return True

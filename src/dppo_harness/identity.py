@@ -3,9 +3,10 @@
 The embedded server answers to the planned model's name (so the SDK accepts it) while a small
 stand-in computes. It marks itself on every response (header `X-Embedded-Tinker-Server`), in its
 capabilities (`embedded_server` key) and in `get_info().model_data` (`embedded_server` key). The
-SDK's response types drop unknown keys, so the raw JSON is read here with httpx, sending the same
-auth headers as the SDK. A run that meets the marker is a rehearsal, and every place that names
-the model names the stand-in.
+SDK's response types drop unknown keys, so the raw JSON is read here through the SDK's own client
+holder (`sdk_raw`: the same auth, API key or JWT exchange, headers, proxy and CA settings as every
+SDK call), keeping the body and headers. A run that meets the marker is a rehearsal, and every
+place that names the model names the stand-in.
 """
 
 from __future__ import annotations
@@ -64,13 +65,6 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
 # ----------------------------------------------------------------------------- raw reads
 
 
-def auth_headers(client_kwargs: Mapping[str, Any]) -> dict[str, str]:
-    """The headers the SDK sends for service.client_kwargs(...) (holds secrets: never log)."""
-    headers = {"X-API-Key": str(client_kwargs["api_key"])}
-    headers.update(client_kwargs.get("default_headers_overrides") or {})
-    return headers
-
-
 @dataclass(frozen=True)
 class RawResponse:
     status: int
@@ -78,11 +72,7 @@ class RawResponse:
     marker_header: str | None  # value of the embedded-server header, if present
 
 
-def _raw(method: str, base_url: str, path: str, headers: Mapping[str, str], timeout_s: float,
-         body: Any = None) -> RawResponse:
-    url = base_url.rstrip("/") + path
-    with httpx.Client(timeout=timeout_s, follow_redirects=False, trust_env=False) as http:
-        resp = http.request(method, url, headers=dict(headers), json=body)
+def raw_response(resp: httpx.Response) -> RawResponse:
     try:
         payload = resp.json()
     except ValueError:
@@ -90,14 +80,34 @@ def _raw(method: str, base_url: str, path: str, headers: Mapping[str, str], time
     return RawResponse(resp.status_code, payload, _header(resp.headers, EMBEDDED_SERVER_HEADER))
 
 
-def get_capabilities_raw(base_url: str, headers: Mapping[str, str], timeout_s: float = 10.0) -> RawResponse:
-    """GET get_server_capabilities as raw JSON (keeps keys the SDK type drops). Raises httpx errors."""
-    return _raw("GET", base_url, CAPABILITIES_PATH, headers, timeout_s)
+def sdk_raw(holder: Any, method: str, path: str, *, body: Any = None, timeout_s: float = 10.0) -> RawResponse:
+    """One request through an SDK client holder (a ServiceClient's or a TrainingClient's), kept
+    raw: status, JSON and the marker header. No retries: an HTTP error status is returned as it
+    came; transport failures raise the SDK's errors (tinker.APIConnectionError, ...)."""
+    import tinker
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+
+    async def send() -> httpx.Response:
+        options = {"max_retries": 0, "timeout": timeout_s}
+        with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+            if method == "GET":
+                return await client.get(path, cast_to=httpx.Response, options=options)
+            return await client.post(path, body=body, cast_to=httpx.Response, options=options)
+
+    try:
+        return raw_response(holder.run_coroutine_threadsafe(send()).result(timeout_s + 5.0))
+    except tinker.APIStatusError as exc:
+        return raw_response(exc.response)
 
 
-def get_info_raw(base_url: str, headers: Mapping[str, str], model_id: str, timeout_s: float = 10.0) -> RawResponse:
+def get_capabilities_raw(holder: Any, timeout_s: float = 10.0) -> RawResponse:
+    """GET get_server_capabilities as raw JSON (keeps keys the SDK type drops)."""
+    return sdk_raw(holder, "GET", CAPABILITIES_PATH, timeout_s=timeout_s)
+
+
+def get_info_raw(holder: Any, model_id: str, timeout_s: float = 10.0) -> RawResponse:
     """POST get_info for one model as raw JSON (the complete model_data)."""
-    return _raw("POST", base_url, GET_INFO_PATH, headers, timeout_s, body={"model_id": model_id})
+    return sdk_raw(holder, "POST", GET_INFO_PATH, body={"model_id": model_id}, timeout_s=timeout_s)
 
 
 # ----------------------------------------------------------------------------- the served model
@@ -261,8 +271,8 @@ class TrainingClientRecorder:
     record must not break the run it describes.
     """
 
-    def __init__(self, bundle: Any, base_url: str, headers: Mapping[str, str], timeout_s: float = 10.0):
-        self.bundle, self.base_url, self._headers, self.timeout_s = bundle, base_url, dict(headers), timeout_s
+    def __init__(self, bundle: Any, timeout_s: float = 10.0):
+        self.bundle, self.timeout_s = bundle, timeout_s
         self.records: list[ClientIdentity] = []
         self._written: dict[str, str] = {}  # identity key -> file holding it
         self._flushed = False
@@ -273,23 +283,24 @@ class TrainingClientRecorder:
         errors: list[str] = []
         info_json: Any = sdk_info.model_dump(mode="json")
         marker_headers: dict[str, str] = {}
+        holder = getattr(client, "holder", None)  # the client's own SDK holder: its auth and headers
         try:
-            raw = get_info_raw(self.base_url, self._headers, model_id, self.timeout_s)
+            raw = get_info_raw(holder, model_id, self.timeout_s)
             if raw.status == 200 and isinstance(raw.json, Mapping):
                 info_json = raw.json
             else:
                 errors.append(f"raw get_info answered HTTP {raw.status}; the SDK's parsed get_info is recorded")
             if raw.marker_header:
                 marker_headers[EMBEDDED_SERVER_HEADER] = raw.marker_header
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # a record must not break the run it describes
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
         caps: Any = None
         try:
-            cr = get_capabilities_raw(self.base_url, self._headers, self.timeout_s)
+            cr = get_capabilities_raw(holder, self.timeout_s)
             caps = cr.json if cr.status == 200 else {"http_status": cr.status}
             if cr.marker_header:
                 marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header
-        except httpx.HTTPError as exc:
+        except Exception as exc:
             errors.append(f"raw get_server_capabilities failed ({type(exc).__name__})")
         model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
         marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)

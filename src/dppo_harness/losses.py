@@ -285,6 +285,28 @@ def packed_loss(
     return total
 
 
+def normalization_declaration(mode: Normalization) -> dict[str, str]:
+    """What `effective-config.json` and the reports declare about the loss normalization."""
+    if mode not in _NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {mode!r}")
+    ours = ("the summed token losses of one forward_backward_custom call (one minibatch) divided by the number "
+            "of loss tokens (mask 1) in that call, zero-advantage tokens included"
+            if mode == "token_mean" else
+            "the token losses of one forward_backward_custom call (one minibatch) summed over its loss tokens")
+    return {
+        "mode": mode,
+        "definition": ours,
+        "applies_to": "both arms' trained loss, the activation-gate pilot, the bounded diagnostic and the feasibility pilot",
+        "cookbook_ppo": ("tinker-cookbook rl/train.py trains with the service's built-in loss_fn ('ppo' or "
+                         "'importance_sampling'), whose per-token losses are summed over every loss token of the "
+                         "forward_backward call: no division by the token count"),
+        "difference": ("token_mean gradient = sum gradient / loss tokens of the minibatch; under AdamW a constant "
+                       "rescale changes updates only through eps, but minibatches with different token counts "
+                       "are weighted differently than under the sum" if mode == "token_mean" else
+                       "the same convention as the cookbook's ppo"),
+    }
+
+
 def packed_loss_and_metrics(
     logprobs_N: torch.Tensor,
     sampler_logprobs_N: torch.Tensor,

@@ -904,6 +904,11 @@ def generation_audit_applicability(plan: Plan) -> dict[str, Any]:
             "reason": "experiment_features.generated_training_data is missing: applicability cannot be established"}
 
 
+# The normalization the spec's arms, the gate pilot and the feasibility pilot train with (the spec
+# declares none; comparison.NORMALIZATION and gate.NORMALIZATION are this value, checked by a test).
+HARNESS_NORMALIZATION = "token_mean"
+
+
 def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) -> dict[str, Any]:
     """The configuration that will actually run, in the brief's feasibility.effective_config terms."""
     info = backend_info if isinstance(backend_info, BackendInfo) else BackendInfo.from_mapping(backend_info)
@@ -942,6 +947,13 @@ def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) 
             "caps": dict(raw["caps"]),
             "analysis_criteria": [dict(c) for c in raw["analysis"]["criteria"]],
         }
+    from dppo_harness import losses, tokenizer
+
+    # Declared for every plan: the renderer's thinking mode (read off a rendered prompt) and the
+    # loss normalization, against the cookbook ppo's sum.
+    mode = raw["fixed_settings"]["loss_normalization"]["mode"] if plan.kind == "bounded_diagnostic" else HARNESS_NORMALIZATION
+    declared = {"renderer": tokenizer.default_renderer_declaration(),
+                "loss_normalization": losses.normalization_declaration(mode)}
     plan_block: dict[str, Any] = {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}
     if plan.kind == "rehearsal":
         plan_block.update(label="rehearsal", derived_from=dict(plan.raw["derived_from"]))
@@ -961,5 +973,6 @@ def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) 
         "budget": plan.budget,
         "generation_audit": generation_audit_applicability(plan),
         "config": body,
+        **declared,
         "deviations": plan.deviations + backend_deviations(plan, info),
     }

@@ -9,9 +9,11 @@ malformed plan is a one-line usage error before anything is collected.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -47,6 +49,15 @@ class HarnessOptions:
     # -- comparison stage (issue 9)
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
     comparison_schedule: str | None = None  # None: the default for the service (comparison.default_schedule)
+    wandb_project: str | None = None  # --wandb-project or WANDB_PROJECT; None: W&B is never touched
+    wandb_source: str = "not requested"
+    # -- the service wait policy (service_wait.WaitPolicy); None: the default (capacity defaults
+    # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
+    capacity_patience_s: float | None = None
+    capacity_patience_after_steps_s: float | None = None
+    service_timeout_s: float | None = None
+    proxy_credentials: Literal["modal", "runs"] = "modal"  # which proxy tokens feed Modal-Key/Modal-Secret
+    sdk_telemetry: bool = False  # let the SDK post its telemetry (off: TINKER_TELEMETRY=0)
 
 
 @dataclass
@@ -81,6 +92,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default=None,
                     help="how the two arms advance step by step (default: concurrent on a real service, interleaved "
                          "on the embedded server; see benchmarks/comparison_schedule.py)")
+    group.addoption("--wandb-project", default=None, metavar="PROJECT",
+                    help="also log each arm's cookbook metrics to this W&B project (default: WANDB_PROJECT; "
+                         "unset: no W&B at all)")
+    # -- service waits (docs/service.md)
+    group.addoption("--capacity-patience-s", type=float, default=None, metavar="S",
+                    help="give up after the service paused or refused work for S seconds before any comparison "
+                         "step completed (default 600)")
+    group.addoption("--capacity-patience-after-steps-s", type=float, default=None, metavar="S",
+                    help="the same window once a comparison step completed (default 1800)")
+    group.addoption("--service-timeout-s", type=float, default=None, metavar="S",
+                    help="stop the stage when a request whose queue is active gives no answer for S seconds "
+                         "(default 900)")
+    group.addoption("--proxy-credentials", choices=("modal", "runs"), default="modal",
+                    help="Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (shared Spindle, default) or "
+                         "RUNS_PROXY_TOKEN_* (the brief's fork)")
+    group.addoption("--sdk-telemetry", action="store_true", default=False,
+                    help="let the tinker SDK post its telemetry to the service (off by default: on auth "
+                         "errors its events carry the request headers, credentials included)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -144,9 +173,23 @@ def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOption
     evidence_dir = Path(evidence_opt) if evidence_opt else config.rootpath / "evidence"
     if evidence_dir.exists() and not evidence_dir.is_dir():
         raise pytest.UsageError(f"--evidence-dir: not a directory: {evidence_dir}")
+    waits = {}
+    for opt in ("--capacity-patience-s", "--capacity-patience-after-steps-s", "--service-timeout-s"):
+        value = config.getoption(opt)
+        if value is not None and not (value > 0 and value != float("inf")):
+            raise pytest.UsageError(f"{opt}: expected a positive number of seconds, got {value}")
+        waits[opt.removeprefix("--").replace("-", "_")] = value
+    from dppo_harness.cookbook_metrics import wandb_problem, wandb_request
+
+    wandb = wandb_request(config.getoption("--wandb-project"))
+    if wandb_problem(wandb):
+        raise pytest.UsageError(wandb_problem(wandb))
     return HarnessOptions(backend, plan_path.resolve(), evidence_dir.resolve(), run_stages,
                           resume=config.getoption("--resume"),
-                          comparison_schedule=config.getoption("--comparison-schedule"))
+                          comparison_schedule=config.getoption("--comparison-schedule"),
+                          proxy_credentials=config.getoption("--proxy-credentials"),
+                          sdk_telemetry=config.getoption("--sdk-telemetry"),
+                          wandb_project=wandb.project, wandb_source=wandb.source, **waits)
 
 
 def stage_started_at(config: pytest.Config, stage: str) -> float | None:
@@ -266,6 +309,9 @@ def record_client_releases(config: pytest.Config, records: list[dict[str, Any]])
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
+    stop = _service_stop(call.excinfo.value if call.excinfo is not None else None)
+    if stop is not None:  # the wait policy stopped the stage: its one line, not a traceback
+        report.longrepr = stop.line
     if report.when == "call" or report.outcome != "passed":
         counts = item.config.stash[_STATE_KEY].outcomes.setdefault(
             item.stash.get(STAGE_KEY, "unit"), {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []})
@@ -275,6 +321,59 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if report.failed:
         state = item.config.stash[_STATE_KEY]
         state.first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
+
+
+_SAY_LOCK = threading.Lock()  # progress.Watchdog writes from a background thread too
+
+
+def progress_printer(config: pytest.Config) -> Callable[[str], None]:
+    """A function printing one progress line on the terminal (past pytest's output capture);
+    writers on several threads take turns."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def say(msg: str) -> None:
+        with _SAY_LOCK:
+            if reporter is None:
+                print(msg, flush=True)
+                return
+            if capture is not None:
+                with capture.global_and_fixture_disabled():
+                    reporter.write_line(msg)
+            else:
+                reporter.write_line(msg)
+
+    return say
+
+
+def stops_stage(fixture: Callable[..., Any]) -> Callable[..., Any]:
+    """For a stage's session fixture: a stop by the service wait policy (service_wait.ServiceStopped,
+    a BaseException so that stage code cannot swallow it) fails the requesting test with its one
+    line, cached like any fixture failure, so every later test of the stage gets the same line."""
+
+    @functools.wraps(fixture)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fixture(*args, **kwargs)
+        except BaseException as exc:
+            stop = _service_stop(exc)
+            if stop is None:
+                raise
+            line = stop.line
+        pytest.fail(line, pytrace=False)  # outside the except: the line, without a chained traceback
+
+    return run
+
+
+def _service_stop(exc: BaseException | None) -> Any:
+    """The service_wait.ServiceStopped behind a failure, if any (the module is loaded only once
+    a service client exists, so a session without one never imports the SDK here)."""
+    import sys
+
+    module = sys.modules.get("dppo_harness.service_wait")
+    if exc is None or module is None:
+        return None
+    return exc if isinstance(exc, module.ServiceStopped) else None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -298,6 +397,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from dppo_harness.identity import finalize_labels  # the stand-in stays named
 
     finalize_labels(state.bundle)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The run's closing block (run_summary.summary_lines), when a stage opened an evidence bundle."""
+    state = config.stash.get(_STATE_KEY, None)
+    if state is None or state.bundle is None:
+        return
+    from dppo_harness.run_summary import TITLE, summary_lines
+
+    messages = {}
+    for rep in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", []):
+        for stage, nodeid in state.first_failure.items():
+            if getattr(rep, "nodeid", None) == nodeid and stage not in messages:
+                crash = getattr(getattr(rep, "longrepr", None), "reprcrash", None)
+                messages[stage] = f"{nodeid}: {(getattr(crash, 'message', '') or 'failed').splitlines()[0]}"
+    terminalreporter.write_sep("=", TITLE)
+    for line in summary_lines(state.bundle.result, state.bundle.dir, stage_failures=state.first_failure,
+                              failure_messages=messages, stage_order=stages.STAGES):
+        terminalreporter.write_line(line)
 
 
 def _release_remaining(state: _StageState) -> None:
@@ -367,8 +485,8 @@ class ServiceBackend:
 
 
 @pytest.fixture(scope="session")
-def service_backend(harness_options: HarnessOptions,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceBackend]:
+def service_backend(harness_options: HarnessOptions, tmp_path_factory: pytest.TempPathFactory,
+                    harness_progress: Any) -> Iterator[ServiceBackend]:
     if harness_options.backend == "tinker":
         yield ServiceBackend("tinker", os.environ["TINKER_BASE_URL"], None)
         return
@@ -378,7 +496,8 @@ def service_backend(harness_options: HarnessOptions,
     if "comparison" in harness_options.selected_stages:  # issue 9: --resume loads states saved by an earlier server
         run_dir = harness_options.evidence_dir / "local-server"
         run_dir.mkdir(parents=True, exist_ok=True)
-    with LocalServerProcess(run_dir=run_dir) as server:
+    # The first start builds the stand-in model (minutes on 2 cores): its progress is forwarded.
+    with LocalServerProcess(run_dir=run_dir, progress=harness_progress) as server:
         yield ServiceBackend("local", server.base_url, server)
 
 
@@ -398,8 +517,25 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
 
 
 @pytest.fixture(scope="session")
-def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry,
-                   training_client_observer: Any) -> tinker.ServiceClient:
+def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptions, service_backend: ServiceBackend,
+                   evidence_bundle: EvidenceBundle, client_registry: ClientRegistry) -> Any:
+    """The session's one wait policy: every client of every ServiceClient the harness makes waits
+    under it; long waits are posted to the evidence, a stop releases the clients and records why."""
+    from dppo_harness.service_wait import CAPACITY_SCALE_VAR, ServiceWaiter, WaitPolicy
+    from dppo_harness.wait_evidence import BundlePoster
+
+    # The local rehearsal has no shared capacity to wait for: capacity defaults 100x shorter, same rules.
+    scale = 0.01 if service_backend.kind == "local" and not os.environ.get(CAPACITY_SCALE_VAR) else None
+    policy = WaitPolicy.from_options(capacity_patience_s=harness_options.capacity_patience_s,
+                                     capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
+                                     service_timeout_s=harness_options.service_timeout_s, scale=scale)
+    poster = BundlePoster(evidence_bundle, client_registry)
+    return ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
+
+
+@pytest.fixture(scope="session")
+def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry, harness_options: HarnessOptions,
+                   training_client_observer: Any, service_waiter: Any) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
     from dppo_harness.service import make_service_client
 
@@ -407,6 +543,8 @@ def service_client(service_backend: ServiceBackend, client_registry: ClientRegis
         service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
         observer=training_client_observer,  # every training client's identity -> evidence
         label="session: the arms' training clients and evaluation samplers (open until the session ends)",
+        waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+        sdk_telemetry=harness_options.sdk_telemetry,
     )
 
 

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from dppo_harness import instrumentation as ins
 
@@ -139,6 +140,38 @@ def _v(x: Any, spec: str = ".4g") -> str:
     return str(x)
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def yield_text(y: Mapping[str, Any]) -> str:
+    """'12 of 256 responses (4.7%) truncated at max_tokens 512, 30 (11.7%) without a parseable answer, mean 210 tokens'."""
+    limit = f" at max_tokens {y['max_tokens']}" if y.get("max_tokens") else ""
+    return (f"{y['truncated']} of {y['n']} responses ({_pct(y['truncated_frac'])}) truncated{limit}, "
+            f"{y['no_answer']} ({_pct(y['no_answer_frac'])}) without a parseable answer, mean "
+            f"{y['mean_response_tokens']:.0f} tokens")
+
+
+def declared_lines(declared: Mapping[str, Any], measured: list[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
+    """The renderer and its thinking mode with the measured truncation right under it, and the loss
+    normalization against the cookbook ppo's sum (both as effective-config.json declares them)."""
+    out = []
+    r = declared.get("renderer")
+    seen = [f"  - {label}: {yield_text(y)}" for label, y in measured if y]
+    if r:
+        prefill = "every generation prompt ends with `<think>\\n`" if r.get("thinking") == "enabled" else "no think prefill"
+        head = f"- renderer `{r['name']}`, thinking {r.get('thinking')} ({prefill}); measured truncation"
+    else:
+        head = "- renderer: not declared in effective-config.json; measured truncation"
+    out.append(head + (":" if seen else ": not measured"))
+    out += seen
+    n = declared.get("loss_normalization")
+    if n:
+        out.append(f"- loss normalization `{n['mode']}`: {n['definition']}. The cookbook's `ppo` instead: "
+                   f"{n['cookbook_ppo']}.")
+    return out
+
+
 def _cause_status(c: Mapping[str, Any]) -> str:
     """Verified or suspected, said plainly (issue 11): a stand-in run verifies only that the evidence
     for the planned model is missing; its measured cause is suspected, for the stand-in only."""
@@ -183,6 +216,8 @@ def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], 
         f"- loss: DPPO Binary-TV delta {cfg['delta']}, C {cfg['ratio_cap']}, {cfg['normalization']}; counterfactual "
         f"PPO eps {cfg['ppo_eps']}; AdamW {cfg['adam']}",
     ]
+    lines += declared_lines(analysis.get("declared") or {},
+                            [("frozen batch rollouts", analysis.get("rollout_yield"))])
     if cfg.get("reductions"):
         lines.append(f"- size reductions (test plan): {cfg['reductions']}")
     if analysis.get("errors"):
@@ -270,8 +305,11 @@ def write_report(bundle: Any, analysis: Mapping[str, Any], backend: str,
 COMPARISON_PLOTS = {
     "reward": "comparison-reward-per-step.png",
     "fractions": "comparison-masked-and-clip-fraction.png",
+    "truncation": "comparison-truncation-and-answer-yield.png",
     "difference": "comparison-accuracy-difference-ci.png",
 }
+CF_NOTE = ("cf = counterfactual: the rule the arm does not train with, counted on the arm's own tensors "
+           "(the GRPO arm's DPPO mask, the DPPO arm's PPO clip); it removed nothing from that arm's gradient")
 
 
 def _by_arm(rows: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -281,11 +319,19 @@ def _by_arm(rows: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]
     return {a: sorted(rs, key=lambda r: r["step"]) for a, rs in out.items()}
 
 
+def _fraction(row: Mapping[str, Any], base: str) -> tuple[bool, float]:
+    """(counterfactual?, value) of a loss-rule fraction in a step row, whichever label it carries."""
+    if base in row:
+        return False, float(row[base])
+    return True, float(row[f"counterfactual_{base}"])
+
+
 def plot_comparison_reward(rows: list[Mapping[str, Any]]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for arm, rs in _by_arm(rows).items():
         ax.plot([r["step"] + 1 for r in rs], [r["reward_mean"] for r in rs], marker="o", label=arm)
     ax.set_xlabel("rollout step"), ax.set_ylabel("mean reward of the step's batch"), ax.legend()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("per-step reward, both arms")
     return _png(fig)
 
@@ -294,59 +340,178 @@ def plot_comparison_fractions(rows: list[Mapping[str, Any]]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for arm, rs in _by_arm(rows).items():
         xs = [r["step"] + 1 for r in rs]
-        ax.plot(xs, [r["dppo_masked_frac"] for r in rs], marker="o", label=f"{arm}: DPPO masked fraction")
-        ax.plot(xs, [r["ppo_clip_frac"] for r in rs], marker="x", linestyle="--", label=f"{arm}: PPO clip fraction")
+        for base, title, marker, ls in (("dppo_masked_frac", "DPPO masked fraction", "o", "-"),
+                                        ("ppo_clip_frac", "PPO clip fraction", "x", "--")):
+            cf = _fraction(rs[0], base)[0]
+            ax.plot(xs, [_fraction(r, base)[1] for r in rs], marker=marker, linestyle=":" if cf else ls,
+                    label=f"{arm}: {title}{' (counterfactual)' if cf else ''}")
     ax.set_xlabel("rollout step"), ax.set_ylabel("fraction of loss tokens"), ax.legend(fontsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("masked / clipped fraction per step (token-pooled over the step's updates)")
+    return _png(fig)
+
+
+def plot_truncation(rows: list[Mapping[str, Any]], eval_metrics: Mapping[str, Mapping[str, Any]],
+                    max_tokens: int | None) -> bytes:
+    """Per step and arm: truncated at max_tokens and no parseable answer; right: each scored model."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [2, 1]})
+    for arm, rs in _by_arm(rows).items():
+        xs = [r["step"] + 1 for r in rs]
+        ax1.plot(xs, [r.get("truncated_frac", float("nan")) for r in rs], marker="o", label=f"{arm}: truncated")
+        ax1.plot(xs, [r.get("no_answer_frac", float("nan")) for r in rs], marker="x", linestyle="--",
+                 label=f"{arm}: no parseable answer")
+    ax1.set_ylim(-0.02, 1.02), ax1.set_xlabel("rollout step"), ax1.set_ylabel("fraction of the step's responses")
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.set_title(f"rollouts (T=1): stopped at max_tokens {max_tokens or ''} / no \\boxed{{}} answer", fontsize=9)
+    ax1.legend(fontsize=7)
+    models = [m for m in eval_metrics if "eval_truncated_frac" in eval_metrics[m]]
+    xs = range(len(models))
+    ax2.bar([x - 0.2 for x in xs], [eval_metrics[m]["eval_truncated_frac"] for m in models], width=0.4, label="truncated")
+    ax2.bar([x + 0.2 for x in xs], [eval_metrics[m]["eval_no_answer_frac"] for m in models], width=0.4,
+            label="no parseable answer")
+    ax2.set_xticks(list(xs), models, fontsize=7), ax2.set_ylim(0, 1.3)
+    ax2.legend(fontsize=7, loc="upper center", ncol=2)
+    ax2.set_title("greedy evaluation, per scored model", fontsize=9)
+    fig.tight_layout()
     return _png(fig)
 
 
 def plot_accuracy_difference(scores: list[Mapping[str, Any]], decision: Mapping[str, Any]) -> bytes:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     ax1.bar([s["arm"] for s in scores], [s["value"] for s in scores])
-    ax1.set_ylabel("greedy accuracy"), ax1.set_title("accuracy per scored model")
+    ax1.set_ylim(0, 1), ax1.set_ylabel("greedy accuracy"), ax1.set_title("accuracy per scored model")
+    labels = []
     for i, c in enumerate(decision.get("criteria", [])):
         d = c["mean_difference"]
-        ax2.errorbar([i], [d], yerr=[[d - c["lower"]], [c["upper"] - d]], fmt="o", capsize=6)
+        ax2.errorbar([i], [d], yerr=[[d - c["lower"]], [c["upper"] - d]], fmt="o", capsize=6, label="Hoeffding (rule)")
         ax2.axhline(c["margin"], color="grey", linestyle=":")
-    ax2.set_xticks(range(len(decision.get("criteria", []))), [c["id"] for c in decision.get("criteria", [])])
-    ax2.set_ylabel("treatment - baseline"), ax2.set_title("paired difference, Hoeffding CI")
+        labels.append(c["id"])
+    info = decision.get("informational")
+    if info:
+        d = info["mean_difference"]
+        x = len(labels)
+        ax2.errorbar([x], [d], yerr=[[d - info["lower"]], [info["upper"] - d]], fmt="s", capsize=6, color="tab:gray",
+                     label="Newcombe (informational)")
+        labels.append("informational")
+    ax2.set_xticks(range(len(labels)), labels)
+    ax2.set_ylabel("treatment - baseline"), ax2.set_title("paired difference: rule CI and informational CI")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
     return _png(fig)
 
 
+def _pooled_rollout_yield(rs: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """An arm's rollouts over all its steps (every step samples the same number of responses)."""
+    if not rs or not all("truncated_frac" in r and "responses" in r for r in rs):
+        return None
+    n = sum(int(r["responses"]) for r in rs)
+    trunc = sum(round(r["truncated_frac"] * r["responses"]) for r in rs)
+    none = sum(round(r["no_answer_frac"] * r["responses"]) for r in rs)
+    return {"n": n, "truncated": trunc, "truncated_frac": trunc / n, "no_answer": none, "no_answer_frac": none / n,
+            "mean_response_tokens": sum(r["mean_response_tokens"] * r["responses"] for r in rs) / n,
+            "max_tokens": rs[0].get("max_tokens")}
+
+
+TRUNCATION_WARN_FRAC = 0.5  # from here on, a scored model's accuracy mostly measures truncation
+
+
+def truncation_warnings(scores: list[Mapping[str, Any]], eval_metrics: Mapping[str, Mapping[str, Any]],
+                        max_tokens: int | None) -> list[str]:
+    """A plain warning for each scored model whose greedy outputs were mostly cut off at max_tokens."""
+    out = []
+    for s in scores:
+        m = eval_metrics.get(s["arm"]) or {}
+        frac = m.get("eval_truncated_frac")
+        if isinstance(frac, (int, float)) and frac >= TRUNCATION_WARN_FRAC:
+            out.append(f"\n**{s['arm']}: {_pct(frac)} of its greedy outputs stopped at max_tokens {max_tokens or ''}** "
+                       f"({_pct(m.get('eval_no_answer_frac', 0.0))} without a parseable answer): its accuracy measures "
+                       "truncation more than answers.")
+    return out
+
+
 def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
-                               decision: Mapping[str, Any], plot_files: Mapping[str, str], backend: str) -> str:
+                               decision: Mapping[str, Any], plot_files: Mapping[str, str], backend: str,
+                               eval_metrics: Mapping[str, Mapping[str, Any]] | None = None,
+                               declared: Mapping[str, Any] | None = None, max_tokens: int | None = None) -> str:
+    eval_metrics = eval_metrics or {}
     lines = ["# Paired comparison: DPPO Binary-TV vs GRPO clipped-ratio", ""]
     if backend == "local" or decision.get("rehearsal"):
         lines += ["**REHEARSAL** on the embedded CPU server's stand-in model under the declared rehearsal plan; "
                   "not a result about Qwen3.5-2B. Verdict always inconclusive.", ""]
-    lines += ["## Per step and arm", "", "| arm | step | reward | format | masked frac | clip frac | |p-q| q90 | loss tokens | s |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['arm']} | {r['step'] + 1} | {_v(r['reward_mean'])} | {_v(r['format_rate'])} | "
-                     f"{_v(r['dppo_masked_frac'])} | {_v(r['ppo_clip_frac'])} | {_v(r['drift_abs_p90'])} | "
-                     f"{r['loss_tokens']} | {_v(r['seconds'], '.1f')} |")
-    lines += ["", f"![reward]({plot_files['reward']})", "", f"![fractions]({plot_files['fractions']})", "",
-              "## Evaluation (one frozen evaluator, greedy)", "", "| model | accuracy | predictions |", "|---|---|---|"]
+    by_arm = _by_arm(rows)
+    measured = [(f"{arm} rollouts, all steps", _pooled_rollout_yield(rs)) for arm, rs in by_arm.items()]
     for s in scores:
-        lines.append(f"| {s['arm']} | {_v(s['value'])} | `{s['predictions_ref']}` |")
+        m = eval_metrics.get(s["arm"]) or {}
+        if "eval_truncated_frac" in m:
+            n = int(m["eval_n"])
+            measured.append((f"{s['arm']} greedy evaluation", {
+                "n": n, "truncated": round(m["eval_truncated_frac"] * n), "truncated_frac": m["eval_truncated_frac"],
+                "no_answer": round(m["eval_no_answer_frac"] * n), "no_answer_frac": m["eval_no_answer_frac"],
+                "mean_response_tokens": m["eval_mean_response_tokens"], "max_tokens": max_tokens}))
+    lines += ["## Setup", ""] + declared_lines(declared or {}, measured) + [""]
+    lines += ["## Per step and arm", "",
+              "| arm | step | reward | format | DPPO masked frac | PPO clip frac | abs(p-q) q90 | KL(s\\|t) v1 | entropy | "
+              "truncated | no answer | mean len | loss tokens | s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for base in ("dppo_masked_frac", "ppo_clip_frac"):
+            cf, v = _fraction(r, base)
+            cells.append(f"{'cf ' if cf else ''}{_v(v)}")
+        lines.append(f"| {r['arm']} | {r['step'] + 1} | {_v(r['reward_mean'])} | {_v(r['format_rate'])} | "
+                     f"{cells[0]} | {cells[1]} | {_v(r['drift_abs_p90'])} | {_v(r.get('kl_sample_train_v1'))} | "
+                     f"{_v(r.get('entropy'))} | {_v(r.get('truncated_frac'), '.3f')} | {_v(r.get('no_answer_frac'), '.3f')} | "
+                     f"{_v(r.get('mean_response_tokens'), '.0f')} | {r['loss_tokens']} | {_v(r['seconds'], '.1f')} |")
+    lines += ["", CF_NOTE + ". KL(s|t) and entropy: tinker-cookbook `compute_kl_sample_train` (sampler vs trainer "
+              "logprobs over the step's loss tokens); each arm's cookbook-named metrics are in `metrics-<arm>.jsonl`.",
+              "", f"![reward]({plot_files['reward']})", "", f"![fractions]({plot_files['fractions']})", "",
+              f"![truncation and answer yield]({plot_files['truncation']})", "",
+              "## Evaluation (one frozen evaluator, greedy)", "",
+              "| model | accuracy | n | invalid outputs | truncated | mean len | predictions |", "|---|---|---|---|---|---|---|"]
+    for s in scores:
+        m = eval_metrics.get(s["arm"]) or {}
+        lines.append(f"| {s['arm']} | {_v(s['value'])} | {_v(m.get('eval_n'), '.0f')} | "
+                     f"{_v(m.get('eval_invalid_outputs'), '.0f')} | {_v(m.get('eval_truncated_frac'), '.3f')} | "
+                     f"{_v(m.get('eval_mean_response_tokens'), '.0f')} | `{s['predictions_ref']}` |")
+    lines += truncation_warnings(scores, eval_metrics, max_tokens)
     lines += ["", "## Decision (paired Hoeffding)", ""]
     for c in decision.get("criteria", []):
         lines.append(f"- {c['id']}: {c['treatment']} - {c['baseline']} = {_v(c['mean_difference'])}, "
                      f"{100 * (1 - c['alpha']):g}% CI [{_v(c['lower'])}, {_v(c['upper'])}] (n={c['n']}, margin {c['margin']:g})")
     lines += [f"- verdict **{decision.get('verdict')}** ({decision.get('outcome_reason')}): {decision.get('explanation')}",
-              f"- observations: `{decision['observations_file']['name']}` sha256 `{decision['observations_file']['sha256']}`",
-              "", f"![difference]({plot_files['difference']})", ""]
+              f"- observations: `{decision['observations_file']['name']}` sha256 `{decision['observations_file']['sha256']}`"]
+    info = decision.get("informational")
+    if info:
+        lines += ["", "### Informational paired interval (not the decision rule)", "",
+                  f"- {info['label']}.",
+                  f"- Newcombe (1998) method 10, {100 * (1 - info['alpha']):g}%: {info['treatment']} - {info['baseline']} = "
+                  f"{_v(info['mean_difference'])}, [{_v(info['lower'])}, {_v(info['upper'])}] (n={info['n']})",
+                  f"- discordant pairs: {info['treatment_only_correct']} items only {info['treatment']} got right, "
+                  f"{info['baseline_only_correct']} only {info['baseline']}; concordant: {info['both_correct']} both, "
+                  f"{info['neither_correct']} neither; exact McNemar p = {_v(info['mcnemar_exact_p'])}"]
+    lines += ["", f"![difference]({plot_files['difference']})", ""]
     return "\n".join(lines)
 
 
 def write_comparison_report(bundle: Any, rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
-                            decision: Mapping[str, Any], backend: str) -> dict[str, str]:
-    """The comparison section of report.md with its plots, registered in the bundle."""
+                            decision: Mapping[str, Any], backend: str, *, max_tokens: int | None = None) -> dict[str, str]:
+    """The comparison section of report.md with its plots, registered in the bundle. Per-model
+    evaluation metrics come from the result's `metrics.arms`, the renderer and normalization from
+    effective-config.json: what the evidence already says."""
+    import json
+
+    result = getattr(bundle, "result", {}) or {}
+    eval_metrics = {s["arm"]: (result.get("metrics", {}).get("arms", {}).get(s["arm"]) or {}) for s in scores}
+    declared: dict[str, Any] = {}
+    if bundle.entry("effective-config.json") is not None:
+        eff = json.loads(bundle.file_path("effective-config.json").read_text())
+        declared = {k: eff[k] for k in ("renderer", "loss_normalization") if k in eff}
     plots = {"reward": plot_comparison_reward(rows), "fractions": plot_comparison_fractions(rows),
+             "truncation": plot_truncation(rows, eval_metrics, max_tokens),
              "difference": plot_accuracy_difference(scores, decision)}
     for key, data in plots.items():
         bundle.register_bytes(COMPARISON_PLOTS[key], "plot", data)
-    text = render_comparison_markdown(rows, scores, decision, COMPARISON_PLOTS, backend)
+    text = render_comparison_markdown(rows, scores, decision, COMPARISON_PLOTS, backend, eval_metrics, declared,
+                                      max_tokens)
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**COMPARISON_PLOTS, "report": REPORT_FILE}

@@ -35,6 +35,7 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.correctness import lr_scaling_error
+from dppo_harness.service_wait import name_client
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -471,52 +472,14 @@ def dump_response(obj: Any) -> Any:
 
 
 def create_from_state_observed(
-    service_client: tinker.ServiceClient, path: str
+    service_client: tinker.ServiceClient, path: str, name: str | None = None
 ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
-    """`create_training_client_from_state_with_optimizer`, keeping the server's load response.
+    """`create_training_client_from_state_with_optimizer`, keeping the server's load response
+    (`service.create_from_state_with_response`: the SDK drops it, yet it is the brief's proof of
+    what was loaded). `name` names the client in wait lines (e.g. the arm)."""
+    from dppo_harness.service import create_from_state_with_response
 
-    The public SDK method (0.38.0) awaits the LoadWeightsResponse and drops it, yet that response
-    is the brief's proof of what was loaded. This issues the same single LoadWeightsRequest
-    (optimizer=True) the SDK issues, through the SDK's own client holder, and keeps the response.
-    If the SDK internals differ (another version), it falls back to the public method and returns
-    None for the response, which leaves `loaded_checkpoint_uri` unproved.
-    """
-    try:
-        from tinker.lib.api_future_impl import _APIFuture
-        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
-        from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
-
-        holder = service_client.holder
-        session_id = holder.get_session_id()
-        model_seq_id = holder.get_training_client_id()
-    except (ImportError, AttributeError) as exc:  # pragma: no cover - other SDK versions
-        logger.warning("SDK internals unavailable (%s); load response will not be observed", exc)
-        return service_client.create_training_client_from_state_with_optimizer(path).result(), None
-
-    model_id = f"{session_id}:train:{model_seq_id}"
-
-    async def _create() -> tuple[TrainingClient, Any]:
-        start = time.time()
-
-        async def _send():
-            request = tinker.types.LoadWeightsRequest(
-                session_id=session_id, model_seq_id=model_seq_id, path=path, optimizer=True,
-                optimizer_config=None, base_model=None, user_metadata=None,
-                weights_access_token=None)
-            with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
-                return await client.weights.load(request=request)
-
-        future = await holder.execute_with_retries(_send)
-        response = await _APIFuture(tinker.types.LoadWeightsResponse, holder, future,
-                                    request_start_time=start, request_type="LoadWeights").result_async()
-        info = await fetch_training_info(holder, model_id)
-        return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info), response
-
-    client, response = holder.run_coroutine_threadsafe(_create()).result()
-    from dppo_harness.service import notify_training_client
-
-    notify_training_client(service_client, client, "create_training_client_from_state_with_optimizer")
-    return client, response
+    return create_from_state_with_response(service_client, path, name)
 
 
 class UpdateNormMeasure(Protocol):
@@ -728,6 +691,7 @@ def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int
     """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
     # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
     client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
+    name_client(client, f"setup client ({label}, seed {seed})")
     from dppo_harness.service import describe_client
 
     describe_client(probe_sc, client, f"setup ({label}, seed {seed}): saves the initial checkpoint"
@@ -757,7 +721,7 @@ def _load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: _R
     from dppo_harness.service import describe_client
 
     t0 = time.monotonic()
-    client, resp = call(lambda: create_from_state_observed(service_client, path))
+    client, resp = call(lambda: create_from_state_observed(service_client, path, arm))
     seconds = time.monotonic() - t0
     describe_client(service_client, client, f"arm {arm}: loaded from the initial checkpoint with optimizer")
     load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
@@ -878,6 +842,7 @@ def run_restoration_preflight(
     run_tag: str | None = None,
     spec_raw: Mapping[str, Any] | None = None,
     trained_arms: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> RestorationResult:
     """Run the restoration preflight for the spec's initialization group; see module docstring.
 
@@ -899,8 +864,14 @@ def run_restoration_preflight(
       the restored-vs-uninterrupted check must then fail).
     - `call`: wraps every client-creating call (e.g. `service.call_with_capacity_retry`).
     - `spec_raw`: the experiment spec to run (default `spec_plan.raw`; a rehearsal's inner spec).
+    - `progress`: one line at every step (which of the six, how far along), so the preflight is never silent.
     """
     t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
+
     call = call or (lambda fn: fn())
     probe_sc = probe_service_client or service_client
     raw = spec_plan.raw if spec_raw is None else spec_raw
@@ -930,6 +901,7 @@ def run_restoration_preflight(
     b_sha = _register_fixed_batch(bundle, fixed_batch, fixed_batch_description)
 
     # 1. Fresh LoRA client(s) and the immutable initial checkpoint(s).
+    say(f"1/6: fresh LoRA rank-{rank} client on {base_model} and the shared initial checkpoint")
     arm_seed = {a: (arm_seed_overrides or {}).get(a, seed) for a in arm_names}
     by_seed = {seed: _fresh_checkpoint(probe_sc, base_model, rank, "shared", seed, tag, rec, call)}
     for a, s in arm_seed.items():
@@ -943,12 +915,16 @@ def run_restoration_preflight(
     source_lp = full_logprobs(by_seed[seed].client, fixed_batch) if len(arm_names) == 1 else None
 
     # 2. Arms from the checkpoint with optimizer; keep the load responses.
-    loaded = {a: _load_arm(service_client, a, sources[a].path, rec, call) for a in arm_names}
+    loaded = {}
+    for i, a in enumerate(arm_names, start=1):
+        say(f"2/6: loading arm {a} ({i}/{len(arm_names)}) from {sources[a].path} with optimizer")
+        loaded[a] = _load_arm(service_client, a, sources[a].path, rec, call)
     adapter_sha, adapter_note, adapter_failures = _adapter_hashes(
         checkpoint_reader, loaded, {a: sources[a].path for a in arm_names}, tag, rec)
     failures += adapter_failures
 
     # 3. Initial outputs on the fixed batch, before any update.
+    say(f"3/6: initial logprobs of {len(arm_names)} arms on the fixed batch ({len(fixed_batch)} datums)")
     out_sha, cmp, output_failures = _initial_outputs(
         bundle, loaded, fixed_batch, b_sha, atol,
         source=source_lp if arm_seed[arm_names[0]] == seed else None)
@@ -961,12 +937,14 @@ def run_restoration_preflight(
         update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
     base_lr = float(opt_cfg["learning_rate"])
     lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
+    say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
     probe = _restore_probe(probe_sc, by_seed[seed].client, initial_checkpoint, fixed_batch, opt_cfg, tag, rec,
                            atol, call, restore_optimizer=probe_restore_with_optimizer,
-                           update_norm=update_norm if lr_in_plan else None)
+                           update_norm=update_norm if lr_in_plan else None, say=say)
     failures.extend(probe["failures"])
 
     # 5. Optimizer checks and the provenance entries.
+    say("5/6: optimizer checks and initialization provenance")
     prov_body = {"version": 1, "arms": _provenance_entries(arms, base_model, sources, source_label, loaded, probe,
                                                            b_sha, out_sha, adapter_sha)}
     failures.extend(check_provenance(prov_body, arm_names))
@@ -974,9 +952,12 @@ def run_restoration_preflight(
                     "optimizer-restoration groups") for a in all_arm_names if a not in arm_names}
 
     # 6. LR-scaling probe (the planned LR was measured on the setup client in step 4).
+    say(f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
+        + ("; the planned one is the probe's update 1 on the setup client)" if lr_in_plan and update_norm else ")"))
     lr_block = lr_scaling_probe(probe_sc, initial_checkpoint, fixed_batch, opt_cfg, lr_multipliers,
                                 lr_rtol, update_norm, update_norm_unavailable_reason, call,
-                                measured={base_lr: probe["base_lr_update_norm"]} if lr_in_plan and update_norm else None)
+                                measured={base_lr: probe["base_lr_update_norm"]} if lr_in_plan and update_norm else None,
+                                say=say)
     if lr_block["available"] and not lr_block["passed"]:
         failures.append(f"LR scaling: {lr_block['problem']}")
 
@@ -989,6 +970,7 @@ def run_restoration_preflight(
                   "restore_probe": PROBE_FILE, "server_responses": RESPONSES_FILE},
         "passed": passed, "failures": list(failures),
     }
+    say(f"{'passed' if passed else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
     bundle.register_json(RESPONSES_FILE, "log", rec.responses)
     bundle.register_json(PROBE_FILE, "metrics", probe)
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block)
@@ -1025,7 +1007,8 @@ def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
 
 
 def _restore_probe(service_client, uninterrupted, initial_checkpoint, batch, opt_cfg, tag, rec, atol, call,
-                   restore_optimizer: bool = True, update_norm: UpdateNormMeasure | None = None) -> dict[str, Any]:
+                   restore_optimizer: bool = True, update_norm: UpdateNormMeasure | None = None,
+                   say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Uninterrupted vs create-save-restore probe clients must agree after the same update.
 
     `uninterrupted` is the setup client that saved the initial checkpoint and has applied nothing
@@ -1039,6 +1022,7 @@ def _restore_probe(service_client, uninterrupted, initial_checkpoint, batch, opt
     adam = _adam(opt_cfg)
     g1 = probe_gradient(batch)
     g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
+    say("4/6: probe update 1 on the uninterrupted client")
     norm1: float | None = None
     if update_norm is None:
         _, opt1 = _step(uninterrupted, g1, adam)
@@ -1059,6 +1043,7 @@ def _restore_probe(service_client, uninterrupted, initial_checkpoint, batch, opt
     describe_client(service_client, restored, "restore probe: created from the uninterrupted probe's mid save")
     rec.keep("probe_load_mid", resp if resp is not None else {"response": None})
     rec.keep("probe_load_mid.get_info", restored.get_info())
+    say("4/6: probe update 2 on both clients, then logprobs compared")
     before = full_logprobs(uninterrupted, batch)
     _, opt2_u = _step(uninterrupted, g2, adam)
     _, opt2_r = _step(restored, g2, adam)
@@ -1101,6 +1086,7 @@ def lr_scaling_probe(
     service_client, initial_checkpoint, batch, opt_cfg, multipliers, rtol,
     update_norm: UpdateNormMeasure | None, unavailable_reason: str, call=None,
     measured: Mapping[float, float | None] | None = None,
+    say: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
 
@@ -1128,9 +1114,11 @@ def lr_scaling_probe(
 
     g = probe_gradient(batch)
     norms: dict[float, float] = {lr: float(v) for lr, v in measured.items() if v is not None}
-    for lr in lrs:
+    for i, lr in enumerate(lrs, start=1):
         if lr in norms:
+            say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
             continue
+        say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
         client, _ = (call or (lambda fn: fn()))(
             lambda: create_from_state_observed(service_client, initial_checkpoint))
         describe_client(service_client, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")

@@ -21,6 +21,7 @@ from tinker_cookbook.completers import TokensWithLogprobs
 from tinker_cookbook.rl import data_processing
 from tinker_cookbook.rl.types import Trajectory, TrajectoryGroup, Transition
 
+from dppo_harness import answer_yield
 from dppo_harness.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response
 
 
@@ -70,8 +71,15 @@ class RolloutBatch:
     grading_seconds: float
     request_seconds: tuple[float, ...] = ()  # per group: batch start -> response received
 
+    def response_yield(self) -> answer_yield.ResponseYield:
+        """Truncation at max_tokens, answers found and mean length over every sampled response."""
+        return answer_yield.response_yield(
+            [s for g in self.groups for s in g.stop_reasons], [gr.answer_found for g in self.groups for gr in g.graded],
+            [len(r) for g in self.groups for r in g.responses], max_tokens=self.config.max_tokens)
+
     def summary(self) -> dict[str, Any]:
         rewards = np.array([r for g in self.groups for r in g.rewards_G], dtype=np.float64)
+        ry = self.response_yield()
         nonconstant = sum(len(set(g.rewards_G)) > 1 for g in self.groups)
         return {
             "config": asdict(self.config),
@@ -85,6 +93,9 @@ class RolloutBatch:
             "frac_format": float(np.mean([g.format_ok for grp in self.groups for g in grp.graded])),
             "nonconstant_reward_groups": int(nonconstant),
             "response_tokens": int(sum(len(r) for g in self.groups for r in g.responses)),
+            "frac_truncated": ry.truncated_frac,
+            "frac_no_answer": ry.no_answer_frac,
+            "mean_response_tokens": ry.mean_response_tokens,
             "sampling_seconds": self.sampling_seconds,
             "grading_seconds": self.grading_seconds,
             "request_seconds_max": max(self.request_seconds) if self.request_seconds else None,

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -22,6 +22,22 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.secrets_scan import live_secret_items
+from dppo_harness.service_wait import (  # noqa: F401  (re-exported: the capacity types live with the wait policy)
+    CAPACITY_SCALE_VAR,
+    CapacityBlock,
+    CapacityExhausted,
+    CapacityPolicy,
+    CapacityTracker,
+    CreationWatch,
+    QueueWatch,
+    ServiceConfigError,
+    ServiceStopped,
+    ServiceWaiter,
+    WaitedClient,
+    WaitedFuture,
+    install_creation_watch,
+    name_client,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,10 +49,6 @@ _PROXY_VARS: dict[str, tuple[str, str]] = {
     "modal": ("MODAL_PROXY_TOKEN_ID", "MODAL_PROXY_TOKEN_SECRET"),  # shared Spindle
     "runs": ("RUNS_PROXY_TOKEN_ID", "RUNS_PROXY_TOKEN_SECRET"),  # a Spindle fork in research-exchange-runs
 }
-
-
-class ServiceConfigError(RuntimeError):
-    """The service cannot be configured; the message names the variable or option, never a value."""
 
 
 def _require(env: Mapping[str, str], name: str, why: str) -> str:
@@ -95,6 +107,21 @@ def client_kwargs(
     return {"base_url": url, "api_key": api_key, "default_headers_overrides": headers}
 
 
+TELEMETRY_VAR = "TINKER_TELEMETRY"
+
+
+def apply_sdk_telemetry(enabled: bool, env: dict[str, str] | None = None) -> None:
+    """Turn the SDK's telemetry on or off for every client this process creates.
+
+    The SDK reads TINKER_TELEMETRY when a client's holder starts; on fatal transport errors (a
+    401, say) its events carry the request headers unredacted (X-API-Key, Modal-Key,
+    Modal-Secret) and are posted to the service. So the harness sends none unless asked
+    (`--sdk-telemetry`).
+    """
+    target = os.environ if env is None else env
+    target[TELEMETRY_VAR] = "1" if enabled else "0"
+
+
 def make_service_client(
     backend: Backend,
     base_url: str | None = None,
@@ -105,8 +132,12 @@ def make_service_client(
     stage: str = "session",
     observer: TrainingClientObserver | None = None,
     label: str | None = None,
-) -> tinker.ServiceClient:
-    """A tinker.ServiceClient for `backend`. Construction is lazy (no network until first call).
+    waiter: ServiceWaiter | None = None,
+    sdk_telemetry: bool = False,
+) -> ObservedServiceClient:
+    """A ServiceClient for `backend` whose clients all wait under `waiter`'s policy (default: the
+    default WaitPolicy, shrunk by DPPO_HARNESS_CAPACITY_SCALE). Construction is lazy (no network
+    until first call).
 
     tinker: TINKER_BASE_URL (unless base_url is given), TINKER_API_KEY, and the proxy headers
     Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (proxy_tokens="modal", shared Spindle) or
@@ -115,11 +146,12 @@ def make_service_client(
     observer: called with each training client this ServiceClient creates (see ObservedServiceClient).
     registry: the ServiceClient is registered under `stage` (released at that stage's end, always on
     exit) with `label` saying what its session is for; its training clients are listed per stage.
+    sdk_telemetry: False (default) sets TINKER_TELEMETRY=0 for this process (apply_sdk_telemetry).
     """
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
-    if observer is None and registry is None:
-        return tinker.ServiceClient(**kwargs)
-    client = ObservedServiceClient(observer=observer, stage_of=registry.stage_now if registry else None, **kwargs)
+    apply_sdk_telemetry(sdk_telemetry)
+    client = ObservedServiceClient(observer=observer, waiter=waiter,
+                                   stage_of=registry.stage_now if registry else None, **kwargs)
     if registry is not None:
         registry.register(client, stage=stage, label=label or f"{backend}-service-client")
     return client
@@ -128,23 +160,6 @@ def make_service_client(
 # ----------------------------------------------------------------------------- observed creation
 
 TrainingClientObserver = Callable[[Any, str], Any]  # (training client, creation label)
-
-
-class _ObservedFuture:
-    """A creation future whose first .result() hands the new client to the observer."""
-
-    def __init__(self, inner: Any, observe: Callable[[Any], None]):
-        self._inner, self._observe, self._seen = inner, observe, False
-
-    def result(self, timeout: float | None = None) -> Any:
-        client = self._inner.result(timeout)
-        if not self._seen:
-            self._seen = True
-            self._observe(client)
-        return client
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 @dataclass
@@ -164,20 +179,25 @@ def _now_iso() -> str:
 
 
 class ObservedServiceClient(tinker.ServiceClient):
-    """A ServiceClient that lists every training client it creates and reports each one, before
-    the caller uses it, to `observer`.
+    """A ServiceClient whose every client waits under one ServiceWaiter, and which lists every
+    training client it creates and reports each one, before the caller uses it, to `observer`.
 
-    The observer (e.g. identity.TrainingClientRecorder) records what the server says the client
-    is. Its errors are logged, never raised: observing must not change the run. `stage_of` names
-    the stage running now (the registry's), kept with each created client.
+    Creation, sampling-client and REST futures are WaitedFutures; the clients they resolve to are
+    WaitedClients (service_wait), so no call a stage makes on them can wait unbounded. The
+    observer (e.g. identity.TrainingClientRecorder) records what the server says a new training
+    client is; its errors are logged, never raised: observing must not change the run. `stage_of`
+    names the stage running now (the registry's), kept with each created client.
     """
 
     def __init__(self, *args: Any, observer: TrainingClientObserver | None = None,
-                 stage_of: Callable[[], str | None] | None = None, **kwargs: Any):
+                 waiter: ServiceWaiter | None = None, stage_of: Callable[[], str | None] | None = None,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._observer = observer
         self._stage_of = stage_of
         self.created: list[CreatedClient] = []
+        self.waiter = waiter or ServiceWaiter()
+        install_creation_watch()  # creation pauses reach the waiter too
 
     def observe(self, client: Any, label: str) -> None:
         model_id = getattr(client, "model_id", None)
@@ -196,23 +216,100 @@ class ObservedServiceClient(tinker.ServiceClient):
             if model_id is not None and c.model_id == str(model_id):
                 c.role = role
 
+    def adopt(self, client: Any, label: str, name: str | None = None) -> Any:
+        """A training client this session made: observed, then waited under the policy."""
+        self.observe(client, label)
+        return self.waiter.adopt(client, name)
+
+    def _creation(self, fut: Any, call: str, what: str) -> WaitedFuture:
+        return WaitedFuture(fut, self.waiter, call, what, CreationWatch(time.monotonic()),
+                            then=lambda c: self.adopt(c, call))
+
     def create_lora_training_client(self, *args: Any, **kwargs: Any) -> Any:
-        return _ObservedFuture(super().create_lora_training_client(*args, **kwargs),
-                               lambda c: self.observe(c, "create_lora_training_client"))
+        base = kwargs.get("base_model", args[0] if args else None)
+        return self._creation(super().create_lora_training_client(*args, **kwargs), "create_lora_training_client",
+                              f"a new LoRA client on {base}")
 
     def create_training_client_from_state(self, *args: Any, **kwargs: Any) -> Any:
-        return _ObservedFuture(super().create_training_client_from_state(*args, **kwargs),
-                               lambda c: self.observe(c, "create_training_client_from_state"))
+        path = kwargs.get("path", args[0] if args else None)
+        return self._creation(super().create_training_client_from_state(*args, **kwargs),
+                              "create_training_client_from_state", f"a client from {path}")
 
     def create_training_client_from_state_with_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        return _ObservedFuture(super().create_training_client_from_state_with_optimizer(*args, **kwargs),
-                               lambda c: self.observe(c, "create_training_client_from_state_with_optimizer"))
+        path = kwargs.get("path", args[0] if args else None)
+        return self._creation(super().create_training_client_from_state_with_optimizer(*args, **kwargs),
+                              "create_training_client_from_state_with_optimizer", f"a client from {path}")
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
+                               **kwargs: Any) -> Any:
+        fut = super().create_sampling_client(model_path=model_path, base_model=base_model, **kwargs)
+        what = f"sampler of {model_path or base_model}"
+        return WaitedFuture(fut, self.waiter, "create_sampling_client", what, None,
+                            then=lambda c: self.waiter.adopt(c, what))
+
+    def _rest_client(self) -> Any:
+        return self.waiter.adopt(super()._rest_client(), "rest client")
 
 
-def notify_training_client(service_client: Any, client: Any, label: str) -> None:
-    """For code that builds a TrainingClient around the public methods (e.g. to keep a load response)."""
+def notify_training_client(service_client: Any, client: Any, label: str, name: str | None = None) -> Any:
+    """For code that builds a TrainingClient around the public methods (e.g. to keep a load
+    response): the client observed and waited, as the public methods hand them out."""
     if isinstance(service_client, ObservedServiceClient):
-        service_client.observe(client, label)
+        return service_client.adopt(client, label, name)
+    return client
+
+
+def create_from_state_with_response(service_client: Any, path: str, name: str | None = None) -> tuple[Any, Any]:
+    """`create_training_client_from_state_with_optimizer`, keeping the server's load response.
+
+    The public SDK method (0.38.0) awaits the LoadWeightsResponse and drops it, yet that response
+    is the brief's proof of what was loaded. This issues the same single LoadWeightsRequest
+    (optimizer=True) the SDK issues, through the SDK's own client holder, with a queue watch as the
+    request's observer, waits under the service client's policy, and keeps the response. If the
+    SDK internals differ (another version), it falls back to the public method and returns None for
+    the response, which leaves `loaded_checkpoint_uri` unproved.
+    """
+    call = "create_training_client_from_state_with_optimizer"
+    try:
+        from tinker.lib.api_future_impl import _APIFuture
+        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+        from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
+        from tinker.lib.queue_state_logger import QueueStateLogger
+
+        holder = service_client.holder
+        session_id = holder.get_session_id()
+        model_seq_id = holder.get_training_client_id()
+    except (ImportError, AttributeError) as exc:  # pragma: no cover - other SDK versions
+        logger.warning("SDK internals unavailable (%s); load response will not be observed", exc)
+        return service_client.create_training_client_from_state_with_optimizer(path).result(), None
+
+    model_id = f"{session_id}:train:{model_seq_id}"
+    watch = QueueWatch(QueueStateLogger(model_id, "Model creation").on_queue_state_change)
+
+    async def _create() -> tuple[Any, Any]:
+        start = time.time()
+
+        async def _send():
+            request = tinker.types.LoadWeightsRequest(
+                session_id=session_id, model_seq_id=model_seq_id, path=path, optimizer=True,
+                optimizer_config=None, base_model=None, user_metadata=None,
+                weights_access_token=None)
+            with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+                return await client.weights.load(request=request)
+
+        future = await holder.execute_with_retries(_send)
+        response = await _APIFuture(tinker.types.LoadWeightsResponse, holder, future, request_start_time=start,
+                                    request_type="LoadWeights", queue_state_observer=watch).result_async()
+        info = await fetch_training_info(holder, model_id)
+        return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info), response
+
+    pending = holder.run_coroutine_threadsafe(_create())
+    waiter = getattr(service_client, "waiter", None)
+    if waiter is None:  # a plain SDK ServiceClient (tests, benchmarks): its own unbounded wait
+        client, response = pending.result()
+    else:
+        client, response = waiter.wait(pending, call=call, client=f"a client from {path}", watch=watch)
+    return notify_training_client(service_client, client, call, name), response
 
 
 def describe_client(service_client: Any, client: Any, role: str) -> Any:
@@ -367,68 +464,6 @@ class ClientRegistry:
 # ----------------------------------------------------------------------------- capacity handling
 
 
-CAPACITY_SCALE_VAR = "DPPO_HARNESS_CAPACITY_SCALE"
-
-
-@dataclass(frozen=True)
-class CapacityPolicy:
-    """Backoff 1, 2, 4 minutes (then 4 again); give up after ~10 min with no comparison step
-    completed, or after 30 min once steps ran. `scale` shrinks every duration (tests, rehearsals)."""
-
-    backoff_s: tuple[float, ...] = (60.0, 120.0, 240.0)
-    give_up_no_steps_s: float = 600.0
-    give_up_after_steps_s: float = 1800.0
-    scale: float = 1.0
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> CapacityPolicy:
-        """The default policy, shrunk by DPPO_HARNESS_CAPACITY_SCALE (0 < scale <= 1) when set:
-        rehearsals and CI use it to exercise backoff and give-up in seconds, not minutes."""
-        env = os.environ if env is None else env
-        raw = env.get(CAPACITY_SCALE_VAR)
-        if not raw:
-            return cls()
-        try:
-            scale = float(raw)
-        except ValueError:
-            raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}") from None
-        if not 0.0 < scale <= 1.0:
-            raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}")
-        return cls(scale=scale)
-
-    def backoff(self, attempt: int) -> float:
-        return self.backoff_s[min(attempt, len(self.backoff_s) - 1)] * self.scale
-
-    def window(self, steps_completed: int) -> float:
-        return (self.give_up_after_steps_s if steps_completed > 0 else self.give_up_no_steps_s) * self.scale
-
-
-@dataclass(frozen=True)
-class CapacityBlock:
-    error: str  # the exact error text the service returned
-    comparison_steps_completed: int
-    released_clients: bool
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"error": self.error, "comparison_steps_completed": self.comparison_steps_completed,
-                "released_clients": self.released_clients}
-
-    def result_fields(self) -> dict[str, Any]:
-        """The result.json fields for a run stopped by capacity."""
-        return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
-                "capacity_block": self.as_dict()}
-
-
-class CapacityExhausted(RuntimeError):
-    def __init__(self, block: CapacityBlock, waited_s: float, attempts: int):
-        super().__init__(
-            f"service capacity refused for {waited_s:.0f}s over {attempts} attempts; giving up "
-            f"(comparison steps completed: {block.comparison_steps_completed}, "
-            f"clients released: {block.released_clients}): {block.error}"
-        )
-        self.block, self.waited_s, self.attempts = block, waited_s, attempts
-
-
 CAPACITY_MARKERS = ("capacity exhausted", "capacity_exhausted")
 
 
@@ -469,7 +504,7 @@ class CapacityEvent:
 def call_with_capacity_retry(
     fn: Callable[[], T],
     *,
-    policy: CapacityPolicy = CapacityPolicy(),
+    policy: CapacityPolicy | None = None,
     steps_completed: int | Callable[[], int] = 0,
     registry: ClientRegistry | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -484,6 +519,7 @@ def call_with_capacity_retry(
     `fn` should bound its own wait (e.g. `future.result(timeout=...)`) since the SDK itself
     retries 429/5xx internally for several minutes before surfacing an error.
     """
+    policy = policy or CapacityPolicy()
     started: float | None = None
     attempt = 0
     while True:
@@ -512,17 +548,3 @@ def call_with_capacity_retry(
                 on_retry(event)
             sleep(wait)
             attempt += 1
-
-
-@dataclass
-class CapacityTracker:
-    """Counts completed comparison steps so retry windows can switch from 10 to 30 minutes."""
-
-    comparison_steps_completed: int = 0
-    events: list[CapacityEvent] = field(default_factory=list)
-
-    def step_done(self) -> None:
-        self.comparison_steps_completed += 1
-
-    def __call__(self) -> int:
-        return self.comparison_steps_completed

@@ -8,10 +8,15 @@ Verdict (the brief's rule: supported/refuted only when the interval settles the 
 ``supported`` if ``lower > margin``, ``refuted`` if ``upper < margin``, otherwise ``inconclusive``
 (the interval contains or touches the margin).
 
+Beside it, never used for the verdict: an informational paired interval for two proportions
+(Newcombe 1998, method 10) with the discordant-pair counts and the exact McNemar test
+(`paired_binary_informational`).
+
 CLI::
 
     python -m dppo_harness.stats paired-hoeffding OBSERVATIONS.jsonl --treatment ARM --baseline ARM \\
         [--alpha 0.05] [--margin 0] [--metric accuracy] [--bounds 0 1]
+    python -m dppo_harness.stats paired-informational OBSERVATIONS.jsonl --treatment ARM --baseline ARM
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import math
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 
@@ -194,6 +200,96 @@ def paired_hoeffding_from_rows(
     }
 
 
+# ---- informational: the usual paired interval for two proportions (never the decision rule) -----
+
+INFORMATIONAL_LABEL = "informational only: never used for the verdict (the decision rule is the paired Hoeffding interval)"
+NEWCOMBE_REFERENCE = ("Newcombe RG (1998), Improved confidence intervals for the difference between binomial "
+                      "proportions based on paired data, Statistics in Medicine 17:2635-2650, method 10")
+MCNEMAR_REFERENCE = ("McNemar Q (1947), Psychometrika 12:153-157; exact conditional form: the treatment-only count "
+                     "given the discordant pairs is Binomial(b + c, 1/2) under no difference")
+
+
+def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """Wilson (1927) score interval for one proportion: the p with (p_hat - p)^2 <= z^2 p (1 - p) / n,
+    i.e. (p_hat + z^2/2n -+ z sqrt(p_hat (1 - p_hat)/n + z^2/4n^2)) / (1 + z^2/n), z = Phi^-1(1 - alpha/2)."""
+    if n < 1 or not 0 <= successes <= n:
+        raise ObservationError(f"Wilson interval needs 0 <= successes <= n, n >= 1; got {successes}/{n}")
+    if not 0 < alpha < 1:
+        raise ObservationError(f"alpha must be in (0, 1), got {alpha}")
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    den = 1 + z * z / n
+    return max(0.0, (centre - half) / den), min(1.0, (centre + half) / den)
+
+
+def newcombe_paired_interval(a: int, b: int, c: int, d: int, alpha: float = 0.05) -> dict[str, float]:
+    """Newcombe's (1998) method 10 for p1 - p2 of paired binary outcomes.
+
+    Table: a = both successes, b = first only, c = second only, d = neither; n = a + b + c + d,
+    p1 = (a + b)/n, p2 = (a + c)/n, theta = p1 - p2 = (b - c)/n. With Wilson limits (l1, u1) of p1
+    and (l2, u2) of p2, and phi the correlation of the table with Newcombe's correction
+    (ad - bc - n/2 when ad - bc > n/2; ad - bc when it is negative; 0 otherwise) over
+    sqrt((a+b)(c+d)(a+c)(b+d)) (0 when that product is 0):
+    lower = theta - sqrt((p1 - l1)^2 - 2 phi (p1 - l1)(u2 - p2) + (u2 - p2)^2),
+    upper = theta + sqrt((p2 - l2)^2 - 2 phi (p2 - l2)(u1 - p1) + (u1 - p1)^2).
+    """
+    counts = (a, b, c, d)
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in counts) or sum(counts) < 1:
+        raise ObservationError(f"paired counts must be non-negative integers with n >= 1, got {counts}")
+    n = a + b + c + d
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = wilson_interval(a + b, n, alpha)
+    l2, u2 = wilson_interval(a + c, n, alpha)
+    product = (a + b) * (c + d) * (a + c) * (b + d)
+    cross = a * d - b * c
+    corrected = cross - n / 2 if cross > n / 2 else (cross if cross < 0 else 0.0)
+    phi = corrected / math.sqrt(product) if product > 0 else 0.0
+    theta = p1 - p2
+    lower = theta - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    upper = theta + math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
+    return {"n": n, "p1": p1, "p2": p2, "difference": theta, "lower": max(-1.0, lower), "upper": min(1.0, upper),
+            "phi": phi, "wilson_p1": [l1, u1], "wilson_p2": [l2, u2], "alpha": alpha}
+
+
+def mcnemar_exact_p(b: int, c: int) -> float:
+    """Two-sided exact (conditional) McNemar p-value: 2 P(X <= min(b, c)), X ~ Binomial(b + c, 1/2), at most 1."""
+    if b < 0 or c < 0:
+        raise ObservationError(f"discordant counts must be non-negative, got {b}, {c}")
+    m = b + c
+    if m == 0:
+        return 1.0
+    tail = math.fsum(math.comb(m, i) for i in range(min(b, c) + 1)) / 2.0 ** m
+    return min(1.0, 2.0 * tail)
+
+
+def paired_binary_informational(
+    rows: Iterable[dict[str, Any]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
+) -> dict[str, Any]:
+    """The informational interval beside the decision: discordant pairs, Newcombe's paired interval
+    for treatment minus baseline accuracy and the exact McNemar p-value. Values must be 0 or 1."""
+    paired = pair_observations(rows, treatment, baseline, metric)
+    for arm in ("treatment", "baseline"):
+        for k, v in zip(paired["keys"], paired[arm]):
+            if isinstance(v, bool) or v not in (0, 1):
+                raise ObservationError(f"{arm} item {k[0]!r}: value {v!r} is not 0 or 1 (a paired proportion needs binary scores)")
+    pairs = list(zip(paired["treatment"], paired["baseline"]))
+    a = sum(1 for t, b_ in pairs if t == 1 and b_ == 1)
+    b = sum(1 for t, b_ in pairs if t == 1 and b_ == 0)
+    c = sum(1 for t, b_ in pairs if t == 0 and b_ == 1)
+    d = len(pairs) - a - b - c
+    ci = newcombe_paired_interval(a, b, c, d, alpha)
+    return {
+        "label": INFORMATIONAL_LABEL, "used_for_verdict": False, "method": "newcombe_1998_method10",
+        "treatment": treatment, "baseline": baseline, "metric": metric, "evaluator_id": paired["evaluator_id"],
+        "n": len(pairs), "alpha": alpha, "both_correct": a, "treatment_only_correct": b, "baseline_only_correct": c,
+        "neither_correct": d, "discordant_pairs": b + c, "mean_difference": ci["difference"],
+        "lower": ci["lower"], "upper": ci["upper"], "phi_corrected": ci["phi"],
+        "mcnemar_exact_p": mcnemar_exact_p(b, c), "references": [NEWCOMBE_REFERENCE, MCNEMAR_REFERENCE],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dppo_harness.stats", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -205,13 +301,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=0.0)
     p.add_argument("--metric", default="accuracy")
     p.add_argument("--bounds", type=float, nargs=2, default=(0.0, 1.0), metavar=("A", "B"))
+    q = sub.add_parser("paired-informational", help="Newcombe paired interval + exact McNemar (informational, not the rule)")
+    q.add_argument("observations", type=Path)
+    q.add_argument("--treatment", required=True)
+    q.add_argument("--baseline", required=True)
+    q.add_argument("--alpha", type=float, default=0.05)
+    q.add_argument("--metric", default="accuracy")
     args = parser.parse_args(argv)
     try:
         rows = read_observations(args.observations)
-        result = paired_hoeffding_from_rows(
-            rows, args.treatment, args.baseline, alpha=args.alpha, margin=args.margin,
-            metric=args.metric, bounds=tuple(args.bounds),
-        )
+        if args.command == "paired-informational":
+            result = paired_binary_informational(rows, args.treatment, args.baseline, alpha=args.alpha,
+                                                 metric=args.metric)
+        else:
+            result = paired_hoeffding_from_rows(
+                rows, args.treatment, args.baseline, alpha=args.alpha, margin=args.margin,
+                metric=args.metric, bounds=tuple(args.bounds),
+            )
     except (ObservationError, OSError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

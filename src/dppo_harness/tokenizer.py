@@ -199,3 +199,50 @@ def make_renderer(
         "tinker_cookbook_version": _package_version("tinker-cookbook"),
     }
     return TokenizerBundle(choice, tokenizer, renderer, renderer_name, provenance)
+
+
+THINK_PREFILL = "<think>\n"
+
+
+def default_renderer_declaration() -> dict[str, Any]:
+    """`renderer_declaration()` of the default tokenizer and renderer (deterministic, so computed once)."""
+    return dict(_default_declaration())
+
+
+@functools.cache
+def _default_declaration() -> dict[str, Any]:
+    return renderer_declaration()
+
+
+def renderer_declaration(bundle: TokenizerBundle | None = None) -> dict[str, Any]:
+    """The renderer and its thinking mode, read off a rendered generation prompt (not assumed):
+    what `effective-config.json` declares and the reports state next to the measured truncation."""
+    from tinker_cookbook.renderers import Message
+
+    b = bundle or make_renderer()
+    ob = b.renderer.build_generation_prompt([Message(role="user", content="{question}")])
+    text = b.tokenizer.decode(ob.to_ints())
+    head = "<|im_start|>assistant\n"
+    suffix = text[text.rindex(head):] if head in text else text[-32:]
+    thinking = suffix.endswith(THINK_PREFILL)
+    return {
+        "name": b.renderer_name,
+        "class": b.provenance["renderer_class"],
+        "thinking": "enabled" if thinking else "disabled",
+        "generation_prompt_suffix": suffix,
+        "note": ("every generation prompt ends with '<think>\\n': a response starts inside a reasoning block, "
+                 "so one cut off at max_tokens before its \\boxed{} answer scores 0 (reward -0.1 in training); "
+                 "the measured truncation rates are in the step rows, the gate and diagnostic records and the "
+                 "evaluation metrics") if thinking else "the generation prompt opens no reasoning block",
+        "alternative": _disable_thinking_variant(b) if thinking else None,
+    }
+
+
+def _disable_thinking_variant(b: TokenizerBundle) -> str | None:
+    """The cookbook's no-thinking renderer of the same family, if it has one."""
+    name = f"{b.renderer_name}_disable_thinking"
+    try:
+        renderers.get_renderer(name, tokenizer=b.tokenizer)
+    except (ValueError, KeyError):
+        return None
+    return name

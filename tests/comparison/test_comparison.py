@@ -7,6 +7,9 @@ The run itself happens once, in the session fixture `comparison_run` (dppo_harne
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from dppo_harness import comparison_eval as E
 from dppo_harness import stats
@@ -23,18 +26,76 @@ def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence
         assert all(r["updates"] == a.updates_per_batch for r in run.rows if r["arm"] == a.name)
     result = evidence_bundle.result
     assert sorted(result["completed_arms"]) == sorted(a.name for a in cfg.arms)
-    assert set(result["metrics"]["arms"]) == {a.name for a in cfg.arms}
+    # the trained arms, and the base model under its own key (scored, never trained or completed)
+    assert set(result["metrics"]["arms"]) == {a.name for a in cfg.arms} | {E.BASE_ARM}
     uris = {c["arm"] for c in result["evidence"]["checkpoints"]}
     assert {a.name for a in cfg.arms} <= uris
 
 
-def test_treatment_mask_fires_in_the_comparison(comparison_run):
+def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle):
     """The DPPO arm's mask removes tokens during training (the rehearsal lr is chosen so it does); the
-    GRPO arm's masked fraction is the same rule counted counterfactually on its own tensors."""
+    GRPO arm's masked fraction is the same rule counted counterfactually on its own tensors, and
+    says so in its name (rows and metrics.arms)."""
     cfg = comparison_run.config
-    t, _b = cfg.role("treatment").name, cfg.role("baseline").name
+    t, b = cfg.role("treatment").name, cfg.role("baseline").name
     assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t) > 0
     assert all(r["loss_tokens"] > 0 for r in comparison_run.rows)
+    for r in comparison_run.rows:
+        real, cf = ("dppo_masked_frac", "ppo_clip_frac") if r["arm"] == t else ("ppo_clip_frac", "dppo_masked_frac")
+        assert real in r and cf not in r and f"counterfactual_{cf}" in r
+    arms = evidence_bundle.result["metrics"]["arms"]
+    assert "counterfactual_dppo_masked_frac_mean" in arms[b] and "dppo_masked_frac_mean" not in arms[b]
+    assert "counterfactual_ppo_clip_frac_mean" in arms[t] and "ppo_clip_frac_mean" not in arms[t]
+
+
+def test_every_scored_model_has_accuracy_n_and_invalid_outputs_under_its_own_key(comparison_run, evidence_bundle):
+    result = evidence_bundle.result
+    for s in comparison_run.scores:
+        for where in (result["metrics"]["arms"], result["evidence"]["per_arm_metrics"]):
+            m = where[s["arm"]]
+            assert m["accuracy"] == s["value"] and m["eval_n"] == comparison_run.config.eval_items
+            assert 0 <= m["eval_invalid_outputs"] <= m["eval_n"]
+            assert 0 <= m["eval_truncated_frac"] <= 1 and m["eval_mean_response_tokens"] > 0
+        assert result["metrics"][f"eval/accuracy/{s['arm']}"] == s["value"]  # the earlier key stays
+
+
+def test_rows_carry_truncation_kl_and_entropy(comparison_run):
+    for r in comparison_run.rows:
+        assert 0 <= r["truncated_frac"] <= 1 and 0 <= r["no_answer_frac"] <= 1 and r["mean_response_tokens"] > 0
+        assert r["entropy"] > 0 and "kl_sample_train_v1" in r and r["kl_sample_train_v2"] >= 0
+        assert r["cookbook_env"]["env/all/reward/total"] == pytest.approx(r["reward_mean"])
+
+
+def test_each_arms_metrics_jsonl_loads_with_the_cookbooks_own_readers(comparison_run, evidence_bundle):
+    from tinker_cookbook.stores.storage import LocalStorage
+    from tinker_cookbook.stores.training_store import TrainingRunStore
+    from tinker_cookbook.utils.file_utils import read_jsonl
+
+    manifest = json.loads(evidence_bundle.file_path("comparison-run-0.json").read_text())["cookbook_metrics"]
+    assert manifest["writer"] == "tinker_cookbook.utils.ml_log.JsonLogger"
+    for a in comparison_run.config.arms:
+        name = manifest["evidence_files"][a.name]
+        assert evidence_bundle.entry(name)["kind"] == "metrics"
+        records = read_jsonl(str(evidence_bundle.file_path(name)))
+        live = Path(manifest["live_files"][a.name])
+        assert TrainingRunStore(LocalStorage(live.parent)).read_metrics() == records
+        assert [r["step"] for r in records] == list(range(comparison_run.config.steps))
+        for key in ("env/all/reward/total", "optim/kl_sample_train_v1", "optim/entropy", "env/all/total_ac_tokens",
+                    "time/total", "progress/done_frac"):
+            assert all(key in r for r in records), key
+    assert len(evidence_bundle.files()) <= 64
+
+
+def test_report_shows_the_truncation_plot_and_the_informational_interval(comparison_run, evidence_bundle):
+    text = evidence_bundle.file_path("report.md").read_text()
+    assert "![truncation and answer yield](comparison-truncation-and-answer-yield.png)" in text
+    assert evidence_bundle.entry("comparison-truncation-and-answer-yield.png")["kind"] == "plot"
+    assert "### Informational paired interval (not the decision rule)" in text and "discordant pairs" in text
+    info = evidence_bundle.result["decision"]["informational"]
+    assert info["used_for_verdict"] is False and info["n"] == comparison_run.config.eval_items
+    assert info["treatment_only_correct"] + info["baseline_only_correct"] == info["discordant_pairs"]
+    metrics = evidence_bundle.result["metrics"]
+    assert metrics["comparison/informational_newcombe_lower"] == info["lower"]
 
 
 def test_predictions_observations_and_decision_are_consistent(comparison_run, evidence_bundle, plan):

@@ -51,3 +51,22 @@ def test_the_diagnostic_trained_the_preflights_client(diagnostic_run, client_reg
     assert diagnostic_run.restore.get("source", "").startswith("the restoration preflight's client")
     entry = evidence_bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]
     assert entry["restore_count"] == 1 and [c["after_restore"] for c in entry["optimizer_checks"]] == [0, 1]
+
+
+def test_truncation_and_declarations_are_recorded_and_reported(diagnostic_run, evidence_bundle):
+    """The frozen batch's truncation at max_tokens and answer yield are measured and stated in the
+    report next to the declared renderer (thinking mode) and loss normalization."""
+    import json
+
+    analysis = json.loads(evidence_bundle.file_path(diagnostic.ANALYSIS_FILE).read_text())
+    y = analysis["rollout_yield"]
+    assert y["n"] == diagnostic_run.config.groups_per_batch * diagnostic_run.config.group_size
+    assert y["max_tokens"] == diagnostic_run.config.max_tokens and 0 <= y["truncated"] <= y["n"]
+    metrics = evidence_bundle.result["metrics"]
+    assert metrics["diagnostic/rollout_truncated_frac"] == y["truncated_frac"]
+    eff = json.loads(evidence_bundle.file_path("effective-config.json").read_text())
+    assert eff["renderer"]["thinking"] in ("enabled", "disabled") and eff["loss_normalization"]["mode"] == "token_mean"
+    text = evidence_bundle.file_path("report.md").read_text()
+    assert f"- renderer `{eff['renderer']['name']}`, thinking {eff['renderer']['thinking']}" in text
+    assert f"frozen batch rollouts: {y['truncated']} of {y['n']} responses" in text
+    assert "- loss normalization `token_mean`" in text

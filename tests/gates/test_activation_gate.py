@@ -22,6 +22,11 @@ def test_gate_report_is_its_own_immutable_evidence_file(gate_report, evidence_bu
         evidence_bundle.register_json(gate.GATE_REPORT_FILE, "report", {**on_disk, "passed": not on_disk["passed"]})
     calibration = evidence_bundle.result["activation_calibration"]
     assert set(calibration["values"]) == {c.metric for c in gate_report.checks} and calibration["note"]
+    # Every pilot step that sampled says how many responses stopped at max_tokens or had no answer.
+    sampled = [r for r in on_disk["per_step"] if r["optim_steps"]]
+    assert sampled and all({"truncated_frac", "no_answer_frac", "mean_response_tokens"} <= set(r) for r in sampled)
+    y = on_disk["pilot"]["rollout_yield"]
+    assert y["max_tokens"] == on_disk["pilot"]["max_tokens"] and y["n"] == sum(r["responses"] for r in sampled)
 
 
 def test_activation_gate_passes(gate_report):

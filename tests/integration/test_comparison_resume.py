@@ -109,7 +109,8 @@ def _run(engine, tmp_path, name, **kw):
 # What the sampled tokens decide must match exactly; logprob-derived floats only to the embedded
 # server's run-to-run float noise (its batched CPU kernels are not bitwise reproducible between two
 # runs, resumed or not: two uninterrupted runs show the same ~1e-7 differences).
-EXACT = ("reward_mean", "format_rate", "correct_rate", "response_tokens", "loss_tokens", "updates")
+EXACT = ("reward_mean", "format_rate", "correct_rate", "response_tokens", "loss_tokens", "updates", "loss",
+         "truncated_frac", "no_answer_frac", "mean_response_tokens", "responses", "max_tokens", "cookbook_env")
 FLOAT_ATOL = 2e-3
 
 

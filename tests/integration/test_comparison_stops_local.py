@@ -101,8 +101,8 @@ def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_
 
     real = CR.create_from_state_observed
 
-    def restored_with_another_optimizer(sc, path):
-        client, resp = real(sc, path)
+    def restored_with_another_optimizer(sc, path, name=None):
+        client, resp = real(sc, path, name)
         info = client.get_info()
         client.get_info = lambda: info.model_copy(update={"optimizer_config": types.DimuonOptimizerConfig()})
         return client, resp

@@ -4,9 +4,12 @@ Two servers: a `python -m dppo_harness.local_server` child for the end-to-end fl
 app in this process (`InProcessServer`) where a test must compare what crossed HTTP with the
 engine's own tensors (custom-loss gradient parity, AdamW parity).
 
-Every test runs on both backends (`backend` fixture): the tiny preset (restricted vocabulary) and
-`--model-path` with a tiny random Qwen3 checkpoint carrying the full 248,320-row vocabulary,
-saved by `save_pretrained` into a temp dir and loaded on CPU.
+Every test runs on each backend (`backend` fixture): the tiny preset (restricted vocabulary) and
+`--model-path` with tiny random checkpoints carrying the full 248,320-row vocabulary, saved by
+`save_pretrained` into a temp dir and loaded on CPU: Qwen3, Qwen3.5 as its text model
+(`Qwen3_5ForCausalLM`) and Qwen3.5 in the hub's layout (`Qwen3_5ForConditionalGeneration` with a
+vision tower, served as its text model); both Qwen3.5 ones have a linear-attention and a
+full-attention layer.
 """
 
 from __future__ import annotations
@@ -59,17 +62,33 @@ FULL_VOCAB_CONFIG = dict(vocab_size=248_320, hidden_size=64, intermediate_size=1
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 
 
-@pytest.fixture(scope="module", params=["preset", "hf-full-vocab"])
+QWEN35_CONFIG = dict(FULL_VOCAB_CONFIG, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                     linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                     num_position_embeddings=16, patch_size=4)
+
+
+@pytest.fixture(scope="module", params=["preset", "hf-full-vocab", "hf-qwen3_5", "hf-qwen3_5-hub"])
 def backend(request, tmp_path_factory) -> dict:
-    """Engine kwargs and CLI args of one backend."""
+    """Engine kwargs, CLI args and the expected stand-in identity of one backend."""
     if request.param == "preset":
-        return {"engine": {"model_name": TEST_MODEL}, "cli": {"model": TEST_MODEL}}
+        return {"engine": {"model_name": TEST_MODEL}, "cli": {"model": TEST_MODEL}, "arch": f"local/{TEST_MODEL}",
+                "linear_attention": False}
+    import transformers
+
     from dppo_harness.local_server.hf_model import qwen3_config, save_random_checkpoint
 
-    path = save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-full-vocab",
-                                  qwen3_config(**FULL_VOCAB_CONFIG), seed=0)
+    name, config = {
+        "hf-full-vocab": ("tiny-qwen3-full-vocab", qwen3_config(**FULL_VOCAB_CONFIG)),
+        "hf-qwen3_5": ("tiny-qwen3_5-text", transformers.Qwen3_5TextConfig(**QWEN35_CONFIG, tie_word_embeddings=True)),
+        "hf-qwen3_5-hub": ("tiny-qwen3_5-hub", transformers.Qwen3_5Config(
+            text_config=dict(QWEN35_CONFIG, tie_word_embeddings=True), vision_config=QWEN35_VISION,
+            tie_word_embeddings=True)),
+    }[request.param]
+    path = save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / name, config, seed=0)
     return {"engine": {"model_path": path, "device": "cpu"},
-            "cli": {"extra_args": ["--model-path", str(path), "--device", "cpu"]}}
+            "cli": {"extra_args": ["--model-path", str(path), "--device", "cpu"]}, "arch": f"local/{name}",
+            "linear_attention": request.param != "hf-full-vocab"}
 
 
 @pytest.fixture(scope="module")
@@ -189,10 +208,26 @@ def test_create_client_reports_model_lora_and_optimizer(client, backend):
     info = tc.get_info()
     assert info.model_data.model_name == BASE
     # The stand-in identity: the preset's served name, or local/<checkpoint dir name>.
-    want_arch = "local/tiny-qwen3-full-vocab" if "model_path" in backend["engine"] else f"local/{TEST_MODEL}"
-    assert info.model_data.arch == want_arch
+    assert info.model_data.arch == backend["arch"]
     assert info.model_id == tc.model_id and info.is_lora is True and info.lora_rank == 8
     assert info.optimizer_config.type == "adamw"
+
+
+def test_server_states_which_kernels_each_layer_type_runs(server, backend):
+    """GET /_harness/stats and the startup log name each layer type's implementation; on a CPU
+    Qwen3.5 the linear-attention layers run the torch fallback, with the reasons."""
+    kernels = server.stats()["kernels"]
+    assert kernels["full_attention"]["layers"] >= 1 and kernels["full_attention"]["implementation"] == "sdpa"
+    log = server.log_path.read_text()
+    assert "kernels: full_attention:" in log
+    if not backend["linear_attention"]:
+        assert kernels["linear_attention"] is None and "no linear_attention layers" in log
+        return
+    la = kernels["linear_attention"]
+    assert la["layers"] == 1 and la["path"] == "torch fallback" and not any(la["fast"].values())
+    assert la["transformers"]["is_fast_path_available"] is False
+    assert any("no CUDA device" in r for r in la["reasons"]) or torch.cuda.is_available()
+    assert "linear_attention: 1 layers, torch fallback" in log
 
 
 def test_forward_cross_entropy_and_ppo_losses_match_their_formulas(client, prompt, answer):

@@ -59,11 +59,17 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
     sc, probe_sc = _client(server), _client(server)
     try:
         before = _models(server)
-        result, bundle = _run(server, spec, fixed_batch, tmp_path, sc=sc, probe_service_client=probe_sc)
+        lines: list[str] = []
+        result, bundle = _run(server, spec, fixed_batch, tmp_path, sc=sc, probe_service_client=probe_sc,
+                              progress=lines.append)
         probe_sc.close("success").result(timeout=60)  # release setup + probe clients
         assert result.passed, result.failure_message()
         # 2 arms + setup (= uninterrupted probe, planned-LR probe) + restored probe + 2 other LRs (8 before)
         assert len(_models(server) - before) == 6
+        # Never silent: every one of the six steps says so, with how far along it is.
+        for k in range(1, 7):
+            assert any(m.startswith(f"[preflight] restoration {k}/6: ") for m in lines), (k, lines)
+        assert any("LR probe 3/3" in m for m in lines) and lines[-1].startswith("[preflight] restoration passed")
         assert result.lr_scaling["available"] and result.lr_scaling["passed"]
         hashes = {e["initialization"]["adapter_sha256"] for e in result.provenance["arms"].values()}
         assert len(hashes) == 1 and None not in hashes

@@ -257,3 +257,82 @@ def test_bad_credentials_one_line_within_30s(case, spindle, tmp_path):
     assert "ws-wrong-secret" not in out
     assert live_child_pids() <= before  # nothing left running
     assert spindle.stats()["sessions"] == sessions_before  # no session was opened on the service
+
+
+# ---- the service's pauses, hangs and refusals, through the whole harness (service_wait) ---------
+
+
+def _stopped_run(tmp_path: Path, fault_args: list[str], harness_args: list[str], timeout: float = 300):
+    """A harness run against a spindle server with `fault_args`: (process, seconds, result, server stats)."""
+    before = live_child_pids()
+    srv = _spindle(tmp_path / "srv", *fault_args)
+    try:
+        evidence = tmp_path / "evidence"
+        proc, secs = _harness([*harness_args, "--backend=tinker", f"--evidence-dir={evidence}"],
+                              _harness_env(srv.base_url), timeout=timeout)
+        stats = srv.stats()
+    finally:
+        srv.stop()
+    assert not srv.alive() and live_child_pids() <= before  # nothing left running
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out and "During handling" not in out, out[-3000:]
+    for v in PLANTED.values():
+        assert v not in out
+    return proc, secs, _result(evidence), stats
+
+
+def _assert_stopped(r: dict) -> None:
+    assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
+    assert r["service_wait"]["released_clients"] is True
+
+
+def test_a_capacity_pause_without_end_gives_up_after_the_patience(plan_file, tmp_path):
+    """paused_capacity try_again polls forever on the first model creation: give up after
+    --capacity-patience-s with the service's own reason in the capacity_block."""
+    proc, secs, r, stats = _stopped_run(tmp_path, ["--fault-queue-pause", "create_model:1:forever"],
+                                        ["tests/preflight", f"--plan={plan_file}", "--capacity-patience-s=2"])
+    assert proc.returncode != 0 and secs < 150, secs
+    reason = "embedded server fault: no capacity for create_model request 1; paused until further notice"
+    _assert_stopped(r)
+    assert r["capacity_block"] == {"error": reason, "comparison_steps_completed": 0, "released_clients": True}
+    pause = r["service_wait"]["pauses"][0]
+    assert (pause["queue_state"], pause["queue_state_reason"], pause["outcome"]) == ("paused_capacity", reason, "gave_up")
+    assert 2 <= pause["seconds"] < 10
+    line = "create_lora_training_client on a new LoRA client on Qwen/Qwen3.5-2B: paused by the service for 2 s"
+    assert line in proc.stdout and "--capacity-patience-s=2" in proc.stdout
+    assert stats["faults"]["injected"] == {"create_model:queue_pause": 1}
+
+
+def test_a_request_that_never_completes_stops_the_stage_after_the_service_timeout(plan_file, tmp_path):
+    """The first save never completes (its polls say active): one line naming the call and the
+    client after --service-timeout-s, reported as no answer, not as capacity."""
+    proc, secs, r, stats = _stopped_run(tmp_path, ["--fault-never-complete", "save_weights:1"],
+                                        ["tests/preflight", f"--plan={plan_file}", "--service-timeout-s=2"])
+    assert proc.returncode != 0 and secs < 150, secs
+    _assert_stopped(r)
+    assert "capacity_block" not in r and r["service_wait"]["pauses"] == []
+    line = "save_state on setup client (shared, seed 0): no answer for 2 s"
+    assert r["service_wait"]["stopped"]["kind"] == "no_answer" and r["service_wait"]["stopped"]["line"].startswith(line)
+    assert line in proc.stdout
+    assert stats["faults"]["injected"] == {"save_weights:never_complete": 1}
+
+
+def test_a_short_pause_is_waited_out_and_a_429_at_sample_submit_gives_up(plan_file, tmp_path):
+    """A 3 s paused_capacity at the first creation is waited out and recorded (the preflight then
+    passes); every sample submit answered 429 (the SDK retries it without limit) ends the
+    diagnostic after --capacity-patience-s with the 429's own text."""
+    proc, secs, r, stats = _stopped_run(
+        tmp_path, ["--fault-queue-pause", "create_model:1:3", "--fault-reject-for", "asample:429:3600"],
+        ["tests/preflight", "tests/diagnostic", f"--plan={plan_file}", "--capacity-patience-s=8"], timeout=600)
+    assert proc.returncode != 0 and secs < 400, proc.stdout[-3000:]
+    assert "passed" in proc.stdout and "tests/preflight" not in proc.stdout.split("short test summary")[-1]
+    _assert_stopped(r)
+    first, refused = r["service_wait"]["pauses"][0], r["service_wait"]["pauses"][-1]
+    assert (first["call"], first["queue_state"], first["outcome"]) == ("create_lora_training_client", "paused_capacity",
+                                                                       "resumed")
+    assert first["queue_state_reason"].endswith("paused for 3 s") and 2 <= first["seconds"] < 8
+    text = "injected 429: asample refused for 3600 s from the first request"
+    assert (refused["call"], refused["queue_state"], refused["http_status"]) == ("sample", "submit_refused", 429)
+    assert refused["queue_state_reason"] == text and refused["outcome"] == "gave_up"
+    assert r["capacity_block"] == {"error": text, "comparison_steps_completed": 0, "released_clients": True}
+    assert stats["faults"]["injected"]["asample:429"] >= 3  # the SDK kept resubmitting

@@ -85,7 +85,7 @@ class _Restored:
 
 def _restore(monkeypatch, optimizer_config, path="tinker://m/weights/step2"):
     monkeypatch.setattr(CR, "create_from_state_observed",
-                        lambda sc, p: (_Restored(optimizer_config), types.LoadWeightsResponse(path=p)))
+                        lambda sc, p, name=None: (_Restored(optimizer_config), types.LoadWeightsResponse(path=p)))
     cfg = _cfg(3)
     state = C.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: C.ArmState(a.name) for a in cfg.arms})
     prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
@@ -112,7 +112,7 @@ def test_a_matching_restore_continues(monkeypatch):
 
 def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
     monkeypatch.setattr(CR, "create_from_state_observed",
-                        lambda sc, p: (_Restored(types.AdamOptimizerConfig()), types.LoadWeightsResponse()))
+                        lambda sc, p, name=None: (_Restored(types.AdamOptimizerConfig()), types.LoadWeightsResponse()))
     cfg = _cfg(3)
     state = C.RunState("r", "p", "e", "c", "i", {a.name: C.ArmState(a.name) for a in cfg.arms})
     with pytest.raises(C.ComparisonError, match="the load response has no path"):

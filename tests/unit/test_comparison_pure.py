@@ -54,19 +54,49 @@ class _Rec:
         self.stats = stats
 
 
-def test_step_metrics_pool_fractions_by_loss_tokens():
-    recs = [_Rec(**{"tokens/loss": 100, "dppo/removed": 10, "ppo/clipped": 0, "dppo/masked_frac_loss_tokens": 0.1,
+SUMMARY = {"mean_reward": 0.5, "frac_format": 0.75, "frac_correct": 0.25, "response_tokens": 400,
+           "frac_truncated": 0.125, "frac_no_answer": 0.25, "mean_response_tokens": 50.0, "n_sequences": 8,
+           "config": {"max_tokens": 64}}
+
+
+def _recs():
+    return [_Rec(**{"tokens/loss": 100, "dppo/removed": 10, "ppo/clipped": 0, "dppo/masked_frac_loss_tokens": 0.1,
                     "ppo/clip_frac_loss_tokens": 0.0, "drift/abs_p90": 0.01}),
             _Rec(**{"tokens/loss": 300, "dppo/removed": 0, "ppo/clipped": 3, "dppo/masked_frac_loss_tokens": 0.0,
                     "ppo/clip_frac_loss_tokens": 0.01, "drift/abs_p90": 0.02})]
-    summary = {"mean_reward": 0.5, "frac_format": 0.75, "frac_correct": 0.25, "response_tokens": 400}
-    row = C.step_metrics("a", 3, summary, recs, seconds=2.0, sample_seconds=1.0, sampler_checkpoint="tinker://x")
-    assert row["dppo_masked_frac"] == pytest.approx(10 / 400) and row["ppo_clip_frac"] == pytest.approx(3 / 400)
+
+
+def test_step_metrics_pool_fractions_by_loss_tokens():
+    row = C.step_metrics("a", 3, SUMMARY, _recs(), loss="dppo", seconds=2.0, sample_seconds=1.0,
+                         sampler_checkpoint="tinker://x", kl={"optim/kl_sample_train_v1": 0.01, "optim/entropy": 0.5})
+    assert row["dppo_masked_frac"] == pytest.approx(10 / 400)
+    assert row["counterfactual_ppo_clip_frac"] == pytest.approx(3 / 400)
     assert row["drift_abs_p90"] == 0.02 and row["updates"] == 2 and row["loss_tokens"] == 400
+    assert (row["truncated_frac"], row["no_answer_frac"], row["mean_response_tokens"]) == (0.125, 0.25, 50.0)
+    assert (row["kl_sample_train_v1"], row["entropy"]) == (0.01, 0.5) and "kl_sample_train_v2" not in row
     assert "seconds" not in C.comparable(row) and C.comparable(row)["reward_mean"] == 0.5
     s = C.arm_summary([row, {**row, "step": 4, "reward_mean": 1.0}])
     assert s["steps_completed"] == 2.0 and s["reward_mean_over_steps"] == 0.75
+    assert s["truncated_frac_last"] == 0.125 and s["entropy_last"] == 0.5
     assert all(isinstance(v, float) for v in s.values())
+
+
+@pytest.mark.parametrize("loss, real, counterfactual", [
+    ("grpo", "ppo_clip_frac", "dppo_masked_frac"), ("dppo", "dppo_masked_frac", "ppo_clip_frac")])
+def test_the_rule_an_arm_does_not_train_with_is_labelled_counterfactual(loss, real, counterfactual):
+    """A GRPO arm's DPPO masked fraction (and a DPPO arm's PPO clip fraction) is counted on the arm's
+    own tensors but removes nothing from its gradient: its name says counterfactual, in the row, in
+    metrics.arms and in the terminal line; the real rule keeps its plain name."""
+    row = C.step_metrics("arm", 0, SUMMARY, _recs(), loss=loss, seconds=1.0, sample_seconds=0.5,
+                         sampler_checkpoint="tinker://x")
+    assert counterfactual not in row and f"counterfactual_{counterfactual}" in row and real in row
+    assert f"counterfactual_last_update_{counterfactual.split('_')[1]}_frac" in row
+    summary = C.arm_summary([row])
+    assert f"counterfactual_{counterfactual}_mean" in summary and f"{counterfactual}_mean" not in summary
+    assert f"{real}_mean" in summary
+    short = {"dppo_masked_frac": "masked", "ppo_clip_frac": "clip"}
+    line = C.step_line(row, 3)
+    assert f"cf {short[counterfactual]} " in line and f"cf {short[real]} " not in line
 
 
 def _state(tmp_path, **arms):

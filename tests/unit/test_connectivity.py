@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -20,11 +21,15 @@ QWEN = "Qwen/Qwen3.5-2B"
 
 
 class Stub:
-    """Answers GET /api/v1/get_server_capabilities as configured; checks the proxy headers."""
+    """Speaks as much of the protocol as the SDK's connection needs (POST client/config and
+    client/dynamic_config, GET get_server_capabilities, as configured); checks the proxy headers
+    on every request."""
 
-    def __init__(self, *, status=200, models=(QWEN,), marker=False, require_auth=True, body=None):
+    def __init__(self, *, status=200, models=(QWEN,), marker=False, require_auth=True, body=None, jwt=None):
         self.status, self.models, self.marker, self.require_auth, self.body = status, models, marker, require_auth, body
+        self.jwt = jwt  # set: the service asks for the SDK's JWT exchange and accepts only the JWT afterwards
         self.seen_headers: list[dict] = []
+        self.paths: list[str] = []
         stub = self
 
         class H(BaseHTTPRequestHandler):
@@ -32,7 +37,15 @@ class Stub:
                 pass
 
             def do_GET(self):
+                self._reply()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._reply()
+
+            def _reply(self):
                 stub.seen_headers.append(dict(self.headers))
+                stub.paths.append(f"{self.command} {self.path}")
                 code, payload = stub.answer(self.path, self.headers)
                 data = json.dumps(payload).encode()
                 self.send_response(code)
@@ -48,7 +61,10 @@ class Stub:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def answer(self, path, headers):
-        if path != "/api/v1/get_server_capabilities":
+        path = urlsplit(path).path  # a request through a proxy names the absolute URL
+        if self.jwt is not None:
+            return self.answer_jwt(path, headers)
+        if path not in ("/api/v1/get_server_capabilities", "/api/v1/client/config", "/api/v1/client/dynamic_config"):
             return 404, {"error": "not found"}
         if self.require_auth:
             for h, var in (("X-API-Key", "TINKER_API_KEY"), ("Modal-Key", "MODAL_PROXY_TOKEN_ID"),
@@ -59,11 +75,24 @@ class Stub:
                     return 401, {"error": f"invalid credentials in header {h}", "category": "user"}
         if self.status != 200:
             return self.status, self.body or {"error": "nope"}
+        if path != "/api/v1/get_server_capabilities":
+            return 200, {}  # the SDK's defaults: API-key auth
         caps = self.body or {"supported_models": [{"model_name": m, "trainable": True} for m in self.models]}
         if self.marker:
             caps = dict(caps, embedded_server={"marker": EMBEDDED_SERVER_MARKER, "stand_in": "local/tiny-qwen3-gsm8k",
                                                "profile": "spindle"})
         return 200, caps
+
+    def answer_jwt(self, path, headers):
+        if path in ("/api/v1/client/config", "/api/v1/auth/token"):
+            if headers.get("X-API-Key") != ENV["TINKER_API_KEY"]:
+                return 401, {"error": "invalid credentials in header X-API-Key", "category": "user"}
+            return 200, {"pjwt_auth_enabled": True} if path.endswith("config") else {"jwt": self.jwt}
+        if headers.get("X-API-Key") != self.jwt:
+            return 401, {"error": "invalid credentials in header X-API-Key: a JWT is required", "category": "user"}
+        if path == "/api/v1/client/dynamic_config":
+            return 200, {}
+        return 200, {"supported_models": [{"model_name": QWEN, "trainable": True}]}
 
     def close(self):
         self.httpd.shutdown()
@@ -99,7 +128,13 @@ def test_all_checks_pass_and_headers_are_the_sdks(stub_factory):
     rep = check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url))
     assert [c["check"] for c in rep.checks] == ["variables", "reachable", "auth", "model"]
     assert rep.model == QWEN and rep.substitution is None and rep.marker is None
-    assert s.seen_headers[0]["X-API-Key"] == ENV["TINKER_API_KEY"]
+    headers = [{k.lower(): v for k, v in h.items()} for h in s.seen_headers]
+    assert all(h["x-api-key"] == ENV["TINKER_API_KEY"] for h in headers)
+    assert all(h["modal-secret"] == ENV["MODAL_PROXY_TOKEN_SECRET"] for h in headers)
+    # the SDK's own requests: its first contact, the holder every ServiceClient builds, the read
+    assert s.paths == ["POST /api/v1/client/config", "POST /api/v1/client/config",
+                       "POST /api/v1/client/dynamic_config", "GET /api/v1/get_server_capabilities"]
+    assert all(h["user-agent"].startswith("Tinker/") or "tinker" in h["user-agent"].lower() for h in headers)
     assert json.dumps(rep.as_evidence()).count("PLANTED") == 0
 
 
@@ -185,3 +220,50 @@ def test_local_backend_needs_no_credentials(stub_factory):
     assert rep.model == QWEN
     with pytest.raises(ConnectivityError, match="loopback"):
         check_connectivity("local", "http://10.0.0.1:1", QWEN, env={})
+
+
+def _jwt(lifetime_s: float = 3600) -> str:
+    import base64
+
+    def part(obj):
+        return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
+
+    now = time.time()
+    return f"{part({'alg': 'none'})}.{part({'iat': now, 'exp': now + lifetime_s})}.sig"
+
+
+def test_a_service_that_asks_for_the_sdks_jwt_exchange_passes(stub_factory):
+    """The SDK exchanges the key for a JWT when client/config asks: a raw read with the key fails."""
+    token = _jwt()
+    s = stub_factory(jwt=token)
+    rep = check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url))
+    assert rep.model == QWEN
+    assert "POST /api/v1/auth/token" in s.paths
+    caps = [h for p, h in zip(s.paths, s.seen_headers, strict=True) if p.endswith("get_server_capabilities")]
+    assert caps and all({k.lower(): v for k, v in h.items()}["x-api-key"] == token for h in caps)
+
+
+def test_the_environments_proxy_is_used_like_the_sdks(stub_factory, monkeypatch):
+    """HTTP_PROXY reaches the connectivity check as it reaches every SDK request (httpx trust_env)."""
+    s = stub_factory()
+    for var in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", s.url)
+    rep = check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL="http://tinker.invalid"))
+    assert rep.model == QWEN and rep.base_url == "http://tinker.invalid"
+    assert all("tinker.invalid" in p for p in s.paths)  # absolute-form requests: they went through the proxy
+
+
+def test_runs_credentials_feed_the_proxy_headers(stub_factory):
+    """--proxy-credentials runs: Modal-Key/Modal-Secret from RUNS_PROXY_TOKEN_*; lines name those."""
+    s = stub_factory()
+    runs = {"TINKER_API_KEY": ENV["TINKER_API_KEY"], "RUNS_PROXY_TOKEN_ID": ENV["MODAL_PROXY_TOKEN_ID"],
+            "RUNS_PROXY_TOKEN_SECRET": ENV["MODAL_PROXY_TOKEN_SECRET"]}
+    rep = check_connectivity("tinker", None, QWEN, env=dict(runs, TINKER_BASE_URL=s.url), proxy_tokens="runs")
+    assert rep.model == QWEN
+    with pytest.raises(ConnectivityError) as ei:
+        check_connectivity("tinker", None, QWEN, env=dict(runs, TINKER_BASE_URL=s.url,
+                                                          RUNS_PROXY_TOKEN_SECRET="ws-wrong"), proxy_tokens="runs")
+    assert "check RUNS_PROXY_TOKEN_ID/SECRET" in str(ei.value) and "RUNS_PROXY_TOKEN_SECRET" in str(ei.value)
+    with pytest.raises(ConnectivityError, match="RUNS_PROXY_TOKEN_ID"):
+        check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url), proxy_tokens="runs")

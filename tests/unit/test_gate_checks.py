@@ -120,3 +120,15 @@ def test_executed_model_is_the_model_that_computes_not_the_requested_name():
     check = next(c for c in CHECKS if c["metric"] == "executed_base_model")
     assert not gate.evaluate_check(check, model).passed
     assert gate.executed_model(NS(model_data=NS(model_name="Qwen/Qwen3.5-2B", arch="")), "local", remote)[0] is None
+
+
+def test_gate_rows_carry_each_steps_truncation_and_answer_yield():
+    from dppo_harness import answer_yield
+
+    rows = [{"step": 0, "optim_steps": 2}, {"step": 1, "optim_steps": 2}, {"step": 2, "optim_steps": 0}]
+    yields = [answer_yield.response_yield(["length", "stop"], [False, True], [512, 100], max_tokens=512),
+              answer_yield.response_yield(["stop", "stop"], [True, True], [50, 70], max_tokens=512)]
+    out = gate.with_rollout_yield(rows, yields)
+    assert out[0]["truncated_frac"] == 0.5 and out[0]["no_answer_frac"] == 0.5 and out[0]["mean_response_tokens"] == 306
+    assert out[1]["truncated_frac"] == 0.0 and out[1]["responses"] == 2
+    assert "truncated_frac" not in out[2]  # a step that never sampled reports nothing, not zeros

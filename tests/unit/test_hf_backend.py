@@ -168,7 +168,8 @@ def _trainer_logprobs(engine, mid, prompt, seq):
     return engine.compute_logprobs(mid, [(full[:-1], {"target_tokens": np.array(full[1:])})])[0].numpy()
 
 
-@pytest.mark.parametrize(("arch", "mode"), [("qwen3", "dynamic"), ("qwen3", "static"), ("qwen3_5", "dynamic")])
+@pytest.mark.parametrize(("arch", "mode"), [("qwen3", "dynamic"), ("qwen3", "static"), ("qwen3_5", "dynamic"),
+                                           ("qwen3_5", "static")])
 def test_batched_requests_match_alone_and_the_trainer(arch, mode, qwen3_dir, qwen35_dir, tmp_path):
     """Two prompts of different lengths in one decode loop (left-padded prefill, rows finishing
     early on a stop token; batch compaction in "dynamic", fixed shapes in "static", the eager form
@@ -181,11 +182,11 @@ def test_batched_requests_match_alone_and_the_trainer(arch, mode, qwen3_dir, qwe
         p1, p2 = list(range(100, 109)), list(range(300, 317))
         stats: dict = {}
         with torch.no_grad():
-            alone1 = S.generate(net, [_req(p1, 3, 5)], e._decode_text, mode)[0]
+            alone1 = S.generate(net, [_req(p1, 3, 5)], e._decode_text, e.decode_spec, mode)[0]
             stop = [alone1[0].tokens[2], alone1[1].tokens[4]]  # make rows finish at different steps
-            alone1 = S.generate(net, [_req(p1, 3, 5, stop)], e._decode_text, mode)[0]
-            alone2 = S.generate(net, [_req(p2, 4, 6)], e._decode_text, mode)[0]
-            both = S.generate(net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text, mode, stats)
+            alone1 = S.generate(net, [_req(p1, 3, 5, stop)], e._decode_text, e.decode_spec, mode)[0]
+            alone2 = S.generate(net, [_req(p2, 4, 6)], e._decode_text, e.decode_spec, mode)[0]
+            both = S.generate(net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text, e.decode_spec, mode, stats)
         assert stats["decode_mode"] == mode and stats["rows"] == 7
         assert any(s.stop_reason == "stop" for s in alone1) and any(s.stop_reason == "length" for s in alone1)
         for got, want in ((both[0], alone1), (both[1], alone2)):
@@ -202,7 +203,8 @@ def test_batched_requests_match_alone_and_the_trainer(arch, mode, qwen3_dir, qwe
 
 
 def test_decode_mode_resolution(engine, qwen35_dir, tmp_path):
-    """CPU: auto -> dynamic, graph -> its eager form; hybrid (Qwen3.5) caches have no static step."""
+    """CPU: auto -> dynamic, graph -> its eager form; Qwen3.5's hybrid cache has a static step,
+    a sliding-window cache has none."""
     net = engine.base_model
     buffered = S._buffered(transformers.DynamicCache(), 4)  # no layers yet: trivially "pure attention"
     assert S.resolve_mode("auto", net, buffered) == "dynamic"
@@ -210,24 +212,220 @@ def test_decode_mode_resolution(engine, qwen35_dir, tmp_path):
     assert S.resolve_mode("static", net, buffered) == "static"
     with pytest.raises(ValueError, match="decode mode"):
         S.resolve_mode("fast", net, buffered)
+    cfg = HF.qwen3_config(**SMALL)
+    cfg.use_sliding_window, cfg.sliding_window, cfg.max_window_layers = True, 4, 0
+    cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
+    sliding = transformers.Qwen3ForCausalLM(cfg)
+    assert sliding.get_decoder().has_sliding_layers
+    assert S.resolve_mode("static", sliding, buffered) == "dynamic"
     e = Engine(tmp_path, model_path=qwen35_dir, device="cpu", decode_mode="static")
     try:
         e.sample("Qwen/Qwen3.5-2B", [1, 2, 3], 2, 3, 1.0, -1, 1.0, [], [], 0, False)
-        assert e.last_sample_stats["decode_mode"] == "dynamic"
+        assert e.last_sample_stats["decode_mode"] == "static"
     finally:
         e.close()
     with pytest.raises(UserError, match="decode_mode"):
         Engine(tmp_path, model_path=qwen35_dir, device="cpu", decode_mode="fast")
 
 
-def test_qwen35_lora_covers_linear_attention_projections(qwen35_dir, tmp_path):
+def _hybrid_prefill(net, prompts: list[list[int]], n: int, cap: int):
+    reqs = [S.DecodeRequest(prompt=p, n=n, max_tokens=cap, temperature=1.0, top_k=-1, top_p=1.0, stop_ids=[],
+                            stop_strings=[], seed=0, want_prompt_lp=False) for p in prompts]
+    rows = torch.tensor([j for j in range(len(prompts)) for _ in range(n)])
+    Lp = max(len(p) for p in prompts)
+    pre = S._prefill_batched(net, reqs, S.DecodeSpec(vocab_size=net.get_output_embeddings().weight.shape[0]), rows,
+                             Lp + cap)
+    attn_RC = torch.zeros((len(rows), Lp + cap), dtype=torch.int64)
+    attn_RC[:, :Lp] = pre.mask_JL[rows]
+    return pre, attn_RC, torch.tensor([len(prompts[j]) for j in rows.tolist()]), Lp
+
+
+def test_hybrid_static_step_equals_the_dynamic_cache(qwen35_dir):
+    """Qwen3.5 (linear + full attention): the fixed-shape step (KV written at a device-held
+    column, transformers' linear-attention states advanced in place at fixed addresses), run
+    eagerly as the CUDA graph would replay it, gives the dynamic cache's logits step by step; a
+    step whose recurrent state was not carried forward is caught."""
+    net = transformers.AutoModelForCausalLM.from_pretrained(qwen35_dir, local_files_only=True).eval()
+    kinds = {type(lay).__name__ for lay in transformers.DynamicCache(config=net.config).layers}
+    assert kinds == {"LinearAttentionLayer", "DynamicLayer"}  # both layer types
+    prompts, steps = [list(range(100, 109)), list(range(300, 313))], 5
+    feed = torch.randint(0, 1000, (steps, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        pre_d, attn_d, pos_d, Lp = _hybrid_prefill(net, prompts, 2, steps + 1)
+        pre_s, attn_s, pos_s, _ = _hybrid_prefill(net, prompts, 2, steps + 1)
+        step = S.StaticDecodeStep(net, pre_s.cache_R, attn_s, use_graph=False)
+        linear = [lay for lay in step.cache.layers if type(lay).__name__ == "LinearAttentionLayer"]
+        assert linear and any(type(lay).__name__ == "StaticKVLayer" for lay in step.cache.layers)
+        ptrs = [(lay.conv_states.data_ptr(), lay.recurrent_states.data_ptr()) for lay in linear]
+        cache = pre_d.cache_R
+
+        def dynamic_step(ids, t):
+            attn_d[:, Lp + t] = 1
+            out = net.get_decoder()(input_ids=ids.unsqueeze(-1), attention_mask=attn_d[:, : Lp + t + 1],
+                                    position_ids=(pos_d + t).unsqueeze(-1), past_key_values=cache, use_cache=True)
+            return net.get_output_embeddings()(out.last_hidden_state[:, -1]).float()
+
+        for t in range(steps):
+            before = [lay.recurrent_states.clone() for lay in linear]
+            torch.testing.assert_close(step(feed[t], pos_s + t, Lp + t), dynamic_step(feed[t], t), rtol=1e-4,
+                                       atol=1e-5)
+        assert [(lay.conv_states.data_ptr(), lay.recurrent_states.data_ptr()) for lay in linear] == ptrs
+        assert all(not torch.equal(b, lay.recurrent_states) for b, lay in zip(before, linear))
+        # negative control: roll the recurrent state back one step, the next step differs
+        for b, lay in zip(before, linear):
+            lay.recurrent_states.copy_(b)
+        got = step(feed[0], pos_s + steps, Lp + steps)
+        assert not torch.allclose(got, dynamic_step(feed[0], steps), rtol=1e-4, atol=1e-5)
+
+
+def test_hybrid_static_decode_gives_the_dynamic_tokens(qwen35_dir, tmp_path):
+    """The whole sampler on Qwen3.5: "static" (the eager form of the captured graph) and
+    "dynamic" give the same tokens under the same seeds, rows stopping at different steps."""
     e = Engine(tmp_path, model_path=qwen35_dir, device="cpu")
     try:
-        names = _targets(e, e.create_model("Qwen/Qwen3.5-2B", 4, 0, train_mlp=False, train_unembed=False))
-        assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj"} <= names
-        assert type(e.base_model).__name__ == "Qwen3_5ForCausalLM"
+        net = e._sampler_net("base")
+        p1, p2 = list(range(100, 109)), list(range(300, 317))
+        with torch.no_grad():
+            probe = S.generate(net, [_req(p1, 3, 5)], e._decode_text, e.decode_spec, "dynamic")[0]
+            reqs = [_req(p1, 3, 5, [probe[0].tokens[2], probe[1].tokens[5]]), _req(p2, 4, 6)]
+            runs = {}
+            for mode in ("dynamic", "static"):
+                stats: dict = {}
+                runs[mode] = S.generate(net, reqs, e._decode_text, e.decode_spec, mode, stats)
+                assert stats["decode_mode"] == mode
+        assert any(s.stop_reason == "stop" for s in runs["static"][0])
+        assert any(s.stop_reason == "length" for seqs in runs["static"] for s in seqs)
+        for a, b in zip(runs["dynamic"], runs["static"]):
+            assert [s.tokens for s in a] == [s.tokens for s in b]
+            assert [s.stop_reason for s in a] == [s.stop_reason for s in b]
+            for x, y in zip(a, b):
+                np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     finally:
         e.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+def test_graph_decode_gives_the_eager_tokens_on_cuda(qwen35_dir, qwen3_dir, tmp_path):
+    """On CUDA the captured step (Qwen3 and the Qwen3.5 hybrid) gives the eager step's tokens."""
+    for d in (qwen3_dir, qwen35_dir):
+        e = Engine(tmp_path / d.name, model_path=d, device="cuda", dtype="float32")
+        try:
+            net = e._sampler_net("base")
+            reqs = [_req(list(range(100, 109)), 3, 5), _req(list(range(300, 317)), 4, 6)]
+            runs, modes = {}, {}
+            with torch.no_grad():
+                for mode in ("static", "graph"):
+                    stats: dict = {}
+                    runs[mode] = S.generate(net, reqs, e._decode_text, e.decode_spec, mode, stats)
+                    modes[mode] = stats["decode_mode"]
+            assert modes == {"static": "static", "graph": "graph"}, modes
+            assert [[s.tokens for s in r] for r in runs["graph"]] == [[s.tokens for s in r] for r in runs["static"]]
+        finally:
+            e.close()
+
+
+def _lora_modules(engine, mid: str) -> dict[str, set[str]]:
+    """Adapted module names by where they sit: linear_attention, full_attention, mlp, unembed."""
+    out: dict[str, set[str]] = {}
+    for name, _ in engine._models[mid].params:
+        if "lora_A" not in name:
+            continue
+        path = name.split(".lora_A")[0]
+        where = ("linear_attention" if ".linear_attn." in path else "full_attention" if ".self_attn." in path
+                 else "mlp" if ".mlp." in path else "unembed" if path.endswith("lm_head") else path)
+        out.setdefault(where, set()).add(path.rsplit(".", 1)[-1])
+    return out
+
+
+def test_qwen35_lora_targets_per_switch_and_layer_type(qwen35_dir, tmp_path):
+    """Tinker's switches on Qwen3.5: train_attn adapts the Gated DeltaNet's five projections and
+    the full-attention q/k/v/o; the DeltaNet's conv1d, A_log, dt_bias and gated norm never train;
+    train_mlp the MLPs of both layer kinds; train_unembed lm_head. LoRA on the DeltaNet trains."""
+    e = Engine(tmp_path, model_path=qwen35_dir, device="cpu")
+    try:
+        assert type(e.base_model).__name__ == "Qwen3_5ForCausalLM"
+        linear = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+        full, mlp = {"q_proj", "k_proj", "v_proj", "o_proj"}, {"gate_proj", "up_proj", "down_proj"}
+        attn_only = e.create_model("Qwen/Qwen3.5-2B", 4, 0, train_mlp=False, train_unembed=False)
+        assert _lora_modules(e, attn_only) == {"linear_attention": linear, "full_attention": full}
+        mlp_only = e.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_unembed=False)
+        assert _lora_modules(e, mlp_only) == {"mlp": mlp}
+        head_only = e.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_mlp=False)
+        assert _lora_modules(e, head_only) == {"unembed": {"lm_head"}}
+        every = e.create_model("Qwen/Qwen3.5-2B", 4, 0)
+        assert _lora_modules(e, every) == {"linear_attention": linear, "full_attention": full, "mlp": mlp,
+                                           "unembed": {"lm_head"}}
+        # each linear-attention layer gets all five, each full-attention layer all four
+        types = e.base_model.config.layer_types
+        names = [n for n, _ in e._models[attn_only].params if "lora_A" in n]
+        assert sum(".linear_attn." in n for n in names) == 5 * types.count("linear_attention")
+        assert sum(".self_attn." in n for n in names) == 4 * types.count("full_attention")
+        trainable = {n for n, q in e._models[every].net.named_parameters() if q.requires_grad}
+        assert all("lora_" in n for n in trainable)
+        assert not any(k in n for n in trainable for k in ("conv1d", "A_log", "dt_bias", "linear_attn.norm"))
+        toks = list(range(10, 40))
+        e.forward_backward(attn_only, [(toks[:-1], {"target_tokens": np.array(toks[1:]),
+                                                    "weights": np.ones(29, np.float32)})], "cross_entropy")
+        grads = e.get_parameter_grads(attn_only)
+        for proj in linear:
+            g = [v for n, v in grads.items() if f".linear_attn.{proj}.lora_B" in n]
+            assert g and all(float(v.abs().sum()) > 0 for v in g), proj
+    finally:
+        e.close()
+
+
+def _fake_fast(fn):
+    def wrapped(*a, **k):
+        return fn(*a, **k)
+
+    wrapped.__module__ = "fla.ops.fake"
+    return wrapped
+
+
+def test_kernel_report_names_the_torch_fallback_and_why(qwen35_dir, engine, tmp_path):
+    report = HF.kernel_report(engine.base_model)  # Qwen3: attention only
+    assert report["linear_attention"] is None and report["full_attention"]["layers"] == 2
+    e = Engine(tmp_path, model_path=qwen35_dir, device="cpu")
+    try:
+        la = e.kernels["linear_attention"]
+        assert la["layers"] == 3 and e.kernels["full_attention"] == {"layers": 1, "implementation": "sdpa"}
+        assert la["path"] == "torch fallback" and not any(la["fast"].values())
+        assert la["implementations"]["delta_rule_recurrent"].endswith("torch_recurrent_gated_delta_rule")
+        assert la["transformers"]["is_fast_path_available"] is False
+        if not torch.cuda.is_available():
+            assert any("no CUDA device" in r for r in la["reasons"])
+        assert "torch fallback" in HF.kernel_summary(e.kernels)
+        # the report reads what the layers will call: a (fake) fla function shows as fast, and
+        # use_torch_linear_attention puts the torch implementations back
+        for m in e.base_model.modules():
+            if type(m).__name__.endswith("GatedDeltaNet"):
+                m.recurrent_gated_delta_rule = _fake_fast(m.recurrent_gated_delta_rule)
+        mixed = HF.kernel_report(e.base_model)["linear_attention"]
+        assert mixed["path"] == "mixed" and mixed["fast"]["delta_rule_recurrent"]
+        assert HF.use_torch_linear_attention(e.base_model) == 3
+        assert HF.kernel_report(e.base_model)["linear_attention"]["path"] == "torch fallback"
+    finally:
+        e.close()
+
+
+def test_linear_attention_option_forces_the_torch_fallback(qwen35_dir, tmp_path, monkeypatch):
+    """`Engine(linear_attention=...)` / `--linear-attention`: with a (fake) fla recurrent kernel
+    found at load, "auto" keeps it and "torch" replaces it; bad values are one-line errors."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as Q
+
+    monkeypatch.setattr(Q, "fused_recurrent_gated_delta_rule", _fake_fast(Q.torch_recurrent_gated_delta_rule))
+    for option, path in (("auto", "mixed"), ("torch", "torch fallback")):
+        e = Engine(tmp_path / option, model_path=qwen35_dir, device="cpu", linear_attention=option)
+        try:
+            assert e.kernels["linear_attention"]["path"] == path
+            assert len(e.sample("Qwen/Qwen3.5-2B", [1, 2, 3], 2, 3, 1.0, -1, 1.0, [], [], 0, False)) == 2
+        finally:
+            e.close()
+    with pytest.raises(UserError, match="linear_attention"):
+        Engine(tmp_path / "bad", model_path=qwen35_dir, device="cpu", linear_attention="fla")
+    with pytest.raises(SystemExit, match="need --model-path"):
+        check_model_path_args(parse_args(["--linear-attention", "torch"]))
+    assert parse_args(["--model-path", "x", "--decode-mode", "static"]).decode_mode == "static"
 
 
 def test_merging_into_a_tied_head_leaves_the_embedding_alone(qwen3_dir):

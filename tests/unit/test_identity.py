@@ -13,7 +13,8 @@ from dppo_harness.connectivity import ConnectivityReport
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
 from dppo_harness.plans import load_plan
-from dppo_harness.service import _ObservedFuture, notify_training_client
+from dppo_harness.service import notify_training_client
+from dppo_harness.service_wait import ServiceWaiter, WaitedFuture
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "local/tiny-qwen3-gsm8k"
@@ -102,13 +103,14 @@ def test_real_service_is_not_relabelled(tmp_path):
     assert b.entry("connectivity-preflight.json") is not None
 
 
-def test_observed_future_reports_the_client_once():
+def test_creation_future_reports_the_client_once():
     seen = []
-    inner = SimpleNamespace(result=lambda timeout=None: "client", other=7)
-    f = _ObservedFuture(inner, seen.append)
-    assert f.result() == "client" and f.result() == "client" and f.other == 7
+    inner = SimpleNamespace(result=lambda timeout=None: "client")
+    f = WaitedFuture(inner, ServiceWaiter(), "create_lora_training_client", "a new client",
+                     then=lambda c: seen.append(c) or c)
+    assert f.result() == "client" and f.result() == "client"
     assert seen == ["client"]
-    notify_training_client(object(), "c", "x")  # a plain ServiceClient: nothing to notify, no error
+    assert notify_training_client(object(), "c", "x") == "c"  # a plain ServiceClient: nothing to notify
 
 
 def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):
@@ -119,7 +121,7 @@ def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):
     monkeypatch.setattr(identity, "get_info_raw", lambda *a, **k: identity.RawResponse(200, full, EMBEDDED_SERVER_MARKER))
     monkeypatch.setattr(identity, "get_capabilities_raw", lambda *a, **k: identity.RawResponse(200, CAPS, None))
     info = SimpleNamespace(model_id="m1", model_dump=lambda mode: {"model_id": "m1"})
-    rec = identity.TrainingClientRecorder(b, "http://127.0.0.1:9", {"X-API-Key": "tml-x"})
+    rec = identity.TrainingClientRecorder(b)
     out = rec(SimpleNamespace(get_info=lambda: info), "create_lora_training_client")
     assert out.served_model == STAND_IN and out.marker.sources == ("header", "capabilities", "model_data")
     saved = json.loads(b.file_path("client-identity-01-create_lora_training_client.json").read_bytes())

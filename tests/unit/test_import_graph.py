@@ -98,9 +98,9 @@ def test_module_graph_is_acyclic():
 
 def test_module_graph_with_function_level_imports_is_acyclic():
     graph = import_graph(functions=True)
-    # fixtures_stages imports pytest_plugin inside a fixture: only the function-level graph has that edge.
-    assert "dppo_harness.pytest_plugin" in graph["dppo_harness.fixtures_stages"]
-    assert "dppo_harness.pytest_plugin" not in import_graph()["dppo_harness.fixtures_stages"]
+    # fixtures_preflight imports identity inside a fixture: only the function-level graph has that edge.
+    assert "dppo_harness.restoration" in graph["dppo_harness.fixtures_preflight"]
+    assert "dppo_harness.restoration" not in import_graph()["dppo_harness.fixtures_preflight"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 

@@ -213,3 +213,56 @@ def test_plan_outside_the_project_fails_fast_as_a_new_user_runs_it(tmp_path):
     assert lines == [f"ERROR: --plan: {bad}: <root>: invalid JSON at line 1 column 43: Expecting value"], lines
     assert "unrecognized arguments" not in res.stderr
     assert elapsed < 10, f"{elapsed:.1f}s"
+
+
+def test_service_wait_options_reach_the_session_and_are_validated(project, monkeypatch):
+    """--capacity-patience-s, --capacity-patience-after-steps-s, --service-timeout-s,
+    --proxy-credentials, --sdk-telemetry: parsed, checked, and in harness_options."""
+    p = project()
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    (p.path / "tests/unit/test_opts.py").write_text(textwrap.dedent(
+        """
+        def test_opts(harness_options):
+            o = harness_options
+            assert (o.capacity_patience_s, o.capacity_patience_after_steps_s, o.service_timeout_s) == (3.0, 9.0, 2.5)
+            assert o.proxy_credentials == "runs" and o.sdk_telemetry is True
+        """))
+    res = p.runpytest("tests/unit/test_opts.py", "--capacity-patience-s=3", "--capacity-patience-after-steps-s=9",
+                      "--service-timeout-s=2.5", "--proxy-credentials=runs", "--sdk-telemetry")
+    res.assert_outcomes(passed=1)
+    (p.path / "tests/unit/test_opts.py").write_text(textwrap.dedent(
+        """
+        def test_opts(harness_options):
+            o = harness_options
+            assert (o.capacity_patience_s, o.capacity_patience_after_steps_s, o.service_timeout_s) == (None, None, None)
+            assert o.proxy_credentials == "modal" and o.sdk_telemetry is False
+        """))
+    p.runpytest("tests/unit/test_opts.py").assert_outcomes(passed=1)
+    res = p.runpytest("--service-timeout-s=0")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--service-timeout-s: expected a positive number of seconds*"])
+    assert p.runpytest("--proxy-credentials=shared").ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_a_service_stop_in_a_stage_fixture_is_one_line_for_every_test(project):
+    """A stop by the wait policy (a BaseException) inside a session fixture: each test that needs it
+    fails with the stop's one line, no traceback; later stages are skipped."""
+    p = project()
+    (p.path / "tests/preflight/conftest.py").write_text(textwrap.dedent(
+        """
+        import pytest
+        from dppo_harness.pytest_plugin import stops_stage
+        from dppo_harness.service_wait import ServiceHang
+
+        @pytest.fixture(scope="session")
+        @stops_stage
+        def stage_work():
+            raise ServiceHang("forward_backward", "dppo_seed0", 900.4, "active")
+        """))
+    (p.path / "tests/preflight/test_p.py").write_text(
+        "def test_a(stage_work):\n    pass\n\ndef test_b(stage_work):\n    pass\n")
+    res = p.runpytest("-m", "diagnostic", "-rsE")
+    res.assert_outcomes(passed=1, errors=2, skipped=1)
+    out = res.stdout.str()
+    assert out.count("forward_backward on dppo_seed0: no answer for 900 s") >= 2
+    assert "Traceback" not in out and "ServiceHang(" not in out

@@ -246,4 +246,6 @@ def test_observed_service_client_reports_training_clients_without_breaking_them(
     assert isinstance(sc, ObservedServiceClient)
     assert sc.create_lora_training_client(base_model="Qwen/Qwen3.5-2B").result() == "tc"  # observer error swallowed
     assert seen == [("tc", "create_lora_training_client")]
-    assert type(make_service_client("tinker", env=FAKE_ENV)) is tinker.ServiceClient
+    # without an observer too: every client the harness makes waits under the policy
+    plain = make_service_client("tinker", env=FAKE_ENV)
+    assert isinstance(plain, ObservedServiceClient) and plain.waiter is not None

@@ -115,6 +115,7 @@ class ResultModel(_Strict):
     outcome_reason: OutcomeReason | None = None
     capacity_block: CapacityBlock | None = None
     generation_audit: JsonBlock = None
+    service_wait: JsonBlock = None  # the harness's wait on the service: pauses, what it waits on, a stop
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ResultModel:

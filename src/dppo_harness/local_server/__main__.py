@@ -7,6 +7,10 @@ status, milliseconds). SIGTERM/SIGINT shut it down.
 `--profile spindle` behaves like the shared Spindle service: it reads TINKER_API_KEY,
 MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET from its own environment (exit code 2, naming
 the variable, if one is unset) and requires them as X-API-Key / Modal-Key / Modal-Secret.
+
+The fault options rehearse what a shared service does and the SDK knows (docs/service.md): capacity
+pauses as `paused_capacity` try_again polls (`--fault-queue-pause`), a request that never completes
+(`--fault-never-complete`), a 429 at sample submit for a while (`--fault-reject-for asample:429:S`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from dppo_harness.local_server.faults import (
     HeaderRecorder,
     parse_capacity_fail,
     parse_latency,
+    parse_never_complete,
     parse_omit_field,
+    parse_queue_pause,
     parse_reject_first,
+    parse_reject_for,
     parse_reject_prob,
 )
 from dppo_harness.local_server.profiles import PROFILES, MissingCredential, Profile, make_profile
@@ -63,12 +70,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --model-path (default: bfloat16 on CUDA, float32 on CPU)")
     h.add_argument("--served-name", default=None, help="with --model-path: name to serve it under "
                    "(default: the checkpoint's name)")
+    h.add_argument("--linear-attention", choices=("auto", "torch"), default="auto",
+                   help="with --model-path: Qwen3.5's linear-attention layers run the kernels transformers picked "
+                        "(auto) or its torch fallback (torch)")
+    h.add_argument("--decode-mode", choices=("auto", "dynamic", "static", "graph"), default="auto",
+                   help="sampler decode step: auto = the CUDA graph of the whole step on CUDA, eager on CPU")
     f = p.add_argument_group("fault injection (seeded and counted; see GET /_harness/stats)")
     f.add_argument("--fault-seed", type=int, default=0)
     f.add_argument("--fault-reject-first", action="append", default=[], metavar="KIND:STATUS:N",
                    help="answer the first N requests of KIND ('*' = any) with HTTP STATUS (429|503)")
     f.add_argument("--fault-reject-prob", action="append", default=[], metavar="KIND:STATUS:P",
                    help="answer each request of KIND with HTTP STATUS with probability P")
+    f.add_argument("--fault-reject-for", action="append", default=[], metavar="KIND:STATUS:SECONDS",
+                   help="answer every request of KIND with HTTP STATUS for SECONDS from the first one (asample:429:S "
+                        "is a sample submit the SDK retries without limit)")
+    f.add_argument("--fault-queue-pause", action="append", default=[], metavar="KIND:N:SECONDS[:STATE]",
+                   help="hold the N-th request of KIND (create_model, forward_backward, optim_step, save_weights, "
+                        "asample, ...) for SECONDS ('forever': never) before it runs; its polls answer 408 try_again "
+                        "with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a reason")
+    f.add_argument("--fault-never-complete", action="append", default=[], metavar="KIND:N",
+                   help="accept the N-th request of KIND and never complete it (its polls say queue_state active)")
     f.add_argument("--fault-capacity-exhausted", type=int, default=0, metavar="N",
                    help="fail the first N create_model requests with 'trainer capacity exhausted'")
     f.add_argument("--fault-capacity-mode", choices=("future", "http"), default="future",
@@ -100,6 +121,9 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         capacity_mode=args.fault_capacity_mode,
         capacity_fail=tuple(parse_capacity_fail(s) for s in args.fault_capacity_fail),
         latency_ms=tuple(parse_latency(s) for s in args.fault_latency_ms),
+        queue_pause=tuple(parse_queue_pause(s) for s in args.fault_queue_pause),
+        never_complete=tuple(parse_never_complete(s) for s in args.fault_never_complete),
+        reject_for=tuple(parse_reject_for(s) for s in args.fault_reject_for),
         die_after=args.fault_die_after,
         retry_after_ms=args.fault_retry_after_ms,
         omit_fields=tuple(parse_omit_field(s) for s in args.fault_omit_field),
@@ -123,8 +147,8 @@ def loopback_host(host: str) -> str:
 def check_model_path_args(args: argparse.Namespace) -> None:
     """--model-path problems exit with one line before anything heavy is imported or loaded."""
     if not args.model_path:
-        if args.served_name or args.dtype:
-            raise SystemExit("--served-name and --dtype need --model-path")
+        if args.served_name or args.dtype or args.linear_attention != "auto":
+            raise SystemExit("--served-name, --dtype and --linear-attention need --model-path")
         return
     if args.model:
         raise SystemExit("--model (a tiny preset) and --model-path are exclusive")
@@ -144,12 +168,12 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     from dppo_harness.local_server.engine import Engine
 
     t0 = time.perf_counter()
-    engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed}
+    engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed, "decode_mode": args.decode_mode}
     if args.model:
         engine_kwargs["model_name"] = args.model
     if args.model_path:
         engine_kwargs.update(model_path=args.model_path, device=args.device, dtype=args.dtype,
-                             served_name=args.served_name)
+                             served_name=args.served_name, linear_attention=args.linear_attention)
     from dppo_harness.local_server.hf_model import CheckpointError
 
     try:
@@ -179,6 +203,10 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     logging.getLogger("dppo_harness.local_server").info(
         "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
         getattr(engine, "model_name", "?"), time.perf_counter() - t0, base_info.get("cache_hit"), profile.name, run_dir)
+    if getattr(engine, "kernels", None):
+        from dppo_harness.local_server.hf_model import kernel_summary
+
+        logging.getLogger("dppo_harness.local_server").info("kernels: %s", kernel_summary(engine.kernels))
     print(f"listening on http://{host}:{port}", flush=True)
 
     stop = asyncio.Event()

@@ -56,6 +56,8 @@ request_log = logging.getLogger("dppo_harness.local_server.requests")
 
 API = "/api/v1"
 LONG_POLL_S = 20.0  # the SDK's retrieve_future timeout is 45 s
+PAUSED_POLL_S = 1.0  # a paused request's polls are held this long (the SDK re-polls a 408 at once)
+MAX_TELEMETRY_BODIES = 1000
 SEQ_GAP_TIMEOUT_S = 900.0  # a missing earlier seq_id fails the waiting request after this
 MAX_KEPT_RESULTS = 20000
 FAULT_EXIT_CODE = 75
@@ -368,7 +370,11 @@ class ServerState:
         self.engine_seconds: dict[str, float] = {}
         self.inflight = 0
         self.telemetry_events = 0
+        # Telemetry request bodies as received, in memory only (never in stats, logs or files): tests
+        # scan them for credential values (the SDK's fatal-error events carry request headers).
+        self.telemetry_bodies: list[bytes] = []
         self.tasks: set[asyncio.Task] = set()
+        self.holds: dict[asyncio.Future, Any] = {}  # queued requests a fault holds (faults.Hold)
 
     # -- futures
     def new_future(self) -> tuple[str, asyncio.Future]:
@@ -433,7 +439,10 @@ class ServerState:
             "checkpoints": len(self.checkpoints),
             "inflight": self.inflight,
             "telemetry_events": self.telemetry_events,
+            "telemetry_posts": len(self.telemetry_bodies),
+            "held_requests": len(self.holds),
             "engine_seconds": dict(self.engine_seconds),
+            "kernels": getattr(self.engine, "kernels", None),  # implementation per layer type
         }
 
     def shutdown(self) -> None:
@@ -483,6 +492,13 @@ def _spawn(state: ServerState, fut: asyncio.Future, label: str, coro_fn: Callabl
 
     async def runner() -> None:
         try:
+            hold = state.faults.take_hold(label)
+            if hold is not None:  # a queue pause or a request that never completes (fault injection)
+                state.holds[fut] = hold
+                if hold.until is None:
+                    await asyncio.Event().wait()
+                await asyncio.sleep(hold.remaining(time.monotonic()))
+                state.holds.pop(fut, None)
             outcome = await coro_fn()
         except Exception as exc:
             outcome = _outcome_of_exception(exc, label)
@@ -760,8 +776,12 @@ async def _session_heartbeat(request: web.Request) -> web.Response:
 
 
 async def _telemetry(request: web.Request) -> web.Response:
-    req = await _parse(request, types.TelemetrySendRequest)
-    _state(request).telemetry_events += len(req.events)
+    raw = await request.read()
+    req = parse_request(types.TelemetrySendRequest, raw)
+    state = _state(request)
+    state.telemetry_events += len(req.events)
+    if len(state.telemetry_bodies) < MAX_TELEMETRY_BODIES:
+        state.telemetry_bodies.append(raw)
     return web.json_response(dump(types.TelemetryResponse(status="accepted")))
 
 
@@ -1086,11 +1106,15 @@ async def _retrieve_future(request: web.Request) -> web.Response:
     if fut is None:
         return _error_json(f"unknown request_id {request_id!r}", 404)
     if not fut.done():
+        hold = state.holds.get(fut)
+        paused = hold is not None and hold.queue_state != "active"
         try:
-            await asyncio.wait_for(asyncio.shield(fut), LONG_POLL_S)
+            await asyncio.wait_for(asyncio.shield(fut), PAUSED_POLL_S if paused else LONG_POLL_S)
         except TimeoutError:
-            pending = TryAgainResponse(request_id=request_id, queue_state="active")
-            return web.json_response(dump(pending), status=408)
+            pending = TryAgainResponse(request_id=request_id, queue_state=hold.queue_state if paused else "active")
+            # queue_state_reason: sent by the service, read by the SDK, not in its TryAgainResponse type
+            extra = {"queue_state_reason": hold.reason} if paused and hold.reason else {}
+            return web.json_response(dump(pending) | extra, status=408)
     outcome: _Outcome = fut.result()
     if outcome.kind == "proto":
         return web.Response(body=outcome.payload, content_type="application/x-protobuf")

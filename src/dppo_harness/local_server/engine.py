@@ -9,8 +9,9 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
         __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
                  cache_dir=None, batch_window_s=0.05, num_threads=2,
                  model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
-                 decode_mode="auto")
+                 decode_mode="auto", linear_attention="auto")
         served_models: list[str]; served_model_name: str; model_name: str
+        kernels: dict  # hf_model.kernel_report: implementation per layer type (fast kernels / torch fallback)
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
                      train_unembed=True) -> str
         get_info(model_id) -> dict  # model_name (served), model_id, is_lora, lora_rank,
@@ -39,8 +40,9 @@ exactly the sampling distribution.
 
 Two base-model backends: the tiny presets (restricted vocabulary, CPU, offline/CI default) and
 `model_path=DIR`, a local Hugging Face Qwen3 / Qwen3.5 checkpoint with its full vocabulary on
-CUDA or CPU (`hf_model.py`; chunked target logprobs, `logprobs.py`; batched Gumbel-max
-sampling, `sampling.py`).
+CUDA or CPU (`hf_model.py`; chunked target logprobs, `logprobs.py`). Both sample through the one
+batched decode loop of `sampling.py` (`DecodeSpec`: Gumbel-max for checkpoints, the presets'
+multinomial draw for the presets).
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache
 
 from dppo_harness.constants import BASE_MODEL
 from dppo_harness.local_server import hf_model as HF
@@ -108,6 +109,13 @@ PRESETS = {
         False,
     ),
 }
+
+
+def preset_decode_spec(in_vocab: int) -> S.DecodeSpec:
+    """The presets' draw and batching (multinomial, each prompt prefilled alone, compaction as soon
+    as a row finishes): what they always computed, pinned bitwise by
+    tests/integration/test_preset_fingerprint.py."""
+    return S.DecodeSpec(vocab_size=in_vocab, draw="multinomial", prefill="each", compact_fraction=0.0)
 
 
 @dataclass
@@ -166,6 +174,7 @@ class Engine:
         served_name: str | None = None,
         token_budget: int | None = None,
         decode_mode: str = "auto",
+        linear_attention: str = "auto",
     ):
         if model_path is None and model_name not in PRESETS:
             raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
@@ -181,10 +190,14 @@ class Engine:
         self.chunk_tokens = DEFAULT_CHUNK_TOKENS
         if decode_mode not in S.MODES:
             raise UserError(f"decode_mode must be one of {S.MODES}, got {decode_mode!r}")
-        self.decode_mode = decode_mode  # --model-path sampler (sampling.py); the presets ignore it
+        self.decode_mode = decode_mode  # sampling.generate's mode; "auto" = CUDA graph on CUDA, eager on CPU
         self.last_sample_stats: dict = {}
+        if linear_attention not in ("auto", "torch"):
+            raise UserError(f"linear_attention must be 'auto' or 'torch', got {linear_attention!r}")
         if model_path is not None:
             self._init_checkpoint(model_path, device, dtype, served_name, sampler_dtype)
+            if linear_attention == "torch":  # transformers' torch fallback whatever kernels it found
+                HF.use_torch_linear_attention(self.base_model)
         else:
             self.model_name = model_name
             self.preset = PRESETS[model_name]
@@ -196,6 +209,8 @@ class Engine:
             self.config = self.preset.config
             self.base_model = self._load_base(cache_dir)
             self.base_sha256 = M.state_sha256(self.base_model.state_dict())
+            self.decode_spec = preset_decode_spec(self.vocab.size)
+        self.kernels = HF.kernel_report(self.base_model)  # which implementation each layer type runs
         default_budget = CUDA_TOKEN_BUDGET if self.device.type == "cuda" else TOKEN_BUDGET
         self.token_budget = int(token_budget or default_budget)
         self._sampler_cache_size = 4 if self.checkpoint is None else 2
@@ -225,6 +240,7 @@ class Engine:
         # Sampler precision defaults to the checkpoint's dtype (bf16 on CUDA).
         self.sampler_dtype = getattr(torch, sampler_dtype) if sampler_dtype else ck.dtype
         self.vocab = HF.FullVocab(ck.vocab_size)
+        self.decode_spec = S.DecodeSpec(vocab_size=ck.vocab_size)
         self.tokenizer = self._checkpoint_tokenizer(ck)
         self.config = HF.ContextConfig(ck.max_position_embeddings)
         self.base_model = ck.net
@@ -712,12 +728,7 @@ class Engine:
                 jobs = [j for j in self._queue if j.key == key]
                 self._queue = [j for j in self._queue if j.key != key]
             try:
-                net = self._sampler_net(key)
-                with torch.no_grad():
-                    if self.checkpoint is not None:
-                        results = self._generate_hf(net, jobs)
-                    else:
-                        results = _generate(net, self.vocab, self.tokenizer, jobs)
+                results = self._decode_batch(self._sampler_net(key), jobs)
                 for j, r in zip(jobs, results):
                     j.future.set_result(r)
             except Exception as e:
@@ -725,15 +736,32 @@ class Engine:
                     if not j.future.done():
                         j.future.set_exception(e)
 
-    def _generate_hf(self, net: torch.nn.Module, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
-        fields = [f.name for f in dataclasses.fields(S.DecodeRequest)]
-        reqs = [S.DecodeRequest(**{**{f: getattr(j, f) for f in fields},
-                                   "stop_ids": [s for s in j.stop_ids if 0 <= s < self.vocab.size]})
-                for j in jobs]
+    def _decode_batch(self, net: torch.nn.Module, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
+        """Every sample of `jobs` (one sampler) decoded together by the one decode loop
+        (`sampling.generate`); the presets map their restricted vocabulary in and out here."""
+        if self.checkpoint is not None:
+            reqs = [self._request(j, j.prompt, [s for s in j.stop_ids if 0 <= s < self.vocab.size]) for j in jobs]
+            decode_text, to_real = self._decode_text, list
+        else:
+            V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
+            reqs = [self._request(j, self.vocab.to_local(j.prompt).tolist(),
+                                  [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else [])
+                    for j in jobs]
+            decode_text, to_real = self._preset_text, self.vocab.to_real
         stats: dict = {}
-        out = S.generate(net, reqs, self._decode_text, mode=self.decode_mode, stats=stats)
+        with torch.no_grad():
+            out = S.generate(net, reqs, decode_text, self.decode_spec, mode=self.decode_mode, stats=stats)
         self.last_sample_stats = stats
-        return [[SampledSeq(d.tokens, d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs] for seqs in out]
+        return [[SampledSeq(to_real(d.tokens), d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs]
+                for seqs in out]
+
+    @staticmethod
+    def _request(job: _SampleJob, prompt: list[int], stop_ids: list[int]) -> S.DecodeRequest:
+        fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(S.DecodeRequest)}
+        return S.DecodeRequest(**{**fields, "prompt": prompt, "stop_ids": stop_ids})
+
+    def _preset_text(self, local_ids: list[int]) -> str:
+        return self.tokenizer.decode(self.vocab.to_real(local_ids))
 
     def close(self) -> None:
         with self._queue_cv:
@@ -748,125 +776,3 @@ class _SampleJob(S.DecodeRequest):
 
     key: str = ""
     future: Future = field(default_factory=Future)
-
-
-# The preset path shares the buffer KV layer and the top_k / top_p filter with sampling.py.
-_BufferLayer = S.BufferLayer
-_filter_logits = S.filter_logits
-
-
-def _buffer_cache(layers: list[S.BufferLayer]) -> Cache:
-    return Cache(layers=layers)
-
-
-def _generate(net: torch.nn.Module, vocab: Vocab, tokenizer, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
-    """Batched KV-cache decoding of every sample of every job; rows drop out as they finish."""
-    V = vocab.size
-    dtype = next(net.parameters()).dtype
-    # 1) prefill each distinct prompt once (batch 1, no padding), keep its KV and last logits.
-    pre = []
-    for j in jobs:
-        ids = vocab.to_local(j.prompt).unsqueeze(0)
-        out = net(input_ids=ids, use_cache=True)
-        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        plp = None
-        if j.want_prompt_lp:
-            lp = M.token_logprobs(out.logits[:, :-1].float(), vocab.to_local(j.prompt[1:]).unsqueeze(0), V)[0]
-            plp = [None] + [float(x) for x in lp]
-        pre.append((kv, out.logits[0, -1, :V].float(), plp))
-    # 2) rows: sample r of job j; left-pad each prompt's KV to the longest prompt.
-    row_job = [ji for ji, j in enumerate(jobs) for _ in range(j.n)]
-    R = len(row_job)
-    Lp = max(len(j.prompt) for j in jobs)
-    cap = Lp + max(j.max_tokens for j in jobs)
-    n_layers = len(pre[0][0])
-    H, D = pre[0][0][0][0].shape[1], pre[0][0][0][0].shape[3]
-    layers = []
-    for li in range(n_layers):
-        kb = torch.zeros((R, H, cap, D), dtype=dtype)
-        vb = torch.zeros((R, H, cap, D), dtype=dtype)
-        r = 0
-        for ji, j in enumerate(jobs):
-            k, v = pre[ji][0][li]
-            L = len(j.prompt)
-            kb[r : r + j.n, :, Lp - L : Lp] = k
-            vb[r : r + j.n, :, Lp - L : Lp] = v
-            r += j.n
-        layers.append(_BufferLayer(kb, vb, Lp))
-    cache = _buffer_cache(layers)
-    attn = torch.zeros((R, cap), dtype=torch.int64)
-    for r, ji in enumerate(row_job):
-        attn[r, Lp - len(jobs[ji].prompt) : Lp] = 1
-    pos = torch.tensor([len(jobs[ji].prompt) for ji in row_job], dtype=torch.int64)
-    gens = [torch.Generator().manual_seed(j.seed) for j in jobs]
-    stop_local = [{int(x) for x in vocab.to_local(j.stop_ids).tolist() if int(x) < V} if j.stop_ids else set()
-                  for j in jobs]
-    toks: list[list[int]] = [[] for _ in range(R)]
-    lps: list[list[float]] = [[] for _ in range(R)]
-    reason: list[str | None] = [None] * R
-    active = torch.arange(R)  # original row ids of the batch rows
-    logits_RV = torch.stack([pre[ji][1] for ji in row_job])
-    step = 0
-    while True:
-        logp_RV = torch.log_softmax(logits_RV, dim=-1)
-        nxt = torch.empty(len(active), dtype=torch.int64)
-        a_list = active.tolist()
-        # group batch rows by job (rows of one job are contiguous and in order)
-        b = 0
-        while b < len(a_list):
-            ji = row_job[a_list[b]]
-            e = b
-            while e < len(a_list) and row_job[a_list[e]] == ji:
-                e += 1
-            j = jobs[ji]
-            if j.temperature == 0.0:
-                nxt[b:e] = logits_RV[b:e].argmax(dim=-1)
-            else:
-                x = _filter_logits(logits_RV[b:e], j.temperature, j.top_k, j.top_p)
-                nxt[b:e] = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gens[ji]).squeeze(-1)
-            b = e
-        chosen_lp = logp_RV.gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
-        keep = []
-        for b, (r, t, lp) in enumerate(zip(a_list, nxt.tolist(), chosen_lp)):
-            j = jobs[row_job[r]]
-            toks[r].append(t)
-            lps[r].append(lp)
-            if t in stop_local[row_job[r]] or (j.stop_strings and _hits_stop_string(tokenizer, vocab, toks[r], j.stop_strings)):
-                reason[r] = "stop"
-            elif len(toks[r]) >= j.max_tokens:
-                reason[r] = "length"
-            else:
-                keep.append(b)
-        step += 1
-        if not keep:
-            break
-        if len(keep) < len(a_list):
-            kidx = torch.tensor(keep, dtype=torch.int64)
-            for layer in layers:
-                layer.select(kidx)
-            attn = attn[kidx]
-            pos = pos[kidx]
-            nxt = nxt[kidx]
-            active = active[kidx]
-        cur = Lp + step
-        attn[:, cur - 1] = 1
-        out = net(input_ids=nxt.unsqueeze(-1), attention_mask=attn[:, :cur], position_ids=pos.unsqueeze(-1),
-                  past_key_values=cache, use_cache=True)
-        pos = pos + 1
-        logits_RV = out.logits[:, -1, :V].float()
-    results: list[list[SampledSeq]] = []
-    r = 0
-    for ji, j in enumerate(jobs):
-        seqs = []
-        for _ in range(j.n):
-            seqs.append(SampledSeq(vocab.to_real(toks[r]), lps[r], reason[r] or "length", pre[ji][2]))
-            r += 1
-        results.append(seqs)
-    return results
-
-
-def _hits_stop_string(tokenizer, vocab: Vocab, local_toks: list[int], stop_strings: list[str]) -> bool:
-    # The newest token can complete a stop string spanning at most a few earlier tokens.
-    longest = max(len(s) for s in stop_strings)
-    tail = tokenizer.decode(vocab.to_real(local_toks[-(longest + 1):]))
-    return any(s in tail for s in stop_strings)

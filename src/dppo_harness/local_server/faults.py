@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 CAPACITY_EXHAUSTED_TEXT = "trainer capacity exhausted"
-REJECT_STATUSES = (429, 503)
+REJECT_STATUSES = (401, 429, 503)  # 401: a credential the service stops accepting mid-run
+PAUSE_STATES = ("paused_capacity", "paused_rate_limit")
+FOREVER = ("forever", "inf")
 ANY_KIND = "*"
 # Values of these headers are never recorded, whatever the whitelist says.
 SECRET_HEADERS = frozenset(
@@ -81,6 +84,47 @@ class OmitField:
 
 
 @dataclass(frozen=True)
+class QueuePause:
+    """The `number`-th request of `kind` (1-based, counted when its work is queued) waits `seconds`
+    (None: forever) before it runs; meanwhile its polls are answered with 408 try_again carrying
+    `queue_state` and a queue_state_reason, as a shared service pauses work it has no capacity for."""
+
+    kind: str
+    number: int
+    seconds: float | None
+    queue_state: str = "paused_capacity"
+
+
+@dataclass(frozen=True)
+class NeverComplete:
+    """The `number`-th request of `kind` is accepted and never completes (its queue stays active)."""
+
+    kind: str
+    number: int
+
+
+@dataclass(frozen=True)
+class RejectFor:
+    """Every request of `kind` is answered with HTTP `status` for `seconds` from the first one."""
+
+    kind: str
+    status: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What keeps one queued request from running (see QueuePause, NeverComplete)."""
+
+    queue_state: str  # what its polls report: paused_capacity, paused_rate_limit, or active (a hang)
+    reason: str | None
+    until: float | None  # time.monotonic() when it may run; None: never
+
+    def remaining(self, now: float) -> float | None:
+        return None if self.until is None else max(0.0, self.until - now)
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     seed: int = 0
     reject_first: tuple[RejectFirst, ...] = ()
@@ -89,6 +133,9 @@ class FaultConfig:
     capacity_mode: str = "future"  # "future": failed future (RequestFailedError); "http": HTTP 503
     capacity_fail: tuple[CapacityFail, ...] = ()  # ordered training calls whose future fails with capacity
     latency_ms: tuple[tuple[str, float], ...] = ()  # (kind, ms) added before handling
+    queue_pause: tuple[QueuePause, ...] = ()  # k-th request of a kind paused (try_again polls)
+    never_complete: tuple[NeverComplete, ...] = ()  # k-th request of a kind never answers
+    reject_for: tuple[RejectFor, ...] = ()  # every request of a kind refused for a while
     die_after: int | None = None  # exit the process when API request K+1 arrives
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
     omit_fields: tuple[OmitField, ...] = ()  # optional response fields left out
@@ -108,7 +155,8 @@ class FaultConfig:
     @property
     def active(self) -> bool:
         return bool(self.reject_first or self.reject_prob or self.capacity_exhausted or self.capacity_fail
-                    or self.latency_ms or self.die_after is not None or self.omit_fields)
+                    or self.latency_ms or self.die_after is not None or self.queue_pause or self.never_complete
+                    or self.reject_for or self.omit_fields)
 
 
 def _split(spec: str, option: str, parts: int) -> list[str]:
@@ -200,6 +248,52 @@ def drop_path(obj: Any, path: str) -> int:
     return drop_path(obj[head], rest)
 
 
+def _number(value: str, option: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise FaultSpecError(f"{option}: N must be an integer, got {value!r}") from None
+    if n < 1:
+        raise FaultSpecError(f"{option}: N counts requests from 1, got {n}")
+    return n
+
+
+def _seconds(value: str, option: str, *, forever: bool) -> float | None:
+    if forever and value.lower() in FOREVER:
+        return None
+    try:
+        secs = float(value)
+    except ValueError:
+        raise FaultSpecError(f"{option}: SECONDS must be a number{' or forever' if forever else ''}, got {value!r}") from None
+    if not secs >= 0 or secs == float("inf"):
+        raise FaultSpecError(f"{option}: SECONDS must be >= 0, got {value!r}")
+    return secs
+
+
+def parse_queue_pause(spec: str) -> QueuePause:
+    """`KIND:N:SECONDS[:STATE]`, e.g. `optim_step:1:30` or `create_model:1:forever:paused_rate_limit`."""
+    option = "--fault-queue-pause"
+    fields = spec.split(":")
+    if len(fields) not in (3, 4) or not all(fields):
+        raise FaultSpecError(f"{option}: expected KIND:N:SECONDS[:STATE], got {spec!r}")
+    state = fields[3] if len(fields) == 4 else "paused_capacity"
+    if state not in PAUSE_STATES:
+        raise FaultSpecError(f"{option}: STATE must be one of {PAUSE_STATES}, got {state!r}")
+    return QueuePause(fields[0], _number(fields[1], option), _seconds(fields[2], option, forever=True), state)
+
+
+def parse_never_complete(spec: str) -> NeverComplete:
+    """`KIND:N`, e.g. `save_weights:1`: the first save never completes."""
+    kind, n = _split(spec, "--fault-never-complete", 2)
+    return NeverComplete(kind, _number(n, "--fault-never-complete"))
+
+
+def parse_reject_for(spec: str) -> RejectFor:
+    """`KIND:STATUS:SECONDS`, e.g. `asample:429:20`: every sample submit refused for 20 s."""
+    kind, status, secs = _split(spec, "--fault-reject-for", 3)
+    return RejectFor(kind, _status(status, "--fault-reject-for"), _seconds(secs, "--fault-reject-for", forever=False))
+
+
 def parse_latency(spec: str) -> tuple[str, float]:
     """`KIND:MS`, e.g. `asample:200`."""
     kind, ms = _split(spec, "--fault-latency-ms", 2)
@@ -237,6 +331,8 @@ class FaultInjector:
         self._capacity_left = self.config.capacity_exhausted
         self.executed: Counter[str] = Counter()  # kind -> ordered calls that reached execution
         self.answered: Counter[str] = Counter()  # kind -> responses built (for --fault-omit-field numbers)
+        self.queued: Counter[str] = Counter()  # kind -> requests whose work was queued
+        self._reject_since: dict[str, float] = {}  # reject_for kind -> when its first request came
 
     def decide(self, kind: str, counts_toward_death: bool = True) -> Decision:
         cfg = self.config
@@ -255,6 +351,13 @@ class FaultInjector:
                 if rule.kind in (kind, ANY_KIND) and seen <= rule.count:
                     self.injected[f"{kind}:{rule.status}"] += 1
                     return Decision(rule.status, f"injected {rule.status} (first {rule.count} {rule.kind})", latency)
+            for rule in cfg.reject_for:
+                if rule.kind in (kind, ANY_KIND):
+                    start = self._reject_since.setdefault(rule.kind, time.monotonic())
+                    if time.monotonic() - start < rule.seconds:
+                        self.injected[f"{kind}:{rule.status}"] += 1
+                        return Decision(rule.status, f"injected {rule.status}: {kind} refused for {rule.seconds:g} s "
+                                                     "from the first request", latency)
             for rule in cfg.reject_prob:
                 if rule.kind in (kind, ANY_KIND) and self._rng.random() < rule.prob:
                     self.injected[f"{kind}:{rule.status}"] += 1
@@ -303,10 +406,29 @@ class FaultInjector:
             drop_path(payload, path)
         return payload
 
+    def take_hold(self, kind: str) -> Hold | None:
+        """For a request whose work is about to be queued: what holds it, if a rule names it."""
+        with self._lock:
+            self.queued[kind] += 1
+            n = self.queued[kind]
+            for rule in self.config.never_complete:
+                if rule.kind in (kind, ANY_KIND) and rule.number == n:
+                    self.injected[f"{kind}:never_complete"] += 1
+                    return Hold("active", None, None)
+            for rule in self.config.queue_pause:
+                if rule.kind in (kind, ANY_KIND) and rule.number == n:
+                    self.injected[f"{kind}:queue_pause"] += 1
+                    how_long = "until further notice" if rule.seconds is None else f"for {rule.seconds:g} s"
+                    reason = f"embedded server fault: no capacity for {kind} request {n}; paused {how_long}"
+                    until = None if rule.seconds is None else time.monotonic() + rule.seconds
+                    return Hold(rule.queue_state, reason, until)
+            return None
+
     def snapshot(self) -> dict:
         with self._lock:
             return {
                 "seed": self.config.seed,
+                "queued": dict(self.queued),
                 "executed": dict(self.executed),
                 "requests": dict(self.requests),
                 "injected": dict(self.injected),

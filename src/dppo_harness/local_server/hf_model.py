@@ -9,6 +9,7 @@ A missing or incomplete DIR raises `CheckpointError` with a one-line message.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -25,8 +26,12 @@ SINGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # KV / linear-attention caches).
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
-# LoRA target modules by Tinker's train_attn / train_mlp / train_unembed switches. The attention
-# group includes Qwen3.5's linear-attention (Gated DeltaNet) projections.
+# LoRA target modules by Tinker's train_attn / train_mlp / train_unembed switches (only nn.Linear
+# modules are adapted). train_attn: full-attention layers' q/k/v/o projections (Qwen3.5's q_proj
+# also carries the output gate) and the linear-attention (Gated DeltaNet) layers' in_proj_qkv,
+# in_proj_z (output gate), in_proj_b (beta), in_proj_a (decay input) and out_proj; the DeltaNet's
+# depthwise conv1d, A_log, dt_bias and gated RMSNorm are not linear layers and stay frozen.
+# train_mlp: gate/up/down in every layer; train_unembed: lm_head.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                 "out_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -206,11 +211,109 @@ def save_random_checkpoint(out_dir: Path | str, config: transformers.PretrainedC
     CI fixture and GPU benchmark input."""
     out = Path(out_dir)
     torch.manual_seed(int(seed))
+    # A config with a vision tower (Qwen3.5's hub layout, Qwen3_5ForConditionalGeneration) is
+    # saved as that whole model; the loader serves its text model.
+    auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else transformers.AutoModelForCausalLM
     with torch.device(device):
-        net = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        net = auto.from_config(config, dtype=dtype)
     net.save_pretrained(out)
     del net
     return out
+
+
+FAST_MODULE_PREFIXES = ("fla.", "causal_conv1d")
+
+
+def _impl_name(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def kernel_report(net: torch.nn.Module) -> dict:
+    """Which implementation each layer type of `net` runs, read from the loaded modules (what they
+    will call), with the reasons transformers did not pick the fast linear-attention kernels.
+    Qwen3.5's Gated DeltaNet layers take fla (flash-linear-attention kernels: chunked and
+    recurrent delta rule, fused gated norm) and causal-conv1d only when transformers finds them
+    at import *and* torch has CUDA; each missing piece falls back to its torch implementation."""
+    from transformers.utils import import_utils
+
+    full = [m for m in net.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
+    cfg = text_config(net.config)
+    out: dict = {"full_attention": {"layers": len(full), "implementation": str(cfg._attn_implementation)}}
+    linear = [m for m in net.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    if not linear:
+        out["linear_attention"] = None
+        return out
+    m = linear[0]
+    parts = {
+        "conv1d_prefill": m.causal_conv1d_fn if m.causal_conv1d_fn is not None else m.conv1d,
+        "conv1d_decode": m.causal_conv1d_update,
+        "delta_rule_chunked": m.chunk_gated_delta_rule,  # prefill and training
+        "delta_rule_recurrent": m.recurrent_gated_delta_rule,  # decode steps
+        "gated_norm": m.norm,
+    }
+    impls = {k: (_impl_name(v) if callable(v) and not isinstance(v, torch.nn.Module) else _impl_name(type(v)))
+             for k, v in parts.items()}
+    fast = {k: v.startswith(FAST_MODULE_PREFIXES) for k, v in impls.items()}
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append(f"torch {torch.__version__} sees no CUDA device (transformers uses fla and causal-conv1d "
+                       "only with CUDA)")
+    if importlib.util.find_spec("fla") is None:
+        reasons.append("fla is not installed (pip install '.[gpu]' brings fla-core)")
+    if importlib.util.find_spec("causal_conv1d") is None:
+        reasons.append("causal-conv1d is not installed (not in the gpu extra: its only release on the index is a "
+                       "source build that needs nvcc or a GitHub download)")
+    module = importlib.import_module(type(m).__module__)
+    out["linear_attention"] = {
+        "layers": len(linear),
+        "path": "fast kernels" if all(fast.values()) else "torch fallback" if not any(fast.values()) else "mixed",
+        "implementations": impls,
+        "fast": fast,
+        "transformers": {"is_fast_path_available": bool(getattr(module, "is_fast_path_available", False)),
+                         "is_flash_linear_attention_available": bool(import_utils.is_flash_linear_attention_available()),
+                         "is_causal_conv1d_available": bool(import_utils.is_causal_conv1d_available())},
+        "reasons": reasons,
+    }
+    return out
+
+
+def use_torch_linear_attention(net: torch.nn.Module) -> int:
+    """Point every Gated DeltaNet layer of `net` at transformers' torch implementations (conv1d,
+    chunked and recurrent delta rule, gated RMSNorm with the same weight), whatever kernels it
+    was loaded with: the "without fast kernels" arm of a comparison. Returns the layers changed."""
+    n = 0
+    for m in net.modules():
+        if not type(m).__name__.endswith("GatedDeltaNet"):
+            continue
+        mod = importlib.import_module(type(m).__module__)
+        m.causal_conv1d_fn = None
+        m.causal_conv1d_update = mod.torch_causal_conv1d_update
+        m.chunk_gated_delta_rule = mod.torch_chunk_gated_delta_rule
+        m.recurrent_gated_delta_rule = mod.torch_recurrent_gated_delta_rule
+        norm_cls = getattr(mod, type(m).__name__.replace("GatedDeltaNet", "RMSNormGated"))  # Qwen3_5RMSNormGated
+        if not isinstance(m.norm, norm_cls):
+            w = m.norm.weight
+            norm = norm_cls(w.shape[0], eps=m.layer_norm_epsilon).to(device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                norm.weight.copy_(w)
+            norm.weight.requires_grad_(w.requires_grad)
+            m.norm = norm
+        n += 1
+    return n
+
+
+def kernel_summary(report: dict) -> str:
+    """One log line of `kernel_report`."""
+    fa = report["full_attention"]
+    line = f"full_attention: {fa['layers']} layers, {fa['implementation']}"
+    la = report.get("linear_attention")
+    if la is None:
+        return line + "; no linear_attention layers"
+    slow = [k for k, f in la["fast"].items() if not f]
+    line += f"; linear_attention: {la['layers']} layers, {la['path']}"
+    if slow:
+        line += f" (torch: {', '.join(slow)}; {'; '.join(la['reasons']) or 'transformers did not pick the kernels'})"
+    return line
 
 
 class FullVocab:

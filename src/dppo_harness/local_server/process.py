@@ -24,13 +24,14 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dppo_harness.local_server.profiles import client_auth_headers
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
+PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
 LOG_NAME = "server.log"
 _live: weakref.WeakSet[LocalServerProcess] = weakref.WeakSet()
 
@@ -96,6 +97,8 @@ class LocalServerProcess:
         env: Mapping[str, str] | None = None,
         startup_timeout: float = 900.0,
         python: str = sys.executable,
+        progress: Callable[[str], None] | None = None,
+        heartbeat_s: float = 10.0,
     ) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="dppo-local-server-"))
         self.port = port
@@ -122,6 +125,11 @@ class LocalServerProcess:
         self.start_seconds: float | None = None
         self._stdout: queue.Queue[str | None] = queue.Queue()
         self._stdout_tail: collections.deque[str] = collections.deque(maxlen=50)
+        # While waiting for readiness: the server's progress lines (its log) go to `progress`, and
+        # a line at least every `heartbeat_s` says it is still starting.
+        self.progress = progress
+        self.heartbeat_s = heartbeat_s
+        self._log_offset = 0
 
     # -- lifecycle
     @property
@@ -137,6 +145,7 @@ class LocalServerProcess:
             raise RuntimeError("LocalServerProcess already started")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child, closed below
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
@@ -162,11 +171,39 @@ class LocalServerProcess:
             self._stdout.put(line)
         self._stdout.put(None)
 
+    def _forward_progress(self, t0: float, said_at: float) -> float:
+        """Send the log's new progress lines to `progress`; a heartbeat line when none came for
+        `heartbeat_s`. Returns when a line was last said."""
+        if self.progress is None:
+            return said_at
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                chunk = f.read()
+        except OSError:
+            chunk = b""
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self._log_offset += len(complete)
+        now = time.perf_counter()
+        for raw in complete.decode(errors="replace").splitlines():
+            m = PROGRESS_RE.search(raw)
+            if m:
+                self.progress(f"[local server] {m.group(1)}")
+                said_at = now
+        if now - said_at >= self.heartbeat_s:
+            self.progress(f"[local server] starting (pid {self.pid}): {now - t0:.0f}s, waiting for its ready line")
+            said_at = now
+        return said_at
+
     def _wait_ready(self, t0: float) -> str:
+        said_at = time.perf_counter()
+        if self.progress is not None:
+            self.progress(f"[local server] starting the embedded server (pid {self.pid}, log {self.log_path})")
         while True:
             left = self.startup_timeout - (time.perf_counter() - t0)
             if left <= 0:
                 raise LocalServerDied(self._describe(f"not ready after {self.startup_timeout:.0f}s"))
+            said_at = self._forward_progress(t0, said_at)
             try:
                 line = self._stdout.get(timeout=min(left, 1.0))
             except queue.Empty:
@@ -176,6 +213,9 @@ class LocalServerProcess:
                 raise LocalServerDied(self._describe("exited before printing its ready line"))
             match = READY_RE.match(line)
             if match:
+                self._forward_progress(t0, time.perf_counter())
+                if self.progress is not None:
+                    self.progress(f"[local server] ready at {match.group(1)} after {time.perf_counter() - t0:.0f}s")
                 return match.group(1)
 
     def _wait_healthy(self, t0: float) -> None:

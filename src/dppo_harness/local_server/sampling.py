@@ -1,27 +1,36 @@
-"""Batched KV-cache sampling for Hugging Face causal LMs (the `--model-path` backend).
+"""The one batched KV-cache decode loop of the embedded server, for every model it runs (the tiny
+presets and `--model-path` Hugging Face checkpoints).
 
-Every sample of every request in a batch goes through one decode loop:
-1. prefill the distinct prompts once, as one left-padded batch (attention mask + position ids);
-2. copy each prompt's cache to its samples' rows (`Cache.reorder_cache` with repeated indices);
-   pure-attention models (Qwen3) move their KV into preallocated buffers (`BufferLayer`), so a
-   step writes one position instead of concatenating the whole cache;
+Every sample of every request in a batch goes through `generate`:
+1. prefill the distinct prompts once (`DecodeSpec.prefill`): "batched" = one left-padded batch
+   (attention mask + position ids), then each prompt's cache is copied to its samples' rows
+   (`Cache.reorder_cache` with repeated indices); "each" = every prompt alone (batch 1, no
+   padding), its KV copied left-padded into the rows;
+2. attention layers move their KV into preallocated buffers (`BufferLayer`), so a step writes one
+   position instead of concatenating the whole cache; Qwen3.5's linear-attention layers keep
+   transformers' fixed-size conv and recurrent states (`LinearAttentionLayer`, updated in place);
 3. decode all rows together; the output head runs on the last position only; finished rows stay
-   in the batch until a quarter of it is finished, then the batch is compacted.
+   in the batch until `DecodeSpec.compact_fraction` of it has finished, then the batch is
+   compacted.
 
-Decode modes (`generate(..., mode=)`): "dynamic" runs the steps above eagerly. "static" (Qwen3,
-pure attention) gives every step the same shapes and no host values: attention covers the whole
-preallocated cache under a boolean mask, the new KV is written at a position held in a device
-tensor, finished rows stay in the batch. "graph" is "static" with the step captured once as a
-CUDA graph and replayed (the decode of a 2B model is bound by CPU dispatch otherwise, see
-gpu-anchor.md). "auto" = "graph" on CUDA for pure-attention models, else "dynamic"; a failed
-capture falls back to "static" and says so in the returned stats.
+Decode modes (`generate(..., mode=)`): "dynamic" runs the steps above eagerly. "static" gives
+every step the same shapes and no host values: attention covers the whole preallocated cache
+under a boolean mask, the new KV is written at a position held in a device tensor, the
+linear-attention states are updated in place, finished rows stay in the batch. "graph" is
+"static" with the step captured once as a CUDA graph and replayed (the decode of a 2B model is
+bound by CPU dispatch otherwise, see gpu-anchor.md). "auto" = "graph" on CUDA when the cache
+allows a static step (pure attention, or Qwen3.5's hybrid of full and linear attention; not
+sliding windows), else "dynamic"; a failed capture falls back to "static" and says so in the
+returned stats.
 
-Draws: temperature 0 is argmax; otherwise Gumbel-max, `argmax(logits / T - log E)` with
+Draws (`DecodeSpec.draw`): temperature 0 is argmax. "gumbel": `argmax(logits / T - log E)` with
 `E ~ Exp(1)` drawn from the request's own `torch.Generator` (seeded with the request seed, on
-the model's device). That is an exact draw from softmax(logits / T) (after top_k / top_p),
-costs one elementwise pass instead of softmax + multinomial over the vocabulary, and keeps the
-seed's meaning: the same request alone, or with the same concurrent batch, gives the same tokens.
-Per-token logprobs are the untempered log-softmax of the drawn token (the trainer's distribution).
+the model's device): an exact draw from softmax(logits / T) (after top_k / top_p) in one
+elementwise pass instead of softmax + multinomial over the vocabulary. "multinomial": softmax +
+`torch.multinomial` with the same generator (the presets' draw, kept so that their seeded outputs
+stay bitwise what they were). Either keeps the seed's meaning: the same request alone, or with
+the same concurrent batch, gives the same tokens. Per-token logprobs are the untempered
+log-softmax of the drawn token (the trainer's distribution).
 """
 
 from __future__ import annotations
@@ -32,13 +41,39 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, LinearAttentionLayer
 
 from dppo_harness.local_server.logprobs import chunked_target_logprobs
+from dppo_harness.local_server.model import token_logprobs
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of its rows has finished
 MODES = ("auto", "dynamic", "static", "graph")
+DRAWS = ("gumbel", "multinomial")
+PREFILLS = ("batched", "each")
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """What differs between the models the one loop decodes.
+
+    vocab_size: logits columns that can be drawn (the presets' restricted vocabulary drops its
+        input-only unk row; a full-vocabulary checkpoint: every row of the output head).
+    draw: "gumbel" or "multinomial" (module docstring).
+    prefill: "batched" or "each" (module docstring; "each" needs a pure-attention cache and
+        computes the whole prompt's logits, which the presets' small vocabulary affords).
+    compact_fraction: compact the batch once this fraction of its rows has finished (0: as soon
+        as one has).
+    """
+
+    vocab_size: int
+    draw: str = "gumbel"
+    prefill: str = "batched"
+    compact_fraction: float = COMPACT_FRACTION
+
+    def __post_init__(self) -> None:
+        if self.draw not in DRAWS or self.prefill not in PREFILLS or not 0.0 <= self.compact_fraction < 1.0:
+            raise ValueError(f"bad decode spec {self}")
 
 
 @dataclass
@@ -181,14 +216,18 @@ class StaticKVLayer(CacheLayerMixin):
 
 class StaticDecodeStep:
     """One decode step over fixed buffers: ids/positions/mask/column are copied into static
-    tensors, then the step runs eagerly or as a replayed CUDA graph (captured on first use)."""
+    tensors, then the step runs eagerly or as a replayed CUDA graph (captured on first use).
+    Attention layers (`BufferLayer`) become `StaticKVLayer`s over the same buffers; linear-attention
+    layers keep their transformers `LinearAttentionLayer`, whose conv and recurrent states the
+    model updates in place (`copy_`), so their addresses stay fixed for the graph."""
 
-    def __init__(self, net, layers: list[BufferLayer], attn_RC: torch.Tensor, use_graph: bool):
+    def __init__(self, net, cache: Cache, attn_RC: torch.Tensor, use_graph: bool):
         self.decoder, self.head = net.get_decoder(), net.get_output_embeddings()
         dev = attn_RC.device
         R = attn_RC.shape[0]
         self.write_col = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.cache = Cache(layers=[StaticKVLayer(lay.kbuf, lay.vbuf, self.write_col) for lay in layers])
+        self.cache = Cache(layers=[StaticKVLayer(lay.kbuf, lay.vbuf, self.write_col) if isinstance(lay, BufferLayer)
+                                   else lay for lay in cache.layers])
         self.mask_R11C = attn_RC.bool()[:, None, None, :].clone()
         self.ids_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
         self.pos_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
@@ -196,26 +235,36 @@ class StaticDecodeStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits_RV: torch.Tensor | None = None
 
+    def _states(self) -> list[torch.Tensor]:
+        """The linear-attention states a step advances (a KV write to the same column is idempotent)."""
+        return [t for lay in self.cache.layers if isinstance(lay, LinearAttentionLayer)
+                for t in (lay.conv_states, lay.recurrent_states) if t is not None]
+
     def _forward(self) -> torch.Tensor:
         cfg = self.decoder.config
         prev, cfg._attn_implementation = cfg._attn_implementation, register_gqa_decode_attention()
         try:
-            out = self.decoder(input_ids=self.ids_R1, attention_mask={"full_attention": self.mask_R11C},
-                               position_ids=self.pos_R1, past_key_values=self.cache, use_cache=True)
+            # A 4D mask is used as given (masking_utils); linear-attention layers take none once
+            # their cache has a previous state.
+            out = self.decoder(input_ids=self.ids_R1, attention_mask=self.mask_R11C, position_ids=self.pos_R1,
+                               past_key_values=self.cache, use_cache=True)
         finally:
             cfg._attn_implementation = prev
         return self.head(out.last_hidden_state[:, -1]).float()
 
     def _capture(self) -> None:
+        saved = [t.clone() for t in self._states()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (rewrites the same column: idempotent)
+        with torch.cuda.stream(side):  # warm-up: kernels picked / autotuned before capture
             for _ in range(2):
                 self._forward()
         torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(self._states(), saved):  # undo the warm-up's linear-attention steps
+            t.copy_(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # trainer threads may run meanwhile
-            self.logits_RV = self._forward()
+            self.logits_RV = self._forward()  # recorded, not run
         self.graph = graph
 
     def __call__(self, ids_R: torch.Tensor, pos_R: torch.Tensor, col: int) -> torch.Tensor:
@@ -253,19 +302,26 @@ def gumbel_max(x_RV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (x_RV.float() - e_RV.log()).argmax(dim=-1)
 
 
-def draw(logits_RV: torch.Tensor, req: DecodeRequest, generator: torch.Generator) -> torch.Tensor:
+def draw(logits_RV: torch.Tensor, req: DecodeRequest, generator: torch.Generator, kind: str = "gumbel") -> torch.Tensor:
     if req.temperature == 0.0:
         return logits_RV.argmax(dim=-1)
-    return gumbel_max(filter_logits(logits_RV, req.temperature, req.top_k, req.top_p), generator)
+    x_RV = filter_logits(logits_RV, req.temperature, req.top_k, req.top_p)
+    if kind == "multinomial":
+        return torch.multinomial(torch.softmax(x_RV, dim=-1), 1, generator=generator).squeeze(-1)
+    return gumbel_max(x_RV, generator)
 
 
 def _buffered(cache: Cache, cap: int) -> Cache:
-    """Pure-attention caches move into preallocated buffers of `cap` positions; others (e.g.
-    Qwen3.5's linear-attention layers) are used as they are."""
-    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+    """Attention layers move into preallocated buffers of `cap` positions; linear-attention layers
+    stay as they are (fixed-size states). Any other layer kind (sliding windows) leaves the whole
+    cache as it is."""
+    if not all(type(layer) in (DynamicLayer, LinearAttentionLayer) for layer in cache.layers):
         return cache
     layers = []
     for layer in cache.layers:
+        if type(layer) is LinearAttentionLayer:
+            layers.append(layer)
+            continue
         k, v = layer.keys, layer.values
         kb = k.new_zeros((k.shape[0], k.shape[1], cap, k.shape[3]))
         vb = v.new_zeros((v.shape[0], v.shape[1], cap, v.shape[3]))
@@ -277,14 +333,18 @@ def _buffered(cache: Cache, cap: int) -> Cache:
 
 @dataclass
 class _Prefill:
-    cache: Cache
-    last_logits_JV: torch.Tensor
-    mask_JL: torch.Tensor
+    cache_R: Cache  # one row per sample, attention layers buffered to the batch's capacity
+    last_logits_JV: torch.Tensor  # float32, drawable columns only
+    mask_JL: torch.Tensor  # left-padded prompts
     prompt_lps: list[list[float | None] | None]
 
 
-def _prefill(net, reqs: Sequence[DecodeRequest], device: torch.device) -> _Prefill:
+def _prefill_batched(net, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor,
+                     cap: int) -> _Prefill:
     decoder, head = net.get_decoder(), net.get_output_embeddings()
+    if spec.vocab_size != head.weight.shape[0]:
+        raise ValueError("batched prefill computes prompt logprobs over the whole output head")
+    device = head.weight.device
     J, Lp = len(reqs), max(len(r.prompt) for r in reqs)
     ids_JL = torch.zeros((J, Lp), dtype=torch.int64)
     mask_JL = torch.zeros((J, Lp), dtype=torch.int64)
@@ -305,44 +365,92 @@ def _prefill(net, reqs: Sequence[DecodeRequest], device: torch.device) -> _Prefi
         lp = chunked_target_logprobs(hidden_JLH[j, Lp - L : Lp - 1], tgt, head)
         prompt_lps.append([None] + lp.cpu().tolist())
     last = head(hidden_JLH[:, -1]).float()
-    return _Prefill(out.past_key_values, last, mask_JL, prompt_lps)
+    cache = out.past_key_values
+    cache.reorder_cache(rows_idx)  # each prompt's cache -> one row per sample
+    return _Prefill(_buffered(cache, cap), last, mask_JL, prompt_lps)
+
+
+def _prefill_each(net, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor,
+                  cap: int) -> _Prefill:
+    """Every prompt alone (batch 1, no padding); its KV is copied into its samples' rows of
+    zeroed buffers, right-aligned at the longest prompt's end."""
+    decoder, head = net.get_decoder(), net.get_output_embeddings()
+    device, V = head.weight.device, spec.vocab_size
+    J, Lp = len(reqs), max(len(r.prompt) for r in reqs)
+    kv, last, prompt_lps = [], [], []
+    for r in reqs:
+        ids_1L = torch.tensor([r.prompt], dtype=torch.int64, device=device)
+        out = decoder(input_ids=ids_1L, use_cache=True)
+        if not all(type(layer) is DynamicLayer for layer in out.past_key_values.layers):
+            raise ValueError("prefill 'each' needs a pure-attention cache")
+        logits_1LV = head(out.last_hidden_state)
+        if r.want_prompt_lp:
+            lp = token_logprobs(logits_1LV[:, :-1].float(), ids_1L[:, 1:], V)[0]
+            prompt_lps.append([None] + lp.tolist())
+        else:
+            prompt_lps.append(None)
+        last.append(logits_1LV[0, -1, :V].float())
+        kv.append([(layer.keys, layer.values) for layer in out.past_key_values.layers])
+    counts = torch.bincount(rows_idx.cpu(), minlength=J).tolist()
+    R = int(rows_idx.shape[0])
+    mask_JL = torch.zeros((J, Lp), dtype=torch.int64, device=device)
+    for j, r in enumerate(reqs):
+        mask_JL[j, Lp - len(r.prompt):] = 1
+    layers = []
+    for li in range(len(kv[0])):
+        k0 = kv[0][li][0]
+        kb = k0.new_zeros((R, k0.shape[1], cap, k0.shape[3]))
+        vb = k0.new_zeros((R, k0.shape[1], cap, k0.shape[3]))
+        row = 0
+        for j, r in enumerate(reqs):  # rows of one request are contiguous
+            k, v = kv[j][li]
+            kb[row : row + counts[j], :, Lp - len(r.prompt) : Lp] = k
+            vb[row : row + counts[j], :, Lp - len(r.prompt) : Lp] = v
+            row += counts[j]
+        layers.append(BufferLayer(kb, vb, Lp))
+    return _Prefill(Cache(layers=layers), torch.stack(last), mask_JL, prompt_lps)
+
+
+def static_capable(net, cache: Cache) -> bool:
+    """Whether a decode step over this cache can keep fixed shapes (`StaticDecodeStep`)."""
+    return all(type(lay) in (BufferLayer, LinearAttentionLayer) for lay in cache.layers) and not getattr(
+        net.get_decoder(), "has_sliding_layers", False)
 
 
 def resolve_mode(mode: str, net, cache: Cache) -> str:
     if mode not in MODES:
         raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
-    static_ok = isinstance(cache, Cache) and all(isinstance(lay, BufferLayer) for lay in cache.layers) and not getattr(
-        net.get_decoder(), "has_sliding_layers", False)
+    static_ok = isinstance(cache, Cache) and static_capable(net, cache)
     on_cuda = net.get_output_embeddings().weight.device.type == "cuda"
     if mode == "auto":
         return "graph" if (static_ok and on_cuda) else "dynamic"
     if mode in ("static", "graph") and not static_ok:
-        return "dynamic"  # hybrid / sliding caches have no static step
+        return "dynamic"  # sliding-window caches have no static step
     if mode == "graph" and not on_cuda:
         return "static"
     return mode
 
 
-def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], mode: str = "auto",
-             stats: dict | None = None) -> list[list[Decoded]]:
-    """All samples of all `reqs` through one batched decode loop (see module docstring). `stats`,
-    if given, receives the decode mode used and the step count."""
+def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], spec: DecodeSpec,
+             mode: str = "auto", stats: dict | None = None) -> list[list[Decoded]]:
+    """All samples of all `reqs` (token ids are the model's rows) through the one batched decode
+    loop (module docstring). `decode_text` turns model ids into text for stop strings. `stats`, if
+    given, receives the decode mode used, the step count and the row count."""
     head = net.get_output_embeddings()
     decoder = net.get_decoder()
     device = head.weight.device
-    pre = _prefill(net, reqs, device)
-    Lp = pre.mask_JL.shape[1]
+    V = spec.vocab_size
     row_req = [j for j, r in enumerate(reqs) for _ in range(r.n)]
     R = len(row_req)
+    Lp = max(len(r.prompt) for r in reqs)
     cap = Lp + max(r.max_tokens for r in reqs)
     rows_idx = torch.tensor(row_req, dtype=torch.int64, device=device)
-    cache = pre.cache
-    cache.reorder_cache(rows_idx)  # each prompt's cache -> one row per sample
-    cache = _buffered(cache, cap)
+    pre = (_prefill_each if spec.prefill == "each" else _prefill_batched)(net, reqs, spec, rows_idx, cap)
+    cache = pre.cache_R
     attn_RC = torch.zeros((R, cap), dtype=torch.int64, device=device)
     attn_RC[:, :Lp] = pre.mask_JL[rows_idx]
     mode = resolve_mode(mode, net, cache)
-    static = StaticDecodeStep(net, cache.layers, attn_RC, mode == "graph") if mode in ("static", "graph") else None
+    static = StaticDecodeStep(net, cache, attn_RC, mode == "graph") if mode in ("static", "graph") else None
     pos_R = torch.tensor([len(reqs[j].prompt) for j in row_req], dtype=torch.int64, device=device)
     gens = [torch.Generator(device=device).manual_seed(r.seed) for r in reqs]
     stops = [set(r.stop_ids) for r in reqs]
@@ -363,9 +471,9 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
             live = [k for k in range(b, e) if reason[batch_rows[k]] is None]
             if live:
                 sel = torch.tensor(live, dtype=torch.int64, device=device) if len(live) < e - b else slice(b, e)
-                nxt_B[sel] = draw(logits_BV[sel], reqs[j], gens[j])
+                nxt_B[sel] = draw(logits_BV[sel], reqs[j], gens[j], spec.draw)
             b = e
-        lp_B = logits_BV.gather(-1, nxt_B.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits_BV, dim=-1)
+        lp_B = torch.log_softmax(logits_BV, dim=-1).gather(-1, nxt_B.unsqueeze(-1)).squeeze(-1)
         nxt_list, lp_list = nxt_B.tolist(), lp_B.tolist()  # the step's one host sync
         for k, row in enumerate(batch_rows):
             if reason[row] is not None:
@@ -385,16 +493,16 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
         cur = Lp + step
         if static is not None:  # fixed shapes: finished rows keep running, their tokens are ignored
             try:
-                logits_BV = static(nxt_B, pos_R, cur - 1)
+                logits_BV = static(nxt_B, pos_R, cur - 1)[:, :V]
             except Exception as exc:
                 if not static.use_graph or static.graph is not None:
                     raise
                 log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
                 mode, static.use_graph = "static", False
-                logits_BV = static(nxt_B, pos_R, cur - 1)
+                logits_BV = static(nxt_B, pos_R, cur - 1)[:, :V]
             pos_R = pos_R + 1
             continue
-        if dead and dead >= max(1, int(COMPACT_FRACTION * len(batch_rows))):
+        if dead and dead >= max(1, int(spec.compact_fraction * len(batch_rows))):
             kidx = torch.tensor(live_k, dtype=torch.int64, device=device)
             cache.reorder_cache(kidx)
             attn_RC, pos_R, nxt_B = attn_RC[kidx], pos_R[kidx], nxt_B[kidx]
@@ -404,7 +512,7 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
                       position_ids=pos_R.unsqueeze(-1), past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         pos_R = pos_R + 1
-        logits_BV = head(out.last_hidden_state[:, -1]).float()
+        logits_BV = head(out.last_hidden_state[:, -1])[:, :V].float()
     if stats is not None:
         stats.update(decode_mode=mode, decode_steps=step, rows=R)
     results: list[list[Decoded]] = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import secrets
@@ -35,6 +36,12 @@ import torch
 
 from dppo_harness.local_server import model as M
 from dppo_harness.local_server.vocab import Vocab, get_renderer, prompt_messages, read_jsonl, solution_reply
+
+log = logging.getLogger(__name__)
+# Lines the server logs (stderr) with this marker are forwarded to the harness user by
+# process.LocalServerProcess while it waits for the ready line: the first start builds the model.
+PROGRESS_MARKER = "progress: "
+PROGRESS_EVERY_S = 5.0
 
 RECIPE_VERSION = "gsm8k-sft-v1"
 RECIPE = {
@@ -105,9 +112,12 @@ def train(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Pat
         sched = int(recipe.get("schedule_steps", steps))  # cosine length; training may stop earlier
         renderer = get_renderer()
         # Render only the rows the schedule visits.
-        examples = {i: build_example(vocab, renderer, rows[i])
-                    for i in {order[k % len(order)] for k in range(steps * bs)}}
+        visit = sorted({order[k % len(order)] for k in range(steps * bs)})
+        _progress(f"warm start: rendering {len(visit)} GSM8K train examples")
+        examples = {i: build_example(vocab, renderer, rows[i]) for i in visit}
         t_data = time.time() - t0
+        _progress(f"warm start: {steps} supervised steps of {bs} examples ({t_data:.0f}s)")
+        last_said = time.time()
         net = M.build_base_model(config, vocab.num_embeddings, seed)
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]),
@@ -144,6 +154,10 @@ def train(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Pat
             losses.append(float(loss.detach()))
             if on_step is not None:
                 on_step(step, net)
+            if time.time() - last_said >= PROGRESS_EVERY_S or step == steps - 1:
+                last_said = time.time()
+                _progress(f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
+                          f"{losses[-1]:.3f} ({last_said - t0:.0f}s)")
             if log_every and (step % log_every == 0 or step == steps - 1):
                 print(f"warmstart step {step} loss {losses[-1]:.4f} lr {lr:.2e} t {time.time() - t0:.1f}s "
                       f"cpu {time.process_time():.1f}s", flush=True)
@@ -168,8 +182,16 @@ def load_or_build(config: M.TinyConfig, vocab: Vocab, seed: int = 0, cache_dir: 
     final.parent.mkdir(parents=True, exist_ok=True)
     # One builder per cache entry: concurrent servers wait for it and then load its result.
     with open(final.parent / f".{chash}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _progress(f"warm start: another process is building the cached model {chash[:12]}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         return _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final, log_every)
+
+
+def _progress(text: str) -> None:
+    log.info("%s%s", PROGRESS_MARKER, text)
 
 
 def _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final: Path, log_every: int):
@@ -184,6 +206,7 @@ def _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final: 
         net.eval()
         return net, meta | {"cache_hit": True, "cache_dir": str(final)}
     t0 = time.time()
+    _progress(f"warm start: no cached stand-in model at {final}; building it once (deterministic, cached afterwards)")
     net, info = train(config, vocab, seed, recipe, ddir, log_every=log_every)
     state = net.state_dict()
     meta = {"config_hash": chash, "key": key, "weights_sha256": M.state_sha256(state),
@@ -197,6 +220,7 @@ def _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final: 
         os.rename(tmp, final)
     except OSError:  # another process finished first: keep theirs (same recipe, same bytes)
         shutil.rmtree(tmp, ignore_errors=True)
+    _progress(f"warm start: built in {time.time() - t0:.0f}s and cached at {final}")
     return net, meta | {"cache_hit": False, "cache_dir": str(final)}
 
 

@@ -1,0 +1,145 @@
+"""The harness's clients against the embedded server (in this process): every client and future it
+hands out waits under the policy; queue pauses reach the waiter through the SDK's own observers;
+SDK telemetry, which carries request headers after a 401, is off unless asked for.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import tinker
+
+from dppo_harness import service
+from dppo_harness.local_server.engine import Engine
+from dppo_harness.local_server.faults import (
+    FaultConfig,
+    parse_never_complete,
+    parse_queue_pause,
+    parse_reject_first,
+)
+from dppo_harness.local_server.process import InProcessServer
+from dppo_harness.local_server.profiles import make_profile
+from dppo_harness.secrets_scan import SecretScanner
+from dppo_harness.service_wait import (
+    CapacityExhausted,
+    ServiceHang,
+    ServiceWaiter,
+    WaitedClient,
+    WaitedFuture,
+    WaitPolicy,
+)
+
+MODEL = "tiny-qwen3-random"  # protocol paths only: the random preset starts in seconds
+BASE = "Qwen/Qwen3.5-2B"
+PLANTED = {"TINKER_API_KEY": "tml-PLANTED-tel-51d0c8a3", "MODAL_PROXY_TOKEN_ID": "wk-PLANTED-tel-9e27b4f1",
+           "MODAL_PROXY_TOKEN_SECRET": "ws-PLANTED-tel-3c8a6d05"}
+PROMPT = [248045, 846, 198]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return Engine(tmp_path_factory.mktemp("waits-run"), model_name=MODEL)
+
+
+def _datum() -> tinker.Datum:
+    return tinker.Datum(model_input=tinker.ModelInput.from_ints(PROMPT),
+                        loss_fn_inputs={"target_tokens": [846, 198, 5], "weights": [1.0, 1.0, 1.0]})
+
+
+def test_every_client_and_future_the_harness_gets_is_waited(engine, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    with InProcessServer(engine) as srv:
+        waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=120))
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        try:
+            made = sc.create_lora_training_client(base_model=BASE, rank=4)
+            assert isinstance(made, WaitedFuture)
+            tc = made.result()
+            assert isinstance(tc, WaitedClient) and isinstance(tc.sdk_client, tinker.TrainingClient)
+            futures = {"forward": tc.forward([_datum()], "cross_entropy"),
+                       "forward_backward": tc.forward_backward([_datum()], "cross_entropy"),
+                       "optim_step": tc.optim_step(tinker.AdamParams(learning_rate=1e-3)),
+                       "save_state": tc.save_state("w0"), "save_weights_for_sampler": tc.save_weights_for_sampler("s0")}
+            assert all(isinstance(f, WaitedFuture) for f in futures.values())
+            assert all(futures[k].result() is not None for k in ("forward", "forward_backward", "optim_step"))
+            path = futures["save_state"].result().path
+            sampler = tc.create_sampling_client(futures["save_weights_for_sampler"].result().path).result()
+            assert isinstance(sampler, WaitedClient) and sampler.label.startswith("sampler of ")
+            sample = sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(max_tokens=2))
+            assert isinstance(sample, WaitedFuture) and sample.result().sequences
+            for fut in (sc.create_training_client_from_state(path), sc.create_training_client_from_state_with_optimizer(path),
+                        sc.create_sampling_client(base_model=BASE)):
+                assert isinstance(fut, WaitedFuture) and isinstance(fut.result(), WaitedClient)
+            restored, response = service.create_from_state_with_response(sc, path, "dppo_seed0")
+            assert isinstance(restored, WaitedClient) and restored.label == "dppo_seed0" and response.path == path
+            assert isinstance(sc.create_rest_client(), WaitedClient)
+            assert waiter.waits == 12 and waiter.stopped is None
+        finally:
+            sc.close("success").result(30)
+
+
+def test_queue_pauses_and_hangs_reach_the_waiter_through_the_sdks_observers(engine, monkeypatch):
+    """Each creation path and a training call, against the server's queue faults: the pause is
+    seen with the server's own reason (through the SDK's observer), a hang is a hang."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(queue_pause=(parse_queue_pause("create_model:1:1.5"), parse_queue_pause("load_weights:1:1.5"),
+                                      parse_queue_pause("optim_step:1:forever")),
+                         never_complete=(parse_never_complete("save_weights:2"),))
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=60))
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        try:
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+            t0 = time.monotonic()
+            with pytest.raises(CapacityExhausted) as cap:
+                tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+            assert 3 <= time.monotonic() - t0 < 10
+            assert cap.value.block.error == ("embedded server fault: no capacity for optim_step request 1; "
+                                             "paused until further notice")
+            pauses = [p.as_dict() for p in waiter.pauses]
+            assert pauses[0]["call"] == "create_lora_training_client" and pauses[0]["outcome"] == "resumed"
+            assert pauses[0]["queue_state_reason"].endswith("paused for 1.5 s")
+            assert pauses[-1]["call"] == "optim_step" and pauses[-1]["outcome"] == "gave_up"
+        finally:
+            sc.close("success").result(30)
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(WaitPolicy.from_options(capacity_patience_s=30, service_timeout_s=60))
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        try:
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+            path = tc.save_state("w0").result().path
+            restored, response = service.create_from_state_with_response(sc, path, "dppo_seed0")
+            assert response.path == path and [p.call for p in waiter.pauses][-1] == (
+                "create_training_client_from_state_with_optimizer")  # the load's own observer saw its pause
+            waiter.policy = WaitPolicy.from_options(service_timeout_s=2)
+            t0 = time.monotonic()
+            with pytest.raises(ServiceHang, match="save_state on dppo_seed0: no answer for 2 s"):
+                restored.save_state("never").result()
+            assert 2 <= time.monotonic() - t0 < 8
+        finally:
+            sc.close("success").result(30)
+
+
+def _telemetry_bodies(engine, sdk_telemetry: bool) -> list[bytes]:
+    """A harness client on a spindle-profile server whose credentials stop being accepted (401 on
+    the first poll): the telemetry request bodies the server received by the client's close."""
+    faults = FaultConfig(reject_first=(parse_reject_first("retrieve_future:401:1"),))
+    with InProcessServer(engine, faults=faults, profile=make_profile("spindle", PLANTED)) as srv:
+        sc = service.make_service_client("tinker", srv.base_url, env=PLANTED, sdk_telemetry=sdk_telemetry)
+        with pytest.raises(ValueError, match="status 401"):
+            sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        sc.close("errored").result(30)  # the SDK flushes its telemetry on close
+        return list(srv.state.telemetry_bodies)
+
+
+def test_sdk_telemetry_is_off_by_default_so_no_credential_reaches_it(engine, monkeypatch):
+    scanner = SecretScanner(PLANTED.items())
+    monkeypatch.setenv("TINKER_TELEMETRY", "1")  # restored after the test; the harness overrides it
+    # Opted in, the SDK posts the 401's request headers: the credentials, verbatim.
+    opted_in = _telemetry_bodies(engine, sdk_telemetry=True)
+    leaks = {m.label for body in opted_in for m in scanner.find(body)}
+    assert opted_in and leaks == set(PLANTED), leaks
+    # The harness's default: no telemetry post at all, so no credential in any telemetry body.
+    default = _telemetry_bodies(engine, sdk_telemetry=False)
+    assert default == [] and not [m for body in default for m in scanner.find(body)]

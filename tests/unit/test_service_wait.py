@@ -1,0 +1,326 @@
+"""The one service-wait policy: pauses seen through the queue-state observer, capacity give-up, hang
+stop, posting while waiting, the stop's evidence. Futures and clock are fakes: seconds of policy
+run in milliseconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tinker.lib.api_future_impl import QueueState
+
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.plans import load_plan
+from dppo_harness.service_wait import (
+    CapacityExhausted,
+    QueueWatch,
+    ServiceConfigError,
+    ServiceHang,
+    ServiceStopped,
+    ServiceWaiter,
+    WaitedClient,
+    WaitedFuture,
+    WaitPolicy,
+)
+from dppo_harness.wait_evidence import BundlePoster
+
+ROOT = Path(__file__).resolve().parents[2]
+REASON = "Tinker backend is running short on capacity, please wait (sent by the service)"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeFuture:
+    """Resolves at clock time `done_at` (None: never); result(timeout) advances the fake clock.
+    `events` maps a clock offset to a queue-state report the SDK would pass to the watch."""
+
+    def __init__(self, clock, watch=None, done_at=None, value="ok", events=()):
+        self.clock, self.watch, self.done_at, self.value = clock, watch, done_at, value
+        self.t0, self.events = clock.t, sorted(events)
+
+    def _fire(self):
+        while self.events and self.clock.t - self.t0 >= self.events[0][0]:
+            _, state, reason = self.events.pop(0)
+            self.watch.on_queue_state_change(state, reason)
+
+    def result(self, timeout=None):
+        self._fire()
+        if self.done_at is not None and self.clock.t + timeout >= self.done_at:
+            self.clock.t = max(self.clock.t, self.done_at)
+            return self.value
+        self.clock.t += timeout
+        self._fire()
+        raise TimeoutError
+
+    def future(self):
+        return SimpleNamespace(done=lambda: self.done_at is not None and self.clock.t >= self.done_at)
+
+
+def _waiter(clock, **policy):
+    base = dict(capacity_patience_s=600.0, capacity_patience_after_steps_s=1800.0, service_timeout_s=900.0,
+                poll_s=1.0, post_after_s=60.0, post_every_s=30.0, snapshot_every_s=300.0)
+    base.update(policy)
+    posts, stops, lines = [], [], []
+    w = ServiceWaiter(WaitPolicy(**base), clock=clock, on_post=lambda _w, s: posts.append(s),
+                      on_stop=lambda _w, s: stops.append(s), say=lines.append)
+    return w, posts, stops, lines
+
+
+def test_a_pause_longer_than_the_patience_gives_up_with_the_services_words():
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, _posts, stops, _ = _waiter(clock)
+    fut = FakeFuture(clock, watch, events=[(5, QueueState.PAUSED_CAPACITY, REASON)])
+    with pytest.raises(CapacityExhausted) as ei:
+        w.wait(fut, call="forward_backward", client="dppo_seed0", watch=watch)
+    stop = ei.value
+    assert isinstance(stop, ServiceStopped) and not isinstance(stop, Exception)  # stage code cannot swallow it
+    assert stop.block.error == REASON and stop.block.comparison_steps_completed == 0
+    assert 600 <= stop.waited_s < 602 and clock.t - 1000 < 607
+    assert stop.line.startswith("forward_backward on dppo_seed0: paused by the service for 600 s (paused_capacity: ")
+    assert "--capacity-patience-s=600" in stop.line
+    assert stops == [stop]
+    pause = w.pauses[0].as_dict()
+    assert pause["queue_state"] == "paused_capacity" and pause["queue_state_reason"] == REASON
+    assert pause["outcome"] == "gave_up" and pause["seconds"] >= 600
+
+
+def test_the_window_widens_once_a_comparison_step_completed():
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, *_ = _waiter(clock)
+    w.tracker.step_done()
+    fut = FakeFuture(clock, watch, done_at=clock.t + 1500, events=[(1, QueueState.PAUSED_RATE_LIMIT, None)])
+    assert w.wait(fut, call="optim_step", client="grpo_seed0", watch=watch) == "ok"  # 1500 s < 1800 s
+    assert w.pauses[0].outcome == "resumed" and w.pauses[0].queue_state_reason is None
+    fut = FakeFuture(clock, watch, events=[(0, QueueState.PAUSED_RATE_LIMIT, None)])
+    with pytest.raises(CapacityExhausted) as ei:
+        w.wait(fut, call="optim_step", client="grpo_seed0", watch=watch)
+    assert ei.value.block.comparison_steps_completed == 1 and "--capacity-patience-after-steps-s=1800" in ei.value.line
+    assert ei.value.block.error == "queue_state paused_rate_limit (the service sent no reason)"
+
+
+def test_a_hang_is_not_a_pause_and_stops_after_the_service_timeout():
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, _, stops, _ = _waiter(clock)
+    # active polls, no answer
+    fut = FakeFuture(clock, watch, events=[(t, QueueState.ACTIVE, None) for t in range(0, 2000, 20)])
+    with pytest.raises(ServiceHang) as ei:
+        w.wait(fut, call="forward_backward", client="dppo_seed0", watch=watch)
+    assert ei.value.line.startswith("forward_backward on dppo_seed0: no answer for 900 s")
+    assert 900 <= clock.t - 1000 < 902 and stops == [ei.value] and w.pauses == []
+
+
+def test_a_long_pause_is_never_taken_for_a_hang():
+    """Paused for 850 s (longer than the 500 s service timeout), then active for 400 s: the hang
+    clock starts when the pause ends."""
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, *_ = _waiter(clock, capacity_patience_s=1200.0, service_timeout_s=500.0)
+    fut = FakeFuture(clock, watch, done_at=clock.t + 1250,
+                     events=[(0, QueueState.PAUSED_CAPACITY, REASON), (850, QueueState.ACTIVE, None)])
+    assert w.wait(fut, call="save_state", client="arm", watch=watch) == "ok"
+    assert w.pauses[0].outcome == "resumed" and 849 <= w.pauses[0].seconds <= 851
+
+
+def test_no_watch_no_word_is_a_hang_after_the_timeout_and_a_caller_timeout_still_applies():
+    clock = Clock()
+    w, *_ = _waiter(clock, service_timeout_s=30.0)
+    with pytest.raises(ServiceHang, match="create_lora_training_client on a new client: no answer for 30 s"):
+        w.wait(FakeFuture(clock), call="create_lora_training_client", client="a new client")
+    clock2 = Clock()
+    w2, _, stops, _ = _waiter(clock2)
+    with pytest.raises(TimeoutError, match="no result within 5"):
+        w2.wait(FakeFuture(clock2), call="get", client="rest", timeout=5)
+    assert stops == []  # the caller's own bound is not a service stop
+
+
+def test_a_call_that_fails_with_a_timeout_error_is_not_retried():
+    clock = Clock()
+    w, *_ = _waiter(clock)
+
+    class Failed(FakeFuture):
+        def result(self, timeout=None):
+            raise TimeoutError("the SDK's own")
+
+        def future(self):
+            return SimpleNamespace(done=lambda: True)
+
+    with pytest.raises(TimeoutError, match="the SDK's own"):
+        w.wait(Failed(clock), call="x", client="y")
+
+
+def test_long_waits_are_posted_with_what_is_waited_on_and_the_queue_state():
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, posts, _, lines = _waiter(clock)
+    fut = FakeFuture(clock, watch, done_at=clock.t + 200, events=[(10, QueueState.PAUSED_CAPACITY, REASON)])
+    w.wait(fut, call="sample", client="sampler of dppo_seed0", watch=watch)
+    assert len(posts) >= 4  # after 60 s, then every 30 s
+    first = posts[0].as_dict()
+    assert first["call"] == "sample" and first["client"] == "sampler of dppo_seed0"
+    assert first["queue_state"] == "paused_capacity" and first["queue_state_reason"] == REASON
+    assert first["waited_s"] >= 60 and first["paused_s"] >= 50 and first["since"].endswith("Z")
+    assert any("paused by the service" in ln for ln in lines) and any("pause ended" in ln for ln in lines)
+
+
+def test_short_waits_post_nothing():
+    clock = Clock()
+    w, posts, *_ = _waiter(clock)
+    assert w.wait(FakeFuture(clock, done_at=clock.t + 20), call="optim_step", client="a") == "ok"
+    assert posts == []
+
+
+def test_watch_forwards_every_report_to_the_sdks_own_observer():
+    seen = []
+    watch = QueueWatch(lambda s, r: seen.append((s, r)))
+    watch.on_queue_state_change(QueueState.PAUSED_CAPACITY, REASON)
+    watch.on_queue_state_change(QueueState.ACTIVE, None)
+    assert seen == [(QueueState.PAUSED_CAPACITY, REASON), (QueueState.ACTIVE, None)]
+    assert watch.latest().state == "active" and watch.reports == 2
+
+    def broken(*_a):
+        raise RuntimeError("logger bug")
+
+    watch = QueueWatch(broken)
+    watch.on_queue_state_change(QueueState.PAUSED_CAPACITY, REASON)  # the watch still records
+    assert watch.latest().reason == REASON
+    watch.on_submit_refused(429, "rate limited: too many sample requests")
+    assert (watch.latest().state, watch.latest().http_status) == ("submit_refused", 429)
+    watch.on_submitted()
+    assert watch.latest().state == "active"
+
+
+def test_waited_client_returns_waited_futures_and_keeps_everything_else():
+    from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+    class Inner:
+        model_id = "m1"
+
+        def optim_step(self, adam):
+            import concurrent.futures
+
+            f = concurrent.futures.Future()
+            f.set_result(("stepped", adam))
+            return AwaitableConcurrentFuture(f)
+
+        def get_info(self):
+            return "info"
+
+    w = ServiceWaiter(WaitPolicy())
+    client = WaitedClient(Inner(), w, "dppo_seed0", None)
+    fut = client.optim_step("adam")
+    assert isinstance(fut, WaitedFuture) and repr(fut) == "WaitedFuture(optim_step on dppo_seed0)"
+    assert fut.result() == ("stepped", "adam") and w.waits == 1
+    assert client.get_info() == "info" and client.model_id == "m1"
+
+
+def test_policy_options_and_the_capacity_scale():
+    p = WaitPolicy.from_options(env={})
+    assert (p.capacity_patience_s, p.capacity_patience_after_steps_s, p.service_timeout_s) == (600, 1800, 900)
+    s = WaitPolicy.from_options(env={"DPPO_HARNESS_CAPACITY_SCALE": "0.01"})
+    assert (s.capacity_patience_s, s.capacity_patience_after_steps_s, s.service_timeout_s) == (6, 18, 900)
+    assert s.capacity().window(0) == 6 and s.capacity().backoff(0) == pytest.approx(0.6)
+    explicit = WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=2,
+                                       env={"DPPO_HARNESS_CAPACITY_SCALE": "0.01"})
+    assert (explicit.capacity_patience_s, explicit.service_timeout_s) == (3, 2)  # given options are not scaled
+    assert explicit.poll_s <= 0.1 and explicit.post_after_s <= 0.4
+    with pytest.raises(ServiceConfigError, match="--service-timeout-s"):
+        WaitPolicy(service_timeout_s=0)
+    with pytest.raises(ServiceConfigError, match="DPPO_HARNESS_CAPACITY_SCALE"):
+        WaitPolicy.from_options(env={"DPPO_HARNESS_CAPACITY_SCALE": "2"})
+
+
+def _bundle(tmp_path):
+    b = EvidenceBundle.create(tmp_path, env={})
+    b.start_session(backend="tinker", plan=load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"),
+                    stages=("unit", "preflight"), project_root=ROOT)
+    return b
+
+
+class Registry:
+    def __init__(self):
+        self.released = []
+
+    def release_all(self, status):
+        self.released.append(status)
+        return True
+
+
+def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
+    b = _bundle(tmp_path)
+    clock = Clock()
+    poster = BundlePoster(b, Registry(), clock=clock)
+    watch = QueueWatch(clock=clock)
+    w = ServiceWaiter(WaitPolicy(post_after_s=60, post_every_s=30, snapshot_every_s=300), clock=clock,
+                      on_post=poster.post, on_stop=poster.stop)
+    w.wait(FakeFuture(clock, watch, done_at=clock.t + 400, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
+           call="save_state", client="dppo_seed0", watch=watch)
+    on_disk = json.loads((b.dir / "result.json").read_text())
+    waiting = on_disk["service_wait"]["waiting"]
+    assert waiting["call"] == "save_state" and waiting["queue_state_reason"] == REASON and waiting["waited_s"] >= 360
+    assert on_disk["service_wait"]["pauses"][0]["queue_state"] == "paused_capacity"
+    snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
+    assert poster.posts >= 10 and len(snaps) == 2  # at the first post, then once 300 s later
+
+
+def test_a_stop_releases_clients_and_writes_the_failed_result(tmp_path):
+    b = _bundle(tmp_path)
+    clock = Clock()
+    reg = Registry()
+    poster = BundlePoster(b, reg, clock=clock)
+    watch = QueueWatch(clock=clock)
+    w = ServiceWaiter(WaitPolicy(capacity_patience_s=10), clock=clock, on_post=poster.post, on_stop=poster.stop)
+    with pytest.raises(CapacityExhausted):
+        w.wait(FakeFuture(clock, watch, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]), call="forward_backward",
+               client="dppo_seed0", watch=watch)
+    r = json.loads((b.dir / "result.json").read_text())
+    assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
+    assert r["capacity_block"] == {"error": REASON, "comparison_steps_completed": 0, "released_clients": True}
+    assert reg.released == ["errored"] and r["original_hypothesis_tested"] is False
+    assert r["service_wait"]["stopped"]["kind"] == "capacity" and "dppo_seed0" in r["summary"]
+
+    b2 = _bundle(tmp_path / "hang")
+    clock2 = Clock()
+    poster2 = BundlePoster(b2, Registry(), clock=clock2)
+    w2 = ServiceWaiter(WaitPolicy(service_timeout_s=5), clock=clock2, on_stop=poster2.stop)
+    with pytest.raises(ServiceHang):
+        w2.wait(FakeFuture(clock2), call="save_state", client="setup client", watch=None)
+    r2 = json.loads((b2.dir / "result.json").read_text())
+    assert (r2["status"], r2["outcome_reason"]) == ("failed", "incomplete_execution") and "capacity_block" not in r2
+    assert r2["service_wait"]["stopped"]["line"].startswith("save_state on setup client: no answer for 5 s")
+
+
+def test_a_pause_shorter_than_the_poll_is_still_recorded():
+    """Paused at 0.2 s, active again at 0.6 s, inside one 1 s poll: the watch keeps the episode."""
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, *_ = _waiter(clock)
+
+    class Brief(FakeFuture):
+        calls = 0
+
+        def result(self, timeout=None):
+            self.calls += 1
+            if self.calls > 1:
+                return "ok"
+            clock.t += 0.2
+            watch.on_queue_state_change(QueueState.PAUSED_CAPACITY, REASON)
+            clock.t += 0.4
+            watch.on_queue_state_change(QueueState.ACTIVE, None)
+            clock.t += 0.4
+            raise TimeoutError
+
+    assert w.wait(Brief(clock), call="create_lora_training_client", client="a new client", watch=watch) == "ok"
+    (pause,) = [p.as_dict() for p in w.pauses]
+    assert pause["queue_state_reason"] == REASON and pause["outcome"] == "resumed"
+    assert pause["seconds"] == pytest.approx(0.4)
