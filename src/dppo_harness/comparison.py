@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from dppo_harness import cookbook_metrics, losses, rollout_batch, rollouts, train_step
+from dppo_harness import constants, cookbook_metrics, losses, rollout_batch, rollouts, train_step
 from dppo_harness import instrumentation as ins
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 STEPS_FILE = "comparison-steps.jsonl"
 STATE_FILE = "comparison-state.json"
-MAX_SAVE_EVERY = 10  # the brief: state saved at least every 10 steps per arm
+MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY
 # Spec loss names -> the one switch.
 LOSS_ARMS: dict[str, losses.Arm] = {"grpo_clip_eps0.2": "grpo", "dppo_divergence_mask": "dppo"}
 # decision_rule weights name roles; the role of each arm follows from its loss.
@@ -321,6 +321,23 @@ def comparable(row: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in TIMING_KEYS}
 
 
+# What the sampled tokens decide must match exactly between a resumed and an uninterrupted run;
+# logprob-derived floats only to the embedded server's run-to-run float noise (its batched CPU
+# kernels are not bitwise reproducible between two runs, resumed or not).
+TOKEN_FIELDS = ("reward_mean", "format_rate", "correct_rate", "response_tokens", "loss_tokens", "updates", "loss",
+                "truncated_frac", "no_answer_frac", "mean_response_tokens", "responses", "max_tokens", "cookbook_env")
+RESUME_FLOAT_ATOL = 2e-3
+
+
+def row_differences(got: Mapping[str, Any], want: Mapping[str, Any], atol: float = RESUME_FLOAT_ATOL) -> list[str]:
+    """Why two comparable step rows of the same arm and step differ (empty: they match)."""
+    where = f"{got['arm']} step {got['step']}"
+    out = [f"{where}: {k} {got.get(k)!r} != {want.get(k)!r}" for k in TOKEN_FIELDS if got.get(k) != want.get(k)]
+    out += [f"{where}: {k} {got[k]!r} vs {want[k]!r}" for k in sorted(set(want) - set(TOKEN_FIELDS) - {"arm", "step"})
+            if abs(float(got[k]) - float(want[k])) > atol]
+    return out
+
+
 def arm_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """`metrics.arms[arm]`: plain floats over the steps so far (loss-rule fractions keep their
     counterfactual label)."""
@@ -369,6 +386,7 @@ class ArmState:
     steps_done: int = 0
     state_path: str | None = None  # tinker:// save_state path (weights + optimizer) at `state_step`
     state_step: int = 0  # steps_done when `state_path` was saved
+    saves: dict[str, str] = field(default_factory=dict)  # str(steps_done) -> save_state path, every save
     restore_count: int = 0
     optimizer_checks: list[dict[str, Any]] = field(default_factory=list)
     final_sampler: str | None = None
@@ -386,6 +404,13 @@ class RunState:
     arms: dict[str, ArmState]
     rows: list[dict[str, Any]] = field(default_factory=list)  # every completed arm-step, in order
     resumed: int = 0
+    # Every session that worked on this run, in order: {"run_id", "dir"} of its evidence bundle.
+    sessions: list[dict[str, str]] = field(default_factory=list)
+    # The hashed result snapshot holding the setup (preflight + gate) evidence the run started from.
+    setup_snapshot: dict[str, str] | None = None
+    # Per arm, the preflight's restore_count and optimizer checks (what later restores count on).
+    setup_provenance: dict[str, Any] = field(default_factory=dict)
+    resumes: list[dict[str, Any]] = field(default_factory=list)  # per resume: session, from_step, continued
 
     def to_json(self) -> dict[str, Any]:
         return {**{k: v for k, v in asdict(self).items() if k != "arms"},
@@ -422,6 +447,23 @@ def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, cod
     if steps and max(steps) - min(steps) > 1:
         out.append(f"arms are {max(steps) - min(steps)} steps apart ({steps}): not a paired step boundary")
     return out
+
+
+def rewind_to_common_save(state: RunState, steps: int) -> int:
+    """Before a resume: every arm back to the last step that all arms saved (0: the shared initial
+    checkpoint, `state.initial_checkpoint`), so the arms continue paired; the rows after it are
+    dropped and recomputed (same prompts and seeds). Returns that step."""
+    for a in state.arms.values():
+        if a.state_path is not None and not a.saves:  # a state written before saves were kept
+            a.saves[str(a.state_step)] = a.state_path
+    step = max(set.intersection(*({int(k) for k in a.saves} | {0} for a in state.arms.values())))
+    for a in state.arms.values():
+        a.steps_done = a.state_step = step
+        a.state_path = a.saves.get(str(step)) if step else None
+        if step < steps:
+            a.final_sampler = a.final_state = None
+    state.rows = [r for r in state.rows if r["step"] < step]
+    return step
 
 
 def state_path(state_root: Path, run_id: str) -> Path:
@@ -603,6 +645,7 @@ def train_arms(
         if save_state is not None and (arm.steps_done % cfg.save_every == 0 or arm.steps_done == cfg.steps):
             arm.state_path = save_state(runner, arm.steps_done)
             arm.state_step = arm.steps_done
+            arm.saves[str(arm.steps_done)] = arm.state_path
         state.rows.append(row)
         on_row(row)
         progress(step_line(row, cfg.steps))

@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 from dppo_harness import comparison as C
 from dppo_harness import comparison_eval as E
 from dppo_harness import cookbook_metrics, evaluation, gsm8k, service, tokenizer
+from dppo_harness.comparison_resume import latest_snapshot, reuse_setup
+from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.restoration import create_from_state_observed, dump_response, optimizer_check
 
 if TYPE_CHECKING:
@@ -28,6 +31,9 @@ if TYPE_CHECKING:
     from dppo_harness.plans import Plan
     from dppo_harness.restoration import RestorationResult
 
+# File slots kept after the last step: steps, 2 cookbook metrics logs, end state, evaluator, 3
+# predictions, observations, decision, report + 4 plots, and the session's closing records and snapshot.
+STATE_RESERVE = 19
 EVAL_SUBSET_REASON = ("declared rehearsal size: the plan evaluates its first {n} GSM8K test items (see the plan's "
                       "differences), so that the offline rehearsal fits 10 minutes on 2 CPU cores")
 
@@ -53,12 +59,16 @@ def _spec(plan: Plan) -> Mapping[str, Any]:
 
 
 def _prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: C.ComparisonConfig, evaluator_id: str,
-                   initial_checkpoint: str, state_root: Path, resume_run_id: str | None) -> C.RunState:
+                   restoration: RestorationResult | None, state_root: Path, resume_run_id: str | None) -> C.RunState:
     code_rev = C.code_revision()
+    session = {"run_id": bundle.run_id, "dir": str(bundle.dir.resolve())}
     if resume_run_id is None:
+        if restoration is None:
+            raise C.ComparisonError("a new comparison starts from the restoration preflight's result (none given)")
         return C.RunState(run_id=bundle.run_id, plan_sha256=plan.sha256, evaluator_id=evaluator_id,
-                          code_revision=code_rev, initial_checkpoint=initial_checkpoint,
-                          arms={a.name: C.ArmState(a.name) for a in cfg.arms})
+                          code_revision=code_rev, initial_checkpoint=restoration.initial_checkpoint,
+                          arms={a.name: C.ArmState(a.name) for a in cfg.arms}, sessions=[session],
+                          setup_snapshot=latest_snapshot(bundle), setup_provenance=_setup_provenance(restoration, cfg))
     path = C.state_path(state_root, resume_run_id)
     if not path.is_file():
         raise C.ComparisonError(f"--resume {resume_run_id}: no saved comparison state at {path}")
@@ -66,16 +76,34 @@ def _prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: C.ComparisonConfig, 
     problems = C.resume_problems(state, plan_sha256=plan.sha256, evaluator_id=evaluator_id, code_rev=code_rev)
     if problems:
         raise C.ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))
+    if not state.setup_provenance and restoration is not None:  # a state saved before it was kept
+        state.setup_provenance = _setup_provenance(restoration, cfg)
+    continued = state.sessions[-1]["run_id"] if state.sessions else state.run_id
+    from_step = C.rewind_to_common_save(state, cfg.steps)
     state.resumed += 1
+    state.resumes.append({"session": bundle.run_id, "continues_session": continued, "from_step": from_step})
+    state.sessions.append(session)
     return state
 
 
-def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.ComparisonConfig,
-                restoration: RestorationResult, name: str, path: str) -> tuple[Any, dict[str, Any]]:
+def _setup_provenance(restoration: RestorationResult, cfg: C.ComparisonConfig) -> dict[str, Any]:
+    """Per arm, what the preflight's load counted (later restores count on from it)."""
+    return {a.name: {k: restoration.provenance["arms"][a.name][k] for k in ("restore_count", "optimizer_checks")}
+            for a in cfg.arms}
+
+
+def _state_file(state: C.RunState, label: str) -> str:
+    """The evidence name of the run state registered at `label` in this session."""
+    return f"{C.STATE_FILE.removesuffix('.json')}-r{state.resumed}-{label}.json"
+
+
+def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.ComparisonConfig, name: str, path: str,
+                state_file: str) -> tuple[Any, dict[str, Any]]:
     """A new training client for arm `name` from its saved state `path`, weights + optimizer, the
-    load observed; one more restore_count and optimizer check. Returns (client, provenance entry).
-    A check that finds the server's optimizer differs from the request stops the run
-    (OptimizerMismatch, after the check is recorded in the state)."""
+    load observed; one more restore_count and optimizer check, whose get_info is kept in the run
+    state registered as `state_file`. Returns (client, provenance entry). A check that finds the
+    server's optimizer differs from the request stops the run (OptimizerMismatch, after the check
+    is recorded in the state)."""
     arm = state.arms[name]
     client, resp = create_from_state_observed(service_client, path, name)
     if resp is None or resp.path is None:
@@ -84,13 +112,18 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
     if resp.path != path:
         raise C.ComparisonError(f"{name}: restore of {path} loaded {resp.path!r}")
     arm.restore_count += 1
-    prior = restoration.provenance["arms"][name]
+    prior = state.setup_provenance.get(name)
+    if prior is None:
+        raise C.ComparisonError(f"{name}: the run state holds no preflight provenance to count restores on")
     check = optimizer_check(after_restore=prior["restore_count"] + arm.restore_count,
                             requested_optimizer="adam", requested_config=cfg.adam_config_requested(),
-                            info=client.get_info(), info_ref=f"comparison-state-{state.resumed}.json#{name}.restore{arm.restore_count}",
+                            info=client.get_info(), info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
                             echoed=None, echo_ref=None, echo_observed_on=None)
-    arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path, "load_response": dump_response(resp)})
+    arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path, "at_step": arm.steps_done,
+                                 "load_response": dump_response(resp)})
     prov = {"restore_count": prior["restore_count"] + arm.restore_count,
+            # The checkpoint this session's arm actually loaded (the server's own load response).
+            "loaded_checkpoint_uri": resp.path, "loaded_at_step": arm.steps_done,
             "optimizer_checks": list(prior["optimizer_checks"]) + [
                 {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
     if check["mismatches"]:  # the brief: stop on mismatch
@@ -100,26 +133,22 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
 
 
 def _open_arms(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.ComparisonConfig,
-               restoration: RestorationResult, bundle: EvidenceBundle, call: Callable) -> dict[str, Any]:
+               restoration: RestorationResult | None, bundle: EvidenceBundle, call: Callable) -> dict[str, Any]:
     """New run: the arms' clients the preflight loaded from the shared initial checkpoint (its
-    observed load). Resume: each arm from its last saved state with optimizer; every restore is one
-    more restore_count and optimizer check."""
-    clients = {}
-    prov_arms = {}
+    observed load). Resume: each arm from the state every arm saved last (step 0: the shared
+    initial checkpoint), with optimizer; each restore is one more restore_count and optimizer
+    check, and the run state holding their get_info is registered before the result names it."""
+    if not state.resumed:
+        assert restoration is not None
+        return {a.name: restoration.clients[a.name] for a in cfg.arms}
+    clients, prov_arms = {}, {}
+    ref = _state_file(state, "open")
     for a in cfg.arms:
-        arm = state.arms[a.name]
-        if arm.state_path is None:
-            if state.resumed:
-                raise C.ComparisonError(f"--resume: arm {a.name} has no saved state to continue from")
-            clients[a.name] = restoration.clients[a.name]
-            continue
-        if arm.state_step != arm.steps_done:
-            raise C.ComparisonError(f"--resume: arm {a.name} saved its state at step {arm.state_step}, not at its "
-                                    f"last completed step {arm.steps_done} (save_every > 1)")
+        path = state.arms[a.name].state_path or state.initial_checkpoint
         clients[a.name], prov_arms[a.name] = call(
-            lambda n=a.name, p=arm.state_path: restore_arm(service_client, state, cfg, restoration, n, p))
-    if prov_arms:
-        bundle.update_result(initialization_provenance={"arms": prov_arms})
+            lambda n=a.name, p=path: restore_arm(service_client, state, cfg, n, p, ref))
+    bundle.register_json(ref, "manifest", state.to_json())
+    bundle.update_result(initialization_provenance={"arms": prov_arms})
     return clients
 
 
@@ -127,7 +156,7 @@ def run_comparison(
     service_client: tinker.ServiceClient,
     plan: Plan,
     bundle: EvidenceBundle,
-    restoration: RestorationResult,
+    restoration: RestorationResult | None,
     *,
     backend: str,
     state_root: Path,
@@ -159,9 +188,15 @@ def run_comparison(
     if evaluator.deviation:
         d = evaluator.deviation
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
-    state = _prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration.initial_checkpoint,
-                           Path(state_root), resume_run_id)
+    state = _prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root), resume_run_id)
     spath = C.state_path(Path(state_root), state.run_id)
+    reused = reuse_setup(bundle, state) if state.resumed else None
+    if reused is not None:  # the preflight and gate of the run, hash-verified, and where this session starts
+        bundle.update_result(**reused.blocks)
+        bundle.update_result(initialization_provenance={"resume": {
+            "comparison_run": state.run_id, "resumed_times": state.resumed,
+            "from_step": state.resumes[-1]["from_step"], "continues_session": reused.continued,
+            "evidence_ref": reused.manifest}})
     # The session waiter's tracker when there is one: its capacity window widens after the first step too.
     waiter = getattr(service_client, "waiter", None)
     tracker = waiter.tracker if waiter is not None else service.CapacityTracker()
@@ -178,7 +213,8 @@ def run_comparison(
     for problem in mlog.status["wandb"]["problems"]:
         progress(f"[comparison] W&B not used: {problem} (the metrics.jsonl logs go on)")
     bundle.register_json(f"comparison-run-{state.resumed}.json", "manifest", {
-        "run_id": state.run_id, "resumed_sessions": state.resumed, "schedule": schedule,
+        "run_id": state.run_id, "resumed_sessions": state.resumed, "sessions": state.sessions,
+        "resumes": state.resumes, "save_every": cfg.save_every, "schedule": schedule,
         "schedule_source": schedule_source, "rehearsal": rehearsal,
         "state_file": str(spath), "evaluator_id": evaluator.evaluator_id, "code_revision": state.code_revision,
         "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg),
@@ -199,8 +235,10 @@ def run_comparison(
         name = runner.spec.name
         progress(f"[comparison] {name} step {failure['step'] + 1}: refused after {failure['updates_sent_before_failure']} "
                  f"update(s) ({failure['error'][:120]}); restoring {path} (weights + optimizer) before the retry")
-        client, prov = restore_arm(service_client, state, cfg, restoration, name, path)
+        ref = _state_file(state, f"{name}-s{failure['step']}-a{failure['attempt']}")
+        client, prov = restore_arm(service_client, state, cfg, name, path, ref)
         clients[name] = client
+        bundle.register_json(ref, "manifest", state.to_json())
         bundle.update_result(initialization_provenance={"arms": {name: prov}})
         return dataclasses.replace(runner, client=client)
 
@@ -212,6 +250,11 @@ def run_comparison(
         state.save(spath)
         mlog.log(row["arm"], cookbook_metrics.step_record(row, steps=cfg.steps, learning_rate=cfg.adam["learning_rate"]),
                  row["step"])
+        done = row["step"] + 1
+        if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
+            # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
+            _register_saved_state(bundle, state, done)
+            post_snapshot(bundle, f"comparison step {done} saved", reserve=STATE_RESERVE + 1)
         bundle.post_arm_metrics(row["arm"], C.arm_summary(by_arm[row["arm"]]))
         if all(s.steps_done > row["step"] for s in state.arms.values()):
             tracker.step_done()
@@ -245,11 +288,11 @@ def run_comparison(
     state.save(spath)
     files = [_register_steps(bundle, state)]
     files += _register_cookbook_metrics(bundle, state, mlog)
-    bundle.register_json(f"comparison-state-{state.resumed}.json", "manifest", {
+    bundle.register_json(_state_file(state, "end"), "manifest", {
         **state.to_json(), "training": {"schedule": schedule, "schedule_source": schedule_source,
                                         "stopped": outcome.stopped, "steps_completed": outcome.steps_completed,
                                         "wall_guard": guard.as_dict() if guard is not None else None}})
-    files.append(f"comparison-state-{state.resumed}.json")
+    files.append(_state_file(state, "end"))
     base = dict(config=cfg, run_id=state.run_id, rows=tuple(state.rows), steps_completed=outcome.steps_completed,
                 training_seconds=outcome.wall_seconds, schedule=schedule, stopped=outcome.stopped)
     if outcome.stopped is not None:
@@ -268,8 +311,9 @@ def run_comparison(
     files += eval_files
     from dppo_harness import report
 
+    resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
     files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend,
-                                                 max_tokens=cfg.max_tokens).values())
+                                                 max_tokens=cfg.max_tokens, resume=resume).values())
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
     c0 = decision["criteria"][0]
     served = (bundle.result.get("backend") or {}).get("served_model") or cfg.base_model
@@ -284,6 +328,20 @@ def run_comparison(
                             f"{plan.planned_model}." if rehearsal else ""))}
     return ComparisonResult(**base, capacity_block=None, scores=tuple(scores), decision=decision, final=final,
                             files=tuple(files))
+
+
+def _register_saved_state(bundle: EvidenceBundle, state: C.RunState, step: int) -> str | None:
+    """The run state at a save every arm made, as an evidence file, unless only the slots kept for
+    the evaluation and report are left (then the ledger says so; the state file itself is kept)."""
+    name = _state_file(state, f"s{step}")
+    if len(bundle.files()) + 1 > MAX_FILES - STATE_RESERVE:
+        skipped = list(bundle.ledger().get("comparison_states_not_registered", []))
+        bundle.note_ledger(comparison_states_not_registered=[*skipped, {
+            "name": name, "reason": f"file limit: {len(bundle.files())} of {MAX_FILES} files used, "
+                                    f"{STATE_RESERVE} kept for the evaluation and report"}])
+        return None
+    bundle.register_json(name, "manifest", state.to_json())
+    return name
 
 
 def _register_steps(bundle: EvidenceBundle, state: C.RunState) -> str:

@@ -90,6 +90,9 @@ def auth_failure_line(status: int, payload: Any, url: str, proxy_tokens: service
     what = ("missing" if "missing" in text.lower() else "rejected") if header else "rejected"
     if var == "TINKER_API_KEY":
         hint = "check TINKER_API_KEY (sent as X-API-Key)"
+    elif var and what == "missing":  # Modal headers are sent only when both variables are set
+        hint = (f"the service requires the Modal proxy headers Modal-Key/Modal-Secret; set {prefix}_PROXY_TOKEN_ID and "
+                f"{prefix}_PROXY_TOKEN_SECRET")
     elif var:
         hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET ({var} is sent as {header})"
     else:
@@ -182,8 +185,9 @@ def check_connectivity(
     url = str(kwargs["base_url"])
     shown = service.redact_url(url) or url
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
-    proxy = ", ".join(service.describe_service(backend, url, proxy_tokens=proxy_tokens)["proxy_headers"])
-    ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: {proxy or 'none'}"
+    proxy = ", ".join(service.describe_service(backend, url, proxy_tokens=proxy_tokens, env=env)["proxy_headers"])
+    ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: "
+                    f"{proxy or 'none (no proxy-token variables set)'}"
        if backend == "tinker" else "local backend: no credentials needed")
     service.apply_sdk_telemetry(sdk_telemetry)
 

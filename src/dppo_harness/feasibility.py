@@ -144,6 +144,12 @@ def local_rehearsal(plan: Any) -> tuple[dict[str, int], list[dict[str, str]]]:
     return overrides, deviations
 
 
+def rehearsal_sizing(plan: Any, *, embedded_server: bool) -> tuple[dict[str, int], list[dict[str, str]]]:
+    """`local_rehearsal(plan)` when the embedded CPU server computes (the local backend, or its
+    marker seen on the tinker backend), else no reduction: the full schedule is the real service's."""
+    return local_rehearsal(plan) if embedded_server else ({}, [])
+
+
 # --------------------------------------------------------------------------------------------
 # Pilot timings and projection (pure)
 # --------------------------------------------------------------------------------------------

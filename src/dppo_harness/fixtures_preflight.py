@@ -116,7 +116,7 @@ def verified_restoration(restoration):
 @pytest.fixture(scope="session")
 @stops_stage
 def feasibility(request, service_backend, plan, evidence_bundle, verified_restoration, client_registry,
-                training_client_observer, service_waiter, harness_options, harness_progress):
+                training_client_observer, service_waiter, harness_options, harness_progress, connectivity):
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
     client lives in its own session, closed when the pilot ends."""
     from dppo_harness import feasibility as F
@@ -129,7 +129,7 @@ def feasibility(request, service_backend, plan, evidence_bundle, verified_restor
         # feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
-    overrides, reductions = F.local_rehearsal(plan) if service_backend.kind == "local" else ({}, [])
+    overrides, reductions = F.rehearsal_sizing(plan, embedded_server=connectivity.embedded)
     info = replace(backend_info(service_backend, plan, arm_client, evidence_bundle.result.get("backend")),
                    size_reductions=tuple(reductions))
     eff = plans.effective_config(plan, info)

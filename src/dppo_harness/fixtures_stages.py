@@ -61,32 +61,49 @@ def gate_report(request, service_backend, spec_plan, run_spec, evidence_bundle, 
 @pytest.fixture(scope="session")
 @stops_stage
 def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
-                   verified_restoration, gate_report, client_registry, client_base_model, service_waiter):
-    """The paired comparison (or its continuation with --resume RUN_ID), run once per session."""
+                   client_registry, client_base_model, service_waiter):
+    """The paired comparison (or its continuation with --resume RUN_ID), run once per session.
+
+    A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
+    run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
     from dppo_harness import comparison as C
     from dppo_harness.comparison_run import run_comparison
     from dppo_harness.cookbook_metrics import WandbRequest
-    from dppo_harness.pytest_plugin import propose_outcome
+    from dppo_harness.pytest_plugin import propose_outcome, unit_parity_passed
 
-    if not gate_report.passed:
-        pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
-                    pytrace=False)
+    if not unit_parity_passed(request.config):
+        pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
+    restoration = None
+    if harness_options.resume is None:
+        restoration = request.getfixturevalue("verified_restoration")
+        gate_report = request.getfixturevalue("gate_report")
+        if not gate_report.passed:
+            pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
+                        pytrace=False)
     schedule, source = comparison_schedule(harness_options.comparison_schedule, evidence_bundle.result.get("backend"))
     spec = plan.spec if plan.kind == "rehearsal" else plan.raw
+    # On a resume the feasibility block is not in this session's result yet: the guard then starts
+    # from the finalize reserve alone and projects from the steps it measures.
     guard = C.wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
                                           arms=len(spec["arms"]), eval_items=int(spec["eval"]["n_examples"]))
-    run = run_comparison(
-        service_client, plan, evidence_bundle, verified_restoration, backend=service_backend.kind,
-        state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
-        schedule=schedule, schedule_source=source, guard=guard, registry=client_registry,
-        capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
-        progress=_progress(request), base_model=client_base_model,
-        wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
-    )
-    propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
-    if run.stopped is not None:  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
-        evidence_bundle.update_result(**run.final)
-    return run
+    try:
+        run = run_comparison(
+            service_client, plan, evidence_bundle, restoration, backend=service_backend.kind,
+            state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
+            schedule=schedule, schedule_source=source, guard=guard, save_every=harness_options.save_every,
+            registry=client_registry,
+            capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
+            progress=_progress(request), base_model=client_base_model,
+            wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
+        )
+    except C.ComparisonError as exc:  # a refused resume or configuration: its one line
+        line = str(exc)
+    else:
+        propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
+        if run.stopped is not None:  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
+            evidence_bundle.update_result(**run.final)
+        return run
+    pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
 
 def comparison_schedule(option: str | None, backend_block: dict | None) -> tuple[str, str]:

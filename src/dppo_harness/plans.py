@@ -668,7 +668,11 @@ def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan
     if diagnostic.kind != "bounded_diagnostic":
         raise PlanError("kind: check_original_plan needs a bounded_diagnostic plan")
     ref = diagnostic.raw["original_plan"]
-    base = plans_dir or (diagnostic.path.parent if diagnostic.path else Path("plans"))
+    if plans_dir is None and diagnostic.path is None:
+        from dppo_harness.project import plans_dir as project_plans
+
+        plans_dir = project_plans()
+    base = plans_dir or diagnostic.path.parent
     original = load_plan(base / ref["file"])
     if original.sha256 != ref["sha256"]:
         raise PlanError(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
-from dppo_harness import stages
+from dppo_harness import constants, project, stages
 from dppo_harness.plans import Plan, PlanError, load_plan
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class HarnessOptions:
     # -- comparison stage (issue 9)
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
     comparison_schedule: str | None = None  # None: the default for the service (comparison.default_schedule)
+    save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
     wandb_project: str | None = None  # --wandb-project or WANDB_PROJECT; None: W&B is never touched
     wandb_source: str = "not requested"
     # -- the service wait policy (service_wait.WaitPolicy); None: the default (capacity defaults
@@ -84,11 +85,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="training backend: 'tinker' when TINKER_BASE_URL is set, else 'local' (embedded server)",
     )
     group.addoption("--plan", default=None, help="plan JSON (default: chosen by the selected stage)")
-    group.addoption("--evidence-dir", default=None, help="evidence root (default: ./evidence)")
+    group.addoption("--evidence-dir", default=None, help="evidence root (default: the project's evidence/)")
     # -- comparison stage (issue 9)
     group.addoption("--resume", default=None, metavar="RUN_ID",
-                    help="continue a stopped comparison from its arms' last saved state (refused if the plan, "
+                    help="continue a stopped comparison from its arms' last saved state, reusing that run's "
+                         "preflight and gate evidence after re-verifying its hashes (refused if the plan, "
                          "evaluator or code changed)")
+    group.addoption("--save-every", type=int, default=5, metavar="N",
+                    help="comparison: save each arm's state (weights + optimizer) every N rollout steps and at the "
+                         "end; 1 <= N <= 10 (the brief asks for a save at least every 10 steps); a resume restarts "
+                         "from the last step every arm saved")
     group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default=None,
                     help="how the two arms advance step by step (default: concurrent on a real service, interleaved "
                          "on the embedded server; see benchmarks/comparison_schedule.py)")
@@ -112,6 +118,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "errors its events carry the request headers, credentials included)")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """`--evidence-dir DIR` with a space: pytest chose its rootdir taking DIR for a test path."""
+    from dppo_harness.pytest_rootdir import reroot
+
+    reroot(early_config, parser, args)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for stage in stages.STAGES:
         config.addinivalue_line("markers", f"{stage}: test of the '{stage}' experiment stage")
@@ -123,7 +137,10 @@ def pytest_configure(config: pytest.Config) -> None:
         state.run, _ = stages.expand_selection(selected)
         config.option.markexpr = ""
     config.stash[_STATE_KEY] = state
+    _skip_setup_stages_on_resume(config, state)
     options = _resolve_options(config, state)
+    if not config.option.help:
+        _refuse_unsafe_credentials()
     config.stash[_OPTIONS_KEY] = options
     plan = _validated_plan(config, options)
     if plan is not None:
@@ -142,15 +159,61 @@ def _validated_plan(config: pytest.Config, options: HarnessOptions) -> Plan | No
     if not explicit and set(options.selected_stages) <= {"unit"}:
         return None
     try:
-        plan = load_plan(options.plan_path)
+        return load_plan(options.plan_path)
     except PlanError as exc:
         raise pytest.UsageError(f"{'--plan' if explicit else 'default plan'}: {exc}") from None
-    if explicit and config.inipath is None and options.plan_path.parent in (config.rootpath, *config.rootpath.parents):
-        # `--plan PATH` (space) outside the project: pytest picks the rootdir before any plugin
-        # option is known, so it takes PATH for a test path and roots the session above it.
-        raise pytest.UsageError(f"--plan: pytest rooted this session at {config.rootpath} (no project config "
-                                f"found) because it read the plan path as a test path; write --plan={options.plan_path}")
-    return plan
+
+
+def _user_path(config: pytest.Config, value: str) -> Path:
+    """A path the user wrote on the command line, relative to where pytest was invoked."""
+    return (config.invocation_params.dir / Path(value).expanduser()).resolve()
+
+
+def _default_plan(run_stages: tuple[str, ...], backend: str) -> Path:
+    """The stage's default plan, from the project the package came from (never the cwd)."""
+    try:
+        if backend == "local" and "comparison" in run_stages:  # the declared rehearsal
+            return project.plan_file(project.REHEARSAL_PLAN)
+        return project.plan_file(stages.default_plan_name(run_stages))
+    except project.ProjectNotFound as exc:
+        raise pytest.UsageError(f"default plan: {exc}") from None
+
+
+# Where a credential value must not occur: everything the code archive holds (library, embedded
+# server, vendored data, tests, plans), and the docs a placeholder could be copied from.
+HARNESS_FILES = ("README.md", "docs")
+
+
+def _refuse_unsafe_credentials() -> None:
+    """Before anything is collected or called: a credential the evidence scan cannot guard (too
+    short, or found in the harness's own files) is one usage error naming the variable."""
+    from dppo_harness.secrets_scan import live_secret_items, unsafe_credentials
+
+    if not live_secret_items():
+        return
+    from dppo_harness.evidence.archive import ARCHIVED, archived_paths
+
+    try:
+        root = project.project_root()
+        files = archived_paths(root, (*ARCHIVED, *HARNESS_FILES))
+    except project.ProjectNotFound:
+        root = project.PACKAGE_DIR.parent
+        files = archived_paths(root, (project.PACKAGE_DIR.name,))
+    problems = unsafe_credentials(None, files, root=root)
+    if problems:
+        raise pytest.UsageError("; ".join(p.line() for p in problems))
+
+
+def _skip_setup_stages_on_resume(config: pytest.Config, state: _StageState) -> None:
+    """--resume continues a comparison: its preflight and gate are not run again (their saved
+    evidence is reused and re-verified by the comparison); unit parity still runs first."""
+    if config.getoption("--resume") is None:
+        return
+    if state.run is None or "comparison" not in state.run:
+        raise pytest.UsageError("--resume RUN_ID continues a comparison: select it with -m comparison")
+    for stage in ("preflight", "gate"):
+        if not state.run.get(stage, True):  # a prerequisite only, not selected itself
+            del state.run[stage]
 
 
 def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOptions:
@@ -162,17 +225,23 @@ def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOption
         raise pytest.UsageError("--backend tinker needs the environment variable TINKER_BASE_URL")
     run_stages = tuple(state.run) if state.run else ("unit",)
     plan_opt = config.getoption("--plan")
-    plan_path = (
-        Path(plan_opt) if plan_opt else config.rootpath / "plans" / stages.default_plan_name(run_stages)
-    )
-    if not plan_opt and backend == "local" and "comparison" in run_stages:  # issue 9: the declared rehearsal
-        plan_path = config.rootpath / "plans" / "rehearsal" / "comparison-local.json"
+    plan_path = _user_path(config, plan_opt) if plan_opt else _default_plan(run_stages, backend)
     if plan_opt and not plan_path.is_file():
         raise pytest.UsageError(f"--plan: no such plan file: {plan_path}")
     evidence_opt = config.getoption("--evidence-dir")
-    evidence_dir = Path(evidence_opt) if evidence_opt else config.rootpath / "evidence"
+    if evidence_opt:
+        evidence_dir = _user_path(config, evidence_opt)
+    else:
+        try:
+            evidence_dir = project.default_evidence_dir()
+        except project.ProjectNotFound as exc:
+            raise pytest.UsageError(f"--evidence-dir not given and no default: {exc}") from None
     if evidence_dir.exists() and not evidence_dir.is_dir():
         raise pytest.UsageError(f"--evidence-dir: not a directory: {evidence_dir}")
+    save_every = config.getoption("--save-every")
+    if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
+        raise pytest.UsageError(f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (the brief asks "
+                                f"for each arm's state to be saved at least every {constants.MAX_SAVE_EVERY} steps)")
     waits = {}
     for opt in ("--capacity-patience-s", "--capacity-patience-after-steps-s", "--service-timeout-s"):
         value = config.getoption(opt)
@@ -184,12 +253,23 @@ def _resolve_options(config: pytest.Config, state: _StageState) -> HarnessOption
     wandb = wandb_request(config.getoption("--wandb-project"))
     if wandb_problem(wandb):
         raise pytest.UsageError(wandb_problem(wandb))
-    return HarnessOptions(backend, plan_path.resolve(), evidence_dir.resolve(), run_stages,
-                          resume=config.getoption("--resume"),
-                          comparison_schedule=config.getoption("--comparison-schedule"),
+    return HarnessOptions(backend, plan_path, evidence_dir, run_stages,
+                          resume=_resume_run_id(config, config.getoption("--resume"), evidence_dir),
+                          comparison_schedule=config.getoption("--comparison-schedule"), save_every=save_every,
                           proxy_credentials=config.getoption("--proxy-credentials"),
                           sdk_telemetry=config.getoption("--sdk-telemetry"),
                           wandb_project=wandb.project, wandb_source=wandb.source, **waits)
+
+
+def _resume_run_id(config: pytest.Config, value: str | None, evidence_dir: Path) -> str | None:
+    """--resume takes a run id, or the path of that run's bundle under the evidence dir."""
+    if value is None or "/" not in value:
+        return value
+    path = _user_path(config, value)
+    if path.parent != evidence_dir:
+        raise pytest.UsageError(f"--resume: {value} is not a run under the evidence dir {evidence_dir}; give its run "
+                                f"id, or --evidence-dir {path.parent}")
+    return path.name
 
 
 def stage_started_at(config: pytest.Config, stage: str) -> float | None:
@@ -198,20 +278,15 @@ def stage_started_at(config: pytest.Config, stage: str) -> float | None:
     return state.started.get(stage) if state is not None else None
 
 
-def _tests_root(config: pytest.Config) -> Path:
-    return config.rootpath / "tests"
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     state = config.stash[_STATE_KEY]
-    root = _tests_root(config)
     for item in items:
         markers = {m.name for m in item.iter_markers()}
-        stage = stages.stage_of(markers, item.path, root)
+        stage = stages.stage_of(markers, item.path)
         item.stash[STAGE_KEY] = stage
         item.add_marker(stage)
-        if stages.stage_from_path(item.path, root) is None and stage == "unit":
+        if stages.stage_from_path(item.path) is None and stage == "unit":
             continue
         if item.path.parent.name == stages.INTEGRATION_FOLDER:
             item.add_marker("integration")
@@ -464,6 +539,13 @@ def client_release_record(state: _StageState) -> dict[str, Any]:
             "releases": state.releases, "note": CLIENT_RELEASE_NOTE}
 
 
+def unit_parity_passed(config: pytest.Config) -> bool:
+    """Stage 'unit' ran in this session (on this code) and none of its tests failed."""
+    state = config.stash[_STATE_KEY]
+    counts = state.outcomes.get("unit", {})
+    return counts.get("passed", 0) > 0 and not counts.get("failed", 0) and "unit" not in state.first_failure
+
+
 def propose_outcome(config: pytest.Config, **fields: object) -> None:
     """A stage's final status/verdict/outcome_reason, written at session end only if no test failed."""
     config.stash[_STATE_KEY].outcome = dict(fields)
@@ -549,8 +631,8 @@ def service_client(service_backend: ServiceBackend, client_registry: ClientRegis
 
 
 @pytest.fixture(scope="session")
-def spec_plan(pytestconfig: pytest.Config) -> Plan:
-    return load_plan(pytestconfig.rootpath / "plans" / "exp_e6b0965af3.json")
+def spec_plan() -> Plan:
+    return load_plan(project.plan_file(project.SPEC_PLAN))
 
 
 @pytest.fixture(scope="session")
@@ -563,16 +645,16 @@ def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
 def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan: Plan,
                     service_backend: ServiceBackend, connectivity: Any) -> EvidenceBundle:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.feasibility import local_rehearsal
+    from dppo_harness.feasibility import rehearsal_sizing
 
     bundle = EvidenceBundle.create(harness_options.evidence_dir)
     # Recorded before any service call: a local run rehearses the spec at a declared, fixed size.
-    _, reductions = local_rehearsal(plan) if harness_options.backend == "local" else ({}, [])
+    _, reductions = rehearsal_sizing(plan, embedded_server=connectivity.embedded)
     bundle.start_session(
         backend=harness_options.backend,
         plan=plan,
         stages=harness_options.selected_stages,
-        project_root=pytestconfig.rootpath,
+        project_root=project.project_root(),
         test_files=sorted({str(p) for p in _stage_test_files(pytestconfig)}),
         size_reductions=reductions,
         # The embedded server names its stand-in model; a real service names it at client creation.

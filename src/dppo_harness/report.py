@@ -400,6 +400,20 @@ def plot_accuracy_difference(scores: list[Mapping[str, Any]], decision: Mapping[
     return _png(fig)
 
 
+def resume_lines(resume: Mapping[str, Any] | None) -> list[str]:
+    """The report's account of a resumed run: which run and session it continues, from which
+    step, how many times it was resumed (the provenance block's `resume`)."""
+    if not resume:
+        return []
+    cont = resume["continues_session"]
+    snap = cont.get("last_snapshot") or {}
+    return [f"**Resumed** ({resume['resumed_times']} time(s) in all): this session continued comparison run "
+            f"`{resume['comparison_run']}` from step {resume['from_step']} (the last step every arm had saved), after "
+            f"session `{cont['run_id']}` stopped with status `{cont['status']}`; its last snapshot "
+            f"`{snap.get('name')}` sha256 `{snap.get('sha256')}`. The preflight and the gate were not rerun: their "
+            f"evidence was reused after it verified by sha256 (`{resume['evidence_ref']}`).", ""]
+
+
 def _pooled_rollout_yield(rs: list[Mapping[str, Any]]) -> dict[str, Any] | None:
     """An arm's rollouts over all its steps (every step samples the same number of responses)."""
     if not rs or not all("truncated_frac" in r and "responses" in r for r in rs):
@@ -432,12 +446,14 @@ def truncation_warnings(scores: list[Mapping[str, Any]], eval_metrics: Mapping[s
 def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
                                decision: Mapping[str, Any], plot_files: Mapping[str, str], backend: str,
                                eval_metrics: Mapping[str, Mapping[str, Any]] | None = None,
-                               declared: Mapping[str, Any] | None = None, max_tokens: int | None = None) -> str:
+                               declared: Mapping[str, Any] | None = None, max_tokens: int | None = None,
+                               resume: Mapping[str, Any] | None = None) -> str:
     eval_metrics = eval_metrics or {}
     lines = ["# Paired comparison: DPPO Binary-TV vs GRPO clipped-ratio", ""]
     if backend == "local" or decision.get("rehearsal"):
         lines += ["**REHEARSAL** on the embedded CPU server's stand-in model under the declared rehearsal plan; "
                   "not a result about Qwen3.5-2B. Verdict always inconclusive.", ""]
+    lines += resume_lines(resume)
     by_arm = _by_arm(rows)
     measured = [(f"{arm} rollouts, all steps", _pooled_rollout_yield(rs)) for arm, rs in by_arm.items()]
     for s in scores:
@@ -494,7 +510,8 @@ def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mappi
 
 
 def write_comparison_report(bundle: Any, rows: list[Mapping[str, Any]], scores: list[Mapping[str, Any]],
-                            decision: Mapping[str, Any], backend: str, *, max_tokens: int | None = None) -> dict[str, str]:
+                            decision: Mapping[str, Any], backend: str, *, max_tokens: int | None = None,
+                            resume: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The comparison section of report.md with its plots, registered in the bundle. Per-model
     evaluation metrics come from the result's `metrics.arms`, the renderer and normalization from
     effective-config.json: what the evidence already says."""
@@ -512,6 +529,6 @@ def write_comparison_report(bundle: Any, rows: list[Mapping[str, Any]], scores: 
     for key, data in plots.items():
         bundle.register_bytes(COMPARISON_PLOTS[key], "plot", data)
     text = render_comparison_markdown(rows, scores, decision, COMPARISON_PLOTS, backend, eval_metrics, declared,
-                                      max_tokens)
+                                      max_tokens, resume)
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**COMPARISON_PLOTS, "report": REPORT_FILE}

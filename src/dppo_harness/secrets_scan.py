@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import quote, quote_plus
 
 # Every variable whose value is a credential this harness may hold.
@@ -23,6 +24,11 @@ SECRET_ENV_VARS = (
     "RUNS_PROXY_TOKEN_ID",
     "RUNS_PROXY_TOKEN_SECRET",
 )
+
+# Shorter values cannot be scanned for safely: they occur in ordinary text (a placeholder such
+# as "unused" is in the vendored data and the golden file's notes), so the scan would block
+# honest evidence minutes into a run. Real Tinker API keys and Modal tokens are far longer.
+MIN_SECRET_LENGTH = 16
 
 
 class SecretLeakError(RuntimeError):
@@ -113,3 +119,48 @@ def scanner_for(env: Mapping[str, str] | None = None, extra: Iterable[str] = ())
     items = live_secret_items(env)
     items += [(f"explicit_secret[{i}]", v) for i, v in enumerate(extra) if v]
     return SecretScanner(items)
+
+
+@dataclass(frozen=True)
+class UnsafeCredential:
+    """A credential value the evidence scan cannot guard (reported by variable, never by value)."""
+
+    variable: str
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.variable}: credential value refused: {self.reason}"
+
+
+def unsafe_credentials(env: Mapping[str, str] | None, files: Iterable[Path], *, root: Path | None = None,
+                       min_length: int = MIN_SECRET_LENGTH) -> list[UnsafeCredential]:
+    """Credential values that would make the evidence scan fail or mean nothing: shorter than
+    `min_length`, or present (in any encoding the scan looks for) in one of `files`, the
+    harness's own files, which reach the evidence as plans, patches, copies and the code archive.
+    Each file is read once; `root` shortens the file named in the reason."""
+    out, long_enough = [], []
+    for name, value in live_secret_items(env):
+        if len(value.strip()) < min_length:
+            out.append(UnsafeCredential(name, f"shorter than {min_length} characters, too short to scan the evidence "
+                                              "for (set the real credential)"))
+        else:
+            long_enough.append((name, value))
+    scanner = SecretScanner(long_enough)
+    found: dict[str, str] = {}
+    if len(scanner):
+        for path in files:
+            try:
+                data = Path(path).read_bytes()
+            except OSError:
+                continue
+            for m in scanner.find(data):
+                if m.label not in found:
+                    shown = Path(path).relative_to(root) if root and Path(root) in Path(path).parents else Path(path).name
+                    found[m.label] = str(shown)
+            if len(found) == len(long_enough):
+                break
+    for name, _ in long_enough:
+        if name in found:
+            out.append(UnsafeCredential(name, f"its value occurs in the harness's own files ({found[name]}), so the "
+                                              "evidence scan would block them (a placeholder? set the real credential)"))
+    return sorted(out, key=lambda u: SECRET_ENV_VARS.index(u.variable))

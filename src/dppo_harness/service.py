@@ -97,14 +97,25 @@ def client_kwargs(
         raise ServiceConfigError(f"unknown backend {backend!r}: expected 'local' or 'tinker'")
     url = base_url or _require(env, "TINKER_BASE_URL", "for the tinker backend")
     api_key = _require(env, "TINKER_API_KEY", "for the tinker backend")
-    headers: dict[str, str] = {}
-    if proxy_tokens != "none":
-        if proxy_tokens not in _PROXY_VARS:
-            raise ServiceConfigError(f"unknown proxy_tokens option {proxy_tokens!r}: expected modal, runs or none")
-        id_var, secret_var = _PROXY_VARS[proxy_tokens]
-        headers["Modal-Key"] = _require(env, id_var, "for the Modal-Key proxy header")
-        headers["Modal-Secret"] = _require(env, secret_var, "for the Modal-Secret proxy header")
-    return {"base_url": url, "api_key": api_key, "default_headers_overrides": headers}
+    return {"base_url": url, "api_key": api_key, "default_headers_overrides": proxy_headers(env, proxy_tokens)}
+
+
+def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -> dict[str, str]:
+    """Modal-Key/Modal-Secret for a service behind Spindle's Modal proxy (holds secrets).
+
+    "modal": sent only when MODAL_PROXY_TOKEN_ID/SECRET are set (a stock Tinker deployment or the
+    embedded server needs none); one of the pair without the other is an error. "runs": the fork's
+    RUNS_PROXY_TOKEN_ID/SECRET, asked for explicitly, so both are required. "none": no headers.
+    """
+    if proxy_tokens == "none":
+        return {}
+    if proxy_tokens not in _PROXY_VARS:
+        raise ServiceConfigError(f"unknown proxy_tokens option {proxy_tokens!r}: expected modal, runs or none")
+    id_var, secret_var = _PROXY_VARS[proxy_tokens]
+    if proxy_tokens == "modal" and not env.get(id_var) and not env.get(secret_var):
+        return {}
+    return {"Modal-Key": _require(env, id_var, f"for the Modal-Key proxy header ({secret_var} is set)"),
+            "Modal-Secret": _require(env, secret_var, f"for the Modal-Secret proxy header ({id_var} is set)")}
 
 
 TELEMETRY_VAR = "TINKER_TELEMETRY"
@@ -140,8 +151,8 @@ def make_service_client(
     until first call).
 
     tinker: TINKER_BASE_URL (unless base_url is given), TINKER_API_KEY, and the proxy headers
-    Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (proxy_tokens="modal", shared Spindle) or
-    RUNS_PROXY_TOKEN_* (proxy_tokens="runs", a fork); proxy_tokens="none" sends no proxy headers.
+    Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* when they are set (proxy_tokens="modal",
+    shared Spindle) or from RUNS_PROXY_TOKEN_* (proxy_tokens="runs", a fork); see proxy_headers.
     local: the given loopback base_url and constants.LOCAL_API_KEY; no environment needed.
     observer: called with each training client this ServiceClient creates (see ObservedServiceClient).
     registry: the ServiceClient is registered under `stage` (released at that stage's end, always on
@@ -324,14 +335,18 @@ def live_secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     return [v for _, v in live_secret_items(env)]
 
 
-def describe_service(backend: Backend, base_url: str | None, *, proxy_tokens: ProxyTokens = "modal") -> dict[str, Any]:
+def describe_service(backend: Backend, base_url: str | None, *, proxy_tokens: ProxyTokens = "modal",
+                     env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Evidence-safe description of the connection (no values of credentials)."""
+    env = os.environ if env is None else env
+    sent = backend != "local" and proxy_tokens != "none" and (
+        proxy_tokens != "modal" or any(env.get(v) for v in _PROXY_VARS["modal"]))
     return {
         "backend": backend,
         "base_url": redact_url(base_url),
         "auth": "constants.LOCAL_API_KEY (not a secret)" if backend == "local" else "TINKER_API_KEY from environment",
-        "proxy_headers": [] if backend == "local" or proxy_tokens == "none" else
-        [f"Modal-Key from {_PROXY_VARS[proxy_tokens][0]}", f"Modal-Secret from {_PROXY_VARS[proxy_tokens][1]}"],
+        "proxy_headers": [f"Modal-Key from {_PROXY_VARS[proxy_tokens][0]}",
+                          f"Modal-Secret from {_PROXY_VARS[proxy_tokens][1]}"] if sent else [],
     }
 
 

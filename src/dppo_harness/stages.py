@@ -39,16 +39,34 @@ def stage_index(stage: str) -> int:
     return STAGES.index(stage)
 
 
-def stage_from_path(path: PurePath, tests_root: PurePath) -> str | None:
-    """The stage of a test file from its first folder below `tests/`, or None outside it."""
+TESTS_FOLDER = "tests"
+
+
+def tests_root_of(path: PurePath) -> PurePath | None:
+    """The `tests/` folder a test file sits in: the innermost ancestor named `tests` whose child on
+    the way to the file is a stage folder. Read from the file's own path, so it does not depend on
+    pytest's rootdir or the current directory."""
+    parts = path.parts
+    for i in range(len(parts) - 3, -1, -1):
+        if parts[i] == TESTS_FOLDER and parts[i + 1] in FOLDER_STAGE:
+            return PurePath(*parts[: i + 1])
+    return None
+
+
+def stage_from_path(path: PurePath, tests_root: PurePath | None = None) -> str | None:
+    """The stage of a test file from its first folder below `tests/` (`tests_root`, else the one
+    `tests_root_of` finds), or None outside it."""
+    root = tests_root if tests_root is not None else tests_root_of(path)
+    if root is None:
+        return None
     try:
-        parts = path.relative_to(tests_root).parts
+        parts = path.relative_to(root).parts
     except ValueError:
         return None
     return FOLDER_STAGE.get(parts[0]) if len(parts) > 1 else None
 
 
-def stage_of(marker_names: Iterable[str], path: PurePath, tests_root: PurePath) -> str:
+def stage_of(marker_names: Iterable[str], path: PurePath, tests_root: PurePath | None = None) -> str:
     """An explicit stage marker wins; else the folder decides; else the test is a unit test."""
     marked = [m for m in marker_names if m in STAGES]
     if len(set(marked)) > 1:

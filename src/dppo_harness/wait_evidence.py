@@ -14,51 +14,41 @@ from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.service_wait import CapacityExhausted, ServiceStopped, ServiceWaiter, WaitStatus
 
-# Wait snapshots share the bundle's 64 files with the stages' own evidence: on the embedded server
-# (windows scaled 100x down) a wait is "long" after about a second, so every few seconds of a
-# loaded run would otherwise take a file the stage needs at its end.
-MAX_WAIT_SNAPSHOTS = 8
+# Waiting snapshots per bundle. On the embedded CPU server (windows 100x shorter) nearly every
+# call counts as a wait and a snapshot falls due every few seconds: uncapped, they filled a
+# comparison bundle to its 64-file limit before the comparison began, leaving no room for the
+# stage's own evidence. result.json itself is still updated at every post.
+MAX_WAIT_SNAPSHOTS = 6
 
 
 class BundlePoster:
     """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block (what is
     waited on, since when, queue state and reason) into result.json and, at most every
-    `snapshot_every_s` and at most `max_snapshots` times, a result snapshot (later ones are counted
-    in the block as `snapshots_skipped`); `stop` releases every registered client and writes the
+    `snapshot_every_s`, a result snapshot (at most MAX_WAIT_SNAPSHOTS); `stop` releases every registered client and writes the
     stopped run's result (status failed, verdict inconclusive, incomplete_execution, and the
     capacity_block or the hang), then a snapshot."""
 
-    def __init__(self, bundle: Any, registry: Any = None, clock: Callable[[], float] = time.monotonic,
-                 max_snapshots: int = MAX_WAIT_SNAPSHOTS):
+    def __init__(self, bundle: Any, registry: Any = None, clock: Callable[[], float] = time.monotonic):
         self.bundle, self.registry, self.clock = bundle, registry, clock
-        self.max_snapshots = max_snapshots
         self._last_snapshot: float | None = None
         self.posts = 0
         self.snapshots = 0
-        self.snapshots_skipped = 0
 
     def post(self, waiter: ServiceWaiter, status: WaitStatus) -> None:
         self.posts += 1
+        self.bundle.update_result(service_wait={**waiter.evidence(), "waiting": status.as_dict()})
         now = self.clock()
         due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
-        if due:
+        if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
             self._last_snapshot = now
-            if self.snapshots >= self.max_snapshots:
-                self.snapshots_skipped += 1
-        skipped = {"snapshots_skipped": self.snapshots_skipped} if self.snapshots_skipped else {}
-        self.bundle.update_result(service_wait={**waiter.evidence(), "waiting": status.as_dict(), **skipped})
-        if due and self.snapshots < self.max_snapshots:
-            self.snapshots += 1
-            post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}")
+            self.snapshots += post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}") is not None
 
     def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
         released = bool(self.registry.release_all("errored")) if self.registry is not None else False
         if isinstance(stop, CapacityExhausted):
             stop.block = replace(stop.block, released_clients=released)
         fields: dict[str, Any] = {**stop.result_fields(),
-                                  "service_wait": {**waiter.evidence(), "released_clients": released,
-                                                  **({"snapshots_skipped": self.snapshots_skipped}
-                                                     if self.snapshots_skipped else {})}}
+                                  "service_wait": {**waiter.evidence(), "released_clients": released}}
         result = self.bundle.result
         if result.get("original_hypothesis_tested") is None:
             fields.update(original_hypothesis_tested=False,

@@ -148,7 +148,7 @@ def test_the_schedule_and_its_source_are_recorded(comparison_run, evidence_bundl
         embedded = (evidence_bundle.result.get("backend") or {}).get("kind") == "local"
         assert comparison_run.schedule == ("interleaved" if embedded else "concurrent")
         assert manifest["schedule_source"].startswith("default on")
-    state = json.loads(evidence_bundle.file_path("comparison-state-0.json").read_text())
+    state = json.loads(evidence_bundle.file_path("comparison-state-r0-end.json").read_text())
     guard = state["training"]["wall_guard"]
     assert guard["step_seconds"] and len(guard["step_seconds"]) == comparison_run.steps_completed
 

@@ -20,7 +20,7 @@ import pytest
 from dppo_harness import comparison as C
 from dppo_harness import service
 from dppo_harness.comparison_run import run_comparison
-from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.restoration import create_from_state_observed
@@ -106,20 +106,9 @@ def _run(engine, tmp_path, name, **kw):
                           state_root=tmp_path / "state", tag=name, **kw), bundle
 
 
-# What the sampled tokens decide must match exactly; logprob-derived floats only to the embedded
-# server's run-to-run float noise (its batched CPU kernels are not bitwise reproducible between two
-# runs, resumed or not: two uninterrupted runs show the same ~1e-7 differences).
-EXACT = ("reward_mean", "format_rate", "correct_rate", "response_tokens", "loss_tokens", "updates", "loss",
-         "truncated_frac", "no_answer_frac", "mean_response_tokens", "responses", "max_tokens", "cookbook_env")
-FLOAT_ATOL = 2e-3
-
-
-def _row_differences(got, want):
-    where = f"{got['arm']} step {got['step']}"
-    out = [f"{where}: {k} {got[k]!r} != {want[k]!r}" for k in EXACT if got[k] != want[k]]
-    out += [f"{where}: {k} {got[k]!r} vs {want[k]!r}" for k in set(want) - set(EXACT) - {"arm", "step"}
-            if abs(float(got[k]) - float(want[k])) > FLOAT_ATOL]
-    return out
+# Token-derived fields exactly, logprob-derived floats within C.RESUME_FLOAT_ATOL (two
+# uninterrupted runs on the embedded server show ~1e-7 differences).
+_row_differences = C.row_differences
 
 
 def _kill_after(n):
@@ -133,7 +122,7 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, tmp_path):
     full, _ = _run(engine, tmp_path, "full")
     assert full.stopped is None and full.steps_completed == 3
 
-    first, _first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(2))
+    first, first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(2))
     assert first.stopped == "killed after step 2" and first.steps_completed == 2
     assert first.final["outcome_reason"] == "incomplete_execution"
     saved = json.loads(C.state_path(tmp_path / "state", first.run_id).read_text())
@@ -147,10 +136,16 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, tmp_path):
     assert [key(r) for r in got] == [key(r) for r in want]
     problems = [p for g, w in zip(got, want) for p in _row_differences(g, w)]
     assert not problems, "resumed run differs from the uninterrupted run:\n" + "\n".join(problems)
-    # Each restore is one more restore_count and optimizer check, per arm.
+    # Each restore is one more restore_count and optimizer check, per arm, naming what it loaded.
     prov = bundle.result["initialization_provenance"]["arms"]
     assert all(p["restore_count"] == 2 and [c["after_restore"] for c in p["optimizer_checks"]] == [2] for p in prov.values())
+    assert {a: p["loaded_checkpoint_uri"] for a, p in prov.items()} == {a: s["state_path"] for a, s in saved["arms"].items()}
     assert resumed.decision["verdict"] == "inconclusive" and resumed.decision["rehearsal"]
+    # Both bundles verify: every evidence_ref written on resume names a registered file.
+    assert verify_bundle(first_bundle.dir) == [] and verify_bundle(bundle.dir) == []
+    resume = bundle.result["initialization_provenance"]["resume"]
+    assert (resume["comparison_run"], resume["from_step"], resume["resumed_times"]) == (first.run_id, 2, 1)
+    assert resume["continues_session"]["run_id"] == first_bundle.run_id
 
 
 def test_resume_is_refused_when_the_plan_changed(engine, tmp_path):

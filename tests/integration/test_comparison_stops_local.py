@@ -56,7 +56,7 @@ def _run(engine, tmp_path, name, **kw):
 
 
 def _training_block(bundle, resumed=0):
-    return json.loads(bundle.file_path(f"comparison-state-{resumed}.json").read_text())["training"]
+    return json.loads(bundle.file_path(f"comparison-state-r{resumed}-end.json").read_text())["training"]
 
 
 def _assert_stopped_with_evidence(run, bundle, steps_done):

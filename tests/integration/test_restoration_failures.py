@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tinker
 
-from dppo_harness import constants
+from dppo_harness import constants, project
 from dppo_harness import restoration as R
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
@@ -27,8 +27,8 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def spec(pytestconfig):
-    return load_plan(pytestconfig.rootpath / "plans" / "exp_e6b0965af3.json")
+def spec():
+    return load_plan(project.plan_file(project.SPEC_PLAN))
 
 
 @pytest.fixture(scope="module")

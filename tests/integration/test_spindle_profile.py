@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -29,11 +30,14 @@ from dppo_harness.local_server.process import LocalServerProcess, live_child_pid
 from dppo_harness.secrets_scan import SecretScanner
 
 ROOT = Path(__file__).resolve().parents[2]
-PLANTED = {  # planted, not real: the server checks them, the evidence must never contain them
-    "TINKER_API_KEY": "tml-PLANTED-ci-4f1b9c2e7d",
-    "MODAL_PROXY_TOKEN_ID": "wk-PLANTED-ci-8a3e5d1f",
-    "MODAL_PROXY_TOKEN_SECRET": "ws-PLANTED-ci-c7d2e9b4a6",
+# Planted, not real: the server checks them, the evidence must never contain them. Made fresh per
+# run: a value written in this file would sit in the code archive, and the harness refuses it.
+PLANTED = {
+    "TINKER_API_KEY": "tml-planted-" + secrets.token_hex(8),
+    "MODAL_PROXY_TOKEN_ID": "wk-planted-" + secrets.token_hex(8),
+    "MODAL_PROXY_TOKEN_SECRET": "ws-planted-" + secrets.token_hex(8),
 }
+WRONG_SECRET = "ws-wrong-" + secrets.token_hex(8)
 SHORT_STORM = 2  # refusals; backoff 0.6 s + 1.2 s at scale 0.01, inside the 6 s window
 CAPACITY_SCALE = "0.01"  # backoff 0.6/1.2/2.4 s, give-up window 6 s before any comparison step
 SAMPLER_LP_ATOL = 1e-4  # see test_same_plan_on_the_local_backend_computes_the_same
@@ -61,8 +65,6 @@ def _harness_env(base_url: str | None, **overrides: str | None) -> dict[str, str
 
 def _harness(args: list[str], env: dict[str, str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    # Options as --opt=value: a separate value that is a path outside the repo (the plan, the evidence
-    # dir) would be taken for a test path before the harness plugin is loaded from conftest.py.
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
@@ -235,7 +237,7 @@ def test_bad_credentials_one_line_within_30s(case, spindle, tmp_path):
         overrides["TINKER_API_KEY"] = None
         expect = "environment variable TINKER_API_KEY is not set"
     elif case == "wrong_modal_secret":
-        overrides["MODAL_PROXY_TOKEN_SECRET"] = "ws-wrong-secret-0000"
+        overrides["MODAL_PROXY_TOKEN_SECRET"] = WRONG_SECRET
         expect = "check MODAL_PROXY_TOKEN_ID/SECRET"
     else:
         import socket
@@ -254,9 +256,22 @@ def test_bad_credentials_one_line_within_30s(case, spindle, tmp_path):
     assert "During handling" not in out and "Traceback" not in out, out[-3000:]  # the line, no traceback
     for v in PLANTED.values():
         assert v not in out
-    assert "ws-wrong-secret" not in out
+    assert WRONG_SECRET not in out
     assert live_child_pids() <= before  # nothing left running
     assert spindle.stats()["sessions"] == sessions_before  # no session was opened on the service
+
+
+def test_missing_modal_headers_one_line_naming_both_variables(spindle):
+    """Modal headers are optional for the harness, not for Spindle: without the two variables the
+    spindle profile answers 401 and the line names both (the spindle server keeps requiring them)."""
+    from dppo_harness.connectivity import ConnectivityError, check_connectivity
+
+    env = {"TINKER_BASE_URL": spindle.base_url, "TINKER_API_KEY": PLANTED["TINKER_API_KEY"]}
+    with pytest.raises(ConnectivityError) as e:
+        check_connectivity("tinker", None, "Qwen/Qwen3.5-2B", env=env, timeout_s=10)
+    assert e.value.check == "auth" and "HTTP 401" in e.value.line, e.value.line
+    assert "set MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET" in e.value.line
+    assert PLANTED["TINKER_API_KEY"] not in e.value.line
 
 
 # ---- the service's pauses, hangs and refusals, through the whole harness (service_wait) ---------

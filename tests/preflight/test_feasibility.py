@@ -12,13 +12,14 @@ def test_plan_fits_its_budget(feasibility):
     assert feasibility.passed, feasibility.failure_message()
 
 
-def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bundle, plan, service_backend):
+def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bundle, plan, connectivity):
     written = evidence_bundle.result["feasibility"]
     assert written == feasibility.block
     m = written["measurements"]
     assert m["setup"]["seconds"] > 0 and m["training"]["seconds"] > 0
-    # The projected schedule is the plan's, at the declared rehearsal size on the local backend.
-    overrides, _ = F.local_rehearsal(plan) if service_backend.kind == "local" else ({}, [])
+    # The projected schedule is the plan's, at the declared rehearsal size on the embedded server
+    # (the local backend, or its marker seen on the tinker backend).
+    overrides, _ = F.rehearsal_sizing(plan, embedded_server=connectivity.embedded)
     expected = replace(F.schedule_from_plan(plan), **overrides)
     assert feasibility.schedule == expected
     assert m["training"]["planned_units"] == expected.arm_steps

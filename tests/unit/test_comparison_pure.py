@@ -121,6 +121,29 @@ def test_resume_refuses_changed_plan_evaluator_code_or_unpaired_steps(tmp_path):
         C.RunState.load(tmp_path / "bad" / C.STATE_FILE)
 
 
+def test_resume_rewinds_every_arm_to_the_last_step_all_of_them_saved(tmp_path):
+    """save_every > 1, or a kill between the arms' saves: both arms continue from the last common
+    save (step 0: the shared initial checkpoint); later rows are dropped and recomputed."""
+    st = C.RunState("r1", "p", "e", "c", "tinker://init", {
+        "grpo_seed0": C.ArmState("grpo_seed0", steps_done=7, state_path="tinker://g/6", state_step=6,
+                                 saves={"3": "tinker://g/3", "6": "tinker://g/6"}, final_sampler="tinker://g/final"),
+        "dppo_seed0": C.ArmState("dppo_seed0", steps_done=6, state_path="tinker://d/3", state_step=3,
+                                 saves={"3": "tinker://d/3"})})
+    st.rows = [{"arm": a, "step": k} for k in range(7) for a in ("grpo_seed0", "dppo_seed0")]
+    assert C.rewind_to_common_save(st, steps=9) == 3
+    assert {a: (s.steps_done, s.state_step, s.state_path) for a, s in st.arms.items()} == {
+        "grpo_seed0": (3, 3, "tinker://g/3"), "dppo_seed0": (3, 3, "tinker://d/3")}
+    assert st.arms["grpo_seed0"].final_sampler is None and max(r["step"] for r in st.rows) == 2
+    st.arms["dppo_seed0"].saves = {}
+    st.arms["dppo_seed0"].state_path = None
+    assert C.rewind_to_common_save(st, steps=9) == 0
+    assert all(s.state_path is None and s.steps_done == 0 for s in st.arms.values()) and st.rows == []
+    # a state written before saves were kept: its one state counts
+    old = C.RunState.from_json({**st.to_json(), "arms": {a: {k: v for k, v in d.items() if k != "saves"} | {
+        "steps_done": 2, "state_step": 2, "state_path": f"tinker://{a}/2"} for a, d in st.to_json()["arms"].items()}})
+    assert C.rewind_to_common_save(old, steps=9) == 2
+
+
 def test_code_revision_changes_with_the_sources(tmp_path):
     (tmp_path / "a.py").write_text("x = 1\n")
     before = C.code_revision(tmp_path)

@@ -25,9 +25,11 @@ class Stub:
     client/dynamic_config, GET get_server_capabilities, as configured); checks the proxy headers
     on every request."""
 
-    def __init__(self, *, status=200, models=(QWEN,), marker=False, require_auth=True, body=None, jwt=None):
+    def __init__(self, *, status=200, models=(QWEN,), marker=False, require_auth=True, body=None, jwt=None,
+                 modal=True):
         self.status, self.models, self.marker, self.require_auth, self.body = status, models, marker, require_auth, body
         self.jwt = jwt  # set: the service asks for the SDK's JWT exchange and accepts only the JWT afterwards
+        self.modal = modal  # False: a stock Tinker service, the API key only
         self.seen_headers: list[dict] = []
         self.paths: list[str] = []
         stub = self
@@ -68,7 +70,7 @@ class Stub:
             return 404, {"error": "not found"}
         if self.require_auth:
             for h, var in (("X-API-Key", "TINKER_API_KEY"), ("Modal-Key", "MODAL_PROXY_TOKEN_ID"),
-                           ("Modal-Secret", "MODAL_PROXY_TOKEN_SECRET")):
+                           ("Modal-Secret", "MODAL_PROXY_TOKEN_SECRET"))[: 3 if self.modal else 1]:
                 if h not in headers:
                     return 401, {"error": f"missing header {h}", "category": "user"}
                 if headers[h] != ENV[var]:
@@ -145,6 +147,22 @@ def test_missing_variable_names_it(stub_factory, missing):
     err = _fail(s.url, env)
     assert err.check == "variables" and missing in str(err)
     assert s.seen_headers == []  # nothing was sent
+
+
+def test_stock_tinker_service_needs_only_url_and_api_key(stub_factory):
+    """Without MODAL_PROXY_TOKEN_ID/SECRET no Modal header is sent, and a service that asks for
+    none accepts the run."""
+    s = stub_factory(modal=False)
+    rep = check_connectivity("tinker", None, QWEN, env={"TINKER_API_KEY": ENV["TINKER_API_KEY"], "TINKER_BASE_URL": s.url})
+    assert rep.model == QWEN and "proxy headers: none (no proxy-token variables set)" in rep.checks[0]["detail"]
+    assert not {"Modal-Key", "Modal-Secret"} & set(s.seen_headers[0])
+
+
+def test_missing_modal_headers_401_names_both_variables(stub_factory):
+    s = stub_factory()  # behind the Modal proxy
+    err = _fail(s.url, {"TINKER_API_KEY": ENV["TINKER_API_KEY"]})
+    assert err.check == "auth" and "HTTP 401" in str(err) and "header Modal-Key" in str(err)
+    assert "set MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET" in str(err)
 
 
 def test_wrong_modal_secret_is_a_401_line_naming_the_variable(stub_factory):

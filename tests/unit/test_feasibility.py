@@ -211,3 +211,6 @@ def test_local_rehearsal_size_is_declared_for_the_spec_only():
     assert all(d["field"] in DEVIATION_FIELDS and d["reason"] for d in deviations)
     assert "50 rollout batches per arm (100 optimizer steps)" in deviations[0]["original"]
     assert F.local_rehearsal(load_plan(plans_dir / "exp_e6b0965af3-diagnostic-r1.json")) == ({}, [])
+    # the embedded server rehearses at that size whatever --backend says; a real service does not
+    assert F.rehearsal_sizing(spec, embedded_server=True) == (overrides, deviations)
+    assert F.rehearsal_sizing(spec, embedded_server=False) == ({}, [])

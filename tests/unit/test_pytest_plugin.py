@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dppo_harness import project as project_paths
+
 REPO = Path(__file__).resolve().parents[2]
 
 PROJECT = {
@@ -25,10 +27,6 @@ PROJECT = {
 @pytest.fixture
 def project(pytester: pytest.Pytester):
     def make(preflight_ok: bool = True, unit_ok: bool = True):
-        (pytester.path / "plans").mkdir()
-        for name in ("exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json", "rehearsal/comparison-local.json"):
-            (pytester.path / "plans" / name).parent.mkdir(parents=True, exist_ok=True)
-            (pytester.path / "plans" / name).write_bytes((REPO / "plans" / name).read_bytes())
         pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin"]')
         pytester.makeini("[pytest]\ntestpaths = tests\naddopts = --strict-markers -p no:cacheprovider\n")
         for rel, src in PROJECT.items():
@@ -118,6 +116,19 @@ def test_options_are_validated(project, monkeypatch):
     res.stderr.fnmatch_lines(["*needs the environment variable TINKER_BASE_URL*"])
     res = p.runpytest("--backend", "nope")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res = p.runpytest("-m", "comparison", "--save-every", "11")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--save-every: 11 is not in 1..10 (the brief asks*"])
+    res = p.runpytest("-m", "diagnostic", "--resume", "r1")
+    res.stderr.fnmatch_lines(["*--resume RUN_ID continues a comparison: select it with -m comparison*"])
+
+
+def test_resume_does_not_rerun_preflight_and_gate_but_unit_parity(project):
+    p = project()
+    (p.path / "tests/comparison").mkdir()
+    (p.path / "tests/comparison/test_c.py").write_text("def test_cmp():\n    assert True\n")
+    res = p.runpytest("-v", "-m", "comparison", "--resume", "r1")
+    assert _order(res) == ["test_parity", "test_cmp"]
 
 
 def test_options_reach_a_session_fixture(project, monkeypatch):
@@ -143,6 +154,57 @@ def test_options_reach_a_session_fixture(project, monkeypatch):
     res.assert_outcomes(passed=1)
 
 
+PATH_PROBE = """
+import json
+
+def test_restore(request, harness_options):
+    ev = harness_options.evidence_dir
+    ev.mkdir(parents=True, exist_ok=True)
+    n = len(list(ev.glob("session-*.json")))
+    (ev / f"session-{n}.json").write_text(json.dumps({
+        "rootdir": str(request.config.rootpath), "inifile": str(request.config.inipath),
+        "plan": str(harness_options.plan_path), "evidence_dir": str(ev)}))
+"""
+
+
+def test_path_options_in_both_forms_twice_and_from_another_cwd(project, tmp_path_factory, monkeypatch):
+    """A second run with the same `--evidence-dir DIR` (space form; DIR now exists, outside any
+    project) keeps the project's rootdir, config and default plan; so does `--opt=DIR`, and a run
+    from another working directory (its relative DIR resolved there)."""
+    p = project()
+    (p.path / "tests/preflight/test_p.py").write_text(PATH_PROBE)
+    runs = tmp_path_factory.mktemp("outside") / "runs"  # created by the first run
+    spec = str(project_paths.plan_file(project_paths.SPEC_PLAN))
+
+    def sessions(ev):
+        return [json.loads(f.read_text()) for f in sorted(ev.glob("session-*.json"))]
+
+    for args in (["--evidence-dir", str(runs)], ["--evidence-dir", str(runs)], [f"--evidence-dir={runs}"]):
+        res = p.runpytest("-m", "preflight", *args)
+        res.assert_outcomes(passed=2, deselected=3)
+    assert [s["rootdir"] for s in sessions(runs)] == [str(p.path)] * 3
+    assert all(s["inifile"] != "None" and s["plan"] == spec for s in sessions(runs))
+
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (elsewhere / "runs").mkdir()
+    monkeypatch.chdir(elsewhere)
+    for plan_args in (["--plan", spec], [f"--plan={spec}"]):
+        res = p.runpytest("-m", "preflight", "--evidence-dir", "runs", *plan_args, str(p.path / "tests"))
+        res.assert_outcomes(passed=2, deselected=3)
+    got = sessions(elsewhere / "runs")
+    assert [(s["rootdir"], s["plan"], s["evidence_dir"]) for s in got] == [(str(p.path), spec, str(elsewhere / "runs"))] * 2
+
+
+def test_rootdir_is_given_back_only_when_a_harness_option_misled_pytest(tmp_path):
+    from dppo_harness.pytest_rootdir import misread_values
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "plan.json").write_text("{}")
+    args = ["-m", "preflight", "--evidence-dir", "runs", "--plan", "plan.json", "--resume", "r1", "tests", "--plan=x"]
+    assert misread_values(args, tmp_path) == ["runs", "plan.json"]  # r1 and tests do not exist; --plan=x is one arg
+    assert misread_values(["--evidence-dir"], tmp_path) == []
+
+
 def test_fixture_error_blocks_later_stages(project):
     p = project()
     (p.path / "tests/preflight/test_p.py").write_text(
@@ -164,7 +226,7 @@ def test_fixture_error_blocks_later_stages(project):
     res.stdout.fnmatch_lines(["*blocked: stage 'preflight' failed*"])
 
 
-def test_malformed_plan_is_one_usage_error_before_collection(project):
+def test_malformed_plan_is_one_usage_error_before_collection(project, monkeypatch):
     p = project()
     raw = json.loads((REPO / "plans" / "exp_e6b0965af3-diagnostic-r1.json").read_text())
     del raw["schedule"]["epochs"]
@@ -175,8 +237,10 @@ def test_malformed_plan_is_one_usage_error_before_collection(project):
     errors = [ln for ln in res.errlines if ln.startswith("ERROR")]
     assert len(errors) == 1 and errors[0].endswith("x.json: schedule.epochs: missing required key"), res.errlines
     assert not any("passed" in ln or "collected" in ln for ln in res.outlines)
-    # the default plan of a selected stage is validated as well
+    # the default plan of a selected stage is validated as well (the project's plans, here a bad copy)
+    (p.path / "plans").mkdir()
     (p.path / "plans" / "exp_e6b0965af3-diagnostic-r1.json").write_text("{}")
+    monkeypatch.setattr(project_paths, "plans_dir", lambda: p.path / "plans")
     res = p.runpytest("-m", "diagnostic")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res.stderr.fnmatch_lines(["ERROR: default plan: *exp_e6b0965af3-diagnostic-r1.json: title: missing required key*"])

@@ -50,6 +50,15 @@ def test_tinker_client_uses_env_and_modal_headers():
     assert not any(v in desc for k, v in FAKE_ENV.items() if k != "TINKER_BASE_URL")
 
 
+def test_modal_headers_are_sent_only_when_set():
+    env = {k: v for k, v in FAKE_ENV.items() if not k.startswith("MODAL_")}
+    assert client_kwargs("tinker", env=env)["default_headers_overrides"] == {}
+    assert describe_service("tinker", env["TINKER_BASE_URL"], env=env)["proxy_headers"] == []
+    assert len(describe_service("tinker", env["TINKER_BASE_URL"], env=FAKE_ENV)["proxy_headers"]) == 2
+    with pytest.raises(ServiceConfigError, match="RUNS_PROXY_TOKEN_ID"):  # the fork's tokens: asked for, required
+        client_kwargs("tinker", env={k: v for k, v in FAKE_ENV.items() if not k.startswith("RUNS_")}, proxy_tokens="runs")
+
+
 @pytest.mark.parametrize("missing, proxy", [
     ("TINKER_BASE_URL", "modal"), ("TINKER_API_KEY", "modal"), ("MODAL_PROXY_TOKEN_ID", "modal"),
     ("MODAL_PROXY_TOKEN_SECRET", "modal"), ("RUNS_PROXY_TOKEN_SECRET", "runs"),

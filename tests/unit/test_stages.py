@@ -49,3 +49,13 @@ def test_prerequisites_expand_in_order():
 def test_default_plan_follows_stage():
     assert stages.default_plan_name(["unit", "preflight", "diagnostic"]).endswith("diagnostic-r1.json")
     assert stages.default_plan_name(["unit", "preflight"]) == "exp_e6b0965af3.json"
+
+
+def test_stage_folder_is_found_from_the_file_path_alone():
+    """No rootdir needed: the innermost `tests/<stage folder>/` on the file's own path decides."""
+    assert stages.stage_of([], PurePath("/a/tests/x/proj/tests/gates/test_g.py")) == "gate"
+    assert stages.stage_of([], PurePath("/tmp/pytest-1/test_x0/tests/comparison/sub/test_c.py")) == "comparison"
+    assert stages.tests_root_of(PurePath("/p/tests/preflight/test_a.py")) == PurePath("/p/tests")
+    assert stages.stage_from_path(PurePath("/p/tests/test_top.py")) is None  # not inside a stage folder
+    assert stages.stage_from_path(PurePath("/p/other/preflight/test_a.py")) is None
+    assert stages.stage_of([], PurePath("/p/src/test_x.py")) == "unit"

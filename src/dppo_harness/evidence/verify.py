@@ -37,20 +37,20 @@ def _is_ref(path: tuple[str | int, ...], key: object, value: Any) -> bool:
     return path == ("feasibility",) and key == "source" and isinstance(value, str) and bool(value) and " " not in value
 
 
-def _iter_refs(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str, Any]]:
+def iter_refs(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             p = (*path, k)
             if _is_ref(path, k, v):
                 yield fmt_path(p), v
             else:
-                yield from _iter_refs(v, p)
+                yield from iter_refs(v, p)
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            yield from _iter_refs(v, (*path, i))
+            yield from iter_refs(v, (*path, i))
 
 
-def _split_refs(ref: str) -> list[str]:
+def split_refs(ref: str) -> list[str]:
     """'a.json#x; b.json#y' -> ['a.json#x', 'b.json#y'] (file names never hold ';' or ',')."""
     return [r.strip() for r in re.split(r"[;,]", ref) if r.strip()]
 
@@ -121,12 +121,12 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
 
 def _reference_problems(result: Any, by_name: Mapping[str, Mapping[str, Any]]) -> list[str]:
     problems = []
-    for where, ref in _iter_refs(result):
+    for where, ref in iter_refs(result):
         names: list[tuple[str, str | None]] = []
         if isinstance(ref, str):
-            names += [(r, None) for r in _split_refs(ref)]
+            names += [(r, None) for r in split_refs(ref)]
         elif isinstance(ref, list):
-            names += [(r, None) for x in ref if isinstance(x, str) for r in _split_refs(x)]
+            names += [(r, None) for x in ref if isinstance(x, str) for r in split_refs(x)]
         elif isinstance(ref, dict) and isinstance(ref.get("name"), str):
             names.append((ref["name"], ref.get("sha256")))
         elif ref is not None:

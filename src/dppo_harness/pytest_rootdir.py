@@ -1,0 +1,84 @@
+"""Give back pytest the rootdir it would have chosen had it known the harness's path options.
+
+pytest picks its rootdir and config file from the command-line arguments that exist as paths
+*before* any plugin option is known. `--evidence-dir DIR` (written with a space) therefore counts
+DIR as a test path once DIR exists: outside any project pytest then roots the session at DIR with
+no config file (no `testpaths`, no `addopts`, so no `--import-mode=importlib`), and a second run
+of the same command breaks. The `--opt=DIR` form never has the problem.
+
+`reroot` runs from the harness plugin's `pytest_load_initial_conftests` (tryfirst), the first
+hook after the plugin's options are registered and before any conftest loads. Only when a value
+of one of the harness's own path options was taken for a test path, and the setup pytest derives
+from the arguments without it differs from the one it chose, it redoes the part of pytest's own
+`Config.parse` that depends on the rootdir: rootdir, config file, ini values, the config file's
+`addopts`, the early option namespace and the conftest cut-off directory. These are pytest
+internals (checked against pytest 9.2); if they are not as expected the session stops with one
+line asking for the `--opt=VALUE` form instead of running rooted in the wrong place.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PATH_OPTIONS = ("--plan", "--evidence-dir", "--resume")
+
+
+def misread_values(args: Sequence[str], invocation_dir: Path, options: Sequence[str] = PATH_OPTIONS) -> list[str]:
+    """Values of `options` written as a separate argument that exist as paths (what pytest took
+    for test paths while it chose the rootdir)."""
+    out = []
+    for i, arg in enumerate(args[:-1]):
+        if arg in options and (invocation_dir / args[i + 1]).exists():
+            out.append(args[i + 1])
+    return out
+
+
+def _determine_setup(config: pytest.Config, ns: Any) -> tuple[Path, Path | None, Any, Sequence[str]]:
+    from _pytest.config.findpaths import determine_setup
+
+    kwargs: dict[str, Any] = dict(inifile=ns.inifilename, args=ns.file_or_dir, rootdir_cmd_arg=ns.rootdir or None,
+                                  invocation_dir=config.invocation_params.dir)
+    if "override_ini" in inspect.signature(determine_setup).parameters:
+        kwargs["override_ini"] = ns.override_ini
+    rootpath, inipath, inicfg, *rest = determine_setup(**kwargs)
+    return rootpath, inipath, inicfg, (rest[0] if rest else [])
+
+
+def reroot(config: pytest.Config, parser: pytest.Parser, args: list[str]) -> Path | None:
+    """Re-root the session if a harness path option's value misled pytest; returns the new
+    rootdir, or None when nothing had to change. `args` is pytest's own list (edited in place)."""
+    misread = misread_values(args, config.invocation_params.dir)
+    if not misread:
+        return None
+    ns = parser.parse_known_args(args, namespace=copy.copy(config.option))
+    rootpath, inipath, inicfg, ignored = _determine_setup(config, ns)
+    if (rootpath, inipath) == (config.rootpath, config.inipath):
+        return None
+    needed = ("_rootpath", "_inipath", "_inicfg", "_inicache", "_validate_args", "known_args_namespace")
+    if not all(hasattr(config, a) for a in needed):
+        raise pytest.UsageError(
+            f"pytest took {misread[0]!r} (the value of a harness option) for a test path and rooted this session at "
+            f"{config.rootpath}; write the option as --opt={misread[0]}")
+    old_addopts = list(config.getini("addopts")) if config.inipath is not None else []
+    if old_addopts and args[: len(old_addopts)] == old_addopts:
+        del args[: len(old_addopts)]
+    config._rootpath, config._inipath, config._inicfg = rootpath, inipath, inicfg
+    if hasattr(config, "_ignored_config_files"):
+        config._ignored_config_files = ignored
+    config._inicache.clear()
+    parser.extra_info["rootdir"] = str(rootpath)
+    parser.extra_info["inifile"] = str(inipath)
+    new_addopts = config._validate_args(list(config.getini("addopts")), "via addopts config")
+    args[:0] = new_addopts
+    config.pluginmanager.consider_preparse(new_addopts, exclude_only=False)
+    user_confcutdir = ns.confcutdir
+    config.known_args_namespace = parser.parse_known_args(args, namespace=copy.copy(config.option))
+    if user_confcutdir is None:
+        config.known_args_namespace.confcutdir = str(inipath.parent if inipath is not None else rootpath)
+    return rootpath
