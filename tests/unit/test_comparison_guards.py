@@ -5,7 +5,6 @@ and the arms run concurrently by default on a real service."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from tinker import types
@@ -89,8 +88,8 @@ def _restore(monkeypatch, optimizer_config, path="tinker://m/weights/step2"):
     cfg = _cfg(3)
     state = C.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: C.ArmState(a.name) for a in cfg.arms})
     prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
-    restoration = SimpleNamespace(provenance={"arms": {a.name: prior for a in cfg.arms}})
-    return state, lambda: CR.restore_arm(None, state, cfg, restoration, "dppo_seed0", path)
+    state.setup_provenance = {a.name: prior for a in cfg.arms}
+    return state, lambda: CR.restore_arm(None, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json")
 
 
 def test_a_restore_whose_optimizer_mismatches_stops_the_run(monkeypatch):
@@ -116,7 +115,7 @@ def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
     cfg = _cfg(3)
     state = C.RunState("r", "p", "e", "c", "i", {a.name: C.ArmState(a.name) for a in cfg.arms})
     with pytest.raises(C.ComparisonError, match="the load response has no path"):
-        CR.restore_arm(None, state, cfg, SimpleNamespace(provenance={"arms": {}}), "dppo_seed0", "tinker://x")
+        CR.restore_arm(None, state, cfg, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
 
 
 @pytest.mark.parametrize("option, backend, want", [
