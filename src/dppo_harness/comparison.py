@@ -50,11 +50,13 @@ class ComparisonError(RuntimeError):
 
 class OptimizerMismatch(ComparisonError):
     """A restore's optimizer check found the server's optimizer differs from the request: the run
-    stops. Carries the arm's provenance entry with that check, for the evidence."""
+    stops. Carries the arm's provenance entry with that check and the run-state file the check's
+    get_info reference names (to be registered before the provenance is posted), for the evidence."""
 
-    def __init__(self, message: str, arm: str = "", provenance: Mapping[str, Any] | None = None):
+    def __init__(self, message: str, arm: str = "", provenance: Mapping[str, Any] | None = None,
+                 state_file: str | None = None):
         super().__init__(message)
-        self.arm, self.provenance = arm, dict(provenance or {})
+        self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file
 
 
 def default_schedule(embedded: bool) -> Schedule:

@@ -128,7 +128,7 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
                 {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
     if check["mismatches"]:  # the brief: stop on mismatch
         raise C.OptimizerMismatch(f"{name}: optimizer mismatch after restore {check['after_restore']} "
-                                  f"({path}): " + "; ".join(check["mismatches"]), name, prov)
+                                  f"({path}): " + "; ".join(check["mismatches"]), name, prov, state_file)
     return client, prov
 
 
@@ -278,6 +278,8 @@ def run_comparison(
                                     f"capacity: {exc}")
     except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
         if isinstance(exc, C.OptimizerMismatch) and exc.provenance:  # the check that stopped it, posted
+            if exc.state_file and bundle.entry(exc.state_file) is None:  # the state its check references
+                bundle.register_json(exc.state_file, "manifest", state.to_json())
             bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
         reason = f"{type(exc).__name__}: {service.error_text(exc)}"[:500]
         progress(f"[comparison] stopped: {reason}")

@@ -100,6 +100,7 @@ def test_a_restore_whose_optimizer_mismatches_stops_the_run(monkeypatch):
     (check,) = state.arms["dppo_seed0"].optimizer_checks  # recorded before the stop
     assert check["mismatches"] and not check["matches"]
     assert info.value.arm == "dppo_seed0" and info.value.provenance["restore_count"] == 2
+    assert info.value.state_file == "comparison-state-r1-open.json"  # registered before the provenance is posted
     assert [c["after_restore"] for c in info.value.provenance["optimizer_checks"]] == [0, 1, 2]
 
 
