@@ -22,7 +22,7 @@ import tinker
 from dppo_harness import comparison as C
 from dppo_harness import constants, gsm8k, tokenizer
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.plans import load_plan
+from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.restoration import create_from_state_observed
 
 ROOT = Path(__file__).parents[1]
@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     plan = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
-    spec = C.resized_spec(plan.spec, rollout_steps=args.steps, groups_per_batch=args.groups, max_tokens=args.max_tokens)
-    cfg = C.comparison_config(spec)
+    small = resized_plan(plan, rollout_steps=args.steps, groups_per_batch=args.groups, max_tokens=args.max_tokens)
+    cfg = C.comparison_config(small.run)
     renderer = tokenizer.make_renderer().renderer
     train = gsm8k.load_split("train", seed=0)
     faults = [f"--fault-latency-ms=*:{args.latency_ms:g}"] if args.latency_ms else []

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "mask": np.array([0.0] * n_prompt + [1.0] * len(s.tokens), dtype=np.float32),
                     },
                 ))
-        loss_fn = make_loss_fn(LossConfig(arm="dppo", normalization="token_mean"))
+        loss_fn = make_loss_fn(LossConfig(loss="dppo_divergence_mask", normalization="token_mean"))
         adam = types.AdamParams(learning_rate=1e-5, eps=1e-8)
         times = timed_updates(tc, data, loss_fn, adam, args.updates)
         n_train_tokens = sum(d.model_input.length for d in data)

@@ -76,8 +76,8 @@ def main() -> None:
     n_tokens = sum(len(c) for c in current)
     n_loss = int(sum(d.loss_fn_inputs["mask"].to_numpy().sum() for d in datums))
     print(f"minibatch: {len(datums)} sequences, {n_tokens} positions ({n_loss} loss tokens), torch threads=1")
-    for arm in ("grpo", "dppo"):
-        loss_fn = make_loss_fn(LossConfig(arm=arm, normalization="token_mean"))
+    for arm in ("grpo_clip_eps0.2", "dppo_divergence_mask"):
+        loss_fn = make_loss_fn(LossConfig(loss=arm, normalization="token_mean"))
         time_call(loss_fn, datums, current, 3)  # warm-up
         call, total = time_call(loss_fn, datums, current, args.repeats)
         print(f"{arm}: loss+metrics {call:.2f} ms, loss+metrics+backward {total:.2f} ms (median of {args.repeats})")

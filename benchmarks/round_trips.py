@@ -79,7 +79,7 @@ def sampled_datums(sc: tinker.ServiceClient, groups: int, group_size: int, max_t
 def run_schedule(sc: tinker.ServiceClient, log: Path, data: list[types.Datum], args: argparse.Namespace,
                  sequential: bool, persist_dir: Path) -> dict:
     tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=args.rank, seed=0).result()
-    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     recorder, loss_fn = instrumentation.LossCallRecorder(cfg), losses.make_loss_fn(cfg)
     adam = tinker.AdamParams(learning_rate=2e-5, beta1=0.9, beta2=0.95, eps=1e-8)
     per_mb = len(data) // 2

@@ -32,15 +32,12 @@ from dppo_harness import instrumentation as ins
 if TYPE_CHECKING:
     import tinker
 
+    from dppo_harness.plans import CriterionConfig, RunConfig
+
 
 STEPS_FILE = "comparison-steps.jsonl"
 STATE_FILE = "comparison-state.json"
-MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY
-# Spec loss names -> the one switch.
-LOSS_ARMS: dict[str, losses.Arm] = {"grpo_clip_eps0.2": "grpo", "dppo_divergence_mask": "dppo"}
-# decision_rule weights name roles; the role of each arm follows from its loss.
-ROLE_OF_LOSS = {"grpo": "baseline", "dppo": "treatment"}
-NORMALIZATION: losses.Normalization = "token_mean"  # as the gate pilot (the spec declares none)
+MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY  # the brief: state saved at least every 10 steps per arm
 Schedule = Literal["interleaved", "concurrent"]
 
 
@@ -140,110 +137,58 @@ def wall_guard_from_feasibility(remaining: Callable[[], float | None], feasibili
 @dataclass(frozen=True)
 class ArmSpec:
     name: str
-    loss: losses.Arm
+    loss: str  # a registered loss name (loss_registry.LOSSES)
     role: str  # "baseline" or "treatment"
     seed: int
     lr: float
     updates_per_batch: int
+    adam: dict[str, float] = field(default_factory=dict)  # this arm's AdamParams
+    adam_requested: dict[str, float] = field(default_factory=dict)  # the spec's optimizer_config keys
 
 
 @dataclass(frozen=True)
 class ComparisonConfig:
-    arms: tuple[ArmSpec, ...]
+    arms: tuple[ArmSpec, ...]  # the baseline first, then the treatments
     steps: int  # rollout steps per arm
     groups_per_batch: int
     group_size: int
     temperature: float
     max_tokens: int
-    adam: dict[str, float]
     eval_items: int
     base_model: str
     lora_rank: int
+    dataset: str
+    max_seq_len: int
+    criteria: tuple[CriterionConfig, ...]
+    alpha: float
     save_every: int = 1
-    normalization: str = NORMALIZATION
-
-    def adam_config_requested(self) -> dict[str, float]:
-        """The spec's optimizer_config keys (what an optimizer check compares)."""
-        return {k: self.adam[k] for k in ("learning_rate", "beta1", "beta2", "eps")}
+    normalization: str = "token_mean"
 
     def arm(self, name: str) -> ArmSpec:
         return next(a for a in self.arms if a.name == name)
 
     def role(self, role: str) -> ArmSpec:
+        """The first arm with this role (the baseline is unique; see `treatments` for all)."""
         return next(a for a in self.arms if a.role == role)
 
-
-def _method_int(method: str, key: str, field_name: str) -> int:
-    import re
-
-    m = re.search(rf"{key}\s*=\s*(\d+)", method)
-    if not m:
-        raise ComparisonError(f"{field_name}: method text does not state {key}=<int>")
-    return int(m.group(1))
+    @property
+    def treatments(self) -> tuple[ArmSpec, ...]:
+        return tuple(a for a in self.arms if a.role == "treatment")
 
 
-def comparison_config(spec: Mapping[str, Any], *, save_every: int = 1) -> ComparisonConfig:
-    """The paired schedule of an experiment spec (a rehearsal passes its inner spec)."""
+def comparison_config(run: RunConfig, *, save_every: int = 1) -> ComparisonConfig:
+    """The paired schedule of a plan's typed run config (`Plan.run`)."""
     if not 1 <= save_every <= MAX_SAVE_EVERY:
         raise ComparisonError(f"save_every: {save_every} not in [1, {MAX_SAVE_EVERY}]")
-    arms = []
-    for i, a in enumerate(spec.get("arms", [])):
-        if a.get("loss") not in LOSS_ARMS:
-            raise ComparisonError(f"arms[{i}].loss: {a.get('loss')!r} is not one of {sorted(LOSS_ARMS)}")
-        loss = LOSS_ARMS[a["loss"]]
-        arms.append(ArmSpec(a["name"], loss, ROLE_OF_LOSS[loss], int(a["seed"]), float(a["lr"]),
-                            int(a["updates_per_batch"])))
-    if sorted(a.role for a in arms) != ["baseline", "treatment"]:
-        raise ComparisonError("arms: a paired comparison needs exactly one GRPO (baseline) and one DPPO (treatment) arm")
-    if len({(a.seed, a.lr, a.updates_per_batch) for a in arms}) != 1:
-        raise ComparisonError("arms: seed, lr and updates_per_batch must be equal (the loss is the only switch)")
-    upb = arms[0].updates_per_batch
-    steps = int(spec["steps"])
-    if steps % upb:
-        raise ComparisonError(f"steps: {steps} optimizer steps is not a multiple of updates_per_batch {upb}")
-    method = str(spec.get("method", ""))
-    groups = _method_int(method, "groups_per_batch", "method")
-    group_size = _method_int(method, "group_size", "method")
-    if groups * group_size != int(spec["batch_size"]):
-        raise ComparisonError(f"batch_size: {spec['batch_size']} != groups_per_batch {groups} x group_size {group_size}")
-    if groups % upb:
-        raise ComparisonError(f"method: {groups} groups cannot form {upb} complete-group minibatches")
-    opt = None
-    for g in spec.get("restoration_preflight", {}).get("groups", []):
-        for a in g.get("arms", []):
-            if a.get("name") == arms[0].name:
-                opt = a["optimizer_config"]
-    if opt is None:
-        raise ComparisonError(f"restoration_preflight: no optimizer_config for {arms[0].name}")
-    if float(opt["learning_rate"]) != arms[0].lr:
-        raise ComparisonError("restoration_preflight: optimizer_config.learning_rate differs from arms[*].lr")
-    adam = {"learning_rate": arms[0].lr, "beta1": float(opt["beta1"]), "beta2": float(opt["beta2"]),
-            "eps": float(opt["eps"]), "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    arms = tuple(ArmSpec(a.name, a.loss, a.role, a.seed, a.lr, a.updates_per_batch, a.adam, a.adam_config_requested())
+                 for a in run.arms)
     return ComparisonConfig(
-        arms=tuple(sorted(arms, key=lambda a: a.role)), steps=steps // upb, groups_per_batch=groups,
-        group_size=group_size, temperature=1.0, max_tokens=_method_int(method, "max_tokens", "method"), adam=adam,
-        eval_items=int(spec["eval"]["n_examples"]), base_model=str(spec["base_model"]),
-        lora_rank=int(spec["lora_rank"]), save_every=save_every,
+        arms=arms, steps=run.rollout_steps, groups_per_batch=int(run.groups_per_batch.value),
+        group_size=int(run.group_size.value), temperature=float(run.temperature.value),
+        max_tokens=int(run.max_tokens.value), eval_items=run.eval_items, base_model=run.base_model,
+        lora_rank=run.lora_rank, dataset=run.dataset, max_seq_len=run.max_seq_len, criteria=run.criteria, alpha=run.alpha, save_every=save_every,
+        normalization=run.normalization,
     )
-
-
-def resized_spec(spec: Mapping[str, Any], *, rollout_steps: int, groups_per_batch: int, max_tokens: int | None = None,
-                 eval_items: int | None = None) -> dict[str, Any]:
-    """A copy of `spec` at another size (tests and benchmarks only; never a plan): steps,
-    batch_size, eval.n_examples and the method text's numbers change together."""
-    import re
-
-    out = json.loads(json.dumps(spec))
-    upb = int(out["arms"][0]["updates_per_batch"])
-    group_size = _method_int(out["method"], "group_size", "method")
-    out["steps"] = rollout_steps * upb
-    out["batch_size"] = groups_per_batch * group_size
-    out["method"] = re.sub(r"groups_per_batch\s*=\s*\d+", f"groups_per_batch={groups_per_batch}", out["method"])
-    if max_tokens is not None:
-        out["method"] = re.sub(r"max_tokens\s*=\s*\d+", f"max_tokens={max_tokens}", out["method"])
-    if eval_items is not None:
-        out["eval"]["n_examples"] = eval_items
-    return out
 
 
 def step_seed(cfg: ComparisonConfig, step: int) -> int:
@@ -260,12 +205,17 @@ def fraction_label(name: str, *, trained: bool) -> str:
     return name if trained else f"counterfactual_{name}"
 
 
-def fraction_names(loss: losses.Arm) -> dict[str, str]:
-    """Base name -> label in the rows of an arm training with `loss` (DPPO mask, PPO clip)."""
-    return {"dppo_masked_frac": fraction_label("dppo_masked_frac", trained=loss == "dppo"),
-            "last_update_masked_frac": fraction_label("last_update_masked_frac", trained=loss == "dppo"),
-            "ppo_clip_frac": fraction_label("ppo_clip_frac", trained=loss == "grpo"),
-            "last_update_clip_frac": fraction_label("last_update_clip_frac", trained=loss == "grpo")}
+# A row's loss-rule fractions -> the loss-call statistic each is computed from (every loss call
+# counts both rules on its tensors, whichever loss it trains with).
+FRACTION_SOURCES = {"dppo_masked_frac": "dppo/removed", "last_update_masked_frac": "dppo/masked_frac_loss_tokens",
+                    "ppo_clip_frac": "ppo/clipped", "last_update_clip_frac": "ppo/clip_frac_loss_tokens"}
+
+
+def fraction_names(loss: str) -> dict[str, str]:
+    """Base name -> label in the rows of an arm training with the registered `loss`: a fraction is
+    the arm's own when its statistic is one of the loss's `metric_names`, else counterfactual."""
+    own = set(losses.get_loss(loss).metric_names)
+    return {base: fraction_label(base, trained=source in own) for base, source in FRACTION_SOURCES.items()}
 
 
 def labelled(row: Mapping[str, Any], base: str) -> tuple[str, Any]:
@@ -277,14 +227,15 @@ def labelled(row: Mapping[str, Any], base: str) -> tuple[str, Any]:
 
 
 def step_metrics(arm: str, step: int, summary: Mapping[str, Any], records: Sequence[ins.LossCallRecord],
-                 *, loss: losses.Arm, seconds: float, sample_seconds: float, sampler_checkpoint: str,
+                 *, loss: str, seconds: float, sample_seconds: float, sampler_checkpoint: str,
                  kl: Mapping[str, float] | None = None, cookbook_env: Mapping[str, float] | None = None,
                  rollout_seconds: float | None = None) -> dict[str, Any]:
     """One arm-step row: reward/format/truncation from the batch, loss metrics of the step's minibatch
     updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate).
 
-    The rule the arm does not train with (the GRPO arm's DPPO mask, the DPPO arm's PPO clip) is a
-    counterfactual count on the same tensors: its keys start with `counterfactual_`. `kl` is the
+    `loss` is the arm's registered loss name. A rule the loss does not train with (the GRPO arm's
+    DPPO mask, the DPPO arm's PPO clip) is a counterfactual count on the same tensors: its keys
+    start with `counterfactual_` (`fraction_names`). `kl` is the
     cookbook's `compute_kl_sample_train` of the step (`cookbook_metrics.kl_sample_train`)."""
     sums = {k: int(sum(r.stats[k] for r in records)) for k in ("tokens/loss", "dppo/removed", "ppo/clipped")}
     last = records[-1].stats if records else {}
@@ -500,7 +451,7 @@ def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Seq
     progress = progress if progress is not None else AttemptProgress()
     t0 = time.perf_counter()
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens,
-                                  seed=step_seed(cfg, step))
+                                  seed=step_seed(cfg, step), max_seq_len=cfg.max_seq_len)
     retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
     sampled = rollout_batch.sample_rollout_batch(runner.client, items, renderer, rcfg,
                                                  sampler_name=f"{tag}-{runner.spec.name}-s{step}{retry}")
@@ -608,7 +559,7 @@ def train_arms(
     """
     import tinker
 
-    adam = tinker.AdamParams(**cfg.adam)
+    adams = {a.name: tinker.AdamParams(**a.adam) for a in cfg.arms}
     t0 = time.perf_counter()
     start = min(state.arms[r.spec.name].steps_done for r in runners)
     current = {r.spec.name: r for r in runners}  # a restore replaces an arm's runner (new client)
@@ -629,8 +580,8 @@ def train_arms(
         items = items_for_step(step)
         guard = GuardedArmStep(
             current[name], step, step_start_state(arm), restore or no_restore,
-            run=lambda r, attempt, prog: run_arm_step(r, step, cfg, items, renderer, adam, tag, attempt=attempt,
-                                                      progress=prog)[0])
+            run=lambda r, attempt, prog: run_arm_step(r, step, cfg, items, renderer, adams[r.spec.name], tag,
+                                                      attempt=attempt, progress=prog)[0])
         try:
             return call(guard), guard
         finally:
@@ -703,7 +654,7 @@ def step_line(row: Mapping[str, Any], steps: int) -> str:
 def make_runners(clients: Mapping[str, Any], cfg: ComparisonConfig) -> list[ArmRunner]:
     out = []
     for a in cfg.arms:
-        lc = losses.LossConfig(arm=a.loss, normalization=cfg.normalization)  # type: ignore[arg-type]
+        lc = losses.LossConfig.for_loss(a.loss, cfg.normalization)  # type: ignore[arg-type]
         out.append(ArmRunner(a, clients[a.name], losses.make_loss_fn(lc), ins.LossCallRecorder(lc)))
     return out
 

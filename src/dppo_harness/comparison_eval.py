@@ -13,11 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dppo_harness import evaluation, gsm8k, stats, tokenizer
+from dppo_harness import dataset, evaluation, stats, tokenizer
 
 if TYPE_CHECKING:
     from dppo_harness.comparison import ComparisonConfig
     from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import CriterionConfig
 
 OBSERVATIONS_FILE = "scored-observations.jsonl"
 DECISION_FILE = "comparison-decision.json"
@@ -27,7 +28,7 @@ BASE_ARM = "base"
 def freeze_for(cfg: ComparisonConfig, reason: str) -> evaluation.FrozenEvaluator:
     """The comparison's frozen evaluator: the first `cfg.eval_items` test items (all 1319 for the
     spec), greedy, max_tokens as sampled in training."""
-    test = gsm8k.load_split("test")
+    test = dataset.get(cfg.dataset).load_split("test")
     n = None if cfg.eval_items == len(test) else cfg.eval_items
     items, deviation = evaluation.select_items(test, n, reason if n else None)
     return evaluation.freeze_evaluator(items, tokenizer.make_renderer(), max_tokens=cfg.max_tokens, deviation=deviation)
@@ -65,21 +66,16 @@ class CriterionDecision:
         return float(self.interval["margin"])
 
 
-def decide_criteria(rows: Sequence[Mapping[str, Any]], decision_rule: Mapping[str, Any],
-                    arm_of_role: Mapping[str, str]) -> list[CriterionDecision]:
-    """Every criterion of the spec's decision rule on the observation rows (paired Hoeffding)."""
-    if decision_rule.get("method") != "paired_hoeffding":
-        raise stats.ObservationError(f"decision_rule.method {decision_rule.get('method')!r} is not paired_hoeffding")
+def decide_criteria(rows: Sequence[Mapping[str, Any]], criteria: Sequence[CriterionConfig], *,
+                    alpha: float) -> list[CriterionDecision]:
+    """Every criterion of the plan's decision rule (`RunConfig.criteria`: +1 arm minus -1 arm),
+    each decided on its own with the paired Hoeffding interval on the observation rows."""
     out = []
-    for c in decision_rule["criteria"]:
-        weights = c["weights"]
-        if sorted(weights.items()) != [("baseline", -1), ("treatment", 1)]:
-            raise stats.ObservationError(f"criteria[{c['id']}].weights {weights}: only treatment - baseline is implemented")
-        t, b = arm_of_role["treatment"], arm_of_role["baseline"]
-        interval = stats.paired_hoeffding_from_rows(rows, t, b, alpha=float(decision_rule["alpha"]),
-                                                    margin=float(c["margin"]), metric=c["metric"],
-                                                    bounds=(float(c["bounds"][0]), float(c["bounds"][1])))
-        out.append(CriterionDecision(c["id"], c["metric"], t, b, interval))
+    for c in criteria:
+        interval = stats.paired_hoeffding_from_rows(rows, c.treatment, c.baseline, alpha=float(alpha),
+                                                    margin=float(c.margin), metric=c.metric,
+                                                    bounds=(float(c.bounds[0]), float(c.bounds[1])))
+        out.append(CriterionDecision(c.id, c.metric, c.treatment, c.baseline, interval))
     return out
 
 
@@ -110,13 +106,12 @@ def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[
     return v, reason, text
 
 
-def informational_interval(rows: Sequence[Mapping[str, Any]], decision_rule: Mapping[str, Any],
-                           arm_of_role: Mapping[str, str]) -> dict[str, Any]:
-    """Newcombe's paired interval and the exact McNemar test for the first criterion's metric, at the
-    rule's alpha: shown beside the decision, never used for the verdict."""
-    c = decision_rule["criteria"][0]
-    return stats.paired_binary_informational(rows, arm_of_role["treatment"], arm_of_role["baseline"],
-                                             alpha=float(decision_rule["alpha"]), metric=c["metric"])
+def informational_interval(rows: Sequence[Mapping[str, Any]], criterion: CriterionConfig, *,
+                           alpha: float) -> dict[str, Any]:
+    """Newcombe's paired interval and the exact McNemar test for one criterion's pair and metric, at
+    the rule's alpha: shown beside the decision, never used for the verdict."""
+    return stats.paired_binary_informational(rows, criterion.treatment, criterion.baseline, alpha=float(alpha),
+                                             metric=criterion.metric)
 
 
 def informational_metrics(info: Mapping[str, Any]) -> dict[str, float]:
@@ -153,7 +148,7 @@ def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecisi
     return block
 
 
-def recompute_from_file(path: Any, decision_rule: Mapping[str, Any], arm_of_role: Mapping[str, str]) -> list[dict[str, Any]]:
+def recompute_from_file(path: Any, criteria: Sequence[CriterionConfig], *, alpha: float) -> list[dict[str, Any]]:
     """The intervals recomputed from a retained observations file (the reproducibility check)."""
     rows = stats.read_observations(path)
-    return [c.interval for c in decide_criteria(rows, decision_rule, arm_of_role)]
+    return [c.interval for c in decide_criteria(rows, criteria, alpha=alpha)]

@@ -25,7 +25,7 @@ from dppo_harness.comparison import ComparisonError, RunState
 from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.snapshots import snapshot_names
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
-from dppo_harness.gate import GATE_REPORT_FILE
+from dppo_harness.gate import is_report_file
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -112,13 +112,15 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> ReusedSetup:
                                         "recorded when the run started")
         setup = json.loads(data)
         blocks = {k: setup[k] for k in SETUP_BLOCKS if setup.get(k) is not None}
-        for name in sorted(set(_referenced_files(blocks)) | ({GATE_REPORT_FILE} & set(reg))):
+        gate_reports = sorted(n for n in reg if is_report_file(n))  # one per piloted treatment arm
+        for name in sorted(set(_referenced_files(blocks)) | set(gate_reports)):
             raw = (setup_dir / FILES_DIR / name).read_bytes()
             entry = bundle.register_bytes(name, reg[name]["kind"], raw)
             files.append({"name": name, "kind": entry["kind"], "sha256": entry["sha256"], "size": entry["size"],
                           "from_run": snap["run_id"]})
-        if GATE_REPORT_FILE in reg and not json.loads((setup_dir / FILES_DIR / GATE_REPORT_FILE).read_bytes())["passed"]:
-            raise _refuse(state.run_id, f"the activation gate of session {snap['run_id']} did not pass")
+        for name in gate_reports:
+            if not json.loads((setup_dir / FILES_DIR / name).read_bytes())["passed"]:
+                raise _refuse(state.run_id, f"the activation gate of session {snap['run_id']} did not pass ({name})")
     last = _last_snapshot_on_disk(dirs[-1])
     resume = state.resumes[-1]
     continued = {"run_id": dirs[-1].name, "status": json.loads((dirs[-1] / RESULT_FILE).read_text())["status"],

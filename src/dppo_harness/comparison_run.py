@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dppo_harness import comparison as C
 from dppo_harness import comparison_eval as E
-from dppo_harness import cookbook_metrics, evaluation, gsm8k, service, tokenizer
+from dppo_harness import cookbook_metrics, dataset, evaluation, service, tokenizer
 from dppo_harness.comparison_resume import latest_snapshot, reuse_setup
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.snapshots import post_snapshot
@@ -52,10 +52,6 @@ class ComparisonResult:
     decision: dict[str, Any] | None = None
     final: dict[str, Any] = field(default_factory=dict)  # status, verdict, outcome_reason
     files: tuple[str, ...] = ()
-
-
-def _spec(plan: Plan) -> Mapping[str, Any]:
-    return plan.spec if plan.kind == "rehearsal" else plan.raw
 
 
 def _prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: C.ComparisonConfig, evaluator_id: str,
@@ -116,7 +112,7 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
     if prior is None:
         raise C.ComparisonError(f"{name}: the run state holds no preflight provenance to count restores on")
     check = optimizer_check(after_restore=prior["restore_count"] + arm.restore_count,
-                            requested_optimizer="adam", requested_config=cfg.adam_config_requested(),
+                            requested_optimizer="adam", requested_config=cfg.arm(name).adam_requested,
                             info=client.get_info(), info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
                             echoed=None, echo_ref=None, echo_observed_on=None)
     arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path, "at_step": arm.steps_done,
@@ -181,8 +177,9 @@ def run_comparison(
     through the cookbook's `ml_log` (`metrics-<arm>.jsonl` in the bundle, live under
     `<state_root>/<run_id>/cookbook-metrics/<arm>/metrics.jsonl`), and to W&B only when `wandb`
     asks for a project."""
-    spec = _spec(plan)
-    cfg = C.comparison_config(spec, save_every=save_every)
+    if plan.run is None:
+        raise C.ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
+    cfg = C.comparison_config(plan.run, save_every=save_every)
     rehearsal = plan.kind == "rehearsal" or backend == "local"
     evaluator = E.freeze_for(cfg, EVAL_SUBSET_REASON.format(n=cfg.eval_items))
     if evaluator.deviation:
@@ -226,7 +223,7 @@ def run_comparison(
             f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"))
     clients: dict[str, Any] = {}
     progress(f"[comparison] schedule {schedule} ({schedule_source})")
-    train = gsm8k.load_split("train", seed=cfg.arms[0].seed)
+    train = dataset.get(cfg.dataset).load_split("train", seed=cfg.arms[0].seed)
     renderer = tokenizer.make_renderer().renderer
     by_arm = {a.name: [r for r in state.rows if r["arm"] == a.name] for a in cfg.arms}
 
@@ -248,7 +245,7 @@ def run_comparison(
     def on_row(row: dict[str, Any]) -> None:
         by_arm[row["arm"]].append(row)
         state.save(spath)
-        mlog.log(row["arm"], cookbook_metrics.step_record(row, steps=cfg.steps, learning_rate=cfg.adam["learning_rate"]),
+        mlog.log(row["arm"], cookbook_metrics.step_record(row, steps=cfg.steps, learning_rate=cfg.arm(row["arm"]).adam["learning_rate"]),
                  row["step"])
         done = row["step"] + 1
         if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
@@ -308,7 +305,7 @@ def run_comparison(
         if capacity_block is not None:
             final["capacity_block"] = capacity_block
         return ComparisonResult(**base, capacity_block=capacity_block, final=final, files=tuple(files))
-    scores, decision, eval_files = _evaluate_and_decide(service_client, cfg, spec, state, evaluator, bundle, rehearsal,
+    scores, decision, eval_files = _evaluate_and_decide(service_client, cfg, state, evaluator, bundle, rehearsal,
                                                         progress, base_model or cfg.base_model)
     files += eval_files
     from dppo_harness import report
@@ -317,14 +314,14 @@ def run_comparison(
     files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend,
                                                  max_tokens=cfg.max_tokens, resume=resume).values())
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
-    c0 = decision["criteria"][0]
+    diffs = "; ".join(f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "
+                      f"{100 * (1 - c['alpha']):g}% paired Hoeffding CI [{c['lower']:.4g}, {c['upper']:.4g}]"
+                      for c in decision["criteria"])
     served = (bundle.result.get("backend") or {}).get("served_model") or cfg.base_model
     # At most two plain sentences (the brief's output shape); the details are in report.md.
     final = {"status": "succeeded", "verdict": decision["verdict"], "outcome_reason": decision["outcome_reason"],
              "summary": (f"Paired comparison under {plan.name} ({outcome.steps_completed}/{cfg.steps} rollout steps per "
-                         f"arm): greedy accuracy on {cfg.eval_items} test items {acc}, {c0['treatment']} minus "
-                         f"{c0['baseline']} {c0['mean_difference']:.4g} with {100 * (1 - c0['alpha']):g}% paired Hoeffding "
-                         f"CI [{c0['lower']:.4g}, {c0['upper']:.4g}], verdict {decision['verdict']} "
+                         f"arm): greedy accuracy on {cfg.eval_items} test items {acc}, {diffs}, verdict {decision['verdict']} "
                          f"({decision['outcome_reason']})."
                          + (f" It is a rehearsal on the stand-in model {served}, not a test of the hypothesis on "
                             f"{plan.planned_model}." if rehearsal else ""))}
@@ -382,8 +379,7 @@ def _finalize_arm(client: Any, arm: str, state: C.RunState, bundle: EvidenceBund
     bundle.post_arm_metrics(arm, C.arm_summary(by_arm[arm]), completed=True)
 
 
-def _evaluate_and_decide(service_client: tinker.ServiceClient, cfg: C.ComparisonConfig, spec: Mapping[str, Any],
-                         state: C.RunState, evaluator: evaluation.FrozenEvaluator, bundle: EvidenceBundle,
+def _evaluate_and_decide(service_client: tinker.ServiceClient, cfg: C.ComparisonConfig, state: C.RunState, evaluator: evaluation.FrozenEvaluator, bundle: EvidenceBundle,
                          rehearsal: bool, progress: Callable[[str], None],
                          base_model: str) -> tuple[list[dict], dict, list[str]]:
     """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
@@ -394,7 +390,7 @@ def _evaluate_and_decide(service_client: tinker.ServiceClient, cfg: C.Comparison
     files.append(f"evaluator-{evaluator.evaluator_id[:16]}.json")
     seed = cfg.arms[0].seed
     scores: list[dict[str, Any]] = []
-    comparisons = [{"metric": evaluation.METRIC, "arms": [cfg.role("baseline").name, cfg.role("treatment").name]}]
+    comparisons = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
 
     def post() -> None:
         bundle.update_result(evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
@@ -427,15 +423,19 @@ def _evaluate_and_decide(service_client: tinker.ServiceClient, cfg: C.Comparison
     bundle.register_bytes(E.OBSERVATIONS_FILE, "metrics", obs)
     files.append(E.OBSERVATIONS_FILE)
     rows = [json.loads(line) for line in obs.decode().splitlines()]
-    arm_of_role = {"treatment": cfg.role("treatment").name, "baseline": cfg.role("baseline").name}
-    criteria = E.decide_criteria(rows, spec["decision_rule"], arm_of_role)
-    informational = E.informational_interval(rows, spec["decision_rule"], arm_of_role)
+    criteria = E.decide_criteria(rows, cfg.criteria, alpha=cfg.alpha)
+    # Beside the decision, never deciding: the first criterion's pair (the metrics keys are unqualified).
+    informational = E.informational_interval(rows, cfg.criteria[0], alpha=cfg.alpha)
     decision = E.decision_block(obs, criteria, E.verdict(criteria, rehearsal=rehearsal), rehearsal=rehearsal,
                                 informational=informational)
     bundle.register_json(E.DECISION_FILE, "metrics", decision)
     files.append(E.DECISION_FILE)
-    bundle.update_result(decision=decision, metrics={
-        "comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
-        "comparison/ci_lower": criteria[0].lower, "comparison/ci_upper": criteria[0].upper,
-        "comparison/eval_seconds": time.perf_counter() - t0, **E.informational_metrics(informational)})
+    metrics = {"comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
+               "comparison/ci_lower": criteria[0].lower, "comparison/ci_upper": criteria[0].upper,
+               "comparison/eval_seconds": time.perf_counter() - t0, **E.informational_metrics(informational)}
+    if len(criteria) > 1:  # every criterion is decided on its own
+        for c in criteria:
+            metrics.update({f"comparison/{c.id}/difference": float(c.interval["mean_difference"]),
+                            f"comparison/{c.id}/ci_lower": c.lower, f"comparison/{c.id}/ci_upper": c.upper})
+    bundle.update_result(decision=decision, metrics=metrics)
     return scores, decision, files

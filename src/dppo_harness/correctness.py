@@ -36,14 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from dppo_harness.constants import (
-    BASELINE_REVISION,
-    DPPO_DELTA,
-    DPPO_RATIO_CAP,
-    LOG_RATIO_CLAMP_MAX,
-    PPO_EPS,
-    REFERENCE_REVISION,
-)
+from dppo_harness.constants import BASELINE_REVISION, LOG_RATIO_CLAMP_MAX, REFERENCE_REVISION
+from dppo_harness.references import ref_dppo, ref_ppo, token_count
 
 GOLDEN_SCHEMA = "dppo_golden_v1"
 PATH_ID = "grpo_dppo_custom_loss"
@@ -69,91 +63,73 @@ class GoldenError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent padded reference (numpy float64, analytic gradients)
+# Registry parity: every registered loss against its own reference and golden cases
+
+# float64 on both sides: only summation order differs.
+REGISTRY_TOLERANCE = {"atol": 1e-12, "rtol": 1e-9}
 
 
 @dataclass(frozen=True)
-class RefResult:
-    loss: float
-    grad_BT: np.ndarray
-    decision_BT: np.ndarray  # dppo: kept (recorded mask); ppo: clipped
+class LossParity:
+    loss: str
+    cases: int
+    failures: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return self.cases > 0 and not self.failures
 
 
-def _token_count(mask_BT: np.ndarray) -> float:
-    return float(mask_BT.sum())
+def _close(name: str, what: str, got: Any, want: Any, tol: Mapping[str, float]) -> list[str]:
+    g, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    bad = ~np.isclose(g, w, atol=tol["atol"], rtol=tol["rtol"])
+    if bad.any():
+        err = float(np.max(np.abs(g - w)))
+        return [f"{name}: {what} differs (max |diff| {err:.3g}, {int(bad.sum())} of {bad.size} values)"]
+    return []
 
 
-def ref_dppo(
-    lp_BT: np.ndarray,
-    mu_BT: np.ndarray,
-    adv_BT: np.ndarray,
-    mask_BT: np.ndarray,
-    normalization: str = "token_mean",
-    delta: float = DPPO_DELTA,
-    cap: float = DPPO_RATIO_CAP,
-    log_ratio_max: float = LOG_RATIO_CLAMP_MAX,
-) -> RefResult:
-    """DPPO Binary-TV on padded rows: loss -A*w*keep*m*lp, gradient -A*w*keep*m (per normalization)."""
-    on = mask_BT > 0
-    with np.errstate(over="ignore", invalid="ignore"):
-        tv = np.exp(lp_BT) - np.exp(mu_BT)
-        violates = np.where(adv_BT > 0, tv > delta, tv < -delta)
-        kept = on & ~violates
-        weight = np.minimum(np.exp(np.minimum(lp_BT - mu_BT, log_ratio_max)), cap)
-        coef = np.where(kept, -adv_BT * weight, 0.0)
-        loss = float(np.where(kept, coef * lp_BT, 0.0).sum())
-    loss, grad = _normalize(loss, coef.astype(np.float64), mask_BT, normalization)
-    return RefResult(loss, grad, kept)
+def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REGISTRY_TOLERANCE) -> LossParity:
+    """A registered loss on its golden cases: its numpy reference reproduces the golden values
+    (with the golden's rule variant, `GoldenCases.reference_params`), and the packed training path
+    (float64) matches the reference (as trained) in loss, gradient and, for DPPO, mask."""
+    import torch
 
+    from dppo_harness import losses
 
-def _normalize(loss: float, grad_BT: np.ndarray, mask_BT: np.ndarray, normalization: str) -> tuple[float, np.ndarray]:
-    """`sum` as is; `token_mean` divides by the call's loss-token count (zero-advantage included)."""
-    if normalization == "sum":
-        return loss, grad_BT
-    if normalization != "token_mean":
-        raise ValueError(f"unknown normalization {normalization!r}")
-    n = _token_count(mask_BT)
-    scale = 1.0 / n if n > 0 else 0.0
-    return loss * scale, grad_BT * scale
-
-
-def ref_ppo(
-    lp_BT: np.ndarray,
-    mu_BT: np.ndarray,
-    adv_BT: np.ndarray,
-    mask_BT: np.ndarray,
-    normalization: str = "sum",
-    eps: float = PPO_EPS,
-    log_ratio_clamp: float | None = None,
-    dual_clip_c: float | None = None,
-) -> RefResult:
-    """Clipped-ratio loss -min(r*A, clamp(r, 1-eps, 1+eps)*A) on padded rows.
-
-    Defaults are Tinker's built-in ``ppo`` (no log-ratio clamp, no dual clip). ``log_ratio_clamp=20,
-    dual_clip_c=1e4`` reproduces verl's vanilla loss as recorded in the golden file.
-    """
-    on = mask_BT > 0
-    log_ratio = np.where(on, lp_BT - mu_BT, 0.0)
-    in_range = np.ones_like(on)
-    if log_ratio_clamp is not None:
-        # torch.clamp passes the gradient on the closed interval only.
-        in_range = np.abs(log_ratio) <= log_ratio_clamp
-        log_ratio = np.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp)
-    with np.errstate(over="ignore", invalid="ignore"):
-        ratio = np.exp(log_ratio)
-        unclipped = -adv_BT * ratio
-        clipped_val = -adv_BT * np.clip(ratio, 1 - eps, 1 + eps)
-        token = np.maximum(unclipped, clipped_val)
-        clipped = on & (((adv_BT > 0) & (ratio > 1 + eps)) | ((adv_BT < 0) & (ratio < 1 - eps)))
-        grad = np.where(on & ~clipped & in_range, -adv_BT * ratio, 0.0)
-        if dual_clip_c is not None:
-            dual = on & (adv_BT < 0) & (-adv_BT * dual_clip_c < token)
-            token = np.where(dual, -adv_BT * dual_clip_c, token)
-            grad = np.where(dual, 0.0, grad)
-        loss = float(np.where(on, token, 0.0).sum())
-    grad = np.where(on & (adv_BT != 0), grad, 0.0)
-    loss, grad = _normalize(loss, grad, mask_BT, normalization)
-    return RefResult(loss, grad, clipped)
+    entry = losses.get_loss(name)
+    path = Path(root) / entry.golden.file
+    try:
+        cases = json.loads(path.read_text())["cases"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return LossParity(name, 0, (f"{name}: golden file {entry.golden.file} unreadable ({exc})",))
+    norm = entry.golden.normalization
+    cfg = losses.LossConfig.for_loss(name, norm)
+    failures: list[str] = []
+    for c in cases:
+        label = f"{name}/{c.get('name', '?')}"
+        try:
+            shape = tuple(int(x) for x in c["shape"])
+            lp, mu, adv, mask = (np.asarray(c[k], dtype=np.float64).reshape(shape)
+                                 for k in ("log_prob", "rollout_log_prob", "advantages", "response_mask"))
+            want = c[entry.golden.key]
+            want_loss, want_grad = float(want["loss"]), np.asarray(want["grad_log_prob"], dtype=np.float64).reshape(shape)
+        except (KeyError, TypeError, ValueError) as exc:
+            failures.append(f"{label}: malformed golden case ({exc})")
+            continue
+        golden_ref = entry.reference(lp, mu, adv, mask, norm, **dict(entry.golden.reference_params))
+        failures += _close(label, "reference loss vs golden", golden_ref.loss, want_loss, tol)
+        failures += _close(label, "reference gradient vs golden", golden_ref.grad_BT, want_grad, tol)
+        ref = entry.reference(lp, mu, adv, mask, norm)
+        lp_N = torch.tensor(lp.ravel(), dtype=torch.float64, requires_grad=True)
+        mu_N, adv_N, mask_N = (torch.from_numpy(np.ascontiguousarray(x.ravel())) for x in (mu, adv, mask))
+        loss, _ = losses.packed_loss_and_metrics(lp_N, mu_N, adv_N, mask_N, cfg)
+        if loss.requires_grad:
+            loss.backward()
+        grad = lp_N.grad.numpy().reshape(shape) if lp_N.grad is not None else np.zeros(shape)
+        failures += _close(label, "packed loss vs reference", float(loss.detach()), ref.loss, tol)
+        failures += _close(label, "packed gradient vs reference", grad, ref.grad_BT, tol)
+    return LossParity(name, len(cases), tuple(failures))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +353,7 @@ def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: st
 
     from dppo_harness import losses
 
-    cfg = losses.LossConfig(arm=arm, normalization=normalization)
+    cfg = losses.LossConfig(loss=losses.DPPO_LOSS if arm == "dppo" else losses.GRPO_LOSS, normalization=normalization)
     B, T = case.mask_BT.shape
     if mode == "float64":
         lps = [torch.tensor(lp, dtype=torch.float64, requires_grad=True) for lp in packed.lp_T]
@@ -506,7 +482,7 @@ def check_case(case: GoldenCase, mode: str, tolerances: dict[str, dict[str, floa
             rv = ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=LOG_RATIO_CLAMP_MAX, dual_clip_c=VERL_NO_DUAL_CLIP_C)
             fails = []
             if case.grpo_clipfrac is not None:
-                n = _token_count(case.mask_BT)
+                n = token_count(case.mask_BT)
                 if int(rv.decision_BT.sum()) != round(case.grpo_clipfrac * (n + 1e-8)):
                     fails.append("clip count differs")
             subs.append(_loss_grad_check("ref_grpo_vs_golden", rv.loss, rv.grad_BT, case.grpo_loss, case.grpo_grad_BT, tol, "reference_loss", "reference_gradient", fails))
@@ -564,7 +540,7 @@ def check_case(case: GoldenCase, mode: str, tolerances: dict[str, dict[str, floa
                 exp_loss, exp_grad, note = rv.loss, rv.grad_BT, f"flips={cflips} vs independent ref on rounded inputs"
             fails = _common_failures(run)
             if case.grpo_clipfrac is not None and cflips == 0:
-                n = _token_count(case.mask_BT)
+                n = token_count(case.mask_BT)
                 if run.metrics["ppo/clipped"] != round(case.grpo_clipfrac * (n + 1e-8)):
                     fails.append("ppo/clipped differs from golden clipfrac")
             subs.append(_loss_grad_check("grpo_golden", run.loss, run.grad_BT, exp_loss, exp_grad, tol, "reference_loss", "reference_gradient", fails, note))

@@ -25,7 +25,7 @@ import numpy as np
 import tinker
 import torch
 
-from dppo_harness import conclusion, constants, gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
+from dppo_harness import conclusion, constants, dataset, losses, rollout_batch, rollouts, tokenizer, train_step
 from dppo_harness import diagnostic_evidence as dx
 from dppo_harness import instrumentation as ins
 from dppo_harness.evidence.snapshots import post_snapshot
@@ -47,7 +47,7 @@ from dppo_harness.restoration import create_from_state_observed, dump_response, 
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import Plan
+    from dppo_harness.plans import ExperimentSpec, Plan
 
 # Seconds kept free at the end of the cap for analysis, replay re-check, report and evidence.
 FINALIZE_RESERVE_S = 30.0
@@ -85,8 +85,15 @@ class DiagnosticError(RuntimeError):
 # ---- configuration -----------------------------------------------------------------------------
 
 
+def _plan_json(plan: Plan) -> dict[str, Any]:
+    """The validated diagnostic plan as JSON, for the evidence helpers that take a plan mapping."""
+    return plan.diagnostic.model_dump(mode="json", exclude_none=True)  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True)
 class DiagnosticConfig:
+    arm: str  # the original spec's arm this diagnostic trains
+    dataset: str  # a registered dataset (fixed_settings.sampling.dataset)
     base_model: str
     lora_rank: int
     seed: int
@@ -110,9 +117,10 @@ class DiagnosticConfig:
     reductions: tuple[dict[str, Any], ...] = ()
 
     def loss_config(self):
-        from dppo_harness.losses import LossConfig
+        from dppo_harness.losses import DPPO_LOSS, LossConfig
 
-        return LossConfig(arm="dppo", normalization=self.normalization, ppo_eps=self.ppo_eps,
+        # The plan kind pins DPPO Binary-TV (fixed_settings.treatment.loss); its thresholds are the plan's.
+        return LossConfig(DPPO_LOSS, normalization=self.normalization, ppo_eps=self.ppo_eps,
                           dppo_delta=self.delta, ratio_cap=self.ratio_cap)
 
 
@@ -120,26 +128,27 @@ _OVERRIDABLE = ("groups_per_batch", "group_size", "max_tokens", "minibatches_per
                 "groups_per_minibatch", "max_updates", "max_wall_seconds", "learning_rate", "sentinels_per_sign")
 
 
-def diagnostic_config(plan_raw: Mapping[str, Any], **overrides: Any) -> DiagnosticConfig:
-    """The fixed settings and schedule of a bounded-diagnostic plan. Overrides (tests' small
-    plans only) are recorded as reductions; the stage test passes none."""
-    if plan_raw.get("kind") != "bounded_diagnostic":
-        raise DiagnosticError(f"plan kind {plan_raw.get('kind')!r}: the diagnostic runs a bounded_diagnostic plan")
-    fs, sch, caps = plan_raw["fixed_settings"], plan_raw["schedule"], plan_raw["caps"]
-    opt, tr, samp = fs["optimizer"], fs["treatment"], fs["sampling"]
-    if sch["groups_per_batch"] != sch["minibatches_per_epoch"] * sch["groups_per_minibatch"]:
+def diagnostic_config(plan: Plan, **overrides: Any) -> DiagnosticConfig:
+    """The fixed settings and schedule of a bounded-diagnostic plan (its validated model).
+    Overrides (tests' small plans only) are recorded as reductions; the stage test passes none."""
+    if plan.kind != "bounded_diagnostic":
+        raise DiagnosticError(f"plan kind {plan.kind!r}: the diagnostic runs a bounded_diagnostic plan")
+    d = plan.diagnostic
+    fs, sch, caps = d.fixed_settings, d.schedule, d.caps
+    opt, tr, samp = fs.optimizer, fs.treatment, fs.sampling
+    if sch.groups_per_batch != sch.minibatches_per_epoch * sch.groups_per_minibatch:
         raise DiagnosticError("schedule: groups_per_batch != minibatches_per_epoch * groups_per_minibatch")
-    if sch["new_sampling_after_batch"] or sch["old_logprob_refresh"] or sch["sampling_batches"] != 1:
+    if sch.new_sampling_after_batch or sch.old_logprob_refresh or sch.sampling_batches != 1:
         raise DiagnosticError("schedule: the diagnostic samples exactly one batch and never refreshes old logprobs")
     values: dict[str, Any] = {
-        "groups_per_batch": int(sch["groups_per_batch"]),
-        "group_size": int(sch["group_size"]),
-        "max_tokens": int(samp["max_tokens"]),
-        "minibatches_per_epoch": int(sch["minibatches_per_epoch"]),
-        "groups_per_minibatch": int(sch["groups_per_minibatch"]),
-        "max_updates": int(sch["max_optimizer_updates"]),
-        "max_wall_seconds": float(caps["max_wall_minutes"]) * 60.0,
-        "learning_rate": float(opt["learning_rate"]),
+        "groups_per_batch": sch.groups_per_batch,
+        "group_size": sch.group_size,
+        "max_tokens": samp.max_tokens,
+        "minibatches_per_epoch": sch.minibatches_per_epoch,
+        "groups_per_minibatch": sch.groups_per_minibatch,
+        "max_updates": sch.max_optimizer_updates,
+        "max_wall_seconds": float(caps.max_wall_minutes) * 60.0,
+        "learning_rate": float(opt.learning_rate),
         "sentinels_per_sign": 4,
     }
     unknown = set(overrides) - set(_OVERRIDABLE)
@@ -152,27 +161,29 @@ def diagnostic_config(plan_raw: Mapping[str, Any], **overrides: Any) -> Diagnost
         values[k] = v
     if values["groups_per_batch"] != values["minibatches_per_epoch"] * values["groups_per_minibatch"]:
         raise DiagnosticError("overrides: groups_per_batch must equal minibatches_per_epoch * groups_per_minibatch")
-    adam = {"learning_rate": float(values["learning_rate"]), "beta1": float(opt["beta1"]), "beta2": float(opt["beta2"]),
-            "eps": float(opt["eps"]), "weight_decay": float(opt["weight_decay"]), "grad_clip_norm": float(opt["grad_clip_norm"])}
+    adam = {"learning_rate": float(values["learning_rate"]), "beta1": float(opt.beta1), "beta2": float(opt.beta2),
+            "eps": float(opt.eps), "weight_decay": float(opt.weight_decay), "grad_clip_norm": float(opt.grad_clip_norm)}
     return DiagnosticConfig(
-        base_model=fs["base_model"],
-        lora_rank=int(fs["lora_rank"]),
-        seed=int(fs["seed"]),
+        arm=tr.arm,
+        dataset=samp.dataset,
+        base_model=fs.base_model,
+        lora_rank=fs.lora_rank,
+        seed=fs.seed,
         groups_per_batch=values["groups_per_batch"],
         group_size=values["group_size"],
-        temperature=float(samp["temperature"]),
+        temperature=float(samp.temperature),
         max_tokens=values["max_tokens"],
         minibatches_per_epoch=values["minibatches_per_epoch"],
         groups_per_minibatch=values["groups_per_minibatch"],
-        epochs=int(sch["epochs"]),
+        epochs=sch.epochs,
         max_updates=values["max_updates"],
         max_wall_seconds=float(values["max_wall_seconds"]),
         adam=adam,
-        normalization=str(fs["loss_normalization"]["mode"]),
-        delta=float(tr["delta"]),
-        ratio_cap=float(tr["ratio_cap"]),
-        ppo_eps=float(plan_raw["fixed_settings"]["counterfactual_baseline"]["ppo_eps"]),
-        sentinel_after_updates=tuple(int(u) for u in plan_raw["recording"]["sentinels"]["after_updates"]),
+        normalization=fs.loss_normalization.mode,
+        delta=float(tr.delta),
+        ratio_cap=float(tr.ratio_cap),
+        ppo_eps=float(fs.counterfactual_baseline.ppo_eps),
+        sentinel_after_updates=tuple(d.recording.sentinels.after_updates),
         sentinels_per_sign=int(values["sentinels_per_sign"]),
         reductions=tuple(reductions),
     )
@@ -329,7 +340,7 @@ def deterministic_selftest(
     nonzero-advantage token a nonzero one. Also run in tests/unit (the suite's evidence)."""
     from dppo_harness import losses
 
-    cfg = loss_cfg or losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = loss_cfg or losses.LossConfig(losses.DPPO_LOSS, normalization="token_mean")
     factory = loss_fn_factory or losses.make_loss_fn
     cases = {}
     for name, (rows, expected, zero_grad) in SELFTEST_CASES.items():
@@ -545,7 +556,7 @@ def for_planned_model(c: Classification, served: conclusion.ServedModel) -> Clas
                    served_model=served.served, stand_in=served.is_stand_in)
 
 
-def next_action(classification: Classification, cfg: DiagnosticConfig, spec_raw: Mapping[str, Any] | None,
+def next_action(classification: Classification, cfg: DiagnosticConfig, spec: ExperimentSpec | None,
                 plan_id: str, served: conclusion.ServedModel | None = None,
                 measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Stand-in: the same frozen plan unchanged on the real service. Active: the frozen revised
@@ -553,11 +564,11 @@ def next_action(classification: Classification, cfg: DiagnosticConfig, spec_raw:
     if served is not None and served.is_stand_in and classification.cause != "code_or_instrumentation_defect":
         return conclusion.stand_in_next_action(served, plan_id, measured or {
             "state": classification.state, "measured_cause": classification.measured_cause})
-    if classification.active and spec_raw is not None:
-        revised = json.loads(json.dumps(spec_raw))
-        revised["title"] = spec_raw["title"] + " (revised schedule r2, proposed)"
+    if classification.active and spec is not None:
+        revised = spec.model_dump(mode="json", exclude_unset=True)
+        revised["title"] = spec.title + " (revised schedule r2, proposed)"
         revised["method"] = (
-            spec_raw["method"]
+            spec.method
             + f"\n\nRevision r2 (from {plan_id}): each rollout batch of {cfg.groups_per_batch} groups x {cfg.group_size} "
             f"is split into {cfg.minibatches_per_epoch} minibatches of {cfg.groups_per_minibatch} complete groups and "
             f"trained for {cfg.epochs} epochs ({cfg.minibatches_per_epoch * cfg.epochs} optim_steps per batch), the "
@@ -754,7 +765,7 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> 
     metrics = getattr(state.first_optim, "metrics", None) or {}
     requested = dict(cfg.adam)
     return optimizer_check(
-        after_restore=0, requested_optimizer=str(plan.raw["fixed_settings"]["optimizer"].get("name", "adamw")),
+        after_restore=0, requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
         requested_config=requested, info=state.info, info_ref=f"{ANALYSIS_FILE}#restore.get_info",
         echoed=echoed_config(metrics, list(requested)), echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
         echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)")
@@ -763,16 +774,16 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> 
 def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> None:
     """Post the trained arm's provenance: the optimizer check from ITS OWN first optim_step
     response, its own initial output, and one more restore when the diagnostic restored it itself."""
-    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get("dppo_seed0")
+    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
     if not prior or state.initial_output is None:
         return
     entry = dx.trained_client_entry(prior, restore=state.restore, initial_output=state.initial_output,
                                     own_check=own_optimizer_check(cfg, plan, state),
                                     restore_ref=f"{ANALYSIS_FILE}#restore", new_restore=not state.preloaded)
-    bundle.update_result(initialization_provenance={"arms": {"dppo_seed0": entry}})
+    bundle.update_result(initialization_provenance={"arms": {cfg.arm: entry}})
 
 
-def _save_final_checkpoint(tc: tinker.TrainingClient, bundle: EvidenceBundle, state: _RunState, tag: str,
+def _save_final_checkpoint(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: _RunState, tag: str,
                            say: Callable[[str], None]) -> None:
     """The trained client's final state, saved and its URI recorded (issue 11 point 8)."""
     if state.updates_done == 0:
@@ -783,7 +794,7 @@ def _save_final_checkpoint(tc: tinker.TrainingClient, bundle: EvidenceBundle, st
         state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
         return
     state.final_checkpoint = uri
-    bundle.add_checkpoint("dppo_seed0", state.updates_done, uri)
+    bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
     say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
 
 
@@ -829,22 +840,22 @@ def _declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _
     if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
         bundle.register_plan(plan, REVISED_SPEC_FILE)
     state.files.append(REVISED_SPEC_FILE)
-    for dev in plan.raw.get("deviations", []):
-        bundle.add_deviation(dev["field"], dev["original"], dev["effective"], dev["reason"])
+    for dev in plan.diagnostic.deviations:
+        bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
     for red in cfg.reductions:
         bundle.add_deviation("steps" if red["field"] in ("max_updates", "max_wall_seconds") else "effective_batch",
                              f"{red['field']}={red['original']}", f"{red['field']}={red['effective']}",
                              "size reduction for a small test plan (not the requester's settings)")
     _register_json(bundle, state, REFERENCES_FILE, "report", {
         "loop": LOOP_LABEL,
-        "unavailable_references": [dict(r, available=False) for r in plan.raw.get("unavailable_references", [])],
+        "unavailable_references": [dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references],
         "reason": BASIS_FOR_REFERENCES,
         "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
     })
     # What the deviations' "kept separately" points at (issue 11 point 8).
     _register_json(bundle, state, dx.ORIGINAL_GATE_REPORT_FILE, "report", dx.original_gate_report(
-        plan.raw, "gate-report.json" if bundle.entry("gate-report.json") else None))
-    bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.raw["tested_instead"])
+        _plan_json(plan), "gate-report.json" if bundle.entry("gate-report.json") else None))
+    bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.diagnostic.tested_instead)
     selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
     _register_json(bundle, state, SELFTEST_FILE, "report", selftest)
     return selftest
@@ -889,7 +900,7 @@ def _sample_and_freeze(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle:
                        tag: str) -> tuple[str, FrozenBatch, dict[str, Any]]:
     """ONE batch from the restored weights, frozen and persisted; returns (sampler path, batch, summary)."""
     tok = tokenizer.make_renderer()
-    train = gsm8k.load_split("train", seed=cfg.seed)
+    train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
     sampled = rollout_batch.sample_rollout_batch(tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer,
                                                  rcfg, sampler_name=f"{tag}-sampler-initial")
@@ -899,7 +910,7 @@ def _sample_and_freeze(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle:
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
     state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
-    bundle.add_checkpoint("dppo_seed0", 0, sampled.sampler_path)
+    bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
     return sampled.sampler_path, frozen, sampled.batch.summary()
 
@@ -1000,7 +1011,7 @@ def run_bounded_diagnostic(
     *,
     backend: str,
     stage_start: float | None = None,
-    spec_raw: Mapping[str, Any] | None = None,
+    spec: ExperimentSpec | None = None,
     progress: Callable[[str], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     tag: str = "diagnostic",
@@ -1018,7 +1029,7 @@ def run_bounded_diagnostic(
     trained arm, trained here instead of restoring a new one.
     """
     t0 = clock() if stage_start is None else stage_start
-    cfg = diagnostic_config(plan.raw, **overrides)
+    cfg = diagnostic_config(plan, **overrides)
     say = progress or (lambda _m: None)
 
     def elapsed() -> float:
@@ -1072,7 +1083,7 @@ def run_bounded_diagnostic(
 
         state.stop_reason = _train_epochs(tc, cfg, state.frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
                                           clock=clock, cap_s=cap_s, say=say, tag=tag, after_update=stop_on_mismatch)
-        _save_final_checkpoint(tc, bundle, state, tag, say)
+        _save_final_checkpoint(tc, cfg, bundle, state, tag, say)
     except _Stop as stop:
         state.stop_reason = str(stop)
         state.setup_seconds = state.setup_seconds or elapsed()
@@ -1085,12 +1096,12 @@ def run_bounded_diagnostic(
     if served is None:
         served = conclusion.served_model_from_info(state.restore.get("get_info"), cfg.base_model, backend=backend)
     return _write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
-                           spec_raw=spec_raw, served=served, prior_service_work=prior_service_work)
+                           spec=spec, served=served, prior_service_work=prior_service_work)
 
 
 def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _RunState,
                     selftest: Mapping[str, Any], *, wall: float, cap_s: float, backend: str,
-                    spec_raw: Mapping[str, Any] | None,
+                    spec: ExperimentSpec | None,
                     served: conclusion.ServedModel | None = None,
                     prior_service_work: Mapping[str, Mapping[str, int]] | None = None) -> DiagnosticResult:
     """Analyse, then write sentinels, analysis, next action, report and result fields."""
@@ -1103,7 +1114,7 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
                      frozen_by_call=state.frozen_by_call or None, updates_done=state.updates_done,
                      stop_reason=state.stop_reason, wall_seconds=wall, setup_seconds=state.setup_seconds,
                      frozen_sha256=state.frozen.sha256 if state.frozen else None, minibatches=state.minibatches,
-                     errors=state.errors, spec_raw=spec_raw, restore=state.restore, effective_cap_seconds=cap_s,
+                     errors=state.errors, spec=spec, restore=state.restore, effective_cap_seconds=cap_s,
                      served=served)
     if tracker is not None and tracker.points:
         _register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
@@ -1125,14 +1136,14 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
     executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
     executed["bounded_diagnostic"] = {"optimizer_updates": state.updates_done,
                                       "sampling_batches": 1 if state.frozen is not None else 0}
-    _register_json(bundle, state, dx.SERVICE_WORK_FILE, "report", dx.service_work_ledger(plan.raw, executed))
+    _register_json(bundle, state, dx.SERVICE_WORK_FILE, "report", dx.service_work_ledger(_plan_json(plan), executed))
     # Feasibility from the diagnostic's own measured setup, no extra pilot (issue 11 point 5).
     if state.update_seconds:
         eff_path = bundle.file_path("effective-config.json")
         eff = json.loads(eff_path.read_text()) if bundle.entry("effective-config.json") else {}
         bundle.update_result(feasibility=dx.diagnostic_feasibility(
             config=asdict(cfg), effective_config=eff,
-            primary_endpoint=str((spec_raw or {}).get("primary_endpoint", "none in this diagnostic")),
+            primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
             setup_seconds=state.restore_seconds, sampling_seconds=state.sampling_seconds,
             sampled_sequences=state.sampled_sequences, update_seconds=state.update_seconds,
             sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
@@ -1180,7 +1191,7 @@ def analyse(
     frozen_sha256: str | None,
     minibatches: list[dict[str, Any]],
     errors: list[str],
-    spec_raw: Mapping[str, Any] | None,
+    spec: ExperimentSpec | None,
     restore: Mapping[str, Any] | None = None,
     effective_cap_seconds: float | None = None,
     served: conclusion.ServedModel | None = None,
@@ -1190,9 +1201,10 @@ def analyse(
     loss_cfg = cfg.loss_config()
     second = [r for r in records if r.context.get("epoch") == 2]
     pooled = pool_calls(second, [ins.record_prob_diff(r, loss_cfg) for r in second]) if second else None
-    criteria = evaluate_criteria(plan.raw["analysis"]["criteria"], pooled) if pooled else [
+    planned = [c.model_dump(exclude_none=True) for c in plan.diagnostic.analysis.criteria]
+    criteria = evaluate_criteria(planned, pooled) if pooled else [
         CriterionResult(c["id"], c["metric"], None, True, False, "missing: no second-epoch loss call", {})
-        for c in plan.raw["analysis"]["criteria"]
+        for c in planned
     ]
     integrity = [p for r in records for p in ins.crosscheck_loss_metrics(r)]
     integrity += _independent_recheck(records, loss_cfg)
@@ -1206,7 +1218,7 @@ def analyse(
         classification = for_planned_model(classification, served)
     measured = {"state": classification.state, "measured_cause": classification.measured_cause,
                 "mask_fired": classification.mask_fired, "updates_done": updates_done}
-    action = next_action(classification, cfg, spec_raw, plan.raw.get("plan_id", plan.name), served, measured)
+    action = next_action(classification, cfg, spec, plan.diagnostic.plan_id, served, measured)
     return DiagnosticResult(
         config=cfg, records=list(records), sentinels=dict(sentinels), pooled=pooled, criteria=criteria,
         classification=classification, selftest=dict(selftest), updates_done=updates_done, stop_reason=stop_reason,
@@ -1282,7 +1294,7 @@ def simulate_records(
 
     from dppo_harness import losses
 
-    cfg = loss_cfg or losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = loss_cfg or losses.LossConfig(losses.DPPO_LOSS, normalization="token_mean")
     rng = np.random.default_rng(seed)
     recorder = ins.LossCallRecorder(cfg)
     loss_fn = losses.make_loss_fn(cfg)

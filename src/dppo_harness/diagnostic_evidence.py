@@ -19,10 +19,10 @@ REPLAY_OUTPUT_FILE = "diagnostic-replay.txt"
 FEASIBILITY_SOURCE = "diagnostic-analysis.json#timings"
 
 
-def original_gate_report(plan_raw: Mapping[str, Any], gate_report_in_bundle: str | None = None) -> dict[str, Any]:
+def original_gate_report(plan_json: Mapping[str, Any], gate_report_in_bundle: str | None = None) -> dict[str, Any]:
     """What the deviations' "kept separately" points at: the original pilot's gate report is not in
     reach (the prior run's evidence), and this session's gate stage report, if any, is untouched."""
-    refs = [r for r in plan_raw.get("unavailable_references", []) if "run_" in r.get("ref", "")]
+    refs = [r for r in plan_json.get("unavailable_references", []) if "run_" in r.get("ref", "")]
     return {
         "kind": "original_gate_report",
         "available": False,
@@ -38,10 +38,10 @@ def original_gate_report(plan_raw: Mapping[str, Any], gate_report_in_bundle: str
     }
 
 
-def service_work_ledger(plan_raw: Mapping[str, Any], executed: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+def service_work_ledger(plan_json: Mapping[str, Any], executed: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
     """Declared (plan.service_work) vs executed optimizer updates and sampling batches per item.
     Executed work not declared, or above its declared count, is a problem."""
-    sw = plan_raw.get("service_work")
+    sw = plan_json.get("service_work")
     if not sw:
         return {"declared": None, "executed": dict(executed), "problems": ["the plan declares no service_work"],
                 "within_declaration": False}

@@ -15,7 +15,6 @@ does not fit fails the stage, which blocks later stages.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +50,9 @@ class Schedule:
     max_tokens: int
     eval_items: int  # greedy items over all arms and checkpoints
     temperature: float
+    dataset: str = "gsm8k"  # a registered dataset (dataset.DATASETS)
+    loss: str = "dppo_divergence_mask"  # the registered loss the pilot's updates time (a treatment's)
+    seed: int = 0
 
     @property
     def arm_steps(self) -> int:
@@ -61,53 +63,33 @@ class Schedule:
         return self.groups_per_batch * self.group_size
 
 
-def _from_method(method: str, key: str) -> int:
-    m = re.search(rf"{key}\s*=\s*(\d+)", method)
-    if not m:
-        raise FeasibilityError(f"plan method text does not state {key}=<int>; cannot size the pilot")
-    return int(m.group(1))
-
-
 def schedule_from_plan(plan: Any) -> Schedule:
-    """The executed schedule of an experiment spec or a bounded-diagnostic plan."""
-    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
-    if plan.kind in ("experiment_spec", "rehearsal"):  # a rehearsal runs its inner spec at its declared size
-        arms = raw["arms"]
-        upb = {int(a["updates_per_batch"]) for a in arms}
-        if len(upb) != 1:
-            raise FeasibilityError(f"arms disagree on updates_per_batch: {sorted(upb)}")
-        updates = upb.pop()
-        steps = int(raw["steps"])
-        if steps % updates:
-            raise FeasibilityError(f"steps {steps} is not a multiple of updates_per_batch {updates}")
-        groups = _from_method(raw["method"], "groups_per_batch")
-        group_size = _from_method(raw["method"], "group_size")
-        if groups * group_size != int(raw["batch_size"]):
-            raise FeasibilityError(
-                f"groups_per_batch {groups} x group_size {group_size} != batch_size {raw['batch_size']}")
-        if raw["batch_size"] % updates:
-            raise FeasibilityError("batch_size is not divisible into updates_per_batch minibatches")
-        temp = re.search(r"temperature\s*([0-9.]+)", raw["method"])
+    """The executed schedule of an experiment spec (its typed run config; a rehearsal at its
+    declared size) or of a bounded-diagnostic plan."""
+    if plan.kind in ("experiment_spec", "rehearsal"):
+        run = plan.run
         return Schedule(
-            plan_kind=plan.kind, trained_arms=len(arms), batches_per_arm=steps // updates,
-            groups_per_batch=groups, group_size=group_size, updates_per_batch=updates,
-            sequences_per_update=int(raw["batch_size"]) // updates,
-            max_tokens=_from_method(raw["method"], "max_tokens"),
-            eval_items=len(arms) * int(raw["eval"]["n_examples"]),
-            temperature=float(temp.group(1).rstrip(".")) if temp else 1.0,
+            plan_kind=plan.kind, trained_arms=len(run.arms), batches_per_arm=run.rollout_steps,
+            groups_per_batch=int(run.groups_per_batch.value), group_size=int(run.group_size.value),
+            updates_per_batch=run.updates_per_batch, sequences_per_update=run.batch_size // run.updates_per_batch,
+            max_tokens=int(run.max_tokens.value), eval_items=len(run.arms) * run.eval_items,
+            temperature=float(run.temperature.value), dataset=run.dataset, loss=run.treatments[0].loss,
+            seed=run.seed,
         )
     if plan.kind == "bounded_diagnostic":
-        sch, fs = raw["schedule"], raw["fixed_settings"]
+        from dppo_harness.losses import DPPO_LOSS
+
+        d = plan.diagnostic
+        sch, fs = d.schedule, d.fixed_settings
         return Schedule(
-            plan_kind=plan.kind, trained_arms=1, batches_per_arm=int(sch["sampling_batches"]),
-            groups_per_batch=int(sch["groups_per_batch"]), group_size=int(sch["group_size"]),
-            updates_per_batch=int(sch["max_optimizer_updates"]),
-            sequences_per_update=int(sch["groups_per_minibatch"]) * int(sch["group_size"]),
-            max_tokens=int(fs["sampling"]["max_tokens"]), eval_items=0,
-            temperature=float(fs["sampling"]["temperature"]),
+            plan_kind=plan.kind, trained_arms=1, batches_per_arm=sch.sampling_batches,
+            groups_per_batch=sch.groups_per_batch, group_size=sch.group_size,
+            updates_per_batch=sch.max_optimizer_updates,
+            sequences_per_update=sch.groups_per_minibatch * sch.group_size,
+            max_tokens=fs.sampling.max_tokens, eval_items=0, temperature=float(fs.sampling.temperature),
+            dataset=fs.sampling.dataset, loss=DPPO_LOSS, seed=fs.seed,
         )
     raise FeasibilityError(f"unknown plan kind {plan.kind!r}")
-
 
 
 # The embedded CPU server rehearses the saved spec at this fixed size. It is declared here, before
@@ -387,7 +369,7 @@ def run_timing_pilot(
     import numpy as np
     import tinker
 
-    from dppo_harness import gsm8k, losses, rollout_batch, rollouts, tokenizer, train_step
+    from dppo_harness import dataset, losses, rollout_batch, rollouts, tokenizer, train_step
 
     bundle = tokenizer.make_renderer()
     t0 = time.perf_counter()
@@ -401,7 +383,8 @@ def run_timing_pilot(
     setup_s = time.perf_counter() - t0
     say(f"2/4: sampling {pilot_groups} groups x {schedule.group_size} (max_tokens {schedule.max_tokens})")
 
-    train = gsm8k.load_split("train", seed=seed)
+    data = dataset.get(schedule.dataset)
+    train = data.load_split("train", seed=seed)
     items = train.items[:pilot_groups]
     cfg = rollouts.RolloutConfig(groups_per_batch=pilot_groups, group_size=schedule.group_size,
                                  temperature=schedule.temperature, max_tokens=schedule.max_tokens, seed=seed)
@@ -409,7 +392,7 @@ def run_timing_pilot(
     sampling_s = sampled.seconds  # includes saving sampler weights, as every real step does
     batch, datums = sampled.batch, list(sampled.datums)
     minibatch = _tile(datums, schedule.sequences_per_update)
-    loss_fn = losses.make_loss_fn(losses.LossConfig(arm="dppo", normalization="token_mean"))
+    loss_fn = losses.make_loss_fn(losses.LossConfig.for_loss(schedule.loss, "token_mean"))
     adam = tinker.AdamParams(**{k: float(v) for k, v in optimizer_config.items()
                                 if k in tinker.AdamParams.model_fields})
     say(f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences "
@@ -420,8 +403,8 @@ def run_timing_pilot(
     eval_s, eval_tokens = 0.0, 0
     say(f"4/4: greedy evaluation of {eval_n} test items" if eval_n else "4/4: no evaluation in this plan")
     if eval_n:
-        test = gsm8k.load_split("test").items[:eval_n]
-        prompts = [gsm8k.build_prompt(it, bundle.renderer) for it in test]
+        test = data.load_split("test").items[:eval_n]
+        prompts = [data.build_prompt(it, bundle.renderer) for it in test]
         params = tinker.SamplingParams(max_tokens=schedule.max_tokens, temperature=0.0,
                                        stop=list(prompts[0][1]))
         _, sampler = rollout_batch.save_sampler(client, "feasibility-eval")
@@ -488,7 +471,7 @@ def run_feasibility(
         timings, details = run_timing_pilot(
             service_client, schedule, initial_checkpoint, pilot_groups=pilot_groups,
             pilot_updates=pilot_updates, pilot_eval_items=pilot_eval_items,
-            optimizer_config=opt_cfg, progress=progress)
+            optimizer_config=opt_cfg, seed=schedule.seed, progress=progress)
     setup_parts = {"create_client_from_initial_checkpoint": timings.setup_seconds}
     for name, secs in (measured_setup or {}).items():
         if not (isinstance(secs, (int, float)) and math.isfinite(secs) and secs >= 0):
@@ -512,8 +495,8 @@ def run_feasibility(
                          "updates_per_batch, per arm-step; eval seconds per item x eval items",
     }
     eff = dict(effective_config) if effective_config is not None else {"schedule": asdict(schedule)}
-    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
-    endpoint = raw.get("primary_endpoint") or raw.get("eval", {}).get("metric") or raw.get("question", "")
+    endpoint = (plan.diagnostic.question if plan.kind == "bounded_diagnostic"
+                else plan.experiment.primary_endpoint or plan.experiment.eval.metric)
     block = feasibility_block(schedule=schedule, timings=timings, projection=proj,
                               pilot_config=pilot_config, effective_config=eff,
                               primary_endpoint=endpoint, source=PILOT_FILE, allocation_source=alloc)
@@ -535,12 +518,11 @@ def run_feasibility(
 
 
 def _plan_optimizer(plan: Any) -> dict[str, float]:
-    raw = plan.spec if plan.kind == "rehearsal" else plan.raw
     if plan.kind == "bounded_diagnostic":
-        o = raw["fixed_settings"]["optimizer"]
-        return {k: o[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
-    arm = raw["restoration_preflight"]["groups"][0]["arms"][0]
-    return dict(arm["optimizer_config"])
+        o = plan.diagnostic.fixed_settings.optimizer
+        return {k: getattr(o, k) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
+    # the arm the pilot times: the first treatment, with its own optimizer config
+    return plan.run.treatments[0].adam_config_requested()
 
 
 def gpu_allocation(backend_kind: str) -> tuple[int | None, str | None]:

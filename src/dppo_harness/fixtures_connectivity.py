@@ -2,6 +2,7 @@
 
 - `connectivity`: connectivity.check_connectivity on the session's backend, once, before any
   training client; a failure fails the requesting test with its one line (later stages skip).
+  When the plugin's launch-scope check (before the first test) already read it, that report.
 - `client_base_model`: the base model the stages create training clients with (the plan's, or
   the preflight's same-family substitute); `connectivity.client_base_model` resolves it.
 - `training_client_observer`: records every training client's served identity into evidence.
@@ -13,9 +14,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def connectivity(service_backend, plan, harness_options):
+def connectivity(request, service_backend, plan, harness_options):
     from dppo_harness.connectivity import ConnectivityError, check_connectivity
+    from dppo_harness.pytest_plugin import early_connectivity
 
+    report = early_connectivity(request.config)  # the launch-scope check may have read it already
+    if report is not None:
+        return report
     try:
         return check_connectivity(service_backend.kind, service_backend.base_url, plan.base_model,
                                   proxy_tokens=harness_options.proxy_credentials,
@@ -26,10 +31,10 @@ def connectivity(service_backend, plan, harness_options):
 
 
 @pytest.fixture(scope="session")
-def client_base_model(connectivity, run_spec) -> str:
+def client_base_model(connectivity, plan) -> str:
     from dppo_harness.connectivity import client_base_model as resolve
 
-    return resolve(str(run_spec["base_model"]), connectivity)
+    return resolve(plan.base_model, connectivity)
 
 
 @pytest.fixture(scope="session")

@@ -41,17 +41,11 @@ def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: An
 
 
 @pytest.fixture(scope="session")
-def run_spec(plan, spec_plan) -> dict:
-    """The experiment spec this session executes: a rehearsal plan's inner spec, else the saved spec."""
-    return plan.spec if plan.kind == "rehearsal" else spec_plan.raw
-
-
-@pytest.fixture(scope="session")
 @stops_stage
-def restoration(request, service_client, service_backend, plan, spec_plan, run_spec, evidence_bundle,
-                training_client_observer, client_registry, client_base_model, service_waiter, harness_options,
-                harness_progress):
-    """restoration.RestorationResult for the spec's initialization group (runs once)."""
+def restoration(request, service_client, service_backend, plan, evidence_bundle, training_client_observer,
+                client_registry, client_base_model, service_waiter, harness_options, harness_progress):
+    """restoration.RestorationResult for the initialization group of the plan's spec (a
+    diagnostic's original plan), run once."""
     from dppo_harness import restoration as R
     from dppo_harness.service import CapacityExhausted, call_with_capacity_retry, make_service_client
 
@@ -78,13 +72,13 @@ def restoration(request, service_client, service_backend, plan, spec_plan, run_s
         # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
         with Watchdog(harness_progress, every_s=10.0) as watch:
             result = R.run_restoration_preflight(
-                service_client, spec_plan, evidence_bundle, checkpoint_reader=reader,
-                probe_service_client=probe_sc, spec_raw=run_spec, base_model=client_base_model,  # the served substitute
+                service_client, plan, evidence_bundle, checkpoint_reader=reader,
+                probe_service_client=probe_sc, base_model=client_base_model,  # the served substitute
                 # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
                 call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
                 update_norm=update_norm,
-                # Under the diagnostic plan only the DPPO arm trains: the untrained baseline gets no client.
-                trained_arms=R.DIAGNOSTIC_TRAINED_ARMS if plan_kind == "bounded_diagnostic" else None,
+                # Under the diagnostic plan only its treatment arm trains.
+                trained_arms=(plan.diagnostic.fixed_settings.treatment.arm,) if plan_kind == "bounded_diagnostic" else None,
                 progress=watch.say,
             )
     except R.RestorationError as exc:  # e.g. a response without a field the proof needs: one line

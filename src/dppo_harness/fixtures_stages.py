@@ -35,12 +35,11 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 
 @pytest.fixture(scope="session")
 @stops_stage
-def gate_report(request, service_backend, spec_plan, run_spec, evidence_bundle, restoration, client_registry,
+def gate_report(request, service_backend, plan, evidence_bundle, restoration, client_registry,
                 training_client_observer, service_waiter, harness_options):
-    """The executed spec's activation-gate pilot (a rehearsal's inner spec), run once per session.
-    The pilot's client lives in its own session, closed as soon as the pilot ends (before any arm
-    trains)."""
-    from dppo_harness.gate import run_activation_gate
+    """The plan's activation-gate pilot of each treatment arm, run once per session. The pilots'
+    clients live in their own session, closed as soon as the pilots end (before any arm trains)."""
+    from dppo_harness.gate import run_activation_gates
     from dppo_harness.pytest_plugin import record_client_releases
     from dppo_harness.service import make_service_client
 
@@ -50,9 +49,9 @@ def gate_report(request, service_backend, spec_plan, run_spec, evidence_bundle, 
                                    waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
                                    sdk_telemetry=harness_options.sdk_telemetry)
     try:
-        return run_activation_gate(
-            pilot_sc, spec_plan, evidence_bundle, restoration.initial_checkpoint,
-            backend=service_backend.kind, progress=_progress(request), spec_raw=run_spec,
+        return run_activation_gates(
+            pilot_sc, plan, evidence_bundle, restoration.initial_checkpoint,
+            backend=service_backend.kind, progress=_progress(request),
         )
     finally:
         record_client_releases(request.config, client_registry.release_stage("gate-pilot"))
@@ -81,11 +80,11 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
             pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
                         pytrace=False)
     schedule, source = comparison_schedule(harness_options.comparison_schedule, evidence_bundle.result.get("backend"))
-    spec = plan.spec if plan.kind == "rehearsal" else plan.raw
     # On a resume the feasibility block is not in this session's result yet: the guard then starts
     # from the finalize reserve alone and projects from the steps it measures.
     guard = C.wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
-                                          arms=len(spec["arms"]), eval_items=int(spec["eval"]["n_examples"]))
+                                          arms=len(plan.run.arms) if plan.run else 0,
+                                          eval_items=plan.run.eval_items if plan.run else 0)
     try:
         run = run_comparison(
             service_client, plan, evidence_bundle, restoration, backend=service_backend.kind,
@@ -133,20 +132,19 @@ def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
 
 @pytest.fixture(scope="session")
 @stops_stage
-def diagnostic_run(request, service_client, service_backend, plan, spec_plan, evidence_bundle, restoration):
+def diagnostic_run(request, service_client, service_backend, plan, evidence_bundle, restoration):
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
-    from dppo_harness import restoration as R
     from dppo_harness.diagnostic import run_bounded_diagnostic
     from dppo_harness.pytest_plugin import propose_outcome
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()
     run = run_bounded_diagnostic(
         service_client, plan, evidence_bundle, restoration.initial_checkpoint,
-        backend=service_backend.kind, stage_start=start, spec_raw=spec_plan.raw, progress=_progress(request),
+        backend=service_backend.kind, stage_start=start, spec=plan.original.experiment, progress=_progress(request),
         prior_service_work=preflight_service_work(restoration), init_reference=restoration,
-        restored=restoration.loaded.get(R.DIAGNOSTIC_TRAINED_ARMS[0]),
+        restored=restoration.loaded.get(plan.diagnostic.fixed_settings.treatment.arm),
     )
     propose_outcome(request.config, **run.result_fields["final"])
     return run

@@ -1,11 +1,14 @@
-"""Activation gate of the original spec: a short pilot of the treatment arm, checked against the
+"""Activation gate of the plan's spec: a short pilot of a treatment arm, checked against the
 frozen plan's `activation_gate` ranges.
 
-The pilot is the spec's own schedule, shortened: fresh sampling each step from the current
-weights, the batch split into 2 complete-group minibatches, one `forward_backward_custom` +
-`optim_step` per minibatch, DPPO trained, GRPO clip counted on the same tensors. Every check of
-the plan is evaluated; a value outside its range or missing fails the gate. The gate report is
-its own immutable evidence file; nothing later rewrites it.
+The pilot is the spec's own schedule, shortened to the pilot length its gate states: fresh
+sampling each step from the current weights, the batch split into the spec's complete-group
+minibatches, one `forward_backward_custom` + `optim_step` per minibatch, the treatment's loss
+trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
+metric is the loss-call statistic its registered loss names (`losses.gate_metric_sources`) on the
+last update of each pilot step. Every check of the plan is evaluated; a value outside its range or
+missing fails the gate. The gate report is its own immutable evidence file; nothing later
+rewrites it. A plan with several treatments pilots each of them (one report each).
 """
 
 from __future__ import annotations
@@ -23,27 +26,19 @@ if TYPE_CHECKING:
     import tinker
 
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import Plan
+    from dppo_harness.plans import Plan, RunConfig
 
 GATE_REPORT_FILE = "activation-gate-report.json"
-TREATMENT_ARM = "dppo_seed0"
-PILOT_STEPS = 5
-# The spec states these only in its method text ("groups_per_batch=32 with group_size=8 rollouts
-# at temperature 1.0 and max_tokens=512"); `pilot_config` checks the text still says so.
-SPEC_GROUP_SIZE = 8
-SPEC_TEMPERATURE = 1.0
-SPEC_MAX_TOKENS = 512
-NORMALIZATION = "token_mean"  # declared by the diagnostic plan; the spec declares none
 
 # How each gate metric is measured in the pilot (written into the report).
 DEFINITIONS = {
     "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens (A != 0 tokens removed by the mask / "
-    "all loss tokens) of the loss call of the 2nd minibatch update of each pilot step, unweighted "
+    "all loss tokens) of the loss call of the last (2nd) minibatch update of each pilot step, unweighted "
     "mean over pilot steps",
     "policy_drift_abs_p_q90": "drift/abs_p90 (q90 of |p_current - p_sampler| over loss tokens) of the "
-    "loss call of the 2nd minibatch update of each pilot step, unweighted mean over pilot steps",
+    "loss call of the last (2nd) minibatch update of each pilot step, unweighted mean over pilot steps",
     "grpo_clip_fraction": "ppo/clip_frac_loss_tokens: eps=0.2 clip removing the gradient, counted "
-    "counterfactually on the same tensors as the DPPO metric (2nd update), mean over pilot steps",
+    "counterfactually on the same tensors as the DPPO metric (last update), mean over pilot steps",
     "executed_updates_per_batch": "optim_step calls that returned, counted per rollout batch; the "
     "value is that count when it is the same for every batch, else the list (which fails)",
     "executed_base_model": "the model that computes: get_info().model_data.model_name of the pilot's training "
@@ -104,18 +99,34 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def definition(metric: str, stat: str | None) -> str:
+    """How a gate metric is measured in the pilot (written into the report)."""
+    if metric in DEFINITIONS:
+        return DEFINITIONS[metric]
+    return (f"{stat} of the loss call of the last minibatch update of each pilot step, unweighted mean over "
+            "pilot steps" if stat else "not measured by the pilot")
+
+
 def gate_values(
     records: Sequence[ins.LossCallRecord],
     optim_steps_per_batch: Sequence[int],
     executed_base_model: str | None,
     pilot_steps: int,
+    *,
+    updates_per_batch: int = 2,
+    sources: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
 
-    A step whose 2nd update never ran contributes nothing, and then the metric is missing
-    (None) rather than a mean over fewer steps.
+    `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
+    registered loss's, `losses.gate_metric_sources()`), measured on each step's last update. A
+    step whose last update never ran contributes nothing, and then the metric is missing (None)
+    rather than a mean over fewer steps.
     """
-    second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == 2}
+    from dppo_harness import losses
+
+    sources = losses.gate_metric_sources() if sources is None else sources
+    second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
     rows = []
     for step in range(pilot_steps):
         rec = second.get(step)
@@ -137,13 +148,8 @@ def gate_values(
         updates: Any = counts[0]
     else:
         updates = counts if counts else None
-    values = {
-        "dppo_masked_token_fraction": over_steps("dppo/masked_frac_loss_tokens"),
-        "policy_drift_abs_p_q90": over_steps("drift/abs_p90"),
-        "grpo_clip_fraction": over_steps("ppo/clip_frac_loss_tokens"),
-        "executed_updates_per_batch": updates,
-        "executed_base_model": executed_base_model,
-    }
+    values: dict[str, Any] = {metric: over_steps(stat) for metric, stat in sources.items()}
+    values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
     return values, rows
 
 
@@ -169,6 +175,7 @@ def split_complete_groups(group_of_datum: Sequence[int], n_minibatches: int) -> 
 @dataclass(frozen=True)
 class PilotConfig:
     arm: str
+    loss: str
     steps: int
     groups_per_batch: int
     group_size: int
@@ -178,40 +185,24 @@ class PilotConfig:
     adam: dict[str, float]
     normalization: str
     seed: int
+    max_seq_len: int | None = None  # the plan's bound on prompt + sampled tokens
     reductions: tuple[dict[str, Any], ...] = ()  # explicit size reductions (tests only)
 
 
-def pilot_config(spec_raw: Mapping[str, Any], **overrides: Any) -> PilotConfig:
-    """The treatment arm's pilot schedule from the original spec; overrides are recorded as
-    reductions (the stage test passes none)."""
-    arms = {a.get("name"): a for a in spec_raw.get("arms", [])}
-    if TREATMENT_ARM not in arms:
-        raise GateError(f"arms: no arm named {TREATMENT_ARM!r}")
-    arm = arms[TREATMENT_ARM]
-    method = str(spec_raw.get("method", ""))
-    for needle in (f"group_size={SPEC_GROUP_SIZE}", f"max_tokens={SPEC_MAX_TOKENS}"):
-        if needle not in method:
-            raise GateError(f"method: the spec no longer says {needle!r}; pilot settings need revisiting")
-    batch = int(spec_raw["batch_size"])
-    if batch % SPEC_GROUP_SIZE:
-        raise GateError(f"batch_size: {batch} is not a multiple of group_size {SPEC_GROUP_SIZE}")
-    opt = None
-    for group in spec_raw.get("restoration_preflight", {}).get("groups", []):
-        for a in group.get("arms", []):
-            if a.get("name") == TREATMENT_ARM:
-                opt = dict(a["optimizer_config"])
-    if opt is None:
-        raise GateError(f"restoration_preflight: no optimizer_config for {TREATMENT_ARM}")
-    if float(opt["learning_rate"]) != float(arm["lr"]):
-        raise GateError(f"arms[{TREATMENT_ARM}].lr {arm['lr']} != optimizer_config.learning_rate {opt['learning_rate']}")
-    adam = {"learning_rate": float(arm["lr"]), "beta1": float(opt["beta1"]), "beta2": float(opt["beta2"]),
-            "eps": float(opt["eps"]), "weight_decay": 0.0, "grad_clip_norm": 0.0}
+def pilot_config(run: RunConfig, arm: str | None = None, **overrides: Any) -> PilotConfig:
+    """The pilot schedule of treatment arm `arm` (default: the first treatment) from the plan's
+    run config; overrides are recorded as reductions (the stage passes none)."""
+    name = arm or run.treatments[0].name
+    a = run.arm(name)
+    if a.role != "treatment":
+        raise GateError(f"arms: {name!r} is the baseline; the gate pilots a treatment arm")
     base = {
-        "steps": PILOT_STEPS,
-        "groups_per_batch": batch // SPEC_GROUP_SIZE,
-        "group_size": SPEC_GROUP_SIZE,
-        "max_tokens": SPEC_MAX_TOKENS,
+        "steps": int(run.gate_pilot_steps.value),
+        "groups_per_batch": int(run.groups_per_batch.value),
+        "group_size": int(run.group_size.value),
+        "max_tokens": int(run.max_tokens.value),
     }
+    adam = dict(a.adam)
     unknown = set(overrides) - set(base) - {"learning_rate"}
     if unknown:
         raise GateError(f"unknown pilot overrides {sorted(unknown)}")
@@ -225,18 +216,31 @@ def pilot_config(spec_raw: Mapping[str, Any], **overrides: Any) -> PilotConfig:
         else:
             base[k] = int(v)
     return PilotConfig(
-        arm=TREATMENT_ARM,
+        arm=name,
+        loss=a.loss,
         steps=base["steps"],
         groups_per_batch=base["groups_per_batch"],
         group_size=base["group_size"],
-        temperature=SPEC_TEMPERATURE,
+        temperature=float(run.temperature.value),
         max_tokens=base["max_tokens"],
-        updates_per_batch=int(arm["updates_per_batch"]),
+        updates_per_batch=a.updates_per_batch,
         adam=adam,
-        normalization=NORMALIZATION,
-        seed=int(arm.get("seed", 0)),
+        normalization=run.normalization,
+        seed=a.seed,
+        max_seq_len=run.max_seq_len,
         reductions=tuple(reductions),
     )
+
+
+def report_file(run: RunConfig, arm: str) -> str:
+    """The gate report's evidence name: the one report of a single treatment, else one per arm."""
+    return GATE_REPORT_FILE if len(run.treatments) == 1 else f"activation-gate-report-{arm}.json"
+
+
+def is_report_file(name: str) -> bool:
+    """Whether an evidence name is a gate report (`report_file` of any plan and arm)."""
+    stem = GATE_REPORT_FILE.removesuffix(".json")
+    return name == GATE_REPORT_FILE or (name.startswith(f"{stem}-") and name.endswith(".json"))
 
 
 def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
@@ -276,12 +280,15 @@ class GateReport:
         return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
 
     def to_json(self) -> dict[str, Any]:
+        from dppo_harness import losses
+
+        sources = losses.gate_metric_sources()
         return ins.nan_free({
             "kind": "activation_gate_report",
             "passed": self.passed,
             "plan": self.plan,
             "pilot": self.pilot,
-            "definitions": DEFINITIONS,
+            "definitions": {c.metric: definition(c.metric, sources.get(c.metric)) for c in self.checks},
             "checks": [asdict(c) for c in self.checks],
             "values": self.values,
             "per_step": self.per_step,
@@ -294,7 +301,7 @@ class GateReport:
         p = self.pilot
         values = {k: (v if v is not None else "missing") for k, v in self.values.items()}
         note = (
-            f"{p['steps_completed']}/{p['steps']}-step pilot of {p['arm']} (DPPO Binary-TV delta 0.15, C 10, "
+            f"{p['steps_completed']}/{p['steps']}-step pilot of {p['arm']} ({p['loss']}, "
             f"{p['normalization']}), fresh sampling each step from the current weights, "
             f"{p['groups_per_batch']} groups x {p['group_size']} at T={p['temperature']}, max_tokens {p['max_tokens']}, "
             f"{p['updates_per_batch']} complete-group minibatch updates per batch, AdamW lr {p['adam']['learning_rate']:g}; "
@@ -303,6 +310,35 @@ class GateReport:
         if p.get("reductions"):
             note += f"; size reductions {p['reductions']}"
         return {"values": values, "note": note}
+
+
+@dataclass(frozen=True)
+class GateReports:
+    """The pilots of a plan with several treatments: the gate passes when every one does."""
+
+    reports: tuple[GateReport, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.reports)
+
+    @property
+    def checks(self) -> list[CheckResult]:
+        return [c for r in self.reports for c in r.checks]
+
+    def failures(self) -> list[str]:
+        return [f"{r.pilot['arm']}: {f}" for r in self.reports for f in r.failures()]
+
+
+def run_activation_gates(service_client: tinker.ServiceClient, plan: Plan, bundle: EvidenceBundle,
+                         initial_checkpoint: str, **kwargs: Any) -> GateReport | GateReports:
+    """The gate of every treatment arm of the plan (one pilot each, in spec order)."""
+    run = plan.spec_plan.run
+    if run is None:
+        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
+    reports = tuple(run_activation_gate(service_client, plan, bundle, initial_checkpoint, arm=a.name, **kwargs)
+                    for a in run.treatments)
+    return reports[0] if len(reports) == 1 else GateReports(reports)
 
 
 @dataclass
@@ -324,7 +360,8 @@ def _pilot_step(
 ) -> list[ins.LossCallRecord]:
     """One pilot step: fresh rollout batch from the current weights, then one recorded update per
     complete-group minibatch. Returns this step's loss-call records (also persisted)."""
-    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
+    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed,
+                                  max_seq_len=cfg.max_seq_len)
     sampled = rollout_batch.sample_rollout_batch(tc, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}")
     pilot.samplers.append(sampled.sampler_path)
     pilot.yields.append(sampled.batch.response_yield())
@@ -343,32 +380,34 @@ def _pilot_step(
 
 def run_activation_gate(
     service_client: tinker.ServiceClient,
-    spec_plan: Plan,
+    plan: Plan,
     bundle: EvidenceBundle,
     initial_checkpoint: str,
     *,
     backend: str,
     progress: Callable[[str], None] | None = None,
     tag: str = "gate",
-    spec_raw: Mapping[str, Any] | None = None,
+    arm: str | None = None,
     **overrides: Any,
 ) -> GateReport:
-    """Run the pilot from the shared initial checkpoint, evaluate every check, write the report
-    (own immutable evidence file), the per-step tensors and `activation_calibration`.
-
-    `spec_raw` (default `spec_plan.raw`) is the experiment spec whose gate runs: a rehearsal
-    plan passes its inner spec."""
+    """Run the pilot of treatment `arm` (default: the first) from the shared initial checkpoint,
+    evaluate every check of the plan's gate, write the report (own immutable evidence file), the
+    per-step tensors and `activation_calibration`."""
     import tinker
 
-    from dppo_harness import gsm8k, losses, tokenizer
+    from dppo_harness import dataset, losses, tokenizer
     from dppo_harness.restoration import create_from_state_observed
 
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
-    raw = spec_plan.raw if spec_raw is None else spec_raw
-    cfg = pilot_config(raw, **overrides)
-    checks = list(raw["activation_gate"]["checks"])
-    loss_cfg = losses.LossConfig(arm="dppo", normalization=cfg.normalization)
+    run = plan.spec_plan.run
+    if run is None:
+        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
+    cfg = pilot_config(run, arm, **overrides)
+    first = cfg.arm == run.treatments[0].name
+    tag = tag if first else f"{tag}-{cfg.arm}"
+    checks = [c.model_dump(exclude_none=True) for c in run.gate_checks]
+    loss_cfg = losses.LossConfig.for_loss(cfg.loss, cfg.normalization)  # type: ignore[arg-type]
     pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
     loss_fn = losses.make_loss_fn(loss_cfg)
     adam = tinker.AdamParams(**cfg.adam)
@@ -381,7 +420,7 @@ def run_activation_gate(
             errors.append(f"executed_base_model unavailable: the service's get_info response names no model "
                           f"(read from {pilot.base_model_source})")
         renderer = tokenizer.make_renderer().renderer
-        train = gsm8k.load_split("train", seed=cfg.seed)
+        train = dataset.get(run.dataset).load_split("train", seed=cfg.seed)
         for step in range(cfg.steps):
             step_records = _pilot_step(tc, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer,
                                        loss_fn, adam, bundle, tag)
@@ -396,7 +435,8 @@ def run_activation_gate(
     except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
         errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
     records = pilot.recorder.records
-    values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps)
+    values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps,
+                                   updates_per_batch=cfg.updates_per_batch)
     per_step = with_rollout_yield(per_step, pilot.yields)
     results = evaluate_gate(checks, values)
     errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
@@ -419,11 +459,14 @@ def run_activation_gate(
         values=values,
         per_step=per_step,
         pilot=pilot_block,
-        plan={"file": spec_plan.name, "sha256": spec_plan.sha256},
+        plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,
         errors=errors,
         records=list(records),
     )
-    bundle.register_json(GATE_REPORT_FILE, "report", report.to_json())
-    bundle.update_result(activation_calibration=report.calibration())
+    bundle.register_json(report_file(run, cfg.arm), "report", report.to_json())
+    if first:
+        bundle.update_result(activation_calibration=report.calibration())
+    else:  # a further treatment's pilot: its own calibration beside the first one's
+        bundle.update_result(activation_calibration={"by_arm": {cfg.arm: report.calibration()}})
     return report

@@ -1,8 +1,12 @@
-"""Packed loss path for ``TrainingClient.forward_backward_custom``: GRPO clip and DPPO Binary-TV.
+"""Packed loss path for ``TrainingClient.forward_backward_custom``.
 
-One loss family, one switch (``LossConfig.arm``). Both arms see the same per-token terms, so the
-metrics of the arm that does not train are counterfactual (GRPO clip fraction while DPPO trains,
-DPPO masked fraction while GRPO trains). Rules: ``/work/shared/reference/dppo-binary-tv.md``.
+Every loss a spec's arm may name is one registered `LossEntry` (``loss_registry.py``, re-exported
+here): its packed per-token rule, its parameters, its metric names, the activation-gate metrics
+it provides, its independent numpy reference (``references.py``) and its golden cases. The spec's
+loss name is the one switch (``LossConfig.loss``); a plan naming an unregistered loss is refused
+at load. Every rule sees the same per-token terms, so the family's
+diagnostics are counted for every loss call (GRPO clip fraction while DPPO trains, DPPO masked
+fraction while GRPO trains). Rules: ``/work/shared/reference/dppo-binary-tv.md``.
 
 Layout (docs/architecture.md): each datum carries ``target_tokens``, sampler ``logprobs``,
 ``advantages`` and ``mask`` of length T; the SDK hands the loss one current-logprob tensor of
@@ -20,31 +24,34 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
+from dppo_harness.loss_registry import (  # the registry; re-exported here for the loss path's callers
+    DPPO_LOSS,
+    DPPO_METRIC_NAMES,
+    GRPO_LOSS,
+    HARNESS_GATE_METRICS,
+    LOSSES,
+    PPO_METRIC_NAMES,
+    GoldenCases,
+    LossEntry,
+    UnknownLossError,
+    gate_metric_sources,
+    get_loss,
+    loss_names,
+    register_loss,
+    unregister_loss,
+)
 
-Arm = Literal["grpo", "dppo"]
 Normalization = Literal["sum", "token_mean"]
 LossFn = Callable[[Sequence[Any], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
-_ARMS = ("grpo", "dppo")
 _NORMALIZATIONS = ("sum", "token_mean")
 _INPUT_KEYS = ("logprobs", "advantages", "mask")
 
-METRIC_NAMES = (
+# Metrics every loss call reports, whatever rule trains (token counts and drift tails).
+SHARED_METRIC_NAMES = (
     "tokens/loss",
     "tokens/nonzero_adv",
-    "dppo/removed",
-    "dppo/removed_pos_adv",
-    "dppo/removed_neg_adv",
-    "dppo/masked_frac_loss_tokens",
-    "dppo/masked_frac_nonzero_adv",
-    "dppo/mask_zero_adv",
-    "dppo/exceed_pos",
-    "dppo/exceed_neg",
-    "dppo/ratio_cap_hits",
-    "ppo/clipped",
-    "ppo/clip_frac_loss_tokens",
-    "ppo/clip_frac_nonzero_adv",
     "drift/signed_p90",
     "drift/signed_p99",
     "drift/signed_max",
@@ -55,19 +62,31 @@ METRIC_NAMES = (
     "loss/arm_dppo",
     "loss/normalization_sum",
 )
+METRIC_NAMES = SHARED_METRIC_NAMES[:2] + DPPO_METRIC_NAMES + PPO_METRIC_NAMES + SHARED_METRIC_NAMES[2:]
+_CONFIG_PARAMS = ("ppo_eps", "dppo_delta", "ratio_cap")  # LossConfig fields an entry's params may pin
+__all__ = ["DPPO_LOSS", "GRPO_LOSS", "HARNESS_GATE_METRICS", "LOSSES", "GoldenCases", "LossEntry", "UnknownLossError",
+           "gate_metric_sources", "get_loss", "loss_names", "register_loss", "unregister_loss"]
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    arm: Arm
+    """The loss one arm trains with: a registered name, the normalization, and the thresholds of
+    the family's per-token terms (the DPPO mask, the PPO clip, the ratio cap), which every loss
+    call also counts as diagnostics. `for_loss` takes the thresholds from the registry entry."""
+
+    loss: str
     normalization: Normalization
     ppo_eps: float = PPO_EPS
     dppo_delta: float = DPPO_DELTA
     ratio_cap: float = DPPO_RATIO_CAP
 
+    @classmethod
+    def for_loss(cls, name: str, normalization: Normalization) -> LossConfig:
+        entry = get_loss(name)
+        return cls(name, normalization, **{k: v for k, v in entry.params.items() if k in _CONFIG_PARAMS})
+
     def __post_init__(self) -> None:
-        if self.arm not in _ARMS:
-            raise ValueError(f"LossConfig.arm must be one of {_ARMS}, got {self.arm!r}")
+        get_loss(self.loss)  # UnknownLossError (a ValueError) naming the registered losses
         if self.normalization not in _NORMALIZATIONS:
             raise ValueError(
                 f"LossConfig.normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}"
@@ -250,7 +269,7 @@ def loss_metrics(terms: TokenTerms, cfg: LossConfig | None = None) -> dict[str, 
             if name.startswith("drift/"):
                 metrics[name] = 0.0
     if cfg is not None:
-        metrics["loss/arm_dppo"] = 1.0 if cfg.arm == "dppo" else 0.0
+        metrics["loss/arm_dppo"] = 1.0 if cfg.loss == DPPO_LOSS else 0.0
         metrics["loss/normalization_sum"] = 1.0 if cfg.normalization == "sum" else 0.0
     return metrics
 
@@ -261,23 +280,15 @@ def packed_loss(
     terms: TokenTerms,
     cfg: LossConfig,
 ) -> torch.Tensor:
-    """Scalar loss with gradient into ``logprobs_N`` (float64 arithmetic, zero grad off the loss)."""
+    """Scalar loss with gradient into ``logprobs_N`` (float64 arithmetic, zero grad off the loss):
+    the registered rule's per-token loss, summed, then normalized."""
     zero = torch.zeros((), dtype=torch.float64)
     # Only gradient-bearing tokens enter the graph; the rest get an exact 0 gradient.
     active_N = terms.nonzero_adv_N
     lp_N = torch.where(active_N, logprobs_N.to(torch.float64), zero)
     mu_N = torch.where(active_N, sampler_logprobs_N.detach().to(torch.float64), zero)
     adv_N = torch.where(active_N, terms.advantages_N, zero)
-    if cfg.arm == "dppo":
-        # Detached capped weight; no lower clamp on the log-ratio (pinned rule).
-        log_ratio_N = (lp_N.detach() - mu_N).clamp(max=LOG_RATIO_CLAMP_MAX)
-        weight_N = log_ratio_N.exp().clamp(max=cfg.ratio_cap)
-        coef_N = torch.where(terms.dppo_keep_N & active_N, adv_N * weight_N, zero)
-        token_loss_N = -coef_N * lp_N
-    else:
-        ratio_N = (lp_N - mu_N).exp()
-        clamped_N = ratio_N.clamp(1 - cfg.ppo_eps, 1 + cfg.ppo_eps)
-        token_loss_N = -torch.minimum(ratio_N * adv_N, clamped_N * adv_N)
+    token_loss_N = get_loss(cfg.loss).token_loss(lp_N, mu_N, adv_N, terms, cfg)
     total = token_loss_N.sum()
     if cfg.normalization == "token_mean":
         n_loss = int(terms.loss_token_N.sum())

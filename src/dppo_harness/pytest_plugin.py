@@ -34,6 +34,7 @@ STAGE_KEY = pytest.StashKey[str]()
 _STATE_KEY = pytest.StashKey["_StageState"]()
 _PLAN_KEY = pytest.StashKey[Plan]()
 _ITEMS_KEY = pytest.StashKey[list[pytest.Item]]()
+_CONNECTIVITY_KEY = pytest.StashKey[Any]()
 
 # Fixture modules of later stages; each owns the session fixtures of its step.
 FIXTURE_PLUGINS = ("dppo_harness.fixtures_preflight", "dppo_harness.fixtures_stages",
@@ -315,6 +316,40 @@ def _selected(config: pytest.Config, state: _StageState, item: pytest.Item) -> b
     if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
         return True
     return stage == "unit"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """Launch scope, before the first test: on a service that is not the embedded server, a
+    collected stage the plan's launch does not authorize ends the session at once, with one line
+    saying what would authorize it (plans.launch). Only then is the connectivity preflight read
+    early (its report is reused by the `connectivity` fixture); nothing else is created."""
+    config = session.config
+    plan = config.stash.get(_PLAN_KEY, None)
+    options = config.stash[_OPTIONS_KEY]
+    if plan is None or options.backend != "tinker":  # local: the harness's own embedded server
+        return
+    from dppo_harness.plans import launch_refusal, unauthorized_stages
+
+    collected = sorted({it.stash.get(STAGE_KEY, "unit") for it in session.items}, key=stages.stage_index)
+    if not unauthorized_stages(plan.launch, collected):
+        return
+    from dppo_harness.connectivity import ConnectivityError, check_connectivity
+
+    try:
+        report = check_connectivity("tinker", os.environ["TINKER_BASE_URL"], plan.base_model,
+                                    proxy_tokens=options.proxy_credentials, sdk_telemetry=options.sdk_telemetry)
+    except ConnectivityError:
+        return  # the connectivity fixture reports it, with its one line
+    config.stash[_CONNECTIVITY_KEY] = report
+    line = launch_refusal(plan.name, plan.launch, collected, embedded=report.embedded, service=report.base_url)
+    if line is not None:
+        pytest.exit(line, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def early_connectivity(config: pytest.Config) -> Any:
+    """The connectivity report the launch-scope check read before the first test, else None."""
+    return config.stash.get(_CONNECTIVITY_KEY, None)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -628,11 +663,6 @@ def service_client(service_backend: ServiceBackend, client_registry: ClientRegis
         waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
         sdk_telemetry=harness_options.sdk_telemetry,
     )
-
-
-@pytest.fixture(scope="session")
-def spec_plan() -> Plan:
-    return load_plan(project.plan_file(project.SPEC_PLAN))
 
 
 @pytest.fixture(scope="session")

@@ -449,7 +449,8 @@ def render_comparison_markdown(rows: list[Mapping[str, Any]], scores: list[Mappi
                                declared: Mapping[str, Any] | None = None, max_tokens: int | None = None,
                                resume: Mapping[str, Any] | None = None) -> str:
     eval_metrics = eval_metrics or {}
-    lines = ["# Paired comparison: DPPO Binary-TV vs GRPO clipped-ratio", ""]
+    pairs = "; ".join(dict.fromkeys(f"{c['treatment']} vs {c['baseline']}" for c in decision.get("criteria", [])))
+    lines = [f"# Paired comparison: {pairs or 'no criterion decided'}", ""]
     if backend == "local" or decision.get("rehearsal"):
         lines += ["**REHEARSAL** on the embedded CPU server's stand-in model under the declared rehearsal plan; "
                   "not a result about Qwen3.5-2B. Verdict always inconclusive.", ""]

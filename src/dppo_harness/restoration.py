@@ -39,7 +39,7 @@ from dppo_harness.service_wait import name_client
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import Plan
+    from dppo_harness.plans import ExperimentSpec, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ LOGPROB_ATOL = 1e-6  # brief: initial outputs "bitwise equal or within 1e-6"
 LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
 DEFAULT_LR_MULTIPLIERS = (0.5, 1.0, 2.0)
 # The arm the bounded diagnostic trains (the PPO baseline is only a counterfactual there).
-DIAGNOSTIC_TRAINED_ARMS = ("dppo_seed0",)
 FIXED_BATCH_ITEMS = 4
 ADAM_FAMILIES = {"adam": "adamw", "adamw": "adamw"}  # tinker's Adam is torch AdamW; wd=0 makes them equal
 PROVENANCE_FILE = "initialization-provenance.json"
@@ -395,22 +394,24 @@ def reference_completion(solution: str, reference: str) -> str:
     return f"{body} \\boxed{{{reference}}}"
 
 
-def build_fixed_batch(n_items: int = FIXED_BATCH_ITEMS, seed: int = 0) -> tuple[list[tinker.Datum], dict[str, Any]]:
-    """The first `n_items` GSM8K train items (cookbook order, `seed`), rendered with the qwen3_5
+def build_fixed_batch(n_items: int = FIXED_BATCH_ITEMS, seed: int = 0,
+                      dataset_name: str = "gsm8k") -> tuple[list[tinker.Datum], dict[str, Any]]:
+    """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered with the qwen3_5
     renderer (one-shot prefix, cookbook prompt), reference solutions as the assistant targets.
 
     Weights are 1 on the assistant answer's tokens, 0 on the prompt (the renderer's supervised
     example). Returns the datums and a description (item ids, lengths) for evidence.
     """
-    from dppo_harness import gsm8k, tokenizer
+    from dppo_harness import dataset, tokenizer
 
+    data = dataset.get(dataset_name)
     bundle = tokenizer.make_renderer()
-    items = gsm8k.load_split("train", seed=seed).items[:n_items]
+    items = data.load_split("train", seed=seed).items[:n_items]
     if len(items) < n_items:
         raise RestorationError(f"fixed batch needs {n_items} GSM8K train items, got {len(items)}")
     batch, described = [], []
     for item in items:
-        messages = gsm8k.prompt_messages(item) + [
+        messages = data.prompt_messages(item) + [
             {"role": "assistant", "content": reference_completion(item.solution, item.reference)}]
         model_input, weights = bundle.renderer.build_supervised_example(messages)
         tokens = model_input.to_ints()
@@ -586,18 +587,17 @@ class RestorationResult:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
 
 
-def restoration_arms(plan_raw: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The (single) initialization group's arms with optimizer and config, from the spec."""
-    rp = plan_raw.get("restoration_preflight")
-    if not rp or not rp.get("applicable", False):
+def restoration_arms(spec: ExperimentSpec) -> list[dict[str, Any]]:
+    """The (single) initialization group's arms with optimizer and config, from the validated spec."""
+    rp = spec.restoration_preflight
+    if not rp.applicable:
         raise RestorationError("plan has no applicable restoration_preflight")
-    groups = rp.get("groups") or []
-    if len(groups) != 1:
-        raise RestorationError(f"restoration_preflight needs exactly one group, got {len(groups)}")
-    arms = groups[0].get("arms") or []
+    if len(rp.groups) != 1:
+        raise RestorationError(f"restoration_preflight needs exactly one group, got {len(rp.groups)}")
+    arms = rp.groups[0].arms
     if len(arms) < 2:
         raise RestorationError("restoration_preflight group needs at least two arms")
-    return [dict(a) for a in arms]
+    return [a.model_dump(exclude_none=True) for a in arms]
 
 
 def _adam(cfg: Mapping[str, float], lr: float | None = None) -> tinker.AdamParams:
@@ -821,7 +821,7 @@ def _provenance_entries(arms_cfg: Sequence[Mapping[str, Any]], base_model: str, 
 
 def run_restoration_preflight(
     service_client: tinker.ServiceClient,
-    spec_plan: Plan,
+    plan: Plan,
     bundle: EvidenceBundle,
     *,
     base_model: str = constants.BASE_MODEL,
@@ -840,11 +840,11 @@ def run_restoration_preflight(
     probe_restore_with_optimizer: bool = True,
     call: Callable[[Callable[[], Any]], Any] | None = None,
     run_tag: str | None = None,
-    spec_raw: Mapping[str, Any] | None = None,
     trained_arms: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RestorationResult:
-    """Run the restoration preflight for the spec's initialization group; see module docstring.
+    """Run the restoration preflight for the initialization group of the plan's spec (a
+    diagnostic's: its original plan's); see module docstring.
 
     - `trained_arms`: the arms that will train in this session (None: all). Only they get a client
       (loaded from the initial checkpoint) and an `initialization_provenance` entry; an untrained arm
@@ -863,7 +863,6 @@ def run_restoration_preflight(
     - `probe_restore_with_optimizer=False`: the probe restores weights only (failure-path tests:
       the restored-vs-uninterrupted check must then fail).
     - `call`: wraps every client-creating call (e.g. `service.call_with_capacity_retry`).
-    - `spec_raw`: the experiment spec to run (default `spec_plan.raw`; a rehearsal's inner spec).
     - `progress`: one line at every step (which of the six, how far along), so the preflight is never silent.
     """
     t0 = time.monotonic()
@@ -874,8 +873,10 @@ def run_restoration_preflight(
 
     call = call or (lambda fn: fn())
     probe_sc = probe_service_client or service_client
-    raw = spec_plan.raw if spec_raw is None else spec_raw
-    arms = restoration_arms(raw)
+    spec_plan = plan.spec_plan
+    run = spec_plan.run
+    assert run is not None  # every experiment spec has its RunConfig from load
+    arms = restoration_arms(spec_plan.experiment)
     all_arm_names = [a["name"] for a in arms]
     if trained_arms is not None:
         unknown = sorted(set(trained_arms) - set(all_arm_names))
@@ -883,8 +884,8 @@ def run_restoration_preflight(
             raise RestorationError(f"trained_arms {list(trained_arms)}: not arms of the initialization group "
                                    f"{all_arm_names}")
     arm_names = [a for a in all_arm_names if trained_arms is None or a in set(trained_arms)]
-    rank = int(raw["lora_rank"])
-    seeds = {a["name"]: int(a["seed"]) for a in raw.get("arms", [])}
+    rank = run.lora_rank
+    seeds = {a.name: a.seed for a in run.arms}
     if len({seeds.get(a) for a in arm_names}) > 1:
         raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
     seed = seeds.get(arm_names[0], 0)
@@ -894,7 +895,7 @@ def run_restoration_preflight(
     failures: list[str] = []
 
     if fixed_batch is None:
-        fixed_batch, fixed_batch_description = build_fixed_batch(seed=seed)
+        fixed_batch, fixed_batch_description = build_fixed_batch(seed=seed, dataset_name=run.dataset)
     fixed_batch = list(fixed_batch)
     if len(fixed_batch) < 2:
         raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")

@@ -36,6 +36,7 @@ class RolloutConfig:
     temperature: float
     max_tokens: int
     seed: int | None = None  # when set, group g's request uses seed + g (recorded)
+    max_seq_len: int | None = None  # the plan's bound on prompt + sampled tokens (None: no bound)
 
     def __post_init__(self) -> None:
         if self.groups_per_batch < 1 or self.group_size < 1 or self.max_tokens < 1:
@@ -123,6 +124,11 @@ def sample_batch(
     if len(items) != cfg.groups_per_batch:
         raise ValueError(f"got {len(items)} items for groups_per_batch={cfg.groups_per_batch}")
     prompts = [build_prompt(item, renderer) for item in items]
+    if cfg.max_seq_len is not None:
+        for g, (ob, _) in enumerate(prompts):
+            if ob.length + cfg.max_tokens > cfg.max_seq_len:
+                raise RolloutError(f"group {g} ({items[g].item_id}): prompt of {ob.length} tokens + max_tokens "
+                                   f"{cfg.max_tokens} exceeds the plan's max_seq_len {cfg.max_seq_len}")
     stop = prompts[0][1]
     t0 = time.perf_counter()
     done_at: dict[int, float] = {}

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from dppo_harness import comparison as C
 from dppo_harness import comparison_eval as E
-from dppo_harness import stats
+from dppo_harness import losses, stats
 
 
 def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence_bundle):
@@ -33,19 +34,28 @@ def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence
 
 
 def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle):
-    """The DPPO arm's mask removes tokens during training (the rehearsal lr is chosen so it does); the
-    GRPO arm's masked fraction is the same rule counted counterfactually on its own tensors, and
-    says so in its name (rows and metrics.arms)."""
+    """Each DPPO treatment arm's mask removes tokens during training (the rehearsal lr is chosen so it
+    does). A rule an arm's registered loss does not train with is counted counterfactually on the
+    arm's own tensors, and says so in its name (rows and metrics.arms): for the spec's pair, the
+    GRPO arm's DPPO mask and the DPPO arm's PPO clip."""
     cfg = comparison_run.config
-    t, b = cfg.role("treatment").name, cfg.role("baseline").name
-    assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t) > 0
+    for t in cfg.treatments:
+        if t.loss == losses.DPPO_LOSS:
+            assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t.name) > 0, t.name
     assert all(r["loss_tokens"] > 0 for r in comparison_run.rows)
-    for r in comparison_run.rows:
-        real, cf = ("dppo_masked_frac", "ppo_clip_frac") if r["arm"] == t else ("ppo_clip_frac", "dppo_masked_frac")
-        assert real in r and cf not in r and f"counterfactual_{cf}" in r
     arms = evidence_bundle.result["metrics"]["arms"]
-    assert "counterfactual_dppo_masked_frac_mean" in arms[b] and "dppo_masked_frac_mean" not in arms[b]
-    assert "counterfactual_ppo_clip_frac_mean" in arms[t] and "ppo_clip_frac_mean" not in arms[t]
+    for a in cfg.arms:
+        names = C.fraction_names(a.loss)
+        for r in (r for r in comparison_run.rows if r["arm"] == a.name):
+            for base, key in names.items():
+                other = base if key != base else f"counterfactual_{base}"
+                assert key in r and other not in r, (a.name, key)
+        for base in ("dppo_masked_frac", "ppo_clip_frac"):
+            assert f"{names[base]}_mean" in arms[a.name], (a.name, names[base])
+    own = {a.loss: {k for k in C.fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms}
+    assert own.get(losses.GRPO_LOSS, {"ppo_clip_frac", "last_update_clip_frac"}) == {"ppo_clip_frac", "last_update_clip_frac"}
+    assert own.get(losses.DPPO_LOSS, {"dppo_masked_frac", "last_update_masked_frac"}) == {"dppo_masked_frac",
+                                                                                           "last_update_masked_frac"}
 
 
 def test_every_scored_model_has_accuracy_n_and_invalid_outputs_under_its_own_key(comparison_run, evidence_bundle):
@@ -113,9 +123,7 @@ def test_predictions_observations_and_decision_are_consistent(comparison_run, ev
     assert decision["version"] == 1 and decision["observations_file"]["name"] == E.OBSERVATIONS_FILE
     assert decision["observations_file"]["sha256"] == evidence_bundle.entry(E.OBSERVATIONS_FILE)["sha256"]
     # Recomputing the Hoeffding CI from the retained file reproduces the reported one.
-    spec = plan.spec if plan.kind == "rehearsal" else plan.raw
-    roles = {"treatment": run.config.role("treatment").name, "baseline": run.config.role("baseline").name}
-    again = E.recompute_from_file(obs_path, spec["decision_rule"], roles)
+    again = E.recompute_from_file(obs_path, run.config.criteria, alpha=run.config.alpha)
     for reported, recomputed in zip(decision["criteria"], again, strict=True):
         assert (reported["lower"], reported["upper"]) == (recomputed["lower"], recomputed["upper"])
     if plan.kind == "rehearsal":

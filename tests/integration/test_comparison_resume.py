@@ -9,7 +9,6 @@ unit stage. Every ServiceClient the file creates is registered and must be relea
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,13 +21,12 @@ from dppo_harness import service
 from dppo_harness.comparison_run import run_comparison
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.plans import load_plan
+from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.restoration import create_from_state_observed
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 REHEARSAL = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
-SMALL_SPEC = C.resized_spec(REHEARSAL.spec, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)
-PLAN = dataclasses.replace(REHEARSAL, raw={**REHEARSAL.raw, "spec": SMALL_SPEC})  # same sha256: a test-size copy
+PLAN = resized_plan(REHEARSAL, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)  # same sha256
 
 
 def _live_session_holders():
@@ -59,7 +57,7 @@ def registry():
 
 def _server_and_initial_state(srv, registry, stage):
     sc = service.make_service_client("local", srv.base_url, registry=registry, stage=stage)
-    tc = sc.create_lora_training_client(base_model=SMALL_SPEC["base_model"], rank=32, seed=0).result()
+    tc = sc.create_lora_training_client(base_model=PLAN.run.base_model, rank=32, seed=0).result()
     return sc, tc.save_state("resume-initial").result().path
 
 
@@ -94,7 +92,7 @@ def faulty_engine(tmp_path_factory, registry):
 
 def _restoration(sc, init):
     """What the preflight hands the comparison: both arms loaded from the initial checkpoint."""
-    clients = {a["name"]: create_from_state_observed(sc, init)[0] for a in SMALL_SPEC["arms"]}
+    clients = {a.name: create_from_state_observed(sc, init)[0] for a in PLAN.run.arms}
     arms = {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}
     return SimpleNamespace(clients=clients, initial_checkpoint=init, provenance={"arms": arms})
 

@@ -64,7 +64,7 @@ def _two_pass_grads(engine, mid, data, loss_fn, sign: float = 1.0) -> dict[str, 
     return grads
 
 
-@pytest.mark.parametrize("arm", ["dppo", "grpo"])
+@pytest.mark.parametrize("arm", ["dppo_divergence_mask", "grpo_clip_eps0.2"])
 def test_custom_loss_gradient_parity(engine, arm):
     prompt = get_renderer().build_generation_prompt(prompt_messages("What is 3 + 4?")).to_ints()
     mid = engine.create_model(BASE_MODEL, 8, 0)
@@ -74,7 +74,7 @@ def test_custom_loss_gradient_parity(engine, arm):
     for _ in range(3):
         engine.forward_backward(mid, ce, "cross_entropy")
         engine.optim_step(mid, {"learning_rate": 3e-2})
-    loss_fn = make_loss_fn(LossConfig(arm=arm, normalization="sum"))
+    loss_fn = make_loss_fn(LossConfig(loss=arm, normalization="sum"))
     _, metrics = loss_fn(data, engine.compute_logprobs(mid, [_engine_datum(d, np.zeros(1)) for d in data]))
     two_pass = _two_pass_grads(engine, mid, data, loss_fn)
     direct = engine.direct_loss_grads(mid, [_engine_datum(d, np.zeros(1)) for d in data],
@@ -87,7 +87,7 @@ def test_custom_loss_gradient_parity(engine, arm):
     flat_flip = torch.cat([flipped[n].flatten() for n in sorted(direct)])
     with pytest.raises(AssertionError):
         torch.testing.assert_close(flat_flip, flat_dir, rtol=1e-4, atol=1e-5 * float(flat_dir.abs().max()))
-    if arm == "dppo":
+    if arm == "dppo_divergence_mask":
         assert metrics.get("dppo/removed", 0.0) > 0  # the trust-region mask really engaged
 
 

@@ -183,7 +183,7 @@ def harness_loss() -> Callable:
         from dppo_harness.losses import LossConfig, make_loss_fn
     except ImportError:  # pragma: no cover - losses.py is another module's deliverable
         pytest.fail("dppo_harness.losses.make_loss_fn is missing")
-    return make_loss_fn(LossConfig(arm="dppo", normalization="token_mean"))
+    return make_loss_fn(LossConfig(loss="dppo_divergence_mask", normalization="token_mean"))
 
 
 def perturbed(lps: list[list[float]], seed: int) -> list[list[float]]:

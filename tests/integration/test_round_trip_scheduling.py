@@ -64,7 +64,7 @@ def _datums(sc: tinker.ServiceClient) -> list[types.Datum]:
 
 def _run(sc: tinker.ServiceClient, data: list[types.Datum], *, sequential: bool) -> dict:
     tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4, seed=5).result(timeout=300)
-    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     recorder = instrumentation.LossCallRecorder(cfg)
     adam = tinker.AdamParams(learning_rate=5e-2)
     sentinel = [make_datum(d.model_input.to_ints()[:1], d.model_input.to_ints()[1:]

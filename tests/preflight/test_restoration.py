@@ -10,10 +10,10 @@ def test_restoration_preflight_passes(restoration):
     assert restoration.passed, restoration.failure_message()
 
 
-def test_both_arms_loaded_the_one_initial_checkpoint(restoration, spec_plan, plan):
-    arms = [a["name"] for a in R.restoration_arms(spec_plan.raw)]
+def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
+    arms = [a["name"] for a in R.restoration_arms(plan.spec_plan.experiment)]
     if plan.kind == "bounded_diagnostic":  # only the arm that trains gets a client
-        arms = list(R.DIAGNOSTIC_TRAINED_ARMS)
+        arms = [plan.diagnostic.fixed_settings.treatment.arm]
     assert sorted(restoration.clients) == sorted(arms)
     assert restoration.loaded_paths == dict.fromkeys(arms, restoration.initial_checkpoint)
     entries = restoration.provenance["arms"]
@@ -64,8 +64,10 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
         posted = {a: dict(e, optimizer_checks=[R.own_response_only(c) for c in e["optimizer_checks"]])
                   for a, e in posted.items()}
     assert written["arms"] == posted
-    if plan.kind == "bounded_diagnostic":  # issue 11 point 4: the untrained baseline is left out
-        assert set(written["arms"]) == set(R.DIAGNOSTIC_TRAINED_ARMS) and "grpo_seed0" in written["excluded_arms"]
+    if plan.kind == "bounded_diagnostic":  # the untrained baseline is left out
+        trained = plan.diagnostic.fixed_settings.treatment.arm
+        assert set(written["arms"]) == {trained}
+        assert set(written["excluded_arms"]) == {a.name for a in plan.spec_plan.run.arms} - {trained}
     names = {f["name"] for f in evidence_bundle.files()}
     assert {R.PROVENANCE_FILE, R.FIXED_BATCH_FILE, R.INITIAL_OUTPUT_FILE, R.RESPONSES_FILE} <= names
 

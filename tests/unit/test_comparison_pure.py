@@ -8,7 +8,7 @@ import pytest
 
 from dppo_harness import comparison as C
 from dppo_harness import comparison_eval as E
-from dppo_harness import plans, stats
+from dppo_harness import losses, plans, stats
 from dppo_harness.plans import PlanError, load_plan, parse_plan
 
 ROOT = Path(__file__).parents[2]
@@ -17,34 +17,37 @@ REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
 
 
 def test_config_of_the_saved_spec_and_the_rehearsal():
-    full = C.comparison_config(SPEC.raw)
+    full = C.comparison_config(SPEC.run)
     assert (full.steps, full.groups_per_batch, full.group_size, full.max_tokens, full.eval_items) == (50, 32, 8, 512, 1319)
-    assert [(a.name, a.loss, a.role) for a in full.arms] == [("grpo_seed0", "grpo", "baseline"),
-                                                            ("dppo_seed0", "dppo", "treatment")]
-    assert full.adam["learning_rate"] == 2e-5
-    small = C.comparison_config(REHEARSAL.spec)
+    assert [(a.name, a.loss, a.role) for a in full.arms] == [("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
+                                                            ("dppo_seed0", "dppo_divergence_mask", "treatment")]
+    assert all(a.adam["learning_rate"] == 2e-5 for a in full.arms) and full.temperature == 1.0
+    assert [(c.treatment, c.baseline, c.margin) for c in full.criteria] == [("dppo_seed0", "grpo_seed0", 0.0)]
+    small = C.comparison_config(REHEARSAL.run)
     assert small.base_model == "local/tiny-qwen3-gsm8k" and small.arms[0].updates_per_batch == 2
     assert small.steps * 2 == REHEARSAL.spec["steps"] and small.eval_items == REHEARSAL.spec["eval"]["n_examples"]
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda s: s["arms"][1].update(loss="reinforce"), "arms\\[1\\].loss"),
-    (lambda s: s["arms"][1].update(lr=1e-3), "loss is the only switch"),
-    (lambda s: s.update(steps=101), "not a multiple"),
-    (lambda s: s.update(batch_size=128), "batch_size"),
-    (lambda s: s["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"].update(learning_rate=1.0), "learning_rate"),
+    (lambda s: s["arms"][1].update(loss="reinforce"), "^arms\\[1\\].loss: 'reinforce' is not a registered loss"),
+    (lambda s: s["arms"][1].update(seed=1), "^arms: seed differs between arms"),
+    (lambda s: s["arms"][1].update(lr=1e-3), "^arms\\[1\\].lr: 0.001 != restoration_preflight"),
+    (lambda s: s.update(steps=101), "^steps: 101 optimizer steps is not a multiple"),
+    (lambda s: s.update(batch_size=128), "^batch_size: 128 != groups_per_batch 32 x group_size 8"),
+    (lambda s: s["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"].update(learning_rate=1.0),
+     "^arms\\[0\\].lr: 2e-05 != restoration_preflight optimizer_config.learning_rate 1.0"),
 ])
-def test_config_refuses_specs_that_break_the_pairing(mutate, match):
+def test_plan_load_refuses_specs_that_break_the_pairing(mutate, match):
     spec = copy.deepcopy(SPEC.raw)
     mutate(spec)
-    with pytest.raises(C.ComparisonError, match=match):
-        C.comparison_config(spec)
+    with pytest.raises(PlanError, match=match):
+        parse_plan(json.dumps(spec).encode())
     with pytest.raises(C.ComparisonError, match="save_every"):
-        C.comparison_config(SPEC.raw, save_every=11)
+        C.comparison_config(SPEC.run, save_every=11)
 
 
 def test_same_seeds_for_both_arms_distinct_across_steps():
-    cfg = C.comparison_config(SPEC.raw)
+    cfg = C.comparison_config(SPEC.run)
     seeds = [C.step_seed(cfg, s) for s in range(cfg.steps)]
     assert len(set(seeds)) == cfg.steps and seeds[1] - seeds[0] == cfg.groups_per_batch
 
@@ -67,7 +70,7 @@ def _recs():
 
 
 def test_step_metrics_pool_fractions_by_loss_tokens():
-    row = C.step_metrics("a", 3, SUMMARY, _recs(), loss="dppo", seconds=2.0, sample_seconds=1.0,
+    row = C.step_metrics("a", 3, SUMMARY, _recs(), loss=losses.DPPO_LOSS, seconds=2.0, sample_seconds=1.0,
                          sampler_checkpoint="tinker://x", kl={"optim/kl_sample_train_v1": 0.01, "optim/entropy": 0.5})
     assert row["dppo_masked_frac"] == pytest.approx(10 / 400)
     assert row["counterfactual_ppo_clip_frac"] == pytest.approx(3 / 400)
@@ -82,7 +85,7 @@ def test_step_metrics_pool_fractions_by_loss_tokens():
 
 
 @pytest.mark.parametrize("loss, real, counterfactual", [
-    ("grpo", "ppo_clip_frac", "dppo_masked_frac"), ("dppo", "dppo_masked_frac", "ppo_clip_frac")])
+    (losses.GRPO_LOSS, "ppo_clip_frac", "dppo_masked_frac"), (losses.DPPO_LOSS, "dppo_masked_frac", "ppo_clip_frac")])
 def test_the_rule_an_arm_does_not_train_with_is_labelled_counterfactual(loss, real, counterfactual):
     """A GRPO arm's DPPO masked fraction (and a DPPO arm's PPO clip fraction) is counted on the arm's
     own tensors but removes nothing from its gradient: its name says counterfactual, in the row, in
@@ -177,21 +180,22 @@ def _rows(t_vals, b_vals):
 
 
 def test_decide_criteria_uses_the_spec_rule_and_recomputes_from_file(tmp_path):
-    roles = {"treatment": "dppo_seed0", "baseline": "grpo_seed0"}
+    rule = dict(criteria=SPEC.run.criteria, alpha=SPEC.run.alpha)
     rows = _rows([1] * 900 + [0] * 100, [0] * 1000)
-    crit = E.decide_criteria(rows, SPEC.raw["decision_rule"], roles)
+    crit = E.decide_criteria(rows, rule["criteria"], alpha=rule["alpha"])
     assert crit[0].lower > 0 and E.verdict(crit, rehearsal=False)[0] == "supported"
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     (tmp_path / "obs.jsonl").write_bytes(data)
-    again = E.recompute_from_file(tmp_path / "obs.jsonl", SPEC.raw["decision_rule"], roles)
+    again = E.recompute_from_file(tmp_path / "obs.jsonl", rule["criteria"], alpha=rule["alpha"])
     assert again[0]["lower"] == crit[0].lower
     block = E.decision_block(data, crit, E.verdict(crit, rehearsal=False), rehearsal=False)
     assert block["version"] == 1 and block["observations_file"]["name"] == E.OBSERVATIONS_FILE
     with pytest.raises(stats.ObservationError, match="unpaired"):
-        E.decide_criteria(rows[:-1], SPEC.raw["decision_rule"], roles)
-    bad_rule = {**SPEC.raw["decision_rule"], "method": "bootstrap"}
-    with pytest.raises(stats.ObservationError, match="paired_hoeffding"):
-        E.decide_criteria(rows, bad_rule, roles)
+        E.decide_criteria(rows[:-1], rule["criteria"], alpha=rule["alpha"])
+    bad = copy.deepcopy(SPEC.raw)
+    bad["decision_rule"]["method"] = "bootstrap"
+    with pytest.raises(PlanError, match="^decision_rule.method: 'bootstrap' is not implemented"):
+        parse_plan(json.dumps(bad).encode())
 
 
 # ---- rehearsal plans (CONTRACTS.md) ------------------------------------------------------------
@@ -235,8 +239,9 @@ def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
         _reparse(mutate)
 
 
-def test_resized_spec_changes_size_fields_together_and_never_the_input():
-    small = C.resized_spec(SPEC.raw, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)
-    cfg = C.comparison_config(small)
+def test_resized_plan_changes_size_fields_together_and_never_the_input():
+    small = plans.resized_plan(SPEC, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)
+    cfg = C.comparison_config(small.run)
     assert (cfg.steps, cfg.groups_per_batch, cfg.max_tokens, cfg.eval_items) == (3, 2, 64, 5)
-    assert SPEC.raw["steps"] == 100 and "groups_per_batch=32" in SPEC.raw["method"]
+    assert "groups_per_batch=2" in small.run.groups_per_batch.source and small.sha256 == SPEC.sha256
+    assert SPEC.raw["steps"] == 100 and "groups_per_batch=32" in SPEC.raw["method"] and SPEC.run.rollout_steps == 50

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from dppo_harness import comparison as C
+from dppo_harness import losses
 from dppo_harness.plans import load_plan
 
 SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
@@ -24,7 +25,7 @@ class FakeArm:
 
 
 def _runner(arm):
-    spec = C.ArmSpec("grpo_seed0", "grpo", "baseline", 0, 1e-2, 2)
+    spec = C.ArmSpec("grpo_seed0", losses.GRPO_LOSS, "baseline", 0, 1e-2, 2)
     return C.ArmRunner(spec, arm, loss_fn=None, recorder=None)
 
 
@@ -99,9 +100,9 @@ def test_without_a_state_at_the_step_start_the_retry_is_refused():
 def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypatch, schedule):
     """The wiring in train_arms: both schedules, a refusal after the first update of the GRPO arm's
     step 1; that arm is restored from its state saved after step 1 and ends with 3 x 2 updates."""
-    cfg = C.comparison_config(SPEC.spec)
+    cfg = C.comparison_config(SPEC.run)
     cfg = C.ComparisonConfig(**{**cfg.__dict__, "steps": 3})
-    fakes = {a.name: FakeArm(refuse_at=4 if a.loss == "grpo" else None) for a in cfg.arms}
+    fakes = {a.name: FakeArm(refuse_at=4 if a.role == "baseline" else None) for a in cfg.arms}
     saved: dict[str, int] = {}
 
     def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):

@@ -11,7 +11,7 @@ from dppo_harness.plans import load_plan
 
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-CFG = dg.diagnostic_config(PLAN.raw)
+CFG = dg.diagnostic_config(PLAN)
 STAND_IN = cc.ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k", "local/tiny-qwen3-gsm8k", "get_info")
 REAL = cc.ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B", None, "get_info")
 
@@ -20,7 +20,7 @@ def _result(served, drift=0.0):
     records = dg.simulate_records(seed=1, drift_per_update=drift)
     return dg.analyse(CFG, PLAN, records, selftest=dg.deterministic_selftest(), sentinels={}, frozen_by_call=None,
                       updates_done=len(records), stop_reason="update cap reached", wall_seconds=579.4,
-                      setup_seconds=40.0, frozen_sha256="0" * 64, minibatches=[], errors=[], spec_raw=None,
+                      setup_seconds=40.0, frozen_sha256="0" * 64, minibatches=[], errors=[], spec=None,
                       served=served)
 
 

@@ -1,6 +1,5 @@
 """Bounded diagnostic analysis: plan settings, must-fire/must-not-fire, pooling, criteria, causes."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -9,11 +8,13 @@ import pytest
 from dppo_harness import diagnostic as dg
 from dppo_harness import instrumentation as ins
 from dppo_harness.losses import LossConfig, make_loss_fn
+from dppo_harness.plans import load_plan
 
 PLANS = Path(__file__).parents[2] / "plans"
-PLAN = json.loads((PLANS / "exp_e6b0965af3-diagnostic-r1.json").read_text())
-SPEC = json.loads((PLANS / "exp_e6b0965af3.json").read_text())
-CRITERIA = PLAN["analysis"]["criteria"]
+PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
+SPEC_PLAN = load_plan(PLANS / "exp_e6b0965af3.json")
+SPEC = SPEC_PLAN.experiment
+CRITERIA = PLAN.raw["analysis"]["criteria"]
 CFG = dg.diagnostic_config(PLAN)
 
 
@@ -31,7 +32,7 @@ def test_config_is_the_plan_as_written():
     with pytest.raises(dg.DiagnosticError, match="groups_per_batch must equal"):
         dg.diagnostic_config(PLAN, groups_per_batch=5)
     with pytest.raises(dg.DiagnosticError, match="bounded_diagnostic"):
-        dg.diagnostic_config(SPEC)
+        dg.diagnostic_config(SPEC_PLAN)
     assert dg.pinned_variant_problems(CFG) == []
 
 
@@ -44,8 +45,8 @@ def test_must_fire_and_must_not_fire_cases_pass_on_the_real_loss():
 @pytest.mark.parametrize(
     "mutant",
     [
-        lambda cfg: make_loss_fn(LossConfig(arm="dppo", normalization=cfg.normalization, dppo_delta=0.99)),  # never fires
-        lambda cfg: make_loss_fn(LossConfig(arm="grpo", normalization=cfg.normalization)),  # wrong rule
+        lambda cfg: make_loss_fn(LossConfig(loss="dppo_divergence_mask", normalization=cfg.normalization, dppo_delta=0.99)),  # never fires
+        lambda cfg: make_loss_fn(LossConfig(loss="grpo_clip_eps0.2", normalization=cfg.normalization)),  # wrong rule
     ],
     ids=["mask-disabled", "grpo-instead"],
 )
@@ -95,7 +96,8 @@ def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
     assert action["kind"] == "frozen_revised_comparison_spec" and action["executed"] is False
     assert len(action["spec_sha256"]) == 64
     assert all(a["updates_per_batch"] == 16 for a in action["spec"]["arms"])
-    assert SPEC["arms"][0]["updates_per_batch"] == 2  # the original spec is untouched
+    assert SPEC.arms[0].updates_per_batch == 2  # the original spec is untouched
+    assert action["spec"]["title"] == SPEC.title + " (revised schedule r2, proposed)"
 
 
 def test_pooling_weights_by_loss_tokens_not_by_call():
@@ -127,7 +129,7 @@ def test_causes_missing_evidence_defect_and_wrong_anchor():
     assert c.cause == "missing_evidence" and "No second-epoch loss call" in c.explanation
     c = _classify(records, integrity_problems=["update 9: dppo_keep_N differs on 1 tokens"])
     assert c.cause == "code_or_instrumentation_defect" and not c.active
-    broken = dg.deterministic_selftest(loss_fn_factory=lambda cfg: make_loss_fn(LossConfig(arm="grpo", normalization="sum")))
+    broken = dg.deterministic_selftest(loss_fn_factory=lambda cfg: make_loss_fn(LossConfig(loss="grpo_clip_eps0.2", normalization="sum")))
     assert _classify(records, selftest=broken).cause == "code_or_instrumentation_defect"
     # The anchor equal to the current policy after updates: detected as the wrong reference.
     for r in records:

@@ -455,11 +455,11 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
     from dppo_harness.plans import BackendInfo, effective_config
 
     spec = json.loads((PLANS / "exp_e6b0965af3.json").read_text())
-    spec["steps"] = 4
+    spec["max_seq_len"] = 2048
     raw = {"kind": "rehearsal", "version": 1, "plan_id": "t", "label": "rehearsal", "purpose": "test",
            "derived_from": {"path": "plans/exp_e6b0965af3.json",
                             "sha256": ev.sha256_bytes((PLANS / "exp_e6b0965af3.json").read_bytes())},
-           "differences": [{"field": "steps", "spec": 100, "rehearsal": 4, "reason": "small"}], "spec": spec}
+           "differences": [{"field": "max_seq_len", "spec": 1024, "rehearsal": 2048, "reason": "longer"}], "spec": spec}
     path = tmp_path / "plans" / "rehearsal" / "r.json"
     path.parent.mkdir(parents=True)
     (tmp_path / "plans" / "exp_e6b0965af3.json").write_bytes((PLANS / "exp_e6b0965af3.json").read_bytes())
@@ -467,7 +467,7 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
     plan = load_plan(path)
     b = EvidenceBundle.create(tmp_path / "evidence", "reh", env={})
     b.record_plan(plan, effective_config(plan, BackendInfo("tinker", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")))
-    assert b.result["deviations"][0]["field"] == "steps"
+    assert b.result["deviations"][0]["original"] == "max_seq_len = 1024"
     with pytest.raises(ResultShapeError, match="rehearsal plan is always 'inconclusive'"):
         b.finish("succeeded", "supported", "supported", original_hypothesis_tested=True, summary="DPPO wins.")
     b.finish("succeeded", "inconclusive", "incomplete_execution", original_hypothesis_tested=False,

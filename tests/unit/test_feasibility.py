@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from dppo_harness import feasibility as f
-from dppo_harness.plans import load_plan
+from dppo_harness.plans import PlanError, load_plan, parse_plan
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -103,9 +104,8 @@ def test_bad_inputs_raise_clear_errors(spec):
 
 def test_schedule_needs_stated_group_sizes(spec):
     raw = dict(spec.raw, method=spec.raw["method"].replace("group_size=8", "eight per group"))
-    fake = type("P", (), {"raw": raw, "kind": "experiment_spec"})()
-    with pytest.raises(f.FeasibilityError, match="group_size"):
-        f.schedule_from_plan(fake)
+    with pytest.raises(PlanError, match="^method: does not state group_size"):
+        parse_plan(json.dumps(raw).encode())
 
 
 def test_feasibility_block_shape_and_consistency(spec):

@@ -7,7 +7,9 @@ import pytest
 
 from dppo_harness import gate
 from dppo_harness.instrumentation import LossCallRecord
+from dppo_harness.plans import load_plan
 
+SPEC_PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json")
 SPEC = json.loads((Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json").read_text())
 CHECKS = SPEC["activation_gate"]["checks"]
 GOOD = {
@@ -84,19 +86,20 @@ def test_gate_values_use_the_second_update_mean_over_steps():
     assert not results["executed_updates_per_batch"].passed
 
 
-def test_pilot_config_reads_the_spec_and_records_reductions():
-    cfg = gate.pilot_config(SPEC)
+def test_pilot_config_reads_the_plan_and_records_reductions():
+    run = SPEC_PLAN.run
+    cfg = gate.pilot_config(run)
+    assert (cfg.arm, cfg.loss) == ("dppo_seed0", "dppo_divergence_mask")  # the treatment, from the spec's roles
     assert (cfg.steps, cfg.groups_per_batch, cfg.group_size, cfg.max_tokens) == (5, 32, 8, 512)
     assert cfg.updates_per_batch == 2 and cfg.adam["learning_rate"] == 2e-5 and cfg.adam["eps"] == 1e-8
-    assert cfg.reductions == ()
-    small = gate.pilot_config(SPEC, groups_per_batch=4, max_tokens=32)
+    assert cfg.temperature == 1.0 and cfg.max_seq_len == 1024 and cfg.reductions == ()
+    assert "5-step pilot" in run.gate_pilot_steps.source  # the gate's reason states the pilot length
+    small = gate.pilot_config(run, groups_per_batch=4, max_tokens=32)
     assert {r["field"] for r in small.reductions} == {"groups_per_batch", "max_tokens"}
     with pytest.raises(gate.GateError, match="unknown pilot overrides"):
-        gate.pilot_config(SPEC, delta=0.1)
-    broken = json.loads(json.dumps(SPEC))
-    broken["arms"] = [a for a in broken["arms"] if a["name"] != "dppo_seed0"]
-    with pytest.raises(gate.GateError, match="dppo_seed0"):
-        gate.pilot_config(broken)
+        gate.pilot_config(run, delta=0.1)
+    with pytest.raises(gate.GateError, match="'grpo_seed0' is the baseline"):
+        gate.pilot_config(run, "grpo_seed0")
 
 
 def test_complete_group_split():

@@ -10,7 +10,7 @@ import torch
 from dppo_harness import instrumentation as ins
 from dppo_harness.losses import LossConfig, make_loss_fn
 
-CFG = LossConfig(arm="dppo", normalization="token_mean")
+CFG = LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
 
 
 def _datum(prompt_len: int, p_cur: list[float], q_samp: list[float], adv: float, seed: int = 0):

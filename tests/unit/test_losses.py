@@ -18,8 +18,8 @@ from dppo_harness.losses import LossConfig, make_loss_fn, token_terms
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
 CASES = json.loads(GOLDEN.read_text())["cases"]
-DPPO_MEAN = LossConfig("dppo", "token_mean")
-GRPO_SUM = LossConfig("grpo", "sum")
+DPPO_MEAN = LossConfig("dppo_divergence_mask", "token_mean")
+GRPO_SUM = LossConfig("grpo_clip_eps0.2", "sum")
 
 
 def _flat(case, key):
@@ -62,7 +62,7 @@ def test_grpo_float64_parity_with_golden_no_dual_clip(case):
     # tails/ratio_cap hold |log r| > 20 tokens where verl's clamp differs from Tinker's ppo by design.
     lp = _flat(case, "log_prob").requires_grad_(True)
     mu, adv, mask = _flat(case, "rollout_log_prob"), _flat(case, "advantages"), _flat(case, "response_mask")
-    loss, metrics = losses.packed_loss_and_metrics(lp, mu, adv, mask, LossConfig("grpo", "token_mean"))
+    loss, metrics = losses.packed_loss_and_metrics(lp, mu, adv, mask, LossConfig("grpo_clip_eps0.2", "token_mean"))
     loss.backward()
     ref = case["grpo_no_dual_clip"]
     assert math.isclose(loss.item(), ref["loss"], rel_tol=1e-12, abs_tol=1e-15)
@@ -227,7 +227,7 @@ def test_sum_gradient_is_token_count_times_mean_gradient():
     grads = {}
     for norm in ("sum", "token_mean"):
         lp = lp0.clone().requires_grad_(True)
-        loss, _ = losses.packed_loss_and_metrics(lp, mu, adv, mask, LossConfig("dppo", norm))
+        loss, _ = losses.packed_loss_and_metrics(lp, mu, adv, mask, LossConfig("dppo_divergence_mask", norm))
         loss.backward()
         grads[norm] = lp.grad
     torch.testing.assert_close(grads["sum"], grads["token_mean"] * 40, rtol=1e-13, atol=0)
@@ -260,10 +260,10 @@ def test_bad_inputs_raise_clear_errors():
         make_loss_fn(DPPO_MEAN)([d], [torch.zeros(2, requires_grad=True)])
     with pytest.raises(ValueError, match="non-finite current logprob"):
         make_loss_fn(DPPO_MEAN)([d], [torch.tensor([0.0, float("nan"), -1.0], requires_grad=True)])
-    with pytest.raises(ValueError, match="arm"):
+    with pytest.raises(ValueError, match=r"'ppo' is not a registered loss \(registered: dppo_divergence_mask, grpo_clip_eps0.2\)"):
         LossConfig("ppo", "sum")
     with pytest.raises(ValueError, match="normalization"):
-        LossConfig("dppo", "mean")
+        LossConfig("dppo_divergence_mask", "mean")
 
 
 def test_nan_junk_on_prompt_positions_does_not_leak():

@@ -135,7 +135,7 @@ def test_invalid_json_and_non_finite_numbers(tmp_path):
 
 
 def test_original_plan_hash_mismatch_is_refused(tmp_path):
-    (tmp_path / "exp_e6b0965af3.json").write_bytes(SPEC.read_bytes().replace(b'"steps": 100', b'"steps": 101'))
+    (tmp_path / "exp_e6b0965af3.json").write_bytes(SPEC.read_bytes().replace(b'"gpu_hours": 2.0', b'"gpu_hours": 2.5'))
     diag = load_plan(DIAG)
     with pytest.raises(PlanError, match="original_plan.sha256: recorded"):
         check_original_plan(diag, tmp_path)
@@ -161,7 +161,8 @@ def test_backend_deviations_local_and_tinker():
 def test_effective_config_carries_plan_hash_and_all_deviations():
     plan = load_plan(DIAG)
     cfg = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny", sdk_versions={"tinker": "0.38.0"}))
-    assert cfg["plan"] == {"name": plan.name, "kind": "bounded_diagnostic", "sha256": plan.sha256}
+    assert cfg["plan"] == {"name": plan.name, "kind": "bounded_diagnostic", "sha256": plan.sha256,
+                           "launch": plan.raw["launch"]}
     assert cfg["config"]["steps"] == 16 and cfg["config"]["sequences_per_update"] == 32
     assert cfg["config"]["n_eval"] == 0 and cfg["config"]["max_tokens"] == 512
     assert len(cfg["deviations"]) == len(plan.deviations) + 1
@@ -183,11 +184,9 @@ def test_generation_audit_applicability_follows_features():
     raw["experiment_features"]["generated_training_data"] = False
     raw["generation_audit"]["required"] = True
     assert generation_audit_applicability(parse_plan(_bytes(raw)))["applicable"] is True
-    diag = load_plan(DIAG)
-    raw = copy.deepcopy(diag.raw)
-    del raw["experiment_features"]["generated_training_data"]
-    object.__setattr__(diag, "raw", raw)  # bypass schema: a missing feature must stay unknown
-    assert generation_audit_applicability(diag)["status"] == "unknown"
+    del raw["experiment_features"]["generated_training_data"]  # the schema requires every feature
+    with pytest.raises(PlanError, match="experiment_features.generated_training_data: missing required key"):
+        parse_plan(_bytes(raw))
 
 
 # ---- rehearsal plans (kind "rehearsal", CONTRACTS.md "Rehearsal plans") ----------------------
@@ -196,32 +195,18 @@ LOCAL_MODEL = "local/tiny-qwen3-gsm8k"
 
 
 def _rehearsal(tmp_path, mutate=None):
-    """A rehearsal of the saved spec at a small size, written under a scratch repo; returns its path."""
-    (tmp_path / "plans" / "rehearsal").mkdir(parents=True, exist_ok=True)
-    (tmp_path / "plans" / SPEC.name).write_bytes(SPEC.read_bytes())
-    base = _spec_raw()
-    spec = copy.deepcopy(base)
-    changes = {"steps": 4, "batch_size": 16, "eval.n_examples": 32, "optimizer.lr": 1e-3, "arms[0].lr": 1e-3,
-               "arms[1].lr": 1e-3, "base_model": LOCAL_MODEL, "activation_gate.checks[4].one_of[0]": LOCAL_MODEL}
-    for g, group in enumerate(spec["restoration_preflight"]["groups"]):
-        for a, _ in enumerate(group["arms"]):
-            changes[f"restoration_preflight.groups[{g}].arms[{a}].optimizer_config.learning_rate"] = 1e-3
-    from dppo_harness.plans import _get, _parse_path
+    """A rehearsal of the saved spec at a small size (2 rollout steps x 2 groups, 32 test items, lr
+    1e-3), written by `plans rehearse` under a scratch repo; returns its path."""
+    from dppo_harness.plans import RehearsalSize, make_rehearsal
 
-    differences = []
-    for dotted, value in changes.items():
-        path = _parse_path(dotted)
-        parent = _get(spec, path[:-1])
-        parent[path[-1]] = value
-        differences.append({"field": dotted, "spec": _get(base, path), "rehearsal": value,
-                            "reason": "CPU rehearsal size on the embedded server"})
-    raw = {"kind": "rehearsal", "version": 1, "plan_id": "comparison-local", "label": "rehearsal",
-           "purpose": "rehearse the comparison stage end to end on the embedded server",
-           "derived_from": {"path": f"plans/{SPEC.name}", "sha256": SPEC_SHA256},
-           "differences": differences, "spec": spec}
+    (tmp_path / "plans" / "rehearsal").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "plans" / SPEC.name).write_bytes(SPEC.read_bytes())
+    path = tmp_path / "plans" / "rehearsal" / "comparison-local.json"
+    raw = json.loads(make_rehearsal(tmp_path / "plans" / SPEC.name, path, RehearsalSize(2, 2, 32, 1e-3)))
+    assert raw["derived_from"] == {"path": f"plans/{SPEC.name}", "sha256": SPEC_SHA256}
     if mutate:
         mutate(raw)
-    path = tmp_path / "plans" / "rehearsal" / "comparison-local.json"
     path.write_text(json.dumps(raw, indent=2))
     return path
 
@@ -253,7 +238,7 @@ def _add_difference(field, spec, rehearsal):
     (lambda r: r["spec"].__setitem__("max_seq_len", 512),
      "spec.max_seq_len: differs from plans/exp_e6b0965af3.json (1024 -> 512) but is not listed in differences"),
     # a phantom difference (listed, but both specs agree)
-    (_add_difference("lora_rank", 32, 32), "differences[10]: 'lora_rank' does not differ"),
+    (_add_difference("lora_rank", 32, 32), "differences[11]: 'lora_rank' does not differ"),
     # a gate threshold changed (even when declared)
     (lambda r: (r["spec"]["activation_gate"]["checks"][0].__setitem__("min", 0.01),
                 _add_difference("activation_gate.checks[0].min", 0.001, 0.01)(r)),
@@ -268,10 +253,10 @@ def _add_difference(field, spec, rehearsal):
     # a wrong derived_from sha256
     (lambda r: r["derived_from"].__setitem__("sha256", "0" * 64), "derived_from.sha256: recorded 0000"),
     # declared values that do not match the specs
-    (lambda r: r["differences"][0].__setitem__("spec", 99), "differences[0].spec: expected 100"),
-    (lambda r: r["differences"][0].__setitem__("rehearsal", 5), "differences[0].rehearsal: expected 4"),
+    (lambda r: r["differences"][2].__setitem__("spec", 99), "differences[2].spec: expected 100"),
+    (lambda r: r["differences"][2].__setitem__("rehearsal", 5), "differences[2].rehearsal: expected 4"),
     (lambda r: r["differences"][0].__setitem__("reason", " "), "differences[0].reason: expected a string matching"),
-    (_add_difference("no_such.key", 1, 2), "differences[10].field: 'no_such.key' is not a field of both specs"),
+    (_add_difference("no_such.key", 1, 2), "differences[11].field: 'no_such.key' is not a field of both specs"),
     (lambda r: r["spec"].__setitem__("lora_rank", "32"), "spec.lora_rank: expected integer, got str"),
     (lambda r: r.__setitem__("label", "comparison"), "label: expected one of"),
     (lambda r: r["derived_from"].__setitem__("path", "plans/missing.json"), "derived_from.path: plans/missing.json"),

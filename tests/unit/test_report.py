@@ -12,7 +12,7 @@ from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
-CFG = dg.diagnostic_config(PLAN.raw)
+CFG = dg.diagnostic_config(PLAN)
 
 
 def _sentinel_points(drift: float):
@@ -34,7 +34,7 @@ def _analysis(drift: float):
                  "at_init": points[0]["summary"], "last": points[-1]}
     res = dg.analyse(CFG, PLAN, records, selftest=dg.deterministic_selftest(), sentinels=sentinels, frozen_by_call=None,
                      updates_done=16, stop_reason="update cap reached", wall_seconds=100.0, setup_seconds=20.0,
-                     frozen_sha256="0" * 64, minibatches=[], errors=[], spec_raw=None)
+                     frozen_sha256="0" * 64, minibatches=[], errors=[], spec=None)
     return res.analysis_json(), res.next_action
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import comparison, constants, gate, report, stats
+from dppo_harness import comparison, constants, gate, losses, report, stats
 from dppo_harness import comparison_eval as E
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
-from dppo_harness.plans import HARNESS_NORMALIZATION, BackendInfo, effective_config, load_plan
+from dppo_harness.plans import HARNESS_NORMALIZATION, BackendInfo, CriterionConfig, effective_config, load_plan
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -27,14 +27,17 @@ def test_effective_config_declares_renderer_thinking_and_normalization(name):
     assert n["mode"] == "token_mean" and "loss tokens" in n["definition"] and "summed" in n["cookbook_ppo"]
 
 
-def test_the_declared_normalization_is_what_the_arms_and_the_gate_train_with():
-    assert comparison.NORMALIZATION == gate.NORMALIZATION == HARNESS_NORMALIZATION
-    assert comparison.comparison_config(load_plan(PLANS / "exp_e6b0965af3.json").raw).normalization == HARNESS_NORMALIZATION
+@pytest.mark.parametrize("name", ["exp_e6b0965af3.json", "rehearsal/comparison-local.json"])
+def test_the_declared_normalization_is_what_the_arms_and_the_gate_train_with(name):
+    plan = load_plan(PLANS / name)
+    declared = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))["loss_normalization"]["mode"]
+    assert declared == plan.run.normalization == HARNESS_NORMALIZATION
+    assert comparison.comparison_config(plan.run).normalization == gate.pilot_config(plan.run).normalization == declared
 
 
 def _rows():
     rows = []
-    for arm, loss in (("grpo_seed0", "grpo"), ("dppo_seed0", "dppo")):
+    for arm, loss in (("grpo_seed0", losses.GRPO_LOSS), ("dppo_seed0", losses.DPPO_LOSS)):
         names = comparison.fraction_names(loss)
         for step in range(3):
             rows.append({"arm": arm, "step": step, "loss": loss, "reward_mean": 0.1 * step, "format_rate": 0.5,
@@ -51,11 +54,10 @@ def _decision():
     b = [1] * 14 + [0] * 27
     obs = [{"item_id": f"i{i}", "arm": arm, "seed": 0, "metric": "accuracy", "value": v, "evaluator_id": ev}
            for i, (tv, bv) in enumerate(zip(t, b)) for arm, v in (("dppo_seed0", tv), ("grpo_seed0", bv))]
-    rule = {"alpha": 0.05, "method": "paired_hoeffding", "criteria": [
-        {"id": "primary", "metric": "accuracy", "weights": {"treatment": 1, "baseline": -1}, "margin": 0.0, "bounds": [0, 1]}]}
-    roles = {"treatment": "dppo_seed0", "baseline": "grpo_seed0"}
-    crit = E.decide_criteria(obs, rule, roles)
-    info = E.informational_interval(obs, rule, roles)
+    rule = [CriterionConfig("primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0),
+                            {"treatment": 1, "baseline": -1})]
+    crit = E.decide_criteria(obs, rule, alpha=0.05)
+    info = E.informational_interval(obs, rule[0], alpha=0.05)
     return E.decision_block(b"x\n", crit, E.verdict(crit, rehearsal=True), rehearsal=True, informational=info)
 
 
@@ -98,11 +100,11 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
     from dppo_harness import diagnostic as dg
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    cfg = dg.diagnostic_config(plan.raw)
+    cfg = dg.diagnostic_config(plan)
     res = dg.analyse(cfg, plan, dg.simulate_records(seed=1), selftest=dg.deterministic_selftest(),
                      sentinels={"points": []}, frozen_by_call=None, updates_done=16, stop_reason="update cap reached",
                      wall_seconds=100.0, setup_seconds=20.0, frozen_sha256="0" * 64, minibatches=[], errors=[],
-                     spec_raw=None)
+                     spec=None)
     analysis = res.analysis_json()
     eff = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))
     analysis["declared"] = {k: eff[k] for k in ("renderer", "loss_normalization")}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tinker
 
 from dppo_harness import restoration as r
+from dppo_harness.plans import load_plan
 
 
 def _batch() -> list[tinker.Datum]:
@@ -212,11 +214,14 @@ def test_reference_completion_boxes_the_final_answer():
 
 
 def test_restoration_arms_requires_one_group_of_two():
-    raw = {"restoration_preflight": {"applicable": True, "groups": [{"arms": [{"name": "a"}]}]}}
+    spec = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json").experiment
+    assert [a["name"] for a in r.restoration_arms(spec)] == ["grpo_seed0", "dppo_seed0"]
+    rp = spec.restoration_preflight
+    one = rp.model_copy(update={"groups": [rp.groups[0].model_copy(update={"arms": rp.groups[0].arms[:1]})]})
     with pytest.raises(r.RestorationError, match="at least two arms"):
-        r.restoration_arms(raw)
+        r.restoration_arms(spec.model_copy(update={"restoration_preflight": one}))
     with pytest.raises(r.RestorationError, match="no applicable"):
-        r.restoration_arms({"restoration_preflight": {"applicable": False}})
+        r.restoration_arms(spec.model_copy(update={"restoration_preflight": rp.model_copy(update={"applicable": False})}))
 
 
 def test_attach_lr_scaling_fills_or_explains():

@@ -58,7 +58,7 @@ def test_replay_checks_drift_even_with_boundary_ties(monkeypatch):
 @pytest.mark.parametrize("keep", [True, False])
 def test_loss_counts_cap_hits_only_on_kept_tokens(keep):
     p, q = (np.array([2e-5]), np.array([1e-6])) if keep else (np.array([0.9]), np.array([0.04]))
-    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     t = losses.token_terms(torch.tensor(np.log(p)), torch.tensor(np.log(q)), torch.tensor([1.0]), torch.tensor([1.0]), cfg)
     assert bool(t.ratio_N[0] > 10.0) and bool(t.dppo_keep_N[0]) is keep
     assert bool(t.ratio_cap_hit_N[0]) is keep

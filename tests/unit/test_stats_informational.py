@@ -27,6 +27,7 @@ import pytest
 
 from dppo_harness import comparison_eval as E
 from dppo_harness import stats
+from dppo_harness.plans import CriterionConfig
 
 Z95 = 1.959963984540054
 
@@ -111,12 +112,9 @@ def test_the_informational_interval_never_decides():
     t = [1] * 19 + [0] * 22
     b = [1] * 14 + [0] * 27
     rows = _rows(t, b)
-    rule = {"alpha": 0.05, "method": "paired_hoeffding", "criteria": [
-        {"id": "primary", "metric": "accuracy", "weights": {"treatment": 1, "baseline": -1}, "margin": 0.0,
-         "bounds": [0, 1]}]}
-    roles = {"treatment": "dppo", "baseline": "grpo"}
-    criteria = E.decide_criteria(rows, rule, roles)
-    info = E.informational_interval(rows, rule, roles)
+    rule = [CriterionConfig("primary", "accuracy", "dppo", "grpo", 0.0, (0.0, 1.0), {"treatment": 1, "baseline": -1})]
+    criteria = E.decide_criteria(rows, rule, alpha=0.05)
+    info = E.informational_interval(rows, rule[0], alpha=0.05)
     assert info["lower"] > 0 and criteria[0].lower < 0
     verdict = E.verdict(criteria, rehearsal=False)
     assert verdict[:2] == ("inconclusive", "insufficient_evidence")

@@ -62,7 +62,7 @@ def test_prepare_minibatches_keeps_groups_whole_and_refuses_uneven_splits():
 
 
 def test_train_step_records_one_call_and_persists_before_the_optimizer_step():
-    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     tc, rec = FakeTrainingClient(), instrumentation.LossCallRecorder(cfg)
     seen = []
 
@@ -77,7 +77,7 @@ def test_train_step_records_one_call_and_persists_before_the_optimizer_step():
 
 
 def test_train_step_fails_when_the_loss_is_not_called_exactly_once():
-    cfg = losses.LossConfig(arm="grpo", normalization="sum")
+    cfg = losses.LossConfig(loss="grpo_clip_eps0.2", normalization="sum")
     for n in (0, 2):
         with pytest.raises(train_step.TrainStepError, match="expected one loss call"):
             train_step.train_step(FakeTrainingClient(call_loss=n), _datums(), losses.make_loss_fn(cfg),
@@ -86,7 +86,7 @@ def test_train_step_fails_when_the_loss_is_not_called_exactly_once():
 
 def test_timed_updates_runs_n_unrecorded_updates():
     tc = FakeTrainingClient()
-    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     secs = train_step.timed_updates(tc, _datums(), losses.make_loss_fn(cfg), tinker.AdamParams(learning_rate=1e-3), 3)
     assert len(secs) == 3 and tc.calls == ["fwd_bwd", "optim"] * 3
 
@@ -167,7 +167,7 @@ class OrderClient(FakeTrainingClient):
     (True, ["fwd_bwd", "await fwd_bwd", "persist", "optim", "await optim", "behind"]),
 ])
 def test_pipelined_schedule_submits_optim_and_the_behind_call_before_awaiting(sequential, want):
-    cfg = losses.LossConfig(arm="dppo", normalization="token_mean")
+    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     tc, rec = OrderClient(), instrumentation.LossCallRecorder(cfg)
     _, result = train_step.train_step(
         tc, _datums(), losses.make_loss_fn(cfg), tinker.AdamParams(learning_rate=1e-3), rec, {"update_index": 1},

@@ -34,9 +34,9 @@ def record_plan(bundle: EvidenceBundle, plan: P.Plan, effective_config: Mapping[
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     fields: dict[str, Any] = {"generation_audit": dict(effective_config["generation_audit"])}
     current = bundle.result
-    if "original_hypothesis_tested" in plan.raw:
-        fields["original_hypothesis_tested"] = plan.raw["original_hypothesis_tested"]
-        fields["tested_instead"] = plan.raw.get("tested_instead")
+    if plan.kind == "bounded_diagnostic":
+        fields["original_hypothesis_tested"] = plan.diagnostic.original_hypothesis_tested
+        fields["tested_instead"] = plan.diagnostic.tested_instead
     elif current["original_hypothesis_tested"] is None and not current["deviations"]:
         fields["original_hypothesis_tested"] = True
     bundle.update_result(**fields)

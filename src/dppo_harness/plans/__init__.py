@@ -1,0 +1,87 @@
+"""Frozen plans: the plan models, loading (sha256 of the exact bytes), the typed run config,
+rehearsal rules, launch scope, effective config and deviations.
+
+Modules: `models` (strict pydantic models per kind, decoding), `prose` (values a spec states only
+in its method text), `run_config` (the typed `RunConfig` stages read), `rehearsal` (rules and the
+`rehearse` tool), `launch` (what a launch authorizes on a real service), `plan` (`Plan`,
+`load_plan`, `effective_config`). CLI: `python -m dppo_harness.plans {validate,rehearse}`.
+"""
+
+from dppo_harness.plans.launch import refusal as launch_refusal
+from dppo_harness.plans.launch import unauthorized_stages
+from dppo_harness.plans.models import (
+    AUTHORIZABLE_STAGES,
+    DEVIATION_FIELDS,
+    ExperimentSpec,
+    Launch,
+    PlanError,
+    PlanKind,
+    detect_kind,
+    validate_model,
+)
+from dppo_harness.plans.plan import (
+    SERVED_MODEL_UNAVAILABLE,
+    BackendInfo,
+    Plan,
+    backend_deviations,
+    check_original_plan,
+    effective_config,
+    generation_audit_applicability,
+    load_plan,
+    parse_plan,
+    plan_config,
+    plan_errors,
+    resized_plan,
+    validate_plan,
+)
+from dppo_harness.plans.prose import Stated
+from dppo_harness.plans.rehearsal import (
+    RehearsalSize,
+    _get,
+    _parse_path,
+    check_rehearsal,
+    leaf_differences,
+    make_rehearsal,
+    rehearsal_deviation,
+)
+from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
+from dppo_harness.plans.run_config import ArmConfig, CriterionConfig, RunConfig, build_run_config
+
+__all__ = [
+    "AUTHORIZABLE_STAGES",
+    "DEVIATION_FIELDS",
+    "HARNESS_NORMALIZATION",
+    "SERVED_MODEL_UNAVAILABLE",
+    "ArmConfig",
+    "BackendInfo",
+    "CriterionConfig",
+    "ExperimentSpec",
+    "Launch",
+    "Plan",
+    "PlanError",
+    "PlanKind",
+    "RehearsalSize",
+    "RunConfig",
+    "Stated",
+    "_get",
+    "_parse_path",
+    "backend_deviations",
+    "build_run_config",
+    "check_original_plan",
+    "check_rehearsal",
+    "detect_kind",
+    "effective_config",
+    "generation_audit_applicability",
+    "launch_refusal",
+    "leaf_differences",
+    "load_plan",
+    "make_rehearsal",
+    "parse_plan",
+    "plan_config",
+    "plan_errors",
+    "rehearsal_deviation",
+    "resized_plan",
+    "unauthorized_stages",
+    "validate_model",
+    "validate_plan",
+]

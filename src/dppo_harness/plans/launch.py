@@ -1,0 +1,40 @@
+"""Launch scope: which stages this launch authorizes on a service that is not the embedded server.
+
+A launch authorizes work in the requester's words ("Only this single diagnostic is authorized in
+this launch"), so the scope is data in the plan (`launch` block, `models.Launch`), never a code
+edit. On a real service every selected stage that trains beyond setup (`AUTHORIZABLE_STAGES`:
+the gate's fresh pilot, the diagnostic, the comparison) must be listed in the plan's
+`launch.authorized_stages`; otherwise the session is refused at the connectivity preflight,
+before any client exists, with one line saying what would authorize it. The embedded server
+(marker seen) is a rehearsal and is never refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dppo_harness.plans.models import AUTHORIZABLE_STAGES, Launch
+
+
+def unauthorized_stages(launch: Launch | None, stages: Sequence[str]) -> list[str]:
+    """The selected stages that need authorization and that `launch` does not authorize."""
+    allowed = set(launch.authorized_stages) if launch is not None else set()
+    return [s for s in stages if s in AUTHORIZABLE_STAGES and s not in allowed]
+
+
+def refusal(plan_name: str, launch: Launch | None, stages: Sequence[str], *, embedded: bool,
+            service: str) -> str | None:
+    """The one-line refusal for running `stages` under this launch, or None when allowed."""
+    if embedded:
+        return None
+    denied = unauthorized_stages(launch, stages)
+    if not denied:
+        return None
+    what = ", ".join(denied)
+    if launch is None:
+        has = f"plan {plan_name} carries no launch block"
+    else:
+        has = (f"plan {plan_name}'s launch authorizes {', '.join(launch.authorized_stages) or 'no training stage'} "
+               f"({launch.scope})")
+    return (f"launch scope: stage {what} is not authorized on {service} (not the embedded server): {has}; a plan "
+            f"whose launch.authorized_stages lists {what} would authorize it")

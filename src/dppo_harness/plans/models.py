@@ -1,0 +1,595 @@
+"""Plan file models: strict pydantic models per plan kind, JSON decoding, kind detection.
+
+Three plan kinds live in `plans/`:
+- `experiment_spec`: the saved experiment spec, verbatim from the brief (it has no `kind` key);
+- `bounded_diagnostic`: the requester's revised diagnostic (`"kind": "bounded_diagnostic"`);
+- `rehearsal`: a complete experiment spec at rehearsal size, derived from a saved spec (by path
+  and sha256) with every difference declared (`"kind": "rehearsal"`, `plans/rehearsal/`).
+
+Each kind is a strict pydantic model (no unknown keys, no coercion, no NaN/inf). An invalid plan
+raises `PlanError` whose message starts with the field path, e.g.
+`activation_gate.checks[2].min: expected number, got str`. Any kind may carry a `launch` block:
+what this launch authorizes on a service that is not the embedded server (`plans.launch`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
+
+from dppo_harness.schema_errors import STRICT, first_error, rule_error, type_name
+
+PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
+# The brief's structured output only knows these deviation fields.
+DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
+_SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be used; the message names the offending field path."""
+
+
+def _fail(path: str, msg: str) -> PlanError:
+    return PlanError(f"{path or '<root>'}: {msg}")
+
+
+# ----------------------------------------------------------------------------- field types
+
+NonNeg = Annotated[float, Field(ge=0)]
+Unit = Annotated[float, Field(ge=0, le=1)]
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Sha256 = Annotated[str, Field(pattern=_SHA256_PATTERN)]
+NonEmptyStr = Annotated[str, Field(min_length=1, pattern=r"\S")]
+
+
+class _Model(BaseModel):
+    """Strict, closed model. An optional key (default None) may be left out but not given as null,
+    unless the field is listed in `_nullable`."""
+
+    model_config = STRICT
+    _nullable: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_null_for_optional_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                f = cls.model_fields.get(key)
+                if value is None and f is not None and not f.is_required() and key not in cls._nullable:
+                    raise rule_error(key, "expected a value, got null (leave the key out instead)")
+        return data
+
+
+def _needs_bound(check: BaseModel, keys: Sequence[str]) -> None:
+    given = [k for k in keys if getattr(check, k, None) is not None]
+    if not given:
+        raise rule_error("", f"expected at least one of {', '.join(keys)}")
+    lo, hi = getattr(check, "min", None), getattr(check, "max", None)
+    if lo is not None and hi is not None and lo > hi:
+        raise rule_error("max", f"max {hi!r} is below min {lo!r}")
+
+
+# ----------------------------------------------------------------------------- experiment_spec
+
+
+class ExperimentFeatures(_Model):
+    custom_loss: bool
+    custom_optimizer: bool
+    paired_comparison: bool
+    paired_training_arms: bool
+    checkpoint_restore: bool
+    warmup_adaptation: bool
+    generated_training_data: bool
+    learned_generator: bool
+    heldout_loss: bool
+    adaptive_selection: bool
+
+
+class Tolerance(_Model):
+    atol: NonNeg
+    rtol: NonNeg
+    min_cosine: Annotated[float, Field(ge=-1, le=1)] | None = None
+
+
+class OptimizerConfig(_Model):
+    learning_rate: NonNeg
+    beta1: Unit
+    beta2: Unit
+    eps: NonNeg
+    weight_decay: NonNeg | None = None
+    grad_clip_norm: NonNeg | None = None
+
+
+class GateCheck(_Model):
+    metric: str
+    measures: str
+    min: float | None = None
+    max: float | None = None
+    one_of: Annotated[list[str], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> GateCheck:
+        _needs_bound(self, ("min", "max", "one_of", "min_exclusive"))
+        return self
+
+
+class SpecDataset(_Model):
+    name: str
+    hf_path: str
+    split: str
+    n_examples: PosInt
+
+
+class SpecOptimizer(_Model):
+    name: str
+    lr: NonNeg
+
+
+class SpecEval(_Model):
+    benchmark: str
+    metric: str
+    n_examples: PosInt
+    aggregation: str | None
+
+
+class CorrectnessPath(_Model):
+    id: str
+    kind: str
+    baseline_revision: str
+    reference_revision: str
+    tolerances: dict[str, Tolerance]
+
+
+class CorrectnessPreflight(_Model):
+    required: bool
+    status: str
+    paths: list[CorrectnessPath]
+
+
+class ActivationGate(_Model):
+    applicable: bool
+    reason: str
+    checks: list[GateCheck]
+
+
+class RestorationArm(_Model):
+    name: str
+    optimizer: str
+    optimizer_config: OptimizerConfig
+
+
+class RestorationGroup(_Model):
+    arms: Annotated[list[RestorationArm], Field(min_length=1)]
+
+
+class RestorationPreflight(_Model):
+    applicable: bool
+    reason: str
+    fixed_batch_required: bool
+    groups: list[RestorationGroup]
+
+
+class DecisionCriterion(_Model):
+    id: str
+    metric: str
+    weights: dict[str, float]
+    margin: float
+    bounds: Annotated[list[float], Field(min_length=2, max_length=2)]
+
+
+class DecisionRule(_Model):
+    version: int
+    estimand: str
+    unit: str
+    seeds: list[int]
+    alpha: Unit
+    method: str
+    criteria: Annotated[list[DecisionCriterion], Field(min_length=1)]
+
+
+class SpecArm(_Model):
+    name: str
+    loss: str
+    seed: int
+    lr: NonNeg
+    updates_per_batch: PosInt
+
+
+class Budget(_Model):
+    gpu_hours: NonNeg
+    max_wall_minutes: NonNeg
+
+
+class GenerationAudit(_Model):
+    required: bool
+    answer_comparison: str
+    min_sample_size: NonNegInt
+    max_label_errors: NonNegInt
+    max_eval_overlaps: NonNegInt
+
+
+class FeasibilityCheck(_Model):
+    status: str
+    problems: list[str]
+    wall_seconds: float | None
+    gpu_hours: float | None
+    known_gpu_hours: float
+    phases: dict[str, JsonValue]
+
+
+class ExperimentSpec(_Model):
+    """The brief's saved experiment spec (verbatim; no `kind` key)."""
+
+    title: str
+    hypothesis: str
+    method: str
+    base_model: str
+    lora_rank: PosInt
+    training_type: str
+    dataset: SpecDataset
+    optimizer: SpecOptimizer
+    steps: PosInt
+    batch_size: PosInt
+    max_seq_len: PosInt
+    eval: SpecEval
+    baseline: str
+    experiment_features: ExperimentFeatures
+    correctness_preflight: CorrectnessPreflight
+    activation_gate: ActivationGate
+    restoration_preflight: RestorationPreflight
+    success_criterion: str
+    decision_rule: DecisionRule
+    primary_endpoint: str
+    arms: Annotated[list[SpecArm], Field(min_length=1)]
+    feasibility_required: bool
+    feasibility: JsonValue
+    budget: Budget
+    generation_audit: GenerationAudit
+    command: str
+    feasibility_check: FeasibilityCheck
+    launch: Launch | None = None  # not in the exchange's format: a user adds it to authorize stages
+
+
+# ----------------------------------------------------------------------------- bounded_diagnostic
+
+
+class OriginalPlanRef(_Model):
+    file: str
+    sha256: Sha256
+    experiment_version: str
+    kept_intact: Literal[True]
+
+
+# Stages that train beyond setup: on a service that is not the embedded server each needs the
+# plan's launch block to authorize it. The preflight (connectivity, restoration probes, timing
+# pilot) is the setup every authorized stage needs, so it is never refused.
+AUTHORIZABLE_STAGES = ("gate", "diagnostic", "comparison")
+
+
+class Launch(_Model):
+    """What this launch authorizes, in the requester's words, and the stages that it lets run
+    on a real service."""
+
+    source: NonEmptyStr
+    launch_mode: str
+    scope: NonEmptyStr
+    only_authorized_run: bool
+    authorized_stages: list[Literal["gate", "diagnostic", "comparison"]]
+
+    @model_validator(mode="after")
+    def _unique(self) -> Launch:
+        if len(set(self.authorized_stages)) != len(self.authorized_stages):
+            raise rule_error("authorized_stages", "lists a stage twice")
+        return self
+
+
+class Initialization(_Model):
+    source: str
+    require_observed_successful_load: bool
+    trained_pilot_weights_allowed: bool
+
+
+class Treatment(_Model):
+    arm: str
+    loss: Literal["dppo_binary_tv"]
+    delta: NonNeg
+    ratio_cap: NonNeg
+    variant: str
+    variant_note: str
+    anchor: Literal["sampler_logprobs"]
+    divergence: str
+    reference_revision: str
+
+
+class CounterfactualBaseline(_Model):
+    loss: str
+    ppo_eps: NonNeg
+    trained: bool
+    note: str
+
+
+class DiagnosticOptimizer(_Model):
+    name: Literal["adamw"]
+    learning_rate: NonNeg
+    beta1: Unit
+    beta2: Unit
+    eps: NonNeg
+    weight_decay: NonNeg
+    grad_clip_norm: NonNeg
+
+
+class Sampling(_Model):
+    renderer: str
+    dataset: str
+    split: Literal["train"]
+    temperature: NonNeg
+    max_tokens: PosInt
+
+
+class LossNormalization(_Model):
+    mode: Literal["sum", "token_mean"]
+    denominator: str
+    reason: str
+
+
+class FixedSettings(_Model):
+    base_model: str
+    lora_rank: PosInt
+    seed: int
+    initialization: Initialization
+    treatment: Treatment
+    counterfactual_baseline: CounterfactualBaseline
+    optimizer: DiagnosticOptimizer
+    sampling: Sampling
+    advantages: Literal["group_mean_centered"]
+    loss_normalization: LossNormalization
+
+
+class Schedule(_Model):
+    sampling_batches: Annotated[int, Field(ge=1, le=1)]
+    groups_per_batch: PosInt
+    group_size: PosInt
+    minibatches_per_epoch: PosInt
+    groups_per_minibatch: PosInt
+    complete_groups_only: bool
+    epochs: PosInt
+    max_optimizer_updates: PosInt
+    new_sampling_after_batch: Literal[False]
+    old_logprob_refresh: Literal[False]
+    frozen_fields: Annotated[list[str], Field(min_length=1)]
+    assert_hashes_before_every_reuse: bool
+    record_sampler_checkpoint: bool
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Schedule:
+        if self.minibatches_per_epoch * self.groups_per_minibatch != self.groups_per_batch:
+            raise rule_error("groups_per_minibatch",
+                             "minibatches_per_epoch x groups_per_minibatch must equal groups_per_batch")
+        if self.max_optimizer_updates > self.epochs * self.minibatches_per_epoch:
+            raise rule_error("max_optimizer_updates", "exceeds epochs x minibatches_per_epoch")
+        return self
+
+
+class Caps(_Model):
+    max_wall_minutes: NonNeg
+    wall_clock_includes: list[str]
+    gpu_hours_cap: NonNeg
+    gpu_hours_cap_source: str
+    stop_rule: str
+    on_setup_exhausting_cap: str
+    check_remaining_budget_before_service_work: bool
+
+
+class Sentinels(_Model):
+    source: str
+    compare: str
+    after_updates: Annotated[list[NonNegInt], Field(min_length=1)]
+    purpose: str
+
+
+class Recording(_Model):
+    before_each_loss_and_update: Annotated[list[str], Field(min_length=1)]
+    sentinels: Sentinels
+
+
+class AnalysisCriterion(_Model):
+    id: str
+    metric: str
+    measures: str
+    pooling: Literal["token_weighted_ratio", "pooled_quantile", "token_count_sum"]
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: float | None = None
+    applies_when: str | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> AnalysisCriterion:
+        _needs_bound(self, ("min", "max", "one_of", "min_exclusive"))
+        return self
+
+
+class Analysis(_Model):
+    scope: str
+    pooling: str
+    selection_rule: str
+    criteria: Annotated[list[AnalysisCriterion], Field(min_length=1)]
+    engagement_exclusions: list[str]
+    original_gate_report: str
+
+
+class Outcomes(_Model):
+    inactive: str
+    active: str
+    verdict: str
+
+
+class UnavailableReference(_Model):
+    ref: str
+    reason: str
+
+
+class PlanDeviation(_Model):
+    field: Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
+    original: str
+    effective: str
+    reason: str
+
+
+class DeclaredServiceWork(_Model):
+    id: str
+    stage: str
+    optimizer_updates: Annotated[int, Field(ge=0)]
+    sampling_batches: Annotated[int, Field(ge=0)]
+    client: str
+    reason: Annotated[str, Field(min_length=1)]
+
+
+class ServiceWork(_Model):
+    """Every optimizer update and sampling batch of the session, declared before execution (issue 11 §5)."""
+
+    declared_before_execution: Literal[True]
+    note: str | None = None
+    items: Annotated[list[DeclaredServiceWork], Field(min_length=1)]
+    max_total_optimizer_updates: Annotated[int, Field(ge=0)]
+    max_total_sampling_batches: Annotated[int, Field(ge=0)]
+
+    @model_validator(mode="after")
+    def _totals(self) -> ServiceWork:
+        if sum(i.optimizer_updates for i in self.items) != self.max_total_optimizer_updates:
+            raise rule_error("max_total_optimizer_updates", "must equal the sum of the items' optimizer_updates")
+        if sum(i.sampling_batches for i in self.items) != self.max_total_sampling_batches:
+            raise rule_error("max_total_sampling_batches", "must equal the sum of the items' sampling_batches")
+        if len({i.id for i in self.items}) != len(self.items):
+            raise rule_error("items", "ids must be unique")
+        return self
+
+
+class BoundedDiagnostic(_Model):
+    kind: Literal["bounded_diagnostic"]
+    version: Annotated[int, Field(ge=1, le=1)]
+    plan_id: str
+    title: str
+    original_plan: OriginalPlanRef
+    launch: Launch
+    question: str
+    original_hypothesis_tested: bool
+    tested_instead: str
+    experiment_features: ExperimentFeatures
+    fixed_settings: FixedSettings
+    schedule: Schedule
+    caps: Caps
+    recording: Recording
+    analysis: Analysis
+    forbidden: Annotated[list[str], Field(min_length=1)]
+    outcomes: Outcomes
+    unavailable_references: list[UnavailableReference]
+    deviations: list[PlanDeviation]
+    service_work: ServiceWork | None = None
+
+    @model_validator(mode="after")
+    def _scope_and_sentinels(self) -> BoundedDiagnostic:
+        if self.service_work is not None:
+            diag = [i for i in self.service_work.items if i.stage == "diagnostic"]
+            if sum(i.optimizer_updates for i in diag) != self.schedule.max_optimizer_updates:
+                raise rule_error("service_work.items", "the diagnostic's optimizer_updates must equal "
+                                 "schedule.max_optimizer_updates")
+            if sum(i.sampling_batches for i in diag) != self.schedule.sampling_batches:
+                raise rule_error("service_work.items", "the diagnostic's sampling_batches must equal schedule.sampling_batches")
+        if self.original_hypothesis_tested is False and not self.tested_instead.strip():
+            raise rule_error("tested_instead", "must describe the claim tested when original_hypothesis_tested is false")
+        cap = self.schedule.max_optimizer_updates
+        if any(u > cap for u in self.recording.sentinels.after_updates):
+            raise rule_error("recording.sentinels.after_updates", f"an update index exceeds max_optimizer_updates {cap}")
+        return self
+
+
+# ----------------------------------------------------------------------------- rehearsal
+
+
+class DerivedFrom(_Model):
+    path: NonEmptyStr  # relative to the repository root holding the plan file
+    sha256: Sha256
+
+
+class Difference(_Model):
+    field: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*(\.[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*)*$")]
+    spec: JsonValue
+    rehearsal: JsonValue
+    reason: NonEmptyStr
+    _nullable: ClassVar[frozenset[str]] = frozenset({"spec", "rehearsal"})
+
+
+class RehearsalPlan(_Model):
+    """A complete experiment spec at rehearsal size; its differences from `derived_from` are
+    declared one by one, and the spec's gates and thresholds stay as written (see
+    check_rehearsal, which needs the derived-from file)."""
+
+    kind: Literal["rehearsal"]
+    version: Literal[1]
+    plan_id: NonEmptyStr
+    label: Literal["rehearsal"]
+    purpose: NonEmptyStr
+    derived_from: DerivedFrom
+    differences: list[Difference]
+    spec: ExperimentSpec
+    launch: Launch | None = None
+
+    @model_validator(mode="after")
+    def _unique_fields(self) -> RehearsalPlan:
+        seen: set[str] = set()
+        for i, d in enumerate(self.differences):
+            if d.field in seen:
+                raise rule_error(f"differences[{i}].field", f"{d.field!r} is listed twice")
+            seen.add(d.field)
+        return self
+
+
+PlanModel = ExperimentSpec | BoundedDiagnostic | RehearsalPlan
+MODELS: dict[str, type[_Model]] = {
+    "experiment_spec": ExperimentSpec, "bounded_diagnostic": BoundedDiagnostic, "rehearsal": RehearsalPlan,
+}
+
+
+def detect_kind(raw: Any) -> PlanKind:
+    if not isinstance(raw, dict):
+        raise _fail("", f"expected object, got {type_name(raw)}")
+    if "kind" in raw:
+        kind = raw["kind"]
+        if kind not in ("bounded_diagnostic", "rehearsal"):
+            raise _fail("kind", "expected one of ['bounded_diagnostic', 'rehearsal'] "
+                                f"(a saved experiment spec has no kind), got {kind!r}")
+        return kind  # type: ignore[no-any-return]
+    return "experiment_spec"
+
+
+def validate_model(raw: Any) -> tuple[PlanKind, PlanModel]:
+    """Validate a decoded plan against its kind's model; returns (kind, model) or raises PlanError."""
+    kind = detect_kind(raw)
+    try:
+        return kind, MODELS[kind].model_validate(raw)  # type: ignore[return-value]
+    except ValidationError as exc:
+        raise PlanError(first_error(exc)) from None
+
+
+def decode(data: bytes, path: Path | None = None) -> Any:
+    """The JSON value of plan bytes (UTF-8, no NaN/inf), or PlanError naming the file."""
+    where = f"{path}: " if path else ""
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"{where}<root>: not UTF-8 ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{where}<root>: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except ValueError as exc:
+        raise PlanError(f"{where}<root>: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not allowed")
+
+

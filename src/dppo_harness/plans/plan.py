@@ -1,0 +1,443 @@
+"""The loaded plan: exact bytes, sha256, its validated model and typed run config, loading,
+the backend's deviations and the effective config.
+
+`parse_plan` validates the kind's model, checks a rehearsal against the spec it derives from,
+builds the `RunConfig` of every experiment spec (`run_config`: prose parsed once, cross-field
+rules, registered losses and dataset, roles) and resolves a diagnostic's original plan. Stages
+read `Plan.run`, `Plan.experiment`, `Plan.diagnostic` and `Plan.launch`, never the raw JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from dppo_harness import constants, dataset
+from dppo_harness import loss_registry as losses
+from dppo_harness.plans.models import (
+    DEVIATION_FIELDS,
+    MODELS,
+    BoundedDiagnostic,
+    ExperimentSpec,
+    Launch,
+    PlanError,
+    PlanKind,
+    PlanModel,
+    RehearsalPlan,
+    decode,
+    detect_kind,
+    validate_model,
+)
+from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
+from dppo_harness.plans.run_config import RunConfig, build_run_config
+from dppo_harness.schema_errors import describe
+
+
+@dataclass(frozen=True)
+class Plan:
+    raw: dict[str, Any]  # the decoded JSON (the plans package's business; stages read the models)
+    sha256: str  # of the exact file bytes
+    kind: PlanKind
+    path: Path | None = None
+    data: bytes = field(default=b"", repr=False)
+    model: PlanModel | None = field(default=None, repr=False, compare=False)  # the validated pydantic model
+    run: RunConfig | None = field(default=None, repr=False, compare=False)  # typed run config (spec kinds)
+
+    @property
+    def name(self) -> str:
+        return self.path.name if self.path else f"plan-{self.sha256[:12]}.json"
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The experiment spec this plan runs as JSON: the plan itself, or a rehearsal's inner spec."""
+        if self.kind == "experiment_spec":
+            return self.raw
+        if self.kind == "rehearsal":
+            spec: dict[str, Any] = self.raw["spec"]
+            return spec
+        raise PlanError("kind: a bounded_diagnostic plan carries no experiment spec")
+
+    @property
+    def spec_bytes(self) -> bytes:
+        """The executed spec as bytes: the file's exact bytes for a saved spec, a rehearsal's inner
+        spec as JSON (for the brief's validator CLI)."""
+        if self.kind == "experiment_spec":
+            return self.data
+        return json.dumps(self.spec).encode()
+
+    def spec_json(self) -> dict[str, Any]:
+        """A copy of the executed spec's JSON (for validators of the brief's format)."""
+        return json.loads(json.dumps(self.spec_plan.spec))  # type: ignore[no-any-return]
+
+    @property
+    def experiment(self) -> ExperimentSpec:
+        """The validated experiment spec this plan runs (a rehearsal's inner spec)."""
+        if isinstance(self.model, RehearsalPlan):
+            return self.model.spec
+        if isinstance(self.model, ExperimentSpec):
+            return self.model
+        raise PlanError("kind: a bounded_diagnostic plan carries no experiment spec (see Plan.spec_plan)")
+
+    @property
+    def diagnostic(self) -> BoundedDiagnostic:
+        if not isinstance(self.model, BoundedDiagnostic):
+            raise PlanError(f"kind: {self.kind} is not a bounded_diagnostic plan")
+        return self.model
+
+    @property
+    def rehearsal(self) -> RehearsalPlan:
+        if not isinstance(self.model, RehearsalPlan):
+            raise PlanError(f"kind: {self.kind} is not a rehearsal plan")
+        return self.model
+
+    @property
+    def launch(self) -> Launch | None:
+        return getattr(self.model, "launch", None)
+
+    @cached_property
+    def original(self) -> Plan:
+        """A bounded diagnostic's original plan (sha256 checked)."""
+        return check_original_plan(self)
+
+    @property
+    def spec_plan(self) -> Plan:
+        """The plan whose experiment spec this session executes or diagnoses: itself, or a
+        diagnostic's original plan. Its `run` is always set."""
+        return self.original if self.kind == "bounded_diagnostic" else self
+
+    @property
+    def base_model(self) -> str:
+        if self.kind == "bounded_diagnostic":
+            return self.diagnostic.fixed_settings.base_model
+        return self.experiment.base_model
+
+    @property
+    def planned_model(self) -> str:
+        """The model the experiment is about: a rehearsal's derived-from spec names it (its own
+        base_model is the declared stand-in), every other plan its base_model."""
+        if self.kind == "rehearsal":
+            for d in self.rehearsal.differences:
+                if d.field == "base_model":
+                    return str(d.spec)
+        return self.base_model
+
+    @property
+    def experiment_features(self) -> dict[str, bool]:
+        src = self.diagnostic if self.kind == "bounded_diagnostic" else self.experiment
+        return src.experiment_features.model_dump()
+
+    @property
+    def budget(self) -> dict[str, float]:
+        """{'gpu_hours', 'max_wall_minutes'} that this plan allows."""
+        if self.kind == "bounded_diagnostic":
+            caps = self.diagnostic.caps
+            return {"gpu_hours": float(caps.gpu_hours_cap), "max_wall_minutes": float(caps.max_wall_minutes)}
+        b = self.experiment.budget
+        return {"gpu_hours": float(b.gpu_hours), "max_wall_minutes": float(b.max_wall_minutes)}
+
+    @property
+    def deviations(self) -> list[dict[str, str]]:
+        """Deviations the plan itself declares (a rehearsal's differences, in the brief's fields)."""
+        if self.kind == "rehearsal":
+            return [rehearsal_deviation(d.model_dump()) for d in self.rehearsal.differences]
+        if self.kind == "bounded_diagnostic":
+            return [d.model_dump() for d in self.diagnostic.deviations]
+        return []
+
+
+def validate_plan(raw: Any) -> PlanKind:
+    """Validate a decoded plan against its kind's schema; returns the kind or raises PlanError."""
+    return validate_model(raw)[0]
+
+
+def _run_config(spec: ExperimentSpec, prefix: str) -> RunConfig:
+    try:
+        return build_run_config(spec)
+    except PlanError as exc:
+        raise PlanError(f"{prefix}{exc}") from None
+
+
+def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None = None) -> Plan:
+    """Decode and validate plan bytes. A rehearsal is also checked against its derived-from spec,
+    found under `repo_root` (default: the nearest directory above `path` that holds it); every
+    spec kind gets its RunConfig; a diagnostic loaded from a file resolves its original plan."""
+    where = f"{path}: " if path else ""
+    raw = decode(data, path)
+    try:
+        kind, model = validate_model(raw)
+        run = None
+        if isinstance(model, RehearsalPlan):
+            check_rehearsal(raw, _derived_from_file(model.derived_from.path, path, repo_root))
+            run = _run_config(model.spec, "spec.")
+        elif isinstance(model, ExperimentSpec):
+            run = _run_config(model, "")
+    except PlanError as exc:
+        raise PlanError(f"{where}{exc}") from None
+    plan = Plan(raw=raw, sha256=hashlib.sha256(data).hexdigest(), kind=kind, path=path, data=data, model=model, run=run)
+    if isinstance(model, BoundedDiagnostic):
+        try:
+            _check_diagnostic(plan, resolve_original=path is not None)
+        except PlanError as exc:
+            raise PlanError(f"{where}{exc}") from None
+    return plan
+
+
+def _check_diagnostic(plan: Plan, *, resolve_original: bool) -> None:
+    """A diagnostic samples a registered dataset and trains one arm of its original spec, whose
+    loss is the DPPO Binary-TV rule the plan kind pins."""
+    fs = plan.diagnostic.fixed_settings
+    try:
+        dataset.entry(fs.sampling.dataset)
+    except dataset.UnknownDatasetError as exc:
+        raise PlanError(f"fixed_settings.sampling.dataset: {exc}") from None
+    if not resolve_original:
+        return
+    original = plan.original
+    assert original.run is not None
+    names = [a.name for a in original.run.arms]
+    if fs.treatment.arm not in names:
+        raise PlanError(f"fixed_settings.treatment.arm: {fs.treatment.arm!r} is not an arm of the original plan "
+                        f"{plan.diagnostic.original_plan.file} ({names})")
+    loss = original.run.arm(fs.treatment.arm).loss
+    if loss != losses.DPPO_LOSS:
+        raise PlanError(f"fixed_settings.treatment.arm: {fs.treatment.arm!r} trains {loss!r} in the original plan, "
+                        f"not the DPPO Binary-TV loss ({losses.DPPO_LOSS}) a bounded diagnostic measures")
+
+
+def load_plan(path: str | Path, *, repo_root: Path | None = None) -> Plan:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read plan file ({exc.strerror})") from None
+    return parse_plan(data, path, repo_root=repo_root)
+
+
+def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan:
+    """Load the original plan a diagnostic names, and require its sha256 to match the recorded one."""
+    if diagnostic.kind != "bounded_diagnostic":
+        raise PlanError("kind: check_original_plan needs a bounded_diagnostic plan")
+    ref = diagnostic.diagnostic.original_plan
+    if plans_dir is None and diagnostic.path is None:
+        from dppo_harness.project import plans_dir as project_plans
+
+        plans_dir = project_plans()
+    base = plans_dir or diagnostic.path.parent
+    original = load_plan(base / ref.file)
+    if original.kind != "experiment_spec":
+        raise PlanError(f"original_plan.file: {ref.file} is a {original.kind} plan, not an experiment spec")
+    if original.sha256 != ref.sha256:
+        raise PlanError(f"original_plan.sha256: recorded {ref.sha256} but {ref.file} hashes to {original.sha256}")
+    return original
+
+
+# ----------------------------------------------------------------------------- backend + effective config
+
+
+SERVED_MODEL_UNAVAILABLE = "unavailable"  # BackendInfo.served_model when the service named no model
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What actually serves the run. `served_model` is the model that really computes."""
+
+    backend: Literal["local", "tinker"]
+    requested_model: str
+    served_model: str
+    base_url: str | None = None
+    sdk_versions: Mapping[str, str] = field(default_factory=dict)
+    # Explicit size reductions of the run, each {field, original, effective, reason}.
+    size_reductions: Sequence[Mapping[str, str]] = ()
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> BackendInfo:
+        return cls(
+            backend=m["backend"], requested_model=m["requested_model"], served_model=m["served_model"],
+            base_url=m.get("base_url"), sdk_versions=dict(m.get("sdk_versions", {})),
+            size_reductions=tuple(m.get("size_reductions", ())),
+        )
+
+
+def backend_deviations(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) -> list[dict[str, str]]:
+    """Deviations that come from where the plan runs, not from the plan itself."""
+    info = backend_info if isinstance(backend_info, BackendInfo) else BackendInfo.from_mapping(backend_info)
+    out: list[dict[str, str]] = []
+    if info.backend == "local":
+        out.append({
+            "field": "model",
+            "original": plan.planned_model,
+            "effective": f"{info.served_model} (embedded local CPU server on loopback, answering to the name {plan.base_model})",
+            "reason": "no Tinker/Spindle service is reachable from this machine; this run is a local rehearsal of the harness, not a measurement of the planned model",
+        })
+    elif info.served_model != plan.base_model and not info.served_model.startswith(SERVED_MODEL_UNAVAILABLE):
+        out.append({
+            "field": "model", "original": plan.base_model, "effective": info.served_model,
+            "reason": "the service reported a different model at client creation",
+        })
+    for red in info.size_reductions:
+        d = {k: str(red[k]) for k in ("field", "original", "effective", "reason")}
+        if d["field"] not in DEVIATION_FIELDS:
+            raise PlanError(f"size_reductions.field: expected one of {list(DEVIATION_FIELDS)}, got {d['field']!r}")
+        out.append(d)
+    return out
+
+
+def generation_audit_applicability(plan: Plan) -> dict[str, Any]:
+    """Resolve whether the generation audit applies, from the plan's experiment_features.
+
+    generated_training_data=true requires it (overriding a legacy required=false); false makes it
+    not applicable unless an explicit contract (generation_audit.required=true) asks for it.
+    """
+    gen = plan.experiment_features.get("generated_training_data")
+    explicit = plan.experiment.generation_audit.required if plan.kind != "bounded_diagnostic" else None
+    if gen is True:
+        return {"applicable": True, "status": "required",
+                "reason": "experiment_features.generated_training_data is true"}
+    if explicit is True:
+        return {"applicable": True, "status": "required", "reason": "generation_audit.required is true"}
+    # The schema requires every feature, so generated_training_data is false here.
+    return {"applicable": False, "status": "not_applicable",
+            "reason": "experiment_features.generated_training_data is false: no generated training data is used "
+                      "(GSM8K train items only), and no explicit contract requires the audit"}
+
+
+def _dump(m: Any) -> dict[str, Any]:
+    return m.model_dump(mode="json", exclude_none=True)  # type: ignore[no-any-return]
+
+
+def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) -> dict[str, Any]:
+    """The configuration that will actually run, in the brief's feasibility.effective_config terms,
+    with every value the spec states only in prose and the sentence it came from."""
+    info = backend_info if isinstance(backend_info, BackendInfo) else BackendInfo.from_mapping(backend_info)
+    out = plan_config(plan)
+    out["backend"] = {
+        "backend": info.backend,
+        "requested_model": info.requested_model,
+        "served_model": info.served_model,
+        "sdk_versions": dict(info.sdk_versions),
+    }
+    out["deviations"] = out["deviations"] + backend_deviations(plan, info)
+    from dppo_harness import losses as loss_path
+    from dppo_harness import tokenizer
+
+    # Declared for every plan: the renderer's thinking mode (read off a rendered prompt) and the
+    # loss normalization, against the cookbook ppo's sum.
+    mode = plan.diagnostic.fixed_settings.loss_normalization.mode if plan.kind == "bounded_diagnostic" else plan.run.normalization
+    out["renderer"] = tokenizer.default_renderer_declaration()
+    out["loss_normalization"] = loss_path.normalization_declaration(mode)
+    keys = ("plan", "backend", "pinned", "budget", "generation_audit", "config", "renderer", "loss_normalization", "deviations")
+    return {k: out[k] for k in keys}
+
+
+def plan_config(plan: Plan) -> dict[str, Any]:
+    """The effective config as far as the plan alone decides it (no backend yet)."""
+    if plan.kind != "bounded_diagnostic":
+        spec, run = plan.experiment, plan.run
+        assert run is not None  # built at load for every spec kind
+        body: dict[str, Any] = {
+            "base_model": spec.base_model,
+            "lora_rank": spec.lora_rank,
+            "arms": [_dump(a) for a in spec.arms],
+            "steps": spec.steps,
+            "batch_size": spec.batch_size,
+            "max_seq_len": spec.max_seq_len,
+            "max_tokens": int(run.max_tokens.value),
+            "n_eval": spec.eval.n_examples,
+            "optimizer": _dump(spec.optimizer),
+            "seed": run.seed,
+            "run": run.as_json(),
+        }
+    else:
+        d = plan.diagnostic
+        fs, sch = d.fixed_settings, d.schedule
+        body = {
+            "base_model": fs.base_model,
+            "lora_rank": fs.lora_rank,
+            "arms": [{"name": fs.treatment.arm, "loss": fs.treatment.loss, "trained": True},
+                     {"name": "ppo_counterfactual", "loss": fs.counterfactual_baseline.loss, "trained": False}],
+            "steps": sch.max_optimizer_updates,
+            "batch_size": sch.groups_per_batch * sch.group_size,
+            "sequences_per_update": sch.groups_per_minibatch * sch.group_size,
+            "max_tokens": fs.sampling.max_tokens,
+            "n_eval": 0,
+            "seed": fs.seed,
+            "optimizer": _dump(fs.optimizer),
+            "treatment": _dump(fs.treatment),
+            "counterfactual_baseline": _dump(fs.counterfactual_baseline),
+            "sampling": _dump(fs.sampling),
+            "loss_normalization": _dump(fs.loss_normalization),
+            "schedule": _dump(sch),
+            "caps": _dump(d.caps),
+            "analysis_criteria": [_dump(c) for c in d.analysis.criteria],
+        }
+    plan_block: dict[str, Any] = {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}
+    if plan.kind == "rehearsal":
+        plan_block.update(label="rehearsal", derived_from=_dump(plan.rehearsal.derived_from))
+    if plan.launch is not None:
+        plan_block["launch"] = _dump(plan.launch)
+    return {
+        "plan": plan_block,
+        "pinned": {
+            "ppo_eps": constants.PPO_EPS, "dppo_delta": constants.DPPO_DELTA,
+            "dppo_ratio_cap": constants.DPPO_RATIO_CAP, "renderer": constants.RENDERER_NAME,
+            "reference_revision": constants.REFERENCE_REVISION, "baseline_revision": constants.BASELINE_REVISION,
+        },
+        "budget": plan.budget,
+        "generation_audit": generation_audit_applicability(plan),
+        "config": body,
+        "deviations": plan.deviations,
+    }
+
+
+def resized_plan(plan: Plan, *, rollout_steps: int, groups_per_batch: int, max_tokens: int | None = None,
+                 eval_items: int | None = None) -> Plan:
+    """A copy of a spec-kind plan at another size, for tests and benchmarks only (never a plan
+    file): steps, batch_size, eval.n_examples and the numbers the method text states change
+    together, and the copy keeps the original's sha256 (it is a test-size copy of that plan)."""
+    from dppo_harness.plans.prose import rewrite
+
+    if plan.run is None:
+        raise PlanError(f"kind: {plan.kind} has no experiment spec to resize")
+    run = plan.run
+    raw = json.loads(json.dumps(plan.raw))
+    spec = raw["spec"] if plan.kind == "rehearsal" else raw
+    spec["steps"] = rollout_steps * run.updates_per_batch
+    spec["batch_size"] = groups_per_batch * int(run.group_size.value)
+    if eval_items is not None:
+        spec["eval"]["n_examples"] = eval_items
+    new = {"groups_per_batch": str(groups_per_batch), "rollout_steps": str(rollout_steps),
+           "optim_steps": str(rollout_steps * run.updates_per_batch)}
+    if max_tokens is not None:
+        new["max_tokens"] = str(max_tokens)
+    if eval_items is not None:
+        new["eval_items"] = f"the first {eval_items}"
+    spec["method"] = rewrite(spec["method"], {k: (run.prose[k], v) for k, v in new.items() if k in run.prose})
+    model = ExperimentSpec.model_validate(spec)
+    wrapped = RehearsalPlan.model_validate(raw) if plan.kind == "rehearsal" else model
+    return replace(plan, raw=raw, model=wrapped, run=build_run_config(model))
+
+
+def plan_errors(path: str | Path, *, repo_root: Path | None = None) -> list[str]:
+    """Every problem of a plan file, one line each ([] when it loads): all schema errors when the
+    model does not validate, else the first cross-field problem."""
+    path = Path(path)
+    try:
+        load_plan(path, repo_root=repo_root)
+        return []
+    except PlanError as exc:
+        first = str(exc)
+    try:
+        raw = decode(path.read_bytes(), path)
+        MODELS[detect_kind(raw)].model_validate(raw)
+    except ValidationError as exc:
+        return [f"{path}: {describe(e)}" for e in exc.errors(include_url=False)]
+    except (PlanError, OSError):
+        pass
+    return [first]

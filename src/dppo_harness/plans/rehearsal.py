@@ -1,0 +1,309 @@
+"""Rehearsal plans: the rules a declared rehearsal obeys against its spec, and the tool that
+writes one (`python -m dppo_harness.plans rehearse`).
+
+A rehearsal is a complete experiment spec at rehearsal size. It names the spec it derives from
+by repository path and sha256, declares every leaf where it differs (with the reason), and keeps
+the spec's gates and thresholds as written (`activation_gate`, `decision_rule`,
+`success_criterion`, `correctness_preflight`, `arms[*].loss`, `arms[*].updates_per_batch`,
+`restoration_preflight`; only the executed-model check's `one_of` follows `base_model` and the
+restoration learning rates follow the arms' lr).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dppo_harness.plans.models import PlanError, _fail, decode, validate_model
+from dppo_harness.plans.prose import Stated, format_number, rewrite
+from dppo_harness.plans.run_config import build_run_config
+from dppo_harness.schema_errors import format_path
+
+# Spec subtrees a rehearsal may not change (its gates and thresholds stay as written), as
+# (pattern over the leaf path, exception pattern or None).
+_FROZEN = (
+    re.compile(r"^activation_gate(\.|\[|$)"),
+    re.compile(r"^decision_rule(\.|\[|$)"),
+    re.compile(r"^success_criterion$"),
+    re.compile(r"^correctness_preflight(\.|\[|$)"),
+    re.compile(r"^arms\[\d+\]\.(loss|updates_per_batch)$"),
+    re.compile(r"^restoration_preflight(\.|\[|$)"),
+)
+_FOLLOWS_BASE_MODEL = re.compile(r"^activation_gate\.checks\[(\d+)\]\.one_of(\[\d+\])?$")
+_FOLLOWS_LR = re.compile(r"^restoration_preflight\.groups\[\d+\]\.arms\[\d+\]\.optimizer_config\.learning_rate$")
+_MISSING: Any = object()
+# Brief deviation field for a difference, by the spec's top-level key (default "objective").
+_DEVIATION_FIELD_OF = {"base_model": "model", "steps": "steps", "batch_size": "effective_batch",
+                       "dataset": "dataset", "eval": "evaluator", "primary_endpoint": "endpoint"}
+
+
+def _leaves(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+    """(path, value) of every leaf; an empty object or list is a leaf itself."""
+    if isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(obj, list) and obj:
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, obj
+
+
+def _parse_path(dotted: str) -> tuple[str | int, ...]:
+    out: list[str | int] = []
+    for part in dotted.split("."):
+        name, *idx = part.split("[")
+        out.append(name)
+        out += [int(i.rstrip("]")) for i in idx]
+    return tuple(out)
+
+
+def _get(obj: Any, path: tuple[str | int, ...]) -> Any:
+    for p in path:
+        in_list = isinstance(p, int) and isinstance(obj, list) and p < len(obj)
+        if not (in_list or (isinstance(p, str) and isinstance(obj, dict) and p in obj)):
+            return _MISSING
+        obj = obj[p]
+    return obj
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality that keeps true apart from 1 (and 1 from 1.0 only by value)."""
+    if a is _MISSING or b is _MISSING:
+        return a is b
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) or (
+        type(a) in (int, float) and type(b) in (int, float) and a == b)
+
+
+def _changed_leaves(a: Any, b: Any) -> list[tuple[str | int, ...]]:
+    return sorted({p for p, v in _leaves(b) if not _same(_get(a, p), v)}
+                  | {p for p, v in _leaves(a) if not _same(_get(b, p), v)}, key=str)
+
+
+def leaf_differences(a: Any, b: Any) -> dict[str, tuple[Any, Any]]:
+    """Field path -> (value in a, value in b) of every leaf where two JSON documents differ
+    (None where one side lacks the leaf)."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for p in _changed_leaves(a, b):
+        x, y = _get(a, p), _get(b, p)
+        out[format_path(p)] = (None if x is _MISSING else x, None if y is _MISSING else y)
+    return out
+
+
+def _derived_from_file(rel: str, plan_path: Path | None, repo_root: Path | None) -> Path:
+    if repo_root is not None:
+        return Path(repo_root) / rel
+    if plan_path is None:
+        raise PlanError("derived_from.path: a rehearsal given as bytes needs repo_root to find its derived-from spec")
+    for base in Path(plan_path).resolve().parents:
+        if (base / rel).is_file():
+            return base / rel
+    raise PlanError(f"derived_from.path: {rel} not found in any directory above {plan_path}")
+
+
+def check_rehearsal(raw: Mapping[str, Any], derived_path: Path) -> None:
+    """The rules a rehearsal plan obeys against the spec it derives from (PlanError naming the field):
+    the derived-from file's sha256 matches; the frozen subtrees are unchanged; every leaf that
+    differs is declared in `differences` with matching values, and every declared difference
+    really differs."""
+    ref = raw["derived_from"]
+    try:
+        data = derived_path.read_bytes()
+    except OSError as exc:
+        raise _fail("derived_from.path", f"cannot read {derived_path} ({exc.strerror})") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != ref["sha256"]:
+        raise _fail("derived_from.sha256", f"recorded {ref['sha256']} but {ref['path']} hashes to {got}")
+    try:
+        base = decode(data, derived_path)
+        kind, _ = validate_model(base)
+    except PlanError as exc:
+        raise _fail("derived_from.path", f"not a usable plan ({exc})") from None
+    if kind != "experiment_spec":
+        raise _fail("derived_from.path", f"expected an experiment spec, got kind {kind!r}")
+    spec = raw["spec"]
+    declared = [(i, d, _parse_path(d["field"])) for i, d in enumerate(raw["differences"])]
+
+    for p in _changed_leaves(base, spec):
+        leaf = format_path(p)
+        _check_not_frozen(leaf, spec)
+        if not any(p[: len(dp)] == dp for _, _, dp in declared):
+            raise _fail(f"spec.{leaf}", f"differs from {ref['path']} ({_show(_get(base, p))} -> "
+                                        f"{_show(_get(spec, p))}) but is not listed in differences")
+    for i, d, dp in declared:
+        old, new = _get(base, dp), _get(spec, dp)
+        if old is _MISSING or new is _MISSING:
+            raise _fail(f"differences[{i}].field", f"{d['field']!r} is not a field of both specs")
+        if _same(old, new):
+            raise _fail(f"differences[{i}]", f"{d['field']!r} does not differ: both specs have {_show(old)}")
+        if not _same(d["spec"], old):
+            raise _fail(f"differences[{i}].spec", f"expected {_show(old)} (the value in {ref['path']}), "
+                                                  f"got {_show(d['spec'])}")
+        if not _same(d["rehearsal"], new):
+            raise _fail(f"differences[{i}].rehearsal", f"expected {_show(new)} (the value in spec), "
+                                                       f"got {_show(d['rehearsal'])}")
+
+
+def _check_not_frozen(leaf: str, spec: Mapping[str, Any]) -> None:
+    m = _FOLLOWS_BASE_MODEL.match(leaf)
+    if m:
+        check = spec["activation_gate"]["checks"][int(m.group(1))]
+        if check.get("metric") == "executed_base_model" and spec["base_model"] in check.get("one_of", []):
+            return  # the executed-model check follows base_model
+    if _FOLLOWS_LR.match(leaf) and _same(_get(spec, _parse_path(leaf)), spec["optimizer"]["lr"]):
+        return  # the restoration preflight's learning rate follows optimizer.lr
+    if any(f.match(leaf) for f in _FROZEN):
+        raise _fail(f"spec.{leaf}", "a rehearsal keeps the spec's gates and thresholds as written "
+                                    "(activation_gate, decision_rule, success_criterion, correctness_preflight, "
+                                    "arms[*].loss, arms[*].updates_per_batch, restoration_preflight)")
+
+
+def _show(v: Any) -> str:
+    return "<absent>" if v is _MISSING else json.dumps(v)
+
+
+def rehearsal_deviation(d: Mapping[str, Any]) -> dict[str, str]:
+    """A declared rehearsal difference as a brief deviation ({field, original, effective, reason})."""
+    top = str(d["field"]).split(".")[0].split("[")[0]
+    return {"field": _DEVIATION_FIELD_OF.get(top, "objective"),
+            "original": f"{d['field']} = {json.dumps(d['spec'])}",
+            "effective": f"{d['field']} = {json.dumps(d['rehearsal'])}",
+            "reason": f"rehearsal: {d['reason']}"}
+
+
+
+
+# ----------------------------------------------------------------------------- the rehearse tool
+
+STAND_IN = "local/tiny-qwen3-gsm8k"  # the embedded server's stand-in model
+# The declared rehearsal size `plans rehearse` uses unless told otherwise (the shipped plan's).
+DEFAULT_STEPS, DEFAULT_GROUPS, DEFAULT_EVAL_ITEMS = 3, 4, 50
+_PURPOSE = ("Drive the whole paired-comparison pipeline (restoration preflight, activation gate, {arms}, frozen "
+            "evaluation of base and {checkpoints}, paired Hoeffding decision, report) offline on the embedded server's "
+            "stand-in model. Not a measurement of the hypothesis: results are always labelled rehearsal with verdict "
+            "inconclusive.")
+_PROSE_WORDS = {"groups_per_batch": "groups_per_batch", "rollout_steps": "steps", "optim_steps": "steps",
+                "lr": "lr", "eval_items": "test items"}
+
+
+@dataclass(frozen=True)
+class RehearsalSize:
+    steps: int = DEFAULT_STEPS  # rollout steps per arm
+    groups: int = DEFAULT_GROUPS  # groups per rollout batch
+    eval_items: int = DEFAULT_EVAL_ITEMS
+    lr: float | None = None  # None: the spec's learning rates stay
+    lr_reason: str | None = None  # why this lr (default: a generic reason naming the option)
+    stand_in: str = STAND_IN
+
+
+def _derived_path(spec_path: Path, out_path: Path) -> str:
+    """The spec's path as `derived_from.path`: relative to the nearest project root above the
+    output that holds the spec, else to the nearest common directory (how the loader finds it)."""
+    spec_abs, out_dir = spec_path.resolve(), out_path.resolve().parent
+    for base in (out_dir, *out_dir.parents):
+        if (base / "pyproject.toml").is_file() and spec_abs.is_relative_to(base):
+            return spec_abs.relative_to(base).as_posix()
+    common = Path(os.path.commonpath([spec_abs, out_dir]))
+    return spec_abs.relative_to(common).as_posix()
+
+
+def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = RehearsalSize()) -> bytes:
+    """The bytes of a declared rehearsal plan of the spec at `spec_path` (to be written at
+    `out_path`): the stand-in model, the given size and lr, every difference declared with its
+    reason, gates and decision rule unchanged, `derived_from` with the spec's sha256."""
+    data = Path(spec_path).read_bytes()
+    raw = decode(data, spec_path)
+    kind, model = validate_model(raw)
+    if kind != "experiment_spec":
+        raise _fail("<root>", f"{spec_path}: plans rehearse needs an experiment spec, got kind {kind!r}")
+    run = build_run_config(model)  # type: ignore[arg-type]
+    for name, v in (("--steps", size.steps), ("--groups", size.groups), ("--eval-items", size.eval_items)):
+        if v < 1:
+            raise PlanError(f"{name}: must be at least 1, got {v}")
+    if size.groups % run.updates_per_batch:
+        raise PlanError(f"--groups: {size.groups} groups cannot form {run.updates_per_batch} complete-group minibatches")
+    spec = json.loads(json.dumps(raw))
+    diffs: list[dict[str, Any]] = []
+
+    def change(field: str, new: Any, reason: str) -> None:
+        old = _get(spec, _parse_path(field))
+        if _same(old, new):
+            return
+        _set(spec, _parse_path(field), new)
+        diffs.append({"field": field, "spec": old, "rehearsal": new, "reason": reason})
+
+    model_reason = (f"offline rehearsal on the embedded CPU server: the stand-in model computes, not {run.base_model} "
+                    "(no Tinker service is reachable here); the gate's executed_base_model check follows base_model")
+    change("base_model", size.stand_in, model_reason)
+    for i, check in enumerate(raw["activation_gate"]["checks"]):
+        if check["metric"] == "executed_base_model" and run.base_model in check.get("one_of", []):
+            change(f"activation_gate.checks[{i}].one_of[{check['one_of'].index(run.base_model)}]", size.stand_in,
+                   model_reason)
+    gs, upb = int(run.group_size.value), run.updates_per_batch
+    size_reason = (f"size: {size.steps} rollout steps x {size.groups} groups x {gs} and {size.eval_items} test items "
+                   "so that gate -> both arms -> evaluation of base and arms -> decision -> report fits 10 minutes on "
+                   f"2 CPU cores; the schedule's shape (group size, {upb} complete-group minibatch updates per batch, "
+                   "temperature, max_tokens) is unchanged")
+    change("steps", size.steps * upb, size_reason)
+    change("batch_size", size.groups * gs, size_reason)
+    change("eval.n_examples", size.eval_items, size_reason)
+    if size.lr is not None:
+        lr_reason = size.lr_reason or (
+            f"lr {format_number(size.lr)}: set for the stand-in model with `plans rehearse --lr` (the spec's "
+            f"{format_number(run.arms[0].lr)} is a setting for {run.base_model}, not for the stand-in); the gate "
+            "ranges it must meet are unchanged")
+        change("optimizer.lr", size.lr, lr_reason)
+        for i in range(len(raw["arms"])):
+            change(f"arms[{i}].lr", size.lr, lr_reason)
+        for g, group in enumerate(raw["restoration_preflight"]["groups"]):
+            for a in range(len(group["arms"])):
+                change(f"restoration_preflight.groups[{g}].arms[{a}].optimizer_config.learning_rate", size.lr, lr_reason)
+    method, words = _rewritten_method(raw["method"], run.prose, size, upb)
+    if words:
+        follows = "size and lr differences" if size.lr is not None else "size differences"
+        change("method", method, f"the method text states the executed schedule ({', '.join(words)}): it follows "
+                                 f"the {follows} above, nothing else in it changes")
+    two = len(raw["arms"]) == 2
+    plan = {
+        "kind": "rehearsal", "version": 1, "plan_id": f"{Path(spec_path).stem}-rehearsal-local-v1",
+        "label": "rehearsal",
+        "purpose": _PURPOSE.format(arms="both arms" if two else "every arm",
+                                   checkpoints="both final checkpoints" if two else "every final checkpoint"),
+        "derived_from": {"path": _derived_path(Path(spec_path), Path(out_path)),
+                         "sha256": hashlib.sha256(data).hexdigest()},
+        "differences": diffs,
+        "spec": spec,
+    }
+    return (json.dumps(plan, indent=2) + "\n").encode()
+
+
+def _rewritten_method(text: str, stated: Mapping[str, Stated], size: RehearsalSize, upb: int) -> tuple[str, list[str]]:
+    new = {"groups_per_batch": str(size.groups), "rollout_steps": str(size.steps),
+           "optim_steps": str(size.steps * upb), "eval_items": f"the first {size.eval_items}"}
+    if size.lr is not None:
+        new["lr"] = format_number(size.lr)
+    replacements: dict[str, tuple[Stated, str]] = {}
+    for key, value in new.items():
+        s = stated.get(key)
+        if s is None:
+            continue
+        old = text[s.start:s.end]
+        if key == "eval_items" and old == f"all {size.eval_items}":
+            continue
+        if key != "eval_items" and s.value == (size.lr if key == "lr" else int(value)):
+            continue
+        replacements[key] = (s, value)
+    words = list(dict.fromkeys(_PROSE_WORDS[k] for k in _PROSE_WORDS if k in replacements))
+    return rewrite(text, replacements), words
+
+
+def _set(obj: Any, path: tuple[str | int, ...], value: Any) -> None:
+    for p in path[:-1]:
+        obj = obj[p]
+    obj[path[-1]] = value

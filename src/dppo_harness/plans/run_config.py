@@ -1,0 +1,346 @@
+"""The typed run configuration of an experiment spec, built once at plan load.
+
+`build_run_config(spec)` turns a validated `ExperimentSpec` into the `RunConfig` every stage
+reads: arms with their roles, losses and optimizer settings; the sampling schedule, whose values
+the spec states only in its `method` prose (each one carrying its sentence, `prose.Stated`); the
+sizes; the gate checks; the decision criteria resolved to arms. It refuses, with one line naming
+the field, a spec that the harness cannot run as written:
+
+- prose and structured fields disagree (batch_size != groups_per_batch x group_size, steps !=
+  rollout steps x updates_per_batch, LoRA rank, lr, seed or test items stated differently);
+- an arm names an unregistered loss (`loss_registry.LOSSES`), the dataset is not registered
+  (`dataset.DATASETS`), a gate check's metric is provided by no registered loss;
+- roles cannot be told: the baseline comes from the spec's `baseline` text (an arm name, else a
+  registered loss's label such as "GRPO"), every other arm is a treatment; each criterion's
+  +1/-1 weights name arms or the roles `treatment`/`baseline` (a role must name one arm).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dppo_harness import dataset
+from dppo_harness import loss_registry as losses
+from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
+from dppo_harness.plans.prose import REQUIRED, Stated, parse_method, require
+
+Role = Literal["baseline", "treatment"]
+# What the frozen evaluator scores per item (evaluation.METRIC): the only criterion metric.
+SCORED_METRICS = ("accuracy",)
+DECISION_METHODS = ("paired_hoeffding",)
+# The spec declares no loss normalization; both arms use the diagnostic plan's token mean.
+NORMALIZATION = "token_mean"
+# The gate's pilot length when its reason text states none (the saved spec says "A 5-step pilot").
+DEFAULT_PILOT_STEPS = 5
+
+
+@dataclass(frozen=True)
+class ArmConfig:
+    name: str
+    loss: str  # a registered loss name
+    role: Role
+    seed: int
+    lr: float
+    updates_per_batch: int
+    optimizer: str  # the optimizer family the restoration preflight names
+    optimizer_config: OptimizerConfig
+
+    @property
+    def adam(self) -> dict[str, float]:
+        """AdamParams of this arm's updates (the spec declares no weight decay or clipping: 0)."""
+        c = self.optimizer_config
+        return {"learning_rate": self.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps,
+                "weight_decay": c.weight_decay or 0.0, "grad_clip_norm": c.grad_clip_norm or 0.0}
+
+    def adam_config_requested(self) -> dict[str, float]:
+        """The spec's optimizer_config keys (what an optimizer check compares)."""
+        return {k: v for k, v in self.optimizer_config.model_dump().items() if v is not None}
+
+
+@dataclass(frozen=True)
+class CriterionConfig:
+    id: str
+    metric: str
+    treatment: str  # arm with weight +1
+    baseline: str  # arm with weight -1
+    margin: float
+    bounds: tuple[float, float]
+    weights: Mapping[str, float]  # as the spec writes them (role or arm names)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    base_model: str
+    lora_rank: int
+    dataset: str  # a registered dataset name
+    train_items: int  # dataset.n_examples: train prompts the run may use
+    max_seq_len: int  # prompt + sampled tokens, at most
+    arms: tuple[ArmConfig, ...]  # the baseline first, then the treatments in spec order
+    baseline_source: str  # how the baseline arm was told from the spec's text
+    rollout_steps: int  # rollout batches per arm
+    optimizer_steps: int  # spec.steps
+    updates_per_batch: int
+    batch_size: int
+    groups_per_batch: Stated
+    group_size: Stated
+    temperature: Stated
+    max_tokens: Stated
+    minibatches_per_batch: Stated
+    eval_items: int
+    gate_pilot_steps: Stated  # the activation gate's pilot length (its `reason` text states it)
+    decision_method: str
+    alpha: float
+    criteria: tuple[CriterionConfig, ...]
+    gate_checks: tuple[GateCheck, ...]
+    budget: Budget
+    normalization: str = NORMALIZATION
+    prose: Mapping[str, Stated] = field(default_factory=dict)  # every statement parsed from `method`
+
+    def arm(self, name: str) -> ArmConfig:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise KeyError(f"no arm named {name!r} (arms: {[a.name for a in self.arms]})")
+
+    @property
+    def baseline(self) -> ArmConfig:
+        return self.arms[0]
+
+    @property
+    def treatments(self) -> tuple[ArmConfig, ...]:
+        return self.arms[1:]
+
+    @property
+    def seed(self) -> int:
+        return self.arms[0].seed
+
+    def schedule_values(self) -> dict[str, Stated]:
+        return {"groups_per_batch": self.groups_per_batch, "group_size": self.group_size,
+                "temperature": self.temperature, "max_tokens": self.max_tokens,
+                "minibatches_per_batch": self.minibatches_per_batch, "gate_pilot_steps": self.gate_pilot_steps}
+
+    def as_json(self) -> dict[str, Any]:
+        """The effective config's view: plain values, and each prose value with its sentence."""
+        return {
+            "base_model": self.base_model, "lora_rank": self.lora_rank, "dataset": self.dataset,
+            "train_items": self.train_items, "max_seq_len": self.max_seq_len,
+            "arms": [{"name": a.name, "loss": a.loss, "role": a.role, "seed": a.seed, "lr": a.lr,
+                      "updates_per_batch": a.updates_per_batch, "optimizer": a.optimizer, "adam": a.adam}
+                     for a in self.arms],
+            "baseline_source": self.baseline_source,
+            "rollout_steps": self.rollout_steps, "optimizer_steps": self.optimizer_steps,
+            "updates_per_batch": self.updates_per_batch, "batch_size": self.batch_size,
+            **{k: v.value for k, v in self.schedule_values().items()},
+            "eval_items": self.eval_items, "normalization": self.normalization,
+            "decision": {"method": self.decision_method, "alpha": self.alpha,
+                         "criteria": [{"id": c.id, "metric": c.metric, "treatment": c.treatment,
+                                       "baseline": c.baseline, "margin": c.margin, "bounds": list(c.bounds)}
+                                      for c in self.criteria]},
+            "gate_checks": [c.model_dump(exclude_none=True) for c in self.gate_checks],
+            "stated_in_prose": {k: v.as_json() for k, v in self.schedule_values().items()},
+        }
+
+
+def _fail(at: str, msg: str) -> PlanError:
+    return PlanError(f"{at}: {msg}")
+
+
+def _quote(s: Stated) -> str:
+    return f"{s.field}: {s.source!r}"
+
+
+def build_run_config(spec: ExperimentSpec) -> RunConfig:
+    """The RunConfig of a validated spec, or PlanError (one line, field path first)."""
+    stated = parse_method(spec.method)
+    sched = {k: require(stated, k) for k in REQUIRED}
+    gpb, gs, max_tokens = (int(sched[k].value) for k in ("groups_per_batch", "group_size", "max_tokens"))
+    names = [a.name for a in spec.arms]
+    if len(set(names)) != len(names):
+        raise _fail("arms", f"arm names must be unique, got {names}")
+    for i, a in enumerate(spec.arms):
+        try:
+            losses.get_loss(a.loss)
+        except losses.UnknownLossError as exc:
+            raise _fail(f"arms[{i}].loss", str(exc)) from None
+    for key in ("seed", "updates_per_batch"):
+        values = sorted({getattr(a, key) for a in spec.arms})
+        if len(values) != 1:
+            raise _fail("arms", f"{key} differs between arms ({values}): paired arms share prompts, sampling seeds "
+                                "and the minibatch schedule")
+    upb, seed = spec.arms[0].updates_per_batch, spec.arms[0].seed
+
+    # steps, batch and the minibatch split: prose against the structured fields
+    if spec.steps % upb:
+        raise _fail("steps", f"{spec.steps} optimizer steps is not a multiple of updates_per_batch {upb}")
+    rollout_steps = spec.steps // upb
+    if "rollout_steps" in stated and stated["rollout_steps"].value != rollout_steps:
+        s = stated["rollout_steps"]
+        raise _fail("steps", f"{spec.steps} != {s.value} rollout steps x updates_per_batch {upb} ({_quote(s)})")
+    if "optim_steps" in stated and stated["optim_steps"].value != spec.steps:
+        s = stated["optim_steps"]
+        raise _fail("steps", f"{spec.steps} != the {s.value} optimizer steps the method states ({_quote(s)})")
+    if gpb * gs != spec.batch_size:
+        raise _fail("batch_size", f"{spec.batch_size} != groups_per_batch {gpb} x group_size {gs} "
+                                  f"({_quote(sched['groups_per_batch'])})")
+    minibatches = stated.get("minibatches") or Stated(
+        upb, "arms[*].updates_per_batch", "one complete-group minibatch per update (the method states no split)")
+    if minibatches.value != upb:
+        raise _fail("arms", f"updates_per_batch {upb} != the {minibatches.value} minibatches the rollout batch is "
+                            f"split into ({_quote(minibatches)})")
+    if gpb % upb:
+        raise _fail("method", f"groups_per_batch {gpb} cannot form {upb} complete-group minibatches")
+    for key, structured, at in (("lora_rank", spec.lora_rank, "lora_rank"), ("lr", spec.optimizer.lr, "optimizer.lr"),
+                                ("seed", seed, "arms[*].seed"), ("eval_items", spec.eval.n_examples,
+                                                                 "eval.n_examples")):
+        s = stated.get(key)
+        if s is not None and s.value != structured:
+            raise _fail(at, f"{structured} but the method states {s.value} ({_quote(s)})")
+    if max_tokens >= spec.max_seq_len:
+        raise _fail("max_seq_len", f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={max_tokens} "
+                                   f"({_quote(sched['max_tokens'])})")
+
+    # the dataset seam
+    try:
+        data = dataset.entry(spec.dataset.name)
+    except dataset.UnknownDatasetError as exc:
+        raise _fail("dataset.name", str(exc)) from None
+    if spec.dataset.hf_path != data.hf_path:
+        raise _fail("dataset.hf_path", f"{spec.dataset.hf_path!r} is not the source of the registered "
+                                       f"{data.name} ({data.hf_path!r})")
+    need = rollout_steps * gpb
+    if need > spec.dataset.n_examples:
+        raise _fail("dataset.n_examples", f"{spec.dataset.n_examples} train prompts, but {rollout_steps} rollout "
+                                          f"steps x {gpb} groups use {need}")
+    for split, n, at in (("train", spec.dataset.n_examples, "dataset.n_examples"), ("test", spec.eval.n_examples,
+                                                                                  "eval.n_examples")):
+        if n > data.split_sizes[split]:
+            raise _fail(at, f"{n} exceeds the {data.split_sizes[split]} items of {data.name} {split}")
+
+    arms = _arms(spec)
+    criteria = _criteria(spec, arms)
+    _check_gate_metrics(spec)
+    pilot = parse_method(spec.activation_gate.reason, "activation_gate.reason", keys=("pilot_steps",)).get(
+        "pilot_steps") or Stated(DEFAULT_PILOT_STEPS, "harness default",
+                                 "the activation gate's reason states no 'N-step pilot'")
+    return RunConfig(
+        base_model=spec.base_model, lora_rank=spec.lora_rank, dataset=data.name, train_items=spec.dataset.n_examples,
+        max_seq_len=spec.max_seq_len, arms=arms[0], baseline_source=arms[1], rollout_steps=rollout_steps,
+        optimizer_steps=spec.steps, updates_per_batch=upb, batch_size=spec.batch_size,
+        groups_per_batch=sched["groups_per_batch"], group_size=sched["group_size"],
+        temperature=sched["temperature"], max_tokens=sched["max_tokens"], minibatches_per_batch=minibatches,
+        eval_items=spec.eval.n_examples, gate_pilot_steps=pilot, decision_method=spec.decision_rule.method, alpha=spec.decision_rule.alpha,
+        criteria=criteria, gate_checks=tuple(spec.activation_gate.checks), budget=spec.budget, prose=stated,
+    )
+
+
+def _word(text: str, word: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", text) is not None
+
+
+def baseline_arm(spec: ExperimentSpec) -> tuple[str, str]:
+    """(baseline arm name, how it was told) from the spec's `baseline` text: the one arm it names,
+    else the arms whose registered loss it names first (by label or loss name) when that is one arm."""
+    text = spec.baseline
+    named = [a.name for a in spec.arms if _word(text, a.name)]
+    if len(named) == 1:
+        return named[0], f"the baseline text names arm {named[0]!r}"
+    if len(named) > 1:
+        raise _fail("baseline", f"names several arms ({named}); it must name one")
+    hits: list[tuple[int, str, str]] = []
+    for entry in losses.LOSSES.values():
+        for label in (*entry.labels, entry.name):
+            m = re.search(rf"(?<![\w-]){re.escape(label)}(?![\w-])", text)
+            if m:
+                hits.append((m.start(), entry.name, label))
+    if not hits:
+        raise _fail("baseline", f"names no arm ({[a.name for a in spec.arms]}) and no registered loss "
+                                f"({', '.join(losses.loss_names())}, or their labels), so the baseline arm is unknown")
+    _, loss, label = min(hits)
+    with_loss = [a.name for a in spec.arms if a.loss == loss]
+    if len(with_loss) != 1:
+        raise _fail("baseline", f"names the loss {loss!r}, which {len(with_loss)} arms train ({with_loss}); "
+                                "name the baseline arm in the baseline text")
+    return with_loss[0], (f"the baseline text names {label!r} (registered loss {loss!r}) first, the loss of arm "
+                          f"{with_loss[0]!r} only")
+
+
+def _arms(spec: ExperimentSpec) -> tuple[tuple[ArmConfig, ...], str]:
+    base, how = baseline_arm(spec)
+    opt: dict[str, tuple[str, OptimizerConfig]] = {}
+    for g in spec.restoration_preflight.groups:
+        for r in g.arms:
+            if r.name in opt:
+                raise _fail("restoration_preflight.groups", f"arm {r.name!r} is listed twice")
+            opt[r.name] = (r.optimizer, r.optimizer_config)
+    names = [a.name for a in spec.arms]
+    extra = sorted(set(opt) - set(names))
+    if extra:
+        raise _fail("restoration_preflight.groups", f"names arms that are not in arms: {extra}")
+    out = []
+    for i, a in enumerate(spec.arms):
+        if a.name not in opt:
+            raise _fail("restoration_preflight.groups", f"no optimizer_config for arm {a.name!r}")
+        family, cfg = opt[a.name]
+        if cfg.learning_rate != a.lr:
+            raise _fail(f"arms[{i}].lr", f"{a.lr} != restoration_preflight optimizer_config.learning_rate "
+                                         f"{cfg.learning_rate} of arm {a.name!r}")
+        out.append(ArmConfig(a.name, a.loss, "baseline" if a.name == base else "treatment", a.seed, a.lr,
+                             a.updates_per_batch, family, cfg))
+    if len(out) < 2:
+        raise _fail("arms", "a paired comparison needs a baseline and at least one treatment arm")
+    return tuple(sorted(out, key=lambda x: x.role)), how  # stable: baseline first, treatments in spec order
+
+
+def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str]) -> tuple[CriterionConfig, ...]:
+    arms = arms_how[0]
+    rule = spec.decision_rule
+    if rule.method not in DECISION_METHODS:
+        raise _fail("decision_rule.method", f"{rule.method!r} is not implemented (implemented: {list(DECISION_METHODS)})")
+    seeds = sorted({a.seed for a in arms})
+    if not set(seeds) <= set(rule.seeds):
+        raise _fail("decision_rule.seeds", f"{rule.seeds} does not schedule the arms' seed {seeds}")
+    treatments = [a.name for a in arms if a.role == "treatment"]
+    names = {a.name for a in arms}
+
+    def arm_of(key: str, at: str) -> str:
+        if key in names:
+            return key
+        if key == "baseline":
+            return arms[0].name
+        if key == "treatment":
+            if len(treatments) != 1:
+                raise _fail(at, f"names the role 'treatment', but the spec has {len(treatments)} treatment arms "
+                                f"({treatments}); name the arm instead")
+            return treatments[0]
+        raise _fail(at, f"{key!r} is neither an arm ({sorted(names)}) nor a role (treatment, baseline)")
+
+    out = []
+    for i, c in enumerate(rule.criteria):
+        at = f"decision_rule.criteria[{i}].weights"
+        if sorted(c.weights.values()) != [-1, 1]:
+            raise _fail(at, f"{c.weights}: only a paired difference (+1 one arm, -1 another) is implemented")
+        if c.metric not in SCORED_METRICS:
+            raise _fail(f"decision_rule.criteria[{i}].metric", f"{c.metric!r} is not scored by the evaluator "
+                                                               f"(scores: {list(SCORED_METRICS)})")
+        pos = arm_of(next(k for k, w in c.weights.items() if w == 1), at)
+        neg = arm_of(next(k for k, w in c.weights.items() if w == -1), at)
+        if pos == neg:
+            raise _fail(at, f"both weights resolve to arm {pos!r}")
+        lo, hi = c.bounds
+        if not lo < hi:
+            raise _fail(f"decision_rule.criteria[{i}].bounds", f"{c.bounds}: lower bound must be below upper")
+        out.append(CriterionConfig(c.id, c.metric, pos, neg, c.margin, (lo, hi), dict(c.weights)))
+    if len({c.id for c in out}) != len(out):
+        raise _fail("decision_rule.criteria", "criterion ids must be unique")
+    return tuple(out)
+
+
+def _check_gate_metrics(spec: ExperimentSpec) -> None:
+    provided = {**losses.gate_metric_sources(), **dict.fromkeys(losses.HARNESS_GATE_METRICS, "harness")}
+    for i, c in enumerate(spec.activation_gate.checks):
+        if c.metric not in provided:
+            raise _fail(f"activation_gate.checks[{i}].metric", f"{c.metric!r} is provided by no registered loss "
+                                                               f"(provided: {', '.join(sorted(provided))})")

@@ -1,0 +1,100 @@
+"""Independent numpy references of the registered losses (padded [B, T] layout, float64,
+closed-form gradients, no autograd).
+
+Written from ``/work/shared/reference/dppo-binary-tv.md``; they share nothing with ``losses.py``
+beyond ``constants.py``. Each registered loss (`loss_registry.LOSSES`) names its reference here; the
+correctness preflight, the registry's golden parity and `replay` compare the packed training
+path against them. One signature: ``ref(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **params)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+
+
+@dataclass(frozen=True)
+class RefResult:
+    loss: float
+    grad_BT: np.ndarray
+    decision_BT: np.ndarray  # dppo: kept (recorded mask); ppo: clipped
+
+
+def token_count(mask_BT: np.ndarray) -> float:
+    return float(mask_BT.sum())
+
+
+def ref_dppo(
+    lp_BT: np.ndarray,
+    mu_BT: np.ndarray,
+    adv_BT: np.ndarray,
+    mask_BT: np.ndarray,
+    normalization: str = "token_mean",
+    delta: float = DPPO_DELTA,
+    cap: float = DPPO_RATIO_CAP,
+    log_ratio_max: float = LOG_RATIO_CLAMP_MAX,
+) -> RefResult:
+    """DPPO Binary-TV on padded rows: loss -A*w*keep*m*lp, gradient -A*w*keep*m (per normalization)."""
+    on = mask_BT > 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        tv = np.exp(lp_BT) - np.exp(mu_BT)
+        violates = np.where(adv_BT > 0, tv > delta, tv < -delta)
+        kept = on & ~violates
+        weight = np.minimum(np.exp(np.minimum(lp_BT - mu_BT, log_ratio_max)), cap)
+        coef = np.where(kept, -adv_BT * weight, 0.0)
+        loss = float(np.where(kept, coef * lp_BT, 0.0).sum())
+    loss, grad = _normalize(loss, coef.astype(np.float64), mask_BT, normalization)
+    return RefResult(loss, grad, kept)
+
+
+def _normalize(loss: float, grad_BT: np.ndarray, mask_BT: np.ndarray, normalization: str) -> tuple[float, np.ndarray]:
+    """`sum` as is; `token_mean` divides by the call's loss-token count (zero-advantage included)."""
+    if normalization == "sum":
+        return loss, grad_BT
+    if normalization != "token_mean":
+        raise ValueError(f"unknown normalization {normalization!r}")
+    n = token_count(mask_BT)
+    scale = 1.0 / n if n > 0 else 0.0
+    return loss * scale, grad_BT * scale
+
+
+def ref_ppo(
+    lp_BT: np.ndarray,
+    mu_BT: np.ndarray,
+    adv_BT: np.ndarray,
+    mask_BT: np.ndarray,
+    normalization: str = "sum",
+    eps: float = PPO_EPS,
+    log_ratio_clamp: float | None = None,
+    dual_clip_c: float | None = None,
+) -> RefResult:
+    """Clipped-ratio loss -min(r*A, clamp(r, 1-eps, 1+eps)*A) on padded rows.
+
+    Defaults are Tinker's built-in ``ppo`` (no log-ratio clamp, no dual clip). ``log_ratio_clamp=20,
+    dual_clip_c=1e4`` reproduces verl's vanilla loss as recorded in the golden file.
+    """
+    on = mask_BT > 0
+    log_ratio = np.where(on, lp_BT - mu_BT, 0.0)
+    in_range = np.ones_like(on)
+    if log_ratio_clamp is not None:
+        # torch.clamp passes the gradient on the closed interval only.
+        in_range = np.abs(log_ratio) <= log_ratio_clamp
+        log_ratio = np.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = np.exp(log_ratio)
+        unclipped = -adv_BT * ratio
+        clipped_val = -adv_BT * np.clip(ratio, 1 - eps, 1 + eps)
+        token = np.maximum(unclipped, clipped_val)
+        clipped = on & (((adv_BT > 0) & (ratio > 1 + eps)) | ((adv_BT < 0) & (ratio < 1 - eps)))
+        grad = np.where(on & ~clipped & in_range, -adv_BT * ratio, 0.0)
+        if dual_clip_c is not None:
+            dual = on & (adv_BT < 0) & (-adv_BT * dual_clip_c < token)
+            token = np.where(dual, -adv_BT * dual_clip_c, token)
+            grad = np.where(dual, 0.0, grad)
+        loss = float(np.where(on, token, 0.0).sum())
+    grad = np.where(on & (adv_BT != 0), grad, 0.0)
+    loss, grad = _normalize(loss, grad, mask_BT, normalization)
+    return RefResult(loss, grad, clipped)
