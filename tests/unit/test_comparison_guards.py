@@ -26,7 +26,7 @@ class _Clock:
 
 
 def _cfg(steps: int) -> C.ComparisonConfig:
-    cfg = C.comparison_config(SPEC.spec)
+    cfg = C.comparison_config(SPEC.run)
     return C.ComparisonConfig(**{**cfg.__dict__, "steps": steps})
 
 
