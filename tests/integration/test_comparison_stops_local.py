@@ -6,7 +6,6 @@ rollout steps x 2 groups, 32 tokens, the untrained preset) so the runs stay shor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,13 +21,13 @@ from dppo_harness import constants
 from dppo_harness import restoration as R
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.plans import load_plan
+from dppo_harness.plans import load_plan, resized_plan
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 REHEARSAL = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
-SMALL_SPEC = C.resized_spec(REHEARSAL.spec, rollout_steps=2, groups_per_batch=2, max_tokens=32, eval_items=2)
-PLAN = dataclasses.replace(REHEARSAL, raw={**REHEARSAL.raw, "spec": SMALL_SPEC})
+PLAN = resized_plan(REHEARSAL, rollout_steps=2, groups_per_batch=2, max_tokens=32, eval_items=2)
+ARM_NAMES = [a.name for a in PLAN.run.arms]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def engine(tmp_path_factory):
 
 def _run(engine, tmp_path, name, **kw):
     sc, init = engine
-    clients = {a["name"]: R.create_from_state_observed(sc, init)[0] for a in SMALL_SPEC["arms"]}
+    clients = {a: R.create_from_state_observed(sc, init)[0] for a in ARM_NAMES}
     restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
                                   provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
     bundle = EvidenceBundle.create(tmp_path / name)
@@ -86,7 +85,7 @@ def test_the_wall_guard_stops_before_a_step_that_would_pass_the_budget(engine, t
                                   "projection_source": "longest measured step", "reserve_seconds": C.FINALIZE_RESERVE_S}
     manifest = json.loads(bundle.file_path("comparison-run-0.json").read_text())
     assert (manifest["schedule"], manifest["schedule_source"]) == ("concurrent", "default on a real service")
-    assert {r["arm"] for r in run.rows} == {a["name"] for a in SMALL_SPEC["arms"]} and len(run.rows) == 2
+    assert {r["arm"] for r in run.rows} == set(ARM_NAMES) and len(run.rows) == 2
 
 
 def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_path, monkeypatch):

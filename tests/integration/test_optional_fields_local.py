@@ -15,7 +15,6 @@ line naming the field.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,13 +22,12 @@ from types import SimpleNamespace
 import pytest
 import tinker
 
-from dppo_harness import comparison as C
 from dppo_harness import constants, diagnostic, gate
 from dppo_harness import restoration as R
 from dppo_harness.comparison_run import run_comparison
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.plans import load_plan
+from dppo_harness.plans import load_plan, resized_plan
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -37,8 +35,8 @@ ROOT = Path(__file__).parents[2]
 SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
 DIAG = load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
 REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
-SMALL_SPEC = C.resized_spec(REHEARSAL.spec, rollout_steps=2, groups_per_batch=2, max_tokens=32, eval_items=2)
-CMP_PLAN = dataclasses.replace(REHEARSAL, raw={**REHEARSAL.raw, "spec": SMALL_SPEC})
+CMP_PLAN = resized_plan(REHEARSAL, rollout_steps=2, groups_per_batch=2, max_tokens=32, eval_items=2)
+ARM_NAMES = [a.name for a in CMP_PLAN.run.arms]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +141,7 @@ def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp
     s = served("--fault-omit-field", "asample.logprobs")
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
     init = tc.save_state("omit-cmp-initial").result().path
-    clients = {a["name"]: R.create_from_state_observed(s.sc, init)[0] for a in SMALL_SPEC["arms"]}
+    clients = {a: R.create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
     restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
                                   provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
     bundle = EvidenceBundle.create(tmp_path / "ev")
