@@ -821,6 +821,7 @@ class _RunState:
     sampling_seconds: float = 0.0
     sampled_sequences: int = 0
     update_seconds: list[float] = field(default_factory=list)
+    update_phases: list[dict[str, float]] = field(default_factory=list)  # where each update's seconds went
     final_checkpoint: str | None = None
     snapshots: list[str] = field(default_factory=list)
     info: Any = None  # the trained client's get_info response (object)
@@ -957,8 +958,10 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         # updated weights) and awaited after the next update's submission (issue 10 section 5).
         rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist,
                                          submit_behind=None if sentinels is None else (lambda s=sentinels: s.submit(tc)))
+        t_collect = clock()
         if state.sentinels is not None:
             state.sentinels.collect()  # the previous update's sentinel: long done by now
+        phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
         if sentinels is not None:
             sentinels.defer(upd.behind, update_index, elapsed())
         if state.first_optim is None:
@@ -968,12 +971,14 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         tokens_seen += rec.stats["tokens/loss"]
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
+        t_snapshot = clock()
         if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running (issue 11 point 7)
             bundle.update_result(metrics={"diagnostic/updates_done": float(update_index),
                                           "diagnostic/elapsed_seconds": float(elapsed())})
             name = post_snapshot(bundle, f"{tag} after update {update_index}")
             if name:
                 state.snapshots.append(name)
+        state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
         s = rec.stats
         say(f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
             f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
@@ -1121,6 +1126,7 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
     analysis = result.analysis_json()
     analysis["timings"] = {"restore_seconds": state.restore_seconds, "sampling_seconds": state.sampling_seconds,
                            "sampled_sequences": state.sampled_sequences, "update_seconds": state.update_seconds,
+                           "update_phases": state.update_phases,
                            "setup_seconds": state.setup_seconds, "wall_seconds": wall,
                            "wall_counted_from": "session start (the budget ledger's clock)"}
     analysis["final_checkpoint"] = state.final_checkpoint

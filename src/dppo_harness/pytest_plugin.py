@@ -130,7 +130,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 def pytest_configure(config: pytest.Config) -> None:
     for stage in stages.STAGES:
         config.addinivalue_line("markers", f"{stage}: test of the '{stage}' experiment stage")
-    config.addinivalue_line("markers", "integration: needs the embedded server (stage 'unit')")
+    config.addinivalue_line("markers", "integration: end to end (the embedded server or engine, a CLI in a "
+                                       "subprocess); stage 'unit', but not part of unit parity")
     state = _StageState()
     selected = stages.parse_stage_selection(config.option.markexpr)
     if selected is not None:
@@ -310,7 +311,7 @@ def _selected(config: pytest.Config, state: _StageState, item: pytest.Item) -> b
     if state.run is not None:
         if stage not in state.run:
             return False
-        # As a mere prerequisite, stage "unit" means unit parity: tests/unit, not the server tests.
+        # As a mere prerequisite, stage "unit" means unit parity: tests/unit without the integration-marked tests.
         return state.run[stage] or item.get_closest_marker("integration") is None
     # Without a stage selection: explicit paths run as given; the default run is unit + integration.
     if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
@@ -553,6 +554,9 @@ def _write_session_records(state: _StageState) -> None:
     if unit is not None and bundle.entry("unit-parity-summary.json") is None:
         bundle.register_json("unit-parity-summary.json", "report", {
             "kind": "unit_parity_summary", "stage": "unit", **unit,
+            # Which run this is: this pytest session (the bundle's), before any service stage.
+            "selection": "tests/unit without the tests marked integration, in this pytest session",
+            "seconds": (state.finished["unit"] - state.started["unit"]) if "unit" in state.finished else None,
             "all_stages": {k: {kk: vv for kk, vv in v.items() if kk != "failed_tests"} for k, v in state.outcomes.items()}})
 
 

@@ -13,17 +13,15 @@ import tinker
 from dppo_harness import constants, project
 from dppo_harness import restoration as R
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
-from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # The untrained preset: restoration checks do not need a warm-started model, and it starts fast.
-    with LocalServerProcess(run_dir=tmp_path_factory.mktemp("restoration-srv"), model="tiny-qwen3-random") as srv:
-        yield srv
+def server(shared_random_server):
+    # The untrained preset: restoration checks do not need a warm-started model.
+    return shared_random_server
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,7 @@ def _run_cli(*args):
     )
 
 
+@pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_check_golden_cli_passes_on_the_shared_file(tmp_path):
     out = tmp_path / "report.json"
     r = _run_cli("check-golden", str(GOLDEN), "--json", str(out))
@@ -98,7 +99,7 @@ def test_check_golden_cli_passes_on_the_shared_file(tmp_path):
     "path,delta",
     [
         (("dppo", "grad_log_prob", 0, 1), 1e-3),
-        (("dppo", "loss"), 1e-3),
+        pytest.param(("dppo", "loss"), 1e-3, marks=pytest.mark.integration),  # the subprocess CLI
         (("dppo", "mask", 1, 2), "flip"),
         (("grpo_no_dual_clip", "grad_log_prob", 0, 0), 1e-3),
     ],

@@ -78,6 +78,7 @@ def test_snapshots_are_immutable_numbered_and_respect_the_file_limit(tmp_path):
     assert b.ledger()["snapshots"][-1]["skipped"].startswith("file limit")
 
 
+@pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_validator_cli_exit_code():
     report = correctness.check_golden(ROOT / "tests/fixtures/dppo_golden_v1.json", modes=("float64",))
     block = correctness.build_preflight_block(report, PLAN.raw and json.loads((ROOT / "plans/exp_e6b0965af3.json").read_text()))
