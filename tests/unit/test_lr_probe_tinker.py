@@ -94,3 +94,14 @@ def test_baseline_parity_covers_token_mean():
         assert "grpo_baseline_token_mean" in sub and sub["grpo_baseline_token_mean"].passed, res.line()
     norm = correctness.build_preflight_block(report, SPEC)["paths"][0]["normalization"]
     assert "token_mean (the normalization trained)" in norm
+
+
+def test_the_planned_lr_rides_on_the_setup_client_only_with_a_measure_that_cannot_be_refused(tmp_path):
+    """A refused save_weights_external on the setup client would leave a gap in its request
+    sequence and stall the restore probe after it: the external-weights measure gets its own
+    client per LR; the local checkpoint measure (save_state only) may share the setup client."""
+    external = ExternalWeightsUpdateNorm(lambda: _FakeRest())
+    local = R.CheckpointUpdateNorm(R.LocalCheckpointReader(tmp_path), "t")
+    assert not R.planned_lr_on_setup_client(external, (0.5, 1.0, 2.0))
+    assert R.planned_lr_on_setup_client(local, (0.5, 1.0, 2.0))
+    assert not R.planned_lr_on_setup_client(local, (0.5, 2.0)) and not R.planned_lr_on_setup_client(None, (1.0,))

@@ -37,6 +37,7 @@ from dppo_harness.local_server.faults import (
     parse_capacity_fail,
     parse_latency,
     parse_never_complete,
+    parse_omit_field,
     parse_queue_pause,
     parse_reject_first,
     parse_reject_for,
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="exit (code 75) when API request K+1 arrives (healthz not counted)")
     f.add_argument("--fault-retry-after-ms", type=int, default=None, metavar="MS",
                    help="send Retry-After-Ms with injected 429/503 (the SDK honours it)")
+    f.add_argument("--fault-omit-field", action="append", default=[], metavar="KIND.FIELD[:N1,N2...]",
+                   help="leave an optional response field out (every response of KIND, or the N-th ones), "
+                        "e.g. load_weights.path or get_info.model_data.model_name")
     f.add_argument("--record-header-values", default=",".join(DEFAULT_VALUE_HEADERS), metavar="NAMES",
                    help="comma-separated header names whose values are recorded (never secrets)")
     return p.parse_args(argv)
@@ -122,6 +126,7 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         reject_for=tuple(parse_reject_for(s) for s in args.fault_reject_for),
         die_after=args.fault_die_after,
         retry_after_ms=args.fault_retry_after_ms,
+        omit_fields=tuple(parse_omit_field(s) for s in args.fault_omit_field),
         record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
     )
 

@@ -214,7 +214,9 @@ def _seq_attr(seq: Any, name: str, default: Any = None) -> Any:
     return getattr(seq, name, default)
 
 
-def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] | None) -> bytes:
+def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] | None, *,
+                           omit_logprobs: bool = False) -> bytes:
+    """`omit_logprobs`: leave every sequence's (optional) logprobs out, as a service may."""
     msg = pb.SampleResponse()
     for seq in seqs:
         out = msg.sequences.add()
@@ -227,7 +229,8 @@ def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] 
         if logprobs.shape != tokens.shape:
             raise ValueError(f"{tokens.size} sampled tokens but {logprobs.size} logprobs")
         out.tokens = tokens.tobytes()
-        out.logprobs = logprobs.tobytes()
+        if not omit_logprobs:
+            out.logprobs = logprobs.tobytes()
     if prompt_logprobs is not None:
         values = [math.nan if v is None else float(v) for v in prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
@@ -499,6 +502,8 @@ def _spawn(state: ServerState, fut: asyncio.Future, label: str, coro_fn: Callabl
             outcome = await coro_fn()
         except Exception as exc:
             outcome = _outcome_of_exception(exc, label)
+        if outcome.kind == "json":  # --fault-omit-field: optional fields the service may leave out
+            outcome.payload = state.faults.omit_json(label, outcome.payload)
         if not fut.done():
             fut.set_result(outcome)
 
@@ -714,7 +719,8 @@ async def _capabilities(request: web.Request) -> web.Response:
         for name in state.served_models()
     ])
     # Extra key (the SDK's type ignores it): who is really answering.
-    return web.json_response(dump(response) | {"embedded_server": state.marker()})
+    return web.json_response(state.faults.omit_json("get_server_capabilities",
+                                                    dump(response) | {"embedded_server": state.marker()}))
 
 
 async def _client_config(request: web.Request) -> web.Response:
@@ -855,7 +861,7 @@ async def _get_info(request: web.Request) -> web.Response:
         optimizer_config=types.AdamOptimizerConfig(), is_lora=bool(info.get("is_lora", True)),
         lora_rank=info.get("lora_rank"), model_name=entry.base_model,
     )
-    return web.json_response(dump(response) | {"model_data": _model_data(state, entry)})
+    return web.json_response(state.faults.omit_json("get_info", dump(response) | {"model_data": _model_data(state, entry)}))
 
 
 async def _forward_backward(request: web.Request) -> web.Response:
@@ -874,6 +880,10 @@ async def _forward_backward(request: web.Request) -> web.Response:
         outputs, metrics = engine_call(entry.engine_id, req["data"], req["loss_fn"], req["loss_fn_config"])
         if "loss:sum" not in metrics:
             raise RuntimeError("engine returned no 'loss:sum' metric")
+        omit = state.faults.omitted_fields(label)
+        if omit:  # --fault-omit-field: output keys / metrics a service may leave out
+            outputs = [{k: v for k, v in out.items() if k not in omit} for out in outputs]
+            metrics = {} if "metrics" in omit else metrics
         return _Outcome("proto", encode_fwdbwd_output(outputs, metrics))
 
     return _submit_ordered(state, entry, req["seq_id"] or None, label, fn)
@@ -1062,7 +1072,8 @@ async def _asample(request: web.Request) -> web.Response:
             if last_n is not None:
                 cut = len(prompt) - last_n
                 prompt_lp = [None] * cut + prompt_lp[cut:]
-        return _Outcome("proto", encode_sample_response(seqs, prompt_lp))
+        omit = state.faults.omitted_fields("asample")
+        return _Outcome("proto", encode_sample_response(seqs, prompt_lp, omit_logprobs="logprobs" in omit))
 
     async def work() -> _Outcome:
         return await _run_engine(state, state.sample_pool, "asample", fn)
