@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from dppo_harness import correctness, progress
+from dppo_harness import correctness_golden, progress
 from dppo_harness.local_server import process as P
 from dppo_harness.local_server import warmstart as W
 
@@ -47,7 +47,7 @@ def test_golden_parity_reports_progress(tmp_path):
 
     golden = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
     lines: list[str] = []
-    report = correctness.check_golden(golden, modes=("float64",), progress=lines.append)
+    report = correctness_golden.check_golden(golden, modes=("float64",), progress=lines.append)
     assert lines[0].startswith("[preflight] correctness: golden parity: started")
     assert lines[-1].startswith(f"[preflight] correctness: golden parity: {len(report.results)}/{len(report.results)} (100%)")
 
