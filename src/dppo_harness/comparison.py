@@ -45,6 +45,92 @@ class ComparisonError(RuntimeError):
     """The comparison cannot be configured or resumed as asked (the message names the field)."""
 
 
+class OptimizerMismatch(ComparisonError):
+    """A restore's optimizer check found the server's optimizer differs from the request: the run
+    stops. Carries the arm's provenance entry with that check and the run-state file the check's
+    get_info reference names (to be registered before the provenance is posted), for the evidence."""
+
+    def __init__(self, message: str, arm: str = "", provenance: Mapping[str, Any] | None = None,
+                 state_file: str | None = None):
+        super().__init__(message)
+        self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file
+
+
+def default_schedule(embedded: bool) -> Schedule:
+    """How the arms advance unless asked: concurrently on a real service (faster once each request
+    pays a round trip, measured by benchmarks/comparison_schedule.py at 300 ms), interleaved on the
+    embedded server (two arms on 2 CPU cores gain nothing from overlap)."""
+    return "interleaved" if embedded else "concurrent"
+
+
+# ---- wall-clock guard (pure) -------------------------------------------------------------------
+
+FINALIZE_RESERVE_S = 30.0  # final sampler weights + state per arm, evidence files
+
+
+@dataclass
+class WallGuard:
+    """Stops the training loop before the plan's wall budget is passed.
+
+    Before each step: the projected step time (the longest step measured in this session, else
+    `first_step_estimate_s`) plus `reserve_s` (what must still run after training: finalizing and
+    evaluating, from measured figures) must fit in `remaining()` (the budget ledger's seconds left).
+    With no measurement yet and no estimate, the step runs unless the budget is already spent.
+    """
+
+    remaining: Callable[[], float | None]
+    reserve_s: float = FINALIZE_RESERVE_S
+    first_step_estimate_s: float | None = None
+    basis: str = ""
+    clock: Callable[[], float] = time.perf_counter  # times each step
+    step_seconds: list[float] = field(default_factory=list)
+    last_check: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, step: int) -> str | None:
+        """None if step `step` (0-based) may start, else the one-line stop reason."""
+        left = self.remaining()
+        measured = max(self.step_seconds) if self.step_seconds else None
+        est = measured if measured is not None else self.first_step_estimate_s
+        self.last_check = {"step": step, "seconds_left": left, "projected_step_seconds": est,
+                           "projection_source": "longest measured step" if measured is not None else
+                           ("estimate: " + self.basis) if est is not None else "none yet",
+                           "reserve_seconds": self.reserve_s}
+        if left is None:
+            return None
+        need = (est or 0.0) + self.reserve_s
+        if left <= 0 or (est is not None and need > left):
+            return (f"wall clock: step {step + 1} projected {est or 0.0:.0f} s + {self.reserve_s:.0f} s to finish "
+                    f"and evaluate > {max(left, 0.0):.0f} s left of the plan's wall budget; stopped before it")
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"reserve_seconds": self.reserve_s, "first_step_estimate_seconds": self.first_step_estimate_s,
+                "basis": self.basis, "step_seconds": list(self.step_seconds), "last_check": dict(self.last_check)}
+
+
+def wall_guard_from_feasibility(remaining: Callable[[], float | None], feasibility: Mapping[str, Any] | None,
+                                *, arms: int, eval_items: int) -> WallGuard:
+    """A WallGuard whose first-step estimate and evaluation reserve come from the feasibility
+    pilot's measured figures (an arm-step's seconds x arms, never assuming overlap is free; seconds
+    per evaluation item x items x (arms + base model)); without them, only the finalize reserve."""
+    m = (feasibility or {}).get("measurements") or {}
+    tr, ev = m.get("training") or {}, m.get("evaluation") or {}
+
+    def per_unit(block: Mapping[str, Any]) -> float | None:
+        secs, units = block.get("seconds"), block.get("units")
+        if isinstance(secs, (int, float)) and isinstance(units, (int, float)) and units > 0 and math.isfinite(secs):
+            return float(secs) / float(units)
+        return None
+
+    arm_step, per_item = per_unit(tr), per_unit(ev)
+    reserve = FINALIZE_RESERVE_S + (per_item * eval_items * (arms + 1) if per_item is not None else 0.0)
+    basis = ("feasibility pilot: " + (f"{arm_step:.1f} s per arm-step x {arms} arms" if arm_step else "no arm-step timing")
+             + (f"; evaluation {per_item:.2f} s per item x {eval_items} items x {arms + 1} checkpoints"
+                if per_item is not None else "; no evaluation timing (reserve: finalize only)"))
+    return WallGuard(remaining, reserve_s=reserve, first_step_estimate_s=arm_step * arms if arm_step else None,
+                     basis=basis)
+
+
 # ---- configuration (pure) ----------------------------------------------------------------------
 
 
@@ -459,6 +545,7 @@ def train_arms(
     call: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
     stop_after: Callable[[int], None] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
+    guard: WallGuard | None = None,
 ) -> TrainingOutcome:
     """Advance every arm from its saved step to `cfg.steps`, step by step.
 
@@ -467,7 +554,8 @@ def train_arms(
     one step. `call` wraps each arm-step (capacity retry) as a `GuardedArmStep`, whose retries
     `restore(runner, state_path, failure)` from the step's start (a new runner; None: refuse to
     retry an attempt that sent updates); `save_state(runner, step)` returns the tinker:// path
-    saved after `step` steps; `stop_after(step)` may raise StopRequested.
+    saved after `step` steps; `stop_after(step)` may raise StopRequested; `guard` stops before a
+    step that would not end inside the wall budget.
     """
     import tinker
 
@@ -519,6 +607,12 @@ def train_arms(
     pool = ThreadPoolExecutor(max_workers=len(runners)) if schedule == "concurrent" else None
     try:
         for step in range(start, cfg.steps):
+            halt = guard.check(step) if guard is not None else None
+            if halt is not None:
+                stopped = halt
+                progress(f"[comparison] {halt}")
+                break
+            t_step = guard.clock() if guard is not None else 0.0
             names = [r.spec.name for r in runners]
             if pool is None:
                 for n in names:
@@ -526,8 +620,10 @@ def train_arms(
             else:
                 futures = [(n, pool.submit(one, n, step)) for n in names]
                 results = [(n, f.result()) for n, f in futures]
-                for n, (row, guard) in results:
-                    commit(n, step, row, guard)
+                for n, (row, step_guard) in results:
+                    commit(n, step, row, step_guard)
+            if guard is not None:
+                guard.step_seconds.append(guard.clock() - t_step)
             if stop_after is not None:
                 stop_after(step + 1)
     except StopRequested as stop:

@@ -97,11 +97,16 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
                 state_file: str) -> tuple[Any, dict[str, Any]]:
     """A new training client for arm `name` from its saved state `path`, weights + optimizer, the
     load observed; one more restore_count and optimizer check, whose get_info is kept in the run
-    state registered as `state_file`. Returns (client, provenance entry)."""
+    state registered as `state_file`. Returns (client, provenance entry). A check that finds the
+    server's optimizer differs from the request stops the run (OptimizerMismatch, after the check
+    is recorded in the state)."""
     arm = state.arms[name]
     client, resp = create_from_state_observed(service_client, path, name)
-    if resp is None or resp.path != path:
-        raise C.ComparisonError(f"{name}: restore of {path} not observed (load response {getattr(resp, 'path', None)!r})")
+    if resp is None or resp.path is None:
+        raise C.ComparisonError(f"{name}: restore of {path} not observed: the load response has no path "
+                                "(optional in the SDK's LoadWeightsResponse)")
+    if resp.path != path:
+        raise C.ComparisonError(f"{name}: restore of {path} loaded {resp.path!r}")
     arm.restore_count += 1
     prior = state.setup_provenance.get(name)
     if prior is None:
@@ -117,6 +122,9 @@ def restore_arm(service_client: tinker.ServiceClient, state: C.RunState, cfg: C.
             "loaded_checkpoint_uri": resp.path, "loaded_at_step": arm.steps_done,
             "optimizer_checks": list(prior["optimizer_checks"]) + [
                 {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
+    if check["mismatches"]:  # the brief: stop on mismatch
+        raise C.OptimizerMismatch(f"{name}: optimizer mismatch after restore {check['after_restore']} "
+                                  f"({path}): " + "; ".join(check["mismatches"]), name, prov, state_file)
     return client, prov
 
 
@@ -157,13 +165,18 @@ def run_comparison(
     progress: Callable[[str], None] = lambda _m: None,
     tag: str = "cmp",
     base_model: str | None = None,
+    schedule_source: str = "given",
+    guard: C.WallGuard | None = None,
     wandb: cookbook_metrics.WandbRequest | None = None,
 ) -> ComparisonResult:
     """Run (or continue) the paired comparison and write its evidence; see the module docstring.
 
-    Each arm's steps are also written through the cookbook's `ml_log` (`metrics-<arm>.jsonl` in the
-    bundle, live under `<state_root>/<run_id>/cookbook-metrics/<arm>/metrics.jsonl`), and to W&B only
-    when `wandb` asks for a project."""
+    Any stop before every arm finished (wall-clock guard, optimizer mismatch on a restore, a
+    response the run cannot use, capacity) leaves the evidence written so far and returns a final
+    failed / inconclusive / incomplete_execution with the reason. Each arm's steps are also written
+    through the cookbook's `ml_log` (`metrics-<arm>.jsonl` in the bundle, live under
+    `<state_root>/<run_id>/cookbook-metrics/<arm>/metrics.jsonl`), and to W&B only when `wandb`
+    asks for a project."""
     if plan.run is None:
         raise C.ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
     cfg = C.comparison_config(plan.run, save_every=save_every)
@@ -198,7 +211,8 @@ def run_comparison(
         progress(f"[comparison] W&B not used: {problem} (the metrics.jsonl logs go on)")
     bundle.register_json(f"comparison-run-{state.resumed}.json", "manifest", {
         "run_id": state.run_id, "resumed_sessions": state.resumed, "sessions": state.sessions,
-        "resumes": state.resumes, "save_every": cfg.save_every, "schedule": schedule, "rehearsal": rehearsal,
+        "resumes": state.resumes, "save_every": cfg.save_every, "schedule": schedule,
+        "schedule_source": schedule_source, "rehearsal": rehearsal,
         "state_file": str(spath), "evaluator_id": evaluator.evaluator_id, "code_revision": state.code_revision,
         "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg),
         "cookbook_metrics": {**mlog.status, "live_files": {a.name: str(mlog.path(a.name)) for a in cfg.arms},
@@ -207,9 +221,8 @@ def run_comparison(
         bundle.update_result(original_hypothesis_tested=False, tested_instead=(
             f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
             f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"))
-    clients = _open_arms(service_client, state, cfg, restoration, bundle, call)
-    state.save(spath)
-    runners = C.make_runners(clients, cfg)
+    clients: dict[str, Any] = {}
+    progress(f"[comparison] schedule {schedule} ({schedule_source})")
     train = dataset.get(cfg.dataset).load_split("train", seed=cfg.arms[0].seed)
     renderer = tokenizer.make_renderer().renderer
     by_arm = {a.name: [r for r in state.rows if r["arm"] == a.name] for a in cfg.arms}
@@ -249,30 +262,49 @@ def run_comparison(
 
     capacity_block = None
     try:
+        clients.update(_open_arms(service_client, state, cfg, restoration, bundle, call))
+        state.save(spath)
+        runners = C.make_runners(clients, cfg)
         outcome = C.train_arms(runners, cfg, state, items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
                                renderer=renderer, tag=f"{tag}-{state.run_id}-r{state.resumed}", schedule=schedule,
                                on_row=on_row, save_state=save_arm_state, restore=restore_mid_step, call=call,
-                               stop_after=stop_after,
-                               progress=progress)
+                               stop_after=stop_after, progress=progress, guard=guard)
     except service.CapacityExhausted as exc:
         capacity_block = exc.block.as_dict()
         outcome = C.TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
                                     f"capacity: {exc}")
+    except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
+        if isinstance(exc, C.OptimizerMismatch) and exc.provenance:  # the check that stopped it, posted
+            if exc.state_file and bundle.entry(exc.state_file) is None:  # the state its check references
+                bundle.register_json(exc.state_file, "manifest", state.to_json())
+            bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
+        reason = f"{type(exc).__name__}: {service.error_text(exc)}"[:500]
+        progress(f"[comparison] stopped: {reason}")
+        outcome = C.TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
+                                    reason)
     finally:
         mlog.close()
+    state.save(spath)
     files = [_register_steps(bundle, state)]
     files += _register_cookbook_metrics(bundle, state, mlog)
-    bundle.register_json(_state_file(state, "end"), "manifest", state.to_json())
+    bundle.register_json(_state_file(state, "end"), "manifest", {
+        **state.to_json(), "training": {"schedule": schedule, "schedule_source": schedule_source,
+                                        "stopped": outcome.stopped, "steps_completed": outcome.steps_completed,
+                                        "wall_guard": guard.as_dict() if guard is not None else None}})
     files.append(_state_file(state, "end"))
     base = dict(config=cfg, run_id=state.run_id, rows=tuple(state.rows), steps_completed=outcome.steps_completed,
                 training_seconds=outcome.wall_seconds, schedule=schedule, stopped=outcome.stopped)
-    if capacity_block is not None:
-        final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
-                 "capacity_block": capacity_block}
-        return ComparisonResult(**base, capacity_block=capacity_block, final=final, files=tuple(files))
     if outcome.stopped is not None:
-        final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
-        return ComparisonResult(**base, capacity_block=None, final=final, files=tuple(files))
+        final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
+                 "summary": (f"The paired comparison under {plan.name} stopped after {outcome.steps_completed} of "
+                             f"{cfg.steps} rollout steps per arm, before evaluation, so nothing was compared: "
+                             + outcome.stopped.replace(". ", "; ").rstrip(".") + ".")}
+        if bundle.result.get("original_hypothesis_tested") is None:
+            final.update(original_hypothesis_tested=False,
+                         tested_instead="nothing: the paired comparison stopped before any evaluation")
+        if capacity_block is not None:
+            final["capacity_block"] = capacity_block
+        return ComparisonResult(**base, capacity_block=capacity_block, final=final, files=tuple(files))
     scores, decision, eval_files = _evaluate_and_decide(service_client, cfg, state, evaluator, bundle, rehearsal,
                                                         progress, base_model or cfg.base_model)
     files += eval_files

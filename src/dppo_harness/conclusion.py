@@ -40,13 +40,16 @@ def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, ba
     backend is always a stand-in, even when the response lacks the arch."""
     md = (info or {}).get("model_data") or {}
     arch = md.get("arch")
-    name = md.get("model_name") or requested
+    name = md.get("model_name")
     marker = md.get("embedded_server")
     if arch and arch != requested and (marker or backend == "local" or str(arch).startswith("local/")):
         return ServedModel(requested, str(arch), str(arch), "get_info model_data.arch")
     if backend == "local":
         stand_in = str(arch) if arch else "embedded server stand-in (identity not reported)"
         return ServedModel(requested, stand_in, stand_in, "backend=local")
+    if not name:  # optional in the SDK's ModelData: unavailable, never the requested name
+        return ServedModel(requested, f"a model the service did not name (requested {requested})", None,
+                           "unavailable: the get_info response has no model_data.model_name")
     return ServedModel(requested, str(name), None, "get_info model_data.model_name")
 
 

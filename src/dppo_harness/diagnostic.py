@@ -754,25 +754,32 @@ def _initial_output(tc: tinker.TrainingClient, ref: Any) -> dict[str, Any]:
             "group_output_sha256": group, "bitwise_equal_to_group": {a: out_sha == h for a, h in group.items()}}
 
 
-def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> None:
-    """Post the trained arm's provenance: restore count + 1, the optimizer check from ITS OWN first
-    optim_step response, its own initial output (issue 11 point 4)."""
+def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> dict[str, Any] | None:
+    """The optimizer check from the trained client's OWN first optim_step response (its metrics
+    are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
+    before update 1."""
     from dppo_harness.restoration import echoed_config, optimizer_check
 
+    if state.first_optim is None:
+        return None
+    metrics = getattr(state.first_optim, "metrics", None) or {}
+    requested = dict(cfg.adam)
+    return optimizer_check(
+        after_restore=0, requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
+        requested_config=requested, info=state.info, info_ref=f"{ANALYSIS_FILE}#restore.get_info",
+        echoed=echoed_config(metrics, list(requested)), echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
+        echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)")
+
+
+def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> None:
+    """Post the trained arm's provenance: the optimizer check from ITS OWN first optim_step
+    response, its own initial output, and one more restore when the diagnostic restored it itself."""
     prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
     if not prior or state.initial_output is None:
         return
-    own = None
-    if state.first_optim is not None:
-        metrics = getattr(state.first_optim, "metrics", None) or {}
-        requested = dict(cfg.adam)
-        own = optimizer_check(
-            after_restore=0, requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
-            requested_config=requested, info=state.info, info_ref=f"{ANALYSIS_FILE}#restore.get_info",
-            echoed=echoed_config(metrics, list(requested)), echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
-            echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)")
-    entry = dx.trained_client_entry(prior, restore=state.restore, initial_output=state.initial_output, own_check=own,
-                                    restore_ref=f"{ANALYSIS_FILE}#restore")
+    entry = dx.trained_client_entry(prior, restore=state.restore, initial_output=state.initial_output,
+                                    own_check=own_optimizer_check(cfg, plan, state),
+                                    restore_ref=f"{ANALYSIS_FILE}#restore", new_restore=not state.preloaded)
     bundle.update_result(initialization_provenance={"arms": {cfg.arm: entry}})
 
 
@@ -814,11 +821,13 @@ class _RunState:
     sampling_seconds: float = 0.0
     sampled_sequences: int = 0
     update_seconds: list[float] = field(default_factory=list)
+    update_phases: list[dict[str, float]] = field(default_factory=list)  # where each update's seconds went
     final_checkpoint: str | None = None
     snapshots: list[str] = field(default_factory=list)
     info: Any = None  # the trained client's get_info response (object)
     first_optim: Any = None  # the trained client's own first optim_step response
     initial_output: dict[str, Any] | None = None
+    preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
     rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
 
 
@@ -853,6 +862,21 @@ def _declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: _
     return selftest
 
 
+def _preflight_client(loaded: Any, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
+    """The restoration preflight's loaded client of the trained arm, trained here instead of a new
+    client: its observed load is this run's restore."""
+    restore = dict(loaded.restore_record(),
+                   source="the restoration preflight's client for this arm, loaded from the initial checkpoint "
+                          "with optimizer and never updated before this stage (no second restore)")
+    if not loaded.load_succeeded or loaded.loaded_path is None:
+        raise DiagnosticError("the preflight's load of the trained arm was not observed: its load response has no "
+                              "path (optional in the SDK's LoadWeightsResponse); the plan requires an observed load")
+    if loaded.loaded_path != initial_checkpoint:
+        raise DiagnosticError(f"the preflight's trained-arm client loaded {loaded.loaded_path!r}, not the initial "
+                              f"checkpoint {initial_checkpoint!r}")
+    return loaded.client, restore
+
+
 def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
     """A fresh client from the shared initial state, the load observed (never trained weights)."""
     tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "diagnostic DPPO client")
@@ -867,6 +891,9 @@ def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> t
     }
     if load_response is None:
         raise DiagnosticError("the initial-state load was not observed (plan requires an observed successful load)")
+    if load_response.path is None:
+        raise DiagnosticError("the initial-state load response has no path (optional in the SDK's "
+                              "LoadWeightsResponse): the plan requires an observed load of the initial checkpoint")
     return tc, restore
 
 
@@ -891,9 +918,10 @@ def _sample_and_freeze(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle:
 
 def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: FrozenBatch, mbs: Sequence[Minibatch],
                   sampler_path: str, bundle: EvidenceBundle, state: _RunState, *, elapsed: Callable[[], float],
-                  clock: Callable[[], float], cap_s: float, say: Callable[[str], None], tag: str) -> str:
+                  clock: Callable[[], float], cap_s: float, say: Callable[[str], None], tag: str,
+                  after_update: Callable[[int], str | None] = lambda _n: None) -> str:
     """Epochs over the same frozen batch (no sampling, no anchor refresh) until the update cap,
-    the wall cap or the schedule's end; returns the stop reason."""
+    the wall cap, the schedule's end or `after_update(n)` naming a stop; returns the stop reason."""
     loss_cfg = cfg.loss_config()
     loss_fn = losses.make_loss_fn(loss_cfg)
     recorder = ins.LossCallRecorder(loss_cfg)
@@ -930,28 +958,36 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         # updated weights) and awaited after the next update's submission (issue 10 section 5).
         rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist,
                                          submit_behind=None if sentinels is None else (lambda s=sentinels: s.submit(tc)))
+        t_collect = clock()
         if state.sentinels is not None:
             state.sentinels.collect()  # the previous update's sentinel: long done by now
+        phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
         if sentinels is not None:
             sentinels.defer(upd.behind, update_index, elapsed())
         if state.first_optim is None:
             state.first_optim = upd.optim
         state.updates_done = update_index
+        halt = after_update(update_index)
         tokens_seen += rec.stats["tokens/loss"]
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
+        t_snapshot = clock()
         if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running (issue 11 point 7)
             bundle.update_result(metrics={"diagnostic/updates_done": float(update_index),
                                           "diagnostic/elapsed_seconds": float(elapsed())})
             name = post_snapshot(bundle, f"{tag} after update {update_index}")
             if name:
                 state.snapshots.append(name)
+        state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
         s = rec.stats
         say(f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
             f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
             f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
             f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
             f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
+        if halt is not None:
+            stop = halt
+            break
     if state.sentinels is not None:
         state.sentinels.collect()
     if stop is not None:
@@ -987,13 +1023,15 @@ def run_bounded_diagnostic(
     served: conclusion.ServedModel | None = None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
     init_reference: Any = None,
+    restored: Any = None,
     **overrides: Any,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
 
     Named steps: declare -> restore -> sample and freeze -> sentinels -> train epochs -> analyse
     -> write evidence. `stage_start` (a `clock()` reading) is when the stage began: the wall cap
-    counts from it.
+    counts from it. `restored` (a `restoration.LoadedArm`): the preflight's loaded client of the
+    trained arm, trained here instead of restoring a new one.
     """
     t0 = clock() if stage_start is None else stage_start
     cfg = diagnostic_config(plan, **overrides)
@@ -1011,12 +1049,18 @@ def run_bounded_diagnostic(
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted before service work")
         r0 = clock()
-        tc, state.restore = _restore(service_client, initial_checkpoint)
-        state.info = tc.get_info()
+        if restored is not None:
+            tc, state.restore = _preflight_client(restored, initial_checkpoint)
+            state.preloaded = True
+            state.info = restored.info
+        else:
+            tc, state.restore = _restore(service_client, initial_checkpoint)
+            state.info = tc.get_info()
         if init_reference is not None:  # the trained client's own initial output, before any update
             state.initial_output = _initial_output(tc, init_reference)
-        state.restore_seconds = clock() - r0
-        say(f"[{tag}] restored {initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)")
+        state.restore_seconds = float(restored.seconds) + (clock() - r0) if restored is not None else clock() - r0
+        say(f"[{tag}] {'training the preflight client loaded from' if restored is not None else 'restored'} "
+            f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)")
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted during setup (after restore)")
         sampler_path, state.frozen, summary = _sample_and_freeze(tc, cfg, bundle, state, tag)
@@ -1033,8 +1077,17 @@ def run_bounded_diagnostic(
         state.setup_seconds = elapsed()
         say(f"[{tag}] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
             f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)")
+        def stop_on_mismatch(update_index: int) -> str | None:
+            # The trained client's own optimizer echo, checked before update 2: stop on mismatch.
+            check = own_optimizer_check(cfg, plan, state) if update_index == 1 else None
+            if check and check["mismatches"]:
+                reason = "optimizer mismatch after update 1: " + "; ".join(check["mismatches"])
+                state.errors.append(reason)
+                return reason
+            return None
+
         state.stop_reason = _train_epochs(tc, cfg, state.frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
-                                          clock=clock, cap_s=cap_s, say=say, tag=tag)
+                                          clock=clock, cap_s=cap_s, say=say, tag=tag, after_update=stop_on_mismatch)
         _save_final_checkpoint(tc, cfg, bundle, state, tag, say)
     except _Stop as stop:
         state.stop_reason = str(stop)
@@ -1073,6 +1126,7 @@ def _write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, s
     analysis = result.analysis_json()
     analysis["timings"] = {"restore_seconds": state.restore_seconds, "sampling_seconds": state.sampling_seconds,
                            "sampled_sequences": state.sampled_sequences, "update_seconds": state.update_seconds,
+                           "update_phases": state.update_phases,
                            "setup_seconds": state.setup_seconds, "wall_seconds": wall,
                            "wall_counted_from": "session start (the budget ledger's clock)"}
     analysis["final_checkpoint"] = state.final_checkpoint

@@ -110,18 +110,20 @@ def replay_output(bundle_dir: Path) -> tuple[int, str]:
 
 
 def trained_client_entry(prior: Mapping[str, Any], *, restore: Mapping[str, Any], initial_output: Mapping[str, Any],
-                         own_check: Mapping[str, Any] | None, restore_ref: str) -> dict[str, Any]:
-    """The trained arm's `initialization_provenance` entry once the diagnostic restored it again:
-    one more restore, an optimizer check for it from the trained client's OWN response, and that
-    client's initial output before its first update (issue 11 point 4)."""
-    n = int(prior.get("restore_count", 0)) + 1
+                         own_check: Mapping[str, Any] | None, restore_ref: str, new_restore: bool = True) -> dict[str, Any]:
+    """The trained arm's `initialization_provenance` entry: an optimizer check from the trained
+    client's OWN response for its last restore, and that client's initial output before its first
+    update. `new_restore`: the diagnostic restored the arm again (one more restore); otherwise it
+    trains the preflight's loaded client, whose restore the own check replaces."""
+    n = int(prior.get("restore_count", 0)) + (1 if new_restore else 0)
     checks = [own_response_only(c) for c in prior.get("optimizer_checks", [])]
     if own_check is not None:
-        checks.append(dict(own_check, after_restore=n))
+        checks = [c for c in checks if c.get("after_restore") != n] + [dict(own_check, after_restore=n)]
     init = dict(prior.get("initialization", {}))
     init.update(loaded_checkpoint_uri=restore.get("loaded_checkpoint_uri"), load_succeeded=bool(restore.get("load_succeeded")),
                 evidence_ref=restore_ref, before_first_update=True)
     return {"initialization": init, "restore_count": n, "optimizer_checks": checks,
             "initial_output": dict(initial_output),
-            "trained_client": {"restore": n, "note": "the client the bounded diagnostic trained, restored from the "
-                                                     "shared initial checkpoint"}}
+            "trained_client": {"restore": n, "note": (
+                "the client the bounded diagnostic trained, restored from the shared initial checkpoint"
+                + ("" if new_restore else " by the restoration preflight (the same client, no second restore)"))}}

@@ -5,8 +5,9 @@
 - `verified_restoration`: the same object, but fails the requesting test unless every check passed.
 - `feasibility`: the timing pilot + projection of the selected plan, run once per session.
 
-Probe clients live on their own ServiceClient, closed (released) as soon as the preflight ends;
-the arms' clients stay on the session's ServiceClient for later stages.
+Setup and probe clients live on their own ServiceClient session, closed (released) as soon as
+the preflight ends; the feasibility pilot's client has its own session, closed when the pilot
+ends; the arms' clients stay on the session's ServiceClient for later stages.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: An
 
     info = client.get_info()
     served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
-        info.model_data.model_name or info.model_name or plan.base_model)
+        info.model_data.model_name or info.model_name)
     if backend_block:  # on the embedded server (marker seen) the stand-in computes
         served = identity.served_model(info.model_data.model_dump(), backend_block)[0] or served
+    if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
+        served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
     return plans.BackendInfo(backend=service_backend.kind, requested_model=plan.base_model,
                              served_model=str(served), base_url=service.redact_url(service_backend.base_url),
                              sdk_versions=service.sdk_versions())
@@ -49,12 +52,14 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
         reader = R.LocalCheckpointReader(service_backend.server.run_dir)
+    # Its own session, registered before its first call: a stop on the way (capacity, hang)
+    # releases it with the rest.
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
                                    observer=training_client_observer,  # every training client's identity
+                                   registry=client_registry, stage="preflight-probes",
+                                   label="preflight setup and probe clients (closed when the preflight ends)",
                                    waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
                                    sdk_telemetry=harness_options.sdk_telemetry)
-    # Registered before its first call: a stop on the way (capacity, hang) releases it with the rest.
-    client_registry.register(probe_sc, stage="preflight-probes", label="preflight setup and probe clients")
     policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     plan_kind = plan.kind
     update_norm = None
@@ -62,6 +67,7 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
         from dppo_harness.weights_readback import ExternalWeightsUpdateNorm
 
         update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
+    failure = None
     try:
         # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
         with Watchdog(harness_progress, every_s=10.0) as watch:
@@ -75,6 +81,8 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
                 trained_arms=(plan.diagnostic.fixed_settings.treatment.arm,) if plan_kind == "bounded_diagnostic" else None,
                 progress=watch.say,
             )
+    except R.RestorationError as exc:  # e.g. a response without a field the proof needs: one line
+        failure = f"restoration preflight: {exc}"
     except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
         fields = exc.block.result_fields()
         if evidence_bundle.result["original_hypothesis_tested"] is None:
@@ -83,10 +91,12 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
         evidence_bundle.update_result(**fields)
         raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
-        # Release the setup/probe clients before anything trains, and record it (issue 11 point 8).
+        # Release the setup/probe session before anything trains, and record it.
         from dppo_harness.pytest_plugin import record_client_releases
 
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)  # outside the except: the line, without a chained traceback
     return result
 
 
@@ -99,11 +109,14 @@ def verified_restoration(restoration):
 
 @pytest.fixture(scope="session")
 @stops_stage
-def feasibility(service_client, service_backend, plan, evidence_bundle, verified_restoration, harness_progress,
-                connectivity):
-    """feasibility.FeasibilityResult of the selected plan on this backend (runs once)."""
+def feasibility(request, service_backend, plan, evidence_bundle, verified_restoration, client_registry,
+                training_client_observer, service_waiter, harness_options, harness_progress, connectivity):
+    """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
+    client lives in its own session, closed when the pilot ends."""
     from dppo_harness import feasibility as F
     from dppo_harness import plans
+    from dppo_harness.pytest_plugin import record_client_releases
+    from dppo_harness.service import make_service_client
 
     if plan.kind == "bounded_diagnostic":
         # Issue 11 point 5: under the diagnostic plan no extra pilot samples or trains; the
@@ -116,9 +129,17 @@ def feasibility(service_client, service_backend, plan, evidence_bundle, verified
     eff = plans.effective_config(plan, info)
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).
-    with Watchdog(harness_progress, every_s=10.0) as watch:
-        return F.run_feasibility(
-            service_client, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
-            backend_kind=service_backend.kind, effective_config=eff,
-            schedule_overrides=overrides or None,
-            measured_setup={"restoration_preflight": verified_restoration.wall_seconds}, progress=watch.say)
+    pilot_sc = make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
+                                   registry=client_registry, stage="feasibility-pilot",
+                                   label="feasibility timing pilot (closed when the pilot ends)",
+                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+                                   sdk_telemetry=harness_options.sdk_telemetry)
+    try:
+        with Watchdog(harness_progress, every_s=10.0) as watch:
+            return F.run_feasibility(
+                pilot_sc, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
+                backend_kind=service_backend.kind, effective_config=eff,
+                schedule_overrides=overrides or None,
+                measured_setup={"restoration_preflight": verified_restoration.wall_seconds}, progress=watch.say)
+    finally:
+        record_client_releases(request.config, client_registry.release_stage("feasibility-pilot"))

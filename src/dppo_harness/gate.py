@@ -416,6 +416,9 @@ def run_activation_gate(
         tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "gate pilot client")
         pilot.loaded_checkpoint = getattr(load_response, "path", None)
         pilot.base_model, pilot.base_model_source = executed_model(tc.get_info(), backend, bundle)
+        if pilot.base_model is None:  # model_name is optional in the SDK's ModelData: never the requested name
+            errors.append(f"executed_base_model unavailable: the service's get_info response names no model "
+                          f"(read from {pilot.base_model_source})")
         renderer = tokenizer.make_renderer().renderer
         train = dataset.get(run.dataset).load_split("train", seed=cfg.seed)
         for step in range(cfg.steps):
@@ -443,6 +446,8 @@ def run_activation_gate(
         "sampler_checkpoints": pilot.samplers,
         "initial_checkpoint": initial_checkpoint,
         "loaded_checkpoint": pilot.loaded_checkpoint,
+        **({} if pilot.loaded_checkpoint is not None else {"loaded_checkpoint_unavailable": (
+            "the service's load response has no path (optional in the SDK's LoadWeightsResponse)")}),
         "backend": backend,
         "loss_calls": len(records),
         "executed_base_model_source": pilot.base_model_source,

@@ -49,7 +49,7 @@ class HarnessOptions:
     selected_stages: tuple[str, ...]  # the stages this session runs, in order
     # -- comparison stage (issue 9)
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
-    comparison_schedule: str = "interleaved"
+    comparison_schedule: str | None = None  # None: the default for the service (comparison.default_schedule)
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
     wandb_project: str | None = None  # --wandb-project or WANDB_PROJECT; None: W&B is never touched
     wandb_source: str = "not requested"
@@ -96,8 +96,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="comparison: save each arm's state (weights + optimizer) every N rollout steps and at the "
                          "end; 1 <= N <= 10 (the brief asks for a save at least every 10 steps); a resume restarts "
                          "from the last step every arm saved")
-    group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default="interleaved",
-                    help="how the two arms advance step by step (see benchmarks/comparison_schedule.py)")
+    group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default=None,
+                    help="how the two arms advance step by step (default: concurrent on a real service, interleaved "
+                         "on the embedded server; see benchmarks/comparison_schedule.py)")
     group.addoption("--wandb-project", default=None, metavar="PROJECT",
                     help="also log each arm's cookbook metrics to this W&B project (default: WANDB_PROJECT; "
                          "unset: no W&B at all)")
@@ -129,7 +130,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 def pytest_configure(config: pytest.Config) -> None:
     for stage in stages.STAGES:
         config.addinivalue_line("markers", f"{stage}: test of the '{stage}' experiment stage")
-    config.addinivalue_line("markers", "integration: needs the embedded server (stage 'unit')")
+    config.addinivalue_line("markers", "integration: end to end (the embedded server or engine, a CLI in a "
+                                       "subprocess); stage 'unit', but not part of unit parity")
     state = _StageState()
     selected = stages.parse_stage_selection(config.option.markexpr)
     if selected is not None:
@@ -309,7 +311,7 @@ def _selected(config: pytest.Config, state: _StageState, item: pytest.Item) -> b
     if state.run is not None:
         if stage not in state.run:
             return False
-        # As a mere prerequisite, stage "unit" means unit parity: tests/unit, not the server tests.
+        # As a mere prerequisite, stage "unit" means unit parity: tests/unit without the integration-marked tests.
         return state.run[stage] or item.get_closest_marker("integration") is None
     # Without a stage selection: explicit paths run as given; the default run is unit + integration.
     if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
@@ -372,6 +374,8 @@ def _enter_stage(state: _StageState, stage: str) -> None:
         _close_stage(state, state.current)
     state.current = stage
     state.started.setdefault(stage, time.monotonic())
+    if state.registry is not None:  # training clients are counted per stage they were created in
+        state.registry.current_stage = stage
 
 
 def _check_budget_on_entry(state: _StageState, stage: str) -> None:
@@ -391,6 +395,9 @@ def _close_stage(state: _StageState, stage: str) -> None:
     bundle = state.bundle
     if bundle is None:
         return
+    if state.registry is not None and stage != "unit":
+        created = state.registry.training_clients_by_stage().get(stage, 0)
+        bundle.update_result(metrics={f"clients/training_created/{stage}": float(created)})
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
     if stage != "unit":  # an immutable result snapshot at each service stage's end (issue 11 §7)
@@ -542,16 +549,33 @@ def _write_session_records(state: _StageState) -> None:
     bundle = state.bundle
     _release_remaining(state)
     if bundle.entry("client-releases.json") is None:
-        bundle.register_json("client-releases.json", "log", {
-            "kind": "client_releases", "all_released": all(r["released"] for r in state.releases),
-            "releases": state.releases,
-            "note": "ServiceClient.close(status) is the SDK's only release; it ends the session's training and "
-                    "sampling clients. Probe/setup clients are released at the end of the preflight, before training."})
+        bundle.register_json("client-releases.json", "log", client_release_record(state))
     unit = state.outcomes.get("unit")
     if unit is not None and bundle.entry("unit-parity-summary.json") is None:
         bundle.register_json("unit-parity-summary.json", "report", {
             "kind": "unit_parity_summary", "stage": "unit", **unit,
+            # Which run this is: this pytest session (the bundle's), before any service stage.
+            "selection": "tests/unit without the tests marked integration, in this pytest session",
+            "seconds": (state.finished["unit"] - state.started["unit"]) if "unit" in state.finished else None,
             "all_stages": {k: {kk: vv for kk, vv in v.items() if kk != "failed_tests"} for k, v in state.outcomes.items()}})
+
+
+CLIENT_RELEASE_NOTE = (
+    "tinker 0.38.0 has no per-client release: ServiceClient.close(status) finishes its session, which ends every "
+    "training and sampling client the session created. Each session below lists the training clients it created "
+    "(stage, SDK method, role); `events` says, at each release, which sessions it closed and which stayed open.")
+
+
+def client_release_record(state: _StageState) -> dict[str, Any]:
+    """client-releases.json: every session (ServiceClient) with its training clients, when each was
+    closed, what stayed open at each release, and training clients created per stage."""
+    reg = state.registry
+    sessions = reg.records() if reg is not None else []
+    by_stage = reg.training_clients_by_stage() if reg is not None else {}
+    return {"kind": "client_releases", "all_released": all(r["released"] for r in state.releases),
+            "sessions": sessions, "events": list(reg.events) if reg is not None else [],
+            "training_clients_by_stage": by_stage, "training_clients_total": sum(by_stage.values()),
+            "releases": state.releases, "note": CLIENT_RELEASE_NOTE}
 
 
 def unit_parity_passed(config: pytest.Config) -> bool:
@@ -605,7 +629,9 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
 
     registry = ClientRegistry()
     registry.install_atexit()
-    pytestconfig.stash[_STATE_KEY].registry = registry
+    state = pytestconfig.stash[_STATE_KEY]
+    state.registry = registry
+    registry.current_stage = state.current
     yield registry
     _release_remaining(pytestconfig.stash[_STATE_KEY])  # recorded for client-releases.json
     registry.release_all()
@@ -638,6 +664,7 @@ def service_client(service_backend: ServiceBackend, client_registry: ClientRegis
     return make_service_client(
         service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
         observer=training_client_observer,  # every training client's identity -> evidence
+        label="session: the arms' training clients and evaluation samplers (open until the session ends)",
         waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
         sdk_telemetry=harness_options.sdk_telemetry,
     )

@@ -4,7 +4,7 @@
 
 Reloads every per-update record file in the bundle (`instrumentation` npz files), rebuilds the
 padded [S, T] tensors, recomputes the DPPO keep mask and the counterfactual PPO clip with
-`correctness.ref_dppo` / `correctness.ref_ppo` (numpy float64, no code shared with `losses.py`),
+`references.ref_dppo` / `references.ref_ppo` (numpy float64, no code shared with `losses.py`),
 and the ratio-cap hits, p - q tails, exceedances and histograms from those padded tensors. It
 compares every decision and statistic with what was logged, checks the anchor logprobs against
 the frozen batch when the bundle has one, prints the counts and exits non-zero on any mismatch.
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from dppo_harness import correctness
 from dppo_harness import instrumentation as ins
 from dppo_harness import pooled as pooled_mod
+from dppo_harness import references
 from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 
 # A decision may legitimately differ between two float64 exp() implementations only when p - q
@@ -69,8 +69,8 @@ def recompute(record: ins.LossCallRecord, normalization: str = "token_mean", del
     adv = to_padded(t["advantages_N"].astype(np.float64), lengths)
     mask = to_padded(t["mask_N"].astype(np.float64), lengths)
     on = mask > 0
-    dppo = correctness.ref_dppo(lp, mu, adv, mask, normalization, delta=delta, cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX)
-    ppo = correctness.ref_ppo(lp, mu, adv, mask, normalization, eps=eps)
+    dppo = references.ref_dppo(lp, mu, adv, mask, normalization, delta=delta, cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX)
+    ppo = references.ref_ppo(lp, mu, adv, mask, normalization, eps=eps)
     with np.errstate(over="ignore", invalid="ignore"):
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
         # The cap shapes only kept tokens (a dropped token has no gradient to cap).

@@ -1,15 +1,18 @@
 """Restoration preflight: one shared immutable initial state for both arms, proved, not assumed.
 
 Flow (`run_restoration_preflight`):
-1. One fresh LoRA client (plan rank + seed) saves its state as the immutable initial checkpoint.
-2. Each arm's client is created from that checkpoint with optimizer state; the load response's
-   path is the proof of what was loaded.
-3. Full per-token logprobs on a fixed tokenized GSM8K batch, on both arms, before any update:
-   bitwise equal or within `LOGPROB_ATOL`.
-4. Separate probe clients: an uninterrupted client and a create-save-restore client apply the same
-   fixed-gradient update and must agree. The arms' clients are never updated here.
+1. One fresh LoRA client (plan rank + seed) saves its state as the initial checkpoint; a second
+   save under the same name must be refused explicitly for the checkpoint to count as immutable.
+2. Each trained arm's client is created from that checkpoint with optimizer state; the load
+   response's path is the proof of what was loaded.
+3. Full per-token logprobs on a fixed tokenized GSM8K batch, on the arms (one arm: against the
+   setup client), before any update: bitwise equal or within `LOGPROB_ATOL`.
+4. Probe: the setup client (nothing applied since it saved) is the uninterrupted client; a
+   create-save-restore client applies the same fixed-gradient update and must agree. The arms'
+   clients are never updated here.
 5. Optimizer checks at creation and at every restore, from what server responses expose.
-6. LR-scaling probe: a fresh client per learning rate, the same fixed gradient, update norm / LR.
+6. LR-scaling probe: a fresh state per learning rate (the setup client's update 1 at the planned
+   LR, one client from the initial checkpoint per other LR), the same fixed gradient, norm / LR.
 
 Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
 """
@@ -237,7 +240,7 @@ def initialization_entry(
     *,
     base_checkpoint: str,
     checkpoint_uri: str,
-    checkpoint_immutable: bool,
+    checkpoint_immutable: bool | None,
     loaded_checkpoint_uri: str | None,
     load_succeeded: bool,
     evidence_ref: str,
@@ -245,8 +248,12 @@ def initialization_entry(
     optimizer_checks: list[dict[str, Any]],
     initial_output: dict[str, Any],
     adapter_sha256: str | None = None,
+    checkpoint_immutable_reason: str | None = None,
 ) -> dict[str, Any]:
-    """One arm's `initialization_provenance` entry in the brief's version-1 shape."""
+    """One arm's `initialization_provenance` entry in the brief's version-1 shape.
+
+    `checkpoint_immutable` is None when the duplicate save proved nothing (no explicit refusal);
+    `checkpoint_immutable_reason` says what the duplicate save got either way."""
     init: dict[str, Any] = {
         "base_checkpoint": base_checkpoint,
         "checkpoint_uri": checkpoint_uri,
@@ -258,6 +265,8 @@ def initialization_entry(
         "evidence_ref": evidence_ref,
         "before_first_update": True,
     }
+    if checkpoint_immutable_reason is not None:
+        init["checkpoint_immutable_reason"] = checkpoint_immutable_reason
     if adapter_sha256 is not None:
         init["adapter_sha256"] = adapter_sha256
     return {
@@ -299,8 +308,14 @@ def check_provenance(provenance: Mapping[str, Any], arms: Sequence[str]) -> list
         init = e["initialization"]
         if not init.get("load_succeeded"):
             failures.append(f"{arm}: checkpoint load did not succeed")
-        if not init.get("checkpoint_immutable"):
-            failures.append(f"{arm}: initial checkpoint not shown immutable")
+        immutable = init.get("checkpoint_immutable")
+        if immutable is None:
+            failures.append(f"{arm}: checkpoint_immutable unverified: "
+                            + str(init.get("checkpoint_immutable_reason") or "no explicit refusal to overwrite"))
+        elif not immutable:
+            failures.append(f"{arm}: initial checkpoint not shown immutable"
+                            + (f": {init['checkpoint_immutable_reason']}" if init.get("checkpoint_immutable_reason")
+                               else ""))
         if init.get("loaded_checkpoint_uri") is None:
             failures.append(f"{arm}: no loaded checkpoint URI in the server's load response")
         elif init["loaded_checkpoint_uri"] != init["checkpoint_uri"]:
@@ -469,7 +484,12 @@ def create_from_state_observed(
 
 
 class UpdateNormMeasure(Protocol):
-    """Measures ||theta_after - theta_before|| around `apply_update()` on `client`, or None."""
+    """Measures ||theta_after - theta_before|| around `apply_update()` on `client`, or None.
+
+    A measure whose own requests can be refused (e.g. a service without external weights) must
+    not run on a client that has more work to do: the SDK numbers each client's requests, and one
+    refused at submit leaves a gap the server waits on before running that client's next request.
+    `safe_on_a_working_client` says the measure's requests cannot be refused that way."""
 
     description: str
 
@@ -522,6 +542,8 @@ class LocalCheckpointReader:
 class CheckpointUpdateNorm:
     """UpdateNormMeasure via save_state before and after the update (local backend)."""
 
+    safe_on_a_working_client = True  # save_state only: a request every backend serves
+
     def __init__(self, reader: LocalCheckpointReader, tag: str):
         self.reader, self.tag, self.description = reader, tag, reader.description
         self._n = 0
@@ -559,6 +581,7 @@ class RestorationResult:
     lr_scaling: dict[str, Any] = field(default_factory=dict)
     probe: dict[str, Any] = field(default_factory=dict)
     wall_seconds: float = 0.0
+    loaded: dict[str, LoadedArm] = field(default_factory=dict)  # each loaded arm: client, load response, get_info
 
     def failure_message(self) -> str:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
@@ -591,11 +614,47 @@ def _step(client: tinker.TrainingClient, batch: Sequence[tinker.Datum], adam: ti
     return fb.result(), opt.result()
 
 
+# A refusal to overwrite names the existing checkpoint; other failures of the duplicate save
+# (timeouts, 5xx, capacity, connection errors) say nothing about immutability.
+OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable", re.IGNORECASE)
+
+
+def duplicate_save_outcome(exc: BaseException | None) -> tuple[bool | None, str]:
+    """(checkpoint_immutable, reason) from the second save_state under the same name.
+
+    True only on the service's explicit refusal to overwrite: HTTP 409, or a failed request / 400
+    that is not a server-side failure and whose text says the checkpoint exists or may not be
+    overwritten. A second save that succeeded is False (the name is not immutable). Anything else
+    (timeout, 5xx, capacity, connection, other errors) is None: unverified, with the reason.
+    """
+    from dppo_harness.service import error_text, is_capacity_error
+
+    if exc is None:
+        return False, "the service accepted a second save_state under the same name without overwrite"
+    text = error_text(exc)
+    what = f"{type(exc).__name__}: {text}"[:300]
+    refused = False
+    if isinstance(exc, tinker.ConflictError):
+        refused = True
+    elif is_capacity_error(exc):
+        refused = False
+    elif isinstance(exc, tinker.RequestFailedError):
+        refused = exc.category != tinker.types.RequestErrorCategory.Server and bool(OVERWRITE_REFUSAL_RE.search(text))
+    elif isinstance(exc, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
+        refused = bool(OVERWRITE_REFUSAL_RE.search(text))
+    if refused:
+        return True, f"the service refused to overwrite the saved name ({what})"
+    return None, (f"the duplicate save_state ended in {what}, not an explicit refusal to overwrite: "
+                  "immutability unverified")
+
+
 @dataclass(frozen=True)
 class InitialCheckpoint:
     client: tinker.TrainingClient  # the fresh setup client that saved it (released with its ServiceClient)
     path: str
-    immutable: bool
+    immutable: bool | None  # None: the duplicate save proved nothing either way
+    immutable_reason: str = ""
+    info: Any = None  # the setup client's get_info at creation, before any update
 
 
 @dataclass(frozen=True)
@@ -604,6 +663,17 @@ class LoadedArm:
     loaded_path: str | None  # the server's load response path (the proof), None if not observed
     load_ref: str
     load_succeeded: bool
+    source_path: str = ""  # the checkpoint the load asked for
+    response: Any = None  # the LoadWeightsResponse as the SDK parsed it (None: not observed)
+    info: Any = None  # the client's get_info right after the load
+    seconds: float = 0.0  # wall time of the load (client creation included)
+
+    def restore_record(self) -> dict[str, Any]:
+        """The load as a stage that trains this client records it (its own restore, not a new one)."""
+        return {"initial_checkpoint": self.source_path, "loaded_checkpoint_uri": self.loaded_path,
+                "load_succeeded": self.load_succeeded, "load_response": dump_response(self.response),
+                "get_info": dump_response(self.info), "before_first_update": True,
+                "evidence_ref": self.load_ref, "seconds": self.seconds}
 
 
 def _register_fixed_batch(bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: Any) -> str:
@@ -622,28 +692,43 @@ def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int
     # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
     client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
     name_client(client, f"setup client ({label}, seed {seed})")
-    rec.keep(f"create_{label}.get_info", client.get_info())
+    from dppo_harness.service import describe_client
+
+    describe_client(probe_sc, client, f"setup ({label}, seed {seed}): saves the initial checkpoint"
+                    + ("; then the uninterrupted restore probe and the base-LR scaling probe" if label == "shared" else ""))
+    info = client.get_info()
+    rec.keep(f"create_{label}.get_info", info)
     name = f"{tag}-initial-{label}-seed{seed}"
     saved = client.save_state(name).result()
     rec.keep(f"save_{label}", saved)
-    # Immutability: the server must refuse to replace the name without overwrite=True.
+    # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
     try:
         again = client.save_state(name).result()
-        rec.keep(f"save_{label}_again", again)
-        immutable = False
     except Exception as exc:
-        rec.keep(f"save_{label}_again_refused", {"error": f"{type(exc).__name__}: {exc}"})
-        immutable = True
-    return InitialCheckpoint(client, saved.path, immutable)
+        immutable, reason = duplicate_save_outcome(exc)
+        rec.keep(f"save_{label}_again_refused" if immutable else f"save_{label}_again_failed",
+                 {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason})
+    else:
+        immutable, reason = duplicate_save_outcome(None)
+        rec.keep(f"save_{label}_again", again)
+    return InitialCheckpoint(client, saved.path, immutable, reason, info)
 
 
 def _load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: _Recorder,
               call: Callable[[Callable[[], Any]], Any]) -> LoadedArm:
-    """Step 2: the arm's client from the checkpoint with optimizer; the load response kept."""
+    """Step 2: the arm's client from the checkpoint with optimizer; the load response kept. A
+    response without `path` (optional in the SDK's LoadWeightsResponse) leaves the URI unproved."""
+    from dppo_harness.service import describe_client
+
+    t0 = time.monotonic()
     client, resp = call(lambda: create_from_state_observed(service_client, path, arm))
+    seconds = time.monotonic() - t0
+    describe_client(service_client, client, f"arm {arm}: loaded from the initial checkpoint with optimizer")
     load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
-    rec.keep(f"load_{arm}.get_info", client.get_info())
-    return LoadedArm(client, resp.path if resp is not None and resp.path else None, load_ref, resp is not None)
+    info = client.get_info()
+    rec.keep(f"load_{arm}.get_info", info)
+    return LoadedArm(client, resp.path if resp is not None and resp.path else None, load_ref, resp is not None,
+                     source_path=path, response=resp, info=info, seconds=seconds)
 
 
 def _adapter_hashes(reader: LocalCheckpointReader | None, arms: Mapping[str, LoadedArm],
@@ -665,25 +750,37 @@ def _adapter_hashes(reader: LocalCheckpointReader | None, arms: Mapping[str, Loa
     return hashes, note, failures
 
 
+SOURCE_OUTPUT_KEY = "initial_checkpoint_source"
+
+
 def _initial_outputs(bundle: EvidenceBundle, arms: Mapping[str, LoadedArm], fixed_batch: Sequence[tinker.Datum],
-                     b_sha: str, atol: float) -> tuple[dict[str, str], dict[str, Any], list[str]]:
-    """Step 3: full logprobs of every arm on the fixed batch before any update, compared."""
+                     b_sha: str, atol: float, source: Sequence[np.ndarray] | None = None,
+                     ) -> tuple[dict[str, str], dict[str, Any], list[str]]:
+    """Step 3: full logprobs of every arm on the fixed batch before any update, compared. With a
+    single arm, `source` (the setup client's logprobs, taken before its first update) is what it
+    is compared with, so the check can still fail."""
     names = list(arms)
     logprobs = {a: full_logprobs(arms[a].client, fixed_batch) for a in names}
     out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
+    pairs = [(names[0], other, logprobs[other]) for other in names[1:]]
+    if len(names) == 1 and source is not None:
+        pairs = [(names[0], SOURCE_OUTPUT_KEY, source)]
     cmp, failures = {}, []
-    for other in names[1:]:
-        c = compare_logprobs(logprobs[names[0]], logprobs[other], atol)
-        cmp[f"{names[0]}_vs_{other}"] = c
+    for first, other, lp in pairs:
+        c = compare_logprobs(logprobs[first], lp, atol)
+        cmp[f"{first}_vs_{other}"] = c
         if not c["within_tolerance"]:
-            failures.append(f"initial logprobs differ between {names[0]} and {other}: max |diff| "
+            failures.append(f"initial logprobs differ between {first} and {other}: max |diff| "
                             f"{c['max_abs_diff']} > {atol}" + (f" ({c['problem']})" if "problem" in c else ""))
+    stored = dict(logprobs)
+    if len(names) == 1 and source is not None:
+        stored[SOURCE_OUTPUT_KEY] = list(source)
     bundle.register_json(INITIAL_OUTPUT_FILE, "tensors", {
-        "batch_sha256": b_sha, "dtype": {a: str(lp[0].dtype) for a, lp in logprobs.items()},
+        "batch_sha256": b_sha, "dtype": {a: str(lp[0].dtype) for a, lp in stored.items()},
         "output_sha256": out_sha, "comparison": cmp,
         "hash": "sha256 over every datum's per-token logprobs at the returned precision; see "
                 "restoration.logprobs_sha256",
-        "logprobs": {a: [x.tolist() for x in lp] for a, lp in logprobs.items()}})
+        "logprobs": {a: [x.tolist() for x in lp] for a, lp in stored.items()}})
     return out_sha, cmp, failures
 
 
@@ -695,18 +792,21 @@ def _provenance_entries(arms_cfg: Sequence[Mapping[str, Any]], base_model: str, 
     entries: dict[str, Any] = {}
     for arm in arms_cfg:
         a = arm["name"]
+        if a not in loaded:
+            continue
         common = dict(requested_optimizer=arm["optimizer"], requested_config=arm["optimizer_config"],
                       echoed=echo, echo_ref=probe.get("echo_ref"), echo_observed_on=probe.get("echo_observed_on"))
         checks = [
-            optimizer_check(after_restore=0, info=sources[a].client.get_info(),
+            optimizer_check(after_restore=0, info=sources[a].info,
                             info_ref=f"{RESPONSES_FILE}#create_{source_label[a]}.get_info", **common),
-            optimizer_check(after_restore=1, info=loaded[a].client.get_info(),
+            optimizer_check(after_restore=1, info=loaded[a].info,
                             info_ref=f"{RESPONSES_FILE}#load_{a}.get_info", **common),
         ]
         entries[a] = initialization_entry(
             base_checkpoint=base_model,
             checkpoint_uri=sources[a].path,
             checkpoint_immutable=sources[a].immutable,
+            checkpoint_immutable_reason=sources[a].immutable_reason or None,
             loaded_checkpoint_uri=loaded[a].loaded_path,
             load_succeeded=loaded[a].load_succeeded,
             evidence_ref=loaded[a].load_ref,
@@ -746,10 +846,11 @@ def run_restoration_preflight(
     """Run the restoration preflight for the initialization group of the plan's spec (a
     diagnostic's: its original plan's); see module docstring.
 
-    - `trained_arms`: the arms that will train in this session (None: all). Only they are posted in
-      the result's `initialization_provenance`; an untrained arm is left out of the optimizer-
-      restoration groups as the brief asks (listed under `excluded_arms` with the reason; its checks
-      stay in initialization-provenance.json).
+    - `trained_arms`: the arms that will train in this session (None: all). Only they get a client
+      (loaded from the initial checkpoint) and an `initialization_provenance` entry; an untrained arm
+      is never created and is left out of the optimizer-restoration groups as the brief asks (listed
+      under `excluded_arms` with the reason). A single trained arm's initial output is compared with
+      the setup client's, taken before that client's first update.
 
     - `checkpoint_reader` (local backend): measures adapter_sha256 of each arm as loaded and the
       LR-scaling update norms from server-written checkpoints. Without it (and without
@@ -776,7 +877,13 @@ def run_restoration_preflight(
     run = spec_plan.run
     assert run is not None  # every experiment spec has its RunConfig from load
     arms = restoration_arms(spec_plan.experiment)
-    arm_names = [a["name"] for a in arms]
+    all_arm_names = [a["name"] for a in arms]
+    if trained_arms is not None:
+        unknown = sorted(set(trained_arms) - set(all_arm_names))
+        if unknown or not trained_arms:
+            raise RestorationError(f"trained_arms {list(trained_arms)}: not arms of the initialization group "
+                                   f"{all_arm_names}")
+    arm_names = [a for a in all_arm_names if trained_arms is None or a in set(trained_arms)]
     rank = run.lora_rank
     seeds = {a.name: a.seed for a in run.arms}
     if len({seeds.get(a) for a in arm_names}) > 1:
@@ -805,6 +912,8 @@ def run_restoration_preflight(
     source_label = {a: "shared" if arm_seed[a] == seed else a for a in arm_names}
     initial_checkpoint = by_seed[seed].path
     bundle.add_checkpoint("initial", 0, initial_checkpoint)
+    # The setup client's own output, before its first update: what one loaded arm is compared with.
+    source_lp = full_logprobs(by_seed[seed].client, fixed_batch) if len(arm_names) == 1 else None
 
     # 2. Arms from the checkpoint with optimizer; keep the load responses.
     loaded = {}
@@ -817,14 +926,22 @@ def run_restoration_preflight(
 
     # 3. Initial outputs on the fixed batch, before any update.
     say(f"3/6: initial logprobs of {len(arm_names)} arms on the fixed batch ({len(fixed_batch)} datums)")
-    out_sha, cmp, output_failures = _initial_outputs(bundle, loaded, fixed_batch, b_sha, atol)
+    out_sha, cmp, output_failures = _initial_outputs(
+        bundle, loaded, fixed_batch, b_sha, atol,
+        source=source_lp if arm_seed[arm_names[0]] == seed else None)
     failures += output_failures
 
-    # 4. Probe clients: uninterrupted vs create-save-restore, same two fixed-gradient updates.
+    # 4. Probe: the setup client (uninterrupted) vs a create-save-restore client, same two
+    # fixed-gradient updates; update 1 is also the LR-scaling probe at the planned LR.
     opt_cfg = dict(arms[0]["optimizer_config"])
-    say("4/6: create-save-restore probe (uninterrupted vs restored client, 2 fixed-gradient updates)")
-    probe = _restore_probe(probe_sc, initial_checkpoint, fixed_batch, opt_cfg, tag, rec, atol, call,
-                           restore_optimizer=probe_restore_with_optimizer, say=say)
+    if update_norm is None and checkpoint_reader is not None:
+        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
+    base_lr = float(opt_cfg["learning_rate"])
+    lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
+    say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
+    probe = _restore_probe(probe_sc, by_seed[seed].client, initial_checkpoint, fixed_batch, opt_cfg, tag, rec,
+                           atol, call, restore_optimizer=probe_restore_with_optimizer,
+                           update_norm=update_norm if lr_in_plan else None, say=say)
     failures.extend(probe["failures"])
 
     # 5. Optimizer checks and the provenance entries.
@@ -832,19 +949,23 @@ def run_restoration_preflight(
     prov_body = {"version": 1, "arms": _provenance_entries(arms, base_model, sources, source_label, loaded, probe,
                                                            b_sha, out_sha, adapter_sha)}
     failures.extend(check_provenance(prov_body, arm_names))
+    excluded = {a: ("never trains in this session: no client created for it, excluded from the "
+                    "optimizer-restoration groups") for a in all_arm_names if a not in arm_names}
 
-    # 6. LR-scaling probe.
-    if update_norm is None and checkpoint_reader is not None:
-        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
-    say(f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh client each)")
+    # 6. LR-scaling probe (the planned LR was measured on the setup client in step 4).
+    say(f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
+        + ("; the planned one is the probe's update 1 on the setup client)" if lr_in_plan and update_norm else ")"))
     lr_block = lr_scaling_probe(probe_sc, initial_checkpoint, fixed_batch, opt_cfg, lr_multipliers,
-                                lr_rtol, update_norm, update_norm_unavailable_reason, call, say=say)
+                                lr_rtol, update_norm, update_norm_unavailable_reason, call,
+                                measured={base_lr: probe["base_lr_update_norm"]} if lr_in_plan and update_norm else None,
+                                say=say)
     if lr_block["available"] and not lr_block["passed"]:
         failures.append(f"LR scaling: {lr_block['problem']}")
 
     passed = not failures
     provenance = {
         **prov_body,
+        **({"excluded_arms": excluded} if excluded else {}),
         "group": {"arms": arm_names, "initial_checkpoint": initial_checkpoint,
                   "initial_output_comparison": cmp, "adapter_sha256_method": adapter_note,
                   "restore_probe": PROBE_FILE, "server_responses": RESPONSES_FILE},
@@ -858,38 +979,58 @@ def run_restoration_preflight(
     wall = time.monotonic() - t0
     posted = prov_body
     if trained_arms is not None:
-        # Each posted check keeps only what the arm's OWN responses exposed (issue 11 point 4).
+        # Each posted check keeps only what the arm's OWN responses exposed.
         posted = {"version": 1, "arms": {a: dict(e, optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]])
-                                         for a, e in prov_body["arms"].items() if a in set(trained_arms)},
-                  "excluded_arms": {a: "never trains in this session: excluded from the optimizer-restoration groups "
-                                       "(its preflight checks stay in " + PROVENANCE_FILE + ")"
-                                    for a in prov_body["arms"] if a not in set(trained_arms)}}
+                                         for a, e in prov_body["arms"].items()},
+                  "excluded_arms": excluded}
     bundle.update_result(initialization_provenance=posted,
                          metrics={"preflight/restoration_wall_seconds": wall,
                                   "preflight/restoration_passed": 1.0 if passed else 0.0})
     return RestorationResult(
         initial_checkpoint=initial_checkpoint, loaded_paths={a: arm.loaded_path for a, arm in loaded.items()
                                                              if arm.loaded_path},
-        clients={a: arm.client for a, arm in loaded.items()},
+        clients={a: arm.client for a, arm in loaded.items()}, loaded=dict(loaded),
         fixed_batch=fixed_batch, batch_sha256=b_sha, output_sha256=out_sha, provenance=provenance,
         passed=passed, failures=failures, lr_scaling=lr_block, probe=probe, wall_seconds=wall)
 
 
-def _restore_probe(service_client, initial_checkpoint, batch, opt_cfg, tag, rec, atol, call,
-                   restore_optimizer: bool = True, say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multipliers: Sequence[float]) -> bool:
+    """Whether the planned LR's scaling probe is the setup client's update 1 (no client of its own):
+    only with a measure that cannot leave that client waiting on a refused request (it still has
+    the restore probe to run); otherwise every LR gets its own client."""
+    return (update_norm is not None and any(float(m) == 1.0 for m in multipliers)
+            and bool(getattr(update_norm, "safe_on_a_working_client", False)))
+
+
+def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
+    """The fixed gradient of the restore probe's update 1 and of every LR-scaling probe."""
+    return reweighted(batch, 1.0, lambda i: i % 2 == 0)
+
+
+def _restore_probe(service_client, uninterrupted, initial_checkpoint, batch, opt_cfg, tag, rec, atol, call,
+                   restore_optimizer: bool = True, update_norm: UpdateNormMeasure | None = None,
+                   say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Uninterrupted vs create-save-restore probe clients must agree after the same update.
 
-    Two different fixed gradients (even / odd datums) are used so that a restore that dropped
-    the Adam moments would give a different second update (with one repeated gradient a fresh
-    Adam and a continued one take the same bias-corrected step, and the check could not fail).
+    `uninterrupted` is the setup client that saved the initial checkpoint and has applied nothing
+    since (the same state a fresh client from that checkpoint has). Two different fixed gradients
+    (even / odd datums) are used so that a restore that dropped the Adam moments would give a
+    different second update (with one repeated gradient a fresh Adam and a continued one take the
+    same bias-corrected step, and the check could not fail). With `update_norm`, update 1 is also
+    the LR-scaling probe at the planned LR (`base_lr_update_norm`).
     """
     failures: list[str] = []
     adam = _adam(opt_cfg)
-    g1 = reweighted(batch, 1.0, lambda i: i % 2 == 0)
+    g1 = probe_gradient(batch)
     g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
-    uninterrupted, _ = call(lambda: create_from_state_observed(service_client, initial_checkpoint))
     say("4/6: probe update 1 on the uninterrupted client")
-    _, opt1 = _step(uninterrupted, g1, adam)
+    norm1: float | None = None
+    if update_norm is None:
+        _, opt1 = _step(uninterrupted, g1, adam)
+    else:
+        done: dict[str, Any] = {}
+        norm1 = update_norm(uninterrupted, lambda: done.setdefault("step", _step(uninterrupted, g1, adam)))
+        _, opt1 = done["step"] if "step" in done else _step(uninterrupted, g1, adam)  # weights unread: no norm
     echo_ref = rec.keep("probe_optim_step_1", opt1)
     mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
     rec.keep("probe_save_mid", mid)
@@ -898,6 +1039,9 @@ def _restore_probe(service_client, initial_checkpoint, batch, opt_cfg, tag, rec,
     else:  # failure-path tests only: a restore that drops the Adam moments must be caught
         restored = call(lambda: service_client.create_training_client_from_state(mid.path).result())
         resp = tinker.types.LoadWeightsResponse(path=mid.path)
+    from dppo_harness.service import describe_client
+
+    describe_client(service_client, restored, "restore probe: created from the uninterrupted probe's mid save")
     rec.keep("probe_load_mid", resp if resp is not None else {"response": None})
     rec.keep("probe_load_mid.get_info", restored.get_info())
     say("4/6: probe update 2 on both clients, then logprobs compared")
@@ -931,8 +1075,10 @@ def _restore_probe(service_client, initial_checkpoint, batch, opt_cfg, tag, rec,
                           "update2_uninterrupted": dict(opt2_u.metrics or {}),
                           "update2_restored": dict(opt2_r.metrics or {})},
         "echoed_config": echoed, "echo_ref": echo_ref,
-        "echo_observed_on": "probe client created from the initial checkpoint with optimizer "
-                            "(optim_step response metrics)",
+        "echo_observed_on": "probe client (the setup client that saved the initial checkpoint, nothing applied "
+                            "since) (optim_step response metrics)",
+        "uninterrupted_client": "the setup client that saved the initial checkpoint (no update before update 1)",
+        "base_lr_update_norm": norm1,
         "failures": failures,
     }
 
@@ -940,10 +1086,14 @@ def _restore_probe(service_client, initial_checkpoint, batch, opt_cfg, tag, rec,
 def lr_scaling_probe(
     service_client, initial_checkpoint, batch, opt_cfg, multipliers, rtol,
     update_norm: UpdateNormMeasure | None, unavailable_reason: str, call=None,
+    measured: Mapping[float, float | None] | None = None,
     say: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
-    """Fresh client from the initial checkpoint per LR, the same fixed gradient, update norms.
+    """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
 
+    `measured`: LRs already probed from a fresh state (the restore probe's update 1 on the setup
+    client, at the planned LR); None there means that measure failed, and no further client is
+    created. Every other LR gets its own client created from the initial checkpoint with optimizer.
     Adam's first step is lr * m_hat / (sqrt(v_hat) + eps) ~ lr * sign(g), so update_norm / lr
     should be the same at every LR; the relative change against the first probe is checked.
     """
@@ -952,19 +1102,33 @@ def lr_scaling_probe(
     if update_norm is None:
         return {"available": False, "reason": unavailable_reason, "learning_rates": lrs,
                 "lr_scaling": [], "passed": None}
-    g = reweighted(batch, 1.0, lambda i: True)
-    probes: list[dict[str, float]] = []
+    measured = dict(measured or {})
+
+    def unavailable() -> dict[str, Any]:
+        why = getattr(update_norm, "last_error", None) or "no measurement"
+        return {"available": False, "reason": f"{update_norm.description}: {why}",
+                "learning_rates": lrs, "lr_scaling": [], "passed": None}
+
+    if any(v is None for v in measured.values()):
+        return unavailable()
+    from dppo_harness.service import describe_client
+
+    g = probe_gradient(batch)
+    norms: dict[float, float] = {lr: float(v) for lr, v in measured.items() if v is not None}
     for i, lr in enumerate(lrs, start=1):
+        if lr in norms:
+            say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
+            continue
         say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
         client, _ = (call or (lambda fn: fn()))(
             lambda: create_from_state_observed(service_client, initial_checkpoint))
+        describe_client(service_client, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
         adam = _adam(opt_cfg, lr)
         norm = update_norm(client, lambda c=client, a=adam: _step(c, g, a))
         if norm is None:
-            why = getattr(update_norm, "last_error", None) or "no measurement"
-            return {"available": False, "reason": f"{update_norm.description}: {why}",
-                    "learning_rates": lrs, "lr_scaling": [], "passed": None}
-        probes.append({"learning_rate": lr, "update_norm": float(norm)})
+            return unavailable()
+        norms[lr] = float(norm)
+    probes: list[dict[str, float]] = [{"learning_rate": lr, "update_norm": norms[lr]} for lr in lrs]
     errors = lr_scaling_error(probes)
     worst = max(errors)
     passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= rtol)
@@ -972,8 +1136,11 @@ def lr_scaling_probe(
     if not passed:
         problem = (f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {rtol})"
                    if worst > rtol else "an update norm is zero: the update did not move parameters")
-    return {"available": True, "measure": update_norm.description, "reset": "fresh client from "
-            "the initial checkpoint per probe", "gradient": "cross_entropy on all fixed-batch datums",
+    reset = ("a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
+             "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
+             "every other LR") if measured else "a client created from the initial checkpoint with optimizer per probe"
+    return {"available": True, "measure": update_norm.description, "reset": reset,
+            "gradient": "cross_entropy on the even fixed-batch datums (the restore probe's update 1)",
             "lr_scaling": probes, "relative_error": [e if math.isfinite(e) else None for e in errors],
             "rtol": rtol, "passed": passed,
             "problem": problem}

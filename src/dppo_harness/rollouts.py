@@ -151,8 +151,12 @@ def sample_batch(
             raise RolloutError(f"group {g}: {len(res.sequences)} sequences, expected {cfg.group_size}")
         responses, logprobs = [], []
         for s, seq in enumerate(res.sequences):
-            if seq.logprobs is None or len(seq.logprobs) != len(seq.tokens):
-                raise RolloutError(f"group {g} sample {s}: sampler logprobs missing or misaligned")
+            if seq.logprobs is None:  # optional in the SDK's SampledSequence: p_old cannot be invented
+                raise RolloutError(f"group {g} sample {s}: the sample response has no logprobs "
+                                   "(SampledSequence.logprobs, optional in the SDK): no sampler log-probs to train on")
+            if len(seq.logprobs) != len(seq.tokens):
+                raise RolloutError(f"group {g} sample {s}: {len(seq.logprobs)} sampler logprobs for "
+                                   f"{len(seq.tokens)} tokens")
             if len(seq.tokens) > cfg.max_tokens:
                 raise RolloutError(f"group {g} sample {s}: {len(seq.tokens)} tokens > max_tokens")
             responses.append(tuple(int(t) for t in seq.tokens))

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -138,6 +138,7 @@ def make_service_client(
     registry: ClientRegistry | None = None,
     stage: str = "session",
     observer: TrainingClientObserver | None = None,
+    label: str | None = None,
     waiter: ServiceWaiter | None = None,
     sdk_telemetry: bool = False,
 ) -> ObservedServiceClient:
@@ -150,13 +151,16 @@ def make_service_client(
     shared Spindle) or from RUNS_PROXY_TOKEN_* (proxy_tokens="runs", a fork); see proxy_headers.
     local: the given loopback base_url and constants.LOCAL_API_KEY; no environment needed.
     observer: called with each training client this ServiceClient creates (see ObservedServiceClient).
+    registry: the ServiceClient is registered under `stage` (released at that stage's end, always on
+    exit) with `label` saying what its session is for; its training clients are listed per stage.
     sdk_telemetry: False (default) sets TINKER_TELEMETRY=0 for this process (apply_sdk_telemetry).
     """
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     apply_sdk_telemetry(sdk_telemetry)
-    client = ObservedServiceClient(observer=observer, waiter=waiter, **kwargs)
+    client = ObservedServiceClient(observer=observer, waiter=waiter,
+                                   stage_of=registry.stage_now if registry else None, **kwargs)
     if registry is not None:
-        registry.register(client, stage=stage, label=f"{backend}-service-client")
+        registry.register(client, stage=stage, label=label or f"{backend}-service-client")
     return client
 
 
@@ -165,30 +169,59 @@ def make_service_client(
 TrainingClientObserver = Callable[[Any, str], Any]  # (training client, creation label)
 
 
+@dataclass
+class CreatedClient:
+    """One training client a ServiceClient created: its id, the SDK method, the stage it was
+    created in and what it is for (`role`, set by the code that uses it)."""
+
+    model_id: str | None
+    method: str
+    stage: str | None
+    created_at: str
+    role: str | None = None
+
+
+def _now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 class ObservedServiceClient(tinker.ServiceClient):
-    """A ServiceClient whose every client waits under one ServiceWaiter, and which reports every
-    training client it creates before the caller uses it.
+    """A ServiceClient whose every client waits under one ServiceWaiter, and which lists every
+    training client it creates and reports each one, before the caller uses it, to `observer`.
 
     Creation, sampling-client and REST futures are WaitedFutures; the clients they resolve to are
     WaitedClients (service_wait), so no call a stage makes on them can wait unbounded. The
     observer (e.g. identity.TrainingClientRecorder) records what the server says a new training
-    client is; its errors are logged, never raised: observing must not change the run.
+    client is; its errors are logged, never raised: observing must not change the run. `stage_of`
+    names the stage running now (the registry's), kept with each created client.
     """
 
     def __init__(self, *args: Any, observer: TrainingClientObserver | None = None,
-                 waiter: ServiceWaiter | None = None, **kwargs: Any):
+                 waiter: ServiceWaiter | None = None, stage_of: Callable[[], str | None] | None = None,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._observer = observer
+        self._stage_of = stage_of
+        self.created: list[CreatedClient] = []
         self.waiter = waiter or ServiceWaiter()
         install_creation_watch()  # creation pauses reach the waiter too
 
     def observe(self, client: Any, label: str) -> None:
+        model_id = getattr(client, "model_id", None)
+        self.created.append(CreatedClient(None if model_id is None else str(model_id), label,
+                                          self._stage_of() if self._stage_of else None, _now_iso()))
         if self._observer is None:
             return
         try:
             self._observer(client, label)
         except Exception as exc:
             logger.warning("recording training client (%s) failed: %s: %s", label, type(exc).__name__, exc)
+
+    def describe(self, client: Any, role: str) -> None:
+        model_id = getattr(client, "model_id", None)
+        for c in self.created:
+            if model_id is not None and c.model_id == str(model_id):
+                c.role = role
 
     def adopt(self, client: Any, label: str, name: str | None = None) -> Any:
         """A training client this session made: observed, then waited under the policy."""
@@ -286,6 +319,13 @@ def create_from_state_with_response(service_client: Any, path: str, name: str | 
     return notify_training_client(service_client, client, call, name), response
 
 
+def describe_client(service_client: Any, client: Any, role: str) -> Any:
+    """Say what a training client is for (listed in client-releases.json); returns the client."""
+    if isinstance(service_client, ObservedServiceClient):
+        service_client.describe(client, role)
+    return client
+
+
 def live_secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """The secret values present in env that evidence must never contain."""
     return [v for _, v in live_secret_items(env)]
@@ -328,6 +368,11 @@ class _Entry:
     label: str
     released: bool = False
     error: str | None = None
+    released_at: str | None = None
+
+
+def training_clients_of(service_client: Any) -> list[CreatedClient]:
+    return list(getattr(service_client, "created", None) or [])
 
 
 class ClientRegistry:
@@ -335,7 +380,8 @@ class ClientRegistry:
 
     The SDK's only release is `ServiceClient.close(status)`: it finishes the session on the server
     (POST sessions/{id}/finish, which ends the session's training and sampling clients) and stops
-    heartbeats. A client counts as released only when that future completed without error.
+    heartbeats. A client counts as released only when that future completed without error. Each
+    release is kept as an event naming the sessions it closed and the ones still open.
     """
 
     def __init__(self, release_timeout_s: float = 60.0):
@@ -343,6 +389,11 @@ class ClientRegistry:
         self._lock = threading.Lock()
         self.release_timeout_s = release_timeout_s
         self._atexit = False
+        self.current_stage: str | None = None  # set by the plugin as stages begin
+        self.events: list[dict[str, Any]] = []
+
+    def stage_now(self) -> str | None:
+        return self.current_stage
 
     def register(self, client: Any, *, stage: str, label: str = "service-client") -> Any:
         with self._lock:
@@ -361,7 +412,7 @@ class ClientRegistry:
             fut = entry.client.close(status)
             if hasattr(fut, "result"):
                 fut.result(timeout=self.release_timeout_s)
-            entry.released, entry.error = True, None
+            entry.released, entry.error, entry.released_at = True, None, _now_iso()
         except Exception as exc:  # record and carry on: releasing the rest matters more
             entry.error = f"{type(exc).__name__}: {exc}"
             logger.warning("releasing %s failed: %s", entry.label, entry.error)
@@ -369,21 +420,47 @@ class ClientRegistry:
     def release_stage(self, stage: str, status: str = "success") -> list[dict[str, Any]]:
         with self._lock:
             entries = [e for e in self._entries if e.stage == stage]
-        for e in entries:
-            self._release(e, status)
+        self._release_and_note(entries, status, f"release of stage {stage!r}")
         return [self._record(e) for e in entries]
 
     def release_all(self, status: str = "success") -> bool:
         """Release every registered client; True iff all of them are released (vacuously with none)."""
         with self._lock:
             entries = list(self._entries)
-        for e in entries:
-            self._release(e, status)
+        self._release_and_note(entries, status, f"release of every session ({status})")
         return all(e.released for e in entries)
+
+    def _release_and_note(self, entries: list[_Entry], status: str, trigger: str) -> None:
+        pending = [e for e in entries if not e.released]
+        for e in pending:
+            self._release(e, status)
+        if not pending:
+            return
+        with self._lock:
+            still_open = [e for e in self._entries if not e.released]
+            self.events.append({
+                "at": _now_iso(), "stage": self.current_stage, "trigger": trigger,
+                "closed": [e.label for e in pending if e.released],
+                "close_failed": [{"label": e.label, "error": e.error} for e in pending if not e.released],
+                "still_open": [{"label": e.label, "training_clients": len(training_clients_of(e.client))}
+                               for e in still_open],
+            })
 
     @staticmethod
     def _record(e: _Entry) -> dict[str, Any]:
-        return {"label": e.label, "stage": e.stage, "released": e.released, "error": e.error}
+        return {"label": e.label, "stage": e.stage, "released": e.released, "error": e.error,
+                "released_at": e.released_at,
+                "training_clients": [asdict(c) for c in training_clients_of(e.client)]}
+
+    def training_clients_by_stage(self) -> dict[str, int]:
+        """How many training clients every registered session created, per stage they were created in."""
+        counts: dict[str, int] = {}
+        with self._lock:
+            for e in self._entries:
+                for c in training_clients_of(e.client):
+                    key = c.stage or "outside any stage"
+                    counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def records(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dppo_harness import instrumentation as ins
@@ -41,6 +41,10 @@ class UpdateResult:
     optim: Any  # tinker OptimStepResponse
     seconds: float  # submit -> both awaited
     behind: Any = None  # what `submit_behind()` returned (e.g. a forward future), not awaited here
+    # Where `seconds` went, as this client saw it: forward_wait (submit -> the loss called with the
+    # first pass's logprobs), loss, before_optim, backward_wait (-> the custom loss's result),
+    # optim_wait (-> the optimizer step's result).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def minibatch_update(
@@ -65,26 +69,55 @@ def minibatch_update(
     for benchmarks/round_trips.py and the equivalence test.
     """
     t0 = time.perf_counter()
+    marks: dict[str, float] = {}
+    inner = loss_fn
+
+    def timed_loss_fn(data: list, logprobs: list) -> tuple[Any, dict[str, float]]:
+        marks["loss_start"] = time.perf_counter()
+        out = inner(data, logprobs)
+        marks["loss_end"] = time.perf_counter()
+        if not sequential:
+            if before_optim is not None:
+                before_optim()
+            marks["before_optim_end"] = time.perf_counter()
+        return out
+
     if sequential:
-        fb_out = training_client.forward_backward_custom(list(datums), loss_fn).result()
+        fb_out = training_client.forward_backward_custom(list(datums), timed_loss_fn).result()
+        marks["fb_done"] = time.perf_counter()
         if before_optim is not None:
             before_optim()
+        marks["before_optim_end"] = time.perf_counter()
         opt_out = training_client.optim_step(adam).result()
+        marks["optim_done"] = time.perf_counter()
         behind = submit_behind() if submit_behind is not None else None
-        return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind)
-    if before_optim is not None:
-        inner = loss_fn
-
-        def loss_fn(data: list, logprobs: list) -> tuple[Any, dict[str, float]]:
-            out = inner(data, logprobs)
-            before_optim()
-            return out
-
-    fb = training_client.forward_backward_custom(list(datums), loss_fn)
+        return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind, _phases(t0, marks, sequential))
+    fb = training_client.forward_backward_custom(list(datums), timed_loss_fn)
     opt = training_client.optim_step(adam)
     behind = submit_behind() if submit_behind is not None else None
-    fb_out, opt_out = fb.result(), opt.result()
-    return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind)
+    fb_out = fb.result()
+    marks["fb_done"] = time.perf_counter()
+    opt_out = opt.result()
+    marks["optim_done"] = time.perf_counter()
+    return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind, _phases(t0, marks, sequential))
+
+
+def _phases(t0: float, marks: Mapping[str, float], sequential: bool) -> dict[str, float]:
+    """Durations between consecutive marks of one update; an interval whose mark is missing (a
+    loss that was never called) is left out, not guessed."""
+    order = (("forward_wait", "loss_start"), ("loss", "loss_end"))
+    order += ((("backward_wait", "fb_done"), ("before_optim", "before_optim_end")) if sequential else
+              (("before_optim", "before_optim_end"), ("backward_wait", "fb_done")))
+    order += (("optim_wait", "optim_done"),)
+    out, last = {}, t0
+    for name, mark in order:
+        if mark in marks:
+            if last is not None:
+                out[name] = marks[mark] - last
+            last = marks[mark]
+        else:
+            last = None
+    return out
 
 
 def train_step(

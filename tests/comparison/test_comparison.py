@@ -146,3 +146,29 @@ def test_summary_is_two_plain_sentences_naming_the_served_model(comparison_run, 
     served = evidence_bundle.result["backend"]["served_model"]
     if evidence_bundle.result["backend"]["kind"] == "local":
         assert served in summary and "rehearsal" in summary
+
+
+def test_the_schedule_and_its_source_are_recorded(comparison_run, evidence_bundle, harness_options):
+    """The embedded rehearsal keeps `interleaved` unless asked; a real service defaults to concurrent."""
+    manifest = json.loads(evidence_bundle.file_path("comparison-run-0.json").read_text())
+    assert manifest["schedule"] == comparison_run.schedule
+    if harness_options.comparison_schedule is None:
+        embedded = (evidence_bundle.result.get("backend") or {}).get("kind") == "local"
+        assert comparison_run.schedule == ("interleaved" if embedded else "concurrent")
+        assert manifest["schedule_source"].startswith("default on")
+    state = json.loads(evidence_bundle.file_path("comparison-state-r0-end.json").read_text())
+    guard = state["training"]["wall_guard"]
+    assert guard["step_seconds"] and len(guard["step_seconds"]) == comparison_run.steps_completed
+
+
+def test_gate_and_feasibility_clients_were_closed_before_the_arms_trained(comparison_run, client_registry):
+    sessions = {r["stage"]: r for r in client_registry.records()}
+    for stage in ("preflight-probes", "feasibility-pilot", "gate-pilot"):
+        assert sessions[stage]["released"], stage
+    assert not sessions["session"]["released"]  # the arms' session stays open until the session ends
+    closed_in = {label: ev["stage"] for ev in client_registry.events for label in ev["closed"]}
+    assert closed_in[sessions["gate-pilot"]["label"]] == "gate"  # closed in its own stage, before the arms
+    assert closed_in[sessions["preflight-probes"]["label"]] == "preflight"
+    # The comparison creates a training client only to restore an arm for a retried step.
+    retries = sum(r.get("retries", 0) for r in comparison_run.rows)
+    assert client_registry.training_clients_by_stage().get("comparison", 0) <= retries

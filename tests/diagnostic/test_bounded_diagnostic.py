@@ -45,6 +45,14 @@ def test_evidence_verify_and_offline_replay_pass(diagnostic_run, evidence_bundle
     assert f"{diagnostic_run.updates_done} loss calls" in replay.stdout
 
 
+def test_the_diagnostic_trained_the_preflights_client(diagnostic_run, client_registry, evidence_bundle):
+    """No third DPPO client: no training client is created in the diagnostic stage."""
+    assert client_registry.training_clients_by_stage().get("diagnostic", 0) == 0
+    assert diagnostic_run.restore.get("source", "").startswith("the restoration preflight's client")
+    entry = evidence_bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]
+    assert entry["restore_count"] == 1 and [c["after_restore"] for c in entry["optimizer_checks"]] == [0, 1]
+
+
 def test_truncation_and_declarations_are_recorded_and_reported(diagnostic_run, evidence_bundle):
     """The frozen batch's truncation at max_tokens and answer yield are measured and stated in the
     report next to the declared renderer (thinking mode) and loss normalization."""

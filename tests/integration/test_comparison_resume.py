@@ -62,14 +62,12 @@ def _server_and_initial_state(srv, registry, stage):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, registry):
-    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("resume-server")).start()
+def engine(shared_server, registry):
     try:
-        yield _server_and_initial_state(srv, registry, "resume")
-        assert all(r["released"] for r in registry.release_stage("resume"))  # before its server stops
+        yield _server_and_initial_state(shared_server, registry, "resume")
+        assert all(r["released"] for r in registry.release_stage("resume"))
     finally:
         registry.release_stage("resume")
-        srv.stop()
 
 
 # The 18th optim_step on this server (numbered when they execute, interleaved schedule, 2 arms x

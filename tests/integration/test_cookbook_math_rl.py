@@ -16,8 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dppo_harness.local_server.process import LocalServerProcess
-
 RENDERER_WARNING = "Could not fetch renderer metadata"
 CI_SIZE = {"lora_rank": "8", "group_size": "2", "groups_per_batch": "2", "max_tokens": "24", "save_every": "1"}
 
@@ -41,20 +39,18 @@ def _final_state_path(log_path: Path) -> str:
     return [r for r in rows if r.get("name") == "final"][-1]["state_path"]
 
 
-def test_math_rl_two_steps_then_load_checkpoint(readme, tmp_path):
-    with LocalServerProcess(run_dir=tmp_path / "server") as srv:
-        first = _math_rl(readme, srv.base_url, tmp_path / "run1", max_steps="2")
-        assert first.returncode == 0, first.stderr[-3000:]
-        metrics = [json.loads(line) for line in (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()]
-        assert [m["progress/batch"] for m in metrics] == [0, 1]
-        assert all(m["optim/step"] >= 1 for m in metrics)
-        state = _final_state_path(tmp_path / "run1")
-        assert state.startswith("tinker://") and "/weights/" in state
+def test_math_rl_two_steps_then_load_checkpoint(readme, tmp_path, shared_server):
+    srv = shared_server
+    first = _math_rl(readme, srv.base_url, tmp_path / "run1", max_steps="2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["progress/batch"] for m in metrics] == [0, 1]
+    assert all(m["optim/step"] >= 1 for m in metrics)
+    state = _final_state_path(tmp_path / "run1")
+    assert state.startswith("tinker://") and "/weights/" in state
 
-        second = _math_rl(readme, srv.base_url, tmp_path / "run2", max_steps="1", load_checkpoint_path=state)
-        assert second.returncode == 0, second.stderr[-3000:]
-        # The cookbook confirms the renderer of a loaded checkpoint through training_runs.
-        assert RENDERER_WARNING not in second.stdout + second.stderr, "training_runs lookup failed"
-        assert (tmp_path / "run2" / "metrics.jsonl").read_text().strip()
-    assert srv.proc is None or srv.proc.poll() is not None
-
+    second = _math_rl(readme, srv.base_url, tmp_path / "run2", max_steps="1", load_checkpoint_path=state)
+    assert second.returncode == 0, second.stderr[-3000:]
+    # The cookbook confirms the renderer of a loaded checkpoint through training_runs.
+    assert RENDERER_WARNING not in second.stdout + second.stderr, "training_runs lookup failed"
+    assert (tmp_path / "run2" / "metrics.jsonl").read_text().strip()

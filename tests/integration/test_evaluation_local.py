@@ -6,10 +6,9 @@ import pytest
 import tinker
 
 from dppo_harness import constants, evaluation, gsm8k, stats
-from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.tokenizer import make_renderer
 
-MODEL = "tiny-qwen3-random"
+MODEL = "tiny-qwen3-random"  # conftest.shared_random_server
 N_ITEMS = 12
 
 
@@ -18,12 +17,13 @@ def bundle():
     return make_renderer()
 
 
-def test_small_greedy_evaluation(tmp_path, bundle):
+def test_small_greedy_evaluation(tmp_path, bundle, shared_random_server):
     items, deviation = evaluation.select_items(gsm8k.load_split("test"), N_ITEMS, reason="integration test: small subset")
     assert deviation is not None and deviation["field"] == "evaluator"
     evaluator = evaluation.freeze_evaluator(items, bundle, max_tokens=24, deviation=deviation)
-    with LocalServerProcess(tmp_path / "srv", model=MODEL) as srv:
-        sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
+    srv = shared_random_server  # the MODEL preset
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
+    try:
         tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=8, seed=0).result()
         path = tc.save_weights_for_sampler("final").result().path
         sampler = sc.create_sampling_client(model_path=path).result()
@@ -34,7 +34,8 @@ def test_small_greedy_evaluation(tmp_path, bundle):
             tuple(sampler.sample(gsm8k.build_prompt(it, bundle.renderer)[0], 1, tinker.SamplingParams(max_tokens=24, temperature=1.0, stop=[constants.STOP_TOKEN_ID])).result().sequences[0].tokens)
             for it in items[:4] for _ in range(2)
         ]
-        sc.close("success").result(timeout=60)  # before the server stops: no SDK heartbeat outlives it
+    finally:
+        sc.close("success").result(timeout=60)  # no SDK heartbeat outlives the shared server
     assert len(a.rows) == N_ITEMS and [r["item_id"] for r in a.rows] == [it.item_id for it in items]
     assert all(r["value"] in (0, 1) and r["evaluator_id"] == evaluator.evaluator_id for r in a.rows)
     assert all(r["checkpoint"] == path and r["n_tokens"] <= 24 for r in a.rows)

@@ -15,7 +15,6 @@ import tinker
 
 from dppo_harness import constants, diagnostic, replay
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
-from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -28,16 +27,14 @@ HIGH_LR = 1e-2  # 500x the plan's 2e-5: deliberately far off-policy after one up
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("must-fire-server")).start()
-    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
+def engine(shared_server):
+    sc = tinker.ServiceClient(base_url=shared_server.base_url, api_key=constants.LOCAL_API_KEY)
     try:
         tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
         init = tc.save_state("must-fire-initial").result().path
         yield sc, init
     finally:
         sc.close("success").result(timeout=60)
-        srv.stop()
 
 
 def _run(engine, tmp_path, lr):

@@ -1,6 +1,7 @@
-"""The tiny presets compute bitwise what they computed before the decode loops were merged: the
-sha256 of every section of `local_server.fingerprint` (training outputs, optimizer step, seeded
-sampling, prompt logprobs) equals the pinned value. The pins hold for one torch build and CPU
+"""The tiny presets compute bitwise what they computed when pinned (before the decode loops were
+merged; re-pinned for the trainer's fused output head, see the fixture's `_about`): the sha256 of
+every section of `local_server.fingerprint` (training outputs, optimizer step, seeded sampling,
+prompt logprobs) equals the pinned value. The pins hold for one torch build and CPU
 capability; elsewhere the test skips and says which differs."""
 
 from __future__ import annotations

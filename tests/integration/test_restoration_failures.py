@@ -1,7 +1,11 @@
 """Restoration preflight against its own embedded server: a clean run passes, and initial states
-that must not pass do not (a different seed for one arm; a restore that drops Adam state)."""
+that must not pass do not (a different seed for one arm; a restore that drops Adam state). It
+creates only the training clients its proofs need, and the diagnostic trains the arm client it
+loaded."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import tinker
@@ -9,17 +13,15 @@ import tinker
 from dppo_harness import constants, project
 from dppo_harness import restoration as R
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
-from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # The untrained preset: restoration checks do not need a warm-started model, and it starts fast.
-    with LocalServerProcess(run_dir=tmp_path_factory.mktemp("restoration-srv"), model="tiny-qwen3-random") as srv:
-        yield srv
+def server(shared_random_server):
+    # The untrained preset: restoration checks do not need a warm-started model.
+    return shared_random_server
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +56,14 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
 def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
     sc, probe_sc = _client(server), _client(server)
     try:
+        before = _models(server)
         lines: list[str] = []
         result, bundle = _run(server, spec, fixed_batch, tmp_path, sc=sc, probe_service_client=probe_sc,
                               progress=lines.append)
         probe_sc.close("success").result(timeout=60)  # release setup + probe clients
         assert result.passed, result.failure_message()
+        # 2 arms + setup (= uninterrupted probe, planned-LR probe) + restored probe + 2 other LRs (8 before)
+        assert len(_models(server) - before) == 6
         # Never silent: every one of the six steps says so, with how far along it is.
         for k in range(1, 7):
             assert any(m.startswith(f"[preflight] restoration {k}/6: ") for m in lines), (k, lines)
@@ -94,3 +99,60 @@ def test_restore_without_optimizer_state_fails_the_probe(server, spec, fixed_bat
                      lr_multipliers=(1.0, 2.0))
     assert not result.passed
     assert any("restored probe update differs from uninterrupted" in f for f in result.failures), result.failures
+
+
+def _models(server) -> set[str]:
+    return set(server.stats()["models"])
+
+
+def test_a_single_trained_arm_gets_only_the_clients_its_proofs_need(server, spec, fixed_batch, tmp_path):
+    """Under the diagnostic plan only the DPPO arm trains: no client for the untrained baseline;
+    the setup client is the uninterrupted probe and the planned-LR probe; one restored probe and
+    one client per other LR. 5 training clients (8 before: 2 arms, a separate uninterrupted probe,
+    one client per LR), and every proof still runs and passes."""
+    before = _models(server)
+    result, bundle = _run(server, spec, fixed_batch, tmp_path, trained_arms=("dppo_seed0",))
+    created = _models(server) - before
+    assert result.passed, result.failure_message()
+    assert len(created) == 5, sorted(created)
+    assert sorted(result.clients) == ["dppo_seed0"] and set(result.loaded) == {"dppo_seed0"}
+    written = bundle.result["initialization_provenance"]
+    assert set(written["arms"]) == {"dppo_seed0"} and "grpo_seed0" in written["excluded_arms"]
+    # One loaded arm: its initial output is compared with the setup client's, before any update.
+    (cmp,) = result.provenance["group"]["initial_output_comparison"].items()
+    assert cmp[0] == f"dppo_seed0_vs_{R.SOURCE_OUTPUT_KEY}" and cmp[1]["within_tolerance"]
+    assert result.probe["restored_vs_uninterrupted"]["within_tolerance"]
+    assert result.probe["base_lr_update_norm"] > 0
+    lr = result.lr_scaling
+    assert lr["available"] and lr["passed"] and len(lr["lr_scaling"]) == 3
+    base = next(p for p in lr["lr_scaling"] if p["learning_rate"] == 2e-5)
+    assert base["update_norm"] == result.probe["base_lr_update_norm"]  # the probe's update 1, not a new client
+    assert verify_bundle(bundle.dir) == []
+
+
+def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_batch, tmp_path):
+    """No third DPPO client: the bounded diagnostic trains the arm's client the preflight loaded
+    (its observed load is the run's restore, restore_count stays 1)."""
+    from dppo_harness import diagnostic
+
+    diag_plan = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
+    sc = _client(server)
+    try:
+        result, bundle = _run(server, spec, fixed_batch, tmp_path, sc=sc, trained_arms=("dppo_seed0",),
+                              lr_multipliers=(1.0, 2.0))
+        assert result.passed, result.failure_message()
+        before = _models(server)
+        res = diagnostic.run_bounded_diagnostic(
+            sc, diag_plan, bundle, result.initial_checkpoint, backend="local", init_reference=result,
+            restored=result.loaded["dppo_seed0"], groups_per_batch=2, group_size=4, max_tokens=32,
+            minibatches_per_epoch=1, groups_per_minibatch=2, max_updates=2, sentinels_per_sign=1)
+        assert not res.errors, res.errors
+        assert _models(server) == before  # no training client created by the diagnostic
+        assert res.updates_done == 2
+        entry = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]
+        assert entry["restore_count"] == 1
+        assert [c["after_restore"] for c in entry["optimizer_checks"]] == [0, 1]
+        assert entry["initial_output"]["bitwise_equal_to_group"] == {"dppo_seed0": True}
+        assert entry["initialization"]["loaded_checkpoint_uri"] == result.initial_checkpoint
+    finally:
+        sc.close("success").result(timeout=60)

@@ -8,37 +8,26 @@ import json
 from pathlib import Path
 
 from dppo_harness import correctness
-from dppo_harness import restoration as R
+from dppo_harness.correctness_stage import run_correctness_preflight
 from dppo_harness.progress import Watchdog
 
 ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = ROOT / "tests" / "fixtures" / "dppo_golden_v1.json"
 
 
 def test_correctness_preflight_passes_and_is_recorded(restoration, plan, evidence_bundle, harness_progress):
-    spec = plan.spec_json()
+    trained = {arm.loss for arm in plan.spec_plan.run.arms}
     with Watchdog(harness_progress, every_s=10.0) as watch:
-        report = correctness.check_golden(GOLDEN, tolerances=correctness.spec_tolerances(spec), progress=watch.say)
-    block = R.attach_lr_scaling(correctness.build_preflight_block(report, spec), restoration.lr_scaling)
-    status, messages = correctness.validate_preflight(spec, block)
-    # Each arm's registered loss: its numpy reference reproduces its golden cases, and the packed
-    # path it trains with matches the reference.
-    parity = [correctness.registered_loss_parity(n, ROOT) for n in sorted({a.loss for a in plan.spec_plan.run.arms})]
-    evidence_bundle.register_file(GOLDEN.name, "tensors", GOLDEN)
-    evidence_bundle.register_json("correctness-golden-report.json", "metrics", {**report.to_json(), "loss_registry_parity": {
-        "tolerance": correctness.REGISTRY_TOLERANCE,
-        "losses": [{"loss": r.loss, "cases": r.cases, "passed": r.passed, "failures": list(r.failures)} for r in parity]}})
-    evidence_bundle.register_json("correctness-preflight.json", "metrics",
-                                  {"status": status, "messages": messages, "correctness_preflight": block})
-    evidence_bundle.update_result(correctness_preflight=block)
-    assert report.n_failed == 0, "\n".join(r.line() for r in report.results if not r.passed)
-    assert all(r.passed for r in parity), [f for r in parity for f in r.failures] or [r.loss for r in parity]
-    assert status == "passed", "\n".join(messages)
-    assert evidence_bundle.result["correctness_preflight"] == json.loads(json.dumps(block))
+        outcome = run_correctness_preflight(plan.spec_json(), restoration.lr_scaling, trained, ROOT, progress=watch.say)
+    evidence_bundle.register_file(outcome.golden.name, "tensors", outcome.golden)
+    evidence_bundle.register_json("correctness-golden-report.json", "metrics", outcome.golden_report_json())
+    evidence_bundle.register_json("correctness-preflight.json", "metrics", outcome.preflight_json())
+    evidence_bundle.update_result(correctness_preflight=outcome.block)
+    assert outcome.passed, "\n".join(outcome.failures())
+    assert evidence_bundle.result["correctness_preflight"] == json.loads(json.dumps(outcome.block))
 
 
 def test_correctness_validator_exit_code_is_recorded(plan, evidence_bundle, harness_progress):
-    """Issue 11 point 8: the brief's validator runs on the written preflight; its exit code is evidence."""
+    """The brief's validator runs on the written preflight; its exit code is evidence."""
     block = evidence_bundle.result["correctness_preflight"]
     assert block, "the correctness preflight was not written"
     with Watchdog(harness_progress, every_s=10.0) as watch:

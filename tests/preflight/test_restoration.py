@@ -12,6 +12,8 @@ def test_restoration_preflight_passes(restoration):
 
 def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
     arms = [a["name"] for a in R.restoration_arms(plan.spec_plan.experiment)]
+    if plan.kind == "bounded_diagnostic":  # only the arm that trains gets a client
+        arms = [plan.diagnostic.fixed_settings.treatment.arm]
     assert sorted(restoration.clients) == sorted(arms)
     assert restoration.loaded_paths == dict.fromkeys(arms, restoration.initial_checkpoint)
     entries = restoration.provenance["arms"]
@@ -68,3 +70,17 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
         assert set(written["excluded_arms"]) == {a.name for a in plan.spec_plan.run.arms} - {trained}
     names = {f["name"] for f in evidence_bundle.files()}
     assert {R.PROVENANCE_FILE, R.FIXED_BATCH_FILE, R.INITIAL_OUTPUT_FILE, R.RESPONSES_FILE} <= names
+
+
+def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, client_registry):
+    """Created only what the launch needs: the arms that train (on the session's ServiceClient) and
+    the setup/probe clients on their own session, closed when the preflight ended."""
+    sessions = {r["stage"]: r for r in client_registry.records()}
+    probes = sessions["preflight-probes"]
+    assert probes["released"] and probes["released_at"]
+    roles = [c["role"] or "" for c in probes["training_clients"]]
+    assert roles[0].startswith("setup (shared") and "uninterrupted restore probe" in roles[0]
+    assert sum(r.startswith("restore probe") for r in roles) == 1
+    assert len(roles) <= 2 + len(R.DEFAULT_LR_MULTIPLIERS) - 1  # one client per LR other than the planned one
+    arms = [c for c in sessions["session"]["training_clients"] if (c["role"] or "").startswith("arm ")]
+    assert sorted(c["role"].split()[1].rstrip(":") for c in arms) == sorted(restoration.clients)

@@ -8,6 +8,7 @@ import inspect
 from types import SimpleNamespace
 
 import pytest
+import tinker
 
 from dppo_harness import fixtures_preflight, restoration
 from dppo_harness.connectivity import ConnectivityReport, client_base_model
@@ -41,8 +42,9 @@ class _Client:
         return {"model_name": "recorded"}
 
     def save_state(self, name):
-        if name in self.saved:
-            raise RuntimeError("exists")
+        if name in self.saved:  # the service's explicit refusal to overwrite
+            raise tinker.RequestFailedError(f"Request failed: save_weights: checkpoint {name!r} already exists",
+                                            request_id="r", category=tinker.types.RequestErrorCategory.User)
         self.saved.add(name)
         return _Future(SimpleNamespace(path=f"tinker://m/weights/{name}"))
 

@@ -12,33 +12,34 @@ import numpy as np
 import pytest
 
 from dppo_harness import correctness as cx
+from dppo_harness import correctness_golden, correctness_reference, references
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "dppo_golden_v1.json"
 SPEC = {
     "correctness_preflight": {
         "required": True,
-        "paths": [{"id": "grpo_dppo_custom_loss", "kind": "loss", "tolerances": copy.deepcopy(cx.DEFAULT_TOLERANCES)}],
+        "paths": [{"id": "grpo_dppo_custom_loss", "kind": "loss", "tolerances": copy.deepcopy(correctness_golden.DEFAULT_TOLERANCES)}],
     }
 }
-_, CASES = cx.load_golden(GOLDEN)
+_, CASES = correctness_reference.load_golden(GOLDEN)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_independent_reference_reproduces_golden_in_float64(case):
-    r = cx.ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT)
+    r = references.ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT)
     assert np.array_equal(r.decision_BT, case.dppo_mask_BT > 0)
     assert r.loss == pytest.approx(case.dppo_loss, rel=1e-12, abs=1e-15)
     np.testing.assert_allclose(r.grad_BT, case.dppo_grad_BT, rtol=1e-12, atol=1e-15)
-    v = cx.ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=20.0, dual_clip_c=1e4)
+    v = references.ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=20.0, dual_clip_c=1e4)
     assert v.loss == pytest.approx(case.grpo_loss, rel=1e-12, abs=1e-15)
     np.testing.assert_allclose(v.grad_BT, case.grpo_grad_BT, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("mode", cx.MODES)
+@pytest.mark.parametrize("mode", correctness_reference.MODES)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_packed_path_parity_every_case_every_mode(case, mode):
-    res = cx.check_case(case, mode)
+    res = correctness_golden.check_case(case, mode)
     assert res.passed, res.line()
     names = {s.name for s in res.subchecks}
     assert {"dppo", "grpo_baseline"} <= names
@@ -51,25 +52,25 @@ def test_packed_path_parity_every_case_every_mode(case, mode):
 
 def test_packing_has_prompt_junk_varied_lengths_and_an_empty_row():
     case = next(c for c in CASES if c.name == "padding")
-    packed = cx.pack_case(case)
+    packed = correctness_reference.pack_case(case)
     assert len(set(packed.prompt_lens)) > 1
     assert 0 in packed.response_lens  # the fully padded row becomes a prompt-only datum
     for p, mask, adv in zip(packed.prompt_lens, packed.mask_T, packed.adv_T):
         assert not mask[: p - 1].any() and np.all(adv[: p - 1] != 0)
-    datums = cx.to_datums(packed)
+    datums = correctness_reference.to_datums(packed)
     assert all(d.model_input.length == len(m) for d, m in zip(datums, packed.mask_T))
 
 
 def test_parity_errors_and_acceptance_rule():
-    e = cx.parity_errors([1.0, 2.0], [1.0, 2.0])
+    e = correctness_golden.parity_errors([1.0, 2.0], [1.0, 2.0])
     assert e == {"max_abs_error": 0.0, "reference_max_abs": 2.0, "relative_l2_error": 0.0, "cosine_similarity": pytest.approx(1.0)}
-    z = cx.parity_errors([0.0, 0.0], [0.0, 0.0])
+    z = correctness_golden.parity_errors([0.0, 0.0], [0.0, 0.0])
     assert z["relative_l2_error"] is None and z["cosine_similarity"] is None
     tol = {"atol": 1e-5, "rtol": 1e-3, "min_cosine": 0.9999}
-    assert cx.errors_pass(cx.parity_errors([1.0 + 1.0e-3], [1.0]), tol)[0]  # 1e-3 <= 1e-5 + 1e-3 * 1
-    assert not cx.errors_pass(cx.parity_errors([1.0 + 1.02e-3], [1.0]), {"atol": 1e-5, "rtol": 1e-3})[0]
-    assert not cx.errors_pass(cx.parity_errors([1.0, -1.0], [1.0, 1.0]), {"atol": 10.0, "rtol": 0.0, "min_cosine": 0.9999})[0]
-    assert not cx.errors_pass(cx.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[0]  # zero reference: no cosine
+    assert correctness_golden.errors_pass(correctness_golden.parity_errors([1.0 + 1.0e-3], [1.0]), tol)[0]  # 1e-3 <= 1e-5 + 1e-3 * 1
+    assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1.0 + 1.02e-3], [1.0]), {"atol": 1e-5, "rtol": 1e-3})[0]
+    assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1.0, -1.0], [1.0, 1.0]), {"atol": 10.0, "rtol": 0.0, "min_cosine": 0.9999})[0]
+    assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[0]  # zero reference: no cosine
 
 
 def _run_cli(*args):
@@ -83,11 +84,12 @@ def _run_cli(*args):
     )
 
 
+@pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_check_golden_cli_passes_on_the_shared_file(tmp_path):
     out = tmp_path / "report.json"
     r = _run_cli("check-golden", str(GOLDEN), "--json", str(out))
     lines = r.stdout.strip().splitlines()
-    n = len(CASES) * len(cx.MODES)
+    n = len(CASES) * len(correctness_reference.MODES)
     assert r.returncode == 0, r.stdout + r.stderr
     assert lines[-1] == f"{n} passed, 0 failed"
     assert len(lines) == n + 1 and all(line.startswith("PASS ") for line in lines[:-1])
@@ -98,7 +100,7 @@ def test_check_golden_cli_passes_on_the_shared_file(tmp_path):
     "path,delta",
     [
         (("dppo", "grad_log_prob", 0, 1), 1e-3),
-        (("dppo", "loss"), 1e-3),
+        pytest.param(("dppo", "loss"), 1e-3, marks=pytest.mark.integration),  # the subprocess CLI
         (("dppo", "mask", 1, 2), "flip"),
         (("grpo_no_dual_clip", "grad_log_prob", 0, 0), 1e-3),
     ],
@@ -139,8 +141,8 @@ def test_check_golden_accepts_any_file_in_the_schema(tmp_path):
     raw["cases"] = list(reversed(raw["cases"][2:5]))
     f = tmp_path / "subset.json"
     f.write_text(json.dumps(raw))
-    report = cx.check_golden(f)
-    assert report.n_failed == 0 and len(report.results) == 3 * len(cx.MODES)
+    report = correctness_golden.check_golden(f)
+    assert report.n_failed == 0 and len(report.results) == 3 * len(correctness_reference.MODES)
 
 
 def test_malformed_golden_file_names_the_problem(tmp_path, capsys):
@@ -148,20 +150,20 @@ def test_malformed_golden_file_names_the_problem(tmp_path, capsys):
     del raw["cases"][1]["dppo"]["grad_log_prob"]
     f = tmp_path / "broken.json"
     f.write_text(json.dumps(raw))
-    with pytest.raises(cx.GoldenError, match="zero_and_mixed_advantages.*dppo.grad_log_prob"):
-        cx.load_golden(f)
+    with pytest.raises(correctness_reference.GoldenError, match="zero_and_mixed_advantages.*dppo.grad_log_prob"):
+        correctness_reference.load_golden(f)
     assert cx.main(["check-golden", str(f)]) == 1
     captured = capsys.readouterr()
     assert "dppo.grad_log_prob" in captured.err and captured.out.strip().endswith("0 passed, 1 failed")
     raw["schema"] = "other"
     f.write_text(json.dumps(raw))
-    with pytest.raises(cx.GoldenError, match="schema"):
-        cx.load_golden(f)
+    with pytest.raises(correctness_reference.GoldenError, match="schema"):
+        correctness_reference.load_golden(f)
 
 
 @pytest.fixture(scope="module")
 def good_block():
-    return cx.build_preflight_block(cx.check_golden(GOLDEN, modes=("float64", "float32")), SPEC)
+    return cx.build_preflight_block(correctness_golden.check_golden(GOLDEN, modes=("float64", "float32")), SPEC)
 
 
 def test_preflight_block_has_the_briefs_shape(good_block):
@@ -172,9 +174,9 @@ def test_preflight_block_has_the_briefs_shape(good_block):
         "precision", "normalization", "errors", "lr_scaling",
     }
     assert p["id"] == "grpo_dppo_custom_loss" and p["lr_scaling"] == []
-    assert p["fixed_input"]["sha256"] == cx.file_sha256(GOLDEN)
+    assert p["fixed_input"]["sha256"] == correctness_reference.file_sha256(GOLDEN)
     assert p["implementation_revision"] == cx.implementation_revision()
-    assert set(p["errors"]) == set(cx.CHECK_NAMES)
+    assert set(p["errors"]) == set(correctness_golden.CHECK_NAMES)
     for e in p["errors"].values():
         assert set(e) == {"max_abs_error", "reference_max_abs", "relative_l2_error", "cosine_similarity"}
 

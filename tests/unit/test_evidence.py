@@ -3,10 +3,10 @@
 import base64
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -267,6 +267,7 @@ def test_provenance_plan_and_code_revision(tmp_path, bundle):
     assert script["name"] == "script-new_file.py" and script["kind"] == "script"
 
 
+@pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_verify_good_tampered_and_missing(bundle):
     bundle.register_json("metrics.json", "metrics", {"a": 1})
     bundle.register_bytes("predictions.jsonl", "predictions", b'{"item_id": "1"}\n')
@@ -319,21 +320,19 @@ for i in itertools.count():
     b.register_bytes(f"update-{i:04d}.bin", "tensors", bytes([i % 256]) * 4096) if i < 60 else None
     b.update_result(metrics={f"update/{i % 500}": float(i)})
     if i == 20:
-        Path(sys.argv[2]).write_text("ready")
+        print("ready", flush=True)
 """
 
 
+@pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_killed_run_leaves_a_valid_partial_bundle(tmp_path):
-    root, ready = tmp_path / "evidence", tmp_path / "ready"
+    root = tmp_path / "evidence"
     env = dict(os.environ, PYTHONPATH=str(SRC))
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root), str(ready)], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, "writer exited early"
-            assert time.monotonic() < deadline, "writer never got ready"
-            time.sleep(0.01)
-        time.sleep(0.2)  # let it get well into the write loop
+        # Waits until the writer, inside its write loop, says so (EOF if it died first).
+        assert select.select([proc.stdout], [], [], 60)[0], "writer never got ready"
+        assert proc.stdout.readline() == "ready\n", "writer exited before its write loop"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dppo_harness import comparison as C
-from dppo_harness import correctness, losses, references
+from dppo_harness import correctness_golden, losses, references
 from dppo_harness.plans import PlanError, parse_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
     assert grpo.gate_metrics == {"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"}
     assert set(dppo.metric_names) | set(grpo.metric_names) <= set(losses.METRIC_NAMES)
     for name in losses.loss_names():
-        parity = correctness.registered_loss_parity(name, ROOT)
+        parity = correctness_golden.registered_loss_parity(name, ROOT)
         assert parity.passed and parity.cases == 8, parity.failures
 
 
@@ -96,7 +96,7 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
     plan = parse_plan(json.dumps(_spec_with_test_loss()).encode())  # loads: arm, gate metric, roles
     assert [(a.name, a.loss, a.role) for a in plan.run.arms] == [("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
                                                                  ("dppo_seed0", NAME, "treatment")]
-    parity = correctness.registered_loss_parity(NAME, ROOT)
+    parity = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert parity.passed and parity.cases == 3, parity.failures
     # the training path: the comparison's runner for that arm trains the registered rule
     cfg = C.comparison_config(plan.run)
@@ -116,21 +116,21 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
 def test_registry_parity_fails_on_a_wrong_rule_reference_or_golden(registered, tmp_path):
     losses.unregister_loss(NAME)
     losses.register_loss(_entry(token_loss=lambda lp, mu, adv, terms, cfg: -lp * adv))  # REINFORCE, not -A * r
-    bad = correctness.registered_loss_parity(NAME, ROOT)
+    bad = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert not bad.passed and any("packed gradient vs reference" in f for f in bad.failures)
     losses.unregister_loss(NAME)
     losses.register_loss(_entry(reference=lambda *a, **k: references.RefResult(0.0, np.zeros(a[0].shape), a[3] > 0)))
-    bad = correctness.registered_loss_parity(NAME, ROOT)
+    bad = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert any("reference loss vs golden" in f for f in bad.failures)
     # a tampered golden value of a built-in loss is caught too
     golden = json.loads((ROOT / "tests/fixtures/dppo_golden_v1.json").read_text())
     golden["cases"][0]["dppo"]["loss"] += 1e-3
     (tmp_path / "tests" / "fixtures").mkdir(parents=True)
     (tmp_path / "tests" / "fixtures" / "dppo_golden_v1.json").write_text(json.dumps(golden))
-    bad = correctness.registered_loss_parity(losses.DPPO_LOSS, tmp_path)
+    bad = correctness_golden.registered_loss_parity(losses.DPPO_LOSS, tmp_path)
     assert next(f.split(": ", 1)[1] for f in bad.failures).startswith("reference loss vs golden differs")
     shutil.rmtree(tmp_path / "tests")
-    assert not correctness.registered_loss_parity(losses.DPPO_LOSS, tmp_path).passed  # missing file: not passed
+    assert not correctness_golden.registered_loss_parity(losses.DPPO_LOSS, tmp_path).passed  # missing file: not passed
 
 
 def test_gate_metrics_come_from_the_registry(registered):

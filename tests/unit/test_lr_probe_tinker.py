@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from dppo_harness import correctness
+from dppo_harness import correctness, correctness_golden
 from dppo_harness import restoration as R
 from dppo_harness.weights_readback import ExternalWeightsUpdateNorm
 
@@ -70,7 +70,7 @@ def test_unavailable_read_back_keeps_the_exact_reason_in_the_brief_block():
 
 
 def _preflight_with(lr_entries):
-    report = correctness.check_golden(ROOT / "tests/fixtures/dppo_golden_v1.json", modes=("float64",))
+    report = correctness_golden.check_golden(ROOT / "tests/fixtures/dppo_golden_v1.json", modes=("float64",))
     block = correctness.build_preflight_block(report, SPEC)
     block["paths"][0]["lr_scaling"] = lr_entries
     return block
@@ -88,9 +88,20 @@ def test_validator_accepts_unavailable_only_without_a_tolerance_and_with_a_reaso
 
 
 def test_baseline_parity_covers_token_mean():
-    report = correctness.check_golden(ROOT / "tests/fixtures/dppo_golden_v1.json", modes=("float32",))
+    report = correctness_golden.check_golden(ROOT / "tests/fixtures/dppo_golden_v1.json", modes=("float32",))
     for res in report.results:
         sub = {s.name: s for s in res.subchecks}
         assert "grpo_baseline_token_mean" in sub and sub["grpo_baseline_token_mean"].passed, res.line()
     norm = correctness.build_preflight_block(report, SPEC)["paths"][0]["normalization"]
     assert "token_mean (the normalization trained)" in norm
+
+
+def test_the_planned_lr_rides_on_the_setup_client_only_with_a_measure_that_cannot_be_refused(tmp_path):
+    """A refused save_weights_external on the setup client would leave a gap in its request
+    sequence and stall the restore probe after it: the external-weights measure gets its own
+    client per LR; the local checkpoint measure (save_state only) may share the setup client."""
+    external = ExternalWeightsUpdateNorm(lambda: _FakeRest())
+    local = R.CheckpointUpdateNorm(R.LocalCheckpointReader(tmp_path), "t")
+    assert not R.planned_lr_on_setup_client(external, (0.5, 1.0, 2.0))
+    assert R.planned_lr_on_setup_client(local, (0.5, 1.0, 2.0))
+    assert not R.planned_lr_on_setup_client(local, (0.5, 2.0)) and not R.planned_lr_on_setup_client(None, (1.0,))

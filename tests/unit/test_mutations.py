@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dppo_harness import correctness as cx
-from dppo_harness import losses
+from dppo_harness import correctness_golden, losses
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
 _ORIG_TERMS = losses.token_terms
@@ -77,7 +76,7 @@ MUTATIONS = {
 
 
 def test_unmutated_control_passes():
-    report = cx.check_golden(GOLDEN, modes=("float64", "float32"))
+    report = correctness_golden.check_golden(GOLDEN, modes=("float64", "float32"))
     assert report.n_failed == 0, "\n".join(r.line() for r in report.results if not r.passed)
 
 
@@ -85,7 +84,7 @@ def test_unmutated_control_passes():
 def test_mutated_rule_fails_golden_parity(name, monkeypatch):
     attr, replacement, must_catch = MUTATIONS[name]
     monkeypatch.setattr(losses, attr, replacement)
-    report = cx.check_golden(GOLDEN, modes=("float64",))
+    report = correctness_golden.check_golden(GOLDEN, modes=("float64",))
     failed = {r.case for r in report.results if not r.passed}
     assert report.n_failed > 0, f"mutation {name} passed every golden case"
     assert must_catch & failed, f"{name}: expected a failure in {must_catch}, failed only {failed}"

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from dppo_harness import correctness, progress
+from dppo_harness import correctness_golden, progress
 from dppo_harness.local_server import process as P
 from dppo_harness.local_server import warmstart as W
 
@@ -47,7 +47,7 @@ def test_golden_parity_reports_progress(tmp_path):
 
     golden = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
     lines: list[str] = []
-    report = correctness.check_golden(golden, modes=("float64",), progress=lines.append)
+    report = correctness_golden.check_golden(golden, modes=("float64",), progress=lines.append)
     assert lines[0].startswith("[preflight] correctness: golden parity: started")
     assert lines[-1].startswith(f"[preflight] correctness: golden parity: {len(report.results)}/{len(report.results)} (100%)")
 
@@ -81,6 +81,7 @@ FAKE_SERVER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.integration  # a server process (a stand-in) over seconds: the default run, not unit parity
 def test_server_start_forwards_its_progress_and_never_goes_quiet(tmp_path):
     script = tmp_path / "fake_python"
     script.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
@@ -96,6 +97,7 @@ def test_server_start_forwards_its_progress_and_never_goes_quiet(tmp_path):
     assert lines[-1].startswith("[local server] ready at http://127.0.0.1:")
 
 
+@pytest.mark.integration  # trains the engine's warm start: the default run, not unit parity
 def test_warm_start_logs_progress_lines_the_harness_forwards(tmp_path, caplog):
     from dppo_harness.local_server import model as M
     from dppo_harness.local_server.vocab import load_vocab

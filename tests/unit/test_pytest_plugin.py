@@ -259,6 +259,7 @@ def _entry_point_path(tmp_path: Path) -> list[str]:
     return [str(tmp_path / "ep")]
 
 
+@pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_plan_outside_the_project_fails_fast_as_a_new_user_runs_it(tmp_path):
     """`pytest -m diagnostic --plan /elsewhere/x.json` from the project root: pytest roots the
     session outside the project, so only the entry point knows --plan; the malformed plan is one

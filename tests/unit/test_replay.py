@@ -85,6 +85,7 @@ def test_empty_or_missing_dir_fails(tmp_path):
     assert replay.main([str(tmp_path / "nope")]) == 2
 
 
+@pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_cli_entry_point_exit_code(tmp_path, records):
     run = _write_bundle(tmp_path, records[:1])
     src = Path(__file__).parents[2] / "src"

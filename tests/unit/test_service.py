@@ -207,7 +207,9 @@ def test_registry_releases_per_stage():
     a = reg.register(FakeClient(), stage="preflight", label="probe")
     b = reg.register(FakeClient(), stage="diagnostic", label="trainer")
     recs = reg.release_stage("preflight")
-    assert recs == [{"label": "probe", "stage": "preflight", "released": True, "error": None}]
+    assert [{k: r[k] for k in ("label", "stage", "released", "error")} for r in recs] == [
+        {"label": "probe", "stage": "preflight", "released": True, "error": None}]
+    assert recs[0]["released_at"] and recs[0]["training_clients"] == []
     assert a.closed_with == "success" and b.closed_with is None and not reg.all_released
     assert reg.release_all("interrupted") and b.closed_with == "interrupted"
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from tinker.lib.api_future_impl import QueueState
 
-from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence import MAX_FILES, EvidenceBundle
 from dppo_harness.plans import load_plan
 from dppo_harness.service_wait import ServiceWaiter
 from dppo_harness.service_wait_clients import WaitedClient, WaitedFuture
@@ -277,6 +277,23 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
               call="save_state", client="dppo_seed0", watch=watch)
     snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
     assert len(snaps) == MAX_WAIT_SNAPSHOTS == poster.snapshots
+
+
+def test_wait_snapshots_stop_at_half_the_file_limit(tmp_path):
+    """Past half the 64 file slots a wait posts result.json but no snapshot (the ledger says
+    why): the rest stays for the stages' own evidence and the session's closing records."""
+    full = _bundle(tmp_path)
+    for i in range(MAX_FILES // 2 - len(full.files())):
+        full.register_json(f"stage-file-{i:02d}.json", "metrics", {"i": i})
+    clock = Clock()
+    poster = BundlePoster(full, Registry(), clock=clock)
+    w = ServiceWaiter(WaitPolicy(post_after_s=1, post_every_s=1, snapshot_every_s=1), clock=clock,
+                      on_post=poster.post)
+    w.wait(FakeFuture(clock, done_at=clock.t + 20), call="sample", client="diagnostic sampler", watch=None)
+    assert poster.posts > 0 and poster.snapshots == 0 and len(full.files()) == MAX_FILES // 2
+    assert json.loads((full.dir / "result.json").read_text())["service_wait"]["waiting"]["call"] == "sample"
+    skipped = full.ledger()["snapshots"]
+    assert skipped and all(s["name"] is None and "kept for later evidence" in s["skipped"] for s in skipped)
 
 
 def test_a_stop_releases_clients_and_writes_the_failed_result(tmp_path):

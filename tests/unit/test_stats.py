@@ -76,6 +76,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "dppo_harness.stats", *map(str, args)], capture_output=True, text=True)
 
 
+@pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_cli_prints_json_and_refuses_bad_files(tmp_path):
     good = tmp_path / "scored-observations.jsonl"
     rows = _rows("dppo", [1] * 1000 + [0] * 319) + _rows("grpo", [1] * 800 + [0] * 519)

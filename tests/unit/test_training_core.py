@@ -2,6 +2,7 @@
 
 import ast
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,28 @@ def test_train_step_records_one_call_and_persists_before_the_optimizer_step():
     assert record is rec.records[-1] and record.context["update_index"] == 7
     assert seen == [(7, ["fwd_bwd"])], "persist must run after the loss call and before optim_step"
     assert tc.calls == ["fwd_bwd", "optim"] and result.optim == {"lr": 1e-3} and result.seconds >= 0
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_an_update_says_where_its_seconds_went(sequential):
+    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
+    hook_span = []
+
+    def persist(_record):
+        t = time.perf_counter()
+        instrumentation.records_to_npz([_record])  # some real work
+        hook_span.append(time.perf_counter() - t)
+
+    _, result = train_step.train_step(FakeTrainingClient(), _datums(), losses.make_loss_fn(cfg),
+                                      tinker.AdamParams(learning_rate=1e-3), instrumentation.LossCallRecorder(cfg),
+                                      {}, persist=persist, sequential=sequential)
+    assert set(result.phases) == {"forward_wait", "loss", "before_optim", "backward_wait", "optim_wait"}
+    assert all(v >= 0 for v in result.phases.values()) and result.phases["before_optim"] >= hook_span[0]
+    assert sum(result.phases.values()) <= result.seconds + 1e-9
+    # a loss that never ran leaves the intervals after it out instead of inventing them
+    unrun = train_step.minibatch_update(FakeTrainingClient(call_loss=0), _datums(), losses.make_loss_fn(cfg),
+                                        tinker.AdamParams(learning_rate=1e-3), sequential=sequential)
+    assert "loss" not in unrun.phases and "forward_wait" not in unrun.phases
 
 
 def test_train_step_fails_when_the_loss_is_not_called_exactly_once():

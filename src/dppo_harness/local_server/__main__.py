@@ -37,6 +37,7 @@ from dppo_harness.local_server.faults import (
     parse_capacity_fail,
     parse_latency,
     parse_never_complete,
+    parse_omit_field,
     parse_queue_pause,
     parse_reject_first,
     parse_reject_for,
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--model-path); bfloat16 rehearses trainer/sampler mismatch")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--sample-workers", type=int, default=64, help="threads running sample requests")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the engine (default 2)")
     h = p.add_argument_group("Hugging Face checkpoint backend (instead of the tiny presets)")
     h.add_argument("--model-path", default=None, metavar="DIR",
                    help="local Qwen3 / Qwen3.5 checkpoint (config.json + weights); nothing is downloaded")
@@ -103,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="exit (code 75) when API request K+1 arrives (healthz not counted)")
     f.add_argument("--fault-retry-after-ms", type=int, default=None, metavar="MS",
                    help="send Retry-After-Ms with injected 429/503 (the SDK honours it)")
+    f.add_argument("--fault-omit-field", action="append", default=[], metavar="KIND.FIELD[:N1,N2...]",
+                   help="leave an optional response field out (every response of KIND, or the N-th ones), "
+                        "e.g. load_weights.path or get_info.model_data.model_name")
     f.add_argument("--record-header-values", default=",".join(DEFAULT_VALUE_HEADERS), metavar="NAMES",
                    help="comma-separated header names whose values are recorded (never secrets)")
     return p.parse_args(argv)
@@ -122,6 +127,7 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         reject_for=tuple(parse_reject_for(s) for s in args.fault_reject_for),
         die_after=args.fault_die_after,
         retry_after_ms=args.fault_retry_after_ms,
+        omit_fields=tuple(parse_omit_field(s) for s in args.fault_omit_field),
         record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
     )
 
@@ -163,7 +169,8 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     from dppo_harness.local_server.engine import Engine
 
     t0 = time.perf_counter()
-    engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed, "decode_mode": args.decode_mode}
+    engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed, "num_threads": args.threads,
+                     "decode_mode": args.decode_mode}
     if args.model:
         engine_kwargs["model_name"] = args.model
     if args.model_path:
@@ -215,8 +222,14 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning at
+    # every barrier, which on a machine shared with the harness or other jobs burns the CPU time the
+    # other thread is waiting for (docs/benchmarks.md: several times the CPU per update under load).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
     args.host = loopback_host(args.host)
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     check_model_path_args(args)
     try:
         faults = fault_config(args)
@@ -228,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"local server: {exc}", file=sys.stderr, flush=True)
         sys.exit(USAGE_EXIT_CODE)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("dppo_harness.local_server").info("starting (pid %d, %d engine threads)", os.getpid(), args.threads)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="dppo-local-server-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     asyncio.run(serve(args, faults, run_dir, profile))

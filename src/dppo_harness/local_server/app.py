@@ -53,6 +53,8 @@ from dppo_harness.local_server.profiles import Profile
 
 log = logging.getLogger("dppo_harness.local_server")
 request_log = logging.getLogger("dppo_harness.local_server.requests")
+# One line per engine call: what ran, its wall and process CPU seconds (benchmarks read them).
+engine_log = logging.getLogger("dppo_harness.local_server.engine")
 
 API = "/api/v1"
 LONG_POLL_S = 20.0  # the SDK's retrieve_future timeout is 45 s
@@ -214,7 +216,9 @@ def _seq_attr(seq: Any, name: str, default: Any = None) -> Any:
     return getattr(seq, name, default)
 
 
-def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] | None) -> bytes:
+def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] | None, *,
+                           omit_logprobs: bool = False) -> bytes:
+    """`omit_logprobs`: leave every sequence's (optional) logprobs out, as a service may."""
     msg = pb.SampleResponse()
     for seq in seqs:
         out = msg.sequences.add()
@@ -227,7 +231,8 @@ def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] 
         if logprobs.shape != tokens.shape:
             raise ValueError(f"{tokens.size} sampled tokens but {logprobs.size} logprobs")
         out.tokens = tokens.tobytes()
-        out.logprobs = logprobs.tobytes()
+        if not omit_logprobs:
+            out.logprobs = logprobs.tobytes()
     if prompt_logprobs is not None:
         values = [math.nan if v is None else float(v) for v in prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
@@ -365,6 +370,8 @@ class ServerState:
         self.misc_pool = ThreadPoolExecutor(2, thread_name_prefix="misc")
         self._ids = itertools.count(1)
         self.engine_seconds: dict[str, float] = {}
+        self.engine_cpu_seconds: dict[str, float] = {}  # process CPU while the call ran (concurrent calls overlap)
+        self.engine_calls: dict[str, int] = {}
         self.inflight = 0
         self.telemetry_events = 0
         # Telemetry request bodies as received, in memory only (never in stats, logs or files): tests
@@ -424,8 +431,10 @@ class ServerState:
         )
 
     def stats(self) -> dict[str, Any]:
+        times = os.times()
         return {
             "uptime_s": time.time() - self.started,
+            "process_cpu_seconds": times.user + times.system,
             "served_model": self.stand_in,
             "profile": self.profile.name,
             "faults": self.faults.snapshot(),
@@ -439,6 +448,9 @@ class ServerState:
             "telemetry_posts": len(self.telemetry_bodies),
             "held_requests": len(self.holds),
             "engine_seconds": dict(self.engine_seconds),
+            "engine_cpu_seconds": dict(self.engine_cpu_seconds),
+            "engine_calls": dict(self.engine_calls),
+            "retained_forwards": dict(getattr(self.engine, "retained_stats", {}) or {}),
             "kernels": getattr(self.engine, "kernels", None),  # implementation per layer type
         }
 
@@ -466,15 +478,21 @@ async def _parse(request: web.Request, model: type[RequestT]) -> RequestT:
 # ---- work execution ----------------------------------------------------------------------------
 
 
-async def _run_engine(state: ServerState, executor: ThreadPoolExecutor, label: str, fn: Callable[[], Any]) -> Any:
+async def _run_engine(state: ServerState, executor: ThreadPoolExecutor, label: str, fn: Callable[[], Any],
+                      detail: str = "") -> Any:
     loop = asyncio.get_running_loop()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     state.inflight += 1
     try:
         return await loop.run_in_executor(executor, fn)
     finally:
         state.inflight -= 1
-        state.engine_seconds[label] = state.engine_seconds.get(label, 0.0) + time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        state.engine_seconds[label] = state.engine_seconds.get(label, 0.0) + wall
+        state.engine_cpu_seconds[label] = state.engine_cpu_seconds.get(label, 0.0) + cpu
+        state.engine_calls[label] = state.engine_calls.get(label, 0) + 1
+        engine_log.info("engine %s %.3fs wall %.3fs cpu (process %.2fs cpu)%s", label, wall, cpu, time.process_time(),
+                        f" {detail}" if detail else "")
 
 
 def _outcome_of_exception(exc: BaseException, label: str) -> _Outcome:
@@ -499,6 +517,8 @@ def _spawn(state: ServerState, fut: asyncio.Future, label: str, coro_fn: Callabl
             outcome = await coro_fn()
         except Exception as exc:
             outcome = _outcome_of_exception(exc, label)
+        if outcome.kind == "json":  # --fault-omit-field: optional fields the service may leave out
+            outcome.payload = state.faults.omit_json(label, outcome.payload)
         if not fut.done():
             fut.set_result(outcome)
 
@@ -507,10 +527,11 @@ def _spawn(state: ServerState, fut: asyncio.Future, label: str, coro_fn: Callabl
     task.add_done_callback(state.tasks.discard)
 
 
-async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | None, label: str, fn: Callable[[], Any]) -> Any:
+async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | None, label: str, fn: Callable[[], Any],
+                        detail: str = "") -> Any:
     """Run `fn` on the model's worker once every earlier seq_id of the model has finished."""
     if seq_id is None:
-        return await _run_engine(state, entry.executor, label, fn)
+        return await _run_engine(state, entry.executor, label, fn, detail)
     async with entry.cond:
         try:
             await asyncio.wait_for(entry.cond.wait_for(lambda: entry.next_seq >= seq_id), SEQ_GAP_TIMEOUT_S)
@@ -520,7 +541,7 @@ async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | Non
                 f"of model {entry.model_id}, which never arrived"
             ) from None
     try:
-        return await _run_engine(state, entry.executor, label, fn)
+        return await _run_engine(state, entry.executor, label, fn, detail)
     finally:
         async with entry.cond:
             entry.next_seq = max(entry.next_seq, seq_id + 1)
@@ -528,7 +549,7 @@ async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | Non
 
 
 def _submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, label: str,
-                    fn: Callable[[], _Outcome]) -> web.Response:
+                    fn: Callable[[], _Outcome], detail: str = "") -> web.Response:
     entry.last_request_time = _now()
     if seq_id is not None:
         if seq_id in entry.requests_by_seq:  # a resent request: same future
@@ -540,6 +561,7 @@ def _submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, l
     request_id, fut = state.new_future()
     if seq_id is not None:
         entry.requests_by_seq[seq_id] = request_id
+    detail = f"model {entry.model_id}" + (f" {detail}" if detail else "")
 
     def checked() -> _Outcome:  # in seq order, so the injected failure hits a definite request
         if state.faults.take_call_capacity_failure(label):
@@ -547,7 +569,7 @@ def _submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, l
         return fn()
 
     async def work() -> _Outcome:
-        return await _in_seq_order(state, entry, seq_id, label, checked)
+        return await _in_seq_order(state, entry, seq_id, label, checked, detail)
 
     _spawn(state, fut, label, work)
     return _future_json(request_id, entry.model_id)
@@ -714,7 +736,8 @@ async def _capabilities(request: web.Request) -> web.Response:
         for name in state.served_models()
     ])
     # Extra key (the SDK's type ignores it): who is really answering.
-    return web.json_response(dump(response) | {"embedded_server": state.marker()})
+    return web.json_response(state.faults.omit_json("get_server_capabilities",
+                                                    dump(response) | {"embedded_server": state.marker()}))
 
 
 async def _client_config(request: web.Request) -> web.Response:
@@ -785,6 +808,10 @@ async def _finish_session(request: web.Request) -> web.Response:
     req = await _parse(request, FinishSessionRequest)
     if session["finished"] is None:  # first reason wins
         session["finished"] = req.reason.type
+    drop = getattr(state.engine, "drop_retained", None)
+    for entry in list(state.models.values()):
+        if drop is not None and entry.session_id == request.match_info["session_id"]:
+            drop(entry.engine_id)  # a finished session sends no second pass
     return web.json_response({})
 
 
@@ -855,7 +882,7 @@ async def _get_info(request: web.Request) -> web.Response:
         optimizer_config=types.AdamOptimizerConfig(), is_lora=bool(info.get("is_lora", True)),
         lora_rank=info.get("lora_rank"), model_name=entry.base_model,
     )
-    return web.json_response(dump(response) | {"model_data": _model_data(state, entry)})
+    return web.json_response(state.faults.omit_json("get_info", dump(response) | {"model_data": _model_data(state, entry)}))
 
 
 async def _forward_backward(request: web.Request) -> web.Response:
@@ -874,9 +901,14 @@ async def _forward_backward(request: web.Request) -> web.Response:
         outputs, metrics = engine_call(entry.engine_id, req["data"], req["loss_fn"], req["loss_fn_config"])
         if "loss:sum" not in metrics:
             raise RuntimeError("engine returned no 'loss:sum' metric")
+        omit = state.faults.omitted_fields(label)
+        if omit:  # --fault-omit-field: output keys / metrics a service may leave out
+            outputs = [{k: v for k, v in out.items() if k not in omit} for out in outputs]
+            metrics = {} if "metrics" in omit else metrics
         return _Outcome("proto", encode_fwdbwd_output(outputs, metrics))
 
-    return _submit_ordered(state, entry, req["seq_id"] or None, label, fn)
+    detail = f"{len(req['data'])} datums {sum(len(tokens) for tokens, _ in req['data'])} tokens"
+    return _submit_ordered(state, entry, req["seq_id"] or None, label, fn, detail)
 
 
 async def _optim_step(request: web.Request) -> web.Response:
@@ -1062,7 +1094,8 @@ async def _asample(request: web.Request) -> web.Response:
             if last_n is not None:
                 cut = len(prompt) - last_n
                 prompt_lp = [None] * cut + prompt_lp[cut:]
-        return _Outcome("proto", encode_sample_response(seqs, prompt_lp))
+        omit = state.faults.omitted_fields("asample")
+        return _Outcome("proto", encode_sample_response(seqs, prompt_lp, omit_logprobs="logprobs" in omit))
 
     async def work() -> _Outcome:
         return await _run_engine(state, state.sample_pool, "asample", fn)

@@ -9,9 +9,10 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
         __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
                  cache_dir=None, batch_window_s=0.05, num_threads=2,
                  model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
-                 decode_mode="auto", linear_attention="auto")
+                 decode_mode="auto", linear_attention="auto", retain_forward=None)
         served_models: list[str]; served_model_name: str; model_name: str
         kernels: dict  # hf_model.kernel_report: implementation per layer type (fast kernels / torch fallback)
+        retained_stats: dict[str, int]  # kept first passes: retained, reused, dropped
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
                      train_unembed=True) -> str
         get_info(model_id) -> dict  # model_name (served), model_id, is_lora, lora_rank,
@@ -30,6 +31,7 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
         get_parameter_grads(model_id) -> dict[str, torch.Tensor]
         get_parameters(model_id) -> dict[str, torch.Tensor]
         unload_model(model_id) -> None
+        drop_retained(model_id) -> None  # free its kept first passes (the model's session ended)
         close() -> None
 
 ``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``. Token ids are real
@@ -71,7 +73,12 @@ from dppo_harness.local_server import hf_model as HF
 from dppo_harness.local_server import model as M
 from dppo_harness.local_server import sampling as S
 from dppo_harness.local_server.errors import UserError
-from dppo_harness.local_server.logprobs import DEFAULT_CHUNK_TOKENS, chunked_target_logprobs
+from dppo_harness.local_server.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    chunked_target_logprobs,
+    head_target_logprobs,
+    lora_head_parts,
+)
 from dppo_harness.local_server.loss_fns import get_loss
 from dppo_harness.local_server.vocab import Vocab, get_tokenizer, load_vocab
 
@@ -80,6 +87,10 @@ FwdBwdOut = tuple[list[dict[str, np.ndarray]], dict[str, float]]
 
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memory)
+# Retained first passes (see Engine._run), engine-wide: their kept float32 logits and their number
+# (a forward_backward_custom the SDK splits into chunks sends one forward per chunk).
+RETAINED_LOGIT_BYTES = 1 << 30
+MAX_RETAINED = 4
 CUDA_TOKEN_BUDGET = 16384  # --model-path on CUDA: logits are chunked, so the budget bounds activations only
 _NAME_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
 
@@ -132,6 +143,23 @@ class _TrainModel:
     steps: int = 0
 
 
+@dataclass
+class _RetainedForward:
+    """A grad-mode forward of one request: its validated inputs and each micro-batch's logprobs
+    (still attached to the graph), so a forward_backward on exactly these inputs runs only the
+    backward. The logprobs are what a fresh grad-mode forward computes, bit for bit."""
+
+    model_id: str
+    items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    microbatches: list[tuple[list[int], list[torch.Tensor]]]
+    logit_bytes: int
+
+    def matches(self, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> bool:
+        return len(items) == len(self.items) and all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1]["target_tokens"], b[1]["target_tokens"])
+            for a, b in zip(items, self.items))
+
+
 def _make_optimizer(params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         [p for _, p in params], lr=0.0, betas=(ADAM_DEFAULTS["beta1"], ADAM_DEFAULTS["beta2"]),
@@ -175,6 +203,7 @@ class Engine:
         token_budget: int | None = None,
         decode_mode: str = "auto",
         linear_attention: str = "auto",
+        retain_forward: bool | None = None,
     ):
         if model_path is None and model_name not in PRESETS:
             raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
@@ -214,6 +243,12 @@ class Engine:
         default_budget = CUDA_TOKEN_BUDGET if self.device.type == "cuda" else TOKEN_BUDGET
         self.token_budget = int(token_budget or default_budget)
         self._sampler_cache_size = 4 if self.checkpoint is None else 2
+        # Keep a zero-weight cross-entropy forward's graph for the forward_backward that follows on
+        # the same inputs (default on the tiny presets; a checkpoint's activations can be large).
+        self.retain_forward = self.checkpoint is None if retain_forward is None else bool(retain_forward)
+        self.retained_stats = {"retained": 0, "reused": 0, "dropped": 0}
+        self._retained: list[_RetainedForward] = []
+        self._retained_lock = threading.Lock()
         self._models: dict[str, _TrainModel] = {}
         self._models_lock = threading.Lock()
         self._counter = 0
@@ -333,7 +368,9 @@ class Engine:
 
     def unload_model(self, model_id: str) -> None:
         with self._models_lock:
-            self._models.pop(model_id, None)
+            tm = self._models.pop(model_id, None)
+        if tm is not None:
+            self._drop_retained(model_id)
 
     def get_info(self, model_id: str) -> dict:
         tm = self._get(model_id)
@@ -417,9 +454,19 @@ class Engine:
         if self.checkpoint is not None:
             return self._logprobs_hf(net, ids_BT, tgt_BT, mask_BT, lens)
         kw = {"attention_mask": mask_BT} if min(lens) != Tm else {}
-        logits_BTV = net(input_ids=ids_BT, use_cache=False, **kw).logits
-        lp_BT = M.token_logprobs(logits_BTV, tgt_BT, self.vocab.size)
-        return [lp_BT[b, : lens[b]] for b in range(len(idx))]
+        causal = net.get_base_model() if hasattr(net, "get_base_model") else net
+        head = causal.get_output_embeddings()
+        if lora_head_parts(head) is None:
+            logits_BTV = net(input_ids=ids_BT, use_cache=False, **kw).logits
+            lp_BT = M.token_logprobs(logits_BTV, tgt_BT, self.vocab.size)
+            return [lp_BT[b, : lens[b]] for b in range(len(idx))]
+        # The output head is most of the compute: run it fused, in row chunks, on the real
+        # (unpadded) positions only; same values as the logits path above.
+        hidden_BTH = causal.get_decoder()(input_ids=ids_BT, use_cache=False, **kw).last_hidden_state
+        real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
+        lp_N = head_target_logprobs(hidden_BTH[real_BT], tgt_BT[real_BT], head, self.vocab.size,
+                                    oov_logprob=M.OOV_TARGET_LOGPROB)
+        return list(lp_N.split(lens))
 
     def _logprobs_hf(self, net: torch.nn.Module, ids_BT: torch.Tensor, tgt_BT: torch.Tensor, mask_BT: torch.Tensor,
                      lens: list[int]) -> list[torch.Tensor]:
@@ -450,21 +497,71 @@ class Engine:
         items = self._validate(data, loss_fn)
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(items)
         total = 0.0
-        with tm.lock, torch.set_grad_enabled(backward):
-            for idx in self._microbatches([int(it[0].numel()) for it in items]):
-                lps = self._logprobs_mb(tm.net, items, idx)
-                losses = [self._loss(loss_fn, lp, {k: v.to(lp.device) for k, v in items[i][1].items()}, cfg)
-                          for lp, i in zip(lps, idx)]
-                mb_loss = torch.stack([loss_T.sum() for loss_T in losses]).sum()
-                if backward:
-                    mb_loss.backward()
-                total += float(mb_loss.detach())
-                for lp, loss_T, i in zip(lps, losses, idx):
-                    outputs[i] = {
-                        "logprobs": lp.detach().float().cpu().numpy().copy(),
-                        "elementwise_loss": loss_T.detach().float().cpu().numpy().copy(),
-                    }
+        with tm.lock:
+            reuse = self._take_retained(model_id, items) if backward and loss_fn == "cross_entropy" else None
+            retain = not backward and self._retainable(items, loss_fn)
+            kept: list[tuple[list[int], list[torch.Tensor]]] = []
+            with torch.set_grad_enabled(backward or retain):
+                plan = reuse.microbatches if reuse is not None else [
+                    (idx, None) for idx in self._microbatches([int(it[0].numel()) for it in items])]
+                for idx, lps in plan:
+                    if lps is None:
+                        lps = self._logprobs_mb(tm.net, items, idx)
+                    if retain:
+                        kept.append((idx, lps))
+                    losses = [self._loss(loss_fn, lp, {k: v.to(lp.device) for k, v in items[i][1].items()}, cfg)
+                              for lp, i in zip(lps, idx)]
+                    mb_loss = torch.stack([loss_T.sum() for loss_T in losses]).sum()
+                    if backward:
+                        mb_loss.backward()
+                    total += float(mb_loss.detach())
+                    for lp, loss_T, i in zip(lps, losses, idx):
+                        outputs[i] = {
+                            "logprobs": lp.detach().float().cpu().numpy().copy(),
+                            "elementwise_loss": loss_T.detach().float().cpu().numpy().copy(),
+                        }
+            if retain:
+                self._keep_retained(_RetainedForward(model_id, items, kept, self._logit_bytes(items)))
         return [o for o in outputs if o is not None], {"loss:sum": total}
+
+    # ----- retained first passes (forward_backward_custom's forward, then its backward) -------
+    def _logit_bytes(self, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> int:
+        return 4 * self.vocab.size * sum(int(it[0].numel()) for it in items)
+
+    def _retainable(self, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]], loss_fn: str) -> bool:
+        """The SDK's first pass of forward_backward_custom: a cross-entropy forward with every
+        weight zero (a forward with weights is never kept), small enough to keep."""
+        return (self.retain_forward and loss_fn == "cross_entropy"
+                and all(not bool(it[1]["weights"].any()) for it in items)
+                and self._logit_bytes(items) <= RETAINED_LOGIT_BYTES)
+
+    def _keep_retained(self, entry: _RetainedForward) -> None:
+        with self._retained_lock:
+            self._retained.append(entry)
+            self.retained_stats["retained"] += 1
+            while len(self._retained) > MAX_RETAINED or sum(e.logit_bytes for e in self._retained) > RETAINED_LOGIT_BYTES:
+                self._retained.pop(0)  # the oldest first
+                self.retained_stats["dropped"] += 1
+
+    def _take_retained(self, model_id: str, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
+                       ) -> _RetainedForward | None:
+        with self._retained_lock:
+            for k, entry in enumerate(self._retained):
+                if entry.model_id == model_id and entry.matches(items):
+                    self.retained_stats["reused"] += 1
+                    return self._retained.pop(k)
+        return None
+
+    def drop_retained(self, model_id: str) -> None:
+        """Free the model's kept first passes (its session ended: no second pass will come)."""
+        self._drop_retained(model_id)
+
+    def _drop_retained(self, model_id: str) -> None:
+        """The model's weights change (or it goes): a kept graph no longer describes them."""
+        with self._retained_lock:
+            kept = [e for e in self._retained if e.model_id != model_id]
+            self.retained_stats["dropped"] += len(self._retained) - len(kept)
+            self._retained = kept
 
     def forward(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: dict | None = None) -> FwdBwdOut:
         return self._run(model_id, data, loss_fn, loss_fn_config, backward=False)
@@ -504,6 +601,7 @@ class Engine:
             if not ok:
                 raise UserError(f"invalid adam_params: need {what}, got {adam}")
         with tm.lock:
+            self._drop_retained(model_id)
             grads = [q.grad for _, q in tm.params if q.grad is not None]
             grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
             if clip > 0 and grads:
@@ -617,6 +715,7 @@ class Engine:
             raise UserError(f"checkpoint rank {meta['lora_rank']} != model rank {tm.lora_rank}")
         adapter = self._load_adapter(d, meta)
         with tm.lock:
+            self._drop_retained(model_id)
             names = [n for n, _ in tm.params]
             if sorted(adapter) != sorted(names):
                 raise UserError(f"checkpoint {path!r} parameter names do not match the model")

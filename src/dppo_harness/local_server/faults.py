@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 CAPACITY_EXHAUSTED_TEXT = "trainer capacity exhausted"
 REJECT_STATUSES = (401, 429, 503)  # 401: a credential the service stops accepting mid-run
@@ -51,6 +52,35 @@ class CapacityFail:
 
     kind: str
     numbers: frozenset[int]
+
+
+# Fields the SDK's response types (tinker 0.38.0 `tinker/types/*`) declare optional, per request
+# kind, that `--fault-omit-field KIND.FIELD` may leave out. Dotted paths go into nested objects
+# and through lists. `asample.logprobs` is per sampled sequence (protobuf); `forward.logprobs` /
+# `forward_backward.logprobs` is the loss output key every datum carries (protobuf).
+OPTIONAL_RESPONSE_FIELDS: dict[str, frozenset[str]] = {
+    "load_weights": frozenset({"path", "model_id", "type"}),  # LoadWeightsResponse
+    "get_info": frozenset({"type", "model_data.arch", "model_data.model_name", "model_data.tokenizer_id",
+                           "optimizer_config", "is_lora", "lora_rank", "model_name"}),  # GetInfoResponse
+    "optim_step": frozenset({"metrics"}),  # OptimStepResponse
+    "save_weights": frozenset({"type"}),  # SaveWeightsResponse (path is required)
+    "save_weights_for_sampler": frozenset({"path", "sampling_session_id", "type"}),  # ...ResponseInternal
+    "get_server_capabilities": frozenset({"supported_models.model_name", "supported_models.max_context_length",
+                                          "supported_models.trainable", "supported_models.sampleable"}),
+    "asample": frozenset({"logprobs"}),  # SampledSequence.logprobs
+    "forward": frozenset({"logprobs", "metrics"}),  # LossFnOutput keys; ForwardBackwardOutput.metrics
+    "forward_backward": frozenset({"logprobs", "metrics"}),
+}
+
+
+@dataclass(frozen=True)
+class OmitField:
+    """`field` (a dotted path) is left out of responses of `kind`: every one, or only the listed
+    ones (1-based, counted per kind as responses are built)."""
+
+    kind: str
+    field: str
+    numbers: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,7 @@ class FaultConfig:
     reject_for: tuple[RejectFor, ...] = ()  # every request of a kind refused for a while
     die_after: int | None = None  # exit the process when API request K+1 arrives
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
+    omit_fields: tuple[OmitField, ...] = ()  # optional response fields left out
     record_header_values: tuple[str, ...] = DEFAULT_VALUE_HEADERS
 
     def __post_init__(self) -> None:
@@ -125,7 +156,7 @@ class FaultConfig:
     def active(self) -> bool:
         return bool(self.reject_first or self.reject_prob or self.capacity_exhausted or self.capacity_fail
                     or self.latency_ms or self.die_after is not None or self.queue_pause or self.never_complete
-                    or self.reject_for)
+                    or self.reject_for or self.omit_fields)
 
 
 def _split(spec: str, option: str, parts: int) -> list[str]:
@@ -169,16 +200,52 @@ def parse_reject_prob(spec: str) -> RejectProb:
     return RejectProb(kind, _status(status, "--fault-reject-prob"), p)
 
 
-def parse_capacity_fail(spec: str) -> CapacityFail:
-    """`KIND:N1[,N2...]`, e.g. `optim_step:6`: the 6th optim_step fails with capacity exhausted."""
-    kind, numbers = _split(spec, "--fault-capacity-fail", 2)
+def _numbers(numbers: str, option: str, what: str) -> frozenset[int]:
+    """`N1[,N2...]`, 1-based."""
     try:
         ns = frozenset(int(n) for n in numbers.split(","))
     except ValueError:
-        raise FaultSpecError(f"--fault-capacity-fail: request numbers must be integers, got {numbers!r}") from None
+        raise FaultSpecError(f"{option}: {what} numbers must be integers, got {numbers!r}") from None
     if min(ns) < 1:
-        raise FaultSpecError(f"--fault-capacity-fail: request numbers start at 1, got {numbers!r}")
-    return CapacityFail(kind, ns)
+        raise FaultSpecError(f"{option}: {what} numbers start at 1, got {numbers!r}")
+    return ns
+
+
+def parse_capacity_fail(spec: str) -> CapacityFail:
+    """`KIND:N1[,N2...]`, e.g. `optim_step:6`: the 6th optim_step fails with capacity exhausted."""
+    kind, numbers = _split(spec, "--fault-capacity-fail", 2)
+    return CapacityFail(kind, _numbers(numbers, "--fault-capacity-fail", "request"))
+
+
+def parse_omit_field(spec: str) -> OmitField:
+    """`KIND.FIELD[:N1,N2...]`, e.g. `load_weights.path` or `get_info.model_data.model_name:2`."""
+    option = "--fault-omit-field"
+    target, _, numbers = spec.partition(":")
+    kind, _, field_path = target.partition(".")
+    if not kind or not field_path:
+        raise FaultSpecError(f"{option}: expected KIND.FIELD[:N1,N2...], got {spec!r}")
+    allowed = OPTIONAL_RESPONSE_FIELDS.get(kind)
+    if allowed is None:
+        raise FaultSpecError(f"{option}: no optional response fields known for kind {kind!r}; "
+                             f"kinds: {sorted(OPTIONAL_RESPONSE_FIELDS)}")
+    if field_path not in allowed:
+        raise FaultSpecError(f"{option}: {field_path!r} is not an optional field of the SDK's {kind} response; "
+                             f"optional: {sorted(allowed)}")
+    return OmitField(kind, field_path, _numbers(numbers, option, "response") if numbers else None)
+
+
+def drop_path(obj: Any, path: str) -> int:
+    """Remove the dotted `path` from a JSON-like object in place (through lists); returns how many
+    keys were removed."""
+    head, _, rest = path.partition(".")
+    if isinstance(obj, list):
+        return sum(drop_path(x, path) for x in obj)
+    if not isinstance(obj, dict) or head not in obj:
+        return 0
+    if not rest:
+        del obj[head]
+        return 1
+    return drop_path(obj[head], rest)
 
 
 def _number(value: str, option: str) -> int:
@@ -263,6 +330,7 @@ class FaultInjector:
         self.api_requests = 0  # counted toward die_after
         self._capacity_left = self.config.capacity_exhausted
         self.executed: Counter[str] = Counter()  # kind -> ordered calls that reached execution
+        self.answered: Counter[str] = Counter()  # kind -> responses built (for --fault-omit-field numbers)
         self.queued: Counter[str] = Counter()  # kind -> requests whose work was queued
         self._reject_since: dict[str, float] = {}  # reject_for kind -> when its first request came
 
@@ -319,6 +387,25 @@ class FaultInjector:
                 return True
             return False
 
+    def omitted_fields(self, kind: str) -> frozenset[str]:
+        """Counts one response of `kind` being built; the field paths to leave out of it."""
+        rules = [r for r in self.config.omit_fields if r.kind == kind]
+        if not rules:
+            return frozenset()
+        with self._lock:
+            self.answered[kind] += 1
+            n = self.answered[kind]
+            out = frozenset(r.field for r in rules if r.numbers is None or n in r.numbers)
+            for f in out:
+                self.injected[f"{kind}:omit:{f}"] += 1
+            return out
+
+    def omit_json(self, kind: str, payload: Any) -> Any:
+        """`payload` (a JSON object about to be sent for `kind`) without the omitted fields."""
+        for path in self.omitted_fields(kind):
+            drop_path(payload, path)
+        return payload
+
     def take_hold(self, kind: str) -> Hold | None:
         """For a request whose work is about to be queued: what holds it, if a rule names it."""
         with self._lock:
@@ -348,6 +435,7 @@ class FaultInjector:
                 "api_requests": self.api_requests,
                 "die_after": self.config.die_after,
                 "capacity_exhausted_left": self._capacity_left,
+                "omit_fields": [f"{r.kind}.{r.field}" for r in self.config.omit_fields],
             }
 
 

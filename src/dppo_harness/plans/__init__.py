@@ -20,6 +20,7 @@ from dppo_harness.plans.models import (
     validate_model,
 )
 from dppo_harness.plans.plan import (
+    SERVED_MODEL_UNAVAILABLE,
     BackendInfo,
     Plan,
     backend_deviations,
@@ -50,6 +51,7 @@ __all__ = [
     "AUTHORIZABLE_STAGES",
     "DEVIATION_FIELDS",
     "HARNESS_NORMALIZATION",
+    "SERVED_MODEL_UNAVAILABLE",
     "ArmConfig",
     "BackendInfo",
     "CriterionConfig",

@@ -241,6 +241,9 @@ def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan
 # ----------------------------------------------------------------------------- backend + effective config
 
 
+SERVED_MODEL_UNAVAILABLE = "unavailable"  # BackendInfo.served_model when the service named no model
+
+
 @dataclass(frozen=True)
 class BackendInfo:
     """What actually serves the run. `served_model` is the model that really computes."""
@@ -273,7 +276,7 @@ def backend_deviations(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]
             "effective": f"{info.served_model} (embedded local CPU server on loopback, answering to the name {plan.base_model})",
             "reason": "no Tinker/Spindle service is reachable from this machine; this run is a local rehearsal of the harness, not a measurement of the planned model",
         })
-    elif info.served_model != plan.base_model:
+    elif info.served_model != plan.base_model and not info.served_model.startswith(SERVED_MODEL_UNAVAILABLE):
         out.append({
             "field": "model", "original": plan.base_model, "effective": info.served_model,
             "reason": "the service reported a different model at client creation",

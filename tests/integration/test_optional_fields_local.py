@@ -1,0 +1,169 @@
+"""Stages against an embedded server that leaves optional response fields out
+(`--fault-omit-field`): nothing crashes, nothing is filled from what was requested, what is
+missing is recorded as unavailable with the reason, and a proof that needs it fails with one
+line naming the field.
+
+| omitted | stage driven | outcome |
+|---|---|---|
+| `load_weights.path` | restoration preflight | fails: "no loaded checkpoint URI in the server's load response" |
+| `get_info.optimizer_config`, `optim_step.metrics` | restoration preflight | passes; every optimizer check declared/unverified |
+| `forward.logprobs` | restoration preflight | RestorationError naming 'logprobs' |
+| `save_weights` 2nd response fails (capacity) | restoration preflight | fails: checkpoint_immutable unverified |
+| `asample.logprobs` | bounded diagnostic, paired comparison | stop with evidence naming SampledSequence.logprobs |
+| `get_info.model_data.model_name` | activation-gate pilot (tinker semantics) | fails: executed_base_model unavailable |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import tinker
+
+from dppo_harness import constants, diagnostic, gate
+from dppo_harness import restoration as R
+from dppo_harness.comparison_run import run_comparison
+from dppo_harness.evidence import EvidenceBundle, verify_bundle
+from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.plans import load_plan, resized_plan
+
+pytestmark = pytest.mark.timeout(900)
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+ROOT = Path(__file__).parents[2]
+SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
+DIAG = load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
+REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
+CMP_PLAN = resized_plan(REHEARSAL, rollout_steps=2, groups_per_batch=2, max_tokens=32, eval_items=2)
+ARM_NAMES = [a.name for a in CMP_PLAN.run.arms]
+
+
+@pytest.fixture(scope="module")
+def fixed_batch():
+    return R.build_fixed_batch()
+
+
+class _Served:
+    """An embedded server (untrained preset: fast start) with the given faults, and a client."""
+
+    def __init__(self, run_dir, *faults):
+        self.srv = LocalServerProcess(run_dir=run_dir, model="tiny-qwen3-random", fault_args=list(faults)).start()
+        self.sc = tinker.ServiceClient(base_url=self.srv.base_url, api_key=constants.LOCAL_API_KEY)
+
+    def close(self):
+        try:
+            self.sc.close("success").result(timeout=60)
+        finally:
+            self.srv.stop()
+
+
+@pytest.fixture
+def served(tmp_path):
+    made = []
+
+    def start(*faults):
+        made.append(_Served(tmp_path / f"srv{len(made)}", *faults))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.close()
+
+
+def _preflight(s, bundle, fixed_batch, **kw):
+    batch, desc = fixed_batch
+    return R.run_restoration_preflight(s.sc, SPEC, bundle, fixed_batch=batch, fixed_batch_description=desc,
+                                       checkpoint_reader=R.LocalCheckpointReader(s.srv.run_dir),
+                                       trained_arms=("dppo_seed0",), lr_multipliers=(1.0, 2.0), **kw)
+
+
+def test_load_responses_without_path_fail_the_proof_naming_it(served, fixed_batch, tmp_path):
+    s = served("--fault-omit-field", "load_weights.path")
+    bundle = EvidenceBundle.create(tmp_path / "ev")
+    result = _preflight(s, bundle, fixed_batch)
+    assert not result.passed
+    assert "dppo_seed0: no loaded checkpoint URI in the server's load response" in result.failures
+    assert any(f.startswith("probe restore: server load response path None") for f in result.failures)
+    init = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]
+    assert init["loaded_checkpoint_uri"] is None  # never the path that was asked for
+    assert init["checkpoint_uri"] == result.initial_checkpoint and result.loaded_paths == {}
+    assert s.srv.stats()["faults"]["injected"]["load_weights:omit:path"] >= 2
+    assert verify_bundle(bundle.dir) == []
+
+
+def test_no_optimizer_config_or_echo_leaves_every_check_declared(served, fixed_batch, tmp_path):
+    s = served("--fault-omit-field", "get_info.optimizer_config", "--fault-omit-field", "optim_step.metrics")
+    result = _preflight(s, EvidenceBundle.create(tmp_path / "ev"), fixed_batch)
+    assert result.passed, result.failure_message()  # nothing mismatches: unverified is not a failure
+    for entry in result.provenance["arms"].values():
+        for c in entry["optimizer_checks"]:
+            assert c["actual_optimizer"] is None and c["actual_config"] is None  # not the SDK's AdamW default
+            assert c["source"] == "declared" and not c["verified"]
+            assert any("optimizer family not exposed" in r for r in c["unverified_reasons"])
+    assert result.probe["echoed_config"] == {} and result.probe["optim_metrics"]["update1"] == {}
+
+
+def test_forward_outputs_without_logprobs_stop_the_preflight_naming_the_key(served, fixed_batch, tmp_path):
+    s = served("--fault-omit-field", "forward.logprobs")
+    with pytest.raises(R.RestorationError, match="has no 'logprobs'"):
+        _preflight(s, EvidenceBundle.create(tmp_path / "ev"), fixed_batch)
+
+
+def test_a_duplicate_save_that_fails_otherwise_leaves_immutability_unverified(served, fixed_batch, tmp_path):
+    s = served("--fault-capacity-fail", "save_weights:2")  # the second save_weights: the duplicate-name save
+    bundle = EvidenceBundle.create(tmp_path / "ev")
+    result = _preflight(s, bundle, fixed_batch)
+    assert not result.passed
+    (line,) = [f for f in result.failures if "checkpoint_immutable" in f]
+    assert line.startswith("dppo_seed0: checkpoint_immutable unverified: the duplicate save_state ended in "
+                           "RequestFailedError: trainer capacity exhausted")
+    init = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]
+    assert init["checkpoint_immutable"] is None and "not an explicit refusal" in init["checkpoint_immutable_reason"]
+
+
+def test_the_diagnostic_without_sampler_logprobs_stops_with_evidence(served, tmp_path):
+    s = served("--fault-omit-field", "asample.logprobs")
+    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+    init = tc.save_state("omit-initial").result().path
+    bundle = EvidenceBundle.create(tmp_path / "ev")
+    res = diagnostic.run_bounded_diagnostic(s.sc, DIAG, bundle, init, backend="local", groups_per_batch=2,
+                                            group_size=4, max_tokens=16, minibatches_per_epoch=1,
+                                            groups_per_minibatch=2, max_updates=2, sentinels_per_sign=1)
+    assert res.updates_done == 0 and res.frozen_batch_sha256 is None
+    (err,) = res.errors
+    assert "RolloutError" in err and "SampledSequence.logprobs" in err
+    assert res.result_fields["final"]["status"] == "failed"
+    assert verify_bundle(bundle.dir) == []
+
+
+def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp_path):
+    s = served("--fault-omit-field", "asample.logprobs")
+    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+    init = tc.save_state("omit-cmp-initial").result().path
+    clients = {a: R.create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
+    restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
+                                  provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
+    bundle = EvidenceBundle.create(tmp_path / "ev")
+    run = run_comparison(s.sc, CMP_PLAN, bundle, restoration, backend="local", state_root=tmp_path / "state",
+                         schedule="interleaved", tag="omit")
+    assert run.steps_completed == 0 and run.scores == ()
+    assert run.stopped.startswith("RolloutError") and "SampledSequence.logprobs" in run.stopped
+    assert run.final["status"] == "failed" and run.final["outcome_reason"] == "incomplete_execution"
+    assert "stopped after 0 of 2 rollout steps" in run.final["summary"]
+    bundle.update_result(**run.final)  # what the stage fixture posts: a valid final result
+    assert bundle.result["status"] == "failed" and verify_bundle(bundle.dir) == []
+
+
+def test_the_gate_without_a_model_name_never_reports_the_requested_one(served, tmp_path):
+    s = served("--fault-omit-field", "get_info.model_data.model_name", "--fault-omit-field", "get_info.model_name")
+    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+    init = tc.save_state("omit-gate-initial").result().path
+    bundle = EvidenceBundle.create(tmp_path / "ev")
+    report = gate.run_activation_gate(s.sc, SPEC, bundle, init, backend="tinker", steps=1, groups_per_batch=2,
+                                      max_tokens=16)
+    assert not report.passed
+    assert report.values["executed_base_model"] is None
+    assert any(e.startswith("executed_base_model unavailable: the service's get_info response names no model")
+               for e in report.errors), report.errors
+    assert constants.BASE_MODEL not in str(report.values["executed_base_model"])

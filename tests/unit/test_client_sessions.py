@@ -1,0 +1,100 @@
+"""Client economy and honest release records (pure, no server): every ServiceClient session lists
+the training clients it created (stage, SDK method, role), each release says which sessions it
+closed and which stayed open, and training clients are counted per stage."""
+
+from __future__ import annotations
+
+import json
+
+import tinker
+
+from dppo_harness import pytest_plugin as pp
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.service import ClientRegistry, describe_client, make_service_client
+
+FAKE_ENV = {"TINKER_BASE_URL": "http://127.0.0.1:9", "TINKER_API_KEY": "tml-fake", "MODAL_PROXY_TOKEN_ID": "wk-x",
+            "MODAL_PROXY_TOKEN_SECRET": "ws-y"}
+
+
+class _Fut:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout=None):
+        return self.value
+
+
+class _Training:
+    def __init__(self, model_id):
+        self.model_id = model_id
+
+
+def _sessions(monkeypatch, reg):
+    n = {"i": 0}
+
+    def create(self, *a, **k):
+        n["i"] += 1
+        return _Fut(_Training(f"{id(self)}:train:{n['i']}"))
+
+    monkeypatch.setattr(tinker.ServiceClient, "create_lora_training_client", create)
+    monkeypatch.setattr(tinker.ServiceClient, "create_training_client_from_state_with_optimizer", create)
+    closed = []
+    monkeypatch.setattr(tinker.ServiceClient, "close", lambda self, status="success": closed.append(status))
+    probes = make_service_client("tinker", env=FAKE_ENV, registry=reg, stage="preflight-probes", label="probes")
+    session = make_service_client("tinker", env=FAKE_ENV, registry=reg, stage="session", label="arms")
+    return probes, session, closed
+
+
+def test_training_clients_are_listed_per_session_and_counted_per_stage(monkeypatch):
+    reg = ClientRegistry()
+    probes, session, _ = _sessions(monkeypatch, reg)
+    reg.current_stage = "preflight"
+    setup = probes.create_lora_training_client(base_model="m").result()
+    describe_client(probes, setup, "setup: saves the initial checkpoint")
+    probes.create_training_client_from_state_with_optimizer("p").result()
+    arm = session.create_training_client_from_state_with_optimizer("p").result()
+    describe_client(session, arm, "arm dppo_seed0")
+    reg.current_stage = "gate"
+    session.create_training_client_from_state_with_optimizer("p").result()
+    assert reg.training_clients_by_stage() == {"preflight": 3, "gate": 1}
+    recs = {r["label"]: r for r in reg.records()}
+    assert [(c["stage"], c["method"], c["role"]) for c in recs["probes"]["training_clients"]] == [
+        ("preflight", "create_lora_training_client", "setup: saves the initial checkpoint"),
+        ("preflight", "create_training_client_from_state_with_optimizer", None)]
+    assert recs["arms"]["training_clients"][0]["model_id"] == arm.model_id
+
+
+def test_each_release_says_what_it_closed_and_what_stays_open(monkeypatch, tmp_path):
+    reg = ClientRegistry()
+    probes, session, closed = _sessions(monkeypatch, reg)
+    reg.current_stage = "preflight"
+    probes.create_lora_training_client(base_model="m").result()
+    session.create_training_client_from_state_with_optimizer("p").result()
+    state = pp._StageState(registry=reg, bundle=EvidenceBundle.create(tmp_path, "b", env={}))
+    pp._note_releases(state, reg.release_stage("preflight-probes"))  # before the arms train
+    reg.current_stage = "diagnostic"
+    pp._release_remaining(state)  # session end
+    pp._write_session_records(state)
+    rel = json.loads(state.bundle.file_path("client-releases.json").read_text())
+    first, last = rel["events"]
+    assert first["stage"] == "preflight" and first["closed"] == ["probes"]
+    assert first["still_open"] == [{"label": "arms", "training_clients": 1}]  # the arms' session stays alive
+    assert last["closed"] == ["arms"] and last["still_open"] == []
+    assert [s["label"] for s in rel["sessions"]] == ["probes", "arms"] and all(s["released"] for s in rel["sessions"])
+    assert rel["training_clients_by_stage"] == {"preflight": 2} and rel["training_clients_total"] == 2
+    assert "no per-client release" in rel["note"] and closed == ["success", "success"]
+
+
+def test_stage_end_posts_the_training_clients_it_created(monkeypatch, tmp_path):
+    reg = ClientRegistry()
+    probes, _session, _ = _sessions(monkeypatch, reg)
+    bundle = EvidenceBundle.create(tmp_path, "b", env={})
+    state = pp._StageState(registry=reg, bundle=bundle)
+    pp._enter_stage(state, "preflight")
+    probes.create_lora_training_client(base_model="m").result()
+    probes.create_lora_training_client(base_model="m").result()
+    pp._enter_stage(state, "diagnostic")  # closes the preflight stage
+    pp._enter_stage(state, "report")
+    metrics = bundle.result["metrics"]
+    assert metrics["clients/training_created/preflight"] == 2.0
+    assert metrics["clients/training_created/diagnostic"] == 0.0

@@ -1,0 +1,138 @@
+"""A comparison that survives a real service (pure, fake arms): the wall-clock guard stops before a
+step that would pass the plan's budget, a restore whose optimizer check mismatches stops the run,
+and the arms run concurrently by default on a real service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tinker import types
+
+from dppo_harness import comparison as C
+from dppo_harness import comparison_run as CR
+from dppo_harness.fixtures_stages import comparison_schedule
+from dppo_harness.plans import load_plan
+
+SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _cfg(steps: int) -> C.ComparisonConfig:
+    cfg = C.comparison_config(SPEC.run)
+    return C.ComparisonConfig(**{**cfg.__dict__, "steps": steps})
+
+
+def _train(monkeypatch, cfg, guard, clock, arm_step_s=10.0):
+    def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
+        clock.t += arm_step_s
+        return {"arm": runner.spec.name, "step": step, "reward_mean": 0.0, "format_rate": 0.0,
+                "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0, "seconds": arm_step_s}, []
+
+    monkeypatch.setattr(C, "run_arm_step", fake_step)
+    state = C.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: C.ArmState(a.name) for a in cfg.arms})
+    runners = [C.ArmRunner(a, object(), None, None) for a in cfg.arms]
+    return C.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", guard=guard)
+
+
+def test_the_wall_guard_stops_before_the_step_that_would_pass_the_budget(monkeypatch):
+    clock = _Clock()
+    budget = 64.0  # 2 arms x 10 s per step, 5 s reserve: step 3 needs 20 + 5 s with 24 s left
+    guard = C.WallGuard(lambda: budget - clock.t, reserve_s=5.0, clock=clock)
+    out = _train(monkeypatch, _cfg(5), guard, clock)
+    assert out.steps_completed == 2 and clock.t == 40.0 <= budget
+    assert out.stopped.startswith("wall clock: step 3 projected 20 s + 5 s") and "24 s left" in out.stopped
+    assert guard.step_seconds == [20.0, 20.0] and guard.as_dict()["last_check"]["step"] == 2
+
+
+def test_the_first_step_is_projected_from_the_feasibility_pilot(monkeypatch):
+    feas = {"measurements": {"training": {"seconds": 30.0, "units": 2.0}, "evaluation": {"seconds": 4.0, "units": 8}}}
+    clock = _Clock()
+    guard = C.wall_guard_from_feasibility(lambda: 40.0 - clock.t, feas, arms=2, eval_items=10)
+    assert guard.first_step_estimate_s == 30.0  # 15 s per arm-step x 2 arms, no overlap assumed
+    assert guard.reserve_s == pytest.approx(C.FINALIZE_RESERVE_S + 0.5 * 10 * 3)
+    guard.clock = clock
+    out = _train(monkeypatch, _cfg(3), guard, clock)
+    assert out.steps_completed == 0 and out.stopped.startswith("wall clock: step 1")
+    plain = C.wall_guard_from_feasibility(lambda: 1e9, None, arms=2, eval_items=10)
+    assert plain.first_step_estimate_s is None and plain.reserve_s == C.FINALIZE_RESERVE_S
+
+
+def test_without_a_budget_or_projection_the_guard_lets_steps_run(monkeypatch):
+    clock = _Clock()
+    out = _train(monkeypatch, _cfg(3), C.WallGuard(lambda: None, clock=clock), clock)
+    assert out.steps_completed == 3 and out.stopped is None
+    spent = C.WallGuard(lambda: -1.0, clock=clock)
+    assert spent.check(0).startswith("wall clock: step 1")  # the budget is already spent
+
+
+class _Restored:
+    def __init__(self, optimizer_config):
+        self.info = types.GetInfoResponse(model_data=types.ModelData(model_name="Qwen/Qwen3.5-2B"), model_id="m",
+                                          optimizer_config=optimizer_config)
+
+    def get_info(self):
+        return self.info
+
+
+def _restore(monkeypatch, optimizer_config, path="tinker://m/weights/step2"):
+    monkeypatch.setattr(CR, "create_from_state_observed",
+                        lambda sc, p, name=None: (_Restored(optimizer_config), types.LoadWeightsResponse(path=p)))
+    cfg = _cfg(3)
+    state = C.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: C.ArmState(a.name) for a in cfg.arms})
+    prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
+    state.setup_provenance = {a.name: prior for a in cfg.arms}
+    return state, lambda: CR.restore_arm(None, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json")
+
+
+def test_a_restore_whose_optimizer_mismatches_stops_the_run(monkeypatch):
+    state, restore = _restore(monkeypatch, types.DimuonOptimizerConfig())
+    with pytest.raises(C.OptimizerMismatch, match="optimizer mismatch after restore 2") as info:
+        restore()
+    assert "server 'dimuon'" in str(info.value)
+    (check,) = state.arms["dppo_seed0"].optimizer_checks  # recorded before the stop
+    assert check["mismatches"] and not check["matches"]
+    assert info.value.arm == "dppo_seed0" and info.value.provenance["restore_count"] == 2
+    assert info.value.state_file == "comparison-state-r1-open.json"  # registered before the provenance is posted
+    assert [c["after_restore"] for c in info.value.provenance["optimizer_checks"]] == [0, 1, 2]
+
+
+def test_a_matching_restore_continues(monkeypatch):
+    state, restore = _restore(monkeypatch, types.AdamOptimizerConfig())
+    _client, prov = restore()
+    assert prov["restore_count"] == 2 and state.arms["dppo_seed0"].optimizer_checks[0]["matches"]
+
+
+def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
+    monkeypatch.setattr(CR, "create_from_state_observed",
+                        lambda sc, p, name=None: (_Restored(types.AdamOptimizerConfig()), types.LoadWeightsResponse()))
+    cfg = _cfg(3)
+    state = C.RunState("r", "p", "e", "c", "i", {a.name: C.ArmState(a.name) for a in cfg.arms})
+    with pytest.raises(C.ComparisonError, match="the load response has no path"):
+        CR.restore_arm(None, state, cfg, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
+
+
+@pytest.mark.parametrize("option, backend, want", [
+    (None, {"kind": "tinker"}, ("concurrent", "default on a real service")),
+    (None, None, ("concurrent", "default on a real service")),
+    (None, {"kind": "local"}, ("interleaved", "default on the embedded server")),  # the rehearsal keeps it
+    ("interleaved", {"kind": "tinker"}, ("interleaved", "--comparison-schedule")),
+    ("concurrent", {"kind": "local"}, ("concurrent", "--comparison-schedule")),
+])
+def test_arms_run_concurrently_by_default_on_a_real_service(option, backend, want):
+    schedule, source = comparison_schedule(option, backend)
+    assert (schedule, source.split(" (")[0]) == want
+
+
+def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):
+    from dppo_harness.pytest_plugin import HarnessOptions
+
+    assert HarnessOptions.__dataclass_fields__["comparison_schedule"].default is None
+    assert pytestconfig.getoption("--comparison-schedule") is None
