@@ -19,7 +19,7 @@ import asyncio
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,26 +158,23 @@ def sdk_holder(client: Any, timeout_s: float) -> Any:
     return out["holder"]
 
 
-def check_connectivity(
-    backend: service.Backend,
-    base_url: str | None,
-    requested_model: str,
-    env: Mapping[str, str] | None = None,
-    *,
-    proxy_tokens: service.ProxyTokens = "modal",
-    timeout_s: float = 10.0,
-    sdk_telemetry: bool = False,
-) -> ConnectivityReport:
-    """Run the four checks; raise ConnectivityError (one line) on the first that fails."""
-    import tinker
+@dataclass(frozen=True)
+class _Target:
+    """The service as the checks name it: the SDK's client arguments, the URL as shown (redacted)
+    and the variable that holds it."""
 
-    t0 = time.monotonic()
-    checks: list[dict[str, Any]] = []
+    kwargs: dict[str, Any]
+    shown: str
+    var: str
+    proxy_tokens: service.ProxyTokens
 
-    def ok(check: str, detail: str) -> None:
-        checks.append({"check": check, "passed": True, "detail": detail})
+    def status_error(self, status: int, payload: Any, path: str) -> ConnectivityError:
+        return ConnectivityError(*_status_line(status, payload, path, self.var, self.shown, self.proxy_tokens))
 
-    # 1. variables (names only)
+
+def _check_variables(backend: service.Backend, base_url: str | None, env: Mapping[str, str] | None,
+                     proxy_tokens: service.ProxyTokens, ok: Callable[[str, str], None]) -> _Target:
+    """1. The variables are set (their names only)."""
     try:
         kwargs = service.client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     except service.ServiceConfigError as exc:
@@ -189,11 +186,17 @@ def check_connectivity(
     ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: "
                     f"{proxy or 'none (no proxy-token variables set)'}"
        if backend == "tinker" else "local backend: no credentials needed")
-    service.apply_sdk_telemetry(sdk_telemetry)
+    return _Target(kwargs, shown, var, proxy_tokens)
 
-    # 2. reachable (3. auth is judged on the same requests): the SDK's first request, then its holder
+
+def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str], None]) -> Any:
+    """2. Reachable (3. auth is judged on the same requests): the SDK's first request, then its
+    holder, then the capabilities read through it. Returns the raw capabilities response."""
+    import tinker
+
+    shown, var = target.shown, target.var
     try:
-        refused = first_contact(kwargs, timeout_s)
+        refused = first_contact(target.kwargs, timeout_s)
     except tinker.APITimeoutError:
         raise ConnectivityError("reachable", f"{var} {shown} did not answer within {timeout_s:.0f} s") from None
     except tinker.APIConnectionError:
@@ -203,15 +206,15 @@ def check_connectivity(
         status, payload = refused
         if status in (401, 403):
             ok("reachable", f"{shown} answered HTTP {status}")
-        raise ConnectivityError(*_status_line(status, payload, CLIENT_CONFIG_PATH, var, shown, proxy_tokens))
-    probe = tinker.ServiceClient(**kwargs)
+        raise target.status_error(status, payload, CLIENT_CONFIG_PATH)
+    probe = tinker.ServiceClient(**target.kwargs)
     try:
         try:
             holder = sdk_holder(probe, timeout_s)
             resp = identity.get_capabilities_raw(holder, timeout_s)
         except tinker.APIStatusError as exc:
-            raise ConnectivityError(*_status_line(exc.status_code, identity.raw_response(exc.response).json,
-                                                  CLIENT_CONFIG_PATH, var, shown, proxy_tokens)) from None
+            raise target.status_error(exc.status_code, identity.raw_response(exc.response).json,
+                                      CLIENT_CONFIG_PATH) from None
         except (TimeoutError, tinker.APIConnectionError) as exc:
             raise ConnectivityError("reachable", f"{var} {shown}: the SDK could not set up its client "
                                                  f"({type(exc).__name__}: {service.error_text(exc)})") from None
@@ -220,13 +223,21 @@ def check_connectivity(
     if resp.status != 200:
         if resp.status in (401, 403):
             ok("reachable", f"{shown} answered HTTP {resp.status}")
-        raise ConnectivityError(*_status_line(resp.status, resp.json, identity.CAPABILITIES_PATH, var, shown,
-                                              proxy_tokens))
+        raise target.status_error(resp.status, resp.json, identity.CAPABILITIES_PATH)
     ok("reachable", f"{shown} answered {identity.CAPABILITIES_PATH} through the SDK's client")
-    ok("auth", "credentials accepted" if backend == "tinker" else "no authentication on the local backend")
+    return resp
 
-    # 4. the base model
-    caps = resp.json
+
+@dataclass(frozen=True)
+class _ModelChoice:
+    model: str
+    served: list[str]
+    substitution: dict[str, str] | None
+
+
+def _choose_base_model(requested_model: str, caps: Any, shown: str, ok: Callable[[str, str], None]) -> _ModelChoice:
+    """4. The plan's base model is served, or the closest served model of its family is chosen
+    (recorded as a deviation)."""
     models = caps.get("supported_models") if isinstance(caps, Mapping) else None
     if not isinstance(models, list):
         raise ConnectivityError("model", f"{shown} did not answer like a Tinker service (no supported_models list)")
@@ -242,7 +253,33 @@ def check_connectivity(
                         "reason": f"{requested_model} is not served by {shown}; {choice.model} is the closest served "
                                   f"model of the same family (served: {', '.join(served)})"}
     ok("model", f"{choice.model} is served" + (f" (instead of {requested_model})" if choice.substituted else ""))
+    return _ModelChoice(choice.model, served, substitution)
+
+
+def check_connectivity(
+    backend: service.Backend,
+    base_url: str | None,
+    requested_model: str,
+    env: Mapping[str, str] | None = None,
+    *,
+    proxy_tokens: service.ProxyTokens = "modal",
+    timeout_s: float = 10.0,
+    sdk_telemetry: bool = False,
+) -> ConnectivityReport:
+    """Run the four checks; raise ConnectivityError (one line) on the first that fails."""
+    t0 = time.monotonic()
+    checks: list[dict[str, Any]] = []
+
+    def ok(check: str, detail: str) -> None:
+        checks.append({"check": check, "passed": True, "detail": detail})
+
+    target = _check_variables(backend, base_url, env, proxy_tokens, ok)
+    service.apply_sdk_telemetry(sdk_telemetry)
+    resp = _read_capabilities(target, timeout_s, ok)
+    ok("auth", "credentials accepted" if backend == "tinker" else "no authentication on the local backend")
+    caps = resp.json
+    model = _choose_base_model(requested_model, caps, target.shown, ok)
     marker = identity.detect_marker(headers={EMBEDDED_SERVER_HEADER: resp.marker_header}
                                     if resp.marker_header else None, capabilities=caps)
-    return ConnectivityReport(backend, shown, requested_model, choice.model, served, substitution, marker, caps,
-                              checks, time.monotonic() - t0)
+    return ConnectivityReport(backend, target.shown, requested_model, model.model, model.served, model.substitution,
+                              marker, caps, checks, time.monotonic() - t0)

@@ -349,6 +349,25 @@ def _tile(datums: Sequence[Any], n: int) -> list[Any]:
     return [datums[i % len(datums)] for i in range(n)]
 
 
+def _time_greedy_eval(client: Any, data: Any, renderer: Any, max_tokens: int, eval_n: int) -> tuple[float, int]:
+    """Greedy samples of the first `eval_n` test items, submitted together like the evaluation:
+    (seconds from the first submit to the last result, greedy tokens)."""
+    import tinker
+
+    from dppo_harness import rollout_batch
+
+    test = data.load_split("test").items[:eval_n]
+    prompts = [data.build_prompt(it, renderer) for it in test]
+    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                   stop=list(prompts[0][1]))
+    _, sampler = rollout_batch.save_sampler(client, "feasibility-eval")
+    t2 = time.perf_counter()
+    futures = [sampler.sample(ob, 1, params) for ob, _ in prompts]
+    results = [f.result() for f in futures]
+    eval_s = time.perf_counter() - t2
+    return eval_s, int(sum(len(r.sequences[0].tokens) for r in results))
+
+
 def run_timing_pilot(
     service_client: Any,
     schedule: Schedule,
@@ -400,19 +419,9 @@ def run_timing_pilot(
     update_s = train_step.timed_updates(client, minibatch, loss_fn, adam, pilot_updates)
 
     eval_n = pilot_eval_items if schedule.eval_items else 0
-    eval_s, eval_tokens = 0.0, 0
     say(f"4/4: greedy evaluation of {eval_n} test items" if eval_n else "4/4: no evaluation in this plan")
-    if eval_n:
-        test = data.load_split("test").items[:eval_n]
-        prompts = [data.build_prompt(it, bundle.renderer) for it in test]
-        params = tinker.SamplingParams(max_tokens=schedule.max_tokens, temperature=0.0,
-                                       stop=list(prompts[0][1]))
-        _, sampler = rollout_batch.save_sampler(client, "feasibility-eval")
-        t2 = time.perf_counter()
-        futures = [sampler.sample(ob, 1, params) for ob, _ in prompts]
-        results = [f.result() for f in futures]
-        eval_s = time.perf_counter() - t2
-        eval_tokens = int(sum(len(r.sequences[0].tokens) for r in results))
+    eval_s, eval_tokens = (_time_greedy_eval(client, data, bundle.renderer, schedule.max_tokens, eval_n)
+                           if eval_n else (0.0, 0))
 
     lengths = [len(d.model_input.to_ints()) + 1 for d in minibatch]
     timings = PilotTimings(
@@ -458,12 +467,7 @@ def run_feasibility(
     them as deviations. Unknown fields are an error. `measured_setup` adds other measured setup
     phases of this run ({"restoration_preflight": seconds, ...}) to the pilot's setup time.
     """
-    schedule = schedule_from_plan(plan)
-    if schedule_overrides:
-        unknown = set(schedule_overrides) - set(Schedule.__dataclass_fields__)
-        if unknown:
-            raise FeasibilityError(f"schedule_overrides: unknown Schedule fields {sorted(unknown)}")
-        schedule = replace(schedule, **dict(schedule_overrides))
+    schedule = _reduced_schedule(plan, schedule_overrides)
     opt_cfg = dict(optimizer_config or _plan_optimizer(plan))
     details: dict[str, Any] = {}
     t0 = time.perf_counter()
@@ -472,28 +476,14 @@ def run_feasibility(
             service_client, schedule, initial_checkpoint, pilot_groups=pilot_groups,
             pilot_updates=pilot_updates, pilot_eval_items=pilot_eval_items,
             optimizer_config=opt_cfg, seed=schedule.seed, progress=progress)
-    setup_parts = {"create_client_from_initial_checkpoint": timings.setup_seconds}
-    for name, secs in (measured_setup or {}).items():
-        if not (isinstance(secs, (int, float)) and math.isfinite(secs) and secs >= 0):
-            raise FeasibilityError(f"measured_setup[{name!r}] must be finite seconds >= 0, got {secs!r}")
-        setup_parts[name] = float(secs)
-    timings = replace(timings, setup_seconds=sum(setup_parts.values()))
+    timings, setup_parts = _with_measured_setup(timings, measured_setup)
     gpu_count, alloc = gpu_allocation(backend_kind)
     proj = project(schedule, timings, plan.budget, gpu_count=gpu_count,
                    reserve_fraction=reserve_fraction, elapsed_seconds=elapsed_seconds)
-    pilot_config = {
-        "backend": backend_kind, "plan": plan.name, "plan_sha256": plan.sha256,
-        "initial_checkpoint": initial_checkpoint, "pilot_groups": pilot_groups,
-        "group_size": schedule.group_size, "temperature": schedule.temperature,
-        "max_tokens": schedule.max_tokens, "pilot_updates": pilot_updates,
-        "sequences_per_update": schedule.sequences_per_update, "pilot_eval_items": timings.eval_items,
-        "eval_decoding": {"temperature": 0.0, "max_tokens": schedule.max_tokens},
-        "reserve_fraction": reserve_fraction, "elapsed_seconds_taken_off_budget": elapsed_seconds,
-        "size_reductions": dict(schedule_overrides or {}),
-        "setup_components_seconds": setup_parts,
-        "extrapolation": "sampling seconds per group x groups_per_batch, mean update seconds x "
-                         "updates_per_batch, per arm-step; eval seconds per item x eval items",
-    }
+    pilot_config = _pilot_config(
+        backend_kind=backend_kind, plan=plan, initial_checkpoint=initial_checkpoint, schedule=schedule,
+        timings=timings, pilot_groups=pilot_groups, pilot_updates=pilot_updates, reserve_fraction=reserve_fraction,
+        elapsed_seconds=elapsed_seconds, schedule_overrides=schedule_overrides, setup_parts=setup_parts)
     eff = dict(effective_config) if effective_config is not None else {"schedule": asdict(schedule)}
     endpoint = (plan.diagnostic.question if plan.kind == "bounded_diagnostic"
                 else plan.experiment.primary_endpoint or plan.experiment.eval.metric)
@@ -507,14 +497,60 @@ def run_feasibility(
               "projection": proj.as_dict(), "stage_projections_with_reserve": stages,
               "feasibility_check": check}
     bundle.register_json(PILOT_FILE, "metrics", record)
-    metrics = {"feasibility/pilot_wall_seconds": time.perf_counter() - t0,
+    bundle.update_result(feasibility=block, metrics=_feasibility_metrics(proj, time.perf_counter() - t0))
+    return FeasibilityResult(schedule, timings, proj, block, check, proj.fits, failures, details, stages)
+
+
+def _reduced_schedule(plan: Plan, schedule_overrides: Mapping[str, Any] | None) -> Schedule:
+    """The plan's schedule with the explicit size reductions applied (unknown fields: an error)."""
+    schedule = schedule_from_plan(plan)
+    if schedule_overrides:
+        unknown = set(schedule_overrides) - set(Schedule.__dataclass_fields__)
+        if unknown:
+            raise FeasibilityError(f"schedule_overrides: unknown Schedule fields {sorted(unknown)}")
+        schedule = replace(schedule, **dict(schedule_overrides))
+    return schedule
+
+
+def _with_measured_setup(timings: PilotTimings, measured_setup: Mapping[str, float] | None
+                         ) -> tuple[PilotTimings, dict[str, float]]:
+    """The pilot's setup time plus the run's other measured setup phases, and the parts by name."""
+    setup_parts = {"create_client_from_initial_checkpoint": timings.setup_seconds}
+    for name, secs in (measured_setup or {}).items():
+        if not (isinstance(secs, (int, float)) and math.isfinite(secs) and secs >= 0):
+            raise FeasibilityError(f"measured_setup[{name!r}] must be finite seconds >= 0, got {secs!r}")
+        setup_parts[name] = float(secs)
+    return replace(timings, setup_seconds=sum(setup_parts.values())), setup_parts
+
+
+def _pilot_config(*, backend_kind: str, plan: Plan, initial_checkpoint: str, schedule: Schedule,
+                  timings: PilotTimings, pilot_groups: int, pilot_updates: int, reserve_fraction: float,
+                  elapsed_seconds: float, schedule_overrides: Mapping[str, Any] | None,
+                  setup_parts: Mapping[str, float]) -> dict[str, Any]:
+    """What the pilot ran and how the projection extrapolates it (the feasibility block's config)."""
+    return {
+        "backend": backend_kind, "plan": plan.name, "plan_sha256": plan.sha256,
+        "initial_checkpoint": initial_checkpoint, "pilot_groups": pilot_groups,
+        "group_size": schedule.group_size, "temperature": schedule.temperature,
+        "max_tokens": schedule.max_tokens, "pilot_updates": pilot_updates,
+        "sequences_per_update": schedule.sequences_per_update, "pilot_eval_items": timings.eval_items,
+        "eval_decoding": {"temperature": 0.0, "max_tokens": schedule.max_tokens},
+        "reserve_fraction": reserve_fraction, "elapsed_seconds_taken_off_budget": elapsed_seconds,
+        "size_reductions": dict(schedule_overrides or {}),
+        "setup_components_seconds": setup_parts,
+        "extrapolation": "sampling seconds per group x groups_per_batch, mean update seconds x "
+                         "updates_per_batch, per arm-step; eval seconds per item x eval items",
+    }
+
+
+def _feasibility_metrics(proj: Projection, pilot_wall_seconds: float) -> dict[str, float]:
+    metrics = {"feasibility/pilot_wall_seconds": pilot_wall_seconds,
                "feasibility/projected_wall_seconds": proj.total_seconds,
                "feasibility/remaining_wall_budget_seconds": proj.budget_seconds,
                "feasibility/fits": 1.0 if proj.fits else 0.0}
     if proj.gpu_hours is not None:
         metrics["feasibility/projected_gpu_hours"] = proj.gpu_hours
-    bundle.update_result(feasibility=block, metrics=metrics)
-    return FeasibilityResult(schedule, timings, proj, block, check, proj.fits, failures, details, stages)
+    return metrics
 
 
 def _plan_optimizer(plan: Any) -> dict[str, float]:

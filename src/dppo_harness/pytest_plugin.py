@@ -481,7 +481,7 @@ def _service_stop(exc: BaseException | None) -> Any:
     a service client exists, so a session without one never imports the SDK here)."""
     import sys
 
-    module = sys.modules.get("dppo_harness.service_wait")
+    module = sys.modules.get("dppo_harness.service_wait_policy")
     if exc is None or module is None:
         return None
     return exc if isinstance(exc, module.ServiceStopped) else None
@@ -642,7 +642,8 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
                    evidence_bundle: EvidenceBundle, client_registry: ClientRegistry) -> Any:
     """The session's one wait policy: every client of every ServiceClient the harness makes waits
     under it; long waits are posted to the evidence, a stop releases the clients and records why."""
-    from dppo_harness.service_wait import CAPACITY_SCALE_VAR, ServiceWaiter, WaitPolicy
+    from dppo_harness.service_wait import ServiceWaiter
+    from dppo_harness.service_wait_policy import CAPACITY_SCALE_VAR, WaitPolicy
     from dppo_harness.wait_evidence import BundlePoster
 
     # The local rehearsal has no shared capacity to wait for: capacity defaults 100x shorter, same rules.

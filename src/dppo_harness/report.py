@@ -173,7 +173,7 @@ def declared_lines(declared: Mapping[str, Any], measured: list[tuple[str, Mappin
 
 
 def _cause_status(c: Mapping[str, Any]) -> str:
-    """Verified or suspected, said plainly (issue 11): a stand-in run verifies only that the evidence
+    """Verified or suspected, said plainly: a stand-in run verifies only that the evidence
     for the planned model is missing; its measured cause is suspected, for the stand-in only."""
     if c.get("stand_in"):
         return (f"Cause for the planned model: **{c['cause']}** (verified: a stand-in served). Measured cause on the "
@@ -182,14 +182,12 @@ def _cause_status(c: Mapping[str, Any]) -> str:
     return f"Cause: **{c['cause'] or 'none (active)'}** ({label if c['cause'] else 'criteria met'})."
 
 
-def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], backend: str,
-                    next_action: Mapping[str, Any] | None = None) -> str:
+def _headline_lines(analysis: Mapping[str, Any], backend: str) -> list[str]:
+    """Whether the mask fired, the state and its cause, and where it ran."""
     c = analysis["classification"]
-    cfg = analysis["config"]
-    pooled = analysis.get("pooled_second_epoch")
     rows = analysis.get("per_update") or []
     fired = c["mask_fired"] or any((r.get("dppo/removed") or 0) > 0 for r in rows)
-    lines = [
+    return [
         "# Bounded DPPO activation diagnostic",
         "",
         f"**Did the DPPO mask fire? {'YES' if fired else 'NO'}.** "
@@ -203,6 +201,13 @@ def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], 
         "",
         f"Backend: `{backend}`{' (embedded CPU rehearsal server, not Spindle; its model is a stand-in)' if backend == 'local' else ''}. "
         f"Loop: {analysis['loop']}.",
+    ]
+
+
+def _run_lines(analysis: Mapping[str, Any]) -> list[str]:
+    """The run's size, time, batch, schedule and loss, as configured and as done."""
+    cfg = analysis["config"]
+    lines = [
         "",
         "## Run",
         "",
@@ -222,8 +227,14 @@ def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], 
         lines.append(f"- size reductions (test plan): {cfg['reductions']}")
     if analysis.get("errors"):
         lines.append(f"- errors: {analysis['errors']}")
-    lines += ["", "## Fixed criteria (all second-epoch loss calls, pooled by loss-token counts)", "",
-              "| criterion | metric | value | bounds | result |", "|---|---|---|---|---|"]
+    return lines
+
+
+def _criteria_lines(analysis: Mapping[str, Any]) -> list[str]:
+    """The fixed criteria table and the pooled second epoch they were judged on."""
+    pooled = analysis.get("pooled_second_epoch")
+    lines = ["", "## Fixed criteria (all second-epoch loss calls, pooled by loss-token counts)", "",
+             "| criterion | metric | value | bounds | result |", "|---|---|---|---|---|"]
     for cr in analysis.get("criteria", []):
         res = "n/a (does not apply)" if cr["passed"] is None else ("met" if cr["passed"] else f"NOT met: {cr['reason']}")
         lines.append(f"| {cr['id']} | `{cr['metric']}` | {_v(cr['value'])} | {cr['bounds']} | {res} |")
@@ -232,10 +243,15 @@ def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], 
                   f"({pooled['tokens/nonzero_adv']} with A != 0); exceedances +{pooled['dppo/exceed_pos']} / "
                   f"-{pooled['dppo/exceed_neg']}; ratio-cap hits {pooled['dppo/ratio_cap_hits']}; masked fraction over "
                   f"A != 0 tokens {_v(pooled['dppo/masked_frac_nonzero_adv'])}."]
-    lines += ["", "## Per update (the loss call before each optimizer step)", "",
-              "| update | epoch | mb | loss tok | A!=0 tok | removed (+/-) | masked frac | exceed +/- | cap hits | "
-              "PPO clipped | abs(p-q) q90 | abs(p-q) p99 | abs(p-q) max | max p-q on A>0 | min p-q on A<0 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    return lines
+
+
+def _per_update_lines(rows: list[Mapping[str, Any]]) -> list[str]:
+    """One table row per optimizer update (the loss call before it)."""
+    lines = ["", "## Per update (the loss call before each optimizer step)", "",
+             "| update | epoch | mb | loss tok | A!=0 tok | removed (+/-) | masked frac | exceed +/- | cap hits | "
+             "PPO clipped | abs(p-q) q90 | abs(p-q) p99 | abs(p-q) max | max p-q on A>0 | min p-q on A<0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['update_index']} | {r.get('epoch')} | {r.get('minibatch')} | {r['tokens/loss']} | {r['tokens/nonzero_adv']} | "
@@ -243,43 +259,81 @@ def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], 
             f"{r['dppo/exceed_pos']}/{r['dppo/exceed_neg']} | {r['dppo/ratio_cap_hits']} | {r['ppo/clipped']} | "
             f"{_v(r['drift/abs_p90'])} | {_v(r['drift/abs_p99'])} | {_v(r['drift/abs_max'])} | "
             f"{_v(r['drift/max_on_pos_adv'])} | {_v(r['drift/min_on_neg_adv'])} |")
-    sent = analysis.get("sentinels") or {}
-    if sent.get("points"):
-        lines += ["", f"## Sentinel tokens ({sent.get('tokens')} tokens of sequences {sent.get('sequence_indices')})", "",
-                  f"Selection: {sent.get('selection_rule')}.", "",
-                  "| after update | abs(p-q) q90 | abs(p-q) max | abs(p-p_init) q90 | abs(p-p_init) max | mean p-p_init on A>0 | on A<0 |",
-                  "|---|---|---|---|---|---|---|"]
-        for p in sent["points"]:
-            s = p["summary"]
-            lines.append(f"| {p['after_update']} | {_v(s['p_minus_q']['abs_p90'])} | {_v(s['p_minus_q']['abs_max'])} | "
-                         f"{_v(s['p_minus_p_init']['abs_p90'])} | {_v(s['p_minus_p_init']['abs_max'])} | "
-                         f"{_v(s['by_advantage_sign']['pos']['mean_p_minus_p_init'])} | "
-                         f"{_v(s['by_advantage_sign']['neg']['mean_p_minus_p_init'])} |")
-    lines += ["", "## Plots", ""]
+    return lines
+
+
+def _sentinel_lines(sent: Mapping[str, Any]) -> list[str]:
+    """The sentinel tokens' drift after each update (nothing when none were followed)."""
+    if not sent.get("points"):
+        return []
+    lines = ["", f"## Sentinel tokens ({sent.get('tokens')} tokens of sequences {sent.get('sequence_indices')})", "",
+             f"Selection: {sent.get('selection_rule')}.", "",
+             "| after update | abs(p-q) q90 | abs(p-q) max | abs(p-p_init) q90 | abs(p-p_init) max | mean p-p_init on A>0 | on A<0 |",
+             "|---|---|---|---|---|---|---|"]
+    for p in sent["points"]:
+        s = p["summary"]
+        lines.append(f"| {p['after_update']} | {_v(s['p_minus_q']['abs_p90'])} | {_v(s['p_minus_q']['abs_max'])} | "
+                     f"{_v(s['p_minus_p_init']['abs_p90'])} | {_v(s['p_minus_p_init']['abs_max'])} | "
+                     f"{_v(s['by_advantage_sign']['pos']['mean_p_minus_p_init'])} | "
+                     f"{_v(s['by_advantage_sign']['neg']['mean_p_minus_p_init'])} |")
+    return lines
+
+
+def _plot_lines(plot_files: Mapping[str, str]) -> list[str]:
+    lines = ["", "## Plots", ""]
     for key, title in (("drift_tails", "Drift tails per update"), ("histograms", "p - q histograms by advantage sign"),
                        ("fractions", "Masked and clip fraction per update"), ("sentinels", "Sentinel drift")):
         lines.append(f"![{title}]({plot_files[key]})" if key in plot_files else f"- {title}: not available (no data)")
-    lines += ["", "## Evidence against a code defect", "", f"- {c['evidence_against_code_defect']}",
-              "- every loss call recomputed with the independent padded implementation (`python -m dppo_harness.replay`): "
-              + ("no mismatch" if not c["integrity_problems"] else f"{len(c['integrity_problems'])} problem(s)"),
-              "- golden parity of both rules against the pinned reference runs in the unit stage (prerequisite of this stage)"]
+    return lines
+
+
+def _defect_and_fix_lines(analysis: Mapping[str, Any]) -> list[str]:
+    """The evidence against a code defect, and the fixes this loop made."""
+    c = analysis["classification"]
+    lines = ["", "## Evidence against a code defect", "", f"- {c['evidence_against_code_defect']}",
+             "- every loss call recomputed with the independent padded implementation (`python -m dppo_harness.replay`): "
+             + ("no mismatch" if not c["integrity_problems"] else f"{len(c['integrity_problems'])} problem(s)"),
+             "- golden parity of both rules against the pinned reference runs in the unit stage (prerequisite of this stage)"]
     if analysis.get("fixes"):
         lines += ["", "## Fixes in this replacement loop (the prior code could not be audited)", ""]
         lines += [f"- {f}" for f in analysis["fixes"]]
-    if next_action:
-        lines += ["", "## Next action (not executed)", ""]
-        if next_action.get("kind") == "frozen_revised_comparison_spec":
-            lines.append(f"Frozen revised comparison spec, sha256 `{next_action['spec_sha256']}`, requires "
-                         f"{next_action['requires_before_execution']}. See `diagnostic-next-action.json`.")
-        else:
-            lines.append(str(next_action.get("action")))
-    lines += ["", "## Limitations", "",
-              "- The accuracy hypothesis was not tested: verdict stays inconclusive.",
-              "- The earlier run's code, patch, audit script and evidence could not be fetched; this loop is a replacement.",
-              ]
+    return lines
+
+
+def _next_action_lines(next_action: Mapping[str, Any] | None) -> list[str]:
+    if not next_action:
+        return []
+    lines = ["", "## Next action (not executed)", ""]
+    if next_action.get("kind") == "frozen_revised_comparison_spec":
+        lines.append(f"Frozen revised comparison spec, sha256 `{next_action['spec_sha256']}`, requires "
+                     f"{next_action['requires_before_execution']}. See `diagnostic-next-action.json`.")
+    else:
+        lines.append(str(next_action.get("action")))
+    return lines
+
+
+def _limitation_lines(c: Mapping[str, Any], backend: str) -> list[str]:
+    lines = ["", "## Limitations", "",
+             "- The accuracy hypothesis was not tested: verdict stays inconclusive.",
+             "- The earlier run's code, patch, audit script and evidence could not be fetched; this loop is a replacement.",
+             ]
     if backend == "local" or c.get("stand_in"):
         lines.append(f"- Stand-in model `{c.get('served_model') or 'embedded server model'}` computed every number here "
                      "(backend `" + backend + "`), so drift magnitudes and the mask's activity say nothing about Qwen3.5-2B.")
+    return lines
+
+
+def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], backend: str,
+                    next_action: Mapping[str, Any] | None = None) -> str:
+    lines = _headline_lines(analysis, backend)
+    lines += _run_lines(analysis)
+    lines += _criteria_lines(analysis)
+    lines += _per_update_lines(analysis.get("per_update") or [])
+    lines += _sentinel_lines(analysis.get("sentinels") or {})
+    lines += _plot_lines(plot_files)
+    lines += _defect_and_fix_lines(analysis)
+    lines += _next_action_lines(next_action)
+    lines += _limitation_lines(analysis["classification"], backend)
     return "\n".join(lines) + "\n"
 
 

@@ -35,7 +35,7 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.correctness import lr_scaling_error
-from dppo_harness.service_wait import name_client
+from dppo_harness.service_wait_clients import name_client
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle

@@ -22,22 +22,18 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.secrets_scan import live_secret_items
-from dppo_harness.service_wait import (  # noqa: F401  (re-exported: the capacity types live with the wait policy)
+from dppo_harness.service_wait import ServiceWaiter
+from dppo_harness.service_wait_clients import WaitedClient, WaitedFuture, name_client  # noqa: F401
+from dppo_harness.service_wait_policy import (  # noqa: F401  (re-exported: the capacity types live with the wait policy)
     CAPACITY_SCALE_VAR,
     CapacityBlock,
     CapacityExhausted,
     CapacityPolicy,
     CapacityTracker,
-    CreationWatch,
-    QueueWatch,
     ServiceConfigError,
     ServiceStopped,
-    ServiceWaiter,
-    WaitedClient,
-    WaitedFuture,
-    install_creation_watch,
-    name_client,
 )
+from dppo_harness.service_wait_watch import CreationWatch, QueueWatch, install_creation_watch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

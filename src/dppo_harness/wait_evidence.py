@@ -13,7 +13,8 @@ from typing import Any
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
-from dppo_harness.service_wait import CapacityExhausted, ServiceStopped, ServiceWaiter, WaitStatus
+from dppo_harness.service_wait import ServiceWaiter, WaitStatus
+from dppo_harness.service_wait_policy import CapacityExhausted, ServiceStopped
 
 # Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS, and only while the run uses under half
 # its file slots. On the embedded CPU server (windows 100x shorter) nearly every call counts as a

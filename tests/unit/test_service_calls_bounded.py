@@ -16,7 +16,7 @@ import dppo_harness
 
 PKG = Path(dppo_harness.__file__).resolve().parent
 # The service layer: where raw SDK futures are made and waited on under the policy (or a fixed bound).
-SERVICE_LAYER = {"service.py", "service_wait.py", "connectivity.py", "identity.py"}
+SERVICE_LAYER = {"service.py", "service_wait.py", "service_wait_clients.py", "service_wait_watch.py", "connectivity.py", "identity.py"}
 SDK_CLIENTS = {"ServiceClient", "TrainingClient", "SamplingClient", "RestClient", "AsyncTinker", "InternalClientHolder"}
 SDK_INTERNALS = {"holder", "run_coroutine_threadsafe", "result_async", "execute_with_retries", "aclient", "_APIFuture",
                  "_queue_state_logger", "sdk_client"}

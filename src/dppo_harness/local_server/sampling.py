@@ -431,34 +431,56 @@ def resolve_mode(mode: str, net, cache: Cache) -> str:
     return mode
 
 
+@dataclass
+class _DecodedRows:
+    """What the decode loop produced, one entry per sample row (rows of one request contiguous)."""
+
+    toks: list[list[int]]
+    lps: list[list[float]]
+    reason: list[str | None]  # "stop", "length"; None: never finished (counted as "length")
+    steps: int
+    mode: str  # the decode mode that ran ("static" when a graph capture failed)
+
+
 def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], spec: DecodeSpec,
              mode: str = "auto", stats: dict | None = None) -> list[list[Decoded]]:
     """All samples of all `reqs` (token ids are the model's rows) through the one batched decode
     loop (module docstring). `decode_text` turns model ids into text for stop strings. `stats`, if
     given, receives the decode mode used, the step count and the row count."""
-    head = net.get_output_embeddings()
-    decoder = net.get_decoder()
-    device = head.weight.device
-    V = spec.vocab_size
+    device = net.get_output_embeddings().weight.device
     row_req = [j for j, r in enumerate(reqs) for _ in range(r.n)]
     R = len(row_req)
     Lp = max(len(r.prompt) for r in reqs)
     cap = Lp + max(r.max_tokens for r in reqs)
     rows_idx = torch.tensor(row_req, dtype=torch.int64, device=device)
     pre = (_prefill_each if spec.prefill == "each" else _prefill_batched)(net, reqs, spec, rows_idx, cap)
-    cache = pre.cache_R
     attn_RC = torch.zeros((R, cap), dtype=torch.int64, device=device)
     attn_RC[:, :Lp] = pre.mask_JL[rows_idx]
-    mode = resolve_mode(mode, net, cache)
-    static = StaticDecodeStep(net, cache, attn_RC, mode == "graph") if mode in ("static", "graph") else None
+    mode = resolve_mode(mode, net, pre.cache_R)
+    static = StaticDecodeStep(net, pre.cache_R, attn_RC, mode == "graph") if mode in ("static", "graph") else None
     pos_R = torch.tensor([len(reqs[j].prompt) for j in row_req], dtype=torch.int64, device=device)
+    rows = _decode_rows(net, reqs, decode_text, spec, row_req, Lp, pre.cache_R, attn_RC, pos_R,
+                        pre.last_logits_JV[rows_idx], static, mode)
+    if stats is not None:
+        stats.update(decode_mode=rows.mode, decode_steps=rows.steps, rows=R)
+    return _decoded_by_request(reqs, rows, pre.prompt_lps)
+
+
+def _decode_rows(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], spec: DecodeSpec,
+                 row_req: list[int], Lp: int, cache: Cache, attn_RC: torch.Tensor, pos_R: torch.Tensor,
+                 logits_BV: torch.Tensor, static: StaticDecodeStep | None, mode: str) -> _DecodedRows:
+    """The decode loop over every row from the prefill's last logits until every row finished."""
+    head = net.get_output_embeddings()
+    decoder = net.get_decoder()
+    device = head.weight.device
+    V = spec.vocab_size
+    R = len(row_req)
     gens = [torch.Generator(device=device).manual_seed(r.seed) for r in reqs]
     stops = [set(r.stop_ids) for r in reqs]
     toks: list[list[int]] = [[] for _ in range(R)]
     lps: list[list[float]] = [[] for _ in range(R)]
     reason: list[str | None] = [None] * R
     batch_rows = list(range(R))  # original row of each batch position
-    logits_BV = pre.last_logits_JV[rows_idx]
     step = 0
     while True:
         nxt_B = torch.zeros(len(batch_rows), dtype=torch.int64, device=device)  # finished rows feed 0
@@ -513,14 +535,17 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
         cache = out.past_key_values
         pos_R = pos_R + 1
         logits_BV = head(out.last_hidden_state[:, -1])[:, :V].float()
-    if stats is not None:
-        stats.update(decode_mode=mode, decode_steps=step, rows=R)
+    return _DecodedRows(toks, lps, reason, step, mode)
+
+
+def _decoded_by_request(reqs: Sequence[DecodeRequest], rows: _DecodedRows,
+                        prompt_lps: list[list[float | None] | None]) -> list[list[Decoded]]:
     results: list[list[Decoded]] = []
     row = 0
     for j, r in enumerate(reqs):
         seqs = []
         for _ in range(r.n):
-            seqs.append(Decoded(toks[row], lps[row], reason[row] or "length", pre.prompt_lps[j]))
+            seqs.append(Decoded(rows.toks[row], rows.lps[row], rows.reason[row] or "length", prompt_lps[j]))
             row += 1
         results.append(seqs)
     return results

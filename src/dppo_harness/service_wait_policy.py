@@ -1,0 +1,203 @@
+"""The service wait policy's settings and its stops (see service_wait for how waits apply them).
+
+`WaitPolicy` says how long every service call may wait (capacity patience before and after the
+first comparison step, the no-answer timeout, the posting grain); `CapacityPolicy` the backoff
+for retrying refused calls; `CapacityTracker` counts completed comparison steps, which switch the
+capacity window. The stops, `CapacityExhausted` and `ServiceHang`, derive from `ServiceStopped`,
+a BaseException like KeyboardInterrupt, so that a stage's own `except Exception` bookkeeping
+cannot turn a stopped service into a finished stage.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+CAPACITY_SCALE_VAR = "DPPO_HARNESS_CAPACITY_SCALE"
+
+
+class ServiceConfigError(RuntimeError):
+    """The service cannot be configured; the message names the variable or option, never a value."""
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class CapacityPolicy:
+    """Backoff for retrying a *refused* call (1, 2, 4 minutes, then 4 again) inside the capacity
+    window: ~10 min with no comparison step completed, 30 min once steps ran. `scale` shrinks
+    every duration (tests, rehearsals)."""
+
+    backoff_s: tuple[float, ...] = (60.0, 120.0, 240.0)
+    give_up_no_steps_s: float = 600.0
+    give_up_after_steps_s: float = 1800.0
+    scale: float = 1.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CapacityPolicy:
+        """The default policy, shrunk by DPPO_HARNESS_CAPACITY_SCALE (0 < scale <= 1) when set:
+        rehearsals and CI use it to exercise backoff and give-up in seconds, not minutes."""
+        return cls(scale=capacity_scale(env))
+
+    def backoff(self, attempt: int) -> float:
+        return self.backoff_s[min(attempt, len(self.backoff_s) - 1)] * self.scale
+
+    def window(self, steps_completed: int) -> float:
+        return (self.give_up_after_steps_s if steps_completed > 0 else self.give_up_no_steps_s) * self.scale
+
+
+def capacity_scale(env: Mapping[str, str] | None = None) -> float:
+    env = os.environ if env is None else env
+    raw = env.get(CAPACITY_SCALE_VAR)
+    if not raw:
+        return 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}") from None
+    if not 0.0 < scale <= 1.0:
+        raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}")
+    return scale
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How long the harness waits on the service, for every call of every stage.
+
+    `capacity_patience_s` / `capacity_patience_after_steps_s`: how long a pause may last before
+    the run gives up (before / after the first completed comparison step); `service_timeout_s`:
+    how long a request whose queue is active may give no answer. `poll_s` is how often a waiting
+    call looks at its queue state; a wait longer than `post_after_s` is posted every
+    `post_every_s` (result.json) and at most every `snapshot_every_s` as a snapshot file.
+    """
+
+    capacity_patience_s: float = 600.0
+    capacity_patience_after_steps_s: float = 1800.0
+    service_timeout_s: float = 900.0
+    backoff_s: tuple[float, ...] = (60.0, 120.0, 240.0)
+    poll_s: float = 1.0
+    post_after_s: float = 60.0
+    post_every_s: float = 30.0
+    snapshot_every_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("capacity_patience_s", "capacity_patience_after_steps_s", "service_timeout_s", "poll_s",
+                     "post_after_s", "post_every_s", "snapshot_every_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ServiceConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}")
+
+    @classmethod
+    def from_options(cls, *, capacity_patience_s: float | None = None,
+                     capacity_patience_after_steps_s: float | None = None, service_timeout_s: float | None = None,
+                     scale: float | None = None, env: Mapping[str, str] | None = None) -> WaitPolicy:
+        """Options given explicitly are used as they are; the capacity defaults (and the refusal
+        backoff) are shrunk by `scale` (default: DPPO_HARNESS_CAPACITY_SCALE, else 1)."""
+        s = capacity_scale(env) if scale is None else scale
+        base = cls()
+        policy = cls(
+            capacity_patience_s=base.capacity_patience_s * s if capacity_patience_s is None else capacity_patience_s,
+            capacity_patience_after_steps_s=(base.capacity_patience_after_steps_s * s
+                                             if capacity_patience_after_steps_s is None
+                                             else capacity_patience_after_steps_s),
+            service_timeout_s=base.service_timeout_s if service_timeout_s is None else service_timeout_s,
+            backoff_s=tuple(b * s for b in base.backoff_s),
+        )
+        # Waits are watched (and posted) at a grain that fits the shortest window.
+        shortest = min(policy.capacity_patience_s, policy.service_timeout_s)
+        return replace(policy, poll_s=min(1.0, max(0.05, shortest / 20)),
+                       post_after_s=min(60.0, max(0.2, shortest / 5)), post_every_s=min(30.0, max(0.2, shortest / 5)),
+                       snapshot_every_s=min(300.0, max(1.0, shortest)))
+
+    def capacity_window(self, steps_completed: int) -> float:
+        return self.capacity_patience_after_steps_s if steps_completed > 0 else self.capacity_patience_s
+
+    def capacity(self) -> CapacityPolicy:
+        """The same windows for `service.call_with_capacity_retry` (retrying refused calls)."""
+        return CapacityPolicy(backoff_s=self.backoff_s, give_up_no_steps_s=self.capacity_patience_s,
+                              give_up_after_steps_s=self.capacity_patience_after_steps_s, scale=1.0)
+
+    def as_evidence(self) -> dict[str, float]:
+        return {"capacity_patience_s": self.capacity_patience_s,
+                "capacity_patience_after_steps_s": self.capacity_patience_after_steps_s,
+                "service_timeout_s": self.service_timeout_s}
+
+
+# ----------------------------------------------------------------------------- stops
+
+
+class ServiceStopped(BaseException):
+    """The wait policy stopped the stage. `line` is the one line shown; `result_fields()` the
+    result.json fields of the stopped run (status failed, verdict inconclusive,
+    outcome_reason incomplete_execution, plus what stopped it)."""
+
+    kind = "stopped"
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
+
+    def result_fields(self) -> dict[str, Any]:
+        return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
+
+
+@dataclass(frozen=True)
+class CapacityBlock:
+    error: str  # the exact error text or queue_state_reason the service sent
+    comparison_steps_completed: int
+    released_clients: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"error": self.error, "comparison_steps_completed": self.comparison_steps_completed,
+                "released_clients": self.released_clients}
+
+    def result_fields(self) -> dict[str, Any]:
+        """The result.json fields for a run stopped by capacity."""
+        return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
+                "capacity_block": self.as_dict()}
+
+
+class CapacityExhausted(ServiceStopped):
+    """The service kept refusing or pausing work for the whole capacity window."""
+
+    kind = "capacity"
+
+    def __init__(self, block: CapacityBlock, waited_s: float, attempts: int, line: str | None = None):
+        super().__init__(line or (
+            f"service capacity refused for {waited_s:.0f}s over {attempts} attempts; giving up "
+            f"(comparison steps completed: {block.comparison_steps_completed}, "
+            f"clients released: {block.released_clients}): {block.error}"))
+        self.block, self.waited_s, self.attempts = block, waited_s, attempts
+
+    def result_fields(self) -> dict[str, Any]:
+        return self.block.result_fields()
+
+
+class ServiceHang(ServiceStopped):
+    """A request whose queue was active gave no answer for the whole service timeout."""
+
+    kind = "no_answer"
+
+    def __init__(self, call: str, client: str, waited_s: float, queue_state: str | None):
+        super().__init__(f"{call} on {client}: no answer for {int(waited_s)} s"
+                         f" (queue state {queue_state or 'never reported'}; --service-timeout-s)")
+        self.call, self.client, self.waited_s, self.queue_state = call, client, waited_s, queue_state
+
+
+@dataclass
+class CapacityTracker:
+    """Completed comparison steps (the capacity window switches from 10 to 30 minutes after the
+    first) and the refusals retried on the way."""
+
+    comparison_steps_completed: int = 0
+    events: list[Any] = field(default_factory=list)
+
+    def step_done(self) -> None:
+        self.comparison_steps_completed += 1
+
+    def __call__(self) -> int:
+        return self.comparison_steps_completed

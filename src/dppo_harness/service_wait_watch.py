@@ -1,0 +1,269 @@
+"""Queue-state watches: what the service says about a client's queue, as the SDK's observers see it.
+
+A capacity shortage reaches the SDK as 408 `try_again` polls whose `queue_state` only a
+`QueueStateObserver` sees, and a refused sample submit (429 or a billing pause) is swallowed and
+retried inside the SDK. `QueueWatch` is installed as a client's observer (the SDK's own logger
+still gets every report) and keeps the latest report and every pause (`Episode`), with the
+service's own words exactly as sent; `install_creation_watch` / `CreationWatch` do the same for
+client-creating calls, and `watch_sampling_client` for a sampling client and its refused submits.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tinker.lib.api_future_impl import QueueState, QueueStateObserver
+
+logger = logging.getLogger(__name__)
+
+PAUSED_STATES = frozenset({"paused_capacity", "paused_rate_limit", "submit_refused"})
+# What the harness records for a refused sample submit whose answer it did not see (the SDK swallows
+# the 429 or billing pause inside SamplingClient._send_asample_request and retries it).
+SUBMIT_REFUSED_REASON = "sample submit refused (HTTP 429 or a billing pause); the SDK retries it without limit"
+
+
+@dataclass(frozen=True)
+class QueueReport:
+    state: str  # as the SDK passed it: active, paused_capacity, paused_rate_limit, unknown; or submit_refused
+    reason: str | None  # queue_state_reason (or a refused submit's error text) exactly as sent; None: none sent
+    since: float  # time.monotonic() when this state (with this reason) began
+    at: float  # time.monotonic() of the latest report
+    http_status: int | None = None  # a refused submit's HTTP status
+
+    @property
+    def paused(self) -> bool:
+        return self.state in PAUSED_STATES
+
+
+@dataclass
+class Episode:
+    """One pause of a client's queue, as the watch saw it: from the first paused report to the
+    first report that is not paused (None: still paused)."""
+
+    id: int
+    state: str
+    reason: str | None
+    began: float  # time.monotonic()
+    ended: float | None = None
+    http_status: int | None = None
+
+
+_episode_ids = iter(range(1, 1 << 62))
+_episode_lock = threading.Lock()
+
+
+def _next_episode_id() -> int:
+    with _episode_lock:
+        return next(_episode_ids)
+
+
+class QueueWatch(QueueStateObserver):
+    """The SDK's queue-state observer of one client: keeps the latest report and every pause
+    (episodes, so a pause shorter than a waiter's poll is still seen), and passes every report on
+    to the observer it replaced (the SDK's own logger)."""
+
+    MAX_EPISODES = 100
+
+    def __init__(self, forward: Callable[[QueueState, str | None], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._forward, self._clock = forward, clock
+        self._lock = threading.Lock()
+        self._latest: QueueReport | None = None
+        self._episodes: list[Episode] = []
+        self.reports = 0
+
+    def _set(self, state: str, reason: str | None, http_status: int | None = None) -> None:
+        now = self._clock()
+        with self._lock:
+            self.reports += 1
+            last = self._latest
+            # A refused submit stays one pause while the SDK keeps resubmitting, whatever the text.
+            same = last is not None and last.state == state and (state == "submit_refused" or last.reason == reason)
+            self._latest = QueueReport(state, reason, last.since if same else now, now, http_status)
+            current = self._episodes[-1] if self._episodes and self._episodes[-1].ended is None else None
+            if current is not None and not (same and state in PAUSED_STATES):
+                current.ended = now
+                current = None
+            if state in PAUSED_STATES:
+                if current is None:
+                    self._episodes.append(Episode(_next_episode_id(), state, reason, now, http_status=http_status))
+                    del self._episodes[:-self.MAX_EPISODES]
+                else:  # the same pause: a refused submit's latest text
+                    current.reason, current.http_status = reason, http_status
+
+    def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
+        self._set(getattr(queue_state, "value", str(queue_state)), queue_state_reason)
+        if self._forward is not None:
+            try:
+                self._forward(queue_state, queue_state_reason)
+            except Exception as exc:  # the SDK's logger must not break the harness's watch
+                logger.debug("queue-state observer failed: %s", exc)
+
+    def on_submit_refused(self, http_status: int | None = None, text: str | None = None) -> None:
+        self._set("submit_refused", text if text is not None else SUBMIT_REFUSED_REASON, http_status)
+
+    def on_submitted(self) -> None:
+        last = self.latest()
+        if last is not None and last.state == "submit_refused":
+            self._set("active", None)
+
+    def latest(self) -> QueueReport | None:
+        with self._lock:
+            return self._latest
+
+    def episodes_since(self, t0: float) -> list[Episode]:
+        """Pauses still open or ended at or after `t0` (copies)."""
+        with self._lock:
+            return [replace(e) for e in self._episodes if e.ended is None or e.ended >= t0]
+
+
+class _CreationWatches:
+    """Creation calls' observers. The SDK builds a fresh QueueStateLogger(…, "Model creation") inside
+    each client-creating call; `install_creation_watch` makes those loggers QueueWatches too, and a
+    creation's wait reads the latest report of the loggers created since it began."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._lock = threading.Lock()
+        self._made: collections.deque[Any] = collections.deque(maxlen=keep)  # the latest creations' loggers
+
+    def add(self, watch: Any) -> None:
+        with self._lock:
+            self._made.append(watch)
+
+    def since(self, t0: float) -> list[Any]:
+        with self._lock:
+            return [w for w in self._made if w.created >= t0]
+
+
+CREATION_WATCHES = _CreationWatches()
+_installed = False
+_install_lock = threading.Lock()
+
+
+def install_creation_watch() -> bool:
+    """Make the SDK's creation-time QueueStateLogger also a watch (module attribute of
+    tinker.lib.public_interfaces.service_client, looked up at each call). True if installed."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return True
+        try:
+            from tinker.lib.public_interfaces import service_client as sc_module
+            from tinker.lib.queue_state_logger import QueueStateLogger
+        except ImportError:  # pragma: no cover - another SDK layout
+            return False
+        if getattr(sc_module, "QueueStateLogger", None) is not QueueStateLogger:
+            logger.warning("tinker.lib.public_interfaces.service_client.QueueStateLogger is not the SDK's "
+                           "QueueStateLogger: creation pauses are not observed")
+            return False
+
+        class WatchedQueueStateLogger(QueueStateLogger):
+            """The SDK's logger, plus a QueueWatch of the creation call it observes."""
+
+            def __init__(self, identifier: str, message_prefix: str = "Operation"):
+                super().__init__(identifier, message_prefix)
+                self.watch = QueueWatch()
+                self.created = time.monotonic()
+                CREATION_WATCHES.add(self)
+
+            def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
+                self.watch.on_queue_state_change(queue_state, queue_state_reason)
+                super().on_queue_state_change(queue_state, queue_state_reason)
+
+            def latest(self) -> QueueReport | None:
+                return self.watch.latest()
+
+            def episodes_since(self, t0: float) -> list[Episode]:
+                return self.watch.episodes_since(t0)
+
+        sc_module.QueueStateLogger = WatchedQueueStateLogger
+        _installed = True
+        return True
+
+
+class CreationWatch:
+    """The queue state of client creations started at or after `t0` (the latest report wins)."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+
+    def latest(self) -> QueueReport | None:
+        reports = [r for w in CREATION_WATCHES.since(self.t0) if (r := w.latest()) is not None]
+        return max(reports, key=lambda r: r.at) if reports else None
+
+    def episodes_since(self, t0: float) -> list[Episode]:
+        return [e for w in CREATION_WATCHES.since(self.t0) for e in w.episodes_since(t0)]
+
+
+class _SubmitTap:
+    """A sampling client's view of its SDK holder that notes the HTTP error of each sample submit
+    (status and the service's own text) before the SDK swallows it; everything else is the holder's."""
+
+    def __init__(self, holder: Any):
+        object.__setattr__(self, "_holder", holder)
+        object.__setattr__(self, "last_refusal", None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._holder, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "last_refusal":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._holder, name, value)
+
+    @contextlib.contextmanager
+    def aclient(self, pool_type: Any) -> Any:
+        import tinker
+        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+
+        with self._holder.aclient(pool_type) as client:
+            try:
+                yield client
+            except tinker.APIStatusError as exc:
+                if pool_type == ClientConnectionPoolType.SAMPLE:
+                    self.last_refusal = (exc.status_code, _service_text(exc))
+                raise
+
+
+def _service_text(exc: Any) -> str:
+    """The service's own error text of an HTTP error: its body's `error`, else the body, as sent."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, Mapping) and isinstance(body.get("error"), str):
+        return body["error"]
+    return body if isinstance(body, str) else str(getattr(exc, "message", exc))
+
+
+def watch_sampling_client(client: Any) -> QueueWatch:
+    """A sampling client is its own queue-state observer (the SDK passes `self`): the instance's
+    method is replaced by a watch that forwards to it. A refused submit (429 / billing pause) is
+    swallowed by `_send_asample_request` and retried; the watch sees each refusal, with the status
+    and text the holder tap noted."""
+    existing = client.__dict__.get("_dppo_watch")
+    if existing is not None:
+        return existing
+    watch = QueueWatch(client.on_queue_state_change)
+    client.on_queue_state_change = watch.on_queue_state_change
+    tap = _SubmitTap(client.holder)
+    client.holder = tap
+    send = client._send_asample_request
+
+    async def observed_send(*args: Any, **kwargs: Any) -> Any:
+        out = await send(*args, **kwargs)  # None: refused (concurrent submits share the latest refusal noted)
+        if out is None:
+            status, text = tap.last_refusal or (None, None)
+            watch.on_submit_refused(status, text)
+        else:
+            watch.on_submitted()
+        return out
+
+    client._send_asample_request = observed_send
+    client._dppo_watch = watch
+    return watch
