@@ -48,7 +48,7 @@ import torch
 import transformers
 
 from dppo_harness.constants import BASE_MODEL
-from dppo_harness.local_server import hf_model as HF
+from dppo_harness.local_server import hf_model
 from dppo_harness.local_server.engine import Engine
 
 QWEN35_2B = dict(vocab_size=248_320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
@@ -81,7 +81,7 @@ def emit(**fields) -> None:
 
 def model_config(arch: str, tiny: bool) -> transformers.PretrainedConfig:
     if arch == "qwen3":
-        return HF.qwen3_config(**(QWEN3_TINY if tiny else QWEN3_ANCHOR))
+        return hf_model.qwen3_config(**(QWEN3_TINY if tiny else QWEN3_ANCHOR))
     return transformers.Qwen3_5TextConfig(**(QWEN35_TINY if tiny else QWEN35_2B))
 
 
@@ -100,7 +100,7 @@ def reset_peak(device: torch.device) -> None:
 
 def build_checkpoint(out: Path, config, device: torch.device, dtype: torch.dtype) -> dict:
     t = time.perf_counter()
-    HF.save_random_checkpoint(out, config, seed=0, dtype=dtype, device=str(device))
+    hf_model.save_random_checkpoint(out, config, seed=0, dtype=dtype, device=str(device))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = [a.strip() for a in args.kernels.split(",") if a.strip()]
     if not arms or set(arms) - {"fast", "torch"}:
         ap.error(f"--kernels takes fast and/or torch, got {args.kernels!r}")
-    device = HF.resolve_device(args.device)
-    dtype = HF.resolve_dtype(args.dtype, device)
+    device = hf_model.resolve_device(args.device)
+    dtype = hf_model.resolve_dtype(args.dtype, device)
     config = model_config(args.arch, args.tiny)
     emit(event="start", date_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
          device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpu-engine-bench-"))
     ckpt = work / f"random-{args.arch}-{'tiny' if args.tiny else '2b-class'}"
     try:
-        if (ckpt / HF.CONFIG_FILE).is_file():
+        if (ckpt / hf_model.CONFIG_FILE).is_file():
             emit(event="checkpoint", reused=str(ckpt))
         else:
             emit(event="checkpoint", path=str(ckpt), **build_checkpoint(ckpt, config, device, dtype))
@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for arm in arms:
                 if arm == "torch":
-                    HF.use_torch_linear_attention(eng.base_model)
-                    eng.kernels = HF.kernel_report(eng.base_model)
-                emit(event="kernels", arm=arm, summary=HF.kernel_summary(eng.kernels), report=eng.kernels)
+                    hf_model.use_torch_linear_attention(eng.base_model)
+                    eng.kernels = hf_model.kernel_report(eng.base_model)
+                emit(event="kernels", arm=arm, summary=hf_model.kernel_summary(eng.kernels), report=eng.kernels)
                 run_arm(eng, arm, SHAPES["tiny" if args.tiny else "full"], rng)
         finally:
             eng.close()

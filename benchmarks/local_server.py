@@ -30,7 +30,7 @@ from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.train_step import timed_updates
+from dppo_harness.train.train_step import timed_updates
 
 
 def start_once(cache: Path, run_dir: Path, model: str | None) -> tuple[LocalServerProcess, float]:
@@ -40,8 +40,8 @@ def start_once(cache: Path, run_dir: Path, model: str | None) -> tuple[LocalServ
 
 
 def gsm8k_prompts(n: int) -> tuple[list, list, list, object]:
-    from dppo_harness import gsm8k
-    from dppo_harness.tokenizer import make_renderer
+    from dppo_harness.data import gsm8k
+    from dppo_harness.data.tokenizer import make_renderer
 
     renderer = make_renderer().renderer
     items = gsm8k.load_split("train", seed=0).batch(0, n)
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{sample_s:.1f} s = {n_tokens / sample_s:.0f} tokens/s ({n_stop} stopped early)", flush=True)
 
         # 3. forward_backward_custom + optim_step on a minibatch ---------------------------------
-        from dppo_harness import gsm8k
-        from dppo_harness.losses import LossConfig, make_loss_fn
+        from dppo_harness.data import gsm8k
+        from dppo_harness.loss.losses import LossConfig, make_loss_fn
 
         data = []
         m = args.minibatch_groups

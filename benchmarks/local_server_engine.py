@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dppo_harness.local_server import warmstart as W
+from dppo_harness.local_server import warmstart
 from dppo_harness.local_server.engine import Engine
 
 
@@ -37,13 +37,13 @@ def main() -> None:
     print(json.dumps({"engine_start_seconds": start_s, "threads": torch.get_num_threads(), "base_info": {k: v for k, v in eng.base_info.items() if k != "key"}}))
     try:
         c0 = time.process_time()
-        res = W.signal_rate(eng, n_groups=args.groups, group_size=8, max_tokens=512)
+        res = warmstart.signal_rate(eng, n_groups=args.groups, group_size=8, max_tokens=512)
         res["sample_process_cpu_seconds"] = time.process_time() - c0
         rewards = res.pop("rewards")
         print(json.dumps({"sampling": res}))
         # Minibatch of 4 groups, re-sampled sequences rebuilt as datums (prompt + response).
-        from dppo_harness import gsm8k
         from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
+        from dppo_harness.data import gsm8k
         from dppo_harness.local_server.vocab import get_renderer
 
         renderer = get_renderer()

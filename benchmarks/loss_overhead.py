@@ -17,7 +17,7 @@ import numpy as np
 import tinker
 import torch
 
-from dppo_harness.losses import LossConfig, make_loss_fn
+from dppo_harness.loss.losses import LossConfig, make_loss_fn
 
 
 def make_minibatch(n_groups: int = 4, group_size: int = 8, seed: int = 0) -> tuple[list[tinker.Datum], list[np.ndarray]]:

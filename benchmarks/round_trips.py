@@ -38,9 +38,12 @@ import numpy as np
 import tinker
 from tinker import types
 
-from dppo_harness import constants, instrumentation, losses, train_step
+from dppo_harness import constants
+from dppo_harness.instrument import instrumentation
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.restoration import make_datum
+from dppo_harness.loss import losses
+from dppo_harness.stages.restoration import make_datum
+from dppo_harness.train import train_step
 
 REQUEST_LINE = re.compile(r"dppo_harness\.local_server\.requests (\w+) (\S+) (\d+) ([\d.]+)ms")
 
@@ -54,8 +57,8 @@ def request_lines(log: Path, start: int) -> tuple[list[tuple[str, str]], int]:
 
 def sampled_datums(sc: tinker.ServiceClient, groups: int, group_size: int, max_tokens: int) -> list[types.Datum]:
     """One sampled GSM8K batch in the harness datum layout (group-mean-centred advantages)."""
-    from dppo_harness import gsm8k
-    from dppo_harness.tokenizer import make_renderer
+    from dppo_harness.data import gsm8k
+    from dppo_harness.data.tokenizer import make_renderer
 
     renderer = make_renderer().renderer
     tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=8, seed=1).result()

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from dppo_harness.constants import BASE_MODEL
-from dppo_harness.frozen_batch import FrozenBatch
 from dppo_harness.local_server.engine import Engine
+from dppo_harness.rollout.frozen_batch import FrozenBatch
 
 
 def _usage() -> tuple[float, float, int]:

@@ -1,7 +1,7 @@
 """Stage `comparison`: the paired comparison run as the executed plan says (on the local backend
 the declared rehearsal plan), then its evidence checked offline.
 
-The run itself happens once, in the session fixture `comparison_run` (dppo_harness.fixtures_stages).
+The run itself happens once, in the session fixture `comparison_run` (dppo_harness.pytest_plugin.fixtures_stages).
 """
 
 import json
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import comparison as C
-from dppo_harness import comparison_eval as E
-from dppo_harness import losses, stats
+from dppo_harness.evaluation import stats
+from dppo_harness.loss import losses
+from dppo_harness.stages import comparison, comparison_eval
 
 
 def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence_bundle):
@@ -28,7 +28,7 @@ def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence
     result = evidence_bundle.result
     assert sorted(result["completed_arms"]) == sorted(a.name for a in cfg.arms)
     # the trained arms, and the base model under its own key (scored, never trained or completed)
-    assert set(result["metrics"]["arms"]) == {a.name for a in cfg.arms} | {E.BASE_ARM}
+    assert set(result["metrics"]["arms"]) == {a.name for a in cfg.arms} | {comparison_eval.BASE_ARM}
     uris = {c["arm"] for c in result["evidence"]["checkpoints"]}
     assert {a.name for a in cfg.arms} <= uris
 
@@ -45,14 +45,14 @@ def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle)
     assert all(r["loss_tokens"] > 0 for r in comparison_run.rows)
     arms = evidence_bundle.result["metrics"]["arms"]
     for a in cfg.arms:
-        names = C.fraction_names(a.loss)
+        names = comparison.fraction_names(a.loss)
         for r in (r for r in comparison_run.rows if r["arm"] == a.name):
             for base, key in names.items():
                 other = base if key != base else f"counterfactual_{base}"
                 assert key in r and other not in r, (a.name, key)
         for base in ("dppo_masked_frac", "ppo_clip_frac"):
             assert f"{names[base]}_mean" in arms[a.name], (a.name, names[base])
-    own = {a.loss: {k for k in C.fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms}
+    own = {a.loss: {k for k in comparison.fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms}
     assert own.get(losses.GRPO_LOSS, {"ppo_clip_frac", "last_update_clip_frac"}) == {"ppo_clip_frac", "last_update_clip_frac"}
     assert own.get(losses.DPPO_LOSS, {"dppo_masked_frac", "last_update_masked_frac"}) == {"dppo_masked_frac",
                                                                                            "last_update_masked_frac"}
@@ -112,18 +112,18 @@ def test_predictions_observations_and_decision_are_consistent(comparison_run, ev
     run = comparison_run
     n = run.config.eval_items
     scored = {s["arm"] for s in run.scores}
-    assert scored == {E.BASE_ARM} | {a.name for a in run.config.arms}
+    assert scored == {comparison_eval.BASE_ARM} | {a.name for a in run.config.arms}
     for s in run.scores:
         rows = [json.loads(x) for x in evidence_bundle.file_path(s["predictions_ref"]).read_text().splitlines()]
         assert len(rows) == n and all({"item_id", "arm", "prediction", "reference"} <= set(r) for r in rows)
-    obs_path = evidence_bundle.file_path(E.OBSERVATIONS_FILE)
+    obs_path = evidence_bundle.file_path(comparison_eval.OBSERVATIONS_FILE)
     obs = stats.read_observations(obs_path)
     assert len(obs) == n * len(run.config.arms)
     decision = evidence_bundle.result["decision"]
-    assert decision["version"] == 1 and decision["observations_file"]["name"] == E.OBSERVATIONS_FILE
-    assert decision["observations_file"]["sha256"] == evidence_bundle.entry(E.OBSERVATIONS_FILE)["sha256"]
+    assert decision["version"] == 1 and decision["observations_file"]["name"] == comparison_eval.OBSERVATIONS_FILE
+    assert decision["observations_file"]["sha256"] == evidence_bundle.entry(comparison_eval.OBSERVATIONS_FILE)["sha256"]
     # Recomputing the Hoeffding CI from the retained file reproduces the reported one.
-    again = E.recompute_from_file(obs_path, run.config.criteria, alpha=run.config.alpha)
+    again = comparison_eval.recompute_from_file(obs_path, run.config.criteria, alpha=run.config.alpha)
     for reported, recomputed in zip(decision["criteria"], again, strict=True):
         assert (reported["lower"], reported["upper"]) == (recomputed["lower"], recomputed["upper"])
     if plan.kind == "rehearsal":
@@ -139,7 +139,7 @@ def test_evidence_verify_passes(comparison_run, evidence_bundle):
 
 def test_summary_is_two_plain_sentences_naming_the_served_model(comparison_run, evidence_bundle):
     """The brief's output shape: at most 2 sentences; a rehearsal names the stand-in that computed."""
-    from dppo_harness.conclusion import count_sentences
+    from dppo_harness.stages.conclusion import count_sentences
 
     summary = comparison_run.final["summary"]
     assert count_sentences(summary) <= 2, summary

@@ -1,12 +1,12 @@
 """Stage `diagnostic`: the requester's bounded diagnostic, then its evidence checked offline.
 
-The run itself happens once, in the session fixture `diagnostic_run` (dppo_harness.fixtures_stages).
+The run itself happens once, in the session fixture `diagnostic_run` (dppo_harness.pytest_plugin.fixtures_stages).
 """
 
 import subprocess
 import sys
 
-from dppo_harness import diagnostic
+from dppo_harness.stages import diagnostic
 
 
 def _cli(module: str, path) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ def test_conclusion_is_classified_and_not_a_defect(diagnostic_run, evidence_bund
 def test_evidence_verify_and_offline_replay_pass(diagnostic_run, evidence_bundle):
     verify = _cli("dppo_harness.evidence", evidence_bundle.dir)
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    replay = _cli("dppo_harness.replay", evidence_bundle.dir)
+    replay = _cli("dppo_harness.instrument.replay", evidence_bundle.dir)
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert f"{diagnostic_run.updates_done} loss calls" in replay.stdout
 

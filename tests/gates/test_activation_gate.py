@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from dppo_harness import gate
 from dppo_harness.evidence import ImmutableNameError
+from dppo_harness.stages import gate
 
 
 def test_gate_report_is_its_own_immutable_evidence_file(gate_report, evidence_bundle, plan):

@@ -29,12 +29,13 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import comparison as C
-from dppo_harness import gsm8k, service, tokenizer
+from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.evidence import verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
-from dppo_harness.restoration import create_from_state_observed
+from dppo_harness.service import clients as service
+from dppo_harness.stages import comparison
+from dppo_harness.stages.restoration import create_from_state_observed
 
 pytestmark = pytest.mark.timeout(3000)
 
@@ -94,16 +95,16 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
     """Both arms from the shared initial checkpoint for every step, without a stop (the server
     state the killed and resumed runs used, so the checkpoint resolves)."""
     plan = load_plan(PLAN)
-    cfg = C.comparison_config(plan.spec, save_every=1)
+    cfg = comparison.comparison_config(plan.spec, save_every=1)
     registry = service.ClientRegistry()
     with LocalServerProcess(run_dir=server_dir) as srv:
         try:
             sc = service.make_service_client("local", srv.base_url, registry=registry, stage="reference")
             clients = {a.name: create_from_state_observed(sc, initial_checkpoint)[0] for a in cfg.arms}
-            state = C.RunState("reference", plan.sha256, "", "", initial_checkpoint,
-                               {a.name: C.ArmState(a.name) for a in cfg.arms})
+            state = comparison.RunState("reference", plan.sha256, "", "", initial_checkpoint,
+                               {a.name: comparison.ArmState(a.name) for a in cfg.arms})
             train = gsm8k.load_split("train", seed=cfg.arms[0].seed)
-            out = C.train_arms(C.make_runners(clients, cfg), cfg, state,
+            out = comparison.train_arms(comparison.make_runners(clients, cfg), cfg, state,
                                items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
                                renderer=tokenizer.make_renderer().renderer, tag="reference")
         finally:
@@ -112,7 +113,7 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
 
 
 def _rows(path: Path) -> list[dict]:
-    rows = [C.comparable(json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
+    rows = [comparison.comparable(json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     return sorted(rows, key=lambda r: (r["arm"], r["step"]))
 
 
@@ -127,7 +128,7 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     killed = evidence / killed_id
     assert json.loads((killed / "result.json").read_text())["status"] == "running"
     assert verify_bundle(killed) == [], "the killed run's bundle does not verify"
-    state = json.loads(C.state_path(evidence / "comparison-state", killed_id).read_text())
+    state = json.loads(comparison.state_path(evidence / "comparison-state", killed_id).read_text())
     assert all(a["steps_done"] == KILL_AFTER and set(a["saves"]) == {"1", "2"} for a in state["arms"].values()), state
     killed_files = [f["name"] for f in json.loads((killed / "result.json").read_text())["evidence"]["files"]]
     last_snapshot = sorted(n for n in killed_files if n.startswith("result-"))[-1]
@@ -165,10 +166,10 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
 
     reference = _uninterrupted_rows(evidence / "local-server", state["initial_checkpoint"])
     got = _rows(resumed / "files" / "comparison-steps-1.jsonl")
-    want = sorted((C.comparable(r) for r in reference), key=lambda r: (r["arm"], r["step"]))
+    want = sorted((comparison.comparable(r) for r in reference), key=lambda r: (r["arm"], r["step"]))
     assert [(r["arm"], r["step"]) for r in got] == [(r["arm"], r["step"]) for r in want]
-    problems = [p for g, w in zip(got, want, strict=True) for p in C.row_differences(g, w)]
+    problems = [p for g, w in zip(got, want, strict=True) for p in comparison.row_differences(g, w)]
     assert not problems, "resumed run differs from the uninterrupted run:\n" + "\n".join(problems)
     worst = max(abs(float(g[k]) - float(w[k])) for g, w in zip(got, want)
-                for k in w if k not in (*C.TOKEN_FIELDS, "arm", "step"))
+                for k in w if k not in (*comparison.TOKEN_FIELDS, "arm", "step"))
     print(f"killed run {killed_s:.0f} s, resumed run {resumed_s:.0f} s; max logprob-derived |diff| {worst:.3g}")

@@ -1,7 +1,7 @@
 """The cookbook's own RL loop (`recipes.math_rl`, GSM8K) as a peer client of the embedded server.
 
 The README's cookbook command ("The cookbook's recipes against the embedded server") as written,
-through dppo_harness.cookbook_offline (offline tokenizer under the served name, vendored GSM8K),
+through dppo_harness.local_server.cookbook_offline (offline tokenizer under the served name, vendored GSM8K),
 with the server's URL, a temporary log path and CI sizes in place of its numbers: 2 training
 steps, then a second run that loads the final checkpoint, which makes the cookbook read
 `GET /api/v1/training_runs/{id}` to confirm the renderer.
@@ -23,14 +23,14 @@ CI_SIZE = {"lora_rank": "8", "group_size": "2", "groups_per_batch": "2", "max_to
 def _math_rl(readme, base_url: str, log_path: Path, **extra: str) -> subprocess.CompletedProcess:
     words = shlex.split(readme("The cookbook's recipes against the embedded server", "TINKER_API_KEY="))
     module = words.index("-m")
-    assert words[module + 1] == "dppo_harness.cookbook_offline" and words[module - 1] == "python", words
+    assert words[module + 1] == "dppo_harness.local_server.cookbook_offline" and words[module - 1] == "python", words
     env = dict(os.environ, TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1")
     env.pop("TINKER_BASE_URL", None)
     env.update(w.split("=", 1) for w in words[: module - 1])  # the README's VAR=value prefix
     args = dict(w.split("=", 1) for w in words[module + 2:])
     assert {"base_url", "env", "model_name", "renderer_name", "log_path"} <= set(args), args
     args.update(CI_SIZE, base_url=base_url, log_path=str(log_path), **extra)
-    return subprocess.run([sys.executable, "-m", "dppo_harness.cookbook_offline", *(f"{k}={v}" for k, v in args.items())],
+    return subprocess.run([sys.executable, "-m", "dppo_harness.local_server.cookbook_offline", *(f"{k}={v}" for k, v in args.items())],
                           env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -9,7 +9,7 @@ def test_offline_helper_refuses_other_datasets():
     from tinker_cookbook.recipes.math_rl import math_env
     from tinker_cookbook.tokenizer_utils import get_tokenizer
 
-    from dppo_harness.cookbook_offline import OfflineDataError, offline_cookbook, offline_load_dataset
+    from dppo_harness.local_server.cookbook_offline import OfflineDataError, offline_cookbook, offline_load_dataset
 
     with offline_cookbook():
         assert math_env.load_dataset is offline_load_dataset

@@ -12,11 +12,10 @@ import tinker
 import torch
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
-from dppo_harness.local_server import model as M
-from dppo_harness.local_server import warmstart as W
+from dppo_harness.local_server import model, warmstart
 from dppo_harness.local_server.engine import Engine
 from dppo_harness.local_server.vocab import get_renderer, load_vocab, prompt_messages
-from dppo_harness.losses import LossConfig, make_loss_fn
+from dppo_harness.loss.losses import LossConfig, make_loss_fn
 
 pytestmark = pytest.mark.integration
 
@@ -92,31 +91,31 @@ def test_custom_loss_gradient_parity(engine, arm):
 
 
 def test_warm_start_recipe_deterministic(tmp_path, monkeypatch):
-    cfg = M.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+    cfg = model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                        num_key_value_heads=1)
-    recipe = {**W.RECIPE, "steps": 3, "batch_size": 2, "warmup_steps": 1}
+    recipe = {**warmstart.RECIPE, "steps": 3, "batch_size": 2, "warmup_steps": 1}
     vocab = load_vocab()
-    _, a = W.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "a", recipe=recipe)
-    _, b = W.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "b", recipe=recipe)
-    _, c = W.load_or_build(cfg, vocab, seed=1, cache_dir=tmp_path / "a", recipe=recipe)
+    _, a = warmstart.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "a", recipe=recipe)
+    _, b = warmstart.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "b", recipe=recipe)
+    _, c = warmstart.load_or_build(cfg, vocab, seed=1, cache_dir=tmp_path / "a", recipe=recipe)
     assert a["cache_hit"] is False and b["cache_hit"] is False
     assert a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
-    net, hit = W.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "a", recipe=recipe)
-    assert hit["cache_hit"] is True and M.state_sha256(net.state_dict()) == a["weights_sha256"]
+    net, hit = warmstart.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "a", recipe=recipe)
+    assert hit["cache_hit"] is True and model.state_sha256(net.state_dict()) == a["weights_sha256"]
     # a corrupted cache entry is refused, not silently used
     wfile = tmp_path / "a" / "models" / a["config_hash"] / "weights.pt"
     state = torch.load(wfile, weights_only=True)
     next(iter(state.values())).add_(1.0)
     torch.save(state, wfile)
     with pytest.raises(ValueError, match="sha256"):
-        W.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "a", recipe=recipe)
+        warmstart.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "a", recipe=recipe)
 
 
 def test_warm_start_rollouts_carry_signal(tmp_path):
     """Full diagnostic shape: 32 GSM8K train prompts x 8 samples, temperature 1, 512 tokens."""
     eng = Engine(tmp_path, batch_window_s=0.2)
     try:
-        res = W.signal_rate(eng, n_groups=32, group_size=8, max_tokens=512)
+        res = warmstart.signal_rate(eng, n_groups=32, group_size=8, max_tokens=512)
     finally:
         eng.close()
     print(json.dumps({k: v for k, v in res.items() if k != "rewards"}))

@@ -5,8 +5,11 @@ import json
 import pytest
 import tinker
 
-from dppo_harness import constants, evaluation, gsm8k, stats
-from dppo_harness.tokenizer import make_renderer
+from dppo_harness import constants
+from dppo_harness.data import gsm8k
+from dppo_harness.data.tokenizer import make_renderer
+from dppo_harness.evaluation import greedy as evaluation
+from dppo_harness.evaluation import stats
 
 MODEL = "tiny-qwen3-random"  # conftest.shared_random_server
 N_ITEMS = 12

@@ -7,7 +7,7 @@ import peft
 import pytest
 import torch
 
-from dppo_harness.local_server import model as M
+from dppo_harness.local_server import model
 from dppo_harness.local_server.logprobs import head_target_logprobs, lora_head_parts
 
 H, V, R = 16, 101, 4  # V in-vocabulary columns + 1 input-only unk row
@@ -37,7 +37,7 @@ def _inputs(seed: int, n: int = 37):
 
 
 def _plain(hidden, targets, head):
-    return M.token_logprobs(head(hidden).unsqueeze(0), targets.unsqueeze(0), V)[0]
+    return model.token_logprobs(head(hidden).unsqueeze(0), targets.unsqueeze(0), V)[0]
 
 
 def _grads(lp, hidden, head, w):
@@ -52,9 +52,9 @@ def test_lora_head_values_and_gradients_match_the_plain_path(chunk, alpha):
     hidden, targets = _inputs(1)
     w = torch.linspace(-1.0, 2.0, hidden.shape[0])
     plain = _plain(hidden, targets, head)
-    got = head_target_logprobs(hidden, targets, head, V, oov_logprob=M.OOV_TARGET_LOGPROB, chunk_rows=chunk)
+    got = head_target_logprobs(hidden, targets, head, V, oov_logprob=model.OOV_TARGET_LOGPROB, chunk_rows=chunk)
     torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-6)
-    assert got.dtype == torch.float32 and float(got[3]) == float(got[20]) == M.OOV_TARGET_LOGPROB
+    assert got.dtype == torch.float32 and float(got[3]) == float(got[20]) == model.OOV_TARGET_LOGPROB
     got_grads = _grads(got, hidden, head, w)
     for a, b in zip(got_grads, _grads(plain, hidden, head, w), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -93,7 +93,7 @@ def test_the_comparison_can_fail_the_unk_column_is_excluded():
     head = _lora_head(6)
     hidden, targets = _inputs(7)
     got = head_target_logprobs(hidden, targets, head, V, oov_logprob=-30.0)
-    with_unk = M.token_logprobs(head(hidden).unsqueeze(0), targets.unsqueeze(0), V + 1)[0]
+    with_unk = model.token_logprobs(head(hidden).unsqueeze(0), targets.unsqueeze(0), V + 1)[0]
     assert not torch.allclose(got, with_unk, atol=1e-6)
 
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 import transformers
 
-from dppo_harness.local_server import hf_model as HF
-from dppo_harness.local_server import sampling as S
+from dppo_harness.local_server import hf_model, sampling
 from dppo_harness.local_server.__main__ import check_model_path_args, parse_args
 from dppo_harness.local_server.engine import Engine, UserError
 
@@ -26,7 +25,7 @@ SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> Path:
-    return HF.save_random_checkpoint(tmp_path_factory.mktemp("ck") / "small-qwen3", HF.qwen3_config(**SMALL), seed=1)
+    return hf_model.save_random_checkpoint(tmp_path_factory.mktemp("ck") / "small-qwen3", hf_model.qwen3_config(**SMALL), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,7 @@ def qwen35_dir(tmp_path_factory) -> Path:
         vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True)
-    return HF.save_random_checkpoint(tmp_path_factory.mktemp("ck35") / "small-qwen3_5", cfg, seed=2)
+    return hf_model.save_random_checkpoint(tmp_path_factory.mktemp("ck35") / "small-qwen3_5", cfg, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +48,8 @@ def engine(qwen3_dir, tmp_path_factory):
 
 
 def _one_line_error(path, match: str) -> str:
-    with pytest.raises(HF.CheckpointError, match=match) as ei:
-        HF.check_checkpoint_dir(path)
+    with pytest.raises(hf_model.CheckpointError, match=match) as ei:
+        hf_model.check_checkpoint_dir(path)
     msg = str(ei.value)
     assert "\n" not in msg and str(Path(path).name) in msg
     return msg
@@ -71,7 +70,7 @@ def test_missing_or_incomplete_checkpoints_get_one_line_errors(tmp_path, qwen3_d
     (noweights / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     _one_line_error(noweights, "missing shard")
-    _path, cfg, files = HF.check_checkpoint_dir(qwen3_dir)  # the good one passes
+    _path, cfg, files = hf_model.check_checkpoint_dir(qwen3_dir)  # the good one passes
     assert cfg["model_type"] == "qwen3" and [f.name for f in files] == ["model.safetensors"]
 
 
@@ -80,7 +79,7 @@ def test_cli_refuses_a_bad_model_path_with_one_line(tmp_path):
         check_model_path_args(parse_args(["--model-path", str(tmp_path / "nope")]))
     with pytest.raises(SystemExit, match="exclusive"):
         check_model_path_args(parse_args(["--model-path", str(tmp_path), "--model", "tiny-qwen3-random"]))
-    src = str(Path(HF.__file__).resolve().parents[2])  # this checkout's src/, as LocalServerProcess does
+    src = str(Path(hf_model.__file__).resolve().parents[2])  # this checkout's src/, as LocalServerProcess does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-m", "dppo_harness.local_server", "--model-path", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=120, env=env)
@@ -90,8 +89,8 @@ def test_cli_refuses_a_bad_model_path_with_one_line(tmp_path):
 
 def test_checkpoint_name_and_identity(tmp_path, engine, qwen3_dir):
     snap = tmp_path / "models--Qwen--Qwen3.5-2B" / "snapshots" / "abc123"
-    assert HF.checkpoint_name(snap) == "Qwen/Qwen3.5-2B"
-    assert HF.checkpoint_name(tmp_path / "my-ckpt") == "my-ckpt"
+    assert hf_model.checkpoint_name(snap) == "Qwen/Qwen3.5-2B"
+    assert hf_model.checkpoint_name(tmp_path / "my-ckpt") == "my-ckpt"
     assert engine.served_models == ["Qwen/Qwen3.5-2B", "small-qwen3", "local/small-qwen3"]
     assert engine.served_model_name == "local/small-qwen3" and engine.vocab.size == 1000
     assert engine.base_info["dtype"] == "float32" and engine.base_info["device"] == "cpu"
@@ -147,19 +146,19 @@ def test_only_lora_parameters_train_and_targets_survive_restore(engine):
 
 def test_gumbel_max_draws_follow_softmax_and_are_seeded():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(40_000, 1)
-    draws = S.gumbel_max(logits, torch.Generator().manual_seed(0))
+    draws = sampling.gumbel_max(logits, torch.Generator().manual_seed(0))
     freq = torch.bincount(draws, minlength=5).float() / draws.numel()
     torch.testing.assert_close(freq, torch.softmax(logits[0], -1), rtol=0, atol=0.01)
-    again = S.gumbel_max(logits[:100], torch.Generator().manual_seed(0))
-    other = S.gumbel_max(logits[:100], torch.Generator().manual_seed(1))
+    again = sampling.gumbel_max(logits[:100], torch.Generator().manual_seed(0))
+    other = sampling.gumbel_max(logits[:100], torch.Generator().manual_seed(1))
     assert torch.equal(again, draws[:100]) and not torch.equal(other, again)
     # -inf (filtered) entries are never drawn
-    masked = S.filter_logits(logits[:2000], 1.0, 2, 1.0)
-    assert set(S.gumbel_max(masked, torch.Generator().manual_seed(2)).tolist()) <= {0, 1}
+    masked = sampling.filter_logits(logits[:2000], 1.0, 2, 1.0)
+    assert set(sampling.gumbel_max(masked, torch.Generator().manual_seed(2)).tolist()) <= {0, 1}
 
 
 def _req(prompt, n, seed, stop=()):
-    return S.DecodeRequest(prompt=list(prompt), n=n, max_tokens=10, temperature=1.0, top_k=-1, top_p=1.0,
+    return sampling.DecodeRequest(prompt=list(prompt), n=n, max_tokens=10, temperature=1.0, top_k=-1, top_p=1.0,
                            stop_ids=list(stop), stop_strings=[], seed=seed, want_prompt_lp=True)
 
 
@@ -182,11 +181,11 @@ def test_batched_requests_match_alone_and_the_trainer(arch, mode, qwen3_dir, qwe
         p1, p2 = list(range(100, 109)), list(range(300, 317))
         stats: dict = {}
         with torch.no_grad():
-            alone1 = S.generate(net, [_req(p1, 3, 5)], e._decode_text, e.decode_spec, mode)[0]
+            alone1 = sampling.generate(net, [_req(p1, 3, 5)], e._decode_text, e.decode_spec, mode)[0]
             stop = [alone1[0].tokens[2], alone1[1].tokens[4]]  # make rows finish at different steps
-            alone1 = S.generate(net, [_req(p1, 3, 5, stop)], e._decode_text, e.decode_spec, mode)[0]
-            alone2 = S.generate(net, [_req(p2, 4, 6)], e._decode_text, e.decode_spec, mode)[0]
-            both = S.generate(net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text, e.decode_spec, mode, stats)
+            alone1 = sampling.generate(net, [_req(p1, 3, 5, stop)], e._decode_text, e.decode_spec, mode)[0]
+            alone2 = sampling.generate(net, [_req(p2, 4, 6)], e._decode_text, e.decode_spec, mode)[0]
+            both = sampling.generate(net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text, e.decode_spec, mode, stats)
         assert stats["decode_mode"] == mode and stats["rows"] == 7
         assert any(s.stop_reason == "stop" for s in alone1) and any(s.stop_reason == "length" for s in alone1)
         for got, want in ((both[0], alone1), (both[1], alone2)):
@@ -206,18 +205,18 @@ def test_decode_mode_resolution(engine, qwen35_dir, tmp_path):
     """CPU: auto -> dynamic, graph -> its eager form; Qwen3.5's hybrid cache has a static step,
     a sliding-window cache has none."""
     net = engine.base_model
-    buffered = S._buffered(transformers.DynamicCache(), 4)  # no layers yet: trivially "pure attention"
-    assert S.resolve_mode("auto", net, buffered) == "dynamic"
-    assert S.resolve_mode("graph", net, buffered) == "static"
-    assert S.resolve_mode("static", net, buffered) == "static"
+    buffered = sampling._buffered(transformers.DynamicCache(), 4)  # no layers yet: trivially "pure attention"
+    assert sampling.resolve_mode("auto", net, buffered) == "dynamic"
+    assert sampling.resolve_mode("graph", net, buffered) == "static"
+    assert sampling.resolve_mode("static", net, buffered) == "static"
     with pytest.raises(ValueError, match="decode mode"):
-        S.resolve_mode("fast", net, buffered)
-    cfg = HF.qwen3_config(**SMALL)
+        sampling.resolve_mode("fast", net, buffered)
+    cfg = hf_model.qwen3_config(**SMALL)
     cfg.use_sliding_window, cfg.sliding_window, cfg.max_window_layers = True, 4, 0
     cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
     sliding = transformers.Qwen3ForCausalLM(cfg)
     assert sliding.get_decoder().has_sliding_layers
-    assert S.resolve_mode("static", sliding, buffered) == "dynamic"
+    assert sampling.resolve_mode("static", sliding, buffered) == "dynamic"
     e = Engine(tmp_path, model_path=qwen35_dir, device="cpu", decode_mode="static")
     try:
         e.sample("Qwen/Qwen3.5-2B", [1, 2, 3], 2, 3, 1.0, -1, 1.0, [], [], 0, False)
@@ -229,11 +228,11 @@ def test_decode_mode_resolution(engine, qwen35_dir, tmp_path):
 
 
 def _hybrid_prefill(net, prompts: list[list[int]], n: int, cap: int):
-    reqs = [S.DecodeRequest(prompt=p, n=n, max_tokens=cap, temperature=1.0, top_k=-1, top_p=1.0, stop_ids=[],
+    reqs = [sampling.DecodeRequest(prompt=p, n=n, max_tokens=cap, temperature=1.0, top_k=-1, top_p=1.0, stop_ids=[],
                             stop_strings=[], seed=0, want_prompt_lp=False) for p in prompts]
     rows = torch.tensor([j for j in range(len(prompts)) for _ in range(n)])
     Lp = max(len(p) for p in prompts)
-    pre = S._prefill_batched(net, reqs, S.DecodeSpec(vocab_size=net.get_output_embeddings().weight.shape[0]), rows,
+    pre = sampling._prefill_batched(net, reqs, sampling.DecodeSpec(vocab_size=net.get_output_embeddings().weight.shape[0]), rows,
                              Lp + cap)
     attn_RC = torch.zeros((len(rows), Lp + cap), dtype=torch.int64)
     attn_RC[:, :Lp] = pre.mask_JL[rows]
@@ -253,7 +252,7 @@ def test_hybrid_static_step_equals_the_dynamic_cache(qwen35_dir):
     with torch.no_grad():
         pre_d, attn_d, pos_d, Lp = _hybrid_prefill(net, prompts, 2, steps + 1)
         pre_s, attn_s, pos_s, _ = _hybrid_prefill(net, prompts, 2, steps + 1)
-        step = S.StaticDecodeStep(net, pre_s.cache_R, attn_s, use_graph=False)
+        step = sampling.StaticDecodeStep(net, pre_s.cache_R, attn_s, use_graph=False)
         linear = [lay for lay in step.cache.layers if type(lay).__name__ == "LinearAttentionLayer"]
         assert linear and any(type(lay).__name__ == "StaticKVLayer" for lay in step.cache.layers)
         ptrs = [(lay.conv_states.data_ptr(), lay.recurrent_states.data_ptr()) for lay in linear]
@@ -286,12 +285,12 @@ def test_hybrid_static_decode_gives_the_dynamic_tokens(qwen35_dir, tmp_path):
         net = e._sampler_net("base")
         p1, p2 = list(range(100, 109)), list(range(300, 317))
         with torch.no_grad():
-            probe = S.generate(net, [_req(p1, 3, 5)], e._decode_text, e.decode_spec, "dynamic")[0]
+            probe = sampling.generate(net, [_req(p1, 3, 5)], e._decode_text, e.decode_spec, "dynamic")[0]
             reqs = [_req(p1, 3, 5, [probe[0].tokens[2], probe[1].tokens[5]]), _req(p2, 4, 6)]
             runs = {}
             for mode in ("dynamic", "static"):
                 stats: dict = {}
-                runs[mode] = S.generate(net, reqs, e._decode_text, e.decode_spec, mode, stats)
+                runs[mode] = sampling.generate(net, reqs, e._decode_text, e.decode_spec, mode, stats)
                 assert stats["decode_mode"] == mode
         assert any(s.stop_reason == "stop" for s in runs["static"][0])
         assert any(s.stop_reason == "length" for seqs in runs["static"] for s in seqs)
@@ -316,7 +315,7 @@ def test_graph_decode_gives_the_eager_tokens_on_cuda(qwen35_dir, qwen3_dir, tmp_
             with torch.no_grad():
                 for mode in ("static", "graph"):
                     stats: dict = {}
-                    runs[mode] = S.generate(net, reqs, e._decode_text, e.decode_spec, mode, stats)
+                    runs[mode] = sampling.generate(net, reqs, e._decode_text, e.decode_spec, mode, stats)
                     modes[mode] = stats["decode_mode"]
             assert modes == {"static": "static", "graph": "graph"}, modes
             assert [[s.tokens for s in r] for r in runs["graph"]] == [[s.tokens for s in r] for r in runs["static"]]
@@ -383,7 +382,7 @@ def _fake_fast(fn):
 
 
 def test_kernel_report_names_the_torch_fallback_and_why(qwen35_dir, engine, tmp_path):
-    report = HF.kernel_report(engine.base_model)  # Qwen3: attention only
+    report = hf_model.kernel_report(engine.base_model)  # Qwen3: attention only
     assert report["linear_attention"] is None and report["full_attention"]["layers"] == 2
     e = Engine(tmp_path, model_path=qwen35_dir, device="cpu")
     try:
@@ -394,16 +393,16 @@ def test_kernel_report_names_the_torch_fallback_and_why(qwen35_dir, engine, tmp_
         assert la["transformers"]["is_fast_path_available"] is False
         if not torch.cuda.is_available():
             assert any("no CUDA device" in r for r in la["reasons"])
-        assert "torch fallback" in HF.kernel_summary(e.kernels)
+        assert "torch fallback" in hf_model.kernel_summary(e.kernels)
         # the report reads what the layers will call: a (fake) fla function shows as fast, and
         # use_torch_linear_attention puts the torch implementations back
         for m in e.base_model.modules():
             if type(m).__name__.endswith("GatedDeltaNet"):
                 m.recurrent_gated_delta_rule = _fake_fast(m.recurrent_gated_delta_rule)
-        mixed = HF.kernel_report(e.base_model)["linear_attention"]
+        mixed = hf_model.kernel_report(e.base_model)["linear_attention"]
         assert mixed["path"] == "mixed" and mixed["fast"]["delta_rule_recurrent"]
-        assert HF.use_torch_linear_attention(e.base_model) == 3
-        assert HF.kernel_report(e.base_model)["linear_attention"]["path"] == "torch fallback"
+        assert hf_model.use_torch_linear_attention(e.base_model) == 3
+        assert hf_model.kernel_report(e.base_model)["linear_attention"]["path"] == "torch fallback"
     finally:
         e.close()
 
@@ -432,7 +431,7 @@ def test_merging_into_a_tied_head_leaves_the_embedding_alone(qwen3_dir):
     net = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, local_files_only=True)
     assert net.get_output_embeddings().weight is net.get_input_embeddings().weight  # tied checkpoint
     emb = net.get_input_embeddings().weight.detach().clone()
-    HF.untie_output_head(net)
+    hf_model.untie_output_head(net)
     with torch.no_grad():
         net.get_output_embeddings().weight.add_(1.0)
     assert torch.equal(net.get_input_embeddings().weight, emb)
@@ -450,12 +449,12 @@ def test_gqa_decode_attention_equals_sdpa_with_repeated_kv():
     module = torch.nn.Module()
     module.num_key_value_groups = H // Hkv
     module.is_causal = True
-    got, _ = S.gqa_decode_attention(module, q, k, v, mask, scaling=0.25)
+    got, _ = sampling.gqa_decode_attention(module, q, k, v, mask, scaling=0.25)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     assert got.shape == want.shape == (R, 1, H, D)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # A wrong head grouping (query head h on KV head h % Hkv) is detected.
-    bad, _ = S.gqa_decode_attention(module, q.reshape(R, H // Hkv, Hkv, 1, D).transpose(1, 2).reshape(R, H, 1, D),
+    bad, _ = sampling.gqa_decode_attention(module, q.reshape(R, H // Hkv, Hkv, 1, D).transpose(1, 2).reshape(R, H, 1, D),
                                     k, v, mask, scaling=0.25)
     assert not torch.allclose(bad, want, atol=1e-3)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
-from dppo_harness.local_server import model as M
+from dppo_harness.local_server import model
 from dppo_harness.local_server.engine import Engine, UserError
 from dppo_harness.local_server.vocab import get_renderer, load_vocab, prompt_messages
 
@@ -50,11 +50,11 @@ def _ce(batch):
 
 
 def test_base_weights_deterministic_and_seed_sensitive(tmp_path):
-    a = M.state_sha256(M.build_base_model(M.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    a = model.state_sha256(model.build_base_model(model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                        num_attention_heads=1, num_key_value_heads=1), 100, 3).state_dict())
-    b = M.state_sha256(M.build_base_model(M.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    b = model.state_sha256(model.build_base_model(model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                        num_attention_heads=1, num_key_value_heads=1), 100, 3).state_dict())
-    c = M.state_sha256(M.build_base_model(M.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    c = model.state_sha256(model.build_base_model(model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                        num_attention_heads=1, num_key_value_heads=1), 100, 4).state_dict())
     assert a == b
     assert a != c
@@ -65,8 +65,8 @@ def test_lora_seed_controls_init(engine):
     m2 = engine.create_model(BASE_MODEL, 4, 11)
     m3 = engine.create_model(BASE_MODEL, 4, 12)
     p1, p2, p3 = (engine.get_parameters(m) for m in (m1, m2, m3))
-    assert M.state_sha256(p1) == M.state_sha256(p2)
-    assert M.state_sha256(p1) != M.state_sha256(p3)
+    assert model.state_sha256(p1) == model.state_sha256(p2)
+    assert model.state_sha256(p1) != model.state_sha256(p3)
     assert any("lm_head" in n for n in p1) and any("down_proj" in n for n in p1)  # all linear layers
     assert all(torch.count_nonzero(v) == 0 for n, v in p1.items() if "lora_B" in n)
 
@@ -280,7 +280,7 @@ def test_out_of_vocab_ids(engine, prompt):
     out, _met = engine.forward(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:]),
                                                   "weights": np.zeros(len(toks) - 1, np.float32)})], "cross_entropy")
     lp = out[0]["logprobs"]
-    assert lp[9] == M.OOV_TARGET_LOGPROB and np.isfinite(lp).all()
+    assert lp[9] == model.OOV_TARGET_LOGPROB and np.isfinite(lp).all()
     seqs = engine.sample(BASE_MODEL, toks, 2, 8, 1.0, -1, 1.0, [], [], 1, False)
     assert all(t in vocab for s in seqs for t in s.tokens)
 

@@ -180,9 +180,9 @@ def sample_group(sampler, prompt: list[int], n: int, seed: int, max_tokens: int 
 
 def harness_loss() -> Callable:
     try:
-        from dppo_harness.losses import LossConfig, make_loss_fn
+        from dppo_harness.loss.losses import LossConfig, make_loss_fn
     except ImportError:  # pragma: no cover - losses.py is another module's deliverable
-        pytest.fail("dppo_harness.losses.make_loss_fn is missing")
+        pytest.fail("dppo_harness.loss.losses.make_loss_fn is missing")
     return make_loss_fn(LossConfig(loss="dppo_divergence_mask", normalization="token_mean"))
 
 

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import tinker
 
-from dppo_harness import constants, diagnostic, replay
+from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
+from dppo_harness.instrument import replay
 from dppo_harness.plans import load_plan
+from dppo_harness.stages import diagnostic
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")

@@ -22,12 +22,13 @@ from types import SimpleNamespace
 import pytest
 import tinker
 
-from dppo_harness import constants, diagnostic, gate
-from dppo_harness import restoration as R
-from dppo_harness.comparison_run import run_comparison
+from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
+from dppo_harness.stages import diagnostic, gate
+from dppo_harness.stages import restoration as restoration_module
+from dppo_harness.stages.comparison_run import run_comparison
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -41,7 +42,7 @@ ARM_NAMES = [a.name for a in CMP_PLAN.run.arms]
 
 @pytest.fixture(scope="module")
 def fixed_batch():
-    return R.build_fixed_batch()
+    return restoration_module.build_fixed_batch()
 
 
 class _Served:
@@ -73,8 +74,8 @@ def served(tmp_path):
 
 def _preflight(s, bundle, fixed_batch, **kw):
     batch, desc = fixed_batch
-    return R.run_restoration_preflight(s.sc, SPEC, bundle, fixed_batch=batch, fixed_batch_description=desc,
-                                       checkpoint_reader=R.LocalCheckpointReader(s.srv.run_dir),
+    return restoration_module.run_restoration_preflight(s.sc, SPEC, bundle, fixed_batch=batch, fixed_batch_description=desc,
+                                       checkpoint_reader=restoration_module.LocalCheckpointReader(s.srv.run_dir),
                                        trained_arms=("dppo_seed0",), lr_multipliers=(1.0, 2.0), **kw)
 
 
@@ -106,7 +107,7 @@ def test_no_optimizer_config_or_echo_leaves_every_check_declared(served, fixed_b
 
 def test_forward_outputs_without_logprobs_stop_the_preflight_naming_the_key(served, fixed_batch, tmp_path):
     s = served("--fault-omit-field", "forward.logprobs")
-    with pytest.raises(R.RestorationError, match="has no 'logprobs'"):
+    with pytest.raises(restoration_module.RestorationError, match="has no 'logprobs'"):
         _preflight(s, EvidenceBundle.create(tmp_path / "ev"), fixed_batch)
 
 
@@ -141,7 +142,7 @@ def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp
     s = served("--fault-omit-field", "asample.logprobs")
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
     init = tc.save_state("omit-cmp-initial").result().path
-    clients = {a: R.create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
+    clients = {a: restoration_module.create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
     restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
                                   provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
     bundle = EvidenceBundle.create(tmp_path / "ev")

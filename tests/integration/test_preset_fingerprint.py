@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from dppo_harness.local_server import fingerprint as F
+from dppo_harness.local_server import fingerprint
 
 pytestmark = pytest.mark.integration
 
 PINS = json.loads((Path(__file__).parents[1] / "fixtures" / "preset_fingerprints.json").read_text())
 
 
-def mismatches(got: F.Fingerprint, pin: dict) -> list[str]:
+def mismatches(got: fingerprint.Fingerprint, pin: dict) -> list[str]:
     """Names of what differs from the pin (empty: bitwise the same)."""
     bad = [] if got.base_sha256 == pin["base_sha256"] else ["base weights (re-pin if the preset changed on purpose)"]
     return bad + [s for s, h in pin["sections"].items() if got.sections.get(s) != h]
@@ -33,7 +33,7 @@ def test_preset_outputs_are_bitwise_pinned(model, tmp_path):
     here = (torch.__version__, torch.backends.cpu.get_cpu_capability())
     if here != (pin["torch"], pin["cpu_capability"]):
         pytest.skip(f"pinned on torch {pin['torch']} / {pin['cpu_capability']}; this is {here[0]} / {here[1]}")
-    got = F.preset_fingerprint(model, tmp_path / "run")
+    got = fingerprint.preset_fingerprint(model, tmp_path / "run")
     # the script reaches every way a row can finish (rows dropping out of the batch at different steps)
     assert {"stop", "stop_string", "length"} <= set(got.coverage), got.coverage
     assert mismatches(got, pin) == [], got
@@ -42,11 +42,11 @@ def test_preset_outputs_are_bitwise_pinned(model, tmp_path):
 
 
 def test_hasher_sees_one_ulp():
-    a, b = F._Hasher(), F._Hasher()
+    a, b = fingerprint._Hasher(), fingerprint._Hasher()
     x = np.asarray([0.1, -2.5], np.float32)
     a.add("x", x)
     b.add("x", np.nextafter(x, np.float32(1)).astype(np.float32))
     assert a.hexdigest() != b.hexdigest()
-    c = F._Hasher()
+    c = fingerprint._Hasher()
     c.add("x", x.copy())
     assert c.hexdigest() == a.hexdigest()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
-from dppo_harness.secrets_scan import SECRET_ENV_VARS
+from dppo_harness.service.secrets_scan import SECRET_ENV_VARS
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_PLAN = ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-short.json"

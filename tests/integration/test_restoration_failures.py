@@ -11,9 +11,9 @@ import pytest
 import tinker
 
 from dppo_harness import constants, project
-from dppo_harness import restoration as R
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
+from dppo_harness.stages import restoration
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -31,7 +31,7 @@ def spec():
 
 @pytest.fixture(scope="module")
 def fixed_batch():
-    return R.build_fixed_batch()
+    return restoration.build_fixed_batch()
 
 
 def _client(server):
@@ -44,9 +44,9 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
     bundle = EvidenceBundle.create(tmp_path / "evidence")
     batch, desc = fixed_batch
     try:
-        result = R.run_restoration_preflight(
+        result = restoration.run_restoration_preflight(
             sc, spec, bundle, fixed_batch=batch, fixed_batch_description=desc,
-            checkpoint_reader=R.LocalCheckpointReader(server.run_dir), **kw)
+            checkpoint_reader=restoration.LocalCheckpointReader(server.run_dir), **kw)
     finally:
         if own:
             sc.close("success").result(timeout=60)
@@ -74,7 +74,7 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
         assert verify_bundle(bundle.dir) == []
         # The arms were never updated by the probes: their outputs still hash as at step 0.
         for arm, client in result.clients.items():
-            assert R.logprobs_sha256(R.full_logprobs(client, result.fixed_batch)) == result.output_sha256[arm]
+            assert restoration.logprobs_sha256(restoration.full_logprobs(client, result.fixed_batch)) == result.output_sha256[arm]
     finally:
         sc.close("success").result(timeout=60)
 
@@ -120,7 +120,7 @@ def test_a_single_trained_arm_gets_only_the_clients_its_proofs_need(server, spec
     assert set(written["arms"]) == {"dppo_seed0"} and "grpo_seed0" in written["excluded_arms"]
     # One loaded arm: its initial output is compared with the setup client's, before any update.
     (cmp,) = result.provenance["group"]["initial_output_comparison"].items()
-    assert cmp[0] == f"dppo_seed0_vs_{R.SOURCE_OUTPUT_KEY}" and cmp[1]["within_tolerance"]
+    assert cmp[0] == f"dppo_seed0_vs_{restoration.SOURCE_OUTPUT_KEY}" and cmp[1]["within_tolerance"]
     assert result.probe["restored_vs_uninterrupted"]["within_tolerance"]
     assert result.probe["base_lr_update_norm"] > 0
     lr = result.lr_scaling
@@ -133,7 +133,7 @@ def test_a_single_trained_arm_gets_only_the_clients_its_proofs_need(server, spec
 def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_batch, tmp_path):
     """No third DPPO client: the bounded diagnostic trains the arm's client the preflight loaded
     (its observed load is the run's restore, restore_count stays 1)."""
-    from dppo_harness import diagnostic
+    from dppo_harness.stages import diagnostic
 
     diag_plan = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
     sc = _client(server)

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 import tinker
 
-from dppo_harness import constants, gsm8k, rollouts
-from dppo_harness.frozen_batch import FrozenBatch
+from dppo_harness import constants
+from dppo_harness.data import gsm8k
+from dppo_harness.data.tokenizer import make_renderer
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.tokenizer import make_renderer
+from dppo_harness.rollout import rollouts
+from dppo_harness.rollout.frozen_batch import FrozenBatch
 
 # Small random-init model: these tests check plumbing and timing, not learning signal.
 MODEL = "tiny-qwen3-random"

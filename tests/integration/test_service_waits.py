@@ -10,7 +10,6 @@ import time
 import pytest
 import tinker
 
-from dppo_harness import service
 from dppo_harness.local_server.engine import Engine
 from dppo_harness.local_server.faults import (
     FaultConfig,
@@ -20,10 +19,11 @@ from dppo_harness.local_server.faults import (
 )
 from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.local_server.profiles import make_profile
-from dppo_harness.secrets_scan import SecretScanner
-from dppo_harness.service_wait import ServiceWaiter
-from dppo_harness.service_wait_clients import WaitedClient, WaitedFuture
-from dppo_harness.service_wait_policy import CapacityExhausted, ServiceHang, WaitPolicy
+from dppo_harness.service import clients as service
+from dppo_harness.service.secrets_scan import SecretScanner
+from dppo_harness.service.service_wait import ServiceWaiter
+from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
+from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceHang, WaitPolicy
 
 MODEL = "tiny-qwen3-random"  # protocol paths only: the random preset starts in seconds
 BASE = "Qwen/Qwen3.5-2B"

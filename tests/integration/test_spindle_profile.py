@@ -27,7 +27,7 @@ import pytest
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
-from dppo_harness.secrets_scan import SecretScanner
+from dppo_harness.service.secrets_scan import SecretScanner
 
 ROOT = Path(__file__).resolve().parents[2]
 # Planted, not real: the server checks them, the evidence must never contain them. Made fresh per
@@ -264,7 +264,7 @@ def test_bad_credentials_one_line_within_30s(case, spindle, tmp_path):
 def test_missing_modal_headers_one_line_naming_both_variables(spindle):
     """Modal headers are optional for the harness, not for Spindle: without the two variables the
     spindle profile answers 401 and the line names both (the spindle server keeps requiring them)."""
-    from dppo_harness.connectivity import ConnectivityError, check_connectivity
+    from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
 
     env = {"TINKER_BASE_URL": spindle.base_url, "TINKER_API_KEY": PLANTED["TINKER_API_KEY"]}
     with pytest.raises(ConnectivityError) as e:

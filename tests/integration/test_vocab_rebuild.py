@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dppo_harness.local_server import vocab as V
+from dppo_harness.local_server import vocab
 
-SRC = Path(V.__file__).resolve().parents[2]
+SRC = Path(vocab.__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -25,7 +25,7 @@ def test_rebuild_matches_the_shipped_vocabulary(tmp_path):
     out = tmp_path / "vocab.json"
     res = _cli("--check", "--out", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
-    shipped = json.loads(V.ASSET_PATH.read_text())
+    shipped = json.loads(vocab.ASSET_PATH.read_text())
     rebuilt = json.loads(out.read_text())
     assert rebuilt["sha256"] == shipped["sha256"] and rebuilt["real_ids"] == shipped["real_ids"]
     assert "matches the shipped" in res.stdout
@@ -35,7 +35,7 @@ def test_check_fails_when_the_rebuild_differs(tmp_path):
     data = tmp_path / "gsm8k"
     data.mkdir()
     for split in ("train", "test"):
-        rows = (V.DATA_DIR / f"{split}.jsonl").read_text().splitlines()[:2]
+        rows = (vocab.DATA_DIR / f"{split}.jsonl").read_text().splitlines()[:2]
         (data / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
     res = _cli("--check", "--data", str(data))
     assert res.returncode == 1 and "MISMATCH" in res.stderr, res.stdout + res.stderr
@@ -43,11 +43,11 @@ def test_check_fails_when_the_rebuild_differs(tmp_path):
 
 def test_prompt_is_the_cookbook_math_env_prompt():
     """vocab.prompt_messages renders to the tokens of the cookbook MathEnv's first observation."""
-    from dppo_harness import gsm8k
+    from dppo_harness.data import gsm8k
 
     item = gsm8k.load_split("train", seed=0).batch(0, 1)[0]
-    renderer = V.get_renderer()
-    ours = renderer.build_generation_prompt(V.prompt_messages(item.question)).to_ints()
+    renderer = vocab.get_renderer()
+    ours = renderer.build_generation_prompt(vocab.prompt_messages(item.question)).to_ints()
     assert ours == gsm8k.build_prompt(item, renderer)[0].to_ints()
-    row = json.loads((V.DATA_DIR / "train.jsonl").read_text().splitlines()[0])
-    assert V.solution_reply(row["answer"]).endswith(f"\\boxed{{{V.gsm8k_final_answer(row['answer'])}}}.")
+    row = json.loads((vocab.DATA_DIR / "train.jsonl").read_text().splitlines()[0])
+    assert vocab.solution_reply(row["answer"]).endswith(f"\\boxed{{{vocab.gsm8k_final_answer(row['answer'])}}}.")

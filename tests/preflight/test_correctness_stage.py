@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dppo_harness import correctness
-from dppo_harness.correctness_stage import run_correctness_preflight
-from dppo_harness.progress import Watchdog
+from dppo_harness.evidence.progress import Watchdog
+from dppo_harness.loss import correctness
+from dppo_harness.stages.correctness_preflight import run_correctness_preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_correctness_validator_exit_code_is_recorded(plan, evidence_bundle, harn
     block = evidence_bundle.result["correctness_preflight"]
     assert block, "the correctness preflight was not written"
     with Watchdog(harness_progress, every_s=10.0) as watch:
-        watch.say("[preflight] correctness: running `python -m dppo_harness.correctness validate` on the written block")
+        watch.say("[preflight] correctness: running `python -m dppo_harness.loss.correctness validate` on the written block")
         out = correctness.run_validator_cli(plan.spec_plan.spec_bytes, block)
         watch.say(f"[preflight] correctness: validator exit code {out['exit_code']}")
     evidence_bundle.register_json("correctness-validator.json", "report", out)

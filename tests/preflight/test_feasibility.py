@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dppo_harness import feasibility as F
+from dppo_harness.stages import feasibility as feasibility_module
 
 
 def test_plan_fits_its_budget(feasibility):
@@ -19,10 +19,10 @@ def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bund
     assert m["setup"]["seconds"] > 0 and m["training"]["seconds"] > 0
     # The projected schedule is the plan's, at the declared rehearsal size on the embedded server
     # (the local backend, or its marker seen on the tinker backend).
-    overrides, _ = F.rehearsal_sizing(plan, embedded_server=connectivity.embedded)
-    expected = replace(F.schedule_from_plan(plan), **overrides)
+    overrides, _ = feasibility_module.rehearsal_sizing(plan, embedded_server=connectivity.embedded)
+    expected = replace(feasibility_module.schedule_from_plan(plan), **overrides)
     assert feasibility.schedule == expected
     assert m["training"]["planned_units"] == expected.arm_steps
     assert m["evaluation"]["planned_units"] == expected.eval_items
-    assert written["source"] == F.PILOT_FILE
-    assert evidence_bundle.entry(F.PILOT_FILE) is not None
+    assert written["source"] == feasibility_module.PILOT_FILE
+    assert evidence_bundle.entry(feasibility_module.PILOT_FILE) is not None

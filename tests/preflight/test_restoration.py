@@ -3,7 +3,7 @@ library's measured result; `restoration` runs once and later stages reuse its cl
 
 from __future__ import annotations
 
-from dppo_harness import restoration as R
+from dppo_harness.stages import restoration as restoration_module
 
 
 def test_restoration_preflight_passes(restoration):
@@ -11,7 +11,7 @@ def test_restoration_preflight_passes(restoration):
 
 
 def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
-    arms = [a["name"] for a in R.restoration_arms(plan.spec_plan.experiment)]
+    arms = [a["name"] for a in restoration_module.restoration_arms(plan.spec_plan.experiment)]
     if plan.kind == "bounded_diagnostic":  # only the arm that trains gets a client
         arms = [plan.diagnostic.fixed_settings.treatment.arm]
     assert sorted(restoration.clients) == sorted(arms)
@@ -26,7 +26,7 @@ def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
 def test_initial_outputs_match_before_any_update(restoration):
     cmp = restoration.provenance["group"]["initial_output_comparison"]
     assert cmp and all(c["within_tolerance"] for c in cmp.values()), cmp
-    assert restoration.batch_sha256 == R.batch_sha256(restoration.fixed_batch)
+    assert restoration.batch_sha256 == restoration_module.batch_sha256(restoration.fixed_batch)
     assert all(e["initial_output"]["batch_sha256"] == restoration.batch_sha256
                for e in restoration.provenance["arms"].values())
 
@@ -61,7 +61,7 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
     assert written["version"] == 1
     posted = {a: e for a, e in restoration.provenance["arms"].items() if a not in written.get("excluded_arms", {})}
     if plan.kind == "bounded_diagnostic":  # posted checks keep only the arm's own responses
-        posted = {a: dict(e, optimizer_checks=[R.own_response_only(c) for c in e["optimizer_checks"]])
+        posted = {a: dict(e, optimizer_checks=[restoration_module.own_response_only(c) for c in e["optimizer_checks"]])
                   for a, e in posted.items()}
     assert written["arms"] == posted
     if plan.kind == "bounded_diagnostic":  # the untrained baseline is left out
@@ -69,7 +69,7 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
         assert set(written["arms"]) == {trained}
         assert set(written["excluded_arms"]) == {a.name for a in plan.spec_plan.run.arms} - {trained}
     names = {f["name"] for f in evidence_bundle.files()}
-    assert {R.PROVENANCE_FILE, R.FIXED_BATCH_FILE, R.INITIAL_OUTPUT_FILE, R.RESPONSES_FILE} <= names
+    assert {restoration_module.PROVENANCE_FILE, restoration_module.FIXED_BATCH_FILE, restoration_module.INITIAL_OUTPUT_FILE, restoration_module.RESPONSES_FILE} <= names
 
 
 def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, client_registry):
@@ -81,6 +81,6 @@ def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, c
     roles = [c["role"] or "" for c in probes["training_clients"]]
     assert roles[0].startswith("setup (shared") and "uninterrupted restore probe" in roles[0]
     assert sum(r.startswith("restore probe") for r in roles) == 1
-    assert len(roles) <= 2 + len(R.DEFAULT_LR_MULTIPLIERS) - 1  # one client per LR other than the planned one
+    assert len(roles) <= 2 + len(restoration_module.DEFAULT_LR_MULTIPLIERS) - 1  # one client per LR other than the planned one
     arms = [c for c in sessions["session"]["training_clients"] if (c["role"] or "").startswith("arm ")]
     assert sorted(c["role"].split()[1].rstrip(":") for c in arms) == sorted(restoration.clients)

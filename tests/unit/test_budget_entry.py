@@ -4,8 +4,8 @@ each service stage's first test; a spent budget blocks the stage with the ledger
 import json
 from pathlib import Path
 
-from dppo_harness import pytest_plugin as pp
 from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.pytest_plugin import hooks as pp
 
 
 class _Clock:
@@ -59,7 +59,7 @@ class _Client:
 
 def test_session_client_release_is_recorded_even_when_the_fixture_releases_it(tmp_path):
     """Issue 11 point 8: client-releases.json lists every client, with its release time."""
-    from dppo_harness.service import ClientRegistry
+    from dppo_harness.service.clients import ClientRegistry
 
     clock = _Clock()
     b = _bundle(tmp_path, clock)

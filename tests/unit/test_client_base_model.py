@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import tinker
 
-from dppo_harness import fixtures_preflight, restoration
-from dppo_harness.connectivity import ConnectivityReport, client_base_model
+from dppo_harness.pytest_plugin import fixtures_preflight
+from dppo_harness.service.connectivity import ConnectivityReport, client_base_model
+from dppo_harness.stages import restoration
 
 PLANNED = "Qwen/Qwen3.5-2B"
 SUBSTITUTE = "Qwen/Qwen3.5-4B"

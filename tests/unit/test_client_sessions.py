@@ -8,9 +8,9 @@ import json
 
 import tinker
 
-from dppo_harness import pytest_plugin as pp
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.service import ClientRegistry, describe_client, make_service_client
+from dppo_harness.pytest_plugin import hooks as pp
+from dppo_harness.service.clients import ClientRegistry, describe_client, make_service_client
 
 FAKE_ENV = {"TINKER_BASE_URL": "http://127.0.0.1:9", "TINKER_API_KEY": "tml-fake", "MODAL_PROXY_TOKEN_ID": "wk-x",
             "MODAL_PROXY_TOKEN_SECRET": "ws-y"}

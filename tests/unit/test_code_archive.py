@@ -20,14 +20,14 @@ ROOT = Path(__file__).parents[2]
 def test_archive_holds_the_library_the_server_and_the_tests_deterministically():
     data, manifest = build_archive(ROOT, commit="abc")
     paths = {m["path"] for m in manifest["members"]}
-    for must in ("src/dppo_harness/diagnostic.py", "src/dppo_harness/losses.py", "src/dppo_harness/instrumentation.py",
+    for must in ("src/dppo_harness/stages/diagnostic.py", "src/dppo_harness/loss/losses.py", "src/dppo_harness/instrument/instrumentation.py",
                  "src/dppo_harness/local_server/engine.py", "src/dppo_harness/local_server/app.py",
                  "tests/diagnostic/test_bounded_diagnostic.py", "plans/exp_e6b0965af3-diagnostic-r1.json"):
         assert must in paths, must
     assert not any("__pycache__" in p or p.endswith(".pyc") for p in paths)
-    src = ROOT / "src/dppo_harness/losses.py"
+    src = ROOT / "src/dppo_harness/loss/losses.py"
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        assert zf.read("src/dppo_harness/losses.py") == src.read_bytes()
+        assert zf.read("src/dppo_harness/loss/losses.py") == src.read_bytes()
         assert json.loads(zf.read(MANIFEST_MEMBER))["commit"] == "abc"
     assert verify_archive(data) == []
     assert build_archive(ROOT, commit="abc")[0] == data  # deterministic
@@ -42,7 +42,7 @@ def test_archive_is_one_script_file_in_the_bundle(tmp_path):
 
 
 def test_tampered_archive_is_detected():
-    data, _ = build_archive(ROOT, include=("src/dppo_harness/losses.py",))
+    data, _ = build_archive(ROOT, include=("src/dppo_harness/loss/losses.py",))
     buf = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(data)) as zin, zipfile.ZipFile(buf, "w") as zout:
         for n in zin.namelist():

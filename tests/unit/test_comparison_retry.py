@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import comparison as C
-from dppo_harness import losses
+from dppo_harness.loss import losses
 from dppo_harness.plans import load_plan
+from dppo_harness.stages import comparison
 
 SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
 
@@ -25,8 +25,8 @@ class FakeArm:
 
 
 def _runner(arm):
-    spec = C.ArmSpec("grpo_seed0", losses.GRPO_LOSS, "baseline", 0, 1e-2, 2)
-    return C.ArmRunner(spec, arm, loss_fn=None, recorder=None)
+    spec = comparison.ArmSpec("grpo_seed0", losses.GRPO_LOSS, "baseline", 0, 1e-2, 2)
+    return comparison.ArmRunner(spec, arm, loss_fn=None, recorder=None)
 
 
 def _step(runner, attempt, progress):
@@ -53,7 +53,7 @@ def test_refusal_after_an_update_restores_the_step_start_before_the_retry():
         restores.append((path, dict(failure)))
         return _runner(FakeArm(applied=saved[path]))
 
-    guard = C.GuardedArmStep(_runner(FakeArm(applied=2, refuse_at=2)), 1, "tinker://m/weights/step1", restore, _step)
+    guard = comparison.GuardedArmStep(_runner(FakeArm(applied=2, refuse_at=2)), 1, "tinker://m/weights/step1", restore, _step)
     row = _retry(guard)
     assert row == {"applied": 4, "attempt": 1}  # exactly updates_per_batch on top of the step start
     assert [p for p, _ in restores] == ["tinker://m/weights/step1"]
@@ -65,7 +65,7 @@ def test_refusal_after_an_update_restores_the_step_start_before_the_retry():
 def test_retrying_as_it_stands_would_apply_an_extra_update():
     """The fault the guard prevents: the same refusal, retried on the arm as it stands."""
     arm = FakeArm(applied=2, refuse_at=2)
-    guard = C.GuardedArmStep(_runner(arm), 1, "tinker://m/weights/step1", lambda r, p, f: r, _step)
+    guard = comparison.GuardedArmStep(_runner(arm), 1, "tinker://m/weights/step1", lambda r, p, f: r, _step)
     guard.dirty = False
     with pytest.raises(RuntimeError):
         guard()
@@ -83,16 +83,16 @@ def test_refusal_before_any_update_is_retried_without_a_restore():
             raise RuntimeError("trainer capacity exhausted")
         return _step(runner, attempt, progress)
 
-    guard = C.GuardedArmStep(_runner(FakeArm()), 0, None, no_restore, sample_refused_once)
+    guard = comparison.GuardedArmStep(_runner(FakeArm()), 0, None, no_restore, sample_refused_once)
     assert _retry(guard) == {"applied": 2, "attempt": 1}
     assert guard.failures[0]["updates_sent_before_failure"] == 0 and guard.failures[0]["restored_from"] is None
 
 
 def test_without_a_state_at_the_step_start_the_retry_is_refused():
-    guard = C.GuardedArmStep(_runner(FakeArm(refuse_at=1)), 3, None, lambda r, p, f: r, _step)
+    guard = comparison.GuardedArmStep(_runner(FakeArm(refuse_at=1)), 3, None, lambda r, p, f: r, _step)
     with pytest.raises(RuntimeError):
         guard()
-    with pytest.raises(C.ComparisonError, match="would apply updates twice"):
+    with pytest.raises(comparison.ComparisonError, match="would apply updates twice"):
         guard()
 
 
@@ -100,8 +100,8 @@ def test_without_a_state_at_the_step_start_the_retry_is_refused():
 def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypatch, schedule):
     """The wiring in train_arms: both schedules, a refusal after the first update of the GRPO arm's
     step 1; that arm is restored from its state saved after step 1 and ends with 3 x 2 updates."""
-    cfg = C.comparison_config(SPEC.run)
-    cfg = C.ComparisonConfig(**{**cfg.__dict__, "steps": 3})
+    cfg = comparison.comparison_config(SPEC.run)
+    cfg = comparison.ComparisonConfig(**{**cfg.__dict__, "steps": 3})
     fakes = {a.name: FakeArm(refuse_at=4 if a.role == "baseline" else None) for a in cfg.arms}
     saved: dict[str, int] = {}
 
@@ -122,7 +122,7 @@ def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypat
 
     def restore(runner, path, failure):
         restored.append((runner.spec.name, path))
-        return C.ArmRunner(runner.spec, FakeArm(applied=saved[path]), None, None)
+        return comparison.ArmRunner(runner.spec, FakeArm(applied=saved[path]), None, None)
 
     def call(fn):
         try:
@@ -130,10 +130,10 @@ def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypat
         except RuntimeError:
             return fn()
 
-    monkeypatch.setattr(C, "run_arm_step", fake_step)
-    state = C.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: C.ArmState(a.name) for a in cfg.arms})
-    runners = [C.ArmRunner(a, fakes[a.name], None, None) for a in cfg.arms]
-    out = C.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", schedule=schedule,
+    monkeypatch.setattr(comparison, "run_arm_step", fake_step)
+    state = comparison.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: comparison.ArmState(a.name) for a in cfg.arms})
+    runners = [comparison.ArmRunner(a, fakes[a.name], None, None) for a in cfg.arms]
+    out = comparison.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", schedule=schedule,
                        save_state=save_state, restore=restore, call=call)
     assert out.steps_completed == 3 and out.stopped is None
     assert restored == [("grpo_seed0", "tinker://grpo_seed0/weights/step1")]

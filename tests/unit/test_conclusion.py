@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import conclusion as cc
-from dppo_harness import diagnostic as dg
 from dppo_harness.plans import load_plan
+from dppo_harness.stages import conclusion as cc
+from dppo_harness.stages import diagnostic as dg
 
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
@@ -75,7 +75,7 @@ def test_served_model_from_get_info():
 
 
 def test_report_labels_the_cause_and_the_stand_in_limitation_on_any_backend():
-    from dppo_harness import report
+    from dppo_harness.evidence import report
 
     res = _result(STAND_IN)
     a = res.analysis_json()

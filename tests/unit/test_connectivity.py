@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from dppo_harness.connectivity import ConnectivityError, auth_failure_line, check_connectivity
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+from dppo_harness.service.connectivity import ConnectivityError, auth_failure_line, check_connectivity
 
 ENV = {"TINKER_API_KEY": "tml-PLANTED-key-7f3a", "MODAL_PROXY_TOKEN_ID": "wk-PLANTED-id-91c2",
        "MODAL_PROXY_TOKEN_SECRET": "ws-PLANTED-secret-5d0e"}

@@ -17,10 +17,11 @@ from tinker_cookbook.stores.storage import LocalStorage
 from tinker_cookbook.stores.training_store import TrainingRunStore
 from tinker_cookbook.utils.file_utils import read_jsonl
 
-from dppo_harness import comparison as C
-from dppo_harness import cookbook_metrics as CM
-from dppo_harness import diagnostic, losses, rollouts
-from dppo_harness.gsm8k import Graded, Gsm8kItem
+from dppo_harness.data.gsm8k import Graded, Gsm8kItem
+from dppo_harness.instrument import cookbook_metrics as CM
+from dppo_harness.loss import losses
+from dppo_harness.rollout import rollouts
+from dppo_harness.stages import comparison, diagnostic
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -61,7 +62,7 @@ def test_step_record_uses_the_cookbooks_names():
     assert env["env/all/reward/total"] == pytest.approx(np.mean([1.0, 0.0, -0.1, -0.1]))
     assert env["env/all/total_ac_tokens"] == 10 and env["env/all/by_group/frac_mixed"] == 0.5
     records = diagnostic.simulate_records(n_updates=2, minibatches_per_epoch=2, sequences=2)
-    row = C.step_metrics("grpo_seed0", 1, batch.summary(), records, loss=losses.GRPO_LOSS, seconds=3.0, sample_seconds=1.0,
+    row = comparison.step_metrics("grpo_seed0", 1, batch.summary(), records, loss=losses.GRPO_LOSS, seconds=3.0, sample_seconds=1.0,
                          sampler_checkpoint="tinker://x", kl=CM.kl_sample_train(records), cookbook_env=env,
                          rollout_seconds=0.5)
     rec = CM.step_record(row, steps=4, learning_rate=2e-5)
@@ -131,7 +132,7 @@ SCRIPT = textwrap.dedent('''
 
     socket.socket.connect = no_network
     socket.create_connection = no_network
-    from dppo_harness import cookbook_metrics as cm
+    from dppo_harness.instrument import cookbook_metrics as cm
 
     log = cm.ArmMetricsLog(Path(sys.argv[1]), ["a"], run_name="r", wandb=cm.wandb_request(sys.argv[2] or None))
     log.log("a", {"env/all/reward/total": 0.5}, 0)

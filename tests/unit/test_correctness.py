@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dppo_harness import correctness as cx
-from dppo_harness import correctness_golden, correctness_reference, references
+from dppo_harness.loss import correctness as cx
+from dppo_harness.loss import correctness_golden, correctness_reference, references
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "dppo_golden_v1.json"
@@ -75,7 +75,7 @@ def test_parity_errors_and_acceptance_rule():
 
 def _run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "dppo_harness.correctness", *args],
+        [sys.executable, "-m", "dppo_harness.loss.correctness", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

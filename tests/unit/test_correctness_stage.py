@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import correctness, correctness_golden, losses, restoration
-from dppo_harness.correctness_stage import GOLDEN_FIXTURE, run_correctness_preflight
+from dppo_harness.loss import correctness, correctness_golden, losses
+from dppo_harness.stages import restoration
+from dppo_harness.stages.correctness_preflight import GOLDEN_FIXTURE, run_correctness_preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / GOLDEN_FIXTURE

@@ -68,4 +68,4 @@ def test_the_check_finds_an_undeclared_import(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "declared_distributions", lambda: real - {"safetensors", "pydantic-core"})
     found = undeclared()
     assert {"safetensors", "pydantic_core"} <= set(found)
-    assert "weights_readback.py" in found["safetensors"] and "schema_errors.py" in found["pydantic_core"]
+    assert "train/weights_readback.py" in found["safetensors"] and "plans/schema_errors.py" in found["pydantic_core"]

@@ -5,10 +5,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dppo_harness import diagnostic as dg
-from dppo_harness import instrumentation as ins
-from dppo_harness.losses import LossConfig, make_loss_fn
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.loss.losses import LossConfig, make_loss_fn
 from dppo_harness.plans import load_plan
+from dppo_harness.stages import diagnostic as dg
 
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")

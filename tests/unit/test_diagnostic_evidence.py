@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import correctness, correctness_golden
-from dppo_harness import diagnostic_evidence as dx
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.snapshots import post_snapshot, snapshot_names
+from dppo_harness.loss import correctness, correctness_golden
 from dppo_harness.plans import PlanError, load_plan
+from dppo_harness.stages import diagnostic_evidence as dx
 
 ROOT = Path(__file__).parents[2]
 PLAN = load_plan(ROOT / "plans/exp_e6b0965af3-diagnostic-r1.json")

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from tinker.types import SampledSequence, SampleResponse
 
-from dppo_harness import constants, evaluation, gsm8k
-from dppo_harness.tokenizer import make_renderer
+from dppo_harness import constants
+from dppo_harness.data import gsm8k
+from dppo_harness.data.tokenizer import make_renderer
+from dppo_harness.evaluation import greedy as evaluation
 
 
 @pytest.fixture(scope="module")

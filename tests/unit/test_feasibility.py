@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import feasibility as f
 from dppo_harness.plans import PlanError, load_plan, parse_plan
+from dppo_harness.stages import feasibility as feasibility_module
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -23,16 +23,16 @@ def diagnostic():
     return load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
 
 
-def _timings(**kw) -> f.PilotTimings:
+def _timings(**kw) -> feasibility_module.PilotTimings:
     # 2 s per group, 4 s per update (mean of 3 and 5), 0.5 s per eval item, 10 s setup.
     args = dict(setup_seconds=10.0, sampling_seconds=4.0, sampled_groups=2, sampled_sequences=16,
                 update_seconds=(3.0, 5.0), sequences_per_update=128, eval_seconds=2.0, eval_items=4)
     args.update(kw)
-    return f.PilotTimings(**args)
+    return feasibility_module.PilotTimings(**args)
 
 
 def test_spec_schedule(spec):
-    s = f.schedule_from_plan(spec)
+    s = feasibility_module.schedule_from_plan(spec)
     assert (s.trained_arms, s.batches_per_arm, s.updates_per_batch) == (2, 50, 2)
     assert (s.groups_per_batch, s.group_size, s.sequences_per_update) == (32, 8, 128)
     assert (s.max_tokens, s.eval_items, s.temperature) == (512, 2 * 1319, 1.0)
@@ -40,15 +40,15 @@ def test_spec_schedule(spec):
 
 
 def test_diagnostic_schedule(diagnostic):
-    s = f.schedule_from_plan(diagnostic)
+    s = feasibility_module.schedule_from_plan(diagnostic)
     assert (s.trained_arms, s.batches_per_arm, s.updates_per_batch) == (1, 1, 16)
     assert (s.groups_per_batch, s.group_size, s.sequences_per_update) == (32, 8, 32)
     assert s.eval_items == 0 and s.max_tokens == 512
 
 
 def test_spec_projection_that_must_not_fit(spec):
-    s = f.schedule_from_plan(spec)
-    p = f.project(s, _timings(), spec.budget, gpu_count=0, reserve_fraction=0.25)
+    s = feasibility_module.schedule_from_plan(spec)
+    p = feasibility_module.project(s, _timings(), spec.budget, gpu_count=0, reserve_fraction=0.25)
     assert p.arm_step_seconds == pytest.approx(2.0 * 32 + 2 * 4.0)  # 72
     assert p.training_seconds == pytest.approx(100 * 72.0)
     assert p.evaluation_seconds == pytest.approx(2638 * 0.5)
@@ -62,44 +62,44 @@ def test_spec_projection_that_must_not_fit(spec):
 
 
 def test_diagnostic_projection_fits(diagnostic):
-    s = f.schedule_from_plan(diagnostic)
-    p = f.project(s, _timings(eval_items=0, eval_seconds=0.0), diagnostic.budget, gpu_count=0)
+    s = feasibility_module.schedule_from_plan(diagnostic)
+    p = feasibility_module.project(s, _timings(eval_items=0, eval_seconds=0.0), diagnostic.budget, gpu_count=0)
     assert p.arm_step_seconds == pytest.approx(2.0 * 32 + 16 * 4.0)  # 128
     assert p.total_seconds == pytest.approx((10.0 + 128.0) * 1.25)
     assert p.fits and p.problems == ()
 
 
 def test_elapsed_time_shrinks_the_budget(diagnostic):
-    s = f.schedule_from_plan(diagnostic)
+    s = feasibility_module.schedule_from_plan(diagnostic)
     t = _timings(eval_items=0, eval_seconds=0.0)
-    assert f.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=500).fits
-    late = f.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=600)
+    assert feasibility_module.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=500).fits
+    late = feasibility_module.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=600)
     assert not late.fits and late.budget_seconds == pytest.approx(120.0)
 
 
 def test_gpu_hours(spec, diagnostic):
-    s = f.schedule_from_plan(diagnostic)
+    s = feasibility_module.schedule_from_plan(diagnostic)
     t = _timings(eval_items=0, eval_seconds=0.0)
-    unknown = f.project(s, t, diagnostic.budget, gpu_count=None)
+    unknown = feasibility_module.project(s, t, diagnostic.budget, gpu_count=None)
     assert unknown.gpu_hours is None and unknown.fits  # wall fits; GPU-hours stay unknown
     assert any("GPU-hours not projected" in p for p in unknown.problems)
     # 8 GPUs for ~1.2 h of wall time exceed 2 GPU-hours even where the wall budget would allow it.
     slow = _timings(sampling_seconds=2 * 40.0, update_seconds=(60.0,), eval_items=0, eval_seconds=0.0)
-    over = f.project(s, slow, {"gpu_hours": 2.0, "max_wall_minutes": 600}, gpu_count=8)
+    over = feasibility_module.project(s, slow, {"gpu_hours": 2.0, "max_wall_minutes": 600}, gpu_count=8)
     assert over.gpu_hours == pytest.approx(over.total_seconds / 3600 * 8)
     assert not over.fits and "GPU-hours exceeds" in over.problems[-1]
 
 
 def test_bad_inputs_raise_clear_errors(spec):
-    s = f.schedule_from_plan(spec)
-    with pytest.raises(f.FeasibilityError, match="update timings"):
-        f.project(s, _timings(update_seconds=()), spec.budget, gpu_count=0)
-    with pytest.raises(f.FeasibilityError, match="sampled no groups"):
-        f.project(s, _timings(sampled_groups=0), spec.budget, gpu_count=0)
-    with pytest.raises(f.FeasibilityError, match="timed no evaluation"):
-        f.project(s, _timings(eval_items=0, eval_seconds=0.0), spec.budget, gpu_count=0)
-    with pytest.raises(f.FeasibilityError, match="setup_seconds"):
-        f.project(s, _timings(setup_seconds=float("nan")), spec.budget, gpu_count=0)
+    s = feasibility_module.schedule_from_plan(spec)
+    with pytest.raises(feasibility_module.FeasibilityError, match="update timings"):
+        feasibility_module.project(s, _timings(update_seconds=()), spec.budget, gpu_count=0)
+    with pytest.raises(feasibility_module.FeasibilityError, match="sampled no groups"):
+        feasibility_module.project(s, _timings(sampled_groups=0), spec.budget, gpu_count=0)
+    with pytest.raises(feasibility_module.FeasibilityError, match="timed no evaluation"):
+        feasibility_module.project(s, _timings(eval_items=0, eval_seconds=0.0), spec.budget, gpu_count=0)
+    with pytest.raises(feasibility_module.FeasibilityError, match="setup_seconds"):
+        feasibility_module.project(s, _timings(setup_seconds=float("nan")), spec.budget, gpu_count=0)
 
 
 def test_schedule_needs_stated_group_sizes(spec):
@@ -109,12 +109,12 @@ def test_schedule_needs_stated_group_sizes(spec):
 
 
 def test_feasibility_block_shape_and_consistency(spec):
-    s = f.schedule_from_plan(spec)
+    s = feasibility_module.schedule_from_plan(spec)
     t = _timings()
-    p = f.project(s, t, spec.budget, gpu_count=0)
-    block = f.feasibility_block(schedule=s, timings=t, projection=p, pilot_config={"pilot_groups": 2},
+    p = feasibility_module.project(s, t, spec.budget, gpu_count=0)
+    block = feasibility_module.feasibility_block(schedule=s, timings=t, projection=p, pilot_config={"pilot_groups": 2},
                                 effective_config={"base_model": "Qwen/Qwen3.5-2B"},
-                                primary_endpoint=spec.raw["primary_endpoint"], source=f.PILOT_FILE,
+                                primary_endpoint=spec.raw["primary_endpoint"], source=feasibility_module.PILOT_FILE,
                                 allocation_source="cpu")
     assert set(block) == {"config", "effective_config", "primary_endpoint", "source", "measurements",
                           "generation", "recovery"}
@@ -131,19 +131,19 @@ def test_feasibility_block_shape_and_consistency(spec):
     assert m["evaluation"]["planned_units"] == 2638 and m["evaluation"]["units"] == 4
     assert block["generation"] is None
     assert block["recovery"] == {"seconds": p.recovery_seconds, "gpu_count": 0, "allocation_source": "cpu"}
-    check = f.feasibility_check(p, known_gpu_hours=0.0)
+    check = feasibility_module.feasibility_check(p, known_gpu_hours=0.0)
     assert check["status"] == "exceeds_budget" and check["wall_seconds"] == p.total_seconds
 
 
 def test_unknown_gpu_count_nulls_allocation_source(diagnostic):
-    s = f.schedule_from_plan(diagnostic)
+    s = feasibility_module.schedule_from_plan(diagnostic)
     t = _timings(eval_items=0, eval_seconds=0.0)
-    p = f.project(s, t, diagnostic.budget, gpu_count=None)
-    block = f.feasibility_block(schedule=s, timings=t, projection=p, pilot_config={}, effective_config={},
-                                primary_endpoint="x", source=f.PILOT_FILE, allocation_source="ignored")
+    p = feasibility_module.project(s, t, diagnostic.budget, gpu_count=None)
+    block = feasibility_module.feasibility_block(schedule=s, timings=t, projection=p, pilot_config={}, effective_config={},
+                                primary_endpoint="x", source=feasibility_module.PILOT_FILE, allocation_source="ignored")
     assert block["measurements"]["setup"]["gpu_count"] is None
     assert block["measurements"]["setup"]["allocation_source"] is None
-    assert f.gpu_allocation("tinker") == (None, None)
+    assert feasibility_module.gpu_allocation("tinker") == (None, None)
 
 
 class _FakeEvidence:
@@ -159,58 +159,58 @@ class _FakeEvidence:
 
 def test_run_feasibility_with_given_timings_and_overrides(diagnostic, spec):
     ev = _FakeEvidence()
-    res = f.run_feasibility(None, spec, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local",
+    res = feasibility_module.run_feasibility(None, spec, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local",
                             timings=_timings(), schedule_overrides={"batches_per_arm": 1, "eval_items": 8})
     assert res.schedule.batches_per_arm == 1 and res.schedule.eval_items == 8
     # 10 + 2 arm-steps x 72 + 8 x 0.5 = 158; x1.25
     assert res.projection.total_seconds == pytest.approx(158 * 1.25) and res.passed
-    assert ev.files[f.PILOT_FILE][1]["projection"]["fits"] is True
+    assert ev.files[feasibility_module.PILOT_FILE][1]["projection"]["fits"] is True
     assert ev.fields["feasibility"]["config"]["size_reductions"] == {"batches_per_arm": 1, "eval_items": 8}
     assert ev.fields["metrics"]["feasibility/fits"] == 1.0
-    full = f.run_feasibility(None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
+    full = feasibility_module.run_feasibility(None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
                              timings=_timings())
     assert not full.passed and "exceeds the remaining wall budget" in full.failure_message()
-    with pytest.raises(f.FeasibilityError, match="unknown Schedule fields"):
-        f.run_feasibility(None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
+    with pytest.raises(feasibility_module.FeasibilityError, match="unknown Schedule fields"):
+        feasibility_module.run_feasibility(None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
                           timings=_timings(), schedule_overrides={"steps": 3})
 
 
 def test_stage_projections(spec, diagnostic):
-    s = f.schedule_from_plan(spec)
-    out = f.stage_projections(s, _timings())
+    s = feasibility_module.schedule_from_plan(spec)
+    out = feasibility_module.stage_projections(s, _timings())
     assert out["gate"] == pytest.approx(10.0 + 5 * 72.0)
     assert out["plan"] == pytest.approx(10.0 + 100 * 72.0 + 2638 * 0.5)
-    assert "gate" not in f.stage_projections(f.schedule_from_plan(diagnostic), _timings(eval_items=0, eval_seconds=0.0))
+    assert "gate" not in feasibility_module.stage_projections(feasibility_module.schedule_from_plan(diagnostic), _timings(eval_items=0, eval_seconds=0.0))
 
 
 def test_measured_setup_parts_add_up(diagnostic):
     ev = _FakeEvidence()
-    res = f.run_feasibility(None, diagnostic, ev, initial_checkpoint="i", backend_kind="local",
+    res = feasibility_module.run_feasibility(None, diagnostic, ev, initial_checkpoint="i", backend_kind="local",
                             timings=_timings(eval_items=0, eval_seconds=0.0),
                             measured_setup={"restoration_preflight": 30.0})
     assert res.timings.setup_seconds == 40.0
     assert ev.fields["feasibility"]["measurements"]["setup"]["seconds"] == 40.0
     assert ev.fields["feasibility"]["config"]["setup_components_seconds"] == {
         "create_client_from_initial_checkpoint": 10.0, "restoration_preflight": 30.0}
-    with pytest.raises(f.FeasibilityError, match="measured_setup"):
-        f.run_feasibility(None, diagnostic, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
+    with pytest.raises(feasibility_module.FeasibilityError, match="measured_setup"):
+        feasibility_module.run_feasibility(None, diagnostic, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
                           timings=_timings(eval_items=0, eval_seconds=0.0), measured_setup={"x": -1.0})
 
 
 def test_local_rehearsal_size_is_declared_for_the_spec_only():
     from pathlib import Path
 
-    from dppo_harness import feasibility as F
     from dppo_harness.plans import DEVIATION_FIELDS, load_plan
+    from dppo_harness.stages import feasibility
 
     plans_dir = Path(__file__).resolve().parents[2] / "plans"
     spec = load_plan(plans_dir / "exp_e6b0965af3.json")
-    overrides, deviations = F.local_rehearsal(spec)
+    overrides, deviations = feasibility.local_rehearsal(spec)
     assert overrides == {"batches_per_arm": 5, "groups_per_batch": 8, "sequences_per_update": 32, "eval_items": 200}
     assert [d["field"] for d in deviations] == ["steps", "effective_batch", "evaluator"]
     assert all(d["field"] in DEVIATION_FIELDS and d["reason"] for d in deviations)
     assert "50 rollout batches per arm (100 optimizer steps)" in deviations[0]["original"]
-    assert F.local_rehearsal(load_plan(plans_dir / "exp_e6b0965af3-diagnostic-r1.json")) == ({}, [])
+    assert feasibility.local_rehearsal(load_plan(plans_dir / "exp_e6b0965af3-diagnostic-r1.json")) == ({}, [])
     # the embedded server rehearses at that size whatever --backend says; a real service does not
-    assert F.rehearsal_sizing(spec, embedded_server=True) == (overrides, deviations)
-    assert F.rehearsal_sizing(spec, embedded_server=False) == ({}, [])
+    assert feasibility.rehearsal_sizing(spec, embedded_server=True) == (overrides, deviations)
+    assert feasibility.rehearsal_sizing(spec, embedded_server=False) == ({}, [])

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from dppo_harness import rollouts
-from dppo_harness.frozen_batch import FIELDS, FrozenBatch, FrozenBatchError
-from dppo_harness.gsm8k import Graded, Gsm8kItem
+from dppo_harness.data.gsm8k import Graded, Gsm8kItem
+from dppo_harness.rollout import rollouts
+from dppo_harness.rollout.frozen_batch import FIELDS, FrozenBatch, FrozenBatchError
 
 
 def make_rollout_batch(n_groups=32, group_size=8, seed=0):

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import gate
-from dppo_harness.instrumentation import LossCallRecord
+from dppo_harness.instrument.instrumentation import LossCallRecord
 from dppo_harness.plans import load_plan
+from dppo_harness.stages import gate
 
 SPEC_PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json")
 SPEC = json.loads((Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json").read_text())
@@ -126,7 +126,7 @@ def test_executed_model_is_the_model_that_computes_not_the_requested_name():
 
 
 def test_gate_rows_carry_each_steps_truncation_and_answer_yield():
-    from dppo_harness import answer_yield
+    from dppo_harness.evaluation import answer_yield
 
     rows = [{"step": 0, "optim_steps": 2}, {"step": 1, "optim_steps": 2}, {"step": 2, "optim_steps": 0}]
     yields = [answer_yield.response_yield(["length", "stop"], [False, True], [512, 100], max_tokens=512),

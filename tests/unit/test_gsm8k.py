@@ -7,8 +7,8 @@ import datasets
 import pytest
 from tinker_cookbook.recipes.math_rl import math_env
 
-from dppo_harness import gsm8k
-from dppo_harness.tokenizer import make_renderer
+from dppo_harness.data import gsm8k
+from dppo_harness.data.tokenizer import make_renderer
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from dppo_harness import identity
-from dppo_harness.connectivity import ConnectivityReport
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
 from dppo_harness.plans import load_plan
-from dppo_harness.service import notify_training_client
-from dppo_harness.service_wait import ServiceWaiter
-from dppo_harness.service_wait_clients import WaitedFuture
+from dppo_harness.service import identity
+from dppo_harness.service.clients import notify_training_client
+from dppo_harness.service.connectivity import ConnectivityReport
+from dppo_harness.service.service_wait import ServiceWaiter
+from dppo_harness.service.service_wait_clients import WaitedFuture
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "local/tiny-qwen3-gsm8k"

@@ -7,8 +7,8 @@ import pytest
 import tinker
 import torch
 
-from dppo_harness import instrumentation as ins
-from dppo_harness.losses import LossConfig, make_loss_fn
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.loss.losses import LossConfig, make_loss_fn
 
 CFG = LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from dppo_harness import comparison as C
-from dppo_harness import correctness_golden, losses, references
+from dppo_harness.loss import correctness_golden, losses, references
 from dppo_harness.plans import PlanError, parse_plan
+from dppo_harness.stages import comparison
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
@@ -99,8 +99,8 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
     parity = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert parity.passed and parity.cases == 3, parity.failures
     # the training path: the comparison's runner for that arm trains the registered rule
-    cfg = C.comparison_config(plan.run)
-    runner = C.make_runners({a.name: object() for a in cfg.arms}, cfg)[1]
+    cfg = comparison.comparison_config(plan.run)
+    runner = comparison.make_runners({a.name: object() for a in cfg.arms}, cfg)[1]
     assert runner.loss_fn.loss_config.loss == NAME
     case = json.loads((ROOT / GOLDEN).read_text())["cases"][1]
     lp = torch.tensor(np.asarray(case["log_prob"]).ravel(), dtype=torch.float64, requires_grad=True)
@@ -134,7 +134,7 @@ def test_registry_parity_fails_on_a_wrong_rule_reference_or_golden(registered, t
 
 
 def test_gate_metrics_come_from_the_registry(registered):
-    from dppo_harness import gate
+    from dppo_harness.stages import gate
 
     sources = losses.gate_metric_sources()
     assert sources["pg_ratio_drift_q99"] == "drift/abs_p99" and sources["grpo_clip_fraction"] == "ppo/clip_frac_loss_tokens"

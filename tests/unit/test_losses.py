@@ -13,8 +13,8 @@ import tinker
 import torch
 from tinker.lib.public_interfaces.training_client import TrainingClient
 
-from dppo_harness import losses
-from dppo_harness.losses import LossConfig, make_loss_fn, token_terms
+from dppo_harness.loss import losses
+from dppo_harness.loss.losses import LossConfig, make_loss_fn, token_terms
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
 CASES = json.loads(GOLDEN.read_text())["cases"]

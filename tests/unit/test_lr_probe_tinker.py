@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from dppo_harness import correctness, correctness_golden
-from dppo_harness import restoration as R
-from dppo_harness.weights_readback import ExternalWeightsUpdateNorm
+from dppo_harness.loss import correctness, correctness_golden
+from dppo_harness.stages import restoration
+from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
 
 ROOT = Path(__file__).parents[2]
 SPEC = json.loads((ROOT / "plans/exp_e6b0965af3.json").read_text())
@@ -64,7 +64,7 @@ def test_unavailable_read_back_keeps_the_exact_reason_in_the_brief_block():
     assert "404 Not Found" in m.last_error
     block = {"available": False, "reason": f"{m.description}: {m.last_error}", "learning_rates": [2e-5, 4e-5],
              "lr_scaling": [], "passed": None}
-    pre = R.attach_lr_scaling({"paths": [{"id": "p"}]}, block)
+    pre = restoration.attach_lr_scaling({"paths": [{"id": "p"}]}, block)
     lr = pre["paths"][0]["lr_scaling"]
     assert len(lr) == 2 and all(e["available"] is False and e["update_norm"] is None and "404" in e["reason"] for e in lr)
 
@@ -101,7 +101,7 @@ def test_the_planned_lr_rides_on_the_setup_client_only_with_a_measure_that_canno
     sequence and stall the restore probe after it: the external-weights measure gets its own
     client per LR; the local checkpoint measure (save_state only) may share the setup client."""
     external = ExternalWeightsUpdateNorm(lambda: _FakeRest())
-    local = R.CheckpointUpdateNorm(R.LocalCheckpointReader(tmp_path), "t")
-    assert not R.planned_lr_on_setup_client(external, (0.5, 1.0, 2.0))
-    assert R.planned_lr_on_setup_client(local, (0.5, 1.0, 2.0))
-    assert not R.planned_lr_on_setup_client(local, (0.5, 2.0)) and not R.planned_lr_on_setup_client(None, (1.0,))
+    local = restoration.CheckpointUpdateNorm(restoration.LocalCheckpointReader(tmp_path), "t")
+    assert not restoration.planned_lr_on_setup_client(external, (0.5, 1.0, 2.0))
+    assert restoration.planned_lr_on_setup_client(local, (0.5, 1.0, 2.0))
+    assert not restoration.planned_lr_on_setup_client(local, (0.5, 2.0)) and not restoration.planned_lr_on_setup_client(None, (1.0,))

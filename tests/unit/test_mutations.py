@@ -1,6 +1,6 @@
 """Must-fail tests: each plausible mis-implementation of the pinned rules fails golden parity.
 
-Each mutation swaps one piece of ``dppo_harness.losses`` (the packed path under test) and runs
+Each mutation swaps one piece of ``dppo_harness.loss.losses`` (the packed path under test) and runs
 the same golden check the preflight uses. The unmutated control must pass, so a failure here is
 caused by the mutation alone.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dppo_harness import correctness_golden, losses
+from dppo_harness.loss import correctness_golden, losses
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
 _ORIG_TERMS = losses.token_terms

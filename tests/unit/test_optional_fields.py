@@ -11,8 +11,7 @@ import pytest
 import tinker
 from tinker import types
 
-from dppo_harness import conclusion, plans
-from dppo_harness import restoration as R
+from dppo_harness import plans
 from dppo_harness.local_server.faults import (
     OPTIONAL_RESPONSE_FIELDS,
     FaultConfig,
@@ -21,6 +20,7 @@ from dppo_harness.local_server.faults import (
     drop_path,
     parse_omit_field,
 )
+from dppo_harness.stages import conclusion, restoration
 
 USER = types.RequestErrorCategory.User
 SERVER = types.RequestErrorCategory.Server
@@ -45,7 +45,7 @@ def _failed(text: str, category=USER) -> tinker.RequestFailedError:
     _status(tinker.BadRequestError, 400, "checkpoint name is immutable: refusing to overwrite"),
 ])
 def test_an_explicit_refusal_to_overwrite_proves_immutability(exc):
-    immutable, reason = R.duplicate_save_outcome(exc)
+    immutable, reason = restoration.duplicate_save_outcome(exc)
     assert immutable is True and "refused to overwrite" in reason
 
 
@@ -61,13 +61,13 @@ def test_an_explicit_refusal_to_overwrite_proves_immutability(exc):
     (RuntimeError("exists"), "RuntimeError"),
 ])
 def test_anything_else_leaves_immutability_unverified_with_the_reason(exc, needle):
-    immutable, reason = R.duplicate_save_outcome(exc)
+    immutable, reason = restoration.duplicate_save_outcome(exc)
     assert immutable is None
     assert needle in reason and "immutability unverified" in reason
 
 
 def test_a_second_save_that_succeeds_is_not_immutable():
-    immutable, reason = R.duplicate_save_outcome(None)
+    immutable, reason = restoration.duplicate_save_outcome(None)
     assert immutable is False and "accepted a second save_state" in reason
 
 
@@ -114,8 +114,8 @@ class _ServiceClient:
     (None, False),
 ])
 def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, want):
-    rec = R._Recorder()
-    initial = R._fresh_checkpoint(_ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, "shared", 0, "t",
+    rec = restoration._Recorder()
+    initial = restoration._fresh_checkpoint(_ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, "shared", 0, "t",
                                   rec, lambda fn: fn())
     assert initial.immutable is want and initial.immutable_reason
     kept = [k for k in rec.responses if k.startswith("save_shared_again")]
@@ -125,7 +125,7 @@ def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, 
 
 
 def _entry(**kw) -> dict:
-    check = R.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
+    check = restoration.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
                               info=None, info_ref="i", echoed=None, echo_ref=None, echo_observed_on=None)
     args = dict(base_checkpoint="Qwen/Qwen3.5-2B", checkpoint_uri="tinker://a/weights/i", checkpoint_immutable=True,
                 loaded_checkpoint_uri="tinker://a/weights/i", load_succeeded=True, evidence_ref="r",
@@ -133,20 +133,20 @@ def _entry(**kw) -> dict:
                 initial_output={"available": True, "batch_sha256": "b", "output_sha256": "o", "evidence_ref": "f",
                                 "before_first_update": True})
     args.update(kw)
-    return R.initialization_entry(**args)
+    return restoration.initialization_entry(**args)
 
 
 def test_unverified_immutability_fails_the_proof_with_one_line_naming_the_field():
     reason = "the duplicate save_state ended in TimeoutError: no answer, not an explicit refusal to overwrite"
     prov = {"arms": {"a": _entry(checkpoint_immutable=None, checkpoint_immutable_reason=reason)}}
-    failures = R.check_provenance(prov, ["a"])
+    failures = restoration.check_provenance(prov, ["a"])
     assert failures == [f"a: checkpoint_immutable unverified: {reason}"]
     assert prov["arms"]["a"]["initialization"]["checkpoint_immutable"] is None
-    assert R.check_provenance({"arms": {"a": _entry()}}, ["a"]) == []
+    assert restoration.check_provenance({"arms": {"a": _entry()}}, ["a"]) == []
 
 
 def test_a_missing_load_path_fails_the_proof_naming_it():
-    failures = R.check_provenance({"arms": {"a": _entry(loaded_checkpoint_uri=None)}}, ["a"])
+    failures = restoration.check_provenance({"arms": {"a": _entry(loaded_checkpoint_uri=None)}}, ["a"])
     assert failures == ["a: no loaded checkpoint URI in the server's load response"]
 
 
@@ -163,7 +163,7 @@ def test_served_model_without_a_model_name_is_unavailable_not_the_requested_one(
 
 
 def test_backend_info_without_model_names_is_unavailable_and_no_deviation(pytestconfig):
-    from dppo_harness.fixtures_preflight import backend_info
+    from dppo_harness.pytest_plugin.fixtures_preflight import backend_info
 
     plan = plans.load_plan(pytestconfig.rootpath / "plans" / "exp_e6b0965af3.json")
     info = types.GetInfoResponse(model_data=types.ModelData(), model_id="s:train:0")  # the service sent no names
@@ -180,7 +180,7 @@ def test_backend_info_without_model_names_is_unavailable_and_no_deviation(pytest
 def test_an_absent_optimizer_config_is_not_the_sdk_default():
     info = types.GetInfoResponse.model_validate({"model_data": {}, "model_id": "m"})
     assert info.optimizer_config.type == "adamw"  # the SDK's default, not the service's word
-    check = R.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
+    check = restoration.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
                               info=info, info_ref="i", echoed=None, echo_ref=None, echo_observed_on=None)
     assert check["actual_optimizer"] is None and check["actual_optimizer_source"] == "declared"
     assert not check["verified"] and "optimizer family not exposed" in check["unverified_reasons"][0]

@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from dppo_harness import correctness_golden, progress
-from dppo_harness.local_server import process as P
-from dppo_harness.local_server import warmstart as W
+from dppo_harness.evidence import progress
+from dppo_harness.local_server import process, warmstart
+from dppo_harness.loss import correctness_golden
 
 
 class Clock:
@@ -87,7 +87,7 @@ def test_server_start_forwards_its_progress_and_never_goes_quiet(tmp_path):
     script.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
     script.chmod(0o755)
     lines: list[str] = []
-    with P.LocalServerProcess(run_dir=tmp_path / "run", python=str(script), progress=lines.append,
+    with process.LocalServerProcess(run_dir=tmp_path / "run", python=str(script), progress=lines.append,
                               heartbeat_s=1.0, startup_timeout=60) as server:
         assert server.base_url.startswith("http://127.0.0.1:")
     forwarded = [ln for ln in lines if "warm start: step" in ln]
@@ -99,29 +99,29 @@ def test_server_start_forwards_its_progress_and_never_goes_quiet(tmp_path):
 
 @pytest.mark.integration  # trains the engine's warm start: the default run, not unit parity
 def test_warm_start_logs_progress_lines_the_harness_forwards(tmp_path, caplog):
-    from dppo_harness.local_server import model as M
+    from dppo_harness.local_server import model
     from dppo_harness.local_server.vocab import load_vocab
 
-    cfg = M.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+    cfg = model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                        num_key_value_heads=1)
-    recipe = {**W.RECIPE, "steps": 3, "batch_size": 2, "warmup_steps": 1}
-    with caplog.at_level(logging.INFO, logger=W.__name__):
-        W.load_or_build(cfg, load_vocab(), seed=0, cache_dir=tmp_path, recipe=recipe)
-    texts = [P.PROGRESS_RE.search(r.getMessage()).group(1) for r in caplog.records
-             if P.PROGRESS_RE.search(r.getMessage())]
+    recipe = {**warmstart.RECIPE, "steps": 3, "batch_size": 2, "warmup_steps": 1}
+    with caplog.at_level(logging.INFO, logger=warmstart.__name__):
+        warmstart.load_or_build(cfg, load_vocab(), seed=0, cache_dir=tmp_path, recipe=recipe)
+    texts = [process.PROGRESS_RE.search(r.getMessage()).group(1) for r in caplog.records
+             if process.PROGRESS_RE.search(r.getMessage())]
     assert texts[0].startswith("warm start: no cached stand-in model at ")
     assert any(t.startswith("warm start: step 3/3 (100%)") for t in texts)
     assert texts[-1].startswith("warm start: built in ")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger=W.__name__):
-        W.load_or_build(cfg, load_vocab(), seed=0, cache_dir=tmp_path, recipe=recipe)  # cache hit: nothing to say
-    assert not [r for r in caplog.records if P.PROGRESS_RE.search(r.getMessage())]
+    with caplog.at_level(logging.INFO, logger=warmstart.__name__):
+        warmstart.load_or_build(cfg, load_vocab(), seed=0, cache_dir=tmp_path, recipe=recipe)  # cache hit: nothing to say
+    assert not [r for r in caplog.records if process.PROGRESS_RE.search(r.getMessage())]
 
 
 @pytest.mark.parametrize("msg", ["warm start: step 1/60 (2%), loss 3.1 (4s)"])
 def test_progress_marker_round_trip(msg):
-    line = f"2026-12-01 10:00:00,000 {W.__name__} {W.PROGRESS_MARKER}{msg}"
-    assert P.PROGRESS_RE.search(line).group(1) == msg
+    line = f"2026-12-01 10:00:00,000 {warmstart.__name__} {warmstart.PROGRESS_MARKER}{msg}"
+    assert process.PROGRESS_RE.search(line).group(1) == msg
 
 
 def test_watchdog_repeats_a_blocking_step_and_stops_with_its_block():

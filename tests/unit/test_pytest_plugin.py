@@ -27,7 +27,7 @@ PROJECT = {
 @pytest.fixture
 def project(pytester: pytest.Pytester):
     def make(preflight_ok: bool = True, unit_ok: bool = True):
-        pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin"]')
+        pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin.hooks"]')
         pytester.makeini("[pytest]\ntestpaths = tests\naddopts = --strict-markers -p no:cacheprovider\n")
         for rel, src in PROJECT.items():
             path = pytester.path / rel
@@ -196,7 +196,7 @@ def test_path_options_in_both_forms_twice_and_from_another_cwd(project, tmp_path
 
 
 def test_rootdir_is_given_back_only_when_a_harness_option_misled_pytest(tmp_path):
-    from dppo_harness.pytest_rootdir import misread_values
+    from dppo_harness.pytest_plugin.rootdir import misread_values
 
     (tmp_path / "runs").mkdir()
     (tmp_path / "plan.json").write_text("{}")
@@ -248,14 +248,14 @@ def test_malformed_plan_is_one_usage_error_before_collection(project, monkeypatc
 
 def _entry_point_path(tmp_path: Path) -> list[str]:
     """sys.path entries that make the pytest11 entry point visible, as an installed package has it."""
-    if any(ep.value == "dppo_harness.pytest_plugin" for ep in entry_points(group="pytest11")):
+    if any(ep.value == "dppo_harness.pytest_plugin.hooks" for ep in entry_points(group="pytest11")):
         return []
     dist = tmp_path / "ep" / "dppo_harness_entry_point-0.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dppo-harness-entry-point\nVersion: 0.0\n")
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert '"dppo_harness.pytest_plugin" = "dppo_harness.pytest_plugin"' in pyproject  # what we simulate
-    (dist / "entry_points.txt").write_text("[pytest11]\ndppo_harness.pytest_plugin = dppo_harness.pytest_plugin\n")
+    assert '"dppo_harness.pytest_plugin.hooks" = "dppo_harness.pytest_plugin.hooks"' in pyproject  # what we simulate
+    (dist / "entry_points.txt").write_text("[pytest11]\ndppo_harness.pytest_plugin = dppo_harness.pytest_plugin.hooks\n")
     return [str(tmp_path / "ep")]
 
 
@@ -316,8 +316,8 @@ def test_a_service_stop_in_a_stage_fixture_is_one_line_for_every_test(project):
     (p.path / "tests/preflight/conftest.py").write_text(textwrap.dedent(
         """
         import pytest
-        from dppo_harness.pytest_plugin import stops_stage
-        from dppo_harness.service_wait_policy import ServiceHang
+        from dppo_harness.pytest_plugin.hooks import stops_stage
+        from dppo_harness.service.service_wait_policy import ServiceHang
 
         @pytest.fixture(scope="session")
         @stops_stage

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dppo_harness import diagnostic, replay
-from dppo_harness import instrumentation as ins
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.instrument import replay
+from dppo_harness.stages import diagnostic
 
 
 def _write_bundle(tmp_path: Path, records) -> Path:
@@ -89,7 +90,7 @@ def test_empty_or_missing_dir_fails(tmp_path):
 def test_cli_entry_point_exit_code(tmp_path, records):
     run = _write_bundle(tmp_path, records[:1])
     src = Path(__file__).parents[2] / "src"
-    proc = subprocess.run([sys.executable, "-m", "dppo_harness.replay", str(run)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "dppo_harness.instrument.replay", str(run)], capture_output=True, text=True,
                           env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 matched" in proc.stdout

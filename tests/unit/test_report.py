@@ -5,11 +5,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dppo_harness import diagnostic as dg
-from dppo_harness import instrumentation as ins
-from dppo_harness import report
-from dppo_harness.evidence import EvidenceBundle, verify_bundle
+from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
+from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.plans import load_plan
+from dppo_harness.stages import diagnostic as dg
 
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
 CFG = dg.diagnostic_config(PLAN)

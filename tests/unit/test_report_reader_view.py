@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import comparison, constants, gate, losses, report, stats
-from dppo_harness import comparison_eval as E
-from dppo_harness.evidence import EvidenceBundle, verify_bundle
+from dppo_harness import constants
+from dppo_harness.evaluation import stats
+from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
+from dppo_harness.loss import losses
 from dppo_harness.plans import HARNESS_NORMALIZATION, BackendInfo, CriterionConfig, effective_config, load_plan
+from dppo_harness.stages import comparison, comparison_eval, gate
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -56,9 +58,9 @@ def _decision():
            for i, (tv, bv) in enumerate(zip(t, b)) for arm, v in (("dppo_seed0", tv), ("grpo_seed0", bv))]
     rule = [CriterionConfig("primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0),
                             {"treatment": 1, "baseline": -1})]
-    crit = E.decide_criteria(obs, rule, alpha=0.05)
-    info = E.informational_interval(obs, rule[0], alpha=0.05)
-    return E.decision_block(b"x\n", crit, E.verdict(crit, rehearsal=True), rehearsal=True, informational=info)
+    crit = comparison_eval.decide_criteria(obs, rule, alpha=0.05)
+    info = comparison_eval.informational_interval(obs, rule[0], alpha=0.05)
+    return comparison_eval.decision_block(b"x\n", crit, comparison_eval.verdict(crit, rehearsal=True), rehearsal=True, informational=info)
 
 
 def test_comparison_report_shows_labels_truncation_plot_and_informational_interval(tmp_path):
@@ -96,8 +98,8 @@ def test_comparison_report_shows_labels_truncation_plot_and_informational_interv
 
 
 def test_diagnostic_report_states_truncation_next_to_the_renderer():
-    from dppo_harness import answer_yield
-    from dppo_harness import diagnostic as dg
+    from dppo_harness.evaluation import answer_yield
+    from dppo_harness.stages import diagnostic as dg
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
     cfg = dg.diagnostic_config(plan)

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 from tinker.types import SampledSequence, SampleResponse
 
-from dppo_harness import constants, gsm8k, rollouts
-from dppo_harness.tokenizer import make_renderer
+from dppo_harness import constants
+from dppo_harness.data import gsm8k
+from dppo_harness.data.tokenizer import make_renderer
+from dppo_harness.rollout import rollouts
 
 
 @pytest.fixture(scope="module")

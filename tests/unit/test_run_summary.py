@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness import stages
-from dppo_harness.run_summary import TITLE, summary_lines
+from dppo_harness.evidence.run_summary import TITLE, summary_lines
+from dppo_harness.pytest_plugin import stages
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_diagnostic_and_capacity_blocks(tmp_path):
 
 INNER = '''
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin import _STATE_KEY
+from dppo_harness.pytest_plugin.hooks import _STATE_KEY
 
 
 def test_parity(pytestconfig, tmp_path_factory):
@@ -83,7 +83,7 @@ def inner(pytester: pytest.Pytester):
     (pytester.path / "plans" / "rehearsal").mkdir(parents=True)
     for name in ("exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json", "rehearsal/comparison-local.json"):
         (pytester.path / "plans" / name).write_bytes((REPO / "plans" / name).read_bytes())
-    pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin"]')
+    pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin.hooks"]')
     pytester.makeini("[pytest]\ntestpaths = tests\naddopts = --strict-markers -p no:cacheprovider\n")
     (pytester.path / "tests" / "unit").mkdir(parents=True)
     (pytester.path / "tests" / "unit" / "test_u.py").write_text(INNER)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from dppo_harness import diagnostic as dg
-from dppo_harness import losses, replay
+from dppo_harness.instrument import replay
+from dppo_harness.loss import losses
+from dppo_harness.stages import diagnostic as dg
 
 REQUIRED = ("boundary_exact_plus_delta_kept", "boundary_one_ulp_above_plus_delta_removed",
             "boundary_exact_minus_delta_kept", "boundary_one_ulp_below_minus_delta_removed",

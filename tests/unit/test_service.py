@@ -6,7 +6,7 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.service import (
+from dppo_harness.service.clients import (
     CapacityExhausted,
     CapacityPolicy,
     CapacityTracker,
@@ -227,7 +227,7 @@ def test_sdk_internal_retry_time_counts_toward_the_window():
 
 
 def test_capacity_policy_scale_from_env():
-    from dppo_harness.service import CAPACITY_SCALE_VAR
+    from dppo_harness.service.clients import CAPACITY_SCALE_VAR
 
     assert CapacityPolicy.from_env({}) == CapacityPolicy()
     p = CapacityPolicy.from_env({CAPACITY_SCALE_VAR: "0.01"})
@@ -238,7 +238,7 @@ def test_capacity_policy_scale_from_env():
 
 
 def test_observed_service_client_reports_training_clients_without_breaking_them(monkeypatch):
-    from dppo_harness.service import ObservedServiceClient
+    from dppo_harness.service.clients import ObservedServiceClient
 
     seen = []
 

@@ -16,7 +16,8 @@ import dppo_harness
 
 PKG = Path(dppo_harness.__file__).resolve().parent
 # The service layer: where raw SDK futures are made and waited on under the policy (or a fixed bound).
-SERVICE_LAYER = {"service.py", "service_wait.py", "service_wait_clients.py", "service_wait_watch.py", "connectivity.py", "identity.py"}
+SERVICE_LAYER = {"service/clients.py", "service/service_wait.py", "service/service_wait_clients.py",
+                 "service/service_wait_watch.py", "service/connectivity.py", "service/identity.py"}
 SDK_CLIENTS = {"ServiceClient", "TrainingClient", "SamplingClient", "RestClient", "AsyncTinker", "InternalClientHolder"}
 SDK_INTERNALS = {"holder", "run_coroutine_threadsafe", "result_async", "execute_with_retries", "aclient", "_APIFuture",
                  "_queue_state_logger", "sdk_client"}
@@ -43,7 +44,7 @@ def offences(source: str, name: str = "<snippet>") -> list[str]:
 
 def _stage_modules() -> list[Path]:
     return sorted(p for p in PKG.rglob("*.py")
-                  if p.name not in SERVICE_LAYER and "local_server" not in p.relative_to(PKG).parts)
+                  if p.relative_to(PKG).as_posix() not in SERVICE_LAYER and "local_server" not in p.relative_to(PKG).parts)
 
 
 def test_stage_code_never_builds_sdk_clients_nor_reaches_into_the_sdk():

@@ -13,17 +13,17 @@ from tinker.lib.api_future_impl import QueueState
 
 from dppo_harness.evidence import MAX_FILES, EvidenceBundle
 from dppo_harness.plans import load_plan
-from dppo_harness.service_wait import ServiceWaiter
-from dppo_harness.service_wait_clients import WaitedClient, WaitedFuture
-from dppo_harness.service_wait_policy import (
+from dppo_harness.service.service_wait import ServiceWaiter
+from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
+from dppo_harness.service.service_wait_policy import (
     CapacityExhausted,
     ServiceConfigError,
     ServiceHang,
     ServiceStopped,
     WaitPolicy,
 )
-from dppo_harness.service_wait_watch import QueueWatch
-from dppo_harness.wait_evidence import MAX_WAIT_SNAPSHOTS, BundlePoster
+from dppo_harness.service.service_wait_watch import QueueWatch
+from dppo_harness.service.wait_evidence import MAX_WAIT_SNAPSHOTS, BundlePoster
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = "Tinker backend is running short on capacity, please wait (sent by the service)"

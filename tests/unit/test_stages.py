@@ -2,7 +2,7 @@ from pathlib import PurePath
 
 import pytest
 
-from dppo_harness import stages
+from dppo_harness.pytest_plugin import stages
 
 ROOT = PurePath("/p/tests")
 

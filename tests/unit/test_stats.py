@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dppo_harness import stats
+from dppo_harness.evaluation import stats
 
 
 def test_half_width_matches_hand_computation():
@@ -73,7 +73,7 @@ def test_pairing_refusals():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "dppo_harness.stats", *map(str, args)], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "dppo_harness.evaluation.stats", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity

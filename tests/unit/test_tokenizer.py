@@ -4,7 +4,7 @@ import pytest
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from dppo_harness import constants
-from dppo_harness import tokenizer as tk
+from dppo_harness.data import tokenizer as tk
 
 
 @pytest.fixture(scope="module")

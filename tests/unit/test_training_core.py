@@ -10,7 +10,10 @@ import pytest
 import tinker
 import torch
 
-from dppo_harness import correctness, diagnostic, gate, instrumentation, losses, pooled, replay, restoration, train_step
+from dppo_harness.instrument import instrumentation, pooled, replay
+from dppo_harness.loss import correctness, losses
+from dppo_harness.stages import diagnostic, gate, restoration
+from dppo_harness.train import train_step
 
 SRC = Path(diagnostic.__file__).parent
 
@@ -155,7 +158,7 @@ def test_module_graph_replay_and_pooled_do_not_import_the_diagnostic():
 def test_no_training_loop_outside_the_core():
     """forward_backward_custom / optim_step for training live in train_step only."""
     offenders = []
-    for path in SRC.glob("*.py"):
+    for path in SRC.rglob("*.py"):
         if path.name in ("train_step.py",):
             continue
         text = path.read_text()

@@ -9,7 +9,7 @@ import secrets
 import pytest
 
 from dppo_harness import constants
-from dppo_harness.secrets_scan import MIN_SECRET_LENGTH, unsafe_credentials
+from dppo_harness.service.secrets_scan import MIN_SECRET_LENGTH, unsafe_credentials
 
 
 def _fresh(prefix: str) -> str:
@@ -41,7 +41,7 @@ PROBE = {"tests/preflight/test_p.py": "def test_restore():\n    assert True\n"}
     (constants.LOCAL_API_KEY, "occurs in the harness's own files ("),  # constants.py, at least
 ])
 def test_session_refuses_at_once_with_one_line(pytester, monkeypatch, value, reason):
-    pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin"]')
+    pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin.hooks"]')
     pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
     for rel, src in PROBE.items():
         (pytester.path / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ from dppo_harness.evidence.result import (
     validate_result,
 )
 from dppo_harness.evidence.verify import main, verify_bundle
-from dppo_harness.secrets_scan import SecretLeakError
+from dppo_harness.service.secrets_scan import SecretLeakError
 
 __all__ = [
     "DEVIATION_FIELDS", "KINDS", "MAX_FILES", "MAX_FILE_BYTES", "MAX_TOTAL_BYTES", "OUTCOME_REASONS",

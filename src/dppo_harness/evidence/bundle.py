@@ -49,7 +49,7 @@ from dppo_harness.evidence.result import (
     merged_result,
     validate_result,
 )
-from dppo_harness.secrets_scan import SecretLeakError, SecretScanner, scanner_for
+from dppo_harness.service.secrets_scan import SecretLeakError, SecretScanner, scanner_for
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan
@@ -343,7 +343,7 @@ class EvidenceBundle:
     def register_effective_config(self, config: Mapping[str, Any], name: str = "effective-config.json") -> FileEntry:
         return self.register_json(name, "effective_config", config)
 
-    # -- pytest session (called by dppo_harness.pytest_plugin; see evidence.session)
+    # -- pytest session (called by dppo_harness.pytest_plugin.hooks; see evidence.session)
 
     def record_plan(self, plan: Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None) -> None:
         if plan.kind == "rehearsal":

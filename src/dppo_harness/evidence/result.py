@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
-from dppo_harness.schema_errors import STRICT, first_error, rule_error
+from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error
 
 DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
 STATUSES = ("running", "succeeded", "failed")

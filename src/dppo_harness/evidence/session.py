@@ -1,5 +1,5 @@
 """The pytest session's part of the evidence: what is recorded before any service call, and the
-closing of the result when the session ends (called by dppo_harness.pytest_plugin)."""
+closing of the result when the session ends (called by dppo_harness.pytest_plugin.hooks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from dppo_harness import plans as P
+from dppo_harness import plans
 from dppo_harness.evidence.files import sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 STAGE_TEST_FOLDERS = ("preflight", "gates", "diagnostic")
 
 
-def record_plan(bundle: EvidenceBundle, plan: P.Plan, effective_config: Mapping[str, Any], *,
+def record_plan(bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapping[str, Any], *,
                 plan_name: str | None = None) -> None:
     """Before any training call: the plan's exact bytes, the effective config, every deviation
     it declares (plan + backend), the hypothesis scope and generation_audit applicability.
@@ -56,7 +56,7 @@ def _split_test_files(root: Path, test_files: Sequence[str | Path]) -> tuple[lis
     return stage_files, other_files
 
 
-def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"], plan: P.Plan,
+def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"], plan: plans.Plan,
                   stages: Sequence[str], project_root: Path, test_files: Sequence[str | Path] = (),
                   served_model: str | None = None, size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
     """Everything that must be in evidence before any service call of the session.
@@ -66,7 +66,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     manifest of the other test files, the plan's bytes, the effective config, its deviations,
     and the run budget.
     """
-    from dppo_harness.service import sdk_versions  # imports the SDK; only sessions need it
+    from dppo_harness.service.clients import sdk_versions  # imports the SDK; only sessions need it
 
     root = Path(project_root)
     versions = sdk_versions()
@@ -97,13 +97,13 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
         served = served_model or "the embedded server's model (named at client creation)"
     else:
         served = served_model or plan.base_model
-    info = P.BackendInfo(backend=backend, requested_model=plan.planned_model, served_model=served,
+    info = plans.BackendInfo(backend=backend, requested_model=plan.planned_model, served_model=served,
                          sdk_versions=versions, size_reductions=tuple(size_reductions))
-    record_plan(bundle, plan, P.effective_config(plan, info))
+    record_plan(bundle, plan, plans.effective_config(plan, info))
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
         # update of the session (the preflight's probes included; issue 11 point 5).
-        from dppo_harness.pooled import REVISED_SPEC_FILE
+        from dppo_harness.instrument.pooled import REVISED_SPEC_FILE
 
         bundle.register_plan(plan, REVISED_SPEC_FILE)
     # The ledger's budget is the executed plan's own, counted from the session start (the ledger's

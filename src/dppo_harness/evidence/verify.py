@@ -25,7 +25,7 @@ from dppo_harness.evidence.files import (
     sha256_bytes,
 )
 from dppo_harness.evidence.result import fmt_path, validate_result
-from dppo_harness.secrets_scan import SecretLeakError, scanner_for
+from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
 _REF_KEYS = ("evidence_ref", "predictions_ref", "manifest_ref", "dataset_file", "evaluation_file", "audit_file")
 

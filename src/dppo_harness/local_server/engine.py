@@ -69,9 +69,7 @@ import numpy as np
 import torch
 
 from dppo_harness.constants import BASE_MODEL
-from dppo_harness.local_server import hf_model as HF
-from dppo_harness.local_server import model as M
-from dppo_harness.local_server import sampling as S
+from dppo_harness.local_server import hf_model, model, sampling
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.logprobs import (
     DEFAULT_CHUNK_TOKENS,
@@ -106,27 +104,27 @@ class SampledSeq:
 @dataclass(frozen=True)
 class ModelPreset:
     served_name: str
-    config: M.TinyConfig
+    config: model.TinyConfig
     warm_start: bool
 
 
 PRESETS = {
-    "tiny-qwen3-gsm8k": ModelPreset("local/tiny-qwen3-gsm8k", M.TinyConfig(), True),
+    "tiny-qwen3-gsm8k": ModelPreset("local/tiny-qwen3-gsm8k", model.TinyConfig(), True),
     # Fast random-init model for unit tests of the protocol plumbing (no warm start).
     "tiny-qwen3-random": ModelPreset(
         "local/tiny-qwen3-random",
-        M.TinyConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        model.TinyConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=32),
         False,
     ),
 }
 
 
-def preset_decode_spec(in_vocab: int) -> S.DecodeSpec:
+def preset_decode_spec(in_vocab: int) -> sampling.DecodeSpec:
     """The presets' draw and batching (multinomial, each prompt prefilled alone, compaction as soon
     as a row finishes): what they always computed, pinned bitwise by
     tests/integration/test_preset_fingerprint.py."""
-    return S.DecodeSpec(vocab_size=in_vocab, draw="multinomial", prefill="each", compact_fraction=0.0)
+    return sampling.DecodeSpec(vocab_size=in_vocab, draw="multinomial", prefill="each", compact_fraction=0.0)
 
 
 @dataclass
@@ -138,7 +136,7 @@ class _TrainModel:
     net: torch.nn.Module
     params: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.AdamW
-    targets: tuple[str, ...] = tuple(M.LORA_TARGETS)
+    targets: tuple[str, ...] = tuple(model.LORA_TARGETS)
     lock: threading.RLock = field(default_factory=threading.RLock)
     steps: int = 0
 
@@ -214,11 +212,11 @@ class Engine:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.seed = int(seed)
         self.base_info: dict = {}
-        self.checkpoint: HF.LoadedCheckpoint | None = None
+        self.checkpoint: hf_model.LoadedCheckpoint | None = None
         self.device = torch.device("cpu")
         self.chunk_tokens = DEFAULT_CHUNK_TOKENS
-        if decode_mode not in S.MODES:
-            raise UserError(f"decode_mode must be one of {S.MODES}, got {decode_mode!r}")
+        if decode_mode not in sampling.MODES:
+            raise UserError(f"decode_mode must be one of {sampling.MODES}, got {decode_mode!r}")
         self.decode_mode = decode_mode  # sampling.generate's mode; "auto" = CUDA graph on CUDA, eager on CPU
         self.last_sample_stats: dict = {}
         if linear_attention not in ("auto", "torch"):
@@ -226,20 +224,20 @@ class Engine:
         if model_path is not None:
             self._init_checkpoint(model_path, device, dtype, served_name, sampler_dtype)
             if linear_attention == "torch":  # transformers' torch fallback whatever kernels it found
-                HF.use_torch_linear_attention(self.base_model)
+                hf_model.use_torch_linear_attention(self.base_model)
         else:
             self.model_name = model_name
             self.preset = PRESETS[model_name]
             self.served_model_name = self.preset.served_name
             self.served_models = [BASE_MODEL, self.served_model_name]
             self.sampler_dtype = getattr(torch, sampler_dtype or "float32")
-            self.vocab: Vocab | HF.FullVocab = load_vocab()
+            self.vocab: Vocab | hf_model.FullVocab = load_vocab()
             self.tokenizer = get_tokenizer()
             self.config = self.preset.config
             self.base_model = self._load_base(cache_dir)
-            self.base_sha256 = M.state_sha256(self.base_model.state_dict())
+            self.base_sha256 = model.state_sha256(self.base_model.state_dict())
             self.decode_spec = preset_decode_spec(self.vocab.size)
-        self.kernels = HF.kernel_report(self.base_model)  # which implementation each layer type runs
+        self.kernels = hf_model.kernel_report(self.base_model)  # which implementation each layer type runs
         default_budget = CUDA_TOKEN_BUDGET if self.device.type == "cuda" else TOKEN_BUDGET
         self.token_budget = int(token_budget or default_budget)
         self._sampler_cache_size = 4 if self.checkpoint is None else 2
@@ -266,7 +264,7 @@ class Engine:
                          sampler_dtype: str | None) -> None:
         """--model-path backend: full vocabulary, served under the checkpoint's name (or
         `served_name`); the stand-in identity (HTTP model_data.arch) is local/<dir name>."""
-        ck = HF.load_checkpoint(model_path, device=device, dtype=dtype)  # CheckpointError: one line
+        ck = hf_model.load_checkpoint(model_path, device=device, dtype=dtype)  # CheckpointError: one line
         self.checkpoint = ck
         self.device = ck.device
         self.model_name = served_name or ck.name
@@ -274,10 +272,10 @@ class Engine:
         self.served_models = list(dict.fromkeys([BASE_MODEL, self.model_name, self.served_model_name]))
         # Sampler precision defaults to the checkpoint's dtype (bf16 on CUDA).
         self.sampler_dtype = getattr(torch, sampler_dtype) if sampler_dtype else ck.dtype
-        self.vocab = HF.FullVocab(ck.vocab_size)
-        self.decode_spec = S.DecodeSpec(vocab_size=ck.vocab_size)
+        self.vocab = hf_model.FullVocab(ck.vocab_size)
+        self.decode_spec = sampling.DecodeSpec(vocab_size=ck.vocab_size)
         self.tokenizer = self._checkpoint_tokenizer(ck)
-        self.config = HF.ContextConfig(ck.max_position_embeddings)
+        self.config = hf_model.ContextConfig(ck.max_position_embeddings)
         self.base_model = ck.net
         self.base_sha256 = ck.identity_sha256
         self.base_info = {"checkpoint": str(ck.path), "checkpoint_name": ck.name, "model_type": ck.model_type,
@@ -285,7 +283,7 @@ class Engine:
                           "vocab_size": ck.vocab_size, "identity_sha256": ck.identity_sha256}
 
     @staticmethod
-    def _checkpoint_tokenizer(ck: HF.LoadedCheckpoint):
+    def _checkpoint_tokenizer(ck: hf_model.LoadedCheckpoint):
         """The checkpoint's own tokenizer when it ships one (for stop strings), else the
         harness's offline Qwen3.5 tokenizer."""
         if any((ck.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -318,7 +316,7 @@ class Engine:
             net, info = warmstart.load_or_build(self.config, self.vocab, seed=self.seed, cache_dir=cache_dir)
             self.base_info = info
             return net
-        net = M.build_base_model(self.config, self.vocab.num_embeddings, self.seed)
+        net = model.build_base_model(self.config, self.vocab.num_embeddings, self.seed)
         self.base_info = {"warm_start": None, "init_seed": self.seed}
         return net
 
@@ -333,7 +331,7 @@ class Engine:
                      train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True) -> str:
         """LoRA of `lora_rank` on the linear layers the three switches select (Tinker's
         train_mlp / train_attn / train_unembed); AdamW over the LoRA parameters only."""
-        targets = HF.lora_targets(self.base_model, train_attn=train_attn, train_mlp=train_mlp,
+        targets = hf_model.lora_targets(self.base_model, train_attn=train_attn, train_mlp=train_mlp,
                                   train_unembed=train_unembed)
         if not targets:
             raise UserError("train_mlp, train_attn and train_unembed are all off: nothing to train")
@@ -352,9 +350,9 @@ class Engine:
                 raise UserError(f"model id {model_id!r} already exists")
         # seed=None: derived from the server seed and the creation counter (deterministic per server run).
         lora_seed = int(seed) if seed is not None else self.seed * 1_000_003 + n
-        net = M.add_lora(copy.deepcopy(self.base_model), lora_rank, lora_seed, targets)
+        net = model.add_lora(copy.deepcopy(self.base_model), lora_rank, lora_seed, targets)
         net.eval()  # no dropout anywhere; training mode is irrelevant for this model
-        params = list(M.lora_named_parameters(net))
+        params = list(model.lora_named_parameters(net))
         tm = _TrainModel(model_id, base_model, lora_rank, lora_seed, net, params, _make_optimizer(params), targets)
         with self._models_lock:
             self._models[model_id] = tm
@@ -458,14 +456,14 @@ class Engine:
         head = causal.get_output_embeddings()
         if lora_head_parts(head) is None:
             logits_BTV = net(input_ids=ids_BT, use_cache=False, **kw).logits
-            lp_BT = M.token_logprobs(logits_BTV, tgt_BT, self.vocab.size)
+            lp_BT = model.token_logprobs(logits_BTV, tgt_BT, self.vocab.size)
             return [lp_BT[b, : lens[b]] for b in range(len(idx))]
         # The output head is most of the compute: run it fused, in row chunks, on the real
         # (unpadded) positions only; same values as the logits path above.
         hidden_BTH = causal.get_decoder()(input_ids=ids_BT, use_cache=False, **kw).last_hidden_state
         real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
         lp_N = head_target_logprobs(hidden_BTH[real_BT], tgt_BT[real_BT], head, self.vocab.size,
-                                    oov_logprob=M.OOV_TARGET_LOGPROB)
+                                    oov_logprob=model.OOV_TARGET_LOGPROB)
         return list(lp_N.split(lens))
 
     def _logprobs_hf(self, net: torch.nn.Module, ids_BT: torch.Tensor, tgt_BT: torch.Tensor, mask_BT: torch.Tensor,
@@ -660,9 +658,9 @@ class Engine:
             raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
         with tm.lock:
             adapter = {n: q.detach().to("cpu", copy=True) for n, q in tm.params}
-            files = {"adapter.pt": M.tensor_bytes(adapter),
-                     "optimizer.pt": M.tensor_bytes(tm.optimizer.state_dict())}
-            meta = self._meta(tm, "weights", name) | {"adapter_sha256": M.state_sha256(adapter)}
+            files = {"adapter.pt": model.tensor_bytes(adapter),
+                     "optimizer.pt": model.tensor_bytes(tm.optimizer.state_dict())}
+            meta = self._meta(tm, "weights", name) | {"adapter_sha256": model.state_sha256(adapter)}
         files["meta.json"] = json.dumps(meta, indent=1).encode()
         _atomic_dir_write(self._ckpt_dir(model_id, "weights", name), files, overwrite)
         path = f"tinker://{model_id}/weights/{name}"
@@ -677,8 +675,8 @@ class Engine:
             raise UserError(f"sampler weights name {name!r} must match {_NAME_RE.pattern}")
         with tm.lock:
             adapter = {n: q.detach().to("cpu", copy=True) for n, q in tm.params}
-            meta = self._meta(tm, "sampler_weights", name) | {"adapter_sha256": M.state_sha256(adapter)}
-        files = {"adapter.pt": M.tensor_bytes(adapter), "meta.json": json.dumps(meta, indent=1).encode()}
+            meta = self._meta(tm, "sampler_weights", name) | {"adapter_sha256": model.state_sha256(adapter)}
+        files = {"adapter.pt": model.tensor_bytes(adapter), "meta.json": json.dumps(meta, indent=1).encode()}
         _atomic_dir_write(self._ckpt_dir(model_id, "sampler_weights", name), files, overwrite)
         path = f"tinker://{model_id}/sampler_weights/{name}"
         self._forget_sampler(path)
@@ -702,7 +700,7 @@ class Engine:
 
     def _load_adapter(self, d: Path, meta: dict) -> dict[str, torch.Tensor]:
         adapter = torch.load(d / "adapter.pt", map_location="cpu", weights_only=True)
-        if M.state_sha256(adapter) != meta.get("adapter_sha256"):
+        if model.state_sha256(adapter) != meta.get("adapter_sha256"):
             raise UserError(f"checkpoint {d} fails its adapter sha256 check")
         return adapter
 
@@ -732,7 +730,7 @@ class Engine:
 
     def create_model_from_state(self, path: str, with_optimizer: bool, *, model_id: str | None = None) -> str:
         _, meta = self._read_ckpt(path)
-        targets = tuple(meta.get("lora_targets") or M.LORA_TARGETS)
+        targets = tuple(meta.get("lora_targets") or model.LORA_TARGETS)
         mid = self._create_model(meta["requested_base_model"], int(meta["lora_rank"]), int(meta["lora_seed"]),
                                  targets, model_id)
         try:
@@ -757,10 +755,10 @@ class Engine:
             d, meta = self._read_ckpt(key)
             adapter = self._load_adapter(d, meta)
             base = copy.deepcopy(self.base_model)
-            HF.untie_output_head(base)  # merging into a tied head would also change the embedding
-            pm = M.add_lora(base, int(meta["lora_rank"]), 0, meta.get("lora_targets"))
+            hf_model.untie_output_head(base)  # merging into a tied head would also change the embedding
+            pm = model.add_lora(base, int(meta["lora_rank"]), 0, meta.get("lora_targets"))
             with torch.no_grad():
-                for n, q in M.lora_named_parameters(pm):
+                for n, q in model.lora_named_parameters(pm):
                     q.copy_(adapter[n])
             net = pm.merge_and_unload()
         net = net.to(self.sampler_dtype).eval()
@@ -849,15 +847,15 @@ class Engine:
             decode_text, to_real = self._preset_text, self.vocab.to_real
         stats: dict = {}
         with torch.no_grad():
-            out = S.generate(net, reqs, decode_text, self.decode_spec, mode=self.decode_mode, stats=stats)
+            out = sampling.generate(net, reqs, decode_text, self.decode_spec, mode=self.decode_mode, stats=stats)
         self.last_sample_stats = stats
         return [[SampledSeq(to_real(d.tokens), d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs]
                 for seqs in out]
 
     @staticmethod
-    def _request(job: _SampleJob, prompt: list[int], stop_ids: list[int]) -> S.DecodeRequest:
-        fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(S.DecodeRequest)}
-        return S.DecodeRequest(**{**fields, "prompt": prompt, "stop_ids": stop_ids})
+    def _request(job: _SampleJob, prompt: list[int], stop_ids: list[int]) -> sampling.DecodeRequest:
+        fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(sampling.DecodeRequest)}
+        return sampling.DecodeRequest(**{**fields, "prompt": prompt, "stop_ids": stop_ids})
 
     def _preset_text(self, local_ids: list[int]) -> str:
         return self.tokenizer.decode(self.vocab.to_real(local_ids))
@@ -870,7 +868,7 @@ class Engine:
 
 
 @dataclass
-class _SampleJob(S.DecodeRequest):
+class _SampleJob(sampling.DecodeRequest):
     """One queued sample request: the decode request plus its cache key and result future."""
 
     key: str = ""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dppo_harness.local_server import model as M
+from dppo_harness.local_server import model
 from dppo_harness.local_server.vocab import Vocab, get_renderer, prompt_messages, read_jsonl, solution_reply
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def cache_root(cache_dir: Path | None = None) -> Path:
 
 def _train_sha256(ddir: Path) -> str:
     """sha256 of ``train.jsonl``; it must equal the value pinned in ``ddir/SHA256SUMS``."""
-    from dppo_harness import gsm8k  # late: it imports the SDK and the cookbook
+    from dppo_harness.data import gsm8k
 
     got = hashlib.sha256((ddir / "train.jsonl").read_bytes()).hexdigest()
     pinned = gsm8k.pinned_sha256("train", ddir)
@@ -82,7 +82,7 @@ def _train_sha256(ddir: Path) -> str:
     return got
 
 
-def config_key(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, train_sha: str) -> dict:
+def config_key(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, train_sha: str) -> dict:
     return {"recipe": recipe, "model_config": config.to_dict(), "vocab_sha256": vocab.sha256,
             "num_embeddings": vocab.num_embeddings, "seed": int(seed), "train_sha256": train_sha,
             "torch": torch.__version__}
@@ -99,7 +99,7 @@ def build_example(vocab: Vocab, renderer, row: dict) -> tuple[torch.Tensor, torc
     return vocab.to_local(mi.to_ints()), torch.as_tensor(w, dtype=torch.float32)
 
 
-def train(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path,
+def train(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path,
           log_every: int = 0, on_step=None) -> tuple[torch.nn.Module, dict]:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(int(recipe["num_threads"]))
@@ -118,7 +118,7 @@ def train(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Pat
         t_data = time.time() - t0
         _progress(f"warm start: {steps} supervised steps of {bs} examples ({t_data:.0f}s)")
         last_said = time.time()
-        net = M.build_base_model(config, vocab.num_embeddings, seed)
+        net = model.build_base_model(config, vocab.num_embeddings, seed)
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]),
                                 eps=recipe["eps"], weight_decay=recipe["weight_decay"])
@@ -145,7 +145,7 @@ def train(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Pat
             hidden = net.model(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
             sel = wts > 0
             logits = net.lm_head(hidden[sel]).unsqueeze(0)
-            lp = M.token_logprobs(logits, tgt[sel].unsqueeze(0), vocab.size)[0]
+            lp = model.token_logprobs(logits, tgt[sel].unsqueeze(0), vocab.size)[0]
             loss = -(lp * wts[sel]).sum() / wts[sel].sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -169,7 +169,7 @@ def train(config: M.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Pat
         torch.set_num_threads(prev_threads)
 
 
-def load_or_build(config: M.TinyConfig, vocab: Vocab, seed: int = 0, cache_dir: Path | None = None,
+def load_or_build(config: model.TinyConfig, vocab: Vocab, seed: int = 0, cache_dir: Path | None = None,
                   recipe: dict | None = None, log_every: int = 0) -> tuple[torch.nn.Module, dict]:
     """Return the warm-started base model (eval mode) and provenance info; build + cache on miss."""
     recipe = dict(recipe or RECIPE)
@@ -199,9 +199,9 @@ def _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final: 
     if wfile.exists() and mfile.exists():
         meta = json.loads(mfile.read_text())
         state = torch.load(wfile, map_location="cpu", weights_only=True)
-        if M.state_sha256(state) != meta.get("weights_sha256"):
+        if model.state_sha256(state) != meta.get("weights_sha256"):
             raise ValueError(f"cached warm start {wfile} fails its sha256 check; delete {final} to rebuild")
-        net = M.build_base_model(config, vocab.num_embeddings, seed)
+        net = model.build_base_model(config, vocab.num_embeddings, seed)
         net.load_state_dict(state)
         net.eval()
         return net, meta | {"cache_hit": True, "cache_dir": str(final)}
@@ -209,7 +209,7 @@ def _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final: 
     _progress(f"warm start: no cached stand-in model at {final}; building it once (deterministic, cached afterwards)")
     net, info = train(config, vocab, seed, recipe, ddir, log_every=log_every)
     state = net.state_dict()
-    meta = {"config_hash": chash, "key": key, "weights_sha256": M.state_sha256(state),
+    meta = {"config_hash": chash, "key": key, "weights_sha256": model.state_sha256(state),
             "build_seconds": time.time() - t0, **info}
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{chash}-{secrets.token_hex(4)}"
@@ -231,8 +231,8 @@ def signal_rate(engine, n_groups: int = 32, group_size: int = 8, max_tokens: int
     how many groups have non-constant rewards (the RL signal the diagnostic needs)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dppo_harness import gsm8k
     from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
+    from dppo_harness.data import gsm8k
 
     renderer = get_renderer()
     items = gsm8k.load_split("train", seed=shuffle_seed).batch(0, n_groups)

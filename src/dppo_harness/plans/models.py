@@ -21,7 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
-from dppo_harness.schema_errors import STRICT, first_error, rule_error, type_name
+from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error, type_name
 
 PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
 # The brief's structured output only knows these deviation fields.

@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from dppo_harness import constants, dataset
-from dppo_harness import loss_registry as losses
+from dppo_harness import constants
+from dppo_harness.data import dataset
+from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import (
     DEVIATION_FIELDS,
     MODELS,
@@ -37,7 +38,7 @@ from dppo_harness.plans.models import (
 )
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
 from dppo_harness.plans.run_config import RunConfig, build_run_config
-from dppo_harness.schema_errors import describe
+from dppo_harness.plans.schema_errors import describe
 
 
 @dataclass(frozen=True)
@@ -324,8 +325,8 @@ def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) 
         "sdk_versions": dict(info.sdk_versions),
     }
     out["deviations"] = out["deviations"] + backend_deviations(plan, info)
-    from dppo_harness import losses as loss_path
-    from dppo_harness import tokenizer
+    from dppo_harness.data import tokenizer
+    from dppo_harness.loss import losses as loss_path
 
     # Declared for every plan: the renderer's thinking mode (read off a rendered prompt) and the
     # loss normalization, against the cookbook ppo's sum.

@@ -23,7 +23,7 @@ from typing import Any
 from dppo_harness.plans.models import PlanError, _fail, decode, validate_model
 from dppo_harness.plans.prose import Stated, format_number, rewrite
 from dppo_harness.plans.run_config import build_run_config
-from dppo_harness.schema_errors import format_path
+from dppo_harness.plans.schema_errors import format_path
 
 # Spec subtrees a rehearsal may not change (its gates and thresholds stay as written), as
 # (pattern over the leaf path, exception pattern or None).

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dppo_harness import dataset
-from dppo_harness import loss_registry as losses
+from dppo_harness.data import dataset
+from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
 from dppo_harness.plans.prose import REQUIRED, Stated, parse_method, require
 

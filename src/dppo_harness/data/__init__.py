@@ -1,0 +1,1 @@
+"""Task data: vendored GSM8K with pinned hashes, the tokenizer and renderer, the dataset seam."""

@@ -1,0 +1,1 @@
+"""Evaluation: greedy GSM8K test accuracy, answer yield and the paired interval."""

@@ -1,0 +1,355 @@
+"""Greedy GSM8K test evaluation with a frozen evaluator, predictions and scored observations.
+
+The evaluator is frozen before any arm is scored: its provenance (code sha256 of the grader and
+evaluation code plus dependency versions, prompt template, decoding, parser, item ids) is hashed
+into ``evaluator_id`` exactly as the brief specifies, and every ``evaluate`` call recomputes that
+provenance from the code on disk and refuses to score if anything changed.
+
+Greedy decoding is ``tinker.SamplingParams(temperature=0.0, ...)``: the SDK has no separate greedy
+flag; temperature 0 is the convention the cookbook's evals use (e.g. ``recipes/sdft/eval.py``) and
+the embedded server maps it to argmax. Grading is the cookbook's ``MathEnv`` check (last
+``\\boxed{}`` through ``grade_answer``); an output without a parseable answer stays a row scoring 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tinker
+from tinker_cookbook.recipes.math_rl import math_env, math_grading
+from tinker_cookbook.rl import problem_env
+
+from dppo_harness.data import gsm8k
+from dppo_harness.data import tokenizer as tokenizer_mod
+from dppo_harness.data.gsm8k import Gsm8kItem
+from dppo_harness.data.tokenizer import TokenizerBundle
+from dppo_harness.evaluation import answer_yield
+
+METRIC = "accuracy"
+DEFAULT_MAX_TOKENS = 512
+N_TEST_ITEMS = gsm8k.EXPECTED_ROWS["test"]
+DEPENDENCIES = ("tinker", "tinker-cookbook", "tml-renderers", "sympy", "pylatexenc", "math-verify", "numpy", "datasets")
+PARSER_DESCRIPTION = (
+    "renderer.parse_response(tokens) -> assistant text content; "
+    "tinker_cookbook.recipes.math_rl.math_grading.extract_boxed (last \\boxed{...}); "
+    "math_env.safe_grade(answer, reference, grader='sympy', timeout=1.0) -> math_grading.grade_answer; "
+    "reference = math_env.extract_gsm8k_final_answer(solution) (text after the last '####', commas removed); "
+    "value = 1 if graded correct else 0 (no boxed answer, unparseable or wrong -> 0)"
+)
+
+
+class EvaluatorChangedError(RuntimeError):
+    """The code, prompt, decoding, parser or items differ from the frozen evaluator."""
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def evaluator_id(provenance: dict[str, Any]) -> str:
+    """``sha256(json.dumps(provenance, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+    allow_nan=False))`` as the brief specifies."""
+    return hashlib.sha256(canonical_json(provenance).encode()).hexdigest()
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def code_files() -> dict[str, Path]:
+    """The executed grader/evaluation code whose bytes the evaluator identity covers."""
+    from tinker_cookbook.renderers import base as renderer_base
+    from tinker_cookbook.renderers import qwen3, qwen3_5
+
+    mods = {
+        "dppo_harness/evaluation/greedy.py": __file__,
+        "dppo_harness/data/gsm8k.py": gsm8k.__file__,
+        "dppo_harness/data/tokenizer.py": tokenizer_mod.__file__,
+        "tinker_cookbook/recipes/math_rl/math_env.py": math_env.__file__,
+        "tinker_cookbook/recipes/math_rl/math_grading.py": math_grading.__file__,
+        "tinker_cookbook/rl/problem_env.py": problem_env.__file__,
+        "tinker_cookbook/renderers/base.py": renderer_base.__file__,
+        "tinker_cookbook/renderers/qwen3.py": qwen3.__file__,
+        "tinker_cookbook/renderers/qwen3_5.py": qwen3_5.__file__,
+    }
+    return {k: Path(v) for k, v in mods.items()}
+
+
+def code_manifest() -> dict[str, Any]:
+    files = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in sorted(code_files().items())}
+    versions = {name: _version(name) for name in DEPENDENCIES}
+    return {"files": files, "versions": versions, "python": platform.python_version()}
+
+
+def prompt_template(bundle: TokenizerBundle) -> str:
+    """The exact rendered prompt with ``{question}`` in place of the item text, plus settings."""
+    probe = Gsm8kItem("template", "test", -1, "{question}", "", "")
+    ob, _ = gsm8k.build_prompt(probe, bundle.renderer)
+    rendered = bundle.tokenizer.decode(ob.to_ints())
+    tok = bundle.provenance["tokenizer"]
+    return (
+        f"{rendered}\n"
+        f"--\nmessages: MathEnv.standard_fewshot_prefix() + [user: question + MathEnv.question_suffix()]; "
+        f"renderer={bundle.renderer_name} ({bundle.provenance['renderer_class']}); "
+        f"tokenizer={tok['choice']} ({tok['class']} {tok.get('package_version')}, probe fingerprint "
+        f"{tok['vocab_fingerprint']}); build_generation_prompt"
+    )
+
+
+def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_tokens": int(max_tokens), "stop": list(stop), "top_k": -1, "top_p": 1.0, "num_samples": 1}
+
+
+def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_tokens: int) -> dict[str, Any]:
+    manifest = code_manifest()
+    return {
+        "code_sha256": hashlib.sha256(canonical_json(manifest).encode()).hexdigest(),
+        "prompt_template": prompt_template(bundle),
+        "decoding": decoding(max_tokens, bundle.renderer.get_stop_sequences()),
+        "parser": PARSER_DESCRIPTION,
+        "items": {"ids": [it.item_id for it in items]},
+    }
+
+
+@dataclass(frozen=True)
+class FrozenEvaluator:
+    evaluator_id: str
+    provenance: dict[str, Any]
+    code_manifest: dict[str, Any]
+    items: tuple[Gsm8kItem, ...]
+    bundle: TokenizerBundle
+    max_tokens: int
+    deviation: dict[str, str] | None = None  # set when the items are not all 1319 test items
+
+    def check_unchanged(self) -> None:
+        """Recompute provenance from disk; raise if anything differs from the frozen record."""
+        now = build_provenance(self.items, self.bundle, self.max_tokens)
+        if evaluator_id(now) != self.evaluator_id:
+            changed = sorted(k for k in now if now[k] != self.provenance.get(k))
+            raise EvaluatorChangedError(
+                f"evaluator {self.evaluator_id[:12]} changed after freezing ({', '.join(changed)}); "
+                "re-freeze and re-evaluate every compared arm and the base model"
+            )
+
+    def record(self) -> dict[str, Any]:
+        """The brief's ``evaluators[<id>]`` entry."""
+        return dict(self.provenance)
+
+
+def select_items(
+    test: gsm8k.Gsm8kSplit, n_items: int | None = None, reason: str | None = None
+) -> tuple[tuple[Gsm8kItem, ...], dict[str, str] | None]:
+    """All test items by default. A subset (the first ``n_items`` in order) needs a reason and
+    comes back with the deviation record to register before scoring."""
+    if test.split != "test":
+        raise ValueError("evaluation uses the GSM8K test split")
+    if n_items is None or n_items == len(test):
+        return test.items, None
+    if not 0 < n_items < len(test):
+        raise ValueError(f"n_items must be in [1, {len(test)}], got {n_items}")
+    if not reason:
+        raise ValueError("evaluating fewer than all test items is a deviation: give a reason")
+    deviation = {
+        "field": "evaluator",
+        "original": f"greedy exact match on all {len(test)} GSM8K test items",
+        "effective": f"first {n_items} GSM8K test items ({test.items[0].item_id}..{test.items[n_items - 1].item_id})",
+        "reason": reason,
+    }
+    return test.items[:n_items], deviation
+
+
+def freeze_evaluator(
+    items: Sequence[Gsm8kItem],
+    bundle: TokenizerBundle,
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    deviation: dict[str, str] | None = None,
+) -> FrozenEvaluator:
+    """Freeze before scoring. Anything but the full 1319-item test set needs the deviation
+    record from ``select_items`` (the caller registers it with the evidence bundle)."""
+    if not items:
+        raise ValueError("an evaluator needs at least one item")
+    ids = [it.item_id for it in items]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate item ids in the evaluation set")
+    if any(it.split != "test" for it in items):
+        raise ValueError("evaluation items must come from the GSM8K test split")
+    full = ids == [gsm8k.item_id("test", i) for i in range(N_TEST_ITEMS)]
+    if not full and not (deviation and deviation.get("reason")):
+        raise ValueError(f"{len(ids)} items instead of all {N_TEST_ITEMS} test items: pass the recorded deviation")
+    prov = build_provenance(items, bundle, max_tokens)
+    return FrozenEvaluator(
+        evaluator_id(prov), prov, code_manifest(), tuple(items), bundle, max_tokens, None if full else dict(deviation or {})
+    )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    arm: str
+    seed: int
+    checkpoint: str
+    evaluator_id: str
+    rows: tuple[dict[str, Any], ...]
+    seconds: float
+
+    @property
+    def accuracy(self) -> float:
+        """Unrounded mean of the per-item values (failures count as 0)."""
+        return sum(r["value"] for r in self.rows) / len(self.rows)
+
+    @property
+    def invalid_outputs(self) -> int:
+        """Outputs with no parseable answer (no \\boxed{}): rows that stay, scoring 0."""
+        return sum(r["prediction"] is None for r in self.rows)
+
+    def response_yield(self, max_tokens: int | None = None) -> answer_yield.ResponseYield:
+        return answer_yield.response_yield([r["stop_reason"] for r in self.rows],
+                                           [r["prediction"] is not None for r in self.rows],
+                                           [r["n_tokens"] for r in self.rows], max_tokens=max_tokens)
+
+    def arm_metrics(self, max_tokens: int | None = None) -> dict[str, float]:
+        """What `metrics.arms[arm]` and `evidence.per_arm_metrics[arm]` hold for this scored model."""
+        ry = self.response_yield(max_tokens)
+        return {"accuracy": self.accuracy, "eval_n": float(len(self.rows)),
+                "eval_invalid_outputs": float(self.invalid_outputs), "eval_truncated_frac": ry.truncated_frac,
+                "eval_no_answer_frac": ry.no_answer_frac, "eval_mean_response_tokens": ry.mean_response_tokens}
+
+    def predictions_jsonl(self) -> bytes:
+        return "".join(canonical_json(r) + "\n" for r in self.rows).encode("utf-8")
+
+    def observations(self) -> list[dict[str, Any]]:
+        return [
+            {"item_id": r["item_id"], "arm": r["arm"], "seed": r["seed"], "metric": METRIC, "value": r["value"], "evaluator_id": r["evaluator_id"]}
+            for r in self.rows
+        ]
+
+    def score(self, predictions_ref: str) -> dict[str, Any]:
+        return {"arm": self.arm, "metric": METRIC, "value": self.accuracy, "evaluator_id": self.evaluator_id, "seed": self.seed, "predictions_ref": predictions_ref}
+
+
+def evaluate(
+    sampling_client: tinker.SamplingClient,
+    evaluator: FrozenEvaluator,
+    *,
+    arm: str,
+    seed: int,
+    checkpoint: str,
+    max_in_flight: int = 256,
+) -> EvalResult:
+    """Greedy-decode every item, grade, and return one row per item (invalid outputs score 0)."""
+    if not arm or not checkpoint:
+        raise ValueError("arm and checkpoint must be named")
+    evaluator.check_unchanged()
+    renderer = evaluator.bundle.renderer
+    stop = renderer.get_stop_sequences()
+    params = tinker.SamplingParams(temperature=0.0, max_tokens=evaluator.max_tokens, stop=list(stop), top_k=-1, top_p=1.0)
+    prompts = [gsm8k.build_prompt(it, renderer)[0] for it in evaluator.items]
+    t0 = time.perf_counter()
+    responses: list[Any] = [None] * len(prompts)
+    # Sliding window: many requests in flight, bounded so a real service is not flooded.
+    pending: list[tuple[int, Any]] = []
+    for i, ob in enumerate(prompts):
+        pending.append((i, sampling_client.sample(ob, 1, params)))
+        if len(pending) >= max_in_flight:
+            j, fut = pending.pop(0)
+            responses[j] = fut.result()
+    for j, fut in pending:
+        responses[j] = fut.result()
+    rows = []
+    for item, res in zip(evaluator.items, responses, strict=True):
+        if len(res.sequences) != 1:
+            raise RuntimeError(f"{item.item_id}: expected 1 sequence, got {len(res.sequences)}")
+        seq = res.sequences[0]
+        tokens = [int(t) for t in seq.tokens]
+        graded = gsm8k.grade_response(item, renderer, tokens)
+        try:
+            prediction = math_grading.extract_boxed(graded.content)
+        except ValueError:
+            prediction = None
+        rows.append(
+            {
+                "item_id": item.item_id,
+                "arm": arm,
+                "seed": seed,
+                "checkpoint": checkpoint,
+                "metric": METRIC,
+                "prediction": prediction,
+                "response": graded.content,
+                "reference": item.reference,
+                "value": 1 if graded.correct else 0,
+                "format_ok": graded.format_ok,
+                "stop_reason": str(seq.stop_reason),
+                "n_tokens": len(tokens),
+                "evaluator_id": evaluator.evaluator_id,
+            }
+        )
+    return EvalResult(arm, seed, checkpoint, evaluator.evaluator_id, tuple(rows), time.perf_counter() - t0)
+
+
+def observations_jsonl(results: Sequence[EvalResult]) -> bytes:
+    """Scored observations of several arms (the decision's ``observations_file``)."""
+    ids = {r.evaluator_id for r in results}
+    if len(ids) != 1:
+        raise EvaluatorChangedError(f"observations mix evaluators {sorted(ids)}; compare arms under one evaluator")
+    return "".join(canonical_json(o) + "\n" for r in results for o in r.observations()).encode("utf-8")
+
+
+def evaluation_object(
+    evaluators: Sequence[FrozenEvaluator],
+    scores: Sequence[dict[str, Any]],
+    comparisons: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
+    """The brief's ``evaluation`` object."""
+    return {
+        "version": 1,
+        "evaluators": {ev.evaluator_id: ev.record() for ev in evaluators},
+        "scores": list(scores),
+        "comparisons": list(comparisons),
+    }
+
+
+def decision_object(observations_name: str, observations_bytes: bytes) -> dict[str, Any]:
+    """The brief's ``decision`` object referencing a retained observations file."""
+    return {
+        "version": 1,
+        "observations_file": {"name": observations_name, "sha256": hashlib.sha256(observations_bytes).hexdigest()},
+    }
+
+
+def register_results(
+    evidence: Any,
+    evaluators: Sequence[FrozenEvaluator],
+    results: Sequence[EvalResult],
+    *,
+    observations_name: str = "scored-observations.jsonl",
+    comparisons: Sequence[dict[str, Any]] = (),
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Register each evaluator record (kind manifest), each arm's predictions (kind predictions)
+    and the scored observations (kind metrics) with an ``EvidenceBundle``. Returns the brief's
+    ``(evaluation, decision)`` objects for ``update_result``; file names must be new per update."""
+    known = {ev.evaluator_id for ev in evaluators}
+    for ev in evaluators:
+        record = {"evaluator_id": ev.evaluator_id, "provenance": ev.provenance, "code_manifest": ev.code_manifest,
+                  "deviation": ev.deviation}
+        evidence.register_json(f"evaluator-{ev.evaluator_id[:16]}.json", "manifest", record)
+    scores = []
+    for res in results:
+        if res.evaluator_id not in known:
+            raise EvaluatorChangedError(f"{res.arm}: scored by evaluator {res.evaluator_id[:12]}, which is not registered")
+        name = f"predictions-{res.arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
+        evidence.register_bytes(name, "predictions", res.predictions_jsonl())
+        scores.append(res.score(name))
+    obs = observations_jsonl(results)
+    evidence.register_bytes(observations_name, "metrics", obs)
+    return evaluation_object(evaluators, scores, comparisons), decision_object(observations_name, obs)

@@ -1,0 +1,1 @@
+"""Instrumentation: per-loss-call records, pooled statistics, offline replay, cookbook metrics."""

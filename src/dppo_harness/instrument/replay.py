@@ -1,0 +1,270 @@
+"""Offline replay of saved loss calls with the INDEPENDENT padded implementation.
+
+    python -m dppo_harness.instrument.replay EVIDENCE_DIR
+
+Reloads every per-update record file in the bundle (`instrumentation` npz files), rebuilds the
+padded [S, T] tensors, recomputes the DPPO keep mask and the counterfactual PPO clip with
+`references.ref_dppo` / `references.ref_ppo` (numpy float64, no code shared with `losses.py`),
+and the ratio-cap hits, p - q tails, exceedances and histograms from those padded tensors. It
+compares every decision and statistic with what was logged, checks the anchor logprobs against
+the frozen batch when the bundle has one, prints the counts and exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.instrument import pooled as pooled_mod
+from dppo_harness.loss import references
+
+# A decision may legitimately differ between two float64 exp() implementations only when p - q
+# is within a few ulps of +-delta; such tokens are reported as ties, never silently accepted.
+BOUNDARY_TIE = 1e-12
+FLOAT_RTOL = 1e-9
+FLOAT_ATOL = 1e-12
+
+
+def to_padded(values_N: np.ndarray, lengths_S: np.ndarray, fill: float = 0.0) -> np.ndarray:
+    """Packed [N] -> padded [S, T_max] (right padding with `fill`)."""
+    S = len(lengths_S)
+    T = int(lengths_S.max()) if S else 0
+    out = np.full((S, T), fill, dtype=np.float64)
+    offset = 0
+    for s, n in enumerate(lengths_S):
+        out[s, : int(n)] = values_N[offset : offset + int(n)]
+        offset += int(n)
+    return out
+
+
+def from_padded(values_BT: np.ndarray, lengths_S: np.ndarray) -> np.ndarray:
+    return np.concatenate([values_BT[s, : int(n)] for s, n in enumerate(lengths_S)]) if len(lengths_S) else np.zeros(0)
+
+
+@dataclass
+class RecordCheck:
+    update_index: Any
+    problems: list[str] = field(default_factory=list)
+    ties: int = 0
+    recomputed: dict[str, Any] = field(default_factory=dict)
+
+
+def recompute(record: ins.LossCallRecord, normalization: str = "token_mean", delta: float = DPPO_DELTA,
+              cap: float = DPPO_RATIO_CAP, eps: float = PPO_EPS) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Decisions (packed) and statistics of one record from the padded reference path."""
+    t = record.tensors
+    lengths = np.asarray(t["lengths_S"])
+    lp = to_padded(t["logprobs_N"].astype(np.float64), lengths)
+    mu = to_padded(t["sampler_logprobs_N"].astype(np.float64), lengths)
+    adv = to_padded(t["advantages_N"].astype(np.float64), lengths)
+    mask = to_padded(t["mask_N"].astype(np.float64), lengths)
+    on = mask > 0
+    dppo = references.ref_dppo(lp, mu, adv, mask, normalization, delta=delta, cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX)
+    ppo = references.ref_ppo(lp, mu, adv, mask, normalization, eps=eps)
+    with np.errstate(over="ignore", invalid="ignore"):
+        tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
+        # The cap shapes only kept tokens (a dropped token has no gradient to cap).
+        cap_hit = on & (adv != 0) & dppo.decision_BT.astype(bool) & (np.exp(np.where(on, lp - mu, 0.0)) > cap)
+    decisions = {
+        "dppo_keep_N": from_padded(dppo.decision_BT, lengths).astype(bool),
+        "ppo_clipped_N": from_padded(ppo.decision_BT, lengths).astype(bool),
+        "ratio_cap_hit_N": from_padded(cap_hit, lengths).astype(bool),
+        "prob_diff_N": from_padded(tv, lengths),
+        "loss_token_N": from_padded(on, lengths).astype(bool),
+    }
+    stats = ins.decision_stats(decisions["prob_diff_N"], t["advantages_N"].astype(np.float64), decisions["loss_token_N"],
+                               decisions["dppo_keep_N"], decisions["ppo_clipped_N"], decisions["ratio_cap_hit_N"], delta=delta)
+    return decisions, stats
+
+
+DRIFT_KEYS: tuple[str, ...] = tuple(k for k in ins.FLOAT_KEYS if k.startswith("drift/"))
+
+
+def _close(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return math.isclose(float(a), float(b), rel_tol=FLOAT_RTOL, abs_tol=FLOAT_ATOL)
+
+
+def check_record(record: ins.LossCallRecord, normalization: str = "token_mean", delta: float = DPPO_DELTA,
+                 cap: float = DPPO_RATIO_CAP, eps: float = PPO_EPS) -> RecordCheck:
+    """Every logged decision and statistic of one loss call against the independent recompute."""
+    where = f"update {record.context.get('update_index', record.call_index)}"
+    check = RecordCheck(record.context.get("update_index", record.call_index))
+    decisions, stats = recompute(record, normalization, delta, cap, eps)
+    check.recomputed = stats
+    near = np.abs(np.abs(decisions["prob_diff_N"]) - delta) <= BOUNDARY_TIE
+    for name in ins.DECISION_FIELDS:
+        logged = np.asarray(record.tensors[name]).astype(bool)
+        if logged.shape != decisions[name].shape:
+            check.problems.append(f"{where}: {name} has {logged.shape[0]} entries, recompute {decisions[name].shape[0]}")
+            continue
+        diff = logged != decisions[name]
+        if name == "dppo_keep_N":
+            check.ties += int((diff & near).sum())
+            diff &= ~near
+        if diff.any():
+            idx = np.flatnonzero(diff)
+            check.problems.append(f"{where}: {name} differs on {idx.size} tokens (first packed index {int(idx[0])})")
+    # p - q tails do not depend on any decision: always cross-checked, ties or not.
+    for key in DRIFT_KEYS:
+        if not _close(record.stats.get(key), stats[key]):
+            check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
+    if check.ties:  # a tie moves counts; compare decision statistics only when decisions agree exactly
+        return check
+    for key in ins.COUNT_KEYS:
+        if record.stats.get(key) != stats[key]:
+            check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
+    for key in (k for k in ins.FLOAT_KEYS if k not in DRIFT_KEYS):
+        if not _close(record.stats.get(key), stats[key]):
+            check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
+    for sign in ins.HIST_SIGNS:
+        if list(record.stats["hist"][sign]) != stats["hist"][sign]:
+            check.problems.append(f"{where}: logged p-q histogram (A {sign}) differs from replay")
+    for key in ins.LOSS_METRIC_CROSSCHECK:  # what the loss itself reported during training
+        if key in record.loss_metrics and not _close(record.loss_metrics[key], stats[key]):
+            check.problems.append(f"{where}: loss reported {key}={record.loss_metrics[key]}, replay {stats[key]}")
+    return check
+
+
+@dataclass
+class ReplayReport:
+    files: list[str]
+    checks: list[RecordCheck]
+    problems: list[str]
+    pooled: dict[str, Any] | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and bool(self.checks)
+
+
+def _files_dir(path: Path) -> Path:
+    """Accept a run dir, its files/ dir, or an evidence root holding LATEST."""
+    path = Path(path)
+    if (path / "LATEST").exists() and not (path / "result.json").exists():
+        path = path / (path / "LATEST").read_text().strip()
+    return path / "files" if (path / "files").is_dir() else path
+
+
+def load_records(files_dir: Path) -> tuple[list[str], list[ins.LossCallRecord]]:
+    names, records = [], []
+    for p in sorted(files_dir.glob("*.npz")):
+        data = p.read_bytes()
+        if ins.is_record_file(data):
+            names.append(p.name)
+            records.extend(ins.records_from_npz(data))
+    return names, records
+
+
+def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecord]) -> list[str]:
+    """Each call's anchor, advantages, mask and tokens must be the frozen batch's, bit for bit."""
+    from dppo_harness.rollout.frozen_batch import FrozenBatch
+
+    stem = pooled_mod.FROZEN_BATCH_STEM
+    npz, man = files_dir / f"{stem}.npz", files_dir / f"{stem}.manifest.json"
+    if not (npz.exists() and man.exists()):
+        return []
+    try:
+        fb = FrozenBatch.from_bytes(npz.read_bytes(), man.read_bytes())
+    except Exception as exc:
+        return [f"frozen batch does not load against its manifest: {exc}"]
+    problems = []
+    for r in records:
+        seqs = r.context.get("sequence_indices")
+        if seqs is None:
+            continue
+        parts = [fb.sequence(s) for s in seqs]
+        want = {
+            "sampler_logprobs_N": np.concatenate([p["logprobs"] for p in parts]),
+            "advantages_N": np.concatenate([p["advantages"] for p in parts]),
+            "mask_N": np.concatenate([p["mask"] for p in parts]),
+            "target_tokens_N": np.concatenate([p["tokens"][1:] for p in parts]),
+        }
+        for name, w in want.items():
+            got = r.tensors[name]
+            if got.shape != w.shape or not np.array_equal(got.astype(np.float64), w.astype(np.float64)):
+                problems.append(f"update {r.context.get('update_index')}: {name} differs from the frozen batch")
+        if r.context.get("frozen_batch_sha256") not in (None, fb.sha256):
+            problems.append(f"update {r.context.get('update_index')}: recorded frozen batch sha256 differs")
+    return problems
+
+
+def _pooled_problems(files_dir: Path, records: Sequence[ins.LossCallRecord], normalization: str, delta: float,
+                     cap: float, eps: float) -> tuple[list[str], dict[str, Any] | None]:
+    """The logged pooled second-epoch analysis against a pooled recompute from the padded path."""
+    second = [r for r in records if r.context.get("epoch") == 2]
+    if not second:
+        return [], None
+    tvs = [recompute(r, normalization, delta, cap, eps)[0]["prob_diff_N"] for r in second]
+    pooled = pooled_mod.pool_calls(second, tvs)
+    path = files_dir / pooled_mod.ANALYSIS_FILE
+    if not path.exists():
+        return [], pooled
+    logged = json.loads(path.read_text()).get("pooled_second_epoch") or {}
+    problems = []
+    for key in list(ins.COUNT_KEYS) + list(pooled_mod.RATIO_PARTS) + list(pooled_mod.POOLED_QUANTILES):
+        if key in logged and not _close(logged[key], pooled[key]):
+            problems.append(f"pooled second epoch: logged {key}={logged[key]}, replay {pooled[key]}")
+    return problems, pooled
+
+
+def replay_bundle(path: Path) -> ReplayReport:
+    files_dir = _files_dir(path)
+    names, records = load_records(files_dir)
+    analysis = files_dir / pooled_mod.ANALYSIS_FILE
+    normalization, delta, cap, eps = "token_mean", DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
+    if analysis.exists():
+        cfg = json.loads(analysis.read_text()).get("config", {})
+        normalization = cfg.get("normalization", normalization)
+        delta, cap, eps = cfg.get("delta", delta), cfg.get("ratio_cap", cap), cfg.get("ppo_eps", eps)
+    checks = [check_record(r, normalization, delta, cap, eps) for r in records]
+    problems = [p for c in checks for p in c.problems]
+    problems += _frozen_anchor_problems(files_dir, records)
+    pooled_problems, pooled = _pooled_problems(files_dir, records, normalization, delta, cap, eps)
+    problems += pooled_problems
+    if not records:
+        problems.append(f"no loss-call record files found in {files_dir}")
+    return ReplayReport(names, checks, problems, pooled)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dppo_harness.instrument.replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("evidence_dir", type=Path, help="run directory (or evidence root with LATEST)")
+    args = parser.parse_args(argv)
+    if not args.evidence_dir.exists():
+        print(f"replay: {args.evidence_dir} does not exist", file=sys.stderr)
+        return 2
+    report = replay_bundle(args.evidence_dir)
+    for c in report.checks:
+        s = c.recomputed
+        print(f"update {c.update_index}: loss tokens {s.get('tokens/loss')}, removed {s.get('dppo/removed')} "
+              f"(+{s.get('dppo/removed_pos_adv')}/-{s.get('dppo/removed_neg_adv')}), exceed +{s.get('dppo/exceed_pos')}"
+              f"/-{s.get('dppo/exceed_neg')}, cap hits {s.get('dppo/ratio_cap_hits')}, ppo clipped {s.get('ppo/clipped')}, "
+              f"|p-q| q90 {s.get('drift/abs_p90', float('nan')):.6g} -> {'OK' if not c.problems else 'MISMATCH'}"
+              + (f" ({c.ties} boundary ties)" if c.ties else ""))
+    if report.pooled:
+        p = report.pooled
+        print(f"pooled second epoch: {p['calls']} calls, {p['tokens/loss']} loss tokens, masked fraction "
+              f"{p['dppo/masked_frac_loss_tokens']:.6g}, clip fraction {p['ppo/clip_frac_loss_tokens']:.6g}, "
+              f"|p-q| q90 {p['drift/abs_p90']:.6g}")
+    for prob in report.problems:
+        print(f"FAIL {prob}")
+    n_ok = sum(not c.problems for c in report.checks)
+    print(f"replay: {len(report.checks)} loss calls from {len(report.files)} files, {n_ok} matched, "
+          f"{len(report.problems)} problem(s)")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

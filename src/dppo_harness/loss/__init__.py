@@ -1,0 +1,1 @@
+"""Losses: the packed loss path, its registry, independent references and golden checks."""

@@ -1,0 +1,1 @@
+"""The pytest plugin: hooks, stage rules and session fixtures of the gated experiment."""

@@ -1,0 +1,46 @@
+"""Session fixtures of the connectivity preflight (registered by the harness plugin).
+
+- `connectivity`: connectivity.check_connectivity on the session's backend, once, before any
+  training client; a failure fails the requesting test with its one line (later stages skip).
+  When the plugin's launch-scope check (before the first test) already read it, that report.
+- `client_base_model`: the base model the stages create training clients with (the plan's, or
+  the preflight's same-family substitute); `connectivity.client_base_model` resolves it.
+- `training_client_observer`: records every training client's served identity into evidence.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def connectivity(request, service_backend, plan, harness_options):
+    from dppo_harness.pytest_plugin.hooks import early_connectivity
+    from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
+
+    report = early_connectivity(request.config)  # the launch-scope check may have read it already
+    if report is not None:
+        return report
+    try:
+        return check_connectivity(service_backend.kind, service_backend.base_url, plan.base_model,
+                                  proxy_tokens=harness_options.proxy_credentials,
+                                  sdk_telemetry=harness_options.sdk_telemetry)
+    except ConnectivityError as exc:
+        line = f"connectivity preflight ({exc.check}): {exc.line}"
+    pytest.fail(line, pytrace=False)  # outside the except: the one line, without a chained traceback
+
+
+@pytest.fixture(scope="session")
+def client_base_model(connectivity, plan) -> str:
+    from dppo_harness.service.connectivity import client_base_model as resolve
+
+    return resolve(plan.base_model, connectivity)
+
+
+@pytest.fixture(scope="session")
+def training_client_observer(evidence_bundle):
+    from dppo_harness.service import identity
+
+    recorder = identity.TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
+    yield recorder
+    recorder.flush()  # every client's get_info, in one file (keeps the bundle under its file limit)

@@ -1,0 +1,150 @@
+"""Session fixtures of the `gate` and `diagnostic` stages (registered by the harness plugin).
+
+Thin adapters: they call `gate.run_activation_gate` / `diagnostic.run_bounded_diagnostic` with
+the session's service client, plan, evidence bundle and the restoration preflight's shared initial
+checkpoint, and show progress lines on the terminal (pytest captures ordinary output).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from dppo_harness.pytest_plugin.hooks import progress_printer, stops_stage
+
+
+def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    return progress_printer(request.config)
+
+
+@pytest.fixture(scope="session")
+def harness_progress(request):
+    """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
+    return _progress(request)
+
+
+def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
+    """When the plugin saw the stage begin (time.monotonic), else now."""
+    from dppo_harness.pytest_plugin.hooks import stage_started_at
+
+    started = stage_started_at(request.config, stage)
+    return time.monotonic() if started is None else started
+
+
+@pytest.fixture(scope="session")
+@stops_stage
+def gate_report(request, service_backend, plan, evidence_bundle, restoration, client_registry,
+                training_client_observer, service_waiter, harness_options):
+    """The plan's activation-gate pilot of each treatment arm, run once per session. The pilots'
+    clients live in their own session, closed as soon as the pilots end (before any arm trains)."""
+    from dppo_harness.pytest_plugin.hooks import record_client_releases
+    from dppo_harness.service.clients import make_service_client
+    from dppo_harness.stages.gate import run_activation_gates
+
+    pilot_sc = make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
+                                   registry=client_registry, stage="gate-pilot",
+                                   label="activation-gate pilot (closed when the pilot ends)",
+                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+                                   sdk_telemetry=harness_options.sdk_telemetry)
+    try:
+        return run_activation_gates(
+            pilot_sc, plan, evidence_bundle, restoration.initial_checkpoint,
+            backend=service_backend.kind, progress=_progress(request),
+        )
+    finally:
+        record_client_releases(request.config, client_registry.release_stage("gate-pilot"))
+
+
+@pytest.fixture(scope="session")
+@stops_stage
+def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
+                   client_registry, client_base_model, service_waiter):
+    """The paired comparison (or its continuation with --resume RUN_ID), run once per session.
+
+    A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
+    run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
+    from dppo_harness.instrument.cookbook_metrics import WandbRequest
+    from dppo_harness.pytest_plugin.hooks import propose_outcome, unit_parity_passed
+    from dppo_harness.stages import comparison
+    from dppo_harness.stages.comparison_run import run_comparison
+
+    if not unit_parity_passed(request.config):
+        pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
+    restoration = None
+    if harness_options.resume is None:
+        restoration = request.getfixturevalue("verified_restoration")
+        gate_report = request.getfixturevalue("gate_report")
+        if not gate_report.passed:
+            pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
+                        pytrace=False)
+    schedule, source = comparison_schedule(harness_options.comparison_schedule, evidence_bundle.result.get("backend"))
+    # On a resume the feasibility block is not in this session's result yet: the guard then starts
+    # from the finalize reserve alone and projects from the steps it measures.
+    guard = comparison.wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
+                                          arms=len(plan.run.arms) if plan.run else 0,
+                                          eval_items=plan.run.eval_items if plan.run else 0)
+    try:
+        run = run_comparison(
+            service_client, plan, evidence_bundle, restoration, backend=service_backend.kind,
+            state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
+            schedule=schedule, schedule_source=source, guard=guard, save_every=harness_options.save_every,
+            registry=client_registry,
+            capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
+            progress=_progress(request), base_model=client_base_model,
+            wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
+        )
+    except comparison.ComparisonError as exc:  # a refused resume or configuration: its one line
+        line = str(exc)
+    else:
+        propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
+        if run.stopped is not None:  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
+            evidence_bundle.update_result(**run.final)
+        return run
+    pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
+
+
+def comparison_schedule(option: str | None, backend_block: dict | None) -> tuple[str, str]:
+    """(schedule, why): --comparison-schedule when given, else concurrent on a real service and
+    interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
+    from dppo_harness.stages import comparison
+
+    if option:
+        return option, "--comparison-schedule"
+    embedded = (backend_block or {}).get("kind") == "local"
+    return comparison.default_schedule(embedded), ("default on the embedded server" if embedded else
+                                          "default on a real service (benchmarks/comparison_schedule.py)")
+
+
+def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
+    """Optimizer updates the preflight issued on its throwaway probe clients, from its own records:
+    the restore-continuity probe (one update on the uninterrupted client, then one on each of the
+    uninterrupted and the restored client) and one update per measured LR probe, less the one at
+    the planned LR, which is the continuity probe's first update. No sampling."""
+    lr = restoration.lr_scaling or {}
+    shared = 1 if (restoration.probe or {}).get("base_lr_update_norm") is not None else 0
+    lr_updates = max(0, len(lr.get("lr_scaling") or []) - shared) if lr.get("available") else 0
+    return {"restore_continuity_probe": {"optimizer_updates": 3 if restoration.probe else 0, "sampling_batches": 0},
+            "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
+            "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0}}
+
+
+@pytest.fixture(scope="session")
+@stops_stage
+def diagnostic_run(request, service_client, service_backend, plan, evidence_bundle, restoration):
+    """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
+    (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
+    preflight's loaded client of the trained arm (no third client)."""
+    from dppo_harness.pytest_plugin.hooks import propose_outcome
+    from dppo_harness.stages.diagnostic import run_bounded_diagnostic
+
+    start = time.monotonic() - evidence_bundle.elapsed_seconds()
+    run = run_bounded_diagnostic(
+        service_client, plan, evidence_bundle, restoration.initial_checkpoint,
+        backend=service_backend.kind, stage_start=start, spec=plan.original.experiment, progress=_progress(request),
+        prior_service_work=preflight_service_work(restoration), init_reference=restoration,
+        restored=restoration.loaded.get(plan.diagnostic.fixed_settings.treatment.arm),
+    )
+    propose_outcome(request.config, **run.result_fields["final"])
+    return run

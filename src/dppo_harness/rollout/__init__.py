@@ -1,0 +1,1 @@
+"""Rollouts: sampling a batch, group-centred advantages, the immutable frozen batch."""

@@ -1,0 +1,232 @@
+"""Sampling one rollout batch concurrently, group-centred advantages and datums.
+
+One request per group (``num_samples=group_size``): ``groups_per_batch`` requests, all submitted
+before any is awaited, so the whole batch is in flight together. Rewards come from the cookbook's
+``MathEnv`` (see ``gsm8k.grade_response``); advantages and datums come from the cookbook's own
+``compute_advantages`` and ``assemble_training_data``/``trajectory_to_data`` applied to cookbook
+``TrajectoryGroup`` objects, so the layout is the cookbook's by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import tinker
+from tinker_cookbook import renderers
+from tinker_cookbook.completers import TokensWithLogprobs
+from tinker_cookbook.rl import data_processing
+from tinker_cookbook.rl.types import Trajectory, TrajectoryGroup, Transition
+
+from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response
+from dppo_harness.evaluation import answer_yield
+
+
+class RolloutError(RuntimeError):
+    """The sampler returned something a rollout cannot use (missing logprobs, wrong count...)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    groups_per_batch: int
+    group_size: int
+    temperature: float
+    max_tokens: int
+    seed: int | None = None  # when set, group g's request uses seed + g (recorded)
+    max_seq_len: int | None = None  # the plan's bound on prompt + sampled tokens (None: no bound)
+
+    def __post_init__(self) -> None:
+        if self.groups_per_batch < 1 or self.group_size < 1 or self.max_tokens < 1:
+            raise ValueError(f"groups_per_batch, group_size and max_tokens must be >= 1: {self}")
+        if not self.temperature > 0:
+            raise ValueError(f"rollouts sample at temperature > 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class SampledGroup:
+    group_id: int
+    item: Gsm8kItem
+    prompt_tokens: tuple[int, ...]
+    responses: tuple[tuple[int, ...], ...]  # [G][R_g] sampled tokens (stop token included if hit)
+    logprobs: tuple[tuple[float, ...], ...]  # [G][R_g] sampler log-prob of each sampled token
+    stop_reasons: tuple[str, ...]
+    graded: tuple[Graded, ...]
+    seed: int | None
+
+    @property
+    def rewards_G(self) -> list[float]:
+        return [g.reward for g in self.graded]
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    groups: tuple[SampledGroup, ...]
+    config: RolloutConfig
+    sampler_checkpoint: str  # tinker:// path (or version label) of the weights that sampled
+    base_model: str
+    stop: tuple[int | str, ...]
+    sampling_seconds: float  # first submit -> last result
+    grading_seconds: float
+    request_seconds: tuple[float, ...] = ()  # per group: batch start -> response received
+
+    def response_yield(self) -> answer_yield.ResponseYield:
+        """Truncation at max_tokens, answers found and mean length over every sampled response."""
+        return answer_yield.response_yield(
+            [s for g in self.groups for s in g.stop_reasons], [gr.answer_found for g in self.groups for gr in g.graded],
+            [len(r) for g in self.groups for r in g.responses], max_tokens=self.config.max_tokens)
+
+    def summary(self) -> dict[str, Any]:
+        rewards = np.array([r for g in self.groups for r in g.rewards_G], dtype=np.float64)
+        ry = self.response_yield()
+        nonconstant = sum(len(set(g.rewards_G)) > 1 for g in self.groups)
+        return {
+            "config": asdict(self.config),
+            "sampler_checkpoint": self.sampler_checkpoint,
+            "base_model": self.base_model,
+            "stop": list(self.stop),
+            "n_groups": len(self.groups),
+            "n_sequences": int(rewards.size),
+            "mean_reward": float(rewards.mean()) if rewards.size else 0.0,
+            "frac_correct": float(np.mean([g.correct for grp in self.groups for g in grp.graded])),
+            "frac_format": float(np.mean([g.format_ok for grp in self.groups for g in grp.graded])),
+            "nonconstant_reward_groups": int(nonconstant),
+            "response_tokens": int(sum(len(r) for g in self.groups for r in g.responses)),
+            "frac_truncated": ry.truncated_frac,
+            "frac_no_answer": ry.no_answer_frac,
+            "mean_response_tokens": ry.mean_response_tokens,
+            "sampling_seconds": self.sampling_seconds,
+            "grading_seconds": self.grading_seconds,
+            "request_seconds_max": max(self.request_seconds) if self.request_seconds else None,
+        }
+
+
+def sampling_params(cfg: RolloutConfig, stop: Sequence[int] | Sequence[str], group_id: int) -> tinker.SamplingParams:
+    seed = None if cfg.seed is None else cfg.seed + group_id
+    return tinker.SamplingParams(
+        max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=list(stop), seed=seed
+    )
+
+
+def sample_batch(
+    sampling_client: tinker.SamplingClient,
+    items: Sequence[Gsm8kItem],
+    renderer: renderers.Renderer,
+    cfg: RolloutConfig,
+    *,
+    sampler_checkpoint: str,
+) -> RolloutBatch:
+    """Sample ``group_size`` responses for each item, all requests in flight together, and grade."""
+    if not sampler_checkpoint:
+        raise ValueError("sampler_checkpoint must name the weights that sample (tinker:// path or version)")
+    if len(items) != cfg.groups_per_batch:
+        raise ValueError(f"got {len(items)} items for groups_per_batch={cfg.groups_per_batch}")
+    prompts = [build_prompt(item, renderer) for item in items]
+    if cfg.max_seq_len is not None:
+        for g, (ob, _) in enumerate(prompts):
+            if ob.length + cfg.max_tokens > cfg.max_seq_len:
+                raise RolloutError(f"group {g} ({items[g].item_id}): prompt of {ob.length} tokens + max_tokens "
+                                   f"{cfg.max_tokens} exceeds the plan's max_seq_len {cfg.max_seq_len}")
+    stop = prompts[0][1]
+    t0 = time.perf_counter()
+    done_at: dict[int, float] = {}
+    # Submit everything first: each call returns a future immediately.
+    futures = []
+    for g, (ob, ob_stop) in enumerate(prompts):
+        fut = sampling_client.sample(ob, cfg.group_size, sampling_params(cfg, ob_stop, g))
+        _on_done(fut, lambda g=g: done_at.setdefault(g, time.perf_counter() - t0))
+        futures.append(fut)
+    results, got_at = [], []
+    for f in futures:
+        results.append(f.result())
+        got_at.append(time.perf_counter() - t0)
+    sampling_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    groups = []
+    for g, (item, (ob, _), res) in enumerate(zip(items, prompts, results, strict=True)):
+        if len(res.sequences) != cfg.group_size:
+            raise RolloutError(f"group {g}: {len(res.sequences)} sequences, expected {cfg.group_size}")
+        responses, logprobs = [], []
+        for s, seq in enumerate(res.sequences):
+            if seq.logprobs is None:  # optional in the SDK's SampledSequence: p_old cannot be invented
+                raise RolloutError(f"group {g} sample {s}: the sample response has no logprobs "
+                                   "(SampledSequence.logprobs, optional in the SDK): no sampler log-probs to train on")
+            if len(seq.logprobs) != len(seq.tokens):
+                raise RolloutError(f"group {g} sample {s}: {len(seq.logprobs)} sampler logprobs for "
+                                   f"{len(seq.tokens)} tokens")
+            if len(seq.tokens) > cfg.max_tokens:
+                raise RolloutError(f"group {g} sample {s}: {len(seq.tokens)} tokens > max_tokens")
+            responses.append(tuple(int(t) for t in seq.tokens))
+            logprobs.append(tuple(float(x) for x in seq.logprobs))
+        groups.append(
+            SampledGroup(
+                group_id=g,
+                item=item,
+                prompt_tokens=tuple(ob.to_ints()),
+                responses=tuple(responses),
+                logprobs=tuple(logprobs),
+                stop_reasons=tuple(str(seq.stop_reason) for seq in res.sequences),
+                graded=tuple(grade_response(item, renderer, r) for r in responses),
+                seed=None if cfg.seed is None else cfg.seed + g,
+            )
+        )
+    return RolloutBatch(
+        groups=tuple(groups),
+        config=cfg,
+        sampler_checkpoint=sampler_checkpoint,
+        base_model=sampling_client.get_base_model(),
+        stop=tuple(stop),
+        sampling_seconds=sampling_seconds,
+        grading_seconds=time.perf_counter() - t1,
+        # the callback time where it ran already, else when result() returned (an upper bound)
+        request_seconds=tuple(min(done_at.get(g, got_at[g]), got_at[g]) for g in range(len(futures))),
+    )
+
+
+def _on_done(fut: Any, callback: Any) -> None:
+    """Time-stamp a request when its response arrives (SDK futures wrap a concurrent Future)."""
+    inner = getattr(fut, "future", None)
+    if callable(inner):
+        inner().add_done_callback(lambda _f: callback())
+
+
+def to_trajectory_groups(batch: RolloutBatch) -> list[TrajectoryGroup]:
+    """Cookbook trajectory groups (one single-turn transition per sample)."""
+    out = []
+    for grp in batch.groups:
+        ob = tinker.ModelInput.from_ints(list(grp.prompt_tokens))
+        trajs = [
+            Trajectory(
+                transitions=[
+                    Transition(
+                        ob=ob,
+                        ac=TokensWithLogprobs(tokens=list(toks), maybe_logprobs=list(lps), stop_reason=sr),  # type: ignore[arg-type]
+                        reward=gr.reward,
+                        episode_done=True,
+                        metrics={"format": float(gr.format_ok), "correct": float(gr.correct)},
+                    )
+                ],
+                final_ob=tinker.ModelInput.empty(),
+            )
+            for toks, lps, sr, gr in zip(grp.responses, grp.logprobs, grp.stop_reasons, grp.graded, strict=True)
+        ]
+        out.append(TrajectoryGroup(trajs, [0.0] * len(trajs), [{} for _ in trajs]))
+    return out
+
+
+def group_advantages(batch: RolloutBatch) -> list[np.ndarray]:
+    """Per-group advantages_G: reward minus group mean, no std division (cookbook semantics)."""
+    return [a.numpy() for a in data_processing.compute_advantages(to_trajectory_groups(batch))]
+
+
+def batch_to_datums(batch: RolloutBatch) -> tuple[list[tinker.Datum], list[dict[str, int]]]:
+    """Datums exactly as the cookbook builds them, plus ``{group_idx, traj_idx}`` per datum."""
+    groups = to_trajectory_groups(batch)
+    advantages_P = data_processing.compute_advantages(groups)
+    data, meta = data_processing.assemble_training_data(groups, advantages_P)
+    if len(data) != sum(len(g.responses) for g in batch.groups):
+        raise RolloutError("a trajectory produced more than one datum; single-turn GSM8K expects one")
+    return data, meta

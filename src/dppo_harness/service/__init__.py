@@ -1,0 +1,1 @@
+"""Service layer: clients, the one wait policy, connectivity, served-model identity, secrets."""

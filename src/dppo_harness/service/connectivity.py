@@ -1,0 +1,286 @@
+"""Connectivity preflight: before any training client exists, check the service can be used.
+
+In order: the variables are set, the URL is reachable, authentication is accepted, the plan's base
+model is served (or the closest served model of its family is chosen, a recorded deviation). Each
+failure is one actionable line that names the variable, header or URL and never a secret value.
+
+Every request goes the way the SDK's own go (docs/service.md), so a passing check means the SDK
+connects: the SDK's HTTP client (`tinker.AsyncTinker`, which honours the proxy and CA settings of
+the environment) sends the SDK's first request, `client/config`, once and without retries, for a
+clear line on a wrong URL or key; then the SDK builds its client holder as every ServiceClient
+does (that config, the auth it asks for, API key or JWT exchange, and the dynamic config); the
+capabilities are read through that holder, raw, so the same read also tells whether the service
+is the embedded server (its marker header and `embedded_server` key, which the SDK type drops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dppo_harness.constants import EMBEDDED_SERVER_HEADER
+from dppo_harness.service import clients as service
+from dppo_harness.service import identity
+from dppo_harness.service.identity import EmbeddedMarker
+
+# Which variable feeds which request header (tinker backend, shared Spindle).
+HEADER_VARS = {"x-api-key": "TINKER_API_KEY", "modal-key": "MODAL_PROXY_TOKEN_ID",
+               "modal-secret": "MODAL_PROXY_TOKEN_SECRET"}
+# ... and with --proxy-credentials runs (the brief's fork)
+HEADER_VARS_RUNS = {"x-api-key": "TINKER_API_KEY", "modal-key": "RUNS_PROXY_TOKEN_ID",
+                    "modal-secret": "RUNS_PROXY_TOKEN_SECRET"}
+CLIENT_CONFIG_PATH = "/api/v1/client/config"
+_HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
+
+
+class ConnectivityError(RuntimeError):
+    """The service cannot be used. str() is one actionable line without secret values."""
+
+    def __init__(self, check: str, line: str):
+        super().__init__(line)
+        self.check, self.line = check, line
+
+
+@dataclass
+class ConnectivityReport:
+    backend: str
+    base_url: str  # redacted (no credentials, no query)
+    requested_model: str
+    model: str  # the model the run will use
+    served_models: list[str]
+    substitution: dict[str, str] | None  # a model deviation when model != requested_model
+    marker: EmbeddedMarker | None
+    capabilities: Any  # the raw capabilities JSON
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def embedded(self) -> bool:
+        return self.marker is not None
+
+    def as_evidence(self) -> dict[str, Any]:
+        return {"backend": self.backend, "base_url": self.base_url, "requested_model": self.requested_model,
+                "model": self.model, "served_models": self.served_models, "substitution": self.substitution,
+                "embedded_server": self.marker.as_dict() if self.marker else None,
+                "get_server_capabilities": self.capabilities, "checks": self.checks,
+                "seconds": round(self.seconds, 3)}
+
+
+def client_base_model(requested_model: str, report: ConnectivityReport) -> str:
+    """The base model every stage creates clients with: the preflight's choice for this requested
+    model (a served model of the same family when the requested one is not served, recorded as a
+    deviation), else the requested model itself. The only place that resolves it."""
+    if requested_model == report.requested_model:
+        return report.model
+    return requested_model  # not the model the preflight checked: nothing to substitute
+
+
+def auth_failure_line(status: int, payload: Any, url: str, proxy_tokens: service.ProxyTokens = "modal") -> str:
+    """The line for a 401/403: the header the service names (never its value) and its variable."""
+    text = str(payload.get("error", "")) if isinstance(payload, Mapping) else ""
+    m = _HEADER_IN_ERROR.search(text)
+    header = m.group(1) if m else None
+    header_vars = HEADER_VARS_RUNS if proxy_tokens == "runs" else HEADER_VARS
+    var = header_vars.get(header.lower()) if header else None
+    prefix = "RUNS" if proxy_tokens == "runs" else "MODAL"
+    what = ("missing" if "missing" in text.lower() else "rejected") if header else "rejected"
+    if var == "TINKER_API_KEY":
+        hint = "check TINKER_API_KEY (sent as X-API-Key)"
+    elif var and what == "missing":  # Modal headers are sent only when both variables are set
+        hint = (f"the service requires the Modal proxy headers Modal-Key/Modal-Secret; set {prefix}_PROXY_TOKEN_ID and "
+                f"{prefix}_PROXY_TOKEN_SECRET")
+    elif var:
+        hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET ({var} is sent as {header})"
+    else:
+        hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET (Modal-Key/Modal-Secret headers) and TINKER_API_KEY"
+    return f"authentication {what} by {url} (HTTP {status}{f', header {header}' if header else ''}): {hint}"
+
+
+def _status_line(status: int, payload: Any, path: str, var: str, shown: str, proxy_tokens: service.ProxyTokens
+                 ) -> tuple[str, str]:
+    """(check, line) for a non-200 answer to `path`."""
+    if status in (401, 403):
+        return "auth", auth_failure_line(status, payload, shown, proxy_tokens)
+    if status == 404:
+        return "reachable", f"{var} {shown} answered HTTP 404 for {path}: not a Tinker service root; check the URL"
+    return "reachable", f"{var} {shown} answered HTTP {status} for {path}; retry later or check the service"
+
+
+def first_contact(kwargs: Mapping[str, Any], timeout_s: float) -> tuple[int, Any] | None:
+    """The SDK's first request (POST client/config) with the SDK's HTTP client, once, no retries.
+
+    None when the service answered it; else (HTTP status, JSON body). Raises the SDK's
+    APIConnectionError / APITimeoutError when nothing answered.
+    """
+    import tinker
+    from tinker._client import AsyncTinker
+    from tinker.lib.internal_client_holder import _get_default_headers
+
+    async def send() -> tuple[int, Any] | None:
+        client = AsyncTinker(base_url=str(kwargs["base_url"]), api_key=str(kwargs["api_key"]),
+                                    default_headers=_get_default_headers() | dict(kwargs.get("default_headers_overrides")
+                                                                                  or {}),
+                                    max_retries=0, timeout=timeout_s)
+        try:
+            await client.service.client_config(request=tinker.types.ClientConfigRequest(sdk_version=tinker.__version__))
+            return None
+        except tinker.APIStatusError as exc:
+            return exc.status_code, identity.raw_response(exc.response).json
+        finally:
+            await client.close()
+
+    return asyncio.run(send())
+
+
+def sdk_holder(client: Any, timeout_s: float) -> Any:
+    """The session-less holder the ServiceClient builds for REST reads (config, auth, dynamic
+    config), built on a daemon thread so that the SDK's own minutes of retries cannot hold the
+    check: TimeoutError after `timeout_s`."""
+    out: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            out["holder"] = client._get_rest_holder()
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+
+    t = threading.Thread(target=build, name="connectivity-sdk-holder", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if "error" in out:
+        raise out["error"]
+    if "holder" not in out:
+        raise TimeoutError(f"the SDK did not finish setting up its client within {timeout_s:.0f} s")
+    return out["holder"]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The service as the checks name it: the SDK's client arguments, the URL as shown (redacted)
+    and the variable that holds it."""
+
+    kwargs: dict[str, Any]
+    shown: str
+    var: str
+    proxy_tokens: service.ProxyTokens
+
+    def status_error(self, status: int, payload: Any, path: str) -> ConnectivityError:
+        return ConnectivityError(*_status_line(status, payload, path, self.var, self.shown, self.proxy_tokens))
+
+
+def _check_variables(backend: service.Backend, base_url: str | None, env: Mapping[str, str] | None,
+                     proxy_tokens: service.ProxyTokens, ok: Callable[[str, str], None]) -> _Target:
+    """1. The variables are set (their names only)."""
+    try:
+        kwargs = service.client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
+    except service.ServiceConfigError as exc:
+        raise ConnectivityError("variables", str(exc)) from None
+    url = str(kwargs["base_url"])
+    shown = service.redact_url(url) or url
+    var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
+    proxy = ", ".join(service.describe_service(backend, url, proxy_tokens=proxy_tokens, env=env)["proxy_headers"])
+    ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: "
+                    f"{proxy or 'none (no proxy-token variables set)'}"
+       if backend == "tinker" else "local backend: no credentials needed")
+    return _Target(kwargs, shown, var, proxy_tokens)
+
+
+def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str], None]) -> Any:
+    """2. Reachable (3. auth is judged on the same requests): the SDK's first request, then its
+    holder, then the capabilities read through it. Returns the raw capabilities response."""
+    import tinker
+
+    shown, var = target.shown, target.var
+    try:
+        refused = first_contact(target.kwargs, timeout_s)
+    except tinker.APITimeoutError:
+        raise ConnectivityError("reachable", f"{var} {shown} did not answer within {timeout_s:.0f} s") from None
+    except tinker.APIConnectionError:
+        raise ConnectivityError("reachable", f"cannot connect to {var} {shown}: connection refused or host unknown; "
+                                             "check the URL and that the service is up") from None
+    if refused is not None:
+        status, payload = refused
+        if status in (401, 403):
+            ok("reachable", f"{shown} answered HTTP {status}")
+        raise target.status_error(status, payload, CLIENT_CONFIG_PATH)
+    probe = tinker.ServiceClient(**target.kwargs)
+    try:
+        try:
+            holder = sdk_holder(probe, timeout_s)
+            resp = identity.get_capabilities_raw(holder, timeout_s)
+        except tinker.APIStatusError as exc:
+            raise target.status_error(exc.status_code, identity.raw_response(exc.response).json,
+                                      CLIENT_CONFIG_PATH) from None
+        except (TimeoutError, tinker.APIConnectionError) as exc:
+            raise ConnectivityError("reachable", f"{var} {shown}: the SDK could not set up its client "
+                                                 f"({type(exc).__name__}: {service.error_text(exc)})") from None
+    finally:
+        probe.close("success").result(timeout_s)  # a session-less holder: nothing to finish on the server
+    if resp.status != 200:
+        if resp.status in (401, 403):
+            ok("reachable", f"{shown} answered HTTP {resp.status}")
+        raise target.status_error(resp.status, resp.json, identity.CAPABILITIES_PATH)
+    ok("reachable", f"{shown} answered {identity.CAPABILITIES_PATH} through the SDK's client")
+    return resp
+
+
+@dataclass(frozen=True)
+class _ModelChoice:
+    model: str
+    served: list[str]
+    substitution: dict[str, str] | None
+
+
+def _choose_base_model(requested_model: str, caps: Any, shown: str, ok: Callable[[str, str], None]) -> _ModelChoice:
+    """4. The plan's base model is served, or the closest served model of its family is chosen
+    (recorded as a deviation)."""
+    models = caps.get("supported_models") if isinstance(caps, Mapping) else None
+    if not isinstance(models, list):
+        raise ConnectivityError("model", f"{shown} did not answer like a Tinker service (no supported_models list)")
+    served = [str(m.get("model_name")) for m in models
+              if isinstance(m, Mapping) and m.get("model_name") and m.get("trainable") is not False]
+    choice = identity.choose_model(requested_model, served)
+    if choice.model is None:
+        raise ConnectivityError("model", f"base model {requested_model} is not served by {shown} and no model of its "
+                                         f"family is; served: {', '.join(served) or 'none'}")
+    substitution = None
+    if choice.substituted:
+        substitution = {"field": "model", "original": requested_model, "effective": choice.model,
+                        "reason": f"{requested_model} is not served by {shown}; {choice.model} is the closest served "
+                                  f"model of the same family (served: {', '.join(served)})"}
+    ok("model", f"{choice.model} is served" + (f" (instead of {requested_model})" if choice.substituted else ""))
+    return _ModelChoice(choice.model, served, substitution)
+
+
+def check_connectivity(
+    backend: service.Backend,
+    base_url: str | None,
+    requested_model: str,
+    env: Mapping[str, str] | None = None,
+    *,
+    proxy_tokens: service.ProxyTokens = "modal",
+    timeout_s: float = 10.0,
+    sdk_telemetry: bool = False,
+) -> ConnectivityReport:
+    """Run the four checks; raise ConnectivityError (one line) on the first that fails."""
+    t0 = time.monotonic()
+    checks: list[dict[str, Any]] = []
+
+    def ok(check: str, detail: str) -> None:
+        checks.append({"check": check, "passed": True, "detail": detail})
+
+    target = _check_variables(backend, base_url, env, proxy_tokens, ok)
+    service.apply_sdk_telemetry(sdk_telemetry)
+    resp = _read_capabilities(target, timeout_s, ok)
+    ok("auth", "credentials accepted" if backend == "tinker" else "no authentication on the local backend")
+    caps = resp.json
+    model = _choose_base_model(requested_model, caps, target.shown, ok)
+    marker = identity.detect_marker(headers={EMBEDDED_SERVER_HEADER: resp.marker_header}
+                                    if resp.marker_header else None, capabilities=caps)
+    return ConnectivityReport(backend, target.shown, requested_model, model.model, model.served, model.substitution,
+                              marker, caps, checks, time.monotonic() - t0)

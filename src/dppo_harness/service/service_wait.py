@@ -1,0 +1,290 @@
+"""One wait policy for every service call: bounded waits, queue pauses seen, capacity give-up, hang stop.
+
+The stock SDK retries underneath the harness (docs/service.md): a 429 at sample submit loops without
+limit, `retrieve_future` re-polls 408 and 5xx without limit, and a capacity shortage arrives as 408
+`try_again` polls whose `queue_state` only a `QueueStateObserver` sees. What reaches the caller is a
+future that does not resolve. So every client the harness's ServiceClient hands out is a
+`WaitedClient`: each future it returns is a `WaitedFuture`, whose `result()` is
+`ServiceWaiter.wait`:
+
+- the client's queue state is watched (`QueueWatch`, installed as the SDK's observer of that client;
+  the SDK's own logger still gets every report), and every pause is recorded with its elapsed time
+  and the service's own words (`queue_state`, `queue_state_reason`) exactly as sent;
+- a pause (`paused_capacity`, `paused_rate_limit`, or a sample submit the SDK keeps retrying) that
+  lasts `--capacity-patience-s` (no comparison step completed) or `--capacity-patience-after-steps-s`
+  (one did) ends the stage with `CapacityExhausted` and a `capacity_block`;
+- a request whose queue is active (or says nothing) but gives no answer for `--service-timeout-s`
+  ends the stage with `ServiceHang` ("forward_backward on dppo_seed0: no answer for 900 s");
+- a long wait is posted (`on_post`: result.json and a snapshot) with what is waited on, since when,
+  the queue state and the reason.
+
+Both stops derive from `ServiceStopped`, a BaseException like KeyboardInterrupt: a stage's own
+`except Exception` bookkeeping must not turn a stopped service into a finished stage.
+
+The policy and the stops are in service_wait_policy, the queue-state watches in
+service_wait_watch, the waited clients and futures in service_wait_clients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from tinker.lib.public_interfaces.api_future import APIFuture
+
+from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
+from dppo_harness.service.service_wait_policy import (
+    CapacityBlock,
+    CapacityExhausted,
+    CapacityTracker,
+    ServiceHang,
+    ServiceStopped,
+    WaitPolicy,
+)
+from dppo_harness.service.service_wait_watch import QueueReport, QueueWatch, watch_sampling_client
+
+logger = logging.getLogger(__name__)
+
+
+def _utc(ts: float | None = None) -> str:
+    return datetime.fromtimestamp(time.time() if ts is None else ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ----------------------------------------------------------------------------- the waiter
+
+
+@dataclass
+class Pause:
+    """One pause a waiting call saw, as the service worded it."""
+
+    call: str
+    client: str
+    queue_state: str
+    queue_state_reason: str | None
+    began_at: str  # UTC
+    seconds: float = 0.0
+    outcome: str = "waiting"  # waiting | resumed | gave_up
+    http_status: int | None = None  # a refused submit's status
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"call": self.call, "client": self.client, "queue_state": self.queue_state,
+               "queue_state_reason": self.queue_state_reason, "began_at": self.began_at,
+               "seconds": round(self.seconds, 3), "outcome": self.outcome}
+        if self.http_status is not None:
+            out["http_status"] = self.http_status
+        return out
+
+
+@dataclass(frozen=True)
+class WaitStatus:
+    """What is being waited on, posted while the wait lasts."""
+
+    call: str
+    client: str
+    since: str  # UTC
+    waited_s: float
+    queue_state: str | None  # None: the service has not reported one for this client
+    queue_state_reason: str | None
+    paused_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"call": self.call, "client": self.client, "since": self.since, "waited_s": round(self.waited_s, 3),
+                "queue_state": self.queue_state, "queue_state_reason": self.queue_state_reason,
+                "paused_s": round(self.paused_s, 3), "updated_at": _utc()}
+
+
+def _done(future: Any) -> bool:
+    inner = getattr(future, "future", None)
+    if callable(inner):
+        with contextlib.suppress(Exception):
+            return bool(inner().done())
+    return False
+
+
+def _is_client(value: Any) -> bool:
+    from tinker import RestClient, SamplingClient, TrainingClient
+
+    return isinstance(value, (TrainingClient, SamplingClient, RestClient))
+
+
+class ServiceWaiter:
+    """Waits on service futures under one WaitPolicy; see the module docstring.
+
+    `on_post(waiter, status)` is called while a long wait lasts; `on_stop(waiter, stop)` once when
+    the policy stops the stage, before the stop is raised (it releases clients and writes the
+    evidence; its errors are logged, never raised). `say` prints progress lines.
+    """
+
+    MAX_PAUSES_LISTED = 200
+
+    def __init__(self, policy: WaitPolicy | None = None, *, tracker: CapacityTracker | None = None,
+                 on_post: Callable[[ServiceWaiter, WaitStatus], None] | None = None,
+                 on_stop: Callable[[ServiceWaiter, ServiceStopped], None] | None = None,
+                 say: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy or WaitPolicy.from_options()
+        self.tracker = tracker or CapacityTracker()
+        self.on_post, self.on_stop, self.say, self.clock = on_post, on_stop, say, clock
+        self._lock = threading.Lock()
+        self.pauses: list[Pause] = []
+        self.pauses_not_listed = 0
+        self.stopped: ServiceStopped | None = None
+        self.waits = 0
+        self.longest_wait_s = 0.0
+
+    # -- adopting clients
+
+    def adopt(self, client: Any, label: str | None = None) -> Any:
+        """The client wrapped so that its futures wait under this policy (idempotent)."""
+        if isinstance(client, WaitedClient):
+            if label:
+                client.label = label
+            return client
+        from tinker import RestClient, SamplingClient, TrainingClient
+
+        if isinstance(client, TrainingClient):
+            current = getattr(client, "_queue_state_logger", None)
+            watch = current if isinstance(current, QueueWatch) else QueueWatch(
+                current.on_queue_state_change if current is not None else None)
+            client._queue_state_logger = watch  # the SDK passes it to every future of this client
+            return WaitedClient(client, self, label or f"training client {client.model_id}", watch)
+        if isinstance(client, SamplingClient):
+            return WaitedClient(client, self, label or "sampling client", watch_sampling_client(client))
+        if isinstance(client, RestClient):
+            return WaitedClient(client, self, label or "rest client", None)
+        return client
+
+    def wrap(self, value: Any, *, call: str, parent: WaitedClient) -> Any:
+        """What a waited client's method returned, with its futures and clients waited."""
+        if isinstance(value, APIFuture):
+            sub_label = f"sampler of {parent.label}" if call.endswith("sampling_client") else None
+            return WaitedFuture(value, self, call, parent.label, parent.queue_watch,
+                                then=lambda v: self.adopt(v, sub_label) if _is_client(v) else v)
+        if _is_client(value):
+            return self.adopt(value)
+        return value
+
+    # -- waiting
+
+    def wait(self, future: Any, *, call: str, client: str, watch: Any = None, timeout: float | None = None) -> Any:
+        """future.result(), bounded by the policy (and by `timeout` when the caller gives one)."""
+        p = self.policy
+        t0 = self.clock()
+        since = _utc()
+        deadline = None if timeout is None else t0 + timeout
+        next_post = t0 + p.post_after_s
+        seen: dict[int, Pause] = {}  # this wait's pauses, by the watch's episode id
+        self.waits += 1
+        try:
+            while True:
+                step = p.poll_s if deadline is None else max(0.0, min(p.poll_s, deadline - self.clock()))
+                try:
+                    return future.result(timeout=step)
+                except TimeoutError:
+                    if _done(future):
+                        raise  # the call itself failed with a timeout
+                now = self.clock()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
+                rep = watch.latest() if watch is not None else None
+                self._note_pauses(watch, t0, now, call, client, seen)
+                paused = rep is not None and rep.paused
+                if paused:
+                    window = p.capacity_window(self.tracker())
+                    if now - rep.since >= window:
+                        for pause in seen.values():
+                            if pause.outcome == "waiting":
+                                pause.outcome = "gave_up"
+                        self._stop(self._capacity_stop(call, client, rep, now - rep.since, window))
+                else:
+                    quiet_since = max(t0, rep.since) if rep is not None else t0
+                    if now - quiet_since >= p.service_timeout_s:
+                        self._stop(ServiceHang(call, client, now - quiet_since, rep.state if rep else None))
+                if now >= next_post:
+                    next_post = now + p.post_every_s
+                    self._post(WaitStatus(call, client, since, now - t0, rep.state if rep else None,
+                                          rep.reason if rep else None, (now - rep.since) if paused else 0.0))
+        finally:
+            now = self.clock()
+            self.longest_wait_s = max(self.longest_wait_s, now - t0)
+            self._note_pauses(watch, t0, now, call, client, seen, final=True)
+            for pause in seen.values():  # the wait is over: a pause the watch no longer lists ended with it
+                if pause.outcome == "waiting":
+                    pause.outcome = "resumed"
+                    self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
+
+    def _note_pauses(self, watch: Any, t0: float, now: float, call: str, client: str, seen: dict[int, Pause],
+                     final: bool = False) -> None:
+        """Record the watch's pauses during this wait (each once), with their elapsed time."""
+        episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
+        for ep in episodes:
+            pause = seen.get(ep.id)
+            if pause is None:
+                pause = seen[ep.id] = Pause(call, client, ep.state, ep.reason, _utc(time.time() - (now - ep.began)),
+                                            http_status=ep.http_status)
+                with self._lock:
+                    if len(self.pauses) < self.MAX_PAUSES_LISTED:
+                        self.pauses.append(pause)
+                    else:
+                        self.pauses_not_listed += 1
+                self._say(f"service: {call} on {client} paused by the service ({ep.state}: "
+                          f"{ep.reason if ep.reason is not None else 'no reason sent'})")
+            pause.queue_state_reason, pause.http_status = ep.reason, ep.http_status
+            pause.seconds = (ep.ended if ep.ended is not None else now) - ep.began
+            ended = ep.ended is not None or final
+            if ended and pause.outcome == "waiting":
+                pause.outcome = "resumed"
+                self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
+
+    def _capacity_stop(self, call: str, client: str, rep: QueueReport, paused_s: float, window: float) -> CapacityExhausted:
+        steps = int(self.tracker())
+        error = rep.reason if rep.reason is not None else f"queue_state {rep.state} (the service sent no reason)"
+        block = CapacityBlock(error, steps, False)
+        option = "--capacity-patience-after-steps-s" if steps > 0 else "--capacity-patience-s"
+        line = (f"{call} on {client}: paused by the service for {int(paused_s)} s ({rep.state}: {error}); "
+                f"giving up after {option}={window:g}")
+        return CapacityExhausted(block, paused_s, 1, line=line)
+
+    def _post(self, status: WaitStatus) -> None:
+        if self.on_post is None:
+            return
+        try:
+            self.on_post(self, status)
+        except Exception as exc:
+            logger.warning("posting the wait on %s failed: %s: %s", status.call, type(exc).__name__, exc)
+
+    def _say(self, line: str) -> None:
+        logger.warning(line)
+        if self.say is not None:
+            with contextlib.suppress(Exception):
+                self.say(line)
+
+    def _stop(self, stop: ServiceStopped) -> None:
+        """Record the stop, let on_stop release clients and write evidence, then raise it."""
+        with self._lock:
+            first = self.stopped is None
+            if first:
+                self.stopped = stop
+        if first:
+            self._say(f"service: stopping: {stop.line}")
+            if self.on_stop is not None:
+                try:
+                    self.on_stop(self, stop)
+                except Exception as exc:
+                    logger.warning("recording the service stop failed: %s: %s", type(exc).__name__, exc)
+        raise stop
+
+    def evidence(self) -> dict[str, Any]:
+        """The `service_wait` block of result.json."""
+        with self._lock:
+            out: dict[str, Any] = {"policy": self.policy.as_evidence(), "pauses": [p.as_dict() for p in self.pauses]}
+            if self.pauses_not_listed:
+                out["pauses_not_listed"] = self.pauses_not_listed
+            if self.stopped is not None:
+                out["stopped"] = {"kind": self.stopped.kind, "line": self.stopped.line}
+        return out

@@ -1,0 +1,103 @@
+"""Waited clients and futures: every client the harness hands out, and every future it returns.
+
+A `WaitedClient` wraps a training, sampling or REST client so that each future a method returns
+is a `WaitedFuture`, whose `result()` is `ServiceWaiter.wait` under the session's policy, and
+each client a method returns is waited too. Everything else is the wrapped client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness.service.service_wait_watch import QueueWatch
+
+if TYPE_CHECKING:
+    from dppo_harness.service.service_wait import ServiceWaiter
+
+
+class WaitedFuture:
+    """An SDK future whose result() waits under the policy; `then` turns the value into what the
+    caller gets (e.g. a new client, observed and wrapped)."""
+
+    def __init__(self, inner: Any, waiter: ServiceWaiter, call: str, client: str, watch: Any = None,
+                 then: Callable[[Any], Any] | None = None):
+        self._inner, self._waiter, self._call, self._client, self._watch = inner, waiter, call, client, watch
+        self._then, self._value, self._has_value = then, None, False
+        self._lock = threading.Lock()
+
+    def result(self, timeout: float | None = None) -> Any:
+        value = self._waiter.wait(self._inner, call=self._call, client=self._client, watch=self._watch,
+                                  timeout=timeout)
+        if self._then is None:
+            return value
+        with self._lock:
+            if not self._has_value:
+                self._value, self._has_value = self._then(value), True
+            return self._value
+
+    async def result_async(self, timeout: float | None = None) -> Any:
+        return await asyncio.to_thread(self.result, timeout)
+
+    def __await__(self):
+        return self.result_async().__await__()
+
+    def future(self) -> Any:
+        return self._inner.future()
+
+    def __repr__(self) -> str:
+        return f"WaitedFuture({self._call} on {self._client})"
+
+
+class WaitedClient:
+    """A training, sampling or REST client whose every returned future is a WaitedFuture (and
+    whose every returned client is waited too). Everything else is the wrapped client's."""
+
+    def __init__(self, inner: Any, waiter: ServiceWaiter, label: str, watch: QueueWatch | None):
+        object.__setattr__(self, "_w_inner", inner)
+        object.__setattr__(self, "_w_waiter", waiter)
+        object.__setattr__(self, "label", label)
+        object.__setattr__(self, "_w_watch", watch)
+
+    @property
+    def sdk_client(self) -> Any:
+        return self._w_inner
+
+    @property
+    def queue_watch(self) -> QueueWatch | None:
+        return self._w_watch
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._w_inner, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._w_waiter.wrap(attr(*args, **kwargs), call=name, parent=self)
+
+        call.__name__ = name
+        call.__doc__ = getattr(attr, "__doc__", None)
+        return call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "label":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._w_inner, name, value)
+
+    def __repr__(self) -> str:
+        return f"WaitedClient({self.label}: {self._w_inner!r})"
+
+
+def name_client(client: Any, name: str) -> Any:
+    """Give a waited client the name its stop lines and pauses use (e.g. the arm, `dppo_seed0`)."""
+    if isinstance(client, WaitedClient):
+        client.label = name
+    return client
+
+
+def sdk_client(client: Any) -> Any:
+    """The SDK's own client inside a waited one (for SDK code that needs the real instance)."""
+    return client.sdk_client if isinstance(client, WaitedClient) else client

@@ -1,0 +1,68 @@
+"""The wait policy's evidence (service_wait): while a call waits, result.json's `service_wait` block
+and rate-limited result snapshots; when the policy stops the stage, the released clients and the
+stopped run's result (status failed, verdict inconclusive, incomplete_execution, and the
+capacity_block or the hang)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
+from dppo_harness.evidence.snapshots import post_snapshot
+from dppo_harness.service.service_wait import ServiceWaiter, WaitStatus
+from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceStopped
+
+# Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS, and only while the run uses under half
+# its file slots. On the embedded CPU server (windows 100x shorter) nearly every call counts as a
+# wait and a snapshot falls due every few seconds: uncapped, they filled a comparison bundle to its
+# 64-file limit before the comparison began, and a diagnostic's (20 snapshots) before the
+# session's closing records. The rest stays for the stages' own evidence, written after the waits
+# (the diagnostic alone registers about 40 files: 16 update tensors, the frozen batch, snapshots,
+# sentinels, analysis, plots, report). The diagnostic with 4 fills the 64 slots exactly
+# (docs/benchmarks.md). result.json itself is still updated at every post.
+MAX_WAIT_SNAPSHOTS = 4
+WAIT_SNAPSHOT_RESERVE = MAX_FILES // 2
+
+
+class BundlePoster:
+    """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block (what is
+    waited on, since when, queue state and reason) into result.json and, at most every
+    `snapshot_every_s`, a result snapshot (at most MAX_WAIT_SNAPSHOTS, under half the file limit); `stop`
+    releases every registered client and writes the stopped run's result (status failed, verdict
+    inconclusive, incomplete_execution, and the capacity_block or the hang), then a snapshot."""
+
+    def __init__(self, bundle: Any, registry: Any = None, clock: Callable[[], float] = time.monotonic):
+        self.bundle, self.registry, self.clock = bundle, registry, clock
+        self._last_snapshot: float | None = None
+        self.posts = 0
+        self.snapshots = 0
+
+    def post(self, waiter: ServiceWaiter, status: WaitStatus) -> None:
+        self.posts += 1
+        self.bundle.update_result(service_wait={**waiter.evidence(), "waiting": status.as_dict()})
+        now = self.clock()
+        due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
+        if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
+            self._last_snapshot = now
+            self.snapshots += post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}",
+                                            reserve=WAIT_SNAPSHOT_RESERVE) is not None
+
+    def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
+        released = bool(self.registry.release_all("errored")) if self.registry is not None else False
+        if isinstance(stop, CapacityExhausted):
+            stop.block = replace(stop.block, released_clients=released)
+        fields: dict[str, Any] = {**stop.result_fields(),
+                                  "service_wait": {**waiter.evidence(), "released_clients": released}}
+        result = self.bundle.result
+        if result.get("original_hypothesis_tested") is None:
+            fields.update(original_hypothesis_tested=False,
+                          tested_instead=f"nothing to completion: the run stopped waiting on the service ({stop.kind})")
+        if not str(result.get("summary") or "").removeprefix(REHEARSAL_PREFIX).removeprefix(
+                REHEARSAL_PLAN_PREFIX).strip():
+            fields["summary"] = f"Stopped waiting on the service: {stop.line}."
+        self.bundle.update_result(**fields)
+        post_snapshot(self.bundle, f"service stop ({stop.kind})", reserve=4)

@@ -1,0 +1,1 @@
+"""The experiment's stages, in order: restoration, feasibility, gate, diagnostic, comparison."""

@@ -1,0 +1,99 @@
+"""The correctness preflight as one step: golden parity of the custom loss path, the brief's
+``correctness_preflight`` block with the restoration preflight's LR-scaling probe attached, the
+validator's verdict on that block, and the registry parity of every loss the plan's arms train.
+
+The stage test calls ``run_correctness_preflight``, records the evidence the result carries and
+asserts ``passed``; nothing here writes files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dppo_harness.loss.correctness import build_preflight_block, spec_tolerances, validate_preflight
+from dppo_harness.loss.correctness_golden import (
+    REGISTRY_TOLERANCE,
+    GoldenReport,
+    LossParity,
+    check_golden,
+    registered_loss_parity,
+)
+from dppo_harness.loss.correctness_reference import MODES
+from dppo_harness.stages.restoration import attach_lr_scaling
+
+# The golden file the preflight checks, relative to the project root.
+GOLDEN_FIXTURE = Path("tests") / "fixtures" / "dppo_golden_v1.json"
+
+
+@dataclass(frozen=True)
+class CorrectnessPreflight:
+    """What the correctness preflight found; `block` is what result.json records."""
+
+    golden: Path  # the golden file checked
+    report: GoldenReport  # every golden case x mode through the packed path
+    parity: tuple[LossParity, ...]  # one per trained loss, sorted by name
+    block: dict[str, Any]  # the correctness_preflight block, lr_scaling attached
+    status: str  # the validator's verdict on `block`: passed / failed / not_applicable
+    messages: tuple[str, ...]  # the validator's lines
+
+    @property
+    def passed(self) -> bool:
+        """Every golden case passes, every trained loss matches its reference and golden cases,
+        and the validator passes the block (``not_applicable`` is not a pass here)."""
+        return self.report.n_failed == 0 and all(p.passed for p in self.parity) and self.status == "passed"
+
+    def failures(self) -> list[str]:
+        """One line per problem (empty when `passed`)."""
+        out = [r.line() for r in self.report.results if not r.passed]
+        for p in self.parity:
+            out += list(p.failures) or ([] if p.passed else [f"{p.loss}: no golden cases checked"])
+        if self.status != "passed":
+            out += [f"validator: {self.status}", *self.messages]
+        return out
+
+    def golden_report_json(self) -> dict[str, Any]:
+        """``correctness-golden-report.json``: the golden report and the registry parity."""
+        return {**self.report.to_json(), "loss_registry_parity": {
+            "tolerance": REGISTRY_TOLERANCE,
+            "losses": [{"loss": p.loss, "cases": p.cases, "passed": p.passed, "failures": list(p.failures)}
+                       for p in self.parity]}}
+
+    def preflight_json(self) -> dict[str, Any]:
+        """``correctness-preflight.json``: the validator's verdict with the block it judged."""
+        return {"status": self.status, "messages": list(self.messages), "correctness_preflight": self.block}
+
+
+def run_correctness_preflight(
+    spec: dict[str, Any],
+    lr_scaling: Mapping[str, Any],
+    losses: Iterable[str],
+    root: Path,
+    golden: Path | None = None,
+    modes: Sequence[str] = MODES,
+    progress: Callable[[str], None] | None = None,
+) -> CorrectnessPreflight:
+    """Run the correctness preflight and return its findings.
+
+    - `spec`: the plan's spec JSON; its ``correctness_preflight`` path ``grpo_dppo_custom_loss``
+      supplies the tolerances (a spec without that path raises ValueError naming it).
+    - `lr_scaling`: the restoration preflight's LR-probe block (``RestorationOutcome.lr_scaling``),
+      attached to every path of the block as measured or as unmeasured with its reason.
+    - `losses`: the registered losses the plan's arms train; each gets ``registered_loss_parity``
+      against its golden cases under `root`.
+    - `golden`: the golden file (default `root` / ``GOLDEN_FIXTURE``); a malformed file raises
+      ``GoldenError`` naming the field.
+    - `modes`: packed-path modes (default all three, as the preflight requires).
+    - `progress`: gets a line at least every few seconds of golden-parity work.
+
+    Nothing is written; `CorrectnessPreflight.passed` is the stage's verdict.
+    """
+    root = Path(root)
+    golden = Path(golden) if golden is not None else root / GOLDEN_FIXTURE
+    report = check_golden(golden, modes, tolerances=spec_tolerances(spec), progress=progress)
+    block = attach_lr_scaling(build_preflight_block(report, spec), lr_scaling)
+    status, messages = validate_preflight(spec, block)
+    parity = tuple(registered_loss_parity(name, root) for name in sorted(set(losses)))
+    return CorrectnessPreflight(golden, report, parity, block, status, tuple(messages))

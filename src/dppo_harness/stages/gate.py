@@ -1,0 +1,475 @@
+"""Activation gate of the plan's spec: a short pilot of a treatment arm, checked against the
+frozen plan's `activation_gate` ranges.
+
+The pilot is the spec's own schedule, shortened to the pilot length its gate states: fresh
+sampling each step from the current weights, the batch split into the spec's complete-group
+minibatches, one `forward_backward_custom` + `optim_step` per minibatch, the treatment's loss
+trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
+metric is the loss-call statistic its registered loss names (`losses.gate_metric_sources`) on the
+last update of each pilot step. Every check of the plan is evaluated; a value outside its range or
+missing fails the gate. The gate report is its own immutable evidence file; nothing later
+rewrites it. A plan with several treatments pilots each of them (one report each).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness.evaluation import answer_yield
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.train import train_step
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import Plan, RunConfig
+
+GATE_REPORT_FILE = "activation-gate-report.json"
+
+# How each gate metric is measured in the pilot (written into the report).
+DEFINITIONS = {
+    "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens (A != 0 tokens removed by the mask / "
+    "all loss tokens) of the loss call of the last (2nd) minibatch update of each pilot step, unweighted "
+    "mean over pilot steps",
+    "policy_drift_abs_p_q90": "drift/abs_p90 (q90 of |p_current - p_sampler| over loss tokens) of the "
+    "loss call of the last (2nd) minibatch update of each pilot step, unweighted mean over pilot steps",
+    "grpo_clip_fraction": "ppo/clip_frac_loss_tokens: eps=0.2 clip removing the gradient, counted "
+    "counterfactually on the same tensors as the DPPO metric (last update), mean over pilot steps",
+    "executed_updates_per_batch": "optim_step calls that returned, counted per rollout batch; the "
+    "value is that count when it is the same for every batch, else the list (which fails)",
+    "executed_base_model": "the model that computes: get_info().model_data.model_name of the pilot's training "
+    "client on a Tinker service; on the embedded server (which echoes the requested name there) its served "
+    "model from get_info().model_data.arch",
+}
+
+
+class GateError(RuntimeError):
+    """The pilot cannot be configured from the plan (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    metric: str
+    value: Any
+    passed: bool
+    reason: str
+    bounds: dict[str, Any]
+    measures: str = ""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def evaluate_check(check: Mapping[str, Any], value: Any) -> CheckResult:
+    """One plan check against one measured value. Missing or non-numeric values fail."""
+    metric = str(check.get("metric", "?"))
+    bounds = {k: check[k] for k in ("min", "max", "one_of") if k in check}
+    measures = str(check.get("measures", ""))
+    if not bounds:
+        return CheckResult(metric, value, False, "check declares no min, max or one_of", bounds, measures)
+    if value is None:
+        return CheckResult(metric, None, False, "missing: not measured", bounds, measures)
+    problems = []
+    if "one_of" in check and value not in check["one_of"]:
+        problems.append(f"{value!r} not in {check['one_of']!r}")
+    if "min" in check or "max" in check:
+        if not _is_number(value):
+            problems.append(f"{value!r} is not a finite number")
+        else:
+            if "min" in check and value < check["min"]:
+                problems.append(f"{value:.6g} < min {check['min']}")
+            if "max" in check and value > check["max"]:
+                problems.append(f"{value:.6g} > max {check['max']}")
+    if problems:
+        return CheckResult(metric, value, False, "; ".join(problems), bounds, measures)
+    return CheckResult(metric, value, True, "in range", bounds, measures)
+
+
+def evaluate_gate(checks: Sequence[Mapping[str, Any]], values: Mapping[str, Any]) -> list[CheckResult]:
+    """Every plan check, in plan order; a metric with no measurement fails as missing."""
+    return [evaluate_check(c, values.get(str(c.get("metric")))) for c in checks]
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def definition(metric: str, stat: str | None) -> str:
+    """How a gate metric is measured in the pilot (written into the report)."""
+    if metric in DEFINITIONS:
+        return DEFINITIONS[metric]
+    return (f"{stat} of the loss call of the last minibatch update of each pilot step, unweighted mean over "
+            "pilot steps" if stat else "not measured by the pilot")
+
+
+def gate_values(
+    records: Sequence[ins.LossCallRecord],
+    optim_steps_per_batch: Sequence[int],
+    executed_base_model: str | None,
+    pilot_steps: int,
+    *,
+    updates_per_batch: int = 2,
+    sources: Mapping[str, str] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
+
+    `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
+    registered loss's, `losses.gate_metric_sources()`), measured on each step's last update. A
+    step whose last update never ran contributes nothing, and then the metric is missing (None)
+    rather than a mean over fewer steps.
+    """
+    from dppo_harness.loss import losses
+
+    sources = losses.gate_metric_sources() if sources is None else sources
+    second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
+    rows = []
+    for step in range(pilot_steps):
+        rec = second.get(step)
+        rows.append(
+            {
+                "step": step,
+                "optim_steps": optim_steps_per_batch[step] if step < len(optim_steps_per_batch) else 0,
+                "second_update_recorded": rec is not None,
+                **({k: rec.stats[k] for k in ins.COUNT_KEYS + ins.FLOAT_KEYS} if rec else {}),
+            }
+        )
+    complete = len(second) == pilot_steps
+
+    def over_steps(key: str) -> float | None:
+        return _mean([second[s].stats[key] for s in sorted(second)]) if complete else None
+
+    counts = list(optim_steps_per_batch)
+    if len(counts) == pilot_steps and len(set(counts)) == 1:
+        updates: Any = counts[0]
+    else:
+        updates = counts if counts else None
+    values: dict[str, Any] = {metric: over_steps(stat) for metric, stat in sources.items()}
+    values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
+    return values, rows
+
+
+def with_rollout_yield(rows: Sequence[dict[str, Any]], yields: Sequence[answer_yield.ResponseYield]) -> list[dict[str, Any]]:
+    """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
+    length (a step that sampled nothing gets none)."""
+    out = []
+    for row in rows:
+        y = yields[row["step"]] if row["step"] < len(yields) else None
+        out.append({**row, **({"truncated_frac": y.truncated_frac, "no_answer_frac": y.no_answer_frac,
+                               "mean_response_tokens": y.mean_response_tokens, "responses": y.n} if y else {})})
+    return out
+
+
+def split_complete_groups(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
+    """`train_step.prepare_minibatches`, with the gate's error type."""
+    try:
+        return train_step.prepare_minibatches(group_of_datum, n_minibatches)
+    except train_step.TrainStepError as exc:
+        raise GateError(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class PilotConfig:
+    arm: str
+    loss: str
+    steps: int
+    groups_per_batch: int
+    group_size: int
+    temperature: float
+    max_tokens: int
+    updates_per_batch: int
+    adam: dict[str, float]
+    normalization: str
+    seed: int
+    max_seq_len: int | None = None  # the plan's bound on prompt + sampled tokens
+    reductions: tuple[dict[str, Any], ...] = ()  # explicit size reductions (tests only)
+
+
+def pilot_config(run: RunConfig, arm: str | None = None, **overrides: Any) -> PilotConfig:
+    """The pilot schedule of treatment arm `arm` (default: the first treatment) from the plan's
+    run config; overrides are recorded as reductions (the stage passes none)."""
+    name = arm or run.treatments[0].name
+    a = run.arm(name)
+    if a.role != "treatment":
+        raise GateError(f"arms: {name!r} is the baseline; the gate pilots a treatment arm")
+    base = {
+        "steps": int(run.gate_pilot_steps.value),
+        "groups_per_batch": int(run.groups_per_batch.value),
+        "group_size": int(run.group_size.value),
+        "max_tokens": int(run.max_tokens.value),
+    }
+    adam = dict(a.adam)
+    unknown = set(overrides) - set(base) - {"learning_rate"}
+    if unknown:
+        raise GateError(f"unknown pilot overrides {sorted(unknown)}")
+    reductions = []
+    for k, v in overrides.items():
+        original = adam["learning_rate"] if k == "learning_rate" else base[k]
+        if v != original:
+            reductions.append({"field": k, "original": original, "effective": v})
+        if k == "learning_rate":
+            adam["learning_rate"] = float(v)
+        else:
+            base[k] = int(v)
+    return PilotConfig(
+        arm=name,
+        loss=a.loss,
+        steps=base["steps"],
+        groups_per_batch=base["groups_per_batch"],
+        group_size=base["group_size"],
+        temperature=float(run.temperature.value),
+        max_tokens=base["max_tokens"],
+        updates_per_batch=a.updates_per_batch,
+        adam=adam,
+        normalization=run.normalization,
+        seed=a.seed,
+        max_seq_len=run.max_seq_len,
+        reductions=tuple(reductions),
+    )
+
+
+def report_file(run: RunConfig, arm: str) -> str:
+    """The gate report's evidence name: the one report of a single treatment, else one per arm."""
+    return GATE_REPORT_FILE if len(run.treatments) == 1 else f"activation-gate-report-{arm}.json"
+
+
+def is_report_file(name: str) -> bool:
+    """Whether an evidence name is a gate report (`report_file` of any plan and arm)."""
+    stem = GATE_REPORT_FILE.removesuffix(".json")
+    return name == GATE_REPORT_FILE or (name.startswith(f"{stem}-") and name.endswith(".json"))
+
+
+def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
+    """The model that actually computed, and where that came from.
+
+    A Tinker service's `get_info().model_data.model_name` is its word. The embedded server answers
+    with the REQUESTED name there (so the SDK accepts it) while a small stand-in computes; its real
+    model is `model_data.arch`, where the embedded server puts it (else the backend block's
+    `served_model`). Using the requested name would make this check pass on a stand-in.
+    """
+    reported = getattr(getattr(info, "model_data", None), "model_name", None)
+    # the evidence's backend kind is `local` whenever the embedded server's marker was seen.
+    if backend != "local" and ((bundle.result.get("backend") or {}) if hasattr(bundle, "result") else {}).get("kind") != "local":
+        return reported, "get_info().model_data.model_name"
+    arch = getattr(getattr(info, "model_data", None), "arch", None)
+    if arch:
+        return arch, f"get_info().model_data.arch (embedded server's served model; model_name reports {reported!r})"
+    block = bundle.result.get("backend") or {}
+    if block.get("served_model"):
+        return block["served_model"], f"backend.served_model (embedded server; get_info reports {reported!r})"
+    return None, f"embedded server exposes no served-model name (get_info reports {reported!r})"
+
+
+@dataclass(frozen=True)
+class GateReport:
+    passed: bool
+    checks: list[CheckResult]
+    values: dict[str, Any]
+    per_step: list[dict[str, Any]]
+    pilot: dict[str, Any]
+    plan: dict[str, Any]
+    wall_seconds: float
+    errors: list[str] = field(default_factory=list)
+    records: list[ins.LossCallRecord] = field(default_factory=list, repr=False)
+
+    def failures(self) -> list[str]:
+        return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
+
+    def to_json(self) -> dict[str, Any]:
+        from dppo_harness.loss import losses
+
+        sources = losses.gate_metric_sources()
+        return ins.nan_free({
+            "kind": "activation_gate_report",
+            "passed": self.passed,
+            "plan": self.plan,
+            "pilot": self.pilot,
+            "definitions": {c.metric: definition(c.metric, sources.get(c.metric)) for c in self.checks},
+            "checks": [asdict(c) for c in self.checks],
+            "values": self.values,
+            "per_step": self.per_step,
+            "errors": self.errors,
+            "wall_seconds": self.wall_seconds,
+            "note": "written once by the gate stage; later stages never rewrite it",
+        })
+
+    def calibration(self) -> dict[str, Any]:
+        p = self.pilot
+        values = {k: (v if v is not None else "missing") for k, v in self.values.items()}
+        note = (
+            f"{p['steps_completed']}/{p['steps']}-step pilot of {p['arm']} ({p['loss']}, "
+            f"{p['normalization']}), fresh sampling each step from the current weights, "
+            f"{p['groups_per_batch']} groups x {p['group_size']} at T={p['temperature']}, max_tokens {p['max_tokens']}, "
+            f"{p['updates_per_batch']} complete-group minibatch updates per batch, AdamW lr {p['adam']['learning_rate']:g}; "
+            f"backend {p['backend']}; gate {'passed' if self.passed else 'FAILED'}"
+        )
+        if p.get("reductions"):
+            note += f"; size reductions {p['reductions']}"
+        return {"values": values, "note": note}
+
+
+@dataclass(frozen=True)
+class GateReports:
+    """The pilots of a plan with several treatments: the gate passes when every one does."""
+
+    reports: tuple[GateReport, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.reports)
+
+    @property
+    def checks(self) -> list[CheckResult]:
+        return [c for r in self.reports for c in r.checks]
+
+    def failures(self) -> list[str]:
+        return [f"{r.pilot['arm']}: {f}" for r in self.reports for f in r.failures()]
+
+
+def run_activation_gates(service_client: tinker.ServiceClient, plan: Plan, bundle: EvidenceBundle,
+                         initial_checkpoint: str, **kwargs: Any) -> GateReport | GateReports:
+    """The gate of every treatment arm of the plan (one pilot each, in spec order)."""
+    run = plan.spec_plan.run
+    if run is None:
+        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
+    reports = tuple(run_activation_gate(service_client, plan, bundle, initial_checkpoint, arm=a.name, **kwargs)
+                    for a in run.treatments)
+    return reports[0] if len(reports) == 1 else GateReports(reports)
+
+
+@dataclass
+class _Pilot:
+    """What the pilot measured so far (kept when it stops early)."""
+
+    recorder: ins.LossCallRecorder
+    optim_counts: list[int] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)
+    base_model: str | None = None
+    base_model_source: str = "not measured"
+    loaded_checkpoint: str | None = None
+    yields: list[Any] = field(default_factory=list)  # answer_yield.ResponseYield of each step's batch
+
+
+def _pilot_step(
+    tc: tinker.TrainingClient, step: int, cfg: PilotConfig, pilot: _Pilot, items: Sequence[Any], renderer: Any,
+    loss_fn: train_step.LossFn, adam: tinker.AdamParams, bundle: EvidenceBundle, tag: str,
+) -> list[ins.LossCallRecord]:
+    """One pilot step: fresh rollout batch from the current weights, then one recorded update per
+    complete-group minibatch. Returns this step's loss-call records (also persisted)."""
+    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed,
+                                  max_seq_len=cfg.max_seq_len)
+    sampled = rollout_batch.sample_rollout_batch(tc, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}")
+    pilot.samplers.append(sampled.sampler_path)
+    pilot.yields.append(sampled.batch.response_yield())
+    minibatches = split_complete_groups(sampled.group_of_datum, cfg.updates_per_batch)
+    pilot.optim_counts.append(0)
+    records = []
+    for u, idx in enumerate(minibatches, start=1):
+        context = {"step": step, "update_in_batch": u, "update_index": step * cfg.updates_per_batch + u,
+                   "sampler_checkpoint": sampled.sampler_path, "n_sequences": len(idx)}
+        record, _ = train_step.train_step(tc, [sampled.datums[i] for i in idx], loss_fn, adam, pilot.recorder, context)
+        records.append(record)
+        pilot.optim_counts[step] += 1
+    bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(records))
+    return records
+
+
+def run_activation_gate(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    initial_checkpoint: str,
+    *,
+    backend: str,
+    progress: Callable[[str], None] | None = None,
+    tag: str = "gate",
+    arm: str | None = None,
+    **overrides: Any,
+) -> GateReport:
+    """Run the pilot of treatment `arm` (default: the first) from the shared initial checkpoint,
+    evaluate every check of the plan's gate, write the report (own immutable evidence file), the
+    per-step tensors and `activation_calibration`."""
+    import tinker
+
+    from dppo_harness.data import dataset, tokenizer
+    from dppo_harness.loss import losses
+    from dppo_harness.stages.restoration import create_from_state_observed
+
+    say = progress or (lambda _msg: None)
+    t0 = time.monotonic()
+    run = plan.spec_plan.run
+    if run is None:
+        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
+    cfg = pilot_config(run, arm, **overrides)
+    first = cfg.arm == run.treatments[0].name
+    tag = tag if first else f"{tag}-{cfg.arm}"
+    checks = [c.model_dump(exclude_none=True) for c in run.gate_checks]
+    loss_cfg = losses.LossConfig.for_loss(cfg.loss, cfg.normalization)  # type: ignore[arg-type]
+    pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
+    loss_fn = losses.make_loss_fn(loss_cfg)
+    adam = tinker.AdamParams(**cfg.adam)
+    errors: list[str] = []
+    try:
+        tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "gate pilot client")
+        pilot.loaded_checkpoint = getattr(load_response, "path", None)
+        pilot.base_model, pilot.base_model_source = executed_model(tc.get_info(), backend, bundle)
+        if pilot.base_model is None:  # model_name is optional in the SDK's ModelData: never the requested name
+            errors.append(f"executed_base_model unavailable: the service's get_info response names no model "
+                          f"(read from {pilot.base_model_source})")
+        renderer = tokenizer.make_renderer().renderer
+        train = dataset.get(run.dataset).load_split("train", seed=cfg.seed)
+        for step in range(cfg.steps):
+            step_records = _pilot_step(tc, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer,
+                                       loss_fn, adam, bundle, tag)
+            last = step_records[-1].stats if step_records else {}
+            say(
+                f"[gate] step {step + 1}/{cfg.steps}: {pilot.optim_counts[step]} updates, "
+                f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
+                f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
+                f"truncated {pilot.yields[step].truncated_frac:.2f}, no answer {pilot.yields[step].no_answer_frac:.2f}, "
+                f"elapsed {time.monotonic() - t0:.0f}s"
+            )
+    except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
+        errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
+    records = pilot.recorder.records
+    values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps,
+                                   updates_per_batch=cfg.updates_per_batch)
+    per_step = with_rollout_yield(per_step, pilot.yields)
+    results = evaluate_gate(checks, values)
+    errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
+    pilot_block = {
+        **asdict(cfg),
+        "steps_completed": sum(1 for c in pilot.optim_counts if c == cfg.updates_per_batch),
+        "sampler_checkpoints": pilot.samplers,
+        "initial_checkpoint": initial_checkpoint,
+        "loaded_checkpoint": pilot.loaded_checkpoint,
+        **({} if pilot.loaded_checkpoint is not None else {"loaded_checkpoint_unavailable": (
+            "the service's load response has no path (optional in the SDK's LoadWeightsResponse)")}),
+        "backend": backend,
+        "loss_calls": len(records),
+        "executed_base_model_source": pilot.base_model_source,
+        "rollout_yield": answer_yield.pooled(pilot.yields).as_dict() if pilot.yields else None,
+    }
+    report = GateReport(
+        passed=all(r.passed for r in results) and not errors,
+        checks=results,
+        values=values,
+        per_step=per_step,
+        pilot=pilot_block,
+        plan={"file": plan.name, "sha256": plan.sha256},
+        wall_seconds=time.monotonic() - t0,
+        errors=errors,
+        records=list(records),
+    )
+    bundle.register_json(report_file(run, cfg.arm), "report", report.to_json())
+    if first:
+        bundle.update_result(activation_calibration=report.calibration())
+    else:  # a further treatment's pilot: its own calibration beside the first one's
+        bundle.update_result(activation_calibration={"by_arm": {cfg.arm: report.calibration()}})
+    return report

@@ -1,0 +1,1 @@
+"""Training: the minibatch update and reading trained weights back."""

@@ -1,0 +1,151 @@
+"""The minibatch update, the second half of every training step (gate, diagnostic, feasibility
+pilot, comparison): the (recorded) loss -> `forward_backward_custom` -> `optim_step`.
+
+Shaped like the cookbook's `rl/train.py`: `prepare_minibatches` splits a batch into complete
+groups, `train_step` runs one update per minibatch. No other module calls
+`forward_backward_custom` or `optim_step` for training.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.rollout.frozen_batch import split_complete_groups
+
+if TYPE_CHECKING:
+    import tinker
+
+LossFn = Callable[[list, list], tuple[Any, dict[str, float]]]
+
+
+class TrainStepError(RuntimeError):
+    """A minibatch cannot be formed, or an update did not go through the loss exactly once."""
+
+
+def prepare_minibatches(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
+    """Datum indices of `n_minibatches` minibatches of whole groups, groups in order
+    (`frozen_batch.split_complete_groups`, the one home of the rule)."""
+    try:
+        return [seqs for _, seqs in split_complete_groups(group_of_datum, n_minibatches)]
+    except ValueError as exc:
+        raise TrainStepError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    fwd_bwd: Any  # tinker ForwardBackwardOutput (metrics from the loss)
+    optim: Any  # tinker OptimStepResponse
+    seconds: float  # submit -> both awaited
+    behind: Any = None  # what `submit_behind()` returned (e.g. a forward future), not awaited here
+    # Where `seconds` went, as this client saw it: forward_wait (submit -> the loss called with the
+    # first pass's logprobs), loss, before_optim, backward_wait (-> the custom loss's result),
+    # optim_wait (-> the optimizer step's result).
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def minibatch_update(
+    training_client: tinker.TrainingClient,
+    datums: Sequence[Any],
+    loss_fn: LossFn,
+    adam: tinker.AdamParams,
+    *,
+    before_optim: Callable[[], None] | None = None,
+    submit_behind: Callable[[], Any] | None = None,
+    sequential: bool = False,
+) -> UpdateResult:
+    """One `forward_backward_custom` + `optim_step`, then `submit_behind()` (optional, e.g. a
+    sentinel forward that must see the updated weights).
+
+    Pipelined (default): the SDK reserves the custom loss's forward and backward request ids at
+    submission and a client executes requests in id order, so `optim_step` and `submit_behind()`
+    are submitted at once and queue behind the backward: one wait instead of three.
+    `before_optim` then runs inside the loss call (it needs what the loss saw), before the
+    backward is sent, so still before the optimizer step reaches the server.
+    `sequential=True` is the old schedule (each call awaited before the next is submitted), kept
+    for benchmarks/round_trips.py and the equivalence test.
+    """
+    t0 = time.perf_counter()
+    marks: dict[str, float] = {}
+    inner = loss_fn
+
+    def timed_loss_fn(data: list, logprobs: list) -> tuple[Any, dict[str, float]]:
+        marks["loss_start"] = time.perf_counter()
+        out = inner(data, logprobs)
+        marks["loss_end"] = time.perf_counter()
+        if not sequential:
+            if before_optim is not None:
+                before_optim()
+            marks["before_optim_end"] = time.perf_counter()
+        return out
+
+    if sequential:
+        fb_out = training_client.forward_backward_custom(list(datums), timed_loss_fn).result()
+        marks["fb_done"] = time.perf_counter()
+        if before_optim is not None:
+            before_optim()
+        marks["before_optim_end"] = time.perf_counter()
+        opt_out = training_client.optim_step(adam).result()
+        marks["optim_done"] = time.perf_counter()
+        behind = submit_behind() if submit_behind is not None else None
+        return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind, _phases(t0, marks, sequential))
+    fb = training_client.forward_backward_custom(list(datums), timed_loss_fn)
+    opt = training_client.optim_step(adam)
+    behind = submit_behind() if submit_behind is not None else None
+    fb_out = fb.result()
+    marks["fb_done"] = time.perf_counter()
+    opt_out = opt.result()
+    marks["optim_done"] = time.perf_counter()
+    return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind, _phases(t0, marks, sequential))
+
+
+def _phases(t0: float, marks: Mapping[str, float], sequential: bool) -> dict[str, float]:
+    """Durations between consecutive marks of one update; an interval whose mark is missing (a
+    loss that was never called) is left out, not guessed."""
+    order = (("forward_wait", "loss_start"), ("loss", "loss_end"))
+    order += ((("backward_wait", "fb_done"), ("before_optim", "before_optim_end")) if sequential else
+              (("before_optim", "before_optim_end"), ("backward_wait", "fb_done")))
+    order += (("optim_wait", "optim_done"),)
+    out, last = {}, t0
+    for name, mark in order:
+        if mark in marks:
+            if last is not None:
+                out[name] = marks[mark] - last
+            last = marks[mark]
+        else:
+            last = None
+    return out
+
+
+def train_step(
+    training_client: tinker.TrainingClient,
+    datums: Sequence[Any],
+    loss_fn: LossFn,
+    adam: tinker.AdamParams,
+    recorder: ins.LossCallRecorder,
+    context: Mapping[str, Any],
+    *,
+    persist: Callable[[ins.LossCallRecord], None] | None = None,
+    submit_behind: Callable[[], Any] | None = None,
+    sequential: bool = False,
+) -> tuple[ins.LossCallRecord, UpdateResult]:
+    """One recorded update: the loss wrapped by `recorder` with `context`, then the update.
+    `persist(record)` (optional) runs after the loss call and before the optimizer step reaches
+    the server; `submit_behind` and `sequential` as in `minibatch_update`."""
+    wrapped = recorder.wrap(loss_fn, **dict(context))
+    n_before = len(recorder.records)
+    hook = None if persist is None else (lambda: persist(recorder.records[-1]))
+    result = minibatch_update(training_client, datums, wrapped, adam, before_optim=hook,
+                              submit_behind=submit_behind, sequential=sequential)
+    if len(recorder.records) != n_before + 1:
+        raise TrainStepError(f"expected one loss call, the recorder saw {len(recorder.records) - n_before}")
+    return recorder.records[-1], result
+
+
+def timed_updates(training_client: tinker.TrainingClient, datums: Sequence[Any], loss_fn: LossFn,
+                  adam: tinker.AdamParams, n: int) -> list[float]:
+    """Wall seconds of each of `n` unrecorded updates on the same minibatch (timing pilots)."""
+    return [minibatch_update(training_client, datums, loss_fn, adam).seconds for _ in range(n)]
