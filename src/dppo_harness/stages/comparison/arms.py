@@ -10,7 +10,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import tinker
 
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.instrument import instrumentation as ins
@@ -21,9 +23,6 @@ from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.step_rows import step_line, step_metrics
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 from dppo_harness.train import train_step
-
-if TYPE_CHECKING:
-    import tinker
 
 
 @dataclass(frozen=True)
@@ -247,8 +246,6 @@ def train_arms(
     saved after `step` steps; `stop_after(step)` may raise StopRequested; `guard` stops before a
     step that would not end inside the wall budget.
     """
-    import tinker
-
     t0 = time.perf_counter()
     start = min(state.arms[r.spec.name].steps_done for r in runners)
     arm_steps = _ArmSteps(cfg, state, {r.spec.name: r for r in runners},
