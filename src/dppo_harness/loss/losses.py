@@ -201,7 +201,8 @@ def token_terms(
     drop_N = torch.where(pos_N, diff_N > cfg.dppo_delta, diff_N < -cfg.dppo_delta)
     keep_N = loss_N & ~drop_N
     clipped_N = loss_N & ((pos_N & (ratio_N > 1 + cfg.ppo_eps)) | (neg_N & (ratio_N < 1 - cfg.ppo_eps)))
-    # Only a KEPT token is shaped by the cap; a dropped one gets no gradient at all (issue 11 §9).
+    # Only a KEPT token is shaped by the cap; a dropped one gets no gradient at all, so the cap
+    # never counts a token the mask already removed.
     cap_hit_N = nonzero_N & keep_N & (ratio_N > cfg.ratio_cap)
     return TokenTerms(
         prob_diff_N=diff_N,
