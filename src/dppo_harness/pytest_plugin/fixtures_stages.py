@@ -70,8 +70,9 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
     from dppo_harness.instrument.cookbook_metrics import WandbRequest
-    from dppo_harness.stages import comparison
-    from dppo_harness.stages.comparison_run import run_comparison
+    from dppo_harness.stages.comparison.config import ComparisonError
+    from dppo_harness.stages.comparison.run import run_comparison
+    from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
 
     if not unit_parity_passed(request.config):
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
@@ -85,7 +86,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     schedule, source = comparison_schedule(harness_options.comparison_schedule, evidence_bundle.result.get("backend"))
     # On a resume the feasibility block is not in this session's result yet: the guard then starts
     # from the finalize reserve alone and projects from the steps it measures.
-    guard = comparison.wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
+    guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
                                           arms=len(plan.run.arms) if plan.run else 0,
                                           eval_items=plan.run.eval_items if plan.run else 0)
     try:
@@ -98,7 +99,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
             progress=_progress(request), base_model=client_base_model,
             wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
         )
-    except comparison.ComparisonError as exc:  # a refused resume or configuration: its one line
+    except ComparisonError as exc:  # a refused resume or configuration: its one line
         line = str(exc)
     else:
         propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
@@ -111,12 +112,12 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
 def comparison_schedule(option: str | None, backend_block: dict | None) -> tuple[str, str]:
     """(schedule, why): --comparison-schedule when given, else concurrent on a real service and
     interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
-    from dppo_harness.stages import comparison
+    from dppo_harness.stages.comparison.config import default_schedule
 
     if option:
         return option, "--comparison-schedule"
     embedded = (backend_block or {}).get("kind") == "local"
-    return comparison.default_schedule(embedded), ("default on the embedded server" if embedded else
+    return default_schedule(embedded), ("default on the embedded server" if embedded else
                                           "default on a real service (benchmarks/comparison_schedule.py)")
 
 
