@@ -35,7 +35,7 @@ from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.service import clients as service
 from dppo_harness.stages import comparison
-from dppo_harness.stages.restoration import create_from_state_observed
+from dppo_harness.train.clients import create_from_state_observed
 
 pytestmark = pytest.mark.timeout(3000)
 

@@ -22,7 +22,7 @@ from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.service import clients as service
 from dppo_harness.stages import comparison
 from dppo_harness.stages.comparison_run import run_comparison
-from dppo_harness.stages.restoration import create_from_state_observed
+from dppo_harness.train.clients import create_from_state_observed
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 REHEARSAL = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")

@@ -21,7 +21,7 @@ from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.stages import comparison
 from dppo_harness.stages import comparison_run as CR
-from dppo_harness.stages import restoration as restoration_module
+from dppo_harness.train.clients import create_from_state_observed
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -46,7 +46,7 @@ def engine(tmp_path_factory):
 
 def _run(engine, tmp_path, name, **kw):
     sc, init = engine
-    clients = {a: restoration_module.create_from_state_observed(sc, init)[0] for a in ARM_NAMES}
+    clients = {a: create_from_state_observed(sc, init)[0] for a in ARM_NAMES}
     restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
                                   provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
     bundle = EvidenceBundle.create(tmp_path / name)

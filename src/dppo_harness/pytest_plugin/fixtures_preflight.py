@@ -50,10 +50,12 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
     diagnostic's original plan), run once."""
     from dppo_harness.service.clients import CapacityExhausted, call_with_capacity_retry, make_service_client
     from dppo_harness.stages import restoration as restoration_module
+    from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
+    from dppo_harness.train.clients import RestorationError
 
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
-        reader = restoration_module.LocalCheckpointReader(service_backend.server.run_dir)
+        reader = LocalCheckpointReader(service_backend.server.run_dir)
     # Its own session, registered before its first call: a stop on the way (capacity, hang)
     # releases it with the rest.
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
@@ -65,7 +67,7 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
     policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     plan_kind = plan.kind
     update_norm = None
-    if reader is None:  # tinker backend: read trained weights back through the SDK (issue 11 point 10)
+    if reader is None:  # tinker backend: no run_dir to read, so trained weights come back through the SDK
         from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
 
         update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
@@ -83,7 +85,7 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
                 trained_arms=(plan.diagnostic.fixed_settings.treatment.arm,) if plan_kind == "bounded_diagnostic" else None,
                 progress=watch.say,
             )
-    except restoration_module.RestorationError as exc:  # e.g. a response without a field the proof needs: one line
+    except RestorationError as exc:  # e.g. a response without a field the proof needs: one line
         failure = f"restoration preflight: {exc}"
     except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
         fields = exc.block.result_fields()
@@ -121,8 +123,8 @@ def feasibility(request, service_backend, plan, evidence_bundle, verified_restor
     from dppo_harness.stages import feasibility as feasibility_module
 
     if plan.kind == "bounded_diagnostic":
-        # Issue 11 point 5: under the diagnostic plan no extra pilot samples or trains; the
-        # feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
+        # The diagnostic plan allows one frozen batch and its declared updates, so no extra pilot samples
+        # or trains; the feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     overrides, reductions = feasibility_module.rehearsal_sizing(plan, embedded_server=connectivity.embedded)

@@ -24,7 +24,8 @@ from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service import clients as service
 from dppo_harness.stages import comparison, comparison_eval
 from dppo_harness.stages.comparison_resume import latest_snapshot, reuse_setup
-from dppo_harness.stages.restoration import create_from_state_observed, dump_response, optimizer_check
+from dppo_harness.train.clients import create_from_state_observed, dump_response
+from dppo_harness.train.optimizer_checks import optimizer_check
 
 if TYPE_CHECKING:
     import tinker

@@ -399,7 +399,7 @@ def run_activation_gate(
 
     from dppo_harness.data import dataset, tokenizer
     from dppo_harness.loss import losses
-    from dppo_harness.stages.restoration import create_from_state_observed
+    from dppo_harness.train.clients import create_from_state_observed
 
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
