@@ -47,8 +47,8 @@ from dppo_harness.rollout import rollout_batch, rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.stages import conclusion
 from dppo_harness.stages import diagnostic_evidence as dx
-from dppo_harness.stages.restoration import create_from_state_observed, dump_response, full_logprobs, make_datum
 from dppo_harness.train import train_step
+from dppo_harness.train.clients import create_from_state_observed, dump_response, full_logprobs, make_datum
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -750,7 +750,7 @@ SNAPSHOT_EVERY_UPDATES = 4
 def _initial_output(tc: tinker.TrainingClient, ref: Any) -> dict[str, Any]:
     """Full logprobs of the trained client on the restoration preflight's fixed batch, before its
     first update, compared bitwise with the group's (same initial checkpoint)."""
-    from dppo_harness.stages.restoration import batch_sha256, logprobs_sha256
+    from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 
     out_sha = logprobs_sha256(full_logprobs(tc, ref.fixed_batch))
     group = dict(ref.output_sha256)
@@ -763,7 +763,7 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: _RunState) -> 
     """The optimizer check from the trained client's OWN first optim_step response (its metrics
     are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
     before update 1."""
-    from dppo_harness.stages.restoration import echoed_config, optimizer_check
+    from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check
 
     if state.first_optim is None:
         return None

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dppo_harness.stages.restoration import own_response_only
+from dppo_harness.train.optimizer_checks import own_response_only
 
 ORIGINAL_GATE_REPORT_FILE = "original-gate-report.json"
 SERVICE_WORK_FILE = "service-work-ledger.json"
