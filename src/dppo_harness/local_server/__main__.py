@@ -165,7 +165,7 @@ def check_model_path_args(args: argparse.Namespace) -> None:
 async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, profile: Profile) -> None:
     from aiohttp import web
 
-    from dppo_harness.local_server.app import ServerState, build_app
+    from dppo_harness.local_server.http.app import ServerState, build_app
     from dppo_harness.local_server.engine import Engine
 
     t0 = time.perf_counter()
