@@ -10,9 +10,9 @@ import torch
 from tinker import types
 
 from dppo_harness import constants
-from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, parse_request
+from dppo_harness.local_server.engine.loss_fns import get_loss, loss_names, register_loss
 from dppo_harness.local_server.errors import UserError
-from dppo_harness.local_server.loss_fns import get_loss, loss_names, register_loss
+from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, parse_request
 from dppo_harness.local_server.profiles import (
     OPTIMIZER_ECHO_KEYS,
     MissingCredential,

@@ -525,7 +525,7 @@ class LocalCheckpointReader:
 
     def adapter_sha256(self, path: str) -> str:
         """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
-        from dppo_harness.local_server.model import state_sha256
+        from dppo_harness.local_server.engine.model import state_sha256
 
         return state_sha256(self.adapter(path))
 
