@@ -132,7 +132,7 @@ def test_arms_run_concurrently_by_default_on_a_real_service(option, backend, wan
 
 
 def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):
-    from dppo_harness.pytest_plugin.hooks import HarnessOptions
+    from dppo_harness.pytest_plugin.session import HarnessOptions
 
     assert HarnessOptions.__dataclass_fields__["comparison_schedule"].default is None
     assert pytestconfig.getoption("--comparison-schedule") is None

@@ -12,7 +12,14 @@ from collections.abc import Callable
 
 import pytest
 
-from dppo_harness.pytest_plugin.hooks import progress_printer, stops_stage
+from dppo_harness.pytest_plugin.session import (
+    progress_printer,
+    propose_outcome,
+    record_client_releases,
+    stage_started_at,
+    stops_stage,
+    unit_parity_passed,
+)
 
 
 def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
@@ -27,8 +34,6 @@ def harness_progress(request):
 
 def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
     """When the plugin saw the stage begin (time.monotonic), else now."""
-    from dppo_harness.pytest_plugin.hooks import stage_started_at
-
     started = stage_started_at(request.config, stage)
     return time.monotonic() if started is None else started
 
@@ -39,7 +44,6 @@ def gate_report(request, service_backend, plan, evidence_bundle, restoration, cl
                 training_client_observer, service_waiter, harness_options):
     """The plan's activation-gate pilot of each treatment arm, run once per session. The pilots'
     clients live in their own session, closed as soon as the pilots end (before any arm trains)."""
-    from dppo_harness.pytest_plugin.hooks import record_client_releases
     from dppo_harness.service.clients import make_service_client
     from dppo_harness.stages.gate import run_activation_gates
 
@@ -66,7 +70,6 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
     from dppo_harness.instrument.cookbook_metrics import WandbRequest
-    from dppo_harness.pytest_plugin.hooks import propose_outcome, unit_parity_passed
     from dppo_harness.stages import comparison
     from dppo_harness.stages.comparison_run import run_comparison
 
@@ -136,7 +139,6 @@ def diagnostic_run(request, service_client, service_backend, plan, evidence_bund
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
-    from dppo_harness.pytest_plugin.hooks import propose_outcome
     from dppo_harness.stages.diagnostic import run_bounded_diagnostic
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()
