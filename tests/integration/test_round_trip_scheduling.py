@@ -34,7 +34,7 @@ MODEL = os.environ.get("DPPO_HARNESS_TEST_MODEL", "tiny-qwen3-random")
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from dppo_harness.local_server.engine import Engine
+    from dppo_harness.local_server.engine.engine import Engine
     from dppo_harness.local_server.process import InProcessServer
 
     srv = InProcessServer(Engine(tmp_path_factory.mktemp("rt-run"), model_name=MODEL)).start()

@@ -60,7 +60,7 @@ class LocalCheckpointReader:
     def adapter_sha256(self, path: str) -> str:
         """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
         # Local backend only: the embedded server's model module (torch, transformers) loads on use.
-        from dppo_harness.local_server.model import state_sha256
+        from dppo_harness.local_server.engine.model import state_sha256
 
         return state_sha256(self.adapter(path))
 
