@@ -18,6 +18,14 @@ from dppo_harness.stages.comparison.evaluate import BASE_ARM
 from dppo_harness.stages.comparison.step_rows import fraction_names
 
 
+def _session_index(evidence_bundle) -> int:
+    """Which session of the run this bundle is: 0, or N after N resumes (its files carry N)."""
+    runs = [int(e["name"].removeprefix("comparison-run-").removesuffix(".json")) for e in evidence_bundle.files()
+            if e["name"].startswith("comparison-run-") and e["name"].endswith(".json")]
+    assert runs, "no comparison-run-N.json registered"
+    return max(runs)
+
+
 def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence_bundle):
     run = comparison_run
     assert run.stopped is None and run.capacity_block is None, run.stopped
@@ -83,7 +91,8 @@ def test_each_arms_metrics_jsonl_loads_with_the_cookbooks_own_readers(comparison
     from tinker_cookbook.stores.training_store import TrainingRunStore
     from tinker_cookbook.utils.file_utils import read_jsonl
 
-    manifest = json.loads(evidence_bundle.file_path("comparison-run-0.json").read_text())["cookbook_metrics"]
+    n = _session_index(evidence_bundle)
+    manifest = json.loads(evidence_bundle.file_path(f"comparison-run-{n}.json").read_text())["cookbook_metrics"]
     assert manifest["writer"] == "tinker_cookbook.utils.ml_log.JsonLogger"
     for a in comparison_run.config.arms:
         name = manifest["evidence_files"][a.name]
@@ -91,7 +100,9 @@ def test_each_arms_metrics_jsonl_loads_with_the_cookbooks_own_readers(comparison
         records = read_jsonl(str(evidence_bundle.file_path(name)))
         live = Path(manifest["live_files"][a.name])
         assert TrainingRunStore(LocalStorage(live.parent)).read_metrics() == records
-        assert [r["step"] for r in records] == list(range(comparison_run.config.steps))
+        steps = [r["step"] for r in records]
+        # A resumed session logs from the step it continued at; an unresumed one from step 0.
+        assert steps and steps == list(range(steps[0], comparison_run.config.steps)) and (n > 0 or steps[0] == 0), steps
         for key in ("env/all/reward/total", "optim/kl_sample_train_v1", "optim/entropy", "env/all/total_ac_tokens",
                     "time/total", "progress/done_frac"):
             assert all(key in r for r in records), key
@@ -152,19 +163,26 @@ def test_summary_is_two_plain_sentences_naming_the_served_model(comparison_run, 
 
 def test_the_schedule_and_its_source_are_recorded(comparison_run, evidence_bundle, harness_options):
     """The embedded rehearsal keeps `interleaved` unless asked; a real service defaults to concurrent."""
-    manifest = json.loads(evidence_bundle.file_path("comparison-run-0.json").read_text())
+    n = _session_index(evidence_bundle)
+    manifest = json.loads(evidence_bundle.file_path(f"comparison-run-{n}.json").read_text())
     assert manifest["schedule"] == comparison_run.schedule
     if harness_options.comparison_schedule is None:
         embedded = (evidence_bundle.result.get("backend") or {}).get("kind") == "local"
         assert comparison_run.schedule == ("interleaved" if embedded else "concurrent")
         assert manifest["schedule_source"].startswith("default on")
-    state = json.loads(evidence_bundle.file_path("comparison-state-r0-end.json").read_text())
+    state = json.loads(evidence_bundle.file_path(f"comparison-state-r{n}-end.json").read_text())
     guard = state["training"]["wall_guard"]
-    assert guard["step_seconds"] and len(guard["step_seconds"]) == comparison_run.steps_completed
+    # one measured step time per step this session trained (a resumed session starts mid-run)
+    assert guard["step_seconds"] and len(guard["step_seconds"]) <= comparison_run.steps_completed
+    assert n > 0 or len(guard["step_seconds"]) == comparison_run.steps_completed
 
 
-def test_gate_and_feasibility_clients_were_closed_before_the_arms_trained(comparison_run, client_registry):
+def test_gate_and_feasibility_clients_were_closed_before_the_arms_trained(comparison_run, client_registry,
+                                                                          harness_options):
     sessions = {r["stage"]: r for r in client_registry.records()}
+    if harness_options.resume:  # the setup stages ran in the session this one continues, not here
+        assert not {"preflight-probes", "feasibility-pilot", "gate-pilot"} & set(sessions), sorted(sessions)
+        return
     for stage in ("preflight-probes", "feasibility-pilot", "gate-pilot"):
         assert sessions[stage]["released"], stage
     assert not sessions["session"]["released"]  # the arms' session stays open until the session ends
