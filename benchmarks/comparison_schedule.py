@@ -23,7 +23,9 @@ from dppo_harness import constants
 from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
-from dppo_harness.stages import comparison
+from dppo_harness.stages.comparison.arms import make_runners, train_arms
+from dppo_harness.stages.comparison.config import comparison_config
+from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.restoration import create_from_state_observed
 
 ROOT = Path(__file__).parents[1]
@@ -38,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     plan = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
     small = resized_plan(plan, rollout_steps=args.steps, groups_per_batch=args.groups, max_tokens=args.max_tokens)
-    cfg = comparison.comparison_config(small.run)
+    cfg = comparison_config(small.run)
     renderer = tokenizer.make_renderer().renderer
     train = gsm8k.load_split("train", seed=0)
     faults = [f"--fault-latency-ms=*:{args.latency_ms:g}"] if args.latency_ms else []
@@ -48,9 +50,9 @@ def main() -> None:
         rows = {}
         for schedule in ("interleaved", "concurrent", "interleaved", "concurrent"):
             clients = {a.name: create_from_state_observed(sc, init)[0] for a in cfg.arms}
-            state = comparison.RunState("bench", "", "", "", init, {a.name: comparison.ArmState(a.name) for a in cfg.arms})
+            state = RunState("bench", "", "", "", init, {a.name: ArmState(a.name) for a in cfg.arms})
             t0 = time.perf_counter()
-            out = comparison.train_arms(comparison.make_runners(clients, cfg), cfg, state, renderer=renderer, tag=f"b{time.time_ns()}",
+            out = train_arms(make_runners(clients, cfg), cfg, state, renderer=renderer, tag=f"b{time.time_ns()}",
                                items_for_step=lambda s: train.batch(s, cfg.groups_per_batch), schedule=schedule)
             wall = time.perf_counter() - t0
             rows.setdefault(schedule, []).append(wall)

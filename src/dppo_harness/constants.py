@@ -25,7 +25,7 @@ MAX_SAVE_EVERY = 10
 # Not a secret: the embedded server ignores API keys, but the SDK insists on the tml- prefix.
 LOCAL_API_KEY = "tml-local-rehearsal"
 
-# Marker of the embedded stand-in server (issue 10 §1): a response header on every answer, and the
+# Marker of the embedded stand-in server, so no run on it can pass as a real one: a response header on every answer, and the
 # value found in `get_server_capabilities()["embedded_server"]` and `model_data["embedded_server"]`.
 EMBEDDED_SERVER_HEADER = "X-Embedded-Tinker-Server"
 EMBEDDED_SERVER_MARKER = "dppo-harness"

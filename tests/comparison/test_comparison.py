@@ -13,7 +13,9 @@ import pytest
 
 from dppo_harness.evaluation import stats
 from dppo_harness.loss import losses
-from dppo_harness.stages import comparison, comparison_eval
+from dppo_harness.stages.comparison.decision import OBSERVATIONS_FILE, recompute_from_file
+from dppo_harness.stages.comparison.evaluate import BASE_ARM
+from dppo_harness.stages.comparison.step_rows import fraction_names
 
 
 def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence_bundle):
@@ -28,7 +30,7 @@ def test_both_arms_ran_every_step_with_recorded_metrics(comparison_run, evidence
     result = evidence_bundle.result
     assert sorted(result["completed_arms"]) == sorted(a.name for a in cfg.arms)
     # the trained arms, and the base model under its own key (scored, never trained or completed)
-    assert set(result["metrics"]["arms"]) == {a.name for a in cfg.arms} | {comparison_eval.BASE_ARM}
+    assert set(result["metrics"]["arms"]) == {a.name for a in cfg.arms} | {BASE_ARM}
     uris = {c["arm"] for c in result["evidence"]["checkpoints"]}
     assert {a.name for a in cfg.arms} <= uris
 
@@ -45,14 +47,14 @@ def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle)
     assert all(r["loss_tokens"] > 0 for r in comparison_run.rows)
     arms = evidence_bundle.result["metrics"]["arms"]
     for a in cfg.arms:
-        names = comparison.fraction_names(a.loss)
+        names = fraction_names(a.loss)
         for r in (r for r in comparison_run.rows if r["arm"] == a.name):
             for base, key in names.items():
                 other = base if key != base else f"counterfactual_{base}"
                 assert key in r and other not in r, (a.name, key)
         for base in ("dppo_masked_frac", "ppo_clip_frac"):
             assert f"{names[base]}_mean" in arms[a.name], (a.name, names[base])
-    own = {a.loss: {k for k in comparison.fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms}
+    own = {a.loss: {k for k in fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms}
     assert own.get(losses.GRPO_LOSS, {"ppo_clip_frac", "last_update_clip_frac"}) == {"ppo_clip_frac", "last_update_clip_frac"}
     assert own.get(losses.DPPO_LOSS, {"dppo_masked_frac", "last_update_masked_frac"}) == {"dppo_masked_frac",
                                                                                            "last_update_masked_frac"}
@@ -112,18 +114,18 @@ def test_predictions_observations_and_decision_are_consistent(comparison_run, ev
     run = comparison_run
     n = run.config.eval_items
     scored = {s["arm"] for s in run.scores}
-    assert scored == {comparison_eval.BASE_ARM} | {a.name for a in run.config.arms}
+    assert scored == {BASE_ARM} | {a.name for a in run.config.arms}
     for s in run.scores:
         rows = [json.loads(x) for x in evidence_bundle.file_path(s["predictions_ref"]).read_text().splitlines()]
         assert len(rows) == n and all({"item_id", "arm", "prediction", "reference"} <= set(r) for r in rows)
-    obs_path = evidence_bundle.file_path(comparison_eval.OBSERVATIONS_FILE)
+    obs_path = evidence_bundle.file_path(OBSERVATIONS_FILE)
     obs = stats.read_observations(obs_path)
     assert len(obs) == n * len(run.config.arms)
     decision = evidence_bundle.result["decision"]
-    assert decision["version"] == 1 and decision["observations_file"]["name"] == comparison_eval.OBSERVATIONS_FILE
-    assert decision["observations_file"]["sha256"] == evidence_bundle.entry(comparison_eval.OBSERVATIONS_FILE)["sha256"]
+    assert decision["version"] == 1 and decision["observations_file"]["name"] == OBSERVATIONS_FILE
+    assert decision["observations_file"]["sha256"] == evidence_bundle.entry(OBSERVATIONS_FILE)["sha256"]
     # Recomputing the Hoeffding CI from the retained file reproduces the reported one.
-    again = comparison_eval.recompute_from_file(obs_path, run.config.criteria, alpha=run.config.alpha)
+    again = recompute_from_file(obs_path, run.config.criteria, alpha=run.config.alpha)
     for reported, recomputed in zip(decision["criteria"], again, strict=True):
         assert (reported["lower"], reported["upper"]) == (recomputed["lower"], recomputed["upper"])
     if plan.kind == "rehearsal":

@@ -9,7 +9,7 @@ command with `--resume RUN_ID`.
   `python -m dppo_harness.evidence verify`;
 - its per-step rows equal an uninterrupted run's from the same initial checkpoint (computed here
   on the same server state): token-derived fields exactly, logprob-derived floats within
-  comparison.RESUME_FLOAT_ATOL.
+  RESUME_FLOAT_ATOL.
 
 Unit parity in these sessions is the loss-parity file alone (tests/unit/test_losses.py), to keep
 CI time down; the comparison still starts only after it passed in the same session. Both runs
@@ -34,7 +34,10 @@ from dppo_harness.evidence import verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.service import clients as service
-from dppo_harness.stages import comparison
+from dppo_harness.stages.comparison.arms import make_runners, train_arms
+from dppo_harness.stages.comparison.config import comparison_config
+from dppo_harness.stages.comparison.state import ArmState, RunState, state_path
+from dppo_harness.stages.comparison.step_rows import TOKEN_FIELDS, comparable, row_differences
 from dppo_harness.stages.restoration import create_from_state_observed
 
 pytestmark = pytest.mark.timeout(3000)
@@ -95,16 +98,16 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
     """Both arms from the shared initial checkpoint for every step, without a stop (the server
     state the killed and resumed runs used, so the checkpoint resolves)."""
     plan = load_plan(PLAN)
-    cfg = comparison.comparison_config(plan.spec, save_every=1)
+    cfg = comparison_config(plan.spec, save_every=1)
     registry = service.ClientRegistry()
     with LocalServerProcess(run_dir=server_dir) as srv:
         try:
             sc = service.make_service_client("local", srv.base_url, registry=registry, stage="reference")
             clients = {a.name: create_from_state_observed(sc, initial_checkpoint)[0] for a in cfg.arms}
-            state = comparison.RunState("reference", plan.sha256, "", "", initial_checkpoint,
-                               {a.name: comparison.ArmState(a.name) for a in cfg.arms})
+            state = RunState("reference", plan.sha256, "", "", initial_checkpoint,
+                               {a.name: ArmState(a.name) for a in cfg.arms})
             train = gsm8k.load_split("train", seed=cfg.arms[0].seed)
-            out = comparison.train_arms(comparison.make_runners(clients, cfg), cfg, state,
+            out = train_arms(make_runners(clients, cfg), cfg, state,
                                items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
                                renderer=tokenizer.make_renderer().renderer, tag="reference")
         finally:
@@ -113,7 +116,7 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
 
 
 def _rows(path: Path) -> list[dict]:
-    rows = [comparison.comparable(json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
+    rows = [comparable(json.loads(x)) for x in path.read_text().splitlines() if x.strip()]
     return sorted(rows, key=lambda r: (r["arm"], r["step"]))
 
 
@@ -128,7 +131,7 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     killed = evidence / killed_id
     assert json.loads((killed / "result.json").read_text())["status"] == "running"
     assert verify_bundle(killed) == [], "the killed run's bundle does not verify"
-    state = json.loads(comparison.state_path(evidence / "comparison-state", killed_id).read_text())
+    state = json.loads(state_path(evidence / "comparison-state", killed_id).read_text())
     assert all(a["steps_done"] == KILL_AFTER and set(a["saves"]) == {"1", "2"} for a in state["arms"].values()), state
     killed_files = [f["name"] for f in json.loads((killed / "result.json").read_text())["evidence"]["files"]]
     last_snapshot = sorted(n for n in killed_files if n.startswith("result-"))[-1]
@@ -166,10 +169,10 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
 
     reference = _uninterrupted_rows(evidence / "local-server", state["initial_checkpoint"])
     got = _rows(resumed / "files" / "comparison-steps-1.jsonl")
-    want = sorted((comparison.comparable(r) for r in reference), key=lambda r: (r["arm"], r["step"]))
+    want = sorted((comparable(r) for r in reference), key=lambda r: (r["arm"], r["step"]))
     assert [(r["arm"], r["step"]) for r in got] == [(r["arm"], r["step"]) for r in want]
-    problems = [p for g, w in zip(got, want, strict=True) for p in comparison.row_differences(g, w)]
+    problems = [p for g, w in zip(got, want, strict=True) for p in row_differences(g, w)]
     assert not problems, "resumed run differs from the uninterrupted run:\n" + "\n".join(problems)
     worst = max(abs(float(g[k]) - float(w[k])) for g, w in zip(got, want)
-                for k in w if k not in (*comparison.TOKEN_FIELDS, "arm", "step"))
+                for k in w if k not in (*TOKEN_FIELDS, "arm", "step"))
     print(f"killed run {killed_s:.0f} s, resumed run {resumed_s:.0f} s; max logprob-derived |diff| {worst:.3g}")

@@ -20,8 +20,11 @@ from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.service import clients as service
-from dppo_harness.stages import comparison
-from dppo_harness.stages.comparison_run import run_comparison
+from dppo_harness.stages.comparison import arms as comparison_arms
+from dppo_harness.stages.comparison.config import ComparisonError
+from dppo_harness.stages.comparison.run import run_comparison
+from dppo_harness.stages.comparison.state import state_path
+from dppo_harness.stages.comparison.step_rows import comparable, row_differences
 from dppo_harness.stages.restoration import create_from_state_observed
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -104,13 +107,13 @@ def _run(engine, tmp_path, name, **kw):
 
 # Token-derived fields exactly, logprob-derived floats within C.RESUME_FLOAT_ATOL (two
 # uninterrupted runs on the embedded server show ~1e-7 differences).
-_row_differences = comparison.row_differences
+_row_differences = row_differences
 
 
 def _kill_after(n):
     def stop(step_done):
         if step_done == n:
-            raise comparison.StopRequested(f"killed after step {n}")
+            raise comparison_arms.StopRequested(f"killed after step {n}")
     return stop
 
 
@@ -121,14 +124,14 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, tmp_path):
     first, first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(2))
     assert first.stopped == "killed after step 2" and first.steps_completed == 2
     assert first.final["outcome_reason"] == "incomplete_execution"
-    saved = json.loads(comparison.state_path(tmp_path / "state", first.run_id).read_text())
+    saved = json.loads(state_path(tmp_path / "state", first.run_id).read_text())
     assert all(a["steps_done"] == 2 and a["state_path"] for a in saved["arms"].values())
 
     resumed, bundle = _run(engine, tmp_path, "resumed", resume_run_id=first.run_id)
     assert resumed.stopped is None and resumed.steps_completed == 3 and resumed.run_id == first.run_id
     key = lambda r: (r["arm"], r["step"])  # noqa: E731
-    want = sorted((comparison.comparable(r) for r in full.rows), key=key)
-    got = sorted((comparison.comparable(r) for r in resumed.rows), key=key)
+    want = sorted((comparable(r) for r in full.rows), key=key)
+    got = sorted((comparable(r) for r in resumed.rows), key=key)
     assert [key(r) for r in got] == [key(r) for r in want]
     problems = [p for g, w in zip(got, want) for p in _row_differences(g, w)]
     assert not problems, "resumed run differs from the uninterrupted run:\n" + "\n".join(problems)
@@ -146,18 +149,18 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, tmp_path):
 
 def test_resume_is_refused_when_the_plan_changed(engine, tmp_path):
     first, _ = _run(engine, tmp_path, "killed", stop_after=_kill_after(1))
-    state_file = comparison.state_path(tmp_path / "state", first.run_id)
+    state_file = state_path(tmp_path / "state", first.run_id)
     state = json.loads(state_file.read_text())
     state["plan_sha256"] = "0" * 64
     state_file.write_text(json.dumps(state))
-    with pytest.raises(comparison.ComparisonError, match="plan sha256 changed"):
+    with pytest.raises(ComparisonError, match="plan sha256 changed"):
         _run(engine, tmp_path, "resumed", resume_run_id=first.run_id)
-    with pytest.raises(comparison.ComparisonError, match="no saved comparison state"):
+    with pytest.raises(ComparisonError, match="no saved comparison state"):
         _run(engine, tmp_path, "resumed2", resume_run_id="no-such-run")
 
 
 def _rows(result):
-    return sorted((comparison.comparable(r) for r in result.rows), key=lambda r: (r["arm"], r["step"]))
+    return sorted((comparable(r) for r in result.rows), key=lambda r: (r["arm"], r["step"]))
 
 
 def _optimizer_steps(srv, state_uri):
@@ -168,11 +171,11 @@ def _optimizer_steps(srv, state_uri):
 
 
 def _final_steps(srv, result, tmp_path):
-    state = json.loads(comparison.state_path(tmp_path / "state", result.run_id).read_text())
+    state = json.loads(state_path(tmp_path / "state", result.run_id).read_text())
     return {a: _optimizer_steps(srv, s["final_state"]) for a, s in state["arms"].items()}, state
 
 
-class _RetryAsItStands(comparison.GuardedArmStep):
+class _RetryAsItStands(comparison_arms.GuardedArmStep):
     """The behaviour before the fix: a refused arm-step is rerun on the arm as it stands."""
 
     def __call__(self):
@@ -208,7 +211,7 @@ def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine,
     assert not problems, "run with a mid-step refusal differs from the undisturbed run:\n" + "\n".join(problems)
 
     # Before the fix the step was rerun on the arm as it stood: one update more than the plan.
-    monkeypatch.setattr(comparison, "GuardedArmStep", _RetryAsItStands)
+    monkeypatch.setattr(comparison_arms, "GuardedArmStep", _RetryAsItStands)
     old, _ = _run(faulty_engine, tmp_path, "old", capacity_policy=policy)
     assert srv.stats()["faults"]["injected"]["optim_step:capacity_exhausted"] == 2
     old_steps, _ = _final_steps(srv, old, tmp_path)

@@ -19,9 +19,11 @@ from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
-from dppo_harness.stages import comparison
-from dppo_harness.stages import comparison_run as CR
 from dppo_harness.stages import restoration as restoration_module
+from dppo_harness.stages.comparison import restore as comparison_restore
+from dppo_harness.stages.comparison.arms import StopRequested
+from dppo_harness.stages.comparison.run import run_comparison
+from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -50,7 +52,7 @@ def _run(engine, tmp_path, name, **kw):
     restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
                                   provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
     bundle = EvidenceBundle.create(tmp_path / name)
-    return CR.run_comparison(sc, PLAN, bundle, restoration, backend="local", state_root=tmp_path / "state",
+    return run_comparison(sc, PLAN, bundle, restoration, backend="local", state_root=tmp_path / "state",
                              tag=name, **kw), bundle
 
 
@@ -71,7 +73,7 @@ def test_the_wall_guard_stops_before_a_step_that_would_pass_the_budget(engine, t
     """Step 1 runs (no projection yet); before step 2 only 1 s of the budget is left, less than
     the measured step plus the finishing reserve: stopped there, with the guard's figures."""
     left = iter([1e6, 1.0])
-    guard = comparison.WallGuard(lambda: next(left))
+    guard = WallGuard(lambda: next(left))
     run, bundle = _run(engine, tmp_path, "wall", schedule="concurrent",
                        schedule_source="default on a real service", guard=guard)
     assert run.stopped.startswith("wall clock: step 2 projected") and "1 s left of the plan's wall budget" in run.stopped
@@ -82,7 +84,7 @@ def test_the_wall_guard_stops_before_a_step_that_would_pass_the_budget(engine, t
     wall = block["wall_guard"]
     assert len(wall["step_seconds"]) == 1 and wall["step_seconds"][0] > 0
     assert wall["last_check"] == {"step": 1, "seconds_left": 1.0, "projected_step_seconds": wall["step_seconds"][0],
-                                  "projection_source": "longest measured step", "reserve_seconds": comparison.FINALIZE_RESERVE_S}
+                                  "projection_source": "longest measured step", "reserve_seconds": FINALIZE_RESERVE_S}
     manifest = json.loads(bundle.file_path("comparison-run-0.json").read_text())
     assert (manifest["schedule"], manifest["schedule_source"]) == ("concurrent", "default on a real service")
     assert {r["arm"] for r in run.rows} == set(ARM_NAMES) and len(run.rows) == 2
@@ -93,12 +95,12 @@ def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_
     restored arm: the run stops before training further, the failed check in its provenance."""
     def stop_after_1(step_done):
         if step_done == 1:
-            raise comparison.StopRequested("stopped after step 1")
+            raise StopRequested("stopped after step 1")
 
     first, _ = _run(engine, tmp_path, "first", schedule="interleaved", stop_after=stop_after_1)
     assert first.steps_completed == 1
 
-    real = CR.create_from_state_observed
+    real = comparison_restore.create_from_state_observed
 
     def restored_with_another_optimizer(sc, path, name=None):
         client, resp = real(sc, path, name)
@@ -106,7 +108,7 @@ def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_
         client.get_info = lambda: info.model_copy(update={"optimizer_config": types.DimuonOptimizerConfig()})
         return client, resp
 
-    monkeypatch.setattr(CR, "create_from_state_observed", restored_with_another_optimizer)
+    monkeypatch.setattr(comparison_restore, "create_from_state_observed", restored_with_another_optimizer)
     run, bundle = _run(engine, tmp_path, "resumed", schedule="interleaved", resume_run_id=first.run_id)
     assert run.stopped.startswith("OptimizerMismatch: ") and "optimizer mismatch after restore 2" in run.stopped
     assert "server 'dimuon'" in run.stopped

@@ -410,9 +410,9 @@ def test_kernel_report_names_the_torch_fallback_and_why(qwen35_dir, engine, tmp_
 def test_linear_attention_option_forces_the_torch_fallback(qwen35_dir, tmp_path, monkeypatch):
     """`Engine(linear_attention=...)` / `--linear-attention`: with a (fake) fla recurrent kernel
     found at load, "auto" keeps it and "torch" replaces it; bad values are one-line errors."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as Q
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    monkeypatch.setattr(Q, "fused_recurrent_gated_delta_rule", _fake_fast(Q.torch_recurrent_gated_delta_rule))
+    monkeypatch.setattr(modeling_qwen3_5, "fused_recurrent_gated_delta_rule", _fake_fast(modeling_qwen3_5.torch_recurrent_gated_delta_rule))
     for option, path in (("auto", "mixed"), ("torch", "torch fallback")):
         e = Engine(tmp_path / option, model_path=qwen35_dir, device="cpu", linear_attention=option)
         try:

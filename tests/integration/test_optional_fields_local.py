@@ -28,7 +28,7 @@ from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
-from dppo_harness.stages.comparison_run import run_comparison
+from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 
 pytestmark = pytest.mark.timeout(900)

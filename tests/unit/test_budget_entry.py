@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin import hooks as pp
+from dppo_harness.pytest_plugin import session as plugin_session
 
 
 class _Clock:
@@ -25,12 +25,12 @@ def _bundle(tmp_path: Path, clock):
 def test_stage_blocked_once_the_session_budget_is_spent(tmp_path):
     clock = _Clock()
     b = _bundle(tmp_path, clock)
-    state = pp._StageState(bundle=b)
+    state = plugin_session.StageState(bundle=b)
     clock.t = 100.0
-    pp._check_budget_on_entry(state, "preflight")
+    plugin_session.check_budget_on_entry(state, "preflight")
     assert "preflight" not in state.first_failure
     clock.t = 721.0  # setup and earlier stages used up the 12 minutes
-    pp._check_budget_on_entry(state, "diagnostic")
+    plugin_session.check_budget_on_entry(state, "diagnostic")
     assert state.first_failure["diagnostic"].startswith("blocked_by_budget")
     ledger = b.ledger()
     assert ledger["stages"][-1]["status"] == "blocked_by_budget" and ledger["budget"]["max_wall_seconds"] == 720.0
@@ -41,11 +41,11 @@ def test_unit_stage_and_repeat_entries_are_not_checked(tmp_path):
     clock = _Clock()
     b = _bundle(tmp_path, clock)
     clock.t = 1000.0
-    state = pp._StageState(bundle=b)
-    pp._check_budget_on_entry(state, "unit")
+    state = plugin_session.StageState(bundle=b)
+    plugin_session.check_budget_on_entry(state, "unit")
     assert state.first_failure == {}
-    pp._check_budget_on_entry(state, "gate")
-    pp._check_budget_on_entry(state, "gate")
+    plugin_session.check_budget_on_entry(state, "gate")
+    plugin_session.check_budget_on_entry(state, "gate")
     assert [s["stage"] for s in b.ledger()["stages"]] == ["gate"]
 
 
@@ -67,10 +67,10 @@ def test_session_client_release_is_recorded_even_when_the_fixture_releases_it(tm
     c1, c2 = _Client(), _Client()
     reg.register(c1, stage="preflight-probes", label="probes")
     reg.register(c2, stage="session", label="session client")
-    state = pp._StageState(bundle=b, registry=reg)
-    pp._note_releases(state, reg.release_stage("preflight-probes"))
-    pp._release_remaining(state)  # the fixture teardown
-    pp._write_session_records(state)  # pytest_sessionfinish: nothing pending any more
+    state = plugin_session.StageState(bundle=b, registry=reg)
+    plugin_session.note_releases(state, reg.release_stage("preflight-probes"))
+    plugin_session.release_remaining(state)  # the fixture teardown
+    plugin_session.write_session_records(state)  # pytest_sessionfinish: nothing pending any more
     rel = json.loads(b.file_path("client-releases.json").read_text())
     assert [(r["label"], r["released"]) for r in rel["releases"]] == [("probes", True), ("session client", True)]
     assert rel["all_released"] and all(r["released_at"] for r in rel["releases"]) and c2.closed == 1

@@ -9,7 +9,7 @@ import json
 import tinker
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin import hooks as pp
+from dppo_harness.pytest_plugin import session as plugin_session
 from dppo_harness.service.clients import ClientRegistry, describe_client, make_service_client
 
 FAKE_ENV = {"TINKER_BASE_URL": "http://127.0.0.1:9", "TINKER_API_KEY": "tml-fake", "MODAL_PROXY_TOKEN_ID": "wk-x",
@@ -70,11 +70,11 @@ def test_each_release_says_what_it_closed_and_what_stays_open(monkeypatch, tmp_p
     reg.current_stage = "preflight"
     probes.create_lora_training_client(base_model="m").result()
     session.create_training_client_from_state_with_optimizer("p").result()
-    state = pp._StageState(registry=reg, bundle=EvidenceBundle.create(tmp_path, "b", env={}))
-    pp._note_releases(state, reg.release_stage("preflight-probes"))  # before the arms train
+    state = plugin_session.StageState(registry=reg, bundle=EvidenceBundle.create(tmp_path, "b", env={}))
+    plugin_session.note_releases(state, reg.release_stage("preflight-probes"))  # before the arms train
     reg.current_stage = "diagnostic"
-    pp._release_remaining(state)  # session end
-    pp._write_session_records(state)
+    plugin_session.release_remaining(state)  # session end
+    plugin_session.write_session_records(state)
     rel = json.loads(state.bundle.file_path("client-releases.json").read_text())
     first, last = rel["events"]
     assert first["stage"] == "preflight" and first["closed"] == ["probes"]
@@ -89,12 +89,12 @@ def test_stage_end_posts_the_training_clients_it_created(monkeypatch, tmp_path):
     reg = ClientRegistry()
     probes, _session, _ = _sessions(monkeypatch, reg)
     bundle = EvidenceBundle.create(tmp_path, "b", env={})
-    state = pp._StageState(registry=reg, bundle=bundle)
-    pp._enter_stage(state, "preflight")
+    state = plugin_session.StageState(registry=reg, bundle=bundle)
+    plugin_session.enter_stage(state, "preflight")
     probes.create_lora_training_client(base_model="m").result()
     probes.create_lora_training_client(base_model="m").result()
-    pp._enter_stage(state, "diagnostic")  # closes the preflight stage
-    pp._enter_stage(state, "report")
+    plugin_session.enter_stage(state, "diagnostic")  # closes the preflight stage
+    plugin_session.enter_stage(state, "report")
     metrics = bundle.result["metrics"]
     assert metrics["clients/training_created/preflight"] == 2.0
     assert metrics["clients/training_created/diagnostic"] == 0.0

@@ -11,8 +11,16 @@ from tinker import types
 
 from dppo_harness.plans import load_plan
 from dppo_harness.pytest_plugin.fixtures_stages import comparison_schedule
-from dppo_harness.stages import comparison
-from dppo_harness.stages import comparison_run as CR
+from dppo_harness.stages.comparison import arms as comparison_arms
+from dppo_harness.stages.comparison import restore as comparison_restore
+from dppo_harness.stages.comparison.config import (
+    ComparisonConfig,
+    ComparisonError,
+    OptimizerMismatch,
+    comparison_config,
+)
+from dppo_harness.stages.comparison.state import ArmState, RunState
+from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard, wall_guard_from_feasibility
 
 SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
 
@@ -25,9 +33,9 @@ class _Clock:
         return self.t
 
 
-def _cfg(steps: int) -> comparison.ComparisonConfig:
-    cfg = comparison.comparison_config(SPEC.run)
-    return comparison.ComparisonConfig(**{**cfg.__dict__, "steps": steps})
+def _cfg(steps: int) -> ComparisonConfig:
+    cfg = comparison_config(SPEC.run)
+    return ComparisonConfig(**{**cfg.__dict__, "steps": steps})
 
 
 def _train(monkeypatch, cfg, guard, clock, arm_step_s=10.0):
@@ -36,16 +44,16 @@ def _train(monkeypatch, cfg, guard, clock, arm_step_s=10.0):
         return {"arm": runner.spec.name, "step": step, "reward_mean": 0.0, "format_rate": 0.0,
                 "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0, "seconds": arm_step_s}, []
 
-    monkeypatch.setattr(comparison, "run_arm_step", fake_step)
-    state = comparison.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: comparison.ArmState(a.name) for a in cfg.arms})
-    runners = [comparison.ArmRunner(a, object(), None, None) for a in cfg.arms]
-    return comparison.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", guard=guard)
+    monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
+    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
+    runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
+    return comparison_arms.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", guard=guard)
 
 
 def test_the_wall_guard_stops_before_the_step_that_would_pass_the_budget(monkeypatch):
     clock = _Clock()
     budget = 64.0  # 2 arms x 10 s per step, 5 s reserve: step 3 needs 20 + 5 s with 24 s left
-    guard = comparison.WallGuard(lambda: budget - clock.t, reserve_s=5.0, clock=clock)
+    guard = WallGuard(lambda: budget - clock.t, reserve_s=5.0, clock=clock)
     out = _train(monkeypatch, _cfg(5), guard, clock)
     assert out.steps_completed == 2 and clock.t == 40.0 <= budget
     assert out.stopped.startswith("wall clock: step 3 projected 20 s + 5 s") and "24 s left" in out.stopped
@@ -55,21 +63,21 @@ def test_the_wall_guard_stops_before_the_step_that_would_pass_the_budget(monkeyp
 def test_the_first_step_is_projected_from_the_feasibility_pilot(monkeypatch):
     feas = {"measurements": {"training": {"seconds": 30.0, "units": 2.0}, "evaluation": {"seconds": 4.0, "units": 8}}}
     clock = _Clock()
-    guard = comparison.wall_guard_from_feasibility(lambda: 40.0 - clock.t, feas, arms=2, eval_items=10)
+    guard = wall_guard_from_feasibility(lambda: 40.0 - clock.t, feas, arms=2, eval_items=10)
     assert guard.first_step_estimate_s == 30.0  # 15 s per arm-step x 2 arms, no overlap assumed
-    assert guard.reserve_s == pytest.approx(comparison.FINALIZE_RESERVE_S + 0.5 * 10 * 3)
+    assert guard.reserve_s == pytest.approx(FINALIZE_RESERVE_S + 0.5 * 10 * 3)
     guard.clock = clock
     out = _train(monkeypatch, _cfg(3), guard, clock)
     assert out.steps_completed == 0 and out.stopped.startswith("wall clock: step 1")
-    plain = comparison.wall_guard_from_feasibility(lambda: 1e9, None, arms=2, eval_items=10)
-    assert plain.first_step_estimate_s is None and plain.reserve_s == comparison.FINALIZE_RESERVE_S
+    plain = wall_guard_from_feasibility(lambda: 1e9, None, arms=2, eval_items=10)
+    assert plain.first_step_estimate_s is None and plain.reserve_s == FINALIZE_RESERVE_S
 
 
 def test_without_a_budget_or_projection_the_guard_lets_steps_run(monkeypatch):
     clock = _Clock()
-    out = _train(monkeypatch, _cfg(3), comparison.WallGuard(lambda: None, clock=clock), clock)
+    out = _train(monkeypatch, _cfg(3), WallGuard(lambda: None, clock=clock), clock)
     assert out.steps_completed == 3 and out.stopped is None
-    spent = comparison.WallGuard(lambda: -1.0, clock=clock)
+    spent = WallGuard(lambda: -1.0, clock=clock)
     assert spent.check(0).startswith("wall clock: step 1")  # the budget is already spent
 
 
@@ -83,18 +91,18 @@ class _Restored:
 
 
 def _restore(monkeypatch, optimizer_config, path="tinker://m/weights/step2"):
-    monkeypatch.setattr(CR, "create_from_state_observed",
+    monkeypatch.setattr(comparison_restore, "create_from_state_observed",
                         lambda sc, p, name=None: (_Restored(optimizer_config), types.LoadWeightsResponse(path=p)))
     cfg = _cfg(3)
-    state = comparison.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: comparison.ArmState(a.name) for a in cfg.arms})
+    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
     prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
     state.setup_provenance = {a.name: prior for a in cfg.arms}
-    return state, lambda: CR.restore_arm(None, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json")
+    return state, lambda: comparison_restore.restore_arm(None, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json")
 
 
 def test_a_restore_whose_optimizer_mismatches_stops_the_run(monkeypatch):
     state, restore = _restore(monkeypatch, types.DimuonOptimizerConfig())
-    with pytest.raises(comparison.OptimizerMismatch, match="optimizer mismatch after restore 2") as info:
+    with pytest.raises(OptimizerMismatch, match="optimizer mismatch after restore 2") as info:
         restore()
     assert "server 'dimuon'" in str(info.value)
     (check,) = state.arms["dppo_seed0"].optimizer_checks  # recorded before the stop
@@ -111,12 +119,12 @@ def test_a_matching_restore_continues(monkeypatch):
 
 
 def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
-    monkeypatch.setattr(CR, "create_from_state_observed",
+    monkeypatch.setattr(comparison_restore, "create_from_state_observed",
                         lambda sc, p, name=None: (_Restored(types.AdamOptimizerConfig()), types.LoadWeightsResponse()))
     cfg = _cfg(3)
-    state = comparison.RunState("r", "p", "e", "c", "i", {a.name: comparison.ArmState(a.name) for a in cfg.arms})
-    with pytest.raises(comparison.ComparisonError, match="the load response has no path"):
-        CR.restore_arm(None, state, cfg, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
+    state = RunState("r", "p", "e", "c", "i", {a.name: ArmState(a.name) for a in cfg.arms})
+    with pytest.raises(ComparisonError, match="the load response has no path"):
+        comparison_restore.restore_arm(None, state, cfg, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
 
 
 @pytest.mark.parametrize("option, backend, want", [
@@ -132,7 +140,7 @@ def test_arms_run_concurrently_by_default_on_a_real_service(option, backend, wan
 
 
 def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):
-    from dppo_harness.pytest_plugin.hooks import HarnessOptions
+    from dppo_harness.pytest_plugin.session import HarnessOptions
 
     assert HarnessOptions.__dataclass_fields__["comparison_schedule"].default is None
     assert pytestconfig.getoption("--comparison-schedule") is None

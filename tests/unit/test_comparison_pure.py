@@ -10,7 +10,25 @@ from dppo_harness import plans
 from dppo_harness.evaluation import stats
 from dppo_harness.loss import losses
 from dppo_harness.plans import PlanError, load_plan, parse_plan
-from dppo_harness.stages import comparison, comparison_eval
+from dppo_harness.stages.comparison.config import ComparisonError, comparison_config, step_seed
+from dppo_harness.stages.comparison.decision import (
+    OBSERVATIONS_FILE,
+    CriterionDecision,
+    decide_criteria,
+    decision_block,
+    recompute_from_file,
+    verdict,
+)
+from dppo_harness.stages.comparison.state import (
+    STATE_FILE,
+    ArmState,
+    RunState,
+    code_revision,
+    resume_problems,
+    rewind_to_common_save,
+    state_path,
+)
+from dppo_harness.stages.comparison.step_rows import arm_summary, comparable, step_line, step_metrics
 
 ROOT = Path(__file__).parents[2]
 SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
@@ -18,13 +36,13 @@ REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
 
 
 def test_config_of_the_saved_spec_and_the_rehearsal():
-    full = comparison.comparison_config(SPEC.run)
+    full = comparison_config(SPEC.run)
     assert (full.steps, full.groups_per_batch, full.group_size, full.max_tokens, full.eval_items) == (50, 32, 8, 512, 1319)
     assert [(a.name, a.loss, a.role) for a in full.arms] == [("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
                                                             ("dppo_seed0", "dppo_divergence_mask", "treatment")]
     assert all(a.adam["learning_rate"] == 2e-5 for a in full.arms) and full.temperature == 1.0
     assert [(c.treatment, c.baseline, c.margin) for c in full.criteria] == [("dppo_seed0", "grpo_seed0", 0.0)]
-    small = comparison.comparison_config(REHEARSAL.run)
+    small = comparison_config(REHEARSAL.run)
     assert small.base_model == "local/tiny-qwen3-gsm8k" and small.arms[0].updates_per_batch == 2
     assert small.steps * 2 == REHEARSAL.spec["steps"] and small.eval_items == REHEARSAL.spec["eval"]["n_examples"]
 
@@ -43,13 +61,13 @@ def test_plan_load_refuses_specs_that_break_the_pairing(mutate, match):
     mutate(spec)
     with pytest.raises(PlanError, match=match):
         parse_plan(json.dumps(spec).encode())
-    with pytest.raises(comparison.ComparisonError, match="save_every"):
-        comparison.comparison_config(SPEC.run, save_every=11)
+    with pytest.raises(ComparisonError, match="save_every"):
+        comparison_config(SPEC.run, save_every=11)
 
 
 def test_same_seeds_for_both_arms_distinct_across_steps():
-    cfg = comparison.comparison_config(SPEC.run)
-    seeds = [comparison.step_seed(cfg, s) for s in range(cfg.steps)]
+    cfg = comparison_config(SPEC.run)
+    seeds = [step_seed(cfg, s) for s in range(cfg.steps)]
     assert len(set(seeds)) == cfg.steps and seeds[1] - seeds[0] == cfg.groups_per_batch
 
 
@@ -71,15 +89,15 @@ def _recs():
 
 
 def test_step_metrics_pool_fractions_by_loss_tokens():
-    row = comparison.step_metrics("a", 3, SUMMARY, _recs(), loss=losses.DPPO_LOSS, seconds=2.0, sample_seconds=1.0,
+    row = step_metrics("a", 3, SUMMARY, _recs(), loss=losses.DPPO_LOSS, seconds=2.0, sample_seconds=1.0,
                          sampler_checkpoint="tinker://x", kl={"optim/kl_sample_train_v1": 0.01, "optim/entropy": 0.5})
     assert row["dppo_masked_frac"] == pytest.approx(10 / 400)
     assert row["counterfactual_ppo_clip_frac"] == pytest.approx(3 / 400)
     assert row["drift_abs_p90"] == 0.02 and row["updates"] == 2 and row["loss_tokens"] == 400
     assert (row["truncated_frac"], row["no_answer_frac"], row["mean_response_tokens"]) == (0.125, 0.25, 50.0)
     assert (row["kl_sample_train_v1"], row["entropy"]) == (0.01, 0.5) and "kl_sample_train_v2" not in row
-    assert "seconds" not in comparison.comparable(row) and comparison.comparable(row)["reward_mean"] == 0.5
-    s = comparison.arm_summary([row, {**row, "step": 4, "reward_mean": 1.0}])
+    assert "seconds" not in comparable(row) and comparable(row)["reward_mean"] == 0.5
+    s = arm_summary([row, {**row, "step": 4, "reward_mean": 1.0}])
     assert s["steps_completed"] == 2.0 and s["reward_mean_over_steps"] == 0.75
     assert s["truncated_frac_last"] == 0.125 and s["entropy_last"] == 0.5
     assert all(isinstance(v, float) for v in s.values())
@@ -91,85 +109,85 @@ def test_the_rule_an_arm_does_not_train_with_is_labelled_counterfactual(loss, re
     """A GRPO arm's DPPO masked fraction (and a DPPO arm's PPO clip fraction) is counted on the arm's
     own tensors but removes nothing from its gradient: its name says counterfactual, in the row, in
     metrics.arms and in the terminal line; the real rule keeps its plain name."""
-    row = comparison.step_metrics("arm", 0, SUMMARY, _recs(), loss=loss, seconds=1.0, sample_seconds=0.5,
+    row = step_metrics("arm", 0, SUMMARY, _recs(), loss=loss, seconds=1.0, sample_seconds=0.5,
                          sampler_checkpoint="tinker://x")
     assert counterfactual not in row and f"counterfactual_{counterfactual}" in row and real in row
     assert f"counterfactual_last_update_{counterfactual.split('_')[1]}_frac" in row
-    summary = comparison.arm_summary([row])
+    summary = arm_summary([row])
     assert f"counterfactual_{counterfactual}_mean" in summary and f"{counterfactual}_mean" not in summary
     assert f"{real}_mean" in summary
     short = {"dppo_masked_frac": "masked", "ppo_clip_frac": "clip"}
-    line = comparison.step_line(row, 3)
+    line = step_line(row, 3)
     assert f"cf {short[counterfactual]} " in line and f"cf {short[real]} " not in line
 
 
 def _state(tmp_path, **arms):
-    st = comparison.RunState("r1", "p" * 64, "e" * 64, "c" * 64, "tinker://init",
-                    {a: comparison.ArmState(a, steps_done=n, state_path=f"tinker://{a}/{n}") for a, n in arms.items()})
-    st.save(comparison.state_path(tmp_path, "r1"))
-    return comparison.RunState.load(comparison.state_path(tmp_path, "r1"))
+    st = RunState("r1", "p" * 64, "e" * 64, "c" * 64, "tinker://init",
+                    {a: ArmState(a, steps_done=n, state_path=f"tinker://{a}/{n}") for a, n in arms.items()})
+    st.save(state_path(tmp_path, "r1"))
+    return RunState.load(state_path(tmp_path, "r1"))
 
 
 def test_resume_refuses_changed_plan_evaluator_code_or_unpaired_steps(tmp_path):
     st = _state(tmp_path, grpo_seed0=2, dppo_seed0=2)
     ok = dict(plan_sha256="p" * 64, evaluator_id="e" * 64, code_rev="c" * 64)
-    assert comparison.resume_problems(st, **ok) == []
+    assert resume_problems(st, **ok) == []
     assert st.arms["dppo_seed0"].state_path == "tinker://dppo_seed0/2"
     for key, what in (("plan_sha256", "plan"), ("evaluator_id", "evaluator"), ("code_rev", "code revision")):
-        problems = comparison.resume_problems(st, **{**ok, key: "x" * 64})
+        problems = resume_problems(st, **{**ok, key: "x" * 64})
         assert len(problems) == 1 and what in problems[0]
-    assert "apart" in comparison.resume_problems(_state(tmp_path, grpo_seed0=3, dppo_seed0=1), **ok)[0]
+    assert "apart" in resume_problems(_state(tmp_path, grpo_seed0=3, dppo_seed0=1), **ok)[0]
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / comparison.STATE_FILE).write_text("{not json")
-    with pytest.raises(comparison.ComparisonError, match="unreadable"):
-        comparison.RunState.load(tmp_path / "bad" / comparison.STATE_FILE)
+    (tmp_path / "bad" / STATE_FILE).write_text("{not json")
+    with pytest.raises(ComparisonError, match="unreadable"):
+        RunState.load(tmp_path / "bad" / STATE_FILE)
 
 
 def test_resume_rewinds_every_arm_to_the_last_step_all_of_them_saved(tmp_path):
     """save_every > 1, or a kill between the arms' saves: both arms continue from the last common
     save (step 0: the shared initial checkpoint); later rows are dropped and recomputed."""
-    st = comparison.RunState("r1", "p", "e", "c", "tinker://init", {
-        "grpo_seed0": comparison.ArmState("grpo_seed0", steps_done=7, state_path="tinker://g/6", state_step=6,
+    st = RunState("r1", "p", "e", "c", "tinker://init", {
+        "grpo_seed0": ArmState("grpo_seed0", steps_done=7, state_path="tinker://g/6", state_step=6,
                                  saves={"3": "tinker://g/3", "6": "tinker://g/6"}, final_sampler="tinker://g/final"),
-        "dppo_seed0": comparison.ArmState("dppo_seed0", steps_done=6, state_path="tinker://d/3", state_step=3,
+        "dppo_seed0": ArmState("dppo_seed0", steps_done=6, state_path="tinker://d/3", state_step=3,
                                  saves={"3": "tinker://d/3"})})
     st.rows = [{"arm": a, "step": k} for k in range(7) for a in ("grpo_seed0", "dppo_seed0")]
-    assert comparison.rewind_to_common_save(st, steps=9) == 3
+    assert rewind_to_common_save(st, steps=9) == 3
     assert {a: (s.steps_done, s.state_step, s.state_path) for a, s in st.arms.items()} == {
         "grpo_seed0": (3, 3, "tinker://g/3"), "dppo_seed0": (3, 3, "tinker://d/3")}
     assert st.arms["grpo_seed0"].final_sampler is None and max(r["step"] for r in st.rows) == 2
     st.arms["dppo_seed0"].saves = {}
     st.arms["dppo_seed0"].state_path = None
-    assert comparison.rewind_to_common_save(st, steps=9) == 0
+    assert rewind_to_common_save(st, steps=9) == 0
     assert all(s.state_path is None and s.steps_done == 0 for s in st.arms.values()) and st.rows == []
     # a state written before saves were kept: its one state counts
-    old = comparison.RunState.from_json({**st.to_json(), "arms": {a: {k: v for k, v in d.items() if k != "saves"} | {
+    old = RunState.from_json({**st.to_json(), "arms": {a: {k: v for k, v in d.items() if k != "saves"} | {
         "steps_done": 2, "state_step": 2, "state_path": f"tinker://{a}/2"} for a, d in st.to_json()["arms"].items()}})
-    assert comparison.rewind_to_common_save(old, steps=9) == 2
+    assert rewind_to_common_save(old, steps=9) == 2
 
 
 def test_code_revision_changes_with_the_sources(tmp_path):
     (tmp_path / "a.py").write_text("x = 1\n")
-    before = comparison.code_revision(tmp_path)
+    before = code_revision(tmp_path)
     (tmp_path / "a.py").write_text("x = 2\n")
-    assert comparison.code_revision(tmp_path) != before
+    assert code_revision(tmp_path) != before
 
 
 def _crit(lower, upper, margin=0.0, cid="primary"):
-    return comparison_eval.CriterionDecision(cid, "accuracy", "dppo_seed0", "grpo_seed0",
+    return CriterionDecision(cid, "accuracy", "dppo_seed0", "grpo_seed0",
                                {"lower": lower, "upper": upper, "margin": margin})
 
 
 def test_verdict_rules_including_must_fail_inputs():
-    assert comparison_eval.verdict([_crit(0.01, 0.2)], rehearsal=False)[:2] == ("supported", "supported")
-    assert comparison_eval.verdict([_crit(-0.2, -0.01)], rehearsal=False)[:2] == ("refuted", "refuted")
-    assert comparison_eval.verdict([_crit(0.0, 0.2)], rehearsal=False)[:2] == ("inconclusive", "insufficient_evidence")  # lower == margin
-    assert comparison_eval.verdict([_crit(-0.1, 0.1)], rehearsal=False)[:2] == ("inconclusive", "insufficient_evidence")
-    assert comparison_eval.verdict([_crit(0.01, 0.2), _crit(-0.3, -0.1, cid="b")], rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
-    assert comparison_eval.verdict([_crit(0.01, 0.2), _crit(-0.1, 0.1, cid="b")], rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
-    v, reason, text = comparison_eval.verdict([_crit(0.01, 0.2)], rehearsal=True)
+    assert verdict([_crit(0.01, 0.2)], rehearsal=False)[:2] == ("supported", "supported")
+    assert verdict([_crit(-0.2, -0.01)], rehearsal=False)[:2] == ("refuted", "refuted")
+    assert verdict([_crit(0.0, 0.2)], rehearsal=False)[:2] == ("inconclusive", "insufficient_evidence")  # lower == margin
+    assert verdict([_crit(-0.1, 0.1)], rehearsal=False)[:2] == ("inconclusive", "insufficient_evidence")
+    assert verdict([_crit(0.01, 0.2), _crit(-0.3, -0.1, cid="b")], rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
+    assert verdict([_crit(0.01, 0.2), _crit(-0.1, 0.1, cid="b")], rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
+    v, reason, text = verdict([_crit(0.01, 0.2)], rehearsal=True)
     assert (v, reason) == ("inconclusive", "insufficient_evidence") and "supported" in text
-    assert comparison_eval.verdict([], rehearsal=False)[:2] == ("inconclusive", "incomplete_execution")
+    assert verdict([], rehearsal=False)[:2] == ("inconclusive", "incomplete_execution")
 
 
 def _rows(t_vals, b_vals):
@@ -183,16 +201,16 @@ def _rows(t_vals, b_vals):
 def test_decide_criteria_uses_the_spec_rule_and_recomputes_from_file(tmp_path):
     rule = dict(criteria=SPEC.run.criteria, alpha=SPEC.run.alpha)
     rows = _rows([1] * 900 + [0] * 100, [0] * 1000)
-    crit = comparison_eval.decide_criteria(rows, rule["criteria"], alpha=rule["alpha"])
-    assert crit[0].lower > 0 and comparison_eval.verdict(crit, rehearsal=False)[0] == "supported"
+    crit = decide_criteria(rows, rule["criteria"], alpha=rule["alpha"])
+    assert crit[0].lower > 0 and verdict(crit, rehearsal=False)[0] == "supported"
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     (tmp_path / "obs.jsonl").write_bytes(data)
-    again = comparison_eval.recompute_from_file(tmp_path / "obs.jsonl", rule["criteria"], alpha=rule["alpha"])
+    again = recompute_from_file(tmp_path / "obs.jsonl", rule["criteria"], alpha=rule["alpha"])
     assert again[0]["lower"] == crit[0].lower
-    block = comparison_eval.decision_block(data, crit, comparison_eval.verdict(crit, rehearsal=False), rehearsal=False)
-    assert block["version"] == 1 and block["observations_file"]["name"] == comparison_eval.OBSERVATIONS_FILE
+    block = decision_block(data, crit, verdict(crit, rehearsal=False), rehearsal=False)
+    assert block["version"] == 1 and block["observations_file"]["name"] == OBSERVATIONS_FILE
     with pytest.raises(stats.ObservationError, match="unpaired"):
-        comparison_eval.decide_criteria(rows[:-1], rule["criteria"], alpha=rule["alpha"])
+        decide_criteria(rows[:-1], rule["criteria"], alpha=rule["alpha"])
     bad = copy.deepcopy(SPEC.raw)
     bad["decision_rule"]["method"] = "bootstrap"
     with pytest.raises(PlanError, match="^decision_rule.method: 'bootstrap' is not implemented"):
@@ -242,7 +260,7 @@ def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
 
 def test_resized_plan_changes_size_fields_together_and_never_the_input():
     small = plans.resized_plan(SPEC, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)
-    cfg = comparison.comparison_config(small.run)
+    cfg = comparison_config(small.run)
     assert (cfg.steps, cfg.groups_per_batch, cfg.max_tokens, cfg.eval_items) == (3, 2, 64, 5)
     assert "groups_per_batch=2" in small.run.groups_per_batch.source and small.sha256 == SPEC.sha256
     assert SPEC.raw["steps"] == 100 and "groups_per_batch=32" in SPEC.raw["method"] and SPEC.run.rollout_steps == 50

@@ -6,7 +6,9 @@ import pytest
 
 from dppo_harness.loss import losses
 from dppo_harness.plans import load_plan
-from dppo_harness.stages import comparison
+from dppo_harness.stages.comparison import arms as comparison_arms
+from dppo_harness.stages.comparison.config import ArmSpec, ComparisonConfig, ComparisonError, comparison_config
+from dppo_harness.stages.comparison.state import ArmState, RunState
 
 SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
 
@@ -25,8 +27,8 @@ class FakeArm:
 
 
 def _runner(arm):
-    spec = comparison.ArmSpec("grpo_seed0", losses.GRPO_LOSS, "baseline", 0, 1e-2, 2)
-    return comparison.ArmRunner(spec, arm, loss_fn=None, recorder=None)
+    spec = ArmSpec("grpo_seed0", losses.GRPO_LOSS, "baseline", 0, 1e-2, 2)
+    return comparison_arms.ArmRunner(spec, arm, loss_fn=None, recorder=None)
 
 
 def _step(runner, attempt, progress):
@@ -53,7 +55,7 @@ def test_refusal_after_an_update_restores_the_step_start_before_the_retry():
         restores.append((path, dict(failure)))
         return _runner(FakeArm(applied=saved[path]))
 
-    guard = comparison.GuardedArmStep(_runner(FakeArm(applied=2, refuse_at=2)), 1, "tinker://m/weights/step1", restore, _step)
+    guard = comparison_arms.GuardedArmStep(_runner(FakeArm(applied=2, refuse_at=2)), 1, "tinker://m/weights/step1", restore, _step)
     row = _retry(guard)
     assert row == {"applied": 4, "attempt": 1}  # exactly updates_per_batch on top of the step start
     assert [p for p, _ in restores] == ["tinker://m/weights/step1"]
@@ -65,7 +67,7 @@ def test_refusal_after_an_update_restores_the_step_start_before_the_retry():
 def test_retrying_as_it_stands_would_apply_an_extra_update():
     """The fault the guard prevents: the same refusal, retried on the arm as it stands."""
     arm = FakeArm(applied=2, refuse_at=2)
-    guard = comparison.GuardedArmStep(_runner(arm), 1, "tinker://m/weights/step1", lambda r, p, f: r, _step)
+    guard = comparison_arms.GuardedArmStep(_runner(arm), 1, "tinker://m/weights/step1", lambda r, p, f: r, _step)
     guard.dirty = False
     with pytest.raises(RuntimeError):
         guard()
@@ -83,16 +85,16 @@ def test_refusal_before_any_update_is_retried_without_a_restore():
             raise RuntimeError("trainer capacity exhausted")
         return _step(runner, attempt, progress)
 
-    guard = comparison.GuardedArmStep(_runner(FakeArm()), 0, None, no_restore, sample_refused_once)
+    guard = comparison_arms.GuardedArmStep(_runner(FakeArm()), 0, None, no_restore, sample_refused_once)
     assert _retry(guard) == {"applied": 2, "attempt": 1}
     assert guard.failures[0]["updates_sent_before_failure"] == 0 and guard.failures[0]["restored_from"] is None
 
 
 def test_without_a_state_at_the_step_start_the_retry_is_refused():
-    guard = comparison.GuardedArmStep(_runner(FakeArm(refuse_at=1)), 3, None, lambda r, p, f: r, _step)
+    guard = comparison_arms.GuardedArmStep(_runner(FakeArm(refuse_at=1)), 3, None, lambda r, p, f: r, _step)
     with pytest.raises(RuntimeError):
         guard()
-    with pytest.raises(comparison.ComparisonError, match="would apply updates twice"):
+    with pytest.raises(ComparisonError, match="would apply updates twice"):
         guard()
 
 
@@ -100,8 +102,8 @@ def test_without_a_state_at_the_step_start_the_retry_is_refused():
 def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypatch, schedule):
     """The wiring in train_arms: both schedules, a refusal after the first update of the GRPO arm's
     step 1; that arm is restored from its state saved after step 1 and ends with 3 x 2 updates."""
-    cfg = comparison.comparison_config(SPEC.run)
-    cfg = comparison.ComparisonConfig(**{**cfg.__dict__, "steps": 3})
+    cfg = comparison_config(SPEC.run)
+    cfg = ComparisonConfig(**{**cfg.__dict__, "steps": 3})
     fakes = {a.name: FakeArm(refuse_at=4 if a.role == "baseline" else None) for a in cfg.arms}
     saved: dict[str, int] = {}
 
@@ -122,7 +124,7 @@ def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypat
 
     def restore(runner, path, failure):
         restored.append((runner.spec.name, path))
-        return comparison.ArmRunner(runner.spec, FakeArm(applied=saved[path]), None, None)
+        return comparison_arms.ArmRunner(runner.spec, FakeArm(applied=saved[path]), None, None)
 
     def call(fn):
         try:
@@ -130,10 +132,10 @@ def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypat
         except RuntimeError:
             return fn()
 
-    monkeypatch.setattr(comparison, "run_arm_step", fake_step)
-    state = comparison.RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: comparison.ArmState(a.name) for a in cfg.arms})
-    runners = [comparison.ArmRunner(a, fakes[a.name], None, None) for a in cfg.arms]
-    out = comparison.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", schedule=schedule,
+    monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
+    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
+    runners = [comparison_arms.ArmRunner(a, fakes[a.name], None, None) for a in cfg.arms]
+    out = comparison_arms.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", schedule=schedule,
                        save_state=save_state, restore=restore, call=call)
     assert out.steps_completed == 3 and out.stopped is None
     assert restored == [("grpo_seed0", "tinker://grpo_seed0/weights/step1")]

@@ -22,7 +22,7 @@ from dppo_harness.data.gsm8k import Graded, Gsm8kItem
 from dppo_harness.instrument import cookbook_metrics as CM
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
-from dppo_harness.stages import comparison
+from dppo_harness.stages.comparison.step_rows import step_metrics
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -63,7 +63,7 @@ def test_step_record_uses_the_cookbooks_names():
     assert env["env/all/reward/total"] == pytest.approx(np.mean([1.0, 0.0, -0.1, -0.1]))
     assert env["env/all/total_ac_tokens"] == 10 and env["env/all/by_group/frac_mixed"] == 0.5
     records = simulate_records(n_updates=2, minibatches_per_epoch=2, sequences=2)
-    row = comparison.step_metrics("grpo_seed0", 1, batch.summary(), records, loss=losses.GRPO_LOSS, seconds=3.0, sample_seconds=1.0,
+    row = step_metrics("grpo_seed0", 1, batch.summary(), records, loss=losses.GRPO_LOSS, seconds=3.0, sample_seconds=1.0,
                          sampler_checkpoint="tinker://x", kl=CM.kl_sample_train(records), cookbook_env=env,
                          rollout_seconds=0.5)
     rec = CM.step_record(row, steps=4, learning_rate=2e-5)

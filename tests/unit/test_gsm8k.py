@@ -1,5 +1,6 @@
 """GSM8K data: pinned hashes, cookbook order, stable ids, hub verification, reward."""
 
+import hashlib
 import shutil
 from typing import Any, cast
 
@@ -21,7 +22,7 @@ def test_vendored_files_match_pinned_hashes():
     assert set(sums) == {"train.jsonl", "test.jsonl"}
     for split in gsm8k.SPLITS:
         data = (gsm8k.DATA_DIR / f"{split}.jsonl").read_bytes()
-        assert gsm8k.sha256_bytes(data) == sums[f"{split}.jsonl"]
+        assert hashlib.sha256(data).hexdigest() == sums[f"{split}.jsonl"]
         rows, prov = gsm8k.load_rows(split)
         assert prov["verified"] and prov["source"] == "vendored" and prov["sha256"] == sums[f"{split}.jsonl"]
         assert len(rows) == gsm8k.EXPECTED_ROWS[split]

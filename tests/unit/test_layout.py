@@ -66,9 +66,9 @@ def one_letter_aliases(paths: list[Path]) -> list[str]:
     out = []
     for p in paths:
         for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                if any(a.asname and len(a.asname) == 1 for a in node.names):
-                    out.append(f"{_rel(p)}:{node.lineno}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                    a.asname and len(a.asname) == 1 for a in node.names):
+                out.append(f"{_rel(p)}:{node.lineno}")
     return out
 
 

@@ -25,7 +25,8 @@ import torch
 
 from dppo_harness.loss import correctness_golden, losses, references
 from dppo_harness.plans import PlanError, parse_plan
-from dppo_harness.stages import comparison
+from dppo_harness.stages.comparison.arms import make_runners
+from dppo_harness.stages.comparison.config import comparison_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
@@ -99,8 +100,8 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
     parity = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert parity.passed and parity.cases == 3, parity.failures
     # the training path: the comparison's runner for that arm trains the registered rule
-    cfg = comparison.comparison_config(plan.run)
-    runner = comparison.make_runners({a.name: object() for a in cfg.arms}, cfg)[1]
+    cfg = comparison_config(plan.run)
+    runner = make_runners({a.name: object() for a in cfg.arms}, cfg)[1]
     assert runner.loss_fn.loss_config.loss == NAME
     case = json.loads((ROOT / GOLDEN).read_text())["cases"][1]
     lp = torch.tensor(np.asarray(case["log_prob"]).ravel(), dtype=torch.float64, requires_grad=True)

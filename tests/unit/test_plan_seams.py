@@ -42,7 +42,7 @@ def test_no_stage_module_imports_a_dataset_module_directly():
     graph = import_graph(functions=True)
     modules = {entry.module for entry in dataset.DATASETS.values()}
     stage_modules = [m for m in graph if m.startswith(STAGE_PACKAGES)]
-    assert "dppo_harness.stages.comparison_run" in stage_modules
+    assert "dppo_harness.stages.comparison.run" in stage_modules
     direct = {m: sorted(graph[m] & modules) for m in stage_modules}
     assert all(not v for v in direct.values()), direct
     assert "dppo_harness.data.gsm8k" in graph["dppo_harness.rollout.rollouts"]  # the checker sees a real import

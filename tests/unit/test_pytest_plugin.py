@@ -316,7 +316,7 @@ def test_a_service_stop_in_a_stage_fixture_is_one_line_for_every_test(project):
     (p.path / "tests/preflight/conftest.py").write_text(textwrap.dedent(
         """
         import pytest
-        from dppo_harness.pytest_plugin.hooks import stops_stage
+        from dppo_harness.pytest_plugin.session import stops_stage
         from dppo_harness.service.service_wait_policy import ServiceHang
 
         @pytest.fixture(scope="session")

@@ -13,7 +13,10 @@ from dppo_harness.evaluation import stats
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
 from dppo_harness.loss import losses
 from dppo_harness.plans import HARNESS_NORMALIZATION, BackendInfo, CriterionConfig, effective_config, load_plan
-from dppo_harness.stages import comparison, comparison_eval, gate
+from dppo_harness.stages import gate
+from dppo_harness.stages.comparison.config import comparison_config
+from dppo_harness.stages.comparison.decision import decide_criteria, decision_block, informational_interval, verdict
+from dppo_harness.stages.comparison.step_rows import fraction_names
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -34,13 +37,13 @@ def test_the_declared_normalization_is_what_the_arms_and_the_gate_train_with(nam
     plan = load_plan(PLANS / name)
     declared = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))["loss_normalization"]["mode"]
     assert declared == plan.run.normalization == HARNESS_NORMALIZATION
-    assert comparison.comparison_config(plan.run).normalization == gate.pilot_config(plan.run).normalization == declared
+    assert comparison_config(plan.run).normalization == gate.pilot_config(plan.run).normalization == declared
 
 
 def _rows():
     rows = []
     for arm, loss in (("grpo_seed0", losses.GRPO_LOSS), ("dppo_seed0", losses.DPPO_LOSS)):
-        names = comparison.fraction_names(loss)
+        names = fraction_names(loss)
         for step in range(3):
             rows.append({"arm": arm, "step": step, "loss": loss, "reward_mean": 0.1 * step, "format_rate": 0.5,
                          names["dppo_masked_frac"]: 0.065, names["ppo_clip_frac"]: 0.01, "drift_abs_p90": 0.02,
@@ -58,9 +61,9 @@ def _decision():
            for i, (tv, bv) in enumerate(zip(t, b)) for arm, v in (("dppo_seed0", tv), ("grpo_seed0", bv))]
     rule = [CriterionConfig("primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0),
                             {"treatment": 1, "baseline": -1})]
-    crit = comparison_eval.decide_criteria(obs, rule, alpha=0.05)
-    info = comparison_eval.informational_interval(obs, rule[0], alpha=0.05)
-    return comparison_eval.decision_block(b"x\n", crit, comparison_eval.verdict(crit, rehearsal=True), rehearsal=True, informational=info)
+    crit = decide_criteria(obs, rule, alpha=0.05)
+    info = informational_interval(obs, rule[0], alpha=0.05)
+    return decision_block(b"x\n", crit, verdict(crit, rehearsal=True), rehearsal=True, informational=info)
 
 
 def test_comparison_report_shows_labels_truncation_plot_and_informational_interval(tmp_path):

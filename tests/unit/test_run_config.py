@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dppo_harness.plans import BackendInfo, PlanError, effective_config, load_plan, parse_plan
-from dppo_harness.stages import comparison, comparison_eval
+from dppo_harness.stages.comparison.config import comparison_config
+from dppo_harness.stages.comparison.decision import decide_criteria, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
@@ -139,15 +140,15 @@ def test_n_arms_one_baseline_several_treatments_each_criterion_on_its_own():
                                                     ("dppo_seed0_b", "treatment")]
     assert [(c.id, c.treatment, c.baseline) for c in run.criteria] == [("a", "dppo_seed0", "grpo_seed0"),
                                                                        ("b", "dppo_seed0_b", "grpo_seed0")]
-    cfg = comparison.comparison_config(run)
+    cfg = comparison_config(run)
     assert [a.name for a in cfg.treatments] == ["dppo_seed0", "dppo_seed0_b"]
     rows = []
     for i in range(400):  # treatment a clearly better, treatment b equal to the baseline
         for arm, v in (("dppo_seed0", 1), ("dppo_seed0_b", i % 2), ("grpo_seed0", i % 2)):
             rows.append({"item_id": f"i{i}", "arm": arm, "seed": 0, "metric": "accuracy", "value": v, "evaluator_id": "e"})
-    decided = comparison_eval.decide_criteria(rows, run.criteria, alpha=run.alpha)
+    decided = decide_criteria(rows, run.criteria, alpha=run.alpha)
     assert decided[0].lower > 0 and decided[1].lower < 0 < decided[1].upper
-    assert comparison_eval.verdict(decided, rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
+    assert verdict(decided, rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
     with pytest.raises(PlanError, match=r"^decision_rule.criteria\[0\].weights: names the role 'treatment', but the spec "
                                         r"has 2 treatment arms \(\['dppo_seed0', 'dppo_seed0_b'\]\); name the arm"):
         _parse(_three_arms(SPEC.raw["decision_rule"]["criteria"]))

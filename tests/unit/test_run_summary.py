@@ -67,14 +67,14 @@ def test_diagnostic_and_capacity_blocks(tmp_path):
 
 INNER = '''
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin.hooks import _STATE_KEY
+from dppo_harness.pytest_plugin.session import STATE_KEY
 
 
 def test_parity(pytestconfig, tmp_path_factory):
     bundle = EvidenceBundle.create(tmp_path_factory.mktemp("ev"))
     bundle.post_arm_metrics("dppo_seed0", {"steps_completed": 3.0, "reward_mean_last": 0.25, "accuracy": 0.5,
                                            "eval_n": 50.0, "eval_invalid_outputs": 2.0}, completed=True)
-    pytestconfig.stash[_STATE_KEY].bundle = bundle
+    pytestconfig.stash[STATE_KEY].bundle = bundle
 '''
 
 

@@ -27,7 +27,7 @@ import pytest
 
 from dppo_harness.evaluation import stats
 from dppo_harness.plans import CriterionConfig
-from dppo_harness.stages import comparison_eval
+from dppo_harness.stages.comparison import decision as comparison_decision
 
 Z95 = 1.959963984540054
 
@@ -113,13 +113,13 @@ def test_the_informational_interval_never_decides():
     b = [1] * 14 + [0] * 27
     rows = _rows(t, b)
     rule = [CriterionConfig("primary", "accuracy", "dppo", "grpo", 0.0, (0.0, 1.0), {"treatment": 1, "baseline": -1})]
-    criteria = comparison_eval.decide_criteria(rows, rule, alpha=0.05)
-    info = comparison_eval.informational_interval(rows, rule[0], alpha=0.05)
+    criteria = comparison_decision.decide_criteria(rows, rule, alpha=0.05)
+    info = comparison_decision.informational_interval(rows, rule[0], alpha=0.05)
     assert info["lower"] > 0 and criteria[0].lower < 0
-    verdict = comparison_eval.verdict(criteria, rehearsal=False)
+    verdict = comparison_decision.verdict(criteria, rehearsal=False)
     assert verdict[:2] == ("inconclusive", "insufficient_evidence")
-    block = comparison_eval.decision_block(b"{}\n", criteria, verdict, rehearsal=False, informational=info)
+    block = comparison_decision.decision_block(b"{}\n", criteria, verdict, rehearsal=False, informational=info)
     assert block["verdict"] == "inconclusive" and block["informational"]["used_for_verdict"] is False
-    metrics = comparison_eval.informational_metrics(info)
+    metrics = comparison_decision.informational_metrics(info)
     assert metrics["comparison/discordant_treatment_only_correct"] == 5.0
     assert metrics["comparison/discordant_baseline_only_correct"] == 0.0

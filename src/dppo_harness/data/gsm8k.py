@@ -70,10 +70,6 @@ def item_id(split: Split, index: int) -> str:
     return f"gsm8k-{split}-{index:04d}"
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def read_sha256sums(path: Path) -> dict[str, str]:
     """Parse a ``sha256sum`` file (``<hex>  <name>`` lines)."""
     if not path.is_file():
@@ -135,7 +131,7 @@ def load_rows(
     if source == "vendored":
         path = data_dir / f"{split}.jsonl"
         data = path.read_bytes()
-        got = sha256_bytes(data)
+        got = hashlib.sha256(data).hexdigest()
         if got != expected:
             raise DataIntegrityError(
                 f"{path}: sha256 {got} does not match pinned {expected} (SHA256SUMS); refusing to use it"
@@ -145,7 +141,7 @@ def load_rows(
     elif source == "hf_hub":
         hub_rows = _load_hub_rows(split)
         data = canonical_jsonl_bytes(hub_rows)
-        got = sha256_bytes(data)
+        got = hashlib.sha256(data).hexdigest()
         if got != expected:
             raise DataIntegrityError(
                 f"{HF_PATH} ({HF_CONFIG}/{split}) content sha256 {got} does not match pinned {expected}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import platform
 import time
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from dppo_harness.data import tokenizer as tokenizer_mod
 from dppo_harness.data.gsm8k import Gsm8kItem
 from dppo_harness.data.tokenizer import TokenizerBundle
 from dppo_harness.evaluation import answer_yield
+from dppo_harness.rollout.frozen_batch import canonical_json
 
 METRIC = "accuracy"
 DEFAULT_MAX_TOKENS = 512
@@ -48,10 +48,6 @@ PARSER_DESCRIPTION = (
 
 class EvaluatorChangedError(RuntimeError):
     """The code, prompt, decoding, parser or items differ from the frozen evaluator."""
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def evaluator_id(provenance: dict[str, Any]) -> str:

@@ -29,7 +29,6 @@ from dppo_harness.evidence.files import (
 )
 from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
-    DEVIATION_FIELDS,
     OUTCOME_REASONS,
     REHEARSAL_PREFIX,
     STATUSES,
@@ -39,6 +38,7 @@ from dppo_harness.evidence.result import (
     validate_result,
 )
 from dppo_harness.evidence.verify import main, verify_bundle
+from dppo_harness.plans.models import DEVIATION_FIELDS
 from dppo_harness.service.secrets_scan import SecretLeakError
 
 __all__ = [

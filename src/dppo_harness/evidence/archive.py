@@ -1,4 +1,4 @@
-"""One hashed archive of all the code a session executed (issue 11 point 3).
+"""One hashed archive of all the code a session executed, so a reviewer can rerun exactly it.
 
 The library (`src/dppo_harness/**`: loop, losses, instrumentation, the embedded server, the vendored
 data it reads), the tests, the plans and the packaging metadata, as ONE deterministic zip of kind

@@ -39,7 +39,6 @@ from dppo_harness.evidence.files import (
 from dppo_harness.evidence.ledger import BudgetLedger
 from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
-    DEVIATION_FIELDS,
     as_text,
     check_rehearsal_plan_result,
     check_update_keys,
@@ -49,6 +48,7 @@ from dppo_harness.evidence.result import (
     merged_result,
     validate_result,
 )
+from dppo_harness.plans.models import DEVIATION_FIELDS
 from dppo_harness.service.secrets_scan import SecretLeakError, SecretScanner, scanner_for
 
 if TYPE_CHECKING:

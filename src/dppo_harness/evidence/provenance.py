@@ -15,14 +15,19 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=60)
 
 
+def package_source_sha256(package_dir: Path) -> str:
+    """sha256 over a package's Python sources, each file's path relative to `package_dir` plus its
+    bytes, in path order: the one hash of the executed source (the provenance's `source_sha256`,
+    the comparison's code revision)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(package_dir).rglob("*.py")):
+        h.update(str(p.relative_to(package_dir)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def _source_sha256(root: Path) -> str | None:
     pkg = root / "src" / "dppo_harness"
-    if not pkg.is_dir():
-        return None
-    h = hashlib.sha256()
-    for p in sorted(pkg.rglob("*.py")):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
+    return package_source_sha256(pkg) if pkg.is_dir() else None
 
 
 def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[dict[str, Any], bytes]:

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
 from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error
 
-DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
 STATUSES = ("running", "succeeded", "failed")
 VERDICTS = ("supported", "refuted", "inconclusive")
 OUTCOME_REASONS = ("supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence", "incomplete_execution")

@@ -102,13 +102,13 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     record_plan(bundle, plan, plans.effective_config(plan, info))
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
-        # update of the session (the preflight's probes included; issue 11 point 5).
+        # update of the session (the preflight's probes included), so the evidence shows what was planned before it ran.
         from dppo_harness.instrument.pooled import REVISED_SPEC_FILE
 
         bundle.register_plan(plan, REVISED_SPEC_FILE)
     # The ledger's budget is the executed plan's own, counted from the session start (the ledger's
     # clock starts with the bundle): a bounded diagnostic's 12-minute cap includes setup and every
-    # stage before it (issue 11 point 6), inside the original experiment's GPU-hour cap.
+    # stage before it, inside the original experiment's GPU-hour cap.
     budget, source = plan.budget, f"{plan.name} " + ("caps" if plan.kind == "bounded_diagnostic" else "budget")
     bundle.note_ledger(stages_selected=list(stages), budget_source=source)
     bundle.set_budget(budget["max_wall_minutes"] * 60.0, budget["gpu_hours"])

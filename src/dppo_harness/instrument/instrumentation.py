@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dppo_harness.constants import DPPO_DELTA
+from dppo_harness.loss import losses
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
 META_KEY = "__record_meta__"
@@ -212,14 +213,6 @@ class LossCallRecord:
         }
 
 
-def _as_numpy(value: Any) -> np.ndarray:
-    if hasattr(value, "to_numpy"):
-        return np.asarray(value.to_numpy())
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
-
-
 def packed_inputs(data: Sequence[Any]) -> dict[str, np.ndarray]:
     """Sampler logprobs, advantages, mask, target tokens and layout of datums, packed over N."""
     fields: dict[str, list[np.ndarray]] = {k: [] for k in ("sampler", "adv", "mask", "target")}
@@ -229,11 +222,11 @@ def packed_inputs(data: Sequence[Any]) -> dict[str, np.ndarray]:
         missing = [k for k in ("target_tokens", "logprobs", "advantages", "mask") if k not in inputs]
         if missing:
             raise ValueError(f"datum {i}: loss_fn_inputs lacks {missing}")
-        target = _as_numpy(inputs["target_tokens"]).reshape(-1)
+        target = losses.as_numpy(inputs["target_tokens"]).reshape(-1)
         parts = {
-            "sampler": _as_numpy(inputs["logprobs"]).reshape(-1),
-            "adv": _as_numpy(inputs["advantages"]).reshape(-1),
-            "mask": _as_numpy(inputs["mask"]).reshape(-1),
+            "sampler": losses.as_numpy(inputs["logprobs"]).reshape(-1),
+            "adv": losses.as_numpy(inputs["advantages"]).reshape(-1),
+            "mask": losses.as_numpy(inputs["mask"]).reshape(-1),
         }
         for k, v in parts.items():
             if v.shape != target.shape:
@@ -263,7 +256,6 @@ def record_from_call(
 ) -> LossCallRecord:
     """Run the packed path's terms (`losses.datum_token_terms`, exactly what the loss computes)
     on the exact tensors of one loss call and build its record."""
-    from dppo_harness.loss import losses
 
     inputs = packed_inputs(data)
     lp_N = (
@@ -502,7 +494,6 @@ def record_prob_diff(record: LossCallRecord, loss_cfg: Any) -> np.ndarray:
     the packed path from the saved tensors (records loaded from disk carry no p - q)."""
     if record.prob_diff_N is not None:
         return record.prob_diff_N
-    from dppo_harness.loss import losses
 
     t = record.tensors
     terms = losses.token_terms(

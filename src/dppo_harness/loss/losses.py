@@ -113,14 +113,17 @@ class TokenTerms:
     advantages_N: torch.Tensor  # float64, as given (junk kept on non-loss tokens)
 
 
-def _as_numpy(value: Any, key: str, index: int) -> np.ndarray:
-    """Read one loss_fn_inputs entry whether TensorData, numpy, torch or list."""
-    if hasattr(value, "to_numpy"):  # tinker.TensorData (dense or sparse)
-        arr = value.to_numpy()
-    elif isinstance(value, torch.Tensor):
-        arr = value.detach().cpu().numpy()
-    else:
-        arr = np.asarray(value)
+def as_numpy(value: Any) -> np.ndarray:
+    """One loss_fn_inputs entry as numpy, whether TensorData (dense or sparse), torch or a list."""
+    if hasattr(value, "to_numpy"):
+        return np.asarray(value.to_numpy())
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _as_numpy_1d(value: Any, key: str, index: int) -> np.ndarray:
+    arr = as_numpy(value)
     if arr.ndim != 1:
         raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] must be 1-D, got shape {arr.shape}")
     return arr
@@ -143,7 +146,7 @@ def unpack_datums(
         missing = [k for k in _INPUT_KEYS if k not in inputs]
         if missing:
             raise ValueError(f"datum {i}: loss_fn_inputs lacks {missing} (needs {list(_INPUT_KEYS)})")
-        arrays = {k: _as_numpy(inputs[k], k, i) for k in _INPUT_KEYS}
+        arrays = {k: _as_numpy_1d(inputs[k], k, i) for k in _INPUT_KEYS}
         length = arrays["mask"].shape[0]
         for k, arr in arrays.items():
             if arr.shape[0] != length:
@@ -201,7 +204,8 @@ def token_terms(
     drop_N = torch.where(pos_N, diff_N > cfg.dppo_delta, diff_N < -cfg.dppo_delta)
     keep_N = loss_N & ~drop_N
     clipped_N = loss_N & ((pos_N & (ratio_N > 1 + cfg.ppo_eps)) | (neg_N & (ratio_N < 1 - cfg.ppo_eps)))
-    # Only a KEPT token is shaped by the cap; a dropped one gets no gradient at all (issue 11 §9).
+    # Only a KEPT token is shaped by the cap; a dropped one gets no gradient at all, so the cap
+    # never counts a token the mask already removed.
     cap_hit_N = nonzero_N & keep_N & (ratio_N > cfg.ratio_cap)
     return TokenTerms(
         prob_diff_N=diff_N,

@@ -450,7 +450,8 @@ class DeclaredServiceWork(_Model):
 
 
 class ServiceWork(_Model):
-    """Every optimizer update and sampling batch of the session, declared before execution (issue 11 §5)."""
+    """Every optimizer update and sampling batch of the session, declared before execution
+    (so executed work can be checked against what was planned)."""
 
     declared_before_execution: Literal[True]
     note: str | None = None

@@ -157,20 +157,7 @@ def build_run_config(spec: ExperimentSpec) -> RunConfig:
     stated = parse_method(spec.method)
     sched = {k: require(stated, k) for k in REQUIRED}
     gpb, gs, max_tokens = (int(sched[k].value) for k in ("groups_per_batch", "group_size", "max_tokens"))
-    names = [a.name for a in spec.arms]
-    if len(set(names)) != len(names):
-        raise _fail("arms", f"arm names must be unique, got {names}")
-    for i, a in enumerate(spec.arms):
-        try:
-            losses.get_loss(a.loss)
-        except losses.UnknownLossError as exc:
-            raise _fail(f"arms[{i}].loss", str(exc)) from None
-    for key in ("seed", "updates_per_batch"):
-        values = sorted({getattr(a, key) for a in spec.arms})
-        if len(values) != 1:
-            raise _fail("arms", f"{key} differs between arms ({values}): paired arms share prompts, sampling seeds "
-                                "and the minibatch schedule")
-    upb, seed = spec.arms[0].updates_per_batch, spec.arms[0].seed
+    upb, seed = _check_arms(spec)
 
     # steps, batch and the minibatch split: prose against the structured fields
     if spec.steps % upb:
@@ -202,23 +189,7 @@ def build_run_config(spec: ExperimentSpec) -> RunConfig:
         raise _fail("max_seq_len", f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={max_tokens} "
                                    f"({_quote(sched['max_tokens'])})")
 
-    # the dataset seam
-    try:
-        data = dataset.entry(spec.dataset.name)
-    except dataset.UnknownDatasetError as exc:
-        raise _fail("dataset.name", str(exc)) from None
-    if spec.dataset.hf_path != data.hf_path:
-        raise _fail("dataset.hf_path", f"{spec.dataset.hf_path!r} is not the source of the registered "
-                                       f"{data.name} ({data.hf_path!r})")
-    need = rollout_steps * gpb
-    if need > spec.dataset.n_examples:
-        raise _fail("dataset.n_examples", f"{spec.dataset.n_examples} train prompts, but {rollout_steps} rollout "
-                                          f"steps x {gpb} groups use {need}")
-    for split, n, at in (("train", spec.dataset.n_examples, "dataset.n_examples"), ("test", spec.eval.n_examples,
-                                                                                  "eval.n_examples")):
-        if n > data.split_sizes[split]:
-            raise _fail(at, f"{n} exceeds the {data.split_sizes[split]} items of {data.name} {split}")
-
+    data = _check_dataset(spec, rollout_steps, gpb)
     arms = _arms(spec)
     criteria = _criteria(spec, arms)
     _check_gate_metrics(spec)
@@ -234,6 +205,44 @@ def build_run_config(spec: ExperimentSpec) -> RunConfig:
         eval_items=spec.eval.n_examples, gate_pilot_steps=pilot, decision_method=spec.decision_rule.method, alpha=spec.decision_rule.alpha,
         criteria=criteria, gate_checks=tuple(spec.activation_gate.checks), budget=spec.budget, prose=stated,
     )
+
+
+def _check_arms(spec: ExperimentSpec) -> tuple[int, int]:
+    """(updates_per_batch, seed) the arms share; unique names and registered losses."""
+    names = [a.name for a in spec.arms]
+    if len(set(names)) != len(names):
+        raise _fail("arms", f"arm names must be unique, got {names}")
+    for i, a in enumerate(spec.arms):
+        try:
+            losses.get_loss(a.loss)
+        except losses.UnknownLossError as exc:
+            raise _fail(f"arms[{i}].loss", str(exc)) from None
+    for key in ("seed", "updates_per_batch"):
+        values = sorted({getattr(a, key) for a in spec.arms})
+        if len(values) != 1:
+            raise _fail("arms", f"{key} differs between arms ({values}): paired arms share prompts, sampling seeds "
+                                "and the minibatch schedule")
+    return spec.arms[0].updates_per_batch, spec.arms[0].seed
+
+
+def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: int) -> dataset.DatasetEntry:
+    """The registered dataset the spec names (the one dataset seam), large enough for the run."""
+    try:
+        data = dataset.entry(spec.dataset.name)
+    except dataset.UnknownDatasetError as exc:
+        raise _fail("dataset.name", str(exc)) from None
+    if spec.dataset.hf_path != data.hf_path:
+        raise _fail("dataset.hf_path", f"{spec.dataset.hf_path!r} is not the source of the registered "
+                                       f"{data.name} ({data.hf_path!r})")
+    need = rollout_steps * groups_per_batch
+    if need > spec.dataset.n_examples:
+        raise _fail("dataset.n_examples", f"{spec.dataset.n_examples} train prompts, but {rollout_steps} rollout "
+                                          f"steps x {groups_per_batch} groups use {need}")
+    for split, n, at in (("train", spec.dataset.n_examples, "dataset.n_examples"), ("test", spec.eval.n_examples,
+                                                                                  "eval.n_examples")):
+        if n > data.split_sizes[split]:
+            raise _fail(at, f"{n} exceeds the {data.split_sizes[split]} items of {data.name} {split}")
+    return data
 
 
 def _word(text: str, word: str) -> bool:

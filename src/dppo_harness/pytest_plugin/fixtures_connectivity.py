@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 
+from dppo_harness.pytest_plugin.session import early_connectivity
+
 
 @pytest.fixture(scope="session")
 def connectivity(request, service_backend, plan, harness_options):
-    from dppo_harness.pytest_plugin.hooks import early_connectivity
     from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
 
     report = early_connectivity(request.config)  # the launch-scope check may have read it already

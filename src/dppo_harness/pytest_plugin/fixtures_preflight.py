@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from dppo_harness.evidence.progress import Watchdog
-from dppo_harness.pytest_plugin.hooks import stops_stage
+from dppo_harness.pytest_plugin.session import stops_stage
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
     policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     plan_kind = plan.kind
     update_norm = None
-    if reader is None:  # tinker backend: read trained weights back through the SDK (issue 11 point 10)
+    if reader is None:  # tinker backend: read trained weights back through the SDK (no local engine to ask)
         from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
 
         update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
@@ -94,7 +94,7 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
         raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
         # Release the setup/probe session before anything trains, and record it.
-        from dppo_harness.pytest_plugin.hooks import record_client_releases
+        from dppo_harness.pytest_plugin.session import record_client_releases
 
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
     if failure is not None:
@@ -116,12 +116,12 @@ def feasibility(request, service_backend, plan, evidence_bundle, verified_restor
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
     client lives in its own session, closed when the pilot ends."""
     from dppo_harness import plans
-    from dppo_harness.pytest_plugin.hooks import record_client_releases
+    from dppo_harness.pytest_plugin.session import record_client_releases
     from dppo_harness.service.clients import make_service_client
     from dppo_harness.stages import feasibility as feasibility_module
 
     if plan.kind == "bounded_diagnostic":
-        # Issue 11 point 5: under the diagnostic plan no extra pilot samples or trains; the
+        # Under the diagnostic plan no extra pilot samples or trains (its budget is fixed); the
         # feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))

@@ -12,7 +12,14 @@ from collections.abc import Callable
 
 import pytest
 
-from dppo_harness.pytest_plugin.hooks import progress_printer, stops_stage
+from dppo_harness.pytest_plugin.session import (
+    progress_printer,
+    propose_outcome,
+    record_client_releases,
+    stage_started_at,
+    stops_stage,
+    unit_parity_passed,
+)
 
 
 def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
@@ -27,8 +34,6 @@ def harness_progress(request):
 
 def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
     """When the plugin saw the stage begin (time.monotonic), else now."""
-    from dppo_harness.pytest_plugin.hooks import stage_started_at
-
     started = stage_started_at(request.config, stage)
     return time.monotonic() if started is None else started
 
@@ -39,7 +44,6 @@ def gate_report(request, service_backend, plan, evidence_bundle, restoration, cl
                 training_client_observer, service_waiter, harness_options):
     """The plan's activation-gate pilot of each treatment arm, run once per session. The pilots'
     clients live in their own session, closed as soon as the pilots end (before any arm trains)."""
-    from dppo_harness.pytest_plugin.hooks import record_client_releases
     from dppo_harness.service.clients import make_service_client
     from dppo_harness.stages.gate import run_activation_gates
 
@@ -66,9 +70,9 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
     from dppo_harness.instrument.cookbook_metrics import WandbRequest
-    from dppo_harness.pytest_plugin.hooks import propose_outcome, unit_parity_passed
-    from dppo_harness.stages import comparison
-    from dppo_harness.stages.comparison_run import run_comparison
+    from dppo_harness.stages.comparison.config import ComparisonError
+    from dppo_harness.stages.comparison.run import run_comparison
+    from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
 
     if not unit_parity_passed(request.config):
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
@@ -82,7 +86,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     schedule, source = comparison_schedule(harness_options.comparison_schedule, evidence_bundle.result.get("backend"))
     # On a resume the feasibility block is not in this session's result yet: the guard then starts
     # from the finalize reserve alone and projects from the steps it measures.
-    guard = comparison.wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
+    guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
                                           arms=len(plan.run.arms) if plan.run else 0,
                                           eval_items=plan.run.eval_items if plan.run else 0)
     try:
@@ -95,7 +99,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
             progress=_progress(request), base_model=client_base_model,
             wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
         )
-    except comparison.ComparisonError as exc:  # a refused resume or configuration: its one line
+    except ComparisonError as exc:  # a refused resume or configuration: its one line
         line = str(exc)
     else:
         propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
@@ -108,12 +112,12 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
 def comparison_schedule(option: str | None, backend_block: dict | None) -> tuple[str, str]:
     """(schedule, why): --comparison-schedule when given, else concurrent on a real service and
     interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
-    from dppo_harness.stages import comparison
+    from dppo_harness.stages.comparison.config import default_schedule
 
     if option:
         return option, "--comparison-schedule"
     embedded = (backend_block or {}).get("kind") == "local"
-    return comparison.default_schedule(embedded), ("default on the embedded server" if embedded else
+    return default_schedule(embedded), ("default on the embedded server" if embedded else
                                           "default on a real service (benchmarks/comparison_schedule.py)")
 
 
@@ -136,7 +140,6 @@ def diagnostic_run(request, service_client, service_backend, plan, evidence_bund
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
-    from dppo_harness.pytest_plugin.hooks import propose_outcome
     from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()

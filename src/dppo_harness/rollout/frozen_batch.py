@@ -48,12 +48,13 @@ def _field_sha256(name: str, arr: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def _canonical_json(obj: Any) -> str:
+def canonical_json(obj: Any) -> str:
+    """The one JSON form hashed by the harness: sorted keys, no spaces, ASCII, no NaN."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def _overall_sha256(field_hashes: Mapping[str, str], metadata_json: str) -> str:
-    return hashlib.sha256(_canonical_json({"fields": dict(field_hashes), "metadata": json.loads(metadata_json)}).encode()).hexdigest()
+    return hashlib.sha256(canonical_json({"fields": dict(field_hashes), "metadata": json.loads(metadata_json)}).encode()).hexdigest()
 
 
 def split_complete_groups(group_of_seq: Sequence[int], n_minibatches: int) -> list[tuple[list[int], list[int]]]:
@@ -109,7 +110,7 @@ class FrozenBatch:
             own[name] = arr
         _validate(own)
         object.__setattr__(self, "_arrays", own)
-        object.__setattr__(self, "_metadata_json", _canonical_json(dict(metadata)))
+        object.__setattr__(self, "_metadata_json", canonical_json(dict(metadata)))
         hashes = {name: _field_sha256(name, own[name]) for name in FIELDS}
         object.__setattr__(self, "_field_hashes", hashes)
         object.__setattr__(self, "_sha256", _overall_sha256(hashes, self._metadata_json))

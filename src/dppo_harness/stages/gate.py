@@ -19,14 +19,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import tinker
+
+from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.stages.restoration import create_from_state_observed
 from dppo_harness.train import train_step
 
 if TYPE_CHECKING:
-    import tinker
-
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan, RunConfig
 
@@ -125,8 +128,6 @@ def gate_values(
     step whose last update never ran contributes nothing, and then the metric is missing (None)
     rather than a mean over fewer steps.
     """
-    from dppo_harness.loss import losses
-
     sources = losses.gate_metric_sources() if sources is None else sources
     second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
     rows = []
@@ -282,8 +283,6 @@ class GateReport:
         return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
 
     def to_json(self) -> dict[str, Any]:
-        from dppo_harness.loss import losses
-
         sources = losses.gate_metric_sources()
         return ins.nan_free({
             "kind": "activation_gate_report",
@@ -380,41 +379,15 @@ def _pilot_step(
     return records
 
 
-def run_activation_gate(
-    service_client: tinker.ServiceClient,
-    plan: Plan,
-    bundle: EvidenceBundle,
-    initial_checkpoint: str,
-    *,
-    backend: str,
-    progress: Callable[[str], None] | None = None,
-    tag: str = "gate",
-    arm: str | None = None,
-    **overrides: Any,
-) -> GateReport:
-    """Run the pilot of treatment `arm` (default: the first) from the shared initial checkpoint,
-    evaluate every check of the plan's gate, write the report (own immutable evidence file), the
-    per-step tensors and `activation_calibration`."""
-    import tinker
-
-    from dppo_harness.data import dataset, tokenizer
-    from dppo_harness.loss import losses
-    from dppo_harness.stages.restoration import create_from_state_observed
-
-    say = progress or (lambda _msg: None)
-    t0 = time.monotonic()
-    run = plan.spec_plan.run
-    if run is None:
-        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
-    cfg = pilot_config(run, arm, **overrides)
-    first = cfg.arm == run.treatments[0].name
-    tag = tag if first else f"{tag}-{cfg.arm}"
-    checks = [c.model_dump(exclude_none=True) for c in run.gate_checks]
-    loss_cfg = losses.LossConfig.for_loss(cfg.loss, cfg.normalization)  # type: ignore[arg-type]
-    pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
-    loss_fn = losses.make_loss_fn(loss_cfg)
-    adam = tinker.AdamParams(**cfg.adam)
+def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotConfig, pilot: _Pilot,
+               initial_checkpoint: str, *, backend: str, bundle: EvidenceBundle, tag: str,
+               say: Callable[[str], None], t0: float) -> list[str]:
+    """The pilot's steps on a client loaded from the shared initial checkpoint, measured into
+    `pilot`; returns the errors (a pilot stopping early is recorded, and the gate then fails on
+    the missing values)."""
     errors: list[str] = []
+    loss_fn = losses.make_loss_fn(pilot.recorder.loss_cfg)
+    adam = tinker.AdamParams(**cfg.adam)
     try:
         tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "gate pilot client")
         pilot.loaded_checkpoint = getattr(load_response, "path", None)
@@ -437,13 +410,13 @@ def run_activation_gate(
             )
     except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
         errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
-    records = pilot.recorder.records
-    values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps,
-                                   updates_per_batch=cfg.updates_per_batch)
-    per_step = with_rollout_yield(per_step, pilot.yields)
-    results = evaluate_gate(checks, values)
-    errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
-    pilot_block = {
+    return errors
+
+
+def _pilot_block(cfg: PilotConfig, pilot: _Pilot, initial_checkpoint: str, backend: str) -> dict[str, Any]:
+    """The report's `pilot` block: the schedule run, what was loaded and sampled, and where the
+    executed model's name came from."""
+    return {
         **asdict(cfg),
         "steps_completed": sum(1 for c in pilot.optim_counts if c == cfg.updates_per_batch),
         "sampler_checkpoints": pilot.samplers,
@@ -452,16 +425,52 @@ def run_activation_gate(
         **({} if pilot.loaded_checkpoint is not None else {"loaded_checkpoint_unavailable": (
             "the service's load response has no path (optional in the SDK's LoadWeightsResponse)")}),
         "backend": backend,
-        "loss_calls": len(records),
+        "loss_calls": len(pilot.recorder.records),
         "executed_base_model_source": pilot.base_model_source,
         "rollout_yield": answer_yield.pooled(pilot.yields).as_dict() if pilot.yields else None,
     }
+
+
+def run_activation_gate(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    initial_checkpoint: str,
+    *,
+    backend: str,
+    progress: Callable[[str], None] | None = None,
+    tag: str = "gate",
+    arm: str | None = None,
+    **overrides: Any,
+) -> GateReport:
+    """Run the pilot of treatment `arm` (default: the first) from the shared initial checkpoint,
+    evaluate every check of the plan's gate, write the report (own immutable evidence file), the
+    per-step tensors and `activation_calibration`."""
+    say = progress or (lambda _msg: None)
+    t0 = time.monotonic()
+    run = plan.spec_plan.run
+    if run is None:
+        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
+    cfg = pilot_config(run, arm, **overrides)
+    first = cfg.arm == run.treatments[0].name
+    tag = tag if first else f"{tag}-{cfg.arm}"
+    checks = [c.model_dump(exclude_none=True) for c in run.gate_checks]
+    loss_cfg = losses.LossConfig.for_loss(cfg.loss, cfg.normalization)  # type: ignore[arg-type]
+    pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
+    errors = _run_pilot(service_client, run, cfg, pilot, initial_checkpoint, backend=backend, bundle=bundle, tag=tag,
+                        say=say, t0=t0)
+    records = pilot.recorder.records
+    values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps,
+                                   updates_per_batch=cfg.updates_per_batch)
+    per_step = with_rollout_yield(per_step, pilot.yields)
+    results = evaluate_gate(checks, values)
+    errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
     report = GateReport(
         passed=all(r.passed for r in results) and not errors,
         checks=results,
         values=values,
         per_step=per_step,
-        pilot=pilot_block,
+        pilot=_pilot_block(cfg, pilot, initial_checkpoint, backend),
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,
         errors=errors,

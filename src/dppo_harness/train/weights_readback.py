@@ -1,5 +1,5 @@
 """Reading trained weights back through the stock SDK, for the LR-scaling probe on the `tinker`
-backend (issue 11 point 10).
+backend (no local engine there to report the update's size).
 
 tinker 0.38.0 exposes no parameter read on the TrainingClient, but it can save weights in an
 external (HuggingFace) format (`TrainingClient.save_weights_external`) and hand out signed

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.snapshots import snapshot_names
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
-from dppo_harness.stages.comparison import ComparisonError, RunState
+from dppo_harness.stages.comparison.config import ComparisonError
+from dppo_harness.stages.comparison.state import RunState
 from dppo_harness.stages.gate import is_report_file
 
 if TYPE_CHECKING:

@@ -1,11 +1,7 @@
-"""Evaluation of the paired comparison and its decision.
-
-One frozen evaluator (frozen before training, `evaluation.freeze_evaluator`) scores the base
-model and each arm's final checkpoint, greedy, on the plan's test items. Each scored model gets
-its own predictions file; the two arms' rows form `scored-observations.jsonl`, the decision
-object references it by sha256, and the spec's decision rule is applied with the paired
-Hoeffding interval (`stats`). A rehearsal's verdict is always inconclusive.
-"""
+"""The comparison's decision (pure): the spec's decision rule applied per criterion with the
+paired Hoeffding interval on the scored observations (`stats`), the verdict (a rehearsal's is
+always inconclusive), the informational Newcombe interval and McNemar test shown beside it, and
+the decision object that references the observations file by sha256."""
 
 from __future__ import annotations
 
@@ -13,38 +9,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evaluation import stats
 
 if TYPE_CHECKING:
-    from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import CriterionConfig
-    from dppo_harness.stages.comparison import ComparisonConfig
 
 OBSERVATIONS_FILE = "scored-observations.jsonl"
 DECISION_FILE = "comparison-decision.json"
-BASE_ARM = "base"
-
-
-def freeze_for(cfg: ComparisonConfig, reason: str) -> evaluation.FrozenEvaluator:
-    """The comparison's frozen evaluator: the first `cfg.eval_items` test items (all 1319 for the
-    spec), greedy, max_tokens as sampled in training."""
-    test = dataset.get(cfg.dataset).load_split("test")
-    n = None if cfg.eval_items == len(test) else cfg.eval_items
-    items, deviation = evaluation.select_items(test, n, reason if n else None)
-    return evaluation.freeze_evaluator(items, tokenizer.make_renderer(), max_tokens=cfg.max_tokens, deviation=deviation)
-
-
-def predictions_name(arm: str, res: evaluation.EvalResult) -> str:
-    return f"predictions-{arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
-
-
-def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> dict[str, Any]:
-    """One scored model's predictions (item_id, arm, prediction, reference on every row); returns its score."""
-    name = predictions_name(res.arm, res)
-    bundle.register_bytes(name, "predictions", res.predictions_jsonl())
-    return res.score(name)
 
 
 @dataclass(frozen=True)
@@ -123,14 +95,6 @@ def informational_metrics(info: Mapping[str, Any]) -> dict[str, float]:
             "comparison/informational_mcnemar_exact_p": float(info["mcnemar_exact_p"]),
             "comparison/discordant_treatment_only_correct": float(info["treatment_only_correct"]),
             "comparison/discordant_baseline_only_correct": float(info["baseline_only_correct"])}
-
-
-def eval_line(res: evaluation.EvalResult, max_tokens: int, elapsed_s: float) -> str:
-    """The terminal line after one scored model."""
-    ry = res.response_yield(max_tokens)
-    return (f"[comparison] {res.arm} accuracy {res.accuracy:.3f} on {len(res.rows)} items, {res.invalid_outputs} "
-            f"without an answer, {ry.truncated} truncated at max_tokens {max_tokens}, mean "
-            f"{ry.mean_response_tokens:.0f} tokens ({elapsed_s:.0f}s)")
 
 
 def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecision], rule_verdict: tuple[str, str, str],

@@ -1,0 +1,148 @@
+"""Session fixtures every service stage shares: options, backend (the embedded server when local),
+client registry, the one wait policy, the session's ServiceClient, the plan and the evidence bundle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import pytest
+
+from dppo_harness import project
+from dppo_harness.plans import Plan, load_plan
+from dppo_harness.pytest_plugin.session import (
+    ITEMS_KEY,
+    OPTIONS_KEY,
+    PLAN_KEY,
+    STATE_KEY,
+    HarnessOptions,
+    progress_printer,
+    release_remaining,
+)
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.local_server.process import LocalServerProcess
+    from dppo_harness.service.clients import ClientRegistry
+
+
+@pytest.fixture(scope="session")
+def harness_options(pytestconfig: pytest.Config) -> HarnessOptions:
+    return pytestconfig.stash[OPTIONS_KEY]
+
+
+@dataclass(frozen=True)
+class ServiceBackend:
+    kind: Literal["local", "tinker"]
+    base_url: str
+    server: LocalServerProcess | None  # the embedded server when kind == "local"
+
+
+@pytest.fixture(scope="session")
+def service_backend(harness_options: HarnessOptions, tmp_path_factory: pytest.TempPathFactory,
+                    harness_progress: Any) -> Iterator[ServiceBackend]:
+    if harness_options.backend == "tinker":
+        yield ServiceBackend("tinker", os.environ["TINKER_BASE_URL"], None)
+        return
+    from dppo_harness.local_server.process import LocalServerProcess
+
+    run_dir = tmp_path_factory.mktemp("local-server")
+    if "comparison" in harness_options.selected_stages:  # --resume loads states saved by an earlier server
+        run_dir = harness_options.evidence_dir / "local-server"
+        run_dir.mkdir(parents=True, exist_ok=True)
+    # The first start builds the stand-in model (minutes on 2 cores): its progress is forwarded.
+    with LocalServerProcess(run_dir=run_dir, progress=harness_progress) as server:
+        yield ServiceBackend("local", server.base_url, server)
+
+
+@pytest.fixture(scope="session")
+def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
+    """Every service client the harness creates; stage-scoped ones are released at stage end."""
+    from dppo_harness.service.clients import ClientRegistry
+
+    registry = ClientRegistry()
+    registry.install_atexit()
+    state = pytestconfig.stash[STATE_KEY]
+    state.registry = registry
+    registry.current_stage = state.current
+    yield registry
+    release_remaining(pytestconfig.stash[STATE_KEY])  # recorded for client-releases.json
+    registry.release_all()
+
+
+@pytest.fixture(scope="session")
+def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptions, service_backend: ServiceBackend,
+                   evidence_bundle: EvidenceBundle, client_registry: ClientRegistry) -> Any:
+    """The session's one wait policy: every client of every ServiceClient the harness makes waits
+    under it; long waits are posted to the evidence, a stop releases the clients and records why."""
+    from dppo_harness.service.service_wait import ServiceWaiter
+    from dppo_harness.service.service_wait_policy import CAPACITY_SCALE_VAR, WaitPolicy
+    from dppo_harness.service.wait_evidence import BundlePoster
+
+    # The local rehearsal has no shared capacity to wait for: capacity defaults 100x shorter, same rules.
+    scale = 0.01 if service_backend.kind == "local" and not os.environ.get(CAPACITY_SCALE_VAR) else None
+    policy = WaitPolicy.from_options(capacity_patience_s=harness_options.capacity_patience_s,
+                                     capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
+                                     service_timeout_s=harness_options.service_timeout_s, scale=scale)
+    poster = BundlePoster(evidence_bundle, client_registry)
+    return ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
+
+
+@pytest.fixture(scope="session")
+def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry, harness_options: HarnessOptions,
+                   training_client_observer: Any, service_waiter: Any) -> tinker.ServiceClient:
+    """The session's client: the restored arms live on it across stages; released on exit."""
+    from dppo_harness.service.clients import make_service_client
+
+    return make_service_client(
+        service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
+        observer=training_client_observer,  # every training client's identity -> evidence
+        label="session: the arms' training clients and evaluation samplers (open until the session ends)",
+        waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+        sdk_telemetry=harness_options.sdk_telemetry,
+    )
+
+
+@pytest.fixture(scope="session")
+def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
+    """The plan validated at configure time (the same bytes), else loaded now."""
+    return pytestconfig.stash.get(PLAN_KEY, None) or load_plan(harness_options.plan_path)
+
+
+@pytest.fixture(scope="session")
+def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan: Plan,
+                    service_backend: ServiceBackend, connectivity: Any) -> EvidenceBundle:
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.stages.feasibility import rehearsal_sizing
+
+    bundle = EvidenceBundle.create(harness_options.evidence_dir)
+    # Recorded before any service call: a local run rehearses the spec at a declared, fixed size.
+    _, reductions = rehearsal_sizing(plan, embedded_server=connectivity.embedded)
+    bundle.start_session(
+        backend=harness_options.backend,
+        plan=plan,
+        stages=harness_options.selected_stages,
+        project_root=project.project_root(),
+        test_files=sorted({str(p) for p in _stage_test_files(pytestconfig)}),
+        size_reductions=reductions,
+        # The embedded server names its stand-in model; a real service names it at client creation.
+        served_model=(connectivity.marker.stand_in if connectivity.marker and connectivity.marker.stand_in
+                      else service_backend.server.stats()["served_model"] if service_backend.server else None),
+    )
+    # the connectivity report; on the embedded server (marker), the rehearsal label.
+    from dppo_harness.service.clients import sdk_versions
+    from dppo_harness.service.identity import record_session_identity
+
+    record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())
+    pytestconfig.stash[STATE_KEY].bundle = bundle
+    return bundle
+
+
+def _stage_test_files(config: pytest.Config) -> list[Path]:
+    return [Path(it.path) for it in config.stash.get(ITEMS_KEY, [])]

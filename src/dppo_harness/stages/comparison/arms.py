@@ -1,0 +1,273 @@
+"""Training the arms: one arm-step (sample from the arm's current weights, then its minibatch
+updates), the guard that keeps a capacity retry from applying an update twice, and `train_arms`,
+which advances every arm step by step (interleaved on one thread, or concurrently on their own
+clients), saving state every `save_every` steps, so a stop leaves the arms at equal or adjacent
+step counts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import tinker
+
+from dppo_harness.instrument import cookbook_metrics
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.loss import losses
+from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.stages.comparison.config import ArmSpec, ComparisonConfig, ComparisonError, Schedule, step_seed
+from dppo_harness.stages.comparison.state import ArmState, RunState
+from dppo_harness.stages.comparison.step_rows import step_line, step_metrics
+from dppo_harness.stages.comparison.wall_guard import WallGuard
+from dppo_harness.train import train_step
+
+
+@dataclass(frozen=True)
+class ArmRunner:
+    """Everything one arm needs for a step; its client is its own."""
+
+    spec: ArmSpec
+    client: Any  # tinker.TrainingClient
+    loss_fn: train_step.LossFn
+    recorder: ins.LossCallRecorder
+
+
+@dataclass
+class AttemptProgress:
+    """What one attempt at an arm-step has sent that changes the arm's training state."""
+
+    updates_submitted: int = 0
+
+
+def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Sequence[Any], renderer: Any,
+                 adam: tinker.AdamParams, tag: str, *, attempt: int = 0,
+                 progress: AttemptProgress | None = None) -> tuple[dict[str, Any], list[ins.LossCallRecord]]:
+    """One rollout step of one arm: sample from its current weights, then its minibatch updates.
+    `progress.updates_submitted` counts updates sent (so a failed attempt says whether it moved the arm)."""
+    progress = progress if progress is not None else AttemptProgress()
+    t0 = time.perf_counter()
+    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens,
+                                  seed=step_seed(cfg, step), max_seq_len=cfg.max_seq_len)
+    retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
+    sampled = rollout_batch.sample_rollout_batch(runner.client, items, renderer, rcfg,
+                                                 sampler_name=f"{tag}-{runner.spec.name}-s{step}{retry}")
+    minibatches = train_step.prepare_minibatches(sampled.group_of_datum, runner.spec.updates_per_batch)
+    records = []
+    for u, idx in enumerate(minibatches, start=1):
+        progress.updates_submitted += 1  # before the call: a refusal may come after the server applied it
+        context = {"arm": runner.spec.name, "step": step, "update_in_batch": u,
+                   "update_index": step * runner.spec.updates_per_batch + u, "sampler_checkpoint": sampled.sampler_path}
+        rec, _ = train_step.train_step(runner.client, [sampled.datums[i] for i in idx], runner.loss_fn, adam,
+                                       runner.recorder, context)
+        records.append(rec)
+    row = step_metrics(runner.spec.name, step, sampled.batch.summary(), records, loss=runner.spec.loss,
+                       seconds=time.perf_counter() - t0, sample_seconds=sampled.seconds,
+                       sampler_checkpoint=sampled.sampler_path, kl=cookbook_metrics.kl_sample_train(records),
+                       cookbook_env=cookbook_metrics.trajectory_metrics(sampled.batch),
+                       rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds)
+    return row, records
+
+
+RestoreFn = Callable[[ArmRunner, str, dict[str, Any]], ArmRunner]
+
+
+@dataclass
+class GuardedArmStep:
+    """One arm-step as the capacity retry calls it: a retry never applies an update twice.
+
+    An attempt refused after it sent a minibatch update leaves the arm's weights and optimizer
+    part-way through the step. Before the next attempt the arm is restored (a new training client)
+    from its saved state at the step's start, weights + optimizer, so every step applies exactly
+    its `updates_per_batch` updates to the state it started from, and the redo samples from the
+    same weights with the same seeds. An attempt refused before any update is retried as is.
+    Every refused attempt is kept in `failures` (the arm's `step_retries` in the evidence).
+    """
+
+    runner: ArmRunner
+    step: int
+    start_state: str | None  # tinker:// state at the step's start (None: none saved there)
+    restore: RestoreFn
+    run: Callable[[ArmRunner, int, AttemptProgress], dict[str, Any]]
+    attempts: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    dirty: bool = False  # the last attempt sent updates: the arm is not at the step's start
+
+    def __call__(self) -> dict[str, Any]:
+        if self.dirty:
+            if self.start_state is None:
+                raise ComparisonError(
+                    f"{self.runner.spec.name} step {self.step}: refused after it sent updates, and no state was saved "
+                    f"at the step's start (save_every > 1), so a retry would apply updates twice; continue with "
+                    f"--resume from the last saved state")
+            self.runner = self.restore(self.runner, self.start_state, self.failures[-1])
+            self.failures[-1]["restored_from"] = self.start_state
+            self.dirty = False
+        progress = AttemptProgress()
+        attempt, self.attempts = self.attempts, self.attempts + 1
+        try:
+            return self.run(self.runner, attempt, progress)
+        except Exception as exc:
+            self.failures.append({"step": self.step, "attempt": attempt, "error": f"{type(exc).__name__}: {exc}"[:500],
+                                  "updates_sent_before_failure": progress.updates_submitted, "restored_from": None})
+            self.dirty = progress.updates_submitted > 0
+            raise
+
+
+@dataclass(frozen=True)
+class TrainingOutcome:
+    rows: tuple[dict[str, Any], ...]
+    steps_completed: int  # min over arms
+    wall_seconds: float
+    schedule: str
+    stopped: str | None  # None when every arm finished
+
+
+class StopRequested(Exception):
+    """Raised by a `stop_after` hook to end the run at a step boundary (tests: a kill)."""
+
+
+def _no_restore(runner: ArmRunner, path: str, failure: dict[str, Any]) -> ArmRunner:
+    raise ComparisonError(f"{runner.spec.name} step {failure['step']}: refused after it sent updates and no "
+                          "restore is configured; a retry would apply updates twice")
+
+
+def _step_start_state(state: RunState, arm: ArmState) -> str | None:
+    """The tinker:// state an arm's next step starts from (None: none saved there)."""
+    if arm.state_path is not None and arm.state_step == arm.steps_done:
+        return arm.state_path
+    return state.initial_checkpoint if arm.steps_done == 0 else None
+
+
+@dataclass
+class _ArmSteps:
+    """The arm-steps of one `train_arms` call: each run through `call` as a `GuardedArmStep`, then
+    committed (steps_done, saved state, row). A restore replaces an arm's runner in `current`."""
+
+    cfg: ComparisonConfig
+    state: RunState
+    current: dict[str, ArmRunner]
+    adams: Mapping[str, Any]  # arm name -> tinker.AdamParams
+    items_for_step: Callable[[int], Sequence[Any]]
+    renderer: Any
+    tag: str
+    on_row: Callable[[dict[str, Any]], None]
+    save_state: Callable[[ArmRunner, int], str] | None
+    restore: RestoreFn
+    call: Callable[[Callable[[], Any]], Any]
+    progress: Callable[[str], None]
+
+    def run(self, name: str, step: int) -> tuple[dict[str, Any], GuardedArmStep | None]:
+        """Arm `name`'s step `step` (an empty row when the arm already finished it before a stop)."""
+        arm = self.state.arms[name]
+        if arm.steps_done > step:
+            return {}, None
+        items = self.items_for_step(step)
+        attempt_guard = GuardedArmStep(
+            self.current[name], step, _step_start_state(self.state, arm), self.restore,
+            run=lambda r, attempt, prog: run_arm_step(r, step, self.cfg, items, self.renderer, self.adams[r.spec.name],
+                                                      self.tag, attempt=attempt, progress=prog)[0])
+        try:
+            return self.call(attempt_guard), attempt_guard
+        finally:
+            self.current[name] = attempt_guard.runner
+            arm.step_retries.extend(attempt_guard.failures)
+
+    def commit(self, name: str, step: int, row: dict[str, Any], attempt_guard: GuardedArmStep | None) -> None:
+        """Record a finished arm-step: steps done, the state saved at a save step, the row."""
+        if not row:
+            return
+        arm = self.state.arms[name]
+        arm.steps_done = step + 1
+        row = {**row, "retries": len(attempt_guard.failures) if attempt_guard else 0}
+        if self.save_state is not None and (arm.steps_done % self.cfg.save_every == 0 or arm.steps_done == self.cfg.steps):
+            arm.state_path = self.save_state(self.current[name], arm.steps_done)
+            arm.state_step = arm.steps_done
+            arm.saves[str(arm.steps_done)] = arm.state_path
+        self.state.rows.append(row)
+        self.on_row(row)
+        self.progress(step_line(row, self.cfg.steps))
+
+    def advance(self, step: int, names: Sequence[str], pool: ThreadPoolExecutor | None) -> None:
+        """Step `step` of every arm: arm after arm, or all at once on the pool, joined before any commit."""
+        if pool is None:
+            for n in names:
+                self.commit(n, step, *self.run(n, step))
+            return
+        futures = [(n, pool.submit(self.run, n, step)) for n in names]
+        results = [(n, f.result()) for n, f in futures]
+        for n, (row, attempt_guard) in results:
+            self.commit(n, step, row, attempt_guard)
+
+
+def _paired_steps(arm_steps: _ArmSteps, names: Sequence[str], start: int, pool: ThreadPoolExecutor | None,
+                  guard: WallGuard | None, stop_after: Callable[[int], None] | None) -> str | None:
+    """Steps `start` .. `cfg.steps - 1` of every arm; the wall guard's reason if it stopped them."""
+    for step in range(start, arm_steps.cfg.steps):
+        halt = guard.check(step) if guard is not None else None
+        if halt is not None:
+            arm_steps.progress(f"[comparison] {halt}")
+            return halt
+        t_step = guard.clock() if guard is not None else 0.0
+        arm_steps.advance(step, names, pool)
+        if guard is not None:
+            guard.step_seconds.append(guard.clock() - t_step)
+        if stop_after is not None:
+            stop_after(step + 1)
+    return None
+
+
+def train_arms(
+    runners: Sequence[ArmRunner],
+    cfg: ComparisonConfig,
+    state: RunState,
+    *,
+    items_for_step: Callable[[int], Sequence[Any]],
+    renderer: Any,
+    tag: str,
+    schedule: Schedule = "interleaved",
+    on_row: Callable[[dict[str, Any]], None] = lambda _r: None,
+    save_state: Callable[[ArmRunner, int], str] | None = None,
+    restore: RestoreFn | None = None,
+    call: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
+    stop_after: Callable[[int], None] | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+    guard: WallGuard | None = None,
+) -> TrainingOutcome:
+    """Advance every arm from its saved step to `cfg.steps`, step by step.
+
+    `interleaved`: arm after arm on this thread. `concurrent`: both arms' step at once on their
+    own clients, joined before the next step. Either way the arms never drift apart by more than
+    one step. `call` wraps each arm-step (capacity retry) as a `GuardedArmStep`, whose retries
+    `restore(runner, state_path, failure)` from the step's start (a new runner; None: refuse to
+    retry an attempt that sent updates); `save_state(runner, step)` returns the tinker:// path
+    saved after `step` steps; `stop_after(step)` may raise StopRequested; `guard` stops before a
+    step that would not end inside the wall budget.
+    """
+    t0 = time.perf_counter()
+    start = min(state.arms[r.spec.name].steps_done for r in runners)
+    arm_steps = _ArmSteps(cfg, state, {r.spec.name: r for r in runners},
+                          {a.name: tinker.AdamParams(**a.adam) for a in cfg.arms}, items_for_step, renderer, tag,
+                          on_row, save_state, restore or _no_restore, call, progress)
+    pool = ThreadPoolExecutor(max_workers=len(runners)) if schedule == "concurrent" else None
+    try:
+        stopped = _paired_steps(arm_steps, [r.spec.name for r in runners], start, pool, guard, stop_after)
+    except StopRequested as stop:
+        stopped = str(stop) or "stop requested"
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    done = min(state.arms[r.spec.name].steps_done for r in runners)
+    return TrainingOutcome(tuple(state.rows), done, time.perf_counter() - t0, schedule, stopped)
+
+
+
+def make_runners(clients: Mapping[str, Any], cfg: ComparisonConfig) -> list[ArmRunner]:
+    out = []
+    for a in cfg.arms:
+        lc = losses.LossConfig.for_loss(a.loss, cfg.normalization)  # type: ignore[arg-type]
+        out.append(ArmRunner(a, clients[a.name], losses.make_loss_fn(lc), ins.LossCallRecorder(lc)))
+    return out
+

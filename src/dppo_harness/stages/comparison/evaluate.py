@@ -1,0 +1,118 @@
+"""Evaluation of the paired comparison, then its decision.
+
+One frozen evaluator (frozen before training, `evaluation.freeze_evaluator`) scores the base
+model and each arm's final checkpoint, greedy, on the plan's test items. Each scored model gets
+its own predictions file; the two arms' rows form `scored-observations.jsonl`, and the decision
+(`decision`) is computed on them and posted with its metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness.data import dataset, tokenizer
+from dppo_harness.evaluation import greedy as evaluation
+from dppo_harness.stages.comparison import decision as comparison_decision
+from dppo_harness.stages.comparison.config import ComparisonConfig
+from dppo_harness.stages.comparison.state import RunState
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+
+BASE_ARM = "base"
+
+
+def freeze_for(cfg: ComparisonConfig, reason: str) -> evaluation.FrozenEvaluator:
+    """The comparison's frozen evaluator: the first `cfg.eval_items` test items (all 1319 for the
+    spec), greedy, max_tokens as sampled in training."""
+    test = dataset.get(cfg.dataset).load_split("test")
+    n = None if cfg.eval_items == len(test) else cfg.eval_items
+    items, deviation = evaluation.select_items(test, n, reason if n else None)
+    return evaluation.freeze_evaluator(items, tokenizer.make_renderer(), max_tokens=cfg.max_tokens, deviation=deviation)
+
+
+def predictions_name(arm: str, res: evaluation.EvalResult) -> str:
+    return f"predictions-{arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
+
+
+def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> dict[str, Any]:
+    """One scored model's predictions (item_id, arm, prediction, reference on every row); returns its score."""
+    name = predictions_name(res.arm, res)
+    bundle.register_bytes(name, "predictions", res.predictions_jsonl())
+    return res.score(name)
+
+
+def eval_line(res: evaluation.EvalResult, max_tokens: int, elapsed_s: float) -> str:
+    """The terminal line after one scored model."""
+    ry = res.response_yield(max_tokens)
+    return (f"[comparison] {res.arm} accuracy {res.accuracy:.3f} on {len(res.rows)} items, {res.invalid_outputs} "
+            f"without an answer, {ry.truncated} truncated at max_tokens {max_tokens}, mean "
+            f"{ry.mean_response_tokens:.0f} tokens ({elapsed_s:.0f}s)")
+
+
+
+def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonConfig, state: RunState, evaluator: evaluation.FrozenEvaluator, bundle: EvidenceBundle,
+                         rehearsal: bool, progress: Callable[[str], None],
+                         base_model: str) -> tuple[list[dict], dict, list[str]]:
+    """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
+    files: list[str] = []
+    bundle.register_json(f"evaluator-{evaluator.evaluator_id[:16]}.json", "manifest",
+                         {"evaluator_id": evaluator.evaluator_id, "provenance": evaluator.provenance,
+                          "code_manifest": evaluator.code_manifest, "deviation": evaluator.deviation})
+    files.append(f"evaluator-{evaluator.evaluator_id[:16]}.json")
+    seed = cfg.arms[0].seed
+    scores: list[dict[str, Any]] = []
+    comparisons = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
+
+    def post() -> None:
+        bundle.update_result(evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
+                             metrics={f"eval/accuracy/{s['arm']}": float(s["value"]) for s in scores})
+
+    t0 = time.perf_counter()
+    # The served model the arms were created on (the connectivity preflight's choice).
+    base_client = service_client.create_sampling_client(base_model=base_model).result()
+    progress(f"[comparison] evaluating the base model on {len(evaluator.items)} test items (greedy)")
+    base = evaluation.evaluate(base_client, evaluator, arm=BASE_ARM, seed=seed, checkpoint=f"base:{base_model}")
+    scores.append(register_predictions(bundle, base))
+    files.append(scores[-1]["predictions_ref"])
+    post()
+    # Accuracy, n and invalid outputs under the scored model's own key (the base model's is "base").
+    bundle.post_arm_metrics(BASE_ARM, base.arm_metrics(cfg.max_tokens))
+    progress(eval_line(base, cfg.max_tokens, time.perf_counter() - t0))
+    results = {}
+    for a in cfg.arms:
+        path = state.arms[a.name].final_sampler
+        sampler = service_client.create_sampling_client(model_path=path).result()
+        progress(f"[comparison] evaluating {a.name} (final checkpoint) on {len(evaluator.items)} test items")
+        res = evaluation.evaluate(sampler, evaluator, arm=a.name, seed=seed, checkpoint=path)
+        results[a.name] = res
+        scores.append(register_predictions(bundle, res))
+        files.append(scores[-1]["predictions_ref"])
+        post()
+        bundle.post_arm_metrics(a.name, res.arm_metrics(cfg.max_tokens))
+        progress(eval_line(res, cfg.max_tokens, time.perf_counter() - t0))
+    obs = evaluation.observations_jsonl([results[a.name] for a in cfg.arms])
+    bundle.register_bytes(comparison_decision.OBSERVATIONS_FILE, "metrics", obs)
+    files.append(comparison_decision.OBSERVATIONS_FILE)
+    rows = [json.loads(line) for line in obs.decode().splitlines()]
+    criteria = comparison_decision.decide_criteria(rows, cfg.criteria, alpha=cfg.alpha)
+    # Beside the decision, never deciding: the first criterion's pair (the metrics keys are unqualified).
+    informational = comparison_decision.informational_interval(rows, cfg.criteria[0], alpha=cfg.alpha)
+    decision = comparison_decision.decision_block(obs, criteria, comparison_decision.verdict(criteria, rehearsal=rehearsal), rehearsal=rehearsal,
+                                informational=informational)
+    bundle.register_json(comparison_decision.DECISION_FILE, "metrics", decision)
+    files.append(comparison_decision.DECISION_FILE)
+    metrics = {"comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
+               "comparison/ci_lower": criteria[0].lower, "comparison/ci_upper": criteria[0].upper,
+               "comparison/eval_seconds": time.perf_counter() - t0, **comparison_decision.informational_metrics(informational)}
+    if len(criteria) > 1:  # every criterion is decided on its own
+        for c in criteria:
+            metrics.update({f"comparison/{c.id}/difference": float(c.interval["mean_difference"]),
+                            f"comparison/{c.id}/ci_lower": c.lower, f"comparison/{c.id}/ci_upper": c.upper})
+    bundle.update_result(decision=decision, metrics=metrics)
+    return scores, decision, files

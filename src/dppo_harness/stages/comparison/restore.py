@@ -1,0 +1,74 @@
+"""An arm's training client from its saved state (weights + optimizer), the load observed and
+counted: every restore is one more `restore_count` and one more optimizer check on top of the
+preflight's, and a check that finds the server's optimizer differs from the request stops the
+run. `open_arms` gives the run its clients: the preflight's on a new run, restored on a resume."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch
+from dppo_harness.stages.comparison.state import RunState, state_file_name
+from dppo_harness.stages.restoration import create_from_state_observed, dump_response, optimizer_check
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.stages.restoration import RestorationResult
+
+
+def restore_arm(service_client: tinker.ServiceClient, state: RunState, cfg: ComparisonConfig, name: str, path: str,
+                state_file: str) -> tuple[Any, dict[str, Any]]:
+    """A new training client for arm `name` from its saved state `path`, weights + optimizer, the
+    load observed; one more restore_count and optimizer check, whose get_info is kept in the run
+    state registered as `state_file`. Returns (client, provenance entry). A check that finds the
+    server's optimizer differs from the request stops the run (OptimizerMismatch, after the check
+    is recorded in the state)."""
+    arm = state.arms[name]
+    client, resp = create_from_state_observed(service_client, path, name)
+    if resp is None or resp.path is None:
+        raise ComparisonError(f"{name}: restore of {path} not observed: the load response has no path "
+                                "(optional in the SDK's LoadWeightsResponse)")
+    if resp.path != path:
+        raise ComparisonError(f"{name}: restore of {path} loaded {resp.path!r}")
+    arm.restore_count += 1
+    prior = state.setup_provenance.get(name)
+    if prior is None:
+        raise ComparisonError(f"{name}: the run state holds no preflight provenance to count restores on")
+    check = optimizer_check(after_restore=prior["restore_count"] + arm.restore_count,
+                            requested_optimizer="adam", requested_config=cfg.arm(name).adam_requested,
+                            info=client.get_info(), info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
+                            echoed=None, echo_ref=None, echo_observed_on=None)
+    arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path, "at_step": arm.steps_done,
+                                 "load_response": dump_response(resp)})
+    prov = {"restore_count": prior["restore_count"] + arm.restore_count,
+            # The checkpoint this session's arm actually loaded (the server's own load response).
+            "loaded_checkpoint_uri": resp.path, "loaded_at_step": arm.steps_done,
+            "optimizer_checks": list(prior["optimizer_checks"]) + [
+                {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
+    if check["mismatches"]:  # the brief: stop on mismatch
+        raise OptimizerMismatch(f"{name}: optimizer mismatch after restore {check['after_restore']} "
+                                  f"({path}): " + "; ".join(check["mismatches"]), name, prov, state_file)
+    return client, prov
+
+
+def open_arms(service_client: tinker.ServiceClient, state: RunState, cfg: ComparisonConfig,
+               restoration: RestorationResult | None, bundle: EvidenceBundle, call: Callable) -> dict[str, Any]:
+    """New run: the arms' clients the preflight loaded from the shared initial checkpoint (its
+    observed load). Resume: each arm from the state every arm saved last (step 0: the shared
+    initial checkpoint), with optimizer; each restore is one more restore_count and optimizer
+    check, and the run state holding their get_info is registered before the result names it."""
+    if not state.resumed:
+        assert restoration is not None
+        return {a.name: restoration.clients[a.name] for a in cfg.arms}
+    clients, prov_arms = {}, {}
+    ref = state_file_name(state, "open")
+    for a in cfg.arms:
+        path = state.arms[a.name].state_path or state.initial_checkpoint
+        clients[a.name], prov_arms[a.name] = call(
+            lambda n=a.name, p=path: restore_arm(service_client, state, cfg, n, p, ref))
+    bundle.register_json(ref, "manifest", state.to_json())
+    bundle.update_result(initialization_provenance={"arms": prov_arms})
+    return clients

@@ -1,0 +1,121 @@
+"""The comparison stage's run: `run_comparison`, the named steps of `run_steps` in order.
+
+prepare (config, frozen evaluator, resume state) -> open arms (the preflight's loaded clients, or
+each arm's saved state on resume) -> train both arms step by step (JSONL + metrics.arms as they
+go, state saved every `save_every` steps, capacity retry) -> finalize each arm (checkpoint,
+completed_arms, metrics) -> evaluate base and both final checkpoints -> decision -> report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness.evaluation import greedy as evaluation
+from dppo_harness.evidence import report
+from dppo_harness.instrument import cookbook_metrics
+from dppo_harness.service import clients as service
+from dppo_harness.stages.comparison import run_steps
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, Schedule, comparison_config
+from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
+from dppo_harness.stages.comparison.wall_guard import WallGuard
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import Plan
+    from dppo_harness.stages.restoration import RestorationResult
+
+EVAL_SUBSET_REASON = ("declared rehearsal size: the plan evaluates its first {n} GSM8K test items (see the plan's "
+                      "differences), so that the offline rehearsal fits 10 minutes on 2 CPU cores")
+
+
+@dataclass(frozen=True)
+class ComparisonResult:
+    config: ComparisonConfig
+    run_id: str  # the run whose state this continues (== this bundle's run id unless resumed)
+    rows: tuple[dict[str, Any], ...]
+    steps_completed: int
+    training_seconds: float
+    schedule: str
+    stopped: str | None
+    capacity_block: dict[str, Any] | None
+    scores: tuple[dict[str, Any], ...] = ()
+    decision: dict[str, Any] | None = None
+    final: dict[str, Any] = field(default_factory=dict)  # status, verdict, outcome_reason
+    files: tuple[str, ...] = ()
+
+
+def _frozen_evaluator(cfg: ComparisonConfig, bundle: EvidenceBundle) -> evaluation.FrozenEvaluator:
+    """The run's evaluator, frozen before training; its declared subset is a deviation."""
+    evaluator = freeze_for(cfg, EVAL_SUBSET_REASON.format(n=cfg.eval_items))
+    if evaluator.deviation:
+        d = evaluator.deviation
+        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    return evaluator
+
+
+def run_comparison(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    restoration: RestorationResult | None,
+    *,
+    backend: str,
+    state_root: Path,
+    resume_run_id: str | None = None,
+    schedule: Schedule = "interleaved",
+    save_every: int = 1,
+    capacity_policy: service.CapacityPolicy | None = None,
+    registry: service.ClientRegistry | None = None,
+    stop_after: Callable[[int], None] | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+    tag: str = "cmp",
+    base_model: str | None = None,
+    schedule_source: str = "given",
+    guard: WallGuard | None = None,
+    wandb: cookbook_metrics.WandbRequest | None = None,
+) -> ComparisonResult:
+    """Run (or continue) the paired comparison and write its evidence; see the module docstring.
+
+    Any stop before every arm finished (wall-clock guard, optimizer mismatch on a restore, a
+    response the run cannot use, capacity) leaves the evidence written so far and returns a final
+    failed / inconclusive / incomplete_execution with the reason. Each arm's steps are also written
+    through the cookbook's `ml_log` (`metrics-<arm>.jsonl` in the bundle, live under
+    `<state_root>/<run_id>/cookbook-metrics/<arm>/metrics.jsonl`), and to W&B only when `wandb`
+    asks for a project."""
+    if plan.run is None:
+        raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
+    cfg = comparison_config(plan.run, save_every=save_every)
+    rehearsal = plan.kind == "rehearsal" or backend == "local"
+    evaluator = _frozen_evaluator(cfg, bundle)
+    state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root),
+                                    resume_run_id)
+    if state.resumed:
+        run_steps.post_reused_setup(bundle, state)
+    session = run_steps.open_session(service_client, plan, bundle, cfg, state, Path(state_root), tag=tag,
+                                     progress=progress, capacity_policy=capacity_policy, registry=registry, wandb=wandb)
+    run_steps.register_run_manifest(session, plan, schedule=schedule, schedule_source=schedule_source,
+                                    rehearsal=rehearsal, evaluator_id=evaluator.evaluator_id)
+    progress(f"[comparison] schedule {schedule} ({schedule_source})")
+    outcome, capacity_block = run_steps.train_session(session, restoration, schedule=schedule, stop_after=stop_after,
+                                                      guard=guard)
+    files = run_steps.register_training_end(session, outcome, schedule=schedule, schedule_source=schedule_source,
+                                            guard=guard)
+    base = dict(config=cfg, run_id=state.run_id, rows=tuple(state.rows), steps_completed=outcome.steps_completed,
+                training_seconds=outcome.wall_seconds, schedule=schedule, stopped=outcome.stopped)
+    if outcome.stopped is not None:
+        final = run_steps.stopped_final(plan, bundle, cfg, outcome, capacity_block)
+        return ComparisonResult(**base, capacity_block=capacity_block, final=final, files=tuple(files))
+    scores, decision, eval_files = evaluate_and_decide(service_client, cfg, state, evaluator, bundle, rehearsal,
+                                                       progress, base_model or cfg.base_model)
+    files += eval_files
+    resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
+    files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend,
+                                                 max_tokens=cfg.max_tokens, resume=resume).values())
+    final = run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal)
+    return ComparisonResult(**base, capacity_block=None, scores=tuple(scores), decision=decision, final=final,
+                            files=tuple(files))

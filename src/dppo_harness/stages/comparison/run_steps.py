@@ -1,0 +1,337 @@
+"""The comparison run's named steps, in the order `run.run_comparison` takes them.
+
+prepare the run state (new, or a resume checked and rewound to the last common save) -> post
+the setup a resume takes over -> open the session (capacity tracker, cookbook metrics log) and
+register the run manifest -> train both arms (each committed row logged, state saved, the arm
+finalized after its last step; any stop leaves the evidence so far) -> register the training's
+end (steps JSONL, metrics logs, end state) -> the final result of a stopped or a finished run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dppo_harness.data import dataset, tokenizer
+from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.snapshots import post_snapshot
+from dppo_harness.instrument import cookbook_metrics
+from dppo_harness.service import clients as service
+from dppo_harness.stages.comparison.arms import ArmRunner, TrainingOutcome, make_runners, train_arms
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch, Schedule
+from dppo_harness.stages.comparison.restore import open_arms, restore_arm
+from dppo_harness.stages.comparison.resume import latest_snapshot, reuse_setup
+from dppo_harness.stages.comparison.state import (
+    STEPS_FILE,
+    ArmState,
+    RunState,
+    code_revision,
+    resume_problems,
+    rewind_to_common_save,
+    state_file_name,
+    state_path,
+)
+from dppo_harness.stages.comparison.step_rows import arm_summary, jsonl
+from dppo_harness.stages.comparison.wall_guard import WallGuard
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import Plan
+    from dppo_harness.stages.restoration import RestorationResult
+
+# File slots kept after the last step: steps, 2 cookbook metrics logs, end state, evaluator, 3
+# predictions, observations, decision, report + 4 plots, and the session's closing records and snapshot.
+STATE_RESERVE = 19
+
+
+def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, evaluator_id: str,
+                   restoration: RestorationResult | None, state_root: Path, resume_run_id: str | None) -> RunState:
+    code_rev = code_revision()
+    session = {"run_id": bundle.run_id, "dir": str(bundle.dir.resolve())}
+    if resume_run_id is None:
+        if restoration is None:
+            raise ComparisonError("a new comparison starts from the restoration preflight's result (none given)")
+        return RunState(run_id=bundle.run_id, plan_sha256=plan.sha256, evaluator_id=evaluator_id,
+                          code_revision=code_rev, initial_checkpoint=restoration.initial_checkpoint,
+                          arms={a.name: ArmState(a.name) for a in cfg.arms}, sessions=[session],
+                          setup_snapshot=latest_snapshot(bundle), setup_provenance=setup_provenance(restoration, cfg))
+    path = state_path(state_root, resume_run_id)
+    if not path.is_file():
+        raise ComparisonError(f"--resume {resume_run_id}: no saved comparison state at {path}")
+    state = RunState.load(path)
+    problems = resume_problems(state, plan_sha256=plan.sha256, evaluator_id=evaluator_id, code_rev=code_rev)
+    if problems:
+        raise ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))
+    if not state.setup_provenance and restoration is not None:  # a state saved before it was kept
+        state.setup_provenance = setup_provenance(restoration, cfg)
+    continued = state.sessions[-1]["run_id"] if state.sessions else state.run_id
+    from_step = rewind_to_common_save(state, cfg.steps)
+    state.resumed += 1
+    state.resumes.append({"session": bundle.run_id, "continues_session": continued, "from_step": from_step})
+    state.sessions.append(session)
+    return state
+
+
+def setup_provenance(restoration: RestorationResult, cfg: ComparisonConfig) -> dict[str, Any]:
+    """Per arm, what the preflight's load counted (later restores count on from it)."""
+    return {a.name: {k: restoration.provenance["arms"][a.name][k] for k in ("restore_count", "optimizer_checks")}
+            for a in cfg.arms}
+
+
+def register_saved_state(bundle: EvidenceBundle, state: RunState, step: int) -> str | None:
+    """The run state at a save every arm made, as an evidence file, unless only the slots kept for
+    the evaluation and report are left (then the ledger says so; the state file itself is kept)."""
+    name = state_file_name(state, f"s{step}")
+    if len(bundle.files()) + 1 > MAX_FILES - STATE_RESERVE:
+        skipped = list(bundle.ledger().get("comparison_states_not_registered", []))
+        bundle.note_ledger(comparison_states_not_registered=[*skipped, {
+            "name": name, "reason": f"file limit: {len(bundle.files())} of {MAX_FILES} files used, "
+                                    f"{STATE_RESERVE} kept for the evaluation and report"}])
+        return None
+    bundle.register_json(name, "manifest", state.to_json())
+    return name
+
+
+def register_steps(bundle: EvidenceBundle, state: RunState) -> str:
+    name = f"{STEPS_FILE.removesuffix('.jsonl')}-{state.resumed}.jsonl" if state.resumed else STEPS_FILE
+    bundle.register_bytes(name, "metrics", jsonl(state.rows))
+    return name
+
+
+def metrics_name(arm: str, state: RunState) -> str:
+    """The bundle name of an arm's cookbook `metrics.jsonl` (a resumed session's own copy gets -rN)."""
+    return f"metrics-{arm}-r{state.resumed}.jsonl" if state.resumed else f"metrics-{arm}.jsonl"
+
+
+def register_cookbook_metrics(bundle: EvidenceBundle, state: RunState, mlog: cookbook_metrics.ArmMetricsLog) -> list[str]:
+    """Each arm's ml_log `metrics.jsonl`, as written (every step of the run so far, resumed sessions
+    included), registered as kind metrics."""
+    names = []
+    for arm in state.arms:
+        path = mlog.path(arm)
+        if path.is_file():
+            name = metrics_name(arm, state)
+            bundle.register_file(name, "metrics", path)
+            names.append(name)
+    return names
+
+
+def finalize_arm(client: Any, arm: str, state: RunState, bundle: EvidenceBundle,
+                  by_arm: Mapping[str, list[dict[str, Any]]], tag: str) -> None:
+    """After an arm's last step: final sampler weights + state, checkpoint URI, completed_arms, metrics."""
+    s = state.arms[arm]
+    s.final_sampler = client.save_weights_for_sampler(f"{tag}-{state.run_id}-{arm}-final").result().path
+    s.final_state = s.state_path
+    if s.final_state:
+        bundle.add_checkpoint(arm, s.steps_done, s.final_state)
+    bundle.add_checkpoint(arm, s.steps_done, s.final_sampler)
+    bundle.post_arm_metrics(arm, arm_summary(by_arm[arm]), completed=True)
+
+
+
+def post_reused_setup(bundle: EvidenceBundle, state: RunState) -> None:
+    """A resume: the preflight and gate of the run, hash-verified, and where this session starts."""
+    reused = reuse_setup(bundle, state)
+    bundle.update_result(**reused.blocks)
+    bundle.update_result(initialization_provenance={"resume": {
+        "comparison_run": state.run_id, "resumed_times": state.resumed,
+        "from_step": state.resumes[-1]["from_step"], "continues_session": reused.continued,
+        "evidence_ref": reused.manifest}})
+
+
+@dataclass
+class RunSession:
+    """One session's work on the run: its clients, capacity retry, metrics log and evidence; its
+    methods are what `train_arms` calls back (capacity retry, save, restore mid-step, each row)."""
+
+    service_client: tinker.ServiceClient
+    bundle: EvidenceBundle
+    cfg: ComparisonConfig
+    state: RunState
+    spath: Path  # the run state file, saved after every row
+    tracker: service.CapacityTracker
+    mlog: cookbook_metrics.ArmMetricsLog
+    tag: str
+    progress: Callable[[str], None]
+    capacity_policy: service.CapacityPolicy | None = None
+    registry: service.ClientRegistry | None = None
+    clients: dict[str, Any] = field(default_factory=dict)
+    by_arm: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        return service.call_with_capacity_retry(fn, policy=self.capacity_policy or service.CapacityPolicy(),
+                                                steps_completed=self.tracker, registry=self.registry,
+                                                on_retry=self.tracker.events.append)
+
+    def restore_mid_step(self, runner: ArmRunner, path: str, failure: dict[str, Any]) -> ArmRunner:
+        """A refused attempt sent updates: back to the step's start before the retry (inside `call`)."""
+        name = runner.spec.name
+        self.progress(f"[comparison] {name} step {failure['step'] + 1}: refused after "
+                      f"{failure['updates_sent_before_failure']} update(s) ({failure['error'][:120]}); restoring "
+                      f"{path} (weights + optimizer) before the retry")
+        ref = state_file_name(self.state, f"{name}-s{failure['step']}-a{failure['attempt']}")
+        client, prov = restore_arm(self.service_client, self.state, self.cfg, name, path, ref)
+        self.clients[name] = client
+        self.bundle.register_json(ref, "manifest", self.state.to_json())
+        self.bundle.update_result(initialization_provenance={"arms": {name: prov}})
+        return dataclasses.replace(runner, client=client)
+
+    def save_arm_state(self, runner: ArmRunner, steps_done: int) -> str:
+        state = self.state
+        return runner.client.save_state(
+            f"{self.tag}-{state.run_id}-{runner.spec.name}-step{steps_done}-r{state.resumed}").result().path
+
+    def on_row(self, row: dict[str, Any]) -> None:
+        """A committed arm-step: state saved, metrics logged and posted, a common save registered
+        with a snapshot, the capacity window widened, the arm finalized after its last step."""
+        state, cfg, bundle = self.state, self.cfg, self.bundle
+        self.by_arm[row["arm"]].append(row)
+        state.save(self.spath)
+        self.mlog.log(row["arm"], cookbook_metrics.step_record(
+            row, steps=cfg.steps, learning_rate=cfg.arm(row["arm"]).adam["learning_rate"]), row["step"])
+        done = row["step"] + 1
+        if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
+            # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
+            register_saved_state(bundle, state, done)
+            post_snapshot(bundle, f"comparison step {done} saved", reserve=STATE_RESERVE + 1)
+        bundle.post_arm_metrics(row["arm"], arm_summary(self.by_arm[row["arm"]]))
+        if all(s.steps_done > row["step"] for s in state.arms.values()):
+            self.tracker.step_done()
+        arm = state.arms[row["arm"]]
+        if arm.steps_done == cfg.steps:
+            finalize_arm(self.clients[row["arm"]], row["arm"], state, bundle, self.by_arm, self.tag)
+            state.save(self.spath)
+
+
+def open_session(service_client: tinker.ServiceClient, plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig,
+                 state: RunState, state_root: Path, *, tag: str, progress: Callable[[str], None],
+                 capacity_policy: service.CapacityPolicy | None, registry: service.ClientRegistry | None,
+                 wandb: cookbook_metrics.WandbRequest | None) -> RunSession:
+    """The session's capacity tracker (the session waiter's when there is one: its capacity window
+    widens after the first step too) and its cookbook metrics log."""
+    waiter = getattr(service_client, "waiter", None)
+    tracker = waiter.tracker if waiter is not None else service.CapacityTracker()
+    tracker.comparison_steps_completed = min(s.steps_done for s in state.arms.values())
+    mlog = cookbook_metrics.ArmMetricsLog(
+        state_root / state.run_id / "cookbook-metrics", [a.name for a in cfg.arms], run_name=state.run_id,
+        wandb=wandb or cookbook_metrics.WandbRequest(None, "not requested"),
+        config={"plan": plan.name, "plan_sha256": plan.sha256, "run_id": state.run_id, **asdict(cfg)})
+    for problem in mlog.status["wandb"]["problems"]:
+        progress(f"[comparison] W&B not used: {problem} (the metrics.jsonl logs go on)")
+    return RunSession(service_client, bundle, cfg, state, state_path(state_root, state.run_id), tracker, mlog, tag,
+                      progress, capacity_policy, registry)
+
+
+def register_run_manifest(session: RunSession, plan: Plan, *, schedule: Schedule, schedule_source: str,
+                          rehearsal: bool, evaluator_id: str) -> None:
+    """`comparison-run-N.json`: the run, its sessions and resumes, schedule, state file, evaluator,
+    code revision, plan, config and where the cookbook metrics are; a rehearsal says what it tests."""
+    state, cfg, mlog, bundle = session.state, session.cfg, session.mlog, session.bundle
+    bundle.register_json(f"comparison-run-{state.resumed}.json", "manifest", {
+        "run_id": state.run_id, "resumed_sessions": state.resumed, "sessions": state.sessions,
+        "resumes": state.resumes, "save_every": cfg.save_every, "schedule": schedule,
+        "schedule_source": schedule_source, "rehearsal": rehearsal,
+        "state_file": str(session.spath), "evaluator_id": evaluator_id, "code_revision": state.code_revision,
+        "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg),
+        "cookbook_metrics": {**mlog.status, "live_files": {a.name: str(mlog.path(a.name)) for a in cfg.arms},
+                             "evidence_files": {a.name: metrics_name(a.name, state) for a in cfg.arms}}})
+    if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
+        bundle.update_result(original_hypothesis_tested=False, tested_instead=(
+            f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
+            f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"))
+
+
+def _stopped(session: RunSession, schedule: Schedule, exc: Exception) -> TrainingOutcome:
+    """Never a crash mid-run: the stop's reason, with the check that stopped it posted when it is
+    an optimizer mismatch (and the run state its check references registered)."""
+    bundle, state = session.bundle, session.state
+    if isinstance(exc, OptimizerMismatch) and exc.provenance:
+        if exc.state_file and bundle.entry(exc.state_file) is None:
+            bundle.register_json(exc.state_file, "manifest", state.to_json())
+        bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
+    reason = f"{type(exc).__name__}: {service.error_text(exc)}"[:500]
+    session.progress(f"[comparison] stopped: {reason}")
+    return TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule, reason)
+
+
+def train_session(session: RunSession, restoration: RestorationResult | None, *, schedule: Schedule,
+                  stop_after: Callable[[int], None] | None, guard: WallGuard | None,
+                  ) -> tuple[TrainingOutcome, dict[str, Any] | None]:
+    """Open the arms and train them to the end or a stop: (outcome, capacity block if capacity
+    stopped it). The metrics log is closed either way."""
+    state, cfg = session.state, session.cfg
+    train = dataset.get(cfg.dataset).load_split("train", seed=cfg.arms[0].seed)
+    renderer = tokenizer.make_renderer().renderer
+    session.by_arm = {a.name: [r for r in state.rows if r["arm"] == a.name] for a in cfg.arms}
+    capacity_block = None
+    try:
+        session.clients.update(open_arms(session.service_client, state, cfg, restoration, session.bundle, session.call))
+        state.save(session.spath)
+        outcome = train_arms(make_runners(session.clients, cfg), cfg, state,
+                             items_for_step=lambda s: train.batch(s, cfg.groups_per_batch), renderer=renderer,
+                             tag=f"{session.tag}-{state.run_id}-r{state.resumed}", schedule=schedule,
+                             on_row=session.on_row, save_state=session.save_arm_state, restore=session.restore_mid_step,
+                             call=session.call, stop_after=stop_after, progress=session.progress, guard=guard)
+    except service.CapacityExhausted as exc:
+        capacity_block = exc.block.as_dict()
+        outcome = TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
+                                  f"capacity: {exc}")
+    except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
+        outcome = _stopped(session, schedule, exc)
+    finally:
+        session.mlog.close()
+    return outcome, capacity_block
+
+
+def register_training_end(session: RunSession, outcome: TrainingOutcome, *, schedule: Schedule,
+                          schedule_source: str, guard: WallGuard | None) -> list[str]:
+    """After training, stopped or not: state saved, steps JSONL, the arms' metrics logs and the
+    end state (with the training's schedule, stop and wall guard) registered; their names."""
+    state, bundle = session.state, session.bundle
+    state.save(session.spath)
+    files = [register_steps(bundle, state)]
+    files += register_cookbook_metrics(bundle, state, session.mlog)
+    bundle.register_json(state_file_name(state, "end"), "manifest", {
+        **state.to_json(), "training": {"schedule": schedule, "schedule_source": schedule_source,
+                                        "stopped": outcome.stopped, "steps_completed": outcome.steps_completed,
+                                        "wall_guard": guard.as_dict() if guard is not None else None}})
+    files.append(state_file_name(state, "end"))
+    return files
+
+
+def stopped_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
+                  capacity_block: dict[str, Any] | None) -> dict[str, Any]:
+    """The final of a run that stopped before every arm finished: failed, nothing compared."""
+    stopped = outcome.stopped or ""
+    final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
+             "summary": (f"The paired comparison under {plan.name} stopped after {outcome.steps_completed} of "
+                         f"{cfg.steps} rollout steps per arm, before evaluation, so nothing was compared: "
+                         + stopped.replace(". ", "; ").rstrip(".") + ".")}
+    if bundle.result.get("original_hypothesis_tested") is None:
+        final.update(original_hypothesis_tested=False,
+                     tested_instead="nothing: the paired comparison stopped before any evaluation")
+    if capacity_block is not None:
+        final["capacity_block"] = capacity_block
+    return final
+
+
+def succeeded_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
+                    scores: list[dict[str, Any]], decision: Mapping[str, Any], *, rehearsal: bool) -> dict[str, Any]:
+    """The final of a finished run: at most two plain sentences (the brief's output shape); the
+    details are in report.md."""
+    acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
+    diffs = "; ".join(f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "
+                      f"{100 * (1 - c['alpha']):g}% paired Hoeffding CI [{c['lower']:.4g}, {c['upper']:.4g}]"
+                      for c in decision["criteria"])
+    served = (bundle.result.get("backend") or {}).get("served_model") or cfg.base_model
+    return {"status": "succeeded", "verdict": decision["verdict"], "outcome_reason": decision["outcome_reason"],
+            "summary": (f"Paired comparison under {plan.name} ({outcome.steps_completed}/{cfg.steps} rollout steps per "
+                        f"arm): greedy accuracy on {cfg.eval_items} test items {acc}, {diffs}, verdict {decision['verdict']} "
+                        f"({decision['outcome_reason']})."
+                        + (f" It is a rehearsal on the stand-in model {served}, not a test of the hypothesis on "
+                           f"{plan.planned_model}." if rehearsal else ""))}

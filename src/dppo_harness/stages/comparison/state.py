@@ -1,0 +1,122 @@
+"""The comparison's resumable state: each arm's position at a step boundary (its saved states,
+restores and optimizer checks), the run's rows and sessions, the checks a resume must pass
+(plan, evaluator and code unchanged, arms paired) and the rewind to the last common save."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dppo_harness
+from dppo_harness.evidence.provenance import package_source_sha256
+from dppo_harness.stages.comparison.config import ComparisonError
+
+STEPS_FILE = "comparison-steps.jsonl"
+STATE_FILE = "comparison-state.json"
+
+
+def code_revision(package_dir: Path | None = None) -> str:
+    """sha256 over the package's Python sources (`package_source_sha256`, the same hash the
+    provenance records as `source_sha256`): what the resume must match."""
+    return package_source_sha256(package_dir or Path(dppo_harness.__file__).parent)
+
+
+@dataclass
+class ArmState:
+    """One arm's resumable position: its last saved state (weights + optimizer) at a step boundary."""
+
+    name: str
+    steps_done: int = 0
+    state_path: str | None = None  # tinker:// save_state path (weights + optimizer) at `state_step`
+    state_step: int = 0  # steps_done when `state_path` was saved
+    saves: dict[str, str] = field(default_factory=dict)  # str(steps_done) -> save_state path, every save
+    restore_count: int = 0
+    optimizer_checks: list[dict[str, Any]] = field(default_factory=list)
+    final_sampler: str | None = None
+    final_state: str | None = None
+    step_retries: list[dict[str, Any]] = field(default_factory=list)  # refused attempts, see GuardedArmStep
+
+
+@dataclass
+class RunState:
+    run_id: str
+    plan_sha256: str
+    evaluator_id: str
+    code_revision: str
+    initial_checkpoint: str
+    arms: dict[str, ArmState]
+    rows: list[dict[str, Any]] = field(default_factory=list)  # every completed arm-step, in order
+    resumed: int = 0
+    # Every session that worked on this run, in order: {"run_id", "dir"} of its evidence bundle.
+    sessions: list[dict[str, str]] = field(default_factory=list)
+    # The hashed result snapshot holding the setup (preflight + gate) evidence the run started from.
+    setup_snapshot: dict[str, str] | None = None
+    # Per arm, the preflight's restore_count and optimizer checks (what later restores count on).
+    setup_provenance: dict[str, Any] = field(default_factory=dict)
+    resumes: list[dict[str, Any]] = field(default_factory=list)  # per resume: session, from_step, continued
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: v for k, v in asdict(self).items() if k != "arms"},
+                "arms": {a: asdict(s) for a, s in self.arms.items()}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RunState:
+        arms = {a: ArmState(**s) for a, s in d["arms"].items()}
+        return cls(**{**{k: v for k, v in d.items() if k != "arms"}, "arms": arms})
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> RunState:
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ComparisonError(f"resume state {path}: unreadable ({exc})") from None
+
+
+def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, code_rev: str) -> list[str]:
+    """Why a saved run may not be continued: plan, evaluator or code changed."""
+    out = []
+    for what, saved, now in (("plan sha256", state.plan_sha256, plan_sha256),
+                             ("evaluator id", state.evaluator_id, evaluator_id),
+                             ("code revision", state.code_revision, code_rev)):
+        if saved != now:
+            out.append(f"{what} changed since run {state.run_id}: saved {saved[:16]}, now {now[:16]}")
+    steps = [s.steps_done for s in state.arms.values()]
+    if steps and max(steps) - min(steps) > 1:
+        out.append(f"arms are {max(steps) - min(steps)} steps apart ({steps}): not a paired step boundary")
+    return out
+
+
+def rewind_to_common_save(state: RunState, steps: int) -> int:
+    """Before a resume: every arm back to the last step that all arms saved (0: the shared initial
+    checkpoint, `state.initial_checkpoint`), so the arms continue paired; the rows after it are
+    dropped and recomputed (same prompts and seeds). Returns that step."""
+    for a in state.arms.values():
+        if a.state_path is not None and not a.saves:  # a state written before saves were kept
+            a.saves[str(a.state_step)] = a.state_path
+    step = max(set.intersection(*({int(k) for k in a.saves} | {0} for a in state.arms.values())))
+    for a in state.arms.values():
+        a.steps_done = a.state_step = step
+        a.state_path = a.saves.get(str(step)) if step else None
+        if step < steps:
+            a.final_sampler = a.final_state = None
+    state.rows = [r for r in state.rows if r["step"] < step]
+    return step
+
+
+def state_path(state_root: Path, run_id: str) -> Path:
+    return Path(state_root) / run_id / STATE_FILE
+
+
+
+def state_file_name(state: RunState, label: str) -> str:
+    """The evidence name of the run state registered at `label` in this session."""
+    return f"{STATE_FILE.removesuffix('.json')}-r{state.resumed}-{label}.json"
