@@ -48,8 +48,8 @@ import torch
 import transformers
 
 from dppo_harness.constants import BASE_MODEL
-from dppo_harness.local_server import hf_model
-from dppo_harness.local_server.engine import Engine
+from dppo_harness.local_server.engine import hf_model
+from dppo_harness.local_server.engine.engine import Engine
 
 QWEN35_2B = dict(vocab_size=248_320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
                  num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,

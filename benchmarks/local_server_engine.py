@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dppo_harness.local_server import warmstart
-from dppo_harness.local_server.engine import Engine
+from dppo_harness.local_server.engine import warmstart
+from dppo_harness.local_server.engine.engine import Engine
 
 
 def main() -> None:

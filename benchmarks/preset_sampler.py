@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dppo_harness.constants import STOP_TOKEN_ID
 from dppo_harness.data import gsm8k
-from dppo_harness.local_server import engine
+from dppo_harness.local_server.engine import engine
 from dppo_harness.local_server.vocab import get_renderer, prompt_messages
 
 

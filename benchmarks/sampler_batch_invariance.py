@@ -22,7 +22,7 @@ import torch
 
 from dppo_harness.constants import STOP_TOKEN_ID
 from dppo_harness.data import gsm8k
-from dppo_harness.local_server.engine import Engine, _SampleJob
+from dppo_harness.local_server.engine.engine import Engine, _SampleJob
 from dppo_harness.local_server.vocab import get_renderer, prompt_messages
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from dppo_harness.constants import BASE_MODEL
-from dppo_harness.local_server.engine import Engine
+from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
 

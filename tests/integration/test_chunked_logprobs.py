@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dppo_harness.local_server.logprobs import chunked_target_logprobs, naive_target_logprobs
+from dppo_harness.local_server.engine.logprobs import chunked_target_logprobs, naive_target_logprobs
 
 
 class LoraHead(torch.nn.Module):

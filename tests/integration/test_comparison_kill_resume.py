@@ -38,7 +38,7 @@ from dppo_harness.stages.comparison.arms import make_runners, train_arms
 from dppo_harness.stages.comparison.config import comparison_config
 from dppo_harness.stages.comparison.state import ArmState, RunState, state_path
 from dppo_harness.stages.comparison.step_rows import TOKEN_FIELDS, comparable, row_differences
-from dppo_harness.stages.restoration import create_from_state_observed
+from dppo_harness.train.clients import create_from_state_observed
 
 pytestmark = pytest.mark.timeout(3000)
 

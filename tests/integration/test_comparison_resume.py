@@ -25,7 +25,7 @@ from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.comparison.state import state_path
 from dppo_harness.stages.comparison.step_rows import comparable, row_differences
-from dppo_harness.stages.restoration import create_from_state_observed
+from dppo_harness.train.clients import create_from_state_observed
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 REHEARSAL = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")

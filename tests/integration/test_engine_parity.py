@@ -12,8 +12,8 @@ import tinker
 import torch
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
-from dppo_harness.local_server import model, warmstart
-from dppo_harness.local_server.engine import Engine
+from dppo_harness.local_server.engine import model, warmstart
+from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.vocab import get_renderer, load_vocab, prompt_messages
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dppo_harness.constants import BASE_MODEL
-from dppo_harness.local_server.engine import Engine
+from dppo_harness.local_server.engine.engine import Engine
 
 pytestmark = pytest.mark.integration
 PRESET = "tiny-qwen3-random"

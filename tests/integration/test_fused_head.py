@@ -7,8 +7,8 @@ import peft
 import pytest
 import torch
 
-from dppo_harness.local_server import model
-from dppo_harness.local_server.logprobs import head_target_logprobs, lora_head_parts
+from dppo_harness.local_server.engine import model
+from dppo_harness.local_server.engine.logprobs import head_target_logprobs, lora_head_parts
 
 H, V, R = 16, 101, 4  # V in-vocabulary columns + 1 input-only unk row
 

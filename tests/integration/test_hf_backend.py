@@ -15,9 +15,10 @@ import pytest
 import torch
 import transformers
 
-from dppo_harness.local_server import hf_model, sampling
 from dppo_harness.local_server.__main__ import check_model_path_args, parse_args
-from dppo_harness.local_server.engine import Engine, UserError
+from dppo_harness.local_server.engine import hf_model, sampling
+from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.errors import UserError
 
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=32)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
-from dppo_harness.local_server import model
-from dppo_harness.local_server.engine import Engine, UserError
+from dppo_harness.local_server.engine import model
+from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.vocab import get_renderer, load_vocab, prompt_messages
 
 PRESET = "tiny-qwen3-random"

@@ -76,7 +76,7 @@ def backend(request, tmp_path_factory) -> dict:
                 "linear_attention": False}
     import transformers
 
-    from dppo_harness.local_server.hf_model import qwen3_config, save_random_checkpoint
+    from dppo_harness.local_server.engine.hf_model import qwen3_config, save_random_checkpoint
 
     name, config = {
         "hf-full-vocab": ("tiny-qwen3-full-vocab", qwen3_config(**FULL_VOCAB_CONFIG)),
@@ -109,7 +109,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def inproc(tmp_path_factory, backend):
     """Engine + app in this process; tests read gradients and parameters from `engine`."""
-    from dppo_harness.local_server.engine import Engine
+    from dppo_harness.local_server.engine.engine import Engine
     from dppo_harness.local_server.process import InProcessServer
 
     engine = Engine(tmp_path_factory.mktemp("inproc-run"), **backend["engine"])

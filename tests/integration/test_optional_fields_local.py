@@ -30,6 +30,9 @@ from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
+from dppo_harness.stages.restoration_batch import build_fixed_batch
+from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
+from dppo_harness.train.clients import RestorationError, create_from_state_observed
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -43,7 +46,7 @@ ARM_NAMES = [a.name for a in CMP_PLAN.run.arms]
 
 @pytest.fixture(scope="module")
 def fixed_batch():
-    return restoration_module.build_fixed_batch()
+    return build_fixed_batch()
 
 
 class _Served:
@@ -76,7 +79,7 @@ def served(tmp_path):
 def _preflight(s, bundle, fixed_batch, **kw):
     batch, desc = fixed_batch
     return restoration_module.run_restoration_preflight(s.sc, SPEC, bundle, fixed_batch=batch, fixed_batch_description=desc,
-                                       checkpoint_reader=restoration_module.LocalCheckpointReader(s.srv.run_dir),
+                                       checkpoint_reader=LocalCheckpointReader(s.srv.run_dir),
                                        trained_arms=("dppo_seed0",), lr_multipliers=(1.0, 2.0), **kw)
 
 
@@ -108,7 +111,7 @@ def test_no_optimizer_config_or_echo_leaves_every_check_declared(served, fixed_b
 
 def test_forward_outputs_without_logprobs_stop_the_preflight_naming_the_key(served, fixed_batch, tmp_path):
     s = served("--fault-omit-field", "forward.logprobs")
-    with pytest.raises(restoration_module.RestorationError, match="has no 'logprobs'"):
+    with pytest.raises(RestorationError, match="has no 'logprobs'"):
         _preflight(s, EvidenceBundle.create(tmp_path / "ev"), fixed_batch)
 
 
@@ -143,7 +146,7 @@ def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp
     s = served("--fault-omit-field", "asample.logprobs")
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
     init = tc.save_state("omit-cmp-initial").result().path
-    clients = {a: restoration_module.create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
+    clients = {a: create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
     restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
                                   provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
     bundle = EvidenceBundle.create(tmp_path / "ev")

@@ -14,6 +14,10 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
+from dppo_harness.stages.restoration_batch import build_fixed_batch
+from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
+from dppo_harness.train.clients import full_logprobs
+from dppo_harness.train.fingerprints import logprobs_sha256
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -31,7 +35,7 @@ def spec():
 
 @pytest.fixture(scope="module")
 def fixed_batch():
-    return restoration.build_fixed_batch()
+    return build_fixed_batch()
 
 
 def _client(server):
@@ -46,7 +50,7 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
     try:
         result = restoration.run_restoration_preflight(
             sc, spec, bundle, fixed_batch=batch, fixed_batch_description=desc,
-            checkpoint_reader=restoration.LocalCheckpointReader(server.run_dir), **kw)
+            checkpoint_reader=LocalCheckpointReader(server.run_dir), **kw)
     finally:
         if own:
             sc.close("success").result(timeout=60)
@@ -74,7 +78,7 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
         assert verify_bundle(bundle.dir) == []
         # The arms were never updated by the probes: their outputs still hash as at step 0.
         for arm, client in result.clients.items():
-            assert restoration.logprobs_sha256(restoration.full_logprobs(client, result.fixed_batch)) == result.output_sha256[arm]
+            assert logprobs_sha256(full_logprobs(client, result.fixed_batch)) == result.output_sha256[arm]
     finally:
         sc.close("success").result(timeout=60)
 

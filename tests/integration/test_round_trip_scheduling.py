@@ -21,8 +21,8 @@ from dppo_harness import constants
 from dppo_harness.instrument import instrumentation
 from dppo_harness.local_server.vocab import get_tokenizer
 from dppo_harness.loss import losses
-from dppo_harness.stages.restoration import full_logprobs, make_datum
 from dppo_harness.train import train_step
+from dppo_harness.train.clients import full_logprobs, make_datum
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
@@ -34,7 +34,7 @@ MODEL = os.environ.get("DPPO_HARNESS_TEST_MODEL", "tiny-qwen3-random")
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from dppo_harness.local_server.engine import Engine
+    from dppo_harness.local_server.engine.engine import Engine
     from dppo_harness.local_server.process import InProcessServer
 
     srv = InProcessServer(Engine(tmp_path_factory.mktemp("rt-run"), model_name=MODEL)).start()

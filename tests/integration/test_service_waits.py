@@ -10,7 +10,7 @@ import time
 import pytest
 import tinker
 
-from dppo_harness.local_server.engine import Engine
+from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.faults import (
     FaultConfig,
     parse_never_complete,

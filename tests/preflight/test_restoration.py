@@ -4,6 +4,10 @@ library's measured result; `restoration` runs once and later stages reuse its cl
 from __future__ import annotations
 
 from dppo_harness.stages import restoration as restoration_module
+from dppo_harness.stages.restoration_batch import FIXED_BATCH_FILE
+from dppo_harness.stages.restoration_lr_probe import DEFAULT_LR_MULTIPLIERS
+from dppo_harness.train.fingerprints import batch_sha256
+from dppo_harness.train.optimizer_checks import own_response_only
 
 
 def test_restoration_preflight_passes(restoration):
@@ -26,7 +30,7 @@ def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
 def test_initial_outputs_match_before_any_update(restoration):
     cmp = restoration.provenance["group"]["initial_output_comparison"]
     assert cmp and all(c["within_tolerance"] for c in cmp.values()), cmp
-    assert restoration.batch_sha256 == restoration_module.batch_sha256(restoration.fixed_batch)
+    assert restoration.batch_sha256 == batch_sha256(restoration.fixed_batch)
     assert all(e["initial_output"]["batch_sha256"] == restoration.batch_sha256
                for e in restoration.provenance["arms"].values())
 
@@ -43,7 +47,7 @@ def test_optimizer_checks_cover_creation_and_every_restore(restoration):
         for c in e["optimizer_checks"]:
             assert c["matches"], (arm, c["mismatches"])
             if c["actual_config"] is None:  # nothing exposed it: must stay unverified
-                # issue 10: a Spindle-like service exposes the family (get_info) but no config echo
+                # a service may expose the family (get_info) but no config echo: a Spindle-like one
                 assert c["actual_config_source"] == "declared" and not c["verified"]
 
 
@@ -61,7 +65,7 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
     assert written["version"] == 1
     posted = {a: e for a, e in restoration.provenance["arms"].items() if a not in written.get("excluded_arms", {})}
     if plan.kind == "bounded_diagnostic":  # posted checks keep only the arm's own responses
-        posted = {a: dict(e, optimizer_checks=[restoration_module.own_response_only(c) for c in e["optimizer_checks"]])
+        posted = {a: dict(e, optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]])
                   for a, e in posted.items()}
     assert written["arms"] == posted
     if plan.kind == "bounded_diagnostic":  # the untrained baseline is left out
@@ -69,7 +73,7 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
         assert set(written["arms"]) == {trained}
         assert set(written["excluded_arms"]) == {a.name for a in plan.spec_plan.run.arms} - {trained}
     names = {f["name"] for f in evidence_bundle.files()}
-    assert {restoration_module.PROVENANCE_FILE, restoration_module.FIXED_BATCH_FILE, restoration_module.INITIAL_OUTPUT_FILE, restoration_module.RESPONSES_FILE} <= names
+    assert {restoration_module.PROVENANCE_FILE, FIXED_BATCH_FILE, restoration_module.INITIAL_OUTPUT_FILE, restoration_module.RESPONSES_FILE} <= names
 
 
 def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, client_registry):
@@ -81,6 +85,6 @@ def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, c
     roles = [c["role"] or "" for c in probes["training_clients"]]
     assert roles[0].startswith("setup (shared") and "uninterrupted restore probe" in roles[0]
     assert sum(r.startswith("restore probe") for r in roles) == 1
-    assert len(roles) <= 2 + len(restoration_module.DEFAULT_LR_MULTIPLIERS) - 1  # one client per LR other than the planned one
+    assert len(roles) <= 2 + len(DEFAULT_LR_MULTIPLIERS) - 1  # one client per LR other than the planned one
     arms = [c for c in sessions["session"]["training_clients"] if (c["role"] or "").startswith("arm ")]
     assert sorted(c["role"].split()[1].rstrip(":") for c in arms) == sorted(restoration.clients)

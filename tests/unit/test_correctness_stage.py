@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dppo_harness.loss import correctness, correctness_golden, losses
-from dppo_harness.stages import restoration
 from dppo_harness.stages.correctness_preflight import GOLDEN_FIXTURE, run_correctness_preflight
+from dppo_harness.stages.restoration_lr_probe import attach_lr_scaling
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / GOLDEN_FIXTURE
@@ -39,7 +39,7 @@ def test_passes_on_the_shared_golden_file_and_records_the_steps_block():
     assert [p.loss for p in outcome.parity] == sorted(TRAINED) and all(p.cases > 0 for p in outcome.parity)
     # The same block as golden parity -> preflight block -> LR probe attached, step by step.
     report = correctness_golden.check_golden(GOLDEN, tolerances=correctness.spec_tolerances(SPEC))
-    assert outcome.block == restoration.attach_lr_scaling(correctness.build_preflight_block(report, SPEC), UNMEASURED)
+    assert outcome.block == attach_lr_scaling(correctness.build_preflight_block(report, SPEC), UNMEASURED)
     assert outcome.report.to_json() == report.to_json()
     assert (outcome.status, list(outcome.messages)) == correctness.validate_preflight(SPEC, outcome.block)
     (path,) = outcome.block["paths"]

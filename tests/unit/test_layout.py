@@ -107,3 +107,16 @@ def test_the_checks_fail_on_inputs_that_must_fail(tmp_path):
     assert long_functions([big, small]) == [f"{big}:1 f: {MAX_FUNCTION_LINES + 1} lines"]
     assert tracker_references([ref, small]) == [f"{ref}:1"]
     assert one_letter_aliases([ref, small]) == [f"{ref}:1"]
+
+
+def modules_missing_from(doc_text: str, paths: list[Path]) -> list[str]:
+    """Package modules (path relative to the package) that the architecture page does not name."""
+    names = [p.relative_to(PKG).as_posix() for p in paths if p.name != "__init__.py"]
+    return [n for n in names if f"`{n}`" not in doc_text]
+
+
+def test_architecture_names_every_module():
+    doc = (PROJECT / "docs" / "architecture.md").read_text()
+    assert modules_missing_from(doc, _sources()) == []
+    assert modules_missing_from("`stages/gate.py`", [PKG / "stages" / "gate.py", PKG / "stages" / "new.py"]) == [
+        "stages/new.py"]

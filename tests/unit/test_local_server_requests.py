@@ -10,9 +10,9 @@ import torch
 from tinker import types
 
 from dppo_harness import constants
-from dppo_harness.local_server.app import ProtocolError, decode_fwdbwd_request, parse_request
+from dppo_harness.local_server.engine.loss_fns import get_loss, loss_names, register_loss
 from dppo_harness.local_server.errors import UserError
-from dppo_harness.local_server.loss_fns import get_loss, loss_names, register_loss
+from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, parse_request
 from dppo_harness.local_server.profiles import (
     OPTIMIZER_ECHO_KEYS,
     MissingCredential,
@@ -162,7 +162,7 @@ def test_spindle_profile_serves_the_base_model_and_drops_optimizer_echo():
 
 
 def test_fault_kinds_of_rest_reads_do_not_carry_ids():
-    from dppo_harness.local_server.app import kind_of
+    from dppo_harness.local_server.http.codecs import kind_of
 
     assert kind_of("/api/v1/training_runs/s:train:0") == "get_training_run"
     assert kind_of("/api/v1/training_runs/s:train:0/checkpoints") == "list_checkpoints"

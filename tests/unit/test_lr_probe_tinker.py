@@ -11,7 +11,12 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from dppo_harness.loss import correctness, correctness_golden
-from dppo_harness.stages import restoration
+from dppo_harness.stages.restoration_lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration_update_norm import (
+    CheckpointUpdateNorm,
+    LocalCheckpointReader,
+    planned_lr_on_setup_client,
+)
 from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
 
 ROOT = Path(__file__).parents[2]
@@ -64,7 +69,7 @@ def test_unavailable_read_back_keeps_the_exact_reason_in_the_brief_block():
     assert "404 Not Found" in m.last_error
     block = {"available": False, "reason": f"{m.description}: {m.last_error}", "learning_rates": [2e-5, 4e-5],
              "lr_scaling": [], "passed": None}
-    pre = restoration.attach_lr_scaling({"paths": [{"id": "p"}]}, block)
+    pre = attach_lr_scaling({"paths": [{"id": "p"}]}, block)
     lr = pre["paths"][0]["lr_scaling"]
     assert len(lr) == 2 and all(e["available"] is False and e["update_norm"] is None and "404" in e["reason"] for e in lr)
 
@@ -101,7 +106,7 @@ def test_the_planned_lr_rides_on_the_setup_client_only_with_a_measure_that_canno
     sequence and stall the restore probe after it: the external-weights measure gets its own
     client per LR; the local checkpoint measure (save_state only) may share the setup client."""
     external = ExternalWeightsUpdateNorm(lambda: _FakeRest())
-    local = restoration.CheckpointUpdateNorm(restoration.LocalCheckpointReader(tmp_path), "t")
-    assert not restoration.planned_lr_on_setup_client(external, (0.5, 1.0, 2.0))
-    assert restoration.planned_lr_on_setup_client(local, (0.5, 1.0, 2.0))
-    assert not restoration.planned_lr_on_setup_client(local, (0.5, 2.0)) and not restoration.planned_lr_on_setup_client(None, (1.0,))
+    local = CheckpointUpdateNorm(LocalCheckpointReader(tmp_path), "t")
+    assert not planned_lr_on_setup_client(external, (0.5, 1.0, 2.0))
+    assert planned_lr_on_setup_client(local, (0.5, 1.0, 2.0))
+    assert not planned_lr_on_setup_client(local, (0.5, 2.0)) and not planned_lr_on_setup_client(None, (1.0,))

@@ -22,6 +22,8 @@ from dppo_harness.local_server.faults import (
 )
 from dppo_harness.service.identity import served_model_from_info
 from dppo_harness.stages import restoration
+from dppo_harness.stages.restoration_provenance import check_provenance, initialization_entry
+from dppo_harness.train.optimizer_checks import optimizer_check
 
 USER = types.RequestErrorCategory.User
 SERVER = types.RequestErrorCategory.Server
@@ -126,7 +128,7 @@ def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, 
 
 
 def _entry(**kw) -> dict:
-    check = restoration.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
+    check = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
                               info=None, info_ref="i", echoed=None, echo_ref=None, echo_observed_on=None)
     args = dict(base_checkpoint="Qwen/Qwen3.5-2B", checkpoint_uri="tinker://a/weights/i", checkpoint_immutable=True,
                 loaded_checkpoint_uri="tinker://a/weights/i", load_succeeded=True, evidence_ref="r",
@@ -134,20 +136,20 @@ def _entry(**kw) -> dict:
                 initial_output={"available": True, "batch_sha256": "b", "output_sha256": "o", "evidence_ref": "f",
                                 "before_first_update": True})
     args.update(kw)
-    return restoration.initialization_entry(**args)
+    return initialization_entry(**args)
 
 
 def test_unverified_immutability_fails_the_proof_with_one_line_naming_the_field():
     reason = "the duplicate save_state ended in TimeoutError: no answer, not an explicit refusal to overwrite"
     prov = {"arms": {"a": _entry(checkpoint_immutable=None, checkpoint_immutable_reason=reason)}}
-    failures = restoration.check_provenance(prov, ["a"])
+    failures = check_provenance(prov, ["a"])
     assert failures == [f"a: checkpoint_immutable unverified: {reason}"]
     assert prov["arms"]["a"]["initialization"]["checkpoint_immutable"] is None
-    assert restoration.check_provenance({"arms": {"a": _entry()}}, ["a"]) == []
+    assert check_provenance({"arms": {"a": _entry()}}, ["a"]) == []
 
 
 def test_a_missing_load_path_fails_the_proof_naming_it():
-    failures = restoration.check_provenance({"arms": {"a": _entry(loaded_checkpoint_uri=None)}}, ["a"])
+    failures = check_provenance({"arms": {"a": _entry(loaded_checkpoint_uri=None)}}, ["a"])
     assert failures == ["a: no loaded checkpoint URI in the server's load response"]
 
 
@@ -181,7 +183,7 @@ def test_backend_info_without_model_names_is_unavailable_and_no_deviation(pytest
 def test_an_absent_optimizer_config_is_not_the_sdk_default():
     info = types.GetInfoResponse.model_validate({"model_data": {}, "model_id": "m"})
     assert info.optimizer_config.type == "adamw"  # the SDK's default, not the service's word
-    check = restoration.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
+    check = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
                               info=info, info_ref="i", echoed=None, echo_ref=None, echo_observed_on=None)
     assert check["actual_optimizer"] is None and check["actual_optimizer_source"] == "declared"
     assert not check["verified"] and "optimizer family not exposed" in check["unverified_reasons"][0]

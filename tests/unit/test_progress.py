@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from dppo_harness.evidence import progress
-from dppo_harness.local_server import process, warmstart
+from dppo_harness.local_server import process
+from dppo_harness.local_server.engine import warmstart
 from dppo_harness.loss import correctness_golden
 
 
@@ -99,7 +100,7 @@ def test_server_start_forwards_its_progress_and_never_goes_quiet(tmp_path):
 
 @pytest.mark.integration  # trains the engine's warm start: the default run, not unit parity
 def test_warm_start_logs_progress_lines_the_harness_forwards(tmp_path, caplog):
-    from dppo_harness.local_server import model
+    from dppo_harness.local_server.engine import model
     from dppo_harness.local_server.vocab import load_vocab
 
     cfg = model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,

@@ -9,73 +9,81 @@ import numpy as np
 import pytest
 import tinker
 
+from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
+from dppo_harness.stages.restoration_batch import reference_completion
+from dppo_harness.stages.restoration_lr_probe import LR_SCALING_FILE, attach_lr_scaling
+from dppo_harness.stages.restoration_probe import reweighted
+from dppo_harness.stages.restoration_provenance import check_provenance, initialization_entry
+from dppo_harness.train.clients import RestorationError, datum_arrays, make_datum
+from dppo_harness.train.fingerprints import batch_sha256, compare_logprobs, logprobs_sha256
+from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, server_optimizer_family
 
 
 def _batch() -> list[tinker.Datum]:
-    return [restoration.make_datum([1, 2, 3], [4, 5]), restoration.make_datum([7, 8], [9, 10, 11])]
+    return [make_datum([1, 2, 3], [4, 5]), make_datum([7, 8], [9, 10, 11])]
 
 
 def test_make_datum_shifts_and_weights_completion_only():
-    d = restoration.make_datum([1, 2, 3], [4, 5])
-    tokens_T, targets_T, mask_T = restoration.datum_arrays(d)
+    d = make_datum([1, 2, 3], [4, 5])
+    tokens_T, targets_T, mask_T = datum_arrays(d)
     assert tokens_T.tolist() == [1, 2, 3, 4]
     assert targets_T.tolist() == [2, 3, 4, 5]
     assert mask_T.tolist() == [0.0, 0.0, 1.0, 1.0]  # targets 4 and 5 are the completion
     with pytest.raises(ValueError, match="non-empty completion"):
-        restoration.make_datum([1, 2], [])
+        make_datum([1, 2], [])
 
 
 def test_batch_sha256_is_stable_and_sensitive_to_tokens_targets_and_mask():
-    h = restoration.batch_sha256(_batch())
-    assert h == restoration.batch_sha256(_batch())
+    h = batch_sha256(_batch())
+    assert h == batch_sha256(_batch())
     assert len(h) == 64
-    changed_token = [restoration.make_datum([1, 2, 6], [4, 5]), _batch()[1]]
-    assert restoration.batch_sha256(changed_token) != h
+    changed_token = [make_datum([1, 2, 6], [4, 5]), _batch()[1]]
+    assert batch_sha256(changed_token) != h
     d = _batch()[0]
-    _tokens_T, targets_T, _mask_T = restoration.datum_arrays(d)
+    _tokens_T, targets_T, _mask_T = datum_arrays(d)
     other_mask = tinker.Datum(model_input=d.model_input, loss_fn_inputs={
         "target_tokens": tinker.TensorData.from_numpy(targets_T),
         "weights": tinker.TensorData.from_numpy(np.array([0, 1, 1, 1], dtype=np.float32))})
-    assert restoration.batch_sha256([other_mask, _batch()[1]]) != h
+    assert batch_sha256([other_mask, _batch()[1]]) != h
     # Splitting the same tokens differently across datums must not collide.
-    assert restoration.batch_sha256([restoration.make_datum([1, 2, 3], [4, 5])]) != restoration.batch_sha256(
-        [restoration.make_datum([1, 2], [3]), restoration.make_datum([4], [5])])
+    assert batch_sha256([make_datum([1, 2, 3], [4, 5])]) != batch_sha256(
+        [make_datum([1, 2], [3]), make_datum([4], [5])])
 
 
 def test_datum_arrays_rejects_missing_mask_and_length_mismatch():
     no_mask = tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2]),
                            loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(np.array([2, 3]))})
     with pytest.raises(ValueError, match="neither 'mask' nor 'weights'"):
-        restoration.batch_sha256([no_mask])
+        batch_sha256([no_mask])
     short = tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
         "target_tokens": tinker.TensorData.from_numpy(np.array([2, 3])),
         "weights": tinker.TensorData.from_numpy(np.ones(2, dtype=np.float32))})
     with pytest.raises(ValueError, match="lengths differ"):
-        restoration.batch_sha256([short])
+        batch_sha256([short])
 
 
 def test_logprobs_sha256_detects_one_ulp():
     lp = [np.array([-1.5, -0.25], dtype=np.float32), np.array([-3.0], dtype=np.float32)]
-    h = restoration.logprobs_sha256(lp)
-    assert h == restoration.logprobs_sha256([x.copy() for x in lp])
+    h = logprobs_sha256(lp)
+    assert h == logprobs_sha256([x.copy() for x in lp])
     bumped = [np.nextafter(lp[0], np.float32(0)), lp[1]]
-    assert restoration.logprobs_sha256(bumped) != h
-    assert restoration.logprobs_sha256([x.astype(np.float64) for x in lp]) != h  # precision is part of the hash
+    assert logprobs_sha256(bumped) != h
+    assert logprobs_sha256([x.astype(np.float64) for x in lp]) != h  # precision is part of the hash
 
 
 def test_compare_logprobs_bitwise_tolerance_and_failures():
     a = [np.array([-1.0, -2.0], dtype=np.float32)]
-    same = restoration.compare_logprobs(a, [a[0].copy()])
+    same = compare_logprobs(a, [a[0].copy()])
     assert same["bitwise_equal"] and same["within_tolerance"] and same["max_abs_diff"] == 0.0
-    near = restoration.compare_logprobs(a, [a[0] + np.float32(5e-7)])
+    near = compare_logprobs(a, [a[0] + np.float32(5e-7)])
     assert not near["bitwise_equal"] and near["within_tolerance"]
-    far = restoration.compare_logprobs(a, [a[0] + np.float32(2e-6)])
+    far = compare_logprobs(a, [a[0] + np.float32(2e-6)])
     assert not far["within_tolerance"] and far["max_abs_diff"] > 1e-6
-    assert not restoration.compare_logprobs(a, [np.array([-1.0], dtype=np.float32)])["within_tolerance"]
-    assert not restoration.compare_logprobs(a, a + a)["within_tolerance"]
-    assert not restoration.compare_logprobs(a, [np.array([np.nan, -2.0], dtype=np.float32)])["within_tolerance"]
+    assert not compare_logprobs(a, [np.array([-1.0], dtype=np.float32)])["within_tolerance"]
+    assert not compare_logprobs(a, a + a)["within_tolerance"]
+    assert not compare_logprobs(a, [np.array([np.nan, -2.0], dtype=np.float32)])["within_tolerance"]
 
 
 def _info(**extra) -> tinker.types.GetInfoResponse:
@@ -84,27 +92,27 @@ def _info(**extra) -> tinker.types.GetInfoResponse:
 
 
 def test_server_optimizer_family_ignores_sdk_default():
-    assert restoration.server_optimizer_family(_info()) is None  # SDK fills AdamW by default: not evidence
-    assert restoration.server_optimizer_family(_info(optimizer_config={"type": "adamw"})) == "adamw"
+    assert server_optimizer_family(_info()) is None  # SDK fills AdamW by default: not evidence
+    assert server_optimizer_family(_info(optimizer_config={"type": "adamw"})) == "adamw"
 
 
 REQ = {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 
 
 def test_optimizer_check_verified_only_with_full_server_evidence():
-    ok = restoration.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
+    ok = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
                            info=_info(optimizer_config={"type": "adamw"}), info_ref="x#info",
                            echoed=dict(REQ), echo_ref="x#opt", echo_observed_on="probe")
     assert ok["verified"] and ok["matches"] and ok["actual_optimizer"] == "adamw"
     assert ok["actual_config"] == REQ and ok["before_next_update"] is True
 
-    declared = restoration.optimizer_check(after_restore=1, requested_optimizer="adam", requested_config=REQ,
+    declared = optimizer_check(after_restore=1, requested_optimizer="adam", requested_config=REQ,
                                  info=_info(), info_ref="x#info", echoed=None, echo_ref=None,
                                  echo_observed_on=None)
     assert declared["source"] == "declared" and declared["actual_config"] is None
     assert declared["actual_optimizer"] is None and not declared["verified"]
 
-    partial = restoration.optimizer_check(after_restore=1, requested_optimizer="adam", requested_config=REQ,
+    partial = optimizer_check(after_restore=1, requested_optimizer="adam", requested_config=REQ,
                                 info=_info(optimizer_config={"type": "adamw"}), info_ref="x#info",
                                 echoed={"learning_rate": 2e-5}, echo_ref="x#opt", echo_observed_on="probe")
     assert not partial["verified"] and partial["matches"]
@@ -112,12 +120,12 @@ def test_optimizer_check_verified_only_with_full_server_evidence():
 
 
 def test_optimizer_check_reports_mismatches():
-    wrong_lr = restoration.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
+    wrong_lr = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
                                  info=_info(optimizer_config={"type": "adamw"}), info_ref="i",
                                  echoed={**REQ, "learning_rate": 1e-4}, echo_ref="o", echo_observed_on="p")
     assert not wrong_lr["matches"] and not wrong_lr["verified"]
     assert "learning_rate" in wrong_lr["mismatches"][0]
-    wrong_family = restoration.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
+    wrong_family = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
                                      info=_info(optimizer_config={"type": "dimuon", "version": 1}),
                                      info_ref="i", echoed=dict(REQ), echo_ref="o", echo_observed_on="p")
     assert not wrong_family["matches"] and "family" in wrong_family["mismatches"][0]
@@ -125,21 +133,21 @@ def test_optimizer_check_reports_mismatches():
 
 def test_echoed_config_accepts_prefixed_metric_names():
     metrics = {"adam/learning_rate": 2e-5, "optim/beta1": 0.9, "beta2:mean": 0.95, "loss:sum": 1.0}
-    assert restoration.echoed_config(metrics, list(REQ)) == {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95}
-    assert restoration.echoed_config(None, list(REQ)) == {}
+    assert echoed_config(metrics, list(REQ)) == {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95}
+    assert echoed_config(None, list(REQ)) == {}
 
 
 def test_lr_scaling_error():
     good = [{"learning_rate": 1e-5, "update_norm": 0.1}, {"learning_rate": 2e-5, "update_norm": 0.2},
             {"learning_rate": 4e-5, "update_norm": 0.4000001}]
-    assert max(restoration.lr_scaling_error(good)) < 1e-5
+    assert max(lr_scaling_error(good)) < 1e-5
     flat = [{"learning_rate": 1e-5, "update_norm": 0.1}, {"learning_rate": 2e-5, "update_norm": 0.1}]
-    assert restoration.lr_scaling_error(flat)[1] == pytest.approx(0.5)
-    assert restoration.lr_scaling_error([{"learning_rate": 1e-5, "update_norm": 0.0}]) == [float("inf")]
+    assert lr_scaling_error(flat)[1] == pytest.approx(0.5)
+    assert lr_scaling_error([{"learning_rate": 1e-5, "update_norm": 0.0}]) == [float("inf")]
 
 
 def _entry(uri="tinker://a/weights/init", loaded="tinker://a/weights/init", **kw) -> dict:
-    checks = [restoration.optimizer_check(after_restore=i, requested_optimizer="adam", requested_config=REQ,
+    checks = [optimizer_check(after_restore=i, requested_optimizer="adam", requested_config=REQ,
                                 info=_info(optimizer_config={"type": "adamw"}), info_ref="i",
                                 echoed=dict(REQ), echo_ref="o", echo_observed_on="p") for i in (0, 1)]
     args = dict(base_checkpoint="Qwen/Qwen3.5-2B", checkpoint_uri=uri, checkpoint_immutable=True,
@@ -148,7 +156,7 @@ def _entry(uri="tinker://a/weights/init", loaded="tinker://a/weights/init", **kw
                 initial_output={"available": True, "batch_sha256": "b" * 64, "output_sha256": "o" * 64,
                                 "evidence_ref": "f", "before_first_update": True})
     args.update(kw)
-    return restoration.initialization_entry(**args)
+    return initialization_entry(**args)
 
 
 def test_initialization_entry_has_the_brief_shape():
@@ -163,7 +171,7 @@ def test_initialization_entry_has_the_brief_shape():
 
 def test_check_provenance_accepts_a_shared_proof():
     prov = {"version": 1, "arms": {"a": _entry(), "b": _entry()}}
-    assert restoration.check_provenance(prov, ["a", "b"]) == []
+    assert check_provenance(prov, ["a", "b"]) == []
 
 
 @pytest.mark.parametrize(
@@ -180,7 +188,7 @@ def test_check_provenance_accepts_a_shared_proof():
 )
 def test_check_provenance_failures(b_entry, expected):
     prov = {"version": 1, "arms": {"a": _entry(), "b": b_entry()}}
-    failures = restoration.check_provenance(prov, ["a", "b"])
+    failures = check_provenance(prov, ["a", "b"])
     if expected is None:
         assert failures == []
     else:
@@ -189,28 +197,28 @@ def test_check_provenance_failures(b_entry, expected):
 
 def test_check_provenance_flags_missing_arm_batch_and_hash_mismatch():
     assert any("no initialization_provenance" in f
-               for f in restoration.check_provenance({"arms": {"a": _entry()}}, ["a", "b"]))
+               for f in check_provenance({"arms": {"a": _entry()}}, ["a", "b"]))
     b = _entry()
     b["initial_output"]["batch_sha256"] = "e" * 64
-    assert any("fixed batches differ" in f for f in restoration.check_provenance({"arms": {"a": _entry(), "b": b}}, ["a", "b"]))
+    assert any("fixed batches differ" in f for f in check_provenance({"arms": {"a": _entry(), "b": b}}, ["a", "b"]))
     hashed = {"a": _entry(adapter_sha256="1" * 64), "b": _entry(adapter_sha256="2" * 64)}
-    assert any("adapter_sha256 differ" in f for f in restoration.check_provenance({"arms": hashed}, ["a", "b"]))
+    assert any("adapter_sha256 differ" in f for f in check_provenance({"arms": hashed}, ["a", "b"]))
     bad_opt = _entry()
     bad_opt["optimizer_checks"][1] = copy.deepcopy(bad_opt["optimizer_checks"][1])
     bad_opt["optimizer_checks"][1]["mismatches"] = ["learning_rate: requested 2e-05, server applied 0.001"]
-    assert any("optimizer mismatch" in f for f in restoration.check_provenance({"arms": {"a": _entry(), "b": bad_opt}}, ["a", "b"]))
+    assert any("optimizer mismatch" in f for f in check_provenance({"arms": {"a": _entry(), "b": bad_opt}}, ["a", "b"]))
 
 
 def test_reweighted_is_a_fixed_gradient_selection():
     batch = _batch()
-    even = restoration.reweighted(batch, 2.0, lambda i: i % 2 == 0)
-    assert restoration.datum_arrays(even[0])[2].tolist() == [0.0, 0.0, 2.0, 2.0]
-    assert restoration.datum_arrays(even[1])[2].tolist() == [0.0, 0.0, 0.0, 0.0]
+    even = reweighted(batch, 2.0, lambda i: i % 2 == 0)
+    assert datum_arrays(even[0])[2].tolist() == [0.0, 0.0, 2.0, 2.0]
+    assert datum_arrays(even[1])[2].tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_reference_completion_boxes_the_final_answer():
     sol = "He has 3+4=<<3+4=7>>7 apples.\n#### 7"
-    assert restoration.reference_completion(sol, "7") == "He has 3+4=7 apples. \\boxed{7}"
+    assert reference_completion(sol, "7") == "He has 3+4=7 apples. \\boxed{7}"
 
 
 def test_restoration_arms_requires_one_group_of_two():
@@ -218,9 +226,9 @@ def test_restoration_arms_requires_one_group_of_two():
     assert [a["name"] for a in restoration.restoration_arms(spec)] == ["grpo_seed0", "dppo_seed0"]
     rp = spec.restoration_preflight
     one = rp.model_copy(update={"groups": [rp.groups[0].model_copy(update={"arms": rp.groups[0].arms[:1]})]})
-    with pytest.raises(restoration.RestorationError, match="at least two arms"):
+    with pytest.raises(RestorationError, match="at least two arms"):
         restoration.restoration_arms(spec.model_copy(update={"restoration_preflight": one}))
-    with pytest.raises(restoration.RestorationError, match="no applicable"):
+    with pytest.raises(RestorationError, match="no applicable"):
         restoration.restoration_arms(spec.model_copy(update={"restoration_preflight": rp.model_copy(update={"applicable": False})}))
 
 
@@ -229,14 +237,14 @@ def test_attach_lr_scaling_fills_or_explains():
     measured = {"available": True, "passed": True, "rtol": 0.05, "relative_error": [0.0, 1e-9],
                 "measure": "m", "reset": "r",
                 "lr_scaling": [{"learning_rate": 1e-5, "update_norm": 0.1}, {"learning_rate": 2e-5, "update_norm": 0.2}]}
-    out = restoration.attach_lr_scaling(block, measured)
+    out = attach_lr_scaling(block, measured)
     assert out["paths"][0]["lr_scaling"] == measured["lr_scaling"]
     assert out["paths"][0]["lr_scaling_status"]["available"] is True
     assert block["paths"][0]["lr_scaling"] == []  # input untouched
-    missing = restoration.attach_lr_scaling(block, {"available": False, "reason": "no parameters over the API",
+    missing = attach_lr_scaling(block, {"available": False, "reason": "no parameters over the API",
                                           "lr_scaling": []})
     # Issue 11 point 10: never an empty list; the brief's block says unmeasured and why.
     assert missing["paths"][0]["lr_scaling"] == [{"learning_rate": None, "update_norm": None, "available": False,
                                                   "reason": "no parameters over the API"}]
     assert missing["paths"][0]["lr_scaling_status"] == {
-        "available": False, "evidence_ref": restoration.LR_SCALING_FILE, "reason": "no parameters over the API"}
+        "available": False, "evidence_ref": LR_SCALING_FILE, "reason": "no parameters over the API"}

@@ -1,14 +1,14 @@
 """Issue 11 point 4: provenance covers the client that trained (one more restore, an optimizer check
 from its OWN response, its own initial output); probe-echoed configs stay declared for other checks."""
 
-from dppo_harness.stages import restoration
 from dppo_harness.stages.diagnostic import evidence_items
+from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check
 
 REQ = {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 
 
 def _probe_check(n):
-    return restoration.optimizer_check(after_restore=n, requested_optimizer="adam", requested_config=REQ, info=None,
+    return optimizer_check(after_restore=n, requested_optimizer="adam", requested_config=REQ, info=None,
                              info_ref="responses#get_info", echoed=REQ, echo_ref="responses#probe_optim_step_1",
                              echo_observed_on="probe client created from the initial checkpoint (optim_step response metrics)")
 
@@ -22,8 +22,8 @@ PRIOR = {"initialization": {"checkpoint_uri": "tinker://m:train:0/weights/init",
 def test_trained_client_gets_its_own_restore_check_and_initial_output():
     own_metrics = {"adam/learning_rate": 2e-5, "adam/beta1": 0.9, "adam/beta2": 0.95, "adam/eps": 1e-8,
                    "adam/weight_decay": 0.0, "adam/grad_clip_norm": 0.0}
-    own = restoration.optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ, info=None,
-                            info_ref="a#get_info", echoed=restoration.echoed_config(own_metrics, list(REQ)), echo_ref="a#optim_1",
+    own = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ, info=None,
+                            info_ref="a#get_info", echoed=echoed_config(own_metrics, list(REQ)), echo_ref="a#optim_1",
                             echo_observed_on="the trained client's own optim_step response of update 1")
     init_out = {"available": True, "batch_sha256": "b" * 64, "output_sha256": "a" * 64, "evidence_ref": "x",
                 "before_first_update": True}
@@ -40,6 +40,6 @@ def test_trained_client_gets_its_own_restore_check_and_initial_output():
 
 
 def test_missing_echo_stays_declared():
-    c = restoration.optimizer_check(after_restore=2, requested_optimizer="adam", requested_config=REQ, info=None, info_ref="x",
-                          echoed=restoration.echoed_config({"loss": 1.0}, list(REQ)), echo_ref="y", echo_observed_on="own")
+    c = optimizer_check(after_restore=2, requested_optimizer="adam", requested_config=REQ, info=None, info_ref="x",
+                          echoed=echoed_config({"loss": 1.0}, list(REQ)), echo_ref="y", echo_observed_on="own")
     assert c["actual_config"] is None and c["source"] == "declared" and not c["verified"]

@@ -12,9 +12,10 @@ import torch
 
 from dppo_harness.instrument import instrumentation, pooled, replay
 from dppo_harness.loss import correctness, losses
-from dppo_harness.stages import gate, restoration
+from dppo_harness.stages import gate, restoration_lr_probe
 from dppo_harness.stages.diagnostic import analysis
 from dppo_harness.train import train_step
+from dppo_harness.train.clients import make_datum
 
 SRC = Path(gate.__file__).parent
 
@@ -119,7 +120,7 @@ def test_timed_updates_runs_n_unrecorded_updates():
 
 
 def test_lr_scaling_error_has_one_definition_including_the_first_probe():
-    assert restoration.lr_scaling_error is correctness.lr_scaling_error
+    assert restoration_lr_probe.lr_scaling_error is correctness.lr_scaling_error
     good = [{"learning_rate": 1e-5, "update_norm": 1.0}, {"learning_rate": 2e-5, "update_norm": 2.0}]
     assert correctness.lr_scaling_error(good) == [0.0, 0.0]
     bad = [{"learning_rate": 1e-5, "update_norm": 1.0}, {"learning_rate": 2e-5, "update_norm": 1.0}]
@@ -131,11 +132,11 @@ def test_lr_scaling_error_has_one_definition_including_the_first_probe():
 
 
 def test_make_datum_zero_weight_is_a_forward_only_read_of_the_whole_sequence():
-    d = restoration.make_datum([3], [4, 5, 6], completion_weight=0.0)
+    d = make_datum([3], [4, 5, 6], completion_weight=0.0)
     assert d.model_input.to_ints() == [3, 4, 5]
     assert d.loss_fn_inputs["target_tokens"].to_numpy().tolist() == [4, 5, 6]
     assert d.loss_fn_inputs["weights"].to_numpy().tolist() == [0.0, 0.0, 0.0]
-    assert restoration.make_datum([3, 4], [5, 6]).loss_fn_inputs["weights"].to_numpy().tolist() == [0.0, 1.0, 1.0]
+    assert make_datum([3, 4], [5, 6]).loss_fn_inputs["weights"].to_numpy().tolist() == [0.0, 1.0, 1.0]
 
 
 def _imports(module) -> set[str]:
@@ -167,7 +168,7 @@ def test_no_training_loop_outside_the_core():
             if needle in text:
                 offenders.append(f"{path.name}: {needle}")
     # restoration's fixed-gradient probe (cross_entropy, not the RL loss) is the only other optim_step.
-    assert offenders == ["restoration.py: .optim_step("], offenders
+    assert offenders == ["restoration_probe.py: .optim_step("], offenders
 
 
 class _LoggedFuture:

@@ -153,7 +153,7 @@ def check_model_path_args(args: argparse.Namespace) -> None:
         return
     if args.model:
         raise SystemExit("--model (a tiny preset) and --model-path are exclusive")
-    from dppo_harness.local_server.hf_model import CheckpointError, check_checkpoint_dir, resolve_device
+    from dppo_harness.local_server.engine.hf_model import CheckpointError, check_checkpoint_dir, resolve_device
 
     try:
         check_checkpoint_dir(args.model_path)
@@ -165,8 +165,8 @@ def check_model_path_args(args: argparse.Namespace) -> None:
 async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, profile: Profile) -> None:
     from aiohttp import web
 
-    from dppo_harness.local_server.app import ServerState, build_app
-    from dppo_harness.local_server.engine import Engine
+    from dppo_harness.local_server.engine.engine import Engine
+    from dppo_harness.local_server.http.app import ServerState, build_app
 
     t0 = time.perf_counter()
     engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed, "num_threads": args.threads,
@@ -176,7 +176,7 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     if args.model_path:
         engine_kwargs.update(model_path=args.model_path, device=args.device, dtype=args.dtype,
                              served_name=args.served_name, linear_attention=args.linear_attention)
-    from dppo_harness.local_server.hf_model import CheckpointError
+    from dppo_harness.local_server.engine.hf_model import CheckpointError
 
     try:
         engine = await asyncio.to_thread(Engine, run_dir, **engine_kwargs)
@@ -206,7 +206,7 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
         "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
         getattr(engine, "model_name", "?"), time.perf_counter() - t0, base_info.get("cache_hit"), profile.name, run_dir)
     if getattr(engine, "kernels", None):
-        from dppo_harness.local_server.hf_model import kernel_summary
+        from dppo_harness.local_server.engine.hf_model import kernel_summary
 
         logging.getLogger("dppo_harness.local_server").info("kernels: %s", kernel_summary(engine.kernels))
     print(f"listening on http://{host}:{port}", flush=True)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
-from dppo_harness.local_server.engine import Engine, _SampleJob
+from dppo_harness.local_server.engine.engine import Engine, _SampleJob
 from dppo_harness.local_server.vocab import get_renderer, prompt_messages
 
 THREADS = 2

@@ -367,7 +367,7 @@ class InProcessServer:
     async def _setup(self) -> None:
         from aiohttp import web
 
-        from dppo_harness.local_server.app import ServerState, build_app
+        from dppo_harness.local_server.http.app import ServerState, build_app
         from dppo_harness.local_server.profiles import Profile
 
         self.state = ServerState(self.engine, self._injector, self._headers, sample_workers=self._sample_workers,

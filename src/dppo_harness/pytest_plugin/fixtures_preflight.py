@@ -50,10 +50,12 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
     diagnostic's original plan), run once."""
     from dppo_harness.service.clients import CapacityExhausted, call_with_capacity_retry, make_service_client
     from dppo_harness.stages import restoration as restoration_module
+    from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
+    from dppo_harness.train.clients import RestorationError
 
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
-        reader = restoration_module.LocalCheckpointReader(service_backend.server.run_dir)
+        reader = LocalCheckpointReader(service_backend.server.run_dir)
     # Its own session, registered before its first call: a stop on the way (capacity, hang)
     # releases it with the rest.
     probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
@@ -83,7 +85,7 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
                 trained_arms=(plan.diagnostic.fixed_settings.treatment.arm,) if plan_kind == "bounded_diagnostic" else None,
                 progress=watch.say,
             )
-    except restoration_module.RestorationError as exc:  # e.g. a response without a field the proof needs: one line
+    except RestorationError as exc:  # e.g. a response without a field the proof needs: one line
         failure = f"restoration preflight: {exc}"
     except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
         fields = exc.block.result_fields()

@@ -26,8 +26,8 @@ from dppo_harness.evaluation import answer_yield
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
-from dppo_harness.stages.restoration import create_from_state_observed
 from dppo_harness.train import train_step
+from dppo_harness.train.clients import create_from_state_observed
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch
 from dppo_harness.stages.comparison.state import RunState, state_file_name
-from dppo_harness.stages.restoration import create_from_state_observed, dump_response, optimizer_check
+from dppo_harness.train.clients import create_from_state_observed, dump_response
+from dppo_harness.train.optimizer_checks import optimizer_check
 
 if TYPE_CHECKING:
     import tinker

@@ -16,7 +16,7 @@ from typing import Any
 
 from dppo_harness.instrument import replay
 from dppo_harness.stages.diagnostic.files import FEASIBILITY_SOURCE
-from dppo_harness.stages.restoration import own_response_only
+from dppo_harness.train.optimizer_checks import own_response_only
 
 
 def original_gate_report(plan_json: Mapping[str, Any], gate_report_in_bundle: str | None = None) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from dppo_harness.stages.diagnostic.files import (
 )
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
-from dppo_harness.stages.restoration import dump_response, echoed_config, optimizer_check
+from dppo_harness.train.clients import dump_response
+from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle

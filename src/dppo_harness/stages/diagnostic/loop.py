@@ -32,14 +32,9 @@ from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimize
 from dppo_harness.stages.diagnostic.files import update_record_name
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
-from dppo_harness.stages.restoration import (
-    batch_sha256,
-    create_from_state_observed,
-    dump_response,
-    full_logprobs,
-    logprobs_sha256,
-)
 from dppo_harness.train import train_step
+from dppo_harness.train.clients import create_from_state_observed, dump_response, full_logprobs
+from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle

@@ -11,7 +11,7 @@ import tinker
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.rollout.frozen_batch import FrozenBatch
-from dppo_harness.stages.restoration import full_logprobs, make_datum
+from dppo_harness.train.clients import full_logprobs, make_datum
 
 
 class SentinelTracker:

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, LinearAttentionLayer
 
-from dppo_harness.local_server.logprobs import chunked_target_logprobs
-from dppo_harness.local_server.model import token_logprobs
+from dppo_harness.local_server.engine.logprobs import chunked_target_logprobs
+from dppo_harness.local_server.engine.model import token_logprobs
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of its rows has finished
 MODES = ("auto", "dynamic", "static", "graph")

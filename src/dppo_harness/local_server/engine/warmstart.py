@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dppo_harness.local_server import model
+from dppo_harness.local_server.engine import model
 from dppo_harness.local_server.vocab import Vocab, get_renderer, prompt_messages, read_jsonl, solution_reply
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ RECIPE = {
 
 def data_dir() -> Path:
     override = os.environ.get("DPPO_HARNESS_GSM8K_DIR")
-    return Path(override) if override else Path(__file__).resolve().parent.parent / "data" / "gsm8k"
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:

@@ -1,0 +1,452 @@
+"""Model side of the embedded Tinker-protocol server: training models, optimizer, sampling.
+
+Final signatures (docs/architecture.md contract; extensions are optional keyword args only):
+
+    class UserError(Exception)
+    @dataclass SampledSeq(tokens: list[int], logprobs: list[float], stop_reason: "stop"|"length",
+                          prompt_logprobs: list[float | None] | None)
+    class Engine:
+        __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
+                 cache_dir=None, batch_window_s=0.05, num_threads=2,
+                 model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
+                 decode_mode="auto", linear_attention="auto", retain_forward=None)
+        served_models: list[str]; served_model_name: str; model_name: str
+        kernels: dict  # hf_model.kernel_report: implementation per layer type (fast kernels / torch fallback)
+        retained_stats: dict[str, int]  # kept first passes: retained, reused, dropped
+        create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
+                     train_unembed=True) -> str
+        get_info(model_id) -> dict  # model_name (served), model_id, is_lora, lora_rank,
+                                    # optimizer_config {"type": "adamw"}, model_data, requested_base_model
+        forward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
+        forward_backward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
+        optim_step(model_id, adam) -> dict[str, float]
+        save_state(model_id, name, overwrite=False) -> "tinker://<model_id>/weights/<name>"
+        save_for_sampler(model_id, name=None, *, overwrite=False) -> "tinker://<model_id>/sampler_weights/<name>"
+        load_state(model_id, path, with_optimizer) -> None
+        create_model_from_state(path, with_optimizer, *, model_id=None) -> str
+        sample(sampler_path_or_base, prompt_tokens, num_samples, max_tokens, temperature, top_k,
+               top_p, stop_token_ids, stop_strings, seed, prompt_logprobs) -> list[SampledSeq]
+        compute_logprobs(model_id, data, *, grad=False) -> list[torch.Tensor]   # in-process tests
+        direct_loss_grads(model_id, data, loss_of_logprobs) -> dict[str, torch.Tensor]  # parity reference
+        get_parameter_grads(model_id) -> dict[str, torch.Tensor]
+        get_parameters(model_id) -> dict[str, torch.Tensor]
+        unload_model(model_id) -> None
+        drop_retained(model_id) -> None  # free its kept first passes (the model's session ended)
+        close() -> None
+
+``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``. Token ids are real
+Qwen3.5 ids; prompt_logprobs (when requested) is on every returned sequence, first element None.
+Sampled-token logprobs are the model's untempered log-softmax (the trainer's distribution),
+whatever temperature/top_k/top_p shaped the draw; at temperature 1 without truncation they are
+exactly the sampling distribution.
+
+Two base-model backends: the tiny presets (restricted vocabulary, CPU, offline/CI default) and
+`model_path=DIR`, a local Hugging Face Qwen3 / Qwen3.5 checkpoint with its full vocabulary on
+CUDA or CPU (`hf_model.py`; chunked target logprobs, `logprobs.py`). Both sample through the one
+batched decode loop of `sampling.py` (`DecodeSpec`: Gumbel-max for checkpoints, the presets'
+multinomial draw for the presets).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dppo_harness.constants import BASE_MODEL
+from dppo_harness.local_server.engine import hf_model, model, sampling, warmstart
+from dppo_harness.local_server.engine.checkpoints import CheckpointsMixin
+from dppo_harness.local_server.engine.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+)
+from dppo_harness.local_server.engine.trainer import (
+    CUDA_TOKEN_BUDGET,
+    TOKEN_BUDGET,
+    RetainedForward,
+    TrainerMixin,
+    TrainModel,
+    make_optimizer,
+)
+from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.vocab import Vocab, get_tokenizer, load_vocab
+
+
+@dataclass
+class SampledSeq:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    served_name: str
+    config: model.TinyConfig
+    warm_start: bool
+
+
+PRESETS = {
+    "tiny-qwen3-gsm8k": ModelPreset("local/tiny-qwen3-gsm8k", model.TinyConfig(), True),
+    # Fast random-init model for unit tests of the protocol plumbing (no warm start).
+    "tiny-qwen3-random": ModelPreset(
+        "local/tiny-qwen3-random",
+        model.TinyConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=32),
+        False,
+    ),
+}
+
+
+def preset_decode_spec(in_vocab: int) -> sampling.DecodeSpec:
+    """The presets' draw and batching (multinomial, each prompt prefilled alone, compaction as soon
+    as a row finishes): what they always computed, pinned bitwise by
+    tests/integration/test_preset_fingerprint.py."""
+    return sampling.DecodeSpec(vocab_size=in_vocab, draw="multinomial", prefill="each", compact_fraction=0.0)
+
+
+class Engine(TrainerMixin, CheckpointsMixin):
+    def __init__(
+        self,
+        run_dir: Path,
+        model_name: str = "tiny-qwen3-gsm8k",
+        sampler_dtype: str | None = None,
+        seed: int = 0,
+        *,
+        cache_dir: Path | None = None,
+        batch_window_s: float = 0.05,
+        num_threads: int = 2,
+        model_path: str | Path | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        served_name: str | None = None,
+        token_budget: int | None = None,
+        decode_mode: str = "auto",
+        linear_attention: str = "auto",
+        retain_forward: bool | None = None,
+    ):
+        if model_path is None and model_name not in PRESETS:
+            raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
+        if sampler_dtype not in (None, "float32", "bfloat16"):
+            raise UserError(f"sampler_dtype must be 'float32' or 'bfloat16', got {sampler_dtype!r}")
+        torch.set_num_threads(int(num_threads))
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.seed = int(seed)
+        self.base_info: dict = {}
+        self.checkpoint: hf_model.LoadedCheckpoint | None = None
+        self.device = torch.device("cpu")
+        self.chunk_tokens = DEFAULT_CHUNK_TOKENS
+        if decode_mode not in sampling.MODES:
+            raise UserError(f"decode_mode must be one of {sampling.MODES}, got {decode_mode!r}")
+        self.decode_mode = decode_mode  # sampling.generate's mode; "auto" = CUDA graph on CUDA, eager on CPU
+        self.last_sample_stats: dict = {}
+        if linear_attention not in ("auto", "torch"):
+            raise UserError(f"linear_attention must be 'auto' or 'torch', got {linear_attention!r}")
+        if model_path is not None:
+            self._init_checkpoint(model_path, device, dtype, served_name, sampler_dtype)
+            if linear_attention == "torch":  # transformers' torch fallback whatever kernels it found
+                hf_model.use_torch_linear_attention(self.base_model)
+        else:
+            self.model_name = model_name
+            self.preset = PRESETS[model_name]
+            self.served_model_name = self.preset.served_name
+            self.served_models = [BASE_MODEL, self.served_model_name]
+            self.sampler_dtype = getattr(torch, sampler_dtype or "float32")
+            self.vocab: Vocab | hf_model.FullVocab = load_vocab()
+            self.tokenizer = get_tokenizer()
+            self.config = self.preset.config
+            self.base_model = self._load_base(cache_dir)
+            self.base_sha256 = model.state_sha256(self.base_model.state_dict())
+            self.decode_spec = preset_decode_spec(self.vocab.size)
+        self.kernels = hf_model.kernel_report(self.base_model)  # which implementation each layer type runs
+        default_budget = CUDA_TOKEN_BUDGET if self.device.type == "cuda" else TOKEN_BUDGET
+        self.token_budget = int(token_budget or default_budget)
+        self._sampler_cache_size = 4 if self.checkpoint is None else 2
+        # Keep a zero-weight cross-entropy forward's graph for the forward_backward that follows on
+        # the same inputs (default on the tiny presets; a checkpoint's activations can be large).
+        self.retain_forward = self.checkpoint is None if retain_forward is None else bool(retain_forward)
+        self.retained_stats = {"retained": 0, "reused": 0, "dropped": 0}
+        self._retained: list[RetainedForward] = []
+        self._retained_lock = threading.Lock()
+        self._models: dict[str, TrainModel] = {}
+        self._models_lock = threading.Lock()
+        self._counter = 0
+        self._sampler_cache: OrderedDict[tuple[str, str], torch.nn.Module] = OrderedDict()
+        self._sampler_cache_lock = threading.Lock()
+        self._batch_window_s = float(batch_window_s)
+        self._queue: list[_SampleJob] = []
+        self._queue_cv = threading.Condition()
+        self._closed = False
+        self._sampler_thread = threading.Thread(target=self._sampler_loop, name="engine-sampler", daemon=True)
+        self._sampler_thread.start()
+
+    # ----- base model -----------------------------------------------------------------------
+    def _init_checkpoint(self, model_path, device: str, dtype: str | None, served_name: str | None,
+                         sampler_dtype: str | None) -> None:
+        """--model-path backend: full vocabulary, served under the checkpoint's name (or
+        `served_name`); the stand-in identity (HTTP model_data.arch) is local/<dir name>."""
+        ck = hf_model.load_checkpoint(model_path, device=device, dtype=dtype)  # CheckpointError: one line
+        self.checkpoint = ck
+        self.device = ck.device
+        self.model_name = served_name or ck.name
+        self.served_model_name = f"local/{ck.dir_name}"
+        self.served_models = list(dict.fromkeys([BASE_MODEL, self.model_name, self.served_model_name]))
+        # Sampler precision defaults to the checkpoint's dtype (bf16 on CUDA).
+        self.sampler_dtype = getattr(torch, sampler_dtype) if sampler_dtype else ck.dtype
+        self.vocab = hf_model.FullVocab(ck.vocab_size)
+        self.decode_spec = sampling.DecodeSpec(vocab_size=ck.vocab_size)
+        self.tokenizer = self._checkpoint_tokenizer(ck)
+        self.config = hf_model.ContextConfig(ck.max_position_embeddings)
+        self.base_model = ck.net
+        self.base_sha256 = ck.identity_sha256
+        self.base_info = {"checkpoint": str(ck.path), "checkpoint_name": ck.name, "model_type": ck.model_type,
+                          "device": str(ck.device), "dtype": str(ck.dtype).removeprefix("torch."),
+                          "vocab_size": ck.vocab_size, "identity_sha256": ck.identity_sha256}
+
+    @staticmethod
+    def _checkpoint_tokenizer(ck: hf_model.LoadedCheckpoint):
+        """The checkpoint's own tokenizer when it ships one (for stop strings), else the
+        harness's offline Qwen3.5 tokenizer."""
+        if any((ck.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            try:
+                import transformers
+
+                return transformers.AutoTokenizer.from_pretrained(ck.path, local_files_only=True)
+            except (OSError, ValueError):
+                pass
+        return get_tokenizer()
+
+    def _decode_text(self, ids: list[int]) -> str:
+        """Text of model ids for stop-string checks; ids the tokenizer cannot decode (padding rows
+        of the embedding) are skipped."""
+        try:
+            return self.tokenizer.decode(ids)
+        except ValueError:
+            out = []
+            for i in ids:
+                try:
+                    out.append(self.tokenizer.decode([i]))
+                except ValueError:
+                    continue
+            return "".join(out)
+
+    def _load_base(self, cache_dir: Path | None) -> torch.nn.Module:
+        if self.preset.warm_start:
+            net, info = warmstart.load_or_build(self.config, self.vocab, seed=self.seed, cache_dir=cache_dir)
+            self.base_info = info
+            return net
+        net = model.build_base_model(self.config, self.vocab.num_embeddings, self.seed)
+        self.base_info = {"warm_start": None, "init_seed": self.seed}
+        return net
+
+    # ----- model lifecycle ------------------------------------------------------------------
+    def _check_base(self, base_model: str) -> None:
+        if base_model not in self.served_models:
+            raise UserError(
+                f"base model {base_model!r} is not served by this local server; served: {self.served_models}"
+            )
+
+    def create_model(self, base_model: str, lora_rank: int, seed: int | None, *, model_id: str | None = None,
+                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True) -> str:
+        """LoRA of `lora_rank` on the linear layers the three switches select (Tinker's
+        train_mlp / train_attn / train_unembed); AdamW over the LoRA parameters only."""
+        targets = hf_model.lora_targets(self.base_model, train_attn=train_attn, train_mlp=train_mlp,
+                                  train_unembed=train_unembed)
+        if not targets:
+            raise UserError("train_mlp, train_attn and train_unembed are all off: nothing to train")
+        return self._create_model(base_model, lora_rank, seed, tuple(targets), model_id)
+
+    def _create_model(self, base_model: str, lora_rank: int, seed: int | None, targets: tuple[str, ...],
+                      model_id: str | None) -> str:
+        self._check_base(base_model)
+        if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 1 or lora_rank > 512:
+            raise UserError(f"lora_rank must be an integer in [1, 512], got {lora_rank!r}")
+        with self._models_lock:
+            n = self._counter
+            self._counter += 1
+            model_id = model_id or f"local-model-{n}"
+            if model_id in self._models:
+                raise UserError(f"model id {model_id!r} already exists")
+        # seed=None: derived from the server seed and the creation counter (deterministic per server run).
+        lora_seed = int(seed) if seed is not None else self.seed * 1_000_003 + n
+        net = model.add_lora(copy.deepcopy(self.base_model), lora_rank, lora_seed, targets)
+        net.eval()  # no dropout anywhere; training mode is irrelevant for this model
+        params = list(model.lora_named_parameters(net))
+        tm = TrainModel(model_id, base_model, lora_rank, lora_seed, net, params, make_optimizer(params), targets)
+        with self._models_lock:
+            self._models[model_id] = tm
+        return model_id
+
+    def _get(self, model_id: str) -> TrainModel:
+        tm = self._models.get(model_id)
+        if tm is None:
+            raise UserError(f"unknown model id {model_id!r}")
+        return tm
+
+    def unload_model(self, model_id: str) -> None:
+        with self._models_lock:
+            tm = self._models.pop(model_id, None)
+        if tm is not None:
+            self._drop_retained(model_id)
+
+    def get_info(self, model_id: str) -> dict:
+        tm = self._get(model_id)
+        return {
+            "model_name": self.served_model_name,
+            "model_id": model_id,
+            "is_lora": True,
+            "lora_rank": tm.lora_rank,
+            "optimizer_config": {"type": "adamw"},
+            "model_data": {
+                "arch": type(self.base_model).__name__,
+                "model_name": self.served_model_name,
+                "tokenizer_id": BASE_MODEL,
+            },
+            "requested_base_model": tm.requested_base_model,
+        }
+
+    # ----- trainer --------------------------------------------------------------------------
+    # ----- sampling -------------------------------------------------------------------------
+    def _sampler_net(self, key: str) -> torch.nn.Module:
+        dkey = (key, str(self.sampler_dtype))
+        with self._sampler_cache_lock:
+            if dkey in self._sampler_cache:
+                self._sampler_cache.move_to_end(dkey)
+                return self._sampler_cache[dkey]
+        if key == "base" and self.checkpoint is not None and self.sampler_dtype == self.checkpoint.dtype:
+            net = self.base_model  # frozen and never modified: no copy of a multi-GB model
+        elif key == "base":
+            net = copy.deepcopy(self.base_model)
+        else:
+            d, meta = self._read_ckpt(key)
+            adapter = self._load_adapter(d, meta)
+            base = copy.deepcopy(self.base_model)
+            hf_model.untie_output_head(base)  # merging into a tied head would also change the embedding
+            pm = model.add_lora(base, int(meta["lora_rank"]), 0, meta.get("lora_targets"))
+            with torch.no_grad():
+                for n, q in model.lora_named_parameters(pm):
+                    q.copy_(adapter[n])
+            net = pm.merge_and_unload()
+        net = net.to(self.sampler_dtype).eval()
+        for q in net.parameters():
+            q.requires_grad_(False)
+        with self._sampler_cache_lock:
+            self._sampler_cache[dkey] = net
+            while len(self._sampler_cache) > self._sampler_cache_size:
+                self._sampler_cache.popitem(last=False)
+        return net
+
+    def sample(self, sampler_path_or_base: str, prompt_tokens: Sequence[int], num_samples: int, max_tokens: int,
+               temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+               stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+               seed: int | None = None, prompt_logprobs: bool = False) -> list[SampledSeq]:
+        """Blocking; concurrent calls are batched together by the sampler thread."""
+        if sampler_path_or_base in self.served_models:
+            key = "base"
+        elif isinstance(sampler_path_or_base, str) and sampler_path_or_base.startswith("tinker://"):
+            self._read_ckpt(sampler_path_or_base)  # validates now, with a clear error
+            key = sampler_path_or_base
+        else:
+            raise UserError(f"cannot sample from {sampler_path_or_base!r}: not a served base model or tinker:// path")
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt:
+            raise UserError("prompt is empty")
+        if self.checkpoint is not None:
+            self._to_local(prompt, "prompt")
+        if not (isinstance(num_samples, int) and 1 <= num_samples <= 1024):
+            raise UserError(f"num_samples must be an integer in [1, 1024], got {num_samples!r}")
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if len(prompt) + max_tokens > self.config.max_position_embeddings:
+            raise UserError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context "
+                            f"{self.config.max_position_embeddings}")
+        if temperature is None or temperature < 0 or not math.isfinite(temperature):
+            raise UserError(f"temperature must be >= 0, got {temperature!r}")
+        if top_k is None or (top_k != -1 and top_k < 1):
+            raise UserError(f"top_k must be -1 (off) or >= 1, got {top_k!r}")
+        if top_p is None or not (0 < top_p <= 1):
+            raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
+        if seed is None:
+            seed = secrets.randbits(63)
+        job = _SampleJob(key=key, prompt=prompt, n=num_samples, max_tokens=max_tokens, temperature=float(temperature),
+                         top_k=int(top_k), top_p=float(top_p), stop_ids=[int(s) for s in (stop_token_ids or ())],
+                         stop_strings=[s for s in (stop_strings or ()) if s], seed=int(seed), want_prompt_lp=bool(prompt_logprobs))
+        with self._queue_cv:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._queue.append(job)
+            self._queue_cv.notify()
+        return job.future.result()
+
+    def _sampler_loop(self) -> None:
+        while True:
+            with self._queue_cv:
+                while not self._queue and not self._closed:
+                    self._queue_cv.wait()
+                if self._closed and not self._queue:
+                    return
+            time.sleep(self._batch_window_s)  # let concurrent requests join the batch
+            with self._queue_cv:
+                key = self._queue[0].key
+                jobs = [j for j in self._queue if j.key == key]
+                self._queue = [j for j in self._queue if j.key != key]
+            try:
+                results = self._decode_batch(self._sampler_net(key), jobs)
+                for j, r in zip(jobs, results):
+                    j.future.set_result(r)
+            except Exception as e:
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(e)
+
+    def _decode_batch(self, net: torch.nn.Module, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
+        """Every sample of `jobs` (one sampler) decoded together by the one decode loop
+        (`sampling.generate`); the presets map their restricted vocabulary in and out here."""
+        if self.checkpoint is not None:
+            reqs = [self._request(j, j.prompt, [s for s in j.stop_ids if 0 <= s < self.vocab.size]) for j in jobs]
+            decode_text, to_real = self._decode_text, list
+        else:
+            V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
+            reqs = [self._request(j, self.vocab.to_local(j.prompt).tolist(),
+                                  [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else [])
+                    for j in jobs]
+            decode_text, to_real = self._preset_text, self.vocab.to_real
+        stats: dict = {}
+        with torch.no_grad():
+            out = sampling.generate(net, reqs, decode_text, self.decode_spec, mode=self.decode_mode, stats=stats)
+        self.last_sample_stats = stats
+        return [[SampledSeq(to_real(d.tokens), d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs]
+                for seqs in out]
+
+    @staticmethod
+    def _request(job: _SampleJob, prompt: list[int], stop_ids: list[int]) -> sampling.DecodeRequest:
+        fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(sampling.DecodeRequest)}
+        return sampling.DecodeRequest(**{**fields, "prompt": prompt, "stop_ids": stop_ids})
+
+    def _preset_text(self, local_ids: list[int]) -> str:
+        return self.tokenizer.decode(self.vocab.to_real(local_ids))
+
+    def close(self) -> None:
+        with self._queue_cv:
+            self._closed = True
+            self._queue_cv.notify_all()
+        self._sampler_thread.join(timeout=10)
+
+
+@dataclass
+class _SampleJob(sampling.DecodeRequest):
+    """One queued sample request: the decode request plus its cache key and result future."""
+
+    key: str = ""
+    future: Future = field(default_factory=Future)

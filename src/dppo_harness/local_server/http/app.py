@@ -1,0 +1,168 @@
+"""aiohttp app speaking the Tinker SDK 0.38 wire protocol over a local `Engine`.
+
+Protocol (read from the SDK source, see docs/local-server.md "HTTP side"):
+- JSON requests are validated into the SDK's own pydantic request types (`tinker.types`) and
+  answers are built from its response types, so the server cannot drift from the pinned SDK; a
+  request that does not validate gets HTTP 400 naming the field.
+- Work endpoints answer at once with an `UntypedAPIFuture` (`{"request_id": ...}`); the SDK then
+  long-polls `POST /api/v1/retrieve_future`. Pending -> HTTP 408 `{"type": "try_again", ...}`
+  (the SDK re-polls at once); failure -> 200 `{"error": ..., "category": "user"|"server"}`
+  (the SDK raises `RequestFailedError`); success -> JSON, or protobuf for `ForwardBackwardOutput`
+  and `SampleResponse` (SDK 0.38 refuses JSON for those two; the SDK ships no encoder).
+- `forward_backward` requests arrive as protobuf (`forward_only` distinguishes `forward`).
+- Requests on one training model run strictly in `seq_id` order on that model's own worker
+  thread; sampling runs on a shared thread pool so concurrent samples overlap.
+- Every response carries the embedded-server marker header; the `spindle` profile checks the
+  credential headers first (401 naming the header, never a value); one log line per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+
+from aiohttp import web
+from tinker import types
+
+from dppo_harness import constants
+from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.http.codecs import API, ProtocolError, dump, kind_of
+from dppo_harness.local_server.http.handlers_futures import cancel_future, retrieve_future
+from dppo_harness.local_server.http.handlers_rest import (
+    get_training_run,
+    list_checkpoints,
+    list_training_runs,
+    list_user_checkpoints,
+    weights_info,
+)
+from dppo_harness.local_server.http.handlers_sampling import asample, create_sampling_session, get_sampler
+from dppo_harness.local_server.http.handlers_service import (
+    capabilities,
+    client_config,
+    client_dynamic_config,
+    create_session,
+    finish_session,
+    get_session,
+    healthz,
+    session_heartbeat,
+    stats,
+    telemetry,
+)
+from dppo_harness.local_server.http.handlers_training import (
+    create_model,
+    forward_backward,
+    get_info,
+    load_weights,
+    optim_step,
+    save_weights,
+    save_weights_for_sampler,
+)
+from dppo_harness.local_server.http.state import ServerState, state_of
+from dppo_harness.local_server.http.work import error_json
+
+request_log = logging.getLogger("dppo_harness.local_server.requests")
+
+FAULT_EXIT_CODE = 75
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[_log_requests, _authenticate, _faults_and_errors],
+                          client_max_size=512 * 1024 * 1024)
+    app["state"] = state
+    app.on_response_prepare.append(_add_marker)
+    r = app.router
+    r.add_get(f"{API}/healthz", healthz)
+    r.add_get(f"{API}/get_server_capabilities", capabilities)
+    r.add_post(f"{API}/client/config", client_config)
+    r.add_post(f"{API}/client/dynamic_config", client_dynamic_config)
+    r.add_post(f"{API}/create_session", create_session)
+    r.add_post(f"{API}/session_heartbeat", session_heartbeat)
+    r.add_post(f"{API}/telemetry", telemetry)
+    r.add_post(f"{API}/sessions/{{session_id}}/finish", finish_session)
+    r.add_get(f"{API}/sessions/{{session_id}}", get_session)
+    r.add_post(f"{API}/create_model", create_model)
+    r.add_post(f"{API}/get_info", get_info)
+    r.add_post(f"{API}/forward_backward", forward_backward)
+    r.add_post(f"{API}/optim_step", optim_step)
+    r.add_post(f"{API}/save_weights", save_weights)
+    r.add_post(f"{API}/load_weights", load_weights)
+    r.add_post(f"{API}/save_weights_for_sampler", save_weights_for_sampler)
+    r.add_post(f"{API}/create_sampling_session", create_sampling_session)
+    r.add_get(f"{API}/samplers/{{sampler_id}}", get_sampler)
+    r.add_post(f"{API}/asample", asample)
+    r.add_post(f"{API}/retrieve_future", retrieve_future)
+    r.add_post(f"{API}/cancel_future", cancel_future)
+    # REST reads (RestClient; the cookbook's checkpoint_utils)
+    r.add_get(f"{API}/training_runs", list_training_runs)
+    r.add_get(f"{API}/training_runs/{{model_id}}", get_training_run)
+    r.add_get(f"{API}/training_runs/{{model_id}}/checkpoints", list_checkpoints)
+    r.add_get(f"{API}/checkpoints", list_user_checkpoints)
+    r.add_post(f"{API}/weights_info", weights_info)
+    r.add_get("/_harness/stats", stats)
+    return app
+
+
+async def _add_marker(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[constants.EMBEDDED_SERVER_HEADER] = constants.EMBEDDED_SERVER_MARKER
+
+
+@web.middleware
+async def _log_requests(request: web.Request, handler):
+    """One line per request: method, path, status, milliseconds (never headers or bodies)."""
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        request_log.info("%s %s %d %.1fms", request.method, request.path, status, (time.perf_counter() - t0) * 1e3)
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler):
+    problem = state_of(request).profile.auth_error(request.headers)
+    if problem is not None:
+        return error_json(problem, 401)
+    return await handler(request)
+
+
+@web.middleware
+async def _faults_and_errors(request: web.Request, handler):
+    state = state_of(request)
+    if request.path.startswith("/_harness/"):
+        return await handler(request)
+    kind = kind_of(request.path)
+    state.headers.record(request.headers)
+    decision = state.faults.decide(kind, counts_toward_death=kind != "healthz")
+    if decision.die:
+        message = (f"local server: fault injection: exiting after "
+                   f"{state.faults.config.die_after} API requests (request {kind})")
+        if state.on_die is not None:
+            state.on_die(message)
+            raise web.HTTPServiceUnavailable(text=message)
+        print(message, file=sys.stderr, flush=True)
+        if state.stats_path is not None:
+            with contextlib.suppress(OSError):
+                state.stats_path.write_text(json.dumps(state.stats(), indent=1))
+        os._exit(FAULT_EXIT_CODE)
+    if decision.latency_s:
+        await asyncio.sleep(decision.latency_s)  # non-blocking: concurrent requests overlap
+    if decision.reject_status is not None:
+        headers = {}
+        if state.faults.config.retry_after_ms is not None:
+            headers["retry-after-ms"] = str(state.faults.config.retry_after_ms)
+        rejection = dump(types.RequestFailedResponse(error=decision.reject_reason, category="server"))
+        return web.json_response(rejection, status=decision.reject_status, headers=headers)
+    try:
+        return await handler(request)
+    except (ProtocolError, UserError) as exc:
+        return error_json(f"{kind}: {exc}", 400)

@@ -1,0 +1,233 @@
+"""Request/response codecs of the Tinker wire protocol (pure): protobuf tensors, forward_backward
+requests and outputs, sample responses, stop parsing, pydantic request validation (HTTP 400 text)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import pydantic
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+
+from dppo_harness.local_server.errors import UserError
+
+API = "/api/v1"
+
+RequestT = TypeVar("RequestT", bound=pydantic.BaseModel)
+
+_PB_TO_NP = {
+    pb.DTYPE_FLOAT32: np.float32,
+    pb.DTYPE_INT64: np.int64,
+    pb.DTYPE_INT32: np.int32,
+}
+
+
+class ProtocolError(Exception):
+    """A request the server cannot parse: answered with HTTP 400 and a message naming the field."""
+
+
+
+def kind_of(path: str) -> str:
+    """Endpoint name used for fault rules and counters (`/api/v1/create_model` → `create_model`)."""
+    if not path.startswith(API + "/"):
+        return path.strip("/").replace("/", "_") or "root"
+    rest = path[len(API) + 1 :]
+    if rest.startswith("sessions/") and rest.endswith("/finish"):
+        return "session_finish"
+    if rest.startswith("sessions/"):
+        return "get_session"
+    if rest.startswith("samplers/"):
+        return "get_sampler"
+    if rest.startswith("training_runs/"):
+        return "list_checkpoints" if rest.endswith("/checkpoints") else "get_training_run"
+    if rest == "training_runs":
+        return "list_training_runs"
+    return rest.replace("/", "_")
+
+
+def decode_tensor(msg: pb.Tensor) -> np.ndarray:
+    if msg.dtype == pb.DTYPE_BFLOAT16:
+        raw = msg.sparse_csr.values if msg.HasField("sparse_csr") else msg.dense
+        values = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif msg.dtype in _PB_TO_NP:
+        raw = msg.sparse_csr.values if msg.HasField("sparse_csr") else msg.dense
+        values = np.frombuffer(raw, dtype=_PB_TO_NP[msg.dtype])
+    else:
+        raise ProtocolError(f"unsupported tensor dtype enum {msg.dtype}")
+    shape = list(msg.shape)
+    if msg.HasField("sparse_csr"):
+        if len(shape) != 2:
+            raise ProtocolError(f"sparse CSR tensor needs a 2-D shape, got {shape}")
+        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
+        col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
+        dense = np.zeros(shape, dtype=values.dtype)
+        for row in range(shape[0]):
+            lo, hi = int(crow[row]), int(crow[row + 1])
+            dense[row, col[lo:hi]] = values[lo:hi]
+        return dense
+    arr = values.copy()
+    if shape:
+        if int(np.prod(shape)) != arr.size:
+            raise ProtocolError(f"tensor shape {shape} does not match its {arr.size} elements")
+        arr = arr.reshape(shape)
+    return arr
+
+
+def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> dict[str, Any]:
+    """The protobuf `ForwardBackwardRequest` as plain Python: model_id, seq_id, data, loss_fn, ..."""
+    if content_encoding and content_encoding.lower() != "identity":
+        # client/config answers proto_compress_fwdbwd=false, so the stock SDK never compresses.
+        raise ProtocolError(f"Content-Encoding {content_encoding!r} is not supported; send uncompressed protobuf")
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:
+        raise ProtocolError(f"forward_backward body is not a ForwardBackwardRequest protobuf: {exc}") from exc
+    data = []
+    for i, datum in enumerate(msg.data):
+        tokens: list[int] = []
+        for chunk in datum.model_input:
+            which = chunk.WhichOneof("chunk")
+            if which != "encoded_text":
+                raise UserError(f"datum {i}: model_input chunk type {which!r} is not supported (tokens only)")
+            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        inputs = {name: decode_tensor(t) for name, t in datum.loss_fn_inputs.items()}
+        data.append((tokens, inputs))
+    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():
+        config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+    return {
+        "model_id": msg.model_id,
+        "seq_id": msg.seq_id,
+        "data": data,
+        "loss_fn": msg.loss_fn,
+        "loss_fn_config": config or None,
+        "forward_only": msg.forward_only,
+    }
+
+
+def _pb_dtype(arr: np.ndarray) -> tuple[int, np.dtype]:
+    if np.issubdtype(arr.dtype, np.floating):
+        return pb.DTYPE_FLOAT32, np.dtype(np.float32)
+    if np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+        return pb.DTYPE_INT64, np.dtype(np.int64)
+    raise ValueError(f"cannot encode output dtype {arr.dtype}")
+
+
+def check_metric_names(metrics: dict[str, float]) -> dict[str, float]:
+    """The SDK splits each key on ':' into name and reduction; refuse keys it would crash on."""
+    for key in metrics:
+        if key.count(":") != 1:
+            raise ValueError(f"metric key {key!r} must look like 'name:reduction'")
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def encode_fwdbwd_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in check_metric_names(metrics).items():
+        msg.metrics[key] = value
+    record = msg.loss_fn_outputs.add()
+    record.num_datums = len(outputs)
+    names = list(outputs[0].keys()) if outputs else []
+    for i, out in enumerate(outputs):
+        if list(out.keys()) != names:
+            raise ValueError(f"output {i} has fields {list(out)}, output 0 has {names}")
+    for name in names:
+        arrays = [np.asarray(out[name]) for out in outputs]
+        dtype_enum, np_dtype = _pb_dtype(arrays[0])
+        arrays = [a.astype(np_dtype, copy=False) for a in arrays]
+        trailing = arrays[0].shape[1:]
+        if any(a.ndim == 0 or a.shape[1:] != trailing for a in arrays):
+            raise ValueError(f"output field {name!r}: per-datum arrays need equal trailing shapes")
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        field_msg = record.fields[name]
+        field_msg.data = b"".join(a.tobytes() for a in arrays)
+        field_msg.offsets = offsets.tobytes()
+        field_msg.dtype = dtype_enum
+        field_msg.trailing_shape.extend(trailing)
+    return msg.SerializeToString()
+
+
+def seq_attr(seq: Any, name: str, default: Any = None) -> Any:
+    if isinstance(seq, dict):
+        return seq.get(name, default)
+    return getattr(seq, name, default)
+
+
+def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] | None, *,
+                           omit_logprobs: bool = False) -> bytes:
+    """`omit_logprobs`: leave every sequence's (optional) logprobs out, as a service may."""
+    msg = pb.SampleResponse()
+    for seq in seqs:
+        out = msg.sequences.add()
+        reason = seq_attr(seq, "stop_reason")
+        if reason not in ("stop", "length"):
+            raise ValueError(f"stop_reason must be 'stop' or 'length', got {reason!r}")
+        out.stop_reason = pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH
+        tokens = np.asarray(seq_attr(seq, "tokens"), dtype=np.int32)
+        logprobs = np.asarray(seq_attr(seq, "logprobs"), dtype=np.float32)
+        if logprobs.shape != tokens.shape:
+            raise ValueError(f"{tokens.size} sampled tokens but {logprobs.size} logprobs")
+        out.tokens = tokens.tobytes()
+        if not omit_logprobs:
+            out.logprobs = logprobs.tobytes()
+    if prompt_logprobs is not None:
+        values = [math.nan if v is None else float(v) for v in prompt_logprobs]
+        msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    return msg.SerializeToString()
+
+
+def parse_stop(stop: str | Sequence[str] | Sequence[int] | None, default_ids: list[int]) -> tuple[list[int], list[str]]:
+    """SamplingParams.stop: None -> the model's EOS; [] -> nothing; str / [str] / [int]."""
+    if stop is None:
+        return list(default_ids), []
+    if isinstance(stop, str):
+        return [], [stop]
+    items = list(stop)
+    if all(isinstance(s, str) for s in items):
+        return [], [str(s) for s in items]
+    return [int(s) for s in items], []
+
+
+def prompt_tokens_of(model_input: types.ModelInput) -> list[int]:
+    tokens: list[int] = []
+    for i, chunk in enumerate(model_input.chunks):
+        if not isinstance(chunk, types.EncodedTextChunk):
+            raise UserError(f"prompt chunk {i} has type {chunk.type!r}; only token chunks are supported")
+        tokens.extend(int(t) for t in chunk.tokens)
+    return tokens
+
+
+def validation_message(exc: pydantic.ValidationError) -> str:
+    """A pydantic error as one line naming each bad field (`field lora_config.rank: ...`)."""
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        if err["type"] == "missing":
+            parts.append(f"missing field {loc}")
+        elif err["type"] == "extra_forbidden":
+            parts.append(f"unknown field {loc}")
+        else:
+            parts.append(f"field {loc}: {err['msg']}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+def parse_request(model: type[RequestT], raw: bytes) -> RequestT:
+    """The JSON body validated into the SDK's own request type; ProtocolError names the field."""
+    if not raw:
+        raise ProtocolError(f"empty body; expected a {model.__name__} JSON object")
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise ProtocolError(f"request body is not JSON ({model.__name__} expected)") from None
+        raise ProtocolError(f"{model.__name__}: {validation_message(exc)}") from None
+
+
+def dump(response: pydantic.BaseModel) -> dict[str, Any]:
+    """An SDK response model as wire JSON."""
+    return response.model_dump(mode="json", exclude_none=True)

@@ -1,0 +1,48 @@
+"""Future handlers: `retrieve_future` long-polls (408 try_again while pending) and `cancel_future`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from tinker import types
+from tinker.types.try_again_response import TryAgainResponse
+
+from dppo_harness.local_server.http.codecs import dump
+from dppo_harness.local_server.http.state import Outcome, state_of
+from dppo_harness.local_server.http.work import error_json, parse_body
+
+LONG_POLL_S = 20.0  # the SDK's retrieve_future timeout is 45 s
+PAUSED_POLL_S = 1.0  # a paused request's polls are held this long (the SDK re-polls a 408 at once)
+
+
+async def retrieve_future(request: web.Request) -> web.Response:
+    state = state_of(request)
+    req = await parse_body(request, types.FutureRetrieveRequest)
+    request_id = req.request_id
+    fut = state.results.get(request_id)
+    if fut is None:
+        return error_json(f"unknown request_id {request_id!r}", 404)
+    if not fut.done():
+        hold = state.holds.get(fut)
+        paused = hold is not None and hold.queue_state != "active"
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), PAUSED_POLL_S if paused else LONG_POLL_S)
+        except TimeoutError:
+            pending = TryAgainResponse(request_id=request_id, queue_state=hold.queue_state if paused else "active")
+            # queue_state_reason: sent by the service, read by the SDK, not in its TryAgainResponse type
+            extra = {"queue_state_reason": hold.reason} if paused and hold.reason else {}
+            return web.json_response(dump(pending) | extra, status=408)
+    outcome: Outcome = fut.result()
+    if outcome.kind == "proto":
+        return web.Response(body=outcome.payload, content_type="application/x-protobuf")
+    if outcome.kind == "error":
+        return error_json(outcome.payload, 200, outcome.category)
+    return web.json_response(outcome.payload)
+
+
+async def cancel_future(request: web.Request) -> web.Response:
+    # Same body shape as retrieve_future ({"request_id"}). Engine calls cannot be interrupted;
+    # the result is simply never fetched.
+    await parse_body(request, types.FutureRetrieveRequest)
+    return web.json_response({})

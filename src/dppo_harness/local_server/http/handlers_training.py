@@ -1,0 +1,211 @@
+"""Training handlers: create_model, get_info, forward(_backward), optim_step, save and load
+weights; work on one model runs in its `seq_id` order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from tinker import types
+from tinker.types._pydantic_types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
+
+from dppo_harness import constants
+from dppo_harness.local_server.engine.loss_fns import get_loss
+from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
+from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, dump, encode_fwdbwd_output
+from dppo_harness.local_server.http.state import (
+    ModelEntry,
+    Outcome,
+    ServerState,
+    new_sampler,
+    session_of,
+    state_of,
+    str_metadata,
+)
+from dppo_harness.local_server.http.work import (
+    check_optimizer,
+    check_served,
+    future_json,
+    model_entry,
+    new_entry,
+    parse_body,
+    run_engine,
+    spawn,
+    submit_ordered,
+)
+
+
+async def create_model(request: web.Request) -> web.Response:
+    state = state_of(request)
+    req = await parse_body(request, types.CreateModelRequest)
+    key = (req.session_id, req.model_seq_id)
+    if key in state.model_requests:  # resent request
+        return future_json(state.model_requests[key])
+    session_of(state, req.session_id)
+    lora = req.lora_config
+    if lora is None:
+        raise UserError("lora_config is required: the local server trains LoRA adapters only")
+    switches = (lora.train_mlp, lora.train_attn, lora.train_unembed)
+    request_id, fut = state.new_future()
+    state.model_requests[key] = request_id
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+
+    async def work() -> Outcome:
+        if state.faults.take_capacity_failure():
+            state.model_requests.pop(key, None)  # a retry is a new creation attempt
+            return Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {req.base_model}", "server")
+        check_optimizer(req.optimizer_config)
+        check_served(state, req.base_model)
+        engine_id = await run_engine(
+            state, state.misc_pool, "create_model",
+            lambda: state.engine.create_model(req.base_model, lora.rank, lora.seed, model_id=model_id,
+                                              train_mlp=switches[0], train_attn=switches[1],
+                                              train_unembed=switches[2]),
+        )
+        new_entry(state, model_id, engine_id, req.base_model, req.session_id, lora_rank=lora.rank,
+                   user_metadata=str_metadata(req.user_metadata), lora_switches=switches)
+        return Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
+
+    spawn(state, fut, "create_model", work)
+    return future_json(request_id)
+
+
+def _model_data(state: ServerState, entry: ModelEntry) -> dict[str, Any]:
+    # The SDK reuses model_data.model_name as the base model of its sampling sessions, so it is the
+    # requested name; `arch` names the stand-in really computing, plus the marker (extra key).
+    data = types.ModelData(arch=state.stand_in, model_name=entry.base_model, tokenizer_id=entry.base_model)
+    return dump(data) | {"embedded_server": constants.EMBEDDED_SERVER_MARKER}
+
+
+async def get_info(request: web.Request) -> web.Response:
+    state = state_of(request)
+    req = await parse_body(request, types.GetInfoRequest)
+    entry = model_entry(state, req.model_id)
+    info = state.engine.get_info(entry.engine_id)
+    response = types.GetInfoResponse(
+        type="get_info", model_data=types.ModelData(), model_id=entry.model_id,
+        optimizer_config=types.AdamOptimizerConfig(), is_lora=bool(info.get("is_lora", True)),
+        lora_rank=info.get("lora_rank"), model_name=entry.base_model,
+    )
+    return web.json_response(state.faults.omit_json("get_info", dump(response) | {"model_data": _model_data(state, entry)}))
+
+
+async def forward_backward(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = await request.read()
+    req = decode_fwdbwd_request(body, request.headers.get("Content-Encoding"))
+    entry = model_entry(state, req["model_id"] or None)
+    forward_only = req["forward_only"]
+    label = "forward" if forward_only else "forward_backward"
+    get_loss(req["loss_fn"])  # UserError naming the supported losses
+    if not req["data"]:
+        raise UserError(f"{label} without data")
+    engine_call = state.engine.forward if forward_only else state.engine.forward_backward
+
+    def fn() -> Outcome:
+        outputs, metrics = engine_call(entry.engine_id, req["data"], req["loss_fn"], req["loss_fn_config"])
+        if "loss:sum" not in metrics:
+            raise RuntimeError("engine returned no 'loss:sum' metric")
+        omit = state.faults.omitted_fields(label)
+        if omit:  # --fault-omit-field: output keys / metrics a service may leave out
+            outputs = [{k: v for k, v in out.items() if k not in omit} for out in outputs]
+            metrics = {} if "metrics" in omit else metrics
+        return Outcome("proto", encode_fwdbwd_output(outputs, metrics))
+
+    detail = f"{len(req['data'])} datums {sum(len(tokens) for tokens, _ in req['data'])} tokens"
+    return submit_ordered(state, entry, req["seq_id"] or None, label, fn, detail)
+
+
+async def optim_step(request: web.Request) -> web.Response:
+    state = state_of(request)
+    req = await parse_body(request, types.OptimStepRequest)
+    entry = model_entry(state, req.model_id)
+    if not isinstance(req.optim_params, types.AdamParams):
+        raise UserError(f"optimizer {req.optim_params.type!r} is not supported; only AdamW (adam_params)")
+    adam = req.optim_params.model_dump()  # every field, SDK defaults filled in
+
+    def fn() -> Outcome:
+        metrics = state.engine.optim_step(entry.engine_id, adam)
+        return Outcome("json", dump(types.OptimStepResponse(metrics=state.profile.optim_metrics(metrics))))
+
+    return submit_ordered(state, entry, req.seq_id, "optim_step", fn)
+
+
+async def save_weights(request: web.Request) -> web.Response:
+    state = state_of(request)
+    req = await parse_body(request, types.SaveWeightsRequest)
+    entry = model_entry(state, req.model_id)
+    name = req.path or f"checkpoint-seq{req.seq_id}"
+
+    def fn() -> Outcome:
+        path = state.engine.save_state(entry.engine_id, name, overwrite=req.overwrite)
+        state.record_checkpoint(entry, path, req.user_metadata)
+        return Outcome("json", dump(types.SaveWeightsResponse(path=path, type="save_weights")))
+
+    return submit_ordered(state, entry, req.seq_id, "save_weights", fn)
+
+
+async def save_weights_for_sampler(request: web.Request) -> web.Response:
+    state = state_of(request)
+    req = await parse_body(request, types.SaveWeightsForSamplerRequest)
+    entry = model_entry(state, req.model_id)
+    if req.path is None and req.sampling_session_seq_id is None:
+        raise ProtocolError("save_weights_for_sampler needs 'path' or 'sampling_session_seq_id'")
+    if req.kind != "snapshot":
+        raise UserError(f"sampler weights kind {req.kind!r} is not supported by the local server; only 'snapshot'")
+
+    def fn() -> Outcome:
+        path = state.engine.save_for_sampler(entry.engine_id, req.path)
+        state.record_checkpoint(entry, path, req.user_metadata)
+        sampler_id = None
+        if req.path is None:
+            sampler_id = new_sampler(state, entry.session_id, int(req.sampling_session_seq_id), entry.base_model, path)
+        return Outcome("json", dump(SaveWeightsForSamplerResponseInternal(
+            path=path, sampling_session_id=sampler_id, type="save_weights_for_sampler")))
+
+    return submit_ordered(state, entry, req.seq_id, "save_weights_for_sampler", fn)
+
+
+async def load_weights(request: web.Request) -> web.Response:
+    state = state_of(request)
+    req = await parse_body(request, types.LoadWeightsRequest)
+    path = req.path
+    if req.model_id is not None:  # form 1: load into an existing model, in seq order
+        entry = model_entry(state, req.model_id)
+
+        def fn() -> Outcome:
+            state.engine.load_state(entry.engine_id, path, req.optimizer)
+            return Outcome("json", dump(types.LoadWeightsResponse(path=path, model_id=entry.model_id,
+                                                                   type="load_weights")))
+
+        return submit_ordered(state, entry, req.seq_id, "load_weights", fn)
+
+    # form 2: create-via-load; the SDK derives the model id "{session_id}:train:{model_seq_id}"
+    if req.session_id is None or req.model_seq_id is None:
+        raise ProtocolError("LoadWeightsRequest: needs model_id, or session_id with model_seq_id")
+    session_id, model_seq_id = req.session_id, req.model_seq_id
+    session_of(state, session_id)
+    key = (session_id, model_seq_id)
+    if key in state.model_requests:
+        return future_json(state.model_requests[key])
+    model_id = f"{session_id}:train:{model_seq_id}"
+    request_id, fut = state.new_future()
+    state.model_requests[key] = request_id
+
+    async def work() -> Outcome:
+        check_optimizer(req.optimizer_config)
+        engine_id = await run_engine(
+            state, state.misc_pool, "load_weights",
+            lambda: state.engine.create_model_from_state(path, req.optimizer, model_id=model_id),
+        )
+        info = await run_engine(state, state.misc_pool, "get_info", lambda: state.engine.get_info(engine_id))
+        saved = state.checkpoints.get(path)
+        base_model = (req.base_model or info.get("requested_base_model")
+                      or (saved.base_model if saved else None) or constants.BASE_MODEL)
+        new_entry(state, model_id, engine_id, base_model, session_id, lora_rank=info.get("lora_rank"),
+                   user_metadata=str_metadata(req.user_metadata))
+        return Outcome("json", dump(types.LoadWeightsResponse(path=path, model_id=model_id, type="load_weights")))
+
+    spawn(state, fut, "load_weights", work)
+    return future_json(request_id, model_id)

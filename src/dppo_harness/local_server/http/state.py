@@ -1,0 +1,210 @@
+"""State of one embedded server: sessions, training models, samplers, saved checkpoints, pending
+futures and the engine-call counters `/_harness/stats` reports."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+from tinker import types
+
+from dppo_harness import constants
+from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.faults import FaultInjector, HeaderRecorder
+from dppo_harness.local_server.profiles import Profile
+
+MAX_KEPT_RESULTS = 20000
+MODEL_OWNER = "local"  # TrainingRun.model_owner: the embedded server has no accounts
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class Outcome:
+    kind: str  # "json" | "proto" | "error"
+    payload: Any
+    category: str = "server"
+
+
+@dataclass
+class ModelEntry:
+    model_id: str  # the id the SDK uses
+    engine_id: str
+    base_model: str
+    session_id: str
+    executor: ThreadPoolExecutor
+    cond: asyncio.Condition
+    lora_rank: int | None = None
+    user_metadata: dict[str, str] | None = None
+    # Tinker's LoRA switches (train_mlp, train_attn, train_unembed), as created.
+    lora_switches: tuple[bool, bool, bool] = (True, True, True)
+    next_seq: int = 1
+    requests_by_seq: dict[int, str] = field(default_factory=dict)
+    last_request_time: datetime = field(default_factory=utc_now)
+
+
+@dataclass
+class SamplerEntry:
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint saved through this server, for the REST reads (listing, weights info)."""
+
+    model_id: str
+    checkpoint: types.Checkpoint
+    base_model: str
+    lora_rank: int | None
+    lora_switches: tuple[bool, bool, bool] = (True, True, True)  # train_mlp, train_attn, train_unembed
+
+
+def str_metadata(meta: dict[str, Any] | None) -> dict[str, str] | None:
+    """TrainingRun/Checkpoint carry `dict[str, str]`; creation requests allow any JSON values."""
+    if meta is None:
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    faults: FaultInjector
+    headers: HeaderRecorder
+    sample_workers: int = 64
+    profile: Profile = field(default_factory=Profile)
+    started: float = field(default_factory=time.time)
+    on_die: Callable[[str], None] | None = None  # called instead of os._exit in-process
+    stats_path: Any = None  # written when the process exits on purpose (fault die, SIGTERM)
+
+    def __post_init__(self) -> None:
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.models: dict[str, ModelEntry] = {}
+        self.samplers: dict[str, SamplerEntry] = {}
+        self.checkpoints: dict[str, CheckpointRecord] = {}  # tinker path -> record, in save order
+        self.results: OrderedDict[str, asyncio.Future] = OrderedDict()
+        self.model_requests: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> request
+        self.sample_pool = ThreadPoolExecutor(self.sample_workers, thread_name_prefix="sample")
+        self.misc_pool = ThreadPoolExecutor(2, thread_name_prefix="misc")
+        self._ids = itertools.count(1)
+        self.engine_seconds: dict[str, float] = {}
+        self.engine_cpu_seconds: dict[str, float] = {}  # process CPU while the call ran (concurrent calls overlap)
+        self.engine_calls: dict[str, int] = {}
+        self.inflight = 0
+        self.telemetry_events = 0
+        # Telemetry request bodies as received, in memory only (never in stats, logs or files): tests
+        # scan them for credential values (the SDK's fatal-error events carry request headers).
+        self.telemetry_bodies: list[bytes] = []
+        self.tasks: set[asyncio.Task] = set()
+        self.holds: dict[asyncio.Future, Any] = {}  # queued requests a fault holds (faults.Hold)
+
+    # -- futures
+    def new_future(self) -> tuple[str, asyncio.Future]:
+        request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.results[request_id] = fut
+        while len(self.results) > MAX_KEPT_RESULTS:
+            old_id, old = next(iter(self.results.items()))
+            if not old.done():
+                break
+            self.results.pop(old_id)
+        return request_id, fut
+
+    def engine_model_id(self, model_id: str) -> str:
+        """The engine's id for an SDK model id (tests read gradients through it)."""
+        return self.models[model_id].engine_id
+
+    def default_stop_ids(self) -> list[int]:
+        ids = getattr(self.engine, "default_stop_token_ids", None)
+        return list(ids) if ids else [constants.STOP_TOKEN_ID]
+
+    @property
+    def stand_in(self) -> str:
+        """The identity of the model really computing (e.g. `local/tiny-qwen3-gsm8k`)."""
+        return str(self.engine.served_model_name)
+
+    def served_models(self) -> list[str]:
+        return self.profile.served_models(list(getattr(self.engine, "served_models", [])), self.stand_in)
+
+    def marker(self) -> dict[str, str]:
+        return {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile.name}
+
+    def record_checkpoint(self, entry: ModelEntry, path: str, user_metadata: dict[str, str] | None) -> None:
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        checkpoint = types.Checkpoint(checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type,
+                                      time=utc_now(), tinker_path=path, user_metadata=user_metadata)
+        self.checkpoints.pop(path, None)  # an overwrite moves to the end
+        self.checkpoints[path] = CheckpointRecord(entry.model_id, checkpoint, entry.base_model, entry.lora_rank,
+                                                 entry.lora_switches)
+
+    def training_run(self, entry: ModelEntry) -> types.TrainingRun:
+        mine = [r.checkpoint for r in self.checkpoints.values() if r.model_id == entry.model_id]
+        last = {kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
+                for kind in ("training", "sampler")}
+        return types.TrainingRun(
+            training_run_id=entry.model_id, base_model=entry.base_model, model_owner=MODEL_OWNER, is_lora=True,
+            lora_rank=entry.lora_rank, last_request_time=entry.last_request_time,
+            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"],
+            user_metadata=entry.user_metadata,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        times = os.times()
+        return {
+            "uptime_s": time.time() - self.started,
+            "process_cpu_seconds": times.user + times.system,
+            "served_model": self.stand_in,
+            "profile": self.profile.name,
+            "faults": self.faults.snapshot(),
+            "headers": self.headers.snapshot(),
+            "sessions": len(self.sessions),
+            "models": {m: e.engine_id for m, e in self.models.items()},
+            "samplers": len(self.samplers),
+            "checkpoints": len(self.checkpoints),
+            "inflight": self.inflight,
+            "telemetry_events": self.telemetry_events,
+            "telemetry_posts": len(self.telemetry_bodies),
+            "held_requests": len(self.holds),
+            "engine_seconds": dict(self.engine_seconds),
+            "engine_cpu_seconds": dict(self.engine_cpu_seconds),
+            "engine_calls": dict(self.engine_calls),
+            "retained_forwards": dict(getattr(self.engine, "retained_stats", {}) or {}),
+            "kernels": getattr(self.engine, "kernels", None),  # implementation per layer type
+        }
+
+    def shutdown(self) -> None:
+        for entry in self.models.values():
+            entry.executor.shutdown(wait=False, cancel_futures=True)
+        self.sample_pool.shutdown(wait=False, cancel_futures=True)
+        self.misc_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def state_of(request: web.Request) -> ServerState:
+    return request.app["state"]
+
+
+def session_of(state: ServerState, session_id: str) -> dict[str, Any]:
+    if session_id not in state.sessions:
+        raise UserError(f"unknown session_id {session_id!r}")
+    return state.sessions[session_id]
+
+
+def new_sampler(state: ServerState, session_id: str, seq: int, base_model: str, model_path: str | None) -> str:
+    sampler_id = f"{session_id}:sample:{seq}"
+    state.samplers[sampler_id] = SamplerEntry(sampler_id, base_model, model_path)
+    return sampler_id

@@ -1,0 +1,139 @@
+"""The create-save-restore probe: a restored client must update exactly as the uninterrupted one.
+
+The contract: `restore_probe` applies two different fixed-gradient updates (even, then odd
+datums) to the uninterrupted setup client, restores a second client from its save after update 1
+and applies update 2 to both; their logprobs must agree within the tolerance, and update 2 must
+move the logprobs at all (else the check could not fail). `fixed_gradient_step` is the one
+cross-entropy + optim_step update every restoration probe applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import tinker
+
+from dppo_harness.service.clients import describe_client
+from dppo_harness.stages.restoration_update_norm import UpdateNormMeasure
+from dppo_harness.train.clients import create_from_state_observed, datum_arrays, full_logprobs
+from dppo_harness.train.fingerprints import compare_logprobs
+from dppo_harness.train.optimizer_checks import echoed_config
+
+CallWrapper = Callable[[Callable[[], Any]], Any]  # wraps every client-creating call (e.g. a capacity retry)
+
+
+class KeepsResponses(Protocol):
+    """Keeps a server response for evidence and returns its reference id."""
+
+    def keep(self, ref: str, obj: Any) -> str: ...
+
+
+def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.AdamParams:
+    """AdamParams from an arm's optimizer_config (keys AdamParams has), at `lr` if given."""
+    kw = {k: float(v) for k, v in cfg.items() if k in tinker.AdamParams.model_fields}
+    if lr is not None:
+        kw["learning_rate"] = float(lr)
+    return tinker.AdamParams(**kw)
+
+
+def fixed_gradient_step(client: tinker.TrainingClient, batch: Sequence[tinker.Datum], adam: tinker.AdamParams,
+                        ) -> tuple[tinker.ForwardBackwardOutput, tinker.OptimStepResponse]:
+    """One fixed-gradient update: cross-entropy on fixed weights, then optim_step."""
+    fb = client.forward_backward(list(batch), "cross_entropy")
+    opt = client.optim_step(adam)
+    return fb.result(), opt.result()
+
+
+def reweighted(batch: Sequence[tinker.Datum], scale: float, keep: Callable[[int], bool]) -> list[tinker.Datum]:
+    """The batch with weights scaled on kept datums and zeroed elsewhere (a fixed gradient)."""
+    out = []
+    for i, d in enumerate(batch):
+        _, targets_T, mask_T = datum_arrays(d)
+        w_T = (mask_T * np.float32(scale)) if keep(i) else np.zeros_like(mask_T)
+        out.append(tinker.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_numpy(targets_T),
+            "weights": tinker.TensorData.from_numpy(w_T.astype(np.float32))}))
+    return out
+
+
+def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
+    """The fixed gradient of the restore probe's update 1 and of every LR-scaling probe."""
+    return reweighted(batch, 1.0, lambda i: i % 2 == 0)
+
+
+def restore_probe(service_client: tinker.ServiceClient, uninterrupted: tinker.TrainingClient, initial_checkpoint: str,
+                  batch: Sequence[tinker.Datum], opt_cfg: Mapping[str, float], tag: str, rec: KeepsResponses,
+                  atol: float, call: CallWrapper, restore_optimizer: bool = True,
+                  update_norm: UpdateNormMeasure | None = None,
+                  say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Uninterrupted vs create-save-restore probe clients must agree after the same update.
+
+    `uninterrupted` is the setup client that saved the initial checkpoint and has applied nothing
+    since (the same state a fresh client from that checkpoint has). Two different fixed gradients
+    (even / odd datums) are used so that a restore that dropped the Adam moments would give a
+    different second update (with one repeated gradient a fresh Adam and a continued one take the
+    same bias-corrected step, and the check could not fail). With `update_norm`, update 1 is also
+    the LR-scaling probe at the planned LR (`base_lr_update_norm`).
+    """
+    failures: list[str] = []
+    adam = adam_params(opt_cfg)
+    g1 = probe_gradient(batch)
+    g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
+    say("4/6: probe update 1 on the uninterrupted client")
+    norm1: float | None = None
+    if update_norm is None:
+        _, opt1 = fixed_gradient_step(uninterrupted, g1, adam)
+    else:
+        done: dict[str, Any] = {}
+        norm1 = update_norm(uninterrupted, lambda: done.setdefault("step", fixed_gradient_step(uninterrupted, g1, adam)))
+        _, opt1 = done["step"] if "step" in done else fixed_gradient_step(uninterrupted, g1, adam)  # weights unread: no norm
+    echo_ref = rec.keep("probe_optim_step_1", opt1)
+    mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
+    rec.keep("probe_save_mid", mid)
+    if restore_optimizer:
+        restored, resp = call(lambda: create_from_state_observed(service_client, mid.path))
+    else:  # failure-path tests only: a restore that drops the Adam moments must be caught
+        restored = call(lambda: service_client.create_training_client_from_state(mid.path).result())
+        resp = tinker.types.LoadWeightsResponse(path=mid.path)
+    describe_client(service_client, restored, "restore probe: created from the uninterrupted probe's mid save")
+    rec.keep("probe_load_mid", resp if resp is not None else {"response": None})
+    rec.keep("probe_load_mid.get_info", restored.get_info())
+    say("4/6: probe update 2 on both clients, then logprobs compared")
+    before = full_logprobs(uninterrupted, batch)
+    _, opt2_u = fixed_gradient_step(uninterrupted, g2, adam)
+    _, opt2_r = fixed_gradient_step(restored, g2, adam)
+    rec.keep("probe_optim_step_2_uninterrupted", opt2_u)
+    rec.keep("probe_optim_step_2_restored", opt2_r)
+    after_u = full_logprobs(uninterrupted, batch)
+    after_r = full_logprobs(restored, batch)
+    cmp = compare_logprobs(after_u, after_r, atol)
+    effect = compare_logprobs(before, after_u, atol)
+    if resp is None or resp.path != mid.path:
+        failures.append(f"probe restore: server load response path {getattr(resp, 'path', None)!r} "
+                        f"!= saved {mid.path!r}")
+    if not cmp["within_tolerance"]:
+        failures.append(f"restored probe update differs from uninterrupted: max |diff| "
+                        f"{cmp['max_abs_diff']} > {atol}")
+    if effect["within_tolerance"]:
+        failures.append(f"probe update changed logprobs by only {effect['max_abs_diff']} <= {atol}: "
+                        "the restore comparison cannot tell a lost update from a matching one")
+    keys = list(opt_cfg)
+    echoed = echoed_config(opt1.metrics, keys)
+    return {
+        "initial_checkpoint": initial_checkpoint, "mid_checkpoint": mid.path,
+        "loaded_checkpoint_uri": getattr(resp, "path", None),
+        "updates": ["cross_entropy on even datums + optim_step", "cross_entropy on odd datums + optim_step"],
+        "adam_params": adam.model_dump(), "restored_vs_uninterrupted": cmp,
+        "second_update_effect": effect,
+        "optim_metrics": {"update1": dict(opt1.metrics or {}),
+                          "update2_uninterrupted": dict(opt2_u.metrics or {}),
+                          "update2_restored": dict(opt2_r.metrics or {})},
+        "echoed_config": echoed, "echo_ref": echo_ref,
+        "echo_observed_on": "probe client (the setup client that saved the initial checkpoint, nothing applied "
+                            "since) (optim_step response metrics)",
+        "uninterrupted_client": "the setup client that saved the initial checkpoint (no update before update 1)",
+        "base_lr_update_norm": norm1,
+        "failures": failures,
+    }

@@ -1,0 +1,131 @@
+"""Optimizer checks: the requested optimizer family and config against what server responses expose.
+
+The contract: `optimizer_check` marks a check `verified` only when the family (a `get_info` that
+sent `optimizer_config`) and every requested config value (echoed in `optim_step` metrics) came
+from a server response and match; anything not exposed stays `source: declared, actual: null`.
+`own_response_only` reduces a check whose config came from a probe client's response to what
+the arm's own responses exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ADAM_FAMILIES = {"adam": "adamw", "adamw": "adamw"}  # tinker's Adam is torch AdamW; wd=0 makes them equal
+
+
+def normalize_family(name: str | None) -> str | None:
+    if name is None:
+        return None
+    return ADAM_FAMILIES.get(name.lower(), name.lower())
+
+
+def server_optimizer_family(info: Any) -> str | None:
+    """Optimizer family from a GetInfoResponse, only if the server actually sent it.
+
+    The SDK model defaults `optimizer_config` to AdamW when the field is absent, so a default
+    value is not evidence: `model_fields_set` tells what came over the wire.
+    """
+    fields_set = getattr(info, "model_fields_set", None)
+    if fields_set is None or "optimizer_config" not in fields_set:
+        return None
+    cfg = getattr(info, "optimizer_config", None)
+    family = getattr(cfg, "type", None)
+    return str(family) if family else None
+
+
+# Keys under which a server may echo applied AdamW hyperparameters in optim_step metrics.
+_ECHO_PREFIXES = ("", "adam/", "optim/", "optimizer/", "adam_", "optim_")
+_ECHO_SUFFIXES = ("", ":mean", ":max", ":min", ":sum")
+_ECHO_ALIASES = {"learning_rate": ("learning_rate", "lr"), "beta1": ("beta1",),
+                 "beta2": ("beta2",), "eps": ("eps", "epsilon"),
+                 "weight_decay": ("weight_decay",), "grad_clip_norm": ("grad_clip_norm",)}
+
+
+def echoed_config(metrics: Mapping[str, float] | None, keys: Sequence[str]) -> dict[str, float]:
+    """The requested config keys that an optim_step response's metrics echo back."""
+    found: dict[str, float] = {}
+    if not metrics:
+        return found
+    for key in keys:
+        for alias in _ECHO_ALIASES.get(key, (key,)):
+            for pre in _ECHO_PREFIXES:
+                for suf in _ECHO_SUFFIXES:
+                    name = f"{pre}{alias}{suf}"
+                    if name in metrics and key not in found:
+                        found[key] = float(metrics[name])
+    return found
+
+
+def optimizer_check(
+    *,
+    after_restore: int,
+    requested_optimizer: str,
+    requested_config: Mapping[str, float],
+    info: Any,
+    info_ref: str,
+    echoed: Mapping[str, float] | None,
+    echo_ref: str | None,
+    echo_observed_on: str | None,
+    rtol: float = 1e-9,
+) -> dict[str, Any]:
+    """One optimizer check: requested family/config against what server responses expose.
+
+    `verified` is true only when the family AND every requested config value came from a server
+    response and match. Anything not exposed stays `source: declared, actual: null`.
+    """
+    family = server_optimizer_family(info)
+    want_family = normalize_family(requested_optimizer)
+    mismatches: list[str] = []
+    if family is not None and normalize_family(family) != want_family:
+        mismatches.append(f"optimizer family: requested {requested_optimizer!r}, server {family!r}")
+    actual_cfg: dict[str, float] | None = None
+    if echoed:
+        actual_cfg = {k: float(echoed[k]) for k in requested_config if k in echoed}
+        for k, v in requested_config.items():
+            if k in echoed and not math.isclose(float(echoed[k]), float(v), rel_tol=rtol, abs_tol=0.0):
+                mismatches.append(f"{k}: requested {v!r}, server applied {echoed[k]!r}")
+    config_complete = actual_cfg is not None and set(actual_cfg) == set(requested_config)
+    unverified = []
+    if family is None:
+        unverified.append("optimizer family not exposed by any server response")
+    if not config_complete:
+        missing = sorted(set(requested_config) - set(actual_cfg or {}))
+        unverified.append(f"config keys not exposed by any server response: {missing}")
+    return {
+        "after_restore": after_restore,
+        "before_next_update": True,
+        "requested_optimizer": requested_optimizer,
+        "requested_config": dict(requested_config),
+        "actual_optimizer": family,
+        "actual_optimizer_source": "server_response" if family is not None else "declared",
+        "actual_config": actual_cfg,
+        "actual_config_source": "server_response" if actual_cfg else "declared",
+        "actual_config_observed_on": echo_observed_on if actual_cfg else None,
+        "source": "server_response" if (family is not None or actual_cfg) else "declared",
+        "evidence_ref": info_ref if not actual_cfg else f"{info_ref}; {echo_ref}",
+        "matches": not mismatches,
+        "mismatches": mismatches,
+        "verified": bool(family is not None and config_complete and not mismatches),
+        "unverified_reasons": unverified,
+    }
+
+
+PROBE_ECHO_REASON = ("the config was echoed only by a probe client's optim_step, not by this arm's own client: "
+                     "stays declared")
+
+
+def own_response_only(check: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer check whose config came from a PROBE client's response, reduced to what the
+    arm's own responses exposed (the family from its own get_info); the config stays declared/null."""
+    c = dict(check)
+    observed = str(c.get("actual_config_observed_on") or "")
+    if c.get("actual_config") is None or "probe" not in observed:
+        return c
+    c.update(actual_config=None, actual_config_source="declared", actual_config_observed_on=None,
+             source="server_response" if c.get("actual_optimizer") else "declared", verified=False,
+             evidence_ref=str(c.get("evidence_ref", "")).split("; ")[0],
+             unverified_reasons=list(c.get("unverified_reasons", [])) + [PROBE_ECHO_REASON])
+    return c
