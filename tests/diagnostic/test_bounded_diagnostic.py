@@ -6,7 +6,9 @@ The run itself happens once, in the session fixture `diagnostic_run` (dppo_harne
 import subprocess
 import sys
 
-from dppo_harness.stages import diagnostic
+from dppo_harness.instrument.pooled import ANALYSIS_FILE
+from dppo_harness.stages.diagnostic.classification import CAUSES
+from dppo_harness.stages.diagnostic.files import NEXT_ACTION_FILE, REFERENCES_FILE
 
 
 def _cli(module: str, path) -> subprocess.CompletedProcess:
@@ -27,13 +29,13 @@ def test_diagnostic_ran_as_planned_within_its_caps(diagnostic_run):
 
 def test_conclusion_is_classified_and_not_a_defect(diagnostic_run, evidence_bundle):
     c = diagnostic_run.classification
-    assert c.active or c.cause in diagnostic.CAUSES
+    assert c.active or c.cause in CAUSES
     assert c.cause != "code_or_instrumentation_defect", c.explanation
     assert not c.integrity_problems, c.integrity_problems
     result = evidence_bundle.result
     assert result["original_hypothesis_tested"] is False and result["tested_instead"]
     assert result["metrics"]["diagnostic/updates_done"] == diagnostic_run.updates_done
-    for name in (diagnostic.ANALYSIS_FILE, diagnostic.REFERENCES_FILE, diagnostic.NEXT_ACTION_FILE, "report.md"):
+    for name in (ANALYSIS_FILE, REFERENCES_FILE, NEXT_ACTION_FILE, "report.md"):
         assert evidence_bundle.entry(name), f"{name} not registered"
 
 
@@ -58,7 +60,7 @@ def test_truncation_and_declarations_are_recorded_and_reported(diagnostic_run, e
     report next to the declared renderer (thinking mode) and loss normalization."""
     import json
 
-    analysis = json.loads(evidence_bundle.file_path(diagnostic.ANALYSIS_FILE).read_text())
+    analysis = json.loads(evidence_bundle.file_path(ANALYSIS_FILE).read_text())
     y = analysis["rollout_yield"]
     assert y["n"] == diagnostic_run.config.groups_per_batch * diagnostic_run.config.group_size
     assert y["max_tokens"] == diagnostic_run.config.max_tokens and 0 <= y["truncated"] <= y["n"]

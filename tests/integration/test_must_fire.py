@@ -16,8 +16,9 @@ import tinker
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.instrument import replay
+from dppo_harness.instrument.pooled import ANALYSIS_FILE
 from dppo_harness.plans import load_plan
-from dppo_harness.stages import diagnostic
+from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
@@ -42,7 +43,7 @@ def engine(shared_server):
 def _run(engine, tmp_path, lr):
     sc, init = engine
     bundle = EvidenceBundle.create(tmp_path / "evidence")
-    res = diagnostic.run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", learning_rate=lr, **SMALL)
+    res = run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", learning_rate=lr, **SMALL)
     assert not res.errors, res.errors
     assert res.updates_done == SMALL["max_updates"]
     # Sentinel forwards after updates 1 and 2 are deferred (issue 10 section 5); all are collected.
@@ -78,8 +79,8 @@ def test_zero_lr_stays_silent_and_is_an_inactive_regime(engine, tmp_path):
 def test_wall_cap_exhausted_in_setup_persists_evidence_and_stops(engine, tmp_path):
     sc, init = engine
     bundle = EvidenceBundle.create(tmp_path / "evidence")
-    res = diagnostic.run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", max_wall_seconds=0.5, **SMALL)
+    res = run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", max_wall_seconds=0.5, **SMALL)
     assert res.updates_done == 0 and "wall cap" in res.stop_reason
     assert res.classification.cause == "missing_evidence"
-    assert bundle.entry(diagnostic.ANALYSIS_FILE) and bundle.entry("report.md")
+    assert bundle.entry(ANALYSIS_FILE) and bundle.entry("report.md")
     assert verify_bundle(bundle.dir) == []

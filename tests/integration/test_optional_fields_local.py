@@ -26,9 +26,10 @@ from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
-from dppo_harness.stages import diagnostic, gate
+from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
+from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 from dppo_harness.stages.restoration_batch import build_fixed_batch
 from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
 from dppo_harness.train.clients import RestorationError, create_from_state_observed
@@ -131,7 +132,7 @@ def test_the_diagnostic_without_sampler_logprobs_stops_with_evidence(served, tmp
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
     init = tc.save_state("omit-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
-    res = diagnostic.run_bounded_diagnostic(s.sc, DIAG, bundle, init, backend="local", groups_per_batch=2,
+    res = run_bounded_diagnostic(s.sc, DIAG, bundle, init, backend="local", groups_per_batch=2,
                                             group_size=4, max_tokens=16, minibatches_per_epoch=1,
                                             groups_per_minibatch=2, max_updates=2, sentinels_per_sign=1)
     assert res.updates_done == 0 and res.frozen_batch_sha256 is None

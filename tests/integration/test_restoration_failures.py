@@ -137,7 +137,7 @@ def test_a_single_trained_arm_gets_only_the_clients_its_proofs_need(server, spec
 def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_batch, tmp_path):
     """No third DPPO client: the bounded diagnostic trains the arm's client the preflight loaded
     (its observed load is the run's restore, restore_count stays 1)."""
-    from dppo_harness.stages import diagnostic
+    from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 
     diag_plan = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
     sc = _client(server)
@@ -146,7 +146,7 @@ def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_
                               lr_multipliers=(1.0, 2.0))
         assert result.passed, result.failure_message()
         before = _models(server)
-        res = diagnostic.run_bounded_diagnostic(
+        res = run_bounded_diagnostic(
             sc, diag_plan, bundle, result.initial_checkpoint, backend="local", init_reference=result,
             restored=result.loaded["dppo_seed0"], groups_per_batch=2, group_size=4, max_tokens=32,
             minibatches_per_epoch=1, groups_per_minibatch=2, max_updates=2, sentinels_per_sign=1)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).parents[2]
 def test_archive_holds_the_library_the_server_and_the_tests_deterministically():
     data, manifest = build_archive(ROOT, commit="abc")
     paths = {m["path"] for m in manifest["members"]}
-    for must in ("src/dppo_harness/stages/diagnostic.py", "src/dppo_harness/loss/losses.py", "src/dppo_harness/instrument/instrumentation.py",
+    for must in ("src/dppo_harness/stages/diagnostic/loop.py", "src/dppo_harness/loss/losses.py", "src/dppo_harness/instrument/instrumentation.py",
                  "src/dppo_harness/local_server/engine/engine.py", "src/dppo_harness/local_server/http/app.py",
                  "tests/diagnostic/test_bounded_diagnostic.py", "plans/exp_e6b0965af3-diagnostic-r1.json"):
         assert must in paths, must

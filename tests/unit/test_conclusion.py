@@ -1,33 +1,38 @@
-"""Issue 11 points 1-2: the summary is <= 2 plain sentences naming the stand-in, and a stand-in's
-inactive mask is missing evidence for the planned model, next action = same plan on the service."""
+"""The diagnostic's answer to the question asked: the summary is <= 2 plain sentences naming the
+stand-in, and a stand-in's inactive mask is missing evidence for the planned model, next action =
+same plan on the service."""
 
 from pathlib import Path
 
 import pytest
+from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.plans import load_plan
-from dppo_harness.stages import conclusion as cc
-from dppo_harness.stages import diagnostic as dg
+from dppo_harness.service.identity import ServedModel, served_model_from_info
+from dppo_harness.stages.diagnostic.analysis import analyse
+from dppo_harness.stages.diagnostic.conclusion import cause_for_question, count_sentences
+from dppo_harness.stages.diagnostic.config import diagnostic_config
+from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-CFG = dg.diagnostic_config(PLAN)
-STAND_IN = cc.ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k", "local/tiny-qwen3-gsm8k", "get_info")
-REAL = cc.ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B", None, "get_info")
+CFG = diagnostic_config(PLAN)
+STAND_IN = ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k", "local/tiny-qwen3-gsm8k", "get_info")
+REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B", None, "get_info")
 
 
 def _result(served, drift=0.0):
-    records = dg.simulate_records(seed=1, drift_per_update=drift)
-    return dg.analyse(CFG, PLAN, records, selftest=dg.deterministic_selftest(), sentinels={}, frozen_by_call=None,
+    records = simulate_records(seed=1, drift_per_update=drift)
+    return analyse(CFG, PLAN, records, selftest=deterministic_selftest(), sentinels={}, frozen_by_call=None,
                       updates_done=len(records), stop_reason="update cap reached", wall_seconds=579.4,
                       setup_seconds=40.0, frozen_sha256="0" * 64, minibatches=[], errors=[], spec=None,
                       served=served)
 
 
 def test_count_sentences():
-    assert cc.count_sentences("One. Two.") == 2
-    assert cc.count_sentences("Drift q90 0.0006 on local/tiny-qwen3.5 stayed low. Next: rerun") == 2
-    assert cc.count_sentences("A. B. C. D. E. F.") == 6
+    assert count_sentences("One. Two.") == 2
+    assert count_sentences("Drift q90 0.0006 on local/tiny-qwen3.5 stayed low. Next: rerun") == 2
+    assert count_sentences("A. B. C. D. E. F.") == 6
 
 
 def test_stand_in_inactive_is_missing_evidence_and_next_action_is_rerun_unchanged():
@@ -49,14 +54,14 @@ def test_real_model_inactive_keeps_legitimate_regime_and_more_epochs():
 
 
 def test_code_defect_on_a_stand_in_stays_a_defect():
-    assert cc.cause_for_question("code_or_instrumentation_defect", False, STAND_IN) == "code_or_instrumentation_defect"
-    assert cc.cause_for_question(None, True, STAND_IN) == "missing_evidence"
+    assert cause_for_question("code_or_instrumentation_defect", False, STAND_IN) == "code_or_instrumentation_defect"
+    assert cause_for_question(None, True, STAND_IN) == "missing_evidence"
 
 
 @pytest.mark.parametrize("served", [STAND_IN, REAL], ids=["stand-in", "real"])
 def test_summary_is_at_most_two_plain_sentences_and_names_the_stand_in(served):
     s = _result(served).result_fields["summary"]
-    assert cc.count_sentences(s) <= 2, s
+    assert count_sentences(s) <= 2, s
     assert len(s) < 500, len(s)
     if served.is_stand_in:
         assert "local/tiny-qwen3-gsm8k" in s and "missing_evidence" in s
@@ -68,10 +73,10 @@ def test_served_model_from_get_info():
     info = {"model_data": {"arch": "local/tiny-qwen3-gsm8k", "model_name": "Qwen/Qwen3.5-2B",
                            "embedded_server": "dppo-harness"}}
     # Through TINKER_BASE_URL (backend tinker) the embedded server is still a stand-in.
-    assert cc.served_model_from_info(info, "Qwen/Qwen3.5-2B", backend="tinker").stand_in == "local/tiny-qwen3-gsm8k"
-    assert cc.served_model_from_info({"model_data": {"arch": "Qwen/Qwen3.5-2B"}}, "Qwen/Qwen3.5-2B",
+    assert served_model_from_info(info, "Qwen/Qwen3.5-2B", backend="tinker").stand_in == "local/tiny-qwen3-gsm8k"
+    assert served_model_from_info({"model_data": {"arch": "Qwen/Qwen3.5-2B"}}, "Qwen/Qwen3.5-2B",
                                      backend="tinker").stand_in is None
-    assert cc.served_model_from_info(None, "Qwen/Qwen3.5-2B", backend="local").is_stand_in
+    assert served_model_from_info(None, "Qwen/Qwen3.5-2B", backend="local").is_stand_in
 
 
 def test_report_labels_the_cause_and_the_stand_in_limitation_on_any_backend():

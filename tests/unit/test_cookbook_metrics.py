@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from diagnostic_rehearsal import simulate_records
 from tinker_cookbook.stores.storage import LocalStorage
 from tinker_cookbook.stores.training_store import TrainingRunStore
 from tinker_cookbook.utils.file_utils import read_jsonl
@@ -21,14 +22,13 @@ from dppo_harness.data.gsm8k import Graded, Gsm8kItem
 from dppo_harness.instrument import cookbook_metrics as CM
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
-from dppo_harness.stages import diagnostic
 from dppo_harness.stages.comparison.step_rows import step_metrics
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def test_kl_sample_train_and_entropy_match_the_cookbook_definition_by_hand():
-    records = diagnostic.simulate_records(n_updates=2, minibatches_per_epoch=2, sequences=4, drift_per_update=0.05)
+    records = simulate_records(n_updates=2, minibatches_per_epoch=2, sequences=4, drift_per_update=0.05)
     kl = CM.kl_sample_train(records)
     q = np.concatenate([r.tensors["sampler_logprobs_N"][r.tensors["mask_N"] > 0] for r in records]).astype(np.float64)
     p = np.concatenate([r.tensors["logprobs_N"][r.tensors["mask_N"] > 0] for r in records]).astype(np.float64)
@@ -40,7 +40,7 @@ def test_kl_sample_train_and_entropy_match_the_cookbook_definition_by_hand():
 
 
 def test_kl_is_not_invented_without_loss_tokens():
-    records = diagnostic.simulate_records(n_updates=1, minibatches_per_epoch=1, sequences=2)
+    records = simulate_records(n_updates=1, minibatches_per_epoch=1, sequences=2)
     for r in records:
         r.tensors["mask_N"] = np.zeros_like(r.tensors["mask_N"])
     assert CM.kl_sample_train(records) == {}
@@ -62,7 +62,7 @@ def test_step_record_uses_the_cookbooks_names():
     env = CM.trajectory_metrics(batch)
     assert env["env/all/reward/total"] == pytest.approx(np.mean([1.0, 0.0, -0.1, -0.1]))
     assert env["env/all/total_ac_tokens"] == 10 and env["env/all/by_group/frac_mixed"] == 0.5
-    records = diagnostic.simulate_records(n_updates=2, minibatches_per_epoch=2, sequences=2)
+    records = simulate_records(n_updates=2, minibatches_per_epoch=2, sequences=2)
     row = step_metrics("grpo_seed0", 1, batch.summary(), records, loss=losses.GRPO_LOSS, seconds=3.0, sample_seconds=1.0,
                          sampler_checkpoint="tinker://x", kl=CM.kl_sample_train(records), cookbook_env=env,
                          rollout_seconds=0.5)

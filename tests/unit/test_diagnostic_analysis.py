@@ -4,18 +4,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.instrument.pooled import pool_calls
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
 from dppo_harness.plans import load_plan
-from dppo_harness.stages import diagnostic as dg
+from dppo_harness.stages.diagnostic.classification import anchor_problems, classify, pinned_variant_problems
+from dppo_harness.stages.diagnostic.conclusion import next_action
+from dppo_harness.stages.diagnostic.config import DiagnosticError, diagnostic_config
+from dppo_harness.stages.diagnostic.criteria import evaluate_criteria
+from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
 SPEC_PLAN = load_plan(PLANS / "exp_e6b0965af3.json")
 SPEC = SPEC_PLAN.experiment
 CRITERIA = PLAN.raw["analysis"]["criteria"]
-CFG = dg.diagnostic_config(PLAN)
+CFG = diagnostic_config(PLAN)
 
 
 def test_config_is_the_plan_as_written():
@@ -25,19 +31,19 @@ def test_config_is_the_plan_as_written():
     assert c.adam == {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
     assert (c.delta, c.ratio_cap, c.ppo_eps, c.normalization) == (0.15, 10.0, 0.2, "token_mean")
     assert c.sentinel_after_updates == (0, 1, 2, 4, 8, 16) and c.reductions == ()
-    small = dg.diagnostic_config(PLAN, groups_per_batch=4, minibatches_per_epoch=2, groups_per_minibatch=2)
+    small = diagnostic_config(PLAN, groups_per_batch=4, minibatches_per_epoch=2, groups_per_minibatch=2)
     assert {r["field"] for r in small.reductions} == {"groups_per_batch", "minibatches_per_epoch", "groups_per_minibatch"}
-    with pytest.raises(dg.DiagnosticError, match="unknown diagnostic overrides"):
-        dg.diagnostic_config(PLAN, delta=0.05)
-    with pytest.raises(dg.DiagnosticError, match="groups_per_batch must equal"):
-        dg.diagnostic_config(PLAN, groups_per_batch=5)
-    with pytest.raises(dg.DiagnosticError, match="bounded_diagnostic"):
-        dg.diagnostic_config(SPEC_PLAN)
-    assert dg.pinned_variant_problems(CFG) == []
+    with pytest.raises(DiagnosticError, match="unknown diagnostic overrides"):
+        diagnostic_config(PLAN, delta=0.05)
+    with pytest.raises(DiagnosticError, match="groups_per_batch must equal"):
+        diagnostic_config(PLAN, groups_per_batch=5)
+    with pytest.raises(DiagnosticError, match="bounded_diagnostic"):
+        diagnostic_config(SPEC_PLAN)
+    assert pinned_variant_problems(CFG) == []
 
 
 def test_must_fire_and_must_not_fire_cases_pass_on_the_real_loss():
-    st = dg.deterministic_selftest()
+    st = deterministic_selftest()
     assert st["passed"], {k: v["problems"] for k, v in st["cases"].items() if not v["passed"]}
     assert {"must_fire_both_signs", "must_not_fire_on_policy", "zero_advantage_is_not_engagement"} <= set(st["cases"])
 
@@ -51,29 +57,29 @@ def test_must_fire_and_must_not_fire_cases_pass_on_the_real_loss():
     ids=["mask-disabled", "grpo-instead"],
 )
 def test_selftest_fails_on_a_broken_loss(mutant):
-    st = dg.deterministic_selftest(loss_fn_factory=mutant)
+    st = deterministic_selftest(loss_fn_factory=mutant)
     assert not st["passed"]
     assert not st["cases"]["must_fire_high_q_small_ratio"]["passed"]
 
 
 def _analyse(records):
     second = [r for r in records if r.context["epoch"] == 2]
-    pooled = dg.pool_calls(second, [ins.record_prob_diff(r, CFG.loss_config()) for r in second]) if second else None
-    crit = dg.evaluate_criteria(CRITERIA, pooled) if pooled else []
+    pooled = pool_calls(second, [ins.record_prob_diff(r, CFG.loss_config()) for r in second]) if second else None
+    crit = evaluate_criteria(CRITERIA, pooled) if pooled else []
     return second, pooled, crit
 
 
 def _classify(records, **kw):
     second, pooled, crit = _analyse(records)
-    args = dict(criteria=crit, pooled=pooled, selftest=dg.deterministic_selftest(), integrity_problems=[],
+    args = dict(criteria=crit, pooled=pooled, selftest=deterministic_selftest(), integrity_problems=[],
                 variant_problems=[], sentinels={}, updates_done=len(records), second_epoch_calls=len(second),
                 stop_reason="update cap reached", delta=0.15)
     args.update(kw)
-    return dg.classify(**args)
+    return classify(**args)
 
 
 def test_on_policy_run_is_an_inactive_regime_not_a_defect():
-    records = dg.simulate_records(seed=1, drift_per_update=0.0)
+    records = simulate_records(seed=1, drift_per_update=0.0)
     _, pooled, crit = _analyse(records)
     assert pooled["dppo/removed"] == 0 and pooled["drift/abs_max"] == pytest.approx(0.0, abs=1e-6)
     by_id = {c.id: c for c in crit}
@@ -81,18 +87,18 @@ def test_on_policy_run_is_an_inactive_regime_not_a_defect():
     c = _classify(records)
     assert c.state == "inactive" and c.cause == "legitimate_inactive_regime"
     assert "vs +delta 0.15" in c.explanation and "self-test passed" in c.explanation
-    action = dg.next_action(c, CFG, SPEC, "r1")
+    action = next_action(c, CFG, SPEC, "r1")
     assert action["kind"] == "cheapest_next_action" and not action["executed"]
 
 
 def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
-    records = dg.simulate_records(seed=2, drift_per_update=0.012)
+    records = simulate_records(seed=2, drift_per_update=0.012)
     _, pooled, crit = _analyse(records)
     assert pooled["dppo/removed_pos_adv"] > 0 and pooled["dppo/removed_neg_adv"] > 0
     assert all(c.passed for c in crit if c.applies), [(c.id, c.reason) for c in crit]
     c = _classify(records)
     assert c.active and c.state == "active" and c.cause is None
-    action = dg.next_action(c, CFG, SPEC, "r1")
+    action = next_action(c, CFG, SPEC, "r1")
     assert action["kind"] == "frozen_revised_comparison_spec" and action["executed"] is False
     assert len(action["spec_sha256"]) == 64
     assert all(a["updates_per_batch"] == 16 for a in action["spec"]["arms"])
@@ -101,8 +107,8 @@ def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
 
 
 def test_pooling_weights_by_loss_tokens_not_by_call():
-    records = dg.simulate_records(seed=4, drift_per_update=0.02)[8:]
-    pooled = dg.pool_calls(records, [ins.record_prob_diff(r, CFG.loss_config()) for r in records])
+    records = simulate_records(seed=4, drift_per_update=0.02)[8:]
+    pooled = pool_calls(records, [ins.record_prob_diff(r, CFG.loss_config()) for r in records])
     want = sum(r.stats["dppo/removed"] for r in records) / sum(r.stats["tokens/loss"] for r in records)
     assert pooled["dppo/masked_frac_loss_tokens"] == pytest.approx(want)
     d = np.concatenate([ins.record_prob_diff(r, CFG.loss_config())[r.tensors["mask_N"] != 0] for r in records])
@@ -113,28 +119,28 @@ def test_pooling_weights_by_loss_tokens_not_by_call():
 def test_criteria_respect_applies_when_and_reject_unknown_pooling():
     pooled = {"tokens/pos_adv": 10, "tokens/neg_adv": 0, "dppo/removed_pos_adv": 3, "dppo/removed_neg_adv": 0,
               "dppo/masked_frac_loss_tokens": 0.01, "ppo/clip_frac_loss_tokens": 0.001, "drift/abs_p90": 0.01}
-    by_id = {c.id: c for c in dg.evaluate_criteria(CRITERIA, pooled)}
+    by_id = {c.id: c for c in evaluate_criteria(CRITERIA, pooled)}
     assert by_id["removed_gradient_neg_adv"].applies is False and by_id["removed_gradient_neg_adv"].passed is None
     assert by_id["removed_gradient_pos_adv"].passed is True
     pooled["dppo/removed_pos_adv"] = 0
-    assert dg.evaluate_criteria(CRITERIA, pooled)[3].passed is False  # min_exclusive 0
-    with pytest.raises(dg.DiagnosticError, match="not implemented"):
-        dg.evaluate_criteria([{"id": "x", "metric": "drift/abs_p90", "pooling": "mean_of_calls", "min": 0}], pooled)
+    assert evaluate_criteria(CRITERIA, pooled)[3].passed is False  # min_exclusive 0
+    with pytest.raises(DiagnosticError, match="not implemented"):
+        evaluate_criteria([{"id": "x", "metric": "drift/abs_p90", "pooling": "mean_of_calls", "min": 0}], pooled)
 
 
 def test_causes_missing_evidence_defect_and_wrong_anchor():
-    records = dg.simulate_records(seed=1, drift_per_update=0.0)
+    records = simulate_records(seed=1, drift_per_update=0.0)
     first_epoch = [r for r in records if r.context["epoch"] == 1]
     c = _classify(first_epoch, stop_reason="wall cap")
     assert c.cause == "missing_evidence" and "No second-epoch loss call" in c.explanation
     c = _classify(records, integrity_problems=["update 9: dppo_keep_N differs on 1 tokens"])
     assert c.cause == "code_or_instrumentation_defect" and not c.active
-    broken = dg.deterministic_selftest(loss_fn_factory=lambda cfg: make_loss_fn(LossConfig(loss="grpo_clip_eps0.2", normalization="sum")))
+    broken = deterministic_selftest(loss_fn_factory=lambda cfg: make_loss_fn(LossConfig(loss="grpo_clip_eps0.2", normalization="sum")))
     assert _classify(records, selftest=broken).cause == "code_or_instrumentation_defect"
     # The anchor equal to the current policy after updates: detected as the wrong reference.
     for r in records:
         r.tensors["sampler_logprobs_N"] = r.tensors["logprobs_N"].copy()
-    assert dg.anchor_problems(records, None, moved=False) == []  # zero lr: equality is legitimate
-    problems = dg.anchor_problems(records, None, moved=True)
+    assert anchor_problems(records, None, moved=False) == []  # zero lr: equality is legitimate
+    problems = anchor_problems(records, None, moved=True)
     assert any("anchored on the current policy" in p for p in problems)
     assert _classify(records, variant_problems=problems).cause == "wrong_reference_or_variant"

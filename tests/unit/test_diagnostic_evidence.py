@@ -1,4 +1,4 @@
-"""Issue 11 points 5, 7, 8: declared service work, snapshots, original gate report, validator CLI."""
+"""The diagnostic's requested evidence items: declared service work, snapshots, original gate report, validator CLI."""
 
 import json
 from pathlib import Path
@@ -10,7 +10,8 @@ from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.snapshots import post_snapshot, snapshot_names
 from dppo_harness.loss import correctness, correctness_golden
 from dppo_harness.plans import PlanError, load_plan
-from dppo_harness.stages import diagnostic_evidence as dx
+from dppo_harness.stages.diagnostic import evidence_items
+from dppo_harness.stages.diagnostic.files import FEASIBILITY_SOURCE, ORIGINAL_GATE_REPORT_FILE
 
 ROOT = Path(__file__).parents[2]
 PLAN = load_plan(ROOT / "plans/exp_e6b0965af3-diagnostic-r1.json")
@@ -35,32 +36,32 @@ def test_plan_totals_must_match(tmp_path):
 
 
 def test_service_work_ledger_flags_undeclared_and_excess_work():
-    ok = dx.service_work_ledger(PLAN.raw, {"restore_continuity_probe": {"optimizer_updates": 3},
+    ok = evidence_items.service_work_ledger(PLAN.raw, {"restore_continuity_probe": {"optimizer_updates": 3},
                                            "lr_scaling_probe": {"optimizer_updates": 3},
                                            "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1}})
     assert ok["within_declaration"] and ok["executed_totals"] == {"optimizer_updates": 22, "sampling_batches": 1}
     # The old behaviour: a feasibility pilot with 2 updates and 16 rollouts under the diagnostic plan.
-    bad = dx.service_work_ledger(PLAN.raw, {"feasibility_pilot": {"optimizer_updates": 2, "sampling_batches": 1},
+    bad = evidence_items.service_work_ledger(PLAN.raw, {"feasibility_pilot": {"optimizer_updates": 2, "sampling_batches": 1},
                                             "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1}})
     assert not bad["within_declaration"] and any("feasibility_pilot" in p for p in bad["problems"])
-    assert any("undeclared_probe" in p for p in dx.service_work_ledger(
+    assert any("undeclared_probe" in p for p in evidence_items.service_work_ledger(
         PLAN.raw, {"undeclared_probe": {"optimizer_updates": 1}})["problems"])
 
 
 def test_original_gate_report_is_a_real_file_saying_unavailable():
-    r = dx.original_gate_report(PLAN.raw)
+    r = evidence_items.original_gate_report(PLAN.raw)
     assert r["available"] is False and "run_19badd842c" in r["reason"] and r["overwritten"] is False
     reasons = " ".join(d["reason"] for d in PLAN.raw["deviations"])
-    assert "kept separately" not in reasons and dx.ORIGINAL_GATE_REPORT_FILE in reasons
+    assert "kept separately" not in reasons and ORIGINAL_GATE_REPORT_FILE in reasons
 
 
 def test_feasibility_from_the_diagnostics_own_measurements():
-    f = dx.diagnostic_feasibility(config={}, effective_config={}, primary_endpoint="x", setup_seconds=5.0,
+    f = evidence_items.diagnostic_feasibility(config={}, effective_config={}, primary_endpoint="x", setup_seconds=5.0,
                                   sampling_seconds=60.0, sampled_sequences=256, update_seconds=[10.0] * 16,
                                   sequences_per_update=32, planned_updates=16, recovery_seconds=30.0)
     m = f["measurements"]
     assert m["training"]["seconds"] == 220.0 and m["training"]["units"] == 16 and m["training"]["samples"] == 768
-    assert m["evaluation"]["planned_units"] == 0 and f["source"] == dx.FEASIBILITY_SOURCE
+    assert m["evaluation"]["planned_units"] == 0 and f["source"] == FEASIBILITY_SOURCE
 
 
 def test_snapshots_are_immutable_numbered_and_respect_the_file_limit(tmp_path):

@@ -20,7 +20,8 @@ from dppo_harness.local_server.faults import (
     drop_path,
     parse_omit_field,
 )
-from dppo_harness.stages import conclusion, restoration
+from dppo_harness.service.identity import served_model_from_info
+from dppo_harness.stages import restoration
 from dppo_harness.stages.restoration_provenance import check_provenance, initialization_entry
 from dppo_harness.train.optimizer_checks import optimizer_check
 
@@ -156,10 +157,10 @@ def test_a_missing_load_path_fails_the_proof_naming_it():
 
 
 def test_served_model_without_a_model_name_is_unavailable_not_the_requested_one():
-    s = conclusion.served_model_from_info({"model_data": {}}, "Qwen/Qwen3.5-2B", backend="tinker")
+    s = served_model_from_info({"model_data": {}}, "Qwen/Qwen3.5-2B", backend="tinker")
     assert s.served != "Qwen/Qwen3.5-2B" and "did not name" in s.served
     assert s.source.startswith("unavailable") and "model_data.model_name" in s.source
-    named = conclusion.served_model_from_info({"model_data": {"model_name": "Qwen/Qwen3.5-4B"}}, "Qwen/Qwen3.5-2B",
+    named = served_model_from_info({"model_data": {"model_name": "Qwen/Qwen3.5-4B"}}, "Qwen/Qwen3.5-2B",
                                               backend="tinker")
     assert named.served == "Qwen/Qwen3.5-4B"
 

@@ -8,17 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.stages import diagnostic
+from dppo_harness.stages.diagnostic.files import update_record_name
 
 
 def _write_bundle(tmp_path: Path, records) -> Path:
     files = tmp_path / "run" / "files"
     files.mkdir(parents=True)
     for r in records:
-        (files / diagnostic.update_record_name(r.context["update_index"])).write_bytes(ins.records_to_npz([r]))
+        (files / update_record_name(r.context["update_index"])).write_bytes(ins.records_to_npz([r]))
     return tmp_path / "run"
 
 
@@ -36,7 +37,7 @@ def _tamper(path: Path, edit) -> None:
 
 @pytest.fixture(scope="module")
 def records():
-    return diagnostic.simulate_records(seed=3, n_updates=4, minibatches_per_epoch=2, sequences=6, drift_per_update=0.08)
+    return simulate_records(seed=3, n_updates=4, minibatches_per_epoch=2, sequences=6, drift_per_update=0.08)
 
 
 def test_honest_logs_replay_clean_and_the_mask_fired(tmp_path, records, capsys):
@@ -72,7 +73,7 @@ def _first_loss_token(arrays, call="c0"):
 )
 def test_one_corrupted_logged_decision_or_number_fails_replay(tmp_path, records, capsys, edit, needle):
     run = _write_bundle(tmp_path, records)
-    target = run / "files" / diagnostic.update_record_name(4)
+    target = run / "files" / update_record_name(4)
     _tamper(target, edit)
     report = replay.replay_bundle(run)
     assert not report.ok and any(needle in p for p in report.problems), report.problems

@@ -4,14 +4,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.plans import load_plan
-from dppo_harness.stages import diagnostic as dg
+from dppo_harness.stages.diagnostic.analysis import analyse
+from dppo_harness.stages.diagnostic.config import diagnostic_config
+from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
-CFG = dg.diagnostic_config(PLAN)
+CFG = diagnostic_config(PLAN)
 
 
 def _sentinel_points(drift: float):
@@ -27,11 +30,11 @@ def _sentinel_points(drift: float):
 
 
 def _analysis(drift: float):
-    records = dg.simulate_records(seed=5, drift_per_update=drift)
+    records = simulate_records(seed=5, drift_per_update=drift)
     points = _sentinel_points(drift / 4)
     sentinels = {"tokens": 40, "sequence_indices": [0, 1], "selection_rule": "test", "points": points,
                  "at_init": points[0]["summary"], "last": points[-1]}
-    res = dg.analyse(CFG, PLAN, records, selftest=dg.deterministic_selftest(), sentinels=sentinels, frozen_by_call=None,
+    res = analyse(CFG, PLAN, records, selftest=deterministic_selftest(), sentinels=sentinels, frozen_by_call=None,
                      updates_done=16, stop_reason="update cap reached", wall_seconds=100.0, setup_seconds=20.0,
                      frozen_sha256="0" * 64, minibatches=[], errors=[], spec=None)
     return res.analysis_json(), res.next_action

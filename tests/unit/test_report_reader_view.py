@@ -101,12 +101,16 @@ def test_comparison_report_shows_labels_truncation_plot_and_informational_interv
 
 
 def test_diagnostic_report_states_truncation_next_to_the_renderer():
+    from diagnostic_rehearsal import simulate_records
+
     from dppo_harness.evaluation import answer_yield
-    from dppo_harness.stages import diagnostic as dg
+    from dppo_harness.stages.diagnostic.analysis import analyse
+    from dppo_harness.stages.diagnostic.config import diagnostic_config
+    from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    cfg = dg.diagnostic_config(plan)
-    res = dg.analyse(cfg, plan, dg.simulate_records(seed=1), selftest=dg.deterministic_selftest(),
+    cfg = diagnostic_config(plan)
+    res = analyse(cfg, plan, simulate_records(seed=1), selftest=deterministic_selftest(),
                      sentinels={"points": []}, frozen_by_call=None, updates_done=16, stop_reason="update cap reached",
                      wall_seconds=100.0, setup_seconds=20.0, frozen_sha256="0" * 64, minibatches=[], errors=[],
                      spec=None)

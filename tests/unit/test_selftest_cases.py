@@ -5,10 +5,11 @@ cross-checks the drift statistics even when boundary ties skip the decision coun
 import numpy as np
 import pytest
 import torch
+from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.instrument import replay
 from dppo_harness.loss import losses
-from dppo_harness.stages import diagnostic as dg
+from dppo_harness.stages.diagnostic import selftest
 
 REQUIRED = ("boundary_exact_plus_delta_kept", "boundary_one_ulp_above_plus_delta_removed",
             "boundary_exact_minus_delta_kept", "boundary_one_ulp_below_minus_delta_removed",
@@ -18,14 +19,14 @@ REQUIRED = ("boundary_exact_plus_delta_kept", "boundary_one_ulp_above_plus_delta
 
 
 def test_selftest_has_and_passes_the_required_cases():
-    st = dg.deterministic_selftest()
+    st = selftest.deterministic_selftest()
     assert set(REQUIRED) <= set(st["cases"]) and len(st["cases"]) >= 18
     assert st["passed"], {k: v["problems"] for k, v in st["cases"].items() if not v["passed"]}
 
 
 def test_boundary_rows_are_exact():
     for name, diff in (("boundary_exact_plus_delta_kept", 0.15), ("boundary_exact_minus_delta_kept", -0.15)):
-        _p, q, _a, _m, lp = dg.SELFTEST_CASES[name][0][0]
+        _p, q, _a, _m, lp = selftest.SELFTEST_CASES[name][0][0]
         mu = float(np.float32(np.log(q)))
         got = torch.tensor(lp, dtype=torch.float64).exp() - torch.tensor(mu, dtype=torch.float64).exp()
         assert float(got) == diff
@@ -39,12 +40,12 @@ def test_cap_hits_on_dropped_tokens_fail_the_selftest(monkeypatch):
         return t.__class__(**{**t.__dict__, "ratio_cap_hit_N": t.nonzero_adv_N & (t.ratio_N > 10.0)})
 
     monkeypatch.setattr(losses, "token_terms", old_rule)
-    st = dg.deterministic_selftest()
+    st = selftest.deterministic_selftest()
     assert not st["cases"]["ratio_cap_not_counted_on_dropped_token"]["passed"]
 
 
 def test_replay_checks_drift_even_with_boundary_ties(monkeypatch):
-    rec = dg.simulate_records(seed=2, drift_per_update=0.012)[-1]
+    rec = simulate_records(seed=2, drift_per_update=0.012)[-1]
     assert replay.check_record(rec).problems == []
     keep = rec.tensors["dppo_keep_N"].copy()
     i = int(np.flatnonzero(rec.tensors["mask_N"] > 0)[0])

@@ -1,7 +1,7 @@
 """Issue 11 point 4: provenance covers the client that trained (one more restore, an optimizer check
 from its OWN response, its own initial output); probe-echoed configs stay declared for other checks."""
 
-from dppo_harness.stages import diagnostic_evidence as dx
+from dppo_harness.stages.diagnostic import evidence_items
 from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check
 
 REQ = {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
@@ -27,7 +27,7 @@ def test_trained_client_gets_its_own_restore_check_and_initial_output():
                             echo_observed_on="the trained client's own optim_step response of update 1")
     init_out = {"available": True, "batch_sha256": "b" * 64, "output_sha256": "a" * 64, "evidence_ref": "x",
                 "before_first_update": True}
-    e = dx.trained_client_entry(PRIOR, restore={"loaded_checkpoint_uri": "tinker://m:train:3/w", "load_succeeded": True},
+    e = evidence_items.trained_client_entry(PRIOR, restore={"loaded_checkpoint_uri": "tinker://m:train:3/w", "load_succeeded": True},
                                 initial_output=init_out, own_check=own, restore_ref="analysis#restore")
     assert e["restore_count"] == 2
     assert [c["after_restore"] for c in e["optimizer_checks"]] == [0, 1, 2]

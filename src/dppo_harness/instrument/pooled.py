@@ -1,6 +1,7 @@
-"""Pooled loss-call statistics and the diagnostic's evidence file names.
+"""Pooled loss-call statistics, and the diagnostic evidence file names that replay and the
+session read as well (the diagnostic's other file names live in `stages.diagnostic.files`).
 
-The lower module under both `diagnostic` (which pools the second-epoch calls it trained) and
+The lower module under both the diagnostic (which pools the second-epoch calls it trained) and
 `replay` (which pools its independent recompute of the same calls): neither imports the other.
 """
 
@@ -14,16 +15,8 @@ import numpy as np
 from dppo_harness.instrument import instrumentation as ins
 
 ANALYSIS_FILE = "diagnostic-analysis.json"
-SELFTEST_FILE = "diagnostic-selftest.json"
-SENTINEL_FILE = "diagnostic-sentinels.json"
-REFERENCES_FILE = "diagnostic-prior-references.json"
-NEXT_ACTION_FILE = "diagnostic-next-action.json"
 REVISED_SPEC_FILE = "revised-diagnostic-spec.json"
 FROZEN_BATCH_STEM = "diagnostic-frozen-batch"
-
-
-def update_record_name(update_index: int) -> str:
-    return f"diagnostic-update-{update_index:02d}.npz"
 
 
 # Token-weighted ratios: summed numerator over summed denominator across pooled calls.

@@ -140,7 +140,7 @@ def diagnostic_run(request, service_client, service_backend, plan, evidence_bund
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
-    from dppo_harness.stages.diagnostic import run_bounded_diagnostic
+    from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()
     run = run_bounded_diagnostic(

@@ -136,6 +136,40 @@ def served_model(model_data: Mapping[str, Any] | None, backend_block: Mapping[st
     return (str(reported) if reported else None), "get_info().model_data.model_name"
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """Which model computed. `stand_in` is the substitute's identity when one served, else None."""
+
+    requested: str
+    served: str
+    stand_in: str | None
+    source: str  # where the identity was read (e.g. "get_info model_data.arch")
+
+    @property
+    def is_stand_in(self) -> bool:
+        return self.stand_in is not None
+
+
+def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, backend: str) -> ServedModel:
+    """Identity from a dumped get_info response: `model_data.arch` names what really computes
+    (the embedded server answers to the requested name but its arch is the stand-in). The local
+    backend is always a stand-in, even when the response lacks the arch."""
+    md = (info or {}).get("model_data") or {}
+    arch = md.get("arch")
+    name = md.get("model_name")
+    marker = md.get("embedded_server")
+    if arch and arch != requested and (marker or backend == "local" or str(arch).startswith("local/")):
+        return ServedModel(requested, str(arch), str(arch), "get_info model_data.arch")
+    if backend == "local":
+        stand_in = str(arch) if arch else "embedded server stand-in (identity not reported)"
+        return ServedModel(requested, stand_in, stand_in, "backend=local")
+    if not name:  # optional in the SDK's ModelData: unavailable, never the requested name
+        return ServedModel(requested, f"a model the service did not name (requested {requested})", None,
+                           "unavailable: the get_info response has no model_data.model_name")
+    return ServedModel(requested, str(name), None, "get_info model_data.model_name")
+
+
+
 def substitution_deviation(requested_model: str, marker: EmbeddedMarker, base_url: str | None,
                            answers_to: str | None) -> dict[str, str]:
     """The model deviation a run on the embedded server records before any training."""

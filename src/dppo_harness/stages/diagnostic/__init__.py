@@ -1,0 +1,13 @@
+"""The bounded DPPO activation diagnostic: the requester's revised plan, run as written.
+
+Restore the shared initial state, sample ONE batch, freeze it, then train the DPPO arm on
+complete-group minibatches for two epochs over that same batch (at most 16 updates, no new
+sampling, no old-logprob refresh), recording every loss call and fixed sentinel tokens. Stop at
+the update cap or the wall cap, whichever comes first. Then pool all second-epoch loss calls by
+loss-token counts, evaluate the plan's criteria, and classify the outcome.
+
+Parts, in the order a run uses them: `config` (the plan's settings), `files` (evidence file
+names), `selftest` (must-fire / must-not-fire cases), `sentinels`, `run_state`, `loop` (the
+run), `criteria`, `classification`, `conclusion` (the answer for the planned model and the next
+action), `analysis`, `evidence_items` (pure builders) and `evidence_writer` (what is registered).
+"""

@@ -1,0 +1,341 @@
+"""The diagnostic run: declare -> restore (or take the preflight's loaded client) -> sample and
+freeze ONE batch -> sentinels -> epochs over that frozen batch (no sampling, no anchor refresh)
+until the update cap or the wall cap (counted from the stage's start) -> analyse -> write
+evidence. Every loss call is persisted before the optimizer step it feeds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tinker
+
+from dppo_harness.data import dataset, tokenizer
+from dppo_harness.evidence.snapshots import post_snapshot
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM
+from dppo_harness.loss import losses
+from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
+from dppo_harness.service.identity import ServedModel, served_model_from_info
+from dppo_harness.stages.diagnostic.analysis import DiagnosticResult
+from dppo_harness.stages.diagnostic.config import (
+    FINALIZE_RESERVE_S,
+    DiagnosticConfig,
+    DiagnosticError,
+    diagnostic_config,
+)
+from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimizer_check, write_evidence
+from dppo_harness.stages.diagnostic.files import update_record_name
+from dppo_harness.stages.diagnostic.run_state import RunState
+from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
+from dppo_harness.train import train_step
+from dppo_harness.train.clients import create_from_state_observed, dump_response, full_logprobs
+from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import ExperimentSpec, Plan
+
+SNAPSHOT_EVERY_UPDATES = 4
+
+
+def _initial_output(tc: tinker.TrainingClient, ref: Any) -> dict[str, Any]:
+    """Full logprobs of the trained client on the restoration preflight's fixed batch, before its
+    first update, compared bitwise with the group's (same initial checkpoint)."""
+    out_sha = logprobs_sha256(full_logprobs(tc, ref.fixed_batch))
+    group = dict(ref.output_sha256)
+    return {"available": True, "batch_sha256": batch_sha256(ref.fixed_batch), "output_sha256": out_sha,
+            "evidence_ref": f"{ANALYSIS_FILE}#trained_client_initial_output", "before_first_update": True,
+            "group_output_sha256": group, "bitwise_equal_to_group": {a: out_sha == h for a, h in group.items()}}
+
+
+
+def _save_final_checkpoint(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: RunState, tag: str,
+                           say: Callable[[str], None]) -> None:
+    """The trained client's final state, saved and its URI recorded (a claim cites the checkpoint)."""
+    if state.updates_done == 0:
+        return
+    try:
+        uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
+    except Exception as exc:  # recorded: no claim without the checkpoint
+        state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
+        return
+    state.final_checkpoint = uri
+    bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
+    say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
+
+
+class _Stop(Exception):
+    """Planned stop (wall cap) before training could start."""
+
+
+
+def _preflight_client(loaded: Any, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
+    """The restoration preflight's loaded client of the trained arm, trained here instead of a new
+    client: its observed load is this run's restore."""
+    restore = dict(loaded.restore_record(),
+                   source="the restoration preflight's client for this arm, loaded from the initial checkpoint "
+                          "with optimizer and never updated before this stage (no second restore)")
+    if not loaded.load_succeeded or loaded.loaded_path is None:
+        raise DiagnosticError("the preflight's load of the trained arm was not observed: its load response has no "
+                              "path (optional in the SDK's LoadWeightsResponse); the plan requires an observed load")
+    if loaded.loaded_path != initial_checkpoint:
+        raise DiagnosticError(f"the preflight's trained-arm client loaded {loaded.loaded_path!r}, not the initial "
+                              f"checkpoint {initial_checkpoint!r}")
+    return loaded.client, restore
+
+
+def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
+    """A fresh client from the shared initial state, the load observed (never trained weights)."""
+    tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "diagnostic DPPO client")
+    info = tc.get_info()
+    restore = {
+        "initial_checkpoint": initial_checkpoint,
+        "loaded_checkpoint_uri": getattr(load_response, "path", None),
+        "load_succeeded": load_response is not None,
+        "load_response": dump_response(load_response),
+        "get_info": dump_response(info),
+        "before_first_update": True,
+    }
+    if load_response is None:
+        raise DiagnosticError("the initial-state load was not observed (plan requires an observed successful load)")
+    if load_response.path is None:
+        raise DiagnosticError("the initial-state load response has no path (optional in the SDK's "
+                              "LoadWeightsResponse): the plan requires an observed load of the initial checkpoint")
+    return tc, restore
+
+
+def _sample_and_freeze(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: RunState,
+                       tag: str) -> tuple[str, FrozenBatch, dict[str, Any]]:
+    """ONE batch from the restored weights, frozen and persisted; returns (sampler path, batch, summary)."""
+    tok = tokenizer.make_renderer()
+    train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
+    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
+    sampled = rollout_batch.sample_rollout_batch(tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer,
+                                                 rcfg, sampler_name=f"{tag}-sampler-initial")
+    load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
+    frozen = rollout_batch.freeze(sampled, {"load": load, "tokenizer": tok.provenance})
+    npz, manifest = frozen.to_bytes()
+    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
+    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
+    state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
+    bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
+    state.rollout_yield = sampled.batch.response_yield().as_dict()
+    return sampled.sampler_path, frozen, sampled.batch.summary()
+
+
+def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: FrozenBatch, mbs: Sequence[Minibatch],
+                  sampler_path: str, bundle: EvidenceBundle, state: RunState, *, elapsed: Callable[[], float],
+                  clock: Callable[[], float], cap_s: float, say: Callable[[str], None], tag: str,
+                  after_update: Callable[[int], str | None] = lambda _n: None) -> str:
+    """Epochs over the same frozen batch (no sampling, no anchor refresh) until the update cap,
+    the wall cap, the schedule's end or `after_update(n)` naming a stop; returns the stop reason."""
+    loss_cfg = cfg.loss_config()
+    loss_fn = losses.make_loss_fn(loss_cfg)
+    recorder = ins.LossCallRecorder(loss_cfg)
+    adam = tinker.AdamParams(**cfg.adam)
+    last_update_s = 0.0
+    tokens_seen = 0
+    stop = None
+    for epoch, mb in [(e, mb) for e in range(1, cfg.epochs + 1) for mb in mbs]:
+        if state.updates_done >= cfg.max_updates:
+            stop = "update cap reached"
+            break
+        if elapsed() + last_update_s + FINALIZE_RESERVE_S > cap_s:
+            stop = (f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
+                    f"{FINALIZE_RESERVE_S:.0f}s to write the analysis would exceed {cap_s:.0f}s")
+            break
+        u0 = clock()
+        frozen.assert_intact()  # before every reuse (to_datums checks again)
+        datums = frozen.to_datums(mb.sequence_indices)
+        anchor = np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices])
+        update_index = state.updates_done + 1
+        context = {"update_index": update_index, "epoch": epoch, "minibatch": mb.index, "group_ids": list(mb.group_ids),
+                   "sequence_indices": list(mb.sequence_indices), "sampler_checkpoint": sampler_path,
+                   "frozen_batch_sha256": frozen.sha256}
+
+        def persist(rec: ins.LossCallRecord, update_index: int = update_index, anchor: np.ndarray = anchor) -> None:
+            # Persisted before the optimizer step it feeds.
+            bundle.register_bytes(update_record_name(update_index), "tensors", ins.records_to_npz([rec]))
+            state.files.append(update_record_name(update_index))
+            state.records.append(rec)
+            state.frozen_by_call.append(anchor)
+
+        sentinels = state.sentinels if state.sentinels is not None and state.sentinels.due(update_index) else None
+        # A due sentinel forward is submitted right behind the optimizer step (it reads the
+        # updated weights) and awaited after the next update's submission (one round trip less per update).
+        rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist,
+                                         submit_behind=None if sentinels is None else (lambda s=sentinels: s.submit(tc)))
+        t_collect = clock()
+        if state.sentinels is not None:
+            state.sentinels.collect()  # the previous update's sentinel: long done by now
+        phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
+        if sentinels is not None:
+            sentinels.defer(upd.behind, update_index, elapsed())
+        if state.first_optim is None:
+            state.first_optim = upd.optim
+        state.updates_done = update_index
+        halt = after_update(update_index)
+        tokens_seen += rec.stats["tokens/loss"]
+        last_update_s = clock() - u0
+        state.update_seconds.append(last_update_s)
+        t_snapshot = clock()
+        if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running: a killed run keeps its numbers
+            bundle.update_result(metrics={"diagnostic/updates_done": float(update_index),
+                                          "diagnostic/elapsed_seconds": float(elapsed())})
+            name = post_snapshot(bundle, f"{tag} after update {update_index}")
+            if name:
+                state.snapshots.append(name)
+        state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
+        s = rec.stats
+        say(f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
+            f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
+            f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
+            f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
+            f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
+        if halt is not None:
+            stop = halt
+            break
+    if state.sentinels is not None:
+        state.sentinels.collect()
+    if stop is not None:
+        return stop
+    return "schedule complete" if state.updates_done < cfg.max_updates else "update cap reached"
+
+
+def _effective_cap(bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: float, say: Callable[[str], None],
+                   tag: str) -> float:
+    """The plan's wall cap, shortened to the run budget's end when that comes first."""
+    cap_s = cfg.max_wall_seconds
+    remaining = bundle.remaining_seconds()
+    if remaining is not None and elapsed_s + remaining < cap_s:
+        cap_s = max(0.0, elapsed_s + float(remaining))
+        if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
+            say(f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
+                f"{cfg.max_wall_seconds:.0f}s cap: stopping there")
+    return cap_s
+
+
+def _take_client(service_client: tinker.ServiceClient, initial_checkpoint: str, state: RunState, *,
+                 restored: Any, init_reference: Any, clock: Callable[[], float]) -> tinker.TrainingClient:
+    """The trained client: the preflight's loaded one when given, else a fresh restore; its
+    restore record, get_info, initial output and restore seconds go into `state`."""
+    r0 = clock()
+    if restored is not None:
+        tc, state.restore = _preflight_client(restored, initial_checkpoint)
+        state.preloaded = True
+        state.info = restored.info
+    else:
+        tc, state.restore = _restore(service_client, initial_checkpoint)
+        state.info = tc.get_info()
+    if init_reference is not None:  # the trained client's own initial output, before any update
+        state.initial_output = _initial_output(tc, init_reference)
+    state.restore_seconds = float(restored.seconds) + (clock() - r0) if restored is not None else clock() - r0
+    return tc
+
+
+def _freeze_and_split(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: RunState, *,
+                      elapsed: Callable[[], float], cap_s: float, say: Callable[[str], None],
+                      tag: str) -> tuple[str, list[Minibatch]]:
+    """Sample and freeze the one batch, split it into complete-group minibatches, choose the
+    sentinels and measure them at initialization; returns (sampler path, minibatches)."""
+    sampler_path, state.frozen, summary = _sample_and_freeze(tc, cfg, bundle, state, tag)
+    state.sampling_seconds = float(summary["sampling_seconds"])
+    state.sampled_sequences = int(state.frozen.n_sequences)
+    say(f"[{tag}] sampled and froze {state.frozen.n_sequences} sequences ({summary['response_tokens']} response "
+        f"tokens, {summary['nonconstant_reward_groups']} groups with signal, {summary['frac_truncated']:.1%} "
+        f"truncated at max_tokens {cfg.max_tokens}, {summary['frac_no_answer']:.1%} without an answer) in "
+        f"{summary['sampling_seconds']:.0f}s; elapsed {elapsed():.0f}s / {cap_s:.0f}s")
+    mbs = state.frozen.split_minibatches(cfg.minibatches_per_epoch)
+    state.minibatches = [mb.record() for mb in mbs]
+    state.sentinels = SentinelTracker(state.frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
+    state.sentinels.maybe_measure(tc, 0, elapsed())
+    state.setup_seconds = elapsed()
+    say(f"[{tag}] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
+        f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)")
+    return sampler_path, list(mbs)
+
+
+def _stop_on_optimizer_mismatch(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> Callable[[int], str | None]:
+    """The after-update hook: the trained client's own optimizer echo, checked before update 2;
+    a mismatch is recorded as an error and names the stop."""
+    def stop_on_mismatch(update_index: int) -> str | None:
+        check = own_optimizer_check(cfg, plan, state) if update_index == 1 else None
+        if check and check["mismatches"]:
+            reason = "optimizer mismatch after update 1: " + "; ".join(check["mismatches"])
+            state.errors.append(reason)
+            return reason
+        return None
+
+    return stop_on_mismatch
+
+
+def run_bounded_diagnostic(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    initial_checkpoint: str,
+    *,
+    backend: str,
+    stage_start: float | None = None,
+    spec: ExperimentSpec | None = None,
+    progress: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    tag: str = "diagnostic",
+    served: ServedModel | None = None,
+    prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
+    init_reference: Any = None,
+    restored: Any = None,
+    **overrides: Any,
+) -> DiagnosticResult:
+    """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
+
+    Named steps: declare -> restore -> sample and freeze -> sentinels -> train epochs -> analyse
+    -> write evidence. `stage_start` (a `clock()` reading) is when the stage began: the wall cap
+    counts from it. `restored` (a `restoration.LoadedArm`): the preflight's loaded client of the
+    trained arm, trained here instead of restoring a new one.
+    """
+    t0 = clock() if stage_start is None else stage_start
+    cfg = diagnostic_config(plan, **overrides)
+    say = progress or (lambda _m: None)
+
+    def elapsed() -> float:
+        return clock() - t0
+
+    state = RunState()
+    selftest = declare(bundle, plan, cfg, state)
+    cap_s = cfg.max_wall_seconds
+    try:
+        # Remaining run budget first (the ledger's, when one is set): never start what cannot fit.
+        cap_s = _effective_cap(bundle, cfg, elapsed(), say, tag)
+        if elapsed() >= cap_s:
+            raise _Stop("wall cap exhausted before service work")
+        tc = _take_client(service_client, initial_checkpoint, state, restored=restored,
+                          init_reference=init_reference, clock=clock)
+        say(f"[{tag}] {'training the preflight client loaded from' if restored is not None else 'restored'} "
+            f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)")
+        if elapsed() >= cap_s:
+            raise _Stop("wall cap exhausted during setup (after restore)")
+        sampler_path, mbs = _freeze_and_split(tc, cfg, bundle, state, elapsed=elapsed, cap_s=cap_s, say=say, tag=tag)
+        state.stop_reason = _train_epochs(tc, cfg, state.frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
+                                          clock=clock, cap_s=cap_s, say=say, tag=tag,
+                                          after_update=_stop_on_optimizer_mismatch(cfg, plan, state))
+        _save_final_checkpoint(tc, cfg, bundle, state, tag, say)
+    except _Stop as stop:
+        state.stop_reason = str(stop)
+        state.setup_seconds = state.setup_seconds or elapsed()
+    except Exception as exc:  # persist what was measured; the classification says evidence is missing
+        state.errors.append(f"{type(exc).__name__}: {exc}")
+        state.stop_reason = f"error: {type(exc).__name__}"
+        state.setup_seconds = state.setup_seconds or elapsed()
+    wall = elapsed()
+    say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
+    if served is None:
+        served = served_model_from_info(state.restore.get("get_info"), cfg.base_model, backend=backend)
+    return write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
+                           spec=spec, served=served, prior_service_work=prior_service_work)
+
