@@ -44,11 +44,11 @@ def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: An
 
 @pytest.fixture(scope="session")
 @stops_stage
-def restoration(request, service_client, service_backend, plan, evidence_bundle, training_client_observer,
-                client_registry, client_base_model, service_waiter, harness_options, harness_progress):
+def restoration(request, service_client, service_backend, plan, evidence_bundle, client_registry,
+                client_base_model, service_waiter, stage_session_client, harness_progress):
     """restoration.RestorationResult for the initialization group of the plan's spec (a
     diagnostic's original plan), run once."""
-    from dppo_harness.service.clients import CapacityExhausted, call_with_capacity_retry, make_service_client
+    from dppo_harness.service.clients import CapacityExhausted, call_with_capacity_retry
     from dppo_harness.stages import restoration as restoration_module
     from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
     from dppo_harness.train.clients import RestorationError
@@ -58,12 +58,8 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
         reader = LocalCheckpointReader(service_backend.server.run_dir)
     # Its own session, registered before its first call: a stop on the way (capacity, hang)
     # releases it with the rest.
-    probe_sc = make_service_client(service_backend.kind, service_backend.base_url,
-                                   observer=training_client_observer,  # every training client's identity
-                                   registry=client_registry, stage="preflight-probes",
-                                   label="preflight setup and probe clients (closed when the preflight ends)",
-                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
-                                   sdk_telemetry=harness_options.sdk_telemetry)
+    probe_sc = stage_session_client("preflight-probes",
+                                    "preflight setup and probe clients (closed when the preflight ends)")
     policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     plan_kind = plan.kind
     update_norm = None
@@ -114,12 +110,11 @@ def verified_restoration(restoration):
 @pytest.fixture(scope="session")
 @stops_stage
 def feasibility(request, service_backend, plan, evidence_bundle, verified_restoration, client_registry,
-                training_client_observer, service_waiter, harness_options, harness_progress, connectivity):
+                stage_session_client, harness_progress, connectivity):
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
     client lives in its own session, closed when the pilot ends."""
     from dppo_harness import plans
     from dppo_harness.pytest_plugin.session import record_client_releases
-    from dppo_harness.service.clients import make_service_client
     from dppo_harness.stages import feasibility as feasibility_module
 
     if plan.kind == "bounded_diagnostic":
@@ -133,11 +128,7 @@ def feasibility(request, service_backend, plan, evidence_bundle, verified_restor
     eff = plans.effective_config(plan, info)
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).
-    pilot_sc = make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
-                                   registry=client_registry, stage="feasibility-pilot",
-                                   label="feasibility timing pilot (closed when the pilot ends)",
-                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
-                                   sdk_telemetry=harness_options.sdk_telemetry)
+    pilot_sc = stage_session_client("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)")
     try:
         with Watchdog(harness_progress, every_s=10.0) as watch:
             return feasibility_module.run_feasibility(

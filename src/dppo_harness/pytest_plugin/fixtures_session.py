@@ -5,7 +5,7 @@ client registry, the one wait policy, the session's ServiceClient, the plan and 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -107,6 +107,24 @@ def service_client(service_backend: ServiceBackend, client_registry: ClientRegis
         waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
         sdk_telemetry=harness_options.sdk_telemetry,
     )
+
+
+@pytest.fixture(scope="session")
+def stage_session_client(service_backend: ServiceBackend, client_registry: ClientRegistry,
+                         training_client_observer: Any, service_waiter: Any,
+                         harness_options: HarnessOptions) -> Callable[[str, str], tinker.ServiceClient]:
+    """A factory of a stage's own ServiceClient session (`stage`, `label`): observed, waited and
+    registered before its first call, so a stop on the way releases it with the rest; the stage
+    closes it when its work ends, before any arm trains."""
+    from dppo_harness.service.clients import make_service_client
+
+    def open_session(stage: str, label: str) -> tinker.ServiceClient:
+        return make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
+                                   registry=client_registry, stage=stage, label=label, waiter=service_waiter,
+                                   proxy_tokens=harness_options.proxy_credentials,
+                                   sdk_telemetry=harness_options.sdk_telemetry)
+
+    return open_session
 
 
 @pytest.fixture(scope="session")

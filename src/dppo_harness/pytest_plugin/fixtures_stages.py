@@ -41,17 +41,12 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 @pytest.fixture(scope="session")
 @stops_stage
 def gate_report(request, service_backend, plan, evidence_bundle, restoration, client_registry,
-                training_client_observer, service_waiter, harness_options):
+                stage_session_client):
     """The plan's activation-gate pilot of each treatment arm, run once per session. The pilots'
     clients live in their own session, closed as soon as the pilots end (before any arm trains)."""
-    from dppo_harness.service.clients import make_service_client
     from dppo_harness.stages.gate import run_activation_gates
 
-    pilot_sc = make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
-                                   registry=client_registry, stage="gate-pilot",
-                                   label="activation-gate pilot (closed when the pilot ends)",
-                                   waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
-                                   sdk_telemetry=harness_options.sdk_telemetry)
+    pilot_sc = stage_session_client("gate-pilot", "activation-gate pilot (closed when the pilot ends)")
     try:
         return run_activation_gates(
             pilot_sc, plan, evidence_bundle, restoration.initial_checkpoint,
