@@ -98,7 +98,7 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
     """Both arms from the shared initial checkpoint for every step, without a stop (the server
     state the killed and resumed runs used, so the checkpoint resolves)."""
     plan = load_plan(PLAN)
-    cfg = comparison_config(plan.spec, save_every=1)
+    cfg = comparison_config(plan.run, save_every=1)
     registry = service.ClientRegistry()
     with LocalServerProcess(run_dir=server_dir) as srv:
         try:
