@@ -226,12 +226,14 @@ def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan
     if diagnostic.kind != "bounded_diagnostic":
         raise PlanError("kind: check_original_plan needs a bounded_diagnostic plan")
     ref = diagnostic.diagnostic.original_plan
-    if plans_dir is None and diagnostic.path is None:
-        from dppo_harness.project import plans_dir as project_plans
+    from dppo_harness.project import plans_dir as project_plans
 
+    if plans_dir is None and diagnostic.path is None:
         plans_dir = project_plans()
-    base = plans_dir or diagnostic.path.parent
-    original = load_plan(base / ref.file)
+    path = (plans_dir or diagnostic.path.parent) / ref.file
+    if plans_dir is None and not path.is_file():  # a diagnostic plan kept elsewhere names a project plan
+        path = project_plans() / ref.file
+    original = load_plan(path)
     if original.kind != "experiment_spec":
         raise PlanError(f"original_plan.file: {ref.file} is a {original.kind} plan, not an experiment spec")
     if original.sha256 != ref.sha256:
