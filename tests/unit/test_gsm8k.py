@@ -8,7 +8,7 @@ import datasets
 import pytest
 from tinker_cookbook.recipes.math_rl import math_env
 
-from dppo_harness.data import gsm8k
+from dppo_harness.data import gsm8k, sha256sums
 from dppo_harness.data.tokenizer import make_renderer
 
 
@@ -18,7 +18,7 @@ def renderer():
 
 
 def test_vendored_files_match_pinned_hashes():
-    sums = gsm8k.read_sha256sums(gsm8k.DATA_DIR / "SHA256SUMS")
+    sums = sha256sums.read_sha256sums(gsm8k.DATA_DIR / "SHA256SUMS")
     assert set(sums) == {"train.jsonl", "test.jsonl"}
     for split in gsm8k.SPLITS:
         data = (gsm8k.DATA_DIR / f"{split}.jsonl").read_bytes()

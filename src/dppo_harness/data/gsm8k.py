@@ -22,17 +22,14 @@ from tinker_cookbook import renderers
 from tinker_cookbook.recipes.math_rl import math_grading
 from tinker_cookbook.recipes.math_rl.math_env import MathEnv, extract_gsm8k_final_answer
 
+from dppo_harness.data.sha256sums import DATA_DIR, DataIntegrityError, pinned_sha256
+
 Split = Literal["train", "test"]
 Source = Literal["vendored", "hf_hub"]
 SPLITS: tuple[Split, ...] = ("train", "test")
-DATA_DIR = Path(__file__).parent / "gsm8k"
 HF_PATH = "openai/gsm8k"
 HF_CONFIG = "main"
 EXPECTED_ROWS = {"train": 7473, "test": 1319}
-
-
-class DataIntegrityError(RuntimeError):
-    """The GSM8K bytes differ from the pinned sha256 (or the hash list is missing/malformed)."""
 
 
 @dataclass(frozen=True)
@@ -68,29 +65,6 @@ class Gsm8kSplit:
 
 def item_id(split: Split, index: int) -> str:
     return f"gsm8k-{split}-{index:04d}"
-
-
-def read_sha256sums(path: Path) -> dict[str, str]:
-    """Parse a ``sha256sum`` file (``<hex>  <name>`` lines)."""
-    if not path.is_file():
-        raise DataIntegrityError(f"hash list {path} is missing")
-    out: dict[str, str] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = line.split()
-        if len(parts) != 2 or len(parts[0]) != 64:
-            raise DataIntegrityError(f"{path}:{lineno}: malformed sha256sum line {line!r}")
-        out[parts[1].lstrip("*")] = parts[0].lower()
-    return out
-
-
-def pinned_sha256(split: Split, data_dir: Path = DATA_DIR) -> str:
-    sums = read_sha256sums(data_dir / "SHA256SUMS")
-    name = f"{split}.jsonl"
-    if name not in sums:
-        raise DataIntegrityError(f"{data_dir / 'SHA256SUMS'} has no entry for {name}")
-    return sums[name]
 
 
 def canonical_jsonl_bytes(rows: Sequence[dict[str, Any]]) -> bytes:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import secrets
 import threading
@@ -164,7 +165,6 @@ class Engine(TrainerMixin, CheckpointsMixin):
             self.served_models = [BASE_MODEL, self.served_model_name]
             self.sampler_dtype = getattr(torch, sampler_dtype or "float32")
             self.vocab: Vocab | hf_model.FullVocab = load_vocab()
-            self.tokenizer = get_tokenizer()
             self.config = self.preset.config
             self.base_model = self._load_base(cache_dir)
             self.base_sha256 = model.state_sha256(self.base_model.state_dict())
@@ -225,6 +225,13 @@ class Engine(TrainerMixin, CheckpointsMixin):
                 return transformers.AutoTokenizer.from_pretrained(ck.path, local_files_only=True)
             except (OSError, ValueError):
                 pass
+        return get_tokenizer()
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The presets' tokenizer, built on first use (stop strings, preset text): it takes seconds
+        to build and most runs stop on token ids alone, so the server starts without it. A
+        checkpoint sets its own at load."""
         return get_tokenizer()
 
     def _decode_text(self, ids: list[int]) -> str:

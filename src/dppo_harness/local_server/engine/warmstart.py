@@ -73,12 +73,12 @@ def cache_root(cache_dir: Path | None = None) -> Path:
 
 def _train_sha256(ddir: Path) -> str:
     """sha256 of ``train.jsonl``; it must equal the value pinned in ``ddir/SHA256SUMS``."""
-    from dppo_harness.data import gsm8k
+    from dppo_harness.data.sha256sums import DataIntegrityError, pinned_sha256
 
     got = hashlib.sha256((ddir / "train.jsonl").read_bytes()).hexdigest()
-    pinned = gsm8k.pinned_sha256("train", ddir)
+    pinned = pinned_sha256("train", ddir)
     if got != pinned:
-        raise gsm8k.DataIntegrityError(f"{ddir / 'train.jsonl'} sha256 {got} != pinned {pinned} (SHA256SUMS)")
+        raise DataIntegrityError(f"{ddir / 'train.jsonl'} sha256 {got} != pinned {pinned} (SHA256SUMS)")
     return got
 
 
