@@ -14,6 +14,18 @@ import pytest
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+# The files that take minutes (each a harness run or several, in subprocesses), longest first.
+# `.ci/run` hands whole files to two workers in collection order (`--dist loadfile
+# --no-loadscope-reorder`); started first, none of them is left to run alone at the end.
+LONGEST_FIRST = ("test_spindle_profile.py", "test_comparison_kill_resume.py", "test_local_server_sdk.py",
+                 "test_comparison_resume.py", "test_readme_recipes.py", "test_optional_fields_local.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest integration files first (a stable sort: every other test keeps its place; the
+    stage plugin's own sort, which runs after this one, is stable too)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))
 
 
 def _shared(tmp_path_factory: pytest.TempPathFactory, name: str, model: str | None) -> Iterator[LocalServerProcess]:

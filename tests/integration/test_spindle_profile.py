@@ -1,7 +1,7 @@
 """The harness's `tinker` branch in CI: the embedded server with `--profile spindle` as a separate
 process, planted credentials, and the harness run as a user runs it (`pytest -m diagnostic`).
 
-- the main run: unit parity -> preflight -> a shortened diagnostic (test plan: 4 groups x 4,
+- the main run: unit parity (the loss-parity file) -> preflight -> a shortened diagnostic (test plan: 4 groups x 4,
   2 minibatches x 2 epochs) through a capacity storm shorter than the backoff window;
 - the same plan on the `local` backend: the frozen batch and pooled statistics must agree;
 - a storm longer than the window ends in a correct capacity_block;
@@ -40,6 +40,10 @@ PLANTED = {
 WRONG_SECRET = "ws-wrong-" + secrets.token_hex(8)
 SHORT_STORM = 2  # refusals; backoff 0.6 s + 1.2 s at scale 0.01, inside the 6 s window
 CAPACITY_SCALE = "0.01"  # backoff 0.6/1.2/2.4 s, give-up window 6 s before any comparison step
+# `-m diagnostic` on these paths: unit parity is the loss-parity file alone (the whole of it runs in
+# this CI already, and the README recipe's test runs it in full before a diagnostic); the
+# diagnostic still starts only after it passed in the same session.
+UNIT_PARITY_AND_STAGES = ("tests/unit/test_losses.py", "tests/preflight", "tests/diagnostic")
 SAMPLER_LP_ATOL = 1e-4  # see test_same_plan_on_the_local_backend_computes_the_same
 POOLED_ATOL = 1e-4
 
@@ -99,7 +103,7 @@ def spindle(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spindle_run(spindle, plan_file, tmp_path_factory):
     evidence = tmp_path_factory.mktemp("evidence-tinker")
-    proc, secs = _harness(["-m", "diagnostic", "--backend=tinker", f"--plan={plan_file}",
+    proc, secs = _harness(["-m", "diagnostic", *UNIT_PARITY_AND_STAGES, "--backend=tinker", f"--plan={plan_file}",
                            f"--evidence-dir={evidence}", "--timeout=900"],
                           _harness_env(spindle.base_url), timeout=1200)
     return proc, secs, evidence
