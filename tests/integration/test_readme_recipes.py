@@ -1,8 +1,10 @@
 """The README's local-server recipe ("Running the diagnostic on your own GPU", step 2) as written:
 the embedded server (default profile, the stand-in model on CPU) on a free port, the `tinker`
-backend, exactly the README's variables (no Modal ones) and its command line. Two things are
-added, both options: a CI-size diagnostic plan (the README's default plan is the requester's full
-32 x 8 batch) and an evidence dir outside the repository, given with a space as a user types it.
+backend, exactly the README's variables (no Modal ones) and its command line. Three things are
+added: a CI-size diagnostic plan (the README's default plan is the requester's full 32 x 8 batch),
+an evidence dir outside the repository, given with a space as a user types it, and the test paths
+`UNIT_PARITY_AND_STAGES`, so that unit parity in this session is the loss-parity file (the whole
+unit suite runs in this same CI; the diagnostic still starts only after it passed here).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dppo_harness.service.secrets_scan import SECRET_ENV_VARS
 ROOT = Path(__file__).resolve().parents[2]
 CI_PLAN = ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-short.json"
 README_URL = "http://127.0.0.1:8123"
+UNIT_PARITY_AND_STAGES = "tests/unit/test_losses.py tests/preflight tests/diagnostic"
 
 
 def _user_env() -> dict[str, str]:
@@ -38,7 +41,7 @@ def test_gpu_recipe_step_2_runs_as_written(readme, tmp_path):
     with LocalServerProcess(run_dir=tmp_path / "server") as srv:
         t0 = time.monotonic()
         proc = subprocess.run(["bash", "-c", cmd.replace(README_URL, srv.base_url)
-                               + f" --plan={CI_PLAN} --evidence-dir {evidence} -p no:cacheprovider -q"],
+                               + f" {UNIT_PARITY_AND_STAGES} --plan={CI_PLAN} --evidence-dir {evidence} -p no:cacheprovider -q"],
                               cwd=ROOT, env=_user_env(), capture_output=True, text=True, timeout=1500)
         secs = time.monotonic() - t0
     print(f"README recipe (diagnostic, CI plan): {secs:.0f} s")
