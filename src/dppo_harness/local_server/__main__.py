@@ -166,7 +166,7 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     from aiohttp import web
 
     from dppo_harness.local_server.engine.engine import Engine
-    from dppo_harness.local_server.http.app import ServerState, build_app
+    from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, ServerState, build_app
 
     t0 = time.perf_counter()
     engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed, "num_threads": args.threads,
@@ -190,7 +190,8 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
         profile=profile,
         stats_path=run_dir / STATS_FILE,
     )
-    runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False)
+    runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False,
+                           shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

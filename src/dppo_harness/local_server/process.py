@@ -367,12 +367,13 @@ class InProcessServer:
     async def _setup(self) -> None:
         from aiohttp import web
 
-        from dppo_harness.local_server.http.app import ServerState, build_app
+        from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, ServerState, build_app
         from dppo_harness.local_server.profiles import Profile
 
         self.state = ServerState(self.engine, self._injector, self._headers, sample_workers=self._sample_workers,
                                  profile=self._profile or Profile(), on_die=self._on_die)
-        self._runner = web.AppRunner(build_app(self.state), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(build_app(self.state), access_log=None, handle_signals=False,
+                                     shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))

@@ -68,6 +68,10 @@ from dppo_harness.local_server.http.work import error_json
 request_log = logging.getLogger("dppo_harness.local_server.requests")
 
 FAULT_EXIT_CODE = 75
+# On shutdown, in-flight handlers get this long before they are cancelled (aiohttp's default is
+# 60 s). The only ones left are long polls of retrieve_future (up to 20 s each) whose clients are
+# gone; engine work runs in its own threads and is not waited on here either way.
+SHUTDOWN_GRACE_S = 1.0
 
 
 def build_app(state: ServerState) -> web.Application:
