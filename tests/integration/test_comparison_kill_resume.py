@@ -1,6 +1,6 @@
 """A comparison killed with SIGKILL and resumed, as a user runs it: `pytest -m comparison` as a
-subprocess on the CI rehearsal plan (3 rollout steps x 2 groups x 8, 4 test items, state saved
-every step), its whole process group killed once both arms have saved step 2, then the same
+subprocess on the CI rehearsal plan (2 rollout steps x 2 groups x 8, 4 test items, state saved
+every step), its whole process group killed once both arms have saved step 1, then the same
 command with `--resume RUN_ID`.
 
 - nothing of the killed run is left running; its bundle stays `status: running` and verifies;
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json"
 TESTS = [ROOT / "tests" / "unit" / "test_losses.py", ROOT / "tests" / "preflight", ROOT / "tests" / "gates",
          ROOT / "tests" / "comparison"]
-KILL_AFTER = 2
+KILL_AFTER = 1
 
 
 def _command(evidence: Path, *extra: str) -> list[str]:
@@ -86,7 +86,7 @@ def _run_and_kill(evidence: Path, cwd: Path) -> tuple[list[str], float]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stdout.close()
-    assert len(seen) == 2, "the run ended before both arms saved step 2:\n" + "".join(lines[-60:])
+    assert len(seen) == 2, f"the run ended before both arms saved step {KILL_AFTER}:\n" + "".join(lines[-60:])
     deadline = time.monotonic() + 30
     while _group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -132,7 +132,7 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     assert json.loads((killed / "result.json").read_text())["status"] == "running"
     assert verify_bundle(killed) == [], "the killed run's bundle does not verify"
     state = json.loads(state_path(evidence / "comparison-state", killed_id).read_text())
-    assert all(a["steps_done"] == KILL_AFTER and set(a["saves"]) == {"1", "2"} for a in state["arms"].values()), state
+    assert all(a["steps_done"] == KILL_AFTER and set(a["saves"]) == {str(s) for s in range(1, KILL_AFTER + 1)} for a in state["arms"].values()), state
     killed_files = [f["name"] for f in json.loads((killed / "result.json").read_text())["evidence"]["files"]]
     last_snapshot = sorted(n for n in killed_files if n.startswith("result-"))[-1]
     assert f"comparison-state-r0-s{KILL_AFTER}.json" in killed_files  # the resume point, registered when saved
