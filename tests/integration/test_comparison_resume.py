@@ -73,10 +73,10 @@ def engine(shared_server, registry):
         registry.release_stage("resume")
 
 
-# The 18th optim_step on this server (numbered when they execute, interleaved schedule, 2 arms x
-# 2 updates per step) is the GRPO arm's second update of step 1 in the second run; the 32nd is the
-# same update of the third run (the second run sends 14: 12 + the refused one + the redone first).
-CAPACITY_FAIL = "optim_step:18,32"
+# The 6th optim_step on this server (numbered when they execute, interleaved schedule, 2 arms x
+# 2 updates per step) is the GRPO arm's second update of step 1 in its first run; the 20th is the
+# same update of the second run (the first sends 14: 12 + the refused one + the redone first).
+CAPACITY_FAIL = "optim_step:6,20"
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +110,15 @@ def _run(engine, tmp_path, name, **kw):
 _row_differences = row_differences
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(engine, tmp_path_factory):
+    """The rehearsal run without a stop or a fault: the reference of both tests (the faulty server
+    starts from the same seeded initial state, so it computes the same rows)."""
+    full, _ = _run(engine, tmp_path_factory.mktemp("uninterrupted"), "full")
+    assert full.stopped is None and full.steps_completed == 3
+    return full
+
+
 def _kill_after(n):
     def stop(step_done):
         if step_done == n:
@@ -117,10 +126,8 @@ def _kill_after(n):
     return stop
 
 
-def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, tmp_path):
-    full, _ = _run(engine, tmp_path, "full")
-    assert full.stopped is None and full.steps_completed == 3
-
+def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, uninterrupted, tmp_path):
+    full = uninterrupted
     first, first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(2))
     assert first.stopped == "killed after step 2" and first.steps_completed == 2
     assert first.final["outcome_reason"] == "incomplete_execution"
@@ -183,14 +190,13 @@ class _RetryAsItStands(comparison_arms.GuardedArmStep):
         return super().__call__()
 
 
-def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine, tmp_path, monkeypatch):
+def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine, uninterrupted, tmp_path,
+                                                                  monkeypatch):
     srv = faulty_engine[2]
     # Back off 0.1 s; the window (which opens when the refused attempt began) outlasts any step here.
     policy = service.CapacityPolicy(backoff_s=(0.1,), give_up_no_steps_s=600.0, give_up_after_steps_s=600.0)
-    clean, _ = _run(faulty_engine, tmp_path, "clean", capacity_policy=policy)
-    clean_steps, clean_state = _final_steps(srv, clean, tmp_path)
-    assert clean_steps == {"grpo_seed0": 6, "dppo_seed0": 6}  # 3 steps x 2 updates, from the initial state
-    assert all(not s["step_retries"] for s in clean_state["arms"].values())
+    clean_steps = {"grpo_seed0": 6, "dppo_seed0": 6}  # 3 steps x 2 updates, from the initial state
+    assert all(not r["retries"] for r in uninterrupted.rows)
 
     refused, bundle = _run(faulty_engine, tmp_path, "refused", capacity_policy=policy)
     assert srv.stats()["faults"]["injected"]["optim_step:capacity_exhausted"] == 1
@@ -206,7 +212,7 @@ def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine,
     assert prov["grpo_seed0"]["restore_count"] == 2 and "dppo_seed0" not in prov  # the preflight's load + this
     assert [c["after_restore"] for c in prov["grpo_seed0"]["optimizer_checks"]] == [2]
     assert [r["retries"] for r in refused.rows if r["arm"] == "grpo_seed0"] == [0, 1, 0]
-    got, want = _rows(refused), _rows(clean)
+    got, want = _rows(refused), _rows(uninterrupted)
     problems = [p for g, w in zip(got, want, strict=True) for p in _row_differences(g, w)]
     assert not problems, "run with a mid-step refusal differs from the undisturbed run:\n" + "\n".join(problems)
 

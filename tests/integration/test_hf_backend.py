@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from dppo_harness.local_server.__main__ import check_model_path_args, parse_args
-from dppo_harness.local_server.engine import hf_model, sampling
+from dppo_harness.local_server.engine import draws, hf_model, sampling
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.errors import UserError
 
@@ -147,15 +147,15 @@ def test_only_lora_parameters_train_and_targets_survive_restore(engine):
 
 def test_gumbel_max_draws_follow_softmax_and_are_seeded():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(40_000, 1)
-    draws = sampling.gumbel_max(logits, torch.Generator().manual_seed(0))
-    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    drawn = draws.gumbel_max(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(drawn, minlength=5).float() / drawn.numel()
     torch.testing.assert_close(freq, torch.softmax(logits[0], -1), rtol=0, atol=0.01)
-    again = sampling.gumbel_max(logits[:100], torch.Generator().manual_seed(0))
-    other = sampling.gumbel_max(logits[:100], torch.Generator().manual_seed(1))
-    assert torch.equal(again, draws[:100]) and not torch.equal(other, again)
+    again = draws.gumbel_max(logits[:100], torch.Generator().manual_seed(0))
+    other = draws.gumbel_max(logits[:100], torch.Generator().manual_seed(1))
+    assert torch.equal(again, drawn[:100]) and not torch.equal(other, again)
     # -inf (filtered) entries are never drawn
-    masked = sampling.filter_logits(logits[:2000], 1.0, 2, 1.0)
-    assert set(sampling.gumbel_max(masked, torch.Generator().manual_seed(2)).tolist()) <= {0, 1}
+    masked = draws.filter_logits(logits[:2000], 1.0, 2, 1.0)
+    assert set(draws.gumbel_max(masked, torch.Generator().manual_seed(2)).tolist()) <= {0, 1}
 
 
 def _req(prompt, n, seed, stop=()):

@@ -9,7 +9,8 @@ Every test runs on each backend (`backend` fixture): the tiny preset (restricted
 `save_pretrained` into a temp dir and loaded on CPU: Qwen3, Qwen3.5 as its text model
 (`Qwen3_5ForCausalLM`) and Qwen3.5 in the hub's layout (`Qwen3_5ForConditionalGeneration` with a
 vision tower, served as its text model); both Qwen3.5 ones have a linear-attention and a
-full-attention layer.
+full-attention layer. The two in-process tests skip the hub layout (`inproc`): it is served as
+the same text model as `hf-qwen3_5`.
 """
 
 from __future__ import annotations
@@ -108,7 +109,13 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def inproc(tmp_path_factory, backend):
-    """Engine + app in this process; tests read gradients and parameters from `engine`."""
+    """Engine + app in this process; tests read gradients and parameters from `engine`.
+
+    Not for the hub layout: the loader serves its text model, the same Qwen3.5 text model class as
+    `hf-qwen3_5`, whose gradient and optimizer math these tests check; what differs (loading, the
+    checkpoints' parameter names) the child-process tests cover."""
+    if backend["arch"] == "local/tiny-qwen3_5-hub":
+        pytest.skip("hub layout: served as the hf-qwen3_5 text model, whose engine math is checked there")
     from dppo_harness.local_server.engine.engine import Engine
     from dppo_harness.local_server.process import InProcessServer
 

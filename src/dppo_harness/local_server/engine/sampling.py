@@ -26,11 +26,12 @@ returned stats.
 Draws (`DecodeSpec.draw`): temperature 0 is argmax. "gumbel": `argmax(logits / T - log E)` with
 `E ~ Exp(1)` drawn from the request's own `torch.Generator` (seeded with the request seed, on
 the model's device): an exact draw from softmax(logits / T) (after top_k / top_p) in one
-elementwise pass instead of softmax + multinomial over the vocabulary. "multinomial": softmax +
-`torch.multinomial` with the same generator (the presets' draw, kept so that their seeded outputs
-stay bitwise what they were). Either keeps the seed's meaning: the same request alone, or with
-the same concurrent batch, gives the same tokens. Per-token logprobs are the untempered
-log-softmax of the drawn token (the trainer's distribution).
+elementwise pass instead of softmax + multinomial over the vocabulary. "multinomial": what
+`torch.multinomial(softmax, 1)` with the same generator draws (the presets' draw, kept so that
+their seeded outputs stay bitwise what they were). Either keeps the seed's meaning: the same
+request alone, or with the same concurrent batch, gives the same tokens. Per-token logprobs are
+the untempered log-softmax of the drawn token (the trainer's distribution).
+The draws live in `draws.py`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, LinearAttentionLayer
 
+from dppo_harness.local_server.engine.draws import draw
 from dppo_harness.local_server.engine.logprobs import chunked_target_logprobs
 from dppo_harness.local_server.engine.model import token_logprobs
 
@@ -278,37 +280,6 @@ class StaticDecodeStep:
             self._capture()
         self.graph.replay()
         return self.logits_RV
-
-
-def filter_logits(logits_RV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Tempered logits with everything outside top_k / the top_p nucleus set to -inf."""
-    x = logits_RV / temperature
-    if top_k != -1 and top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        cum_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = cum_before >= top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x
-
-
-def gumbel_max(x_RV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row from softmax(x): argmax(x - log E), E ~ Exp(1)."""
-    e_RV = torch.empty_like(x_RV, dtype=torch.float32).exponential_(generator=generator)
-    return (x_RV.float() - e_RV.log()).argmax(dim=-1)
-
-
-def draw(logits_RV: torch.Tensor, req: DecodeRequest, generator: torch.Generator, kind: str = "gumbel") -> torch.Tensor:
-    if req.temperature == 0.0:
-        return logits_RV.argmax(dim=-1)
-    x_RV = filter_logits(logits_RV, req.temperature, req.top_k, req.top_p)
-    if kind == "multinomial":
-        return torch.multinomial(torch.softmax(x_RV, dim=-1), 1, generator=generator).squeeze(-1)
-    return gumbel_max(x_RV, generator)
 
 
 def _buffered(cache: Cache, cap: int) -> Cache:

@@ -1,0 +1,83 @@
+"""One token per row from a decode step's logits, seeded by the request's own generator.
+
+Temperature 0 is argmax. Otherwise the logits are tempered and cut to top_k / the top_p nucleus
+(`filter_logits`), then drawn one of two exact ways (`sampling.DecodeSpec.draw`): "gumbel",
+argmax(x - log E) with E ~ Exp(1); "multinomial", what `torch.multinomial(softmax(x), 1)` draws
+(the presets', kept bitwise).
+
+On CPU both take their Exp(1) noise from `exponential_cpu`, bitwise torch's `exponential_`, which
+computes each value in one serial loop: that loop was most of a preset decode step's draw (2.0
+instead of 4.7 ms for 8 rows of the presets' 15,254 columns, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from dppo_harness.local_server.engine.sampling import DecodeRequest
+
+
+def filter_logits(logits_RV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Tempered logits with everything outside top_k / the top_p nucleus set to -inf."""
+    x = logits_RV / temperature
+    if top_k != -1 and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        cum_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = cum_before >= top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+_LOW53 = (1 << 53) - 1
+
+
+def exponential_cpu(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """float32 Exp(1) noise, bitwise `torch.empty(shape).exponential_(generator=generator)` on CPU.
+
+    torch draws each value as float(-log1p(-u)) with u = (random64 & (2^53 - 1)) / 2^53, one
+    element at a time. An int64 `random_` consumes the same random64 per element (keeping its low
+    63 bits), and numpy's log1p is the same libm function, run over the whole array at once."""
+    r = torch.empty(shape, dtype=torch.int64).random_(generator=generator).numpy()
+    u = (r & _LOW53).astype(np.float64) * 2.0**-53
+    return torch.from_numpy((-np.log1p(-u)).astype(np.float32))
+
+
+def _exponential_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if x.device.type == "cpu" and generator.device.type == "cpu":
+        return exponential_cpu(x.shape, generator)
+    return torch.empty_like(x, dtype=torch.float32).exponential_(generator=generator)
+
+
+def multinomial_one(probs_RV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """`torch.multinomial(probs_RV, 1, generator=generator)[:, 0]`, bitwise, for float32 probs: torch
+    draws a single sample per row as argmax(p / E), E ~ Exp(1), after the same checks."""
+    if probs_RV.dtype != torch.float32 or probs_RV.device.type != "cpu":
+        return torch.multinomial(probs_RV, 1, generator=generator).squeeze(-1)
+    if not bool(((probs_RV >= 0) & (probs_RV < float("inf"))).all()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    if bool((probs_RV.sum(dim=-1) == 0).any()):
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+    return torch.argmax(probs_RV / _exponential_like(probs_RV, generator), dim=-1)
+
+
+def gumbel_max(x_RV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row from softmax(x): argmax(x - log E), E ~ Exp(1)."""
+    return (x_RV.float() - _exponential_like(x_RV, generator).log()).argmax(dim=-1)
+
+
+def draw(logits_RV: torch.Tensor, req: DecodeRequest, generator: torch.Generator, kind: str = "gumbel") -> torch.Tensor:
+    if req.temperature == 0.0:
+        return logits_RV.argmax(dim=-1)
+    x_RV = filter_logits(logits_RV, req.temperature, req.top_k, req.top_p)
+    if kind == "multinomial":
+        return multinomial_one(torch.softmax(x_RV, dim=-1), generator)
+    return gumbel_max(x_RV, generator)
