@@ -68,3 +68,15 @@ def test_a_row_without_mass_is_refused_like_torch():
         torch.multinomial(p, 1, generator=torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="invalid multinomial distribution"):
         draws.multinomial_one(p, torch.Generator().manual_seed(0))
+
+
+def test_a_strided_input_is_drawn_in_torchs_memory_order():
+    """A transposed (non-contiguous) probability matrix still draws what torch draws."""
+    p = _probs((333, 5), 4, False).T.softmax(dim=-1)[:, ::2]
+    assert not p.is_contiguous()
+    got = draws.multinomial_one(p, torch.Generator().manual_seed(2))
+    assert torch.equal(got, torch.multinomial(p, 1, generator=torch.Generator().manual_seed(2)).squeeze(-1))
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(1)).T
+    want = (x - torch.empty_like(x).exponential_(generator=torch.Generator().manual_seed(3)).log()).argmax(dim=-1)
+    assert torch.equal(draws.gumbel_max(x, torch.Generator().manual_seed(3)), want)
+

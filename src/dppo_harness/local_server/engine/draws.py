@@ -52,7 +52,9 @@ def exponential_cpu(shape: torch.Size, generator: torch.Generator) -> torch.Tens
 
 
 def _exponential_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    if x.device.type == "cpu" and generator.device.type == "cpu":
+    # torch fills `empty_like(x)` in x's memory order; `exponential_cpu` fills row-major, the same
+    # order only for a contiguous x.
+    if x.device.type == "cpu" and generator.device.type == "cpu" and x.is_contiguous():
         return exponential_cpu(x.shape, generator)
     return torch.empty_like(x, dtype=torch.float32).exponential_(generator=generator)
 
@@ -60,7 +62,7 @@ def _exponential_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tens
 def multinomial_one(probs_RV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """`torch.multinomial(probs_RV, 1, generator=generator)[:, 0]`, bitwise, for float32 probs: torch
     draws a single sample per row as argmax(p / E), E ~ Exp(1), after the same checks."""
-    if probs_RV.dtype != torch.float32 or probs_RV.device.type != "cpu":
+    if probs_RV.dtype != torch.float32 or probs_RV.device.type != "cpu" or not probs_RV.is_contiguous():
         return torch.multinomial(probs_RV, 1, generator=generator).squeeze(-1)
     if not bool(((probs_RV >= 0) & (probs_RV < float("inf"))).all()):
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
