@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness_paths import LOSS_PARITY
 
 from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.evidence import verify_bundle
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.timeout(3000)
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json"
-TESTS = [ROOT / "tests" / "unit" / "test_losses.py", ROOT / "tests" / "preflight", ROOT / "tests" / "gates",
+TESTS = [ROOT / LOSS_PARITY, ROOT / "tests" / "preflight", ROOT / "tests" / "gates",
          ROOT / "tests" / "comparison"]
 KILL_AFTER = 1
 

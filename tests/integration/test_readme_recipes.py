@@ -16,13 +16,15 @@ import sys
 import time
 from pathlib import Path
 
+from harness_paths import LOSS_PARITY
+
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
 from dppo_harness.service.secrets_scan import SECRET_ENV_VARS
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_PLAN = ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-short.json"
 README_URL = "http://127.0.0.1:8123"
-UNIT_PARITY_AND_STAGES = "tests/unit/test_losses.py tests/preflight tests/diagnostic"
+UNIT_PARITY_AND_STAGES = f"{LOSS_PARITY} tests/preflight tests/diagnostic"
 
 
 def _user_env() -> dict[str, str]:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness_paths import LOSS_PARITY
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
@@ -40,10 +41,8 @@ PLANTED = {
 WRONG_SECRET = "ws-wrong-" + secrets.token_hex(8)
 SHORT_STORM = 2  # refusals; backoff 0.6 s + 1.2 s at scale 0.01, inside the 6 s window
 CAPACITY_SCALE = "0.01"  # backoff 0.6/1.2/2.4 s, give-up window 6 s before any comparison step
-# `-m diagnostic` on these paths: unit parity is the loss-parity file alone (the whole of it runs in
-# this CI already, and the README recipe's test runs it in full before a diagnostic); the
-# diagnostic still starts only after it passed in the same session.
-UNIT_PARITY_AND_STAGES = ("tests/unit/test_losses.py", "tests/preflight", "tests/diagnostic")
+# `-m diagnostic` on these paths: unit parity is the loss-parity file (harness_paths).
+UNIT_PARITY_AND_STAGES = (LOSS_PARITY, "tests/preflight", "tests/diagnostic")
 SAMPLER_LP_ATOL = 1e-4  # see test_same_plan_on_the_local_backend_computes_the_same
 POOLED_ATOL = 1e-4
 
