@@ -191,7 +191,9 @@ def test_injected_latency_is_non_blocking(tmp_path_factory):
         client.close("success").result(timeout=60)
         _assert_gone(server)
     assert one >= 0.4 and injected == 18
-    assert sixteen < 2 * one, f"16 concurrent samples took {sixteen:.2f}s, one took {one:.2f}s"
+    # Served one after another, the 16 latencies alone take 6.4 s. The bound is half of that, not a
+    # multiple of `one`: the samples' own compute grows with the machine's load, the latency does not.
+    assert sixteen < 16 * 0.4 / 2, f"16 concurrent samples took {sixteen:.2f}s, one took {one:.2f}s"
 
 
 # ---- CLI refusals (no engine is loaded: these fail before startup) -----------------------------
