@@ -3,7 +3,8 @@
 GSM8K train prompts in cookbook order, rendered as the diagnostic renders them; each request
 `--samples` samples of up to `--max-tokens` tokens at temperature 1, stopping at <|im_end|>; all
 requests decoded as one batch (`Engine._decode_batch`), `--reps` times. Prints one JSON line:
-CPU and wall seconds per repetition, new tokens, the load average. CPU seconds depend much less on
+CPU and wall seconds per repetition, new tokens, the load average, and the sha256 of every
+sampled token and logprob (two versions that sample the same bits print the same one). CPU seconds depend much less on
 the machine's load than wall seconds; compare two versions by alternating runs.
 
     PYTHONPATH=src python benchmarks/preset_sampler.py [--model tiny-qwen3-gsm8k] [--prompts 8] [--samples 8]
@@ -13,6 +14,7 @@ the machine's load than wall seconds; compare two versions by alternating runs.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import tempfile
@@ -47,8 +49,9 @@ def main() -> None:
             res = eng._decode_batch(net, jobs)
             runs.append({"cpu_s": round(time.process_time() - c, 2), "wall_s": round(time.perf_counter() - t, 2),
                          "tokens": sum(len(s.tokens) for q in res for s in q)})
+        digest = hashlib.sha256(json.dumps([[[s.tokens, s.logprobs] for s in q] for q in res]).encode()).hexdigest()
         print(json.dumps({"engine": engine.__file__, "model": a.model, "shape": [a.prompts, a.samples, a.max_tokens],
-                          "runs": runs, "loadavg": os.getloadavg()}))
+                          "runs": runs, "samples_sha256": digest, "loadavg": os.getloadavg()}))
     finally:
         eng.close()
 

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from dppo_harness.local_server.__main__ import check_model_path_args, parse_args
-from dppo_harness.local_server.engine import draws, hf_model, sampling
+from dppo_harness.local_server.engine import attention, draws, hf_model, sampling
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.errors import UserError
 
@@ -388,7 +388,7 @@ def test_kernel_report_names_the_torch_fallback_and_why(qwen35_dir, engine, tmp_
     e = Engine(tmp_path, model_path=qwen35_dir, device="cpu")
     try:
         la = e.kernels["linear_attention"]
-        assert la["layers"] == 3 and e.kernels["full_attention"] == {"layers": 1, "implementation": "sdpa"}
+        assert la["layers"] == 3 and e.kernels["full_attention"] == {"layers": 1, "implementation": attention.SDPA_GQA}
         assert la["path"] == "torch fallback" and not any(la["fast"].values())
         assert la["implementations"]["delta_rule_recurrent"].endswith("torch_recurrent_gated_delta_rule")
         assert la["transformers"]["is_fast_path_available"] is False

@@ -25,6 +25,7 @@ import torch
 from tinker import types
 
 from dppo_harness import constants
+from dppo_harness.local_server.engine import attention
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.local_server.vocab import get_tokenizer
 
@@ -224,7 +225,7 @@ def test_server_states_which_kernels_each_layer_type_runs(server, backend):
     """GET /_harness/stats and the startup log name each layer type's implementation; on a CPU
     Qwen3.5 the linear-attention layers run the torch fallback, with the reasons."""
     kernels = server.stats()["kernels"]
-    assert kernels["full_attention"]["layers"] >= 1 and kernels["full_attention"]["implementation"] == "sdpa"
+    assert kernels["full_attention"]["layers"] >= 1 and kernels["full_attention"]["implementation"] == attention.SDPA_GQA
     log = server.log_path.read_text()
     assert "kernels: full_attention:" in log
     if not backend["linear_attention"]:

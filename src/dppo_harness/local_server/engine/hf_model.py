@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from dppo_harness.local_server.engine import attention
+
 CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -158,6 +160,8 @@ def load_checkpoint(path: Path | str, device: str = "auto", dtype: str | None = 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"--model-path {p}: cannot load the checkpoint ({first})") from None
     net = net.to(dev).eval()
+    if dev.type == "cpu":  # sdpa without the K/V repeat where that is bitwise the same (attention.py)
+        net.set_attn_implementation(attention.register())
     for q in net.parameters():
         q.requires_grad_(False)
     tcfg = text_config(net.config)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from dppo_harness.local_server.engine import attention
+
 # Floor reported as the logprob of an out-of-vocabulary target id: the model cannot emit it.
 # Constant (zero gradient); only ever hit on prompt positions of non-GSM8K text.
 OOV_TARGET_LOGPROB = -30.0
@@ -70,7 +72,7 @@ def build_base_model(cfg: TinyConfig, num_embeddings: int, seed: int) -> transfo
     """Deterministic init from ``seed``: every parameter is drawn, in sorted-name order, from
     one private generator (normal(0, init_std) for matrices, ones for norms)."""
     hf_cfg = qwen3_config(cfg, num_embeddings)
-    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg._attn_implementation = attention.register()  # sdpa; no K/V repeat in CPU inference (bitwise)
     model = transformers.Qwen3ForCausalLM(hf_cfg)
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
