@@ -460,6 +460,20 @@ def test_gqa_decode_attention_equals_sdpa_with_repeated_kv():
     assert not torch.allclose(bad, want, atol=1e-3)
 
 
+def test_a_checkpoint_without_a_tokenizer_builds_the_offline_one_on_first_use(qwen3_dir, tmp_path):
+    """The offline tokenizer takes seconds to build; a server that never checks a stop string
+    never builds it."""
+    from dppo_harness.local_server.vocab import get_tokenizer
+
+    e = Engine(tmp_path, model_path=qwen3_dir, device="cpu")
+    try:
+        assert "tokenizer" not in vars(e)  # not built at start
+        assert e._decode_text([300, 301]) == get_tokenizer().decode([300, 301])
+        assert vars(e)["tokenizer"] is get_tokenizer()
+    finally:
+        e.close()
+
+
 def test_greedy_top_k_top_p_and_stop_strings(engine):
     base = "Qwen/Qwen3.5-2B"
     prompt = list(range(200, 212))

@@ -206,7 +206,9 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self.sampler_dtype = getattr(torch, sampler_dtype) if sampler_dtype else ck.dtype
         self.vocab = hf_model.FullVocab(ck.vocab_size)
         self.decode_spec = sampling.DecodeSpec(vocab_size=ck.vocab_size)
-        self.tokenizer = self._checkpoint_tokenizer(ck)
+        own = self._checkpoint_tokenizer(ck)
+        if own is not None:  # else the offline tokenizer, built on first use (`tokenizer`)
+            self.tokenizer = own
         self.config = hf_model.ContextConfig(ck.max_position_embeddings)
         self.base_model = ck.net
         self.base_sha256 = ck.identity_sha256
@@ -216,8 +218,8 @@ class Engine(TrainerMixin, CheckpointsMixin):
 
     @staticmethod
     def _checkpoint_tokenizer(ck: hf_model.LoadedCheckpoint):
-        """The checkpoint's own tokenizer when it ships one (for stop strings), else the
-        harness's offline Qwen3.5 tokenizer."""
+        """The checkpoint's own tokenizer when it ships one and it loads (for stop strings), else
+        None."""
         if any((ck.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             try:
                 import transformers
@@ -225,13 +227,13 @@ class Engine(TrainerMixin, CheckpointsMixin):
                 return transformers.AutoTokenizer.from_pretrained(ck.path, local_files_only=True)
             except (OSError, ValueError):
                 pass
-        return get_tokenizer()
+        return None
 
     @functools.cached_property
     def tokenizer(self):
-        """The presets' tokenizer, built on first use (stop strings, preset text): it takes seconds
-        to build and most runs stop on token ids alone, so the server starts without it. A
-        checkpoint sets its own at load."""
+        """The harness's offline Qwen3.5 tokenizer, built on first use (stop strings, preset text):
+        it takes seconds to build and most runs stop on token ids alone, so the server starts
+        without it. A checkpoint that ships a tokenizer sets its own at load."""
         return get_tokenizer()
 
     def _decode_text(self, ids: list[int]) -> str:
