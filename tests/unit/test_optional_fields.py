@@ -44,6 +44,8 @@ def _failed(text: str, category=USER) -> tinker.RequestFailedError:
 
 @pytest.mark.parametrize("exc", [
     _failed("save_weights: checkpoint 'x' already exists; pass overwrite=True to replace it"),
+    # a name saved at 00:45:03 holds "503": still the refusal, not a capacity error
+    _failed("checkpoint '20261202T004503Z-731a34-initial-shared-seed0' already exists; pass overwrite=True"),
     _status(tinker.ConflictError, 409, "Conflict"),
     _status(tinker.BadRequestError, 400, "checkpoint name is immutable: refusing to overwrite"),
 ])

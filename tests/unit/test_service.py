@@ -100,6 +100,13 @@ def test_capacity_error_classification():
     assert is_capacity_error(tinker.RequestFailedError("trainer capacity exhausted", "req-1", "server"))
     assert not is_capacity_error(tinker.RequestFailedError("shape mismatch", "req-2", "user"))
     assert not is_capacity_error(ValueError("nope"))
+    # A status code inside a failed future's message counts; the same digits inside a name do not.
+    assert is_capacity_error(tinker.RequestFailedError("HTTP 503 from the trainer pool", "req-3", "server"))
+    assert is_capacity_error(tinker.RequestFailedError("status 429: slow down", "req-4", "server"))
+    for name in ("'20261202T004503Z-731a34-initial-shared-seed0'", "'run-429'", '"ckpt 503"'):
+        assert not is_capacity_error(tinker.RequestFailedError(
+            f"checkpoint {name} already exists; pass overwrite=True to replace it", "req-5", "user")), name
+    assert not is_capacity_error(tinker.RequestFailedError("model tiny-429b not found", "req-6", "user"))
 
 
 class FakeClock:

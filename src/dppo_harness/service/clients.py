@@ -476,6 +476,8 @@ class ClientRegistry:
 
 
 CAPACITY_MARKERS = ("capacity exhausted", "capacity_exhausted")
+_QUOTED_RE = re.compile(r"'[^']*'|\"[^\"]*\"")
+_STATUS_IN_TEXT_RE = re.compile(r"(?<![\w-])(?:429|503)(?![\w-])|too many requests|service unavailable")
 
 
 _SDK_FAILED_RE = re.compile(r"^Request failed: (.*) for self\.request_id=.*$", re.DOTALL)
@@ -496,12 +498,13 @@ def is_capacity_error(exc: BaseException) -> bool:
     status = getattr(exc, "status_code", None)
     if isinstance(exc, tinker.APIStatusError) and status in (429, 503):
         return True
-    text = error_text(exc).lower()
+    # Quoted names (checkpoints, models) are the caller's, not the service's words: a checkpoint
+    # saved at 00:45:03 is named '...T004503Z-...'.
+    text = _QUOTED_RE.sub("''", error_text(exc).lower())
     if any(m in text for m in CAPACITY_MARKERS):
         return True
     # A failed future carries only a message; the server's status may be inside it.
-    return isinstance(exc, tinker.RequestFailedError) and any(
-        c in text for c in ("429", "503", "too many requests", "service unavailable"))
+    return isinstance(exc, tinker.RequestFailedError) and bool(_STATUS_IN_TEXT_RE.search(text))
 
 
 @dataclass
