@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 SDPA_GQA = "sdpa_gqa_cpu_inference"
 
@@ -30,8 +31,6 @@ def sdpa_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' `sdpa_attention_forward`, with `enable_gqa` instead of `repeat_kv` where
     that gives the same bits (module docstring)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     grouped = key.shape[1] != query.shape[1]
     if (not grouped or query.device.type != "cpu" or dropout or kwargs.get("output_attentions")
             or _needs_grad(query, key, value)):
