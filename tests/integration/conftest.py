@@ -6,10 +6,12 @@ the README's commands, read from the README itself."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from run_env import harness_env, is_run_variable
 
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
 
@@ -28,8 +30,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))
 
 
+@pytest.fixture(autouse=True)
+def _without_run_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The integration tests check the harness against servers they start themselves, never the
+    service the launching shell names (tests/support/run_env.py)."""
+    for name in [k for k in os.environ if is_run_variable(k)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
 def _shared(tmp_path_factory: pytest.TempPathFactory, name: str, model: str | None) -> Iterator[LocalServerProcess]:
-    server = LocalServerProcess(run_dir=tmp_path_factory.mktemp(name), model=model).start()
+    server = LocalServerProcess(run_dir=tmp_path_factory.mktemp(name), model=model, env=harness_env()).start()
     try:
         yield server
     finally:

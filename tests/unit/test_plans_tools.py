@@ -4,13 +4,13 @@ the refusal of a bad spec by `pytest -m preflight --plan` before anything starts
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from run_env import harness_env
 
 from dppo_harness.plans import RehearsalSize, launch_refusal, load_plan, make_rehearsal, unauthorized_stages
 
@@ -19,7 +19,7 @@ SPEC = ROOT / "plans" / "exp_e6b0965af3.json"
 SHIPPED = ROOT / "plans" / "rehearsal" / "comparison-local.json"
 DIAG = ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"
 VARIANT = ROOT / "tests" / "fixtures" / "plans" / "spec-variant.json"
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TINKER_TELEMETRY": "0"}
+ENV = harness_env(PYTHONPATH=str(ROOT / "src"))
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

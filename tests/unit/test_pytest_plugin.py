@@ -10,6 +10,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from run_env import harness_env
 
 from dppo_harness import project as project_paths
 
@@ -267,8 +268,7 @@ def test_plan_outside_the_project_fails_fast_as_a_new_user_runs_it(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text('{"kind": "bounded_diagnostic", "version": }')
     src = str(REPO / "src")
-    env = dict(os.environ, TINKER_TELEMETRY="0",
-               PYTHONPATH=os.pathsep.join([src, *_entry_point_path(tmp_path)]))
+    env = harness_env(PYTHONPATH=os.pathsep.join([src, *_entry_point_path(tmp_path)]))
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "pytest", "-m", "diagnostic", "--plan", str(bad),
                           "-p", "no:cacheprovider"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
