@@ -11,7 +11,7 @@ hook after the plugin's options are registered and before any conftest loads. On
 of one of the harness's own path options was taken for a test path, and the setup pytest derives
 from the arguments without it differs from the one it chose, it redoes the part of pytest's own
 `Config.parse` that depends on the rootdir: rootdir, config file, ini values, the config file's
-`addopts`, the early option namespace and the conftest cut-off directory. These are pytest
+`addopts` and `pythonpath`, the early option namespace and the conftest cut-off directory. These are pytest
 internals (checked against pytest 9.2); if they are not as expected the session stops with one
 line asking for the `--opt=VALUE` form instead of running rooted in the wrong place.
 """
@@ -60,7 +60,8 @@ def reroot(config: pytest.Config, parser: pytest.Parser, args: list[str]) -> Pat
     rootpath, inipath, inicfg, ignored = _determine_setup(config, ns)
     if (rootpath, inipath) == (config.rootpath, config.inipath):
         return None
-    needed = ("_rootpath", "_inipath", "_inicfg", "_inicache", "_validate_args", "known_args_namespace")
+    needed = ("_rootpath", "_inipath", "_inicfg", "_inicache", "_validate_args", "known_args_namespace",
+              "_configure_python_path", "_unconfigure_python_path")
     if not all(hasattr(config, a) for a in needed):
         raise pytest.UsageError(
             f"pytest took {misread[0]!r} (the value of a harness option) for a test path and rooted this session at "
@@ -68,6 +69,7 @@ def reroot(config: pytest.Config, parser: pytest.Parser, args: list[str]) -> Pat
     old_addopts = list(config.getini("addopts")) if config.inipath is not None else []
     if old_addopts and args[: len(old_addopts)] == old_addopts:
         del args[: len(old_addopts)]
+    config._unconfigure_python_path()  # the misread root's `pythonpath`, applied before any plugin loaded
     config._rootpath, config._inipath, config._inicfg = rootpath, inipath, inicfg
     if hasattr(config, "_ignored_config_files"):
         config._ignored_config_files = ignored
@@ -76,6 +78,7 @@ def reroot(config: pytest.Config, parser: pytest.Parser, args: list[str]) -> Pat
     parser.extra_info["inifile"] = str(inipath)
     new_addopts = config._validate_args(list(config.getini("addopts")), "via addopts config")
     args[:0] = new_addopts
+    config._configure_python_path()  # the real config file's `pythonpath` (test helpers' imports)
     config.pluginmanager.consider_preparse(new_addopts, exclude_only=False)
     user_confcutdir = ns.confcutdir
     config.known_args_namespace = parser.parse_known_args(args, namespace=copy.copy(config.option))

@@ -1,0 +1,51 @@
+"""Second runs on the project itself, typed as a user types them: the same `--evidence-dir DIR`
+(space form) once DIR exists, and `--plan PATH` for a plan copied outside the project.
+
+pytest takes an existing value of a harness option for a test path while it picks its rootdir and
+config file, before the harness's options are known; the session must still see every setting of
+the project's config (pythonpath, addopts, markers, testpaths) as a first run does. Collection is
+where a missing setting shows (the tests import their helpers through `pythonpath`), so each run
+here collects the project's own stages and must collect exactly what the `--opt=VALUE` form does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from run_env import harness_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _collect(args: list[str], cwd: Path = ROOT) -> tuple[int, list[str], str]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+                          cwd=cwd, env=harness_env(PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    return proc.returncode, [ln for ln in proc.stdout.splitlines() if "::" in ln], out
+
+
+@pytest.mark.parametrize("stage", ["preflight", "diagnostic"])
+def test_existing_evidence_dir_in_the_space_form_collects_as_the_first_run(stage, tmp_path):
+    evidence = tmp_path / "ev"
+    rc, first, out = _collect(["-m", stage, "--evidence-dir", str(evidence)])  # DIR does not exist yet
+    assert rc == 0 and first, out[-3000:]
+    evidence.mkdir(exist_ok=True)  # what the first real run leaves behind
+    rc, again, out = _collect(["-m", stage, "--evidence-dir", str(evidence)])
+    assert rc == 0 and again == first, out[-3000:]
+
+
+def test_plan_copied_outside_the_project_collects_as_the_project_plan(tmp_path):
+    outside = tmp_path / "plans"
+    outside.mkdir()
+    plan = outside / "exp_e6b0965af3-diagnostic-r1.json"
+    shutil.copy(ROOT / "plans" / plan.name, plan)
+    shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json", outside / "exp_e6b0965af3.json")
+    rc, eq_form, out = _collect(["-m", "preflight", f"--plan={plan}"])
+    assert rc == 0 and eq_form, out[-3000:]
+    rc, space_form, out = _collect(["-m", "preflight", "--plan", str(plan)])
+    assert rc == 0 and space_form == eq_form, out[-3000:]
