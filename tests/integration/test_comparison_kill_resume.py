@@ -1,7 +1,8 @@
 """A comparison killed with SIGKILL and resumed, as a user runs it: `pytest -m comparison` as a
-subprocess on the CI rehearsal plan (2 rollout steps x 2 groups x 8, 4 test items, state saved
-every step), its whole process group killed once both arms have saved step 1, then the same
-command with `--resume RUN_ID`.
+subprocess on the CI rehearsal plan (2 rollout steps x 2 groups x 8, 4 test items) with the default
+options, its whole process group killed once both arms have finished step 1, then the same command
+with `--resume RUN_ID`. With the default `--save-every` (5) no step was saved yet: the kill falls
+between saves, and the resume rewinds to the shared initial checkpoint and trains step 0 again.
 
 - nothing of the killed run is left running; its bundle stays `status: running` and verifies;
 - the resumed session reruns neither the preflight nor the gate, reuses their evidence, names
@@ -9,7 +10,8 @@ command with `--resume RUN_ID`.
   `python -m dppo_harness.evidence verify`;
 - its per-step rows equal an uninterrupted run's from the same initial checkpoint (computed here
   on the same server state): token-derived fields exactly, logprob-derived floats within
-  RESUME_FLOAT_ATOL.
+  RESUME_FLOAT_ATOL; each arm's cookbook metrics log holds every step once, in order, as an
+  uninterrupted run's does (the killed session's rows of the rewound steps are not kept).
 
 Unit parity in these sessions is the loss-parity file alone (tests/unit/test_losses.py), to keep
 CI time down; the comparison still starts only after it passed in the same session. Both runs
@@ -48,11 +50,12 @@ PLAN = ROOT / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json"
 TESTS = [ROOT / LOSS_PARITY, ROOT / "tests" / "preflight", ROOT / "tests" / "gates",
          ROOT / "tests" / "comparison"]
 KILL_AFTER = 1
+FROM_STEP = 0  # the last step all arms saved before the kill: none, so the shared initial checkpoint
 
 
 def _command(evidence: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "pytest", "-m", "comparison", *map(str, TESTS), "--plan", str(PLAN),
-            "--evidence-dir", str(evidence), "--save-every", "1", "--timeout=2400", "-p", "no:cacheprovider", "-q",
+            "--evidence-dir", str(evidence), "--timeout=2400", "-p", "no:cacheprovider", "-q",
             *extra]
 
 
@@ -133,10 +136,10 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     assert json.loads((killed / "result.json").read_text())["status"] == "running"
     assert verify_bundle(killed) == [], "the killed run's bundle does not verify"
     state = json.loads(state_path(evidence / "comparison-state", killed_id).read_text())
-    assert all(a["steps_done"] == KILL_AFTER and set(a["saves"]) == {str(s) for s in range(1, KILL_AFTER + 1)} for a in state["arms"].values()), state
+    assert all(a["steps_done"] == KILL_AFTER and str(KILL_AFTER) not in a["saves"] for a in state["arms"].values()), state
     killed_files = [f["name"] for f in json.loads((killed / "result.json").read_text())["evidence"]["files"]]
     last_snapshot = sorted(n for n in killed_files if n.startswith("result-"))[-1]
-    assert f"comparison-state-r0-s{KILL_AFTER}.json" in killed_files  # the resume point, registered when saved
+    assert f"comparison-state-r0-s{KILL_AFTER}.json" not in killed_files  # killed between saves
 
     t0 = time.monotonic()
     resumed_proc = subprocess.run(_command(evidence, "--resume", killed_id), cwd=elsewhere, env=_env(),
@@ -155,18 +158,18 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     assert result["status"] == "succeeded", result["status"]
     prov = result["initialization_provenance"]
     resume = prov["resume"]
-    assert resume["comparison_run"] == killed_id and resume["resumed_times"] == 1 and resume["from_step"] == KILL_AFTER
+    assert resume["comparison_run"] == killed_id and resume["resumed_times"] == 1 and resume["from_step"] == FROM_STEP
     assert resume["continues_session"]["run_id"] == killed_id and resume["continues_session"]["status"] == "running"
     assert resume["continues_session"]["last_snapshot"]["name"] == last_snapshot
-    for arm, saved in state["arms"].items():  # the checkpoint each arm actually loaded
-        assert prov["arms"][arm]["loaded_checkpoint_uri"] == saved["saves"][str(KILL_AFTER)]
+    for arm in state["arms"]:  # the checkpoint each arm actually loaded: the shared initial state
+        assert prov["arms"][arm]["loaded_checkpoint_uri"] == state["initial_checkpoint"]
     manifest = json.loads((resumed / "files" / resume["evidence_ref"]).read_text())
     reused = {f["name"] for f in manifest["reused_files"]}
     assert "activation-gate-report.json" in reused and "feasibility-pilot.json" in reused, reused
     own = {f["name"] for f in result["evidence"]["files"]}
     assert not {"restoration-probe.json", "gate-pilot-step0.npz"} & own  # neither the preflight nor the gate ran
     report = (resumed / "files" / "report.md").read_text()
-    assert f"from step {KILL_AFTER}" in report and "1 time(s)" in report and killed_id in report
+    assert f"from step {FROM_STEP}" in report and "1 time(s)" in report and killed_id in report
 
     reference = _uninterrupted_rows(evidence / "local-server", state["initial_checkpoint"])
     got = _rows(resumed / "files" / "comparison-steps-1.jsonl")
@@ -176,4 +179,8 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     assert not problems, "resumed run differs from the uninterrupted run:\n" + "\n".join(problems)
     worst = max(abs(float(g[k]) - float(w[k])) for g, w in zip(got, want)
                 for k in w if k not in (*TOKEN_FIELDS, "arm", "step"))
+    for arm in state["arms"]:  # the cookbook log: every step once, as without the kill
+        logged = [json.loads(x)["step"] for x in (resumed / "files" / f"metrics-{arm}-r1.jsonl").read_text().splitlines()
+                  if x.strip()]
+        assert logged == sorted({r["step"] for r in want if r["arm"] == arm}), (arm, logged)
     print(f"killed run {killed_s:.0f} s, resumed run {resumed_s:.0f} s; max logprob-derived |diff| {worst:.3g}")

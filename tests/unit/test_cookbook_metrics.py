@@ -178,3 +178,17 @@ def test_w_and_b_is_used_when_asked(tmp_path, option, env_project):
     assert init["project"] == "proj" and init["name"] == "r-a"
     assert result["status"]["wandb"]["active_arms"] == ["a"]
     assert next(e for e in events if e["event"] == "log")["step"] == 0
+
+
+def test_a_rewind_drops_the_logged_steps_it_trains_again(tmp_path):
+    from dppo_harness.instrument.cookbook_metrics import drop_logged_steps
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (0, 1, 2)))
+    assert drop_logged_steps(log, 1) == 2
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [0]
+    assert drop_logged_steps(log, 1) == 0 and drop_logged_steps(tmp_path / "absent.jsonl", 0) == 0
+    log.write_text('{"step": 0}\n{"reward": 1}\n')
+    with pytest.raises(ValueError, match="line 2 is not an ml_log record with a step"):
+        drop_logged_steps(log, 0)
+    assert log.read_text() == '{"step": 0}\n{"reward": 1}\n'  # refused: nothing rewritten

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -158,6 +159,36 @@ def load_ml_log(*, wandb: bool) -> Any:
 # ---- the per-arm logs ---------------------------------------------------------------------------
 
 
+def drop_logged_steps(path: Path, step: int) -> int:
+    """Rewrite the ml_log `metrics.jsonl` at `path` without its records of `step` and later (kept
+    atomically: temp file, fsync, rename); returns how many records were dropped. A line that is not
+    a JSON record with an integer `step` cannot be placed before or after the rewind: refused."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            logged = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: line {n} is not an ml_log record with a step ({type(e).__name__})") from e
+        if not isinstance(logged, int):
+            raise ValueError(f"{path}: line {n} has step {logged!r}, not an integer")
+        if logged < step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".rewind")
+        with tmp.open("w") as f:
+            f.write("".join(f"{line}\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 @dataclass
 class ArmMetricsLog:
     """One ml_log logger per arm: `<root>/<arm>/metrics.jsonl`, and a W&B run per arm when asked."""
@@ -189,6 +220,12 @@ class ArmMetricsLog:
 
     def path(self, arm: str) -> Path:
         return Path(self.root) / arm / METRICS_FILE
+
+    def drop_steps_from(self, step: int) -> None:
+        """Before a resume that rewinds to `step`: every arm's log keeps only the steps before it, so
+        the steps trained again are logged once, as an uninterrupted run logs them."""
+        for arm in self.arms:
+            drop_logged_steps(self.path(arm), step)
 
     def log(self, arm: str, record: Mapping[str, float], step: int) -> None:
         self._loggers[arm].log_metrics(dict(record), step=int(step))

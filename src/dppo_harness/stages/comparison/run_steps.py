@@ -221,6 +221,8 @@ def open_session(service_client: tinker.ServiceClient, plan: Plan, bundle: Evide
         state_root / state.run_id / "cookbook-metrics", [a.name for a in cfg.arms], run_name=state.run_id,
         wandb=wandb or cookbook_metrics.WandbRequest(None, "not requested"),
         config={"plan": plan.name, "plan_sha256": plan.sha256, "run_id": state.run_id, **asdict(cfg)})
+    if state.resumed:  # the steps after the common save are trained again: logged once, as without the kill
+        mlog.drop_steps_from(int(state.resumes[-1]["from_step"]))
     for problem in mlog.status["wandb"]["problems"]:
         progress(f"[comparison] W&B not used: {problem} (the metrics.jsonl logs go on)")
     return RunSession(service_client, bundle, cfg, state, state_path(state_root, state.run_id), tracker, mlog, tag,

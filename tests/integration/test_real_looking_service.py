@@ -1,0 +1,111 @@
+"""The main job on a service that shows no embedded-server marker, run as a user runs it.
+
+The embedded server's `spindle` profile (credentials required, as Spindle) answers behind the
+marker-hiding proxy of tests/support, so the harness sees what it would see on the real service:
+no `X-Embedded-Tinker-Server` header and no `embedded_server` key. The session's environment holds
+the service's address and credentials, as a user's shell does, and unit parity runs in the same
+session: its tests (the stage plugin's own inner pytest runs among them) must pass without reaching
+that service.
+
+- `-m diagnostic --backend tinker` under the diagnostic plan's launch (the CI-size plan,
+  tests/fixtures/plans/diagnostic-ci-short.json): passes, no stage refused, the bundle verifies;
+- `-m comparison --backend tinker` under a CI-size rehearsal plan whose launch authorizes the gate
+  and the comparison (tests/fixtures/plans/comparison-ci-launch.json): the same.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness_paths import LOSS_PARITY
+from marker_hiding_proxy import MarkerHidingProxy, marker_hiding_proxy
+from run_env import harness_env
+
+from dppo_harness.local_server.process import LocalServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "plans"
+# Made fresh per run, so no source file (or the evidence's code archive) holds them.
+PLANTED = {
+    "TINKER_API_KEY": "tml-planted-" + secrets.token_hex(8),
+    "MODAL_PROXY_TOKEN_ID": "wk-planted-" + secrets.token_hex(8),
+    "MODAL_PROXY_TOKEN_SECRET": "ws-planted-" + secrets.token_hex(8),
+}
+# The unit file whose inner pytest runs inherited the service's address, and the loss parity.
+UNIT_PARITY = ("tests/unit/test_pytest_plugin.py", LOSS_PARITY)
+ALLOWED_SKIP = "feasibility is measured by the diagnostic itself"  # a diagnostic plan's own rule
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory) -> Iterator[MarkerHidingProxy]:
+    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("spindle"), profile="spindle",
+                             env=harness_env(**PLANTED)).start()
+    try:
+        with marker_hiding_proxy(srv.base_url) as proxy:
+            yield proxy
+    finally:
+        srv.stop()
+    assert not srv.alive()
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> Path:
+    """The CI plans beside a copy of the spec they derive from, where each names it (the diagnostic
+    plan beside it, the rehearsal plan under `plans/`), so that their original plan resolves."""
+    d = tmp_path_factory.mktemp("plans")
+    (d / "plans").mkdir()
+    for spec in (d / "exp_e6b0965af3.json", d / "plans" / "exp_e6b0965af3.json"):
+        shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json", spec)
+    for name in ("diagnostic-ci-short.json", "comparison-ci-launch.json"):
+        shutil.copy(FIXTURES / name, d / name)
+    return d
+
+
+def _run(args: list[str], proxy: MarkerHidingProxy, evidence: Path) -> subprocess.CompletedProcess:
+    env = harness_env(**PLANTED, TINKER_BASE_URL=proxy.url, PYTHONPATH=str(ROOT / "src"))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", "--backend",
+                           "tinker", "--evidence-dir", str(evidence), "--timeout=900", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    print(f"{' '.join(args[:2])} behind the marker-hiding proxy: {time.monotonic() - t0:.0f} s")
+    return proc
+
+
+def _check_bundle(proc: subprocess.CompletedProcess, proxy: MarkerHidingProxy, evidence: Path) -> dict:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "launch scope:" not in out, out[-3000:]
+    skipped = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
+    assert all(ALLOWED_SKIP in ln for ln in skipped), "\n".join(skipped)  # no stage skipped behind a refusal
+    assert proxy.hidden_headers > 0  # the harness really saw the marker hidden
+    bundle = evidence / (evidence / "LATEST").read_text().strip()
+    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(bundle)],
+                       env=harness_env(PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True, timeout=300)
+    assert v.returncode == 0, v.stdout + v.stderr
+    result = json.loads((bundle / "result.json").read_text())
+    assert result["status"] == "succeeded", result.get("summary")
+    assert result["backend"]["kind"] == "tinker" and not result["backend"].get("embedded_server")
+    return result
+
+
+def test_diagnostic_under_its_launch(service, plans, tmp_path):
+    evidence = tmp_path / "evidence"
+    proc = _run(["-m", "diagnostic", *UNIT_PARITY, "tests/preflight", "tests/diagnostic",
+                 "--plan", str(plans / "diagnostic-ci-short.json")], service, evidence)
+    _check_bundle(proc, service, evidence)
+
+
+def test_gate_and_comparison_under_a_launch_that_authorizes_them(service, plans, tmp_path):
+    evidence = tmp_path / "evidence"
+    proc = _run(["-m", "comparison", *UNIT_PARITY, "tests/preflight", "tests/gates", "tests/comparison",
+                 "--plan", str(plans / "comparison-ci-launch.json")], service, evidence)
+    result = _check_bundle(proc, service, evidence)
+    assert result.get("decision") is not None, json.dumps(result)[:3000]
