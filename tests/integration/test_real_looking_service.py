@@ -10,7 +10,10 @@ that service.
 - `-m diagnostic --backend tinker` under the diagnostic plan's launch (the CI-size plan,
   tests/fixtures/plans/diagnostic-ci-short.json): passes, no stage refused, the bundle verifies;
 - `-m comparison --backend tinker` under a CI-size rehearsal plan whose launch authorizes the gate
-  and the comparison (tests/fixtures/plans/comparison-ci-launch.json): the same.
+  and the comparison (tests/fixtures/plans/comparison-ci-launch.json): neither stage refused, the gate
+  pilot trains; the stand-in's measured numbers decide the gate (at this size it misses the masked
+  fraction's range, the same with the marker shown), and the run ends with a bundle that verifies,
+  through the comparison's decision when the gate passes, failed at the gate when it does not.
 """
 
 from __future__ import annotations
@@ -79,19 +82,20 @@ def _run(args: list[str], proxy: MarkerHidingProxy, evidence: Path) -> subproces
     return proc
 
 
-def _check_bundle(proc: subprocess.CompletedProcess, proxy: MarkerHidingProxy, evidence: Path) -> dict:
+def _check_bundle(proc: subprocess.CompletedProcess, proxy: MarkerHidingProxy, evidence: Path, *,
+                  allowed_skips: tuple[str, ...] = (ALLOWED_SKIP,), passed: bool = True) -> dict:
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
+    assert (proc.returncode == 0) == passed, out[-5000:]
     assert "launch scope:" not in out, out[-3000:]
     skipped = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
-    assert all(ALLOWED_SKIP in ln for ln in skipped), "\n".join(skipped)  # no stage skipped behind a refusal
+    assert all(any(a in ln for a in allowed_skips) for ln in skipped), "\n".join(skipped)  # none behind a refusal
     assert proxy.hidden_headers > 0  # the harness really saw the marker hidden
     bundle = evidence / (evidence / "LATEST").read_text().strip()
     v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(bundle)],
                        env=harness_env(PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True, timeout=300)
     assert v.returncode == 0, v.stdout + v.stderr
     result = json.loads((bundle / "result.json").read_text())
-    assert result["status"] == "succeeded", result.get("summary")
+    assert result["status"] == ("succeeded" if passed else "failed"), result.get("summary")
     assert result["backend"]["kind"] == "tinker" and not result["backend"].get("embedded_server")
     return result
 
@@ -107,5 +111,17 @@ def test_gate_and_comparison_under_a_launch_that_authorizes_them(service, plans,
     evidence = tmp_path / "evidence"
     proc = _run(["-m", "comparison", *UNIT_PARITY, "tests/preflight", "tests/gates", "tests/comparison",
                  "--plan", str(plans / "comparison-ci-launch.json")], service, evidence)
-    result = _check_bundle(proc, service, evidence)
-    assert result.get("decision") is not None, json.dumps(result)[:3000]
+    out = proc.stdout + proc.stderr
+    assert "[gate] step 5/5" in out, out[-3000:]  # the authorized gate pilot trained, it was not refused
+    if "activation gate failed" not in out:
+        result = _check_bundle(proc, service, evidence)
+        assert result.get("decision") is not None, json.dumps(result)[:3000]
+        return
+    # The stand-in's own numbers at CI size can miss the gate's ranges (measured: masked fraction
+    # 0.0003 < 0.001, the same with the marker shown): a measured gate failure, not a refusal. The
+    # run must then end failed at the gate, its bundle closed and verified, the comparison skipped
+    # because of the gate and nothing else.
+    result = _check_bundle(proc, service, evidence, passed=False,
+                           allowed_skips=("blocked: stage 'gate' failed (tests/gates/test_activation_gate.py",))
+    assert result["activation_calibration"]["note"].endswith("gate FAILED"), result["activation_calibration"]
+    assert result["verdict"] == "inconclusive" and result["decision"] is None
