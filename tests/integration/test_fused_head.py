@@ -56,8 +56,10 @@ def test_lora_head_values_and_gradients_match_the_plain_path(chunk, alpha):
     torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-6)
     assert got.dtype == torch.float32 and float(got[3]) == float(got[20]) == model.OOV_TARGET_LOGPROB
     got_grads = _grads(got, hidden, head, w)
+    # the chunked path sums the rows' gradient terms in another order: on sums that cancel to ~1e-2,
+    # float32 rounding alone reaches a few 1e-6 on some CPUs (1.7e-6 seen on lora_B)
     for a, b in zip(got_grads, _grads(plain, hidden, head, w), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert float(got_grads[0][3].abs().sum()) == 0.0  # an OOV target's constant logprob has no gradient
 
 

@@ -13,7 +13,11 @@ sections separately:
 - `prompt_logprobs`: the prompt logprobs those requests asked for.
 
 Every float is hashed as its exact bytes, so any change in any output changes the section's hash.
-The figures hold for one torch build, CPU capability and thread count (all recorded).
+The figures hold for one torch build, CPU capability and thread count (all recorded), and one set
+of CPU kernels: two machines with the same torch and capability can still round differently (BLAS
+blocking follows the CPU model and its caches), so `platform_sha256` hashes what plain torch
+computes on this machine (the matmul shapes, softmax, attention, backward and AdamW step the presets
+use, no harness code). Where it differs from the pin's, the pin says nothing about this machine.
 
     python -m dppo_harness.local_server.fingerprint --model tiny-qwen3-random
 """
@@ -52,6 +56,7 @@ class Fingerprint:
     torch: str
     cpu_capability: str
     threads: int
+    platform_sha256: str  # plain torch kernels on this machine (platform_sha256())
     sections: dict[str, str]
     coverage: dict[str, int]  # sampled rows per way of finishing: length, stop (token id), stop_string
 
@@ -74,6 +79,41 @@ class _Hasher:
 
     def hexdigest(self) -> str:
         return self.h.hexdigest()
+
+
+def platform_sha256(threads: int = THREADS) -> str:
+    """sha256 of plain torch kernels on this machine at `threads` threads: float32 matmuls in the
+    presets' shapes (hidden 64/128, MLP 128/384, heads 32, the restricted vocabulary's width),
+    log-softmax, grouped attention, a linear layer's backward and an AdamW step. It depends on the
+    torch build and the CPU's kernels only, never on harness code."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        hs = _Hasher()
+        for rows in (1, 7, 64, 333):
+            for k, n in ((64, 128), (128, 384), (384, 128), (128, 64), (32, 32), (128, 4000)):
+                a, b = torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g)
+                hs.add(f"mm{rows}x{k}x{n}", a @ b)
+        logits = torch.randn(9, 4000, generator=g) * 3
+        hs.add("log_softmax", torch.log_softmax(logits, dim=-1))
+        q, kv = torch.randn(2, 4, 37, 32, generator=g), torch.randn(2, 2, 37, 32, generator=g)
+        hs.add("sdpa", torch.nn.functional.scaled_dot_product_attention(
+            q, kv.repeat_interleave(2, dim=1), kv.flip(-1).repeat_interleave(2, dim=1), is_causal=True))
+        layer = torch.nn.Linear(128, 384)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(384, 128, generator=g) * 0.02)
+            layer.bias.zero_()
+        x = torch.randn(50, 128, generator=g)
+        loss = torch.log_softmax(layer(x), dim=-1)[:, 0].mean()
+        loss.backward()
+        hs.add("grad_w", layer.weight.grad)
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.01)
+        opt.step()
+        hs.add("adamw", layer.weight)
+        return hs.hexdigest()
+    finally:
+        torch.set_num_threads(prev)
 
 
 def _prompts() -> list[list[int]]:
@@ -195,7 +235,7 @@ def preset_fingerprint(model_name: str, run_dir: Path, cache_dir: Path | None = 
     finally:
         eng.close()
     return Fingerprint(model=model_name, base_sha256=eng.base_sha256, torch=torch.__version__, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                       threads=THREADS, sections=sections, coverage=coverage)
+                       threads=THREADS, platform_sha256=platform_sha256(), sections=sections, coverage=coverage)
 
 
 def main(argv: list[str] | None = None) -> int:
