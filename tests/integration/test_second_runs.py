@@ -39,6 +39,21 @@ def test_existing_evidence_dir_in_the_space_form_collects_as_the_first_run(stage
     assert rc == 0 and again == first, out[-3000:]
 
 
+def test_existing_evidence_dir_from_another_directory_collects_as_from_the_root(tmp_path):
+    """From another directory the project is named as the test path; DIR exists from the first run."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    evidence = tmp_path / "ev"
+    rc, from_root, out = _collect(["-m", "preflight", f"--evidence-dir={evidence}"])
+    assert rc == 0 and from_root, out[-3000:]
+    for _ in range(2):  # the second time DIR exists
+        rc, got, out = _collect([str(ROOT), "-m", "preflight", "--evidence-dir", str(evidence)], cwd=elsewhere)
+        evidence.mkdir(exist_ok=True)
+        assert rc == 0 and got, out[-3000:]
+        # node ids are relative to the rootdir, which must be the project's in both cases
+        assert got == from_root, (got[:3], from_root[:3])
+
+
 def test_plan_copied_outside_the_project_collects_as_the_project_plan(tmp_path):
     outside = tmp_path / "plans"
     outside.mkdir()
