@@ -1,5 +1,6 @@
-"""Issue 11 point 3: all executed library code is archived as one hashed script archive."""
+"""All executed library code is archived as one hashed script archive."""
 
+import hashlib
 import io
 import json
 import zipfile
@@ -48,3 +49,19 @@ def test_tampered_archive_is_detected():
         for n in zin.namelist():
             zout.writestr(n, zin.read(n) + (b"# changed\n" if n.endswith("losses.py") else b""))
     assert any("sha256 differs" in p for p in verify_archive(buf.getvalue()))
+
+
+def test_weight_assets_are_referenced_by_hash_not_archived():
+    """The shipped warm start (tens of MB of weights) would put the one archive over the per-file
+    limit: it is listed with the sha256 of its bytes; its sidecar, an archived member, pins its weights."""
+    data, manifest = build_archive(ROOT, commit="abc")
+    paths = {m["path"] for m in manifest["members"]}
+    referenced = {m["path"]: m for m in manifest["referenced"]}
+    asset = "src/dppo_harness/local_server/assets/warmstart-gsm8k-sft-v1.pt"
+    assert asset in referenced and asset not in paths
+    raw = (ROOT / asset).read_bytes()
+    assert referenced[asset] == {"path": asset, "sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+    assert "src/dppo_harness/local_server/assets/warmstart-gsm8k-sft-v1.json" in paths
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert asset not in zf.namelist()
+    assert verify_archive(data) == []

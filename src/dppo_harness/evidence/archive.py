@@ -5,6 +5,10 @@ data it reads), the tests, the plans and the packaging metadata, as ONE determin
 `script` (sorted members, fixed timestamps, so equal trees give equal bytes) with a member
 manifest (`ARCHIVE-MANIFEST.json`: path, sha256, size of every member, and the commit). One file
 keeps the bundle far under the 64-file limit; with it the run is auditable without the repository.
+
+Binary weight assets (`*.pt`, e.g. the shipped warm start) are not code and would push the one file
+past the per-file limit: the manifest lists them under `referenced` (path, sha256, size) so a reviewer
+can check the bytes the run loaded against the ones its recipe rebuilds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ MANIFEST_MEMBER = "ARCHIVE-MANIFEST.json"
 ARCHIVED = ("src/dppo_harness", "tests", "plans", "conftest.py", "pyproject.toml", "benchmarks")
 _SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 _FIXED_TIME = (2020, 1, 1, 0, 0, 0)
+_REFERENCED_SUFFIXES = (".pt",)
 
 
 def archived_paths(root: Path, include: Iterable[str] = ARCHIVED) -> list[Path]:
@@ -45,19 +50,23 @@ def build_archive(root: Path, *, commit: str | None = None,
                   include: Iterable[str] = ARCHIVED) -> tuple[bytes, dict[str, Any]]:
     """(zip bytes, manifest). Deterministic for a given tree and commit."""
     root = Path(root).resolve()
-    members = []
+    members, referenced = [], []
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
         for f in archived_paths(root, include):
             data = f.read_bytes()
             rel = f.relative_to(root).as_posix()
-            members.append({"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+            entry = {"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            if f.suffix in _REFERENCED_SUFFIXES:
+                referenced.append(entry)
+                continue
+            members.append(entry)
             info = zipfile.ZipInfo(rel, date_time=_FIXED_TIME)
             info.compress_type = zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
             zf.writestr(info, data)
         manifest = {"kind": "code_archive", "version": 1, "commit": commit, "roots": list(include),
-                    "members": members, "n_members": len(members)}
+                    "members": members, "n_members": len(members), "referenced": referenced}
         info = zipfile.ZipInfo(MANIFEST_MEMBER, date_time=_FIXED_TIME)
         info.compress_type = zipfile.ZIP_DEFLATED
         zf.writestr(info, json.dumps(manifest, indent=1, sort_keys=True))
