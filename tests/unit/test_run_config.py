@@ -58,8 +58,21 @@ def test_roles_come_from_the_baseline_text_and_the_decision_weights():
     assert "'GRPO'" in SPEC.run.baseline_source  # the label the baseline text names first
     assert [(a.name, a.role) for a in VARIANT.run.arms] == [("clip_ref_s7", "baseline"), ("tv_mask_s7", "treatment")]
     assert VARIANT.run.baseline_source == "the baseline text names arm 'clip_ref_s7'"
-    # not from loss names: a baseline text naming the other arm makes that arm the baseline
-    swapped = _parse(_spec(lambda r: r.__setitem__("baseline", "Arm dppo_seed0 is the reference arm.")))
+    # a baseline text naming the other arm, while the hypothesis and the estimand still measure
+    # DPPO minus GRPO, is refused: the criterion would measure the opposite of the hypothesis
+    with pytest.raises(PlanError, match=r"^hypothesis: 'DPPO minus GRPO' compares against arm 'grpo_seed0', but "
+                                        r"the baseline text names arm 'dppo_seed0'"):
+        _parse(_spec(lambda r: r.__setitem__("baseline", "Arm dppo_seed0 is the reference arm.")))
+
+    # swapped everywhere it is said, the other arm is the baseline
+    def swap(r):
+        r["baseline"] = "Arm dppo_seed0 is the reference arm."
+        r["hypothesis"] = r["hypothesis"].replace("DPPO minus GRPO", "GRPO minus DPPO").replace(
+            "the DPPO loss reaches higher greedy exact-match accuracy on the 1319-item GSM8K test set than the GRPO "
+            "clipped-ratio loss", "the GRPO loss reaches higher greedy exact-match accuracy on the 1319-item GSM8K "
+            "test set than the DPPO loss")
+        r["decision_rule"]["estimand"] = r["decision_rule"]["estimand"].replace("DPPO minus GRPO", "GRPO minus DPPO")
+    swapped = _parse(_spec(swap))
     assert [(a.name, a.role) for a in swapped.run.arms] == [("dppo_seed0", "baseline"), ("grpo_seed0", "treatment")]
     assert [(c.treatment, c.baseline) for c in swapped.run.criteria] == [("grpo_seed0", "dppo_seed0")]
 

@@ -6,7 +6,8 @@
                                           [--eval-items M] [--lr X] [--lr-reason TEXT]
         writes a rehearsal plan of SPEC for the embedded server's stand-in model: N rollout steps
         of G groups, M test items, lr X (default: the spec's), every difference declared with its
-        reason, gates and decision rule unchanged, derived_from with SPEC's sha256; then validates it
+        reason, gates and decision rule unchanged, derived_from with SPEC's sha256; written only
+        once it validates
 
 A usage or plan problem is one line on stderr and exit code 1 (2 for usage), never a traceback.
 """
@@ -69,14 +70,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"{args.spec}: cannot read ({exc.strerror})", file=sys.stderr)
         return 1
+    # validated where it will live (derived_from resolves beside it), moved to --out only if it validates
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(data)
-    errors = plan_errors(args.out)
+    staged = args.out.with_name(f".{args.out.name}.unvalidated")
+    staged.write_bytes(data)
+    try:
+        errors = plan_errors(staged)
+        if not errors:
+            staged.replace(args.out)
+    finally:
+        staged.unlink(missing_ok=True)
     for line in errors:
         print(line, file=sys.stderr)
-    if not errors:
-        print(f"wrote {args.out} ({len(data)} bytes); it validates", file=sys.stderr)
-    return 1 if errors else 0
+    if errors:
+        print(f"--out: {args.out} not written: the rehearsal plan does not validate", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({len(data)} bytes); it validates", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

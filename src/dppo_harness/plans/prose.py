@@ -1,64 +1,138 @@
-"""Values an experiment spec states only in its `method` prose, parsed once at plan load.
+"""Values an experiment spec states only in its `method` prose, read fail-closed at plan load.
 
 The exchange's spec format has no structured field for the sampling schedule: group size,
 groups per batch, temperature, max_tokens and the minibatch split are sentences of `method`
 ("Each step samples groups_per_batch=32 GSM8K train prompts with group_size=8 rollouts at
 temperature 1.0 and max_tokens=512."). Each recognized statement becomes a `Stated` value that
-keeps the sentence it came from and the character span of its number, so the effective config
-can show both and `plans rehearse` can rewrite exactly that number. Statements that repeat a
-structured field (LoRA rank, lr, rollout steps, seed, test items) are parsed too, so that a
-spec whose prose and fields disagree is refused (`run_config`).
+keeps the sentence it came from and the character spans of its number, so the effective config
+can show both and `plans rehearse` can rewrite every statement of it. Statements that repeat a
+structured field (LoRA rank, lr, rollout steps, seed, test items) are read too, so that a spec
+whose prose and fields disagree is refused (`run_config`).
+
+Reading fails closed:
+- a number is read whole (`1,024`, `2e-5`, `2 x 10^-5`, `ten`, `twenty-five`) or refused; a number
+  that goes on past what the reader understood (`1,02`, `512k`, a superscript exponent) is refused, never cut;
+- each sentence has a context: training, evaluation (an "Evaluation:" paragraph, or words such as
+  "evaluated", "greedy", "test items"), history ("an earlier draft", "previously") or one arm
+  (names the baseline, the treatment or one arm, and not both). A training value comes from
+  training sentences only; one stated only elsewhere is refused, quoting the sentence;
+- a key stated with different values in two training sentences, or differently for one arm, is
+  refused, quoting both sentences.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal
 
 from dppo_harness.plans.models import PlanError
 
-_NUMBER = r"(\d+(?:\.\d+)?(?:[eE]-?\d+)?)"
-_INT = r"(\d+)"
+Context = str  # "training" | "evaluation" | "history" | "arm"
 
-# key -> (pattern with one number group, is_integer, what the number means)
-PATTERNS: dict[str, tuple[re.Pattern[str], bool, str]] = {
-    "groups_per_batch": (re.compile(rf"\bgroups_per_batch\s*=\s*{_INT}\b"), True, "prompts (groups) per rollout batch"),
-    "group_size": (re.compile(rf"\bgroup_size\s*=\s*{_INT}\b"), True, "rollouts per prompt"),
-    "temperature": (re.compile(rf"\btemperature\s*=?\s*{_NUMBER}"), False, "sampling temperature"),
-    "max_tokens": (re.compile(rf"\bmax_tokens\s*=\s*{_INT}\b"), True, "sampled tokens per rollout at most"),
-    "minibatches": (re.compile(rf"\bsplit into\s+{_INT}\s+minibatch(?:es)?\b"), True,
-                    "complete-group minibatches per rollout batch"),
-    "rollout_steps": (re.compile(rf"\b{_INT}\s+rollout steps\b"), True, "rollout batches per arm"),
-    "optim_steps": (re.compile(rf"\(\s*{_INT}\s+optim(?:izer)?[ _]steps?\s*\)"), True, "optimizer steps per arm"),
-    "lora_rank": (re.compile(rf"\bLoRA rank\s*=?\s*{_INT}\b"), True, "LoRA rank"),
-    "lr": (re.compile(rf"\blr\s*=?\s*{_NUMBER}"), False, "learning rate"),
-    "seed": (re.compile(rf"\bseed\s*=?\s*{_INT}\b"), True, "seed"),
+_UNITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+          "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
+_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80,
+         "ninety": 90}
+_WORD = (rf"(?i:\b(?:(?:{'|'.join(_TENS)})(?:-(?:{'|'.join(_UNITS[1:10])}))?|{'|'.join(_UNITS)}|a hundred)\b)")
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*[x\u00d7*·]\s*10\s*\^\s*[-+]?\d+)?"
+
+
+def _num(group: str = "num") -> str:
+    return rf"(?P<{group}>(?<![\w.,/^-]){_DIGITS}|{_WORD})"
+
+_IS = r"\s*(?:=|:|\bof\b|\bis\b|\bat\b)?\s*"
+# What, written right after a number, means the reader did not see all of it.
+_GOES_ON = re.compile(r"[.,]\d|[\w/^⁰¹²³⁴⁵⁶⁷⁸⁹⁻]|\s*[x\u00d7*·]\s*\d|\s*(?:to|\u2013)\s*\d")
+
+
+# Any token with a digit, or a range or list of two: where a statement is, readable or not.
+_LOOSE = r"[^\s()]*\d[^\s()]*(?:\s+(?:to|or|and|-|\u2013)\s+[^\s()]*\d[^\s()]*)?"
+
+
+@dataclass(frozen=True)
+class Key:
+    pattern: re.Pattern[str]  # the statement forms the reader reads
+    loose: re.Pattern[str]  # the same forms with any token in the number's place
+    is_int: bool
+    what: str  # what the number means
+    example: str  # a form the reader reads, for refusal lines
+    contexts: tuple[Context, ...] = ("training",)  # where a statement is a source of the value
+
+
+def _k(form: str, is_int: bool, what: str, example: str, contexts: tuple[Context, ...] = ("training",)) -> Key:
+    """`form` writes the number's place as {num} (or {num2} for a second alternative)."""
+    strict = form.format(num=_num("num"), num2=_num("num2"))
+    loose = form.format(num=f"(?P<num>{_LOOSE})", num2=f"(?P<num2>{_LOOSE})")
+    return Key(re.compile(strict), re.compile(loose), is_int, what, example, contexts)
+
+
+KEYS: dict[str, Key] = {
+    "groups_per_batch": _k(r"\bgroups_per_batch" + _IS + "{num}", True, "prompts (groups) per rollout batch",
+                           "groups_per_batch=32"),
+    "group_size": _k(r"\bgroup_size" + _IS + "{num}", True, "rollouts per prompt", "group_size=8"),
+    "temperature": _k(r"(?i:\btemperature)" + _IS + "{num}", False, "sampling temperature", "temperature 1.0"),
+    "max_tokens": _k(r"\bmax_tokens" + _IS + "{num}", True, "sampled tokens per rollout at most", "max_tokens=512"),
+    "minibatches": _k(r"(?i:\b(?:split|divided|partitioned)\s+into)\s+{num}\s+(?:complete-group\s+)?minibatch(?:es)?\b"
+                      r"|\b{num2}\s+minibatch(?:es)?\s+per\s+(?:rollout\s+)?batch\b", True,
+                      "complete-group minibatches per rollout batch", "split into 2 minibatches"),
+    "updates_per_batch": _k(r"\b{num}\s+(?:optim(?:izer)?[ _]steps?|(?:policy |optimizer |minibatch )?updates)"
+                            r"\s+per\s+(?:rollout\s+)?batch\b", True, "optimizer steps per rollout batch",
+                            "2 optim_steps per batch"),
+    "rollout_steps": _k(r"\b{num}\s+rollout steps\b", True, "rollout batches per arm", "50 rollout steps"),
+    "optim_steps": _k(r"\(\s*{num}\s+optim(?:izer)?[ _]steps?\s*\)", True, "optimizer steps per arm",
+                      "(100 optim steps)"),
+    "lora_rank": _k(r"\bLoRA rank" + _IS + "{num}", True, "LoRA rank", "LoRA rank 32"),
+    "lr": _k(r"(?:\blr|(?i:\blearning rate))" + _IS + "{num}", False, "learning rate", "lr 2e-5"),
+    "seed": _k(r"\bseed" + _IS + "{num}", True, "seed", "seed 0"),
+    "pilot_steps": _k(r"\b{num}[- ]step pilot\b|(?i:\bpilot of)\s+{num2}\s+steps?\b", True,
+                      "activation-gate pilot steps", "A 5-step pilot", ("training", "evaluation", "arm")),
     # the span covers the quantifier, so a rewrite can turn "all 1319" into "the first 50"
-    "pilot_steps": (re.compile(rf"\b{_INT}-step pilot\b"), True, "activation-gate pilot steps"),
-    "eval_items": (re.compile(r"\b((?:all|the first|first)\s+\d+)\s+[\w-]+\s+test items\b"), True,
-                   "test items scored per model"),
+    "eval_items": _k(r"\b(?P<span>(?:(?:all|the first|first)\s+)?{num})\s+(?:[\w-]+\s+)?test "
+                     r"(?:items|examples|problems|questions)\b", True, "test items scored per model",
+                     "all 1319 GSM8K test items", ("training", "evaluation")),
 }
+# Kept for callers that list the keys the reader knows.
+PATTERNS = KEYS
 # The schedule values no structured field holds: a spec of this family must state them.
 REQUIRED = ("groups_per_batch", "group_size", "temperature", "max_tokens")
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\-])|\n+")
-_LAST_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE]-?\d+)?$")
+_EVAL_HEAD = re.compile(r"(?i)^\s*(?:evaluation|eval|scoring)\s*:")
+_EVAL = re.compile(r"(?i)\b(?:evaluat\w*|eval|scored|scoring|test (?:items|set|split)|held[- ]?out|greedy)\b")
+_HISTORY = re.compile(r"(?i)\b(?:earlier|previous|prior|original|old|first|last)\s+(?:drafts?|versions?|plans?|specs?)\b"
+                      r"|\b(?:previously|originally|formerly|used to|was changed|were changed|no longer)\b")
+_ALL_ARMS = re.compile(r"(?i)\b(?:both|each|all|every|per|the two)\s+(?:arms?|losses|runs|treatments)\b")
+_ONE_ARM = re.compile(r"(?i)\b(?:baseline|treatment|control)\b")
+_WHAT = {"evaluation": "a sentence about evaluation", "history": "a sentence about an earlier version",
+         "arm": "a sentence about one arm"}
 
 
 @dataclass(frozen=True)
 class Stated:
     """One value and where it was stated: `field` is the spec field ("method" for prose, else the
-    structured field it defaults from), `source` the sentence verbatim."""
+    structured field it defaults from), `source` the sentence verbatim. `spans` are the character
+    spans of every statement of it in the text (the first is `start`/`end`), so a rewrite changes
+    them all."""
 
     value: int | float
     field: str
     source: str
-    start: int = -1  # character span of the statement's number (or quantified number) in the text; -1: not prose
+    start: int = -1  # character span of the first statement's number (or quantified number); -1: not prose
     end: int = -1
+    spans: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
     def as_json(self) -> dict[str, object]:
         return {"value": self.value, "field": self.field, "source": self.source}
+
+
+@dataclass(frozen=True)
+class _Statement:
+    value: int | float
+    sentence: str
+    context: Context
+    span: tuple[int, int]
 
 
 def sentences(text: str) -> list[tuple[int, str]]:
@@ -71,32 +145,119 @@ def sentences(text: str) -> list[tuple[int, str]]:
     return [(o + len(s) - len(s.lstrip()), s.strip()) for o, s in out if s.strip()]
 
 
-def parse_method(text: str, field: str = "method", keys: Sequence[str] | None = None) -> dict[str, Stated]:
-    """Every recognized statement of `text` (of `keys`, default all). A key stated twice with
-    different values is refused (PlanError naming both sentences); stated twice alike, the first
-    statement is kept."""
-    found: dict[str, Stated] = {}
-    wanted = {k: PATTERNS[k] for k in (keys or [k for k in PATTERNS if k != "pilot_steps"])}
+def _paragraph_heads(text: str) -> list[tuple[int, str]]:
+    """(offset, first line) of each blank-line-separated paragraph."""
+    out, pos = [], 0
+    for part in re.split(r"(\n\s*\n)", text):
+        if part.strip() and not re.fullmatch(r"\n\s*\n", part):
+            out.append((pos, part.strip().splitlines()[0]))
+        pos += len(part)
+    return out
+
+
+def sentence_context(sentence: str, paragraph_head: str = "", arm_names: Sequence[str] = ()) -> Context:
+    """Which setting a sentence describes (see the module docstring)."""
+    if _HISTORY.search(sentence):
+        return "history"
+    if _EVAL_HEAD.match(paragraph_head) or _EVAL_HEAD.match(sentence) or _EVAL.search(sentence):
+        return "evaluation"
+    if not _ALL_ARMS.search(sentence):
+        names = [n for n in arm_names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", sentence)]
+        if names or _ONE_ARM.search(sentence):
+            return "arm"
+    return "training"
+
+
+def read_number(raw: str, is_int: bool) -> int | float:
+    """The value of a number as the reader matched it (digits, separators, scientific forms,
+    number words); ValueError when it is not a whole number where one is needed."""
+    text = raw.strip().lower()
+    if text == "a hundred":
+        value: float = 100.0
+    elif text in _UNITS:
+        value = float(_UNITS.index(text))
+    elif text.split("-")[0] in _TENS:
+        tens, _, unit = text.partition("-")
+        value = float(_TENS[tens] + (_UNITS.index(unit) if unit else 0))
+    else:
+        m = re.fullmatch(r"(\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?)(?:\s*[x\u00d7*·]\s*10\s*\^\s*([-+]?\d+))?", text)
+        if m is None:
+            raise ValueError(f"{raw!r} is not a number")
+        mantissa = Decimal(m.group(1).replace(",", ""))
+        value = float(mantissa * Decimal(10) ** int(m.group(2)) if m.group(2) else mantissa)
+    if is_int:
+        if not value.is_integer():
+            raise ValueError(f"{raw!r} is not a whole number")
+        return int(value)
+    return value
+
+
+def _statements(text: str, key: str, spec: Key, field_name: str, arm_names: Sequence[str]) -> list[_Statement]:
+    heads = _paragraph_heads(text)
+    out = []
     for offset, sentence in sentences(text):
-        for key, (pattern, is_int, _what) in wanted.items():
-            for m in pattern.finditer(sentence):
-                raw = _LAST_NUMBER.search(m.group(1)).group(0)  # type: ignore[union-attr]
-                value: int | float = int(raw) if is_int else float(raw)
-                stated = Stated(value, field, sentence, offset + m.start(1), offset + m.end(1))
-                prior = found.get(key)
-                if prior is None:
-                    found[key] = stated
-                elif prior.value != value:
-                    raise PlanError(f"{field}: states {key} twice with different values ({prior.value} in "
-                                    f"{prior.source!r}; {value} in {sentence!r})")
+        head = next((h for o, h in reversed(heads) if o <= offset), "")
+        context = sentence_context(sentence, head, arm_names)
+        read = [m.span() for m in spec.pattern.finditer(sentence)]
+        for m in spec.loose.finditer(sentence):
+            if not any(a < m.end() and m.start() < b for a, b in read):
+                group = "num" if m.group("num") is not None else "num2"
+                raise PlanError(f"{field_name}: cannot read the {key} in {sentence!r} ({m.group(group)!r} is not a "
+                                f"number the reader knows); write it as digits, e.g. {spec.example!r}")
+        for m in spec.pattern.finditer(sentence):
+            group = "num" if m.group("num") is not None else "num2"
+            raw = m.group(group)
+            after = sentence[m.end(group):]
+            if raw[0].isdigit() and _GOES_ON.match(after):
+                bad = re.match(r"\S*", sentence[m.start(group):]).group(0)  # type: ignore[union-attr]
+                raise PlanError(f"{field_name}: cannot read the {key} in {sentence!r} (the number goes on past "
+                                f"{raw!r}: {bad!r}); write it as digits, e.g. {spec.example!r}")
+            try:
+                value = read_number(raw, spec.is_int)
+            except ValueError as exc:
+                raise PlanError(f"{field_name}: cannot read the {key} in {sentence!r} ({exc}); write it as "
+                                f"digits, e.g. {spec.example!r}") from None
+            span_group = "span" if "span" in spec.pattern.groupindex else group
+            out.append(_Statement(value, sentence, context,
+                                  (offset + m.start(span_group), offset + m.end(span_group))))
+    return out
+
+
+def parse_method(text: str, field: str = "method", keys: Sequence[str] | None = None,
+                 arm_names: Sequence[str] = ()) -> dict[str, Stated]:
+    """Every key of `keys` (default all but the pilot's length) that `text` states in a sentence of
+    the key's contexts, or PlanError (one line quoting the sentences) when a statement cannot be
+    read, two statements disagree, or the key is stated only in sentences that are no source."""
+    found: dict[str, Stated] = {}
+    for key in keys or [k for k in KEYS if k != "pilot_steps"]:
+        spec = KEYS[key]
+        all_statements = _statements(text, key, spec, field, arm_names)
+        sources = [s for s in all_statements if s.context in spec.contexts]
+        if not sources:
+            if all_statements:
+                s = all_statements[0]
+                raise PlanError(f"{field}: states {key} ({spec.what}) only in {_WHAT[s.context]} ({s.sentence!r}), "
+                                f"which is not a source for the run; state it in a {spec.contexts[0]} sentence")
+            continue
+        first = sources[0]
+        for s in sources[1:]:
+            if s.value != first.value:
+                raise PlanError(f"{field}: states {key} twice with different values ({first.value} in "
+                                f"{first.sentence!r}; {s.value} in {s.sentence!r})")
+        for s in all_statements:
+            if s.context == "arm" and s.value != first.value:
+                raise PlanError(f"{field}: states {key} differently for one arm ({first.value} in {first.sentence!r}; "
+                                f"{s.value} in {s.sentence!r}); the arms share it")
+        spans = tuple(s.span for s in all_statements if s.value == first.value and s.context != "history")
+        found[key] = Stated(first.value, field, first.sentence, first.span[0], first.span[1], spans)
     return found
 
 
 def require(stated: Mapping[str, Stated], key: str, field: str = "method") -> Stated:
     if key not in stated:
-        pattern, _, what = PATTERNS[key]
-        raise PlanError(f"{field}: does not state {key} ({what}; no structured field holds it, and the method text "
-                        f"must say it in the form {pattern.pattern!r})")
+        spec = KEYS[key]
+        raise PlanError(f"{field}: does not state {key} ({spec.what}) in a training sentence; no structured field "
+                        f"holds it, so the method text must say it, for example {spec.example!r}")
     return stated[key]
 
 
@@ -110,11 +271,14 @@ def format_number(value: float) -> str:
 
 
 def rewrite(text: str, replacements: Mapping[str, tuple[Stated, str]]) -> str:
-    """`text` with each stated number replaced by its new text (spans from `parse_method`)."""
+    """`text` with every statement of each stated number replaced by its new text (spans from
+    `parse_method`)."""
+    edits = sorted((span, new) for stated, new in replacements.values()
+                   for span in (stated.spans or ((stated.start, stated.end),)))
     out, pos = [], 0
-    for stated, new in sorted(replacements.values(), key=lambda r: r[0].start):
-        if stated.start < pos:
-            raise PlanError(f"{stated.field}: overlapping statements cannot be rewritten")
-        out += [text[pos:stated.start], new]
-        pos = stated.end
+    for (start, end), new in edits:
+        if start < pos:
+            raise PlanError("method: overlapping statements cannot be rewritten")
+        out += [text[pos:start], new]
+        pos = end
     return "".join(out) + text[pos:]

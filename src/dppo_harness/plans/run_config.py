@@ -30,6 +30,9 @@ from dppo_harness.plans.prose import REQUIRED, Stated, parse_method, require
 Role = Literal["baseline", "treatment"]
 # What the frozen evaluator scores per item (evaluation.METRIC): the only criterion metric.
 SCORED_METRICS = ("accuracy",)
+# Each scored metric's range: a criterion's bounds must be it (a narrower one refuses real
+# observations; a wider one inflates the interval until no verdict is reachable).
+METRIC_RANGES: dict[str, tuple[float, float]] = {"accuracy": (0.0, 1.0)}
 DECISION_METHODS = ("paired_hoeffding",)
 # The spec declares no loss normalization; both arms use the diagnostic plan's token mean.
 NORMALIZATION = "token_mean"
@@ -154,10 +157,15 @@ def _quote(s: Stated) -> str:
 
 def build_run_config(spec: ExperimentSpec) -> RunConfig:
     """The RunConfig of a validated spec, or PlanError (one line, field path first)."""
-    stated = parse_method(spec.method)
+    arm_names = [a.name for a in spec.arms]
+    stated = parse_method(spec.method, arm_names=arm_names)
     sched = {k: require(stated, k) for k in REQUIRED}
     gpb, gs, max_tokens = (int(sched[k].value) for k in ("groups_per_batch", "group_size", "max_tokens"))
     upb, seed = _check_arms(spec)
+    if "updates_per_batch" in stated and stated["updates_per_batch"].value != upb:
+        s = stated["updates_per_batch"]
+        raise _fail("arms", f"updates_per_batch {upb} != the {s.value} optimizer steps per batch the method states "
+                            f"({_quote(s)})")
 
     # steps, batch and the minibatch split: prose against the structured fields
     if spec.steps % upb:
@@ -193,9 +201,10 @@ def build_run_config(spec: ExperimentSpec) -> RunConfig:
     arms = _arms(spec)
     criteria = _criteria(spec, arms)
     _check_gate_metrics(spec)
-    pilot = parse_method(spec.activation_gate.reason, "activation_gate.reason", keys=("pilot_steps",)).get(
-        "pilot_steps") or Stated(DEFAULT_PILOT_STEPS, "harness default",
-                                 "the activation gate's reason states no 'N-step pilot'")
+    _check_gate_plan(spec, upb)
+    pilot = parse_method(spec.activation_gate.reason, "activation_gate.reason", keys=("pilot_steps",),
+                         arm_names=arm_names).get("pilot_steps") or Stated(
+        DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'")
     return RunConfig(
         base_model=spec.base_model, lora_rank=spec.lora_rank, dataset=data.name, train_items=spec.dataset.n_examples,
         max_seq_len=spec.max_seq_len, arms=arms[0], baseline_source=arms[1], rollout_steps=rollout_steps,
@@ -249,31 +258,82 @@ def _word(text: str, word: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", text) is not None
 
 
-def baseline_arm(spec: ExperimentSpec) -> tuple[str, str]:
-    """(baseline arm name, how it was told) from the spec's `baseline` text: the one arm it names,
-    else the arms whose registered loss it names first (by label or loss name) when that is one arm."""
-    text = spec.baseline
-    named = [a.name for a in spec.arms if _word(text, a.name)]
-    if len(named) == 1:
-        return named[0], f"the baseline text names arm {named[0]!r}"
-    if len(named) > 1:
-        raise _fail("baseline", f"names several arms ({named}); it must name one")
-    hits: list[tuple[int, str, str]] = []
+def _losses_named(text: str) -> list[tuple[int, str, str]]:
+    """(position, registered loss, label) of every registered loss `text` names, in order."""
+    hits = []
     for entry in losses.LOSSES.values():
         for label in (*entry.labels, entry.name):
-            m = re.search(rf"(?<![\w-]){re.escape(label)}(?![\w-])", text)
-            if m:
+            for m in re.finditer(rf"(?<![\w-]){re.escape(label)}(?![\w-])", text):
                 hits.append((m.start(), entry.name, label))
-    if not hits:
-        raise _fail("baseline", f"names no arm ({[a.name for a in spec.arms]}) and no registered loss "
-                                f"({', '.join(losses.loss_names())}, or their labels), so the baseline arm is unknown")
-    _, loss, label = min(hits)
-    with_loss = [a.name for a in spec.arms if a.loss == loss]
-    if len(with_loss) != 1:
-        raise _fail("baseline", f"names the loss {loss!r}, which {len(with_loss)} arms train ({with_loss}); "
-                                "name the baseline arm in the baseline text")
-    return with_loss[0], (f"the baseline text names {label!r} (registered loss {loss!r}) first, the loss of arm "
-                          f"{with_loss[0]!r} only")
+    return sorted(hits)
+
+
+def _arm_named(spec: ExperimentSpec, token: str) -> str | None:
+    """The arm a word of the spec's prose refers to: an arm name, or a registered loss's label or
+    name when one arm trains that loss; None when it refers to no arm."""
+    for a in spec.arms:
+        if a.name == token:
+            return a.name
+    for _, loss, _label in _losses_named(token):
+        with_loss = [a.name for a in spec.arms if a.loss == loss]
+        if len(with_loss) == 1:
+            return with_loss[0]
+    return None
+
+
+_MINUS = re.compile(r"(?<![\w-])([\w.-]+)\s+minus\s+(?:the\s+)?([\w.-]+)")
+_THAN = re.compile(r"\bthan\s+(?:the\s+)?([\w.-]+)")
+
+
+def stated_differences(spec: ExperimentSpec) -> list[tuple[str, str, str, str]]:
+    """(field, sentence part, arm with +1, arm with -1) of every "X minus Y" and "... than Y" the
+    hypothesis and the estimand state, where both sides name arms (X is None for "than")."""
+    out = []
+    for at, text in (("hypothesis", spec.hypothesis), ("decision_rule.estimand", spec.decision_rule.estimand)):
+        for m in _MINUS.finditer(text):
+            pos, neg = _arm_named(spec, m.group(1)), _arm_named(spec, m.group(2))
+            if pos and neg and pos != neg:
+                out.append((at, m.group(0), pos, neg))
+        for m in _THAN.finditer(text):
+            neg = _arm_named(spec, m.group(1))
+            if neg:
+                out.append((at, m.group(0), "", neg))
+    return out
+
+
+def baseline_arm(spec: ExperimentSpec) -> tuple[str, str]:
+    """(baseline arm name, how it was told) from the spec's `baseline` text: the one arm it names,
+    else the one arm whose registered loss it names (by label or loss name; a text naming several
+    losses is refused). The hypothesis and the estimand, where they say what is compared against
+    what, must agree."""
+    text = spec.baseline
+    named = [a.name for a in spec.arms if _word(text, a.name)]
+    if len(named) > 1:
+        raise _fail("baseline", f"names several arms ({named}); it must name one")
+    if len(named) == 1:
+        base, how = named[0], f"the baseline text names arm {named[0]!r}"
+    else:
+        hits = _losses_named(text)
+        if not hits:
+            raise _fail("baseline", f"names no arm ({[a.name for a in spec.arms]}) and no registered loss "
+                                    f"({', '.join(losses.loss_names())}, or their labels), so the baseline arm is unknown")
+        named_losses = list(dict.fromkeys(loss for _, loss, _ in hits))
+        if len(named_losses) > 1:
+            labels = list(dict.fromkeys(label for _, _, label in hits))
+            raise _fail("baseline", f"names several losses ({', '.join(labels)}), so which arm is the baseline is "
+                                    f"ambiguous; name the baseline arm ({[a.name for a in spec.arms]}) in the text")
+        _, loss, label = hits[0]
+        with_loss = [a.name for a in spec.arms if a.loss == loss]
+        if len(with_loss) != 1:
+            raise _fail("baseline", f"names the loss {loss!r}, which {len(with_loss)} arms train ({with_loss}); "
+                                    "name the baseline arm in the baseline text")
+        base, how = with_loss[0], (f"the baseline text names {label!r} (registered loss {loss!r}) first, the loss "
+                                   f"of arm {with_loss[0]!r} only")
+    for at, phrase, pos, neg in stated_differences(spec):
+        if neg != base or pos == base:
+            raise _fail(at, f"{phrase!r} compares against arm {neg!r}, but {how}, so arm {base!r} is the "
+                            "baseline; the decision would measure the opposite difference")
+    return base, how
 
 
 def _arms(spec: ExperimentSpec) -> tuple[tuple[ArmConfig, ...], str]:
@@ -311,6 +371,12 @@ def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str])
     seeds = sorted({a.seed for a in arms})
     if not set(seeds) <= set(rule.seeds):
         raise _fail("decision_rule.seeds", f"{rule.seeds} does not schedule the arms' seed {seeds}")
+    unrun = sorted(set(rule.seeds) - set(seeds))
+    if unrun:
+        raise _fail("decision_rule.seeds", f"{rule.seeds} schedules seed {unrun}, which no arm runs (the arms run "
+                                           f"{seeds}); every scheduled seed needs every arm")
+    if not 0 < rule.alpha < 1:
+        raise _fail("decision_rule.alpha", f"{rule.alpha} must be in (0, 1)")
     treatments = [a.name for a in arms if a.role == "treatment"]
     names = {a.name for a in arms}
 
@@ -341,6 +407,15 @@ def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str])
         lo, hi = c.bounds
         if not lo < hi:
             raise _fail(f"decision_rule.criteria[{i}].bounds", f"{c.bounds}: lower bound must be below upper")
+        if (lo, hi) != METRIC_RANGES[c.metric]:
+            raise _fail(f"decision_rule.criteria[{i}].bounds", f"{c.bounds} is not the range of {c.metric} "
+                                                               f"{list(METRIC_RANGES[c.metric])}")
+        if not abs(c.margin) < hi - lo:
+            raise _fail(f"decision_rule.criteria[{i}].margin", f"{c.margin} is outside the difference's range "
+                                                               f"({lo - hi}, {hi - lo}) of {c.metric}")
+        for at_s, phrase, stated_pos, stated_neg in stated_differences(spec):
+            if (stated_pos or pos, stated_neg) == (neg, pos):
+                raise _fail(at, f"measures {pos} minus {neg}, but {at_s} states {phrase!r}")
         out.append(CriterionConfig(c.id, c.metric, pos, neg, c.margin, (lo, hi), dict(c.weights)))
     if len({c.id for c in out}) != len(out):
         raise _fail("decision_rule.criteria", "criterion ids must be unique")
@@ -353,3 +428,16 @@ def _check_gate_metrics(spec: ExperimentSpec) -> None:
         if c.metric not in provided:
             raise _fail(f"activation_gate.checks[{i}].metric", f"{c.metric!r} is provided by no registered loss "
                                                                f"(provided: {', '.join(sorted(provided))})")
+
+
+def _check_gate_plan(spec: ExperimentSpec, updates_per_batch: int) -> None:
+    """Gate checks of executed values must admit what the plan executes, or the paid pilot fails."""
+    for i, c in enumerate(spec.activation_gate.checks):
+        at = f"activation_gate.checks[{i}]"
+        if c.metric == "executed_updates_per_batch" and not (
+                (c.min is None or c.min <= updates_per_batch) and (c.max is None or updates_per_batch <= c.max)):
+            raise _fail(at, f"executed_updates_per_batch in [{c.min}, {c.max}] cannot pass: the arms run "
+                            f"updates_per_batch {updates_per_batch}")
+        if c.metric == "executed_base_model" and c.one_of is not None and spec.base_model not in c.one_of:
+            raise _fail(at, f"executed_base_model one_of {c.one_of} cannot pass: the plan's base_model is "
+                            f"{spec.base_model!r}")
