@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from harness_paths import LOSS_PARITY
+from run_env import harness_env
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
@@ -53,17 +54,8 @@ def _spindle(run_dir: Path, *fault_args: str) -> LocalServerProcess:
 
 
 def _harness_env(base_url: str | None, **overrides: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in PLANTED and k != "TINKER_BASE_URL"}
-    env.update(PLANTED, TINKER_TELEMETRY="0", PYTHONPATH=str(ROOT / "src"),
-               DPPO_HARNESS_CAPACITY_SCALE=CAPACITY_SCALE)
-    if base_url:
-        env["TINKER_BASE_URL"] = base_url
-    for k, v in overrides.items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = v
-    return env
+    return harness_env(**{**PLANTED, "PYTHONPATH": str(ROOT / "src"), "DPPO_HARNESS_CAPACITY_SCALE": CAPACITY_SCALE,
+                          "TINKER_BASE_URL": base_url or None, **overrides})
 
 
 def _harness(args: list[str], env: dict[str, str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
