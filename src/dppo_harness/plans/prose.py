@@ -26,10 +26,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Literal
 
 from dppo_harness.plans.models import PlanError
 
-Context = str  # "training" | "evaluation" | "history" | "arm"
+Context = Literal["training", "evaluation", "history", "arm"]
 
 _UNITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
           "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
@@ -41,6 +42,7 @@ _DIGITS = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*[x\
 
 def _num(group: str = "num") -> str:
     return rf"(?P<{group}>(?<![\w.,/^-]){_DIGITS}|{_WORD})"
+
 
 _IS = r"\s*(?:=|:|\bof\b|\bis\b|\bat\b)?\s*"
 # What, written right after a number, means the reader did not see all of it.
@@ -93,8 +95,6 @@ KEYS: dict[str, Key] = {
                      r"(?:items|examples|problems|questions)\b", True, "test items scored per model",
                      "all 1319 GSM8K test items", ("training", "evaluation")),
 }
-# Kept for callers that list the keys the reader knows.
-PATTERNS = KEYS
 # The schedule values no structured field holds: a spec of this family must state them.
 REQUIRED = ("groups_per_batch", "group_size", "temperature", "max_tokens")
 
@@ -155,17 +155,19 @@ def _paragraph_heads(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def word_re(word: str) -> re.Pattern[str]:
+    """`word` as a whole word: not part of a longer name ("GRPO" is not in "GRPO-clip")."""
+    return re.compile(rf"(?<![\w-]){re.escape(word)}(?![\w-])")
+
+
 def sentence_context(sentence: str, paragraph_head: str = "", arm_names: Sequence[str] = ()) -> Context:
     """Which setting a sentence describes (see the module docstring)."""
     if _HISTORY.search(sentence):
         return "history"
     if _EVAL_HEAD.match(paragraph_head) or _EVAL_HEAD.match(sentence) or _EVAL.search(sentence):
         return "evaluation"
-    if not _ALL_ARMS.search(sentence):
-        names = [n for n in arm_names if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", sentence)]
-        if names or _ONE_ARM.search(sentence):
-            return "arm"
-    return "training"
+    one_arm = any(word_re(n).search(sentence) for n in arm_names) or _ONE_ARM.search(sentence)
+    return "arm" if one_arm and not _ALL_ARMS.search(sentence) else "training"
 
 
 def read_number(raw: str, is_int: bool) -> int | float:
@@ -192,19 +194,26 @@ def read_number(raw: str, is_int: bool) -> int | float:
     return value
 
 
-def _statements(text: str, key: str, spec: Key, field_name: str, arm_names: Sequence[str]) -> list[_Statement]:
+def contexted_sentences(text: str, arm_names: Sequence[str] = ()) -> list[tuple[int, str, Context]]:
+    """(offset, sentence, context) of each sentence of `text`."""
     heads = _paragraph_heads(text)
+    return [(offset, sentence, sentence_context(sentence, next((h for o, h in reversed(heads) if o <= offset), ""),
+                                                arm_names))
+            for offset, sentence in sentences(text)]
+
+
+def _statements(contexted: Sequence[tuple[int, str, Context]], key: str, spec: Key,
+                field_name: str) -> list[_Statement]:
     out = []
-    for offset, sentence in sentences(text):
-        head = next((h for o, h in reversed(heads) if o <= offset), "")
-        context = sentence_context(sentence, head, arm_names)
-        read = [m.span() for m in spec.pattern.finditer(sentence)]
+    for offset, sentence, context in contexted:
+        matches = list(spec.pattern.finditer(sentence))
+        read = [m.span() for m in matches]
         for m in spec.loose.finditer(sentence):
             if not any(a < m.end() and m.start() < b for a, b in read):
                 group = "num" if m.group("num") is not None else "num2"
                 raise PlanError(f"{field_name}: cannot read the {key} in {sentence!r} ({m.group(group)!r} is not a "
                                 f"number the reader knows); write it as digits, e.g. {spec.example!r}")
-        for m in spec.pattern.finditer(sentence):
+        for m in matches:
             group = "num" if m.group("num") is not None else "num2"
             raw = m.group(group)
             after = sentence[m.end(group):]
@@ -229,9 +238,10 @@ def parse_method(text: str, field: str = "method", keys: Sequence[str] | None = 
     the key's contexts, or PlanError (one line quoting the sentences) when a statement cannot be
     read, two statements disagree, or the key is stated only in sentences that are no source."""
     found: dict[str, Stated] = {}
+    contexted = contexted_sentences(text, arm_names)
     for key in keys or [k for k in KEYS if k != "pilot_steps"]:
         spec = KEYS[key]
-        all_statements = _statements(text, key, spec, field, arm_names)
+        all_statements = _statements(contexted, key, spec, field)
         sources = [s for s in all_statements if s.context in spec.contexts]
         if not sources:
             if all_statements:

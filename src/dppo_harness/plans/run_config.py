@@ -25,7 +25,7 @@ from typing import Any, Literal
 from dppo_harness.data import dataset
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
-from dppo_harness.plans.prose import REQUIRED, Stated, parse_method, require
+from dppo_harness.plans.prose import REQUIRED, Stated, parse_method, require, word_re
 
 Role = Literal["baseline", "treatment"]
 # What the frozen evaluator scores per item (evaluation.METRIC): the only criterion metric.
@@ -254,16 +254,12 @@ def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: i
     return data
 
 
-def _word(text: str, word: str) -> bool:
-    return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", text) is not None
-
-
 def _losses_named(text: str) -> list[tuple[int, str, str]]:
     """(position, registered loss, label) of every registered loss `text` names, in order."""
     hits = []
     for entry in losses.LOSSES.values():
         for label in (*entry.labels, entry.name):
-            for m in re.finditer(rf"(?<![\w-]){re.escape(label)}(?![\w-])", text):
+            for m in word_re(label).finditer(text):
                 hits.append((m.start(), entry.name, label))
     return sorted(hits)
 
@@ -287,7 +283,7 @@ _THAN = re.compile(r"\bthan\s+(?:the\s+)?([\w.-]+)")
 
 def stated_differences(spec: ExperimentSpec) -> list[tuple[str, str, str, str]]:
     """(field, sentence part, arm with +1, arm with -1) of every "X minus Y" and "... than Y" the
-    hypothesis and the estimand state, where both sides name arms (X is None for "than")."""
+    hypothesis and the estimand state, where both sides name arms (the +1 arm is "" for "than")."""
     out = []
     for at, text in (("hypothesis", spec.hypothesis), ("decision_rule.estimand", spec.decision_rule.estimand)):
         for m in _MINUS.finditer(text):
@@ -307,7 +303,7 @@ def baseline_arm(spec: ExperimentSpec) -> tuple[str, str]:
     losses is refused). The hypothesis and the estimand, where they say what is compared against
     what, must agree."""
     text = spec.baseline
-    named = [a.name for a in spec.arms if _word(text, a.name)]
+    named = [a.name for a in spec.arms if word_re(a.name).search(text)]
     if len(named) > 1:
         raise _fail("baseline", f"names several arms ({named}); it must name one")
     if len(named) == 1:
@@ -379,6 +375,7 @@ def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str])
         raise _fail("decision_rule.alpha", f"{rule.alpha} must be in (0, 1)")
     treatments = [a.name for a in arms if a.role == "treatment"]
     names = {a.name for a in arms}
+    differences = stated_differences(spec)
 
     def arm_of(key: str, at: str) -> str:
         if key in names:
@@ -413,7 +410,7 @@ def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str])
         if not abs(c.margin) < hi - lo:
             raise _fail(f"decision_rule.criteria[{i}].margin", f"{c.margin} is outside the difference's range "
                                                                f"({lo - hi}, {hi - lo}) of {c.metric}")
-        for at_s, phrase, stated_pos, stated_neg in stated_differences(spec):
+        for at_s, phrase, stated_pos, stated_neg in differences:
             if (stated_pos or pos, stated_neg) == (neg, pos):
                 raise _fail(at, f"measures {pos} minus {neg}, but {at_s} states {phrase!r}")
         out.append(CriterionConfig(c.id, c.metric, pos, neg, c.margin, (lo, hi), dict(c.weights)))
