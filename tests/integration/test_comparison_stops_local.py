@@ -117,3 +117,23 @@ def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_
     (arm,) = bundle.result["initialization_provenance"]["arms"].values()  # the arm whose check failed, posted
     assert arm["restore_count"] == 2 and arm["optimizer_checks"][-1]["mismatches"]
     assert _training_block(bundle, resumed=1)["stopped"] == run.stopped
+
+
+def test_a_service_stop_mid_run_still_registers_the_training_so_far(engine, tmp_path):
+    """A hang stop (a BaseException, so stage bookkeeping cannot swallow it) after step 1: the
+    steps, the metrics logs and the end state are registered, and the run ends failed with the stop's line."""
+    from dppo_harness.service.service_wait_policy import ServiceHang
+
+    hang = ServiceHang("forward_backward", ARM_NAMES[0], 900.0, "active")
+
+    def stop_after(step):
+        if step == 1:
+            raise hang
+
+    run, bundle = _run(engine, tmp_path, "hang", schedule="interleaved", schedule_source="test", stop_after=stop_after)
+    assert run.stopped == f"no_answer: {hang.line}"
+    _assert_stopped_with_evidence(run, bundle, 1)
+    block = _training_block(bundle)
+    assert block["stopped"] == run.stopped and block["steps_completed"] == 1
+    steps = [f for f in run.files if "steps" in f]
+    assert steps and len(bundle.file_path(steps[0]).read_text().splitlines()) == 2  # both arms' step 1

@@ -20,7 +20,7 @@ from dppo_harness.local_server.faults import (
 from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.local_server.profiles import make_profile
 from dppo_harness.service import clients as service
-from dppo_harness.service.secrets_scan import SecretScanner
+from dppo_harness.service.secrets_scan import SecretScanner, live_secret_items
 from dppo_harness.service.service_wait import ServiceWaiter
 from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
 from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceHang, WaitPolicy
@@ -128,13 +128,41 @@ def _telemetry_bodies(engine, sdk_telemetry: bool) -> list[bytes]:
         return list(srv.state.telemetry_bodies)
 
 
+CF_ACCESS = {"CLOUDFLARE_ACCESS_CLIENT_ID": "cf-PLANTED-id-7f3a91c2", "CLOUDFLARE_ACCESS_CLIENT_SECRET": "cf-PLANTED-sec-0b64e8d5"}
+
+
 def test_sdk_telemetry_is_off_by_default_so_no_credential_reaches_it(engine, monkeypatch):
-    scanner = SecretScanner(PLANTED.items())
+    # The SDK adds CF-Access-Client-Id/-Secret from these to every request: the scan must know them.
+    for name, value in CF_ACCESS.items():
+        monkeypatch.setenv(name, value)
+    scanner = SecretScanner(live_secret_items({**PLANTED, **CF_ACCESS}))
     monkeypatch.setenv("TINKER_TELEMETRY", "1")  # restored after the test; the harness overrides it
     # Opted in, the SDK posts the 401's request headers: the credentials, verbatim.
     opted_in = _telemetry_bodies(engine, sdk_telemetry=True)
     leaks = {m.label for body in opted_in for m in scanner.find(body)}
-    assert opted_in and leaks == set(PLANTED), leaks
+    assert opted_in and leaks == set(PLANTED) | set(CF_ACCESS), leaks
     # The harness's default: no telemetry post at all, so no credential in any telemetry body.
     default = _telemetry_bodies(engine, sdk_telemetry=False)
     assert default == [] and not [m for body in default for m in scanner.find(body)]
+
+
+@pytest.mark.timeout(90)
+def test_a_queue_position_that_moves_every_poll_is_one_pause_given_up_in_time(engine, monkeypatch):
+    """The server rewords the pause at every poll (a queue position): the SDK reports each text to
+    the observer, and the call still gives up when the patience window closes."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(queue_pause=(parse_queue_pause("optim_step:1:forever:moving"),))
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(WaitPolicy.from_options(capacity_patience_s=4, service_timeout_s=60))
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        try:
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+            t0 = time.monotonic()
+            with pytest.raises(CapacityExhausted) as cap:
+                tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+            assert 4 <= time.monotonic() - t0 < 12
+            assert "; queue position " in cap.value.block.error  # the service's latest words
+            (pause,) = [p.as_dict() for p in waiter.pauses if p.call == "optim_step"]
+            assert pause["outcome"] == "gave_up" and pause["reason_changes"] >= 2
+        finally:
+            sc.close("success").result(30)

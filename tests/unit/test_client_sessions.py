@@ -98,3 +98,31 @@ def test_stage_end_posts_the_training_clients_it_created(monkeypatch, tmp_path):
     metrics = bundle.result["metrics"]
     assert metrics["clients/training_created/preflight"] == 2.0
     assert metrics["clients/training_created/diagnostic"] == 0.0
+
+
+def test_a_failed_close_is_never_recorded_as_released_by_a_later_one():
+    """The SDK's second close() returns a completed future whatever became of the first: the
+    registry judges by the first close's own future and never sends a second."""
+    import concurrent.futures
+
+    class Session:
+        def __init__(self):
+            self.closes = 0
+
+        def close(self, status):
+            self.closes += 1
+            f = concurrent.futures.Future()
+            if self.closes == 1:
+                f.set_exception(RuntimeError("session finish refused: 503"))
+            else:
+                f.set_result(None)
+            return f
+
+    reg = ClientRegistry()
+    s = Session()
+    reg.register(s, stage="session", label="arms")
+    assert reg.release_all("errored") is False
+    assert reg.release_all("errored") is False and s.closes == 1
+    (record,) = reg.records()
+    assert record["released"] is False and "session finish refused: 503" in record["error"]
+    assert not reg.all_released

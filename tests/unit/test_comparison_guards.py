@@ -144,3 +144,42 @@ def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):
 
     assert HarnessOptions.__dataclass_fields__["comparison_schedule"].default is None
     assert pytestconfig.getoption("--comparison-schedule") is None
+
+
+def _concurrent(monkeypatch, cfg, fail):
+    """Both arms' step at once; `fail[arm index]` (seconds to wait, exception) makes that arm fail."""
+    import time as _time
+
+    def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
+        index = [a.name for a in cfg.arms].index(runner.spec.name)
+        if index in fail:
+            delay, exc = fail[index]
+            _time.sleep(delay)
+            raise exc
+        return {"arm": runner.spec.name, "step": step, "reward_mean": 0.0, "format_rate": 0.0,
+                "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0, "seconds": 0.0}, []
+
+    monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
+    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
+    runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
+    saves = []
+    try:
+        comparison_arms.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t",
+                                   schedule="concurrent", save_state=lambda r, n: saves.append(n) or f"tinker://{n}")
+    except BaseException as exc:  # the test looks at what train_arms raised, a stop included
+        return state, exc, saves
+    return state, None, saves
+
+
+def test_concurrent_arms_report_the_services_stop_not_what_it_caused_in_the_other_arm(monkeypatch):
+    from dppo_harness.service.service_wait_policy import ServiceHang
+
+    cfg = _cfg(3)
+    hang = ServiceHang("forward_backward", cfg.arms[1].name, 900.0, "active")
+    # The second arm's wait stops; the stop closes the sessions, so the first arm then fails on a closed holder.
+    _, raised, _ = _concurrent(monkeypatch, cfg, {0: (0.3, RuntimeError("ServiceClient is closed")), 1: (0.0, hang)})
+    assert raised is hang
+    # The stopping arm is the first one: the second arm finished its step, and its row is kept (not saved).
+    state, raised, saves = _concurrent(monkeypatch, cfg, {0: (0.0, hang)})
+    assert raised is hang and [r["arm"] for r in state.rows] == [cfg.arms[1].name] and saves == []
+    assert state.arms[cfg.arms[1].name].steps_done == 1 and state.arms[cfg.arms[0].name].steps_done == 0

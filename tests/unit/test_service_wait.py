@@ -5,6 +5,7 @@ run in milliseconds."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -265,8 +266,9 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
     w.wait(FakeFuture(clock, watch, done_at=clock.t + 400, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
            call="save_state", client="dppo_seed0", watch=watch)
     on_disk = json.loads((b.dir / "result.json").read_text())
-    waiting = on_disk["service_wait"]["waiting"]
-    assert waiting["call"] == "save_state" and waiting["queue_state_reason"] == REASON and waiting["waited_s"] >= 360
+    (waiting,) = on_disk["service_wait"]["waiting"].values()
+    assert waiting["call"] == "save_state" and waiting["queue_state_reason"] == REASON and waiting["waited_s"] >= 399
+    assert waiting["outcome"] == "answered" and waiting["paused_s"] >= 399  # settled when the answer came
     assert on_disk["service_wait"]["pauses"][0]["queue_state"] == "paused_capacity"
     snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
     assert poster.posts >= 10 and len(snaps) == 2  # at the first post, then once 300 s later
@@ -291,7 +293,8 @@ def test_wait_snapshots_stop_at_half_the_file_limit(tmp_path):
                       on_post=poster.post)
     w.wait(FakeFuture(clock, done_at=clock.t + 20), call="sample", client="diagnostic sampler", watch=None)
     assert poster.posts > 0 and poster.snapshots == 0 and len(full.files()) == MAX_FILES // 2
-    assert json.loads((full.dir / "result.json").read_text())["service_wait"]["waiting"]["call"] == "sample"
+    (waiting,) = json.loads((full.dir / "result.json").read_text())["service_wait"]["waiting"].values()
+    assert (waiting["call"], waiting["outcome"]) == ("sample", "answered")
     skipped = full.ledger()["snapshots"]
     assert skipped and all(s["name"] is None and "kept for later evidence" in s["skipped"] for s in skipped)
 
@@ -347,3 +350,104 @@ def test_a_pause_shorter_than_the_poll_is_still_recorded():
     (pause,) = [p.as_dict() for p in w.pauses]
     assert pause["queue_state_reason"] == REASON and pause["outcome"] == "resumed"
     assert pause["seconds"] == pytest.approx(0.4)
+
+
+class Bounded(FakeFuture):
+    """A FakeFuture that fails the test instead of waiting on past `limit` seconds of fake time."""
+
+    limit = 5000.0
+
+    def result(self, timeout=None):
+        if self.clock.t - self.t0 > self.limit:
+            raise AssertionError(f"still waiting after {self.limit:g} s: the wait is not bounded")
+        return super().result(timeout)
+
+
+def test_a_reason_that_changes_every_poll_does_not_restart_the_capacity_clock():
+    """A queue position in the reason text, new at every poll: one pause, given up after the window."""
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, *_ = _waiter(clock)
+    events = [(t, QueueState.PAUSED_CAPACITY, f"queued: position {1000 - t} of 1000") for t in range(0, 4000)]
+    with pytest.raises(CapacityExhausted) as ei:
+        w.wait(Bounded(clock, watch, events=events), call="forward_backward", client="dppo_seed0", watch=watch)
+    assert 600 <= ei.value.waited_s < 602 and ei.value.block.error.startswith("queued: position ")
+    (pause,) = [p.as_dict() for p in w.pauses]
+    assert pause["outcome"] == "gave_up" and pause["reason_changes"] >= 599 and pause["seconds"] >= 599
+
+
+def test_states_that_alternate_cannot_keep_a_call_waiting_past_both_windows():
+    """Two futures of one client polled at once, one paused, one active: the client's watch
+    alternates every second. The call still stops, within the capacity window plus the timeout."""
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, _, stops, _ = _waiter(clock)
+    events = [(t, QueueState.PAUSED_CAPACITY if t % 2 else QueueState.ACTIVE, REASON if t % 2 else None)
+              for t in range(0, 4000)]
+    with pytest.raises(ServiceStopped) as ei:
+        w.wait(Bounded(clock, watch, events=events), call="optim_step", client="grpo_seed0", watch=watch)
+    assert clock.t - 1000 <= 600 + 900 + 2 and stops == [ei.value]
+    assert isinstance(ei.value, (CapacityExhausted, ServiceHang))
+
+
+def test_a_stale_pause_from_an_earlier_call_is_not_this_calls_pause():
+    """A future that raised left the client's watch at 'paused' (the SDK reports active only on
+    success): the next call's clock starts at its own start, and it is not paused by that report."""
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    watch.on_queue_state_change(QueueState.PAUSED_CAPACITY, "an earlier call's pause")
+    clock.t += 5000  # the earlier call raised long ago
+    w, *_ = _waiter(clock)
+    assert w.wait(FakeFuture(clock, watch, done_at=clock.t + 700), call="save_state", client="arm", watch=watch) == "ok"
+    assert w.pauses == []  # 700 s > the 600 s capacity window: the stale report did not count
+    with pytest.raises(ServiceHang, match=r"no answer for 900 s \(queue state never reported"):
+        w.wait(Bounded(clock, watch), call="save_state", client="arm", watch=watch)
+
+
+def test_a_pause_shorter_than_the_post_interval_reaches_the_block_and_posted_waits_settle():
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    blocks = []
+    w = ServiceWaiter(WaitPolicy(post_after_s=60, post_every_s=30), clock=clock,
+                      on_post=lambda waiter, _s: blocks.append(waiter.evidence()))
+    fut = FakeFuture(clock, watch, done_at=clock.t + 20,
+                     events=[(2, QueueState.PAUSED_RATE_LIMIT, "rate limited"), (7, QueueState.ACTIVE, None)])
+    assert w.wait(fut, call="sample", client="sampler", watch=watch) == "ok"
+    assert blocks and blocks[-1]["pauses"][0]["queue_state_reason"] == "rate limited"  # never posted, still recorded
+    assert blocks[-1]["pauses"][0]["outcome"] == "resumed" and "waiting" not in blocks[-1]
+    # a posted wait that then fails is settled as failed, not left "waiting"
+
+    class Fails(FakeFuture):
+        def result(self, timeout=None):
+            if self.clock.t - self.t0 > 100:
+                raise RuntimeError("the service failed the request")
+            return super().result(timeout)
+
+    with pytest.raises(RuntimeError):
+        w.wait(Fails(clock), call="optim_step", client="arm", watch=None)
+    (posted,) = blocks[-1]["waiting"].values()
+    assert (posted["call"], posted["outcome"]) == ("optim_step", "failed") and posted["waited_s"] >= 100
+
+
+def test_concurrent_waits_are_posted_side_by_side(tmp_path):
+    """Two arms wait at once (real threads, real clock): each wait keeps its own entry."""
+    import concurrent.futures
+    import threading
+
+    b = _bundle(tmp_path)
+    poster = BundlePoster(b, Registry())
+    w = ServiceWaiter(WaitPolicy(poll_s=0.02, post_after_s=0.05, post_every_s=0.05, snapshot_every_s=0.05),
+                      on_post=poster.post)
+    futures = [concurrent.futures.Future() for _ in range(2)]
+    threads = [threading.Thread(target=w.wait, args=(f,), kwargs={"call": "forward_backward", "client": f"arm{i}"})
+               for i, f in enumerate(futures)]
+    for t in threads:
+        t.start()
+    time.sleep(0.4)
+    for f in futures:
+        f.set_result("ok")
+    for t in threads:
+        t.join(10)
+    waits = json.loads((b.dir / "result.json").read_text())["service_wait"]["waiting"].values()
+    assert sorted((x["client"], x["outcome"]) for x in waits) == [("arm0", "answered"), ("arm1", "answered")]
+    assert poster.snapshots <= MAX_WAIT_SNAPSHOTS

@@ -54,3 +54,22 @@ def test_session_refuses_at_once_with_one_line(pytester, monkeypatch, value, rea
     assert len(errors) == 1 and errors[0].startswith("ERROR: MODAL_PROXY_TOKEN_ID: credential value refused: "), errors
     assert reason in errors[0] and value not in "\n".join(res.outlines + res.errlines)
     assert not any("collected" in ln for ln in res.outlines)
+
+
+def test_every_credential_named_variable_is_scanned_and_only_the_harness_ones_refused(tmp_path):
+    from dppo_harness.service.secrets_scan import is_credential_name, live_secret_items, scanner_for
+
+    env = {"CLOUDFLARE_ACCESS_CLIENT_SECRET": _fresh("cf-"), "HF_TOKEN": _fresh("hf_"),
+           "WANDB_API_KEY": _fresh("wb"), "AWS_SECRET_ACCESS_KEY": _fresh("aws/"), "MODAL_TOKEN_SECRET": _fresh("as-"),
+           "GITHUB_TOKEN": "short", "SSL_KEY_FILE": "/etc/ssl/private/a-very-long-key-path.pem",
+           "TOKENIZERS_PARALLELISM": "false-but-padded-long-enough", "HOME": "/root/some/long/home/directory"}
+    names = [n for n, _ in live_secret_items(env)]
+    assert names == ["CLOUDFLARE_ACCESS_CLIENT_SECRET", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "MODAL_TOKEN_SECRET",
+                     "WANDB_API_KEY"]
+    assert not is_credential_name("TOKENIZERS_PARALLELISM") and is_credential_name("OPENAI_API_KEY")
+    blob = ("the log says " + base64.b64encode(env["HF_TOKEN"].encode()).decode()).encode()
+    with pytest.raises(Exception, match="HF_TOKEN"):
+        scanner_for(env).check(blob, "a log")
+    # a short credential of another tool is not the harness's to refuse; its own are
+    assert [u.variable for u in unsafe_credentials({**env, "CLOUDFLARE_ACCESS_CLIENT_ID": "x"}, [])] == [
+        "CLOUDFLARE_ACCESS_CLIENT_ID"]

@@ -85,10 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--fault-reject-for", action="append", default=[], metavar="KIND:STATUS:SECONDS",
                    help="answer every request of KIND with HTTP STATUS for SECONDS from the first one (asample:429:S "
                         "is a sample submit the SDK retries without limit)")
-    f.add_argument("--fault-queue-pause", action="append", default=[], metavar="KIND:N:SECONDS[:STATE]",
+    f.add_argument("--fault-queue-pause", action="append", default=[], metavar="KIND:N:SECONDS[:STATE][:moving]",
                    help="hold the N-th request of KIND (create_model, forward_backward, optim_step, save_weights, "
                         "asample, ...) for SECONDS ('forever': never) before it runs; its polls answer 408 try_again "
-                        "with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a reason")
+                        "with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a reason; "
+                        "'moving': the reason names a queue position that changes at every poll")
     f.add_argument("--fault-never-complete", action="append", default=[], metavar="KIND:N",
                    help="accept the N-th request of KIND and never complete it (its polls say queue_state active)")
     f.add_argument("--fault-capacity-exhausted", type=int, default=0, metavar="N",

@@ -7,10 +7,12 @@ every injected fault is counted, so a test can assert exactly what the client we
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +95,7 @@ class QueuePause:
     number: int
     seconds: float | None
     queue_state: str = "paused_capacity"
+    moving: bool = False  # the reason names a queue position that changes at every poll
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,16 @@ class Hold:
     queue_state: str  # what its polls report: paused_capacity, paused_rate_limit, or active (a hang)
     reason: str | None
     until: float | None  # time.monotonic() when it may run; None: never
+    positions: Iterator[int] | None = field(default=None, compare=False)  # a moving queue position, per poll
 
     def remaining(self, now: float) -> float | None:
         return None if self.until is None else max(0.0, self.until - now)
+
+    def poll_reason(self) -> str | None:
+        """The reason one poll reports: with a moving position, a new text at every poll."""
+        if self.positions is None or self.reason is None:
+            return self.reason
+        return f"{self.reason}; queue position {next(self.positions)}"
 
 
 @dataclass(frozen=True)
@@ -271,15 +281,19 @@ def _seconds(value: str, option: str, *, forever: bool) -> float | None:
 
 
 def parse_queue_pause(spec: str) -> QueuePause:
-    """`KIND:N:SECONDS[:STATE]`, e.g. `optim_step:1:30` or `create_model:1:forever:paused_rate_limit`."""
+    """`KIND:N:SECONDS[:STATE][:moving]`, e.g. `optim_step:1:30`, `create_model:1:forever:paused_rate_limit`
+    or `forward_backward:1:forever:moving` (a queue position in the reason, new at every poll)."""
     option = "--fault-queue-pause"
     fields = spec.split(":")
+    moving = len(fields) > 3 and fields[-1] == "moving"
+    if moving:
+        fields = fields[:-1]
     if len(fields) not in (3, 4) or not all(fields):
-        raise FaultSpecError(f"{option}: expected KIND:N:SECONDS[:STATE], got {spec!r}")
+        raise FaultSpecError(f"{option}: expected KIND:N:SECONDS[:STATE][:moving], got {spec!r}")
     state = fields[3] if len(fields) == 4 else "paused_capacity"
     if state not in PAUSE_STATES:
         raise FaultSpecError(f"{option}: STATE must be one of {PAUSE_STATES}, got {state!r}")
-    return QueuePause(fields[0], _number(fields[1], option), _seconds(fields[2], option, forever=True), state)
+    return QueuePause(fields[0], _number(fields[1], option), _seconds(fields[2], option, forever=True), state, moving)
 
 
 def parse_never_complete(spec: str) -> NeverComplete:
@@ -421,7 +435,7 @@ class FaultInjector:
                     how_long = "until further notice" if rule.seconds is None else f"for {rule.seconds:g} s"
                     reason = f"embedded server fault: no capacity for {kind} request {n}; paused {how_long}"
                     until = None if rule.seconds is None else time.monotonic() + rule.seconds
-                    return Hold(rule.queue_state, reason, until)
+                    return Hold(rule.queue_state, reason, until, itertools.count(10_000, -1) if rule.moving else None)
             return None
 
     def snapshot(self) -> dict:

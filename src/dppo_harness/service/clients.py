@@ -369,6 +369,7 @@ class _Entry:
     released: bool = False
     error: str | None = None
     released_at: str | None = None
+    closing: Any = None  # the future of the one close() this entry sent (the SDK answers a second at once)
 
 
 def training_clients_of(service_client: Any) -> list[CreatedClient]:
@@ -406,15 +407,20 @@ class ClientRegistry:
             self._atexit = True
 
     def _release(self, entry: _Entry, status: str) -> None:
+        """Close once and judge by that close's own future: the SDK's second close() returns a
+        completed future whatever became of the first, so it proves nothing."""
         if entry.released:
             return
         try:
-            fut = entry.client.close(status)
-            if hasattr(fut, "result"):
-                fut.result(timeout=self.release_timeout_s)
+            if entry.closing is None:
+                entry.closing = entry.client.close(status)
+            elif hasattr(entry.closing, "done") and not entry.closing.done():
+                entry.error = f"{entry.error or 'the close is still running'} (not retried: the first close decides)"
+            if hasattr(entry.closing, "result"):
+                entry.closing.result(timeout=self.release_timeout_s)
             entry.released, entry.error, entry.released_at = True, None, _now_iso()
         except Exception as exc:  # record and carry on: releasing the rest matters more
-            entry.error = f"{type(exc).__name__}: {exc}"
+            entry.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             logger.warning("releasing %s failed: %s", entry.label, entry.error)
 
     def release_stage(self, stage: str, status: str = "success") -> list[dict[str, Any]]:

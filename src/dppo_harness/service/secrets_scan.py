@@ -16,14 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, quote_plus
 
-# Every variable whose value is a credential this harness may hold.
+# Every variable whose value is a credential the harness or the SDK sends: the SDK adds the
+# Cloudflare Access pair as CF-Access-Client-Id/-Secret headers to every request (and to telemetry).
 SECRET_ENV_VARS = (
     "TINKER_API_KEY",
     "MODAL_PROXY_TOKEN_ID",
     "MODAL_PROXY_TOKEN_SECRET",
     "RUNS_PROXY_TOKEN_ID",
     "RUNS_PROXY_TOKEN_SECRET",
+    "CLOUDFLARE_ACCESS_CLIENT_ID",
+    "CLOUDFLARE_ACCESS_CLIENT_SECRET",
 )
+# Any other variable named like a credential (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...) is
+# scanned for too when its value is long enough to scan safely; it is not the harness's to refuse.
+_CREDENTIAL_WORDS = frozenset({"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"})
+_NOT_A_VALUE = frozenset({"FILE", "PATH", "DIR", "SOCK"})  # names of where a credential lives, not of it
 
 # Shorter values cannot be scanned for safely: they occur in ordinary text (a placeholder such
 # as "unused" is in the vendored data and the golden file's notes), so the scan would block
@@ -41,10 +48,27 @@ class SecretMatch:
     encoding: str
 
 
-def live_secret_items(env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
-    """(variable name, value) for each secret variable set (non-empty) in env."""
+def is_credential_name(name: str) -> bool:
+    """A variable named like a credential: a word KEY, TOKEN, SECRET, PASSWORD... in its name,
+    not a location (`..._FILE`, `..._PATH`)."""
+    words = name.upper().split("_")
+    return bool(_CREDENTIAL_WORDS & set(words)) and words[-1] not in _NOT_A_VALUE
+
+
+def held_secret_items(env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """(variable name, value) for each credential the harness or the SDK sends, set in env."""
     env = os.environ if env is None else env
     return [(name, env[name]) for name in SECRET_ENV_VARS if env.get(name)]
+
+
+def live_secret_items(env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """What the evidence must never contain: the credentials the harness sends, and the value of
+    every other credential-named variable long enough to scan for (shorter ones would match ordinary text)."""
+    env = os.environ if env is None else env
+    held = held_secret_items(env)
+    named = [(name, value) for name, value in sorted(env.items())
+             if name not in SECRET_ENV_VARS and is_credential_name(name) and len(value.strip()) >= MIN_SECRET_LENGTH]
+    return held + named
 
 
 def _b64_fragments(raw: bytes) -> dict[str, bytes]:
@@ -139,7 +163,7 @@ def unsafe_credentials(env: Mapping[str, str] | None, files: Iterable[Path], *, 
     harness's own files, which reach the evidence as plans, patches, copies and the code archive.
     Each file is read once; `root` shortens the file named in the reason."""
     out, long_enough = [], []
-    for name, value in live_secret_items(env):
+    for name, value in held_secret_items(env):
         if len(value.strip()) < min_length:
             out.append(UnsafeCredential(name, f"shorter than {min_length} characters, too short to scan the evidence "
                                               "for (set the real credential)"))

@@ -61,7 +61,7 @@ def _utc(ts: float | None = None) -> str:
 
 @dataclass
 class Pause:
-    """One pause a waiting call saw, as the service worded it."""
+    """One pause a waiting call saw, as the service worded it (its latest words)."""
 
     call: str
     client: str
@@ -69,8 +69,9 @@ class Pause:
     queue_state_reason: str | None
     began_at: str  # UTC
     seconds: float = 0.0
-    outcome: str = "waiting"  # waiting | resumed | gave_up
+    outcome: str = "waiting"  # waiting | resumed | gave_up | call_ended (the call failed or another stop came)
     http_status: int | None = None  # a refused submit's status
+    reason_changes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = {"call": self.call, "client": self.client, "queue_state": self.queue_state,
@@ -78,25 +79,49 @@ class Pause:
                "seconds": round(self.seconds, 3), "outcome": self.outcome}
         if self.http_status is not None:
             out["http_status"] = self.http_status
+        if self.reason_changes:
+            out["reason_changes"] = self.reason_changes
         return out
 
 
 @dataclass(frozen=True)
 class WaitStatus:
-    """What is being waited on, posted while the wait lasts."""
+    """What is being waited on, posted while the wait lasts and settled when it ends."""
 
     call: str
     client: str
     since: str  # UTC
     waited_s: float
-    queue_state: str | None  # None: the service has not reported one for this client
+    queue_state: str | None  # None: the service has not reported one for this client during this call
     queue_state_reason: str | None
-    paused_s: float
+    paused_s: float  # of waited_s, the time the call's queue was reported paused
+    id: int = 0  # the waiter's number for this wait
+    outcome: str = "waiting"  # waiting | answered | failed | stopped
 
     def as_dict(self) -> dict[str, Any]:
         return {"call": self.call, "client": self.client, "since": self.since, "waited_s": round(self.waited_s, 3),
                 "queue_state": self.queue_state, "queue_state_reason": self.queue_state_reason,
-                "paused_s": round(self.paused_s, 3), "updated_at": _utc()}
+                "paused_s": round(self.paused_s, 3), "outcome": self.outcome, "updated_at": _utc()}
+
+
+@dataclass
+class _CallClock:
+    """One call's clocks: time without a result, split by what the service said meanwhile. Only
+    the result ends them: no reason text, alternation of states or stale report restarts either,
+    so no sequence of reports keeps a call waiting past the capacity window plus the timeout."""
+
+    t0: float
+    last: float
+    paused_s: float = 0.0  # reported paused (capacity, rate limit, refused submit)
+    quiet_s: float = 0.0  # anything else: active, unknown, or no report during this call
+
+    def advance(self, now: float, paused_since: float | None) -> None:
+        """Count the time since the last look; `paused_since`: when the pause reported now began
+        (None: not paused)."""
+        split = now if paused_since is None else min(now, max(self.last, paused_since))
+        self.quiet_s += split - self.last
+        self.paused_s += now - split
+        self.last = now
 
 
 def _done(future: Any) -> bool:
@@ -122,6 +147,7 @@ class ServiceWaiter:
     """
 
     MAX_PAUSES_LISTED = 200
+    MAX_WAITS_LISTED = 20  # posted waits kept in the block (each stays once posted: numbers are never dropped)
 
     def __init__(self, policy: WaitPolicy | None = None, *, tracker: CapacityTracker | None = None,
                  on_post: Callable[[ServiceWaiter, WaitStatus], None] | None = None,
@@ -133,6 +159,8 @@ class ServiceWaiter:
         self._lock = threading.Lock()
         self.pauses: list[Pause] = []
         self.pauses_not_listed = 0
+        self.posted: dict[int, WaitStatus] = {}  # waits long enough to be posted, by id: the latest status
+        self.posted_not_listed = 0
         self.stopped: ServiceStopped | None = None
         self.waits = 0
         self.longest_wait_s = 0.0
@@ -175,48 +203,77 @@ class ServiceWaiter:
         """future.result(), bounded by the policy (and by `timeout` when the caller gives one)."""
         p = self.policy
         t0 = self.clock()
+        clock = _CallClock(t0, t0)
         since = _utc()
         deadline = None if timeout is None else t0 + timeout
         next_post = t0 + p.post_after_s
         seen: dict[int, Pause] = {}  # this wait's pauses, by the watch's episode id
-        self.waits += 1
+        with self._lock:
+            self.waits += 1
+            wait_id = self.waits
+        rep: QueueReport | None = None
+        outcome = "failed"
         try:
             while True:
                 step = p.poll_s if deadline is None else max(0.0, min(p.poll_s, deadline - self.clock()))
                 try:
-                    return future.result(timeout=step)
+                    value = future.result(timeout=step)
+                    outcome = "answered"
+                    return value
                 except TimeoutError:
                     if _done(future):
                         raise  # the call itself failed with a timeout
                 now = self.clock()
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
-                rep = watch.latest() if watch is not None else None
-                self._note_pauses(watch, t0, now, call, client, seen)
+                latest = watch.latest() if watch is not None else None
+                rep = latest if latest is not None and latest.at >= t0 else None  # reported during this call
                 paused = rep is not None and rep.paused
-                if paused:
-                    window = p.capacity_window(self.tracker())
-                    if now - rep.since >= window:
-                        for pause in seen.values():
-                            if pause.outcome == "waiting":
-                                pause.outcome = "gave_up"
-                        self._stop(self._capacity_stop(call, client, rep, now - rep.since, window))
-                else:
-                    quiet_since = max(t0, rep.since) if rep is not None else t0
-                    if now - quiet_since >= p.service_timeout_s:
-                        self._stop(ServiceHang(call, client, now - quiet_since, rep.state if rep else None))
+                clock.advance(now, rep.since if paused else None)
+                self._note_pauses(watch, t0, now, call, client, seen)
+                window = p.capacity_window(self.tracker())
+                if clock.paused_s >= window:
+                    for pause in seen.values():
+                        if pause.outcome == "waiting":
+                            pause.outcome = "gave_up"
+                    last_pause = rep if paused else self._last_pause(watch, t0)
+                    self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
+                if clock.quiet_s >= p.service_timeout_s:
+                    self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None))
                 if now >= next_post:
                     next_post = now + p.post_every_s
-                    self._post(WaitStatus(call, client, since, now - t0, rep.state if rep else None,
-                                          rep.reason if rep else None, (now - rep.since) if paused else 0.0))
+                    self._post(self._status(wait_id, call, client, since, clock, rep, "waiting"))
+        except ServiceStopped:
+            outcome = "stopped"
+            raise
         finally:
             now = self.clock()
-            self.longest_wait_s = max(self.longest_wait_s, now - t0)
+            with self._lock:
+                self.longest_wait_s = max(self.longest_wait_s, now - t0)
             self._note_pauses(watch, t0, now, call, client, seen, final=True)
-            for pause in seen.values():  # the wait is over: a pause the watch no longer lists ended with it
+            for pause in seen.values():  # the wait is over: a pause the watch still lists ended with it
                 if pause.outcome == "waiting":
-                    pause.outcome = "resumed"
+                    pause.outcome = "resumed" if outcome == "answered" else "call_ended"
                     self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
+            with self._lock:
+                was_posted = wait_id in self.posted
+            if was_posted or seen:  # settle what was posted: every pause reaches the block, no wait stays "waiting"
+                clock.advance(now, rep.since if rep is not None and rep.paused else None)
+                self._post(self._status(wait_id, call, client, since, clock, rep, outcome) if was_posted else None)
+
+    @staticmethod
+    def _last_pause(watch: Any, t0: float) -> QueueReport:
+        """The latest pause reported during a wait (for a give-up reached while the state alternates)."""
+        episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
+        if not episodes:
+            return QueueReport("paused_capacity", None, t0, t0)
+        ep = max(episodes, key=lambda e: e.seen)
+        return QueueReport(ep.state, ep.reason, ep.began, ep.seen, ep.http_status)
+
+    def _status(self, wait_id: int, call: str, client: str, since: str, clock: _CallClock, rep: QueueReport | None,
+                outcome: str) -> WaitStatus:
+        return WaitStatus(call, client, since, clock.last - clock.t0, rep.state if rep else None,
+                          rep.reason if rep else None, clock.paused_s, wait_id, outcome)
 
     def _note_pauses(self, watch: Any, t0: float, now: float, call: str, client: str, seen: dict[int, Pause],
                      final: bool = False) -> None:
@@ -234,10 +291,9 @@ class ServiceWaiter:
                         self.pauses_not_listed += 1
                 self._say(f"service: {call} on {client} paused by the service ({ep.state}: "
                           f"{ep.reason if ep.reason is not None else 'no reason sent'})")
-            pause.queue_state_reason, pause.http_status = ep.reason, ep.http_status
+            pause.queue_state_reason, pause.http_status, pause.reason_changes = ep.reason, ep.http_status, ep.reason_changes
             pause.seconds = (ep.ended if ep.ended is not None else now) - ep.began
-            ended = ep.ended is not None or final
-            if ended and pause.outcome == "waiting":
+            if ep.ended is not None and pause.outcome == "waiting":
                 pause.outcome = "resumed"
                 self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
 
@@ -250,13 +306,21 @@ class ServiceWaiter:
                 f"giving up after {option}={window:g}")
         return CapacityExhausted(block, paused_s, 1, line=line)
 
-    def _post(self, status: WaitStatus) -> None:
+    def _post(self, status: WaitStatus | None) -> None:
+        """Keep `status` (None: only the pauses changed) and hand the block to on_post."""
+        with self._lock:
+            if status is not None:
+                if status.id in self.posted or len(self.posted) < self.MAX_WAITS_LISTED:
+                    self.posted[status.id] = status
+                elif status.outcome == "waiting":
+                    self.posted_not_listed += 1
         if self.on_post is None:
             return
         try:
             self.on_post(self, status)
         except Exception as exc:
-            logger.warning("posting the wait on %s failed: %s: %s", status.call, type(exc).__name__, exc)
+            logger.warning("posting the wait on %s failed: %s: %s", status.call if status else "the service",
+                           type(exc).__name__, exc)
 
     def _say(self, line: str) -> None:
         logger.warning(line)
@@ -280,11 +344,17 @@ class ServiceWaiter:
         raise stop
 
     def evidence(self) -> dict[str, Any]:
-        """The `service_wait` block of result.json."""
+        """The `service_wait` block of result.json: policy, pauses, the posted waits (by id, each
+        with its outcome), the stop."""
         with self._lock:
-            out: dict[str, Any] = {"policy": self.policy.as_evidence(), "pauses": [p.as_dict() for p in self.pauses]}
+            out: dict[str, Any] = {"policy": self.policy.as_evidence(), "pauses": [p.as_dict() for p in self.pauses],
+                                   "waits": self.waits, "longest_wait_s": round(self.longest_wait_s, 3)}
             if self.pauses_not_listed:
                 out["pauses_not_listed"] = self.pauses_not_listed
+            if self.posted:
+                out["waiting"] = {str(i): st.as_dict() for i, st in sorted(self.posted.items())}
+            if self.posted_not_listed:
+                out["waits_not_listed"] = self.posted_not_listed
             if self.stopped is not None:
                 out["stopped"] = {"kind": self.stopped.kind, "line": self.stopped.line}
         return out

@@ -33,7 +33,7 @@ SUBMIT_REFUSED_REASON = "sample submit refused (HTTP 429 or a billing pause); th
 class QueueReport:
     state: str  # as the SDK passed it: active, paused_capacity, paused_rate_limit, unknown; or submit_refused
     reason: str | None  # queue_state_reason (or a refused submit's error text) exactly as sent; None: none sent
-    since: float  # time.monotonic() when this state (with this reason) began
+    since: float  # time.monotonic() when this state began (a new reason text does not restart it)
     at: float  # time.monotonic() of the latest report
     http_status: int | None = None  # a refused submit's HTTP status
 
@@ -53,6 +53,8 @@ class Episode:
     began: float  # time.monotonic()
     ended: float | None = None
     http_status: int | None = None
+    seen: float = 0.0  # time.monotonic() of the latest paused report
+    reason_changes: int = 0  # how often the service reworded the pause (a queue position, say)
 
 
 _episode_ids = iter(range(1, 1 << 62))
@@ -84,8 +86,9 @@ class QueueWatch(QueueStateObserver):
         with self._lock:
             self.reports += 1
             last = self._latest
-            # A refused submit stays one pause while the SDK keeps resubmitting, whatever the text.
-            same = last is not None and last.state == state and (state == "submit_refused" or last.reason == reason)
+            # One state is one pause whatever its text: a reason that changes every poll (a queue
+            # position) or a refused submit's latest error continues the pause it reports.
+            same = last is not None and last.state == state
             self._latest = QueueReport(state, reason, last.since if same else now, now, http_status)
             current = self._episodes[-1] if self._episodes and self._episodes[-1].ended is None else None
             if current is not None and not (same and state in PAUSED_STATES):
@@ -93,10 +96,12 @@ class QueueWatch(QueueStateObserver):
                 current = None
             if state in PAUSED_STATES:
                 if current is None:
-                    self._episodes.append(Episode(_next_episode_id(), state, reason, now, http_status=http_status))
+                    self._episodes.append(Episode(_next_episode_id(), state, reason, now, http_status=http_status,
+                                                  seen=now))
                     del self._episodes[:-self.MAX_EPISODES]
-                else:  # the same pause: a refused submit's latest text
-                    current.reason, current.http_status = reason, http_status
+                else:  # the same pause: the service's latest words
+                    current.reason_changes += current.reason != reason
+                    current.reason, current.http_status, current.seen = reason, http_status, now
 
     def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
         self._set(getattr(queue_state, "value", str(queue_state)), queue_state_reason)
@@ -119,9 +124,10 @@ class QueueWatch(QueueStateObserver):
             return self._latest
 
     def episodes_since(self, t0: float) -> list[Episode]:
-        """Pauses still open or ended at or after `t0` (copies)."""
+        """Pauses reported at or after `t0` (copies): a pause last reported before `t0` (by a
+        future that has since failed, say) is not this wait's."""
         with self._lock:
-            return [replace(e) for e in self._episodes if e.ended is None or e.ended >= t0]
+            return [replace(e) for e in self._episodes if e.seen >= t0]
 
 
 class _CreationWatches:

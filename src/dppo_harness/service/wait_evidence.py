@@ -5,6 +5,7 @@ capacity_block or the hang)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -37,19 +38,24 @@ class BundlePoster:
 
     def __init__(self, bundle: Any, registry: Any = None, clock: Callable[[], float] = time.monotonic):
         self.bundle, self.registry, self.clock = bundle, registry, clock
+        self._lock = threading.Lock()  # concurrent waits (the arms') post at once
         self._last_snapshot: float | None = None
         self.posts = 0
         self.snapshots = 0
 
-    def post(self, waiter: ServiceWaiter, status: WaitStatus) -> None:
-        self.posts += 1
-        self.bundle.update_result(service_wait={**waiter.evidence(), "waiting": status.as_dict()})
-        now = self.clock()
-        due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
-        if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
-            self._last_snapshot = now
-            self.snapshots += post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}",
-                                            reserve=WAIT_SNAPSHOT_RESERVE) is not None
+    def post(self, waiter: ServiceWaiter, status: WaitStatus | None) -> None:
+        """The block as it stands; `status` None or settled (the wait ended): no snapshot."""
+        with self._lock:
+            self.posts += 1
+            self.bundle.update_result(service_wait=waiter.evidence())
+            if status is None or status.outcome != "waiting":
+                return
+            now = self.clock()
+            due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
+            if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
+                self._last_snapshot = now
+                self.snapshots += post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}",
+                                                reserve=WAIT_SNAPSHOT_RESERVE) is not None
 
     def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
         released = bool(self.registry.release_all("errored")) if self.registry is not None else False

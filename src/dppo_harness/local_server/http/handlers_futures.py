@@ -31,7 +31,8 @@ async def retrieve_future(request: web.Request) -> web.Response:
         except TimeoutError:
             pending = TryAgainResponse(request_id=request_id, queue_state=hold.queue_state if paused else "active")
             # queue_state_reason: sent by the service, read by the SDK, not in its TryAgainResponse type
-            extra = {"queue_state_reason": hold.reason} if paused and hold.reason else {}
+            reason = hold.poll_reason() if paused else None
+            extra = {"queue_state_reason": reason} if reason else {}
             return web.json_response(dump(pending) | extra, status=408)
     outcome: Outcome = fut.result()
     if outcome.kind == "proto":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.service.service_wait_policy import ServiceStopped
 from dppo_harness.stages.comparison.config import ArmSpec, ComparisonConfig, ComparisonError, Schedule, step_seed
 from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.step_rows import step_line, step_metrics
@@ -175,14 +176,16 @@ class _ArmSteps:
             self.current[name] = attempt_guard.runner
             arm.step_retries.extend(attempt_guard.failures)
 
-    def commit(self, name: str, step: int, row: dict[str, Any], attempt_guard: GuardedArmStep | None) -> None:
-        """Record a finished arm-step: steps done, the state saved at a save step, the row."""
+    def commit(self, name: str, step: int, row: dict[str, Any], attempt_guard: GuardedArmStep | None, *,
+               save: bool = True) -> None:
+        """Record a finished arm-step: steps done, the state saved at a save step (`save`), the row."""
         if not row:
             return
         arm = self.state.arms[name]
         arm.steps_done = step + 1
         row = {**row, "retries": len(attempt_guard.failures) if attempt_guard else 0}
-        if self.save_state is not None and (arm.steps_done % self.cfg.save_every == 0 or arm.steps_done == self.cfg.steps):
+        due = arm.steps_done % self.cfg.save_every == 0 or arm.steps_done == self.cfg.steps
+        if save and self.save_state is not None and due:
             arm.state_path = self.save_state(self.current[name], arm.steps_done)
             arm.state_step = arm.steps_done
             arm.saves[str(arm.steps_done)] = arm.state_path
@@ -191,15 +194,23 @@ class _ArmSteps:
         self.progress(step_line(row, self.cfg.steps))
 
     def advance(self, step: int, names: Sequence[str], pool: ThreadPoolExecutor | None) -> None:
-        """Step `step` of every arm: arm after arm, or all at once on the pool, joined before any commit."""
+        """Step `step` of every arm: arm after arm, or all at once on the pool, joined before any commit.
+
+        On the pool every arm is joined first: an arm that finished keeps its row even when
+        another failed (unsaved: its clients may be gone), and the failure raised is the service's
+        stop when there is one, not what it caused in the other arm (a closed session)."""
         if pool is None:
             for n in names:
                 self.commit(n, step, *self.run(n, step))
             return
         futures = [(n, pool.submit(self.run, n, step)) for n in names]
-        results = [(n, f.result()) for n, f in futures]
-        for n, (row, attempt_guard) in results:
-            self.commit(n, step, row, attempt_guard)
+        wait([f for _, f in futures])
+        failures = [exc for _, f in futures if (exc := f.exception()) is not None]
+        for n, f in futures:
+            if f.exception() is None:
+                self.commit(n, step, *f.result(), save=not failures)
+        if failures:
+            raise next((e for e in failures if isinstance(e, ServiceStopped)), failures[0])
 
 
 def _paired_steps(arm_steps: _ArmSteps, names: Sequence[str], start: int, pool: ThreadPoolExecutor | None,

@@ -283,6 +283,10 @@ def train_session(session: RunSession, restoration: RestorationResult | None, *,
         capacity_block = exc.block.as_dict()
         outcome = TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
                                   f"capacity: {exc}")
+    except service.ServiceStopped as exc:  # a hang (or any other stop): the training so far is registered all the same
+        session.progress(f"[comparison] stopped: {exc.line}")
+        outcome = TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
+                                  f"{exc.kind}: {exc.line}")
     except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
         outcome = _stopped(session, schedule, exc)
     finally:
