@@ -7,6 +7,7 @@ values. The local backend talks to the embedded server on loopback with a non-se
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ipaddress
 import logging
 import os
@@ -228,34 +229,54 @@ class ObservedServiceClient(tinker.ServiceClient):
         self.observe(client, label)
         return self.waiter.adopt(client, name)
 
-    def _creation(self, fut: Any, call: str, what: str) -> WaitedFuture:
+    def set_up(self, fn: Callable[[], T], call: str, what: str, *, holder: str = "_session_holder") -> T:
+        """fn(), a public SDK call whose first use builds the SDK's holder synchronously (client/config,
+        dynamic_config, create_session: a minute per attempt and minutes of retries), waited under
+        the policy as `<call> (session setup)` on a daemon thread. Once the holder exists, fn() as is."""
+        if getattr(self, holder, None) is not None:
+            return fn()
+        box: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                box.set_result(fn())
+            except BaseException as exc:  # the waiting caller gets it
+                box.set_exception(exc)
+
+        threading.Thread(target=run, name=f"sdk session setup: {call}", daemon=True).start()
+        return self.waiter.wait(box, call=f"{call} (session setup)", client=what)
+
+    def _creation(self, make: Callable[[], Any], call: str, what: str) -> WaitedFuture:
+        fut = self.set_up(make, call, what)
         return WaitedFuture(fut, self.waiter, call, what, CreationWatch(time.monotonic()),
                             then=lambda c: self.adopt(c, call))
 
     def create_lora_training_client(self, *args: Any, **kwargs: Any) -> Any:
         base = kwargs.get("base_model", args[0] if args else None)
-        return self._creation(super().create_lora_training_client(*args, **kwargs), "create_lora_training_client",
-                              f"a new LoRA client on {base}")
+        return self._creation(lambda: super(ObservedServiceClient, self).create_lora_training_client(*args, **kwargs),
+                              "create_lora_training_client", f"a new LoRA client on {base}")
 
     def create_training_client_from_state(self, *args: Any, **kwargs: Any) -> Any:
         path = kwargs.get("path", args[0] if args else None)
-        return self._creation(super().create_training_client_from_state(*args, **kwargs),
-                              "create_training_client_from_state", f"a client from {path}")
+        return self._creation(lambda: super(ObservedServiceClient, self).create_training_client_from_state(
+            *args, **kwargs), "create_training_client_from_state", f"a client from {path}")
 
     def create_training_client_from_state_with_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         path = kwargs.get("path", args[0] if args else None)
-        return self._creation(super().create_training_client_from_state_with_optimizer(*args, **kwargs),
-                              "create_training_client_from_state_with_optimizer", f"a client from {path}")
+        return self._creation(lambda: super(ObservedServiceClient, self).create_training_client_from_state_with_optimizer(
+            *args, **kwargs), "create_training_client_from_state_with_optimizer", f"a client from {path}")
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
                                **kwargs: Any) -> Any:
-        fut = super().create_sampling_client(model_path=model_path, base_model=base_model, **kwargs)
         what = f"sampler of {model_path or base_model}"
+        fut = self.set_up(lambda: super(ObservedServiceClient, self).create_sampling_client(
+            model_path=model_path, base_model=base_model, **kwargs), "create_sampling_client", what)
         return WaitedFuture(fut, self.waiter, "create_sampling_client", what, None,
                             then=lambda c: self.waiter.adopt(c, what))
 
     def _rest_client(self) -> Any:
-        return self.waiter.adopt(super()._rest_client(), "rest client")
+        made = self.set_up(super()._rest_client, "create_rest_client", "the REST client", holder="_rest_holder")
+        return self.waiter.adopt(made, "rest client")
 
 
 def notify_training_client(service_client: Any, client: Any, label: str, name: str | None = None) -> Any:
@@ -283,7 +304,10 @@ def create_from_state_with_response(service_client: Any, path: str, name: str | 
         from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
         from tinker.lib.queue_state_logger import QueueStateLogger
 
-        holder = service_client.holder
+        if isinstance(service_client, ObservedServiceClient):
+            holder = service_client.set_up(lambda: service_client.holder, call, f"a client from {path}")
+        else:
+            holder = service_client.holder
         session_id = holder.get_session_id()
         model_seq_id = holder.get_training_client_id()
     except (ImportError, AttributeError) as exc:  # pragma: no cover - other SDK versions

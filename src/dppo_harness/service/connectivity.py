@@ -16,6 +16,7 @@ is the embedded server (its marker header and `embedded_server` key, which the S
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 import time
@@ -35,6 +36,7 @@ HEADER_VARS = {"x-api-key": "TINKER_API_KEY", "modal-key": "MODAL_PROXY_TOKEN_ID
 HEADER_VARS_RUNS = {"x-api-key": "TINKER_API_KEY", "modal-key": "RUNS_PROXY_TOKEN_ID",
                     "modal-secret": "RUNS_PROXY_TOKEN_SECRET"}
 CLIENT_CONFIG_PATH = "/api/v1/client/config"
+logger = logging.getLogger(__name__)
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
 
 
@@ -137,26 +139,41 @@ def first_contact(kwargs: Mapping[str, Any], timeout_s: float) -> tuple[int, Any
     return asyncio.run(send())
 
 
-def sdk_holder(client: Any, timeout_s: float) -> Any:
-    """The session-less holder the ServiceClient builds for REST reads (config, auth, dynamic
-    config), built on a daemon thread so that the SDK's own minutes of retries cannot hold the
-    check: TimeoutError after `timeout_s`."""
+def bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """fn() on a daemon thread, so that the SDK's own minutes of retries (and the lifecycle lock
+    its holder construction keeps) cannot hold the check: TimeoutError naming `what` after `timeout_s`."""
     out: dict[str, Any] = {}
 
-    def build() -> None:
+    def run() -> None:
         try:
-            out["holder"] = client._get_rest_holder()
+            out["value"] = fn()
         except BaseException as exc:  # handed to the caller
             out["error"] = exc
 
-    t = threading.Thread(target=build, name="connectivity-sdk-holder", daemon=True)
+    t = threading.Thread(target=run, name=f"connectivity: {what}", daemon=True)
     t.start()
     t.join(timeout_s)
     if "error" in out:
         raise out["error"]
-    if "holder" not in out:
-        raise TimeoutError(f"the SDK did not finish setting up its client within {timeout_s:.0f} s")
-    return out["holder"]
+    if "value" not in out:
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
+    return out["value"]
+
+
+def sdk_holder(client: Any, timeout_s: float) -> Any:
+    """The session-less holder the ServiceClient builds for REST reads (config, auth, dynamic
+    config), built under `bounded`."""
+    return bounded(client._get_rest_holder, timeout_s, "the SDK's client setup")
+
+
+def close_probe(probe: Any, timeout_s: float) -> str | None:
+    """Close the probe's ServiceClient within `timeout_s` (close() itself waits on the lock a
+    holder still being built keeps); None when closed, else what was seen (the thread is left, a daemon)."""
+    try:
+        bounded(lambda: probe.close("success").result(timeout_s), timeout_s, "closing the probe client")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {service.error_text(exc)}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -220,7 +237,9 @@ def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str
             raise ConnectivityError("reachable", f"{var} {shown}: the SDK could not set up its client "
                                                  f"({type(exc).__name__}: {service.error_text(exc)})") from None
     finally:
-        probe.close("success").result(timeout_s)  # a session-less holder: nothing to finish on the server
+        unclosed = close_probe(probe, timeout_s)  # a session-less holder: nothing to finish on the server
+    if unclosed is not None:
+        logger.warning("the connectivity probe's client did not close (%s); it holds no session on the service", unclosed)
     if resp.status != 200:
         if resp.status in (401, 403):
             ok("reachable", f"{shown} answered HTTP {resp.status}")

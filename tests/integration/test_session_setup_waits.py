@@ -1,0 +1,67 @@
+"""The SDK's session setup is waited on like every other call: the connectivity probe keeps its
+bound when the holder's setup never ends, and a ServiceClient's first create (which builds the
+SDK's session holder: client/config, dynamic_config, create_session) stops under the hang window
+instead of the SDK's minutes of per-attempt timeouts and retries."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.faults import FaultConfig, parse_latency, parse_reject_first
+from dppo_harness.local_server.process import InProcessServer
+from dppo_harness.service import clients as service
+from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
+from dppo_harness.service.service_wait import ServiceWaiter
+from dppo_harness.service.service_wait_policy import ServiceHang, WaitPolicy
+
+MODEL = "tiny-qwen3-random"
+BASE = "Qwen/Qwen3.5-2B"
+NEVER = "600000"  # ms: longer than any bound here, shorter than the SDK's own patience
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return Engine(tmp_path_factory.mktemp("setup-run"), model_name=MODEL)
+
+
+@pytest.mark.timeout(60)
+def test_the_connectivity_probe_keeps_its_bound_when_the_sdk_setup_never_ends(engine, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(latency_ms=(parse_latency(f"client_dynamic_config:{NEVER}"),))
+    with InProcessServer(engine, faults=faults) as srv:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectivityError, match="the SDK could not set up its client"):
+            check_connectivity("local", srv.base_url, BASE, timeout_s=2)
+        assert time.monotonic() - t0 < 8  # the check's 2 s, then at most 2 s to close the probe
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["create_session", "client_config", "client_dynamic_config"])
+def test_a_session_setup_that_is_never_answered_stops_under_the_hang_window(engine, monkeypatch, kind):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(latency_ms=(parse_latency(f"{kind}:{NEVER}"),))
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=3))
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        t0 = time.monotonic()
+        with pytest.raises(ServiceHang, match=r"create_lora_training_client \(session setup\) on .*no answer for 3 s"):
+            sc.create_lora_training_client(base_model=BASE, rank=4)
+        assert time.monotonic() - t0 < 10 and waiter.stopped is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_503_on_the_first_client_config_is_retried_by_the_sdk_inside_the_wait(engine, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(reject_first=(parse_reject_first("client_config:503:1"),))
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=60))
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        try:
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+            assert tc.sdk_client.model_id and srv.state.faults.injected["client_config:503"] == 1
+            assert waiter.stopped is None and waiter.waits == 2  # the session setup, then the creation
+        finally:
+            sc.close("success").result(30)
