@@ -55,6 +55,7 @@ class _MarkerStrippingProxy(ThreadingHTTPServer):
     def __init__(self, upstream: str):
         self.upstream = upstream.rstrip("/")
         self.requests: list[str] = []
+        self.refuse_capabilities = 0  # answer this many capability reads 503, as a service with a transient fault
         super().__init__(("127.0.0.1", 0), _Handler)
 
     @property
@@ -81,6 +82,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.requests.append(f"{self.command} {path}")
         length = int(self.headers.get("Content-Length") or 0)
         data = self.rfile.read(length) if length else b""
+        if path == CAPABILITIES and self.server.refuse_capabilities > 0:
+            self.server.refuse_capabilities -= 1
+            self._answer(503, {"error": "this test's proxy: a transient fault"})
+            return
         if path in CONNECTIVITY_READS:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
             resp = httpx.request(self.command, self.server.upstream + self.path, headers=headers, content=data,
@@ -145,6 +150,36 @@ def test_unauthorized_stage_is_refused_before_any_client(service, selection, tmp
     assert f"GET {CAPABILITIES}" in sent and {r.split(" ", 1)[1] for r in sent} <= CONNECTIVITY_READS, sent
     stats = srv.stats()
     assert stats["sessions"] == 0 and stats["models"] == {}, stats
+
+
+def test_stages_selected_by_path_alone_are_checked_against_the_plan_that_will_run(service, tmp_path):
+    """`pytest tests/gates` with no -m and no --plan: the default plan (the saved spec, no launch
+    block) is the one the stage would load, so the gate is refused before the first test."""
+    srv, _proxy = service
+    proc, _secs = _harness(["tests/gates", f"--evidence-dir={tmp_path / 'evidence'}"], _proxy.url)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    (line,) = _refusal_lines(out)
+    assert "stage gate is not authorized" in line and "carries no launch block" in line, line
+    assert srv.stats()["sessions"] == 0
+
+
+def test_a_connectivity_error_at_the_launch_check_refuses_instead_of_skipping_it(service, tmp_path):
+    """A transient fault on the first capabilities read: the check cannot tell whether this is the
+    embedded server, so the run is refused there (a later retry by a fixture would have trained)."""
+    srv, proxy = service
+    proxy.refuse_capabilities = 1
+    try:
+        proc, _secs = _harness(["tests/gates", f"--plan={ROOT / 'plans' / 'exp_e6b0965af3.json'}",
+                                f"--evidence-dir={tmp_path / 'evidence'}"], proxy.url)
+    finally:
+        proxy.refuse_capabilities = 0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    (line,) = _refusal_lines(out)
+    assert "could not be told" in line and "HTTP 503" in line and "launch.authorized_stages lists gate" in line, line
+    assert "Traceback" not in out and " passed" not in out
+    assert srv.stats()["sessions"] == 0 and srv.stats()["models"] == {}
 
 
 def test_a_plan_whose_launch_authorizes_the_stage_is_not_refused(service, tmp_path):

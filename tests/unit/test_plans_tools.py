@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 from run_env import harness_env
 
-from dppo_harness.plans import RehearsalSize, launch_refusal, load_plan, make_rehearsal, unauthorized_stages
+from dppo_harness.plans import (
+    RehearsalSize,
+    launch_refusal,
+    launch_undecided_refusal,
+    load_plan,
+    make_rehearsal,
+    unauthorized_stages,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "plans" / "exp_e6b0965af3.json"
@@ -119,3 +126,9 @@ def test_launch_rule_refuses_unauthorized_training_stages_on_a_real_service():
     assert launch_refusal(diag.name, diag.launch, ("unit", "preflight", "diagnostic"), embedded=False, service="x") is None
     line = launch_refusal(diag.name, diag.launch, ("gate",), embedded=False, service="x")
     assert line is not None and "launch authorizes diagnostic (single bounded diagnostic continuation" in line
+    # the service could not be identified: refused when a stage needs authorization, never skipped
+    seen = "connectivity preflight (reachable): https://svc answered HTTP 503"
+    line = launch_undecided_refusal(spec.name, spec.launch, stages, service="https://svc", seen=seen)
+    assert line is not None and line.startswith("launch scope: stage gate, comparison is authorized only on the embedded")
+    assert seen in line and "launch.authorized_stages lists gate, comparison" in line
+    assert launch_undecided_refusal(diag.name, diag.launch, ("unit", "diagnostic"), service="x", seen=seen) is None

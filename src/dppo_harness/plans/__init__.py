@@ -8,6 +8,7 @@ in its method text), `run_config` (the typed `RunConfig` stages read), `rehearsa
 """
 
 from dppo_harness.plans.launch import refusal as launch_refusal
+from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refusal
 from dppo_harness.plans.launch import unauthorized_stages
 from dppo_harness.plans.models import (
     AUTHORIZABLE_STAGES,
@@ -73,6 +74,7 @@ __all__ = [
     "effective_config",
     "generation_audit_applicability",
     "launch_refusal",
+    "launch_undecided_refusal",
     "leaf_differences",
     "load_plan",
     "make_rehearsal",

@@ -38,3 +38,17 @@ def refusal(plan_name: str, launch: Launch | None, stages: Sequence[str], *, emb
                f"({launch.scope})")
     return (f"launch scope: stage {what} is not authorized on {service} (not the embedded server): {has}; a plan "
             f"whose launch.authorized_stages lists {what} would authorize it")
+
+
+def undecided_refusal(plan_name: str, launch: Launch | None, stages: Sequence[str], *, service: str,
+                      seen: str) -> str | None:
+    """The one-line refusal when the stages need this launch's authorization unless `service` is the
+    embedded server, and the check could not tell (`seen`: what the connectivity preflight saw).
+    None when nothing selected needs authorization."""
+    denied = unauthorized_stages(launch, stages)
+    if not denied:
+        return None
+    what = ", ".join(denied)
+    return (f"launch scope: stage {what} is authorized only on the embedded server by plan {plan_name}, and whether "
+            f"{service} is that server could not be told ({seen}); run again when the service answers, or with a plan "
+            f"whose launch.authorized_stages lists {what}")

@@ -148,27 +148,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> None:
-    """Launch scope, before the first test: on a service that is not the embedded server, a
-    collected stage the plan's launch does not authorize ends the session at once, with one line
-    saying what would authorize it (plans.launch). Only then is the connectivity preflight read
-    early (its report is reused by the `connectivity` fixture); nothing else is created."""
+    """Launch scope, once, before the first test, from the plan that will run however the stages
+    were selected (`-m`, paths, node ids): on a service that is not the embedded server, a collected
+    stage the plan's launch does not authorize ends the session at once with one line saying what
+    would authorize it (plans.launch); so does a connectivity preflight that cannot tell which
+    service it is. Its report is reused by the `connectivity` fixture; nothing else is created."""
     config = session.config
-    plan = config.stash.get(PLAN_KEY, None)
     options = config.stash[OPTIONS_KEY]
-    if plan is None or options.backend != "tinker":  # local: the harness's own embedded server
+    if options.backend != "tinker":  # local: the harness's own embedded server
         return
-    from dppo_harness.plans import launch_refusal, unauthorized_stages
+    from dppo_harness.plans import PlanError, launch_refusal, launch_undecided_refusal, load_plan, unauthorized_stages
 
     collected = sorted({it.stash.get(STAGE_KEY, "unit") for it in session.items}, key=stages.stage_index)
+    plan = config.stash.get(PLAN_KEY, None)
+    if plan is None:
+        if not unauthorized_stages(None, collected):
+            return  # nothing selected trains beyond setup: no plan needed to decide
+        try:
+            plan = config.stash[PLAN_KEY] = load_plan(options.plan_path)  # the one the `plan` fixture would load
+        except PlanError as exc:
+            pytest.exit(f"launch scope: plan {options.plan_path.name}: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
     if not unauthorized_stages(plan.launch, collected):
         return
+    from dppo_harness.service.clients import redact_url
     from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
 
+    url = os.environ["TINKER_BASE_URL"]
     try:
-        report = check_connectivity("tinker", os.environ["TINKER_BASE_URL"], plan.base_model,
+        report = check_connectivity("tinker", url, plan.base_model,
                                     proxy_tokens=options.proxy_credentials, sdk_telemetry=options.sdk_telemetry)
-    except ConnectivityError:
-        return  # the connectivity fixture reports it, with its one line
+    except ConnectivityError as exc:
+        line = launch_undecided_refusal(plan.name, plan.launch, collected, service=redact_url(url) or "the service",
+                                        seen=f"connectivity preflight ({exc.check}): {exc.line}")
+        pytest.exit(str(line), returncode=pytest.ExitCode.USAGE_ERROR)  # stages need authorization: never None
     config.stash[CONNECTIVITY_KEY] = report
     line = launch_refusal(plan.name, plan.launch, collected, embedded=report.embedded, service=report.base_url)
     if line is not None:
