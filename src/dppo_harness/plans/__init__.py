@@ -8,8 +8,8 @@ in its method text), `run_config` (the typed `RunConfig` stages read), `rehearsa
 """
 
 from dppo_harness.plans.launch import refusal as launch_refusal
-from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refusal
 from dppo_harness.plans.launch import unauthorized_stages
+from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refusal
 from dppo_harness.plans.models import (
     AUTHORIZABLE_STAGES,
     DEVIATION_FIELDS,
