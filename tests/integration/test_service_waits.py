@@ -16,6 +16,7 @@ from dppo_harness.local_server.faults import (
     parse_never_complete,
     parse_queue_pause,
     parse_reject_first,
+    parse_reject_for,
 )
 from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.local_server.profiles import make_profile
@@ -23,7 +24,13 @@ from dppo_harness.service import clients as service
 from dppo_harness.service.secrets_scan import SecretScanner, live_secret_items
 from dppo_harness.service.service_wait import ServiceWaiter
 from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
-from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceHang, WaitPolicy
+from dppo_harness.service.service_wait_policy import (
+    CapacityExhausted,
+    PaymentRequired,
+    ServiceHang,
+    ServiceStopped,
+    WaitPolicy,
+)
 
 MODEL = "tiny-qwen3-random"  # protocol paths only: the random preset starts in seconds
 BASE = "Qwen/Qwen3.5-2B"
@@ -166,3 +173,46 @@ def test_a_queue_position_that_moves_every_poll_is_one_pause_given_up_in_time(en
             assert pause["outcome"] == "gave_up" and pause["reason_changes"] >= 2
         finally:
             sc.close("success").result(30)
+
+
+def _creation_stop(engine, faults, policy):
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(policy)
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(ServiceStopped) as ei:
+                sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        finally:
+            sc.close("errored")  # not waited: the stop already ended the run
+        return ei.value, time.monotonic() - t0, waiter.evidence()
+
+
+@pytest.mark.timeout(90)
+def test_a_402_on_polls_is_its_own_stop_with_the_services_text(engine, monkeypatch):
+    """The SDK sleeps and re-polls a 402 for up to an hour without telling its observer."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(reject_for=(parse_reject_for("retrieve_future:402:600"),))
+    stop, secs, block = _creation_stop(engine, faults, WaitPolicy.from_options(capacity_patience_s=3,
+                                                                                service_timeout_s=60))
+    assert isinstance(stop, PaymentRequired) and 3 <= secs < 15, (type(stop), secs)
+    assert "HTTP 402" in stop.line and "retrieve_future refused for 600 s" in stop.line
+    assert block["stopped"]["kind"] == "payment_required" and block["stopped"]["http_status"] == 402
+    assert "injected 402" in block["stopped"]["error"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("status", [429, 503])
+def test_refused_polls_end_within_their_window_citing_the_service(engine, monkeypatch, status):
+    """429 on polls: backed off without limit by the SDK, so a capacity stop after the patience
+    window; 503: re-polled without limit, so a hang after the timeout, citing the last answer."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(reject_for=(parse_reject_for(f"retrieve_future:{status}:600"),))
+    stop, secs, block = _creation_stop(engine, faults, WaitPolicy.from_options(capacity_patience_s=3,
+                                                                                service_timeout_s=4))
+    assert secs < 20, secs
+    if status == 429:
+        assert isinstance(stop, CapacityExhausted) and stop.block.error.startswith("HTTP 429 on polls: ")
+    else:
+        assert isinstance(stop, ServiceHang) and "the service's last answer: HTTP 503: " in stop.line
+        assert block["stopped"]["http_status"] == 503 and "injected 503" in block["stopped"]["error"]

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CAPACITY_EXHAUSTED_TEXT = "trainer capacity exhausted"
-REJECT_STATUSES = (401, 429, 503)  # 401: a credential the service stops accepting mid-run
+# 401: a credential the service stops accepting mid-run; 402: payment or credits (the SDK pauses up to an hour)
+REJECT_STATUSES = (401, 402, 429, 500, 502, 503)
 PAUSE_STATES = ("paused_capacity", "paused_rate_limit")
 FOREVER = ("forever", "inf")
 ANY_KIND = "*"

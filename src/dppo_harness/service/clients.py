@@ -34,7 +34,12 @@ from dppo_harness.service.service_wait_policy import (  # noqa: F401  (re-export
     ServiceConfigError,
     ServiceStopped,
 )
-from dppo_harness.service.service_wait_watch import CreationWatch, QueueWatch, install_creation_watch
+from dppo_harness.service.service_wait_watch import (
+    CreationWatch,
+    QueueWatch,
+    install_creation_watch,
+    install_transport_watch,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -206,6 +211,7 @@ class ObservedServiceClient(tinker.ServiceClient):
         self.created: list[CreatedClient] = []
         self.waiter = waiter or ServiceWaiter()
         install_creation_watch()  # creation pauses reach the waiter too
+        install_transport_watch()  # and the poll errors the SDK retries without a word
 
     def observe(self, client: Any, label: str) -> None:
         model_id = getattr(client, "model_id", None)

@@ -43,11 +43,19 @@ from dppo_harness.service.service_wait_policy import (
     CapacityBlock,
     CapacityExhausted,
     CapacityTracker,
+    PaymentRequired,
     ServiceHang,
     ServiceStopped,
     WaitPolicy,
 )
-from dppo_harness.service.service_wait_watch import QueueReport, QueueWatch, watch_sampling_client
+from dppo_harness.service.service_wait_watch import (
+    PAYMENT_REQUIRED,
+    POLL_REFUSED,
+    TRANSPORT_ERROR,
+    QueueReport,
+    QueueWatch,
+    watch_sampling_client,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +247,8 @@ class ServiceWaiter:
                     last_pause = rep if paused else self._last_pause(watch, t0)
                     self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s:
-                    self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None))
+                    said = (rep.http_status, rep.reason) if rep is not None and rep.state == TRANSPORT_ERROR else None
+                    self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None, said))
                 if now >= next_post:
                     next_post = now + p.post_every_s
                     self._post(self._status(wait_id, call, client, since, clock, rep, "waiting"))
@@ -297,11 +306,16 @@ class ServiceWaiter:
                 pause.outcome = "resumed"
                 self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
 
-    def _capacity_stop(self, call: str, client: str, rep: QueueReport, paused_s: float, window: float) -> CapacityExhausted:
+    def _capacity_stop(self, call: str, client: str, rep: QueueReport, paused_s: float, window: float
+                       ) -> ServiceStopped:
         steps = int(self.tracker())
-        error = rep.reason if rep.reason is not None else f"queue_state {rep.state} (the service sent no reason)"
-        block = CapacityBlock(error, steps, False)
         option = "--capacity-patience-after-steps-s" if steps > 0 else "--capacity-patience-s"
+        if rep.state == PAYMENT_REQUIRED:
+            return PaymentRequired(call, client, paused_s, rep.reason, option, window)
+        error = rep.reason if rep.reason is not None else f"queue_state {rep.state} (the service sent no reason)"
+        if rep.state == POLL_REFUSED:
+            error = f"HTTP 429 on polls: {error}"
+        block = CapacityBlock(error, steps, False)
         line = (f"{call} on {client}: paused by the service for {int(paused_s)} s ({rep.state}: {error}); "
                 f"giving up after {option}={window:g}")
         return CapacityExhausted(block, paused_s, 1, line=line)
@@ -356,5 +370,5 @@ class ServiceWaiter:
             if self.posted_not_listed:
                 out["waits_not_listed"] = self.posted_not_listed
             if self.stopped is not None:
-                out["stopped"] = {"kind": self.stopped.kind, "line": self.stopped.line}
+                out["stopped"] = {"kind": self.stopped.kind, "line": self.stopped.line, **self.stopped.details()}
         return out

@@ -144,6 +144,10 @@ class ServiceStopped(BaseException):
     def result_fields(self) -> dict[str, Any]:
         return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
 
+    def details(self) -> dict[str, Any]:
+        """What the service said, for result.json's service_wait.stopped (beside kind and line)."""
+        return {}
+
 
 @dataclass(frozen=True)
 class CapacityBlock:
@@ -177,15 +181,41 @@ class CapacityExhausted(ServiceStopped):
         return self.block.result_fields()
 
 
+class PaymentRequired(ServiceStopped):
+    """The service answered the call's polls with HTTP 402 (payment or credits) for the whole
+    capacity window; the SDK alone would sleep and re-poll for up to an hour."""
+
+    kind = "payment_required"
+
+    def __init__(self, call: str, client: str, waited_s: float, text: str | None, option: str, window: float):
+        super().__init__(f"{call} on {client}: the service refused it with HTTP 402 (payment or credits) for "
+                         f"{int(waited_s)} s: {text or 'no text sent'}; giving up after {option}={window:g}")
+        self.call, self.client, self.waited_s, self.text = call, client, waited_s, text
+
+    def details(self) -> dict[str, Any]:
+        return {"http_status": 402, "error": self.text}
+
+
 class ServiceHang(ServiceStopped):
     """A request whose queue was active gave no answer for the whole service timeout."""
 
     kind = "no_answer"
 
-    def __init__(self, call: str, client: str, waited_s: float, queue_state: str | None):
+    def __init__(self, call: str, client: str, waited_s: float, queue_state: str | None,
+                 last_answer: tuple[int | None, str | None] | None = None):
+        said = ""
+        if last_answer is not None:
+            status, text = last_answer
+            said = f"; the service's last answer: {f'HTTP {status}' if status else 'no response'}: {text or 'no text'}"
         super().__init__(f"{call} on {client}: no answer for {int(waited_s)} s"
-                         f" (queue state {queue_state or 'never reported'}; --service-timeout-s)")
+                         f" (queue state {queue_state or 'never reported'}{said}; --service-timeout-s)")
         self.call, self.client, self.waited_s, self.queue_state = call, client, waited_s, queue_state
+        self.last_answer = last_answer
+
+    def details(self) -> dict[str, Any]:
+        if self.last_answer is None:
+            return {}
+        return {"http_status": self.last_answer[0], "error": self.last_answer[1]}
 
 
 @dataclass

@@ -23,7 +23,13 @@ from tinker.lib.api_future_impl import QueueState, QueueStateObserver
 
 logger = logging.getLogger(__name__)
 
-PAUSED_STATES = frozenset({"paused_capacity", "paused_rate_limit", "submit_refused"})
+# States the harness adds to the SDK's own (active, paused_capacity, paused_rate_limit, unknown), from
+# what the SDK retries without telling its observer: a refused sample submit, and refused polls.
+PAYMENT_REQUIRED = "payment_required"  # HTTP 402 on a poll: the SDK sleeps and re-polls for up to an hour
+POLL_REFUSED = "poll_refused"  # HTTP 429 on a poll: the SDK backs off and re-polls without limit
+TRANSPORT_ERROR = "transport_error"  # 5xx or no answer (connection reset) on a poll: re-polled without limit
+PAUSED_STATES = frozenset({"paused_capacity", "paused_rate_limit", "submit_refused", PAYMENT_REQUIRED, POLL_REFUSED})
+MAX_TEXT = 500  # of an error text kept from a refused poll
 # What the harness records for a refused sample submit whose answer it did not see (the SDK swallows
 # the 429 or billing pause inside SamplingClient._send_asample_request and retries it).
 SUBMIT_REFUSED_REASON = "sample submit refused (HTTP 429 or a billing pause); the SDK retries it without limit"
@@ -111,6 +117,12 @@ class QueueWatch(QueueStateObserver):
             except Exception as exc:  # the SDK's logger must not break the harness's watch
                 logger.debug("queue-state observer failed: %s", exc)
 
+    def on_transport_error(self, http_status: int, text: str) -> None:
+        """A poll the SDK will retry without telling the observer (402, 429, 5xx, no answer):
+        kept as a state with the service's own text and status."""
+        state = PAYMENT_REQUIRED if http_status == 402 else POLL_REFUSED if http_status == 429 else TRANSPORT_ERROR
+        self._set(state, text[:MAX_TEXT], http_status or None)
+
     def on_submit_refused(self, http_status: int | None = None, text: str | None = None) -> None:
         self._set("submit_refused", text if text is not None else SUBMIT_REFUSED_REASON, http_status)
 
@@ -183,6 +195,9 @@ def install_creation_watch() -> bool:
                 self.watch.on_queue_state_change(queue_state, queue_state_reason)
                 super().on_queue_state_change(queue_state, queue_state_reason)
 
+            def on_transport_error(self, http_status: int, text: str) -> None:
+                self.watch.on_transport_error(http_status, text)
+
             def latest(self) -> QueueReport | None:
                 return self.watch.latest()
 
@@ -191,6 +206,40 @@ def install_creation_watch() -> bool:
 
         sc_module.QueueStateLogger = WatchedQueueStateLogger
         _installed = True
+        return True
+
+
+_transport_installed = False
+
+
+def install_transport_watch() -> bool:
+    """Let each future's observer see the poll errors the SDK retries silently (402 for up to an
+    hour, 429 and 5xx and connection resets without limit): `_APIFuture._handle_transport_error`
+    first tells an observer that has `on_transport_error` (the harness's watches), then does what
+    the SDK does. True if installed."""
+    global _transport_installed
+    with _install_lock:
+        if _transport_installed:
+            return True
+        try:
+            from tinker.lib.api_future_impl import _APIFuture
+        except ImportError:  # pragma: no cover - another SDK layout
+            return False
+        original = getattr(_APIFuture, "_handle_transport_error", None)
+        if original is None:  # pragma: no cover - another SDK layout
+            logger.warning("the SDK's futures have no _handle_transport_error: refused polls are not observed")
+            return False
+
+        async def observed(self: Any, err: Any, *args: Any, **kwargs: Any) -> Any:
+            note = getattr(getattr(self, "_queue_state_observer", None), "on_transport_error", None)
+            status = getattr(err, "status_code", None)
+            if callable(note) and status != 408:  # a 408 is try_again: its queue state reaches the observer
+                with contextlib.suppress(Exception):
+                    note(int(status or 0), str(getattr(err, "detail", "")))
+            return await original(self, err, *args, **kwargs)
+
+        _APIFuture._handle_transport_error = observed
+        _transport_installed = True
         return True
 
 
@@ -257,6 +306,7 @@ def watch_sampling_client(client: Any) -> QueueWatch:
         return existing
     watch = QueueWatch(client.on_queue_state_change)
     client.on_queue_state_change = watch.on_queue_state_change
+    client.on_transport_error = watch.on_transport_error
     tap = _SubmitTap(client.holder)
     client.holder = tap
     send = client._send_asample_request
