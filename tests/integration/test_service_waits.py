@@ -165,9 +165,12 @@ def test_a_queue_position_that_moves_every_poll_is_one_pause_given_up_in_time(en
         try:
             tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
             t0 = time.monotonic()
+            step = tc.optim_step(tinker.AdamParams(learning_rate=1e-3))
             with pytest.raises(CapacityExhausted) as cap:
-                tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+                step.result()
             assert 4 <= time.monotonic() - t0 < 12
+            # the stop cancelled the SDK's wait: nothing polls on for a stopped run
+            assert step.future().cancelled() and waiter.evidence()["stopped"]["futures_cancelled"] == 1
             assert "; queue position " in cap.value.block.error  # the service's latest words
             (pause,) = [p.as_dict() for p in waiter.pauses if p.call == "optim_step"]
             assert pause["outcome"] == "gave_up" and pause["reason_changes"] >= 2

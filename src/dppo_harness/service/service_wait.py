@@ -31,6 +31,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -172,6 +173,22 @@ class ServiceWaiter:
         self.stopped: ServiceStopped | None = None
         self.waits = 0
         self.longest_wait_s = 0.0
+        self._issued: weakref.WeakSet[Any] = weakref.WeakSet()  # every WaitedFuture handed out
+        self.abandoned = 0  # futures still pending at the stop, cancelled
+
+    def track(self, future: Any) -> None:
+        """Keep a handed-out future, so that a stop can cancel it if it is still pending."""
+        with self._lock:
+            self._issued.add(future)
+
+    def abandon_pending(self) -> int:
+        """Cancel every handed-out future still pending (after a stop); how many were."""
+        with self._lock:
+            issued = list(self._issued)
+        cancelled = sum(1 for f in issued if f.abandon())
+        with self._lock:
+            self.abandoned += cancelled
+        return cancelled
 
     # -- adopting clients
 
@@ -350,6 +367,7 @@ class ServiceWaiter:
                 self.stopped = stop
         if first:
             self._say(f"service: stopping: {stop.line}")
+            self.abandon_pending()  # before on_stop releases the sessions: nothing polls on for a stopped run
             if self.on_stop is not None:
                 try:
                     self.on_stop(self, stop)
@@ -370,5 +388,6 @@ class ServiceWaiter:
             if self.posted_not_listed:
                 out["waits_not_listed"] = self.posted_not_listed
             if self.stopped is not None:
-                out["stopped"] = {"kind": self.stopped.kind, "line": self.stopped.line, **self.stopped.details()}
+                out["stopped"] = {"kind": self.stopped.kind, "line": self.stopped.line, **self.stopped.details(),
+                                  "futures_cancelled": self.abandoned}
         return out

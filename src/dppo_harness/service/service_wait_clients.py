@@ -27,6 +27,7 @@ class WaitedFuture:
         self._inner, self._waiter, self._call, self._client, self._watch = inner, waiter, call, client, watch
         self._then, self._value, self._has_value = then, None, False
         self._lock = threading.Lock()
+        waiter.track(self)
 
     def result(self, timeout: float | None = None) -> Any:
         value = self._waiter.wait(self._inner, call=self._call, client=self._client, watch=self._watch,
@@ -46,6 +47,16 @@ class WaitedFuture:
 
     def future(self) -> Any:
         return self._inner.future()
+
+    def abandon(self) -> bool:
+        """Cancel the SDK's wait for this result (a stop ended the run): its polls stop, and for a
+        sample the SDK sends the service's cancel_future. True if it was still pending."""
+        inner = getattr(self._inner, "future", None)
+        try:
+            pending = inner() if callable(inner) else None
+            return bool(pending is not None and not pending.done() and pending.cancel())
+        except Exception:  # cancelling is best effort: the stop is what matters
+            return False
 
     def __repr__(self) -> str:
         return f"WaitedFuture({self._call} on {self._client})"
