@@ -146,7 +146,8 @@ def test_predictions_observations_and_decision_are_consistent(comparison_run, ev
 def test_evidence_verify_passes(comparison_run, evidence_bundle):
     out = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(evidence_bundle.dir)],
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+    running = evidence_bundle.result["status"] == "running"  # final only once the stage posted it
+    assert out.returncode == (3 if running else 0), out.stdout + out.stderr
     assert evidence_bundle.entry("report.md") is not None
 
 

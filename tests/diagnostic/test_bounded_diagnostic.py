@@ -41,7 +41,10 @@ def test_conclusion_is_classified_and_not_a_defect(diagnostic_run, evidence_bund
 
 def test_evidence_verify_and_offline_replay_pass(diagnostic_run, evidence_bundle):
     verify = _cli("dppo_harness.evidence", evidence_bundle.dir)
-    assert verify.returncode == 0, verify.stdout + verify.stderr
+    # mid-session the hashes hold but the result is not final yet (it is written at session end)
+    running = evidence_bundle.result["status"] == "running"
+    assert verify.returncode == (3 if running else 0), verify.stdout + verify.stderr
+    assert ("verify: INCOMPLETE" if running else "verify: OK") in verify.stdout
     replay = _cli("dppo_harness.instrument.replay", evidence_bundle.dir)
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert f"{diagnostic_run.updates_done} loss calls" in replay.stdout

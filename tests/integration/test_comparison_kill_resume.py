@@ -135,6 +135,9 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     killed = evidence / killed_id
     assert json.loads((killed / "result.json").read_text())["status"] == "running"
     assert verify_bundle(killed) == [], "the killed run's bundle does not verify"
+    told = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(killed)],
+                          capture_output=True, text=True, timeout=300)
+    assert told.returncode == 3 and "INCOMPLETE" in told.stdout, told.stdout  # hashes hold; never read as verified
     state = json.loads(state_path(evidence / "comparison-state", killed_id).read_text())
     assert all(a["steps_done"] == KILL_AFTER and str(KILL_AFTER) not in a["saves"] for a in state["arms"].values()), state
     killed_files = [f["name"] for f in json.loads((killed / "result.json").read_text())["evidence"]["files"]]

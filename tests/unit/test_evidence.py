@@ -272,8 +272,12 @@ def test_verify_good_tampered_and_missing(bundle):
     bundle.register_json("metrics.json", "metrics", {"a": 1})
     bundle.register_bytes("predictions.jsonl", "predictions", b'{"item_id": "1"}\n')
     bundle.update_result(initialization_provenance={"dppo": {"initial_output": {"evidence_ref": "metrics.json#a"}}})
+    running = _cli("verify", str(bundle.dir))  # hashes hold, but the run has not ended (killed, or still running)
+    assert running.returncode == 3 and "INCOMPLETE" in running.stdout and "'running'" in running.stdout, running.stdout
+    bundle.update_result(status="failed", verdict="inconclusive", outcome_reason="incomplete_execution",
+                         original_hypothesis_tested=False, tested_instead="nothing: a test bundle")
     ok = _cli("verify", str(bundle.dir))
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "verify: OK" in ok.stdout and "(status failed)" in ok.stdout, ok.stdout + ok.stderr
     assert _cli("verify", str(bundle.dir.parent)).returncode == 0  # root with LATEST
     path = bundle.file_path("metrics.json")
     data = bytearray(path.read_bytes())

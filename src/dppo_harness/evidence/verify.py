@@ -140,6 +140,10 @@ def _reference_problems(result: Any, by_name: Mapping[str, Mapping[str, Any]]) -
     return problems
 
 
+FINAL_STATUSES = ("succeeded", "failed")
+INCOMPLETE_EXIT = 3  # the hashes hold, the run did not end: never read as verified
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dppo_harness.evidence")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -156,6 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"verify: {len(problems)} problem(s) in {args.dir}")
         return 1
     target = run_dir_of(args.dir)
-    n = len(json.loads((target / RESULT_FILE).read_text())["evidence"]["files"])
-    print(f"verify: OK, {n} registered file(s) match their sha256 and size in {target}")
+    result = json.loads((target / RESULT_FILE).read_text())
+    n = len(result["evidence"]["files"])
+    if result.get("status") not in FINAL_STATUSES:
+        print(f"verify: INCOMPLETE, {n} registered file(s) match their sha256 and size in {target}, but its status is "
+              f"{result.get('status')!r}: the run was killed or is still running, so its result is not final")
+        return INCOMPLETE_EXIT
+    print(f"verify: OK, {n} registered file(s) match their sha256 and size in {target} (status {result['status']})")
     return 0
