@@ -157,6 +157,21 @@ def test_planted_secret_in_result_json_is_blocked(tmp_path, monkeypatch):
         b2.register_json("cfg.json", "effective_config", {"key": "s3cr3t-explicit-value"})
 
 
+def test_a_failure_is_sticky_whatever_closes_the_run_later(tmp_path, monkeypatch):
+    """A scanner refusal swallowed by a wait post marks the run failed; the stage's later
+    'succeeded' close must not merge over it (status, verdict, reason and summary stay)."""
+    monkeypatch.setenv("MODAL_PROXY_TOKEN_SECRET", FAKE_MODAL)
+    b = EvidenceBundle.create(tmp_path, "sticky")
+    with pytest.raises(SecretLeakError):
+        b.update_result(service_wait={"waiting": {"1": {"queue_state_reason": FAKE_MODAL}}})
+    assert b.result["status"] == "failed"
+    b.finish("succeeded", "supported", "supported", "The comparison supports the hypothesis.",
+             original_hypothesis_tested=True, metrics={"late": 1.0})
+    r = json.loads((b.dir / "result.json").read_text())
+    assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
+    assert "secret scanner" in r["summary"] and r["metrics"]["late"] == 1.0  # the rest still merges
+
+
 def test_result_merge_keeps_numbers_and_shape(bundle):
     bundle.update_result(metrics={"a": 1.0, "arms": {"dppo": {"loss": 0.5}}},
                          correctness_preflight={"required": True, "paths": [{"errors": {"x": {"max_abs_error": 1e-9}}}]})
@@ -476,3 +491,21 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
     b.finish("succeeded", "inconclusive", "incomplete_execution", original_hypothesis_tested=False,
              tested_instead="the rehearsal's plumbing", summary="Ran.")
     assert b.result["summary"].startswith(ev.result.REHEARSAL_PLAN_PREFIX)
+
+
+def test_atomic_write_syncs_the_file_and_then_its_directory(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from dppo_harness.evidence import files
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    files.atomic_write(tmp_path / "result.json", b"{}\n")
+    assert synced == ["file", "dir"] and (tmp_path / "result.json").read_bytes() == b"{}\n"

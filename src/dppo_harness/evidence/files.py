@@ -43,8 +43,23 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (the entry, not only the file's bytes, survives a crash)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory handles: the rename is as durable as it gets
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same directory, fsync, then os.replace (never a torn file)."""
+    """Write via a temp file in the same directory, fsync, os.replace, then fsync the directory
+    (never a torn file, never a rename lost in a crash)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -53,6 +68,7 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()

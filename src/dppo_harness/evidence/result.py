@@ -257,8 +257,16 @@ def check_update_keys(fields: Mapping[str, Any]) -> None:
                     raise EvidenceError(f"evidence.{sub}: managed by the bundle (register_*/add_checkpoint)")
 
 
+# A failed run stays failed: a later, more hopeful close (a stage's "succeeded" after a swallowed
+# refusal) cannot replace the failure's status, verdict, reason or summary.
+STICKY_AFTER_FAILURE = ("status", "verdict", "outcome_reason", "summary")
+
+
 def merged_result(old: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
-    """old deep-merged with fields; every number in old survives, completed_arms only grows."""
+    """old deep-merged with fields; every number in old survives, completed_arms only grows, and a
+    failed status is sticky (STICKY_AFTER_FAILURE keep the failure's values)."""
+    if old.get("status") == "failed" and fields.get("status", "failed") != "failed":
+        fields = {k: v for k, v in fields.items() if k not in STICKY_AFTER_FAILURE}
     new = deep_merge(old, dict(fields))
     if "completed_arms" in fields:
         arms = list(old["completed_arms"])
