@@ -62,7 +62,7 @@ from dppo_harness.local_server.http.handlers_training import (
     save_weights,
     save_weights_for_sampler,
 )
-from dppo_harness.local_server.http.state import ServerState, state_of
+from dppo_harness.local_server.http.state import STATE_KEY, ServerState, state_of
 from dppo_harness.local_server.http.work import error_json
 
 request_log = logging.getLogger("dppo_harness.local_server.requests")
@@ -77,7 +77,7 @@ SHUTDOWN_GRACE_S = 1.0
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_log_requests, _authenticate, _faults_and_errors],
                           client_max_size=512 * 1024 * 1024)
-    app["state"] = state
+    app[STATE_KEY] = state
     app.on_response_prepare.append(_add_marker)
     r = app.router
     r.add_get(f"{API}/healthz", healthz)

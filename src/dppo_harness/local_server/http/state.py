@@ -194,8 +194,11 @@ class ServerState:
         self.misc_pool.shutdown(wait=False, cancel_futures=True)
 
 
+STATE_KEY: web.AppKey[ServerState] = web.AppKey("state", ServerState)
+
+
 def state_of(request: web.Request) -> ServerState:
-    return request.app["state"]
+    return request.app[STATE_KEY]
 
 
 def session_of(state: ServerState, session_id: str) -> dict[str, Any]:
