@@ -65,3 +65,30 @@ def test_weight_assets_are_referenced_by_hash_not_archived():
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         assert asset not in zf.namelist()
     assert verify_archive(data) == []
+
+
+def test_the_archive_takes_tracked_files_only_and_never_a_secret_named_one(tmp_path):
+    import os
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "src" / "dppo_harness").mkdir(parents=True)
+    (repo / "src" / "dppo_harness" / "m.py").write_text("x = 1\n")
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_m.py").write_text("def test(): pass\n")
+    git_env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t",
+                   GIT_COMMITTER_EMAIL="t@e")
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True, env=git_env, capture_output=True)
+    (repo / "tests" / ".env").write_text("WANDB_API_KEY=planted-untracked-dotenv-value\n")
+    (repo / "tests" / "scratch_notes.py").write_text("TOKEN = 'planted-untracked-notes'\n")
+    data, manifest = build_archive(repo, commit="abc")
+    assert [m["path"] for m in manifest["members"]] == ["src/dppo_harness/m.py", "tests/test_m.py"]
+    assert b"planted-untracked" not in data
+    # without git nothing tells tracked from untracked, but a secret-named file is still never taken
+    import shutil
+
+    shutil.rmtree(repo / ".git")
+    _, manifest = build_archive(repo, commit=None)
+    paths = [m["path"] for m in manifest["members"]]
+    assert "tests/.env" not in paths and "tests/scratch_notes.py" in paths

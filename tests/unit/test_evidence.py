@@ -270,13 +270,15 @@ def test_provenance_plan_and_code_revision(tmp_path, bundle):
         subprocess.run(["git", "-C", str(repo), *cmd], check=True, env=git_env, capture_output=True)
     (repo / "src" / "dppo_harness" / "m.py").write_text("x = 2\n")
     (repo / "new_file.py").write_text("y = 3\n")
+    (repo / ".env").write_text("HF_TOKEN=hf_planted_in_an_untracked_dotenv_file\n")  # no .gitignore rule here
     status_before = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True).stdout
     entries = bundle.register_code_revision(repo)
     assert [e["kind"] for e in entries] == ["code_revision", "code_patch"]
     info = json.loads(bundle.file_path("code-revision.json").read_text())
-    assert len(info["commit"]) == 40 and info["dirty"] and info["untracked_files"] == ["new_file.py"]
+    assert len(info["commit"]) == 40 and info["dirty"] and info["untracked_files"] == [".env", "new_file.py"]
+    assert [u["path"] for u in info["untracked_not_in_patch"]] == [".env", "new_file.py"]  # by hash only
     patch = bundle.file_path("code.patch").read_text()
-    assert "+x = 2" in patch and "+y = 3" in patch
+    assert "+x = 2" in patch and "+y = 3" not in patch and "hf_planted" not in patch  # tracked diff only
     assert subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True).stdout == status_before
     script = bundle.register_script(repo / "new_file.py", repo)
     assert script["name"] == "script-new_file.py" and script["kind"] == "script"

@@ -13,9 +13,11 @@ can check the bytes the run loaded against the ones its recipe rebuilds.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import io
 import json
+import subprocess
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,10 +33,34 @@ ARCHIVED = ("src/dppo_harness", "tests", "plans", "conftest.py", "pyproject.toml
 _SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 _FIXED_TIME = (2020, 1, 1, 0, 0, 0)
 _REFERENCED_SUFFIXES = (".pt",)
+# Names that hold credentials by convention: never archived, tracked or not.
+SECRET_FILE_PATTERNS = (".env", ".env.*", "*.env", ".envrc", ".netrc", ".pypirc", "*.pem", "*.key", "*.p12",
+                        "credentials", "credentials.json", "id_rsa*", "id_ed25519*")
+
+
+def is_secret_file(path: Path) -> bool:
+    name = path.name.lower()
+    return any(fnmatch.fnmatch(name, pat) for pat in SECRET_FILE_PATTERNS)
+
+
+def tracked_files(root: Path) -> set[Path] | None:
+    """The files git tracks under `root` (None: not a git checkout, or git unavailable)."""
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return {(root / rel).resolve() for rel in out.stdout.decode().split("\0") if rel}
 
 
 def archived_paths(root: Path, include: Iterable[str] = ARCHIVED) -> list[Path]:
-    """Every file under the archived roots (sorted, caches and compiled files left out)."""
+    """Every file under the archived roots (sorted; caches, compiled files and secret-named files
+    left out); in a git checkout, only the files git tracks (an untracked file is the user's, not
+    the run's code: code.patch lists it by hash)."""
+    root = Path(root).resolve()
     out: set[Path] = set()
     for rel in include:
         p = root / rel
@@ -43,7 +69,8 @@ def archived_paths(root: Path, include: Iterable[str] = ARCHIVED) -> list[Path]:
         elif p.is_dir():
             out.update(f for f in p.rglob("*") if f.is_file() and not _SKIP_PARTS & set(f.parts)
                        and f.suffix not in (".pyc", ".pyo"))
-    return sorted(out)
+    tracked = tracked_files(root)
+    return sorted(f for f in out if not is_secret_file(f) and (tracked is None or f.resolve() in tracked))
 
 
 def build_archive(root: Path, *, commit: str | None = None,

@@ -31,9 +31,10 @@ def _source_sha256(root: Path) -> str | None:
 
 
 def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[dict[str, Any], bytes]:
-    """(revision info, patch bytes): git commit plus the full uncommitted diff, untracked files included.
+    """(revision info, patch bytes): the git commit plus the diff of tracked files.
 
-    Read-only: uses `git diff --no-index` for untracked files instead of touching the index.
+    Untracked files are listed with their path, size and sha256 but never inlined: a `.env` or a
+    notes file with a token in it is the user's, not the run's code. Read-only (no index change).
     """
     info: dict[str, Any] = {"repo": root.name, "source_sha256": _source_sha256(root)}
     head = _git(root, "rev-parse", "HEAD") if (root / ".git").exists() else None
@@ -42,22 +43,16 @@ def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[dict[str, A
                      "reason": "not a git checkout (or no commit); source_sha256 identifies the package source"})
         return info, b""
     info.update({"commit": head.stdout.decode().strip(), "available": True})
-    tracked = _git(root, "diff", "HEAD", "--binary").stdout
+    patch = _git(root, "diff", "HEAD", "--binary").stdout
     excl = [Path(e).resolve() for e in exclude]
-    untracked, skipped = [], []
+    untracked, listed = [], []
     out = _git(root, "ls-files", "--others", "--exclude-standard", "-z").stdout.decode()
     for rel in filter(None, out.split("\0")):
         p = (root / rel).resolve()
-        if any(p == e or e in p.parents for e in excl):
-            continue
-        if p.stat().st_size > 2 * 1024 * 1024:  # large data: listed with its hash, not inlined
-            skipped.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_bytes(p.read_bytes())})
+        if any(p == e or e in p.parents for e in excl) or not p.is_file():
             continue
         untracked.append(rel)
-    parts = [tracked]
-    for rel in untracked:
-        parts.append(_git(root, "diff", "--no-index", "--binary", "--", "/dev/null", rel).stdout)
-    patch = b"".join(parts)
-    info.update({"dirty": bool(patch), "untracked_files": untracked, "untracked_not_in_patch": skipped,
-                 "patch_sha256": sha256_bytes(patch) if patch else None})
+        listed.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_bytes(p.read_bytes())})
+    info.update({"dirty": bool(patch) or bool(untracked), "untracked_files": untracked,
+                 "untracked_not_in_patch": listed, "patch_sha256": sha256_bytes(patch) if patch else None})
     return info, patch
