@@ -11,6 +11,7 @@ import json
 import os
 import re
 import secrets
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypedDict
@@ -41,6 +42,24 @@ class FileEntry(TypedDict):
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why nothing can be written at `directory` (or where it would be created), else None: a probe
+    file is created and removed in it or its nearest existing parent (permission bits alone say
+    nothing for root or on a read-only mount)."""
+    target = Path(directory)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    if not target.is_dir():
+        return f"{target} is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"cannot write in {target}: {exc.strerror or type(exc).__name__}"
+    return None
 
 
 def fsync_dir(directory: Path) -> None:

@@ -11,6 +11,7 @@ from typing import Literal
 import pytest
 
 from dppo_harness import constants, project
+from dppo_harness.evidence.files import unwritable_reason
 from dppo_harness.plans import Plan, PlanError, load_plan
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.session import HarnessOptions, StageState
@@ -102,6 +103,8 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
             raise pytest.UsageError(f"--evidence-dir not given and no default: {exc}") from None
     if evidence_dir.exists() and not evidence_dir.is_dir():
         raise pytest.UsageError(f"--evidence-dir: not a directory: {evidence_dir}")
+    if run_stages != ("unit",) and (problem := unwritable_reason(evidence_dir)) is not None:
+        raise pytest.UsageError(f"--evidence-dir {evidence_dir}: {problem}; nothing was run (give a writable directory)")
     save_every = config.getoption("--save-every")
     if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
         raise pytest.UsageError(f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (the brief asks "
