@@ -264,3 +264,15 @@ def test_resized_plan_changes_size_fields_together_and_never_the_input():
     assert (cfg.steps, cfg.groups_per_batch, cfg.max_tokens, cfg.eval_items) == (3, 2, 64, 5)
     assert "groups_per_batch=2" in small.run.groups_per_batch.source and small.sha256 == SPEC.sha256
     assert SPEC.raw["steps"] == 100 and "groups_per_batch=32" in SPEC.raw["method"] and SPEC.run.rollout_steps == 50
+
+
+def test_a_comparison_served_by_the_embedded_server_is_a_rehearsal_whatever_the_flag():
+    from dppo_harness.plans import load_plan
+    from dppo_harness.stages.comparison.run import is_rehearsal
+
+    spec = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json")
+    marker_seen = {"backend": {"kind": "local", "requested_backend": "tinker",
+                               "embedded_server": {"stand_in": "local/tiny-qwen3-gsm8k"}}}
+    assert is_rehearsal(spec, "tinker", marker_seen)  # --backend tinker, but the embedded server answered
+    assert is_rehearsal(spec, "local", {"backend": {"kind": "local"}})
+    assert not is_rehearsal(spec, "tinker", {"backend": {"kind": "tinker", "served_model": "Qwen/Qwen3.5-2B"}})

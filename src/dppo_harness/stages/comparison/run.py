@@ -8,7 +8,7 @@ completed_arms, metrics) -> evaluate base and both final checkpoints -> decision
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,13 @@ def _frozen_evaluator(cfg: ComparisonConfig, bundle: EvidenceBundle) -> evaluati
     return evaluator
 
 
+def is_rehearsal(plan: Plan, backend: str, result: Mapping[str, Any]) -> bool:
+    """A rehearsal by what served the run, not by the flag that chose the client: a rehearsal plan,
+    the local backend, or the embedded server's marker seen behind `--backend tinker`."""
+    served = result.get("backend") or {}
+    return plan.kind == "rehearsal" or backend == "local" or bool(served.get("embedded_server"))
+
+
 def run_comparison(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -90,7 +97,7 @@ def run_comparison(
     if plan.run is None:
         raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
     cfg = comparison_config(plan.run, save_every=save_every)
-    rehearsal = plan.kind == "rehearsal" or backend == "local"
+    rehearsal = is_rehearsal(plan, backend, bundle.result)
     evaluator = _frozen_evaluator(cfg, bundle)
     state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root),
                                     resume_run_id)
