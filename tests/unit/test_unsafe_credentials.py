@@ -73,3 +73,15 @@ def test_every_credential_named_variable_is_scanned_and_only_the_harness_ones_re
     # a short credential of another tool is not the harness's to refuse; its own are
     assert [u.variable for u in unsafe_credentials({**env, "CLOUDFLARE_ACCESS_CLIENT_ID": "x"}, [])] == [
         "CLOUDFLARE_ACCESS_CLIENT_ID"]
+
+
+def test_the_embedded_server_gets_no_credential_it_does_not_check():
+    from dppo_harness.local_server.process import server_environment
+    from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS
+
+    env = {"PATH": "/usr/bin", "HOME": "/root", "HF_TOKEN": _fresh("hf_"), "WANDB_API_KEY": _fresh("wb"),
+           "TINKER_API_KEY": _fresh("tml-"), "MODAL_PROXY_TOKEN_ID": _fresh("wk-"),
+           "MODAL_PROXY_TOKEN_SECRET": _fresh("ws-"), "CLOUDFLARE_ACCESS_CLIENT_SECRET": _fresh("cf-")}
+    assert server_environment(env, "default") == {"PATH": "/usr/bin", "HOME": "/root"}
+    spindle = server_environment(env, "spindle")
+    assert set(spindle) == {"PATH", "HOME"} | {var for _, var in SPINDLE_CREDENTIALS}

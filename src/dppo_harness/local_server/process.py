@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dppo_harness.local_server.profiles import client_auth_headers
+from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS, client_auth_headers
+from dppo_harness.service.secrets_scan import SECRET_ENV_VARS, is_credential_name
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
@@ -67,6 +68,14 @@ def _get_json(url: str, timeout: float = 5.0, headers: Mapping[str, str] | None 
     request = urllib.request.Request(url, headers=dict(headers or {}))
     with urllib.request.urlopen(request, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def server_environment(env: Mapping[str, str], profile: str) -> dict[str, str]:
+    """The server's environment: `env` without any credential-named variable, except those the
+    spindle profile checks requests against (the server needs nothing else secret)."""
+    keep = {var for _, var in SPINDLE_CREDENTIALS} if profile == "spindle" else set()
+    return {k: v for k, v in env.items()
+            if k in keep or not (k in SECRET_ENV_VARS or is_credential_name(k))}
 
 
 class LocalServerProcess:
@@ -115,7 +124,7 @@ class LocalServerProcess:
         if seed is not None:
             self.cmd += ["--seed", str(seed)]
         self.cmd += list(fault_args) + list(extra_args)
-        self.env = dict(os.environ if env is None else env)
+        self.env = server_environment(os.environ if env is None else env, profile)
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_root(), self.env.get("PYTHONPATH")) if p)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         # Never in the command line or a log: only sent as headers by this helper's probes.
