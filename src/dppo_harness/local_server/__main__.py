@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="spindle: require the Spindle credential headers and serve the plan's base model by name")
     p.add_argument("--model", default=None, help="engine model name (default: the engine's default)")
     p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
+    p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                   help="exit as soon as this process is no longer the server's parent (the harness that "
+                        "started it died, even by SIGKILL): no orphan server")
     p.add_argument("--sampler-dtype", choices=("float32", "bfloat16"), default=None,
                    help="sampler precision (default: float32 for the presets, the checkpoint dtype for "
                         "--model-path); bfloat16 rehearses trainer/sampler mismatch")
@@ -223,12 +227,32 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     state.shutdown()
 
 
+PARENT_GONE_EXIT = 75
+
+
+def exit_with_parent(pid: int, every_s: float = 0.5) -> threading.Thread:
+    """A daemon thread that ends the process once `pid` is no longer its parent (reparented: the
+    parent died). Started before the engine builds, so a harness killed during the build leaves no server."""
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(every_s)
+        print(f"local server: parent process {pid} is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(PARENT_GONE_EXIT)
+
+    t = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    t.start()
+    return t
+
+
 def main(argv: list[str] | None = None) -> None:
     # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning at
     # every barrier, which on a machine shared with the harness or other jobs burns the CPU time the
     # other thread is waiting for (docs/benchmarks.md: several times the CPU per update under load).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
+    if args.exit_with_parent is not None:
+        exit_with_parent(args.exit_with_parent)
     args.host = loopback_host(args.host)
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")

@@ -113,7 +113,7 @@ class LocalServerProcess:
         self.port = port
         self.startup_timeout = startup_timeout
         self.cmd = [python, "-m", "dppo_harness.local_server", "--host", "127.0.0.1", "--port", str(port),
-                    "--run-dir", str(self.run_dir)]
+                    "--run-dir", str(self.run_dir), "--exit-with-parent", str(os.getpid())]
         if model:
             self.cmd += ["--model", model]
         self.profile = profile
@@ -139,6 +139,9 @@ class LocalServerProcess:
         self.progress = progress
         self.heartbeat_s = heartbeat_s
         self._log_offset = 0
+        # Called once, from a watcher thread, if the server exits while nobody stopped it.
+        self.on_death: Callable[[LocalServerProcess], None] | None = None
+        self._stopping = False
 
     # -- lifecycle
     @property
@@ -163,6 +166,7 @@ class LocalServerProcess:
             log.close()
         _live.add(self)
         threading.Thread(target=self._pump_stdout, name="local-server-stdout", daemon=True).start()
+        threading.Thread(target=self._watch_exit, name="local-server-exit-watch", daemon=True).start()
         try:
             self.base_url = self._wait_ready(t0)
             self._wait_healthy(t0)
@@ -171,6 +175,20 @@ class LocalServerProcess:
             raise
         self.start_seconds = time.perf_counter() - t0
         return self
+
+    def _watch_exit(self) -> None:
+        proc = self.proc
+        assert proc is not None
+        proc.wait()
+        if not self._stopping and self.on_death is not None:
+            try:
+                self.on_death(self)
+            except Exception as exc:  # the watcher must not die silently with the report
+                print(f"local server exit report failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def death_report(self) -> tuple[int | None, str]:
+        """(exit code, the last lines of its log) of a server that exited."""
+        return self.returncode, self.log_tail(20)
 
     def _pump_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -296,6 +314,7 @@ class LocalServerProcess:
         proc = self.proc
         if proc is None:
             return None
+        self._stopping = True
         if proc.poll() is None:
             try:
                 proc.send_signal(signal.SIGTERM)

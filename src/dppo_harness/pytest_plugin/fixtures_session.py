@@ -82,7 +82,7 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
     """The session's one wait policy: every client of every ServiceClient the harness makes waits
     under it; long waits are posted to the evidence, a stop releases the clients and records why."""
     from dppo_harness.service.service_wait import ServiceWaiter
-    from dppo_harness.service.service_wait_policy import CAPACITY_SCALE_VAR, WaitPolicy
+    from dppo_harness.service.service_wait_policy import CAPACITY_SCALE_VAR, ServiceDied, WaitPolicy
     from dppo_harness.service.wait_evidence import BundlePoster
 
     # The local rehearsal has no shared capacity to wait for: capacity defaults 100x shorter, same rules.
@@ -91,7 +91,12 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
                                      capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
                                      service_timeout_s=harness_options.service_timeout_s, scale=scale)
     poster = BundlePoster(evidence_bundle, client_registry)
-    return ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
+    waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
+    server = service_backend.server
+    if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
+        server.on_death = lambda srv: waiter.service_died(ServiceDied(f"the embedded server (pid {srv.pid})",
+                                                                      *srv.death_report()))
+    return waiter
 
 
 @pytest.fixture(scope="session")

@@ -173,8 +173,16 @@ class ServiceWaiter:
         self.stopped: ServiceStopped | None = None
         self.waits = 0
         self.longest_wait_s = 0.0
+        self._dead: ServiceStopped | None = None  # the service itself is gone: every wait stops at its next look
         self._issued: weakref.WeakSet[Any] = weakref.WeakSet()  # every WaitedFuture handed out
         self.abandoned = 0  # futures still pending at the stop, cancelled
+
+    def service_died(self, stop: ServiceStopped) -> None:
+        """The service process exited (its watcher says so): every wait, now or later, ends with `stop`
+        at its next look (within `poll_s`), instead of the SDK re-polling a vanished server."""
+        with self._lock:
+            self._dead = self._dead or stop
+        self._say(f"service: {stop.line}")
 
     def track(self, future: Any) -> None:
         """Keep a handed-out future, so that a stop can cancel it if it is still pending."""
@@ -249,6 +257,8 @@ class ServiceWaiter:
                     if _done(future):
                         raise  # the call itself failed with a timeout
                 now = self.clock()
+                if self._dead is not None:
+                    self._stop(self._dead)
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
                 latest = watch.latest() if watch is not None else None

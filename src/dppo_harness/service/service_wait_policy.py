@@ -196,6 +196,21 @@ class PaymentRequired(ServiceStopped):
         return {"http_status": 402, "error": self.text}
 
 
+class ServiceDied(ServiceStopped):
+    """The service process itself exited while the run used it (the embedded server: its exit code
+    and the last lines of its log); the SDK alone would re-poll a vanished server for minutes."""
+
+    kind = "server_died"
+
+    def __init__(self, what: str, exit_code: int | None, log_tail: str):
+        super().__init__(f"{what} exited (exit code {exit_code}) while the run was using it; "
+                         "its last log lines are in result.json service_wait.stopped.log_tail")
+        self.exit_code, self.log_tail = exit_code, log_tail
+
+    def details(self) -> dict[str, Any]:
+        return {"exit_code": self.exit_code, "log_tail": self.log_tail}
+
+
 class ServiceHang(ServiceStopped):
     """A request whose queue was active gave no answer for the whole service timeout."""
 

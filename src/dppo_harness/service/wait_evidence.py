@@ -15,7 +15,7 @@ from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.service.service_wait import ServiceWaiter, WaitStatus
-from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceStopped
+from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceDied, ServiceStopped
 
 # Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS, and only while the run uses under half
 # its file slots. On the embedded CPU server (windows 100x shorter) nearly every call counts as a
@@ -58,7 +58,9 @@ class BundlePoster:
                                                 reserve=WAIT_SNAPSHOT_RESERVE) is not None
 
     def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
-        released = bool(self.registry.release_all("errored")) if self.registry is not None else False
+        # A dead server holds no session to finish, and each close would wait out its timeout.
+        dead = isinstance(stop, ServiceDied)
+        released = bool(self.registry.release_all("errored")) if self.registry is not None and not dead else False
         if isinstance(stop, CapacityExhausted):
             stop.block = replace(stop.block, released_clients=released)
         fields: dict[str, Any] = {**stop.result_fields(),
