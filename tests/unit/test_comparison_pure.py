@@ -276,3 +276,35 @@ def test_a_comparison_served_by_the_embedded_server_is_a_rehearsal_whatever_the_
     assert is_rehearsal(spec, "tinker", marker_seen)  # --backend tinker, but the embedded server answered
     assert is_rehearsal(spec, "local", {"backend": {"kind": "local"}})
     assert not is_rehearsal(spec, "tinker", {"backend": {"kind": "tinker", "served_model": "Qwen/Qwen3.5-2B"}})
+
+
+def test_one_writer_per_run_a_second_is_refused_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    from run_env import harness_env
+
+    from dppo_harness.stages.comparison.config import ComparisonError
+    from dppo_harness.stages.comparison.state import hold_run_lock, load_owned_state
+
+    hold_run_lock(tmp_path, "20261203T000000Z-abc123", what="comparison run 20261203T000000Z-abc123")
+    hold_run_lock(tmp_path, "20261203T000000Z-abc123", what="again")  # the holder itself: idempotent
+    other = textwrap.dedent(f"""
+        from dppo_harness.stages.comparison.config import ComparisonError
+        from dppo_harness.stages.comparison.state import hold_run_lock
+        try:
+            hold_run_lock({str(tmp_path)!r}, "20261203T000000Z-abc123", what="--resume 20261203T000000Z-abc123")
+        except ComparisonError as exc:
+            print(exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, timeout=120,
+                         env=harness_env(PYTHONPATH=str(Path(__file__).parents[2] / "src")))
+    line = out.stdout.strip()
+    assert line.startswith("--resume 20261203T000000Z-abc123 refused: run 20261203T000000Z-abc123 is being written "
+                           f"by pid {__import__('os').getpid()}"), out.stdout + out.stderr
+    # a state that names another run is refused, whoever wrote it where
+    st = RunState("20261203T000000Z-other1", "p", "e", "c", "tinker://init", {"a": ArmState("a")})
+    st.save(state_path(tmp_path, "20261203T000000Z-mine22"))
+    with pytest.raises(ComparisonError, match="belongs to run 20261203T000000Z-other1"):
+        load_owned_state(tmp_path, "20261203T000000Z-mine22")

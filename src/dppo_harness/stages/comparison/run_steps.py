@@ -29,6 +29,8 @@ from dppo_harness.stages.comparison.state import (
     ArmState,
     RunState,
     code_revision,
+    hold_run_lock,
+    load_owned_state,
     resume_problems,
     rewind_to_common_save,
     state_file_name,
@@ -56,6 +58,7 @@ def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, eva
     if resume_run_id is None:
         if restoration is None:
             raise ComparisonError("a new comparison starts from the restoration preflight's result (none given)")
+        hold_run_lock(state_root, bundle.run_id, what=f"comparison run {bundle.run_id}")
         return RunState(run_id=bundle.run_id, plan_sha256=plan.sha256, evaluator_id=evaluator_id,
                           code_revision=code_rev, initial_checkpoint=restoration.initial_checkpoint,
                           arms={a.name: ArmState(a.name) for a in cfg.arms}, sessions=[session],
@@ -63,7 +66,8 @@ def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, eva
     path = state_path(state_root, resume_run_id)
     if not path.is_file():
         raise ComparisonError(f"--resume {resume_run_id}: no saved comparison state at {path}")
-    state = RunState.load(path)
+    hold_run_lock(state_root, resume_run_id, what=f"--resume {resume_run_id}")
+    state = load_owned_state(state_root, resume_run_id)
     problems = resume_problems(state, plan_sha256=plan.sha256, evaluator_id=evaluator_id, code_rev=code_rev)
     if problems:
         raise ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))

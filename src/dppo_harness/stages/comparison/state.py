@@ -4,13 +4,16 @@ restores and optimizer checks), the run's rows and sessions, the checks a resume
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import dppo_harness
+from dppo_harness.evidence.files import atomic_write
 from dppo_harness.evidence.provenance import package_source_sha256
 from dppo_harness.stages.comparison.config import ComparisonError
 
@@ -68,10 +71,8 @@ class RunState:
         return cls(**{**{k: v for k, v in d.items() if k != "arms"}, "arms": arms})
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
-        tmp.replace(path)
+        """A unique temp file, fsync, rename, fsync of the directory: never torn, never lost."""
+        atomic_write(path, json.dumps(self.to_json(), indent=1, sort_keys=True).encode())
 
     @classmethod
     def load(cls, path: Path) -> RunState:
@@ -114,6 +115,40 @@ def rewind_to_common_save(state: RunState, steps: int) -> int:
 
 def state_path(state_root: Path, run_id: str) -> Path:
     return Path(state_root) / run_id / STATE_FILE
+
+
+def load_owned_state(state_root: Path, run_id: str) -> RunState:
+    """Run `run_id`'s saved state, refused when it names another run (copied or moved there)."""
+    path = state_path(state_root, run_id)
+    state = RunState.load(path)
+    if state.run_id != run_id:
+        raise ComparisonError(f"--resume {run_id} refused: the state at {path} belongs to run {state.run_id}")
+    return state
+
+
+LOCK_FILE = "run.lock"
+_held: dict[Path, int] = {}  # lock files this process holds (released by the OS when it exits, even killed)
+
+
+def hold_run_lock(state_root: Path, run_id: str, *, what: str) -> None:
+    """Hold run `run_id`'s lock for the rest of this process, or refuse in one line: one writer per
+    run, so a resume of a run that still runs (or that another resume continues) never interleaves
+    its state and checkpoints with the other writer's."""
+    path = (Path(state_root) / run_id / LOCK_FILE).resolve()
+    if path in _held:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ComparisonError(f"{what} refused: run {run_id} is being written by {holder} (it holds {path}); "
+                              "wait for it to end, or resume it once it has") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    _held[path] = fd
 
 
 
