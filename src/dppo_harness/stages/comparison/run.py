@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 EVAL_SUBSET_REASON = ("declared rehearsal size: the plan evaluates its first {n} GSM8K test items (see the plan's "
                       "differences), so that the offline rehearsal fits 10 minutes on 2 CPU cores")
+# A spec (not a rehearsal plan) that itself asks for fewer items: its own words, no rehearsal claimed.
+EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} GSM8K test items are evaluated"
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,11 @@ class ComparisonResult:
     files: tuple[str, ...] = ()
 
 
-def _frozen_evaluator(cfg: ComparisonConfig, bundle: EvidenceBundle) -> evaluation.FrozenEvaluator:
-    """The run's evaluator, frozen before training; its declared subset is a deviation."""
-    evaluator = freeze_for(cfg, EVAL_SUBSET_REASON.format(n=cfg.eval_items))
+def _frozen_evaluator(cfg: ComparisonConfig, bundle: EvidenceBundle, plan: Plan) -> evaluation.FrozenEvaluator:
+    """The run's evaluator, frozen before training; its subset is a deviation, with the reason the
+    plan gives (a rehearsal plan's declared size, or the spec's own n_examples)."""
+    reason = EVAL_SUBSET_REASON if plan.kind == "rehearsal" else EVAL_STATED_REASON
+    evaluator = freeze_for(cfg, reason.format(n=cfg.eval_items))
     if evaluator.deviation:
         d = evaluator.deviation
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
@@ -98,7 +102,7 @@ def run_comparison(
         raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
     cfg = comparison_config(plan.run, save_every=save_every)
     rehearsal = is_rehearsal(plan, backend, bundle.result)
-    evaluator = _frozen_evaluator(cfg, bundle)
+    evaluator = _frozen_evaluator(cfg, bundle, plan)
     state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root),
                                     resume_run_id)
     if state.resumed:
