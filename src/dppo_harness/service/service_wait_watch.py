@@ -161,55 +161,61 @@ class _CreationWatches:
 
 
 CREATION_WATCHES = _CreationWatches()
-_installed = False
+_installed: set[str] = set()  # the SDK patches in place in this process
 _install_lock = threading.Lock()
+
+
+def _once(name: str, install: Callable[[], bool]) -> bool:
+    """Run `install` (a patch of the SDK) once per process; True if it is in place."""
+    with _install_lock:
+        if name not in _installed:
+            if not install():
+                return False
+            _installed.add(name)
+        return True
 
 
 def install_creation_watch() -> bool:
     """Make the SDK's creation-time QueueStateLogger also a watch (module attribute of
     tinker.lib.public_interfaces.service_client, looked up at each call). True if installed."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return True
-        try:
-            from tinker.lib.public_interfaces import service_client as sc_module
-            from tinker.lib.queue_state_logger import QueueStateLogger
-        except ImportError:  # pragma: no cover - another SDK layout
-            return False
-        if getattr(sc_module, "QueueStateLogger", None) is not QueueStateLogger:
-            logger.warning("tinker.lib.public_interfaces.service_client.QueueStateLogger is not the SDK's "
-                           "QueueStateLogger: creation pauses are not observed")
-            return False
-
-        class WatchedQueueStateLogger(QueueStateLogger):
-            """The SDK's logger, plus a QueueWatch of the creation call it observes."""
-
-            def __init__(self, identifier: str, message_prefix: str = "Operation"):
-                super().__init__(identifier, message_prefix)
-                self.watch = QueueWatch()
-                self.created = time.monotonic()
-                CREATION_WATCHES.add(self)
-
-            def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
-                self.watch.on_queue_state_change(queue_state, queue_state_reason)
-                super().on_queue_state_change(queue_state, queue_state_reason)
-
-            def on_transport_error(self, http_status: int, text: str) -> None:
-                self.watch.on_transport_error(http_status, text)
-
-            def latest(self) -> QueueReport | None:
-                return self.watch.latest()
-
-            def episodes_since(self, t0: float) -> list[Episode]:
-                return self.watch.episodes_since(t0)
-
-        sc_module.QueueStateLogger = WatchedQueueStateLogger
-        _installed = True
-        return True
+    return _once("creation", _install_creation_watch)
 
 
-_transport_installed = False
+def _install_creation_watch() -> bool:
+    try:
+        from tinker.lib.public_interfaces import service_client as sc_module
+        from tinker.lib.queue_state_logger import QueueStateLogger
+    except ImportError:  # pragma: no cover - another SDK layout
+        return False
+    if getattr(sc_module, "QueueStateLogger", None) is not QueueStateLogger:
+        logger.warning("tinker.lib.public_interfaces.service_client.QueueStateLogger is not the SDK's "
+                       "QueueStateLogger: creation pauses are not observed")
+        return False
+
+    class WatchedQueueStateLogger(QueueStateLogger):
+        """The SDK's logger, plus a QueueWatch of the creation call it observes."""
+
+        def __init__(self, identifier: str, message_prefix: str = "Operation"):
+            super().__init__(identifier, message_prefix)
+            self.watch = QueueWatch()
+            self.created = time.monotonic()
+            CREATION_WATCHES.add(self)
+
+        def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
+            self.watch.on_queue_state_change(queue_state, queue_state_reason)
+            super().on_queue_state_change(queue_state, queue_state_reason)
+
+        def on_transport_error(self, http_status: int, text: str) -> None:
+            self.watch.on_transport_error(http_status, text)
+
+        def latest(self) -> QueueReport | None:
+            return self.watch.latest()
+
+        def episodes_since(self, t0: float) -> list[Episode]:
+            return self.watch.episodes_since(t0)
+
+    sc_module.QueueStateLogger = WatchedQueueStateLogger
+    return True
 
 
 def install_transport_watch() -> bool:
@@ -217,30 +223,29 @@ def install_transport_watch() -> bool:
     hour, 429 and 5xx and connection resets without limit): `_APIFuture._handle_transport_error`
     first tells an observer that has `on_transport_error` (the harness's watches), then does what
     the SDK does. True if installed."""
-    global _transport_installed
-    with _install_lock:
-        if _transport_installed:
-            return True
-        try:
-            from tinker.lib.api_future_impl import _APIFuture
-        except ImportError:  # pragma: no cover - another SDK layout
-            return False
-        original = getattr(_APIFuture, "_handle_transport_error", None)
-        if original is None:  # pragma: no cover - another SDK layout
-            logger.warning("the SDK's futures have no _handle_transport_error: refused polls are not observed")
-            return False
+    return _once("transport", _install_transport_watch)
 
-        async def observed(self: Any, err: Any, *args: Any, **kwargs: Any) -> Any:
-            note = getattr(getattr(self, "_queue_state_observer", None), "on_transport_error", None)
-            status = getattr(err, "status_code", None)
-            if callable(note) and status != 408:  # a 408 is try_again: its queue state reaches the observer
-                with contextlib.suppress(Exception):
-                    note(int(status or 0), str(getattr(err, "detail", "")))
-            return await original(self, err, *args, **kwargs)
 
-        _APIFuture._handle_transport_error = observed
-        _transport_installed = True
-        return True
+def _install_transport_watch() -> bool:
+    try:
+        from tinker.lib.api_future_impl import _APIFuture
+    except ImportError:  # pragma: no cover - another SDK layout
+        return False
+    original = getattr(_APIFuture, "_handle_transport_error", None)
+    if original is None:  # pragma: no cover - another SDK layout
+        logger.warning("the SDK's futures have no _handle_transport_error: refused polls are not observed")
+        return False
+
+    async def observed(self: Any, err: Any, *args: Any, **kwargs: Any) -> Any:
+        note = getattr(getattr(self, "_queue_state_observer", None), "on_transport_error", None)
+        status = getattr(err, "status_code", None)
+        if callable(note) and status != 408:  # a 408 is try_again: its queue state reaches the observer
+            with contextlib.suppress(Exception):
+                note(int(status or 0), str(getattr(err, "detail", "")))
+        return await original(self, err, *args, **kwargs)
+
+    _APIFuture._handle_transport_error = observed
+    return True
 
 
 class CreationWatch:
