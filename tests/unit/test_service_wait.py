@@ -451,3 +451,15 @@ def test_concurrent_waits_are_posted_side_by_side(tmp_path):
     waits = json.loads((b.dir / "result.json").read_text())["service_wait"]["waiting"].values()
     assert sorted((x["client"], x["outcome"]) for x in waits) == [("arm0", "answered"), ("arm1", "answered")]
     assert poster.snapshots <= MAX_WAIT_SNAPSHOTS
+
+
+def test_a_setup_that_fails_with_a_timeout_error_is_its_own_failure_not_a_wait():
+    import concurrent.futures
+
+    w = ServiceWaiter(WaitPolicy(poll_s=0.01, service_timeout_s=5))
+    box = concurrent.futures.Future()
+    box.set_exception(TimeoutError("the SDK's own setup timed out"))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="the SDK's own setup timed out"):
+        w.wait(box, call="create_lora_training_client (session setup)", client="a new LoRA client")
+    assert time.monotonic() - t0 < 1

@@ -27,6 +27,7 @@ service_wait_watch, the waited clients and futures in service_wait_clients.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -134,6 +135,9 @@ class _CallClock:
 
 
 def _done(future: Any) -> bool:
+    """Whether the call behind `future` ended (so a TimeoutError it raised is the call's own)."""
+    if isinstance(future, concurrent.futures.Future):
+        return future.done()
     inner = getattr(future, "future", None)
     if callable(inner):
         with contextlib.suppress(Exception):
