@@ -183,3 +183,24 @@ def test_concurrent_arms_report_the_services_stop_not_what_it_caused_in_the_othe
     state, raised, saves = _concurrent(monkeypatch, cfg, {0: (0.0, hang)})
     assert raised is hang and [r["arm"] for r in state.rows] == [cfg.arms[1].name] and saves == []
     assert state.arms[cfg.arms[1].name].steps_done == 1 and state.arms[cfg.arms[0].name].steps_done == 0
+
+
+def test_each_rollout_step_says_it_started_so_no_step_is_silent(monkeypatch):
+    """A line when a step starts (the comparison's watchdog repeats it while the step runs); its
+    words never read as an arm's finished-step line (`<arm> step K/N`)."""
+    cfg = _cfg(2)
+    lines = []
+
+    def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
+        return {"arm": runner.spec.name, "step": step, "reward_mean": 0.0, "format_rate": 0.0,
+                "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0, "seconds": 0.0}, []
+
+    monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
+    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
+    runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
+    comparison_arms.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t",
+                               progress=lines.append)
+    starts = [ln for ln in lines if "training rollout step" in ln]
+    assert [ln.split(" (")[0] for ln in starts] == ["[comparison] training rollout step 1 of 2",
+                                                    "[comparison] training rollout step 2 of 2"]
+    assert not any(" step 1/" in ln for ln in starts)

@@ -222,6 +222,7 @@ def _paired_steps(arm_steps: _ArmSteps, names: Sequence[str], start: int, pool: 
             arm_steps.progress(f"[comparison] {halt}")
             return halt
         t_step = guard.clock() if guard is not None else 0.0
+        arm_steps.progress(f"[comparison] training rollout step {step + 1} of {arm_steps.cfg.steps} ({', '.join(names)})")
         arm_steps.advance(step, names, pool)
         if guard is not None:
             guard.step_seconds.append(guard.clock() - t_step)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence import report
+from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service import clients as service
 from dppo_harness.stages.comparison import run_steps
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from dppo_harness.plans import Plan
     from dppo_harness.stages.restoration import RestorationResult
 
+PROGRESS_EVERY_S = 15.0  # a line at least this often in every phase: arm steps and evaluation take minutes
 EVAL_SUBSET_REASON = ("declared rehearsal size: the plan evaluates its first {n} GSM8K test items (see the plan's "
                       "differences), so that the offline rehearsal fits 10 minutes on 2 CPU cores")
 # A spec (not a rehearsal plan) that itself asks for fewer items: its own words, no rehearsal claimed.
@@ -100,33 +102,35 @@ def run_comparison(
     asks for a project."""
     if plan.run is None:
         raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
-    cfg = comparison_config(plan.run, save_every=save_every)
-    rehearsal = is_rehearsal(plan, backend, bundle.result)
-    evaluator = _frozen_evaluator(cfg, bundle, plan)
-    state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root),
-                                    resume_run_id)
-    if state.resumed:
-        run_steps.post_reused_setup(bundle, state)
-    session = run_steps.open_session(service_client, plan, bundle, cfg, state, Path(state_root), tag=tag,
-                                     progress=progress, capacity_policy=capacity_policy, registry=registry, wandb=wandb)
-    run_steps.register_run_manifest(session, plan, schedule=schedule, schedule_source=schedule_source,
-                                    rehearsal=rehearsal, evaluator_id=evaluator.evaluator_id)
-    progress(f"[comparison] schedule {schedule} ({schedule_source})")
-    outcome, capacity_block = run_steps.train_session(session, restoration, schedule=schedule, stop_after=stop_after,
-                                                      guard=guard)
-    files = run_steps.register_training_end(session, outcome, schedule=schedule, schedule_source=schedule_source,
-                                            guard=guard)
-    base = dict(config=cfg, run_id=state.run_id, rows=tuple(state.rows), steps_completed=outcome.steps_completed,
-                training_seconds=outcome.wall_seconds, schedule=schedule, stopped=outcome.stopped)
-    if outcome.stopped is not None:
-        final = run_steps.stopped_final(plan, bundle, cfg, outcome, capacity_block)
-        return ComparisonResult(**base, capacity_block=capacity_block, final=final, files=tuple(files))
-    scores, decision, eval_files = evaluate_and_decide(service_client, cfg, state, evaluator, bundle, rehearsal,
-                                                       progress, base_model or cfg.base_model)
-    files += eval_files
-    resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
-    files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend,
-                                                 max_tokens=cfg.max_tokens, resume=resume).values())
-    final = run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal)
-    return ComparisonResult(**base, capacity_block=None, scores=tuple(scores), decision=decision, final=final,
-                            files=tuple(files))
+    with Watchdog(progress, every_s=PROGRESS_EVERY_S) as dog:  # no phase is silent for longer
+        progress = dog.say
+        cfg = comparison_config(plan.run, save_every=save_every)
+        rehearsal = is_rehearsal(plan, backend, bundle.result)
+        evaluator = _frozen_evaluator(cfg, bundle, plan)
+        state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root),
+                                        resume_run_id)
+        if state.resumed:
+            run_steps.post_reused_setup(bundle, state)
+        session = run_steps.open_session(service_client, plan, bundle, cfg, state, Path(state_root), tag=tag,
+                                         progress=progress, capacity_policy=capacity_policy, registry=registry, wandb=wandb)
+        run_steps.register_run_manifest(session, plan, schedule=schedule, schedule_source=schedule_source,
+                                        rehearsal=rehearsal, evaluator_id=evaluator.evaluator_id)
+        progress(f"[comparison] schedule {schedule} ({schedule_source})")
+        outcome, capacity_block = run_steps.train_session(session, restoration, schedule=schedule, stop_after=stop_after,
+                                                          guard=guard)
+        files = run_steps.register_training_end(session, outcome, schedule=schedule, schedule_source=schedule_source,
+                                                guard=guard)
+        base = dict(config=cfg, run_id=state.run_id, rows=tuple(state.rows), steps_completed=outcome.steps_completed,
+                    training_seconds=outcome.wall_seconds, schedule=schedule, stopped=outcome.stopped)
+        if outcome.stopped is not None:
+            final = run_steps.stopped_final(plan, bundle, cfg, outcome, capacity_block)
+            return ComparisonResult(**base, capacity_block=capacity_block, final=final, files=tuple(files))
+        scores, decision, eval_files = evaluate_and_decide(service_client, cfg, state, evaluator, bundle, rehearsal,
+                                                           progress, base_model or cfg.base_model)
+        files += eval_files
+        resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
+        files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend,
+                                                     max_tokens=cfg.max_tokens, resume=resume).values())
+        final = run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal)
+        return ComparisonResult(**base, capacity_block=None, scores=tuple(scores), decision=decision, final=final,
+                                files=tuple(files))
