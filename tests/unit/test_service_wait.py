@@ -463,3 +463,19 @@ def test_a_setup_that_fails_with_a_timeout_error_is_its_own_failure_not_a_wait()
     with pytest.raises(TimeoutError, match="the SDK's own setup timed out"):
         w.wait(box, call="create_lora_training_client (session setup)", client="a new LoRA client")
     assert time.monotonic() - t0 < 1
+
+
+def test_a_wait_in_a_comparison_step_stops_when_the_wall_budget_runs_out():
+    """Patience windows of 10 and 15 minutes, 30 s of budget left: the wait stops at the budget."""
+    from dppo_harness.service.service_wait_policy import WallBudgetSpent
+
+    clock = Clock()
+    w, _, stops, _ = _waiter(clock)
+    end = clock.t + 30
+    w.budget_left = lambda: end - clock.t
+    with pytest.raises(WallBudgetSpent, match="forward_backward on dppo_seed0: the plan's wall budget ran out after 30 s"):
+        w.wait(Bounded(clock), call="forward_backward", client="dppo_seed0")
+    assert stops and stops[0].kind == "wall_budget"
+    w2, *_ = _waiter(clock)
+    w2.budget_left = lambda: None  # no budget set: only the windows bound the wait
+    assert w2.wait(FakeFuture(clock, done_at=clock.t + 100), call="x", client="y") == "ok"

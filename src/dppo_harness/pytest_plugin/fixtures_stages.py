@@ -84,6 +84,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
                                           arms=len(plan.run.arms) if plan.run else 0,
                                           eval_items=plan.run.eval_items if plan.run else 0)
+    service_waiter.budget_left = evidence_bundle.remaining_seconds  # no wait in a step outlasts the budget
     try:
         run = run_comparison(
             service_client, plan, evidence_bundle, restoration, backend=service_backend.kind,
@@ -101,6 +102,8 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
         if run.stopped is not None:  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
             evidence_bundle.update_result(**run.final)
         return run
+    finally:
+        service_waiter.budget_left = None
     pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
 

@@ -49,6 +49,7 @@ from dppo_harness.service.service_wait_policy import (
     ServiceHang,
     ServiceStopped,
     WaitPolicy,
+    WallBudgetSpent,
 )
 from dppo_harness.service.service_wait_watch import (
     PAYMENT_REQUIRED,
@@ -177,6 +178,8 @@ class ServiceWaiter:
         self.stopped: ServiceStopped | None = None
         self.waits = 0
         self.longest_wait_s = 0.0
+        # Seconds left of the wall budget the current stage's waits may use (None: not bounded by one).
+        self.budget_left: Callable[[], float | None] | None = None
         self._dead: ServiceStopped | None = None  # the service itself is gone: every wait stops at its next look
         self._issued: weakref.WeakSet[Any] = weakref.WeakSet()  # every WaitedFuture handed out
         self.abandoned = 0  # futures still pending at the stop, cancelled
@@ -263,6 +266,9 @@ class ServiceWaiter:
                 now = self.clock()
                 if self._dead is not None:
                     self._stop(self._dead)
+                left = self.budget_left() if self.budget_left is not None else None
+                if left is not None and left <= 0:
+                    self._stop(WallBudgetSpent(call, client, now - t0))
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
                 latest = watch.latest() if watch is not None else None

@@ -196,6 +196,18 @@ class PaymentRequired(ServiceStopped):
         return {"http_status": 402, "error": self.text}
 
 
+class WallBudgetSpent(ServiceStopped):
+    """A call was still waiting when the plan's wall budget ran out (the comparison sets the budget
+    its waits may use); the patience windows alone could outlast it."""
+
+    kind = "wall_budget"
+
+    def __init__(self, call: str, client: str, waited_s: float):
+        super().__init__(f"{call} on {client}: the plan's wall budget ran out after {int(waited_s)} s of waiting on "
+                         "the service")
+        self.call, self.client, self.waited_s = call, client, waited_s
+
+
 class ServiceDied(ServiceStopped):
     """The service process itself exited while the run used it (the embedded server: its exit code
     and the last lines of its log); the SDK alone would re-poll a vanished server for minutes."""
