@@ -479,3 +479,12 @@ def test_a_wait_in_a_comparison_step_stops_when_the_wall_budget_runs_out():
     w2, *_ = _waiter(clock)
     w2.budget_left = lambda: None  # no budget set: only the windows bound the wait
     assert w2.wait(FakeFuture(clock, done_at=clock.t + 100), call="x", client="y") == "ok"
+
+
+def test_posted_waits_past_the_listed_ones_are_counted_once_each():
+    clock = Clock()
+    w = ServiceWaiter(WaitPolicy(post_after_s=1, post_every_s=1), clock=clock, on_post=lambda *_: None)
+    for _ in range(ServiceWaiter.MAX_WAITS_LISTED + 3):
+        w.wait(FakeFuture(clock, done_at=clock.t + 10), call="sample", client="sampler")  # ~9 posts each
+    block = w.evidence()
+    assert len(block["waiting"]) == ServiceWaiter.MAX_WAITS_LISTED and block["waits_not_listed"] == 3

@@ -174,7 +174,8 @@ class ServiceWaiter:
         self.pauses: list[Pause] = []
         self.pauses_not_listed = 0
         self.posted: dict[int, WaitStatus] = {}  # waits long enough to be posted, by id: the latest status
-        self.posted_not_listed = 0
+        self.posted_not_listed = 0  # posted waits beyond MAX_WAITS_LISTED, counted once each
+        self._not_listed: set[int] = set()
         self.stopped: ServiceStopped | None = None
         self.waits = 0
         self.longest_wait_s = 0.0
@@ -363,8 +364,9 @@ class ServiceWaiter:
             if status is not None:
                 if status.id in self.posted or len(self.posted) < self.MAX_WAITS_LISTED:
                     self.posted[status.id] = status
-                elif status.outcome == "waiting":
-                    self.posted_not_listed += 1
+                else:
+                    self._not_listed.add(status.id)
+                    self.posted_not_listed = len(self._not_listed)
         if self.on_post is None:
             return
         try:
