@@ -14,6 +14,7 @@ import pytest
 
 from dppo_harness import evidence as ev
 from dppo_harness.evidence import (
+    MAX_FILES,
     REHEARSAL_PREFIX,
     EvidenceBundle,
     EvidenceError,
@@ -91,6 +92,21 @@ def test_file_count_limit(tmp_path):
         b.register_bytes(f"f{i}.txt", "log", str(i).encode())
     with pytest.raises(LimitError, match="64 files"):
         b.register_bytes("f64.txt", "log", b"64")
+    assert verify_bundle(b.dir) == []
+
+
+def test_a_full_bundle_still_gets_its_final_result(tmp_path):
+    """All 64 slots used by the stages: the final result is written anyway, and the ledger says the
+    budget-ledger file had no slot (it was the first casualty: result.json stayed 'running')."""
+    b = EvidenceBundle.create(tmp_path, "full", env={})
+    b.set_budget(600.0)  # a ledger with entries, to be registered at the close
+    for i in range(MAX_FILES - len(b.files())):
+        b.register_bytes(f"f{i}.txt", "log", str(i).encode())
+    b.finish("failed", "inconclusive", "incomplete_execution", "Stopped: the stage failed.",
+             original_hypothesis_tested=False, tested_instead="nothing")
+    r = json.loads((b.dir / "result.json").read_text())
+    assert r["status"] == "failed" and r["summary"] == "Stopped: the stage failed."
+    assert "64 files" in b.ledger()["ledger_file_not_registered"] and b.entry("budget-ledger.json") is None
     assert verify_bundle(b.dir) == []
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from dppo_harness.evidence import session
-from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
+from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError
 from dppo_harness.evidence.files import (
     FILES_DIR,
     LEDGER_FILE,
@@ -243,16 +243,20 @@ class EvidenceBundle:
 
     def finish(self, status: str, verdict: str, outcome_reason: str | None = None, summary: str | None = None,
                **fields: Any) -> None:
-        """Final result; also registers the budget ledger."""
+        """Final result first, so nothing after it can lose it; then the budget ledger as a file,
+        or, when the bundle has no slot left for it, a note in ledger.json saying so."""
         final = dict(fields, status=status, verdict=verdict)
         if outcome_reason is not None:
             final["outcome_reason"] = outcome_reason
         if summary is not None:
             final["summary"] = summary
         with self._lock:
-            if self._ledger.has_entries():
-                self.register_json("budget-ledger.json", "manifest", self._ledger.snapshot())
             self.update_result(**final)
+            if self._ledger.has_entries():
+                try:
+                    self.register_json("budget-ledger.json", "manifest", self._ledger.snapshot())
+                except LimitError as exc:
+                    self.note_ledger(ledger_file_not_registered=str(exc))
 
     # -- budget ledger
 
