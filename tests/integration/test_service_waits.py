@@ -5,6 +5,7 @@ SDK telemetry, which carries request headers after a 401, is off unless asked fo
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -81,6 +82,19 @@ def test_every_client_and_future_the_harness_gets_is_waited(engine, monkeypatch)
             sc.close("success").result(30)
 
 
+@contextlib.contextmanager
+def _waited_session(engine, faults, policy):
+    """The embedded server in this process with `faults`, and a harness ServiceClient waited under
+    `policy`: (waiter, service client), closed at the end."""
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(policy)
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        try:
+            yield waiter, sc
+        finally:
+            sc.close("success").result(30)
+
+
 def test_queue_pauses_and_hangs_reach_the_waiter_through_the_sdks_observers(engine, monkeypatch):
     """Each creation path and a training call, against the server's queue faults: the pause is
     seen with the server's own reason (through the SDK's observer), a hang is a hang."""
@@ -88,39 +102,31 @@ def test_queue_pauses_and_hangs_reach_the_waiter_through_the_sdks_observers(engi
     faults = FaultConfig(queue_pause=(parse_queue_pause("create_model:1:1.5"), parse_queue_pause("load_weights:1:1.5"),
                                       parse_queue_pause("optim_step:1:forever")),
                          never_complete=(parse_never_complete("save_weights:2"),))
-    with InProcessServer(engine, faults=faults) as srv:
-        waiter = ServiceWaiter(WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=60))
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
-        try:
-            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
-            t0 = time.monotonic()
-            with pytest.raises(CapacityExhausted) as cap:
-                tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
-            assert 3 <= time.monotonic() - t0 < 10
-            assert cap.value.block.error == ("embedded server fault: no capacity for optim_step request 1; "
-                                             "paused until further notice")
-            pauses = [p.as_dict() for p in waiter.pauses]
-            assert pauses[0]["call"] == "create_lora_training_client" and pauses[0]["outcome"] == "resumed"
-            assert pauses[0]["queue_state_reason"].endswith("paused for 1.5 s")
-            assert pauses[-1]["call"] == "optim_step" and pauses[-1]["outcome"] == "gave_up"
-        finally:
-            sc.close("success").result(30)
-    with InProcessServer(engine, faults=faults) as srv:
-        waiter = ServiceWaiter(WaitPolicy.from_options(capacity_patience_s=30, service_timeout_s=60))
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
-        try:
-            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
-            path = tc.save_state("w0").result().path
-            restored, response = service.create_from_state_with_response(sc, path, "dppo_seed0")
-            assert response.path == path and [p.call for p in waiter.pauses][-1] == (
-                "create_training_client_from_state_with_optimizer")  # the load's own observer saw its pause
-            waiter.policy = WaitPolicy.from_options(service_timeout_s=2)
-            t0 = time.monotonic()
-            with pytest.raises(ServiceHang, match="save_state on dppo_seed0: no answer for 2 s"):
-                restored.save_state("never").result()
-            assert 2 <= time.monotonic() - t0 < 8
-        finally:
-            sc.close("success").result(30)
+    with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=60)) as (
+            waiter, sc):
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        t0 = time.monotonic()
+        with pytest.raises(CapacityExhausted) as cap:
+            tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+        assert 3 <= time.monotonic() - t0 < 10
+        assert cap.value.block.error == ("embedded server fault: no capacity for optim_step request 1; "
+                                         "paused until further notice")
+        pauses = [p.as_dict() for p in waiter.pauses]
+        assert pauses[0]["call"] == "create_lora_training_client" and pauses[0]["outcome"] == "resumed"
+        assert pauses[0]["queue_state_reason"].endswith("paused for 1.5 s")
+        assert pauses[-1]["call"] == "optim_step" and pauses[-1]["outcome"] == "gave_up"
+    with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=30, service_timeout_s=60)) as (
+            waiter, sc):
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        path = tc.save_state("w0").result().path
+        restored, response = service.create_from_state_with_response(sc, path, "dppo_seed0")
+        assert response.path == path and [p.call for p in waiter.pauses][-1] == (
+            "create_training_client_from_state_with_optimizer")  # the load's own observer saw its pause
+        waiter.policy = WaitPolicy.from_options(service_timeout_s=2)
+        t0 = time.monotonic()
+        with pytest.raises(ServiceHang, match="save_state on dppo_seed0: no answer for 2 s"):
+            restored.save_state("never").result()
+        assert 2 <= time.monotonic() - t0 < 8
 
 
 def _telemetry_bodies(engine, sdk_telemetry: bool) -> list[bytes]:
@@ -159,23 +165,19 @@ def test_a_queue_position_that_moves_every_poll_is_one_pause_given_up_in_time(en
     the observer, and the call still gives up when the patience window closes."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(queue_pause=(parse_queue_pause("optim_step:1:forever:moving"),))
-    with InProcessServer(engine, faults=faults) as srv:
-        waiter = ServiceWaiter(WaitPolicy.from_options(capacity_patience_s=4, service_timeout_s=60))
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
-        try:
-            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
-            t0 = time.monotonic()
-            step = tc.optim_step(tinker.AdamParams(learning_rate=1e-3))
-            with pytest.raises(CapacityExhausted) as cap:
-                step.result()
-            assert 4 <= time.monotonic() - t0 < 12
-            # the stop cancelled the SDK's wait: nothing polls on for a stopped run
-            assert step.future().cancelled() and waiter.evidence()["stopped"]["futures_cancelled"] == 1
-            assert "; queue position " in cap.value.block.error  # the service's latest words
-            (pause,) = [p.as_dict() for p in waiter.pauses if p.call == "optim_step"]
-            assert pause["outcome"] == "gave_up" and pause["reason_changes"] >= 2
-        finally:
-            sc.close("success").result(30)
+    with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=4, service_timeout_s=60)) as (
+            waiter, sc):
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        t0 = time.monotonic()
+        step = tc.optim_step(tinker.AdamParams(learning_rate=1e-3))
+        with pytest.raises(CapacityExhausted) as cap:
+            step.result()
+        assert 4 <= time.monotonic() - t0 < 12
+        # the stop cancelled the SDK's wait: nothing polls on for a stopped run
+        assert step.future().cancelled() and waiter.evidence()["stopped"]["futures_cancelled"] == 1
+        assert "; queue position " in cap.value.block.error  # the service's latest words
+        (pause,) = [p.as_dict() for p in waiter.pauses if p.call == "optim_step"]
+        assert pause["outcome"] == "gave_up" and pause["reason_changes"] >= 2
 
 
 def _creation_stop(engine, faults, policy):

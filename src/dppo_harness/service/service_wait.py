@@ -297,7 +297,7 @@ class ServiceWaiter:
             now = self.clock()
             with self._lock:
                 self.longest_wait_s = max(self.longest_wait_s, now - t0)
-            self._note_pauses(watch, t0, now, call, client, seen, final=True)
+            self._note_pauses(watch, t0, now, call, client, seen)
             for pause in seen.values():  # the wait is over: a pause the watch still lists ended with it
                 if pause.outcome == "waiting":
                     pause.outcome = "resumed" if outcome == "answered" else "call_ended"
@@ -322,8 +322,7 @@ class ServiceWaiter:
         return WaitStatus(call, client, since, clock.last - clock.t0, rep.state if rep else None,
                           rep.reason if rep else None, clock.paused_s, wait_id, outcome)
 
-    def _note_pauses(self, watch: Any, t0: float, now: float, call: str, client: str, seen: dict[int, Pause],
-                     final: bool = False) -> None:
+    def _note_pauses(self, watch: Any, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]) -> None:
         """Record the watch's pauses during this wait (each once), with their elapsed time."""
         episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
         for ep in episodes:
