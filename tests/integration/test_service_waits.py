@@ -27,6 +27,7 @@ from dppo_harness.service.service_wait import ServiceWaiter
 from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
 from dppo_harness.service.service_wait_policy import (
     CapacityExhausted,
+    NoQueueState,
     PaymentRequired,
     ServiceHang,
     ServiceStopped,
@@ -221,3 +222,66 @@ def test_refused_polls_end_within_their_window_citing_the_service(engine, monkey
     else:
         assert isinstance(stop, ServiceHang) and "the service's last answer: HTTP 503: " in stop.line
         assert block["stopped"]["http_status"] == 503 and "injected 503" in block["stopped"]["error"]
+
+
+def _session_poller_sample(engine, faults, policy):
+    """One sample that completes, then one that may not, from a sampling client on the SDK's session
+    poller (the service's config says sample_use_retrieve_futures): (stop or None, seconds, waiter
+    evidence)."""
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(policy)
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        try:
+            sampler = sc.create_sampling_client(base_model=BASE).result()
+            assert sampler.sdk_client.holder.get_client_config().sample_use_retrieve_futures
+            params = tinker.SamplingParams(max_tokens=2)
+            assert sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, params).result().sequences
+            assert srv.state.faults.snapshot()["requests"].get("retrieve_futures", 0) >= 1  # the poller path
+            t0, stop = time.monotonic(), None
+            try:
+                sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, params).result()
+            except ServiceStopped as exc:
+                stop = exc
+            return stop, time.monotonic() - t0, waiter.evidence()
+        finally:
+            sc.close("errored")
+
+
+@pytest.mark.timeout(90)
+def test_a_sample_on_the_session_poller_that_never_completes_says_no_queue_state_was_sent(engine, monkeypatch):
+    """The session poller never calls the queue-state observer: a sample that never completes is
+    stopped at the timeout as a wait whose queue the service never reported (its polls answered),
+    not as a hang of a silent service and not after the SDK's own 900 s."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(sample_use_retrieve_futures=True, never_complete=(parse_never_complete("asample:2"),))
+    stop, secs, block = _session_poller_sample(
+        engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=8))
+    assert isinstance(stop, NoQueueState) and 8 <= secs < 16, (type(stop), secs)
+    assert stop.polls >= 1 and "retrieve_futures" in stop.line and "sample on sampler of" in stop.line
+    assert block["stopped"]["kind"] == "no_queue_state" and block["stopped"]["session_polls_answered"] == stop.polls
+    assert block["stopped"]["futures_cancelled"] == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_short_pause_on_the_session_poller_is_waited_out(engine, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(sample_use_retrieve_futures=True, queue_pause=(parse_queue_pause("asample:2:2"),))
+    stop, secs, block = _session_poller_sample(
+        engine, faults, WaitPolicy.from_options(capacity_patience_s=30, service_timeout_s=30))
+    assert stop is None and 2 <= secs < 10 and block.get("stopped") is None
+
+
+@pytest.mark.timeout(90)
+def test_a_402_on_session_polls_is_the_payment_stop_with_the_services_text(engine, monkeypatch):
+    """The session poller sleeps and re-polls a 402 silently; the harness's tap sees the refusal."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(sample_use_retrieve_futures=True, reject_for=(parse_reject_for("retrieve_futures:402:600"),))
+    with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=60)) as (
+            waiter, sc):
+        sampler = sc.create_sampling_client(base_model=BASE).result()
+        t0 = time.monotonic()
+        with pytest.raises(PaymentRequired) as ei:
+            sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(max_tokens=2)).result()
+        assert 3 <= time.monotonic() - t0 < 15
+        assert "HTTP 402" in ei.value.line and "retrieve_futures refused for 600 s" in ei.value.line
+        assert waiter.evidence()["stopped"]["http_status"] == 402

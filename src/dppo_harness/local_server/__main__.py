@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'moving': the reason names a queue position that changes at every poll")
     f.add_argument("--fault-never-complete", action="append", default=[], metavar="KIND:N",
                    help="accept the N-th request of KIND and never complete it (its polls say queue_state active)")
+    f.add_argument("--fault-sample-use-retrieve-futures", action="store_true",
+                   help="client config sets sample_use_retrieve_futures: samples wait on the SDK's session poller "
+                        "(POST /api/v1/retrieve_futures), a path that sends no queue state")
     f.add_argument("--fault-capacity-exhausted", type=int, default=0, metavar="N",
                    help="fail the first N create_model requests with 'trainer capacity exhausted'")
     f.add_argument("--fault-capacity-mode", choices=("future", "http"), default="future",
@@ -134,6 +137,7 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         retry_after_ms=args.fault_retry_after_ms,
         omit_fields=tuple(parse_omit_field(s) for s in args.fault_omit_field),
         record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
+        sample_use_retrieve_futures=args.fault_sample_use_retrieve_futures,
     )
 
 

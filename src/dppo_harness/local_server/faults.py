@@ -151,6 +151,9 @@ class FaultConfig:
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
     omit_fields: tuple[OmitField, ...] = ()  # optional response fields left out
     record_header_values: tuple[str, ...] = DEFAULT_VALUE_HEADERS
+    # client config's sample_use_retrieve_futures: samples wait on the SDK's session poller, a path
+    # that reports no queue state
+    sample_use_retrieve_futures: bool = False
 
     def __post_init__(self) -> None:
         for name in self.record_header_values:
@@ -167,7 +170,7 @@ class FaultConfig:
     def active(self) -> bool:
         return bool(self.reject_first or self.reject_prob or self.capacity_exhausted or self.capacity_fail
                     or self.latency_ms or self.die_after is not None or self.queue_pause or self.never_complete
-                    or self.reject_for or self.omit_fields)
+                    or self.reject_for or self.omit_fields or self.sample_use_retrieve_futures)
 
 
 def _split(spec: str, option: str, parts: int) -> list[str]:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import gc
 import ipaddress
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +22,13 @@ from urllib.parse import urlsplit
 import tinker
 
 from dppo_harness import constants
+from dppo_harness.service.cancels import flush_cancels, install_cancel_tracking
+from dppo_harness.service.capacity import (  # noqa: F401  (re-exported)
+    CapacityEvent,
+    call_with_capacity_retry,
+    error_text,
+    is_capacity_error,
+)
 from dppo_harness.service.secrets_scan import live_secret_items
 from dppo_harness.service.service_wait import ServiceWaiter
 from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture, name_client  # noqa: F401
@@ -43,6 +50,7 @@ from dppo_harness.service.service_wait_watch import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+CANCEL_FLUSH_S = 10.0  # how long a close waits for the cancels of abandoned samples to be sent
 
 Backend = Literal["local", "tinker"]
 ProxyTokens = Literal["modal", "runs", "none"]
@@ -212,6 +220,16 @@ class ObservedServiceClient(tinker.ServiceClient):
         self.waiter = waiter or ServiceWaiter()
         install_creation_watch()  # creation pauses reach the waiter too
         install_transport_watch()  # and the poll errors the SDK retries without a word
+        install_cancel_tracking()  # an abandoned sample's cancel is sent before the session closes
+        self.cancels: dict[str, int] | None = None  # at close: {"asked", "unsent"}
+
+    def close(self, status: Any, detail: str | None = None) -> Any:
+        """The SDK's close (finish the session, release the holders), once the cancels of abandoned
+        samples have been sent (bounded by CANCEL_FLUSH_S)."""
+        asked, unsent = flush_cancels(self._session_holder, CANCEL_FLUSH_S)
+        if asked:
+            self.cancels = {"asked": asked, "unsent": unsent}
+        return super().close(status) if detail is None else super().close(status, detail)
 
     def observe(self, client: Any, label: str) -> None:
         model_id = getattr(client, "model_id", None)
@@ -472,6 +490,9 @@ class ClientRegistry:
             self._release(e, status)
         if not pending:
             return
+        # httpcore leaves the connection of a request a stop cancelled in a reference cycle: its
+        # socket to the service stays open until the cycle is collected, so collect it now.
+        gc.collect()
         with self._lock:
             still_open = [e for e in self._entries if not e.released]
             self.events.append({
@@ -481,6 +502,9 @@ class ClientRegistry:
                 "still_open": [{"label": e.label, "training_clients": len(training_clients_of(e.client))}
                                for e in still_open],
             })
+            cancels = {e.label: e.client.cancels for e in pending if getattr(e.client, "cancels", None)}
+            if cancels:  # cancel_future sent for samples a stop abandoned: {"asked", "unsent"} per session
+                self.events[-1]["cancels_of_abandoned_samples"] = cancels
 
     @staticmethod
     def _record(e: _Entry) -> dict[str, Any]:
@@ -506,95 +530,3 @@ class ClientRegistry:
     def all_released(self) -> bool:
         with self._lock:
             return all(e.released for e in self._entries)
-
-
-# ----------------------------------------------------------------------------- capacity handling
-
-
-CAPACITY_MARKERS = ("capacity exhausted", "capacity_exhausted")
-_QUOTED_RE = re.compile(r"'[^']*'|\"[^\"]*\"")
-_STATUS_IN_TEXT_RE = re.compile(r"(?<![\w-])(?:429|503)(?![\w-])|too many requests|service unavailable")
-
-
-_SDK_FAILED_RE = re.compile(r"^Request failed: (.*) for self\.request_id=.*$", re.DOTALL)
-
-
-def error_text(exc: BaseException) -> str:
-    """The service's own error text: a failed future's server message without the SDK's
-    'Request failed: ... for self.request_id=...' wrapper; otherwise the exception's message."""
-    text = getattr(exc, "message", None) or str(exc)
-    m = _SDK_FAILED_RE.match(text)
-    return m.group(1) if m else text
-
-
-def is_capacity_error(exc: BaseException) -> bool:
-    """429, 503, or a 'trainer capacity exhausted' message, from creation or any call."""
-    if isinstance(exc, tinker.RateLimitError):
-        return True
-    status = getattr(exc, "status_code", None)
-    if isinstance(exc, tinker.APIStatusError) and status in (429, 503):
-        return True
-    # Quoted names (checkpoints, models) are the caller's, not the service's words: a checkpoint
-    # saved at 00:45:03 is named '...T004503Z-...'.
-    text = _QUOTED_RE.sub("''", error_text(exc).lower())
-    if any(m in text for m in CAPACITY_MARKERS):
-        return True
-    # A failed future carries only a message; the server's status may be inside it.
-    return isinstance(exc, tinker.RequestFailedError) and bool(_STATUS_IN_TEXT_RE.search(text))
-
-
-@dataclass
-class CapacityEvent:
-    attempt: int
-    elapsed_s: float
-    sleep_s: float
-    error: str
-
-
-def call_with_capacity_retry(
-    fn: Callable[[], T],
-    *,
-    policy: CapacityPolicy | None = None,
-    steps_completed: int | Callable[[], int] = 0,
-    registry: ClientRegistry | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-    on_retry: Callable[[CapacityEvent], None] | None = None,
-) -> T:
-    """Call fn; on a capacity refusal, back off and retry until the policy's window closes.
-
-    The window runs from the start of the first refused attempt and is ~10 min if no comparison step has
-    run, 30 min otherwise (re-read on every refusal). On give-up the registry's clients are
-    released and CapacityExhausted carries the CapacityBlock. Other errors propagate at once.
-    `fn` should bound its own wait (e.g. `future.result(timeout=...)`) since the SDK itself
-    retries 429/5xx internally for several minutes before surfacing an error.
-    """
-    policy = policy or CapacityPolicy()
-    started: float | None = None
-    attempt = 0
-    while True:
-        attempt_start = clock()
-        try:
-            return fn()
-        except Exception as exc:
-            if not is_capacity_error(exc):
-                raise
-            now = clock()
-            # The window opens when the first refused attempt began: time the SDK already spent
-            # retrying 429/503 internally before raising counts as waiting on the service.
-            started = attempt_start if started is None else started
-            elapsed = now - started
-            steps = steps_completed() if callable(steps_completed) else steps_completed
-            window = policy.window(steps)
-            if elapsed >= window:
-                released = registry.release_all("errored") if registry is not None else False
-                block = CapacityBlock(error_text(exc), int(steps), released)
-                raise CapacityExhausted(block, elapsed, attempt + 1) from exc
-            wait = min(policy.backoff(attempt), window - elapsed)
-            event = CapacityEvent(attempt + 1, elapsed, wait, error_text(exc))
-            logger.warning("capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s",
-                           event.attempt, elapsed, wait, event.error)
-            if on_retry is not None:
-                on_retry(event)
-            sleep(wait)
-            attempt += 1

@@ -45,6 +45,7 @@ from dppo_harness.service.service_wait_policy import (
     CapacityBlock,
     CapacityExhausted,
     CapacityTracker,
+    NoQueueState,
     PaymentRequired,
     ServiceHang,
     ServiceStopped,
@@ -54,6 +55,7 @@ from dppo_harness.service.service_wait_policy import (
 from dppo_harness.service.service_wait_watch import (
     PAYMENT_REQUIRED,
     POLL_REFUSED,
+    SESSION_POLLED,
     TRANSPORT_ERROR,
     QueueReport,
     QueueWatch,
@@ -137,13 +139,12 @@ class _CallClock:
 
 def _done(future: Any) -> bool:
     """Whether the call behind `future` ended (so a TimeoutError it raised is the call's own)."""
-    if isinstance(future, concurrent.futures.Future):
-        return future.done()
-    inner = getattr(future, "future", None)
+    inner = getattr(future, "future", None)  # an SDK APIFuture: its own done() is deprecated
     if callable(inner):
         with contextlib.suppress(Exception):
             return bool(inner().done())
-    return False
+        return False
+    return isinstance(future, concurrent.futures.Future) and future.done()
 
 
 def _is_client(value: Any) -> bool:
@@ -253,6 +254,7 @@ class ServiceWaiter:
             self.waits += 1
             wait_id = self.waits
         rep: QueueReport | None = None
+        polls_before = getattr(watch, "session_polls", 0)
         outcome = "failed"
         try:
             while True:
@@ -284,6 +286,8 @@ class ServiceWaiter:
                             pause.outcome = "gave_up"
                     last_pause = rep if paused else self._last_pause(watch, t0)
                     self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
+                if clock.quiet_s >= p.service_timeout_s and rep is not None and rep.state == SESSION_POLLED:
+                    self._stop(NoQueueState(call, client, clock.quiet_s, getattr(watch, "session_polls", 0) - polls_before))
                 if clock.quiet_s >= p.service_timeout_s:
                     said = (rep.http_status, rep.reason) if rep is not None and rep.state == TRANSPORT_ERROR else None
                     self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None, said))

@@ -245,6 +245,24 @@ class ServiceHang(ServiceStopped):
         return {"http_status": self.last_answer[0], "error": self.last_answer[1]}
 
 
+class NoQueueState(ServiceStopped):
+    """A sample waited on the SDK's session poller (the service's `sample_use_retrieve_futures`)
+    had no result for the whole service timeout. That path sends no queue state, so a capacity
+    pause cannot be told from a hang: the stop says what the service did answer."""
+
+    kind = "no_queue_state"
+
+    def __init__(self, call: str, client: str, waited_s: float, polls: int):
+        super().__init__(f"{call} on {client}: no result for {int(waited_s)} s; the service answered {polls} "
+                         f"session poll{'' if polls == 1 else 's'} (retrieve_futures) without it and sends no queue state on that path, so "
+                         "capacity cannot be told from a hang (--service-timeout-s; a service config without "
+                         "sample_use_retrieve_futures reports the queue)")
+        self.call, self.client, self.waited_s, self.polls = call, client, waited_s, polls
+
+    def details(self) -> dict[str, Any]:
+        return {"session_polls_answered": self.polls}
+
+
 @dataclass
 class CapacityTracker:
     """Completed comparison steps (the capacity window switches from 10 to 30 minutes after the

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 PAYMENT_REQUIRED = "payment_required"  # HTTP 402 on a poll: the SDK sleeps and re-polls for up to an hour
 POLL_REFUSED = "poll_refused"  # HTTP 429 on a poll: the SDK backs off and re-polls without limit
 TRANSPORT_ERROR = "transport_error"  # 5xx or no answer (connection reset) on a poll: re-polled without limit
+# A sample's session poll (retrieve_futures) answered without its result: that path sends no queue state.
+SESSION_POLLED = "session_polled"
+SESSION_POLLED_REASON = "retrieve_futures answered without this sample's result (no queue state on that path)"
 PAUSED_STATES = frozenset({"paused_capacity", "paused_rate_limit", "submit_refused", PAYMENT_REQUIRED, POLL_REFUSED})
 MAX_TEXT = 500  # of an error text kept from a refused poll
 # What the harness records for a refused sample submit whose answer it did not see (the SDK swallows
@@ -86,6 +89,7 @@ class QueueWatch(QueueStateObserver):
         self._latest: QueueReport | None = None
         self._episodes: list[Episode] = []
         self.reports = 0
+        self.session_polls = 0  # retrieve_futures polls answered (a sampling client on the session poller)
 
     def _set(self, state: str, reason: str | None, http_status: int | None = None) -> None:
         now = self._clock()
@@ -122,6 +126,12 @@ class QueueWatch(QueueStateObserver):
         kept as a state with the service's own text and status."""
         state = PAYMENT_REQUIRED if http_status == 402 else POLL_REFUSED if http_status == 429 else TRANSPORT_ERROR
         self._set(state, text[:MAX_TEXT], http_status or None)
+
+    def on_session_poll(self) -> None:
+        """A session poll (retrieve_futures) answered: the service is there, and says nothing of the queue."""
+        with self._lock:
+            self.session_polls += 1
+        self._set(SESSION_POLLED, SESSION_POLLED_REASON)
 
     def on_submit_refused(self, http_status: int | None = None, text: str | None = None) -> None:
         self._set("submit_refused", text if text is not None else SUBMIT_REFUSED_REASON, http_status)
@@ -264,10 +274,14 @@ class CreationWatch:
 
 class _SubmitTap:
     """A sampling client's view of its SDK holder that notes the HTTP error of each sample submit
-    (status and the service's own text) before the SDK swallows it; everything else is the holder's."""
+    (status and the service's own text) before the SDK swallows it, and what each session poll
+    (retrieve_futures, the path `sample_use_retrieve_futures` selects) answered or refused: the SDK's
+    session poller retries 402, 5xx and resets silently and never tells a queue-state observer.
+    Everything else is the holder's."""
 
-    def __init__(self, holder: Any):
+    def __init__(self, holder: Any, watch: QueueWatch):
         object.__setattr__(self, "_holder", holder)
+        object.__setattr__(self, "_watch", watch)
         object.__setattr__(self, "last_refusal", None)
 
     def __getattr__(self, name: str) -> Any:
@@ -284,13 +298,43 @@ class _SubmitTap:
         import tinker
         from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
+        session_poll = pool_type == ClientConnectionPoolType.RETRIEVE_FUTURES
         with self._holder.aclient(pool_type) as client:
             try:
-                yield client
+                yield _SessionPollTap(client, self._watch) if session_poll else client
             except tinker.APIStatusError as exc:
                 if pool_type == ClientConnectionPoolType.SAMPLE:
                     self.last_refusal = (exc.status_code, _service_text(exc))
+                elif session_poll:
+                    self._watch.on_transport_error(exc.status_code, _service_text(exc))
                 raise
+            except tinker.APIConnectionError as exc:
+                if session_poll:
+                    self._watch.on_transport_error(0, f"no response: {exc}")
+                raise
+
+
+class _SessionPollTap:
+    """The SDK client a session poller uses, whose `futures.retrieve_multi` answers tell the watch."""
+
+    def __init__(self, client: Any, watch: QueueWatch):
+        self._client, self.futures = client, _FuturesTap(client.futures, watch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class _FuturesTap:
+    def __init__(self, futures: Any, watch: QueueWatch):
+        self._futures, self._watch = futures, watch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._futures, name)
+
+    async def retrieve_multi(self, *args: Any, **kwargs: Any) -> Any:
+        response = await self._futures.retrieve_multi(*args, **kwargs)
+        self._watch.on_session_poll()
+        return response
 
 
 def _service_text(exc: Any) -> str:
@@ -312,7 +356,7 @@ def watch_sampling_client(client: Any) -> QueueWatch:
     watch = QueueWatch(client.on_queue_state_change)
     client.on_queue_state_change = watch.on_queue_state_change
     client.on_transport_error = watch.on_transport_error
-    tap = _SubmitTap(client.holder)
+    tap = _SubmitTap(client.holder, watch)
     client.holder = tap
     send = client._send_asample_request
 

@@ -53,6 +53,7 @@ from dppo_harness.local_server.http.handlers_service import (
     stats,
     telemetry,
 )
+from dppo_harness.local_server.http.handlers_session_futures import retrieve_futures
 from dppo_harness.local_server.http.handlers_training import (
     create_model,
     forward_backward,
@@ -101,6 +102,7 @@ def build_app(state: ServerState) -> web.Application:
     r.add_post(f"{API}/asample", asample)
     r.add_post(f"{API}/retrieve_future", retrieve_future)
     r.add_post(f"{API}/cancel_future", cancel_future)
+    r.add_post(f"{API}/retrieve_futures", retrieve_futures)
     # REST reads (RestClient; the cookbook's checkpoint_utils)
     r.add_get(f"{API}/training_runs", list_training_runs)
     r.add_get(f"{API}/training_runs/{{model_id}}", get_training_run)

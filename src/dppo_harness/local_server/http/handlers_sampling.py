@@ -11,6 +11,7 @@ from tinker import types
 from dppo_harness import constants
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.http.codecs import dump, encode_sample_response, parse_stop, prompt_tokens_of, seq_attr
+from dppo_harness.local_server.http.handlers_session_futures import report_completion
 from dppo_harness.local_server.http.state import Outcome, new_sampler, session_of, state_of
 from dppo_harness.local_server.http.work import check_served, error_json, future_json, parse_body, run_engine, spawn
 
@@ -101,6 +102,9 @@ async def asample(request: web.Request) -> web.Response:
     async def work() -> Outcome:
         return await run_engine(state, state.sample_pool, "asample", fn)
 
+    if req.sampling_session_id is not None and state.faults.config.sample_use_retrieve_futures:
+        session_id = req.sampling_session_id
+        fut.add_done_callback(lambda f: report_completion(state.session_completions, session_id, request_id, f))
     spawn(state, fut, "asample", work)
     return future_json(request_id, sample_sequence_ids=sequence_ids)
 

@@ -49,22 +49,24 @@ async def capabilities(request: web.Request) -> web.Response:
 
 async def client_config(request: web.Request) -> web.Response:
     # API-key auth, httpx transport, uncompressed protobuf, client-side custom losses,
-    # per-request retrieve_future polling: the simplest paths of SDK 0.38.
+    # per-request retrieve_future polling (unless a fault profile asks for the session poller):
+    # the simplest paths of SDK 0.38.
     return web.json_response(dump(types.ClientConfigResponse(
         pjwt_auth_enabled=False,
         credential_default_source="api_key",
         use_pyqwest_transport=False,
         proto_compress_fwdbwd=False,
         parallel_fwdbwd_chunks=True,
-        sample_use_retrieve_futures=False,
+        sample_use_retrieve_futures=state_of(request).faults.config.sample_use_retrieve_futures,
         custom_loss_server_side=False,
         sample_join_sampling_session=False,
     )))
 
 
 async def client_dynamic_config(request: web.Request) -> web.Response:
+    # sample_cancel_enabled: the SDK sends cancel_future for a sample whose wait was abandoned
     return web.json_response(dump(types.ClientDynamicConfigResponse(refresh_interval_sec=300,
-                                                                    sample_cancel_enabled=False)))
+                                                                    sample_cancel_enabled=True)))
 
 
 async def create_session(request: web.Request) -> web.Response:

@@ -112,6 +112,9 @@ class ServerState:
         self.telemetry_bodies: list[bytes] = []
         self.tasks: set[asyncio.Task] = set()
         self.holds: dict[asyncio.Future, Any] = {}  # queued requests a fault holds (faults.Hold)
+        # sampling session -> its finished samples (handlers_session_futures.SessionCompletions)
+        self.session_completions: dict[str, Any] = {}
+        self.cancelled_requests = 0  # cancel_future calls received
 
     # -- futures
     def new_future(self) -> tuple[str, asyncio.Future]:
@@ -173,6 +176,8 @@ class ServerState:
             "faults": self.faults.snapshot(),
             "headers": self.headers.snapshot(),
             "sessions": len(self.sessions),
+            "sessions_finished": sum(1 for s in self.sessions.values() if s.get("finished") is not None),
+            "cancelled_requests": self.cancelled_requests,
             "models": {m: e.engine_id for m, e in self.models.items()},
             "samplers": len(self.samplers),
             "checkpoints": len(self.checkpoints),

@@ -1,0 +1,72 @@
+"""Cancels of abandoned samples that reach the service before its session closes.
+
+When a sample's wait is abandoned (a stop cancelled it), the SDK queues a `cancel_future` for the
+service if its dynamic config allows it, and a background task sends the queue; closing the holder
+right after a stop cancels that task, so the cancel may never be sent. With `install_cancel_tracking`
+each cancel is its own task, kept on the holder, and `flush_cancels` waits for them (bounded) before
+the session is finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Any
+
+from dppo_harness.service.service_wait_watch import _once
+
+logger = logging.getLogger(__name__)
+
+_TASKS = "_dppo_cancel_tasks"  # holder attribute: the cancel sends still running
+_SENT = "_dppo_cancels_sent"  # holder attribute: how many were asked for
+
+
+def install_cancel_tracking() -> bool:
+    """Make `InternalClientHolder.enqueue_cancel` send each cancel as a task kept on the holder. True
+    if in place."""
+    return _once("cancels", _install)
+
+
+def _install() -> bool:
+    try:
+        from tinker.lib.internal_client_holder import InternalClientHolder
+    except ImportError:  # pragma: no cover - another SDK layout
+        return False
+    if not hasattr(InternalClientHolder, "enqueue_cancel") or not hasattr(InternalClientHolder, "_process_one_cancel"):
+        logger.warning("the SDK's holder has no enqueue_cancel/_process_one_cancel: abandoned samples are not "
+                       "cancelled before the session closes")
+        return False
+
+    def enqueue_cancel(self: Any, request_id: str) -> None:  # on the holder's loop, as the SDK's is
+        if not self._client_dynamic_config.sample_cancel_enabled:
+            return
+        tasks: set[asyncio.Task[None]] = self.__dict__.setdefault(_TASKS, set())
+        task = asyncio.get_running_loop().create_task(self._process_one_cancel(request_id))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        self.__dict__[_SENT] = self.__dict__.get(_SENT, 0) + 1
+
+    InternalClientHolder.enqueue_cancel = enqueue_cancel
+    return True
+
+
+def flush_cancels(holder: Any, timeout_s: float) -> tuple[int, int]:
+    """Wait up to `timeout_s` for `holder`'s cancel sends: (asked for, still unsent at the end)."""
+    if holder is None:
+        return 0, 0
+
+    async def settle() -> int:
+        for _ in range(10):  # a stop's cancellation reaches the SDK's sample coroutine a few loop turns later
+            await asyncio.sleep(0.02)
+        pending = set(holder.__dict__.get(_TASKS, ()))
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=timeout_s)
+        return len(pending)
+
+    try:
+        unsent = holder.run_coroutine_threadsafe(settle()).result(timeout_s + 5)
+    except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+        logger.warning("waiting for cancels of abandoned samples failed: %s", exc)
+        unsent = len(holder.__dict__.get(_TASKS, ()))
+    return holder.__dict__.get(_SENT, 0), unsent
