@@ -5,6 +5,7 @@ instead of the SDK's minutes of per-attempt timeouts and retries."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -36,6 +37,7 @@ def test_the_connectivity_probe_keeps_its_bound_when_the_sdk_setup_never_ends(en
         with pytest.raises(ConnectivityError, match="the SDK could not set up its client"):
             check_connectivity("local", srv.base_url, BASE, timeout_s=2)
         assert time.monotonic() - t0 < 8  # the check's 2 s, then at most 2 s to close the probe
+        assert not [t for t in threading.enumerate() if t.name.startswith("connectivity:")]
 
 
 @pytest.mark.timeout(90)
@@ -65,3 +67,25 @@ def test_a_503_on_the_first_client_config_is_retried_by_the_sdk_inside_the_wait(
             assert waiter.stopped is None and waiter.waits == 2  # the session setup, then the creation
         finally:
             sc.close("success").result(30)
+
+
+def setup_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("sdk session setup")]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["create_session", "client_config", "client_dynamic_config"])
+def test_a_stopped_session_setup_ends_and_its_client_closes(engine, monkeypatch, kind):
+    """The setup thread holds the ServiceClient's lifecycle lock while the SDK waits; after the stop it
+    must end, so the release does not wait out the SDK's retries."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(latency_ms=(parse_latency(f"{kind}:{NEVER}"),))
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=2))
+        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        with pytest.raises(ServiceHang):
+            sc.create_lora_training_client(base_model=BASE, rank=4)
+        t0 = time.monotonic()
+        assert not setup_threads(), "the session setup thread runs on after its stop"
+        sc.close("errored").result(5)  # the lifecycle lock is free again
+        assert time.monotonic() - t0 < 5

@@ -288,6 +288,9 @@ def _stopped_run(tmp_path: Path, fault_args: list[str], harness_args: list[str],
     assert "Traceback" not in out and "During handling" not in out, out[-3000:]
     for v in PLANTED.values():
         assert v not in out
+    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(_bundle_dir(evidence))],
+                       env=_harness_env(None), capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0 and "(status failed)" in v.stdout, v.stdout + v.stderr  # a stopped run's bundle verifies
     return proc, secs, _result(evidence), stats
 
 
@@ -346,3 +349,22 @@ def test_a_short_pause_is_waited_out_and_a_429_at_sample_submit_gives_up(plan_fi
     assert refused["queue_state_reason"] == text and refused["outcome"] == "gave_up"
     assert r["capacity_block"] == {"error": text, "comparison_steps_completed": 0, "released_clients": True}
     assert stats["faults"]["injected"]["asample:429"] >= 3  # the SDK kept resubmitting
+
+
+def test_a_sample_on_the_session_poller_that_never_completes_stops_as_no_queue_state(plan_file, tmp_path):
+    """With the service's sample_use_retrieve_futures the SDK waits on its session poller, which
+    reports no queue state: the first sample that never completes ends the run after
+    --service-timeout-s as no_queue_state (what the service answered, not a capacity pause), its
+    future cancelled on the service and the session finished. (The timeout is above the server's
+    5 s long-poll hold: below it no poll has been answered yet, and the stop is a plain no_answer.)"""
+    proc, secs, r, stats = _stopped_run(
+        tmp_path, ["--fault-sample-use-retrieve-futures", "--fault-never-complete", "asample:1"],
+        ["tests/preflight", "tests/diagnostic", f"--plan={plan_file}", "--service-timeout-s=8"], timeout=600)
+    assert proc.returncode != 0 and secs < 300, proc.stdout[-3000:]
+    _assert_stopped(r)
+    stopped = r["service_wait"]["stopped"]
+    assert stopped["kind"] == "no_queue_state" and stopped["session_polls_answered"] >= 1, stopped
+    assert "sends no queue state on that path" in stopped["line"] and stopped["line"] in proc.stdout
+    assert "capacity_block" not in r
+    assert stats["faults"]["injected"] == {"asample:never_complete": 1}
+    assert stats["cancelled_requests"] == 1 and stats["sessions_finished"] >= 1, stats

@@ -126,6 +126,11 @@ def test_launch_rule_refuses_unauthorized_training_stages_on_a_real_service():
     assert launch_refusal(diag.name, diag.launch, ("unit", "preflight", "diagnostic"), embedded=False, service="x") is None
     line = launch_refusal(diag.name, diag.launch, ("gate",), embedded=False, service="x")
     assert line is not None and "launch authorizes diagnostic (single bounded diagnostic continuation" in line
+    # the declared rehearsal states that it authorizes nothing on a real service
+    rehearsal = load_plan(SHIPPED)
+    assert rehearsal.launch is not None and rehearsal.launch.authorized_stages == []
+    line = launch_refusal(rehearsal.name, rehearsal.launch, stages, embedded=False, service="x")
+    assert line is not None and "launch authorizes no training stage (offline rehearsal on the embedded server" in line
     # the service could not be identified: refused when a stage needs authorization, never skipped
     seen = "connectivity preflight (reachable): https://svc answered HTTP 503"
     line = launch_undecided_refusal(spec.name, spec.launch, stages, service="https://svc", seen=seen)

@@ -184,6 +184,10 @@ def rehearsal_deviation(d: Mapping[str, Any]) -> dict[str, str]:
 STAND_IN = "local/tiny-qwen3-gsm8k"  # the embedded server's stand-in model
 # The declared rehearsal size `plans rehearse` uses unless told otherwise (the shipped plan's).
 DEFAULT_STEPS, DEFAULT_GROUPS, DEFAULT_EVAL_ITEMS = 3, 4, 50
+# A rehearsal plan states its launch: it authorizes nothing on a service that is not the embedded server.
+_LAUNCH = {"source": "this project's declared rehearsal plan, not a requester's launch", "launch_mode": "rehearsal",
+           "scope": "offline rehearsal on the embedded server only; no stage is authorized on a real service",
+           "only_authorized_run": False, "authorized_stages": []}
 _PURPOSE = ("Drive the whole paired-comparison pipeline (restoration preflight, activation gate, {arms}, frozen "
             "evaluation of base and {checkpoints}, paired Hoeffding decision, report) offline on the embedded server's "
             "stand-in model. Not a measurement of the hypothesis: results are always labelled rehearsal with verdict "
@@ -275,6 +279,7 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
         "label": "rehearsal",
         "purpose": _PURPOSE.format(arms="both arms" if two else "every arm",
                                    checkpoints="both final checkpoints" if two else "every final checkpoint"),
+        "launch": _LAUNCH,
         "derived_from": {"path": _derived_path(Path(spec_path), Path(out_path)),
                          "sha256": hashlib.sha256(data).hexdigest()},
         "differences": diffs,

@@ -4,7 +4,8 @@ When a sample's wait is abandoned (a stop cancelled it), the SDK queues a `cance
 service if its dynamic config allows it, and a background task sends the queue; closing the holder
 right after a stop cancels that task, so the cancel may never be sent. With `install_cancel_tracking`
 each cancel is its own task, kept on the holder, and `flush_cancels` waits for them (bounded) before
-the session is finished.
+the session is finished. A session setup that a stop abandons is cancelled too (`SetupScope`), so
+its thread does not wait on in the SDK's retries.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from typing import Any
 
 from dppo_harness.service.service_wait_watch import _once
@@ -70,3 +72,75 @@ def flush_cancels(holder: Any, timeout_s: float) -> tuple[int, int]:
         logger.warning("waiting for cancels of abandoned samples failed: %s", exc)
         unsent = len(holder.__dict__.get(_TASKS, ()))
     return holder.__dict__.get(_SENT, 0), unsent
+
+
+class SetupScope:
+    """The SDK calls a session-setup thread is waiting on, so that a stop can cancel them.
+
+    The SDK builds its holder synchronously (client/config, dynamic_config, create_session), each a
+    coroutine on its loop whose `.result()` the building thread waits on, holding the ServiceClient's
+    lifecycle lock, for as long as the SDK's retries last. With `install_setup_abort` each such
+    coroutine started while the scope is entered on this thread is kept; `abort` cancels them (and
+    any started afterwards), so the constructor raises and the thread ends and lets the lock go.
+    """
+
+    _current = threading.local()
+
+    def __init__(self) -> None:
+        self._futures: list[concurrent.futures.Future[Any]] = []
+        self._lock = threading.Lock()
+        self.aborted = False
+
+    def __enter__(self) -> SetupScope:
+        SetupScope._current.scope = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        SetupScope._current.scope = None
+
+    @classmethod
+    def current(cls) -> SetupScope | None:
+        return getattr(cls._current, "scope", None)
+
+    def keep(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._futures.append(future)
+            aborted = self.aborted
+        if aborted:
+            future.cancel()
+
+    def abort(self) -> int:
+        """Cancel every setup call still waiting: how many were."""
+        with self._lock:
+            self.aborted = True
+            futures = list(self._futures)
+        return sum(f.cancel() for f in futures)
+
+
+def install_setup_abort() -> bool:
+    """Make `InternalClientHolder.run_coroutine_threadsafe` keep, in the thread's SetupScope, the
+    future of each coroutine it starts (its cleanup excepted). True if in place."""
+    return _once("setup-abort", _install_setup_abort)
+
+
+def _install_setup_abort() -> bool:
+    try:
+        from tinker.lib.internal_client_holder import InternalClientHolder
+    except ImportError:  # pragma: no cover - another SDK layout
+        return False
+    sdk_run = getattr(InternalClientHolder, "run_coroutine_threadsafe", None)
+    if sdk_run is None:
+        logger.warning("the SDK's holder has no run_coroutine_threadsafe: a stopped session setup runs on")
+        return False
+
+    def run_coroutine_threadsafe(self: Any, coro: Any) -> Any:
+        made = sdk_run(self, coro)
+        scope = SetupScope.current()
+        inner = getattr(made, "_future", None)
+        if scope is not None and isinstance(inner, concurrent.futures.Future) \
+                and getattr(coro, "__name__", "") != "_async_cleanup":
+            scope.keep(inner)
+        return made
+
+    InternalClientHolder.run_coroutine_threadsafe = run_coroutine_threadsafe
+    return True

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import tinker
 
 from dppo_harness import constants
-from dppo_harness.service.cancels import flush_cancels, install_cancel_tracking
+from dppo_harness.service.cancels import SetupScope, flush_cancels, install_cancel_tracking, install_setup_abort
 from dppo_harness.service.capacity import (  # noqa: F401  (re-exported)
     CapacityEvent,
     call_with_capacity_retry,
@@ -51,6 +51,7 @@ from dppo_harness.service.service_wait_watch import (
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CANCEL_FLUSH_S = 10.0  # how long a close waits for the cancels of abandoned samples to be sent
+SETUP_ABORT_S = 10.0  # how long a stop waits for a cancelled session setup to end
 
 Backend = Literal["local", "tinker"]
 ProxyTokens = Literal["modal", "runs", "none"]
@@ -221,6 +222,7 @@ class ObservedServiceClient(tinker.ServiceClient):
         install_creation_watch()  # creation pauses reach the waiter too
         install_transport_watch()  # and the poll errors the SDK retries without a word
         install_cancel_tracking()  # an abandoned sample's cancel is sent before the session closes
+        install_setup_abort()  # and an abandoned session setup is cancelled
         self.cancels: dict[str, int] | None = None  # at close: {"asked", "unsent"}
 
     def close(self, status: Any, detail: str | None = None) -> Any:
@@ -260,15 +262,26 @@ class ObservedServiceClient(tinker.ServiceClient):
         if getattr(self, holder, None) is not None:
             return fn()
         box: concurrent.futures.Future[T] = concurrent.futures.Future()
+        scope = SetupScope()
 
         def run() -> None:
             try:
-                box.set_result(fn())
+                with scope:
+                    box.set_result(fn())
             except BaseException as exc:  # the waiting caller gets it
                 box.set_exception(exc)
 
-        threading.Thread(target=run, name=f"sdk session setup: {call}", daemon=True).start()
-        return self.waiter.wait(box, call=f"{call} (session setup)", client=what)
+        thread = threading.Thread(target=run, name=f"sdk session setup: {call}", daemon=True)
+        thread.start()
+        try:
+            return self.waiter.wait(box, call=f"{call} (session setup)", client=what)
+        except BaseException:
+            # a stop: cancel what the setup waits on, so its thread ends and lets the client's lock go
+            scope.abort()
+            thread.join(SETUP_ABORT_S)
+            if thread.is_alive():
+                logger.warning("%s (session setup) still runs %.0f s after its stop", call, SETUP_ABORT_S)
+            raise
 
     def _creation(self, make: Callable[[], Any], call: str, what: str) -> WaitedFuture:
         fut = self.set_up(make, call, what)

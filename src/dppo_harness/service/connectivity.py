@@ -27,6 +27,7 @@ from typing import Any
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
 from dppo_harness.service import clients as service
 from dppo_harness.service import identity
+from dppo_harness.service.cancels import SetupScope, install_setup_abort
 from dppo_harness.service.identity import EmbeddedMarker
 
 # Which variable feeds which request header (tinker backend, shared Spindle).
@@ -141,22 +142,28 @@ def first_contact(kwargs: Mapping[str, Any], timeout_s: float) -> tuple[int, Any
 
 def bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """fn() on a daemon thread, so that the SDK's own minutes of retries (and the lifecycle lock
-    its holder construction keeps) cannot hold the check: TimeoutError naming `what` after `timeout_s`."""
+    its holder construction keeps) cannot hold the check: TimeoutError naming `what` after `timeout_s`,
+    once the SDK calls fn() still waits on are cancelled (its thread then ends and lets the lock go)."""
     out: dict[str, Any] = {}
+    install_setup_abort()
+    scope = SetupScope()
 
     def run() -> None:
         try:
-            out["value"] = fn()
+            with scope:
+                out["value"] = fn()
         except BaseException as exc:  # handed to the caller
             out["error"] = exc
 
     t = threading.Thread(target=run, name=f"connectivity: {what}", daemon=True)
     t.start()
     t.join(timeout_s)
+    if t.is_alive():
+        scope.abort()
+        t.join(timeout_s)
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
     if "error" in out:
         raise out["error"]
-    if "value" not in out:
-        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
     return out["value"]
 
 
