@@ -1,6 +1,7 @@
 """The diagnostic's requested evidence items: declared service work, snapshots, original gate report, validator CLI."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,28 @@ def test_validator_cli_exit_code():
     block["paths"][0]["errors"] = {}
     out = correctness.run_validator_cli(spec, block)
     assert out["exit_code"] != 0 and "FAIL" in out["stdout"]
+
+
+@pytest.mark.integration
+def test_the_validator_subprocess_gets_no_credential(monkeypatch):
+    """The validator reads two files: no credential of the harness's environment reaches it."""
+    import subprocess
+
+    planted = {"TINKER_API_KEY": "tml-planted-validator-key-0001", "HF_TOKEN": "hf_planted_validator_token_0001",
+               "MODAL_PROXY_TOKEN_SECRET": "planted-modal-secret-0001", "AWS_SECRET_ACCESS_KEY": "planted/aws/0001"}
+    for k, v in planted.items():
+        monkeypatch.setenv(k, v)
+    seen: list[dict] = []
+    real_run = subprocess.run
+
+    def run(*args, **kwargs):
+        seen.append(dict(kwargs.get("env") if kwargs.get("env") is not None else os.environ))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    report = correctness_golden.check_golden(ROOT / "tests/fixtures/dppo_golden_v1.json", modes=("float64",))
+    spec = (ROOT / "plans/exp_e6b0965af3.json").read_bytes()
+    block = correctness.build_preflight_block(report, json.loads(spec))
+    assert correctness.run_validator_cli(spec, block)["exit_code"] == 0  # it still validates
+    assert len(seen) == 1 and not set(planted) & set(seen[0]) and "PATH" in seen[0]
+    assert not any(v in json.dumps(seen[0]) for v in planted.values())

@@ -153,6 +153,41 @@ def test_planted_secret_in_file_is_blocked(tmp_path, monkeypatch, encode):
     assert "secret scanner" in r["summary"]
 
 
+@pytest.mark.parametrize("where", ["sidecar", "state", "metrics", "server_log"])
+def test_a_secret_beside_the_bundle_fails_verify(tmp_path, where):
+    """The comparison's state and metrics logs, the run's sidecars and the embedded server's log lie
+    beside the registered files: verify scans them like evidence."""
+    env = {"TINKER_API_KEY": FAKE_KEY}
+    b = EvidenceBundle.create(tmp_path, "beside", env=env)
+    b.finish("succeeded", "inconclusive", "incomplete_execution", "Stages run: unit.",
+             original_hypothesis_tested=False, tested_instead="nothing")
+    state = tmp_path / "comparison-state" / b.dir.name
+    clean = {"sidecar": b.dir / "notes.txt", "state": state / "comparison-state.json",
+             "metrics": state / "cookbook-metrics" / "grpo_seed0" / "metrics.jsonl",
+             "server_log": tmp_path / "local-server" / "server.log"}
+    for path in clean.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("nothing secret\n")
+    assert verify_bundle(b.dir, env=env) == []
+    clean[where].write_text(f"headers: X-API-Key: {FAKE_KEY}\n")
+    problems = verify_bundle(b.dir, env=env)
+    assert len(problems) == 1 and "TINKER_API_KEY" in problems[0] and FAKE_KEY not in problems[0], problems
+    assert str(clean[where].relative_to(tmp_path)) in problems[0]
+
+
+def test_a_secret_beside_the_bundle_fails_the_run_at_its_close(tmp_path):
+    env = {"TINKER_API_KEY": FAKE_KEY}
+    b = EvidenceBundle.create(tmp_path, "beside-close", env=env)
+    metrics = tmp_path / "comparison-state" / b.dir.name / "cookbook-metrics" / "dppo_seed0" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(json.dumps({"step": 1, "note": f"key={FAKE_KEY}"}) + "\n")
+    b.finish("succeeded", "inconclusive", "incomplete_execution", "Stages run: unit. All passed.",
+             original_hypothesis_tested=False, tested_instead="nothing")
+    r = json.loads((b.dir / "result.json").read_text())
+    assert r["status"] == "failed" and "secret scanner" in r["summary"] and "metrics.jsonl" in r["summary"]
+    assert FAKE_KEY not in (b.dir / "result.json").read_text()
+
+
 def test_planted_secret_in_result_json_is_blocked(tmp_path, monkeypatch):
     monkeypatch.setenv("MODAL_PROXY_TOKEN_SECRET", FAKE_MODAL)
     b = EvidenceBundle.create(tmp_path, "leak2")

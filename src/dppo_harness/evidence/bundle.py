@@ -35,6 +35,7 @@ from dppo_harness.evidence.files import (
     atomic_write,
     dump_json,
     json_file_bytes,
+    sidecar_files,
 )
 from dppo_harness.evidence.ledger import BudgetLedger
 from dppo_harness.evidence.provenance import code_revision
@@ -132,6 +133,19 @@ class EvidenceBundle:
         except SecretLeakError as exc:
             self._mark_failed_after_leak(str(exc))
             raise
+
+    def _sidecar_leak(self) -> str | None:
+        """The scanner's line for the first file beside the bundle (state, metrics logs, server log)
+        holding a secret, else None."""
+        scanner = self._scanner()
+        for fp in sidecar_files(self.dir):
+            try:
+                scanner.check(fp.read_bytes(), f"{fp.relative_to(self.dir.parent)} (beside the bundle)")
+            except SecretLeakError as exc:
+                return str(exc)
+            except OSError:
+                continue  # gone or unreadable: nothing of it can reach a reader through the bundle
+        return None
 
     def _mark_failed_after_leak(self, message: str) -> None:
         state = leak_failure_state(self._result, message)
@@ -250,8 +264,12 @@ class EvidenceBundle:
             final["outcome_reason"] = outcome_reason
         if summary is not None:
             final["summary"] = summary
+        leak = self._sidecar_leak()
         with self._lock:
-            self.update_result(**final)
+            if leak is None:
+                self.update_result(**final)
+            else:  # a sidecar holds a secret: the run failed, whatever it reached
+                self._mark_failed_after_leak(leak)
             if self._ledger.has_entries():
                 try:
                     self.register_json("budget-ledger.json", "manifest", self._ledger.snapshot())

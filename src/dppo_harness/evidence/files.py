@@ -40,6 +40,21 @@ class FileEntry(TypedDict):
     size: int
 
 
+STATE_ROOT = "comparison-state"  # beside the run dirs: comparison-state/<run>/ (state, lock, metrics logs)
+SERVER_LOG = ("local-server", "server.log")  # beside the run dirs: the embedded server a comparison keeps
+
+
+def sidecar_files(run: Path) -> list[Path]:
+    """The files the run wrote beside its registered ones: its own sidecars (ledger.json, ...), its
+    comparison state and metrics logs, and the embedded server's log."""
+    out = sorted(p for p in run.iterdir() if p.is_file() and p.name != RESULT_FILE)
+    state = run.parent / STATE_ROOT / run.name
+    if state.is_dir():
+        out += sorted(p for p in state.rglob("*") if p.is_file())
+    log = run.parent.joinpath(*SERVER_LOG)
+    return out + ([log] if log.is_file() else [])
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

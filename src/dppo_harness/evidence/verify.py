@@ -1,7 +1,9 @@
 """`python -m dppo_harness.evidence verify DIR`: re-check a bundle from disk alone.
 
 Every registered file's sha256 and size, the limits, the secret scan, the result shape, and every
-reference (`*_ref`, `observations_file`, ...) in result.json pointing at a registered file.
+reference (`*_ref`, `observations_file`, ...) in result.json pointing at a registered file. What the
+run wrote outside its registered files (its sidecars, its comparison state and metrics logs, the
+embedded server's log) is scanned for secrets too: it lies beside the bundle and is shared with it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dppo_harness.evidence.files import (
     NAME_RE,
     RESULT_FILE,
     sha256_bytes,
+    sidecar_files,
 )
 from dppo_harness.evidence.result import fmt_path, validate_result
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
@@ -116,6 +119,13 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
     if total > MAX_TOTAL_BYTES:
         problems.append(f"{total} bytes registered; the limit is {MAX_TOTAL_BYTES}")
     problems += _reference_problems(result, by_name)
+    for fp in sidecar_files(path):
+        try:
+            scanner.check(fp.read_bytes(), f"{fp.relative_to(path.parent)} (beside the bundle)")
+        except SecretLeakError as exc:
+            problems.append(str(exc))
+        except OSError as exc:
+            problems.append(f"{fp.relative_to(path.parent)}: unreadable ({exc.strerror})")
     return problems
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS, client_auth_headers
-from dppo_harness.service.secrets_scan import SECRET_ENV_VARS, is_credential_name
+from dppo_harness.service.secrets_scan import without_credentials
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
@@ -73,9 +73,7 @@ def _get_json(url: str, timeout: float = 5.0, headers: Mapping[str, str] | None 
 def server_environment(env: Mapping[str, str], profile: str) -> dict[str, str]:
     """The server's environment: `env` without any credential-named variable, except those the
     spindle profile checks requests against (the server needs nothing else secret)."""
-    keep = {var for _, var in SPINDLE_CREDENTIALS} if profile == "spindle" else set()
-    return {k: v for k, v in env.items()
-            if k in keep or not (k in SECRET_ENV_VARS or is_credential_name(k))}
+    return without_credentials(env, keep=[var for _, var in SPINDLE_CREDENTIALS] if profile == "spindle" else [])
 
 
 class LocalServerProcess:

@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from dppo_harness.loss.correctness_golden import (
     errors_pass,
 )
 from dppo_harness.loss.correctness_reference import GOLDEN_SCHEMA, MODES, GoldenError
+from dppo_harness.service.secrets_scan import without_credentials
 
 PATH_ID = "grpo_dppo_custom_loss"
 _LOSSES_PY = Path(__file__).with_name("losses.py")
@@ -279,7 +281,8 @@ def run_validator_cli(spec_bytes: bytes, preflight_block: Mapping[str, Any], tim
         spec_f.write_bytes(spec_bytes)
         pre_f.write_text(json.dumps(preflight_block, indent=1))
         cmd = [sys.executable, "-m", "dppo_harness.loss.correctness", "validate", str(spec_f), str(pre_f)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              env=without_credentials(os.environ))  # it reads two files: no credential
     return {"kind": "correctness_validator", "command": "python -m dppo_harness.loss.correctness validate <spec> <preflight>",
             "spec_sha256": hashlib.sha256(spec_bytes).hexdigest(),
             "preflight_sha256": hashlib.sha256(json.dumps(preflight_block, indent=1).encode()).hexdigest(),

@@ -55,6 +55,13 @@ def is_credential_name(name: str) -> bool:
     return bool(_CREDENTIAL_WORDS & set(words)) and words[-1] not in _NOT_A_VALUE
 
 
+def without_credentials(env: Mapping[str, str], keep: Iterable[str] = ()) -> dict[str, str]:
+    """`env` without any credential the harness sends or credential-named variable (those in `keep`
+    excepted): the environment of a child process that needs none of them."""
+    kept = set(keep)
+    return {k: v for k, v in env.items() if k in kept or not (k in SECRET_ENV_VARS or is_credential_name(k))}
+
+
 def held_secret_items(env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
     """(variable name, value) for each credential the harness or the SDK sends, set in env."""
     env = os.environ if env is None else env
