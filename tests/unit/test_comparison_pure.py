@@ -133,7 +133,7 @@ def test_resume_refuses_changed_plan_evaluator_code_or_unpaired_steps(tmp_path):
     ok = dict(plan_sha256="p" * 64, evaluator_id="e" * 64, code_rev="c" * 64)
     assert resume_problems(st, **ok) == []
     assert st.arms["dppo_seed0"].state_path == "tinker://dppo_seed0/2"
-    for key, what in (("plan_sha256", "plan"), ("evaluator_id", "evaluator"), ("code_rev", "code revision")):
+    for key, what in (("plan_sha256", "plan"), ("evaluator_id", "evaluator"), ("code_rev", "code and data revision")):
         problems = resume_problems(st, **{**ok, key: "x" * 64})
         assert len(problems) == 1 and what in problems[0]
     assert "apart" in resume_problems(_state(tmp_path, grpo_seed0=3, dppo_seed0=1), **ok)[0]
@@ -171,6 +171,16 @@ def test_code_revision_changes_with_the_sources(tmp_path):
     before = code_revision(tmp_path)
     (tmp_path / "a.py").write_text("x = 2\n")
     assert code_revision(tmp_path) != before
+    # the data the package carries counts too: a changed vendored item or its SHA256SUMS refuses a resume
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "SHA256SUMS").write_text("abc  train.jsonl\n")
+    with_data = code_revision(tmp_path)
+    (tmp_path / "data" / "SHA256SUMS").write_text("abd  train.jsonl\n")
+    assert code_revision(tmp_path) != with_data
+    changed = code_revision(tmp_path)
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    assert code_revision(tmp_path) == changed  # bytecode does not count
 
 
 def _crit(lower, upper, margin=0.0, cid="primary"):

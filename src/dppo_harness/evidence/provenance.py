@@ -25,6 +25,16 @@ def package_source_sha256(package_dir: Path) -> str:
     return h.hexdigest()
 
 
+def package_files_sha256(package_dir: Path) -> str:
+    """sha256 over every file of a package, sources and what it carries (vendored data and its
+    SHA256SUMS, the embedded server's assets), bytecode caches excepted: what a resume must match."""
+    h = hashlib.sha256()
+    for p in sorted(Path(package_dir).rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
+            h.update(str(p.relative_to(package_dir)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def _source_sha256(root: Path) -> str | None:
     pkg = root / "src" / "dppo_harness"
     return package_source_sha256(pkg) if pkg.is_dir() else None

@@ -14,7 +14,7 @@ from typing import Any
 
 import dppo_harness
 from dppo_harness.evidence.files import atomic_write
-from dppo_harness.evidence.provenance import package_source_sha256
+from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.stages.comparison.config import ComparisonError
 
 STEPS_FILE = "comparison-steps.jsonl"
@@ -22,9 +22,9 @@ STATE_FILE = "comparison-state.json"
 
 
 def code_revision(package_dir: Path | None = None) -> str:
-    """sha256 over the package's Python sources (`package_source_sha256`, the same hash the
-    provenance records as `source_sha256`): what the resume must match."""
-    return package_source_sha256(package_dir or Path(dppo_harness.__file__).parent)
+    """sha256 over the package's sources and the data it carries (`package_files_sha256`: the
+    vendored GSM8K files and their SHA256SUMS, the stand-in's assets): what the resume must match."""
+    return package_files_sha256(package_dir or Path(dppo_harness.__file__).parent)
 
 
 @dataclass
@@ -83,11 +83,11 @@ class RunState:
 
 
 def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, code_rev: str) -> list[str]:
-    """Why a saved run may not be continued: plan, evaluator or code changed."""
+    """Why a saved run may not be continued: plan, evaluator, code or carried data changed."""
     out = []
     for what, saved, now in (("plan sha256", state.plan_sha256, plan_sha256),
                              ("evaluator id", state.evaluator_id, evaluator_id),
-                             ("code revision", state.code_revision, code_rev)):
+                             ("code and data revision", state.code_revision, code_rev)):
         if saved != now:
             out.append(f"{what} changed since run {state.run_id}: saved {saved[:16]}, now {now[:16]}")
     steps = [s.steps_done for s in state.arms.values()]
