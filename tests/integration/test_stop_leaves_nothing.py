@@ -90,3 +90,35 @@ def test_a_stopped_sample_is_cancelled_and_nothing_outlives_the_release(tmp_path
     finally:
         srv.stop()
     assert new_threads(threads_before) == set() and live_child_pids() <= children_before
+
+
+@pytest.mark.timeout(120)
+def test_a_session_finish_that_is_never_answered_is_bounded_and_leaves_nothing_running(tmp_path, monkeypatch):
+    """The SDK retries `sessions/{id}/finish` for up to 5 minutes, its heartbeat running meanwhile: a
+    release waits its own bound, records the close as failed (never as released), and cancels the
+    SDK's close so no retry, heartbeat or connection outlives it."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    threads_before, sockets_before = set(threading.enumerate()), tcp_sockets()
+    tasks_before = sdk_loop_tasks()
+    srv = LocalServerProcess(tmp_path / "srv", model="tiny-qwen3-random",
+                             fault_args=["--fault-latency-ms", "session_finish:600000"])
+    srv.start()
+    try:
+        registry = service.ClientRegistry(release_timeout_s=3)
+        sc = registry.register(service.make_service_client("local", srv.base_url), stage="t")
+        sc.create_sampling_client(base_model=BASE).result()
+        t0 = time.monotonic()
+        assert registry.release_all("success") is False
+        assert time.monotonic() - t0 < 10
+        (record,) = registry.records()
+        assert not record["released"] and "session finish" in record["error"], record
+        assert registry.events[-1]["close_failed"][0]["label"] == record["label"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (sdk_loop_tasks() - tasks_before or tcp_sockets() - sockets_before):
+            time.sleep(0.2)
+        assert sdk_loop_tasks() - tasks_before == set(), sdk_loop_tasks() - tasks_before
+        assert tcp_sockets() - sockets_before == set()
+        assert new_threads(threads_before) <= {"local-server-stdout", "local-server-exit-watch"}
+    finally:
+        srv.stop()
+    assert new_threads(threads_before) == set()

@@ -480,6 +480,17 @@ class ClientRegistry:
             if hasattr(entry.closing, "result"):
                 entry.closing.result(timeout=self.release_timeout_s)
             entry.released, entry.error, entry.released_at = True, None, _now_iso()
+        except TimeoutError:
+            # The SDK retries the session finish for minutes with its heartbeat still running:
+            # cancelling its close ends the retries and still closes the holders (its `finally`).
+            # The SDK's AwaitableConcurrentFuture has no cancel(); the concurrent future it wraps has.
+            inner = getattr(entry.closing, "_future", entry.closing)
+            cancelled = hasattr(inner, "cancel") and inner.cancel()
+            entry.error = (f"TimeoutError: the session finish (POST sessions/<id>/finish) got no answer in "
+                           f"{self.release_timeout_s:g} s; the SDK's close was "
+                           f"{'cancelled' if cancelled else 'not cancellable'}, so the service may still hold "
+                           f"the session until it expires")
+            logger.warning("releasing %s failed: %s", entry.label, entry.error)
         except Exception as exc:  # record and carry on: releasing the rest matters more
             entry.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             logger.warning("releasing %s failed: %s", entry.label, entry.error)
