@@ -114,11 +114,17 @@ def test_preflight_with_an_unknown_loss_stops_in_seconds_with_one_line(tmp_path)
 def test_launch_rule_refuses_unauthorized_training_stages_on_a_real_service():
     spec, diag = load_plan(SPEC), load_plan(DIAG)
     stages = ("unit", "preflight", "gate", "comparison")
-    assert unauthorized_stages(spec.launch, stages) == ["gate", "comparison"]  # no launch block: nothing authorized
-    line = launch_refusal(spec.name, spec.launch, stages, embedded=False, service="https://svc")
+    # the saved spec's launch, stated in its resolution file: nothing authorized but the diagnostic plan
+    assert unauthorized_stages(spec.launch, stages) == ["gate", "comparison"]
+    line = launch_refusal(spec.name, spec.launch, stages, embedded=False, service="https://svc",
+                          stated_in=spec.launch_stated_in)
     assert line == ("launch scope: stage gate, comparison is not authorized on https://svc (not the embedded server): "
-                    "plan exp_e6b0965af3.json carries no launch block; a plan whose launch.authorized_stages lists "
+                    "plan exp_e6b0965af3.json's launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no "
+                    f"training stage ({spec.launch.scope}); a plan whose launch.authorized_stages lists "
                     "gate, comparison would authorize it")
+    assert unauthorized_stages(None, stages) == ["gate", "comparison"]  # no launch at all: nothing authorized
+    line = launch_refusal("x.json", None, stages, embedded=False, service="https://svc")
+    assert line is not None and "plan x.json carries no launch block" in line
     assert launch_refusal(spec.name, spec.launch, stages, embedded=True, service="x") is None  # rehearsal
     assert launch_refusal(spec.name, spec.launch, ("unit", "preflight"), embedded=False, service="x") is None
     # the requester's launch: only the bounded diagnostic
