@@ -164,6 +164,8 @@ class Unsettled(PlanError):
 
 def settle_hint(file: str, key: str, sentence: str) -> str:
     """What to write to settle `key` without editing the spec: the file and its JSON entry."""
+    if not file:
+        return ""  # a statement no resolution settles (one that is only cross-checked)
     entry = json.dumps({"key": key, "value": "<the value meant>", "sentence": sentence,
                         "why": "<why this reading>"}, ensure_ascii=False)
     return f"; or settle it beside the spec in {file}: {{\"interpretations\": [{entry}]}}"
@@ -301,6 +303,12 @@ def _read_key(contexted: Sequence[tuple[int, str, Context]], key: str, field: st
                             key, (first.sentence, s.sentence), (first.value, s.value))
     spans = tuple(s.span for s in all_statements if s.value == first.value and s.context != "history")
     return Stated(first.value, field, first.sentence, first.span[0], first.span[1], spans)
+
+
+def stated_values(text: str, key: str, field: str) -> list[tuple[int | float, str]]:
+    """(value, sentence) of every statement of `key` in `text`, whatever the sentence's context:
+    for statements a structured field must agree with. An unreadable one is refused (PlanError)."""
+    return [(s.value, s.sentence) for s in _statements(contexted_sentences(text), key, KEYS[key], field, "")]
 
 
 def _flat(text: str) -> str:

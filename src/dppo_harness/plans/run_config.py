@@ -25,7 +25,7 @@ from typing import Any, Literal
 from dppo_harness.data import dataset
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
-from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, word_re
+from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, stated_values, word_re
 
 Role = Literal["baseline", "treatment"]
 # What the frozen evaluator scores per item (evaluation.METRIC): the only criterion metric.
@@ -213,6 +213,7 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
     criteria = _criteria(spec, arms)
     _check_gate_metrics(spec)
     _check_gate_plan(spec, upb)
+    _check_updates_stated_elsewhere(spec, upb)
     pilot = parse_method(spec.activation_gate.reason, "activation_gate.reason", keys=("pilot_steps",),
                          arm_names=arm_names, settlements=settlements).get("pilot_steps") or Stated(
         DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'", default=True)
@@ -225,6 +226,17 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
         eval_items=spec.eval.n_examples, gate_pilot_steps=pilot, decision_method=spec.decision_rule.method, alpha=spec.decision_rule.alpha,
         criteria=criteria, gate_checks=tuple(spec.activation_gate.checks), budget=spec.budget, prose=stated,
     )
+
+
+def _check_updates_stated_elsewhere(spec: ExperimentSpec, upb: int) -> None:
+    """The hypothesis, the baseline text and the gate's reason state the updates per batch too
+    ("with 2 updates per batch"); each statement must be what the arms run."""
+    for at, text in (("hypothesis", spec.hypothesis), ("baseline", spec.baseline),
+                     ("activation_gate.reason", spec.activation_gate.reason)):
+        for value, sentence in stated_values(text, "updates_per_batch", at):
+            if value != upb:
+                raise _fail(at, f"states {value} optimizer steps per rollout batch ({sentence!r}), but the arms run "
+                                f"updates_per_batch {upb}")
 
 
 def _check_arms(spec: ExperimentSpec) -> tuple[int, int]:
