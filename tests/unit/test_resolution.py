@@ -177,3 +177,13 @@ def test_a_launch_stated_twice_is_refused(tmp_path):
     (tmp_path / "s.json.resolution.json").write_text(json.dumps({"launch": launch}))
     with pytest.raises(PlanError, match="s.json.resolution.json: launch: the plan states its own launch block"):
         load_plan(tmp_path / "s.json")
+
+
+def test_rehearse_refuses_a_spec_whose_resolution_settles_values(tmp_path):
+    from dppo_harness.plans import RehearsalSize, make_rehearsal
+
+    training = TRAINING.replace("rollouts at temperature 1.0 and", "rollouts and")
+    path = _spec(tmp_path, NO_TEMPERATURE, _entry("temperature", 1.0, training))
+    with pytest.raises(PlanError, match="my_spec.json.resolution.json settles temperature, which a rehearsal plan "
+                                        "cannot carry yet"):
+        make_rehearsal(path, tmp_path / "r.json", RehearsalSize())

@@ -22,6 +22,7 @@ from typing import Any
 
 from dppo_harness.plans.models import PlanError, _fail, decode, validate_model
 from dppo_harness.plans.prose import Stated, format_number, rewrite
+from dppo_harness.plans.resolution import default_settlements, load_resolution
 from dppo_harness.plans.run_config import RunConfig, build_run_config
 from dppo_harness.plans.schema_errors import format_path
 
@@ -264,7 +265,12 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     kind, model = validate_model(raw)
     if kind != "experiment_spec":
         raise _fail("<root>", f"{spec_path}: plans rehearse needs an experiment spec, got kind {kind!r}")
-    run = build_run_config(model)  # type: ignore[arg-type]
+    resolution = load_resolution(Path(spec_path))
+    if resolution is not None and resolution.model.interpretations:
+        raise PlanError(f"{spec_path}: {resolution.file} settles {', '.join(resolution.settlements.entries)}, which a "
+                        "rehearsal plan cannot carry yet (its method text is rewritten); rehearse a spec whose prose "
+                        "states these values")
+    run = build_run_config(model, default_settlements(Path(spec_path)))  # type: ignore[arg-type]
     groups_reason = ""
     if size.groups is None:
         size = replace(size, groups=default_groups(int(run.group_size.value), run.updates_per_batch,
