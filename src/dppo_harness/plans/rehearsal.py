@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dppo_harness.plans.models import PlanError, _fail, decode, validate_model
+from dppo_harness.plans.models import ExperimentSpec, PlanError, _fail, decode, validate_model
 from dppo_harness.plans.prose import Stated, format_number, rewrite
 from dppo_harness.plans.resolution import default_settlements, load_resolution
 from dppo_harness.plans.run_config import RunConfig, build_run_config
@@ -256,6 +256,17 @@ def _derived_path(spec_path: Path, out_path: Path) -> str:
     return spec_abs.relative_to(common).as_posix()
 
 
+def _spec_run(spec_path: Path, model: ExperimentSpec) -> RunConfig:
+    """The spec's run config as the stages read it; a spec whose resolution file settles values is
+    refused (a rehearsal rewrites the method text those values' sentences belong to)."""
+    resolution = load_resolution(spec_path)
+    if resolution is not None and resolution.model.interpretations:
+        raise PlanError(f"{spec_path}: {resolution.file} settles {', '.join(resolution.settlements.entries)}, which a "
+                        "rehearsal plan cannot carry yet (its method text is rewritten); rehearse a spec whose prose "
+                        "states these values")
+    return build_run_config(model, default_settlements(spec_path))
+
+
 def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = RehearsalSize()) -> bytes:
     """The bytes of a declared rehearsal plan of the spec at `spec_path` (to be written at
     `out_path`): the stand-in model, the given size and lr, every difference declared with its
@@ -265,12 +276,7 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     kind, model = validate_model(raw)
     if kind != "experiment_spec":
         raise _fail("<root>", f"{spec_path}: plans rehearse needs an experiment spec, got kind {kind!r}")
-    resolution = load_resolution(Path(spec_path))
-    if resolution is not None and resolution.model.interpretations:
-        raise PlanError(f"{spec_path}: {resolution.file} settles {', '.join(resolution.settlements.entries)}, which a "
-                        "rehearsal plan cannot carry yet (its method text is rewritten); rehearse a spec whose prose "
-                        "states these values")
-    run = build_run_config(model, default_settlements(Path(spec_path)))  # type: ignore[arg-type]
+    run = _spec_run(Path(spec_path), model)  # type: ignore[arg-type]
     groups_reason = ""
     if size.groups is None:
         size = replace(size, groups=default_groups(int(run.group_size.value), run.updates_per_batch,
