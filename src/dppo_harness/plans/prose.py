@@ -18,6 +18,9 @@ Reading fails closed:
   training sentences only; one stated only elsewhere is refused, quoting the sentence;
 - a key stated with different values in two training sentences, or differently for one arm, is
   refused, quoting both sentences.
+Each such refusal ends with what to write in the spec's resolution file to settle it (`Unsettled`,
+`settle_hint`); `parse_method` takes those settlements (`Settlements`, read by `plans.resolution`)
+and refuses one that does not fit the text.
 """
 
 from __future__ import annotations
