@@ -7,12 +7,14 @@ preflight sends through the SDK (client config, auth, dynamic config, capabiliti
 every request, answering every other one 401 (which the SDK does not retry), so a stage that went
 past the launch check shows up as recorded requests and the server's sessions.
 
-- the saved spec (no launch block), `-m comparison`: refused before the first test, one line
+- the saved spec (its launch, stated in its resolution file, authorizes no training stage),
+  `-m comparison`: refused before the first test, one line
   naming what would authorize it, no traceback, only the capabilities read reached the proxy and
   the server holds no session or model;
 - the same refusal for explicit test paths (`tests/gates`): the stages of the collected tests count;
-- the same spec with a launch block authorizing the gate: not refused (the run goes on to create
-  clients, which the proxy turns away), so the authorization is the plan's, not the code's.
+- the same spec with a launch block authorizing the gate, in the plan or in a resolution file
+  beside the verbatim spec: not refused (the run goes on to create clients, which the proxy turns
+  away), so the authorization is the plan's, not the code's.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def test_unauthorized_stage_is_refused_before_any_client(service, selection, tmp
     lines = _refusal_lines(out)
     assert len(lines) == 1, out[-3000:]
     stages = "gate, comparison" if selection[0] == "-m" else "gate"
-    assert (f"stage {stages} is not authorized" in lines[0] and "carries no launch block" in lines[0]
+    assert (f"stage {stages} is not authorized" in lines[0]
+            and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training stage" in lines[0]
             and f"a plan whose launch.authorized_stages lists {stages} would authorize it" in lines[0]), lines[0]
     assert "Traceback" not in out and " passed" not in out  # no test ran, unit parity included
     sent = proxy.requests[before:]
@@ -153,14 +156,15 @@ def test_unauthorized_stage_is_refused_before_any_client(service, selection, tmp
 
 
 def test_stages_selected_by_path_alone_are_checked_against_the_plan_that_will_run(service, tmp_path):
-    """`pytest tests/gates` with no -m and no --plan: the default plan (the saved spec, no launch
-    block) is the one the stage would load, so the gate is refused before the first test."""
+    """`pytest tests/gates` with no -m and no --plan: the default plan (the saved spec, whose launch
+    its resolution file states) is the one the stage would load, so the gate is refused before the first test."""
     srv, _proxy = service
     proc, _secs = _harness(["tests/gates", f"--evidence-dir={tmp_path / 'evidence'}"], _proxy.url)
     out = proc.stdout + proc.stderr
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     (line,) = _refusal_lines(out)
-    assert "stage gate is not authorized" in line and "carries no launch block" in line, line
+    assert ("stage gate is not authorized" in line
+            and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training stage" in line), line
     assert srv.stats()["sessions"] == 0
 
 
@@ -182,13 +186,21 @@ def test_a_connectivity_error_at_the_launch_check_refuses_instead_of_skipping_it
     assert srv.stats()["sessions"] == 0 and srv.stats()["models"] == {}
 
 
-def test_a_plan_whose_launch_authorizes_the_stage_is_not_refused(service, tmp_path):
+@pytest.mark.parametrize("stated_in", ["plan", "resolution file"])
+def test_a_plan_whose_launch_authorizes_the_stage_is_not_refused(service, tmp_path, stated_in):
+    """The launch in the plan itself, or (the spec kept verbatim) in its resolution file beside it."""
     _srv, proxy = service
-    spec = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
-    spec["launch"] = {"source": "this test", "launch_mode": "redo", "scope": "the activation gate only",
-                      "only_authorized_run": True, "authorized_stages": ["gate"]}
+    saved = ROOT / "plans" / "exp_e6b0965af3.json"
+    launch = {"source": "this test", "launch_mode": "redo", "scope": "the activation gate only",
+              "only_authorized_run": True, "authorized_stages": ["gate"]}
     plan = tmp_path / "authorized.json"
-    plan.write_text(json.dumps(spec, indent=2))
+    if stated_in == "plan":
+        spec = json.loads(saved.read_text())
+        spec["launch"] = launch
+        plan.write_text(json.dumps(spec, indent=2))
+    else:
+        plan.write_bytes(saved.read_bytes())
+        plan.with_name(plan.name + ".resolution.json").write_text(json.dumps({"launch": launch}))
     before = len(proxy.requests)
     proc, _secs = _harness(["tests/gates", f"--plan={plan}", f"--evidence-dir={tmp_path / 'evidence'}", "-x"],
                            proxy.url)

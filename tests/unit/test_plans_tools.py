@@ -42,13 +42,35 @@ def test_rehearse_reproduces_the_shipped_rehearsal_plan_byte_for_byte():
     """Given the shipped plan's size and its measured lr reason, the tool writes exactly its bytes."""
     size = RehearsalSize(steps=3, groups=4, eval_items=50, lr=0.01, lr_reason=_shipped_lr_reason())
     assert make_rehearsal(SPEC, SHIPPED, size) == SHIPPED.read_bytes()
-    # without the reason it differs only in the lr differences' reason text
-    generic = json.loads(make_rehearsal(SPEC, SHIPPED, RehearsalSize(3, 4, 50, 0.01)))
+    # the defaults (no option) are the shipped plan's: the measured lr and its reason, 4 groups x 8
+    assert make_rehearsal(SPEC, SHIPPED, RehearsalSize(groups=None, lr=0.01)) == SHIPPED.read_bytes()
+    # another lr without a reason differs only in the lr differences
+    generic = json.loads(make_rehearsal(SPEC, SHIPPED, RehearsalSize(3, 4, 50, 0.02)))
     shipped = json.loads(SHIPPED.read_text())
     assert [d["field"] for d in generic["differences"]] == [d["field"] for d in shipped["differences"]]
-    assert generic["spec"] == shipped["spec"]
     changed = [d["field"] for d, s in zip(generic["differences"], shipped["differences"], strict=True) if d != s]
-    assert changed and all(f.endswith("lr") or f.endswith("learning_rate") for f in changed)
+    assert changed and all(f.endswith("lr") or f.endswith("learning_rate") or f == "method" for f in changed)
+
+
+def test_rehearse_with_no_option_makes_a_new_spec_run_on_the_stand_in(tmp_path):
+    """A new spec of the family, no option: the stand-in's measured lr (the mask fires) and 32
+    rollouts per batch (8 groups of 4: a batch holds gradient-bearing tokens), each declared with
+    its measured reason; --spec-lr keeps the spec's lr."""
+    out = tmp_path / "variant-default.json"
+    proc = _cli("rehearse", str(VARIANT), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = load_plan(out)
+    run = plan.run
+    assert all(a.lr == 0.01 for a in run.arms) and run.groups_per_batch.value == 8 and run.rollout_steps == 3
+    assert run.eval_items == 50 and run.group_size.value == 4 and run.max_tokens.value == 96
+    reasons = {d.field: d.reason for d in plan.rehearsal.differences}
+    assert "the stand-in's DPPO mask was measured to fire at this lr" in reasons["optimizer.lr"], reasons
+    assert "the spec's 3e-5 is a setting for Qwen/Qwen3.5-2B" in reasons["optimizer.lr"]
+    assert "8 groups: 32 rollouts per batch as in the shipped rehearsal" in reasons["steps"], reasons
+    assert "batch_size" not in reasons  # the spec's own 8 x 4: nothing to change
+    kept = tmp_path / "variant-spec-lr.json"
+    assert _cli("rehearse", str(VARIANT), "--out", str(kept), "--spec-lr").returncode == 0
+    assert all(a.lr == 3e-5 for a in load_plan(kept).run.arms)
 
 
 def test_rehearse_cli_writes_a_plan_that_validates_with_the_specs_own_values(tmp_path):
@@ -114,11 +136,17 @@ def test_preflight_with_an_unknown_loss_stops_in_seconds_with_one_line(tmp_path)
 def test_launch_rule_refuses_unauthorized_training_stages_on_a_real_service():
     spec, diag = load_plan(SPEC), load_plan(DIAG)
     stages = ("unit", "preflight", "gate", "comparison")
-    assert unauthorized_stages(spec.launch, stages) == ["gate", "comparison"]  # no launch block: nothing authorized
-    line = launch_refusal(spec.name, spec.launch, stages, embedded=False, service="https://svc")
+    # the saved spec's launch, stated in its resolution file: nothing authorized but the diagnostic plan
+    assert unauthorized_stages(spec.launch, stages) == ["gate", "comparison"]
+    line = launch_refusal(spec.name, spec.launch, stages, embedded=False, service="https://svc",
+                          stated_in=spec.launch_stated_in)
     assert line == ("launch scope: stage gate, comparison is not authorized on https://svc (not the embedded server): "
-                    "plan exp_e6b0965af3.json carries no launch block; a plan whose launch.authorized_stages lists "
+                    "plan exp_e6b0965af3.json's launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no "
+                    f"training stage ({spec.launch.scope}); a plan whose launch.authorized_stages lists "
                     "gate, comparison would authorize it")
+    assert unauthorized_stages(None, stages) == ["gate", "comparison"]  # no launch at all: nothing authorized
+    line = launch_refusal("x.json", None, stages, embedded=False, service="https://svc")
+    assert line is not None and "plan x.json carries no launch block" in line
     assert launch_refusal(spec.name, spec.launch, stages, embedded=True, service="x") is None  # rehearsal
     assert launch_refusal(spec.name, spec.launch, ("unit", "preflight"), embedded=False, service="x") is None
     # the requester's launch: only the bounded diagnostic

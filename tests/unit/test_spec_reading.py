@@ -86,8 +86,14 @@ def test_the_corpus_covers_both_outcomes_and_every_reader_rule():
     assert len(refused) >= 20 and len(loads) >= 10
     for rule in ("method: states", "method: cannot read", "method: does not state", "baseline: names several",
                  "decision_rule.seeds:", "decision_rule.alpha:", "decision_rule.criteria[0].bounds:",
-                 "decision_rule.estimand:", "arms: updates_per_batch", "activation_gate.checks[3]:"):
+                 "decision_rule.estimand:", "arms: updates_per_batch", "activation_gate.checks[3]:",
+                 "activation_gate.reason: states", "hypothesis: states", "baseline: states",
+                 "decision_rule.criteria[1].weights:", "decision_rule.criteria: criterion ids"):
         assert any(c["refused"].startswith(rule) for c in refused), rule
+    # three arms and two criteria, each way
+    for outcome in (loads, refused):
+        assert any(len(c.get("set", {}).get("arms", [])) == 3 for c in outcome)
+        assert any(len(c.get("set", {}).get("decision_rule.criteria", [])) == 2 for c in outcome)
 
 
 # (key, the text of its statement in the saved spec, the number in it)

@@ -1,13 +1,18 @@
 """`python -m dppo_harness.plans`: check a plan, or write a declared rehearsal plan of a spec.
 
     python -m dppo_harness.plans validate PLAN.json
-        prints the plan's effective config (JSON), or one line per error (exit 1)
+        prints the plan's effective config (JSON) on stdout, and on stderr each value read from
+        the spec's prose with the sentence it came from (or the default or resolution that set
+        it) and, as information, the decision's half-width at the planned item count next to
+        each criterion's margin; or one line per error (exit 1)
     python -m dppo_harness.plans rehearse SPEC.json --out PLAN.json [--steps N] [--groups G]
-                                          [--eval-items M] [--lr X] [--lr-reason TEXT]
+                                          [--eval-items M] [--lr X | --spec-lr] [--lr-reason TEXT]
         writes a rehearsal plan of SPEC for the embedded server's stand-in model: N rollout steps
-        of G groups, M test items, lr X (default: the spec's), every difference declared with its
-        reason, gates and decision rule unchanged, derived_from with SPEC's sha256; written only
-        once it validates
+        of G groups (default: 32 rollouts per batch), M test items, lr X (default: the stand-in's
+        measured 1e-2; --spec-lr keeps the spec's), every difference declared with its reason,
+        gates and decision rule unchanged, derived_from with SPEC's sha256; written only once it
+        validates. With no options the whole pipeline runs on the stand-in, as the shipped
+        rehearsal's does (for the saved spec it writes that plan byte for byte)
 
 A usage or plan problem is one line on stderr and exit code 1 (2 for usage), never a traceback.
 """
@@ -22,11 +27,13 @@ from pathlib import Path
 
 from dppo_harness.plans.models import PlanError
 from dppo_harness.plans.plan import load_plan, plan_config, plan_errors
+from dppo_harness.plans.reading import reading_lines
 from dppo_harness.plans.rehearsal import (
     DEFAULT_EVAL_ITEMS,
-    DEFAULT_GROUPS,
+    DEFAULT_ROLLOUTS,
     DEFAULT_STEPS,
     STAND_IN,
+    STAND_IN_LR,
     RehearsalSize,
     make_rehearsal,
 )
@@ -41,11 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("spec", type=Path)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"rollout steps per arm (default {DEFAULT_STEPS})")
-    r.add_argument("--groups", type=int, default=DEFAULT_GROUPS,
-                   help=f"groups per rollout batch (default {DEFAULT_GROUPS})")
+    r.add_argument("--groups", type=int, default=None,
+                   help=f"groups per rollout batch (default: {DEFAULT_ROLLOUTS} rollouts per batch)")
     r.add_argument("--eval-items", type=int, default=DEFAULT_EVAL_ITEMS,
                    help=f"test items scored per model (default {DEFAULT_EVAL_ITEMS})")
-    r.add_argument("--lr", type=float, default=None, help="learning rate of every arm (default: the spec's)")
+    lr = r.add_mutually_exclusive_group()
+    lr.add_argument("--lr", type=float, default=STAND_IN_LR,
+                    help=f"learning rate of every arm (default {STAND_IN_LR}, measured on the stand-in)")
+    lr.add_argument("--spec-lr", action="store_true", help="keep the spec's learning rates")
     r.add_argument("--lr-reason", default=None, help="why that lr (recorded as the difference's reason)")
     r.add_argument("--stand-in", default=STAND_IN, help=f"the model that computes (default {STAND_IN})")
     r.add_argument("--force", action="store_true", help="overwrite --out if it exists")
@@ -56,14 +66,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in errors:
                 print(line, file=sys.stderr)
             return 1
-        print(json.dumps(plan_config(load_plan(args.plan)), indent=2))
+        plan = load_plan(args.plan)
+        print(json.dumps(plan_config(plan), indent=2))
+        for line in reading_lines(plan):
+            print(line, file=sys.stderr)
         return 0
     if args.out.exists() and not args.force:
         print(f"--out: {args.out} exists (pass --force to overwrite)", file=sys.stderr)
         return 1
     try:
-        data = make_rehearsal(args.spec, args.out, RehearsalSize(args.steps, args.groups, args.eval_items, args.lr,
-                                                                 args.lr_reason, args.stand_in))
+        size = RehearsalSize(args.steps, args.groups, args.eval_items, None if args.spec_lr else args.lr,
+                             args.lr_reason, args.stand_in)
+        data = make_rehearsal(args.spec, args.out, size)
     except PlanError as exc:
         print(str(exc), file=sys.stderr)
         return 1

@@ -6,7 +6,8 @@ edit. On a real service every selected stage that trains beyond setup (`AUTHORIZ
 the gate's fresh pilot, the diagnostic, the comparison) must be listed in the plan's
 `launch.authorized_stages`; otherwise the session is refused at the connectivity preflight,
 before any client exists, with one line saying what would authorize it. The embedded server
-(marker seen) is a rehearsal and is never refused.
+(marker seen) is a rehearsal and is never refused. A verbatim spec cannot hold a launch block, so its
+launch is stated in its resolution file beside it (`plans.resolution`); `Plan.launch` reads either.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ def unauthorized_stages(launch: Launch | None, stages: Sequence[str]) -> list[st
 
 
 def refusal(plan_name: str, launch: Launch | None, stages: Sequence[str], *, embedded: bool,
-            service: str) -> str | None:
-    """The one-line refusal for running `stages` under this launch, or None when allowed."""
+            service: str, stated_in: str | None = None) -> str | None:
+    """The one-line refusal for running `stages` under this launch, or None when allowed.
+    `stated_in`: the resolution file the launch comes from, when the plan (a verbatim spec) holds none."""
     if embedded:
         return None
     denied = unauthorized_stages(launch, stages)
@@ -34,7 +36,8 @@ def refusal(plan_name: str, launch: Launch | None, stages: Sequence[str], *, emb
     if launch is None:
         has = f"plan {plan_name} carries no launch block"
     else:
-        has = (f"plan {plan_name}'s launch authorizes {', '.join(launch.authorized_stages) or 'no training stage'} "
+        where = f" (stated in {stated_in})" if stated_in else ""
+        has = (f"plan {plan_name}'s launch{where} authorizes {', '.join(launch.authorized_stages) or 'no training stage'} "
                f"({launch.scope})")
     return (f"launch scope: stage {what} is not authorized on {service} (not the embedded server): {has}; a plan "
             f"whose launch.authorized_stages lists {what} would authorize it")

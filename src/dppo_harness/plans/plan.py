@@ -37,6 +37,7 @@ from dppo_harness.plans.models import (
     validate_model,
 )
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
+from dppo_harness.plans.resolution import Resolution, default_settlements, load_resolution
 from dppo_harness.plans.run_config import RunConfig, build_run_config
 from dppo_harness.plans.schema_errors import describe
 
@@ -50,6 +51,7 @@ class Plan:
     data: bytes = field(default=b"", repr=False)
     model: PlanModel | None = field(default=None, repr=False, compare=False)  # the validated pydantic model
     run: RunConfig | None = field(default=None, repr=False, compare=False)  # typed run config (spec kinds)
+    resolution: Resolution | None = field(default=None, repr=False, compare=False)  # the file beside the plan
 
     @property
     def name(self) -> str:
@@ -100,7 +102,16 @@ class Plan:
 
     @property
     def launch(self) -> Launch | None:
-        return getattr(self.model, "launch", None)
+        """The plan's own launch block, else its resolution file's (a verbatim spec holds none)."""
+        own = getattr(self.model, "launch", None)
+        return own if own is not None or self.resolution is None else self.resolution.launch
+
+    @property
+    def launch_stated_in(self) -> str | None:
+        """The resolution file's name when the launch comes from it, else None (the plan's own, or none)."""
+        if getattr(self.model, "launch", None) is None and self.resolution is not None and self.resolution.launch:
+            return self.resolution.file
+        return None
 
     @cached_property
     def original(self) -> Plan:
@@ -158,11 +169,21 @@ def validate_plan(raw: Any) -> PlanKind:
     return validate_model(raw)[0]
 
 
-def _run_config(spec: ExperimentSpec, prefix: str) -> RunConfig:
+def _run_config(spec: ExperimentSpec, prefix: str, path: Path | None, resolution: Resolution | None) -> RunConfig:
     try:
-        return build_run_config(spec)
+        return build_run_config(spec, resolution.settlements if resolution else default_settlements(path))
     except PlanError as exc:
         raise PlanError(f"{prefix}{exc}") from None
+
+
+def _check_resolution(model: PlanModel, resolution: Resolution | None) -> None:
+    """A resolution's launch cannot stand beside the plan's own, and only a spec's prose is settled."""
+    if resolution is None:
+        return
+    if resolution.launch is not None and getattr(model, "launch", None) is not None:
+        raise PlanError(f"{resolution.file}: launch: the plan states its own launch block; state it in one place")
+    if resolution.model.interpretations and isinstance(model, BoundedDiagnostic):
+        raise PlanError(f"{resolution.file}: interpretations: a bounded_diagnostic plan reads no prose to settle")
 
 
 def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None = None) -> Plan:
@@ -171,17 +192,20 @@ def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None 
     spec kind gets its RunConfig; a diagnostic loaded from a file resolves its original plan."""
     where = f"{path}: " if path else ""
     raw = decode(data, path)
+    resolution = load_resolution(path)
     try:
         kind, model = validate_model(raw)
+        _check_resolution(model, resolution)
         run = None
         if isinstance(model, RehearsalPlan):
             check_rehearsal(raw, _derived_from_file(model.derived_from.path, path, repo_root))
-            run = _run_config(model.spec, "spec.")
+            run = _run_config(model.spec, "spec.", path, resolution)
         elif isinstance(model, ExperimentSpec):
-            run = _run_config(model, "")
+            run = _run_config(model, "", path, resolution)
     except PlanError as exc:
         raise PlanError(f"{where}{exc}") from None
-    plan = Plan(raw=raw, sha256=hashlib.sha256(data).hexdigest(), kind=kind, path=path, data=data, model=model, run=run)
+    plan = Plan(raw=raw, sha256=hashlib.sha256(data).hexdigest(), kind=kind, path=path, data=data, model=model, run=run,
+                resolution=resolution)
     if isinstance(model, BoundedDiagnostic):
         try:
             _check_diagnostic(plan, resolve_original=path is not None)
@@ -385,6 +409,8 @@ def plan_config(plan: Plan) -> dict[str, Any]:
         plan_block.update(label="rehearsal", derived_from=_dump(plan.rehearsal.derived_from))
     if plan.launch is not None:
         plan_block["launch"] = _dump(plan.launch)
+    if plan.resolution is not None:
+        plan_block["resolution"] = plan.resolution.as_json()
     return {
         "plan": plan_block,
         "pinned": {
@@ -424,7 +450,8 @@ def resized_plan(plan: Plan, *, rollout_steps: int, groups_per_batch: int, max_t
     spec["method"] = rewrite(spec["method"], {k: (run.prose[k], v) for k, v in new.items() if k in run.prose})
     model = ExperimentSpec.model_validate(spec)
     wrapped = RehearsalPlan.model_validate(raw) if plan.kind == "rehearsal" else model
-    return replace(plan, raw=raw, model=wrapped, run=build_run_config(model))
+    settle = plan.resolution.settlements if plan.resolution else default_settlements(plan.path)
+    return replace(plan, raw=raw, model=wrapped, run=build_run_config(model, settle))
 
 
 def plan_errors(path: str | Path, *, repo_root: Path | None = None) -> list[str]:

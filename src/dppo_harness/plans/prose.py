@@ -18,10 +18,14 @@ Reading fails closed:
   training sentences only; one stated only elsewhere is refused, quoting the sentence;
 - a key stated with different values in two training sentences, or differently for one arm, is
   refused, quoting both sentences.
+Each such refusal ends with what to write in the spec's resolution file to settle it (`Unsettled`,
+`settle_hint`); `parse_method` takes those settlements (`Settlements`, read by `plans.resolution`)
+and refuses one that does not fit the text.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -122,9 +126,52 @@ class Stated:
     start: int = -1  # character span of the first statement's number (or quantified number); -1: not prose
     end: int = -1
     spans: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    why: str = ""  # a resolution's reason, when a resolution file settled the value
+    default: bool = False  # the text states nothing, so the harness's default holds
 
     def as_json(self) -> dict[str, object]:
-        return {"value": self.value, "field": self.field, "source": self.source}
+        out: dict[str, object] = {"value": self.value, "field": self.field, "source": self.source}
+        if self.why:
+            out["why"] = self.why
+        if self.default:
+            out["default"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """One value the spec's author settles beside the verbatim spec (its resolution file)."""
+
+    value: int | float
+    sentence: str  # the spec's sentence it settles, verbatim
+    why: str
+
+
+@dataclass(frozen=True)
+class Settlements:
+    """The resolution file beside a spec (`file`, named in every refusal it could settle) and the
+    values it settles, by key."""
+
+    file: str = "<spec file>.resolution.json"
+    entries: Mapping[str, Settlement] = field(default_factory=dict)
+
+
+class Unsettled(PlanError):
+    """A refusal a resolution entry can settle: the key, the sentences the refusal quotes and the
+    values they state (a settlement must pick one of them when there are several)."""
+
+    def __init__(self, line: str, key: str, sentences: Sequence[str] = (), values: Sequence[float] = ()) -> None:
+        super().__init__(line)
+        self.key, self.sentences, self.values = key, tuple(sentences), tuple(values)
+
+
+def settle_hint(file: str, key: str, sentence: str) -> str:
+    """What to write to settle `key` without editing the spec: the file and its JSON entry."""
+    if not file:
+        return ""  # a statement no resolution settles (one that is only cross-checked)
+    entry = json.dumps({"key": key, "value": "<the value meant>", "sentence": sentence,
+                        "why": "<why this reading>"}, ensure_ascii=False)
+    return f"; or settle it beside the spec in {file}: {{\"interpretations\": [{entry}]}}"
 
 
 @dataclass(frozen=True)
@@ -203,71 +250,131 @@ def contexted_sentences(text: str, arm_names: Sequence[str] = ()) -> list[tuple[
 
 
 def _statements(contexted: Sequence[tuple[int, str, Context]], key: str, spec: Key,
-                field_name: str) -> list[_Statement]:
+                field_name: str, file: str) -> list[_Statement]:
     out = []
     for offset, sentence, context in contexted:
         matches = list(spec.pattern.finditer(sentence))
         read = [m.span() for m in matches]
+
+        def unreadable(why: str, sentence: str = sentence) -> Unsettled:
+            return Unsettled(f"{field_name}: cannot read the {key} in {sentence!r} ({why}); write it as digits, e.g. "
+                             f"{spec.example!r}{settle_hint(file, key, sentence)}", key, (sentence,))
         for m in spec.loose.finditer(sentence):
             if not any(a < m.end() and m.start() < b for a, b in read):
                 group = "num" if m.group("num") is not None else "num2"
-                raise PlanError(f"{field_name}: cannot read the {key} in {sentence!r} ({m.group(group)!r} is not a "
-                                f"number the reader knows); write it as digits, e.g. {spec.example!r}")
+                raise unreadable(f"{m.group(group)!r} is not a number the reader knows")
         for m in matches:
             group = "num" if m.group("num") is not None else "num2"
             raw = m.group(group)
             after = sentence[m.end(group):]
             if raw[0].isdigit() and _GOES_ON.match(after):
                 bad = re.match(r"\S*", sentence[m.start(group):]).group(0)  # type: ignore[union-attr]
-                raise PlanError(f"{field_name}: cannot read the {key} in {sentence!r} (the number goes on past "
-                                f"{raw!r}: {bad!r}); write it as digits, e.g. {spec.example!r}")
+                raise unreadable(f"the number goes on past {raw!r}: {bad!r}")
             try:
                 value = read_number(raw, spec.is_int)
             except ValueError as exc:
-                raise PlanError(f"{field_name}: cannot read the {key} in {sentence!r} ({exc}); write it as "
-                                f"digits, e.g. {spec.example!r}") from None
+                raise unreadable(str(exc)) from None
             span_group = "span" if "span" in spec.pattern.groupindex else group
             out.append(_Statement(value, sentence, context,
                                   (offset + m.start(span_group), offset + m.end(span_group))))
     return out
 
 
+def _read_key(contexted: Sequence[tuple[int, str, Context]], key: str, field: str, file: str) -> Stated | None:
+    """The one value the text's source sentences state for `key`, None when none states it, or
+    Unsettled (one line quoting the sentences) when that cannot be told."""
+    spec = KEYS[key]
+    all_statements = _statements(contexted, key, spec, field, file)
+    sources = [s for s in all_statements if s.context in spec.contexts]
+    if not sources:
+        if all_statements:
+            s = all_statements[0]
+            raise Unsettled(f"{field}: states {key} ({spec.what}) only in {_WHAT[s.context]} ({s.sentence!r}), which "
+                            f"is not a source for the run; state it in a {spec.contexts[0]} sentence"
+                            f"{settle_hint(file, key, s.sentence)}", key, (s.sentence,))
+        return None
+    first = sources[0]
+    for s in sources[1:]:
+        if s.value != first.value:
+            raise Unsettled(f"{field}: states {key} twice with different values ({first.value} in {first.sentence!r}; "
+                            f"{s.value} in {s.sentence!r}){settle_hint(file, key, first.sentence)}", key,
+                            (first.sentence, s.sentence), (first.value, s.value))
+    for s in all_statements:
+        if s.context == "arm" and s.value != first.value:
+            raise Unsettled(f"{field}: states {key} differently for one arm ({first.value} in {first.sentence!r}; "
+                            f"{s.value} in {s.sentence!r}); the arms share it{settle_hint(file, key, first.sentence)}",
+                            key, (first.sentence, s.sentence), (first.value, s.value))
+    spans = tuple(s.span for s in all_statements if s.value == first.value and s.context != "history")
+    return Stated(first.value, field, first.sentence, first.span[0], first.span[1], spans)
+
+
+def stated_values(text: str, key: str, field: str) -> list[tuple[int | float, str]]:
+    """(value, sentence) of every statement of `key` in `text`, whatever the sentence's context:
+    for statements a structured field must agree with. An unreadable one is refused (PlanError)."""
+    return [(s.value, s.sentence) for s in _statements(contexted_sentences(text), key, KEYS[key], field, "")]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _settled(key: str, entry: Settlement, file: str, text: str, field: str, refusal: Unsettled | None) -> Stated:
+    """The value a resolution entry settles, or PlanError when the entry does not fit the text: its
+    sentence is not in it, its value is not a number of the key's kind, or, where two sentences
+    contradict each other, it quotes neither of them or picks a value neither states."""
+    where = f"{file}: interpretations[{key}]"
+    if isinstance(entry.value, bool) or (KEYS[key].is_int and not float(entry.value).is_integer()):
+        raise PlanError(f"{where}: value {entry.value!r} is not a {'whole number' if KEYS[key].is_int else 'number'}")
+    if _flat(entry.sentence) not in _flat(text):
+        raise PlanError(f"{where}: the sentence {entry.sentence!r} is not in the spec's {field}; quote the sentence "
+                        "it settles verbatim")
+    if refusal is not None and refusal.values and _flat(entry.sentence) not in map(_flat, refusal.sentences):
+        raise PlanError(f"{where}: settles {key} by {entry.sentence!r}, which is not one of the sentences that "
+                        f"contradict each other ({' / '.join(repr(s) for s in refusal.sentences)})")
+    if refusal is not None and refusal.values and entry.value not in refusal.values:
+        raise PlanError(f"{where}: value {entry.value!r} contradicts the spec, which states {key} as "
+                        f"{' or '.join(str(v) for v in refusal.values)}; settle it as one of them")
+    value = int(entry.value) if KEYS[key].is_int else float(entry.value)
+    return Stated(value, file, entry.sentence, why=entry.why)
+
+
 def parse_method(text: str, field: str = "method", keys: Sequence[str] | None = None,
-                 arm_names: Sequence[str] = ()) -> dict[str, Stated]:
+                 arm_names: Sequence[str] = (), settlements: Settlements | None = None) -> dict[str, Stated]:
     """Every key of `keys` (default all but the pilot's length) that `text` states in a sentence of
     the key's contexts, or PlanError (one line quoting the sentences) when a statement cannot be
-    read, two statements disagree, or the key is stated only in sentences that are no source."""
+    read, two statements disagree, or the key is stated only in sentences that are no source.
+    A key the reader refused or found unstated is taken from `settlements` when it settles it; a
+    settlement of a key the text states unambiguously is refused."""
     found: dict[str, Stated] = {}
+    settlements = settlements or Settlements()
     contexted = contexted_sentences(text, arm_names)
     for key in keys or [k for k in KEYS if k != "pilot_steps"]:
-        spec = KEYS[key]
-        all_statements = _statements(contexted, key, spec, field)
-        sources = [s for s in all_statements if s.context in spec.contexts]
-        if not sources:
-            if all_statements:
-                s = all_statements[0]
-                raise PlanError(f"{field}: states {key} ({spec.what}) only in {_WHAT[s.context]} ({s.sentence!r}), "
-                                f"which is not a source for the run; state it in a {spec.contexts[0]} sentence")
+        entry = settlements.entries.get(key)
+        try:
+            stated = _read_key(contexted, key, field, settlements.file)
+        except Unsettled as exc:
+            if entry is None:
+                raise
+            found[key] = _settled(key, entry, settlements.file, text, field, exc)
             continue
-        first = sources[0]
-        for s in sources[1:]:
-            if s.value != first.value:
-                raise PlanError(f"{field}: states {key} twice with different values ({first.value} in "
-                                f"{first.sentence!r}; {s.value} in {s.sentence!r})")
-        for s in all_statements:
-            if s.context == "arm" and s.value != first.value:
-                raise PlanError(f"{field}: states {key} differently for one arm ({first.value} in {first.sentence!r}; "
-                                f"{s.value} in {s.sentence!r}); the arms share it")
-        spans = tuple(s.span for s in all_statements if s.value == first.value and s.context != "history")
-        found[key] = Stated(first.value, field, first.sentence, first.span[0], first.span[1], spans)
+        if entry is not None and stated is not None:
+            raise PlanError(f"{settlements.file}: interpretations[{key}]: settles {key} as {entry.value!r}, but the "
+                            f"spec's {field} states it unambiguously as {stated.value} ({stated.source!r}); a "
+                            "resolution settles only what the reader refused or left to a default")
+        if entry is not None:
+            found[key] = _settled(key, entry, settlements.file, text, field, None)
+        elif stated is not None:
+            found[key] = stated
     return found
 
 
-def require(stated: Mapping[str, Stated], key: str, field: str = "method") -> Stated:
+def require(stated: Mapping[str, Stated], key: str, field: str = "method",
+            file: str = Settlements.file) -> Stated:
     if key not in stated:
         spec = KEYS[key]
-        raise PlanError(f"{field}: does not state {key} ({spec.what}) in a training sentence; no structured field "
-                        f"holds it, so the method text must say it, for example {spec.example!r}")
+        raise Unsettled(f"{field}: does not state {key} ({spec.what}) in a training sentence; no structured field "
+                        f"holds it, so the method text must say it, for example {spec.example!r}"
+                        f"{settle_hint(file, key, '<the sentence that implies it>')}", key)
     return stated[key]
 
 

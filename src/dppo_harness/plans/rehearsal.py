@@ -16,13 +16,14 @@ import json
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dppo_harness.plans.models import PlanError, _fail, decode, validate_model
+from dppo_harness.plans.models import ExperimentSpec, PlanError, _fail, decode, validate_model
 from dppo_harness.plans.prose import Stated, format_number, rewrite
-from dppo_harness.plans.run_config import build_run_config
+from dppo_harness.plans.resolution import default_settlements, load_resolution
+from dppo_harness.plans.run_config import RunConfig, build_run_config
 from dppo_harness.plans.schema_errors import format_path
 
 # Spec subtrees a rehearsal may not change (its gates and thresholds stay as written), as
@@ -184,6 +185,23 @@ def rehearsal_deviation(d: Mapping[str, Any]) -> dict[str, str]:
 STAND_IN = "local/tiny-qwen3-gsm8k"  # the embedded server's stand-in model
 # The declared rehearsal size `plans rehearse` uses unless told otherwise (the shipped plan's).
 DEFAULT_STEPS, DEFAULT_GROUPS, DEFAULT_EVAL_ITEMS = 3, 4, 50
+# Rollouts per rehearsal batch when `--groups` is not given: the shipped plan's 4 groups x 8. The
+# stand-in answers few prompts, so a smaller batch can hold no group with unequal rewards, hence no
+# gradient-bearing token for the gate to measure (measured: the variant spec's gate pilot at 2 and
+# at 4 groups x 4 moved nothing; at 8 x 4 it passed, and the comparison ran to the decision).
+DEFAULT_ROLLOUTS = 32
+# The learning rate at which the stand-in's DPPO mask fires inside the spec's gate ranges, and why.
+STAND_IN_LR = 0.01
+_MEASURED_LR = ("the stand-in's DPPO mask was measured to fire at this lr (gate pilot of the saved spec at 4 groups: "
+                "lr 3e-3 gave a mean second-update masked fraction 0.00049; lr 1e-2 gave 0.022, |p-q| q90 0.12, clip "
+                "fraction 0.33) and not at 2e-5 (bounded diagnostic: 0 tokens removed)")
+# The shipped plan's reason (the saved spec's lr is the one measured): kept word for word.
+_SAVED_SPEC_LR_REASON = (
+    "lr 0.01: at the spec's 2e-5 the stand-in's DPPO mask does not fire (bounded diagnostic: 0 tokens removed), so "
+    "the spec's own gate ranges could not pass and the pipeline could not be rehearsed end to end; at this lr the "
+    "stand-in's mask fires measurably inside those unchanged ranges (measured on the stand-in with the gate pilot at "
+    "4 groups: lr 3e-3 gave a mean second-update masked fraction 0.00049 < 0.001; lr 1e-2 gave 0.022, |p-q| q90 "
+    "0.12, clip fraction 0.33, all in range)")
 # A rehearsal plan states its launch: it authorizes nothing on a service that is not the embedded server.
 _LAUNCH = {"source": "this project's declared rehearsal plan, not a requester's launch", "launch_mode": "rehearsal",
            "scope": "offline rehearsal on the embedded server only; no stage is authorized on a real service",
@@ -199,11 +217,32 @@ _PROSE_WORDS = {"groups_per_batch": "groups_per_batch", "rollout_steps": "steps"
 @dataclass(frozen=True)
 class RehearsalSize:
     steps: int = DEFAULT_STEPS  # rollout steps per arm
-    groups: int = DEFAULT_GROUPS  # groups per rollout batch
+    groups: int | None = DEFAULT_GROUPS  # groups per rollout batch (None: DEFAULT_ROLLOUTS / group size)
     eval_items: int = DEFAULT_EVAL_ITEMS
     lr: float | None = None  # None: the spec's learning rates stay
-    lr_reason: str | None = None  # why this lr (default: a generic reason naming the option)
+    lr_reason: str | None = None  # why this lr (default: the measured reason at STAND_IN_LR, else a generic one)
     stand_in: str = STAND_IN
+
+
+def default_groups(group_size: int, updates_per_batch: int, spec_groups: int) -> int:
+    """Groups per rehearsal batch when none is asked for: DEFAULT_ROLLOUTS rollouts, whole
+    minibatches, at least one group per minibatch, at most the spec's own batch."""
+    groups = max(updates_per_batch, DEFAULT_ROLLOUTS // group_size // updates_per_batch * updates_per_batch)
+    return min(groups, spec_groups) if spec_groups % updates_per_batch == 0 else groups
+
+
+def _lr_reason(size: RehearsalSize, lr: float, run: RunConfig) -> str:
+    if size.lr_reason:
+        return size.lr_reason
+    spec_lr = run.arms[0].lr
+    if lr == STAND_IN_LR and spec_lr == 2e-5:
+        return _SAVED_SPEC_LR_REASON
+    if lr == STAND_IN_LR:
+        return (f"lr {format_number(lr)}: the spec's {format_number(spec_lr)} is a setting for {run.base_model}, not "
+                f"for the stand-in; {_MEASURED_LR}; the gate ranges it must meet are unchanged")
+    return (f"lr {format_number(lr)}: set for the stand-in model with `plans rehearse --lr` (the spec's "
+            f"{format_number(spec_lr)} is a setting for {run.base_model}, not for the stand-in); the gate ranges it "
+            "must meet are unchanged")
 
 
 def _derived_path(spec_path: Path, out_path: Path) -> str:
@@ -217,6 +256,17 @@ def _derived_path(spec_path: Path, out_path: Path) -> str:
     return spec_abs.relative_to(common).as_posix()
 
 
+def _spec_run(spec_path: Path, model: ExperimentSpec) -> RunConfig:
+    """The spec's run config as the stages read it; a spec whose resolution file settles values is
+    refused (a rehearsal rewrites the method text those values' sentences belong to)."""
+    resolution = load_resolution(spec_path)
+    if resolution is not None and resolution.model.interpretations:
+        raise PlanError(f"{spec_path}: {resolution.file} settles {', '.join(resolution.settlements.entries)}, which a "
+                        "rehearsal plan cannot carry yet (its method text is rewritten); rehearse a spec whose prose "
+                        "states these values")
+    return build_run_config(model, default_settlements(spec_path))
+
+
 def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = RehearsalSize()) -> bytes:
     """The bytes of a declared rehearsal plan of the spec at `spec_path` (to be written at
     `out_path`): the stand-in model, the given size and lr, every difference declared with its
@@ -226,7 +276,18 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     kind, model = validate_model(raw)
     if kind != "experiment_spec":
         raise _fail("<root>", f"{spec_path}: plans rehearse needs an experiment spec, got kind {kind!r}")
-    run = build_run_config(model)  # type: ignore[arg-type]
+    run = _spec_run(Path(spec_path), model)  # type: ignore[arg-type]
+    groups_reason = ""
+    if size.groups is None:
+        size = replace(size, groups=default_groups(int(run.group_size.value), run.updates_per_batch,
+                                                   int(run.groups_per_batch.value)))
+        if size.groups != DEFAULT_GROUPS:
+            groups_reason = (f"; {size.groups} groups: {DEFAULT_ROLLOUTS} rollouts per batch as in the shipped "
+                             "rehearsal, since the stand-in answers few prompts and a smaller batch can hold no group "
+                             "with unequal rewards (measured on the variant spec's gate pilot at lr 1e-2: at 2 and at 4 "
+                             "groups x 4 it moved nothing, masked fraction 0 and |p-q| q90 below 1e-6; at 8 x 4 it "
+                             "passed)")
+    assert size.groups is not None
     for name, v in (("--steps", size.steps), ("--groups", size.groups), ("--eval-items", size.eval_items)):
         if v < 1:
             raise PlanError(f"{name}: must be at least 1, got {v}")
@@ -253,15 +314,12 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     size_reason = (f"size: {size.steps} rollout steps x {size.groups} groups x {gs} and {size.eval_items} test items "
                    "so that gate -> both arms -> evaluation of base and arms -> decision -> report fits 10 minutes on "
                    f"2 CPU cores; the schedule's shape (group size, {upb} complete-group minibatch updates per batch, "
-                   "temperature, max_tokens) is unchanged")
+                   f"temperature, max_tokens) is unchanged{groups_reason}")
     change("steps", size.steps * upb, size_reason)
     change("batch_size", size.groups * gs, size_reason)
     change("eval.n_examples", size.eval_items, size_reason)
     if size.lr is not None:
-        lr_reason = size.lr_reason or (
-            f"lr {format_number(size.lr)}: set for the stand-in model with `plans rehearse --lr` (the spec's "
-            f"{format_number(run.arms[0].lr)} is a setting for {run.base_model}, not for the stand-in); the gate "
-            "ranges it must meet are unchanged")
+        lr_reason = _lr_reason(size, size.lr, run)
         change("optimizer.lr", size.lr, lr_reason)
         for i in range(len(raw["arms"])):
             change(f"arms[{i}].lr", size.lr, lr_reason)

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from dppo_harness.data import dataset
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
-from dppo_harness.plans.prose import REQUIRED, Stated, parse_method, require, word_re
+from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, stated_values, word_re
 
 Role = Literal["baseline", "treatment"]
 # What the frozen evaluator scores per item (evaluation.METRIC): the only criterion metric.
@@ -144,7 +144,15 @@ class RunConfig:
                                       for c in self.criteria]},
             "gate_checks": [c.model_dump(exclude_none=True) for c in self.gate_checks],
             "stated_in_prose": {k: v.as_json() for k, v in self.schedule_values().items()},
+            **({"declared_interpretations": self.declared_interpretations()} if self.declared_interpretations()
+               else {}),
         }
+
+    def declared_interpretations(self) -> list[dict[str, object]]:
+        """The values a resolution file settled ({key, value, sentence, why, file})."""
+        values = {**self.prose, "gate_pilot_steps": self.gate_pilot_steps}
+        return [{"key": k, "value": v.value, "sentence": v.source, "why": v.why, "file": v.field}
+                for k, v in values.items() if v.why]
 
 
 def _fail(at: str, msg: str) -> PlanError:
@@ -155,11 +163,13 @@ def _quote(s: Stated) -> str:
     return f"{s.field}: {s.source!r}"
 
 
-def build_run_config(spec: ExperimentSpec) -> RunConfig:
-    """The RunConfig of a validated spec, or PlanError (one line, field path first)."""
+def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = None) -> RunConfig:
+    """The RunConfig of a validated spec, or PlanError (one line, field path first). `settlements`
+    (the spec's resolution file) settles what the prose leaves open."""
+    settlements = settlements or Settlements()
     arm_names = [a.name for a in spec.arms]
-    stated = parse_method(spec.method, arm_names=arm_names)
-    sched = {k: require(stated, k) for k in REQUIRED}
+    stated = parse_method(spec.method, arm_names=arm_names, settlements=settlements)
+    sched = {k: require(stated, k, file=settlements.file) for k in REQUIRED}
     gpb, gs, max_tokens = (int(sched[k].value) for k in ("groups_per_batch", "group_size", "max_tokens"))
     upb, seed = _check_arms(spec)
     if "updates_per_batch" in stated and stated["updates_per_batch"].value != upb:
@@ -181,7 +191,8 @@ def build_run_config(spec: ExperimentSpec) -> RunConfig:
         raise _fail("batch_size", f"{spec.batch_size} != groups_per_batch {gpb} x group_size {gs} "
                                   f"({_quote(sched['groups_per_batch'])})")
     minibatches = stated.get("minibatches") or Stated(
-        upb, "arms[*].updates_per_batch", "one complete-group minibatch per update (the method states no split)")
+        upb, "arms[*].updates_per_batch", "one complete-group minibatch per update (the method states no split)",
+        default=True)
     if minibatches.value != upb:
         raise _fail("arms", f"updates_per_batch {upb} != the {minibatches.value} minibatches the rollout batch is "
                             f"split into ({_quote(minibatches)})")
@@ -202,9 +213,10 @@ def build_run_config(spec: ExperimentSpec) -> RunConfig:
     criteria = _criteria(spec, arms)
     _check_gate_metrics(spec)
     _check_gate_plan(spec, upb)
+    _check_updates_stated_elsewhere(spec, upb)
     pilot = parse_method(spec.activation_gate.reason, "activation_gate.reason", keys=("pilot_steps",),
-                         arm_names=arm_names).get("pilot_steps") or Stated(
-        DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'")
+                         arm_names=arm_names, settlements=settlements).get("pilot_steps") or Stated(
+        DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'", default=True)
     return RunConfig(
         base_model=spec.base_model, lora_rank=spec.lora_rank, dataset=data.name, train_items=spec.dataset.n_examples,
         max_seq_len=spec.max_seq_len, arms=arms[0], baseline_source=arms[1], rollout_steps=rollout_steps,
@@ -214,6 +226,17 @@ def build_run_config(spec: ExperimentSpec) -> RunConfig:
         eval_items=spec.eval.n_examples, gate_pilot_steps=pilot, decision_method=spec.decision_rule.method, alpha=spec.decision_rule.alpha,
         criteria=criteria, gate_checks=tuple(spec.activation_gate.checks), budget=spec.budget, prose=stated,
     )
+
+
+def _check_updates_stated_elsewhere(spec: ExperimentSpec, upb: int) -> None:
+    """The hypothesis, the baseline text and the gate's reason state the updates per batch too
+    ("with 2 updates per batch"); each statement must be what the arms run."""
+    for at, text in (("hypothesis", spec.hypothesis), ("baseline", spec.baseline),
+                     ("activation_gate.reason", spec.activation_gate.reason)):
+        for value, sentence in stated_values(text, "updates_per_batch", at):
+            if value != upb:
+                raise _fail(at, f"states {value} optimizer steps per rollout batch ({sentence!r}), but the arms run "
+                                f"updates_per_batch {upb}")
 
 
 def _check_arms(spec: ExperimentSpec) -> tuple[int, int]:

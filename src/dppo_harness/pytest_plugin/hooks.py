@@ -184,7 +184,8 @@ def pytest_runtestloop(session: pytest.Session) -> None:
                                         seen=f"connectivity preflight ({exc.check}): {exc.line}")
         pytest.exit(str(line), returncode=pytest.ExitCode.USAGE_ERROR)  # stages need authorization: never None
     config.stash[CONNECTIVITY_KEY] = report
-    line = launch_refusal(plan.name, plan.launch, collected, embedded=report.embedded, service=report.base_url)
+    line = launch_refusal(plan.name, plan.launch, collected, embedded=report.embedded, service=report.base_url,
+                          stated_in=plan.launch_stated_in)
     if line is not None:
         pytest.exit(line, returncode=pytest.ExitCode.USAGE_ERROR)
 
