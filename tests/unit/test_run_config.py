@@ -97,7 +97,7 @@ def test_variant_fixture_differs_from_the_saved_spec_everywhere_it_should():
     (_method("split into 2 minibatches", "split into 4 minibatches"),
      "arms: updates_per_batch 2 != the 4 minibatches the rollout batch is split into"),
     (_method("group_size=8 ", "eight rollouts "), "method: does not state group_size"),
-    (_method("max_tokens=512", "up to 512 tokens"), "method: does not state max_tokens"),
+    (_method("max_tokens=512", "long answers"), "method: does not state max_tokens"),
     (_method("temperature 1.0", "the default temperature"), "method: does not state temperature"),
     (_method("Advantages are", "With group_size=4, advantages are"), "method: states group_size twice with different values"),
     (_method("LoRA rank 32", "LoRA rank 64"), "lora_rank: 32 but the method states 64"),

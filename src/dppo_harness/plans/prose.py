@@ -67,19 +67,35 @@ class Key:
     contexts: tuple[Context, ...] = ("training",)  # where a statement is a source of the value
 
 
+_NUM_GROUPS = ("num", "num2", "num3")
+# Words that make "N tokens" a length cap of a sampled rollout, not a count of something else.
+_CAP = r"(?i:\b(?:up to|at most|a maximum of|maximum of|max of|capped at|limited to|no more than|no longer than))"
+_SAMPLED = r"(?:(?:new|sampled|generated|completion|output|response)\s+)"
+
+
+def _number_group(m: re.Match[str]) -> str:
+    """The alternative's number group that matched."""
+    return next(g for g in _NUM_GROUPS if g in m.re.groupindex and m.group(g) is not None)
+
+
 def _k(form: str, is_int: bool, what: str, example: str, contexts: tuple[Context, ...] = ("training",)) -> Key:
-    """`form` writes the number's place as {num} (or {num2} for a second alternative)."""
-    strict = form.format(num=_num("num"), num2=_num("num2"))
-    loose = form.format(num=f"(?P<num>{_LOOSE})", num2=f"(?P<num2>{_LOOSE})")
+    """`form` writes the number's place as {num} (or {num2}, {num3} for further alternatives)."""
+    strict = form.format(**{g: _num(g) for g in _NUM_GROUPS})
+    loose = form.format(**{g: f"(?P<{g}>{_LOOSE})" for g in _NUM_GROUPS})
     return Key(re.compile(strict), re.compile(loose), is_int, what, example, contexts)
 
 
 KEYS: dict[str, Key] = {
-    "groups_per_batch": _k(r"\bgroups_per_batch" + _IS + "{num}", True, "prompts (groups) per rollout batch",
-                           "groups_per_batch=32"),
-    "group_size": _k(r"\bgroup_size" + _IS + "{num}", True, "rollouts per prompt", "group_size=8"),
+    "groups_per_batch": _k(r"\bgroups_per_batch" + _IS + r"{num}|\b{num2}\s+(?:(?:GSM8K|train(?:ing)?)\s+)*"
+                           r"(?:prompts|problems|questions|groups)\s+per\s+(?:rollout\s+)?(?:batch|step)\b", True,
+                           "prompts (groups) per rollout batch", "groups_per_batch=32"),
+    "group_size": _k(r"\bgroup_size" + _IS + r"{num}|(?i:\bgroup size)" + _IS + "{num2}"
+                     r"|\b{num3}\s+(?:rollouts|samples|completions|responses)\s+(?:per|for each)\s+"
+                     r"(?:prompt|problem|question)\b", True, "rollouts per prompt", "group_size=8"),
     "temperature": _k(r"(?i:\btemperature)" + _IS + "{num}", False, "sampling temperature", "temperature 1.0"),
-    "max_tokens": _k(r"\bmax_tokens" + _IS + "{num}", True, "sampled tokens per rollout at most", "max_tokens=512"),
+    "max_tokens": _k(r"\bmax_tokens" + _IS + "{num}|" + _CAP + r"\s+{num2}\s+" + _SAMPLED + r"?tokens\b"
+                     r"|\b{num3}\s+" + _SAMPLED + r"tokens\b", True, "sampled tokens per rollout at most",
+                     "max_tokens=512"),
     "minibatches": _k(r"(?i:\b(?:split|divided|partitioned)\s+into)\s+{num}\s+(?:complete-group\s+)?minibatch(?:es)?\b"
                       r"|\b{num2}\s+minibatch(?:es)?\s+per\s+(?:rollout\s+)?batch\b", True,
                       "complete-group minibatches per rollout batch", "split into 2 minibatches"),
@@ -261,10 +277,10 @@ def _statements(contexted: Sequence[tuple[int, str, Context]], key: str, spec: K
                              f"{spec.example!r}{settle_hint(file, key, sentence)}", key, (sentence,))
         for m in spec.loose.finditer(sentence):
             if not any(a < m.end() and m.start() < b for a, b in read):
-                group = "num" if m.group("num") is not None else "num2"
+                group = _number_group(m)
                 raise unreadable(f"{m.group(group)!r} is not a number the reader knows")
         for m in matches:
-            group = "num" if m.group("num") is not None else "num2"
+            group = _number_group(m)
             raw = m.group(group)
             after = sentence[m.end(group):]
             if raw[0].isdigit() and _GOES_ON.match(after):
