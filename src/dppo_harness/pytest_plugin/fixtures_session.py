@@ -94,8 +94,12 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
     waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
-        server.on_death = lambda srv: waiter.service_died(ServiceDied(f"the embedded server (pid {srv.pid})",
-                                                                      *srv.death_report()))
+        def died(srv: Any) -> None:
+            code, tail = srv.death_report()
+            client_registry.service_gone(f"the embedded server (pid {srv.pid}) exited (exit code {code})")
+            waiter.service_died(ServiceDied(f"the embedded server (pid {srv.pid})", code, tail))
+
+        server.on_death = died
     return waiter
 
 
