@@ -1,8 +1,11 @@
 """An evidence directory nothing can be written in is refused before anything runs, in one line
-(a read-only mount: /proc here, which even root cannot write; permission bits say nothing for root)."""
+(a read-only mount: /proc here, which even root cannot write; permission bits say nothing for root).
+A disk that fills during the run gives one line too, and a closed, failed result."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +38,38 @@ def test_a_read_only_evidence_dir_is_refused_in_one_line_before_any_stage():
     assert line.startswith(f"ERROR: --evidence-dir {READ_ONLY}: cannot write in /proc: "), line
     assert line.endswith("; nothing was run (give a writable directory)"), line
     assert "Traceback" not in out and " passed" not in out
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs: room for the first records, not for the 2.5 MB code archive (root only)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount(8) for a real full disk")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.timeout(600)
+def test_a_disk_full_at_session_start_is_one_line_and_a_closed_failed_result(tiny_disk):
+    """The session's first records fit, its code archive does not (a real ENOSPC): one line naming
+    the file and the reason, no traceback, the run failed and closed, and the bundle verifies."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                           "tests/preflight/test_backend_record.py", f"--evidence-dir={tiny_disk}"], cwd=ROOT,
+                          env=harness_env(PYTHONPATH=str(ROOT / "src"), TINKER_BASE_URL=None),
+                          capture_output=True, text=True, timeout=540)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out[-3000:]
+    assert "Traceback" not in out and "OSError" not in out and "INTERNALERROR" not in out, out[-3000:]
+    lines = {ln.strip() for ln in out.splitlines() if "evidence not written:" in ln}
+    assert lines and all("code-archive.zip: the disk is full (ENOSPC); free space" in ln for ln in lines), out[-3000:]
+    run = tiny_disk / (tiny_disk / "LATEST").read_text().strip()
+    r = json.loads((run / "result.json").read_text())
+    assert (r["status"], r["verdict"]) == ("failed", "inconclusive") and "could not be written" in r["summary"]
+    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)], capture_output=True,
+                       text=True, timeout=120, env=harness_env(PYTHONPATH=str(ROOT / "src")))
+    assert v.returncode == 0 and "(status failed)" in v.stdout, v.stdout + v.stderr

@@ -117,9 +117,9 @@ def test_atomic_write_failure_keeps_old_state(bundle, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ev.UnwritableEvidenceError, match="disk full"):
         bundle.register_bytes("late.txt", "log", b"data")
-    with pytest.raises(OSError):
+    with pytest.raises(ev.UnwritableEvidenceError):
         bundle.update_result(metrics={"y": 2.0})
     monkeypatch.undo()
     assert (bundle.dir / "result.json").read_bytes() == before

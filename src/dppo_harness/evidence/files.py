@@ -6,6 +6,7 @@ the bundle keeps them there. This module decides whether bytes may be registered
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -75,6 +76,19 @@ def unwritable_reason(directory: Path) -> str | None:
     except OSError as exc:
         return f"cannot write in {target}: {exc.strerror or type(exc).__name__}"
     return None
+
+
+_WHY = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is spent",
+        errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied"}
+
+
+def unwritable_line(path: Path, exc: OSError) -> str:
+    """One line for a refused evidence write: where, what the system said, what would settle it."""
+    code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+    why = _WHY.get(exc.errno or 0, exc.strerror or str(exc))
+    return (f"evidence not written: {path}: {why} ({code}); free space or make the evidence directory "
+            "writable, or give another --evidence-dir")
 
 
 def fsync_dir(directory: Path) -> None:

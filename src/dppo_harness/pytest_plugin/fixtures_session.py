@@ -149,6 +149,9 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
     from dppo_harness.stages.feasibility import rehearsal_sizing
 
     bundle = EvidenceBundle.create(harness_options.evidence_dir)
+    # Known to the session before anything else is written, so whatever fails next, the session's
+    # end closes this bundle's result.
+    pytestconfig.stash[STATE_KEY].bundle = bundle
     # Recorded before any service call: a local run rehearses the spec at a declared, fixed size.
     _, reductions = rehearsal_sizing(plan, embedded_server=connectivity.embedded)
     bundle.start_session(
@@ -167,7 +170,6 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
     from dppo_harness.service.identity import record_session_identity
 
     record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())
-    pytestconfig.stash[STATE_KEY].bundle = bundle
     return bundle
 
 
