@@ -126,3 +126,20 @@ def _same_code(monkeypatch):
     from dppo_harness.stages.comparison import run_steps
 
     monkeypatch.setattr(run_steps, "code_revision", lambda: "c" * 64)
+
+
+def test_a_refused_state_write_is_the_evidences_one_line(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from dppo_harness.evidence import UnwritableEvidenceError
+    from dppo_harness.stages.comparison import state as state_module
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(state_module, "atomic_write", full)
+    st = RunState(RUN, "p", "e", "c", "tinker://init", {"a": ArmState("a")})
+    path = state_path(tmp_path, RUN)
+    with pytest.raises(UnwritableEvidenceError) as e:
+        st.save(path)
+    assert str(e.value).startswith(f"evidence not written: {path}: the disk is full (ENOSPC); free space")

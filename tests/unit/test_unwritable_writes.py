@@ -92,3 +92,26 @@ def test_a_real_full_disk_gives_one_line_and_a_failed_closed_result(tiny_disk):
     r = json.loads((tiny_disk / "real" / "result.json").read_text())
     assert r["status"] == "failed" and "ENOSPC" in r["summary"]
     assert (tiny_disk / "LATEST").read_text().strip() == "real" and verify_bundle(tiny_disk / "real") == []
+
+
+def test_too_little_free_space_is_refused_up_front(tmp_path, monkeypatch):
+    """Checked at configure time with the probe write: a disk with less room than a run's evidence
+    can take is refused before anything runs, in one line."""
+    import shutil
+    from collections import namedtuple
+
+    from dppo_harness.evidence import files
+
+    assert files.unwritable_reason(tmp_path) is None
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 2**20, 2**20))
+    assert files.unwritable_reason(tmp_path / "runs") == (
+        f"only 1.0 MiB free in {tmp_path}; a run's evidence needs 50 MiB (its 40 MiB limit and one 10 MiB file "
+        "being written)")
+    monkeypatch.setattr(files.shutil, "disk_usage", shutil.disk_usage)
+
+
+def test_a_real_small_disk_is_refused_up_front(tiny_disk):
+    from dppo_harness.evidence.files import unwritable_reason
+
+    assert unwritable_reason(tiny_disk).startswith(f"only 0.1 MiB free in {tiny_disk}; a run's evidence needs 50 MiB")

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,10 +61,15 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# Free space a run needs before it starts: the bundle's own limit and one more largest file (the
+# temp copy an atomic write holds while it replaces nothing yet).
+MIN_FREE_BYTES = MAX_TOTAL_BYTES + MAX_FILE_BYTES
+
+
 def unwritable_reason(directory: Path) -> str | None:
     """Why nothing can be written at `directory` (or where it would be created), else None: a probe
     file is created and removed in it or its nearest existing parent (permission bits alone say
-    nothing for root or on a read-only mount)."""
+    nothing for root or on a read-only mount), and its file system must have MIN_FREE_BYTES free."""
     target = Path(directory)
     while not target.exists() and target != target.parent:
         target = target.parent
@@ -75,6 +81,10 @@ def unwritable_reason(directory: Path) -> str | None:
         os.unlink(probe)
     except OSError as exc:
         return f"cannot write in {target}: {exc.strerror or type(exc).__name__}"
+    free = shutil.disk_usage(target).free
+    if free < MIN_FREE_BYTES:
+        return (f"only {free / 2**20:.1f} MiB free in {target}; a run's evidence needs {MIN_FREE_BYTES / 2**20:.0f} MiB "
+                f"(its {MAX_TOTAL_BYTES / 2**20:.0f} MiB limit and one {MAX_FILE_BYTES / 2**20:.0f} MiB file being written)")
     return None
 
 

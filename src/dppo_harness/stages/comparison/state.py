@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import dppo_harness
-from dppo_harness.evidence.files import atomic_write
+from dppo_harness.evidence.errors import UnwritableEvidenceError
+from dppo_harness.evidence.files import atomic_write, unwritable_line
 from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.stages.comparison.config import ComparisonError
 
@@ -104,8 +105,12 @@ class RunState:
         return cls(**{**{k: v for k, v in d.items() if k != "arms"}, "arms": arms})
 
     def save(self, path: Path) -> None:
-        """A unique temp file, fsync, rename, fsync of the directory: never torn, never lost."""
-        atomic_write(path, json.dumps(self.to_json(), indent=1, sort_keys=True).encode())
+        """A unique temp file, fsync, rename, fsync of the directory: never torn, never lost; a
+        refused write (disk full, read-only, permission) is the evidence's one line."""
+        try:
+            atomic_write(path, json.dumps(self.to_json(), indent=1, sort_keys=True).encode())
+        except OSError as exc:
+            raise UnwritableEvidenceError(unwritable_line(path, exc)) from None
 
     @classmethod
     def load(cls, path: Path) -> RunState:
