@@ -36,7 +36,7 @@ def test_a_read_only_evidence_dir_is_refused_in_one_line_before_any_stage():
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"ERROR: --evidence-dir {READ_ONLY}: cannot write in /proc: "), line
-    assert line.endswith("; nothing was run (give a writable directory)"), line
+    assert line.endswith("; nothing was run (give a writable directory with room)"), line
     assert "Traceback" not in out and " passed" not in out
 
 
