@@ -78,3 +78,65 @@ def test_a_sigkilled_harness_leaves_no_orphan_server(tmp_path):
         assert not _alive(server_pid), "the server outlived its harness"
     finally:
         harness.kill()
+
+
+def _server_child(harness_pid: int) -> int | None:
+    """The pid of the embedded server `harness_pid` started, if it runs."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == harness_pid and b"dppo_harness.local_server" in cmd:
+            return int(d.name)
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_the_server_killed_mid_diagnostic_ends_the_run_within_a_minute_with_its_exit(tmp_path):
+    """`pytest tests/preflight tests/diagnostic` on the local backend, as a user runs it; the
+    embedded server is SIGKILLed at the diagnostic's first update: the run ends within a minute,
+    failed, its bundle verifies and names the server's exit code and log tail."""
+    import json
+    import shutil
+
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json", plans)
+    shutil.copy(ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-short.json", plans)
+    evidence = tmp_path / "evidence"
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/preflight", "tests/diagnostic",
+         f"--plan={plans / 'diagnostic-ci-short.json'}", f"--evidence-dir={evidence}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env=harness_env(PYTHONPATH=str(ROOT / "src"), TINKER_BASE_URL=None))
+    out: list[str] = []
+    killed_at = None
+    try:
+        for line in harness.stdout:
+            out.append(line)
+            if killed_at is None and "[diagnostic] update 1/" in line:
+                pid = _server_child(harness.pid)
+                assert pid is not None, "no embedded server child found"
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+        harness.wait(120)
+    finally:
+        harness.kill()
+    text = "".join(out)
+    assert killed_at is not None, text[-3000:]
+    secs = time.monotonic() - killed_at
+    assert harness.returncode != 0 and secs < 60, (secs, text[-3000:])
+    assert "Traceback" not in text, text[-3000:]
+    run = evidence / (evidence / "LATEST").read_text().strip()
+    r = json.loads((run / "result.json").read_text())
+    assert (r["status"], r["verdict"]) == ("failed", "inconclusive"), r["summary"]
+    stopped = r["service_wait"]["stopped"]
+    assert stopped["kind"] == "server_died" and stopped["exit_code"] == -signal.SIGKILL and stopped["log_tail"], stopped
+    assert "exited (exit code -9)" in stopped["line"] and stopped["line"] in text
+    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)], capture_output=True,
+                       text=True, timeout=120, env=harness_env(PYTHONPATH=str(ROOT / "src")))
+    assert v.returncode == 0 and "(status failed)" in v.stdout, v.stdout + v.stderr

@@ -126,3 +126,28 @@ def test_a_failed_close_is_never_recorded_as_released_by_a_later_one():
     (record,) = reg.records()
     assert record["released"] is False and "session finish refused: 503" in record["error"]
     assert not reg.all_released
+
+
+def test_after_the_service_died_a_release_closes_nothing_and_returns_at_once():
+    """A dead server has no session left to finish: each close would wait out the release timeout
+    (60 s a session), so the end of a run whose embedded server was killed took minutes."""
+    import concurrent.futures
+    import time
+
+    class Session:
+        closes = 0
+
+        def close(self, status):
+            Session.closes += 1
+            return concurrent.futures.Future()  # never answered: the server is gone
+
+    reg = ClientRegistry(release_timeout_s=5.0)
+    for label in ("arms", "sampler"):
+        reg.register(Session(), stage="diagnostic", label=label)
+    reg.service_gone("the embedded server (pid 1) exited (exit code -9)")
+    t0 = time.monotonic()
+    assert reg.release_stage("diagnostic", "errored") and reg.release_all("errored") is False
+    assert time.monotonic() - t0 < 1.0 and Session.closes == 0
+    for record in reg.records():
+        assert record["released"] is False and record["error"] == (
+            "not closed: the embedded server (pid 1) exited (exit code -9); nothing is left to close")

@@ -149,3 +149,31 @@ def test_observations_refuse_mixed_evaluators(bundle, evaluator):
     b = evaluation.EvalResult("b", 0, "c", "y" * 64, ({"item_id": "i", "arm": "b", "seed": 0, "value": 1, "evaluator_id": "y" * 64},), 0.0)
     with pytest.raises(evaluation.EvaluatorChangedError, match="mix evaluators"):
         evaluation.observations_jsonl([a, b])
+
+
+def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(bundle, evaluator):
+    """Each answer takes 8 s of a fake clock: a line at the first answer, then whenever 15 s passed
+    since the last one, and at the last answer, each naming how many items are answered."""
+    from dppo_harness.stages.comparison.evaluate import items_progress
+
+    now = {"t": 0.0}
+
+    class Slow(GreedyScript):
+        def sample(self, prompt, num_samples, sampling_params):
+            fut = super().sample(prompt, num_samples, sampling_params)
+
+            class F:
+                def result(self_inner):
+                    now["t"] += 8.0
+                    return fut.result()
+            return F()
+
+    lines, at = [], []
+    say = lambda m: (lines.append(m), at.append(now["t"]))  # noqa: E731
+    sampler = Slow(bundle, [it.reference for it in evaluator.items])
+    evaluation.evaluate(sampler, evaluator, arm="dppo_seed0", seed=0, checkpoint="tinker://m/final", max_in_flight=2,
+                        on_item=items_progress(say, "dppo_seed0", 4, every_s=15.0, clock=lambda: now["t"]))
+    assert lines[0].startswith("[comparison] evaluating dppo_seed0: 1/4 (25%), items answered")
+    assert lines[1].startswith("[comparison] evaluating dppo_seed0: 3/4 (75%), items answered (24s)")
+    assert lines[-1].startswith("[comparison] evaluating dppo_seed0: 4/4 (100%), items answered (32s)")
+    assert at == [8.0, 24.0, 32.0], lines

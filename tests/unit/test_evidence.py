@@ -117,9 +117,9 @@ def test_atomic_write_failure_keeps_old_state(bundle, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ev.UnwritableEvidenceError, match="disk full"):
         bundle.register_bytes("late.txt", "log", b"data")
-    with pytest.raises(OSError):
+    with pytest.raises(ev.UnwritableEvidenceError):
         bundle.update_result(metrics={"y": 2.0})
     monkeypatch.undo()
     assert (bundle.dir / "result.json").read_bytes() == before
@@ -418,6 +418,8 @@ def test_killed_run_leaves_a_valid_partial_bundle(tmp_path):
     assert r["status"] == "running" and "verdict" not in r
     assert r["metrics"]["first"] == 1.0 and r["metrics"]["update/20"] == 20.0
     assert any(f["name"] == "early.json" for f in r["evidence"]["files"])
+    told = _cli("verify", str(root))  # as a reader runs it, through LATEST: never read as verified
+    assert told.returncode == 3 and "verify: INCOMPLETE" in told.stdout and "OK" not in told.stdout, told.stdout
     reopened = EvidenceBundle.open(run, env={})  # and the partial bundle can be continued
     reopened.update_result(metrics={"after_restart": 1.0})
     assert verify_bundle(run) == []

@@ -17,7 +17,7 @@ import hashlib
 import importlib.metadata
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,8 +242,10 @@ def evaluate(
     seed: int,
     checkpoint: str,
     max_in_flight: int = 256,
+    on_item: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
-    """Greedy-decode every item, grade, and return one row per item (invalid outputs score 0)."""
+    """Greedy-decode every item, grade, and return one row per item (invalid outputs score 0).
+    `on_item(done, total)` after each answer received, so a caller can say how far it is."""
     if not arm or not checkpoint:
         raise ValueError("arm and checkpoint must be named")
     evaluator.check_unchanged()
@@ -255,13 +257,21 @@ def evaluate(
     responses: list[Any] = [None] * len(prompts)
     # Sliding window: many requests in flight, bounded so a real service is not flooded.
     pending: list[tuple[int, Any]] = []
+    done = 0
+
+    def received(j: int, fut: Any) -> None:
+        nonlocal done
+        responses[j] = fut.result()
+        done += 1
+        if on_item is not None:
+            on_item(done, len(prompts))
+
     for i, ob in enumerate(prompts):
         pending.append((i, sampling_client.sample(ob, 1, params)))
         if len(pending) >= max_in_flight:
-            j, fut = pending.pop(0)
-            responses[j] = fut.result()
+            received(*pending.pop(0))
     for j, fut in pending:
-        responses[j] = fut.result()
+        received(j, fut)
     rows = []
     for item, res in zip(evaluator.items, responses, strict=True):
         if len(res.sequences) != 1:

@@ -17,7 +17,13 @@ bundle (EvidenceBundle, which composes them).
 """
 
 from dppo_harness.evidence.bundle import EvidenceBundle
-from dppo_harness.evidence.errors import EvidenceError, ImmutableNameError, LimitError, ResultShapeError
+from dppo_harness.evidence.errors import (
+    EvidenceError,
+    ImmutableNameError,
+    LimitError,
+    ResultShapeError,
+    UnwritableEvidenceError,
+)
 from dppo_harness.evidence.files import (
     KINDS,
     MAX_FILE_BYTES,
@@ -44,6 +50,6 @@ from dppo_harness.service.secrets_scan import SecretLeakError
 __all__ = [
     "DEVIATION_FIELDS", "KINDS", "MAX_FILES", "MAX_FILE_BYTES", "MAX_TOTAL_BYTES", "OUTCOME_REASONS",
     "REHEARSAL_PREFIX", "STATUSES", "VERDICTS", "EvidenceBundle", "EvidenceError", "FileEntry",
-    "ImmutableNameError", "LimitError", "ResultModel", "ResultShapeError", "SecretLeakError", "atomic_write",
+    "ImmutableNameError", "LimitError", "ResultModel", "ResultShapeError", "SecretLeakError", "UnwritableEvidenceError", "atomic_write",
     "code_revision", "initial_result", "main", "sha256_bytes", "validate_result", "verify_bundle",
 ]

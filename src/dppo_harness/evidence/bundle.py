@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from dppo_harness.evidence import session
-from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError
+from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
     FILES_DIR,
     LEDGER_FILE,
@@ -36,6 +36,7 @@ from dppo_harness.evidence.files import (
     dump_json,
     json_file_bytes,
     sidecar_files,
+    unwritable_line,
 )
 from dppo_harness.evidence.ledger import BudgetLedger
 from dppo_harness.evidence.provenance import code_revision
@@ -47,6 +48,7 @@ from dppo_harness.evidence.result import (
     label_summary,
     leak_failure_state,
     merged_result,
+    unwritable_failure_state,
     validate_result,
 )
 from dppo_harness.plans.models import DEVIATION_FIELDS
@@ -70,6 +72,7 @@ class EvidenceBundle:
         self._files = FileRegistry(run_dir / FILES_DIR)
         self._ledger = BudgetLedger(run_dir / LEDGER_FILE, clock)
         self._rehearsal_plan = False  # set by record_plan for a plan of kind "rehearsal"
+        self.unwritable: str | None = None  # the first refused write's line; the run fails with it
 
     # -- construction
 
@@ -83,10 +86,13 @@ class EvidenceBundle:
         run_dir = root / run_id
         if run_dir.exists():
             raise EvidenceError(f"run directory {run_dir} already exists; open it with EvidenceBundle.open")
-        (run_dir / FILES_DIR).mkdir(parents=True)
+        try:
+            (run_dir / FILES_DIR).mkdir(parents=True)
+        except OSError as exc:
+            raise UnwritableEvidenceError(unwritable_line(run_dir, exc)) from None
         bundle = cls(run_dir, initial_result(), secret_values, env, clock)
         bundle._write_result(bundle._result)
-        atomic_write(root / "LATEST", (run_id + "\n").encode())
+        bundle._write(root / "LATEST", (run_id + "\n").encode())  # last: it never names a run without result.json
         return bundle
 
     @classmethod
@@ -155,8 +161,38 @@ class EvidenceBundle:
             validate_result(state)
         except (SecretLeakError, ResultShapeError, ValueError):
             return  # the old result.json stays; the exception already fails the run loudly
+        try:
+            atomic_write(self.dir / RESULT_FILE, data)
+        except OSError:
+            return  # the old result.json stays; the exception already fails the run loudly
         self._result = state
-        atomic_write(self.dir / RESULT_FILE, data)
+
+    def _write(self, path: Path, data: bytes) -> None:
+        """atomic_write, a refusal (disk full, read-only, permission) as one line; the run then fails:
+        result.json is closed failed now if it can be written, else at the next write that lands."""
+        try:
+            atomic_write(path, data)
+        except OSError as exc:
+            line = unwritable_line(path, exc)
+            if self.unwritable is None:
+                self.unwritable = line
+                if path.name != RESULT_FILE:
+                    self._close_unwritable()
+            raise UnwritableEvidenceError(line) from None
+
+    def _close_unwritable(self) -> None:
+        """Write the failed, closed result a refused write calls for (nothing if it cannot land)."""
+        if self.unwritable is None or self._result["status"] == "failed":
+            return
+        state = unwritable_failure_state(self._result, self.unwritable)
+        try:
+            validate_result(state)
+            data = dump_json(state)
+            self._scanner().check(data, RESULT_FILE)
+            atomic_write(self.dir / RESULT_FILE, data)
+        except (OSError, SecretLeakError, ResultShapeError, ValueError):
+            return
+        self._result = state
 
     # -- files
 
@@ -172,7 +208,7 @@ class EvidenceBundle:
                 return entry
             self._scan(data, f"evidence file {name!r}")
             self._files.check_limits(entry, entries)
-            self._files.write(entry, data)
+            self._write(self._files.path(entry["name"]), data)
             new = copy.deepcopy(self._result)
             new["evidence"]["files"].append(dict(entry))
             self._commit(new)
@@ -193,10 +229,13 @@ class EvidenceBundle:
             check_rehearsal_plan_result(state)
         data = dump_json(state)
         self._scan(data, RESULT_FILE)
-        atomic_write(self.dir / RESULT_FILE, data)
+        self._write(self.dir / RESULT_FILE, data)
 
     def _commit(self, new: dict[str, Any]) -> None:
-        """Write `new` as result.json, then adopt it (a failed write leaves the old state)."""
+        """Write `new` as result.json, then adopt it (a failed write leaves the old state); after a
+        refused write the result is failed, whatever is merged later."""
+        if self.unwritable is not None and new["status"] != "failed":
+            new = unwritable_failure_state(new, self.unwritable)
         self._write_result(new)
         self._result = new
 
@@ -331,7 +370,7 @@ class EvidenceBundle:
     def _write_ledger(self) -> None:
         data = dump_json(self._ledger.data)
         self._scan(data, LEDGER_FILE)
-        atomic_write(self._ledger.path, data)
+        self._write(self._ledger.path, data)
 
     # -- provenance
 

@@ -17,3 +17,8 @@ class ImmutableNameError(EvidenceError):
 
 class ResultShapeError(EvidenceError):
     """result.json would not have the brief's structured-output shape."""
+
+
+class UnwritableEvidenceError(EvidenceError):
+    """The evidence directory refused a write (disk full, read-only, permission denied); nothing of
+    that write landed. Its message is the one line a user sees."""

@@ -6,11 +6,13 @@ the bundle keeps them there. This module decides whether bytes may be registered
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,10 +61,15 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# Free space a run needs before it starts: the bundle's own limit and one more largest file (the
+# temp copy an atomic write holds while it replaces nothing yet).
+MIN_FREE_BYTES = MAX_TOTAL_BYTES + MAX_FILE_BYTES
+
+
 def unwritable_reason(directory: Path) -> str | None:
     """Why nothing can be written at `directory` (or where it would be created), else None: a probe
     file is created and removed in it or its nearest existing parent (permission bits alone say
-    nothing for root or on a read-only mount)."""
+    nothing for root or on a read-only mount), and its file system must have MIN_FREE_BYTES free."""
     target = Path(directory)
     while not target.exists() and target != target.parent:
         target = target.parent
@@ -74,7 +81,24 @@ def unwritable_reason(directory: Path) -> str | None:
         os.unlink(probe)
     except OSError as exc:
         return f"cannot write in {target}: {exc.strerror or type(exc).__name__}"
+    free = shutil.disk_usage(target).free
+    if free < MIN_FREE_BYTES:
+        return (f"only {free / 2**20:.1f} MiB free in {target}; a run's evidence needs {MIN_FREE_BYTES / 2**20:.0f} MiB "
+                f"(its {MAX_TOTAL_BYTES / 2**20:.0f} MiB limit and one {MAX_FILE_BYTES / 2**20:.0f} MiB file being written)")
     return None
+
+
+_WHY = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is spent",
+        errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied"}
+
+
+def unwritable_line(path: Path, exc: OSError) -> str:
+    """One line for a refused evidence write: where, what the system said, what would settle it."""
+    code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+    why = _WHY.get(exc.errno or 0, exc.strerror or str(exc))
+    return (f"evidence not written: {path}: {why} ({code}); free space or make the evidence directory "
+            "writable, or give another --evidence-dir")
 
 
 def fsync_dir(directory: Path) -> None:

@@ -278,15 +278,25 @@ def merged_result(old: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, A
     return new
 
 
-def leak_failure_state(old: dict[str, Any], message: str) -> dict[str, Any]:
-    """The result after the secret scanner stopped the run (the message names variables only)."""
+def stopped_state(old: dict[str, Any], summary: str) -> dict[str, Any]:
+    """The failed, closed result of a run the evidence itself stopped, `summary` saying why."""
     fields = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
     state = deep_merge(old, fields)
     if state["original_hypothesis_tested"] is None:
         state["original_hypothesis_tested"] = False
         state["tested_instead"] = "nothing: the run stopped before any claim could be tested"
-    state["summary"] = label_summary(state, f"Run stopped by the evidence secret scanner ({message}).")
+    state["summary"] = label_summary(state, summary)
     return state
+
+
+def leak_failure_state(old: dict[str, Any], message: str) -> dict[str, Any]:
+    """The result after the secret scanner stopped the run (the message names variables only)."""
+    return stopped_state(old, f"Run stopped by the evidence secret scanner ({message}).")
+
+
+def unwritable_failure_state(old: dict[str, Any], line: str) -> dict[str, Any]:
+    """The result after an evidence write was refused (disk full, read-only, permission)."""
+    return stopped_state(old, f"Run stopped: its evidence could not be written ({line}).")
 
 
 def as_text(v: Any) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from dppo_harness import plans
-from dppo_harness.evidence.files import sha256_bytes
+from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 
 if TYPE_CHECKING:
@@ -136,6 +136,27 @@ def closing_fields(result: Mapping[str, Any], stages_selected: Sequence[str],
             tail = "All selected stages passed; the accuracy hypothesis was not tested."
         fields["summary"] = f"Stages run: {ran}. {tail}"
     return fields
+
+
+def unclosed_line(bundle: EvidenceBundle) -> str | None:
+    """None when the bundle's result.json on disk is closed. Otherwise (an evidence write refused at
+    the close) LATEST stops naming the run, an unlink needing no free space, so no reader takes the
+    half bundle for the run's record; the line says where it is and what verify will say."""
+    try:
+        status = json.loads((bundle.dir / RESULT_FILE).read_text())["status"]
+    except (OSError, ValueError, KeyError, TypeError):
+        status = None
+    if status not in (None, "running"):
+        return None
+    latest = bundle.dir.parent / "LATEST"
+    what = f"evidence: {bundle.dir} was left incomplete (its result.json is not closed; verify says INCOMPLETE)"
+    try:
+        if latest.read_text().strip() == bundle.run_id:
+            latest.unlink()
+            return what + "; LATEST no longer names it"
+    except OSError:
+        pass
+    return what
 
 
 def finish_session(bundle: EvidenceBundle, stage_failures: Mapping[str, str] | None = None) -> None:

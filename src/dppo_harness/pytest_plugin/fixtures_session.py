@@ -94,8 +94,12 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
     waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
-        server.on_death = lambda srv: waiter.service_died(ServiceDied(f"the embedded server (pid {srv.pid})",
-                                                                      *srv.death_report()))
+        def died(srv: Any) -> None:
+            code, tail = srv.death_report()
+            client_registry.service_gone(f"the embedded server (pid {srv.pid}) exited (exit code {code})")
+            waiter.service_died(ServiceDied(f"the embedded server (pid {srv.pid})", code, tail))
+
+        server.on_death = died
     return waiter
 
 
@@ -145,6 +149,9 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
     from dppo_harness.stages.feasibility import rehearsal_sizing
 
     bundle = EvidenceBundle.create(harness_options.evidence_dir)
+    # Known to the session before anything else is written, so whatever fails next, the session's
+    # end closes this bundle's result.
+    pytestconfig.stash[STATE_KEY].bundle = bundle
     # Recorded before any service call: a local run rehearses the spec at a declared, fixed size.
     _, reductions = rehearsal_sizing(plan, embedded_server=connectivity.embedded)
     bundle.start_session(
@@ -163,7 +170,6 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
     from dppo_harness.service.identity import record_session_identity
 
     record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())
-    pytestconfig.stash[STATE_KEY].bundle = bundle
     return bundle
 
 

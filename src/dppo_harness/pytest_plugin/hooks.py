@@ -37,6 +37,7 @@ from dppo_harness.pytest_plugin.session import (
     enter_stage,
     selected_for_run,
     service_stop,
+    unwritable_evidence,
     write_session_records,
 )
 
@@ -211,6 +212,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     stop = service_stop(call.excinfo.value if call.excinfo is not None else None)
     if stop is not None:  # the wait policy stopped the stage: its one line, not a traceback
         report.longrepr = stop.line
+    refused = unwritable_evidence(call.excinfo.value if call.excinfo is not None else None)
+    if refused is not None:  # nothing more can be recorded: its one line, and no later test runs
+        report.longrepr = refused
+        item.session.shouldstop = refused
     if report.when == "call" or report.outcome != "passed":
         counts = item.config.stash[STATE_KEY].outcomes.setdefault(
             item.stash.get(STAGE_KEY, "unit"), {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []})
@@ -230,19 +235,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state.current = None
     if state.bundle is None:
         return
-    from dppo_harness.evidence import LimitError
+    from dppo_harness.evidence import LimitError, UnwritableEvidenceError
+    from dppo_harness.evidence.session import unclosed_line
 
+    say = session.config.get_terminal_writer().line
     try:
-        write_session_records(state)
-    except LimitError as exc:  # the records do not fit: say so in the ledger, still close the result
-        state.bundle.note_ledger(session_records_not_written=str(exc))
-        session.config.get_terminal_writer().line(f"evidence: session records not written: {exc}", red=True)
-    if state.outcome is not None and not state.first_failure:
-        state.bundle.finish(**state.outcome)
-    state.bundle.finish_session(stage_failures=dict(state.first_failure))
-    from dppo_harness.service.identity import finalize_labels  # the stand-in stays named
+        try:
+            write_session_records(state)
+        except LimitError as exc:  # the records do not fit: say so in the ledger, still close the result
+            state.bundle.note_ledger(session_records_not_written=str(exc))
+            say(f"evidence: session records not written: {exc}", red=True)
+        if state.outcome is not None and not state.first_failure:
+            state.bundle.finish(**state.outcome)
+        state.bundle.finish_session(stage_failures=dict(state.first_failure))
+        from dppo_harness.service.identity import finalize_labels  # the stand-in stays named
 
-    finalize_labels(state.bundle)
+        finalize_labels(state.bundle)
+    except UnwritableEvidenceError as exc:  # the close itself was refused: one line, never a traceback
+        say(str(exc), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    line = unclosed_line(state.bundle)
+    if line is not None:
+        say(line, red=True)
+    if line is not None or state.bundle.unwritable is not None:  # a failed run, not an interrupted one
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -104,7 +104,7 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
     if evidence_dir.exists() and not evidence_dir.is_dir():
         raise pytest.UsageError(f"--evidence-dir: not a directory: {evidence_dir}")
     if run_stages != ("unit",) and (problem := unwritable_reason(evidence_dir)) is not None:
-        raise pytest.UsageError(f"--evidence-dir {evidence_dir}: {problem}; nothing was run (give a writable directory)")
+        raise pytest.UsageError(f"--evidence-dir {evidence_dir}: {problem}; nothing was run (give a writable directory with room)")
     save_every = config.getoption("--save-every")
     if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
         raise pytest.UsageError(f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (the brief asks "

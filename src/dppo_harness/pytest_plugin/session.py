@@ -201,6 +201,19 @@ def service_stop(exc: BaseException | None) -> Any:
     return exc if isinstance(exc, module.ServiceStopped) else None
 
 
+def unwritable_evidence(exc: BaseException | None) -> str | None:
+    """The one line of a refused evidence write behind a failure (disk full, read-only, permission),
+    if any: the write itself, or what the stage raised while it handled it."""
+    from dppo_harness.evidence.errors import UnwritableEvidenceError
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, UnwritableEvidenceError):
+            return str(exc)
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
 def release_remaining(state: StageState) -> None:
     """Release every client not yet released and note when (the session fixture's teardown may
     run before pytest_sessionfinish, so both call this; the second call finds nothing pending)."""

@@ -453,6 +453,12 @@ class ClientRegistry:
         self._atexit = False
         self.current_stage: str | None = None  # set by the plugin as stages begin
         self.events: list[dict[str, Any]] = []
+        self._gone: str | None = None  # why the service can close nothing any more
+
+    def service_gone(self, why: str) -> None:
+        """The service process exited: no session is left to finish, and each close would only
+        wait out `release_timeout_s`; every later release records `why` instead of closing."""
+        self._gone = why
 
     def stage_now(self) -> str | None:
         return self.current_stage
@@ -471,6 +477,9 @@ class ClientRegistry:
         """Close once and judge by that close's own future: the SDK's second close() returns a
         completed future whatever became of the first, so it proves nothing."""
         if entry.released:
+            return
+        if self._gone is not None and entry.closing is None:
+            entry.error = f"not closed: {self._gone}; nothing is left to close"
             return
         try:
             if entry.closing is None:

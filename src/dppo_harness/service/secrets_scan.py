@@ -1,4 +1,5 @@
-"""Scan bytes for live secret values (raw, base64 at any alignment, URL-encoded, JSON-escaped, hex).
+"""Scan bytes for live secret values (raw, base64 at any alignment and wrapped into lines, URL-encoded,
+JSON-escaped, hex), and for long pieces of each of these forms (a value cut by a length limit).
 
 Matches are reported by the secret's *label* (an environment variable name) and the encoding,
 never by value, so an error message can be shown and logged safely.
@@ -96,6 +97,35 @@ def _b64_fragments(raw: bytes) -> dict[str, bytes]:
     return out
 
 
+# Text is cut (`[:500]`, `[-500:]`) wherever a limit falls, so a leak may hold only part of a value:
+# each encoded form's first and last PIECE bytes, and the pieces at every multiple of PIECE, so that
+# any cut keeping at least PIECE bytes from one end (or 2 * PIECE - 1 from inside) holds one of them.
+PIECE = 16
+_WHOLE_FORMS = ("raw", "json_escaped", "url", "url_plus", "base64", "base64url", "hex")
+
+
+def _pieces(variants: Mapping[str, bytes]) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for name in _WHOLE_FORMS:
+        pat = variants.get(name, b"")
+        if len(pat) <= PIECE:
+            continue
+        starts = sorted({*range(0, len(pat) - PIECE + 1, PIECE), len(pat) - PIECE})
+        for at in starts:
+            out[f"{name}_piece@{at}"] = pat[at:at + PIECE]
+    return out
+
+
+# Base64 is wrapped into lines (MIME every 76 characters, PEM every 64), and the line breaks may
+# themselves be JSON-escaped: the base64 forms are also looked for with every line break removed.
+_LINE_BREAKS = re.compile(rb"\r|\n|\\r|\\n")
+
+
+def _unwrapped(data: bytes) -> bytes | None:
+    joined = _LINE_BREAKS.sub(b"", data)
+    return joined if len(joined) != len(data) else None
+
+
 def encoded_variants(value: str) -> dict[str, bytes]:
     """encoding name -> byte pattern, for one secret value."""
     raw = value.encode("utf-8")
@@ -112,6 +142,7 @@ def encoded_variants(value: str) -> dict[str, bytes]:
     variants.update(_b64_fragments(raw))
     variants["hex"] = binascii.hexlify(raw)
     variants["hex_upper"] = binascii.hexlify(raw).upper()
+    variants.update(_pieces(variants))
     # Deduplicate identical patterns (e.g. a plain alphanumeric value is its own URL form).
     seen: dict[bytes, str] = {}
     for name, pat in variants.items():
@@ -133,9 +164,12 @@ class SecretScanner:
 
     def find(self, data: bytes) -> list[SecretMatch]:
         found: list[SecretMatch] = []
+        joined = _unwrapped(data)
         for label, enc, pat in self._patterns:
             if pat in data:
                 found.append(SecretMatch(label, enc))
+            elif joined is not None and enc.startswith("base64") and pat in joined:
+                found.append(SecretMatch(label, f"{enc} (wrapped)"))
         return found
 
     def check(self, data: bytes, what: str) -> None:

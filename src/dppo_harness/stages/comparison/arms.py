@@ -186,9 +186,7 @@ class _ArmSteps:
         row = {**row, "retries": len(attempt_guard.failures) if attempt_guard else 0}
         due = arm.steps_done % self.cfg.save_every == 0 or arm.steps_done == self.cfg.steps
         if save and self.save_state is not None and due:
-            arm.state_path = self.save_state(self.current[name], arm.steps_done)
-            arm.state_step = arm.steps_done
-            arm.saves[str(arm.steps_done)] = arm.state_path
+            arm.record_save(self.state.run_id, arm.steps_done, self.save_state(self.current[name], arm.steps_done))
         self.state.rows.append(row)
         self.on_row(row)
         self.progress(step_line(row, self.cfg.steps))

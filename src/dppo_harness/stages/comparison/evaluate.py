@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
+from dppo_harness.evidence.progress import Ticker
 from dppo_harness.stages.comparison import decision as comparison_decision
 from dppo_harness.stages.comparison.config import ComparisonConfig
 from dppo_harness.stages.comparison.state import RunState
@@ -47,6 +48,15 @@ def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> 
     return res.score(name)
 
 
+def items_progress(progress: Callable[[str], None], what: str, n_items: int, *, every_s: float = 15.0,
+                   clock: Callable[[], float] = time.monotonic) -> Callable[[int, int], None]:
+    """How far one scored model's evaluation is: a line at its first answer, then whenever `every_s`
+    passed since the last line as answers arrive, and at its last (a call that blocks longer is
+    the run's watchdog's to report)."""
+    ticker = Ticker(progress, f"[comparison] evaluating {what}", total=n_items, every_s=every_s, clock=clock)
+    return lambda done, _total: ticker.tick(done, "items answered")
+
+
 def eval_line(res: evaluation.EvalResult, max_tokens: int, elapsed_s: float) -> str:
     """The terminal line after one scored model."""
     ry = res.response_yield(max_tokens)
@@ -77,7 +87,8 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
     # The served model the arms were created on (the connectivity preflight's choice).
     base_client = service_client.create_sampling_client(base_model=base_model).result()
     progress(f"[comparison] evaluating the base model on {len(evaluator.items)} test items (greedy)")
-    base = evaluation.evaluate(base_client, evaluator, arm=BASE_ARM, seed=seed, checkpoint=f"base:{base_model}")
+    base = evaluation.evaluate(base_client, evaluator, arm=BASE_ARM, seed=seed, checkpoint=f"base:{base_model}",
+                               on_item=items_progress(progress, "the base model", len(evaluator.items)))
     scores.append(register_predictions(bundle, base))
     files.append(scores[-1]["predictions_ref"])
     post()
@@ -89,7 +100,8 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
         path = state.arms[a.name].final_sampler
         sampler = service_client.create_sampling_client(model_path=path).result()
         progress(f"[comparison] evaluating {a.name} (final checkpoint) on {len(evaluator.items)} test items")
-        res = evaluation.evaluate(sampler, evaluator, arm=a.name, seed=seed, checkpoint=path)
+        res = evaluation.evaluate(sampler, evaluator, arm=a.name, seed=seed, checkpoint=path,
+                                  on_item=items_progress(progress, a.name, len(evaluator.items)))
         results[a.name] = res
         scores.append(register_predictions(bundle, res))
         files.append(scores[-1]["predictions_ref"])

@@ -25,7 +25,7 @@ from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.snapshots import snapshot_names
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
 from dppo_harness.stages.comparison.config import ComparisonError
-from dppo_harness.stages.comparison.state import RunState
+from dppo_harness.stages.comparison.state import RunState, checkpoint_record_problems
 from dppo_harness.stages.gate import is_report_file
 
 if TYPE_CHECKING:
@@ -76,6 +76,51 @@ def _referenced_files(blocks: Mapping[str, Any]) -> Iterator[str]:
 
 def _refuse(run_id: str, why: str) -> ComparisonError:
     return ComparisonError(f"--resume {run_id} refused: {why}")
+
+
+STATE_COPY_PREFIX = "comparison-state-"
+
+
+def _registered_state_copies(run_dir: Path) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """(name, content) of each run state registered in a bundle; content None when its bytes no
+    longer hash to the registered sha256."""
+    for name, entry in sorted(_registry(run_dir).items()):
+        if not (name.startswith(STATE_COPY_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            raw = (run_dir / FILES_DIR / name).read_bytes()
+        except OSError:
+            yield name, None
+            continue
+        yield name, json.loads(raw) if sha256_bytes(raw) == entry["sha256"] else None
+
+
+def checkpoint_problems(state: RunState) -> list[str]:
+    """Why the checkpoints a resume would reuse cannot be trusted: each save's record must hash to
+    what was recorded when it was saved, and agree with every copy of the run state registered
+    (hashed) in the run's earlier bundles, up to the step a later session resumed from (the steps
+    after it were trained and saved again)."""
+    out = checkpoint_record_problems(state)
+    for i, session in enumerate(state.sessions):
+        run_dir = Path(session["dir"])
+        if not (run_dir / RESULT_FILE).is_file():
+            continue  # a missing bundle is refused by verified_dirs, naming it
+        later = [int(r["from_step"]) for r in state.resumes[i:]]
+        limit = min(later) if later else None
+        for name, copy in _registered_state_copies(run_dir):
+            if copy is None:
+                out.append(f"{session['run_id']}/{name} does not match the sha256 its bundle registered")
+                continue
+            for arm_name, arm in copy.get("arms", {}).items():
+                here = state.arms.get(arm_name)
+                for step, path in arm.get("saves", {}).items():
+                    if limit is not None and int(step) > limit:
+                        continue
+                    now = here.saves.get(step) if here is not None else None
+                    if now != path:
+                        out.append(f"arm {arm_name}'s checkpoint at step {step} is {now} in the state but {path} in "
+                                   f"{session['run_id']}/{name}")
+    return out
 
 
 def verified_dirs(state: RunState) -> list[Path]:

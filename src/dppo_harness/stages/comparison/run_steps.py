@@ -23,7 +23,7 @@ from dppo_harness.service import clients as service
 from dppo_harness.stages.comparison.arms import ArmRunner, TrainingOutcome, make_runners, train_arms
 from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch, Schedule
 from dppo_harness.stages.comparison.restore import open_arms, restore_arm
-from dppo_harness.stages.comparison.resume import latest_snapshot, reuse_setup
+from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
     ArmState,
@@ -69,6 +69,7 @@ def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, eva
     hold_run_lock(state_root, resume_run_id, what=f"--resume {resume_run_id}")
     state = load_owned_state(state_root, resume_run_id)
     problems = resume_problems(state, plan_sha256=plan.sha256, evaluator_id=evaluator_id, code_rev=code_rev)
+    problems += checkpoint_problems(state)  # before the rewind picks a checkpoint to reuse
     if problems:
         raise ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))
     if not state.setup_provenance and restoration is not None:  # a state saved before it was kept

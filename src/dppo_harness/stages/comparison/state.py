@@ -5,6 +5,7 @@ restores and optimizer checks), the run's rows and sessions, the checks a resume
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import dppo_harness
-from dppo_harness.evidence.files import atomic_write
+from dppo_harness.evidence.errors import UnwritableEvidenceError
+from dppo_harness.evidence.files import atomic_write, unwritable_line
 from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.stages.comparison.config import ComparisonError
 
@@ -41,6 +43,38 @@ class ArmState:
     final_sampler: str | None = None
     final_state: str | None = None
     step_retries: list[dict[str, Any]] = field(default_factory=list)  # refused attempts, see GuardedArmStep
+    # str(steps_done) -> checkpoint_record_sha256 of that save, taken when it was saved
+    save_hashes: dict[str, str] = field(default_factory=dict)
+
+    def record_save(self, run_id: str, step: int, path: str) -> None:
+        """The state saved after `step` steps: the resume point, hashed as it is recorded."""
+        self.state_path, self.state_step = path, step
+        self.saves[str(step)] = path
+        self.save_hashes[str(step)] = checkpoint_record_sha256(run_id, self.name, step, path)
+
+
+def checkpoint_record_sha256(run_id: str, arm: str, step: int, path: str) -> str:
+    """sha256 of one checkpoint record: which run, arm and step the service's saved path holds."""
+    record = json.dumps({"run_id": run_id, "arm": arm, "step": step, "path": path}, sort_keys=True)
+    return hashlib.sha256(record.encode()).hexdigest()
+
+
+def checkpoint_record_problems(state: RunState) -> list[str]:
+    """Why the state's own checkpoint records cannot be reused: a save whose record does not hash to
+    what was recorded when it was saved (edited, or copied from another run or arm), or a current
+    state that is not one of the hashed saves."""
+    out = []
+    for arm in state.arms.values():
+        for step, path in sorted(arm.saves.items(), key=lambda kv: int(kv[0])):
+            want = arm.save_hashes.get(step)
+            if want is None:
+                out.append(f"arm {arm.name}'s checkpoint at step {step} has no hash recorded when it was saved")
+            elif want != checkpoint_record_sha256(state.run_id, arm.name, int(step), path):
+                out.append(f"arm {arm.name}'s checkpoint record at step {step} ({path}) does not match the sha256 "
+                           "recorded when it was saved")
+        if arm.state_path is not None and arm.saves.get(str(arm.state_step)) != arm.state_path:
+            out.append(f"arm {arm.name}'s current state {arm.state_path} is not one of its hashed saves")
+    return out
 
 
 @dataclass
@@ -71,8 +105,12 @@ class RunState:
         return cls(**{**{k: v for k, v in d.items() if k != "arms"}, "arms": arms})
 
     def save(self, path: Path) -> None:
-        """A unique temp file, fsync, rename, fsync of the directory: never torn, never lost."""
-        atomic_write(path, json.dumps(self.to_json(), indent=1, sort_keys=True).encode())
+        """A unique temp file, fsync, rename, fsync of the directory: never torn, never lost; a
+        refused write (disk full, read-only, permission) is the evidence's one line."""
+        try:
+            atomic_write(path, json.dumps(self.to_json(), indent=1, sort_keys=True).encode())
+        except OSError as exc:
+            raise UnwritableEvidenceError(unwritable_line(path, exc)) from None
 
     @classmethod
     def load(cls, path: Path) -> RunState:
@@ -98,8 +136,8 @@ def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, cod
 
 def rewind_to_common_save(state: RunState, steps: int) -> int:
     """Before a resume: every arm back to the last step that all arms saved (0: the shared initial
-    checkpoint, `state.initial_checkpoint`), so the arms continue paired; the rows after it are
-    dropped and recomputed (same prompts and seeds). Returns that step."""
+    checkpoint, `state.initial_checkpoint`), so the arms continue paired; the rows and saves after
+    it are dropped and recomputed (same prompts and seeds). Returns that step."""
     for a in state.arms.values():
         if a.state_path is not None and not a.saves:  # a state written before saves were kept
             a.saves[str(a.state_step)] = a.state_path
@@ -107,6 +145,9 @@ def rewind_to_common_save(state: RunState, steps: int) -> int:
     for a in state.arms.values():
         a.steps_done = a.state_step = step
         a.state_path = a.saves.get(str(step)) if step else None
+        # the saves after it are trained and saved again: dropped, so no record holds two paths for a step
+        a.saves = {k: v for k, v in a.saves.items() if int(k) <= step}
+        a.save_hashes = {k: v for k, v in a.save_hashes.items() if int(k) <= step}
         if step < steps:
             a.final_sampler = a.final_state = None
     state.rows = [r for r in state.rows if r["step"] < step]
