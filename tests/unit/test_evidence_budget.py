@@ -29,6 +29,10 @@ def test_the_shipped_diagnostic_fits_with_slack_and_its_archives_fit_one_file() 
     size = budget.DiagnosticSize(16, 4, 8, 512)
     assert budget.updates_per_archive(size) * budget.record_bytes_bound(size) <= MAX_FILE_BYTES
     assert budget.diagnostic_need(size).files == budget.DIAGNOSTIC_FIXED_FILES + 2  # 2 archives of 8 updates
+    record = needs.as_record()
+    assert record["required_files"] == needs.required_files and record["limit_files"] == MAX_FILES
+    assert [s["stage"] for s in record["stages"]] == ["session", "preflight", "diagnostic"]
+    json.dumps(record)
 
 
 def test_needs_grow_with_updates_arms_saves_and_resumes() -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from dppo_harness.evidence.files import MAX_FILE_BYTES, MAX_FILES, MAX_TOTAL_BYTES
 
@@ -109,6 +109,13 @@ class BudgetNeeds:
     @property
     def required_bytes(self) -> int:
         return self.closing_bytes + sum(s.bytes for s in self.stages)
+
+    def as_record(self) -> dict[str, Any]:
+        """What ledger.json keeps of the session's budget (files counted, bytes estimated)."""
+        return {"limit_files": MAX_FILES, "limit_bytes": MAX_TOTAL_BYTES, "required_files": self.required_files,
+                "optional_files": self.optional_files, "estimated_bytes": self.required_bytes,
+                "closing_records": [*CLOSING_RECORDS, "the last stage-end snapshot"],
+                "stages": [asdict(s) for s in self.stages]}
 
     def largest(self) -> StageNeed:
         return max(self.stages, key=lambda s: s.files, default=StageNeed("none", 0, 0))
