@@ -1,5 +1,5 @@
 """The diagnostic's update records, a few per evidence file, so the run's file count does not grow
-with its updates (`diagnostic-updates-01-04.npz` holds updates 1 to 4).
+with its updates (`diagnostic-updates-01-08.npz` holds updates 1 to 8).
 
 Each record is persisted before the optimizer step it feeds: the open archive's records are
 rewritten, atomically, to a staging file beside the bundle (`.diagnostic-updates.staged.npz`, scanned
