@@ -80,4 +80,4 @@ def test_a_refused_stage_outcome_still_leaves_a_final_result(tmp_path: Path) -> 
     # the closing records took their reserved slots
     names = {e["name"] for e in bundle.files()}
     assert {"client-releases.json", "budget-ledger.json"} <= names
-    assert len(names) <= MAX_FILES and len(budget.CLOSING_RECORDS) == 3
+    assert len(names) <= MAX_FILES and len(budget.CLOSING_RECORDS) == 4

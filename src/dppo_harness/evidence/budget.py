@@ -27,7 +27,7 @@ MIB = 1024 * 1024
 
 # Written when the session closes, reserved in the bundle from the session's start; the last
 # service stage's end snapshot is counted with them.
-CLOSING_RECORDS = ("client-releases.json", "unit-parity-summary.json", "budget-ledger.json")
+CLOSING_RECORDS = ("client-identities.json", "client-releases.json", "unit-parity-summary.json", "budget-ledger.json")
 CLOSING_FILES = len(CLOSING_RECORDS) + 1
 CLOSING_BYTES = 2 * MIB
 
@@ -36,9 +36,9 @@ CLOSING_BYTES = 2 * MIB
 SESSION_FILES = 6
 SESSION_BYTES = 4 * MIB  # the code archive is about 2.5 MiB
 # The correctness and restoration preflights (golden report and fixture, validator output, LR
-# probe, fixed batch, initial output, probe, responses, provenance, identity and connectivity
-# records) and their stage-end snapshots.
-PREFLIGHT_FILES = 13
+# probe, fixed batch, initial output, probe, responses, provenance, the first client identity and
+# the connectivity record).
+PREFLIGHT_FILES = 12
 PREFLIGHT_BYTES = 2 * MIB
 PREFLIGHT_SNAPSHOTS = 1  # the preflight stage's end (optional)
 # Result snapshots while a call waits on the service (optional; service.wait_evidence).
