@@ -24,10 +24,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from dppo_harness.evidence import session
+from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
     FILES_DIR,
     LEDGER_FILE,
+    MAX_FILES,
+    MAX_TOTAL_BYTES,
     NAME_RE,
     RESULT_FILE,
     FileEntry,
@@ -73,6 +76,8 @@ class EvidenceBundle:
         self._ledger = BudgetLedger(run_dir / LEDGER_FILE, clock)
         self._rehearsal_plan = False  # set by record_plan for a plan of kind "rehearsal"
         self.unwritable: str | None = None  # the first refused write's line; the run fails with it
+        self._closing: frozenset[str] = frozenset()  # names reserved for the close (reserve_closing)
+        self._closing_bytes = 0
 
     # -- construction
 
@@ -208,11 +213,43 @@ class EvidenceBundle:
                 return entry
             self._scan(data, f"evidence file {name!r}")
             self._files.check_limits(entry, entries)
+            self._check_closing_reserve(entry, entries)
             self._write(self._files.path(entry["name"]), data)
             new = copy.deepcopy(self._result)
             new["evidence"]["files"].append(dict(entry))
             self._commit(new)
             return FileEntry(**entry)
+
+    # -- the closing records' reserve
+
+    def reserve_closing(self, names: Sequence[str] = CLOSING_RECORDS, nbytes: int = CLOSING_BYTES) -> None:
+        """Keep a file slot for each of `names` and `nbytes` in total until they are registered:
+        any other file that would take them is refused (LimitError), so the close always fits."""
+        with self._lock:
+            self._closing, self._closing_bytes = frozenset(names), int(nbytes)
+
+    def _closing_left(self, entries: Sequence[FileEntry]) -> tuple[int, int]:
+        """(file slots, bytes) still reserved for closing records not yet registered."""
+        slots = len(self._closing - {e["name"] for e in entries})
+        return slots, (self._closing_bytes if slots else 0)
+
+    def _check_closing_reserve(self, entry: FileEntry, entries: Sequence[FileEntry]) -> None:
+        if entry["name"] in self._closing:
+            return
+        slots, nbytes = self._closing_left(entries)
+        if len(entries) + 1 > MAX_FILES - slots:
+            raise LimitError(f"file {entry['name']!r} would be file {len(entries) + 1}; the last {slots} of the "
+                             f"{MAX_FILES} file slots are reserved for the closing records")
+        total = sum(f["size"] for f in entries) + entry["size"]
+        if total > MAX_TOTAL_BYTES - nbytes:
+            raise LimitError(f"file {entry['name']!r} would bring the run to {total} bytes; the last {nbytes} of "
+                             f"{MAX_TOTAL_BYTES} bytes are reserved for the closing records")
+
+    def free_slots(self) -> int:
+        """File slots any file may still take (the closing records' reserve left out)."""
+        with self._lock:
+            entries = self._entries()
+            return MAX_FILES - len(entries) - self._closing_left(entries)[0]
 
     def register_json(self, name: str, kind: str, obj: Any) -> FileEntry:
         return self.register_bytes(name, kind, json_file_bytes(name, obj))

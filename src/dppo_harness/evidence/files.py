@@ -189,9 +189,6 @@ class FileRegistry:
             raise LimitError(f"file {name!r} ({size} bytes) would bring the run to {total + size} bytes; "
                              f"the limit is {MAX_TOTAL_BYTES} bytes (40 MiB) in total")
 
-    def write(self, entry: FileEntry, data: bytes) -> None:
-        atomic_write(self.path(entry["name"]), data)
-
     @staticmethod
     def read_source(name: str, path: Path) -> bytes:
         """Bytes of a file on disk to register, refusing a missing or oversized source early."""

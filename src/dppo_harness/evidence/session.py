@@ -69,6 +69,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     from dppo_harness.service.clients import sdk_versions  # imports the SDK; only sessions need it
 
     root = Path(project_root)
+    bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)
     versions = sdk_versions()
     bundle.set_backend(backend, requested_model=plan.planned_model,
                        served_model=served_model or "reported at client creation (see initialization_provenance)",

@@ -31,7 +31,7 @@ def post_snapshot(bundle: EvidenceBundle, label: str, *, reserve: int = DEFAULT_
     names = snapshot_names(bundle)
     ledger = bundle.ledger()
     log: list[dict[str, Any]] = list(ledger.get("snapshots", []))
-    if len(bundle.files()) + 1 > MAX_FILES - reserve:
+    if len(bundle.files()) + 1 > MAX_FILES - reserve or bundle.free_slots() < 1:
         log.append({"label": label, "name": None, "skipped": f"file limit: {len(bundle.files())} of {MAX_FILES} "
                                                               f"files used, {reserve} kept for later evidence"})
         bundle.note_ledger(snapshots=log)

@@ -2,7 +2,7 @@
 
     python -m dppo_harness.instrument.replay EVIDENCE_DIR
 
-Reloads every per-update record file in the bundle (`instrumentation` npz files), rebuilds the
+Reloads every record file in the bundle (`instrumentation` npz files, one or several calls each), rebuilds the
 padded [S, T] tensors, recomputes the DPPO keep mask and the counterfactual PPO clip with
 `references.ref_dppo` / `references.ref_ppo` (numpy float64, no code shared with `losses.py`),
 and the ratio-cap hits, p - q tails, exceedances and histograms from those padded tensors. It

@@ -165,6 +165,11 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
         served_model=(connectivity.marker.stand_in if connectivity.marker and connectivity.marker.stand_in
                       else service_backend.server.stats()["served_model"] if service_backend.server else None),
     )
+    from dppo_harness.evidence import budget  # what the plan's stages will register (refused at load if over)
+
+    bundle.note_ledger(evidence_budget=budget.plan_needs(
+        plan, harness_options.selected_stages, save_every=harness_options.save_every,
+        resumed=harness_options.resume is not None).as_record())
     # the connectivity report; on the embedded server (marker), the rehearsal label.
     from dppo_harness.service.clients import sdk_versions
     from dppo_harness.service.identity import record_session_identity

@@ -19,6 +19,7 @@ import pytest
 
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.options import (
+    refuse_over_budget,
     refuse_unsafe_credentials,
     resolve_options,
     skip_setup_stages_on_resume,
@@ -118,6 +119,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[OPTIONS_KEY] = options
     plan = validated_plan(config, options)
     if plan is not None:
+        refuse_over_budget(plan, options)
         config.stash[PLAN_KEY] = plan
     for name in FIXTURE_PLUGINS:
         config.pluginmanager.import_plugin(name)
@@ -228,28 +230,36 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Close the stage and the evidence: every step before the final result runs on whatever
+    failed before it (each failure noted in the ledger and failing the session), so the final
+    result.json is always written."""
     state = session.config.stash.get(STATE_KEY, None)
     if state is None or state.current is None:
         return
-    close_stage(state, state.current)
-    state.current = None
+    say = session.config.get_terminal_writer().line
+    stage, state.current = state.current, None
+    problems = {}
+    for step, run in (("close_stage", lambda: close_stage(state, stage)),
+                      ("session_records", lambda: write_session_records(state)),
+                      ("stage_outcome", lambda: _apply_outcome(state))):
+        if state.bundle is None and step != "close_stage":
+            return
+        try:
+            run()
+        except Exception as exc:  # noted, then the close goes on: the final result must be written
+            problems[step] = f"{type(exc).__name__}: {exc}"
+            state.first_failure.setdefault("session_close", f"{step}: {problems[step]}")
+            say(f"evidence: {step} failed, the run closes without it: {problems[step]}", red=True)
     if state.bundle is None:
         return
-    from dppo_harness.evidence import LimitError, UnwritableEvidenceError
+    from dppo_harness.evidence import UnwritableEvidenceError
     from dppo_harness.evidence.session import unclosed_line
+    from dppo_harness.service.identity import finalize_labels  # the stand-in stays named
 
-    say = session.config.get_terminal_writer().line
     try:
-        try:
-            write_session_records(state)
-        except LimitError as exc:  # the records do not fit: say so in the ledger, still close the result
-            state.bundle.note_ledger(session_records_not_written=str(exc))
-            say(f"evidence: session records not written: {exc}", red=True)
-        if state.outcome is not None and not state.first_failure:
-            state.bundle.finish(**state.outcome)
+        if problems:
+            state.bundle.note_ledger(session_close_problems=problems)
         state.bundle.finish_session(stage_failures=dict(state.first_failure))
-        from dppo_harness.service.identity import finalize_labels  # the stand-in stays named
-
         finalize_labels(state.bundle)
     except UnwritableEvidenceError as exc:  # the close itself was refused: one line, never a traceback
         say(str(exc), red=True)
@@ -259,6 +269,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         say(line, red=True)
     if line is not None or state.bundle.unwritable is not None:  # a failed run, not an interrupted one
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _apply_outcome(state: StageState) -> None:
+    if state.outcome is not None and not state.first_failure:
+        state.bundle.finish(**state.outcome)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

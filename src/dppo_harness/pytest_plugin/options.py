@@ -29,6 +29,18 @@ def validated_plan(config: pytest.Config, options: HarnessOptions) -> Plan | Non
         raise pytest.UsageError(f"{'--plan' if explicit else 'default plan'}: {exc}") from None
 
 
+def refuse_over_budget(plan: Plan, options: HarnessOptions) -> None:
+    """A plan whose evidence cannot fit the bundle's limits is refused now, in one line naming the
+    numbers, before any client exists (evidence.budget)."""
+    from dppo_harness.evidence import budget
+
+    needs = budget.plan_needs(plan, options.selected_stages, save_every=options.save_every,
+                              resumed=options.resume is not None)
+    line = budget.refusal(needs, plan.name)
+    if line is not None:
+        raise pytest.UsageError(line)
+
+
 def _user_path(config: pytest.Config, value: str) -> Path:
     """A path the user wrote on the command line, relative to where pytest was invoked."""
     return (config.invocation_params.dir / Path(value).expanduser()).resolve()

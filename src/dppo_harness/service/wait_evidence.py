@@ -11,21 +11,19 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from dppo_harness.evidence import budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.service.service_wait import ServiceWaiter, WaitStatus
 from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceDied, ServiceStopped
 
-# Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS, and only while the run uses under half
-# its file slots. On the embedded CPU server (windows 100x shorter) nearly every call counts as a
-# wait and a snapshot falls due every few seconds: uncapped, they filled a comparison bundle to its
-# 64-file limit before the comparison began, and a diagnostic's (20 snapshots) before the
-# session's closing records. The rest stays for the stages' own evidence, written after the waits
-# (the diagnostic alone registers about 40 files: 16 update tensors, the frozen batch, snapshots,
-# sentinels, analysis, plots, report). The diagnostic with 4 fills the 64 slots exactly
-# (docs/benchmarks.md). result.json itself is still updated at every post.
-MAX_WAIT_SNAPSHOTS = 4
+# Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS (the evidence budget's share,
+# evidence.budget.WAIT_SNAPSHOTS), and only while the run uses under half its file slots. On the
+# embedded CPU server (windows 100x shorter) nearly every call counts as a wait and a snapshot
+# falls due every few seconds: uncapped, they filled a bundle to its 64-file limit before the
+# stages' own evidence. result.json itself is still updated at every post.
+MAX_WAIT_SNAPSHOTS = budget.WAIT_SNAPSHOTS
 WAIT_SNAPSHOT_RESERVE = MAX_FILES // 2
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence import budget
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service import clients as service
@@ -46,9 +46,6 @@ if TYPE_CHECKING:
     from dppo_harness.plans import Plan
     from dppo_harness.stages.restoration import RestorationResult
 
-# File slots kept after the last step: steps, 2 cookbook metrics logs, end state, evaluator, 3
-# predictions, observations, decision, report + 4 plots, and the session's closing records and snapshot.
-STATE_RESERVE = 19
 
 
 def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, evaluator_id: str,
@@ -88,15 +85,20 @@ def setup_provenance(restoration: RestorationResult, cfg: ComparisonConfig) -> d
             for a in cfg.arms}
 
 
-def register_saved_state(bundle: EvidenceBundle, state: RunState, step: int) -> str | None:
-    """The run state at a save every arm made, as an evidence file, unless only the slots kept for
-    the evaluation and report are left (then the ledger says so; the state file itself is kept)."""
+def kept_slots(cfg: ComparisonConfig, restores_left: int) -> int:
+    """File slots the comparison keeps free beyond the closing records' (budget.comparison_reserve)."""
+    return budget.comparison_reserve(len(cfg.arms), restores_left)
+
+
+def register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, kept: int) -> str | None:
+    """The run state at a save every arm made, as an evidence file, unless only the `kept` slots
+    for the evaluation, report and restores are left (then the ledger says so; the state file itself is kept)."""
     name = state_file_name(state, f"s{step}")
-    if len(bundle.files()) + 1 > MAX_FILES - STATE_RESERVE:
+    if bundle.free_slots() - 1 < kept:
         skipped = list(bundle.ledger().get("comparison_states_not_registered", []))
         bundle.note_ledger(comparison_states_not_registered=[*skipped, {
-            "name": name, "reason": f"file limit: {len(bundle.files())} of {MAX_FILES} files used, "
-                                    f"{STATE_RESERVE} kept for the evaluation and report"}])
+            "name": name, "reason": f"file limit: {len(bundle.files())} files used, {bundle.free_slots()} free, "
+                                    f"{kept} kept for the evaluation, report and restores"}])
         return None
     bundle.register_json(name, "manifest", state.to_json())
     return name
@@ -167,6 +169,12 @@ class RunSession:
     registry: service.ClientRegistry | None = None
     clients: dict[str, Any] = field(default_factory=dict)
     by_arm: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    restores_left: int = -1  # mid-step restore states the budget keeps slots for (-1: per arm, set on first use)
+
+    def _restore_slots_left(self) -> int:
+        if self.restores_left < 0:
+            self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.cfg.arms)
+        return self.restores_left
 
     def call(self, fn: Callable[[], Any]) -> Any:
         return service.call_with_capacity_retry(fn, policy=self.capacity_policy or service.CapacityPolicy(),
@@ -180,6 +188,12 @@ class RunSession:
                       f"{failure['updates_sent_before_failure']} update(s) ({failure['error'][:120]}); restoring "
                       f"{path} (weights + optimizer) before the retry")
         ref = state_file_name(self.state, f"{name}-s{failure['step']}-a{failure['attempt']}")
+        reserved = self._restore_slots_left()
+        if reserved == 0 and self.bundle.free_slots() - 1 < kept_slots(self.cfg, 0):
+            raise ComparisonError(f"{name} step {failure['step'] + 1}: no evidence file slot left for the run state of "
+                                  f"another mid-step restore ({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
+                                  "resume the run (--resume) to continue from its last save")
+        self.restores_left = max(0, reserved - 1)
         client, prov = restore_arm(self.service_client, self.state, self.cfg, name, path, ref)
         self.clients[name] = client
         self.bundle.register_json(ref, "manifest", self.state.to_json())
@@ -202,8 +216,9 @@ class RunSession:
         done = row["step"] + 1
         if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
             # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
-            register_saved_state(bundle, state, done)
-            post_snapshot(bundle, f"comparison step {done} saved", reserve=STATE_RESERVE + 1)
+            kept = kept_slots(cfg, self._restore_slots_left())
+            register_saved_state(bundle, state, done, kept)
+            post_snapshot(bundle, f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
         bundle.post_arm_metrics(row["arm"], arm_summary(self.by_arm[row["arm"]]))
         if all(s.steps_done > row["step"] for s in state.arms.values()):
             self.tracker.step_done()

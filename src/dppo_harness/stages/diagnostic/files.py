@@ -14,5 +14,11 @@ FEASIBILITY_SOURCE = "diagnostic-analysis.json#timings"
 
 
 def update_record_name(update_index: int) -> str:
-    """The file holding update `update_index`'s recorded loss call."""
+    """A file holding update `update_index`'s recorded loss call alone (replay reads any record
+    file; the diagnostic registers its records in archives, `update_archive_name`)."""
     return f"diagnostic-update-{update_index:02d}.npz"
+
+
+def update_archive_name(first: int, last: int) -> str:
+    """The file holding the recorded loss calls of updates `first` to `last` (one archive)."""
+    return f"diagnostic-updates-{first:02d}-{last:02d}.npz"

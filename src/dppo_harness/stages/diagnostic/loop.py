@@ -14,6 +14,7 @@ import numpy as np
 import tinker
 
 from dppo_harness.data import dataset, tokenizer
+from dppo_harness.evidence import budget
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM
@@ -29,9 +30,9 @@ from dppo_harness.stages.diagnostic.config import (
     diagnostic_config,
 )
 from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimizer_check, write_evidence
-from dppo_harness.stages.diagnostic.files import update_record_name
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
+from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import create_from_state_observed, dump_response, full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
 
-SNAPSHOT_EVERY_UPDATES = 4
+SNAPSHOT_EVERY_UPDATES = budget.SNAPSHOT_EVERY_UPDATES
 
 
 def _initial_output(tc: tinker.TrainingClient, ref: Any) -> dict[str, Any]:
@@ -159,9 +160,8 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
                    "frozen_batch_sha256": frozen.sha256}
 
         def persist(rec: ins.LossCallRecord, update_index: int = update_index, anchor: np.ndarray = anchor) -> None:
-            # Persisted before the optimizer step it feeds.
-            bundle.register_bytes(update_record_name(update_index), "tensors", ins.records_to_npz([rec]))
-            state.files.append(update_record_name(update_index))
+            # Persisted before the optimizer step it feeds (staged, then registered in its archive).
+            state.archive.add(rec)
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 
@@ -187,7 +187,8 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running: a killed run keeps its numbers
             bundle.update_result(metrics={"diagnostic/updates_done": float(update_index),
                                           "diagnostic/elapsed_seconds": float(elapsed())})
-            name = post_snapshot(bundle, f"{tag} after update {update_index}")
+            # the last planned update's snapshot is the stage-end one, posted after the analysis
+            name = post_snapshot(bundle, f"{tag} after update {update_index}") if update_index < cfg.max_updates else None
             if name:
                 state.snapshots.append(name)
         state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
@@ -274,6 +275,15 @@ def _stop_on_optimizer_mismatch(cfg: DiagnosticConfig, plan: Plan, state: RunSta
     return stop_on_mismatch
 
 
+def _register_update_archives(state: RunState) -> None:
+    """The update records not yet in an archive file (a stop mid-archive), registered now."""
+    try:
+        state.archive.flush()
+    except Exception as exc:  # recorded: the analysis then says which records are missing
+        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
+    state.files += state.archive.registered
+
+
 def run_bounded_diagnostic(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -307,6 +317,8 @@ def run_bounded_diagnostic(
         return clock() - t0
 
     state = RunState()
+    state.archive = UpdateArchive(bundle, budget.updates_per_archive(budget.DiagnosticSize(
+        cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)))
     selftest = declare(bundle, plan, cfg, state)
     cap_s = cfg.max_wall_seconds
     try:
@@ -332,6 +344,7 @@ def run_bounded_diagnostic(
         state.errors.append(f"{type(exc).__name__}: {exc}")
         state.stop_reason = f"error: {type(exc).__name__}"
         state.setup_seconds = state.setup_seconds or elapsed()
+    _register_update_archives(state)
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
     if served is None:

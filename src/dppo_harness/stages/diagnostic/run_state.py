@@ -38,5 +38,6 @@ class RunState:
     first_optim: Any = None  # the trained client's own first optim_step response
     initial_output: dict[str, Any] | None = None
     preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
+    archive: Any = None  # update_archive.UpdateArchive: the update records' archive files
     rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
 

@@ -1,0 +1,85 @@
+"""The comparison keeps the slots its end needs, computed from its arms (not a hand count for 2):
+with 3 arms and a state saved at every step, the evaluation, report, logs, a mid-step restore
+and the session's closing records still fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from dppo_harness.evidence import EvidenceBundle, budget
+from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.snapshots import post_snapshot
+from dppo_harness.evidence.verify import verify_bundle
+from dppo_harness.stages.comparison import run_steps
+
+
+class _State(SimpleNamespace):
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "resumed": self.resumed}
+
+
+def _cfg(arms: int) -> SimpleNamespace:
+    return SimpleNamespace(arms=tuple(SimpleNamespace(name=f"arm{i}") for i in range(arms)))
+
+
+def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_close(tmp_path: Path) -> None:
+    bundle = EvidenceBundle.create(tmp_path, "run")
+    bundle.reserve_closing()
+    for i in range(30):  # session start, preflight and gate files
+        bundle.register_bytes(f"setup-{i:02d}.json", "manifest", b"{}%d" % i)
+    cfg, state = _cfg(3), _State(run_id="run", resumed=0)
+    restores = budget.MID_STEP_RESTORES_PER_ARM * 3
+    registered = []
+    for step in range(1, 51):
+        kept = run_steps.kept_slots(cfg, restores)
+        name = run_steps.register_saved_state(bundle, state, step, kept)
+        post_snapshot(bundle, f"comparison step {step} saved", reserve=kept + len(budget.CLOSING_RECORDS))
+        if name is None:
+            break
+        registered.append(name)
+    assert registered and len(registered) < 50  # the saves stop where the reserve begins
+    assert any(s["name"] is None for s in bundle.ledger()["snapshots"])
+    skipped = bundle.ledger()["comparison_states_not_registered"]
+    assert "kept for the evaluation, report and restores" in skipped[0]["reason"]
+    for i in range(restores):  # each arm restores once mid-step
+        bundle.register_json(f"comparison-state-r0-arm{i}-s9-a1.json", "manifest", {"restore": i})
+    for i in range(budget.comparison_end_files(3)):  # steps, logs, end state, evaluator, predictions, report...
+        bundle.register_bytes(f"end-{i:02d}.json", "metrics", b"[%d]" % i)
+    assert post_snapshot(bundle, "stage comparison end", reserve=len(budget.CLOSING_RECORDS)) is not None
+    for name in budget.CLOSING_RECORDS:
+        bundle.register_json(name, "log", {"closing": name})
+    assert len(bundle.files()) == MAX_FILES
+    bundle.finish("failed", "inconclusive", "incomplete_execution", original_hypothesis_tested=False,
+                  tested_instead="budget test", summary="Closed.")
+    assert verify_bundle(bundle.dir) == []
+
+
+def _session(bundle: EvidenceBundle, arms: int) -> run_steps.RunSession:
+    return run_steps.RunSession(service_client=None, bundle=bundle, cfg=_cfg(arms), state=_State(run_id="run", resumed=0),
+                                spath=Path("unused"), tracker=None, mlog=None, tag="t", progress=lambda _m: None)
+
+
+def test_a_mid_step_restore_uses_its_kept_slot_and_past_it_stops_in_one_line(
+        tmp_path: Path, monkeypatch) -> None:
+    import pytest
+
+    from dppo_harness.stages.comparison.config import ComparisonError
+
+    bundle = EvidenceBundle.create(tmp_path, "run")
+    bundle.reserve_closing()
+    session = _session(bundle, 3)
+    while bundle.free_slots() > run_steps.kept_slots(session.cfg, 3):  # saves took every slot they could
+        bundle.register_bytes(f"saved-{len(bundle.files()):02d}.json", "manifest", b"%d" % len(bundle.files()))
+    restored = []
+    monkeypatch.setattr(run_steps, "restore_arm", lambda *a, **k: (restored.append(a[3]) or object(), {"restore_count": 2}))
+    runner = SimpleNamespace(spec=SimpleNamespace(name="arm0"), client=None)
+    failure = {"step": 8, "attempt": 1, "updates_sent_before_failure": 1, "error": "refused"}
+    monkeypatch.setattr(run_steps.dataclasses, "replace", lambda r, **k: r)
+    for attempt in range(1, 4):  # one kept slot per arm: three restores register their state
+        session.restore_mid_step(runner, "tinker://x/state", dict(failure, attempt=attempt))
+    assert len(restored) == 3 and bundle.free_slots() == run_steps.kept_slots(session.cfg, 0)
+    with pytest.raises(ComparisonError, match="no evidence file slot left") as exc:
+        session.restore_mid_step(runner, "tinker://x/state", dict(failure, attempt=4))
+    assert "\n" not in str(exc.value) and len(restored) == 3  # refused before any restore was sent
