@@ -3,12 +3,16 @@ their sha256 a few per file, split at the per-file limit, read by replay and ver
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 from pathlib import Path
 
 import pytest
 from diagnostic_rehearsal import simulate_records
 
-from dppo_harness.evidence import EvidenceBundle, LimitError
+from dppo_harness.evidence import EvidenceBundle, LimitError, UnwritableEvidenceError
+from dppo_harness.evidence import bundle as bundle_module
 from dppo_harness.evidence.files import sha256_bytes
 from dppo_harness.evidence.verify import verify_bundle
 from dppo_harness.instrument import instrumentation as ins
@@ -59,3 +63,18 @@ def test_an_archive_over_the_per_file_limit_is_split_and_a_record_too_large_refu
     with pytest.raises(LimitError, match="per file"):
         archive.add(records[4])
         archive.flush()
+
+
+def test_a_staging_write_the_disk_refuses_is_the_evidence_one_line_and_fails_the_run(
+        tmp_path: Path, records, monkeypatch) -> None:
+    bundle = EvidenceBundle.create(tmp_path, "run", env={})
+    real = bundle_module.atomic_write
+
+    def atomic_write(path: Path, data: bytes) -> None:
+        if path.name == STAGING_FILE:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+    monkeypatch.setattr(bundle_module, "atomic_write", atomic_write)
+    with pytest.raises(UnwritableEvidenceError, match=f"{STAGING_FILE}: the disk is full"):
+        UpdateArchive(bundle, per_file=4).add(records[0])
+    assert json.loads((bundle.dir / "result.json").read_text())["status"] == "failed"

@@ -220,6 +220,14 @@ class EvidenceBundle:
             self._commit(new)
             return FileEntry(**entry)
 
+    def write_beside(self, name: str, data: bytes) -> Path:
+        """Write a sidecar beside the bundle (not registered; scanned at finish and by verify) through
+        the same refusal as every evidence write: disk full or read-only is one line and fails the run."""
+        path = self.dir / name
+        with self._lock:
+            self._write(path, bytes(data))
+        return path
+
     # -- the closing records' reserve
 
     def reserve_closing(self, names: Sequence[str] = CLOSING_RECORDS, nbytes: int = CLOSING_BYTES) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dppo_harness.evidence.files import MAX_FILE_BYTES, atomic_write
+from dppo_harness.evidence.files import MAX_FILE_BYTES
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.stages.diagnostic.files import update_archive_name
 
@@ -40,7 +40,7 @@ class UpdateArchive:
     def add(self, record: ins.LossCallRecord) -> None:
         """Persist `record` (durable before this returns); register the archive once it is full."""
         self.pending.append(record)
-        atomic_write(self.staging_path, ins.records_to_npz(self.pending))
+        self.bundle.write_beside(STAGING_FILE, ins.records_to_npz(self.pending))
         if len(self.pending) >= max(1, self.per_file):
             self.flush()
 
