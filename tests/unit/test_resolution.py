@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from dppo_harness.evidence import EvidenceBundle, verify_bundle
+from dppo_harness.evidence.budget import plan_needs
+from dppo_harness.evidence.files import sha256_bytes
 from dppo_harness.plans import PlanError, launch_refusal, load_plan, parse_plan, plan_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,3 +190,17 @@ def test_rehearse_refuses_a_spec_whose_resolution_settles_values(tmp_path):
     with pytest.raises(PlanError, match="my_spec.json.resolution.json settles temperature, which a rehearsal plan "
                                         "cannot carry yet"):
         make_rehearsal(path, tmp_path / "r.json", RehearsalSize())
+
+
+def test_the_resolution_file_read_is_registered_in_the_evidence_by_its_bytes_and_counted_in_the_budget(tmp_path):
+    spec = load_plan(SAVED)
+    assert spec.resolution is not None
+    bundle = EvidenceBundle.create(tmp_path, "run", env={})
+    entry = bundle.register_resolution(spec)
+    on_disk = (SAVED.parent / spec.resolution.file).read_bytes()
+    assert entry["name"] == spec.resolution.file and entry["sha256"] == sha256_bytes(on_disk) == spec.resolution.sha256
+    assert verify_bundle(bundle.dir) == []
+    diagnostic = load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
+    assert diagnostic.resolution is None and bundle.register_resolution(diagnostic) is None
+    stages = ["preflight", "gate", "comparison"]
+    assert plan_needs(spec, stages).stages[0].files == plan_needs(diagnostic, []).stages[0].files + 1

@@ -197,10 +197,11 @@ def gate_need(pilot_steps: int) -> StageNeed:
 
 
 def session_needs(stages: Sequence[str], *, diagnostic: DiagnosticSize | None = None,
-                  comparison: ComparisonSize | None = None) -> BudgetNeeds:
-    """The session's needs for the stages it will run (the unit stage registers no file)."""
+                  comparison: ComparisonSize | None = None, resolution: bool = False) -> BudgetNeeds:
+    """The session's needs for the stages it will run (the unit stage registers no file); a plan
+    read with a resolution file beside it registers that file too."""
     run = set(stages)
-    needs = [StageNeed("session", SESSION_FILES, SESSION_BYTES, optional_files=WAIT_SNAPSHOTS)]
+    needs = [StageNeed("session", SESSION_FILES + int(resolution), SESSION_BYTES, optional_files=WAIT_SNAPSHOTS)]
     if "preflight" in run:  # a spec's preflight also runs the feasibility pilot
         extra = FEASIBILITY_FILES if comparison is not None else 0
         needs.append(StageNeed("preflight", PREFLIGHT_FILES + extra, PREFLIGHT_BYTES,
@@ -219,16 +220,18 @@ def plan_needs(plan: Plan, stages: Sequence[str], *, save_every: int = 1, resume
     rollout steps and gate pilot (with the session's --save-every and --resume)."""
     if resumed:  # a resume registers the reused preflight and gate files again
         stages = [*stages, "preflight", "gate"]
+    resolution = plan.resolution is not None
     if plan.kind == "bounded_diagnostic":
         d = plan.diagnostic
         return session_needs(stages, diagnostic=DiagnosticSize(
             d.schedule.max_optimizer_updates, d.schedule.groups_per_minibatch, d.schedule.group_size,
-            d.fixed_settings.sampling.max_tokens, d.schedule.groups_per_batch))
+            d.fixed_settings.sampling.max_tokens, d.schedule.groups_per_batch), resolution=resolution)
     if plan.run is None:
-        return session_needs(stages)
+        return session_needs(stages, resolution=resolution)
     run = plan.run
     return session_needs(stages, comparison=ComparisonSize(
-        len(run.arms), run.rollout_steps, save_every, int(run.gate_pilot_steps.value), resumed))
+        len(run.arms), run.rollout_steps, save_every, int(run.gate_pilot_steps.value), resumed),
+        resolution=resolution)
 
 
 def refusal(needs: BudgetNeeds, plan_name: str) -> str | None:

@@ -446,6 +446,17 @@ class EvidenceBundle:
             raise EvidenceError(f"plan {plan.name}: registered sha256 differs from the loaded plan's")
         return entry
 
+    def register_resolution(self, plan: Plan) -> FileEntry | None:
+        """The resolution file read beside the plan (its declared interpretations and launch), by its
+        exact bytes; None when the plan has none."""
+        res = plan.resolution
+        if res is None:
+            return None
+        entry = self.register_bytes(res.file, "plan", res.data)
+        if entry["sha256"] != res.sha256:
+            raise EvidenceError(f"{res.file}: registered sha256 differs from the resolution file read")
+        return entry
+
     def register_effective_config(self, config: Mapping[str, Any], name: str = "effective-config.json") -> FileEntry:
         return self.register_json(name, "effective_config", config)
 

@@ -29,6 +29,7 @@ def record_plan(bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapp
 
         raise EvidenceError("effective config was not built from this plan (sha256 differs)")
     bundle.register_plan(plan, plan_name)
+    bundle.register_resolution(plan)
     bundle.register_effective_config(effective_config)
     for d in effective_config.get("deviations", []):
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])

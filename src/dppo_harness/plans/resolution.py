@@ -19,7 +19,7 @@ every settled value as a declared interpretation (`config.run.declared_interpret
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -63,6 +63,7 @@ class Resolution:
     file: str  # the file's name (it lies beside the spec)
     sha256: str  # of the file's exact bytes
     model: ResolutionFile
+    data: bytes = field(default=b"", repr=False)  # the exact bytes, registered in the evidence beside the plan
 
     @property
     def settlements(self) -> Settlements:
@@ -105,4 +106,4 @@ def load_resolution(plan_path: Path | None) -> Resolution | None:
         model = ResolutionFile.model_validate(decode(data, path))
     except ValidationError as exc:
         raise PlanError(f"{path}: {describe(exc.errors(include_url=False)[0])}") from None
-    return Resolution(path.name, hashlib.sha256(data).hexdigest(), model)
+    return Resolution(path.name, hashlib.sha256(data).hexdigest(), model, data)
