@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from run_env import harness_env
+from small_disk import mounted_tmpfs
 
 from dppo_harness.evidence.files import unwritable_reason
 
@@ -43,15 +44,8 @@ def test_a_read_only_evidence_dir_is_refused_in_one_line_before_any_stage():
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 MiB tmpfs: room enough for the up-front check, so the disk can fill during the run (root only)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root and mount(8) for a real full disk")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "64m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 @pytest.mark.timeout(600)
@@ -91,17 +85,10 @@ def test_a_disk_that_fills_during_the_run_is_one_line_and_a_closed_failed_result
 
 def test_a_disk_without_room_for_a_run_is_refused_before_any_stage(tmp_path):
     """A 1 MiB tmpfs: less than a run's evidence can take, refused at configure time in one line."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root and mount(8)")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as mnt:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "preflight",
                                f"--evidence-dir={mnt}"], cwd=ROOT, env=harness_env(PYTHONPATH=str(ROOT / "src")),
                               capture_output=True, text=True, timeout=300)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, (proc.stdout + proc.stderr)[-3000:]
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"ERROR: --evidence-dir {mnt}: only 1.0 MiB free in {mnt}; a run's evidence needs 50 MiB")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
+from small_disk import mounted_tmpfs
 
 from dppo_harness.evidence import EvidenceBundle, UnwritableEvidenceError, verify_bundle
 from dppo_harness.evidence import bundle as bundle_module
@@ -72,15 +72,8 @@ def test_creating_a_bundle_where_nothing_can_be_made_is_one_line(tmp_path):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 64 KiB tmpfs: a real ENOSPC (root only; skipped where mounting is not allowed)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root and mount(8) for a real full disk")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "64k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_a_real_full_disk_gives_one_line_and_a_failed_closed_result(tiny_disk):
