@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from dppo_harness.data import dataset
 from dppo_harness.loss import loss_registry as losses
-from dppo_harness.plans.loss_params import check_correctness_paths
+from dppo_harness.plans.loss_params import check_loss_statements
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
 from dppo_harness.plans.prose import REQUIRED, Stated, parse_method, require, word_re
 
@@ -203,7 +203,7 @@ def build_run_config(spec: ExperimentSpec) -> RunConfig:
     criteria = _criteria(spec, arms)
     _check_gate_metrics(spec)
     _check_gate_plan(spec, upb)
-    check_correctness_paths(spec)
+    check_loss_statements(spec)
     pilot = parse_method(spec.activation_gate.reason, "activation_gate.reason", keys=("pilot_steps",),
                          arm_names=arm_names).get("pilot_steps") or Stated(
         DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'")

@@ -92,46 +92,6 @@ def schedule_from_plan(plan: Any) -> Schedule:
     raise FeasibilityError(f"unknown plan kind {plan.kind!r}")
 
 
-# The embedded CPU server rehearses the saved spec at this fixed size. It is declared here, before
-# any measurement, and recorded as deviations; a bounded-diagnostic plan runs at its own size.
-LOCAL_REHEARSAL_SIZE: dict[str, int] = {"batches_per_arm": 5, "groups_per_batch": 8, "eval_items_per_arm": 100}
-
-
-def local_rehearsal(plan: Any) -> tuple[dict[str, int], list[dict[str, str]]]:
-    """Schedule overrides and their deviation records for a spec rehearsed on the local backend."""
-    if plan.kind != "experiment_spec":
-        return {}, []
-    full = schedule_from_plan(plan)
-    size = LOCAL_REHEARSAL_SIZE
-    sequences = size["groups_per_batch"] * full.group_size
-    overrides = {
-        "batches_per_arm": size["batches_per_arm"],
-        "groups_per_batch": size["groups_per_batch"],
-        "sequences_per_update": sequences // full.updates_per_batch,
-        "eval_items": full.trained_arms * size["eval_items_per_arm"],
-    }
-    why = "local rehearsal on the embedded CPU server: the full schedule cannot fit the plan's budget on CPU"
-    deviations = [
-        {"field": "steps", "original": f"{full.batches_per_arm} rollout batches per arm "
-         f"({full.batches_per_arm * full.updates_per_batch} optimizer steps)",
-         "effective": f"{size['batches_per_arm']} rollout batches per arm "
-         f"({size['batches_per_arm'] * full.updates_per_batch} optimizer steps)", "reason": why},
-        {"field": "effective_batch", "original": f"{full.sequences_per_update} sequences per optimizer step "
-         f"({full.groups_per_batch} groups x {full.group_size} per batch)",
-         "effective": f"{overrides['sequences_per_update']} sequences per optimizer step "
-         f"({size['groups_per_batch']} groups x {full.group_size} per batch)", "reason": why},
-        {"field": "evaluator", "original": f"{full.eval_items // full.trained_arms} GSM8K test items per arm",
-         "effective": f"the first {size['eval_items_per_arm']} GSM8K test items per arm", "reason": why},
-    ]
-    return overrides, deviations
-
-
-def rehearsal_sizing(plan: Any, *, embedded_server: bool) -> tuple[dict[str, int], list[dict[str, str]]]:
-    """`local_rehearsal(plan)` when the embedded CPU server computes (the local backend, or its
-    marker seen on the tinker backend), else no reduction: the full schedule is the real service's."""
-    return local_rehearsal(plan) if embedded_server else ({}, [])
-
-
 # --------------------------------------------------------------------------------------------
 # Pilot timings and projection (pure)
 # --------------------------------------------------------------------------------------------
@@ -339,8 +299,15 @@ class FeasibilityResult:
     # (its 5-step pilot); for the budget ledger's per-stage check (evidence.budget_allows).
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
+    embedded_server: bool = False  # the embedded server computed the pilot (the hint below)
+
     def failure_message(self) -> str:
-        return "feasibility: the plan does not fit its budget:\n  - " + "\n  - ".join(self.failures)
+        msg = "feasibility: the plan does not fit its budget:\n  - " + "\n  - ".join(self.failures)
+        if self.embedded_server:
+            # The stages run a plan as written; a smaller run is a declared rehearsal plan.
+            msg += ("\n  the embedded server runs a plan at its own size; rehearse it at a declared size: "
+                    "python -m dppo_harness.plans rehearse SPEC --out PLAN, then --plan PLAN")
+        return msg
 
 
 def _tile(datums: Sequence[Any], n: int) -> list[Any]:
@@ -462,6 +429,7 @@ def run_feasibility(
     schedule_overrides: Mapping[str, Any] | None = None,
     measured_setup: Mapping[str, float] | None = None,
     progress: Callable[[str], None] | None = None,
+    embedded_server: bool = False,
 ) -> FeasibilityResult:
     """Pilot (unless `timings` is given), project `plan`, write `feasibility` to the bundle.
 
@@ -501,7 +469,8 @@ def run_feasibility(
               "feasibility_check": check}
     bundle.register_json(PILOT_FILE, "metrics", record)
     bundle.update_result(feasibility=block, metrics=_feasibility_metrics(proj, time.perf_counter() - t0))
-    return FeasibilityResult(schedule, timings, proj, block, check, proj.fits, failures, details, stages)
+    return FeasibilityResult(schedule, timings, proj, block, check, proj.fits, failures, details, stages,
+                             embedded_server=embedded_server)
 
 
 def _reduced_schedule(plan: Plan, schedule_overrides: Mapping[str, Any] | None) -> Schedule:

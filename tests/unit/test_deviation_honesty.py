@@ -1,0 +1,42 @@
+"""Deviations are recorded only for changes that run, with reasons that fit the run: no CPU or
+rehearsal wording on a real service, no fixed rehearsal size the stages never apply."""
+
+from pathlib import Path
+
+from dppo_harness.plans import load_plan
+from dppo_harness.stages import feasibility
+from dppo_harness.stages.comparison import run as comparison_run
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
+REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
+
+
+def test_the_evaluation_subset_reason_fits_what_served_the_run():
+    real = comparison_run.eval_subset_reason(REHEARSAL, embedded=False, n=50)
+    assert "declared rehearsal size" in real and "first 50 gsm8k test items" in real
+    assert "CPU" not in real and "minutes" not in real and "offline" not in real
+    local = comparison_run.eval_subset_reason(REHEARSAL, embedded=True, n=50)
+    assert "declared rehearsal size" in local and "embedded server" in local
+    own = comparison_run.eval_subset_reason(SPEC, embedded=True, n=100)
+    assert own.startswith("the plan states eval.n_examples = 100") and "rehearsal" not in own and "CPU" not in own
+
+
+def test_the_saved_spec_on_the_embedded_server_is_projected_at_its_own_size():
+    # The stages run a plan as written; a smaller run is a declared rehearsal plan (plans rehearse),
+    # so no fixed rehearsal size is projected or recorded as a deviation.
+    assert not hasattr(feasibility, "rehearsal_sizing") and not hasattr(feasibility, "LOCAL_REHEARSAL_SIZE")
+    sched = feasibility.schedule_from_plan(SPEC)
+    assert (sched.batches_per_arm, sched.groups_per_batch, sched.eval_items) == (50, 32, 2 * 1319)
+
+
+def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
+    res = feasibility.FeasibilityResult(schedule=None, timings=None, projection=None, block={}, check={}, passed=False,
+                                        failures=["projected 40000 s > remaining budget 7200 s"])
+    assert "plans rehearse" not in res.failure_message()
+    local = feasibility.FeasibilityResult(schedule=None, timings=None, projection=None, block={}, check={},
+                                          passed=False, failures=["projected 40000 s > remaining budget 7200 s"],
+                                          embedded_server=True)
+    msg = local.failure_message()
+    assert "projected 40000 s" in msg
+    assert "python -m dppo_harness.plans rehearse SPEC --out PLAN" in msg
