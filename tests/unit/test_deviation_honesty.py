@@ -40,3 +40,24 @@ def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
     msg = local.failure_message()
     assert "projected 40000 s" in msg
     assert "python -m dppo_harness.plans rehearse SPEC --out PLAN" in msg
+
+
+def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer():
+    import copy
+    import json
+
+    from dppo_harness.plans import parse_plan
+
+    pilots = feasibility.arm_pilots(SPEC)
+    assert [(p.name, p.loss) for p in pilots] == [("grpo_seed0", "grpo_clip_eps0.2"),
+                                                   ("dppo_seed0", "dppo_divergence_mask")]
+    assert all(p.optimizer["learning_rate"] == 2e-5 for p in pilots)
+    raw = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
+    other = copy.deepcopy(raw)
+    other["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"]["beta2"] = 0.99
+    plan = parse_plan(json.dumps(other).encode(), ROOT / "plans" / "variant.json", repo_root=ROOT)
+    by_arm = {p.name: p.optimizer for p in feasibility.arm_pilots(plan)}
+    assert by_arm["grpo_seed0"]["beta2"] == 0.99 and by_arm["dppo_seed0"]["beta2"] == 0.95
+    assert feasibility.schedule_from_plan(SPEC).arm_losses == ("grpo_clip_eps0.2", "dppo_divergence_mask")
+    diag = feasibility.arm_pilots(load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"))
+    assert len(diag) == 1 and diag[0].loss == "dppo_divergence_mask"
