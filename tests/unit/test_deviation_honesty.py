@@ -61,3 +61,12 @@ def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer()
     assert feasibility.schedule_from_plan(SPEC).arm_losses == ("grpo_clip_eps0.2", "dppo_divergence_mask")
     diag = feasibility.arm_pilots(load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"))
     assert len(diag) == 1 and diag[0].loss == "dppo_divergence_mask"
+
+
+def test_the_local_backend_substitution_says_what_was_chosen_not_what_is_reachable():
+    from dppo_harness.plans import BackendInfo, backend_deviations
+
+    info = BackendInfo(backend="local", requested_model=SPEC.base_model, served_model="local/tiny-qwen3-gsm8k")
+    (d,) = backend_deviations(SPEC, info)
+    assert d["field"] == "model" and "reachable" not in d["reason"]  # the harness never tested reachability
+    assert "local backend" in d["reason"] and "rehearsal" in d["reason"]
