@@ -84,7 +84,9 @@ def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, c
     assert probes["released"] and probes["released_at"]
     roles = [c["role"] or "" for c in probes["training_clients"]]
     assert roles[0].startswith("setup (shared") and "uninterrupted restore probe" in roles[0]
-    assert sum(r.startswith("restore probe") for r in roles) == 1
-    assert len(roles) <= 2 + len(DEFAULT_LR_MULTIPLIERS) - 1  # one client per LR other than the planned one
+    # two more (a fresh uninterrupted and a restored client) per other optimizer config the arms train with
+    extra = 2 * len({r["mid_checkpoint"] for r in restoration.probe.get("own_config_probes", {}).values()})
+    assert sum(r.startswith("restore probe") for r in roles) == 1 + extra
+    assert len(roles) <= 2 + len(DEFAULT_LR_MULTIPLIERS) - 1 + extra  # one client per LR other than the planned one
     arms = [c for c in sessions["session"]["training_clients"] if (c["role"] or "").startswith("arm ")]
     assert sorted(c["role"].split()[1].rstrip(":") for c in arms) == sorted(restoration.clients)

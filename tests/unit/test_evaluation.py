@@ -50,12 +50,12 @@ def test_evaluator_id_is_the_briefs_hash_and_stable(bundle, test_split, evaluato
 
 
 def test_code_change_after_freezing_is_refused(monkeypatch, tmp_path, bundle, evaluator):
-    files = evaluation.code_files()
+    files = evaluation.code_files("gsm8k")
     copies = {}
     for name, path in files.items():
         copies[name] = tmp_path / name.replace("/", "__")
         shutil.copy(path, copies[name])
-    monkeypatch.setattr(evaluation, "code_files", lambda: copies)
+    monkeypatch.setattr(evaluation, "code_files", lambda _dataset: copies)
     frozen = evaluation.freeze_evaluator(evaluator.items, bundle, max_tokens=64, deviation=evaluator.deviation)
     frozen.check_unchanged()
     grader = copies["tinker_cookbook/recipes/math_rl/math_grading.py"]

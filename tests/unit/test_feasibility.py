@@ -195,22 +195,3 @@ def test_measured_setup_parts_add_up(diagnostic):
     with pytest.raises(feasibility_module.FeasibilityError, match="measured_setup"):
         feasibility_module.run_feasibility(None, diagnostic, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
                           timings=_timings(eval_items=0, eval_seconds=0.0), measured_setup={"x": -1.0})
-
-
-def test_local_rehearsal_size_is_declared_for_the_spec_only():
-    from pathlib import Path
-
-    from dppo_harness.plans import DEVIATION_FIELDS, load_plan
-    from dppo_harness.stages import feasibility
-
-    plans_dir = Path(__file__).resolve().parents[2] / "plans"
-    spec = load_plan(plans_dir / "exp_e6b0965af3.json")
-    overrides, deviations = feasibility.local_rehearsal(spec)
-    assert overrides == {"batches_per_arm": 5, "groups_per_batch": 8, "sequences_per_update": 32, "eval_items": 200}
-    assert [d["field"] for d in deviations] == ["steps", "effective_batch", "evaluator"]
-    assert all(d["field"] in DEVIATION_FIELDS and d["reason"] for d in deviations)
-    assert "50 rollout batches per arm (100 optimizer steps)" in deviations[0]["original"]
-    assert feasibility.local_rehearsal(load_plan(plans_dir / "exp_e6b0965af3-diagnostic-r1.json")) == ({}, [])
-    # the embedded server rehearses at that size whatever --backend says; a real service does not
-    assert feasibility.rehearsal_sizing(spec, embedded_server=True) == (overrides, deviations)
-    assert feasibility.rehearsal_sizing(spec, embedded_server=False) == ({}, [])

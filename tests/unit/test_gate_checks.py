@@ -135,3 +135,28 @@ def test_gate_rows_carry_each_steps_truncation_and_answer_yield():
     assert out[0]["truncated_frac"] == 0.5 and out[0]["no_answer_frac"] == 0.5 and out[0]["mean_response_tokens"] == 306
     assert out[1]["truncated_frac"] == 0.0 and out[1]["responses"] == 2
     assert "truncated_frac" not in out[2]  # a step that never sampled reports nothing, not zeros
+
+
+def _report_definitions(updates_per_batch: int) -> dict[str, str]:
+    pilot = {"updates_per_batch": updates_per_batch, "loss": "dppo_divergence_mask", "normalization": "token_mean"}
+    report = gate.GateReport(passed=True, checks=gate.evaluate_gate(CHECKS, GOOD), values=dict(GOOD), per_step=[],
+                             pilot=pilot, plan={}, wall_seconds=0.0)
+    return report.to_json()["definitions"]
+
+
+def test_gate_definitions_state_the_pilots_own_update_count_and_clip_eps():
+    from dppo_harness.loss import losses
+
+    eps = losses.LossConfig.for_loss("dppo_divergence_mask", "token_mean").ppo_eps
+    four = _report_definitions(4)
+    assert "last (4th) minibatch update" in four["dppo_masked_token_fraction"]
+    assert "last (4th) minibatch update" in four["policy_drift_abs_p_q90"]
+    assert "2nd" not in " ".join(four.values())
+    assert f"eps={eps:g} clip" in four["grpo_clip_fraction"]
+    assert "last (2nd) minibatch update" in _report_definitions(2)["dppo_masked_token_fraction"]
+    assert "last (3rd) minibatch update" in _report_definitions(3)["dppo_masked_token_fraction"]
+    assert "last (1st) minibatch update" in _report_definitions(1)["dppo_masked_token_fraction"]
+    assert "last (11th) minibatch update" in _report_definitions(11)["dppo_masked_token_fraction"]
+    # the counterfactual clip's eps is the one the pilot's loss call counted with, not a constant
+    assert gate.definition("grpo_clip_fraction", "ppo/clip_frac_loss_tokens", updates_per_batch=2,
+                           ppo_eps=0.3).startswith("ppo/clip_frac_loss_tokens: eps=0.3 clip")

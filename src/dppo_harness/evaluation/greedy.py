@@ -26,7 +26,7 @@ import tinker
 from tinker_cookbook.recipes.math_rl import math_env, math_grading
 from tinker_cookbook.rl import problem_env
 
-from dppo_harness.data import gsm8k
+from dppo_harness.data import dataset, gsm8k
 from dppo_harness.data import tokenizer as tokenizer_mod
 from dppo_harness.data.gsm8k import Gsm8kItem
 from dppo_harness.data.tokenizer import TokenizerBundle
@@ -63,14 +63,27 @@ def _version(name: str) -> str | None:
         return None
 
 
-def code_files() -> dict[str, Path]:
-    """The executed grader/evaluation code whose bytes the evaluator identity covers."""
+def dataset_of(items: Sequence[Any]) -> str:
+    """The registered dataset the evaluation items belong to (the dataset seam serves them:
+    `dataset.get(name)`), from the module that defines their type; ValueError if not exactly one."""
+    modules = {type(it).__module__ for it in items}
+    names = [e.name for e in dataset.DATASETS.values() if e.module in modules]
+    if len(modules) != 1 or len(names) != 1:
+        raise ValueError(f"evaluation items of {sorted(modules)}: no registered dataset serves exactly these "
+                         f"(registered: {', '.join(dataset.names())})")
+    return names[0]
+
+
+def code_files(dataset_name: str) -> dict[str, Path]:
+    """The executed grader/evaluation code whose bytes the evaluator identity covers, the dataset
+    module the seam serves `dataset_name` from included."""
     from tinker_cookbook.renderers import base as renderer_base
     from tinker_cookbook.renderers import qwen3, qwen3_5
 
+    data_file = str(dataset.get(dataset_name).__file__)
     mods = {
         "dppo_harness/evaluation/greedy.py": __file__,
-        "dppo_harness/data/gsm8k.py": gsm8k.__file__,
+        f"dppo_harness/data/{Path(data_file).name}": data_file,
         "dppo_harness/data/tokenizer.py": tokenizer_mod.__file__,
         "tinker_cookbook/recipes/math_rl/math_env.py": math_env.__file__,
         "tinker_cookbook/recipes/math_rl/math_grading.py": math_grading.__file__,
@@ -82,16 +95,17 @@ def code_files() -> dict[str, Path]:
     return {k: Path(v) for k, v in mods.items()}
 
 
-def code_manifest() -> dict[str, Any]:
-    files = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in sorted(code_files().items())}
+def code_manifest(dataset_name: str) -> dict[str, Any]:
+    files = {name: hashlib.sha256(path.read_bytes()).hexdigest()
+             for name, path in sorted(code_files(dataset_name).items())}
     versions = {name: _version(name) for name in DEPENDENCIES}
     return {"files": files, "versions": versions, "python": platform.python_version()}
 
 
-def prompt_template(bundle: TokenizerBundle) -> str:
+def prompt_template(bundle: TokenizerBundle, item_type: type, dataset_name: str) -> str:
     """The exact rendered prompt with ``{question}`` in place of the item text, plus settings."""
-    probe = Gsm8kItem("template", "test", -1, "{question}", "", "")
-    ob, _ = gsm8k.build_prompt(probe, bundle.renderer)
+    probe = item_type("template", "test", -1, "{question}", "", "")
+    ob, _ = dataset.get(dataset_name).build_prompt(probe, bundle.renderer)
     rendered = bundle.tokenizer.decode(ob.to_ints())
     tok = bundle.provenance["tokenizer"]
     return (
@@ -108,10 +122,11 @@ def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> dict[str, 
 
 
 def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_tokens: int) -> dict[str, Any]:
-    manifest = code_manifest()
+    name = dataset_of(items)
+    manifest = code_manifest(name)
     return {
         "code_sha256": hashlib.sha256(canonical_json(manifest).encode()).hexdigest(),
-        "prompt_template": prompt_template(bundle),
+        "prompt_template": prompt_template(bundle, type(items[0]), name),
         "decoding": decoding(max_tokens, bundle.renderer.get_stop_sequences()),
         "parser": PARSER_DESCRIPTION,
         "items": {"ids": [it.item_id for it in items]},
@@ -181,12 +196,14 @@ def freeze_evaluator(
         raise ValueError("duplicate item ids in the evaluation set")
     if any(it.split != "test" for it in items):
         raise ValueError("evaluation items must come from the GSM8K test split")
-    full = ids == [gsm8k.item_id("test", i) for i in range(N_TEST_ITEMS)]
+    name = dataset_of(items)
+    n_test = dataset.entry(name).split_sizes["test"]
+    full = ids == [dataset.get(name).item_id("test", i) for i in range(n_test)]
     if not full and not (deviation and deviation.get("reason")):
-        raise ValueError(f"{len(ids)} items instead of all {N_TEST_ITEMS} test items: pass the recorded deviation")
+        raise ValueError(f"{len(ids)} items instead of all {n_test} test items: pass the recorded deviation")
     prov = build_provenance(items, bundle, max_tokens)
     return FrozenEvaluator(
-        evaluator_id(prov), prov, code_manifest(), tuple(items), bundle, max_tokens, None if full else dict(deviation or {})
+        evaluator_id(prov), prov, code_manifest(name), tuple(items), bundle, max_tokens, None if full else dict(deviation or {})
     )
 
 
@@ -252,7 +269,8 @@ def evaluate(
     renderer = evaluator.bundle.renderer
     stop = renderer.get_stop_sequences()
     params = tinker.SamplingParams(temperature=0.0, max_tokens=evaluator.max_tokens, stop=list(stop), top_k=-1, top_p=1.0)
-    prompts = [gsm8k.build_prompt(it, renderer)[0] for it in evaluator.items]
+    data = dataset.get(dataset_of(evaluator.items))  # the seam: the items' own dataset prompts and grades
+    prompts = [data.build_prompt(it, renderer)[0] for it in evaluator.items]
     t0 = time.perf_counter()
     responses: list[Any] = [None] * len(prompts)
     # Sliding window: many requests in flight, bounded so a real service is not flooded.
@@ -278,7 +296,7 @@ def evaluate(
             raise RuntimeError(f"{item.item_id}: expected 1 sequence, got {len(res.sequences)}")
         seq = res.sequences[0]
         tokens = [int(t) for t in seq.tokens]
-        graded = gsm8k.grade_response(item, renderer, tokens)
+        graded = data.grade_response(item, renderer, tokens)
         try:
             prediction = math_grading.extract_boxed(graded.content)
         except ValueError:

@@ -33,10 +33,11 @@ from dppo_harness.loss.correctness_golden import (
     check_golden,
     errors_pass,
 )
+from dppo_harness.loss.correctness_paths import DEFAULT_PATH_ID, implemented_list
 from dppo_harness.loss.correctness_reference import GOLDEN_SCHEMA, MODES, GoldenError
 from dppo_harness.service.secrets_scan import without_credentials
 
-PATH_ID = "grpo_dppo_custom_loss"
+PATH_ID = DEFAULT_PATH_ID  # the block's path when no spec names one (the CLI without --spec)
 _LOSSES_PY = Path(__file__).with_name("losses.py")
 
 
@@ -44,7 +45,23 @@ _LOSSES_PY = Path(__file__).with_name("losses.py")
 # correctness_preflight block
 
 
-def spec_tolerances(spec: dict, path_id: str = PATH_ID) -> dict[str, dict[str, float]]:
+def spec_path_ids(spec: dict | None) -> tuple[str, ...]:
+    """The path ids the spec's correctness preflight names, in its order (the plan loader refuses
+    an id the harness does not implement); without a spec, the harness's own path."""
+    if spec is None:
+        return (PATH_ID,)
+    block = spec.get("correctness_preflight", spec)
+    return tuple(str(p.get("id")) for p in block.get("paths", []) or [] if isinstance(p, dict))
+
+
+def spec_tolerances(spec: dict, path_id: str | None = None) -> dict[str, dict[str, float]]:
+    """The tolerances of the spec's path `path_id` (default: the one path the spec names)."""
+    if path_id is None:
+        ids = spec_path_ids(spec)
+        if len(ids) != 1:
+            raise ValueError(f"spec names {len(ids)} correctness_preflight paths {list(ids)}, not one "
+                             f"(implemented: {implemented_list()})")
+        path_id = ids[0]
     block = spec.get("correctness_preflight", spec)
     for p in block.get("paths", []) or []:
         if isinstance(p, dict) and p.get("id") == path_id:
@@ -71,8 +88,15 @@ def _worst(entries: list[dict[str, Any]], tol: dict[str, float]) -> dict[str, An
 
 
 def build_preflight_block(report: GoldenReport, spec: dict | None = None) -> dict:
-    """The brief's ``correctness_preflight`` object; errors are the worst case over every case and mode."""
-    tol = spec_tolerances(spec) if spec is not None else DEFAULT_TOLERANCES
+    """The brief's ``correctness_preflight`` object, one path per id the spec names (each with its
+    own tolerances); errors are the worst case over every case and mode."""
+    return {"required": True,
+            "paths": [_path_block(report, pid, spec_tolerances(spec, pid) if spec is not None else DEFAULT_TOLERANCES)
+                      for pid in spec_path_ids(spec)]}
+
+
+def _path_block(report: GoldenReport, path_id: str, tol: dict[str, Any]) -> dict:
+    """One path of the block: the golden report judged against that path's tolerances."""
     collected: dict[str, list[dict[str, Any]]] = {k: [] for k in CHECK_NAMES}
     for res in report.results:
         for sub in res.subchecks:
@@ -87,40 +111,35 @@ def build_preflight_block(report: GoldenReport, spec: dict | None = None) -> dic
     modes = sorted({r.mode for r in report.results})
     flips = sum(1 for r in report.results for s in r.subchecks if "flips=" in s.detail)
     return {
-        "required": True,
-        "paths": [
-            {
-                "id": PATH_ID,
-                "fixed_input": {
-                    "sha256": report.sha256,
-                    "description": (
-                        f"tests/fixtures/dppo_golden_v1.json (schema {GOLDEN_SCHEMA}, {len({r.case for r in report.results})} cases from "
-                        "the pinned Stable-RL functions in float64), each row packed as a tinker.Datum after 1-38 junk prompt "
-                        "positions (mask 0, junk logprobs/advantages) with the golden's stale sampler logprobs; packing seed 0. "
-                        "Stateless loss check: no weights or optimizer state involved."
-                    ),
-                },
-                "baseline_revision": BASELINE_REVISION,
-                "reference_revision": REFERENCE_REVISION,
-                "implementation_revision": implementation_revision(),
-                "precision": (
-                    f"modes {modes}: float64 = exact float64 inputs through the packed tensors; float32 = tinker.Datum "
-                    "(float32 sampler logprobs) with float32 current logprobs as the SDK supplies; float64-datum = Datum "
-                    "with float64 current logprobs. Decisions and loss arithmetic in float64 inside the loss. Errors "
-                    f"are the worst case over all cases x modes; {flips} case/mode checks where float32 rounding of the "
-                    "inputs moves an exact-boundary token are compared with the independent padded implementation on "
-                    "the rounded inputs"
-                ),
-                "normalization": (
-                    "reference_*: DPPO token_mean = sum over loss tokens (mask==1, zero-advantage tokens included) / "
-                    "their count per forward_backward_custom call (Stable-RL token-mean); baseline_*: GRPO through the "
-                    "same path under BOTH sum over loss tokens (Tinker built-in ppo convention) and token_mean (the "
-                    "normalization trained), worst case of the two; prompt positions mask 0; no update or rank scaling"
-                ),
-                "errors": errors,
-                "lr_scaling": [],
-            }
-        ],
+        "id": path_id,
+        "fixed_input": {
+            "sha256": report.sha256,
+            "description": (
+                f"tests/fixtures/dppo_golden_v1.json (schema {GOLDEN_SCHEMA}, {len({r.case for r in report.results})} cases from "
+                "the pinned Stable-RL functions in float64), each row packed as a tinker.Datum after 1-38 junk prompt "
+                "positions (mask 0, junk logprobs/advantages) with the golden's stale sampler logprobs; packing seed 0. "
+                "Stateless loss check: no weights or optimizer state involved."
+            ),
+        },
+        "baseline_revision": BASELINE_REVISION,
+        "reference_revision": REFERENCE_REVISION,
+        "implementation_revision": implementation_revision(),
+        "precision": (
+            f"modes {modes}: float64 = exact float64 inputs through the packed tensors; float32 = tinker.Datum "
+            "(float32 sampler logprobs) with float32 current logprobs as the SDK supplies; float64-datum = Datum "
+            "with float64 current logprobs. Decisions and loss arithmetic in float64 inside the loss. Errors "
+            f"are the worst case over all cases x modes; {flips} case/mode checks where float32 rounding of the "
+            "inputs moves an exact-boundary token are compared with the independent padded implementation on "
+            "the rounded inputs"
+        ),
+        "normalization": (
+            "reference_*: DPPO token_mean = sum over loss tokens (mask==1, zero-advantage tokens included) / "
+            "their count per forward_backward_custom call (Stable-RL token-mean); baseline_*: GRPO through the "
+            "same path under BOTH sum over loss tokens (Tinker built-in ppo convention) and token_mean (the "
+            "normalization trained), worst case of the two; prompt positions mask 0; no update or rank scaling"
+        ),
+        "errors": errors,
+        "lr_scaling": [],
     }
 
 

@@ -301,7 +301,10 @@ def backend_deviations(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]
             "field": "model",
             "original": plan.planned_model,
             "effective": f"{info.served_model} (embedded local CPU server on loopback, answering to the name {plan.base_model})",
-            "reason": "no Tinker/Spindle service is reachable from this machine; this run is a local rehearsal of the harness, not a measurement of the planned model",
+            # what the run chose (the harness does not test whether a service is reachable)
+            "reason": "the local backend was selected (--backend local, or TINKER_BASE_URL unset): the embedded CPU "
+                      "server's stand-in computes; this run is a local rehearsal of the harness, not a measurement "
+                      "of the planned model",
         })
     elif info.served_model != plan.base_model and not info.served_model.startswith(SERVED_MODEL_UNAVAILABLE):
         out.append({

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from dppo_harness.data import dataset
 from dppo_harness.loss import loss_registry as losses
+from dppo_harness.plans.loss_params import check_loss_statements
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
 from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, stated_values, word_re
 
@@ -214,6 +215,7 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
     _check_gate_metrics(spec)
     _check_gate_plan(spec, upb)
     _check_updates_stated_elsewhere(spec, upb)
+    check_loss_statements(spec)
     pilot = parse_method(spec.activation_gate.reason, "activation_gate.reason", keys=("pilot_steps",),
                          arm_names=arm_names, settlements=settlements).get("pilot_steps") or Stated(
         DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'", default=True)

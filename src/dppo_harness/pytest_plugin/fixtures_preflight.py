@@ -13,7 +13,6 @@ ends; the arms' clients stay on the session's ServiceClient for later stages.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -122,10 +121,8 @@ def feasibility(request, service_backend, plan, evidence_bundle, verified_restor
         # feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
-    overrides, reductions = feasibility_module.rehearsal_sizing(plan, embedded_server=connectivity.embedded)
-    info = replace(backend_info(service_backend, plan, arm_client, evidence_bundle.result.get("backend")),
-                   size_reductions=tuple(reductions))
-    eff = plans.effective_config(plan, info)
+    # The plan is projected at its own size on every backend: the stages run it as written.
+    eff = plans.effective_config(plan, backend_info(service_backend, plan, arm_client, evidence_bundle.result.get("backend")))
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).
     pilot_sc = stage_session_client("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)")
@@ -134,7 +131,7 @@ def feasibility(request, service_backend, plan, evidence_bundle, verified_restor
             return feasibility_module.run_feasibility(
                 pilot_sc, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
                 backend_kind=service_backend.kind, effective_config=eff,
-                schedule_overrides=overrides or None,
-                measured_setup={"restoration_preflight": verified_restoration.wall_seconds}, progress=watch.say)
+                measured_setup={"restoration_preflight": verified_restoration.wall_seconds}, progress=watch.say,
+                embedded_server=connectivity.embedded)
     finally:
         record_client_releases(request.config, client_registry.release_stage("feasibility-pilot"))

@@ -146,21 +146,17 @@ def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
 def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan: Plan,
                     service_backend: ServiceBackend, connectivity: Any) -> EvidenceBundle:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.stages.feasibility import rehearsal_sizing
 
     bundle = EvidenceBundle.create(harness_options.evidence_dir)
     # Known to the session before anything else is written, so whatever fails next, the session's
     # end closes this bundle's result.
     pytestconfig.stash[STATE_KEY].bundle = bundle
-    # Recorded before any service call: a local run rehearses the spec at a declared, fixed size.
-    _, reductions = rehearsal_sizing(plan, embedded_server=connectivity.embedded)
     bundle.start_session(
         backend=harness_options.backend,
         plan=plan,
         stages=harness_options.selected_stages,
         project_root=project.project_root(),
         test_files=sorted({str(p) for p in _stage_test_files(pytestconfig)}),
-        size_reductions=reductions,
         # The embedded server names its stand-in model; a real service names it at client creation.
         served_model=(connectivity.marker.stand_in if connectivity.marker and connectivity.marker.stand_in
                       else service_backend.server.stats()["served_model"] if service_backend.server else None),

@@ -51,7 +51,7 @@ class Schedule:
     eval_items: int  # greedy items over all arms and checkpoints
     temperature: float
     dataset: str = "gsm8k"  # a registered dataset (dataset.DATASETS)
-    loss: str = "dppo_divergence_mask"  # the registered loss the pilot's updates time (a treatment's)
+    arm_losses: tuple[str, ...] = ("dppo_divergence_mask",)  # every trained arm's registered loss, in plan order
     seed: int = 0
 
     @property
@@ -73,7 +73,7 @@ def schedule_from_plan(plan: Any) -> Schedule:
             groups_per_batch=int(run.groups_per_batch.value), group_size=int(run.group_size.value),
             updates_per_batch=run.updates_per_batch, sequences_per_update=run.batch_size // run.updates_per_batch,
             max_tokens=int(run.max_tokens.value), eval_items=len(run.arms) * run.eval_items,
-            temperature=float(run.temperature.value), dataset=run.dataset, loss=run.treatments[0].loss,
+            temperature=float(run.temperature.value), dataset=run.dataset, arm_losses=tuple(a.loss for a in run.arms),
             seed=run.seed,
         )
     if plan.kind == "bounded_diagnostic":
@@ -87,49 +87,9 @@ def schedule_from_plan(plan: Any) -> Schedule:
             updates_per_batch=sch.max_optimizer_updates,
             sequences_per_update=sch.groups_per_minibatch * sch.group_size,
             max_tokens=fs.sampling.max_tokens, eval_items=0, temperature=float(fs.sampling.temperature),
-            dataset=fs.sampling.dataset, loss=DPPO_LOSS, seed=fs.seed,
+            dataset=fs.sampling.dataset, arm_losses=(DPPO_LOSS,), seed=fs.seed,
         )
     raise FeasibilityError(f"unknown plan kind {plan.kind!r}")
-
-
-# The embedded CPU server rehearses the saved spec at this fixed size. It is declared here, before
-# any measurement, and recorded as deviations; a bounded-diagnostic plan runs at its own size.
-LOCAL_REHEARSAL_SIZE: dict[str, int] = {"batches_per_arm": 5, "groups_per_batch": 8, "eval_items_per_arm": 100}
-
-
-def local_rehearsal(plan: Any) -> tuple[dict[str, int], list[dict[str, str]]]:
-    """Schedule overrides and their deviation records for a spec rehearsed on the local backend."""
-    if plan.kind != "experiment_spec":
-        return {}, []
-    full = schedule_from_plan(plan)
-    size = LOCAL_REHEARSAL_SIZE
-    sequences = size["groups_per_batch"] * full.group_size
-    overrides = {
-        "batches_per_arm": size["batches_per_arm"],
-        "groups_per_batch": size["groups_per_batch"],
-        "sequences_per_update": sequences // full.updates_per_batch,
-        "eval_items": full.trained_arms * size["eval_items_per_arm"],
-    }
-    why = "local rehearsal on the embedded CPU server: the full schedule cannot fit the plan's budget on CPU"
-    deviations = [
-        {"field": "steps", "original": f"{full.batches_per_arm} rollout batches per arm "
-         f"({full.batches_per_arm * full.updates_per_batch} optimizer steps)",
-         "effective": f"{size['batches_per_arm']} rollout batches per arm "
-         f"({size['batches_per_arm'] * full.updates_per_batch} optimizer steps)", "reason": why},
-        {"field": "effective_batch", "original": f"{full.sequences_per_update} sequences per optimizer step "
-         f"({full.groups_per_batch} groups x {full.group_size} per batch)",
-         "effective": f"{overrides['sequences_per_update']} sequences per optimizer step "
-         f"({size['groups_per_batch']} groups x {full.group_size} per batch)", "reason": why},
-        {"field": "evaluator", "original": f"{full.eval_items // full.trained_arms} GSM8K test items per arm",
-         "effective": f"the first {size['eval_items_per_arm']} GSM8K test items per arm", "reason": why},
-    ]
-    return overrides, deviations
-
-
-def rehearsal_sizing(plan: Any, *, embedded_server: bool) -> tuple[dict[str, int], list[dict[str, str]]]:
-    """`local_rehearsal(plan)` when the embedded CPU server computes (the local backend, or its
-    marker seen on the tinker backend), else no reduction: the full schedule is the real service's."""
-    return local_rehearsal(plan) if embedded_server else ({}, [])
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,8 +299,15 @@ class FeasibilityResult:
     # (its 5-step pilot); for the budget ledger's per-stage check (evidence.budget_allows).
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
+    embedded_server: bool = False  # the embedded server computed the pilot (the hint below)
+
     def failure_message(self) -> str:
-        return "feasibility: the plan does not fit its budget:\n  - " + "\n  - ".join(self.failures)
+        msg = "feasibility: the plan does not fit its budget:\n  - " + "\n  - ".join(self.failures)
+        if self.embedded_server:
+            # The stages run a plan as written; a smaller run is a declared rehearsal plan.
+            msg += ("\n  the embedded server runs a plan at its own size; rehearse it at a declared size: "
+                    "python -m dppo_harness.plans rehearse SPEC --out PLAN, then --plan PLAN")
+        return msg
 
 
 def _tile(datums: Sequence[Any], n: int) -> list[Any]:
@@ -376,14 +343,16 @@ def run_timing_pilot(
     pilot_groups: int = 2,
     pilot_updates: int = 2,
     pilot_eval_items: int = 4,
-    optimizer_config: Mapping[str, float],
+    arms: Sequence[ArmPilot],
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PilotTimings, dict[str, Any]]:
     """Time setup, sampling + updates, and greedy evaluation on `service_client`'s backend.
 
     The update minibatch has the plan's `sequences_per_update` sequences, tiled from the pilot's
-    sampled sequences (real sampled lengths) when the pilot sampled fewer.
+    sampled sequences (real sampled lengths) when the pilot sampled fewer. Every arm's updates are
+    timed with its own loss and optimizer config (`pilot_updates` each), so the mean update time
+    the projection uses weighs every arm equally, as the schedule trains them.
     """
     import numpy as np
     import tinker
@@ -414,12 +383,14 @@ def run_timing_pilot(
     sampling_s = sampled.seconds  # includes saving sampler weights, as every real step does
     batch, datums = sampled.batch, list(sampled.datums)
     minibatch = _tile(datums, schedule.sequences_per_update)
-    loss_fn = losses.make_loss_fn(losses.LossConfig.for_loss(schedule.loss, "token_mean"))
-    adam = tinker.AdamParams(**{k: float(v) for k, v in optimizer_config.items()
-                                if k in tinker.AdamParams.model_fields})
-    say(f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences "
+    say(f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences for each of {len(arms)} arm(s) "
         f"({batch.response_yield().truncated} of {batch.response_yield().n} sampled responses truncated)")
-    update_s = train_step.timed_updates(client, minibatch, loss_fn, adam, pilot_updates)
+    by_arm: dict[str, list[float]] = {}
+    for arm in arms:
+        loss_fn = losses.make_loss_fn(losses.LossConfig.for_loss(arm.loss, "token_mean"))
+        adam = tinker.AdamParams(**{k: float(v) for k, v in arm.optimizer.items() if k in tinker.AdamParams.model_fields})
+        by_arm[arm.name] = list(train_step.timed_updates(client, minibatch, loss_fn, adam, pilot_updates))
+    update_s = [t for times in by_arm.values() for t in times]
 
     eval_n = pilot_eval_items if schedule.eval_items else 0
     say(f"4/4: greedy evaluation of {eval_n} test items" if eval_n else "4/4: no evaluation in this plan")
@@ -436,8 +407,10 @@ def run_timing_pilot(
         "sampling": batch.summary(),
         "minibatch": {"sequences": len(minibatch), "distinct_sampled_sequences": len(datums),
                       "mean_tokens": float(np.mean(lengths)), "max_tokens": int(max(lengths)),
-                      "loss": "dppo token_mean via forward_backward_custom"},
+                      "loss": "each arm's own registered loss, token_mean, via forward_backward_custom"},
         "update_seconds": update_s,
+        "updates_by_arm": {a.name: {"loss": a.loss, "optimizer": dict(a.optimizer), "seconds": by_arm[a.name]}
+                           for a in arms},
         "evaluation": {"items": eval_n, "greedy_tokens": eval_tokens, "seconds": eval_s,
                        "submitted_together": True},
     }
@@ -452,7 +425,6 @@ def run_feasibility(
     initial_checkpoint: str,
     backend_kind: str,
     effective_config: Mapping[str, Any] | None = None,
-    optimizer_config: Mapping[str, float] | None = None,
     pilot_groups: int = 2,
     pilot_updates: int = 2,
     pilot_eval_items: int = 4,
@@ -462,6 +434,7 @@ def run_feasibility(
     schedule_overrides: Mapping[str, Any] | None = None,
     measured_setup: Mapping[str, float] | None = None,
     progress: Callable[[str], None] | None = None,
+    embedded_server: bool = False,
 ) -> FeasibilityResult:
     """Pilot (unless `timings` is given), project `plan`, write `feasibility` to the bundle.
 
@@ -471,14 +444,13 @@ def run_feasibility(
     phases of this run ({"restoration_preflight": seconds, ...}) to the pilot's setup time.
     """
     schedule = _reduced_schedule(plan, schedule_overrides)
-    opt_cfg = dict(optimizer_config or _plan_optimizer(plan))
     details: dict[str, Any] = {}
     t0 = time.perf_counter()
     if timings is None:
         timings, details = run_timing_pilot(
             service_client, schedule, initial_checkpoint, pilot_groups=pilot_groups,
             pilot_updates=pilot_updates, pilot_eval_items=pilot_eval_items,
-            optimizer_config=opt_cfg, seed=schedule.seed, progress=progress)
+            arms=arm_pilots(plan), seed=schedule.seed, progress=progress)
     timings, setup_parts = _with_measured_setup(timings, measured_setup)
     gpu_count, alloc = gpu_allocation(backend_kind)
     proj = project(schedule, timings, plan.budget, gpu_count=gpu_count,
@@ -501,7 +473,8 @@ def run_feasibility(
               "feasibility_check": check}
     bundle.register_json(PILOT_FILE, "metrics", record)
     bundle.update_result(feasibility=block, metrics=_feasibility_metrics(proj, time.perf_counter() - t0))
-    return FeasibilityResult(schedule, timings, proj, block, check, proj.fits, failures, details, stages)
+    return FeasibilityResult(schedule, timings, proj, block, check, proj.fits, failures, details, stages,
+                             embedded_server=embedded_server)
 
 
 def _reduced_schedule(plan: Plan, schedule_overrides: Mapping[str, Any] | None) -> Schedule:
@@ -556,12 +529,24 @@ def _feasibility_metrics(proj: Projection, pilot_wall_seconds: float) -> dict[st
     return metrics
 
 
-def _plan_optimizer(plan: Any) -> dict[str, float]:
+@dataclass(frozen=True)
+class ArmPilot:
+    """One arm's update as the timing pilot runs it: its registered loss and its own optimizer config."""
+
+    name: str
+    loss: str
+    optimizer: dict[str, float]
+
+
+def arm_pilots(plan: Any) -> tuple[ArmPilot, ...]:
+    """Every arm the plan trains, each with its own loss and optimizer config (a diagnostic: its one arm)."""
     if plan.kind == "bounded_diagnostic":
+        from dppo_harness.loss.losses import DPPO_LOSS
+
         o = plan.diagnostic.fixed_settings.optimizer
-        return {k: getattr(o, k) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
-    # the arm the pilot times: the first treatment, with its own optimizer config
-    return plan.run.treatments[0].adam_config_requested()
+        return (ArmPilot("diagnostic", DPPO_LOSS, {k: getattr(o, k) for k in (
+            "learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}),)
+    return tuple(ArmPilot(a.name, a.loss, dict(a.adam_config_requested())) for a in plan.run.arms)
 
 
 def gpu_allocation(backend_kind: str) -> tuple[int | None, str | None]:

@@ -35,14 +35,15 @@ if TYPE_CHECKING:
 
 GATE_REPORT_FILE = "activation-gate-report.json"
 
-# How each gate metric is measured in the pilot (written into the report).
+# How each gate metric is measured in the pilot (written into the report); `{last}` is the
+# pilot's last minibatch update ("4th") and `{eps}` the clip eps its loss call counted with.
 DEFINITIONS = {
     "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens (A != 0 tokens removed by the mask / "
-    "all loss tokens) of the loss call of the last (2nd) minibatch update of each pilot step, unweighted "
+    "all loss tokens) of the loss call of the last ({last}) minibatch update of each pilot step, unweighted "
     "mean over pilot steps",
     "policy_drift_abs_p_q90": "drift/abs_p90 (q90 of |p_current - p_sampler| over loss tokens) of the "
-    "loss call of the last (2nd) minibatch update of each pilot step, unweighted mean over pilot steps",
-    "grpo_clip_fraction": "ppo/clip_frac_loss_tokens: eps=0.2 clip removing the gradient, counted "
+    "loss call of the last ({last}) minibatch update of each pilot step, unweighted mean over pilot steps",
+    "grpo_clip_fraction": "ppo/clip_frac_loss_tokens: eps={eps:g} clip removing the gradient, counted "
     "counterfactually on the same tensors as the DPPO metric (last update), mean over pilot steps",
     "executed_updates_per_batch": "optim_step calls that returned, counted per rollout batch; the "
     "value is that count when it is the same for every batch, else the list (which fails)",
@@ -50,6 +51,12 @@ DEFINITIONS = {
     "client on a Tinker service; on the embedded server (which echoes the requested name there) its served "
     "model from get_info().model_data.arch",
 }
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 class GateError(RuntimeError):
@@ -104,10 +111,11 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def definition(metric: str, stat: str | None) -> str:
-    """How a gate metric is measured in the pilot (written into the report)."""
+def definition(metric: str, stat: str | None, *, updates_per_batch: int, ppo_eps: float) -> str:
+    """How a gate metric is measured in the pilot (written into the report), in the pilot's own
+    numbers: its updates per batch and the clip eps of its loss call."""
     if metric in DEFINITIONS:
-        return DEFINITIONS[metric]
+        return DEFINITIONS[metric].format(last=ordinal(updates_per_batch), eps=ppo_eps)
     return (f"{stat} of the loss call of the last minibatch update of each pilot step, unweighted mean over "
             "pilot steps" if stat else "not measured by the pilot")
 
@@ -283,13 +291,15 @@ class GateReport:
         return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
 
     def to_json(self) -> dict[str, Any]:
-        sources = losses.gate_metric_sources()
+        sources, p = losses.gate_metric_sources(), self.pilot
+        eps = losses.LossConfig.for_loss(p["loss"], p["normalization"]).ppo_eps  # as the pilot's loss call counted
         return ins.nan_free({
             "kind": "activation_gate_report",
             "passed": self.passed,
             "plan": self.plan,
             "pilot": self.pilot,
-            "definitions": {c.metric: definition(c.metric, sources.get(c.metric)) for c in self.checks},
+            "definitions": {c.metric: definition(c.metric, sources.get(c.metric), updates_per_batch=p["updates_per_batch"],
+                                                 ppo_eps=eps) for c in self.checks},
             "checks": [asdict(c) for c in self.checks],
             "values": self.values,
             "per_step": self.per_step,

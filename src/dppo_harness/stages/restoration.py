@@ -61,7 +61,7 @@ from dppo_harness.stages.restoration_lr_probe import (
     LR_SCALING_RTOL,
     lr_scaling_probe,
 )
-from dppo_harness.stages.restoration_probe import CallWrapper, restore_probe
+from dppo_harness.stages.restoration_probe import CallWrapper, PrefixedResponses, restore_probe
 from dppo_harness.stages.restoration_provenance import check_provenance, initialization_entry
 from dppo_harness.stages.restoration_update_norm import (
     CheckpointUpdateNorm,
@@ -284,15 +284,18 @@ def _initial_outputs(bundle: EvidenceBundle, arms: Mapping[str, LoadedArm], fixe
 
 
 def _provenance_entries(arms_cfg: Sequence[Mapping[str, Any]], base_model: str, sources: Mapping[str, InitialCheckpoint],
-                        source_label: Mapping[str, str], loaded: Mapping[str, LoadedArm], probe: Mapping[str, Any],
-                        b_sha: str, out_sha: Mapping[str, str], adapter_sha: Mapping[str, str | None]) -> dict[str, Any]:
-    """Step 5: each arm's initialization entry with optimizer checks at creation (0) and restore (1)."""
-    echo = probe.get("echoed_config") or None
+                        source_label: Mapping[str, str], loaded: Mapping[str, LoadedArm],
+                        probes: Mapping[str, Mapping[str, Any]], b_sha: str, out_sha: Mapping[str, str],
+                        adapter_sha: Mapping[str, str | None]) -> dict[str, Any]:
+    """Step 5: each arm's initialization entry with optimizer checks at creation (0) and restore (1),
+    against the echo of the probe that ran the arm's own optimizer config."""
     entries: dict[str, Any] = {}
     for arm in arms_cfg:
         a = arm["name"]
         if a not in loaded:
             continue
+        probe = probes[a]
+        echo = probe.get("echoed_config") or None
         common = dict(requested_optimizer=arm["optimizer"], requested_config=arm["optimizer_config"],
                       echoed=echo, echo_ref=probe.get("echo_ref"), echo_observed_on=probe.get("echo_observed_on"))
         checks = [
@@ -429,7 +432,7 @@ def _probe_step(probe_sc: tinker.ServiceClient, init: _InitialStates, fixed_batc
                 restore_with_optimizer: bool, say: Callable[[str], None]) -> _ProbeStep:
     """Step 4: the setup client (uninterrupted) vs a create-save-restore client, same two
     fixed-gradient updates; update 1 is also the LR-scaling probe at the planned LR."""
-    opt_cfg = dict(group.arms[0]["optimizer_config"])
+    opt_cfg = _arm_config(group, group.arm_names[0])  # the first trained arm's own; others: _other_config_probes
     if update_norm is None and checkpoint_reader is not None:
         update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{group.tag}-lr")
     lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
@@ -438,6 +441,35 @@ def _probe_step(probe_sc: tinker.ServiceClient, init: _InitialStates, fixed_batc
                           atol, call, restore_optimizer=restore_with_optimizer,
                           update_norm=update_norm if lr_in_plan else None, say=say)
     return _ProbeStep(probe, opt_cfg, update_norm, lr_in_plan)
+
+
+def _arm_config(group: _Group, arm: str) -> dict[str, float]:
+    return dict(next(a for a in group.arms if a["name"] == arm)["optimizer_config"])
+
+
+def _other_config_probes(probe_sc: tinker.ServiceClient, init: _InitialStates, fixed_batch: Sequence[tinker.Datum],
+                         group: _Group, probe: _ProbeStep, rec: _Recorder, atol: float, call: CallWrapper,
+                         restore_with_optimizer: bool, say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """Step 4 again for each trained arm whose optimizer config differs from every one probed so
+    far: a fresh client from the initial checkpoint stands in for the uninterrupted setup client,
+    so each arm's optimizer checks compare with the echo of its OWN config. The probe result of
+    every trained arm, by arm."""
+    results = {a: probe.result for a in group.arm_names if _arm_config(group, a) == probe.opt_cfg}
+    for a in group.arm_names:
+        cfg = _arm_config(group, a)
+        same = next((b for b in results if _arm_config(group, b) == cfg), None)
+        if same is not None:
+            results[a] = results[same]
+            continue
+        say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
+        fresh, _ = call(lambda name=f"probe-{a}": create_from_state_observed(probe_sc, init.shared.path, name))
+        describe_client(probe_sc, fresh, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
+        results[a] = restore_probe(probe_sc, fresh, init.shared.path, fixed_batch, cfg, f"{group.tag}-{a}",
+                                   PrefixedResponses(rec, f"{a}:"), atol, call, restore_optimizer=restore_with_optimizer,
+                                   say=say)
+        results[a]["echo_observed_on"] = results[a]["uninterrupted_client"] = (
+            f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)")
+    return results
 
 
 def _lr_scaling_step(probe_sc: tinker.ServiceClient, initial_checkpoint: str, fixed_batch: Sequence[tinker.Datum],
@@ -529,9 +561,15 @@ def run_restoration_preflight(
     probe = _probe_step(probe_sc, init, fixed_batch, group, checkpoint_reader, update_norm, lr_multipliers, rec,
                         atol, call, probe_restore_with_optimizer, say)
     failures.extend(probe.result["failures"])
+    probes = _other_config_probes(probe_sc, init, fixed_batch, group, probe, rec, atol, call,
+                                  probe_restore_with_optimizer, say)
+    others = {a: r for a, r in probes.items() if r is not probe.result}
+    failures.extend(f"{a}: {m}" for a, r in others.items() for m in r["failures"])
+    if others:
+        probe.result["own_config_probes"] = others  # written with the step-4 probe (PROBE_FILE)
     say("5/6: optimizer checks and initialization provenance")
     prov_body = {"version": 1, "arms": _provenance_entries(group.arms, base_model, init.sources, init.source_label,
-                                                           loaded, probe.result, b_sha, out_sha, adapter_sha)}
+                                                           loaded, probes, b_sha, out_sha, adapter_sha)}
     failures.extend(check_provenance(prov_body, group.arm_names))
     excluded = _excluded_arms(group)
     lr_block = _lr_scaling_step(probe_sc, init.shared.path, fixed_batch, probe, lr_multipliers, lr_rtol,

@@ -10,6 +10,7 @@ cross-entropy + optim_step update every restoration probe applies.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,6 +29,17 @@ class KeepsResponses(Protocol):
     """Keeps a server response for evidence and returns its reference id."""
 
     def keep(self, ref: str, obj: Any) -> str: ...
+
+
+@dataclass
+class PrefixedResponses:
+    """Keeps responses in `rec` under `prefix` (one more probe's, without clashing with the first's)."""
+
+    rec: KeepsResponses
+    prefix: str
+
+    def keep(self, ref: str, obj: Any) -> str:
+        return self.rec.keep(f"{self.prefix}{ref}", obj)
 
 
 def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.AdamParams:

@@ -31,10 +31,19 @@ if TYPE_CHECKING:
     from dppo_harness.stages.restoration import RestorationResult
 
 PROGRESS_EVERY_S = 15.0  # a line at least this often in every phase: arm steps and evaluation take minutes
-EVAL_SUBSET_REASON = ("declared rehearsal size: the plan evaluates its first {n} GSM8K test items (see the plan's "
-                      "differences), so that the offline rehearsal fits 10 minutes on 2 CPU cores")
+EVAL_SUBSET_REASON = ("declared rehearsal size: the plan evaluates its first {n} {dataset} test items (see the plan's "
+                      "differences)")
+EVAL_SUBSET_EMBEDDED = ", a size the embedded server's stand-in evaluates on this host's CPU"
 # A spec (not a rehearsal plan) that itself asks for fewer items: its own words, no rehearsal claimed.
-EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} GSM8K test items are evaluated"
+EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} {dataset} test items are evaluated"
+
+
+def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
+    """Why the evaluator scores a subset, in words that fit the run: a rehearsal plan's declared
+    size (the CPU named only when the embedded server computes), else the spec's own n_examples."""
+    if plan.kind != "rehearsal":
+        return EVAL_STATED_REASON.format(n=n, dataset=plan.run.dataset)
+    return EVAL_SUBSET_REASON.format(n=n, dataset=plan.run.dataset) + (EVAL_SUBSET_EMBEDDED if embedded else "")
 
 
 @dataclass(frozen=True)
@@ -53,22 +62,27 @@ class ComparisonResult:
     files: tuple[str, ...] = ()
 
 
-def _frozen_evaluator(cfg: ComparisonConfig, bundle: EvidenceBundle, plan: Plan) -> evaluation.FrozenEvaluator:
+def _frozen_evaluator(cfg: ComparisonConfig, bundle: EvidenceBundle, plan: Plan, *,
+                      embedded: bool) -> evaluation.FrozenEvaluator:
     """The run's evaluator, frozen before training; its subset is a deviation, with the reason the
     plan gives (a rehearsal plan's declared size, or the spec's own n_examples)."""
-    reason = EVAL_SUBSET_REASON if plan.kind == "rehearsal" else EVAL_STATED_REASON
-    evaluator = freeze_for(cfg, reason.format(n=cfg.eval_items))
+    evaluator = freeze_for(cfg, eval_subset_reason(plan, embedded=embedded, n=cfg.eval_items))
     if evaluator.deviation:
         d = evaluator.deviation
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     return evaluator
 
 
+def served_by_embedded_server(backend: str, result: Mapping[str, Any]) -> bool:
+    """The embedded server computed this run: the local backend, or its marker seen behind
+    `--backend tinker`."""
+    return backend == "local" or bool((result.get("backend") or {}).get("embedded_server"))
+
+
 def is_rehearsal(plan: Plan, backend: str, result: Mapping[str, Any]) -> bool:
     """A rehearsal by what served the run, not by the flag that chose the client: a rehearsal plan,
     the local backend, or the embedded server's marker seen behind `--backend tinker`."""
-    served = result.get("backend") or {}
-    return plan.kind == "rehearsal" or backend == "local" or bool(served.get("embedded_server"))
+    return plan.kind == "rehearsal" or served_by_embedded_server(backend, result)
 
 
 def run_comparison(
@@ -106,7 +120,7 @@ def run_comparison(
         progress = dog.say
         cfg = comparison_config(plan.run, save_every=save_every)
         rehearsal = is_rehearsal(plan, backend, bundle.result)
-        evaluator = _frozen_evaluator(cfg, bundle, plan)
+        evaluator = _frozen_evaluator(cfg, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
         state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root),
                                         resume_run_id)
         if state.resumed:
