@@ -49,6 +49,10 @@ def test_prerequisites_expand_in_order():
 def test_default_plan_follows_stage():
     assert stages.default_plan_name(["unit", "preflight", "diagnostic"]).endswith("diagnostic-r1.json")
     assert stages.default_plan_name(["unit", "preflight"]) == "exp_e6b0965af3.json"
+    assert stages.default_plan_name(["unit", "preflight", "diagnostic"], "local").endswith("diagnostic-r1.json")
+    for run in (["unit", "preflight"], ["unit", "preflight", "gate"], ["unit", "preflight", "gate", "comparison"]):
+        assert stages.default_plan_name(run, "local") == "rehearsal/comparison-local.json"
+    assert stages.default_plan_name(["unit"], "local") == "exp_e6b0965af3.json"
 
 
 def test_stage_folder_is_found_from_the_file_path_alone():

@@ -49,9 +49,7 @@ def _user_path(config: pytest.Config, value: str) -> Path:
 def _default_plan(run_stages: tuple[str, ...], backend: str) -> Path:
     """The stage's default plan, from the project the package came from (never the cwd)."""
     try:
-        if backend == "local" and "comparison" in run_stages:  # the declared rehearsal
-            return project.plan_file(project.REHEARSAL_PLAN)
-        return project.plan_file(stages.default_plan_name(run_stages))
+        return project.plan_file(stages.default_plan_name(run_stages, backend))
     except project.ProjectNotFound as exc:
         raise pytest.UsageError(f"default plan: {exc}") from None
 

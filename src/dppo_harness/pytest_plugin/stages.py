@@ -9,6 +9,8 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import PurePath
 
+from dppo_harness.project import REHEARSAL_PLAN
+
 STAGES: tuple[str, ...] = ("unit", "preflight", "gate", "diagnostic", "comparison")
 
 # What each stage needs to have passed first, in run order (the stage itself comes last).
@@ -97,8 +99,14 @@ def expand_selection(selected: Sequence[str]) -> tuple[dict[str, bool], tuple[st
     return run, order
 
 
-def default_plan_name(stages: Iterable[str]) -> str:
-    """The diagnostic runs the requester's revised plan; every other stage runs the saved spec."""
-    return (
-        "exp_e6b0965af3-diagnostic-r1.json" if "diagnostic" in set(stages) else "exp_e6b0965af3.json"
-    )
+def default_plan_name(stages: Iterable[str], backend: str = "tinker") -> str:
+    """The diagnostic runs the requester's revised plan. Every other stage runs the saved spec on a
+    service, and the declared rehearsal (plans/rehearsal/) on the local backend: the stand-in cannot
+    run the spec within its budget (its feasibility says so), and a run there never pretends to
+    rehearse the spec at a size it does not run."""
+    run = set(stages)
+    if "diagnostic" in run:
+        return "exp_e6b0965af3-diagnostic-r1.json"
+    if backend == "local" and run & {"preflight", "gate", "comparison"}:
+        return REHEARSAL_PLAN
+    return "exp_e6b0965af3.json"
