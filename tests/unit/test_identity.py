@@ -10,6 +10,8 @@ import pytest
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
+from dppo_harness.evidence.result import label_summary
+from dppo_harness.evidence.session import closing_fields
 from dppo_harness.plans import load_plan
 from dppo_harness.service import identity
 from dppo_harness.service.clients import notify_training_client
@@ -140,3 +142,17 @@ def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):
     index = json.loads(b.file_path("client-identities.json").read_bytes())
     assert [c["model_id"] for c in index["clients"]] == ["m1", "m2"]
     assert index["clients"][1]["get_info"]["model_data"]["embedded_server"] == EMBEDDED_SERVER_MARKER
+
+
+def test_a_session_that_only_named_the_stand_in_closes_with_one_label_and_what_ran():
+    """At start the summary names the stand-in behind the rehearsal label; the close still says what
+    ran, the label stays single, and the stand-in is named again after it."""
+    r = {"summary": REHEARSAL_PREFIX, "status": "running", "original_hypothesis_tested": False,
+         "tested_instead": None, "backend": {"kind": "local", "embedded_server": {"stand_in": STAND_IN},
+                                             "requested_model": "Qwen/Qwen3.5-2B"}}
+    r["summary"] = identity.labels_missing_stand_in(r)["summary"]
+    assert r["summary"].count("not Spindle") == 1 and STAND_IN in r["summary"]
+    r["summary"] = label_summary(r, closing_fields(r, ["unit", "preflight"], {})["summary"])
+    r["summary"] = identity.labels_missing_stand_in(r)["summary"]
+    assert r["summary"].startswith(REHEARSAL_PREFIX + "Stages run: unit, preflight. All selected stages passed")
+    assert r["summary"].count("not Spindle") == 1 and r["summary"].endswith("a rehearsal, not a scientific result.")

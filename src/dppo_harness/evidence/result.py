@@ -25,6 +25,7 @@ OUTCOME_REASONS = ("supported", "refuted", "tie", "mixed_criteria", "insufficien
 REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
 # A run under a rehearsal plan (plans/rehearsal/) on a real service is a rehearsal as well.
 REHEARSAL_PLAN_PREFIX = "Rehearsal plan, not the saved experiment spec: "
+SERVED_NOTE = "Served model: "  # how a summary names the stand-in that computed (service.identity)
 
 Status = Literal["running", "succeeded", "failed"]
 Verdict = Literal["supported", "refuted", "inconclusive"]

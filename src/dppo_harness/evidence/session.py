@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dppo_harness import plans
 from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
-from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
+from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
@@ -130,7 +130,8 @@ def closing_fields(result: Mapping[str, Any], stages_selected: Sequence[str],
                                     + "); the accuracy comparison did not run")
     if "outcome_reason" not in result and fields["verdict"] == "inconclusive":
         fields["outcome_reason"] = "incomplete_execution"
-    if not result["summary"].removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip():
+    body = result["summary"].removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip()
+    if not body or body.startswith(SERVED_NOTE):  # no stage said what ran (the stand-in is named again after)
         ran = ", ".join(stages_selected) or "no stage"
         if failures:
             tail = "Failed: " + "; ".join(f"{s} ({n})" for s, n in failures.items()) + "."

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 
 CAPABILITIES_PATH = "/api/v1/get_server_capabilities"
 GET_INFO_PATH = "/api/v1/get_info"
@@ -203,10 +204,11 @@ def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
     note = stand_in_note(stand_in, str(block.get("requested_model") or "the planned model"))
     out: dict[str, str] = {}
     summary = str(result.get("summary") or "")
-    if not stand_in or stand_in not in summary:
-        text = summary.strip()
-        out["summary"] = (text if not text or text.endswith(".") else text + ".") + (" " if text else "") + \
-            f"Served model: {note}."
+    if not stand_in or stand_in not in summary:  # the rehearsal labels stay in front
+        body = summary.removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX)
+        text = body.strip()
+        out["summary"] = summary[:len(summary) - len(body)] + \
+            (f"{text if text.endswith('.') else text + '.'} " if text else "") + f"{SERVED_NOTE}{note}."
     tested = result.get("tested_instead")
     if isinstance(tested, str) and tested.strip() and (not stand_in or stand_in not in tested):
         out["tested_instead"] = tested.rstrip().rstrip(".") + f" ({note})"
