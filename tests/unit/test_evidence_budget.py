@@ -129,6 +129,18 @@ def test_an_overflowing_diagnostic_plan_is_refused_at_load_before_any_client(tmp
     assert not (tmp_path / "evidence").exists()
 
 
+def test_an_overflowing_diagnostic_plan_run_by_its_test_paths_is_refused_at_load(tmp_path: Path) -> None:
+    """`pytest tests/preflight tests/diagnostic --plan P` (stages chosen by path, no -m): the same
+    one line at load as with `-m diagnostic`, nothing run."""
+    big = _diagnostic_with_updates(tmp_path, 50)
+    proc = _run_pytest(["tests/preflight", "tests/diagnostic", "--plan", str(big)], tmp_path)
+    out = proc.stdout + proc.stderr
+    lines = [ln for ln in out.splitlines() if "evidence budget" in ln]
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-2000:]
+    assert len(lines) == 1 and "diagnostic 66" in lines[0] and "400 updates" in lines[0], out[-2000:]
+    assert "Traceback" not in out and "passed" not in out and not (tmp_path / "evidence").exists()
+
+
 def test_a_comparison_whose_gate_pilot_cannot_fit_is_refused_at_load(tmp_path: Path) -> None:
     """The saved spec with a 40-step gate pilot (one record file per pilot step) cannot fit."""
     text = SPEC_PLAN.read_text().replace("A 5-step pilot", "A 40-step pilot")

@@ -164,7 +164,7 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
     from dppo_harness.evidence import budget  # what the plan's stages will register (refused at load if over)
 
     bundle.note_ledger(evidence_budget=budget.plan_needs(
-        plan, harness_options.selected_stages, save_every=harness_options.save_every,
+        plan, harness_options.budget_stages, save_every=harness_options.save_every,
         resumed=harness_options.resume is not None).as_record())
     # the connectivity report; on the embedded server (marker), the rehearsal label.
     from dppo_harness.service.clients import sdk_versions

@@ -34,11 +34,18 @@ def refuse_over_budget(plan: Plan, options: HarnessOptions) -> None:
     numbers, before any client exists (evidence.budget)."""
     from dppo_harness.evidence import budget
 
-    needs = budget.plan_needs(plan, options.selected_stages, save_every=options.save_every,
+    needs = budget.plan_needs(plan, options.budget_stages, save_every=options.save_every,
                               resumed=options.resume is not None)
     line = budget.refusal(needs, plan.name)
     if line is not None:
         raise pytest.UsageError(line)
+
+
+def _path_stages(config: pytest.Config, state: StageState) -> tuple[str, ...]:
+    """The stages of the test paths given on the command line, when no `-m` chose the stages."""
+    if state.run is not None or config.args_source != pytest.Config.ArgsSource.ARGS:
+        return ()
+    return stages.stages_of_paths(_user_path(config, arg.split("::", 1)[0]) for arg in config.args)
 
 
 def _user_path(config: pytest.Config, value: str) -> Path:
@@ -135,7 +142,8 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
                           comparison_schedule=config.getoption("--comparison-schedule"), save_every=save_every,
                           proxy_credentials=config.getoption("--proxy-credentials"),
                           sdk_telemetry=config.getoption("--sdk-telemetry"),
-                          wandb_project=wandb.project, wandb_source=wandb.source, **waits)
+                          wandb_project=wandb.project, wandb_source=wandb.source,
+                          path_stages=_path_stages(config, state), **waits)
 
 
 def _resume_run_id(config: pytest.Config, value: str | None, evidence_dir: Path) -> str | None:
