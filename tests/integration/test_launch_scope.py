@@ -36,11 +36,13 @@ from dppo_harness.constants import EMBEDDED_SERVER_HEADER
 from dppo_harness.local_server.process import LocalServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-_TAG = secrets.token_hex(4)  # made at run time, so no source file (or code patch in the evidence) holds them
+# Made at run time and put first, so no source file (or code patch in the evidence) holds any
+# 16-byte piece of them: the scan also looks for pieces of a value cut by a length limit.
+_TAG = secrets.token_hex(8)
 PLANTED = {  # planted, not real: the server checks them
-    "TINKER_API_KEY": f"tml-PLANTED-launch-{_TAG}",
-    "MODAL_PROXY_TOKEN_ID": f"wk-PLANTED-launch-{_TAG}",
-    "MODAL_PROXY_TOKEN_SECRET": f"ws-PLANTED-launch-{_TAG}",
+    "TINKER_API_KEY": f"tml-{_TAG}-PLANTED-launch",
+    "MODAL_PROXY_TOKEN_ID": f"wk-{_TAG}-PLANTED-launch",
+    "MODAL_PROXY_TOKEN_SECRET": f"ws-{_TAG}-PLANTED-launch",
 }
 CAPABILITIES = "/api/v1/get_server_capabilities"
 # What the connectivity preflight sends, through the SDK's own client setup (connectivity.py).

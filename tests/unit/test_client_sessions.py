@@ -141,13 +141,13 @@ def test_after_the_service_died_a_release_closes_nothing_and_returns_at_once():
             Session.closes += 1
             return concurrent.futures.Future()  # never answered: the server is gone
 
-    reg = ClientRegistry(release_timeout_s=5.0)
+    reg = ClientRegistry(release_timeout_s=30.0)
     for label in ("arms", "sampler"):
         reg.register(Session(), stage="diagnostic", label=label)
     reg.service_gone("the embedded server (pid 1) exited (exit code -9)")
     t0 = time.monotonic()
     assert reg.release_stage("diagnostic", "errored") and reg.release_all("errored") is False
-    assert time.monotonic() - t0 < 1.0 and Session.closes == 0
+    assert time.monotonic() - t0 < 10 and Session.closes == 0  # far under one 30 s close, on a loaded machine
     for record in reg.records():
         assert record["released"] is False and record["error"] == (
             "not closed: the embedded server (pid 1) exited (exit code -9); nothing is left to close")
