@@ -212,8 +212,7 @@ STAND_IN = "local/tiny-qwen3-gsm8k"  # the embedded server's stand-in model
 DEFAULT_STEPS, DEFAULT_GROUPS, DEFAULT_EVAL_ITEMS = 3, 4, 50
 # Rollouts per rehearsal batch when `--groups` is not given: the shipped plan's 4 groups x 8. The
 # stand-in answers few prompts, so a smaller batch can hold no group with unequal rewards, hence no
-# gradient-bearing token for the gate to measure (measured: the variant spec's gate pilot at 2 and
-# at 4 groups x 4 moved nothing; at 8 x 4 it passed, and the comparison ran to the decision).
+# gradient-bearing token for the gate to measure (the measurements: docs/benchmarks.md).
 DEFAULT_ROLLOUTS = 32
 # The learning rate at which the stand-in's DPPO mask fires inside the spec's gate ranges, and why.
 STAND_IN_LR = 0.01
