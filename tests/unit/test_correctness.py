@@ -73,6 +73,22 @@ def test_parity_errors_and_acceptance_rule():
     assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[0]  # zero reference: no cosine
 
 
+
+def test_measures_json_is_parity_errors_as_written():
+    """The preflight block writes each ErrorMeasures record with the same keys, order and values."""
+    for got, want in (([1.0, 2.0], [1.0, 2.5]), ([0.0], [0.0])):
+        e = correctness_golden.parity_errors(got, want)
+        assert list(correctness_golden.measures_json(e).items()) == list(e.items())
+
+
+def test_validate_tolerances_are_numbers():
+    spec = {"correctness_preflight": {"required": True, "paths": [{"id": "p", "tolerances": {"loss": {"atol": 1}}}]}}
+    assert cx.spec_tolerances(spec) == {"loss": {"atol": 1}}
+    spec["correctness_preflight"]["paths"][0]["tolerances"]["loss"]["atol"] = "1e-5"
+    with pytest.raises(ValueError, match="tolerance atol: expected a number"):
+        cx.spec_tolerances(spec)
+
+
 def _run_cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "dppo_harness.loss.correctness", *args],

@@ -288,3 +288,8 @@ def test_datum_token_terms_match_what_the_loss_fn_reports():
     assert terms.loss_token_N.shape == (42,)
     assert losses.loss_metrics(terms, DPPO_MEAN) == metrics
     assert not terms.prob_diff_N.requires_grad
+
+
+def test_make_loss_fn_is_a_record_of_its_config():
+    fn = make_loss_fn(DPPO_MEAN)
+    assert isinstance(fn, losses.LossFn) and fn.loss_config is DPPO_MEAN and fn == make_loss_fn(DPPO_MEAN)

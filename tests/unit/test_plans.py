@@ -150,8 +150,8 @@ def test_backend_deviations_local_and_tinker():
     assert [d["field"] for d in devs] == ["model", "effective_batch"]
     assert "tiny-qwen3-gsm8k" in devs[0]["effective"] and devs[0]["original"] == constants.BASE_MODEL
     assert backend_deviations(plan, BackendInfo("tinker", constants.BASE_MODEL, constants.BASE_MODEL)) == []
-    other = backend_deviations(plan, {"backend": "tinker", "requested_model": constants.BASE_MODEL,
-                                      "served_model": "Qwen/Qwen3.5-4B"})
+    other = backend_deviations(plan, BackendInfo(backend="tinker", requested_model=constants.BASE_MODEL,
+                                                 served_model="Qwen/Qwen3.5-4B"))
     assert other[0]["effective"] == "Qwen/Qwen3.5-4B"
     with pytest.raises(PlanError, match="size_reductions.field"):
         backend_deviations(plan, BackendInfo("local", "a", "b", size_reductions=[

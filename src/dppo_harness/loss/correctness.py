@@ -1,9 +1,9 @@
 """The correctness preflight's ``correctness_preflight`` block, its validator, and the CLI.
 
 ``build_preflight_block`` turns a golden parity report (``correctness_golden.check_golden``) into
-the brief's block: worst-case errors over every case and mode, fixed-input hash, revisions,
-precision and normalization. ``validate_preflight`` is the brief's contract: ``failed`` unless
-every check the spec sets a tolerance for passes it. The golden cases and their packing are in
+the spec's ``correctness_preflight`` block: worst-case errors over every case and mode, fixed-input
+hash, revisions, precision and normalization. ``validate_preflight`` checks a written block: ``failed``
+unless every check the spec sets a tolerance for passes it. The golden cases and their packing are in
 ``correctness_reference``, the independent padded implementations in ``references``; they share
 nothing with ``losses.py`` beyond ``constants.py``.
 
@@ -20,18 +20,25 @@ import hashlib
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
+
+from pydantic import JsonValue
 
 from dppo_harness.constants import BASELINE_REVISION, REFERENCE_REVISION
 from dppo_harness.loss.correctness_golden import (
     CHECK_NAMES,
     DEFAULT_TOLERANCES,
+    ErrorMeasures,
     GoldenReport,
+    Tolerances,
     check_golden,
     errors_pass,
+    measures_json,
 )
 from dppo_harness.loss.correctness_paths import DEFAULT_PATH_ID, implemented_list
 from dppo_harness.loss.correctness_reference import GOLDEN_SCHEMA, MODES, GoldenError
@@ -39,22 +46,64 @@ from dppo_harness.service.secrets_scan import without_credentials
 
 PATH_ID = DEFAULT_PATH_ID  # the block's path when no spec names one (the CLI without --spec)
 _LOSSES_PY = Path(__file__).with_name("losses.py")
+JsonObject = dict[str, JsonValue]  # a spec or a written block as decoded: the validator checks every key
+
+
+class ValidatorRun(TypedDict):
+    """What `run_validator_cli` records of one validator run."""
+
+    kind: str
+    command: str
+    spec_sha256: str
+    preflight_sha256: str
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def _object(value: JsonValue) -> JsonObject:
+    """A JSON value that must be an object here (a spec's or block's structure)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: JsonValue) -> list[JsonValue]:
+    """A JSON value that must be a list here."""
+    if not isinstance(value, list):
+        raise ValueError(f"expected a JSON list, got {type(value).__name__}")
+    return value
+
+
+def _limits(tol: JsonValue) -> dict[str, float]:
+    """One check's tolerance ({atol, rtol, min_cosine, ...}): every value a number."""
+    out: dict[str, float] = {}
+    for k, v in _object(tol).items():
+        if not isinstance(v, (int, float)):
+            raise ValueError(f"tolerance {k}: expected a number, got {v!r}")
+        out[k] = v
+    return out
+
+
+def _paths(block: JsonValue) -> list[JsonObject]:
+    """The object entries of a block's `paths` list (absent or null: none)."""
+    paths = _object(block).get("paths") or []
+    return [p for p in paths if isinstance(p, dict)] if isinstance(paths, list) else []
 
 
 # ---------------------------------------------------------------------------------------------
 # correctness_preflight block
 
 
-def spec_path_ids(spec: dict | None) -> tuple[str, ...]:
+def spec_path_ids(spec: JsonObject | None) -> tuple[str, ...]:
     """The path ids the spec's correctness preflight names, in its order (the plan loader refuses
     an id the harness does not implement); without a spec, the harness's own path."""
     if spec is None:
         return (PATH_ID,)
-    block = spec.get("correctness_preflight", spec)
-    return tuple(str(p.get("id")) for p in block.get("paths", []) or [] if isinstance(p, dict))
+    return tuple(str(p.get("id")) for p in _paths(spec.get("correctness_preflight", spec)))
 
 
-def spec_tolerances(spec: dict, path_id: str | None = None) -> dict[str, dict[str, float]]:
+def spec_tolerances(spec: JsonObject, path_id: str | None = None) -> dict[str, dict[str, float]]:
     """The tolerances of the spec's path `path_id` (default: the one path the spec names)."""
     if path_id is None:
         ids = spec_path_ids(spec)
@@ -62,13 +111,12 @@ def spec_tolerances(spec: dict, path_id: str | None = None) -> dict[str, dict[st
             raise ValueError(f"spec names {len(ids)} correctness_preflight paths {list(ids)}, not one "
                              f"(implemented: {implemented_list()})")
         path_id = ids[0]
-    block = spec.get("correctness_preflight", spec)
-    for p in block.get("paths", []) or []:
-        if isinstance(p, dict) and p.get("id") == path_id:
+    for p in _paths(spec.get("correctness_preflight", spec)):
+        if p.get("id") == path_id:
             tol = p.get("tolerances")
             if not isinstance(tol, dict) or not tol:
                 raise ValueError(f"spec path {path_id!r} has no tolerances")
-            return tol
+            return _tolerances(tol)
     raise ValueError(f"spec has no correctness_preflight path {path_id!r}")
 
 
@@ -76,38 +124,43 @@ def implementation_revision() -> str:
     return hashlib.sha256(_LOSSES_PY.read_bytes()).hexdigest()
 
 
-def _utilization(errors: dict[str, Any], tol: dict[str, float]) -> float:
+def _tolerances(tol: JsonObject) -> dict[str, dict[str, float]]:
+    """A spec path's tolerances: check name -> {limit name: number}."""
+    return {check: _limits(limits) for check, limits in tol.items()}
+
+
+def _utilization(errors: ErrorMeasures, tol: Mapping[str, float]) -> float:
     bound = float(tol["atol"]) + float(tol.get("rtol", 0.0)) * errors["reference_max_abs"]
     return errors["max_abs_error"] / bound if bound > 0 else math.inf
 
 
-def _worst(entries: list[dict[str, Any]], tol: dict[str, float]) -> dict[str, Any]:
+def _worst(entries: list[ErrorMeasures], tol: Mapping[str, float]) -> ErrorMeasures:
     failing = [e for e in entries if not errors_pass(e, tol)[0]]
     pool = failing or entries
     return max(pool, key=lambda e: (_utilization(e, tol), -(e["cosine_similarity"] if e["cosine_similarity"] is not None else -2.0)))
 
 
-def build_preflight_block(report: GoldenReport, spec: dict | None = None) -> dict:
-    """The brief's ``correctness_preflight`` object, one path per id the spec names (each with its
+def build_preflight_block(report: GoldenReport, spec: JsonObject | None = None) -> JsonObject:
+    """The spec's ``correctness_preflight`` object, one path per id the spec names (each with its
     own tolerances); errors are the worst case over every case and mode."""
     return {"required": True,
             "paths": [_path_block(report, pid, spec_tolerances(spec, pid) if spec is not None else DEFAULT_TOLERANCES)
                       for pid in spec_path_ids(spec)]}
 
 
-def _path_block(report: GoldenReport, path_id: str, tol: dict[str, Any]) -> dict:
+def _path_block(report: GoldenReport, path_id: str, tol: Tolerances) -> JsonObject:
     """One path of the block: the golden report judged against that path's tolerances."""
-    collected: dict[str, list[dict[str, Any]]] = {k: [] for k in CHECK_NAMES}
+    collected: dict[str, list[ErrorMeasures]] = {k: [] for k in CHECK_NAMES}
     for res in report.results:
         for sub in res.subchecks:
             if sub.name.startswith("ref_") or sub.name == "grpo_golden":
                 continue  # reference-implementation self-checks and the informational GRPO-vs-verl line
             for key, err in sub.errors.items():
                 collected[key].append(err)
-    errors = {}
+    errors: JsonObject = {}
     for key in CHECK_NAMES:
         if collected[key]:
-            errors[key] = _worst(collected[key], tol.get(key, DEFAULT_TOLERANCES[key]))
+            errors[key] = measures_json(_worst(collected[key], tol.get(key, DEFAULT_TOLERANCES[key])))
     modes = sorted({r.mode for r in report.results})
     flips = sum(1 for r in report.results for s in r.subchecks if "flips=" in s.detail)
     return {
@@ -144,18 +197,18 @@ def _path_block(report: GoldenReport, path_id: str, tol: dict[str, Any]) -> dict
 
 
 # ---------------------------------------------------------------------------------------------
-# Validator (the brief's contract: exit nonzero unless passed/not_applicable)
+# Validator: exit nonzero unless the status is passed or not_applicable
 
 
-def _is_hex64(v: Any) -> bool:
+def _is_hex64(v: JsonValue) -> bool:
     return isinstance(v, str) and len(v) == 64 and all(ch in "0123456789abcdef" for ch in v.lower())
 
 
-def _nonempty_str(v: Any) -> bool:
+def _nonempty_str(v: JsonValue) -> bool:
     return isinstance(v, str) and v.strip() != ""
 
 
-def validate_preflight(spec: dict, preflight: dict) -> tuple[str, list[str]]:
+def validate_preflight(spec: JsonValue, preflight: JsonValue) -> tuple[str, list[str]]:
     """Return (status, messages); status in {'passed', 'failed', 'not_applicable'}."""
     spec_block = spec.get("correctness_preflight", spec) if isinstance(spec, dict) else None
     if not isinstance(spec_block, dict):
@@ -172,7 +225,8 @@ def validate_preflight(spec: dict, preflight: dict) -> tuple[str, list[str]]:
     if not isinstance(paths, list):
         return "failed", msgs + ["FAIL preflight.paths must be a list"]
     by_id = {p.get("id"): p for p in paths if isinstance(p, dict)}
-    for sp in spec_block.get("paths", []) or []:
+    for entry in _list(spec_block.get("paths", []) or []):
+        sp = _object(entry)
         pid = sp.get("id")
         p = by_id.get(pid)
         if p is None:
@@ -183,7 +237,7 @@ def validate_preflight(spec: dict, preflight: dict) -> tuple[str, list[str]]:
     return status, msgs
 
 
-def _validate_path(pid: Any, sp: dict, p: dict) -> list[str]:
+def _validate_path(pid: JsonValue, sp: JsonObject, p: JsonObject) -> list[str]:
     """Messages for one spec path against its preflight entry `p`."""
     msgs: list[str] = []
     fi = p.get("fixed_input")
@@ -191,13 +245,13 @@ def _validate_path(pid: Any, sp: dict, p: dict) -> list[str]:
         msgs.append(f"FAIL {pid}: fixed_input needs a 64-hex sha256 and a description")
     for key in ("baseline_revision", "reference_revision", "implementation_revision", "precision", "normalization"):
         v = p.get(key)
-        if not _nonempty_str(v) or v.strip().upper().startswith("UNRESOLVED"):
+        if not isinstance(v, str) or not _nonempty_str(v) or v.strip().upper().startswith("UNRESOLVED"):
             msgs.append(f"FAIL {pid}: {key} missing or unresolved ({v!r})")
-    errors = p.get("errors")
-    if not isinstance(errors, dict):
+    recorded = p.get("errors")
+    errors = recorded if isinstance(recorded, dict) else {}
+    if not isinstance(recorded, dict):
         msgs.append(f"FAIL {pid}: errors missing")
-        errors = {}
-    tols = sp.get("tolerances") or {}
+    tols = _object(sp.get("tolerances") or {})
     if not tols:
         msgs.append(f"FAIL {pid}: spec path has no tolerances")
     for check, tol in tols.items():
@@ -207,15 +261,15 @@ def _validate_path(pid: Any, sp: dict, p: dict) -> list[str]:
     if not isinstance(lr, list):
         msgs.append(f"FAIL {pid}: lr_scaling must be a list")
     else:
-        msgs += _validate_lr_scaling(pid, lr, tols.get("lr_scaling") if isinstance(tols, dict) else None)
+        msgs += _validate_lr_scaling(pid, lr, tols.get("lr_scaling"))
     return msgs
 
 
-def _check_errors(pid: Any, check: str, err: Any, tol: dict[str, float]) -> str:
+def _check_errors(pid: JsonValue, check: str, err: JsonValue, tol: JsonValue) -> str:
     """One `ok`/`FAIL` line: a check's recorded error measures against its spec tolerance."""
     if not isinstance(err, dict):
         return f"FAIL {pid}.{check}: missing"
-    ok, why = errors_pass(err, tol)
+    ok, why = errors_pass(err, _limits(tol))
     rel = err.get("relative_l2_error")
     if ok and rel is None and err.get("reference_max_abs", 0) != 0:
         ok, why = False, "relative_l2_error is null for a nonzero reference"
@@ -224,12 +278,13 @@ def _check_errors(pid: Any, check: str, err: Any, tol: dict[str, float]) -> str:
     return f"{'ok  ' if ok else 'FAIL'} {pid}.{check}: {why}"
 
 
-def _validate_lr_scaling(pid: Any, lr: list, lr_tol: Any) -> list[str]:
+def _validate_lr_scaling(pid: JsonValue, lr: list[JsonValue], lr_tol: JsonValue) -> list[str]:
     """Messages for a path's `lr_scaling` list; an unmeasured entry is unverified, never a pass."""
     msgs: list[str] = []
     unavailable = [e for e in lr if isinstance(e, dict) and e.get("available") is False]
     for e in unavailable:  # recorded as unmeasured with its reason: unverified, never a pass
-        if not (isinstance(e.get("reason"), str) and e["reason"].strip()) or e.get("update_norm") is not None:
+        reason = e.get("reason")
+        if not (isinstance(reason, str) and reason.strip()) or e.get("update_norm") is not None:
             msgs.append(f"FAIL {pid}: an unavailable lr_scaling entry needs a reason and update_norm null")
     if unavailable and isinstance(lr_tol, dict):
         msgs.append(f"FAIL {pid}: lr_scaling unavailable ({unavailable[0].get('reason')}) but the spec sets a tolerance")
@@ -237,11 +292,8 @@ def _validate_lr_scaling(pid: Any, lr: list, lr_tol: Any) -> list[str]:
         msgs.append(f"note {pid}: lr_scaling unavailable: {unavailable[0].get('reason')} (unverified; the spec "
                     "sets no LR-scaling tolerance for this path)")
     lr = [e for e in lr if not (isinstance(e, dict) and e.get("available") is False)]
-    for i, e in enumerate(lr):
-        good = isinstance(e, dict) and all(
-            isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool) and math.isfinite(e[k]) and e[k] > 0
-            for k in ("learning_rate", "update_norm")
-        )
+    for i, probe in enumerate(lr):
+        good = isinstance(probe, dict) and all(_positive_finite(probe.get(k)) for k in ("learning_rate", "update_norm"))
         if not good:
             msgs.append(f"FAIL {pid}: lr_scaling[{i}] needs positive finite learning_rate and update_norm")
     if isinstance(lr_tol, dict) and not unavailable:
@@ -249,6 +301,10 @@ def _validate_lr_scaling(pid: Any, lr: list, lr_tol: Any) -> list[str]:
     elif not lr and not unavailable:
         msgs.append(f"note {pid}: lr_scaling empty (the spec sets no LR-scaling tolerance for this path)")
     return msgs
+
+
+def _positive_finite(v: JsonValue) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def lr_scaling_error(probes: Sequence[Mapping[str, float]]) -> list[float]:
@@ -263,14 +319,15 @@ def lr_scaling_error(probes: Sequence[Mapping[str, float]]) -> list[float]:
     return [abs((p["update_norm"] / p["learning_rate"]) / base - 1.0) for p in probes]
 
 
-def _check_lr_scaling(pid: str, lr: list, tol: dict) -> list[str]:
+def _check_lr_scaling(pid: JsonValue, lr: list[JsonValue], tol: JsonObject) -> list[str]:
     limit = tol.get("max_relative_error", tol.get("rtol"))
     if len(lr) < 2:
         return [f"FAIL {pid}.lr_scaling: the spec sets a tolerance but fewer than 2 probes were recorded"]
     if not isinstance(limit, (int, float)):
         return [f"FAIL {pid}.lr_scaling: spec tolerance needs max_relative_error, got {tol!r}"]
     try:
-        errs = lr_scaling_error(lr)
+        # the probes are unchecked JSON: a malformed one raises below and is reported, not trusted
+        errs = lr_scaling_error(lr)  # type: ignore[arg-type]
     except (KeyError, TypeError, ZeroDivisionError) as exc:
         return [f"FAIL {pid}.lr_scaling: malformed probes ({exc})"]
     worst = max(errs)
@@ -282,19 +339,17 @@ def _check_lr_scaling(pid: str, lr: list, tol: dict) -> list[str]:
 # CLI
 
 
-def _load_json(path: str, what: str) -> Any:
+def _load_json(path: str, what: str) -> JsonValue:
     try:
-        return json.loads(Path(path).read_text())
+        value: JsonValue = json.loads(Path(path).read_text())
+        return value
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"error: cannot read {what} {path}: {exc}") from None
 
 
-def run_validator_cli(spec_bytes: bytes, preflight_block: Mapping[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-    """Run `python -m dppo_harness.loss.correctness validate` on the WRITTEN preflight block, as the brief
-    asks of its validator, and return its exit code and output."""
-    import subprocess
-    import tempfile
-
+def run_validator_cli(spec_bytes: bytes, preflight_block: JsonObject, timeout_s: float = 120.0) -> ValidatorRun:
+    """Run `python -m dppo_harness.loss.correctness validate` on the WRITTEN preflight block (the
+    validator judges the file as written, not the object in memory), and return its exit code and output."""
     with tempfile.TemporaryDirectory() as d:
         spec_f, pre_f = Path(d) / "spec.json", Path(d) / "correctness-preflight.json"
         spec_f.write_bytes(spec_bytes)
@@ -323,10 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.cmd == "check-golden":
-        import torch
+        import torch  # the golden run's packed path only: `validate` and the importers stay torch-free
 
         torch.set_num_threads(1)
-        spec = _load_json(args.spec, "spec") if args.spec else None
+        spec = _object(_load_json(args.spec, "spec")) if args.spec else None
         tol = spec_tolerances(spec) if spec is not None else None
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         bad = [m for m in modes if m not in MODES]
@@ -348,9 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{report.n_passed} passed, {report.n_failed} failed")
         return 0 if report.n_failed == 0 else 1
 
-    spec = _load_json(args.spec, "spec")
-    pre = _load_json(args.preflight, "preflight")
-    status, msgs = validate_preflight(spec, pre)
+    status, msgs = validate_preflight(_load_json(args.spec, "spec"), _load_json(args.preflight, "preflight"))
     for m in msgs:
         print(m)
     print(status)

@@ -3,8 +3,9 @@ golden values (or, where float32 rounding moves a token across a decision bounda
 independent padded implementation on the rounded inputs), and every registered loss against its
 own reference and golden cases.
 
-Also the error measures and the brief's acceptance rule (``parity_errors``, ``errors_pass``) that
-these checks and the ``correctness_preflight`` validator (``correctness``) both apply.
+Also the error measures and their acceptance rule (``parity_errors``, ``errors_pass``: max |error| <=
+atol + rtol x max |reference|, and cosine >= min_cosine where the tolerance sets one) that these
+checks and the ``correctness_preflight`` validator (``correctness``) both apply.
 
 In Datum modes the sampler logprobs are float32-rounded; if that rounding moves a token across a
 decision boundary (only the exact-boundary cases do), the expectation is the independent padded
@@ -18,9 +19,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
+import numpy.typing as npt
+from pydantic import JsonValue
 
 from dppo_harness.constants import LOG_RATIO_CLAMP_MAX
 from dppo_harness.loss.correctness_reference import (
@@ -52,8 +55,20 @@ VERL_NO_DUAL_CLIP_C = 10000.0
 # ---------------------------------------------------------------------------------------------
 # Error measures
 
+Tolerances = Mapping[str, Mapping[str, float]]  # check name -> {atol, rtol, min_cosine}
+JsonObject = dict[str, JsonValue]
 
-def parity_errors(actual: Any, reference: Any) -> dict[str, float | None]:
+
+class ErrorMeasures(TypedDict):
+    """One comparison's error measures (a check of the `correctness_preflight` block's `errors`)."""
+
+    max_abs_error: float
+    reference_max_abs: float
+    relative_l2_error: float | None  # None for a zero reference
+    cosine_similarity: float | None  # None for a zero vector
+
+
+def parity_errors(actual: npt.ArrayLike, reference: npt.ArrayLike) -> ErrorMeasures:
     """max_abs_error, reference_max_abs, relative_l2_error (None for zero reference), cosine (None for a zero vector)."""
     a = np.asarray(actual, dtype=np.float64).ravel()
     r = np.asarray(reference, dtype=np.float64).ravel()
@@ -70,18 +85,28 @@ def parity_errors(actual: Any, reference: Any) -> dict[str, float | None]:
     }
 
 
-def errors_pass(errors: dict[str, Any], tol: dict[str, float]) -> tuple[bool, str]:
-    """The brief's acceptance rule; returns (passed, reason)."""
+def measures_json(e: ErrorMeasures) -> JsonObject:
+    return {"max_abs_error": e["max_abs_error"], "reference_max_abs": e["reference_max_abs"],
+            "relative_l2_error": e["relative_l2_error"], "cosine_similarity": e["cosine_similarity"]}
+
+
+def errors_pass(errors: Mapping[str, object], tol: Mapping[str, float]) -> tuple[bool, str]:
+    """The acceptance rule: max_abs_error <= atol + rtol * reference_max_abs (both finite and
+    non-negative) and, where `tol` sets min_cosine, cosine_similarity >= it (missing only for an
+    exact zero on both sides); returns (passed, reason). `errors` may be a recorded block's JSON."""
+    measures: list[float] = []
     for key in ("max_abs_error", "reference_max_abs"):
         v = errors.get(key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
             return False, f"{key} must be a finite non-negative number, got {v!r}"
-    bound = float(tol["atol"]) + float(tol.get("rtol", 0.0)) * errors["reference_max_abs"]
-    if not errors["max_abs_error"] <= bound:
-        return False, f"max_abs_error {errors['max_abs_error']:.3g} > atol+rtol*ref {bound:.3g}"
+        measures.append(v)
+    max_abs, ref_max_abs = measures
+    bound = float(tol["atol"]) + float(tol.get("rtol", 0.0)) * ref_max_abs
+    if not max_abs <= bound:
+        return False, f"max_abs_error {max_abs:.3g} > atol+rtol*ref {bound:.3g}"
     if "min_cosine" in tol:
         cos = errors.get("cosine_similarity")
-        exact_zero = errors["max_abs_error"] == 0 and errors["reference_max_abs"] == 0
+        exact_zero = max_abs == 0 and ref_max_abs == 0
         if cos is None and not exact_zero:
             return False, "cosine_similarity missing (zero vector) but min_cosine is required"
         if cos is not None and (not isinstance(cos, (int, float)) or not cos >= float(tol["min_cosine"])):
@@ -107,7 +132,7 @@ class LossParity:
         return self.cases > 0 and not self.failures
 
 
-def _close(name: str, what: str, got: Any, want: Any, tol: Mapping[str, float]) -> list[str]:
+def _close(name: str, what: str, got: npt.ArrayLike, want: npt.ArrayLike, tol: Mapping[str, float]) -> list[str]:
     g, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     bad = ~np.isclose(g, w, atol=tol["atol"], rtol=tol["rtol"])
     if bad.any():
@@ -120,9 +145,9 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
     """A registered loss on its golden cases: its numpy reference reproduces the golden values
     (with the golden's rule variant, `GoldenCases.reference_params`), and the packed training path
     (float64) matches the reference (as trained) in loss, gradient and, for DPPO, mask."""
-    import torch
+    import torch  # the packed path's torch only where it runs: the validate CLI needs numpy alone
 
-    from dppo_harness.loss import losses
+    from dppo_harness.loss import losses  # imports torch (see above)
 
     entry = losses.get_loss(name)
     path = Path(root) / entry.golden.file
@@ -168,7 +193,7 @@ class SubCheck:
     name: str
     passed: bool
     detail: str
-    errors: dict[str, dict[str, Any]] = field(default_factory=dict)  # check name -> error measures
+    errors: dict[str, ErrorMeasures] = field(default_factory=dict)  # check name -> error measures
 
 
 @dataclass
@@ -185,12 +210,13 @@ class CaseResult:
         parts = [f"{s.name}:{'ok' if s.passed else 'FAIL'}({s.detail})" for s in self.subchecks]
         return f"{'PASS' if self.passed else 'FAIL'} {self.case} [{self.mode}] " + " ".join(parts)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {
             "case": self.case,
             "mode": self.mode,
             "passed": self.passed,
-            "subchecks": [{"name": s.name, "passed": s.passed, "detail": s.detail, "errors": s.errors} for s in self.subchecks],
+            "subchecks": [{"name": s.name, "passed": s.passed, "detail": s.detail,
+                           "errors": {k: measures_json(e) for k, e in s.errors.items()}} for s in self.subchecks],
         }
 
 
@@ -200,7 +226,7 @@ def _loss_grad_check(
     grad_BT: np.ndarray,
     exp_loss: float,
     exp_grad_BT: np.ndarray,
-    tolerances: dict[str, dict[str, float]],
+    tolerances: Tolerances,
     loss_key: str,
     grad_key: str,
     extra_fail: list[str],
@@ -224,9 +250,6 @@ def _loss_grad_check(
     return SubCheck(name, not fails, detail, {loss_key: le, grad_key: ge})
 
 
-Tolerances = dict[str, dict[str, float]]
-
-
 def check_case(case: GoldenCase, mode: str, tolerances: Tolerances | None = None, seed: int = 0) -> CaseResult:
     """One golden case in one mode: in float64 the independent references against the golden file,
     then the packed DPPO path, the packed GRPO path against Tinker's ppo formula (sum and
@@ -246,7 +269,7 @@ def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
     rd = ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT)
     fails = [] if np.array_equal(rd.decision_BT, case.dppo_mask_BT > 0) else ["mask differs"]
     subs = [_loss_grad_check("ref_dppo_vs_golden", rd.loss, rd.grad_BT, case.dppo_loss, case.dppo_grad_BT, tol, "reference_loss", "reference_gradient", fails)]
-    if case.grpo_loss is not None:
+    if case.grpo_loss is not None and case.grpo_grad_BT is not None:  # both or neither (the golden's GRPO entry)
         rv = ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=LOG_RATIO_CLAMP_MAX, dual_clip_c=VERL_NO_DUAL_CLIP_C)
         fails = []
         if case.grpo_clipfrac is not None:
@@ -308,7 +331,7 @@ def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tol
     rv = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean")
     gold_clip = ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean").decision_BT
     cflips = int((rv.decision_BT != gold_clip).sum())
-    if cflips == 0:
+    if cflips == 0 and case.grpo_loss is not None and case.grpo_grad_BT is not None:  # check_case: both set
         exp_loss, exp_grad, note = case.grpo_loss, case.grpo_grad_BT, "vs golden"
     else:
         exp_loss, exp_grad, note = rv.loss, rv.grad_BT, f"flips={cflips} vs independent ref on rounded inputs"
@@ -361,7 +384,7 @@ class GoldenReport:
     def n_failed(self) -> int:
         return len(self.results) - self.n_passed
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {
             "golden_path": self.path,
             "golden_sha256": self.sha256,
@@ -371,9 +394,10 @@ class GoldenReport:
         }
 
 
-def check_golden(path: Path, modes: Sequence[str] = MODES, tolerances: dict | None = None,
+def check_golden(path: Path, modes: Sequence[str] = MODES, tolerances: Tolerances | None = None,
                  progress: Callable[[str], None] | None = None) -> GoldenReport:
     """Every golden case in every mode; `progress` gets a line at least every few seconds of work."""
+    # the evidence package's __init__ loads the bundle stack (plans, service); only this runner ticks
     from dppo_harness.evidence.progress import Ticker, quiet
 
     _, cases = load_golden(path)

@@ -23,9 +23,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+from pydantic import JsonValue
+
+from dppo_harness.loss.loss_registry import Normalization
+
+if TYPE_CHECKING:
+    import tinker
+
+JsonObject = dict[str, JsonValue]
 
 GOLDEN_SCHEMA = "dppo_golden_v1"
 MODES = ("float64", "float32", "float64-datum")
@@ -44,8 +52,8 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _array(case: dict, keys: Sequence[str], shape: tuple[int, int]) -> np.ndarray:
-    obj: Any = case
+def _array(case: JsonObject, keys: Sequence[str], shape: tuple[int, int]) -> np.ndarray:
+    obj: JsonValue = case
     for k in keys:
         if not isinstance(obj, dict) or k not in obj:
             raise GoldenError(f"case {case.get('name', '?')!r}: missing {'.'.join(keys)}")
@@ -59,8 +67,8 @@ def _array(case: dict, keys: Sequence[str], shape: tuple[int, int]) -> np.ndarra
     return arr
 
 
-def _scalar(case: dict, keys: Sequence[str]) -> float:
-    obj: Any = case
+def _scalar(case: JsonObject, keys: Sequence[str]) -> float:
+    obj: JsonValue = case
     for k in keys:
         if not isinstance(obj, dict) or k not in obj:
             raise GoldenError(f"case {case.get('name', '?')!r}: missing {'.'.join(keys)}")
@@ -173,19 +181,19 @@ def pack_case(case: GoldenCase, seed: int = 0) -> PackedCase:
     return packed
 
 
-def to_datums(packed: PackedCase) -> list:
-    import tinker
+def to_datums(packed: PackedCase) -> list[tinker.Datum]:
+    import tinker  # only where datums are built: the validate CLI needs numpy alone
 
-    datums = []
+    datums: list[tinker.Datum] = []
     for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T):
         datums.append(
             tinker.Datum(
                 model_input=tinker.ModelInput.from_ints(tokens[:-1]),
                 loss_fn_inputs={
-                    "target_tokens": np.asarray(tokens[1:], dtype=np.int64),
-                    "logprobs": mu.astype(np.float32),
-                    "advantages": adv.astype(np.float32),
-                    "mask": mask.astype(np.float32),
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+                    "logprobs": tinker.TensorData.from_numpy(mu.astype(np.float32)),
+                    "advantages": tinker.TensorData.from_numpy(adv.astype(np.float32)),
+                    "mask": tinker.TensorData.from_numpy(mask.astype(np.float32)),
                 },
             )
         )
@@ -206,11 +214,11 @@ class PackedRun:
     missing_grads: int
 
 
-def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: str, mode: str) -> PackedRun:
+def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: Normalization, mode: str) -> PackedRun:
     """Run the packed path under test and scatter its outputs back into the padded layout."""
     import torch  # lazy: the validate CLI needs numpy only
 
-    from dppo_harness.loss import losses
+    from dppo_harness.loss import losses  # imports torch (see above)
 
     cfg = losses.LossConfig(loss=losses.DPPO_LOSS if arm == "dppo" else losses.GRPO_LOSS, normalization=normalization)
     B, T = case.mask_BT.shape

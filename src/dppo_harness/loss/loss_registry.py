@@ -122,7 +122,7 @@ def _dppo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor
                      cfg: LossConfig) -> torch.Tensor:
     """DPPO Binary-TV: -A * w * keep * lp with the detached capped weight w = min(exp(min(lp - mu,
     20)), C); no lower clamp on the log-ratio (pinned rule)."""
-    import torch
+    import torch  # plan loading imports the registry: torch only when a rule runs
 
     zero = torch.zeros((), dtype=torch.float64)
     log_ratio_N = (lp_N.detach() - mu_N).clamp(max=LOG_RATIO_CLAMP_MAX)
@@ -134,7 +134,7 @@ def _dppo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor
 def _grpo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms,
                      cfg: LossConfig) -> torch.Tensor:
     """GRPO clipped ratio (Tinker's `ppo`): -min(r*A, clamp(r, 1-eps, 1+eps)*A), gradient through r."""
-    import torch
+    import torch  # plan loading imports the registry: torch only when a rule runs
 
     ratio_N = (lp_N - mu_N).exp()
     clamped_N = ratio_N.clamp(1 - cfg.ppo_eps, 1 + cfg.ppo_eps)

@@ -17,11 +17,12 @@ the exact values the service returned (bf16/float32 probabilities flip boundary 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
+import tinker
 import torch
 
 from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
@@ -34,6 +35,7 @@ from dppo_harness.loss.loss_registry import (  # the registry; re-exported here 
     PPO_METRIC_NAMES,
     GoldenCases,
     LossEntry,
+    Normalization,
     UnknownLossError,
     gate_metric_sources,
     get_loss,
@@ -41,9 +43,6 @@ from dppo_harness.loss.loss_registry import (  # the registry; re-exported here 
     register_loss,
     unregister_loss,
 )
-
-Normalization = Literal["sum", "token_mean"]
-LossFn = Callable[[Sequence[Any], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 _NORMALIZATIONS = ("sum", "token_mean")
 _INPUT_KEYS = ("logprobs", "advantages", "mask")
@@ -113,16 +112,16 @@ class TokenTerms:
     advantages_N: torch.Tensor  # float64, as given (junk kept on non-loss tokens)
 
 
-def as_numpy(value: Any) -> np.ndarray:
+def as_numpy(value: tinker.TensorData | torch.Tensor | npt.ArrayLike) -> np.ndarray:
     """One loss_fn_inputs entry as numpy, whether TensorData (dense or sparse), torch or a list."""
-    if hasattr(value, "to_numpy"):
+    if isinstance(value, tinker.TensorData):
         return np.asarray(value.to_numpy())
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
     return np.asarray(value)
 
 
-def _as_numpy_1d(value: Any, key: str, index: int) -> np.ndarray:
+def _as_numpy_1d(value: tinker.TensorData | torch.Tensor | npt.ArrayLike, key: str, index: int) -> np.ndarray:
     arr = as_numpy(value)
     if arr.ndim != 1:
         raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] must be 1-D, got shape {arr.shape}")
@@ -130,7 +129,7 @@ def _as_numpy_1d(value: Any, key: str, index: int) -> np.ndarray:
 
 
 def unpack_datums(
-    data: Sequence[Any],
+    data: Sequence[tinker.Datum],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Concatenate sampler logprobs, advantages and mask of all datums.
 
@@ -333,7 +332,7 @@ def packed_loss_and_metrics(
     return packed_loss(logprobs_N, sampler_logprobs_N, terms, cfg), loss_metrics(terms, cfg)
 
 
-def _concat_logprobs(data: Sequence[Any], logprobs_list: Sequence[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+def _concat_logprobs(data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor], lengths: list[int]) -> torch.Tensor:
     if len(logprobs_list) != len(data):
         raise ValueError(f"got {len(logprobs_list)} logprob tensors for {len(data)} datums")
     for i, (lp, length) in enumerate(zip(logprobs_list, lengths)):
@@ -344,26 +343,33 @@ def _concat_logprobs(data: Sequence[Any], logprobs_list: Sequence[torch.Tensor],
     return torch.cat([lp.to(torch.float64) for lp in logprobs_list])
 
 
-def datum_token_terms(data: Sequence[Any], logprobs_list: Sequence[torch.Tensor], cfg: LossConfig) -> TokenTerms:
+def datum_token_terms(data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor], cfg: LossConfig) -> TokenTerms:
     """Per-token terms for a list of datums and their current logprobs (instrumentation entry)."""
     sampler_N, adv_N, mask_N, lengths = unpack_datums(data)
     logprobs_N = _concat_logprobs(data, logprobs_list, lengths).detach()
     return token_terms(logprobs_N, sampler_N, adv_N, mask_N, cfg)
 
 
-def make_loss_fn(cfg: LossConfig) -> LossFn:
-    """``loss_fn(data, logprobs_list) -> (scalar loss, metrics)`` for ``forward_backward_custom``."""
-    if not isinstance(cfg, LossConfig):
-        raise TypeError(f"make_loss_fn needs a LossConfig, got {type(cfg).__name__}")
+@dataclass(frozen=True)
+class LossFn:
+    """``loss_fn(data, logprobs_list) -> (scalar loss, metrics)`` for ``forward_backward_custom``:
+    the packed path at `loss_config`, whatever registered loss it names."""
 
-    def loss_fn(data: Sequence[Any], logprobs_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    loss_config: LossConfig
+
+    def __call__(self, data: Sequence[tinker.Datum],
+                 logprobs_list: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         sampler_N, adv_N, mask_N, lengths = unpack_datums(data)
         logprobs_N = _concat_logprobs(data, logprobs_list, lengths)
-        loss, metrics = packed_loss_and_metrics(logprobs_N, sampler_N, adv_N, mask_N, cfg)
+        loss, metrics = packed_loss_and_metrics(logprobs_N, sampler_N, adv_N, mask_N, self.loss_config)
         if not loss.requires_grad:
             # No gradient-bearing token (or no logprob requires grad): still give every tensor a grad.
             loss = loss + sum((lp * 0.0).sum() for lp in logprobs_list if lp.requires_grad)
         return loss, metrics
 
-    loss_fn.loss_config = cfg  # type: ignore[attr-defined]
-    return loss_fn
+
+def make_loss_fn(cfg: LossConfig) -> LossFn:
+    """The `forward_backward_custom` loss of one arm (`LossFn`)."""
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"make_loss_fn needs a LossConfig, got {type(cfg).__name__}")
+    return LossFn(cfg)

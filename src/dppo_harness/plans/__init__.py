@@ -1,10 +1,13 @@
 """Frozen plans: the plan models, loading (sha256 of the exact bytes), the typed run config,
 rehearsal rules, launch scope, effective config and deviations.
 
-Modules: `models` (strict pydantic models per kind, decoding), `prose` (values a spec states only
-in its method text), `run_config` (the typed `RunConfig` stages read), `rehearsal` (rules and the
-`rehearse` tool), `launch` (what a launch authorizes on a real service), `plan` (`Plan`,
-`load_plan`, `effective_config`). CLI: `python -m dppo_harness.plans {validate,rehearse}`.
+Modules: `models` (strict pydantic models per kind, decoding; `schema_errors` words their errors),
+`prose` (values a spec states only in its method text), `resolution` (the file beside a plan that
+settles what the prose leaves open), `loss_params` (what a spec says about its losses against the
+registry), `run_config` (the typed `RunConfig` stages read), `rehearsal` (rules and the `rehearse`
+tool), `launch` (what a launch authorizes on a real service), `plan` (`Plan`, `load_plan`,
+`effective_config`), `reading` (what `validate` prints beside the config). CLI:
+`python -m dppo_harness.plans {validate,rehearse}`.
 """
 
 from dppo_harness.plans.launch import refusal as launch_refusal
@@ -13,7 +16,9 @@ from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refu
 from dppo_harness.plans.models import (
     AUTHORIZABLE_STAGES,
     DEVIATION_FIELDS,
+    DiagnosticSchedule,
     ExperimentSpec,
+    JsonObject,
     Launch,
     PlanError,
     PlanKind,
@@ -23,6 +28,7 @@ from dppo_harness.plans.models import (
 from dppo_harness.plans.plan import (
     SERVED_MODEL_UNAVAILABLE,
     BackendInfo,
+    GenerationAuditApplicability,
     Plan,
     backend_deviations,
     check_original_plan,
@@ -56,7 +62,10 @@ __all__ = [
     "ArmConfig",
     "BackendInfo",
     "CriterionConfig",
+    "DiagnosticSchedule",
     "ExperimentSpec",
+    "GenerationAuditApplicability",
+    "JsonObject",
     "Launch",
     "Plan",
     "PlanError",

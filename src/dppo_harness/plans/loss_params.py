@@ -11,11 +11,10 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
 
 from dppo_harness.loss import loss_registry
 from dppo_harness.loss.correctness_paths import IMPLEMENTED_PATHS, implemented_list
-from dppo_harness.plans.models import ExperimentSpec, PlanError
+from dppo_harness.plans.models import ExperimentSpec, JsonObject, PlanError
 from dppo_harness.plans.prose import contexted_sentences, read_number
 
 
@@ -81,7 +80,8 @@ class LossParamStatement:
     source: str  # the sentence verbatim
 
 
-def spec_model(raw: dict[str, Any]) -> ExperimentSpec:
+def spec_model(raw: JsonObject) -> ExperimentSpec:
+    """A decoded spec validated (tests and tools that edit a spec's JSON)."""
     return ExperimentSpec.model_validate(raw)
 
 

@@ -1,7 +1,7 @@
 """Plan file models: strict pydantic models per plan kind, JSON decoding, kind detection.
 
 Three plan kinds live in `plans/`:
-- `experiment_spec`: the saved experiment spec, verbatim from the brief (it has no `kind` key);
+- `experiment_spec`: the saved experiment spec, verbatim as exchanged (it has no `kind` key);
 - `bounded_diagnostic`: the requester's revised diagnostic (`"kind": "bounded_diagnostic"`);
 - `rehearsal`: a complete experiment spec at rehearsal size, derived from a saved spec (by path
   and sha256) with every difference declared (`"kind": "rehearsal"`, `plans/rehearsal/`).
@@ -17,14 +17,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, NoReturn
 
 from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
 from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error, type_name
 
 PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
-# The brief's structured output only knows these deviation fields.
+JsonObject = dict[str, JsonValue]  # a decoded JSON object the plans package reads itself (a plan, a config)
+# A deviation's `field` is one of these (the structured output's deviation fields; no other is reported).
 DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
 _SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
@@ -56,7 +57,7 @@ class _Model(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_null_for_optional_keys(cls, data: Any) -> Any:
+    def _no_null_for_optional_keys(cls, data: object) -> object:  # any input: pydantic validates it next
         if isinstance(data, dict):
             for key, value in data.items():
                 f = cls.model_fields.get(key)
@@ -223,7 +224,7 @@ class FeasibilityCheck(_Model):
 
 
 class ExperimentSpec(_Model):
-    """The brief's saved experiment spec (verbatim; no `kind` key)."""
+    """The saved experiment spec, verbatim as exchanged (no `kind` key)."""
 
     title: str
     hypothesis: str
@@ -350,7 +351,9 @@ class FixedSettings(_Model):
     loss_normalization: LossNormalization
 
 
-class Schedule(_Model):
+class DiagnosticSchedule(_Model):
+    """A bounded diagnostic's schedule: one sampled batch reused over epochs of minibatches."""
+
     sampling_batches: Annotated[int, Field(ge=1, le=1)]
     groups_per_batch: PosInt
     group_size: PosInt
@@ -366,7 +369,7 @@ class Schedule(_Model):
     record_sampler_checkpoint: bool
 
     @model_validator(mode="after")
-    def _consistent(self) -> Schedule:
+    def _consistent(self) -> DiagnosticSchedule:
         if self.minibatches_per_epoch * self.groups_per_minibatch != self.groups_per_batch:
             raise rule_error("groups_per_minibatch",
                              "minibatches_per_epoch x groups_per_minibatch must equal groups_per_batch")
@@ -482,7 +485,7 @@ class BoundedDiagnostic(_Model):
     tested_instead: str
     experiment_features: ExperimentFeatures
     fixed_settings: FixedSettings
-    schedule: Schedule
+    schedule: DiagnosticSchedule
     caps: Caps
     recording: Recording
     analysis: Analysis
@@ -551,37 +554,38 @@ class RehearsalPlan(_Model):
 
 
 PlanModel = ExperimentSpec | BoundedDiagnostic | RehearsalPlan
-MODELS: dict[str, type[_Model]] = {
+MODELS: dict[PlanKind, type[PlanModel]] = {
     "experiment_spec": ExperimentSpec, "bounded_diagnostic": BoundedDiagnostic, "rehearsal": RehearsalPlan,
 }
 
 
-def detect_kind(raw: Any) -> PlanKind:
+def detect_kind(raw: JsonValue) -> PlanKind:
     if not isinstance(raw, dict):
         raise _fail("", f"expected object, got {type_name(raw)}")
     if "kind" in raw:
         kind = raw["kind"]
-        if kind not in ("bounded_diagnostic", "rehearsal"):
-            raise _fail("kind", "expected one of ['bounded_diagnostic', 'rehearsal'] "
-                                f"(a saved experiment spec has no kind), got {kind!r}")
-        return kind  # type: ignore[no-any-return]
+        if kind == "bounded_diagnostic" or kind == "rehearsal":
+            return "bounded_diagnostic" if kind == "bounded_diagnostic" else "rehearsal"
+        raise _fail("kind", "expected one of ['bounded_diagnostic', 'rehearsal'] "
+                            f"(a saved experiment spec has no kind), got {kind!r}")
     return "experiment_spec"
 
 
-def validate_model(raw: Any) -> tuple[PlanKind, PlanModel]:
+def validate_model(raw: JsonValue) -> tuple[PlanKind, PlanModel]:
     """Validate a decoded plan against its kind's model; returns (kind, model) or raises PlanError."""
     kind = detect_kind(raw)
     try:
-        return kind, MODELS[kind].model_validate(raw)  # type: ignore[return-value]
+        return kind, MODELS[kind].model_validate(raw)
     except ValidationError as exc:
         raise PlanError(first_error(exc)) from None
 
 
-def decode(data: bytes, path: Path | None = None) -> Any:
+def decode(data: bytes, path: Path | None = None) -> JsonValue:
     """The JSON value of plan bytes (UTF-8, no NaN/inf), or PlanError naming the file."""
     where = f"{path}: " if path else ""
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        value: JsonValue = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        return value
     except UnicodeDecodeError as exc:
         raise PlanError(f"{where}<root>: not UTF-8 ({exc})") from None
     except json.JSONDecodeError as exc:
@@ -590,7 +594,7 @@ def decode(data: bytes, path: Path | None = None) -> Any:
         raise PlanError(f"{where}<root>: {exc}") from None
 
 
-def _reject_constant(name: str) -> Any:
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"non-finite number {name} is not allowed")
 
 

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
-from pydantic import ValidationError
+from pydantic import BaseModel, JsonValue, ValidationError
 
 from dppo_harness import constants
 from dppo_harness.data import dataset
@@ -27,6 +27,7 @@ from dppo_harness.plans.models import (
     MODELS,
     BoundedDiagnostic,
     ExperimentSpec,
+    JsonObject,
     Launch,
     PlanError,
     PlanKind,
@@ -36,15 +37,17 @@ from dppo_harness.plans.models import (
     detect_kind,
     validate_model,
 )
+from dppo_harness.plans.prose import rewrite
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
 from dppo_harness.plans.resolution import Resolution, default_settlements, load_resolution
 from dppo_harness.plans.run_config import RunConfig, build_run_config
 from dppo_harness.plans.schema_errors import describe
+from dppo_harness.project import plans_dir as project_plans
 
 
 @dataclass(frozen=True)
 class Plan:
-    raw: dict[str, Any]  # the decoded JSON (the plans package's business; stages read the models)
+    raw: JsonObject  # the decoded JSON (the plans package's business; stages read the models)
     sha256: str  # of the exact file bytes
     kind: PlanKind
     path: Path | None = None
@@ -58,26 +61,35 @@ class Plan:
         return self.path.name if self.path else f"plan-{self.sha256[:12]}.json"
 
     @property
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> JsonObject:
         """The experiment spec this plan runs as JSON: the plan itself, or a rehearsal's inner spec."""
         if self.kind == "experiment_spec":
             return self.raw
-        if self.kind == "rehearsal":
-            spec: dict[str, Any] = self.raw["spec"]
+        spec = self.raw.get("spec")
+        if self.kind == "rehearsal" and isinstance(spec, dict):  # validated: a rehearsal's spec is an object
             return spec
         raise PlanError("kind: a bounded_diagnostic plan carries no experiment spec")
 
     @property
     def spec_bytes(self) -> bytes:
         """The executed spec as bytes: the file's exact bytes for a saved spec, a rehearsal's inner
-        spec as JSON (for the brief's validator CLI)."""
+        spec as JSON (what the spec validator CLI reads)."""
         if self.kind == "experiment_spec":
             return self.data
         return json.dumps(self.spec).encode()
 
-    def spec_json(self) -> dict[str, Any]:
-        """A copy of the executed spec's JSON (for validators of the brief's format)."""
-        return json.loads(json.dumps(self.spec_plan.spec))  # type: ignore[no-any-return]
+    def spec_json(self) -> JsonObject:
+        """A copy of the executed spec's JSON (for validators of the exchanged spec format)."""
+        copy: JsonObject = json.loads(json.dumps(self.spec_plan.spec))
+        return copy
+
+    @property
+    def spec_run(self) -> RunConfig:
+        """The typed run config of a spec-kind plan (built at load); PlanError for a bounded
+        diagnostic (its original plan's is `spec_plan.spec_run`)."""
+        if self.run is None:
+            raise PlanError(f"kind: a {self.kind} plan has no run config of its own (see Plan.spec_plan)")
+        return self.run
 
     @property
     def experiment(self) -> ExperimentSpec:
@@ -156,15 +168,16 @@ class Plan:
 
     @property
     def deviations(self) -> list[dict[str, str]]:
-        """Deviations the plan itself declares (a rehearsal's differences, in the brief's fields)."""
+        """Deviations the plan itself declares (a rehearsal's differences, as {field, original,
+        effective, reason} with a DEVIATION_FIELDS field)."""
         if self.kind == "rehearsal":
-            return [rehearsal_deviation(d.model_dump()) for d in self.rehearsal.differences]
+            return [rehearsal_deviation(d) for d in self.rehearsal.differences]
         if self.kind == "bounded_diagnostic":
             return [d.model_dump() for d in self.diagnostic.deviations]
         return []
 
 
-def validate_plan(raw: Any) -> PlanKind:
+def validate_plan(raw: JsonValue) -> PlanKind:
     """Validate a decoded plan against its kind's schema; returns the kind or raises PlanError."""
     return validate_model(raw)[0]
 
@@ -195,10 +208,11 @@ def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None 
     resolution = load_resolution(path)
     try:
         kind, model = validate_model(raw)
+        assert isinstance(raw, dict)  # validate_model accepts an object only
         _check_resolution(model, resolution)
         run = None
         if isinstance(model, RehearsalPlan):
-            check_rehearsal(raw, _derived_from_file(model.derived_from.path, path, repo_root))
+            check_rehearsal(model, raw, _derived_from_file(model.derived_from.path, path, repo_root))
             run = _run_config(model.spec, "spec.", path, resolution)
         elif isinstance(model, ExperimentSpec):
             run = _run_config(model, "", path, resolution)
@@ -250,13 +264,14 @@ def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan
     if diagnostic.kind != "bounded_diagnostic":
         raise PlanError("kind: check_original_plan needs a bounded_diagnostic plan")
     ref = diagnostic.diagnostic.original_plan
-    from dppo_harness.project import plans_dir as project_plans
-
-    if plans_dir is None and diagnostic.path is None:
-        plans_dir = project_plans()
-    path = (plans_dir or diagnostic.path.parent) / ref.file
-    if plans_dir is None and not path.is_file():  # a diagnostic plan kept elsewhere names a project plan
+    if plans_dir is not None:
+        path = plans_dir / ref.file
+    elif diagnostic.path is None:
         path = project_plans() / ref.file
+    else:
+        path = diagnostic.path.parent / ref.file
+        if not path.is_file():  # a diagnostic plan kept elsewhere names a project plan
+            path = project_plans() / ref.file
     original = load_plan(path)
     if original.kind != "experiment_spec":
         raise PlanError(f"original_plan.file: {ref.file} is a {original.kind} plan, not an experiment spec")
@@ -283,18 +298,17 @@ class BackendInfo:
     # Explicit size reductions of the run, each {field, original, effective, reason}.
     size_reductions: Sequence[Mapping[str, str]] = ()
 
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> BackendInfo:
-        return cls(
-            backend=m["backend"], requested_model=m["requested_model"], served_model=m["served_model"],
-            base_url=m.get("base_url"), sdk_versions=dict(m.get("sdk_versions", {})),
-            size_reductions=tuple(m.get("size_reductions", ())),
-        )
+
+class GenerationAuditApplicability(TypedDict):
+    """Whether the generation audit applies to a plan (the effective config's `generation_audit`)."""
+
+    applicable: bool
+    status: Literal["required", "not_applicable"]
+    reason: str
 
 
-def backend_deviations(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) -> list[dict[str, str]]:
+def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
     """Deviations that come from where the plan runs, not from the plan itself."""
-    info = backend_info if isinstance(backend_info, BackendInfo) else BackendInfo.from_mapping(backend_info)
     out: list[dict[str, str]] = []
     if info.backend == "local":
         out.append({
@@ -319,7 +333,7 @@ def backend_deviations(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]
     return out
 
 
-def generation_audit_applicability(plan: Plan) -> dict[str, Any]:
+def generation_audit_applicability(plan: Plan) -> GenerationAuditApplicability:
     """Resolve whether the generation audit applies, from the plan's experiment_features.
 
     generated_training_data=true requires it (overriding a legacy required=false); false makes it
@@ -338,14 +352,14 @@ def generation_audit_applicability(plan: Plan) -> dict[str, Any]:
                       "(GSM8K train items only), and no explicit contract requires the audit"}
 
 
-def _dump(m: Any) -> dict[str, Any]:
-    return m.model_dump(mode="json", exclude_none=True)  # type: ignore[no-any-return]
+def _dump(m: BaseModel) -> JsonObject:
+    """A validated model as the effective config writes it (JSON values, unset optional keys left out)."""
+    return m.model_dump(mode="json", exclude_none=True)
 
 
-def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) -> dict[str, Any]:
-    """The configuration that will actually run, in the brief's feasibility.effective_config terms,
+def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
+    """The configuration that will actually run (the feasibility record's `effective_config`),
     with every value the spec states only in prose and the sentence it came from."""
-    info = backend_info if isinstance(backend_info, BackendInfo) else BackendInfo.from_mapping(backend_info)
     out = plan_config(plan)
     out["backend"] = {
         "backend": info.backend,
@@ -353,25 +367,39 @@ def effective_config(plan: Plan, backend_info: BackendInfo | Mapping[str, Any]) 
         "served_model": info.served_model,
         "sdk_versions": dict(info.sdk_versions),
     }
-    out["deviations"] = out["deviations"] + backend_deviations(plan, info)
+    out["deviations"] = [*_deviations_json(plan.deviations), *_deviations_json(backend_deviations(plan, info))]
+    # Deferred: the tokenizer pulls in tinker_cookbook and the loss path torch; loading a plan stays light.
     from dppo_harness.data import tokenizer
-    from dppo_harness.loss import losses as loss_path
+    from dppo_harness.loss import losses as loss_path  # torch (see above)
 
     # Declared for every plan: the renderer's thinking mode (read off a rendered prompt) and the
     # loss normalization, against the cookbook ppo's sum.
-    mode = plan.diagnostic.fixed_settings.loss_normalization.mode if plan.kind == "bounded_diagnostic" else plan.run.normalization
+    mode = (plan.diagnostic.fixed_settings.loss_normalization.mode if plan.kind == "bounded_diagnostic"
+            else plan.spec_run.normalization)
     out["renderer"] = tokenizer.default_renderer_declaration()
-    out["loss_normalization"] = loss_path.normalization_declaration(mode)
+    out["loss_normalization"] = _strings_json(loss_path.normalization_declaration(mode))
     keys = ("plan", "backend", "pinned", "budget", "generation_audit", "config", "renderer", "loss_normalization", "deviations")
     return {k: out[k] for k in keys}
 
 
-def plan_config(plan: Plan) -> dict[str, Any]:
+def _strings_json(d: Mapping[str, str]) -> JsonObject:
+    return dict(d.items())
+
+
+def _deviations_json(deviations: list[dict[str, str]]) -> list[JsonValue]:
+    return [_strings_json(d) for d in deviations]
+
+
+def _audit_json(audit: GenerationAuditApplicability) -> JsonObject:
+    return {"applicable": audit["applicable"], "status": audit["status"], "reason": audit["reason"]}
+
+
+def plan_config(plan: Plan) -> JsonObject:
     """The effective config as far as the plan alone decides it (no backend yet)."""
+    body: JsonObject
     if plan.kind != "bounded_diagnostic":
-        spec, run = plan.experiment, plan.run
-        assert run is not None  # built at load for every spec kind
-        body: dict[str, Any] = {
+        spec, run = plan.experiment, plan.spec_run
+        body = {
             "base_model": spec.base_model,
             "lora_rank": spec.lora_rank,
             "arms": [_dump(a) for a in spec.arms],
@@ -407,7 +435,7 @@ def plan_config(plan: Plan) -> dict[str, Any]:
             "caps": _dump(d.caps),
             "analysis_criteria": [_dump(c) for c in d.analysis.criteria],
         }
-    plan_block: dict[str, Any] = {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}
+    plan_block: JsonObject = {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}
     if plan.kind == "rehearsal":
         plan_block.update(label="rehearsal", derived_from=_dump(plan.rehearsal.derived_from))
     if plan.launch is not None:
@@ -421,10 +449,10 @@ def plan_config(plan: Plan) -> dict[str, Any]:
             "dppo_ratio_cap": constants.DPPO_RATIO_CAP, "renderer": constants.RENDERER_NAME,
             "reference_revision": constants.REFERENCE_REVISION, "baseline_revision": constants.BASELINE_REVISION,
         },
-        "budget": plan.budget,
-        "generation_audit": generation_audit_applicability(plan),
+        "budget": dict(plan.budget.items()),
+        "generation_audit": _audit_json(generation_audit_applicability(plan)),
         "config": body,
-        "deviations": plan.deviations,
+        "deviations": _deviations_json(plan.deviations),
     }
 
 
@@ -433,8 +461,6 @@ def resized_plan(plan: Plan, *, rollout_steps: int, groups_per_batch: int, max_t
     """A copy of a spec-kind plan at another size, for tests and benchmarks only (never a plan
     file): steps, batch_size, eval.n_examples and the numbers the method text states change
     together, and the copy keeps the original's sha256 (it is a test-size copy of that plan)."""
-    from dppo_harness.plans.prose import rewrite
-
     if plan.run is None:
         raise PlanError(f"kind: {plan.kind} has no experiment spec to resize")
     run = plan.run

@@ -25,14 +25,15 @@ and refuses one that does not fit the text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Literal
 
-from dppo_harness.plans.models import PlanError
+from dppo_harness.plans.models import JsonObject, PlanError
 
 Context = Literal["training", "evaluation", "history", "arm"]
 
@@ -141,12 +142,12 @@ class Stated:
     source: str
     start: int = -1  # character span of the first statement's number (or quantified number); -1: not prose
     end: int = -1
-    spans: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    spans: tuple[tuple[int, int], ...] = dataclasses.field(default=(), compare=False)
     why: str = ""  # a resolution's reason, when a resolution file settled the value
     default: bool = False  # the text states nothing, so the harness's default holds
 
-    def as_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"value": self.value, "field": self.field, "source": self.source}
+    def as_json(self) -> JsonObject:
+        out: JsonObject = {"value": self.value, "field": self.field, "source": self.source}
         if self.why:
             out["why"] = self.why
         if self.default:
@@ -169,7 +170,7 @@ class Settlements:
     values it settles, by key."""
 
     file: str = "<spec file>.resolution.json"
-    entries: Mapping[str, Settlement] = field(default_factory=dict)
+    entries: Mapping[str, Settlement] = dataclasses.field(default_factory=dict)
 
 
 class Unsettled(PlanError):

@@ -11,6 +11,7 @@ restoration learning rates follow the arms' lr).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -18,9 +19,19 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
-from dppo_harness.plans.models import ExperimentSpec, PlanError, _fail, decode, validate_model
+from pydantic import JsonValue
+
+from dppo_harness.plans.models import (
+    Difference,
+    ExperimentSpec,
+    JsonObject,
+    PlanError,
+    RehearsalPlan,
+    _fail,
+    decode,
+    validate_model,
+)
 from dppo_harness.plans.prose import Stated, format_number, rewrite
 from dppo_harness.plans.resolution import default_settlements, load_resolution
 from dppo_harness.plans.run_config import RunConfig, build_run_config
@@ -38,13 +49,23 @@ _FROZEN = (
 )
 _FOLLOWS_BASE_MODEL = re.compile(r"^activation_gate\.checks\[(\d+)\]\.one_of(\[\d+\])?$")
 _FOLLOWS_LR = re.compile(r"^restoration_preflight\.groups\[\d+\]\.arms\[\d+\]\.optimizer_config\.learning_rate$")
-_MISSING: Any = object()
-# Brief deviation field for a difference, by the spec's top-level key (default "objective").
+# A field path in a JSON document: object keys and list indices.
+JsonPath = tuple[str | int, ...]
+
+
+class _Missing(enum.Enum):
+    """A leaf that one JSON document lacks."""
+
+    MISSING = enum.auto()
+
+
+_MISSING = _Missing.MISSING
+# The deviation field (models.DEVIATION_FIELDS) of a difference, by the spec's top-level key (default "objective").
 _DEVIATION_FIELD_OF = {"base_model": "model", "steps": "steps", "batch_size": "effective_batch",
                        "dataset": "dataset", "eval": "evaluator", "primary_endpoint": "endpoint"}
 
 
-def _leaves(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+def _leaves(obj: JsonValue, path: JsonPath = ()) -> Iterator[tuple[JsonPath, JsonValue]]:
     """(path, value) of every leaf; an empty object or list is a leaf itself."""
     if isinstance(obj, dict) and obj:
         for k, v in obj.items():
@@ -56,7 +77,7 @@ def _leaves(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[
         yield path, obj
 
 
-def _parse_path(dotted: str) -> tuple[str | int, ...]:
+def _parse_path(dotted: str) -> JsonPath:
     out: list[str | int] = []
     for part in dotted.split("."):
         name, *idx = part.split("[")
@@ -65,35 +86,38 @@ def _parse_path(dotted: str) -> tuple[str | int, ...]:
     return tuple(out)
 
 
-def _get(obj: Any, path: tuple[str | int, ...]) -> Any:
+def _get(obj: JsonValue, path: JsonPath) -> JsonValue | _Missing:
     for p in path:
-        in_list = isinstance(p, int) and isinstance(obj, list) and p < len(obj)
-        if not (in_list or (isinstance(p, str) and isinstance(obj, dict) and p in obj)):
-            return _MISSING
-        obj = obj[p]
+        if isinstance(p, int) and isinstance(obj, list) and p < len(obj):
+            obj = obj[p]
+            continue
+        if isinstance(p, str) and isinstance(obj, dict) and p in obj:
+            obj = obj[p]
+            continue
+        return _MISSING
     return obj
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: JsonValue | _Missing, b: JsonValue | _Missing) -> bool:
     """JSON equality that keeps true apart from 1 (and 1 from 1.0 only by value)."""
-    if a is _MISSING or b is _MISSING:
+    if isinstance(a, _Missing) or isinstance(b, _Missing):
         return a is b
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) or (
         type(a) in (int, float) and type(b) in (int, float) and a == b)
 
 
-def _changed_leaves(a: Any, b: Any) -> list[tuple[str | int, ...]]:
+def _changed_leaves(a: JsonValue, b: JsonValue) -> list[JsonPath]:
     return sorted({p for p, v in _leaves(b) if not _same(_get(a, p), v)}
                   | {p for p, v in _leaves(a) if not _same(_get(b, p), v)}, key=str)
 
 
-def leaf_differences(a: Any, b: Any) -> dict[str, tuple[Any, Any]]:
+def leaf_differences(a: JsonValue, b: JsonValue) -> dict[str, tuple[JsonValue, JsonValue]]:
     """Field path -> (value in a, value in b) of every leaf where two JSON documents differ
     (None where one side lacks the leaf)."""
-    out: dict[str, tuple[Any, Any]] = {}
+    out: dict[str, tuple[JsonValue, JsonValue]] = {}
     for p in _changed_leaves(a, b):
         x, y = _get(a, p), _get(b, p)
-        out[format_path(p)] = (None if x is _MISSING else x, None if y is _MISSING else y)
+        out[format_path(p)] = (None if isinstance(x, _Missing) else x, None if isinstance(y, _Missing) else y)
     return out
 
 
@@ -108,19 +132,19 @@ def _derived_from_file(rel: str, plan_path: Path | None, repo_root: Path | None)
     raise PlanError(f"derived_from.path: {rel} not found in any directory above {plan_path}")
 
 
-def check_rehearsal(raw: Mapping[str, Any], derived_path: Path) -> None:
-    """The rules a rehearsal plan obeys against the spec it derives from (PlanError naming the field):
-    the derived-from file's sha256 matches; the frozen subtrees are unchanged; every leaf that
-    differs is declared in `differences` with matching values, and every declared difference
-    really differs."""
-    ref = raw["derived_from"]
+def check_rehearsal(plan: RehearsalPlan, raw: JsonObject, derived_path: Path) -> None:
+    """The rules a rehearsal plan (validated `plan`, decoded `raw`) obeys against the spec it
+    derives from (PlanError naming the field): the derived-from file's sha256 matches; the frozen
+    subtrees are unchanged; every leaf that differs is declared in `differences` with matching
+    values, and every declared difference really differs."""
+    ref = plan.derived_from
     try:
         data = derived_path.read_bytes()
     except OSError as exc:
         raise _fail("derived_from.path", f"cannot read {derived_path} ({exc.strerror})") from None
     got = hashlib.sha256(data).hexdigest()
-    if got != ref["sha256"]:
-        raise _fail("derived_from.sha256", f"recorded {ref['sha256']} but {ref['path']} hashes to {got}")
+    if got != ref.sha256:
+        raise _fail("derived_from.sha256", f"recorded {ref.sha256} but {ref.path} hashes to {got}")
     try:
         base = decode(data, derived_path)
         kind, _ = validate_model(base)
@@ -129,35 +153,36 @@ def check_rehearsal(raw: Mapping[str, Any], derived_path: Path) -> None:
     if kind != "experiment_spec":
         raise _fail("derived_from.path", f"expected an experiment spec, got kind {kind!r}")
     spec = raw["spec"]
-    declared = [(i, d, _parse_path(d["field"])) for i, d in enumerate(raw["differences"])]
+    declared = [(i, d, _parse_path(d.field)) for i, d in enumerate(plan.differences)]
 
     for p in _changed_leaves(base, spec):
         leaf = format_path(p)
-        _check_not_frozen(leaf, spec)
+        _check_not_frozen(leaf, spec, plan.spec)
         if not any(p[: len(dp)] == dp for _, _, dp in declared):
-            raise _fail(f"spec.{leaf}", f"differs from {ref['path']} ({_show(_get(base, p))} -> "
+            raise _fail(f"spec.{leaf}", f"differs from {ref.path} ({_show(_get(base, p))} -> "
                                         f"{_show(_get(spec, p))}) but is not listed in differences")
     for i, d, dp in declared:
         old, new = _get(base, dp), _get(spec, dp)
-        if old is _MISSING or new is _MISSING:
-            raise _fail(f"differences[{i}].field", f"{d['field']!r} is not a field of both specs")
+        if isinstance(old, _Missing) or isinstance(new, _Missing):
+            raise _fail(f"differences[{i}].field", f"{d.field!r} is not a field of both specs")
         if _same(old, new):
-            raise _fail(f"differences[{i}]", f"{d['field']!r} does not differ: both specs have {_show(old)}")
-        if not _same(d["spec"], old):
-            raise _fail(f"differences[{i}].spec", f"expected {_show(old)} (the value in {ref['path']}), "
-                                                  f"got {_show(d['spec'])}")
-        if not _same(d["rehearsal"], new):
+            raise _fail(f"differences[{i}]", f"{d.field!r} does not differ: both specs have {_show(old)}")
+        if not _same(d.spec, old):
+            raise _fail(f"differences[{i}].spec", f"expected {_show(old)} (the value in {ref.path}), "
+                                                  f"got {_show(d.spec)}")
+        if not _same(d.rehearsal, new):
             raise _fail(f"differences[{i}].rehearsal", f"expected {_show(new)} (the value in spec), "
-                                                       f"got {_show(d['rehearsal'])}")
+                                                       f"got {_show(d.rehearsal)}")
 
 
-def _check_not_frozen(leaf: str, spec: Mapping[str, Any]) -> None:
+def _check_not_frozen(leaf: str, spec: JsonValue, model: ExperimentSpec) -> None:
+    """`spec` is the rehearsal's spec as decoded, `model` the same spec validated."""
     m = _FOLLOWS_BASE_MODEL.match(leaf)
     if m:
-        check = spec["activation_gate"]["checks"][int(m.group(1))]
-        if check.get("metric") == "executed_base_model" and spec["base_model"] in check.get("one_of", []):
+        check = model.activation_gate.checks[int(m.group(1))]
+        if check.metric == "executed_base_model" and model.base_model in (check.one_of or []):
             return  # the executed-model check follows base_model
-    if _FOLLOWS_LR.match(leaf) and _same(_get(spec, _parse_path(leaf)), spec["optimizer"]["lr"]):
+    if _FOLLOWS_LR.match(leaf) and _same(_get(spec, _parse_path(leaf)), model.optimizer.lr):
         return  # the restoration preflight's learning rate follows optimizer.lr
     if any(f.match(leaf) for f in _FROZEN):
         raise _fail(f"spec.{leaf}", "a rehearsal keeps the spec's gates and thresholds as written "
@@ -165,17 +190,17 @@ def _check_not_frozen(leaf: str, spec: Mapping[str, Any]) -> None:
                                     "arms[*].loss, arms[*].updates_per_batch, restoration_preflight)")
 
 
-def _show(v: Any) -> str:
-    return "<absent>" if v is _MISSING else json.dumps(v)
+def _show(v: JsonValue | _Missing) -> str:
+    return "<absent>" if isinstance(v, _Missing) else json.dumps(v)
 
 
-def rehearsal_deviation(d: Mapping[str, Any]) -> dict[str, str]:
-    """A declared rehearsal difference as a brief deviation ({field, original, effective, reason})."""
-    top = str(d["field"]).split(".")[0].split("[")[0]
+def rehearsal_deviation(d: Difference) -> dict[str, str]:
+    """A declared rehearsal difference as a deviation ({field, original, effective, reason})."""
+    top = d.field.split(".")[0].split("[")[0]
     return {"field": _DEVIATION_FIELD_OF.get(top, "objective"),
-            "original": f"{d['field']} = {json.dumps(d['spec'])}",
-            "effective": f"{d['field']} = {json.dumps(d['rehearsal'])}",
-            "reason": f"rehearsal: {d['reason']}"}
+            "original": f"{d.field} = {json.dumps(d.spec)}",
+            "effective": f"{d.field} = {json.dumps(d.rehearsal)}",
+            "reason": f"rehearsal: {d.reason}"}
 
 
 
@@ -187,8 +212,7 @@ STAND_IN = "local/tiny-qwen3-gsm8k"  # the embedded server's stand-in model
 DEFAULT_STEPS, DEFAULT_GROUPS, DEFAULT_EVAL_ITEMS = 3, 4, 50
 # Rollouts per rehearsal batch when `--groups` is not given: the shipped plan's 4 groups x 8. The
 # stand-in answers few prompts, so a smaller batch can hold no group with unequal rewards, hence no
-# gradient-bearing token for the gate to measure (measured: the variant spec's gate pilot at 2 and
-# at 4 groups x 4 moved nothing; at 8 x 4 it passed, and the comparison ran to the decision).
+# gradient-bearing token for the gate to measure (the measurements: docs/benchmarks.md).
 DEFAULT_ROLLOUTS = 32
 # The learning rate at which the stand-in's DPPO mask fires inside the spec's gate ranges, and why.
 STAND_IN_LR = 0.01
@@ -203,7 +227,7 @@ _SAVED_SPEC_LR_REASON = (
     "4 groups: lr 3e-3 gave a mean second-update masked fraction 0.00049 < 0.001; lr 1e-2 gave 0.022, |p-q| q90 "
     "0.12, clip fraction 0.33, all in range)")
 # A rehearsal plan states its launch: it authorizes nothing on a service that is not the embedded server.
-_LAUNCH = {"source": "this project's declared rehearsal plan, not a requester's launch", "launch_mode": "rehearsal",
+_LAUNCH: JsonObject = {"source": "this project's declared rehearsal plan, not a requester's launch", "launch_mode": "rehearsal",
            "scope": "offline rehearsal on the embedded server only; no stage is authorized on a real service",
            "only_authorized_run": False, "authorized_stages": []}
 _PURPOSE = ("Drive the whole paired-comparison pipeline (restoration preflight, activation gate, {arms}, frozen "
@@ -274,9 +298,9 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     data = Path(spec_path).read_bytes()
     raw = decode(data, spec_path)
     kind, model = validate_model(raw)
-    if kind != "experiment_spec":
+    if not isinstance(model, ExperimentSpec):
         raise _fail("<root>", f"{spec_path}: plans rehearse needs an experiment spec, got kind {kind!r}")
-    run = _spec_run(Path(spec_path), model)  # type: ignore[arg-type]
+    run = _spec_run(Path(spec_path), model)
     groups_reason = ""
     if size.groups is None:
         size = replace(size, groups=default_groups(int(run.group_size.value), run.updates_per_batch,
@@ -293,11 +317,13 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
             raise PlanError(f"{name}: must be at least 1, got {v}")
     if size.groups % run.updates_per_batch:
         raise PlanError(f"--groups: {size.groups} groups cannot form {run.updates_per_batch} complete-group minibatches")
-    spec = json.loads(json.dumps(raw))
-    diffs: list[dict[str, Any]] = []
+    spec: JsonValue = json.loads(json.dumps(raw))
+    diffs: list[JsonValue] = []
 
-    def change(field: str, new: Any, reason: str) -> None:
+    def change(field: str, new: JsonValue, reason: str) -> None:
         old = _get(spec, _parse_path(field))
+        if isinstance(old, _Missing):
+            raise KeyError(f"{field}: not a field of the spec")  # every changed field is one of the schema's
         if _same(old, new):
             return
         _set(spec, _parse_path(field), new)
@@ -306,9 +332,9 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     model_reason = (f"offline rehearsal on the embedded CPU server: the stand-in model computes, not {run.base_model} "
                     "(no Tinker service is reachable here); the gate's executed_base_model check follows base_model")
     change("base_model", size.stand_in, model_reason)
-    for i, check in enumerate(raw["activation_gate"]["checks"]):
-        if check["metric"] == "executed_base_model" and run.base_model in check.get("one_of", []):
-            change(f"activation_gate.checks[{i}].one_of[{check['one_of'].index(run.base_model)}]", size.stand_in,
+    for i, check in enumerate(model.activation_gate.checks):
+        if check.metric == "executed_base_model" and check.one_of and run.base_model in check.one_of:
+            change(f"activation_gate.checks[{i}].one_of[{check.one_of.index(run.base_model)}]", size.stand_in,
                    model_reason)
     gs, upb = int(run.group_size.value), run.updates_per_batch
     size_reason = (f"size: {size.steps} rollout steps x {size.groups} groups x {gs} and {size.eval_items} test items "
@@ -321,18 +347,18 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     if size.lr is not None:
         lr_reason = _lr_reason(size, size.lr, run)
         change("optimizer.lr", size.lr, lr_reason)
-        for i in range(len(raw["arms"])):
+        for i in range(len(model.arms)):
             change(f"arms[{i}].lr", size.lr, lr_reason)
-        for g, group in enumerate(raw["restoration_preflight"]["groups"]):
-            for a in range(len(group["arms"])):
+        for g, group in enumerate(model.restoration_preflight.groups):
+            for a in range(len(group.arms)):
                 change(f"restoration_preflight.groups[{g}].arms[{a}].optimizer_config.learning_rate", size.lr, lr_reason)
-    method, words = _rewritten_method(raw["method"], run.prose, size, upb)
+    method, words = _rewritten_method(model.method, run.prose, size, upb)
     if words:
         follows = "size and lr differences" if size.lr is not None else "size differences"
         change("method", method, f"the method text states the executed schedule ({', '.join(words)}): it follows "
                                  f"the {follows} above, nothing else in it changes")
-    two = len(raw["arms"]) == 2
-    plan = {
+    two = len(model.arms) == 2
+    plan: JsonObject = {
         "kind": "rehearsal", "version": 1, "plan_id": f"{Path(spec_path).stem}-rehearsal-local-v1",
         "label": "rehearsal",
         "purpose": _PURPOSE.format(arms="both arms" if two else "every arm",
@@ -366,7 +392,14 @@ def _rewritten_method(text: str, stated: Mapping[str, Stated], size: RehearsalSi
     return rewrite(text, replacements), words
 
 
-def _set(obj: Any, path: tuple[str | int, ...], value: Any) -> None:
-    for p in path[:-1]:
-        obj = obj[p]
-    obj[path[-1]] = value
+def _set(obj: JsonValue, path: JsonPath, value: JsonValue) -> None:
+    """Set the leaf at `path` (its parent exists: `path` is a leaf of the spec it came from)."""
+    parent = _get(obj, path[:-1])
+    last = path[-1]
+    if isinstance(parent, dict) and isinstance(last, str):
+        parent[last] = value
+        return
+    if isinstance(parent, list) and isinstance(last, int):
+        parent[last] = value
+        return
+    raise KeyError(f"{format_path(path)}: no such field to set")

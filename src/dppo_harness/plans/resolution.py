@@ -25,7 +25,7 @@ from typing import Annotated
 
 from pydantic import Field, ValidationError, model_validator
 
-from dppo_harness.plans.models import Launch, NonEmptyStr, PlanError, _Model, decode
+from dppo_harness.plans.models import JsonObject, Launch, NonEmptyStr, PlanError, _Model, decode
 from dppo_harness.plans.prose import KEYS, Settlement, Settlements
 from dppo_harness.plans.schema_errors import describe, rule_error
 
@@ -74,7 +74,7 @@ class Resolution:
     def launch(self) -> Launch | None:
         return self.model.launch
 
-    def as_json(self) -> dict[str, object]:
+    def as_json(self) -> JsonObject:
         """The effective config's record of the file (its settled values are under config.run)."""
         return {"file": self.file, "sha256": self.sha256,
                 "settles": [i.key for i in self.model.interpretations],

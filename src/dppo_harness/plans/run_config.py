@@ -20,12 +20,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from pydantic import JsonValue
 
 from dppo_harness.data import dataset
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.loss_params import check_loss_statements
-from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
+from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, JsonObject, OptimizerConfig, PlanError
 from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, stated_values, word_re
 
 Role = Literal["baseline", "treatment"]
@@ -36,7 +38,7 @@ SCORED_METRICS = ("accuracy",)
 METRIC_RANGES: dict[str, tuple[float, float]] = {"accuracy": (0.0, 1.0)}
 DECISION_METHODS = ("paired_hoeffding",)
 # The spec declares no loss normalization; both arms use the diagnostic plan's token mean.
-NORMALIZATION = "token_mean"
+NORMALIZATION: losses.Normalization = "token_mean"
 # The gate's pilot length when its reason text states none (the saved spec says "A 5-step pilot").
 DEFAULT_PILOT_STEPS = 5
 
@@ -100,7 +102,7 @@ class RunConfig:
     criteria: tuple[CriterionConfig, ...]
     gate_checks: tuple[GateCheck, ...]
     budget: Budget
-    normalization: str = NORMALIZATION
+    normalization: losses.Normalization = NORMALIZATION
     prose: Mapping[str, Stated] = field(default_factory=dict)  # every statement parsed from `method`
 
     def arm(self, name: str) -> ArmConfig:
@@ -126,13 +128,13 @@ class RunConfig:
                 "temperature": self.temperature, "max_tokens": self.max_tokens,
                 "minibatches_per_batch": self.minibatches_per_batch, "gate_pilot_steps": self.gate_pilot_steps}
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JsonObject:
         """The effective config's view: plain values, and each prose value with its sentence."""
         return {
             "base_model": self.base_model, "lora_rank": self.lora_rank, "dataset": self.dataset,
             "train_items": self.train_items, "max_seq_len": self.max_seq_len,
             "arms": [{"name": a.name, "loss": a.loss, "role": a.role, "seed": a.seed, "lr": a.lr,
-                      "updates_per_batch": a.updates_per_batch, "optimizer": a.optimizer, "adam": a.adam}
+                      "updates_per_batch": a.updates_per_batch, "optimizer": a.optimizer, "adam": dict(a.adam.items())}
                      for a in self.arms],
             "baseline_source": self.baseline_source,
             "rollout_steps": self.rollout_steps, "optimizer_steps": self.optimizer_steps,
@@ -149,7 +151,7 @@ class RunConfig:
                else {}),
         }
 
-    def declared_interpretations(self) -> list[dict[str, object]]:
+    def declared_interpretations(self) -> list[JsonValue]:
         """The values a resolution file settled ({key, value, sentence, why, file})."""
         values = {**self.prose, "gate_pilot_steps": self.gate_pilot_steps}
         return [{"key": k, "value": v.value, "sentence": v.source, "why": v.why, "file": v.field}
@@ -202,9 +204,9 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
     for key, structured, at in (("lora_rank", spec.lora_rank, "lora_rank"), ("lr", spec.optimizer.lr, "optimizer.lr"),
                                 ("seed", seed, "arms[*].seed"), ("eval_items", spec.eval.n_examples,
                                                                  "eval.n_examples")):
-        s = stated.get(key)
-        if s is not None and s.value != structured:
-            raise _fail(at, f"{structured} but the method states {s.value} ({_quote(s)})")
+        said = stated.get(key)
+        if said is not None and said.value != structured:
+            raise _fail(at, f"{structured} but the method states {said.value} ({_quote(said)})")
     if max_tokens >= spec.max_seq_len:
         raise _fail("max_seq_len", f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={max_tokens} "
                                    f"({_quote(sched['max_tokens'])})")

@@ -9,7 +9,6 @@ so that its message names the sub-field it is about (`at`, relative to the valid
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import ConfigDict, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -24,7 +23,7 @@ def rule_error(at: str, message: str) -> PydanticCustomError:
     return PydanticCustomError(RULE, "{message}", {"message": message, "at": at})
 
 
-def type_name(value: Any) -> str:
+def type_name(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
