@@ -47,6 +47,7 @@ class TmlQwen35Tokenizer:
     name_or_path = TML_QWEN35
 
     def __init__(self) -> None:
+        # deferred: importing tml_renderers takes seconds, and only this tokenizer needs it
         from tml_renderers.tokenizers import Qwen35Tokenizer
 
         self.tml_tokenizer = Qwen35Tokenizer()
@@ -99,7 +100,9 @@ def _tml_qwen35() -> TmlQwen35Tokenizer:
 
 # Registered under the configuration name so cookbook code that calls
 # ``tokenizer_utils.get_tokenizer("tml-qwen3.5")`` gets the same object.
-register_tokenizer(TML_QWEN35, _tml_qwen35)
+# The facade is not a PreTrainedTokenizer subclass (the cookbook's `Tokenizer`); it has the methods
+# the cookbook's renderers call on one.
+register_tokenizer(TML_QWEN35, _tml_qwen35)  # type: ignore[arg-type]
 
 
 def _package_version(name: str) -> str | None:
@@ -133,7 +136,7 @@ def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, dict[str
     """Load the configured tokenizer and return it with its provenance record."""
     kind, hf_name = parse_choice(choice)
     if kind == "tml":
-        tokenizer: Tokenizer = _tml_qwen35()
+        tokenizer: Tokenizer = _tml_qwen35()  # type: ignore[assignment]  # a facade with the tokenizer methods renderers call
         prov: dict[str, Any] = {
             "choice": choice,
             "kind": "tml-renderers",
@@ -142,11 +145,13 @@ def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, dict[str
             "package_version": _package_version("tml-renderers"),
         }
     else:
+        # deferred: transformers takes seconds to import and only an 'hf:' choice needs it
         from transformers import AutoTokenizer
 
         assert hf_name is not None
         # A network failure here propagates: the caller chose the HF tokenizer explicitly.
-        tokenizer = AutoTokenizer.from_pretrained(hf_name)
+        # A fast (Rust) or SentencePiece tokenizer, not the cookbook's `Tokenizer` class: same methods.
+        tokenizer = AutoTokenizer.from_pretrained(hf_name)  # type: ignore[assignment]
         prov = {
             "choice": choice,
             "kind": "huggingface",
@@ -217,11 +222,10 @@ def _default_declaration() -> dict[str, Any]:
 def renderer_declaration(bundle: TokenizerBundle | None = None) -> dict[str, Any]:
     """The renderer and its thinking mode, read off a rendered generation prompt (not assumed):
     what `effective-config.json` declares and the reports state next to the measured truncation."""
-    from tinker_cookbook.renderers import Message
-
     b = bundle or make_renderer()
-    ob = b.renderer.build_generation_prompt([Message(role="user", content="{question}")])
-    text = b.tokenizer.decode(ob.to_ints())
+    ob = b.renderer.build_generation_prompt([renderers.Message(role="user", content="{question}")])
+    decoded = b.tokenizer.decode(ob.to_ints())
+    text = decoded if isinstance(decoded, str) else "".join(decoded)
     head = "<|im_start|>assistant\n"
     suffix = text[text.rindex(head):] if head in text else text[-32:]
     thinking = suffix.endswith(THINK_PREFILL)

@@ -268,7 +268,7 @@ def evaluate(
     evaluator.check_unchanged()
     renderer = evaluator.bundle.renderer
     stop = renderer.get_stop_sequences()
-    params = tinker.SamplingParams(temperature=0.0, max_tokens=evaluator.max_tokens, stop=list(stop), top_k=-1, top_p=1.0)
+    params = tinker.SamplingParams(temperature=0.0, max_tokens=evaluator.max_tokens, stop=gsm8k.stop_list(stop), top_k=-1, top_p=1.0)
     data = dataset.get(dataset_of(evaluator.items))  # the seam: the items' own dataset prompts and grades
     prompts = [data.build_prompt(it, renderer)[0] for it in evaluator.items]
     t0 = time.perf_counter()

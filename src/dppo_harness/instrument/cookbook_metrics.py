@@ -66,9 +66,10 @@ def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
             targets = [int(x) for x in t["target_tokens_N"][sl]]
             data_D.append(tinker.Datum(
                 model_input=tinker.ModelInput.from_ints([int(t["first_token_S"][s]), *targets[:-1]]),
-                loss_fn_inputs={"target_tokens": np.asarray(targets, dtype=np.int64),
-                                "logprobs": np.asarray(t["sampler_logprobs_N"][sl], dtype=np.float32),
-                                "mask": np.asarray(t["mask_N"][sl], dtype=np.float32)}))
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
+                    "logprobs": tinker.TensorData.from_numpy(np.asarray(t["sampler_logprobs_N"][sl], dtype=np.float32)),
+                    "mask": tinker.TensorData.from_numpy(np.asarray(t["mask_N"][sl], dtype=np.float32))}))
             train_lp_D.append(torch.as_tensor(np.asarray(t["logprobs_N"][sl], dtype=np.float32)))
     if not any(float(d.loss_fn_inputs["mask"].to_torch().sum()) > 0 for d in data_D):
         return {}

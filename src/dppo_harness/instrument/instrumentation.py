@@ -312,7 +312,7 @@ class LossCallRecorder:
         self.records: list[LossCallRecord] = []
 
     def wrap(self, loss_fn: LossFn, **context: Any) -> LossFn:
-        def recorded_loss_fn(data: list, logprobs_list: list[torch.Tensor]):
+        def recorded_loss_fn(data: list, logprobs_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             record = record_from_call(len(self.records), context, data, logprobs_list, self.loss_cfg)
             self.records.append(record)
             t0 = time.perf_counter()
@@ -363,7 +363,7 @@ def records_to_npz(records: Sequence[LossCallRecord]) -> bytes:
     meta = json.dumps({"format": RECORD_FORMAT, "calls": metas}, allow_nan=False)
     arrays[META_KEY] = np.frombuffer(meta.encode(), dtype=np.uint8)
     buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
+    np.savez_compressed(buf, allow_pickle=True, **arrays)  # numpy's default, spelled out
     return buf.getvalue()
 
 

@@ -21,7 +21,7 @@ from tinker_cookbook.completers import TokensWithLogprobs
 from tinker_cookbook.rl import data_processing
 from tinker_cookbook.rl.types import Trajectory, TrajectoryGroup, Transition
 
-from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response
+from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response, stop_list
 from dppo_harness.evaluation import answer_yield
 
 
@@ -106,7 +106,7 @@ class RolloutBatch:
 def sampling_params(cfg: RolloutConfig, stop: Sequence[int] | Sequence[str], group_id: int) -> tinker.SamplingParams:
     seed = None if cfg.seed is None else cfg.seed + group_id
     return tinker.SamplingParams(
-        max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=list(stop), seed=seed
+        max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=stop_list(stop), seed=seed
     )
 
 
