@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import tinker
-from pydantic import JsonValue
 from tinker_cookbook.recipes.math_rl import math_env, math_grading
 from tinker_cookbook.rl import problem_env
 
@@ -32,7 +31,7 @@ from dppo_harness.data import tokenizer as tokenizer_mod
 from dppo_harness.data.gsm8k import Gsm8kItem
 from dppo_harness.data.tokenizer import TokenizerBundle
 from dppo_harness.evaluation import answer_yield
-from dppo_harness.rollout.frozen_batch import JsonObject, canonical_json
+from dppo_harness.rollout.frozen_batch import JsonData, JsonObject, canonical_json
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.files import FileEntry
@@ -57,7 +56,7 @@ class EvaluatorChangedError(RuntimeError):
 class _RegistersFiles(Protocol):
     """What :func:`register_results` needs of an ``EvidenceBundle``."""
 
-    def register_json(self, name: str, kind: str, obj: JsonValue) -> FileEntry: ...
+    def register_json(self, name: str, kind: str, obj: JsonData) -> FileEntry: ...
 
     def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry: ...
 
@@ -404,7 +403,7 @@ def register_results(
     known = {ev.evaluator_id for ev in evaluators}
     for ev in evaluators:
         record: JsonObject = {"evaluator_id": ev.evaluator_id, "provenance": ev.provenance, "code_manifest": ev.code_manifest,
-                  "deviation": None if ev.deviation is None else {k: v for k, v in ev.deviation.items()}}
+                  "deviation": None if ev.deviation is None else dict(ev.deviation)}
         evidence.register_json(f"evaluator-{ev.evaluator_id[:16]}.json", "manifest", record)
     scores: list[JsonObject] = []
     for res in results:

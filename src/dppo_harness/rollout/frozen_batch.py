@@ -15,17 +15,18 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
 
 import numpy as np
 import tinker
-from pydantic import JsonValue
 
 if TYPE_CHECKING:  # only the type: rollouts imports this module's neighbours at run time
     from dppo_harness.evidence.files import FileEntry
     from dppo_harness.rollout.rollouts import RolloutBatch
 
-JsonObject = dict[str, JsonValue]
+# JSON as the harness builds it: read-only containers, so a dict[str, list[int]] is JSON data too.
+JsonData: TypeAlias = Mapping[str, "JsonData"] | Sequence["JsonData"] | str | int | float | None
+JsonObject: TypeAlias = dict[str, JsonData]  # one JSON object: a record block, a row, metadata
 
 FORMAT_VERSION = 1
 FLOAT_DTYPE = np.dtype(np.float32)  # what the cookbook's datums carry
@@ -69,7 +70,7 @@ def _field_sha256(name: str, arr: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def canonical_json(obj: JsonValue) -> str:
+def canonical_json(obj: JsonData) -> str:
     """The one JSON form hashed by the harness: sorted keys, no spaces, ASCII, no NaN."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
@@ -122,7 +123,7 @@ class FrozenBatch:
     _offsets_N: np.ndarray
     _sha256: str
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, JsonValue]):
+    def __init__(self, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, JsonData]):
         missing = [f for f in FIELDS if f not in arrays]
         extra = [f for f in arrays if f not in FIELDS]
         if missing or extra:
@@ -163,7 +164,7 @@ class FrozenBatch:
         item_ids_S: Sequence[str],
         sampler_checkpoint: str,
         sampler_version: str | None = None,
-        extra_metadata: Mapping[str, JsonValue] | None = None,
+        extra_metadata: Mapping[str, JsonData] | None = None,
         created_at: str | None = None,
     ) -> FrozenBatch:
         """Freeze cookbook-layout datums (``target_tokens``, ``logprobs``, ``advantages``, ``mask``)."""
@@ -213,7 +214,7 @@ class FrozenBatch:
     @classmethod
     def from_rollouts(
         cls, batch: RolloutBatch, *, sampler_version: str | None = None,
-        extra_metadata: Mapping[str, JsonValue] | None = None,
+        extra_metadata: Mapping[str, JsonData] | None = None,
     ) -> FrozenBatch:
         """Freeze a ``rollouts.RolloutBatch`` (datums built by the cookbook's own functions)."""
         # deferred: rollouts imports the cookbook's RL stack, which a frozen batch loaded for replay does not need
