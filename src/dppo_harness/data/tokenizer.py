@@ -17,12 +17,12 @@ import importlib.metadata
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tinker_cookbook import renderers
 from tinker_cookbook.tokenizer_utils import Tokenizer, register_tokenizer
 
 from dppo_harness import constants
+from dppo_harness.data import JsonObject
 
 TML_QWEN35 = "tml-qwen3.5"
 HF_PREFIX = "hf:"
@@ -66,7 +66,7 @@ class TmlQwen35Tokenizer:
     def encode_special_name(self, name: str) -> int:
         return int(self.tml_tokenizer.encode_special(name))
 
-    def encode(self, text: str, add_special_tokens: bool = False, **_: Any) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, **_: object) -> list[int]:
         if add_special_tokens:
             # Qwen tokenizers add no BOS; refusing keeps the behaviour explicit rather than guessed.
             raise ValueError("TmlQwen35Tokenizer does not add special tokens; pass add_special_tokens=False")
@@ -80,7 +80,7 @@ class TmlQwen35Tokenizer:
                 out.extend(self.tml_tokenizer.encode_ordinary(piece))
         return out
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False, **_: object) -> str:
         ids = [int(t) for t in token_ids]
         if skip_special_tokens:
             ids = [t for t in ids if not self.tml_tokenizer.is_special_token(t)]
@@ -118,7 +118,7 @@ class TokenizerBundle:
     tokenizer: Tokenizer
     renderer: renderers.Renderer
     renderer_name: str
-    provenance: dict[str, Any]
+    provenance: JsonObject
 
 
 def parse_choice(choice: str) -> tuple[str, str | None]:
@@ -132,12 +132,12 @@ def parse_choice(choice: str) -> tuple[str, str | None]:
     )
 
 
-def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, dict[str, Any]]:
+def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, JsonObject]:
     """Load the configured tokenizer and return it with its provenance record."""
     kind, hf_name = parse_choice(choice)
     if kind == "tml":
         tokenizer: Tokenizer = _tml_qwen35()  # type: ignore[assignment]  # a facade with the tokenizer methods renderers call
-        prov: dict[str, Any] = {
+        prov: JsonObject = {
             "choice": choice,
             "kind": "tml-renderers",
             "class": "tml_renderers.tokenizers.Qwen35Tokenizer",
@@ -196,7 +196,7 @@ def make_renderer(
     tokenizer, tok_prov = load_tokenizer(choice)
     renderer = renderers.get_renderer(renderer_name, tokenizer=tokenizer)
     stop = renderer.get_stop_sequences()
-    provenance = {
+    provenance: JsonObject = {
         "tokenizer": tok_prov,
         "renderer_name": renderer_name,
         "renderer_class": f"{type(renderer).__module__}.{type(renderer).__qualname__}",
@@ -209,17 +209,17 @@ def make_renderer(
 THINK_PREFILL = "<think>\n"
 
 
-def default_renderer_declaration() -> dict[str, Any]:
+def default_renderer_declaration() -> JsonObject:
     """`renderer_declaration()` of the default tokenizer and renderer (deterministic, so computed once)."""
     return dict(_default_declaration())
 
 
 @functools.cache
-def _default_declaration() -> dict[str, Any]:
+def _default_declaration() -> JsonObject:
     return renderer_declaration()
 
 
-def renderer_declaration(bundle: TokenizerBundle | None = None) -> dict[str, Any]:
+def renderer_declaration(bundle: TokenizerBundle | None = None) -> JsonObject:
     """The renderer and its thinking mode, read off a rendered generation prompt (not assumed):
     what `effective-config.json` declares and the reports state next to the measured truncation."""
     b = bundle or make_renderer()

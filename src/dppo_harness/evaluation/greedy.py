@@ -17,7 +17,7 @@ import hashlib
 import importlib.metadata
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypedDict
@@ -26,12 +26,12 @@ import tinker
 from tinker_cookbook.recipes.math_rl import math_env, math_grading
 from tinker_cookbook.rl import problem_env
 
-from dppo_harness.data import dataset, gsm8k
+from dppo_harness.data import JsonData, JsonObject, dataset, gsm8k
 from dppo_harness.data import tokenizer as tokenizer_mod
 from dppo_harness.data.gsm8k import Gsm8kItem
 from dppo_harness.data.tokenizer import TokenizerBundle
 from dppo_harness.evaluation import answer_yield
-from dppo_harness.rollout.frozen_batch import JsonData, JsonObject, canonical_json
+from dppo_harness.rollout.frozen_batch import canonical_json
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.files import FileEntry
@@ -145,6 +145,7 @@ def prompt_template(bundle: TokenizerBundle, item_type: type, dataset_name: str)
     ob, _ = dataset.get(dataset_name).build_prompt(probe, bundle.renderer)
     rendered = bundle.tokenizer.decode(ob.to_ints())
     tok = bundle.provenance["tokenizer"]
+    assert isinstance(tok, Mapping), "make_renderer records the tokenizer's provenance as an object"
     return (
         f"{rendered}\n"
         f"--\nmessages: MathEnv.standard_fewshot_prefix() + [user: question + MathEnv.question_suffix()]; "

@@ -25,8 +25,8 @@ import tinker
 import torch
 
 from dppo_harness.constants import DPPO_DELTA
+from dppo_harness.data import JsonData, JsonObject
 from dppo_harness.loss import losses
-from dppo_harness.rollout.frozen_batch import JsonData, JsonObject
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
 META_KEY = "__record_meta__"

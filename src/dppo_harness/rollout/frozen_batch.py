@@ -15,18 +15,17 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import numpy as np
 import tinker
+
+from dppo_harness.data import JsonData, JsonObject
 
 if TYPE_CHECKING:  # only the type: rollouts imports this module's neighbours at run time
     from dppo_harness.evidence.files import FileEntry
     from dppo_harness.rollout.rollouts import RolloutBatch
 
-# JSON as the harness builds it: read-only containers, so a dict[str, list[int]] is JSON data too.
-JsonData: TypeAlias = Mapping[str, "JsonData"] | Sequence["JsonData"] | str | int | float | None
-JsonObject: TypeAlias = dict[str, JsonData]  # one JSON object: a record block, a row, metadata
 
 FORMAT_VERSION = 1
 FLOAT_DTYPE = np.dtype(np.float32)  # what the cookbook's datums carry
