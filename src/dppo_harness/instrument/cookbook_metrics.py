@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -51,10 +52,12 @@ _NOT_HARNESS = {"arm", "step", "loss", "sampler_checkpoint", "cookbook_env", "se
 
 def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
     """`compute_kl_sample_train` over every datum of the step's loss calls; {} when no loss token."""
+    # deferred, like every heavy import here: the plugin's option parsing imports this module at
+    # start-up (wandb_request), before any step logs
     import numpy as np
-    import tinker
-    import torch
-    from tinker_cookbook.rl.metrics import compute_kl_sample_train
+    import tinker  # deferred: plugin start-up, as above
+    import torch  # deferred: plugin start-up, as above
+    from tinker_cookbook.rl.metrics import compute_kl_sample_train  # deferred: plugin start-up, as above
 
     data_D, train_lp_D = [], []
     for rec in records:
@@ -78,9 +81,10 @@ def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
 
 def trajectory_metrics(batch: rollouts.RolloutBatch) -> dict[str, float]:
     """The cookbook's `env/all/*` metrics of one rollout batch (no per-tag split: one data set)."""
+    # deferred: the cookbook's RL stack, which the plugin's start-up import of this module does not need
     from tinker_cookbook.rl.metric_util import compute_trajectory_metrics
 
-    from dppo_harness.rollout import rollouts
+    from dppo_harness.rollout import rollouts  # deferred with it: it imports the same stack
 
     groups = rollouts.to_trajectory_groups(batch)
     return {k: float(v) for k, v in compute_trajectory_metrics(groups, [[] for _ in groups]).items()}
@@ -143,7 +147,7 @@ def _trackers_unimportable(names: Sequence[str]) -> Iterator[None]:
                 del sys.modules[n]
 
 
-def load_ml_log(*, wandb: bool) -> Any:
+def load_ml_log(*, wandb: bool) -> ModuleType:
     """`tinker_cookbook.utils.ml_log`, imported without its optional trackers unless W&B is asked for."""
     name = "tinker_cookbook.utils.ml_log"
     if name in sys.modules:

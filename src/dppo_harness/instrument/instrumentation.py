@@ -12,21 +12,24 @@ file is self-describing and replay needs nothing else.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
-import tinker
 import torch
 
 from dppo_harness.constants import DPPO_DELTA
 from dppo_harness.data import JsonData, JsonObject
 from dppo_harness.loss import losses
+
+if TYPE_CHECKING:  # only the Datum type: the recorder itself never calls the SDK
+    import tinker
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
 META_KEY = "__record_meta__"
@@ -191,10 +194,11 @@ class LossCallRecord:
     """One loss call: its context, the tensors it saw, its decisions and statistics."""
 
     call_index: int  # 0-based over the recorder's lifetime
-    context: dict[str, Any]  # update_index (1-based), epoch, minibatch, group ids, ...
+    # Free-form per caller and read back by key (update_index (1-based), epoch, minibatch, group ids, ...).
+    context: dict[str, Any]
     dtype: str  # actual dtype of the current logprobs the loss received
     tensors: dict[str, np.ndarray]
-    stats: dict[str, Any]
+    stats: dict[str, Any]  # decision_stats(...) plus decision_dtype; read back by key (COUNT_KEYS, FLOAT_KEYS)
     loss_metrics: dict[str, float] = field(default_factory=dict)  # what the loss itself returned
     started_unix: float = 0.0
     loss_seconds: float = 0.0
@@ -426,7 +430,6 @@ def choose_sentinel_sequences(
 ) -> SentinelSet:
     """Deterministic choice: the first sequences by sha256(salt, index) order in each advantage
     sign class (positive, negative, zero), so both signs are covered whenever they occur."""
-    import hashlib
 
     def key(i: int) -> str:
         return hashlib.sha256(f"{salt}:{i}".encode()).hexdigest()
