@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import tinker
 from tinker_cookbook.recipes.math_rl import math_env, math_grading
+from tinker_cookbook.renderers import base as renderer_base
+from tinker_cookbook.renderers import qwen3, qwen3_5
 from tinker_cookbook.rl import problem_env
 
 from dppo_harness.data import JsonData, JsonObject, dataset, gsm8k
@@ -114,9 +116,6 @@ def dataset_of(items: Sequence[object]) -> str:
 def code_files(dataset_name: str) -> dict[str, Path]:
     """The executed grader/evaluation code whose bytes the evaluator identity covers, the dataset
     module the seam serves `dataset_name` from included."""
-    from tinker_cookbook.renderers import base as renderer_base
-    from tinker_cookbook.renderers import qwen3, qwen3_5
-
     data_file = str(dataset.get(dataset_name).__file__)
     mods = {
         "dppo_harness/evaluation/greedy.py": __file__,

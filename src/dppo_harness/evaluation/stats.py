@@ -4,7 +4,7 @@ For scores in ``[a, b]`` the per-item differences lie in ``[a-b, b-a]``, a range
 (2 for accuracy). Hoeffding's two-sided bound on their mean gives the half-width
 ``range * sqrt(ln(2/alpha) / (2n))``; with n=1319, alpha=0.05 and range 2 it is 0.07479.
 
-Verdict (the brief's rule: supported/refuted only when the interval settles the margin):
+Verdict (supported or refuted only when the interval settles the margin):
 ``supported`` if ``lower > margin``, ``refuted`` if ``upper < margin``, otherwise ``inconclusive``
 (the interval contains or touches the margin).
 

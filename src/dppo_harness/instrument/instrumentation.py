@@ -6,8 +6,8 @@ server pass). Decisions come from `losses.token_terms`, the packed path the loss
 `replay.py` later recomputes them with the independent padded implementation.
 
 One record = one loss call = one optimizer update. Records are saved as compressed npz files
-(`save_records`) holding the tensors plus a JSON `meta` entry with the logged statistics, so a
-file is self-describing and replay needs nothing else.
+(`records_to_npz`, read back by `records_from_npz`) holding the tensors plus a JSON `meta` entry
+with the logged statistics, so a file is self-describing and replay needs nothing else.
 """
 
 from __future__ import annotations
