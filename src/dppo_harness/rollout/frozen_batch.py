@@ -57,6 +57,15 @@ class RegisteredBatch(TypedDict):
     manifest: FileEntry
 
 
+class SequenceView(TypedDict):
+    """Read-only slices of one stored sequence in datum layout (``T_s`` positions, tokens ``T_s + 1``)."""
+
+    tokens: np.ndarray  # int64 [T_s + 1]: prompt + response
+    logprobs: np.ndarray  # float32 [T_s]: sampler log-prob per target position
+    advantages: np.ndarray  # float32 [T_s]
+    mask: np.ndarray  # float32 [T_s]: 1.0 on sampled response tokens
+
+
 class FrozenBatchError(RuntimeError):
     """A frozen batch changed after freezing, failed to load, or was asked for something invalid."""
 
@@ -269,7 +278,7 @@ class FrozenBatch:
         """Distinct group ids in first-appearance order."""
         return list(dict.fromkeys(int(g) for g in self._arrays["group_ids_S"]))
 
-    def sequence(self, s: int) -> dict[str, np.ndarray]:
+    def sequence(self, s: int) -> SequenceView:
         """Per-sequence read-only slices in datum layout."""
         a, b = int(self._offsets_N[s]), int(self._offsets_N[s + 1])
         ka, kb = int(self._offsets_K[s]), int(self._offsets_K[s + 1])
