@@ -138,7 +138,7 @@ def _trackers_unimportable(names: Sequence[str]) -> Iterator[None]:
     """`import name` raises ImportError inside (a None entry in sys.modules), for names not yet loaded."""
     added = [n for n in names if n not in sys.modules]
     for n in added:
-        sys.modules[n] = None  # type: ignore[assignment]
+        sys.modules[n] = None  # type: ignore[assignment]  # None is how the import system marks a module unimportable
     try:
         yield
     finally:

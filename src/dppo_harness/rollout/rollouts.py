@@ -207,6 +207,7 @@ def to_trajectory_groups(batch: RolloutBatch) -> list[TrajectoryGroup]:
                 transitions=[
                     Transition(
                         ob=ob,
+                        # stop reasons are kept as the sampler's strings; the cookbook types them as tinker.StopReason
                         ac=TokensWithLogprobs(tokens=list(toks), maybe_logprobs=list(lps), stop_reason=sr),  # type: ignore[arg-type]
                         reward=gr.reward,
                         episode_done=True,
