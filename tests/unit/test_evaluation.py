@@ -177,3 +177,11 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
     assert lines[1].startswith("[comparison] evaluating dppo_seed0: 3/4 (75%), items answered (24s)")
     assert lines[-1].startswith("[comparison] evaluating dppo_seed0: 4/4 (100%), items answered (32s)")
     assert at == [8.0, 24.0, 32.0], lines
+
+
+def test_prediction_json_keeps_the_row_keys_and_order():
+    row = {"item_id": "gsm8k-test-0000", "arm": "grpo_seed0", "seed": 0, "checkpoint": "tinker://x", "metric": "accuracy",
+           "prediction": None, "response": "no answer", "reference": "18", "value": 0, "format_ok": False,
+           "stop_reason": "length", "n_tokens": 512, "evaluator_id": "e" * 64}
+    out = evaluation.prediction_json(row)
+    assert out == row and list(out) == list(row)

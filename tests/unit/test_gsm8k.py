@@ -150,3 +150,9 @@ def test_prompt_is_cookbook_one_shot_with_math_env_suffix(renderer):
     assert (item.question + " Write your answer in \\boxed{} format.<|im_end|>") in text
     assert text.endswith("<|im_start|>assistant\n<think>\n")
     assert renderer.build_generation_prompt(gsm8k.prompt_messages(item)).to_ints() == ob.to_ints()
+
+
+def test_stop_list_copies_ids_or_strings():
+    ids, texts = (151645,), ("</s>", "<|im_end|>")
+    assert gsm8k.stop_list(ids) == [151645] and gsm8k.stop_list(texts) == ["</s>", "<|im_end|>"]
+    assert gsm8k.stop_list([]) == []

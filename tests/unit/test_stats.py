@@ -109,3 +109,11 @@ def test_cli_prints_json_and_refuses_bad_files(tmp_path):
     array = tmp_path / "array.json"
     array.write_text(json.dumps({"observations": rows}))
     assert json.loads(_cli("paired-hoeffding", array, "--treatment", "dppo", "--baseline", "grpo").stdout)["n"] == 1319
+
+
+def test_pair_observations_is_a_record_in_key_order():
+    rows = [{"item_id": i, "arm": arm, "seed": 0, "metric": "accuracy", "value": v, "evaluator_id": "e" * 64}
+            for arm, values in (("dppo", (1, 0)), ("grpo", (0, 0))) for i, v in zip(("b", "a"), values)]
+    paired = stats.pair_observations(rows, "dppo", "grpo")
+    assert paired.keys == [("a", 0), ("b", 0)] and paired.treatment == [0, 1] and paired.baseline == [0, 0]
+    assert paired.values("treatment") == paired.treatment and paired.seeds == [0] and paired.evaluator_id == "e" * 64

@@ -15,13 +15,14 @@ import json
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal, NotRequired, TypedDict, TypeVar
 
 import tinker
 from tinker_cookbook import renderers
 from tinker_cookbook.recipes.math_rl import math_grading
 from tinker_cookbook.recipes.math_rl.math_env import MathEnv, extract_gsm8k_final_answer
 
+from dppo_harness.data import JsonObject
 from dppo_harness.data.sha256sums import DATA_DIR, DataIntegrityError, pinned_sha256
 
 Split = Literal["train", "test"]
@@ -30,6 +31,14 @@ SPLITS: tuple[Split, ...] = ("train", "test")
 HF_PATH = "openai/gsm8k"
 HF_CONFIG = "main"
 EXPECTED_ROWS = {"train": 7473, "test": 1319}
+
+
+class Gsm8kRow(TypedDict):
+    """One upstream GSM8K row; vendored rows also carry their original index."""
+
+    question: str
+    answer: str
+    idx: NotRequired[int]
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,7 @@ class Gsm8kSplit:
     split: Split
     seed: int | None  # the shuffle seed (train); None for test (kept in order)
     items: tuple[Gsm8kItem, ...]  # in cookbook order
-    provenance: dict[str, Any] = field(hash=False, compare=False)
+    provenance: JsonObject = field(hash=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -67,7 +76,7 @@ def item_id(split: Split, index: int) -> str:
     return f"gsm8k-{split}-{index:04d}"
 
 
-def canonical_jsonl_bytes(rows: Sequence[dict[str, Any]]) -> bytes:
+def canonical_jsonl_bytes(rows: Sequence[Gsm8kRow]) -> bytes:
     """Serialize rows exactly as the vendored files are written (compact JSON, ASCII escapes,
     escaped '/', '\\n' after every row), so rows from any source hash to the pinned value."""
     lines = []
@@ -78,8 +87,8 @@ def canonical_jsonl_bytes(rows: Sequence[dict[str, Any]]) -> bytes:
     return ("\n".join(lines) + "\n").encode("ascii")
 
 
-def _parse_rows(data: bytes, origin: str) -> list[dict[str, Any]]:
-    rows = []
+def _parse_rows(data: bytes, origin: str) -> list[Gsm8kRow]:
+    rows: list[Gsm8kRow] = []
     for lineno, line in enumerate(data.splitlines(), 1):
         row = json.loads(line)
         if row.get("idx") != lineno - 1 or not isinstance(row.get("question"), str) or not isinstance(
@@ -92,7 +101,7 @@ def _parse_rows(data: bytes, origin: str) -> list[dict[str, Any]]:
 
 def load_rows(
     split: Split, *, source: Source = "vendored", data_dir: Path = DATA_DIR
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[Gsm8kRow], JsonObject]:
     """Rows in ORIGINAL order plus provenance; content verified against the pinned sha256.
 
     ``source="hf_hub"`` downloads ``openai/gsm8k`` (config ``main``) and checks that its rows,
@@ -111,7 +120,7 @@ def load_rows(
                 f"{path}: sha256 {got} does not match pinned {expected} (SHA256SUMS); refusing to use it"
             )
         rows = _parse_rows(data, str(path))
-        prov: dict[str, Any] = {"source": "vendored", "path": f"dppo_harness/data/gsm8k/{split}.jsonl"}
+        prov: JsonObject = {"source": "vendored", "path": f"dppo_harness/data/gsm8k/{split}.jsonl"}
     elif source == "hf_hub":
         hub_rows = _load_hub_rows(split)
         data = canonical_jsonl_bytes(hub_rows)
@@ -130,7 +139,8 @@ def load_rows(
     return rows, prov
 
 
-def _load_hub_rows(split: Split) -> list[dict[str, Any]]:
+def _load_hub_rows(split: Split) -> list[Gsm8kRow]:
+    # deferred: HF datasets takes seconds to import; only the hub source and the train order use it
     import datasets
 
     ds = datasets.load_dataset(HF_PATH, name=HF_CONFIG, split=split)
@@ -141,6 +151,7 @@ def cookbook_permutation(n_rows: int, seed: int) -> list[int]:
     """Original row indices in the order ``Gsm8kDataset`` sees the train split: the cookbook calls
     ``datasets.Dataset.shuffle(seed=seed)`` on the loaded split, whose permutation depends only on
     the row count and the seed; the same call is made here on an index column."""
+    # deferred: HF datasets takes seconds to import; a test split never needs it
     import datasets
 
     ds = datasets.Dataset.from_dict({"row": list(range(n_rows))}).shuffle(seed=seed)
@@ -173,7 +184,7 @@ def load_split(
 T = TypeVar("T")
 
 
-def _run_ready(coro: Coroutine[Any, Any, T]) -> T:
+def _run_ready(coro: Coroutine[object, None, T]) -> T:
     """Drive a coroutine that never suspends (MathEnv's methods are pure CPU) to completion.
     Works whether or not an event loop is running; a suspending coroutine is an error."""
     try:
@@ -197,6 +208,12 @@ def build_prompt(item: Gsm8kItem, renderer: renderers.Renderer) -> tuple[tinker.
     """Prompt ModelInput and the stop condition (the renderer's stop sequences)."""
     ob, stop = _run_ready(make_env(item, renderer).initial_observation())
     return ob, stop
+
+
+def stop_list(stop: Sequence[int] | Sequence[str]) -> list[int] | list[str]:
+    """A list copy of a stop condition: the renderer's stop token ids, or its stop strings."""
+    ids = [t for t in stop if isinstance(t, int)]
+    return ids if len(ids) == len(stop) else [str(t) for t in stop]
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ import importlib.metadata
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tinker_cookbook import renderers
 from tinker_cookbook.tokenizer_utils import Tokenizer, register_tokenizer
 
 from dppo_harness import constants
+from dppo_harness.data import JsonObject
 
 TML_QWEN35 = "tml-qwen3.5"
 HF_PREFIX = "hf:"
@@ -47,6 +47,7 @@ class TmlQwen35Tokenizer:
     name_or_path = TML_QWEN35
 
     def __init__(self) -> None:
+        # deferred: importing tml_renderers takes seconds, and only this tokenizer needs it
         from tml_renderers.tokenizers import Qwen35Tokenizer
 
         self.tml_tokenizer = Qwen35Tokenizer()
@@ -65,7 +66,7 @@ class TmlQwen35Tokenizer:
     def encode_special_name(self, name: str) -> int:
         return int(self.tml_tokenizer.encode_special(name))
 
-    def encode(self, text: str, add_special_tokens: bool = False, **_: Any) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, **_: object) -> list[int]:
         if add_special_tokens:
             # Qwen tokenizers add no BOS; refusing keeps the behaviour explicit rather than guessed.
             raise ValueError("TmlQwen35Tokenizer does not add special tokens; pass add_special_tokens=False")
@@ -79,7 +80,7 @@ class TmlQwen35Tokenizer:
                 out.extend(self.tml_tokenizer.encode_ordinary(piece))
         return out
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False, **_: object) -> str:
         ids = [int(t) for t in token_ids]
         if skip_special_tokens:
             ids = [t for t in ids if not self.tml_tokenizer.is_special_token(t)]
@@ -99,7 +100,9 @@ def _tml_qwen35() -> TmlQwen35Tokenizer:
 
 # Registered under the configuration name so cookbook code that calls
 # ``tokenizer_utils.get_tokenizer("tml-qwen3.5")`` gets the same object.
-register_tokenizer(TML_QWEN35, _tml_qwen35)
+# The facade is not a PreTrainedTokenizer subclass (the cookbook's `Tokenizer`); it has the methods
+# the cookbook's renderers call on one.
+register_tokenizer(TML_QWEN35, _tml_qwen35)  # type: ignore[arg-type]
 
 
 def _package_version(name: str) -> str | None:
@@ -115,7 +118,7 @@ class TokenizerBundle:
     tokenizer: Tokenizer
     renderer: renderers.Renderer
     renderer_name: str
-    provenance: dict[str, Any]
+    provenance: JsonObject
 
 
 def parse_choice(choice: str) -> tuple[str, str | None]:
@@ -129,12 +132,12 @@ def parse_choice(choice: str) -> tuple[str, str | None]:
     )
 
 
-def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, dict[str, Any]]:
+def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, JsonObject]:
     """Load the configured tokenizer and return it with its provenance record."""
     kind, hf_name = parse_choice(choice)
     if kind == "tml":
-        tokenizer: Tokenizer = _tml_qwen35()
-        prov: dict[str, Any] = {
+        tokenizer: Tokenizer = _tml_qwen35()  # type: ignore[assignment]  # a facade with the tokenizer methods renderers call
+        prov: JsonObject = {
             "choice": choice,
             "kind": "tml-renderers",
             "class": "tml_renderers.tokenizers.Qwen35Tokenizer",
@@ -142,11 +145,13 @@ def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, dict[str
             "package_version": _package_version("tml-renderers"),
         }
     else:
+        # deferred: transformers takes seconds to import and only an 'hf:' choice needs it
         from transformers import AutoTokenizer
 
         assert hf_name is not None
         # A network failure here propagates: the caller chose the HF tokenizer explicitly.
-        tokenizer = AutoTokenizer.from_pretrained(hf_name)
+        # A fast (Rust) or SentencePiece tokenizer, not the cookbook's `Tokenizer` class: same methods.
+        tokenizer = AutoTokenizer.from_pretrained(hf_name)  # type: ignore[assignment]
         prov = {
             "choice": choice,
             "kind": "huggingface",
@@ -191,7 +196,7 @@ def make_renderer(
     tokenizer, tok_prov = load_tokenizer(choice)
     renderer = renderers.get_renderer(renderer_name, tokenizer=tokenizer)
     stop = renderer.get_stop_sequences()
-    provenance = {
+    provenance: JsonObject = {
         "tokenizer": tok_prov,
         "renderer_name": renderer_name,
         "renderer_class": f"{type(renderer).__module__}.{type(renderer).__qualname__}",
@@ -204,24 +209,23 @@ def make_renderer(
 THINK_PREFILL = "<think>\n"
 
 
-def default_renderer_declaration() -> dict[str, Any]:
+def default_renderer_declaration() -> JsonObject:
     """`renderer_declaration()` of the default tokenizer and renderer (deterministic, so computed once)."""
     return dict(_default_declaration())
 
 
 @functools.cache
-def _default_declaration() -> dict[str, Any]:
+def _default_declaration() -> JsonObject:
     return renderer_declaration()
 
 
-def renderer_declaration(bundle: TokenizerBundle | None = None) -> dict[str, Any]:
+def renderer_declaration(bundle: TokenizerBundle | None = None) -> JsonObject:
     """The renderer and its thinking mode, read off a rendered generation prompt (not assumed):
     what `effective-config.json` declares and the reports state next to the measured truncation."""
-    from tinker_cookbook.renderers import Message
-
     b = bundle or make_renderer()
-    ob = b.renderer.build_generation_prompt([Message(role="user", content="{question}")])
-    text = b.tokenizer.decode(ob.to_ints())
+    ob = b.renderer.build_generation_prompt([renderers.Message(role="user", content="{question}")])
+    decoded = b.tokenizer.decode(ob.to_ints())
+    text = decoded if isinstance(decoded, str) else "".join(decoded)
     head = "<|im_start|>assistant\n"
     suffix = text[text.rindex(head):] if head in text else text[-32:]
     thinking = suffix.endswith(THINK_PREFILL)

@@ -2,7 +2,7 @@
 
 The evaluator is frozen before any arm is scored: its provenance (code sha256 of the grader and
 evaluation code plus dependency versions, prompt template, decoding, parser, item ids) is hashed
-into ``evaluator_id`` exactly as the brief specifies, and every ``evaluate`` call recomputes that
+into ``evaluator_id`` (sha256 of its canonical JSON), and every ``evaluate`` call recomputes that
 provenance from the code on disk and refuses to score if anything changed.
 
 Greedy decoding is ``tinker.SamplingParams(temperature=0.0, ...)``: the SDK has no separate greedy
@@ -17,21 +17,26 @@ import hashlib
 import importlib.metadata
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import tinker
 from tinker_cookbook.recipes.math_rl import math_env, math_grading
+from tinker_cookbook.renderers import base as renderer_base
+from tinker_cookbook.renderers import qwen3, qwen3_5
 from tinker_cookbook.rl import problem_env
 
-from dppo_harness.data import dataset, gsm8k
+from dppo_harness.data import JsonData, JsonObject, dataset, gsm8k
 from dppo_harness.data import tokenizer as tokenizer_mod
 from dppo_harness.data.gsm8k import Gsm8kItem
 from dppo_harness.data.tokenizer import TokenizerBundle
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.rollout.frozen_batch import canonical_json
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence.files import FileEntry
 
 METRIC = "accuracy"
 DEFAULT_MAX_TOKENS = 512
@@ -50,9 +55,43 @@ class EvaluatorChangedError(RuntimeError):
     """The code, prompt, decoding, parser or items differ from the frozen evaluator."""
 
 
-def evaluator_id(provenance: dict[str, Any]) -> str:
+class _RegistersFiles(Protocol):
+    """What :func:`register_results` needs of an ``EvidenceBundle``."""
+
+    def register_json(self, name: str, kind: str, obj: JsonData) -> FileEntry: ...
+
+    def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry: ...
+
+
+class PredictionRow(TypedDict):
+    """One scored item of one arm: a line of the arm's predictions file."""
+
+    item_id: str
+    arm: str
+    seed: int
+    checkpoint: str
+    metric: str
+    prediction: str | None  # the last \boxed{} answer, None when there is none
+    response: str
+    reference: str
+    value: int  # 1 correct, 0 otherwise
+    format_ok: bool
+    stop_reason: str
+    n_tokens: int
+    evaluator_id: str
+
+
+def prediction_json(row: PredictionRow) -> JsonObject:
+    """The row as the JSON object written to the predictions file (same keys, same order)."""
+    return {"item_id": row["item_id"], "arm": row["arm"], "seed": row["seed"], "checkpoint": row["checkpoint"],
+            "metric": row["metric"], "prediction": row["prediction"], "response": row["response"],
+            "reference": row["reference"], "value": row["value"], "format_ok": row["format_ok"],
+            "stop_reason": row["stop_reason"], "n_tokens": row["n_tokens"], "evaluator_id": row["evaluator_id"]}
+
+
+def evaluator_id(provenance: JsonObject) -> str:
     """``sha256(json.dumps(provenance, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-    allow_nan=False))`` as the brief specifies."""
+    allow_nan=False))``: the identity of everything that decides a score."""
     return hashlib.sha256(canonical_json(provenance).encode()).hexdigest()
 
 
@@ -63,7 +102,7 @@ def _version(name: str) -> str | None:
         return None
 
 
-def dataset_of(items: Sequence[Any]) -> str:
+def dataset_of(items: Sequence[object]) -> str:
     """The registered dataset the evaluation items belong to (the dataset seam serves them:
     `dataset.get(name)`), from the module that defines their type; ValueError if not exactly one."""
     modules = {type(it).__module__ for it in items}
@@ -77,9 +116,6 @@ def dataset_of(items: Sequence[Any]) -> str:
 def code_files(dataset_name: str) -> dict[str, Path]:
     """The executed grader/evaluation code whose bytes the evaluator identity covers, the dataset
     module the seam serves `dataset_name` from included."""
-    from tinker_cookbook.renderers import base as renderer_base
-    from tinker_cookbook.renderers import qwen3, qwen3_5
-
     data_file = str(dataset.get(dataset_name).__file__)
     mods = {
         "dppo_harness/evaluation/greedy.py": __file__,
@@ -95,10 +131,10 @@ def code_files(dataset_name: str) -> dict[str, Path]:
     return {k: Path(v) for k, v in mods.items()}
 
 
-def code_manifest(dataset_name: str) -> dict[str, Any]:
-    files = {name: hashlib.sha256(path.read_bytes()).hexdigest()
-             for name, path in sorted(code_files(dataset_name).items())}
-    versions = {name: _version(name) for name in DEPENDENCIES}
+def code_manifest(dataset_name: str) -> JsonObject:
+    files: JsonObject = {name: hashlib.sha256(path.read_bytes()).hexdigest()
+                         for name, path in sorted(code_files(dataset_name).items())}
+    versions: JsonObject = {name: _version(name) for name in DEPENDENCIES}
     return {"files": files, "versions": versions, "python": platform.python_version()}
 
 
@@ -108,6 +144,7 @@ def prompt_template(bundle: TokenizerBundle, item_type: type, dataset_name: str)
     ob, _ = dataset.get(dataset_name).build_prompt(probe, bundle.renderer)
     rendered = bundle.tokenizer.decode(ob.to_ints())
     tok = bundle.provenance["tokenizer"]
+    assert isinstance(tok, Mapping), "make_renderer records the tokenizer's provenance as an object"
     return (
         f"{rendered}\n"
         f"--\nmessages: MathEnv.standard_fewshot_prefix() + [user: question + MathEnv.question_suffix()]; "
@@ -117,11 +154,11 @@ def prompt_template(bundle: TokenizerBundle, item_type: type, dataset_name: str)
     )
 
 
-def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> dict[str, Any]:
+def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> JsonObject:
     return {"temperature": 0.0, "max_tokens": int(max_tokens), "stop": list(stop), "top_k": -1, "top_p": 1.0, "num_samples": 1}
 
 
-def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_tokens: int) -> dict[str, Any]:
+def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_tokens: int) -> JsonObject:
     name = dataset_of(items)
     manifest = code_manifest(name)
     return {
@@ -136,8 +173,8 @@ def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_to
 @dataclass(frozen=True)
 class FrozenEvaluator:
     evaluator_id: str
-    provenance: dict[str, Any]
-    code_manifest: dict[str, Any]
+    provenance: JsonObject
+    code_manifest: JsonObject
     items: tuple[Gsm8kItem, ...]
     bundle: TokenizerBundle
     max_tokens: int
@@ -153,8 +190,8 @@ class FrozenEvaluator:
                 "re-freeze and re-evaluate every compared arm and the base model"
             )
 
-    def record(self) -> dict[str, Any]:
-        """The brief's ``evaluators[<id>]`` entry."""
+    def record(self) -> JsonObject:
+        """The ``evaluators[<id>]`` entry of the evaluation object: the provenance the id hashes."""
         return dict(self.provenance)
 
 
@@ -213,7 +250,7 @@ class EvalResult:
     seed: int
     checkpoint: str
     evaluator_id: str
-    rows: tuple[dict[str, Any], ...]
+    rows: tuple[PredictionRow, ...]
     seconds: float
 
     @property
@@ -239,15 +276,15 @@ class EvalResult:
                 "eval_no_answer_frac": ry.no_answer_frac, "eval_mean_response_tokens": ry.mean_response_tokens}
 
     def predictions_jsonl(self) -> bytes:
-        return "".join(canonical_json(r) + "\n" for r in self.rows).encode("utf-8")
+        return "".join(canonical_json(prediction_json(r)) + "\n" for r in self.rows).encode("utf-8")
 
-    def observations(self) -> list[dict[str, Any]]:
+    def observations(self) -> list[JsonObject]:
         return [
             {"item_id": r["item_id"], "arm": r["arm"], "seed": r["seed"], "metric": METRIC, "value": r["value"], "evaluator_id": r["evaluator_id"]}
             for r in self.rows
         ]
 
-    def score(self, predictions_ref: str) -> dict[str, Any]:
+    def score(self, predictions_ref: str) -> JsonObject:
         return {"arm": self.arm, "metric": METRIC, "value": self.accuracy, "evaluator_id": self.evaluator_id, "seed": self.seed, "predictions_ref": predictions_ref}
 
 
@@ -268,16 +305,16 @@ def evaluate(
     evaluator.check_unchanged()
     renderer = evaluator.bundle.renderer
     stop = renderer.get_stop_sequences()
-    params = tinker.SamplingParams(temperature=0.0, max_tokens=evaluator.max_tokens, stop=list(stop), top_k=-1, top_p=1.0)
+    params = tinker.SamplingParams(temperature=0.0, max_tokens=evaluator.max_tokens, stop=gsm8k.stop_list(stop), top_k=-1, top_p=1.0)
     data = dataset.get(dataset_of(evaluator.items))  # the seam: the items' own dataset prompts and grades
     prompts = [data.build_prompt(it, renderer)[0] for it in evaluator.items]
     t0 = time.perf_counter()
-    responses: list[Any] = [None] * len(prompts)
+    responses: list[tinker.SampleResponse | None] = [None] * len(prompts)
     # Sliding window: many requests in flight, bounded so a real service is not flooded.
-    pending: list[tuple[int, Any]] = []
+    pending: list[tuple[int, tinker.APIFuture[tinker.SampleResponse]]] = []
     done = 0
 
-    def received(j: int, fut: Any) -> None:
+    def received(j: int, fut: tinker.APIFuture[tinker.SampleResponse]) -> None:
         nonlocal done
         responses[j] = fut.result()
         done += 1
@@ -290,8 +327,9 @@ def evaluate(
             received(*pending.pop(0))
     for j, fut in pending:
         received(j, fut)
-    rows = []
+    rows: list[PredictionRow] = []
     for item, res in zip(evaluator.items, responses, strict=True):
+        assert res is not None  # every request was received above
         if len(res.sequences) != 1:
             raise RuntimeError(f"{item.item_id}: expected 1 sequence, got {len(res.sequences)}")
         seq = res.sequences[0]
@@ -331,10 +369,10 @@ def observations_jsonl(results: Sequence[EvalResult]) -> bytes:
 
 def evaluation_object(
     evaluators: Sequence[FrozenEvaluator],
-    scores: Sequence[dict[str, Any]],
-    comparisons: Sequence[dict[str, Any]] = (),
-) -> dict[str, Any]:
-    """The brief's ``evaluation`` object."""
+    scores: Sequence[JsonObject],
+    comparisons: Sequence[JsonObject] = (),
+) -> JsonObject:
+    """The ``evaluation`` object of result.json: evaluator records by id, scores and comparisons."""
     return {
         "version": 1,
         "evaluators": {ev.evaluator_id: ev.record() for ev in evaluators},
@@ -343,8 +381,8 @@ def evaluation_object(
     }
 
 
-def decision_object(observations_name: str, observations_bytes: bytes) -> dict[str, Any]:
-    """The brief's ``decision`` object referencing a retained observations file."""
+def decision_object(observations_name: str, observations_bytes: bytes) -> JsonObject:
+    """The ``decision`` object of result.json, referencing a retained observations file by sha256."""
     return {
         "version": 1,
         "observations_file": {"name": observations_name, "sha256": hashlib.sha256(observations_bytes).hexdigest()},
@@ -352,22 +390,22 @@ def decision_object(observations_name: str, observations_bytes: bytes) -> dict[s
 
 
 def register_results(
-    evidence: Any,
+    evidence: _RegistersFiles,
     evaluators: Sequence[FrozenEvaluator],
     results: Sequence[EvalResult],
     *,
     observations_name: str = "scored-observations.jsonl",
-    comparisons: Sequence[dict[str, Any]] = (),
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    comparisons: Sequence[JsonObject] = (),
+) -> tuple[JsonObject, JsonObject]:
     """Register each evaluator record (kind manifest), each arm's predictions (kind predictions)
-    and the scored observations (kind metrics) with an ``EvidenceBundle``. Returns the brief's
+    and the scored observations (kind metrics) with an ``EvidenceBundle``. Returns the
     ``(evaluation, decision)`` objects for ``update_result``; file names must be new per update."""
     known = {ev.evaluator_id for ev in evaluators}
     for ev in evaluators:
-        record = {"evaluator_id": ev.evaluator_id, "provenance": ev.provenance, "code_manifest": ev.code_manifest,
-                  "deviation": ev.deviation}
+        record: JsonObject = {"evaluator_id": ev.evaluator_id, "provenance": ev.provenance, "code_manifest": ev.code_manifest,
+                  "deviation": None if ev.deviation is None else dict(ev.deviation)}
         evidence.register_json(f"evaluator-{ev.evaluator_id[:16]}.json", "manifest", record)
-    scores = []
+    scores: list[JsonObject] = []
     for res in results:
         if res.evaluator_id not in known:
             raise EvaluatorChangedError(f"{res.arm}: scored by evaluator {res.evaluator_id[:12]}, which is not registered")

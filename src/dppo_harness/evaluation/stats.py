@@ -4,7 +4,7 @@ For scores in ``[a, b]`` the per-item differences lie in ``[a-b, b-a]``, a range
 (2 for accuracy). Hoeffding's two-sided bound on their mean gives the half-width
 ``range * sqrt(ln(2/alpha) / (2n))``; with n=1319, alpha=0.05 and range 2 it is 0.07479.
 
-Verdict (the brief's rule: supported/refuted only when the interval settles the margin):
+Verdict (supported or refuted only when the interval settles the margin):
 ``supported`` if ``lower > margin``, ``refuted`` if ``upper < margin``, otherwise ``inconclusive``
 (the interval contains or touches the margin).
 
@@ -25,10 +25,15 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any
+from typing import TypedDict
+
+from pydantic import JsonValue
+
+JsonObject = dict[str, JsonValue]  # one JSON object: a row read back, or a block written to result.json
 
 
 class ObservationError(ValueError):
@@ -60,7 +65,7 @@ def paired_hoeffding(
     alpha: float = 0.05,
     margin: float = 0.0,
     bounds: tuple[float, float] = (0.0, 1.0),
-) -> dict[str, Any]:
+) -> JsonObject:
     """Interval and verdict for mean(treatment - baseline) over paired items."""
     if len(treatment) != len(baseline):
         raise ObservationError(f"{len(treatment)} treatment vs {len(baseline)} baseline values: not paired")
@@ -98,17 +103,19 @@ def paired_hoeffding(
     }
 
 
-def _check_value(v: Any, bounds: tuple[float, float], where: str) -> None:
+def _check_value(v: object, bounds: tuple[float, float], where: str) -> int | float:
+    """`v` itself when it is a finite number within `bounds` (a bool is not a number here)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ObservationError(f"{where}: value {v!r} is not a number")
     if not math.isfinite(v) or not bounds[0] <= v <= bounds[1]:
         raise ObservationError(f"{where}: value {v!r} outside the bounds [{bounds[0]}, {bounds[1]}]")
+    return v
 
 
 REQUIRED_KEYS = ("item_id", "arm", "metric", "value", "evaluator_id")
 
 
-def read_observations(path: Path) -> list[dict[str, Any]]:
+def read_observations(path: Path) -> list[JsonObject]:
     """JSONL rows, or a JSON array, or an object with ``observations``."""
     text = Path(path).read_text(encoding="utf-8")
     try:
@@ -120,7 +127,8 @@ def read_observations(path: Path) -> list[dict[str, Any]]:
     if isinstance(obj, dict) and "observations" in obj:
         if not isinstance(obj["observations"], list):
             raise ObservationError(f"{path}: 'observations' must be a list")
-        return obj["observations"]
+        listed: list[JsonObject] = obj["observations"]
+        return listed
     rows = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -132,13 +140,28 @@ def read_observations(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+@dataclass(frozen=True)
+class PairedObservations:
+    """Treatment and baseline values matched on (item_id, seed), in key order, under one evaluator."""
+
+    keys: list[tuple[str, JsonValue]]  # (item_id, seed)
+    treatment: list[JsonValue]
+    baseline: list[JsonValue]
+    evaluator_id: str
+    seeds: list[JsonValue]
+
+    def values(self, arm: str) -> list[JsonValue]:
+        """The values of ``"treatment"`` or ``"baseline"``."""
+        return self.treatment if arm == "treatment" else self.baseline
+
+
 def pair_observations(
-    rows: Iterable[dict[str, Any]], treatment: str, baseline: str, metric: str = "accuracy"
-) -> dict[str, Any]:
+    rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, metric: str = "accuracy"
+) -> PairedObservations:
     """Match treatment and baseline rows on (item_id, seed); refuse duplicates and unpaired items."""
     if treatment == baseline:
         raise ObservationError("treatment and baseline must be different arms")
-    by_arm: dict[str, dict[tuple[str, Any], Any]] = {treatment: {}, baseline: {}}
+    by_arm: dict[str, dict[tuple[str, JsonValue], JsonValue]] = {treatment: {}, baseline: {}}
     evaluators: set[str] = set()
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -146,12 +169,13 @@ def pair_observations(
         missing = [k for k in REQUIRED_KEYS if k not in row]
         if missing:
             raise ObservationError(f"row {i}: missing {missing}")
-        if row["arm"] not in by_arm or row["metric"] != metric:
+        arm = row["arm"]
+        if not isinstance(arm, str) or arm not in by_arm or row["metric"] != metric:
             continue
         key = (str(row["item_id"]), row.get("seed"))
-        if key in by_arm[row["arm"]]:
+        if key in by_arm[arm]:
             raise ObservationError(f"duplicate observation for arm {row['arm']!r}, item {key[0]!r}, seed {key[1]!r}")
-        by_arm[row["arm"]][key] = row["value"]
+        by_arm[arm][key] = row["value"]
         evaluators.add(str(row["evaluator_id"]))
     t, b = by_arm[treatment], by_arm[baseline]
     for arm, values in ((treatment, t), (baseline, b)):
@@ -166,17 +190,12 @@ def pair_observations(
     if len(evaluators) != 1:
         raise ObservationError(f"observations come from {len(evaluators)} evaluators {sorted(evaluators)}; pair under one")
     keys = sorted(t, key=lambda k: (k[0], str(k[1])))
-    return {
-        "keys": keys,
-        "treatment": [t[k] for k in keys],
-        "baseline": [b[k] for k in keys],
-        "evaluator_id": evaluators.pop(),
-        "seeds": sorted({k[1] for k in keys}, key=str),
-    }
+    seeds: list[JsonValue] = sorted({k[1] for k in keys}, key=str)
+    return PairedObservations(keys, [t[k] for k in keys], [b[k] for k in keys], evaluators.pop(), seeds)
 
 
 def paired_hoeffding_from_rows(
-    rows: Iterable[dict[str, Any]],
+    rows: Iterable[Mapping[str, JsonValue]],
     treatment: str,
     baseline: str,
     *,
@@ -184,18 +203,20 @@ def paired_hoeffding_from_rows(
     margin: float = 0.0,
     metric: str = "accuracy",
     bounds: tuple[float, float] = (0.0, 1.0),
-) -> dict[str, Any]:
+) -> JsonObject:
     paired = pair_observations(rows, treatment, baseline, metric)
+    checked: dict[str, list[float]] = {}
     for arm in ("treatment", "baseline"):
-        for k, v in zip(paired["keys"], paired[arm]):
-            _check_value(v, bounds, f"{arm} item {k[0]!r} seed {k[1]!r}")
-    out = paired_hoeffding(paired["treatment"], paired["baseline"], alpha=alpha, margin=margin, bounds=bounds)
+        checked[arm] = []
+        for k, v in zip(paired.keys, paired.values(arm)):
+            checked[arm].append(_check_value(v, bounds, f"{arm} item {k[0]!r} seed {k[1]!r}"))
+    out = paired_hoeffding(checked["treatment"], checked["baseline"], alpha=alpha, margin=margin, bounds=bounds)
     return {
         "treatment": treatment,
         "baseline": baseline,
         "metric": metric,
-        "evaluator_id": paired["evaluator_id"],
-        "seeds": paired["seeds"],
+        "evaluator_id": paired.evaluator_id,
+        "seeds": paired.seeds,
         **out,
     }
 
@@ -224,7 +245,22 @@ def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float,
     return max(0.0, (centre - half) / den), min(1.0, (centre + half) / den)
 
 
-def newcombe_paired_interval(a: int, b: int, c: int, d: int, alpha: float = 0.05) -> dict[str, float]:
+class NewcombeInterval(TypedDict):
+    """Newcombe's paired interval for p1 - p2, as ``newcombe_paired_interval`` returns it."""
+
+    n: int
+    p1: float
+    p2: float
+    difference: float
+    lower: float
+    upper: float
+    phi: float
+    wilson_p1: list[float]
+    wilson_p2: list[float]
+    alpha: float
+
+
+def newcombe_paired_interval(a: int, b: int, c: int, d: int, alpha: float = 0.05) -> NewcombeInterval:
     """Newcombe's (1998) method 10 for p1 - p2 of paired binary outcomes.
 
     Table: a = both successes, b = first only, c = second only, d = neither; n = a + b + c + d,
@@ -265,16 +301,16 @@ def mcnemar_exact_p(b: int, c: int) -> float:
 
 
 def paired_binary_informational(
-    rows: Iterable[dict[str, Any]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
-) -> dict[str, Any]:
+    rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
+) -> JsonObject:
     """The informational interval beside the decision: discordant pairs, Newcombe's paired interval
     for treatment minus baseline accuracy and the exact McNemar p-value. Values must be 0 or 1."""
     paired = pair_observations(rows, treatment, baseline, metric)
     for arm in ("treatment", "baseline"):
-        for k, v in zip(paired["keys"], paired[arm]):
+        for k, v in zip(paired.keys, paired.values(arm)):
             if isinstance(v, bool) or v not in (0, 1):
                 raise ObservationError(f"{arm} item {k[0]!r}: value {v!r} is not 0 or 1 (a paired proportion needs binary scores)")
-    pairs = list(zip(paired["treatment"], paired["baseline"]))
+    pairs = list(zip(paired.treatment, paired.baseline))
     a = sum(1 for t, b_ in pairs if t == 1 and b_ == 1)
     b = sum(1 for t, b_ in pairs if t == 1 and b_ == 0)
     c = sum(1 for t, b_ in pairs if t == 0 and b_ == 1)
@@ -282,7 +318,7 @@ def paired_binary_informational(
     ci = newcombe_paired_interval(a, b, c, d, alpha)
     return {
         "label": INFORMATIONAL_LABEL, "used_for_verdict": False, "method": "newcombe_1998_method10",
-        "treatment": treatment, "baseline": baseline, "metric": metric, "evaluator_id": paired["evaluator_id"],
+        "treatment": treatment, "baseline": baseline, "metric": metric, "evaluator_id": paired.evaluator_id,
         "n": len(pairs), "alpha": alpha, "both_correct": a, "treatment_only_correct": b, "baseline_only_correct": c,
         "neither_correct": d, "discordant_pairs": b + c, "mean_difference": ci["difference"],
         "lower": ci["lower"], "upper": ci["upper"], "phi_corrected": ci["phi"],

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -51,10 +52,12 @@ _NOT_HARNESS = {"arm", "step", "loss", "sampler_checkpoint", "cookbook_env", "se
 
 def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
     """`compute_kl_sample_train` over every datum of the step's loss calls; {} when no loss token."""
+    # deferred, like every heavy import here: the plugin's option parsing imports this module at
+    # start-up (wandb_request), before any step logs
     import numpy as np
-    import tinker
-    import torch
-    from tinker_cookbook.rl.metrics import compute_kl_sample_train
+    import tinker  # deferred: plugin start-up, as above
+    import torch  # deferred: plugin start-up, as above
+    from tinker_cookbook.rl.metrics import compute_kl_sample_train  # deferred: plugin start-up, as above
 
     data_D, train_lp_D = [], []
     for rec in records:
@@ -66,9 +69,10 @@ def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
             targets = [int(x) for x in t["target_tokens_N"][sl]]
             data_D.append(tinker.Datum(
                 model_input=tinker.ModelInput.from_ints([int(t["first_token_S"][s]), *targets[:-1]]),
-                loss_fn_inputs={"target_tokens": np.asarray(targets, dtype=np.int64),
-                                "logprobs": np.asarray(t["sampler_logprobs_N"][sl], dtype=np.float32),
-                                "mask": np.asarray(t["mask_N"][sl], dtype=np.float32)}))
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
+                    "logprobs": tinker.TensorData.from_numpy(np.asarray(t["sampler_logprobs_N"][sl], dtype=np.float32)),
+                    "mask": tinker.TensorData.from_numpy(np.asarray(t["mask_N"][sl], dtype=np.float32))}))
             train_lp_D.append(torch.as_tensor(np.asarray(t["logprobs_N"][sl], dtype=np.float32)))
     if not any(float(d.loss_fn_inputs["mask"].to_torch().sum()) > 0 for d in data_D):
         return {}
@@ -77,9 +81,10 @@ def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
 
 def trajectory_metrics(batch: rollouts.RolloutBatch) -> dict[str, float]:
     """The cookbook's `env/all/*` metrics of one rollout batch (no per-tag split: one data set)."""
+    # deferred: the cookbook's RL stack, which the plugin's start-up import of this module does not need
     from tinker_cookbook.rl.metric_util import compute_trajectory_metrics
 
-    from dppo_harness.rollout import rollouts
+    from dppo_harness.rollout import rollouts  # deferred with it: it imports the same stack
 
     groups = rollouts.to_trajectory_groups(batch)
     return {k: float(v) for k, v in compute_trajectory_metrics(groups, [[] for _ in groups]).items()}
@@ -133,7 +138,7 @@ def _trackers_unimportable(names: Sequence[str]) -> Iterator[None]:
     """`import name` raises ImportError inside (a None entry in sys.modules), for names not yet loaded."""
     added = [n for n in names if n not in sys.modules]
     for n in added:
-        sys.modules[n] = None  # type: ignore[assignment]
+        sys.modules[n] = None  # type: ignore[assignment]  # None is how the import system marks a module unimportable
     try:
         yield
     finally:
@@ -142,7 +147,7 @@ def _trackers_unimportable(names: Sequence[str]) -> Iterator[None]:
                 del sys.modules[n]
 
 
-def load_ml_log(*, wandb: bool) -> Any:
+def load_ml_log(*, wandb: bool) -> ModuleType:
     """`tinker_cookbook.utils.ml_log`, imported without its optional trackers unless W&B is asked for."""
     name = "tinker_cookbook.utils.ml_log"
     if name in sys.modules:

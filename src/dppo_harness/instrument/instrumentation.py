@@ -6,25 +6,30 @@ server pass). Decisions come from `losses.token_terms`, the packed path the loss
 `replay.py` later recomputes them with the independent padded implementation.
 
 One record = one loss call = one optimizer update. Records are saved as compressed npz files
-(`save_records`) holding the tensors plus a JSON `meta` entry with the logged statistics, so a
-file is self-describing and replay needs nothing else.
+(`records_to_npz`, read back by `records_from_npz`) holding the tensors plus a JSON `meta` entry
+with the logged statistics, so a file is self-describing and replay needs nothing else.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import torch
 
 from dppo_harness.constants import DPPO_DELTA
+from dppo_harness.data import JsonData, JsonObject
 from dppo_harness.loss import losses
+
+if TYPE_CHECKING:  # only the Datum type: the recorder itself never calls the SDK
+    import tinker
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
 META_KEY = "__record_meta__"
@@ -110,7 +115,7 @@ def decision_stats(
     ppo_clipped_N: np.ndarray,
     ratio_cap_hit_N: np.ndarray,
     delta: float = DPPO_DELTA,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Every logged statistic of one loss call, from its decisions and p - q (numpy, no torch).
 
     Shared by the recorder (on the packed path's decisions) and by replay (on the independent
@@ -189,16 +194,17 @@ class LossCallRecord:
     """One loss call: its context, the tensors it saw, its decisions and statistics."""
 
     call_index: int  # 0-based over the recorder's lifetime
-    context: dict[str, Any]  # update_index (1-based), epoch, minibatch, group ids, ...
+    # Free-form per caller and read back by key (update_index (1-based), epoch, minibatch, group ids, ...).
+    context: dict[str, Any]
     dtype: str  # actual dtype of the current logprobs the loss received
     tensors: dict[str, np.ndarray]
-    stats: dict[str, Any]
+    stats: dict[str, Any]  # decision_stats(...) plus decision_dtype; read back by key (COUNT_KEYS, FLOAT_KEYS)
     loss_metrics: dict[str, float] = field(default_factory=dict)  # what the loss itself returned
     started_unix: float = 0.0
     loss_seconds: float = 0.0
     prob_diff_N: np.ndarray | None = None  # in memory only: float64 p - q of the packed path
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> JsonObject:
         return {
             "format": RECORD_FORMAT,
             "call_index": self.call_index,
@@ -213,7 +219,7 @@ class LossCallRecord:
         }
 
 
-def packed_inputs(data: Sequence[Any]) -> dict[str, np.ndarray]:
+def packed_inputs(data: Sequence[tinker.Datum]) -> dict[str, np.ndarray]:
     """Sampler logprobs, advantages, mask, target tokens and layout of datums, packed over N."""
     fields: dict[str, list[np.ndarray]] = {k: [] for k in ("sampler", "adv", "mask", "target")}
     first, lengths = [], []
@@ -249,10 +255,10 @@ def packed_inputs(data: Sequence[Any]) -> dict[str, np.ndarray]:
 
 def record_from_call(
     call_index: int,
-    context: dict[str, Any],
-    data: Sequence[Any],
+    context: Mapping[str, JsonData],
+    data: Sequence[tinker.Datum],
     logprobs_list: Sequence[torch.Tensor],
-    loss_cfg: Any,
+    loss_cfg: losses.LossConfig,
 ) -> LossCallRecord:
     """Run the packed path's terms (`losses.datum_token_terms`, exactly what the loss computes)
     on the exact tensors of one loss call and build its record."""
@@ -306,13 +312,13 @@ class LossCallRecorder:
     a record is kept even when the loss raises, so a crash still leaves what the loss saw.
     """
 
-    def __init__(self, loss_cfg: Any, on_record: Callable[[LossCallRecord], None] | None = None):
+    def __init__(self, loss_cfg: losses.LossConfig, on_record: Callable[[LossCallRecord], None] | None = None):
         self.loss_cfg = loss_cfg
         self.on_record = on_record
         self.records: list[LossCallRecord] = []
 
-    def wrap(self, loss_fn: LossFn, **context: Any) -> LossFn:
-        def recorded_loss_fn(data: list, logprobs_list: list[torch.Tensor]):
+    def wrap(self, loss_fn: LossFn, **context: JsonData) -> LossFn:
+        def recorded_loss_fn(data: list, logprobs_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             record = record_from_call(len(self.records), context, data, logprobs_list, self.loss_cfg)
             self.records.append(record)
             t0 = time.perf_counter()
@@ -363,7 +369,7 @@ def records_to_npz(records: Sequence[LossCallRecord]) -> bytes:
     meta = json.dumps({"format": RECORD_FORMAT, "calls": metas}, allow_nan=False)
     arrays[META_KEY] = np.frombuffer(meta.encode(), dtype=np.uint8)
     buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
+    np.savez_compressed(buf, allow_pickle=True, **arrays)  # numpy's default, spelled out
     return buf.getvalue()
 
 
@@ -401,9 +407,9 @@ def is_record_file(data: bytes) -> bool:
         return False
 
 
-def summary_row(record: LossCallRecord) -> dict[str, Any]:
+def summary_row(record: LossCallRecord) -> JsonObject:
     """The scalar statistics of one call (no histograms), for result.json and reports."""
-    row = {k: record.stats.get(k) for k in COUNT_KEYS + FLOAT_KEYS}
+    row: JsonObject = {k: record.stats.get(k) for k in COUNT_KEYS + FLOAT_KEYS}
     row.update({"call_index": record.call_index, **record.context, "dtype": record.dtype})
     return row
 
@@ -424,7 +430,6 @@ def choose_sentinel_sequences(
 ) -> SentinelSet:
     """Deterministic choice: the first sequences by sha256(salt, index) order in each advantage
     sign class (positive, negative, zero), so both signs are covered whenever they occur."""
-    import hashlib
 
     def key(i: int) -> str:
         return hashlib.sha256(f"{salt}:{i}".encode()).hexdigest()
@@ -446,7 +451,7 @@ def sentinel_summary(
     init_logprobs_N: np.ndarray,
     mask_N: np.ndarray,
     advantages_N: np.ndarray,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Trainer vs sampler (total mismatch) and trainer vs initial trainer (optimizer drift)."""
     m = mask_N > 0
     p = np.exp(trainer_logprobs_N[m].astype(np.float64))
@@ -464,7 +469,7 @@ def sentinel_summary(
             "abs_max": float(np.abs(x).max()),
         }
 
-    by_sign = {}
+    by_sign: JsonObject = {}
     for name, sel in (("pos", adv > 0), ("neg", adv < 0)):
         by_sign[name] = {"tokens": int(sel.sum()), "mean_p_minus_p_init": float(vs_init[sel].mean()) if sel.any() else None}
     return {
@@ -476,8 +481,13 @@ def sentinel_summary(
     }
 
 
-def nan_free(obj: Any) -> Any:
-    """JSON-safe copy: non-finite floats become None (evidence JSON forbids NaN)."""
+@overload
+def nan_free(obj: Mapping[str, object]) -> JsonObject: ...
+@overload
+def nan_free(obj: object) -> JsonData: ...
+def nan_free(obj: object) -> JsonData:
+    """JSON-safe copy: non-finite floats become None (evidence JSON forbids NaN), numpy scalars
+    become Python numbers, tuples become lists. Anything else is returned as it is."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
@@ -486,10 +496,10 @@ def nan_free(obj: Any) -> Any:
         return [nan_free(v) for v in obj]
     if isinstance(obj, np.generic):
         return nan_free(obj.item())
-    return obj
+    return obj  # type: ignore[return-value]  # str, int, bool, None; json.dumps refuses anything else later
 
 
-def record_prob_diff(record: LossCallRecord, loss_cfg: Any) -> np.ndarray:
+def record_prob_diff(record: LossCallRecord, loss_cfg: losses.LossConfig) -> np.ndarray:
     """p - q of a record (float64, 0 off loss tokens): kept from the call, else recomputed with
     the packed path from the saved tensors (records loaded from disk carry no p - q)."""
     if record.prob_diff_N is not None:

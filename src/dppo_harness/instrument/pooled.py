@@ -8,10 +8,10 @@ The lower module under both the diagnostic (which pools the second-epoch calls i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from dppo_harness.data import JsonObject
 from dppo_harness.instrument import instrumentation as ins
 
 ANALYSIS_FILE = "diagnostic-analysis.json"
@@ -30,10 +30,10 @@ POOLED_QUANTILES = {"drift/abs_p90": (True, 0.9), "drift/abs_p99": (True, 0.99),
                     "drift/signed_p90": (False, 0.9), "drift/signed_p99": (False, 0.99)}
 
 
-def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> dict[str, Any]:
+def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> JsonObject:
     """Pooled statistics of the given loss calls, weighted by their loss-token counts."""
     sums = {k: int(sum(r.stats[k] for r in records)) for k in ins.COUNT_KEYS}
-    pooled: dict[str, Any] = {"calls": len(records), **sums}
+    pooled: JsonObject = {"calls": len(records), **sums}
     for metric, (num, den) in RATIO_PARTS.items():
         pooled[metric] = sums[num] / sums[den] if sums[den] else 0.0
     loss_d = [d[r.tensors["mask_N"] != 0] for r, d in zip(records, prob_diffs, strict=True)]

@@ -24,9 +24,11 @@ from typing import Any
 import numpy as np
 
 from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.data import JsonData, JsonObject
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import pooled as pooled_mod
 from dppo_harness.loss import references
+from dppo_harness.rollout.frozen_batch import FrozenBatch
 
 # A decision may legitimately differ between two float64 exp() implementations only when p - q
 # is within a few ulps of +-delta; such tokens are reported as ties, never silently accepted.
@@ -53,7 +55,7 @@ def from_padded(values_BT: np.ndarray, lengths_S: np.ndarray) -> np.ndarray:
 
 @dataclass
 class RecordCheck:
-    update_index: Any
+    update_index: JsonData  # the record's context update_index, else its call index
     problems: list[str] = field(default_factory=list)
     ties: int = 0
     recomputed: dict[str, Any] = field(default_factory=dict)
@@ -142,7 +144,7 @@ class ReplayReport:
     files: list[str]
     checks: list[RecordCheck]
     problems: list[str]
-    pooled: dict[str, Any] | None
+    pooled: JsonObject | None
 
     @property
     def ok(self) -> bool:
@@ -169,8 +171,6 @@ def load_records(files_dir: Path) -> tuple[list[str], list[ins.LossCallRecord]]:
 
 def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecord]) -> list[str]:
     """Each call's anchor, advantages, mask and tokens must be the frozen batch's, bit for bit."""
-    from dppo_harness.rollout.frozen_batch import FrozenBatch
-
     stem = pooled_mod.FROZEN_BATCH_STEM
     npz, man = files_dir / f"{stem}.npz", files_dir / f"{stem}.manifest.json"
     if not (npz.exists() and man.exists()):
@@ -201,7 +201,7 @@ def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecor
 
 
 def _pooled_problems(files_dir: Path, records: Sequence[ins.LossCallRecord], normalization: str, delta: float,
-                     cap: float, eps: float) -> tuple[list[str], dict[str, Any] | None]:
+                     cap: float, eps: float) -> tuple[list[str], JsonObject | None]:
     """The logged pooled second-epoch analysis against a pooled recompute from the padded path."""
     second = [r for r in records if r.context.get("epoch") == 2]
     if not second:

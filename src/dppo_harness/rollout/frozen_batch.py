@@ -15,10 +15,17 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import numpy as np
 import tinker
+
+from dppo_harness.data import JsonData, JsonObject
+
+if TYPE_CHECKING:  # only the type: rollouts imports this module's neighbours at run time
+    from dppo_harness.evidence.files import FileEntry
+    from dppo_harness.rollout.rollouts import RolloutBatch
+
 
 FORMAT_VERSION = 1
 FLOAT_DTYPE = np.dtype(np.float32)  # what the cookbook's datums carry
@@ -36,6 +43,29 @@ FIELDS: tuple[str, ...] = (
 REQUIRED_METADATA = ("sampler_checkpoint", "created_at", "dtype")
 
 
+class _RegistersBytes(Protocol):
+    """What :meth:`FrozenBatch.register` needs of an ``EvidenceBundle``."""
+
+    def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry: ...
+
+
+class RegisteredBatch(TypedDict):
+    """The batch sha256 and the two evidence entries :meth:`FrozenBatch.register` made."""
+
+    sha256: str
+    npz: FileEntry
+    manifest: FileEntry
+
+
+class SequenceView(TypedDict):
+    """Read-only slices of one stored sequence in datum layout (``T_s`` positions, tokens ``T_s + 1``)."""
+
+    tokens: np.ndarray  # int64 [T_s + 1]: prompt + response
+    logprobs: np.ndarray  # float32 [T_s]: sampler log-prob per target position
+    advantages: np.ndarray  # float32 [T_s]
+    mask: np.ndarray  # float32 [T_s]: 1.0 on sampled response tokens
+
+
 class FrozenBatchError(RuntimeError):
     """A frozen batch changed after freezing, failed to load, or was asked for something invalid."""
 
@@ -48,7 +78,7 @@ def _field_sha256(name: str, arr: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def canonical_json(obj: Any) -> str:
+def canonical_json(obj: JsonData) -> str:
     """The one JSON form hashed by the harness: sorted keys, no spaces, ASCII, no NaN."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
@@ -80,7 +110,7 @@ class Minibatch:
     sequence_indices: tuple[int, ...]
     loss_tokens: int  # sum of loss_mask over its datums
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, int | list[int]]:
         return {
             "index": self.index,
             "group_ids": list(self.group_ids),
@@ -94,8 +124,14 @@ class FrozenBatch:
     """Immutable rollout batch. Build with :meth:`from_datums` / :meth:`from_rollouts` or :meth:`load`."""
 
     __slots__ = ("_arrays", "_field_hashes", "_metadata_json", "_offsets_K", "_offsets_N", "_sha256")
+    _arrays: dict[str, np.ndarray]
+    _field_hashes: dict[str, str]
+    _metadata_json: str
+    _offsets_K: np.ndarray
+    _offsets_N: np.ndarray
+    _sha256: str
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any]):
+    def __init__(self, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, JsonData]):
         missing = [f for f in FIELDS if f not in arrays]
         extra = [f for f in arrays if f not in FIELDS]
         if missing or extra:
@@ -118,7 +154,7 @@ class FrozenBatch:
         object.__setattr__(self, "_offsets_N", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         object.__setattr__(self, "_offsets_K", np.concatenate([[0], np.cumsum(lengths + 1)]).astype(np.int64))
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("FrozenBatch is immutable")
 
     def __delattr__(self, name: str) -> None:
@@ -136,7 +172,7 @@ class FrozenBatch:
         item_ids_S: Sequence[str],
         sampler_checkpoint: str,
         sampler_version: str | None = None,
-        extra_metadata: Mapping[str, Any] | None = None,
+        extra_metadata: Mapping[str, JsonData] | None = None,
         created_at: str | None = None,
     ) -> FrozenBatch:
         """Freeze cookbook-layout datums (``target_tokens``, ``logprobs``, ``advantages``, ``mask``)."""
@@ -162,7 +198,7 @@ class FrozenBatch:
             response = np.flatnonzero(mask)
             # prompt length in tokens: positions before the first loss position, plus the first token
             prompt_lengths.append(int(response[0]) + 1 if response.size else T + 1)
-        meta = {
+        meta: JsonObject = {
             "format_version": FORMAT_VERSION,
             "sampler_checkpoint": sampler_checkpoint,
             "sampler_version": sampler_version,
@@ -170,7 +206,7 @@ class FrozenBatch:
             "created_at": created_at or _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds"),
             **dict(extra_metadata or {}),
         }
-        arrays = {
+        arrays: dict[str, np.ndarray] = {
             "tokens_K": np.concatenate(tokens),
             "sampler_logprobs_N": np.concatenate(lps),
             "advantages_N": np.concatenate(advs),
@@ -185,9 +221,11 @@ class FrozenBatch:
 
     @classmethod
     def from_rollouts(
-        cls, batch: Any, *, sampler_version: str | None = None, extra_metadata: Mapping[str, Any] | None = None
+        cls, batch: RolloutBatch, *, sampler_version: str | None = None,
+        extra_metadata: Mapping[str, JsonData] | None = None,
     ) -> FrozenBatch:
         """Freeze a ``rollouts.RolloutBatch`` (datums built by the cookbook's own functions)."""
+        # deferred: rollouts imports the cookbook's RL stack, which a frozen batch loaded for replay does not need
         from dppo_harness.rollout.rollouts import batch_to_datums
 
         datums, meta = batch_to_datums(batch)
@@ -195,7 +233,7 @@ class FrozenBatch:
         group_ids = [batch.groups[m["group_idx"]].group_id for m in meta]
         item_ids = [batch.groups[m["group_idx"]].item.item_id for m in meta]
         summary = batch.summary()
-        info = {
+        info: JsonObject = {
             "base_model": batch.base_model,
             "rollout_config": summary["config"],
             "stop": summary["stop"],
@@ -219,8 +257,9 @@ class FrozenBatch:
         return self._arrays[name]
 
     @property
-    def metadata(self) -> dict[str, Any]:
-        return json.loads(self._metadata_json)
+    def metadata(self) -> JsonObject:
+        loaded: JsonObject = json.loads(self._metadata_json)
+        return loaded
 
     @property
     def sha256(self) -> str:
@@ -239,7 +278,7 @@ class FrozenBatch:
         """Distinct group ids in first-appearance order."""
         return list(dict.fromkeys(int(g) for g in self._arrays["group_ids_S"]))
 
-    def sequence(self, s: int) -> dict[str, np.ndarray]:
+    def sequence(self, s: int) -> SequenceView:
         """Per-sequence read-only slices in datum layout."""
         a, b = int(self._offsets_N[s]), int(self._offsets_N[s + 1])
         ka, kb = int(self._offsets_K[s]), int(self._offsets_K[s + 1])
@@ -283,7 +322,7 @@ class FrozenBatch:
                         "target_tokens": tinker.TensorData.from_numpy(seq["tokens"][1:].astype(np.int64)),
                         "logprobs": tinker.TensorData.from_numpy(seq["logprobs"].copy()),
                         "advantages": tinker.TensorData.from_numpy(seq["advantages"].copy()),
-                        "mask": np.array(seq["mask"], dtype=np.float32),
+                        "mask": tinker.TensorData.from_numpy(np.array(seq["mask"], dtype=np.float32)),
                     },
                 )
             )
@@ -311,9 +350,9 @@ class FrozenBatch:
         np.savez_compressed(buf, allow_pickle=False, **self._arrays)
         return buf.getvalue()
 
-    def manifest(self, npz_bytes: bytes | None = None) -> dict[str, Any]:
+    def manifest(self, npz_bytes: bytes | None = None) -> JsonObject:
         self.assert_intact()
-        m = {
+        m: JsonObject = {
             "format_version": FORMAT_VERSION,
             "sha256": self._sha256,
             "fields": {
@@ -334,7 +373,7 @@ class FrozenBatch:
         npz = self.to_npz_bytes()
         return npz, (json.dumps(self.manifest(npz), indent=2, sort_keys=True) + "\n").encode()
 
-    def register(self, evidence: Any, stem: str = "frozen-batch") -> dict[str, Any]:
+    def register(self, evidence: _RegistersBytes, stem: str = "frozen-batch") -> RegisteredBatch:
         """Register ``{stem}.npz`` (kind tensors) and ``{stem}.manifest.json`` (kind manifest)
         with an ``EvidenceBundle``; returns both entries and the batch sha256."""
         npz, manifest = self.to_bytes()

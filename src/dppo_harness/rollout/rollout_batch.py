@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from dppo_harness.data import JsonData, JsonObject
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
@@ -29,11 +30,11 @@ class SampledStep:
 
     sampler_path: str  # tinker:// path of the weights that sampled
     batch: rollouts.RolloutBatch
-    datums: tuple[Any, ...]  # tinker.Datum, cookbook layout
+    datums: tuple[tinker.Datum, ...]  # cookbook layout
     group_of_datum: tuple[int, ...]  # group index of each datum (complete-group minibatches)
     seconds: float  # save for sampler + sampling + grading
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JsonObject:
         return {**self.batch.summary(), "step_seconds": self.seconds}
 
 
@@ -60,7 +61,7 @@ def sample_rollout_batch(
                        time.perf_counter() - t0)
 
 
-def freeze(sampled: SampledStep, extra_metadata: Mapping[str, Any] | None = None) -> FrozenBatch:
+def freeze(sampled: SampledStep, extra_metadata: Mapping[str, JsonData] | None = None) -> FrozenBatch:
     """The sampled batch frozen (hashed, immutable) for reuse across updates."""
     return FrozenBatch.from_rollouts(sampled.batch, sampler_version=sampled.sampler_path,
                                      extra_metadata=extra_metadata)

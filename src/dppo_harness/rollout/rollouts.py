@@ -10,9 +10,8 @@ before any is awaited, so the whole batch is in flight together. Rewards come fr
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
 import tinker
@@ -21,7 +20,8 @@ from tinker_cookbook.completers import TokensWithLogprobs
 from tinker_cookbook.rl import data_processing
 from tinker_cookbook.rl.types import Trajectory, TrajectoryGroup, Transition
 
-from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response
+from dppo_harness.data import JsonObject
+from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response, stop_list
 from dppo_harness.evaluation import answer_yield
 
 
@@ -78,7 +78,7 @@ class RolloutBatch:
             [s for g in self.groups for s in g.stop_reasons], [gr.answer_found for g in self.groups for gr in g.graded],
             [len(r) for g in self.groups for r in g.responses], max_tokens=self.config.max_tokens)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JsonObject:
         rewards = np.array([r for g in self.groups for r in g.rewards_G], dtype=np.float64)
         ry = self.response_yield()
         nonconstant = sum(len(set(g.rewards_G)) > 1 for g in self.groups)
@@ -106,7 +106,7 @@ class RolloutBatch:
 def sampling_params(cfg: RolloutConfig, stop: Sequence[int] | Sequence[str], group_id: int) -> tinker.SamplingParams:
     seed = None if cfg.seed is None else cfg.seed + group_id
     return tinker.SamplingParams(
-        max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=list(stop), seed=seed
+        max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=stop_list(stop), seed=seed
     )
 
 
@@ -132,11 +132,15 @@ def sample_batch(
     stop = prompts[0][1]
     t0 = time.perf_counter()
     done_at: dict[int, float] = {}
+
+    def stamp(g: int) -> Callable[[], object]:
+        return lambda: done_at.setdefault(g, time.perf_counter() - t0)
+
     # Submit everything first: each call returns a future immediately.
     futures = []
     for g, (ob, ob_stop) in enumerate(prompts):
         fut = sampling_client.sample(ob, cfg.group_size, sampling_params(cfg, ob_stop, g))
-        _on_done(fut, lambda g=g: done_at.setdefault(g, time.perf_counter() - t0))
+        _on_done(fut, stamp(g))
         futures.append(fut)
     results, got_at = [], []
     for f in futures:
@@ -186,7 +190,7 @@ def sample_batch(
     )
 
 
-def _on_done(fut: Any, callback: Any) -> None:
+def _on_done(fut: tinker.APIFuture[tinker.SampleResponse], callback: Callable[[], object]) -> None:
     """Time-stamp a request when its response arrives (SDK futures wrap a concurrent Future)."""
     inner = getattr(fut, "future", None)
     if callable(inner):
@@ -203,6 +207,7 @@ def to_trajectory_groups(batch: RolloutBatch) -> list[TrajectoryGroup]:
                 transitions=[
                     Transition(
                         ob=ob,
+                        # stop reasons are kept as the sampler's strings; the cookbook types them as tinker.StopReason
                         ac=TokensWithLogprobs(tokens=list(toks), maybe_logprobs=list(lps), stop_reason=sr),  # type: ignore[arg-type]
                         reward=gr.reward,
                         episode_done=True,

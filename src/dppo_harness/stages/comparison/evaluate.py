@@ -77,7 +77,7 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
     files.append(f"evaluator-{evaluator.evaluator_id[:16]}.json")
     seed = cfg.arms[0].seed
     scores: list[dict[str, Any]] = []
-    comparisons = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
+    comparisons: list[dict[str, Any]] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
 
     def post() -> None:
         bundle.update_result(evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
