@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any
 
-from dppo_harness.service.service_wait_watch import _once
+from dppo_harness.service.wait.watch import _once
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _install() -> bool:
         task.add_done_callback(tasks.discard)
         self.__dict__[_SENT] = self.__dict__.get(_SENT, 0) + 1
 
-    InternalClientHolder.enqueue_cancel = enqueue_cancel
+    InternalClientHolder.enqueue_cancel = enqueue_cancel  # type: ignore[method-assign]  # the patch: each cancel its own task
     return True
 
 
@@ -142,5 +142,5 @@ def _install_setup_abort() -> bool:
             scope.keep(inner)
         return made
 
-    InternalClientHolder.run_coroutine_threadsafe = run_coroutine_threadsafe
+    InternalClientHolder.run_coroutine_threadsafe = run_coroutine_threadsafe  # type: ignore[method-assign]  # the patch: keep setup futures
     return True

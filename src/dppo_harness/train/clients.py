@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tinker
 
-from dppo_harness.service.clients import create_from_state_with_response
+from dppo_harness.service.observed import create_from_state_with_response
 
 
 class RestorationError(RuntimeError):

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from tinker.lib.api_future_impl import QueueState, QueueStateObserver
 
@@ -66,6 +66,15 @@ class Episode:
     reason_changes: int = 0  # how often the service reworded the pause (a queue position, say)
 
 
+class QueueSource(Protocol):
+    """What a wait reads of a call's queue: the latest report, and the pauses seen since a time
+    (QueueWatch, CreationWatch, the creation-time loggers)."""
+
+    def latest(self) -> QueueReport | None: ...
+
+    def episodes_since(self, t0: float) -> list[Episode]: ...
+
+
 _episode_ids = iter(range(1, 1 << 62))
 _episode_lock = threading.Lock()
 
@@ -99,7 +108,8 @@ class QueueWatch(QueueStateObserver):
             # One state is one pause whatever its text: a reason that changes every poll (a queue
             # position) or a refused submit's latest error continues the pause it reports.
             same = last is not None and last.state == state
-            self._latest = QueueReport(state, reason, last.since if same else now, now, http_status)
+            since = last.since if last is not None and same else now
+            self._latest = QueueReport(state, reason, since, now, http_status)
             current = self._episodes[-1] if self._episodes and self._episodes[-1].ended is None else None
             if current is not None and not (same and state in PAUSED_STATES):
                 current.ended = now
@@ -224,7 +234,7 @@ def _install_creation_watch() -> bool:
         def episodes_since(self, t0: float) -> list[Episode]:
             return self.watch.episodes_since(t0)
 
-    sc_module.QueueStateLogger = WatchedQueueStateLogger
+    sc_module.QueueStateLogger = WatchedQueueStateLogger  # type: ignore[misc]  # the patch: looked up at each call
     return True
 
 
@@ -254,7 +264,7 @@ def _install_transport_watch() -> bool:
                 note(int(status or 0), str(getattr(err, "detail", "")))
         return await original(self, err, *args, **kwargs)
 
-    _APIFuture._handle_transport_error = observed
+    _APIFuture._handle_transport_error = observed  # type: ignore[method-assign]  # the patch: observe, then the SDK's own
     return True
 
 

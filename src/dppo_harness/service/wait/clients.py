@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from dppo_harness.service.service_wait_watch import QueueWatch
+from dppo_harness.service.wait.watch import QueueSource, QueueWatch
+
+C = TypeVar("C")
 
 if TYPE_CHECKING:
-    from dppo_harness.service.service_wait import ServiceWaiter
+    from dppo_harness.service.wait.waiter import Pending, ServiceWaiter  # the waiter hands out these clients
 
 
 class WaitedFuture:
     """An SDK future whose result() waits under the policy; `then` turns the value into what the
     caller gets (e.g. a new client, observed and wrapped)."""
 
-    def __init__(self, inner: Any, waiter: ServiceWaiter, call: str, client: str, watch: Any = None,
-                 then: Callable[[Any], Any] | None = None):
+    def __init__(self, inner: Pending[Any], waiter: ServiceWaiter, call: str, client: str,
+                 watch: QueueSource | None = None, then: Callable[[Any], Any] | None = None):
         self._inner, self._waiter, self._call, self._client, self._watch = inner, waiter, call, client, watch
         self._then, self._value, self._has_value = then, None, False
         self._lock = threading.Lock()
@@ -42,11 +44,11 @@ class WaitedFuture:
     async def result_async(self, timeout: float | None = None) -> Any:
         return await asyncio.to_thread(self.result, timeout)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, Any]:
         return self.result_async().__await__()
 
     def future(self) -> Any:
-        return self._inner.future()
+        return self._inner.future()  # type: ignore[attr-defined]  # an SDK APIFuture's own future
 
     def abandon(self) -> bool:
         """Cancel the SDK's wait for this result (a stop ended the run): its polls stop, and for a
@@ -66,14 +68,14 @@ class WaitedClient:
     """A training, sampling or REST client whose every returned future is a WaitedFuture (and
     whose every returned client is waited too). Everything else is the wrapped client's."""
 
-    def __init__(self, inner: Any, waiter: ServiceWaiter, label: str, watch: QueueWatch | None):
+    def __init__(self, inner: object, waiter: ServiceWaiter, label: str, watch: QueueWatch | None):
         object.__setattr__(self, "_w_inner", inner)
         object.__setattr__(self, "_w_waiter", waiter)
         object.__setattr__(self, "label", label)
         object.__setattr__(self, "_w_watch", watch)
 
     @property
-    def sdk_client(self) -> Any:
+    def sdk_client(self) -> object:
         return self._w_inner
 
     @property
@@ -92,7 +94,7 @@ class WaitedClient:
         call.__doc__ = getattr(attr, "__doc__", None)
         return call
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if name == "label":
             object.__setattr__(self, name, value)
         else:
@@ -102,13 +104,13 @@ class WaitedClient:
         return f"WaitedClient({self.label}: {self._w_inner!r})"
 
 
-def name_client(client: Any, name: str) -> Any:
+def name_client(client: C, name: str) -> C:
     """Give a waited client the name its stop lines and pauses use (e.g. the arm, `dppo_seed0`)."""
     if isinstance(client, WaitedClient):
         client.label = name
     return client
 
 
-def sdk_client(client: Any) -> Any:
+def sdk_client(client: object) -> object:
     """The SDK's own client inside a waited one (for SDK code that needs the real instance)."""
     return client.sdk_client if isinstance(client, WaitedClient) else client

@@ -15,8 +15,8 @@ from dppo_harness.evidence import budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
-from dppo_harness.service.service_wait import ServiceWaiter, WaitStatus
-from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceDied, ServiceStopped
+from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
+from dppo_harness.service.wait.waiter import ServiceWaiter, WaitStatus
 
 # Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS (the evidence budget's share,
 # evidence.budget.WAIT_SNAPSHOTS), and only while the run uses under half its file slots. On the
