@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import tinker
+from pydantic import JsonValue
 
 from dppo_harness.service.observed import create_from_state_with_response
 
@@ -75,7 +75,7 @@ def full_logprobs(client: tinker.TrainingClient, batch: Sequence[tinker.Datum]) 
     return result
 
 
-def dump_response(obj: Any) -> Any:
+def dump_response(obj: object) -> JsonValue:
     """JSON-able form of an SDK response (pydantic model, dataclass or plain value)."""
     if hasattr(obj, "model_dump"):
         return obj.model_dump(mode="json")
@@ -87,7 +87,7 @@ def dump_response(obj: Any) -> Any:
         return [dump_response(v) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
         return repr(obj)
-    return obj
+    return obj  # type: ignore[return-value]  # any other value goes to the JSON writer as it is
 
 
 def create_from_state_observed(
