@@ -42,7 +42,7 @@ from dppo_harness.service.config import (
     describe_service,
     redact_url,
 )
-from dppo_harness.service.identity import EmbeddedMarker
+from dppo_harness.service.identity import EmbeddedMarker, Substitution
 from dppo_harness.service.wait.policy import ServiceConfigError
 
 # Which variable feeds which request header (tinker backend, shared Spindle).
@@ -55,15 +55,6 @@ CLIENT_CONFIG_PATH = "/api/v1/client/config"
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
-
-
-class Substitution(TypedDict):
-    """A model deviation: the plan's model (`original`) replaced by `effective`, and why."""
-
-    field: str
-    original: str
-    effective: str
-    reason: str
 
 
 class CheckRow(TypedDict):
@@ -350,6 +341,6 @@ def check_connectivity(
     caps = resp.json
     model = _choose_base_model(requested_model, caps, target.shown, ok)
     marker = identity.detect_marker(headers={EMBEDDED_SERVER_HEADER: resp.marker_header}
-                                    if resp.marker_header else None, capabilities=caps)
+                                    if resp.marker_header else None, capabilities=caps if isinstance(caps, dict) else None)
     return ConnectivityReport(backend, target.shown, requested_model, model.model, model.served, model.substitution,
                               marker, caps, checks, time.monotonic() - t0)
