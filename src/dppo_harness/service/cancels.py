@@ -14,9 +14,16 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dppo_harness.service.wait.watch import _once
+
+if TYPE_CHECKING:
+    from tinker.lib.internal_client_holder import InternalClientHolder
+    from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +47,7 @@ def _install() -> bool:
                        "cancelled before the session closes")
         return False
 
-    def enqueue_cancel(self: Any, request_id: str) -> None:  # on the holder's loop, as the SDK's is
+    def enqueue_cancel(self: InternalClientHolder, request_id: str) -> None:  # on the holder's loop, as the SDK's is
         if not self._client_dynamic_config.sample_cancel_enabled:
             return
         tasks: set[asyncio.Task[None]] = self.__dict__.setdefault(_TASKS, set())
@@ -53,7 +60,7 @@ def _install() -> bool:
     return True
 
 
-def flush_cancels(holder: Any, timeout_s: float) -> tuple[int, int]:
+def flush_cancels(holder: InternalClientHolder | None, timeout_s: float) -> tuple[int, int]:
     """Wait up to `timeout_s` for `holder`'s cancel sends: (asked for, still unsent at the end)."""
     if holder is None:
         return 0, 0
@@ -87,7 +94,7 @@ class SetupScope:
     _current = threading.local()
 
     def __init__(self) -> None:
-        self._futures: list[concurrent.futures.Future[Any]] = []
+        self._futures: list[concurrent.futures.Future[object]] = []
         self._lock = threading.Lock()
         self.aborted = False
 
@@ -102,7 +109,7 @@ class SetupScope:
     def current(cls) -> SetupScope | None:
         return getattr(cls._current, "scope", None)
 
-    def keep(self, future: concurrent.futures.Future[Any]) -> None:
+    def keep(self, future: concurrent.futures.Future[object]) -> None:
         with self._lock:
             self._futures.append(future)
             aborted = self.aborted
@@ -133,7 +140,7 @@ def _install_setup_abort() -> bool:
         logger.warning("the SDK's holder has no run_coroutine_threadsafe: a stopped session setup runs on")
         return False
 
-    def run_coroutine_threadsafe(self: Any, coro: Any) -> Any:
+    def run_coroutine_threadsafe(self: InternalClientHolder, coro: Coroutine[Any, Any, T]) -> AwaitableConcurrentFuture[T]:
         made = sdk_run(self, coro)
         scope = SetupScope.current()
         inner = getattr(made, "_future", None)

@@ -8,25 +8,29 @@ import gc
 import logging
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any
 
-from dppo_harness.service.observed import CreatedClient, now_iso
+import tinker
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+from dppo_harness.service.observed import CloseStatus, CreatedClient, now_iso
+from dppo_harness.service.wait.policy import JsonObject
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Entry:
-    client: Any
+    client: tinker.ServiceClient
     stage: str
     label: str
     released: bool = False
     error: str | None = None
     released_at: str | None = None
-    closing: Any = None  # the future of the one close() this entry sent (the SDK answers a second at once)
+    closing: AwaitableConcurrentFuture[None] | None = None  # the future of the one close() this entry sent (the SDK answers a second at once)
 
 
-def training_clients_of(service_client: Any) -> list[CreatedClient]:
+def training_clients_of(service_client: object) -> list[CreatedClient]:
+    """The training clients an ObservedServiceClient created (none for any other client)."""
     return list(getattr(service_client, "created", None) or [])
 
 
@@ -45,7 +49,7 @@ class ClientRegistry:
         self.release_timeout_s = release_timeout_s
         self._atexit = False
         self.current_stage: str | None = None  # set by the plugin as stages begin
-        self.events: list[dict[str, Any]] = []
+        self.events: list[JsonObject] = []  # client-releases.json's events
         self._gone: str | None = None  # why the service can close nothing any more
 
     def service_gone(self, why: str) -> None:
@@ -56,7 +60,7 @@ class ClientRegistry:
     def stage_now(self) -> str | None:
         return self.current_stage
 
-    def register(self, client: Any, *, stage: str, label: str = "service-client") -> Any:
+    def register(self, client: tinker.ServiceClient, *, stage: str, label: str = "service-client") -> tinker.ServiceClient:
         with self._lock:
             self._entries.append(_Entry(client, stage, label))
         return client
@@ -66,7 +70,7 @@ class ClientRegistry:
             atexit.register(self.release_all, "interrupted")
             self._atexit = True
 
-    def _release(self, entry: _Entry, status: str) -> None:
+    def _release(self, entry: _Entry, status: CloseStatus) -> None:
         """Close once and judge by that close's own future: the SDK's second close() returns a
         completed future whatever became of the first, so it proves nothing."""
         if entry.released:
@@ -86,7 +90,7 @@ class ClientRegistry:
             # The SDK retries the session finish for minutes with its heartbeat still running:
             # cancelling its close ends the retries and still closes the holders (its `finally`).
             # The SDK's AwaitableConcurrentFuture has no cancel(); the concurrent future it wraps has.
-            inner = getattr(entry.closing, "_future", entry.closing)
+            inner: object = getattr(entry.closing, "_future", entry.closing)
             cancelled = hasattr(inner, "cancel") and inner.cancel()
             entry.error = (f"TimeoutError: the session finish (POST sessions/<id>/finish) got no answer in "
                            f"{self.release_timeout_s:g} s; the SDK's close was "
@@ -97,20 +101,20 @@ class ClientRegistry:
             entry.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             logger.warning("releasing %s failed: %s", entry.label, entry.error)
 
-    def release_stage(self, stage: str, status: str = "success") -> list[dict[str, Any]]:
+    def release_stage(self, stage: str, status: CloseStatus = "success") -> list[JsonObject]:
         with self._lock:
             entries = [e for e in self._entries if e.stage == stage]
         self._release_and_note(entries, status, f"release of stage {stage!r}")
         return [self._record(e) for e in entries]
 
-    def release_all(self, status: str = "success") -> bool:
+    def release_all(self, status: CloseStatus = "success") -> bool:
         """Release every registered client; True iff all of them are released (vacuously with none)."""
         with self._lock:
             entries = list(self._entries)
         self._release_and_note(entries, status, f"release of every session ({status})")
         return all(e.released for e in entries)
 
-    def _release_and_note(self, entries: list[_Entry], status: str, trigger: str) -> None:
+    def _release_and_note(self, entries: list[_Entry], status: CloseStatus, trigger: str) -> None:
         pending = [e for e in entries if not e.released]
         for e in pending:
             self._release(e, status)
@@ -128,12 +132,12 @@ class ClientRegistry:
                 "still_open": [{"label": e.label, "training_clients": len(training_clients_of(e.client))}
                                for e in still_open],
             })
-            cancels = {e.label: e.client.cancels for e in pending if getattr(e.client, "cancels", None)}
+            cancels = {e.label: sent for e in pending if (sent := getattr(e.client, "cancels", None))}
             if cancels:  # cancel_future sent for samples a stop abandoned: {"asked", "unsent"} per session
                 self.events[-1]["cancels_of_abandoned_samples"] = cancels
 
     @staticmethod
-    def _record(e: _Entry) -> dict[str, Any]:
+    def _record(e: _Entry) -> JsonObject:
         return {"label": e.label, "stage": e.stage, "released": e.released, "error": e.error,
                 "released_at": e.released_at,
                 "training_clients": [asdict(c) for c in training_clients_of(e.client)]}
@@ -148,7 +152,7 @@ class ClientRegistry:
                     counts[key] = counts.get(key, 0) + 1
         return counts
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self) -> list[JsonObject]:
         with self._lock:
             return [self._record(e) for e in self._entries]
 

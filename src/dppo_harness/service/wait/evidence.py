@@ -9,13 +9,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dppo_harness.evidence import budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence.bundle import EvidenceBundle
+    from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.waiter import ServiceWaiter, WaitStatus
 
 # Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS (the evidence budget's share,
@@ -34,7 +38,7 @@ class BundlePoster:
     releases every registered client and writes the stopped run's result (status failed, verdict
     inconclusive, incomplete_execution, and the capacity_block or the hang), then a snapshot."""
 
-    def __init__(self, bundle: Any, registry: Any = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, bundle: EvidenceBundle, registry: ClientRegistry | None = None, clock: Callable[[], float] = time.monotonic):
         self.bundle, self.registry, self.clock = bundle, registry, clock
         self._lock = threading.Lock()  # concurrent waits (the arms') post at once
         self._last_snapshot: float | None = None

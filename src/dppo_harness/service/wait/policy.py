@@ -127,7 +127,7 @@ class WaitPolicy:
         return CapacityPolicy(backoff_s=self.backoff_s, give_up_no_steps_s=self.capacity_patience_s,
                               give_up_after_steps_s=self.capacity_patience_after_steps_s, scale=1.0)
 
-    def as_evidence(self) -> dict[str, float]:
+    def as_evidence(self) -> JsonObject:
         return {"capacity_patience_s": self.capacity_patience_s,
                 "capacity_patience_after_steps_s": self.capacity_patience_after_steps_s,
                 "service_timeout_s": self.service_timeout_s}

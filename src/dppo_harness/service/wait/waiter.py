@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from tinker import RestClient, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.api_future import APIFuture
@@ -46,6 +46,7 @@ from dppo_harness.service.wait.policy import (
     CapacityBlock,
     CapacityExhausted,
     CapacityTracker,
+    JsonObject,
     NoQueueState,
     PaymentRequired,
     ServiceHang,
@@ -97,8 +98,8 @@ class Pause:
     http_status: int | None = None  # a refused submit's status
     reason_changes: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
-        out = {"call": self.call, "client": self.client, "queue_state": self.queue_state,
+    def as_dict(self) -> JsonObject:
+        out: JsonObject = {"call": self.call, "client": self.client, "queue_state": self.queue_state,
                "queue_state_reason": self.queue_state_reason, "began_at": self.began_at,
                "seconds": round(self.seconds, 3), "outcome": self.outcome}
         if self.http_status is not None:
@@ -122,7 +123,7 @@ class WaitStatus:
     id: int = 0  # the waiter's number for this wait
     outcome: str = "waiting"  # waiting | answered | failed | stopped
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {"call": self.call, "client": self.client, "since": self.since, "waited_s": round(self.waited_s, 3),
                 "queue_state": self.queue_state, "queue_state_reason": self.queue_state_reason,
                 "paused_s": round(self.paused_s, 3), "outcome": self.outcome, "updated_at": _utc()}
@@ -243,7 +244,7 @@ class ServiceWaiter:
             return WaitedClient(client, self, label or "rest client", None)
         return None
 
-    def wrap(self, value: Any, *, call: str, parent: WaitedClient) -> Any:
+    def wrap(self, value: object, *, call: str, parent: WaitedClient) -> object:
         """What a waited client's method returned, with its futures and clients waited."""
         if isinstance(value, APIFuture):
             sub_label = f"sampler of {parent.label}" if call.endswith("sampling_client") else None
@@ -414,11 +415,11 @@ class ServiceWaiter:
                     logger.warning("recording the service stop failed: %s: %s", type(exc).__name__, exc)
         raise stop
 
-    def evidence(self) -> dict[str, Any]:
+    def evidence(self) -> JsonObject:
         """The `service_wait` block of result.json: policy, pauses, the posted waits (by id, each
         with its outcome), the stop."""
         with self._lock:
-            out: dict[str, Any] = {"policy": self.policy.as_evidence(), "pauses": [p.as_dict() for p in self.pauses],
+            out: JsonObject = {"policy": self.policy.as_evidence(), "pauses": [p.as_dict() for p in self.pauses],
                                    "waits": self.waits, "longest_wait_s": round(self.longest_wait_s, 3)}
             if self.pauses_not_listed:
                 out["pauses_not_listed"] = self.pauses_not_listed
