@@ -180,7 +180,7 @@ class ObservedServiceClient(tinker.ServiceClient):
             raise
 
     def _creation(self, make: Callable[[], tinker.BackcompatTrainingClientFuture], call: str, what: str
-                  ) -> WaitedFuture:
+                  ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
         fut = self.set_up(make, call, what)
         return WaitedFuture(fut, self.waiter, call, what, CreationWatch(time.monotonic()),
                             then=lambda c: self.adopt(c, call))
@@ -191,7 +191,7 @@ class ObservedServiceClient(tinker.ServiceClient):
         self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool = True,
         train_attn: bool = True, train_unembed: bool = True, user_metadata: dict[str, str] | None = None,
         optimizer: tinker.types.OptimizerConfig | None = None,
-    ) -> WaitedFuture:
+    ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
         return self._creation(lambda: super(ObservedServiceClient, self).create_lora_training_client(
             base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata, optimizer),
                               "create_lora_training_client", f"a new LoRA client on {base_model}")
@@ -199,7 +199,7 @@ class ObservedServiceClient(tinker.ServiceClient):
     def create_training_client_from_state(  # type: ignore[override]  # a WaitedFuture in place of the SDK's future
         self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
         weights_access_token: str | None = None, optimizer: tinker.types.OptimizerConfig | None = None,
-    ) -> WaitedFuture:
+    ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
         return self._creation(lambda: super(ObservedServiceClient, self).create_training_client_from_state(
             path, base_model, user_metadata, weights_access_token, optimizer),
                               "create_training_client_from_state", f"a client from {path}")
@@ -207,7 +207,7 @@ class ObservedServiceClient(tinker.ServiceClient):
     def create_training_client_from_state_with_optimizer(  # type: ignore[override]  # a WaitedFuture in place of the SDK's future
         self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
         weights_access_token: str | None = None,
-    ) -> WaitedFuture:
+    ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
         return self._creation(lambda: super(ObservedServiceClient, self).create_training_client_from_state_with_optimizer(
             path, base_model, user_metadata, weights_access_token),
                               "create_training_client_from_state_with_optimizer", f"a client from {path}")
@@ -215,7 +215,7 @@ class ObservedServiceClient(tinker.ServiceClient):
     def create_sampling_client(  # type: ignore[override]  # a WaitedFuture in place of the SDK's future
         self, model_path: str | None = None, base_model: str | None = None,
         retry_config: RetryConfig | None = None, record_stability_info: bool = False,
-    ) -> WaitedFuture:
+    ) -> WaitedFuture[tinker.SamplingClient, tinker.SamplingClient]:
         what = f"sampler of {model_path or base_model}"
         fut = self.set_up(lambda: super(ObservedServiceClient, self).create_sampling_client(
             model_path=model_path, base_model=base_model, retry_config=retry_config,

@@ -10,41 +10,44 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from dppo_harness.service.wait.watch import QueueSource, QueueWatch
 
 C = TypeVar("C")
+U = TypeVar("U")  # what the SDK's future resolves to
+V = TypeVar("V")  # what the caller gets
 
 if TYPE_CHECKING:
     from dppo_harness.service.wait.waiter import Pending, ServiceWaiter  # the waiter hands out these clients
 
 
-class WaitedFuture:
+class WaitedFuture(Generic[U, V]):
     """An SDK future whose result() waits under the policy; `then` turns the value into what the
     caller gets (e.g. a new client, observed and wrapped)."""
 
-    def __init__(self, inner: Pending[Any], waiter: ServiceWaiter, call: str, client: str,
-                 watch: QueueSource | None = None, then: Callable[[Any], Any] | None = None):
+    def __init__(self, inner: Pending[U], waiter: ServiceWaiter, call: str, client: str,
+                 watch: QueueSource | None = None, then: Callable[[U], V] | None = None):
         self._inner, self._waiter, self._call, self._client, self._watch = inner, waiter, call, client, watch
-        self._then, self._value, self._has_value = then, None, False
+        self._then = then
+        self._value: list[V] = []  # what `then` made, once
         self._lock = threading.Lock()
         waiter.track(self)
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> V:
         value = self._waiter.wait(self._inner, call=self._call, client=self._client, watch=self._watch,
                                   timeout=timeout)
         if self._then is None:
-            return value
+            return value  # type: ignore[return-value]  # without `then` the caller gets the SDK's value
         with self._lock:
-            if not self._has_value:
-                self._value, self._has_value = self._then(value), True
-            return self._value
+            if not self._value:
+                self._value.append(self._then(value))
+            return self._value[0]
 
-    async def result_async(self, timeout: float | None = None) -> Any:
+    async def result_async(self, timeout: float | None = None) -> V:
         return await asyncio.to_thread(self.result, timeout)
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def __await__(self) -> Generator[object, None, V]:
         return self.result_async().__await__()
 
     def future(self) -> Any:
@@ -87,7 +90,7 @@ class WaitedClient:
         if name.startswith("_") or not callable(attr):
             return attr
 
-        def call(*args: Any, **kwargs: Any) -> Any:
+        def call(*args: object, **kwargs: object) -> object:
             return self._w_waiter.wrap(attr(*args, **kwargs), call=name, parent=self)
 
         call.__name__ = name

@@ -71,6 +71,12 @@ C = TypeVar("C")
 V_co = TypeVar("V_co", covariant=True)
 
 
+class Abandonable(Protocol):
+    """A handed-out future a stop can cancel (WaitedFuture)."""
+
+    def abandon(self) -> bool: ...
+
+
 class Pending(Protocol[V_co]):
     """A future the waiter can wait on: the SDK's futures and concurrent futures alike."""
 
@@ -193,7 +199,7 @@ class ServiceWaiter:
         # Seconds left of the wall budget the current stage's waits may use (None: not bounded by one).
         self.budget_left: Callable[[], float | None] | None = None
         self._dead: ServiceStopped | None = None  # the service itself is gone: every wait stops at its next look
-        self._issued: weakref.WeakSet[WaitedFuture] = weakref.WeakSet()  # every WaitedFuture handed out
+        self._issued: weakref.WeakSet[Abandonable] = weakref.WeakSet()  # every WaitedFuture handed out
         self.abandoned = 0  # futures still pending at the stop, cancelled
 
     def service_died(self, stop: ServiceStopped) -> None:
@@ -203,7 +209,7 @@ class ServiceWaiter:
             self._dead = self._dead or stop
         self._say(f"service: {stop.line}")
 
-    def track(self, future: WaitedFuture) -> None:
+    def track(self, future: Abandonable) -> None:
         """Keep a handed-out future, so that a stop can cancel it if it is still pending."""
         with self._lock:
             self._issued.add(future)
