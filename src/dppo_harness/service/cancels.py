@@ -17,10 +17,11 @@ import threading
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tinker.lib.internal_client_holder import InternalClientHolder
+
 from dppo_harness.service.wait.watch import _once
 
 if TYPE_CHECKING:
-    from tinker.lib.internal_client_holder import InternalClientHolder
     from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 T = TypeVar("T")
@@ -38,10 +39,6 @@ def install_cancel_tracking() -> bool:
 
 
 def _install() -> bool:
-    try:
-        from tinker.lib.internal_client_holder import InternalClientHolder
-    except ImportError:  # pragma: no cover - another SDK layout
-        return False
     if not hasattr(InternalClientHolder, "enqueue_cancel") or not hasattr(InternalClientHolder, "_process_one_cancel"):
         logger.warning("the SDK's holder has no enqueue_cancel/_process_one_cancel: abandoned samples are not "
                        "cancelled before the session closes")
@@ -131,10 +128,6 @@ def install_setup_abort() -> bool:
 
 
 def _install_setup_abort() -> bool:
-    try:
-        from tinker.lib.internal_client_holder import InternalClientHolder
-    except ImportError:  # pragma: no cover - another SDK layout
-        return False
     sdk_run = getattr(InternalClientHolder, "run_coroutine_threadsafe", None)
     if sdk_run is None:
         logger.warning("the SDK's holder has no run_coroutine_threadsafe: a stopped session setup runs on")

@@ -105,10 +105,9 @@ def sdk_raw(holder: InternalClientHolder | None, method: str, path: str, *, body
     """One request through an SDK client holder (a ServiceClient's or a TrainingClient's), kept
     raw: status, JSON and the marker header. No retries: an HTTP error status is returned as it
     came; transport failures raise the SDK's errors (tinker.APIConnectionError, ...)."""
-    # The SDK loads only for a raw read: the report and diagnostic modules import this one for
-    # ServedModel and the stand-in labels.
+    # The SDK loads only for a raw read: report and diagnostic modules import this one for its labels.
     import tinker
-    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType  # the SDK, as above
 
     if holder is None:  # a client without an SDK holder: nothing to send the request through
         raise AttributeError("no SDK client holder to read through")

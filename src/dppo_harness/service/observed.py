@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import tinker
+from tinker.lib.api_future_impl import _APIFuture
+from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
+from tinker.lib.queue_state_logger import QueueStateLogger
 from tinker.lib.retry_handler import RetryConfig
 
 from dppo_harness.service.cancels import SetupScope, flush_cancels, install_cancel_tracking, install_setup_abort
@@ -250,18 +254,13 @@ def create_from_state_with_response(service_client: tinker.ServiceClient, path: 
     """
     call = "create_training_client_from_state_with_optimizer"
     try:
-        from tinker.lib.api_future_impl import _APIFuture
-        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
-        from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
-        from tinker.lib.queue_state_logger import QueueStateLogger
-
         if isinstance(service_client, ObservedServiceClient):
             holder = service_client.set_up(lambda: service_client.holder, call, f"a client from {path}")
         else:
             holder = service_client.holder
         session_id = holder.get_session_id()
         model_seq_id = holder.get_training_client_id()
-    except (ImportError, AttributeError) as exc:  # pragma: no cover - other SDK versions
+    except AttributeError as exc:  # pragma: no cover - other SDK versions
         logger.warning("SDK internals unavailable (%s); load response will not be observed", exc)
         return service_client.create_training_client_from_state_with_optimizer(path).result(), None
 

@@ -21,9 +21,11 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import tinker
 from tinker._client import AsyncTinker
-from tinker.lib.api_future_impl import QueueState, QueueStateObserver
+from tinker.lib.api_future_impl import QueueState, QueueStateObserver, _APIFuture
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 from tinker.lib.internal_client_holder import InternalClientHolder
+from tinker.lib.public_interfaces import service_client as sc_module
+from tinker.lib.queue_state_logger import QueueStateLogger
 from tinker.resources.futures import AsyncFuturesResource
 
 logger = logging.getLogger(__name__)
@@ -217,11 +219,6 @@ def install_creation_watch() -> bool:
 
 
 def _install_creation_watch() -> bool:
-    try:
-        from tinker.lib.public_interfaces import service_client as sc_module
-        from tinker.lib.queue_state_logger import QueueStateLogger
-    except ImportError:  # pragma: no cover - another SDK layout
-        return False
     if getattr(sc_module, "QueueStateLogger", None) is not QueueStateLogger:
         logger.warning("tinker.lib.public_interfaces.service_client.QueueStateLogger is not the SDK's "
                        "QueueStateLogger: creation pauses are not observed")
@@ -262,10 +259,6 @@ def install_transport_watch() -> bool:
 
 
 def _install_transport_watch() -> bool:
-    try:
-        from tinker.lib.api_future_impl import _APIFuture
-    except ImportError:  # pragma: no cover - another SDK layout
-        return False
     original = getattr(_APIFuture, "_handle_transport_error", None)
     if original is None:  # pragma: no cover - another SDK layout
         logger.warning("the SDK's futures have no _handle_transport_error: refused polls are not observed")
