@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.rollout.frozen_batch import split_complete_groups
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 # The SDK's custom loss (forward_backward_custom): (datums, per-datum logprobs) -> (loss, metrics).
 LossFn: TypeAlias = "Callable[[list[tinker.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]"
+B = TypeVar("B")  # what `submit_behind()` returns
 
 
 class TrainStepError(RuntimeError):
@@ -38,11 +39,11 @@ def prepare_minibatches(group_of_datum: Sequence[int], n_minibatches: int) -> li
 
 
 @dataclass(frozen=True)
-class UpdateResult:
+class UpdateResult(Generic[B]):
     fwd_bwd: tinker.types.ForwardBackwardOutput  # metrics from the loss
     optim: tinker.types.OptimStepResponse
     seconds: float  # submit -> both awaited
-    behind: Any = None  # what `submit_behind()` returned (e.g. a forward future), not awaited here
+    behind: B | None = None  # what `submit_behind()` returned (e.g. a forward future), not awaited here
     # Where `seconds` went, as this client saw it: forward_wait (submit -> the loss called with the
     # first pass's logprobs), loss, before_optim, backward_wait (-> the custom loss's result),
     # optim_wait (-> the optimizer step's result).
@@ -56,9 +57,9 @@ def minibatch_update(
     adam: tinker.AdamParams,
     *,
     before_optim: Callable[[], None] | None = None,
-    submit_behind: Callable[[], Any] | None = None,
+    submit_behind: Callable[[], B] | None = None,
     sequential: bool = False,
-) -> UpdateResult:
+) -> UpdateResult[B]:
     """One `forward_backward_custom` + `optim_step`, then `submit_behind()` (optional, e.g. a
     sentinel forward that must see the updated weights).
 
@@ -74,7 +75,7 @@ def minibatch_update(
     marks: dict[str, float] = {}
     inner = loss_fn
 
-    def timed_loss_fn(data: list[tinker.Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+    def timed_loss_fn(data: list[tinker.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         marks["loss_start"] = time.perf_counter()
         out = inner(data, logprobs)
         marks["loss_end"] = time.perf_counter()
@@ -132,9 +133,9 @@ def train_step(
     context: Mapping[str, object],  # the loss-call context the recorder keeps with each record
     *,
     persist: Callable[[ins.LossCallRecord], None] | None = None,
-    submit_behind: Callable[[], Any] | None = None,
+    submit_behind: Callable[[], B] | None = None,
     sequential: bool = False,
-) -> tuple[ins.LossCallRecord, UpdateResult]:
+) -> tuple[ins.LossCallRecord, UpdateResult[B]]:
     """One recorded update: the loss wrapped by `recorder` with `context`, then the update.
     `persist(record)` (optional) runs after the loss call and before the optimizer step reaches
     the server; `submit_behind` and `sequential` as in `minibatch_update`."""
