@@ -48,7 +48,7 @@ from dppo_harness.service.wait.policy import ServiceConfigError
 # Which variable feeds which request header (tinker backend, shared Spindle).
 HEADER_VARS = {"x-api-key": "TINKER_API_KEY", "modal-key": "MODAL_PROXY_TOKEN_ID",
                "modal-secret": "MODAL_PROXY_TOKEN_SECRET"}
-# ... and with --proxy-credentials runs (the brief's fork)
+# ... and with --proxy-credentials runs (a Spindle fork)
 HEADER_VARS_RUNS = {"x-api-key": "TINKER_API_KEY", "modal-key": "RUNS_PROXY_TOKEN_ID",
                     "modal-secret": "RUNS_PROXY_TOKEN_SECRET"}
 CLIENT_CONFIG_PATH = "/api/v1/client/config"

@@ -104,7 +104,7 @@ class ObservedServiceClient(tinker.ServiceClient):
     training client it creates and reports each one, before the caller uses it, to `observer`.
 
     Creation, sampling-client and REST futures are WaitedFutures; the clients they resolve to are
-    WaitedClients (service_wait), so no call a stage makes on them can wait unbounded. The
+    WaitedClients (service.wait), so no call a stage makes on them can wait unbounded. The
     observer (e.g. identity.TrainingClientRecorder) records what the server says a new training
     client is; its errors are logged, never raised: observing must not change the run. `stage_of`
     names the stage running now (the registry's), kept with each created client.
@@ -245,8 +245,8 @@ def create_from_state_with_response(service_client: tinker.ServiceClient, path: 
                                     ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
     """`create_training_client_from_state_with_optimizer`, keeping the server's load response.
 
-    The public SDK method (0.38.0) awaits the LoadWeightsResponse and drops it, yet that response
-    is the brief's proof of what was loaded. This issues the same single LoadWeightsRequest
+    The public SDK method awaits the LoadWeightsResponse and drops it, yet that response is the
+    proof of what was loaded. This issues the same single LoadWeightsRequest
     (optimizer=True) the SDK issues, through the SDK's own client holder, with a queue watch as the
     request's observer, waits under the service client's policy, and keeps the response. If the
     SDK internals differ (another version), it falls back to the public method and returns None for

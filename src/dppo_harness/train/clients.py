@@ -94,7 +94,7 @@ def create_from_state_observed(
     service_client: tinker.ServiceClient, path: str, name: str | None = None
 ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
     """`create_training_client_from_state_with_optimizer`, keeping the server's load response
-    (`service.create_from_state_with_response`: the SDK drops it, yet it is the brief's proof of
+    (`observed.create_from_state_with_response`: the SDK drops it, yet it is the proof of
     what was loaded). `name` names the client in wait lines (e.g. the arm)."""
 
     return create_from_state_with_response(service_client, path, name)

@@ -1,4 +1,4 @@
-"""The service wait policy's settings and its stops (see service_wait for how waits apply them).
+"""The service wait policy's settings and its stops (see `waiter` for how waits apply them).
 
 `WaitPolicy` says how long every service call may wait (capacity patience before and after the
 first comparison step, the no-answer timeout, the posting grain); `CapacityPolicy` the backoff
@@ -123,7 +123,7 @@ class WaitPolicy:
         return self.capacity_patience_after_steps_s if steps_completed > 0 else self.capacity_patience_s
 
     def capacity(self) -> CapacityPolicy:
-        """The same windows for `service.call_with_capacity_retry` (retrying refused calls)."""
+        """The same windows for `capacity.call_with_capacity_retry` (retrying refused calls)."""
         return CapacityPolicy(backoff_s=self.backoff_s, give_up_no_steps_s=self.capacity_patience_s,
                               give_up_after_steps_s=self.capacity_patience_after_steps_s, scale=1.0)
 

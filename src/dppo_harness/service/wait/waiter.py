@@ -21,8 +21,8 @@ future that does not resolve. So every client the harness's ServiceClient hands 
 Both stops derive from `ServiceStopped`, a BaseException like KeyboardInterrupt: a stage's own
 `except Exception` bookkeeping must not turn a stopped service into a finished stage.
 
-The policy and the stops are in service_wait_policy, the queue-state watches in
-service_wait_watch, the waited clients and futures in service_wait_clients.
+The policy and the stops are in `policy`, the queue-state watches in `watch`, the waited clients
+and futures in `clients`, result.json's block and the stopped run's result in `evidence`.
 """
 
 from __future__ import annotations
