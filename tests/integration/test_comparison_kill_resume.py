@@ -36,7 +36,8 @@ from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.evidence import verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
-from dppo_harness.service import clients as service
+from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.release import ClientRegistry
 from dppo_harness.stages.comparison.arms import make_runners, train_arms
 from dppo_harness.stages.comparison.config import comparison_config
 from dppo_harness.stages.comparison.state import ArmState, RunState, state_path
@@ -103,10 +104,10 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
     state the killed and resumed runs used, so the checkpoint resolves)."""
     plan = load_plan(PLAN)
     cfg = comparison_config(plan.run, save_every=1)
-    registry = service.ClientRegistry()
+    registry = ClientRegistry()
     with LocalServerProcess(run_dir=server_dir) as srv:
         try:
-            sc = service.make_service_client("local", srv.base_url, registry=registry, stage="reference")
+            sc = make_service_client("local", srv.base_url, registry=registry, stage="reference")
             clients = {a.name: create_from_state_observed(sc, initial_checkpoint)[0] for a in cfg.arms}
             state = RunState("reference", plan.sha256, "", "", initial_checkpoint,
                                {a.name: ArmState(a.name) for a in cfg.arms})

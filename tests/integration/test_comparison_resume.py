@@ -19,7 +19,9 @@ import pytest
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
-from dppo_harness.service import clients as service
+from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.wait.policy import CapacityPolicy
 from dppo_harness.stages.comparison import arms as comparison_arms
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.run import run_comparison
@@ -49,7 +51,7 @@ def registry():
     """Every ServiceClient of this file; all must be released when the file ends, and no SDK
     session (heartbeat) of this file may outlive it."""
     before = {id(h) for h in _live_session_holders()}
-    reg = service.ClientRegistry()
+    reg = ClientRegistry()
     yield reg
     reg.release_all()
     records = reg.records()
@@ -59,7 +61,7 @@ def registry():
 
 
 def _server_and_initial_state(srv, registry, stage):
-    sc = service.make_service_client("local", srv.base_url, registry=registry, stage=stage)
+    sc = make_service_client("local", srv.base_url, registry=registry, stage=stage)
     tc = sc.create_lora_training_client(base_model=PLAN.run.base_model, rank=32, seed=0).result()
     return sc, tc.save_state("resume-initial").result().path
 
@@ -194,7 +196,7 @@ def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine,
                                                                   monkeypatch):
     srv = faulty_engine[2]
     # Back off 0.1 s; the window (which opens when the refused attempt began) outlasts any step here.
-    policy = service.CapacityPolicy(backoff_s=(0.1,), give_up_no_steps_s=600.0, give_up_after_steps_s=600.0)
+    policy = CapacityPolicy(backoff_s=(0.1,), give_up_no_steps_s=600.0, give_up_after_steps_s=600.0)
     clean_steps = {"grpo_seed0": 6, "dppo_seed0": 6}  # 3 steps x 2 updates, from the initial state
     assert all(not r["retries"] for r in uninterrupted.rows)
 

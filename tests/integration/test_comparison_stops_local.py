@@ -122,7 +122,7 @@ def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_
 def test_a_service_stop_mid_run_still_registers_the_training_so_far(engine, tmp_path):
     """A hang stop (a BaseException, so stage bookkeeping cannot swallow it) after step 1: the
     steps, the metrics logs and the end state are registered, and the run ends failed with the stop's line."""
-    from dppo_harness.service.service_wait_policy import ServiceHang
+    from dppo_harness.service.wait.policy import ServiceHang
 
     hang = ServiceHang("forward_backward", ARM_NAMES[0], 900.0, "active")
 

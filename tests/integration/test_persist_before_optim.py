@@ -17,9 +17,9 @@ from dppo_harness.instrument import instrumentation
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.loss import losses
-from dppo_harness.service import clients as service
-from dppo_harness.service.service_wait import ServiceWaiter
-from dppo_harness.service.service_wait_policy import WaitPolicy
+from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.wait.policy import WaitPolicy
+from dppo_harness.service.wait.waiter import ServiceWaiter
 from dppo_harness.train import train_step
 
 BASE = "Qwen/Qwen3.5-2B"
@@ -47,7 +47,7 @@ def test_a_failed_persist_sends_no_optimizer_step(engine, monkeypatch, sequentia
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     adam = tinker.AdamParams(learning_rate=1e-3)
     with InProcessServer(engine) as srv:
-        sc = service.make_service_client("local", srv.base_url,
+        sc = make_service_client("local", srv.base_url,
                                          waiter=ServiceWaiter(WaitPolicy.from_options(service_timeout_s=60)))
         try:
             tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()

@@ -17,9 +17,9 @@ import tinker
 from run_env import harness_env
 
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.service import clients as service
-from dppo_harness.service.service_wait import ServiceWaiter
-from dppo_harness.service.service_wait_policy import ServiceDied, WaitPolicy
+from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.wait.policy import ServiceDied, WaitPolicy
+from dppo_harness.service.wait.waiter import ServiceWaiter
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-qwen3-random"
@@ -44,7 +44,7 @@ def test_a_killed_server_ends_the_wait_within_seconds_with_its_exit_code(tmp_pat
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=600))
         srv.on_death = lambda s: waiter.service_died(ServiceDied(f"the embedded server (pid {s.pid})",
                                                                  *s.death_report()))
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
         tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
         os.kill(srv.pid, signal.SIGKILL)
         t0 = time.monotonic()

@@ -21,11 +21,10 @@ from dppo_harness.local_server.faults import (
 )
 from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.local_server.profiles import make_profile
-from dppo_harness.service import clients as service
+from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.service.secrets_scan import SecretScanner, live_secret_items
-from dppo_harness.service.service_wait import ServiceWaiter
-from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
-from dppo_harness.service.service_wait_policy import (
+from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
+from dppo_harness.service.wait.policy import (
     CapacityExhausted,
     NoQueueState,
     PaymentRequired,
@@ -33,6 +32,7 @@ from dppo_harness.service.service_wait_policy import (
     ServiceStopped,
     WaitPolicy,
 )
+from dppo_harness.service.wait.waiter import ServiceWaiter
 
 MODEL = "tiny-qwen3-random"  # protocol paths only: the random preset starts in seconds
 BASE = "Qwen/Qwen3.5-2B"
@@ -55,7 +55,7 @@ def test_every_client_and_future_the_harness_gets_is_waited(engine, monkeypatch)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     with InProcessServer(engine) as srv:
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=120))
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
         try:
             made = sc.create_lora_training_client(base_model=BASE, rank=4)
             assert isinstance(made, WaitedFuture)
@@ -75,7 +75,7 @@ def test_every_client_and_future_the_harness_gets_is_waited(engine, monkeypatch)
             for fut in (sc.create_training_client_from_state(path), sc.create_training_client_from_state_with_optimizer(path),
                         sc.create_sampling_client(base_model=BASE)):
                 assert isinstance(fut, WaitedFuture) and isinstance(fut.result(), WaitedClient)
-            restored, response = service.create_from_state_with_response(sc, path, "dppo_seed0")
+            restored, response = create_from_state_with_response(sc, path, "dppo_seed0")
             assert isinstance(restored, WaitedClient) and restored.label == "dppo_seed0" and response.path == path
             assert isinstance(sc.create_rest_client(), WaitedClient)
             assert waiter.waits == 14 and waiter.stopped is None  # 12 calls and two holders set up (session, REST)
@@ -89,7 +89,7 @@ def _waited_session(engine, faults, policy):
     `policy`: (waiter, service client), closed at the end."""
     with InProcessServer(engine, faults=faults) as srv:
         waiter = ServiceWaiter(policy)
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
         try:
             yield waiter, sc
         finally:
@@ -120,7 +120,7 @@ def test_queue_pauses_and_hangs_reach_the_waiter_through_the_sdks_observers(engi
             waiter, sc):
         tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
         path = tc.save_state("w0").result().path
-        restored, response = service.create_from_state_with_response(sc, path, "dppo_seed0")
+        restored, response = create_from_state_with_response(sc, path, "dppo_seed0")
         assert response.path == path and [p.call for p in waiter.pauses][-1] == (
             "create_training_client_from_state_with_optimizer")  # the load's own observer saw its pause
         waiter.policy = WaitPolicy.from_options(service_timeout_s=2)
@@ -135,7 +135,7 @@ def _telemetry_bodies(engine, sdk_telemetry: bool) -> list[bytes]:
     the first poll): the telemetry request bodies the server received by the client's close."""
     faults = FaultConfig(reject_first=(parse_reject_first("retrieve_future:401:1"),))
     with InProcessServer(engine, faults=faults, profile=make_profile("spindle", PLANTED)) as srv:
-        sc = service.make_service_client("tinker", srv.base_url, env=PLANTED, sdk_telemetry=sdk_telemetry)
+        sc = make_service_client("tinker", srv.base_url, env=PLANTED, sdk_telemetry=sdk_telemetry)
         with pytest.raises(ValueError, match="status 401"):
             sc.create_lora_training_client(base_model=BASE, rank=4).result()
         sc.close("errored").result(30)  # the SDK flushes its telemetry on close
@@ -184,7 +184,7 @@ def test_a_queue_position_that_moves_every_poll_is_one_pause_given_up_in_time(en
 def _creation_stop(engine, faults, policy):
     with InProcessServer(engine, faults=faults) as srv:
         waiter = ServiceWaiter(policy)
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
         t0 = time.monotonic()
         try:
             with pytest.raises(ServiceStopped) as ei:
@@ -230,7 +230,7 @@ def _session_poller_sample(engine, faults, policy):
     evidence)."""
     with InProcessServer(engine, faults=faults) as srv:
         waiter = ServiceWaiter(policy)
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
         try:
             sampler = sc.create_sampling_client(base_model=BASE).result()
             assert sampler.sdk_client.holder.get_client_config().sample_use_retrieve_futures

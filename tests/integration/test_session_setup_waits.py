@@ -13,10 +13,10 @@ import pytest
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.faults import FaultConfig, parse_latency, parse_reject_first
 from dppo_harness.local_server.process import InProcessServer
-from dppo_harness.service import clients as service
 from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
-from dppo_harness.service.service_wait import ServiceWaiter
-from dppo_harness.service.service_wait_policy import ServiceHang, WaitPolicy
+from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.wait.policy import ServiceHang, WaitPolicy
+from dppo_harness.service.wait.waiter import ServiceWaiter
 
 MODEL = "tiny-qwen3-random"
 BASE = "Qwen/Qwen3.5-2B"
@@ -47,7 +47,7 @@ def test_a_session_setup_that_is_never_answered_stops_under_the_hang_window(engi
     faults = FaultConfig(latency_ms=(parse_latency(f"{kind}:{NEVER}"),))
     with InProcessServer(engine, faults=faults) as srv:
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=3))
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
         t0 = time.monotonic()
         with pytest.raises(ServiceHang, match=r"create_lora_training_client \(session setup\) on .*no answer for 3 s"):
             sc.create_lora_training_client(base_model=BASE, rank=4)
@@ -60,7 +60,7 @@ def test_a_503_on_the_first_client_config_is_retried_by_the_sdk_inside_the_wait(
     faults = FaultConfig(reject_first=(parse_reject_first("client_config:503:1"),))
     with InProcessServer(engine, faults=faults) as srv:
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=60))
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
         try:
             tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
             assert tc.sdk_client.model_id and srv.state.faults.injected["client_config:503"] == 1
@@ -82,7 +82,7 @@ def test_a_stopped_session_setup_ends_and_its_client_closes(engine, monkeypatch,
     faults = FaultConfig(latency_ms=(parse_latency(f"{kind}:{NEVER}"),))
     with InProcessServer(engine, faults=faults) as srv:
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=2))
-        sc = service.make_service_client("local", srv.base_url, waiter=waiter)
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
         with pytest.raises(ServiceHang):
             sc.create_lora_training_client(base_model=BASE, rank=4)
         t0 = time.monotonic()

@@ -13,9 +13,10 @@ import pytest
 import tinker
 
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
-from dppo_harness.service import clients as service
-from dppo_harness.service.service_wait import ServiceWaiter
-from dppo_harness.service.service_wait_policy import ServiceHang, WaitPolicy
+from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.wait.policy import ServiceHang, WaitPolicy
+from dppo_harness.service.wait.waiter import ServiceWaiter
 
 BASE = "Qwen/Qwen3.5-2B"
 SDK_LOOP_THREADS = ("(_background_thread_func)", "asyncio_")  # tinker's process-wide loop and its executor
@@ -69,8 +70,8 @@ def test_a_stopped_sample_is_cancelled_and_nothing_outlives_the_release(tmp_path
     srv.start()
     try:
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=3))
-        registry = service.ClientRegistry(release_timeout_s=30)
-        sc = registry.register(service.make_service_client("local", srv.base_url, waiter=waiter), stage="t")
+        registry = ClientRegistry(release_timeout_s=30)
+        sc = registry.register(make_service_client("local", srv.base_url, waiter=waiter), stage="t")
         sampler = sc.create_sampling_client(base_model=BASE).result()
         with pytest.raises(ServiceHang):
             sampler.sample(tinker.ModelInput.from_ints([248045, 846, 198]), 1,
@@ -104,8 +105,8 @@ def test_a_session_finish_that_is_never_answered_is_bounded_and_leaves_nothing_r
                              fault_args=["--fault-latency-ms", "session_finish:600000"])
     srv.start()
     try:
-        registry = service.ClientRegistry(release_timeout_s=3)
-        sc = registry.register(service.make_service_client("local", srv.base_url), stage="t")
+        registry = ClientRegistry(release_timeout_s=3)
+        sc = registry.register(make_service_client("local", srv.base_url), stage="t")
         sc.create_sampling_client(base_model=BASE).result()
         t0 = time.monotonic()
         assert registry.release_all("success") is False

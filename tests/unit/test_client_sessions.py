@@ -10,7 +10,8 @@ import tinker
 
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.pytest_plugin import session as plugin_session
-from dppo_harness.service.clients import ClientRegistry, describe_client, make_service_client
+from dppo_harness.service.observed import describe_client, make_service_client
+from dppo_harness.service.release import ClientRegistry
 
 FAKE_ENV = {"TINKER_BASE_URL": "http://127.0.0.1:9", "TINKER_API_KEY": "tml-fake", "MODAL_PROXY_TOKEN_ID": "wk-x",
             "MODAL_PROXY_TOKEN_SECRET": "ws-y"}

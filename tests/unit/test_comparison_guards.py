@@ -172,7 +172,7 @@ def _concurrent(monkeypatch, cfg, fail):
 
 
 def test_concurrent_arms_report_the_services_stop_not_what_it_caused_in_the_other_arm(monkeypatch):
-    from dppo_harness.service.service_wait_policy import ServiceHang
+    from dppo_harness.service.wait.policy import ServiceHang
 
     cfg = _cfg(3)
     hang = ServiceHang("forward_backward", cfg.arms[1].name, 900.0, "active")

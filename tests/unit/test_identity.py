@@ -14,10 +14,10 @@ from dppo_harness.evidence.result import label_summary
 from dppo_harness.evidence.session import closing_fields
 from dppo_harness.plans import load_plan
 from dppo_harness.service import identity
-from dppo_harness.service.clients import notify_training_client
 from dppo_harness.service.connectivity import ConnectivityReport
-from dppo_harness.service.service_wait import ServiceWaiter
-from dppo_harness.service.service_wait_clients import WaitedFuture
+from dppo_harness.service.observed import notify_training_client
+from dppo_harness.service.wait.clients import WaitedFuture
+from dppo_harness.service.wait.waiter import ServiceWaiter
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "local/tiny-qwen3-gsm8k"

@@ -318,7 +318,7 @@ def test_a_service_stop_in_a_stage_fixture_is_one_line_for_every_test(project):
         """
         import pytest
         from dppo_harness.pytest_plugin.session import stops_stage
-        from dppo_harness.service.service_wait_policy import ServiceHang
+        from dppo_harness.service.wait.policy import ServiceHang
 
         @pytest.fixture(scope="session")
         @stops_stage

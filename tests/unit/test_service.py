@@ -6,19 +6,11 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.service.clients import (
-    CapacityExhausted,
-    CapacityPolicy,
-    CapacityTracker,
-    ClientRegistry,
-    ServiceConfigError,
-    call_with_capacity_retry,
-    client_kwargs,
-    describe_service,
-    is_capacity_error,
-    live_secret_values,
-    make_service_client,
-)
+from dppo_harness.service.capacity import call_with_capacity_retry, is_capacity_error
+from dppo_harness.service.config import client_kwargs, describe_service, live_secret_values
+from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.wait.policy import CapacityExhausted, CapacityPolicy, CapacityTracker, ServiceConfigError
 
 FAKE_ENV = {
     "TINKER_BASE_URL": "https://spindle.example.invalid/api",
@@ -234,7 +226,7 @@ def test_sdk_internal_retry_time_counts_toward_the_window():
 
 
 def test_capacity_policy_scale_from_env():
-    from dppo_harness.service.clients import CAPACITY_SCALE_VAR
+    from dppo_harness.service.wait.policy import CAPACITY_SCALE_VAR
 
     assert CapacityPolicy.from_env({}) == CapacityPolicy()
     p = CapacityPolicy.from_env({CAPACITY_SCALE_VAR: "0.01"})
@@ -245,7 +237,7 @@ def test_capacity_policy_scale_from_env():
 
 
 def test_observed_service_client_reports_training_clients_without_breaking_them(monkeypatch):
-    from dppo_harness.service.clients import ObservedServiceClient
+    from dppo_harness.service.observed import ObservedServiceClient
 
     seen = []
 

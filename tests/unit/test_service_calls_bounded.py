@@ -16,8 +16,8 @@ import dppo_harness
 
 PKG = Path(dppo_harness.__file__).resolve().parent
 # The service layer: where raw SDK futures are made and waited on under the policy (or a fixed bound).
-SERVICE_LAYER = {"service/clients.py", "service/service_wait.py", "service/service_wait_clients.py",
-                 "service/service_wait_watch.py", "service/connectivity.py", "service/identity.py",
+SERVICE_LAYER = {"service/observed.py", "service/release.py", "service/wait/waiter.py", "service/wait/clients.py",
+                 "service/wait/watch.py", "service/connectivity.py", "service/identity.py",
                  "service/cancels.py"}
 SDK_CLIENTS = {"ServiceClient", "TrainingClient", "SamplingClient", "RestClient", "AsyncTinker", "InternalClientHolder"}
 SDK_INTERNALS = {"holder", "run_coroutine_threadsafe", "result_async", "execute_with_retries", "aclient", "_APIFuture",

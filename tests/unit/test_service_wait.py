@@ -14,17 +14,17 @@ from tinker.lib.api_future_impl import QueueState
 
 from dppo_harness.evidence import MAX_FILES, EvidenceBundle
 from dppo_harness.plans import load_plan
-from dppo_harness.service.service_wait import ServiceWaiter
-from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
-from dppo_harness.service.service_wait_policy import (
+from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
+from dppo_harness.service.wait.evidence import MAX_WAIT_SNAPSHOTS, BundlePoster
+from dppo_harness.service.wait.policy import (
     CapacityExhausted,
     ServiceConfigError,
     ServiceHang,
     ServiceStopped,
     WaitPolicy,
 )
-from dppo_harness.service.service_wait_watch import QueueWatch
-from dppo_harness.service.wait_evidence import MAX_WAIT_SNAPSHOTS, BundlePoster
+from dppo_harness.service.wait.waiter import ServiceWaiter
+from dppo_harness.service.wait.watch import QueueWatch
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = "Tinker backend is running short on capacity, please wait (sent by the service)"
@@ -467,7 +467,7 @@ def test_a_setup_that_fails_with_a_timeout_error_is_its_own_failure_not_a_wait()
 
 def test_a_wait_in_a_comparison_step_stops_when_the_wall_budget_runs_out():
     """Patience windows of 10 and 15 minutes, 30 s of budget left: the wait stops at the budget."""
-    from dppo_harness.service.service_wait_policy import WallBudgetSpent
+    from dppo_harness.service.wait.policy import WallBudgetSpent
 
     clock = Clock()
     w, _, stops, _ = _waiter(clock)

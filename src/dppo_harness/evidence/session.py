@@ -67,7 +67,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     manifest of the other test files, the plan's bytes, the effective config, its deviations,
     and the run budget.
     """
-    from dppo_harness.service.clients import sdk_versions  # imports the SDK; only sessions need it
+    from dppo_harness.service.config import sdk_versions  # imports the SDK; only sessions need it
 
     root = Path(project_root)
     bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)

@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: Any = None) -> Any:
     """plans.BackendInfo from what the server reported at client creation."""
     from dppo_harness import plans
-    from dppo_harness.service import clients as service
     from dppo_harness.service import identity
+    from dppo_harness.service.config import redact_url, sdk_versions
 
     info = client.get_info()
     served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
@@ -37,8 +37,8 @@ def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: An
     if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
         served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
     return plans.BackendInfo(backend=service_backend.kind, requested_model=plan.base_model,
-                             served_model=str(served), base_url=service.redact_url(service_backend.base_url),
-                             sdk_versions=service.sdk_versions())
+                             served_model=str(served), base_url=redact_url(service_backend.base_url),
+                             sdk_versions=sdk_versions())
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +47,8 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
                 client_base_model, service_waiter, stage_session_client, harness_progress):
     """restoration.RestorationResult for the initialization group of the plan's spec (a
     diagnostic's original plan), run once."""
-    from dppo_harness.service.clients import CapacityExhausted, call_with_capacity_retry
+    from dppo_harness.service.capacity import call_with_capacity_retry
+    from dppo_harness.service.wait.policy import CapacityExhausted
     from dppo_harness.stages import restoration as restoration_module
     from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
     from dppo_harness.train.clients import RestorationError

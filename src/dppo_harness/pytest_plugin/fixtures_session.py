@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.local_server.process import LocalServerProcess
-    from dppo_harness.service.clients import ClientRegistry
+    from dppo_harness.service.release import ClientRegistry
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +64,7 @@ def service_backend(harness_options: HarnessOptions, tmp_path_factory: pytest.Te
 @pytest.fixture(scope="session")
 def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     """Every service client the harness creates; stage-scoped ones are released at stage end."""
-    from dppo_harness.service.clients import ClientRegistry
+    from dppo_harness.service.release import ClientRegistry
 
     registry = ClientRegistry()
     registry.install_atexit()
@@ -81,9 +81,9 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
                    evidence_bundle: EvidenceBundle, client_registry: ClientRegistry) -> Any:
     """The session's one wait policy: every client of every ServiceClient the harness makes waits
     under it; long waits are posted to the evidence, a stop releases the clients and records why."""
-    from dppo_harness.service.service_wait import ServiceWaiter
-    from dppo_harness.service.service_wait_policy import CAPACITY_SCALE_VAR, ServiceDied, WaitPolicy
-    from dppo_harness.service.wait_evidence import BundlePoster
+    from dppo_harness.service.wait.evidence import BundlePoster
+    from dppo_harness.service.wait.policy import CAPACITY_SCALE_VAR, ServiceDied, WaitPolicy
+    from dppo_harness.service.wait.waiter import ServiceWaiter
 
     # The local rehearsal has no shared capacity to wait for: capacity defaults 100x shorter, same rules.
     scale = 0.01 if service_backend.kind == "local" and not os.environ.get(CAPACITY_SCALE_VAR) else None
@@ -107,7 +107,7 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
 def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry, harness_options: HarnessOptions,
                    training_client_observer: Any, service_waiter: Any) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
-    from dppo_harness.service.clients import make_service_client
+    from dppo_harness.service.observed import make_service_client
 
     return make_service_client(
         service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
@@ -125,7 +125,7 @@ def stage_session_client(service_backend: ServiceBackend, client_registry: Clien
     """A factory of a stage's own ServiceClient session (`stage`, `label`): observed, waited and
     registered before its first call, so a stop on the way releases it with the rest; the stage
     closes it when its work ends, before any arm trains."""
-    from dppo_harness.service.clients import make_service_client
+    from dppo_harness.service.observed import make_service_client
 
     def open_session(stage: str, label: str) -> tinker.ServiceClient:
         return make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
@@ -167,7 +167,7 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
         plan, harness_options.budget_stages, save_every=harness_options.save_every,
         resumed=harness_options.resume is not None).as_record())
     # the connectivity report; on the embedded server (marker), the rehearsal label.
-    from dppo_harness.service.clients import sdk_versions
+    from dppo_harness.service.config import sdk_versions
     from dppo_harness.service.identity import record_session_identity
 
     record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())

@@ -175,7 +175,7 @@ def pytest_runtestloop(session: pytest.Session) -> None:
             pytest.exit(f"launch scope: plan {options.plan_path.name}: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
     if not unauthorized_stages(plan.launch, collected):
         return
-    from dppo_harness.service.clients import redact_url
+    from dppo_harness.service.config import redact_url
     from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
 
     url = os.environ["TINKER_BASE_URL"]

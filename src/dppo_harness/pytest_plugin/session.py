@@ -18,7 +18,7 @@ from dppo_harness.plans import Plan
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.service.clients import ClientRegistry
+    from dppo_harness.service.release import ClientRegistry
 
 
 STAGE_KEY = pytest.StashKey[str]()
@@ -203,7 +203,7 @@ def service_stop(exc: BaseException | None) -> Any:
     a service client exists, so a session without one never imports the SDK here)."""
     import sys
 
-    module = sys.modules.get("dppo_harness.service.service_wait_policy")
+    module = sys.modules.get("dppo_harness.service.wait.policy")
     if exc is None or module is None:
         return None
     return exc if isinstance(exc, module.ServiceStopped) else None

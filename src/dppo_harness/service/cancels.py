@@ -14,9 +14,17 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from dppo_harness.service.service_wait_watch import _once
+from tinker.lib.internal_client_holder import InternalClientHolder
+
+from dppo_harness.service.wait.watch import _once
+
+if TYPE_CHECKING:
+    from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +39,12 @@ def install_cancel_tracking() -> bool:
 
 
 def _install() -> bool:
-    try:
-        from tinker.lib.internal_client_holder import InternalClientHolder
-    except ImportError:  # pragma: no cover - another SDK layout
-        return False
     if not hasattr(InternalClientHolder, "enqueue_cancel") or not hasattr(InternalClientHolder, "_process_one_cancel"):
         logger.warning("the SDK's holder has no enqueue_cancel/_process_one_cancel: abandoned samples are not "
                        "cancelled before the session closes")
         return False
 
-    def enqueue_cancel(self: Any, request_id: str) -> None:  # on the holder's loop, as the SDK's is
+    def enqueue_cancel(self: InternalClientHolder, request_id: str) -> None:  # on the holder's loop, as the SDK's is
         if not self._client_dynamic_config.sample_cancel_enabled:
             return
         tasks: set[asyncio.Task[None]] = self.__dict__.setdefault(_TASKS, set())
@@ -49,11 +53,11 @@ def _install() -> bool:
         task.add_done_callback(tasks.discard)
         self.__dict__[_SENT] = self.__dict__.get(_SENT, 0) + 1
 
-    InternalClientHolder.enqueue_cancel = enqueue_cancel
+    InternalClientHolder.enqueue_cancel = enqueue_cancel  # type: ignore[method-assign]  # the patch: each cancel its own task
     return True
 
 
-def flush_cancels(holder: Any, timeout_s: float) -> tuple[int, int]:
+def flush_cancels(holder: InternalClientHolder | None, timeout_s: float) -> tuple[int, int]:
     """Wait up to `timeout_s` for `holder`'s cancel sends: (asked for, still unsent at the end)."""
     if holder is None:
         return 0, 0
@@ -87,7 +91,7 @@ class SetupScope:
     _current = threading.local()
 
     def __init__(self) -> None:
-        self._futures: list[concurrent.futures.Future[Any]] = []
+        self._futures: list[concurrent.futures.Future[object]] = []
         self._lock = threading.Lock()
         self.aborted = False
 
@@ -102,7 +106,7 @@ class SetupScope:
     def current(cls) -> SetupScope | None:
         return getattr(cls._current, "scope", None)
 
-    def keep(self, future: concurrent.futures.Future[Any]) -> None:
+    def keep(self, future: concurrent.futures.Future[object]) -> None:
         with self._lock:
             self._futures.append(future)
             aborted = self.aborted
@@ -124,16 +128,12 @@ def install_setup_abort() -> bool:
 
 
 def _install_setup_abort() -> bool:
-    try:
-        from tinker.lib.internal_client_holder import InternalClientHolder
-    except ImportError:  # pragma: no cover - another SDK layout
-        return False
     sdk_run = getattr(InternalClientHolder, "run_coroutine_threadsafe", None)
     if sdk_run is None:
         logger.warning("the SDK's holder has no run_coroutine_threadsafe: a stopped session setup runs on")
         return False
 
-    def run_coroutine_threadsafe(self: Any, coro: Any) -> Any:
+    def run_coroutine_threadsafe(self: InternalClientHolder, coro: Coroutine[Any, Any, T]) -> AwaitableConcurrentFuture[T]:
         made = sdk_run(self, coro)
         scope = SetupScope.current()
         inner = getattr(made, "_future", None)
@@ -142,5 +142,5 @@ def _install_setup_abort() -> bool:
             scope.keep(inner)
         return made
 
-    InternalClientHolder.run_coroutine_threadsafe = run_coroutine_threadsafe
+    InternalClientHolder.run_coroutine_threadsafe = run_coroutine_threadsafe  # type: ignore[method-assign]  # the patch: keep setup futures
     return True

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import tinker
 
-from dppo_harness.service.service_wait_policy import CapacityBlock, CapacityExhausted, CapacityPolicy
+from dppo_harness.service.wait.policy import CapacityBlock, CapacityExhausted, CapacityPolicy
 
 if TYPE_CHECKING:
-    from dppo_harness.service.clients import ClientRegistry
+    from dppo_harness.service.release import ClientRegistry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

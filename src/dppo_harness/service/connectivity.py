@@ -22,23 +22,62 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict, TypeVar
+
+import tinker
+from pydantic import JsonValue
+from tinker._client import AsyncTinker
+from tinker.lib.internal_client_holder import InternalClientHolder, _get_default_headers
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
-from dppo_harness.service import clients as service
 from dppo_harness.service import identity
 from dppo_harness.service.cancels import SetupScope, install_setup_abort
-from dppo_harness.service.identity import EmbeddedMarker
+from dppo_harness.service.capacity import error_text
+from dppo_harness.service.config import (
+    Backend,
+    ClientKwargs,
+    ProxyTokens,
+    apply_sdk_telemetry,
+    client_kwargs,
+    describe_service,
+    redact_url,
+)
+from dppo_harness.service.identity import EmbeddedMarker, Substitution
+from dppo_harness.service.wait.policy import ServiceConfigError
 
 # Which variable feeds which request header (tinker backend, shared Spindle).
 HEADER_VARS = {"x-api-key": "TINKER_API_KEY", "modal-key": "MODAL_PROXY_TOKEN_ID",
                "modal-secret": "MODAL_PROXY_TOKEN_SECRET"}
-# ... and with --proxy-credentials runs (the brief's fork)
+# ... and with --proxy-credentials runs (a Spindle fork)
 HEADER_VARS_RUNS = {"x-api-key": "TINKER_API_KEY", "modal-key": "RUNS_PROXY_TOKEN_ID",
                     "modal-secret": "RUNS_PROXY_TOKEN_SECRET"}
 CLIENT_CONFIG_PATH = "/api/v1/client/config"
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
+
+
+class CheckRow(TypedDict):
+    """One preflight check that passed, as connectivity-preflight.json lists it."""
+
+    check: str
+    passed: bool
+    detail: str
+
+
+class ConnectivityEvidence(TypedDict):
+    """connectivity-preflight.json, key for key."""
+
+    backend: str
+    base_url: str
+    requested_model: str
+    model: str
+    served_models: list[str]
+    substitution: Substitution | None
+    embedded_server: dict[str, JsonValue] | None
+    get_server_capabilities: JsonValue
+    checks: list[CheckRow]
+    seconds: float
 
 
 class ConnectivityError(RuntimeError):
@@ -56,17 +95,17 @@ class ConnectivityReport:
     requested_model: str
     model: str  # the model the run will use
     served_models: list[str]
-    substitution: dict[str, str] | None  # a model deviation when model != requested_model
+    substitution: Substitution | None  # a model deviation when model != requested_model
     marker: EmbeddedMarker | None
-    capabilities: Any  # the raw capabilities JSON
-    checks: list[dict[str, Any]] = field(default_factory=list)
+    capabilities: JsonValue  # the raw capabilities JSON
+    checks: list[CheckRow] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def embedded(self) -> bool:
         return self.marker is not None
 
-    def as_evidence(self) -> dict[str, Any]:
+    def as_evidence(self) -> ConnectivityEvidence:
         return {"backend": self.backend, "base_url": self.base_url, "requested_model": self.requested_model,
                 "model": self.model, "served_models": self.served_models, "substitution": self.substitution,
                 "embedded_server": self.marker.as_dict() if self.marker else None,
@@ -83,7 +122,7 @@ def client_base_model(requested_model: str, report: ConnectivityReport) -> str:
     return requested_model  # not the model the preflight checked: nothing to substitute
 
 
-def auth_failure_line(status: int, payload: Any, url: str, proxy_tokens: service.ProxyTokens = "modal") -> str:
+def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: ProxyTokens = "modal") -> str:
     """The line for a 401/403: the header the service names (never its value) and its variable."""
     text = str(payload.get("error", "")) if isinstance(payload, Mapping) else ""
     m = _HEADER_IN_ERROR.search(text)
@@ -104,7 +143,7 @@ def auth_failure_line(status: int, payload: Any, url: str, proxy_tokens: service
     return f"authentication {what} by {url} (HTTP {status}{f', header {header}' if header else ''}): {hint}"
 
 
-def _status_line(status: int, payload: Any, path: str, var: str, shown: str, proxy_tokens: service.ProxyTokens
+def _status_line(status: int, payload: JsonValue, path: str, var: str, shown: str, proxy_tokens: ProxyTokens
                  ) -> tuple[str, str]:
     """(check, line) for a non-200 answer to `path`."""
     if status in (401, 403):
@@ -114,17 +153,13 @@ def _status_line(status: int, payload: Any, path: str, var: str, shown: str, pro
     return "reachable", f"{var} {shown} answered HTTP {status} for {path}; retry later or check the service"
 
 
-def first_contact(kwargs: Mapping[str, Any], timeout_s: float) -> tuple[int, Any] | None:
+def first_contact(kwargs: ClientKwargs, timeout_s: float) -> tuple[int, JsonValue] | None:
     """The SDK's first request (POST client/config) with the SDK's HTTP client, once, no retries.
 
     None when the service answered it; else (HTTP status, JSON body). Raises the SDK's
     APIConnectionError / APITimeoutError when nothing answered.
     """
-    import tinker
-    from tinker._client import AsyncTinker
-    from tinker.lib.internal_client_holder import _get_default_headers
-
-    async def send() -> tuple[int, Any] | None:
+    async def send() -> tuple[int, JsonValue] | None:
         client = AsyncTinker(base_url=str(kwargs["base_url"]), api_key=str(kwargs["api_key"]),
                                     default_headers=_get_default_headers() | dict(kwargs.get("default_headers_overrides")
                                                                                   or {}),
@@ -140,11 +175,12 @@ def first_contact(kwargs: Mapping[str, Any], timeout_s: float) -> tuple[int, Any
     return asyncio.run(send())
 
 
-def bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     """fn() on a daemon thread, so that the SDK's own minutes of retries (and the lifecycle lock
     its holder construction keeps) cannot hold the check: TimeoutError naming `what` after `timeout_s`,
     once the SDK calls fn() still waits on are cancelled (its thread then ends and lets the lock go)."""
-    out: dict[str, Any] = {}
+    out: dict[str, T] = {}
+    failed: list[BaseException] = []
     install_setup_abort()
     scope = SetupScope()
 
@@ -153,7 +189,7 @@ def bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
             with scope:
                 out["value"] = fn()
         except BaseException as exc:  # handed to the caller
-            out["error"] = exc
+            failed.append(exc)
 
     t = threading.Thread(target=run, name=f"connectivity: {what}", daemon=True)
     t.start()
@@ -162,24 +198,24 @@ def bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
         scope.abort()
         t.join(timeout_s)
         raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
-    if "error" in out:
-        raise out["error"]
+    if failed:
+        raise failed[0]
     return out["value"]
 
 
-def sdk_holder(client: Any, timeout_s: float) -> Any:
+def sdk_holder(client: tinker.ServiceClient, timeout_s: float) -> InternalClientHolder:
     """The session-less holder the ServiceClient builds for REST reads (config, auth, dynamic
     config), built under `bounded`."""
     return bounded(client._get_rest_holder, timeout_s, "the SDK's client setup")
 
 
-def close_probe(probe: Any, timeout_s: float) -> str | None:
+def close_probe(probe: tinker.ServiceClient, timeout_s: float) -> str | None:
     """Close the probe's ServiceClient within `timeout_s` (close() itself waits on the lock a
     holder still being built keeps); None when closed, else what was seen (the thread is left, a daemon)."""
     try:
         bounded(lambda: probe.close("success").result(timeout_s), timeout_s, "closing the probe client")
     except Exception as exc:
-        return f"{type(exc).__name__}: {service.error_text(exc)}"
+        return f"{type(exc).__name__}: {error_text(exc)}"
     return None
 
 
@@ -188,37 +224,35 @@ class _Target:
     """The service as the checks name it: the SDK's client arguments, the URL as shown (redacted)
     and the variable that holds it."""
 
-    kwargs: dict[str, Any]
+    kwargs: ClientKwargs
     shown: str
     var: str
-    proxy_tokens: service.ProxyTokens
+    proxy_tokens: ProxyTokens
 
-    def status_error(self, status: int, payload: Any, path: str) -> ConnectivityError:
+    def status_error(self, status: int, payload: JsonValue, path: str) -> ConnectivityError:
         return ConnectivityError(*_status_line(status, payload, path, self.var, self.shown, self.proxy_tokens))
 
 
-def _check_variables(backend: service.Backend, base_url: str | None, env: Mapping[str, str] | None,
-                     proxy_tokens: service.ProxyTokens, ok: Callable[[str, str], None]) -> _Target:
+def _check_variables(backend: Backend, base_url: str | None, env: Mapping[str, str] | None,
+                     proxy_tokens: ProxyTokens, ok: Callable[[str, str], None]) -> _Target:
     """1. The variables are set (their names only)."""
     try:
-        kwargs = service.client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
-    except service.ServiceConfigError as exc:
+        kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
+    except ServiceConfigError as exc:
         raise ConnectivityError("variables", str(exc)) from None
     url = str(kwargs["base_url"])
-    shown = service.redact_url(url) or url
+    shown = redact_url(url) or url
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
-    proxy = ", ".join(service.describe_service(backend, url, proxy_tokens=proxy_tokens, env=env)["proxy_headers"])
+    proxy = ", ".join(describe_service(backend, url, proxy_tokens=proxy_tokens, env=env)["proxy_headers"])
     ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: "
                     f"{proxy or 'none (no proxy-token variables set)'}"
        if backend == "tinker" else "local backend: no credentials needed")
     return _Target(kwargs, shown, var, proxy_tokens)
 
 
-def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str], None]) -> Any:
+def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str], None]) -> identity.RawResponse:
     """2. Reachable (3. auth is judged on the same requests): the SDK's first request, then its
     holder, then the capabilities read through it. Returns the raw capabilities response."""
-    import tinker
-
     shown, var = target.shown, target.var
     try:
         refused = first_contact(target.kwargs, timeout_s)
@@ -242,7 +276,7 @@ def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str
                                       CLIENT_CONFIG_PATH) from None
         except (TimeoutError, tinker.APIConnectionError) as exc:
             raise ConnectivityError("reachable", f"{var} {shown}: the SDK could not set up its client "
-                                                 f"({type(exc).__name__}: {service.error_text(exc)})") from None
+                                                 f"({type(exc).__name__}: {error_text(exc)})") from None
     finally:
         unclosed = close_probe(probe, timeout_s)  # a session-less holder: nothing to finish on the server
     if unclosed is not None:
@@ -259,10 +293,10 @@ def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str
 class _ModelChoice:
     model: str
     served: list[str]
-    substitution: dict[str, str] | None
+    substitution: Substitution | None
 
 
-def _choose_base_model(requested_model: str, caps: Any, shown: str, ok: Callable[[str, str], None]) -> _ModelChoice:
+def _choose_base_model(requested_model: str, caps: JsonValue, shown: str, ok: Callable[[str, str], None]) -> _ModelChoice:
     """4. The plan's base model is served, or the closest served model of its family is chosen
     (recorded as a deviation)."""
     models = caps.get("supported_models") if isinstance(caps, Mapping) else None
@@ -274,7 +308,7 @@ def _choose_base_model(requested_model: str, caps: Any, shown: str, ok: Callable
     if choice.model is None:
         raise ConnectivityError("model", f"base model {requested_model} is not served by {shown} and no model of its "
                                          f"family is; served: {', '.join(served) or 'none'}")
-    substitution = None
+    substitution: Substitution | None = None
     if choice.substituted:
         substitution = {"field": "model", "original": requested_model, "effective": choice.model,
                         "reason": f"{requested_model} is not served by {shown}; {choice.model} is the closest served "
@@ -284,29 +318,29 @@ def _choose_base_model(requested_model: str, caps: Any, shown: str, ok: Callable
 
 
 def check_connectivity(
-    backend: service.Backend,
+    backend: Backend,
     base_url: str | None,
     requested_model: str,
     env: Mapping[str, str] | None = None,
     *,
-    proxy_tokens: service.ProxyTokens = "modal",
+    proxy_tokens: ProxyTokens = "modal",
     timeout_s: float = 10.0,
     sdk_telemetry: bool = False,
 ) -> ConnectivityReport:
     """Run the four checks; raise ConnectivityError (one line) on the first that fails."""
     t0 = time.monotonic()
-    checks: list[dict[str, Any]] = []
+    checks: list[CheckRow] = []
 
     def ok(check: str, detail: str) -> None:
-        checks.append({"check": check, "passed": True, "detail": detail})
+        checks.append(CheckRow(check=check, passed=True, detail=detail))
 
     target = _check_variables(backend, base_url, env, proxy_tokens, ok)
-    service.apply_sdk_telemetry(sdk_telemetry)
+    apply_sdk_telemetry(sdk_telemetry)
     resp = _read_capabilities(target, timeout_s, ok)
     ok("auth", "credentials accepted" if backend == "tinker" else "no authentication on the local backend")
     caps = resp.json
     model = _choose_base_model(requested_model, caps, target.shown, ok)
     marker = identity.detect_marker(headers={EMBEDDED_SERVER_HEADER: resp.marker_header}
-                                    if resp.marker_header else None, capabilities=caps)
+                                    if resp.marker_header else None, capabilities=caps if isinstance(caps, dict) else None)
     return ConnectivityReport(backend, target.shown, requested_model, model.model, model.served, model.substitution,
                               marker, caps, checks, time.monotonic() - t0)

@@ -11,15 +11,29 @@ place that names the model names the stand-in.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import httpx
+from pydantic import JsonValue
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
+
+if TYPE_CHECKING:
+    import tinker
+    from tinker._types import RequestOptions
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    from dppo_harness.evidence.bundle import EvidenceBundle
+    from dppo_harness.service.connectivity import ConnectivityReport  # connectivity reads the marker here
+
+JsonObject = dict[str, JsonValue]
 
 CAPABILITIES_PATH = "/api/v1/get_server_capabilities"
 GET_INFO_PATH = "/api/v1/get_info"
@@ -34,13 +48,13 @@ class EmbeddedMarker:
     profile: str | None  # "default" or "spindle"
     sources: tuple[str, ...]  # "header", "capabilities", "model_data"
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {"marker": EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile,
                 "sources": list(self.sources)}
 
 
-def detect_marker(headers: Mapping[str, str] | None = None, capabilities: Mapping[str, Any] | None = None,
-                  model_data: Mapping[str, Any] | None = None) -> EmbeddedMarker | None:
+def detect_marker(headers: Mapping[str, str] | None = None, capabilities: Mapping[str, JsonValue] | None = None,
+                  model_data: Mapping[str, JsonValue] | None = None) -> EmbeddedMarker | None:
     """The embedded-server marker from any of its three places, or None (a real service)."""
     sources: list[str] = []
     stand_in = profile = None
@@ -49,11 +63,16 @@ def detect_marker(headers: Mapping[str, str] | None = None, capabilities: Mappin
     caps = (capabilities or {}).get(EMBEDDED_KEY)
     if isinstance(caps, Mapping) and caps.get("marker") == EMBEDDED_SERVER_MARKER:
         sources.append("capabilities")
-        stand_in, profile = caps.get("stand_in") or None, caps.get("profile") or None
+        stand_in, profile = _text(caps.get("stand_in")), _text(caps.get("profile"))
     if model_data is not None and model_data.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER:
         sources.append("model_data")
-        stand_in = stand_in or (model_data.get("arch") or None)
+        stand_in = stand_in or _text(model_data.get("arch"))
     return EmbeddedMarker(stand_in, profile, tuple(sources)) if sources else None
+
+
+def _text(value: JsonValue) -> str | None:
+    """A name the embedded server sent (a non-empty string), else None."""
+    return value if isinstance(value, str) and value else None
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
@@ -69,7 +88,7 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
 @dataclass(frozen=True)
 class RawResponse:
     status: int
-    json: Any  # None when the body is not JSON
+    json: JsonValue  # None when the body is not JSON
     marker_header: str | None  # value of the embedded-server header, if present
 
 
@@ -81,15 +100,21 @@ def raw_response(resp: httpx.Response) -> RawResponse:
     return RawResponse(resp.status_code, payload, _header(resp.headers, EMBEDDED_SERVER_HEADER))
 
 
-def sdk_raw(holder: Any, method: str, path: str, *, body: Any = None, timeout_s: float = 10.0) -> RawResponse:
+def sdk_raw(holder: InternalClientHolder | None, method: str, path: str, *, body: JsonObject | None = None,
+            timeout_s: float = 10.0) -> RawResponse:
     """One request through an SDK client holder (a ServiceClient's or a TrainingClient's), kept
     raw: status, JSON and the marker header. No retries: an HTTP error status is returned as it
     came; transport failures raise the SDK's errors (tinker.APIConnectionError, ...)."""
+    # The SDK loads only for a raw read: report and diagnostic modules import this one for its labels.
     import tinker
-    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType  # the SDK, as above
+
+    if holder is None:  # a client without an SDK holder: nothing to send the request through
+        raise AttributeError("no SDK client holder to read through")
 
     async def send() -> httpx.Response:
-        options = {"max_retries": 0, "timeout": timeout_s}
+        assert holder is not None
+        options: RequestOptions = {"max_retries": 0, "timeout": timeout_s}
         with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
             if method == "GET":
                 return await client.get(path, cast_to=httpx.Response, options=options)
@@ -101,12 +126,12 @@ def sdk_raw(holder: Any, method: str, path: str, *, body: Any = None, timeout_s:
         return raw_response(exc.response)
 
 
-def get_capabilities_raw(holder: Any, timeout_s: float = 10.0) -> RawResponse:
+def get_capabilities_raw(holder: InternalClientHolder | None, timeout_s: float = 10.0) -> RawResponse:
     """GET get_server_capabilities as raw JSON (keeps keys the SDK type drops)."""
     return sdk_raw(holder, "GET", CAPABILITIES_PATH, timeout_s=timeout_s)
 
 
-def get_info_raw(holder: Any, model_id: str, timeout_s: float = 10.0) -> RawResponse:
+def get_info_raw(holder: InternalClientHolder | None, model_id: str, timeout_s: float = 10.0) -> RawResponse:
     """POST get_info for one model as raw JSON (the complete model_data)."""
     return sdk_raw(holder, "POST", GET_INFO_PATH, body={"model_id": model_id}, timeout_s=timeout_s)
 
@@ -171,8 +196,17 @@ def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, ba
 
 
 
+class Substitution(TypedDict):
+    """A model deviation: the plan's model (`original`) replaced by `effective`, and why."""
+
+    field: str
+    original: str
+    effective: str
+    reason: str
+
+
 def substitution_deviation(requested_model: str, marker: EmbeddedMarker, base_url: str | None,
-                           answers_to: str | None) -> dict[str, str]:
+                           answers_to: str | None) -> Substitution:
     """The model deviation a run on the embedded server records before any training."""
     where = ", ".join(marker.sources)
     return {
@@ -257,8 +291,6 @@ def choose_model(requested: str, served: list[str]) -> ModelChoice:
     Family = the name before the size (`Qwen/Qwen3.5` of `Qwen/Qwen3.5-0.8B`); closest = smallest
     |log size ratio|, same variant suffix preferred, ties to the smaller model.
     """
-    import math
-
     names = tuple(dict.fromkeys(served))
     if requested in names:
         return ModelChoice(requested, False, names)
@@ -281,19 +313,19 @@ class ClientIdentity:
 
     label: str
     model_id: str
-    get_info: Any  # raw JSON of get_info (complete model_data), or the SDK's dump if raw failed
-    capabilities: Any  # raw JSON of get_server_capabilities
+    get_info: JsonValue  # raw JSON of get_info (complete model_data), or the SDK's dump if raw failed
+    capabilities: JsonValue  # raw JSON of get_server_capabilities
     marker: EmbeddedMarker | None
     served_model: str | None
     served_model_source: str
     errors: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {"label": self.label, "model_id": self.model_id, "get_info": self.get_info,
                 "get_server_capabilities": self.capabilities,
                 "embedded_server": self.marker.as_dict() if self.marker else None,
                 "served_model": self.served_model, "served_model_source": self.served_model_source,
-                "errors": self.errors}
+                "errors": list(self.errors)}
 
 
 # ----------------------------------------------------------------------------- evidence
@@ -307,17 +339,17 @@ class TrainingClientRecorder:
     record must not break the run it describes.
     """
 
-    def __init__(self, bundle: Any, timeout_s: float = 10.0):
+    def __init__(self, bundle: EvidenceBundle, timeout_s: float = 10.0):
         self.bundle, self.timeout_s = bundle, timeout_s
         self.records: list[ClientIdentity] = []
         self._written: dict[str, str] = {}  # identity key -> file holding it
         self._flushed = False
 
-    def __call__(self, client: Any, label: str) -> ClientIdentity:
+    def __call__(self, client: tinker.TrainingClient, label: str) -> ClientIdentity:
         sdk_info = client.get_info()
         model_id = str(sdk_info.model_id)
         errors: list[str] = []
-        info_json: Any = sdk_info.model_dump(mode="json")
+        info_json: JsonValue = sdk_info.model_dump(mode="json")
         marker_headers: dict[str, str] = {}
         holder = getattr(client, "holder", None)  # the client's own SDK holder: its auth and headers
         try:
@@ -330,7 +362,7 @@ class TrainingClientRecorder:
                 marker_headers[EMBEDDED_SERVER_HEADER] = raw.marker_header
         except Exception as exc:  # a record must not break the run it describes
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
-        caps: Any = None
+        caps: JsonValue = None
         try:
             cr = get_capabilities_raw(holder, self.timeout_s)
             caps = cr.json if cr.status == 200 else {"http_status": cr.status}
@@ -339,6 +371,7 @@ class TrainingClientRecorder:
         except Exception as exc:
             errors.append(f"raw get_server_capabilities failed ({type(exc).__name__})")
         model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
+        model_data = model_data if isinstance(model_data, dict) else None
         marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
         backend_block = self.bundle.result.get("backend") if hasattr(self.bundle, "result") else None
         name, source = served_model(model_data, backend_block if marker is None else
@@ -371,13 +404,11 @@ class TrainingClientRecorder:
         })
 
 
-def record_session_identity(bundle: Any, report: Any, option_backend: str, sdk_versions: Mapping[str, str]) -> None:
+def record_session_identity(bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str,
+                            sdk_versions: Mapping[str, str]) -> None:
     """Before any training client: the connectivity report, a model choice, and on the embedded
     server the rehearsal label (evidence backend kind `local`, whatever `--backend` said), the
-    substitution deviation and the stand-in's name in summary/tested_instead.
-
-    `report` is a connectivity.ConnectivityReport.
-    """
+    substitution deviation and the stand-in's name in summary/tested_instead."""
     bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
     if report.substitution:
         d = report.substitution
@@ -402,7 +433,7 @@ def record_session_identity(bundle: Any, report: Any, option_backend: str, sdk_v
     finalize_labels(bundle)
 
 
-def finalize_labels(bundle: Any) -> None:
+def finalize_labels(bundle: EvidenceBundle) -> None:
     """Make summary and tested_instead name the stand-in (no-op on a real service)."""
     missing = labels_missing_stand_in(bundle.result)
     if missing:
@@ -411,9 +442,6 @@ def finalize_labels(bundle: Any) -> None:
 
 def _identity_key(rec: ClientIdentity) -> str:
     """What must be equal for two clients to share an identity file (everything but the model id)."""
-    import hashlib
-    import json
-
     info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
     info.pop("model_id", None)
     blob = json.dumps([info, rec.capabilities, rec.marker.as_dict() if rec.marker else None, rec.served_model],

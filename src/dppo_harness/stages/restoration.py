@@ -52,8 +52,9 @@ import numpy as np
 import tinker
 
 from dppo_harness import constants
-from dppo_harness.service.clients import describe_client, error_text, is_capacity_error
-from dppo_harness.service.service_wait_clients import name_client
+from dppo_harness.service.capacity import error_text, is_capacity_error
+from dppo_harness.service.observed import describe_client
+from dppo_harness.service.wait.clients import name_client
 from dppo_harness.stages.restoration_batch import build_fixed_batch, register_fixed_batch
 from dppo_harness.stages.restoration_lr_probe import (
     DEFAULT_LR_MULTIPLIERS,

@@ -16,7 +16,7 @@ from typing import Any
 import tinker
 
 from dppo_harness.loss.correctness import lr_scaling_error
-from dppo_harness.service.clients import describe_client
+from dppo_harness.service.observed import describe_client
 from dppo_harness.stages.restoration_probe import CallWrapper, adam_params, fixed_gradient_step, probe_gradient
 from dppo_harness.stages.restoration_update_norm import UpdateNormMeasure
 from dppo_harness.train.clients import create_from_state_observed

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 import tinker
 
-from dppo_harness.service.clients import describe_client
+from dppo_harness.service.observed import describe_client
 from dppo_harness.stages.restoration_update_norm import UpdateNormMeasure
 from dppo_harness.train.clients import create_from_state_observed, datum_arrays, full_logprobs
 from dppo_harness.train.fingerprints import compare_logprobs

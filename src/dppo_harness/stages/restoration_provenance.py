@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dppo_harness.train.optimizer_checks import OptimizerCheck
+
 
 def initialization_entry(
     *,
@@ -22,7 +24,7 @@ def initialization_entry(
     load_succeeded: bool,
     evidence_ref: str,
     restore_count: int,
-    optimizer_checks: list[dict[str, Any]],
+    optimizer_checks: list[OptimizerCheck],
     initial_output: dict[str, Any],
     adapter_sha256: str | None = None,
     checkpoint_immutable_reason: str | None = None,

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import tinker
+from pydantic import JsonValue
 
-from dppo_harness.service.clients import create_from_state_with_response
+from dppo_harness.service.observed import create_from_state_with_response
 
 
 class RestorationError(RuntimeError):
@@ -75,7 +75,7 @@ def full_logprobs(client: tinker.TrainingClient, batch: Sequence[tinker.Datum]) 
     return result
 
 
-def dump_response(obj: Any) -> Any:
+def dump_response(obj: object) -> JsonValue:
     """JSON-able form of an SDK response (pydantic model, dataclass or plain value)."""
     if hasattr(obj, "model_dump"):
         return obj.model_dump(mode="json")
@@ -87,14 +87,14 @@ def dump_response(obj: Any) -> Any:
         return [dump_response(v) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
         return repr(obj)
-    return obj
+    return obj  # type: ignore[return-value]  # any other value goes to the JSON writer as it is
 
 
 def create_from_state_observed(
     service_client: tinker.ServiceClient, path: str, name: str | None = None
 ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
     """`create_training_client_from_state_with_optimizer`, keeping the server's load response
-    (`service.create_from_state_with_response`: the SDK drops it, yet it is the brief's proof of
+    (`observed.create_from_state_with_response`: the SDK drops it, yet it is the proof of
     what was loaded). `name` names the client in wait lines (e.g. the arm)."""
 
     return create_from_state_with_response(service_client, path, name)

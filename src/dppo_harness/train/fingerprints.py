@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import numpy as np
 import tinker
 
 from dppo_harness.train.clients import datum_arrays
 
-LOGPROB_ATOL = 1e-6  # brief: initial outputs "bitwise equal or within 1e-6"
+LOGPROB_ATOL = 1e-6  # initial outputs must be bitwise equal or within 1e-6
+
+
+class LogprobComparison(TypedDict):
+    """`compare_logprobs`'s verdict, key for key as the evidence records it; `problem` only when
+    the logprobs cannot be compared (count, shape, non-finite)."""
+
+    bitwise_equal: bool
+    max_abs_diff: float | None
+    within_tolerance: bool
+    atol: float
+    problem: NotRequired[str]
 
 
 def _update_array(h: hashlib._Hash, tag: bytes, arr: np.ndarray) -> None:
@@ -51,7 +62,7 @@ def logprobs_sha256(logprobs: Sequence[np.ndarray]) -> str:
 
 def compare_logprobs(
     a: Sequence[np.ndarray], b: Sequence[np.ndarray], atol: float = LOGPROB_ATOL
-) -> dict[str, Any]:
+) -> LogprobComparison:
     """Bitwise equality, max |a-b| and whether it is within `atol`. Shape mismatch never passes."""
     if len(a) != len(b):
         return {"bitwise_equal": False, "max_abs_diff": None, "within_tolerance": False,

@@ -11,9 +11,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    import tinker
 
 ADAM_FAMILIES = {"adam": "adamw", "adamw": "adamw"}  # tinker's Adam is torch AdamW; wd=0 makes them equal
+
+
+class OptimizerCheck(TypedDict):
+    """One optimizer check, key for key as the evidence records it (`optimizer_check`)."""
+
+    after_restore: int
+    before_next_update: bool
+    requested_optimizer: str
+    requested_config: dict[str, float]
+    actual_optimizer: str | None
+    actual_optimizer_source: str
+    actual_config: dict[str, float] | None
+    actual_config_source: str
+    actual_config_observed_on: str | None
+    source: str
+    evidence_ref: str
+    matches: bool
+    mismatches: list[str]
+    verified: bool
+    unverified_reasons: list[str]
 
 
 def normalize_family(name: str | None) -> str | None:
@@ -22,7 +45,7 @@ def normalize_family(name: str | None) -> str | None:
     return ADAM_FAMILIES.get(name.lower(), name.lower())
 
 
-def server_optimizer_family(info: Any) -> str | None:
+def server_optimizer_family(info: tinker.types.GetInfoResponse | None) -> str | None:
     """Optimizer family from a GetInfoResponse, only if the server actually sent it.
 
     The SDK model defaults `optimizer_config` to AdamW when the field is absent, so a default
@@ -64,13 +87,13 @@ def optimizer_check(
     after_restore: int,
     requested_optimizer: str,
     requested_config: Mapping[str, float],
-    info: Any,
+    info: tinker.types.GetInfoResponse | None,
     info_ref: str,
     echoed: Mapping[str, float] | None,
     echo_ref: str | None,
     echo_observed_on: str | None,
     rtol: float = 1e-9,
-) -> dict[str, Any]:
+) -> OptimizerCheck:
     """One optimizer check: requested family/config against what server responses expose.
 
     `verified` is true only when the family AND every requested config value came from a server
@@ -88,13 +111,13 @@ def optimizer_check(
             if k in echoed and not math.isclose(float(echoed[k]), float(v), rel_tol=rtol, abs_tol=0.0):
                 mismatches.append(f"{k}: requested {v!r}, server applied {echoed[k]!r}")
     config_complete = actual_cfg is not None and set(actual_cfg) == set(requested_config)
-    unverified = []
+    unverified: list[str] = []
     if family is None:
         unverified.append("optimizer family not exposed by any server response")
     if not config_complete:
         missing = sorted(set(requested_config) - set(actual_cfg or {}))
         unverified.append(f"config keys not exposed by any server response: {missing}")
-    return {
+    return OptimizerCheck({
         "after_restore": after_restore,
         "before_next_update": True,
         "requested_optimizer": requested_optimizer,
@@ -110,7 +133,7 @@ def optimizer_check(
         "mismatches": mismatches,
         "verified": bool(family is not None and config_complete and not mismatches),
         "unverified_reasons": unverified,
-    }
+    })
 
 
 PROBE_ECHO_REASON = ("the config was echoed only by a probe client's optim_step, not by this arm's own client: "
@@ -119,13 +142,15 @@ PROBE_ECHO_REASON = ("the config was echoed only by a probe client's optim_step,
 
 def own_response_only(check: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer check whose config came from a PROBE client's response, reduced to what the
-    arm's own responses exposed (the family from its own get_info); the config stays declared/null."""
+    arm's own responses exposed (the family from its own get_info); the config stays declared/null.
+    `check` is a recorded one, read back from a run state: it may carry keys beside OptimizerCheck's."""
     c = dict(check)
     observed = str(c.get("actual_config_observed_on") or "")
     if c.get("actual_config") is None or "probe" not in observed:
         return c
+    source = "server_response" if c.get("actual_optimizer") else "declared"
+    evidence_ref = str(c.get("evidence_ref", "")).split("; ")[0]
+    unverified_reasons = list(c.get("unverified_reasons", [])) + [PROBE_ECHO_REASON]
     c.update(actual_config=None, actual_config_source="declared", actual_config_observed_on=None,
-             source="server_response" if c.get("actual_optimizer") else "declared", verified=False,
-             evidence_ref=str(c.get("evidence_ref", "")).split("; ")[0],
-             unverified_reasons=list(c.get("unverified_reasons", [])) + [PROBE_ECHO_REASON])
+             source=source, verified=False, evidence_ref=evidence_ref, unverified_reasons=unverified_reasons)
     return c

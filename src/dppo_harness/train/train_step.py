@@ -11,15 +11,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.rollout.frozen_batch import split_complete_groups
 
 if TYPE_CHECKING:
     import tinker
+    import torch
 
-LossFn = Callable[[list, list], tuple[Any, dict[str, float]]]
+# The SDK's custom loss (forward_backward_custom): (datums, per-datum logprobs) -> (loss, metrics).
+LossFn: TypeAlias = "Callable[[list[tinker.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]"
+B = TypeVar("B")  # what `submit_behind()` returns
 
 
 class TrainStepError(RuntimeError):
@@ -36,11 +39,11 @@ def prepare_minibatches(group_of_datum: Sequence[int], n_minibatches: int) -> li
 
 
 @dataclass(frozen=True)
-class UpdateResult:
-    fwd_bwd: Any  # tinker ForwardBackwardOutput (metrics from the loss)
-    optim: Any  # tinker OptimStepResponse
+class UpdateResult(Generic[B]):
+    fwd_bwd: tinker.types.ForwardBackwardOutput  # metrics from the loss
+    optim: tinker.types.OptimStepResponse
     seconds: float  # submit -> both awaited
-    behind: Any = None  # what `submit_behind()` returned (e.g. a forward future), not awaited here
+    behind: B | None = None  # what `submit_behind()` returned (e.g. a forward future), not awaited here
     # Where `seconds` went, as this client saw it: forward_wait (submit -> the loss called with the
     # first pass's logprobs), loss, before_optim, backward_wait (-> the custom loss's result),
     # optim_wait (-> the optimizer step's result).
@@ -49,14 +52,14 @@ class UpdateResult:
 
 def minibatch_update(
     training_client: tinker.TrainingClient,
-    datums: Sequence[Any],
+    datums: Sequence[tinker.Datum],
     loss_fn: LossFn,
     adam: tinker.AdamParams,
     *,
     before_optim: Callable[[], None] | None = None,
-    submit_behind: Callable[[], Any] | None = None,
+    submit_behind: Callable[[], B] | None = None,
     sequential: bool = False,
-) -> UpdateResult:
+) -> UpdateResult[B]:
     """One `forward_backward_custom` + `optim_step`, then `submit_behind()` (optional, e.g. a
     sentinel forward that must see the updated weights).
 
@@ -72,7 +75,7 @@ def minibatch_update(
     marks: dict[str, float] = {}
     inner = loss_fn
 
-    def timed_loss_fn(data: list, logprobs: list) -> tuple[Any, dict[str, float]]:
+    def timed_loss_fn(data: list[tinker.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         marks["loss_start"] = time.perf_counter()
         out = inner(data, logprobs)
         marks["loss_end"] = time.perf_counter()
@@ -105,11 +108,12 @@ def minibatch_update(
 def _phases(t0: float, marks: Mapping[str, float], sequential: bool) -> dict[str, float]:
     """Durations between consecutive marks of one update; an interval whose mark is missing (a
     loss that was never called) is left out, not guessed."""
-    order = (("forward_wait", "loss_start"), ("loss", "loss_end"))
+    order: tuple[tuple[str, str], ...] = (("forward_wait", "loss_start"), ("loss", "loss_end"))
     order += ((("backward_wait", "fb_done"), ("before_optim", "before_optim_end")) if sequential else
               (("before_optim", "before_optim_end"), ("backward_wait", "fb_done")))
     order += (("optim_wait", "optim_done"),)
-    out, last = {}, t0
+    out: dict[str, float] = {}
+    last: float | None = t0
     for name, mark in order:
         if mark in marks:
             if last is not None:
@@ -122,16 +126,16 @@ def _phases(t0: float, marks: Mapping[str, float], sequential: bool) -> dict[str
 
 def train_step(
     training_client: tinker.TrainingClient,
-    datums: Sequence[Any],
+    datums: Sequence[tinker.Datum],
     loss_fn: LossFn,
     adam: tinker.AdamParams,
     recorder: ins.LossCallRecorder,
-    context: Mapping[str, Any],
+    context: Mapping[str, object],  # the loss-call context the recorder keeps with each record
     *,
     persist: Callable[[ins.LossCallRecord], None] | None = None,
-    submit_behind: Callable[[], Any] | None = None,
+    submit_behind: Callable[[], B] | None = None,
     sequential: bool = False,
-) -> tuple[ins.LossCallRecord, UpdateResult]:
+) -> tuple[ins.LossCallRecord, UpdateResult[B]]:
     """One recorded update: the loss wrapped by `recorder` with `context`, then the update.
     `persist(record)` (optional) runs after the loss call and before the optimizer step reaches
     the server; `submit_behind` and `sequential` as in `minibatch_update`."""
@@ -145,7 +149,7 @@ def train_step(
     return recorder.records[-1], result
 
 
-def timed_updates(training_client: tinker.TrainingClient, datums: Sequence[Any], loss_fn: LossFn,
+def timed_updates(training_client: tinker.TrainingClient, datums: Sequence[tinker.Datum], loss_fn: LossFn,
                   adam: tinker.AdamParams, n: int) -> list[float]:
     """Wall seconds of each of `n` unrecorded updates on the same minibatch (timing pilots)."""
     return [minibatch_update(training_client, datums, loss_fn, adam).seconds for _ in range(n)]

@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
+import httpx
 import tinker
+
+if TYPE_CHECKING:
+    import torch
 
 DESCRIPTION = ("tinker backend: ||theta_after - theta_before|| over all tensors of the external-format weights "
                "(TrainingClient.save_weights_external before and after the update, files fetched from "
                "RestClient.get_external_weights_urls, read with safetensors)")
 
 
-def update_norm_from_tensors(before: dict[str, Any], after: dict[str, Any]) -> float:
+def update_norm_from_tensors(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
     """L2 norm of the parameter change over the union of tensor names (float64)."""
-    import torch
+    import torch  # heavy: loaded only when an update norm is measured
 
     if set(before) != set(after):
         raise ValueError(f"tensor names differ: {sorted(set(before) ^ set(after))[:5]}")
@@ -41,7 +45,7 @@ class ExternalWeightsUpdateNorm:
 
     description = DESCRIPTION
 
-    def __init__(self, rest_client_factory: Callable[[], Any], *, fetch: Callable[[str], bytes] | None = None,
+    def __init__(self, rest_client_factory: Callable[[], tinker.RestClient], *, fetch: Callable[[str], bytes] | None = None,
                  timeout_s: float = 300.0):
         self._rest = rest_client_factory
         self._fetch = fetch or _http_get
@@ -49,21 +53,21 @@ class ExternalWeightsUpdateNorm:
         self.last_error: str | None = None
         self._n = 0
 
-    def read(self, client: tinker.TrainingClient, name: str) -> dict[str, Any]:
-        from safetensors.torch import load as load_safetensors
+    def read(self, client: tinker.TrainingClient, name: str) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load as load_safetensors  # heavy (torch): loaded only when weights are read
 
         saved = client.save_weights_external(name).result(timeout=self.timeout_s)
         urls = self._rest().get_external_weights_urls(saved.path).result(timeout=self.timeout_s).urls
         files = sorted(k for k in urls if k.endswith(".safetensors"))
         if not files:
             raise RuntimeError(f"get_external_weights_urls({saved.path}) listed no .safetensors file: {sorted(urls)[:5]}")
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
         for f in files:
             for k, v in load_safetensors(self._fetch(urls[f])).items():
                 tensors[f"{f}:{k}"] = v
         return tensors
 
-    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], Any]) -> float | None:
+    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None:
         self._n += 1
         try:
             before = self.read(client, f"lr-probe-{self._n}-before")
@@ -80,8 +84,6 @@ class ExternalWeightsUpdateNorm:
 
 
 def _http_get(url: str) -> bytes:
-    import httpx
-
     r = httpx.get(url, timeout=300.0, follow_redirects=True)
     r.raise_for_status()
     return r.content

@@ -18,7 +18,7 @@ from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
-from dppo_harness.service.service_wait_policy import ServiceStopped
+from dppo_harness.service.wait.policy import ServiceStopped
 from dppo_harness.stages.comparison.config import ArmSpec, ComparisonConfig, ComparisonError, Schedule, step_seed
 from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.step_rows import step_line, step_metrics

@@ -17,7 +17,8 @@ from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence import report
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.instrument import cookbook_metrics
-from dppo_harness.service import clients as service
+from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.wait.policy import CapacityPolicy
 from dppo_harness.stages.comparison import run_steps
 from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, Schedule, comparison_config
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
@@ -96,8 +97,8 @@ def run_comparison(
     resume_run_id: str | None = None,
     schedule: Schedule = "interleaved",
     save_every: int = 1,
-    capacity_policy: service.CapacityPolicy | None = None,
-    registry: service.ClientRegistry | None = None,
+    capacity_policy: CapacityPolicy | None = None,
+    registry: ClientRegistry | None = None,
     stop_after: Callable[[int], None] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
     tag: str = "cmp",

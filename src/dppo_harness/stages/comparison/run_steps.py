@@ -19,7 +19,9 @@ from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import cookbook_metrics
-from dppo_harness.service import clients as service
+from dppo_harness.service.capacity import call_with_capacity_retry, error_text
+from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.wait.policy import CapacityExhausted, CapacityPolicy, CapacityTracker, ServiceStopped
 from dppo_harness.stages.comparison.arms import ArmRunner, TrainingOutcome, make_runners, train_arms
 from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch, Schedule
 from dppo_harness.stages.comparison.restore import open_arms, restore_arm
@@ -161,12 +163,12 @@ class RunSession:
     cfg: ComparisonConfig
     state: RunState
     spath: Path  # the run state file, saved after every row
-    tracker: service.CapacityTracker
+    tracker: CapacityTracker
     mlog: cookbook_metrics.ArmMetricsLog
     tag: str
     progress: Callable[[str], None]
-    capacity_policy: service.CapacityPolicy | None = None
-    registry: service.ClientRegistry | None = None
+    capacity_policy: CapacityPolicy | None = None
+    registry: ClientRegistry | None = None
     clients: dict[str, Any] = field(default_factory=dict)
     by_arm: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     restores_left: int = -1  # mid-step restore states the budget keeps slots for (-1: per arm, set on first use)
@@ -177,7 +179,7 @@ class RunSession:
         return self.restores_left
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        return service.call_with_capacity_retry(fn, policy=self.capacity_policy or service.CapacityPolicy(),
+        return call_with_capacity_retry(fn, policy=self.capacity_policy or CapacityPolicy(),
                                                 steps_completed=self.tracker, registry=self.registry,
                                                 on_retry=self.tracker.events.append)
 
@@ -230,12 +232,12 @@ class RunSession:
 
 def open_session(service_client: tinker.ServiceClient, plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig,
                  state: RunState, state_root: Path, *, tag: str, progress: Callable[[str], None],
-                 capacity_policy: service.CapacityPolicy | None, registry: service.ClientRegistry | None,
+                 capacity_policy: CapacityPolicy | None, registry: ClientRegistry | None,
                  wandb: cookbook_metrics.WandbRequest | None) -> RunSession:
     """The session's capacity tracker (the session waiter's when there is one: its capacity window
     widens after the first step too) and its cookbook metrics log."""
     waiter = getattr(service_client, "waiter", None)
-    tracker = waiter.tracker if waiter is not None else service.CapacityTracker()
+    tracker = waiter.tracker if waiter is not None else CapacityTracker()
     tracker.comparison_steps_completed = min(s.steps_done for s in state.arms.values())
     mlog = cookbook_metrics.ArmMetricsLog(
         state_root / state.run_id / "cookbook-metrics", [a.name for a in cfg.arms], run_name=state.run_id,
@@ -276,7 +278,7 @@ def _stopped(session: RunSession, schedule: Schedule, exc: Exception) -> Trainin
         if exc.state_file and bundle.entry(exc.state_file) is None:
             bundle.register_json(exc.state_file, "manifest", state.to_json())
         bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
-    reason = f"{type(exc).__name__}: {service.error_text(exc)}"[:500]
+    reason = f"{type(exc).__name__}: {error_text(exc)}"[:500]
     session.progress(f"[comparison] stopped: {reason}")
     return TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule, reason)
 
@@ -299,11 +301,11 @@ def train_session(session: RunSession, restoration: RestorationResult | None, *,
                              tag=f"{session.tag}-{state.run_id}-r{state.resumed}", schedule=schedule,
                              on_row=session.on_row, save_state=session.save_arm_state, restore=session.restore_mid_step,
                              call=session.call, stop_after=stop_after, progress=session.progress, guard=guard)
-    except service.CapacityExhausted as exc:
+    except CapacityExhausted as exc:
         capacity_block = exc.block.as_dict()
         outcome = TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
                                   f"capacity: {exc}")
-    except service.ServiceStopped as exc:  # a hang (or any other stop): the training so far is registered all the same
+    except ServiceStopped as exc:  # a hang (or any other stop): the training so far is registered all the same
         session.progress(f"[comparison] stopped: {exc.line}")
         outcome = TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
                                   f"{exc.kind}: {exc.line}")

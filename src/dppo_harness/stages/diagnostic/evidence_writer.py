@@ -35,7 +35,7 @@ from dppo_harness.stages.diagnostic.files import (
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 from dppo_harness.train.clients import dump_response
-from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check
+from dppo_harness.train.optimizer_checks import OptimizerCheck, echoed_config, optimizer_check
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -75,7 +75,7 @@ def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: Ru
 
 
 
-def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> dict[str, Any] | None:
+def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> OptimizerCheck | None:
     """The optimizer check from the trained client's OWN first optim_step response (its metrics
     are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
     before update 1."""

@@ -15,13 +15,24 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from tinker.lib.api_future_impl import QueueState, QueueStateObserver
+import tinker
+from tinker._client import AsyncTinker
+from tinker.lib.api_future_impl import QueueState, QueueStateObserver, _APIFuture
+from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+from tinker.lib.internal_client_holder import InternalClientHolder
+from tinker.lib.public_interfaces import service_client as sc_module
+from tinker.lib.queue_state_logger import QueueStateLogger
+from tinker.resources.futures import AsyncFuturesResource
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+F = TypeVar("F")
+E = TypeVar("E")
 
 # States the harness adds to the SDK's own (active, paused_capacity, paused_rate_limit, unknown), from
 # what the SDK retries without telling its observer: a refused sample submit, and refused polls.
@@ -66,6 +77,21 @@ class Episode:
     reason_changes: int = 0  # how often the service reworded the pause (a queue position, say)
 
 
+class QueueSource(Protocol):
+    """What a wait reads of a call's queue: the latest report, and the pauses seen since a time
+    (QueueWatch, CreationWatch, the creation-time loggers)."""
+
+    def latest(self) -> QueueReport | None: ...
+
+    def episodes_since(self, t0: float) -> list[Episode]: ...
+
+
+class CreationLogger(QueueSource, Protocol):
+    """A creation call's queue-state logger that is also a watch, with when it was made."""
+
+    created: float
+
+
 _episode_ids = iter(range(1, 1 << 62))
 _episode_lock = threading.Lock()
 
@@ -99,7 +125,8 @@ class QueueWatch(QueueStateObserver):
             # One state is one pause whatever its text: a reason that changes every poll (a queue
             # position) or a refused submit's latest error continues the pause it reports.
             same = last is not None and last.state == state
-            self._latest = QueueReport(state, reason, last.since if same else now, now, http_status)
+            since = last.since if last is not None and same else now
+            self._latest = QueueReport(state, reason, since, now, http_status)
             current = self._episodes[-1] if self._episodes and self._episodes[-1].ended is None else None
             if current is not None and not (same and state in PAUSED_STATES):
                 current.ended = now
@@ -159,13 +186,13 @@ class _CreationWatches:
 
     def __init__(self, keep: int = 64) -> None:
         self._lock = threading.Lock()
-        self._made: collections.deque[Any] = collections.deque(maxlen=keep)  # the latest creations' loggers
+        self._made: collections.deque[CreationLogger] = collections.deque(maxlen=keep)  # the latest creations'
 
-    def add(self, watch: Any) -> None:
+    def add(self, watch: CreationLogger) -> None:
         with self._lock:
             self._made.append(watch)
 
-    def since(self, t0: float) -> list[Any]:
+    def since(self, t0: float) -> list[CreationLogger]:
         with self._lock:
             return [w for w in self._made if w.created >= t0]
 
@@ -192,11 +219,6 @@ def install_creation_watch() -> bool:
 
 
 def _install_creation_watch() -> bool:
-    try:
-        from tinker.lib.public_interfaces import service_client as sc_module
-        from tinker.lib.queue_state_logger import QueueStateLogger
-    except ImportError:  # pragma: no cover - another SDK layout
-        return False
     if getattr(sc_module, "QueueStateLogger", None) is not QueueStateLogger:
         logger.warning("tinker.lib.public_interfaces.service_client.QueueStateLogger is not the SDK's "
                        "QueueStateLogger: creation pauses are not observed")
@@ -224,7 +246,7 @@ def _install_creation_watch() -> bool:
         def episodes_since(self, t0: float) -> list[Episode]:
             return self.watch.episodes_since(t0)
 
-    sc_module.QueueStateLogger = WatchedQueueStateLogger
+    sc_module.QueueStateLogger = WatchedQueueStateLogger  # type: ignore[misc]  # the patch: looked up at each call
     return True
 
 
@@ -237,16 +259,20 @@ def install_transport_watch() -> bool:
 
 
 def _install_transport_watch() -> bool:
-    try:
-        from tinker.lib.api_future_impl import _APIFuture
-    except ImportError:  # pragma: no cover - another SDK layout
-        return False
     original = getattr(_APIFuture, "_handle_transport_error", None)
     if original is None:  # pragma: no cover - another SDK layout
         logger.warning("the SDK's futures have no _handle_transport_error: refused polls are not observed")
         return False
 
-    async def observed(self: Any, err: Any, *args: Any, **kwargs: Any) -> Any:
+    _APIFuture._handle_transport_error = _observer_told_first(original)  # type: ignore[method-assign,assignment]  # the patch
+    return True
+
+
+def _observer_told_first(original: Callable[Concatenate[F, E, P], Awaitable[R]]
+                         ) -> Callable[Concatenate[F, E, P], Awaitable[R]]:
+    """The SDK's `_handle_transport_error`, after telling the future's observer (if it listens)."""
+
+    async def observed(self: F, err: E, *args: P.args, **kwargs: P.kwargs) -> R:
         note = getattr(getattr(self, "_queue_state_observer", None), "on_transport_error", None)
         status = getattr(err, "status_code", None)
         if callable(note) and status != 408:  # a 408 is try_again: its queue state reaches the observer
@@ -254,8 +280,7 @@ def _install_transport_watch() -> bool:
                 note(int(status or 0), str(getattr(err, "detail", "")))
         return await original(self, err, *args, **kwargs)
 
-    _APIFuture._handle_transport_error = observed
-    return True
+    return observed
 
 
 class CreationWatch:
@@ -279,7 +304,11 @@ class _SubmitTap:
     session poller retries 402, 5xx and resets silently and never tells a queue-state observer.
     Everything else is the holder's."""
 
-    def __init__(self, holder: Any, watch: QueueWatch):
+    _holder: InternalClientHolder
+    _watch: QueueWatch
+    last_refusal: tuple[int, str] | None  # a refused submit's status and text
+
+    def __init__(self, holder: InternalClientHolder, watch: QueueWatch):
         object.__setattr__(self, "_holder", holder)
         object.__setattr__(self, "_watch", watch)
         object.__setattr__(self, "last_refusal", None)
@@ -287,17 +316,14 @@ class _SubmitTap:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._holder, name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if name == "last_refusal":
             object.__setattr__(self, name, value)
         else:
             setattr(self._holder, name, value)
 
     @contextlib.contextmanager
-    def aclient(self, pool_type: Any) -> Any:
-        import tinker
-        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
-
+    def aclient(self, pool_type: ClientConnectionPoolType) -> Iterator[AsyncTinker | _SessionPollTap]:
         session_poll = pool_type == ClientConnectionPoolType.RETRIEVE_FUTURES
         with self._holder.aclient(pool_type) as client:
             try:
@@ -317,7 +343,7 @@ class _SubmitTap:
 class _SessionPollTap:
     """The SDK client a session poller uses, whose `futures.retrieve_multi` answers tell the watch."""
 
-    def __init__(self, client: Any, watch: QueueWatch):
+    def __init__(self, client: AsyncTinker, watch: QueueWatch):
         self._client, self.futures = client, _FuturesTap(client.futures, watch)
 
     def __getattr__(self, name: str) -> Any:
@@ -325,19 +351,28 @@ class _SessionPollTap:
 
 
 class _FuturesTap:
-    def __init__(self, futures: Any, watch: QueueWatch):
+    """The SDK's futures resource, whose `retrieve_multi` answers tell the watch."""
+
+    def __init__(self, futures: AsyncFuturesResource, watch: QueueWatch):
         self._futures, self._watch = futures, watch
+        self.retrieve_multi = _then(futures.retrieve_multi, lambda _: watch.on_session_poll())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._futures, name)
 
-    async def retrieve_multi(self, *args: Any, **kwargs: Any) -> Any:
-        response = await self._futures.retrieve_multi(*args, **kwargs)
-        self._watch.on_session_poll()
-        return response
+
+def _then(call: Callable[P, Awaitable[R]], after: Callable[[R], None]) -> Callable[P, Awaitable[R]]:
+    """`call`, then `after` with what it answered (an answer passed on as it is)."""
+
+    async def observed(*args: P.args, **kwargs: P.kwargs) -> R:
+        out = await call(*args, **kwargs)
+        after(out)
+        return out
+
+    return observed
 
 
-def _service_text(exc: Any) -> str:
+def _service_text(exc: tinker.APIStatusError) -> str:
     """The service's own error text of an HTTP error: its body's `error`, else the body, as sent."""
     body = getattr(exc, "body", None)
     if isinstance(body, Mapping) and isinstance(body.get("error"), str):
@@ -345,11 +380,12 @@ def _service_text(exc: Any) -> str:
     return body if isinstance(body, str) else str(getattr(exc, "message", exc))
 
 
-def watch_sampling_client(client: Any) -> QueueWatch:
+def watch_sampling_client(sampling_client: tinker.SamplingClient) -> QueueWatch:
     """A sampling client is its own queue-state observer (the SDK passes `self`): the instance's
     method is replaced by a watch that forwards to it. A refused submit (429 / billing pause) is
     swallowed by `_send_asample_request` and retried; the watch sees each refusal, with the status
     and text the holder tap noted."""
+    client: Any = sampling_client  # patched in place, beside the attributes SamplingClient declares
     existing = client.__dict__.get("_dppo_watch")
     if existing is not None:
         return existing
@@ -358,17 +394,14 @@ def watch_sampling_client(client: Any) -> QueueWatch:
     client.on_transport_error = watch.on_transport_error
     tap = _SubmitTap(client.holder, watch)
     client.holder = tap
-    send = client._send_asample_request
 
-    async def observed_send(*args: Any, **kwargs: Any) -> Any:
-        out = await send(*args, **kwargs)  # None: refused (concurrent submits share the latest refusal noted)
+    def noted(out: object) -> None:  # None: refused (concurrent submits share the latest refusal noted)
         if out is None:
             status, text = tap.last_refusal or (None, None)
             watch.on_submit_refused(status, text)
         else:
             watch.on_submitted()
-        return out
 
-    client._send_asample_request = observed_send
+    client._send_asample_request = _then(sampling_client._send_asample_request, noted)
     client._dppo_watch = watch
     return watch

@@ -1,4 +1,4 @@
-"""The wait policy's evidence (service_wait): while a call waits, result.json's `service_wait` block
+"""The wait policy's evidence: while a call waits, result.json's `service_wait` block
 and rate-limited result snapshots; when the policy stops the stage, the released clients and the
 stopped run's result (status failed, verdict inconclusive, incomplete_execution, and the
 capacity_block or the hang)."""
@@ -9,20 +9,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dppo_harness.evidence import budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
-from dppo_harness.service.service_wait import ServiceWaiter, WaitStatus
-from dppo_harness.service.service_wait_policy import CapacityExhausted, ServiceDied, ServiceStopped
+from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
+from dppo_harness.service.wait.waiter import ServiceWaiter, WaitStatus
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence.bundle import EvidenceBundle
+    from dppo_harness.service.release import ClientRegistry
 
 # Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS (the evidence budget's share,
-# evidence.budget.WAIT_SNAPSHOTS), and only while the run uses under half its file slots. On the
-# embedded CPU server (windows 100x shorter) nearly every call counts as a wait and a snapshot
-# falls due every few seconds: uncapped, they filled a bundle to its 64-file limit before the
-# stages' own evidence. result.json itself is still updated at every post.
+# evidence.budget.WAIT_SNAPSHOTS), and only while the run uses under half its file slots, so that
+# snapshots never crowd out the stages' own evidence (on the embedded server, whose windows are
+# scaled down, nearly every call counts as a wait). result.json itself is still updated at every post.
 MAX_WAIT_SNAPSHOTS = budget.WAIT_SNAPSHOTS
 WAIT_SNAPSHOT_RESERVE = MAX_FILES // 2
 
@@ -34,7 +37,7 @@ class BundlePoster:
     releases every registered client and writes the stopped run's result (status failed, verdict
     inconclusive, incomplete_execution, and the capacity_block or the hang), then a snapshot."""
 
-    def __init__(self, bundle: Any, registry: Any = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, bundle: EvidenceBundle, registry: ClientRegistry | None = None, clock: Callable[[], float] = time.monotonic):
         self.bundle, self.registry, self.clock = bundle, registry, clock
         self._lock = threading.Lock()  # concurrent waits (the arms') post at once
         self._last_snapshot: float | None = None

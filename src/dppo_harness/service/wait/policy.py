@@ -1,4 +1,4 @@
-"""The service wait policy's settings and its stops (see service_wait for how waits apply them).
+"""The service wait policy's settings and its stops (see `waiter` for how waits apply them).
 
 `WaitPolicy` says how long every service call may wait (capacity patience before and after the
 first comparison step, the no-answer timeout, the posting grain); `CapacityPolicy` the backoff
@@ -14,9 +14,15 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
+
+if TYPE_CHECKING:
+    from dppo_harness.service.capacity import CapacityEvent  # capacity retries under this policy
 
 CAPACITY_SCALE_VAR = "DPPO_HARNESS_CAPACITY_SCALE"
+JsonObject = dict[str, JsonValue]  # a JSON object as result.json holds it
 
 
 class ServiceConfigError(RuntimeError):
@@ -117,11 +123,11 @@ class WaitPolicy:
         return self.capacity_patience_after_steps_s if steps_completed > 0 else self.capacity_patience_s
 
     def capacity(self) -> CapacityPolicy:
-        """The same windows for `service.call_with_capacity_retry` (retrying refused calls)."""
+        """The same windows for `capacity.call_with_capacity_retry` (retrying refused calls)."""
         return CapacityPolicy(backoff_s=self.backoff_s, give_up_no_steps_s=self.capacity_patience_s,
                               give_up_after_steps_s=self.capacity_patience_after_steps_s, scale=1.0)
 
-    def as_evidence(self) -> dict[str, float]:
+    def as_evidence(self) -> JsonObject:
         return {"capacity_patience_s": self.capacity_patience_s,
                 "capacity_patience_after_steps_s": self.capacity_patience_after_steps_s,
                 "service_timeout_s": self.service_timeout_s}
@@ -141,10 +147,10 @@ class ServiceStopped(BaseException):
         super().__init__(line)
         self.line = line
 
-    def result_fields(self) -> dict[str, Any]:
+    def result_fields(self) -> JsonObject:
         return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
 
-    def details(self) -> dict[str, Any]:
+    def details(self) -> JsonObject:
         """What the service said, for result.json's service_wait.stopped (beside kind and line)."""
         return {}
 
@@ -155,11 +161,11 @@ class CapacityBlock:
     comparison_steps_completed: int
     released_clients: bool
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {"error": self.error, "comparison_steps_completed": self.comparison_steps_completed,
                 "released_clients": self.released_clients}
 
-    def result_fields(self) -> dict[str, Any]:
+    def result_fields(self) -> JsonObject:
         """The result.json fields for a run stopped by capacity."""
         return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
                 "capacity_block": self.as_dict()}
@@ -177,7 +183,7 @@ class CapacityExhausted(ServiceStopped):
             f"clients released: {block.released_clients}): {block.error}"))
         self.block, self.waited_s, self.attempts = block, waited_s, attempts
 
-    def result_fields(self) -> dict[str, Any]:
+    def result_fields(self) -> JsonObject:
         return self.block.result_fields()
 
 
@@ -192,7 +198,7 @@ class PaymentRequired(ServiceStopped):
                          f"{int(waited_s)} s: {text or 'no text sent'}; giving up after {option}={window:g}")
         self.call, self.client, self.waited_s, self.text = call, client, waited_s, text
 
-    def details(self) -> dict[str, Any]:
+    def details(self) -> JsonObject:
         return {"http_status": 402, "error": self.text}
 
 
@@ -219,7 +225,7 @@ class ServiceDied(ServiceStopped):
                          "its last log lines are in result.json service_wait.stopped.log_tail")
         self.exit_code, self.log_tail = exit_code, log_tail
 
-    def details(self) -> dict[str, Any]:
+    def details(self) -> JsonObject:
         return {"exit_code": self.exit_code, "log_tail": self.log_tail}
 
 
@@ -239,7 +245,7 @@ class ServiceHang(ServiceStopped):
         self.call, self.client, self.waited_s, self.queue_state = call, client, waited_s, queue_state
         self.last_answer = last_answer
 
-    def details(self) -> dict[str, Any]:
+    def details(self) -> JsonObject:
         if self.last_answer is None:
             return {}
         return {"http_status": self.last_answer[0], "error": self.last_answer[1]}
@@ -259,7 +265,7 @@ class NoQueueState(ServiceStopped):
                          "sample_use_retrieve_futures reports the queue)")
         self.call, self.client, self.waited_s, self.polls = call, client, waited_s, polls
 
-    def details(self) -> dict[str, Any]:
+    def details(self) -> JsonObject:
         return {"session_polls_answered": self.polls}
 
 
@@ -269,7 +275,7 @@ class CapacityTracker:
     first) and the refusals retried on the way."""
 
     comparison_steps_completed: int = 0
-    events: list[Any] = field(default_factory=list)
+    events: list[CapacityEvent] = field(default_factory=list)
 
     def step_done(self) -> None:
         self.comparison_steps_completed += 1

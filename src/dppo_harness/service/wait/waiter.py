@@ -21,8 +21,8 @@ future that does not resolve. So every client the harness's ServiceClient hands 
 Both stops derive from `ServiceStopped`, a BaseException like KeyboardInterrupt: a stage's own
 `except Exception` bookkeeping must not turn a stopped service into a finished stage.
 
-The policy and the stops are in service_wait_policy, the queue-state watches in
-service_wait_watch, the waited clients and futures in service_wait_clients.
+The policy and the stops are in `policy`, the queue-state watches in `watch`, the waited clients
+and futures in `clients`, result.json's block and the stopped run's result in `evidence`.
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Protocol, TypeVar
 
+from tinker import RestClient, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.api_future import APIFuture
 
-from dppo_harness.service.service_wait_clients import WaitedClient, WaitedFuture
-from dppo_harness.service.service_wait_policy import (
+from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
+from dppo_harness.service.wait.policy import (
     CapacityBlock,
     CapacityExhausted,
     CapacityTracker,
+    JsonObject,
     NoQueueState,
     PaymentRequired,
     ServiceHang,
@@ -52,17 +54,33 @@ from dppo_harness.service.service_wait_policy import (
     WaitPolicy,
     WallBudgetSpent,
 )
-from dppo_harness.service.service_wait_watch import (
+from dppo_harness.service.wait.watch import (
     PAYMENT_REQUIRED,
     POLL_REFUSED,
     SESSION_POLLED,
     TRANSPORT_ERROR,
     QueueReport,
+    QueueSource,
     QueueWatch,
     watch_sampling_client,
 )
 
 logger = logging.getLogger(__name__)
+V = TypeVar("V")
+C = TypeVar("C")
+V_co = TypeVar("V_co", covariant=True)
+
+
+class Abandonable(Protocol):
+    """A handed-out future a stop can cancel (WaitedFuture)."""
+
+    def abandon(self) -> bool: ...
+
+
+class Pending(Protocol[V_co]):
+    """A future the waiter can wait on: the SDK's futures and concurrent futures alike."""
+
+    def result(self, timeout: float | None = None) -> V_co: ...
 
 
 def _utc(ts: float | None = None) -> str:
@@ -86,8 +104,8 @@ class Pause:
     http_status: int | None = None  # a refused submit's status
     reason_changes: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
-        out = {"call": self.call, "client": self.client, "queue_state": self.queue_state,
+    def as_dict(self) -> JsonObject:
+        out: JsonObject = {"call": self.call, "client": self.client, "queue_state": self.queue_state,
                "queue_state_reason": self.queue_state_reason, "began_at": self.began_at,
                "seconds": round(self.seconds, 3), "outcome": self.outcome}
         if self.http_status is not None:
@@ -111,7 +129,7 @@ class WaitStatus:
     id: int = 0  # the waiter's number for this wait
     outcome: str = "waiting"  # waiting | answered | failed | stopped
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {"call": self.call, "client": self.client, "since": self.since, "waited_s": round(self.waited_s, 3),
                 "queue_state": self.queue_state, "queue_state_reason": self.queue_state_reason,
                 "paused_s": round(self.paused_s, 3), "outcome": self.outcome, "updated_at": _utc()}
@@ -137,7 +155,7 @@ class _CallClock:
         self.last = now
 
 
-def _done(future: Any) -> bool:
+def _done(future: object) -> bool:
     """Whether the call behind `future` ended (so a TimeoutError it raised is the call's own)."""
     inner = getattr(future, "future", None)  # an SDK APIFuture: its own done() is deprecated
     if callable(inner):
@@ -147,9 +165,7 @@ def _done(future: Any) -> bool:
     return isinstance(future, concurrent.futures.Future) and future.done()
 
 
-def _is_client(value: Any) -> bool:
-    from tinker import RestClient, SamplingClient, TrainingClient
-
+def _is_client(value: object) -> bool:
     return isinstance(value, (TrainingClient, SamplingClient, RestClient))
 
 
@@ -165,7 +181,7 @@ class ServiceWaiter:
     MAX_WAITS_LISTED = 20  # posted waits kept in the block (each stays once posted: numbers are never dropped)
 
     def __init__(self, policy: WaitPolicy | None = None, *, tracker: CapacityTracker | None = None,
-                 on_post: Callable[[ServiceWaiter, WaitStatus], None] | None = None,
+                 on_post: Callable[[ServiceWaiter, WaitStatus | None], None] | None = None,
                  on_stop: Callable[[ServiceWaiter, ServiceStopped], None] | None = None,
                  say: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.policy = policy or WaitPolicy.from_options()
@@ -183,7 +199,7 @@ class ServiceWaiter:
         # Seconds left of the wall budget the current stage's waits may use (None: not bounded by one).
         self.budget_left: Callable[[], float | None] | None = None
         self._dead: ServiceStopped | None = None  # the service itself is gone: every wait stops at its next look
-        self._issued: weakref.WeakSet[Any] = weakref.WeakSet()  # every WaitedFuture handed out
+        self._issued: weakref.WeakSet[Abandonable] = weakref.WeakSet()  # every WaitedFuture handed out
         self.abandoned = 0  # futures still pending at the stop, cancelled
 
     def service_died(self, stop: ServiceStopped) -> None:
@@ -193,7 +209,7 @@ class ServiceWaiter:
             self._dead = self._dead or stop
         self._say(f"service: {stop.line}")
 
-    def track(self, future: Any) -> None:
+    def track(self, future: Abandonable) -> None:
         """Keep a handed-out future, so that a stop can cancel it if it is still pending."""
         with self._lock:
             self._issued.add(future)
@@ -209,27 +225,32 @@ class ServiceWaiter:
 
     # -- adopting clients
 
-    def adopt(self, client: Any, label: str | None = None) -> Any:
-        """The client wrapped so that its futures wait under this policy (idempotent)."""
+    def adopt(self, client: C, label: str | None = None) -> C:
+        """The client wrapped so that its futures wait under this policy (idempotent). The
+        WaitedClient stands in for the client it wraps: every attribute is the wrapped client's."""
+        waited = self._waited(client, label)
+        return client if waited is None else waited  # type: ignore[return-value]  # the stand-in of `client`
+
+    def _waited(self, client: object, label: str | None) -> WaitedClient | None:
+        """`client` as a WaitedClient (None: not an SDK client, handed out as it is)."""
         if isinstance(client, WaitedClient):
             if label:
                 client.label = label
             return client
-        from tinker import RestClient, SamplingClient, TrainingClient
-
         if isinstance(client, TrainingClient):
             current = getattr(client, "_queue_state_logger", None)
             watch = current if isinstance(current, QueueWatch) else QueueWatch(
                 current.on_queue_state_change if current is not None else None)
-            client._queue_state_logger = watch  # the SDK passes it to every future of this client
+            # the SDK passes it to every future of this client, as the futures' QueueStateObserver
+            client._queue_state_logger = watch  # type: ignore[assignment]  # an observer, as the SDK uses it
             return WaitedClient(client, self, label or f"training client {client.model_id}", watch)
         if isinstance(client, SamplingClient):
             return WaitedClient(client, self, label or "sampling client", watch_sampling_client(client))
         if isinstance(client, RestClient):
             return WaitedClient(client, self, label or "rest client", None)
-        return client
+        return None
 
-    def wrap(self, value: Any, *, call: str, parent: WaitedClient) -> Any:
+    def wrap(self, value: object, *, call: str, parent: WaitedClient) -> object:
         """What a waited client's method returned, with its futures and clients waited."""
         if isinstance(value, APIFuture):
             sub_label = f"sampler of {parent.label}" if call.endswith("sampling_client") else None
@@ -241,7 +262,8 @@ class ServiceWaiter:
 
     # -- waiting
 
-    def wait(self, future: Any, *, call: str, client: str, watch: Any = None, timeout: float | None = None) -> Any:
+    def wait(self, future: Pending[V], *, call: str, client: str, watch: QueueSource | None = None,
+             timeout: float | None = None) -> V:
         """future.result(), bounded by the policy (and by `timeout` when the caller gives one)."""
         p = self.policy
         t0 = self.clock()
@@ -276,15 +298,14 @@ class ServiceWaiter:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
                 latest = watch.latest() if watch is not None else None
                 rep = latest if latest is not None and latest.at >= t0 else None  # reported during this call
-                paused = rep is not None and rep.paused
-                clock.advance(now, rep.since if paused else None)
+                clock.advance(now, rep.since if rep is not None and rep.paused else None)
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
                 if clock.paused_s >= window:
                     for pause in seen.values():
                         if pause.outcome == "waiting":
                             pause.outcome = "gave_up"
-                    last_pause = rep if paused else self._last_pause(watch, t0)
+                    last_pause = rep if rep is not None and rep.paused else self._last_pause(watch, t0)
                     self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s and rep is not None and rep.state == SESSION_POLLED:
                     self._stop(NoQueueState(call, client, clock.quiet_s, getattr(watch, "session_polls", 0) - polls_before))
@@ -313,7 +334,7 @@ class ServiceWaiter:
                 self._post(self._status(wait_id, call, client, since, clock, rep, outcome) if was_posted else None)
 
     @staticmethod
-    def _last_pause(watch: Any, t0: float) -> QueueReport:
+    def _last_pause(watch: QueueSource | None, t0: float) -> QueueReport:
         """The latest pause reported during a wait (for a give-up reached while the state alternates)."""
         episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
         if not episodes:
@@ -326,7 +347,7 @@ class ServiceWaiter:
         return WaitStatus(call, client, since, clock.last - clock.t0, rep.state if rep else None,
                           rep.reason if rep else None, clock.paused_s, wait_id, outcome)
 
-    def _note_pauses(self, watch: Any, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]) -> None:
+    def _note_pauses(self, watch: QueueSource | None, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]) -> None:
         """Record the watch's pauses during this wait (each once), with their elapsed time."""
         episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
         for ep in episodes:
@@ -400,11 +421,11 @@ class ServiceWaiter:
                     logger.warning("recording the service stop failed: %s: %s", type(exc).__name__, exc)
         raise stop
 
-    def evidence(self) -> dict[str, Any]:
+    def evidence(self) -> JsonObject:
         """The `service_wait` block of result.json: policy, pauses, the posted waits (by id, each
         with its outcome), the stop."""
         with self._lock:
-            out: dict[str, Any] = {"policy": self.policy.as_evidence(), "pauses": [p.as_dict() for p in self.pauses],
+            out: JsonObject = {"policy": self.policy.as_evidence(), "pauses": [p.as_dict() for p in self.pauses],
                                    "waits": self.waits, "longest_wait_s": round(self.longest_wait_s, 3)}
             if self.pauses_not_listed:
                 out["pauses_not_listed"] = self.pauses_not_listed

@@ -1,0 +1,160 @@
+"""Service configuration: the ServiceClient's keyword arguments from the environment, the proxy
+headers, the SDK's telemetry switch, and the evidence-safe description of a connection.
+
+Credentials come from the environment only and are never logged: errors name variables, not
+values. The local backend talks to the embedded server on loopback with a non-secret key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
+from typing import Literal, TypedDict
+from urllib.parse import urlsplit
+
+from dppo_harness import constants
+from dppo_harness.service.secrets_scan import live_secret_items
+from dppo_harness.service.wait.policy import ServiceConfigError
+
+Backend = Literal["local", "tinker"]
+ProxyTokens = Literal["modal", "runs", "none"]
+
+
+class ClientKwargs(TypedDict, total=False):
+    """The ServiceClient keyword arguments for a backend (holds secrets: never log it)."""
+
+    base_url: str
+    api_key: str
+    default_headers_overrides: dict[str, str]
+
+
+class ServiceDescription(TypedDict):
+    """Evidence-safe description of the connection (no values of credentials)."""
+
+    backend: Backend
+    base_url: str | None
+    auth: str
+    proxy_headers: list[str]
+
+_PROXY_VARS: dict[str, tuple[str, str]] = {
+    "modal": ("MODAL_PROXY_TOKEN_ID", "MODAL_PROXY_TOKEN_SECRET"),  # shared Spindle
+    "runs": ("RUNS_PROXY_TOKEN_ID", "RUNS_PROXY_TOKEN_SECRET"),  # a Spindle fork in research-exchange-runs
+}
+
+
+def _require(env: Mapping[str, str], name: str, why: str) -> str:
+    value = env.get(name)
+    if not value:
+        raise ServiceConfigError(f"environment variable {name} is not set (needed {why})")
+    return value
+
+
+def is_loopback_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def redact_url(url: str | None) -> str | None:
+    """scheme://host[:port]/path without credentials or query (safe for evidence)."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+
+def client_kwargs(
+    backend: Backend,
+    base_url: str | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    proxy_tokens: ProxyTokens = "modal",
+) -> ClientKwargs:
+    """The ServiceClient keyword arguments for a backend (holds secrets: never log the result)."""
+    env = os.environ if env is None else env
+    if backend == "local":
+        if not base_url:
+            raise ServiceConfigError("the local backend needs the embedded server's base_url (got none)")
+        if not is_loopback_url(base_url):
+            raise ServiceConfigError(f"the local backend must use a loopback base_url, got host {urlsplit(base_url).hostname!r}")
+        return {"base_url": base_url, "api_key": constants.LOCAL_API_KEY}
+    if backend != "tinker":
+        raise ServiceConfigError(f"unknown backend {backend!r}: expected 'local' or 'tinker'")
+    url = base_url or _require(env, "TINKER_BASE_URL", "for the tinker backend")
+    api_key = _require(env, "TINKER_API_KEY", "for the tinker backend")
+    return {"base_url": url, "api_key": api_key, "default_headers_overrides": proxy_headers(env, proxy_tokens)}
+
+
+def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -> dict[str, str]:
+    """Modal-Key/Modal-Secret for a service behind Spindle's Modal proxy (holds secrets).
+
+    "modal": sent only when MODAL_PROXY_TOKEN_ID/SECRET are set (a stock Tinker deployment or the
+    embedded server needs none); one of the pair without the other is an error. "runs": the fork's
+    RUNS_PROXY_TOKEN_ID/SECRET, asked for explicitly, so both are required. "none": no headers.
+    """
+    if proxy_tokens == "none":
+        return {}
+    if proxy_tokens not in _PROXY_VARS:
+        raise ServiceConfigError(f"unknown proxy_tokens option {proxy_tokens!r}: expected modal, runs or none")
+    id_var, secret_var = _PROXY_VARS[proxy_tokens]
+    if proxy_tokens == "modal" and not env.get(id_var) and not env.get(secret_var):
+        return {}
+    return {"Modal-Key": _require(env, id_var, f"for the Modal-Key proxy header ({secret_var} is set)"),
+            "Modal-Secret": _require(env, secret_var, f"for the Modal-Secret proxy header ({id_var} is set)")}
+
+
+TELEMETRY_VAR = "TINKER_TELEMETRY"
+
+
+def apply_sdk_telemetry(enabled: bool, env: dict[str, str] | None = None) -> None:
+    """Turn the SDK's telemetry on or off for every client this process creates.
+
+    The SDK reads TINKER_TELEMETRY when a client's holder starts; on fatal transport errors (a
+    401, say) its events carry the request headers unredacted (X-API-Key, Modal-Key,
+    Modal-Secret) and are posted to the service. So the harness sends none unless asked
+    (`--sdk-telemetry`).
+    """
+    target = os.environ if env is None else env
+    target[TELEMETRY_VAR] = "1" if enabled else "0"
+
+
+
+def live_secret_values(env: Mapping[str, str] | None = None) -> list[str]:
+    """The secret values present in env that evidence must never contain."""
+    return [v for _, v in live_secret_items(env)]
+
+
+def describe_service(backend: Backend, base_url: str | None, *, proxy_tokens: ProxyTokens = "modal",
+                     env: Mapping[str, str] | None = None) -> ServiceDescription:
+    """Evidence-safe description of the connection (no values of credentials)."""
+    env = os.environ if env is None else env
+    sent = backend != "local" and proxy_tokens != "none" and (
+        proxy_tokens != "modal" or any(env.get(v) for v in _PROXY_VARS["modal"]))
+    return {
+        "backend": backend,
+        "base_url": redact_url(base_url),
+        "auth": "constants.LOCAL_API_KEY (not a secret)" if backend == "local" else "TINKER_API_KEY from environment",
+        "proxy_headers": [f"Modal-Key from {_PROXY_VARS[proxy_tokens][0]}",
+                          f"Modal-Secret from {_PROXY_VARS[proxy_tokens][1]}"] if sent else [],
+    }
+
+
+def sdk_versions() -> dict[str, str]:
+    """The installed versions of the SDK and the packages it works with ("not installed" if absent)."""
+    out = {}
+    for pkg in ("tinker", "tinker-cookbook", "tml-renderers", "torch"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
