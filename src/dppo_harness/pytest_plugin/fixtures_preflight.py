@@ -25,6 +25,7 @@ from dppo_harness.plans import Plan
 from dppo_harness.pytest_plugin.fixtures_session import ServiceBackend
 from dppo_harness.pytest_plugin.session import record_client_releases, stops_stage
 from dppo_harness.stages import feasibility as feasibility_module
+from dppo_harness.stages.session_rules import record_capacity_stop_before_training, runs_feasibility_pilot, trained_arms
 
 if TYPE_CHECKING:
     import tinker
@@ -80,7 +81,6 @@ def restoration(request: pytest.FixtureRequest, service_client: tinker.ServiceCl
     probe_sc = stage_session_client("preflight-probes",
                                     "preflight setup and probe clients (closed when the preflight ends)")
     policy = service_waiter.policy.capacity()  # the session's windows for refused creations
-    plan_kind = plan.kind
     update_norm = None
     if reader is None:  # tinker backend: read trained weights back through the SDK (no local engine to ask)
         from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm  # the SDK: see above
@@ -96,18 +96,13 @@ def restoration(request: pytest.FixtureRequest, service_client: tinker.ServiceCl
                 # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
                 call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
                 update_norm=update_norm,
-                # Under the diagnostic plan only its treatment arm trains.
-                trained_arms=(plan.diagnostic.fixed_settings.treatment.arm,) if plan_kind == "bounded_diagnostic" else None,
+                trained_arms=trained_arms(plan),
                 progress=watch.say,
             )
     except RestorationError as exc:  # e.g. a response without a field the proof needs: one line
         failure = f"restoration preflight: {exc}"
     except CapacityExhausted as exc:  # the run ends with its capacity_block
-        fields = exc.block.result_fields()
-        if evidence_bundle.result["original_hypothesis_tested"] is None:
-            fields.update(original_hypothesis_tested=False,
-                          tested_instead="nothing: the run stopped on service capacity before any training")
-        evidence_bundle.update_result(**fields)
+        record_capacity_stop_before_training(evidence_bundle, exc.block)
         raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
         # Release the setup/probe session before anything trains, and record it.
@@ -132,9 +127,7 @@ def feasibility(request: pytest.FixtureRequest, service_backend: ServiceBackend,
                 harness_progress: Callable[[str], None], connectivity: ConnectivityReport) -> FeasibilityResult:
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
     client lives in its own session, closed when the pilot ends."""
-    if plan.kind == "bounded_diagnostic":
-        # Under the diagnostic plan no extra pilot samples or trains (its budget is fixed); the
-        # feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
+    if not runs_feasibility_pilot(plan):
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written.

@@ -24,7 +24,8 @@ from dppo_harness.pytest_plugin.session import (
     progress_printer,
     release_remaining,
 )
-from dppo_harness.service.service_wait_policy import CAPACITY_SCALE_VAR, ServiceDied, WaitPolicy
+from dppo_harness.service.service_wait_policy import ServiceDied, WaitPolicy
+from dppo_harness.stages.session_rules import capacity_scale
 
 if TYPE_CHECKING:
     import tinker
@@ -91,8 +92,7 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
     from dppo_harness.service.service_wait import ServiceWaiter
     from dppo_harness.service.wait_evidence import BundlePoster  # the tinker SDK, as above
 
-    # The local rehearsal has no shared capacity to wait for: capacity defaults 100x shorter, same rules.
-    scale = 0.01 if service_backend.kind == "local" and not os.environ.get(CAPACITY_SCALE_VAR) else None
+    scale = capacity_scale(service_backend.kind, os.environ)
     policy = WaitPolicy.from_options(capacity_patience_s=harness_options.capacity_patience_s,
                                      capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
                                      service_timeout_s=harness_options.service_timeout_s, scale=scale)
