@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from dppo_harness.service.clients import ClientRegistry
     from dppo_harness.service.connectivity import ConnectivityReport
 
-ReleaseRecord = dict[str, Any]  # one ClientRegistry release record (service.clients), written to client-releases.json
+# One session's release record as ClientRegistry.records()/release_stage() return it (service.clients
+# builds it as a dict), plus `released_at` once noted here; written to client-releases.json.
+ReleaseRecord = dict[str, Any]
 
 
 STAGE_KEY = pytest.StashKey[str]()
