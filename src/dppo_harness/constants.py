@@ -19,7 +19,7 @@ BASELINE_REVISION = (
     "rl/data_processing.py::compute_advantages"
 )
 
-# The brief: each comparison arm's state (weights + optimizer) is saved at least every 10 steps.
+# Each comparison arm's state (weights + optimizer) is saved at least every MAX_SAVE_EVERY steps.
 MAX_SAVE_EVERY = 10
 
 # Not a secret: the embedded server ignores API keys, but the SDK insists on the tml- prefix.

@@ -41,7 +41,7 @@ SESSION_BYTES = 4 * MIB  # the code archive is about 2.5 MiB
 PREFLIGHT_FILES = 12
 PREFLIGHT_BYTES = 2 * MIB
 PREFLIGHT_SNAPSHOTS = 1  # the preflight stage's end (optional)
-# Result snapshots while a call waits on the service (optional; service.wait_evidence).
+# Result snapshots while a call waits on the service (optional; service.wait.evidence).
 WAIT_SNAPSHOTS = 2
 
 # The diagnostic's files besides its update records: the revised spec, frozen batch and its

@@ -10,14 +10,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import pytest
 
-from dppo_harness.pytest_plugin.session import early_connectivity
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.plans import Plan
+from dppo_harness.pytest_plugin.fixtures_session import ServiceBackend
+from dppo_harness.pytest_plugin.session import HarnessOptions, early_connectivity
+
+if TYPE_CHECKING:
+    from dppo_harness.service.connectivity import ConnectivityReport
+    from dppo_harness.service.identity import TrainingClientRecorder
+
+# service.connectivity loads the tinker SDK and torch, service.identity httpx (seconds): each fixture
+# imports them when a test first asks for it, so that pytest start-up and unit-only sessions never pay.
 
 
 @pytest.fixture(scope="session")
-def connectivity(request, service_backend, plan, harness_options):
-    from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
+def connectivity(request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan,
+                 harness_options: HarnessOptions) -> ConnectivityReport:
+    from dppo_harness.service.connectivity import ConnectivityError, check_connectivity  # the SDK: see above
 
     report = early_connectivity(request.config)  # the launch-scope check may have read it already
     if report is not None:
@@ -32,15 +46,15 @@ def connectivity(request, service_backend, plan, harness_options):
 
 
 @pytest.fixture(scope="session")
-def client_base_model(connectivity, plan) -> str:
-    from dppo_harness.service.connectivity import client_base_model as resolve
+def client_base_model(connectivity: ConnectivityReport, plan: Plan) -> str:
+    from dppo_harness.service.connectivity import client_base_model as resolve  # the SDK: see above
 
     return resolve(plan.base_model, connectivity)
 
 
 @pytest.fixture(scope="session")
-def training_client_observer(evidence_bundle):
-    from dppo_harness.service import identity
+def training_client_observer(evidence_bundle: EvidenceBundle) -> Iterator[TrainingClientRecorder]:
+    from dppo_harness.service import identity  # httpx: see above
 
     recorder = identity.TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
     yield recorder

@@ -13,21 +13,41 @@ ends; the arms' clients stay on the session's ServiceClient for later stages.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from dppo_harness import plans
+from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.evidence.progress import Watchdog
-from dppo_harness.pytest_plugin.session import stops_stage
+from dppo_harness.plans import Plan
+from dppo_harness.pytest_plugin.fixtures_session import ServiceBackend
+from dppo_harness.pytest_plugin.session import record_client_releases, stops_stage
+from dppo_harness.service.config import redact_url, sdk_versions
+from dppo_harness.service.wait.policy import CapacityExhausted
+from dppo_harness.stages import feasibility as feasibility_module
+from dppo_harness.stages.session_rules import record_capacity_stop_before_training, runs_feasibility_pilot, trained_arms
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.connectivity import ConnectivityReport
+    from dppo_harness.service.wait.waiter import ServiceWaiter
+    from dppo_harness.stages.feasibility import FeasibilityResult
+    from dppo_harness.stages.restoration import RestorationResult
 
 logger = logging.getLogger(__name__)
 
+# The service, train and restoration modules load the tinker SDK and torch (seconds): each fixture
+# imports them when a test first asks for it, so that pytest start-up and unit-only sessions never pay.
 
-def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: Any = None) -> Any:
+
+def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient,
+                 backend_block: Mapping[str, Any] | None = None) -> plans.BackendInfo:
     """plans.BackendInfo from what the server reported at client creation."""
-    from dppo_harness import plans
-    from dppo_harness.service import identity
-    from dppo_harness.service.config import redact_url, sdk_versions
+    from dppo_harness.service import identity  # httpx: see above
 
     info = client.get_info()
     served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
@@ -43,15 +63,16 @@ def backend_info(service_backend: Any, plan: Any, client: Any, backend_block: An
 
 @pytest.fixture(scope="session")
 @stops_stage
-def restoration(request, service_client, service_backend, plan, evidence_bundle, client_registry,
-                client_base_model, service_waiter, stage_session_client, harness_progress):
+def restoration(request: pytest.FixtureRequest, service_client: tinker.ServiceClient, service_backend: ServiceBackend,
+                plan: Plan, evidence_bundle: EvidenceBundle, client_registry: ClientRegistry, client_base_model: str,
+                service_waiter: ServiceWaiter, stage_session_client: Callable[[str, str], tinker.ServiceClient],
+                harness_progress: Callable[[str], None]) -> RestorationResult:
     """restoration.RestorationResult for the initialization group of the plan's spec (a
     diagnostic's original plan), run once."""
-    from dppo_harness.service.capacity import call_with_capacity_retry
-    from dppo_harness.service.wait.policy import CapacityExhausted
-    from dppo_harness.stages import restoration as restoration_module
-    from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
-    from dppo_harness.train.clients import RestorationError
+    from dppo_harness.service.capacity import call_with_capacity_retry  # the SDK: see above
+    from dppo_harness.stages import restoration as restoration_module  # the SDK: see above
+    from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader  # the SDK: see above
+    from dppo_harness.train.clients import RestorationError  # the SDK: see above
 
     reader = None
     if service_backend.kind == "local" and service_backend.server is not None:
@@ -61,10 +82,9 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
     probe_sc = stage_session_client("preflight-probes",
                                     "preflight setup and probe clients (closed when the preflight ends)")
     policy = service_waiter.policy.capacity()  # the session's windows for refused creations
-    plan_kind = plan.kind
     update_norm = None
     if reader is None:  # tinker backend: read trained weights back through the SDK (no local engine to ask)
-        from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
+        from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm  # the SDK: see above
 
         update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
     failure = None
@@ -77,23 +97,16 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
                 # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
                 call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
                 update_norm=update_norm,
-                # Under the diagnostic plan only its treatment arm trains.
-                trained_arms=(plan.diagnostic.fixed_settings.treatment.arm,) if plan_kind == "bounded_diagnostic" else None,
+                trained_arms=trained_arms(plan),
                 progress=watch.say,
             )
     except RestorationError as exc:  # e.g. a response without a field the proof needs: one line
         failure = f"restoration preflight: {exc}"
-    except CapacityExhausted as exc:  # the run ends with the brief's capacity_block
-        fields = exc.block.result_fields()
-        if evidence_bundle.result["original_hypothesis_tested"] is None:
-            fields.update(original_hypothesis_tested=False,
-                          tested_instead="nothing: the run stopped on service capacity before any training")
-        evidence_bundle.update_result(**fields)
+    except CapacityExhausted as exc:  # the run ends with its capacity_block
+        record_capacity_stop_before_training(evidence_bundle, exc.block)
         raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
         # Release the setup/probe session before anything trains, and record it.
-        from dppo_harness.pytest_plugin.session import record_client_releases
-
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
     if failure is not None:
         pytest.fail(failure, pytrace=False)  # outside the except: the line, without a chained traceback
@@ -101,7 +114,7 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
 
 
 @pytest.fixture(scope="session")
-def verified_restoration(restoration):
+def verified_restoration(restoration: RestorationResult) -> RestorationResult:
     if not restoration.passed:
         pytest.fail(restoration.failure_message(), pytrace=False)
     return restoration
@@ -109,17 +122,13 @@ def verified_restoration(restoration):
 
 @pytest.fixture(scope="session")
 @stops_stage
-def feasibility(request, service_backend, plan, evidence_bundle, verified_restoration, client_registry,
-                stage_session_client, harness_progress, connectivity):
+def feasibility(request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan,
+                evidence_bundle: EvidenceBundle, verified_restoration: RestorationResult,
+                client_registry: ClientRegistry, stage_session_client: Callable[[str, str], tinker.ServiceClient],
+                harness_progress: Callable[[str], None], connectivity: ConnectivityReport) -> FeasibilityResult:
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
     client lives in its own session, closed when the pilot ends."""
-    from dppo_harness import plans
-    from dppo_harness.pytest_plugin.session import record_client_releases
-    from dppo_harness.stages import feasibility as feasibility_module
-
-    if plan.kind == "bounded_diagnostic":
-        # Under the diagnostic plan no extra pilot samples or trains (its budget is fixed); the
-        # feasibility block comes from the diagnostic's own measured setup (diagnostic stage).
+    if not runs_feasibility_pilot(plan):
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written.

@@ -8,11 +8,12 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import pytest
 
 from dppo_harness import project
+from dppo_harness.evidence import EvidenceBundle, budget
 from dppo_harness.plans import Plan, load_plan
 from dppo_harness.pytest_plugin.session import (
     ITEMS_KEY,
@@ -23,13 +24,17 @@ from dppo_harness.pytest_plugin.session import (
     progress_printer,
     release_remaining,
 )
+from dppo_harness.service.wait.policy import ServiceDied, WaitPolicy
+from dppo_harness.stages.session_rules import capacity_scale
 
 if TYPE_CHECKING:
     import tinker
 
-    from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.local_server.process import LocalServerProcess
+    from dppo_harness.service.connectivity import ConnectivityReport
+    from dppo_harness.service.identity import TrainingClientRecorder
     from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.wait.waiter import ServiceWaiter
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +51,11 @@ class ServiceBackend:
 
 @pytest.fixture(scope="session")
 def service_backend(harness_options: HarnessOptions, tmp_path_factory: pytest.TempPathFactory,
-                    harness_progress: Any) -> Iterator[ServiceBackend]:
+                    harness_progress: Callable[[str], None]) -> Iterator[ServiceBackend]:
     if harness_options.backend == "tinker":
         yield ServiceBackend("tinker", os.environ["TINKER_BASE_URL"], None)
         return
+    # Only a local session starts the embedded server; its process module loads asyncio and its helpers.
     from dppo_harness.local_server.process import LocalServerProcess
 
     run_dir = tmp_path_factory.mktemp("local-server")
@@ -64,6 +70,7 @@ def service_backend(harness_options: HarnessOptions, tmp_path_factory: pytest.Te
 @pytest.fixture(scope="session")
 def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     """Every service client the harness creates; stage-scoped ones are released at stage end."""
+    # service.release loads the tinker SDK and torch (seconds): paid when a test first needs a client.
     from dppo_harness.service.release import ClientRegistry
 
     registry = ClientRegistry()
@@ -78,15 +85,14 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
 
 @pytest.fixture(scope="session")
 def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptions, service_backend: ServiceBackend,
-                   evidence_bundle: EvidenceBundle, client_registry: ClientRegistry) -> Any:
+                   evidence_bundle: EvidenceBundle, client_registry: ClientRegistry) -> ServiceWaiter:
     """The session's one wait policy: every client of every ServiceClient the harness makes waits
     under it; long waits are posted to the evidence, a stop releases the clients and records why."""
+    # The waiter and its evidence poster load the tinker SDK (seconds): paid when a test first needs a client.
     from dppo_harness.service.wait.evidence import BundlePoster
-    from dppo_harness.service.wait.policy import CAPACITY_SCALE_VAR, ServiceDied, WaitPolicy
-    from dppo_harness.service.wait.waiter import ServiceWaiter
+    from dppo_harness.service.wait.waiter import ServiceWaiter  # the tinker SDK, as above
 
-    # The local rehearsal has no shared capacity to wait for: capacity defaults 100x shorter, same rules.
-    scale = 0.01 if service_backend.kind == "local" and not os.environ.get(CAPACITY_SCALE_VAR) else None
+    scale = capacity_scale(service_backend.kind, os.environ)
     policy = WaitPolicy.from_options(capacity_patience_s=harness_options.capacity_patience_s,
                                      capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
                                      service_timeout_s=harness_options.service_timeout_s, scale=scale)
@@ -94,7 +100,7 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
     waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
-        def died(srv: Any) -> None:
+        def died(srv: LocalServerProcess) -> None:
             code, tail = srv.death_report()
             client_registry.service_gone(f"the embedded server (pid {srv.pid}) exited (exit code {code})")
             waiter.service_died(ServiceDied(f"the embedded server (pid {srv.pid})", code, tail))
@@ -105,9 +111,10 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
 
 @pytest.fixture(scope="session")
 def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry, harness_options: HarnessOptions,
-                   training_client_observer: Any, service_waiter: Any) -> tinker.ServiceClient:
+                   training_client_observer: TrainingClientRecorder,
+                   service_waiter: ServiceWaiter) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
-    from dppo_harness.service.observed import make_service_client
+    from dppo_harness.service.observed import make_service_client  # the tinker SDK (seconds), on first use
 
     return make_service_client(
         service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
@@ -120,12 +127,12 @@ def service_client(service_backend: ServiceBackend, client_registry: ClientRegis
 
 @pytest.fixture(scope="session")
 def stage_session_client(service_backend: ServiceBackend, client_registry: ClientRegistry,
-                         training_client_observer: Any, service_waiter: Any,
+                         training_client_observer: TrainingClientRecorder, service_waiter: ServiceWaiter,
                          harness_options: HarnessOptions) -> Callable[[str, str], tinker.ServiceClient]:
     """A factory of a stage's own ServiceClient session (`stage`, `label`): observed, waited and
     registered before its first call, so a stop on the way releases it with the rest; the stage
     closes it when its work ends, before any arm trains."""
-    from dppo_harness.service.observed import make_service_client
+    from dppo_harness.service.observed import make_service_client  # the tinker SDK (seconds), on first use
 
     def open_session(stage: str, label: str) -> tinker.ServiceClient:
         return make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
@@ -144,9 +151,7 @@ def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
 
 @pytest.fixture(scope="session")
 def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan: Plan,
-                    service_backend: ServiceBackend, connectivity: Any) -> EvidenceBundle:
-    from dppo_harness.evidence import EvidenceBundle
-
+                    service_backend: ServiceBackend, connectivity: ConnectivityReport) -> EvidenceBundle:
     bundle = EvidenceBundle.create(harness_options.evidence_dir)
     # Known to the session before anything else is written, so whatever fails next, the session's
     # end closes this bundle's result.
@@ -161,14 +166,12 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
         served_model=(connectivity.marker.stand_in if connectivity.marker and connectivity.marker.stand_in
                       else service_backend.server.stats()["served_model"] if service_backend.server else None),
     )
-    from dppo_harness.evidence import budget  # what the plan's stages will register (refused at load if over)
-
+    # What the plan's stages will register (refused at load if over).
     bundle.note_ledger(evidence_budget=budget.plan_needs(
         plan, harness_options.budget_stages, save_every=harness_options.save_every,
         resumed=harness_options.resume is not None).as_record())
     # the connectivity report; on the embedded server (marker), the rehearsal label.
-    from dppo_harness.service.config import sdk_versions
-    from dppo_harness.service.identity import record_session_identity
+    from dppo_harness.service.identity import record_session_identity  # httpx: paid once a stage opens a bundle
 
     record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())
     return bundle

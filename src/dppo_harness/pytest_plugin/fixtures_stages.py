@@ -1,18 +1,26 @@
-"""Session fixtures of the `gate` and `diagnostic` stages (registered by the harness plugin).
+"""Session fixtures of the `gate`, `comparison` and `diagnostic` stages, and the session's progress
+writer (registered by the harness plugin).
 
-Thin adapters: they call `gate.run_activation_gate` / `diagnostic.run_bounded_diagnostic` with
-the session's service client, plan, evidence bundle and the restoration preflight's shared initial
-checkpoint, and show progress lines on the terminal (pytest captures ordinary output).
+Thin adapters: they call `gate.run_activation_gates`, `comparison.run.run_comparison` and
+`diagnostic.loop.run_bounded_diagnostic` with the session's service client, plan, evidence bundle
+and the restoration preflight's shared initial checkpoint and restored arms, show progress lines on
+the terminal (pytest captures ordinary output) and propose the stage's final outcome to the session.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.instrument.cookbook_metrics import WandbRequest
+from dppo_harness.plans import Plan
+from dppo_harness.pytest_plugin.fixtures_session import ServiceBackend
 from dppo_harness.pytest_plugin.session import (
+    HarnessOptions,
     progress_printer,
     propose_outcome,
     record_client_releases,
@@ -20,6 +28,21 @@ from dppo_harness.pytest_plugin.session import (
     stops_stage,
     unit_parity_passed,
 )
+from dppo_harness.stages.comparison.config import ComparisonError
+from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.wait.waiter import ServiceWaiter
+    from dppo_harness.stages.comparison.run import ComparisonResult
+    from dppo_harness.stages.diagnostic.loop import DiagnosticResult
+    from dppo_harness.stages.gate import GateReport, GateReports
+    from dppo_harness.stages.restoration import RestorationResult
+
+# The gate, comparison and diagnostic loops load the tinker SDK and torch (seconds): each fixture imports
+# its stage when a test first asks for it, so that pytest start-up and unit-only sessions never pay.
 
 
 def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
@@ -27,7 +50,7 @@ def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
 
 
 @pytest.fixture(scope="session")
-def harness_progress(request):
+def harness_progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
     return _progress(request)
 
@@ -40,11 +63,12 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 
 @pytest.fixture(scope="session")
 @stops_stage
-def gate_report(request, service_backend, plan, evidence_bundle, restoration, client_registry,
-                stage_session_client):
+def gate_report(request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan,
+                evidence_bundle: EvidenceBundle, restoration: RestorationResult, client_registry: ClientRegistry,
+                stage_session_client: Callable[[str, str], tinker.ServiceClient]) -> GateReport | GateReports:
     """The plan's activation-gate pilot of each treatment arm, run once per session. The pilots'
     clients live in their own session, closed as soon as the pilots end (before any arm trains)."""
-    from dppo_harness.stages.gate import run_activation_gates
+    from dppo_harness.stages.gate import run_activation_gates  # the SDK and torch: see above
 
     pilot_sc = stage_session_client("gate-pilot", "activation-gate pilot (closed when the pilot ends)")
     try:
@@ -58,16 +82,15 @@ def gate_report(request, service_backend, plan, evidence_bundle, restoration, cl
 
 @pytest.fixture(scope="session")
 @stops_stage
-def comparison_run(request, service_client, service_backend, plan, harness_options, evidence_bundle,
-                   client_registry, client_base_model, service_waiter):
+def comparison_run(request: pytest.FixtureRequest, service_client: tinker.ServiceClient,
+                   service_backend: ServiceBackend, plan: Plan, harness_options: HarnessOptions,
+                   evidence_bundle: EvidenceBundle, client_registry: ClientRegistry, client_base_model: str,
+                   service_waiter: ServiceWaiter) -> ComparisonResult:
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session.
 
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
-    from dppo_harness.instrument.cookbook_metrics import WandbRequest
-    from dppo_harness.stages.comparison.config import ComparisonError
-    from dppo_harness.stages.comparison.run import run_comparison
-    from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
+    from dppo_harness.stages.comparison.run import run_comparison  # the SDK and torch: see above
 
     if not unit_parity_passed(request.config):
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
@@ -134,11 +157,13 @@ def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
 
 @pytest.fixture(scope="session")
 @stops_stage
-def diagnostic_run(request, service_client, service_backend, plan, evidence_bundle, restoration):
+def diagnostic_run(request: pytest.FixtureRequest, service_client: tinker.ServiceClient,
+                   service_backend: ServiceBackend, plan: Plan, evidence_bundle: EvidenceBundle,
+                   restoration: RestorationResult) -> DiagnosticResult:
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
-    from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
+    from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic  # the SDK and torch: see above
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()
     run = run_bounded_diagnostic(

@@ -12,11 +12,14 @@ before anything is collected.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator
 
 import pytest
 
+from dppo_harness.evidence import UnwritableEvidenceError
+from dppo_harness.evidence.run_summary import TITLE, summary_lines
+from dppo_harness.evidence.session import unclosed_line
+from dppo_harness.plans import PlanError, launch_refusal, launch_undecided_refusal, load_plan, unauthorized_stages
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.options import (
     refuse_over_budget,
@@ -25,6 +28,7 @@ from dppo_harness.pytest_plugin.options import (
     skip_setup_stages_on_resume,
     validated_plan,
 )
+from dppo_harness.pytest_plugin.rootdir import reroot
 from dppo_harness.pytest_plugin.session import (
     CONNECTIVITY_KEY,
     ITEMS_KEY,
@@ -36,6 +40,7 @@ from dppo_harness.pytest_plugin.session import (
     check_budget_on_entry,
     close_stage,
     enter_stage,
+    new_stage_outcomes,
     selected_for_run,
     service_stop,
     unwritable_evidence,
@@ -93,8 +98,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
     """`--evidence-dir DIR` with a space: pytest chose its rootdir taking DIR for a test path."""
-    from dppo_harness.pytest_plugin.rootdir import reroot
-
     reroot(early_config, parser, args)
 
 
@@ -162,8 +165,6 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     options = config.stash[OPTIONS_KEY]
     if options.backend != "tinker":  # local: the harness's own embedded server
         return
-    from dppo_harness.plans import PlanError, launch_refusal, launch_undecided_refusal, load_plan, unauthorized_stages
-
     collected = sorted({it.stash.get(STAGE_KEY, "unit") for it in session.items}, key=stages.stage_index)
     plan = config.stash.get(PLAN_KEY, None)
     if plan is None:
@@ -175,7 +176,7 @@ def pytest_runtestloop(session: pytest.Session) -> None:
             pytest.exit(f"launch scope: plan {options.plan_path.name}: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
     if not unauthorized_stages(plan.launch, collected):
         return
-    from dppo_harness.service.config import redact_url
+    # The connectivity check loads the tinker SDK and torch (seconds): only a session on a service pays for it.
     from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
 
     url = os.environ["TINKER_BASE_URL"]
@@ -207,10 +208,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"blocked: stage '{failed_stage}' failed ({nodeid})")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                               call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
     stop = service_stop(call.excinfo.value if call.excinfo is not None else None)
     if stop is not None:  # the wait policy stopped the stage: its one line, not a traceback
         report.longrepr = stop.line
@@ -220,13 +221,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         item.session.shouldstop = refused
     if report.when == "call" or report.outcome != "passed":
         counts = item.config.stash[STATE_KEY].outcomes.setdefault(
-            item.stash.get(STAGE_KEY, "unit"), {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []})
+            item.stash.get(STAGE_KEY, "unit"), new_stage_outcomes())
         counts[report.outcome] += 1
         if report.failed:
             counts["failed_tests"].append(f"{item.nodeid} ({report.when})")
     if report.failed:
         state = item.config.stash[STATE_KEY]
         state.first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
+    return report
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -238,7 +240,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     say = session.config.get_terminal_writer().line
     stage, state.current = state.current, None
-    problems = {}
+    problems: dict[str, str] = {}
     for step, run in (("close_stage", lambda: close_stage(state, stage)),
                       ("session_records", lambda: write_session_records(state)),
                       ("stage_outcome", lambda: _apply_outcome(state))):
@@ -252,8 +254,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             say(f"evidence: {step} failed, the run closes without it: {problems[step]}", red=True)
     if state.bundle is None:
         return
-    from dppo_harness.evidence import UnwritableEvidenceError
-    from dppo_harness.evidence.session import unclosed_line
+    # service.identity loads httpx (a quarter second): only a session that opened a bundle pays for it.
     from dppo_harness.service.identity import finalize_labels  # the stand-in stays named
 
     try:
@@ -272,18 +273,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def _apply_outcome(state: StageState) -> None:
-    if state.outcome is not None and not state.first_failure:
+    if state.outcome is not None and not state.first_failure and state.bundle is not None:
         state.bundle.finish(**state.outcome)
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     """The run's closing block (run_summary.summary_lines), when a stage opened an evidence bundle."""
     state = config.stash.get(STATE_KEY, None)
     if state is None or state.bundle is None:
         return
-    from dppo_harness.evidence.run_summary import TITLE, summary_lines
-
-    messages = {}
+    messages: dict[str, str] = {}
     for rep in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", []):
         for stage, nodeid in state.first_failure.items():
             if getattr(rep, "nodeid", None) == nodeid and stage not in messages:

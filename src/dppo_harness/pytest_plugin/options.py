@@ -11,10 +11,14 @@ from typing import Literal
 import pytest
 
 from dppo_harness import constants, project
+from dppo_harness.evidence import budget
+from dppo_harness.evidence.archive import ARCHIVED, archived_paths
 from dppo_harness.evidence.files import unwritable_reason
+from dppo_harness.instrument.cookbook_metrics import wandb_problem, wandb_request
 from dppo_harness.plans import Plan, PlanError, load_plan
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.session import HarnessOptions, StageState
+from dppo_harness.service.secrets_scan import live_secret_items, unsafe_credentials
 
 
 def validated_plan(config: pytest.Config, options: HarnessOptions) -> Plan | None:
@@ -32,8 +36,6 @@ def validated_plan(config: pytest.Config, options: HarnessOptions) -> Plan | Non
 def refuse_over_budget(plan: Plan, options: HarnessOptions) -> None:
     """A plan whose evidence cannot fit the bundle's limits is refused now, in one line naming the
     numbers, before any client exists (evidence.budget)."""
-    from dppo_harness.evidence import budget
-
     needs = budget.plan_needs(plan, options.budget_stages, save_every=options.save_every,
                               resumed=options.resume is not None)
     line = budget.refusal(needs, plan.name)
@@ -69,12 +71,8 @@ HARNESS_FILES = ("README.md", "docs")
 def refuse_unsafe_credentials() -> None:
     """Before anything is collected or called: a credential the evidence scan cannot guard (too
     short, or found in the harness's own files) is one usage error naming the variable."""
-    from dppo_harness.service.secrets_scan import live_secret_items, unsafe_credentials
-
     if not live_secret_items():
         return
-    from dppo_harness.evidence.archive import ARCHIVED, archived_paths
-
     try:
         root = project.project_root()
         files = archived_paths(root, (*ARCHIVED, *HARNESS_FILES))
@@ -126,14 +124,9 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
     if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
         raise pytest.UsageError(f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (the brief asks "
                                 f"for each arm's state to be saved at least every {constants.MAX_SAVE_EVERY} steps)")
-    waits = {}
-    for opt in ("--capacity-patience-s", "--capacity-patience-after-steps-s", "--service-timeout-s"):
-        value = config.getoption(opt)
-        if value is not None and not (value > 0 and value != float("inf")):
-            raise pytest.UsageError(f"{opt}: expected a positive number of seconds, got {value}")
-        waits[opt.removeprefix("--").replace("-", "_")] = value
-    from dppo_harness.instrument.cookbook_metrics import wandb_problem, wandb_request
-
+    capacity_patience_s = _wait_seconds(config, "--capacity-patience-s")
+    capacity_patience_after_steps_s = _wait_seconds(config, "--capacity-patience-after-steps-s")
+    service_timeout_s = _wait_seconds(config, "--service-timeout-s")
     wandb = wandb_request(config.getoption("--wandb-project"))
     if wandb_problem(wandb):
         raise pytest.UsageError(wandb_problem(wandb))
@@ -143,7 +136,17 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
                           proxy_credentials=config.getoption("--proxy-credentials"),
                           sdk_telemetry=config.getoption("--sdk-telemetry"),
                           wandb_project=wandb.project, wandb_source=wandb.source,
-                          path_stages=_path_stages(config, state), **waits)
+                          path_stages=_path_stages(config, state), capacity_patience_s=capacity_patience_s,
+                          capacity_patience_after_steps_s=capacity_patience_after_steps_s,
+                          service_timeout_s=service_timeout_s)
+
+
+def _wait_seconds(config: pytest.Config, opt: str) -> float | None:
+    """A wait option's seconds (None: the policy's default); anything but a positive finite number is refused."""
+    value: float | None = config.getoption(opt)
+    if value is not None and not (value > 0 and value != float("inf")):
+        raise pytest.UsageError(f"{opt}: expected a positive number of seconds, got {value}")
+    return value
 
 
 def _resume_run_id(config: pytest.Config, value: str | None, evidence_dir: Path) -> str | None:

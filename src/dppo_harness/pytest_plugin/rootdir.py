@@ -18,13 +18,17 @@ line asking for the `--opt=VALUE` form instead of running rooted in the wrong pl
 
 from __future__ import annotations
 
+import argparse
 import copy
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from _pytest.config.findpaths import ConfigDict
 
 PATH_OPTIONS = ("--plan", "--evidence-dir", "--resume")
 
@@ -39,7 +43,9 @@ def misread_values(args: Sequence[str], invocation_dir: Path, options: Sequence[
     return out
 
 
-def _determine_setup(config: pytest.Config, ns: Any) -> tuple[Path, Path | None, Any, Sequence[str]]:
+def _determine_setup(config: pytest.Config,
+                     ns: argparse.Namespace) -> tuple[Path, Path | None, ConfigDict, Sequence[str]]:
+    # A pytest internal, imported only when a session must be re-rooted: a pytest without it fails only then.
     from _pytest.config.findpaths import determine_setup
 
     kwargs: dict[str, Any] = dict(inifile=ns.inifilename, args=ns.file_or_dir, rootdir_cmd_arg=ns.rootdir or None,

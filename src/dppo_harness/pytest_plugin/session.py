@@ -10,15 +10,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypedDict, TypeVar
 
 import pytest
 
+from dppo_harness.evidence.errors import UnwritableEvidenceError
+from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.plans import Plan
+from dppo_harness.service.wait.policy import ServiceStopped
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.service.connectivity import ConnectivityReport
     from dppo_harness.service.release import ClientRegistry
+
+# One session's release record as ClientRegistry.records()/release_stage() return it (service.release
+# builds it as a dict), plus `released_at` once noted here; written to client-releases.json.
+ReleaseRecord = dict[str, Any]
 
 
 STAGE_KEY = pytest.StashKey[str]()
@@ -33,7 +41,7 @@ PLAN_KEY = pytest.StashKey[Plan]()
 ITEMS_KEY = pytest.StashKey[list[pytest.Item]]()
 
 
-CONNECTIVITY_KEY = pytest.StashKey[Any]()
+CONNECTIVITY_KEY = pytest.StashKey["ConnectivityReport"]()
 
 
 @dataclass(frozen=True)
@@ -44,11 +52,11 @@ class HarnessOptions:
     selected_stages: tuple[str, ...]  # the stages this session runs, in order
     # -- comparison stage
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
-    comparison_schedule: str | None = None  # None: the default for the service (comparison.default_schedule)
+    comparison_schedule: Literal["interleaved", "concurrent"] | None = None  # None: the default for the service (comparison.default_schedule)
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
     wandb_project: str | None = None  # --wandb-project or WANDB_PROJECT; None: W&B is never touched
     wandb_source: str = "not requested"
-    # -- the service wait policy (service_wait.WaitPolicy); None: the default (capacity defaults
+    # -- the service wait policy (service.wait.policy.WaitPolicy); None: the default (capacity defaults
     # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
     capacity_patience_s: float | None = None
     capacity_patience_after_steps_s: float | None = None
@@ -68,6 +76,19 @@ class HarnessOptions:
 OPTIONS_KEY = pytest.StashKey[HarnessOptions]()
 
 
+class StageOutcomes(TypedDict):
+    """Test outcome counts of one stage (unit-parity-summary.json, in this key order)."""
+
+    passed: int
+    failed: int
+    skipped: int
+    failed_tests: list[str]  # "<nodeid> (<phase>)" of each failed test
+
+
+def new_stage_outcomes() -> StageOutcomes:
+    return {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []}
+
+
 @dataclass
 class StageState:
     run: dict[str, bool] | None = None  # stage -> selected itself (None: no stage selection)
@@ -77,10 +98,12 @@ class StageState:
     current: str | None = None
     bundle: EvidenceBundle | None = None  # the session's bundle, once a test asked for it
     registry: ClientRegistry | None = None  # the session's client registry, once a test asked for it
-    outcome: dict[str, Any] | None = None  # final result fields a stage proposed, applied if nothing failed
+    # Final result fields a stage proposed (status, verdict, outcome_reason...: EvidenceBundle.finish's
+    # keywords), applied if nothing failed.
+    outcome: dict[str, Any] | None = None
     budget_checked: set[str] = field(default_factory=set)  # stages whose entry budget check ran
-    releases: list[dict[str, Any]] = field(default_factory=list)  # client releases, when (client-releases.json)
-    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)  # stage -> test outcome counts
+    releases: list[ReleaseRecord] = field(default_factory=list)  # client releases, when (client-releases.json)
+    outcomes: dict[str, StageOutcomes] = field(default_factory=dict)  # stage -> test outcome counts
 
 
 def stage_started_at(config: pytest.Config, stage: str) -> float | None:
@@ -89,7 +112,7 @@ def stage_started_at(config: pytest.Config, stage: str) -> float | None:
     return state.started.get(stage) if state is not None else None
 
 
-def early_connectivity(config: pytest.Config) -> Any:
+def early_connectivity(config: pytest.Config) -> ConnectivityReport | None:
     """The connectivity report the launch-scope check read before the first test, else None."""
     return config.stash.get(CONNECTIVITY_KEY, None)
 
@@ -141,17 +164,15 @@ def close_stage(state: StageState, stage: str) -> None:
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
     if stage != "unit":  # an immutable result snapshot at each service stage's end (a killed run keeps each finished stage's result)
-        from dppo_harness.evidence.snapshots import post_snapshot
-
         post_snapshot(bundle, f"stage {stage} end", reserve=4)
 
 
-def note_releases(state: StageState, records: list[dict[str, Any]]) -> None:
+def note_releases(state: StageState, records: list[ReleaseRecord]) -> None:
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     state.releases += [dict(r, released_at=at) for r in records]
 
 
-def record_client_releases(config: pytest.Config, records: list[dict[str, Any]]) -> None:
+def record_client_releases(config: pytest.Config, records: list[ReleaseRecord]) -> None:
     """Release records of clients a fixture released itself (kept for client-releases.json)."""
     note_releases(config.stash[STATE_KEY], records)
 
@@ -179,13 +200,17 @@ def progress_printer(config: pytest.Config) -> Callable[[str], None]:
     return say
 
 
-def stops_stage(fixture: Callable[..., Any]) -> Callable[..., Any]:
-    """For a stage's session fixture: a stop by the service wait policy (service_wait.ServiceStopped,
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def stops_stage(fixture: Callable[_P, _T]) -> Callable[_P, _T]:
+    """For a stage's session fixture: a stop by the service wait policy (service.wait.policy.ServiceStopped,
     a BaseException so that stage code cannot swallow it) fails the requesting test with its one
     line, cached like any fixture failure, so every later test of the stage gets the same line."""
 
     @functools.wraps(fixture)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         try:
             return fixture(*args, **kwargs)
         except BaseException as exc:
@@ -198,22 +223,14 @@ def stops_stage(fixture: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def service_stop(exc: BaseException | None) -> Any:
-    """The service_wait.ServiceStopped behind a failure, if any (the module is loaded only once
-    a service client exists, so a session without one never imports the SDK here)."""
-    import sys
-
-    module = sys.modules.get("dppo_harness.service.wait.policy")
-    if exc is None or module is None:
-        return None
-    return exc if isinstance(exc, module.ServiceStopped) else None
+def service_stop(exc: BaseException | None) -> ServiceStopped | None:
+    """The ServiceStopped behind a failure, if any."""
+    return exc if isinstance(exc, ServiceStopped) else None
 
 
 def unwritable_evidence(exc: BaseException | None) -> str | None:
     """The one line of a refused evidence write behind a failure (disk full, read-only, permission),
     if any: the write itself, or what the stage raised while it handled it."""
-    from dppo_harness.evidence.errors import UnwritableEvidenceError
-
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, UnwritableEvidenceError):
@@ -241,6 +258,8 @@ def write_session_records(state: StageState) -> None:
     session's own clients are released here, before the result is closed, so the record is true."""
     bundle = state.bundle
     release_remaining(state)
+    if bundle is None:  # pytest_sessionfinish writes the records only once a bundle exists
+        return
     if bundle.entry("client-releases.json") is None:
         bundle.register_json("client-releases.json", "log", client_release_record(state))
     unit = state.outcomes.get("unit")
@@ -259,7 +278,20 @@ CLIENT_RELEASE_NOTE = (
     "(stage, SDK method, role); `events` says, at each release, which sessions it closed and which stayed open.")
 
 
-def client_release_record(state: StageState) -> dict[str, Any]:
+class ClientReleaseRecord(TypedDict):
+    """client-releases.json, in this key order."""
+
+    kind: Literal["client_releases"]
+    all_released: bool
+    sessions: list[dict[str, Any]]  # ClientRegistry.records(): one per ServiceClient session
+    events: list[dict[str, Any]]  # ClientRegistry.events: what each release closed and what stayed open
+    training_clients_by_stage: dict[str, int]
+    training_clients_total: int
+    releases: list[ReleaseRecord]
+    note: str
+
+
+def client_release_record(state: StageState) -> ClientReleaseRecord:
     """client-releases.json: every session (ServiceClient) with its training clients, when each was
     closed, what stayed open at each release, and training clients created per stage."""
     reg = state.registry
@@ -274,8 +306,8 @@ def client_release_record(state: StageState) -> dict[str, Any]:
 def unit_parity_passed(config: pytest.Config) -> bool:
     """Stage 'unit' ran in this session (on this code) and none of its tests failed."""
     state = config.stash[STATE_KEY]
-    counts = state.outcomes.get("unit", {})
-    return counts.get("passed", 0) > 0 and not counts.get("failed", 0) and "unit" not in state.first_failure
+    counts = state.outcomes.get("unit")
+    return counts is not None and counts["passed"] > 0 and not counts["failed"] and "unit" not in state.first_failure
 
 
 def propose_outcome(config: pytest.Config, **fields: object) -> None:

@@ -1,0 +1,44 @@
+"""The stage fixtures' rules (stages.session_rules): which arms train, whether the feasibility
+pilot runs, the capacity scale on the embedded server, and a capacity stop before training."""
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from dppo_harness import plans
+from dppo_harness.service.service_wait_policy import CAPACITY_SCALE_VAR, CapacityBlock
+from dppo_harness.stages import session_rules
+
+PLANS = Path(__file__).resolve().parents[2] / "plans"
+
+
+def test_a_diagnostic_plan_trains_its_treatment_arm_only_and_runs_no_feasibility_pilot() -> None:
+    plan = plans.load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
+    assert session_rules.trained_arms(plan) == (plan.diagnostic.fixed_settings.treatment.arm,)
+    assert not session_rules.runs_feasibility_pilot(plan)
+    spec = plans.load_plan(PLANS / "exp_e6b0965af3.json")
+    assert session_rules.trained_arms(spec) is None and session_rules.runs_feasibility_pilot(spec)
+
+
+def test_capacity_windows_shrink_on_the_embedded_server_unless_the_scale_is_set() -> None:
+    assert session_rules.capacity_scale("local", {}) == 0.01
+    assert session_rules.capacity_scale("local", {CAPACITY_SCALE_VAR: "0.5"}) is None
+    assert session_rules.capacity_scale("tinker", {}) is None
+
+
+def _bundle(tested: bool | None) -> Any:
+    bundle = SimpleNamespace(result={"original_hypothesis_tested": tested}, written={})
+    bundle.update_result = lambda **fields: bundle.written.update(fields)
+    return bundle
+
+
+def test_a_capacity_stop_before_training_fails_inconclusive_and_says_nothing_was_tested() -> None:
+    block = CapacityBlock("at capacity", comparison_steps_completed=0, released_clients=True)
+    bundle = _bundle(None)
+    session_rules.record_capacity_stop_before_training(bundle, block)
+    assert bundle.written == {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
+                              "capacity_block": block.as_dict(), "original_hypothesis_tested": False,
+                              "tested_instead": "nothing: the run stopped on service capacity before any training"}
+    said = _bundle(False)  # a stage already said what it tested: kept
+    session_rules.record_capacity_stop_before_training(said, block)
+    assert "tested_instead" not in said.written and said.written["capacity_block"] == block.as_dict()
