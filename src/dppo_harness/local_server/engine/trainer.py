@@ -17,7 +17,7 @@ from dppo_harness.local_server.engine.logprobs import (
     head_target_logprobs,
     lora_head_parts,
 )
-from dppo_harness.local_server.engine.loss_fns import get_loss
+from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.vocab import Vocab
 
@@ -90,7 +90,7 @@ class TrainerMixin:
     _retained_lock: threading.Lock
 
     def _validate(self, data: Sequence[DatumIn], loss_fn: str) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        required_inputs = get_loss(loss_fn).inputs  # UserError naming the supported losses
+        required_inputs = server_loss(loss_fn).inputs  # UserError naming the supported losses
         if len(data) == 0:
             raise UserError("data is empty")
         out = []
@@ -184,11 +184,11 @@ class TrainerMixin:
 
     @staticmethod
     def _loss(loss_fn: str, lp_T: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
-        return get_loss(loss_fn).fn(lp_T, inp, cfg)
+        return server_loss(loss_fn).fn(lp_T, inp, cfg)
 
     @staticmethod
     def _loss_cfg(loss_fn: str, loss_fn_config: dict | None) -> dict:
-        return get_loss(loss_fn).config(loss_fn_config)
+        return server_loss(loss_fn).config(loss_fn_config)
 
     def _run(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: dict | None,
              backward: bool) -> FwdBwdOut:

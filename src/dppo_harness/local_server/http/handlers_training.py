@@ -10,7 +10,7 @@ from tinker import types
 from tinker.types._pydantic_types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
 
 from dppo_harness import constants
-from dppo_harness.local_server.engine.loss_fns import get_loss
+from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
 from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, dump, encode_fwdbwd_output
@@ -98,7 +98,7 @@ async def forward_backward(request: web.Request) -> web.Response:
     entry = model_entry(state, req["model_id"] or None)
     forward_only = req["forward_only"]
     label = "forward" if forward_only else "forward_backward"
-    get_loss(req["loss_fn"])  # UserError naming the supported losses
+    server_loss(req["loss_fn"])  # UserError naming the supported losses
     if not req["data"]:
         raise UserError(f"{label} without data")
     engine_call = state.engine.forward if forward_only else state.engine.forward_backward
