@@ -26,9 +26,9 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def sdpa_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                       is_causal: bool | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
     """transformers' `sdpa_attention_forward`, with `enable_gqa` instead of `repeat_kv` where
     that gives the same bits (module docstring)."""
     grouped = key.shape[1] != query.shape[1]
