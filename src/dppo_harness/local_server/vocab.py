@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tinker_cookbook import renderers
 
 from dppo_harness.constants import RENDERER_NAME
 from dppo_harness.data.tokenizer import TML_QWEN35, TmlQwen35Tokenizer, load_tokenizer
@@ -51,13 +52,14 @@ def get_tokenizer() -> TmlQwen35Tokenizer:
 
 def get_renderer() -> Renderer:
     """The cookbook ``qwen3_5`` renderer over the offline tokenizer."""
-    from tinker_cookbook import renderers
-
-    return renderers.get_renderer(RENDERER_NAME, tokenizer=get_tokenizer())
+    # TmlQwen35Tokenizer stands in for the cookbook's Hugging Face Tokenizer type: it has the
+    # methods the renderers call.
+    return renderers.get_renderer(RENDERER_NAME, tokenizer=get_tokenizer())  # type: ignore[arg-type]
 
 
 def gsm8k_final_answer(answer: str) -> str:
     """Ground truth of a GSM8K answer field: the cookbook's ``extract_gsm8k_final_answer``."""
+    # the cookbook's math env imports its RL stack (seconds): only the warm start and the vocabulary rebuild need it
     from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer
 
     return extract_gsm8k_final_answer(answer)
@@ -77,7 +79,7 @@ def solution_reply(answer: str) -> str:
 def prompt_messages(question: str) -> list[Message]:
     """The cookbook math_rl GSM8K conversation: ``MathEnv``'s one-shot prefix, then the question
     with ``MathEnv.question_suffix()`` (the same messages MathEnv renders)."""
-    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv  # deferred like gsm8k_final_answer's
 
     return [*MathEnv.standard_fewshot_prefix(), {"role": "user", "content": question + MathEnv.question_suffix()}]
 
@@ -98,7 +100,8 @@ def build_vocab_ids(data_dir: Path = DATA_DIR) -> list[int]:
         for row in read_jsonl(Path(data_dir) / f"{split}.jsonl"):
             ids.update(tok.encode(row["question"]))
             ids.update(tok.encode(row["answer"]))
-            msgs = [*prompt_messages(row["question"]), {"role": "assistant", "content": solution_reply(row["answer"])}]
+            msgs: list[Message] = [*prompt_messages(row["question"]),
+                                   {"role": "assistant", "content": solution_reply(row["answer"])}]
             ids.update(renderer.build_generation_prompt(msgs[:-1]).to_ints())
             ids.update(renderer.build_supervised_example(msgs)[0].to_ints())
     return sorted(int(i) for i in ids)
