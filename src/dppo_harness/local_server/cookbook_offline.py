@@ -80,7 +80,7 @@ def main() -> None:
     """`recipes.math_rl.train`'s CLI, run inside offline_cookbook()."""
     # the CLI alone needs chz and the cookbook's RL training loop (seconds to import)
     import chz
-    from tinker_cookbook.recipes.math_rl import train
+    from tinker_cookbook.recipes.math_rl import train  # likewise
 
     cli_config = chz.entrypoint(train.CLIConfig)
     with offline_cookbook(cli_config.model_name):

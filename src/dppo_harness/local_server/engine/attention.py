@@ -48,8 +48,9 @@ def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 def register() -> str:
     """Register the attention and its (sdpa) mask with transformers; returns the name to set as a
     config's `_attn_implementation`."""
+    # The registries load transformers.modeling_utils (most of transformers): when a model is built.
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # likewise
 
     AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
     AttentionMaskInterface.register(SDPA_GQA, sdpa_mask)

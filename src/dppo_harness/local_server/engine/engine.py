@@ -248,8 +248,6 @@ class Engine(TrainerMixin, CheckpointsMixin):
         None."""
         if any((ck.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             try:
-                import transformers
-
                 return transformers.AutoTokenizer.from_pretrained(ck.path, local_files_only=True)
             except (OSError, ValueError):
                 pass

@@ -20,6 +20,7 @@ from typing import Protocol, TypeGuard
 import numpy as np
 import torch
 import transformers
+from transformers.utils import import_utils
 
 from dppo_harness.local_server.engine import attention
 
@@ -265,8 +266,6 @@ def kernel_report(net: transformers.PreTrainedModel) -> dict:
     Qwen3.5's Gated DeltaNet layers take fla (flash-linear-attention kernels: chunked and
     recurrent delta rule, fused gated norm) and causal-conv1d only when transformers finds them
     at import *and* torch has CUDA; each missing piece falls back to its torch implementation."""
-    from transformers.utils import import_utils
-
     full = [m for m in net.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
     cfg = text_config(net.config)
     out: dict = {"full_attention": {"layers": len(full), "implementation": str(cfg._attn_implementation)}}

@@ -67,7 +67,7 @@ def lora_head_parts(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
         ok = head.bias is None and head.weight.dtype == torch.float32 and not head.weight.requires_grad
         return (head.weight, None, None, 0.0) if ok else None
     try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.lora.layer import Linear as LoraLinear  # peft loads on the first LoRA model (model.add_lora)
     except ImportError:  # pragma: no cover - peft is a dependency
         return None
     if not isinstance(head, LoraLinear) or head.merged or head.disable_adapters:

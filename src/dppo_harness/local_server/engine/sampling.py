@@ -50,6 +50,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dppo_harness.local_server.engine.draws import draw
 from dppo_harness.local_server.engine.logprobs import chunked_target_logprobs
@@ -165,8 +166,6 @@ def gqa_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     with a mask repeats the whole cache per step); any other shape goes to transformers' sdpa.
     Query head h reads KV head h // (H / Hkv), as transformers' repeat_kv does."""
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     R, H, _, D = query.shape
@@ -183,7 +182,7 @@ def gqa_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 def register_gqa_decode_attention() -> str:
     """Registered on first static decode (importing transformers' attention registry early slows
     the preset server's first requests)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # loads transformers.modeling_utils (docstring)
 
     AttentionInterface.register(GQA_DECODE_ATTENTION, gqa_decode_attention)
     return GQA_DECODE_ATTENTION
