@@ -61,7 +61,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 import torch
 import transformers
@@ -104,6 +104,24 @@ def decoded_text(tokenizer: TextDecoder, ids: list[int]) -> str:
     if not isinstance(text, str):
         raise TypeError(f"decoding one sequence gave {type(text).__name__}, not text")
     return text
+
+
+class ModelDataInfo(TypedDict):
+    arch: str  # the class of the model really computing
+    model_name: str  # the served stand-in name
+    tokenizer_id: str
+
+
+class ModelInfo(TypedDict):
+    """`Engine.get_info`: one training model, as the HTTP get_info answer reads it."""
+
+    model_name: str  # the served stand-in name
+    model_id: str
+    is_lora: bool
+    lora_rank: int
+    optimizer_config: dict[str, str]
+    model_data: ModelDataInfo
+    requested_base_model: str
 
 
 @dataclass(frozen=True)
@@ -333,7 +351,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
         if tm is not None:
             self._drop_retained(model_id)
 
-    def get_info(self, model_id: str) -> dict:
+    def get_info(self, model_id: str) -> ModelInfo:
         tm = self._get(model_id)
         return {
             "model_name": self.served_model_name,

@@ -11,7 +11,7 @@ Recipe (RECIPE below is hashed into the cache key):
 - order: one permutation of the train rows from ``torch.Generator().manual_seed(seed)``;
 - optimizer: torch AdamW (betas 0.9/0.98, eps 1e-8, weight decay 0.01), peak lr 3e-3, 15 linear
   warmup steps, then a cosine decay laid out over ``schedule_steps`` (300) of which only ``steps``
-  (60) run (measured enough: 32/32 groups with non-constant reward); ``batch_size`` 8 examples per
+  (60) run (enough for groups with non-constant reward, ``signal_rate``); ``batch_size`` 8 examples per
   step, loss = weighted mean over assistant tokens, the unembedding applied only at loss positions;
   grad-norm clip 1.0; 2 torch threads.
 Same config and seed -> same weights sha256 only on the same torch build and CPU kernels: 60
