@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 
 from dppo_harness import constants
 from dppo_harness.local_server.engine.loss_fns import register_server_loss, server_loss, server_loss_names
@@ -94,6 +96,20 @@ def test_load_weights_both_forms_parse():
 def test_compressed_forward_backward_is_refused():
     with pytest.raises(ProtocolError, match="Content-Encoding 'zstd'"):
         decode_fwdbwd_request(b"\x28\xb5\x2f\xfd", "zstd")
+
+
+def test_forward_backward_protobuf_decodes_into_its_record():
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=3, loss_fn="ppo", forward_only=True)
+    msg.loss_fn_config["clip_low_threshold"] = 0.5
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray([5, 6, 7], np.int32).tobytes()
+    weights = datum.loss_fn_inputs["weights"]
+    weights.dtype, weights.dense = pb.DTYPE_FLOAT32, np.asarray([0.0, 1.0, 1.0], np.float32).tobytes()
+    req = decode_fwdbwd_request(msg.SerializeToString(), None)
+    assert (req.model_id, req.seq_id, req.loss_fn, req.forward_only) == ("m", 3, "ppo", True)
+    assert req.loss_fn_config == {"clip_low_threshold": 0.5}
+    [(tokens, inputs)] = req.data
+    assert tokens == [5, 6, 7] and inputs["weights"].tolist() == [0.0, 1.0, 1.0]
 
 
 # ---- loss registry ------------------------------------------------------------------------------
