@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
@@ -84,7 +84,8 @@ def prompt_messages(question: str) -> list[Message]:
     return [*MathEnv.standard_fewshot_prefix(), {"role": "user", "content": question + MathEnv.question_suffix()}]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, str]]:
+    """The rows of a vendored GSM8K split (question, answer)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -148,7 +149,17 @@ def load_vocab(path: Path = ASSET_PATH) -> Vocab:
     return vocab
 
 
-def asset_payload(ids: Sequence[int]) -> dict[str, Any]:
+class VocabAsset(TypedDict):
+    """The restricted vocabulary's asset file (ASSET_PATH), in its key order."""
+
+    tokenizer: str
+    recipe: str
+    size: int
+    sha256: str
+    real_ids: list[int]
+
+
+def asset_payload(ids: Sequence[int]) -> VocabAsset:
     vocab = Vocab(ids)
     return {"tokenizer": TOKENIZER_NAME, "recipe": "dppo_harness.local_server.vocab.build_vocab_ids",
             "size": vocab.size, "sha256": vocab.sha256, "real_ids": [int(i) for i in ids]}
