@@ -15,7 +15,7 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
         retained_stats: dict[str, int]  # kept first passes: retained, reused, dropped
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
                      train_unembed=True) -> str
-        get_info(model_id) -> dict  # model_name (served), model_id, is_lora, lora_rank,
+        get_info(model_id) -> ModelInfo  # model_name (served), model_id, is_lora, lora_rank,
                                     # optimizer_config {"type": "adamw"}, model_data, requested_base_model
         forward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
         forward_backward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
