@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 
 from dppo_harness import constants
-from dppo_harness.local_server.engine.loss_fns import get_loss, loss_names, register_loss
+from dppo_harness.local_server.engine.loss_fns import register_server_loss, server_loss, server_loss_names
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, parse_request
 from dppo_harness.local_server.profiles import (
@@ -96,19 +98,33 @@ def test_compressed_forward_backward_is_refused():
         decode_fwdbwd_request(b"\x28\xb5\x2f\xfd", "zstd")
 
 
+def test_forward_backward_protobuf_decodes_into_its_record():
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=3, loss_fn="ppo", forward_only=True)
+    msg.loss_fn_config["clip_low_threshold"] = 0.5
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray([5, 6, 7], np.int32).tobytes()
+    weights = datum.loss_fn_inputs["weights"]
+    weights.dtype, weights.dense = pb.DTYPE_FLOAT32, np.asarray([0.0, 1.0, 1.0], np.float32).tobytes()
+    req = decode_fwdbwd_request(msg.SerializeToString(), None)
+    assert (req.model_id, req.seq_id, req.loss_fn, req.forward_only) == ("m", 3, "ppo", True)
+    assert req.loss_fn_config == {"clip_low_threshold": 0.5}
+    [(tokens, inputs)] = req.data
+    assert tokens == [5, 6, 7] and inputs["weights"].tolist() == [0.0, 1.0, 1.0]
+
+
 # ---- loss registry ------------------------------------------------------------------------------
 
 
 def test_registry_holds_the_built_in_losses_once():
-    assert loss_names() == ("cross_entropy", "importance_sampling", "ppo")
+    assert server_loss_names() == ("cross_entropy", "importance_sampling", "ppo")
     with pytest.raises(UserError, match=r"unsupported loss_fn 'dro'.*cross_entropy"):
-        get_loss("dro")
+        server_loss("dro")
     with pytest.raises(ValueError, match="already registered"):
-        register_loss("ppo", inputs=("target_tokens",))(lambda lp, inp, cfg: lp)
+        register_server_loss("ppo", inputs=("target_tokens",))(lambda lp, inp, cfg: lp)
 
 
 def test_ppo_config_defaults_and_bounds():
-    spec = get_loss("ppo")
+    spec = server_loss("ppo")
     assert spec.config(None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert spec.config({"clip_high_threshold": 1.28})["clip_high_threshold"] == 1.28
     with pytest.raises(UserError, match="unknown ppo loss_fn_config keys"):
@@ -116,19 +132,19 @@ def test_ppo_config_defaults_and_bounds():
     with pytest.raises(UserError, match="clip_low_threshold <= 1"):
         spec.config({"clip_low_threshold": 1.5})
     with pytest.raises(UserError, match="takes no loss_fn_config"):
-        get_loss("cross_entropy").config({"clip_low_threshold": 0.8})
+        server_loss("cross_entropy").config({"clip_low_threshold": 0.8})
 
 
 def test_losses_compute_the_documented_formulas():
     lp_T = torch.tensor([-1.0, -0.5, -2.0])
     inputs = {"weights": torch.tensor([1.0, 0.0, 2.0]), "logprobs": torch.tensor([-1.2, -0.5, -1.0]),
               "advantages": torch.tensor([1.0, -1.0, 0.5])}
-    assert torch.allclose(get_loss("cross_entropy").fn(lp_T, inputs, {}), torch.tensor([1.0, 0.0, 4.0]))
+    assert torch.allclose(server_loss("cross_entropy").fn(lp_T, inputs, {}), torch.tensor([1.0, 0.0, 4.0]))
     ratio = torch.exp(lp_T - inputs["logprobs"])
-    assert torch.allclose(get_loss("importance_sampling").fn(lp_T, inputs, {}), -(ratio * inputs["advantages"]))
-    cfg = get_loss("ppo").config(None)
+    assert torch.allclose(server_loss("importance_sampling").fn(lp_T, inputs, {}), -(ratio * inputs["advantages"]))
+    cfg = server_loss("ppo").config(None)
     expected = -torch.minimum(ratio * inputs["advantages"], ratio.clamp(0.8, 1.2) * inputs["advantages"])
-    got = get_loss("ppo").fn(lp_T, inputs, cfg)
+    got = server_loss("ppo").fn(lp_T, inputs, cfg)
     assert torch.allclose(got, expected)
     assert not torch.allclose(got, -(ratio * inputs["advantages"]))  # the clip is engaged here
 

@@ -162,6 +162,7 @@ def check_model_path_args(args: argparse.Namespace) -> None:
         return
     if args.model:
         raise SystemExit("--model (a tiny preset) and --model-path are exclusive")
+    # torch loads here, after main() set OMP_WAIT_POLICY (and only for a --model-path)
     from dppo_harness.local_server.engine.hf_model import CheckpointError, check_checkpoint_dir, resolve_device
 
     try:
@@ -172,10 +173,12 @@ def check_model_path_args(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, profile: Profile) -> None:
-    from aiohttp import web
+    # The server's stack loads once the arguments are checked; torch after main() set OMP_WAIT_POLICY.
+    from aiohttp import web  # after the arguments are checked
 
-    from dppo_harness.local_server.engine.engine import Engine
-    from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, ServerState, build_app
+    from dppo_harness.local_server.engine.engine import Engine  # torch: after OMP_WAIT_POLICY is set
+    from dppo_harness.local_server.engine.hf_model import CheckpointError, kernel_summary  # torch, likewise
+    from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, ServerState, build_app  # the app, likewise
 
     t0 = time.perf_counter()
     engine_kwargs = {"sampler_dtype": args.sampler_dtype, "seed": args.seed, "num_threads": args.threads,
@@ -185,8 +188,6 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
     if args.model_path:
         engine_kwargs.update(model_path=args.model_path, device=args.device, dtype=args.dtype,
                              served_name=args.served_name, linear_attention=args.linear_attention)
-    from dppo_harness.local_server.engine.hf_model import CheckpointError
-
     try:
         engine = await asyncio.to_thread(Engine, run_dir, **engine_kwargs)
     except CheckpointError as exc:
@@ -216,8 +217,6 @@ async def serve(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, pr
         "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
         getattr(engine, "model_name", "?"), time.perf_counter() - t0, base_info.get("cache_hit"), profile.name, run_dir)
     if getattr(engine, "kernels", None):
-        from dppo_harness.local_server.engine.hf_model import kernel_summary
-
         logging.getLogger("dppo_harness.local_server").info("kernels: %s", kernel_summary(engine.kernels))
     print(f"listening on http://{host}:{port}", flush=True)
 

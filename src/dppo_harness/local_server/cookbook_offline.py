@@ -21,6 +21,7 @@ CLI (same `key=value` arguments as `python -m tinker_cookbook.recipes.math_rl.tr
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,14 +43,16 @@ class OfflineDataError(RuntimeError):
 
 def register_offline_tokenizer(model_name: str = constants.BASE_MODEL) -> None:
     """Make `get_tokenizer(model_name)` return the offline Qwen3.5 tokenizer (same special ids)."""
-    register_tokenizer(model_name, tokenizer._tml_qwen35)
+    # TmlQwen35Tokenizer stands in for the cookbook's Hugging Face Tokenizer type: it has the
+    # methods the cookbook calls.
+    register_tokenizer(model_name, tokenizer._tml_qwen35)  # type: ignore[arg-type]
 
 
 def vendored_gsm8k(split: str) -> datasets.Dataset:
     """The vendored GSM8K split (hash-verified) as the `datasets.Dataset` the hub would give."""
     if split not in gsm8k.SPLITS:
         raise OfflineDataError(f"GSM8K split {split!r}: the vendored copy has {list(gsm8k.SPLITS)}")
-    rows, _ = gsm8k.load_rows(split)  # type: ignore[arg-type]
+    rows, _ = gsm8k.load_rows(split)
     return datasets.Dataset.from_list([{"question": r["question"], "answer": r["answer"]} for r in rows])
 
 
@@ -75,10 +78,9 @@ def offline_cookbook(model_name: str = constants.BASE_MODEL) -> Iterator[None]:
 
 def main() -> None:
     """`recipes.math_rl.train`'s CLI, run inside offline_cookbook()."""
-    import asyncio
-
+    # the CLI alone needs chz and the cookbook's RL training loop (seconds to import)
     import chz
-    from tinker_cookbook.recipes.math_rl import train
+    from tinker_cookbook.recipes.math_rl import train  # likewise
 
     cli_config = chz.entrypoint(train.CLIConfig)
     with offline_cookbook(cli_config.model_name):

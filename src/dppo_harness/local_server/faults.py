@@ -12,14 +12,17 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal
+
+from pydantic import JsonValue
 
 CAPACITY_EXHAUSTED_TEXT = "trainer capacity exhausted"
 # 401: a credential the service stops accepting mid-run; 402: payment or credits (the SDK pauses up to an hour)
 REJECT_STATUSES = (401, 402, 429, 500, 502, 503)
-PAUSE_STATES = ("paused_capacity", "paused_rate_limit")
+QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]  # the SDK's TryAgainResponse.queue_state
+PAUSE_STATES: tuple[QueueState, ...] = ("paused_capacity", "paused_rate_limit")
 FOREVER = ("forever", "inf")
 ANY_KIND = "*"
 # Values of these headers are never recorded, whatever the whitelist says.
@@ -95,7 +98,7 @@ class QueuePause:
     kind: str
     number: int
     seconds: float | None
-    queue_state: str = "paused_capacity"
+    queue_state: QueueState = "paused_capacity"
     moving: bool = False  # the reason names a queue position that changes at every poll
 
 
@@ -120,7 +123,7 @@ class RejectFor:
 class Hold:
     """What keeps one queued request from running (see QueuePause, NeverComplete)."""
 
-    queue_state: str  # what its polls report: paused_capacity, paused_rate_limit, or active (a hang)
+    queue_state: QueueState  # what its polls report: paused_capacity, paused_rate_limit, or active (a hang)
     reason: str | None
     until: float | None  # time.monotonic() when it may run; None: never
     positions: Iterator[int] | None = field(default=None, compare=False)  # a moving queue position, per poll
@@ -248,7 +251,7 @@ def parse_omit_field(spec: str) -> OmitField:
     return OmitField(kind, field_path, _numbers(numbers, option, "response") if numbers else None)
 
 
-def drop_path(obj: Any, path: str) -> int:
+def drop_path(obj: JsonValue, path: str) -> int:
     """Remove the dotted `path` from a JSON-like object in place (through lists); returns how many
     keys were removed."""
     head, _, rest = path.partition(".")
@@ -272,9 +275,15 @@ def _number(value: str, option: str) -> int:
     return n
 
 
-def _seconds(value: str, option: str, *, forever: bool) -> float | None:
-    if forever and value.lower() in FOREVER:
+def _seconds_or_forever(value: str, option: str) -> float | None:
+    """SECONDS, or None for forever."""
+    if value.lower() in FOREVER:
         return None
+    return _seconds(value, option, forever=True)
+
+
+def _seconds(value: str, option: str, *, forever: bool) -> float:
+    """A finite SECONDS >= 0 (`forever`: the option also takes forever, for the message)."""
     try:
         secs = float(value)
     except ValueError:
@@ -294,10 +303,11 @@ def parse_queue_pause(spec: str) -> QueuePause:
         fields = fields[:-1]
     if len(fields) not in (3, 4) or not all(fields):
         raise FaultSpecError(f"{option}: expected KIND:N:SECONDS[:STATE][:moving], got {spec!r}")
-    state = fields[3] if len(fields) == 4 else "paused_capacity"
-    if state not in PAUSE_STATES:
-        raise FaultSpecError(f"{option}: STATE must be one of {PAUSE_STATES}, got {state!r}")
-    return QueuePause(fields[0], _number(fields[1], option), _seconds(fields[2], option, forever=True), state, moving)
+    name = fields[3] if len(fields) == 4 else "paused_capacity"
+    state = next((s for s in PAUSE_STATES if s == name), None)
+    if state is None:
+        raise FaultSpecError(f"{option}: STATE must be one of {PAUSE_STATES}, got {name!r}")
+    return QueuePause(fields[0], _number(fields[1], option), _seconds_or_forever(fields[2], option), state, moving)
 
 
 def parse_never_complete(spec: str) -> NeverComplete:
@@ -369,17 +379,17 @@ class FaultInjector:
                 if rule.kind in (kind, ANY_KIND) and seen <= rule.count:
                     self.injected[f"{kind}:{rule.status}"] += 1
                     return Decision(rule.status, f"injected {rule.status} (first {rule.count} {rule.kind})", latency)
-            for rule in cfg.reject_for:
-                if rule.kind in (kind, ANY_KIND):
-                    start = self._reject_since.setdefault(rule.kind, time.monotonic())
-                    if time.monotonic() - start < rule.seconds:
-                        self.injected[f"{kind}:{rule.status}"] += 1
-                        return Decision(rule.status, f"injected {rule.status}: {kind} refused for {rule.seconds:g} s "
-                                                     "from the first request", latency)
-            for rule in cfg.reject_prob:
-                if rule.kind in (kind, ANY_KIND) and self._rng.random() < rule.prob:
-                    self.injected[f"{kind}:{rule.status}"] += 1
-                    return Decision(rule.status, f"injected {rule.status} (p={rule.prob} {rule.kind})", latency)
+            for window in cfg.reject_for:
+                if window.kind in (kind, ANY_KIND):
+                    start = self._reject_since.setdefault(window.kind, time.monotonic())
+                    if time.monotonic() - start < window.seconds:
+                        self.injected[f"{kind}:{window.status}"] += 1
+                        return Decision(window.status, f"injected {window.status}: {kind} refused for "
+                                                       f"{window.seconds:g} s from the first request", latency)
+            for chance in cfg.reject_prob:
+                if chance.kind in (kind, ANY_KIND) and self._rng.random() < chance.prob:
+                    self.injected[f"{kind}:{chance.status}"] += 1
+                    return Decision(chance.status, f"injected {chance.status} (p={chance.prob} {chance.kind})", latency)
             if cfg.capacity_mode == "http" and kind == "create_model" and self._capacity_left > 0:
                 self._capacity_left -= 1
                 self.injected["create_model:capacity_exhausted"] += 1
@@ -418,7 +428,7 @@ class FaultInjector:
                 self.injected[f"{kind}:omit:{f}"] += 1
             return out
 
-    def omit_json(self, kind: str, payload: Any) -> Any:
+    def omit_json(self, kind: str, payload: dict[str, JsonValue]) -> dict[str, JsonValue]:
         """`payload` (a JSON object about to be sent for `kind`) without the omitted fields."""
         for path in self.omitted_fields(kind):
             drop_path(payload, path)
@@ -429,17 +439,17 @@ class FaultInjector:
         with self._lock:
             self.queued[kind] += 1
             n = self.queued[kind]
-            for rule in self.config.never_complete:
-                if rule.kind in (kind, ANY_KIND) and rule.number == n:
+            for never in self.config.never_complete:
+                if never.kind in (kind, ANY_KIND) and never.number == n:
                     self.injected[f"{kind}:never_complete"] += 1
                     return Hold("active", None, None)
-            for rule in self.config.queue_pause:
-                if rule.kind in (kind, ANY_KIND) and rule.number == n:
+            for pause in self.config.queue_pause:
+                if pause.kind in (kind, ANY_KIND) and pause.number == n:
                     self.injected[f"{kind}:queue_pause"] += 1
-                    how_long = "until further notice" if rule.seconds is None else f"for {rule.seconds:g} s"
+                    how_long = "until further notice" if pause.seconds is None else f"for {pause.seconds:g} s"
                     reason = f"embedded server fault: no capacity for {kind} request {n}; paused {how_long}"
-                    until = None if rule.seconds is None else time.monotonic() + rule.seconds
-                    return Hold(rule.queue_state, reason, until, itertools.count(10_000, -1) if rule.moving else None)
+                    until = None if pause.seconds is None else time.monotonic() + pause.seconds
+                    return Hold(pause.queue_state, reason, until, itertools.count(10_000, -1) if pause.moving else None)
             return None
 
     def snapshot(self) -> dict:
@@ -467,9 +477,9 @@ class HeaderRecorder:
         self._lock = threading.Lock()
         self._wanted = {n.lower() for n in self.value_names} - SECRET_HEADERS
         self.names: Counter[str] = Counter()
-        self.values: dict[str, list[str]] = {}
+        self.values: dict[str, list[str | None]] = {}
 
-    def record(self, headers) -> None:
+    def record(self, headers: Mapping[str, str]) -> None:
         with self._lock:
             for name in {k.lower() for k in headers}:
                 self.names[name] += 1

@@ -36,8 +36,9 @@ import numpy as np
 import torch
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
-from dppo_harness.local_server.engine.engine import Engine, _SampleJob
-from dppo_harness.local_server.vocab import get_renderer, prompt_messages
+from dppo_harness.local_server.engine.engine import Engine, SampledSeq, _SampleJob
+from dppo_harness.local_server.engine.trainer import FwdBwdOut
+from dppo_harness.local_server.vocab import Vocab, get_renderer, prompt_messages
 
 THREADS = 2
 QUESTIONS = (
@@ -65,7 +66,7 @@ class _Hasher:
     def __init__(self) -> None:
         self.h = hashlib.sha256()
 
-    def add(self, key: str, value) -> None:
+    def add(self, key: str, value: object) -> None:
         self.h.update(json.dumps(key).encode())
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu().numpy()
@@ -142,7 +143,7 @@ def _train_inputs(seqs: list[list[int]], kind: str) -> list[tuple[list[int], dic
     return out
 
 
-def _add_outputs(hs: _Hasher, tag: str, res) -> None:
+def _add_outputs(hs: _Hasher, tag: str, res: FwdBwdOut) -> None:
     outputs, metrics = res
     for i, o in enumerate(outputs):
         for k in sorted(o):
@@ -179,7 +180,8 @@ def _jobs(prompts: list[list[int]], key: str, stop_ids: list[int], stop_string: 
     ]
 
 
-def _add_samples(hs: _Hasher, hp: _Hasher, tag: str, jobs: list[_SampleJob], results, coverage: dict[str, int]) -> None:
+def _add_samples(hs: _Hasher, hp: _Hasher, tag: str, jobs: list[_SampleJob], results: list[list[SampledSeq]],
+                 coverage: dict[str, int]) -> None:
     for j, seqs in enumerate(results):
         for r, s in enumerate(seqs):
             how = "stop_string" if s.stop_reason == "stop" and s.tokens[-1] not in jobs[j].stop_ids else s.stop_reason
@@ -194,6 +196,8 @@ def _add_samples(hs: _Hasher, hp: _Hasher, tag: str, jobs: list[_SampleJob], res
 def run_script(eng: Engine, coverage: dict[str, int]) -> dict[str, str]:
     """The fixed script on a fresh engine; section -> sha256. `coverage` receives the count of
     sampled rows per stop reason."""
+    if not isinstance(eng.vocab, Vocab):
+        raise TypeError("the fingerprint script runs on a preset's restricted vocabulary")
     if OOV_REAL_ID in eng.vocab:
         raise RuntimeError(f"{OOV_REAL_ID} is in the restricted vocabulary; pick another out-of-vocabulary id")
     prompts = _prompts()

@@ -25,11 +25,28 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS, client_auth_headers
+import dppo_harness
+from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
+from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS, Profile, client_auth_headers
 from dppo_harness.service.secrets_scan import without_credentials
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from dppo_harness.local_server.engine.engine import Engine
+    from dppo_harness.local_server.http.state import ServerState
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class PendingResult(Protocol[T_co]):
+    """A future the SDK returns (or a concurrent.futures.Future)."""
+
+    def result(self, timeout: float | None = None) -> T_co: ...
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
@@ -59,8 +76,6 @@ class LocalServerDied(RuntimeError):
 
 
 def _src_root() -> str:
-    import dppo_harness
-
     return str(Path(dppo_harness.__file__).resolve().parents[1])
 
 
@@ -289,18 +304,16 @@ class LocalServerProcess:
             return json.loads(path.read_text())
         raise LocalServerDied(self._describe("is not running and left no stats file"))
 
-    def wait_result(self, future: Any, timeout: float = 600.0, poll: float = 0.5) -> Any:
+    def wait_result(self, future: PendingResult[T_co], timeout: float = 600.0, poll: float = 0.5) -> T_co:
         """`future.result()` that fails fast with LocalServerDied when the server exits meanwhile.
 
         The stock SDK retries a vanished server for minutes; this names the real cause at once.
         """
-        import concurrent.futures
-
         deadline = time.monotonic() + timeout
         while True:
             try:
                 return future.result(timeout=poll)
-            except (TimeoutError, concurrent.futures.TimeoutError):
+            except (TimeoutError, FutureTimeoutError):
                 pass
             if not self.alive():
                 raise LocalServerDied(self._describe("died while a request was pending"))
@@ -347,9 +360,8 @@ class InProcessServer:
     (`engine.get_parameter_grads(server.state.engine_model_id(training_client.model_id))`).
     """
 
-    def __init__(self, engine: Any, faults: Any = None, sample_workers: int = 64, profile: Any = None) -> None:
-        from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
-
+    def __init__(self, engine: Engine, faults: FaultConfig | None = None, sample_workers: int = 64,
+                 profile: Profile | None = None) -> None:
         cfg = faults or FaultConfig()
         self.engine = engine
         self._cfg = cfg
@@ -357,11 +369,11 @@ class InProcessServer:
         self._headers = HeaderRecorder(cfg.record_header_values)
         self._sample_workers = sample_workers
         self._profile = profile  # a profiles.Profile; None = default
-        self.state: Any = None
+        self.state: ServerState | None = None
         self.base_url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._runner: Any = None
+        self._runner: web.AppRunner | None = None
         self.died: str | None = None
 
     def start(self) -> InProcessServer:
@@ -380,7 +392,8 @@ class InProcessServer:
                 return
             ready.set()
             loop.run_forever()
-            loop.run_until_complete(self._runner.cleanup())
+            if self._runner is not None:  # set by _setup
+                loop.run_until_complete(self._runner.cleanup())
             loop.close()
 
         self._thread = threading.Thread(target=run, name="local-server-inprocess", daemon=True)
@@ -391,10 +404,11 @@ class InProcessServer:
         return self
 
     async def _setup(self) -> None:
-        from aiohttp import web
+        # The app (aiohttp, the SDK's types and protobufs, the engine's modules) loads for an
+        # in-process server only: the pytest plugin imports this module at start-up.
+        from aiohttp import web  # for an in-process server only (above)
 
-        from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, ServerState, build_app
-        from dppo_harness.local_server.profiles import Profile
+        from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, ServerState, build_app  # likewise
 
         self.state = ServerState(self.engine, self._injector, self._headers, sample_workers=self._sample_workers,
                                  profile=self._profile or Profile(), on_die=self._on_die)

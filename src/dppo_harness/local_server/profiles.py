@@ -1,5 +1,5 @@
 """Server profiles: `default` (the open local stand-in) and `spindle` (behaves like the shared
-Spindle service in every way the brief documents: credentials on every request, the plan's base
+Spindle service where a client can tell: credentials on every request, the plan's base
 model by name, no optimizer echo beyond what the SDK types carry).
 
 Expected credential values come from the server's own environment at start and live only in a

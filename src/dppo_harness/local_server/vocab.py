@@ -25,10 +25,11 @@ import sys
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
+from tinker_cookbook import renderers
 
 from dppo_harness.constants import RENDERER_NAME
 from dppo_harness.data.tokenizer import TML_QWEN35, TmlQwen35Tokenizer, load_tokenizer
@@ -51,13 +52,14 @@ def get_tokenizer() -> TmlQwen35Tokenizer:
 
 def get_renderer() -> Renderer:
     """The cookbook ``qwen3_5`` renderer over the offline tokenizer."""
-    from tinker_cookbook import renderers
-
-    return renderers.get_renderer(RENDERER_NAME, tokenizer=get_tokenizer())
+    # TmlQwen35Tokenizer stands in for the cookbook's Hugging Face Tokenizer type: it has the
+    # methods the renderers call.
+    return renderers.get_renderer(RENDERER_NAME, tokenizer=get_tokenizer())  # type: ignore[arg-type]
 
 
 def gsm8k_final_answer(answer: str) -> str:
     """Ground truth of a GSM8K answer field: the cookbook's ``extract_gsm8k_final_answer``."""
+    # the cookbook's math env imports its RL stack (seconds): only the warm start and the vocabulary rebuild need it
     from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer
 
     return extract_gsm8k_final_answer(answer)
@@ -77,12 +79,13 @@ def solution_reply(answer: str) -> str:
 def prompt_messages(question: str) -> list[Message]:
     """The cookbook math_rl GSM8K conversation: ``MathEnv``'s one-shot prefix, then the question
     with ``MathEnv.question_suffix()`` (the same messages MathEnv renders)."""
-    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv  # deferred like gsm8k_final_answer's
 
     return [*MathEnv.standard_fewshot_prefix(), {"role": "user", "content": question + MathEnv.question_suffix()}]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, str]]:
+    """The rows of a vendored GSM8K split (question, answer)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -98,7 +101,8 @@ def build_vocab_ids(data_dir: Path = DATA_DIR) -> list[int]:
         for row in read_jsonl(Path(data_dir) / f"{split}.jsonl"):
             ids.update(tok.encode(row["question"]))
             ids.update(tok.encode(row["answer"]))
-            msgs = [*prompt_messages(row["question"]), {"role": "assistant", "content": solution_reply(row["answer"])}]
+            msgs: list[Message] = [*prompt_messages(row["question"]),
+                                   {"role": "assistant", "content": solution_reply(row["answer"])}]
             ids.update(renderer.build_generation_prompt(msgs[:-1]).to_ints())
             ids.update(renderer.build_supervised_example(msgs)[0].to_ints())
     return sorted(int(i) for i in ids)
@@ -145,7 +149,17 @@ def load_vocab(path: Path = ASSET_PATH) -> Vocab:
     return vocab
 
 
-def asset_payload(ids: Sequence[int]) -> dict[str, Any]:
+class VocabAsset(TypedDict):
+    """The restricted vocabulary's asset file (ASSET_PATH), in its key order."""
+
+    tokenizer: str
+    recipe: str
+    size: int
+    sha256: str
+    real_ids: list[int]
+
+
+def asset_payload(ids: Sequence[int]) -> VocabAsset:
     vocab = Vocab(ids)
     return {"tokenizer": TOKENIZER_NAME, "recipe": "dppo_harness.local_server.vocab.build_vocab_ids",
             "size": vocab.size, "sha256": vocab.sha256, "real_ids": [int(i) for i in ids]}

@@ -26,9 +26,9 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def sdpa_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                       is_causal: bool | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
     """transformers' `sdpa_attention_forward`, with `enable_gqa` instead of `repeat_kv` where
     that gives the same bits (module docstring)."""
     grouped = key.shape[1] != query.shape[1]
@@ -48,8 +48,9 @@ def sdpa_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
 def register() -> str:
     """Register the attention and its (sdpa) mask with transformers; returns the name to set as a
     config's `_attn_implementation`."""
+    # The registries load transformers.modeling_utils (most of transformers): when a model is built.
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # likewise
 
     AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
     AttentionMaskInterface.register(SDPA_GQA, sdpa_mask)

@@ -12,8 +12,10 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import transformers
 
 from dppo_harness.local_server.engine import model
 from dppo_harness.local_server.engine.trainer import TrainModel, make_optimizer
@@ -49,8 +51,19 @@ class CheckpointsMixin:
     run_dir: Path
     served_model_name: str
     base_sha256: str
-    _sampler_cache: OrderedDict[tuple[str, str], torch.nn.Module]
+    _sampler_cache: OrderedDict[tuple[str, str], transformers.PreTrainedModel]
     _sampler_cache_lock: threading.Lock
+
+    if TYPE_CHECKING:
+
+        def _get(self, model_id: str) -> TrainModel: ...
+
+        def _drop_retained(self, model_id: str) -> None: ...
+
+        def _create_model(self, base_model: str, lora_rank: int, seed: int | None, targets: tuple[str, ...],
+                          model_id: str | None) -> str: ...
+
+        def unload_model(self, model_id: str) -> None: ...
 
     def _ckpt_dir(self, model_id: str, kind: str, name: str) -> Path:
         safe_id = model_id.replace("/", "_")

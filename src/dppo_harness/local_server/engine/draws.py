@@ -6,8 +6,8 @@ argmax(x - log E) with E ~ Exp(1); "multinomial", what `torch.multinomial(softma
 (the presets', kept bitwise).
 
 On CPU both take their Exp(1) noise from `exponential_cpu`, bitwise torch's `exponential_`, which
-computes each value in one serial loop: that loop was most of a preset decode step's draw (2.0
-instead of 4.7 ms for 8 rows of the presets' 15,254 columns, docs/benchmarks.md).
+computes each value in one serial loop, most of a preset decode step's draw otherwise
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

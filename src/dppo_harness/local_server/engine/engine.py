@@ -15,7 +15,7 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
         retained_stats: dict[str, int]  # kept first passes: retained, reused, dropped
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
                      train_unembed=True) -> str
-        get_info(model_id) -> dict  # model_name (served), model_id, is_lora, lora_rank,
+        get_info(model_id) -> ModelInfo  # model_name (served), model_id, is_lora, lora_rank,
                                     # optimizer_config {"type": "adamw"}, model_data, requested_base_model
         forward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
         forward_backward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
@@ -57,12 +57,14 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypedDict
 
 import torch
+import transformers
 
 from dppo_harness.constants import BASE_MODEL
 from dppo_harness.local_server.engine import hf_model, model, sampling, warmstart
@@ -88,6 +90,38 @@ class SampledSeq:
     logprobs: list[float]
     stop_reason: str  # "stop" | "length"
     prompt_logprobs: list[float | None] | None = None
+
+
+class TextDecoder(Protocol):
+    """A tokenizer's decode, as the stop-string checks and preset text use it (a Hugging Face
+    tokenizer declares a list of texts for a batch of sequences; one sequence decodes to one text)."""
+
+    def decode(self, token_ids: list[int], /) -> str | list[str]: ...
+
+
+def decoded_text(tokenizer: TextDecoder, ids: list[int]) -> str:
+    text = tokenizer.decode(ids)
+    if not isinstance(text, str):
+        raise TypeError(f"decoding one sequence gave {type(text).__name__}, not text")
+    return text
+
+
+class ModelDataInfo(TypedDict):
+    arch: str  # the class of the model really computing
+    model_name: str  # the served stand-in name
+    tokenizer_id: str
+
+
+class ModelInfo(TypedDict):
+    """`Engine.get_info`: one training model, as the HTTP get_info answer reads it."""
+
+    model_name: str  # the served stand-in name
+    model_id: str
+    is_lora: bool
+    lora_rank: int
+    optimizer_config: dict[str, str]
+    model_data: ModelDataInfo
+    requested_base_model: str
 
 
 @dataclass(frozen=True)
@@ -117,6 +151,15 @@ def preset_decode_spec(in_vocab: int) -> sampling.DecodeSpec:
 
 
 class Engine(TrainerMixin, CheckpointsMixin):
+    model_name: str
+    served_model_name: str
+    served_models: list[str]
+    sampler_dtype: torch.dtype
+    base_model: transformers.PreTrainedModel
+    base_sha256: str
+    decode_spec: sampling.DecodeSpec
+    preset: ModelPreset
+
     def __init__(
         self,
         run_dir: Path,
@@ -151,7 +194,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
         if decode_mode not in sampling.MODES:
             raise UserError(f"decode_mode must be one of {sampling.MODES}, got {decode_mode!r}")
         self.decode_mode = decode_mode  # sampling.generate's mode; "auto" = CUDA graph on CUDA, eager on CPU
-        self.last_sample_stats: dict = {}
+        self.last_sample_stats: sampling.DecodeStats = {}
         if linear_attention not in ("auto", "torch"):
             raise UserError(f"linear_attention must be 'auto' or 'torch', got {linear_attention!r}")
         if model_path is not None:
@@ -164,9 +207,10 @@ class Engine(TrainerMixin, CheckpointsMixin):
             self.served_model_name = self.preset.served_name
             self.served_models = [BASE_MODEL, self.served_model_name]
             self.sampler_dtype = getattr(torch, sampler_dtype or "float32")
-            self.vocab: Vocab | hf_model.FullVocab = load_vocab()
+            vocab = load_vocab()
+            self.vocab = vocab
             self.config = self.preset.config
-            self.base_model = self._load_base(cache_dir)
+            self.base_model = self._load_base(cache_dir, vocab)
             self.base_sha256 = model.state_sha256(self.base_model.state_dict())
             self.decode_spec = preset_decode_spec(self.vocab.size)
         self.kernels = hf_model.kernel_report(self.base_model)  # which implementation each layer type runs
@@ -182,7 +226,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self._models: dict[str, TrainModel] = {}
         self._models_lock = threading.Lock()
         self._counter = 0
-        self._sampler_cache: OrderedDict[tuple[str, str], torch.nn.Module] = OrderedDict()
+        self._sampler_cache: OrderedDict[tuple[str, str], transformers.PreTrainedModel] = OrderedDict()
         self._sampler_cache_lock = threading.Lock()
         self._batch_window_s = float(batch_window_s)
         self._queue: list[_SampleJob] = []
@@ -192,7 +236,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self._sampler_thread.start()
 
     # ----- base model -----------------------------------------------------------------------
-    def _init_checkpoint(self, model_path, device: str, dtype: str | None, served_name: str | None,
+    def _init_checkpoint(self, model_path: str | Path, device: str, dtype: str | None, served_name: str | None,
                          sampler_dtype: str | None) -> None:
         """--model-path backend: full vocabulary, served under the checkpoint's name (or
         `served_name`); the stand-in identity (HTTP model_data.arch) is local/<dir name>."""
@@ -217,20 +261,18 @@ class Engine(TrainerMixin, CheckpointsMixin):
                           "vocab_size": ck.vocab_size, "identity_sha256": ck.identity_sha256}
 
     @staticmethod
-    def _checkpoint_tokenizer(ck: hf_model.LoadedCheckpoint):
+    def _checkpoint_tokenizer(ck: hf_model.LoadedCheckpoint) -> TextDecoder | None:
         """The checkpoint's own tokenizer when it ships one and it loads (for stop strings), else
         None."""
         if any((ck.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             try:
-                import transformers
-
                 return transformers.AutoTokenizer.from_pretrained(ck.path, local_files_only=True)
             except (OSError, ValueError):
                 pass
         return None
 
     @functools.cached_property
-    def tokenizer(self):
+    def tokenizer(self) -> TextDecoder:
         """The harness's offline Qwen3.5 tokenizer, built on first use (stop strings, preset text):
         it takes seconds to build and most runs stop on token ids alone, so the server starts
         without it. A checkpoint that ships a tokenizer sets its own at load."""
@@ -240,22 +282,22 @@ class Engine(TrainerMixin, CheckpointsMixin):
         """Text of model ids for stop-string checks; ids the tokenizer cannot decode (padding rows
         of the embedding) are skipped."""
         try:
-            return self.tokenizer.decode(ids)
+            return decoded_text(self.tokenizer, ids)
         except ValueError:
-            out = []
+            out: list[str] = []
             for i in ids:
                 try:
-                    out.append(self.tokenizer.decode([i]))
+                    out.append(decoded_text(self.tokenizer, [i]))
                 except ValueError:
                     continue
             return "".join(out)
 
-    def _load_base(self, cache_dir: Path | None) -> torch.nn.Module:
+    def _load_base(self, cache_dir: Path | None, vocab: Vocab) -> transformers.PreTrainedModel:
         if self.preset.warm_start:
-            net, info = warmstart.load_or_build(self.config, self.vocab, seed=self.seed, cache_dir=cache_dir)
+            net, info = warmstart.load_or_build(self.preset.config, vocab, seed=self.seed, cache_dir=cache_dir)
             self.base_info = info
             return net
-        net = model.build_base_model(self.config, self.vocab.num_embeddings, self.seed)
+        net = model.build_base_model(self.preset.config, vocab.num_embeddings, self.seed)
         self.base_info = {"warm_start": None, "init_seed": self.seed}
         return net
 
@@ -309,7 +351,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
         if tm is not None:
             self._drop_retained(model_id)
 
-    def get_info(self, model_id: str) -> dict:
+    def get_info(self, model_id: str) -> ModelInfo:
         tm = self._get(model_id)
         return {
             "model_name": self.served_model_name,
@@ -327,7 +369,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
 
     # ----- trainer --------------------------------------------------------------------------
     # ----- sampling -------------------------------------------------------------------------
-    def _sampler_net(self, key: str) -> torch.nn.Module:
+    def _sampler_net(self, key: str) -> transformers.PreTrainedModel:
         dkey = (key, str(self.sampler_dtype))
         with self._sampler_cache_lock:
             if dkey in self._sampler_cache:
@@ -347,7 +389,9 @@ class Engine(TrainerMixin, CheckpointsMixin):
                 for n, q in model.lora_named_parameters(pm):
                     q.copy_(adapter[n])
             net = pm.merge_and_unload()
-        net = net.to(self.sampler_dtype).eval()
+        # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to): mypy reads it as
+        # an unbound function that wants the model as its first argument.
+        net = net.to(self.sampler_dtype).eval()  # type: ignore[arg-type]
         for q in net.parameters():
             q.requires_grad_(False)
         with self._sampler_cache_lock:
@@ -419,19 +463,20 @@ class Engine(TrainerMixin, CheckpointsMixin):
                     if not j.future.done():
                         j.future.set_exception(e)
 
-    def _decode_batch(self, net: torch.nn.Module, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
+    def _decode_batch(self, net: transformers.PreTrainedModel, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
         """Every sample of `jobs` (one sampler) decoded together by the one decode loop
         (`sampling.generate`); the presets map their restricted vocabulary in and out here."""
         if self.checkpoint is not None:
             reqs = [self._request(j, j.prompt, [s for s in j.stop_ids if 0 <= s < self.vocab.size]) for j in jobs]
-            decode_text, to_real = self._decode_text, list
+            decode_text: Callable[[list[int]], str] = self._decode_text
+            to_real: Callable[[list[int]], list[int]] = list
         else:
             V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
             reqs = [self._request(j, self.vocab.to_local(j.prompt).tolist(),
                                   [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else [])
                     for j in jobs]
             decode_text, to_real = self._preset_text, self.vocab.to_real
-        stats: dict = {}
+        stats: sampling.DecodeStats = {}
         with torch.no_grad():
             out = sampling.generate(net, reqs, decode_text, self.decode_spec, mode=self.decode_mode, stats=stats)
         self.last_sample_stats = stats
@@ -444,7 +489,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
         return sampling.DecodeRequest(**{**fields, "prompt": prompt, "stop_ids": stop_ids})
 
     def _preset_text(self, local_ids: list[int]) -> str:
-        return self.tokenizer.decode(self.vocab.to_real(local_ids))
+        return decoded_text(self.tokenizer, self.vocab.to_real(local_ids))
 
     def close(self) -> None:
         with self._queue_cv:

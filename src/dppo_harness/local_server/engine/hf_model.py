@@ -12,11 +12,15 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeGuard
 
+import numpy as np
 import torch
 import transformers
+from transformers.utils import import_utils
 
 from dppo_harness.local_server.engine import attention
 
@@ -159,7 +163,9 @@ def load_checkpoint(path: Path | str, device: str = "auto", dtype: str | None = 
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"--model-path {p}: cannot load the checkpoint ({first})") from None
-    net = net.to(dev).eval()
+    # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to): mypy reads it as
+    # an unbound function that wants the model as its first argument.
+    net = net.to(dev).eval()  # type: ignore[arg-type]
     if dev.type == "cpu":  # sdpa without the K/V repeat where that is bitwise the same (attention.py)
         net.set_attn_implementation(attention.register())
     for q in net.parameters():
@@ -176,7 +182,7 @@ def load_checkpoint(path: Path | str, device: str = "auto", dtype: str | None = 
 def lora_targets(net: torch.nn.Module, train_attn: bool = True, train_mlp: bool = True,
                  train_unembed: bool = True) -> list[str]:
     """Linear-module names present in `net` that the three switches select (sorted)."""
-    wanted = set()
+    wanted: set[str] = set()
     if train_attn:
         wanted.update(ATTN_TARGETS)
     if train_mlp:
@@ -201,7 +207,8 @@ def untie_output_head(net: transformers.PreTrainedModel) -> None:
 def qwen3_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                  num_attention_heads: int, num_key_value_heads: int, head_dim: int,
                  tie_word_embeddings: bool = True, max_position_embeddings: int = 4096) -> transformers.Qwen3Config:
-    return transformers.Qwen3Config(
+    # Qwen3Config is a @strict dataclass whose fields mypy does not see (model.qwen3_config).
+    return transformers.Qwen3Config(  # type: ignore[call-arg]
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, head_dim=head_dim, tie_word_embeddings=tie_word_embeddings,
@@ -228,22 +235,41 @@ def save_random_checkpoint(out_dir: Path | str, config: transformers.PretrainedC
 FAST_MODULE_PREFIXES = ("fla.", "causal_conv1d")
 
 
-def _impl_name(obj) -> str:
+class _GatedNorm(Protocol):
+    weight: torch.Tensor
+
+
+class GatedDeltaNetLayer(Protocol):
+    """What this module reads and repoints on a transformers Gated DeltaNet (linear-attention) layer."""
+
+    causal_conv1d_fn: Callable[..., torch.Tensor] | None
+    causal_conv1d_update: Callable[..., torch.Tensor]
+    chunk_gated_delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    recurrent_gated_delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    conv1d: torch.nn.Module
+    norm: _GatedNorm
+    layer_norm_epsilon: float
+
+
+def is_gated_delta_net(m: torch.nn.Module) -> TypeGuard[GatedDeltaNetLayer]:
+    """A Qwen3.5 Gated DeltaNet layer, known by its class name (each family defines its own class)."""
+    return type(m).__name__.endswith("GatedDeltaNet")
+
+
+def _impl_name(obj: object) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-def kernel_report(net: torch.nn.Module) -> dict:
+def kernel_report(net: transformers.PreTrainedModel) -> dict:
     """Which implementation each layer type of `net` runs, read from the loaded modules (what they
     will call), with the reasons transformers did not pick the fast linear-attention kernels.
     Qwen3.5's Gated DeltaNet layers take fla (flash-linear-attention kernels: chunked and
     recurrent delta rule, fused gated norm) and causal-conv1d only when transformers finds them
     at import *and* torch has CUDA; each missing piece falls back to its torch implementation."""
-    from transformers.utils import import_utils
-
     full = [m for m in net.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "q_proj")]
     cfg = text_config(net.config)
     out: dict = {"full_attention": {"layers": len(full), "implementation": str(cfg._attn_implementation)}}
-    linear = [m for m in net.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    linear = [m for m in net.modules() if is_gated_delta_net(m)]
     if not linear:
         out["linear_attention"] = None
         return out
@@ -287,7 +313,7 @@ def use_torch_linear_attention(net: torch.nn.Module) -> int:
     was loaded with: the "without fast kernels" arm of a comparison. Returns the layers changed."""
     n = 0
     for m in net.modules():
-        if not type(m).__name__.endswith("GatedDeltaNet"):
+        if not is_gated_delta_net(m):
             continue
         mod = importlib.import_module(type(m).__module__)
         m.causal_conv1d_fn = None
@@ -329,12 +355,12 @@ class FullVocab:
         self.num_embeddings = self.size
         self.unk_index = None
 
-    def to_local(self, ids) -> torch.Tensor:
+    def to_local(self, ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
         t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1) if not isinstance(ids, torch.Tensor) else ids.long()
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.size):
             bad = int(t[(t < 0) | (t >= self.size)][0])
             raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self.size})")
         return t
 
-    def to_real(self, local) -> list[int]:
+    def to_real(self, local: torch.Tensor | Sequence[int]) -> list[int]:
         return torch.as_tensor(local, dtype=torch.int64).tolist()

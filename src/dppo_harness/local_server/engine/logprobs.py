@@ -8,6 +8,8 @@ extra memory is one chunk of logits (chunk_tokens x V, float32 plus the head's d
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -65,7 +67,7 @@ def lora_head_parts(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
         ok = head.bias is None and head.weight.dtype == torch.float32 and not head.weight.requires_grad
         return (head.weight, None, None, 0.0) if ok else None
     try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.lora.layer import Linear as LoraLinear  # peft loads on the first LoRA model (model.add_lora)
     except ImportError:  # pragma: no cover - peft is a dependency
         return None
     if not isinstance(head, LoraLinear) or head.merged or head.disable_adapters:
@@ -84,23 +86,42 @@ def lora_head_parts(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
     return base.weight, lora_a.weight, lora_b.weight, float(head.scaling[name])
 
 
+# The fused head's frozen layout, kept for backward: W, A, B, scaling, in_vocab, chunk_rows, keep.
+_HeadLayout = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float, int, int, bool]
+
+
+class _HeadCtx(Protocol):
+    """The autograd context as `_HeadTargetLogprobs` uses it (torch's context plus the two
+    attributes forward sets for backward)."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+    head: _HeadLayout
+    chunks: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
+
+
 class _HeadTargetLogprobs(torch.autograd.Function):
     """log p(target) under softmax over the first `in_vocab` columns of h W^T + s (h A^T) B^T, in
     row chunks; the chunks' logits are kept for backward (keep=True) or recomputed (keep=False)."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, targets_N, W_VH, A_RH, B_VR, scaling, in_vocab, chunk_rows, keep, oov_logprob):
+    def forward(ctx: _HeadCtx, hidden_NH: torch.Tensor, targets_N: torch.Tensor, W_VH: torch.Tensor,
+                A_RH: torch.Tensor | None, B_VR: torch.Tensor | None, scaling: float, in_vocab: int, chunk_rows: int,
+                keep: bool, oov_logprob: float) -> torch.Tensor:
         W_vH = W_VH[:in_vocab]
         B_vR = B_VR[:in_vocab] if B_VR is not None else None
         oov_N = targets_N >= in_vocab
         safe_N = torch.where(oov_N, torch.zeros_like(targets_N), targets_N)
         lp_N = hidden_NH.new_empty(hidden_NH.shape[0], dtype=torch.float32)
         lse_N = torch.empty_like(lp_N)
-        logits, xas = [], []
+        logits: list[torch.Tensor] = []
+        xas: list[torch.Tensor] = []
         for s in range(0, hidden_NH.shape[0], chunk_rows):
             h_CH = hidden_NH[s : s + chunk_rows]
             z_Cv = torch.mm(h_CH, W_vH.t())
-            if A_RH is not None:
+            if A_RH is not None and B_vR is not None:  # a LoRA head has both
                 xa_CR = torch.mm(h_CH, A_RH.t()).mul_(scaling)
                 z_Cv.addmm_(xa_CR, B_vR.t())
                 xas.append(xa_CR)
@@ -117,7 +138,7 @@ class _HeadTargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_N):
+    def backward(ctx: _HeadCtx, g_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden_NH, safe_N, oov_N, lse_N = ctx.saved_tensors
         W_VH, A_RH, B_VR, scaling, in_vocab, chunk_rows, keep = ctx.head
         if ctx.chunks is None:
@@ -139,7 +160,7 @@ class _HeadTargetLogprobs(torch.autograd.Function):
                 xa_CR = xas[i] if A_RH is not None else None
             else:
                 z_Cv = torch.mm(h_CH, W_vH.t())
-                if A_RH is not None:
+                if A_RH is not None and B_vR is not None:  # a LoRA head has both
                     xa_CR = torch.mm(h_CH, A_RH.t()).mul_(scaling)
                     z_Cv.addmm_(xa_CR, B_vR.t())
             g_C = g_N[s : s + chunk_rows]
@@ -148,13 +169,13 @@ class _HeadTargetLogprobs(torch.autograd.Function):
             z_Cv.scatter_add_(1, safe_N[s : s + chunk_rows, None], g_C[:, None])
             if dh_NH is not None:
                 torch.mm(z_Cv, W_vH, out=dh_NH[s : s + chunk_rows])
-            if A_RH is not None:
+            if A_RH is not None and B_vR is not None:
                 u_CR = torch.mm(z_Cv, B_vR)
                 if dh_NH is not None:
                     dh_NH[s : s + chunk_rows].addmm_(u_CR, A_RH, alpha=scaling)
                 if dA_RH is not None:
                     dA_RH.addmm_(u_CR.t(), h_CH, alpha=scaling)
-                if dB_VR is not None:
+                if dB_VR is not None and xa_CR is not None:
                     dB_VR[:in_vocab].addmm_(z_Cv.t(), xa_CR)
         return dh_NH, None, None, dA_RH, dB_VR, None, None, None, None, None
 
@@ -181,6 +202,6 @@ def head_target_logprobs(hidden_NH: torch.Tensor, targets_N: torch.Tensor, head:
     if not 0 < in_vocab <= W_VH.shape[0]:
         raise ValueError(f"in_vocab {in_vocab} outside the head's {W_VH.shape[0]} rows")
     keep = keep_logits and torch.is_grad_enabled() and (
-        hidden_NH.requires_grad or (A_RH is not None and (A_RH.requires_grad or B_VR.requires_grad)))
+        hidden_NH.requires_grad or (A_RH is not None and B_VR is not None and (A_RH.requires_grad or B_VR.requires_grad)))
     return _HeadTargetLogprobs.apply(hidden_NH, targets_N, W_VH, A_RH, B_VR, scaling, int(in_vocab), int(chunk_rows),
                                      keep, float(oov_logprob))

@@ -5,7 +5,7 @@ per-token loss (summed by the engine), with one signature:
 
     fn(lp_T, inputs: dict[str, Tensor], config: dict[str, float]) -> elementwise_loss_T
 
-`register_loss(name, inputs=..., config=...)` records the inputs the loss needs and its
+`register_server_loss(name, inputs=..., config=...)` records the inputs the loss needs and its
 `loss_fn_config` keys with defaults; the engine validates against them and the HTTP app refuses
 unknown names with the same list. Semantics are the SDK's documented server losses (0.38).
 """
@@ -23,7 +23,7 @@ ElementwiseLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[st
 
 
 @dataclass(frozen=True)
-class LossSpec:
+class ServerLoss:
     name: str
     fn: ElementwiseLoss
     inputs: tuple[str, ...]  # required loss_fn_inputs keys, each one value per token
@@ -48,10 +48,10 @@ class LossSpec:
         return cfg
 
 
-_REGISTRY: dict[str, LossSpec] = {}
+_SERVER_LOSSES: dict[str, ServerLoss] = {}
 
 
-def register_loss(
+def register_server_loss(
     name: str,
     *,
     inputs: tuple[str, ...],
@@ -59,31 +59,31 @@ def register_loss(
     check_config: Callable[[dict[str, float]], str | None] | None = None,
 ) -> Callable[[ElementwiseLoss], ElementwiseLoss]:
     def decorator(fn: ElementwiseLoss) -> ElementwiseLoss:
-        if name in _REGISTRY:
+        if name in _SERVER_LOSSES:
             raise ValueError(f"loss {name!r} is already registered")
-        _REGISTRY[name] = LossSpec(name, fn, tuple(inputs), dict(config or {}), check_config)
+        _SERVER_LOSSES[name] = ServerLoss(name, fn, tuple(inputs), dict(config or {}), check_config)
         return fn
 
     return decorator
 
 
-def get_loss(name: str) -> LossSpec:
-    spec = _REGISTRY.get(name)
+def server_loss(name: str) -> ServerLoss:
+    spec = _SERVER_LOSSES.get(name)
     if spec is None:
-        raise UserError(f"unsupported loss_fn {name!r}; supported: {list(_REGISTRY)}")
+        raise UserError(f"unsupported loss_fn {name!r}; supported: {list(_SERVER_LOSSES)}")
     return spec
 
 
-def loss_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+def server_loss_names() -> tuple[str, ...]:
+    return tuple(_SERVER_LOSSES)
 
 
-@register_loss("cross_entropy", inputs=("target_tokens", "weights"))
+@register_server_loss("cross_entropy", inputs=("target_tokens", "weights"))
 def cross_entropy(lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]) -> torch.Tensor:
     return -lp_T * inputs["weights"]
 
 
-@register_loss("importance_sampling", inputs=("target_tokens", "logprobs", "advantages"))
+@register_server_loss("importance_sampling", inputs=("target_tokens", "logprobs", "advantages"))
 def importance_sampling(lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor],
                         config: Mapping[str, float]) -> torch.Tensor:
     ratio_T = torch.exp(lp_T - inputs["logprobs"])
@@ -96,7 +96,7 @@ def _ppo_bounds(cfg: dict[str, float]) -> str | None:
     return "thresholds must satisfy 0 < clip_low_threshold <= 1 <= clip_high_threshold"
 
 
-@register_loss(
+@register_server_loss(
     "ppo",
     inputs=("target_tokens", "logprobs", "advantages"),
     config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},

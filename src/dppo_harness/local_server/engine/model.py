@@ -13,13 +13,17 @@ import hashlib
 import io
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 
 from dppo_harness.local_server.engine import attention
+
+if TYPE_CHECKING:
+    import peft
 
 # Floor reported as the logprob of an out-of-vocabulary target id: the model cannot emit it.
 # Constant (zero gradient); only ever hit on prompt positions of non-GSM8K text.
@@ -42,12 +46,14 @@ class TinyConfig:
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
 
 
 def qwen3_config(cfg: TinyConfig, num_embeddings: int) -> transformers.Qwen3Config:
-    return transformers.Qwen3Config(
+    # Qwen3Config is a @strict dataclass whose fields mypy does not see: it checks the call
+    # against PreTrainedConfig.__init__, which lacks the model keywords.
+    return transformers.Qwen3Config(  # type: ignore[call-arg]
         vocab_size=num_embeddings,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -95,7 +101,8 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int, targets=None):
+def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int,
+             targets: Sequence[str] | None = None) -> peft.PeftModel:
     """Wrap with peft LoRA on ``targets`` (default: every linear layer: attention, MLP and
     unembedding).
 
@@ -103,7 +110,7 @@ def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int, targets=
     from a private generator seeded with ``seed`` in sorted-name order; B matrices start at zero,
     so a fresh adapter leaves the base model's outputs unchanged.
     """
-    import peft
+    import peft  # loads transformers' model modules (seconds): deferred to the first LoRA model
 
     lcfg = peft.LoraConfig(
         r=int(rank), lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(targets or LORA_TARGETS),
@@ -121,7 +128,7 @@ def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int, targets=
     return pm
 
 
-def lora_named_parameters(pm) -> Iterator[tuple[str, torch.nn.Parameter]]:
+def lora_named_parameters(pm: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """Trainable LoRA parameters in a fixed (sorted-name) order."""
     return iter(sorted(((n, p) for n, p in pm.named_parameters() if p.requires_grad), key=lambda kv: kv[0]))
 
@@ -140,7 +147,7 @@ def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, in_vocab:
     return torch.where(oov_BT, torch.full_like(lp_BT, OOV_TARGET_LOGPROB), lp_BT)
 
 
-def tensor_bytes(obj) -> bytes:
+def tensor_bytes(obj: object) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()

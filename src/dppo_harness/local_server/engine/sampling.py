@@ -42,7 +42,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, LinearAttentionLayer
+import transformers
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dppo_harness.local_server.engine.draws import draw
 from dppo_harness.local_server.engine.logprobs import chunked_target_logprobs
@@ -53,6 +61,8 @@ MODES = ("auto", "dynamic", "static", "graph")
 DRAWS = ("gumbel", "multinomial")
 PREFILLS = ("batched", "each")
 log = logging.getLogger(__name__)
+AnyCacheLayer = CacheLayerMixin | LinearAttentionCacheLayerMixin  # what a transformers `Cache` holds
+DecodeStats = dict[str, int | str]  # decode_mode, decode_steps, rows (`generate`)
 
 
 @dataclass(frozen=True)
@@ -110,31 +120,33 @@ class BufferLayer(CacheLayerMixin):
         self.kbuf, self.vbuf, self.len = keys, values, length
         self.is_initialized = True
 
+    # keys / values are views of the buffers: read-only here, where the mixin declares attributes.
     @property
-    def keys(self) -> torch.Tensor:
+    def keys(self) -> torch.Tensor:  # type: ignore[override]
         return self.kbuf[:, :, : self.len]
 
     @property
-    def values(self) -> torch.Tensor:
+    def values(self) -> torch.Tensor:  # type: ignore[override]
         return self.vbuf[:, :, : self.len]
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - prefilled
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover - prefilled
         raise RuntimeError("buffer layer is prefilled")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         n = key_states.shape[-2]
         self.kbuf[:, :, self.len : self.len + n] = key_states
         self.vbuf[:, :, self.len : self.len + n] = value_states
         self.len += n
         return self.keys, self.values
 
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int, *args: object) -> tuple[int, int]:
         return self.len + query_length, 0
 
-    def get_seq_length(self, *args) -> int:
+    def get_seq_length(self, *args: object) -> int:
         return self.len
 
-    def get_max_cache_shape(self, *args) -> int:
+    def get_max_cache_shape(self, *args: object) -> int:
         return -1
 
     def select(self, idx: torch.Tensor) -> None:
@@ -147,17 +159,15 @@ class BufferLayer(CacheLayerMixin):
 GQA_DECODE_ATTENTION = "dppo_gqa_decode"
 
 
-def gqa_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def gqa_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                         **kwargs) -> tuple[torch.Tensor, None]:
+                         is_causal: bool | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
     """Single-query attention over a grouped KV cache without repeating K/V per query head (sdpa
     with a mask repeats the whole cache per step); any other shape goes to transformers' sdpa.
     Query head h reads KV head h // (H / Hkv), as transformers' repeat_kv does."""
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+                                      is_causal=is_causal, **kwargs)
     R, H, _, D = query.shape
     Hkv = key.shape[1]
     q_RKGD = query.reshape(R, Hkv, H // Hkv, D)
@@ -172,7 +182,7 @@ def gqa_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
 def register_gqa_decode_attention() -> str:
     """Registered on first static decode (importing transformers' attention registry early slows
     the preset server's first requests)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # loads transformers.modeling_utils (docstring)
 
     AttentionInterface.register(GQA_DECODE_ATTENTION, gqa_decode_attention)
     return GQA_DECODE_ATTENTION
@@ -190,29 +200,31 @@ class StaticKVLayer(CacheLayerMixin):
         self.kbuf, self.vbuf, self.write_col = keys, values, write_col
         self.is_initialized = True
 
+    # keys / values are the buffers themselves: read-only here, where the mixin declares attributes.
     @property
-    def keys(self) -> torch.Tensor:
+    def keys(self) -> torch.Tensor:  # type: ignore[override]
         return self.kbuf
 
     @property
-    def values(self) -> torch.Tensor:
+    def values(self) -> torch.Tensor:  # type: ignore[override]
         return self.vbuf
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - prefilled
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover - prefilled
         raise RuntimeError("static layer is prefilled")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         self.kbuf.index_copy_(2, self.write_col, key_states)
         self.vbuf.index_copy_(2, self.write_col, value_states)
         return self.kbuf, self.vbuf
 
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int, *args: object) -> tuple[int, int]:
         return self.kbuf.shape[2], 0
 
-    def get_seq_length(self, *args) -> int:
+    def get_seq_length(self, *args: object) -> int:
         return self.kbuf.shape[2]
 
-    def get_max_cache_shape(self, *args) -> int:
+    def get_max_cache_shape(self, *args: object) -> int:
         return self.kbuf.shape[2]
 
 
@@ -223,13 +235,14 @@ class StaticDecodeStep:
     layers keep their transformers `LinearAttentionLayer`, whose conv and recurrent states the
     model updates in place (`copy_`), so their addresses stay fixed for the graph."""
 
-    def __init__(self, net, cache: Cache, attn_RC: torch.Tensor, use_graph: bool):
+    def __init__(self, net: transformers.PreTrainedModel, cache: Cache, attn_RC: torch.Tensor, use_graph: bool):
         self.decoder, self.head = net.get_decoder(), net.get_output_embeddings()
         dev = attn_RC.device
         R = attn_RC.shape[0]
         self.write_col = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.cache = Cache(layers=[StaticKVLayer(lay.kbuf, lay.vbuf, self.write_col) if isinstance(lay, BufferLayer)
-                                   else lay for lay in cache.layers])
+        layers: list[AnyCacheLayer] = [StaticKVLayer(lay.kbuf, lay.vbuf, self.write_col)
+                                       if isinstance(lay, BufferLayer) else lay for lay in cache.layers]
+        self.cache = Cache(layers=layers)
         self.mask_R11C = attn_RC.bool()[:, None, None, :].clone()
         self.ids_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
         self.pos_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
@@ -254,7 +267,8 @@ class StaticDecodeStep:
             cfg._attn_implementation = prev
         return self.head(out.last_hidden_state[:, -1]).float()
 
-    def _capture(self) -> None:
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The captured step and the logits tensor its replays write."""
         saved = [t.clone() for t in self._states()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -266,8 +280,8 @@ class StaticDecodeStep:
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # trainer threads may run meanwhile
-            self.logits_RV = self._forward()  # recorded, not run
-        self.graph = graph
+            logits_RV = self._forward()  # recorded, not run
+        return graph, logits_RV
 
     def __call__(self, ids_R: torch.Tensor, pos_R: torch.Tensor, col: int) -> torch.Tensor:
         self.ids_R1.copy_(ids_R.unsqueeze(-1))
@@ -276,8 +290,8 @@ class StaticDecodeStep:
         self.mask_R11C[:, 0, 0, col] = True
         if not self.use_graph:
             return self._forward()
-        if self.graph is None:
-            self._capture()
+        if self.graph is None or self.logits_RV is None:
+            self.graph, self.logits_RV = self._capture()
         self.graph.replay()
         return self.logits_RV
 
@@ -288,12 +302,14 @@ def _buffered(cache: Cache, cap: int) -> Cache:
     cache as it is."""
     if not all(type(layer) in (DynamicLayer, LinearAttentionLayer) for layer in cache.layers):
         return cache
-    layers = []
+    layers: list[AnyCacheLayer] = []
     for layer in cache.layers:
-        if type(layer) is LinearAttentionLayer:
+        if not isinstance(layer, DynamicLayer):  # a LinearAttentionLayer
             layers.append(layer)
             continue
         k, v = layer.keys, layer.values
+        if k is None or v is None:
+            raise ValueError("an attention layer of the prefilled cache holds no KV")
         kb = k.new_zeros((k.shape[0], k.shape[1], cap, k.shape[3]))
         vb = v.new_zeros((v.shape[0], v.shape[1], cap, v.shape[3]))
         kb[:, :, : k.shape[2]] = k
@@ -310,7 +326,7 @@ class _Prefill:
     prompt_lps: list[list[float | None] | None]
 
 
-def _prefill_batched(net, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor,
+def _prefill_batched(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor,
                      cap: int) -> _Prefill:
     decoder, head = net.get_decoder(), net.get_output_embeddings()
     if spec.vocab_size != head.weight.shape[0]:
@@ -341,14 +357,16 @@ def _prefill_batched(net, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_
     return _Prefill(_buffered(cache, cap), last, mask_JL, prompt_lps)
 
 
-def _prefill_each(net, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor,
+def _prefill_each(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor,
                   cap: int) -> _Prefill:
     """Every prompt alone (batch 1, no padding); its KV is copied into its samples' rows of
     zeroed buffers, right-aligned at the longest prompt's end."""
     decoder, head = net.get_decoder(), net.get_output_embeddings()
     device, V = head.weight.device, spec.vocab_size
     J, Lp = len(reqs), max(len(r.prompt) for r in reqs)
-    kv, last, prompt_lps = [], [], []
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    last: list[torch.Tensor] = []
+    prompt_lps: list[list[float | None] | None] = []
     for r in reqs:
         ids_1L = torch.tensor([r.prompt], dtype=torch.int64, device=device)
         out = decoder(input_ids=ids_1L, use_cache=True)
@@ -367,7 +385,7 @@ def _prefill_each(net, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx
     mask_JL = torch.zeros((J, Lp), dtype=torch.int64, device=device)
     for j, r in enumerate(reqs):
         mask_JL[j, Lp - len(r.prompt):] = 1
-    layers = []
+    layers: list[AnyCacheLayer] = []
     for li in range(len(kv[0])):
         k0 = kv[0][li][0]
         kb = k0.new_zeros((R, k0.shape[1], cap, k0.shape[3]))
@@ -382,13 +400,13 @@ def _prefill_each(net, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx
     return _Prefill(Cache(layers=layers), torch.stack(last), mask_JL, prompt_lps)
 
 
-def static_capable(net, cache: Cache) -> bool:
+def static_capable(net: transformers.PreTrainedModel, cache: Cache) -> bool:
     """Whether a decode step over this cache can keep fixed shapes (`StaticDecodeStep`)."""
     return all(type(lay) in (BufferLayer, LinearAttentionLayer) for lay in cache.layers) and not getattr(
         net.get_decoder(), "has_sliding_layers", False)
 
 
-def resolve_mode(mode: str, net, cache: Cache) -> str:
+def resolve_mode(mode: str, net: transformers.PreTrainedModel, cache: Cache) -> str:
     if mode not in MODES:
         raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
     static_ok = isinstance(cache, Cache) and static_capable(net, cache)
@@ -413,8 +431,9 @@ class _DecodedRows:
     mode: str  # the decode mode that ran ("static" when a graph capture failed)
 
 
-def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], spec: DecodeSpec,
-             mode: str = "auto", stats: dict | None = None) -> list[list[Decoded]]:
+def generate(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest],
+             decode_text: Callable[[list[int]], str], spec: DecodeSpec, mode: str = "auto",
+             stats: DecodeStats | None = None) -> list[list[Decoded]]:
     """All samples of all `reqs` (token ids are the model's rows) through the one batched decode
     loop (module docstring). `decode_text` turns model ids into text for stop strings. `stats`, if
     given, receives the decode mode used, the step count and the row count."""
@@ -437,7 +456,7 @@ def generate(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int
     return _decoded_by_request(reqs, rows, pre.prompt_lps)
 
 
-def _decode_rows(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], spec: DecodeSpec,
+def _decode_rows(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], spec: DecodeSpec,
                  row_req: list[int], Lp: int, cache: Cache, attn_RC: torch.Tensor, pos_R: torch.Tensor,
                  logits_BV: torch.Tensor, static: StaticDecodeStep | None, mode: str) -> _DecodedRows:
     """The decode loop over every row from the prefill's last logits until every row finished."""
@@ -497,7 +516,8 @@ def _decode_rows(net, reqs: Sequence[DecodeRequest], decode_text: Callable[[list
             continue
         if dead and dead >= max(1, int(spec.compact_fraction * len(batch_rows))):
             kidx = torch.tensor(live_k, dtype=torch.int64, device=device)
-            cache.reorder_cache(kidx)
+            # transformers annotates the index with the legacy torch.LongTensor class; an int64 tensor is what it takes.
+            cache.reorder_cache(kidx)  # type: ignore[arg-type]
             attn_RC, pos_R, nxt_B = attn_RC[kidx], pos_R[kidx], nxt_B[kidx]
             batch_rows = [batch_rows[k] for k in live_k]
         attn_RC[:, cur - 1] = 1

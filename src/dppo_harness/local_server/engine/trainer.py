@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import transformers
 
 from dppo_harness.local_server.engine import hf_model, model
 from dppo_harness.local_server.engine.logprobs import (
@@ -17,12 +19,16 @@ from dppo_harness.local_server.engine.logprobs import (
     head_target_logprobs,
     lora_head_parts,
 )
-from dppo_harness.local_server.engine.loss_fns import get_loss
+from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.vocab import Vocab
 
+if TYPE_CHECKING:
+    import peft
+
 DatumIn = tuple[Sequence[int], dict[str, np.ndarray]]
 FwdBwdOut = tuple[list[dict[str, np.ndarray]], dict[str, float]]
+LossConfigIn = Mapping[str, float | str] | None  # a request's loss_fn_config
 
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memory)
@@ -39,7 +45,7 @@ class TrainModel:
     requested_base_model: str
     lora_rank: int
     seed: int
-    net: torch.nn.Module
+    net: peft.PeftModel
     params: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.AdamW
     targets: tuple[str, ...] = tuple(model.LORA_TARGETS)
@@ -62,6 +68,15 @@ class RetainedForward:
         return len(items) == len(self.items) and all(
             torch.equal(a[0], b[0]) and torch.equal(a[1]["target_tokens"], b[1]["target_tokens"])
             for a, b in zip(items, self.items))
+
+
+def causal_lm(net: torch.nn.Module) -> transformers.PreTrainedModel:
+    """The causal LM under a peft wrapper (its base model), or `net` itself."""
+    get_base_model = getattr(net, "get_base_model", None)
+    causal = get_base_model() if get_base_model is not None else net
+    if not isinstance(causal, transformers.PreTrainedModel):
+        raise TypeError(f"{type(causal).__name__} is not a transformers causal LM")
+    return causal
 
 
 def make_optimizer(params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.AdamW:
@@ -89,8 +104,12 @@ class TrainerMixin:
     _retained: list[RetainedForward]
     _retained_lock: threading.Lock
 
+    if TYPE_CHECKING:
+
+        def _get(self, model_id: str) -> TrainModel: ...
+
     def _validate(self, data: Sequence[DatumIn], loss_fn: str) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        required_inputs = get_loss(loss_fn).inputs  # UserError naming the supported losses
+        required_inputs = server_loss(loss_fn).inputs  # UserError naming the supported losses
         if len(data) == 0:
             raise UserError("data is empty")
         out = []
@@ -118,7 +137,7 @@ class TrainerMixin:
             out.append((self._to_local(toks, f"datum {i}: model_input"), conv))
         return out
 
-    def _to_local(self, ids, what: str) -> torch.Tensor:
+    def _to_local(self, ids: Sequence[int] | np.ndarray | torch.Tensor, what: str) -> torch.Tensor:
         try:
             return self.vocab.to_local(ids)
         except ValueError as exc:  # full vocabulary: ids outside the model's rows
@@ -127,7 +146,9 @@ class TrainerMixin:
     def _microbatches(self, lengths: list[int]) -> list[list[int]]:
         """Datum indices grouped into micro-batches of <= TOKEN_BUDGET padded tokens; datums are
         visited in (stable) length order so padding stays small."""
-        batches, cur, cur_max = [], [], 0
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        cur_max = 0
         for i in sorted(range(len(lengths)), key=lambda k: lengths[k]):
             L = lengths[i]
             new_max = max(cur_max, L)
@@ -140,7 +161,8 @@ class TrainerMixin:
             batches.append(cur)
         return batches
 
-    def _logprobs_mb(self, net: torch.nn.Module, items: list[tuple[torch.Tensor, dict]], idx: list[int]) -> list[torch.Tensor]:
+    def _logprobs_mb(self, net: torch.nn.Module, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                     idx: list[int]) -> list[torch.Tensor]:
         lens = [int(items[i][0].numel()) for i in idx]
         Tm = max(lens)
         ids_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
@@ -154,7 +176,7 @@ class TrainerMixin:
         if self.checkpoint is not None:
             return self._logprobs_hf(net, ids_BT, tgt_BT, mask_BT, lens)
         kw = {"attention_mask": mask_BT} if min(lens) != Tm else {}
-        causal = net.get_base_model() if hasattr(net, "get_base_model") else net
+        causal = causal_lm(net)
         head = causal.get_output_embeddings()
         if lora_head_parts(head) is None:
             logits_BTV = net(input_ids=ids_BT, use_cache=False, **kw).logits
@@ -172,7 +194,7 @@ class TrainerMixin:
                      lens: list[int]) -> list[torch.Tensor]:
         """Full vocabulary: the decoder's hidden states at the real (unpadded) positions, then the
         target log-softmax in token chunks (never a [B, T, V] float32 logits tensor)."""
-        causal = net.get_base_model() if hasattr(net, "get_base_model") else net
+        causal = causal_lm(net)
         dev = self.device
         ids_BT, tgt_BT, mask_BT = ids_BT.to(dev), tgt_BT.to(dev), mask_BT.to(dev)
         kw = {"attention_mask": mask_BT} if min(lens) != ids_BT.shape[1] else {}
@@ -183,14 +205,14 @@ class TrainerMixin:
         return list(lp_N.split(lens))
 
     @staticmethod
-    def _loss(loss_fn: str, lp_T: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
-        return get_loss(loss_fn).fn(lp_T, inp, cfg)
+    def _loss(loss_fn: str, lp_T: torch.Tensor, inp: dict[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
+        return server_loss(loss_fn).fn(lp_T, inp, cfg)
 
     @staticmethod
-    def _loss_cfg(loss_fn: str, loss_fn_config: dict | None) -> dict:
-        return get_loss(loss_fn).config(loss_fn_config)
+    def _loss_cfg(loss_fn: str, loss_fn_config: LossConfigIn) -> dict[str, float]:
+        return server_loss(loss_fn).config(loss_fn_config)
 
-    def _run(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: dict | None,
+    def _run(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn,
              backward: bool) -> FwdBwdOut:
         tm = self._get(model_id)
         cfg = self._loss_cfg(loss_fn, loss_fn_config)
@@ -263,11 +285,11 @@ class TrainerMixin:
             self.retained_stats["dropped"] += len(self._retained) - len(kept)
             self._retained = kept
 
-    def forward(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: dict | None = None) -> FwdBwdOut:
+    def forward(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn = None) -> FwdBwdOut:
         return self._run(model_id, data, loss_fn, loss_fn_config, backward=False)
 
     def forward_backward(self, model_id: str, data: Sequence[DatumIn], loss_fn: str,
-                         loss_fn_config: dict | None = None) -> FwdBwdOut:
+                         loss_fn_config: LossConfigIn = None) -> FwdBwdOut:
         """Forward + backward; LoRA gradients accumulate until ``optim_step``."""
         return self._run(model_id, data, loss_fn, loss_fn_config, backward=True)
 
@@ -284,7 +306,7 @@ class TrainerMixin:
                     out[i] = lp
         return [o for o in out if o is not None]
 
-    def optim_step(self, model_id: str, adam: dict) -> dict[str, float]:
+    def optim_step(self, model_id: str, adam: Mapping[str, float | None]) -> dict[str, float]:
         tm = self._get(model_id)
         if "learning_rate" not in adam:
             raise UserError("optim_step needs adam_params.learning_rate")

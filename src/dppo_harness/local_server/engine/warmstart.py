@@ -11,7 +11,7 @@ Recipe (RECIPE below is hashed into the cache key):
 - order: one permutation of the train rows from ``torch.Generator().manual_seed(seed)``;
 - optimizer: torch AdamW (betas 0.9/0.98, eps 1e-8, weight decay 0.01), peak lr 3e-3, 15 linear
   warmup steps, then a cosine decay laid out over ``schedule_steps`` (300) of which only ``steps``
-  (60) run (measured enough: 32/32 groups with non-constant reward); ``batch_size`` 8 examples per
+  (60) run (enough for groups with non-constant reward, ``signal_rate``); ``batch_size`` 8 examples per
   step, loss = weighted mean over assistant tokens, the unembedding applied only at loss positions;
   grad-norm clip 1.0; 2 torch threads.
 Same config and seed -> same weights sha256 only on the same torch build and CPU kernels: 60
@@ -34,12 +34,23 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import transformers
 
+from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
+from dppo_harness.data.sha256sums import DataIntegrityError, pinned_sha256
 from dppo_harness.local_server.engine import model
 from dppo_harness.local_server.vocab import Vocab, get_renderer, prompt_messages, read_jsonl, solution_reply
+
+if TYPE_CHECKING:
+    from tinker_cookbook.renderers import Renderer
+
+    from dppo_harness.local_server.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 # Lines the server logs (stderr) with this marker are forwarded to the harness user by
@@ -77,8 +88,6 @@ def cache_root(cache_dir: Path | None = None) -> Path:
 
 def _train_sha256(ddir: Path) -> str:
     """sha256 of ``train.jsonl``; it must equal the value pinned in ``ddir/SHA256SUMS``."""
-    from dppo_harness.data.sha256sums import DataIntegrityError, pinned_sha256
-
     got = hashlib.sha256((ddir / "train.jsonl").read_bytes()).hexdigest()
     pinned = pinned_sha256("train", ddir)
     if got != pinned:
@@ -108,7 +117,7 @@ def config_hash(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_example(vocab: Vocab, renderer, row: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def build_example(vocab: Vocab, renderer: Renderer, row: Mapping[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(local token ids [T], loss weights [T]) of one GSM8K train row."""
     msgs = prompt_messages(row["question"]) + [{"role": "assistant", "content": solution_reply(row["answer"])}]
     mi, w = renderer.build_supervised_example(msgs)
@@ -116,7 +125,8 @@ def build_example(vocab: Vocab, renderer, row: dict) -> tuple[torch.Tensor, torc
 
 
 def train(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path,
-          log_every: int = 0, on_step=None) -> tuple[torch.nn.Module, dict]:
+          log_every: int = 0, on_step: Callable[[int, torch.nn.Module], object] | None = None
+          ) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(int(recipe["num_threads"]))
     try:
@@ -186,7 +196,7 @@ def train(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir:
 
 
 def load_or_build(config: model.TinyConfig, vocab: Vocab, seed: int = 0, cache_dir: Path | None = None,
-                  recipe: dict | None = None, log_every: int = 0) -> tuple[torch.nn.Module, dict]:
+                  recipe: dict | None = None, log_every: int = 0) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     """Return the warm-started base model (eval mode) and provenance info; build + cache on miss."""
     recipe = dict(recipe or RECIPE)
     ddir = data_dir()
@@ -209,7 +219,8 @@ def load_or_build(config: model.TinyConfig, vocab: Vocab, seed: int = 0, cache_d
         return _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final, log_every)
 
 
-def load_shipped(config: model.TinyConfig, vocab: Vocab, seed: int, key: dict) -> tuple[torch.nn.Module, dict] | None:
+def load_shipped(config: model.TinyConfig, vocab: Vocab, seed: int,
+                 key: dict) -> tuple[transformers.Qwen3ForCausalLM, dict] | None:
     """The shipped warm start when its key is ``key`` (torch aside), sha256 checked; else None."""
     wfile, mfile = asset_paths(str(key["recipe"].get("version", "")))
     if not (wfile.exists() and mfile.exists()):
@@ -243,7 +254,8 @@ def _progress(text: str) -> None:
     log.info("%s%s", PROGRESS_MARKER, text)
 
 
-def _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final: Path, log_every: int):
+def _load_or_build_locked(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path, key: dict,
+                          chash: str, final: Path, log_every: int) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     wfile, mfile = final / "weights.pt", final / "meta.json"
     if wfile.exists() and mfile.exists():
         meta = json.loads(mfile.read_text())
@@ -273,15 +285,12 @@ def _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final: 
     return net, meta | {"cache_hit": False, "cache_dir": str(final)}
 
 
-def signal_rate(engine, n_groups: int = 32, group_size: int = 8, max_tokens: int = 512,
+def signal_rate(engine: Engine, n_groups: int = 32, group_size: int = 8, max_tokens: int = 512,
                 temperature: float = 1.0, sample_seed: int = 0, shuffle_seed: int = 0) -> dict:
     """Sample the first ``n_groups`` GSM8K train prompts (cookbook order) x ``group_size`` from the
     engine's base model and score them with the cookbook MathEnv reward. Returns counts, including
     how many groups have non-constant rewards (the RL signal the diagnostic needs)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
-    from dppo_harness.data import gsm8k
+    from dppo_harness.data import gsm8k  # imports tinker and the cookbook's math env: kept off the server's start
 
     renderer = get_renderer()
     items = gsm8k.load_split("train", seed=shuffle_seed).batch(0, n_groups)

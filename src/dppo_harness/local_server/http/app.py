@@ -27,6 +27,7 @@ import sys
 import time
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from tinker import types
 
 from dppo_harness import constants
@@ -118,7 +119,7 @@ async def _add_marker(request: web.Request, response: web.StreamResponse) -> Non
 
 
 @web.middleware
-async def _log_requests(request: web.Request, handler):
+async def _log_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
     """One line per request: method, path, status, milliseconds (never headers or bodies)."""
     t0 = time.perf_counter()
     status = 500
@@ -134,7 +135,7 @@ async def _log_requests(request: web.Request, handler):
 
 
 @web.middleware
-async def _authenticate(request: web.Request, handler):
+async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
     problem = state_of(request).profile.auth_error(request.headers)
     if problem is not None:
         return error_json(problem, 401)
@@ -142,7 +143,7 @@ async def _authenticate(request: web.Request, handler):
 
 
 @web.middleware
-async def _faults_and_errors(request: web.Request, handler):
+async def _faults_and_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = state_of(request)
     if request.path.startswith("/_harness/"):
         return await handler(request)
@@ -166,7 +167,8 @@ async def _faults_and_errors(request: web.Request, handler):
         headers = {}
         if state.faults.config.retry_after_ms is not None:
             headers["retry-after-ms"] = str(state.faults.config.retry_after_ms)
-        rejection = dump(types.RequestFailedResponse(error=decision.reject_reason, category="server"))
+        rejection = dump(types.RequestFailedResponse(error=decision.reject_reason,
+                                                     category=types.RequestErrorCategory.Server))
         return web.json_response(rejection, status=decision.reject_status, headers=headers)
     try:
         return await handler(request)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import pydantic
@@ -14,9 +15,13 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from dppo_harness.local_server.errors import UserError
 
+if TYPE_CHECKING:
+    from dppo_harness.local_server.engine.engine import SampledSeq
+
 API = "/api/v1"
 
 RequestT = TypeVar("RequestT", bound=pydantic.BaseModel)
+JsonObject = dict[str, pydantic.JsonValue]  # a JSON object as sent or received
 
 _PB_TO_NP = {
     pb.DTYPE_FLOAT32: np.float32,
@@ -76,7 +81,19 @@ def decode_tensor(msg: pb.Tensor) -> np.ndarray:
     return arr
 
 
-def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FwdBwdRequest:
+    """A protobuf `ForwardBackwardRequest` as plain Python."""
+
+    model_id: str
+    seq_id: int
+    data: list[tuple[list[int], dict[str, np.ndarray]]]  # (model_input tokens, loss_fn_inputs) per datum
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] | None
+    forward_only: bool
+
+
+def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> FwdBwdRequest:
     """The protobuf `ForwardBackwardRequest` as plain Python: model_id, seq_id, data, loss_fn, ..."""
     if content_encoding and content_encoding.lower() != "identity":
         # client/config answers proto_compress_fwdbwd=false, so the stock SDK never compresses.
@@ -86,7 +103,7 @@ def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> dict[str
         msg.ParseFromString(body)
     except Exception as exc:
         raise ProtocolError(f"forward_backward body is not a ForwardBackwardRequest protobuf: {exc}") from exc
-    data = []
+    data: list[tuple[list[int], dict[str, np.ndarray]]] = []
     for i, datum in enumerate(msg.data):
         tokens: list[int] = []
         for chunk in datum.model_input:
@@ -99,14 +116,8 @@ def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> dict[str
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
-    return {
-        "model_id": msg.model_id,
-        "seq_id": msg.seq_id,
-        "data": data,
-        "loss_fn": msg.loss_fn,
-        "loss_fn_config": config or None,
-        "forward_only": msg.forward_only,
-    }
+    return FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, data=data, loss_fn=msg.loss_fn,
+                         loss_fn_config=config or None, forward_only=msg.forward_only)
 
 
 def _pb_dtype(arr: np.ndarray) -> tuple[int, np.dtype]:
@@ -151,24 +162,18 @@ def encode_fwdbwd_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str
     return msg.SerializeToString()
 
 
-def seq_attr(seq: Any, name: str, default: Any = None) -> Any:
-    if isinstance(seq, dict):
-        return seq.get(name, default)
-    return getattr(seq, name, default)
-
-
-def encode_sample_response(seqs: list[Any], prompt_logprobs: list[float | None] | None, *,
+def encode_sample_response(seqs: Sequence[SampledSeq], prompt_logprobs: list[float | None] | None, *,
                            omit_logprobs: bool = False) -> bytes:
     """`omit_logprobs`: leave every sequence's (optional) logprobs out, as a service may."""
     msg = pb.SampleResponse()
     for seq in seqs:
         out = msg.sequences.add()
-        reason = seq_attr(seq, "stop_reason")
+        reason = seq.stop_reason
         if reason not in ("stop", "length"):
             raise ValueError(f"stop_reason must be 'stop' or 'length', got {reason!r}")
         out.stop_reason = pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH
-        tokens = np.asarray(seq_attr(seq, "tokens"), dtype=np.int32)
-        logprobs = np.asarray(seq_attr(seq, "logprobs"), dtype=np.float32)
+        tokens = np.asarray(seq.tokens, dtype=np.int32)
+        logprobs = np.asarray(seq.logprobs, dtype=np.float32)
         if logprobs.shape != tokens.shape:
             raise ValueError(f"{tokens.size} sampled tokens but {logprobs.size} logprobs")
         out.tokens = tokens.tobytes()
@@ -186,7 +191,7 @@ def parse_stop(stop: str | Sequence[str] | Sequence[int] | None, default_ids: li
         return list(default_ids), []
     if isinstance(stop, str):
         return [], [stop]
-    items = list(stop)
+    items: list[str | int] = list(stop)
     if all(isinstance(s, str) for s in items):
         return [], [str(s) for s in items]
     return [int(s) for s in items], []
@@ -228,6 +233,6 @@ def parse_request(model: type[RequestT], raw: bytes) -> RequestT:
         raise ProtocolError(f"{model.__name__}: {validation_message(exc)}") from None
 
 
-def dump(response: pydantic.BaseModel) -> dict[str, Any]:
+def dump(response: pydantic.BaseModel) -> JsonObject:
     """An SDK response model as wire JSON."""
     return response.model_dump(mode="json", exclude_none=True)

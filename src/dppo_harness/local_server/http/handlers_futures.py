@@ -25,20 +25,21 @@ async def retrieve_future(request: web.Request) -> web.Response:
         return error_json(f"unknown request_id {request_id!r}", 404)
     if not fut.done():
         hold = state.holds.get(fut)
-        paused = hold is not None and hold.queue_state != "active"
+        paused = hold if hold is not None and hold.queue_state != "active" else None
         try:
-            await asyncio.wait_for(asyncio.shield(fut), PAUSED_POLL_S if paused else LONG_POLL_S)
+            await asyncio.wait_for(asyncio.shield(fut), PAUSED_POLL_S if paused is not None else LONG_POLL_S)
         except TimeoutError:
-            pending = TryAgainResponse(request_id=request_id, queue_state=hold.queue_state if paused else "active")
+            pending = TryAgainResponse(request_id=request_id,
+                                       queue_state=paused.queue_state if paused is not None else "active")
             # queue_state_reason: sent by the service, read by the SDK, not in its TryAgainResponse type
-            reason = hold.poll_reason() if paused else None
+            reason = paused.poll_reason() if paused is not None else None
             extra = {"queue_state_reason": reason} if reason else {}
             return web.json_response(dump(pending) | extra, status=408)
     outcome: Outcome = fut.result()
     if outcome.kind == "proto":
         return web.Response(body=outcome.payload, content_type="application/x-protobuf")
     if outcome.kind == "error":
-        return error_json(outcome.payload, 200, outcome.category)
+        return error_json(str(outcome.payload), 200, outcome.category)
     return web.json_response(outcome.payload)
 
 

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.local_server.errors import UserError
-from dppo_harness.local_server.http.codecs import dump, encode_sample_response, parse_stop, prompt_tokens_of, seq_attr
+from dppo_harness.local_server.http.codecs import dump, encode_sample_response, parse_stop, prompt_tokens_of
 from dppo_harness.local_server.http.handlers_session_futures import report_completion
 from dppo_harness.local_server.http.state import Outcome, new_sampler, session_of, state_of
 from dppo_harness.local_server.http.work import check_served, error_json, future_json, parse_body, run_engine, spawn
+
+if TYPE_CHECKING:
+    from dppo_harness.local_server.engine.engine import SampledSeq
 
 
 async def create_sampling_session(request: web.Request) -> web.Response:
@@ -61,9 +65,10 @@ async def asample(request: web.Request) -> web.Response:
         sampler = state.samplers[req.sampling_session_id]
         target = sampler.model_path or sampler.base_model
     else:
-        target = req.model_path or req.base_model
-        if not target:
+        requested = req.model_path or req.base_model
+        if not requested:
             raise UserError("asample needs sampling_session_id, model_path or base_model")
+        target = requested
         if req.model_path is None:
             check_served(state, target)
     prompt = prompt_tokens_of(req.prompt)
@@ -72,7 +77,8 @@ async def asample(request: web.Request) -> web.Response:
     if req.num_samples < 1:
         raise UserError(f"asample: num_samples must be >= 1, got {req.num_samples}")
     params = req.sampling_params
-    if params.max_tokens is None or params.max_tokens < 1:
+    max_tokens = params.max_tokens
+    if max_tokens is None or max_tokens < 1:
         raise UserError(f"asample: sampling_params.max_tokens must be a positive integer, got {params.max_tokens!r}")
     stop_ids, stop_strings = parse_stop(params.stop, state.default_stop_ids())
     want_prompt_lp = bool(req.prompt_logprobs)
@@ -85,7 +91,7 @@ async def asample(request: web.Request) -> web.Response:
 
     def fn() -> Outcome:
         seqs = state.engine.sample(
-            target, prompt, num_samples, params.max_tokens, float(params.temperature), int(params.top_k),
+            target, prompt, num_samples, max_tokens, float(params.temperature), int(params.top_k),
             float(params.top_p), stop_ids, stop_strings, params.seed, want_prompt_lp,
         )
         if len(seqs) != num_samples:
@@ -95,7 +101,8 @@ async def asample(request: web.Request) -> web.Response:
             prompt_lp = _prompt_logprobs_of(seqs, len(prompt))
             if last_n is not None:
                 cut = len(prompt) - last_n
-                prompt_lp = [None] * cut + prompt_lp[cut:]
+                unscored: list[float | None] = [None] * cut
+                prompt_lp = unscored + prompt_lp[cut:]
         omit = state.faults.omitted_fields("asample")
         return Outcome("proto", encode_sample_response(seqs, prompt_lp, omit_logprobs="logprobs" in omit))
 
@@ -109,13 +116,13 @@ async def asample(request: web.Request) -> web.Response:
     return future_json(request_id, sample_sequence_ids=sequence_ids)
 
 
-def _prompt_logprobs_of(seqs: list[Any], prompt_len: int) -> list[float | None]:
-    lp = seq_attr(seqs[0], "prompt_logprobs")
-    if lp is None:
+def _prompt_logprobs_of(seqs: Sequence[SampledSeq], prompt_len: int) -> list[float | None]:
+    given = seqs[0].prompt_logprobs
+    if given is None:
         raise RuntimeError("engine returned no prompt_logprobs although they were requested")
-    lp = [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in lp]
+    lp = [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in given]
     if len(lp) == prompt_len - 1:  # engine scored positions 1..n-1 only
-        lp = [None] + lp
+        lp = [None, *lp]
     if len(lp) != prompt_len:
         raise RuntimeError(f"engine returned {len(lp)} prompt logprobs for a {prompt_len}-token prompt")
     lp[0] = None

@@ -12,7 +12,7 @@ from tinker import types
 from tinker.types.session_status import ClientSessionFinishReason
 
 from dppo_harness.local_server.http.codecs import dump, parse_request
-from dppo_harness.local_server.http.state import session_of, state_of, str_metadata
+from dppo_harness.local_server.http.state import SessionEntry, session_of, state_of, str_metadata
 from dppo_harness.local_server.http.work import error_json, parse_body
 
 MAX_TELEMETRY_BODIES = 1000
@@ -73,15 +73,15 @@ async def create_session(request: web.Request) -> web.Response:
     state = state_of(request)
     req = await parse_body(request, types.CreateSessionRequest)
     session_id = str(uuid.uuid4())
-    state.sessions[session_id] = {
-        "created": time.time(),
-        "last_heartbeat": time.time(),
-        "finished": None,
-        "sdk_version": req.sdk_version,
-        "tags": list(req.tags),
-        "user_metadata": str_metadata(req.user_metadata),
-        "display_name": req.display_name,
-    }
+    state.sessions[session_id] = SessionEntry(
+        created=time.time(),
+        last_heartbeat=time.time(),
+        finished=None,
+        sdk_version=req.sdk_version,
+        tags=list(req.tags),
+        user_metadata=str_metadata(req.user_metadata),
+        display_name=req.display_name,
+    )
     return web.json_response(dump(types.CreateSessionResponse(session_id=session_id)))
 
 
@@ -89,9 +89,9 @@ async def session_heartbeat(request: web.Request) -> web.Response:
     state = state_of(request)
     req = await parse_body(request, types.SessionHeartbeatRequest)
     session = session_of(state, req.session_id)
-    if session["finished"] is not None:
+    if session.finished is not None:
         return error_json("session is finished", 410)
-    session["last_heartbeat"] = time.time()
+    session.last_heartbeat = time.time()
     return web.json_response(dump(types.SessionHeartbeatResponse()))
 
 
@@ -109,8 +109,8 @@ async def finish_session(request: web.Request) -> web.Response:
     state = state_of(request)
     session = session_of(state, request.match_info["session_id"])
     req = await parse_body(request, FinishSessionRequest)
-    if session["finished"] is None:  # first reason wins
-        session["finished"] = req.reason.type
+    if session.finished is None:  # first reason wins
+        session.finished = req.reason.type
     drop = getattr(state.engine, "drop_retained", None)
     for entry in list(state.models.values()):
         if drop is not None and entry.session_id == request.match_info["session_id"]:
@@ -125,6 +125,6 @@ async def get_session(request: web.Request) -> web.Response:
     return web.json_response(dump(types.GetSessionResponse(
         training_run_ids=[m for m, e in state.models.items() if e.session_id == session_id],
         sampler_ids=[s for s in state.samplers if s.startswith(session_id)],
-        user_metadata=session["user_metadata"],
-        display_name=session["display_name"],
+        user_metadata=session.user_metadata,
+        display_name=session.display_name,
     )))

@@ -3,17 +3,21 @@ weights; work on one model runs in its `seq_id` order."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 from tinker import types
 from tinker.types._pydantic_types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
 
 from dppo_harness import constants
-from dppo_harness.local_server.engine.loss_fns import get_loss
+from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
-from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, dump, encode_fwdbwd_output
+from dppo_harness.local_server.http.codecs import (
+    JsonObject,
+    ProtocolError,
+    decode_fwdbwd_request,
+    dump,
+    encode_fwdbwd_output,
+)
 from dppo_harness.local_server.http.state import (
     ModelEntry,
     Outcome,
@@ -71,7 +75,7 @@ async def create_model(request: web.Request) -> web.Response:
     return future_json(request_id)
 
 
-def _model_data(state: ServerState, entry: ModelEntry) -> dict[str, Any]:
+def _model_data(state: ServerState, entry: ModelEntry) -> JsonObject:
     # The SDK reuses model_data.model_name as the base model of its sampling sessions, so it is the
     # requested name; `arch` names the stand-in really computing, plus the marker (extra key).
     data = types.ModelData(arch=state.stand_in, model_name=entry.base_model, tokenizer_id=entry.base_model)
@@ -95,16 +99,16 @@ async def forward_backward(request: web.Request) -> web.Response:
     state = state_of(request)
     body = await request.read()
     req = decode_fwdbwd_request(body, request.headers.get("Content-Encoding"))
-    entry = model_entry(state, req["model_id"] or None)
-    forward_only = req["forward_only"]
+    entry = model_entry(state, req.model_id or None)
+    forward_only = req.forward_only
     label = "forward" if forward_only else "forward_backward"
-    get_loss(req["loss_fn"])  # UserError naming the supported losses
-    if not req["data"]:
+    server_loss(req.loss_fn)  # UserError naming the supported losses
+    if not req.data:
         raise UserError(f"{label} without data")
     engine_call = state.engine.forward if forward_only else state.engine.forward_backward
 
     def fn() -> Outcome:
-        outputs, metrics = engine_call(entry.engine_id, req["data"], req["loss_fn"], req["loss_fn_config"])
+        outputs, metrics = engine_call(entry.engine_id, req.data, req.loss_fn, req.loss_fn_config)
         if "loss:sum" not in metrics:
             raise RuntimeError("engine returned no 'loss:sum' metric")
         omit = state.faults.omitted_fields(label)
@@ -113,8 +117,8 @@ async def forward_backward(request: web.Request) -> web.Response:
             metrics = {} if "metrics" in omit else metrics
         return Outcome("proto", encode_fwdbwd_output(outputs, metrics))
 
-    detail = f"{len(req['data'])} datums {sum(len(tokens) for tokens, _ in req['data'])} tokens"
-    return submit_ordered(state, entry, req["seq_id"] or None, label, fn, detail)
+    detail = f"{len(req.data)} datums {sum(len(tokens) for tokens, _ in req.data)} tokens"
+    return submit_ordered(state, entry, req.seq_id or None, label, fn, detail)
 
 
 async def optim_step(request: web.Request) -> web.Response:
@@ -154,13 +158,14 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         raise ProtocolError("save_weights_for_sampler needs 'path' or 'sampling_session_seq_id'")
     if req.kind != "snapshot":
         raise UserError(f"sampler weights kind {req.kind!r} is not supported by the local server; only 'snapshot'")
+    session_seq_id = req.sampling_session_seq_id  # not None when path is (checked above)
 
     def fn() -> Outcome:
         path = state.engine.save_for_sampler(entry.engine_id, req.path)
         state.record_checkpoint(entry, path, req.user_metadata)
         sampler_id = None
-        if req.path is None:
-            sampler_id = new_sampler(state, entry.session_id, int(req.sampling_session_seq_id), entry.base_model, path)
+        if req.path is None and session_seq_id is not None:
+            sampler_id = new_sampler(state, entry.session_id, int(session_seq_id), entry.base_model, path)
         return Outcome("json", dump(SaveWeightsForSamplerResponseInternal(
             path=path, sampling_session_id=sampler_id, type="save_weights_for_sampler")))
 

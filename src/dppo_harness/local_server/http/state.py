@@ -10,19 +10,26 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
+from pydantic import JsonValue
 from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.local_server.errors import UserError
-from dppo_harness.local_server.faults import FaultInjector, HeaderRecorder
+from dppo_harness.local_server.faults import FaultInjector, HeaderRecorder, Hold
+from dppo_harness.local_server.http.codecs import JsonObject
 from dppo_harness.local_server.profiles import Profile
+
+if TYPE_CHECKING:
+    from dppo_harness.local_server.engine.engine import Engine
+    from dppo_harness.local_server.http.handlers_session_futures import SessionCompletions
 
 MAX_KEPT_RESULTS = 20000
 MODEL_OWNER = "local"  # TrainingRun.model_owner: the embedded server has no accounts
@@ -35,7 +42,7 @@ def utc_now() -> datetime:
 @dataclass
 class Outcome:
     kind: str  # "json" | "proto" | "error"
-    payload: Any
+    payload: JsonObject | bytes | str  # json: the object; proto: the encoded message; error: the message
     category: str = "server"
 
 
@@ -57,6 +64,19 @@ class ModelEntry:
 
 
 @dataclass
+class SessionEntry:
+    """A session created through this server."""
+
+    created: float
+    last_heartbeat: float
+    finished: str | None  # the first finish reason
+    sdk_version: str
+    tags: list[str]
+    user_metadata: dict[str, str] | None
+    display_name: str | None
+
+
+@dataclass
 class SamplerEntry:
     sampler_id: str
     base_model: str
@@ -74,7 +94,7 @@ class CheckpointRecord:
     lora_switches: tuple[bool, bool, bool] = (True, True, True)  # train_mlp, train_attn, train_unembed
 
 
-def str_metadata(meta: dict[str, Any] | None) -> dict[str, str] | None:
+def str_metadata(meta: Mapping[str, JsonValue] | None) -> dict[str, str] | None:
     """TrainingRun/Checkpoint carry `dict[str, str]`; creation requests allow any JSON values."""
     if meta is None:
         return None
@@ -83,21 +103,21 @@ def str_metadata(meta: dict[str, Any] | None) -> dict[str, str] | None:
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: Engine
     faults: FaultInjector
     headers: HeaderRecorder
     sample_workers: int = 64
     profile: Profile = field(default_factory=Profile)
     started: float = field(default_factory=time.time)
     on_die: Callable[[str], None] | None = None  # called instead of os._exit in-process
-    stats_path: Any = None  # written when the process exits on purpose (fault die, SIGTERM)
+    stats_path: Path | None = None  # written when the process exits on purpose (fault die, SIGTERM)
 
     def __post_init__(self) -> None:
-        self.sessions: dict[str, dict[str, Any]] = {}
+        self.sessions: dict[str, SessionEntry] = {}
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, SamplerEntry] = {}
         self.checkpoints: dict[str, CheckpointRecord] = {}  # tinker path -> record, in save order
-        self.results: OrderedDict[str, asyncio.Future] = OrderedDict()
+        self.results: OrderedDict[str, asyncio.Future[Outcome]] = OrderedDict()
         self.model_requests: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> request
         self.sample_pool = ThreadPoolExecutor(self.sample_workers, thread_name_prefix="sample")
         self.misc_pool = ThreadPoolExecutor(2, thread_name_prefix="misc")
@@ -111,15 +131,14 @@ class ServerState:
         # scan them for credential values (the SDK's fatal-error events carry request headers).
         self.telemetry_bodies: list[bytes] = []
         self.tasks: set[asyncio.Task] = set()
-        self.holds: dict[asyncio.Future, Any] = {}  # queued requests a fault holds (faults.Hold)
-        # sampling session -> its finished samples (handlers_session_futures.SessionCompletions)
-        self.session_completions: dict[str, Any] = {}
+        self.holds: dict[asyncio.Future[Outcome], Hold] = {}  # queued requests a fault holds
+        self.session_completions: dict[str, SessionCompletions] = {}  # sampling session -> its finished samples
         self.cancelled_requests = 0  # cancel_future calls received
 
     # -- futures
-    def new_future(self) -> tuple[str, asyncio.Future]:
+    def new_future(self) -> tuple[str, asyncio.Future[Outcome]]:
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self.results[request_id] = fut
         while len(self.results) > MAX_KEPT_RESULTS:
             old_id, old = next(iter(self.results.items()))
@@ -144,7 +163,7 @@ class ServerState:
     def served_models(self) -> list[str]:
         return self.profile.served_models(list(getattr(self.engine, "served_models", [])), self.stand_in)
 
-    def marker(self) -> dict[str, str]:
+    def marker(self) -> JsonObject:
         return {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile.name}
 
     def record_checkpoint(self, entry: ModelEntry, path: str, user_metadata: dict[str, str] | None) -> None:
@@ -166,7 +185,7 @@ class ServerState:
             user_metadata=entry.user_metadata,
         )
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JsonObject:
         times = os.times()
         return {
             "uptime_s": time.time() - self.started,
@@ -176,7 +195,7 @@ class ServerState:
             "faults": self.faults.snapshot(),
             "headers": self.headers.snapshot(),
             "sessions": len(self.sessions),
-            "sessions_finished": sum(1 for s in self.sessions.values() if s.get("finished") is not None),
+            "sessions_finished": sum(1 for s in self.sessions.values() if s.finished is not None),
             "cancelled_requests": self.cancelled_requests,
             "models": {m: e.engine_id for m, e in self.models.items()},
             "samplers": len(self.samplers),
@@ -206,7 +225,7 @@ def state_of(request: web.Request) -> ServerState:
     return request.app[STATE_KEY]
 
 
-def session_of(state: ServerState, session_id: str) -> dict[str, Any]:
+def session_of(state: ServerState, session_id: str) -> SessionEntry:
     if session_id not in state.sessions:
         raise UserError(f"unknown session_id {session_id!r}")
     return state.sessions[session_id]

@@ -7,9 +7,9 @@ import asyncio
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TypeVar
 
 from aiohttp import web
 from tinker import types
@@ -23,11 +23,14 @@ log = logging.getLogger("dppo_harness.local_server")
 # One line per engine call: what ran, its wall and process CPU seconds (benchmarks read them).
 engine_log = logging.getLogger("dppo_harness.local_server.engine")
 
+T = TypeVar("T")
+
 SEQ_GAP_TIMEOUT_S = 900.0  # a missing earlier seq_id fails the waiting request after this
 
 
 def error_json(message: str, status: int, category: str = "user") -> web.Response:
-    return web.json_response(dump(types.RequestFailedResponse(error=message, category=category)), status=status)
+    return web.json_response(dump(types.RequestFailedResponse(error=message, category=types.RequestErrorCategory(category))),
+                             status=status)
 
 
 def future_json(request_id: str, model_id: str | None = None, sample_sequence_ids: list[str] | None = None
@@ -39,8 +42,8 @@ def future_json(request_id: str, model_id: str | None = None, sample_sequence_id
 async def parse_body(request: web.Request, model: type[RequestT]) -> RequestT:
     return parse_request(model, await request.read())
 
-async def run_engine(state: ServerState, executor: ThreadPoolExecutor, label: str, fn: Callable[[], Any],
-                      detail: str = "") -> Any:
+async def run_engine(state: ServerState, executor: ThreadPoolExecutor, label: str, fn: Callable[[], T],
+                      detail: str = "") -> T:
     loop = asyncio.get_running_loop()
     t0, c0 = time.perf_counter(), time.process_time()
     state.inflight += 1
@@ -63,7 +66,8 @@ def _outcome_of_exception(exc: BaseException, label: str) -> Outcome:
     return Outcome("error", f"{label} failed on the local server: {type(exc).__name__}: {exc}", "server")
 
 
-def spawn(state: ServerState, fut: asyncio.Future, label: str, coro_fn: Callable[[], Any]) -> None:
+def spawn(state: ServerState, fut: asyncio.Future[Outcome], label: str,
+          coro_fn: Callable[[], Awaitable[Outcome]]) -> None:
     """Run `coro_fn()` in the background and resolve `fut` with its Outcome."""
 
     async def runner() -> None:
@@ -71,15 +75,17 @@ def spawn(state: ServerState, fut: asyncio.Future, label: str, coro_fn: Callable
             hold = state.faults.take_hold(label)
             if hold is not None:  # a queue pause or a request that never completes (fault injection)
                 state.holds[fut] = hold
-                if hold.until is None:
+                wait_s = hold.remaining(time.monotonic())
+                if wait_s is None:  # held forever
                     await asyncio.Event().wait()
-                await asyncio.sleep(hold.remaining(time.monotonic()))
+                else:
+                    await asyncio.sleep(wait_s)
                 state.holds.pop(fut, None)
             outcome = await coro_fn()
         except Exception as exc:
             outcome = _outcome_of_exception(exc, label)
-        if outcome.kind == "json":  # --fault-omit-field: optional fields the service may leave out
-            outcome.payload = state.faults.omit_json(label, outcome.payload)
+        if outcome.kind == "json" and isinstance(outcome.payload, dict):  # --fault-omit-field: optional
+            outcome.payload = state.faults.omit_json(label, outcome.payload)  # fields the service may leave out
         if not fut.done():
             fut.set_result(outcome)
 
@@ -88,8 +94,8 @@ def spawn(state: ServerState, fut: asyncio.Future, label: str, coro_fn: Callable
     task.add_done_callback(state.tasks.discard)
 
 
-async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | None, label: str, fn: Callable[[], Any],
-                        detail: str = "") -> Any:
+async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | None, label: str, fn: Callable[[], T],
+                        detail: str = "") -> T:
     """Run `fn` on the model's worker once every earlier seq_id of the model has finished."""
     if seq_id is None:
         return await run_engine(state, entry.executor, label, fn, detail)
