@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dppo_harness import plans
-from dppo_harness.service.service_wait_policy import CAPACITY_SCALE_VAR, CapacityBlock
+from dppo_harness.service.wait.policy import CAPACITY_SCALE_VAR, CapacityBlock
 from dppo_harness.stages import session_rules
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
