@@ -32,8 +32,8 @@ from dppo_harness.stages.session_rules import record_capacity_stop_before_traini
 if TYPE_CHECKING:
     import tinker
 
-    from dppo_harness.service.release import ClientRegistry
     from dppo_harness.service.connectivity import ConnectivityReport
+    from dppo_harness.service.release import ClientRegistry
     from dppo_harness.service.wait.waiter import ServiceWaiter
     from dppo_harness.stages.feasibility import FeasibilityResult
     from dppo_harness.stages.restoration import RestorationResult

@@ -24,6 +24,7 @@ from dppo_harness.pytest_plugin.session import (
     progress_printer,
     release_remaining,
 )
+from dppo_harness.service.config import sdk_versions
 from dppo_harness.service.wait.policy import ServiceDied, WaitPolicy
 from dppo_harness.stages.session_rules import capacity_scale
 

@@ -46,6 +46,7 @@ from dppo_harness.pytest_plugin.session import (
     unwritable_evidence,
     write_session_records,
 )
+from dppo_harness.service.config import redact_url
 
 # Fixture modules of later stages; each owns the session fixtures of its step.
 FIXTURE_PLUGINS = ("dppo_harness.pytest_plugin.fixtures_session", "dppo_harness.pytest_plugin.fixtures_preflight",
