@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from dppo_harness.evidence import session
+from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
@@ -294,16 +295,11 @@ class EvidenceBundle:
         with self._lock:
             self._commit(merged_result(self._result, fields))
 
-    def set_backend(self, kind: Literal["local", "tinker"], *, requested_model: str, served_model: str,
-                    sdk_versions: Mapping[str, str], **extra: Any) -> None:
+    def set_backend(self, backend: Backend) -> None:
         """The backend block; a local backend also forces the rehearsal label onto the summary."""
-        if kind not in ("local", "tinker"):
-            raise EvidenceError(f"backend kind {kind!r}: expected 'local' or 'tinker'")
-        block = {"kind": kind, "requested_model": requested_model, "served_model": served_model,
-                 "sdk_versions": dict(sdk_versions), **extra}
         with self._lock:
             new = copy.deepcopy(self._result)
-            new["backend"] = block
+            new["backend"] = backend.to_json()
             self._commit(new)
 
     def post_arm_metrics(self, arm: str, metrics: Mapping[str, float], *, completed: bool = False) -> None:

@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
+from dppo_harness.evidence.backend import backend_of, report_lines
 from dppo_harness.instrument import instrumentation as ins
 
 REPORT_FILE = "report.md"
@@ -346,10 +347,9 @@ def write_report(bundle: Any, analysis: Mapping[str, Any], backend: str,
         bundle.register_bytes(PLOTS[key], "plot", data)
         names[key] = PLOTS[key]
     text = render_markdown(analysis, names, backend, next_action)
-    # identity.report_lines: on the embedded server, name the stand-in that computed.
-    from dppo_harness.service.identity import report_lines
+    # On the embedded server, name the stand-in that computed.
 
-    text += "".join(line + "\n" for line in report_lines(getattr(bundle, "result", {}).get("backend")))
+    text += "".join(line + "\n" for line in report_lines(backend_of(getattr(bundle, "result", {}))))
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**names, "report": REPORT_FILE}
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dppo_harness.evidence.backend import Backend, backend_of, is_embedded
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
 from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error
 
@@ -83,13 +84,6 @@ class CapacityBlock(_Strict):
     error: str
     comparison_steps_completed: int
     released_clients: bool
-
-
-class Backend(BaseModel):
-    """The backend block; `kind` is fixed, the rest (models, sdk_versions, base_url, ...) is free."""
-
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-    kind: Literal["local", "tinker"]
 
 
 JsonBlock = Any  # free JSON written by one stage (finite numbers checked on the whole result)
@@ -187,8 +181,7 @@ def initial_result() -> dict[str, Any]:
 def label_summary(state: Mapping[str, Any], summary: str, rehearsal_plan: bool = False) -> str:
     """A local backend's summary always starts with the rehearsal label; so does a run under a
     rehearsal plan."""
-    be = state.get("backend")
-    if isinstance(be, dict) and be.get("kind") == "local":
+    if is_embedded(backend_of(state)):
         return summary if summary.startswith(REHEARSAL_PREFIX) else REHEARSAL_PREFIX + summary
     if rehearsal_plan and not summary.startswith(REHEARSAL_PLAN_PREFIX):
         return REHEARSAL_PLAN_PREFIX + summary

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from dppo_harness import plans
+from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 
@@ -72,9 +73,10 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     root = Path(project_root)
     bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)
     versions = sdk_versions()
-    bundle.set_backend(backend, requested_model=plan.planned_model,
-                       served_model=served_model or "reported at client creation (see initialization_provenance)",
-                       sdk_versions=versions)
+    bundle.set_backend(Backend(
+        kind=backend, requested_model=plan.planned_model,
+        served_model=served_model or "reported at client creation (see initialization_provenance)",
+        sdk_versions=versions))
     bundle.register_provenance(root, [])
     # All executed code (library incl. the embedded server, tests, plans) as one hashed archive.
     from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
