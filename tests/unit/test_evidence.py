@@ -13,7 +13,6 @@ from urllib.parse import quote
 import pytest
 
 from dppo_harness import evidence as ev
-from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence import (
     MAX_FILES,
     REHEARSAL_PREFIX,
@@ -25,6 +24,7 @@ from dppo_harness.evidence import (
     SecretLeakError,
     verify_bundle,
 )
+from dppo_harness.evidence.backend import Backend
 from dppo_harness.plans import load_plan
 
 SRC = Path(ev.__file__).resolve().parents[2]  # src/ (evidence is a package)

@@ -47,7 +47,8 @@ def record_plan(bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapp
 def _split_test_files(root: Path, test_files: Sequence[str | Path]) -> tuple[list[Path], list[Path]]:
     """(stage test files, other test files): unit and integration files are many, so they go into
     one sha256 manifest to spare the 64-file limit."""
-    stage_files, other_files = [], []
+    stage_files: list[Path] = []
+    other_files: list[Path] = []
     for f in sorted({Path(p).resolve() for p in test_files}):
         try:
             parts = f.relative_to(root.resolve()).parts
