@@ -1,4 +1,4 @@
-"""result.json: the brief's structured output (+ the harness's `backend` block).
+"""result.json: the run's structured output (status, verdict, metrics, evidence) plus the harness's `backend` block.
 
 `ResultModel` is its shape as a strict pydantic model (no extra keys, no coercion, no NaN/inf);
 the cross-field rules (verdict only when final, outcome_reason implies verdict, a local backend's
@@ -142,7 +142,7 @@ class ResultModel(_Strict):
 
 
 def validate_result(r: Any) -> None:
-    """Raise ResultShapeError unless r has the brief's structured-output shape (+ backend)."""
+    """Raise ResultShapeError unless r has the structured-output shape of ResultModel (+ backend)."""
     if not isinstance(r, dict):
         raise ResultShapeError("result: expected object")
     for key in ("verdict", "outcome_reason", "capacity_block"):

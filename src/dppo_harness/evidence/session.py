@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from dppo_harness import plans
+from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 from dppo_harness.evidence.backend import Backend
+from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 
@@ -26,8 +28,6 @@ def record_plan(bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapp
 
     `effective_config` is plans.effective_config(plan, backend_info)."""
     if effective_config.get("plan", {}).get("sha256") != plan.sha256:
-        from dppo_harness.evidence.errors import EvidenceError
-
         raise EvidenceError("effective config was not built from this plan (sha256 differs)")
     bundle.register_plan(plan, plan_name)
     bundle.register_resolution(plan)
@@ -80,8 +80,6 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
         sdk_versions=versions))
     bundle.register_provenance(root, [])
     # All executed code (library incl. the embedded server, tests, plans) as one hashed archive.
-    from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
-
     rev = bundle.dir / "files" / "code-revision.json"
     commit = json.loads(rev.read_text()).get("commit") if rev.is_file() else None
     register_code_archive(bundle, root, commit=commit)
@@ -108,6 +106,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
         # update of the session (the preflight's probes included), so the evidence shows what was planned before it ran.
+        # instrument.pooled loads numpy and torch (its instrumentation); the bundle, imported by every stage, stays light
         from dppo_harness.instrument.pooled import REVISED_SPEC_FILE
 
         bundle.register_plan(plan, REVISED_SPEC_FILE)

@@ -1,5 +1,5 @@
-"""Immutable result snapshots while the run works (the brief's "update it while you work": the
-exchange saves each update, so a session that ends early still leaves its results).
+"""Immutable result snapshots while the run works: the result is updated as the run goes and each
+update is saved, so a session that ends early still leaves its results.
 
 `post_snapshot` registers the current result.json, exactly as posted, under the next free name
 `result-0001.json`, `result-0002.json`, ... (names are immutable, so each is a new file). It keeps
