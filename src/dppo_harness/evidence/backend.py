@@ -67,7 +67,7 @@ ServedOrigin = Literal["arch", "backend_block", "unnamed", "model_name"]
 
 
 @dataclass(frozen=True)
-class ServedModel:
+class ServedName:
     """Which model computed (`name`, None when nothing names it), where that came from, and what
     get_info's `model_data.model_name` reported."""
 
@@ -86,7 +86,7 @@ class ServedModel:
 
 
 def served_model(model_data: Mapping[str, object] | None, backend: Backend | None, *,
-                 seen: EmbeddedServer | None = None, local: bool = False) -> ServedModel:
+                 seen: EmbeddedServer | None = None, local: bool = False) -> ServedName:
     """The model that computes.
 
     On the embedded server (its marker in model_data, `seen` now, recorded earlier in the backend
@@ -99,12 +99,12 @@ def served_model(model_data: Mapping[str, object] | None, backend: Backend | Non
     embedded = seen or (backend.embedded_server if backend is not None else None)
     if local or md.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER or embedded or is_embedded(backend):
         if md.get("arch"):
-            return ServedModel(str(md["arch"]), "arch", _text_or_none(reported))
+            return ServedName(str(md["arch"]), "arch", _text_or_none(reported))
         name = (embedded.stand_in if embedded is not None else None) or (backend.served_model if backend else None)
         if name:
-            return ServedModel(name, "backend_block", _text_or_none(reported))
-        return ServedModel(None, "unnamed", _text_or_none(reported))
-    return ServedModel(str(reported) if reported else None, "model_name", _text_or_none(reported))
+            return ServedName(name, "backend_block", _text_or_none(reported))
+        return ServedName(None, "unnamed", _text_or_none(reported))
+    return ServedName(str(reported) if reported else None, "model_name", _text_or_none(reported))
 
 
 def _text_or_none(v: object) -> str | None:

@@ -134,19 +134,18 @@ def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, ba
     (the embedded server answers to the requested name but its arch is the stand-in). The local
     backend is always a stand-in, even when the response lacks the arch."""
     md = (info or {}).get("model_data") or {}
-    arch = md.get("arch")
-    name = md.get("model_name")
-    marker = md.get("embedded_server")
-    if arch and arch != requested and (marker or backend == "local" or str(arch).startswith("local/")):
-        return ServedModel(requested, str(arch), str(arch), "get_info model_data.arch")
+    # the marker key, the local backend or a `local/` arch: the embedded server computed
+    embedded = bool(md.get(EMBEDDED_KEY)) or backend == "local" or str(md.get("arch") or "").startswith("local/")
+    found = served_model(md, None, local=embedded)
+    if found.origin == "arch" and found.name is not None and found.name != requested:
+        return ServedModel(requested, found.name, found.name, "get_info model_data.arch")
     if backend == "local":
-        stand_in = str(arch) if arch else "embedded server stand-in (identity not reported)"
+        stand_in = found.name if found.origin == "arch" and found.name else "embedded server stand-in (identity not reported)"
         return ServedModel(requested, stand_in, stand_in, "backend=local")
-    if not name:  # optional in the SDK's ModelData: unavailable, never the requested name
+    if not found.reported:  # optional in the SDK's ModelData: unavailable, never the requested name
         return ServedModel(requested, f"a model the service did not name (requested {requested})", None,
                            "unavailable: the get_info response has no model_data.model_name")
-    return ServedModel(requested, str(name), None, "get_info model_data.model_name")
-
+    return ServedModel(requested, found.reported, None, "get_info model_data.model_name")
 
 
 def substitution_deviation(requested_model: str, marker: EmbeddedMarker, base_url: str | None,

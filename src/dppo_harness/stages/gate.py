@@ -267,7 +267,8 @@ def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str
     names = {"model_name": getattr(md, "model_name", None), "arch": getattr(md, "arch", None)}
     block = backend_of(bundle.result) if hasattr(bundle, "result") else None
     served = served_model(names, block, local=backend == "local")
-    return served.name, _GATE_SOURCES[served.origin].format(reported=served.reported)
+    name = served.reported if served.origin == "model_name" else served.name  # the service's word, even ""
+    return name, _GATE_SOURCES[served.origin].format(reported=served.reported)
 
 
 # How the gate report words each source of the served model.
