@@ -260,7 +260,7 @@ class EvidenceBundle:
             entries = self._entries()
             return MAX_FILES - len(entries) - self._closing_left(entries)[0]
 
-    def register_json(self, name: str, kind: str, obj: Any) -> FileEntry:
+    def register_json(self, name: str, kind: str, obj: object) -> FileEntry:
         return self.register_bytes(name, kind, json_file_bytes(name, obj))
 
     def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
@@ -309,7 +309,7 @@ class EvidenceBundle:
             fields["completed_arms"] = [arm]
         self.update_result(**fields)
 
-    def add_deviation(self, field: str, original: Any, effective: Any, reason: str) -> None:
+    def add_deviation(self, field: str, original: object, effective: object, reason: str) -> None:
         if field not in DEVIATION_FIELDS:
             raise EvidenceError(f"deviation field {field!r}: expected one of {list(DEVIATION_FIELDS)}")
         dev = {"field": field, "original": as_text(original), "effective": as_text(effective), "reason": str(reason)}

@@ -141,7 +141,7 @@ class ResultModel(_Strict):
         return self
 
 
-def validate_result(r: Any) -> None:
+def validate_result(r: object) -> None:
     """Raise ResultShapeError unless r has the structured-output shape of ResultModel (+ backend)."""
     if not isinstance(r, dict):
         raise ResultShapeError("result: expected object")
@@ -200,11 +200,11 @@ def check_rehearsal_plan_result(state: Mapping[str, Any]) -> None:
 _MISSING = object()
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _number_paths(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+def _number_paths(obj: object, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
     if _is_number(obj):
         yield path
     elif isinstance(obj, dict):
@@ -215,10 +215,12 @@ def _number_paths(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[
             yield from _number_paths(v, (*path, i))
 
 
-def _get_path(obj: Any, path: tuple[str | int, ...]) -> Any:
+def _get_path(obj: object, path: tuple[str | int, ...]) -> object:
     for p in path:
-        in_list = isinstance(obj, list) and isinstance(p, int) and p < len(obj)
-        if not (in_list or (isinstance(obj, dict) and p in obj)):
+        if isinstance(obj, dict) and p in obj:
+            obj = obj[p]
+            continue
+        if not (isinstance(obj, list) and isinstance(p, int) and p < len(obj)):
             return _MISSING
         obj = obj[p]
     return obj
@@ -293,5 +295,5 @@ def unwritable_failure_state(old: dict[str, Any], line: str) -> dict[str, Any]:
     return stopped_state(old, f"Run stopped: its evidence could not be written ({line}).")
 
 
-def as_text(v: Any) -> str:
+def as_text(v: object) -> str:
     return v if isinstance(v, str) else json.dumps(v, sort_keys=True)

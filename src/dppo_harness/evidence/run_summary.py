@@ -16,7 +16,7 @@ TITLE = "dppo-harness run summary"
 BASE_ARM = "base"  # comparison_eval.BASE_ARM: the base model's key under metrics.arms
 
 
-def _num(x: Any, spec: str = ".4g") -> str:
+def _num(x: object, spec: str = ".4g") -> str:
     return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "n/a"
 
 
