@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dppo_harness.evidence.backend import Backend, backend_of, is_embedded
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
+from dppo_harness.evidence.json_types import JsonObject, JsonValue
 from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error
 
 STATUSES = ("running", "succeeded", "failed")
@@ -158,7 +159,7 @@ def validate_result(r: object) -> None:
         raise ResultShapeError(f"result: non-finite number ({exc})") from None
 
 
-def initial_result() -> dict[str, Any]:
+def initial_result() -> JsonObject:
     return {
         "status": "running",
         "summary": "",
@@ -178,7 +179,7 @@ def initial_result() -> dict[str, Any]:
     }
 
 
-def label_summary(state: Mapping[str, Any], summary: str, rehearsal_plan: bool = False) -> str:
+def label_summary(state: Mapping[str, JsonValue], summary: str, rehearsal_plan: bool = False) -> str:
     """A local backend's summary always starts with the rehearsal label; so does a run under a
     rehearsal plan."""
     if is_embedded(backend_of(state)):
@@ -188,7 +189,7 @@ def label_summary(state: Mapping[str, Any], summary: str, rehearsal_plan: bool =
     return summary
 
 
-def check_rehearsal_plan_result(state: Mapping[str, Any]) -> None:
+def check_rehearsal_plan_result(state: Mapping[str, JsonValue]) -> None:
     """A result under a rehearsal plan is always inconclusive."""
     if state.get("verdict", "inconclusive") != "inconclusive":
         raise ResultShapeError("verdict: a result under a rehearsal plan is always 'inconclusive'")
@@ -226,13 +227,13 @@ def _get_path(obj: object, path: tuple[str | int, ...]) -> object:
     return obj
 
 
-def deep_merge(old: Any, new: Any) -> Any:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = dict(old)
-        for k, v in new.items():
-            out[k] = deep_merge(old[k], v) if k in old else copy.deepcopy(v)
-        return out
-    return copy.deepcopy(new)
+def deep_merge(old: Mapping[str, JsonValue], new: Mapping[str, JsonValue]) -> JsonObject:
+    """old with new merged in: objects merge key by key, anything else is replaced by (a copy of) new."""
+    out = dict(old)
+    for k, v in new.items():
+        prev = old.get(k)
+        out[k] = deep_merge(prev, v) if isinstance(prev, dict) and isinstance(v, dict) else copy.deepcopy(v)
+    return out
 
 
 def fmt_path(path: tuple[str | int, ...]) -> str:
@@ -242,7 +243,7 @@ def fmt_path(path: tuple[str | int, ...]) -> str:
     return s
 
 
-def check_update_keys(fields: Mapping[str, Any]) -> None:
+def check_update_keys(fields: Mapping[str, JsonValue]) -> None:
     """update_result may not touch the blocks that dedicated bundle methods manage."""
     for key, value in fields.items():
         if (key,) in PROTECTED:
@@ -258,15 +259,16 @@ def check_update_keys(fields: Mapping[str, Any]) -> None:
 STICKY_AFTER_FAILURE = ("status", "verdict", "outcome_reason", "summary")
 
 
-def merged_result(old: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+def merged_result(old: JsonObject, fields: Mapping[str, JsonValue]) -> JsonObject:
     """old deep-merged with fields; every number in old survives, completed_arms only grows, and a
     failed status is sticky (STICKY_AFTER_FAILURE keep the failure's values)."""
     if old.get("status") == "failed" and fields.get("status", "failed") != "failed":
         fields = {k: v for k, v in fields.items() if k not in STICKY_AFTER_FAILURE}
-    new = deep_merge(old, dict(fields))
-    if "completed_arms" in fields:
-        arms = list(old["completed_arms"])
-        arms += [a for a in fields["completed_arms"] if a not in arms]
+    new = deep_merge(old, fields)
+    posted, done = fields.get("completed_arms"), old["completed_arms"]
+    if isinstance(posted, list) and isinstance(done, list):  # the shape validate_result checks on both
+        arms = list(done)
+        arms += [a for a in posted if a not in arms]
         new["completed_arms"] = arms
     for path in _number_paths(old):
         if not _is_number(_get_path(new, path)):
@@ -274,9 +276,9 @@ def merged_result(old: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, A
     return new
 
 
-def stopped_state(old: dict[str, Any], summary: str) -> dict[str, Any]:
+def stopped_state(old: JsonObject, summary: str) -> JsonObject:
     """The failed, closed result of a run the evidence itself stopped, `summary` saying why."""
-    fields = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
+    fields: JsonObject = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
     state = deep_merge(old, fields)
     if state["original_hypothesis_tested"] is None:
         state["original_hypothesis_tested"] = False
@@ -285,12 +287,12 @@ def stopped_state(old: dict[str, Any], summary: str) -> dict[str, Any]:
     return state
 
 
-def leak_failure_state(old: dict[str, Any], message: str) -> dict[str, Any]:
+def leak_failure_state(old: JsonObject, message: str) -> JsonObject:
     """The result after the secret scanner stopped the run (the message names variables only)."""
     return stopped_state(old, f"Run stopped by the evidence secret scanner ({message}).")
 
 
-def unwritable_failure_state(old: dict[str, Any], line: str) -> dict[str, Any]:
+def unwritable_failure_state(old: JsonObject, line: str) -> JsonObject:
     """The result after an evidence write was refused (disk full, read-only, permission)."""
     return stopped_state(old, f"Run stopped: its evidence could not be written ({line}).")
 
