@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from dppo_harness.constants import EMBEDDED_SERVER_MARKER
-from dppo_harness.evidence.json_types import JsonObject
+from dppo_harness.evidence.json_types import JsonObject, JsonValue
 
 BackendKind = Literal["local", "tinker"]
 EMBEDDED_KEY = "embedded_server"  # the marker's key in capabilities and in get_info().model_data
@@ -52,7 +52,7 @@ class Backend(_Block):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
-def backend_of(result: Mapping[str, object]) -> Backend | None:
+def backend_of(result: Mapping[str, JsonValue]) -> Backend | None:
     """The result's backend block as a record (None before the session recorded it)."""
     block = result.get("backend")
     return Backend.model_validate(block) if block else None
@@ -85,7 +85,7 @@ class ServedName:
         }[self.origin]
 
 
-def served_model(model_data: Mapping[str, object] | None, backend: Backend | None, *,
+def served_model(model_data: Mapping[str, JsonValue] | None, backend: Backend | None, *,
                  seen: EmbeddedServer | None = None, local: bool = False) -> ServedName:
     """The model that computes.
 
