@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
+from dppo_harness.evidence.report.text import JsonMap, num, obj, objs
 from dppo_harness.instrument import instrumentation as ins
 
 PLOTS = {
@@ -135,20 +136,20 @@ COMPARISON_PLOTS = {
 }
 
 
-def plot_comparison_reward(rows: Sequence[Mapping[str, Any]]) -> bytes:
+def plot_comparison_reward(rows: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for arm, rs in rows_by_arm(rows).items():
-        ax.plot([r["step"] + 1 for r in rs], [r["reward_mean"] for r in rs], marker="o", label=arm)
+        ax.plot([num(r["step"]) + 1 for r in rs], [num(r["reward_mean"]) for r in rs], marker="o", label=arm)
     ax.set_xlabel("rollout step"), ax.set_ylabel("mean reward of the step's batch"), ax.legend()
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("per-step reward, both arms")
     return _png(fig)
 
 
-def plot_comparison_fractions(rows: Sequence[Mapping[str, Any]]) -> bytes:
+def plot_comparison_fractions(rows: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for arm, rs in rows_by_arm(rows).items():
-        xs = [r["step"] + 1 for r in rs]
+        xs = [num(r["step"]) + 1 for r in rs]
         for base, title, marker, ls in (("dppo_masked_frac", "DPPO masked fraction", "o", "-"),
                                         ("ppo_clip_frac", "PPO clip fraction", "x", "--")):
             cf = rule_fraction(rs[0], base)[0]
@@ -160,14 +161,14 @@ def plot_comparison_fractions(rows: Sequence[Mapping[str, Any]]) -> bytes:
     return _png(fig)
 
 
-def plot_truncation(rows: Sequence[Mapping[str, Any]], eval_metrics: Mapping[str, Mapping[str, Any]],
+def plot_truncation(rows: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap],
                     max_tokens: int | None) -> bytes:
     """Per step and arm: truncated at max_tokens and no parseable answer; right: each scored model."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [2, 1]})
     for arm, rs in rows_by_arm(rows).items():
-        xs = [r["step"] + 1 for r in rs]
-        ax1.plot(xs, [r.get("truncated_frac", float("nan")) for r in rs], marker="o", label=f"{arm}: truncated")
-        ax1.plot(xs, [r.get("no_answer_frac", float("nan")) for r in rs], marker="x", linestyle="--",
+        xs = [num(r["step"]) + 1 for r in rs]
+        ax1.plot(xs, [num(r.get("truncated_frac", float("nan"))) for r in rs], marker="o", label=f"{arm}: truncated")
+        ax1.plot(xs, [num(r.get("no_answer_frac", float("nan"))) for r in rs], marker="x", linestyle="--",
                  label=f"{arm}: no parseable answer")
     ax1.set_ylim(-0.02, 1.02), ax1.set_xlabel("rollout step"), ax1.set_ylabel("fraction of the step's responses")
     ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -175,9 +176,9 @@ def plot_truncation(rows: Sequence[Mapping[str, Any]], eval_metrics: Mapping[str
     ax1.legend(fontsize=7)
     models = [m for m in eval_metrics if "eval_truncated_frac" in eval_metrics[m]]
     model_xs = range(len(models))
-    ax2.bar([x - 0.2 for x in model_xs], [eval_metrics[m]["eval_truncated_frac"] for m in models], width=0.4,
+    ax2.bar([x - 0.2 for x in model_xs], [num(eval_metrics[m]["eval_truncated_frac"]) for m in models], width=0.4,
             label="truncated")
-    ax2.bar([x + 0.2 for x in model_xs], [eval_metrics[m]["eval_no_answer_frac"] for m in models], width=0.4,
+    ax2.bar([x + 0.2 for x in model_xs], [num(eval_metrics[m]["eval_no_answer_frac"]) for m in models], width=0.4,
             label="no parseable answer")
     ax2.set_xticks(list(model_xs), models, fontsize=7), ax2.set_ylim(0, 1.3)
     ax2.legend(fontsize=7, loc="upper center", ncol=2)
@@ -186,21 +187,21 @@ def plot_truncation(rows: Sequence[Mapping[str, Any]], eval_metrics: Mapping[str
     return _png(fig)
 
 
-def plot_accuracy_difference(scores: Sequence[Mapping[str, Any]], decision: Mapping[str, Any]) -> bytes:
+def plot_accuracy_difference(scores: Sequence[JsonMap], decision: JsonMap) -> bytes:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax1.bar([s["arm"] for s in scores], [s["value"] for s in scores])
+    ax1.bar([str(s["arm"]) for s in scores], [num(s["value"]) for s in scores])
     ax1.set_ylim(0, 1), ax1.set_ylabel("greedy accuracy"), ax1.set_title("accuracy per scored model")
     labels = []
-    for i, c in enumerate(decision.get("criteria", [])):
-        d = c["mean_difference"]
-        ax2.errorbar([i], [d], yerr=[[d - c["lower"]], [c["upper"] - d]], fmt="o", capsize=6, label="Hoeffding (rule)")
-        ax2.axhline(c["margin"], color="grey", linestyle=":")
-        labels.append(c["id"])
-    info = decision.get("informational")
+    for i, c in enumerate(objs(decision.get("criteria", []))):
+        d = num(c["mean_difference"])
+        ax2.errorbar([i], [d], yerr=[[d - num(c["lower"])], [num(c["upper"]) - d]], fmt="o", capsize=6, label="Hoeffding (rule)")
+        ax2.axhline(num(c["margin"]), color="grey", linestyle=":")
+        labels.append(str(c["id"]))
+    info = obj(decision["informational"]) if decision.get("informational") else None
     if info:
-        d = info["mean_difference"]
+        d = num(info["mean_difference"])
         x = len(labels)
-        ax2.errorbar([x], [d], yerr=[[d - info["lower"]], [info["upper"] - d]], fmt="s", capsize=6, color="tab:gray",
+        ax2.errorbar([x], [d], yerr=[[d - num(info["lower"])], [num(info["upper"]) - d]], fmt="s", capsize=6, color="tab:gray",
                      label="Newcombe (informational)")
         labels.append("informational")
     ax2.set_xticks(range(len(labels)), labels)

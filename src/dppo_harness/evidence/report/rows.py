@@ -3,19 +3,20 @@ fraction whichever label (trained rule or counterfactual) the row carries."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+
+from dppo_harness.evidence.report.text import JsonMap, num
 
 
-def rows_by_arm(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    out: dict[str, list[Mapping[str, Any]]] = {}
+def rows_by_arm(rows: Sequence[JsonMap]) -> dict[str, list[JsonMap]]:
+    out: dict[str, list[JsonMap]] = {}
     for r in rows:
-        out.setdefault(r["arm"], []).append(r)
-    return {a: sorted(rs, key=lambda r: r["step"]) for a, rs in out.items()}
+        out.setdefault(str(r["arm"]), []).append(r)
+    return {a: sorted(rs, key=lambda r: num(r["step"])) for a, rs in out.items()}
 
 
-def rule_fraction(row: Mapping[str, Any], base: str) -> tuple[bool, float]:
+def rule_fraction(row: JsonMap, base: str) -> tuple[bool, float]:
     """(counterfactual?, value) of a loss-rule fraction in a step row, whichever label it carries."""
     if base in row:
-        return False, float(row[base])
-    return True, float(row[f"counterfactual_{base}"])
+        return False, float(num(row[base]))
+    return True, float(num(row[f"counterfactual_{base}"]))

@@ -4,12 +4,15 @@ them, and the declared renderer / loss normalization with the measured truncatio
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from dppo_harness.evidence.json_types import JsonValue
+
+JsonMap = Mapping[str, JsonValue]  # one JSON object of the evidence, as the report reads it
 
 REPORT_FILE = "report.md"
 
 
-def fmt(x: Any, spec: str = ".4g") -> str:
+def fmt(x: object, spec: str = ".4g") -> str:
     if x is None:
         return "n/a"
     if isinstance(x, bool):
@@ -21,11 +24,32 @@ def fmt(x: Any, spec: str = ".4g") -> str:
     return str(x)
 
 
-def pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
+def pct(x: JsonValue) -> str:
+    return f"{100 * num(x):.1f}%"
 
 
-def yield_text(y: Mapping[str, Any]) -> str:
+def num(x: JsonValue) -> float:
+    """A number of the evidence JSON, as it is (an int stays an int)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x
+    raise TypeError(f"expected a number, got {type(x).__name__}")
+
+
+def objs(x: JsonValue) -> list[JsonMap]:
+    """A list of objects of the evidence JSON."""
+    if isinstance(x, list):
+        return [obj(v) for v in x]
+    raise TypeError(f"expected a list, got {type(x).__name__}")
+
+
+def obj(x: JsonValue) -> JsonMap:
+    """An object of the evidence JSON."""
+    if isinstance(x, dict):
+        return x
+    raise TypeError(f"expected an object, got {type(x).__name__}")
+
+
+def yield_text(y: JsonMap) -> str:
     """'12 of 256 responses (4.7%) truncated at max_tokens 512, 30 (11.7%) without a parseable answer, mean 210 tokens'."""
     limit = f" at max_tokens {y['max_tokens']}" if y.get("max_tokens") else ""
     return (f"{y['truncated']} of {y['n']} responses ({pct(y['truncated_frac'])}) truncated{limit}, "
@@ -33,11 +57,11 @@ def yield_text(y: Mapping[str, Any]) -> str:
             f"{y['mean_response_tokens']:.0f} tokens")
 
 
-def declared_lines(declared: Mapping[str, Any], measured: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
+def declared_lines(declared: JsonMap, measured: Sequence[tuple[str, JsonMap | None]]) -> list[str]:
     """The renderer and its thinking mode with the measured truncation right under it, and the loss
     normalization against the cookbook ppo's sum (both as effective-config.json declares them)."""
     out = []
-    r = declared.get("renderer")
+    r = obj(declared["renderer"]) if declared.get("renderer") else None
     seen = [f"  - {label}: {yield_text(y)}" for label, y in measured if y]
     if r:
         prefill = "every generation prompt ends with `<think>\\n`" if r.get("thinking") == "enabled" else "no think prefill"
@@ -46,7 +70,7 @@ def declared_lines(declared: Mapping[str, Any], measured: Sequence[tuple[str, Ma
         head = "- renderer: not declared in effective-config.json; measured truncation"
     out.append(head + (":" if seen else ": not measured"))
     out += seen
-    n = declared.get("loss_normalization")
+    n = obj(declared["loss_normalization"]) if declared.get("loss_normalization") else None
     if n:
         out.append(f"- loss normalization `{n['mode']}`: {n['definition']}. The cookbook's `ppo` instead: "
                    f"{n['cookbook_ppo']}.")
