@@ -7,17 +7,17 @@ so the report says exactly what the evidence says; nothing is re-measured here.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dppo_harness.evidence.backend import backend_of, report_lines
 from dppo_harness.evidence.report.plots import PLOTS, make_plots
-from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt
+from dppo_harness.evidence.report.text import REPORT_FILE, JsonMap, declared_lines, fmt, items, num, obj, objs
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
 
 
-def _cause_status(c: Mapping[str, Any]) -> str:
+def _cause_status(c: JsonMap) -> str:
     """Verified or suspected, said plainly: a stand-in run verifies only that the evidence
     for the planned model is missing; its measured cause is suspected, for the stand-in only."""
     if c.get("stand_in"):
@@ -27,11 +27,11 @@ def _cause_status(c: Mapping[str, Any]) -> str:
     return f"Cause: **{c['cause'] or 'none (active)'}** ({label if c['cause'] else 'criteria met'})."
 
 
-def _headline_lines(analysis: Mapping[str, Any], backend: str) -> list[str]:
+def _headline_lines(analysis: JsonMap, backend: str) -> list[str]:
     """Whether the mask fired, the state and its cause, and where it ran."""
-    c = analysis["classification"]
-    rows = analysis.get("per_update") or []
-    fired = c["mask_fired"] or any((r.get("dppo/removed") or 0) > 0 for r in rows)
+    c = obj(analysis["classification"])
+    rows = objs(analysis.get("per_update") or [])
+    fired = c["mask_fired"] or any(num(r.get("dppo/removed") or 0) > 0 for r in rows)
     return [
         "# Bounded DPPO activation diagnostic",
         "",
@@ -42,16 +42,16 @@ def _headline_lines(analysis: Mapping[str, Any], backend: str) -> list[str]:
         "",
         _cause_status(c),
         "",
-        c["explanation"],
+        str(c["explanation"]),
         "",
         f"Backend: `{backend}`{' (embedded CPU rehearsal server, not Spindle; its model is a stand-in)' if backend == 'local' else ''}. "
         f"Loop: {analysis['loop']}.",
     ]
 
 
-def _run_lines(analysis: Mapping[str, Any]) -> list[str]:
+def _run_lines(analysis: JsonMap) -> list[str]:
     """The run's size, time, batch, schedule and loss, as configured and as done."""
-    cfg = analysis["config"]
+    cfg = obj(analysis["config"])
     lines = [
         "",
         "## Run",
@@ -66,8 +66,9 @@ def _run_lines(analysis: Mapping[str, Any]) -> list[str]:
         f"- loss: DPPO Binary-TV delta {cfg['delta']}, C {cfg['ratio_cap']}, {cfg['normalization']}; counterfactual "
         f"PPO eps {cfg['ppo_eps']}; AdamW {cfg['adam']}",
     ]
-    lines += declared_lines(analysis.get("declared") or {},
-                            [("frozen batch rollouts", analysis.get("rollout_yield"))])
+    declared = obj(analysis["declared"]) if analysis.get("declared") else {}
+    rollout_yield = obj(analysis["rollout_yield"]) if analysis.get("rollout_yield") else None
+    lines += declared_lines(declared, [("frozen batch rollouts", rollout_yield)])
     if cfg.get("reductions"):
         lines.append(f"- size reductions (test plan): {cfg['reductions']}")
     if analysis.get("errors"):
@@ -75,12 +76,12 @@ def _run_lines(analysis: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _criteria_lines(analysis: Mapping[str, Any]) -> list[str]:
+def _criteria_lines(analysis: JsonMap) -> list[str]:
     """The fixed criteria table and the pooled second epoch they were judged on."""
-    pooled = analysis.get("pooled_second_epoch")
+    pooled = obj(analysis["pooled_second_epoch"]) if analysis.get("pooled_second_epoch") else None
     lines = ["", "## Fixed criteria (all second-epoch loss calls, pooled by loss-token counts)", "",
              "| criterion | metric | value | bounds | result |", "|---|---|---|---|---|"]
-    for cr in analysis.get("criteria", []):
+    for cr in objs(analysis.get("criteria", [])):
         res = "n/a (does not apply)" if cr["passed"] is None else ("met" if cr["passed"] else f"NOT met: {cr['reason']}")
         lines.append(f"| {cr['id']} | `{cr['metric']}` | {fmt(cr['value'])} | {cr['bounds']} | {res} |")
     if pooled:
@@ -91,7 +92,7 @@ def _criteria_lines(analysis: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _per_update_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+def _per_update_lines(rows: Sequence[JsonMap]) -> list[str]:
     """One table row per optimizer update (the loss call before it)."""
     lines = ["", "## Per update (the loss call before each optimizer step)", "",
              "| update | epoch | mb | loss tok | A!=0 tok | removed (+/-) | masked frac | exceed +/- | cap hits | "
@@ -107,7 +108,7 @@ def _per_update_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def _sentinel_lines(sent: Mapping[str, Any]) -> list[str]:
+def _sentinel_lines(sent: JsonMap) -> list[str]:
     """The sentinel tokens' drift after each update (nothing when none were followed)."""
     if not sent.get("points"):
         return []
@@ -115,12 +116,13 @@ def _sentinel_lines(sent: Mapping[str, Any]) -> list[str]:
              f"Selection: {sent.get('selection_rule')}.", "",
              "| after update | abs(p-q) q90 | abs(p-q) max | abs(p-p_init) q90 | abs(p-p_init) max | mean p-p_init on A>0 | on A<0 |",
              "|---|---|---|---|---|---|---|"]
-    for p in sent["points"]:
-        s = p["summary"]
-        lines.append(f"| {p['after_update']} | {fmt(s['p_minus_q']['abs_p90'])} | {fmt(s['p_minus_q']['abs_max'])} | "
-                     f"{fmt(s['p_minus_p_init']['abs_p90'])} | {fmt(s['p_minus_p_init']['abs_max'])} | "
-                     f"{fmt(s['by_advantage_sign']['pos']['mean_p_minus_p_init'])} | "
-                     f"{fmt(s['by_advantage_sign']['neg']['mean_p_minus_p_init'])} |")
+    for p in objs(sent["points"]):
+        s = obj(p["summary"])
+        p_q, p_init, by_sign = obj(s["p_minus_q"]), obj(s["p_minus_p_init"]), obj(s["by_advantage_sign"])
+        lines.append(f"| {p['after_update']} | {fmt(p_q['abs_p90'])} | {fmt(p_q['abs_max'])} | "
+                     f"{fmt(p_init['abs_p90'])} | {fmt(p_init['abs_max'])} | "
+                     f"{fmt(obj(by_sign['pos'])['mean_p_minus_p_init'])} | "
+                     f"{fmt(obj(by_sign['neg'])['mean_p_minus_p_init'])} |")
     return lines
 
 
@@ -132,20 +134,20 @@ def _plot_lines(plot_files: Mapping[str, str]) -> list[str]:
     return lines
 
 
-def _defect_and_fix_lines(analysis: Mapping[str, Any]) -> list[str]:
+def _defect_and_fix_lines(analysis: JsonMap) -> list[str]:
     """The evidence against a code defect, and the fixes this loop made."""
-    c = analysis["classification"]
+    c = obj(analysis["classification"])
     lines = ["", "## Evidence against a code defect", "", f"- {c['evidence_against_code_defect']}",
              "- every loss call recomputed with the independent padded implementation (`python -m dppo_harness.instrument.replay`): "
-             + ("no mismatch" if not c["integrity_problems"] else f"{len(c['integrity_problems'])} problem(s)"),
+             + ("no mismatch" if not c["integrity_problems"] else f"{len(items(c['integrity_problems']))} problem(s)"),
              "- golden parity of both rules against the pinned reference runs in the unit stage (prerequisite of this stage)"]
     if analysis.get("fixes"):
         lines += ["", "## Fixes in this replacement loop (the prior code could not be audited)", ""]
-        lines += [f"- {f}" for f in analysis["fixes"]]
+        lines += [f"- {f}" for f in items(analysis["fixes"])]
     return lines
 
 
-def _next_action_lines(next_action: Mapping[str, Any] | None) -> list[str]:
+def _next_action_lines(next_action: JsonMap | None) -> list[str]:
     if not next_action:
         return []
     lines = ["", "## Next action (not executed)", ""]
@@ -157,7 +159,7 @@ def _next_action_lines(next_action: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
-def _limitation_lines(c: Mapping[str, Any], backend: str) -> list[str]:
+def _limitation_lines(c: JsonMap, backend: str) -> list[str]:
     lines = ["", "## Limitations", "",
              "- The accuracy hypothesis was not tested: verdict stays inconclusive.",
              "- The earlier run's code, patch, audit script and evidence could not be fetched; this loop is a replacement.",
@@ -168,22 +170,22 @@ def _limitation_lines(c: Mapping[str, Any], backend: str) -> list[str]:
     return lines
 
 
-def render_markdown(analysis: Mapping[str, Any], plot_files: Mapping[str, str], backend: str,
-                    next_action: Mapping[str, Any] | None = None) -> str:
+def render_markdown(analysis: JsonMap, plot_files: Mapping[str, str], backend: str,
+                    next_action: JsonMap | None = None) -> str:
     lines = _headline_lines(analysis, backend)
     lines += _run_lines(analysis)
     lines += _criteria_lines(analysis)
-    lines += _per_update_lines(analysis.get("per_update") or [])
-    lines += _sentinel_lines(analysis.get("sentinels") or {})
+    lines += _per_update_lines(objs(analysis.get("per_update") or []))
+    lines += _sentinel_lines(obj(analysis["sentinels"]) if analysis.get("sentinels") else {})
     lines += _plot_lines(plot_files)
     lines += _defect_and_fix_lines(analysis)
     lines += _next_action_lines(next_action)
-    lines += _limitation_lines(analysis["classification"], backend)
+    lines += _limitation_lines(obj(analysis["classification"]), backend)
     return "\n".join(lines) + "\n"
 
 
-def write_report(bundle: EvidenceBundle, analysis: Mapping[str, Any], backend: str,
-                 next_action: Mapping[str, Any] | None = None) -> dict[str, str]:
+def write_report(bundle: EvidenceBundle, analysis: JsonMap, backend: str,
+                 next_action: JsonMap | None = None) -> dict[str, str]:
     """Render plots and report.md, register them in the bundle; returns {key: file name}."""
     plots = make_plots(analysis)
     names = {}

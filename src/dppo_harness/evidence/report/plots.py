@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import matplotlib
 
@@ -16,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
-from dppo_harness.evidence.report.text import JsonMap, num, obj, objs
+from dppo_harness.evidence.report.text import JsonMap, items, num, obj, objs
 from dppo_harness.instrument import instrumentation as ins
 
 PLOTS = {
@@ -34,16 +33,16 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def _xs(rows: list[dict[str, Any]]) -> list[int]:
-    return [r["update_index"] for r in rows]
+def _xs(rows: Sequence[JsonMap]) -> list[float]:
+    return [num(r["update_index"]) for r in rows]
 
 
-def plot_drift_tails(rows: list[dict[str, Any]], delta: float) -> bytes:
+def plot_drift_tails(rows: Sequence[JsonMap], delta: float) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = _xs(rows)
     for key, style in (("drift/signed_max", "-^"), ("drift/signed_p99", "-o"), ("drift/signed_p90", "-."),
                        ("drift/signed_min", "-v"), ("drift/abs_p90", "--s"), ("drift/abs_p99", "--D")):
-        ax.plot(x, [float(v) if (v := r.get(key)) is not None else float("nan") for r in rows], style, label=key, ms=4)
+        ax.plot(x, [float(num(v)) if (v := r.get(key)) is not None else float("nan") for r in rows], style, label=key, ms=4)
     for y in (delta, -delta):
         ax.axhline(y, color="red", lw=1, ls=":")
     ax.text(x[0] if x else 0, delta, f" +delta {delta}", color="red", va="bottom", fontsize=8)
@@ -56,12 +55,12 @@ def plot_drift_tails(rows: list[dict[str, Any]], delta: float) -> bytes:
     return _png(fig)
 
 
-def plot_histograms(hist: Mapping[str, list[int]], delta: float, scope: str) -> bytes:
+def plot_histograms(hist: JsonMap, delta: float, scope: str) -> bytes:
     labels = ins.hist_bin_labels()
     up, down = ins.delta_bins(delta)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), sharey=True)
     for ax, sign, title in zip(axes, ("pos", "neg", "zero"), ("A > 0", "A < 0", "A = 0 (never engagement)")):
-        counts = hist.get(sign, [0] * len(labels))
+        counts = [num(c) for c in items(hist[sign])] if sign in hist else [0] * len(labels)
         colors = ["tab:red" if (i >= up or i <= down) else "tab:blue" for i in range(len(labels))]
         ax.bar(range(len(labels)), [max(c, 0) for c in counts], color=colors)
         ax.set_yscale("symlog", linthresh=1)
@@ -75,18 +74,19 @@ def plot_histograms(hist: Mapping[str, list[int]], delta: float, scope: str) -> 
     return _png(fig)
 
 
-def plot_fractions(rows: list[dict[str, Any]], criteria: list[dict[str, Any]]) -> bytes:
+def plot_fractions(rows: Sequence[JsonMap], criteria: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = _xs(rows)
     for key, style in (("dppo/masked_frac_loss_tokens", "-o"), ("dppo/masked_frac_nonzero_adv", "--o"),
                        ("ppo/clip_frac_loss_tokens", "-s"), ("ppo/clip_frac_nonzero_adv", "--s")):
-        ax.plot(x, [r[key] for r in rows], style, label=key, ms=4)
+        ax.plot(x, [num(r[key]) for r in rows], style, label=key, ms=4)
     for c in criteria:
         if c["metric"] in ("dppo/masked_frac_loss_tokens", "ppo/clip_frac_loss_tokens"):
+            bounds = obj(c["bounds"])
             for bound in ("min", "max"):
-                if bound in c["bounds"]:
-                    ax.axhline(c["bounds"][bound], ls=":", lw=1, color="gray")
-                    ax.text(x[-1] if x else 0, c["bounds"][bound], f"{c['id']} {bound}", fontsize=7, ha="right", color="gray")
+                if bound in bounds:
+                    ax.axhline(num(bounds[bound]), ls=":", lw=1, color="gray")
+                    ax.text(x[-1] if x else 0, num(bounds[bound]), f"{c['id']} {bound}", fontsize=7, ha="right", color="gray")
     ax.set_yscale("symlog", linthresh=1e-4)
     ax.set_xlabel("optimizer update")
     ax.set_ylabel("fraction")
@@ -96,14 +96,14 @@ def plot_fractions(rows: list[dict[str, Any]], criteria: list[dict[str, Any]]) -
     return _png(fig)
 
 
-def plot_sentinels(points: list[dict[str, Any]]) -> bytes:
+def plot_sentinels(points: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    x = [p["after_update"] for p in points]
-    s = [p["summary"] for p in points]
-    ax.plot(x, [v["p_minus_q"]["abs_p90"] for v in s], "-o", label="|p - q_sampler| q90")
-    ax.plot(x, [v["p_minus_q"]["abs_max"] for v in s], "--o", label="|p - q_sampler| max")
-    ax.plot(x, [v["p_minus_p_init"]["abs_p90"] for v in s], "-s", label="|p - p_init| q90 (optimizer drift)")
-    ax.plot(x, [v["p_minus_p_init"]["abs_max"] for v in s], "--s", label="|p - p_init| max")
+    x = [num(p["after_update"]) for p in points]
+    s = [obj(p["summary"]) for p in points]
+    ax.plot(x, [num(obj(v["p_minus_q"])["abs_p90"]) for v in s], "-o", label="|p - q_sampler| q90")
+    ax.plot(x, [num(obj(v["p_minus_q"])["abs_max"]) for v in s], "--o", label="|p - q_sampler| max")
+    ax.plot(x, [num(obj(v["p_minus_p_init"])["abs_p90"]) for v in s], "-s", label="|p - p_init| q90 (optimizer drift)")
+    ax.plot(x, [num(obj(v["p_minus_p_init"])["abs_max"]) for v in s], "--s", label="|p - p_init| max")
     ax.set_xlabel("after optimizer update")
     ax.set_ylabel("probability difference")
     ax.set_title("Sentinel tokens: initial trainer/sampler mismatch vs optimizer drift")
@@ -112,17 +112,18 @@ def plot_sentinels(points: list[dict[str, Any]]) -> bytes:
     return _png(fig)
 
 
-def make_plots(analysis: Mapping[str, Any]) -> dict[str, bytes]:
-    rows = analysis.get("per_update") or []
-    delta = analysis["config"]["delta"]
+def make_plots(analysis: JsonMap) -> dict[str, bytes]:
+    rows = objs(analysis.get("per_update") or [])
+    delta = num(obj(analysis["config"])["delta"])
     out: dict[str, bytes] = {}
     if rows:
         out["drift_tails"] = plot_drift_tails(rows, delta)
-        out["fractions"] = plot_fractions(rows, analysis.get("criteria", []))
+        out["fractions"] = plot_fractions(rows, objs(analysis.get("criteria", [])))
     pooled = analysis.get("pooled_second_epoch")
     if pooled:
-        out["histograms"] = plot_histograms(pooled["hist"], delta, "pooled over all second-epoch loss calls")
-    points = (analysis.get("sentinels") or {}).get("points") or []
+        out["histograms"] = plot_histograms(obj(obj(pooled)["hist"]), delta, "pooled over all second-epoch loss calls")
+    sentinels = obj(analysis["sentinels"]) if analysis.get("sentinels") else {}
+    points = objs(sentinels.get("points") or [])
     if points:
         out["sentinels"] = plot_sentinels(points)
     return out

@@ -35,6 +35,13 @@ def num(x: JsonValue) -> float:
     raise TypeError(f"expected a number, got {type(x).__name__}")
 
 
+def items(x: JsonValue) -> list[JsonValue]:
+    """A list of the evidence JSON."""
+    if isinstance(x, list):
+        return x
+    raise TypeError(f"expected a list, got {type(x).__name__}")
+
+
 def objs(x: JsonValue) -> list[JsonMap]:
     """A list of objects of the evidence JSON."""
     if isinstance(x, list):
