@@ -13,6 +13,7 @@ from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
+from dppo_harness.evidence.json_types import JsonMap
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     bundle.set_budget(budget["max_wall_minutes"] * 60.0, budget["gpu_hours"])
 
 
-def closing_fields(result: Mapping[str, Any], stages_selected: Sequence[str],
+def closing_fields(result: JsonMap, stages_selected: Sequence[str],
                    failures: Mapping[str, str]) -> dict[str, Any] | None:
     """The final fields no stage has set (status, verdict, reason, scope, summary); None if the
     result is already final."""
@@ -132,7 +133,7 @@ def closing_fields(result: Mapping[str, Any], stages_selected: Sequence[str],
                                     + "); the accuracy comparison did not run")
     if "outcome_reason" not in result and fields["verdict"] == "inconclusive":
         fields["outcome_reason"] = "incomplete_execution"
-    body = result["summary"].removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip()
+    body = str(result["summary"]).removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip()
     if not body or body.startswith(SERVED_NOTE):  # no stage said what ran (the stand-in is named again after)
         ran = ", ".join(stages_selected) or "no stage"
         if failures:

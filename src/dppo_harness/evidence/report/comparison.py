@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from dppo_harness.evidence.json_types import JsonObject
+from dppo_harness.evidence.json_types import JsonMap, JsonObject, num, obj, objs
 from dppo_harness.evidence.report.plots import (
     COMPARISON_PLOTS,
     plot_accuracy_difference,
@@ -19,7 +19,7 @@ from dppo_harness.evidence.report.plots import (
     plot_truncation,
 )
 from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
-from dppo_harness.evidence.report.text import REPORT_FILE, JsonMap, declared_lines, fmt, num, obj, objs, pct
+from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle

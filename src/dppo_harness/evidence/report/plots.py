@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from dppo_harness.evidence.json_types import JsonMap, items, num, obj, objs
 from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
-from dppo_harness.evidence.report.text import JsonMap, items, num, obj, objs
 from dppo_harness.instrument import instrumentation as ins
 
 PLOTS = {

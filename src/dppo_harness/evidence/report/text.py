@@ -3,11 +3,9 @@ them, and the declared renderer / loss normalization with the measured truncatio
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from dppo_harness.evidence.json_types import JsonValue
-
-JsonMap = Mapping[str, JsonValue]  # one JSON object of the evidence, as the report reads it
+from dppo_harness.evidence.json_types import JsonMap, JsonValue, num, obj
 
 REPORT_FILE = "report.md"
 
@@ -26,34 +24,6 @@ def fmt(x: object, spec: str = ".4g") -> str:
 
 def pct(x: JsonValue) -> str:
     return f"{100 * num(x):.1f}%"
-
-
-def num(x: JsonValue) -> float:
-    """A number of the evidence JSON, as it is (an int stays an int)."""
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return x
-    raise TypeError(f"expected a number, got {type(x).__name__}")
-
-
-def items(x: JsonValue) -> list[JsonValue]:
-    """A list of the evidence JSON."""
-    if isinstance(x, list):
-        return x
-    raise TypeError(f"expected a list, got {type(x).__name__}")
-
-
-def objs(x: JsonValue) -> list[JsonMap]:
-    """A list of objects of the evidence JSON."""
-    if isinstance(x, list):
-        return [obj(v) for v in x]
-    raise TypeError(f"expected a list, got {type(x).__name__}")
-
-
-def obj(x: JsonValue) -> JsonMap:
-    """An object of the evidence JSON."""
-    if isinstance(x, dict):
-        return x
-    raise TypeError(f"expected an object, got {type(x).__name__}")
 
 
 def yield_text(y: JsonMap) -> str:
