@@ -42,6 +42,7 @@ from dppo_harness.evidence.files import (
     sidecar_files,
     unwritable_line,
 )
+from dppo_harness.evidence.json_types import JsonMap, JsonObject
 from dppo_harness.evidence.ledger import BudgetLedger
 from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
@@ -268,8 +269,10 @@ class EvidenceBundle:
 
     # -- result.json
 
-    def _write_result(self, state: dict[str, Any]) -> None:
-        state["summary"] = label_summary(state, state["summary"], self._rehearsal_plan)
+    def _write_result(self, state: JsonObject) -> None:
+        summary = state["summary"]
+        if isinstance(summary, str):  # anything else fails validate_result below
+            state["summary"] = label_summary(state, summary, self._rehearsal_plan)
         validate_result(state)
         if self._rehearsal_plan:
             check_rehearsal_plan_result(state)
@@ -277,7 +280,7 @@ class EvidenceBundle:
         self._scan(data, RESULT_FILE)
         self._write(self.dir / RESULT_FILE, data)
 
-    def _commit(self, new: dict[str, Any]) -> None:
+    def _commit(self, new: JsonObject) -> None:
         """Write `new` as result.json, then adopt it (a failed write leaves the old state); after a
         refused write the result is failed, whatever is merged later."""
         if self.unwritable is not None and new["status"] != "failed":
@@ -453,7 +456,7 @@ class EvidenceBundle:
             raise EvidenceError(f"{res.file}: registered sha256 differs from the resolution file read")
         return entry
 
-    def register_effective_config(self, config: Mapping[str, Any], name: str = "effective-config.json") -> FileEntry:
+    def register_effective_config(self, config: JsonMap, name: str = "effective-config.json") -> FileEntry:
         return self.register_json(name, "effective_config", config)
 
     # -- pytest session (called by dppo_harness.pytest_plugin.hooks; see evidence.session)
