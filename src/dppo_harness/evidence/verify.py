@@ -27,6 +27,7 @@ from dppo_harness.evidence.files import (
     sha256_bytes,
     sidecar_files,
 )
+from dppo_harness.evidence.json_types import JsonMap
 from dppo_harness.evidence.result import fmt_path, validate_result
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
@@ -129,7 +130,7 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
     return problems
 
 
-def _reference_problems(result: object, by_name: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def _reference_problems(result: object, by_name: Mapping[str, JsonMap]) -> list[str]:
     problems = []
     for where, ref in iter_refs(result):
         names: list[tuple[str, str | None]] = []
