@@ -1,4 +1,5 @@
-"""Free-form JSON as written to evidence files: what the harness records but does not interpret."""
+"""JSON of the evidence files as types: objects the harness records as they are, and the narrowing a
+reader applies to one value (`num`, `obj`, `objs`, `items`: a wrong shape raises TypeError)."""
 
 from __future__ import annotations
 
