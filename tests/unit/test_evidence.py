@@ -24,6 +24,7 @@ from dppo_harness.evidence import (
     SecretLeakError,
     verify_bundle,
 )
+from dppo_harness.evidence.backend import Backend
 from dppo_harness.plans import load_plan
 
 SRC = Path(ev.__file__).resolve().parents[2]  # src/ (evidence is a package)
@@ -259,8 +260,8 @@ def test_result_merge_keeps_numbers_and_shape(bundle):
 
 def test_local_summary_is_always_a_rehearsal(bundle):
     bundle.update_result(summary="DPPO mask fired on 2% of tokens.")
-    bundle.set_backend("local", requested_model="Qwen/Qwen3.5-2B", served_model="tiny-qwen3-gsm8k",
-                       sdk_versions={"tinker": "0.38.0"}, base_url="http://127.0.0.1:1234")
+    bundle.set_backend(Backend(kind="local", requested_model="Qwen/Qwen3.5-2B", served_model="tiny-qwen3-gsm8k",
+                               sdk_versions={"tinker": "0.38.0"}, base_url="http://127.0.0.1:1234"))
     assert bundle.result["summary"] == REHEARSAL_PREFIX + "DPPO mask fired on 2% of tokens."
     bundle.update_result(summary="Second sentence only.")
     assert bundle.result["summary"].startswith(REHEARSAL_PREFIX)

@@ -10,6 +10,7 @@ import pytest
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
+from dppo_harness.evidence.backend import Backend, EmbeddedServer, backend_of, report_lines, served_model
 from dppo_harness.evidence.result import label_summary
 from dppo_harness.evidence.session import closing_fields
 from dppo_harness.plans import load_plan
@@ -39,15 +40,16 @@ def test_marker_from_each_place_and_none_on_a_real_service():
 
 def test_served_model_is_the_stand_in_on_the_embedded_server_and_model_name_elsewhere():
     md = {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B", "embedded_server": EMBEDDED_SERVER_MARKER}
-    assert identity.served_model(md, {"kind": "tinker"})[0] == STAND_IN
+    assert served_model(md, Backend(kind="tinker")).name == STAND_IN
     # marker key dropped by the SDK's type: the evidence block still says embedded
     md_sdk = {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B"}
-    assert identity.served_model(md_sdk, {"kind": "local", "embedded_server": {"stand_in": STAND_IN}})[0] == STAND_IN
-    assert identity.served_model({"model_name": "Qwen/Qwen3.5-2B"},
-                                 {"kind": "local", "served_model": STAND_IN})[0] == STAND_IN
+    block = Backend(kind="local", embedded_server=EmbeddedServer(stand_in=STAND_IN))
+    assert served_model(md_sdk, block).name == STAND_IN
+    assert served_model({"model_name": "Qwen/Qwen3.5-2B"},
+                        Backend(kind="local", served_model=STAND_IN)).name == STAND_IN
     # a real service: its own word, even when arch is something else
-    assert identity.served_model({"arch": "Qwen3_5ForCausalLM", "model_name": "Qwen/Qwen3.5-2B"},
-                                 {"kind": "tinker"}) == ("Qwen/Qwen3.5-2B", "get_info().model_data.model_name")
+    real = served_model({"arch": "Qwen3_5ForCausalLM", "model_name": "Qwen/Qwen3.5-2B"}, Backend(kind="tinker"))
+    assert (real.name, real.source) == ("Qwen/Qwen3.5-2B", "get_info().model_data.model_name")
 
 
 @pytest.mark.parametrize("requested,served,want", [
@@ -92,7 +94,7 @@ def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training
     assert b.result["summary"].startswith(REHEARSAL_PREFIX)
     identity.finalize_labels(b)
     assert STAND_IN in b.result["summary"] and STAND_IN in b.result["tested_instead"]
-    assert any(line.startswith("- REHEARSAL") and STAND_IN in line for line in identity.report_lines(b.result["backend"]))
+    assert any(line.startswith("- REHEARSAL") and STAND_IN in line for line in report_lines(backend_of(b.result)))
 
 
 def test_real_service_is_not_relabelled(tmp_path):
@@ -102,7 +104,7 @@ def test_real_service_is_not_relabelled(tmp_path):
     r = b.result
     assert r["backend"]["kind"] == "tinker" and not r["summary"].startswith(REHEARSAL_PREFIX)
     assert sub in r["deviations"]
-    assert identity.labels_missing_stand_in(r) == {} and identity.report_lines(r["backend"]) == []
+    assert identity.labels_missing_stand_in(r) == {} and report_lines(backend_of(r)) == []
     assert b.entry("connectivity-preflight.json") is not None
 
 

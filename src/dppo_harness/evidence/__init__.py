@@ -1,4 +1,4 @@
-"""Evidence bundle: registered immutable files, result.json in the brief's shape, verify CLI.
+"""Evidence bundle: registered immutable files, result.json in its structured-output shape, verify CLI.
 
 Layout of one run (`<root>/<run_id>/`):
     result.json       the structured output, rewritten atomically after every update

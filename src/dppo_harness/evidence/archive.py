@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
+    from dppo_harness.evidence.files import FileEntry
 
 ARCHIVE_NAME = "code-archive.zip"
 MANIFEST_MEMBER = "ARCHIVE-MANIFEST.json"
@@ -100,7 +101,7 @@ def build_archive(root: Path, *, commit: str | None = None,
     return buf.getvalue(), manifest
 
 
-def register_code_archive(bundle: EvidenceBundle, root: Path, commit: str | None = None) -> dict[str, Any]:
+def register_code_archive(bundle: EvidenceBundle, root: Path, commit: str | None = None) -> FileEntry:
     """Register the archive (kind script); returns its file entry."""
     data, _ = build_archive(root, commit=commit)
     return bundle.register_bytes(ARCHIVE_NAME, "script", data)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dppo_harness.evidence.files import MAX_FILE_BYTES, MAX_FILES, MAX_TOTAL_BYTES
+from dppo_harness.evidence.json_types import JsonObject
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan
@@ -110,7 +111,7 @@ class BudgetNeeds:
     def required_bytes(self) -> int:
         return self.closing_bytes + sum(s.bytes for s in self.stages)
 
-    def as_record(self) -> dict[str, Any]:
+    def as_record(self) -> JsonObject:
         """What ledger.json keeps of the session's budget (files counted, bytes estimated)."""
         return {"limit_files": MAX_FILES, "limit_bytes": MAX_TOTAL_BYTES, "required_files": self.required_files,
                 "optional_files": self.optional_files, "estimated_bytes": self.required_bytes,

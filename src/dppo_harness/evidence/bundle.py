@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from dppo_harness.evidence import session
+from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
@@ -41,6 +42,7 @@ from dppo_harness.evidence.files import (
     sidecar_files,
     unwritable_line,
 )
+from dppo_harness.evidence.json_types import JsonMap, JsonObject
 from dppo_harness.evidence.ledger import BudgetLedger
 from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
@@ -259,7 +261,7 @@ class EvidenceBundle:
             entries = self._entries()
             return MAX_FILES - len(entries) - self._closing_left(entries)[0]
 
-    def register_json(self, name: str, kind: str, obj: Any) -> FileEntry:
+    def register_json(self, name: str, kind: str, obj: object) -> FileEntry:
         return self.register_bytes(name, kind, json_file_bytes(name, obj))
 
     def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
@@ -267,8 +269,10 @@ class EvidenceBundle:
 
     # -- result.json
 
-    def _write_result(self, state: dict[str, Any]) -> None:
-        state["summary"] = label_summary(state, state["summary"], self._rehearsal_plan)
+    def _write_result(self, state: JsonObject) -> None:
+        summary = state["summary"]
+        if isinstance(summary, str):  # anything else fails validate_result below
+            state["summary"] = label_summary(state, summary, self._rehearsal_plan)
         validate_result(state)
         if self._rehearsal_plan:
             check_rehearsal_plan_result(state)
@@ -276,7 +280,7 @@ class EvidenceBundle:
         self._scan(data, RESULT_FILE)
         self._write(self.dir / RESULT_FILE, data)
 
-    def _commit(self, new: dict[str, Any]) -> None:
+    def _commit(self, new: JsonObject) -> None:
         """Write `new` as result.json, then adopt it (a failed write leaves the old state); after a
         refused write the result is failed, whatever is merged later."""
         if self.unwritable is not None and new["status"] != "failed":
@@ -294,16 +298,11 @@ class EvidenceBundle:
         with self._lock:
             self._commit(merged_result(self._result, fields))
 
-    def set_backend(self, kind: Literal["local", "tinker"], *, requested_model: str, served_model: str,
-                    sdk_versions: Mapping[str, str], **extra: Any) -> None:
+    def set_backend(self, backend: Backend) -> None:
         """The backend block; a local backend also forces the rehearsal label onto the summary."""
-        if kind not in ("local", "tinker"):
-            raise EvidenceError(f"backend kind {kind!r}: expected 'local' or 'tinker'")
-        block = {"kind": kind, "requested_model": requested_model, "served_model": served_model,
-                 "sdk_versions": dict(sdk_versions), **extra}
         with self._lock:
             new = copy.deepcopy(self._result)
-            new["backend"] = block
+            new["backend"] = backend.to_json()
             self._commit(new)
 
     def post_arm_metrics(self, arm: str, metrics: Mapping[str, float], *, completed: bool = False) -> None:
@@ -313,7 +312,7 @@ class EvidenceBundle:
             fields["completed_arms"] = [arm]
         self.update_result(**fields)
 
-    def add_deviation(self, field: str, original: Any, effective: Any, reason: str) -> None:
+    def add_deviation(self, field: str, original: object, effective: object, reason: str) -> None:
         if field not in DEVIATION_FIELDS:
             raise EvidenceError(f"deviation field {field!r}: expected one of {list(DEVIATION_FIELDS)}")
         dev = {"field": field, "original": as_text(original), "effective": as_text(effective), "reason": str(reason)}
@@ -457,7 +456,7 @@ class EvidenceBundle:
             raise EvidenceError(f"{res.file}: registered sha256 differs from the resolution file read")
         return entry
 
-    def register_effective_config(self, config: Mapping[str, Any], name: str = "effective-config.json") -> FileEntry:
+    def register_effective_config(self, config: JsonMap, name: str = "effective-config.json") -> FileEntry:
         return self.register_json(name, "effective_config", config)
 
     # -- pytest session (called by dppo_harness.pytest_plugin.hooks; see evidence.session)

@@ -16,7 +16,7 @@ class ImmutableNameError(EvidenceError):
 
 
 class ResultShapeError(EvidenceError):
-    """result.json would not have the brief's structured-output shape."""
+    """result.json would not have the structured-output shape (`result.ResultModel`)."""
 
 
 class UnwritableEvidenceError(EvidenceError):

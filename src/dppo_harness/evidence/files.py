@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from dppo_harness.evidence.errors import EvidenceError, ImmutableNameError, LimitError
 
@@ -132,11 +132,11 @@ def atomic_write(path: Path, data: bytes) -> None:
             tmp.unlink()
 
 
-def dump_json(obj: Any) -> bytes:
+def dump_json(obj: object) -> bytes:
     return (json.dumps(obj, indent=2, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def json_file_bytes(name: str, obj: Any) -> bytes:
+def json_file_bytes(name: str, obj: object) -> bytes:
     """A registered JSON file's bytes: sorted keys, no NaN/inf."""
     try:
         return (json.dumps(obj, indent=2, sort_keys=True, allow_nan=False, ensure_ascii=False) + "\n").encode()

@@ -6,9 +6,9 @@ import hashlib
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from dppo_harness.evidence.files import sha256_bytes
+from dppo_harness.evidence.json_types import JsonObject, JsonValue
 
 
 def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
@@ -40,13 +40,13 @@ def _source_sha256(root: Path) -> str | None:
     return package_source_sha256(pkg) if pkg.is_dir() else None
 
 
-def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[dict[str, Any], bytes]:
+def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[JsonObject, bytes]:
     """(revision info, patch bytes): the git commit plus the diff of tracked files.
 
     Untracked files are listed with their path, size and sha256 but never inlined: a `.env` or a
     notes file with a token in it is the user's, not the run's code. Read-only (no index change).
     """
-    info: dict[str, Any] = {"repo": root.name, "source_sha256": _source_sha256(root)}
+    info: JsonObject = {"repo": root.name, "source_sha256": _source_sha256(root)}
     head = _git(root, "rev-parse", "HEAD") if (root / ".git").exists() else None
     if head is None or head.returncode != 0:
         info.update({"commit": None, "available": False,
@@ -55,7 +55,8 @@ def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[dict[str, A
     info.update({"commit": head.stdout.decode().strip(), "available": True})
     patch = _git(root, "diff", "HEAD", "--binary").stdout
     excl = [Path(e).resolve() for e in exclude]
-    untracked, listed = [], []
+    untracked: list[JsonValue] = []
+    listed: list[JsonValue] = []
     out = _git(root, "ls-files", "--others", "--exclude-standard", "-z").stdout.decode()
     for rel in filter(None, out.split("\0")):
         p = (root / rel).resolve()

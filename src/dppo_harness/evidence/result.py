@@ -1,4 +1,4 @@
-"""result.json: the brief's structured output (+ the harness's `backend` block).
+"""result.json: the run's structured output (status, verdict, metrics, evidence) plus the harness's `backend` block.
 
 `ResultModel` is its shape as a strict pydantic model (no extra keys, no coercion, no NaN/inf);
 the cross-field rules (verdict only when final, outcome_reason implies verdict, a local backend's
@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dppo_harness.evidence.backend import Backend, backend_of, is_embedded
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
+from dppo_harness.evidence.json_types import JsonObject, JsonValue
 from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error
 
 STATUSES = ("running", "succeeded", "failed")
@@ -85,13 +87,6 @@ class CapacityBlock(_Strict):
     released_clients: bool
 
 
-class Backend(BaseModel):
-    """The backend block; `kind` is fixed, the rest (models, sdk_versions, base_url, ...) is free."""
-
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-    kind: Literal["local", "tinker"]
-
-
 JsonBlock = Any  # free JSON written by one stage (finite numbers checked on the whole result)
 
 
@@ -147,8 +142,8 @@ class ResultModel(_Strict):
         return self
 
 
-def validate_result(r: Any) -> None:
-    """Raise ResultShapeError unless r has the brief's structured-output shape (+ backend)."""
+def validate_result(r: object) -> None:
+    """Raise ResultShapeError unless r has the structured-output shape of ResultModel (+ backend)."""
     if not isinstance(r, dict):
         raise ResultShapeError("result: expected object")
     for key in ("verdict", "outcome_reason", "capacity_block"):
@@ -164,7 +159,7 @@ def validate_result(r: Any) -> None:
         raise ResultShapeError(f"result: non-finite number ({exc})") from None
 
 
-def initial_result() -> dict[str, Any]:
+def initial_result() -> JsonObject:
     return {
         "status": "running",
         "summary": "",
@@ -184,18 +179,17 @@ def initial_result() -> dict[str, Any]:
     }
 
 
-def label_summary(state: Mapping[str, Any], summary: str, rehearsal_plan: bool = False) -> str:
+def label_summary(state: Mapping[str, JsonValue], summary: str, rehearsal_plan: bool = False) -> str:
     """A local backend's summary always starts with the rehearsal label; so does a run under a
     rehearsal plan."""
-    be = state.get("backend")
-    if isinstance(be, dict) and be.get("kind") == "local":
+    if is_embedded(backend_of(state)):
         return summary if summary.startswith(REHEARSAL_PREFIX) else REHEARSAL_PREFIX + summary
     if rehearsal_plan and not summary.startswith(REHEARSAL_PLAN_PREFIX):
         return REHEARSAL_PLAN_PREFIX + summary
     return summary
 
 
-def check_rehearsal_plan_result(state: Mapping[str, Any]) -> None:
+def check_rehearsal_plan_result(state: Mapping[str, JsonValue]) -> None:
     """A result under a rehearsal plan is always inconclusive."""
     if state.get("verdict", "inconclusive") != "inconclusive":
         raise ResultShapeError("verdict: a result under a rehearsal plan is always 'inconclusive'")
@@ -207,11 +201,11 @@ def check_rehearsal_plan_result(state: Mapping[str, Any]) -> None:
 _MISSING = object()
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _number_paths(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+def _number_paths(obj: object, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
     if _is_number(obj):
         yield path
     elif isinstance(obj, dict):
@@ -222,22 +216,24 @@ def _number_paths(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[
             yield from _number_paths(v, (*path, i))
 
 
-def _get_path(obj: Any, path: tuple[str | int, ...]) -> Any:
+def _get_path(obj: object, path: tuple[str | int, ...]) -> object:
     for p in path:
-        in_list = isinstance(obj, list) and isinstance(p, int) and p < len(obj)
-        if not (in_list or (isinstance(obj, dict) and p in obj)):
+        if isinstance(obj, dict) and p in obj:
+            obj = obj[p]
+            continue
+        if not (isinstance(obj, list) and isinstance(p, int) and p < len(obj)):
             return _MISSING
         obj = obj[p]
     return obj
 
 
-def deep_merge(old: Any, new: Any) -> Any:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = dict(old)
-        for k, v in new.items():
-            out[k] = deep_merge(old[k], v) if k in old else copy.deepcopy(v)
-        return out
-    return copy.deepcopy(new)
+def deep_merge(old: Mapping[str, JsonValue], new: Mapping[str, JsonValue]) -> JsonObject:
+    """old with new merged in: objects merge key by key, anything else is replaced by (a copy of) new."""
+    out = dict(old)
+    for k, v in new.items():
+        prev = old.get(k)
+        out[k] = deep_merge(prev, v) if isinstance(prev, dict) and isinstance(v, dict) else copy.deepcopy(v)
+    return out
 
 
 def fmt_path(path: tuple[str | int, ...]) -> str:
@@ -247,7 +243,7 @@ def fmt_path(path: tuple[str | int, ...]) -> str:
     return s
 
 
-def check_update_keys(fields: Mapping[str, Any]) -> None:
+def check_update_keys(fields: Mapping[str, JsonValue]) -> None:
     """update_result may not touch the blocks that dedicated bundle methods manage."""
     for key, value in fields.items():
         if (key,) in PROTECTED:
@@ -263,15 +259,16 @@ def check_update_keys(fields: Mapping[str, Any]) -> None:
 STICKY_AFTER_FAILURE = ("status", "verdict", "outcome_reason", "summary")
 
 
-def merged_result(old: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+def merged_result(old: JsonObject, fields: Mapping[str, JsonValue]) -> JsonObject:
     """old deep-merged with fields; every number in old survives, completed_arms only grows, and a
     failed status is sticky (STICKY_AFTER_FAILURE keep the failure's values)."""
     if old.get("status") == "failed" and fields.get("status", "failed") != "failed":
         fields = {k: v for k, v in fields.items() if k not in STICKY_AFTER_FAILURE}
-    new = deep_merge(old, dict(fields))
-    if "completed_arms" in fields:
-        arms = list(old["completed_arms"])
-        arms += [a for a in fields["completed_arms"] if a not in arms]
+    new = deep_merge(old, fields)
+    posted, done = fields.get("completed_arms"), old["completed_arms"]
+    if isinstance(posted, list) and isinstance(done, list):  # the shape validate_result checks on both
+        arms = list(done)
+        arms += [a for a in posted if a not in arms]
         new["completed_arms"] = arms
     for path in _number_paths(old):
         if not _is_number(_get_path(new, path)):
@@ -279,9 +276,9 @@ def merged_result(old: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, A
     return new
 
 
-def stopped_state(old: dict[str, Any], summary: str) -> dict[str, Any]:
+def stopped_state(old: JsonObject, summary: str) -> JsonObject:
     """The failed, closed result of a run the evidence itself stopped, `summary` saying why."""
-    fields = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
+    fields: JsonObject = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
     state = deep_merge(old, fields)
     if state["original_hypothesis_tested"] is None:
         state["original_hypothesis_tested"] = False
@@ -290,15 +287,15 @@ def stopped_state(old: dict[str, Any], summary: str) -> dict[str, Any]:
     return state
 
 
-def leak_failure_state(old: dict[str, Any], message: str) -> dict[str, Any]:
+def leak_failure_state(old: JsonObject, message: str) -> JsonObject:
     """The result after the secret scanner stopped the run (the message names variables only)."""
     return stopped_state(old, f"Run stopped by the evidence secret scanner ({message}).")
 
 
-def unwritable_failure_state(old: dict[str, Any], line: str) -> dict[str, Any]:
+def unwritable_failure_state(old: JsonObject, line: str) -> JsonObject:
     """The result after an evidence write was refused (disk full, read-only, permission)."""
     return stopped_state(old, f"Run stopped: its evidence could not be written ({line}).")
 
 
-def as_text(v: Any) -> str:
+def as_text(v: object) -> str:
     return v if isinstance(v, str) else json.dumps(v, sort_keys=True)

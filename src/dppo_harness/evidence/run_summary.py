@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+
+from dppo_harness.evidence.json_types import JsonMap, items, obj, objs
 
 TITLE = "dppo-harness run summary"
 BASE_ARM = "base"  # comparison_eval.BASE_ARM: the base model's key under metrics.arms
 
 
-def _num(x: Any, spec: str = ".4g") -> str:
+def _num(x: object, spec: str = ".4g") -> str:
     return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "n/a"
 
 
@@ -32,7 +33,7 @@ def _stopped_line(stage_failures: Mapping[str, str], messages: Mapping[str, str]
     return text + (f"; later failures in {', '.join(later)}" if later else "")
 
 
-def arm_line(arm: str, m: Mapping[str, Any], completed: bool) -> str:
+def arm_line(arm: str, m: JsonMap, completed: bool) -> str:
     """One trained arm: steps, final reward, accuracy (or that it was not evaluated)."""
     steps = m.get("steps_completed")
     acc = m.get("accuracy")
@@ -44,7 +45,7 @@ def arm_line(arm: str, m: Mapping[str, Any], completed: bool) -> str:
     return ", ".join(parts)
 
 
-def summary_lines(result: Mapping[str, Any], run_dir: Path, *, stage_failures: Mapping[str, str] | None = None,
+def summary_lines(result: JsonMap, run_dir: Path, *, stage_failures: Mapping[str, str] | None = None,
                   failure_messages: Mapping[str, str] | None = None,
                   stage_order: Sequence[str] = ()) -> list[str]:
     """The block's lines (no title). `stage_failures`: stage -> first failing test id; `failure_messages`:
@@ -61,23 +62,23 @@ def summary_lines(result: Mapping[str, Any], run_dir: Path, *, stage_failures: M
     if failures:
         lines.append(_stopped_line(failures, dict(failure_messages or {}), stage_order))
     elif result.get("capacity_block"):
-        cb = result["capacity_block"]
+        cb = obj(result["capacity_block"])
         lines.append(f"stopped by service capacity after {cb.get('comparison_steps_completed')} comparison steps: "
                      f"{cb.get('error')}")
     elif status == "running":
         lines.append("the session ended before any stage closed the result (status still running)")
     lines.append(f"evidence: {run_dir}")
-    names = {f.get("name") for f in (result.get("evidence") or {}).get("files", [])}
+    names = {f.get("name") for f in objs(obj(result.get("evidence") or {}).get("files", []))}
     lines.append(f"report:   {Path(run_dir) / 'files' / 'report.md'}" if "report.md" in names
                  else "report:   none written (no stage reached its report)")
-    metrics = result.get("metrics") or {}
-    arms = metrics.get("arms") or {}
-    completed = set(result.get("completed_arms") or [])
+    metrics = obj(result.get("metrics") or {})
+    arms = obj(metrics.get("arms") or {})
+    completed = set(map(str, items(result.get("completed_arms") or [])))
     trained = [a for a in arms if a != BASE_ARM]
     for arm in trained:
-        lines.append("  " + arm_line(arm, arms[arm], arm in completed))
+        lines.append("  " + arm_line(arm, obj(arms[arm]), arm in completed))
     if BASE_ARM in arms:
-        b = arms[BASE_ARM]
+        b = obj(arms[BASE_ARM])
         lines.append(f"  base model: accuracy {_num(b.get('accuracy'))} (n={_num(b.get('eval_n'), '.0f')}, "
                      f"{_num(b.get('eval_invalid_outputs'), '.0f')} invalid)")
     if not trained:

@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from dppo_harness import plans
+from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
+from dppo_harness.evidence.backend import Backend
+from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
+from dppo_harness.evidence.json_types import JsonMap
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 
 if TYPE_CHECKING:
@@ -25,8 +29,6 @@ def record_plan(bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapp
 
     `effective_config` is plans.effective_config(plan, backend_info)."""
     if effective_config.get("plan", {}).get("sha256") != plan.sha256:
-        from dppo_harness.evidence.errors import EvidenceError
-
         raise EvidenceError("effective config was not built from this plan (sha256 differs)")
     bundle.register_plan(plan, plan_name)
     bundle.register_resolution(plan)
@@ -46,7 +48,8 @@ def record_plan(bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapp
 def _split_test_files(root: Path, test_files: Sequence[str | Path]) -> tuple[list[Path], list[Path]]:
     """(stage test files, other test files): unit and integration files are many, so they go into
     one sha256 manifest to spare the 64-file limit."""
-    stage_files, other_files = [], []
+    stage_files: list[Path] = []
+    other_files: list[Path] = []
     for f in sorted({Path(p).resolve() for p in test_files}):
         try:
             parts = f.relative_to(root.resolve()).parts
@@ -72,13 +75,12 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     root = Path(project_root)
     bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)
     versions = sdk_versions()
-    bundle.set_backend(backend, requested_model=plan.planned_model,
-                       served_model=served_model or "reported at client creation (see initialization_provenance)",
-                       sdk_versions=versions)
+    bundle.set_backend(Backend(
+        kind=backend, requested_model=plan.planned_model,
+        served_model=served_model or "reported at client creation (see initialization_provenance)",
+        sdk_versions=versions))
     bundle.register_provenance(root, [])
     # All executed code (library incl. the embedded server, tests, plans) as one hashed archive.
-    from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
-
     rev = bundle.dir / "files" / "code-revision.json"
     commit = json.loads(rev.read_text()).get("commit") if rev.is_file() else None
     register_code_archive(bundle, root, commit=commit)
@@ -105,6 +107,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
         # update of the session (the preflight's probes included), so the evidence shows what was planned before it ran.
+        # instrument.pooled loads numpy and torch (its instrumentation); the bundle, imported by every stage, stays light
         from dppo_harness.instrument.pooled import REVISED_SPEC_FILE
 
         bundle.register_plan(plan, REVISED_SPEC_FILE)
@@ -116,7 +119,7 @@ def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"]
     bundle.set_budget(budget["max_wall_minutes"] * 60.0, budget["gpu_hours"])
 
 
-def closing_fields(result: Mapping[str, Any], stages_selected: Sequence[str],
+def closing_fields(result: JsonMap, stages_selected: Sequence[str],
                    failures: Mapping[str, str]) -> dict[str, Any] | None:
     """The final fields no stage has set (status, verdict, reason, scope, summary); None if the
     result is already final."""
@@ -130,7 +133,7 @@ def closing_fields(result: Mapping[str, Any], stages_selected: Sequence[str],
                                     + "); the accuracy comparison did not run")
     if "outcome_reason" not in result and fields["verdict"] == "inconclusive":
         fields["outcome_reason"] = "incomplete_execution"
-    body = result["summary"].removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip()
+    body = str(result["summary"]).removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip()
     if not body or body.startswith(SERVED_NOTE):  # no stage said what ran (the stand-in is named again after)
         ran = ", ".join(stages_selected) or "no stage"
         if failures:

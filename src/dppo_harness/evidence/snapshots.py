@@ -1,5 +1,5 @@
-"""Immutable result snapshots while the run works (the brief's "update it while you work": the
-exchange saves each update, so a session that ends early still leaves its results).
+"""Immutable result snapshots while the run works: the result is updated as the run goes and each
+update is saved, so a session that ends early still leaves its results.
 
 `post_snapshot` registers the current result.json, exactly as posted, under the next free name
 `result-0001.json`, `result-0002.json`, ... (names are immutable, so each is a new file). It keeps
@@ -36,7 +36,8 @@ def post_snapshot(bundle: EvidenceBundle, label: str, *, reserve: int = DEFAULT_
                                                               f"files used, {reserve} kept for later evidence"})
         bundle.note_ledger(snapshots=log)
         return None
-    index = int(SNAPSHOT_RE.match(names[-1]).group(1)) + 1 if names else 1
+    last = SNAPSHOT_RE.match(names[-1]) if names else None  # every name matches: snapshot_names filters by it
+    index = int(last.group(1)) + 1 if last else 1
     name = f"result-{index:04d}.json"
     bundle.register_json(name, "metrics", bundle.result)
     log.append({"label": label, "name": name, "elapsed_s": round(bundle.elapsed_seconds(), 3)})

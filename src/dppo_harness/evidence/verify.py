@@ -27,20 +27,21 @@ from dppo_harness.evidence.files import (
     sha256_bytes,
     sidecar_files,
 )
+from dppo_harness.evidence.json_types import JsonMap
 from dppo_harness.evidence.result import fmt_path, validate_result
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
 _REF_KEYS = ("evidence_ref", "predictions_ref", "manifest_ref", "dataset_file", "evaluation_file", "audit_file")
 
 
-def _is_ref(path: tuple[str | int, ...], key: object, value: Any) -> bool:
+def _is_ref(path: tuple[str | int, ...], key: object, value: object) -> bool:
     if isinstance(key, str) and (key in _REF_KEYS or key.endswith("_ref") or key == "observations_file"):
         return True
     # feasibility.source names a file when it is one word
     return path == ("feasibility",) and key == "source" and isinstance(value, str) and bool(value) and " " not in value
 
 
-def iter_refs(obj: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str, Any]]:
+def iter_refs(obj: object, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str, object]]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             p = (*path, k)
@@ -129,7 +130,7 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
     return problems
 
 
-def _reference_problems(result: Any, by_name: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def _reference_problems(result: object, by_name: Mapping[str, JsonMap]) -> list[str]:
     problems = []
     for where, ref in iter_refs(result):
         names: list[tuple[str, str | None]] = []

@@ -13,13 +13,14 @@ ends; the arms' clients stay on the session's ServiceClient for later stages.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
 from dppo_harness import plans
 from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence.backend import Backend, backend_of, served_model
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.plans import Plan
 from dppo_harness.pytest_plugin.fixtures_session import ServiceBackend
@@ -45,15 +46,13 @@ logger = logging.getLogger(__name__)
 
 
 def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient,
-                 backend_block: Mapping[str, Any] | None = None) -> plans.BackendInfo:
+                 backend_block: Backend | None = None) -> plans.BackendInfo:
     """plans.BackendInfo from what the server reported at client creation."""
-    from dppo_harness.service import identity  # httpx: see above
-
     info = client.get_info()
     served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
         info.model_data.model_name or info.model_name)
     if backend_block:  # on the embedded server (marker seen) the stand-in computes
-        served = identity.served_model(info.model_data.model_dump(), backend_block)[0] or served
+        served = served_model(info.model_data.model_dump(), backend_block).name or served
     if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
         served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
     return plans.BackendInfo(backend=service_backend.kind, requested_model=plan.base_model,
@@ -132,7 +131,7 @@ def feasibility(request: pytest.FixtureRequest, service_backend: ServiceBackend,
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written.
-    eff = plans.effective_config(plan, backend_info(service_backend, plan, arm_client, evidence_bundle.result.get("backend")))
+    eff = plans.effective_config(plan, backend_info(service_backend, plan, arm_client, backend_of(evidence_bundle.result)))
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).
     pilot_sc = stage_session_client("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)")

@@ -23,6 +23,7 @@ import httpx
 from pydantic import JsonValue
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+from dppo_harness.evidence.backend import Backend, EmbeddedServer, backend_of, served_model, stand_in_note
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 
 if TYPE_CHECKING:
@@ -139,29 +140,6 @@ def get_info_raw(holder: InternalClientHolder | None, model_id: str, timeout_s: 
 # ----------------------------------------------------------------------------- the served model
 
 
-def served_model(model_data: Mapping[str, Any] | None, backend_block: Mapping[str, Any] | None) -> tuple[str | None, str]:
-    """The model that computes, and where that came from.
-
-    On the embedded server (seen now in model_data, or recorded earlier in the evidence's backend
-    block) it is the stand-in, never the name the server answers to; on a real service it is
-    `model_data.model_name`, the service's word.
-    """
-    md = dict(model_data or {})
-    block = dict(backend_block or {})
-    reported = md.get("model_name")
-    embedded = block.get("embedded_server")
-    marker = detect_marker(model_data=md)
-    if marker is not None or embedded or block.get("kind") == "local":
-        if md.get("arch"):
-            return str(md["arch"]), f"get_info().model_data.arch (embedded server's stand-in; model_name reports {reported!r})"
-        stand_in = (embedded or {}).get("stand_in") if isinstance(embedded, Mapping) else None
-        name = stand_in or block.get("served_model")
-        if name:
-            return str(name), f"evidence backend block (embedded server; get_info reports {reported!r})"
-        return None, f"embedded server exposes no stand-in name (get_info reports {reported!r})"
-    return (str(reported) if reported else None), "get_info().model_data.model_name"
-
-
 @dataclass(frozen=True)
 class ServedModel:
     """Which model computed. `stand_in` is the substitute's identity when one served, else None."""
@@ -181,19 +159,18 @@ def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, ba
     (the embedded server answers to the requested name but its arch is the stand-in). The local
     backend is always a stand-in, even when the response lacks the arch."""
     md = (info or {}).get("model_data") or {}
-    arch = md.get("arch")
-    name = md.get("model_name")
-    marker = md.get("embedded_server")
-    if arch and arch != requested and (marker or backend == "local" or str(arch).startswith("local/")):
-        return ServedModel(requested, str(arch), str(arch), "get_info model_data.arch")
+    # the marker key, the local backend or a `local/` arch: the embedded server computed
+    embedded = bool(md.get(EMBEDDED_KEY)) or backend == "local" or str(md.get("arch") or "").startswith("local/")
+    found = served_model(md, None, local=embedded)
+    if found.origin == "arch" and found.name is not None and found.name != requested:
+        return ServedModel(requested, found.name, found.name, "get_info model_data.arch")
     if backend == "local":
-        stand_in = str(arch) if arch else "embedded server stand-in (identity not reported)"
+        stand_in = found.name if found.origin == "arch" and found.name else "embedded server stand-in (identity not reported)"
         return ServedModel(requested, stand_in, stand_in, "backend=local")
-    if not name:  # optional in the SDK's ModelData: unavailable, never the requested name
+    if not found.reported:  # optional in the SDK's ModelData: unavailable, never the requested name
         return ServedModel(requested, f"a model the service did not name (requested {requested})", None,
                            "unavailable: the get_info response has no model_data.model_name")
-    return ServedModel(requested, str(name), None, "get_info model_data.model_name")
-
+    return ServedModel(requested, found.reported, None, "get_info model_data.model_name")
 
 
 class Substitution(TypedDict):
@@ -220,22 +197,17 @@ def substitution_deviation(requested_model: str, marker: EmbeddedMarker, base_ur
     }
 
 
-def stand_in_note(stand_in: str | None, requested_model: str) -> str:
-    return (f"computed by the embedded server's stand-in model {stand_in or '(unnamed)'}, not {requested_model}; "
-            "a rehearsal, not a scientific result")
-
-
 def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
     """result fields (summary, tested_instead) that must still name the stand-in, with the text to use.
 
     Empty when the backend block carries no embedded marker or both already name it.
     """
-    block = result.get("backend") or {}
-    embedded = block.get("embedded_server") if isinstance(block, Mapping) else None
-    if not isinstance(embedded, Mapping):
+    block = backend_of(result)
+    embedded = block.embedded_server if block is not None else None
+    if block is None or embedded is None:
         return {}
-    stand_in = embedded.get("stand_in") or block.get("served_model")
-    note = stand_in_note(stand_in, str(block.get("requested_model") or "the planned model"))
+    stand_in = embedded.stand_in or block.served_model
+    note = stand_in_note(stand_in, str(block.requested_model or "the planned model"))
     out: dict[str, str] = {}
     summary = str(result.get("summary") or "")
     if not stand_in or stand_in not in summary:  # the rehearsal labels stay in front
@@ -247,21 +219,6 @@ def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
     if isinstance(tested, str) and tested.strip() and (not stand_in or stand_in not in tested):
         out["tested_instead"] = tested.rstrip().rstrip(".") + f" ({note})"
     return out
-
-
-def report_lines(backend_block: Mapping[str, Any] | None) -> list[str]:
-    """Markdown lines for report.md naming the stand-in (empty on a real service)."""
-    block = dict(backend_block or {})
-    embedded = block.get("embedded_server")
-    if not isinstance(embedded, Mapping):
-        return []
-    stand_in = embedded.get("stand_in") or block.get("served_model")
-    return ["", "## Served model (embedded server)", "",
-            f"- REHEARSAL: {stand_in_note(stand_in, str(block.get('requested_model')))}.",
-            f"- The service at `{block.get('base_url')}` carries the embedded-server marker "
-            f"(in: {', '.join(embedded.get('sources') or [])}; profile {embedded.get('profile')}); "
-            f"it answers to the name `{block.get('answers_to')}`.",
-            f"- Limitation: numbers here describe the stand-in {stand_in}, not {block.get('requested_model')}."]
 
 
 # ----------------------------------------------------------------------------- model choice
@@ -373,9 +330,10 @@ class TrainingClientRecorder:
         model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
         model_data = model_data if isinstance(model_data, dict) else None
         marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
-        backend_block = self.bundle.result.get("backend") if hasattr(self.bundle, "result") else None
-        name, source = served_model(model_data, backend_block if marker is None else
-                                    dict(backend_block or {}, embedded_server=marker.as_dict()))
+        backend_block = backend_of(self.bundle.result) if hasattr(self.bundle, "result") else None
+        served = served_model(model_data, backend_block,
+                              seen=None if marker is None else EmbeddedServer.model_validate(marker.as_dict()))
+        name, source = served.name, served.source
         rec = ClientIdentity(label, model_id, info_json, caps, marker, name, source, errors)
         self.records.append(rec)
         # A file now for the first client and for any client whose identity differs from all earlier
@@ -416,18 +374,18 @@ def record_session_identity(bundle: EvidenceBundle, report: ConnectivityReport, 
     marker = report.marker
     if marker is None:
         return
-    block = dict(bundle.result.get("backend") or {})
-    stand_in = marker.stand_in or block.get("served_model")
+    block = backend_of(bundle.result)
+    stand_in = marker.stand_in or (block.served_model if block is not None else None)
     # The model the experiment is about (a rehearsal plan's derived-from spec names it), as the
     # session recorded it; the connectivity check asked for the plan's own base_model.
-    planned = str(block.get("requested_model") or report.requested_model)
+    planned = str((block.requested_model if block is not None else None) or report.requested_model)
     # Kind `local` = the embedded server computed this run; the bundle then labels every summary.
-    bundle.set_backend(
-        "local", requested_model=planned, served_model=str(stand_in),
-        sdk_versions=sdk_versions, base_url=report.base_url, requested_backend=option_backend,
-        answers_to=report.model, embedded_server=marker.as_dict(),
+    bundle.set_backend(Backend(
+        kind="local", requested_model=planned, served_model=str(stand_in),
+        sdk_versions=dict(sdk_versions), base_url=report.base_url, requested_backend=option_backend,
+        answers_to=report.model, embedded_server=EmbeddedServer.model_validate(marker.as_dict()),
         kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
-    )
+    ))
     d = substitution_deviation(planned, marker, report.base_url, report.model)
     bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     finalize_labels(bundle)

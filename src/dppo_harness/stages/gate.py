@@ -23,6 +23,7 @@ import tinker
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
+from dppo_harness.evidence.backend import backend_of, served_model
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
@@ -262,17 +263,21 @@ def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str
     model is `model_data.arch`, where the embedded server puts it (else the backend block's
     `served_model`). Using the requested name would make this check pass on a stand-in.
     """
-    reported = getattr(getattr(info, "model_data", None), "model_name", None)
-    # the evidence's backend kind is `local` whenever the embedded server's marker was seen.
-    if backend != "local" and ((bundle.result.get("backend") or {}) if hasattr(bundle, "result") else {}).get("kind") != "local":
-        return reported, "get_info().model_data.model_name"
-    arch = getattr(getattr(info, "model_data", None), "arch", None)
-    if arch:
-        return arch, f"get_info().model_data.arch (embedded server's served model; model_name reports {reported!r})"
-    block = bundle.result.get("backend") or {}
-    if block.get("served_model"):
-        return block["served_model"], f"backend.served_model (embedded server; get_info reports {reported!r})"
-    return None, f"embedded server exposes no served-model name (get_info reports {reported!r})"
+    md = getattr(info, "model_data", None)
+    names = {"model_name": getattr(md, "model_name", None), "arch": getattr(md, "arch", None)}
+    block = backend_of(bundle.result) if hasattr(bundle, "result") else None
+    served = served_model(names, block, local=backend == "local")
+    name = served.reported if served.origin == "model_name" else served.name  # the service's word, even ""
+    return name, _GATE_SOURCES[served.origin].format(reported=served.reported)
+
+
+# How the gate report words each source of the served model.
+_GATE_SOURCES = {
+    "arch": "get_info().model_data.arch (embedded server's served model; model_name reports {reported!r})",
+    "backend_block": "backend.served_model (embedded server; get_info reports {reported!r})",
+    "unnamed": "embedded server exposes no served-model name (get_info reports {reported!r})",
+    "model_name": "get_info().model_data.model_name",
+}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence import report
+from dppo_harness.evidence.backend import backend_of
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service.release import ClientRegistry
@@ -77,7 +78,8 @@ def _frozen_evaluator(cfg: ComparisonConfig, bundle: EvidenceBundle, plan: Plan,
 def served_by_embedded_server(backend: str, result: Mapping[str, Any]) -> bool:
     """The embedded server computed this run: the local backend, or its marker seen behind
     `--backend tinker`."""
-    return backend == "local" or bool((result.get("backend") or {}).get("embedded_server"))
+    block = backend_of(result)
+    return backend == "local" or (block is not None and block.embedded_server is not None)
 
 
 def is_rehearsal(plan: Plan, backend: str, result: Mapping[str, Any]) -> bool:

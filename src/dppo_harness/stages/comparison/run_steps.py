@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
+from dppo_harness.evidence.backend import backend_of
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service.capacity import call_with_capacity_retry, error_text
@@ -356,7 +357,8 @@ def succeeded_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, o
     diffs = "; ".join(f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "
                       f"{100 * (1 - c['alpha']):g}% paired Hoeffding CI [{c['lower']:.4g}, {c['upper']:.4g}]"
                       for c in decision["criteria"])
-    served = (bundle.result.get("backend") or {}).get("served_model") or cfg.base_model
+    block = backend_of(bundle.result)
+    served = (block.served_model if block is not None else None) or cfg.base_model
     return {"status": "succeeded", "verdict": decision["verdict"], "outcome_reason": decision["outcome_reason"],
             "summary": (f"Paired comparison under {plan.name} ({outcome.steps_completed}/{cfg.steps} rollout steps per "
                         f"arm): greedy accuracy on {cfg.eval_items} test items {acc}, {diffs}, verdict {decision['verdict']} "

@@ -1,0 +1,54 @@
+"""Text helpers shared by the diagnostic and the comparison report: numbers as the report prints
+them, and the declared renderer / loss normalization with the measured truncation under them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dppo_harness.evidence.json_types import JsonMap, JsonValue, num, obj
+
+REPORT_FILE = "report.md"
+
+
+def fmt(x: object, spec: str = ".4g") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def pct(x: JsonValue) -> str:
+    return f"{100 * num(x):.1f}%"
+
+
+def yield_text(y: JsonMap) -> str:
+    """'12 of 256 responses (4.7%) truncated at max_tokens 512, 30 (11.7%) without a parseable answer, mean 210 tokens'."""
+    limit = f" at max_tokens {y['max_tokens']}" if y.get("max_tokens") else ""
+    return (f"{y['truncated']} of {y['n']} responses ({pct(y['truncated_frac'])}) truncated{limit}, "
+            f"{y['no_answer']} ({pct(y['no_answer_frac'])}) without a parseable answer, mean "
+            f"{y['mean_response_tokens']:.0f} tokens")
+
+
+def declared_lines(declared: JsonMap, measured: Sequence[tuple[str, JsonMap | None]]) -> list[str]:
+    """The renderer and its thinking mode with the measured truncation right under it, and the loss
+    normalization against the cookbook ppo's sum (both as effective-config.json declares them)."""
+    out = []
+    r = obj(declared["renderer"]) if declared.get("renderer") else None
+    seen = [f"  - {label}: {yield_text(y)}" for label, y in measured if y]
+    if r:
+        prefill = "every generation prompt ends with `<think>\\n`" if r.get("thinking") == "enabled" else "no think prefill"
+        head = f"- renderer `{r['name']}`, thinking {r.get('thinking')} ({prefill}); measured truncation"
+    else:
+        head = "- renderer: not declared in effective-config.json; measured truncation"
+    out.append(head + (":" if seen else ": not measured"))
+    out += seen
+    n = obj(declared["loss_normalization"]) if declared.get("loss_normalization") else None
+    if n:
+        out.append(f"- loss normalization `{n['mode']}`: {n['definition']}. The cookbook's `ppo` instead: "
+                   f"{n['cookbook_ppo']}.")
+    return out
