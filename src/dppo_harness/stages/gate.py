@@ -26,14 +26,19 @@ from dppo_harness.evaluation import answer_yield
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import create_from_state_observed
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan, RunConfig
+    from dppo_harness.plans.models import GateCheck
 
 GATE_REPORT_FILE = "activation-gate-report.json"
+# One pilot step's row in the report: step, optimizer steps, whether its last update was recorded,
+# that update's loss-call statistics and the step's rollout yield.
+PilotStepRow = dict[str, float | int | bool]
 
 # How each gate metric is measured in the pilot (written into the report); `{last}` is the
 # pilot's last minibatch update ("4th") and `{eps}` the clip eps its loss call counted with.
@@ -66,45 +71,30 @@ class GateError(RuntimeError):
 @dataclass(frozen=True)
 class CheckResult:
     metric: str
-    value: Any
+    value: Measured
     passed: bool
     reason: str
-    bounds: dict[str, Any]
+    bounds: BoundsJson
     measures: str = ""
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def evaluate_check(check: Mapping[str, Any], value: Any) -> CheckResult:
+def evaluate_check(check: GateCheck, value: Measured) -> CheckResult:
     """One plan check against one measured value. Missing or non-numeric values fail."""
-    metric = str(check.get("metric", "?"))
-    bounds = {k: check[k] for k in ("min", "max", "one_of") if k in check}
-    measures = str(check.get("measures", ""))
-    if not bounds:
-        return CheckResult(metric, value, False, "check declares no min, max or one_of", bounds, measures)
+    bounds = Bounds.of(check)
+    metric, declared, measures = check.metric, bounds.as_json(), check.measures
+    if not bounds.declared:
+        return CheckResult(metric, value, False, "check declares no min, max or one_of", declared, measures)
     if value is None:
-        return CheckResult(metric, None, False, "missing: not measured", bounds, measures)
-    problems = []
-    if "one_of" in check and value not in check["one_of"]:
-        problems.append(f"{value!r} not in {check['one_of']!r}")
-    if "min" in check or "max" in check:
-        if not _is_number(value):
-            problems.append(f"{value!r} is not a finite number")
-        else:
-            if "min" in check and value < check["min"]:
-                problems.append(f"{value:.6g} < min {check['min']}")
-            if "max" in check and value > check["max"]:
-                problems.append(f"{value:.6g} > max {check['max']}")
+        return CheckResult(metric, None, False, "missing: not measured", declared, measures)
+    problems = bounds.problems(value)
     if problems:
-        return CheckResult(metric, value, False, "; ".join(problems), bounds, measures)
-    return CheckResult(metric, value, True, "in range", bounds, measures)
+        return CheckResult(metric, value, False, "; ".join(problems), declared, measures)
+    return CheckResult(metric, value, True, "in range", declared, measures)
 
 
-def evaluate_gate(checks: Sequence[Mapping[str, Any]], values: Mapping[str, Any]) -> list[CheckResult]:
+def evaluate_gate(checks: Sequence[GateCheck], values: Mapping[str, Measured]) -> list[CheckResult]:
     """Every plan check, in plan order; a metric with no measurement fails as missing."""
-    return [evaluate_check(c, values.get(str(c.get("metric")))) for c in checks]
+    return [evaluate_check(c, values.get(c.metric)) for c in checks]
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -128,7 +118,7 @@ def gate_values(
     *,
     updates_per_batch: int = 2,
     sources: Mapping[str, str] | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Measured], list[PilotStepRow]]:
     """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
 
     `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
@@ -138,7 +128,7 @@ def gate_values(
     """
     sources = losses.gate_metric_sources() if sources is None else sources
     second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
-    rows = []
+    rows: list[PilotStepRow] = []
     for step in range(pilot_steps):
         rec = second.get(step)
         rows.append(
@@ -156,20 +146,21 @@ def gate_values(
 
     counts = list(optim_steps_per_batch)
     if len(counts) == pilot_steps and len(set(counts)) == 1:
-        updates: Any = counts[0]
+        updates: int | list[int] | None = counts[0]
     else:
         updates = counts if counts else None
-    values: dict[str, Any] = {metric: over_steps(stat) for metric, stat in sources.items()}
+    values: dict[str, Measured] = {metric: over_steps(stat) for metric, stat in sources.items()}
     values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
     return values, rows
 
 
-def with_rollout_yield(rows: Sequence[dict[str, Any]], yields: Sequence[answer_yield.ResponseYield]) -> list[dict[str, Any]]:
+def with_rollout_yield(rows: Sequence[PilotStepRow], yields: Sequence[answer_yield.ResponseYield]) -> list[PilotStepRow]:
     """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
     length (a step that sampled nothing gets none)."""
     out = []
     for row in rows:
-        y = yields[row["step"]] if row["step"] < len(yields) else None
+        step = int(row["step"])
+        y = yields[step] if step < len(yields) else None
         out.append({**row, **({"truncated_frac": y.truncated_frac, "no_answer_frac": y.no_answer_frac,
                                "mean_response_tokens": y.mean_response_tokens, "responses": y.n} if y else {})})
     return out
@@ -464,7 +455,6 @@ def run_activation_gate(
     cfg = pilot_config(run, arm, **overrides)
     first = cfg.arm == run.treatments[0].name
     tag = tag if first else f"{tag}-{cfg.arm}"
-    checks = [c.model_dump(exclude_none=True) for c in run.gate_checks]
     loss_cfg = losses.LossConfig.for_loss(cfg.loss, cfg.normalization)  # type: ignore[arg-type]
     pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
     errors = _run_pilot(service_client, run, cfg, pilot, initial_checkpoint, backend=backend, bundle=bundle, tag=tag,
@@ -473,7 +463,7 @@ def run_activation_gate(
     values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps,
                                    updates_per_batch=cfg.updates_per_batch)
     per_step = with_rollout_yield(per_step, pilot.yields)
-    results = evaluate_gate(checks, values)
+    results = evaluate_gate(run.gate_checks, values)
     errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
     report = GateReport(
         passed=all(r.passed for r in results) and not errors,
