@@ -10,7 +10,6 @@ import pytest
 from tinker import types
 
 from dppo_harness.plans import load_plan
-from dppo_harness.pytest_plugin.fixtures_stages import comparison_schedule
 from dppo_harness.stages.comparison import arms as comparison_arms
 from dppo_harness.stages.comparison import restore as comparison_restore
 from dppo_harness.stages.comparison.config import (
@@ -18,6 +17,7 @@ from dppo_harness.stages.comparison.config import (
     ComparisonError,
     OptimizerMismatch,
     comparison_config,
+    comparison_schedule,
 )
 from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard, wall_guard_from_feasibility
@@ -135,7 +135,7 @@ def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
     ("concurrent", {"kind": "local"}, ("concurrent", "--comparison-schedule")),
 ])
 def test_arms_run_concurrently_by_default_on_a_real_service(option, backend, want):
-    schedule, source = comparison_schedule(option, backend)
+    schedule, source = comparison_schedule(option, (backend or {}).get("kind"))
     assert (schedule, source.split(" (")[0]) == want
 
 

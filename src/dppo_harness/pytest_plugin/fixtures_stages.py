@@ -65,7 +65,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
     from dppo_harness.instrument.cookbook_metrics import WandbRequest
-    from dppo_harness.stages.comparison.config import ComparisonError
+    from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
     from dppo_harness.stages.comparison.run import run_comparison
     from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
 
@@ -78,7 +78,8 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
         if not gate_report.passed:
             pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
                         pytrace=False)
-    schedule, source = comparison_schedule(harness_options.comparison_schedule, evidence_bundle.result.get("backend"))
+    schedule, source = comparison_schedule(harness_options.comparison_schedule,
+                                           (evidence_bundle.result.get("backend") or {}).get("kind"))
     # On a resume the feasibility block is not in this session's result yet: the guard then starts
     # from the finalize reserve alone and projects from the steps it measures.
     guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
@@ -105,18 +106,6 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     finally:
         service_waiter.budget_left = None
     pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
-
-
-def comparison_schedule(option: str | None, backend_block: dict | None) -> tuple[str, str]:
-    """(schedule, why): --comparison-schedule when given, else concurrent on a real service and
-    interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
-    from dppo_harness.stages.comparison.config import default_schedule
-
-    if option:
-        return option, "--comparison-schedule"
-    embedded = (backend_block or {}).get("kind") == "local"
-    return default_schedule(embedded), ("default on the embedded server" if embedded else
-                                          "default on a real service (benchmarks/comparison_schedule.py)")
 
 
 def preflight_service_work(restoration) -> dict[str, dict[str, int]]:

@@ -25,12 +25,16 @@ from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
-from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.rollout import rollouts
+from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_step
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import create_from_state_observed
 
 if TYPE_CHECKING:
+    from tinker_cookbook import renderers
+
+    from dppo_harness.data.gsm8k import Gsm8kItem
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan, RunConfig
     from dppo_harness.plans.models import GateCheck
@@ -353,31 +357,33 @@ class _Pilot:
     base_model: str | None = None
     base_model_source: str = "not measured"
     loaded_checkpoint: str | None = None
-    yields: list[Any] = field(default_factory=list)  # answer_yield.ResponseYield of each step's batch
+    yields: list[answer_yield.ResponseYield] = field(default_factory=list)  # of each step's batch
 
 
-def _pilot_step(
-    tc: tinker.TrainingClient, step: int, cfg: PilotConfig, pilot: _Pilot, items: Sequence[Any], renderer: Any,
-    loss_fn: train_step.LossFn, adam: tinker.AdamParams, bundle: EvidenceBundle, tag: str,
-) -> list[ins.LossCallRecord]:
-    """One pilot step: fresh rollout batch from the current weights, then one recorded update per
-    complete-group minibatch. Returns this step's loss-call records (also persisted)."""
+def _pilot_step(arm: ArmStepRun, step: int, cfg: PilotConfig, pilot: _Pilot, items: Sequence[Gsm8kItem],
+                renderer: renderers.Renderer, bundle: EvidenceBundle, tag: str) -> list[ins.LossCallRecord]:
+    """One pilot step, the comparison's arm-step (`arm_step.run_arm_step`): fresh rollout batch from
+    the current weights, then one recorded update per complete-group minibatch. Returns this step's
+    loss-call records (also persisted)."""
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed,
                                   max_seq_len=cfg.max_seq_len)
-    sampled = rollout_batch.sample_rollout_batch(tc, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}")
-    pilot.samplers.append(sampled.sampler_path)
-    pilot.yields.append(sampled.batch.response_yield())
-    minibatches = split_complete_groups(sampled.group_of_datum, cfg.updates_per_batch)
-    pilot.optim_counts.append(0)
-    records = []
-    for u, idx in enumerate(minibatches, start=1):
-        context = {"step": step, "update_in_batch": u, "update_index": step * cfg.updates_per_batch + u,
-                   "sampler_checkpoint": sampled.sampler_path, "n_sequences": len(idx)}
-        record, _ = train_step.train_step(tc, [sampled.datums[i] for i in idx], loss_fn, adam, pilot.recorder, context)
-        records.append(record)
-        pilot.optim_counts[step] += 1
-    bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(records))
-    return records
+
+    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, object]:
+        return {"step": step, "update_in_batch": u, "update_index": step * cfg.updates_per_batch + u,
+                "sampler_checkpoint": sampler_path, "n_sequences": len(idx)}
+
+    progress = ArmStepProgress()
+    try:
+        run_arm_step(arm, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}", context=context,
+                     progress=progress, minibatches=split_complete_groups)
+    finally:  # what the step reached is kept when it stops part-way
+        if progress.sampled is not None:
+            pilot.samplers.append(progress.sampled.sampler_path)
+            pilot.yields.append(progress.sampled.batch.response_yield())
+        if progress.minibatches is not None:
+            pilot.optim_counts.append(progress.updates_done)
+    bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(progress.records))
+    return progress.records
 
 
 def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotConfig, pilot: _Pilot,
@@ -398,9 +404,10 @@ def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotC
                           f"(read from {pilot.base_model_source})")
         renderer = tokenizer.make_renderer().renderer
         train = dataset.get(run.dataset).load_split("train", seed=cfg.seed)
+        arm = ArmStepRun(tc, loss_fn, adam, pilot.recorder, cfg.updates_per_batch)
         for step in range(cfg.steps):
-            step_records = _pilot_step(tc, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer,
-                                       loss_fn, adam, bundle, tag)
+            step_records = _pilot_step(arm, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer,
+                                       bundle, tag)
             last = step_records[-1].stats if step_records else {}
             say(
                 f"[gate] step {step + 1}/{cfg.steps}: {pilot.optim_counts[step]} updates, "

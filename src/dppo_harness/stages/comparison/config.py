@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from dppo_harness.plans import CriterionConfig, RunConfig
 
 
-MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY  # the brief: state saved at least every 10 steps per arm
-Schedule = Literal["interleaved", "concurrent"]
+MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY  # each arm's state is saved at least every 10 steps
+# How the arms take each step: one after the other on one thread, or at once on their own clients.
+ArmOrder = Literal["interleaved", "concurrent"]
 
 
 class ComparisonError(RuntimeError):
@@ -33,11 +34,23 @@ class OptimizerMismatch(ComparisonError):
         self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file
 
 
-def default_schedule(embedded: bool) -> Schedule:
+def default_schedule(embedded: bool) -> ArmOrder:
     """How the arms advance unless asked: concurrently on a real service (faster once each request
-    pays a round trip, measured by benchmarks/comparison_schedule.py at 300 ms), interleaved on the
-    embedded server (two arms on 2 CPU cores gain nothing from overlap)."""
+    pays a round trip, benchmarks/comparison_schedule.py), interleaved on the embedded server (two
+    arms on 2 CPU cores gain nothing from overlap)."""
     return "interleaved" if embedded else "concurrent"
+
+
+def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[ArmOrder, str]:
+    """(arm order, why): --comparison-schedule when given, else concurrent on a real service and
+    interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
+    if option:
+        if option not in ("interleaved", "concurrent"):
+            raise ComparisonError(f"--comparison-schedule: {option!r} is not interleaved or concurrent")
+        return ("interleaved" if option == "interleaved" else "concurrent"), "--comparison-schedule"
+    embedded = backend_kind == "local"
+    return default_schedule(embedded), ("default on the embedded server" if embedded else
+                                        "default on a real service (benchmarks/comparison_schedule.py)")
 
 
 @dataclass(frozen=True)

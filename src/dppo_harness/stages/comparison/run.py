@@ -19,7 +19,7 @@ from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service import clients as service
 from dppo_harness.stages.comparison import run_steps
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, Schedule, comparison_config
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, ArmOrder, comparison_config
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 
@@ -94,7 +94,7 @@ def run_comparison(
     backend: str,
     state_root: Path,
     resume_run_id: str | None = None,
-    schedule: Schedule = "interleaved",
+    schedule: ArmOrder = "interleaved",
     save_every: int = 1,
     capacity_policy: service.CapacityPolicy | None = None,
     registry: service.ClientRegistry | None = None,

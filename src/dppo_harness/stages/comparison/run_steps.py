@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
@@ -21,13 +21,14 @@ from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service import clients as service
 from dppo_harness.stages.comparison.arms import ArmRunner, TrainingOutcome, make_runners, train_arms
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch, Schedule
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch, ArmOrder
 from dppo_harness.stages.comparison.restore import open_arms, restore_arm
 from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
     ArmState,
     RunState,
+    StepRetry,
     code_revision,
     hold_run_lock,
     load_owned_state,
@@ -36,7 +37,7 @@ from dppo_harness.stages.comparison.state import (
     state_file_name,
     state_path,
 )
-from dppo_harness.stages.comparison.step_rows import arm_summary, jsonl
+from dppo_harness.stages.comparison.step_rows import StepRowJson, arm_summary, jsonl
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from dppo_harness.plans import Plan
     from dppo_harness.stages.restoration import RestorationResult
 
+T = TypeVar("T")
 
 
 def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, evaluator_id: str,
@@ -128,8 +130,8 @@ def register_cookbook_metrics(bundle: EvidenceBundle, state: RunState, mlog: coo
     return names
 
 
-def finalize_arm(client: Any, arm: str, state: RunState, bundle: EvidenceBundle,
-                  by_arm: Mapping[str, list[dict[str, Any]]], tag: str) -> None:
+def finalize_arm(client: tinker.TrainingClient, arm: str, state: RunState, bundle: EvidenceBundle,
+                 by_arm: Mapping[str, list[StepRowJson]], tag: str) -> None:
     """After an arm's last step: final sampler weights + state, checkpoint URI, completed_arms, metrics."""
     s = state.arms[arm]
     s.final_sampler = client.save_weights_for_sampler(f"{tag}-{state.run_id}-{arm}-final").result().path
@@ -167,8 +169,8 @@ class RunSession:
     progress: Callable[[str], None]
     capacity_policy: service.CapacityPolicy | None = None
     registry: service.ClientRegistry | None = None
-    clients: dict[str, Any] = field(default_factory=dict)
-    by_arm: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    clients: dict[str, tinker.TrainingClient] = field(default_factory=dict)
+    by_arm: dict[str, list[StepRowJson]] = field(default_factory=dict)
     restores_left: int = -1  # mid-step restore states the budget keeps slots for (-1: per arm, set on first use)
 
     def _restore_slots_left(self) -> int:
@@ -176,12 +178,12 @@ class RunSession:
             self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.cfg.arms)
         return self.restores_left
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], T]) -> T:
         return service.call_with_capacity_retry(fn, policy=self.capacity_policy or service.CapacityPolicy(),
                                                 steps_completed=self.tracker, registry=self.registry,
                                                 on_retry=self.tracker.events.append)
 
-    def restore_mid_step(self, runner: ArmRunner, path: str, failure: dict[str, Any]) -> ArmRunner:
+    def restore_mid_step(self, runner: ArmRunner, path: str, failure: StepRetry) -> ArmRunner:
         """A refused attempt sent updates: back to the step's start before the retry (inside `call`)."""
         name = runner.spec.name
         self.progress(f"[comparison] {name} step {failure['step'] + 1}: refused after "
@@ -205,7 +207,7 @@ class RunSession:
         return runner.client.save_state(
             f"{self.tag}-{state.run_id}-{runner.spec.name}-step{steps_done}-r{state.resumed}").result().path
 
-    def on_row(self, row: dict[str, Any]) -> None:
+    def on_row(self, row: StepRowJson) -> None:
         """A committed arm-step: state saved, metrics logged and posted, a common save registered
         with a snapshot, the capacity window widened, the arm finalized after its last step."""
         state, cfg, bundle = self.state, self.cfg, self.bundle
@@ -249,7 +251,7 @@ def open_session(service_client: tinker.ServiceClient, plan: Plan, bundle: Evide
                       progress, capacity_policy, registry)
 
 
-def register_run_manifest(session: RunSession, plan: Plan, *, schedule: Schedule, schedule_source: str,
+def register_run_manifest(session: RunSession, plan: Plan, *, schedule: ArmOrder, schedule_source: str,
                           rehearsal: bool, evaluator_id: str) -> None:
     """`comparison-run-N.json`: the run, its sessions and resumes, schedule, state file, evaluator,
     code revision, plan, config and where the cookbook metrics are; a rehearsal says what it tests."""
@@ -268,7 +270,7 @@ def register_run_manifest(session: RunSession, plan: Plan, *, schedule: Schedule
             f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"))
 
 
-def _stopped(session: RunSession, schedule: Schedule, exc: Exception) -> TrainingOutcome:
+def _stopped(session: RunSession, schedule: ArmOrder, exc: Exception) -> TrainingOutcome:
     """Never a crash mid-run: the stop's reason, with the check that stopped it posted when it is
     an optimizer mismatch (and the run state its check references registered)."""
     bundle, state = session.bundle, session.state
@@ -281,7 +283,7 @@ def _stopped(session: RunSession, schedule: Schedule, exc: Exception) -> Trainin
     return TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule, reason)
 
 
-def train_session(session: RunSession, restoration: RestorationResult | None, *, schedule: Schedule,
+def train_session(session: RunSession, restoration: RestorationResult | None, *, schedule: ArmOrder,
                   stop_after: Callable[[int], None] | None, guard: WallGuard | None,
                   ) -> tuple[TrainingOutcome, dict[str, Any] | None]:
     """Open the arms and train them to the end or a stop: (outcome, capacity block if capacity
@@ -314,7 +316,7 @@ def train_session(session: RunSession, restoration: RestorationResult | None, *,
     return outcome, capacity_block
 
 
-def register_training_end(session: RunSession, outcome: TrainingOutcome, *, schedule: Schedule,
+def register_training_end(session: RunSession, outcome: TrainingOutcome, *, schedule: ArmOrder,
                           schedule_source: str, guard: WallGuard | None) -> list[str]:
     """After training, stopped or not: state saved, steps JSONL, the arms' metrics logs and the
     end state (with the training's schedule, stop and wall guard) registered; their names."""
