@@ -68,6 +68,7 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
     from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
     from dppo_harness.stages.comparison.run import run_comparison
     from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
+    from dppo_harness.stages.feasibility_projection import PilotFigures
 
     if not unit_parity_passed(request.config):
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
@@ -82,7 +83,8 @@ def comparison_run(request, service_client, service_backend, plan, harness_optio
                                            (evidence_bundle.result.get("backend") or {}).get("kind"))
     # On a resume the feasibility block is not in this session's result yet: the guard then starts
     # from the finalize reserve alone and projects from the steps it measures.
-    guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
+    guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds,
+                                        PilotFigures.from_block(evidence_bundle.result.get("feasibility")),
                                           arms=len(plan.run.arms) if plan.run else 0,
                                           eval_items=plan.run.eval_items if plan.run else 0)
     service_waiter.budget_left = evidence_bundle.remaining_seconds  # no wait in a step outlasts the budget

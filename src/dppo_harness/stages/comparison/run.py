@@ -19,7 +19,7 @@ from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service import clients as service
 from dppo_harness.stages.comparison import run_steps
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, ArmOrder, comparison_config
+from dppo_harness.stages.comparison.config import ArmOrder, ComparisonConfig, ComparisonError, comparison_config
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 

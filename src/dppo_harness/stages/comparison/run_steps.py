@@ -21,7 +21,7 @@ from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service import clients as service
 from dppo_harness.stages.comparison.arms import ArmRunner, TrainingOutcome, make_runners, train_arms
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch, ArmOrder
+from dppo_harness.stages.comparison.config import ArmOrder, ComparisonConfig, ComparisonError, OptimizerMismatch
 from dppo_harness.stages.comparison.restore import open_arms, restore_arm
 from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
 from dppo_harness.stages.comparison.state import (
