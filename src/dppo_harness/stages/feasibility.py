@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import tinker
+import torch
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
@@ -299,8 +300,6 @@ def gpu_allocation(backend_kind: str) -> tuple[int | None, str | None]:
     if backend_kind != "local":
         return None, None  # shared service: allocation unknown
     try:
-        import torch
-
         n = torch.cuda.device_count()
     except Exception:
         return None, None

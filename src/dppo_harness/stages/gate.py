@@ -13,7 +13,6 @@ rewrites it. A plan with several treatments pilots each of them (one report each
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pydantic import JsonValue
 
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evaluation import stats
@@ -15,6 +18,8 @@ from dppo_harness.evaluation import stats
 if TYPE_CHECKING:
     from dppo_harness.plans import CriterionConfig
 
+# One scored observation (a line of the observations file: item, arm, metric values), as JSON.
+Observation = dict[str, JsonValue]
 OBSERVATIONS_FILE = "scored-observations.jsonl"
 DECISION_FILE = "comparison-decision.json"
 
@@ -40,7 +45,7 @@ class CriterionDecision:
         return float(self.interval["margin"])
 
 
-def decide_criteria(rows: Sequence[Mapping[str, Any]], criteria: Sequence[CriterionConfig], *,
+def decide_criteria(rows: Sequence[Observation], criteria: Sequence[CriterionConfig], *,
                     alpha: float) -> list[CriterionDecision]:
     """Every criterion of the plan's decision rule (`RunConfig.criteria`: +1 arm minus -1 arm),
     each decided on its own with the paired Hoeffding interval on the observation rows."""
@@ -80,7 +85,7 @@ def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[
     return v, reason, text
 
 
-def informational_interval(rows: Sequence[Mapping[str, Any]], criterion: CriterionConfig, *,
+def informational_interval(rows: Sequence[Observation], criterion: CriterionConfig, *,
                            alpha: float) -> dict[str, Any]:
     """Newcombe's paired interval and the exact McNemar test for one criterion's pair and metric, at
     the rule's alpha: shown beside the decision, never used for the verdict."""
@@ -114,7 +119,7 @@ def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecisi
     return block
 
 
-def recompute_from_file(path: Any, criteria: Sequence[CriterionConfig], *, alpha: float) -> list[dict[str, Any]]:
+def recompute_from_file(path: Path, criteria: Sequence[CriterionConfig], *, alpha: float) -> list[dict[str, Any]]:
     """The intervals recomputed from a retained observations file (the reproducibility check)."""
     rows = stats.read_observations(path)
     return [c.interval for c in decide_criteria(rows, criteria, alpha=alpha)]

@@ -21,7 +21,13 @@ from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service import clients as service
 from dppo_harness.stages.comparison.arms import ArmRunner, TrainingOutcome, make_runners, train_arms
-from dppo_harness.stages.comparison.config import ArmOrder, ComparisonConfig, ComparisonError, OptimizerMismatch
+from dppo_harness.stages.comparison.config import (
+    ArmOrder,
+    ComparisonConfig,
+    ComparisonError,
+    JsonObject,
+    OptimizerMismatch,
+)
 from dppo_harness.stages.comparison.restore import open_arms, restore_arm
 from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
 from dppo_harness.stages.comparison.state import (
@@ -285,14 +291,14 @@ def _stopped(session: RunSession, schedule: ArmOrder, exc: Exception) -> Trainin
 
 def train_session(session: RunSession, restoration: RestorationResult | None, *, schedule: ArmOrder,
                   stop_after: Callable[[int], None] | None, guard: WallGuard | None,
-                  ) -> tuple[TrainingOutcome, dict[str, Any] | None]:
+                  ) -> tuple[TrainingOutcome, JsonObject | None]:
     """Open the arms and train them to the end or a stop: (outcome, capacity block if capacity
     stopped it). The metrics log is closed either way."""
     state, cfg = session.state, session.cfg
     train = dataset.get(cfg.dataset).load_split("train", seed=cfg.arms[0].seed)
     renderer = tokenizer.make_renderer().renderer
     session.by_arm = {a.name: [r for r in state.rows if r["arm"] == a.name] for a in cfg.arms}
-    capacity_block = None
+    capacity_block: JsonObject | None = None
     try:
         session.clients.update(open_arms(session.service_client, state, cfg, restoration, session.bundle, session.call))
         state.save(session.spath)
@@ -333,10 +339,10 @@ def register_training_end(session: RunSession, outcome: TrainingOutcome, *, sche
 
 
 def stopped_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
-                  capacity_block: dict[str, Any] | None) -> dict[str, Any]:
+                  capacity_block: JsonObject | None) -> JsonObject:
     """The final of a run that stopped before every arm finished: failed, nothing compared."""
     stopped = outcome.stopped or ""
-    final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
+    final: JsonObject = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
              "summary": (f"The paired comparison under {plan.name} stopped after {outcome.steps_completed} of "
                          f"{cfg.steps} rollout steps per arm, before evaluation, so nothing was compared: "
                          + stopped.replace(". ", "; ").rstrip(".") + ".")}
@@ -349,7 +355,7 @@ def stopped_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, out
 
 
 def succeeded_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
-                    scores: list[dict[str, Any]], decision: Mapping[str, Any], *, rehearsal: bool) -> dict[str, Any]:
+                    scores: list[JsonObject], decision: Mapping[str, Any], *, rehearsal: bool) -> JsonObject:
     """The final of a finished run: at most two plain sentences (the brief's output shape); the
     details are in report.md."""
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
