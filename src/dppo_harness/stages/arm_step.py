@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # only types: the callers make the clients and the renderer
     from dppo_harness.data.gsm8k import Gsm8kItem
 
 # (1-based update in the batch, sampler path, datum indices of its minibatch) -> the loss call's context
-UpdateContext = Callable[[int, str, list[int]], Mapping[str, object]]
+UpdateContext = Callable[[int, str, list[int]], Mapping[str, int | str]]
 Minibatches = Callable[[Sequence[int], int], list[list[int]]]
 
 

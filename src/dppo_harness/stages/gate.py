@@ -367,7 +367,7 @@ def _pilot_step(arm: ArmStepRun, step: int, cfg: PilotConfig, pilot: _Pilot, ite
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed,
                                   max_seq_len=cfg.max_seq_len)
 
-    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, object]:
+    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
         return {"step": step, "update_in_batch": u, "update_index": step * cfg.updates_per_batch + u,
                 "sampler_checkpoint": sampler_path, "n_sequences": len(idx)}
 

@@ -54,7 +54,7 @@ def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Seq
                                   seed=step_seed(cfg, step), max_seq_len=cfg.max_seq_len)
     retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
 
-    def context(u: int, sampler_path: str, _idx: list[int]) -> dict[str, object]:
+    def context(u: int, sampler_path: str, _idx: list[int]) -> dict[str, int | str]:
         return {"arm": runner.spec.name, "step": step, "update_in_batch": u,
                 "update_index": step * runner.spec.updates_per_batch + u, "sampler_checkpoint": sampler_path}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import JsonValue
 
@@ -32,7 +32,7 @@ class OptimizerMismatch(ComparisonError):
     stops. Carries the arm's provenance entry with that check and the run-state file the check's
     get_info reference names (to be registered before the provenance is posted), for the evidence."""
 
-    def __init__(self, message: str, arm: str = "", provenance: Mapping[str, Any] | None = None,
+    def __init__(self, message: str, arm: str = "", provenance: Mapping[str, JsonValue] | None = None,
                  state_file: str | None = None):
         super().__init__(message)
         self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file

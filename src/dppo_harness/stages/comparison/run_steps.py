@@ -87,7 +87,7 @@ def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, eva
     return state
 
 
-def setup_provenance(restoration: RestorationResult, cfg: ComparisonConfig) -> dict[str, Any]:
+def setup_provenance(restoration: RestorationResult, cfg: ComparisonConfig) -> JsonObject:
     """Per arm, what the preflight's load counted (later restores count on from it)."""
     return {a.name: {k: restoration.provenance["arms"][a.name][k] for k in ("restore_count", "optimizer_checks")}
             for a in cfg.arms}

@@ -17,7 +17,7 @@ import dppo_harness
 from dppo_harness.evidence.errors import UnwritableEvidenceError
 from dppo_harness.evidence.files import atomic_write, unwritable_line
 from dppo_harness.evidence.provenance import package_files_sha256
-from dppo_harness.stages.comparison.config import ComparisonError
+from dppo_harness.stages.comparison.config import ComparisonError, JsonObject
 from dppo_harness.stages.comparison.step_rows import StepRowJson
 
 STEPS_FILE = "comparison-steps.jsonl"
@@ -106,7 +106,7 @@ class RunState:
     setup_provenance: dict[str, Any] = field(default_factory=dict)
     resumes: list[dict[str, Any]] = field(default_factory=list)  # per resume: session, from_step, continued
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {**{k: v for k, v in asdict(self).items() if k != "arms"},
                 "arms": {a: asdict(s) for a, s in self.arms.items()}}
 

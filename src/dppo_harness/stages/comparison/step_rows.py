@@ -51,13 +51,14 @@ class RuleFraction:
         return fraction_label(base, trained=not self.counterfactual)
 
 
-def fraction(row: Mapping[str, object], base: str) -> RuleFraction:
+def fraction(row: StepRowJson, base: str) -> RuleFraction:
     """A loss-rule fraction of a step row (as written to the JSONL), whichever label it carries:
     the one decoder of the `counterfactual_` key prefix."""
+    fields: Mapping[str, object] = row  # the label is chosen at run time
     for counterfactual in (False, True):
         key = fraction_label(base, trained=not counterfactual)
-        if key in row:
-            value = row[key]
+        if key in fields:
+            value = fields[key]
             if not isinstance(value, (int, float)):
                 raise TypeError(f"step row {key}: {value!r} is not a number")
             return RuleFraction(float(value), counterfactual)
@@ -222,18 +223,25 @@ def step_metrics(arm: str, step: int, summary: Mapping[str, Any], records: Seque
 TIMING_KEYS = ("seconds", "sample_seconds", "rollout_seconds", "sampler_checkpoint", "retries")
 
 
-def number(row: Mapping[str, object], key: str) -> float:
+def number(row: StepRowJson, key: str) -> float:
     """A numeric field of a step row (read from the JSONL or the run state) as a float."""
-    value = row[key]
+    fields: Mapping[str, object] = row  # the field is chosen at run time
+    value = fields[key]
     if not isinstance(value, (int, float)):
         raise TypeError(f"step row {key}: {value!r} is not a number")
     return float(value)
 
 
-def comparable(row: Mapping[str, object]) -> dict[str, object]:
+def comparable(row: StepRowJson) -> StepRowJson:
     """A step row without wall times and paths (what must match between a resumed and an
-    uninterrupted run)."""
-    return {k: v for k, v in row.items() if k not in TIMING_KEYS}
+    uninterrupted run): `TIMING_KEYS` left out."""
+    out = row.copy()
+    out.pop("seconds", None)  # each of TIMING_KEYS, by name
+    out.pop("sample_seconds", None)
+    out.pop("rollout_seconds", None)
+    out.pop("sampler_checkpoint", None)
+    out.pop("retries", None)
+    return out
 
 
 # What the sampled tokens decide must match exactly between a resumed and an uninterrupted run;
@@ -244,12 +252,14 @@ TOKEN_FIELDS = ("reward_mean", "format_rate", "correct_rate", "response_tokens",
 RESUME_FLOAT_ATOL = 2e-3
 
 
-def row_differences(got: Mapping[str, object], want: Mapping[str, object], atol: float = RESUME_FLOAT_ATOL) -> list[str]:
+def row_differences(got_row: StepRowJson, want_row: StepRowJson, atol: float = RESUME_FLOAT_ATOL) -> list[str]:
     """Why two comparable step rows of the same arm and step differ (empty: they match)."""
+    got: Mapping[str, object] = got_row  # every field, by name
+    want: Mapping[str, object] = want_row
     where = f"{got['arm']} step {got['step']}"
     out = [f"{where}: {k} {got.get(k)!r} != {want.get(k)!r}" for k in TOKEN_FIELDS if got.get(k) != want.get(k)]
     out += [f"{where}: {k} {got[k]!r} vs {want[k]!r}" for k in sorted(set(want) - set(TOKEN_FIELDS) - {"arm", "step"})
-            if abs(number(got, k) - number(want, k)) > atol]
+            if abs(number(got_row, k) - number(want_row, k)) > atol]
     return out
 
 
