@@ -214,7 +214,7 @@ def feasibility_block(
     source: str,
     allocation_source: str | None,
 ) -> JsonObject:
-    """`feasibility` in the brief's exact shape.
+    """The result's `feasibility` block, in its fixed shape (config, measurements per phase, recovery).
 
     training.units is arm-step equivalents timed: the pilot's measured training seconds divided by
     the projected seconds of one arm-step, so seconds / units x planned_units is the projection.

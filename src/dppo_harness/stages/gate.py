@@ -3,11 +3,11 @@ frozen plan's `activation_gate` ranges.
 
 The pilot is the spec's own schedule, shortened to the pilot length its gate states: fresh
 sampling each step from the current weights, the batch split into the spec's complete-group
-minibatches, one `forward_backward_custom` + `optim_step` per minibatch, the treatment's loss
-trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
+minibatches, one `forward_backward_custom` + `optim_step` per minibatch (the comparison's
+arm-step, `arm_step.run_arm_step`), the treatment's loss trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
 metric is the loss-call statistic its registered loss names (`losses.gate_metric_sources`) on the
-last update of each pilot step. Every check of the plan is evaluated; a value outside its range or
-missing fails the gate. The gate report is its own immutable evidence file; nothing later
+last update of each pilot step. Every check of the plan is evaluated (`checks.Bounds`, the rule the
+diagnostic's criteria share); a value outside its range or missing fails the gate. The gate report is its own immutable evidence file; nothing later
 rewrites it. A plan with several treatments pilots each of them (one report each).
 """
 
@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import tinker
+from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
@@ -42,6 +43,7 @@ GATE_REPORT_FILE = "activation-gate-report.json"
 # One pilot step's row in the report: step, optimizer steps, whether its last update was recorded,
 # that update's loss-call statistics and the step's rollout yield.
 PilotStepRow = dict[str, float | int | bool]
+JsonObject = dict[str, JsonValue]
 
 # How each gate metric is measured in the pilot (written into the report); `{last}` is the
 # pilot's last minibatch update ("4th") and `{eps}` the clip eps its loss call counted with.
@@ -194,7 +196,7 @@ class PilotConfig:
     reductions: tuple[dict[str, Any], ...] = ()  # explicit size reductions (tests only)
 
 
-def pilot_config(run: RunConfig, arm: str | None = None, **overrides: Any) -> PilotConfig:
+def pilot_config(run: RunConfig, arm: str | None = None, **overrides: float) -> PilotConfig:
     """The pilot schedule of treatment arm `arm` (default: the first treatment) from the plan's
     run config; overrides are recorded as reductions (the stage passes none)."""
     name = arm or run.treatments[0].name
@@ -248,7 +250,7 @@ def is_report_file(name: str) -> bool:
     return name == GATE_REPORT_FILE or (name.startswith(f"{stem}-") and name.endswith(".json"))
 
 
-def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
+def executed_model(info: tinker.types.GetInfoResponse, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
     """The model that actually computed, and where that came from.
 
     A Tinker service's `get_info().model_data.model_name` is its word. The embedded server answers
@@ -284,7 +286,7 @@ class GateReport:
     def failures(self) -> list[str]:
         return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         sources, p = losses.gate_metric_sources(), self.pilot
         eps = losses.LossConfig.for_loss(p["loss"], p["normalization"]).ppo_eps  # as the pilot's loss call counted
         return ins.nan_free({
@@ -302,7 +304,7 @@ class GateReport:
             "note": "written once by the gate stage; later stages never rewrite it",
         })
 
-    def calibration(self) -> dict[str, Any]:
+    def calibration(self) -> JsonObject:
         p = self.pilot
         values = {k: (v if v is not None else "missing") for k, v in self.values.items()}
         note = (
@@ -420,7 +422,7 @@ def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotC
     return errors
 
 
-def _pilot_block(cfg: PilotConfig, pilot: _Pilot, initial_checkpoint: str, backend: str) -> dict[str, Any]:
+def _pilot_block(cfg: PilotConfig, pilot: _Pilot, initial_checkpoint: str, backend: str) -> JsonObject:
     """The report's `pilot` block: the schedule run, what was loaded and sampled, and where the
     executed model's name came from."""
     return {
@@ -448,7 +450,7 @@ def run_activation_gate(
     progress: Callable[[str], None] | None = None,
     tag: str = "gate",
     arm: str | None = None,
-    **overrides: Any,
+    **overrides: float,
 ) -> GateReport:
     """Run the pilot of treatment `arm` (default: the first) from the shared initial checkpoint,
     evaluate every check of the plan's gate, write the report (own immutable evidence file), the

@@ -60,7 +60,7 @@ def decide_criteria(rows: Sequence[Observation], criteria: Sequence[CriterionCon
 
 
 def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[str, str, str]:
-    """(verdict, outcome_reason, explanation) by the brief's rules.
+    """(verdict, outcome_reason, explanation) by the decision rule.
 
     supported only if every criterion's lower bound is above its margin; refuted only if every
     upper bound is below it; some each way: mixed_criteria; otherwise insufficient_evidence. The
@@ -111,7 +111,7 @@ def informational_metrics(info: JsonObject) -> dict[str, float]:
 
 def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecision], rule_verdict: tuple[str, str, str],
                    *, rehearsal: bool, informational: JsonObject | None = None) -> JsonObject:
-    """The brief's decision object (version 1, observations_file) plus the computed intervals, and
+    """The evidence's decision object (version 1, observations_file) plus the computed intervals, and
     the informational interval beside them (`informational.used_for_verdict` is false)."""
     block: JsonObject = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
     block["method"] = "paired_hoeffding"

@@ -53,7 +53,7 @@ def restore_arm(service_client: tinker.ServiceClient, state: RunState, cfg: Comp
             "loaded_checkpoint_uri": resp.path, "loaded_at_step": arm.steps_done,
             "optimizer_checks": list(prior["optimizer_checks"]) + [
                 {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
-    if check["mismatches"]:  # the brief: stop on mismatch
+    if check["mismatches"]:  # a restored optimizer that differs from the request stops the run
         raise OptimizerMismatch(f"{name}: optimizer mismatch after restore {check['after_restore']} "
                                   f"({path}): " + "; ".join(check["mismatches"]), name, prov, state_file)
     return client, prov

@@ -356,7 +356,7 @@ def stopped_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, out
 
 def succeeded_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
                     scores: list[JsonObject], decision: Mapping[str, Any], *, rehearsal: bool) -> JsonObject:
-    """The final of a finished run: at most two plain sentences (the brief's output shape); the
+    """The final of a finished run: at most two plain sentences (the result's `final` shape); the
     details are in report.md."""
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
     diffs = "; ".join(f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "
