@@ -1,5 +1,5 @@
-"""Training the arms: one arm-step (sample from the arm's current weights, then its minibatch
-updates), the guard that keeps a capacity retry from applying an update twice, and `train_arms`,
+"""Training the arms: one arm-step (`arm_step.run_arm_step`, the gate pilot's too: sample from the
+arm's current weights, then its minibatch updates) and its row, the guard that keeps a capacity retry from applying an update twice, and `train_arms`,
 which advances every arm step by step (interleaved on one thread, or concurrently on their own
 clients), saving state every `save_every` steps, so a stop leaves the arms at equal or adjacent
 step counts."""

@@ -1,6 +1,7 @@
 """The comparison's configuration: the paired schedule of a plan's typed run config, its arms,
-the sampling seed of each rollout step (the same for both arms), and the errors that name a
-field the comparison cannot be configured or resumed with."""
+the order the arms take each step (`ArmOrder`, `comparison_schedule`), the sampling seed of each
+rollout step (the same for both arms), and the errors that name a field the comparison cannot be
+configured or resumed with."""
 
 from __future__ import annotations
 

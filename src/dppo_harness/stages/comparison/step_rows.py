@@ -1,5 +1,6 @@
-"""One row per arm-step (pure): the batch's reward and format, the loss-rule fractions of the
-step's updates (the rule an arm does not train with labelled counterfactual), drift tails,
+"""One row per arm-step (pure): the `StepRow` record (the batch's reward and format, the loss-rule
+fractions of the step's updates, each a `RuleFraction` whose `counterfactual` says the arm does not
+train with that rule), its JSONL form `StepRowJson` and `fraction`, its one decoder; drift tails,
 timings; what a resumed run must reproduce of them; the per-arm summary `metrics.arms` posts;
 the terminal line of a committed step; the rows as JSONL."""
 
