@@ -1,8 +1,8 @@
 """One row per arm-step (pure): the `StepRow` record (the batch's reward and format, the loss-rule
 fractions of the step's updates, each a `RuleFraction` whose `counterfactual` says the arm does not
-train with that rule), its JSONL form `StepRowJson` and `fraction`, its one decoder; drift tails,
-timings; what a resumed run must reproduce of them; the per-arm summary `metrics.arms` posts;
-the terminal line of a committed step; the rows as JSONL."""
+train with that rule, drift tails, timings), its JSONL form `StepRowJson` and `fraction`, the one
+decoder of a fraction's label; what a resumed run must reproduce of a row; the per-arm summary
+`metrics.arms` posts; the terminal line of a committed step; the rows as JSONL."""
 
 from __future__ import annotations
 
