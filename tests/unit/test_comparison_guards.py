@@ -10,7 +10,6 @@ import pytest
 from tinker import types
 
 from dppo_harness.plans import load_plan
-from dppo_harness.pytest_plugin.fixtures_stages import comparison_schedule
 from dppo_harness.stages.comparison import arms as comparison_arms
 from dppo_harness.stages.comparison import restore as comparison_restore
 from dppo_harness.stages.comparison.config import (
@@ -18,9 +17,11 @@ from dppo_harness.stages.comparison.config import (
     ComparisonError,
     OptimizerMismatch,
     comparison_config,
+    comparison_schedule,
 )
 from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard, wall_guard_from_feasibility
+from dppo_harness.stages.feasibility_projection import PilotFigures
 
 SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
 
@@ -63,13 +64,13 @@ def test_the_wall_guard_stops_before_the_step_that_would_pass_the_budget(monkeyp
 def test_the_first_step_is_projected_from_the_feasibility_pilot(monkeypatch):
     feas = {"measurements": {"training": {"seconds": 30.0, "units": 2.0}, "evaluation": {"seconds": 4.0, "units": 8}}}
     clock = _Clock()
-    guard = wall_guard_from_feasibility(lambda: 40.0 - clock.t, feas, arms=2, eval_items=10)
+    guard = wall_guard_from_feasibility(lambda: 40.0 - clock.t, PilotFigures.from_block(feas), arms=2, eval_items=10)
     assert guard.first_step_estimate_s == 30.0  # 15 s per arm-step x 2 arms, no overlap assumed
     assert guard.reserve_s == pytest.approx(FINALIZE_RESERVE_S + 0.5 * 10 * 3)
     guard.clock = clock
     out = _train(monkeypatch, _cfg(3), guard, clock)
     assert out.steps_completed == 0 and out.stopped.startswith("wall clock: step 1")
-    plain = wall_guard_from_feasibility(lambda: 1e9, None, arms=2, eval_items=10)
+    plain = wall_guard_from_feasibility(lambda: 1e9, PilotFigures.from_block(None), arms=2, eval_items=10)
     assert plain.first_step_estimate_s is None and plain.reserve_s == FINALIZE_RESERVE_S
 
 
@@ -135,7 +136,7 @@ def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
     ("concurrent", {"kind": "local"}, ("concurrent", "--comparison-schedule")),
 ])
 def test_arms_run_concurrently_by_default_on_a_real_service(option, backend, want):
-    schedule, source = comparison_schedule(option, backend)
+    schedule, source = comparison_schedule(option, (backend or {}).get("kind"))
     assert (schedule, source.split(" (")[0]) == want
 
 

@@ -90,7 +90,7 @@ def _recs():
 
 def test_step_metrics_pool_fractions_by_loss_tokens():
     row = step_metrics("a", 3, SUMMARY, _recs(), loss=losses.DPPO_LOSS, seconds=2.0, sample_seconds=1.0,
-                         sampler_checkpoint="tinker://x", kl={"optim/kl_sample_train_v1": 0.01, "optim/entropy": 0.5})
+                         sampler_checkpoint="tinker://x", kl={"optim/kl_sample_train_v1": 0.01, "optim/entropy": 0.5}).as_row()
     assert row["dppo_masked_frac"] == pytest.approx(10 / 400)
     assert row["counterfactual_ppo_clip_frac"] == pytest.approx(3 / 400)
     assert row["drift_abs_p90"] == 0.02 and row["updates"] == 2 and row["loss_tokens"] == 400
@@ -110,7 +110,7 @@ def test_the_rule_an_arm_does_not_train_with_is_labelled_counterfactual(loss, re
     own tensors but removes nothing from its gradient: its name says counterfactual, in the row, in
     metrics.arms and in the terminal line; the real rule keeps its plain name."""
     row = step_metrics("arm", 0, SUMMARY, _recs(), loss=loss, seconds=1.0, sample_seconds=0.5,
-                         sampler_checkpoint="tinker://x")
+                         sampler_checkpoint="tinker://x").as_row()
     assert counterfactual not in row and f"counterfactual_{counterfactual}" in row and real in row
     assert f"counterfactual_last_update_{counterfactual.split('_')[1]}_frac" in row
     summary = arm_summary([row])
@@ -318,3 +318,22 @@ def test_one_writer_per_run_a_second_is_refused_in_one_line(tmp_path):
     st.save(state_path(tmp_path, "20261203T000000Z-mine22"))
     with pytest.raises(ComparisonError, match="belongs to run 20261203T000000Z-other1"):
         load_owned_state(tmp_path, "20261203T000000Z-mine22")
+
+
+def test_step_row_record_writes_the_jsonl_keys_in_their_order_and_decodes_back():
+    """The counterfactual is a field of the record; the JSONL keeps its labelled keys, in order."""
+    from dppo_harness.stages.comparison.step_rows import fraction
+
+    rec = step_metrics("a", 3, SUMMARY, _recs(), loss=losses.GRPO_LOSS, seconds=2.0, sample_seconds=1.0,
+                       sampler_checkpoint="tinker://x", kl={"optim/entropy": 0.5, "optim/kl_sample_train_v1": 0.01},
+                       cookbook_env={"env/all/reward/total": 1.0}, rollout_seconds=0.5)
+    row = rec.as_row()
+    assert list(row) == [
+        "arm", "step", "loss", "reward_mean", "format_rate", "correct_rate", "truncated_frac", "no_answer_frac",
+        "mean_response_tokens", "responses", "max_tokens", "counterfactual_dppo_masked_frac", "ppo_clip_frac",
+        "counterfactual_last_update_masked_frac", "last_update_clip_frac", "drift_abs_p90", "drift_abs_p99",
+        "drift_abs_max", "loss_tokens", "response_tokens", "updates", "seconds", "sample_seconds",
+        "sampler_checkpoint", "entropy", "kl_sample_train_v1", "rollout_seconds", "cookbook_env"]
+    assert rec.dppo_masked_frac.counterfactual and not rec.ppo_clip_frac.counterfactual
+    assert fraction(row, "dppo_masked_frac") == rec.dppo_masked_frac
+    assert fraction(row, "ppo_clip_frac") == rec.ppo_clip_frac

@@ -65,7 +65,7 @@ def test_step_record_uses_the_cookbooks_names():
     records = simulate_records(n_updates=2, minibatches_per_epoch=2, sequences=2)
     row = step_metrics("grpo_seed0", 1, batch.summary(), records, loss=losses.GRPO_LOSS, seconds=3.0, sample_seconds=1.0,
                          sampler_checkpoint="tinker://x", kl=CM.kl_sample_train(records), cookbook_env=env,
-                         rollout_seconds=0.5)
+                         rollout_seconds=0.5).as_row()
     rec = CM.step_record(row, steps=4, learning_rate=2e-5)
     for key in ("env/all/reward/total", "env/all/format", "env/all/correct", "env/all/total_ac_tokens",
                 "optim/kl_sample_train_v1", "optim/kl_sample_train_v2", "optim/entropy", "optim/lr",

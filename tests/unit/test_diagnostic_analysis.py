@@ -10,6 +10,7 @@ from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import pool_calls
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
 from dppo_harness.plans import load_plan
+from dppo_harness.plans.models import AnalysisCriterion
 from dppo_harness.stages.diagnostic.classification import anchor_problems, classify, pinned_variant_problems
 from dppo_harness.stages.diagnostic.conclusion import next_action
 from dppo_harness.stages.diagnostic.config import DiagnosticError, diagnostic_config
@@ -20,7 +21,7 @@ PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
 SPEC_PLAN = load_plan(PLANS / "exp_e6b0965af3.json")
 SPEC = SPEC_PLAN.experiment
-CRITERIA = PLAN.raw["analysis"]["criteria"]
+CRITERIA = PLAN.diagnostic.analysis.criteria
 CFG = diagnostic_config(PLAN)
 
 
@@ -125,7 +126,8 @@ def test_criteria_respect_applies_when_and_reject_unknown_pooling():
     pooled["dppo/removed_pos_adv"] = 0
     assert evaluate_criteria(CRITERIA, pooled)[3].passed is False  # min_exclusive 0
     with pytest.raises(DiagnosticError, match="not implemented"):
-        evaluate_criteria([{"id": "x", "metric": "drift/abs_p90", "pooling": "mean_of_calls", "min": 0}], pooled)
+        evaluate_criteria([AnalysisCriterion.model_construct(id="x", metric="drift/abs_p90", measures="", pooling="mean_of_calls",
+                                                              min=0)], pooled)
 
 
 def test_causes_missing_evidence_defect_and_wrong_anchor():

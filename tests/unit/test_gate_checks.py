@@ -7,11 +7,12 @@ import pytest
 
 from dppo_harness.instrument.instrumentation import LossCallRecord
 from dppo_harness.plans import load_plan
+from dppo_harness.plans.models import GateCheck
 from dppo_harness.stages import gate
 
 SPEC_PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json")
 SPEC = json.loads((Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json").read_text())
-CHECKS = SPEC["activation_gate"]["checks"]
+CHECKS = [GateCheck.model_validate(c) for c in SPEC["activation_gate"]["checks"]]
 GOOD = {
     "dppo_masked_token_fraction": 0.01,
     "policy_drift_abs_p_q90": 0.02,
@@ -27,7 +28,7 @@ def _by_metric(results):
 
 def test_all_in_range_passes_every_check_of_the_plan():
     results = gate.evaluate_gate(CHECKS, GOOD)
-    assert [r.metric for r in results] == [c["metric"] for c in CHECKS]
+    assert [r.metric for r in results] == [c.metric for c in CHECKS]
     assert all(r.passed for r in results), [r.reason for r in results]
 
 
@@ -56,9 +57,9 @@ def test_unmeasured_metric_and_boundless_check_fail():
     values = dict(GOOD)
     del values["grpo_clip_fraction"]
     assert not _by_metric(gate.evaluate_gate(CHECKS, values))["grpo_clip_fraction"].passed
-    assert not gate.evaluate_check({"metric": "x"}, 1.0).passed
+    assert not gate.evaluate_check(GateCheck.model_construct(metric="x", measures=""), 1.0).passed
     # Bounds are inclusive, as the spec writes them.
-    assert gate.evaluate_check({"metric": "x", "min": 2, "max": 2}, 2).passed
+    assert gate.evaluate_check(GateCheck(metric="x", measures="", min=2, max=2), 2).passed
 
 
 def _rec(step, u, frac, q90, clip):
@@ -120,7 +121,7 @@ def test_executed_model_is_the_model_that_computes_not_the_requested_name():
     local = NS(result={"backend": {"kind": "local", "served_model": "local/tiny-qwen3-gsm8k"}})
     no_arch = NS(model_data=NS(model_name="Qwen/Qwen3.5-2B", arch=""))
     assert gate.executed_model(no_arch, "local", local)[0] == "local/tiny-qwen3-gsm8k"
-    check = next(c for c in CHECKS if c["metric"] == "executed_base_model")
+    check = next(c for c in CHECKS if c.metric == "executed_base_model")
     assert not gate.evaluate_check(check, model).passed
     assert gate.executed_model(NS(model_data=NS(model_name="Qwen/Qwen3.5-2B", arch="")), "local", remote)[0] is None
 
@@ -160,3 +161,12 @@ def test_gate_definitions_state_the_pilots_own_update_count_and_clip_eps():
     # the counterfactual clip's eps is the one the pilot's loss call counted with, not a constant
     assert gate.definition("grpo_clip_fraction", "ppo/clip_frac_loss_tokens", updates_per_batch=2,
                            ppo_eps=0.3).startswith("ppo/clip_frac_loss_tokens: eps=0.3 clip")
+
+
+def test_bounds_record_writes_the_keys_the_plan_check_declares_in_report_order():
+    from dppo_harness.stages.checks import Bounds
+
+    for c in CHECKS:
+        dumped = c.model_dump(exclude_none=True)
+        assert Bounds.of(c).as_json() == {k: dumped[k] for k in ("min", "max", "one_of") if k in dumped}
+    assert list(Bounds(min=0.0, max=1.0, min_exclusive=0.0).as_json()) == ["min", "max", "min_exclusive"]

@@ -90,7 +90,10 @@ def comparison_run(request: pytest.FixtureRequest, service_client: tinker.Servic
 
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
-    from dppo_harness.stages.comparison.run import run_comparison  # the SDK and torch: see above
+    # The comparison loads the SDK and torch: see above.
+    from dppo_harness.stages.comparison.config import comparison_schedule
+    from dppo_harness.stages.comparison.run import run_comparison
+    from dppo_harness.stages.feasibility_projection import PilotFigures
 
     if not unit_parity_passed(request.config):
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
@@ -101,10 +104,12 @@ def comparison_run(request: pytest.FixtureRequest, service_client: tinker.Servic
         if not gate_report.passed:
             pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
                         pytrace=False)
-    schedule, source = comparison_schedule(harness_options.comparison_schedule, evidence_bundle.result.get("backend"))
+    schedule, source = comparison_schedule(harness_options.comparison_schedule,
+                                           (evidence_bundle.result.get("backend") or {}).get("kind"))
     # On a resume the feasibility block is not in this session's result yet: the guard then starts
     # from the finalize reserve alone and projects from the steps it measures.
-    guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds, evidence_bundle.result.get("feasibility"),
+    guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds,
+                                        PilotFigures.from_block(evidence_bundle.result.get("feasibility")),
                                           arms=len(plan.run.arms) if plan.run else 0,
                                           eval_items=plan.run.eval_items if plan.run else 0)
     service_waiter.budget_left = evidence_bundle.remaining_seconds  # no wait in a step outlasts the budget
@@ -128,18 +133,6 @@ def comparison_run(request: pytest.FixtureRequest, service_client: tinker.Servic
     finally:
         service_waiter.budget_left = None
     pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
-
-
-def comparison_schedule(option: str | None, backend_block: dict | None) -> tuple[str, str]:
-    """(schedule, why): --comparison-schedule when given, else concurrent on a real service and
-    interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
-    from dppo_harness.stages.comparison.config import default_schedule
-
-    if option:
-        return option, "--comparison-schedule"
-    embedded = (backend_block or {}).get("kind") == "local"
-    return default_schedule(embedded), ("default on the embedded server" if embedded else
-                                          "default on a real service (benchmarks/comparison_schedule.py)")
 
 
 def preflight_service_work(restoration) -> dict[str, dict[str, int]]:

@@ -3,38 +3,48 @@ frozen plan's `activation_gate` ranges.
 
 The pilot is the spec's own schedule, shortened to the pilot length its gate states: fresh
 sampling each step from the current weights, the batch split into the spec's complete-group
-minibatches, one `forward_backward_custom` + `optim_step` per minibatch, the treatment's loss
-trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
+minibatches, one `forward_backward_custom` + `optim_step` per minibatch (the comparison's
+arm-step, `arm_step.run_arm_step`), the treatment's loss trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
 metric is the loss-call statistic its registered loss names (`losses.gate_metric_sources`) on the
-last update of each pilot step. Every check of the plan is evaluated; a value outside its range or
-missing fails the gate. The gate report is its own immutable evidence file; nothing later
+last update of each pilot step. Every check of the plan is evaluated (`checks.Bounds`, the rule the
+diagnostic's criteria share); a value outside its range or missing fails the gate. The gate report is its own immutable evidence file; nothing later
 rewrites it. A plan with several treatments pilots each of them (one report each).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import tinker
+from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.evidence.backend import backend_of, served_model
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
-from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.rollout import rollouts
+from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_step
+from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import create_from_state_observed
 
 if TYPE_CHECKING:
+    from tinker_cookbook import renderers
+
+    from dppo_harness.data.gsm8k import Gsm8kItem
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan, RunConfig
+    from dppo_harness.plans.models import GateCheck
 
 GATE_REPORT_FILE = "activation-gate-report.json"
+# One pilot step's row in the report: step, optimizer steps, whether its last update was recorded,
+# that update's loss-call statistics and the step's rollout yield.
+PilotStepRow = dict[str, float | int | bool]
+JsonObject = dict[str, JsonValue]
 
 # How each gate metric is measured in the pilot (written into the report); `{last}` is the
 # pilot's last minibatch update ("4th") and `{eps}` the clip eps its loss call counted with.
@@ -67,45 +77,30 @@ class GateError(RuntimeError):
 @dataclass(frozen=True)
 class CheckResult:
     metric: str
-    value: Any
+    value: Measured
     passed: bool
     reason: str
-    bounds: dict[str, Any]
+    bounds: BoundsJson
     measures: str = ""
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def evaluate_check(check: Mapping[str, Any], value: Any) -> CheckResult:
+def evaluate_check(check: GateCheck, value: Measured) -> CheckResult:
     """One plan check against one measured value. Missing or non-numeric values fail."""
-    metric = str(check.get("metric", "?"))
-    bounds = {k: check[k] for k in ("min", "max", "one_of") if k in check}
-    measures = str(check.get("measures", ""))
-    if not bounds:
-        return CheckResult(metric, value, False, "check declares no min, max or one_of", bounds, measures)
+    bounds = Bounds.of(check)
+    metric, declared, measures = check.metric, bounds.as_json(), check.measures
+    if not bounds.declared:
+        return CheckResult(metric, value, False, "check declares no min, max or one_of", declared, measures)
     if value is None:
-        return CheckResult(metric, None, False, "missing: not measured", bounds, measures)
-    problems = []
-    if "one_of" in check and value not in check["one_of"]:
-        problems.append(f"{value!r} not in {check['one_of']!r}")
-    if "min" in check or "max" in check:
-        if not _is_number(value):
-            problems.append(f"{value!r} is not a finite number")
-        else:
-            if "min" in check and value < check["min"]:
-                problems.append(f"{value:.6g} < min {check['min']}")
-            if "max" in check and value > check["max"]:
-                problems.append(f"{value:.6g} > max {check['max']}")
+        return CheckResult(metric, None, False, "missing: not measured", declared, measures)
+    problems = bounds.problems(value)
     if problems:
-        return CheckResult(metric, value, False, "; ".join(problems), bounds, measures)
-    return CheckResult(metric, value, True, "in range", bounds, measures)
+        return CheckResult(metric, value, False, "; ".join(problems), declared, measures)
+    return CheckResult(metric, value, True, "in range", declared, measures)
 
 
-def evaluate_gate(checks: Sequence[Mapping[str, Any]], values: Mapping[str, Any]) -> list[CheckResult]:
+def evaluate_gate(checks: Sequence[GateCheck], values: Mapping[str, Measured]) -> list[CheckResult]:
     """Every plan check, in plan order; a metric with no measurement fails as missing."""
-    return [evaluate_check(c, values.get(str(c.get("metric")))) for c in checks]
+    return [evaluate_check(c, values.get(c.metric)) for c in checks]
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -129,7 +124,7 @@ def gate_values(
     *,
     updates_per_batch: int = 2,
     sources: Mapping[str, str] | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Measured], list[PilotStepRow]]:
     """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
 
     `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
@@ -139,7 +134,7 @@ def gate_values(
     """
     sources = losses.gate_metric_sources() if sources is None else sources
     second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
-    rows = []
+    rows: list[PilotStepRow] = []
     for step in range(pilot_steps):
         rec = second.get(step)
         rows.append(
@@ -157,20 +152,21 @@ def gate_values(
 
     counts = list(optim_steps_per_batch)
     if len(counts) == pilot_steps and len(set(counts)) == 1:
-        updates: Any = counts[0]
+        updates: int | list[int] | None = counts[0]
     else:
         updates = counts if counts else None
-    values: dict[str, Any] = {metric: over_steps(stat) for metric, stat in sources.items()}
+    values: dict[str, Measured] = {metric: over_steps(stat) for metric, stat in sources.items()}
     values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
     return values, rows
 
 
-def with_rollout_yield(rows: Sequence[dict[str, Any]], yields: Sequence[answer_yield.ResponseYield]) -> list[dict[str, Any]]:
+def with_rollout_yield(rows: Sequence[PilotStepRow], yields: Sequence[answer_yield.ResponseYield]) -> list[PilotStepRow]:
     """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
     length (a step that sampled nothing gets none)."""
     out = []
     for row in rows:
-        y = yields[row["step"]] if row["step"] < len(yields) else None
+        step = int(row["step"])
+        y = yields[step] if step < len(yields) else None
         out.append({**row, **({"truncated_frac": y.truncated_frac, "no_answer_frac": y.no_answer_frac,
                                "mean_response_tokens": y.mean_response_tokens, "responses": y.n} if y else {})})
     return out
@@ -201,7 +197,7 @@ class PilotConfig:
     reductions: tuple[dict[str, Any], ...] = ()  # explicit size reductions (tests only)
 
 
-def pilot_config(run: RunConfig, arm: str | None = None, **overrides: Any) -> PilotConfig:
+def pilot_config(run: RunConfig, arm: str | None = None, **overrides: float) -> PilotConfig:
     """The pilot schedule of treatment arm `arm` (default: the first treatment) from the plan's
     run config; overrides are recorded as reductions (the stage passes none)."""
     name = arm or run.treatments[0].name
@@ -255,7 +251,7 @@ def is_report_file(name: str) -> bool:
     return name == GATE_REPORT_FILE or (name.startswith(f"{stem}-") and name.endswith(".json"))
 
 
-def executed_model(info: Any, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
+def executed_model(info: tinker.types.GetInfoResponse, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
     """The model that actually computed, and where that came from.
 
     A Tinker service's `get_info().model_data.model_name` is its word. The embedded server answers
@@ -295,7 +291,7 @@ class GateReport:
     def failures(self) -> list[str]:
         return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         sources, p = losses.gate_metric_sources(), self.pilot
         eps = losses.LossConfig.for_loss(p["loss"], p["normalization"]).ppo_eps  # as the pilot's loss call counted
         return ins.nan_free({
@@ -313,7 +309,7 @@ class GateReport:
             "note": "written once by the gate stage; later stages never rewrite it",
         })
 
-    def calibration(self) -> dict[str, Any]:
+    def calibration(self) -> JsonObject:
         p = self.pilot
         values = {k: (v if v is not None else "missing") for k, v in self.values.items()}
         note = (
@@ -367,31 +363,33 @@ class _Pilot:
     base_model: str | None = None
     base_model_source: str = "not measured"
     loaded_checkpoint: str | None = None
-    yields: list[Any] = field(default_factory=list)  # answer_yield.ResponseYield of each step's batch
+    yields: list[answer_yield.ResponseYield] = field(default_factory=list)  # of each step's batch
 
 
-def _pilot_step(
-    tc: tinker.TrainingClient, step: int, cfg: PilotConfig, pilot: _Pilot, items: Sequence[Any], renderer: Any,
-    loss_fn: train_step.LossFn, adam: tinker.AdamParams, bundle: EvidenceBundle, tag: str,
-) -> list[ins.LossCallRecord]:
-    """One pilot step: fresh rollout batch from the current weights, then one recorded update per
-    complete-group minibatch. Returns this step's loss-call records (also persisted)."""
+def _pilot_step(arm: ArmStepRun, step: int, cfg: PilotConfig, pilot: _Pilot, items: Sequence[Gsm8kItem],
+                renderer: renderers.Renderer, bundle: EvidenceBundle, tag: str) -> list[ins.LossCallRecord]:
+    """One pilot step, the comparison's arm-step (`arm_step.run_arm_step`): fresh rollout batch from
+    the current weights, then one recorded update per complete-group minibatch. Returns this step's
+    loss-call records (also persisted)."""
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed,
                                   max_seq_len=cfg.max_seq_len)
-    sampled = rollout_batch.sample_rollout_batch(tc, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}")
-    pilot.samplers.append(sampled.sampler_path)
-    pilot.yields.append(sampled.batch.response_yield())
-    minibatches = split_complete_groups(sampled.group_of_datum, cfg.updates_per_batch)
-    pilot.optim_counts.append(0)
-    records = []
-    for u, idx in enumerate(minibatches, start=1):
-        context = {"step": step, "update_in_batch": u, "update_index": step * cfg.updates_per_batch + u,
-                   "sampler_checkpoint": sampled.sampler_path, "n_sequences": len(idx)}
-        record, _ = train_step.train_step(tc, [sampled.datums[i] for i in idx], loss_fn, adam, pilot.recorder, context)
-        records.append(record)
-        pilot.optim_counts[step] += 1
-    bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(records))
-    return records
+
+    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
+        return {"step": step, "update_in_batch": u, "update_index": step * cfg.updates_per_batch + u,
+                "sampler_checkpoint": sampler_path, "n_sequences": len(idx)}
+
+    progress = ArmStepProgress()
+    try:
+        run_arm_step(arm, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}", context=context,
+                     progress=progress, minibatches=split_complete_groups)
+    finally:  # what the step reached is kept when it stops part-way
+        if progress.sampled is not None:
+            pilot.samplers.append(progress.sampled.sampler_path)
+            pilot.yields.append(progress.sampled.batch.response_yield())
+        if progress.minibatches is not None:
+            pilot.optim_counts.append(progress.updates_done)
+    bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(progress.records))
+    return progress.records
 
 
 def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotConfig, pilot: _Pilot,
@@ -412,9 +410,10 @@ def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotC
                           f"(read from {pilot.base_model_source})")
         renderer = tokenizer.make_renderer().renderer
         train = dataset.get(run.dataset).load_split("train", seed=cfg.seed)
+        arm = ArmStepRun(tc, loss_fn, adam, pilot.recorder, cfg.updates_per_batch)
         for step in range(cfg.steps):
-            step_records = _pilot_step(tc, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer,
-                                       loss_fn, adam, bundle, tag)
+            step_records = _pilot_step(arm, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer,
+                                       bundle, tag)
             last = step_records[-1].stats if step_records else {}
             say(
                 f"[gate] step {step + 1}/{cfg.steps}: {pilot.optim_counts[step]} updates, "
@@ -428,7 +427,7 @@ def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotC
     return errors
 
 
-def _pilot_block(cfg: PilotConfig, pilot: _Pilot, initial_checkpoint: str, backend: str) -> dict[str, Any]:
+def _pilot_block(cfg: PilotConfig, pilot: _Pilot, initial_checkpoint: str, backend: str) -> JsonObject:
     """The report's `pilot` block: the schedule run, what was loaded and sampled, and where the
     executed model's name came from."""
     return {
@@ -456,7 +455,7 @@ def run_activation_gate(
     progress: Callable[[str], None] | None = None,
     tag: str = "gate",
     arm: str | None = None,
-    **overrides: Any,
+    **overrides: float,
 ) -> GateReport:
     """Run the pilot of treatment `arm` (default: the first) from the shared initial checkpoint,
     evaluate every check of the plan's gate, write the report (own immutable evidence file), the
@@ -469,7 +468,6 @@ def run_activation_gate(
     cfg = pilot_config(run, arm, **overrides)
     first = cfg.arm == run.treatments[0].name
     tag = tag if first else f"{tag}-{cfg.arm}"
-    checks = [c.model_dump(exclude_none=True) for c in run.gate_checks]
     loss_cfg = losses.LossConfig.for_loss(cfg.loss, cfg.normalization)  # type: ignore[arg-type]
     pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
     errors = _run_pilot(service_client, run, cfg, pilot, initial_checkpoint, backend=backend, bundle=bundle, tag=tag,
@@ -478,7 +476,7 @@ def run_activation_gate(
     values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps,
                                    updates_per_batch=cfg.updates_per_batch)
     per_step = with_rollout_yield(per_step, pilot.yields)
-    results = evaluate_gate(checks, values)
+    results = evaluate_gate(run.gate_checks, values)
     errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
     report = GateReport(
         passed=all(r.passed for r in results) and not errors,

@@ -1,5 +1,5 @@
-"""Training the arms: one arm-step (sample from the arm's current weights, then its minibatch
-updates), the guard that keeps a capacity retry from applying an update twice, and `train_arms`,
+"""Training the arms: one arm-step (`arm_step.run_arm_step`, the gate pilot's too: sample from the
+arm's current weights, then its minibatch updates) and its row, the guard that keeps a capacity retry from applying an update twice, and `train_arms`,
 which advances every arm step by step (interleaved on one thread, or concurrently on their own
 clients), saving state every `save_every` steps, so a stop leaves the arms at equal or adjacent
 step counts."""
@@ -10,20 +10,27 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import tinker
 
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
-from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.rollout import rollouts
 from dppo_harness.service.wait.policy import ServiceStopped
-from dppo_harness.stages.comparison.config import ArmSpec, ComparisonConfig, ComparisonError, Schedule, step_seed
-from dppo_harness.stages.comparison.state import ArmState, RunState
-from dppo_harness.stages.comparison.step_rows import step_line, step_metrics
+from dppo_harness.stages import arm_step
+from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun
+from dppo_harness.stages.comparison.config import ArmOrder, ArmSpec, ComparisonConfig, ComparisonError, step_seed
+from dppo_harness.stages.comparison.state import ArmState, RunState, StepRetry
+from dppo_harness.stages.comparison.step_rows import StepRowJson, step_line, step_metrics
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 from dppo_harness.train import train_step
+
+if TYPE_CHECKING:
+    from tinker_cookbook import renderers
+
+    from dppo_harness.data.gsm8k import Gsm8kItem
 
 
 @dataclass(frozen=True)
@@ -31,48 +38,39 @@ class ArmRunner:
     """Everything one arm needs for a step; its client is its own."""
 
     spec: ArmSpec
-    client: Any  # tinker.TrainingClient
+    client: tinker.TrainingClient
     loss_fn: train_step.LossFn
     recorder: ins.LossCallRecorder
 
 
-@dataclass
-class AttemptProgress:
-    """What one attempt at an arm-step has sent that changes the arm's training state."""
-
-    updates_submitted: int = 0
-
-
-def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Sequence[Any], renderer: Any,
-                 adam: tinker.AdamParams, tag: str, *, attempt: int = 0,
-                 progress: AttemptProgress | None = None) -> tuple[dict[str, Any], list[ins.LossCallRecord]]:
-    """One rollout step of one arm: sample from its current weights, then its minibatch updates.
-    `progress.updates_submitted` counts updates sent (so a failed attempt says whether it moved the arm)."""
-    progress = progress if progress is not None else AttemptProgress()
+def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Sequence[Gsm8kItem],
+                 renderer: renderers.Renderer, adam: tinker.AdamParams, tag: str, *, attempt: int = 0,
+                 progress: ArmStepProgress | None = None) -> tuple[StepRowJson, list[ins.LossCallRecord]]:
+    """One rollout step of one arm (`arm_step.run_arm_step`): sample from its current weights, then
+    its minibatch updates. `progress.updates_submitted` counts updates sent (so a failed attempt says
+    whether it moved the arm)."""
     t0 = time.perf_counter()
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens,
                                   seed=step_seed(cfg, step), max_seq_len=cfg.max_seq_len)
     retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
-    sampled = rollout_batch.sample_rollout_batch(runner.client, items, renderer, rcfg,
-                                                 sampler_name=f"{tag}-{runner.spec.name}-s{step}{retry}")
-    minibatches = train_step.prepare_minibatches(sampled.group_of_datum, runner.spec.updates_per_batch)
-    records = []
-    for u, idx in enumerate(minibatches, start=1):
-        progress.updates_submitted += 1  # before the call: a refusal may come after the server applied it
-        context = {"arm": runner.spec.name, "step": step, "update_in_batch": u,
-                   "update_index": step * runner.spec.updates_per_batch + u, "sampler_checkpoint": sampled.sampler_path}
-        rec, _ = train_step.train_step(runner.client, [sampled.datums[i] for i in idx], runner.loss_fn, adam,
-                                       runner.recorder, context)
-        records.append(rec)
+
+    def context(u: int, sampler_path: str, _idx: list[int]) -> dict[str, int | str]:
+        return {"arm": runner.spec.name, "step": step, "update_in_batch": u,
+                "update_index": step * runner.spec.updates_per_batch + u, "sampler_checkpoint": sampler_path}
+
+    arm = ArmStepRun(runner.client, runner.loss_fn, adam, runner.recorder, runner.spec.updates_per_batch)
+    done = arm_step.run_arm_step(arm, items, renderer, rcfg, sampler_name=f"{tag}-{runner.spec.name}-s{step}{retry}",
+                                 context=context, progress=progress)
+    sampled, records = done.sampled, done.records
     row = step_metrics(runner.spec.name, step, sampled.batch.summary(), records, loss=runner.spec.loss,
                        seconds=time.perf_counter() - t0, sample_seconds=sampled.seconds,
                        sampler_checkpoint=sampled.sampler_path, kl=cookbook_metrics.kl_sample_train(records),
                        cookbook_env=cookbook_metrics.trajectory_metrics(sampled.batch),
                        rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds)
-    return row, records
+    return row.as_row(), records
 
 
-RestoreFn = Callable[[ArmRunner, str, dict[str, Any]], ArmRunner]
+RestoreFn = Callable[[ArmRunner, str, StepRetry], ArmRunner]
 
 
 @dataclass
@@ -91,12 +89,12 @@ class GuardedArmStep:
     step: int
     start_state: str | None  # tinker:// state at the step's start (None: none saved there)
     restore: RestoreFn
-    run: Callable[[ArmRunner, int, AttemptProgress], dict[str, Any]]
+    run: Callable[[ArmRunner, int, ArmStepProgress], StepRowJson]
     attempts: int = 0
-    failures: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[StepRetry] = field(default_factory=list)
     dirty: bool = False  # the last attempt sent updates: the arm is not at the step's start
 
-    def __call__(self) -> dict[str, Any]:
+    def __call__(self) -> StepRowJson:
         if self.dirty:
             if self.start_state is None:
                 raise ComparisonError(
@@ -106,7 +104,7 @@ class GuardedArmStep:
             self.runner = self.restore(self.runner, self.start_state, self.failures[-1])
             self.failures[-1]["restored_from"] = self.start_state
             self.dirty = False
-        progress = AttemptProgress()
+        progress = ArmStepProgress()
         attempt, self.attempts = self.attempts, self.attempts + 1
         try:
             return self.run(self.runner, attempt, progress)
@@ -119,7 +117,7 @@ class GuardedArmStep:
 
 @dataclass(frozen=True)
 class TrainingOutcome:
-    rows: tuple[dict[str, Any], ...]
+    rows: tuple[StepRowJson, ...]
     steps_completed: int  # min over arms
     wall_seconds: float
     schedule: str
@@ -130,7 +128,7 @@ class StopRequested(Exception):
     """Raised by a `stop_after` hook to end the run at a step boundary (tests: a kill)."""
 
 
-def _no_restore(runner: ArmRunner, path: str, failure: dict[str, Any]) -> ArmRunner:
+def _no_restore(runner: ArmRunner, path: str, failure: StepRetry) -> ArmRunner:
     raise ComparisonError(f"{runner.spec.name} step {failure['step']}: refused after it sent updates and no "
                           "restore is configured; a retry would apply updates twice")
 
@@ -150,21 +148,21 @@ class _ArmSteps:
     cfg: ComparisonConfig
     state: RunState
     current: dict[str, ArmRunner]
-    adams: Mapping[str, Any]  # arm name -> tinker.AdamParams
-    items_for_step: Callable[[int], Sequence[Any]]
-    renderer: Any
+    adams: Mapping[str, tinker.AdamParams]  # by arm name
+    items_for_step: Callable[[int], Sequence[Gsm8kItem]]
+    renderer: renderers.Renderer
     tag: str
-    on_row: Callable[[dict[str, Any]], None]
+    on_row: Callable[[StepRowJson], None]
     save_state: Callable[[ArmRunner, int], str] | None
     restore: RestoreFn
-    call: Callable[[Callable[[], Any]], Any]
+    call: Callable[[GuardedArmStep], StepRowJson]
     progress: Callable[[str], None]
 
-    def run(self, name: str, step: int) -> tuple[dict[str, Any], GuardedArmStep | None]:
-        """Arm `name`'s step `step` (an empty row when the arm already finished it before a stop)."""
+    def run(self, name: str, step: int) -> tuple[StepRowJson | None, GuardedArmStep | None]:
+        """Arm `name`'s step `step` (no row when the arm already finished it before a stop)."""
         arm = self.state.arms[name]
         if arm.steps_done > step:
-            return {}, None
+            return None, None
         items = self.items_for_step(step)
         attempt_guard = GuardedArmStep(
             self.current[name], step, _step_start_state(self.state, arm), self.restore,
@@ -176,14 +174,15 @@ class _ArmSteps:
             self.current[name] = attempt_guard.runner
             arm.step_retries.extend(attempt_guard.failures)
 
-    def commit(self, name: str, step: int, row: dict[str, Any], attempt_guard: GuardedArmStep | None, *,
+    def commit(self, name: str, step: int, step_row: StepRowJson | None, attempt_guard: GuardedArmStep | None, *,
                save: bool = True) -> None:
         """Record a finished arm-step: steps done, the state saved at a save step (`save`), the row."""
-        if not row:
+        if step_row is None:
             return
         arm = self.state.arms[name]
         arm.steps_done = step + 1
-        row = {**row, "retries": len(attempt_guard.failures) if attempt_guard else 0}
+        row = step_row.copy()
+        row["retries"] = len(attempt_guard.failures) if attempt_guard else 0
         due = arm.steps_done % self.cfg.save_every == 0 or arm.steps_done == self.cfg.steps
         if save and self.save_state is not None and due:
             arm.record_save(self.state.run_id, arm.steps_done, self.save_state(self.current[name], arm.steps_done))
@@ -234,14 +233,14 @@ def train_arms(
     cfg: ComparisonConfig,
     state: RunState,
     *,
-    items_for_step: Callable[[int], Sequence[Any]],
-    renderer: Any,
+    items_for_step: Callable[[int], Sequence[Gsm8kItem]],
+    renderer: renderers.Renderer,
     tag: str,
-    schedule: Schedule = "interleaved",
-    on_row: Callable[[dict[str, Any]], None] = lambda _r: None,
+    schedule: ArmOrder = "interleaved",
+    on_row: Callable[[StepRowJson], None] = lambda _r: None,
     save_state: Callable[[ArmRunner, int], str] | None = None,
     restore: RestoreFn | None = None,
-    call: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
+    call: Callable[[GuardedArmStep], StepRowJson] = lambda fn: fn(),
     stop_after: Callable[[int], None] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
     guard: WallGuard | None = None,
@@ -274,7 +273,7 @@ def train_arms(
 
 
 
-def make_runners(clients: Mapping[str, Any], cfg: ComparisonConfig) -> list[ArmRunner]:
+def make_runners(clients: Mapping[str, tinker.TrainingClient], cfg: ComparisonConfig) -> list[ArmRunner]:
     out = []
     for a in cfg.arms:
         lc = losses.LossConfig.for_loss(a.loss, cfg.normalization)  # type: ignore[arg-type]

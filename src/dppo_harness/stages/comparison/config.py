@@ -1,12 +1,15 @@
 """The comparison's configuration: the paired schedule of a plan's typed run config, its arms,
-the sampling seed of each rollout step (the same for both arms), and the errors that name a
-field the comparison cannot be configured or resumed with."""
+the order the arms take each step (`ArmOrder`, `comparison_schedule`), the sampling seed of each
+rollout step (the same for both arms), and the errors that name a field the comparison cannot be
+configured or resumed with."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import JsonValue
 
 from dppo_harness import constants
 
@@ -14,8 +17,11 @@ if TYPE_CHECKING:
     from dppo_harness.plans import CriterionConfig, RunConfig
 
 
-MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY  # the brief: state saved at least every 10 steps per arm
-Schedule = Literal["interleaved", "concurrent"]
+# A JSON object the comparison passes on as written (scores, the decision, provenance blocks).
+JsonObject = dict[str, JsonValue]
+MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY  # each arm's state is saved at least every 10 steps
+# How the arms take each step: one after the other on one thread, or at once on their own clients.
+ArmOrder = Literal["interleaved", "concurrent"]
 
 
 class ComparisonError(RuntimeError):
@@ -27,17 +33,29 @@ class OptimizerMismatch(ComparisonError):
     stops. Carries the arm's provenance entry with that check and the run-state file the check's
     get_info reference names (to be registered before the provenance is posted), for the evidence."""
 
-    def __init__(self, message: str, arm: str = "", provenance: Mapping[str, Any] | None = None,
+    def __init__(self, message: str, arm: str = "", provenance: Mapping[str, JsonValue] | None = None,
                  state_file: str | None = None):
         super().__init__(message)
         self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file
 
 
-def default_schedule(embedded: bool) -> Schedule:
+def default_schedule(embedded: bool) -> ArmOrder:
     """How the arms advance unless asked: concurrently on a real service (faster once each request
-    pays a round trip, measured by benchmarks/comparison_schedule.py at 300 ms), interleaved on the
-    embedded server (two arms on 2 CPU cores gain nothing from overlap)."""
+    pays a round trip, benchmarks/comparison_schedule.py), interleaved on the embedded server (two
+    arms on 2 CPU cores gain nothing from overlap)."""
     return "interleaved" if embedded else "concurrent"
+
+
+def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[ArmOrder, str]:
+    """(arm order, why): --comparison-schedule when given, else concurrent on a real service and
+    interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
+    if option:
+        if option not in ("interleaved", "concurrent"):
+            raise ComparisonError(f"--comparison-schedule: {option!r} is not interleaved or concurrent")
+        return ("interleaved" if option == "interleaved" else "concurrent"), "--comparison-schedule"
+    embedded = backend_kind == "local"
+    return default_schedule(embedded), ("default on the embedded server" if embedded else
+                                        "default on a real service (benchmarks/comparison_schedule.py)")
 
 
 @dataclass(frozen=True)

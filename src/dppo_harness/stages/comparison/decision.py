@@ -5,9 +5,12 @@ the decision object that references the observations file by sha256."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pydantic import JsonValue
 
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evaluation import stats
@@ -15,6 +18,9 @@ from dppo_harness.evaluation import stats
 if TYPE_CHECKING:
     from dppo_harness.plans import CriterionConfig
 
+# One scored observation (a line of the observations file: item, arm, metric values), as JSON.
+Observation = dict[str, JsonValue]
+JsonObject = dict[str, JsonValue]
 OBSERVATIONS_FILE = "scored-observations.jsonl"
 DECISION_FILE = "comparison-decision.json"
 
@@ -40,7 +46,7 @@ class CriterionDecision:
         return float(self.interval["margin"])
 
 
-def decide_criteria(rows: Sequence[Mapping[str, Any]], criteria: Sequence[CriterionConfig], *,
+def decide_criteria(rows: Sequence[Observation], criteria: Sequence[CriterionConfig], *,
                     alpha: float) -> list[CriterionDecision]:
     """Every criterion of the plan's decision rule (`RunConfig.criteria`: +1 arm minus -1 arm),
     each decided on its own with the paired Hoeffding interval on the observation rows."""
@@ -54,7 +60,7 @@ def decide_criteria(rows: Sequence[Mapping[str, Any]], criteria: Sequence[Criter
 
 
 def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[str, str, str]:
-    """(verdict, outcome_reason, explanation) by the brief's rules.
+    """(verdict, outcome_reason, explanation) by the decision rule.
 
     supported only if every criterion's lower bound is above its margin; refuted only if every
     upper bound is below it; some each way: mixed_criteria; otherwise insufficient_evidence. The
@@ -80,28 +86,34 @@ def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[
     return v, reason, text
 
 
-def informational_interval(rows: Sequence[Mapping[str, Any]], criterion: CriterionConfig, *,
-                           alpha: float) -> dict[str, Any]:
+def informational_interval(rows: Sequence[Observation], criterion: CriterionConfig, *,
+                           alpha: float) -> JsonObject:
     """Newcombe's paired interval and the exact McNemar test for one criterion's pair and metric, at
     the rule's alpha: shown beside the decision, never used for the verdict."""
     return stats.paired_binary_informational(rows, criterion.treatment, criterion.baseline, alpha=float(alpha),
                                              metric=criterion.metric)
 
 
-def informational_metrics(info: Mapping[str, Any]) -> dict[str, float]:
+def _number(value: JsonValue) -> float:
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
+
+
+def informational_metrics(info: JsonObject) -> dict[str, float]:
     """result.json `metrics` of the informational interval (labelled: none of it decides)."""
-    return {"comparison/informational_newcombe_lower": float(info["lower"]),
-            "comparison/informational_newcombe_upper": float(info["upper"]),
-            "comparison/informational_mcnemar_exact_p": float(info["mcnemar_exact_p"]),
-            "comparison/discordant_treatment_only_correct": float(info["treatment_only_correct"]),
-            "comparison/discordant_baseline_only_correct": float(info["baseline_only_correct"])}
+    return {"comparison/informational_newcombe_lower": _number(info["lower"]),
+            "comparison/informational_newcombe_upper": _number(info["upper"]),
+            "comparison/informational_mcnemar_exact_p": _number(info["mcnemar_exact_p"]),
+            "comparison/discordant_treatment_only_correct": _number(info["treatment_only_correct"]),
+            "comparison/discordant_baseline_only_correct": _number(info["baseline_only_correct"])}
 
 
 def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecision], rule_verdict: tuple[str, str, str],
-                   *, rehearsal: bool, informational: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The brief's decision object (version 1, observations_file) plus the computed intervals, and
+                   *, rehearsal: bool, informational: JsonObject | None = None) -> JsonObject:
+    """The evidence's decision object (version 1, observations_file) plus the computed intervals, and
     the informational interval beside them (`informational.used_for_verdict` is false)."""
-    block = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
+    block: JsonObject = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
     block["method"] = "paired_hoeffding"
     block["criteria"] = [{"id": c.id, "metric": c.metric, "treatment": c.treatment, "baseline": c.baseline,
                           **{k: c.interval[k] for k in ("n", "alpha", "margin", "mean_treatment", "mean_baseline",
@@ -114,7 +126,7 @@ def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecisi
     return block
 
 
-def recompute_from_file(path: Any, criteria: Sequence[CriterionConfig], *, alpha: float) -> list[dict[str, Any]]:
+def recompute_from_file(path: Path, criteria: Sequence[CriterionConfig], *, alpha: float) -> list[JsonObject]:
     """The intervals recomputed from a retained observations file (the reproducibility check)."""
     rows = stats.read_observations(path)
     return [c.interval for c in decide_criteria(rows, criteria, alpha=alpha)]

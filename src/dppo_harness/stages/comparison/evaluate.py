@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence.progress import Ticker
 from dppo_harness.stages.comparison import decision as comparison_decision
-from dppo_harness.stages.comparison.config import ComparisonConfig
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, JsonObject
 from dppo_harness.stages.comparison.state import RunState
 
 if TYPE_CHECKING:
@@ -37,11 +39,17 @@ def freeze_for(cfg: ComparisonConfig, reason: str) -> evaluation.FrozenEvaluator
     return evaluation.freeze_evaluator(items, tokenizer.make_renderer(), max_tokens=cfg.max_tokens, deviation=deviation)
 
 
+def _number(value: JsonValue) -> float:
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
+
+
 def predictions_name(arm: str, res: evaluation.EvalResult) -> str:
     return f"predictions-{arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
 
 
-def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> dict[str, Any]:
+def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> JsonObject:
     """One scored model's predictions (item_id, arm, prediction, reference on every row); returns its score."""
     name = predictions_name(res.arm, res)
     bundle.register_bytes(name, "predictions", res.predictions_jsonl())
@@ -68,7 +76,7 @@ def eval_line(res: evaluation.EvalResult, max_tokens: int, elapsed_s: float) -> 
 
 def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonConfig, state: RunState, evaluator: evaluation.FrozenEvaluator, bundle: EvidenceBundle,
                          rehearsal: bool, progress: Callable[[str], None],
-                         base_model: str) -> tuple[list[dict], dict, list[str]]:
+                         base_model: str) -> tuple[list[JsonObject], JsonObject, list[str]]:
     """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
     files: list[str] = []
     bundle.register_json(f"evaluator-{evaluator.evaluator_id[:16]}.json", "manifest",
@@ -76,12 +84,12 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
                           "code_manifest": evaluator.code_manifest, "deviation": evaluator.deviation})
     files.append(f"evaluator-{evaluator.evaluator_id[:16]}.json")
     seed = cfg.arms[0].seed
-    scores: list[dict[str, Any]] = []
-    comparisons: list[dict[str, Any]] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
+    scores: list[JsonObject] = []
+    comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
 
     def post() -> None:
         bundle.update_result(evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
-                             metrics={f"eval/accuracy/{s['arm']}": float(s["value"]) for s in scores})
+                             metrics={f"eval/accuracy/{s['arm']}": _number(s["value"]) for s in scores})
 
     t0 = time.perf_counter()
     # The served model the arms were created on (the connectivity preflight's choice).
@@ -90,7 +98,7 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
     base = evaluation.evaluate(base_client, evaluator, arm=BASE_ARM, seed=seed, checkpoint=f"base:{base_model}",
                                on_item=items_progress(progress, "the base model", len(evaluator.items)))
     scores.append(register_predictions(bundle, base))
-    files.append(scores[-1]["predictions_ref"])
+    files.append(predictions_name(base.arm, base))
     post()
     # Accuracy, n and invalid outputs under the scored model's own key (the base model's is "base").
     bundle.post_arm_metrics(BASE_ARM, base.arm_metrics(cfg.max_tokens))
@@ -98,13 +106,15 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
     results = {}
     for a in cfg.arms:
         path = state.arms[a.name].final_sampler
+        if path is None:  # evaluation runs once every arm finished, with its final sampler saved
+            raise ComparisonError(f"{a.name}: no final sampler checkpoint to evaluate")
         sampler = service_client.create_sampling_client(model_path=path).result()
         progress(f"[comparison] evaluating {a.name} (final checkpoint) on {len(evaluator.items)} test items")
         res = evaluation.evaluate(sampler, evaluator, arm=a.name, seed=seed, checkpoint=path,
                                   on_item=items_progress(progress, a.name, len(evaluator.items)))
         results[a.name] = res
         scores.append(register_predictions(bundle, res))
-        files.append(scores[-1]["predictions_ref"])
+        files.append(predictions_name(res.arm, res))
         post()
         bundle.post_arm_metrics(a.name, res.arm_metrics(cfg.max_tokens))
         progress(eval_line(res, cfg.max_tokens, time.perf_counter() - t0))

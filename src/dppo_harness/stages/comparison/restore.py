@@ -6,9 +6,10 @@ run. `open_arms` gives the run its clients: the preflight's on a new run, restor
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING
 
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, JsonObject, OptimizerMismatch
 from dppo_harness.stages.comparison.state import RunState, state_file_name
 from dppo_harness.train.clients import create_from_state_observed, dump_response
 from dppo_harness.train.optimizer_checks import optimizer_check
@@ -19,9 +20,12 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.stages.restoration import RestorationResult
 
+# A restored arm: its new training client and its provenance entry.
+Restored = tuple["tinker.TrainingClient", JsonObject]
+
 
 def restore_arm(service_client: tinker.ServiceClient, state: RunState, cfg: ComparisonConfig, name: str, path: str,
-                state_file: str) -> tuple[Any, dict[str, Any]]:
+                state_file: str) -> tuple[tinker.TrainingClient, JsonObject]:
     """A new training client for arm `name` from its saved state `path`, weights + optimizer, the
     load observed; one more restore_count and optimizer check, whose get_info is kept in the run
     state registered as `state_file`. Returns (client, provenance entry). A check that finds the
@@ -44,19 +48,20 @@ def restore_arm(service_client: tinker.ServiceClient, state: RunState, cfg: Comp
                             echoed=None, echo_ref=None, echo_observed_on=None)
     arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path, "at_step": arm.steps_done,
                                  "load_response": dump_response(resp)})
-    prov = {"restore_count": prior["restore_count"] + arm.restore_count,
+    prov: JsonObject = {"restore_count": prior["restore_count"] + arm.restore_count,
             # The checkpoint this session's arm actually loaded (the server's own load response).
             "loaded_checkpoint_uri": resp.path, "loaded_at_step": arm.steps_done,
             "optimizer_checks": list(prior["optimizer_checks"]) + [
                 {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
-    if check["mismatches"]:  # the brief: stop on mismatch
+    if check["mismatches"]:  # a restored optimizer that differs from the request stops the run
         raise OptimizerMismatch(f"{name}: optimizer mismatch after restore {check['after_restore']} "
                                   f"({path}): " + "; ".join(check["mismatches"]), name, prov, state_file)
     return client, prov
 
 
 def open_arms(service_client: tinker.ServiceClient, state: RunState, cfg: ComparisonConfig,
-               restoration: RestorationResult | None, bundle: EvidenceBundle, call: Callable) -> dict[str, Any]:
+               restoration: RestorationResult | None, bundle: EvidenceBundle,
+               call: Callable[[Callable[[], Restored]], Restored]) -> dict[str, tinker.TrainingClient]:
     """New run: the arms' clients the preflight loaded from the shared initial checkpoint (its
     observed load). Resume: each arm from the state every arm saved last (step 0: the shared
     initial checkpoint), with optimizer; each restore is one more restore_count and optimizer
@@ -64,12 +69,12 @@ def open_arms(service_client: tinker.ServiceClient, state: RunState, cfg: Compar
     if not state.resumed:
         assert restoration is not None
         return {a.name: restoration.clients[a.name] for a in cfg.arms}
-    clients, prov_arms = {}, {}
+    clients: dict[str, tinker.TrainingClient] = {}
+    prov_arms: JsonObject = {}
     ref = state_file_name(state, "open")
     for a in cfg.arms:
         path = state.arms[a.name].state_path or state.initial_checkpoint
-        clients[a.name], prov_arms[a.name] = call(
-            lambda n=a.name, p=path: restore_arm(service_client, state, cfg, n, p, ref))
+        clients[a.name], prov_arms[a.name] = call(partial(restore_arm, service_client, state, cfg, a.name, path, ref))
     bundle.register_json(ref, "manifest", state.to_json())
     bundle.update_result(initialization_provenance={"arms": prov_arms})
     return clients

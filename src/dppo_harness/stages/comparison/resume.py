@@ -19,12 +19,12 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.snapshots import snapshot_names
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
-from dppo_harness.stages.comparison.config import ComparisonError
+from dppo_harness.stages.comparison.config import ComparisonError, JsonObject
 from dppo_harness.stages.comparison.state import RunState, checkpoint_record_problems
 from dppo_harness.stages.gate import is_report_file
 
@@ -38,7 +38,7 @@ SETUP_BLOCKS = ("correctness_preflight", "initialization_provenance", "activatio
 class ReusedSetup:
     """What the resumed session took over (all of it hash-verified)."""
 
-    blocks: dict[str, Any]  # the setup result blocks, as the snapshot holds them
+    blocks: JsonObject  # the setup result blocks, as the snapshot holds them
     files: tuple[dict[str, Any], ...]  # {name, kind, sha256, size} registered again in this bundle
     manifest: str  # the resumed-from manifest's name in this bundle
     continued: dict[str, Any]  # the session continued: run_id, last snapshot name + sha256
@@ -53,7 +53,16 @@ def latest_snapshot(bundle: EvidenceBundle) -> dict[str, str] | None:
     return {"run_id": bundle.run_id, "name": names[-1], "sha256": entry["sha256"] if entry else ""}
 
 
-def _registry(run_dir: Path) -> dict[str, dict[str, Any]]:
+class RegisteredFile(TypedDict, total=False):
+    """One entry of a bundle's file registry (result.json `evidence.files`), as read back from disk."""
+
+    name: str
+    kind: str
+    sha256: str
+    size: int
+
+
+def _registry(run_dir: Path) -> dict[str, RegisteredFile]:
     result = json.loads((run_dir / RESULT_FILE).read_text())
     return {f["name"]: f for f in result["evidence"]["files"]}
 
@@ -64,7 +73,7 @@ def _last_snapshot_on_disk(run_dir: Path) -> dict[str, str] | None:
     return {"run_id": run_dir.name, "name": names[-1], "sha256": reg[names[-1]]["sha256"]} if names else None
 
 
-def _referenced_files(blocks: Mapping[str, Any]) -> Iterator[str]:
+def _referenced_files(blocks: JsonObject) -> Iterator[str]:
     for _, ref in iter_refs(dict(blocks)):
         values = ref if isinstance(ref, list) else [ref]
         for v in values:
@@ -145,7 +154,7 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> ReusedSetup:
     if not dirs:
         raise _refuse(state.run_id, "the saved state names no earlier session to continue")
     snap = state.setup_snapshot
-    blocks: dict[str, Any] = {}
+    blocks: JsonObject = {}
     files: list[dict[str, Any]] = []
     if snap is not None:
         setup_dir = next((d for d in dirs if d.name == snap["run_id"]), None)

@@ -21,8 +21,15 @@ from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityPolicy
 from dppo_harness.stages.comparison import run_steps
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, Schedule, comparison_config
+from dppo_harness.stages.comparison.config import (
+    ArmOrder,
+    ComparisonConfig,
+    ComparisonError,
+    JsonObject,
+    comparison_config,
+)
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
+from dppo_harness.stages.comparison.step_rows import StepRowJson
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 
 if TYPE_CHECKING:
@@ -43,6 +50,8 @@ EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} {data
 def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
     """Why the evaluator scores a subset, in words that fit the run: a rehearsal plan's declared
     size (the CPU named only when the embedded server computes), else the spec's own n_examples."""
+    if plan.run is None:
+        raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
     if plan.kind != "rehearsal":
         return EVAL_STATED_REASON.format(n=n, dataset=plan.run.dataset)
     return EVAL_SUBSET_REASON.format(n=n, dataset=plan.run.dataset) + (EVAL_SUBSET_EMBEDDED if embedded else "")
@@ -52,15 +61,15 @@ def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
 class ComparisonResult:
     config: ComparisonConfig
     run_id: str  # the run whose state this continues (== this bundle's run id unless resumed)
-    rows: tuple[dict[str, Any], ...]
+    rows: tuple[StepRowJson, ...]
     steps_completed: int
     training_seconds: float
     schedule: str
     stopped: str | None
-    capacity_block: dict[str, Any] | None
-    scores: tuple[dict[str, Any], ...] = ()
-    decision: dict[str, Any] | None = None
-    final: dict[str, Any] = field(default_factory=dict)  # status, verdict, outcome_reason
+    capacity_block: JsonObject | None
+    scores: tuple[JsonObject, ...] = ()
+    decision: JsonObject | None = None
+    final: JsonObject = field(default_factory=dict)  # status, verdict, outcome_reason
     files: tuple[str, ...] = ()
 
 
@@ -97,7 +106,7 @@ def run_comparison(
     backend: str,
     state_root: Path,
     resume_run_id: str | None = None,
-    schedule: Schedule = "interleaved",
+    schedule: ArmOrder = "interleaved",
     save_every: int = 1,
     capacity_policy: CapacityPolicy | None = None,
     registry: ClientRegistry | None = None,
@@ -137,17 +146,18 @@ def run_comparison(
                                                           guard=guard)
         files = run_steps.register_training_end(session, outcome, schedule=schedule, schedule_source=schedule_source,
                                                 guard=guard)
-        base = dict(config=cfg, run_id=state.run_id, rows=tuple(state.rows), steps_completed=outcome.steps_completed,
-                    training_seconds=outcome.wall_seconds, schedule=schedule, stopped=outcome.stopped)
+        def result(final: JsonObject, scores: tuple[JsonObject, ...] = (),
+                   decision: JsonObject | None = None) -> ComparisonResult:
+            return ComparisonResult(cfg, state.run_id, tuple(state.rows), outcome.steps_completed, outcome.wall_seconds,
+                                    schedule, outcome.stopped, capacity_block, scores, decision, final, tuple(files))
+
         if outcome.stopped is not None:
-            final = run_steps.stopped_final(plan, bundle, cfg, outcome, capacity_block)
-            return ComparisonResult(**base, capacity_block=capacity_block, final=final, files=tuple(files))
+            return result(run_steps.stopped_final(plan, bundle, cfg, outcome, capacity_block))
         scores, decision, eval_files = evaluate_and_decide(service_client, cfg, state, evaluator, bundle, rehearsal,
                                                            progress, base_model or cfg.base_model)
         files += eval_files
         resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
-        files += list(report.write_comparison_report(bundle, state.rows, scores, decision, backend,
+        files += list(report.write_comparison_report(bundle, list(state.rows), list(scores), decision, backend,
                                                      max_tokens=cfg.max_tokens, resume=resume).values())
-        final = run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal)
-        return ComparisonResult(**base, capacity_block=None, scores=tuple(scores), decision=decision, final=final,
-                                files=tuple(files))
+        return result(run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal),
+                      tuple(scores), decision)

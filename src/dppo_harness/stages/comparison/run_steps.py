@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
@@ -24,13 +24,20 @@ from dppo_harness.service.capacity import call_with_capacity_retry, error_text
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityExhausted, CapacityPolicy, CapacityTracker, ServiceStopped
 from dppo_harness.stages.comparison.arms import ArmRunner, TrainingOutcome, make_runners, train_arms
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch, Schedule
+from dppo_harness.stages.comparison.config import (
+    ArmOrder,
+    ComparisonConfig,
+    ComparisonError,
+    JsonObject,
+    OptimizerMismatch,
+)
 from dppo_harness.stages.comparison.restore import open_arms, restore_arm
 from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
     ArmState,
     RunState,
+    StepRetry,
     code_revision,
     hold_run_lock,
     load_owned_state,
@@ -39,7 +46,7 @@ from dppo_harness.stages.comparison.state import (
     state_file_name,
     state_path,
 )
-from dppo_harness.stages.comparison.step_rows import arm_summary, jsonl
+from dppo_harness.stages.comparison.step_rows import StepRowJson, arm_summary, jsonl
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 
 if TYPE_CHECKING:
@@ -49,6 +56,7 @@ if TYPE_CHECKING:
     from dppo_harness.plans import Plan
     from dppo_harness.stages.restoration import RestorationResult
 
+T = TypeVar("T")
 
 
 def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, evaluator_id: str,
@@ -82,7 +90,7 @@ def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, eva
     return state
 
 
-def setup_provenance(restoration: RestorationResult, cfg: ComparisonConfig) -> dict[str, Any]:
+def setup_provenance(restoration: RestorationResult, cfg: ComparisonConfig) -> JsonObject:
     """Per arm, what the preflight's load counted (later restores count on from it)."""
     return {a.name: {k: restoration.provenance["arms"][a.name][k] for k in ("restore_count", "optimizer_checks")}
             for a in cfg.arms}
@@ -131,8 +139,8 @@ def register_cookbook_metrics(bundle: EvidenceBundle, state: RunState, mlog: coo
     return names
 
 
-def finalize_arm(client: Any, arm: str, state: RunState, bundle: EvidenceBundle,
-                  by_arm: Mapping[str, list[dict[str, Any]]], tag: str) -> None:
+def finalize_arm(client: tinker.TrainingClient, arm: str, state: RunState, bundle: EvidenceBundle,
+                 by_arm: Mapping[str, list[StepRowJson]], tag: str) -> None:
     """After an arm's last step: final sampler weights + state, checkpoint URI, completed_arms, metrics."""
     s = state.arms[arm]
     s.final_sampler = client.save_weights_for_sampler(f"{tag}-{state.run_id}-{arm}-final").result().path
@@ -170,8 +178,8 @@ class RunSession:
     progress: Callable[[str], None]
     capacity_policy: CapacityPolicy | None = None
     registry: ClientRegistry | None = None
-    clients: dict[str, Any] = field(default_factory=dict)
-    by_arm: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    clients: dict[str, tinker.TrainingClient] = field(default_factory=dict)
+    by_arm: dict[str, list[StepRowJson]] = field(default_factory=dict)
     restores_left: int = -1  # mid-step restore states the budget keeps slots for (-1: per arm, set on first use)
 
     def _restore_slots_left(self) -> int:
@@ -179,12 +187,12 @@ class RunSession:
             self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.cfg.arms)
         return self.restores_left
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], T]) -> T:
         return call_with_capacity_retry(fn, policy=self.capacity_policy or CapacityPolicy(),
                                                 steps_completed=self.tracker, registry=self.registry,
                                                 on_retry=self.tracker.events.append)
 
-    def restore_mid_step(self, runner: ArmRunner, path: str, failure: dict[str, Any]) -> ArmRunner:
+    def restore_mid_step(self, runner: ArmRunner, path: str, failure: StepRetry) -> ArmRunner:
         """A refused attempt sent updates: back to the step's start before the retry (inside `call`)."""
         name = runner.spec.name
         self.progress(f"[comparison] {name} step {failure['step'] + 1}: refused after "
@@ -208,7 +216,7 @@ class RunSession:
         return runner.client.save_state(
             f"{self.tag}-{state.run_id}-{runner.spec.name}-step{steps_done}-r{state.resumed}").result().path
 
-    def on_row(self, row: dict[str, Any]) -> None:
+    def on_row(self, row: StepRowJson) -> None:
         """A committed arm-step: state saved, metrics logged and posted, a common save registered
         with a snapshot, the capacity window widened, the arm finalized after its last step."""
         state, cfg, bundle = self.state, self.cfg, self.bundle
@@ -252,7 +260,7 @@ def open_session(service_client: tinker.ServiceClient, plan: Plan, bundle: Evide
                       progress, capacity_policy, registry)
 
 
-def register_run_manifest(session: RunSession, plan: Plan, *, schedule: Schedule, schedule_source: str,
+def register_run_manifest(session: RunSession, plan: Plan, *, schedule: ArmOrder, schedule_source: str,
                           rehearsal: bool, evaluator_id: str) -> None:
     """`comparison-run-N.json`: the run, its sessions and resumes, schedule, state file, evaluator,
     code revision, plan, config and where the cookbook metrics are; a rehearsal says what it tests."""
@@ -271,7 +279,7 @@ def register_run_manifest(session: RunSession, plan: Plan, *, schedule: Schedule
             f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"))
 
 
-def _stopped(session: RunSession, schedule: Schedule, exc: Exception) -> TrainingOutcome:
+def _stopped(session: RunSession, schedule: ArmOrder, exc: Exception) -> TrainingOutcome:
     """Never a crash mid-run: the stop's reason, with the check that stopped it posted when it is
     an optimizer mismatch (and the run state its check references registered)."""
     bundle, state = session.bundle, session.state
@@ -284,16 +292,16 @@ def _stopped(session: RunSession, schedule: Schedule, exc: Exception) -> Trainin
     return TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule, reason)
 
 
-def train_session(session: RunSession, restoration: RestorationResult | None, *, schedule: Schedule,
+def train_session(session: RunSession, restoration: RestorationResult | None, *, schedule: ArmOrder,
                   stop_after: Callable[[int], None] | None, guard: WallGuard | None,
-                  ) -> tuple[TrainingOutcome, dict[str, Any] | None]:
+                  ) -> tuple[TrainingOutcome, JsonObject | None]:
     """Open the arms and train them to the end or a stop: (outcome, capacity block if capacity
     stopped it). The metrics log is closed either way."""
     state, cfg = session.state, session.cfg
     train = dataset.get(cfg.dataset).load_split("train", seed=cfg.arms[0].seed)
     renderer = tokenizer.make_renderer().renderer
     session.by_arm = {a.name: [r for r in state.rows if r["arm"] == a.name] for a in cfg.arms}
-    capacity_block = None
+    capacity_block: JsonObject | None = None
     try:
         session.clients.update(open_arms(session.service_client, state, cfg, restoration, session.bundle, session.call))
         state.save(session.spath)
@@ -317,7 +325,7 @@ def train_session(session: RunSession, restoration: RestorationResult | None, *,
     return outcome, capacity_block
 
 
-def register_training_end(session: RunSession, outcome: TrainingOutcome, *, schedule: Schedule,
+def register_training_end(session: RunSession, outcome: TrainingOutcome, *, schedule: ArmOrder,
                           schedule_source: str, guard: WallGuard | None) -> list[str]:
     """After training, stopped or not: state saved, steps JSONL, the arms' metrics logs and the
     end state (with the training's schedule, stop and wall guard) registered; their names."""
@@ -334,10 +342,10 @@ def register_training_end(session: RunSession, outcome: TrainingOutcome, *, sche
 
 
 def stopped_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
-                  capacity_block: dict[str, Any] | None) -> dict[str, Any]:
+                  capacity_block: JsonObject | None) -> JsonObject:
     """The final of a run that stopped before every arm finished: failed, nothing compared."""
     stopped = outcome.stopped or ""
-    final = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
+    final: JsonObject = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
              "summary": (f"The paired comparison under {plan.name} stopped after {outcome.steps_completed} of "
                          f"{cfg.steps} rollout steps per arm, before evaluation, so nothing was compared: "
                          + stopped.replace(". ", "; ").rstrip(".") + ".")}
@@ -350,8 +358,8 @@ def stopped_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, out
 
 
 def succeeded_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
-                    scores: list[dict[str, Any]], decision: Mapping[str, Any], *, rehearsal: bool) -> dict[str, Any]:
-    """The final of a finished run: at most two plain sentences (the brief's output shape); the
+                    scores: list[JsonObject], decision: Mapping[str, Any], *, rehearsal: bool) -> JsonObject:
+    """The final of a finished run: at most two plain sentences (the result's `final` shape); the
     details are in report.md."""
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
     diffs = "; ".join(f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "

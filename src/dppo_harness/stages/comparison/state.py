@@ -11,16 +11,27 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import dppo_harness
 from dppo_harness.evidence.errors import UnwritableEvidenceError
 from dppo_harness.evidence.files import atomic_write, unwritable_line
 from dppo_harness.evidence.provenance import package_files_sha256
-from dppo_harness.stages.comparison.config import ComparisonError
+from dppo_harness.stages.comparison.config import ComparisonError, JsonObject
+from dppo_harness.stages.comparison.step_rows import StepRowJson
 
 STEPS_FILE = "comparison-steps.jsonl"
 STATE_FILE = "comparison-state.json"
+
+
+class StepRetry(TypedDict):
+    """One refused attempt at an arm-step (`arms.GuardedArmStep`), as the arm's `step_retries` keeps it."""
+
+    step: int
+    attempt: int
+    error: str  # exception type and message, at most 500 characters
+    updates_sent_before_failure: int
+    restored_from: str | None  # the step-start state restored before the next attempt
 
 
 def code_revision(package_dir: Path | None = None) -> str:
@@ -42,7 +53,7 @@ class ArmState:
     optimizer_checks: list[dict[str, Any]] = field(default_factory=list)
     final_sampler: str | None = None
     final_state: str | None = None
-    step_retries: list[dict[str, Any]] = field(default_factory=list)  # refused attempts, see GuardedArmStep
+    step_retries: list[StepRetry] = field(default_factory=list)  # refused attempts, see GuardedArmStep
     # str(steps_done) -> checkpoint_record_sha256 of that save, taken when it was saved
     save_hashes: dict[str, str] = field(default_factory=dict)
 
@@ -85,7 +96,7 @@ class RunState:
     code_revision: str
     initial_checkpoint: str
     arms: dict[str, ArmState]
-    rows: list[dict[str, Any]] = field(default_factory=list)  # every completed arm-step, in order
+    rows: list[StepRowJson] = field(default_factory=list)  # every completed arm-step, in order
     resumed: int = 0
     # Every session that worked on this run, in order: {"run_id", "dir"} of its evidence bundle.
     sessions: list[dict[str, str]] = field(default_factory=list)
@@ -95,7 +106,7 @@ class RunState:
     setup_provenance: dict[str, Any] = field(default_factory=dict)
     resumes: list[dict[str, Any]] = field(default_factory=list)  # per resume: session, from_step, continued
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {**{k: v for k, v in asdict(self).items() if k != "arms"},
                 "arms": {a: asdict(s) for a, s in self.arms.items()}}
 

@@ -1,14 +1,16 @@
-"""One row per arm-step (pure): the batch's reward and format, the loss-rule fractions of the
-step's updates (the rule an arm does not train with labelled counterfactual), drift tails,
-timings; what a resumed run must reproduce of them; the per-arm summary `metrics.arms` posts;
-the terminal line of a committed step; the rows as JSONL."""
+"""One row per arm-step (pure): the `StepRow` record (the batch's reward and format, the loss-rule
+fractions of the step's updates, each a `RuleFraction` whose `counterfactual` says the arm does not
+train with that rule, drift tails, timings), its JSONL form `StepRowJson` and `fraction`, the one
+decoder of a fraction's label; what a resumed run must reproduce of a row; the per-arm summary
+`metrics.arms` posts; the terminal line of a committed step; the rows as JSONL."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Required, TypedDict
 
 import numpy as np
 
@@ -20,9 +22,10 @@ from dppo_harness.loss import losses
 def fraction_label(name: str, *, trained: bool) -> str:
     """A loss-rule metric's name in an arm's rows: the rule the arm does not train with is counted
     counterfactually on the arm's own tensors, and its name says so."""
-    return name if trained else f"counterfactual_{name}"
+    return name if trained else f"{COUNTERFACTUAL_PREFIX}{name}"
 
 
+COUNTERFACTUAL_PREFIX = "counterfactual_"
 # A row's loss-rule fractions -> the loss-call statistic each is computed from (every loss call
 # counts both rules on its tensors, whichever loss it trains with).
 FRACTION_SOURCES = {"dppo_masked_frac": "dppo/removed", "last_update_masked_frac": "dppo/masked_frac_loss_tokens",
@@ -36,60 +39,210 @@ def fraction_names(loss: str) -> dict[str, str]:
     return {base: fraction_label(base, trained=source in own) for base, source in FRACTION_SOURCES.items()}
 
 
-def labelled(row: Mapping[str, Any], base: str) -> tuple[str, Any]:
-    """(key, value) of a loss-rule fraction in a row, whichever label it carries."""
-    for key in (base, f"counterfactual_{base}"):
-        if key in row:
-            return key, row[key]
+@dataclass(frozen=True)
+class RuleFraction:
+    """One loss-rule fraction of an arm-step; `counterfactual`: the arm does not train with the rule
+    (counted on its own tensors, it removed nothing from its gradient)."""
+
+    value: float
+    counterfactual: bool
+
+    def key(self, base: str) -> str:
+        """The row's key for this fraction (`fraction_label`)."""
+        return fraction_label(base, trained=not self.counterfactual)
+
+
+def fraction(row: StepRowJson, base: str) -> RuleFraction:
+    """A loss-rule fraction of a step row (as written to the JSONL), whichever label it carries:
+    the one decoder of the `counterfactual_` key prefix."""
+    fields: Mapping[str, object] = row  # the label is chosen at run time
+    for counterfactual in (False, True):
+        key = fraction_label(base, trained=not counterfactual)
+        if key in fields:
+            value = fields[key]
+            if not isinstance(value, (int, float)):
+                raise TypeError(f"step row {key}: {value!r} is not a number")
+            return RuleFraction(float(value), counterfactual)
     raise KeyError(base)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One arm-step (`step_metrics`): the batch's reward, format and yield, the loss-rule fractions of
+    its updates, the drift tails of its last update, its sizes and timings. `as_row` is the JSONL
+    object: key order and labels as the comparison has always written them."""
+
+    arm: str
+    step: int
+    loss: str  # the arm's registered loss name
+    reward_mean: float
+    format_rate: float
+    correct_rate: float
+    truncated_frac: float
+    no_answer_frac: float
+    mean_response_tokens: float
+    responses: int
+    max_tokens: int
+    dppo_masked_frac: RuleFraction  # pooled over the step's updates by loss tokens
+    ppo_clip_frac: RuleFraction
+    last_update_masked_frac: RuleFraction
+    last_update_clip_frac: RuleFraction
+    drift_abs_p90: float
+    drift_abs_p99: float
+    drift_abs_max: float
+    loss_tokens: int
+    response_tokens: int
+    updates: int
+    seconds: float
+    sample_seconds: float
+    sampler_checkpoint: str
+    kl: dict[str, float] = field(default_factory=dict)  # row key (cookbook_metrics.ROW_KL_KEYS) -> value
+    rollout_seconds: float | None = None
+    cookbook_env: dict[str, float] | None = None
+
+    def as_row(self) -> StepRowJson:
+        row: StepRowJson = {
+            "arm": self.arm, "step": self.step, "loss": self.loss, "reward_mean": self.reward_mean,
+            "format_rate": self.format_rate, "correct_rate": self.correct_rate, "truncated_frac": self.truncated_frac,
+            "no_answer_frac": self.no_answer_frac, "mean_response_tokens": self.mean_response_tokens,
+            "responses": self.responses, "max_tokens": self.max_tokens,
+        }
+        if self.dppo_masked_frac.counterfactual:
+            row["counterfactual_dppo_masked_frac"] = self.dppo_masked_frac.value
+        else:
+            row["dppo_masked_frac"] = self.dppo_masked_frac.value
+        if self.ppo_clip_frac.counterfactual:
+            row["counterfactual_ppo_clip_frac"] = self.ppo_clip_frac.value
+        else:
+            row["ppo_clip_frac"] = self.ppo_clip_frac.value
+        if self.last_update_masked_frac.counterfactual:
+            row["counterfactual_last_update_masked_frac"] = self.last_update_masked_frac.value
+        else:
+            row["last_update_masked_frac"] = self.last_update_masked_frac.value
+        if self.last_update_clip_frac.counterfactual:
+            row["counterfactual_last_update_clip_frac"] = self.last_update_clip_frac.value
+        else:
+            row["last_update_clip_frac"] = self.last_update_clip_frac.value
+        row.update({"drift_abs_p90": self.drift_abs_p90, "drift_abs_p99": self.drift_abs_p99,
+                    "drift_abs_max": self.drift_abs_max, "loss_tokens": self.loss_tokens,
+                    "response_tokens": self.response_tokens, "updates": self.updates, "seconds": self.seconds,
+                    "sample_seconds": self.sample_seconds, "sampler_checkpoint": self.sampler_checkpoint})
+        for key, value in self.kl.items():  # in the order the step's KL metrics came
+            if key == "kl_sample_train_v1":
+                row["kl_sample_train_v1"] = value
+            elif key == "kl_sample_train_v2":
+                row["kl_sample_train_v2"] = value
+            elif key == "entropy":
+                row["entropy"] = value
+        if self.rollout_seconds is not None:
+            row["rollout_seconds"] = self.rollout_seconds
+        if self.cookbook_env is not None:
+            row["cookbook_env"] = dict(self.cookbook_env)
+        return row
+
+
+class StepRowJson(TypedDict, total=False):
+    """A step row as the JSONL and the run state hold it (`StepRow.as_row`, plus `retries` once
+    committed; a resumed run reads its rows back from the state file in this form). Each loss-rule
+    fraction is under its plain or its `counterfactual_` key (`fraction` decodes it)."""
+
+    arm: Required[str]
+    step: Required[int]
+    loss: str
+    reward_mean: float
+    format_rate: float
+    correct_rate: float
+    truncated_frac: float
+    no_answer_frac: float
+    mean_response_tokens: float
+    responses: int
+    max_tokens: int
+    dppo_masked_frac: float
+    counterfactual_dppo_masked_frac: float
+    ppo_clip_frac: float
+    counterfactual_ppo_clip_frac: float
+    last_update_masked_frac: float
+    counterfactual_last_update_masked_frac: float
+    last_update_clip_frac: float
+    counterfactual_last_update_clip_frac: float
+    drift_abs_p90: float
+    drift_abs_p99: float
+    drift_abs_max: float
+    loss_tokens: int
+    response_tokens: int
+    updates: int
+    seconds: float
+    sample_seconds: float
+    sampler_checkpoint: str
+    kl_sample_train_v1: float
+    kl_sample_train_v2: float
+    entropy: float
+    rollout_seconds: float
+    cookbook_env: dict[str, float]
+    retries: int
 
 
 def step_metrics(arm: str, step: int, summary: Mapping[str, Any], records: Sequence[ins.LossCallRecord],
                  *, loss: str, seconds: float, sample_seconds: float, sampler_checkpoint: str,
                  kl: Mapping[str, float] | None = None, cookbook_env: Mapping[str, float] | None = None,
-                 rollout_seconds: float | None = None) -> dict[str, Any]:
+                 rollout_seconds: float | None = None) -> StepRow:
     """One arm-step row: reward/format/truncation from the batch, loss metrics of the step's minibatch
     updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate).
 
     `loss` is the arm's registered loss name. A rule the loss does not train with (the GRPO arm's
-    DPPO mask, the DPPO arm's PPO clip) is a counterfactual count on the same tensors: its keys
-    start with `counterfactual_` (`fraction_names`). `kl` is the
+    DPPO mask, the DPPO arm's PPO clip) is a counterfactual count on the same tensors
+    (`RuleFraction.counterfactual`; its JSONL key starts with `counterfactual_`). `kl` is the
     cookbook's `compute_kl_sample_train` of the step (`cookbook_metrics.kl_sample_train`)."""
     sums = {k: int(sum(r.stats[k] for r in records)) for k in ("tokens/loss", "dppo/removed", "ppo/clipped")}
     last = records[-1].stats if records else {}
     den = sums["tokens/loss"]
-    names = fraction_names(loss)
-    row: dict[str, Any] = {
-        "arm": arm, "step": step, "loss": loss,
-        "reward_mean": float(summary["mean_reward"]), "format_rate": float(summary["frac_format"]),
-        "correct_rate": float(summary["frac_correct"]),
-        "truncated_frac": float(summary["frac_truncated"]), "no_answer_frac": float(summary["frac_no_answer"]),
-        "mean_response_tokens": float(summary["mean_response_tokens"]), "responses": int(summary["n_sequences"]),
-        "max_tokens": int(summary["config"]["max_tokens"]),
-        names["dppo_masked_frac"]: sums["dppo/removed"] / den if den else 0.0,
-        names["ppo_clip_frac"]: sums["ppo/clipped"] / den if den else 0.0,
-        names["last_update_masked_frac"]: float(last.get("dppo/masked_frac_loss_tokens", 0.0)),
-        names["last_update_clip_frac"]: float(last.get("ppo/clip_frac_loss_tokens", 0.0)),
-        "drift_abs_p90": float(last.get("drift/abs_p90", 0.0)), "drift_abs_p99": float(last.get("drift/abs_p99", 0.0)),
-        "drift_abs_max": float(last.get("drift/abs_max", 0.0)),
-        "loss_tokens": den, "response_tokens": int(summary["response_tokens"]), "updates": len(records),
-        "seconds": float(seconds), "sample_seconds": float(sample_seconds), "sampler_checkpoint": sampler_checkpoint,
-    }
-    row.update({cookbook_metrics.ROW_KL_KEYS[k]: float(v) for k, v in (kl or {}).items() if k in cookbook_metrics.ROW_KL_KEYS})
-    if rollout_seconds is not None:
-        row["rollout_seconds"] = float(rollout_seconds)
-    if cookbook_env is not None:
-        row["cookbook_env"] = {k: float(v) for k, v in cookbook_env.items()}
-    return row
+    own = set(losses.get_loss(loss).metric_names)
+
+    def rule(base: str, value: float) -> RuleFraction:
+        return RuleFraction(value, FRACTION_SOURCES[base] not in own)
+
+    return StepRow(
+        arm=arm, step=step, loss=loss, reward_mean=float(summary["mean_reward"]),
+        format_rate=float(summary["frac_format"]), correct_rate=float(summary["frac_correct"]),
+        truncated_frac=float(summary["frac_truncated"]), no_answer_frac=float(summary["frac_no_answer"]),
+        mean_response_tokens=float(summary["mean_response_tokens"]), responses=int(summary["n_sequences"]),
+        max_tokens=int(summary["config"]["max_tokens"]),
+        dppo_masked_frac=rule("dppo_masked_frac", sums["dppo/removed"] / den if den else 0.0),
+        ppo_clip_frac=rule("ppo_clip_frac", sums["ppo/clipped"] / den if den else 0.0),
+        last_update_masked_frac=rule("last_update_masked_frac", float(last.get("dppo/masked_frac_loss_tokens", 0.0))),
+        last_update_clip_frac=rule("last_update_clip_frac", float(last.get("ppo/clip_frac_loss_tokens", 0.0))),
+        drift_abs_p90=float(last.get("drift/abs_p90", 0.0)), drift_abs_p99=float(last.get("drift/abs_p99", 0.0)),
+        drift_abs_max=float(last.get("drift/abs_max", 0.0)), loss_tokens=den,
+        response_tokens=int(summary["response_tokens"]), updates=len(records), seconds=float(seconds),
+        sample_seconds=float(sample_seconds), sampler_checkpoint=sampler_checkpoint,
+        kl={cookbook_metrics.ROW_KL_KEYS[k]: float(v) for k, v in (kl or {}).items() if k in cookbook_metrics.ROW_KL_KEYS},
+        rollout_seconds=float(rollout_seconds) if rollout_seconds is not None else None,
+        cookbook_env={k: float(v) for k, v in cookbook_env.items()} if cookbook_env is not None else None,
+    )
 
 
 TIMING_KEYS = ("seconds", "sample_seconds", "rollout_seconds", "sampler_checkpoint", "retries")
 
 
-def comparable(row: Mapping[str, Any]) -> dict[str, Any]:
+def number(row: StepRowJson, key: str) -> float:
+    """A numeric field of a step row (read from the JSONL or the run state) as a float."""
+    fields: Mapping[str, object] = row  # the field is chosen at run time
+    value = fields[key]
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"step row {key}: {value!r} is not a number")
+    return float(value)
+
+
+def comparable(row: StepRowJson) -> StepRowJson:
     """A step row without wall times and paths (what must match between a resumed and an
-    uninterrupted run)."""
-    return {k: v for k, v in row.items() if k not in TIMING_KEYS}
+    uninterrupted run): `TIMING_KEYS` left out."""
+    out = row.copy()
+    out.pop("seconds", None)  # each of TIMING_KEYS, by name
+    out.pop("sample_seconds", None)
+    out.pop("rollout_seconds", None)
+    out.pop("sampler_checkpoint", None)
+    out.pop("retries", None)
+    return out
 
 
 # What the sampled tokens decide must match exactly between a resumed and an uninterrupted run;
@@ -100,16 +253,18 @@ TOKEN_FIELDS = ("reward_mean", "format_rate", "correct_rate", "response_tokens",
 RESUME_FLOAT_ATOL = 2e-3
 
 
-def row_differences(got: Mapping[str, Any], want: Mapping[str, Any], atol: float = RESUME_FLOAT_ATOL) -> list[str]:
+def row_differences(got_row: StepRowJson, want_row: StepRowJson, atol: float = RESUME_FLOAT_ATOL) -> list[str]:
     """Why two comparable step rows of the same arm and step differ (empty: they match)."""
+    got: Mapping[str, object] = got_row  # every field, by name
+    want: Mapping[str, object] = want_row
     where = f"{got['arm']} step {got['step']}"
     out = [f"{where}: {k} {got.get(k)!r} != {want.get(k)!r}" for k in TOKEN_FIELDS if got.get(k) != want.get(k)]
     out += [f"{where}: {k} {got[k]!r} vs {want[k]!r}" for k in sorted(set(want) - set(TOKEN_FIELDS) - {"arm", "step"})
-            if abs(float(got[k]) - float(want[k])) > atol]
+            if abs(number(got_row, k) - number(want_row, k)) > atol]
     return out
 
 
-def arm_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+def arm_summary(rows: Sequence[StepRowJson]) -> dict[str, float]:
     """`metrics.arms[arm]`: plain floats over the steps so far (loss-rule fractions keep their
     counterfactual label)."""
     if not rows:
@@ -122,32 +277,32 @@ def arm_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         "format_rate_last": float(last["format_rate"]),
     }
     for base in ("dppo_masked_frac", "ppo_clip_frac"):
-        key, _ = labelled(last, base)
-        out[f"{key}_mean"] = float(np.mean([labelled(r, base)[1] for r in rows]))
+        key = fraction(last, base).key(base)
+        out[f"{key}_mean"] = float(np.mean([fraction(r, base).value for r in rows]))
     out["drift_abs_p90_last"] = float(last["drift_abs_p90"])
     for key in ("truncated_frac", "no_answer_frac", "mean_response_tokens"):
         if all(key in r for r in rows):
-            out[f"{key}_last"] = float(last[key])
-            out[f"{key}_mean"] = float(np.mean([r[key] for r in rows]))
+            out[f"{key}_last"] = number(last, key)
+            out[f"{key}_mean"] = float(np.mean([number(r, key) for r in rows]))
     for key in ("kl_sample_train_v1", "kl_sample_train_v2", "entropy"):
         if key in last:
-            out[f"{key}_last"] = float(last[key])
+            out[f"{key}_last"] = number(last, key)
     out["loss_tokens_total"] = float(sum(r["loss_tokens"] for r in rows))
     out["train_seconds_total"] = float(sum(r["seconds"] for r in rows))
     return out
 
 
 
-def step_line(row: Mapping[str, Any], steps: int) -> str:
+def step_line(row: StepRowJson, steps: int) -> str:
     """The terminal line of one committed arm-step (a counterfactual fraction is labelled 'cf')."""
     parts = [f"[comparison] {row['arm']} step {row['step'] + 1}/{steps}: reward {row['reward_mean']:.3f}, "
              f"format {row['format_rate']:.2f}"]
     for base, short in (("dppo_masked_frac", "masked"), ("ppo_clip_frac", "clip")):
         try:
-            key, value = labelled(row, base)
+            f = fraction(row, base)
         except KeyError:
             continue
-        parts.append(f"{'cf ' if key.startswith('counterfactual_') else ''}{short} {value:.4g}")
+        parts.append(f"{'cf ' if f.counterfactual else ''}{short} {f.value:.4g}")
     if "truncated_frac" in row:
         parts.append(f"truncated {row['truncated_frac']:.2f}")
     parts.append(f"|p-q| q90 {row.get('drift_abs_p90', 0.0):.4g}, {row.get('seconds', 0.0):.1f}s")
@@ -155,7 +310,7 @@ def step_line(row: Mapping[str, Any], steps: int) -> str:
 
 
 
-def jsonl(rows: Sequence[Mapping[str, Any]]) -> bytes:
+def jsonl(rows: Sequence[StepRowJson]) -> bytes:
     return "".join(json.dumps(ins.nan_free(dict(r)), sort_keys=True) + "\n" for r in rows).encode()
 
 

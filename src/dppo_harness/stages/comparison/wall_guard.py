@@ -4,13 +4,32 @@ from the longest measured step, else from the feasibility pilot's figures."""
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
+
+from dppo_harness.stages.feasibility_projection import PilotFigures
 
 FINALIZE_RESERVE_S = 30.0  # final sampler weights + state per arm, evidence files
+
+
+class WallCheck(TypedDict):
+    """The guard's last check before a step, as the end state's `wall_guard` block writes it."""
+
+    step: int
+    seconds_left: float | None
+    projected_step_seconds: float | None
+    projection_source: str
+    reserve_seconds: float
+
+
+class WallGuardJson(TypedDict):
+    reserve_seconds: float
+    first_step_estimate_seconds: float | None
+    basis: str
+    step_seconds: list[float]
+    last_check: WallCheck | dict[str, float]  # {} before the first check
 
 
 @dataclass
@@ -29,7 +48,7 @@ class WallGuard:
     basis: str = ""
     clock: Callable[[], float] = time.perf_counter  # times each step
     step_seconds: list[float] = field(default_factory=list)
-    last_check: dict[str, Any] = field(default_factory=dict)
+    last_check: WallCheck | None = None
 
     def check(self, step: int) -> str | None:
         """None if step `step` (0-based) may start, else the one-line stop reason."""
@@ -48,30 +67,21 @@ class WallGuard:
                     f"and evaluate > {max(left, 0.0):.0f} s left of the plan's wall budget; stopped before it")
         return None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> WallGuardJson:
         return {"reserve_seconds": self.reserve_s, "first_step_estimate_seconds": self.first_step_estimate_s,
-                "basis": self.basis, "step_seconds": list(self.step_seconds), "last_check": dict(self.last_check)}
+                "basis": self.basis, "step_seconds": list(self.step_seconds),
+                "last_check": self.last_check.copy() if self.last_check is not None else {}}
 
 
-def wall_guard_from_feasibility(remaining: Callable[[], float | None], feasibility: Mapping[str, Any] | None,
+def wall_guard_from_feasibility(remaining: Callable[[], float | None], figures: PilotFigures,
                                 *, arms: int, eval_items: int) -> WallGuard:
     """A WallGuard whose first-step estimate and evaluation reserve come from the feasibility
     pilot's measured figures (an arm-step's seconds x arms, never assuming overlap is free; seconds
     per evaluation item x items x (arms + base model)); without them, only the finalize reserve."""
-    m = (feasibility or {}).get("measurements") or {}
-    tr, ev = m.get("training") or {}, m.get("evaluation") or {}
-
-    def per_unit(block: Mapping[str, Any]) -> float | None:
-        secs, units = block.get("seconds"), block.get("units")
-        if isinstance(secs, (int, float)) and isinstance(units, (int, float)) and units > 0 and math.isfinite(secs):
-            return float(secs) / float(units)
-        return None
-
-    arm_step, per_item = per_unit(tr), per_unit(ev)
+    arm_step, per_item = figures.arm_step_seconds, figures.eval_item_seconds
     reserve = FINALIZE_RESERVE_S + (per_item * eval_items * (arms + 1) if per_item is not None else 0.0)
     basis = ("feasibility pilot: " + (f"{arm_step:.1f} s per arm-step x {arms} arms" if arm_step else "no arm-step timing")
              + (f"; evaluation {per_item:.2f} s per item x {eval_items} items x {arms + 1} checkpoints"
                 if per_item is not None else "; no evaluation timing (reserve: finalize only)"))
     return WallGuard(remaining, reserve_s=reserve, first_step_estimate_s=arm_step * arms if arm_step else None,
                      basis=basis)
-

@@ -108,9 +108,9 @@ def analyse(
     loss_cfg = cfg.loss_config()
     second = [r for r in records if r.context.get("epoch") == 2]
     pooled = pool_calls(second, [ins.record_prob_diff(r, loss_cfg) for r in second]) if second else None
-    planned = [c.model_dump(exclude_none=True) for c in plan.diagnostic.analysis.criteria]
+    planned = plan.diagnostic.analysis.criteria
     criteria = evaluate_criteria(planned, pooled) if pooled else [
-        CriterionResult(c["id"], c["metric"], None, True, False, "missing: no second-epoch loss call", {})
+        CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {})
         for c in planned
     ]
     integrity = [p for r in records for p in ins.crosscheck_loss_metrics(r)]

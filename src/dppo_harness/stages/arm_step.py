@@ -1,0 +1,72 @@
+"""One arm-step, the unit the gate's pilot and the comparison's arms both train in: sample a fresh
+rollout batch from the client's current weights, then one recorded update per complete-group
+minibatch. The caller names the sampler, builds each update's record context and reads what the
+step reached from its `ArmStepProgress` (kept when a call fails part-way)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.train import train_step
+
+if TYPE_CHECKING:  # only types: the callers make the clients and the renderer
+    import tinker
+    from tinker_cookbook import renderers
+
+    from dppo_harness.data.gsm8k import Gsm8kItem
+
+# (1-based update in the batch, sampler path, datum indices of its minibatch) -> the loss call's context
+UpdateContext = Callable[[int, str, list[int]], Mapping[str, int | str]]
+Minibatches = Callable[[Sequence[int], int], list[list[int]]]
+
+
+@dataclass
+class ArmStepProgress:
+    """How far one arm-step got: its sampled batch, its minibatches once formed, the updates sent
+    (counted before each call: a refusal may come after the server applied it) and returned."""
+
+    sampled: rollout_batch.SampledStep | None = None
+    minibatches: list[list[int]] | None = None
+    updates_submitted: int = 0
+    updates_done: int = 0
+    records: list[ins.LossCallRecord] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ArmStepResult:
+    sampled: rollout_batch.SampledStep
+    records: list[ins.LossCallRecord]  # one per update, in order
+
+
+@dataclass(frozen=True)
+class ArmStepRun:
+    """What an arm-step trains with: its client, loss, optimizer and recorder."""
+
+    client: tinker.TrainingClient
+    loss_fn: train_step.LossFn
+    adam: tinker.AdamParams
+    recorder: ins.LossCallRecorder
+    updates_per_batch: int
+
+
+def run_arm_step(arm: ArmStepRun, items: Sequence[Gsm8kItem], renderer: renderers.Renderer,
+                 rollout_cfg: rollouts.RolloutConfig, *, sampler_name: str, context: UpdateContext,
+                 progress: ArmStepProgress | None = None,
+                 minibatches: Minibatches = train_step.prepare_minibatches) -> ArmStepResult:
+    """Sample `items` from `arm.client`'s current weights as `sampler_name`, then one recorded
+    update per minibatch of whole groups (`minibatches`); `progress` says how far it got."""
+    progress = progress if progress is not None else ArmStepProgress()
+    sampled = rollout_batch.sample_rollout_batch(arm.client, items, renderer, rollout_cfg, sampler_name=sampler_name)
+    progress.sampled = sampled
+    progress.minibatches = minibatches(sampled.group_of_datum, arm.updates_per_batch)
+    for u, idx in enumerate(progress.minibatches, start=1):
+        progress.updates_submitted += 1
+        record, _ = train_step.train_step(arm.client, [sampled.datums[i] for i in idx], arm.loss_fn, arm.adam,
+                                          arm.recorder, context(u, sampled.sampler_path, idx))
+        progress.records.append(record)
+        progress.updates_done += 1
+    return ArmStepResult(sampled, list(progress.records))
