@@ -33,7 +33,7 @@ from typing import TypedDict
 
 from pydantic import JsonValue
 
-JsonObject = dict[str, JsonValue]  # one JSON object: a row read back, or a block written to result.json
+from dppo_harness.json_types import JsonRecord
 
 
 class ObservationError(ValueError):
@@ -65,7 +65,7 @@ def paired_hoeffding(
     alpha: float = 0.05,
     margin: float = 0.0,
     bounds: tuple[float, float] = (0.0, 1.0),
-) -> JsonObject:
+) -> JsonRecord:
     """Interval and verdict for mean(treatment - baseline) over paired items."""
     if len(treatment) != len(baseline):
         raise ObservationError(f"{len(treatment)} treatment vs {len(baseline)} baseline values: not paired")
@@ -115,7 +115,7 @@ def _check_value(v: object, bounds: tuple[float, float], where: str) -> int | fl
 REQUIRED_KEYS = ("item_id", "arm", "metric", "value", "evaluator_id")
 
 
-def read_observations(path: Path) -> list[JsonObject]:
+def read_observations(path: Path) -> list[JsonRecord]:
     """JSONL rows, or a JSON array, or an object with ``observations``."""
     text = Path(path).read_text(encoding="utf-8")
     try:
@@ -127,7 +127,7 @@ def read_observations(path: Path) -> list[JsonObject]:
     if isinstance(obj, dict) and "observations" in obj:
         if not isinstance(obj["observations"], list):
             raise ObservationError(f"{path}: 'observations' must be a list")
-        listed: list[JsonObject] = obj["observations"]
+        listed: list[JsonRecord] = obj["observations"]
         return listed
     rows = []
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -203,7 +203,7 @@ def paired_hoeffding_from_rows(
     margin: float = 0.0,
     metric: str = "accuracy",
     bounds: tuple[float, float] = (0.0, 1.0),
-) -> JsonObject:
+) -> JsonRecord:
     paired = pair_observations(rows, treatment, baseline, metric)
     checked: dict[str, list[float]] = {}
     for arm in ("treatment", "baseline"):
@@ -302,7 +302,7 @@ def mcnemar_exact_p(b: int, c: int) -> float:
 
 def paired_binary_informational(
     rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
-) -> JsonObject:
+) -> JsonRecord:
     """The informational interval beside the decision: discordant pairs, Newcombe's paired interval
     for treatment minus baseline accuracy and the exact McNemar p-value. Values must be 0 or 1."""
     paired = pair_observations(rows, treatment, baseline, metric)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from dppo_harness.evidence.files import MAX_FILE_BYTES, MAX_FILES, MAX_TOTAL_BYTES
-from dppo_harness.evidence.json_types import JsonObject
+from dppo_harness.json_types import JsonObject
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan

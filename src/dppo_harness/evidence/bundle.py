@@ -42,7 +42,6 @@ from dppo_harness.evidence.files import (
     sidecar_files,
     unwritable_line,
 )
-from dppo_harness.evidence.json_types import JsonMap, JsonObject
 from dppo_harness.evidence.ledger import BudgetLedger
 from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
@@ -56,6 +55,7 @@ from dppo_harness.evidence.result import (
     unwritable_failure_state,
     validate_result,
 )
+from dppo_harness.json_types import JsonMap, JsonObject
 from dppo_harness.plans.models import DEVIATION_FIELDS
 from dppo_harness.service.secrets_scan import SecretLeakError, SecretScanner, scanner_for
 

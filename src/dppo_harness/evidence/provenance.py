@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dppo_harness.evidence.files import sha256_bytes
-from dppo_harness.evidence.json_types import JsonObject, JsonValue
+from dppo_harness.json_types import JsonObject, JsonValue
 
 
 def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dppo_harness.evidence.backend import Backend, backend_of, is_embedded
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
-from dppo_harness.evidence.json_types import JsonObject, JsonValue
+from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error
 
 STATUSES = ("running", "succeeded", "failed")

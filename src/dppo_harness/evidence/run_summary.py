@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dppo_harness.evidence.json_types import JsonMap, items, obj, objs
+from dppo_harness.json_types import JsonMap, items, obj, objs
 
 TITLE = "dppo-harness run summary"
 BASE_ARM = "base"  # comparison_eval.BASE_ARM: the base model's key under metrics.arms

@@ -13,8 +13,8 @@ from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
-from dppo_harness.evidence.json_types import JsonMap
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
+from dppo_harness.json_types import JsonMap
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle

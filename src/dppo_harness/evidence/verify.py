@@ -27,8 +27,8 @@ from dppo_harness.evidence.files import (
     sha256_bytes,
     sidecar_files,
 )
-from dppo_harness.evidence.json_types import JsonMap
 from dppo_harness.evidence.result import fmt_path, validate_result
+from dppo_harness.json_types import JsonMap
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
 _REF_KEYS = ("evidence_ref", "predictions_ref", "manifest_ref", "dataset_file", "evaluation_file", "audit_file")

@@ -30,6 +30,7 @@ from typing import TypedDict
 from pydantic import JsonValue
 
 from dppo_harness.constants import BASELINE_REVISION, REFERENCE_REVISION
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.correctness_golden import (
     CHECK_NAMES,
     DEFAULT_TOLERANCES,
@@ -46,7 +47,6 @@ from dppo_harness.service.secrets_scan import without_credentials
 
 PATH_ID = DEFAULT_PATH_ID  # the block's path when no spec names one (the CLI without --spec)
 _LOSSES_PY = Path(__file__).with_name("losses.py")
-JsonObject = dict[str, JsonValue]  # a spec or a written block as decoded: the validator checks every key
 
 
 class ValidatorRun(TypedDict):

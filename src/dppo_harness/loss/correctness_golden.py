@@ -23,9 +23,9 @@ from typing import TypedDict
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import JsonValue
 
 from dppo_harness.constants import LOG_RATIO_CLAMP_MAX
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.correctness_reference import (
     MODES,
     GoldenCase,
@@ -56,7 +56,6 @@ VERL_NO_DUAL_CLIP_C = 10000.0
 # Error measures
 
 Tolerances = Mapping[str, Mapping[str, float]]  # check name -> {atol, rtol, min_cosine}
-JsonObject = dict[str, JsonValue]
 
 
 class ErrorMeasures(TypedDict):

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry
 from dppo_harness.loss.correctness_paths import IMPLEMENTED_PATHS, implemented_list
-from dppo_harness.plans.models import ExperimentSpec, JsonObject, PlanError
+from dppo_harness.plans.models import ExperimentSpec, PlanError
 from dppo_harness.plans.prose import contexted_sentences, read_number
 
 

@@ -24,7 +24,6 @@ from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validat
 from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error, type_name
 
 PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
-JsonObject = dict[str, JsonValue]  # a decoded JSON object the plans package reads itself (a plan, a config)
 # A deviation's `field` is one of these (the structured output's deviation fields; no other is reported).
 DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
 _SHA256_PATTERN = r"^[0-9a-f]{64}$"

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Literal
 
-from dppo_harness.plans.models import JsonObject, PlanError
+from dppo_harness.json_types import JsonObject
+from dppo_harness.plans.models import PlanError
 
 Context = Literal["training", "evaluation", "history", "arm"]
 

@@ -25,7 +25,8 @@ from typing import Annotated
 
 from pydantic import Field, ValidationError, model_validator
 
-from dppo_harness.plans.models import JsonObject, Launch, NonEmptyStr, PlanError, _Model, decode
+from dppo_harness.json_types import JsonObject
+from dppo_harness.plans.models import Launch, NonEmptyStr, PlanError, _Model, decode
 from dppo_harness.plans.prose import KEYS, Settlement, Settlements
 from dppo_harness.plans.schema_errors import describe, rule_error
 

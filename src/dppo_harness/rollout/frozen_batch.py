@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, TypedDict
 import numpy as np
 import tinker
 
-from dppo_harness.data import JsonData, JsonObject
+from dppo_harness.json_types import JsonData, JsonRecord
 
 if TYPE_CHECKING:  # only the type: rollouts imports this module's neighbours at run time
     from dppo_harness.evidence.files import FileEntry
@@ -198,7 +198,7 @@ class FrozenBatch:
             response = np.flatnonzero(mask)
             # prompt length in tokens: positions before the first loss position, plus the first token
             prompt_lengths.append(int(response[0]) + 1 if response.size else T + 1)
-        meta: JsonObject = {
+        meta: JsonRecord = {
             "format_version": FORMAT_VERSION,
             "sampler_checkpoint": sampler_checkpoint,
             "sampler_version": sampler_version,
@@ -233,7 +233,7 @@ class FrozenBatch:
         group_ids = [batch.groups[m["group_idx"]].group_id for m in meta]
         item_ids = [batch.groups[m["group_idx"]].item.item_id for m in meta]
         summary = batch.summary()
-        info: JsonObject = {
+        info: JsonRecord = {
             "base_model": batch.base_model,
             "rollout_config": summary["config"],
             "stop": summary["stop"],
@@ -257,8 +257,8 @@ class FrozenBatch:
         return self._arrays[name]
 
     @property
-    def metadata(self) -> JsonObject:
-        loaded: JsonObject = json.loads(self._metadata_json)
+    def metadata(self) -> JsonRecord:
+        loaded: JsonRecord = json.loads(self._metadata_json)
         return loaded
 
     @property
@@ -350,9 +350,9 @@ class FrozenBatch:
         np.savez_compressed(buf, allow_pickle=False, **self._arrays)
         return buf.getvalue()
 
-    def manifest(self, npz_bytes: bytes | None = None) -> JsonObject:
+    def manifest(self, npz_bytes: bytes | None = None) -> JsonRecord:
         self.assert_intact()
-        m: JsonObject = {
+        m: JsonRecord = {
             "format_version": FORMAT_VERSION,
             "sha256": self._sha256,
             "fields": {

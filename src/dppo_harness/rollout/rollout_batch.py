@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dppo_harness.data import JsonData, JsonObject
+from dppo_harness.json_types import JsonData, JsonRecord
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
@@ -34,7 +34,7 @@ class SampledStep:
     group_of_datum: tuple[int, ...]  # group index of each datum (complete-group minibatches)
     seconds: float  # save for sampler + sampling + grading
 
-    def summary(self) -> JsonObject:
+    def summary(self) -> JsonRecord:
         return {**self.batch.summary(), "step_seconds": self.seconds}
 
 

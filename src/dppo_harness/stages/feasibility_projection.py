@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.losses import DPPO_LOSS
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan
 
 DEFAULT_RESERVE_FRACTION = 0.25
-JsonObject = dict[str, JsonValue]
 
 
 class FeasibilityError(RuntimeError):

@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import tinker
-from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.evidence.backend import backend_of, served_model
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_step
@@ -44,7 +44,6 @@ GATE_REPORT_FILE = "activation-gate-report.json"
 # One pilot step's row in the report: step, optimizer steps, whether its last update was recorded,
 # that update's loss-call statistics and the step's rollout yield.
 PilotStepRow = dict[str, float | int | bool]
-JsonObject = dict[str, JsonValue]
 
 # How each gate metric is measured in the pilot (written into the report); `{last}` is the
 # pilot's last minibatch update ("4th") and `{eps}` the clip eps its loss call counted with.

@@ -10,7 +10,6 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from dppo_harness.evidence.json_types import JsonMap, JsonObject, num, obj, objs
 from dppo_harness.evidence.report.plots import (
     COMPARISON_PLOTS,
     plot_accuracy_difference,
@@ -20,6 +19,7 @@ from dppo_harness.evidence.report.plots import (
 )
 from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
 from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct
+from dppo_harness.json_types import JsonMap, JsonObject, num, obj, objs
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle

@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from dppo_harness.evidence.backend import backend_of, report_lines
-from dppo_harness.evidence.json_types import JsonMap, items, num, obj, objs
 from dppo_harness.evidence.report.plots import PLOTS, make_plots
 from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt
+from dppo_harness.json_types import JsonMap, items, num, obj, objs
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle

@@ -14,9 +14,9 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dppo_harness.evidence.json_types import JsonMap, items, num, obj, objs
 from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.json_types import JsonMap, items, num, obj, objs
 
 PLOTS = {
     "drift_tails": "diagnostic-drift-tails.png",

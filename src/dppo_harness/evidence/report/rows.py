@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dppo_harness.evidence.json_types import JsonMap, num
+from dppo_harness.json_types import JsonMap, num
 
 
 def rows_by_arm(rows: Sequence[JsonMap]) -> dict[str, list[JsonMap]]:

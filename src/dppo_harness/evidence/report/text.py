@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dppo_harness.evidence.json_types import JsonMap, JsonValue, num, obj
+from dppo_harness.json_types import JsonMap, JsonValue, num, obj
 
 REPORT_FILE = "report.md"
 

@@ -13,6 +13,7 @@ import pydantic
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.local_server.errors import UserError
 
 if TYPE_CHECKING:
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 API = "/api/v1"
 
 RequestT = TypeVar("RequestT", bound=pydantic.BaseModel)
-JsonObject = dict[str, pydantic.JsonValue]  # a JSON object as sent or received
 
 _PB_TO_NP = {
     pb.DTYPE_FLOAT32: np.float32,

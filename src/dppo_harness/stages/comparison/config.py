@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 
 
 # A JSON object the comparison passes on as written (scores, the decision, provenance blocks).
-JsonObject = dict[str, JsonValue]
 MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY  # each arm's state is saved at least every 10 steps
 # How the arms take each step: one after the other on one thread, or at once on their own clients.
 ArmOrder = Literal["interleaved", "concurrent"]

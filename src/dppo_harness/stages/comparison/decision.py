@@ -14,13 +14,13 @@ from pydantic import JsonValue
 
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evaluation import stats
+from dppo_harness.json_types import JsonObject
 
 if TYPE_CHECKING:
     from dppo_harness.plans import CriterionConfig
 
 # One scored observation (a line of the observations file: item, arm, metric values), as JSON.
 Observation = dict[str, JsonValue]
-JsonObject = dict[str, JsonValue]
 OBSERVATIONS_FILE = "scored-observations.jsonl"
 DECISION_FILE = "comparison-decision.json"
 

@@ -18,8 +18,9 @@ from pydantic import JsonValue
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence.progress import Ticker
+from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison import decision as comparison_decision
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, JsonObject
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError
 from dppo_harness.stages.comparison.state import RunState
 
 if TYPE_CHECKING:

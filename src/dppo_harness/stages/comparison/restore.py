@@ -9,7 +9,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, JsonObject, OptimizerMismatch
+from dppo_harness.json_types import JsonObject
+from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch
 from dppo_harness.stages.comparison.state import RunState, state_file_name
 from dppo_harness.train.clients import create_from_state_observed, dump_response
 from dppo_harness.train.optimizer_checks import optimizer_check

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.snapshots import snapshot_names
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
-from dppo_harness.stages.comparison.config import ComparisonError, JsonObject
+from dppo_harness.json_types import JsonObject
+from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import RunState, checkpoint_record_problems
 from dppo_harness.stages.gate import is_report_file
 

@@ -17,7 +17,8 @@ import dppo_harness
 from dppo_harness.evidence.errors import UnwritableEvidenceError
 from dppo_harness.evidence.files import atomic_write, unwritable_line
 from dppo_harness.evidence.provenance import package_files_sha256
-from dppo_harness.stages.comparison.config import ComparisonError, JsonObject
+from dppo_harness.json_types import JsonObject
+from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.step_rows import StepRowJson
 
 STEPS_FILE = "comparison-steps.jsonl"

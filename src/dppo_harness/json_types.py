@@ -1,16 +1,21 @@
-"""JSON of the evidence files as types: objects the harness records as they are, and the narrowing a
-reader applies to one value (`num`, `obj`, `objs`, `items`: a wrong shape raises TypeError)."""
+"""JSON as types, one name each for every package: `JsonValue` (pydantic's), `JsonObject` (one object
+as built or decoded), `JsonMap` (one object as a reader sees it), `JsonData` and `JsonRecord` (what a writer accepts and builds), and the narrowing a reader applies to
+one value (`num`, `obj`, `objs`, `items`: a wrong shape raises TypeError)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias
 
 from pydantic import JsonValue
 
 JsonObject = dict[str, JsonValue]
-JsonMap = Mapping[str, JsonValue]  # one JSON object of the evidence, as a reader sees it
+# What a writer of JSON accepts: read-only containers, so a `dict[str, list[int]]` is JSON data too.
+JsonData: TypeAlias = Mapping[str, "JsonData"] | Sequence["JsonData"] | str | int | float | None
+JsonRecord: TypeAlias = dict[str, JsonData]  # one object a writer builds from such parts
+JsonMap = Mapping[str, JsonValue]
 
-__all__ = ["JsonMap", "JsonObject", "JsonValue", "items", "num", "obj", "objs"]
+__all__ = ["JsonData", "JsonMap", "JsonObject", "JsonRecord", "JsonValue", "items", "num", "obj", "objs"]
 
 
 def num(x: JsonValue) -> float:
