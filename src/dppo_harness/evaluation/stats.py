@@ -33,7 +33,7 @@ from typing import TypedDict
 
 from pydantic import JsonValue
 
-from dppo_harness.json_types import JsonRecord
+from dppo_harness.json_types import JsonData, JsonRecord
 
 
 class ObservationError(ValueError):
@@ -156,7 +156,7 @@ class PairedObservations:
 
 
 def pair_observations(
-    rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, metric: str = "accuracy"
+    rows: Iterable[Mapping[str, JsonData]], treatment: str, baseline: str, metric: str = "accuracy"
 ) -> PairedObservations:
     """Match treatment and baseline rows on (item_id, seed); refuse duplicates and unpaired items."""
     if treatment == baseline:
@@ -195,7 +195,7 @@ def pair_observations(
 
 
 def paired_hoeffding_from_rows(
-    rows: Iterable[Mapping[str, JsonValue]],
+    rows: Iterable[Mapping[str, JsonData]],
     treatment: str,
     baseline: str,
     *,
@@ -301,7 +301,7 @@ def mcnemar_exact_p(b: int, c: int) -> float:
 
 
 def paired_binary_informational(
-    rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
+    rows: Iterable[Mapping[str, JsonData]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
 ) -> JsonRecord:
     """The informational interval beside the decision: discordant pairs, Newcombe's paired interval
     for treatment minus baseline accuracy and the exact McNemar p-value. Values must be 0 or 1."""

@@ -10,6 +10,7 @@ tool), `launch` (what a launch authorizes on a real service), `plan` (`Plan`, `l
 `python -m dppo_harness.plans {validate,rehearse}`.
 """
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.plans.launch import refusal as launch_refusal
 from dppo_harness.plans.launch import unauthorized_stages
 from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refusal
@@ -18,7 +19,6 @@ from dppo_harness.plans.models import (
     DEVIATION_FIELDS,
     DiagnosticSchedule,
     ExperimentSpec,
-    JsonObject,
     Launch,
     PlanError,
     PlanKind,

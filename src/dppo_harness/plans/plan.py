@@ -21,13 +21,13 @@ from pydantic import BaseModel, JsonValue, ValidationError
 
 from dppo_harness import constants
 from dppo_harness.data import dataset
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import (
     DEVIATION_FIELDS,
     MODELS,
     BoundedDiagnostic,
     ExperimentSpec,
-    JsonObject,
     Launch,
     PlanError,
     PlanKind,

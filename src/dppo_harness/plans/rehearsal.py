@@ -22,10 +22,10 @@ from pathlib import Path
 
 from pydantic import JsonValue
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.plans.models import (
     Difference,
     ExperimentSpec,
-    JsonObject,
     PlanError,
     RehearsalPlan,
     _fail,

@@ -18,6 +18,7 @@ from dppo_harness.evidence import report
 from dppo_harness.evidence.backend import backend_of
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.instrument import cookbook_metrics
+from dppo_harness.json_types import JsonObject
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityPolicy
 from dppo_harness.stages.comparison import run_steps
@@ -25,7 +26,6 @@ from dppo_harness.stages.comparison.config import (
     ArmOrder,
     ComparisonConfig,
     ComparisonError,
-    JsonObject,
     comparison_config,
 )
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for

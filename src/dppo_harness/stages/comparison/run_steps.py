@@ -20,6 +20,7 @@ from dppo_harness.evidence import budget
 from dppo_harness.evidence.backend import backend_of
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import cookbook_metrics
+from dppo_harness.json_types import JsonObject
 from dppo_harness.service.capacity import call_with_capacity_retry, error_text
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityExhausted, CapacityPolicy, CapacityTracker, ServiceStopped
@@ -28,7 +29,6 @@ from dppo_harness.stages.comparison.config import (
     ArmOrder,
     ComparisonConfig,
     ComparisonError,
-    JsonObject,
     OptimizerMismatch,
 )
 from dppo_harness.stages.comparison.restore import open_arms, restore_arm
