@@ -1,21 +1,17 @@
 """JSON as types, one name each for every package: `JsonValue` (pydantic's), `JsonObject` (one object
-as built or decoded), `JsonMap` (one object as a reader sees it), `JsonData` and `JsonRecord` (what a writer accepts and builds), and the narrowing a reader applies to
+as built or decoded), `JsonMap` (one object as a reader sees it), and the narrowing a reader applies to
 one value (`num`, `obj`, `objs`, `items`: a wrong shape raises TypeError)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TypeAlias
+from collections.abc import Mapping
 
 from pydantic import JsonValue
 
 JsonObject = dict[str, JsonValue]
-# What a writer of JSON accepts: read-only containers, so a `dict[str, list[int]]` is JSON data too.
-JsonData: TypeAlias = Mapping[str, "JsonData"] | Sequence["JsonData"] | str | int | float | None
-JsonRecord: TypeAlias = dict[str, JsonData]  # one object a writer builds from such parts
 JsonMap = Mapping[str, JsonValue]
 
-__all__ = ["JsonData", "JsonMap", "JsonObject", "JsonRecord", "JsonValue", "items", "num", "obj", "objs"]
+__all__ = ["JsonMap", "JsonObject", "JsonValue", "items", "num", "obj", "objs"]
 
 
 def num(x: JsonValue) -> float:

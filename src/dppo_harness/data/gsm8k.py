@@ -23,7 +23,7 @@ from tinker_cookbook.recipes.math_rl import math_grading
 from tinker_cookbook.recipes.math_rl.math_env import MathEnv, extract_gsm8k_final_answer
 
 from dppo_harness.data.sha256sums import DATA_DIR, DataIntegrityError, pinned_sha256
-from dppo_harness.json_types import JsonRecord
+from dppo_harness.json_types import JsonObject
 
 Split = Literal["train", "test"]
 Source = Literal["vendored", "hf_hub"]
@@ -56,7 +56,7 @@ class Gsm8kSplit:
     split: Split
     seed: int | None  # the shuffle seed (train); None for test (kept in order)
     items: tuple[Gsm8kItem, ...]  # in cookbook order
-    provenance: JsonRecord = field(hash=False, compare=False)
+    provenance: JsonObject = field(hash=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -101,7 +101,7 @@ def _parse_rows(data: bytes, origin: str) -> list[Gsm8kRow]:
 
 def load_rows(
     split: Split, *, source: Source = "vendored", data_dir: Path = DATA_DIR
-) -> tuple[list[Gsm8kRow], JsonRecord]:
+) -> tuple[list[Gsm8kRow], JsonObject]:
     """Rows in ORIGINAL order plus provenance; content verified against the pinned sha256.
 
     ``source="hf_hub"`` downloads ``openai/gsm8k`` (config ``main``) and checks that its rows,
@@ -120,7 +120,7 @@ def load_rows(
                 f"{path}: sha256 {got} does not match pinned {expected} (SHA256SUMS); refusing to use it"
             )
         rows = _parse_rows(data, str(path))
-        prov: JsonRecord = {"source": "vendored", "path": f"dppo_harness/data/gsm8k/{split}.jsonl"}
+        prov: JsonObject = {"source": "vendored", "path": f"dppo_harness/data/gsm8k/{split}.jsonl"}
     elif source == "hf_hub":
         hub_rows = _load_hub_rows(split)
         data = canonical_jsonl_bytes(hub_rows)

@@ -22,7 +22,7 @@ from tinker_cookbook import renderers
 from tinker_cookbook.tokenizer_utils import Tokenizer, register_tokenizer
 
 from dppo_harness import constants
-from dppo_harness.json_types import JsonRecord
+from dppo_harness.json_types import JsonObject
 
 TML_QWEN35 = "tml-qwen3.5"
 HF_PREFIX = "hf:"
@@ -118,7 +118,7 @@ class TokenizerBundle:
     tokenizer: Tokenizer
     renderer: renderers.Renderer
     renderer_name: str
-    provenance: JsonRecord
+    provenance: JsonObject
 
 
 def parse_choice(choice: str) -> tuple[str, str | None]:
@@ -132,12 +132,12 @@ def parse_choice(choice: str) -> tuple[str, str | None]:
     )
 
 
-def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, JsonRecord]:
+def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, JsonObject]:
     """Load the configured tokenizer and return it with its provenance record."""
     kind, hf_name = parse_choice(choice)
     if kind == "tml":
         tokenizer: Tokenizer = _tml_qwen35()  # type: ignore[assignment]  # a facade with the tokenizer methods renderers call
-        prov: JsonRecord = {
+        prov: JsonObject = {
             "choice": choice,
             "kind": "tml-renderers",
             "class": "tml_renderers.tokenizers.Qwen35Tokenizer",
@@ -196,7 +196,7 @@ def make_renderer(
     tokenizer, tok_prov = load_tokenizer(choice)
     renderer = renderers.get_renderer(renderer_name, tokenizer=tokenizer)
     stop = renderer.get_stop_sequences()
-    provenance: JsonRecord = {
+    provenance: JsonObject = {
         "tokenizer": tok_prov,
         "renderer_name": renderer_name,
         "renderer_class": f"{type(renderer).__module__}.{type(renderer).__qualname__}",
@@ -209,17 +209,17 @@ def make_renderer(
 THINK_PREFILL = "<think>\n"
 
 
-def default_renderer_declaration() -> JsonRecord:
+def default_renderer_declaration() -> JsonObject:
     """`renderer_declaration()` of the default tokenizer and renderer (deterministic, so computed once)."""
     return dict(_default_declaration())
 
 
 @functools.cache
-def _default_declaration() -> JsonRecord:
+def _default_declaration() -> JsonObject:
     return renderer_declaration()
 
 
-def renderer_declaration(bundle: TokenizerBundle | None = None) -> JsonRecord:
+def renderer_declaration(bundle: TokenizerBundle | None = None) -> JsonObject:
     """The renderer and its thinking mode, read off a rendered generation prompt (not assumed):
     what `effective-config.json` declares and the reports state next to the measured truncation."""
     b = bundle or make_renderer()

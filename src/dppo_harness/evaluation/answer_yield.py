@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dppo_harness.json_types import JsonRecord
+from dppo_harness.json_types import JsonObject
 
 TRUNCATED_STOP_REASON = "length"
 
@@ -42,7 +42,7 @@ class ResponseYield:
     def mean_response_tokens(self) -> float:
         return self.response_tokens / self.n
 
-    def as_dict(self) -> JsonRecord:
+    def as_dict(self) -> JsonObject:
         return {"n": self.n, "truncated": self.truncated, "truncated_frac": self.truncated_frac,
                 "no_answer": self.no_answer, "no_answer_frac": self.no_answer_frac,
                 "mean_response_tokens": self.mean_response_tokens, "max_tokens": self.max_tokens,

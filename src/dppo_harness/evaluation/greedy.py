@@ -33,7 +33,7 @@ from dppo_harness.data import tokenizer as tokenizer_mod
 from dppo_harness.data.gsm8k import Gsm8kItem
 from dppo_harness.data.tokenizer import TokenizerBundle
 from dppo_harness.evaluation import answer_yield
-from dppo_harness.json_types import JsonData, JsonRecord
+from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.rollout.frozen_batch import canonical_json
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class EvaluatorChangedError(RuntimeError):
 class _RegistersFiles(Protocol):
     """What :func:`register_results` needs of an ``EvidenceBundle``."""
 
-    def register_json(self, name: str, kind: str, obj: JsonData) -> FileEntry: ...
+    def register_json(self, name: str, kind: str, obj: JsonValue) -> FileEntry: ...
 
     def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry: ...
 
@@ -82,7 +82,7 @@ class PredictionRow(TypedDict):
     evaluator_id: str
 
 
-def prediction_json(row: PredictionRow) -> JsonRecord:
+def prediction_json(row: PredictionRow) -> JsonObject:
     """The row as the JSON object written to the predictions file (same keys, same order)."""
     return {"item_id": row["item_id"], "arm": row["arm"], "seed": row["seed"], "checkpoint": row["checkpoint"],
             "metric": row["metric"], "prediction": row["prediction"], "response": row["response"],
@@ -90,7 +90,7 @@ def prediction_json(row: PredictionRow) -> JsonRecord:
             "stop_reason": row["stop_reason"], "n_tokens": row["n_tokens"], "evaluator_id": row["evaluator_id"]}
 
 
-def evaluator_id(provenance: JsonRecord) -> str:
+def evaluator_id(provenance: JsonObject) -> str:
     """``sha256(json.dumps(provenance, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
     allow_nan=False))``: the identity of everything that decides a score."""
     return hashlib.sha256(canonical_json(provenance).encode()).hexdigest()
@@ -132,10 +132,10 @@ def code_files(dataset_name: str) -> dict[str, Path]:
     return {k: Path(v) for k, v in mods.items()}
 
 
-def code_manifest(dataset_name: str) -> JsonRecord:
-    files: JsonRecord = {name: hashlib.sha256(path.read_bytes()).hexdigest()
+def code_manifest(dataset_name: str) -> JsonObject:
+    files: JsonObject = {name: hashlib.sha256(path.read_bytes()).hexdigest()
                          for name, path in sorted(code_files(dataset_name).items())}
-    versions: JsonRecord = {name: _version(name) for name in DEPENDENCIES}
+    versions: JsonObject = {name: _version(name) for name in DEPENDENCIES}
     return {"files": files, "versions": versions, "python": platform.python_version()}
 
 
@@ -155,11 +155,11 @@ def prompt_template(bundle: TokenizerBundle, item_type: type, dataset_name: str)
     )
 
 
-def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> JsonRecord:
+def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> JsonObject:
     return {"temperature": 0.0, "max_tokens": int(max_tokens), "stop": list(stop), "top_k": -1, "top_p": 1.0, "num_samples": 1}
 
 
-def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_tokens: int) -> JsonRecord:
+def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_tokens: int) -> JsonObject:
     name = dataset_of(items)
     manifest = code_manifest(name)
     return {
@@ -174,8 +174,8 @@ def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_to
 @dataclass(frozen=True)
 class FrozenEvaluator:
     evaluator_id: str
-    provenance: JsonRecord
-    code_manifest: JsonRecord
+    provenance: JsonObject
+    code_manifest: JsonObject
     items: tuple[Gsm8kItem, ...]
     bundle: TokenizerBundle
     max_tokens: int
@@ -191,7 +191,7 @@ class FrozenEvaluator:
                 "re-freeze and re-evaluate every compared arm and the base model"
             )
 
-    def record(self) -> JsonRecord:
+    def record(self) -> JsonObject:
         """The ``evaluators[<id>]`` entry of the evaluation object: the provenance the id hashes."""
         return dict(self.provenance)
 
@@ -279,13 +279,13 @@ class EvalResult:
     def predictions_jsonl(self) -> bytes:
         return "".join(canonical_json(prediction_json(r)) + "\n" for r in self.rows).encode("utf-8")
 
-    def observations(self) -> list[JsonRecord]:
+    def observations(self) -> list[JsonObject]:
         return [
             {"item_id": r["item_id"], "arm": r["arm"], "seed": r["seed"], "metric": METRIC, "value": r["value"], "evaluator_id": r["evaluator_id"]}
             for r in self.rows
         ]
 
-    def score(self, predictions_ref: str) -> JsonRecord:
+    def score(self, predictions_ref: str) -> JsonObject:
         return {"arm": self.arm, "metric": METRIC, "value": self.accuracy, "evaluator_id": self.evaluator_id, "seed": self.seed, "predictions_ref": predictions_ref}
 
 
@@ -370,9 +370,9 @@ def observations_jsonl(results: Sequence[EvalResult]) -> bytes:
 
 def evaluation_object(
     evaluators: Sequence[FrozenEvaluator],
-    scores: Sequence[JsonRecord],
-    comparisons: Sequence[JsonRecord] = (),
-) -> JsonRecord:
+    scores: Sequence[JsonObject],
+    comparisons: Sequence[JsonObject] = (),
+) -> JsonObject:
     """The ``evaluation`` object of result.json: evaluator records by id, scores and comparisons."""
     return {
         "version": 1,
@@ -382,7 +382,7 @@ def evaluation_object(
     }
 
 
-def decision_object(observations_name: str, observations_bytes: bytes) -> JsonRecord:
+def decision_object(observations_name: str, observations_bytes: bytes) -> JsonObject:
     """The ``decision`` object of result.json, referencing a retained observations file by sha256."""
     return {
         "version": 1,
@@ -396,17 +396,17 @@ def register_results(
     results: Sequence[EvalResult],
     *,
     observations_name: str = "scored-observations.jsonl",
-    comparisons: Sequence[JsonRecord] = (),
-) -> tuple[JsonRecord, JsonRecord]:
+    comparisons: Sequence[JsonObject] = (),
+) -> tuple[JsonObject, JsonObject]:
     """Register each evaluator record (kind manifest), each arm's predictions (kind predictions)
     and the scored observations (kind metrics) with an ``EvidenceBundle``. Returns the
     ``(evaluation, decision)`` objects for ``update_result``; file names must be new per update."""
     known = {ev.evaluator_id for ev in evaluators}
     for ev in evaluators:
-        record: JsonRecord = {"evaluator_id": ev.evaluator_id, "provenance": ev.provenance, "code_manifest": ev.code_manifest,
+        record: JsonObject = {"evaluator_id": ev.evaluator_id, "provenance": ev.provenance, "code_manifest": ev.code_manifest,
                   "deviation": None if ev.deviation is None else dict(ev.deviation)}
         evidence.register_json(f"evaluator-{ev.evaluator_id[:16]}.json", "manifest", record)
-    scores: list[JsonRecord] = []
+    scores: list[JsonObject] = []
     for res in results:
         if res.evaluator_id not in known:
             raise EvaluatorChangedError(f"{res.arm}: scored by evaluator {res.evaluator_id[:12]}, which is not registered")

@@ -31,9 +31,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import TypedDict
 
-from pydantic import JsonValue
-
-from dppo_harness.json_types import JsonData, JsonRecord
+from dppo_harness.json_types import JsonObject, JsonValue
 
 
 class ObservationError(ValueError):
@@ -65,7 +63,7 @@ def paired_hoeffding(
     alpha: float = 0.05,
     margin: float = 0.0,
     bounds: tuple[float, float] = (0.0, 1.0),
-) -> JsonRecord:
+) -> JsonObject:
     """Interval and verdict for mean(treatment - baseline) over paired items."""
     if len(treatment) != len(baseline):
         raise ObservationError(f"{len(treatment)} treatment vs {len(baseline)} baseline values: not paired")
@@ -115,7 +113,7 @@ def _check_value(v: object, bounds: tuple[float, float], where: str) -> int | fl
 REQUIRED_KEYS = ("item_id", "arm", "metric", "value", "evaluator_id")
 
 
-def read_observations(path: Path) -> list[JsonRecord]:
+def read_observations(path: Path) -> list[JsonObject]:
     """JSONL rows, or a JSON array, or an object with ``observations``."""
     text = Path(path).read_text(encoding="utf-8")
     try:
@@ -127,7 +125,7 @@ def read_observations(path: Path) -> list[JsonRecord]:
     if isinstance(obj, dict) and "observations" in obj:
         if not isinstance(obj["observations"], list):
             raise ObservationError(f"{path}: 'observations' must be a list")
-        listed: list[JsonRecord] = obj["observations"]
+        listed: list[JsonObject] = obj["observations"]
         return listed
     rows = []
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -156,7 +154,7 @@ class PairedObservations:
 
 
 def pair_observations(
-    rows: Iterable[Mapping[str, JsonData]], treatment: str, baseline: str, metric: str = "accuracy"
+    rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, metric: str = "accuracy"
 ) -> PairedObservations:
     """Match treatment and baseline rows on (item_id, seed); refuse duplicates and unpaired items."""
     if treatment == baseline:
@@ -195,7 +193,7 @@ def pair_observations(
 
 
 def paired_hoeffding_from_rows(
-    rows: Iterable[Mapping[str, JsonData]],
+    rows: Iterable[Mapping[str, JsonValue]],
     treatment: str,
     baseline: str,
     *,
@@ -203,7 +201,7 @@ def paired_hoeffding_from_rows(
     margin: float = 0.0,
     metric: str = "accuracy",
     bounds: tuple[float, float] = (0.0, 1.0),
-) -> JsonRecord:
+) -> JsonObject:
     paired = pair_observations(rows, treatment, baseline, metric)
     checked: dict[str, list[float]] = {}
     for arm in ("treatment", "baseline"):
@@ -301,8 +299,8 @@ def mcnemar_exact_p(b: int, c: int) -> float:
 
 
 def paired_binary_informational(
-    rows: Iterable[Mapping[str, JsonData]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
-) -> JsonRecord:
+    rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
+) -> JsonObject:
     """The informational interval beside the decision: discordant pairs, Newcombe's paired interval
     for treatment minus baseline accuracy and the exact McNemar p-value. Values must be 0 or 1."""
     paired = pair_observations(rows, treatment, baseline, metric)

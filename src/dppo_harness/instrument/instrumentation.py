@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dppo_harness.constants import DPPO_DELTA
-from dppo_harness.json_types import JsonData, JsonRecord
+from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import losses
 
 if TYPE_CHECKING:  # only the Datum type: the recorder itself never calls the SDK
@@ -115,7 +115,7 @@ def decision_stats(
     ppo_clipped_N: np.ndarray,
     ratio_cap_hit_N: np.ndarray,
     delta: float = DPPO_DELTA,
-) -> JsonRecord:
+) -> JsonObject:
     """Every logged statistic of one loss call, from its decisions and p - q (numpy, no torch).
 
     Shared by the recorder (on the packed path's decisions) and by replay (on the independent
@@ -204,7 +204,7 @@ class LossCallRecord:
     loss_seconds: float = 0.0
     prob_diff_N: np.ndarray | None = None  # in memory only: float64 p - q of the packed path
 
-    def meta(self) -> JsonRecord:
+    def meta(self) -> JsonObject:
         return {
             "format": RECORD_FORMAT,
             "call_index": self.call_index,
@@ -255,7 +255,7 @@ def packed_inputs(data: Sequence[tinker.Datum]) -> dict[str, np.ndarray]:
 
 def record_from_call(
     call_index: int,
-    context: Mapping[str, JsonData],
+    context: Mapping[str, JsonValue],
     data: Sequence[tinker.Datum],
     logprobs_list: Sequence[torch.Tensor],
     loss_cfg: losses.LossConfig,
@@ -317,7 +317,7 @@ class LossCallRecorder:
         self.on_record = on_record
         self.records: list[LossCallRecord] = []
 
-    def wrap(self, loss_fn: LossFn, **context: JsonData) -> LossFn:
+    def wrap(self, loss_fn: LossFn, **context: JsonValue) -> LossFn:
         def recorded_loss_fn(data: list, logprobs_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             record = record_from_call(len(self.records), context, data, logprobs_list, self.loss_cfg)
             self.records.append(record)
@@ -407,9 +407,9 @@ def is_record_file(data: bytes) -> bool:
         return False
 
 
-def summary_row(record: LossCallRecord) -> JsonRecord:
+def summary_row(record: LossCallRecord) -> JsonObject:
     """The scalar statistics of one call (no histograms), for result.json and reports."""
-    row: JsonRecord = {k: record.stats.get(k) for k in COUNT_KEYS + FLOAT_KEYS}
+    row: JsonObject = {k: record.stats.get(k) for k in COUNT_KEYS + FLOAT_KEYS}
     row.update({"call_index": record.call_index, **record.context, "dtype": record.dtype})
     return row
 
@@ -451,7 +451,7 @@ def sentinel_summary(
     init_logprobs_N: np.ndarray,
     mask_N: np.ndarray,
     advantages_N: np.ndarray,
-) -> JsonRecord:
+) -> JsonObject:
     """Trainer vs sampler (total mismatch) and trainer vs initial trainer (optimizer drift)."""
     m = mask_N > 0
     p = np.exp(trainer_logprobs_N[m].astype(np.float64))
@@ -469,7 +469,7 @@ def sentinel_summary(
             "abs_max": float(np.abs(x).max()),
         }
 
-    by_sign: JsonRecord = {}
+    by_sign: JsonObject = {}
     for name, sel in (("pos", adv > 0), ("neg", adv < 0)):
         by_sign[name] = {"tokens": int(sel.sum()), "mean_p_minus_p_init": float(vs_init[sel].mean()) if sel.any() else None}
     return {
@@ -482,10 +482,10 @@ def sentinel_summary(
 
 
 @overload
-def nan_free(obj: Mapping[str, object]) -> JsonRecord: ...
+def nan_free(obj: Mapping[str, object]) -> JsonObject: ...
 @overload
-def nan_free(obj: object) -> JsonData: ...
-def nan_free(obj: object) -> JsonData:
+def nan_free(obj: object) -> JsonValue: ...
+def nan_free(obj: object) -> JsonValue:
     """JSON-safe copy: non-finite floats become None (evidence JSON forbids NaN), numpy scalars
     become Python numbers, tuples become lists. Anything else is returned as it is."""
     if isinstance(obj, float):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.json_types import JsonRecord
+from dppo_harness.json_types import JsonObject
 
 ANALYSIS_FILE = "diagnostic-analysis.json"
 REVISED_SPEC_FILE = "revised-diagnostic-spec.json"
@@ -30,10 +30,10 @@ POOLED_QUANTILES = {"drift/abs_p90": (True, 0.9), "drift/abs_p99": (True, 0.99),
                     "drift/signed_p90": (False, 0.9), "drift/signed_p99": (False, 0.99)}
 
 
-def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> JsonRecord:
+def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> JsonObject:
     """Pooled statistics of the given loss calls, weighted by their loss-token counts."""
     sums = {k: int(sum(r.stats[k] for r in records)) for k in ins.COUNT_KEYS}
-    pooled: JsonRecord = {"calls": len(records), **sums}
+    pooled: JsonObject = {"calls": len(records), **sums}
     for metric, (num, den) in RATIO_PARTS.items():
         pooled[metric] = sums[num] / sums[den] if sums[den] else 0.0
     loss_d = [d[r.tensors["mask_N"] != 0] for r, d in zip(records, prob_diffs, strict=True)]

@@ -26,7 +26,7 @@ import numpy as np
 from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import pooled as pooled_mod
-from dppo_harness.json_types import JsonData, JsonRecord
+from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import references
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
@@ -55,7 +55,7 @@ def from_padded(values_BT: np.ndarray, lengths_S: np.ndarray) -> np.ndarray:
 
 @dataclass
 class RecordCheck:
-    update_index: JsonData  # the record's context update_index, else its call index
+    update_index: JsonValue  # the record's context update_index, else its call index
     problems: list[str] = field(default_factory=list)
     ties: int = 0
     recomputed: dict[str, Any] = field(default_factory=dict)
@@ -144,7 +144,7 @@ class ReplayReport:
     files: list[str]
     checks: list[RecordCheck]
     problems: list[str]
-    pooled: JsonRecord | None
+    pooled: JsonObject | None
 
     @property
     def ok(self) -> bool:
@@ -201,7 +201,7 @@ def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecor
 
 
 def _pooled_problems(files_dir: Path, records: Sequence[ins.LossCallRecord], normalization: str, delta: float,
-                     cap: float, eps: float) -> tuple[list[str], JsonRecord | None]:
+                     cap: float, eps: float) -> tuple[list[str], JsonObject | None]:
     """The logged pooled second-epoch analysis against a pooled recompute from the padded path."""
     second = [r for r in records if r.context.get("epoch") == 2]
     if not second:

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import JsonValue
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.loss_registry import Normalization
 
 if TYPE_CHECKING:
     import tinker
 
-JsonObject = dict[str, JsonValue]
 
 GOLDEN_SCHEMA = "dppo_golden_v1"
 MODES = ("float64", "float32", "float64-datum")

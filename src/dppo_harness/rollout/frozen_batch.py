@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, TypedDict
 import numpy as np
 import tinker
 
-from dppo_harness.json_types import JsonData, JsonRecord
+from dppo_harness.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:  # only the type: rollouts imports this module's neighbours at run time
     from dppo_harness.evidence.files import FileEntry
@@ -78,7 +78,7 @@ def _field_sha256(name: str, arr: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def canonical_json(obj: JsonData) -> str:
+def canonical_json(obj: JsonValue) -> str:
     """The one JSON form hashed by the harness: sorted keys, no spaces, ASCII, no NaN."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
@@ -131,7 +131,7 @@ class FrozenBatch:
     _offsets_N: np.ndarray
     _sha256: str
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, JsonData]):
+    def __init__(self, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, JsonValue]):
         missing = [f for f in FIELDS if f not in arrays]
         extra = [f for f in arrays if f not in FIELDS]
         if missing or extra:
@@ -172,7 +172,7 @@ class FrozenBatch:
         item_ids_S: Sequence[str],
         sampler_checkpoint: str,
         sampler_version: str | None = None,
-        extra_metadata: Mapping[str, JsonData] | None = None,
+        extra_metadata: Mapping[str, JsonValue] | None = None,
         created_at: str | None = None,
     ) -> FrozenBatch:
         """Freeze cookbook-layout datums (``target_tokens``, ``logprobs``, ``advantages``, ``mask``)."""
@@ -198,7 +198,7 @@ class FrozenBatch:
             response = np.flatnonzero(mask)
             # prompt length in tokens: positions before the first loss position, plus the first token
             prompt_lengths.append(int(response[0]) + 1 if response.size else T + 1)
-        meta: JsonRecord = {
+        meta: JsonObject = {
             "format_version": FORMAT_VERSION,
             "sampler_checkpoint": sampler_checkpoint,
             "sampler_version": sampler_version,
@@ -222,7 +222,7 @@ class FrozenBatch:
     @classmethod
     def from_rollouts(
         cls, batch: RolloutBatch, *, sampler_version: str | None = None,
-        extra_metadata: Mapping[str, JsonData] | None = None,
+        extra_metadata: Mapping[str, JsonValue] | None = None,
     ) -> FrozenBatch:
         """Freeze a ``rollouts.RolloutBatch`` (datums built by the cookbook's own functions)."""
         # deferred: rollouts imports the cookbook's RL stack, which a frozen batch loaded for replay does not need
@@ -233,7 +233,7 @@ class FrozenBatch:
         group_ids = [batch.groups[m["group_idx"]].group_id for m in meta]
         item_ids = [batch.groups[m["group_idx"]].item.item_id for m in meta]
         summary = batch.summary()
-        info: JsonRecord = {
+        info: JsonObject = {
             "base_model": batch.base_model,
             "rollout_config": summary["config"],
             "stop": summary["stop"],
@@ -257,8 +257,8 @@ class FrozenBatch:
         return self._arrays[name]
 
     @property
-    def metadata(self) -> JsonRecord:
-        loaded: JsonRecord = json.loads(self._metadata_json)
+    def metadata(self) -> JsonObject:
+        loaded: JsonObject = json.loads(self._metadata_json)
         return loaded
 
     @property
@@ -350,9 +350,9 @@ class FrozenBatch:
         np.savez_compressed(buf, allow_pickle=False, **self._arrays)
         return buf.getvalue()
 
-    def manifest(self, npz_bytes: bytes | None = None) -> JsonRecord:
+    def manifest(self, npz_bytes: bytes | None = None) -> JsonObject:
         self.assert_intact()
-        m: JsonRecord = {
+        m: JsonObject = {
             "format_version": FORMAT_VERSION,
             "sha256": self._sha256,
             "fields": {

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dppo_harness.json_types import JsonData, JsonRecord
+from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
@@ -34,7 +34,7 @@ class SampledStep:
     group_of_datum: tuple[int, ...]  # group index of each datum (complete-group minibatches)
     seconds: float  # save for sampler + sampling + grading
 
-    def summary(self) -> JsonRecord:
+    def summary(self) -> JsonObject:
         return {**self.batch.summary(), "step_seconds": self.seconds}
 
 
@@ -61,7 +61,7 @@ def sample_rollout_batch(
                        time.perf_counter() - t0)
 
 
-def freeze(sampled: SampledStep, extra_metadata: Mapping[str, JsonData] | None = None) -> FrozenBatch:
+def freeze(sampled: SampledStep, extra_metadata: Mapping[str, JsonValue] | None = None) -> FrozenBatch:
     """The sampled batch frozen (hashed, immutable) for reuse across updates."""
     return FrozenBatch.from_rollouts(sampled.batch, sampler_version=sampled.sampler_path,
                                      extra_metadata=extra_metadata)

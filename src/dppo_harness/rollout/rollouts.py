@@ -22,7 +22,7 @@ from tinker_cookbook.rl.types import Trajectory, TrajectoryGroup, Transition
 
 from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response, stop_list
 from dppo_harness.evaluation import answer_yield
-from dppo_harness.json_types import JsonRecord
+from dppo_harness.json_types import JsonObject
 
 
 class RolloutError(RuntimeError):
@@ -78,7 +78,7 @@ class RolloutBatch:
             [s for g in self.groups for s in g.stop_reasons], [gr.answer_found for g in self.groups for gr in g.graded],
             [len(r) for g in self.groups for r in g.responses], max_tokens=self.config.max_tokens)
 
-    def summary(self) -> JsonRecord:
+    def summary(self) -> JsonObject:
         rewards = np.array([r for g in self.groups for r in g.rewards_G], dtype=np.float64)
         ry = self.response_yield()
         nonconstant = sum(len(set(g.rewards_G)) > 1 for g in self.groups)

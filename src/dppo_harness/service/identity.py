@@ -25,6 +25,7 @@ from pydantic import JsonValue
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence.backend import Backend, EmbeddedServer, backend_of, served_model, stand_in_note
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
+from dppo_harness.json_types import JsonObject
 
 if TYPE_CHECKING:
     import tinker
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
     from dppo_harness.service.connectivity import ConnectivityReport  # connectivity reads the marker here
 
-JsonObject = dict[str, JsonValue]
 
 CAPABILITIES_PATH = "/api/v1/get_server_capabilities"
 GET_INFO_PATH = "/api/v1/get_info"

@@ -25,14 +25,13 @@ import torch
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.json_types import JsonRecord
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
 from dppo_harness.stages.feasibility_projection import (
     DEFAULT_RESERVE_FRACTION,
     ArmPilot,
     FeasibilityError,
-    JsonObject,
     PilotFigures,
     PilotSchedule,
     PilotTimings,
@@ -168,7 +167,7 @@ def run_timing_pilot(
         setup_seconds=setup_s, sampling_seconds=sampling_s, sampled_groups=pilot_groups,
         sampled_sequences=pilot_groups * schedule.group_size, update_seconds=tuple(update_s),
         sequences_per_update=len(minibatch), eval_seconds=eval_s, eval_items=eval_n)
-    details: JsonRecord = {
+    details: JsonObject = {
         "setup": "create_training_client_from_state_with_optimizer(initial checkpoint)",
         "sampling": batch.summary(),
         "minibatch": {"sequences": len(minibatch), "distinct_sampled_sequences": len(datums),

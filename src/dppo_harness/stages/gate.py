@@ -24,7 +24,7 @@ from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.evidence.backend import backend_of, served_model
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.json_types import JsonObject, JsonRecord
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_step
@@ -290,7 +290,7 @@ class GateReport:
     def failures(self) -> list[str]:
         return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
 
-    def to_json(self) -> JsonRecord:
+    def to_json(self) -> JsonObject:
         sources, p = losses.gate_metric_sources(), self.pilot
         eps = losses.LossConfig.for_loss(p["loss"], p["normalization"]).ppo_eps  # as the pilot's loss call counted
         return ins.nan_free({

@@ -16,13 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pydantic import JsonValue
+from dppo_harness.json_types import JsonObject
 
 if TYPE_CHECKING:
     from dppo_harness.service.capacity import CapacityEvent  # capacity retries under this policy
 
 CAPACITY_SCALE_VAR = "DPPO_HARNESS_CAPACITY_SCALE"
-JsonObject = dict[str, JsonValue]  # a JSON object as result.json holds it
 
 
 class ServiceConfigError(RuntimeError):

@@ -14,7 +14,7 @@ from pydantic import JsonValue
 
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evaluation import stats
-from dppo_harness.json_types import JsonObject, JsonRecord
+from dppo_harness.json_types import JsonObject
 
 if TYPE_CHECKING:
     from dppo_harness.plans import CriterionConfig
@@ -87,7 +87,7 @@ def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[
 
 
 def informational_interval(rows: Sequence[Observation], criterion: CriterionConfig, *,
-                           alpha: float) -> JsonRecord:
+                           alpha: float) -> JsonObject:
     """Newcombe's paired interval and the exact McNemar test for one criterion's pair and metric, at
     the rule's alpha: shown beside the decision, never used for the verdict."""
     return stats.paired_binary_informational(rows, criterion.treatment, criterion.baseline, alpha=float(alpha),
@@ -110,10 +110,10 @@ def informational_metrics(info: JsonObject) -> dict[str, float]:
 
 
 def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecision], rule_verdict: tuple[str, str, str],
-                   *, rehearsal: bool, informational: JsonRecord | None = None) -> JsonRecord:
+                   *, rehearsal: bool, informational: JsonObject | None = None) -> JsonObject:
     """The evidence's decision object (version 1, observations_file) plus the computed intervals, and
     the informational interval beside them (`informational.used_for_verdict` is false)."""
-    block: JsonRecord = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
+    block: JsonObject = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
     block["method"] = "paired_hoeffding"
     block["criteria"] = [{"id": c.id, "metric": c.metric, "treatment": c.treatment, "baseline": c.baseline,
                           **{k: c.interval[k] for k in ("n", "alpha", "margin", "mean_treatment", "mean_baseline",

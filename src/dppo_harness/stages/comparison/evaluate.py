@@ -18,7 +18,7 @@ from pydantic import JsonValue
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence.progress import Ticker
-from dppo_harness.json_types import JsonObject, JsonRecord
+from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison import decision as comparison_decision
 from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError
 from dppo_harness.stages.comparison.state import RunState
@@ -50,7 +50,7 @@ def predictions_name(arm: str, res: evaluation.EvalResult) -> str:
     return f"predictions-{arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
 
 
-def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> JsonRecord:
+def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> JsonObject:
     """One scored model's predictions (item_id, arm, prediction, reference on every row); returns its score."""
     name = predictions_name(res.arm, res)
     bundle.register_bytes(name, "predictions", res.predictions_jsonl())
@@ -85,8 +85,8 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
                           "code_manifest": evaluator.code_manifest, "deviation": evaluator.deviation})
     files.append(f"evaluator-{evaluator.evaluator_id[:16]}.json")
     seed = cfg.arms[0].seed
-    scores: list[JsonRecord] = []
-    comparisons: list[JsonRecord] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
+    scores: list[JsonObject] = []
+    comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
 
     def post() -> None:
         bundle.update_result(evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
