@@ -170,7 +170,7 @@ def decision_stats(
         # The tails that matter for the directional mask: up-moves on A>0, down-moves on A<0.
         "drift/max_on_pos_adv": float(d[pos].max()) if pos.any() else None,
         "drift/min_on_neg_adv": float(d[neg].min()) if neg.any() else None,
-        "hist": signed_histograms(d, adv, loss),
+        "hist": {k: v for k, v in signed_histograms(d, adv, loss).items()},
     }
 
 
@@ -211,10 +211,10 @@ class LossCallRecord:
             "context": self.context,
             "dtype": self.dtype,
             "stats": self.stats,
-            "loss_metrics": self.loss_metrics,
+            "loss_metrics": {k: v for k, v in self.loss_metrics.items()},
             "started_unix": self.started_unix,
             "loss_seconds": self.loss_seconds,
-            "hist_bins": hist_bin_labels(),
+            "hist_bins": [*hist_bin_labels()],
             "magnitude_edges": list(MAGNITUDE_EDGES),
         }
 
@@ -460,7 +460,7 @@ def sentinel_summary(
     adv = advantages_N[m]
     vs_sampler, vs_init = p - q, p - p0
 
-    def tails(x: np.ndarray) -> dict[str, float]:
+    def tails(x: np.ndarray) -> JsonObject:
         if x.size == 0:
             return {"mean": 0.0, "abs_p90": 0.0, "abs_max": 0.0}
         return {

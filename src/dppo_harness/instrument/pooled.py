@@ -51,5 +51,5 @@ def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.nd
     for r in records:
         for s in ins.HIST_SIGNS:
             hist[s] += np.asarray(r.stats["hist"][s], dtype=np.int64)
-    pooled["hist"] = {s: h.tolist() for s, h in hist.items()}
+    pooled["hist"] = {s: [*h.tolist()] for s, h in hist.items()}
     return pooled

@@ -130,7 +130,7 @@ def train_step(
     loss_fn: LossFn,
     adam: tinker.AdamParams,
     recorder: ins.LossCallRecorder,
-    context: Mapping[str, object],  # the loss-call context the recorder keeps with each record
+    context: Mapping[str, JsonValue],  # the loss-call context the recorder keeps with each record
     *,
     persist: Callable[[ins.LossCallRecord], None] | None = None,
     submit_behind: Callable[[], B] | None = None,
