@@ -49,7 +49,7 @@ def restoration(request, service_client, service_backend, plan, evidence_bundle,
     diagnostic's original plan), run once."""
     from dppo_harness.service.clients import CapacityExhausted, call_with_capacity_retry
     from dppo_harness.stages import restoration as restoration_module
-    from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
+    from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader
     from dppo_harness.train.clients import RestorationError
 
     reader = None

@@ -8,7 +8,7 @@ asserts ``passed``; nothing here writes files.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,8 @@ from dppo_harness.loss.correctness_golden import (
     registered_loss_parity,
 )
 from dppo_harness.loss.correctness_reference import MODES
-from dppo_harness.stages.restoration_lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration.lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration.records import LrScalingBlock
 
 # The golden file the preflight checks, relative to the project root.
 GOLDEN_FIXTURE = Path("tests") / "fixtures" / "dppo_golden_v1.json"
@@ -68,7 +69,7 @@ class CorrectnessPreflight:
 
 def run_correctness_preflight(
     spec: dict[str, Any],
-    lr_scaling: Mapping[str, Any],
+    lr_scaling: LrScalingBlock,
     losses: Iterable[str],
     root: Path,
     golden: Path | None = None,
