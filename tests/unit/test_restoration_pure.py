@@ -248,3 +248,24 @@ def test_attach_lr_scaling_fills_or_explains():
                                                   "reason": "no parameters over the API"}]
     assert missing["paths"][0]["lr_scaling_status"] == {
         "available": False, "evidence_ref": LR_SCALING_FILE, "reason": "no parameters over the API"}
+
+
+def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
+    from dppo_harness.stages.restoration.records import RestoreProbeResult
+
+    cmp = {"bitwise_equal": True, "max_abs_diff": 0.0, "within_tolerance": True, "atol": 1e-4}
+    probe = RestoreProbeResult("tinker://m/weights/a", "tinker://m/weights/b", None, {"learning_rate": 1e-5}, cmp, cmp,
+                               {"update1": {}, "update2_uninterrupted": {}, "update2_restored": {}}, {}, "r#x", None, [])
+    keys = ["initial_checkpoint", "mid_checkpoint", "loaded_checkpoint_uri", "updates", "adam_params",
+            "restored_vs_uninterrupted", "second_update_effect", "optim_metrics", "echoed_config", "echo_ref",
+            "echo_observed_on", "uninterrupted_client", "base_lr_update_norm", "failures"]
+    assert list(probe.to_json()) == keys
+    probe.own_config_probes = {"b": probe}
+    assert list(probe.to_json()) == [*keys, "own_config_probes"]
+    assert LrScalingUnavailable("why", [1e-5]).to_json() == {
+        "available": False, "reason": "why", "learning_rates": [1e-5], "lr_scaling": [], "passed": None}
+    measured = LrScalingMeasured([{"learning_rate": 1e-5, "update_norm": 0.1}], True, 0.05, [0.0], "m", "r", "g", None)
+    assert list(measured.to_json().items()) == [
+        ("available", True), ("measure", "m"), ("reset", "r"), ("gradient", "g"),
+        ("lr_scaling", [{"learning_rate": 1e-5, "update_norm": 0.1}]), ("relative_error", [0.0]), ("rtol", 0.05),
+        ("passed", True), ("problem", None)]
