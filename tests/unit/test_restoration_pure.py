@@ -251,6 +251,8 @@ def test_attach_lr_scaling_fills_or_explains():
 
 
 def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
+    import dataclasses
+
     from dppo_harness.stages.restoration.records import RestoreProbeResult
 
     cmp = {"bitwise_equal": True, "max_abs_diff": 0.0, "within_tolerance": True, "atol": 1e-4}
@@ -260,7 +262,7 @@ def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
             "restored_vs_uninterrupted", "second_update_effect", "optim_metrics", "echoed_config", "echo_ref",
             "echo_observed_on", "uninterrupted_client", "base_lr_update_norm", "failures"]
     assert list(probe.to_json()) == keys
-    probe.own_config_probes = {"b": probe}
+    probe.own_config_probes = {"b": dataclasses.replace(probe)}
     assert list(probe.to_json()) == [*keys, "own_config_probes"]
     assert LrScalingUnavailable("why", [1e-5]).to_json() == {
         "available": False, "reason": "why", "learning_rates": [1e-5], "lr_scaling": [], "passed": None}
