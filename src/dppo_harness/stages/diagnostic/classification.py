@@ -194,7 +194,7 @@ def classify(
     evidence_against_defect = _selftest_line(selftest)
     applicable = [c for c in criteria if c.applies]
     active = bool(applicable) and all(c.passed for c in applicable) and not integrity_problems and not variant_problems
-    fired = bool(pooled) and pooled.get("dppo/removed", 0) > 0
+    fired = bool(pooled and pooled.get("dppo/removed", 0) > 0)
     state = "active" if active else ("partially_active" if fired else "inactive")
     lines = _measured_lines(pooled, sentinels, delta=delta, second_epoch_calls=second_epoch_calls,
                             stop_reason=stop_reason, updates_planned=updates_planned,

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
+from pydantic import JsonValue
+
 from dppo_harness.evidence import report
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
@@ -21,7 +23,7 @@ from dppo_harness.stages.diagnostic.config import (
     FINALIZE_RESERVE_S,
     LOOP_LABEL,
     DiagnosticConfig,
-    plan_json,
+    JsonObject,
 )
 from dppo_harness.stages.diagnostic.files import (
     NEXT_ACTION_FILE,
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
 
 
-def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: Any) -> None:
+def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: JsonValue) -> None:
     bundle.register_json(name, kind, ins.nan_free(obj))
     state.files.append(name)
 
@@ -66,7 +68,7 @@ def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: Ru
     })
     # What the deviations' "kept separately" points at: the original gate report's status.
     register_json(bundle, state, ORIGINAL_GATE_REPORT_FILE, "report", evidence_items.original_gate_report(
-        plan_json(plan), "gate-report.json" if bundle.entry("gate-report.json") else None))
+        plan.diagnostic, "gate-report.json" if bundle.entry("gate-report.json") else None))
     bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.diagnostic.tested_instead)
     selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
     register_json(bundle, state, SELFTEST_FILE, "report", selftest)
@@ -139,7 +141,7 @@ def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, st
     executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
     executed["bounded_diagnostic"] = {"optimizer_updates": state.updates_done,
                                       "sampling_batches": 1 if state.frozen is not None else 0}
-    register_json(bundle, state, SERVICE_WORK_FILE, "report", evidence_items.service_work_ledger(plan_json(plan), executed))
+    register_json(bundle, state, SERVICE_WORK_FILE, "report", evidence_items.service_work_ledger(plan.diagnostic.service_work, executed))
     # Feasibility from the diagnostic's own measured setup: the plan forbids an extra pilot.
     if state.update_seconds:
         eff_path = bundle.file_path("effective-config.json")
@@ -171,7 +173,7 @@ def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, st
     return result
 
 
-def _declared(bundle: EvidenceBundle) -> dict[str, Any]:
+def _declared(bundle: EvidenceBundle) -> JsonObject:
     """The renderer and loss normalization effective-config.json declares (what the report cites)."""
     if bundle.entry("effective-config.json") is None:
         return {}

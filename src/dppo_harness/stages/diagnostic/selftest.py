@@ -18,19 +18,22 @@ from dppo_harness.loss import losses
 from dppo_harness.stages.diagnostic.config import DiagnosticError
 
 
-def _case_datums(rows: Sequence[tuple[float, ...]]):
+def _case_datums(rows: Sequence[tuple[float, ...]]) -> tuple[list[tinker.Datum], list[torch.Tensor]]:
     """One datum per row (p, q, A, mask[, exact current logprob]) after two prompt positions with
     junk logprobs. The sampler logprob travels as the SDK's float32, the current one is float64
     (the loss computes in float64), so exact decision boundaries are reachable."""
-    data, lps = [], []
+    data: list[tinker.Datum] = []
+    lps: list[torch.Tensor] = []
     for i, row in enumerate(rows):
         p, q, a, m = row[:4]
         lp = row[4] if len(row) > 4 else math.log(p)
         target = [11 + i, 12 + i, 13 + i]
         data.append(tinker.Datum(
             model_input=tinker.ModelInput.from_ints([10 + i, 11 + i, 12 + i]),
-            loss_fn_inputs={"target_tokens": target, "logprobs": [-7.0, 3.0, math.log(q)],
-                            "advantages": [0.0, 0.0, a], "mask": np.array([0.0, 0.0, m], dtype=np.float32)},
+            loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(np.asarray(target).astype(np.int64)),
+                            "logprobs": tinker.TensorData.from_numpy(np.asarray([-7.0, 3.0, math.log(q)], np.float32)),
+                            "advantages": tinker.TensorData.from_numpy(np.asarray([0.0, 0.0, a], np.float32)),
+                            "mask": tinker.TensorData.from_numpy(np.array([0.0, 0.0, m], dtype=np.float32))},
         ))
         lps.append(torch.tensor([0.5, -40.0, lp], dtype=torch.float64, requires_grad=True))
     return data, lps
