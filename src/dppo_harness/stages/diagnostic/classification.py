@@ -11,8 +11,9 @@ import numpy as np
 
 from dppo_harness import constants
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig
+from dppo_harness.stages.diagnostic.config import DiagnosticConfig, JsonObject
 from dppo_harness.stages.diagnostic.criteria import CriterionResult
+from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelPoint, SentinelSummary
 
 CAUSES = (
     "code_or_instrumentation_defect",
@@ -22,7 +23,7 @@ CAUSES = (
 )
 
 
-def _fmt(x: Any, spec: str = ".4g") -> str:
+def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
@@ -36,12 +37,12 @@ def pinned_variant_problems(cfg: DiagnosticConfig) -> list[str]:
     return problems
 
 
-def trainer_moved(sentinels: Mapping[str, Any]) -> bool | None:
+def trainer_moved(sentinels: SentinelSummary) -> bool | None:
     """Whether the sentinels saw the trainer's probabilities change since initialization."""
     last = sentinels.get("last")
     if not last:
         return None
-    return last["summary"]["p_minus_p_init"]["abs_max"] > 0.0
+    return bool(last["summary"]["p_minus_p_init"]["abs_max"] > 0.0)
 
 
 def anchor_problems(records: Sequence[ins.LossCallRecord], frozen_sampler_by_call: Sequence[np.ndarray] | None,
@@ -85,13 +86,13 @@ class Classification:
     served_model: str | None = None
     stand_in: bool = False
 
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+    def as_dict(self) -> JsonObject:
+        d: JsonObject = asdict(self)
         d["integrity_problems"], d["variant_problems"] = list(self.integrity_problems), list(self.variant_problems)
         return d
 
 
-def _selftest_line(selftest: Mapping[str, Any]) -> str:
+def _selftest_line(selftest: SelftestReport) -> str:
     """The self-test's verdict and case count: the evidence against a code defect."""
     return (
         f"deterministic must-fire/must-not-fire self-test {'passed' if selftest.get('passed') else 'FAILED'} "
@@ -114,7 +115,7 @@ def _pooled_line(pooled: Mapping[str, Any], delta: float) -> str:
     )
 
 
-def _sentinel_line(init: Mapping[str, Any], last: Mapping[str, Any] | None) -> str:
+def _sentinel_line(init: Mapping[str, Any], last: SentinelPoint | None) -> str:
     """Trainer-vs-sampler drift on the sentinels at initialization and after the last measurement."""
     return (
         f"Sentinels ({init['tokens']} tokens): trainer-vs-sampler |p-q| q90 {_fmt(init['p_minus_q']['abs_p90'])} "
@@ -125,7 +126,7 @@ def _sentinel_line(init: Mapping[str, Any], last: Mapping[str, Any] | None) -> s
     )
 
 
-def _measured_lines(pooled: Mapping[str, Any] | None, sentinels: Mapping[str, Any], *, delta: float,
+def _measured_lines(pooled: Mapping[str, Any] | None, sentinels: SentinelSummary, *, delta: float,
                     second_epoch_calls: int, stop_reason: str, updates_planned: int,
                     minibatches_per_epoch: int) -> list[str]:
     """What was measured: pooled values, a short second epoch, and the sentinels."""
@@ -143,7 +144,7 @@ def _measured_lines(pooled: Mapping[str, Any] | None, sentinels: Mapping[str, An
 
 
 def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], pooled: Mapping[str, Any] | None,
-                    selftest: Mapping[str, Any], integrity_problems: Sequence[str], variant_problems: Sequence[str],
+                    selftest: SelftestReport, integrity_problems: Sequence[str], variant_problems: Sequence[str],
                     updates_done: int, second_epoch_calls: int, stop_reason: str,
                     evidence_against_defect: str) -> str:
     """The cause of a run that is not active (first that applies), its reason appended to `lines`."""
@@ -177,10 +178,10 @@ def classify(
     *,
     criteria: Sequence[CriterionResult],
     pooled: Mapping[str, Any] | None,
-    selftest: Mapping[str, Any],
+    selftest: SelftestReport,
     integrity_problems: Sequence[str],
     variant_problems: Sequence[str],
-    sentinels: Mapping[str, Any],
+    sentinels: SentinelSummary,
     updates_done: int,
     second_epoch_calls: int,
     stop_reason: str,

@@ -34,6 +34,7 @@ from dppo_harness.stages.diagnostic.files import (
     SENTINEL_FILE,
     SERVICE_WORK_FILE,
 )
+from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelSummary
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 from dppo_harness.train.clients import dump_response
@@ -44,12 +45,12 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
 
 
-def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: JsonValue) -> None:
+def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: object) -> None:
     bundle.register_json(name, kind, ins.nan_free(obj))
     state.files.append(name)
 
 
-def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState) -> dict[str, Any]:
+def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState) -> SelftestReport:
     """Before any service work: revised spec, deviations, unavailable references, self-test."""
     if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
         bundle.register_plan(plan, REVISED_SPEC_FILE)
@@ -106,13 +107,13 @@ def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, pl
 
 
 def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState,
-                    selftest: Mapping[str, Any], *, wall: float, cap_s: float, backend: str,
+                    selftest: SelftestReport, *, wall: float, cap_s: float, backend: str,
                     spec: ExperimentSpec | None,
                     served: ServedModel | None = None,
                     prior_service_work: Mapping[str, Mapping[str, int]] | None = None) -> DiagnosticResult:
     """Analyse, then write sentinels, analysis, next action, report and result fields."""
     tracker = state.sentinels
-    sentinels = tracker.summary() if tracker is not None else {
+    sentinels: SentinelSummary = tracker.summary() if tracker is not None else {
         "points": [], "at_init": None, "last": None}
     result = analyse(cfg, plan, state.records, selftest=selftest, sentinels=sentinels,
                      frozen_by_call=state.frozen_by_call or None, updates_done=state.updates_done,
@@ -124,14 +125,14 @@ def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, st
         register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
     analysis = result.analysis_json()
     analysis["timings"] = {"restore_seconds": state.restore_seconds, "sampling_seconds": state.sampling_seconds,
-                           "sampled_sequences": state.sampled_sequences, "update_seconds": state.update_seconds,
-                           "update_phases": state.update_phases,
+                           "sampled_sequences": state.sampled_sequences, "update_seconds": [*state.update_seconds],
+                           "update_phases": [dict[str, JsonValue](p) for p in state.update_phases],
                            "setup_seconds": state.setup_seconds, "wall_seconds": wall,
                            "wall_counted_from": "session start (the budget ledger's clock)"}
     analysis["final_checkpoint"] = state.final_checkpoint
     analysis["trained_client_initial_output"] = state.initial_output
     analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
-    analysis["snapshots"] = state.snapshots
+    analysis["snapshots"] = [*state.snapshots]
     analysis["rollout_yield"] = state.rollout_yield
     analysis["declared"] = _declared(bundle)
     register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
 
 import numpy as np
 import tinker
@@ -16,6 +15,7 @@ from dppo_harness import constants
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.stages.diagnostic.config import DiagnosticError
+from dppo_harness.stages.diagnostic.records import SelftestCase, SelftestReport
 
 
 def _case_datums(rows: Sequence[tuple[float, ...]]) -> tuple[list[tinker.Datum], list[torch.Tensor]]:
@@ -102,14 +102,15 @@ SELFTEST_EXTRA: dict[str, dict[str, int]] = {
 
 
 def deterministic_selftest(
-    loss_fn_factory: Callable[[Any], Callable] | None = None, loss_cfg: Any = None
-) -> dict[str, Any]:
+    loss_fn_factory: Callable[[losses.LossConfig], losses.LossFn] | None = None,
+    loss_cfg: losses.LossConfig | None = None,
+) -> SelftestReport:
     """Must-fire and must-not-fire cases through the real packed loss (counts from its metrics
     and from the recorder) and its gradients: a removed token gets exactly zero gradient, a kept
     nonzero-advantage token a nonzero one. Also run in tests/unit (the suite's evidence)."""
     cfg = loss_cfg or losses.LossConfig(losses.DPPO_LOSS, normalization="token_mean")
     factory = loss_fn_factory or losses.make_loss_fn
-    cases = {}
+    cases: dict[str, SelftestCase] = {}
     for name, (rows, expected, zero_grad) in SELFTEST_CASES.items():
         data, lps = _case_datums(rows)
         rec = ins.LossCallRecorder(cfg)
