@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import JsonValue
 
 from dppo_harness import constants
 from dppo_harness.instrument import instrumentation as ins
@@ -23,7 +24,7 @@ CAUSES = (
 )
 
 
-def _fmt(x: float | None, spec: str = ".4g") -> str:
+def _fmt(x: JsonValue, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
@@ -100,7 +101,7 @@ def _selftest_line(selftest: SelftestReport) -> str:
     )
 
 
-def _pooled_line(pooled: Mapping[str, Any], delta: float) -> str:
+def _pooled_line(pooled: Mapping[str, JsonValue], delta: float) -> str:
     """The pooled second-epoch counts and drift, in one sentence."""
     return (
         f"Second epoch, {pooled['calls']} loss calls, {pooled['tokens/loss']} loss tokens "
@@ -126,7 +127,7 @@ def _sentinel_line(init: Mapping[str, Any], last: SentinelPoint | None) -> str:
     )
 
 
-def _measured_lines(pooled: Mapping[str, Any] | None, sentinels: SentinelSummary, *, delta: float,
+def _measured_lines(pooled: Mapping[str, JsonValue] | None, sentinels: SentinelSummary, *, delta: float,
                     second_epoch_calls: int, stop_reason: str, updates_planned: int,
                     minibatches_per_epoch: int) -> list[str]:
     """What was measured: pooled values, a short second epoch, and the sentinels."""
@@ -143,7 +144,7 @@ def _measured_lines(pooled: Mapping[str, Any] | None, sentinels: SentinelSummary
     return lines
 
 
-def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], pooled: Mapping[str, Any] | None,
+def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], pooled: Mapping[str, JsonValue] | None,
                     selftest: SelftestReport, integrity_problems: Sequence[str], variant_problems: Sequence[str],
                     updates_done: int, second_epoch_calls: int, stop_reason: str,
                     evidence_against_defect: str) -> str:
@@ -177,7 +178,7 @@ def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], po
 def classify(
     *,
     criteria: Sequence[CriterionResult],
-    pooled: Mapping[str, Any] | None,
+    pooled: Mapping[str, JsonValue] | None,
     selftest: SelftestReport,
     integrity_problems: Sequence[str],
     variant_problems: Sequence[str],
@@ -195,7 +196,8 @@ def classify(
     evidence_against_defect = _selftest_line(selftest)
     applicable = [c for c in criteria if c.applies]
     active = bool(applicable) and all(c.passed for c in applicable) and not integrity_problems and not variant_problems
-    fired = bool(pooled and pooled.get("dppo/removed", 0) > 0)
+    removed = pooled.get("dppo/removed", 0) if pooled else 0
+    fired = bool(pooled) and isinstance(removed, (int, float)) and removed > 0
     state = "active" if active else ("partially_active" if fired else "inactive")
     lines = _measured_lines(pooled, sentinels, delta=delta, second_epoch_calls=second_epoch_calls,
                             stop_reason=stop_reason, updates_planned=updates_planned,

@@ -23,6 +23,7 @@ from dppo_harness.train.optimizer_checks import own_response_only
 
 if TYPE_CHECKING:
     from dppo_harness.plans.models import BoundedDiagnostic, ServiceWork
+    from dppo_harness.stages.restoration.provenance import ArmProvenance
 
 
 def original_gate_report(plan: BoundedDiagnostic, gate_report_in_bundle: str | None = None) -> JsonObject:
@@ -77,10 +78,10 @@ def service_work_ledger(sw: ServiceWork | None, executed: Mapping[str, Mapping[s
             "problems": list(problems), "within_declaration": not problems}
 
 
-def diagnostic_feasibility(*, config: Mapping[str, Any], effective_config: Mapping[str, Any], primary_endpoint: str,
+def diagnostic_feasibility(*, config: Mapping[str, JsonValue], effective_config: Mapping[str, JsonValue], primary_endpoint: str,
                            setup_seconds: float, sampling_seconds: float, sampled_sequences: int,
                            update_seconds: Sequence[float], sequences_per_update: float, planned_updates: int,
-                           recovery_seconds: float) -> dict[str, Any]:
+                           recovery_seconds: float) -> JsonObject:
     """The brief's feasibility block from the diagnostic's own measured schedule: setup (restore),
     training (the one sampling batch + every update), no evaluation (forbidden in this launch)."""
     train_s = float(sampling_seconds + sum(update_seconds))
@@ -111,8 +112,8 @@ def replay_output(bundle_dir: Path) -> tuple[int, str]:
     return code, buf.getvalue()
 
 
-def trained_client_entry(prior: Mapping[str, Any], *, restore: Mapping[str, Any], initial_output: Mapping[str, Any],
-                         own_check: Mapping[str, Any] | None, restore_ref: str, new_restore: bool = True) -> dict[str, Any]:
+def trained_client_entry(prior: ArmProvenance, *, restore: JsonObject, initial_output: JsonObject,
+                         own_check: dict[str, Any] | None, restore_ref: str, new_restore: bool = True) -> JsonObject:
     """The trained arm's `initialization_provenance` entry: an optimizer check from the trained
     client's OWN response for its last restore, and that client's initial output before its first
     update. `new_restore`: the diagnostic restored the arm again (one more restore); otherwise it
@@ -124,7 +125,7 @@ def trained_client_entry(prior: Mapping[str, Any], *, restore: Mapping[str, Any]
     init = dict(prior.get("initialization", {}))
     init.update(loaded_checkpoint_uri=restore.get("loaded_checkpoint_uri"), load_succeeded=bool(restore.get("load_succeeded")),
                 evidence_ref=restore_ref, before_first_update=True)
-    return {"initialization": init, "restore_count": n, "optimizer_checks": checks,
+    return {"initialization": init, "restore_count": n, "optimizer_checks": list[JsonValue](checks),
             "initial_output": dict(initial_output),
             "trained_client": {"restore": n, "note": (
                 "the client the bounded diagnostic trained, restored from the shared initial checkpoint"

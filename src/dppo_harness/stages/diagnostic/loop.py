@@ -305,7 +305,7 @@ def run_bounded_diagnostic(
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
     init_reference: RestorationResult | None = None,
     restored: LoadedArm | None = None,
-    **overrides: Any,
+    **overrides: float,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
 
