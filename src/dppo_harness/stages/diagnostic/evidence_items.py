@@ -82,7 +82,7 @@ def diagnostic_feasibility(*, config: Mapping[str, JsonValue], effective_config:
                            setup_seconds: float, sampling_seconds: float, sampled_sequences: int,
                            update_seconds: Sequence[float], sequences_per_update: float, planned_updates: int,
                            recovery_seconds: float) -> JsonObject:
-    """The brief's feasibility block from the diagnostic's own measured schedule: setup (restore),
+    """result.json's feasibility block from the diagnostic's own measured schedule: setup (restore),
     training (the one sampling batch + every update), no evaluation (forbidden in this launch)."""
     train_s = float(sampling_seconds + sum(update_seconds))
     return {

@@ -15,15 +15,15 @@ Flow (`run_restoration_preflight`):
    LR, one client from the initial checkpoint per other LR), the same fixed gradient, norm / LR.
 
 Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
-The fixed batch, the probes, the update-norm measures and the provenance checks live in the
-`restoration_*` modules beside this one; this module runs the steps and records the evidence.
+The fixed batch, the checkpoints, the probes, the update-norm measures, the provenance checks and
+the records live in the modules beside this one; this module runs the steps and records the evidence.
 
 Options of `run_restoration_preflight`:
 
 - `trained_arms`: the arms that will train in this session (None: all). Only they get a client
   (loaded from the initial checkpoint) and an `initialization_provenance` entry; an untrained arm
-  is never created and is left out of the optimizer-restoration groups as the brief asks (listed
-  under `excluded_arms` with the reason). A single trained arm's initial output is compared with
+  is never created and is left out of the optimizer-restoration groups: an arm that never trains
+  has no restore to check (it is listed under `excluded_arms` with the reason). A single trained arm's initial output is compared with
   the setup client's, taken before that client's first update.
 - `checkpoint_reader` (local backend): measures adapter_sha256 of each arm as loaded and the
   LR-scaling update norms from server-written checkpoints. Without it (and without

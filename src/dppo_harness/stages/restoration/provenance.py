@@ -1,4 +1,5 @@
-"""Initialization provenance: each arm's entry in the brief's version-1 shape, and its proof.
+"""Initialization provenance: each arm's entry in the version-1 shape of result.json's
+`initialization_provenance`, and its proof.
 
 The contract: `initialization_entry` builds one arm's `initialization_provenance` entry (the
 checkpoint it was created from, what the server's load response says was loaded, the optimizer
@@ -52,7 +53,7 @@ def initialization_entry(
     adapter_sha256: str | None = None,
     checkpoint_immutable_reason: str | None = None,
 ) -> ArmProvenance:
-    """One arm's `initialization_provenance` entry in the brief's version-1 shape.
+    """One arm's `initialization_provenance` entry (version 1).
 
     `checkpoint_immutable` is None when the duplicate save proved nothing (no explicit refusal);
     `checkpoint_immutable_reason` says what the duplicate save got either way."""
