@@ -165,7 +165,7 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
 
         def persist(rec: ins.LossCallRecord, update_index: int = update_index, anchor: np.ndarray = anchor) -> None:
             # Persisted before the optimizer step it feeds (staged, then registered in its archive).
-            state.archive.add(rec)
+            state.update_archive().add(rec)
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 
@@ -283,10 +283,10 @@ def _stop_on_optimizer_mismatch(cfg: DiagnosticConfig, plan: Plan, state: RunSta
 def _register_update_archives(state: RunState) -> None:
     """The update records not yet in an archive file (a stop mid-archive), registered now."""
     try:
-        state.archive.flush()
+        state.update_archive().flush()
     except Exception as exc:  # recorded: the analysis then says which records are missing
         state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    state.files += state.archive.registered
+    state.files += state.update_archive().registered
 
 
 def run_bounded_diagnostic(
@@ -355,7 +355,8 @@ def run_bounded_diagnostic(
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
     if served is None:
-        served = served_model_from_info(state.restore.get("get_info"), cfg.base_model, backend=backend)
+        info = state.restore.get("get_info")
+        served = served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
     return write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
                            spec=spec, served=served, prior_service_work=prior_service_work)
 
