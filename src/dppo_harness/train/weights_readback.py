@@ -37,7 +37,7 @@ def update_norm_from_tensors(before: dict[str, Any], after: dict[str, Any]) -> f
 
 
 class ExternalWeightsUpdateNorm:
-    """`restoration_update_norm.UpdateNormMeasure` through `save_weights_external` + signed URLs."""
+    """`restoration.update_norm.UpdateNormMeasure` through `save_weights_external` + signed URLs."""
 
     description = DESCRIPTION
 
