@@ -15,7 +15,7 @@ def test_restoration_preflight_passes(restoration):
 
 
 def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
-    arms = [a["name"] for a in restoration_module.restoration_arms(plan.spec_plan.experiment)]
+    arms = [a.name for a in restoration_module.restoration_arms(plan.spec_plan.experiment)]
     if plan.kind == "bounded_diagnostic":  # only the arm that trains gets a client
         arms = [plan.diagnostic.fixed_settings.treatment.arm]
     assert sorted(restoration.clients) == sorted(arms)
