@@ -30,8 +30,8 @@ from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
-from dppo_harness.stages.restoration_batch import build_fixed_batch
-from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
+from dppo_harness.stages.restoration.batch import build_fixed_batch
+from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader
 from dppo_harness.train.clients import RestorationError, create_from_state_observed
 
 pytestmark = pytest.mark.timeout(900)
@@ -106,7 +106,7 @@ def test_no_optimizer_config_or_echo_leaves_every_check_declared(served, fixed_b
             assert c["actual_optimizer"] is None and c["actual_config"] is None  # not the SDK's AdamW default
             assert c["source"] == "declared" and not c["verified"]
             assert any("optimizer family not exposed" in r for r in c["unverified_reasons"])
-    assert result.probe["echoed_config"] == {} and result.probe["optim_metrics"]["update1"] == {}
+    assert result.probe.echoed_config == {} and result.probe.optim_metrics["update1"] == {}
 
 
 def test_forward_outputs_without_logprobs_stop_the_preflight_naming_the_key(served, fixed_batch, tmp_path):

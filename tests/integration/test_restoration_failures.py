@@ -14,8 +14,8 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration_batch import build_fixed_batch
-from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
+from dppo_harness.stages.restoration.batch import build_fixed_batch
+from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import logprobs_sha256
 
@@ -72,7 +72,7 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
         for k in range(1, 7):
             assert any(m.startswith(f"[preflight] restoration {k}/6: ") for m in lines), (k, lines)
         assert any("LR probe 3/3" in m for m in lines) and lines[-1].startswith("[preflight] restoration passed")
-        assert result.lr_scaling["available"] and result.lr_scaling["passed"]
+        assert result.lr_scaling.available and result.lr_scaling.passed
         hashes = {e["initialization"]["adapter_sha256"] for e in result.provenance["arms"].values()}
         assert len(hashes) == 1 and None not in hashes
         assert verify_bundle(bundle.dir) == []
@@ -125,12 +125,12 @@ def test_a_single_trained_arm_gets_only_the_clients_its_proofs_need(server, spec
     # One loaded arm: its initial output is compared with the setup client's, before any update.
     (cmp,) = result.provenance["group"]["initial_output_comparison"].items()
     assert cmp[0] == f"dppo_seed0_vs_{restoration.SOURCE_OUTPUT_KEY}" and cmp[1]["within_tolerance"]
-    assert result.probe["restored_vs_uninterrupted"]["within_tolerance"]
-    assert result.probe["base_lr_update_norm"] > 0
-    lr = result.lr_scaling
+    assert result.probe.restored_vs_uninterrupted["within_tolerance"]
+    assert result.probe.base_lr_update_norm > 0
+    lr = result.lr_scaling.to_json()
     assert lr["available"] and lr["passed"] and len(lr["lr_scaling"]) == 3
     base = next(p for p in lr["lr_scaling"] if p["learning_rate"] == 2e-5)
-    assert base["update_norm"] == result.probe["base_lr_update_norm"]  # the probe's update 1, not a new client
+    assert base["update_norm"] == result.probe.base_lr_update_norm  # the probe's update 1, not a new client
     assert verify_bundle(bundle.dir) == []
 
 

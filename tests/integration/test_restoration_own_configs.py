@@ -14,8 +14,8 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.plans import parse_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration_batch import build_fixed_batch
-from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader
+from dppo_harness.stages.restoration.batch import build_fixed_batch
+from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -36,9 +36,9 @@ def test_each_arm_is_checked_against_a_probe_of_its_own_optimizer_config(shared_
     finally:
         sc.close("success").result(timeout=60)
     assert result.passed, result.failure_message()
-    assert set(result.probe["own_config_probes"]) == {"dppo_seed0"}
-    assert result.probe["own_config_probes"]["dppo_seed0"]["adam_params"]["beta2"] == 0.99
-    assert result.probe["adam_params"]["beta2"] == 0.95
+    assert set(result.probe.own_config_probes) == {"dppo_seed0"}
+    assert result.probe.own_config_probes["dppo_seed0"].adam_params["beta2"] == 0.99
+    assert result.probe.adam_params["beta2"] == 0.95
     for arm, beta2 in (("grpo_seed0", 0.95), ("dppo_seed0", 0.99)):
         checks = _checks(result.provenance["arms"][arm])
         assert len(checks) == 2

@@ -4,8 +4,8 @@ library's measured result; `restoration` runs once and later stages reuse its cl
 from __future__ import annotations
 
 from dppo_harness.stages import restoration as restoration_module
-from dppo_harness.stages.restoration_batch import FIXED_BATCH_FILE
-from dppo_harness.stages.restoration_lr_probe import DEFAULT_LR_MULTIPLIERS
+from dppo_harness.stages.restoration.batch import FIXED_BATCH_FILE
+from dppo_harness.stages.restoration.lr_probe import DEFAULT_LR_MULTIPLIERS
 from dppo_harness.train.fingerprints import batch_sha256
 from dppo_harness.train.optimizer_checks import own_response_only
 
@@ -15,7 +15,7 @@ def test_restoration_preflight_passes(restoration):
 
 
 def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
-    arms = [a["name"] for a in restoration_module.restoration_arms(plan.spec_plan.experiment)]
+    arms = [a.name for a in restoration_module.restoration_arms(plan.spec_plan.experiment)]
     if plan.kind == "bounded_diagnostic":  # only the arm that trains gets a client
         arms = [plan.diagnostic.fixed_settings.treatment.arm]
     assert sorted(restoration.clients) == sorted(arms)
@@ -36,7 +36,7 @@ def test_initial_outputs_match_before_any_update(restoration):
 
 
 def test_restored_probe_update_matches_uninterrupted(restoration):
-    probe = restoration.probe
+    probe = restoration.probe.to_json()
     assert probe["restored_vs_uninterrupted"]["within_tolerance"], probe["restored_vs_uninterrupted"]
     assert not probe["second_update_effect"]["within_tolerance"], "the probe update must move logprobs"
 
@@ -52,7 +52,7 @@ def test_optimizer_checks_cover_creation_and_every_restore(restoration):
 
 
 def test_lr_scaling_measured_where_the_backend_can(restoration, service_backend):
-    lr = restoration.lr_scaling
+    lr = restoration.lr_scaling.to_json()
     if service_backend.kind == "local":
         assert lr["available"] and lr["passed"], lr
         assert len(lr["lr_scaling"]) >= 2 and all(p["update_norm"] > 0 for p in lr["lr_scaling"])
@@ -85,7 +85,7 @@ def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, c
     roles = [c["role"] or "" for c in probes["training_clients"]]
     assert roles[0].startswith("setup (shared") and "uninterrupted restore probe" in roles[0]
     # two more (a fresh uninterrupted and a restored client) per other optimizer config the arms train with
-    extra = 2 * len({r["mid_checkpoint"] for r in restoration.probe.get("own_config_probes", {}).values()})
+    extra = 2 * len({r.mid_checkpoint for r in restoration.probe.own_config_probes.values()})
     assert sum(r.startswith("restore probe") for r in roles) == 1 + extra
     assert len(roles) <= 2 + len(DEFAULT_LR_MULTIPLIERS) - 1 + extra  # one client per LR other than the planned one
     arms = [c for c in sessions["session"]["training_clients"] if (c["role"] or "").startswith("arm ")]

@@ -12,7 +12,7 @@ import tinker
 
 from dppo_harness.pytest_plugin import fixtures_preflight
 from dppo_harness.service.connectivity import ConnectivityReport, client_base_model
-from dppo_harness.stages import restoration
+from dppo_harness.stages.restoration import checkpoint
 
 PLANNED = "Qwen/Qwen3.5-2B"
 SUBSTITUTE = "Qwen/Qwen3.5-4B"
@@ -66,7 +66,7 @@ def test_the_resolved_model_is_the_one_passed_to_client_creation(report, want):
     model = client_base_model(PLANNED, report)
     assert model == want
     sc = _ServiceClient()
-    initial = restoration._fresh_checkpoint(sc, model, 8, "shared", 0, "t", restoration._Recorder(), lambda fn: fn())
+    initial = checkpoint.fresh_checkpoint(sc, model, 8, "shared", 0, "t", checkpoint.Recorder(), lambda fn: fn())
     assert sc.created == [want] and initial.immutable
 
 

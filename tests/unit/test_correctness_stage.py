@@ -13,14 +13,14 @@ import pytest
 
 from dppo_harness.loss import correctness, correctness_golden, losses
 from dppo_harness.stages.correctness_preflight import GOLDEN_FIXTURE, run_correctness_preflight
-from dppo_harness.stages.restoration_lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration.lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration.records import LrScalingMeasured, LrScalingUnavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / GOLDEN_FIXTURE
 SPEC = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
 TRAINED = (losses.GRPO_LOSS, losses.DPPO_LOSS)
-UNMEASURED = {"available": False, "reason": "backend reports no update norms", "learning_rates": [1e-5, 2e-5],
-              "lr_scaling": [], "passed": None}
+UNMEASURED = LrScalingUnavailable("backend reports no update norms", [1e-5, 2e-5])
 
 
 def _tampered_golden(tmp_path: Path) -> Path:
@@ -43,7 +43,7 @@ def test_passes_on_the_shared_golden_file_and_records_the_steps_block():
     assert outcome.report.to_json() == report.to_json()
     assert (outcome.status, list(outcome.messages)) == correctness.validate_preflight(SPEC, outcome.block)
     (path,) = outcome.block["paths"]
-    assert [e["learning_rate"] for e in path["lr_scaling"]] == UNMEASURED["learning_rates"]
+    assert [e["learning_rate"] for e in path["lr_scaling"]] == UNMEASURED.learning_rates
     assert all(e["available"] is False and e["update_norm"] is None for e in path["lr_scaling"])
     pre = json.loads(json.dumps(outcome.preflight_json()))
     assert set(pre) == {"status", "messages", "correctness_preflight"} and pre["correctness_preflight"] == outcome.block
@@ -93,11 +93,11 @@ def test_fails_when_the_spec_sets_an_lr_tolerance_the_probe_could_not_meet():
     unmeasured = run_correctness_preflight(spec, UNMEASURED, TRAINED, ROOT, modes=("float64",))
     assert unmeasured.report.n_failed == 0 and not unmeasured.passed and unmeasured.status == "failed"
     assert any("lr_scaling unavailable" in line for line in unmeasured.failures())
-    off = {"available": True, "lr_scaling": [{"learning_rate": 1e-5, "update_norm": 2.0},
-                                              {"learning_rate": 2e-5, "update_norm": 3.0}]}
+    off = LrScalingMeasured(lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0},
+                                        {"learning_rate": 2e-5, "update_norm": 3.0}])
     assert not run_correctness_preflight(spec, off, TRAINED, ROOT, modes=("float64",)).passed
-    good = {"available": True, "lr_scaling": [{"learning_rate": 1e-5, "update_norm": 2.0},
-                                               {"learning_rate": 2e-5, "update_norm": 4.02}]}
+    good = LrScalingMeasured(lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0},
+                                         {"learning_rate": 2e-5, "update_norm": 4.02}])
     assert run_correctness_preflight(spec, good, TRAINED, ROOT, modes=("float64",)).passed
 
 

@@ -37,20 +37,22 @@ def test_plan_totals_must_match(tmp_path):
 
 
 def test_service_work_ledger_flags_undeclared_and_excess_work():
-    ok = evidence_items.service_work_ledger(PLAN.raw, {"restore_continuity_probe": {"optimizer_updates": 3},
+    ok = evidence_items.service_work_ledger(PLAN.diagnostic.service_work, {"restore_continuity_probe": {"optimizer_updates": 3},
                                            "lr_scaling_probe": {"optimizer_updates": 3},
                                            "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1}})
     assert ok["within_declaration"] and ok["executed_totals"] == {"optimizer_updates": 22, "sampling_batches": 1}
     # The old behaviour: a feasibility pilot with 2 updates and 16 rollouts under the diagnostic plan.
-    bad = evidence_items.service_work_ledger(PLAN.raw, {"feasibility_pilot": {"optimizer_updates": 2, "sampling_batches": 1},
+    bad = evidence_items.service_work_ledger(PLAN.diagnostic.service_work, {"feasibility_pilot": {"optimizer_updates": 2, "sampling_batches": 1},
                                             "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1}})
     assert not bad["within_declaration"] and any("feasibility_pilot" in p for p in bad["problems"])
     assert any("undeclared_probe" in p for p in evidence_items.service_work_ledger(
-        PLAN.raw, {"undeclared_probe": {"optimizer_updates": 1}})["problems"])
+        PLAN.diagnostic.service_work, {"undeclared_probe": {"optimizer_updates": 1}})["problems"])
+    # The ledger's declared rows are the plan's items as the plan file states them.
+    assert [r["declared"] for r in ok["items"]] == PLAN.raw["service_work"]["items"]
 
 
 def test_original_gate_report_is_a_real_file_saying_unavailable():
-    r = evidence_items.original_gate_report(PLAN.raw)
+    r = evidence_items.original_gate_report(PLAN.diagnostic)
     assert r["available"] is False and "run_19badd842c" in r["reason"] and r["overwritten"] is False
     reasons = " ".join(d["reason"] for d in PLAN.raw["deviations"])
     assert "kept separately" not in reasons and ORIGINAL_GATE_REPORT_FILE in reasons

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from dppo_harness.loss import correctness, correctness_golden
-from dppo_harness.stages.restoration_lr_probe import attach_lr_scaling
-from dppo_harness.stages.restoration_update_norm import (
+from dppo_harness.stages.restoration.lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration.records import LrScalingUnavailable
+from dppo_harness.stages.restoration.update_norm import (
     CheckpointUpdateNorm,
     LocalCheckpointReader,
     planned_lr_on_setup_client,
@@ -67,8 +68,7 @@ def test_unavailable_read_back_keeps_the_exact_reason_in_the_brief_block():
     applied = []
     assert m(c, lambda: applied.append(1)) is None and applied == []
     assert "404 Not Found" in m.last_error
-    block = {"available": False, "reason": f"{m.description}: {m.last_error}", "learning_rates": [2e-5, 4e-5],
-             "lr_scaling": [], "passed": None}
+    block = LrScalingUnavailable(f"{m.description}: {m.last_error}", [2e-5, 4e-5])
     pre = attach_lr_scaling({"paths": [{"id": "p"}]}, block)
     lr = pre["paths"][0]["lr_scaling"]
     assert len(lr) == 2 and all(e["available"] is False and e["update_norm"] is None and "404" in e["reason"] for e in lr)

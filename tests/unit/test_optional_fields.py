@@ -22,7 +22,8 @@ from dppo_harness.local_server.faults import (
 )
 from dppo_harness.service.identity import served_model_from_info
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration_provenance import check_provenance, initialization_entry
+from dppo_harness.stages.restoration import checkpoint
+from dppo_harness.stages.restoration.provenance import check_provenance, initialization_entry
 from dppo_harness.train.optimizer_checks import optimizer_check
 
 USER = types.RequestErrorCategory.User
@@ -119,8 +120,8 @@ class _ServiceClient:
     (None, False),
 ])
 def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, want):
-    rec = restoration._Recorder()
-    initial = restoration._fresh_checkpoint(_ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, "shared", 0, "t",
+    rec = checkpoint.Recorder()
+    initial = checkpoint.fresh_checkpoint(_ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, "shared", 0, "t",
                                   rec, lambda fn: fn())
     assert initial.immutable is want and initial.immutable_reason
     kept = [k for k in rec.responses if k.startswith("save_shared_again")]

@@ -12,10 +12,11 @@ import tinker
 from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration_batch import reference_completion
-from dppo_harness.stages.restoration_lr_probe import LR_SCALING_FILE, attach_lr_scaling
-from dppo_harness.stages.restoration_probe import reweighted
-from dppo_harness.stages.restoration_provenance import check_provenance, initialization_entry
+from dppo_harness.stages.restoration.batch import reference_completion
+from dppo_harness.stages.restoration.lr_probe import LR_SCALING_FILE, attach_lr_scaling
+from dppo_harness.stages.restoration.probe import reweighted
+from dppo_harness.stages.restoration.provenance import check_provenance, initialization_entry
+from dppo_harness.stages.restoration.records import LrScalingMeasured, LrScalingUnavailable
 from dppo_harness.train.clients import RestorationError, datum_arrays, make_datum
 from dppo_harness.train.fingerprints import batch_sha256, compare_logprobs, logprobs_sha256
 from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, server_optimizer_family
@@ -223,7 +224,7 @@ def test_reference_completion_boxes_the_final_answer():
 
 def test_restoration_arms_requires_one_group_of_two():
     spec = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json").experiment
-    assert [a["name"] for a in restoration.restoration_arms(spec)] == ["grpo_seed0", "dppo_seed0"]
+    assert [a.name for a in restoration.restoration_arms(spec)] == ["grpo_seed0", "dppo_seed0"]
     rp = spec.restoration_preflight
     one = rp.model_copy(update={"groups": [rp.groups[0].model_copy(update={"arms": rp.groups[0].arms[:1]})]})
     with pytest.raises(RestorationError, match="at least two arms"):
@@ -234,17 +235,39 @@ def test_restoration_arms_requires_one_group_of_two():
 
 def test_attach_lr_scaling_fills_or_explains():
     block = {"required": True, "paths": [{"id": "p", "lr_scaling": []}]}
-    measured = {"available": True, "passed": True, "rtol": 0.05, "relative_error": [0.0, 1e-9],
-                "measure": "m", "reset": "r",
-                "lr_scaling": [{"learning_rate": 1e-5, "update_norm": 0.1}, {"learning_rate": 2e-5, "update_norm": 0.2}]}
+    measured = LrScalingMeasured(passed=True, rtol=0.05, relative_error=[0.0, 1e-9], measure="m", reset="r",
+                                 lr_scaling=[{"learning_rate": 1e-5, "update_norm": 0.1},
+                                             {"learning_rate": 2e-5, "update_norm": 0.2}])
     out = attach_lr_scaling(block, measured)
-    assert out["paths"][0]["lr_scaling"] == measured["lr_scaling"]
+    assert out["paths"][0]["lr_scaling"] == measured.lr_scaling
     assert out["paths"][0]["lr_scaling_status"]["available"] is True
     assert block["paths"][0]["lr_scaling"] == []  # input untouched
-    missing = attach_lr_scaling(block, {"available": False, "reason": "no parameters over the API",
-                                          "lr_scaling": []})
+    missing = attach_lr_scaling(block, LrScalingUnavailable("no parameters over the API"))
     # Issue 11 point 10: never an empty list; the brief's block says unmeasured and why.
     assert missing["paths"][0]["lr_scaling"] == [{"learning_rate": None, "update_norm": None, "available": False,
                                                   "reason": "no parameters over the API"}]
     assert missing["paths"][0]["lr_scaling_status"] == {
         "available": False, "evidence_ref": LR_SCALING_FILE, "reason": "no parameters over the API"}
+
+
+def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
+    import dataclasses
+
+    from dppo_harness.stages.restoration.records import RestoreProbeResult
+
+    cmp = {"bitwise_equal": True, "max_abs_diff": 0.0, "within_tolerance": True, "atol": 1e-4}
+    probe = RestoreProbeResult("tinker://m/weights/a", "tinker://m/weights/b", None, {"learning_rate": 1e-5}, cmp, cmp,
+                               {"update1": {}, "update2_uninterrupted": {}, "update2_restored": {}}, {}, "r#x", None, [])
+    keys = ["initial_checkpoint", "mid_checkpoint", "loaded_checkpoint_uri", "updates", "adam_params",
+            "restored_vs_uninterrupted", "second_update_effect", "optim_metrics", "echoed_config", "echo_ref",
+            "echo_observed_on", "uninterrupted_client", "base_lr_update_norm", "failures"]
+    assert list(probe.to_json()) == keys
+    probe.own_config_probes = {"b": dataclasses.replace(probe)}
+    assert list(probe.to_json()) == [*keys, "own_config_probes"]
+    assert LrScalingUnavailable("why", [1e-5]).to_json() == {
+        "available": False, "reason": "why", "learning_rates": [1e-5], "lr_scaling": [], "passed": None}
+    measured = LrScalingMeasured([{"learning_rate": 1e-5, "update_norm": 0.1}], True, 0.05, [0.0], "m", "r", "g", None)
+    assert list(measured.to_json().items()) == [
+        ("available", True), ("measure", "m"), ("reset", "r"), ("gradient", "g"),
+        ("lr_scaling", [{"learning_rate": 1e-5, "update_norm": 0.1}]), ("relative_error", [0.0]), ("rtol", 0.05),
+        ("passed", True), ("problem", None)]

@@ -46,7 +46,7 @@ class ResponseYield:
         return {"n": self.n, "truncated": self.truncated, "truncated_frac": self.truncated_frac,
                 "no_answer": self.no_answer, "no_answer_frac": self.no_answer_frac,
                 "mean_response_tokens": self.mean_response_tokens, "max_tokens": self.max_tokens,
-                "definitions": {k: v for k, v in DEFINITIONS.items()}}
+                "definitions": {**DEFINITIONS}}
 
 
 DEFINITIONS = {

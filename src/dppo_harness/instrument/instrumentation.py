@@ -170,7 +170,7 @@ def decision_stats(
         # The tails that matter for the directional mask: up-moves on A>0, down-moves on A<0.
         "drift/max_on_pos_adv": float(d[pos].max()) if pos.any() else None,
         "drift/min_on_neg_adv": float(d[neg].min()) if neg.any() else None,
-        "hist": {k: v for k, v in signed_histograms(d, adv, loss).items()},
+        "hist": {**signed_histograms(d, adv, loss)},
     }
 
 
@@ -211,7 +211,7 @@ class LossCallRecord:
             "context": self.context,
             "dtype": self.dtype,
             "stats": self.stats,
-            "loss_metrics": {k: v for k, v in self.loss_metrics.items()},
+            "loss_metrics": {**self.loss_metrics},
             "started_unix": self.started_unix,
             "loss_seconds": self.loss_seconds,
             "hist_bins": [*hist_bin_labels()],

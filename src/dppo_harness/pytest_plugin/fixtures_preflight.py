@@ -70,7 +70,7 @@ def restoration(request: pytest.FixtureRequest, service_client: tinker.ServiceCl
     diagnostic's original plan), run once."""
     from dppo_harness.service.capacity import call_with_capacity_retry  # the SDK: see above
     from dppo_harness.stages import restoration as restoration_module  # the SDK: see above
-    from dppo_harness.stages.restoration_update_norm import LocalCheckpointReader  # the SDK: see above
+    from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader  # the SDK: see above
     from dppo_harness.train.clients import RestorationError  # the SDK: see above
 
     reader = None

@@ -135,17 +135,6 @@ def comparison_run(request: pytest.FixtureRequest, service_client: tinker.Servic
     pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
 
-def preflight_service_work(restoration) -> dict[str, dict[str, int]]:
-    """Optimizer updates the preflight issued on its throwaway probe clients, from its own records:
-    the restore-continuity probe (one update on the uninterrupted client, then one on each of the
-    uninterrupted and the restored client) and one update per measured LR probe, less the one at
-    the planned LR, which is the continuity probe's first update. No sampling."""
-    lr = restoration.lr_scaling or {}
-    shared = 1 if (restoration.probe or {}).get("base_lr_update_norm") is not None else 0
-    lr_updates = max(0, len(lr.get("lr_scaling") or []) - shared) if lr.get("available") else 0
-    return {"restore_continuity_probe": {"optimizer_updates": 3 if restoration.probe else 0, "sampling_batches": 0},
-            "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
-            "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0}}
 
 
 @pytest.fixture(scope="session")
@@ -157,6 +146,7 @@ def diagnostic_run(request: pytest.FixtureRequest, service_client: tinker.Servic
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
     from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic  # the SDK and torch: see above
+    from dppo_harness.stages.restoration import preflight_service_work  # the SDK and torch: see above
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()
     run = run_bounded_diagnostic(

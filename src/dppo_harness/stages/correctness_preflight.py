@@ -1,4 +1,4 @@
-"""The correctness preflight as one step: golden parity of the custom loss path, the brief's
+"""The correctness preflight as one step: golden parity of the custom loss path, the result's
 ``correctness_preflight`` block with the restoration preflight's LR-scaling probe attached, the
 validator's verdict on that block, and the registry parity of every loss the plan's arms train.
 
@@ -8,10 +8,9 @@ asserts ``passed``; nothing here writes files.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dppo_harness.loss.correctness import build_preflight_block, spec_tolerances, validate_preflight
 from dppo_harness.loss.correctness_golden import (
@@ -22,7 +21,8 @@ from dppo_harness.loss.correctness_golden import (
     registered_loss_parity,
 )
 from dppo_harness.loss.correctness_reference import MODES
-from dppo_harness.stages.restoration_lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration.lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration.records import JsonObject, LrScalingBlock
 
 # The golden file the preflight checks, relative to the project root.
 GOLDEN_FIXTURE = Path("tests") / "fixtures" / "dppo_golden_v1.json"
@@ -35,7 +35,7 @@ class CorrectnessPreflight:
     golden: Path  # the golden file checked
     report: GoldenReport  # every golden case x mode through the packed path
     parity: tuple[LossParity, ...]  # one per trained loss, sorted by name
-    block: dict[str, Any]  # the correctness_preflight block, lr_scaling attached
+    block: JsonObject  # the correctness_preflight block, lr_scaling attached
     status: str  # the validator's verdict on `block`: passed / failed / not_applicable
     messages: tuple[str, ...]  # the validator's lines
 
@@ -54,21 +54,21 @@ class CorrectnessPreflight:
             out += [f"validator: {self.status}", *self.messages]
         return out
 
-    def golden_report_json(self) -> dict[str, Any]:
+    def golden_report_json(self) -> JsonObject:
         """``correctness-golden-report.json``: the golden report and the registry parity."""
         return {**self.report.to_json(), "loss_registry_parity": {
             "tolerance": REGISTRY_TOLERANCE,
             "losses": [{"loss": p.loss, "cases": p.cases, "passed": p.passed, "failures": list(p.failures)}
                        for p in self.parity]}}
 
-    def preflight_json(self) -> dict[str, Any]:
+    def preflight_json(self) -> JsonObject:
         """``correctness-preflight.json``: the validator's verdict with the block it judged."""
         return {"status": self.status, "messages": list(self.messages), "correctness_preflight": self.block}
 
 
 def run_correctness_preflight(
-    spec: dict[str, Any],
-    lr_scaling: Mapping[str, Any],
+    spec: JsonObject,
+    lr_scaling: LrScalingBlock,
     losses: Iterable[str],
     root: Path,
     golden: Path | None = None,
@@ -79,7 +79,7 @@ def run_correctness_preflight(
 
     - `spec`: the plan's spec JSON; its ``correctness_preflight`` path ``grpo_dppo_custom_loss``
       supplies the tolerances (a spec without that path raises ValueError naming it).
-    - `lr_scaling`: the restoration preflight's LR-probe block (``RestorationOutcome.lr_scaling``),
+    - `lr_scaling`: the restoration preflight's LR-probe block (``RestorationResult.lr_scaling``),
       attached to every path of the block as measured or as unmeasured with its reason.
     - `losses`: the registered losses the plan's arms train; each gets ``registered_loss_parity``
       against its golden cases under `root`.

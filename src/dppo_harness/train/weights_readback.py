@@ -41,7 +41,7 @@ def update_norm_from_tensors(before: dict[str, torch.Tensor], after: dict[str, t
 
 
 class ExternalWeightsUpdateNorm:
-    """`restoration_update_norm.UpdateNormMeasure` through `save_weights_external` + signed URLs."""
+    """`restoration.update_norm.UpdateNormMeasure` through `save_weights_external` + signed URLs."""
 
     description = DESCRIPTION
 

@@ -7,7 +7,9 @@ the update cap or the wall cap, whichever comes first. Then pool all second-epoc
 loss-token counts, evaluate the plan's criteria, and classify the outcome.
 
 Parts, in the order a run uses them: `config` (the plan's settings), `files` (evidence file
-names), `selftest` (must-fire / must-not-fire cases), `sentinels`, `run_state`, `loop` (the
-run), `criteria`, `classification`, `conclusion` (the answer for the planned model and the next
-action), `analysis`, `evidence_items` (pure builders) and `evidence_writer` (what is registered).
+names), `records` (the typed JSON blocks the steps hand each other: self-test report, sentinel
+summary, result fields), `selftest` (must-fire / must-not-fire cases), `sentinels`, `run_state`,
+`update_archive` (the update records' evidence files), `loop` (the run), `criteria`,
+`classification`, `conclusion` (the answer for the planned model and the next action),
+`analysis`, `evidence_items` (pure builders) and `evidence_writer` (what is registered).
 """

@@ -5,7 +5,7 @@ the next action, and what the stage contributes to result.json."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +14,7 @@ import numpy as np
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, pool_calls
+from dppo_harness.loss.losses import LossConfig
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import (
     Classification,
@@ -23,8 +24,9 @@ from dppo_harness.stages.diagnostic.classification import (
     trainer_moved,
 )
 from dppo_harness.stages.diagnostic.conclusion import compose_summary, for_planned_model, next_action
-from dppo_harness.stages.diagnostic.config import FIXES, LOOP_LABEL, DiagnosticConfig
+from dppo_harness.stages.diagnostic.config import FIXES, LOOP_LABEL, DiagnosticConfig, JsonObject
 from dppo_harness.stages.diagnostic.criteria import CriterionResult, evaluate_criteria
+from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, SelftestReport, SentinelSummary
 
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
@@ -34,30 +36,30 @@ if TYPE_CHECKING:
 class DiagnosticResult:
     config: DiagnosticConfig
     records: list[ins.LossCallRecord]
-    sentinels: dict[str, Any]
-    pooled: dict[str, Any] | None
+    sentinels: SentinelSummary
+    pooled: dict[str, Any] | None  # instrument.pooled.pool_calls of the second-epoch calls
     criteria: list[CriterionResult]
     classification: Classification
-    selftest: dict[str, Any]
+    selftest: SelftestReport
     updates_done: int
     stop_reason: str
     wall_seconds: float
     setup_seconds: float
     frozen_batch_sha256: str | None
-    minibatches: list[dict[str, Any]]
-    next_action: dict[str, Any]
+    minibatches: list[JsonObject]
+    next_action: JsonObject
     files: tuple[str, ...] = ()
-    restore: dict[str, Any] = field(default_factory=dict)
+    restore: JsonObject = field(default_factory=dict)
     effective_cap_seconds: float | None = None
     errors: list[str] = field(default_factory=list)
     served: ServedModel | None = None
 
     @property
-    def result_fields(self) -> dict[str, Any]:
+    def result_fields(self) -> DiagnosticResultFields:
         """What this stage contributes to result.json."""
         return result_fields(self)
 
-    def analysis_json(self) -> dict[str, Any]:
+    def analysis_json(self) -> JsonObject:
         return ins.nan_free({
             "kind": "bounded_diagnostic_analysis",
             "loop": LOOP_LABEL,
@@ -88,18 +90,18 @@ def analyse(
     plan: Plan,
     records: Sequence[ins.LossCallRecord],
     *,
-    selftest: Mapping[str, Any],
-    sentinels: Mapping[str, Any],
+    selftest: SelftestReport,
+    sentinels: SentinelSummary,
     frozen_by_call: Sequence[np.ndarray] | None,
     updates_done: int,
     stop_reason: str,
     wall_seconds: float,
     setup_seconds: float,
     frozen_sha256: str | None,
-    minibatches: list[dict[str, Any]],
+    minibatches: list[JsonObject],
     errors: list[str],
     spec: ExperimentSpec | None,
-    restore: Mapping[str, Any] | None = None,
+    restore: JsonObject | None = None,
     effective_cap_seconds: float | None = None,
     served: ServedModel | None = None,
 ) -> DiagnosticResult:
@@ -127,15 +129,15 @@ def analyse(
                 "mask_fired": classification.mask_fired, "updates_done": updates_done}
     action = next_action(classification, cfg, spec, plan.diagnostic.plan_id, served, measured)
     return DiagnosticResult(
-        config=cfg, records=list(records), sentinels=dict(sentinels), pooled=pooled, criteria=criteria,
-        classification=classification, selftest=dict(selftest), updates_done=updates_done, stop_reason=stop_reason,
+        config=cfg, records=list(records), sentinels=sentinels, pooled=pooled, criteria=criteria,
+        classification=classification, selftest=selftest, updates_done=updates_done, stop_reason=stop_reason,
         wall_seconds=wall_seconds, setup_seconds=setup_seconds, frozen_batch_sha256=frozen_sha256,
         minibatches=minibatches, next_action=action, errors=list(errors), restore=dict(restore or {}),
         effective_cap_seconds=effective_cap_seconds, served=served,
     )
 
 
-def _independent_recheck(records: Sequence[ins.LossCallRecord], loss_cfg: Any) -> list[str]:
+def _independent_recheck(records: Sequence[ins.LossCallRecord], loss_cfg: LossConfig) -> list[str]:
     """Recompute every recorded call with the independent padded implementation (as replay does)."""
     problems = []
     for r in records:
@@ -143,15 +145,15 @@ def _independent_recheck(records: Sequence[ins.LossCallRecord], loss_cfg: Any) -
     return problems
 
 
-def result_fields(res: DiagnosticResult) -> dict[str, Any]:
+def result_fields(res: DiagnosticResult) -> DiagnosticResultFields:
     """What this stage contributes to result.json (numbers only under metrics)."""
-    c = res.classification.as_dict()
+    c = res.classification
     metrics: dict[str, float] = {
         "diagnostic/updates_done": float(res.updates_done),
         "diagnostic/wall_seconds": float(res.wall_seconds),
         "diagnostic/setup_seconds": float(res.setup_seconds),
-        "diagnostic/mask_fired": 1.0 if c["mask_fired"] else 0.0,
-        "diagnostic/active": 1.0 if c["active"] else 0.0,
+        "diagnostic/mask_fired": 1.0 if c.mask_fired else 0.0,
+        "diagnostic/active": 1.0 if c.active else 0.0,
         "diagnostic/selftest_passed": 1.0 if res.selftest.get("passed") else 0.0,
     }
     if res.pooled:
@@ -166,14 +168,14 @@ def result_fields(res: DiagnosticResult) -> dict[str, Any]:
     summary = compose_summary(
         served=served, updates_done=res.updates_done, max_updates=res.config.max_updates,
         groups=res.config.groups_per_batch, group_size=res.config.group_size, wall_seconds=res.wall_seconds,
-        state=c["state"], cause=c["cause"], active=c["active"],
+        state=c.state, cause=c.cause, active=c.active,
         next_action=str(res.next_action.get("action", "review the frozen revised comparison spec (not executed)")))
-    calibration = {
+    calibration: JsonObject = {
         "values": {cr.id: (cr.value if cr.value is not None else "missing") for cr in res.criteria},
         "note": (f"bounded diagnostic, not the original gate: {res.updates_done} updates over one frozen batch "
                  f"({res.config.epochs} epochs x {res.config.minibatches_per_epoch} minibatches of "
                  f"{res.config.groups_per_minibatch} groups), values pooled over all second-epoch loss calls by "
-                 f"loss-token counts; state {c['state']}"),
+                 f"loss-token counts; state {c.state}"),
         "evidence_ref": ANALYSIS_FILE,
     }
     return {

@@ -8,11 +8,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import JsonValue
 
 from dppo_harness import constants
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig
+from dppo_harness.stages.diagnostic.config import DiagnosticConfig, JsonObject
 from dppo_harness.stages.diagnostic.criteria import CriterionResult
+from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelPoint, SentinelSummary
 
 CAUSES = (
     "code_or_instrumentation_defect",
@@ -22,7 +24,7 @@ CAUSES = (
 )
 
 
-def _fmt(x: Any, spec: str = ".4g") -> str:
+def _fmt(x: JsonValue, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
@@ -36,12 +38,12 @@ def pinned_variant_problems(cfg: DiagnosticConfig) -> list[str]:
     return problems
 
 
-def trainer_moved(sentinels: Mapping[str, Any]) -> bool | None:
+def trainer_moved(sentinels: SentinelSummary) -> bool | None:
     """Whether the sentinels saw the trainer's probabilities change since initialization."""
     last = sentinels.get("last")
     if not last:
         return None
-    return last["summary"]["p_minus_p_init"]["abs_max"] > 0.0
+    return bool(last["summary"]["p_minus_p_init"]["abs_max"] > 0.0)
 
 
 def anchor_problems(records: Sequence[ins.LossCallRecord], frozen_sampler_by_call: Sequence[np.ndarray] | None,
@@ -85,13 +87,13 @@ class Classification:
     served_model: str | None = None
     stand_in: bool = False
 
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+    def as_dict(self) -> JsonObject:
+        d: JsonObject = asdict(self)
         d["integrity_problems"], d["variant_problems"] = list(self.integrity_problems), list(self.variant_problems)
         return d
 
 
-def _selftest_line(selftest: Mapping[str, Any]) -> str:
+def _selftest_line(selftest: SelftestReport) -> str:
     """The self-test's verdict and case count: the evidence against a code defect."""
     return (
         f"deterministic must-fire/must-not-fire self-test {'passed' if selftest.get('passed') else 'FAILED'} "
@@ -99,7 +101,7 @@ def _selftest_line(selftest: Mapping[str, Any]) -> str:
     )
 
 
-def _pooled_line(pooled: Mapping[str, Any], delta: float) -> str:
+def _pooled_line(pooled: Mapping[str, JsonValue], delta: float) -> str:
     """The pooled second-epoch counts and drift, in one sentence."""
     return (
         f"Second epoch, {pooled['calls']} loss calls, {pooled['tokens/loss']} loss tokens "
@@ -114,7 +116,7 @@ def _pooled_line(pooled: Mapping[str, Any], delta: float) -> str:
     )
 
 
-def _sentinel_line(init: Mapping[str, Any], last: Mapping[str, Any] | None) -> str:
+def _sentinel_line(init: Mapping[str, Any], last: SentinelPoint | None) -> str:
     """Trainer-vs-sampler drift on the sentinels at initialization and after the last measurement."""
     return (
         f"Sentinels ({init['tokens']} tokens): trainer-vs-sampler |p-q| q90 {_fmt(init['p_minus_q']['abs_p90'])} "
@@ -125,7 +127,7 @@ def _sentinel_line(init: Mapping[str, Any], last: Mapping[str, Any] | None) -> s
     )
 
 
-def _measured_lines(pooled: Mapping[str, Any] | None, sentinels: Mapping[str, Any], *, delta: float,
+def _measured_lines(pooled: Mapping[str, JsonValue] | None, sentinels: SentinelSummary, *, delta: float,
                     second_epoch_calls: int, stop_reason: str, updates_planned: int,
                     minibatches_per_epoch: int) -> list[str]:
     """What was measured: pooled values, a short second epoch, and the sentinels."""
@@ -142,8 +144,8 @@ def _measured_lines(pooled: Mapping[str, Any] | None, sentinels: Mapping[str, An
     return lines
 
 
-def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], pooled: Mapping[str, Any] | None,
-                    selftest: Mapping[str, Any], integrity_problems: Sequence[str], variant_problems: Sequence[str],
+def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], pooled: Mapping[str, JsonValue] | None,
+                    selftest: SelftestReport, integrity_problems: Sequence[str], variant_problems: Sequence[str],
                     updates_done: int, second_epoch_calls: int, stop_reason: str,
                     evidence_against_defect: str) -> str:
     """The cause of a run that is not active (first that applies), its reason appended to `lines`."""
@@ -176,11 +178,11 @@ def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], po
 def classify(
     *,
     criteria: Sequence[CriterionResult],
-    pooled: Mapping[str, Any] | None,
-    selftest: Mapping[str, Any],
+    pooled: Mapping[str, JsonValue] | None,
+    selftest: SelftestReport,
     integrity_problems: Sequence[str],
     variant_problems: Sequence[str],
-    sentinels: Mapping[str, Any],
+    sentinels: SentinelSummary,
     updates_done: int,
     second_epoch_calls: int,
     stop_reason: str,
@@ -194,7 +196,8 @@ def classify(
     evidence_against_defect = _selftest_line(selftest)
     applicable = [c for c in criteria if c.applies]
     active = bool(applicable) and all(c.passed for c in applicable) and not integrity_problems and not variant_problems
-    fired = bool(pooled) and pooled.get("dppo/removed", 0) > 0
+    removed = pooled.get("dppo/removed", 0) if pooled else 0
+    fired = bool(pooled) and isinstance(removed, (int, float)) and removed > 0
     state = "active" if active else ("partially_active" if fired else "inactive")
     lines = _measured_lines(pooled, sentinels, delta=delta, second_epoch_calls=second_epoch_calls,
                             stop_reason=stop_reason, updates_planned=updates_planned,

@@ -13,11 +13,13 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
 
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import Classification
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig
+from dppo_harness.stages.diagnostic.config import DiagnosticConfig, JsonObject
 
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec
@@ -40,7 +42,7 @@ def cause_for_question(measured_cause: str | None, active: bool, served: ServedM
     return "missing_evidence"
 
 
-def stand_in_next_action(served: ServedModel, plan_id: str, measured: Mapping[str, Any]) -> dict[str, Any]:
+def stand_in_next_action(served: ServedModel, plan_id: str, measured: Mapping[str, JsonValue]) -> JsonObject:
     """The cheapest next action after a stand-in run: the same frozen plan, unchanged, on the real service."""
     return {
         "kind": "cheapest_next_action",
@@ -105,7 +107,7 @@ def for_planned_model(c: Classification, served: ServedModel) -> Classification:
 
 def next_action(classification: Classification, cfg: DiagnosticConfig, spec: ExperimentSpec | None,
                 plan_id: str, served: ServedModel | None = None,
-                measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                measured: Mapping[str, JsonValue] | None = None) -> JsonObject:
     """Stand-in: the same frozen plan unchanged on the real service. Active: the frozen revised
     comparison spec (not executed). Otherwise: the cheapest next step."""
     if served is not None and served.is_stand_in and classification.cause != "code_or_instrumentation_defect":

@@ -8,14 +8,18 @@ code and its diagnosis could not be fetched from here (recorded as unavailable e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from dppo_harness.loss.losses import DPPO_LOSS, LossConfig
+from pydantic import JsonValue
+
+from dppo_harness.loss.losses import DPPO_LOSS, LossConfig, Normalization
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan
 
 # Seconds kept free at the end of the cap for analysis, replay re-check, report and evidence.
+JsonObject = dict[str, JsonValue]  # a JSON object the diagnostic writes as evidence
+
 FINALIZE_RESERVE_S = 30.0
 LOOP_LABEL = (
     "replacement loop written for this harness (dppo_harness.stages.diagnostic); NOT the earlier run's "
@@ -43,11 +47,6 @@ class DiagnosticError(RuntimeError):
 
 
 
-def plan_json(plan: Plan) -> dict[str, Any]:
-    """The validated diagnostic plan as JSON, for the evidence helpers that take a plan mapping."""
-    return plan.diagnostic.model_dump(mode="json", exclude_none=True)  # type: ignore[no-any-return]
-
-
 @dataclass(frozen=True)
 class DiagnosticConfig:
     arm: str  # the original spec's arm this diagnostic trains
@@ -65,14 +64,14 @@ class DiagnosticConfig:
     max_updates: int
     max_wall_seconds: float
     adam: dict[str, float]
-    normalization: str
+    normalization: Normalization
     delta: float
     ratio_cap: float
     ppo_eps: float
     sentinel_after_updates: tuple[int, ...]
     sentinels_per_sign: int = 4
     data_step: int = 0  # which train batch of the cookbook order is sampled
-    reductions: tuple[dict[str, Any], ...] = ()
+    reductions: tuple[dict[str, str | float], ...] = ()  # {"field", "original", "effective"} per override
 
     def loss_config(self) -> LossConfig:
         # The plan kind pins DPPO Binary-TV (fixed_settings.treatment.loss); its thresholds are the plan's.
@@ -84,7 +83,7 @@ _OVERRIDABLE = ("groups_per_batch", "group_size", "max_tokens", "minibatches_per
                 "groups_per_minibatch", "max_updates", "max_wall_seconds", "learning_rate", "sentinels_per_sign")
 
 
-def diagnostic_config(plan: Plan, **overrides: Any) -> DiagnosticConfig:
+def diagnostic_config(plan: Plan, **overrides: float) -> DiagnosticConfig:
     """The fixed settings and schedule of a bounded-diagnostic plan (its validated model).
     Overrides (tests' small plans only) are recorded as reductions; the stage test passes none."""
     if plan.kind != "bounded_diagnostic":
@@ -96,7 +95,7 @@ def diagnostic_config(plan: Plan, **overrides: Any) -> DiagnosticConfig:
         raise DiagnosticError("schedule: groups_per_batch != minibatches_per_epoch * groups_per_minibatch")
     if sch.new_sampling_after_batch or sch.old_logprob_refresh or sch.sampling_batches != 1:
         raise DiagnosticError("schedule: the diagnostic samples exactly one batch and never refreshes old logprobs")
-    values: dict[str, Any] = {
+    values: dict[str, float] = {
         "groups_per_batch": sch.groups_per_batch,
         "group_size": sch.group_size,
         "max_tokens": samp.max_tokens,
@@ -110,7 +109,7 @@ def diagnostic_config(plan: Plan, **overrides: Any) -> DiagnosticConfig:
     unknown = set(overrides) - set(_OVERRIDABLE)
     if unknown:
         raise DiagnosticError(f"unknown diagnostic overrides {sorted(unknown)}")
-    reductions = []
+    reductions: list[dict[str, str | float]] = []
     for k, v in overrides.items():
         if v != values[k]:
             reductions.append({"field": k, "original": values[k], "effective": v})
@@ -125,14 +124,14 @@ def diagnostic_config(plan: Plan, **overrides: Any) -> DiagnosticConfig:
         base_model=fs.base_model,
         lora_rank=fs.lora_rank,
         seed=fs.seed,
-        groups_per_batch=values["groups_per_batch"],
-        group_size=values["group_size"],
+        groups_per_batch=int(values["groups_per_batch"]),
+        group_size=int(values["group_size"]),
         temperature=float(samp.temperature),
-        max_tokens=values["max_tokens"],
-        minibatches_per_epoch=values["minibatches_per_epoch"],
-        groups_per_minibatch=values["groups_per_minibatch"],
+        max_tokens=int(values["max_tokens"]),
+        minibatches_per_epoch=int(values["minibatches_per_epoch"]),
+        groups_per_minibatch=int(values["groups_per_minibatch"]),
         epochs=sch.epochs,
-        max_updates=values["max_updates"],
+        max_updates=int(values["max_updates"]),
         max_wall_seconds=float(values["max_wall_seconds"]),
         adam=adam,
         normalization=fs.loss_normalization.mode,

@@ -12,23 +12,30 @@ import contextlib
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import JsonValue
 
 from dppo_harness.instrument import replay
+from dppo_harness.stages.diagnostic.config import JsonObject
 from dppo_harness.stages.diagnostic.files import FEASIBILITY_SOURCE
 from dppo_harness.train.optimizer_checks import own_response_only
 
+if TYPE_CHECKING:
+    from dppo_harness.plans.models import BoundedDiagnostic, ServiceWork
+    from dppo_harness.stages.restoration.provenance import ArmProvenance
 
-def original_gate_report(plan_json: Mapping[str, Any], gate_report_in_bundle: str | None = None) -> dict[str, Any]:
+
+def original_gate_report(plan: BoundedDiagnostic, gate_report_in_bundle: str | None = None) -> JsonObject:
     """What the deviations' "kept separately" points at: the original pilot's gate report is not in
     reach (the prior run's evidence), and this session's gate stage report, if any, is untouched."""
-    refs = [r for r in plan_json.get("unavailable_references", []) if "run_" in r.get("ref", "")]
+    refs = [r for r in plan.unavailable_references if "run_" in r.ref]
     return {
         "kind": "original_gate_report",
         "available": False,
         "reason": ("the original failed pilot's gate report is part of the prior run's evidence ("
-                   + ", ".join(r["ref"] for r in refs) + "), which cannot be reached from this machine: "
-                   + "; ".join(r["reason"] for r in refs)) if refs else
+                   + ", ".join(r.ref for r in refs) + "), which cannot be reached from this machine: "
+                   + "; ".join(r.reason for r in refs)) if refs else
                   "the original failed pilot's gate report is not reachable from this machine",
         "this_session_gate_report": gate_report_in_bundle,
         "overwritten": False,
@@ -38,43 +45,44 @@ def original_gate_report(plan_json: Mapping[str, Any], gate_report_in_bundle: st
     }
 
 
-def service_work_ledger(plan_json: Mapping[str, Any], executed: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+def service_work_ledger(sw: ServiceWork | None, executed: Mapping[str, Mapping[str, int]]) -> JsonObject:
     """Declared (plan.service_work) vs executed optimizer updates and sampling batches per item.
     Executed work not declared, or above its declared count, is a problem."""
-    sw = plan_json.get("service_work")
-    if not sw:
-        return {"declared": None, "executed": dict(executed), "problems": ["the plan declares no service_work"],
-                "within_declaration": False}
-    declared = {i["id"]: i for i in sw["items"]}
-    rows, problems = [], []
+    if sw is None:
+        return {"declared": None, "executed": {k: dict(v) for k, v in executed.items()},
+                "problems": ["the plan declares no service_work"], "within_declaration": False}
+    declared = {i.id: i for i in sw.items}
+    rows: list[JsonValue] = []
+    problems: list[str] = []
+    totals = {"optimizer_updates": 0, "sampling_batches": 0}
     for item_id in list(declared) + [k for k in executed if k not in declared]:
         d, e = declared.get(item_id), dict(executed.get(item_id, {}))
-        row = {"id": item_id, "declared": d, "executed": {"optimizer_updates": int(e.get("optimizer_updates", 0)),
-                                                          "sampling_batches": int(e.get("sampling_batches", 0))}}
+        done = {"optimizer_updates": int(e.get("optimizer_updates", 0)), "sampling_batches": int(e.get("sampling_batches", 0))}
         if d is None:
             problems.append(f"{item_id}: executed but not declared in the plan")
         else:
-            for k in ("optimizer_updates", "sampling_batches"):
-                if row["executed"][k] > d[k]:
-                    problems.append(f"{item_id}: {row['executed'][k]} {k} executed > {d[k]} declared")
-        rows.append(row)
-    totals = {k: sum(r["executed"][k] for r in rows) for k in ("optimizer_updates", "sampling_batches")}
-    if totals["optimizer_updates"] > sw["max_total_optimizer_updates"]:
-        problems.append(f"{totals['optimizer_updates']} optimizer updates > {sw['max_total_optimizer_updates']} declared")
-    if totals["sampling_batches"] > sw["max_total_sampling_batches"]:
-        problems.append(f"{totals['sampling_batches']} sampling batches > {sw['max_total_sampling_batches']} declared")
-    return {"kind": "service_work_ledger", "declared_before_execution": bool(sw["declared_before_execution"]),
-            "items": rows, "executed_totals": totals,
-            "declared_totals": {"optimizer_updates": sw["max_total_optimizer_updates"],
-                                "sampling_batches": sw["max_total_sampling_batches"]},
-            "problems": problems, "within_declaration": not problems}
+            for k, want in (("optimizer_updates", d.optimizer_updates), ("sampling_batches", d.sampling_batches)):
+                if done[k] > want:
+                    problems.append(f"{item_id}: {done[k]} {k} executed > {want} declared")
+        rows.append({"id": item_id, "declared": None if d is None else d.model_dump(mode="json", exclude_none=True),
+                     "executed": dict(done)})
+        totals = {k: totals[k] + done[k] for k in totals}
+    if totals["optimizer_updates"] > sw.max_total_optimizer_updates:
+        problems.append(f"{totals['optimizer_updates']} optimizer updates > {sw.max_total_optimizer_updates} declared")
+    if totals["sampling_batches"] > sw.max_total_sampling_batches:
+        problems.append(f"{totals['sampling_batches']} sampling batches > {sw.max_total_sampling_batches} declared")
+    return {"kind": "service_work_ledger", "declared_before_execution": bool(sw.declared_before_execution),
+            "items": rows, "executed_totals": dict(totals),
+            "declared_totals": {"optimizer_updates": sw.max_total_optimizer_updates,
+                                "sampling_batches": sw.max_total_sampling_batches},
+            "problems": list(problems), "within_declaration": not problems}
 
 
-def diagnostic_feasibility(*, config: Mapping[str, Any], effective_config: Mapping[str, Any], primary_endpoint: str,
+def diagnostic_feasibility(*, config: Mapping[str, JsonValue], effective_config: Mapping[str, JsonValue], primary_endpoint: str,
                            setup_seconds: float, sampling_seconds: float, sampled_sequences: int,
                            update_seconds: Sequence[float], sequences_per_update: float, planned_updates: int,
-                           recovery_seconds: float) -> dict[str, Any]:
-    """The brief's feasibility block from the diagnostic's own measured schedule: setup (restore),
+                           recovery_seconds: float) -> JsonObject:
+    """result.json's feasibility block from the diagnostic's own measured schedule: setup (restore),
     training (the one sampling batch + every update), no evaluation (forbidden in this launch)."""
     train_s = float(sampling_seconds + sum(update_seconds))
     return {
@@ -104,8 +112,8 @@ def replay_output(bundle_dir: Path) -> tuple[int, str]:
     return code, buf.getvalue()
 
 
-def trained_client_entry(prior: Mapping[str, Any], *, restore: Mapping[str, Any], initial_output: Mapping[str, Any],
-                         own_check: Mapping[str, Any] | None, restore_ref: str, new_restore: bool = True) -> dict[str, Any]:
+def trained_client_entry(prior: ArmProvenance, *, restore: JsonObject, initial_output: JsonObject,
+                         own_check: dict[str, Any] | None, restore_ref: str, new_restore: bool = True) -> JsonObject:
     """The trained arm's `initialization_provenance` entry: an optimizer check from the trained
     client's OWN response for its last restore, and that client's initial output before its first
     update. `new_restore`: the diagnostic restored the arm again (one more restore); otherwise it
@@ -117,7 +125,7 @@ def trained_client_entry(prior: Mapping[str, Any], *, restore: Mapping[str, Any]
     init = dict(prior.get("initialization", {}))
     init.update(loaded_checkpoint_uri=restore.get("loaded_checkpoint_uri"), load_succeeded=bool(restore.get("load_succeeded")),
                 evidence_ref=restore_ref, before_first_update=True)
-    return {"initialization": init, "restore_count": n, "optimizer_checks": checks,
+    return {"initialization": init, "restore_count": n, "optimizer_checks": list[JsonValue](checks),
             "initial_output": dict(initial_output),
             "trained_client": {"restore": n, "note": (
                 "the client the bounded diagnostic trained, restored from the shared initial checkpoint"

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
 
 from dppo_harness.evidence import report
 from dppo_harness.evidence.snapshots import post_snapshot
@@ -21,7 +23,7 @@ from dppo_harness.stages.diagnostic.config import (
     FINALIZE_RESERVE_S,
     LOOP_LABEL,
     DiagnosticConfig,
-    plan_json,
+    JsonObject,
 )
 from dppo_harness.stages.diagnostic.files import (
     NEXT_ACTION_FILE,
@@ -32,6 +34,7 @@ from dppo_harness.stages.diagnostic.files import (
     SENTINEL_FILE,
     SERVICE_WORK_FILE,
 )
+from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelSummary
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 from dppo_harness.train.clients import dump_response
@@ -42,12 +45,12 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
 
 
-def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: Any) -> None:
+def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: object) -> None:
     bundle.register_json(name, kind, ins.nan_free(obj))
     state.files.append(name)
 
 
-def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState) -> dict[str, Any]:
+def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState) -> SelftestReport:
     """Before any service work: revised spec, deviations, unavailable references, self-test."""
     if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
         bundle.register_plan(plan, REVISED_SPEC_FILE)
@@ -66,7 +69,7 @@ def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: Ru
     })
     # What the deviations' "kept separately" points at: the original gate report's status.
     register_json(bundle, state, ORIGINAL_GATE_REPORT_FILE, "report", evidence_items.original_gate_report(
-        plan_json(plan), "gate-report.json" if bundle.entry("gate-report.json") else None))
+        plan.diagnostic, "gate-report.json" if bundle.entry("gate-report.json") else None))
     bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.diagnostic.tested_instead)
     selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
     register_json(bundle, state, SELFTEST_FILE, "report", selftest)
@@ -104,13 +107,13 @@ def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, pl
 
 
 def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState,
-                    selftest: Mapping[str, Any], *, wall: float, cap_s: float, backend: str,
+                    selftest: SelftestReport, *, wall: float, cap_s: float, backend: str,
                     spec: ExperimentSpec | None,
                     served: ServedModel | None = None,
                     prior_service_work: Mapping[str, Mapping[str, int]] | None = None) -> DiagnosticResult:
     """Analyse, then write sentinels, analysis, next action, report and result fields."""
     tracker = state.sentinels
-    sentinels = tracker.summary() if tracker is not None else {
+    sentinels: SentinelSummary = tracker.summary() if tracker is not None else {
         "points": [], "at_init": None, "last": None}
     result = analyse(cfg, plan, state.records, selftest=selftest, sentinels=sentinels,
                      frozen_by_call=state.frozen_by_call or None, updates_done=state.updates_done,
@@ -122,14 +125,14 @@ def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, st
         register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
     analysis = result.analysis_json()
     analysis["timings"] = {"restore_seconds": state.restore_seconds, "sampling_seconds": state.sampling_seconds,
-                           "sampled_sequences": state.sampled_sequences, "update_seconds": state.update_seconds,
-                           "update_phases": state.update_phases,
+                           "sampled_sequences": state.sampled_sequences, "update_seconds": [*state.update_seconds],
+                           "update_phases": [dict[str, JsonValue](p) for p in state.update_phases],
                            "setup_seconds": state.setup_seconds, "wall_seconds": wall,
                            "wall_counted_from": "session start (the budget ledger's clock)"}
     analysis["final_checkpoint"] = state.final_checkpoint
     analysis["trained_client_initial_output"] = state.initial_output
     analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
-    analysis["snapshots"] = state.snapshots
+    analysis["snapshots"] = [*state.snapshots]
     analysis["rollout_yield"] = state.rollout_yield
     analysis["declared"] = _declared(bundle)
     register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
@@ -139,7 +142,7 @@ def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, st
     executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
     executed["bounded_diagnostic"] = {"optimizer_updates": state.updates_done,
                                       "sampling_batches": 1 if state.frozen is not None else 0}
-    register_json(bundle, state, SERVICE_WORK_FILE, "report", evidence_items.service_work_ledger(plan_json(plan), executed))
+    register_json(bundle, state, SERVICE_WORK_FILE, "report", evidence_items.service_work_ledger(plan.diagnostic.service_work, executed))
     # Feasibility from the diagnostic's own measured setup: the plan forbids an extra pilot.
     if state.update_seconds:
         eff_path = bundle.file_path("effective-config.json")
@@ -171,7 +174,7 @@ def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, st
     return result
 
 
-def _declared(bundle: EvidenceBundle) -> dict[str, Any]:
+def _declared(bundle: EvidenceBundle) -> JsonObject:
     """The renderer and loss normalization effective-config.json declares (what the report cites)."""
     if bundle.entry("effective-config.json") is None:
         return {}

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tinker
+from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
@@ -27,6 +29,7 @@ from dppo_harness.stages.diagnostic.config import (
     FINALIZE_RESERVE_S,
     DiagnosticConfig,
     DiagnosticError,
+    JsonObject,
     diagnostic_config,
 )
 from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimizer_check, write_evidence
@@ -40,15 +43,16 @@ from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
+    from dppo_harness.stages.restoration import LoadedArm, RestorationResult
 
 SNAPSHOT_EVERY_UPDATES = budget.SNAPSHOT_EVERY_UPDATES
 
 
-def _initial_output(tc: tinker.TrainingClient, ref: Any) -> dict[str, Any]:
+def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonObject:
     """Full logprobs of the trained client on the restoration preflight's fixed batch, before its
     first update, compared bitwise with the group's (same initial checkpoint)."""
     out_sha = logprobs_sha256(full_logprobs(tc, ref.fixed_batch))
-    group = dict(ref.output_sha256)
+    group: dict[str, JsonValue] = dict(ref.output_sha256)
     return {"available": True, "batch_sha256": batch_sha256(ref.fixed_batch), "output_sha256": out_sha,
             "evidence_ref": f"{ANALYSIS_FILE}#trained_client_initial_output", "before_first_update": True,
             "group_output_sha256": group, "bitwise_equal_to_group": {a: out_sha == h for a, h in group.items()}}
@@ -75,7 +79,7 @@ class _Stop(Exception):
 
 
 
-def _preflight_client(loaded: Any, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
+def _preflight_client(loaded: LoadedArm, initial_checkpoint: str) -> tuple[tinker.TrainingClient, JsonObject]:
     """The restoration preflight's loaded client of the trained arm, trained here instead of a new
     client: its observed load is this run's restore."""
     restore = dict(loaded.restore_record(),
@@ -90,11 +94,11 @@ def _preflight_client(loaded: Any, initial_checkpoint: str) -> tuple[tinker.Trai
     return loaded.client, restore
 
 
-def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> tuple[tinker.TrainingClient, dict[str, Any]]:
+def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> tuple[tinker.TrainingClient, JsonObject]:
     """A fresh client from the shared initial state, the load observed (never trained weights)."""
     tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "diagnostic DPPO client")
     info = tc.get_info()
-    restore = {
+    restore: JsonObject = {
         "initial_checkpoint": initial_checkpoint,
         "loaded_checkpoint_uri": getattr(load_response, "path", None),
         "load_succeeded": load_response is not None,
@@ -161,7 +165,7 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
 
         def persist(rec: ins.LossCallRecord, update_index: int = update_index, anchor: np.ndarray = anchor) -> None:
             # Persisted before the optimizer step it feeds (staged, then registered in its archive).
-            state.archive.add(rec)
+            state.update_archive().add(rec)
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 
@@ -169,7 +173,7 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         # A due sentinel forward is submitted right behind the optimizer step (it reads the
         # updated weights) and awaited after the next update's submission (one round trip less per update).
         rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist,
-                                         submit_behind=None if sentinels is None else (lambda s=sentinels: s.submit(tc)))
+                                         submit_behind=None if sentinels is None else partial(sentinels.submit, tc))
         t_collect = clock()
         if state.sentinels is not None:
             state.sentinels.collect()  # the previous update's sentinel: long done by now
@@ -222,7 +226,8 @@ def _effective_cap(bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: flo
 
 
 def _take_client(service_client: tinker.ServiceClient, initial_checkpoint: str, state: RunState, *,
-                 restored: Any, init_reference: Any, clock: Callable[[], float]) -> tinker.TrainingClient:
+                 restored: LoadedArm | None, init_reference: RestorationResult | None,
+                 clock: Callable[[], float]) -> tinker.TrainingClient:
     """The trained client: the preflight's loaded one when given, else a fresh restore; its
     restore record, get_info, initial output and restore seconds go into `state`."""
     r0 = clock()
@@ -278,10 +283,10 @@ def _stop_on_optimizer_mismatch(cfg: DiagnosticConfig, plan: Plan, state: RunSta
 def _register_update_archives(state: RunState) -> None:
     """The update records not yet in an archive file (a stop mid-archive), registered now."""
     try:
-        state.archive.flush()
+        state.update_archive().flush()
     except Exception as exc:  # recorded: the analysis then says which records are missing
         state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    state.files += state.archive.registered
+    state.files += state.update_archive().registered
 
 
 def run_bounded_diagnostic(
@@ -298,9 +303,9 @@ def run_bounded_diagnostic(
     tag: str = "diagnostic",
     served: ServedModel | None = None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
-    init_reference: Any = None,
-    restored: Any = None,
-    **overrides: Any,
+    init_reference: RestorationResult | None = None,
+    restored: LoadedArm | None = None,
+    **overrides: float,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
 
@@ -333,7 +338,9 @@ def run_bounded_diagnostic(
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted during setup (after restore)")
         sampler_path, mbs = _freeze_and_split(tc, cfg, bundle, state, elapsed=elapsed, cap_s=cap_s, say=say, tag=tag)
-        state.stop_reason = _train_epochs(tc, cfg, state.frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
+        frozen = state.frozen
+        assert frozen is not None  # _freeze_and_split froze the batch
+        state.stop_reason = _train_epochs(tc, cfg, frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
                                           clock=clock, cap_s=cap_s, say=say, tag=tag,
                                           after_update=_stop_on_optimizer_mismatch(cfg, plan, state))
         _save_final_checkpoint(tc, cfg, bundle, state, tag, say)
@@ -348,7 +355,8 @@ def run_bounded_diagnostic(
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
     if served is None:
-        served = served_model_from_info(state.restore.get("get_info"), cfg.base_model, backend=backend)
+        info = state.restore.get("get_info")
+        served = served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
     return write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
                            spec=spec, served=served, prior_service_work=prior_service_work)
 

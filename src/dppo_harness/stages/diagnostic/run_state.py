@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import tinker
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.rollout.frozen_batch import FrozenBatch
+from dppo_harness.stages.diagnostic.config import JsonObject
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
+
+if TYPE_CHECKING:
+    from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
 
 
 @dataclass
@@ -20,9 +25,9 @@ class RunState:
     records: list[ins.LossCallRecord] = field(default_factory=list)
     frozen_by_call: list[np.ndarray] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    restore: dict[str, Any] = field(default_factory=dict)
+    restore: JsonObject = field(default_factory=dict)
     frozen: FrozenBatch | None = None
-    minibatches: list[dict[str, Any]] = field(default_factory=list)
+    minibatches: list[JsonObject] = field(default_factory=list)
     sentinels: SentinelTracker | None = None
     updates_done: int = 0
     stop_reason: str = "update cap reached"
@@ -34,10 +39,15 @@ class RunState:
     update_phases: list[dict[str, float]] = field(default_factory=list)  # where each update's seconds went
     final_checkpoint: str | None = None
     snapshots: list[str] = field(default_factory=list)
-    info: Any = None  # the trained client's get_info response (object)
-    first_optim: Any = None  # the trained client's own first optim_step response
-    initial_output: dict[str, Any] | None = None
+    info: tinker.types.GetInfoResponse | None = None  # the trained client's get_info response
+    first_optim: tinker.OptimStepResponse | None = None  # the trained client's own first optim_step response
+    initial_output: JsonObject | None = None
     preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
-    archive: Any = None  # update_archive.UpdateArchive: the update records' archive files
+    archive: UpdateArchive | None = None  # the update records' archive files
     rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
 
+    def update_archive(self) -> UpdateArchive:
+        """The run's update archive (the run opens it before its first update)."""
+        if self.archive is None:
+            raise RuntimeError("the diagnostic run has no update archive open")
+        return self.archive

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
 
 import numpy as np
 import tinker
@@ -16,21 +15,25 @@ from dppo_harness import constants
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.stages.diagnostic.config import DiagnosticError
+from dppo_harness.stages.diagnostic.records import SelftestCase, SelftestReport
 
 
-def _case_datums(rows: Sequence[tuple[float, ...]]):
+def _case_datums(rows: Sequence[tuple[float, ...]]) -> tuple[list[tinker.Datum], list[torch.Tensor]]:
     """One datum per row (p, q, A, mask[, exact current logprob]) after two prompt positions with
     junk logprobs. The sampler logprob travels as the SDK's float32, the current one is float64
     (the loss computes in float64), so exact decision boundaries are reachable."""
-    data, lps = [], []
+    data: list[tinker.Datum] = []
+    lps: list[torch.Tensor] = []
     for i, row in enumerate(rows):
         p, q, a, m = row[:4]
         lp = row[4] if len(row) > 4 else math.log(p)
         target = [11 + i, 12 + i, 13 + i]
         data.append(tinker.Datum(
             model_input=tinker.ModelInput.from_ints([10 + i, 11 + i, 12 + i]),
-            loss_fn_inputs={"target_tokens": target, "logprobs": [-7.0, 3.0, math.log(q)],
-                            "advantages": [0.0, 0.0, a], "mask": np.array([0.0, 0.0, m], dtype=np.float32)},
+            loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(np.asarray(target).astype(np.int64)),
+                            "logprobs": tinker.TensorData.from_numpy(np.asarray([-7.0, 3.0, math.log(q)], np.float32)),
+                            "advantages": tinker.TensorData.from_numpy(np.asarray([0.0, 0.0, a], np.float32)),
+                            "mask": tinker.TensorData.from_numpy(np.array([0.0, 0.0, m], dtype=np.float32))},
         ))
         lps.append(torch.tensor([0.5, -40.0, lp], dtype=torch.float64, requires_grad=True))
     return data, lps
@@ -99,14 +102,15 @@ SELFTEST_EXTRA: dict[str, dict[str, int]] = {
 
 
 def deterministic_selftest(
-    loss_fn_factory: Callable[[Any], Callable] | None = None, loss_cfg: Any = None
-) -> dict[str, Any]:
+    loss_fn_factory: Callable[[losses.LossConfig], losses.LossFn] | None = None,
+    loss_cfg: losses.LossConfig | None = None,
+) -> SelftestReport:
     """Must-fire and must-not-fire cases through the real packed loss (counts from its metrics
     and from the recorder) and its gradients: a removed token gets exactly zero gradient, a kept
     nonzero-advantage token a nonzero one. Also run in tests/unit (the suite's evidence)."""
     cfg = loss_cfg or losses.LossConfig(losses.DPPO_LOSS, normalization="token_mean")
     factory = loss_fn_factory or losses.make_loss_fn
-    cases = {}
+    cases: dict[str, SelftestCase] = {}
     for name, (rows, expected, zero_grad) in SELFTEST_CASES.items():
         data, lps = _case_datums(rows)
         rec = ins.LossCallRecorder(cfg)

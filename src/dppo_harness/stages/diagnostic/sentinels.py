@@ -4,13 +4,13 @@ initialization and after the planned updates (forward only), for the drift the a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import tinker
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.rollout.frozen_batch import FrozenBatch
+from dppo_harness.stages.diagnostic.records import SentinelEvidence, SentinelPoint, SentinelSummary
 from dppo_harness.train.clients import full_logprobs, make_datum
 
 
@@ -30,21 +30,21 @@ class SentinelTracker:
         self.mask = np.concatenate([q["mask"] for q in seqs])
         self.advantages = np.concatenate([q["advantages"] for q in seqs])
         self.after_updates = tuple(after_updates)
-        self.meta = {"sequence_indices": list(chosen.sequence_indices), "selection_rule": chosen.selection_rule,
-                     "tokens": int(self.mask.sum()), "after_updates": list(after_updates)}
-        self.points: list[dict[str, Any]] = []
+        self.sequence_indices = list(chosen.sequence_indices)
+        self.selection_rule: str = chosen.selection_rule
+        self.points: list[SentinelPoint] = []
         self._init: np.ndarray | None = None
-        self._pending: list[tuple[Any, int, float]] = []  # (forward future, after_update, elapsed_s)
+        self._pending: list[tuple[tinker.APIFuture[tinker.ForwardBackwardOutput], int, float]] = []  # (forward future, after_update, elapsed_s)
 
     def due(self, after_update: int) -> bool:
         return after_update in self.after_updates
 
-    def submit(self, tc: tinker.TrainingClient) -> Any:
+    def submit(self, tc: tinker.TrainingClient) -> tinker.APIFuture[tinker.ForwardBackwardOutput]:
         """The sentinel forward, submitted (not awaited): queued behind whatever the client has in
         flight, so it reads the weights after those requests."""
         return tc.forward(list(self.datums), "cross_entropy")
 
-    def defer(self, future: Any, after_update: int, elapsed_s: float) -> None:
+    def defer(self, future: tinker.APIFuture[tinker.ForwardBackwardOutput], after_update: int, elapsed_s: float) -> None:
         """Keep a submitted sentinel forward; `collect()` awaits it (one wait less per update)."""
         self._pending.append((future, after_update, elapsed_s))
 
@@ -76,7 +76,7 @@ class SentinelTracker:
         if after_update in self.after_updates:
             self.measure(tc, after_update, elapsed_s)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> SentinelSummary:
         """Points without the raw logprobs, plus the first and last (for the analysis). A deferred
         forward still pending after a training error is dropped, not waited on twice."""
         if self._pending:
@@ -84,11 +84,18 @@ class SentinelTracker:
                 self.collect()
             except Exception:  # the run's error is already recorded; the point is missing evidence
                 self._pending.clear()
-        return {**self.meta, "points": [{k: v for k, v in p.items() if k != "logprobs"} for p in self.points],
+        return {"sequence_indices": list(self.sequence_indices), "selection_rule": self.selection_rule,
+                "tokens": int(self.mask.sum()), "after_updates": list(self.after_updates),
+                "points": [_without_logprobs(p) for p in self.points],
                 "at_init": self.points[0]["summary"] if self.points else None,
                 "last": self.points[-1] if len(self.points) > 1 else None}
 
-    def evidence(self) -> dict[str, Any]:
+    def evidence(self) -> SentinelEvidence:
+        """diagnostic-sentinels.json: the summary with every point's raw logprobs, the sampler's and the mask."""
         return {**self.summary(), "points": self.points, "sampler_logprobs": self.sampler_logprobs.tolist(),
                 "mask": self.mask.tolist()}
+
+
+def _without_logprobs(p: SentinelPoint) -> SentinelPoint:
+    return {"after_update": p["after_update"], "elapsed_s": p["elapsed_s"], "summary": p["summary"]}
 

@@ -1,4 +1,5 @@
-"""Initialization provenance: each arm's entry in the brief's version-1 shape, and its proof.
+"""Initialization provenance: each arm's entry in the version-1 shape of result.json's
+`initialization_provenance`, and its proof.
 
 The contract: `initialization_entry` builds one arm's `initialization_provenance` entry (the
 checkpoint it was created from, what the server's load response says was loaded, the optimizer
@@ -9,8 +10,33 @@ and fixed batch). An empty list means the group is proved.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NotRequired, TypedDict
+
+from pydantic import JsonValue
+
+JsonObject = dict[str, JsonValue]
+
+
+class ArmProvenance(TypedDict):
+    """One arm's `initialization_provenance` entry (version 1)."""
+
+    initialization: JsonObject
+    restore_count: int
+    optimizer_checks: list[dict[str, Any]]  # train.optimizer_checks.optimizer_check entries
+    initial_output: JsonObject
+
+
+class InitializationProvenance(TypedDict):
+    """initialization-provenance.json; the result's `initialization_provenance` has `version`,
+    `arms` and (when some arm does not train) `excluded_arms`."""
+
+    version: int
+    arms: dict[str, ArmProvenance]
+    excluded_arms: NotRequired[dict[str, str]]
+    group: NotRequired[JsonObject]
+    passed: NotRequired[bool]
+    failures: NotRequired[list[str]]
 
 from dppo_harness.train.optimizer_checks import OptimizerCheck
 
@@ -25,15 +51,15 @@ def initialization_entry(
     evidence_ref: str,
     restore_count: int,
     optimizer_checks: list[OptimizerCheck],
-    initial_output: dict[str, Any],
+    initial_output: JsonObject,
     adapter_sha256: str | None = None,
     checkpoint_immutable_reason: str | None = None,
-) -> dict[str, Any]:
-    """One arm's `initialization_provenance` entry in the brief's version-1 shape.
+) -> ArmProvenance:
+    """One arm's `initialization_provenance` entry (version 1).
 
     `checkpoint_immutable` is None when the duplicate save proved nothing (no explicit refusal);
     `checkpoint_immutable_reason` says what the duplicate save got either way."""
-    init: dict[str, Any] = {
+    init: JsonObject = {
         "base_checkpoint": base_checkpoint,
         "checkpoint_uri": checkpoint_uri,
         "checkpoint_immutable": checkpoint_immutable,
@@ -56,7 +82,7 @@ def initialization_entry(
     }
 
 
-def check_provenance(provenance: Mapping[str, Any], arms: Sequence[str]) -> list[str]:
+def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) -> list[str]:
     """Every failure of the group's initialization proof; empty means the group is proved."""
     failures: list[str] = []
     entries = provenance.get("arms", {})
@@ -103,9 +129,9 @@ def check_provenance(provenance: Mapping[str, Any], arms: Sequence[str]) -> list
         values = {entries[a]["initialization"].get(key) for a in present}
         if len(values) > 1:
             failures.append(f"arms do not share one {label}: {sorted(map(str, values))}")
-    hashes = {entries[a]["initialization"].get("adapter_sha256") for a in present}
-    if len(hashes - {None}) > 1:
-        failures.append(f"arms' adapter_sha256 differ: {sorted(hashes - {None})}")
+    hashes = {str(h) for a in present if (h := entries[a]["initialization"].get("adapter_sha256")) is not None}
+    if len(hashes) > 1:
+        failures.append(f"arms' adapter_sha256 differ: {sorted(hashes)}")
     batches = {entries[a]["initial_output"].get("batch_sha256") for a in present}
     if len(batches) > 1:
         failures.append(f"arms' fixed batches differ: {sorted(map(str, batches))}")

@@ -11,14 +11,20 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from functools import partial
 
 import tinker
 
 from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.service.observed import describe_client
-from dppo_harness.stages.restoration_probe import CallWrapper, adam_params, fixed_gradient_step, probe_gradient
-from dppo_harness.stages.restoration_update_norm import UpdateNormMeasure
+from dppo_harness.stages.restoration.probe import CallWrapper, adam_params, fixed_gradient_step, probe_gradient
+from dppo_harness.stages.restoration.records import (
+    JsonObject,
+    LrScalingBlock,
+    LrScalingMeasured,
+    LrScalingUnavailable,
+)
+from dppo_harness.stages.restoration.update_norm import UpdateNormMeasure
 from dppo_harness.train.clients import create_from_state_observed
 
 LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
@@ -32,7 +38,7 @@ def lr_scaling_probe(
     update_norm: UpdateNormMeasure | None, unavailable_reason: str, call: CallWrapper | None = None,
     measured: Mapping[float, float | None] | None = None,
     say: Callable[[str], None] = lambda _m: None,
-) -> dict[str, Any]:
+) -> LrScalingBlock:
     """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
 
     `measured`: LRs already probed from a fresh state (the restore probe's update 1 on the setup
@@ -44,14 +50,12 @@ def lr_scaling_probe(
     base_lr = float(opt_cfg["learning_rate"])
     lrs = [base_lr * float(m) for m in multipliers]
     if update_norm is None:
-        return {"available": False, "reason": unavailable_reason, "learning_rates": lrs,
-                "lr_scaling": [], "passed": None}
+        return LrScalingUnavailable(unavailable_reason, lrs)
     measured = dict(measured or {})
 
-    def unavailable() -> dict[str, Any]:
+    def unavailable() -> LrScalingUnavailable:
         why = getattr(update_norm, "last_error", None) or "no measurement"
-        return {"available": False, "reason": f"{update_norm.description}: {why}",
-                "learning_rates": lrs, "lr_scaling": [], "passed": None}
+        return LrScalingUnavailable(f"{update_norm.description}: {why}", lrs)
 
     if any(v is None for v in measured.values()):
         return unavailable()
@@ -66,7 +70,7 @@ def lr_scaling_probe(
             lambda: create_from_state_observed(service_client, initial_checkpoint))
         describe_client(service_client, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
         adam = adam_params(opt_cfg, lr)
-        norm = update_norm(client, lambda c=client, a=adam: fixed_gradient_step(c, g, a))
+        norm = update_norm(client, partial(fixed_gradient_step, client, g, adam))
         if norm is None:
             return unavailable()
         norms[lr] = float(norm)
@@ -81,14 +85,14 @@ def lr_scaling_probe(
     reset = ("a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
              "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
              "every other LR") if measured else "a client created from the initial checkpoint with optimizer per probe"
-    return {"available": True, "measure": update_norm.description, "reset": reset,
-            "gradient": "cross_entropy on the even fixed-batch datums (the restore probe's update 1)",
-            "lr_scaling": probes, "relative_error": [e if math.isfinite(e) else None for e in errors],
-            "rtol": rtol, "passed": passed,
-            "problem": problem}
+    return LrScalingMeasured(
+        measure=update_norm.description, reset=reset,
+        gradient="cross_entropy on the even fixed-batch datums (the restore probe's update 1)",
+        lr_scaling=probes, relative_error=[e if math.isfinite(e) else None for e in errors],
+        rtol=rtol, passed=passed, problem=problem)
 
 
-def attach_lr_scaling(correctness_block: Mapping[str, Any], lr_block: Mapping[str, Any]) -> dict[str, Any]:
+def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -> JsonObject:
     """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe.
 
     Where the backend could not measure update norms, each planned LR gets an entry with
@@ -96,22 +100,20 @@ def attach_lr_scaling(correctness_block: Mapping[str, Any], lr_block: Mapping[st
     and `lr_scaling_status` says why.
     """
     out = json.loads(json.dumps(correctness_block))
-    status = {"available": bool(lr_block.get("available")),
-              "evidence_ref": LR_SCALING_FILE}
-    if lr_block.get("available"):
-        status.update(passed=lr_block.get("passed"), rtol=lr_block.get("rtol"),
-                      relative_error=lr_block.get("relative_error"), measure=lr_block.get("measure"),
-                      reset=lr_block.get("reset"))
+    status: JsonObject = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE}
+    if isinstance(lr_block, LrScalingMeasured):
+        status.update(passed=lr_block.passed, rtol=lr_block.rtol,
+                      relative_error=None if lr_block.relative_error is None else list(lr_block.relative_error),
+                      measure=lr_block.measure, reset=lr_block.reset)
     else:
-        status["reason"] = lr_block.get("reason")
+        status["reason"] = lr_block.reason
     for path in out.get("paths", []):
-        if lr_block.get("available"):
-            path["lr_scaling"] = [dict(p) for p in lr_block.get("lr_scaling", [])]
-        else:  # the brief's block, one entry per planned LR: unmeasured, with the exact reason (never [])
+        if isinstance(lr_block, LrScalingMeasured):
+            path["lr_scaling"] = [dict(p) for p in lr_block.lr_scaling]
+        else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
+            reason = lr_block.reason or "not measured"
             path["lr_scaling"] = [{"learning_rate": float(lr), "update_norm": None, "available": False,
-                                   "reason": str(lr_block.get("reason") or "not measured")}
-                                  for lr in (lr_block.get("learning_rates") or [])] or [
-                {"learning_rate": None, "update_norm": None, "available": False,
-                 "reason": str(lr_block.get("reason") or "not measured")}]
+                                   "reason": reason} for lr in lr_block.learning_rates] or [
+                {"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
         path["lr_scaling_status"] = status
     return out

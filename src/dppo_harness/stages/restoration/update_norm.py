@@ -9,14 +9,17 @@ exposes no parameters, so other backends bring their own measure or none.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import tinker
 
+from dppo_harness.local_server.checkpoint_files import adapter_file
 from dppo_harness.train.clients import RestorationError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class UpdateNormMeasure(Protocol):
@@ -29,30 +32,28 @@ class UpdateNormMeasure(Protocol):
 
     description: str
 
-    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], Any]) -> float | None: ...
+    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None: ...
 
 
 class LocalCheckpointReader:
     """Reads adapter tensors of checkpoints the embedded server wrote under its run_dir.
 
     Local backend only: this is an in-process route around the SDK (the Tinker API exposes no
-    parameters). Layout: <run_dir>/checkpoints/<model_id>/<weights|sampler_weights>/<name>/adapter.pt.
+    parameters). `local_server.checkpoint_files.adapter_file` says where a checkpoint's adapter is.
     """
 
     description = ("local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
                    "save_state checkpoints the embedded server wrote under its run_dir")
 
-    def __init__(self, run_dir: Any):
+    def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
 
-    def adapter(self, path: str) -> dict[str, Any]:
+    def adapter(self, path: str) -> dict[str, torch.Tensor]:
         import torch  # loaded only on the local backend, where the checkpoints are read
 
-        m = re.match(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$", path or "")
-        if not m:
+        f = adapter_file(self.run_dir, path)
+        if f is None:
             raise RestorationError(f"not a checkpoint path: {path!r}")
-        d = self.run_dir / "checkpoints" / m.group(1).replace("/", "_") / m.group(2) / m.group(3)
-        f = d / "adapter.pt"
         if not f.is_file():
             raise RestorationError(f"checkpoint {path!r} has no adapter file at {f}")
         return torch.load(f, map_location="cpu", weights_only=True)
@@ -83,7 +84,7 @@ class CheckpointUpdateNorm:
         self.reader, self.tag, self.description = reader, tag, reader.description
         self._n = 0
 
-    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], Any]) -> float | None:
+    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None:
         self._n += 1
         before = client.save_state(f"{self.tag}-norm{self._n}-before").result().path
         apply_update()

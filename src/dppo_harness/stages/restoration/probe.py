@@ -17,7 +17,8 @@ import numpy as np
 import tinker
 
 from dppo_harness.service.observed import describe_client
-from dppo_harness.stages.restoration_update_norm import UpdateNormMeasure
+from dppo_harness.stages.restoration.records import RestoreProbeResult
+from dppo_harness.stages.restoration.update_norm import UpdateNormMeasure
 from dppo_harness.train.clients import create_from_state_observed, datum_arrays, full_logprobs
 from dppo_harness.train.fingerprints import compare_logprobs
 from dppo_harness.train.optimizer_checks import echoed_config
@@ -28,7 +29,7 @@ CallWrapper = Callable[[Callable[[], Any]], Any]  # wraps every client-creating 
 class KeepsResponses(Protocol):
     """Keeps a server response for evidence and returns its reference id."""
 
-    def keep(self, ref: str, obj: Any) -> str: ...
+    def keep(self, ref: str, obj: object) -> str: ...
 
 
 @dataclass
@@ -38,7 +39,7 @@ class PrefixedResponses:
     rec: KeepsResponses
     prefix: str
 
-    def keep(self, ref: str, obj: Any) -> str:
+    def keep(self, ref: str, obj: object) -> str:
         return self.rec.keep(f"{self.prefix}{ref}", obj)
 
 
@@ -79,7 +80,7 @@ def restore_probe(service_client: tinker.ServiceClient, uninterrupted: tinker.Tr
                   batch: Sequence[tinker.Datum], opt_cfg: Mapping[str, float], tag: str, rec: KeepsResponses,
                   atol: float, call: CallWrapper, restore_optimizer: bool = True,
                   update_norm: UpdateNormMeasure | None = None,
-                  say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+                  say: Callable[[str], None] = lambda _m: None) -> RestoreProbeResult:
     """Uninterrupted vs create-save-restore probe clients must agree after the same update.
 
     `uninterrupted` is the setup client that saved the initial checkpoint and has applied nothing
@@ -132,20 +133,11 @@ def restore_probe(service_client: tinker.ServiceClient, uninterrupted: tinker.Tr
         failures.append(f"probe update changed logprobs by only {effect['max_abs_diff']} <= {atol}: "
                         "the restore comparison cannot tell a lost update from a matching one")
     keys = list(opt_cfg)
-    echoed = echoed_config(opt1.metrics, keys)
-    return {
-        "initial_checkpoint": initial_checkpoint, "mid_checkpoint": mid.path,
-        "loaded_checkpoint_uri": getattr(resp, "path", None),
-        "updates": ["cross_entropy on even datums + optim_step", "cross_entropy on odd datums + optim_step"],
-        "adam_params": adam.model_dump(), "restored_vs_uninterrupted": cmp,
-        "second_update_effect": effect,
-        "optim_metrics": {"update1": dict(opt1.metrics or {}),
-                          "update2_uninterrupted": dict(opt2_u.metrics or {}),
-                          "update2_restored": dict(opt2_r.metrics or {})},
-        "echoed_config": echoed, "echo_ref": echo_ref,
-        "echo_observed_on": "probe client (the setup client that saved the initial checkpoint, nothing applied "
-                            "since) (optim_step response metrics)",
-        "uninterrupted_client": "the setup client that saved the initial checkpoint (no update before update 1)",
-        "base_lr_update_norm": norm1,
-        "failures": failures,
-    }
+    return RestoreProbeResult(
+        initial_checkpoint=initial_checkpoint, mid_checkpoint=mid.path, loaded_checkpoint_uri=getattr(resp, "path", None),
+        adam_params=adam.model_dump(), restored_vs_uninterrupted=cmp, second_update_effect=effect,
+        optim_metrics={"update1": dict(opt1.metrics or {}),
+                       "update2_uninterrupted": dict(opt2_u.metrics or {}),
+                       "update2_restored": dict(opt2_r.metrics or {})},
+        echoed_config=echoed_config(opt1.metrics, keys), echo_ref=echo_ref,
+        base_lr_update_norm=norm1, failures=failures)

@@ -15,15 +15,15 @@ Flow (`run_restoration_preflight`):
    LR, one client from the initial checkpoint per other LR), the same fixed gradient, norm / LR.
 
 Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
-The fixed batch, the probes, the update-norm measures and the provenance checks live in the
-`restoration_*` modules beside this one; this module runs the steps and records the evidence.
+The fixed batch, the checkpoints, the probes, the update-norm measures, the provenance checks and
+the records live in the modules beside this one; this module runs the steps and records the evidence.
 
 Options of `run_restoration_preflight`:
 
 - `trained_arms`: the arms that will train in this session (None: all). Only they get a client
   (loaded from the initial checkpoint) and an `initialization_provenance` entry; an untrained arm
-  is never created and is left out of the optimizer-restoration groups as the brief asks (listed
-  under `excluded_arms` with the reason). A single trained arm's initial output is compared with
+  is never created and is left out of the optimizer-restoration groups: an arm that never trains
+  has no restore to check (it is listed under `excluded_arms` with the reason). A single trained arm's initial output is compared with
   the setup client's, taken before that client's first update.
 - `checkpoint_reader` (local backend): measures adapter_sha256 of each arm as loaded and the
   LR-scaling update norms from server-written checkpoints. Without it (and without
@@ -35,7 +35,7 @@ Options of `run_restoration_preflight`:
   mismatched initial state, for failure-path tests).
 - `probe_restore_with_optimizer=False`: the probe restores weights only (failure-path tests:
   the restored-vs-uninterrupted check must then fail).
-- `call`: wraps every client-creating call (e.g. `service.call_with_capacity_retry`).
+- `call`: wraps every client-creating call (e.g. `service.capacity.call_with_capacity_retry`).
 - `progress`: one line at every step (which of the six, how far along), so the preflight is never silent.
 """
 
@@ -45,77 +45,67 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import tinker
 
 from dppo_harness import constants
-from dppo_harness.service.capacity import error_text, is_capacity_error
 from dppo_harness.service.observed import describe_client
-from dppo_harness.service.wait.clients import name_client
-from dppo_harness.stages.restoration_batch import build_fixed_batch, register_fixed_batch
-from dppo_harness.stages.restoration_lr_probe import (
+from dppo_harness.stages.restoration.batch import build_fixed_batch, register_fixed_batch
+from dppo_harness.stages.restoration.checkpoint import (
+    RESPONSES_FILE,
+    InitialCheckpoint,
+    LoadedArm,
+    Recorder,
+    fresh_checkpoint,
+    load_arm,
+)
+from dppo_harness.stages.restoration.lr_probe import (
     DEFAULT_LR_MULTIPLIERS,
     LR_SCALING_FILE,
     LR_SCALING_RTOL,
     lr_scaling_probe,
 )
-from dppo_harness.stages.restoration_probe import CallWrapper, PrefixedResponses, restore_probe
-from dppo_harness.stages.restoration_provenance import check_provenance, initialization_entry
-from dppo_harness.stages.restoration_update_norm import (
+from dppo_harness.stages.restoration.probe import CallWrapper, PrefixedResponses, restore_probe
+from dppo_harness.stages.restoration.provenance import (
+    ArmProvenance,
+    InitializationProvenance,
+    check_provenance,
+    initialization_entry,
+)
+from dppo_harness.stages.restoration.records import (
+    JsonObject,
+    LrScalingBlock,
+    LrScalingMeasured,
+    RestorationResult,
+    RestoreProbeResult,
+)
+from dppo_harness.stages.restoration.update_norm import (
     CheckpointUpdateNorm,
     LocalCheckpointReader,
     UpdateNormMeasure,
     planned_lr_on_setup_client,
 )
-from dppo_harness.train.clients import RestorationError, create_from_state_observed, dump_response, full_logprobs
+from dppo_harness.train.clients import RestorationError, create_from_state_observed, full_logprobs
 from dppo_harness.train.fingerprints import LOGPROB_ATOL, compare_logprobs, logprobs_sha256
 from dppo_harness.train.optimizer_checks import optimizer_check, own_response_only
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
+    from dppo_harness.plans.models import RestorationArm
+
+T = TypeVar("T")
 
 PROVENANCE_FILE = "initialization-provenance.json"
 INITIAL_OUTPUT_FILE = "restoration-initial-logprobs.json"
-RESPONSES_FILE = "restoration-server-responses.json"
 PROBE_FILE = "restoration-probe.json"
 
 
-@dataclass
-class _Recorder:
-    """Server responses kept for evidence, each under a stable reference id."""
-
-    responses: dict[str, Any] = field(default_factory=dict)
-
-    def keep(self, ref: str, obj: Any) -> str:
-        self.responses[ref] = dump_response(obj)
-        return f"{RESPONSES_FILE}#{ref}"
-
-
-@dataclass
-class RestorationResult:
-    initial_checkpoint: str
-    loaded_paths: dict[str, str]
-    clients: dict[str, tinker.TrainingClient]
-    fixed_batch: list[tinker.Datum]
-    batch_sha256: str
-    output_sha256: dict[str, str]
-    provenance: dict
-    passed: bool
-    failures: list[str]
-    lr_scaling: dict[str, Any] = field(default_factory=dict)
-    probe: dict[str, Any] = field(default_factory=dict)
-    wall_seconds: float = 0.0
-    loaded: dict[str, LoadedArm] = field(default_factory=dict)  # each loaded arm: client, load response, get_info
-
-    def failure_message(self) -> str:
-        return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
-
-
-def restoration_arms(spec: ExperimentSpec) -> list[dict[str, Any]]:
+def restoration_arms(spec: ExperimentSpec) -> list[RestorationArm]:
     """The (single) initialization group's arms with optimizer and config, from the validated spec."""
     rp = spec.restoration_preflight
     if not rp.applicable:
@@ -125,114 +115,12 @@ def restoration_arms(spec: ExperimentSpec) -> list[dict[str, Any]]:
     arms = rp.groups[0].arms
     if len(arms) < 2:
         raise RestorationError("restoration_preflight group needs at least two arms")
-    return [a.model_dump(exclude_none=True) for a in arms]
+    return list(arms)
 
-
-
-# A refusal to overwrite names the existing checkpoint; other failures of the duplicate save
-# (timeouts, 5xx, capacity, connection errors) say nothing about immutability.
-OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable", re.IGNORECASE)
-
-
-def duplicate_save_outcome(exc: BaseException | None) -> tuple[bool | None, str]:
-    """(checkpoint_immutable, reason) from the second save_state under the same name.
-
-    True only on the service's explicit refusal to overwrite: HTTP 409, or a failed request / 400
-    that is not a server-side failure and whose text says the checkpoint exists or may not be
-    overwritten. A second save that succeeded is False (the name is not immutable). Anything else
-    (timeout, 5xx, capacity, connection, other errors) is None: unverified, with the reason.
-    """
-    if exc is None:
-        return False, "the service accepted a second save_state under the same name without overwrite"
-    text = error_text(exc)
-    what = f"{type(exc).__name__}: {text}"[:300]
-    refused = False
-    if isinstance(exc, tinker.ConflictError):
-        refused = True
-    elif is_capacity_error(exc):
-        refused = False
-    elif isinstance(exc, tinker.RequestFailedError):
-        refused = exc.category != tinker.types.RequestErrorCategory.Server and bool(OVERWRITE_REFUSAL_RE.search(text))
-    elif isinstance(exc, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
-        refused = bool(OVERWRITE_REFUSAL_RE.search(text))
-    if refused:
-        return True, f"the service refused to overwrite the saved name ({what})"
-    return None, (f"the duplicate save_state ended in {what}, not an explicit refusal to overwrite: "
-                  "immutability unverified")
-
-
-@dataclass(frozen=True)
-class InitialCheckpoint:
-    client: tinker.TrainingClient  # the fresh setup client that saved it (released with its ServiceClient)
-    path: str
-    immutable: bool | None  # None: the duplicate save proved nothing either way
-    immutable_reason: str = ""
-    info: Any = None  # the setup client's get_info at creation, before any update
-
-
-@dataclass(frozen=True)
-class LoadedArm:
-    client: tinker.TrainingClient
-    loaded_path: str | None  # the server's load response path (the proof), None if not observed
-    load_ref: str
-    load_succeeded: bool
-    source_path: str = ""  # the checkpoint the load asked for
-    response: Any = None  # the LoadWeightsResponse as the SDK parsed it (None: not observed)
-    info: Any = None  # the client's get_info right after the load
-    seconds: float = 0.0  # wall time of the load (client creation included)
-
-    def restore_record(self) -> dict[str, Any]:
-        """The load as a stage that trains this client records it (its own restore, not a new one)."""
-        return {"initial_checkpoint": self.source_path, "loaded_checkpoint_uri": self.loaded_path,
-                "load_succeeded": self.load_succeeded, "load_response": dump_response(self.response),
-                "get_info": dump_response(self.info), "before_first_update": True,
-                "evidence_ref": self.load_ref, "seconds": self.seconds}
-
-
-
-def _fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int, label: str, seed: int, tag: str,
-                      rec: _Recorder, call: CallWrapper) -> InitialCheckpoint:
-    """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
-    # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
-    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
-    name_client(client, f"setup client ({label}, seed {seed})")
-    describe_client(probe_sc, client, f"setup ({label}, seed {seed}): saves the initial checkpoint"
-                    + ("; then the uninterrupted restore probe and the base-LR scaling probe" if label == "shared" else ""))
-    info = client.get_info()
-    rec.keep(f"create_{label}.get_info", info)
-    name = f"{tag}-initial-{label}-seed{seed}"
-    saved = client.save_state(name).result()
-    rec.keep(f"save_{label}", saved)
-    # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
-    try:
-        again = client.save_state(name).result()
-    except Exception as exc:
-        immutable, reason = duplicate_save_outcome(exc)
-        rec.keep(f"save_{label}_again_refused" if immutable else f"save_{label}_again_failed",
-                 {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason})
-    else:
-        immutable, reason = duplicate_save_outcome(None)
-        rec.keep(f"save_{label}_again", again)
-    return InitialCheckpoint(client, saved.path, immutable, reason, info)
-
-
-def _load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: _Recorder,
-              call: CallWrapper) -> LoadedArm:
-    """Step 2: the arm's client from the checkpoint with optimizer; the load response kept. A
-    response without `path` (optional in the SDK's LoadWeightsResponse) leaves the URI unproved."""
-    t0 = time.monotonic()
-    client, resp = call(lambda: create_from_state_observed(service_client, path, arm))
-    seconds = time.monotonic() - t0
-    describe_client(service_client, client, f"arm {arm}: loaded from the initial checkpoint with optimizer")
-    load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
-    info = client.get_info()
-    rec.keep(f"load_{arm}.get_info", info)
-    return LoadedArm(client, resp.path if resp is not None and resp.path else None, load_ref, resp is not None,
-                     source_path=path, response=resp, info=info, seconds=seconds)
 
 
 def _adapter_hashes(reader: LocalCheckpointReader | None, arms: Mapping[str, LoadedArm],
-                    source_of: Mapping[str, str], tag: str, rec: _Recorder) -> tuple[dict[str, str | None], str, list[str]]:
+                    source_of: Mapping[str, str], tag: str, rec: Recorder) -> tuple[dict[str, str | None], str, list[str]]:
     """Adapter hashes as loaded (local backend: read back from a save of each arm; not an update)."""
     hashes: dict[str, str | None] = dict.fromkeys(arms)
     if reader is None:
@@ -243,10 +131,10 @@ def _adapter_hashes(reader: LocalCheckpointReader | None, arms: Mapping[str, Loa
     for a, arm in arms.items():
         snap = arm.client.save_state(f"{tag}-{a}-as-loaded").result()
         rec.keep(f"save_{a}_as_loaded", snap)
-        hashes[a] = reader.adapter_sha256(snap.path)
+        hashes[a] = as_loaded = reader.adapter_sha256(snap.path)
         src_sha = reader.adapter_sha256(source_of[a])
-        if hashes[a] != src_sha:
-            failures.append(f"{a}: adapter as loaded ({hashes[a][:12]}) differs from its checkpoint's ({src_sha[:12]})")
+        if as_loaded != src_sha:
+            failures.append(f"{a}: adapter as loaded ({as_loaded[:12]}) differs from its checkpoint's ({src_sha[:12]})")
     return hashes, note, failures
 
 
@@ -255,17 +143,18 @@ SOURCE_OUTPUT_KEY = "initial_checkpoint_source"
 
 def _initial_outputs(bundle: EvidenceBundle, arms: Mapping[str, LoadedArm], fixed_batch: Sequence[tinker.Datum],
                      b_sha: str, atol: float, source: Sequence[np.ndarray] | None = None,
-                     ) -> tuple[dict[str, str], dict[str, Any], list[str]]:
+                     ) -> tuple[dict[str, str], JsonObject, list[str]]:
     """Step 3: full logprobs of every arm on the fixed batch before any update, compared. With a
     single arm, `source` (the setup client's logprobs, taken before its first update) is what it
     is compared with, so the check can still fail."""
     names = list(arms)
     logprobs = {a: full_logprobs(arms[a].client, fixed_batch) for a in names}
     out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
-    pairs = [(names[0], other, logprobs[other]) for other in names[1:]]
+    pairs: list[tuple[str, str, Sequence[np.ndarray]]] = [(names[0], other, logprobs[other]) for other in names[1:]]
     if len(names) == 1 and source is not None:
         pairs = [(names[0], SOURCE_OUTPUT_KEY, source)]
-    cmp, failures = {}, []
+    cmp: JsonObject = {}
+    failures: list[str] = []
     for first, other, lp in pairs:
         c = compare_logprobs(logprobs[first], lp, atol)
         cmp[f"{first}_vs_{other}"] = c
@@ -284,26 +173,26 @@ def _initial_outputs(bundle: EvidenceBundle, arms: Mapping[str, LoadedArm], fixe
     return out_sha, cmp, failures
 
 
-def _provenance_entries(arms_cfg: Sequence[Mapping[str, Any]], base_model: str, sources: Mapping[str, InitialCheckpoint],
+def _provenance_entries(arms_cfg: Sequence[RestorationArm], base_model: str, sources: Mapping[str, InitialCheckpoint],
                         source_label: Mapping[str, str], loaded: Mapping[str, LoadedArm],
-                        probes: Mapping[str, Mapping[str, Any]], b_sha: str, out_sha: Mapping[str, str],
-                        adapter_sha: Mapping[str, str | None]) -> dict[str, Any]:
+                        probes: Mapping[str, RestoreProbeResult], b_sha: str, out_sha: Mapping[str, str],
+                        adapter_sha: Mapping[str, str | None]) -> dict[str, ArmProvenance]:
     """Step 5: each arm's initialization entry with optimizer checks at creation (0) and restore (1),
     against the echo of the probe that ran the arm's own optimizer config."""
-    entries: dict[str, Any] = {}
+    entries: dict[str, ArmProvenance] = {}
     for arm in arms_cfg:
-        a = arm["name"]
+        a = arm.name
         if a not in loaded:
             continue
         probe = probes[a]
-        echo = probe.get("echoed_config") or None
-        common = dict(requested_optimizer=arm["optimizer"], requested_config=arm["optimizer_config"],
-                      echoed=echo, echo_ref=probe.get("echo_ref"), echo_observed_on=probe.get("echo_observed_on"))
+        echo = probe.echoed_config or None
+        check = partial(optimizer_check, requested_optimizer=arm.optimizer,
+                        requested_config=arm.optimizer_config.model_dump(exclude_none=True),
+                        echoed=echo, echo_ref=probe.echo_ref, echo_observed_on=probe.echo_observed_on)
         checks = [
-            optimizer_check(after_restore=0, info=sources[a].info,
-                            info_ref=f"{RESPONSES_FILE}#create_{source_label[a]}.get_info", **common),
-            optimizer_check(after_restore=1, info=loaded[a].info,
-                            info_ref=f"{RESPONSES_FILE}#load_{a}.get_info", **common),
+            check(after_restore=0, info=sources[a].info,
+                  info_ref=f"{RESPONSES_FILE}#create_{source_label[a]}.get_info"),
+            check(after_restore=1, info=loaded[a].info, info_ref=f"{RESPONSES_FILE}#load_{a}.get_info"),
         ]
         entries[a] = initialization_entry(
             base_checkpoint=base_model,
@@ -325,7 +214,7 @@ def _provenance_entries(arms_cfg: Sequence[Mapping[str, Any]], base_model: str, 
 class _Group:
     """The initialization group as this session runs it: the arms, which of them train, one seed."""
 
-    arms: list[dict[str, Any]]  # every arm of the group with optimizer and config, from the spec
+    arms: list[RestorationArm]  # every arm of the group with optimizer and config, from the spec
     all_arm_names: list[str]
     arm_names: list[str]  # the trained arms, in the group's order
     rank: int
@@ -349,7 +238,7 @@ class _InitialStates:
 class _ProbeStep:
     """Step 4's outcome, and what step 6 needs of it."""
 
-    result: dict[str, Any]
+    result: RestoreProbeResult
     opt_cfg: dict[str, float]
     update_norm: UpdateNormMeasure | None
     lr_in_plan: bool  # the planned LR was measured on the setup client by the probe's update 1
@@ -362,7 +251,7 @@ def _progress_line(progress: Callable[[str], None] | None, t0: float) -> Callabl
     return say
 
 
-def _call_directly(fn: Callable[[], Any]) -> Any:
+def _call_directly(fn: Callable[[], T]) -> T:
     return fn()
 
 
@@ -373,7 +262,7 @@ def _resolve_group(plan: Plan, bundle: EvidenceBundle, trained_arms: Sequence[st
     run = spec_plan.run
     assert run is not None  # every experiment spec has its RunConfig from load
     arms = restoration_arms(spec_plan.experiment)
-    all_arm_names = [a["name"] for a in arms]
+    all_arm_names = [a.name for a in arms]
     if trained_arms is not None:
         unknown = sorted(set(trained_arms) - set(all_arm_names))
         if unknown or not trained_arms:
@@ -388,7 +277,7 @@ def _resolve_group(plan: Plan, bundle: EvidenceBundle, trained_arms: Sequence[st
     return _Group(arms, all_arm_names, arm_names, run.lora_rank, seeds.get(arm_names[0], 0), tag, run.dataset)
 
 
-def _prepare_fixed_batch(bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum] | None, description: Any,
+def _prepare_fixed_batch(bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum] | None, description: JsonObject | None,
                          group: _Group) -> tuple[list[tinker.Datum], str]:
     """The given fixed batch (else the plan dataset's), registered as evidence, and its sha256."""
     if fixed_batch is None:
@@ -401,14 +290,14 @@ def _prepare_fixed_batch(bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Da
 
 def _initial_states(probe_sc: tinker.ServiceClient, bundle: EvidenceBundle, base_model: str, group: _Group,
                     arm_seed_overrides: Mapping[str, int] | None, fixed_batch: Sequence[tinker.Datum],
-                    rec: _Recorder, call: CallWrapper) -> _InitialStates:
+                    rec: Recorder, call: CallWrapper) -> _InitialStates:
     """Step 1: fresh LoRA client(s) and the immutable initial checkpoint(s)."""
     seed = group.seed
     arm_seed = {a: (arm_seed_overrides or {}).get(a, seed) for a in group.arm_names}
-    by_seed = {seed: _fresh_checkpoint(probe_sc, base_model, group.rank, "shared", seed, group.tag, rec, call)}
+    by_seed = {seed: fresh_checkpoint(probe_sc, base_model, group.rank, "shared", seed, group.tag, rec, call)}
     for a, s in arm_seed.items():
         if s not in by_seed:
-            by_seed[s] = _fresh_checkpoint(probe_sc, base_model, group.rank, a, s, group.tag, rec, call)
+            by_seed[s] = fresh_checkpoint(probe_sc, base_model, group.rank, a, s, group.tag, rec, call)
     bundle.add_checkpoint("initial", 0, by_seed[seed].path)
     # The setup client's own output, before its first update: what one loaded arm is compared with.
     source_lp = full_logprobs(by_seed[seed].client, fixed_batch) if len(group.arm_names) == 1 else None
@@ -418,18 +307,18 @@ def _initial_states(probe_sc: tinker.ServiceClient, bundle: EvidenceBundle, base
 
 
 def _load_arms(service_client: tinker.ServiceClient, arm_names: Sequence[str], sources: Mapping[str, InitialCheckpoint],
-               rec: _Recorder, call: CallWrapper, say: Callable[[str], None]) -> dict[str, LoadedArm]:
+               rec: Recorder, call: CallWrapper, say: Callable[[str], None]) -> dict[str, LoadedArm]:
     """Step 2: every trained arm from its checkpoint with optimizer; the load responses kept."""
     loaded = {}
     for i, a in enumerate(arm_names, start=1):
         say(f"2/6: loading arm {a} ({i}/{len(arm_names)}) from {sources[a].path} with optimizer")
-        loaded[a] = _load_arm(service_client, a, sources[a].path, rec, call)
+        loaded[a] = load_arm(service_client, a, sources[a].path, rec, call)
     return loaded
 
 
 def _probe_step(probe_sc: tinker.ServiceClient, init: _InitialStates, fixed_batch: Sequence[tinker.Datum],
                 group: _Group, checkpoint_reader: LocalCheckpointReader | None, update_norm: UpdateNormMeasure | None,
-                lr_multipliers: Sequence[float], rec: _Recorder, atol: float, call: CallWrapper,
+                lr_multipliers: Sequence[float], rec: Recorder, atol: float, call: CallWrapper,
                 restore_with_optimizer: bool, say: Callable[[str], None]) -> _ProbeStep:
     """Step 4: the setup client (uninterrupted) vs a create-save-restore client, same two
     fixed-gradient updates; update 1 is also the LR-scaling probe at the planned LR."""
@@ -445,12 +334,12 @@ def _probe_step(probe_sc: tinker.ServiceClient, init: _InitialStates, fixed_batc
 
 
 def _arm_config(group: _Group, arm: str) -> dict[str, float]:
-    return dict(next(a for a in group.arms if a["name"] == arm)["optimizer_config"])
+    return next(a for a in group.arms if a.name == arm).optimizer_config.model_dump(exclude_none=True)
 
 
 def _other_config_probes(probe_sc: tinker.ServiceClient, init: _InitialStates, fixed_batch: Sequence[tinker.Datum],
-                         group: _Group, probe: _ProbeStep, rec: _Recorder, atol: float, call: CallWrapper,
-                         restore_with_optimizer: bool, say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+                         group: _Group, probe: _ProbeStep, rec: Recorder, atol: float, call: CallWrapper,
+                         restore_with_optimizer: bool, say: Callable[[str], None]) -> dict[str, RestoreProbeResult]:
     """Step 4 again for each trained arm whose optimizer config differs from every one probed so
     far: a fresh client from the initial checkpoint stands in for the uninterrupted setup client,
     so each arm's optimizer checks compare with the echo of its OWN config. The probe result of
@@ -463,19 +352,19 @@ def _other_config_probes(probe_sc: tinker.ServiceClient, init: _InitialStates, f
             results[a] = results[same]
             continue
         say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
-        fresh, _ = call(lambda name=f"probe-{a}": create_from_state_observed(probe_sc, init.shared.path, name))
+        fresh, _ = call(partial(create_from_state_observed, probe_sc, init.shared.path, f"probe-{a}"))
         describe_client(probe_sc, fresh, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
         results[a] = restore_probe(probe_sc, fresh, init.shared.path, fixed_batch, cfg, f"{group.tag}-{a}",
                                    PrefixedResponses(rec, f"{a}:"), atol, call, restore_optimizer=restore_with_optimizer,
                                    say=say)
-        results[a]["echo_observed_on"] = results[a]["uninterrupted_client"] = (
+        results[a].echo_observed_on = results[a].uninterrupted_client = (
             f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)")
     return results
 
 
 def _lr_scaling_step(probe_sc: tinker.ServiceClient, initial_checkpoint: str, fixed_batch: Sequence[tinker.Datum],
                      probe: _ProbeStep, lr_multipliers: Sequence[float], lr_rtol: float, unavailable_reason: str,
-                     call: CallWrapper, say: Callable[[str], None]) -> dict[str, Any]:
+                     call: CallWrapper, say: Callable[[str], None]) -> LrScalingBlock:
     """Step 6: the LR-scaling probe (the planned LR was measured on the setup client in step 4)."""
     in_plan = probe.lr_in_plan and probe.update_norm
     say(f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
@@ -483,7 +372,7 @@ def _lr_scaling_step(probe_sc: tinker.ServiceClient, initial_checkpoint: str, fi
     base_lr = float(probe.opt_cfg["learning_rate"])
     return lr_scaling_probe(probe_sc, initial_checkpoint, fixed_batch, probe.opt_cfg, lr_multipliers,
                             lr_rtol, probe.update_norm, unavailable_reason, call,
-                            measured={base_lr: probe.result["base_lr_update_norm"]} if in_plan else None, say=say)
+                            measured={base_lr: probe.result.base_lr_update_norm} if in_plan else None, say=say)
 
 
 def _excluded_arms(group: _Group) -> dict[str, str]:
@@ -491,23 +380,25 @@ def _excluded_arms(group: _Group) -> dict[str, str]:
                 "optimizer-restoration groups") for a in group.all_arm_names if a not in group.arm_names}
 
 
-def _posted_provenance(prov_body: dict[str, Any], excluded: dict[str, str],
-                       trained_arms: Sequence[str] | None) -> dict[str, Any]:
+def _posted_provenance(prov_body: InitializationProvenance, excluded: dict[str, str],
+                       trained_arms: Sequence[str] | None) -> InitializationProvenance:
     """The result's initialization_provenance: with `trained_arms`, each posted check keeps only
     what the arm's OWN responses exposed."""
     if trained_arms is None:
         return prov_body
-    return {"version": 1, "arms": {a: dict(e, optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]])
+    return {"version": 1, "arms": {a: ArmProvenance(initialization=e["initialization"], restore_count=e["restore_count"],
+                                                    optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]],
+                                                    initial_output=e["initial_output"])
                                    for a, e in prov_body["arms"].items()},
             "excluded_arms": excluded}
 
 
-def _record_evidence(bundle: EvidenceBundle, rec: _Recorder, probe: Mapping[str, Any], lr_block: Mapping[str, Any],
-                     provenance: dict[str, Any], posted: dict[str, Any], t0: float) -> float:
+def _record_evidence(bundle: EvidenceBundle, rec: Recorder, probe: RestoreProbeResult, lr_block: LrScalingBlock,
+                     provenance: InitializationProvenance, posted: InitializationProvenance, t0: float) -> float:
     """The preflight's evidence files and result fields; returns the preflight's wall seconds."""
     bundle.register_json(RESPONSES_FILE, "log", rec.responses)
-    bundle.register_json(PROBE_FILE, "metrics", probe)
-    bundle.register_json(LR_SCALING_FILE, "metrics", lr_block)
+    bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
+    bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
     bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
     wall = time.monotonic() - t0
     bundle.update_result(initialization_provenance=posted,
@@ -523,7 +414,7 @@ def run_restoration_preflight(
     *,
     base_model: str = constants.BASE_MODEL,
     fixed_batch: Sequence[tinker.Datum] | None = None,
-    fixed_batch_description: Any = None,
+    fixed_batch_description: JsonObject | None = None,
     atol: float = LOGPROB_ATOL,
     lr_multipliers: Sequence[float] = DEFAULT_LR_MULTIPLIERS,
     lr_rtol: float = LR_SCALING_RTOL,
@@ -535,7 +426,7 @@ def run_restoration_preflight(
     probe_service_client: tinker.ServiceClient | None = None,
     arm_seed_overrides: Mapping[str, int] | None = None,
     probe_restore_with_optimizer: bool = True,
-    call: Callable[[Callable[[], Any]], Any] | None = None,
+    call: CallWrapper | None = None,
     run_tag: str | None = None,
     trained_arms: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -547,7 +438,7 @@ def run_restoration_preflight(
     call = call or _call_directly
     probe_sc = probe_service_client or service_client
     group = _resolve_group(plan, bundle, trained_arms, run_tag)
-    rec, failures = _Recorder(), []
+    rec, failures = Recorder(), []
     fixed_batch, b_sha = _prepare_fixed_batch(bundle, fixed_batch, fixed_batch_description, group)
     say(f"1/6: fresh LoRA rank-{group.rank} client on {base_model} and the shared initial checkpoint")
     init = _initial_states(probe_sc, bundle, base_model, group, arm_seed_overrides, fixed_batch, rec, call)
@@ -561,31 +452,30 @@ def run_restoration_preflight(
     failures += output_failures
     probe = _probe_step(probe_sc, init, fixed_batch, group, checkpoint_reader, update_norm, lr_multipliers, rec,
                         atol, call, probe_restore_with_optimizer, say)
-    failures.extend(probe.result["failures"])
+    failures.extend(probe.result.failures)
     probes = _other_config_probes(probe_sc, init, fixed_batch, group, probe, rec, atol, call,
                                   probe_restore_with_optimizer, say)
     others = {a: r for a, r in probes.items() if r is not probe.result}
-    failures.extend(f"{a}: {m}" for a, r in others.items() for m in r["failures"])
+    failures.extend(f"{a}: {m}" for a, r in others.items() for m in r.failures)
     if others:
-        probe.result["own_config_probes"] = others  # written with the step-4 probe (PROBE_FILE)
+        probe.result.own_config_probes = others  # written with the step-4 probe (PROBE_FILE)
     say("5/6: optimizer checks and initialization provenance")
-    prov_body = {"version": 1, "arms": _provenance_entries(group.arms, base_model, init.sources, init.source_label,
+    prov_body: InitializationProvenance = {"version": 1, "arms": _provenance_entries(group.arms, base_model, init.sources, init.source_label,
                                                            loaded, probes, b_sha, out_sha, adapter_sha)}
     failures.extend(check_provenance(prov_body, group.arm_names))
     excluded = _excluded_arms(group)
     lr_block = _lr_scaling_step(probe_sc, init.shared.path, fixed_batch, probe, lr_multipliers, lr_rtol,
                                 update_norm_unavailable_reason, call, say)
-    if lr_block["available"] and not lr_block["passed"]:
-        failures.append(f"LR scaling: {lr_block['problem']}")
+    if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
+        failures.append(f"LR scaling: {lr_block.problem}")
     passed = not failures
-    provenance = {
-        **prov_body,
-        **({"excluded_arms": excluded} if excluded else {}),
-        "group": {"arms": group.arm_names, "initial_checkpoint": init.shared.path,
-                  "initial_output_comparison": cmp, "adapter_sha256_method": adapter_note,
-                  "restore_probe": PROBE_FILE, "server_responses": RESPONSES_FILE},
-        "passed": passed, "failures": list(failures),
-    }
+    provenance: InitializationProvenance = {"version": 1, "arms": prov_body["arms"]}
+    if excluded:
+        provenance["excluded_arms"] = excluded
+    provenance["group"] = {"arms": list(group.arm_names), "initial_checkpoint": init.shared.path,
+                           "initial_output_comparison": cmp, "adapter_sha256_method": adapter_note,
+                           "restore_probe": PROBE_FILE, "server_responses": RESPONSES_FILE}
+    provenance["passed"], provenance["failures"] = passed, list(failures)
     say(f"{'passed' if passed else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
     wall = _record_evidence(bundle, rec, probe.result, lr_block, provenance,
                             _posted_provenance(prov_body, excluded, trained_arms), t0)

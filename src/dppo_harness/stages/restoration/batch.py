@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tinker
+from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
+from dppo_harness.stages.restoration.records import JsonObject
 from dppo_harness.train.clients import RestorationError, datum_arrays
 from dppo_harness.train.fingerprints import batch_sha256
 
@@ -34,7 +36,7 @@ def reference_completion(solution: str, reference: str) -> str:
 
 
 def build_fixed_batch(n_items: int = FIXED_BATCH_ITEMS, seed: int = 0,
-                      dataset_name: str = "gsm8k") -> tuple[list[tinker.Datum], dict[str, Any]]:
+                      dataset_name: str = "gsm8k") -> tuple[list[tinker.Datum], JsonObject]:
     """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered with the qwen3_5
     renderer (one-shot prefix, cookbook prompt), reference solutions as the assistant targets.
 
@@ -46,7 +48,8 @@ def build_fixed_batch(n_items: int = FIXED_BATCH_ITEMS, seed: int = 0,
     items = data.load_split("train", seed=seed).items[:n_items]
     if len(items) < n_items:
         raise RestorationError(f"fixed batch needs {n_items} GSM8K train items, got {len(items)}")
-    batch, described = [], []
+    batch: list[tinker.Datum] = []
+    described: list[JsonValue] = []
     for item in items:
         messages = data.prompt_messages(item) + [
             {"role": "assistant", "content": reference_completion(item.solution, item.reference)}]
@@ -66,8 +69,8 @@ def build_fixed_batch(n_items: int = FIXED_BATCH_ITEMS, seed: int = 0,
     return batch, {"items": described, "renderer": bundle.provenance, "seed": seed}
 
 
-def batch_to_json(batch: Sequence[tinker.Datum]) -> list[dict[str, Any]]:
-    rows = []
+def batch_to_json(batch: Sequence[tinker.Datum]) -> list[JsonObject]:
+    rows: list[JsonObject] = []
     for d in batch:
         tokens_T, targets_T, mask_T = datum_arrays(d)
         rows.append({"input_tokens": tokens_T.tolist(), "target_tokens": targets_T.tolist(),
@@ -75,7 +78,7 @@ def batch_to_json(batch: Sequence[tinker.Datum]) -> list[dict[str, Any]]:
     return rows
 
 
-def register_fixed_batch(bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: Any) -> str:
+def register_fixed_batch(bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: JsonObject | None) -> str:
     b_sha = batch_sha256(fixed_batch)
     bundle.register_json(FIXED_BATCH_FILE, "tensors", {
         "batch_sha256": b_sha,

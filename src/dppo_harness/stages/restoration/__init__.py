@@ -1,0 +1,47 @@
+"""The restoration preflight: one shared immutable initial state for both arms, proved, not assumed.
+
+Modules, in the order the preflight uses them: `batch` (the fixed tokenized batch), `checkpoint`
+(the fresh setup client's initial checkpoint, its immutability, each arm's load with optimizer,
+the server responses kept as evidence), `probe` (the create-save-restore probe and the one
+fixed-gradient update every probe applies), `update_norm` (update-norm measures where a backend
+allows them), `lr_probe` (the LR-scaling probe and the correctness block's `lr_scaling`),
+`provenance` (each arm's initialization entry and the group's proof), `records` (the probe
+result, the LR-scaling block, `RestorationResult` and the preflight's service work) and
+`preflight` (`run_restoration_preflight`, the six steps in order).
+"""
+
+from dppo_harness.stages.restoration.checkpoint import RESPONSES_FILE, LoadedArm, duplicate_save_outcome
+from dppo_harness.stages.restoration.preflight import (
+    INITIAL_OUTPUT_FILE,
+    PROBE_FILE,
+    PROVENANCE_FILE,
+    SOURCE_OUTPUT_KEY,
+    restoration_arms,
+    run_restoration_preflight,
+)
+from dppo_harness.stages.restoration.records import (
+    LrScalingBlock,
+    LrScalingMeasured,
+    LrScalingUnavailable,
+    RestorationResult,
+    RestoreProbeResult,
+    preflight_service_work,
+)
+
+__all__ = [
+    "INITIAL_OUTPUT_FILE",
+    "PROBE_FILE",
+    "PROVENANCE_FILE",
+    "RESPONSES_FILE",
+    "SOURCE_OUTPUT_KEY",
+    "LoadedArm",
+    "LrScalingBlock",
+    "LrScalingMeasured",
+    "LrScalingUnavailable",
+    "RestorationResult",
+    "RestoreProbeResult",
+    "duplicate_save_outcome",
+    "preflight_service_work",
+    "restoration_arms",
+    "run_restoration_preflight",
+]

@@ -1,0 +1,135 @@
+"""The initial checkpoint and the arms loaded from it: the fresh setup client's save (and the
+duplicate save that must be refused for the checkpoint to count as immutable), each arm's load with
+optimizer, and `Recorder`, which keeps every server response for evidence under a reference id.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import tinker
+from pydantic import JsonValue
+
+from dppo_harness.service.capacity import error_text, is_capacity_error
+from dppo_harness.service.observed import describe_client
+from dppo_harness.service.wait.clients import name_client
+from dppo_harness.stages.restoration.probe import CallWrapper
+from dppo_harness.train.clients import create_from_state_observed, dump_response
+
+RESPONSES_FILE = "restoration-server-responses.json"
+
+
+@dataclass
+class Recorder:
+    """Server responses kept for evidence, each under a stable reference id."""
+
+    responses: dict[str, JsonValue] = field(default_factory=dict)
+
+    def keep(self, ref: str, obj: object) -> str:
+        self.responses[ref] = dump_response(obj)
+        return f"{RESPONSES_FILE}#{ref}"
+
+
+# A refusal to overwrite names the existing checkpoint; other failures of the duplicate save
+# (timeouts, 5xx, capacity, connection errors) say nothing about immutability.
+OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable", re.IGNORECASE)
+
+
+def duplicate_save_outcome(exc: BaseException | None) -> tuple[bool | None, str]:
+    """(checkpoint_immutable, reason) from the second save_state under the same name.
+
+    True only on the service's explicit refusal to overwrite: HTTP 409, or a failed request / 400
+    that is not a server-side failure and whose text says the checkpoint exists or may not be
+    overwritten. A second save that succeeded is False (the name is not immutable). Anything else
+    (timeout, 5xx, capacity, connection, other errors) is None: unverified, with the reason.
+    """
+    if exc is None:
+        return False, "the service accepted a second save_state under the same name without overwrite"
+    text = error_text(exc)
+    what = f"{type(exc).__name__}: {text}"[:300]
+    refused = False
+    if isinstance(exc, tinker.ConflictError):
+        refused = True
+    elif is_capacity_error(exc):
+        refused = False
+    elif isinstance(exc, tinker.RequestFailedError):
+        refused = exc.category != tinker.types.RequestErrorCategory.Server and bool(OVERWRITE_REFUSAL_RE.search(text))
+    elif isinstance(exc, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
+        refused = bool(OVERWRITE_REFUSAL_RE.search(text))
+    if refused:
+        return True, f"the service refused to overwrite the saved name ({what})"
+    return None, (f"the duplicate save_state ended in {what}, not an explicit refusal to overwrite: "
+                  "immutability unverified")
+
+
+@dataclass(frozen=True)
+class InitialCheckpoint:
+    client: tinker.TrainingClient  # the fresh setup client that saved it (released with its ServiceClient)
+    path: str
+    immutable: bool | None  # None: the duplicate save proved nothing either way
+    immutable_reason: str = ""
+    info: tinker.types.GetInfoResponse | None = None  # the setup client's get_info at creation, before any update
+
+
+@dataclass(frozen=True)
+class LoadedArm:
+    client: tinker.TrainingClient
+    loaded_path: str | None  # the server's load response path (the proof), None if not observed
+    load_ref: str
+    load_succeeded: bool
+    source_path: str = ""  # the checkpoint the load asked for
+    response: tinker.types.LoadWeightsResponse | None = None  # the LoadWeightsResponse as the SDK parsed it (None: not observed)
+    info: tinker.types.GetInfoResponse | None = None  # the client's get_info right after the load
+    seconds: float = 0.0  # wall time of the load (client creation included)
+
+    def restore_record(self) -> dict[str, JsonValue]:
+        """The load as a stage that trains this client records it (its own restore, not a new one)."""
+        return {"initial_checkpoint": self.source_path, "loaded_checkpoint_uri": self.loaded_path,
+                "load_succeeded": self.load_succeeded, "load_response": dump_response(self.response),
+                "get_info": dump_response(self.info), "before_first_update": True,
+                "evidence_ref": self.load_ref, "seconds": self.seconds}
+
+
+
+def fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int, label: str, seed: int, tag: str,
+                      rec: Recorder, call: CallWrapper) -> InitialCheckpoint:
+    """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
+    # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
+    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
+    name_client(client, f"setup client ({label}, seed {seed})")
+    describe_client(probe_sc, client, f"setup ({label}, seed {seed}): saves the initial checkpoint"
+                    + ("; then the uninterrupted restore probe and the base-LR scaling probe" if label == "shared" else ""))
+    info = client.get_info()
+    rec.keep(f"create_{label}.get_info", info)
+    name = f"{tag}-initial-{label}-seed{seed}"
+    saved = client.save_state(name).result()
+    rec.keep(f"save_{label}", saved)
+    # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
+    try:
+        again = client.save_state(name).result()
+    except Exception as exc:
+        immutable, reason = duplicate_save_outcome(exc)
+        rec.keep(f"save_{label}_again_refused" if immutable else f"save_{label}_again_failed",
+                 {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason})
+    else:
+        immutable, reason = duplicate_save_outcome(None)
+        rec.keep(f"save_{label}_again", again)
+    return InitialCheckpoint(client, saved.path, immutable, reason, info)
+
+
+def load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: Recorder,
+              call: CallWrapper) -> LoadedArm:
+    """Step 2: the arm's client from the checkpoint with optimizer; the load response kept. A
+    response without `path` (optional in the SDK's LoadWeightsResponse) leaves the URI unproved."""
+    t0 = time.monotonic()
+    client, resp = call(lambda: create_from_state_observed(service_client, path, arm))
+    seconds = time.monotonic() - t0
+    describe_client(service_client, client, f"arm {arm}: loaded from the initial checkpoint with optimizer")
+    load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
+    info = client.get_info()
+    rec.keep(f"load_{arm}.get_info", info)
+    return LoadedArm(client, resp.path if resp is not None and resp.path else None, load_ref, resp is not None,
+                     source_path=path, response=resp, info=info, seconds=seconds)
+
