@@ -1,6 +1,7 @@
 """JSON as types, one name each for every package: `JsonValue` (pydantic's), `JsonObject` (one object
 as built or decoded), `JsonMap` (one object as a reader sees it), and the narrowing a reader applies to
-one value (`num`, `obj`, `objs`, `items`: a wrong shape raises TypeError)."""
+one value (`num`, `obj`, `objs`, `items`: a wrong shape raises TypeError), or a record as JSON
+(`as_object`, `as_value`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pydantic import JsonValue
 JsonObject = dict[str, JsonValue]
 JsonMap = Mapping[str, JsonValue]
 
-__all__ = ["JsonMap", "JsonObject", "JsonValue", "items", "num", "obj", "objs"]
+__all__ = ["JsonMap", "JsonObject", "JsonValue", "as_object", "as_value", "items", "num", "obj", "objs"]
 
 
 def num(x: JsonValue) -> float:
@@ -40,3 +41,26 @@ def obj(x: JsonValue) -> JsonMap:
     if isinstance(x, dict):
         return x
     raise TypeError(f"expected an object, got {type(x).__name__}")
+
+
+def as_value(x: object) -> JsonValue:
+    """`x` as a JSON value, checked all the way down (a TypedDict record is not a `JsonValue` to the
+    type checker): tuples become lists, as `json.dumps` writes them; anything that is not JSON raises
+    TypeError."""
+    if x is None or isinstance(x, (str, bool, int, float)):
+        return x
+    if isinstance(x, Mapping):
+        return as_object(x)
+    if isinstance(x, (list, tuple)):
+        return [as_value(v) for v in x]
+    raise TypeError(f"not JSON: {type(x).__name__}")
+
+
+def as_object(x: Mapping[str, object]) -> JsonObject:
+    """A record's JSON object (a TypedDict, a dict of numbers), checked as `as_value`, key order kept."""
+    out: JsonObject = {}
+    for k, v in x.items():
+        if not isinstance(k, str):
+            raise TypeError(f"not a JSON key: {k!r}")
+        out[k] = as_value(v)
+    return out

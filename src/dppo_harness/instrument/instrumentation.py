@@ -170,7 +170,7 @@ def decision_stats(
         # The tails that matter for the directional mask: up-moves on A>0, down-moves on A<0.
         "drift/max_on_pos_adv": float(d[pos].max()) if pos.any() else None,
         "drift/min_on_neg_adv": float(d[neg].min()) if neg.any() else None,
-        "hist": {**signed_histograms(d, adv, loss)},
+        "hist": {sign: [*counts] for sign, counts in signed_histograms(d, adv, loss).items()},
     }
 
 

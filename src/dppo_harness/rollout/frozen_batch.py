@@ -110,7 +110,7 @@ class Minibatch:
     sequence_indices: tuple[int, ...]
     loss_tokens: int  # sum of loss_mask over its datums
 
-    def record(self) -> dict[str, int | list[int]]:
+    def record(self) -> JsonObject:
         return {
             "index": self.index,
             "group_ids": list(self.group_ids),

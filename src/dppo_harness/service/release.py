@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 import tinker
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.service.observed import CloseStatus, CreatedClient, now_iso
-from dppo_harness.service.wait.policy import JsonObject
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.correctness import build_preflight_block, spec_tolerances, validate_preflight
 from dppo_harness.loss.correctness_golden import (
     REGISTRY_TOLERANCE,
@@ -22,7 +23,7 @@ from dppo_harness.loss.correctness_golden import (
 )
 from dppo_harness.loss.correctness_reference import MODES
 from dppo_harness.stages.restoration.lr_probe import attach_lr_scaling
-from dppo_harness.stages.restoration.records import JsonObject, LrScalingBlock
+from dppo_harness.stages.restoration.records import LrScalingBlock
 
 # The golden file the preflight checks, relative to the project root.
 GOLDEN_FIXTURE = Path("tests") / "fixtures" / "dppo_golden_v1.json"
@@ -57,7 +58,7 @@ class CorrectnessPreflight:
     def golden_report_json(self) -> JsonObject:
         """``correctness-golden-report.json``: the golden report and the registry parity."""
         return {**self.report.to_json(), "loss_registry_parity": {
-            "tolerance": REGISTRY_TOLERANCE,
+            "tolerance": {**REGISTRY_TOLERANCE},
             "losses": [{"loss": p.loss, "cases": p.cases, "passed": p.passed, "failures": list(p.failures)}
                        for p in self.parity]}}
 

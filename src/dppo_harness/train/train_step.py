@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar
 
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.json_types import JsonValue
 from dppo_harness.rollout.frozen_batch import split_complete_groups
 
 if TYPE_CHECKING:

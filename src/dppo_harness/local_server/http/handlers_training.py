@@ -8,16 +8,11 @@ from tinker import types
 from tinker.types._pydantic_types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
 
 from dppo_harness import constants
+from dppo_harness.json_types import JsonObject
 from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
-from dppo_harness.local_server.http.codecs import (
-    JsonObject,
-    ProtocolError,
-    decode_fwdbwd_request,
-    dump,
-    encode_fwdbwd_output,
-)
+from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, dump, encode_fwdbwd_output
 from dppo_harness.local_server.http.state import (
     ModelEntry,
     Outcome,

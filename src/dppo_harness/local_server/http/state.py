@@ -22,9 +22,9 @@ from pydantic import JsonValue
 from tinker import types
 
 from dppo_harness import constants
+from dppo_harness.json_types import JsonObject
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.faults import FaultInjector, HeaderRecorder, Hold
-from dppo_harness.local_server.http.codecs import JsonObject
 from dppo_harness.local_server.profiles import Profile
 
 if TYPE_CHECKING:

@@ -41,12 +41,12 @@ from typing import Protocol, TypeVar
 from tinker import RestClient, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.api_future import APIFuture
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
 from dppo_harness.service.wait.policy import (
     CapacityBlock,
     CapacityExhausted,
     CapacityTracker,
-    JsonObject,
     NoQueueState,
     PaymentRequired,
     ServiceHang,

@@ -18,7 +18,7 @@ from dppo_harness.evidence import report
 from dppo_harness.evidence.backend import backend_of
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.instrument import cookbook_metrics
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityPolicy
 from dppo_harness.stages.comparison import run_steps
@@ -157,7 +157,7 @@ def run_comparison(
                                                            progress, base_model or cfg.base_model)
         files += eval_files
         resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
-        files += list(report.write_comparison_report(bundle, list(state.rows), list(scores), decision, backend,
+        files += list(report.write_comparison_report(bundle, [as_object(r) for r in state.rows], list(scores), decision, backend,
                                                      max_tokens=cfg.max_tokens, resume=resume).values())
         return result(run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal),
                       tuple(scores), decision)

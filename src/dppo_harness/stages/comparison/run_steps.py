@@ -20,7 +20,7 @@ from dppo_harness.evidence import budget
 from dppo_harness.evidence.backend import backend_of
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import cookbook_metrics
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.service.capacity import call_with_capacity_retry, error_text
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityExhausted, CapacityPolicy, CapacityTracker, ServiceStopped
@@ -92,7 +92,7 @@ def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, eva
 
 def setup_provenance(restoration: RestorationResult, cfg: ComparisonConfig) -> JsonObject:
     """Per arm, what the preflight's load counted (later restores count on from it)."""
-    return {a.name: {k: restoration.provenance["arms"][a.name][k] for k in ("restore_count", "optimizer_checks")}
+    return {a.name: {k: as_value(restoration.provenance["arms"][a.name][k]) for k in ("restore_count", "optimizer_checks")}
             for a in cfg.arms}
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, pool_calls
+from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.loss.losses import LossConfig
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import (
@@ -24,7 +25,7 @@ from dppo_harness.stages.diagnostic.classification import (
     trainer_moved,
 )
 from dppo_harness.stages.diagnostic.conclusion import compose_summary, for_planned_model, next_action
-from dppo_harness.stages.diagnostic.config import FIXES, LOOP_LABEL, DiagnosticConfig, JsonObject
+from dppo_harness.stages.diagnostic.config import FIXES, LOOP_LABEL, DiagnosticConfig
 from dppo_harness.stages.diagnostic.criteria import CriterionResult, evaluate_criteria
 from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, SelftestReport, SentinelSummary
 
@@ -171,7 +172,7 @@ def result_fields(res: DiagnosticResult) -> DiagnosticResultFields:
         state=c.state, cause=c.cause, active=c.active,
         next_action=str(res.next_action.get("action", "review the frozen revised comparison spec (not executed)")))
     calibration: JsonObject = {
-        "values": {cr.id: (cr.value if cr.value is not None else "missing") for cr in res.criteria},
+        "values": {cr.id: (as_value(cr.value) if cr.value is not None else "missing") for cr in res.criteria},
         "note": (f"bounded diagnostic, not the original gate: {res.updates_done} updates over one frozen batch "
                  f"({res.config.epochs} epochs x {res.config.minibatches_per_epoch} minibatches of "
                  f"{res.config.groups_per_minibatch} groups), values pooled over all second-epoch loss calls by "

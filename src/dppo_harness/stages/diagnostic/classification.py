@@ -12,7 +12,8 @@ from pydantic import JsonValue
 
 from dppo_harness import constants
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig, JsonObject
+from dppo_harness.json_types import JsonObject
+from dppo_harness.stages.diagnostic.config import DiagnosticConfig
 from dppo_harness.stages.diagnostic.criteria import CriterionResult
 from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelPoint, SentinelSummary
 

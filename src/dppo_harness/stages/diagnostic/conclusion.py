@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import Classification
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig, JsonObject
+from dppo_harness.stages.diagnostic.config import DiagnosticConfig
 
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec

@@ -10,15 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pydantic import JsonValue
-
 from dppo_harness.loss.losses import DPPO_LOSS, LossConfig, Normalization
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan
 
 # Seconds kept free at the end of the cap for analysis, replay re-check, report and evidence.
-JsonObject = dict[str, JsonValue]  # a JSON object the diagnostic writes as evidence
 
 FINALIZE_RESERVE_S = 30.0
 LOOP_LABEL = (

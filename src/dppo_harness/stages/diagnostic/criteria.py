@@ -3,12 +3,13 @@ relaxed or selected; a criterion that cannot be measured fails as missing."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import POOLED_QUANTILES, RATIO_PARTS
+from dppo_harness.json_types import JsonMap, JsonValue, num
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured, is_number
 from dppo_harness.stages.diagnostic.config import DiagnosticError
 
@@ -30,13 +31,13 @@ class CriterionResult:
 _APPLIES_WHEN = {"A > 0": "tokens/pos_adv", "A < 0": "tokens/neg_adv"}
 
 
-def _applies(criterion: AnalysisCriterion, pooled: Mapping[str, float]) -> bool:
+def _applies(criterion: AnalysisCriterion, pooled: JsonMap) -> bool:
     cond = criterion.applies_when
     if cond is None:
         return True
     for needle, key in _APPLIES_WHEN.items():
         if needle in cond:
-            return pooled.get(key, 0) > 0
+            return num(pooled.get(key, 0)) > 0
     raise DiagnosticError(f"analysis.criteria[{criterion.id}].applies_when: cannot interpret {cond!r}")
 
 
@@ -44,7 +45,13 @@ _POOLING_OK = {"token_weighted_ratio": set(RATIO_PARTS), "pooled_quantile": set(
                "token_count_sum": set(ins.COUNT_KEYS)}
 
 
-def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: Mapping[str, float]) -> list[CriterionResult]:
+def _measured(x: JsonValue) -> Measured:
+    """A pooled value as a criterion records it: the pooled metrics criteria may name are numbers;
+    anything else is recorded as not measured."""
+    return x if x is None or isinstance(x, (int, float, str)) else None
+
+
+def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: JsonMap) -> list[CriterionResult]:
     """The plan's fixed criteria on pooled values (the rule shared with the gate's checks,
     `checks.Bounds`); nothing is tuned, relaxed or selected here."""
     out = []
@@ -52,7 +59,7 @@ def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: Mapping[str
         if c.metric not in _POOLING_OK.get(c.pooling, set()):
             raise DiagnosticError(f"analysis.criteria[{c.id}]: pooling {c.pooling!r} of {c.metric!r} is not implemented")
         bounds = Bounds.of(c)
-        declared, value = bounds.as_json(), pooled.get(c.metric)
+        declared, value = bounds.as_json(), _measured(pooled.get(c.metric))
         if not _applies(c, pooled):
             out.append(CriterionResult(c.id, c.metric, value, False, None, f"does not apply: {c.applies_when} is false",
                                        declared))

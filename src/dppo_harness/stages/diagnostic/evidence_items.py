@@ -12,14 +12,14 @@ import contextlib
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
 
 from dppo_harness.instrument import replay
-from dppo_harness.stages.diagnostic.config import JsonObject
+from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.diagnostic.files import FEASIBILITY_SOURCE
-from dppo_harness.train.optimizer_checks import own_response_only
+from dppo_harness.train.optimizer_checks import OptimizerCheck, own_response_only
 
 if TYPE_CHECKING:
     from dppo_harness.plans.models import BoundedDiagnostic, ServiceWork
@@ -113,7 +113,7 @@ def replay_output(bundle_dir: Path) -> tuple[int, str]:
 
 
 def trained_client_entry(prior: ArmProvenance, *, restore: JsonObject, initial_output: JsonObject,
-                         own_check: dict[str, Any] | None, restore_ref: str, new_restore: bool = True) -> JsonObject:
+                         own_check: OptimizerCheck | None, restore_ref: str, new_restore: bool = True) -> JsonObject:
     """The trained arm's `initialization_provenance` entry: an optimizer check from the trained
     client's OWN response for its last restore, and that client's initial output before its first
     update. `new_restore`: the diagnostic restored the arm again (one more restore); otherwise it

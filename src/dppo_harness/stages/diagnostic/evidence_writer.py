@@ -15,16 +15,11 @@ from dppo_harness.evidence import report
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, REVISED_SPEC_FILE
+from dppo_harness.json_types import JsonObject
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic import evidence_items
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult, analyse
-from dppo_harness.stages.diagnostic.config import (
-    BASIS_FOR_REFERENCES,
-    FINALIZE_RESERVE_S,
-    LOOP_LABEL,
-    DiagnosticConfig,
-    JsonObject,
-)
+from dppo_harness.stages.diagnostic.config import BASIS_FOR_REFERENCES, FINALIZE_RESERVE_S, LOOP_LABEL, DiagnosticConfig
 from dppo_harness.stages.diagnostic.files import (
     NEXT_ACTION_FILE,
     ORIGINAL_GATE_REPORT_FILE,

@@ -20,6 +20,7 @@ from dppo_harness.evidence import budget
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
@@ -29,7 +30,6 @@ from dppo_harness.stages.diagnostic.config import (
     FINALIZE_RESERVE_S,
     DiagnosticConfig,
     DiagnosticError,
-    JsonObject,
     diagnostic_config,
 )
 from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimizer_check, write_evidence
@@ -159,7 +159,7 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         datums = frozen.to_datums(mb.sequence_indices)
         anchor = np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices])
         update_index = state.updates_done + 1
-        context = {"update_index": update_index, "epoch": epoch, "minibatch": mb.index, "group_ids": list(mb.group_ids),
+        context: JsonObject = {"update_index": update_index, "epoch": epoch, "minibatch": mb.index, "group_ids": list(mb.group_ids),
                    "sequence_indices": list(mb.sequence_indices), "sampler_checkpoint": sampler_path,
                    "frozen_batch_sha256": frozen.sha256}
 
@@ -178,7 +178,7 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         if state.sentinels is not None:
             state.sentinels.collect()  # the previous update's sentinel: long done by now
         phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
-        if sentinels is not None:
+        if sentinels is not None and upd.behind is not None:
             sentinels.defer(upd.behind, update_index, elapsed())
         if state.first_optim is None:
             state.first_optim = upd.optim

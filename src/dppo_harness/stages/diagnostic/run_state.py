@@ -9,8 +9,8 @@ import numpy as np
 import tinker
 
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.json_types import JsonObject
 from dppo_harness.rollout.frozen_batch import FrozenBatch
-from dppo_harness.stages.diagnostic.config import JsonObject
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import tinker
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.stages.restoration.records import JsonObject
+from dppo_harness.json_types import JsonObject
 from dppo_harness.train.clients import RestorationError, datum_arrays
 from dppo_harness.train.fingerprints import batch_sha256
 

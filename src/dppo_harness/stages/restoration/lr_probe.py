@@ -15,15 +15,11 @@ from functools import partial
 
 import tinker
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.service.observed import describe_client
 from dppo_harness.stages.restoration.probe import CallWrapper, adam_params, fixed_gradient_step, probe_gradient
-from dppo_harness.stages.restoration.records import (
-    JsonObject,
-    LrScalingBlock,
-    LrScalingMeasured,
-    LrScalingUnavailable,
-)
+from dppo_harness.stages.restoration.records import LrScalingBlock, LrScalingMeasured, LrScalingUnavailable
 from dppo_harness.stages.restoration.update_norm import UpdateNormMeasure
 from dppo_harness.train.clients import create_from_state_observed
 

@@ -53,6 +53,7 @@ import numpy as np
 import tinker
 
 from dppo_harness import constants
+from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.service.observed import describe_client
 from dppo_harness.stages.restoration.batch import build_fixed_batch, register_fixed_batch
 from dppo_harness.stages.restoration.checkpoint import (
@@ -77,7 +78,6 @@ from dppo_harness.stages.restoration.provenance import (
     initialization_entry,
 )
 from dppo_harness.stages.restoration.records import (
-    JsonObject,
     LrScalingBlock,
     LrScalingMeasured,
     RestorationResult,
@@ -157,7 +157,7 @@ def _initial_outputs(bundle: EvidenceBundle, arms: Mapping[str, LoadedArm], fixe
     failures: list[str] = []
     for first, other, lp in pairs:
         c = compare_logprobs(logprobs[first], lp, atol)
-        cmp[f"{first}_vs_{other}"] = c
+        cmp[f"{first}_vs_{other}"] = as_object(c)
         if not c["within_tolerance"]:
             failures.append(f"initial logprobs differ between {first} and {other}: max |diff| "
                             f"{c['max_abs_diff']} > {atol}" + (f" ({c['problem']})" if "problem" in c else ""))
@@ -387,7 +387,7 @@ def _posted_provenance(prov_body: InitializationProvenance, excluded: dict[str, 
     if trained_arms is None:
         return prov_body
     return {"version": 1, "arms": {a: ArmProvenance(initialization=e["initialization"], restore_count=e["restore_count"],
-                                                    optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]],
+                                                    optimizer_checks=[as_object(own_response_only(c)) for c in e["optimizer_checks"]],
                                                     initial_output=e["initial_output"])
                                    for a, e in prov_body["arms"].items()},
             "excluded_arms": excluded}

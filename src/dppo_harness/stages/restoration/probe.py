@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 import tinker
 
+from dppo_harness.json_types import as_object
 from dppo_harness.service.observed import describe_client
 from dppo_harness.stages.restoration.records import RestoreProbeResult
 from dppo_harness.stages.restoration.update_norm import UpdateNormMeasure
@@ -135,7 +136,7 @@ def restore_probe(service_client: tinker.ServiceClient, uninterrupted: tinker.Tr
     keys = list(opt_cfg)
     return RestoreProbeResult(
         initial_checkpoint=initial_checkpoint, mid_checkpoint=mid.path, loaded_checkpoint_uri=getattr(resp, "path", None),
-        adam_params=adam.model_dump(), restored_vs_uninterrupted=cmp, second_update_effect=effect,
+        adam_params=adam.model_dump(), restored_vs_uninterrupted=as_object(cmp), second_update_effect=as_object(effect),
         optim_metrics={"update1": dict(opt1.metrics or {}),
                        "update2_uninterrupted": dict(opt2_u.metrics or {}),
                        "update2_restored": dict(opt2_r.metrics or {})},

@@ -10,12 +10,10 @@ and fixed batch). An empty list means the group is proved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NotRequired, TypedDict
+from collections.abc import Mapping, Sequence
+from typing import NotRequired, TypedDict
 
-from pydantic import JsonValue
-
-JsonObject = dict[str, JsonValue]
+from dppo_harness.json_types import JsonObject, as_object, items, num
 
 
 class ArmProvenance(TypedDict):
@@ -23,7 +21,7 @@ class ArmProvenance(TypedDict):
 
     initialization: JsonObject
     restore_count: int
-    optimizer_checks: list[dict[str, Any]]  # train.optimizer_checks.optimizer_check entries
+    optimizer_checks: list[JsonObject]  # train.optimizer_checks.OptimizerCheck entries, as JSON
     initial_output: JsonObject
 
 
@@ -38,7 +36,6 @@ class InitializationProvenance(TypedDict):
     passed: NotRequired[bool]
     failures: NotRequired[list[str]]
 
-from dppo_harness.train.optimizer_checks import OptimizerCheck
 
 
 def initialization_entry(
@@ -50,7 +47,7 @@ def initialization_entry(
     load_succeeded: bool,
     evidence_ref: str,
     restore_count: int,
-    optimizer_checks: list[OptimizerCheck],
+    optimizer_checks: Sequence[Mapping[str, object]],
     initial_output: JsonObject,
     adapter_sha256: str | None = None,
     checkpoint_immutable_reason: str | None = None,
@@ -77,7 +74,7 @@ def initialization_entry(
     return {
         "initialization": init,
         "restore_count": restore_count,
-        "optimizer_checks": optimizer_checks,
+        "optimizer_checks": [as_object(c) for c in optimizer_checks],
         "initial_output": initial_output,
     }
 
@@ -111,7 +108,7 @@ def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) 
                 f"expected {init['checkpoint_uri']!r}"
             )
         checks = e.get("optimizer_checks", [])
-        covered = sorted(c["after_restore"] for c in checks)
+        covered = sorted(int(num(c["after_restore"])) for c in checks)
         if covered != list(range(e["restore_count"] + 1)):
             failures.append(
                 f"{arm}: optimizer checks cover restores {covered}, need 0..{e['restore_count']}"
@@ -119,7 +116,7 @@ def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) 
         for c in checks:
             if c["mismatches"]:
                 failures.append(f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
-                                + "; ".join(c["mismatches"]))
+                                + "; ".join(str(m) for m in items(c["mismatches"])))
         if not e["initial_output"].get("available"):
             failures.append(f"{arm}: initial output unavailable")
     # Shared identity: one checkpoint, one loaded URI, one batch, same outputs.

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import tinker
-from pydantic import JsonValue
+
+from dppo_harness.json_types import JsonObject
 
 if TYPE_CHECKING:
     from dppo_harness.stages.restoration.checkpoint import LoadedArm
     from dppo_harness.stages.restoration.provenance import InitializationProvenance
 
-JsonObject = dict[str, JsonValue]
 
 PROBE_UPDATES = ["cross_entropy on even datums + optim_step", "cross_entropy on odd datums + optim_step"]
 SETUP_CLIENT_ECHO = ("probe client (the setup client that saved the initial checkpoint, nothing applied "
