@@ -292,4 +292,4 @@ def test_datum_token_terms_match_what_the_loss_fn_reports():
 
 def test_make_loss_fn_is_a_record_of_its_config():
     fn = make_loss_fn(DPPO_MEAN)
-    assert isinstance(fn, losses.LossFn) and fn.loss_config is DPPO_MEAN and fn == make_loss_fn(DPPO_MEAN)
+    assert isinstance(fn, losses.PackedLoss) and fn.loss_config is DPPO_MEAN and fn == make_loss_fn(DPPO_MEAN)

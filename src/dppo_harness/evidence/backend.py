@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict
 
 from dppo_harness.constants import EMBEDDED_SERVER_MARKER
 from dppo_harness.json_types import JsonObject, JsonValue
+from dppo_harness.plans import BackendKind
 
-BackendKind = Literal["local", "tinker"]
 EMBEDDED_KEY = "embedded_server"  # the marker's key in capabilities and in get_info().model_data
 
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from dppo_harness.evidence import session
@@ -56,6 +56,7 @@ from dppo_harness.evidence.result import (
     validate_result,
 )
 from dppo_harness.json_types import JsonMap, JsonObject
+from dppo_harness.plans import BackendKind
 from dppo_harness.plans.models import DEVIATION_FIELDS
 from dppo_harness.service.secrets_scan import SecretLeakError, SecretScanner, scanner_for
 
@@ -468,7 +469,7 @@ class EvidenceBundle:
                 self._rehearsal_plan = True
         session.record_plan(self, plan, effective_config, plan_name=plan_name)
 
-    def start_session(self, *, backend: Literal["local", "tinker"], plan: Plan, stages: Sequence[str],
+    def start_session(self, *, backend: BackendKind, plan: Plan, stages: Sequence[str],
                       project_root: Path, test_files: Sequence[str | Path] = (), served_model: str | None = None,
                       size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
         session.start_session(self, backend=backend, plan=plan, stages=stages, project_root=project_root,

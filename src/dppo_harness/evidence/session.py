@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from dppo_harness import plans
 from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
@@ -15,6 +15,7 @@ from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonMap
+from dppo_harness.plans import BackendKind
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
@@ -60,7 +61,7 @@ def _split_test_files(root: Path, test_files: Sequence[str | Path]) -> tuple[lis
     return stage_files, other_files
 
 
-def start_session(bundle: EvidenceBundle, *, backend: Literal["local", "tinker"], plan: plans.Plan,
+def start_session(bundle: EvidenceBundle, *, backend: BackendKind, plan: plans.Plan,
                   stages: Sequence[str], project_root: Path, test_files: Sequence[str | Path] = (),
                   served_model: str | None = None, size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
     """Everything that must be in evidence before any service call of the session.

@@ -27,6 +27,7 @@ import torch
 from dppo_harness.constants import DPPO_DELTA
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import losses
+from dppo_harness.loss.losses import CustomLossFn
 
 if TYPE_CHECKING:  # only the Datum type: the recorder itself never calls the SDK
     import tinker
@@ -302,7 +303,6 @@ def record_from_call(
     )
 
 
-LossFn = Callable[[list, list], tuple[torch.Tensor, dict[str, float]]]
 
 
 class LossCallRecorder:
@@ -317,7 +317,7 @@ class LossCallRecorder:
         self.on_record = on_record
         self.records: list[LossCallRecord] = []
 
-    def wrap(self, loss_fn: LossFn, **context: JsonValue) -> LossFn:
+    def wrap(self, loss_fn: CustomLossFn, **context: JsonValue) -> CustomLossFn:
         def recorded_loss_fn(data: list, logprobs_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             record = record_from_call(len(self.records), context, data, logprobs_list, self.loss_cfg)
             self.records.append(record)

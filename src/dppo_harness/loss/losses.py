@@ -17,7 +17,7 @@ the exact values the service returned (bf16/float32 probabilities flip boundary 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -350,8 +350,12 @@ def datum_token_terms(data: Sequence[tinker.Datum], logprobs_list: Sequence[torc
     return token_terms(logprobs_N, sampler_N, adv_N, mask_N, cfg)
 
 
+# What `forward_backward_custom` calls: (datums, their current logprobs) -> (scalar loss, metrics).
+CustomLossFn = Callable[[list[tinker.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
 @dataclass(frozen=True)
-class LossFn:
+class PackedLoss:
     """``loss_fn(data, logprobs_list) -> (scalar loss, metrics)`` for ``forward_backward_custom``:
     the packed path at `loss_config`, whatever registered loss it names."""
 
@@ -368,8 +372,8 @@ class LossFn:
         return loss, metrics
 
 
-def make_loss_fn(cfg: LossConfig) -> LossFn:
-    """The `forward_backward_custom` loss of one arm (`LossFn`)."""
+def make_loss_fn(cfg: LossConfig) -> PackedLoss:
+    """The `forward_backward_custom` loss of one arm (`PackedLoss`)."""
     if not isinstance(cfg, LossConfig):
         raise TypeError(f"make_loss_fn needs a LossConfig, got {type(cfg).__name__}")
-    return LossFn(cfg)
+    return PackedLoss(cfg)

@@ -28,6 +28,7 @@ from dppo_harness.plans.models import (
 from dppo_harness.plans.plan import (
     SERVED_MODEL_UNAVAILABLE,
     BackendInfo,
+    BackendKind,
     GenerationAuditApplicability,
     Plan,
     backend_deviations,
@@ -61,6 +62,7 @@ __all__ = [
     "SERVED_MODEL_UNAVAILABLE",
     "ArmConfig",
     "BackendInfo",
+    "BackendKind",
     "CriterionConfig",
     "DiagnosticSchedule",
     "ExperimentSpec",

@@ -44,6 +44,8 @@ from dppo_harness.plans.run_config import RunConfig, build_run_config
 from dppo_harness.plans.schema_errors import describe
 from dppo_harness.project import plans_dir as project_plans
 
+BackendKind = Literal["local", "tinker"]  # the embedded server ("local") or a service at TINKER_BASE_URL
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -290,7 +292,7 @@ SERVED_MODEL_UNAVAILABLE = "unavailable"  # BackendInfo.served_model when the se
 class BackendInfo:
     """What actually serves the run. `served_model` is the model that really computes."""
 
-    backend: Literal["local", "tinker"]
+    backend: BackendKind
     requested_model: str
     served_model: str
     base_url: str | None = None

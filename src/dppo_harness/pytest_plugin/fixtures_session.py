@@ -8,13 +8,13 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import pytest
 
 from dppo_harness import project
 from dppo_harness.evidence import EvidenceBundle, budget
-from dppo_harness.plans import Plan, load_plan
+from dppo_harness.plans import BackendKind, Plan, load_plan
 from dppo_harness.pytest_plugin.session import (
     ITEMS_KEY,
     OPTIONS_KEY,
@@ -45,7 +45,7 @@ def harness_options(pytestconfig: pytest.Config) -> HarnessOptions:
 
 @dataclass(frozen=True)
 class ServiceBackend:
-    kind: Literal["local", "tinker"]
+    kind: BackendKind
     base_url: str
     server: LocalServerProcess | None  # the embedded server when kind == "local"
 

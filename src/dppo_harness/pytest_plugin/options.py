@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
 
 import pytest
 
@@ -15,7 +14,7 @@ from dppo_harness.evidence import budget
 from dppo_harness.evidence.archive import ARCHIVED, archived_paths
 from dppo_harness.evidence.files import unwritable_reason
 from dppo_harness.instrument.cookbook_metrics import wandb_problem, wandb_request
-from dppo_harness.plans import Plan, PlanError, load_plan
+from dppo_harness.plans import BackendKind, Plan, PlanError, load_plan
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.session import HarnessOptions, StageState
 from dppo_harness.service.secrets_scan import live_secret_items, unsafe_credentials
@@ -98,7 +97,7 @@ def skip_setup_stages_on_resume(config: pytest.Config, state: StageState) -> Non
 
 def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
     backend_opt = config.getoption("--backend")
-    backend: Literal["local", "tinker"] = backend_opt or (
+    backend: BackendKind = backend_opt or (
         "tinker" if os.environ.get("TINKER_BASE_URL") else "local"
     )
     if backend == "tinker" and not os.environ.get("TINKER_BASE_URL"):

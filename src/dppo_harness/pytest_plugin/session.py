@@ -16,7 +16,7 @@ import pytest
 
 from dppo_harness.evidence.errors import UnwritableEvidenceError
 from dppo_harness.evidence.snapshots import post_snapshot
-from dppo_harness.plans import Plan
+from dppo_harness.plans import BackendKind, Plan
 from dppo_harness.service.wait.policy import ServiceStopped
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ CONNECTIVITY_KEY = pytest.StashKey["ConnectivityReport"]()
 
 @dataclass(frozen=True)
 class HarnessOptions:
-    backend: Literal["local", "tinker"]  # "local": embedded server; "tinker": TINKER_BASE_URL
+    backend: BackendKind  # "local": embedded server; "tinker": TINKER_BASE_URL
     plan_path: Path
     evidence_dir: Path
     selected_stages: tuple[str, ...]  # the stages this session runs, in order

@@ -15,10 +15,10 @@ from typing import Literal, TypedDict
 from urllib.parse import urlsplit
 
 from dppo_harness import constants
+from dppo_harness.plans import BackendKind
 from dppo_harness.service.secrets_scan import live_secret_items
 from dppo_harness.service.wait.policy import ServiceConfigError
 
-Backend = Literal["local", "tinker"]
 ProxyTokens = Literal["modal", "runs", "none"]
 
 
@@ -33,7 +33,7 @@ class ClientKwargs(TypedDict, total=False):
 class ServiceDescription(TypedDict):
     """Evidence-safe description of the connection (no values of credentials)."""
 
-    backend: Backend
+    backend: BackendKind
     base_url: str | None
     auth: str
     proxy_headers: list[str]
@@ -73,7 +73,7 @@ def redact_url(url: str | None) -> str | None:
 
 
 def client_kwargs(
-    backend: Backend,
+    backend: BackendKind,
     base_url: str | None = None,
     env: Mapping[str, str] | None = None,
     *,
@@ -133,7 +133,7 @@ def live_secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     return [v for _, v in live_secret_items(env)]
 
 
-def describe_service(backend: Backend, base_url: str | None, *, proxy_tokens: ProxyTokens = "modal",
+def describe_service(backend: BackendKind, base_url: str | None, *, proxy_tokens: ProxyTokens = "modal",
                      env: Mapping[str, str] | None = None) -> ServiceDescription:
     """Evidence-safe description of the connection (no values of credentials)."""
     env = os.environ if env is None else env

@@ -30,11 +30,11 @@ from tinker._client import AsyncTinker
 from tinker.lib.internal_client_holder import InternalClientHolder, _get_default_headers
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
+from dppo_harness.plans import BackendKind
 from dppo_harness.service import identity
 from dppo_harness.service.cancels import SetupScope, install_setup_abort
 from dppo_harness.service.capacity import error_text
 from dppo_harness.service.config import (
-    Backend,
     ClientKwargs,
     ProxyTokens,
     apply_sdk_telemetry,
@@ -233,7 +233,7 @@ class _Target:
         return ConnectivityError(*_status_line(status, payload, path, self.var, self.shown, self.proxy_tokens))
 
 
-def _check_variables(backend: Backend, base_url: str | None, env: Mapping[str, str] | None,
+def _check_variables(backend: BackendKind, base_url: str | None, env: Mapping[str, str] | None,
                      proxy_tokens: ProxyTokens, ok: Callable[[str, str], None]) -> _Target:
     """1. The variables are set (their names only)."""
     try:
@@ -318,7 +318,7 @@ def _choose_base_model(requested_model: str, caps: JsonValue, shown: str, ok: Ca
 
 
 def check_connectivity(
-    backend: Backend,
+    backend: BackendKind,
     base_url: str | None,
     requested_model: str,
     env: Mapping[str, str] | None = None,

@@ -19,8 +19,9 @@ from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_t
 from tinker.lib.queue_state_logger import QueueStateLogger
 from tinker.lib.retry_handler import RetryConfig
 
+from dppo_harness.plans import BackendKind
 from dppo_harness.service.cancels import SetupScope, flush_cancels, install_cancel_tracking, install_setup_abort
-from dppo_harness.service.config import Backend, ProxyTokens, apply_sdk_telemetry, client_kwargs
+from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client_kwargs
 from dppo_harness.service.wait.clients import WaitedFuture
 from dppo_harness.service.wait.waiter import ServiceWaiter
 from dppo_harness.service.wait.watch import CreationWatch, QueueWatch, install_creation_watch, install_transport_watch
@@ -36,7 +37,7 @@ SETUP_ABORT_S = 10.0  # how long a stop waits for a cancelled session setup to e
 
 
 def make_service_client(
-    backend: Backend,
+    backend: BackendKind,
     base_url: str | None = None,
     env: Mapping[str, str] | None = None,
     *,

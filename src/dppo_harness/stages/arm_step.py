@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.loss.losses import CustomLossFn
 from dppo_harness.rollout import rollout_batch, rollouts
 from dppo_harness.train import train_step
 
@@ -47,7 +48,7 @@ class ArmStepRun:
     """What an arm-step trains with: its client, loss, optimizer and recorder."""
 
     client: tinker.TrainingClient
-    loss_fn: train_step.LossFn
+    loss_fn: CustomLossFn
     adam: tinker.AdamParams
     recorder: ins.LossCallRecorder
     updates_per_batch: int

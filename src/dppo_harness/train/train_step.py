@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonValue
+from dppo_harness.loss.losses import CustomLossFn
 from dppo_harness.rollout.frozen_batch import split_complete_groups
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     import torch
 
 # The SDK's custom loss (forward_backward_custom): (datums, per-datum logprobs) -> (loss, metrics).
-LossFn: TypeAlias = "Callable[[list[tinker.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]"
 B = TypeVar("B")  # what `submit_behind()` returns
 
 
@@ -54,7 +54,7 @@ class UpdateResult(Generic[B]):
 def minibatch_update(
     training_client: tinker.TrainingClient,
     datums: Sequence[tinker.Datum],
-    loss_fn: LossFn,
+    loss_fn: CustomLossFn,
     adam: tinker.AdamParams,
     *,
     before_optim: Callable[[], None] | None = None,
@@ -128,7 +128,7 @@ def _phases(t0: float, marks: Mapping[str, float], sequential: bool) -> dict[str
 def train_step(
     training_client: tinker.TrainingClient,
     datums: Sequence[tinker.Datum],
-    loss_fn: LossFn,
+    loss_fn: CustomLossFn,
     adam: tinker.AdamParams,
     recorder: ins.LossCallRecorder,
     context: Mapping[str, JsonValue],  # the loss-call context the recorder keeps with each record
@@ -150,7 +150,7 @@ def train_step(
     return recorder.records[-1], result
 
 
-def timed_updates(training_client: tinker.TrainingClient, datums: Sequence[tinker.Datum], loss_fn: LossFn,
+def timed_updates(training_client: tinker.TrainingClient, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn,
                   adam: tinker.AdamParams, n: int) -> list[float]:
     """Wall seconds of each of `n` unrecorded updates on the same minibatch (timing pilots)."""
     return [minibatch_update(training_client, datums, loss_fn, adam).seconds for _ in range(n)]

@@ -17,6 +17,7 @@ import tinker
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
+from dppo_harness.loss.losses import CustomLossFn
 from dppo_harness.rollout import rollouts
 from dppo_harness.service.wait.policy import ServiceStopped
 from dppo_harness.stages import arm_step
@@ -25,7 +26,6 @@ from dppo_harness.stages.comparison.config import ArmOrder, ArmSpec, ComparisonC
 from dppo_harness.stages.comparison.state import ArmState, RunState, StepRetry
 from dppo_harness.stages.comparison.step_rows import StepRowJson, step_line, step_metrics
 from dppo_harness.stages.comparison.wall_guard import WallGuard
-from dppo_harness.train import train_step
 
 if TYPE_CHECKING:
     from tinker_cookbook import renderers
@@ -39,7 +39,7 @@ class ArmRunner:
 
     spec: ArmSpec
     client: tinker.TrainingClient
-    loss_fn: train_step.LossFn
+    loss_fn: CustomLossFn
     recorder: ins.LossCallRecorder
 
 

@@ -102,7 +102,7 @@ SELFTEST_EXTRA: dict[str, dict[str, int]] = {
 
 
 def deterministic_selftest(
-    loss_fn_factory: Callable[[losses.LossConfig], losses.LossFn] | None = None,
+    loss_fn_factory: Callable[[losses.LossConfig], losses.PackedLoss] | None = None,
     loss_cfg: losses.LossConfig | None = None,
 ) -> SelftestReport:
     """Must-fire and must-not-fire cases through the real packed loss (counts from its metrics
