@@ -96,3 +96,25 @@ def test_the_counts_fail_on_inputs_that_must_fail():
     assert signature_counts(typed) == (0, 0)
     assert body_imports(loose) == [(3, False), (5, True)]
     assert body_imports(typed) == []
+
+
+def heavy_modules_loaded(modules: list[str]) -> list[str]:
+    """Which of torch, the tinker SDK, the cookbook and transformers importing `modules` loads (in a
+    fresh interpreter)."""
+    import subprocess
+    import sys
+
+    heavy = ["torch", "tinker", "tinker_cookbook", "transformers"]
+    code = f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\nprint(*[h for h in {heavy!r} if h in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_the_plugin_starts_without_the_heavy_stack():
+    # Every pytest session (`pytest --help` too) imports the plugin and its fixture modules: the
+    # stages' SDK and torch load when a fixture first runs, never at start-up.
+    plugin = ["dppo_harness.pytest_plugin.hooks", "dppo_harness.pytest_plugin.options",
+              "dppo_harness.pytest_plugin.fixtures_session", "dppo_harness.pytest_plugin.fixtures_connectivity",
+              "dppo_harness.pytest_plugin.fixtures_preflight", "dppo_harness.pytest_plugin.fixtures_stages"]
+    assert heavy_modules_loaded(plugin) == []
+    assert "torch" in heavy_modules_loaded(["dppo_harness.stages.feasibility"])  # the check sees a heavy import

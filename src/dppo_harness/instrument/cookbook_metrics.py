@@ -32,16 +32,22 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import tinker
+import torch
+from tinker_cookbook.rl.metric_util import compute_trajectory_metrics
+from tinker_cookbook.rl.metrics import compute_kl_sample_train
+
+from dppo_harness.instrument.wandb_opt_in import OPTIONAL_TRACKERS, WandbRequest
+from dppo_harness.rollout import rollouts
+
 if TYPE_CHECKING:
     from dppo_harness.instrument.instrumentation import LossCallRecord
-    from dppo_harness.rollout import rollouts
 
 KL_KEYS = ("optim/kl_sample_train_v1", "optim/kl_sample_train_v2", "optim/entropy")
 ROW_KL_KEYS = {"optim/kl_sample_train_v1": "kl_sample_train_v1", "optim/kl_sample_train_v2": "kl_sample_train_v2",
                "optim/entropy": "entropy"}
 METRICS_FILE = "metrics.jsonl"  # the name ml_log's JsonLogger writes
-OPTIONAL_TRACKERS = ("wandb", "neptune_scale", "trackio")  # what ml_log imports when installed
-WANDB_ENV = "WANDB_PROJECT"
 # Step-row keys that are not metrics (or are logged under a cookbook name instead).
 _NOT_HARNESS = {"arm", "step", "loss", "sampler_checkpoint", "cookbook_env", "seconds", "sample_seconds", "max_tokens",
                 "rollout_seconds", "retries", "reward_mean", "format_rate", "correct_rate", *ROW_KL_KEYS.values()}
@@ -52,13 +58,6 @@ _NOT_HARNESS = {"arm", "step", "loss", "sampler_checkpoint", "cookbook_env", "se
 
 def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
     """`compute_kl_sample_train` over every datum of the step's loss calls; {} when no loss token."""
-    # deferred, like every heavy import here: the plugin's option parsing imports this module at
-    # start-up (wandb_request), before any step logs
-    import numpy as np
-    import tinker  # deferred: plugin start-up, as above
-    import torch  # deferred: plugin start-up, as above
-    from tinker_cookbook.rl.metrics import compute_kl_sample_train  # deferred: plugin start-up, as above
-
     data_D, train_lp_D = [], []
     for rec in records:
         t = rec.tensors
@@ -81,11 +80,6 @@ def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
 
 def trajectory_metrics(batch: rollouts.RolloutBatch) -> dict[str, float]:
     """The cookbook's `env/all/*` metrics of one rollout batch (no per-tag split: one data set)."""
-    # deferred: the cookbook's RL stack, which the plugin's start-up import of this module does not need
-    from tinker_cookbook.rl.metric_util import compute_trajectory_metrics
-
-    from dppo_harness.rollout import rollouts  # deferred with it: it imports the same stack
-
     groups = rollouts.to_trajectory_groups(batch)
     return {k: float(v) for k, v in compute_trajectory_metrics(groups, [[] for _ in groups]).items()}
 
@@ -105,32 +99,6 @@ def step_record(row: Mapping[str, Any], *, steps: int, learning_rate: float) -> 
         if k not in _NOT_HARNESS and isinstance(v, (int, float)) and not isinstance(v, bool):
             out[f"harness/{k}"] = float(v)
     return out
-
-
-# ---- W&B opt-in ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WandbRequest:
-    project: str | None  # None: not asked for
-    source: str  # "--wandb-project", "WANDB_PROJECT" or "not requested"
-
-
-def wandb_request(option: str | None, env: Mapping[str, str] | None = None) -> WandbRequest:
-    """W&B is used only when asked: the option first, then WANDB_PROJECT."""
-    env = os.environ if env is None else env
-    if option:
-        return WandbRequest(option, "--wandb-project")
-    if env.get(WANDB_ENV):
-        return WandbRequest(env[WANDB_ENV], WANDB_ENV)
-    return WandbRequest(None, "not requested")
-
-
-def wandb_problem(request: WandbRequest) -> str | None:
-    """Why an asked-for W&B cannot work here (one line), else None."""
-    if request.project and importlib.util.find_spec("wandb") is None:
-        return f"{request.source} asks for W&B project {request.project!r}, but wandb is not installed (pip install wandb)"
-    return None
 
 
 @contextmanager

@@ -27,7 +27,6 @@ from dppo_harness.pytest_plugin.fixtures_session import ServiceBackend
 from dppo_harness.pytest_plugin.session import record_client_releases, stops_stage
 from dppo_harness.service.config import redact_url, sdk_versions
 from dppo_harness.service.wait.policy import CapacityExhausted
-from dppo_harness.stages import feasibility as feasibility_module
 from dppo_harness.stages.session_rules import record_capacity_stop_before_training, runs_feasibility_pilot, trained_arms
 
 if TYPE_CHECKING:
@@ -134,6 +133,8 @@ def feasibility(request: pytest.FixtureRequest, service_backend: ServiceBackend,
     eff = plans.effective_config(plan, backend_info(service_backend, plan, arm_client, backend_of(evidence_bundle.result)))
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).
+    from dppo_harness.stages import feasibility as feasibility_module  # the SDK and torch: see above
+
     pilot_sc = stage_session_client("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)")
     try:
         with Watchdog(harness_progress, every_s=10.0) as watch:

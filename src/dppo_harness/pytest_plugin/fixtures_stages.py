@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.instrument.cookbook_metrics import WandbRequest
+from dppo_harness.instrument.wandb_opt_in import WandbRequest
 from dppo_harness.plans import Plan
 from dppo_harness.pytest_plugin.fixtures_session import ServiceBackend
 from dppo_harness.pytest_plugin.session import (

@@ -13,7 +13,7 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import budget
 from dppo_harness.evidence.archive import ARCHIVED, archived_paths
 from dppo_harness.evidence.files import unwritable_reason
-from dppo_harness.instrument.cookbook_metrics import wandb_problem, wandb_request
+from dppo_harness.instrument.wandb_opt_in import wandb_problem, wandb_request
 from dppo_harness.plans import BackendKind, Plan, PlanError, load_plan
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.session import HarnessOptions, StageState

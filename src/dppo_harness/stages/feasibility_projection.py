@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pydantic import JsonValue
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.loss.losses import DPPO_LOSS
+from dppo_harness.loss.loss_registry import DPPO_LOSS
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan
