@@ -16,6 +16,7 @@ from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonMap
 from dppo_harness.plans import BackendKind
+from dppo_harness.service.config import sdk_versions
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
@@ -71,7 +72,6 @@ def start_session(bundle: EvidenceBundle, *, backend: BackendKind, plan: plans.P
     manifest of the other test files, the plan's bytes, the effective config, its deviations,
     and the run budget.
     """
-    from dppo_harness.service.config import sdk_versions  # imports the SDK; only sessions need it
 
     root = Path(project_root)
     bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)

@@ -28,8 +28,9 @@ from dppo_harness.pytest_plugin.session import (
     stops_stage,
     unit_parity_passed,
 )
-from dppo_harness.stages.comparison.config import ComparisonError
+from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
+from dppo_harness.stages.feasibility_projection import PilotFigures
 
 if TYPE_CHECKING:
     import tinker
@@ -90,10 +91,7 @@ def comparison_run(request: pytest.FixtureRequest, service_client: tinker.Servic
 
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
-    # The comparison loads the SDK and torch: see above.
-    from dppo_harness.stages.comparison.config import comparison_schedule
-    from dppo_harness.stages.comparison.run import run_comparison
-    from dppo_harness.stages.feasibility_projection import PilotFigures
+    from dppo_harness.stages.comparison.run import run_comparison  # the SDK and torch: see above
 
     if not unit_parity_passed(request.config):
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
