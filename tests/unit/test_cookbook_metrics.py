@@ -20,6 +20,7 @@ from tinker_cookbook.utils.file_utils import read_jsonl
 
 from dppo_harness.data.gsm8k import Graded, Gsm8kItem
 from dppo_harness.instrument import cookbook_metrics as CM
+from dppo_harness.instrument import wandb_opt_in
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.comparison.step_rows import step_metrics
@@ -94,9 +95,9 @@ def test_metrics_jsonl_per_arm_loads_with_the_cookbooks_readers(tmp_path):
 
 
 def test_wandb_request_option_then_env():
-    assert CM.wandb_request("p", env={"WANDB_PROJECT": "q"}) == CM.WandbRequest("p", "--wandb-project")
-    assert CM.wandb_request(None, env={"WANDB_PROJECT": "q"}) == CM.WandbRequest("q", "WANDB_PROJECT")
-    assert CM.wandb_request(None, env={}).project is None
+    assert wandb_opt_in.wandb_request("p", env={"WANDB_PROJECT": "q"}) == wandb_opt_in.WandbRequest("p", "--wandb-project")
+    assert wandb_opt_in.wandb_request(None, env={"WANDB_PROJECT": "q"}) == wandb_opt_in.WandbRequest("q", "WANDB_PROJECT")
+    assert wandb_opt_in.wandb_request(None, env={}).project is None
 
 
 STUB = textwrap.dedent('''
@@ -134,8 +135,9 @@ SCRIPT = textwrap.dedent('''
     socket.socket.connect = no_network
     socket.create_connection = no_network
     from dppo_harness.instrument import cookbook_metrics as cm
+    from dppo_harness.instrument.wandb_opt_in import wandb_request
 
-    log = cm.ArmMetricsLog(Path(sys.argv[1]), ["a"], run_name="r", wandb=cm.wandb_request(sys.argv[2] or None))
+    log = cm.ArmMetricsLog(Path(sys.argv[1]), ["a"], run_name="r", wandb=wandb_request(sys.argv[2] or None))
     log.log("a", {"env/all/reward/total": 0.5}, 0)
     log.close()
     print(json.dumps({"wandb_loaded": "wandb" in sys.modules and sys.modules["wandb"] is not None,
