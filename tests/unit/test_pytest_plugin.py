@@ -119,7 +119,7 @@ def test_options_are_validated(project, monkeypatch):
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res = p.runpytest("-m", "comparison", "--save-every", "11")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
-    res.stderr.fnmatch_lines(["*--save-every: 11 is not in 1..10 (the brief asks*"])
+    res.stderr.fnmatch_lines(["*--save-every: 11 is not in 1..10 (each arm's state is saved at least every 10 steps)*"])
     res = p.runpytest("-m", "diagnostic", "--resume", "r1")
     res.stderr.fnmatch_lines(["*--resume RUN_ID continues a comparison: select it with -m comparison*"])
 

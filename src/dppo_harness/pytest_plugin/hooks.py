@@ -71,7 +71,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "evaluator or code changed)")
     group.addoption("--save-every", type=int, default=5, metavar="N",
                     help="comparison: save each arm's state (weights + optimizer) every N rollout steps and at the "
-                         "end; 1 <= N <= 10 (the brief asks for a save at least every 10 steps); a resume restarts "
+                         "end; 1 <= N <= 10 (a run saves each arm at least every 10 steps); a resume restarts "
                          "from the last step every arm saved")
     group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default=None,
                     help="how the two arms advance step by step (default: concurrent on a real service, interleaved "
@@ -90,7 +90,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default 900)")
     group.addoption("--proxy-credentials", choices=("modal", "runs"), default="modal",
                     help="Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (shared Spindle, default) or "
-                         "RUNS_PROXY_TOKEN_* (the brief's fork)")
+                         "RUNS_PROXY_TOKEN_* (a forked deployment's proxy)")
     group.addoption("--sdk-telemetry", action="store_true", default=False,
                     help="let the tinker SDK post its telemetry to the service (off by default: on auth "
                          "errors its events carry the request headers, credentials included)")

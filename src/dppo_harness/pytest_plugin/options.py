@@ -121,8 +121,8 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
         raise pytest.UsageError(f"--evidence-dir {evidence_dir}: {problem}; nothing was run (give a writable directory with room)")
     save_every = config.getoption("--save-every")
     if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
-        raise pytest.UsageError(f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (the brief asks "
-                                f"for each arm's state to be saved at least every {constants.MAX_SAVE_EVERY} steps)")
+        raise pytest.UsageError(f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (each arm's "
+                                f"state is saved at least every {constants.MAX_SAVE_EVERY} steps)")
     capacity_patience_s = _wait_seconds(config, "--capacity-patience-s")
     capacity_patience_after_steps_s = _wait_seconds(config, "--capacity-patience-after-steps-s")
     service_timeout_s = _wait_seconds(config, "--service-timeout-s")
