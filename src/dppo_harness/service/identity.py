@@ -23,7 +23,14 @@ import httpx
 from pydantic import JsonValue
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
-from dppo_harness.evidence.backend import Backend, EmbeddedServer, backend_of, served_model, stand_in_note
+from dppo_harness.evidence.backend import (
+    EMBEDDED_KEY,
+    Backend,
+    EmbeddedServer,
+    backend_of,
+    served_model,
+    stand_in_note,
+)
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonObject
 
@@ -38,7 +45,6 @@ if TYPE_CHECKING:
 
 CAPABILITIES_PATH = "/api/v1/get_server_capabilities"
 GET_INFO_PATH = "/api/v1/get_info"
-EMBEDDED_KEY = "embedded_server"
 
 
 @dataclass(frozen=True)
