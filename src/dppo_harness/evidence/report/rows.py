@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, num
 
 
@@ -16,7 +17,6 @@ def rows_by_arm(rows: Sequence[JsonMap]) -> dict[str, list[JsonMap]]:
 
 
 def rule_fraction(row: JsonMap, base: str) -> tuple[bool, float]:
-    """(counterfactual?, value) of a loss-rule fraction in a step row, whichever label it carries."""
-    if base in row:
-        return False, float(num(row[base]))
-    return True, float(num(row[f"counterfactual_{base}"]))
+    """(counterfactual?, value) of a loss-rule fraction in a step row (`instrument.rule_fraction`)."""
+    f = fraction(row, base)
+    return f.counterfactual, f.value

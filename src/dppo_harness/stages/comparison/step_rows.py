@@ -1,7 +1,7 @@
 """One row per arm-step (pure): the `StepRow` record (the batch's reward and format, the loss-rule
 fractions of the step's updates, each a `RuleFraction` whose `counterfactual` says the arm does not
-train with that rule, drift tails, timings), its JSONL form `StepRowJson` and `fraction`, the one
-decoder of a fraction's label; what a resumed run must reproduce of a row; the per-arm summary
+train with that rule (`instrument.rule_fraction`), drift tails, timings) and its JSONL form
+`StepRowJson`; what a resumed run must reproduce of a row; the per-arm summary
 `metrics.arms` posts; the terminal line of a committed step; the rows as JSONL."""
 
 from __future__ import annotations
@@ -16,16 +16,9 @@ import numpy as np
 
 from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.instrument.rule_fraction import RuleFraction, fraction, fraction_label
 from dppo_harness.loss import losses
 
-
-def fraction_label(name: str, *, trained: bool) -> str:
-    """A loss-rule metric's name in an arm's rows: the rule the arm does not train with is counted
-    counterfactually on the arm's own tensors, and its name says so."""
-    return name if trained else f"{COUNTERFACTUAL_PREFIX}{name}"
-
-
-COUNTERFACTUAL_PREFIX = "counterfactual_"
 # A row's loss-rule fractions -> the loss-call statistic each is computed from (every loss call
 # counts both rules on its tensors, whichever loss it trains with).
 FRACTION_SOURCES = {"dppo_masked_frac": "dppo/removed", "last_update_masked_frac": "dppo/masked_frac_loss_tokens",
@@ -37,33 +30,6 @@ def fraction_names(loss: str) -> dict[str, str]:
     the arm's own when its statistic is one of the loss's `metric_names`, else counterfactual."""
     own = set(losses.get_loss(loss).metric_names)
     return {base: fraction_label(base, trained=source in own) for base, source in FRACTION_SOURCES.items()}
-
-
-@dataclass(frozen=True)
-class RuleFraction:
-    """One loss-rule fraction of an arm-step; `counterfactual`: the arm does not train with the rule
-    (counted on its own tensors, it removed nothing from its gradient)."""
-
-    value: float
-    counterfactual: bool
-
-    def key(self, base: str) -> str:
-        """The row's key for this fraction (`fraction_label`)."""
-        return fraction_label(base, trained=not self.counterfactual)
-
-
-def fraction(row: StepRowJson, base: str) -> RuleFraction:
-    """A loss-rule fraction of a step row (as written to the JSONL), whichever label it carries:
-    the one decoder of the `counterfactual_` key prefix."""
-    fields: Mapping[str, object] = row  # the label is chosen at run time
-    for counterfactual in (False, True):
-        key = fraction_label(base, trained=not counterfactual)
-        if key in fields:
-            value = fields[key]
-            if not isinstance(value, (int, float)):
-                raise TypeError(f"step row {key}: {value!r} is not a number")
-            return RuleFraction(float(value), counterfactual)
-    raise KeyError(base)
 
 
 @dataclass(frozen=True)
