@@ -46,19 +46,34 @@ def main() -> None:
     faults = [f"--fault-latency-ms=*:{args.latency_ms:g}"] if args.latency_ms else []
     with tempfile.TemporaryDirectory() as tmp, LocalServerProcess(run_dir=Path(tmp), fault_args=faults) as srv:
         sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
-        init = sc.create_lora_training_client(base_model=cfg.base_model, rank=32, seed=0).result().save_state("i").result().path
+        init = (
+            sc.create_lora_training_client(base_model=cfg.base_model, rank=32, seed=0)
+            .result()
+            .save_state("i")
+            .result()
+            .path
+        )
         rows = {}
         for schedule in ("interleaved", "concurrent", "interleaved", "concurrent"):
             clients = {a.name: create_from_state_observed(sc, init)[0] for a in cfg.arms}
             state = RunState("bench", "", "", "", init, {a.name: ArmState(a.name) for a in cfg.arms})
             t0 = time.perf_counter()
-            out = train_arms(make_runners(clients, cfg), cfg, state, renderer=renderer, tag=f"b{time.time_ns()}",
-                               items_for_step=lambda s: train.batch(s, cfg.groups_per_batch), schedule=schedule)
+            out = train_arms(
+                make_runners(clients, cfg),
+                cfg,
+                state,
+                renderer=renderer,
+                tag=f"b{time.time_ns()}",
+                items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
+                schedule=schedule,
+            )
             wall = time.perf_counter() - t0
             rows.setdefault(schedule, []).append(wall)
-            print(f"{schedule:12s} {out.steps_completed} steps x 2 arms: {wall:.1f}s "
-                  f"(latency {args.latency_ms:g} ms/request, {args.groups} groups x 8, max_tokens {args.max_tokens})",
-                  flush=True)
+            print(
+                f"{schedule:12s} {out.steps_completed} steps x 2 arms: {wall:.1f}s "
+                f"(latency {args.latency_ms:g} ms/request, {args.groups} groups x 8, max_tokens {args.max_tokens})",
+                flush=True,
+            )
         sc.close("success").result(timeout=60)
     for k, v in rows.items():
         print(f"{k}: best {min(v):.1f}s of {len(v)} runs")

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_LINE = re.compile(
     r"^(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) dppo_harness\.local_server\.engine engine (?P<label>\S+) "
     r"(?P<wall>[\d.]+)s wall (?P<cpu>[\d.]+)s cpu \(process (?P<proc>[\d.]+)s cpu\)"
-    r"(?: model (?P<model>\S+))?(?: (?P<datums>\d+) datums (?P<tokens>\d+) tokens)?")
+    r"(?: model (?P<model>\S+))?(?: (?P<datums>\d+) datums (?P<tokens>\d+) tokens)?"
+)
 READY_LINE = re.compile(r"engine \S+ ready in (?P<s>[\d.]+)s")
 STARTING_LINE = re.compile(r"^(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) dppo_harness\.local_server starting")
 
@@ -53,8 +54,21 @@ def _ts(text: str) -> float:
 
 
 def run_diagnostic(out: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-m", "diagnostic", "--timeout=720", "-p", "no:cacheprovider",
-           "-p", "stage_cpu_plugin", f"--basetemp={out / 'pytest'}", f"--evidence-dir={out / 'evidence'}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "diagnostic",
+        "--timeout=720",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "stage_cpu_plugin",
+        f"--basetemp={out / 'pytest'}",
+        f"--evidence-dir={out / 'evidence'}",
+        *extra,
+    ]
     env = dict(os.environ, DIAGNOSTIC_PROFILE_TESTS=str(out / "tests.json"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "benchmarks"), env.get("PYTHONPATH")) if p)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -64,14 +78,21 @@ def run_diagnostic(out: Path, extra: list[str]) -> dict:
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"command": " ".join(cmd[2:]), "exit_code": rc, "wall_s": wall, "cpu_s": cpu,
-            "loadavg_before": load0, "loadavg_after": os.getloadavg()}
+    return {
+        "command": " ".join(cmd[2:]),
+        "exit_code": rc,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "loadavg_before": load0,
+        "loadavg_after": os.getloadavg(),
+    }
 
 
 def stage_of(nodeid: str) -> str:
     parts = nodeid.split("/")
     return {"unit": "unit parity", "preflight": "preflight", "diagnostic": "diagnostic"}.get(
-        parts[1] if len(parts) > 2 and parts[0] == "tests" else "", "other")
+        parts[1] if len(parts) > 2 and parts[0] == "tests" else "", "other"
+    )
 
 
 def engine_calls(log: Path) -> list[dict]:
@@ -79,10 +100,18 @@ def engine_calls(log: Path) -> list[dict]:
     for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
         m = ENGINE_LINE.search(line)
         if m:
-            rows.append({"end": _ts(m["ts"]), "label": m["label"], "wall": float(m["wall"]), "cpu": float(m["cpu"]),
-                         "proc": float(m["proc"]), "model": m["model"],
-                         "datums": int(m["datums"]) if m["datums"] else None,
-                         "tokens": int(m["tokens"]) if m["tokens"] else None})
+            rows.append(
+                {
+                    "end": _ts(m["ts"]),
+                    "label": m["label"],
+                    "wall": float(m["wall"]),
+                    "cpu": float(m["cpu"]),
+                    "proc": float(m["proc"]),
+                    "model": m["model"],
+                    "datums": int(m["datums"]) if m["datums"] else None,
+                    "tokens": int(m["tokens"]) if m["tokens"] else None,
+                }
+            )
     return rows
 
 
@@ -138,8 +167,9 @@ def summarize(out: Path, run: dict) -> dict:
     tests = recorded.get("tests", [])
     stages: dict[str, dict] = {}
     for row in tests:
-        st = stages.setdefault(stage_of(row["nodeid"]), {"tests": 0, "start": row["start"], "end": row["end"],
-                                                        "harness_cpu_s": 0.0})
+        st = stages.setdefault(
+            stage_of(row["nodeid"]), {"tests": 0, "start": row["start"], "end": row["end"], "harness_cpu_s": 0.0}
+        )
         st["tests"] += 1
         st["start"], st["end"] = min(st["start"], row["start"]), max(st["end"], row["end"])
         st["harness_cpu_s"] += row["cpu_s"]
@@ -158,17 +188,21 @@ def summarize(out: Path, run: dict) -> dict:
         "server_started_at": started[0] if started else None,
         "stages": stages,
         "sampling_server_cpu_s": (max(c["proc"] for c in sampling) - min(c["proc"] - c["cpu"] for c in sampling))
-        if sampling else None,
-        "diagnostic": {k: timings.get(k) for k in ("restore_seconds", "sampling_seconds", "setup_seconds",
-                                                   "wall_seconds")},
+        if sampling
+        else None,
+        "diagnostic": {
+            k: timings.get(k) for k in ("restore_seconds", "sampling_seconds", "setup_seconds", "wall_seconds")
+        },
         "update_seconds": timings.get("update_seconds") or [],
         "update_phases": timings.get("update_phases") or [],
         "engine_by_kind": trained_model_calls(calls),
         "retained_forwards": stats.get("retained_forwards"),
         # the ledger's clock starts with the evidence bundle, inside the preflight's first test
-        "session_start_after_preflight_start_s": (stage_ends["preflight"]["seconds"]
-                                                  - stage_ends["preflight"]["elapsed_at_end"])
-        if "preflight" in stage_ends else None,
+        "session_start_after_preflight_start_s": (
+            stage_ends["preflight"]["seconds"] - stage_ends["preflight"]["elapsed_at_end"]
+        )
+        if "preflight" in stage_ends
+        else None,
         "diagnostic_stage_end_s": stage_ends.get("diagnostic", {}).get("elapsed_at_end"),
     }
 
@@ -183,50 +217,71 @@ def print_report(s: dict) -> None:
     print(f"command: python -m {run['command']}  (exit code {run['exit_code']})")
     print(f"load average before: {la[0]}; after: {la[1]}")
     server_cpu = s["server_process_cpu_s"]
-    split = (f"server process {server_cpu:.1f} s, harness {run['cpu_s'] - server_cpu:.1f} s"
-             if server_cpu is not None else "server CPU not recorded")
+    split = (
+        f"server process {server_cpu:.1f} s, harness {run['cpu_s'] - server_cpu:.1f} s"
+        if server_cpu is not None
+        else "server CPU not recorded"
+    )
     print(f"wall {run['wall_s']:.1f} s; CPU {run['cpu_s']:.1f} s ({split})")
     if s["harness_process_cpu_s"] is not None and server_cpu is not None:
         own = s["harness_process_cpu_s"]
-        print(f"  harness: pytest process {own:.1f} s (tests {s['harness_tests_cpu_s']:.1f} s; collection, imports, "
-              f"session start and end {own - s['harness_tests_cpu_s']:.1f} s), CLIs the tests ran in subprocesses "
-              f"{run['cpu_s'] - server_cpu - own:.1f} s")
+        print(
+            f"  harness: pytest process {own:.1f} s (tests {s['harness_tests_cpu_s']:.1f} s; collection, imports, "
+            f"session start and end {own - s['harness_tests_cpu_s']:.1f} s), CLIs the tests ran in subprocesses "
+            f"{run['cpu_s'] - server_cpu - own:.1f} s"
+        )
     print("\nstage            tests   wall s  harness CPU s  server CPU s")
     for name in ("unit parity", "preflight", "diagnostic", "other"):
         st = s["stages"].get(name)
         if st:
-            print(f"  {name:<14} {st['tests']:5d} {st['wall_s']:8.1f} {st['harness_cpu_s']:14.1f} {st['server_cpu_s']:13.1f}")
+            print(
+                f"  {name:<14} {st['tests']:5d} {st['wall_s']:8.1f} {st['harness_cpu_s']:14.1f} {st['server_cpu_s']:13.1f}"
+            )
     if s["server_engine_ready_s"] is not None:
-        print(f"  server: engine loaded in {s['server_engine_ready_s']:.1f} s (server.log 'ready in'; "
-              "before it, the process imports torch, transformers, peft, aiohttp)")
+        print(
+            f"  server: engine loaded in {s['server_engine_ready_s']:.1f} s (server.log 'ready in'; "
+            "before it, the process imports torch, transformers, peft, aiohttp)"
+        )
     d = s["diagnostic"]
     if d.get("wall_seconds") is not None:
         print("\ndiagnostic (seconds since the session start, the budget ledger's clock)")
         samp_cpu = s["sampling_server_cpu_s"]
-        print(f"  restore {d['restore_seconds']:.1f} s; sampling + freeze {d['sampling_seconds']:.1f} s"
-              + (f" (server CPU {samp_cpu:.1f} s)" if samp_cpu is not None else "")
-              + f"; setup done at {d['setup_seconds']:.1f} s; training stopped at {d['wall_seconds']:.1f} s")
+        print(
+            f"  restore {d['restore_seconds']:.1f} s; sampling + freeze {d['sampling_seconds']:.1f} s"
+            + (f" (server CPU {samp_cpu:.1f} s)" if samp_cpu is not None else "")
+            + f"; setup done at {d['setup_seconds']:.1f} s; training stopped at {d['wall_seconds']:.1f} s"
+        )
     ups = s["update_seconds"]
     if ups:
-        print(f"  {len(ups)} updates: {sum(ups):.1f} s, mean {_mean(ups):.2f} s, median {statistics.median(ups):.2f} s, "
-              f"min {min(ups):.2f} s, max {max(ups):.2f} s")
+        print(
+            f"  {len(ups)} updates: {sum(ups):.1f} s, mean {_mean(ups):.2f} s, median {statistics.median(ups):.2f} s, "
+            f"min {min(ups):.2f} s, max {max(ups):.2f} s"
+        )
     if s["update_phases"]:
         keys = [k for k in s["update_phases"][0] if k != "total"]
-        print("  client view per update (mean s): " + ", ".join(
-            f"{k} {_mean([p.get(k, 0.0) for p in s['update_phases']]):.2f}" for k in keys))
+        print(
+            "  client view per update (mean s): "
+            + ", ".join(f"{k} {_mean([p.get(k, 0.0) for p in s['update_phases']]):.2f}" for k in keys)
+        )
     if s["engine_by_kind"]:
         print("  server view, trained model (calls: mean wall s / mean CPU s / total CPU s)")
         for kind, rows in s["engine_by_kind"].items():
-            print(f"    {kind:<34} {len(rows):3d}: {_mean([r['wall'] for r in rows]):6.2f} / "
-                  f"{_mean([r['cpu'] for r in rows]):6.2f} / {sum(r['cpu'] for r in rows):6.1f}")
+            print(
+                f"    {kind:<34} {len(rows):3d}: {_mean([r['wall'] for r in rows]):6.2f} / "
+                f"{_mean([r['cpu'] for r in rows]):6.2f} / {sum(r['cpu'] for r in rows):6.1f}"
+            )
     if s["retained_forwards"]:
         print(f"  retained first passes: {s['retained_forwards']}")
     if s["diagnostic_stage_end_s"] is not None and d.get("wall_seconds") is not None:
-        print(f"  after training (final checkpoint, analysis, replay, report, evidence, the stage's other tests): "
-              f"{s['diagnostic_stage_end_s'] - d['wall_seconds']:.1f} s")
+        print(
+            f"  after training (final checkpoint, analysis, replay, report, evidence, the stage's other tests): "
+            f"{s['diagnostic_stage_end_s'] - d['wall_seconds']:.1f} s"
+        )
     if s["session_start_after_preflight_start_s"] is not None:
-        print(f"  the session clock started {s['session_start_after_preflight_start_s']:.1f} s into the preflight "
-              "(server start, connectivity, evidence bundle)")
+        print(
+            f"  the session clock started {s['session_start_after_preflight_start_s']:.1f} s into the preflight "
+            "(server start, connectivity, evidence bundle)"
+        )
 
 
 def main() -> None:

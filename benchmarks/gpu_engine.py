@@ -51,19 +51,56 @@ from dppo_harness.constants import BASE_MODEL
 from dppo_harness.local_server.engine import hf_model
 from dppo_harness.local_server.engine.engine import Engine
 
-QWEN35_2B = dict(vocab_size=248_320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-                 num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-                 linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-                 linear_conv_kernel_dim=4, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
-                 tie_word_embeddings=True, max_position_embeddings=32_768)
-QWEN35_TINY = dict(vocab_size=248_320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
-                   linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                   layer_types=["linear_attention", "full_attention"], tie_word_embeddings=True)
-QWEN3_ANCHOR = dict(vocab_size=248_320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                    num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-QWEN3_TINY = dict(vocab_size=248_320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+QWEN35_2B = dict(
+    vocab_size=248_320,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+    tie_word_embeddings=True,
+    max_position_embeddings=32_768,
+)
+QWEN35_TINY = dict(
+    vocab_size=248_320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    tie_word_embeddings=True,
+)
+QWEN3_ANCHOR = dict(
+    vocab_size=248_320,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+QWEN3_TINY = dict(
+    vocab_size=248_320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)
 # (prompts, samples per prompt, prompt tokens, new tokens, update sequences, update tokens, timed updates)
 SHAPES = {"full": (32, 8, 128, 512, 32, 600, 3), "tiny": (2, 4, 32, 16, 4, 64, 2)}
 DIAGNOSTIC_UPDATES = 16  # the bounded diagnostic: one 32 x 8 batch, then 16 updates
@@ -87,8 +124,10 @@ def model_config(arch: str, tiny: bool) -> transformers.PretrainedConfig:
 
 def peak_memory(device: torch.device) -> dict:
     if device.type == "cuda":
-        return {"peak_gpu_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
-                "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
+        return {
+            "peak_gpu_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+        }
     return {"peak_process_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
 
 
@@ -147,13 +186,21 @@ def run_arm(eng: Engine, arm: str, shape: tuple, rng: np.random.Generator) -> No
     la = eng.kernels.get("linear_attention")
     path_field = {"linear_attention_path": la["path"] if la else None}  # what the arm really ran
     mid = eng.create_model(BASE_MODEL, 32, 0, train_unembed=False)
-    emit(event="lora", arm=arm, rank=32, targets=list(eng._models[mid].targets),
-         lora_parameters=sum(q.numel() for _, q in eng._models[mid].params))
+    emit(
+        event="lora",
+        arm=arm,
+        rank=32,
+        targets=list(eng._models[mid].targets),
+        lora_parameters=sum(q.numel() for _, q in eng._models[mid].params),
+    )
     toks = [rng.integers(0, V, upd_tokens + 1).tolist() for _ in range(upd_seqs)]
-    data_fwd = [(t[:-1], {"target_tokens": np.asarray(t[1:]), "weights": np.zeros(upd_tokens, np.float32)})
-                for t in toks]
-    data_fb = [(t[:-1], {"target_tokens": np.asarray(t[1:]),
-                         "weights": rng.normal(0, 1e-3, upd_tokens).astype(np.float32)}) for t in toks]
+    data_fwd = [
+        (t[:-1], {"target_tokens": np.asarray(t[1:]), "weights": np.zeros(upd_tokens, np.float32)}) for t in toks
+    ]
+    data_fb = [
+        (t[:-1], {"target_tokens": np.asarray(t[1:]), "weights": rng.normal(0, 1e-3, upd_tokens).astype(np.float32)})
+        for t in toks
+    ]
     try:
         warm = update(eng, mid, data_fwd, data_fb)
         reset_peak(device)
@@ -162,8 +209,17 @@ def run_arm(eng: Engine, arm: str, shape: tuple, rng: np.random.Generator) -> No
         emit(event="update", arm=arm, available=False, error=f"{type(exc).__name__}: {exc}"[:500])
         return
     mean_update = float(np.mean(times))
-    emit(event="update", arm=arm, **path_field, sequences=upd_seqs, tokens_per_seq=upd_tokens, warmup_s=warm, seconds=times,
-         mean_s=mean_update, **peak_memory(device))
+    emit(
+        event="update",
+        arm=arm,
+        **path_field,
+        sequences=upd_seqs,
+        tokens_per_seq=upd_tokens,
+        warmup_s=warm,
+        seconds=times,
+        mean_s=mean_update,
+        **peak_memory(device),
+    )
     path = eng.save_for_sampler(mid, f"bench-{arm}")
     eng.unload_model(mid)
     prompts = [rng.integers(0, V, prompt_len).tolist() for _ in range(n_prompts)]
@@ -175,10 +231,25 @@ def run_arm(eng: Engine, arm: str, shape: tuple, rng: np.random.Generator) -> No
         emit(event="sampling", arm=arm, available=False, error=f"{type(exc).__name__}: {exc}"[:500])
         emit(event="diagnostic_projection", arm=arm, available=False, reason="sampling failed")
         return
-    emit(event="sampling", arm=arm, **path_field, sequences=n_prompts * n_samples, new_tokens_per_seq=new_tokens, new_tokens=n_tok,
-         wall_s=wall, tokens_per_s=n_tok / wall, warmup_s=warm_s, **eng.last_sample_stats, **peak_memory(device))
-    emit(event="diagnostic_projection", arm=arm, formula=f"sampling wall + {DIAGNOSTIC_UPDATES} x mean update",
-         seconds=wall + DIAGNOSTIC_UPDATES * mean_update)
+    emit(
+        event="sampling",
+        arm=arm,
+        **path_field,
+        sequences=n_prompts * n_samples,
+        new_tokens_per_seq=new_tokens,
+        new_tokens=n_tok,
+        wall_s=wall,
+        tokens_per_s=n_tok / wall,
+        warmup_s=warm_s,
+        **eng.last_sample_stats,
+        **peak_memory(device),
+    )
+    emit(
+        event="diagnostic_projection",
+        arm=arm,
+        formula=f"sampling wall + {DIAGNOSTIC_UPDATES} x mean update",
+        seconds=wall + DIAGNOSTIC_UPDATES * mean_update,
+    )
     with eng._sampler_cache_lock:
         eng._sampler_cache.clear()  # the next arm's sampler is built from its own base
 
@@ -188,14 +259,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="2-layer hidden-64 checkpoint, small shapes (CPU smoke)")
     ap.add_argument("--arch", choices=("qwen3_5", "qwen3"), default="qwen3_5")
-    ap.add_argument("--kernels", default="fast,torch",
-                    help="arms in order: 'fast' = the kernels transformers picked at load, 'torch' = its torch fallback")
+    ap.add_argument(
+        "--kernels",
+        default="fast,torch",
+        help="arms in order: 'fast' = the kernels transformers picked at load, 'torch' = its torch fallback",
+    )
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                    help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--decode-mode", choices=("auto", "dynamic", "static", "graph"), default="auto",
-                    help="sampler decode step (sampling.py): auto = CUDA graph on CUDA, eager elsewhere")
-    ap.add_argument("--workdir", default=None, help="where the checkpoint is written and kept (default: a temp dir, removed)")
+    ap.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default=None, help="default: bfloat16 on CUDA, float32 on CPU"
+    )
+    ap.add_argument(
+        "--decode-mode",
+        choices=("auto", "dynamic", "static", "graph"),
+        default="auto",
+        help="sampler decode step (sampling.py): auto = CUDA graph on CUDA, eager elsewhere",
+    )
+    ap.add_argument(
+        "--workdir", default=None, help="where the checkpoint is written and kept (default: a temp dir, removed)"
+    )
     ap.add_argument("--out", default=None, help="also append every JSON line to this file")
     ap.add_argument("--build-only", action="store_true", help="write the checkpoint into --workdir and stop")
     args = ap.parse_args(argv)
@@ -206,11 +287,20 @@ def main(argv: list[str] | None = None) -> int:
     device = hf_model.resolve_device(args.device)
     dtype = hf_model.resolve_dtype(args.dtype, device)
     config = model_config(args.arch, args.tiny)
-    emit(event="start", date_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-         device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-         torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype), arch=args.arch,
-         config={k: v for k, v in config.to_dict().items() if k in (QWEN35_2B | QWEN3_ANCHOR)},
-         shape="tiny" if args.tiny else "full", threads=torch.get_num_threads(), arms=arms)
+    emit(
+        event="start",
+        date_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        dtype=str(dtype),
+        arch=args.arch,
+        config={k: v for k, v in config.to_dict().items() if k in (QWEN35_2B | QWEN3_ANCHOR)},
+        shape="tiny" if args.tiny else "full",
+        threads=torch.get_num_threads(),
+        arms=arms,
+    )
     if args.build_only and not args.workdir:
         ap.error("--build-only needs --workdir (the checkpoint is kept there)")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpu-engine-bench-"))
@@ -223,11 +313,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.build_only:
             return 0
         t = time.perf_counter()
-        eng = Engine(work / "run", model_path=ckpt, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                     batch_window_s=0.5, decode_mode=args.decode_mode)
-        emit(event="engine_ready", engine_start_s=time.perf_counter() - t,
-             base_parameters=sum(p.numel() for p in eng.base_model.parameters()),
-             **{k: v for k, v in eng.base_info.items() if k != "checkpoint"})
+        eng = Engine(
+            work / "run",
+            model_path=ckpt,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            batch_window_s=0.5,
+            decode_mode=args.decode_mode,
+        )
+        emit(
+            event="engine_ready",
+            engine_start_s=time.perf_counter() - t,
+            base_parameters=sum(p.numel() for p in eng.base_model.parameters()),
+            **{k: v for k, v in eng.base_info.items() if k != "checkpoint"},
+        )
         rng = np.random.default_rng(0)
         try:
             for arm in arms:

@@ -59,8 +59,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--model", default=None, help="engine model preset (default: the server's default)")
     p.add_argument("--skip-cold", action="store_true", help="do not measure the cold-cache start")
-    p.add_argument("--cache", default=None, help="warm cache dir to reuse (default: the cold run's temp dir, "
-                                                  "or the user cache with --skip-cold)")
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="warm cache dir to reuse (default: the cold run's temp dir, or the user cache with --skip-cold)",
+    )
     args = p.parse_args(argv)
     figures: dict = {"shape": vars(args).copy()}
     work = Path(tempfile.mkdtemp(prefix="bench-local-server-"))
@@ -68,8 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     # 1. start times ---------------------------------------------------------------------------
     if args.skip_cold:
         figures["start_cold_s"] = {"available": False, "reason": "--skip-cold"}
-        cache = Path(args.cache) if args.cache else Path(os.environ.get("DPPO_HARNESS_CACHE")
-                                                         or Path.home() / ".cache" / "dppo_harness")
+        cache = (
+            Path(args.cache)
+            if args.cache
+            else Path(os.environ.get("DPPO_HARNESS_CACHE") or Path.home() / ".cache" / "dppo_harness")
+        )
     else:
         cache = Path(args.cache) if args.cache else work / "cache"
         if cache.exists() and any(cache.iterdir()):
@@ -91,18 +97,29 @@ def main(argv: list[str] | None = None) -> dict:
         items, prompts, stops, renderer = gsm8k_prompts(args.groups)
         t0 = time.perf_counter()
         futures = [
-            sampler.sample(ob, args.group_size,
-                           types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=stop, seed=g))
+            sampler.sample(
+                ob,
+                args.group_size,
+                types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=stop, seed=g),
+            )
             for g, (ob, stop) in enumerate(zip(prompts, stops))
         ]
         results = [f.result() for f in futures]
         sample_s = time.perf_counter() - t0
         n_tokens = sum(len(s.tokens) for r in results for s in r.sequences)
         n_stop = sum(s.stop_reason == "stop" for r in results for s in r.sequences)
-        figures["sampling"] = {"seconds": sample_s, "tokens": n_tokens, "tokens_per_s": n_tokens / sample_s,
-                               "sequences": args.groups * args.group_size, "stopped": n_stop}
-        print(f"sampling {args.groups}x{args.group_size}, max_tokens {args.max_tokens}: {n_tokens} tokens in "
-              f"{sample_s:.1f} s = {n_tokens / sample_s:.0f} tokens/s ({n_stop} stopped early)", flush=True)
+        figures["sampling"] = {
+            "seconds": sample_s,
+            "tokens": n_tokens,
+            "tokens_per_s": n_tokens / sample_s,
+            "sequences": args.groups * args.group_size,
+            "stopped": n_stop,
+        }
+        print(
+            f"sampling {args.groups}x{args.group_size}, max_tokens {args.max_tokens}: {n_tokens} tokens in "
+            f"{sample_s:.1f} s = {n_tokens / sample_s:.0f} tokens/s ({n_stop} stopped early)",
+            flush=True,
+        )
 
         # 3. forward_backward_custom + optim_step on a minibatch ---------------------------------
         from dppo_harness.data import gsm8k
@@ -117,24 +134,32 @@ def main(argv: list[str] | None = None) -> dict:
             for s, a in zip(res.sequences, adv):
                 tokens = prompt + list(s.tokens)
                 n_prompt = len(prompt) - 1
-                data.append(types.Datum(
-                    model_input=types.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": tokens[1:],
-                        "logprobs": [0.0] * n_prompt + list(s.logprobs),
-                        "advantages": [0.0] * n_prompt + [float(a)] * len(s.tokens),
-                        "mask": np.array([0.0] * n_prompt + [1.0] * len(s.tokens), dtype=np.float32),
-                    },
-                ))
+                data.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": tokens[1:],
+                            "logprobs": [0.0] * n_prompt + list(s.logprobs),
+                            "advantages": [0.0] * n_prompt + [float(a)] * len(s.tokens),
+                            "mask": np.array([0.0] * n_prompt + [1.0] * len(s.tokens), dtype=np.float32),
+                        },
+                    )
+                )
         loss_fn = make_loss_fn(LossConfig(loss="dppo_divergence_mask", normalization="token_mean"))
         adam = types.AdamParams(learning_rate=1e-5, eps=1e-8)
         times = timed_updates(tc, data, loss_fn, adam, args.updates)
         n_train_tokens = sum(d.model_input.length for d in data)
-        figures["update"] = {"sequences": len(data), "tokens": n_train_tokens, "seconds_each": times,
-                             "seconds_mean": statistics.mean(times)}
-        print(f"forward_backward_custom + optim_step, {len(data)} sequences / {n_train_tokens} tokens: "
-              f"mean {statistics.mean(times):.2f} s over {len(times)} (each {', '.join(f'{t:.2f}' for t in times)})",
-              flush=True)
+        figures["update"] = {
+            "sequences": len(data),
+            "tokens": n_train_tokens,
+            "seconds_each": times,
+            "seconds_mean": statistics.mean(times),
+        }
+        print(
+            f"forward_backward_custom + optim_step, {len(data)} sequences / {n_train_tokens} tokens: "
+            f"mean {statistics.mean(times):.2f} s over {len(times)} (each {', '.join(f'{t:.2f}' for t in times)})",
+            flush=True,
+        )
         client.close("success").result(timeout=60)
     finally:
         server.stop()

@@ -34,7 +34,15 @@ def main() -> None:
     t0 = time.time()
     eng = Engine(Path(tempfile.mkdtemp(prefix="engine-bench-")), model_name=args.model, batch_window_s=0.2)
     start_s = time.time() - t0
-    print(json.dumps({"engine_start_seconds": start_s, "threads": torch.get_num_threads(), "base_info": {k: v for k, v in eng.base_info.items() if k != "key"}}))
+    print(
+        json.dumps(
+            {
+                "engine_start_seconds": start_s,
+                "threads": torch.get_num_threads(),
+                "base_info": {k: v for k, v in eng.base_info.items() if k != "key"},
+            }
+        )
+    )
     try:
         c0 = time.process_time()
         res = warmstart.signal_rate(eng, n_groups=args.groups, group_size=8, max_tokens=512)
@@ -61,18 +69,37 @@ def main() -> None:
         for _ in range(args.updates):
             t, c = time.time(), time.process_time()
             eng.forward(mid, data, "cross_entropy")
-            eng.forward_backward(mid, [(t_, {**d, "weights": np.full(len(t_), 1e-3, np.float32)}) for t_, d in data],
-                                 "cross_entropy")
+            eng.forward_backward(
+                mid, [(t_, {**d, "weights": np.full(len(t_), 1e-3, np.float32)}) for t_, d in data], "cross_entropy"
+            )
             eng.optim_step(mid, {"learning_rate": 1e-5, "eps": 1e-8})
             times.append(time.time() - t)
             cpu.append(time.process_time() - c)
-        print(json.dumps({"update": {"sequences": len(data), "mean_tokens": mean_len, "seconds_per_update": times,
-                                     "median_seconds": float(np.median(times)),
-                                     "process_cpu_seconds_per_update": cpu},
-                          "loadavg_start": load0, "loadavg_end": os.getloadavg()}))
+        print(
+            json.dumps(
+                {
+                    "update": {
+                        "sequences": len(data),
+                        "mean_tokens": mean_len,
+                        "seconds_per_update": times,
+                        "median_seconds": float(np.median(times)),
+                        "process_cpu_seconds_per_update": cpu,
+                    },
+                    "loadavg_start": load0,
+                    "loadavg_end": os.getloadavg(),
+                }
+            )
+        )
         projected = res["sample_seconds"] + 16 * float(np.median(times))
-        print(json.dumps({"projected_diagnostic_seconds(sample + 16 updates)": projected,
-                          "nonconstant_groups": res["nonconstant_groups"], "groups": len(rewards)}))
+        print(
+            json.dumps(
+                {
+                    "projected_diagnostic_seconds(sample + 16 updates)": projected,
+                    "nonconstant_groups": res["nonconstant_groups"],
+                    "groups": len(rewards),
+                }
+            )
+        )
     finally:
         eng.close()
 

@@ -20,7 +20,9 @@ import torch
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
 
 
-def make_minibatch(n_groups: int = 4, group_size: int = 8, seed: int = 0) -> tuple[list[tinker.Datum], list[np.ndarray]]:
+def make_minibatch(
+    n_groups: int = 4, group_size: int = 8, seed: int = 0
+) -> tuple[list[tinker.Datum], list[np.ndarray]]:
     rng = np.random.default_rng(seed)
     datums, current = [], []
     for _ in range(n_groups):

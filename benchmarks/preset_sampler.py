@@ -35,23 +35,53 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
-    eng = engine.Engine(Path(tempfile.mkdtemp(prefix="preset-sampler-")), model_name=a.model, seed=0, batch_window_s=0.0)
+    eng = engine.Engine(
+        Path(tempfile.mkdtemp(prefix="preset-sampler-")), model_name=a.model, seed=0, batch_window_s=0.0
+    )
     try:
         net, renderer = eng._sampler_net("base"), get_renderer()
         items = gsm8k.load_split("train", seed=0).batch(0, a.prompts)
         prompts = [renderer.build_generation_prompt(prompt_messages(it.question)).to_ints() for it in items]
         runs = []
         for _ in range(a.reps):
-            jobs = [engine._SampleJob(key="base", prompt=p, n=a.samples, max_tokens=a.max_tokens, temperature=1.0,
-                                 top_k=-1, top_p=1.0, stop_ids=[STOP_TOKEN_ID], stop_strings=[], seed=100 + i,
-                                 want_prompt_lp=False) for i, p in enumerate(prompts)]
+            jobs = [
+                engine._SampleJob(
+                    key="base",
+                    prompt=p,
+                    n=a.samples,
+                    max_tokens=a.max_tokens,
+                    temperature=1.0,
+                    top_k=-1,
+                    top_p=1.0,
+                    stop_ids=[STOP_TOKEN_ID],
+                    stop_strings=[],
+                    seed=100 + i,
+                    want_prompt_lp=False,
+                )
+                for i, p in enumerate(prompts)
+            ]
             c, t = time.process_time(), time.perf_counter()
             res = eng._decode_batch(net, jobs)
-            runs.append({"cpu_s": round(time.process_time() - c, 2), "wall_s": round(time.perf_counter() - t, 2),
-                         "tokens": sum(len(s.tokens) for q in res for s in q)})
+            runs.append(
+                {
+                    "cpu_s": round(time.process_time() - c, 2),
+                    "wall_s": round(time.perf_counter() - t, 2),
+                    "tokens": sum(len(s.tokens) for q in res for s in q),
+                }
+            )
         digest = hashlib.sha256(json.dumps([[[s.tokens, s.logprobs] for s in q] for q in res]).encode()).hexdigest()
-        print(json.dumps({"engine": engine.__file__, "model": a.model, "shape": [a.prompts, a.samples, a.max_tokens],
-                          "runs": runs, "samples_sha256": digest, "loadavg": os.getloadavg()}))
+        print(
+            json.dumps(
+                {
+                    "engine": engine.__file__,
+                    "model": a.model,
+                    "shape": [a.prompts, a.samples, a.max_tokens],
+                    "runs": runs,
+                    "samples_sha256": digest,
+                    "loadavg": os.getloadavg(),
+                }
+            )
+        )
     finally:
         eng.close()
 

@@ -66,30 +66,49 @@ def sampled_datums(sc: tinker.ServiceClient, groups: int, group_size: int, max_t
     data = []
     for g, item in enumerate(gsm8k.load_split("train", seed=0).batch(0, groups)):
         ob, stop = gsm8k.build_prompt(item, renderer)
-        res = sampler.sample(ob, group_size, types.SamplingParams(max_tokens=max_tokens, temperature=1.0,
-                                                                  stop=stop, seed=g)).result()
+        res = sampler.sample(
+            ob, group_size, types.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=stop, seed=g)
+        ).result()
         rewards = [gsm8k.grade_response(item, renderer, s.tokens).reward for s in res.sequences]
         prompt = ob.to_ints()
         for s, a in zip(res.sequences, np.asarray(rewards) - np.mean(rewards), strict=True):
             tokens, n_prompt = prompt + list(s.tokens), len(prompt) - 1
-            data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-                "target_tokens": tokens[1:], "logprobs": [0.0] * n_prompt + list(s.logprobs),
-                "advantages": [0.0] * n_prompt + [float(a)] * len(s.tokens),
-                "mask": np.array([0.0] * n_prompt + [1.0] * len(s.tokens), dtype=np.float32)}))
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "logprobs": [0.0] * n_prompt + list(s.logprobs),
+                        "advantages": [0.0] * n_prompt + [float(a)] * len(s.tokens),
+                        "mask": np.array([0.0] * n_prompt + [1.0] * len(s.tokens), dtype=np.float32),
+                    },
+                )
+            )
     return data
 
 
-def run_schedule(sc: tinker.ServiceClient, log: Path, data: list[types.Datum], args: argparse.Namespace,
-                 sequential: bool, persist_dir: Path) -> dict:
+def run_schedule(
+    sc: tinker.ServiceClient,
+    log: Path,
+    data: list[types.Datum],
+    args: argparse.Namespace,
+    sequential: bool,
+    persist_dir: Path,
+) -> dict:
     tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=args.rank, seed=0).result()
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     recorder, loss_fn = instrumentation.LossCallRecorder(cfg), losses.make_loss_fn(cfg)
     adam = tinker.AdamParams(learning_rate=2e-5, beta1=0.9, beta2=0.95, eps=1e-8)
     per_mb = len(data) // 2
     minibatches = [data[:per_mb], data[per_mb:]]
-    sentinel = [make_datum(d.model_input.to_ints()[:1], d.model_input.to_ints()[1:]
-                           + [d.loss_fn_inputs["target_tokens"].data[-1]], completion_weight=0.0)
-                for d in data[:: max(1, len(data) // 8)][:8]]
+    sentinel = [
+        make_datum(
+            d.model_input.to_ints()[:1],
+            d.model_input.to_ints()[1:] + [d.loss_fn_inputs["target_tokens"].data[-1]],
+            completion_weight=0.0,
+        )
+        for d in data[:: max(1, len(data) // 8)][:8]
+    ]
 
     def persist(rec: instrumentation.LossCallRecord) -> None:
         (persist_dir / f"update-{rec.call_index:04d}.npz").write_bytes(instrumentation.records_to_npz([rec]))
@@ -99,9 +118,17 @@ def run_schedule(sc: tinker.ServiceClient, log: Path, data: list[types.Datum], a
     t_all = time.perf_counter()
     for u in range(args.updates):
         t0 = time.perf_counter()
-        _, upd = train_step.train_step(tc, minibatches[u % 2], loss_fn, adam, recorder, {"update_index": u + 1},
-                                       persist=persist, sequential=sequential,
-                                       submit_behind=lambda: tc.forward(sentinel, "cross_entropy"))
+        _, upd = train_step.train_step(
+            tc,
+            minibatches[u % 2],
+            loss_fn,
+            adam,
+            recorder,
+            {"update_index": u + 1},
+            persist=persist,
+            sequential=sequential,
+            submit_behind=lambda: tc.forward(sentinel, "cross_entropy"),
+        )
         if sequential:
             upd.behind.result()  # the old loop awaited the sentinel forward before the next update
         else:
@@ -115,11 +142,16 @@ def run_schedule(sc: tinker.ServiceClient, log: Path, data: list[types.Datum], a
     time.sleep(0.5)  # let the server flush the last log lines
     lines, _ = request_lines(log, offset)
     by_path = collections.Counter(f"{m} {p}" for m, p in lines)
-    return {"schedule": "sequential" if sequential else "pipelined", "updates": args.updates,
-            "requests": len(lines), "requests_per_update": len(lines) / args.updates,
-            "requests_per_update_by_path": {k: v / args.updates for k, v in sorted(by_path.items())},
-            "seconds_per_update": wall / args.updates, "seconds_each": seconds,
-            "seconds_median": statistics.median(seconds)}
+    return {
+        "schedule": "sequential" if sequential else "pipelined",
+        "updates": args.updates,
+        "requests": len(lines),
+        "requests_per_update": len(lines) / args.updates,
+        "requests_per_update_by_path": {k: v / args.updates for k, v in sorted(by_path.items())},
+        "seconds_per_update": wall / args.updates,
+        "seconds_each": seconds,
+        "seconds_median": statistics.median(seconds),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -127,9 +159,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--schedule", choices=("sequential", "pipelined", "both"), default="both")
     p.add_argument("--latency-ms", type=float, default=300.0, help="injected per request (all kinds)")
     p.add_argument("--updates", type=int, default=8, help="updates per round")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="with --schedule both: alternate the schedules this many times (sequential first, "
-                        "then pipelined, ...), so machine-load drift hits both alike")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --schedule both: alternate the schedules this many times (sequential first, "
+        "then pipelined, ...), so machine-load drift hits both alike",
+    )
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
@@ -150,19 +186,28 @@ def main(argv: list[str] | None = None) -> dict:
             r = run_schedule(sc, server.log_path, data, args, sequential, persist_dir)
             figures["runs"].append(r)
             paths = ", ".join(f"{k} {v:.2f}" for k, v in r["requests_per_update_by_path"].items())
-            print(f"{r['schedule']:>10}: {r['requests_per_update']:.2f} requests/update, "
-                  f"{r['seconds_per_update']:.2f} s/update (median {r['seconds_median']:.2f} s) over "
-                  f"{r['updates']} updates at {args.latency_ms:g} ms/request  [{paths}]", flush=True)
+            print(
+                f"{r['schedule']:>10}: {r['requests_per_update']:.2f} requests/update, "
+                f"{r['seconds_per_update']:.2f} s/update (median {r['seconds_median']:.2f} s) over "
+                f"{r['updates']} updates at {args.latency_ms:g} ms/request  [{paths}]",
+                flush=True,
+            )
         sc.close("success").result(timeout=60)
     for name in ("sequential", "pipelined"):
         runs = [r for r in figures["runs"] if r["schedule"] == name]
         if len(runs) > 1:
             n = sum(r["updates"] for r in runs)
-            agg = {"updates": n, "requests_per_update": sum(r["requests"] for r in runs) / n,
-                   "seconds_per_update": sum(r["seconds_per_update"] * r["updates"] for r in runs) / n}
+            agg = {
+                "updates": n,
+                "requests_per_update": sum(r["requests"] for r in runs) / n,
+                "seconds_per_update": sum(r["seconds_per_update"] * r["updates"] for r in runs) / n,
+            }
             figures[name] = agg
-            print(f"{name:>10} (all {len(runs)} rounds): {agg['requests_per_update']:.2f} requests/update, "
-                  f"{agg['seconds_per_update']:.2f} s/update over {n} updates", flush=True)
+            print(
+                f"{name:>10} (all {len(runs)} rounds): {agg['requests_per_update']:.2f} requests/update, "
+                f"{agg['seconds_per_update']:.2f} s/update over {n} updates",
+                flush=True,
+            )
     print(json.dumps(figures))
     return figures
 

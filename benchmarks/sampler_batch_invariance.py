@@ -43,8 +43,19 @@ def main() -> None:
 
     def job(i: int, length: int | None = None) -> _SampleJob:
         prompt = prompts[i] if length is None else (prompts[i] * (length // len(prompts[i]) + 1))[:length]
-        return _SampleJob(key="base", prompt=prompt, n=a.samples, max_tokens=a.max_tokens, temperature=1.0, top_k=-1,
-                          top_p=1.0, stop_ids=[STOP_TOKEN_ID], stop_strings=[], seed=100 + i, want_prompt_lp=False)
+        return _SampleJob(
+            key="base",
+            prompt=prompt,
+            n=a.samples,
+            max_tokens=a.max_tokens,
+            temperature=1.0,
+            top_k=-1,
+            top_p=1.0,
+            stop_ids=[STOP_TOKEN_ID],
+            stop_strings=[],
+            seed=100 + i,
+            want_prompt_lp=False,
+        )
 
     def run(jobs: list[_SampleJob]):
         return eng._decode_batch(net, jobs)
@@ -53,11 +64,16 @@ def main() -> None:
         out = {}
         for mode in ("batched", "per_request", "batched"):
             t0 = time.perf_counter()
-            res = run([job(i) for i in range(len(prompts))]) if mode == "batched" else [
-                run([job(i)])[0] for i in range(len(prompts))]
+            res = (
+                run([job(i) for i in range(len(prompts))])
+                if mode == "batched"
+                else [run([job(i)])[0] for i in range(len(prompts))]
+            )
             dt = time.perf_counter() - t0
             ntok = sum(len(s.tokens) for seqs in res for s in seqs)
-            out.setdefault(mode, []).append({"seconds": round(dt, 2), "tokens": ntok, "tokens_per_s": round(ntok / dt, 1)})
+            out.setdefault(mode, []).append(
+                {"seconds": round(dt, 2), "tokens": ntok, "tokens_per_s": round(ntok / dt, 1)}
+            )
         print(json.dumps({"shape": [a.prompts, a.samples, a.max_tokens], **out}))
         return
     tot = {"rows": 0, "rows_other_tokens": 0, "rows_logprobs_not_bitwise_equal": 0, "max_abs_logprob_diff": 0.0}
@@ -71,7 +87,9 @@ def main() -> None:
             tot["rows"] += 1
             tot["rows_other_tokens"] += sa.tokens != sb.tokens
             tot["rows_logprobs_not_bitwise_equal"] += sa.logprobs != sb.logprobs
-            n = next((k for k, (x, y) in enumerate(zip(sa.tokens, sb.tokens)) if x != y), min(len(sa.tokens), len(sb.tokens)))
+            n = next(
+                (k for k, (x, y) in enumerate(zip(sa.tokens, sb.tokens)) if x != y), min(len(sa.tokens), len(sb.tokens))
+            )
             if n:
                 d = max(abs(x - y) for x, y in zip(sa.logprobs[:n], sb.logprobs[:n]))
                 tot["max_abs_logprob_diff"] = max(tot["max_abs_logprob_diff"], d)

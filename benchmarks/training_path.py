@@ -63,8 +63,9 @@ def main() -> None:
     minibatches = frozen.split_minibatches(8)
     kwargs = {"retain_forward": False} if args.no_retain else {}
     try:
-        engine = Engine(Path(tempfile.mkdtemp(prefix="training-path-")), num_threads=args.threads,
-                        batch_window_s=0.0, **kwargs)
+        engine = Engine(
+            Path(tempfile.mkdtemp(prefix="training-path-")), num_threads=args.threads, batch_window_s=0.0, **kwargs
+        )
     except TypeError:  # an engine from before retained first passes: it always recomputes
         engine = Engine(Path(tempfile.mkdtemp(prefix="training-path-")), num_threads=args.threads, batch_window_s=0.0)
     load0 = os.getloadavg()
@@ -78,8 +79,10 @@ def main() -> None:
                 tokens = d.model_input.to_ints()
                 targets = np.asarray(d.loss_fn_inputs["target_tokens"].to_numpy())
                 data.append((tokens, {"target_tokens": targets, "weights": np.zeros(len(tokens), np.float32)}))
-            weighted = [(t, {**d, "weights": np.where(np.arange(len(t)) % 3 == 0, 1e-3, -1e-3).astype(np.float32)})
-                        for t, d in data]
+            weighted = [
+                (t, {**d, "weights": np.where(np.arange(len(t)) % 3 == 0, 1e-3, -1e-3).astype(np.float32)})
+                for t, d in data
+            ]
             (first, _), fwd = measured(lambda data=data: engine.forward(model, data, "cross_entropy"))
             (second, _), bwd = measured(lambda w=weighted: engine.forward_backward(model, w, "cross_entropy"))
             grads = engine.get_parameter_grads(model)
@@ -89,8 +92,14 @@ def main() -> None:
                 h.update(out["logprobs"].tobytes())
             for name in sorted(grads):
                 h.update(grads[name].numpy().tobytes())
-            row = {"update": u + 1, "tokens": sum(len(t) for t, _ in data), "forward": fwd, "forward_backward": bwd,
-                   "optim_step": opt, "sha256": h.hexdigest()[:16]}
+            row = {
+                "update": u + 1,
+                "tokens": sum(len(t) for t, _ in data),
+                "forward": fwd,
+                "forward_backward": bwd,
+                "optim_step": opt,
+                "sha256": h.hexdigest()[:16],
+            }
             print(json.dumps(row), flush=True)
             for call in ("forward", "forward_backward", "optim_step"):
                 for k, v in row[call].items():
@@ -98,10 +107,19 @@ def main() -> None:
                     totals[call][k] += v
     finally:
         engine.close()
-    print(json.dumps({"threads": args.threads, "retain_forward": getattr(engine, "retain_forward", False),
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "totals": totals,
-                      "cpu_s_per_update": sum(t["user_s"] + t["sys_s"] for t in totals.values()) / max(1, args.updates),
-                      "loadavg_start": load0, "loadavg_end": os.getloadavg()}))
+    print(
+        json.dumps(
+            {
+                "threads": args.threads,
+                "retain_forward": getattr(engine, "retain_forward", False),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                "totals": totals,
+                "cpu_s_per_update": sum(t["user_s"] + t["sys_s"] for t in totals.values()) / max(1, args.updates),
+                "loadavg_start": load0,
+                "loadavg_end": os.getloadavg(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

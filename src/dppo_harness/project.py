@@ -31,7 +31,8 @@ def project_root() -> Path:
         return root
     raise ProjectNotFound(
         f"dppo_harness at {PACKAGE_DIR} is not inside its project (no {root / 'plans' / SPEC_PLAN}); "
-        f"install the project itself with `pip install -e <project>`")
+        f"install the project itself with `pip install -e <project>`"
+    )
 
 
 def plans_dir() -> Path:

@@ -20,8 +20,11 @@ from dppo_harness.stages.comparison.step_rows import fraction_names
 
 def _session_index(evidence_bundle) -> int:
     """Which session of the run this bundle is: 0, or N after N resumes (its files carry N)."""
-    runs = [int(e["name"].removeprefix("comparison-run-").removesuffix(".json")) for e in evidence_bundle.files()
-            if e["name"].startswith("comparison-run-") and e["name"].endswith(".json")]
+    runs = [
+        int(e["name"].removeprefix("comparison-run-").removesuffix(".json"))
+        for e in evidence_bundle.files()
+        if e["name"].startswith("comparison-run-") and e["name"].endswith(".json")
+    ]
     assert runs, "no comparison-run-N.json registered"
     return max(runs)
 
@@ -62,10 +65,17 @@ def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle)
                 assert key in r and other not in r, (a.name, key)
         for base in ("dppo_masked_frac", "ppo_clip_frac"):
             assert f"{names[base]}_mean" in arms[a.name], (a.name, names[base])
-    own = {a.loss: {k for k in fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms}
-    assert own.get(losses.GRPO_LOSS, {"ppo_clip_frac", "last_update_clip_frac"}) == {"ppo_clip_frac", "last_update_clip_frac"}
-    assert own.get(losses.DPPO_LOSS, {"dppo_masked_frac", "last_update_masked_frac"}) == {"dppo_masked_frac",
-                                                                                           "last_update_masked_frac"}
+    own = {
+        a.loss: {k for k in fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms
+    }
+    assert own.get(losses.GRPO_LOSS, {"ppo_clip_frac", "last_update_clip_frac"}) == {
+        "ppo_clip_frac",
+        "last_update_clip_frac",
+    }
+    assert own.get(losses.DPPO_LOSS, {"dppo_masked_frac", "last_update_masked_frac"}) == {
+        "dppo_masked_frac",
+        "last_update_masked_frac",
+    }
 
 
 def test_every_scored_model_has_accuracy_n_and_invalid_outputs_under_its_own_key(comparison_run, evidence_bundle):
@@ -103,8 +113,14 @@ def test_each_arms_metrics_jsonl_loads_with_the_cookbooks_own_readers(comparison
         steps = [r["step"] for r in records]
         # A resumed session logs from the step it continued at; an unresumed one from step 0.
         assert steps and steps == list(range(steps[0], comparison_run.config.steps)) and (n > 0 or steps[0] == 0), steps
-        for key in ("env/all/reward/total", "optim/kl_sample_train_v1", "optim/entropy", "env/all/total_ac_tokens",
-                    "time/total", "progress/done_frac"):
+        for key in (
+            "env/all/reward/total",
+            "optim/kl_sample_train_v1",
+            "optim/entropy",
+            "env/all/total_ac_tokens",
+            "time/total",
+            "progress/done_frac",
+        ):
             assert all(key in r for r in records), key
     assert len(evidence_bundle.files()) <= 64
 
@@ -144,8 +160,12 @@ def test_predictions_observations_and_decision_are_consistent(comparison_run, ev
 
 
 def test_evidence_verify_passes(comparison_run, evidence_bundle):
-    out = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(evidence_bundle.dir)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(evidence_bundle.dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     running = evidence_bundle.result["status"] == "running"  # final only once the stage posted it
     assert out.returncode == (3 if running else 0), out.stdout + out.stderr
     assert evidence_bundle.entry("report.md") is not None
@@ -178,8 +198,9 @@ def test_the_schedule_and_its_source_are_recorded(comparison_run, evidence_bundl
     assert n > 0 or len(guard["step_seconds"]) == comparison_run.steps_completed
 
 
-def test_gate_and_feasibility_clients_were_closed_before_the_arms_trained(comparison_run, client_registry,
-                                                                          harness_options):
+def test_gate_and_feasibility_clients_were_closed_before_the_arms_trained(
+    comparison_run, client_registry, harness_options
+):
     sessions = {r["stage"]: r for r in client_registry.records()}
     if harness_options.resume:  # the setup stages ran in the session this one continues, not here
         assert not {"preflight-probes", "feasibility-pilot", "gate-pilot"} & set(sessions), sorted(sessions)

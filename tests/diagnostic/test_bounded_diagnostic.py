@@ -12,8 +12,12 @@ from dppo_harness.stages.diagnostic.files import NEXT_ACTION_FILE, REFERENCES_FI
 
 
 def _cli(module: str, path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *(["verify"] if module.endswith("evidence") else []), str(path)],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *(["verify"] if module.endswith("evidence") else []), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_diagnostic_ran_as_planned_within_its_caps(diagnostic_run):

@@ -19,9 +19,15 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 # The files that take minutes (each a harness run or several, in subprocesses), longest first.
 # `.ci/run` hands whole files to two workers in collection order (`--dist loadfile
 # --no-loadscope-reorder`); started first, none of them is left to run alone at the end.
-LONGEST_FIRST = ("test_spindle_profile.py", "test_comparison_kill_resume.py", "test_real_looking_service.py",
-                 "test_local_server_sdk.py",
-                 "test_comparison_resume.py", "test_readme_recipes.py", "test_optional_fields_local.py")
+LONGEST_FIRST = (
+    "test_spindle_profile.py",
+    "test_comparison_kill_resume.py",
+    "test_real_looking_service.py",
+    "test_local_server_sdk.py",
+    "test_comparison_resume.py",
+    "test_readme_recipes.py",
+    "test_optional_fields_local.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -48,16 +48,29 @@ pytestmark = pytest.mark.timeout(3000)
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json"
-TESTS = [ROOT / LOSS_PARITY, ROOT / "tests" / "preflight", ROOT / "tests" / "gates",
-         ROOT / "tests" / "comparison"]
+TESTS = [ROOT / LOSS_PARITY, ROOT / "tests" / "preflight", ROOT / "tests" / "gates", ROOT / "tests" / "comparison"]
 KILL_AFTER = 1
 FROM_STEP = 0  # the last step all arms saved before the kill: none, so the shared initial checkpoint
 
 
 def _command(evidence: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-m", "comparison", *map(str, TESTS), "--plan", str(PLAN),
-            "--evidence-dir", str(evidence), "--timeout=2400", "-p", "no:cacheprovider", "-q",
-            *extra]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "comparison",
+        *map(str, TESTS),
+        "--plan",
+        str(PLAN),
+        "--evidence-dir",
+        str(evidence),
+        "--timeout=2400",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        *extra,
+    ]
 
 
 def _env() -> dict[str, str]:
@@ -77,8 +90,15 @@ def _run_and_kill(evidence: Path, cwd: Path) -> tuple[list[str], float]:
     """Start the comparison; SIGKILL its process group when both arms reported step KILL_AFTER
     (reported after the step's state was saved and registered)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(_command(evidence), cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(evidence),
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines, seen = [], set()
     try:
         for line in proc.stdout:
@@ -109,12 +129,18 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
         try:
             sc = make_service_client("local", srv.base_url, registry=registry, stage="reference")
             clients = {a.name: create_from_state_observed(sc, initial_checkpoint)[0] for a in cfg.arms}
-            state = RunState("reference", plan.sha256, "", "", initial_checkpoint,
-                               {a.name: ArmState(a.name) for a in cfg.arms})
+            state = RunState(
+                "reference", plan.sha256, "", "", initial_checkpoint, {a.name: ArmState(a.name) for a in cfg.arms}
+            )
             train = gsm8k.load_split("train", seed=cfg.arms[0].seed)
-            out = train_arms(make_runners(clients, cfg), cfg, state,
-                               items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
-                               renderer=tokenizer.make_renderer().renderer, tag="reference")
+            out = train_arms(
+                make_runners(clients, cfg),
+                cfg,
+                state,
+                items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
+                renderer=tokenizer.make_renderer().renderer,
+                tag="reference",
+            )
         finally:
             registry.release_all()
     return list(out.rows)
@@ -136,26 +162,42 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     killed = evidence / killed_id
     assert json.loads((killed / "result.json").read_text())["status"] == "running"
     assert verify_bundle(killed) == [], "the killed run's bundle does not verify"
-    told = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(killed)],
-                          capture_output=True, text=True, timeout=300)
+    told = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(killed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert told.returncode == 3 and "INCOMPLETE" in told.stdout, told.stdout  # hashes hold; never read as verified
     state = json.loads(state_path(evidence / "comparison-state", killed_id).read_text())
-    assert all(a["steps_done"] == KILL_AFTER and str(KILL_AFTER) not in a["saves"] for a in state["arms"].values()), state
+    assert all(a["steps_done"] == KILL_AFTER and str(KILL_AFTER) not in a["saves"] for a in state["arms"].values()), (
+        state
+    )
     killed_files = [f["name"] for f in json.loads((killed / "result.json").read_text())["evidence"]["files"]]
     last_snapshot = sorted(n for n in killed_files if n.startswith("result-"))[-1]
     assert f"comparison-state-r0-s{KILL_AFTER}.json" not in killed_files  # killed between saves
 
     t0 = time.monotonic()
-    resumed_proc = subprocess.run(_command(evidence, "--resume", killed_id), cwd=elsewhere, env=_env(),
-                                  capture_output=True, text=True, timeout=2400)
+    resumed_proc = subprocess.run(
+        _command(evidence, "--resume", killed_id),
+        cwd=elsewhere,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
     resumed_s = time.monotonic() - t0
     out = resumed_proc.stdout + resumed_proc.stderr
     assert resumed_proc.returncode == 0, out[-5000:]
     assert "[gate]" not in out, "the resumed session reran the gate"
     resumed = evidence / (evidence / "LATEST").read_text().strip()
     assert resumed.name != killed_id
-    check = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(resumed)],
-                           capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(resumed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
     result = json.loads((resumed / "result.json").read_text())
@@ -181,10 +223,14 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     assert [(r["arm"], r["step"]) for r in got] == [(r["arm"], r["step"]) for r in want]
     problems = [p for g, w in zip(got, want, strict=True) for p in row_differences(g, w)]
     assert not problems, "resumed run differs from the uninterrupted run:\n" + "\n".join(problems)
-    worst = max(abs(float(g[k]) - float(w[k])) for g, w in zip(got, want)
-                for k in w if k not in (*TOKEN_FIELDS, "arm", "step"))
+    worst = max(
+        abs(float(g[k]) - float(w[k])) for g, w in zip(got, want) for k in w if k not in (*TOKEN_FIELDS, "arm", "step")
+    )
     for arm in state["arms"]:  # the cookbook log: every step once, as without the kill
-        logged = [json.loads(x)["step"] for x in (resumed / "files" / f"metrics-{arm}-r1.jsonl").read_text().splitlines()
-                  if x.strip()]
+        logged = [
+            json.loads(x)["step"]
+            for x in (resumed / "files" / f"metrics-{arm}-r1.jsonl").read_text().splitlines()
+            if x.strip()
+        ]
         assert logged == sorted({r["step"] for r in want if r["arm"] == arm}), (arm, logged)
     print(f"killed run {killed_s:.0f} s, resumed run {resumed_s:.0f} s; max logprob-derived |diff| {worst:.3g}")

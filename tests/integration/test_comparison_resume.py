@@ -42,8 +42,14 @@ def _live_session_holders():
     from tinker.lib.internal_client_holder import InternalClientHolder
 
     gc.collect()
-    return [h for h in gc.get_objects() if isinstance(h, InternalClientHolder) and not getattr(h, "_closed", True)
-            and getattr(h, "_session_heartbeat_task", None) is not None and not h._session_heartbeat_task.done()]
+    return [
+        h
+        for h in gc.get_objects()
+        if isinstance(h, InternalClientHolder)
+        and not getattr(h, "_closed", True)
+        and getattr(h, "_session_heartbeat_task", None) is not None
+        and not h._session_heartbeat_task.done()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +89,9 @@ CAPACITY_FAIL = "optim_step:6,20"
 
 @pytest.fixture(scope="module")
 def faulty_engine(tmp_path_factory, registry):
-    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("capacity-server"),
-                             fault_args=["--fault-capacity-fail", CAPACITY_FAIL]).start()
+    srv = LocalServerProcess(
+        run_dir=tmp_path_factory.mktemp("capacity-server"), fault_args=["--fault-capacity-fail", CAPACITY_FAIL]
+    ).start()
     try:
         yield (*_server_and_initial_state(srv, registry, "capacity"), srv)
         assert all(r["released"] for r in registry.release_stage("capacity"))
@@ -103,8 +110,9 @@ def _restoration(sc, init):
 def _run(engine, tmp_path, name, **kw):
     sc, init = engine[:2]
     bundle = EvidenceBundle.create(tmp_path / name)
-    return run_comparison(sc, PLAN, bundle, _restoration(sc, init), backend="local",
-                          state_root=tmp_path / "state", tag=name, **kw), bundle
+    return run_comparison(
+        sc, PLAN, bundle, _restoration(sc, init), backend="local", state_root=tmp_path / "state", tag=name, **kw
+    ), bundle
 
 
 # Token-derived fields exactly, logprob-derived floats within C.RESUME_FLOAT_ATOL (two
@@ -125,6 +133,7 @@ def _kill_after(n):
     def stop(step_done):
         if step_done == n:
             raise comparison_arms.StopRequested(f"killed after step {n}")
+
     return stop
 
 
@@ -146,8 +155,12 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, uninterrupted, t
     assert not problems, "resumed run differs from the uninterrupted run:\n" + "\n".join(problems)
     # Each restore is one more restore_count and optimizer check, per arm, naming what it loaded.
     prov = bundle.result["initialization_provenance"]["arms"]
-    assert all(p["restore_count"] == 2 and [c["after_restore"] for c in p["optimizer_checks"]] == [2] for p in prov.values())
-    assert {a: p["loaded_checkpoint_uri"] for a, p in prov.items()} == {a: s["state_path"] for a, s in saved["arms"].items()}
+    assert all(
+        p["restore_count"] == 2 and [c["after_restore"] for c in p["optimizer_checks"]] == [2] for p in prov.values()
+    )
+    assert {a: p["loaded_checkpoint_uri"] for a, p in prov.items()} == {
+        a: s["state_path"] for a, s in saved["arms"].items()
+    }
     assert resumed.decision["verdict"] == "inconclusive" and resumed.decision["rehearsal"]
     # Both bundles verify: every evidence_ref written on resume names a registered file.
     assert verify_bundle(first_bundle.dir) == [] and verify_bundle(bundle.dir) == []
@@ -192,8 +205,7 @@ class _RetryAsItStands(comparison_arms.GuardedArmStep):
         return super().__call__()
 
 
-def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine, uninterrupted, tmp_path,
-                                                                  monkeypatch):
+def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine, uninterrupted, tmp_path, monkeypatch):
     srv = faulty_engine[2]
     # Back off 0.1 s; the window (which opens when the refused attempt began) outlasts any step here.
     policy = CapacityPolicy(backoff_s=(0.1,), give_up_no_steps_s=600.0, give_up_after_steps_s=600.0)

@@ -49,11 +49,15 @@ def engine(tmp_path_factory):
 def _run(engine, tmp_path, name, **kw):
     sc, init = engine
     clients = {a: create_from_state_observed(sc, init)[0] for a in ARM_NAMES}
-    restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
-                                  provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
+    restoration = SimpleNamespace(
+        clients=clients,
+        initial_checkpoint=init,
+        provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}},
+    )
     bundle = EvidenceBundle.create(tmp_path / name)
-    return run_comparison(sc, PLAN, bundle, restoration, backend="local", state_root=tmp_path / "state",
-                             tag=name, **kw), bundle
+    return run_comparison(
+        sc, PLAN, bundle, restoration, backend="local", state_root=tmp_path / "state", tag=name, **kw
+    ), bundle
 
 
 def _training_block(bundle, resumed=0):
@@ -74,17 +78,25 @@ def test_the_wall_guard_stops_before_a_step_that_would_pass_the_budget(engine, t
     the measured step plus the finishing reserve: stopped there, with the guard's figures."""
     left = iter([1e6, 1.0])
     guard = WallGuard(lambda: next(left))
-    run, bundle = _run(engine, tmp_path, "wall", schedule="concurrent",
-                       schedule_source="default on a real service", guard=guard)
-    assert run.stopped.startswith("wall clock: step 2 projected") and "1 s left of the plan's wall budget" in run.stopped
+    run, bundle = _run(
+        engine, tmp_path, "wall", schedule="concurrent", schedule_source="default on a real service", guard=guard
+    )
+    assert (
+        run.stopped.startswith("wall clock: step 2 projected") and "1 s left of the plan's wall budget" in run.stopped
+    )
     _assert_stopped_with_evidence(run, bundle, 1)
     block = _training_block(bundle)
     assert block["stopped"] == run.stopped and block["steps_completed"] == 1
     assert (block["schedule"], block["schedule_source"]) == ("concurrent", "default on a real service")
     wall = block["wall_guard"]
     assert len(wall["step_seconds"]) == 1 and wall["step_seconds"][0] > 0
-    assert wall["last_check"] == {"step": 1, "seconds_left": 1.0, "projected_step_seconds": wall["step_seconds"][0],
-                                  "projection_source": "longest measured step", "reserve_seconds": FINALIZE_RESERVE_S}
+    assert wall["last_check"] == {
+        "step": 1,
+        "seconds_left": 1.0,
+        "projected_step_seconds": wall["step_seconds"][0],
+        "projection_source": "longest measured step",
+        "reserve_seconds": FINALIZE_RESERVE_S,
+    }
     manifest = json.loads(bundle.file_path("comparison-run-0.json").read_text())
     assert (manifest["schedule"], manifest["schedule_source"]) == ("concurrent", "default on a real service")
     assert {r["arm"] for r in run.rows} == set(ARM_NAMES) and len(run.rows) == 2
@@ -93,6 +105,7 @@ def test_the_wall_guard_stops_before_a_step_that_would_pass_the_budget(engine, t
 def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_path, monkeypatch):
     """Stopped after step 1, then resumed; the server reports a different optimizer for the first
     restored arm: the run stops before training further, the failed check in its provenance."""
+
     def stop_after_1(step_done):
         if step_done == 1:
             raise StopRequested("stopped after step 1")

@@ -27,11 +27,16 @@ def _math_rl(readme, base_url: str, log_path: Path, **extra: str) -> subprocess.
     env = dict(os.environ, TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1")
     env.pop("TINKER_BASE_URL", None)
     env.update(w.split("=", 1) for w in words[: module - 1])  # the README's VAR=value prefix
-    args = dict(w.split("=", 1) for w in words[module + 2:])
+    args = dict(w.split("=", 1) for w in words[module + 2 :])
     assert {"base_url", "env", "model_name", "renderer_name", "log_path"} <= set(args), args
     args.update(CI_SIZE, base_url=base_url, log_path=str(log_path), **extra)
-    return subprocess.run([sys.executable, "-m", "dppo_harness.local_server.cookbook_offline", *(f"{k}={v}" for k, v in args.items())],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "dppo_harness.local_server.cookbook_offline", *(f"{k}={v}" for k, v in args.items())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _final_state_path(log_path: Path) -> str:

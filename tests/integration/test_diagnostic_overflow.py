@@ -23,8 +23,14 @@ CLOSING = ("client-identities.json", "client-releases.json", "budget-ledger.json
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=harness_env(PYTHONPATH=str(ROOT / "src")))
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=harness_env(PYTHONPATH=str(ROOT / "src")),
+    )
 
 
 @pytest.mark.timeout(600)
@@ -36,10 +42,24 @@ def test_a_diagnostic_past_one_file_per_update_closes_within_the_bundle(tmp_path
     updates = json.loads((plans / PLAN).read_text())["schedule"]["max_optimizer_updates"]
     evidence = tmp_path / "evidence"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/preflight", "tests/diagnostic",
-         f"--plan={plans / PLAN}", f"--evidence-dir={evidence}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=540,
-        env=harness_env(PYTHONPATH=str(ROOT / "src"), TINKER_BASE_URL=None))
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/preflight",
+            "tests/diagnostic",
+            f"--plan={plans / PLAN}",
+            f"--evidence-dir={evidence}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=harness_env(PYTHONPATH=str(ROOT / "src"), TINKER_BASE_URL=None),
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 0 and "INTERNALERROR" not in out and "Traceback" not in out, out[-3000:]
     bundle = evidence / (evidence / "LATEST").read_text().strip()
@@ -62,8 +82,10 @@ def test_a_diagnostic_past_one_file_per_update_closes_within_the_bundle(tmp_path
 
     verify = _cli("dppo_harness.evidence", "verify", str(bundle))
     assert verify.returncode == 0 and "verify: OK" in verify.stdout and "(status succeeded)" in verify.stdout, (
-        verify.stdout + verify.stderr)
+        verify.stdout + verify.stderr
+    )
     replay = _cli("dppo_harness.instrument.replay", str(bundle))
     assert replay.returncode == 0, replay.stdout + replay.stderr
-    assert f"replay: {updates} loss calls from {len(archives)} files, {updates} matched, 0 problem(s)" in replay.stdout, (
-        replay.stdout[-2000:])
+    assert (
+        f"replay: {updates} loss calls from {len(archives)} files, {updates} matched, 0 problem(s)" in replay.stdout
+    ), replay.stdout[-2000:]

@@ -37,15 +37,25 @@ def _rollout_data(engine, prompt: list[int]) -> list[tinker.Datum]:
         mu, adv, mask = (np.zeros(T, np.float32) for _ in range(3))
         mu[P:], adv[P:], mask[P:] = s.logprobs, a, 1.0
         mu[P::2] = np.log(0.9)  # a confident "sampler" on every other token: |p - q| > delta there
-        data.append(tinker.Datum(model_input=tinker.ModelInput.from_ints(toks[:-1]),
-                                 loss_fn_inputs={"target_tokens": np.asarray(toks[1:], np.int64),
-                                                 "logprobs": mu, "advantages": adv, "mask": mask}))
+        data.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": np.asarray(toks[1:], np.int64),
+                    "logprobs": mu,
+                    "advantages": adv,
+                    "mask": mask,
+                },
+            )
+        )
     return data
 
 
 def _engine_datum(d: tinker.Datum, weights: np.ndarray) -> tuple[list[int], dict[str, np.ndarray]]:
-    return d.model_input.to_ints(), {"target_tokens": np.asarray(d.loss_fn_inputs["target_tokens"].to_numpy()),
-                                     "weights": weights.astype(np.float32)}
+    return d.model_input.to_ints(), {
+        "target_tokens": np.asarray(d.loss_fn_inputs["target_tokens"].to_numpy()),
+        "weights": weights.astype(np.float32),
+    }
 
 
 def _two_pass_grads(engine, mid, data, loss_fn, sign: float = 1.0) -> dict[str, torch.Tensor]:
@@ -76,8 +86,9 @@ def test_custom_loss_gradient_parity(engine, arm):
     loss_fn = make_loss_fn(LossConfig(loss=arm, normalization="sum"))
     _, metrics = loss_fn(data, engine.compute_logprobs(mid, [_engine_datum(d, np.zeros(1)) for d in data]))
     two_pass = _two_pass_grads(engine, mid, data, loss_fn)
-    direct = engine.direct_loss_grads(mid, [_engine_datum(d, np.zeros(1)) for d in data],
-                                      lambda lps: loss_fn(data, lps)[0])
+    direct = engine.direct_loss_grads(
+        mid, [_engine_datum(d, np.zeros(1)) for d in data], lambda lps: loss_fn(data, lps)[0]
+    )
     flat_two = torch.cat([two_pass[n].flatten() for n in sorted(direct)])
     flat_dir = torch.cat([direct[n].flatten() for n in sorted(direct)])
     assert float(flat_dir.norm()) > 0
@@ -91,8 +102,9 @@ def test_custom_loss_gradient_parity(engine, arm):
 
 
 def test_warm_start_recipe_deterministic(tmp_path, monkeypatch):
-    cfg = model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
-                       num_key_value_heads=1)
+    cfg = model.TinyConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1
+    )
     recipe = {**warmstart.RECIPE, "steps": 3, "batch_size": 2, "warmup_steps": 1}
     vocab = load_vocab()
     _, a = warmstart.load_or_build(cfg, vocab, seed=0, cache_dir=tmp_path / "a", recipe=recipe)

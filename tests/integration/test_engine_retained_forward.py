@@ -19,8 +19,17 @@ PRESET = "tiny-qwen3-random"
 def engines(tmp_path_factory):
     """Two engines on the same seed, one recomputing every forward; a small token budget splits a
     request into several micro-batches."""
-    pair = {retain: Engine(tmp_path_factory.mktemp(f"retain-{retain}"), model_name=PRESET, seed=0,
-                           batch_window_s=0.0, token_budget=96, retain_forward=retain) for retain in (True, False)}
+    pair = {
+        retain: Engine(
+            tmp_path_factory.mktemp(f"retain-{retain}"),
+            model_name=PRESET,
+            seed=0,
+            batch_window_s=0.0,
+            token_budget=96,
+            retain_forward=retain,
+        )
+        for retain in (True, False)
+    }
     yield pair
     for eng in pair.values():
         eng.close()
@@ -31,8 +40,12 @@ def _data(seed: int, n: int = 6) -> list[tuple[list[int], dict[str, np.ndarray]]
     out = []
     for _ in range(n):
         toks = rng.integers(0, 15000, size=int(rng.integers(9, 40))).tolist()
-        out.append((toks[:-1], {"target_tokens": np.asarray(toks[1:], np.int64),
-                                "weights": np.zeros(len(toks) - 1, np.float32)}))
+        out.append(
+            (
+                toks[:-1],
+                {"target_tokens": np.asarray(toks[1:], np.int64), "weights": np.zeros(len(toks) - 1, np.float32)},
+            )
+        )
     return out
 
 
@@ -46,8 +59,14 @@ def _step(eng: Engine, mid: str, fwd_data, bwd_data) -> dict:
     bwd, metrics = eng.forward_backward(mid, bwd_data, "cross_entropy")
     grads = eng.get_parameter_grads(mid)
     optim = eng.optim_step(mid, {"learning_rate": 5e-2, "eps": 1e-8})
-    return {"fwd": fwd, "bwd": bwd, "loss": metrics["loss:sum"], "grads": grads, "optim": optim,
-            "params": eng.get_parameters(mid)}
+    return {
+        "fwd": fwd,
+        "bwd": bwd,
+        "loss": metrics["loss:sum"],
+        "grads": grads,
+        "optim": optim,
+        "params": eng.get_parameters(mid),
+    }
 
 
 def _assert_bitwise_equal(a: dict, b: dict) -> None:

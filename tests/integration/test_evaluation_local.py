@@ -21,7 +21,9 @@ def bundle():
 
 
 def test_small_greedy_evaluation(tmp_path, bundle, shared_random_server):
-    items, deviation = evaluation.select_items(gsm8k.load_split("test"), N_ITEMS, reason="integration test: small subset")
+    items, deviation = evaluation.select_items(
+        gsm8k.load_split("test"), N_ITEMS, reason="integration test: small subset"
+    )
     assert deviation is not None and deviation["field"] == "evaluator"
     evaluator = evaluation.freeze_evaluator(items, bundle, max_tokens=24, deviation=deviation)
     srv = shared_random_server  # the MODEL preset
@@ -34,8 +36,18 @@ def test_small_greedy_evaluation(tmp_path, bundle, shared_random_server):
         b = evaluation.evaluate(sampler, evaluator, arm="dppo_seed0", seed=0, checkpoint=path)
         # temperature 1 without a seed differs from run to run; greedy must not
         hot = [
-            tuple(sampler.sample(gsm8k.build_prompt(it, bundle.renderer)[0], 1, tinker.SamplingParams(max_tokens=24, temperature=1.0, stop=[constants.STOP_TOKEN_ID])).result().sequences[0].tokens)
-            for it in items[:4] for _ in range(2)
+            tuple(
+                sampler.sample(
+                    gsm8k.build_prompt(it, bundle.renderer)[0],
+                    1,
+                    tinker.SamplingParams(max_tokens=24, temperature=1.0, stop=[constants.STOP_TOKEN_ID]),
+                )
+                .result()
+                .sequences[0]
+                .tokens
+            )
+            for it in items[:4]
+            for _ in range(2)
         ]
     finally:
         sc.close("success").result(timeout=60)  # no SDK heartbeat outlives the shared server
@@ -52,6 +64,8 @@ def test_small_greedy_evaluation(tmp_path, bundle, shared_random_server):
     decision = stats.paired_hoeffding_from_rows(stats.read_observations(path_obs), "dppo_seed0", "grpo_seed0")
     assert decision["n"] == N_ITEMS and decision["mean_difference"] == 0.0 and decision["verdict"] == "inconclusive"
     assert decision["evaluator_id"] == evaluator.evaluator_id
-    obj = evaluation.evaluation_object([evaluator], [a.score("predictions-grpo.jsonl"), b.score("predictions-dppo.jsonl")])
+    obj = evaluation.evaluation_object(
+        [evaluator], [a.score("predictions-grpo.jsonl"), b.score("predictions-dppo.jsonl")]
+    )
     json.dumps(obj, allow_nan=False)
     assert list(obj["evaluators"]) == [evaluator.evaluator_id]

@@ -84,8 +84,12 @@ def test_plain_linear_head_and_frozen_hidden():
     got = head_target_logprobs(hidden, targets, head, V, oov_logprob=-30.0, chunk_rows=5)
     plain = _plain(hidden, targets, head)
     torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(torch.autograd.grad((got * w).sum(), hidden)[0],
-                               torch.autograd.grad((plain * w).sum(), hidden)[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.autograd.grad((got * w).sum(), hidden)[0],
+        torch.autograd.grad((plain * w).sum(), hidden)[0],
+        rtol=1e-5,
+        atol=1e-6,
+    )
     with torch.no_grad():
         assert not head_target_logprobs(hidden, targets, head, V, oov_logprob=-30.0).requires_grad
 

@@ -20,21 +20,40 @@ from dppo_harness.local_server.engine import attention, draws, hf_model, samplin
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.errors import UserError
 
-SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=32)
+SMALL = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)
 
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> Path:
-    return hf_model.save_random_checkpoint(tmp_path_factory.mktemp("ck") / "small-qwen3", hf_model.qwen3_config(**SMALL), seed=1)
+    return hf_model.save_random_checkpoint(
+        tmp_path_factory.mktemp("ck") / "small-qwen3", hf_model.qwen3_config(**SMALL), seed=1
+    )
 
 
 @pytest.fixture(scope="module")
 def qwen35_dir(tmp_path_factory) -> Path:
     cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
-        linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True)
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        tie_word_embeddings=True,
+    )
     return hf_model.save_random_checkpoint(tmp_path_factory.mktemp("ck35") / "small-qwen3_5", cfg, seed=2)
 
 
@@ -68,8 +87,9 @@ def test_missing_or_incomplete_checkpoints_get_one_line_errors(tmp_path, qwen3_d
     noweights.mkdir()
     (noweights / "config.json").write_text((qwen3_dir / "config.json").read_text())
     _one_line_error(noweights, "no weights found")
-    (noweights / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (noweights / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     _one_line_error(noweights, "missing shard")
     _path, cfg, files = hf_model.check_checkpoint_dir(qwen3_dir)  # the good one passes
     assert cfg["model_type"] == "qwen3" and [f.name for f in files] == ["model.safetensors"]
@@ -82,8 +102,13 @@ def test_cli_refuses_a_bad_model_path_with_one_line(tmp_path):
         check_model_path_args(parse_args(["--model-path", str(tmp_path), "--model", "tiny-qwen3-random"]))
     src = str(Path(hf_model.__file__).resolve().parents[2])  # this checkout's src/, as LocalServerProcess does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "dppo_harness.local_server", "--model-path", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.local_server", "--model-path", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode != 0 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"--model-path {tmp_path / 'nope'}: no such directory"]
 
@@ -119,7 +144,9 @@ def test_train_switches_select_lora_targets(engine):
     assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0)) == attn | mlp | {"lm_head"}
     assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_mlp=False, train_unembed=False)) == attn
     assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_unembed=False)) == mlp
-    assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_mlp=False)) == {"lm_head"}
+    assert _targets(engine, engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_mlp=False)) == {
+        "lm_head"
+    }
     with pytest.raises(UserError, match="nothing to train"):
         engine.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_mlp=False, train_unembed=False)
 
@@ -138,8 +165,11 @@ def test_only_lora_parameters_train_and_targets_survive_restore(engine):
     mid2 = engine.create_model_from_state(path, with_optimizer=True)
     assert _targets(engine, mid2) == _targets(engine, mid) and "lm_head" not in _targets(engine, mid2)
     with pytest.raises(UserError, match="outside the model's vocabulary"):
-        engine.forward(mid, [([1, 2, 1000], {"target_tokens": np.array([2, 3, 4]),
-                                              "weights": np.ones(3, np.float32)})], "cross_entropy")
+        engine.forward(
+            mid,
+            [([1, 2, 1000], {"target_tokens": np.array([2, 3, 4]), "weights": np.ones(3, np.float32)})],
+            "cross_entropy",
+        )
 
 
 # ---- sampling ------------------------------------------------------------------------------------
@@ -159,8 +189,18 @@ def test_gumbel_max_draws_follow_softmax_and_are_seeded():
 
 
 def _req(prompt, n, seed, stop=()):
-    return sampling.DecodeRequest(prompt=list(prompt), n=n, max_tokens=10, temperature=1.0, top_k=-1, top_p=1.0,
-                           stop_ids=list(stop), stop_strings=[], seed=seed, want_prompt_lp=True)
+    return sampling.DecodeRequest(
+        prompt=list(prompt),
+        n=n,
+        max_tokens=10,
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        stop_ids=list(stop),
+        stop_strings=[],
+        seed=seed,
+        want_prompt_lp=True,
+    )
 
 
 def _trainer_logprobs(engine, mid, prompt, seq):
@@ -168,8 +208,9 @@ def _trainer_logprobs(engine, mid, prompt, seq):
     return engine.compute_logprobs(mid, [(full[:-1], {"target_tokens": np.array(full[1:])})])[0].numpy()
 
 
-@pytest.mark.parametrize(("arch", "mode"), [("qwen3", "dynamic"), ("qwen3", "static"), ("qwen3_5", "dynamic"),
-                                           ("qwen3_5", "static")])
+@pytest.mark.parametrize(
+    ("arch", "mode"), [("qwen3", "dynamic"), ("qwen3", "static"), ("qwen3_5", "dynamic"), ("qwen3_5", "static")]
+)
 def test_batched_requests_match_alone_and_the_trainer(arch, mode, qwen3_dir, qwen35_dir, tmp_path):
     """Two prompts of different lengths in one decode loop (left-padded prefill, rows finishing
     early on a stop token; batch compaction in "dynamic", fixed shapes in "static", the eager form
@@ -186,7 +227,9 @@ def test_batched_requests_match_alone_and_the_trainer(arch, mode, qwen3_dir, qwe
             stop = [alone1[0].tokens[2], alone1[1].tokens[4]]  # make rows finish at different steps
             alone1 = sampling.generate(net, [_req(p1, 3, 5, stop)], e._decode_text, e.decode_spec, mode)[0]
             alone2 = sampling.generate(net, [_req(p2, 4, 6)], e._decode_text, e.decode_spec, mode)[0]
-            both = sampling.generate(net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text, e.decode_spec, mode, stats)
+            both = sampling.generate(
+                net, [_req(p1, 3, 5, stop), _req(p2, 4, 6)], e._decode_text, e.decode_spec, mode, stats
+            )
         assert stats["decode_mode"] == mode and stats["rows"] == 7
         assert any(s.stop_reason == "stop" for s in alone1) and any(s.stop_reason == "length" for s in alone1)
         for got, want in ((both[0], alone1), (both[1], alone2)):
@@ -229,12 +272,26 @@ def test_decode_mode_resolution(engine, qwen35_dir, tmp_path):
 
 
 def _hybrid_prefill(net, prompts: list[list[int]], n: int, cap: int):
-    reqs = [sampling.DecodeRequest(prompt=p, n=n, max_tokens=cap, temperature=1.0, top_k=-1, top_p=1.0, stop_ids=[],
-                            stop_strings=[], seed=0, want_prompt_lp=False) for p in prompts]
+    reqs = [
+        sampling.DecodeRequest(
+            prompt=p,
+            n=n,
+            max_tokens=cap,
+            temperature=1.0,
+            top_k=-1,
+            top_p=1.0,
+            stop_ids=[],
+            stop_strings=[],
+            seed=0,
+            want_prompt_lp=False,
+        )
+        for p in prompts
+    ]
     rows = torch.tensor([j for j in range(len(prompts)) for _ in range(n)])
     Lp = max(len(p) for p in prompts)
-    pre = sampling._prefill_batched(net, reqs, sampling.DecodeSpec(vocab_size=net.get_output_embeddings().weight.shape[0]), rows,
-                             Lp + cap)
+    pre = sampling._prefill_batched(
+        net, reqs, sampling.DecodeSpec(vocab_size=net.get_output_embeddings().weight.shape[0]), rows, Lp + cap
+    )
     attn_RC = torch.zeros((len(rows), Lp + cap), dtype=torch.int64)
     attn_RC[:, :Lp] = pre.mask_JL[rows]
     return pre, attn_RC, torch.tensor([len(prompts[j]) for j in rows.tolist()]), Lp
@@ -261,14 +318,18 @@ def test_hybrid_static_step_equals_the_dynamic_cache(qwen35_dir):
 
         def dynamic_step(ids, t):
             attn_d[:, Lp + t] = 1
-            out = net.get_decoder()(input_ids=ids.unsqueeze(-1), attention_mask=attn_d[:, : Lp + t + 1],
-                                    position_ids=(pos_d + t).unsqueeze(-1), past_key_values=cache, use_cache=True)
+            out = net.get_decoder()(
+                input_ids=ids.unsqueeze(-1),
+                attention_mask=attn_d[:, : Lp + t + 1],
+                position_ids=(pos_d + t).unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
+            )
             return net.get_output_embeddings()(out.last_hidden_state[:, -1]).float()
 
         for t in range(steps):
             before = [lay.recurrent_states.clone() for lay in linear]
-            torch.testing.assert_close(step(feed[t], pos_s + t, Lp + t), dynamic_step(feed[t], t), rtol=1e-4,
-                                       atol=1e-5)
+            torch.testing.assert_close(step(feed[t], pos_s + t, Lp + t), dynamic_step(feed[t], t), rtol=1e-4, atol=1e-5)
         assert [(lay.conv_states.data_ptr(), lay.recurrent_states.data_ptr()) for lay in linear] == ptrs
         assert all(not torch.equal(b, lay.recurrent_states) for b, lay in zip(before, linear))
         # negative control: roll the recurrent state back one step, the next step differs
@@ -331,8 +392,17 @@ def _lora_modules(engine, mid: str) -> dict[str, set[str]]:
         if "lora_A" not in name:
             continue
         path = name.split(".lora_A")[0]
-        where = ("linear_attention" if ".linear_attn." in path else "full_attention" if ".self_attn." in path
-                 else "mlp" if ".mlp." in path else "unembed" if path.endswith("lm_head") else path)
+        where = (
+            "linear_attention"
+            if ".linear_attn." in path
+            else "full_attention"
+            if ".self_attn." in path
+            else "mlp"
+            if ".mlp." in path
+            else "unembed"
+            if path.endswith("lm_head")
+            else path
+        )
         out.setdefault(where, set()).add(path.rsplit(".", 1)[-1])
     return out
 
@@ -353,8 +423,12 @@ def test_qwen35_lora_targets_per_switch_and_layer_type(qwen35_dir, tmp_path):
         head_only = e.create_model("Qwen/Qwen3.5-2B", 4, 0, train_attn=False, train_mlp=False)
         assert _lora_modules(e, head_only) == {"unembed": {"lm_head"}}
         every = e.create_model("Qwen/Qwen3.5-2B", 4, 0)
-        assert _lora_modules(e, every) == {"linear_attention": linear, "full_attention": full, "mlp": mlp,
-                                           "unembed": {"lm_head"}}
+        assert _lora_modules(e, every) == {
+            "linear_attention": linear,
+            "full_attention": full,
+            "mlp": mlp,
+            "unembed": {"lm_head"},
+        }
         # each linear-attention layer gets all five, each full-attention layer all four
         types = e.base_model.config.layer_types
         names = [n for n, _ in e._models[attn_only].params if "lora_A" in n]
@@ -364,8 +438,11 @@ def test_qwen35_lora_targets_per_switch_and_layer_type(qwen35_dir, tmp_path):
         assert all("lora_" in n for n in trainable)
         assert not any(k in n for n in trainable for k in ("conv1d", "A_log", "dt_bias", "linear_attn.norm"))
         toks = list(range(10, 40))
-        e.forward_backward(attn_only, [(toks[:-1], {"target_tokens": np.array(toks[1:]),
-                                                    "weights": np.ones(29, np.float32)})], "cross_entropy")
+        e.forward_backward(
+            attn_only,
+            [(toks[:-1], {"target_tokens": np.array(toks[1:]), "weights": np.ones(29, np.float32)})],
+            "cross_entropy",
+        )
         grads = e.get_parameter_grads(attn_only)
         for proj in linear:
             g = [v for n, v in grads.items() if f".linear_attn.{proj}.lora_B" in n]
@@ -413,7 +490,11 @@ def test_linear_attention_option_forces_the_torch_fallback(qwen35_dir, tmp_path,
     found at load, "auto" keeps it and "torch" replaces it; bad values are one-line errors."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    monkeypatch.setattr(modeling_qwen3_5, "fused_recurrent_gated_delta_rule", _fake_fast(modeling_qwen3_5.torch_recurrent_gated_delta_rule))
+    monkeypatch.setattr(
+        modeling_qwen3_5,
+        "fused_recurrent_gated_delta_rule",
+        _fake_fast(modeling_qwen3_5.torch_recurrent_gated_delta_rule),
+    )
     for option, path in (("auto", "mixed"), ("torch", "torch fallback")):
         e = Engine(tmp_path / option, model_path=qwen35_dir, device="cpu", linear_attention=option)
         try:
@@ -455,8 +536,9 @@ def test_gqa_decode_attention_equals_sdpa_with_repeated_kv():
     assert got.shape == want.shape == (R, 1, H, D)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # A wrong head grouping (query head h on KV head h % Hkv) is detected.
-    bad, _ = sampling.gqa_decode_attention(module, q.reshape(R, H // Hkv, Hkv, 1, D).transpose(1, 2).reshape(R, H, 1, D),
-                                    k, v, mask, scaling=0.25)
+    bad, _ = sampling.gqa_decode_attention(
+        module, q.reshape(R, H // Hkv, Hkv, 1, D).transpose(1, 2).reshape(R, H, 1, D), k, v, mask, scaling=0.25
+    )
     assert not torch.allclose(bad, want, atol=1e-3)
 
 
@@ -480,8 +562,19 @@ def test_greedy_top_k_top_p_and_stop_strings(engine):
 
     def toks(**kw):
         args = dict(temperature=1.0, top_k=-1, top_p=1.0, stop_strings=[], seed=3) | kw
-        out = engine.sample(base, prompt, 2, 6, args["temperature"], args["top_k"], args["top_p"], [],
-                            args["stop_strings"], args["seed"], False)
+        out = engine.sample(
+            base,
+            prompt,
+            2,
+            6,
+            args["temperature"],
+            args["top_k"],
+            args["top_p"],
+            [],
+            args["stop_strings"],
+            args["seed"],
+            False,
+        )
         return [s.tokens for s in out], out
 
     greedy, _ = toks(temperature=0.0)

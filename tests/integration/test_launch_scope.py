@@ -46,8 +46,9 @@ PLANTED = {  # planted, not real: the server checks them
 }
 CAPABILITIES = "/api/v1/get_server_capabilities"
 # What the connectivity preflight sends, through the SDK's own client setup (connectivity.py).
-CONNECTIVITY_READS = frozenset({"/api/v1/client/config", "/api/v1/auth/token", "/api/v1/client/dynamic_config",
-                                CAPABILITIES})
+CONNECTIVITY_READS = frozenset(
+    {"/api/v1/client/config", "/api/v1/auth/token", "/api/v1/client/dynamic_config", CAPABILITIES}
+)
 
 
 class _MarkerStrippingProxy(ThreadingHTTPServer):
@@ -92,8 +93,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path in CONNECTIVITY_READS:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
-            resp = httpx.request(self.command, self.server.upstream + self.path, headers=headers, content=data,
-                                 timeout=30, trust_env=False)
+            resp = httpx.request(
+                self.command,
+                self.server.upstream + self.path,
+                headers=headers,
+                content=data,
+                timeout=30,
+                trust_env=False,
+            )
             assert EMBEDDED_SERVER_HEADER in resp.headers  # what the proxy hides
             body = resp.json()
             if isinstance(body, dict):
@@ -125,8 +132,14 @@ def _harness(args: list[str], base_url: str, timeout: float = 600) -> tuple[subp
     env = {k: v for k, v in os.environ.items() if k not in PLANTED and k != "TINKER_BASE_URL"}
     env.update(PLANTED, TINKER_TELEMETRY="0", TINKER_BASE_URL=base_url, PYTHONPATH=str(ROOT / "src"))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--backend=tinker", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--backend=tinker", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - t0
 
 
@@ -138,17 +151,21 @@ def _refusal_lines(out: str) -> list[str]:
 def test_unauthorized_stage_is_refused_before_any_client(service, selection, tmp_path):
     srv, proxy = service
     before = len(proxy.requests)
-    proc, secs = _harness([*selection, f"--plan={ROOT / 'plans' / 'exp_e6b0965af3.json'}",
-                           f"--evidence-dir={tmp_path / 'evidence'}"], proxy.url)
+    proc, secs = _harness(
+        [*selection, f"--plan={ROOT / 'plans' / 'exp_e6b0965af3.json'}", f"--evidence-dir={tmp_path / 'evidence'}"],
+        proxy.url,
+    )
     out = proc.stdout + proc.stderr
     print(f"refused in {secs:.1f} s (pytest start-up and collection included)")
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     lines = _refusal_lines(out)
     assert len(lines) == 1, out[-3000:]
     stages = "gate, comparison" if selection[0] == "-m" else "gate"
-    assert (f"stage {stages} is not authorized" in lines[0]
-            and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training stage" in lines[0]
-            and f"a plan whose launch.authorized_stages lists {stages} would authorize it" in lines[0]), lines[0]
+    assert (
+        f"stage {stages} is not authorized" in lines[0]
+        and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training stage" in lines[0]
+        and f"a plan whose launch.authorized_stages lists {stages} would authorize it" in lines[0]
+    ), lines[0]
     assert "Traceback" not in out and " passed" not in out  # no test ran, unit parity included
     sent = proxy.requests[before:]
     # The connectivity preflight's reads, nothing else.
@@ -165,8 +182,10 @@ def test_stages_selected_by_path_alone_are_checked_against_the_plan_that_will_ru
     out = proc.stdout + proc.stderr
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     (line,) = _refusal_lines(out)
-    assert ("stage gate is not authorized" in line
-            and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training stage" in line), line
+    assert (
+        "stage gate is not authorized" in line
+        and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training stage" in line
+    ), line
     assert srv.stats()["sessions"] == 0
 
 
@@ -176,8 +195,14 @@ def test_a_connectivity_error_at_the_launch_check_refuses_instead_of_skipping_it
     srv, proxy = service
     proxy.refuse_capabilities = 1
     try:
-        proc, _secs = _harness(["tests/gates", f"--plan={ROOT / 'plans' / 'exp_e6b0965af3.json'}",
-                                f"--evidence-dir={tmp_path / 'evidence'}"], proxy.url)
+        proc, _secs = _harness(
+            [
+                "tests/gates",
+                f"--plan={ROOT / 'plans' / 'exp_e6b0965af3.json'}",
+                f"--evidence-dir={tmp_path / 'evidence'}",
+            ],
+            proxy.url,
+        )
     finally:
         proxy.refuse_capabilities = 0
     out = proc.stdout + proc.stderr
@@ -193,8 +218,13 @@ def test_a_plan_whose_launch_authorizes_the_stage_is_not_refused(service, tmp_pa
     """The launch in the plan itself, or (the spec kept verbatim) in its resolution file beside it."""
     _srv, proxy = service
     saved = ROOT / "plans" / "exp_e6b0965af3.json"
-    launch = {"source": "this test", "launch_mode": "redo", "scope": "the activation gate only",
-              "only_authorized_run": True, "authorized_stages": ["gate"]}
+    launch = {
+        "source": "this test",
+        "launch_mode": "redo",
+        "scope": "the activation gate only",
+        "only_authorized_run": True,
+        "authorized_stages": ["gate"],
+    }
     plan = tmp_path / "authorized.json"
     if stated_in == "plan":
         spec = json.loads(saved.read_text())
@@ -204,11 +234,14 @@ def test_a_plan_whose_launch_authorizes_the_stage_is_not_refused(service, tmp_pa
         plan.write_bytes(saved.read_bytes())
         plan.with_name(plan.name + ".resolution.json").write_text(json.dumps({"launch": launch}))
     before = len(proxy.requests)
-    proc, _secs = _harness(["tests/gates", f"--plan={plan}", f"--evidence-dir={tmp_path / 'evidence'}", "-x"],
-                           proxy.url)
+    proc, _secs = _harness(
+        ["tests/gates", f"--plan={plan}", f"--evidence-dir={tmp_path / 'evidence'}", "-x"], proxy.url
+    )
     out = proc.stdout + proc.stderr
     assert not _refusal_lines(out), out[-3000:]
     assert proc.returncode != 0  # the proxy turns the clients away
     sent = proxy.requests[before:]
     assert f"GET {CAPABILITIES}" in sent and any(r.split(" ", 1)[1] not in CONNECTIVITY_READS for r in sent), (
-        sent, out[-3000:])
+        sent,
+        out[-3000:],
+    )

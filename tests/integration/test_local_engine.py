@@ -32,18 +32,21 @@ def _datum(tokens: list[int], n_prompt: int, sampler_lp=None, adv: float = 1.0):
     T = len(tokens) - 1
     mu = np.zeros(T, np.float32)
     a = np.zeros(T, np.float32)
-    a[n_prompt - 1:] = adv
+    a[n_prompt - 1 :] = adv
     if sampler_lp is not None:
-        mu[n_prompt - 1:] = sampler_lp
-    return (tokens[:-1], {"target_tokens": np.asarray(tokens[1:], np.int64), "weights": a.copy(),
-                          "logprobs": mu, "advantages": a})
+        mu[n_prompt - 1 :] = sampler_lp
+    return (
+        tokens[:-1],
+        {"target_tokens": np.asarray(tokens[1:], np.int64), "weights": a.copy(), "logprobs": mu, "advantages": a},
+    )
 
 
 @pytest.fixture(scope="module")
 def batch(engine, prompt):
     seqs = engine.sample(BASE_MODEL, prompt, 4, 24, 1.0, -1, 1.0, [STOP_TOKEN_ID], [], 7, False)
-    return [_datum(prompt + s.tokens, len(prompt), s.logprobs, adv=(1.0 if i % 2 else -1.0))
-            for i, s in enumerate(seqs)]
+    return [
+        _datum(prompt + s.tokens, len(prompt), s.logprobs, adv=(1.0 if i % 2 else -1.0)) for i, s in enumerate(seqs)
+    ]
 
 
 def _ce(batch):
@@ -51,12 +54,33 @@ def _ce(batch):
 
 
 def test_base_weights_deterministic_and_seed_sensitive(tmp_path):
-    a = model.state_sha256(model.build_base_model(model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                       num_attention_heads=1, num_key_value_heads=1), 100, 3).state_dict())
-    b = model.state_sha256(model.build_base_model(model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                       num_attention_heads=1, num_key_value_heads=1), 100, 3).state_dict())
-    c = model.state_sha256(model.build_base_model(model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                       num_attention_heads=1, num_key_value_heads=1), 100, 4).state_dict())
+    a = model.state_sha256(
+        model.build_base_model(
+            model.TinyConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1
+            ),
+            100,
+            3,
+        ).state_dict()
+    )
+    b = model.state_sha256(
+        model.build_base_model(
+            model.TinyConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1
+            ),
+            100,
+            3,
+        ).state_dict()
+    )
+    c = model.state_sha256(
+        model.build_base_model(
+            model.TinyConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1
+            ),
+            100,
+            4,
+        ).state_dict()
+    )
     assert a == b
     assert a != c
 
@@ -91,7 +115,9 @@ def test_loss_functions_match_formulas(engine, batch):
     scale = sum(float(np.abs(lp_T * d["weights"]).sum()) for lp_T, (_, d) in zip(lp, batch))
     assert met_ce["loss:sum"] == pytest.approx(want_ce, abs=1e-5 * scale)
     # Shift the sampler logprobs so ratios leave [0.9, 1.1] and clipping engages.
-    shifted = [(t, {**d, "logprobs": d["logprobs"] - 0.3 * (i % 2) + 0.3 * ((i + 1) % 2)}) for i, (t, d) in enumerate(batch)]
+    shifted = [
+        (t, {**d, "logprobs": d["logprobs"] - 0.3 * (i % 2) + 0.3 * ((i + 1) % 2)}) for i, (t, d) in enumerate(batch)
+    ]
     ppo_in = [(t, {k: d[k] for k in ("target_tokens", "logprobs", "advantages")}) for t, d in shifted]
     _out_is, met_is = engine.forward(mid, ppo_in, "importance_sampling")
     out_ppo, met_ppo = engine.forward(mid, ppo_in, "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
@@ -105,7 +131,9 @@ def test_loss_functions_match_formulas(engine, batch):
     assert met_is["loss:sum"] == pytest.approx(want_is, abs=1e-5 * scale)
     assert met_ppo["loss:sum"] == pytest.approx(want_ppo, abs=1e-5 * scale)
     assert met_ppo["loss:sum"] != pytest.approx(met_is["loss:sum"], rel=1e-3)  # clipping changed it
-    assert sum(float(o["elementwise_loss"].sum()) for o in out_ppo) == pytest.approx(met_ppo["loss:sum"], abs=1e-5 * scale)
+    assert sum(float(o["elementwise_loss"].sum()) for o in out_ppo) == pytest.approx(
+        met_ppo["loss:sum"], abs=1e-5 * scale
+    )
 
 
 def test_bad_inputs_are_named(engine, batch):
@@ -134,10 +162,13 @@ def test_gradients_accumulate_until_optim_step(engine, batch):
     assert all(float(v.abs().sum()) == 0 for v in engine.get_parameter_grads(mid).values())
 
 
-@pytest.mark.parametrize("adam", [
-    {"learning_rate": 3e-3, "beta1": 0.8, "beta2": 0.9, "eps": 1e-6, "weight_decay": 0.1, "grad_clip_norm": 0.0},
-    {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.05},
-])
+@pytest.mark.parametrize(
+    "adam",
+    [
+        {"learning_rate": 3e-3, "beta1": 0.8, "beta2": 0.9, "eps": 1e-6, "weight_decay": 0.1, "grad_clip_norm": 0.0},
+        {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.05},
+    ],
+)
 def test_optim_step_equals_torch_adamw(engine, batch, adam):
     mid = engine.create_model(BASE_MODEL, 4, 3)
     refs = None
@@ -146,8 +177,13 @@ def test_optim_step_equals_torch_adamw(engine, batch, adam):
         params, grads = engine.get_parameters(mid), engine.get_parameter_grads(mid)
         if refs is None:
             refs = {n: p.clone().requires_grad_(True) for n, p in params.items()}
-            ref_opt = torch.optim.AdamW(list(refs.values()), lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]),
-                                        eps=adam["eps"], weight_decay=adam["weight_decay"])
+            ref_opt = torch.optim.AdamW(
+                list(refs.values()),
+                lr=adam["learning_rate"],
+                betas=(adam["beta1"], adam["beta2"]),
+                eps=adam["eps"],
+                weight_decay=adam["weight_decay"],
+            )
         for n, p in refs.items():
             p.grad = grads[n].clone()
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
@@ -241,7 +277,7 @@ def test_sampled_logprobs_match_trainer(engine, prompt):
     seqs = engine.sample(BASE_MODEL, prompt, 2, 20, 1.0, -1, 1.0, [], [], 9, True)
     out, _ = engine.forward(mid, _ce([_datum(prompt + s.tokens, len(prompt)) for s in seqs]), "cross_entropy")
     for s, o in zip(seqs, out):
-        np.testing.assert_allclose(o["logprobs"][len(prompt) - 1:], s.logprobs, atol=1e-4)
+        np.testing.assert_allclose(o["logprobs"][len(prompt) - 1 :], s.logprobs, atol=1e-4)
         assert s.prompt_logprobs[0] is None and len(s.prompt_logprobs) == len(prompt)
         np.testing.assert_allclose(o["logprobs"][: len(prompt) - 1], s.prompt_logprobs[1:], atol=1e-4)
 
@@ -254,12 +290,12 @@ def test_greedy_is_argmax_and_stops(engine, prompt):
     # each greedy token is the argmax of the trainer's distribution at its position
     toks = prompt + g1[0].tokens
     lp_full = engine.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0]
-    np.testing.assert_allclose(lp_full[len(prompt) - 1:].numpy(), g1[0].logprobs, atol=1e-4)
+    np.testing.assert_allclose(lp_full[len(prompt) - 1 :].numpy(), g1[0].logprobs, atol=1e-4)
     stop_tok = g1[0].tokens[4]
     first = g1[0].tokens.index(stop_tok)
     s = engine.sample(BASE_MODEL, prompt, 1, 12, 0.0, -1, 1.0, [stop_tok], [], None, False)[0]
     assert s.stop_reason == "stop" and s.tokens == g1[0].tokens[: first + 1]
-    text = engine.tokenizer.decode(g1[0].tokens[first: first + 2])
+    text = engine.tokenizer.decode(g1[0].tokens[first : first + 2])
     s = engine.sample(BASE_MODEL, prompt, 1, 12, 0.0, -1, 1.0, [], [text], None, False)[0]
     assert s.stop_reason == "stop" and len(s.tokens) <= first + 2
     assert text in engine.tokenizer.decode(s.tokens)
@@ -278,8 +314,11 @@ def test_out_of_vocab_ids(engine, prompt):
     assert int(vocab.to_local([oov])[0]) == vocab.unk_index
     mid = engine.create_model(BASE_MODEL, 4, 0)
     toks = prompt[:10] + [oov] + prompt[10:20]
-    out, _met = engine.forward(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:]),
-                                                  "weights": np.zeros(len(toks) - 1, np.float32)})], "cross_entropy")
+    out, _met = engine.forward(
+        mid,
+        [(toks[:-1], {"target_tokens": np.asarray(toks[1:]), "weights": np.zeros(len(toks) - 1, np.float32)})],
+        "cross_entropy",
+    )
     lp = out[0]["logprobs"]
     assert lp[9] == model.OOV_TARGET_LOGPROB and np.isfinite(lp).all()
     seqs = engine.sample(BASE_MODEL, toks, 2, 8, 1.0, -1, 1.0, [], [], 1, False)
@@ -292,7 +331,7 @@ def test_sampler_bfloat16_option(tmp_path, prompt):
         mid = eng.create_model(BASE_MODEL, 4, 0)
         s = eng.sample(BASE_MODEL, prompt, 1, 16, 1.0, -1, 1.0, [], [], 3, False)[0]
         toks = prompt + s.tokens
-        lp = eng.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1:]
+        lp = eng.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1 :]
         diff = np.abs(lp.numpy() - np.asarray(s.logprobs))
         assert diff.max() > 1e-4  # bf16 sampler really differs from the fp32 trainer
         assert diff.max() < 0.5
@@ -311,7 +350,7 @@ def test_sampling_from_saved_weights(engine, batch, prompt):
     assert sp == f"tinker://{mid}/sampler_weights/trained"
     s = engine.sample(sp, prompt, 1, 10, 1.0, -1, 1.0, [], [], 4, False)[0]
     toks = prompt + s.tokens
-    lp = engine.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1:]
+    lp = engine.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1 :]
     np.testing.assert_allclose(lp.numpy(), s.logprobs, atol=1e-4)  # sampler == trained weights
     base = engine.sample(BASE_MODEL, prompt, 1, 10, 1.0, -1, 1.0, [], [], 4, False)[0]
     assert base.logprobs != s.logprobs

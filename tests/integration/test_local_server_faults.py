@@ -52,11 +52,16 @@ def faulty_server(tmp_path_factory):
         tmp_path_factory,
         "faulty",
         [
-            "--fault-reject-first", "create_model:503:1",
-            "--fault-reject-first", "forward_backward:429:2",
-            "--fault-reject-first", "asample:429:2",
-            "--fault-reject-first", "retrieve_future:503:1",
-            "--fault-retry-after-ms", "50",
+            "--fault-reject-first",
+            "create_model:503:1",
+            "--fault-reject-first",
+            "forward_backward:429:2",
+            "--fault-reject-first",
+            "asample:429:2",
+            "--fault-reject-first",
+            "retrieve_future:503:1",
+            "--fault-retry-after-ms",
+            "50",
         ],
     )
     yield server
@@ -158,8 +163,9 @@ def test_server_death_after_k_requests_is_a_clear_error(tmp_path_factory):
             loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0, 1.0]},
         )
         with pytest.raises(LocalServerDied) as info:
-            tc = server.wait_result(client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4),
-                                    timeout=300)
+            tc = server.wait_result(
+                client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4), timeout=300
+            )
             server.wait_result(tc.forward([datum], "cross_entropy"), timeout=120)
         message = str(info.value)
         assert "exit code 75" in message
@@ -203,8 +209,9 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
     from dppo_harness.local_server.process import _src_root
 
     env = dict(os.environ, PYTHONPATH=_src_root())
-    return subprocess.run([sys.executable, "-m", "dppo_harness.local_server", *args], capture_output=True,
-                          text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "dppo_harness.local_server", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "example.com"])
@@ -216,8 +223,11 @@ def test_cli_refuses_non_loopback_hosts(host):
 
 @pytest.mark.parametrize(
     "spec, needle",
-    [("forward_backward:418:2", "status must be one of"), ("asample:429", "3 ':'-separated"),
-     ("asample:429:x", "N must be an integer")],
+    [
+        ("forward_backward:418:2", "status must be one of"),
+        ("asample:429", "3 ':'-separated"),
+        ("asample:429:x", "N must be an integer"),
+    ],
 )
 def test_bad_fault_spec_names_the_problem(spec, needle):
     with pytest.raises(FaultSpecError, match=needle):

@@ -60,22 +60,46 @@ def answer(tok) -> list[int]:
 
 
 # 2 layers, hidden 64, full Qwen3.5 vocabulary: the CI stand-in for a real checkpoint.
-FULL_VOCAB_CONFIG = dict(vocab_size=248_320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+FULL_VOCAB_CONFIG = dict(
+    vocab_size=248_320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)
 
 
-QWEN35_CONFIG = dict(FULL_VOCAB_CONFIG, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                     linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
-QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                     num_position_embeddings=16, patch_size=4)
+QWEN35_CONFIG = dict(
+    FULL_VOCAB_CONFIG,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+)
+QWEN35_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    num_position_embeddings=16,
+    patch_size=4,
+)
 
 
 @pytest.fixture(scope="module", params=["preset", "hf-full-vocab", "hf-qwen3_5", "hf-qwen3_5-hub"])
 def backend(request, tmp_path_factory) -> dict:
     """Engine kwargs, CLI args and the expected stand-in identity of one backend."""
     if request.param == "preset":
-        return {"engine": {"model_name": TEST_MODEL}, "cli": {"model": TEST_MODEL}, "arch": f"local/{TEST_MODEL}",
-                "linear_attention": False}
+        return {
+            "engine": {"model_name": TEST_MODEL},
+            "cli": {"model": TEST_MODEL},
+            "arch": f"local/{TEST_MODEL}",
+            "linear_attention": False,
+        }
     import transformers
 
     from dppo_harness.local_server.engine.hf_model import qwen3_config, save_random_checkpoint
@@ -83,14 +107,22 @@ def backend(request, tmp_path_factory) -> dict:
     name, config = {
         "hf-full-vocab": ("tiny-qwen3-full-vocab", qwen3_config(**FULL_VOCAB_CONFIG)),
         "hf-qwen3_5": ("tiny-qwen3_5-text", transformers.Qwen3_5TextConfig(**QWEN35_CONFIG, tie_word_embeddings=True)),
-        "hf-qwen3_5-hub": ("tiny-qwen3_5-hub", transformers.Qwen3_5Config(
-            text_config=dict(QWEN35_CONFIG, tie_word_embeddings=True), vision_config=QWEN35_VISION,
-            tie_word_embeddings=True)),
+        "hf-qwen3_5-hub": (
+            "tiny-qwen3_5-hub",
+            transformers.Qwen3_5Config(
+                text_config=dict(QWEN35_CONFIG, tie_word_embeddings=True),
+                vision_config=QWEN35_VISION,
+                tie_word_embeddings=True,
+            ),
+        ),
     }[request.param]
     path = save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / name, config, seed=0)
-    return {"engine": {"model_path": path, "device": "cpu"},
-            "cli": {"extra_args": ["--model-path", str(path), "--device", "cpu"]}, "arch": f"local/{name}",
-            "linear_attention": request.param != "hf-full-vocab"}
+    return {
+        "engine": {"model_path": path, "device": "cpu"},
+        "cli": {"extra_args": ["--model-path", str(path), "--device", "cpu"]},
+        "arch": f"local/{name}",
+        "linear_attention": request.param != "hf-full-vocab",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +173,9 @@ def sft_datum(tokens: list[int], n_prompt: int) -> types.Datum:
     )
 
 
-def rl_datums(prompt: list[int], responses: list[list[int]], sampler_lps: list[list[float]],
-              advantages: list[float]) -> list[types.Datum]:
+def rl_datums(
+    prompt: list[int], responses: list[list[int]], sampler_lps: list[list[float]], advantages: list[float]
+) -> list[types.Datum]:
     """The harness's RL datum layout (target_tokens, logprobs, advantages, mask)."""
     out = []
     for resp, lps, adv in zip(responses, sampler_lps, advantages, strict=True):
@@ -163,8 +196,12 @@ def rl_datums(prompt: list[int], responses: list[list[int]], sampler_lps: list[l
 
 
 def without_mask(data: list[types.Datum]) -> list[types.Datum]:
-    return [types.Datum(model_input=d.model_input,
-                        loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "mask"}) for d in data]
+    return [
+        types.Datum(
+            model_input=d.model_input, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "mask"}
+        )
+        for d in data
+    ]
 
 
 def for_scoring(data: list[types.Datum]) -> list[types.Datum]:
@@ -172,8 +209,12 @@ def for_scoring(data: list[types.Datum]) -> list[types.Datum]:
     out = []
     for d in data:
         targets = d.loss_fn_inputs["target_tokens"]
-        out.append(types.Datum(model_input=d.model_input, loss_fn_inputs={
-            "target_tokens": targets, "weights": [0.0] * len(targets.data)}))
+        out.append(
+            types.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={"target_tokens": targets, "weights": [0.0] * len(targets.data)},
+            )
+        )
     return out
 
 
@@ -225,7 +266,9 @@ def test_server_states_which_kernels_each_layer_type_runs(server, backend):
     """GET /_harness/stats and the startup log name each layer type's implementation; on a CPU
     Qwen3.5 the linear-attention layers run the torch fallback, with the reasons."""
     kernels = server.stats()["kernels"]
-    assert kernels["full_attention"]["layers"] >= 1 and kernels["full_attention"]["implementation"] == attention.SDPA_GQA
+    assert (
+        kernels["full_attention"]["layers"] >= 1 and kernels["full_attention"]["implementation"] == attention.SDPA_GQA
+    )
     log = server.log_path.read_text()
     assert "kernels: full_attention:" in log
     if not backend["linear_attention"]:
@@ -270,12 +313,17 @@ def test_custom_loss_then_optim_step_updates_weights(client, prompt):
     tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result(timeout=300)
     sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
     res = sample_group(sampler, prompt, 4, seed=9)
-    data = rl_datums(prompt, [list(s.tokens) for s in res.sequences],
-                     perturbed([list(s.logprobs) for s in res.sequences], 2), [1.0, -1.0, 1.0, -1.0])
+    data = rl_datums(
+        prompt,
+        [list(s.tokens) for s in res.sequences],
+        perturbed([list(s.logprobs) for s in res.sequences], 2),
+        [1.0, -1.0, 1.0, -1.0],
+    )
     before = logprobs_of(tc.forward(for_scoring(data), "cross_entropy").result(timeout=300))
     out = tc.forward_backward_custom(data, harness_loss()).result(timeout=300)
-    step = tc.optim_step(types.AdamParams(learning_rate=2e-3, beta1=0.85, beta2=0.97, eps=1e-8,
-                                          weight_decay=0.01, grad_clip_norm=5.0)).result(timeout=300)
+    step = tc.optim_step(
+        types.AdamParams(learning_rate=2e-3, beta1=0.85, beta2=0.97, eps=1e-8, weight_decay=0.01, grad_clip_norm=5.0)
+    ).result(timeout=300)
     after = logprobs_of(tc.forward(for_scoring(data), "cross_entropy").result(timeout=300))
     assert {"loss:sum", "surrogate_loss:sum", "dppo/removed", "tokens/loss"} <= set(out.metrics)
     assert out.metrics["dppo/removed"] > 0  # the perturbed tokens were masked
@@ -297,8 +345,9 @@ def test_seeded_sampling_is_reproducible_and_logprobs_match_the_trainer(client, 
         assert len(seq.logprobs) == len(seq.tokens) <= 24 and seq.stop_reason in ("stop", "length")
         assert seq.sequence_id  # one sample_sequence_ids entry per sample reached the SDK
     # The sampled tokens' logprobs are the trainer's (float32 sampler): re-score them with forward.
-    data = rl_datums(prompt, [list(s.tokens) for s in first.sequences], [list(s.logprobs) for s in first.sequences],
-                     [0.0] * 4)
+    data = rl_datums(
+        prompt, [list(s.tokens) for s in first.sequences], [list(s.logprobs) for s in first.sequences], [0.0] * 4
+    )
     scored = logprobs_of(tc.forward(for_scoring(data), "cross_entropy").result(timeout=300))
     for seq, lp in zip(first.sequences, scored):
         np.testing.assert_allclose(lp[len(prompt) - 1 :], seq.logprobs, atol=2e-4)
@@ -375,8 +424,9 @@ def _minus(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def _datum_inputs(data: list[types.Datum]) -> list[tuple[list[int], dict[str, np.ndarray]]]:
-    return [(d.model_input.to_ints(), {"target_tokens": np.asarray(d.loss_fn_inputs["target_tokens"].data)})
-            for d in data]
+    return [
+        (d.model_input.to_ints(), {"target_tokens": np.asarray(d.loss_fn_inputs["target_tokens"].data)}) for d in data
+    ]
 
 
 def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inproc, prompt, answer):
@@ -399,8 +449,12 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
     mid = srv.state.engine_model_id(tc.model_id)
     sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
     res = sample_group(sampler, prompt, 4, seed=13)
-    data = rl_datums(prompt, [list(s.tokens) for s in res.sequences],
-                     perturbed([list(s.logprobs) for s in res.sequences], 3), [1.0, -0.5, 0.25, -1.0])
+    data = rl_datums(
+        prompt,
+        [list(s.tokens) for s in res.sequences],
+        perturbed([list(s.logprobs) for s in res.sequences], 3),
+        [1.0, -0.5, 0.25, -1.0],
+    )
 
     out = tc.forward_backward_custom(data, loss_fn).result(timeout=300)
     g_http = engine.get_parameter_grads(mid)
@@ -441,8 +495,15 @@ def test_optim_step_equals_torch_adamw_on_the_same_gradient(inproc, prompt, answ
         grads = engine.get_parameter_grads(mid)
         norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())))
         clip = 0.0 if i == 0 else 0.5 * norm  # second step: clipping must engage
-        applied = tc.optim_step(types.AdamParams(learning_rate=hyper["lr"], beta1=0.8, beta2=0.9, eps=1e-6,
-                                                 weight_decay=0.1, grad_clip_norm=clip)).result(timeout=300).metrics
+        applied = (
+            tc.optim_step(
+                types.AdamParams(
+                    learning_rate=hyper["lr"], beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1, grad_clip_norm=clip
+                )
+            )
+            .result(timeout=300)
+            .metrics
+        )
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         for k in names:
             ref[k].grad = grads[k].clone() * scale

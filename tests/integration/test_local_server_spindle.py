@@ -49,8 +49,11 @@ CREDS = _planted()
 
 
 def _headers(creds: dict[str, str] = CREDS, **override: str | None) -> dict[str, str]:
-    headers = {"X-API-Key": creds["TINKER_API_KEY"], "Modal-Key": creds["MODAL_PROXY_TOKEN_ID"],
-               "Modal-Secret": creds["MODAL_PROXY_TOKEN_SECRET"]}
+    headers = {
+        "X-API-Key": creds["TINKER_API_KEY"],
+        "Modal-Key": creds["MODAL_PROXY_TOKEN_ID"],
+        "Modal-Secret": creds["MODAL_PROXY_TOKEN_SECRET"],
+    }
     for name, value in override.items():
         name = name.replace("_", "-")
         if value is None:
@@ -78,11 +81,17 @@ def _close_clients_of(server: LocalServerProcess) -> None:
                 fut.result(timeout=30)
 
 
-def _service_client(server: LocalServerProcess, creds: dict[str, str] = CREDS, **overrides: str) -> tinker.ServiceClient:
+def _service_client(
+    server: LocalServerProcess, creds: dict[str, str] = CREDS, **overrides: str
+) -> tinker.ServiceClient:
     modal = {"Modal-Key": creds["MODAL_PROXY_TOKEN_ID"], "Modal-Secret": creds["MODAL_PROXY_TOKEN_SECRET"]}
     modal.update(overrides)
-    return _opened(server, tinker.ServiceClient(base_url=server.base_url, api_key=creds["TINKER_API_KEY"],
-                                                default_headers_overrides=modal))
+    return _opened(
+        server,
+        tinker.ServiceClient(
+            base_url=server.base_url, api_key=creds["TINKER_API_KEY"], default_headers_overrides=modal
+        ),
+    )
 
 
 def _rest_client(service_client: tinker.ServiceClient) -> tinker.RestClient:
@@ -105,10 +114,20 @@ def _request_log_lines(server: LocalServerProcess) -> list[re.Match]:
 @pytest.fixture(scope="module")
 def spindle(tmp_path_factory):
     server = LocalServerProcess(
-        run_dir=tmp_path_factory.mktemp("spindle"), model=FAST_MODEL, profile="spindle",
+        run_dir=tmp_path_factory.mktemp("spindle"),
+        model=FAST_MODEL,
+        profile="spindle",
         env={**os.environ, **CREDS},
-        fault_args=["--fault-reject-first", "create_model:429:1", "--fault-reject-first", "asample:503:2",
-                    "--fault-latency-ms", "asample:150", "--fault-retry-after-ms", "50"],
+        fault_args=[
+            "--fault-reject-first",
+            "create_model:429:1",
+            "--fault-reject-first",
+            "asample:503:2",
+            "--fault-latency-ms",
+            "asample:150",
+            "--fault-retry-after-ms",
+            "50",
+        ],
     ).start()
     yield server
     _close_clients_of(server)
@@ -125,8 +144,10 @@ def default_server(shared_random_server):
 
 def _datum(n: int = 4) -> types.Datum:
     tokens = [248045, 846, 198, 5, 6, 7, 8, 9][:n]
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                       loss_fn_inputs={"target_tokens": tokens[1:] + [10], "weights": [1.0] * n})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={"target_tokens": tokens[1:] + [10], "weights": [1.0] * n},
+    )
 
 
 # ---- authentication -----------------------------------------------------------------------------
@@ -145,8 +166,12 @@ def _datum(n: int = 4) -> types.Datum:
 )
 def test_spindle_401_names_the_header_never_a_value(spindle, override, message):
     sent = _headers(**override)
-    for method, path in (("GET", f"{API}/get_server_capabilities"), ("POST", f"{API}/create_session"),
-                         ("GET", f"{API}/healthz"), ("GET", "/_harness/stats")):
+    for method, path in (
+        ("GET", f"{API}/get_server_capabilities"),
+        ("POST", f"{API}/create_session"),
+        ("GET", f"{API}/healthz"),
+        ("GET", "/_harness/stats"),
+    ):
         resp = httpx.request(method, spindle.base_url + path, headers=sent, json={})
         assert resp.status_code == 401, (path, resp.text)
         assert resp.json() == {"error": message, "category": "user"}
@@ -188,12 +213,27 @@ def test_sdk_with_wrong_api_key_gets_401(spindle):
 
 def test_spindle_exits_at_once_naming_an_unset_variable(tmp_path):
     env = {k: v for k, v in {**os.environ, **CREDS}.items() if k != "MODAL_PROXY_TOKEN_SECRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2] / "src"),
-                                                     env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH")) if p
+    )
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dppo_harness.local_server", "--profile", "spindle",
-                           "--model", FAST_MODEL, "--run-dir", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dppo_harness.local_server",
+            "--profile",
+            "spindle",
+            "--model",
+            FAST_MODEL,
+            "--run-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert time.monotonic() - t0 < 30
     assert proc.returncode == 2
     assert proc.stdout == ""
@@ -219,16 +259,23 @@ def test_spindle_serves_the_base_model_by_name_with_the_marker(spindle):
     caps = _rest_client(client).get_server_capabilities().result()
     assert [m.model_name for m in caps.supported_models] == [constants.BASE_MODEL]
     raw = httpx.get(spindle.base_url + f"{API}/get_server_capabilities", headers=_headers()).json()
-    assert raw["embedded_server"] == {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": STAND_IN,
-                                      "profile": "spindle"}
+    assert raw["embedded_server"] == {
+        "marker": constants.EMBEDDED_SERVER_MARKER,
+        "stand_in": STAND_IN,
+        "profile": "spindle",
+    }
 
-    training = client.create_lora_training_client(constants.BASE_MODEL, rank=4,
-                                                  user_metadata={"note": BODY_CANARY}).result()
+    training = client.create_lora_training_client(
+        constants.BASE_MODEL, rank=4, user_metadata={"note": BODY_CANARY}
+    ).result()
     info = training.get_info()
     assert info.model_name == constants.BASE_MODEL and info.model_data.model_name == constants.BASE_MODEL
     assert info.model_data.arch == STAND_IN
-    raw_info = httpx.post(spindle.base_url + f"{API}/get_info", headers=_headers(),
-                          json={"model_id": training.model_id, "type": "get_info"}).json()
+    raw_info = httpx.post(
+        spindle.base_url + f"{API}/get_info",
+        headers=_headers(),
+        json={"model_id": training.model_id, "type": "get_info"},
+    ).json()
     assert raw_info["model_data"]["embedded_server"] == constants.EMBEDDED_SERVER_MARKER
     assert raw_info["model_data"]["arch"] == STAND_IN
 
@@ -246,18 +293,23 @@ def test_spindle_serves_the_base_model_by_name_with_the_marker(spindle):
 def test_default_profile_carries_the_marker_too(default_server):
     raw = httpx.get(default_server.base_url + f"{API}/get_server_capabilities")
     assert raw.headers[constants.EMBEDDED_SERVER_HEADER] == constants.EMBEDDED_SERVER_MARKER
-    assert raw.json()["embedded_server"] == {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": STAND_IN,
-                                             "profile": "default"}
+    assert raw.json()["embedded_server"] == {
+        "marker": constants.EMBEDDED_SERVER_MARKER,
+        "stand_in": STAND_IN,
+        "profile": "default",
+    }
     missing = httpx.get(default_server.base_url + f"{API}/no_such_endpoint")
     assert missing.status_code == 404
     assert missing.headers[constants.EMBEDDED_SERVER_HEADER] == constants.EMBEDDED_SERVER_MARKER
-    client = _opened(default_server,
-                     tinker.ServiceClient(base_url=default_server.base_url, api_key=constants.LOCAL_API_KEY))
+    client = _opened(
+        default_server, tinker.ServiceClient(base_url=default_server.base_url, api_key=constants.LOCAL_API_KEY)
+    )
     training = client.create_lora_training_client(constants.BASE_MODEL, rank=4).result()
     info = training.get_info()
     assert info.model_data.arch == STAND_IN and info.model_name == constants.BASE_MODEL
-    raw_info = httpx.post(default_server.base_url + f"{API}/get_info",
-                          json={"model_id": training.model_id, "type": "get_info"}).json()
+    raw_info = httpx.post(
+        default_server.base_url + f"{API}/get_info", json={"model_id": training.model_id, "type": "get_info"}
+    ).json()
     assert raw_info["model_data"]["embedded_server"] == constants.EMBEDDED_SERVER_MARKER
 
 
@@ -265,15 +317,35 @@ def test_default_profile_carries_the_marker_too(default_server):
 
 
 def test_malformed_requests_get_400_naming_the_field(spindle):
-    session = httpx.post(spindle.base_url + f"{API}/create_session", headers=_headers(),
-                         json={"tags": [], "user_metadata": None, "sdk_version": "test"}).json()["session_id"]
+    session = httpx.post(
+        spindle.base_url + f"{API}/create_session",
+        headers=_headers(),
+        json={"tags": [], "user_metadata": None, "sdk_version": "test"},
+    ).json()["session_id"]
     cases = [
-        ({"session_id": session, "model_seq_id": 0, "base_model": constants.BASE_MODEL,
-          "lora_config": {"rank": "four"}}, "lora_config.rank"),
-        ({"session_id": session, "base_model": constants.BASE_MODEL, "lora_config": {"rank": 4}},
-         "missing field model_seq_id"),
-        ({"session_id": session, "model_seq_id": 0, "base_model": constants.BASE_MODEL,
-          "lora_config": {"rank": 4}, "bogus": 1}, "unknown field bogus"),
+        (
+            {
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": constants.BASE_MODEL,
+                "lora_config": {"rank": "four"},
+            },
+            "lora_config.rank",
+        ),
+        (
+            {"session_id": session, "base_model": constants.BASE_MODEL, "lora_config": {"rank": 4}},
+            "missing field model_seq_id",
+        ),
+        (
+            {
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": constants.BASE_MODEL,
+                "lora_config": {"rank": 4},
+                "bogus": 1,
+            },
+            "unknown field bogus",
+        ),
     ]
     for body, needle in cases:
         resp = httpx.post(spindle.base_url + f"{API}/create_model", headers=_headers(), json=body)
@@ -290,7 +362,8 @@ def test_rest_reads_through_the_sdk_rest_client(spindle):
     client = _service_client(spindle)
     rest = _rest_client(client)
     training = client.create_lora_training_client(
-        constants.BASE_MODEL, rank=8, user_metadata={"renderer_name": constants.RENDERER_NAME}).result()
+        constants.BASE_MODEL, rank=8, user_metadata={"renderer_name": constants.RENDERER_NAME}
+    ).result()
     training.forward_backward([_datum()], "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     state_path = training.save_state("rest-read-1").result().path
@@ -336,8 +409,9 @@ def test_lora_switches_reach_the_engine_and_are_reported(spindle):
     layers), and the weights info of a checkpoint reports the switches it was trained with."""
     client = _service_client(spindle)
     rest = _rest_client(client)
-    attn_only = client.create_lora_training_client(constants.BASE_MODEL, rank=4, train_mlp=False,
-                                                   train_unembed=False).result()
+    attn_only = client.create_lora_training_client(
+        constants.BASE_MODEL, rank=4, train_mlp=False, train_unembed=False
+    ).result()
     everything = client.create_lora_training_client(constants.BASE_MODEL, rank=4).result()
     for training in (attn_only, everything):
         training.forward_backward([_datum()], "cross_entropy").result()
@@ -356,8 +430,7 @@ def test_spindle_storms_and_latency_are_injectable(spindle):
     client = _service_client(spindle)
     sampler = client.create_sampling_client(base_model=constants.BASE_MODEL).result()
     t0 = time.monotonic()
-    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 2,
-                            types.SamplingParams(max_tokens=4, seed=3)).result()
+    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=4, seed=3)).result()
     assert len(result.sequences) == 2
     assert time.monotonic() - t0 >= 0.15
     injected = spindle.stats()["faults"]["injected"]
@@ -370,8 +443,9 @@ def test_spindle_storms_and_latency_are_injectable(spindle):
 
 def test_request_log_has_one_line_per_request_and_no_headers_or_bodies(spindle):
     client = _service_client(spindle)
-    training = client.create_lora_training_client(constants.BASE_MODEL, rank=4,
-                                                  user_metadata={"note": BODY_CANARY}).result()
+    training = client.create_lora_training_client(
+        constants.BASE_MODEL, rank=4, user_metadata={"note": BODY_CANARY}
+    ).result()
     training.forward_backward([_datum()], "cross_entropy").result()
     marker_path = f"{API}/get_server_capabilities"
     n_before = sum(1 for m in _request_log_lines(spindle) if m.group(2) == marker_path)
@@ -380,12 +454,14 @@ def test_request_log_has_one_line_per_request_and_no_headers_or_bodies(spindle):
     # The request-log line is written (unbuffered stderr) before the response leaves the server,
     # so both lines are in the log once both calls returned: no waiting.
     lines = [m for m in _request_log_lines(spindle) if m.group(2) == marker_path]
-    assert [m.group(3) for m in lines[n_before:n_before + 2]] == ["401", "200"]
+    assert [m.group(3) for m in lines[n_before : n_before + 2]] == ["401", "200"]
 
     text = spindle.log_path.read_text(errors="replace")
     matches = _request_log_lines(spindle)
-    statuses = {(m.group(1), m.group(2).split("/")[3] if m.group(2).startswith(API) else m.group(2), m.group(3))
-                for m in matches}
+    statuses = {
+        (m.group(1), m.group(2).split("/")[3] if m.group(2).startswith(API) else m.group(2), m.group(3))
+        for m in matches
+    }
     assert ("POST", "create_model", "200") in statuses and ("POST", "forward_backward", "200") in statuses
     assert ("POST", "create_model", "429") in statuses  # injected rejections are logged too
     _no_planted_values(text)

@@ -24,8 +24,15 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
 # Small plan: 8 groups x 4, one minibatch of all 8 complete groups, 2 epochs = 2 updates; the
 # second-epoch loss call sees the policy after one update.
-SMALL = dict(groups_per_batch=8, group_size=4, max_tokens=64, minibatches_per_epoch=1, groups_per_minibatch=8,
-             max_updates=2, sentinels_per_sign=1)
+SMALL = dict(
+    groups_per_batch=8,
+    group_size=4,
+    max_tokens=64,
+    minibatches_per_epoch=1,
+    groups_per_minibatch=8,
+    max_updates=2,
+    sentinels_per_sign=1,
+)
 HIGH_LR = 1e-2  # 500x the plan's 2e-5: deliberately far off-policy after one update
 
 

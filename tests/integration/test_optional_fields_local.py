@@ -78,9 +78,17 @@ def served(tmp_path):
 
 def _preflight(s, bundle, fixed_batch, **kw):
     batch, desc = fixed_batch
-    return restoration_module.run_restoration_preflight(s.sc, SPEC, bundle, fixed_batch=batch, fixed_batch_description=desc,
-                                       checkpoint_reader=LocalCheckpointReader(s.srv.run_dir),
-                                       trained_arms=("dppo_seed0",), lr_multipliers=(1.0, 2.0), **kw)
+    return restoration_module.run_restoration_preflight(
+        s.sc,
+        SPEC,
+        bundle,
+        fixed_batch=batch,
+        fixed_batch_description=desc,
+        checkpoint_reader=LocalCheckpointReader(s.srv.run_dir),
+        trained_arms=("dppo_seed0",),
+        lr_multipliers=(1.0, 2.0),
+        **kw,
+    )
 
 
 def test_load_responses_without_path_fail_the_proof_naming_it(served, fixed_batch, tmp_path):
@@ -121,8 +129,10 @@ def test_a_duplicate_save_that_fails_otherwise_leaves_immutability_unverified(se
     result = _preflight(s, bundle, fixed_batch)
     assert not result.passed
     (line,) = [f for f in result.failures if "checkpoint_immutable" in f]
-    assert line.startswith("dppo_seed0: checkpoint_immutable unverified: the duplicate save_state ended in "
-                           "RequestFailedError: trainer capacity exhausted")
+    assert line.startswith(
+        "dppo_seed0: checkpoint_immutable unverified: the duplicate save_state ended in "
+        "RequestFailedError: trainer capacity exhausted"
+    )
     init = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]
     assert init["checkpoint_immutable"] is None and "not an explicit refusal" in init["checkpoint_immutable_reason"]
 
@@ -132,9 +142,20 @@ def test_the_diagnostic_without_sampler_logprobs_stops_with_evidence(served, tmp
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
     init = tc.save_state("omit-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
-    res = run_bounded_diagnostic(s.sc, DIAG, bundle, init, backend="local", groups_per_batch=2,
-                                            group_size=4, max_tokens=16, minibatches_per_epoch=1,
-                                            groups_per_minibatch=2, max_updates=2, sentinels_per_sign=1)
+    res = run_bounded_diagnostic(
+        s.sc,
+        DIAG,
+        bundle,
+        init,
+        backend="local",
+        groups_per_batch=2,
+        group_size=4,
+        max_tokens=16,
+        minibatches_per_epoch=1,
+        groups_per_minibatch=2,
+        max_updates=2,
+        sentinels_per_sign=1,
+    )
     assert res.updates_done == 0 and res.frozen_batch_sha256 is None
     (err,) = res.errors
     assert "RolloutError" in err and "SampledSequence.logprobs" in err
@@ -147,11 +168,22 @@ def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
     init = tc.save_state("omit-cmp-initial").result().path
     clients = {a: create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
-    restoration = SimpleNamespace(clients=clients, initial_checkpoint=init,
-                                  provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}})
+    restoration = SimpleNamespace(
+        clients=clients,
+        initial_checkpoint=init,
+        provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}},
+    )
     bundle = EvidenceBundle.create(tmp_path / "ev")
-    run = run_comparison(s.sc, CMP_PLAN, bundle, restoration, backend="local", state_root=tmp_path / "state",
-                         schedule="interleaved", tag="omit")
+    run = run_comparison(
+        s.sc,
+        CMP_PLAN,
+        bundle,
+        restoration,
+        backend="local",
+        state_root=tmp_path / "state",
+        schedule="interleaved",
+        tag="omit",
+    )
     assert run.steps_completed == 0 and run.scores == ()
     assert run.stopped.startswith("RolloutError") and "SampledSequence.logprobs" in run.stopped
     assert run.final["status"] == "failed" and run.final["outcome_reason"] == "incomplete_execution"
@@ -165,10 +197,13 @@ def test_the_gate_without_a_model_name_never_reports_the_requested_one(served, t
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
     init = tc.save_state("omit-gate-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
-    report = gate.run_activation_gate(s.sc, SPEC, bundle, init, backend="tinker", steps=1, groups_per_batch=2,
-                                      max_tokens=16)
+    report = gate.run_activation_gate(
+        s.sc, SPEC, bundle, init, backend="tinker", steps=1, groups_per_batch=2, max_tokens=16
+    )
     assert not report.passed
     assert report.values["executed_base_model"] is None
-    assert any(e.startswith("executed_base_model unavailable: the service's get_info response names no model")
-               for e in report.errors), report.errors
+    assert any(
+        e.startswith("executed_base_model unavailable: the service's get_info response names no model")
+        for e in report.errors
+    ), report.errors
     assert constants.BASE_MODEL not in str(report.values["executed_base_model"])

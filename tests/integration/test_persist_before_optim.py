@@ -34,9 +34,17 @@ def _datums() -> list[tinker.Datum]:
     out = []
     for i in range(2):
         toks = [5 + i, 6, 7, 8]
-        out.append(tinker.Datum(model_input=tinker.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
-            "target_tokens": toks[1:], "logprobs": [0.0, -1.0, -0.5], "advantages": [0.0, 1.0 - 2 * i, 1.0 - 2 * i],
-            "mask": np.array([0.0, 1.0, 1.0], dtype=np.float32)}))
+        out.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:],
+                    "logprobs": [0.0, -1.0, -0.5],
+                    "advantages": [0.0, 1.0 - 2 * i, 1.0 - 2 * i],
+                    "mask": np.array([0.0, 1.0, 1.0], dtype=np.float32),
+                },
+            )
+        )
     return out
 
 
@@ -47,14 +55,23 @@ def test_a_failed_persist_sends_no_optimizer_step(engine, monkeypatch, sequentia
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     adam = tinker.AdamParams(learning_rate=1e-3)
     with InProcessServer(engine) as srv:
-        sc = make_service_client("local", srv.base_url,
-                                         waiter=ServiceWaiter(WaitPolicy.from_options(service_timeout_s=60)))
+        sc = make_service_client(
+            "local", srv.base_url, waiter=ServiceWaiter(WaitPolicy.from_options(service_timeout_s=60))
+        )
         try:
             tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
             requests = srv.state.faults.requests
             persisted = []
-            train_step.train_step(tc, _datums(), losses.make_loss_fn(cfg), adam, instrumentation.LossCallRecorder(cfg),
-                                  {"update_index": 0}, persist=persisted.append, sequential=sequential)
+            train_step.train_step(
+                tc,
+                _datums(),
+                losses.make_loss_fn(cfg),
+                adam,
+                instrumentation.LossCallRecorder(cfg),
+                {"update_index": 0},
+                persist=persisted.append,
+                sequential=sequential,
+            )
             assert len(persisted) == 1 and requests["optim_step"] == 1  # the control: a persisted update is sent
 
             def disk_full(_record):
@@ -62,9 +79,16 @@ def test_a_failed_persist_sends_no_optimizer_step(engine, monkeypatch, sequentia
 
             tc2 = sc.create_lora_training_client(base_model=BASE, rank=4).result()
             with pytest.raises(OSError, match="No space left on device"):
-                train_step.train_step(tc2, _datums(), losses.make_loss_fn(cfg), adam,
-                                      instrumentation.LossCallRecorder(cfg), {"update_index": 0}, persist=disk_full,
-                                      sequential=sequential)
+                train_step.train_step(
+                    tc2,
+                    _datums(),
+                    losses.make_loss_fn(cfg),
+                    adam,
+                    instrumentation.LossCallRecorder(cfg),
+                    {"update_index": 0},
+                    persist=disk_full,
+                    sequential=sequential,
+                )
             time.sleep(2)  # an optimizer step still in flight would arrive by now
             assert requests["optim_step"] == 1, dict(requests)  # the failed update's step never reached the service
         finally:

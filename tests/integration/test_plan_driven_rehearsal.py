@@ -28,8 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ROOT / "tests" / "fixtures" / "plans" / "spec-variant.json"
 SAVED_ARMS = ("grpo_seed0", "dppo_seed0")
 CODE_KINDS = ("script", "code_revision", "code_patch")  # the executed code itself, not the run's values
-pytestmark = pytest.mark.skipif(os.environ.get("DPPO_HARNESS_E2E") != "1",
-                                reason="plan-driven end-to-end rehearsal (about 4-5 min): set DPPO_HARNESS_E2E=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("DPPO_HARNESS_E2E") != "1",
+    reason="plan-driven end-to-end rehearsal (about 4-5 min): set DPPO_HARNESS_E2E=1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +40,55 @@ def rehearsal_run(tmp_path_factory):
     plan = d / "variant-rehearsal.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TINKER_TELEMETRY": "0"}
     env.pop("TINKER_BASE_URL", None)
-    made = subprocess.run([sys.executable, "-m", "dppo_harness.plans", "rehearse", str(VARIANT), "--out", str(plan),
-                           "--steps", "2", "--groups", "8", "--eval-items", "8", "--lr", "1e-2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dppo_harness.plans",
+            "rehearse",
+            str(VARIANT),
+            "--out",
+            str(plan),
+            "--steps",
+            "2",
+            "--groups",
+            "8",
+            "--eval-items",
+            "8",
+            "--lr",
+            "1e-2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert made.returncode == 0, made.stderr
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", "tests/preflight",
-                           "tests/gates", "tests/comparison", "--backend=local", f"--plan={plan}",
-                           f"--evidence-dir={d / 'evidence'}", "--timeout=1500"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rfE",
+            "tests/preflight",
+            "tests/gates",
+            "tests/comparison",
+            "--backend=local",
+            f"--plan={plan}",
+            f"--evidence-dir={d / 'evidence'}",
+            "--timeout=1500",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     secs = time.monotonic() - t0
     print(f"variant rehearsal: {secs:.0f} s")
     evidence = d / "evidence"
@@ -58,8 +100,12 @@ def test_the_variant_rehearses_end_to_end(rehearsal_run):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     result = json.loads((bundle / "result.json").read_text())
     assert result["status"] == "succeeded" and result["verdict"] == "inconclusive"
-    verify = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(bundle)],
-                            capture_output=True, text=True, timeout=300)
+    verify = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(bundle)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
@@ -71,18 +117,28 @@ def test_the_bundle_shows_the_variants_own_values(rehearsal_run):
     assert set(result["completed_arms"]) == arms and set(result["metrics"]["arms"]) == arms
     run = json.loads((files / "effective-config.json").read_text())["config"]["run"]
     assert [(a["name"], a["role"], a["seed"], a["lr"]) for a in run["arms"]] == [
-        ("clip_ref_s7", "baseline", 7, 0.01), ("tv_mask_s7", "treatment", 7, 0.01)]
+        ("clip_ref_s7", "baseline", 7, 0.01),
+        ("tv_mask_s7", "treatment", 7, 0.01),
+    ]
     assert (run["lora_rank"], run["group_size"], run["groups_per_batch"], run["max_tokens"]) == (16, 4, 8, 96)
     assert run["decision"]["criteria"][0]["margin"] == 0.05
     gate = json.loads((files / "activation-gate-report.json").read_text())
     assert (gate["pilot"]["arm"], gate["pilot"]["steps"], gate["pilot"]["group_size"], gate["pilot"]["seed"]) == (
-        "tv_mask_s7", 2, 4, 7)
-    assert {c["metric"]: c["bounds"] for c in gate["checks"]}["dppo_masked_token_fraction"] == {"min": 0.0005, "max": 0.5}
+        "tv_mask_s7",
+        2,
+        4,
+        7,
+    )
+    assert {c["metric"]: c["bounds"] for c in gate["checks"]}["dppo_masked_token_fraction"] == {
+        "min": 0.0005,
+        "max": 0.5,
+    }
     rows = [json.loads(line) for line in (files / "comparison-steps.jsonl").read_text().splitlines()]
     assert {r["arm"] for r in rows} == arms and len(rows) == 4
     decision = json.loads((files / "comparison-decision.json").read_text())
     assert [(c["treatment"], c["baseline"], c["margin"]) for c in decision["criteria"]] == [
-        ("tv_mask_s7", "clip_ref_s7", 0.05)]
+        ("tv_mask_s7", "clip_ref_s7", 0.05)
+    ]
     prov = result["initialization_provenance"]["arms"]
     assert set(prov) == arms
     clients = json.loads((files / "client-identities.json").read_text())["clients"]

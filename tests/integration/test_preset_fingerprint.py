@@ -35,8 +35,10 @@ def why_the_pin_does_not_apply(pin: dict) -> str | None:
         return f"pinned on torch {pin['torch']} / {pin['cpu_capability']}; this is {here[0]} / {here[1]}"
     platform = fingerprint.platform_sha256(pin["threads"])
     if platform != pin["platform_sha256"]:
-        return (f"this machine's torch kernels round differently from the pin machine's (platform sha256 "
-                f"{platform[:12]}, pinned {pin['platform_sha256'][:12]}): the pins say nothing here")
+        return (
+            f"this machine's torch kernels round differently from the pin machine's (platform sha256 "
+            f"{platform[:12]}, pinned {pin['platform_sha256'][:12]}): the pins say nothing here"
+        )
     return None
 
 
@@ -58,8 +60,12 @@ def test_a_pin_from_other_kernels_does_not_apply():
     """The platform hash is the same on a second call, and a pin whose platform hash is not this
     machine's is skipped with the reason (so a changed section elsewhere is the harness's)."""
     pin = PINS["tiny-qwen3-random"]
-    here = {**pin, "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "platform_sha256": fingerprint.platform_sha256(pin["threads"])}
+    here = {
+        **pin,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "platform_sha256": fingerprint.platform_sha256(pin["threads"]),
+    }
     assert why_the_pin_does_not_apply(here) is None
     reason = why_the_pin_does_not_apply({**here, "platform_sha256": "0" * 64})
     assert reason and "round differently" in reason

@@ -42,9 +42,19 @@ def test_gpu_recipe_step_2_runs_as_written(readme, tmp_path):
     evidence = tmp_path / "runs"
     with LocalServerProcess(run_dir=tmp_path / "server") as srv:
         t0 = time.monotonic()
-        proc = subprocess.run(["bash", "-c", cmd.replace(README_URL, srv.base_url)
-                               + f" {UNIT_PARITY_AND_STAGES} --plan={CI_PLAN} --evidence-dir {evidence} -p no:cacheprovider -q"],
-                              cwd=ROOT, env=_user_env(), capture_output=True, text=True, timeout=1500)
+        proc = subprocess.run(
+            [
+                "bash",
+                "-c",
+                cmd.replace(README_URL, srv.base_url)
+                + f" {UNIT_PARITY_AND_STAGES} --plan={CI_PLAN} --evidence-dir {evidence} -p no:cacheprovider -q",
+            ],
+            cwd=ROOT,
+            env=_user_env(),
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
         secs = time.monotonic() - t0
     print(f"README recipe (diagnostic, CI plan): {secs:.0f} s")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -54,7 +64,8 @@ def test_gpu_recipe_step_2_runs_as_written(readme, tmp_path):
     conn = json.loads((run / "files" / "connectivity-preflight.json").read_text())
     variables = next(c for c in conn["checks"] if c["check"] == "variables")
     assert "proxy headers: none" in variables["detail"], variables
-    verify = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)],
-                            capture_output=True, text=True, timeout=300)
+    verify = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)], capture_output=True, text=True, timeout=300
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert live_child_pids() <= before

@@ -49,8 +49,9 @@ ALLOWED_SKIP = "feasibility is measured by the diagnostic itself"  # a diagnosti
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory) -> Iterator[MarkerHidingProxy]:
-    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("spindle"), profile="spindle",
-                             env=harness_env(**PLANTED)).start()
+    srv = LocalServerProcess(
+        run_dir=tmp_path_factory.mktemp("spindle"), profile="spindle", env=harness_env(**PLANTED)
+    ).start()
     try:
         with marker_hiding_proxy(srv.base_url) as proxy:
             yield proxy
@@ -75,15 +76,40 @@ def plans(tmp_path_factory) -> Path:
 def _run(args: list[str], proxy: MarkerHidingProxy, evidence: Path) -> subprocess.CompletedProcess:
     env = harness_env(**PLANTED, TINKER_BASE_URL=proxy.url, PYTHONPATH=str(ROOT / "src"))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", "--backend",
-                           "tinker", "--evidence-dir", str(evidence), "--timeout=900", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rfEs",
+            "--backend",
+            "tinker",
+            "--evidence-dir",
+            str(evidence),
+            "--timeout=900",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     print(f"{' '.join(args[:2])} behind the marker-hiding proxy: {time.monotonic() - t0:.0f} s")
     return proc
 
 
-def _check_bundle(proc: subprocess.CompletedProcess, proxy: MarkerHidingProxy, evidence: Path, *,
-                  allowed_skips: tuple[str, ...] = (ALLOWED_SKIP,), passed: bool = True) -> dict:
+def _check_bundle(
+    proc: subprocess.CompletedProcess,
+    proxy: MarkerHidingProxy,
+    evidence: Path,
+    *,
+    allowed_skips: tuple[str, ...] = (ALLOWED_SKIP,),
+    passed: bool = True,
+) -> dict:
     out = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == passed, out[-5000:]
     assert "launch scope:" not in out, out[-3000:]
@@ -92,8 +118,13 @@ def _check_bundle(proc: subprocess.CompletedProcess, proxy: MarkerHidingProxy, e
     assert all(any(a in ln for a in allowed_skips) for ln in skipped), "\n".join(skipped)  # none behind a refusal
     assert proxy.hidden_headers > 0  # the harness really saw the marker hidden
     bundle = evidence / (evidence / "LATEST").read_text().strip()
-    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(bundle)],
-                       env=harness_env(PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True, timeout=300)
+    v = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(bundle)],
+        env=harness_env(PYTHONPATH=str(ROOT / "src")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert v.returncode == 0, v.stdout + v.stderr
     result = json.loads((bundle / "result.json").read_text())
     assert result["status"] == ("succeeded" if passed else "failed"), result.get("summary")
@@ -103,15 +134,38 @@ def _check_bundle(proc: subprocess.CompletedProcess, proxy: MarkerHidingProxy, e
 
 def test_diagnostic_under_its_launch(service, plans, tmp_path):
     evidence = tmp_path / "evidence"
-    proc = _run(["-m", "diagnostic", *UNIT_PARITY, "tests/preflight", "tests/diagnostic",
-                 "--plan", str(plans / "diagnostic-ci-short.json")], service, evidence)
+    proc = _run(
+        [
+            "-m",
+            "diagnostic",
+            *UNIT_PARITY,
+            "tests/preflight",
+            "tests/diagnostic",
+            "--plan",
+            str(plans / "diagnostic-ci-short.json"),
+        ],
+        service,
+        evidence,
+    )
     _check_bundle(proc, service, evidence)
 
 
 def test_gate_and_comparison_under_a_launch_that_authorizes_them(service, plans, tmp_path):
     evidence = tmp_path / "evidence"
-    proc = _run(["-m", "comparison", *UNIT_PARITY, "tests/preflight", "tests/gates", "tests/comparison",
-                 "--plan", str(plans / "comparison-ci-launch.json")], service, evidence)
+    proc = _run(
+        [
+            "-m",
+            "comparison",
+            *UNIT_PARITY,
+            "tests/preflight",
+            "tests/gates",
+            "tests/comparison",
+            "--plan",
+            str(plans / "comparison-ci-launch.json"),
+        ],
+        service,
+        evidence,
+    )
     out = proc.stdout + proc.stderr
     assert "[gate] step 5/5" in out, out[-3000:]  # the authorized gate pilot trained, it was not refused
     if "activation gate failed" not in out:
@@ -122,7 +176,12 @@ def test_gate_and_comparison_under_a_launch_that_authorizes_them(service, plans,
     # 0.0003 < 0.001, the same with the marker shown): a measured gate failure, not a refusal. The
     # run must then end failed at the gate, its bundle closed and verified, the comparison skipped
     # because of the gate and nothing else.
-    result = _check_bundle(proc, service, evidence, passed=False,
-                           allowed_skips=("blocked: stage 'gate' failed (tests/gates/test_activation_gate.py",))
+    result = _check_bundle(
+        proc,
+        service,
+        evidence,
+        passed=False,
+        allowed_skips=("blocked: stage 'gate' failed (tests/gates/test_activation_gate.py",),
+    )
     assert result["activation_calibration"]["note"].endswith("gate FAILED"), result["activation_calibration"]
     assert result["verdict"] == "inconclusive" and result["decision"] is None

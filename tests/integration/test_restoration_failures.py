@@ -49,8 +49,14 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
     batch, desc = fixed_batch
     try:
         result = restoration.run_restoration_preflight(
-            sc, spec, bundle, fixed_batch=batch, fixed_batch_description=desc,
-            checkpoint_reader=LocalCheckpointReader(server.run_dir), **kw)
+            sc,
+            spec,
+            bundle,
+            fixed_batch=batch,
+            fixed_batch_description=desc,
+            checkpoint_reader=LocalCheckpointReader(server.run_dir),
+            **kw,
+        )
     finally:
         if own:
             sc.close("success").result(timeout=60)
@@ -62,8 +68,9 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
     try:
         before = _models(server)
         lines: list[str] = []
-        result, bundle = _run(server, spec, fixed_batch, tmp_path, sc=sc, probe_service_client=probe_sc,
-                              progress=lines.append)
+        result, bundle = _run(
+            server, spec, fixed_batch, tmp_path, sc=sc, probe_service_client=probe_sc, progress=lines.append
+        )
         probe_sc.close("success").result(timeout=60)  # release setup + probe clients
         assert result.passed, result.failure_message()
         # 2 arms + setup (= uninterrupted probe, planned-LR probe) + restored probe + 2 other LRs (8 before)
@@ -93,14 +100,15 @@ def test_different_seed_for_one_arm_fails(server, spec, fixed_batch, tmp_path):
     cmp = result.provenance["group"]["initial_output_comparison"]
     assert all(c["within_tolerance"] for c in cmp.values())
     # The failed proof is still written, whole and verifiable.
-    assert bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"][
-        "checkpoint_uri"] != result.initial_checkpoint
+    assert (
+        bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]["checkpoint_uri"]
+        != result.initial_checkpoint
+    )
     assert verify_bundle(bundle.dir) == []
 
 
 def test_restore_without_optimizer_state_fails_the_probe(server, spec, fixed_batch, tmp_path):
-    result, _ = _run(server, spec, fixed_batch, tmp_path, probe_restore_with_optimizer=False,
-                     lr_multipliers=(1.0, 2.0))
+    result, _ = _run(server, spec, fixed_batch, tmp_path, probe_restore_with_optimizer=False, lr_multipliers=(1.0, 2.0))
     assert not result.passed
     assert any("restored probe update differs from uninterrupted" in f for f in result.failures), result.failures
 
@@ -142,14 +150,27 @@ def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_
     diag_plan = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
     sc = _client(server)
     try:
-        result, bundle = _run(server, spec, fixed_batch, tmp_path, sc=sc, trained_arms=("dppo_seed0",),
-                              lr_multipliers=(1.0, 2.0))
+        result, bundle = _run(
+            server, spec, fixed_batch, tmp_path, sc=sc, trained_arms=("dppo_seed0",), lr_multipliers=(1.0, 2.0)
+        )
         assert result.passed, result.failure_message()
         before = _models(server)
         res = run_bounded_diagnostic(
-            sc, diag_plan, bundle, result.initial_checkpoint, backend="local", init_reference=result,
-            restored=result.loaded["dppo_seed0"], groups_per_batch=2, group_size=4, max_tokens=32,
-            minibatches_per_epoch=1, groups_per_minibatch=2, max_updates=2, sentinels_per_sign=1)
+            sc,
+            diag_plan,
+            bundle,
+            result.initial_checkpoint,
+            backend="local",
+            init_reference=result,
+            restored=result.loaded["dppo_seed0"],
+            groups_per_batch=2,
+            group_size=4,
+            max_tokens=32,
+            minibatches_per_epoch=1,
+            groups_per_minibatch=2,
+            max_updates=2,
+            sentinels_per_sign=1,
+        )
         assert not res.errors, res.errors
         assert _models(server) == before  # no training client created by the diagnostic
         assert res.updates_done == 2

@@ -25,14 +25,22 @@ def test_each_arm_is_checked_against_a_probe_of_its_own_optimizer_config(shared_
     raw = json.loads(project.plan_file(project.SPEC_PLAN).read_text())
     other = copy.deepcopy(raw)
     other["restoration_preflight"]["groups"][0]["arms"][1]["optimizer_config"]["beta2"] = 0.99  # dppo_seed0
-    plan = parse_plan(json.dumps(other).encode(), project.plan_file(project.SPEC_PLAN).with_name("variant.json"),
-                      repo_root=project.project_root())
+    plan = parse_plan(
+        json.dumps(other).encode(),
+        project.plan_file(project.SPEC_PLAN).with_name("variant.json"),
+        repo_root=project.project_root(),
+    )
     batch, desc = build_fixed_batch()
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=constants.LOCAL_API_KEY)
     try:
         result = restoration.run_restoration_preflight(
-            sc, plan, EvidenceBundle.create(tmp_path / "evidence"), fixed_batch=batch, fixed_batch_description=desc,
-            checkpoint_reader=LocalCheckpointReader(server.run_dir))
+            sc,
+            plan,
+            EvidenceBundle.create(tmp_path / "evidence"),
+            fixed_batch=batch,
+            fixed_batch_description=desc,
+            checkpoint_reader=LocalCheckpointReader(server.run_dir),
+        )
     finally:
         sc.close("success").result(timeout=60)
     assert result.passed, result.failure_message()
@@ -46,8 +54,9 @@ def test_each_arm_is_checked_against_a_probe_of_its_own_optimizer_config(shared_
             assert check["requested_config"]["beta2"] == beta2
             assert check["matches"] and not check["mismatches"], check
             assert check["actual_config"]["beta2"] == beta2  # echoed by a probe of the arm's own config
-    assert all("#dppo_seed0:probe_optim_step_1" in c["evidence_ref"]
-               for c in _checks(result.provenance["arms"]["dppo_seed0"]))
+    assert all(
+        "#dppo_seed0:probe_optim_step_1" in c["evidence_ref"] for c in _checks(result.provenance["arms"]["dppo_seed0"])
+    )
 
 
 def _checks(entry: dict) -> list[dict]:

@@ -70,7 +70,10 @@ def test_rollout_batch_datums_align_with_trainer_logprobs(server, renderer, trai
     fwd = [
         tinker.Datum(
             model_input=d.model_input,
-            loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": np.zeros(d.model_input.length, np.float32)},
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "weights": np.zeros(d.model_input.length, np.float32),
+            },
         )
         for d in datums
     ]
@@ -111,13 +114,21 @@ def test_batch_requests_are_in_flight_together(server, renderer, train_items, ca
     one = rollouts.RolloutConfig(groups_per_batch=1, group_size=8, temperature=1.0, max_tokens=4, seed=1)
     full = rollouts.RolloutConfig(groups_per_batch=32, group_size=8, temperature=1.0, max_tokens=4, seed=1)
     rollouts.sample_batch(sampler, train_items[:1], renderer, one, sampler_checkpoint=path)  # warm the sampler
-    t_one = min(rollouts.sample_batch(sampler, train_items[:1], renderer, one, sampler_checkpoint=path).sampling_seconds for _ in range(2))
-    t_batch = min(rollouts.sample_batch(sampler, train_items, renderer, full, sampler_checkpoint=path).sampling_seconds for _ in range(2))
+    t_one = min(
+        rollouts.sample_batch(sampler, train_items[:1], renderer, one, sampler_checkpoint=path).sampling_seconds
+        for _ in range(2)
+    )
+    t_batch = min(
+        rollouts.sample_batch(sampler, train_items, renderer, full, sampler_checkpoint=path).sampling_seconds
+        for _ in range(2)
+    )
     t_seq = _sequential(sampler, renderer, train_items, full)
     injected = server.stats()["faults"]["injected"]["asample:latency"] - before
     with capsys.disabled():
-        print(f"\n[concurrency] one request {t_one:.3f}s, 32-group batch {t_batch:.3f}s "
-              f"(ratio {t_batch / t_one:.2f}), sequential control {t_seq:.3f}s, latency {L:.3f}s/request")
+        print(
+            f"\n[concurrency] one request {t_one:.3f}s, 32-group batch {t_batch:.3f}s "
+            f"(ratio {t_batch / t_one:.2f}), sequential control {t_seq:.3f}s, latency {L:.3f}s/request"
+        )
     assert injected == 1 + 2 + 64 + 32  # every sample request really carried the latency
     assert t_one >= L
     assert t_seq >= 32 * L  # the control pays the latency 32 times

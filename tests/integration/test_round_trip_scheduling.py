@@ -26,9 +26,11 @@ from dppo_harness.train.clients import full_logprobs, make_datum
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-QUESTION = ("<|im_start|>user\nNatalia sold clips to 48 of her friends in April, and then she sold half as many "
-            "clips in May. How many clips did Natalia sell altogether? Write your answer in \\boxed{} format."
-            "<|im_end|>\n<|im_start|>assistant\n")
+QUESTION = (
+    "<|im_start|>user\nNatalia sold clips to 48 of her friends in April, and then she sold half as many "
+    "clips in May. How many clips did Natalia sell altogether? Write your answer in \\boxed{} format."
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
 MODEL = os.environ.get("DPPO_HARNESS_TEST_MODEL", "tiny-qwen3-random")
 
 
@@ -51,17 +53,24 @@ def _datums(sc: tinker.ServiceClient) -> list[types.Datum]:
     sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
     out = []
     for g in range(2):
-        res = sampler.sample(types.ModelInput.from_ints(prompt), 4,
-                             types.SamplingParams(max_tokens=16, seed=g, temperature=1.0)).result(timeout=300)
+        res = sampler.sample(
+            types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=16, seed=g, temperature=1.0)
+        ).result(timeout=300)
         for i, s in enumerate(res.sequences):
             tokens, n_prompt = prompt + list(s.tokens), len(prompt) - 1
             adv = [1.0, -1.0, 0.5, -0.5][i]
-            out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-                "target_tokens": tokens[1:],
-                # perturbed sampler logprobs, so the DPPO mask and the PPO clip both have work
-                "logprobs": [0.0] * n_prompt + [lp + 0.3 * ((k % 3) - 1) for k, lp in enumerate(s.logprobs)],
-                "advantages": [0.0] * n_prompt + [adv] * len(s.tokens),
-                "mask": np.array([0.0] * n_prompt + [1.0] * len(s.tokens), dtype=np.float32)}))
+            out.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        # perturbed sampler logprobs, so the DPPO mask and the PPO clip both have work
+                        "logprobs": [0.0] * n_prompt + [lp + 0.3 * ((k % 3) - 1) for k, lp in enumerate(s.logprobs)],
+                        "advantages": [0.0] * n_prompt + [adv] * len(s.tokens),
+                        "mask": np.array([0.0] * n_prompt + [1.0] * len(s.tokens), dtype=np.float32),
+                    },
+                )
+            )
     return out
 
 
@@ -70,21 +79,39 @@ def _run(sc: tinker.ServiceClient, data: list[types.Datum], *, sequential: bool)
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     recorder = instrumentation.LossCallRecorder(cfg)
     adam = tinker.AdamParams(learning_rate=5e-2)
-    sentinel = [make_datum(d.model_input.to_ints()[:1], d.model_input.to_ints()[1:]
-                           + [d.loss_fn_inputs["target_tokens"].data[-1]], completion_weight=0.0) for d in data[::3]]
+    sentinel = [
+        make_datum(
+            d.model_input.to_ints()[:1],
+            d.model_input.to_ints()[1:] + [d.loss_fn_inputs["target_tokens"].data[-1]],
+            completion_weight=0.0,
+        )
+        for d in data[::3]
+    ]
     persisted, optims, pending, sentinel_lps = [], [], [], []
     for update, idx in enumerate([[0, 1, 2, 3], [4, 5, 6, 7]] * 2, start=1):
         _, upd = train_step.train_step(
-            tc, [data[i] for i in idx], losses.make_loss_fn(cfg), adam, recorder, {"update_index": update},
-            persist=lambda r: persisted.append(r.call_index), sequential=sequential,
-            submit_behind=lambda: tc.forward(sentinel, "cross_entropy"))
+            tc,
+            [data[i] for i in idx],
+            losses.make_loss_fn(cfg),
+            adam,
+            recorder,
+            {"update_index": update},
+            persist=lambda r: persisted.append(r.call_index),
+            sequential=sequential,
+            submit_behind=lambda: tc.forward(sentinel, "cross_entropy"),
+        )
         optims.append(upd.optim.model_dump())
         for fut in pending:  # deferred: awaited after the next update, like the diagnostic
             sentinel_lps.append([o["logprobs"].to_numpy() for o in fut.result().loss_fn_outputs])
         pending = [upd.behind]
     sentinel_lps += [[o["logprobs"].to_numpy() for o in f.result().loss_fn_outputs] for f in pending]
-    return {"records": recorder.records, "persisted": persisted, "optims": optims, "sentinel": sentinel_lps,
-            "final": full_logprobs(tc, sentinel)}
+    return {
+        "records": recorder.records,
+        "persisted": persisted,
+        "optims": optims,
+        "sentinel": sentinel_lps,
+        "final": full_logprobs(tc, sentinel),
+    }
 
 
 def test_pipelined_schedule_computes_exactly_what_the_sequential_one_did(served):

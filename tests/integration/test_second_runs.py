@@ -22,9 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _collect(args: list[str], cwd: Path = ROOT) -> tuple[int, list[str], str]:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
-                          cwd=cwd, env=harness_env(PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+        cwd=cwd,
+        env=harness_env(PYTHONPATH=str(ROOT / "src")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     return proc.returncode, [ln for ln in proc.stdout.splitlines() if "::" in ln], out
 

@@ -42,8 +42,9 @@ def test_a_killed_server_ends_the_wait_within_seconds_with_its_exit_code(tmp_pat
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     with LocalServerProcess(run_dir=tmp_path / "server", model=MODEL) as srv:
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=600))
-        srv.on_death = lambda s: waiter.service_died(ServiceDied(f"the embedded server (pid {s.pid})",
-                                                                 *s.death_report()))
+        srv.on_death = lambda s: waiter.service_died(
+            ServiceDied(f"the embedded server (pid {s.pid})", *s.death_report())
+        )
         sc = make_service_client("local", srv.base_url, waiter=waiter)
         tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
         os.kill(srv.pid, signal.SIGKILL)
@@ -61,12 +62,13 @@ def test_a_sigkilled_harness_leaves_no_orphan_server(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         from dppo_harness.local_server.process import LocalServerProcess
-        srv = LocalServerProcess(run_dir={str(tmp_path / 'server')!r}, model={MODEL!r}).start()
+        srv = LocalServerProcess(run_dir={str(tmp_path / "server")!r}, model={MODEL!r}).start()
         print(srv.pid, flush=True)
         time.sleep(600)
     """)
-    harness = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                               env=harness_env(PYTHONPATH=str(ROOT / "src")))
+    harness = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=harness_env(PYTHONPATH=str(ROOT / "src"))
+    )
     try:
         server_pid = int(harness.stdout.readline())
         assert _alive(server_pid)
@@ -109,10 +111,25 @@ def test_the_server_killed_mid_diagnostic_ends_the_run_within_a_minute_with_its_
     shutil.copy(ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-short.json", plans)
     evidence = tmp_path / "evidence"
     harness = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/preflight", "tests/diagnostic",
-         f"--plan={plans / 'diagnostic-ci-short.json'}", f"--evidence-dir={evidence}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env=harness_env(PYTHONPATH=str(ROOT / "src"), TINKER_BASE_URL=None))
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "tests/preflight",
+            "tests/diagnostic",
+            f"--plan={plans / 'diagnostic-ci-short.json'}",
+            f"--evidence-dir={evidence}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=harness_env(PYTHONPATH=str(ROOT / "src"), TINKER_BASE_URL=None),
+    )
     out: list[str] = []
     killed_at = None
     try:
@@ -137,6 +154,11 @@ def test_the_server_killed_mid_diagnostic_ends_the_run_within_a_minute_with_its_
     stopped = r["service_wait"]["stopped"]
     assert stopped["kind"] == "server_died" and stopped["exit_code"] == -signal.SIGKILL and stopped["log_tail"], stopped
     assert "exited (exit code -9)" in stopped["line"] and stopped["line"] in text
-    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)], capture_output=True,
-                       text=True, timeout=120, env=harness_env(PYTHONPATH=str(ROOT / "src")))
+    v = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=harness_env(PYTHONPATH=str(ROOT / "src")),
+    )
     assert v.returncode == 0 and "(status failed)" in v.stdout, v.stdout + v.stderr

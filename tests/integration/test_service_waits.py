@@ -36,8 +36,11 @@ from dppo_harness.service.wait.waiter import ServiceWaiter
 
 MODEL = "tiny-qwen3-random"  # protocol paths only: the random preset starts in seconds
 BASE = "Qwen/Qwen3.5-2B"
-PLANTED = {"TINKER_API_KEY": "tml-PLANTED-tel-51d0c8a3", "MODAL_PROXY_TOKEN_ID": "wk-PLANTED-tel-9e27b4f1",
-           "MODAL_PROXY_TOKEN_SECRET": "ws-PLANTED-tel-3c8a6d05"}
+PLANTED = {
+    "TINKER_API_KEY": "tml-PLANTED-tel-51d0c8a3",
+    "MODAL_PROXY_TOKEN_ID": "wk-PLANTED-tel-9e27b4f1",
+    "MODAL_PROXY_TOKEN_SECRET": "ws-PLANTED-tel-3c8a6d05",
+}
 PROMPT = [248045, 846, 198]
 
 
@@ -47,8 +50,10 @@ def engine(tmp_path_factory):
 
 
 def _datum() -> tinker.Datum:
-    return tinker.Datum(model_input=tinker.ModelInput.from_ints(PROMPT),
-                        loss_fn_inputs={"target_tokens": [846, 198, 5], "weights": [1.0, 1.0, 1.0]})
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(PROMPT),
+        loss_fn_inputs={"target_tokens": [846, 198, 5], "weights": [1.0, 1.0, 1.0]},
+    )
 
 
 def test_every_client_and_future_the_harness_gets_is_waited(engine, monkeypatch):
@@ -61,10 +66,13 @@ def test_every_client_and_future_the_harness_gets_is_waited(engine, monkeypatch)
             assert isinstance(made, WaitedFuture)
             tc = made.result()
             assert isinstance(tc, WaitedClient) and isinstance(tc.sdk_client, tinker.TrainingClient)
-            futures = {"forward": tc.forward([_datum()], "cross_entropy"),
-                       "forward_backward": tc.forward_backward([_datum()], "cross_entropy"),
-                       "optim_step": tc.optim_step(tinker.AdamParams(learning_rate=1e-3)),
-                       "save_state": tc.save_state("w0"), "save_weights_for_sampler": tc.save_weights_for_sampler("s0")}
+            futures = {
+                "forward": tc.forward([_datum()], "cross_entropy"),
+                "forward_backward": tc.forward_backward([_datum()], "cross_entropy"),
+                "optim_step": tc.optim_step(tinker.AdamParams(learning_rate=1e-3)),
+                "save_state": tc.save_state("w0"),
+                "save_weights_for_sampler": tc.save_weights_for_sampler("s0"),
+            }
             assert all(isinstance(f, WaitedFuture) for f in futures.values())
             assert all(futures[k].result() is not None for k in ("forward", "forward_backward", "optim_step"))
             path = futures["save_state"].result().path
@@ -72,8 +80,11 @@ def test_every_client_and_future_the_harness_gets_is_waited(engine, monkeypatch)
             assert isinstance(sampler, WaitedClient) and sampler.label.startswith("sampler of ")
             sample = sampler.sample(tinker.ModelInput.from_ints(PROMPT), 1, tinker.SamplingParams(max_tokens=2))
             assert isinstance(sample, WaitedFuture) and sample.result().sequences
-            for fut in (sc.create_training_client_from_state(path), sc.create_training_client_from_state_with_optimizer(path),
-                        sc.create_sampling_client(base_model=BASE)):
+            for fut in (
+                sc.create_training_client_from_state(path),
+                sc.create_training_client_from_state_with_optimizer(path),
+                sc.create_sampling_client(base_model=BASE),
+            ):
                 assert isinstance(fut, WaitedFuture) and isinstance(fut.result(), WaitedClient)
             restored, response = create_from_state_with_response(sc, path, "dppo_seed0")
             assert isinstance(restored, WaitedClient) and restored.label == "dppo_seed0" and response.path == path
@@ -100,29 +111,40 @@ def test_queue_pauses_and_hangs_reach_the_waiter_through_the_sdks_observers(engi
     """Each creation path and a training call, against the server's queue faults: the pause is
     seen with the server's own reason (through the SDK's observer), a hang is a hang."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    faults = FaultConfig(queue_pause=(parse_queue_pause("create_model:1:1.5"), parse_queue_pause("load_weights:1:1.5"),
-                                      parse_queue_pause("optim_step:1:forever")),
-                         never_complete=(parse_never_complete("save_weights:2"),))
+    faults = FaultConfig(
+        queue_pause=(
+            parse_queue_pause("create_model:1:1.5"),
+            parse_queue_pause("load_weights:1:1.5"),
+            parse_queue_pause("optim_step:1:forever"),
+        ),
+        never_complete=(parse_never_complete("save_weights:2"),),
+    )
     with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=60)) as (
-            waiter, sc):
+        waiter,
+        sc,
+    ):
         tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
         t0 = time.monotonic()
         with pytest.raises(CapacityExhausted) as cap:
             tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
         assert 3 <= time.monotonic() - t0 < 10
-        assert cap.value.block.error == ("embedded server fault: no capacity for optim_step request 1; "
-                                         "paused until further notice")
+        assert cap.value.block.error == (
+            "embedded server fault: no capacity for optim_step request 1; paused until further notice"
+        )
         pauses = [p.as_dict() for p in waiter.pauses]
         assert pauses[0]["call"] == "create_lora_training_client" and pauses[0]["outcome"] == "resumed"
         assert pauses[0]["queue_state_reason"].endswith("paused for 1.5 s")
         assert pauses[-1]["call"] == "optim_step" and pauses[-1]["outcome"] == "gave_up"
     with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=30, service_timeout_s=60)) as (
-            waiter, sc):
+        waiter,
+        sc,
+    ):
         tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
         path = tc.save_state("w0").result().path
         restored, response = create_from_state_with_response(sc, path, "dppo_seed0")
         assert response.path == path and [p.call for p in waiter.pauses][-1] == (
-            "create_training_client_from_state_with_optimizer")  # the load's own observer saw its pause
+            "create_training_client_from_state_with_optimizer"
+        )  # the load's own observer saw its pause
         waiter.policy = WaitPolicy.from_options(service_timeout_s=2)
         t0 = time.monotonic()
         with pytest.raises(ServiceHang, match="save_state on dppo_seed0: no answer for 2 s"):
@@ -142,7 +164,10 @@ def _telemetry_bodies(engine, sdk_telemetry: bool) -> list[bytes]:
         return list(srv.state.telemetry_bodies)
 
 
-CF_ACCESS = {"CLOUDFLARE_ACCESS_CLIENT_ID": "cf-PLANTED-id-7f3a91c2", "CLOUDFLARE_ACCESS_CLIENT_SECRET": "cf-PLANTED-sec-0b64e8d5"}
+CF_ACCESS = {
+    "CLOUDFLARE_ACCESS_CLIENT_ID": "cf-PLANTED-id-7f3a91c2",
+    "CLOUDFLARE_ACCESS_CLIENT_SECRET": "cf-PLANTED-sec-0b64e8d5",
+}
 
 
 def test_sdk_telemetry_is_off_by_default_so_no_credential_reaches_it(engine, monkeypatch):
@@ -167,7 +192,9 @@ def test_a_queue_position_that_moves_every_poll_is_one_pause_given_up_in_time(en
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(queue_pause=(parse_queue_pause("optim_step:1:forever:moving"),))
     with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=4, service_timeout_s=60)) as (
-            waiter, sc):
+        waiter,
+        sc,
+    ):
         tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
         t0 = time.monotonic()
         step = tc.optim_step(tinker.AdamParams(learning_rate=1e-3))
@@ -199,8 +226,9 @@ def test_a_402_on_polls_is_its_own_stop_with_the_services_text(engine, monkeypat
     """The SDK sleeps and re-polls a 402 for up to an hour without telling its observer."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(reject_for=(parse_reject_for("retrieve_future:402:600"),))
-    stop, secs, block = _creation_stop(engine, faults, WaitPolicy.from_options(capacity_patience_s=3,
-                                                                                service_timeout_s=60))
+    stop, secs, block = _creation_stop(
+        engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=60)
+    )
     assert isinstance(stop, PaymentRequired) and 3 <= secs < 15, (type(stop), secs)
     assert "HTTP 402" in stop.line and "retrieve_future refused for 600 s" in stop.line
     assert block["stopped"]["kind"] == "payment_required" and block["stopped"]["http_status"] == 402
@@ -214,8 +242,9 @@ def test_refused_polls_end_within_their_window_citing_the_service(engine, monkey
     window; 503: re-polled without limit, so a hang after the timeout, citing the last answer."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(reject_for=(parse_reject_for(f"retrieve_future:{status}:600"),))
-    stop, secs, block = _creation_stop(engine, faults, WaitPolicy.from_options(capacity_patience_s=3,
-                                                                                service_timeout_s=4))
+    stop, secs, block = _creation_stop(
+        engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=4)
+    )
     assert secs < 20, secs
     if status == 429:
         assert isinstance(stop, CapacityExhausted) and stop.block.error.startswith("HTTP 429 on polls: ")
@@ -255,7 +284,8 @@ def test_a_sample_on_the_session_poller_that_never_completes_says_no_queue_state
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(sample_use_retrieve_futures=True, never_complete=(parse_never_complete("asample:2"),))
     stop, secs, block = _session_poller_sample(
-        engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=8))
+        engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=8)
+    )
     assert isinstance(stop, NoQueueState) and 8 <= secs < 16, (type(stop), secs)
     assert stop.polls >= 1 and "retrieve_futures" in stop.line and "sample on sampler of" in stop.line
     assert block["stopped"]["kind"] == "no_queue_state" and block["stopped"]["session_polls_answered"] == stop.polls
@@ -267,7 +297,8 @@ def test_a_short_pause_on_the_session_poller_is_waited_out(engine, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(sample_use_retrieve_futures=True, queue_pause=(parse_queue_pause("asample:2:2"),))
     stop, secs, block = _session_poller_sample(
-        engine, faults, WaitPolicy.from_options(capacity_patience_s=30, service_timeout_s=30))
+        engine, faults, WaitPolicy.from_options(capacity_patience_s=30, service_timeout_s=30)
+    )
     assert stop is None and 2 <= secs < 10 and block.get("stopped") is None
 
 
@@ -277,7 +308,9 @@ def test_a_402_on_session_polls_is_the_payment_stop_with_the_services_text(engin
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(sample_use_retrieve_futures=True, reject_for=(parse_reject_for("retrieve_futures:402:600"),))
     with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=60)) as (
-            waiter, sc):
+        waiter,
+        sc,
+    ):
         sampler = sc.create_sampling_client(base_model=BASE).result()
         t0 = time.monotonic()
         with pytest.raises(PaymentRequired) as ei:

@@ -54,14 +54,27 @@ def _spindle(run_dir: Path, *fault_args: str) -> LocalServerProcess:
 
 
 def _harness_env(base_url: str | None, **overrides: str | None) -> dict[str, str]:
-    return harness_env(**{**PLANTED, "PYTHONPATH": str(ROOT / "src"), "DPPO_HARNESS_CAPACITY_SCALE": CAPACITY_SCALE,
-                          "TINKER_BASE_URL": base_url or None, **overrides})
+    return harness_env(
+        **{
+            **PLANTED,
+            "PYTHONPATH": str(ROOT / "src"),
+            "DPPO_HARNESS_CAPACITY_SCALE": CAPACITY_SCALE,
+            "TINKER_BASE_URL": base_url or None,
+            **overrides,
+        }
+    )
 
 
 def _harness(args: list[str], env: dict[str, str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - t0
 
 
@@ -94,9 +107,19 @@ def spindle(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spindle_run(spindle, plan_file, tmp_path_factory):
     evidence = tmp_path_factory.mktemp("evidence-tinker")
-    proc, secs = _harness(["-m", "diagnostic", *UNIT_PARITY_AND_STAGES, "--backend=tinker", f"--plan={plan_file}",
-                           f"--evidence-dir={evidence}", "--timeout=900"],
-                          _harness_env(spindle.base_url), timeout=1200)
+    proc, secs = _harness(
+        [
+            "-m",
+            "diagnostic",
+            *UNIT_PARITY_AND_STAGES,
+            "--backend=tinker",
+            f"--plan={plan_file}",
+            f"--evidence-dir={evidence}",
+            "--timeout=900",
+        ],
+        _harness_env(spindle.base_url),
+        timeout=1200,
+    )
     return proc, secs, evidence
 
 
@@ -112,8 +135,13 @@ def test_spindle_run_passes_and_survives_the_short_storm(spindle_run, spindle):
 
 def test_bundle_verifies(spindle_run):
     _, _, evidence = spindle_run
-    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(_bundle_dir(evidence))],
-                       env=_harness_env(None), capture_output=True, text=True, timeout=300)
+    v = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(_bundle_dir(evidence))],
+        env=_harness_env(None),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert v.returncode == 0, v.stdout + v.stderr
 
 
@@ -141,8 +169,10 @@ def test_rehearsal_label_and_stand_in_everywhere(spindle_run):
         assert rec["get_server_capabilities"]["embedded_server"]["profile"] == "spindle"
     index = json.loads((bundle / "files" / "client-identities.json").read_text())["clients"]
     assert len(index) >= 3 and len({c["model_id"] for c in index}) == len(index)  # every training client
-    assert all(c["served_model"] == stand_in and c["get_info"]["model_data"]["embedded_server"] == "dppo-harness"
-               for c in index)
+    assert all(
+        c["served_model"] == stand_in and c["get_info"]["model_data"]["embedded_server"] == "dppo-harness"
+        for c in index
+    )
 
 
 def test_planted_values_in_no_evidence_file(spindle_run):
@@ -172,21 +202,32 @@ def test_same_plan_on_the_local_backend_computes_the_same(spindle_run, plan_file
 
     _, _, evidence = spindle_run
     local_ev = tmp_path / "evidence-local"
-    proc, secs = _harness(["tests/preflight", "tests/diagnostic", "--backend=local", f"--plan={plan_file}",
-                           f"--evidence-dir={local_ev}", "--timeout=900"],
-                          _harness_env(None, TINKER_API_KEY=None, MODAL_PROXY_TOKEN_ID=None,
-                                       MODAL_PROXY_TOKEN_SECRET=None), timeout=1200)
+    proc, secs = _harness(
+        [
+            "tests/preflight",
+            "tests/diagnostic",
+            "--backend=local",
+            f"--plan={plan_file}",
+            f"--evidence-dir={local_ev}",
+            "--timeout=900",
+        ],
+        _harness_env(None, TINKER_API_KEY=None, MODAL_PROXY_TOKEN_ID=None, MODAL_PROXY_TOKEN_SECRET=None),
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     print(f"local-backend run: {secs:.0f} s")
     files = [_bundle_dir(e) / "files" for e in (evidence, local_ev)]
     # The overall frozen-batch sha256 also covers run metadata (time, checkpoint URIs): compare fields.
     fa, fb = (json.loads((f / "diagnostic-frozen-batch.manifest.json").read_text())["fields"] for f in files)
     assert set(fa) == set(fb)
-    assert {k: v for k, v in fa.items() if k != "sampler_logprobs_N"} == \
-           {k: v for k, v in fb.items() if k != "sampler_logprobs_N"}
+    assert {k: v for k, v in fa.items() if k != "sampler_logprobs_N"} == {
+        k: v for k, v in fb.items() if k != "sampler_logprobs_N"
+    }
     za, zb = (np.load(io.BytesIO((f / "diagnostic-frozen-batch.npz").read_bytes())) for f in files)
     lp_diff = float(np.max(np.abs(za["sampler_logprobs_N"].astype(np.float64) - zb["sampler_logprobs_N"])))
-    print(f"frozen batch: sampler logprobs max |diff| {lp_diff:.3g} (bitwise: {fa['sampler_logprobs_N'] == fb['sampler_logprobs_N']})")
+    print(
+        f"frozen batch: sampler logprobs max |diff| {lp_diff:.3g} (bitwise: {fa['sampler_logprobs_N'] == fb['sampler_logprobs_N']})"
+    )
     assert lp_diff <= SAMPLER_LP_ATOL
     pa, pb = (json.loads((f / "diagnostic-analysis.json").read_text())["pooled_second_epoch"] for f in files)
     assert set(pa) == set(pb)
@@ -207,8 +248,11 @@ def test_long_storm_ends_in_a_correct_capacity_block(plan_file, tmp_path):
     srv = _spindle(tmp_path / "storm", "--fault-capacity-exhausted", "100000")
     try:
         evidence = tmp_path / "evidence-storm"
-        proc, _secs = _harness(["tests/preflight", "--backend=tinker", f"--plan={plan_file}",
-                               f"--evidence-dir={evidence}"], _harness_env(srv.base_url), timeout=300)
+        proc, _secs = _harness(
+            ["tests/preflight", "--backend=tinker", f"--plan={plan_file}", f"--evidence-dir={evidence}"],
+            _harness_env(srv.base_url),
+            timeout=300,
+        )
         assert proc.returncode != 0
         r = _result(evidence)
         assert r["status"] == "failed" and r["verdict"] == "inconclusive"
@@ -241,8 +285,11 @@ def test_bad_credentials_one_line_within_30s(case, spindle, tmp_path):
             s.bind(("127.0.0.1", 0))
             url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
         expect = f"cannot connect to TINKER_BASE_URL {url}"
-    proc, secs = _harness(["tests/preflight/test_connectivity.py", "--backend=tinker",
-                           f"--evidence-dir={tmp_path / 'ev'}"], _harness_env(url, **overrides), timeout=60)
+    proc, secs = _harness(
+        ["tests/preflight/test_connectivity.py", "--backend=tinker", f"--evidence-dir={tmp_path / 'ev'}"],
+        _harness_env(url, **overrides),
+        timeout=60,
+    )
     assert secs < 30, f"{case}: {secs:.1f} s"
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -278,8 +325,11 @@ def _stopped_run(tmp_path: Path, fault_args: list[str], harness_args: list[str],
     srv = _spindle(tmp_path / "srv", *fault_args)
     try:
         evidence = tmp_path / "evidence"
-        proc, secs = _harness([*harness_args, "--backend=tinker", f"--evidence-dir={evidence}"],
-                              _harness_env(srv.base_url), timeout=timeout)
+        proc, secs = _harness(
+            [*harness_args, "--backend=tinker", f"--evidence-dir={evidence}"],
+            _harness_env(srv.base_url),
+            timeout=timeout,
+        )
         stats = srv.stats()
     finally:
         srv.stop()
@@ -288,8 +338,13 @@ def _stopped_run(tmp_path: Path, fault_args: list[str], harness_args: list[str],
     assert "Traceback" not in out and "During handling" not in out, out[-3000:]
     for v in PLANTED.values():
         assert v not in out
-    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(_bundle_dir(evidence))],
-                       env=_harness_env(None), capture_output=True, text=True, timeout=120)
+    v = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(_bundle_dir(evidence))],
+        env=_harness_env(None),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert v.returncode == 0 and "(status failed)" in v.stdout, v.stdout + v.stderr  # a stopped run's bundle verifies
     return proc, secs, _result(evidence), stats
 
@@ -302,14 +357,21 @@ def _assert_stopped(r: dict) -> None:
 def test_a_capacity_pause_without_end_gives_up_after_the_patience(plan_file, tmp_path):
     """paused_capacity try_again polls forever on the first model creation: give up after
     --capacity-patience-s with the service's own reason in the capacity_block."""
-    proc, secs, r, stats = _stopped_run(tmp_path, ["--fault-queue-pause", "create_model:1:forever"],
-                                        ["tests/preflight", f"--plan={plan_file}", "--capacity-patience-s=2"])
+    proc, secs, r, stats = _stopped_run(
+        tmp_path,
+        ["--fault-queue-pause", "create_model:1:forever"],
+        ["tests/preflight", f"--plan={plan_file}", "--capacity-patience-s=2"],
+    )
     assert proc.returncode != 0 and secs < 150, secs
     reason = "embedded server fault: no capacity for create_model request 1; paused until further notice"
     _assert_stopped(r)
     assert r["capacity_block"] == {"error": reason, "comparison_steps_completed": 0, "released_clients": True}
     pause = r["service_wait"]["pauses"][0]
-    assert (pause["queue_state"], pause["queue_state_reason"], pause["outcome"]) == ("paused_capacity", reason, "gave_up")
+    assert (pause["queue_state"], pause["queue_state_reason"], pause["outcome"]) == (
+        "paused_capacity",
+        reason,
+        "gave_up",
+    )
     assert 2 <= pause["seconds"] < 10
     line = "create_lora_training_client on a new LoRA client on Qwen/Qwen3.5-2B: paused by the service for 2 s"
     assert line in proc.stdout and "--capacity-patience-s=2" in proc.stdout
@@ -319,8 +381,11 @@ def test_a_capacity_pause_without_end_gives_up_after_the_patience(plan_file, tmp
 def test_a_request_that_never_completes_stops_the_stage_after_the_service_timeout(plan_file, tmp_path):
     """The first save never completes (its polls say active): one line naming the call and the
     client after --service-timeout-s, reported as no answer, not as capacity."""
-    proc, secs, r, stats = _stopped_run(tmp_path, ["--fault-never-complete", "save_weights:1"],
-                                        ["tests/preflight", f"--plan={plan_file}", "--service-timeout-s=2"])
+    proc, secs, r, stats = _stopped_run(
+        tmp_path,
+        ["--fault-never-complete", "save_weights:1"],
+        ["tests/preflight", f"--plan={plan_file}", "--service-timeout-s=2"],
+    )
     assert proc.returncode != 0 and secs < 150, secs
     _assert_stopped(r)
     assert "capacity_block" not in r and r["service_wait"]["pauses"] == []
@@ -335,14 +400,20 @@ def test_a_short_pause_is_waited_out_and_a_429_at_sample_submit_gives_up(plan_fi
     passes); every sample submit answered 429 (the SDK retries it without limit) ends the
     diagnostic after --capacity-patience-s with the 429's own text."""
     proc, secs, r, stats = _stopped_run(
-        tmp_path, ["--fault-queue-pause", "create_model:1:3", "--fault-reject-for", "asample:429:3600"],
-        ["tests/preflight", "tests/diagnostic", f"--plan={plan_file}", "--capacity-patience-s=8"], timeout=600)
+        tmp_path,
+        ["--fault-queue-pause", "create_model:1:3", "--fault-reject-for", "asample:429:3600"],
+        ["tests/preflight", "tests/diagnostic", f"--plan={plan_file}", "--capacity-patience-s=8"],
+        timeout=600,
+    )
     assert proc.returncode != 0 and secs < 400, proc.stdout[-3000:]
     assert "passed" in proc.stdout and "tests/preflight" not in proc.stdout.split("short test summary")[-1]
     _assert_stopped(r)
     first, refused = r["service_wait"]["pauses"][0], r["service_wait"]["pauses"][-1]
-    assert (first["call"], first["queue_state"], first["outcome"]) == ("create_lora_training_client", "paused_capacity",
-                                                                       "resumed")
+    assert (first["call"], first["queue_state"], first["outcome"]) == (
+        "create_lora_training_client",
+        "paused_capacity",
+        "resumed",
+    )
     assert first["queue_state_reason"].endswith("paused for 3 s") and 2 <= first["seconds"] < 8
     text = "injected 429: asample refused for 3600 s from the first request"
     assert (refused["call"], refused["queue_state"], refused["http_status"]) == ("sample", "submit_refused", 429)
@@ -358,8 +429,11 @@ def test_a_sample_on_the_session_poller_that_never_completes_stops_as_no_queue_s
     future cancelled on the service and the session finished. (The timeout is above the server's
     5 s long-poll hold: below it no poll has been answered yet, and the stop is a plain no_answer.)"""
     proc, secs, r, stats = _stopped_run(
-        tmp_path, ["--fault-sample-use-retrieve-futures", "--fault-never-complete", "asample:1"],
-        ["tests/preflight", "tests/diagnostic", f"--plan={plan_file}", "--service-timeout-s=8"], timeout=600)
+        tmp_path,
+        ["--fault-sample-use-retrieve-futures", "--fault-never-complete", "asample:1"],
+        ["tests/preflight", "tests/diagnostic", f"--plan={plan_file}", "--service-timeout-s=8"],
+        timeout=600,
+    )
     assert proc.returncode != 0 and secs < 300, proc.stdout[-3000:]
     _assert_stopped(r)
     stopped = r["service_wait"]["stopped"]

@@ -55,18 +55,17 @@ def sdk_loop_tasks() -> set[tuple[int, str]]:
 
 def new_threads(before: set[threading.Thread]) -> set[str]:
     """Names of threads started since `before` (thread objects: an ident is reused once its thread ends)."""
-    return {t.name for t in threading.enumerate()
-            if t not in before and not any(k in t.name for k in SDK_LOOP_THREADS)}
+    return {t.name for t in threading.enumerate() if t not in before and not any(k in t.name for k in SDK_LOOP_THREADS)}
 
 
 @pytest.mark.timeout(180)
 def test_a_stopped_sample_is_cancelled_and_nothing_outlives_the_release(tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    threads_before, sockets_before, children_before = set(threading.enumerate()), tcp_sockets(), \
-        live_child_pids()
+    threads_before, sockets_before, children_before = set(threading.enumerate()), tcp_sockets(), live_child_pids()
     tasks_before = sdk_loop_tasks()  # other tests' clients in this process may still have some
-    srv = LocalServerProcess(tmp_path / "srv", model="tiny-qwen3-random", fault_args=["--fault-never-complete",
-                                                                                       "asample:1"])
+    srv = LocalServerProcess(
+        tmp_path / "srv", model="tiny-qwen3-random", fault_args=["--fault-never-complete", "asample:1"]
+    )
     srv.start()
     try:
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=3))
@@ -74,8 +73,9 @@ def test_a_stopped_sample_is_cancelled_and_nothing_outlives_the_release(tmp_path
         sc = registry.register(make_service_client("local", srv.base_url, waiter=waiter), stage="t")
         sampler = sc.create_sampling_client(base_model=BASE).result()
         with pytest.raises(ServiceHang):
-            sampler.sample(tinker.ModelInput.from_ints([248045, 846, 198]), 1,
-                           tinker.SamplingParams(max_tokens=2)).result()
+            sampler.sample(
+                tinker.ModelInput.from_ints([248045, 846, 198]), 1, tinker.SamplingParams(max_tokens=2)
+            ).result()
         assert waiter.abandoned == 1
         t0 = time.monotonic()
         assert registry.release_all("errored") and time.monotonic() - t0 < 15
@@ -101,8 +101,9 @@ def test_a_session_finish_that_is_never_answered_is_bounded_and_leaves_nothing_r
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     threads_before, sockets_before = set(threading.enumerate()), tcp_sockets()
     tasks_before = sdk_loop_tasks()
-    srv = LocalServerProcess(tmp_path / "srv", model="tiny-qwen3-random",
-                             fault_args=["--fault-latency-ms", "session_finish:600000"])
+    srv = LocalServerProcess(
+        tmp_path / "srv", model="tiny-qwen3-random", fault_args=["--fault-latency-ms", "session_finish:600000"]
+    )
     srv.start()
     try:
         registry = ClientRegistry(release_timeout_s=3)

@@ -30,9 +30,24 @@ def test_the_reason_names_the_directory_and_what_failed(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs a read-only mount (/proc)")
 def test_a_read_only_evidence_dir_is_refused_in_one_line_before_any_stage():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "preflight",
-                           f"--evidence-dir={READ_ONLY}"], cwd=ROOT, env=harness_env(PYTHONPATH=str(ROOT / "src")),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-m",
+            "preflight",
+            f"--evidence-dir={READ_ONLY}",
+        ],
+        cwd=ROOT,
+        env=harness_env(PYTHONPATH=str(ROOT / "src")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     (line,) = proc.stderr.strip().splitlines()
@@ -54,10 +69,24 @@ def test_a_disk_that_fills_during_the_run_is_one_line_and_a_closed_failed_result
     starts: the session's first records fit, its 2.5 MB code archive does not (a real ENOSPC). One
     line naming the file and the reason, no traceback, exit 1, the run failed and closed, and the
     bundle verifies."""
-    harness = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                                "tests/preflight/test_backend_record.py", f"--evidence-dir={small_disk}"], cwd=ROOT,
-                               env=harness_env(PYTHONPATH=str(ROOT / "src"), TINKER_BASE_URL=None),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    harness = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "tests/preflight/test_backend_record.py",
+            f"--evidence-dir={small_disk}",
+        ],
+        cwd=ROOT,
+        env=harness_env(PYTHONPATH=str(ROOT / "src"), TINKER_BASE_URL=None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     out = []
     try:
         for line in harness.stdout:
@@ -78,17 +107,37 @@ def test_a_disk_that_fills_during_the_run_is_one_line_and_a_closed_failed_result
     run = small_disk / (small_disk / "LATEST").read_text().strip()
     r = json.loads((run / "result.json").read_text())
     assert (r["status"], r["verdict"]) == ("failed", "inconclusive") and "could not be written" in r["summary"]
-    v = subprocess.run([sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)], capture_output=True,
-                       text=True, timeout=120, env=harness_env(PYTHONPATH=str(ROOT / "src")))
+    v = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=harness_env(PYTHONPATH=str(ROOT / "src")),
+    )
     assert v.returncode == 0 and "(status failed)" in v.stdout, v.stdout + v.stderr
 
 
 def test_a_disk_without_room_for_a_run_is_refused_before_any_stage(tmp_path):
     """A 1 MiB tmpfs: less than a run's evidence can take, refused at configure time in one line."""
     with mounted_tmpfs(tmp_path / "tiny", "1m") as mnt:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "preflight",
-                               f"--evidence-dir={mnt}"], cwd=ROOT, env=harness_env(PYTHONPATH=str(ROOT / "src")),
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                "-m",
+                "preflight",
+                f"--evidence-dir={mnt}",
+            ],
+            cwd=ROOT,
+            env=harness_env(PYTHONPATH=str(ROOT / "src")),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, (proc.stdout + proc.stderr)[-3000:]
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"ERROR: --evidence-dir {mnt}: only 1.0 MiB free in {mnt}; a run's evidence needs 50 MiB")

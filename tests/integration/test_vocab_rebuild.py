@@ -17,8 +17,13 @@ SRC = Path(vocab.__file__).resolve().parents[2]
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(SRC), TINKER_TELEMETRY="0")
-    return subprocess.run([sys.executable, "-m", "dppo_harness.local_server.vocab", *args], capture_output=True,
-                          text=True, env=env, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "dppo_harness.local_server.vocab", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
 
 
 def test_rebuild_matches_the_shipped_vocabulary(tmp_path):

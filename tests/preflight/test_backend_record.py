@@ -14,7 +14,8 @@ def test_backend_and_model_substitution_recorded(evidence_bundle, service_backen
     served = service_backend.server.stats()["served_model"]
     if plan.kind == "rehearsal":
         assert plan.base_model == served and planned == next(
-            d["spec"] for d in plan.raw["differences"] if d["field"] == "base_model")
+            d["spec"] for d in plan.raw["differences"] if d["field"] == "base_model"
+        )
     assert served != planned, "the stand-in must not claim to be the planned model"
     assert result["backend"]["served_model"] == served
     assert any(d["field"] == "model" and served in d["effective"] for d in result["deviations"])

@@ -31,7 +31,9 @@ def test_correctness_validator_exit_code_is_recorded(plan, evidence_bundle, harn
     block = evidence_bundle.result["correctness_preflight"]
     assert block, "the correctness preflight was not written"
     with Watchdog(harness_progress, every_s=10.0) as watch:
-        watch.say("[preflight] correctness: running `python -m dppo_harness.loss.correctness validate` on the written block")
+        watch.say(
+            "[preflight] correctness: running `python -m dppo_harness.loss.correctness validate` on the written block"
+        )
         out = correctness.run_validator_cli(plan.spec_plan.spec_bytes, block)
         watch.say(f"[preflight] correctness: validator exit code {out['exit_code']}")
     evidence_bundle.register_json("correctness-validator.json", "report", out)

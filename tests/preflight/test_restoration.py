@@ -31,8 +31,9 @@ def test_initial_outputs_match_before_any_update(restoration):
     cmp = restoration.provenance["group"]["initial_output_comparison"]
     assert cmp and all(c["within_tolerance"] for c in cmp.values()), cmp
     assert restoration.batch_sha256 == batch_sha256(restoration.fixed_batch)
-    assert all(e["initial_output"]["batch_sha256"] == restoration.batch_sha256
-               for e in restoration.provenance["arms"].values())
+    assert all(
+        e["initial_output"]["batch_sha256"] == restoration.batch_sha256 for e in restoration.provenance["arms"].values()
+    )
 
 
 def test_restored_probe_update_matches_uninterrupted(restoration):
@@ -65,15 +66,22 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
     assert written["version"] == 1
     posted = {a: e for a, e in restoration.provenance["arms"].items() if a not in written.get("excluded_arms", {})}
     if plan.kind == "bounded_diagnostic":  # posted checks keep only the arm's own responses
-        posted = {a: dict(e, optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]])
-                  for a, e in posted.items()}
+        posted = {
+            a: dict(e, optimizer_checks=[own_response_only(c) for c in e["optimizer_checks"]])
+            for a, e in posted.items()
+        }
     assert written["arms"] == posted
     if plan.kind == "bounded_diagnostic":  # the untrained baseline is left out
         trained = plan.diagnostic.fixed_settings.treatment.arm
         assert set(written["arms"]) == {trained}
         assert set(written["excluded_arms"]) == {a.name for a in plan.spec_plan.run.arms} - {trained}
     names = {f["name"] for f in evidence_bundle.files()}
-    assert {restoration_module.PROVENANCE_FILE, FIXED_BATCH_FILE, restoration_module.INITIAL_OUTPUT_FILE, restoration_module.RESPONSES_FILE} <= names
+    assert {
+        restoration_module.PROVENANCE_FILE,
+        FIXED_BATCH_FILE,
+        restoration_module.INITIAL_OUTPUT_FILE,
+        restoration_module.RESPONSES_FILE,
+    } <= names
 
 
 def test_setup_and_probe_clients_live_in_their_own_closed_session(restoration, client_registry):

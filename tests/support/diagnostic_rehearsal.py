@@ -15,8 +15,13 @@ from dppo_harness.loss import losses
 
 
 def simulate_records(
-    *, seed: int = 0, n_updates: int = 16, minibatches_per_epoch: int = 8, sequences: int = 8,
-    drift_per_update: float = 0.02, loss_cfg: Any = None,
+    *,
+    seed: int = 0,
+    n_updates: int = 16,
+    minibatches_per_epoch: int = 8,
+    sequences: int = 8,
+    drift_per_update: float = 0.02,
+    loss_cfg: Any = None,
 ) -> list[ins.LossCallRecord]:
     """Loss-call records of a simulated policy that moves each token's probability in its
     advantage's direction by about `drift_per_update` per update, through the real recorder and
@@ -34,13 +39,17 @@ def simulate_records(
             q = np.clip(rng.beta(0.6, 0.6, size=n_resp), 1e-4, 1 - 1e-4)
             n = n_prompt + n_resp
             tokens = rng.integers(100, 5000, size=n + 1).tolist()
-            data.append(tinker.Datum(
-                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={"target_tokens": tokens[1:],
-                                "logprobs": [0.0] * n_prompt + np.log(q).tolist(),
-                                "advantages": [0.0] * n_prompt + [adv] * n_resp,
-                                "mask": np.array([0.0] * n_prompt + [1.0] * n_resp, dtype=np.float32)},
-            ))
+            data.append(
+                tinker.Datum(
+                    model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "logprobs": [0.0] * n_prompt + np.log(q).tolist(),
+                        "advantages": [0.0] * n_prompt + [adv] * n_resp,
+                        "mask": np.array([0.0] * n_prompt + [1.0] * n_resp, dtype=np.float32),
+                    },
+                )
+            )
             q_list.append(q)
             a_list.append(adv)
         batches.append((data, q_list, a_list))
@@ -52,8 +61,13 @@ def simulate_records(
             n_prompt = d.model_input.length - len(q)
             step = drift_per_update * (u - 1) * np.sign(a) * rng.uniform(0.0, 2.0, size=q.size)
             p = np.clip(q + step, 1e-6, 1 - 1e-6)
-            lps.append(torch.tensor(np.concatenate([rng.normal(-2, 1, n_prompt), np.log(p)]), dtype=torch.float32,
-                                    requires_grad=True))
-        loss, _ = recorder.wrap(loss_fn, update_index=u, epoch=(u - 1) // minibatches_per_epoch + 1, minibatch=mb)(data, lps)
+            lps.append(
+                torch.tensor(
+                    np.concatenate([rng.normal(-2, 1, n_prompt), np.log(p)]), dtype=torch.float32, requires_grad=True
+                )
+            )
+        loss, _ = recorder.wrap(loss_fn, update_index=u, epoch=(u - 1) // minibatches_per_epoch + 1, minibatch=mb)(
+            data, lps
+        )
         loss.backward()
     return recorder.records

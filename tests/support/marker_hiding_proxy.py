@@ -27,9 +27,22 @@ import httpx
 MARKER_HEADER = "x-embedded-tinker-server"
 MARKER_KEY = "embedded_server"
 # Hop-by-hop headers (RFC 9110 section 7.6.1) and the ones the proxy recomputes.
-_NOT_FORWARDED = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-                            "proxy-authorization", "proxy-authenticate", "host", "content-length",
-                            "content-encoding", MARKER_HEADER})
+_NOT_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "host",
+        "content-length",
+        "content-encoding",
+        MARKER_HEADER,
+    }
+)
 
 
 def without_marker(value: Any) -> Any:
@@ -92,11 +105,15 @@ class _Handler(BaseHTTPRequestHandler):
         data = self.rfile.read(length) if length else b""
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _NOT_FORWARDED}
         try:
-            resp = self.server.client.request(self.command, self.server.upstream + self.path, headers=headers,
-                                              content=data)
+            resp = self.server.client.request(
+                self.command, self.server.upstream + self.path, headers=headers, content=data
+            )
         except httpx.HTTPError as e:
-            self._send(502, {"content-type": "application/json"},
-                       json.dumps({"error": f"proxy: upstream unreachable ({type(e).__name__})"}).encode())
+            self._send(
+                502,
+                {"content-type": "application/json"},
+                json.dumps({"error": f"proxy: upstream unreachable ({type(e).__name__})"}).encode(),
+            )
             return
         self.server.count(hid_header=MARKER_HEADER in {k.lower() for k in resp.headers})
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _NOT_FORWARDED}

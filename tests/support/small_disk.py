@@ -16,8 +16,13 @@ import pytest
 def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
     """`where` (created) as a tmpfs of `size` (mount(8)'s form: 64k, 1m, 64m) until the block ends."""
     where.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root and mount(8) for a real small disk")
     try:
         yield where

@@ -22,8 +22,9 @@ def bundle():
 
 
 def test_response_yield_counts_and_refusals():
-    y = answer_yield.response_yield(["stop", "length", "length", "stop"], [True, False, True, False], [10, 64, 64, 2],
-                                    max_tokens=64)
+    y = answer_yield.response_yield(
+        ["stop", "length", "length", "stop"], [True, False, True, False], [10, 64, 64, 2], max_tokens=64
+    )
     assert (y.n, y.truncated, y.no_answer, y.response_tokens) == (4, 2, 2, 140)
     assert (y.truncated_frac, y.no_answer_frac, y.mean_response_tokens) == (0.5, 0.5, 35.0)
     d = y.as_dict()
@@ -54,19 +55,38 @@ def _batch(bundle, texts_and_reasons):
     item = gsm8k.load_split("train").items[0]
     responses, graded, reasons = [], [], []
     for text, reason in texts_and_reasons:
-        toks = bundle.tokenizer.encode(text, add_special_tokens=False) + ([constants.STOP_TOKEN_ID] if reason == "stop" else [])
+        toks = bundle.tokenizer.encode(text, add_special_tokens=False) + (
+            [constants.STOP_TOKEN_ID] if reason == "stop" else []
+        )
         responses.append(tuple(toks))
         graded.append(gsm8k.grade_response(item, bundle.renderer, toks))
         reasons.append(reason)
-    group = rollouts.SampledGroup(0, item, (1, 2, 3), tuple(responses), tuple((0.0,) * len(r) for r in responses),
-                                  tuple(reasons), tuple(graded), None)
+    group = rollouts.SampledGroup(
+        0,
+        item,
+        (1, 2, 3),
+        tuple(responses),
+        tuple((0.0,) * len(r) for r in responses),
+        tuple(reasons),
+        tuple(graded),
+        None,
+    )
     cfg = rollouts.RolloutConfig(groups_per_batch=1, group_size=len(responses), temperature=1.0, max_tokens=16)
-    return rollouts.RolloutBatch((group,), cfg, "tinker://m/sampler_weights/s0", "m", (constants.STOP_TOKEN_ID,), 0.1, 0.0)
+    return rollouts.RolloutBatch(
+        (group,), cfg, "tinker://m/sampler_weights/s0", "m", (constants.STOP_TOKEN_ID,), 0.1, 0.0
+    )
 
 
 def test_rollout_batch_summary_reports_truncation_answers_and_length(bundle):
-    batch = _batch(bundle, [("\\boxed{3}", "stop"), ("thinking thinking thinking", "length"),
-                            ("\\boxed{4} but", "length"), ("no answer", "stop")])
+    batch = _batch(
+        bundle,
+        [
+            ("\\boxed{3}", "stop"),
+            ("thinking thinking thinking", "length"),
+            ("\\boxed{4} but", "length"),
+            ("no answer", "stop"),
+        ],
+    )
     s = batch.summary()
     assert s["frac_truncated"] == 0.5 and s["frac_no_answer"] == 0.5
     lengths = [len(r) for r in batch.groups[0].responses]
@@ -81,9 +101,15 @@ class _Sampler:
     def sample(self, prompt, num_samples, params):
         text, reason = self.outputs[self.k % len(self.outputs)]
         self.k += 1
-        toks = self.bundle.tokenizer.encode(text, add_special_tokens=False) + ([constants.STOP_TOKEN_ID] if reason == "stop" else [])
-        seq = SampledSequence(stop_reason=reason, sequence_id=str(self.k), tokens_np=np.asarray(toks, np.int32),
-                              logprobs_np=np.zeros(len(toks), np.float32))
+        toks = self.bundle.tokenizer.encode(text, add_special_tokens=False) + (
+            [constants.STOP_TOKEN_ID] if reason == "stop" else []
+        )
+        seq = SampledSequence(
+            stop_reason=reason,
+            sequence_id=str(self.k),
+            tokens_np=np.asarray(toks, np.int32),
+            logprobs_np=np.zeros(len(toks), np.float32),
+        )
 
         class F:
             def result(self_inner):
@@ -97,9 +123,21 @@ def test_each_scored_model_reports_accuracy_n_invalid_and_truncation(bundle):
     items, dev = evaluation.select_items(test, 4, reason="unit test subset")
     ev = evaluation.freeze_evaluator(items, bundle, max_tokens=64, deviation=dev)
     ref = items[0].reference
-    res = evaluation.evaluate(_Sampler(bundle, [(f"\\boxed{{{ref}}}", "stop"), ("still thinking", "length"),
-                                                ("no box", "stop"), ("\\boxed{1} cut", "length")]),
-                              ev, arm="base", seed=0, checkpoint="base:m")
+    res = evaluation.evaluate(
+        _Sampler(
+            bundle,
+            [
+                (f"\\boxed{{{ref}}}", "stop"),
+                ("still thinking", "length"),
+                ("no box", "stop"),
+                ("\\boxed{1} cut", "length"),
+            ],
+        ),
+        ev,
+        arm="base",
+        seed=0,
+        checkpoint="base:m",
+    )
     m = res.arm_metrics(64)
     assert m["accuracy"] == 0.25 and m["eval_n"] == 4.0 and m["eval_invalid_outputs"] == 2.0
     assert m["eval_truncated_frac"] == 0.5 and m["eval_no_answer_frac"] == 0.5

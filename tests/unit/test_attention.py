@@ -17,8 +17,11 @@ MODULE = SimpleNamespace(num_key_value_groups=2, is_causal=True)
 
 def _qkv(B: int, H: int, Hkv: int, Tq: int, Tk: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, Tq, 32, generator=g), torch.randn(B, Hkv, Tk, 32, generator=g),
-            torch.randn(B, Hkv, Tk, 32, generator=g))
+    return (
+        torch.randn(B, H, Tq, 32, generator=g),
+        torch.randn(B, Hkv, Tk, 32, generator=g),
+        torch.randn(B, Hkv, Tk, 32, generator=g),
+    )
 
 
 def _padding_mask(B: int, Tq: int, Tk: int) -> torch.Tensor:
@@ -76,8 +79,12 @@ def test_a_recorded_gradient_takes_transformers_path_bit_for_bit():
     ours = grads(lambda q, k, v: attention.sdpa_gqa_attention(MODULE, q, k, v, mask))
     theirs = grads(lambda q, k, v: sdpa_attention_forward(MODULE, q, k, v, mask))
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
-    gqa = grads(lambda q, k, v: (torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2), None))
+    gqa = grads(
+        lambda q, k, v: (
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2),
+            None,
+        )
+    )
     assert torch.equal(gqa[0], theirs[0]) and not torch.equal(gqa[2], theirs[2])
 
 

@@ -19,8 +19,16 @@ SUBSTITUTE = "Qwen/Qwen3.5-4B"
 
 
 def _report(model: str, substitution: dict | None) -> ConnectivityReport:
-    return ConnectivityReport("tinker", "http://127.0.0.1:9", PLANNED, model, [model], substitution, None,
-                              {"supported_models": [{"model_name": model}]})
+    return ConnectivityReport(
+        "tinker",
+        "http://127.0.0.1:9",
+        PLANNED,
+        model,
+        [model],
+        substitution,
+        None,
+        {"supported_models": [{"model_name": model}]},
+    )
 
 
 SUBSTITUTED = _report(SUBSTITUTE, {"field": "model", "original": PLANNED, "effective": SUBSTITUTE, "reason": "x"})
@@ -44,8 +52,11 @@ class _Client:
 
     def save_state(self, name):
         if name in self.saved:  # the service's explicit refusal to overwrite
-            raise tinker.RequestFailedError(f"Request failed: save_weights: checkpoint {name!r} already exists",
-                                            request_id="r", category=tinker.types.RequestErrorCategory.User)
+            raise tinker.RequestFailedError(
+                f"Request failed: save_weights: checkpoint {name!r} already exists",
+                request_id="r",
+                category=tinker.types.RequestErrorCategory.User,
+            )
         self.saved.add(name)
         return _Future(SimpleNamespace(path=f"tinker://m/weights/{name}"))
 
@@ -79,8 +90,11 @@ def test_the_restoration_fixture_creates_clients_with_the_resolved_model():
     fn = fixtures_preflight.restoration
     fn = getattr(fn, "__wrapped__", None) or getattr(fn, "_get_wrapped_function", lambda: fn)()
     tree = ast.parse(inspect.getsource(fn).lstrip())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") ==
-             "run_restoration_preflight"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "run_restoration_preflight"
+    ]
     assert len(calls) == 1
     kw = {k.arg: k.value for k in calls[0].keywords}
     assert isinstance(kw["base_model"], ast.Name) and kw["base_model"].id == "client_base_model"

@@ -13,8 +13,12 @@ from dppo_harness.pytest_plugin import session as plugin_session
 from dppo_harness.service.observed import describe_client, make_service_client
 from dppo_harness.service.release import ClientRegistry
 
-FAKE_ENV = {"TINKER_BASE_URL": "http://127.0.0.1:9", "TINKER_API_KEY": "tml-fake", "MODAL_PROXY_TOKEN_ID": "wk-x",
-            "MODAL_PROXY_TOKEN_SECRET": "ws-y"}
+FAKE_ENV = {
+    "TINKER_BASE_URL": "http://127.0.0.1:9",
+    "TINKER_API_KEY": "tml-fake",
+    "MODAL_PROXY_TOKEN_ID": "wk-x",
+    "MODAL_PROXY_TOKEN_SECRET": "ws-y",
+}
 
 
 class _Fut:
@@ -61,7 +65,8 @@ def test_training_clients_are_listed_per_session_and_counted_per_stage(monkeypat
     recs = {r["label"]: r for r in reg.records()}
     assert [(c["stage"], c["method"], c["role"]) for c in recs["probes"]["training_clients"]] == [
         ("preflight", "create_lora_training_client", "setup: saves the initial checkpoint"),
-        ("preflight", "create_training_client_from_state_with_optimizer", None)]
+        ("preflight", "create_training_client_from_state_with_optimizer", None),
+    ]
     assert recs["arms"]["training_clients"][0]["model_id"] == arm.model_id
 
 
@@ -151,4 +156,5 @@ def test_after_the_service_died_a_release_closes_nothing_and_returns_at_once():
     assert time.monotonic() - t0 < 10 and Session.closes == 0  # far under one 30 s close, on a loaded machine
     for record in reg.records():
         assert record["released"] is False and record["error"] == (
-            "not closed: the embedded server (pid 1) exited (exit code -9); nothing is left to close")
+            "not closed: the embedded server (pid 1) exited (exit code -9); nothing is left to close"
+        )

@@ -21,9 +21,15 @@ ROOT = Path(__file__).parents[2]
 def test_archive_holds_the_library_the_server_and_the_tests_deterministically():
     data, manifest = build_archive(ROOT, commit="abc")
     paths = {m["path"] for m in manifest["members"]}
-    for must in ("src/dppo_harness/stages/diagnostic/loop.py", "src/dppo_harness/loss/losses.py", "src/dppo_harness/instrument/instrumentation.py",
-                 "src/dppo_harness/local_server/engine/engine.py", "src/dppo_harness/local_server/http/app.py",
-                 "tests/diagnostic/test_bounded_diagnostic.py", "plans/exp_e6b0965af3-diagnostic-r1.json"):
+    for must in (
+        "src/dppo_harness/stages/diagnostic/loop.py",
+        "src/dppo_harness/loss/losses.py",
+        "src/dppo_harness/instrument/instrumentation.py",
+        "src/dppo_harness/local_server/engine/engine.py",
+        "src/dppo_harness/local_server/http/app.py",
+        "tests/diagnostic/test_bounded_diagnostic.py",
+        "plans/exp_e6b0965af3-diagnostic-r1.json",
+    ):
         assert must in paths, must
     assert not any("__pycache__" in p or p.endswith(".pyc") for p in paths)
     src = ROOT / "src/dppo_harness/loss/losses.py"
@@ -76,8 +82,9 @@ def test_the_archive_takes_tracked_files_only_and_never_a_secret_named_one(tmp_p
     (repo / "src" / "dppo_harness" / "m.py").write_text("x = 1\n")
     (repo / "tests").mkdir()
     (repo / "tests" / "test_m.py").write_text("def test(): pass\n")
-    git_env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t",
-                   GIT_COMMITTER_EMAIL="t@e")
+    git_env = dict(
+        os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@e"
+    )
     for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
         subprocess.run(["git", "-C", str(repo), *cmd], check=True, env=git_env, capture_output=True)
     (repo / "tests" / ".env").write_text("WANDB_API_KEY=planted-untracked-dotenv-value\n")

@@ -51,18 +51,32 @@ def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_c
     for name in budget.CLOSING_RECORDS:
         bundle.register_json(name, "log", {"closing": name})
     assert len(bundle.files()) == MAX_FILES
-    bundle.finish("failed", "inconclusive", "incomplete_execution", original_hypothesis_tested=False,
-                  tested_instead="budget test", summary="Closed.")
+    bundle.finish(
+        "failed",
+        "inconclusive",
+        "incomplete_execution",
+        original_hypothesis_tested=False,
+        tested_instead="budget test",
+        summary="Closed.",
+    )
     assert verify_bundle(bundle.dir) == []
 
 
 def _session(bundle: EvidenceBundle, arms: int) -> run_steps.RunSession:
-    return run_steps.RunSession(service_client=None, bundle=bundle, cfg=_cfg(arms), state=_State(run_id="run", resumed=0),
-                                spath=Path("unused"), tracker=None, mlog=None, tag="t", progress=lambda _m: None)
+    return run_steps.RunSession(
+        service_client=None,
+        bundle=bundle,
+        cfg=_cfg(arms),
+        state=_State(run_id="run", resumed=0),
+        spath=Path("unused"),
+        tracker=None,
+        mlog=None,
+        tag="t",
+        progress=lambda _m: None,
+    )
 
 
-def test_a_mid_step_restore_uses_its_kept_slot_and_past_it_stops_in_one_line(
-        tmp_path: Path, monkeypatch) -> None:
+def test_a_mid_step_restore_uses_its_kept_slot_and_past_it_stops_in_one_line(tmp_path: Path, monkeypatch) -> None:
     import pytest
 
     from dppo_harness.stages.comparison.config import ComparisonError
@@ -73,7 +87,9 @@ def test_a_mid_step_restore_uses_its_kept_slot_and_past_it_stops_in_one_line(
     while bundle.free_slots() > run_steps.kept_slots(session.cfg, 3):  # saves took every slot they could
         bundle.register_bytes(f"saved-{len(bundle.files()):02d}.json", "manifest", b"%d" % len(bundle.files()))
     restored = []
-    monkeypatch.setattr(run_steps, "restore_arm", lambda *a, **k: (restored.append(a[3]) or object(), {"restore_count": 2}))
+    monkeypatch.setattr(
+        run_steps, "restore_arm", lambda *a, **k: (restored.append(a[3]) or object(), {"restore_count": 2})
+    )
     runner = SimpleNamespace(spec=SimpleNamespace(name="arm0"), client=None)
     failure = {"step": 8, "attempt": 1, "updates_sent_before_failure": 1, "error": "refused"}
     monkeypatch.setattr(run_steps.dataclasses, "replace", lambda r, **k: r)

@@ -42,13 +42,23 @@ def _cfg(steps: int) -> ComparisonConfig:
 def _train(monkeypatch, cfg, guard, clock, arm_step_s=10.0):
     def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
         clock.t += arm_step_s
-        return {"arm": runner.spec.name, "step": step, "reward_mean": 0.0, "format_rate": 0.0,
-                "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0, "seconds": arm_step_s}, []
+        return {
+            "arm": runner.spec.name,
+            "step": step,
+            "reward_mean": 0.0,
+            "format_rate": 0.0,
+            "dppo_masked_frac": 0.0,
+            "ppo_clip_frac": 0.0,
+            "drift_abs_p90": 0.0,
+            "seconds": arm_step_s,
+        }, []
 
     monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
     state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
     runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
-    return comparison_arms.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", guard=guard)
+    return comparison_arms.train_arms(
+        runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", guard=guard
+    )
 
 
 def test_the_wall_guard_stops_before_the_step_that_would_pass_the_budget(monkeypatch):
@@ -84,21 +94,27 @@ def test_without_a_budget_or_projection_the_guard_lets_steps_run(monkeypatch):
 
 class _Restored:
     def __init__(self, optimizer_config):
-        self.info = types.GetInfoResponse(model_data=types.ModelData(model_name="Qwen/Qwen3.5-2B"), model_id="m",
-                                          optimizer_config=optimizer_config)
+        self.info = types.GetInfoResponse(
+            model_data=types.ModelData(model_name="Qwen/Qwen3.5-2B"), model_id="m", optimizer_config=optimizer_config
+        )
 
     def get_info(self):
         return self.info
 
 
 def _restore(monkeypatch, optimizer_config, path="tinker://m/weights/step2"):
-    monkeypatch.setattr(comparison_restore, "create_from_state_observed",
-                        lambda sc, p, name=None: (_Restored(optimizer_config), types.LoadWeightsResponse(path=p)))
+    monkeypatch.setattr(
+        comparison_restore,
+        "create_from_state_observed",
+        lambda sc, p, name=None: (_Restored(optimizer_config), types.LoadWeightsResponse(path=p)),
+    )
     cfg = _cfg(3)
     state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
     prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
     state.setup_provenance = {a.name: prior for a in cfg.arms}
-    return state, lambda: comparison_restore.restore_arm(None, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json")
+    return state, lambda: comparison_restore.restore_arm(
+        None, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json"
+    )
 
 
 def test_a_restore_whose_optimizer_mismatches_stops_the_run(monkeypatch):
@@ -120,21 +136,27 @@ def test_a_matching_restore_continues(monkeypatch):
 
 
 def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
-    monkeypatch.setattr(comparison_restore, "create_from_state_observed",
-                        lambda sc, p, name=None: (_Restored(types.AdamOptimizerConfig()), types.LoadWeightsResponse()))
+    monkeypatch.setattr(
+        comparison_restore,
+        "create_from_state_observed",
+        lambda sc, p, name=None: (_Restored(types.AdamOptimizerConfig()), types.LoadWeightsResponse()),
+    )
     cfg = _cfg(3)
     state = RunState("r", "p", "e", "c", "i", {a.name: ArmState(a.name) for a in cfg.arms})
     with pytest.raises(ComparisonError, match="the load response has no path"):
         comparison_restore.restore_arm(None, state, cfg, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
 
 
-@pytest.mark.parametrize("option, backend, want", [
-    (None, {"kind": "tinker"}, ("concurrent", "default on a real service")),
-    (None, None, ("concurrent", "default on a real service")),
-    (None, {"kind": "local"}, ("interleaved", "default on the embedded server")),  # the rehearsal keeps it
-    ("interleaved", {"kind": "tinker"}, ("interleaved", "--comparison-schedule")),
-    ("concurrent", {"kind": "local"}, ("concurrent", "--comparison-schedule")),
-])
+@pytest.mark.parametrize(
+    "option, backend, want",
+    [
+        (None, {"kind": "tinker"}, ("concurrent", "default on a real service")),
+        (None, None, ("concurrent", "default on a real service")),
+        (None, {"kind": "local"}, ("interleaved", "default on the embedded server")),  # the rehearsal keeps it
+        ("interleaved", {"kind": "tinker"}, ("interleaved", "--comparison-schedule")),
+        ("concurrent", {"kind": "local"}, ("concurrent", "--comparison-schedule")),
+    ],
+)
 def test_arms_run_concurrently_by_default_on_a_real_service(option, backend, want):
     schedule, source = comparison_schedule(option, (backend or {}).get("kind"))
     assert (schedule, source.split(" (")[0]) == want
@@ -157,16 +179,32 @@ def _concurrent(monkeypatch, cfg, fail):
             delay, exc = fail[index]
             _time.sleep(delay)
             raise exc
-        return {"arm": runner.spec.name, "step": step, "reward_mean": 0.0, "format_rate": 0.0,
-                "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0, "seconds": 0.0}, []
+        return {
+            "arm": runner.spec.name,
+            "step": step,
+            "reward_mean": 0.0,
+            "format_rate": 0.0,
+            "dppo_masked_frac": 0.0,
+            "ppo_clip_frac": 0.0,
+            "drift_abs_p90": 0.0,
+            "seconds": 0.0,
+        }, []
 
     monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
     state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
     runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
     saves = []
     try:
-        comparison_arms.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t",
-                                   schedule="concurrent", save_state=lambda r, n: saves.append(n) or f"tinker://{n}")
+        comparison_arms.train_arms(
+            runners,
+            cfg,
+            state,
+            items_for_step=lambda s: [],
+            renderer=None,
+            tag="t",
+            schedule="concurrent",
+            save_state=lambda r, n: saves.append(n) or f"tinker://{n}",
+        )
     except BaseException as exc:  # the test looks at what train_arms raised, a stop included
         return state, exc, saves
     return state, None, saves
@@ -193,15 +231,26 @@ def test_each_rollout_step_says_it_started_so_no_step_is_silent(monkeypatch):
     lines = []
 
     def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
-        return {"arm": runner.spec.name, "step": step, "reward_mean": 0.0, "format_rate": 0.0,
-                "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0, "seconds": 0.0}, []
+        return {
+            "arm": runner.spec.name,
+            "step": step,
+            "reward_mean": 0.0,
+            "format_rate": 0.0,
+            "dppo_masked_frac": 0.0,
+            "ppo_clip_frac": 0.0,
+            "drift_abs_p90": 0.0,
+            "seconds": 0.0,
+        }, []
 
     monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
     state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
     runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
-    comparison_arms.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t",
-                               progress=lines.append)
+    comparison_arms.train_arms(
+        runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", progress=lines.append
+    )
     starts = [ln for ln in lines if "training rollout step" in ln]
-    assert [ln.split(" (")[0] for ln in starts] == ["[comparison] training rollout step 1 of 2",
-                                                    "[comparison] training rollout step 2 of 2"]
+    assert [ln.split(" (")[0] for ln in starts] == [
+        "[comparison] training rollout step 1 of 2",
+        "[comparison] training rollout step 2 of 2",
+    ]
     assert not any(" step 1/" in ln for ln in starts)

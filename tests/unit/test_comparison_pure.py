@@ -37,9 +37,17 @@ REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
 
 def test_config_of_the_saved_spec_and_the_rehearsal():
     full = comparison_config(SPEC.run)
-    assert (full.steps, full.groups_per_batch, full.group_size, full.max_tokens, full.eval_items) == (50, 32, 8, 512, 1319)
-    assert [(a.name, a.loss, a.role) for a in full.arms] == [("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
-                                                            ("dppo_seed0", "dppo_divergence_mask", "treatment")]
+    assert (full.steps, full.groups_per_batch, full.group_size, full.max_tokens, full.eval_items) == (
+        50,
+        32,
+        8,
+        512,
+        1319,
+    )
+    assert [(a.name, a.loss, a.role) for a in full.arms] == [
+        ("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
+        ("dppo_seed0", "dppo_divergence_mask", "treatment"),
+    ]
     assert all(a.adam["learning_rate"] == 2e-5 for a in full.arms) and full.temperature == 1.0
     assert [(c.treatment, c.baseline, c.margin) for c in full.criteria] == [("dppo_seed0", "grpo_seed0", 0.0)]
     small = comparison_config(REHEARSAL.run)
@@ -47,15 +55,20 @@ def test_config_of_the_saved_spec_and_the_rehearsal():
     assert small.steps * 2 == REHEARSAL.spec["steps"] and small.eval_items == REHEARSAL.spec["eval"]["n_examples"]
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda s: s["arms"][1].update(loss="reinforce"), "^arms\\[1\\].loss: 'reinforce' is not a registered loss"),
-    (lambda s: s["arms"][1].update(seed=1), "^arms: seed differs between arms"),
-    (lambda s: s["arms"][1].update(lr=1e-3), "^arms\\[1\\].lr: 0.001 != restoration_preflight"),
-    (lambda s: s.update(steps=101), "^steps: 101 optimizer steps is not a multiple"),
-    (lambda s: s.update(batch_size=128), "^batch_size: 128 != groups_per_batch 32 x group_size 8"),
-    (lambda s: s["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"].update(learning_rate=1.0),
-     "^arms\\[0\\].lr: 2e-05 != restoration_preflight optimizer_config.learning_rate 1.0"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda s: s["arms"][1].update(loss="reinforce"), "^arms\\[1\\].loss: 'reinforce' is not a registered loss"),
+        (lambda s: s["arms"][1].update(seed=1), "^arms: seed differs between arms"),
+        (lambda s: s["arms"][1].update(lr=1e-3), "^arms\\[1\\].lr: 0.001 != restoration_preflight"),
+        (lambda s: s.update(steps=101), "^steps: 101 optimizer steps is not a multiple"),
+        (lambda s: s.update(batch_size=128), "^batch_size: 128 != groups_per_batch 32 x group_size 8"),
+        (
+            lambda s: s["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"].update(learning_rate=1.0),
+            "^arms\\[0\\].lr: 2e-05 != restoration_preflight optimizer_config.learning_rate 1.0",
+        ),
+    ],
+)
 def test_plan_load_refuses_specs_that_break_the_pairing(mutate, match):
     spec = copy.deepcopy(SPEC.raw)
     mutate(spec)
@@ -76,21 +89,56 @@ class _Rec:
         self.stats = stats
 
 
-SUMMARY = {"mean_reward": 0.5, "frac_format": 0.75, "frac_correct": 0.25, "response_tokens": 400,
-           "frac_truncated": 0.125, "frac_no_answer": 0.25, "mean_response_tokens": 50.0, "n_sequences": 8,
-           "config": {"max_tokens": 64}}
+SUMMARY = {
+    "mean_reward": 0.5,
+    "frac_format": 0.75,
+    "frac_correct": 0.25,
+    "response_tokens": 400,
+    "frac_truncated": 0.125,
+    "frac_no_answer": 0.25,
+    "mean_response_tokens": 50.0,
+    "n_sequences": 8,
+    "config": {"max_tokens": 64},
+}
 
 
 def _recs():
-    return [_Rec(**{"tokens/loss": 100, "dppo/removed": 10, "ppo/clipped": 0, "dppo/masked_frac_loss_tokens": 0.1,
-                    "ppo/clip_frac_loss_tokens": 0.0, "drift/abs_p90": 0.01}),
-            _Rec(**{"tokens/loss": 300, "dppo/removed": 0, "ppo/clipped": 3, "dppo/masked_frac_loss_tokens": 0.0,
-                    "ppo/clip_frac_loss_tokens": 0.01, "drift/abs_p90": 0.02})]
+    return [
+        _Rec(
+            **{
+                "tokens/loss": 100,
+                "dppo/removed": 10,
+                "ppo/clipped": 0,
+                "dppo/masked_frac_loss_tokens": 0.1,
+                "ppo/clip_frac_loss_tokens": 0.0,
+                "drift/abs_p90": 0.01,
+            }
+        ),
+        _Rec(
+            **{
+                "tokens/loss": 300,
+                "dppo/removed": 0,
+                "ppo/clipped": 3,
+                "dppo/masked_frac_loss_tokens": 0.0,
+                "ppo/clip_frac_loss_tokens": 0.01,
+                "drift/abs_p90": 0.02,
+            }
+        ),
+    ]
 
 
 def test_step_metrics_pool_fractions_by_loss_tokens():
-    row = step_metrics("a", 3, SUMMARY, _recs(), loss=losses.DPPO_LOSS, seconds=2.0, sample_seconds=1.0,
-                         sampler_checkpoint="tinker://x", kl={"optim/kl_sample_train_v1": 0.01, "optim/entropy": 0.5}).as_row()
+    row = step_metrics(
+        "a",
+        3,
+        SUMMARY,
+        _recs(),
+        loss=losses.DPPO_LOSS,
+        seconds=2.0,
+        sample_seconds=1.0,
+        sampler_checkpoint="tinker://x",
+        kl={"optim/kl_sample_train_v1": 0.01, "optim/entropy": 0.5},
+    ).as_row()
     assert row["dppo_masked_frac"] == pytest.approx(10 / 400)
     assert row["counterfactual_ppo_clip_frac"] == pytest.approx(3 / 400)
     assert row["drift_abs_p90"] == 0.02 and row["updates"] == 2 and row["loss_tokens"] == 400
@@ -103,14 +151,17 @@ def test_step_metrics_pool_fractions_by_loss_tokens():
     assert all(isinstance(v, float) for v in s.values())
 
 
-@pytest.mark.parametrize("loss, real, counterfactual", [
-    (losses.GRPO_LOSS, "ppo_clip_frac", "dppo_masked_frac"), (losses.DPPO_LOSS, "dppo_masked_frac", "ppo_clip_frac")])
+@pytest.mark.parametrize(
+    "loss, real, counterfactual",
+    [(losses.GRPO_LOSS, "ppo_clip_frac", "dppo_masked_frac"), (losses.DPPO_LOSS, "dppo_masked_frac", "ppo_clip_frac")],
+)
 def test_the_rule_an_arm_does_not_train_with_is_labelled_counterfactual(loss, real, counterfactual):
     """A GRPO arm's DPPO masked fraction (and a DPPO arm's PPO clip fraction) is counted on the arm's
     own tensors but removes nothing from its gradient: its name says counterfactual, in the row, in
     metrics.arms and in the terminal line; the real rule keeps its plain name."""
-    row = step_metrics("arm", 0, SUMMARY, _recs(), loss=loss, seconds=1.0, sample_seconds=0.5,
-                         sampler_checkpoint="tinker://x").as_row()
+    row = step_metrics(
+        "arm", 0, SUMMARY, _recs(), loss=loss, seconds=1.0, sample_seconds=0.5, sampler_checkpoint="tinker://x"
+    ).as_row()
     assert counterfactual not in row and f"counterfactual_{counterfactual}" in row and real in row
     assert f"counterfactual_last_update_{counterfactual.split('_')[1]}_frac" in row
     summary = arm_summary([row])
@@ -122,8 +173,14 @@ def test_the_rule_an_arm_does_not_train_with_is_labelled_counterfactual(loss, re
 
 
 def _state(tmp_path, **arms):
-    st = RunState("r1", "p" * 64, "e" * 64, "c" * 64, "tinker://init",
-                    {a: ArmState(a, steps_done=n, state_path=f"tinker://{a}/{n}") for a, n in arms.items()})
+    st = RunState(
+        "r1",
+        "p" * 64,
+        "e" * 64,
+        "c" * 64,
+        "tinker://init",
+        {a: ArmState(a, steps_done=n, state_path=f"tinker://{a}/{n}") for a, n in arms.items()},
+    )
     st.save(state_path(tmp_path, "r1"))
     return RunState.load(state_path(tmp_path, "r1"))
 
@@ -146,23 +203,48 @@ def test_resume_refuses_changed_plan_evaluator_code_or_unpaired_steps(tmp_path):
 def test_resume_rewinds_every_arm_to_the_last_step_all_of_them_saved(tmp_path):
     """save_every > 1, or a kill between the arms' saves: both arms continue from the last common
     save (step 0: the shared initial checkpoint); later rows are dropped and recomputed."""
-    st = RunState("r1", "p", "e", "c", "tinker://init", {
-        "grpo_seed0": ArmState("grpo_seed0", steps_done=7, state_path="tinker://g/6", state_step=6,
-                                 saves={"3": "tinker://g/3", "6": "tinker://g/6"}, final_sampler="tinker://g/final"),
-        "dppo_seed0": ArmState("dppo_seed0", steps_done=6, state_path="tinker://d/3", state_step=3,
-                                 saves={"3": "tinker://d/3"})})
+    st = RunState(
+        "r1",
+        "p",
+        "e",
+        "c",
+        "tinker://init",
+        {
+            "grpo_seed0": ArmState(
+                "grpo_seed0",
+                steps_done=7,
+                state_path="tinker://g/6",
+                state_step=6,
+                saves={"3": "tinker://g/3", "6": "tinker://g/6"},
+                final_sampler="tinker://g/final",
+            ),
+            "dppo_seed0": ArmState(
+                "dppo_seed0", steps_done=6, state_path="tinker://d/3", state_step=3, saves={"3": "tinker://d/3"}
+            ),
+        },
+    )
     st.rows = [{"arm": a, "step": k} for k in range(7) for a in ("grpo_seed0", "dppo_seed0")]
     assert rewind_to_common_save(st, steps=9) == 3
     assert {a: (s.steps_done, s.state_step, s.state_path) for a, s in st.arms.items()} == {
-        "grpo_seed0": (3, 3, "tinker://g/3"), "dppo_seed0": (3, 3, "tinker://d/3")}
+        "grpo_seed0": (3, 3, "tinker://g/3"),
+        "dppo_seed0": (3, 3, "tinker://d/3"),
+    }
     assert st.arms["grpo_seed0"].final_sampler is None and max(r["step"] for r in st.rows) == 2
     st.arms["dppo_seed0"].saves = {}
     st.arms["dppo_seed0"].state_path = None
     assert rewind_to_common_save(st, steps=9) == 0
     assert all(s.state_path is None and s.steps_done == 0 for s in st.arms.values()) and st.rows == []
     # a state written before saves were kept: its one state counts
-    old = RunState.from_json({**st.to_json(), "arms": {a: {k: v for k, v in d.items() if k != "saves"} | {
-        "steps_done": 2, "state_step": 2, "state_path": f"tinker://{a}/2"} for a, d in st.to_json()["arms"].items()}})
+    old = RunState.from_json(
+        {
+            **st.to_json(),
+            "arms": {
+                a: {k: v for k, v in d.items() if k != "saves"}
+                | {"steps_done": 2, "state_step": 2, "state_path": f"tinker://{a}/2"}
+                for a, d in st.to_json()["arms"].items()
+            },
+        }
+    )
     assert rewind_to_common_save(old, steps=9) == 2
 
 
@@ -184,17 +266,27 @@ def test_code_revision_changes_with_the_sources(tmp_path):
 
 
 def _crit(lower, upper, margin=0.0, cid="primary"):
-    return CriterionDecision(cid, "accuracy", "dppo_seed0", "grpo_seed0",
-                               {"lower": lower, "upper": upper, "margin": margin})
+    return CriterionDecision(
+        cid, "accuracy", "dppo_seed0", "grpo_seed0", {"lower": lower, "upper": upper, "margin": margin}
+    )
 
 
 def test_verdict_rules_including_must_fail_inputs():
     assert verdict([_crit(0.01, 0.2)], rehearsal=False)[:2] == ("supported", "supported")
     assert verdict([_crit(-0.2, -0.01)], rehearsal=False)[:2] == ("refuted", "refuted")
-    assert verdict([_crit(0.0, 0.2)], rehearsal=False)[:2] == ("inconclusive", "insufficient_evidence")  # lower == margin
+    assert verdict([_crit(0.0, 0.2)], rehearsal=False)[:2] == (
+        "inconclusive",
+        "insufficient_evidence",
+    )  # lower == margin
     assert verdict([_crit(-0.1, 0.1)], rehearsal=False)[:2] == ("inconclusive", "insufficient_evidence")
-    assert verdict([_crit(0.01, 0.2), _crit(-0.3, -0.1, cid="b")], rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
-    assert verdict([_crit(0.01, 0.2), _crit(-0.1, 0.1, cid="b")], rehearsal=False)[:2] == ("inconclusive", "mixed_criteria")
+    assert verdict([_crit(0.01, 0.2), _crit(-0.3, -0.1, cid="b")], rehearsal=False)[:2] == (
+        "inconclusive",
+        "mixed_criteria",
+    )
+    assert verdict([_crit(0.01, 0.2), _crit(-0.1, 0.1, cid="b")], rehearsal=False)[:2] == (
+        "inconclusive",
+        "mixed_criteria",
+    )
     v, reason, text = verdict([_crit(0.01, 0.2)], rehearsal=True)
     assert (v, reason) == ("inconclusive", "insufficient_evidence") and "supported" in text
     assert verdict([], rehearsal=False)[:2] == ("inconclusive", "incomplete_execution")
@@ -203,8 +295,10 @@ def test_verdict_rules_including_must_fail_inputs():
 def _rows(t_vals, b_vals):
     rows = []
     for i, (t, b) in enumerate(zip(t_vals, b_vals)):
-        rows += [{"item_id": f"i{i}", "arm": "dppo_seed0", "seed": 0, "metric": "accuracy", "value": t, "evaluator_id": "e"},
-                 {"item_id": f"i{i}", "arm": "grpo_seed0", "seed": 0, "metric": "accuracy", "value": b, "evaluator_id": "e"}]
+        rows += [
+            {"item_id": f"i{i}", "arm": "dppo_seed0", "seed": 0, "metric": "accuracy", "value": t, "evaluator_id": "e"},
+            {"item_id": f"i{i}", "arm": "grpo_seed0", "seed": 0, "metric": "accuracy", "value": b, "evaluator_id": "e"},
+        ]
     return rows
 
 
@@ -246,23 +340,47 @@ def _reparse(mutate):
     return parse_plan(json.dumps(raw).encode(), REHEARSAL.path)
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda r: r["spec"].update(max_seq_len=2048), "not listed in differences"),
-    (lambda r: r["differences"].append({"field": "lora_rank", "spec": 32, "rehearsal": 32, "reason": "x"}), "does not differ"),
-    (lambda r: r["differences"][0].update(reason="  "), "reason"),
-    (lambda r: r["derived_from"].update(sha256="0" * 64), "derived_from.sha256"),
-    (lambda r: (r["spec"]["activation_gate"]["checks"][0].update(min=0.0),
-                r["differences"].append({"field": "activation_gate.checks[0].min", "spec": 0.001, "rehearsal": 0.0,
-                                         "reason": "relax"})), "keeps the spec's gates"),
-    (lambda r: (r["spec"]["arms"][0].update(updates_per_batch=1),
-                r["differences"].append({"field": "arms[0].updates_per_batch", "spec": 2, "rehearsal": 1,
-                                         "reason": "x"})), "keeps the spec's gates"),
-    (lambda r: r["spec"].pop("decision_rule"), "decision_rule"),
-    (lambda r: (r["spec"]["activation_gate"]["checks"][0].update(one_of=["x"]),
-                r["differences"].append({"field": "activation_gate.checks[0].one_of", "spec": None, "rehearsal": ["x"],
-                                         "reason": "x"})), "keeps the spec's gates"),
-    (lambda r: r.update(kind="rehearsal", label="final"), "label"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda r: r["spec"].update(max_seq_len=2048), "not listed in differences"),
+        (
+            lambda r: r["differences"].append({"field": "lora_rank", "spec": 32, "rehearsal": 32, "reason": "x"}),
+            "does not differ",
+        ),
+        (lambda r: r["differences"][0].update(reason="  "), "reason"),
+        (lambda r: r["derived_from"].update(sha256="0" * 64), "derived_from.sha256"),
+        (
+            lambda r: (
+                r["spec"]["activation_gate"]["checks"][0].update(min=0.0),
+                r["differences"].append(
+                    {"field": "activation_gate.checks[0].min", "spec": 0.001, "rehearsal": 0.0, "reason": "relax"}
+                ),
+            ),
+            "keeps the spec's gates",
+        ),
+        (
+            lambda r: (
+                r["spec"]["arms"][0].update(updates_per_batch=1),
+                r["differences"].append(
+                    {"field": "arms[0].updates_per_batch", "spec": 2, "rehearsal": 1, "reason": "x"}
+                ),
+            ),
+            "keeps the spec's gates",
+        ),
+        (lambda r: r["spec"].pop("decision_rule"), "decision_rule"),
+        (
+            lambda r: (
+                r["spec"]["activation_gate"]["checks"][0].update(one_of=["x"]),
+                r["differences"].append(
+                    {"field": "activation_gate.checks[0].one_of", "spec": None, "rehearsal": ["x"], "reason": "x"}
+                ),
+            ),
+            "keeps the spec's gates",
+        ),
+        (lambda r: r.update(kind="rehearsal", label="final"), "label"),
+    ],
+)
 def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
     with pytest.raises(PlanError, match=match):
         _reparse(mutate)
@@ -281,8 +399,13 @@ def test_a_comparison_served_by_the_embedded_server_is_a_rehearsal_whatever_the_
     from dppo_harness.stages.comparison.run import is_rehearsal
 
     spec = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json")
-    marker_seen = {"backend": {"kind": "local", "requested_backend": "tinker",
-                               "embedded_server": {"stand_in": "local/tiny-qwen3-gsm8k"}}}
+    marker_seen = {
+        "backend": {
+            "kind": "local",
+            "requested_backend": "tinker",
+            "embedded_server": {"stand_in": "local/tiny-qwen3-gsm8k"},
+        }
+    }
     assert is_rehearsal(spec, "tinker", marker_seen)  # --backend tinker, but the embedded server answered
     assert is_rehearsal(spec, "local", {"backend": {"kind": "local"}})
     assert not is_rehearsal(spec, "tinker", {"backend": {"kind": "tinker", "served_model": "Qwen/Qwen3.5-2B"}})
@@ -308,11 +431,18 @@ def test_one_writer_per_run_a_second_is_refused_in_one_line(tmp_path):
         except ComparisonError as exc:
             print(exc)
     """)
-    out = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, timeout=120,
-                         env=harness_env(PYTHONPATH=str(Path(__file__).parents[2] / "src")))
+    out = subprocess.run(
+        [sys.executable, "-c", other],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=harness_env(PYTHONPATH=str(Path(__file__).parents[2] / "src")),
+    )
     line = out.stdout.strip()
-    assert line.startswith("--resume 20261203T000000Z-abc123 refused: run 20261203T000000Z-abc123 is being written "
-                           f"by pid {__import__('os').getpid()}"), out.stdout + out.stderr
+    assert line.startswith(
+        "--resume 20261203T000000Z-abc123 refused: run 20261203T000000Z-abc123 is being written "
+        f"by pid {__import__('os').getpid()}"
+    ), out.stdout + out.stderr
     # a state that names another run is refused, whoever wrote it where
     st = RunState("20261203T000000Z-other1", "p", "e", "c", "tinker://init", {"a": ArmState("a")})
     st.save(state_path(tmp_path, "20261203T000000Z-mine22"))
@@ -324,16 +454,50 @@ def test_step_row_record_writes_the_jsonl_keys_in_their_order_and_decodes_back()
     """The counterfactual is a field of the record; the JSONL keeps its labelled keys, in order."""
     from dppo_harness.stages.comparison.step_rows import fraction
 
-    rec = step_metrics("a", 3, SUMMARY, _recs(), loss=losses.GRPO_LOSS, seconds=2.0, sample_seconds=1.0,
-                       sampler_checkpoint="tinker://x", kl={"optim/entropy": 0.5, "optim/kl_sample_train_v1": 0.01},
-                       cookbook_env={"env/all/reward/total": 1.0}, rollout_seconds=0.5)
+    rec = step_metrics(
+        "a",
+        3,
+        SUMMARY,
+        _recs(),
+        loss=losses.GRPO_LOSS,
+        seconds=2.0,
+        sample_seconds=1.0,
+        sampler_checkpoint="tinker://x",
+        kl={"optim/entropy": 0.5, "optim/kl_sample_train_v1": 0.01},
+        cookbook_env={"env/all/reward/total": 1.0},
+        rollout_seconds=0.5,
+    )
     row = rec.as_row()
     assert list(row) == [
-        "arm", "step", "loss", "reward_mean", "format_rate", "correct_rate", "truncated_frac", "no_answer_frac",
-        "mean_response_tokens", "responses", "max_tokens", "counterfactual_dppo_masked_frac", "ppo_clip_frac",
-        "counterfactual_last_update_masked_frac", "last_update_clip_frac", "drift_abs_p90", "drift_abs_p99",
-        "drift_abs_max", "loss_tokens", "response_tokens", "updates", "seconds", "sample_seconds",
-        "sampler_checkpoint", "entropy", "kl_sample_train_v1", "rollout_seconds", "cookbook_env"]
+        "arm",
+        "step",
+        "loss",
+        "reward_mean",
+        "format_rate",
+        "correct_rate",
+        "truncated_frac",
+        "no_answer_frac",
+        "mean_response_tokens",
+        "responses",
+        "max_tokens",
+        "counterfactual_dppo_masked_frac",
+        "ppo_clip_frac",
+        "counterfactual_last_update_masked_frac",
+        "last_update_clip_frac",
+        "drift_abs_p90",
+        "drift_abs_p99",
+        "drift_abs_max",
+        "loss_tokens",
+        "response_tokens",
+        "updates",
+        "seconds",
+        "sample_seconds",
+        "sampler_checkpoint",
+        "entropy",
+        "kl_sample_train_v1",
+        "rollout_seconds",
+        "cookbook_env",
+    ]
     assert rec.dppo_masked_frac.counterfactual and not rec.ppo_clip_frac.counterfactual
     assert fraction(row, "dppo_masked_frac") == rec.dppo_masked_frac
     assert fraction(row, "ppo_clip_frac") == rec.ppo_clip_frac

@@ -55,7 +55,9 @@ def test_refusal_after_an_update_restores_the_step_start_before_the_retry():
         restores.append((path, dict(failure)))
         return _runner(FakeArm(applied=saved[path]))
 
-    guard = comparison_arms.GuardedArmStep(_runner(FakeArm(applied=2, refuse_at=2)), 1, "tinker://m/weights/step1", restore, _step)
+    guard = comparison_arms.GuardedArmStep(
+        _runner(FakeArm(applied=2, refuse_at=2)), 1, "tinker://m/weights/step1", restore, _step
+    )
     row = _retry(guard)
     assert row == {"applied": 4, "attempt": 1}  # exactly updates_per_batch on top of the step start
     assert [p for p, _ in restores] == ["tinker://m/weights/step1"]
@@ -111,9 +113,17 @@ def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypat
         for _ in range(runner.spec.updates_per_batch):
             progress.updates_submitted += 1
             runner.client.update()
-        return {"arm": runner.spec.name, "step": step, "applied": runner.client.applied, "reward_mean": 0.0,
-                "format_rate": 0.0, "dppo_masked_frac": 0.0, "ppo_clip_frac": 0.0, "drift_abs_p90": 0.0,
-                "seconds": 0.0}, []
+        return {
+            "arm": runner.spec.name,
+            "step": step,
+            "applied": runner.client.applied,
+            "reward_mean": 0.0,
+            "format_rate": 0.0,
+            "dppo_masked_frac": 0.0,
+            "ppo_clip_frac": 0.0,
+            "drift_abs_p90": 0.0,
+            "seconds": 0.0,
+        }, []
 
     def save_state(runner, steps_done):
         path = f"tinker://{runner.spec.name}/weights/step{steps_done}"
@@ -135,8 +145,18 @@ def test_train_arms_restores_the_refused_arm_from_its_step_start_state(monkeypat
     monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
     state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
     runners = [comparison_arms.ArmRunner(a, fakes[a.name], None, None) for a in cfg.arms]
-    out = comparison_arms.train_arms(runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", schedule=schedule,
-                       save_state=save_state, restore=restore, call=call)
+    out = comparison_arms.train_arms(
+        runners,
+        cfg,
+        state,
+        items_for_step=lambda s: [],
+        renderer=None,
+        tag="t",
+        schedule=schedule,
+        save_state=save_state,
+        restore=restore,
+        call=call,
+    )
     assert out.steps_completed == 3 and out.stopped is None
     assert restored == [("grpo_seed0", "tinker://grpo_seed0/weights/step1")]
     final = {r["arm"]: r["applied"] for r in out.rows if r["step"] == 2}

@@ -23,10 +23,23 @@ REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B", None, "get_info")
 
 def _result(served, drift=0.0):
     records = simulate_records(seed=1, drift_per_update=drift)
-    return analyse(CFG, PLAN, records, selftest=deterministic_selftest(), sentinels={}, frozen_by_call=None,
-                      updates_done=len(records), stop_reason="update cap reached", wall_seconds=579.4,
-                      setup_seconds=40.0, frozen_sha256="0" * 64, minibatches=[], errors=[], spec=None,
-                      served=served)
+    return analyse(
+        CFG,
+        PLAN,
+        records,
+        selftest=deterministic_selftest(),
+        sentinels={},
+        frozen_by_call=None,
+        updates_done=len(records),
+        stop_reason="update cap reached",
+        wall_seconds=579.4,
+        setup_seconds=40.0,
+        frozen_sha256="0" * 64,
+        minibatches=[],
+        errors=[],
+        spec=None,
+        served=served,
+    )
 
 
 def test_count_sentences():
@@ -70,12 +83,21 @@ def test_summary_is_at_most_two_plain_sentences_and_names_the_stand_in(served):
 
 
 def test_served_model_from_get_info():
-    info = {"model_data": {"arch": "local/tiny-qwen3-gsm8k", "model_name": "Qwen/Qwen3.5-2B",
-                           "embedded_server": "dppo-harness"}}
+    info = {
+        "model_data": {
+            "arch": "local/tiny-qwen3-gsm8k",
+            "model_name": "Qwen/Qwen3.5-2B",
+            "embedded_server": "dppo-harness",
+        }
+    }
     # Through TINKER_BASE_URL (backend tinker) the embedded server is still a stand-in.
     assert served_model_from_info(info, "Qwen/Qwen3.5-2B", backend="tinker").stand_in == "local/tiny-qwen3-gsm8k"
-    assert served_model_from_info({"model_data": {"arch": "Qwen/Qwen3.5-2B"}}, "Qwen/Qwen3.5-2B",
-                                     backend="tinker").stand_in is None
+    assert (
+        served_model_from_info(
+            {"model_data": {"arch": "Qwen/Qwen3.5-2B"}}, "Qwen/Qwen3.5-2B", backend="tinker"
+        ).stand_in
+        is None
+    )
     assert served_model_from_info(None, "Qwen/Qwen3.5-2B", backend="local").is_stand_in
 
 

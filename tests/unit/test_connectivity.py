@@ -15,8 +15,11 @@ import pytest
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.service.connectivity import ConnectivityError, auth_failure_line, check_connectivity
 
-ENV = {"TINKER_API_KEY": "tml-PLANTED-key-7f3a", "MODAL_PROXY_TOKEN_ID": "wk-PLANTED-id-91c2",
-       "MODAL_PROXY_TOKEN_SECRET": "ws-PLANTED-secret-5d0e"}
+ENV = {
+    "TINKER_API_KEY": "tml-PLANTED-key-7f3a",
+    "MODAL_PROXY_TOKEN_ID": "wk-PLANTED-id-91c2",
+    "MODAL_PROXY_TOKEN_SECRET": "ws-PLANTED-secret-5d0e",
+}
 QWEN = "Qwen/Qwen3.5-2B"
 
 
@@ -25,8 +28,7 @@ class Stub:
     client/dynamic_config, GET get_server_capabilities, as configured); checks the proxy headers
     on every request."""
 
-    def __init__(self, *, status=200, models=(QWEN,), marker=False, require_auth=True, body=None, jwt=None,
-                 modal=True):
+    def __init__(self, *, status=200, models=(QWEN,), marker=False, require_auth=True, body=None, jwt=None, modal=True):
         self.status, self.models, self.marker, self.require_auth, self.body = status, models, marker, require_auth, body
         self.jwt = jwt  # set: the service asks for the SDK's JWT exchange and accepts only the JWT afterwards
         self.modal = modal  # False: a stock Tinker service, the API key only
@@ -69,8 +71,11 @@ class Stub:
         if path not in ("/api/v1/get_server_capabilities", "/api/v1/client/config", "/api/v1/client/dynamic_config"):
             return 404, {"error": "not found"}
         if self.require_auth:
-            for h, var in (("X-API-Key", "TINKER_API_KEY"), ("Modal-Key", "MODAL_PROXY_TOKEN_ID"),
-                           ("Modal-Secret", "MODAL_PROXY_TOKEN_SECRET"))[: 3 if self.modal else 1]:
+            for h, var in (
+                ("X-API-Key", "TINKER_API_KEY"),
+                ("Modal-Key", "MODAL_PROXY_TOKEN_ID"),
+                ("Modal-Secret", "MODAL_PROXY_TOKEN_SECRET"),
+            )[: 3 if self.modal else 1]:
                 if h not in headers:
                     return 401, {"error": f"missing header {h}", "category": "user"}
                 if headers[h] != ENV[var]:
@@ -81,8 +86,14 @@ class Stub:
             return 200, {}  # the SDK's defaults: API-key auth
         caps = self.body or {"supported_models": [{"model_name": m, "trainable": True} for m in self.models]}
         if self.marker:
-            caps = dict(caps, embedded_server={"marker": EMBEDDED_SERVER_MARKER, "stand_in": "local/tiny-qwen3-gsm8k",
-                                               "profile": "spindle"})
+            caps = dict(
+                caps,
+                embedded_server={
+                    "marker": EMBEDDED_SERVER_MARKER,
+                    "stand_in": "local/tiny-qwen3-gsm8k",
+                    "profile": "spindle",
+                },
+            )
         return 200, caps
 
     def answer_jwt(self, path, headers):
@@ -134,8 +145,12 @@ def test_all_checks_pass_and_headers_are_the_sdks(stub_factory):
     assert all(h["x-api-key"] == ENV["TINKER_API_KEY"] for h in headers)
     assert all(h["modal-secret"] == ENV["MODAL_PROXY_TOKEN_SECRET"] for h in headers)
     # the SDK's own requests: its first contact, the holder every ServiceClient builds, the read
-    assert s.paths == ["POST /api/v1/client/config", "POST /api/v1/client/config",
-                       "POST /api/v1/client/dynamic_config", "GET /api/v1/get_server_capabilities"]
+    assert s.paths == [
+        "POST /api/v1/client/config",
+        "POST /api/v1/client/config",
+        "POST /api/v1/client/dynamic_config",
+        "GET /api/v1/get_server_capabilities",
+    ]
     assert all(h["user-agent"].startswith("Tinker/") or "tinker" in h["user-agent"].lower() for h in headers)
     assert json.dumps(rep.as_evidence()).count("PLANTED") == 0
 
@@ -153,7 +168,9 @@ def test_stock_tinker_service_needs_only_url_and_api_key(stub_factory):
     """Without MODAL_PROXY_TOKEN_ID/SECRET no Modal header is sent, and a service that asks for
     none accepts the run."""
     s = stub_factory(modal=False)
-    rep = check_connectivity("tinker", None, QWEN, env={"TINKER_API_KEY": ENV["TINKER_API_KEY"], "TINKER_BASE_URL": s.url})
+    rep = check_connectivity(
+        "tinker", None, QWEN, env={"TINKER_API_KEY": ENV["TINKER_API_KEY"], "TINKER_BASE_URL": s.url}
+    )
     assert rep.model == QWEN and "proxy headers: none (no proxy-token variables set)" in rep.checks[0]["detail"]
     assert not {"Modal-Key", "Modal-Secret"} & set(s.seen_headers[0])
 
@@ -275,13 +292,21 @@ def test_the_environments_proxy_is_used_like_the_sdks(stub_factory, monkeypatch)
 def test_runs_credentials_feed_the_proxy_headers(stub_factory):
     """--proxy-credentials runs: Modal-Key/Modal-Secret from RUNS_PROXY_TOKEN_*; lines name those."""
     s = stub_factory()
-    runs = {"TINKER_API_KEY": ENV["TINKER_API_KEY"], "RUNS_PROXY_TOKEN_ID": ENV["MODAL_PROXY_TOKEN_ID"],
-            "RUNS_PROXY_TOKEN_SECRET": ENV["MODAL_PROXY_TOKEN_SECRET"]}
+    runs = {
+        "TINKER_API_KEY": ENV["TINKER_API_KEY"],
+        "RUNS_PROXY_TOKEN_ID": ENV["MODAL_PROXY_TOKEN_ID"],
+        "RUNS_PROXY_TOKEN_SECRET": ENV["MODAL_PROXY_TOKEN_SECRET"],
+    }
     rep = check_connectivity("tinker", None, QWEN, env=dict(runs, TINKER_BASE_URL=s.url), proxy_tokens="runs")
     assert rep.model == QWEN
     with pytest.raises(ConnectivityError) as ei:
-        check_connectivity("tinker", None, QWEN, env=dict(runs, TINKER_BASE_URL=s.url,
-                                                          RUNS_PROXY_TOKEN_SECRET="ws-wrong"), proxy_tokens="runs")
+        check_connectivity(
+            "tinker",
+            None,
+            QWEN,
+            env=dict(runs, TINKER_BASE_URL=s.url, RUNS_PROXY_TOKEN_SECRET="ws-wrong"),
+            proxy_tokens="runs",
+        )
     assert "check RUNS_PROXY_TOKEN_ID/SECRET" in str(ei.value) and "RUNS_PROXY_TOKEN_SECRET" in str(ei.value)
     with pytest.raises(ConnectivityError, match="RUNS_PROXY_TOKEN_ID"):
         check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url), proxy_tokens="runs")

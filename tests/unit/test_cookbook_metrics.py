@@ -35,7 +35,7 @@ def test_kl_sample_train_and_entropy_match_the_cookbook_definition_by_hand():
     p = np.concatenate([r.tensors["logprobs_N"][r.tensors["mask_N"] > 0] for r in records]).astype(np.float64)
     d = q - p  # sampler minus trainer over action tokens
     assert kl["optim/kl_sample_train_v1"] == pytest.approx(d.mean(), rel=1e-5, abs=1e-7)
-    assert kl["optim/kl_sample_train_v2"] == pytest.approx(0.5 * (d ** 2).mean(), rel=1e-5)
+    assert kl["optim/kl_sample_train_v2"] == pytest.approx(0.5 * (d**2).mean(), rel=1e-5)
     assert kl["optim/entropy"] == pytest.approx(-q.mean(), rel=1e-5)
     assert kl["optim/kl_sample_train_v2"] > 0  # the simulated policy drifted
 
@@ -52,8 +52,11 @@ def _tiny_batch():
     groups = []
     for g, rewards in enumerate(([1.0, 0.0], [-0.1, -0.1])):
         graded = tuple(Graded(r, r > -0.1, r > 0.5, "", True, r > -0.1) for r in rewards)
-        groups.append(rollouts.SampledGroup(g, item, (1, 2, 3), ((4, 5), (6, 7, 8)), ((0.0, 0.0), (0.0, 0.0, 0.0)),
-                                            ("stop", "length"), graded, None))
+        groups.append(
+            rollouts.SampledGroup(
+                g, item, (1, 2, 3), ((4, 5), (6, 7, 8)), ((0.0, 0.0), (0.0, 0.0, 0.0)), ("stop", "length"), graded, None
+            )
+        )
     cfg = rollouts.RolloutConfig(groups_per_batch=2, group_size=2, temperature=1.0, max_tokens=3)
     return rollouts.RolloutBatch(tuple(groups), cfg, "tinker://m/sampler_weights/s0", "m", (9,), 0.1, 0.0)
 
@@ -64,13 +67,34 @@ def test_step_record_uses_the_cookbooks_names():
     assert env["env/all/reward/total"] == pytest.approx(np.mean([1.0, 0.0, -0.1, -0.1]))
     assert env["env/all/total_ac_tokens"] == 10 and env["env/all/by_group/frac_mixed"] == 0.5
     records = simulate_records(n_updates=2, minibatches_per_epoch=2, sequences=2)
-    row = step_metrics("grpo_seed0", 1, batch.summary(), records, loss=losses.GRPO_LOSS, seconds=3.0, sample_seconds=1.0,
-                         sampler_checkpoint="tinker://x", kl=CM.kl_sample_train(records), cookbook_env=env,
-                         rollout_seconds=0.5).as_row()
+    row = step_metrics(
+        "grpo_seed0",
+        1,
+        batch.summary(),
+        records,
+        loss=losses.GRPO_LOSS,
+        seconds=3.0,
+        sample_seconds=1.0,
+        sampler_checkpoint="tinker://x",
+        kl=CM.kl_sample_train(records),
+        cookbook_env=env,
+        rollout_seconds=0.5,
+    ).as_row()
     rec = CM.step_record(row, steps=4, learning_rate=2e-5)
-    for key in ("env/all/reward/total", "env/all/format", "env/all/correct", "env/all/total_ac_tokens",
-                "optim/kl_sample_train_v1", "optim/kl_sample_train_v2", "optim/entropy", "optim/lr",
-                "progress/batch", "progress/done_frac", "time/total", "time/sampling"):
+    for key in (
+        "env/all/reward/total",
+        "env/all/format",
+        "env/all/correct",
+        "env/all/total_ac_tokens",
+        "optim/kl_sample_train_v1",
+        "optim/kl_sample_train_v2",
+        "optim/entropy",
+        "optim/lr",
+        "progress/batch",
+        "progress/done_frac",
+        "time/total",
+        "time/sampling",
+    ):
         assert key in rec, key
     assert rec["progress/done_frac"] == 0.5 and rec["time/total"] == 3.0 and rec["time/sampling"] == 0.5
     assert rec["harness/counterfactual_dppo_masked_frac"] == row["counterfactual_dppo_masked_frac"]
@@ -95,8 +119,12 @@ def test_metrics_jsonl_per_arm_loads_with_the_cookbooks_readers(tmp_path):
 
 
 def test_wandb_request_option_then_env():
-    assert wandb_opt_in.wandb_request("p", env={"WANDB_PROJECT": "q"}) == wandb_opt_in.WandbRequest("p", "--wandb-project")
-    assert wandb_opt_in.wandb_request(None, env={"WANDB_PROJECT": "q"}) == wandb_opt_in.WandbRequest("q", "WANDB_PROJECT")
+    assert wandb_opt_in.wandb_request("p", env={"WANDB_PROJECT": "q"}) == wandb_opt_in.WandbRequest(
+        "p", "--wandb-project"
+    )
+    assert wandb_opt_in.wandb_request(None, env={"WANDB_PROJECT": "q"}) == wandb_opt_in.WandbRequest(
+        "q", "WANDB_PROJECT"
+    )
     assert wandb_opt_in.wandb_request(None, env={}).project is None
 
 
@@ -125,7 +153,7 @@ STUB = textwrap.dedent('''
         _note(event="finish")
 ''')
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, socket, sys
     from pathlib import Path
 
@@ -142,7 +170,7 @@ SCRIPT = textwrap.dedent('''
     log.close()
     print(json.dumps({"wandb_loaded": "wandb" in sys.modules and sys.modules["wandb"] is not None,
                       "status": log.status}))
-''')
+""")
 
 
 def _run(tmp_path: Path, project: str, env_project: str | None = None) -> tuple[dict, list[dict]]:
@@ -154,8 +182,13 @@ def _run(tmp_path: Path, project: str, env_project: str | None = None) -> tuple[
     env.update(PYTHONPATH=os.pathsep.join([str(stub), str(SRC)]), WANDB_STUB_LOG=str(events), TINKER_TELEMETRY="0")
     if env_project:
         env["WANDB_PROJECT"] = env_project
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "logs"), project], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "logs"), project],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = events.read_text().splitlines() if events.exists() else []
     return json.loads(out.stdout.strip().splitlines()[-1]), [json.loads(x) for x in lines]
@@ -166,8 +199,13 @@ def test_without_the_option_wandb_is_never_imported_nor_reached(tmp_path):
     --wandb-project or WANDB_PROJECT the metrics are written and wandb is not even imported."""
     result, events = _run(tmp_path, "")
     assert events == [] and result["wandb_loaded"] is False
-    assert result["status"]["wandb"] == {"requested": False, "source": "not requested", "project": None,
-                                         "active_arms": [], "problems": []}
+    assert result["status"]["wandb"] == {
+        "requested": False,
+        "source": "not requested",
+        "project": None,
+        "active_arms": [],
+        "problems": [],
+    }
     assert (tmp_path / "logs" / "a" / "metrics.jsonl").is_file()
 
 

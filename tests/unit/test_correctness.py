@@ -19,7 +19,13 @@ GOLDEN = ROOT / "tests" / "fixtures" / "dppo_golden_v1.json"
 SPEC = {
     "correctness_preflight": {
         "required": True,
-        "paths": [{"id": "grpo_dppo_custom_loss", "kind": "loss", "tolerances": copy.deepcopy(correctness_golden.DEFAULT_TOLERANCES)}],
+        "paths": [
+            {
+                "id": "grpo_dppo_custom_loss",
+                "kind": "loss",
+                "tolerances": copy.deepcopy(correctness_golden.DEFAULT_TOLERANCES),
+            }
+        ],
     }
 }
 _, CASES = correctness_reference.load_golden(GOLDEN)
@@ -31,7 +37,9 @@ def test_independent_reference_reproduces_golden_in_float64(case):
     assert np.array_equal(r.decision_BT, case.dppo_mask_BT > 0)
     assert r.loss == pytest.approx(case.dppo_loss, rel=1e-12, abs=1e-15)
     np.testing.assert_allclose(r.grad_BT, case.dppo_grad_BT, rtol=1e-12, atol=1e-15)
-    v = references.ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=20.0, dual_clip_c=1e4)
+    v = references.ref_ppo(
+        case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=20.0, dual_clip_c=1e4
+    )
     assert v.loss == pytest.approx(case.grpo_loss, rel=1e-12, abs=1e-15)
     np.testing.assert_allclose(v.grad_BT, case.grpo_grad_BT, rtol=1e-12, atol=1e-15)
 
@@ -63,15 +71,27 @@ def test_packing_has_prompt_junk_varied_lengths_and_an_empty_row():
 
 def test_parity_errors_and_acceptance_rule():
     e = correctness_golden.parity_errors([1.0, 2.0], [1.0, 2.0])
-    assert e == {"max_abs_error": 0.0, "reference_max_abs": 2.0, "relative_l2_error": 0.0, "cosine_similarity": pytest.approx(1.0)}
+    assert e == {
+        "max_abs_error": 0.0,
+        "reference_max_abs": 2.0,
+        "relative_l2_error": 0.0,
+        "cosine_similarity": pytest.approx(1.0),
+    }
     z = correctness_golden.parity_errors([0.0, 0.0], [0.0, 0.0])
     assert z["relative_l2_error"] is None and z["cosine_similarity"] is None
     tol = {"atol": 1e-5, "rtol": 1e-3, "min_cosine": 0.9999}
-    assert correctness_golden.errors_pass(correctness_golden.parity_errors([1.0 + 1.0e-3], [1.0]), tol)[0]  # 1e-3 <= 1e-5 + 1e-3 * 1
-    assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1.0 + 1.02e-3], [1.0]), {"atol": 1e-5, "rtol": 1e-3})[0]
-    assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1.0, -1.0], [1.0, 1.0]), {"atol": 10.0, "rtol": 0.0, "min_cosine": 0.9999})[0]
-    assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[0]  # zero reference: no cosine
-
+    assert correctness_golden.errors_pass(correctness_golden.parity_errors([1.0 + 1.0e-3], [1.0]), tol)[
+        0
+    ]  # 1e-3 <= 1e-5 + 1e-3 * 1
+    assert not correctness_golden.errors_pass(
+        correctness_golden.parity_errors([1.0 + 1.02e-3], [1.0]), {"atol": 1e-5, "rtol": 1e-3}
+    )[0]
+    assert not correctness_golden.errors_pass(
+        correctness_golden.parity_errors([1.0, -1.0], [1.0, 1.0]), {"atol": 10.0, "rtol": 0.0, "min_cosine": 0.9999}
+    )[0]
+    assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[
+        0
+    ]  # zero reference: no cosine
 
 
 def test_measures_json_is_parity_errors_as_written():
@@ -186,8 +206,15 @@ def test_preflight_block_has_the_briefs_shape(good_block):
     assert set(good_block) == {"required", "paths"} and good_block["required"] is True
     (p,) = good_block["paths"]
     assert set(p) == {
-        "id", "fixed_input", "baseline_revision", "reference_revision", "implementation_revision",
-        "precision", "normalization", "errors", "lr_scaling",
+        "id",
+        "fixed_input",
+        "baseline_revision",
+        "reference_revision",
+        "implementation_revision",
+        "precision",
+        "normalization",
+        "errors",
+        "lr_scaling",
     }
     assert p["id"] == "grpo_dppo_custom_loss" and p["lr_scaling"] == []
     assert p["fixed_input"]["sha256"] == correctness_reference.file_sha256(GOLDEN)
@@ -238,7 +265,17 @@ def _mutated(block, fn):
         lambda p: p.update(id="other_path"),
         lambda p: p.update(lr_scaling=[{"learning_rate": 1e-5, "update_norm": -1.0}]),
     ],
-    ids=["missing_check", "loss_error", "low_cosine", "null_cosine", "non_numeric", "unresolved_revision", "bad_sha", "missing_path", "bad_lr_probe"],
+    ids=[
+        "missing_check",
+        "loss_error",
+        "low_cosine",
+        "null_cosine",
+        "non_numeric",
+        "unresolved_revision",
+        "bad_sha",
+        "missing_path",
+        "bad_lr_probe",
+    ],
 )
 def test_validate_cli_fails_on_bad_or_missing_evidence(tmp_path, good_block, mutate, capsys):
     r = _validate(tmp_path, SPEC, _mutated(good_block, mutate), capsys)
@@ -247,7 +284,9 @@ def test_validate_cli_fails_on_bad_or_missing_evidence(tmp_path, good_block, mut
 
 
 def test_validate_not_applicable_and_unreadable(tmp_path, good_block, capsys):
-    r = _validate(tmp_path, {"correctness_preflight": {"required": False, "paths": []}}, {"required": False, "paths": []}, capsys)
+    r = _validate(
+        tmp_path, {"correctness_preflight": {"required": False, "paths": []}}, {"required": False, "paths": []}, capsys
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("not_applicable")
     with pytest.raises(SystemExit, match="cannot read"):
         cx.main(["validate", str(tmp_path / "nope.json"), str(tmp_path / "nope.json")])
@@ -257,7 +296,17 @@ def test_validate_checks_lr_scaling_when_the_spec_sets_a_tolerance(good_block):
     spec = copy.deepcopy(SPEC)
     spec["correctness_preflight"]["paths"][0]["tolerances"]["lr_scaling"] = {"max_relative_error": 0.05}
     assert cx.validate_preflight(spec, good_block)[0] == "failed"  # no probes recorded yet
-    ok = _mutated(good_block, lambda p: p.update(lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0}, {"learning_rate": 2e-5, "update_norm": 4.02}]))
+    ok = _mutated(
+        good_block,
+        lambda p: p.update(
+            lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0}, {"learning_rate": 2e-5, "update_norm": 4.02}]
+        ),
+    )
     assert cx.validate_preflight(spec, ok)[0] == "passed"
-    bad = _mutated(good_block, lambda p: p.update(lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0}, {"learning_rate": 2e-5, "update_norm": 3.0}]))
+    bad = _mutated(
+        good_block,
+        lambda p: p.update(
+            lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0}, {"learning_rate": 2e-5, "update_norm": 3.0}]
+        ),
+    )
     assert cx.validate_preflight(spec, bad)[0] == "failed"

@@ -54,7 +54,9 @@ def test_passes_on_the_shared_golden_file_and_records_the_steps_block():
 
 
 def test_fails_on_a_tampered_golden_value(tmp_path):
-    outcome = run_correctness_preflight(SPEC, UNMEASURED, TRAINED, ROOT, golden=_tampered_golden(tmp_path), modes=("float64",))
+    outcome = run_correctness_preflight(
+        SPEC, UNMEASURED, TRAINED, ROOT, golden=_tampered_golden(tmp_path), modes=("float64",)
+    )
     assert not outcome.passed
     assert outcome.report.n_failed > 0
     assert any(line.startswith("FAIL zero_and_mixed_advantages [float64]") for line in outcome.failures())
@@ -93,11 +95,13 @@ def test_fails_when_the_spec_sets_an_lr_tolerance_the_probe_could_not_meet():
     unmeasured = run_correctness_preflight(spec, UNMEASURED, TRAINED, ROOT, modes=("float64",))
     assert unmeasured.report.n_failed == 0 and not unmeasured.passed and unmeasured.status == "failed"
     assert any("lr_scaling unavailable" in line for line in unmeasured.failures())
-    off = LrScalingMeasured(lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0},
-                                        {"learning_rate": 2e-5, "update_norm": 3.0}])
+    off = LrScalingMeasured(
+        lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0}, {"learning_rate": 2e-5, "update_norm": 3.0}]
+    )
     assert not run_correctness_preflight(spec, off, TRAINED, ROOT, modes=("float64",)).passed
-    good = LrScalingMeasured(lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0},
-                                         {"learning_rate": 2e-5, "update_norm": 4.02}])
+    good = LrScalingMeasured(
+        lr_scaling=[{"learning_rate": 1e-5, "update_norm": 2.0}, {"learning_rate": 2e-5, "update_norm": 4.02}]
+    )
     assert run_correctness_preflight(spec, good, TRAINED, ROOT, modes=("float64",)).passed
 
 

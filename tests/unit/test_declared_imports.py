@@ -40,7 +40,9 @@ def imported_top_level_modules() -> dict[str, set[str]]:
 
 def declared_distributions() -> set[str]:
     project = tomllib.loads(PYPROJECT.read_text())["project"]
-    reqs = list(project["dependencies"]) + [r for extra in project.get("optional-dependencies", {}).values() for r in extra]
+    reqs = list(project["dependencies"]) + [
+        r for extra in project.get("optional-dependencies", {}).values() for r in extra
+    ]
     return {_norm(re.match(r"[A-Za-z0-9._-]+", r).group(0)) for r in reqs}
 
 
@@ -65,7 +67,9 @@ def test_every_imported_third_party_module_is_declared():
 
 def test_the_check_finds_an_undeclared_import(monkeypatch):
     real = declared_distributions()
-    monkeypatch.setattr(sys.modules[__name__], "declared_distributions", lambda: real - {"safetensors", "pydantic-core"})
+    monkeypatch.setattr(
+        sys.modules[__name__], "declared_distributions", lambda: real - {"safetensors", "pydantic-core"}
+    )
     found = undeclared()
     assert {"safetensors", "pydantic_core"} <= set(found)
     assert "train/weights_readback.py" in found["safetensors"] and "plans/schema_errors.py" in found["pydantic_core"]

@@ -31,12 +31,26 @@ def test_the_saved_spec_on_the_embedded_server_is_projected_at_its_own_size():
 
 
 def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
-    res = feasibility.FeasibilityResult(schedule=None, timings=None, projection=None, block={}, check={}, passed=False,
-                                        failures=["projected 40000 s > remaining budget 7200 s"])
+    res = feasibility.FeasibilityResult(
+        schedule=None,
+        timings=None,
+        projection=None,
+        block={},
+        check={},
+        passed=False,
+        failures=["projected 40000 s > remaining budget 7200 s"],
+    )
     assert "plans rehearse" not in res.failure_message()
-    local = feasibility.FeasibilityResult(schedule=None, timings=None, projection=None, block={}, check={},
-                                          passed=False, failures=["projected 40000 s > remaining budget 7200 s"],
-                                          embedded_server=True)
+    local = feasibility.FeasibilityResult(
+        schedule=None,
+        timings=None,
+        projection=None,
+        block={},
+        check={},
+        passed=False,
+        failures=["projected 40000 s > remaining budget 7200 s"],
+        embedded_server=True,
+    )
     msg = local.failure_message()
     assert "projected 40000 s" in msg
     assert "python -m dppo_harness.plans rehearse SPEC --out PLAN" in msg
@@ -49,8 +63,10 @@ def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer()
     from dppo_harness.plans import parse_plan
 
     pilots = feasibility.arm_pilots(SPEC)
-    assert [(p.name, p.loss) for p in pilots] == [("grpo_seed0", "grpo_clip_eps0.2"),
-                                                   ("dppo_seed0", "dppo_divergence_mask")]
+    assert [(p.name, p.loss) for p in pilots] == [
+        ("grpo_seed0", "grpo_clip_eps0.2"),
+        ("dppo_seed0", "dppo_divergence_mask"),
+    ]
     assert all(p.optimizer["learning_rate"] == 2e-5 for p in pilots)
     raw = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
     other = copy.deepcopy(raw)

@@ -29,11 +29,22 @@ def test_config_is_the_plan_as_written():
     c = CFG
     assert (c.groups_per_batch, c.group_size, c.minibatches_per_epoch, c.groups_per_minibatch) == (32, 8, 8, 4)
     assert (c.epochs, c.max_updates, c.max_wall_seconds, c.max_tokens) == (2, 16, 720.0, 512)
-    assert c.adam == {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    assert c.adam == {
+        "learning_rate": 2e-5,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "grad_clip_norm": 0.0,
+    }
     assert (c.delta, c.ratio_cap, c.ppo_eps, c.normalization) == (0.15, 10.0, 0.2, "token_mean")
     assert c.sentinel_after_updates == (0, 1, 2, 4, 8, 16) and c.reductions == ()
     small = diagnostic_config(PLAN, groups_per_batch=4, minibatches_per_epoch=2, groups_per_minibatch=2)
-    assert {r["field"] for r in small.reductions} == {"groups_per_batch", "minibatches_per_epoch", "groups_per_minibatch"}
+    assert {r["field"] for r in small.reductions} == {
+        "groups_per_batch",
+        "minibatches_per_epoch",
+        "groups_per_minibatch",
+    }
     with pytest.raises(DiagnosticError, match="unknown diagnostic overrides"):
         diagnostic_config(PLAN, delta=0.05)
     with pytest.raises(DiagnosticError, match="groups_per_batch must equal"):
@@ -52,7 +63,9 @@ def test_must_fire_and_must_not_fire_cases_pass_on_the_real_loss():
 @pytest.mark.parametrize(
     "mutant",
     [
-        lambda cfg: make_loss_fn(LossConfig(loss="dppo_divergence_mask", normalization=cfg.normalization, dppo_delta=0.99)),  # never fires
+        lambda cfg: make_loss_fn(
+            LossConfig(loss="dppo_divergence_mask", normalization=cfg.normalization, dppo_delta=0.99)
+        ),  # never fires
         lambda cfg: make_loss_fn(LossConfig(loss="grpo_clip_eps0.2", normalization=cfg.normalization)),  # wrong rule
     ],
     ids=["mask-disabled", "grpo-instead"],
@@ -72,9 +85,18 @@ def _analyse(records):
 
 def _classify(records, **kw):
     second, pooled, crit = _analyse(records)
-    args = dict(criteria=crit, pooled=pooled, selftest=deterministic_selftest(), integrity_problems=[],
-                variant_problems=[], sentinels={}, updates_done=len(records), second_epoch_calls=len(second),
-                stop_reason="update cap reached", delta=0.15)
+    args = dict(
+        criteria=crit,
+        pooled=pooled,
+        selftest=deterministic_selftest(),
+        integrity_problems=[],
+        variant_problems=[],
+        sentinels={},
+        updates_done=len(records),
+        second_epoch_calls=len(second),
+        stop_reason="update cap reached",
+        delta=0.15,
+    )
     args.update(kw)
     return classify(**args)
 
@@ -118,16 +140,29 @@ def test_pooling_weights_by_loss_tokens_not_by_call():
 
 
 def test_criteria_respect_applies_when_and_reject_unknown_pooling():
-    pooled = {"tokens/pos_adv": 10, "tokens/neg_adv": 0, "dppo/removed_pos_adv": 3, "dppo/removed_neg_adv": 0,
-              "dppo/masked_frac_loss_tokens": 0.01, "ppo/clip_frac_loss_tokens": 0.001, "drift/abs_p90": 0.01}
+    pooled = {
+        "tokens/pos_adv": 10,
+        "tokens/neg_adv": 0,
+        "dppo/removed_pos_adv": 3,
+        "dppo/removed_neg_adv": 0,
+        "dppo/masked_frac_loss_tokens": 0.01,
+        "ppo/clip_frac_loss_tokens": 0.001,
+        "drift/abs_p90": 0.01,
+    }
     by_id = {c.id: c for c in evaluate_criteria(CRITERIA, pooled)}
     assert by_id["removed_gradient_neg_adv"].applies is False and by_id["removed_gradient_neg_adv"].passed is None
     assert by_id["removed_gradient_pos_adv"].passed is True
     pooled["dppo/removed_pos_adv"] = 0
     assert evaluate_criteria(CRITERIA, pooled)[3].passed is False  # min_exclusive 0
     with pytest.raises(DiagnosticError, match="not implemented"):
-        evaluate_criteria([AnalysisCriterion.model_construct(id="x", metric="drift/abs_p90", measures="", pooling="mean_of_calls",
-                                                              min=0)], pooled)
+        evaluate_criteria(
+            [
+                AnalysisCriterion.model_construct(
+                    id="x", metric="drift/abs_p90", measures="", pooling="mean_of_calls", min=0
+                )
+            ],
+            pooled,
+        )
 
 
 def test_causes_missing_evidence_defect_and_wrong_anchor():
@@ -137,7 +172,9 @@ def test_causes_missing_evidence_defect_and_wrong_anchor():
     assert c.cause == "missing_evidence" and "No second-epoch loss call" in c.explanation
     c = _classify(records, integrity_problems=["update 9: dppo_keep_N differs on 1 tokens"])
     assert c.cause == "code_or_instrumentation_defect" and not c.active
-    broken = deterministic_selftest(loss_fn_factory=lambda cfg: make_loss_fn(LossConfig(loss="grpo_clip_eps0.2", normalization="sum")))
+    broken = deterministic_selftest(
+        loss_fn_factory=lambda cfg: make_loss_fn(LossConfig(loss="grpo_clip_eps0.2", normalization="sum"))
+    )
     assert _classify(records, selftest=broken).cause == "code_or_instrumentation_defect"
     # The anchor equal to the current policy after updates: detected as the wrong reference.
     for r in records:

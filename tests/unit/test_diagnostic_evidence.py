@@ -21,7 +21,9 @@ PLAN = load_plan(ROOT / "plans/exp_e6b0965af3-diagnostic-r1.json")
 def test_plan_declares_every_probe_update_with_reason_and_count():
     sw = PLAN.raw["service_work"]
     ids = {i["id"]: i for i in sw["items"]}
-    assert ids["restore_continuity_probe"]["optimizer_updates"] == 3 and ids["lr_scaling_probe"]["optimizer_updates"] == 3
+    assert (
+        ids["restore_continuity_probe"]["optimizer_updates"] == 3 and ids["lr_scaling_probe"]["optimizer_updates"] == 3
+    )
     assert ids["feasibility_pilot"]["optimizer_updates"] == 0 and ids["feasibility_pilot"]["sampling_batches"] == 0
     assert ids["bounded_diagnostic"]["optimizer_updates"] == 16 and sw["max_total_sampling_batches"] == 1
     assert all(i["reason"] for i in sw["items"])
@@ -37,16 +39,30 @@ def test_plan_totals_must_match(tmp_path):
 
 
 def test_service_work_ledger_flags_undeclared_and_excess_work():
-    ok = evidence_items.service_work_ledger(PLAN.diagnostic.service_work, {"restore_continuity_probe": {"optimizer_updates": 3},
-                                           "lr_scaling_probe": {"optimizer_updates": 3},
-                                           "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1}})
+    ok = evidence_items.service_work_ledger(
+        PLAN.diagnostic.service_work,
+        {
+            "restore_continuity_probe": {"optimizer_updates": 3},
+            "lr_scaling_probe": {"optimizer_updates": 3},
+            "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1},
+        },
+    )
     assert ok["within_declaration"] and ok["executed_totals"] == {"optimizer_updates": 22, "sampling_batches": 1}
     # The old behaviour: a feasibility pilot with 2 updates and 16 rollouts under the diagnostic plan.
-    bad = evidence_items.service_work_ledger(PLAN.diagnostic.service_work, {"feasibility_pilot": {"optimizer_updates": 2, "sampling_batches": 1},
-                                            "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1}})
+    bad = evidence_items.service_work_ledger(
+        PLAN.diagnostic.service_work,
+        {
+            "feasibility_pilot": {"optimizer_updates": 2, "sampling_batches": 1},
+            "bounded_diagnostic": {"optimizer_updates": 16, "sampling_batches": 1},
+        },
+    )
     assert not bad["within_declaration"] and any("feasibility_pilot" in p for p in bad["problems"])
-    assert any("undeclared_probe" in p for p in evidence_items.service_work_ledger(
-        PLAN.diagnostic.service_work, {"undeclared_probe": {"optimizer_updates": 1}})["problems"])
+    assert any(
+        "undeclared_probe" in p
+        for p in evidence_items.service_work_ledger(
+            PLAN.diagnostic.service_work, {"undeclared_probe": {"optimizer_updates": 1}}
+        )["problems"]
+    )
     # The ledger's declared rows are the plan's items as the plan file states them.
     assert [r["declared"] for r in ok["items"]] == PLAN.raw["service_work"]["items"]
 
@@ -59,9 +75,18 @@ def test_original_gate_report_is_a_real_file_saying_unavailable():
 
 
 def test_feasibility_from_the_diagnostics_own_measurements():
-    f = evidence_items.diagnostic_feasibility(config={}, effective_config={}, primary_endpoint="x", setup_seconds=5.0,
-                                  sampling_seconds=60.0, sampled_sequences=256, update_seconds=[10.0] * 16,
-                                  sequences_per_update=32, planned_updates=16, recovery_seconds=30.0)
+    f = evidence_items.diagnostic_feasibility(
+        config={},
+        effective_config={},
+        primary_endpoint="x",
+        setup_seconds=5.0,
+        sampling_seconds=60.0,
+        sampled_sequences=256,
+        update_seconds=[10.0] * 16,
+        sequences_per_update=32,
+        planned_updates=16,
+        recovery_seconds=30.0,
+    )
     m = f["measurements"]
     assert m["training"]["seconds"] == 220.0 and m["training"]["units"] == 16 and m["training"]["samples"] == 768
     assert m["evaluation"]["planned_units"] == 0 and f["source"] == FEASIBILITY_SOURCE
@@ -85,7 +110,9 @@ def test_snapshots_are_immutable_numbered_and_respect_the_file_limit(tmp_path):
 @pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
 def test_validator_cli_exit_code():
     report = correctness_golden.check_golden(ROOT / "tests/fixtures/dppo_golden_v1.json", modes=("float64",))
-    block = correctness.build_preflight_block(report, PLAN.raw and json.loads((ROOT / "plans/exp_e6b0965af3.json").read_text()))
+    block = correctness.build_preflight_block(
+        report, PLAN.raw and json.loads((ROOT / "plans/exp_e6b0965af3.json").read_text())
+    )
     spec = (ROOT / "plans/exp_e6b0965af3.json").read_bytes()
     assert correctness.run_validator_cli(spec, block)["exit_code"] == 0
     block["paths"][0]["errors"] = {}
@@ -98,8 +125,12 @@ def test_the_validator_subprocess_gets_no_credential(monkeypatch):
     """The validator reads two files: no credential of the harness's environment reaches it."""
     import subprocess
 
-    planted = {"TINKER_API_KEY": "tml-planted-validator-key-0001", "HF_TOKEN": "hf_planted_validator_token_0001",
-               "MODAL_PROXY_TOKEN_SECRET": "planted-modal-secret-0001", "AWS_SECRET_ACCESS_KEY": "planted/aws/0001"}
+    planted = {
+        "TINKER_API_KEY": "tml-planted-validator-key-0001",
+        "HF_TOKEN": "hf_planted_validator_token_0001",
+        "MODAL_PROXY_TOKEN_SECRET": "planted-modal-secret-0001",
+        "AWS_SECRET_ACCESS_KEY": "planted/aws/0001",
+    }
     for k, v in planted.items():
         monkeypatch.setenv(k, v)
     seen: list[dict] = []

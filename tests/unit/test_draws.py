@@ -79,4 +79,3 @@ def test_a_strided_input_is_drawn_in_torchs_memory_order():
     x = torch.randn(7, 300, generator=torch.Generator().manual_seed(1)).T
     want = (x - torch.empty_like(x).exponential_(generator=torch.Generator().manual_seed(3)).log()).argmax(dim=-1)
     assert torch.equal(draws.gumbel_max(x, torch.Generator().manual_seed(3)), want)
-

@@ -44,8 +44,14 @@ def test_evaluator_id_is_the_briefs_hash_and_stable(bundle, test_split, evaluato
     assert "{question} Write your answer in \\boxed{} format." in prov["prompt_template"]
     # any item or decoding change is a different evaluator
     dev = evaluator.deviation
-    assert evaluation.freeze_evaluator(evaluator.items[:3], bundle, max_tokens=64, deviation=dev).evaluator_id != evaluator.evaluator_id
-    assert evaluation.freeze_evaluator(evaluator.items, bundle, max_tokens=512, deviation=dev).evaluator_id != evaluator.evaluator_id
+    assert (
+        evaluation.freeze_evaluator(evaluator.items[:3], bundle, max_tokens=64, deviation=dev).evaluator_id
+        != evaluator.evaluator_id
+    )
+    assert (
+        evaluation.freeze_evaluator(evaluator.items, bundle, max_tokens=512, deviation=dev).evaluator_id
+        != evaluator.evaluator_id
+    )
     assert set(evaluator.code_manifest["versions"]) >= {"tinker", "tinker-cookbook", "tml-renderers", "sympy"}
 
 
@@ -94,7 +100,12 @@ class GreedyScript:
         self.params.append((num_samples, sampling_params))
         text = [f"so \\boxed{{{self.refs[k % len(self.refs)]}}}", "\\boxed{-1}", "I do not know", ""][k % 4]
         toks = self.bundle.tokenizer.encode(text, add_special_tokens=False) + [constants.STOP_TOKEN_ID]
-        seq = SampledSequence(stop_reason="stop", sequence_id=str(k), tokens_np=np.asarray(toks, np.int32), logprobs_np=np.zeros(len(toks), np.float32))
+        seq = SampledSequence(
+            stop_reason="stop",
+            sequence_id=str(k),
+            tokens_np=np.asarray(toks, np.int32),
+            logprobs_np=np.zeros(len(toks), np.float32),
+        )
 
         class F:
             def result(self_inner):
@@ -105,8 +116,13 @@ class GreedyScript:
 
 def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
     sampler = GreedyScript(bundle, [it.reference for it in evaluator.items])
-    res = evaluation.evaluate(sampler, evaluator, arm="grpo_seed0", seed=0, checkpoint="tinker://m/sampler_weights/final", max_in_flight=2)
-    assert all(n == 1 and p.temperature == 0.0 and p.max_tokens == 64 and list(p.stop) == [constants.STOP_TOKEN_ID] for n, p in sampler.params)
+    res = evaluation.evaluate(
+        sampler, evaluator, arm="grpo_seed0", seed=0, checkpoint="tinker://m/sampler_weights/final", max_in_flight=2
+    )
+    assert all(
+        n == 1 and p.temperature == 0.0 and p.max_tokens == 64 and list(p.stop) == [constants.STOP_TOKEN_ID]
+        for n, p in sampler.params
+    )
     assert [r["value"] for r in res.rows] == [1, 0, 0, 0]
     assert [r["prediction"] for r in res.rows] == [evaluator.items[0].reference, "-1", None, None]
     assert res.accuracy == 0.25
@@ -114,13 +130,40 @@ def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
         assert row["item_id"] == item.item_id and row["reference"] == item.reference
         assert row["evaluator_id"] == evaluator.evaluator_id and row["checkpoint"].endswith("final")
     lines = res.predictions_jsonl().decode().splitlines()
-    assert len(lines) == 4 and {"item_id", "arm", "seed", "checkpoint", "prediction", "reference", "value", "evaluator_id"} <= set(json.loads(lines[2]))
+    assert len(lines) == 4 and {
+        "item_id",
+        "arm",
+        "seed",
+        "checkpoint",
+        "prediction",
+        "reference",
+        "value",
+        "evaluator_id",
+    } <= set(json.loads(lines[2]))
     obs = evaluation.observations_jsonl([res])
     first = json.loads(obs.decode().splitlines()[0])
-    assert first == {"item_id": "gsm8k-test-0000", "arm": "grpo_seed0", "seed": 0, "metric": "accuracy", "value": 1, "evaluator_id": evaluator.evaluator_id}
-    obj = evaluation.evaluation_object([evaluator], [res.score("predictions-grpo.jsonl")], [{"metric": "accuracy", "arms": ["grpo_seed0", "dppo_seed0"]}])
+    assert first == {
+        "item_id": "gsm8k-test-0000",
+        "arm": "grpo_seed0",
+        "seed": 0,
+        "metric": "accuracy",
+        "value": 1,
+        "evaluator_id": evaluator.evaluator_id,
+    }
+    obj = evaluation.evaluation_object(
+        [evaluator],
+        [res.score("predictions-grpo.jsonl")],
+        [{"metric": "accuracy", "arms": ["grpo_seed0", "dppo_seed0"]}],
+    )
     assert obj["version"] == 1 and obj["evaluators"][evaluator.evaluator_id]["items"]["ids"][0] == "gsm8k-test-0000"
-    assert obj["scores"][0] == {"arm": "grpo_seed0", "metric": "accuracy", "value": 0.25, "evaluator_id": evaluator.evaluator_id, "seed": 0, "predictions_ref": "predictions-grpo.jsonl"}
+    assert obj["scores"][0] == {
+        "arm": "grpo_seed0",
+        "metric": "accuracy",
+        "value": 0.25,
+        "evaluator_id": evaluator.evaluator_id,
+        "seed": 0,
+        "predictions_ref": "predictions-grpo.jsonl",
+    }
     dec = evaluation.decision_object("scored-observations.jsonl", obs)
     assert dec["observations_file"]["sha256"] == hashlib.sha256(obs).hexdigest()
 
@@ -132,10 +175,14 @@ def test_register_results_with_evidence_bundle(tmp_path, bundle, evaluator):
     a = evaluation.evaluate(sampler, evaluator, arm="grpo_seed0", seed=0, checkpoint="tinker://a")
     b = evaluation.evaluate(sampler, evaluator, arm="dppo_seed0", seed=0, checkpoint="tinker://b")
     ev = EvidenceBundle.create(tmp_path, run_id="eval-test")
-    obj, dec = evaluation.register_results(ev, [evaluator], [a, b], comparisons=[{"metric": "accuracy", "arms": ["grpo_seed0", "dppo_seed0"]}])
+    obj, dec = evaluation.register_results(
+        ev, [evaluator], [a, b], comparisons=[{"metric": "accuracy", "arms": ["grpo_seed0", "dppo_seed0"]}]
+    )
     kinds = {e["name"]: e["kind"] for e in ev.files()}
     assert kinds["scored-observations.jsonl"] == "metrics"
-    assert sorted(k for k, v in kinds.items() if v == "predictions") == sorted(s["predictions_ref"] for s in obj["scores"])
+    assert sorted(k for k, v in kinds.items() if v == "predictions") == sorted(
+        s["predictions_ref"] for s in obj["scores"]
+    )
     obs_bytes = ev.file_path("scored-observations.jsonl").read_bytes()
     assert dec["observations_file"]["sha256"] == hashlib.sha256(obs_bytes).hexdigest()
     assert len(obs_bytes.decode().splitlines()) == 8
@@ -145,8 +192,12 @@ def test_register_results_with_evidence_bundle(tmp_path, bundle, evaluator):
 
 
 def test_observations_refuse_mixed_evaluators(bundle, evaluator):
-    a = evaluation.EvalResult("a", 0, "c", "x" * 64, ({"item_id": "i", "arm": "a", "seed": 0, "value": 1, "evaluator_id": "x" * 64},), 0.0)
-    b = evaluation.EvalResult("b", 0, "c", "y" * 64, ({"item_id": "i", "arm": "b", "seed": 0, "value": 1, "evaluator_id": "y" * 64},), 0.0)
+    a = evaluation.EvalResult(
+        "a", 0, "c", "x" * 64, ({"item_id": "i", "arm": "a", "seed": 0, "value": 1, "evaluator_id": "x" * 64},), 0.0
+    )
+    b = evaluation.EvalResult(
+        "b", 0, "c", "y" * 64, ({"item_id": "i", "arm": "b", "seed": 0, "value": 1, "evaluator_id": "y" * 64},), 0.0
+    )
     with pytest.raises(evaluation.EvaluatorChangedError, match="mix evaluators"):
         evaluation.observations_jsonl([a, b])
 
@@ -166,13 +217,21 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
                 def result(self_inner):
                     now["t"] += 8.0
                     return fut.result()
+
             return F()
 
     lines, at = [], []
     say = lambda m: (lines.append(m), at.append(now["t"]))  # noqa: E731
     sampler = Slow(bundle, [it.reference for it in evaluator.items])
-    evaluation.evaluate(sampler, evaluator, arm="dppo_seed0", seed=0, checkpoint="tinker://m/final", max_in_flight=2,
-                        on_item=items_progress(say, "dppo_seed0", 4, every_s=15.0, clock=lambda: now["t"]))
+    evaluation.evaluate(
+        sampler,
+        evaluator,
+        arm="dppo_seed0",
+        seed=0,
+        checkpoint="tinker://m/final",
+        max_in_flight=2,
+        on_item=items_progress(say, "dppo_seed0", 4, every_s=15.0, clock=lambda: now["t"]),
+    )
     assert lines[0].startswith("[comparison] evaluating dppo_seed0: 1/4 (25%), items answered")
     assert lines[1].startswith("[comparison] evaluating dppo_seed0: 3/4 (75%), items answered (24s)")
     assert lines[-1].startswith("[comparison] evaluating dppo_seed0: 4/4 (100%), items answered (32s)")
@@ -180,8 +239,20 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
 
 
 def test_prediction_json_keeps_the_row_keys_and_order():
-    row = {"item_id": "gsm8k-test-0000", "arm": "grpo_seed0", "seed": 0, "checkpoint": "tinker://x", "metric": "accuracy",
-           "prediction": None, "response": "no answer", "reference": "18", "value": 0, "format_ok": False,
-           "stop_reason": "length", "n_tokens": 512, "evaluator_id": "e" * 64}
+    row = {
+        "item_id": "gsm8k-test-0000",
+        "arm": "grpo_seed0",
+        "seed": 0,
+        "checkpoint": "tinker://x",
+        "metric": "accuracy",
+        "prediction": None,
+        "response": "no answer",
+        "reference": "18",
+        "value": 0,
+        "format_ok": False,
+        "stop_reason": "length",
+        "n_tokens": 512,
+        "evaluator_id": "e" * 64,
+    }
     out = evaluation.prediction_json(row)
     assert out == row and list(out) == list(row)

@@ -39,7 +39,9 @@ def toy():
 
     def grade_response(item, renderer, tokens):
         calls["grade_response"] += 1
-        return dataclasses.replace(gsm8k.grade_response(item, renderer, tokens), correct=True)  # the toy grades all right
+        return dataclasses.replace(
+            gsm8k.grade_response(item, renderer, tokens), correct=True
+        )  # the toy grades all right
 
     def item_id(split, index):
         return f"toy-{split}-{index:04d}"
@@ -58,9 +60,12 @@ def test_evaluation_prompts_and_grades_through_the_items_dataset(toy):
     bundle = make_renderer()
     test = gsm8k.load_split("test")
     items = tuple(ToyItem(**{f.name: getattr(it, f.name) for f in dataclasses.fields(it)}) for it in test.items[:3])
-    ev = evaluation.freeze_evaluator(items, bundle, max_tokens=32,
-                                     deviation={"field": "evaluator", "original": "all", "effective": "3",
-                                                "reason": "unit test subset"})
+    ev = evaluation.freeze_evaluator(
+        items,
+        bundle,
+        max_tokens=32,
+        deviation={"field": "evaluator", "original": "all", "effective": "3", "reason": "unit test subset"},
+    )
     assert f"dppo_harness/data/{__file__.rsplit('/', 1)[-1]}" in ev.code_manifest["files"]
     res = evaluation.evaluate(_Sampler(bundle, [("no box", "stop")]), ev, arm="a", seed=0, checkpoint="c")
     assert toy["build_prompt"] >= 3 and toy["grade_response"] == 3

@@ -40,8 +40,9 @@ def bundle(tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(SRC))
-    return subprocess.run([sys.executable, "-m", "dppo_harness.evidence", *args], capture_output=True,
-                          text=True, env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", *args], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def test_create_layout_and_initial_result(tmp_path):
@@ -103,8 +104,14 @@ def test_a_full_bundle_still_gets_its_final_result(tmp_path):
     b.set_budget(600.0)  # a ledger with entries, to be registered at the close
     for i in range(MAX_FILES - len(b.files())):
         b.register_bytes(f"f{i}.txt", "log", str(i).encode())
-    b.finish("failed", "inconclusive", "incomplete_execution", "Stopped: the stage failed.",
-             original_hypothesis_tested=False, tested_instead="nothing")
+    b.finish(
+        "failed",
+        "inconclusive",
+        "incomplete_execution",
+        "Stopped: the stage failed.",
+        original_hypothesis_tested=False,
+        tested_instead="nothing",
+    )
     r = json.loads((b.dir / "result.json").read_text())
     assert r["status"] == "failed" and r["summary"] == "Stopped: the stage failed."
     assert "64 files" in b.ledger()["ledger_file_not_registered"] and b.entry("budget-ledger.json") is None
@@ -117,6 +124,7 @@ def test_atomic_write_failure_keeps_old_state(bundle, monkeypatch):
 
     def broken_replace(src, dst):
         raise OSError("disk full")
+
     monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(ev.UnwritableEvidenceError, match="disk full"):
         bundle.register_bytes("late.txt", "log", b"data")
@@ -130,15 +138,18 @@ def test_atomic_write_failure_keeps_old_state(bundle, monkeypatch):
     assert verify_bundle(bundle.dir) == []
 
 
-@pytest.mark.parametrize("encode", [
-    lambda s: b"token=" + s.encode(),
-    lambda s: base64.b64encode(b"Authorization: " + s.encode() + b"\n"),  # embedded at an offset
-    lambda s: base64.b64encode(b"x" + s.encode()),
-    lambda s: base64.urlsafe_b64encode(b"ab" + s.encode()),
-    lambda s: b"https://h/?k=" + quote(s + "/x", safe="").encode(),
-    lambda s: json.dumps({"k": s}).encode(),
-    lambda s: s.encode().hex().encode(),
-])
+@pytest.mark.parametrize(
+    "encode",
+    [
+        lambda s: b"token=" + s.encode(),
+        lambda s: base64.b64encode(b"Authorization: " + s.encode() + b"\n"),  # embedded at an offset
+        lambda s: base64.b64encode(b"x" + s.encode()),
+        lambda s: base64.urlsafe_b64encode(b"ab" + s.encode()),
+        lambda s: b"https://h/?k=" + quote(s + "/x", safe="").encode(),
+        lambda s: json.dumps({"k": s}).encode(),
+        lambda s: s.encode().hex().encode(),
+    ],
+)
 def test_planted_secret_in_file_is_blocked(tmp_path, monkeypatch, encode):
     monkeypatch.setenv("TINKER_API_KEY", FAKE_KEY)
     b = EvidenceBundle.create(tmp_path, "leak")  # env=None: reads os.environ at every scan
@@ -160,12 +171,21 @@ def test_a_secret_beside_the_bundle_fails_verify(tmp_path, where):
     beside the registered files: verify scans them like evidence."""
     env = {"TINKER_API_KEY": FAKE_KEY}
     b = EvidenceBundle.create(tmp_path, "beside", env=env)
-    b.finish("succeeded", "inconclusive", "incomplete_execution", "Stages run: unit.",
-             original_hypothesis_tested=False, tested_instead="nothing")
+    b.finish(
+        "succeeded",
+        "inconclusive",
+        "incomplete_execution",
+        "Stages run: unit.",
+        original_hypothesis_tested=False,
+        tested_instead="nothing",
+    )
     state = tmp_path / "comparison-state" / b.dir.name
-    clean = {"sidecar": b.dir / "notes.txt", "state": state / "comparison-state.json",
-             "metrics": state / "cookbook-metrics" / "grpo_seed0" / "metrics.jsonl",
-             "server_log": tmp_path / "local-server" / "server.log"}
+    clean = {
+        "sidecar": b.dir / "notes.txt",
+        "state": state / "comparison-state.json",
+        "metrics": state / "cookbook-metrics" / "grpo_seed0" / "metrics.jsonl",
+        "server_log": tmp_path / "local-server" / "server.log",
+    }
     for path in clean.values():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("nothing secret\n")
@@ -182,8 +202,14 @@ def test_a_secret_beside_the_bundle_fails_the_run_at_its_close(tmp_path):
     metrics = tmp_path / "comparison-state" / b.dir.name / "cookbook-metrics" / "dppo_seed0" / "metrics.jsonl"
     metrics.parent.mkdir(parents=True)
     metrics.write_text(json.dumps({"step": 1, "note": f"key={FAKE_KEY}"}) + "\n")
-    b.finish("succeeded", "inconclusive", "incomplete_execution", "Stages run: unit. All passed.",
-             original_hypothesis_tested=False, tested_instead="nothing")
+    b.finish(
+        "succeeded",
+        "inconclusive",
+        "incomplete_execution",
+        "Stages run: unit. All passed.",
+        original_hypothesis_tested=False,
+        tested_instead="nothing",
+    )
     r = json.loads((b.dir / "result.json").read_text())
     assert r["status"] == "failed" and "secret scanner" in r["summary"] and "metrics.jsonl" in r["summary"]
     assert FAKE_KEY not in (b.dir / "result.json").read_text()
@@ -217,16 +243,24 @@ def test_a_failure_is_sticky_whatever_closes_the_run_later(tmp_path, monkeypatch
     with pytest.raises(SecretLeakError):
         b.update_result(service_wait={"waiting": {"1": {"queue_state_reason": FAKE_MODAL}}})
     assert b.result["status"] == "failed"
-    b.finish("succeeded", "supported", "supported", "The comparison supports the hypothesis.",
-             original_hypothesis_tested=True, metrics={"late": 1.0})
+    b.finish(
+        "succeeded",
+        "supported",
+        "supported",
+        "The comparison supports the hypothesis.",
+        original_hypothesis_tested=True,
+        metrics={"late": 1.0},
+    )
     r = json.loads((b.dir / "result.json").read_text())
     assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
     assert "secret scanner" in r["summary"] and r["metrics"]["late"] == 1.0  # the rest still merges
 
 
 def test_result_merge_keeps_numbers_and_shape(bundle):
-    bundle.update_result(metrics={"a": 1.0, "arms": {"dppo": {"loss": 0.5}}},
-                         correctness_preflight={"required": True, "paths": [{"errors": {"x": {"max_abs_error": 1e-9}}}]})
+    bundle.update_result(
+        metrics={"a": 1.0, "arms": {"dppo": {"loss": 0.5}}},
+        correctness_preflight={"required": True, "paths": [{"errors": {"x": {"max_abs_error": 1e-9}}}]},
+    )
     bundle.update_result(metrics={"b": 2.0})
     bundle.post_arm_metrics("dppo", {"masked": 0.01}, completed=True)
     r = bundle.result
@@ -246,22 +280,36 @@ def test_result_merge_keeps_numbers_and_shape(bundle):
     with pytest.raises(ResultShapeError, match="finite"):
         bundle.update_result(metrics={"c": float("inf")})
     with pytest.raises(ResultShapeError, match="requires verdict 'inconclusive'"):
-        bundle.update_result(status="succeeded", verdict="supported", outcome_reason="tie",
-                             original_hypothesis_tested=True)
+        bundle.update_result(
+            status="succeeded", verdict="supported", outcome_reason="tie", original_hypothesis_tested=True
+        )
     with pytest.raises(EvidenceError, match="dedicated bundle method"):
         bundle.update_result(deviations=[])
     with pytest.raises(EvidenceError, match="evidence.files"):
         bundle.update_result(evidence={"files": []})
     assert bundle.result["status"] == "running"  # every refused update changed nothing
-    bundle.finish("succeeded", "inconclusive", "incomplete_execution", original_hypothesis_tested=False,
-                  tested_instead="the DPPO mask's activation only", summary="Diagnostic ran.")
+    bundle.finish(
+        "succeeded",
+        "inconclusive",
+        "incomplete_execution",
+        original_hypothesis_tested=False,
+        tested_instead="the DPPO mask's activation only",
+        summary="Diagnostic ran.",
+    )
     assert bundle.result["verdict"] == "inconclusive"
 
 
 def test_local_summary_is_always_a_rehearsal(bundle):
     bundle.update_result(summary="DPPO mask fired on 2% of tokens.")
-    bundle.set_backend(Backend(kind="local", requested_model="Qwen/Qwen3.5-2B", served_model="tiny-qwen3-gsm8k",
-                               sdk_versions={"tinker": "0.38.0"}, base_url="http://127.0.0.1:1234"))
+    bundle.set_backend(
+        Backend(
+            kind="local",
+            requested_model="Qwen/Qwen3.5-2B",
+            served_model="tiny-qwen3-gsm8k",
+            sdk_versions={"tinker": "0.38.0"},
+            base_url="http://127.0.0.1:1234",
+        )
+    )
     assert bundle.result["summary"] == REHEARSAL_PREFIX + "DPPO mask fired on 2% of tokens."
     bundle.update_result(summary="Second sentence only.")
     assert bundle.result["summary"].startswith(REHEARSAL_PREFIX)
@@ -275,13 +323,15 @@ def test_local_summary_is_always_a_rehearsal(bundle):
 def test_deviations_and_checkpoints(bundle):
     bundle.add_deviation("steps", 100, 16, "bounded diagnostic")
     bundle.add_deviation("steps", 100, 16, "bounded diagnostic")
-    assert bundle.result["deviations"] == [{"field": "steps", "original": "100", "effective": "16",
-                                            "reason": "bounded diagnostic"}]
+    assert bundle.result["deviations"] == [
+        {"field": "steps", "original": "100", "effective": "16", "reason": "bounded diagnostic"}
+    ]
     with pytest.raises(EvidenceError, match="deviation field"):
         bundle.add_deviation("schedule", "a", "b", "c")
     bundle.add_checkpoint("dppo_seed0", 16, "tinker://sess:train:0/weights/step-16")
     assert bundle.result["evidence"]["checkpoints"] == [
-        {"arm": "dppo_seed0", "step": 16, "uri": "tinker://sess:train:0/weights/step-16"}]
+        {"arm": "dppo_seed0", "step": 16, "uri": "tinker://sess:train:0/weights/step-16"}
+    ]
     with pytest.raises(EvidenceError, match="query string"):
         bundle.add_checkpoint("dppo_seed0", 1, "https://bucket/x?X-Amz-Signature=abc")
 
@@ -302,7 +352,10 @@ def test_budget_ledger_blocks_a_stage(tmp_path):
         raise RuntimeError("gate failed")
     stages = b.ledger()["stages"]
     assert [(s["stage"], s["status"]) for s in stages] == [
-        ("preflight", "passed"), ("diagnostic", "blocked_by_budget"), ("gate", "failed")]
+        ("preflight", "passed"),
+        ("diagnostic", "blocked_by_budget"),
+        ("gate", "failed"),
+    ]
     b.update_result(original_hypothesis_tested=False, tested_instead="nothing")
     b.finish("failed", "inconclusive", "incomplete_execution")
     assert b.entry("budget-ledger.json")["kind"] == "manifest"
@@ -316,8 +369,9 @@ def test_provenance_plan_and_code_revision(tmp_path, bundle):
     repo = tmp_path / "repo"
     (repo / "src" / "dppo_harness").mkdir(parents=True)
     (repo / "src" / "dppo_harness" / "m.py").write_text("x = 1\n")
-    git_env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t",
-                   GIT_COMMITTER_EMAIL="t@e")
+    git_env = dict(
+        os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@e"
+    )
     for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
         subprocess.run(["git", "-C", str(repo), *cmd], check=True, env=git_env, capture_output=True)
     (repo / "src" / "dppo_harness" / "m.py").write_text("x = 2\n")
@@ -331,7 +385,9 @@ def test_provenance_plan_and_code_revision(tmp_path, bundle):
     assert [u["path"] for u in info["untracked_not_in_patch"]] == [".env", "new_file.py"]  # by hash only
     patch = bundle.file_path("code.patch").read_text()
     assert "+x = 2" in patch and "+y = 3" not in patch and "hf_planted" not in patch  # tracked diff only
-    assert subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True).stdout == status_before
+    assert (
+        subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True).stdout == status_before
+    )
     script = bundle.register_script(repo / "new_file.py", repo)
     assert script["name"] == "script-new_file.py" and script["kind"] == "script"
 
@@ -343,8 +399,13 @@ def test_verify_good_tampered_and_missing(bundle):
     bundle.update_result(initialization_provenance={"dppo": {"initial_output": {"evidence_ref": "metrics.json#a"}}})
     running = _cli("verify", str(bundle.dir))  # hashes hold, but the run has not ended (killed, or still running)
     assert running.returncode == 3 and "INCOMPLETE" in running.stdout and "'running'" in running.stdout, running.stdout
-    bundle.update_result(status="failed", verdict="inconclusive", outcome_reason="incomplete_execution",
-                         original_hypothesis_tested=False, tested_instead="nothing: a test bundle")
+    bundle.update_result(
+        status="failed",
+        verdict="inconclusive",
+        outcome_reason="incomplete_execution",
+        original_hypothesis_tested=False,
+        tested_instead="nothing: a test bundle",
+    )
     ok = _cli("verify", str(bundle.dir))
     assert ok.returncode == 0 and "verify: OK" in ok.stdout and "(status failed)" in ok.stdout, ok.stdout + ok.stderr
     assert _cli("verify", str(bundle.dir.parent)).returncode == 0  # root with LATEST
@@ -365,10 +426,13 @@ def test_verify_good_tampered_and_missing(bundle):
 def test_verify_fails_on_dangling_reference(bundle):
     bundle.update_result(evaluation={"scores": [{"predictions_ref": "predictions.jsonl"}]})
     problems = verify_bundle(bundle.dir)
-    assert problems == ["evaluation.scores[0].predictions_ref: references 'predictions.jsonl', "
-                        "which is not a registered file"]
+    assert problems == [
+        "evaluation.scores[0].predictions_ref: references 'predictions.jsonl', which is not a registered file"
+    ]
     bundle.register_bytes("predictions.jsonl", "predictions", b"{}\n")
-    bundle.update_result(decision={"version": 1, "observations_file": {"name": "predictions.jsonl", "sha256": "0" * 64}})
+    bundle.update_result(
+        decision={"version": 1, "observations_file": {"name": "predictions.jsonl", "sha256": "0" * 64}}
+    )
     assert any("sha256 for 'predictions.jsonl' differs" in p for p in verify_bundle(bundle.dir))
 
 
@@ -452,8 +516,9 @@ def _git_repo(tmp_path):
     (repo / "tests/unit/test_u.py").write_text("def test_u(): pass\n")
     for p in PLANS.glob("*.json"):
         (repo / "plans" / p.name).write_bytes(p.read_bytes())
-    git_env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t",
-                   GIT_COMMITTER_EMAIL="t@e")
+    git_env = dict(
+        os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@e"
+    )
     for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
         subprocess.run(["git", "-C", str(repo), *cmd], check=True, env=git_env, capture_output=True)
     return repo
@@ -463,17 +528,30 @@ def test_session_start_and_finish(tmp_path):
     repo = _git_repo(tmp_path)
     plan = load_plan(repo / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
     b = EvidenceBundle.create(tmp_path / "evidence", "sess", env={})
-    b.start_session(backend="local", plan=plan, stages=["unit", "preflight", "diagnostic"], project_root=repo,
-                    test_files=[str(repo / "tests/preflight/test_a.py"), str(repo / "tests/unit/test_u.py")])
+    b.start_session(
+        backend="local",
+        plan=plan,
+        stages=["unit", "preflight", "diagnostic"],
+        project_root=repo,
+        test_files=[str(repo / "tests/preflight/test_a.py"), str(repo / "tests/unit/test_u.py")],
+    )
     names = {f["name"]: f["kind"] for f in b.files()}
-    assert names == {"code-revision.json": "code_revision", "test-files.json": "manifest",
-                     "exp_e6b0965af3-diagnostic-r1.json": "plan", "effective-config.json": "effective_config",
-                     "code-archive.zip": "script", "revised-diagnostic-spec.json": "plan"}
+    assert names == {
+        "code-revision.json": "code_revision",
+        "test-files.json": "manifest",
+        "exp_e6b0965af3-diagnostic-r1.json": "plan",
+        "effective-config.json": "effective_config",
+        "code-archive.zip": "script",
+        "revised-diagnostic-spec.json": "plan",
+    }
     # Executed test files: hashed in one manifest (stage files flagged), their bytes in the archive.
     listed = json.loads((b.dir / "files" / "test-files.json").read_text())
     assert listed["archive"] == "code-archive.zip"
     assert {f["path"]: f["stage_test"] for f in listed["files"]} == {
-        "tests/preflight/test_a.py": True, "conftest.py": True, "tests/unit/test_u.py": False}
+        "tests/preflight/test_a.py": True,
+        "conftest.py": True,
+        "tests/unit/test_u.py": False,
+    }
     r = b.result
     assert r["backend"]["kind"] == "local" and r["summary"].startswith(REHEARSAL_PREFIX)
     assert r["deviations"][-1]["field"] == "model" and r["original_hypothesis_tested"] is False
@@ -490,32 +568,52 @@ def test_session_start_and_finish(tmp_path):
     assert verify_bundle(b.dir) == []
     done = EvidenceBundle.create(tmp_path / "evidence", "sess2", env={})
     spec = load_plan(repo / "plans" / "exp_e6b0965af3.json")
-    done.start_session(backend="tinker", plan=spec, stages=["preflight"], project_root=repo,
-                       served_model="Qwen/Qwen3.5-2B")
+    done.start_session(
+        backend="tinker", plan=spec, stages=["preflight"], project_root=repo, served_model="Qwen/Qwen3.5-2B"
+    )
     assert done.result["deviations"] == [] and done.result["original_hypothesis_tested"] is True
     done.finish_session({})
     assert (done.result["status"], done.result["verdict"]) == ("succeeded", "inconclusive")
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: r["metrics"]["arms"].__setitem__("dppo", {"loss": True}),
-     "metrics.arms.dppo.loss: expected number, got bool"),
-    (lambda r: r["metrics"].__setitem__("x", "1.0"), "metrics.x: expected number, got str"),
-    (lambda r: r["deviations"].append({"field": "model", "original": "a", "effective": "b"}),
-     "deviations[0].reason: missing required key"),
-    (lambda r: r["evidence"]["files"].append({"name": "a", "kind": "weights", "sha256": "0" * 64, "size": 1}),
-     "evidence.files[0].kind: expected one of"),
-    (lambda r: r["evidence"].__setitem__("version", 2), "evidence.version: expected one of"),
-    (lambda r: r.__setitem__("backend", {"kind": "remote"}), "backend.kind: expected one of"),
-    (lambda r: r.__setitem__("completed_arms", ["dppo"]), "completed_arms: arm 'dppo' has no metrics"),
-    (lambda r: r.update(status="failed", verdict="inconclusive", original_hypothesis_tested=False,
-                        tested_instead=" "), "tested_instead: required when"),
-    (lambda r: r.update(status="failed", verdict="inconclusive", original_hypothesis_tested=True,
-                        capacity_block={"error": "x", "comparison_steps_completed": 1.0, "released_clients": True}),
-     "capacity_block.comparison_steps_completed: expected integer, got float"),
-    (lambda r: r.__setitem__("decision", {"p": float("nan")}), "result: non-finite number"),
-    (lambda r: r.__setitem__("verdict", None), "verdict: leave the key out"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda r: r["metrics"]["arms"].__setitem__("dppo", {"loss": True}),
+            "metrics.arms.dppo.loss: expected number, got bool",
+        ),
+        (lambda r: r["metrics"].__setitem__("x", "1.0"), "metrics.x: expected number, got str"),
+        (
+            lambda r: r["deviations"].append({"field": "model", "original": "a", "effective": "b"}),
+            "deviations[0].reason: missing required key",
+        ),
+        (
+            lambda r: r["evidence"]["files"].append({"name": "a", "kind": "weights", "sha256": "0" * 64, "size": 1}),
+            "evidence.files[0].kind: expected one of",
+        ),
+        (lambda r: r["evidence"].__setitem__("version", 2), "evidence.version: expected one of"),
+        (lambda r: r.__setitem__("backend", {"kind": "remote"}), "backend.kind: expected one of"),
+        (lambda r: r.__setitem__("completed_arms", ["dppo"]), "completed_arms: arm 'dppo' has no metrics"),
+        (
+            lambda r: r.update(
+                status="failed", verdict="inconclusive", original_hypothesis_tested=False, tested_instead=" "
+            ),
+            "tested_instead: required when",
+        ),
+        (
+            lambda r: r.update(
+                status="failed",
+                verdict="inconclusive",
+                original_hypothesis_tested=True,
+                capacity_block={"error": "x", "comparison_steps_completed": 1.0, "released_clients": True},
+            ),
+            "capacity_block.comparison_steps_completed: expected integer, got float",
+        ),
+        (lambda r: r.__setitem__("decision", {"p": float("nan")}), "result: non-finite number"),
+        (lambda r: r.__setitem__("verdict", None), "verdict: leave the key out"),
+    ],
+)
 def test_result_shape_errors_name_the_field(mutate, message):
     r = ev.initial_result()
     ev.validate_result(r)
@@ -530,10 +628,19 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
 
     spec = json.loads((PLANS / "exp_e6b0965af3.json").read_text())
     spec["max_seq_len"] = 2048
-    raw = {"kind": "rehearsal", "version": 1, "plan_id": "t", "label": "rehearsal", "purpose": "test",
-           "derived_from": {"path": "plans/exp_e6b0965af3.json",
-                            "sha256": ev.sha256_bytes((PLANS / "exp_e6b0965af3.json").read_bytes())},
-           "differences": [{"field": "max_seq_len", "spec": 1024, "rehearsal": 2048, "reason": "longer"}], "spec": spec}
+    raw = {
+        "kind": "rehearsal",
+        "version": 1,
+        "plan_id": "t",
+        "label": "rehearsal",
+        "purpose": "test",
+        "derived_from": {
+            "path": "plans/exp_e6b0965af3.json",
+            "sha256": ev.sha256_bytes((PLANS / "exp_e6b0965af3.json").read_bytes()),
+        },
+        "differences": [{"field": "max_seq_len", "spec": 1024, "rehearsal": 2048, "reason": "longer"}],
+        "spec": spec,
+    }
     path = tmp_path / "plans" / "rehearsal" / "r.json"
     path.parent.mkdir(parents=True)
     (tmp_path / "plans" / "exp_e6b0965af3.json").write_bytes((PLANS / "exp_e6b0965af3.json").read_bytes())
@@ -544,8 +651,14 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
     assert b.result["deviations"][0]["original"] == "max_seq_len = 1024"
     with pytest.raises(ResultShapeError, match="rehearsal plan is always 'inconclusive'"):
         b.finish("succeeded", "supported", "supported", original_hypothesis_tested=True, summary="DPPO wins.")
-    b.finish("succeeded", "inconclusive", "incomplete_execution", original_hypothesis_tested=False,
-             tested_instead="the rehearsal's plumbing", summary="Ran.")
+    b.finish(
+        "succeeded",
+        "inconclusive",
+        "incomplete_execution",
+        original_hypothesis_tested=False,
+        tested_instead="the rehearsal's plumbing",
+        summary="Ran.",
+    )
     assert b.result["summary"].startswith(ev.result.REHEARSAL_PLAN_PREFIX)
 
 

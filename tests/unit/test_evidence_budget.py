@@ -41,7 +41,9 @@ def test_needs_grow_with_updates_arms_saves_and_resumes() -> None:
     assert budget.diagnostic_need(big).files == budget.diagnostic_need(small).files + 18  # 20 archives, not 2
     two = budget.ComparisonSize(arms=2, steps=50, save_every=5)
     three = budget.ComparisonSize(arms=3, steps=50, save_every=5)
-    assert budget.comparison_need(three).files == budget.comparison_need(two).files + 3  # metrics log, predictions, restore
+    assert (
+        budget.comparison_need(three).files == budget.comparison_need(two).files + 3
+    )  # metrics log, predictions, restore
     assert budget.comparison_need(budget.ComparisonSize(2, 50, 1)).optional_files == 100
     resumed = budget.ComparisonSize(arms=2, steps=50, save_every=5, resumed=True)
     assert budget.comparison_need(resumed).files == budget.comparison_need(two).files + budget.RESUME_FILES
@@ -87,9 +89,14 @@ def test_the_closing_records_are_reserved_first(tmp_path: Path) -> None:
 
 def _run_pytest(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args,
-                           "--evidence-dir", str(tmp_path / "evidence")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, "--evidence-dir", str(tmp_path / "evidence")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _diagnostic_with_updates(tmp_path: Path, epochs: int) -> Path:

@@ -15,8 +15,15 @@ def test_only_the_listed_calls_of_the_kind_are_refused_and_counted():
     assert snap["executed"] == {"optim_step": 5, "forward_backward": 4}
 
 
-@pytest.mark.parametrize("spec, needle", [("optim_step", "2 ':'-separated"), ("optim_step:x", "integers"),
-                                          ("optim_step:0", "start at 1"), ("optim_step:1:2", "2 ':'-separated")])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("optim_step", "2 ':'-separated"),
+        ("optim_step:x", "integers"),
+        ("optim_step:0", "start at 1"),
+        ("optim_step:1:2", "2 ':'-separated"),
+    ],
+)
 def test_bad_specs_name_the_problem(spec, needle):
     with pytest.raises(FaultSpecError, match="--fault-capacity-fail") as info:
         parse_capacity_fail(spec)

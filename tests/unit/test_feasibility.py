@@ -25,8 +25,16 @@ def diagnostic():
 
 def _timings(**kw) -> feasibility_module.PilotTimings:
     # 2 s per group, 4 s per update (mean of 3 and 5), 0.5 s per eval item, 10 s setup.
-    args = dict(setup_seconds=10.0, sampling_seconds=4.0, sampled_groups=2, sampled_sequences=16,
-                update_seconds=(3.0, 5.0), sequences_per_update=128, eval_seconds=2.0, eval_items=4)
+    args = dict(
+        setup_seconds=10.0,
+        sampling_seconds=4.0,
+        sampled_groups=2,
+        sampled_sequences=16,
+        update_seconds=(3.0, 5.0),
+        sequences_per_update=128,
+        eval_seconds=2.0,
+        eval_items=4,
+    )
     args.update(kw)
     return feasibility_module.PilotTimings(**args)
 
@@ -112,18 +120,37 @@ def test_feasibility_block_shape_and_consistency(spec):
     s = feasibility_module.schedule_from_plan(spec)
     t = _timings()
     p = feasibility_module.project(s, t, spec.budget, gpu_count=0)
-    block = feasibility_module.feasibility_block(schedule=s, timings=t, projection=p, pilot_config={"pilot_groups": 2},
-                                effective_config={"base_model": "Qwen/Qwen3.5-2B"},
-                                primary_endpoint=spec.raw["primary_endpoint"], source=feasibility_module.PILOT_FILE,
-                                allocation_source="cpu")
-    assert set(block) == {"config", "effective_config", "primary_endpoint", "source", "measurements",
-                          "generation", "recovery"}
+    block = feasibility_module.feasibility_block(
+        schedule=s,
+        timings=t,
+        projection=p,
+        pilot_config={"pilot_groups": 2},
+        effective_config={"base_model": "Qwen/Qwen3.5-2B"},
+        primary_endpoint=spec.raw["primary_endpoint"],
+        source=feasibility_module.PILOT_FILE,
+        allocation_source="cpu",
+    )
+    assert set(block) == {
+        "config",
+        "effective_config",
+        "primary_endpoint",
+        "source",
+        "measurements",
+        "generation",
+        "recovery",
+    }
     m = block["measurements"]
     assert set(m) == {"setup", "training", "evaluation"}
     keys = {"seconds", "units", "planned_units", "samples", "gpu_count", "allocation_source"}
     assert all(set(m[k]) == keys for k in m)
-    assert m["setup"] == {"seconds": 10.0, "units": 1, "planned_units": 1, "samples": 0,
-                          "gpu_count": 0, "allocation_source": "cpu"}
+    assert m["setup"] == {
+        "seconds": 10.0,
+        "units": 1,
+        "planned_units": 1,
+        "samples": 0,
+        "gpu_count": 0,
+        "allocation_source": "cpu",
+    }
     tr = m["training"]
     assert tr["planned_units"] == 100 and tr["seconds"] == pytest.approx(4.0 + 8.0)
     # seconds per unit x planned units reproduces the projected training time
@@ -139,8 +166,16 @@ def test_unknown_gpu_count_nulls_allocation_source(diagnostic):
     s = feasibility_module.schedule_from_plan(diagnostic)
     t = _timings(eval_items=0, eval_seconds=0.0)
     p = feasibility_module.project(s, t, diagnostic.budget, gpu_count=None)
-    block = feasibility_module.feasibility_block(schedule=s, timings=t, projection=p, pilot_config={}, effective_config={},
-                                primary_endpoint="x", source=feasibility_module.PILOT_FILE, allocation_source="ignored")
+    block = feasibility_module.feasibility_block(
+        schedule=s,
+        timings=t,
+        projection=p,
+        pilot_config={},
+        effective_config={},
+        primary_endpoint="x",
+        source=feasibility_module.PILOT_FILE,
+        allocation_source="ignored",
+    )
     assert block["measurements"]["setup"]["gpu_count"] is None
     assert block["measurements"]["setup"]["allocation_source"] is None
     assert feasibility_module.gpu_allocation("tinker") == (None, None)
@@ -159,20 +194,35 @@ class _FakeEvidence:
 
 def test_run_feasibility_with_given_timings_and_overrides(diagnostic, spec):
     ev = _FakeEvidence()
-    res = feasibility_module.run_feasibility(None, spec, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local",
-                            timings=_timings(), schedule_overrides={"batches_per_arm": 1, "eval_items": 8})
+    res = feasibility_module.run_feasibility(
+        None,
+        spec,
+        ev,
+        initial_checkpoint="tinker://x/weights/init",
+        backend_kind="local",
+        timings=_timings(),
+        schedule_overrides={"batches_per_arm": 1, "eval_items": 8},
+    )
     assert res.schedule.batches_per_arm == 1 and res.schedule.eval_items == 8
     # 10 + 2 arm-steps x 72 + 8 x 0.5 = 158; x1.25
     assert res.projection.total_seconds == pytest.approx(158 * 1.25) and res.passed
     assert ev.files[feasibility_module.PILOT_FILE][1]["projection"]["fits"] is True
     assert ev.fields["feasibility"]["config"]["size_reductions"] == {"batches_per_arm": 1, "eval_items": 8}
     assert ev.fields["metrics"]["feasibility/fits"] == 1.0
-    full = feasibility_module.run_feasibility(None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
-                             timings=_timings())
+    full = feasibility_module.run_feasibility(
+        None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local", timings=_timings()
+    )
     assert not full.passed and "exceeds the remaining wall budget" in full.failure_message()
     with pytest.raises(feasibility_module.FeasibilityError, match="unknown Schedule fields"):
-        feasibility_module.run_feasibility(None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
-                          timings=_timings(), schedule_overrides={"steps": 3})
+        feasibility_module.run_feasibility(
+            None,
+            spec,
+            _FakeEvidence(),
+            initial_checkpoint="i",
+            backend_kind="local",
+            timings=_timings(),
+            schedule_overrides={"steps": 3},
+        )
 
 
 def test_stage_projections(spec, diagnostic):
@@ -180,18 +230,35 @@ def test_stage_projections(spec, diagnostic):
     out = feasibility_module.stage_projections(s, _timings())
     assert out["gate"] == pytest.approx(10.0 + 5 * 72.0)
     assert out["plan"] == pytest.approx(10.0 + 100 * 72.0 + 2638 * 0.5)
-    assert "gate" not in feasibility_module.stage_projections(feasibility_module.schedule_from_plan(diagnostic), _timings(eval_items=0, eval_seconds=0.0))
+    assert "gate" not in feasibility_module.stage_projections(
+        feasibility_module.schedule_from_plan(diagnostic), _timings(eval_items=0, eval_seconds=0.0)
+    )
 
 
 def test_measured_setup_parts_add_up(diagnostic):
     ev = _FakeEvidence()
-    res = feasibility_module.run_feasibility(None, diagnostic, ev, initial_checkpoint="i", backend_kind="local",
-                            timings=_timings(eval_items=0, eval_seconds=0.0),
-                            measured_setup={"restoration_preflight": 30.0})
+    res = feasibility_module.run_feasibility(
+        None,
+        diagnostic,
+        ev,
+        initial_checkpoint="i",
+        backend_kind="local",
+        timings=_timings(eval_items=0, eval_seconds=0.0),
+        measured_setup={"restoration_preflight": 30.0},
+    )
     assert res.timings.setup_seconds == 40.0
     assert ev.fields["feasibility"]["measurements"]["setup"]["seconds"] == 40.0
     assert ev.fields["feasibility"]["config"]["setup_components_seconds"] == {
-        "create_client_from_initial_checkpoint": 10.0, "restoration_preflight": 30.0}
+        "create_client_from_initial_checkpoint": 10.0,
+        "restoration_preflight": 30.0,
+    }
     with pytest.raises(feasibility_module.FeasibilityError, match="measured_setup"):
-        feasibility_module.run_feasibility(None, diagnostic, _FakeEvidence(), initial_checkpoint="i", backend_kind="local",
-                          timings=_timings(eval_items=0, eval_seconds=0.0), measured_setup={"x": -1.0})
+        feasibility_module.run_feasibility(
+            None,
+            diagnostic,
+            _FakeEvidence(),
+            initial_checkpoint="i",
+            backend_kind="local",
+            timings=_timings(eval_items=0, eval_seconds=0.0),
+            measured_setup={"x": -1.0},
+        )

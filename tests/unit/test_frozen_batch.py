@@ -25,10 +25,14 @@ def make_rollout_batch(n_groups=32, group_size=8, seed=0):
             r = float(rng.choice([1.0, 0.9, 0.0, -0.1]))
             graded.append(Graded(r, r in (1.0, 0.0), r > 0.5, "", True, r > 0.5))
         groups.append(
-            rollouts.SampledGroup(g, item, prompt, tuple(responses), tuple(lps), ("stop",) * group_size, tuple(graded), None)
+            rollouts.SampledGroup(
+                g, item, prompt, tuple(responses), tuple(lps), ("stop",) * group_size, tuple(graded), None
+            )
         )
     cfg = rollouts.RolloutConfig(groups_per_batch=n_groups, group_size=group_size, temperature=1.0, max_tokens=16)
-    return rollouts.RolloutBatch(tuple(groups), cfg, "tinker://m/sampler_weights/s0", "Qwen/Qwen3.5-2B", (248046,), 0.1, 0.0)
+    return rollouts.RolloutBatch(
+        tuple(groups), cfg, "tinker://m/sampler_weights/s0", "Qwen/Qwen3.5-2B", (248046,), 0.1, 0.0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,10 @@ def test_to_datums_reproduces_cookbook_datums(rb, fb):
         for k in la:
             assert la[k][1] == lb[k][1], k  # same TensorData dtype
             np.testing.assert_array_equal(la[k][0], lb[k][0])
-    assert [d.model_input.to_ints() for d in fb.to_datums([3, 7])] == [cookbook[3].model_input.to_ints(), cookbook[7].model_input.to_ints()]
+    assert [d.model_input.to_ints() for d in fb.to_datums([3, 7])] == [
+        cookbook[3].model_input.to_ints(),
+        cookbook[7].model_input.to_ints(),
+    ]
 
 
 def test_records_metadata_and_fields(rb, fb):
@@ -152,7 +159,9 @@ def test_invalid_construction_is_refused(rb):
     with pytest.raises(FrozenBatchError, match="one entry per sequence"):
         FrozenBatch.from_datums(datums[:2], sampler_checkpoint="x", **kw)
     with pytest.raises(FrozenBatchError, match="non-finite"):
-        FrozenBatch.from_datums(datums[:1], sampler_checkpoint="x", rewards_S=[float("nan")], group_ids_S=[0], item_ids_S=["a"])
+        FrozenBatch.from_datums(
+            datums[:1], sampler_checkpoint="x", rewards_S=[float("nan")], group_ids_S=[0], item_ids_S=["a"]
+        )
 
 
 def test_register_with_evidence_bundle(tmp_path, fb):

@@ -65,8 +65,13 @@ def test_unmeasured_metric_and_boundless_check_fail():
 def _rec(step, u, frac, q90, clip):
     stats = dict.fromkeys(gate.ins.COUNT_KEYS, 0) | dict.fromkeys(gate.ins.FLOAT_KEYS, 0.0)
     stats.update({"dppo/masked_frac_loss_tokens": frac, "drift/abs_p90": q90, "ppo/clip_frac_loss_tokens": clip})
-    return LossCallRecord(call_index=2 * step + u - 1, context={"step": step, "update_in_batch": u},
-                          dtype="float32", tensors={}, stats=stats)
+    return LossCallRecord(
+        call_index=2 * step + u - 1,
+        context={"step": step, "update_in_batch": u},
+        dtype="float32",
+        tensors={},
+        stats=stats,
+    )
 
 
 def test_gate_values_use_the_second_update_mean_over_steps():
@@ -130,8 +135,10 @@ def test_gate_rows_carry_each_steps_truncation_and_answer_yield():
     from dppo_harness.evaluation import answer_yield
 
     rows = [{"step": 0, "optim_steps": 2}, {"step": 1, "optim_steps": 2}, {"step": 2, "optim_steps": 0}]
-    yields = [answer_yield.response_yield(["length", "stop"], [False, True], [512, 100], max_tokens=512),
-              answer_yield.response_yield(["stop", "stop"], [True, True], [50, 70], max_tokens=512)]
+    yields = [
+        answer_yield.response_yield(["length", "stop"], [False, True], [512, 100], max_tokens=512),
+        answer_yield.response_yield(["stop", "stop"], [True, True], [50, 70], max_tokens=512),
+    ]
     out = gate.with_rollout_yield(rows, yields)
     assert out[0]["truncated_frac"] == 0.5 and out[0]["no_answer_frac"] == 0.5 and out[0]["mean_response_tokens"] == 306
     assert out[1]["truncated_frac"] == 0.0 and out[1]["responses"] == 2
@@ -140,8 +147,15 @@ def test_gate_rows_carry_each_steps_truncation_and_answer_yield():
 
 def _report_definitions(updates_per_batch: int) -> dict[str, str]:
     pilot = {"updates_per_batch": updates_per_batch, "loss": "dppo_divergence_mask", "normalization": "token_mean"}
-    report = gate.GateReport(passed=True, checks=gate.evaluate_gate(CHECKS, GOOD), values=dict(GOOD), per_step=[],
-                             pilot=pilot, plan={}, wall_seconds=0.0)
+    report = gate.GateReport(
+        passed=True,
+        checks=gate.evaluate_gate(CHECKS, GOOD),
+        values=dict(GOOD),
+        per_step=[],
+        pilot=pilot,
+        plan={},
+        wall_seconds=0.0,
+    )
     return report.to_json()["definitions"]
 
 
@@ -159,8 +173,9 @@ def test_gate_definitions_state_the_pilots_own_update_count_and_clip_eps():
     assert "last (1st) minibatch update" in _report_definitions(1)["dppo_masked_token_fraction"]
     assert "last (11th) minibatch update" in _report_definitions(11)["dppo_masked_token_fraction"]
     # the counterfactual clip's eps is the one the pilot's loss call counted with, not a constant
-    assert gate.definition("grpo_clip_fraction", "ppo/clip_frac_loss_tokens", updates_per_batch=2,
-                           ppo_eps=0.3).startswith("ppo/clip_frac_loss_tokens: eps=0.3 clip")
+    assert gate.definition(
+        "grpo_clip_fraction", "ppo/clip_frac_loss_tokens", updates_per_batch=2, ppo_eps=0.3
+    ).startswith("ppo/clip_frac_loss_tokens: eps=0.3 clip")
 
 
 def test_bounds_record_writes_the_keys_the_plan_check_declares_in_report_order():

@@ -88,9 +88,7 @@ def test_hub_failure_never_falls_back(monkeypatch):
 def test_order_matches_cookbook_gsm8k_dataset(monkeypatch, split, seed):
     """Run the cookbook's own Gsm8kDataset (its load + shuffle + get_batch) on the vendored rows."""
     rows = _hub_rows(split)
-    monkeypatch.setattr(
-        math_env, "load_dataset", lambda path, name, split: datasets.Dataset.from_list(rows)
-    )
+    monkeypatch.setattr(math_env, "load_dataset", lambda path, name, split: datasets.Dataset.from_list(rows))
     ds = math_env.Gsm8kDataset(batch_size=32, group_size=8, renderer=cast(Any, None), split=split, seed=seed)
     ours = gsm8k.load_split(split, seed)
     assert [it.question for it in ours.items] == list(ds.ds["question"])

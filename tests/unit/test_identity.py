@@ -22,8 +22,10 @@ from dppo_harness.service.wait.waiter import ServiceWaiter
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "local/tiny-qwen3-gsm8k"
-CAPS = {"supported_models": [{"model_name": "Qwen/Qwen3.5-2B"}],
-        "embedded_server": {"marker": EMBEDDED_SERVER_MARKER, "stand_in": STAND_IN, "profile": "spindle"}}
+CAPS = {
+    "supported_models": [{"model_name": "Qwen/Qwen3.5-2B"}],
+    "embedded_server": {"marker": EMBEDDED_SERVER_MARKER, "stand_in": STAND_IN, "profile": "spindle"},
+}
 
 
 def test_marker_from_each_place_and_none_on_a_real_service():
@@ -32,8 +34,9 @@ def test_marker_from_each_place_and_none_on_a_real_service():
     assert identity.detect_marker({EMBEDDED_SERVER_HEADER: "something-else"}) is None
     m = identity.detect_marker(capabilities=CAPS)
     assert (m.stand_in, m.profile, m.sources) == (STAND_IN, "spindle", ("capabilities",))
-    m = identity.detect_marker(model_data={"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B",
-                                           "embedded_server": EMBEDDED_SERVER_MARKER})
+    m = identity.detect_marker(
+        model_data={"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B", "embedded_server": EMBEDDED_SERVER_MARKER}
+    )
     assert m.stand_in == STAND_IN and m.sources == ("model_data",)
     assert identity.detect_marker(capabilities={"supported_models": [], "embedded_server": {"marker": "x"}}) is None
 
@@ -45,21 +48,25 @@ def test_served_model_is_the_stand_in_on_the_embedded_server_and_model_name_else
     md_sdk = {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B"}
     block = Backend(kind="local", embedded_server=EmbeddedServer(stand_in=STAND_IN))
     assert served_model(md_sdk, block).name == STAND_IN
-    assert served_model({"model_name": "Qwen/Qwen3.5-2B"},
-                        Backend(kind="local", served_model=STAND_IN)).name == STAND_IN
+    assert (
+        served_model({"model_name": "Qwen/Qwen3.5-2B"}, Backend(kind="local", served_model=STAND_IN)).name == STAND_IN
+    )
     # a real service: its own word, even when arch is something else
     real = served_model({"arch": "Qwen3_5ForCausalLM", "model_name": "Qwen/Qwen3.5-2B"}, Backend(kind="tinker"))
     assert (real.name, real.source) == ("Qwen/Qwen3.5-2B", "get_info().model_data.model_name")
 
 
-@pytest.mark.parametrize("requested,served,want", [
-    ("Qwen/Qwen3.5-2B", ["Qwen/Qwen3.5-2B"], ("Qwen/Qwen3.5-2B", False)),
-    ("Qwen/Qwen3.5-0.8B", ["Qwen/Qwen3.5-9B", "Qwen/Qwen3.5-2B", "Qwen/Qwen3-0.6B"], ("Qwen/Qwen3.5-2B", True)),
-    ("Qwen/Qwen3.5-4B", ["Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-8B"], ("Qwen/Qwen3.5-2B", True)),  # tie -> smaller
-    ("Qwen/Qwen3.5-2B-Base", ["Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-4B-Base"], ("Qwen/Qwen3.5-4B-Base", True)),
-    ("Qwen/Qwen3.5-0.8B", ["meta-llama/Llama-3.2-1B"], (None, False)),
-    ("some-model", ["Qwen/Qwen3.5-2B"], (None, False)),
-])
+@pytest.mark.parametrize(
+    "requested,served,want",
+    [
+        ("Qwen/Qwen3.5-2B", ["Qwen/Qwen3.5-2B"], ("Qwen/Qwen3.5-2B", False)),
+        ("Qwen/Qwen3.5-0.8B", ["Qwen/Qwen3.5-9B", "Qwen/Qwen3.5-2B", "Qwen/Qwen3-0.6B"], ("Qwen/Qwen3.5-2B", True)),
+        ("Qwen/Qwen3.5-4B", ["Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-8B"], ("Qwen/Qwen3.5-2B", True)),  # tie -> smaller
+        ("Qwen/Qwen3.5-2B-Base", ["Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-4B-Base"], ("Qwen/Qwen3.5-4B-Base", True)),
+        ("Qwen/Qwen3.5-0.8B", ["meta-llama/Llama-3.2-1B"], (None, False)),
+        ("some-model", ["Qwen/Qwen3.5-2B"], (None, False)),
+    ],
+)
 def test_choose_model(requested, served, want):
     c = identity.choose_model(requested, served)
     assert (c.model, c.substituted) == want
@@ -67,8 +74,16 @@ def test_choose_model(requested, served, want):
 
 def _report(marker=True, model="Qwen/Qwen3.5-2B", substitution=None):
     m = identity.detect_marker({EMBEDDED_SERVER_HEADER: EMBEDDED_SERVER_MARKER}, CAPS) if marker else None
-    return ConnectivityReport("tinker", "http://127.0.0.1:9", "Qwen/Qwen3.5-2B", model, [model], substitution, m,
-                              CAPS if marker else {"supported_models": []})
+    return ConnectivityReport(
+        "tinker",
+        "http://127.0.0.1:9",
+        "Qwen/Qwen3.5-2B",
+        model,
+        [model],
+        substitution,
+        m,
+        CAPS if marker else {"supported_models": []},
+    )
 
 
 def _bundle(tmp_path, plan_name="exp_e6b0965af3-diagnostic-r1.json", served=None):
@@ -86,7 +101,9 @@ def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training
     assert r["backend"]["served_model"] == STAND_IN and r["backend"]["answers_to"] == "Qwen/Qwen3.5-2B"
     assert r["summary"].startswith(REHEARSAL_PREFIX) and STAND_IN in r["summary"]
     assert STAND_IN in r["tested_instead"]
-    assert any(d["field"] == "model" and STAND_IN in d["effective"] and "marker" in d["reason"] for d in r["deviations"])
+    assert any(
+        d["field"] == "model" and STAND_IN in d["effective"] and "marker" in d["reason"] for d in r["deviations"]
+    )
     eff = json.loads(b.file_path("effective-config.json").read_bytes())
     assert eff["backend"]["served_model"] == STAND_IN
     # a later stage overwrites summary and tested_instead: the label stays, the stand-in is named again
@@ -111,8 +128,9 @@ def test_real_service_is_not_relabelled(tmp_path):
 def test_creation_future_reports_the_client_once():
     seen = []
     inner = SimpleNamespace(result=lambda timeout=None: "client")
-    f = WaitedFuture(inner, ServiceWaiter(), "create_lora_training_client", "a new client",
-                     then=lambda c: seen.append(c) or c)
+    f = WaitedFuture(
+        inner, ServiceWaiter(), "create_lora_training_client", "a new client", then=lambda c: seen.append(c) or c
+    )
     assert f.result() == "client" and f.result() == "client"
     assert seen == ["client"]
     assert notify_training_client(object(), "c", "x") == "c"  # a plain ServiceClient: nothing to notify
@@ -121,9 +139,13 @@ def test_creation_future_reports_the_client_once():
 def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):
     b, _ = _bundle(tmp_path, served=STAND_IN)
     identity.record_session_identity(b, _report(), "tinker", {})
-    full = {"model_id": "m1", "model_data": {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B",
-                                             "embedded_server": EMBEDDED_SERVER_MARKER}}
-    monkeypatch.setattr(identity, "get_info_raw", lambda *a, **k: identity.RawResponse(200, full, EMBEDDED_SERVER_MARKER))
+    full = {
+        "model_id": "m1",
+        "model_data": {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B", "embedded_server": EMBEDDED_SERVER_MARKER},
+    }
+    monkeypatch.setattr(
+        identity, "get_info_raw", lambda *a, **k: identity.RawResponse(200, full, EMBEDDED_SERVER_MARKER)
+    )
     monkeypatch.setattr(identity, "get_capabilities_raw", lambda *a, **k: identity.RawResponse(200, CAPS, None))
     info = SimpleNamespace(model_id="m1", model_dump=lambda mode: {"model_id": "m1"})
     rec = identity.TrainingClientRecorder(b)
@@ -135,7 +157,9 @@ def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):
 
     # a second client with the same identity: no new file now, one index entry at flush
     full2 = dict(full, model_id="m2")
-    monkeypatch.setattr(identity, "get_info_raw", lambda *a, **k: identity.RawResponse(200, full2, EMBEDDED_SERVER_MARKER))
+    monkeypatch.setattr(
+        identity, "get_info_raw", lambda *a, **k: identity.RawResponse(200, full2, EMBEDDED_SERVER_MARKER)
+    )
     info2 = SimpleNamespace(model_id="m2", model_dump=lambda mode: {"model_id": "m2"})
     rec(SimpleNamespace(get_info=lambda: info2), "create_training_client_from_state")
     assert len([f for f in b.files() if f["name"].startswith("client-identity-")]) == 1
@@ -149,9 +173,13 @@ def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):
 def test_a_session_that_only_named_the_stand_in_closes_with_one_label_and_what_ran():
     """At start the summary names the stand-in behind the rehearsal label; the close still says what
     ran, the label stays single, and the stand-in is named again after it."""
-    r = {"summary": REHEARSAL_PREFIX, "status": "running", "original_hypothesis_tested": False,
-         "tested_instead": None, "backend": {"kind": "local", "embedded_server": {"stand_in": STAND_IN},
-                                             "requested_model": "Qwen/Qwen3.5-2B"}}
+    r = {
+        "summary": REHEARSAL_PREFIX,
+        "status": "running",
+        "original_hypothesis_tested": False,
+        "tested_instead": None,
+        "backend": {"kind": "local", "embedded_server": {"stand_in": STAND_IN}, "requested_model": "Qwen/Qwen3.5-2B"},
+    }
     r["summary"] = identity.labels_missing_stand_in(r)["summary"]
     assert r["summary"].count("not Spindle") == 1 and STAND_IN in r["summary"]
     r["summary"] = label_summary(r, closing_fields(r, ["unit", "preflight"], {})["summary"])

@@ -18,11 +18,21 @@ def _module_name(path: Path) -> str:
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 # Statements whose bodies run later (or repeatedly): followed only for the function-level graph.
-_BLOCKS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)
+_BLOCKS = (
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.With,
+    ast.AsyncWith,
+    ast.For,
+    ast.AsyncFor,
+    ast.While,
+)
 
 
 def _top_level_imports(tree: ast.Module, module: str, is_pkg: bool, functions: bool = False) -> set[str]:
@@ -77,7 +87,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(n)
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                return path[path.index(m):] + [m]
+                return path[path.index(m) :] + [m]
             if m not in state and (cycle := visit(m)):
                 return cycle
         path.pop()

@@ -127,8 +127,11 @@ def test_sentinel_choice_is_deterministic_and_covers_both_signs():
     signs = {np.sign(adv[i]) for i in a.sequence_indices}
     assert signs == {1.0, -1.0, 0.0}
     s = ins.sentinel_summary(
-        np.log(np.array([0.5, 0.6, 0.2])), np.log(np.array([0.5, 0.5, 0.5])),
-        np.log(np.array([0.5, 0.5, 0.3])), np.array([1.0, 1.0, 1.0]), np.array([1.0, 1.0, -1.0]),
+        np.log(np.array([0.5, 0.6, 0.2])),
+        np.log(np.array([0.5, 0.5, 0.5])),
+        np.log(np.array([0.5, 0.5, 0.3])),
+        np.array([1.0, 1.0, 1.0]),
+        np.array([1.0, 1.0, -1.0]),
     )
     assert s["p_minus_q"]["abs_max"] == pytest.approx(0.3)
     assert s["p_minus_p_init"]["abs_max"] == pytest.approx(0.1)

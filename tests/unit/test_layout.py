@@ -14,9 +14,22 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 # The top level, in the order data flows through it (see docs/architecture.md).
 TOP_LEVEL = {
-    "__init__.py", "constants.py", "project.py", "json_types.py",
-    "plans", "data", "rollout", "loss", "train", "instrument", "evaluation", "service",
-    "evidence", "stages", "pytest_plugin", "local_server",
+    "__init__.py",
+    "constants.py",
+    "project.py",
+    "json_types.py",
+    "plans",
+    "data",
+    "rollout",
+    "loss",
+    "train",
+    "instrument",
+    "evaluation",
+    "service",
+    "evidence",
+    "stages",
+    "pytest_plugin",
+    "local_server",
 }
 _TRACKER_REF = re.compile(r"\bissues? ?#?\d+", re.IGNORECASE)
 
@@ -67,7 +80,8 @@ def one_letter_aliases(paths: list[Path]) -> list[str]:
     for p in paths:
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
-                    a.asname and len(a.asname) == 1 for a in node.names):
+                a.asname and len(a.asname) == 1 for a in node.names
+            ):
                 out.append(f"{_rel(p)}:{node.lineno}")
     return out
 
@@ -119,4 +133,5 @@ def test_architecture_names_every_module():
     doc = (PROJECT / "docs" / "architecture.md").read_text()
     assert modules_missing_from(doc, _sources()) == []
     assert modules_missing_from("`stages/gate.py`", [PKG / "stages" / "gate.py", PKG / "stages" / "new.py"]) == [
-        "stages/new.py"]
+        "stages/new.py"
+    ]

@@ -62,21 +62,27 @@ def test_not_json_and_empty_bodies_are_protocol_errors():
 
 
 def test_optim_step_takes_adam_params_and_the_sdk_defaults():
-    req = parse_request(types.OptimStepRequest, _raw({"model_id": "m", "seq_id": 3,
-                                                       "adam_params": {"learning_rate": 2e-3}}))
+    req = parse_request(
+        types.OptimStepRequest, _raw({"model_id": "m", "seq_id": 3, "adam_params": {"learning_rate": 2e-3}})
+    )
     assert isinstance(req.optim_params, types.AdamParams)
     # The server no longer holds its own copy of the defaults: they are the pinned SDK's.
     assert req.optim_params.model_dump() == types.AdamParams(learning_rate=2e-3).model_dump()
-    other = parse_request(types.OptimStepRequest, _raw({"model_id": "m", "optimizer_params": {"type": "dimuon",
-                                                                                              "learning_rate": 1.0}}))
+    other = parse_request(
+        types.OptimStepRequest, _raw({"model_id": "m", "optimizer_params": {"type": "dimuon", "learning_rate": 1.0}})
+    )
     assert not isinstance(other.optim_params, types.AdamParams)
     with pytest.raises(ProtocolError, match="learning_rate"):
         parse_request(types.OptimStepRequest, _raw({"model_id": "m", "adam_params": {"learning_rate": "fast"}}))
 
 
 def test_sample_request_prompt_and_params_are_typed():
-    body = {"num_samples": 2, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-            "sampling_params": {"max_tokens": 5, "stop": [248046], "seed": 1}, "base_model": constants.BASE_MODEL}
+    body = {
+        "num_samples": 2,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 5, "stop": [248046], "seed": 1},
+        "base_model": constants.BASE_MODEL,
+    }
     req = parse_request(types.SampleRequest, _raw(body))
     assert req.prompt.to_ints() == [1, 2, 3] and list(req.sampling_params.stop) == [248046]
     with pytest.raises(ProtocolError, match="sampling_params"):
@@ -84,10 +90,14 @@ def test_sample_request_prompt_and_params_are_typed():
 
 
 def test_load_weights_both_forms_parse():
-    form1 = parse_request(types.LoadWeightsRequest, _raw({"model_id": "m", "seq_id": 1, "path": "tinker://m/weights/a",
-                                                           "optimizer": True}))
-    form2 = parse_request(types.LoadWeightsRequest, _raw({"session_id": "s", "model_seq_id": 2,
-                                                           "path": "tinker://m/weights/a", "optimizer": False}))
+    form1 = parse_request(
+        types.LoadWeightsRequest,
+        _raw({"model_id": "m", "seq_id": 1, "path": "tinker://m/weights/a", "optimizer": True}),
+    )
+    form2 = parse_request(
+        types.LoadWeightsRequest,
+        _raw({"session_id": "s", "model_seq_id": 2, "path": "tinker://m/weights/a", "optimizer": False}),
+    )
     assert form1.model_id == "m" and form2.session_id == "s" and form2.model_id is None
     with pytest.raises(ProtocolError, match="missing field optimizer"):
         parse_request(types.LoadWeightsRequest, _raw({"model_id": "m", "path": "tinker://m/weights/a"}))
@@ -137,8 +147,11 @@ def test_ppo_config_defaults_and_bounds():
 
 def test_losses_compute_the_documented_formulas():
     lp_T = torch.tensor([-1.0, -0.5, -2.0])
-    inputs = {"weights": torch.tensor([1.0, 0.0, 2.0]), "logprobs": torch.tensor([-1.2, -0.5, -1.0]),
-              "advantages": torch.tensor([1.0, -1.0, 0.5])}
+    inputs = {
+        "weights": torch.tensor([1.0, 0.0, 2.0]),
+        "logprobs": torch.tensor([-1.2, -0.5, -1.0]),
+        "advantages": torch.tensor([1.0, -1.0, 0.5]),
+    }
     assert torch.allclose(server_loss("cross_entropy").fn(lp_T, inputs, {}), torch.tensor([1.0, 0.0, 4.0]))
     ratio = torch.exp(lp_T - inputs["logprobs"])
     assert torch.allclose(server_loss("importance_sampling").fn(lp_T, inputs, {}), -(ratio * inputs["advantages"]))

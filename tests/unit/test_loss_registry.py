@@ -49,10 +49,17 @@ def _pg_reference(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **_params):
 
 
 def _entry(**overrides) -> losses.LossEntry:
-    fields = dict(name=NAME, summary="test-only: importance-ratio policy gradient -A * r, no clip, no mask",
-                  token_loss=_pg_token_loss, params={}, reference=_pg_reference,
-                  golden=losses.GoldenCases(GOLDEN, "expected", "token_mean"),
-                  metric_names=(), gate_metrics={"pg_ratio_drift_q99": "drift/abs_p99"}, labels=("PG-ratio",))
+    fields = dict(
+        name=NAME,
+        summary="test-only: importance-ratio policy gradient -A * r, no clip, no mask",
+        token_loss=_pg_token_loss,
+        params={},
+        reference=_pg_reference,
+        golden=losses.GoldenCases(GOLDEN, "expected", "token_mean"),
+        metric_names=(),
+        gate_metrics={"pg_ratio_drift_q99": "drift/abs_p99"},
+        labels=("PG-ratio",),
+    )
     fields.update(overrides)
     return losses.LossEntry(**fields)
 
@@ -87,16 +94,19 @@ def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
 def test_an_unregistered_loss_is_refused_at_load_listing_the_registered_ones():
     with pytest.raises(PlanError) as e:
         parse_plan(json.dumps(_spec_with_test_loss()).encode())
-    assert str(e.value) == ("arms[1].loss: 'pg_ratio_test' is not a registered loss "
-                            "(registered: dppo_divergence_mask, grpo_clip_eps0.2)")
+    assert str(e.value) == (
+        "arms[1].loss: 'pg_ratio_test' is not a registered loss (registered: dppo_divergence_mask, grpo_clip_eps0.2)"
+    )
     with pytest.raises(ValueError, match="registered twice|already registered"):
         losses.register_loss(_entry(name=losses.DPPO_LOSS))
 
 
 def test_a_registered_test_loss_runs_with_no_other_change(registered):
     plan = parse_plan(json.dumps(_spec_with_test_loss()).encode())  # loads: arm, gate metric, roles
-    assert [(a.name, a.loss, a.role) for a in plan.run.arms] == [("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
-                                                                 ("dppo_seed0", NAME, "treatment")]
+    assert [(a.name, a.loss, a.role) for a in plan.run.arms] == [
+        ("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
+        ("dppo_seed0", NAME, "treatment"),
+    ]
     parity = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert parity.passed and parity.cases == 3, parity.failures
     # the training path: the comparison's runner for that arm trains the registered rule
@@ -105,8 +115,10 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
     assert runner.loss_fn.loss_config.loss == NAME
     case = json.loads((ROOT / GOLDEN).read_text())["cases"][1]
     lp = torch.tensor(np.asarray(case["log_prob"]).ravel(), dtype=torch.float64, requires_grad=True)
-    mu, adv, mask = (torch.tensor(np.asarray(case[k]).ravel(), dtype=torch.float64)
-                     for k in ("rollout_log_prob", "advantages", "response_mask"))
+    mu, adv, mask = (
+        torch.tensor(np.asarray(case[k]).ravel(), dtype=torch.float64)
+        for k in ("rollout_log_prob", "advantages", "response_mask")
+    )
     loss, metrics = losses.packed_loss_and_metrics(lp, mu, adv, mask, runner.loss_fn.loss_config)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(0.75, rel=1e-12)
@@ -138,10 +150,15 @@ def test_gate_metrics_come_from_the_registry(registered):
     from dppo_harness.stages import gate
 
     sources = losses.gate_metric_sources()
-    assert sources["pg_ratio_drift_q99"] == "drift/abs_p99" and sources["grpo_clip_fraction"] == "ppo/clip_frac_loss_tokens"
+    assert (
+        sources["pg_ratio_drift_q99"] == "drift/abs_p99"
+        and sources["grpo_clip_fraction"] == "ppo/clip_frac_loss_tokens"
+    )
     losses.unregister_loss(NAME)
     raw = _spec_with_test_loss()
     raw["arms"][1]["loss"] = losses.DPPO_LOSS  # a registered loss, but no registered loss provides the check
-    with pytest.raises(PlanError, match=r"^activation_gate.checks\[5\].metric: 'pg_ratio_drift_q99' is provided by no "):
+    with pytest.raises(
+        PlanError, match=r"^activation_gate.checks\[5\].metric: 'pg_ratio_drift_q99' is provided by no "
+    ):
         parse_plan(json.dumps(raw).encode())
     assert "pg_ratio_drift_q99" not in gate.gate_values([], [], None, 1)[0]

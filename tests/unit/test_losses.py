@@ -54,7 +54,9 @@ def test_dppo_float64_parity_with_golden(case):
     torch.testing.assert_close(terms.prob_diff_N[mask > 0], diff[mask > 0], rtol=1e-12, atol=1e-15)
     assert metrics["dppo/removed"] == case["dppo"]["metrics"]["n_invalid_tr_tokens"]
     n_nonzero = metrics["tokens/nonzero_adv"]
-    assert metrics["dppo/masked_frac_nonzero_adv"] == pytest.approx(case["dppo"]["metrics"]["actor/pg_clipfrac"] * (n_nonzero + 1e-8) / max(n_nonzero, 1), abs=1e-12)
+    assert metrics["dppo/masked_frac_nonzero_adv"] == pytest.approx(
+        case["dppo"]["metrics"]["actor/pg_clipfrac"] * (n_nonzero + 1e-8) / max(n_nonzero, 1), abs=1e-12
+    )
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["name"] not in ("tails", "ratio_cap")], ids=lambda c: c["name"])
@@ -155,9 +157,9 @@ def _single(p, q, a):
 
 def test_must_fire_and_must_not_fire_both_signs():
     #            A>0 up   A>0 small  A>0 down(recovery)  A<0 down  A<0 small  A<0 up(recovery)
-    p = np.array([0.66,   0.64,      0.05,               0.34,     0.36,      0.95])
-    q = np.array([0.5,    0.5,       0.9,                0.5,      0.5,       0.1])
-    a = np.array([1.0,    1.0,       1.0,                -1.0,     -1.0,      -1.0])
+    p = np.array([0.66, 0.64, 0.05, 0.34, 0.36, 0.95])
+    q = np.array([0.5, 0.5, 0.9, 0.5, 0.5, 0.1])
+    a = np.array([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
     terms, m, grad = _single(p, q, a)
     assert terms.dppo_keep_N.tolist() == [False, True, True, False, True, True]
     assert m["dppo/removed_pos_adv"] == 1 and m["dppo/removed_neg_adv"] == 1
@@ -260,7 +262,9 @@ def test_bad_inputs_raise_clear_errors():
         make_loss_fn(DPPO_MEAN)([d], [torch.zeros(2, requires_grad=True)])
     with pytest.raises(ValueError, match="non-finite current logprob"):
         make_loss_fn(DPPO_MEAN)([d], [torch.tensor([0.0, float("nan"), -1.0], requires_grad=True)])
-    with pytest.raises(ValueError, match=r"'ppo' is not a registered loss \(registered: dppo_divergence_mask, grpo_clip_eps0.2\)"):
+    with pytest.raises(
+        ValueError, match=r"'ppo' is not a registered loss \(registered: dppo_divergence_mask, grpo_clip_eps0.2\)"
+    ):
         LossConfig("ppo", "sum")
     with pytest.raises(ValueError, match="normalization"):
         LossConfig("dppo_divergence_mask", "mean")

@@ -58,7 +58,7 @@ def test_update_norm_read_back_from_external_weights():
     def step():
         c.w["lora_A"] = c.w["lora_A"] + 0.5  # 6 entries moved by 0.5 -> norm sqrt(1.5)
 
-    assert m(c, step) == pytest.approx(1.5 ** 0.5)
+    assert m(c, step) == pytest.approx(1.5**0.5)
     assert m.last_error is None
 
 
@@ -71,7 +71,9 @@ def test_unavailable_read_back_keeps_the_exact_reason_in_the_brief_block():
     block = LrScalingUnavailable(f"{m.description}: {m.last_error}", [2e-5, 4e-5])
     pre = attach_lr_scaling({"paths": [{"id": "p"}]}, block)
     lr = pre["paths"][0]["lr_scaling"]
-    assert len(lr) == 2 and all(e["available"] is False and e["update_norm"] is None and "404" in e["reason"] for e in lr)
+    assert len(lr) == 2 and all(
+        e["available"] is False and e["update_norm"] is None and "404" in e["reason"] for e in lr
+    )
 
 
 def _preflight_with(lr_entries):

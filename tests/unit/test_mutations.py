@@ -67,7 +67,11 @@ def _wider_ppo_clip(logprobs_N, sampler_logprobs_N, terms, cfg):
 MUTATIONS = {
     "log_prob_instead_of_probability": ("token_terms", _remask(_log_prob_diff), {"boundary_exact", "tails"}),
     "symmetric_abs_p_minus_q": ("token_terms", _remask(_symmetric), {"recovery_direction"}),
-    "anchored_on_current_policy": ("packed_loss_and_metrics", _anchor_current, {"zero_and_mixed_advantages", "basic_both_signs"}),
+    "anchored_on_current_policy": (
+        "packed_loss_and_metrics",
+        _anchor_current,
+        {"zero_and_mixed_advantages", "basic_both_signs"},
+    ),
     "non_strict_boundary": ("token_terms", _remask(_non_strict), {"boundary_exact"}),
     "missing_ratio_cap": ("packed_loss", _no_cap, {"ratio_cap", "tails"}),
     "loss_mask_ignored": ("packed_loss_and_metrics", _ignore_loss_mask, {"padding"}),

@@ -36,36 +36,43 @@ def _status(cls, code: int, text: str):
 
 
 def _failed(text: str, category=USER) -> tinker.RequestFailedError:
-    return tinker.RequestFailedError(f"Request failed: {text} for self.request_id='r1' and expected type x",
-                                     request_id="r1", category=category)
+    return tinker.RequestFailedError(
+        f"Request failed: {text} for self.request_id='r1' and expected type x", request_id="r1", category=category
+    )
 
 
 # ---- immutability: only an explicit refusal to overwrite proves it -----------------------------
 
 
-@pytest.mark.parametrize("exc", [
-    _failed("save_weights: checkpoint 'x' already exists; pass overwrite=True to replace it"),
-    # a name saved at 00:45:03 holds "503": still the refusal, not a capacity error
-    _failed("checkpoint '20261202T004503Z-731a34-initial-shared-seed0' already exists; pass overwrite=True"),
-    _status(tinker.ConflictError, 409, "Conflict"),
-    _status(tinker.BadRequestError, 400, "checkpoint name is immutable: refusing to overwrite"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        _failed("save_weights: checkpoint 'x' already exists; pass overwrite=True to replace it"),
+        # a name saved at 00:45:03 holds "503": still the refusal, not a capacity error
+        _failed("checkpoint '20261202T004503Z-731a34-initial-shared-seed0' already exists; pass overwrite=True"),
+        _status(tinker.ConflictError, 409, "Conflict"),
+        _status(tinker.BadRequestError, 400, "checkpoint name is immutable: refusing to overwrite"),
+    ],
+)
 def test_an_explicit_refusal_to_overwrite_proves_immutability(exc):
     immutable, reason = restoration.duplicate_save_outcome(exc)
     assert immutable is True and "refused to overwrite" in reason
 
 
-@pytest.mark.parametrize("exc, needle", [
-    (TimeoutError("Timeout of 60 seconds reached while waiting for result"), "TimeoutError"),
-    (_status(tinker.InternalServerError, 500, "Internal Server Error"), "InternalServerError"),
-    (_status(tinker.InternalServerError, 503, "Service Unavailable"), "Service Unavailable"),
-    (_failed("trainer capacity exhausted: no trainer available for save_weights", SERVER), "capacity"),
-    (_failed("save_weights failed on the local server: OSError: disk full", SERVER), "disk full"),
-    (_failed("checkpoint already exists (while cleaning up)", SERVER), "already exists"),  # server-side failure
-    (_status(tinker.BadRequestError, 400, "bad request"), "bad request"),
-    (tinker.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9")), "APIConnectionError"),
-    (RuntimeError("exists"), "RuntimeError"),
-])
+@pytest.mark.parametrize(
+    "exc, needle",
+    [
+        (TimeoutError("Timeout of 60 seconds reached while waiting for result"), "TimeoutError"),
+        (_status(tinker.InternalServerError, 500, "Internal Server Error"), "InternalServerError"),
+        (_status(tinker.InternalServerError, 503, "Service Unavailable"), "Service Unavailable"),
+        (_failed("trainer capacity exhausted: no trainer available for save_weights", SERVER), "capacity"),
+        (_failed("save_weights failed on the local server: OSError: disk full", SERVER), "disk full"),
+        (_failed("checkpoint already exists (while cleaning up)", SERVER), "already exists"),  # server-side failure
+        (_status(tinker.BadRequestError, 400, "bad request"), "bad request"),
+        (tinker.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9")), "APIConnectionError"),
+        (RuntimeError("exists"), "RuntimeError"),
+    ],
+)
 def test_anything_else_leaves_immutability_unverified_with_the_reason(exc, needle):
     immutable, reason = restoration.duplicate_save_outcome(exc)
     assert immutable is None
@@ -113,16 +120,20 @@ class _ServiceClient:
         return _Future(self.client)
 
 
-@pytest.mark.parametrize("duplicate, want", [
-    (TimeoutError("no answer"), None),
-    (_status(tinker.InternalServerError, 500, "Internal Server Error"), None),
-    (_failed("checkpoint 'x' already exists"), True),
-    (None, False),
-])
+@pytest.mark.parametrize(
+    "duplicate, want",
+    [
+        (TimeoutError("no answer"), None),
+        (_status(tinker.InternalServerError, 500, "Internal Server Error"), None),
+        (_failed("checkpoint 'x' already exists"), True),
+        (None, False),
+    ],
+)
 def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, want):
     rec = checkpoint.Recorder()
-    initial = checkpoint.fresh_checkpoint(_ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, "shared", 0, "t",
-                                  rec, lambda fn: fn())
+    initial = checkpoint.fresh_checkpoint(
+        _ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, "shared", 0, "t", rec, lambda fn: fn()
+    )
     assert initial.immutable is want and initial.immutable_reason
     kept = [k for k in rec.responses if k.startswith("save_shared_again")]
     assert len(kept) == 1
@@ -131,13 +142,33 @@ def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, 
 
 
 def _entry(**kw) -> dict:
-    check = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
-                              info=None, info_ref="i", echoed=None, echo_ref=None, echo_observed_on=None)
-    args = dict(base_checkpoint="Qwen/Qwen3.5-2B", checkpoint_uri="tinker://a/weights/i", checkpoint_immutable=True,
-                loaded_checkpoint_uri="tinker://a/weights/i", load_succeeded=True, evidence_ref="r",
-                restore_count=1, optimizer_checks=[check, dict(check, after_restore=1)],
-                initial_output={"available": True, "batch_sha256": "b", "output_sha256": "o", "evidence_ref": "f",
-                                "before_first_update": True})
+    check = optimizer_check(
+        after_restore=0,
+        requested_optimizer="adam",
+        requested_config={"learning_rate": 1e-5},
+        info=None,
+        info_ref="i",
+        echoed=None,
+        echo_ref=None,
+        echo_observed_on=None,
+    )
+    args = dict(
+        base_checkpoint="Qwen/Qwen3.5-2B",
+        checkpoint_uri="tinker://a/weights/i",
+        checkpoint_immutable=True,
+        loaded_checkpoint_uri="tinker://a/weights/i",
+        load_succeeded=True,
+        evidence_ref="r",
+        restore_count=1,
+        optimizer_checks=[check, dict(check, after_restore=1)],
+        initial_output={
+            "available": True,
+            "batch_sha256": "b",
+            "output_sha256": "o",
+            "evidence_ref": "f",
+            "before_first_update": True,
+        },
+    )
     args.update(kw)
     return initialization_entry(**args)
 
@@ -163,8 +194,9 @@ def test_served_model_without_a_model_name_is_unavailable_not_the_requested_one(
     s = served_model_from_info({"model_data": {}}, "Qwen/Qwen3.5-2B", backend="tinker")
     assert s.served != "Qwen/Qwen3.5-2B" and "did not name" in s.served
     assert s.source.startswith("unavailable") and "model_data.model_name" in s.source
-    named = served_model_from_info({"model_data": {"model_name": "Qwen/Qwen3.5-4B"}}, "Qwen/Qwen3.5-2B",
-                                              backend="tinker")
+    named = served_model_from_info(
+        {"model_data": {"model_name": "Qwen/Qwen3.5-4B"}}, "Qwen/Qwen3.5-2B", backend="tinker"
+    )
     assert named.served == "Qwen/Qwen3.5-4B"
 
 
@@ -177,8 +209,9 @@ def test_backend_info_without_model_names_is_unavailable_and_no_deviation(pytest
     b = backend_info(SimpleNamespace(kind="tinker", base_url="http://127.0.0.1:9"), plan, client)
     assert b.served_model.startswith(plans.SERVED_MODEL_UNAVAILABLE) and plan.base_model not in b.served_model
     assert plans.backend_deviations(plan, b) == []
-    other = SimpleNamespace(get_info=lambda: types.GetInfoResponse(
-        model_data=types.ModelData(model_name="Qwen/Qwen3.5-4B"), model_id="m"))
+    other = SimpleNamespace(
+        get_info=lambda: types.GetInfoResponse(model_data=types.ModelData(model_name="Qwen/Qwen3.5-4B"), model_id="m")
+    )
     moved = backend_info(SimpleNamespace(kind="tinker", base_url="http://127.0.0.1:9"), plan, other)
     assert [d["effective"] for d in plans.backend_deviations(plan, moved)] == ["Qwen/Qwen3.5-4B"]
 
@@ -186,8 +219,16 @@ def test_backend_info_without_model_names_is_unavailable_and_no_deviation(pytest
 def test_an_absent_optimizer_config_is_not_the_sdk_default():
     info = types.GetInfoResponse.model_validate({"model_data": {}, "model_id": "m"})
     assert info.optimizer_config.type == "adamw"  # the SDK's default, not the service's word
-    check = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config={"learning_rate": 1e-5},
-                              info=info, info_ref="i", echoed=None, echo_ref=None, echo_observed_on=None)
+    check = optimizer_check(
+        after_restore=0,
+        requested_optimizer="adam",
+        requested_config={"learning_rate": 1e-5},
+        info=info,
+        info_ref="i",
+        echoed=None,
+        echo_ref=None,
+        echo_observed_on=None,
+    )
     assert check["actual_optimizer"] is None and check["actual_optimizer_source"] == "declared"
     assert not check["verified"] and "optimizer family not exposed" in check["unverified_reasons"][0]
 
@@ -221,17 +262,24 @@ def test_every_omittable_field_is_optional_in_the_sdk_type(kind):
 def test_required_fields_cannot_be_omitted_and_bad_specs_name_the_problem():
     assert parse_omit_field("load_weights.path") == parse_omit_field("load_weights.path")
     assert parse_omit_field("get_info.model_data.model_name:2,3").numbers == frozenset({2, 3})
-    for spec, needle in [("save_weights.path", "not an optional field"), ("load_weights", "KIND.FIELD"),
-                         ("nope.path", "no optional response fields known"), ("load_weights.path:0", "start at 1"),
-                         ("load_weights.path:x", "integers")]:
+    for spec, needle in [
+        ("save_weights.path", "not an optional field"),
+        ("load_weights", "KIND.FIELD"),
+        ("nope.path", "no optional response fields known"),
+        ("load_weights.path:0", "start at 1"),
+        ("load_weights.path:x", "integers"),
+    ]:
         with pytest.raises(FaultSpecError, match="--fault-omit-field") as info:
             parse_omit_field(spec)
         assert needle in str(info.value)
 
 
 def test_omission_drops_nested_and_listed_fields_of_the_chosen_responses_only():
-    inj = FaultInjector(FaultConfig(omit_fields=(parse_omit_field("get_info.model_data.model_name:2"),
-                                                 parse_omit_field("load_weights.path"))))
+    inj = FaultInjector(
+        FaultConfig(
+            omit_fields=(parse_omit_field("get_info.model_data.model_name:2"), parse_omit_field("load_weights.path"))
+        )
+    )
     first = inj.omit_json("get_info", {"model_id": "m", "model_data": {"model_name": "x", "arch": "a"}})
     second = inj.omit_json("get_info", {"model_id": "m", "model_data": {"model_name": "x", "arch": "a"}})
     assert first["model_data"] == {"model_name": "x", "arch": "a"} and second["model_data"] == {"arch": "a"}

@@ -57,16 +57,31 @@ def test_the_decision_rebuilds_from_the_pinned_observations():
     want = json.loads(pinned)
     observations = (PINNED / "scored-observations.jsonl").read_bytes()
     rows = stats.read_observations(PINNED / "scored-observations.jsonl")
-    criteria = [CriterionConfig(id=c["id"], metric=c["metric"], treatment=c["treatment"], baseline=c["baseline"],
-                                margin=c["margin"], bounds=(0.0, 1.0), weights={c["treatment"]: 1.0, c["baseline"]: -1.0})
-                for c in want["criteria"]]
+    criteria = [
+        CriterionConfig(
+            id=c["id"],
+            metric=c["metric"],
+            treatment=c["treatment"],
+            baseline=c["baseline"],
+            margin=c["margin"],
+            bounds=(0.0, 1.0),
+            weights={c["treatment"]: 1.0, c["baseline"]: -1.0},
+        )
+        for c in want["criteria"]
+    ]
     alpha = want["criteria"][0]["alpha"]
     decided = decision.decide_criteria(rows, criteria, alpha=alpha)
-    block = decision.decision_block(observations, decided, decision.verdict(decided, rehearsal=True), rehearsal=True,
-                                    informational=decision.informational_interval(rows, criteria[0], alpha=alpha))
+    block = decision.decision_block(
+        observations,
+        decided,
+        decision.verdict(decided, rehearsal=True),
+        rehearsal=True,
+        informational=decision.informational_interval(rows, criteria[0], alpha=alpha),
+    )
     assert json_file_bytes(decision.DECISION_FILE, block) == pinned
-    changed = decision.decision_block(observations + b"\n", decided, decision.verdict(decided, rehearsal=True),
-                                      rehearsal=True)
+    changed = decision.decision_block(
+        observations + b"\n", decided, decision.verdict(decided, rehearsal=True), rehearsal=True
+    )
     assert json_file_bytes(decision.DECISION_FILE, changed) != pinned
 
 

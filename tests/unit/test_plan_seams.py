@@ -20,15 +20,20 @@ def _raw_reads(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and node.attr == "raw":
             out.append(f"{path.name}:{node.lineno}: .raw")
-        if (isinstance(node, ast.Attribute) and node.attr == "spec" and isinstance(node.value, ast.Name)
-                and node.value.id in ("plan", "spec_plan")):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "spec"
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("plan", "spec_plan")
+        ):
             out.append(f"{path.name}:{node.lineno}: {node.value.id}.spec")
     return out
 
 
 def test_no_module_outside_the_plans_package_reads_raw_plan_json():
-    found = [hit for p in sorted(PKG.rglob("*.py")) if "plans" not in p.relative_to(PKG).parts[:1]
-             for hit in _raw_reads(p)]
+    found = [
+        hit for p in sorted(PKG.rglob("*.py")) if "plans" not in p.relative_to(PKG).parts[:1] for hit in _raw_reads(p)
+    ]
     assert found == []
 
 

@@ -37,8 +37,12 @@ def test_spec_is_the_saved_spec():
     assert raw["base_model"] == constants.BASE_MODEL and raw["lora_rank"] == 32
     assert [a["name"] for a in raw["arms"]] == ["grpo_seed0", "dppo_seed0"]
     assert [c["metric"] for c in raw["activation_gate"]["checks"]] == [
-        "dppo_masked_token_fraction", "policy_drift_abs_p_q90", "grpo_clip_fraction",
-        "executed_updates_per_batch", "executed_base_model"]
+        "dppo_masked_token_fraction",
+        "policy_drift_abs_p_q90",
+        "grpo_clip_fraction",
+        "executed_updates_per_batch",
+        "executed_base_model",
+    ]
     assert raw["budget"] == {"gpu_hours": 2.0, "max_wall_minutes": 120}
     assert raw["experiment_features"]["generated_training_data"] is False
     assert "kind" not in raw  # verbatim: the saved spec has no kind field
@@ -53,11 +57,24 @@ def test_diagnostic_plan_validates_and_pins_its_settings():
     assert fs["treatment"]["ratio_cap"] == constants.DPPO_RATIO_CAP
     assert fs["counterfactual_baseline"]["ppo_eps"] == constants.PPO_EPS
     assert fs["sampling"]["renderer"] == constants.RENDERER_NAME
-    assert fs["optimizer"] == {"name": "adamw", "learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95,
-                               "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    assert fs["optimizer"] == {
+        "name": "adamw",
+        "learning_rate": 2e-5,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "grad_clip_norm": 0.0,
+    }
     assert fs["loss_normalization"]["mode"] == "token_mean"
-    assert (sch["groups_per_batch"], sch["group_size"], sch["minibatches_per_epoch"],
-            sch["groups_per_minibatch"], sch["epochs"], sch["max_optimizer_updates"]) == (32, 8, 8, 4, 2, 16)
+    assert (
+        sch["groups_per_batch"],
+        sch["group_size"],
+        sch["minibatches_per_epoch"],
+        sch["groups_per_minibatch"],
+        sch["epochs"],
+        sch["max_optimizer_updates"],
+    ) == (32, 8, 8, 4, 2, 16)
     assert plan.raw["recording"]["sentinels"]["after_updates"] == [0, 1, 2, 4, 8, 16]
     assert plan.budget == {"gpu_hours": 2.0, "max_wall_minutes": 12.0}
     assert plan.raw["original_hypothesis_tested"] is False and plan.raw["tested_instead"]
@@ -78,20 +95,28 @@ def _diag_raw():
     return json.loads(DIAG.read_text())
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: r["activation_gate"]["checks"][2].__setitem__("min", "0.0005"),
-     "activation_gate.checks[2].min: expected number, got str"),
-    (lambda r: r["activation_gate"]["checks"][0].__setitem__("bogus", 1),
-     "activation_gate.checks[0].bogus: unknown key"),
-    (lambda r: r.__setitem__("extra_top", True), "extra_top: unknown key"),
-    (lambda r: r["optimizer"].pop("lr"), "optimizer.lr: missing required key"),
-    (lambda r: r.__setitem__("lora_rank", 32.0), "lora_rank: expected integer, got float"),
-    (lambda r: r["experiment_features"].__setitem__("custom_loss", 1),
-     "experiment_features.custom_loss: expected bool, got int"),
-    (lambda r: r["arms"][1].__setitem__("lr", True), "arms[1].lr: expected number, got bool"),
-    (lambda r: r["activation_gate"]["checks"][1].pop("min"),
-     "activation_gate.checks[1]: expected at least one of"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda r: r["activation_gate"]["checks"][2].__setitem__("min", "0.0005"),
+            "activation_gate.checks[2].min: expected number, got str",
+        ),
+        (
+            lambda r: r["activation_gate"]["checks"][0].__setitem__("bogus", 1),
+            "activation_gate.checks[0].bogus: unknown key",
+        ),
+        (lambda r: r.__setitem__("extra_top", True), "extra_top: unknown key"),
+        (lambda r: r["optimizer"].pop("lr"), "optimizer.lr: missing required key"),
+        (lambda r: r.__setitem__("lora_rank", 32.0), "lora_rank: expected integer, got float"),
+        (
+            lambda r: r["experiment_features"].__setitem__("custom_loss", 1),
+            "experiment_features.custom_loss: expected bool, got int",
+        ),
+        (lambda r: r["arms"][1].__setitem__("lr", True), "arms[1].lr: expected number, got bool"),
+        (lambda r: r["activation_gate"]["checks"][1].pop("min"), "activation_gate.checks[1]: expected at least one of"),
+    ],
+)
 def test_malformed_spec_names_the_field(mutate, message):
     raw = _spec_raw()
     mutate(raw)
@@ -100,21 +125,32 @@ def test_malformed_spec_names_the_field(mutate, message):
     assert str(e.value).startswith(message)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: r["schedule"].pop("epochs"), "schedule.epochs: missing required key"),
-    (lambda r: r["fixed_settings"]["optimizer"].__setitem__("momentum", 0.9),
-     "fixed_settings.optimizer.momentum: unknown key"),
-    (lambda r: r["analysis"]["criteria"][0].__setitem__("max", "0.3"),
-     "analysis.criteria[0].max: expected number, got str"),
-    (lambda r: r["schedule"].__setitem__("old_logprob_refresh", True),
-     "schedule.old_logprob_refresh: expected false, got true"),
-    (lambda r: r["schedule"].__setitem__("groups_per_minibatch", 5), "schedule.groups_per_minibatch: "),
-    (lambda r: r["deviations"][0].__setitem__("field", "schedule"), "deviations[0].field: expected one of"),
-    (lambda r: r["original_plan"].__setitem__("sha256", "abc"), "original_plan.sha256: expected a string matching"),
-    (lambda r: r.__setitem__("kind", "full_training"), "kind: expected one of"),
-    (lambda r: r["recording"]["sentinels"].__setitem__("after_updates", [0, 32]),
-     "recording.sentinels.after_updates: an update index exceeds"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: r["schedule"].pop("epochs"), "schedule.epochs: missing required key"),
+        (
+            lambda r: r["fixed_settings"]["optimizer"].__setitem__("momentum", 0.9),
+            "fixed_settings.optimizer.momentum: unknown key",
+        ),
+        (
+            lambda r: r["analysis"]["criteria"][0].__setitem__("max", "0.3"),
+            "analysis.criteria[0].max: expected number, got str",
+        ),
+        (
+            lambda r: r["schedule"].__setitem__("old_logprob_refresh", True),
+            "schedule.old_logprob_refresh: expected false, got true",
+        ),
+        (lambda r: r["schedule"].__setitem__("groups_per_minibatch", 5), "schedule.groups_per_minibatch: "),
+        (lambda r: r["deviations"][0].__setitem__("field", "schedule"), "deviations[0].field: expected one of"),
+        (lambda r: r["original_plan"].__setitem__("sha256", "abc"), "original_plan.sha256: expected a string matching"),
+        (lambda r: r.__setitem__("kind", "full_training"), "kind: expected one of"),
+        (
+            lambda r: r["recording"]["sentinels"].__setitem__("after_updates", [0, 32]),
+            "recording.sentinels.after_updates: an update index exceeds",
+        ),
+    ],
+)
 def test_malformed_diagnostic_names_the_field(mutate, message):
     raw = _diag_raw()
     mutate(raw)
@@ -143,33 +179,51 @@ def test_original_plan_hash_mismatch_is_refused(tmp_path):
 
 def test_backend_deviations_local_and_tinker():
     plan = load_plan(DIAG)
-    local = BackendInfo("local", constants.BASE_MODEL, "tiny-qwen3-gsm8k",
-                        size_reductions=[{"field": "effective_batch", "original": "32 groups", "effective": "4 groups",
-                                          "reason": "CPU rehearsal"}])
+    local = BackendInfo(
+        "local",
+        constants.BASE_MODEL,
+        "tiny-qwen3-gsm8k",
+        size_reductions=[
+            {"field": "effective_batch", "original": "32 groups", "effective": "4 groups", "reason": "CPU rehearsal"}
+        ],
+    )
     devs = backend_deviations(plan, local)
     assert [d["field"] for d in devs] == ["model", "effective_batch"]
     assert "tiny-qwen3-gsm8k" in devs[0]["effective"] and devs[0]["original"] == constants.BASE_MODEL
     assert backend_deviations(plan, BackendInfo("tinker", constants.BASE_MODEL, constants.BASE_MODEL)) == []
-    other = backend_deviations(plan, BackendInfo(backend="tinker", requested_model=constants.BASE_MODEL,
-                                                 served_model="Qwen/Qwen3.5-4B"))
+    other = backend_deviations(
+        plan, BackendInfo(backend="tinker", requested_model=constants.BASE_MODEL, served_model="Qwen/Qwen3.5-4B")
+    )
     assert other[0]["effective"] == "Qwen/Qwen3.5-4B"
     with pytest.raises(PlanError, match="size_reductions.field"):
-        backend_deviations(plan, BackendInfo("local", "a", "b", size_reductions=[
-            {"field": "size", "original": "1", "effective": "2", "reason": "r"}]))
+        backend_deviations(
+            plan,
+            BackendInfo(
+                "local", "a", "b", size_reductions=[{"field": "size", "original": "1", "effective": "2", "reason": "r"}]
+            ),
+        )
 
 
 def test_effective_config_carries_plan_hash_and_all_deviations():
     plan = load_plan(DIAG)
     cfg = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny", sdk_versions={"tinker": "0.38.0"}))
-    assert cfg["plan"] == {"name": plan.name, "kind": "bounded_diagnostic", "sha256": plan.sha256,
-                           "launch": plan.raw["launch"]}
+    assert cfg["plan"] == {
+        "name": plan.name,
+        "kind": "bounded_diagnostic",
+        "sha256": plan.sha256,
+        "launch": plan.raw["launch"],
+    }
     assert cfg["config"]["steps"] == 16 and cfg["config"]["sequences_per_update"] == 32
     assert cfg["config"]["n_eval"] == 0 and cfg["config"]["max_tokens"] == 512
     assert len(cfg["deviations"]) == len(plan.deviations) + 1
     assert cfg["generation_audit"]["applicable"] is False
     json.dumps(cfg, allow_nan=False)
     spec_cfg = effective_config(load_plan(SPEC), BackendInfo("tinker", constants.BASE_MODEL, constants.BASE_MODEL))
-    assert (spec_cfg["config"]["steps"], spec_cfg["config"]["batch_size"], spec_cfg["config"]["n_eval"]) == (100, 256, 1319)
+    assert (spec_cfg["config"]["steps"], spec_cfg["config"]["batch_size"], spec_cfg["config"]["n_eval"]) == (
+        100,
+        256,
+        1319,
+    )
     assert spec_cfg["deviations"] == []
 
 
@@ -233,34 +287,54 @@ def _add_difference(field, spec, rehearsal):
     return lambda r: r["differences"].append({"field": field, "spec": spec, "rehearsal": rehearsal, "reason": "r"})
 
 
-@pytest.mark.parametrize("mutate, message", [
-    # an undeclared difference
-    (lambda r: r["spec"].__setitem__("max_seq_len", 512),
-     "spec.max_seq_len: differs from plans/exp_e6b0965af3.json (1024 -> 512) but is not listed in differences"),
-    # a phantom difference (listed, but both specs agree)
-    (_add_difference("lora_rank", 32, 32), "differences[11]: 'lora_rank' does not differ"),
-    # a gate threshold changed (even when declared)
-    (lambda r: (r["spec"]["activation_gate"]["checks"][0].__setitem__("min", 0.01),
-                _add_difference("activation_gate.checks[0].min", 0.001, 0.01)(r)),
-     "spec.activation_gate.checks[0].min: a rehearsal keeps the spec's gates and thresholds"),
-    (lambda r: (r["spec"]["arms"][1].__setitem__("loss", "grpo_clip_eps0.2"),
-                _add_difference("arms[1].loss", "dppo_divergence_mask", "grpo_clip_eps0.2")(r)),
-     "spec.arms[1].loss: a rehearsal keeps"),
-    (lambda r: r["spec"]["decision_rule"].__setitem__("alpha", 0.5), "spec.decision_rule.alpha: a rehearsal keeps"),
-    # the restoration learning rate may only follow optimizer.lr
-    (lambda r: r["spec"]["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"].__setitem__(
-        "learning_rate", 0.5), "spec.restoration_preflight.groups[0].arms[0].optimizer_config.learning_rate: "),
-    # a wrong derived_from sha256
-    (lambda r: r["derived_from"].__setitem__("sha256", "0" * 64), "derived_from.sha256: recorded 0000"),
-    # declared values that do not match the specs
-    (lambda r: r["differences"][2].__setitem__("spec", 99), "differences[2].spec: expected 100"),
-    (lambda r: r["differences"][2].__setitem__("rehearsal", 5), "differences[2].rehearsal: expected 4"),
-    (lambda r: r["differences"][0].__setitem__("reason", " "), "differences[0].reason: expected a string matching"),
-    (_add_difference("no_such.key", 1, 2), "differences[11].field: 'no_such.key' is not a field of both specs"),
-    (lambda r: r["spec"].__setitem__("lora_rank", "32"), "spec.lora_rank: expected integer, got str"),
-    (lambda r: r.__setitem__("label", "comparison"), "label: expected one of"),
-    (lambda r: r["derived_from"].__setitem__("path", "plans/missing.json"), "derived_from.path: plans/missing.json"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        # an undeclared difference
+        (
+            lambda r: r["spec"].__setitem__("max_seq_len", 512),
+            "spec.max_seq_len: differs from plans/exp_e6b0965af3.json (1024 -> 512) but is not listed in differences",
+        ),
+        # a phantom difference (listed, but both specs agree)
+        (_add_difference("lora_rank", 32, 32), "differences[11]: 'lora_rank' does not differ"),
+        # a gate threshold changed (even when declared)
+        (
+            lambda r: (
+                r["spec"]["activation_gate"]["checks"][0].__setitem__("min", 0.01),
+                _add_difference("activation_gate.checks[0].min", 0.001, 0.01)(r),
+            ),
+            "spec.activation_gate.checks[0].min: a rehearsal keeps the spec's gates and thresholds",
+        ),
+        (
+            lambda r: (
+                r["spec"]["arms"][1].__setitem__("loss", "grpo_clip_eps0.2"),
+                _add_difference("arms[1].loss", "dppo_divergence_mask", "grpo_clip_eps0.2")(r),
+            ),
+            "spec.arms[1].loss: a rehearsal keeps",
+        ),
+        (lambda r: r["spec"]["decision_rule"].__setitem__("alpha", 0.5), "spec.decision_rule.alpha: a rehearsal keeps"),
+        # the restoration learning rate may only follow optimizer.lr
+        (
+            lambda r: r["spec"]["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"].__setitem__(
+                "learning_rate", 0.5
+            ),
+            "spec.restoration_preflight.groups[0].arms[0].optimizer_config.learning_rate: ",
+        ),
+        # a wrong derived_from sha256
+        (lambda r: r["derived_from"].__setitem__("sha256", "0" * 64), "derived_from.sha256: recorded 0000"),
+        # declared values that do not match the specs
+        (lambda r: r["differences"][2].__setitem__("spec", 99), "differences[2].spec: expected 100"),
+        (lambda r: r["differences"][2].__setitem__("rehearsal", 5), "differences[2].rehearsal: expected 4"),
+        (lambda r: r["differences"][0].__setitem__("reason", " "), "differences[0].reason: expected a string matching"),
+        (_add_difference("no_such.key", 1, 2), "differences[11].field: 'no_such.key' is not a field of both specs"),
+        (lambda r: r["spec"].__setitem__("lora_rank", "32"), "spec.lora_rank: expected integer, got str"),
+        (lambda r: r.__setitem__("label", "comparison"), "label: expected one of"),
+        (
+            lambda r: r["derived_from"].__setitem__("path", "plans/missing.json"),
+            "derived_from.path: plans/missing.json",
+        ),
+    ],
+)
 def test_malformed_rehearsal_names_the_field(tmp_path, mutate, message):
     with pytest.raises(PlanError) as e:
         load_plan(_rehearsal(tmp_path, mutate))

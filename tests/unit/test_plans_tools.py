@@ -30,8 +30,14 @@ ENV = harness_env(PYTHONPATH=str(ROOT / "src"))
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dppo_harness.plans", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dppo_harness.plans", *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _shipped_lr_reason() -> str:
@@ -75,8 +81,20 @@ def test_rehearse_with_no_option_makes_a_new_spec_run_on_the_stand_in(tmp_path):
 
 def test_rehearse_cli_writes_a_plan_that_validates_with_the_specs_own_values(tmp_path):
     out = tmp_path / "variant-rehearsal.json"
-    proc = _cli("rehearse", str(VARIANT), "--out", str(out), "--steps", "2", "--groups", "2", "--eval-items", "8",
-                "--lr", "0.01")
+    proc = _cli(
+        "rehearse",
+        str(VARIANT),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--groups",
+        "2",
+        "--eval-items",
+        "8",
+        "--lr",
+        "0.01",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "it validates" in proc.stderr
     plan = load_plan(out)
@@ -85,9 +103,12 @@ def test_rehearse_cli_writes_a_plan_that_validates_with_the_specs_own_values(tmp
     assert [a.name for a in run.arms] == ["clip_ref_s7", "tv_mask_s7"] and run.lora_rank == 16 and run.seed == 7
     assert (run.rollout_steps, run.groups_per_batch.value, run.group_size.value, run.max_tokens.value) == (2, 2, 4, 96)
     assert run.eval_items == 8 and run.criteria[0].margin == 0.05 and all(a.lr == 0.01 for a in run.arms)
-    assert "groups_per_batch=2" in run.groups_per_batch.source and "2 rollout steps (4 optim steps)" in plan.spec["method"]
+    assert (
+        "groups_per_batch=2" in run.groups_per_batch.source and "2 rollout steps (4 optim steps)" in plan.spec["method"]
+    )
     assert [c.model_dump(exclude_none=True) for c in run.gate_checks][:4] == [
-        c.model_dump(exclude_none=True) for c in load_plan(VARIANT).run.gate_checks][:4]  # gates unchanged
+        c.model_dump(exclude_none=True) for c in load_plan(VARIANT).run.gate_checks
+    ][:4]  # gates unchanged
     assert _cli("rehearse", str(VARIANT), "--out", str(out)).returncode == 1  # never overwritten silently
 
 
@@ -112,7 +133,8 @@ def test_validate_prints_the_effective_config_or_one_line_per_error(tmp_path):
     bad.write_text(json.dumps(raw))
     proc = _cli("validate", str(bad))
     assert proc.returncode == 1 and proc.stderr.strip() == (
-        f"{bad}: arms[1].loss: 'dppo_v2' is not a registered loss (registered: dppo_divergence_mask, grpo_clip_eps0.2)")
+        f"{bad}: arms[1].loss: 'dppo_v2' is not a registered loss (registered: dppo_divergence_mask, grpo_clip_eps0.2)"
+    )
 
 
 def test_preflight_with_an_unknown_loss_stops_in_seconds_with_one_line(tmp_path):
@@ -121,14 +143,31 @@ def test_preflight_with_an_unknown_loss_stops_in_seconds_with_one_line(tmp_path)
     plan = tmp_path / "unknown-loss.json"
     plan.write_text(json.dumps(raw))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "preflight", f"--plan={plan}", "-p", "no:cacheprovider",
-                           f"--evidence-dir={tmp_path / 'evidence'}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "preflight",
+            f"--plan={plan}",
+            "-p",
+            "no:cacheprovider",
+            f"--evidence-dir={tmp_path / 'evidence'}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     secs = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-2000:]
-    assert proc.stderr.strip() == (f"ERROR: --plan: {plan}: arms[1].loss: 'dppo_v2' is not a registered loss "
-                                   "(registered: dppo_divergence_mask, grpo_clip_eps0.2)"), proc.stderr
+    assert proc.stderr.strip() == (
+        f"ERROR: --plan: {plan}: arms[1].loss: 'dppo_v2' is not a registered loss "
+        "(registered: dppo_divergence_mask, grpo_clip_eps0.2)"
+    ), proc.stderr
     assert "Traceback" not in out and not (tmp_path / "evidence").exists()  # nothing collected, started or written
     assert secs < 120, secs  # pytest start-up only (the refusal is at configure time)
 
@@ -138,12 +177,15 @@ def test_launch_rule_refuses_unauthorized_training_stages_on_a_real_service():
     stages = ("unit", "preflight", "gate", "comparison")
     # the saved spec's launch, stated in its resolution file: nothing authorized but the diagnostic plan
     assert unauthorized_stages(spec.launch, stages) == ["gate", "comparison"]
-    line = launch_refusal(spec.name, spec.launch, stages, embedded=False, service="https://svc",
-                          stated_in=spec.launch_stated_in)
-    assert line == ("launch scope: stage gate, comparison is not authorized on https://svc (not the embedded server): "
-                    "plan exp_e6b0965af3.json's launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no "
-                    f"training stage ({spec.launch.scope}); a plan whose launch.authorized_stages lists "
-                    "gate, comparison would authorize it")
+    line = launch_refusal(
+        spec.name, spec.launch, stages, embedded=False, service="https://svc", stated_in=spec.launch_stated_in
+    )
+    assert line == (
+        "launch scope: stage gate, comparison is not authorized on https://svc (not the embedded server): "
+        "plan exp_e6b0965af3.json's launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no "
+        f"training stage ({spec.launch.scope}); a plan whose launch.authorized_stages lists "
+        "gate, comparison would authorize it"
+    )
     assert unauthorized_stages(None, stages) == ["gate", "comparison"]  # no launch at all: nothing authorized
     line = launch_refusal("x.json", None, stages, embedded=False, service="https://svc")
     assert line is not None and "plan x.json carries no launch block" in line
@@ -151,7 +193,9 @@ def test_launch_rule_refuses_unauthorized_training_stages_on_a_real_service():
     assert launch_refusal(spec.name, spec.launch, ("unit", "preflight"), embedded=False, service="x") is None
     # the requester's launch: only the bounded diagnostic
     assert diag.launch is not None and diag.launch.authorized_stages == ["diagnostic"]
-    assert launch_refusal(diag.name, diag.launch, ("unit", "preflight", "diagnostic"), embedded=False, service="x") is None
+    assert (
+        launch_refusal(diag.name, diag.launch, ("unit", "preflight", "diagnostic"), embedded=False, service="x") is None
+    )
     line = launch_refusal(diag.name, diag.launch, ("gate",), embedded=False, service="x")
     assert line is not None and "launch authorizes diagnostic (single bounded diagnostic continuation" in line
     # the declared rehearsal states that it authorizes nothing on a real service
@@ -162,6 +206,8 @@ def test_launch_rule_refuses_unauthorized_training_stages_on_a_real_service():
     # the service could not be identified: refused when a stage needs authorization, never skipped
     seen = "connectivity preflight (reachable): https://svc answered HTTP 503"
     line = launch_undecided_refusal(spec.name, spec.launch, stages, service="https://svc", seen=seen)
-    assert line is not None and line.startswith("launch scope: stage gate, comparison is authorized only on the embedded")
+    assert line is not None and line.startswith(
+        "launch scope: stage gate, comparison is authorized only on the embedded"
+    )
     assert seen in line and "launch.authorized_stages lists gate, comparison" in line
     assert launch_undecided_refusal(diag.name, diag.launch, ("unit", "diagnostic"), service="x", seen=seen) is None

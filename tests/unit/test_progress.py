@@ -50,7 +50,9 @@ def test_golden_parity_reports_progress(tmp_path):
     lines: list[str] = []
     report = correctness_golden.check_golden(golden, modes=("float64",), progress=lines.append)
     assert lines[0].startswith("[preflight] correctness: golden parity: started")
-    assert lines[-1].startswith(f"[preflight] correctness: golden parity: {len(report.results)}/{len(report.results)} (100%)")
+    assert lines[-1].startswith(
+        f"[preflight] correctness: golden parity: {len(report.results)}/{len(report.results)} (100%)"
+    )
 
 
 FAKE_SERVER = textwrap.dedent('''
@@ -88,8 +90,9 @@ def test_server_start_forwards_its_progress_and_never_goes_quiet(tmp_path):
     script.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
     script.chmod(0o755)
     lines: list[str] = []
-    with process.LocalServerProcess(run_dir=tmp_path / "run", python=str(script), progress=lines.append,
-                              heartbeat_s=1.0, startup_timeout=60) as server:
+    with process.LocalServerProcess(
+        run_dir=tmp_path / "run", python=str(script), progress=lines.append, heartbeat_s=1.0, startup_timeout=60
+    ) as server:
         assert server.base_url.startswith("http://127.0.0.1:")
     forwarded = [ln for ln in lines if "warm start: step" in ln]
     assert forwarded == [f"[local server] warm start: step {k}/3" for k in (1, 2, 3)]
@@ -103,19 +106,25 @@ def test_warm_start_logs_progress_lines_the_harness_forwards(tmp_path, caplog):
     from dppo_harness.local_server.engine import model
     from dppo_harness.local_server.vocab import load_vocab
 
-    cfg = model.TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
-                       num_key_value_heads=1)
+    cfg = model.TinyConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1
+    )
     recipe = {**warmstart.RECIPE, "steps": 3, "batch_size": 2, "warmup_steps": 1}
     with caplog.at_level(logging.INFO, logger=warmstart.__name__):
         warmstart.load_or_build(cfg, load_vocab(), seed=0, cache_dir=tmp_path, recipe=recipe)
-    texts = [process.PROGRESS_RE.search(r.getMessage()).group(1) for r in caplog.records
-             if process.PROGRESS_RE.search(r.getMessage())]
+    texts = [
+        process.PROGRESS_RE.search(r.getMessage()).group(1)
+        for r in caplog.records
+        if process.PROGRESS_RE.search(r.getMessage())
+    ]
     assert texts[0].startswith("warm start: no cached stand-in model at ")
     assert any(t.startswith("warm start: step 3/3 (100%)") for t in texts)
     assert texts[-1].startswith("warm start: built in ")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=warmstart.__name__):
-        warmstart.load_or_build(cfg, load_vocab(), seed=0, cache_dir=tmp_path, recipe=recipe)  # cache hit: nothing to say
+        warmstart.load_or_build(
+            cfg, load_vocab(), seed=0, cache_dir=tmp_path, recipe=recipe
+        )  # cache hit: nothing to say
     assert not [r for r in caplog.records if process.PROGRESS_RE.search(r.getMessage())]
 
 

@@ -194,7 +194,9 @@ def test_path_options_in_both_forms_twice_and_from_another_cwd(project, tmp_path
         res = p.runpytest("-m", "preflight", "--evidence-dir", "runs", *plan_args, str(p.path / "tests"))
         res.assert_outcomes(passed=2, deselected=3)
     got = sessions(elsewhere / "runs")
-    assert [(s["rootdir"], s["plan"], s["evidence_dir"]) for s in got] == [(str(p.path), spec, str(elsewhere / "runs"))] * 2
+    assert [(s["rootdir"], s["plan"], s["evidence_dir"]) for s in got] == [
+        (str(p.path), spec, str(elsewhere / "runs"))
+    ] * 2
 
 
 def test_rootdir_is_given_back_only_when_a_harness_option_misled_pytest(tmp_path):
@@ -257,7 +259,9 @@ def _entry_point_path(tmp_path: Path) -> list[str]:
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dppo-harness-entry-point\nVersion: 0.0\n")
     pyproject = (REPO / "pyproject.toml").read_text()
     assert '"dppo_harness.pytest_plugin.hooks" = "dppo_harness.pytest_plugin.hooks"' in pyproject  # what we simulate
-    (dist / "entry_points.txt").write_text("[pytest11]\ndppo_harness.pytest_plugin = dppo_harness.pytest_plugin.hooks\n")
+    (dist / "entry_points.txt").write_text(
+        "[pytest11]\ndppo_harness.pytest_plugin = dppo_harness.pytest_plugin.hooks\n"
+    )
     return [str(tmp_path / "ep")]
 
 
@@ -271,8 +275,14 @@ def test_plan_outside_the_project_fails_fast_as_a_new_user_runs_it(tmp_path):
     src = str(REPO / "src")
     env = harness_env(PYTHONPATH=os.pathsep.join([src, *_entry_point_path(tmp_path)]))
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "pytest", "-m", "diagnostic", "--plan", str(bad),
-                          "-p", "no:cacheprovider"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "diagnostic", "--plan", str(bad), "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     elapsed = time.monotonic() - t0
     assert res.returncode == pytest.ExitCode.USAGE_ERROR, res.stdout + res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -286,23 +296,35 @@ def test_service_wait_options_reach_the_session_and_are_validated(project, monke
     --proxy-credentials, --sdk-telemetry: parsed, checked, and in harness_options."""
     p = project()
     monkeypatch.delenv("TINKER_BASE_URL", raising=False)
-    (p.path / "tests/unit/test_opts.py").write_text(textwrap.dedent(
-        """
+    (p.path / "tests/unit/test_opts.py").write_text(
+        textwrap.dedent(
+            """
         def test_opts(harness_options):
             o = harness_options
             assert (o.capacity_patience_s, o.capacity_patience_after_steps_s, o.service_timeout_s) == (3.0, 9.0, 2.5)
             assert o.proxy_credentials == "runs" and o.sdk_telemetry is True
-        """))
-    res = p.runpytest("tests/unit/test_opts.py", "--capacity-patience-s=3", "--capacity-patience-after-steps-s=9",
-                      "--service-timeout-s=2.5", "--proxy-credentials=runs", "--sdk-telemetry")
-    res.assert_outcomes(passed=1)
-    (p.path / "tests/unit/test_opts.py").write_text(textwrap.dedent(
         """
+        )
+    )
+    res = p.runpytest(
+        "tests/unit/test_opts.py",
+        "--capacity-patience-s=3",
+        "--capacity-patience-after-steps-s=9",
+        "--service-timeout-s=2.5",
+        "--proxy-credentials=runs",
+        "--sdk-telemetry",
+    )
+    res.assert_outcomes(passed=1)
+    (p.path / "tests/unit/test_opts.py").write_text(
+        textwrap.dedent(
+            """
         def test_opts(harness_options):
             o = harness_options
             assert (o.capacity_patience_s, o.capacity_patience_after_steps_s, o.service_timeout_s) == (None, None, None)
             assert o.proxy_credentials == "modal" and o.sdk_telemetry is False
-        """))
+        """
+        )
+    )
     p.runpytest("tests/unit/test_opts.py").assert_outcomes(passed=1)
     res = p.runpytest("--service-timeout-s=0")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
@@ -314,8 +336,9 @@ def test_a_service_stop_in_a_stage_fixture_is_one_line_for_every_test(project):
     """A stop by the wait policy (a BaseException) inside a session fixture: each test that needs it
     fails with the stop's one line, no traceback; later stages are skipped."""
     p = project()
-    (p.path / "tests/preflight/conftest.py").write_text(textwrap.dedent(
-        """
+    (p.path / "tests/preflight/conftest.py").write_text(
+        textwrap.dedent(
+            """
         import pytest
         from dppo_harness.pytest_plugin.session import stops_stage
         from dppo_harness.service.wait.policy import ServiceHang
@@ -324,9 +347,12 @@ def test_a_service_stop_in_a_stage_fixture_is_one_line_for_every_test(project):
         @stops_stage
         def stage_work():
             raise ServiceHang("forward_backward", "dppo_seed0", 900.4, "active")
-        """))
+        """
+        )
+    )
     (p.path / "tests/preflight/test_p.py").write_text(
-        "def test_a(stage_work):\n    pass\n\ndef test_b(stage_work):\n    pass\n")
+        "def test_a(stage_work):\n    pass\n\ndef test_b(stage_work):\n    pass\n"
+    )
     res = p.runpytest("-m", "diagnostic", "-rsE")
     res.assert_outcomes(passed=1, errors=2, skipped=1)
     out = res.stdout.str()

@@ -46,7 +46,10 @@ def test_honest_logs_replay_clean_and_the_mask_fired(tmp_path, records, capsys):
     assert report.ok, report.problems
     assert len(report.checks) == 4 and all(c.ties == 0 for c in report.checks)
     # Not a vacuous pass: the replayed run has removals on both signs and clipped tokens.
-    total = {k: sum(c.recomputed[k] for c in report.checks) for k in ("dppo/removed_pos_adv", "dppo/removed_neg_adv", "ppo/clipped")}
+    total = {
+        k: sum(c.recomputed[k] for c in report.checks)
+        for k in ("dppo/removed_pos_adv", "dppo/removed_neg_adv", "ppo/clipped")
+    }
     assert all(v > 0 for v in total.values()), total
     assert replay.main([str(run)]) == 0
     assert "4 matched, 0 problem(s)" in capsys.readouterr().out
@@ -59,14 +62,30 @@ def _first_loss_token(arrays, call="c0"):
 @pytest.mark.parametrize(
     "edit,needle",
     [
-        (lambda a, m: a["c0.dppo_keep_N"].__setitem__(_first_loss_token(a), ~a["c0.dppo_keep_N"][_first_loss_token(a)]),
-         "dppo_keep_N differs"),
-        (lambda a, m: a["c0.ppo_clipped_N"].__setitem__(_first_loss_token(a), ~a["c0.ppo_clipped_N"][_first_loss_token(a)]),
-         "ppo_clipped_N differs"),
-        (lambda a, m: m["calls"][0]["stats"].__setitem__("dppo/removed_neg_adv", m["calls"][0]["stats"]["dppo/removed_neg_adv"] + 1),
-         "logged dppo/removed_neg_adv"),
-        (lambda a, m: m["calls"][0]["stats"].__setitem__("drift/abs_p99", m["calls"][0]["stats"]["drift/abs_p99"] * 0.9),
-         "logged drift/abs_p99"),
+        (
+            lambda a, m: a["c0.dppo_keep_N"].__setitem__(
+                _first_loss_token(a), ~a["c0.dppo_keep_N"][_first_loss_token(a)]
+            ),
+            "dppo_keep_N differs",
+        ),
+        (
+            lambda a, m: a["c0.ppo_clipped_N"].__setitem__(
+                _first_loss_token(a), ~a["c0.ppo_clipped_N"][_first_loss_token(a)]
+            ),
+            "ppo_clipped_N differs",
+        ),
+        (
+            lambda a, m: m["calls"][0]["stats"].__setitem__(
+                "dppo/removed_neg_adv", m["calls"][0]["stats"]["dppo/removed_neg_adv"] + 1
+            ),
+            "logged dppo/removed_neg_adv",
+        ),
+        (
+            lambda a, m: m["calls"][0]["stats"].__setitem__(
+                "drift/abs_p99", m["calls"][0]["stats"]["drift/abs_p99"] * 0.9
+            ),
+            "logged drift/abs_p99",
+        ),
         (lambda a, m: m["calls"][0]["loss_metrics"].__setitem__("dppo/removed", 0.0), "loss reported dppo/removed"),
     ],
     ids=["keep-bit", "clip-bit", "removed-count", "tail", "loss-metric"],
@@ -91,7 +110,12 @@ def test_empty_or_missing_dir_fails(tmp_path):
 def test_cli_entry_point_exit_code(tmp_path, records):
     run = _write_bundle(tmp_path, records[:1])
     src = Path(__file__).parents[2] / "src"
-    proc = subprocess.run([sys.executable, "-m", "dppo_harness.instrument.replay", str(run)], capture_output=True, text=True,
-                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.instrument.replay", str(run)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 matched" in proc.stdout

@@ -25,18 +25,39 @@ def _sentinel_points(drift: float):
     for u in (0, 1, 2, 4, 8, 16):
         p = np.clip(q + 0.01 + drift * u * np.sign(adv), 1e-6, 1)
         p0 = np.clip(q + 0.01, 1e-6, 1)
-        points.append({"after_update": u, "summary": ins.sentinel_summary(np.log(p), np.log(q), np.log(p0), np.ones(40), adv)})
+        points.append(
+            {"after_update": u, "summary": ins.sentinel_summary(np.log(p), np.log(q), np.log(p0), np.ones(40), adv)}
+        )
     return points
 
 
 def _analysis(drift: float):
     records = simulate_records(seed=5, drift_per_update=drift)
     points = _sentinel_points(drift / 4)
-    sentinels = {"tokens": 40, "sequence_indices": [0, 1], "selection_rule": "test", "points": points,
-                 "at_init": points[0]["summary"], "last": points[-1]}
-    res = analyse(CFG, PLAN, records, selftest=deterministic_selftest(), sentinels=sentinels, frozen_by_call=None,
-                     updates_done=16, stop_reason="update cap reached", wall_seconds=100.0, setup_seconds=20.0,
-                     frozen_sha256="0" * 64, minibatches=[], errors=[], spec=None)
+    sentinels = {
+        "tokens": 40,
+        "sequence_indices": [0, 1],
+        "selection_rule": "test",
+        "points": points,
+        "at_init": points[0]["summary"],
+        "last": points[-1],
+    }
+    res = analyse(
+        CFG,
+        PLAN,
+        records,
+        selftest=deterministic_selftest(),
+        sentinels=sentinels,
+        frozen_by_call=None,
+        updates_done=16,
+        stop_reason="update cap reached",
+        wall_seconds=100.0,
+        setup_seconds=20.0,
+        frozen_sha256="0" * 64,
+        minibatches=[],
+        errors=[],
+        spec=None,
+    )
     return res.analysis_json(), res.next_action
 
 

@@ -21,8 +21,9 @@ from dppo_harness.stages.comparison.step_rows import fraction_names
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
 
-@pytest.mark.parametrize("name", ["exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json",
-                                  "rehearsal/comparison-local.json"])
+@pytest.mark.parametrize(
+    "name", ["exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json", "rehearsal/comparison-local.json"]
+)
 def test_effective_config_declares_renderer_thinking_and_normalization(name):
     cfg = effective_config(load_plan(PLANS / name), BackendInfo("local", constants.BASE_MODEL, "tiny"))
     r = cfg["renderer"]
@@ -45,11 +46,27 @@ def _rows():
     for arm, loss in (("grpo_seed0", losses.GRPO_LOSS), ("dppo_seed0", losses.DPPO_LOSS)):
         names = fraction_names(loss)
         for step in range(3):
-            rows.append({"arm": arm, "step": step, "loss": loss, "reward_mean": 0.1 * step, "format_rate": 0.5,
-                         names["dppo_masked_frac"]: 0.065, names["ppo_clip_frac"]: 0.01, "drift_abs_p90": 0.02,
-                         "kl_sample_train_v1": 0.001, "entropy": 0.7, "truncated_frac": 0.25, "no_answer_frac": 0.5,
-                         "mean_response_tokens": 40.0, "responses": 32, "max_tokens": 64, "loss_tokens": 900,
-                         "seconds": 3.0})
+            rows.append(
+                {
+                    "arm": arm,
+                    "step": step,
+                    "loss": loss,
+                    "reward_mean": 0.1 * step,
+                    "format_rate": 0.5,
+                    names["dppo_masked_frac"]: 0.065,
+                    names["ppo_clip_frac"]: 0.01,
+                    "drift_abs_p90": 0.02,
+                    "kl_sample_train_v1": 0.001,
+                    "entropy": 0.7,
+                    "truncated_frac": 0.25,
+                    "no_answer_frac": 0.5,
+                    "mean_response_tokens": 40.0,
+                    "responses": 32,
+                    "max_tokens": 64,
+                    "loss_tokens": 900,
+                    "seconds": 3.0,
+                }
+            )
     return rows
 
 
@@ -57,10 +74,16 @@ def _decision():
     ev = "e" * 64
     t = [1] * 19 + [0] * 22
     b = [1] * 14 + [0] * 27
-    obs = [{"item_id": f"i{i}", "arm": arm, "seed": 0, "metric": "accuracy", "value": v, "evaluator_id": ev}
-           for i, (tv, bv) in enumerate(zip(t, b)) for arm, v in (("dppo_seed0", tv), ("grpo_seed0", bv))]
-    rule = [CriterionConfig("primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0),
-                            {"treatment": 1, "baseline": -1})]
+    obs = [
+        {"item_id": f"i{i}", "arm": arm, "seed": 0, "metric": "accuracy", "value": v, "evaluator_id": ev}
+        for i, (tv, bv) in enumerate(zip(t, b))
+        for arm, v in (("dppo_seed0", tv), ("grpo_seed0", bv))
+    ]
+    rule = [
+        CriterionConfig(
+            "primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0), {"treatment": 1, "baseline": -1}
+        )
+    ]
     crit = decide_criteria(obs, rule, alpha=0.05)
     info = informational_interval(obs, rule[0], alpha=0.05)
     return decision_block(b"x\n", crit, verdict(crit, rehearsal=True), rehearsal=True, informational=info)
@@ -68,13 +91,24 @@ def _decision():
 
 def test_comparison_report_shows_labels_truncation_plot_and_informational_interval(tmp_path):
     bundle = EvidenceBundle.create(tmp_path)
-    eff = effective_config(load_plan(PLANS / "rehearsal/comparison-local.json"), BackendInfo("local", constants.BASE_MODEL, "tiny"))
+    eff = effective_config(
+        load_plan(PLANS / "rehearsal/comparison-local.json"), BackendInfo("local", constants.BASE_MODEL, "tiny")
+    )
     bundle.register_effective_config(eff)
-    eval_m = {"accuracy": 0.4, "eval_n": 41.0, "eval_invalid_outputs": 12.0, "eval_truncated_frac": 0.25,
-              "eval_no_answer_frac": 12 / 41, "eval_mean_response_tokens": 50.0}
+    eval_m = {
+        "accuracy": 0.4,
+        "eval_n": 41.0,
+        "eval_invalid_outputs": 12.0,
+        "eval_truncated_frac": 0.25,
+        "eval_no_answer_frac": 12 / 41,
+        "eval_mean_response_tokens": 50.0,
+    }
     for arm in ("base", "grpo_seed0", "dppo_seed0"):
         bundle.post_arm_metrics(arm, eval_m)
-    scores = [{"arm": a, "value": 0.4, "predictions_ref": f"predictions-{a}.jsonl"} for a in ("base", "grpo_seed0", "dppo_seed0")]
+    scores = [
+        {"arm": a, "value": 0.4, "predictions_ref": f"predictions-{a}.jsonl"}
+        for a in ("base", "grpo_seed0", "dppo_seed0")
+    ]
     names = report.write_comparison_report(bundle, _rows(), scores, _decision(), "local", max_tokens=64)
     assert names["truncation"] == "comparison-truncation-and-answer-yield.png"
     assert bundle.file_path(names["truncation"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -84,19 +118,25 @@ def test_comparison_report_shows_labels_truncation_plot_and_informational_interv
     assert "| grpo_seed0 | 1 | 0 | 0.5 | cf 0.065 | 0.01 |" in text
     assert "| dppo_seed0 | 1 | 0 | 0.5 | 0.065 | cf 0.01 |" in text and "counterfactual" in text
     # renderer + thinking + measured truncation on one line; normalization against the cookbook ppo
-    setup = text[text.index("- renderer `qwen3_5`"):text.index("## Per step")]
+    setup = text[text.index("- renderer `qwen3_5`") : text.index("## Per step")]
     assert "thinking enabled" in setup.splitlines()[0]
     assert "  - grpo_seed0 rollouts, all steps: 24 of 96 responses (25.0%) truncated at max_tokens 64" in setup
     assert "  - base greedy evaluation: 10 of 41 responses" in setup
-    assert any(ln.startswith("- loss normalization `token_mean`") and "cookbook's `ppo`" in ln for ln in text.splitlines())
+    assert any(
+        ln.startswith("- loss normalization `token_mean`") and "cookbook's `ppo`" in ln for ln in text.splitlines()
+    )
     assert "### Informational paired interval (not the decision rule)" in text
     assert "5 items only dppo_seed0 got right, 0 only grpo_seed0" in text and "exact McNemar p = 0.0625" in text
     assert stats.INFORMATIONAL_LABEL in text
     assert "| base | 0.4 | 41 | 12 | 0.250 | 50 |" in text
     assert "stopped at max_tokens" not in text  # 25% truncated: no warning
-    warn = report.truncation_warnings([{"arm": "base"}], {"base": {"eval_truncated_frac": 1.0, "eval_no_answer_frac": 1.0}}, 512)
-    assert warn == ["\n**base: 100.0% of its greedy outputs stopped at max_tokens 512** (100.0% without a parseable "
-                    "answer): its accuracy measures truncation more than answers."]
+    warn = report.truncation_warnings(
+        [{"arm": "base"}], {"base": {"eval_truncated_frac": 1.0, "eval_no_answer_frac": 1.0}}, 512
+    )
+    assert warn == [
+        "\n**base: 100.0% of its greedy outputs stopped at max_tokens 512** (100.0% without a parseable "
+        "answer): its accuracy measures truncation more than answers."
+    ]
     assert verify_bundle(bundle.dir) == []
 
 
@@ -110,21 +150,35 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
     cfg = diagnostic_config(plan)
-    res = analyse(cfg, plan, simulate_records(seed=1), selftest=deterministic_selftest(),
-                     sentinels={"points": []}, frozen_by_call=None, updates_done=16, stop_reason="update cap reached",
-                     wall_seconds=100.0, setup_seconds=20.0, frozen_sha256="0" * 64, minibatches=[], errors=[],
-                     spec=None)
+    res = analyse(
+        cfg,
+        plan,
+        simulate_records(seed=1),
+        selftest=deterministic_selftest(),
+        sentinels={"points": []},
+        frozen_by_call=None,
+        updates_done=16,
+        stop_reason="update cap reached",
+        wall_seconds=100.0,
+        setup_seconds=20.0,
+        frozen_sha256="0" * 64,
+        minibatches=[],
+        errors=[],
+        spec=None,
+    )
     analysis = res.analysis_json()
     eff = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))
     analysis["declared"] = {k: eff[k] for k in ("renderer", "loss_normalization")}
-    analysis["rollout_yield"] = answer_yield.response_yield(["length"] * 64 + ["stop"] * 192, [False] * 80 + [True] * 176,
-                                                            [512] * 64 + [100] * 192, max_tokens=512).as_dict()
+    analysis["rollout_yield"] = answer_yield.response_yield(
+        ["length"] * 64 + ["stop"] * 192, [False] * 80 + [True] * 176, [512] * 64 + [100] * 192, max_tokens=512
+    ).as_dict()
     text = report.render_markdown(analysis, {}, "local", res.next_action)
     lines = text.splitlines()
     i = next(k for k, ln in enumerate(lines) if ln.startswith("- renderer `qwen3_5`"))
     assert "thinking enabled" in lines[i] and lines[i + 1] == (
         "  - frozen batch rollouts: 64 of 256 responses (25.0%) truncated at max_tokens 512, 80 (31.2%) without a "
-        "parseable answer, mean 203 tokens")
+        "parseable answer, mean 203 tokens"
+    )
     assert any(ln.startswith("- loss normalization `token_mean`") for ln in text.splitlines())
     # nothing measured, nothing invented
     analysis.pop("rollout_yield")

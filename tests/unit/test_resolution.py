@@ -21,8 +21,10 @@ from dppo_harness.plans import PlanError, launch_refusal, load_plan, parse_plan,
 ROOT = Path(__file__).resolve().parents[2]
 SAVED = ROOT / "plans" / "exp_e6b0965af3.json"
 RAW = json.loads(SAVED.read_text())
-TRAINING = ("Each step samples groups_per_batch=32 GSM8K train prompts with group_size=8 rollouts at temperature 1.0 "
-            "and max_tokens=512.")
+TRAINING = (
+    "Each step samples groups_per_batch=32 GSM8K train prompts with group_size=8 rollouts at temperature 1.0 "
+    "and max_tokens=512."
+)
 
 
 def _spec(tmp_path: Path, method_edits: list[tuple[str, str]], resolution: object | None = None) -> Path:
@@ -42,8 +44,10 @@ def _entry(key: str, value: object, sentence: str, why: str = "the author's read
     return {"interpretations": [{"key": key, "value": value, "sentence": sentence, "why": why}]}
 
 
-NO_TEMPERATURE = [("rollouts at temperature 1.0 and", "rollouts and"),
-                  ("scored with greedy decoding on", "scored with greedy decoding (temperature 0) on")]
+NO_TEMPERATURE = [
+    ("rollouts at temperature 1.0 and", "rollouts and"),
+    ("scored with greedy decoding on", "scored with greedy decoding (temperature 0) on"),
+]
 TWO_TEMPERATURES = [("max_tokens=512. Advantages", "max_tokens=512. The sampling temperature is 0.7. Advantages")]
 
 
@@ -70,10 +74,21 @@ def test_a_refusal_says_exactly_what_to_write_and_that_entry_settles_it(tmp_path
     assert plan.run.temperature.value == 1.0
     run = plan_config(plan)["config"]["run"]
     assert run["temperature"] == 1.0
-    assert run["stated_in_prose"]["temperature"] == {"value": 1.0, "field": "my_spec.json.resolution.json",
-                                                     "source": training, "why": "the sampler's 1.0"}
-    assert run["declared_interpretations"] == [{"key": "temperature", "value": 1.0, "sentence": training,
-                                                "why": "the sampler's 1.0", "file": "my_spec.json.resolution.json"}]
+    assert run["stated_in_prose"]["temperature"] == {
+        "value": 1.0,
+        "field": "my_spec.json.resolution.json",
+        "source": training,
+        "why": "the sampler's 1.0",
+    }
+    assert run["declared_interpretations"] == [
+        {
+            "key": "temperature",
+            "value": 1.0,
+            "sentence": training,
+            "why": "the sampler's 1.0",
+            "file": "my_spec.json.resolution.json",
+        }
+    ]
     block = plan_config(plan)["plan"]["resolution"]
     assert block["file"] == "my_spec.json.resolution.json" and block["settles"] == ["temperature"]
     assert len(block["sha256"]) == 64
@@ -95,16 +110,20 @@ def test_two_values_settle_only_to_one_of_them_quoting_one_of_their_sentences(tm
 def test_a_resolution_must_quote_a_sentence_of_the_spec(tmp_path):
     path = _spec(tmp_path, NO_TEMPERATURE, _entry("temperature", 1.0, "Sampling uses temperature 1.0."))
     line = _refusal(path)
-    assert "my_spec.json.resolution.json: interpretations[temperature]: the sentence 'Sampling uses temperature " \
-           "1.0.' is not in the spec's method" in line, line
+    assert (
+        "my_spec.json.resolution.json: interpretations[temperature]: the sentence 'Sampling uses temperature "
+        "1.0.' is not in the spec's method" in line
+    ), line
 
 
 def test_a_resolution_cannot_change_what_the_spec_states_unambiguously(tmp_path):
     for value in (0.7, 1.0):  # another value, or the same: either way there was nothing to settle
         path = _spec(tmp_path, [], _entry("temperature", value, TRAINING))
         line = _refusal(path)
-        assert (f"interpretations[temperature]: settles temperature as {value}, but the spec's method states it "
-                "unambiguously as 1.0") in line, line
+        assert (
+            f"interpretations[temperature]: settles temperature as {value}, but the spec's method states it "
+            "unambiguously as 1.0"
+        ) in line, line
 
 
 def test_a_key_left_to_a_default_can_be_settled_and_a_default_is_declared(tmp_path):
@@ -112,8 +131,10 @@ def test_a_key_left_to_a_default_can_be_settled_and_a_default_is_declared(tmp_pa
     path = _spec(tmp_path, [(split, "")])
     stated = plan_config(load_plan(path))["config"]["run"]["stated_in_prose"]["minibatches_per_batch"]
     assert stated["default"] is True and stated["value"] == 2, stated
-    sentence = "That gives 2 optim_steps per batch, so the policy drifts from the sampling policy and the trust " \
-               "region can act."
+    sentence = (
+        "That gives 2 optim_steps per batch, so the policy drifts from the sampling policy and the trust "
+        "region can act."
+    )
     path = _spec(tmp_path, [(split, "")], _entry("minibatches", 2, sentence, "two optim steps, one per minibatch"))
     stated = plan_config(load_plan(path))["config"]["run"]["stated_in_prose"]["minibatches_per_batch"]
     assert "default" not in stated and stated["field"] == "my_spec.json.resolution.json", stated
@@ -132,23 +153,38 @@ def test_the_pilot_length_in_the_gate_reason_can_be_settled(tmp_path):
     assert plan.run.gate_pilot_steps.value == 5 and plan.run.gate_pilot_steps.why == "the author's reading"
 
 
-@pytest.mark.parametrize("text, says", [
-    ("{not json", "my_spec.json.resolution.json: <root>: invalid JSON at line 1"),
-    (json.dumps({"interpretations": [{"key": "temperature", "value": "1.0", "sentence": "x", "why": "y"}]}),
-     "interpretations[0].value: expected number, got str"),
-    (json.dumps({"interpretations": [{"key": "temp", "value": 1.0, "sentence": "x", "why": "y"}]}),
-     "key 'temp' is no value the prose reader reads"),
-    (json.dumps({"interpretations": []}), "settles nothing: it needs interpretations or a launch block"),
-    (json.dumps({"interpretations": [{"key": "temperature", "value": 1.0, "sentence": "x"}]}),
-     "interpretations[0].why: missing required key"),
-    (json.dumps({**_entry("max_tokens", 511.5, TRAINING.replace("=512", "=0.5k"))}), "value 511.5 is not a whole number"),
-    (json.dumps({"launch": {"source": "x"}}), "launch.launch_mode: missing required key"),
-], ids=["invalid JSON", "value a string", "unknown key", "empty", "no why", "count not whole", "launch incomplete"])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{not json", "my_spec.json.resolution.json: <root>: invalid JSON at line 1"),
+        (
+            json.dumps({"interpretations": [{"key": "temperature", "value": "1.0", "sentence": "x", "why": "y"}]}),
+            "interpretations[0].value: expected number, got str",
+        ),
+        (
+            json.dumps({"interpretations": [{"key": "temp", "value": 1.0, "sentence": "x", "why": "y"}]}),
+            "key 'temp' is no value the prose reader reads",
+        ),
+        (json.dumps({"interpretations": []}), "settles nothing: it needs interpretations or a launch block"),
+        (
+            json.dumps({"interpretations": [{"key": "temperature", "value": 1.0, "sentence": "x"}]}),
+            "interpretations[0].why: missing required key",
+        ),
+        (
+            json.dumps({**_entry("max_tokens", 511.5, TRAINING.replace("=512", "=0.5k"))}),
+            "value 511.5 is not a whole number",
+        ),
+        (json.dumps({"launch": {"source": "x"}}), "launch.launch_mode: missing required key"),
+    ],
+    ids=["invalid JSON", "value a string", "unknown key", "empty", "no why", "count not whole", "launch incomplete"],
+)
 def test_a_malformed_resolution_is_refused_in_one_line(tmp_path, text, says):
-    path = _spec(tmp_path, NO_TEMPERATURE if "max_tokens" not in text else [("max_tokens=512", "max_tokens=0.5k")],
-                 text)
-    proc = subprocess.run([sys.executable, "-m", "dppo_harness.plans", "validate", str(path)], capture_output=True,
-                          text=True, timeout=120)
+    path = _spec(
+        tmp_path, NO_TEMPERATURE if "max_tokens" not in text else [("max_tokens=512", "max_tokens=0.5k")], text
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.plans", "validate", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1 and proc.stdout == "", proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in proc.stderr, proc.stderr
@@ -161,15 +197,25 @@ def test_the_saved_spec_states_its_launch_in_its_resolution_and_loads_as_before(
     assert plan.launch_stated_in == "exp_e6b0965af3.json.resolution.json"
     bare = parse_plan(SAVED.read_bytes(), None)  # the same bytes without the file beside them
     with_file, without = plan_config(plan), plan_config(bare)
-    assert with_file["plan"].pop("launch") == json.loads(
-        (ROOT / "plans" / "exp_e6b0965af3.json.resolution.json").read_text())["launch"]
+    assert (
+        with_file["plan"].pop("launch")
+        == json.loads((ROOT / "plans" / "exp_e6b0965af3.json.resolution.json").read_text())["launch"]
+    )
     assert with_file["plan"].pop("resolution")["settles"] == []
     without["plan"]["name"] = with_file["plan"]["name"]
     assert with_file == without  # only the launch and the resolution's record are added
-    line = launch_refusal(plan.name, plan.launch, ("gate", "comparison"), embedded=False, service="https://svc",
-                          stated_in=plan.launch_stated_in)
-    assert line is not None and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training " \
-                                "stage" in line, line
+    line = launch_refusal(
+        plan.name,
+        plan.launch,
+        ("gate", "comparison"),
+        embedded=False,
+        service="https://svc",
+        stated_in=plan.launch_stated_in,
+    )
+    assert (
+        line is not None
+        and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training stage" in line
+    ), line
 
 
 def test_a_launch_stated_twice_is_refused(tmp_path):
@@ -187,8 +233,9 @@ def test_rehearse_refuses_a_spec_whose_resolution_settles_values(tmp_path):
 
     training = TRAINING.replace("rollouts at temperature 1.0 and", "rollouts and")
     path = _spec(tmp_path, NO_TEMPERATURE, _entry("temperature", 1.0, training))
-    with pytest.raises(PlanError, match="my_spec.json.resolution.json settles temperature, which a rehearsal plan "
-                                        "cannot carry yet"):
+    with pytest.raises(
+        PlanError, match="my_spec.json.resolution.json settles temperature, which a rehearsal plan cannot carry yet"
+    ):
         make_rehearsal(path, tmp_path / "r.json", RehearsalSize())
 
 

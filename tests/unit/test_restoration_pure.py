@@ -44,23 +44,34 @@ def test_batch_sha256_is_stable_and_sensitive_to_tokens_targets_and_mask():
     assert batch_sha256(changed_token) != h
     d = _batch()[0]
     _tokens_T, targets_T, _mask_T = datum_arrays(d)
-    other_mask = tinker.Datum(model_input=d.model_input, loss_fn_inputs={
-        "target_tokens": tinker.TensorData.from_numpy(targets_T),
-        "weights": tinker.TensorData.from_numpy(np.array([0, 1, 1, 1], dtype=np.float32))})
+    other_mask = tinker.Datum(
+        model_input=d.model_input,
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_numpy(targets_T),
+            "weights": tinker.TensorData.from_numpy(np.array([0, 1, 1, 1], dtype=np.float32)),
+        },
+    )
     assert batch_sha256([other_mask, _batch()[1]]) != h
     # Splitting the same tokens differently across datums must not collide.
     assert batch_sha256([make_datum([1, 2, 3], [4, 5])]) != batch_sha256(
-        [make_datum([1, 2], [3]), make_datum([4], [5])])
+        [make_datum([1, 2], [3]), make_datum([4], [5])]
+    )
 
 
 def test_datum_arrays_rejects_missing_mask_and_length_mismatch():
-    no_mask = tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2]),
-                           loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(np.array([2, 3]))})
+    no_mask = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints([1, 2]),
+        loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(np.array([2, 3]))},
+    )
     with pytest.raises(ValueError, match="neither 'mask' nor 'weights'"):
         batch_sha256([no_mask])
-    short = tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
-        "target_tokens": tinker.TensorData.from_numpy(np.array([2, 3])),
-        "weights": tinker.TensorData.from_numpy(np.ones(2, dtype=np.float32))})
+    short = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_numpy(np.array([2, 3])),
+            "weights": tinker.TensorData.from_numpy(np.ones(2, dtype=np.float32)),
+        },
+    )
     with pytest.raises(ValueError, match="lengths differ"):
         batch_sha256([short])
 
@@ -101,34 +112,69 @@ REQ = {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 
 
 def test_optimizer_check_verified_only_with_full_server_evidence():
-    ok = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
-                           info=_info(optimizer_config={"type": "adamw"}), info_ref="x#info",
-                           echoed=dict(REQ), echo_ref="x#opt", echo_observed_on="probe")
+    ok = optimizer_check(
+        after_restore=0,
+        requested_optimizer="adam",
+        requested_config=REQ,
+        info=_info(optimizer_config={"type": "adamw"}),
+        info_ref="x#info",
+        echoed=dict(REQ),
+        echo_ref="x#opt",
+        echo_observed_on="probe",
+    )
     assert ok["verified"] and ok["matches"] and ok["actual_optimizer"] == "adamw"
     assert ok["actual_config"] == REQ and ok["before_next_update"] is True
 
-    declared = optimizer_check(after_restore=1, requested_optimizer="adam", requested_config=REQ,
-                                 info=_info(), info_ref="x#info", echoed=None, echo_ref=None,
-                                 echo_observed_on=None)
+    declared = optimizer_check(
+        after_restore=1,
+        requested_optimizer="adam",
+        requested_config=REQ,
+        info=_info(),
+        info_ref="x#info",
+        echoed=None,
+        echo_ref=None,
+        echo_observed_on=None,
+    )
     assert declared["source"] == "declared" and declared["actual_config"] is None
     assert declared["actual_optimizer"] is None and not declared["verified"]
 
-    partial = optimizer_check(after_restore=1, requested_optimizer="adam", requested_config=REQ,
-                                info=_info(optimizer_config={"type": "adamw"}), info_ref="x#info",
-                                echoed={"learning_rate": 2e-5}, echo_ref="x#opt", echo_observed_on="probe")
+    partial = optimizer_check(
+        after_restore=1,
+        requested_optimizer="adam",
+        requested_config=REQ,
+        info=_info(optimizer_config={"type": "adamw"}),
+        info_ref="x#info",
+        echoed={"learning_rate": 2e-5},
+        echo_ref="x#opt",
+        echo_observed_on="probe",
+    )
     assert not partial["verified"] and partial["matches"]
     assert any("beta1" in u for u in partial["unverified_reasons"])
 
 
 def test_optimizer_check_reports_mismatches():
-    wrong_lr = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
-                                 info=_info(optimizer_config={"type": "adamw"}), info_ref="i",
-                                 echoed={**REQ, "learning_rate": 1e-4}, echo_ref="o", echo_observed_on="p")
+    wrong_lr = optimizer_check(
+        after_restore=0,
+        requested_optimizer="adam",
+        requested_config=REQ,
+        info=_info(optimizer_config={"type": "adamw"}),
+        info_ref="i",
+        echoed={**REQ, "learning_rate": 1e-4},
+        echo_ref="o",
+        echo_observed_on="p",
+    )
     assert not wrong_lr["matches"] and not wrong_lr["verified"]
     assert "learning_rate" in wrong_lr["mismatches"][0]
-    wrong_family = optimizer_check(after_restore=0, requested_optimizer="adam", requested_config=REQ,
-                                     info=_info(optimizer_config={"type": "dimuon", "version": 1}),
-                                     info_ref="i", echoed=dict(REQ), echo_ref="o", echo_observed_on="p")
+    wrong_family = optimizer_check(
+        after_restore=0,
+        requested_optimizer="adam",
+        requested_config=REQ,
+        info=_info(optimizer_config={"type": "dimuon", "version": 1}),
+        info_ref="i",
+        echoed=dict(REQ),
+        echo_ref="o",
+        echo_observed_on="p",
+    )
     assert not wrong_family["matches"] and "family" in wrong_family["mismatches"][0]
 
 
@@ -139,8 +185,11 @@ def test_echoed_config_accepts_prefixed_metric_names():
 
 
 def test_lr_scaling_error():
-    good = [{"learning_rate": 1e-5, "update_norm": 0.1}, {"learning_rate": 2e-5, "update_norm": 0.2},
-            {"learning_rate": 4e-5, "update_norm": 0.4000001}]
+    good = [
+        {"learning_rate": 1e-5, "update_norm": 0.1},
+        {"learning_rate": 2e-5, "update_norm": 0.2},
+        {"learning_rate": 4e-5, "update_norm": 0.4000001},
+    ]
     assert max(lr_scaling_error(good)) < 1e-5
     flat = [{"learning_rate": 1e-5, "update_norm": 0.1}, {"learning_rate": 2e-5, "update_norm": 0.1}]
     assert lr_scaling_error(flat)[1] == pytest.approx(0.5)
@@ -148,14 +197,36 @@ def test_lr_scaling_error():
 
 
 def _entry(uri="tinker://a/weights/init", loaded="tinker://a/weights/init", **kw) -> dict:
-    checks = [optimizer_check(after_restore=i, requested_optimizer="adam", requested_config=REQ,
-                                info=_info(optimizer_config={"type": "adamw"}), info_ref="i",
-                                echoed=dict(REQ), echo_ref="o", echo_observed_on="p") for i in (0, 1)]
-    args = dict(base_checkpoint="Qwen/Qwen3.5-2B", checkpoint_uri=uri, checkpoint_immutable=True,
-                loaded_checkpoint_uri=loaded, load_succeeded=True, evidence_ref="resp#load",
-                restore_count=1, optimizer_checks=checks,
-                initial_output={"available": True, "batch_sha256": "b" * 64, "output_sha256": "o" * 64,
-                                "evidence_ref": "f", "before_first_update": True})
+    checks = [
+        optimizer_check(
+            after_restore=i,
+            requested_optimizer="adam",
+            requested_config=REQ,
+            info=_info(optimizer_config={"type": "adamw"}),
+            info_ref="i",
+            echoed=dict(REQ),
+            echo_ref="o",
+            echo_observed_on="p",
+        )
+        for i in (0, 1)
+    ]
+    args = dict(
+        base_checkpoint="Qwen/Qwen3.5-2B",
+        checkpoint_uri=uri,
+        checkpoint_immutable=True,
+        loaded_checkpoint_uri=loaded,
+        load_succeeded=True,
+        evidence_ref="resp#load",
+        restore_count=1,
+        optimizer_checks=checks,
+        initial_output={
+            "available": True,
+            "batch_sha256": "b" * 64,
+            "output_sha256": "o" * 64,
+            "evidence_ref": "f",
+            "before_first_update": True,
+        },
+    )
     args.update(kw)
     return initialization_entry(**args)
 
@@ -166,8 +237,13 @@ def test_initialization_entry_has_the_brief_shape():
     init = e["initialization"]
     assert init["checkpoint_scope"] == "full_initialization" and init["source"] == "server_response"
     assert init["before_first_update"] is True and init["adapter_sha256"] == "c" * 64
-    assert set(e["initial_output"]) == {"available", "batch_sha256", "output_sha256", "evidence_ref",
-                                        "before_first_update"}
+    assert set(e["initial_output"]) == {
+        "available",
+        "batch_sha256",
+        "output_sha256",
+        "evidence_ref",
+        "before_first_update",
+    }
 
 
 def test_check_provenance_accepts_a_shared_proof():
@@ -178,7 +254,10 @@ def test_check_provenance_accepts_a_shared_proof():
 @pytest.mark.parametrize(
     "b_entry, expected",
     [
-        (lambda: _entry(uri="tinker://x/weights/other", loaded="tinker://x/weights/other"), "share one initial checkpoint"),
+        (
+            lambda: _entry(uri="tinker://x/weights/other", loaded="tinker://x/weights/other"),
+            "share one initial checkpoint",
+        ),
         (lambda: _entry(loaded="tinker://a/weights/elsewhere"), "server loaded"),
         (lambda: _entry(loaded=None), "no loaded checkpoint URI"),
         (lambda: _entry(load_succeeded=False), "load did not succeed"),
@@ -197,8 +276,7 @@ def test_check_provenance_failures(b_entry, expected):
 
 
 def test_check_provenance_flags_missing_arm_batch_and_hash_mismatch():
-    assert any("no initialization_provenance" in f
-               for f in check_provenance({"arms": {"a": _entry()}}, ["a", "b"]))
+    assert any("no initialization_provenance" in f for f in check_provenance({"arms": {"a": _entry()}}, ["a", "b"]))
     b = _entry()
     b["initial_output"]["batch_sha256"] = "e" * 64
     assert any("fixed batches differ" in f for f in check_provenance({"arms": {"a": _entry(), "b": b}}, ["a", "b"]))
@@ -230,24 +308,35 @@ def test_restoration_arms_requires_one_group_of_two():
     with pytest.raises(RestorationError, match="at least two arms"):
         restoration.restoration_arms(spec.model_copy(update={"restoration_preflight": one}))
     with pytest.raises(RestorationError, match="no applicable"):
-        restoration.restoration_arms(spec.model_copy(update={"restoration_preflight": rp.model_copy(update={"applicable": False})}))
+        restoration.restoration_arms(
+            spec.model_copy(update={"restoration_preflight": rp.model_copy(update={"applicable": False})})
+        )
 
 
 def test_attach_lr_scaling_fills_or_explains():
     block = {"required": True, "paths": [{"id": "p", "lr_scaling": []}]}
-    measured = LrScalingMeasured(passed=True, rtol=0.05, relative_error=[0.0, 1e-9], measure="m", reset="r",
-                                 lr_scaling=[{"learning_rate": 1e-5, "update_norm": 0.1},
-                                             {"learning_rate": 2e-5, "update_norm": 0.2}])
+    measured = LrScalingMeasured(
+        passed=True,
+        rtol=0.05,
+        relative_error=[0.0, 1e-9],
+        measure="m",
+        reset="r",
+        lr_scaling=[{"learning_rate": 1e-5, "update_norm": 0.1}, {"learning_rate": 2e-5, "update_norm": 0.2}],
+    )
     out = attach_lr_scaling(block, measured)
     assert out["paths"][0]["lr_scaling"] == measured.lr_scaling
     assert out["paths"][0]["lr_scaling_status"]["available"] is True
     assert block["paths"][0]["lr_scaling"] == []  # input untouched
     missing = attach_lr_scaling(block, LrScalingUnavailable("no parameters over the API"))
     # Issue 11 point 10: never an empty list; the brief's block says unmeasured and why.
-    assert missing["paths"][0]["lr_scaling"] == [{"learning_rate": None, "update_norm": None, "available": False,
-                                                  "reason": "no parameters over the API"}]
+    assert missing["paths"][0]["lr_scaling"] == [
+        {"learning_rate": None, "update_norm": None, "available": False, "reason": "no parameters over the API"}
+    ]
     assert missing["paths"][0]["lr_scaling_status"] == {
-        "available": False, "evidence_ref": LR_SCALING_FILE, "reason": "no parameters over the API"}
+        "available": False,
+        "evidence_ref": LR_SCALING_FILE,
+        "reason": "no parameters over the API",
+    }
 
 
 def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
@@ -256,18 +345,54 @@ def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
     from dppo_harness.stages.restoration.records import RestoreProbeResult
 
     cmp = {"bitwise_equal": True, "max_abs_diff": 0.0, "within_tolerance": True, "atol": 1e-4}
-    probe = RestoreProbeResult("tinker://m/weights/a", "tinker://m/weights/b", None, {"learning_rate": 1e-5}, cmp, cmp,
-                               {"update1": {}, "update2_uninterrupted": {}, "update2_restored": {}}, {}, "r#x", None, [])
-    keys = ["initial_checkpoint", "mid_checkpoint", "loaded_checkpoint_uri", "updates", "adam_params",
-            "restored_vs_uninterrupted", "second_update_effect", "optim_metrics", "echoed_config", "echo_ref",
-            "echo_observed_on", "uninterrupted_client", "base_lr_update_norm", "failures"]
+    probe = RestoreProbeResult(
+        "tinker://m/weights/a",
+        "tinker://m/weights/b",
+        None,
+        {"learning_rate": 1e-5},
+        cmp,
+        cmp,
+        {"update1": {}, "update2_uninterrupted": {}, "update2_restored": {}},
+        {},
+        "r#x",
+        None,
+        [],
+    )
+    keys = [
+        "initial_checkpoint",
+        "mid_checkpoint",
+        "loaded_checkpoint_uri",
+        "updates",
+        "adam_params",
+        "restored_vs_uninterrupted",
+        "second_update_effect",
+        "optim_metrics",
+        "echoed_config",
+        "echo_ref",
+        "echo_observed_on",
+        "uninterrupted_client",
+        "base_lr_update_norm",
+        "failures",
+    ]
     assert list(probe.to_json()) == keys
     probe.own_config_probes = {"b": dataclasses.replace(probe)}
     assert list(probe.to_json()) == [*keys, "own_config_probes"]
     assert LrScalingUnavailable("why", [1e-5]).to_json() == {
-        "available": False, "reason": "why", "learning_rates": [1e-5], "lr_scaling": [], "passed": None}
+        "available": False,
+        "reason": "why",
+        "learning_rates": [1e-5],
+        "lr_scaling": [],
+        "passed": None,
+    }
     measured = LrScalingMeasured([{"learning_rate": 1e-5, "update_norm": 0.1}], True, 0.05, [0.0], "m", "r", "g", None)
     assert list(measured.to_json().items()) == [
-        ("available", True), ("measure", "m"), ("reset", "r"), ("gradient", "g"),
-        ("lr_scaling", [{"learning_rate": 1e-5, "update_norm": 0.1}]), ("relative_error", [0.0]), ("rtol", 0.05),
-        ("passed", True), ("problem", None)]
+        ("available", True),
+        ("measure", "m"),
+        ("reset", "r"),
+        ("gradient", "g"),
+        ("lr_scaling", [{"learning_rate": 1e-5, "update_norm": 0.1}]),
+        ("relative_error", [0.0]),
+        ("rtol", 0.05),
+        ("passed", True),
+        ("problem", None),
+    ]

@@ -29,8 +29,15 @@ def _saved_run(tmp_path: Path, steps: int = 2) -> tuple[RunState, EvidenceBundle
     """A run whose first session saved both arms after each of `steps` steps, the last common save
     registered in its bundle as the harness does (comparison-state-r0-s<step>.json)."""
     bundle = EvidenceBundle.create(tmp_path / "evidence", RUN, env={})
-    st = RunState(RUN, "p" * 64, "e" * 64, "c" * 64, "tinker://init", {a: ArmState(a) for a in ("grpo", "dppo")},
-                  sessions=[{"run_id": RUN, "dir": str(bundle.dir)}])
+    st = RunState(
+        RUN,
+        "p" * 64,
+        "e" * 64,
+        "c" * 64,
+        "tinker://init",
+        {a: ArmState(a) for a in ("grpo", "dppo")},
+        sessions=[{"run_id": RUN, "dir": str(bundle.dir)}],
+    )
     for step in range(1, steps + 1):
         for a in st.arms.values():
             a.steps_done = step
@@ -53,15 +60,27 @@ def test_an_untouched_state_passes(tmp_path):
     assert checkpoint_problems(load_owned_state(tmp_path / "state", RUN)) == []
 
 
-@pytest.mark.parametrize("edit, says", [
-    (lambda d: d["arms"]["dppo"]["saves"].update({"2": "tinker://other/weights/x"}),
-     "arm dppo's checkpoint record at step 2 (tinker://other/weights/x) does not match the sha256 recorded"),
-    (lambda d: d["arms"]["dppo"].update(saves=d["arms"]["grpo"]["saves"], state_path=d["arms"]["grpo"]["state_path"]),
-     "arm dppo's checkpoint record at step 1 (tinker://grpo/weights/step1-r0) does not match"),
-    (lambda d: d["arms"]["grpo"]["save_hashes"].pop("2"), "arm grpo's checkpoint at step 2 has no hash recorded"),
-    (lambda d: d["arms"]["grpo"].update(state_path="tinker://grpo/weights/elsewhere"),
-     "arm grpo's current state tinker://grpo/weights/elsewhere is not one of its hashed saves"),
-], ids=["path-swapped", "other-arms-saves", "hash-removed", "current-not-saved"])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (
+            lambda d: d["arms"]["dppo"]["saves"].update({"2": "tinker://other/weights/x"}),
+            "arm dppo's checkpoint record at step 2 (tinker://other/weights/x) does not match the sha256 recorded",
+        ),
+        (
+            lambda d: d["arms"]["dppo"].update(
+                saves=d["arms"]["grpo"]["saves"], state_path=d["arms"]["grpo"]["state_path"]
+            ),
+            "arm dppo's checkpoint record at step 1 (tinker://grpo/weights/step1-r0) does not match",
+        ),
+        (lambda d: d["arms"]["grpo"]["save_hashes"].pop("2"), "arm grpo's checkpoint at step 2 has no hash recorded"),
+        (
+            lambda d: d["arms"]["grpo"].update(state_path="tinker://grpo/weights/elsewhere"),
+            "arm grpo's current state tinker://grpo/weights/elsewhere is not one of its hashed saves",
+        ),
+    ],
+    ids=["path-swapped", "other-arms-saves", "hash-removed", "current-not-saved"],
+)
 def test_a_tampered_checkpoint_record_is_refused(tmp_path, edit, says):
     _saved_run(tmp_path)
     problems = checkpoint_problems(_edit(tmp_path, edit))
@@ -75,11 +94,14 @@ def test_a_record_rehashed_by_hand_still_disagrees_with_the_registered_state(tmp
     def swap(d):
         d["arms"]["dppo"]["saves"]["2"] = d["arms"]["dppo"]["state_path"] = "tinker://other/weights/x"
         d["arms"]["dppo"]["save_hashes"]["2"] = checkpoint_record_sha256(RUN, "dppo", 2, "tinker://other/weights/x")
+
     st = _edit(tmp_path, swap)
     assert checkpoint_record_problems(st) == []
     (problem,) = checkpoint_problems(st)
-    assert problem == (f"arm dppo's checkpoint at step 2 is tinker://other/weights/x in the state but "
-                       f"tinker://dppo/weights/step2-r0 in {RUN}/comparison-state-r0-s2.json")
+    assert problem == (
+        f"arm dppo's checkpoint at step 2 is tinker://other/weights/x in the state but "
+        f"tinker://dppo/weights/step2-r0 in {RUN}/comparison-state-r0-s2.json"
+    )
 
 
 def test_a_registered_state_copy_that_no_longer_hashes_is_refused(tmp_path):
@@ -87,7 +109,8 @@ def test_a_registered_state_copy_that_no_longer_hashes_is_refused(tmp_path):
     copy = bundle.file_path("comparison-state-r0-s2.json")
     copy.write_text(copy.read_text().replace("step2-r0", "step2-rX"))
     assert checkpoint_problems(load_owned_state(tmp_path / "state", RUN)) == [
-        f"{RUN}/comparison-state-r0-s2.json does not match the sha256 its bundle registered"]
+        f"{RUN}/comparison-state-r0-s2.json does not match the sha256 its bundle registered"
+    ]
 
 
 def test_steps_saved_again_after_a_resume_are_not_held_to_the_earlier_copy(tmp_path):
@@ -137,6 +160,7 @@ def test_a_refused_state_write_is_the_evidences_one_line(tmp_path, monkeypatch):
 
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
     monkeypatch.setattr(state_module, "atomic_write", full)
     st = RunState(RUN, "p", "e", "c", "tinker://init", {"a": ArmState("a")})
     path = state_path(tmp_path, RUN)

@@ -125,7 +125,9 @@ def test_datum_layout_matches_architecture(batch):
 def test_bad_sampler_output_is_refused(renderer, items):
     refs = [it.reference for it in items]
     with pytest.raises(rollouts.RolloutError, match="logprobs"):
-        rollouts.sample_batch(ScriptedSampler(renderer, refs, drop_logprobs=True), items, renderer, CFG, sampler_checkpoint="x")
+        rollouts.sample_batch(
+            ScriptedSampler(renderer, refs, drop_logprobs=True), items, renderer, CFG, sampler_checkpoint="x"
+        )
     with pytest.raises(rollouts.RolloutError, match="sequences, expected 4"):
         rollouts.sample_batch(ScriptedSampler(renderer, refs, short=True), items, renderer, CFG, sampler_checkpoint="x")
     with pytest.raises(ValueError, match="sampler_checkpoint"):

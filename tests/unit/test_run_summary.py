@@ -13,15 +13,32 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _result(**over):
-    base = {"status": "succeeded", "verdict": "inconclusive", "outcome_reason": "insufficient_evidence",
-            "metrics": {"arms": {
-                "grpo_seed0": {"steps_completed": 3.0, "reward_mean_last": 0.125, "accuracy": 0.4, "eval_n": 50.0,
-                               "eval_invalid_outputs": 7.0},
-                "dppo_seed0": {"steps_completed": 3.0, "reward_mean_last": 0.25, "accuracy": 0.44, "eval_n": 50.0,
-                               "eval_invalid_outputs": 5.0},
-                "base": {"accuracy": 0.3, "eval_n": 50.0, "eval_invalid_outputs": 9.0}}},
-            "completed_arms": ["grpo_seed0", "dppo_seed0"],
-            "evidence": {"files": [{"name": "report.md"}, {"name": "result-0001.json"}]}}
+    base = {
+        "status": "succeeded",
+        "verdict": "inconclusive",
+        "outcome_reason": "insufficient_evidence",
+        "metrics": {
+            "arms": {
+                "grpo_seed0": {
+                    "steps_completed": 3.0,
+                    "reward_mean_last": 0.125,
+                    "accuracy": 0.4,
+                    "eval_n": 50.0,
+                    "eval_invalid_outputs": 7.0,
+                },
+                "dppo_seed0": {
+                    "steps_completed": 3.0,
+                    "reward_mean_last": 0.25,
+                    "accuracy": 0.44,
+                    "eval_n": 50.0,
+                    "eval_invalid_outputs": 5.0,
+                },
+                "base": {"accuracy": 0.3, "eval_n": 50.0, "eval_invalid_outputs": 9.0},
+            }
+        },
+        "completed_arms": ["grpo_seed0", "dppo_seed0"],
+        "evidence": {"files": [{"name": "report.md"}, {"name": "result-0001.json"}]},
+    }
     base.update(over)
     return base
 
@@ -38,12 +55,21 @@ def test_comparison_block_names_run_verdict_paths_and_every_arm(tmp_path):
 
 
 def test_stopped_run_names_the_stage_and_why(tmp_path):
-    res = _result(status="failed", verdict="inconclusive", outcome_reason="incomplete_execution",
-                  metrics={"arms": {"grpo_seed0": {"steps_completed": 1.0, "reward_mean_last": 0.0}}},
-                  completed_arms=[], evidence={"files": []})
-    lines = summary_lines(res, tmp_path / "r1", stage_failures={"gate": "tests/gates/t.py::test_gate"},
-                          failure_messages={"gate": "tests/gates/t.py::test_gate: dppo_masked_token_fraction: 0 < min"},
-                          stage_order=stages.STAGES)
+    res = _result(
+        status="failed",
+        verdict="inconclusive",
+        outcome_reason="incomplete_execution",
+        metrics={"arms": {"grpo_seed0": {"steps_completed": 1.0, "reward_mean_last": 0.0}}},
+        completed_arms=[],
+        evidence={"files": []},
+    )
+    lines = summary_lines(
+        res,
+        tmp_path / "r1",
+        stage_failures={"gate": "tests/gates/t.py::test_gate"},
+        failure_messages={"gate": "tests/gates/t.py::test_gate: dppo_masked_token_fraction: 0 < min"},
+        stage_order=stages.STAGES,
+    )
     assert lines[1] == "stopped at stage 'gate': tests/gates/t.py::test_gate: dppo_masked_token_fraction: 0 < min"
     assert "report:   none written (no stage reached its report)" in lines
     assert "  grpo_seed0: 1 steps, final reward 0, accuracy n/a (not evaluated)" in lines
@@ -52,20 +78,34 @@ def test_stopped_run_names_the_stage_and_why(tmp_path):
 
 
 def test_diagnostic_and_capacity_blocks(tmp_path):
-    diag = {"status": "succeeded", "verdict": "inconclusive", "metrics": {
-        "arms": {}, "diagnostic/updates_done": 16.0, "diagnostic/mask_fired": 0.0, "diagnostic/active": 0.0},
-        "completed_arms": [], "evidence": {"files": [{"name": "report.md"}]}}
+    diag = {
+        "status": "succeeded",
+        "verdict": "inconclusive",
+        "metrics": {
+            "arms": {},
+            "diagnostic/updates_done": 16.0,
+            "diagnostic/mask_fired": 0.0,
+            "diagnostic/active": 0.0,
+        },
+        "completed_arms": [],
+        "evidence": {"files": [{"name": "report.md"}]},
+    }
     lines = summary_lines(diag, tmp_path / "d")
     assert lines[0] == "run d: status succeeded, verdict inconclusive"
-    assert lines[-1] == "  bounded diagnostic (dppo_seed0 trained, no outcome arms): 16 updates, mask fired no, active no"
-    cap = _result(status="failed", capacity_block={"error": "trainer capacity exhausted", "comparison_steps_completed": 2})
-    assert summary_lines(cap, tmp_path / "c")[1] == ("stopped by service capacity after 2 comparison steps: "
-                                                     "trainer capacity exhausted")
+    assert (
+        lines[-1] == "  bounded diagnostic (dppo_seed0 trained, no outcome arms): 16 updates, mask fired no, active no"
+    )
+    cap = _result(
+        status="failed", capacity_block={"error": "trainer capacity exhausted", "comparison_steps_completed": 2}
+    )
+    assert summary_lines(cap, tmp_path / "c")[1] == (
+        "stopped by service capacity after 2 comparison steps: trainer capacity exhausted"
+    )
     running = summary_lines({"status": "running", "metrics": {"arms": {}}}, tmp_path / "x")
     assert running[0] == "run x: status running, no verdict" and "status still running" in running[1]
 
 
-INNER = '''
+INNER = """
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.pytest_plugin.session import STATE_KEY
 
@@ -75,7 +115,7 @@ def test_parity(pytestconfig, tmp_path_factory):
     bundle.post_arm_metrics("dppo_seed0", {"steps_completed": 3.0, "reward_mean_last": 0.25, "accuracy": 0.5,
                                            "eval_n": 50.0, "eval_invalid_outputs": 2.0}, completed=True)
     pytestconfig.stash[STATE_KEY].bundle = bundle
-'''
+"""
 
 
 @pytest.fixture
@@ -88,7 +128,9 @@ def inner(pytester: pytest.Pytester):
     (pytester.path / "tests" / "unit").mkdir(parents=True)
     (pytester.path / "tests" / "unit" / "test_u.py").write_text(INNER)
     (pytester.path / "tests" / "preflight").mkdir(parents=True)
-    (pytester.path / "tests" / "preflight" / "test_p.py").write_text("def test_restore():\n    assert 1 == 2, 'no restore'\n")
+    (pytester.path / "tests" / "preflight" / "test_p.py").write_text(
+        "def test_restore():\n    assert 1 == 2, 'no restore'\n"
+    )
     return pytester
 
 
@@ -96,7 +138,7 @@ def test_the_session_ends_with_the_summary_block(inner):
     res = inner.runpytest("-m", "preflight")
     out = res.stdout.str()
     assert TITLE in out, out
-    block = out[out.index(TITLE):]
+    block = out[out.index(TITLE) :]
     assert "status failed" in block and "stopped at stage 'preflight': tests/preflight/test_p.py::test_restore" in block
     assert "no restore" in block and "evidence: " in block
     assert "  dppo_seed0: 3 steps (completed), final reward 0.25, accuracy 0.5 (n=50, 2 invalid)" in block
@@ -118,6 +160,8 @@ def test_wandb_option_without_wandb_installed_is_one_usage_error(inner, monkeypa
     res = inner.runpytest("--wandb-project", "myproj")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     err = [ln for ln in res.stderr.lines if ln.strip()]
-    assert err == ["ERROR: --wandb-project asks for W&B project 'myproj', but wandb is not installed (pip install wandb)"]
+    assert err == [
+        "ERROR: --wandb-project asks for W&B project 'myproj', but wandb is not installed (pip install wandb)"
+    ]
     monkeypatch.setenv("WANDB_PROJECT", "envproj")
     assert "WANDB_PROJECT asks for W&B project 'envproj'" in inner.runpytest().stderr.str()

@@ -24,13 +24,14 @@ def _cut_front(s: str) -> bytes:  # an error message truncated with [:500], the 
 
 def _cut_back(s: str) -> bytes:  # a log tail kept with [-500:], the secret at its start
     text = "key=" + s + "; " + "y" * 600
-    return text[-(600 + 2 + len(s) - 10):].encode()
+    return text[-(600 + 2 + len(s) - 10) :].encode()
 
 
 def _wrapped(width: int, sep: str = "\n"):
     def enc(s: str) -> bytes:
         blob = base64.b64encode(_LEAD + s.encode() + b"\n" + b"z" * 200).decode()
         return sep.join(textwrap.wrap(blob, width)).encode()
+
     return enc
 
 
@@ -39,9 +40,11 @@ def _wrapped_in_json(s: str) -> bytes:
     return json.dumps({"attachment": blob}).encode()
 
 
-@pytest.mark.parametrize("form", [_cut_front, _cut_back, _wrapped(64), _wrapped(76), _wrapped(76, "\r\n"),
-                                  _wrapped_in_json], ids=["prefix", "suffix", "b64-64", "b64-76", "b64-crlf",
-                                                          "b64-json"])
+@pytest.mark.parametrize(
+    "form",
+    [_cut_front, _cut_back, _wrapped(64), _wrapped(76), _wrapped(76, "\r\n"), _wrapped_in_json],
+    ids=["prefix", "suffix", "b64-64", "b64-76", "b64-crlf", "b64-json"],
+)
 def test_a_piece_or_a_wrapped_encoding_of_a_known_secret_is_found(form):
     scanner = scanner_for({"HF_TOKEN": SECRET})
     data = form(SECRET)

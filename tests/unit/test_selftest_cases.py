@@ -11,11 +11,20 @@ from dppo_harness.instrument import replay
 from dppo_harness.loss import losses
 from dppo_harness.stages.diagnostic import selftest
 
-REQUIRED = ("boundary_exact_plus_delta_kept", "boundary_one_ulp_above_plus_delta_removed",
-            "boundary_exact_minus_delta_kept", "boundary_one_ulp_below_minus_delta_removed",
-            "ratio_cap_hit_on_kept_token", "ratio_cap_not_counted_on_dropped_token",
-            "ppo_clip_pos_side", "ppo_clip_neg_side", "padding_is_not_engagement",
-            "zero_advantage_is_not_engagement", "must_not_fire_recovery_direction", "must_fire_both_signs")
+REQUIRED = (
+    "boundary_exact_plus_delta_kept",
+    "boundary_one_ulp_above_plus_delta_removed",
+    "boundary_exact_minus_delta_kept",
+    "boundary_one_ulp_below_minus_delta_removed",
+    "ratio_cap_hit_on_kept_token",
+    "ratio_cap_not_counted_on_dropped_token",
+    "ppo_clip_pos_side",
+    "ppo_clip_neg_side",
+    "padding_is_not_engagement",
+    "zero_advantage_is_not_engagement",
+    "must_not_fire_recovery_direction",
+    "must_fire_both_signs",
+)
 
 
 def test_selftest_has_and_passes_the_required_cases():
@@ -61,6 +70,8 @@ def test_replay_checks_drift_even_with_boundary_ties(monkeypatch):
 def test_loss_counts_cap_hits_only_on_kept_tokens(keep):
     p, q = (np.array([2e-5]), np.array([1e-6])) if keep else (np.array([0.9]), np.array([0.04]))
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
-    t = losses.token_terms(torch.tensor(np.log(p)), torch.tensor(np.log(q)), torch.tensor([1.0]), torch.tensor([1.0]), cfg)
+    t = losses.token_terms(
+        torch.tensor(np.log(p)), torch.tensor(np.log(q)), torch.tensor([1.0]), torch.tensor([1.0]), cfg
+    )
     assert bool(t.ratio_N[0] > 10.0) and bool(t.dppo_keep_N[0]) is keep
     assert bool(t.ratio_cap_hit_N[0]) is keep

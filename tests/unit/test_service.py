@@ -30,8 +30,10 @@ def _status_error(cls, code: int, text: str):
 def test_tinker_client_uses_env_and_modal_headers():
     kw = client_kwargs("tinker", env=FAKE_ENV)
     assert kw["base_url"] == FAKE_ENV["TINKER_BASE_URL"] and kw["api_key"] == FAKE_ENV["TINKER_API_KEY"]
-    assert kw["default_headers_overrides"] == {"Modal-Key": FAKE_ENV["MODAL_PROXY_TOKEN_ID"],
-                                               "Modal-Secret": FAKE_ENV["MODAL_PROXY_TOKEN_SECRET"]}
+    assert kw["default_headers_overrides"] == {
+        "Modal-Key": FAKE_ENV["MODAL_PROXY_TOKEN_ID"],
+        "Modal-Secret": FAKE_ENV["MODAL_PROXY_TOKEN_SECRET"],
+    }
     fork = client_kwargs("tinker", env=FAKE_ENV, proxy_tokens="runs")["default_headers_overrides"]
     assert fork == {"Modal-Key": FAKE_ENV["RUNS_PROXY_TOKEN_ID"], "Modal-Secret": FAKE_ENV["RUNS_PROXY_TOKEN_SECRET"]}
     assert client_kwargs("tinker", env=FAKE_ENV, proxy_tokens="none")["default_headers_overrides"] == {}
@@ -48,13 +50,21 @@ def test_modal_headers_are_sent_only_when_set():
     assert describe_service("tinker", env["TINKER_BASE_URL"], env=env)["proxy_headers"] == []
     assert len(describe_service("tinker", env["TINKER_BASE_URL"], env=FAKE_ENV)["proxy_headers"]) == 2
     with pytest.raises(ServiceConfigError, match="RUNS_PROXY_TOKEN_ID"):  # the fork's tokens: asked for, required
-        client_kwargs("tinker", env={k: v for k, v in FAKE_ENV.items() if not k.startswith("RUNS_")}, proxy_tokens="runs")
+        client_kwargs(
+            "tinker", env={k: v for k, v in FAKE_ENV.items() if not k.startswith("RUNS_")}, proxy_tokens="runs"
+        )
 
 
-@pytest.mark.parametrize("missing, proxy", [
-    ("TINKER_BASE_URL", "modal"), ("TINKER_API_KEY", "modal"), ("MODAL_PROXY_TOKEN_ID", "modal"),
-    ("MODAL_PROXY_TOKEN_SECRET", "modal"), ("RUNS_PROXY_TOKEN_SECRET", "runs"),
-])
+@pytest.mark.parametrize(
+    "missing, proxy",
+    [
+        ("TINKER_BASE_URL", "modal"),
+        ("TINKER_API_KEY", "modal"),
+        ("MODAL_PROXY_TOKEN_ID", "modal"),
+        ("MODAL_PROXY_TOKEN_SECRET", "modal"),
+        ("RUNS_PROXY_TOKEN_SECRET", "runs"),
+    ],
+)
 def test_missing_variable_named_without_values(missing, proxy):
     env = {k: v for k, v in FAKE_ENV.items() if k != missing}
     with pytest.raises(ServiceConfigError) as e:
@@ -96,8 +106,11 @@ def test_capacity_error_classification():
     assert is_capacity_error(tinker.RequestFailedError("HTTP 503 from the trainer pool", "req-3", "server"))
     assert is_capacity_error(tinker.RequestFailedError("status 429: slow down", "req-4", "server"))
     for name in ("'20261202T004503Z-731a34-initial-shared-seed0'", "'run-429'", '"ckpt 503"'):
-        assert not is_capacity_error(tinker.RequestFailedError(
-            f"checkpoint {name} already exists; pass overwrite=True to replace it", "req-5", "user")), name
+        assert not is_capacity_error(
+            tinker.RequestFailedError(
+                f"checkpoint {name} already exists; pass overwrite=True to replace it", "req-5", "user"
+            )
+        ), name
     assert not is_capacity_error(tinker.RequestFailedError("model tiny-429b not found", "req-6", "user"))
 
 
@@ -132,6 +145,7 @@ def _storm(error):
     def fn():
         calls["n"] += 1
         raise error
+
     return fn, calls
 
 
@@ -142,21 +156,31 @@ def test_capacity_storm_before_any_step_gives_up_after_ten_minutes(tmp_path):
     # As the SDK raises it for a failed future; the block keeps the service's own text.
     err = tinker.RequestFailedError(
         "Request failed: trainer capacity exhausted: 0 of 8 trainers free for self.request_id='req-9' "
-        "and expected type self.model_cls=<class 'CreateModelResponse'>", "req-9", "server")
+        "and expected type self.model_cls=<class 'CreateModelResponse'>",
+        "req-9",
+        "server",
+    )
     fn, calls = _storm(err)
     with pytest.raises(CapacityExhausted) as e:
-        call_with_capacity_retry(fn, policy=CapacityPolicy(), steps_completed=0, registry=reg,
-                                 clock=clock, sleep=clock.sleep)
+        call_with_capacity_retry(
+            fn, policy=CapacityPolicy(), steps_completed=0, registry=reg, clock=clock, sleep=clock.sleep
+        )
     assert clock.sleeps == [60.0, 120.0, 240.0, 180.0]  # 1, 2, 4 min, then up to the 10-minute mark
     assert calls["n"] == 5
     block = e.value.block
-    assert block.as_dict() == {"error": "trainer capacity exhausted: 0 of 8 trainers free",
-                               "comparison_steps_completed": 0, "released_clients": True}
+    assert block.as_dict() == {
+        "error": "trainer capacity exhausted: 0 of 8 trainers free",
+        "comparison_steps_completed": 0,
+        "released_clients": True,
+    }
     assert fake.closed_with == "errored" and reg.all_released and real._closed
     bundle = EvidenceBundle.create(tmp_path, "storm", env={})
-    bundle.update_result(**block.result_fields(), original_hypothesis_tested=False,
-                         tested_instead="nothing: capacity refused before the first step",
-                         summary="Spindle refused capacity for 10 minutes before any step.")
+    bundle.update_result(
+        **block.result_fields(),
+        original_hypothesis_tested=False,
+        tested_instead="nothing: capacity refused before the first step",
+        summary="Spindle refused capacity for 10 minutes before any step.",
+    )
     r = bundle.result
     assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
     assert r["capacity_block"]["released_clients"] is True
@@ -187,8 +211,13 @@ def test_capacity_retry_recovers_and_scales():
         if outcomes:
             raise outcomes.pop()
         return "ok"
-    assert call_with_capacity_retry(fn, policy=CapacityPolicy(scale=0.01), clock=clock, sleep=clock.sleep,
-                                    on_retry=events.append) == "ok"
+
+    assert (
+        call_with_capacity_retry(
+            fn, policy=CapacityPolicy(scale=0.01), clock=clock, sleep=clock.sleep, on_retry=events.append
+        )
+        == "ok"
+    )
     assert clock.sleeps == pytest.approx([0.6, 1.2])
     assert [ev.attempt for ev in events] == [1, 2]
 
@@ -207,7 +236,8 @@ def test_registry_releases_per_stage():
     b = reg.register(FakeClient(), stage="diagnostic", label="trainer")
     recs = reg.release_stage("preflight")
     assert [{k: r[k] for k in ("label", "stage", "released", "error")} for r in recs] == [
-        {"label": "probe", "stage": "preflight", "released": True, "error": None}]
+        {"label": "probe", "stage": "preflight", "released": True, "error": None}
+    ]
     assert recs[0]["released_at"] and recs[0]["training_clients"] == []
     assert a.closed_with == "success" and b.closed_with is None and not reg.all_released
     assert reg.release_all("interrupted") and b.closed_with == "interrupted"
@@ -219,6 +249,7 @@ def test_sdk_internal_retry_time_counts_toward_the_window():
     def fn():  # the SDK retried 429/503 itself for 5 minutes before raising
         clock.t += 300.0
         raise _status_error(tinker.InternalServerError, 503, "Service Unavailable")
+
     with pytest.raises(CapacityExhausted) as e:
         call_with_capacity_retry(fn, clock=clock, sleep=clock.sleep)
     assert clock.sleeps == [60.0] and e.value.attempts == 2
@@ -230,7 +261,9 @@ def test_capacity_policy_scale_from_env():
 
     assert CapacityPolicy.from_env({}) == CapacityPolicy()
     p = CapacityPolicy.from_env({CAPACITY_SCALE_VAR: "0.01"})
-    assert p.backoff(0) == pytest.approx(0.6) and p.window(0) == pytest.approx(6.0) and p.window(1) == pytest.approx(18.0)
+    assert (
+        p.backoff(0) == pytest.approx(0.6) and p.window(0) == pytest.approx(6.0) and p.window(1) == pytest.approx(18.0)
+    )
     for bad in ("0", "-1", "2", "fast"):
         with pytest.raises(ServiceConfigError, match=CAPACITY_SCALE_VAR):
             CapacityPolicy.from_env({CAPACITY_SCALE_VAR: bad})

@@ -16,12 +16,27 @@ import dppo_harness
 
 PKG = Path(dppo_harness.__file__).resolve().parent
 # The service layer: where raw SDK futures are made and waited on under the policy (or a fixed bound).
-SERVICE_LAYER = {"service/observed.py", "service/release.py", "service/wait/waiter.py", "service/wait/clients.py",
-                 "service/wait/watch.py", "service/connectivity.py", "service/identity.py",
-                 "service/cancels.py"}
+SERVICE_LAYER = {
+    "service/observed.py",
+    "service/release.py",
+    "service/wait/waiter.py",
+    "service/wait/clients.py",
+    "service/wait/watch.py",
+    "service/connectivity.py",
+    "service/identity.py",
+    "service/cancels.py",
+}
 SDK_CLIENTS = {"ServiceClient", "TrainingClient", "SamplingClient", "RestClient", "AsyncTinker", "InternalClientHolder"}
-SDK_INTERNALS = {"holder", "run_coroutine_threadsafe", "result_async", "execute_with_retries", "aclient", "_APIFuture",
-                 "_queue_state_logger", "sdk_client"}
+SDK_INTERNALS = {
+    "holder",
+    "run_coroutine_threadsafe",
+    "result_async",
+    "execute_with_retries",
+    "aclient",
+    "_APIFuture",
+    "_queue_state_logger",
+    "sdk_client",
+}
 
 
 def offences(source: str, name: str = "<snippet>") -> list[str]:
@@ -44,8 +59,11 @@ def offences(source: str, name: str = "<snippet>") -> list[str]:
 
 
 def _stage_modules() -> list[Path]:
-    return sorted(p for p in PKG.rglob("*.py")
-                  if p.relative_to(PKG).as_posix() not in SERVICE_LAYER and "local_server" not in p.relative_to(PKG).parts)
+    return sorted(
+        p
+        for p in PKG.rglob("*.py")
+        if p.relative_to(PKG).as_posix() not in SERVICE_LAYER and "local_server" not in p.relative_to(PKG).parts
+    )
 
 
 def test_stage_code_never_builds_sdk_clients_nor_reaches_into_the_sdk():
@@ -55,7 +73,7 @@ def test_stage_code_never_builds_sdk_clients_nor_reaches_into_the_sdk():
 
 def test_the_scan_finds_each_way_around_the_policy():
     # the load-response read as it was written in stage code before: a raw future, waited forever
-    old = '''
+    old = """
 from tinker.lib.api_future_impl import _APIFuture
 def create(service_client, path):
     holder = service_client.holder
@@ -63,13 +81,22 @@ def create(service_client, path):
         future = await holder.execute_with_retries(send)
         return await _APIFuture(LoadWeightsResponse, holder, future).result_async()
     return holder.run_coroutine_threadsafe(_create()).result()
-'''
+"""
     found = offences(old)
-    for needle in ("tinker.lib.api_future_impl", ".holder", ".execute_with_retries", "_APIFuture", ".result_async",
-                   ".run_coroutine_threadsafe"):
+    for needle in (
+        "tinker.lib.api_future_impl",
+        ".holder",
+        ".execute_with_retries",
+        "_APIFuture",
+        ".result_async",
+        ".run_coroutine_threadsafe",
+    ):
         assert any(needle in o for o in found), (needle, found)
     assert offences("import tinker\nsc = tinker.ServiceClient(base_url=u)\nsc.create_lora_training_client().result()")
     assert offences("from tinker import SamplingClient\ns = SamplingClient(h, sampling_session_id='x', base_model='m')")
     assert offences("raw = client.sdk_client.optim_step(adam).result()")
     # what stage code does write: calls on the clients it was handed
-    assert offences("out = client.forward(batch, 'cross_entropy').result()\npath = client.save_state(n).result().path") == []
+    assert (
+        offences("out = client.forward(batch, 'cross_entropy').result()\npath = client.save_state(n).result().path")
+        == []
+    )

@@ -16,9 +16,15 @@ from dppo_harness.local_server.faults import (
 
 
 def test_the_kth_request_of_a_kind_is_held_with_its_state_and_reason():
-    inj = FaultInjector(FaultConfig(queue_pause=(parse_queue_pause("optim_step:2:30"),
-                                                 parse_queue_pause("create_model:1:forever:paused_rate_limit")),
-                                    never_complete=(parse_never_complete("save_weights:1"),)))
+    inj = FaultInjector(
+        FaultConfig(
+            queue_pause=(
+                parse_queue_pause("optim_step:2:30"),
+                parse_queue_pause("create_model:1:forever:paused_rate_limit"),
+            ),
+            never_complete=(parse_never_complete("save_weights:1"),),
+        )
+    )
     assert inj.take_hold("optim_step") is None
     hold = inj.take_hold("optim_step")
     assert hold.queue_state == "paused_capacity" and hold.reason.endswith("optim_step request 2; paused for 30 s")
@@ -28,8 +34,11 @@ def test_the_kth_request_of_a_kind_is_held_with_its_state_and_reason():
     assert (forever.queue_state, forever.until, forever.remaining(0.0)) == ("paused_rate_limit", None, None)
     hang = inj.take_hold("save_weights")
     assert (hang.queue_state, hang.reason, hang.until) == ("active", None, None)
-    assert inj.snapshot()["injected"] == {"optim_step:queue_pause": 1, "create_model:queue_pause": 1,
-                                          "save_weights:never_complete": 1}
+    assert inj.snapshot()["injected"] == {
+        "optim_step:queue_pause": 1,
+        "create_model:queue_pause": 1,
+        "save_weights:never_complete": 1,
+    }
     assert inj.config.active
 
 
@@ -43,16 +52,19 @@ def test_refusal_for_a_while_counts_from_the_first_request():
     assert parse_reject_for("retrieve_future:401:5").status == 401
 
 
-@pytest.mark.parametrize("parse, spec, needle", [
-    (parse_queue_pause, "optim_step:1", "expected KIND:N:SECONDS"),
-    (parse_queue_pause, "optim_step:0:5", "counts requests from 1"),
-    (parse_queue_pause, "optim_step:1:soon", "SECONDS must be a number or forever"),
-    (parse_queue_pause, "optim_step:1:5:paused", "STATE must be one of"),
-    (parse_never_complete, "save_weights", "2 ':'-separated"),
-    (parse_never_complete, "save_weights:x", "N must be an integer"),
-    (parse_reject_for, "asample:418:5", "status must be one of"),
-    (parse_reject_for, "asample:429:forever", "SECONDS must be a number"),
-])
+@pytest.mark.parametrize(
+    "parse, spec, needle",
+    [
+        (parse_queue_pause, "optim_step:1", "expected KIND:N:SECONDS"),
+        (parse_queue_pause, "optim_step:0:5", "counts requests from 1"),
+        (parse_queue_pause, "optim_step:1:soon", "SECONDS must be a number or forever"),
+        (parse_queue_pause, "optim_step:1:5:paused", "STATE must be one of"),
+        (parse_never_complete, "save_weights", "2 ':'-separated"),
+        (parse_never_complete, "save_weights:x", "N must be an integer"),
+        (parse_reject_for, "asample:418:5", "status must be one of"),
+        (parse_reject_for, "asample:429:forever", "SECONDS must be a number"),
+    ],
+)
 def test_bad_specs_name_the_option_and_the_problem(parse, spec, needle):
     with pytest.raises(FaultSpecError, match=needle):
         parse(spec)

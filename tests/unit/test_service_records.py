@@ -11,26 +11,56 @@ from dppo_harness.train.optimizer_checks import OptimizerCheck, optimizer_check,
 
 
 def test_connectivity_evidence_keeps_its_keys_in_order():
-    report = ConnectivityReport("tinker", "https://x.invalid/api", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B",
-                                ["Qwen/Qwen3.5-2B"], None, None, {"supported_models": []},
-                                [{"check": "variables", "passed": True, "detail": "set"}], 1.23456)
-    assert json.dumps(report.as_evidence()) == json.dumps({
-        "backend": "tinker", "base_url": "https://x.invalid/api", "requested_model": "Qwen/Qwen3.5-2B",
-        "model": "Qwen/Qwen3.5-2B", "served_models": ["Qwen/Qwen3.5-2B"], "substitution": None,
-        "embedded_server": None, "get_server_capabilities": {"supported_models": []},
-        "checks": [{"check": "variables", "passed": True, "detail": "set"}], "seconds": 1.235})
+    report = ConnectivityReport(
+        "tinker",
+        "https://x.invalid/api",
+        "Qwen/Qwen3.5-2B",
+        "Qwen/Qwen3.5-2B",
+        ["Qwen/Qwen3.5-2B"],
+        None,
+        None,
+        {"supported_models": []},
+        [{"check": "variables", "passed": True, "detail": "set"}],
+        1.23456,
+    )
+    assert json.dumps(report.as_evidence()) == json.dumps(
+        {
+            "backend": "tinker",
+            "base_url": "https://x.invalid/api",
+            "requested_model": "Qwen/Qwen3.5-2B",
+            "model": "Qwen/Qwen3.5-2B",
+            "served_models": ["Qwen/Qwen3.5-2B"],
+            "substitution": None,
+            "embedded_server": None,
+            "get_server_capabilities": {"supported_models": []},
+            "checks": [{"check": "variables", "passed": True, "detail": "set"}],
+            "seconds": 1.235,
+        }
+    )
 
 
 def test_substitution_and_service_description_keep_their_keys():
     d = substitution_deviation("Qwen/Qwen3.5-2B", EmbeddedMarker("local/tiny", None, ("header",)), None, None)
     assert list(d) == ["field", "original", "effective", "reason"]
-    assert list(describe_service("local", "http://127.0.0.1:1/x?k=v")) == ["backend", "base_url", "auth", "proxy_headers"]
+    assert list(describe_service("local", "http://127.0.0.1:1/x?k=v")) == [
+        "backend",
+        "base_url",
+        "auth",
+        "proxy_headers",
+    ]
 
 
 def test_optimizer_check_keeps_its_keys_in_order_and_probe_reduction_appends_nothing():
-    check = optimizer_check(after_restore=1, requested_optimizer="adam", requested_config={"learning_rate": 1e-4},
-                            info=None, info_ref="r.json#info", echoed={"learning_rate": 1e-4},
-                            echo_ref="r.json#echo", echo_observed_on="the probe client's optim_step")
+    check = optimizer_check(
+        after_restore=1,
+        requested_optimizer="adam",
+        requested_config={"learning_rate": 1e-4},
+        info=None,
+        info_ref="r.json#info",
+        echoed={"learning_rate": 1e-4},
+        echo_ref="r.json#echo",
+        echo_observed_on="the probe client's optim_step",
+    )
     assert list(check) == list(OptimizerCheck.__annotations__)
     reduced = own_response_only(check)
     assert list(reduced) == list(check) and reduced["actual_config"] is None and reduced["verified"] is False

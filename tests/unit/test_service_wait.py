@@ -65,12 +65,24 @@ class FakeFuture:
 
 
 def _waiter(clock, **policy):
-    base = dict(capacity_patience_s=600.0, capacity_patience_after_steps_s=1800.0, service_timeout_s=900.0,
-                poll_s=1.0, post_after_s=60.0, post_every_s=30.0, snapshot_every_s=300.0)
+    base = dict(
+        capacity_patience_s=600.0,
+        capacity_patience_after_steps_s=1800.0,
+        service_timeout_s=900.0,
+        poll_s=1.0,
+        post_after_s=60.0,
+        post_every_s=30.0,
+        snapshot_every_s=300.0,
+    )
     base.update(policy)
     posts, stops, lines = [], [], []
-    w = ServiceWaiter(WaitPolicy(**base), clock=clock, on_post=lambda _w, s: posts.append(s),
-                      on_stop=lambda _w, s: stops.append(s), say=lines.append)
+    w = ServiceWaiter(
+        WaitPolicy(**base),
+        clock=clock,
+        on_post=lambda _w, s: posts.append(s),
+        on_stop=lambda _w, s: stops.append(s),
+        say=lines.append,
+    )
     return w, posts, stops, lines
 
 
@@ -126,8 +138,12 @@ def test_a_long_pause_is_never_taken_for_a_hang():
     clock = Clock()
     watch = QueueWatch(clock=clock)
     w, *_ = _waiter(clock, capacity_patience_s=1200.0, service_timeout_s=500.0)
-    fut = FakeFuture(clock, watch, done_at=clock.t + 1250,
-                     events=[(0, QueueState.PAUSED_CAPACITY, REASON), (850, QueueState.ACTIVE, None)])
+    fut = FakeFuture(
+        clock,
+        watch,
+        done_at=clock.t + 1250,
+        events=[(0, QueueState.PAUSED_CAPACITY, REASON), (850, QueueState.ACTIVE, None)],
+    )
     assert w.wait(fut, call="save_state", client="arm", watch=watch) == "ok"
     assert w.pauses[0].outcome == "resumed" and 849 <= w.pauses[0].seconds <= 851
 
@@ -230,8 +246,9 @@ def test_policy_options_and_the_capacity_scale():
     s = WaitPolicy.from_options(env={"DPPO_HARNESS_CAPACITY_SCALE": "0.01"})
     assert (s.capacity_patience_s, s.capacity_patience_after_steps_s, s.service_timeout_s) == (6, 18, 900)
     assert s.capacity().window(0) == 6 and s.capacity().backoff(0) == pytest.approx(0.6)
-    explicit = WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=2,
-                                       env={"DPPO_HARNESS_CAPACITY_SCALE": "0.01"})
+    explicit = WaitPolicy.from_options(
+        capacity_patience_s=3, service_timeout_s=2, env={"DPPO_HARNESS_CAPACITY_SCALE": "0.01"}
+    )
     assert (explicit.capacity_patience_s, explicit.service_timeout_s) == (3, 2)  # given options are not scaled
     assert explicit.poll_s <= 0.1 and explicit.post_after_s <= 0.4
     with pytest.raises(ServiceConfigError, match="--service-timeout-s"):
@@ -242,8 +259,12 @@ def test_policy_options_and_the_capacity_scale():
 
 def _bundle(tmp_path):
     b = EvidenceBundle.create(tmp_path, env={})
-    b.start_session(backend="tinker", plan=load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"),
-                    stages=("unit", "preflight"), project_root=ROOT)
+    b.start_session(
+        backend="tinker",
+        plan=load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"),
+        stages=("unit", "preflight"),
+        project_root=ROOT,
+    )
     return b
 
 
@@ -261,10 +282,18 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
     clock = Clock()
     poster = BundlePoster(b, Registry(), clock=clock)
     watch = QueueWatch(clock=clock)
-    w = ServiceWaiter(WaitPolicy(post_after_s=60, post_every_s=30, snapshot_every_s=300), clock=clock,
-                      on_post=poster.post, on_stop=poster.stop)
-    w.wait(FakeFuture(clock, watch, done_at=clock.t + 400, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
-           call="save_state", client="dppo_seed0", watch=watch)
+    w = ServiceWaiter(
+        WaitPolicy(post_after_s=60, post_every_s=30, snapshot_every_s=300),
+        clock=clock,
+        on_post=poster.post,
+        on_stop=poster.stop,
+    )
+    w.wait(
+        FakeFuture(clock, watch, done_at=clock.t + 400, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
+        call="save_state",
+        client="dppo_seed0",
+        watch=watch,
+    )
     on_disk = json.loads((b.dir / "result.json").read_text())
     (waiting,) = on_disk["service_wait"]["waiting"].values()
     assert waiting["call"] == "save_state" and waiting["queue_state_reason"] == REASON and waiting["waited_s"] >= 399
@@ -273,10 +302,23 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
     snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
     assert poster.posts >= 10 and len(snaps) == 2  # at the first post, then once 300 s later
     # however long the waits, at most MAX_WAIT_SNAPSHOTS snapshots: the stages' own files need the slots
-    long = ServiceWaiter(WaitPolicy(capacity_patience_s=1e5, capacity_patience_after_steps_s=1e5, post_after_s=60,
-                                    post_every_s=30, snapshot_every_s=300), clock=clock, on_post=poster.post)
-    long.wait(FakeFuture(clock, watch, done_at=clock.t + 3600, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
-              call="save_state", client="dppo_seed0", watch=watch)
+    long = ServiceWaiter(
+        WaitPolicy(
+            capacity_patience_s=1e5,
+            capacity_patience_after_steps_s=1e5,
+            post_after_s=60,
+            post_every_s=30,
+            snapshot_every_s=300,
+        ),
+        clock=clock,
+        on_post=poster.post,
+    )
+    long.wait(
+        FakeFuture(clock, watch, done_at=clock.t + 3600, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
+        call="save_state",
+        client="dppo_seed0",
+        watch=watch,
+    )
     snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
     assert len(snaps) == MAX_WAIT_SNAPSHOTS == poster.snapshots
 
@@ -289,8 +331,7 @@ def test_wait_snapshots_stop_at_half_the_file_limit(tmp_path):
         full.register_json(f"stage-file-{i:02d}.json", "metrics", {"i": i})
     clock = Clock()
     poster = BundlePoster(full, Registry(), clock=clock)
-    w = ServiceWaiter(WaitPolicy(post_after_s=1, post_every_s=1, snapshot_every_s=1), clock=clock,
-                      on_post=poster.post)
+    w = ServiceWaiter(WaitPolicy(post_after_s=1, post_every_s=1, snapshot_every_s=1), clock=clock, on_post=poster.post)
     w.wait(FakeFuture(clock, done_at=clock.t + 20), call="sample", client="diagnostic sampler", watch=None)
     assert poster.posts > 0 and poster.snapshots == 0 and len(full.files()) == MAX_FILES // 2
     (waiting,) = json.loads((full.dir / "result.json").read_text())["service_wait"]["waiting"].values()
@@ -307,8 +348,12 @@ def test_a_stop_releases_clients_and_writes_the_failed_result(tmp_path):
     watch = QueueWatch(clock=clock)
     w = ServiceWaiter(WaitPolicy(capacity_patience_s=10), clock=clock, on_post=poster.post, on_stop=poster.stop)
     with pytest.raises(CapacityExhausted):
-        w.wait(FakeFuture(clock, watch, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]), call="forward_backward",
-               client="dppo_seed0", watch=watch)
+        w.wait(
+            FakeFuture(clock, watch, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
+            call="forward_backward",
+            client="dppo_seed0",
+            watch=watch,
+        )
     r = json.loads((b.dir / "result.json").read_text())
     assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
     assert r["capacity_block"] == {"error": REASON, "comparison_steps_completed": 0, "released_clients": True}
@@ -382,8 +427,10 @@ def test_states_that_alternate_cannot_keep_a_call_waiting_past_both_windows():
     clock = Clock()
     watch = QueueWatch(clock=clock)
     w, _, stops, _ = _waiter(clock)
-    events = [(t, QueueState.PAUSED_CAPACITY if t % 2 else QueueState.ACTIVE, REASON if t % 2 else None)
-              for t in range(0, 4000)]
+    events = [
+        (t, QueueState.PAUSED_CAPACITY if t % 2 else QueueState.ACTIVE, REASON if t % 2 else None)
+        for t in range(0, 4000)
+    ]
     with pytest.raises(ServiceStopped) as ei:
         w.wait(Bounded(clock, watch, events=events), call="optim_step", client="grpo_seed0", watch=watch)
     assert clock.t - 1000 <= 600 + 900 + 2 and stops == [ei.value]
@@ -408,10 +455,17 @@ def test_a_pause_shorter_than_the_post_interval_reaches_the_block_and_posted_wai
     clock = Clock()
     watch = QueueWatch(clock=clock)
     blocks = []
-    w = ServiceWaiter(WaitPolicy(post_after_s=60, post_every_s=30), clock=clock,
-                      on_post=lambda waiter, _s: blocks.append(waiter.evidence()))
-    fut = FakeFuture(clock, watch, done_at=clock.t + 20,
-                     events=[(2, QueueState.PAUSED_RATE_LIMIT, "rate limited"), (7, QueueState.ACTIVE, None)])
+    w = ServiceWaiter(
+        WaitPolicy(post_after_s=60, post_every_s=30),
+        clock=clock,
+        on_post=lambda waiter, _s: blocks.append(waiter.evidence()),
+    )
+    fut = FakeFuture(
+        clock,
+        watch,
+        done_at=clock.t + 20,
+        events=[(2, QueueState.PAUSED_RATE_LIMIT, "rate limited"), (7, QueueState.ACTIVE, None)],
+    )
     assert w.wait(fut, call="sample", client="sampler", watch=watch) == "ok"
     assert blocks and blocks[-1]["pauses"][0]["queue_state_reason"] == "rate limited"  # never posted, still recorded
     assert blocks[-1]["pauses"][0]["outcome"] == "resumed" and "waiting" not in blocks[-1]
@@ -436,11 +490,14 @@ def test_concurrent_waits_are_posted_side_by_side(tmp_path):
 
     b = _bundle(tmp_path)
     poster = BundlePoster(b, Registry())
-    w = ServiceWaiter(WaitPolicy(poll_s=0.02, post_after_s=0.05, post_every_s=0.05, snapshot_every_s=0.05),
-                      on_post=poster.post)
+    w = ServiceWaiter(
+        WaitPolicy(poll_s=0.02, post_after_s=0.05, post_every_s=0.05, snapshot_every_s=0.05), on_post=poster.post
+    )
     futures = [concurrent.futures.Future() for _ in range(2)]
-    threads = [threading.Thread(target=w.wait, args=(f,), kwargs={"call": "forward_backward", "client": f"arm{i}"})
-               for i, f in enumerate(futures)]
+    threads = [
+        threading.Thread(target=w.wait, args=(f,), kwargs={"call": "forward_backward", "client": f"arm{i}"})
+        for i, f in enumerate(futures)
+    ]
     for t in threads:
         t.start()
     time.sleep(0.4)
@@ -473,7 +530,9 @@ def test_a_wait_in_a_comparison_step_stops_when_the_wall_budget_runs_out():
     w, _, stops, _ = _waiter(clock)
     end = clock.t + 30
     w.budget_left = lambda: end - clock.t
-    with pytest.raises(WallBudgetSpent, match="forward_backward on dppo_seed0: the plan's wall budget ran out after 30 s"):
+    with pytest.raises(
+        WallBudgetSpent, match="forward_backward on dppo_seed0: the plan's wall budget ran out after 30 s"
+    ):
         w.wait(Bounded(clock), call="forward_backward", client="dppo_seed0")
     assert stops and stops[0].kind == "wall_budget"
     w2, *_ = _waiter(clock)

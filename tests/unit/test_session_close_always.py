@@ -38,8 +38,9 @@ class _DeadRegistry:
 def _session(state: StageState) -> SimpleNamespace:
     lines: list[str] = []
     writer = SimpleNamespace(line=lambda text, **_kw: lines.append(text))
-    return SimpleNamespace(config=SimpleNamespace(stash={STATE_KEY: state}, get_terminal_writer=lambda: writer),
-                           lines=lines)
+    return SimpleNamespace(
+        config=SimpleNamespace(stash={STATE_KEY: state}, get_terminal_writer=lambda: writer), lines=lines
+    )
 
 
 def _full_bundle(tmp_path: Path) -> EvidenceBundle:
@@ -58,8 +59,11 @@ def _state(bundle: EvidenceBundle, **kw: Any) -> StageState:
 
 def test_a_full_bundle_and_a_failing_release_still_close_with_a_final_status_that_verifies(tmp_path: Path) -> None:
     bundle = _full_bundle(tmp_path)
-    state = _state(bundle, registry=_DeadRegistry(),
-                   outcome={"status": "succeeded", "verdict": "inconclusive", "outcome_reason": "insufficient_evidence"})
+    state = _state(
+        bundle,
+        registry=_DeadRegistry(),
+        outcome={"status": "succeeded", "verdict": "inconclusive", "outcome_reason": "insufficient_evidence"},
+    )
     session = _session(state)
     hooks.pytest_sessionfinish(session, 0)
     result = json.loads((bundle.dir / "result.json").read_text())

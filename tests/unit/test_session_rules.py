@@ -36,9 +36,14 @@ def test_a_capacity_stop_before_training_fails_inconclusive_and_says_nothing_was
     block = CapacityBlock("at capacity", comparison_steps_completed=0, released_clients=True)
     bundle = _bundle(None)
     session_rules.record_capacity_stop_before_training(bundle, block)
-    assert bundle.written == {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
-                              "capacity_block": block.as_dict(), "original_hypothesis_tested": False,
-                              "tested_instead": "nothing: the run stopped on service capacity before any training"}
+    assert bundle.written == {
+        "status": "failed",
+        "verdict": "inconclusive",
+        "outcome_reason": "incomplete_execution",
+        "capacity_block": block.as_dict(),
+        "original_hypothesis_tested": False,
+        "tested_instead": "nothing: the run stopped on service capacity before any training",
+    }
     said = _bundle(False)  # a stage already said what it tested: kept
     session_rules.record_capacity_stop_before_training(said, block)
     assert "tested_instead" not in said.written and said.written["capacity_block"] == block.as_dict()

@@ -42,31 +42,40 @@ def test_the_saved_spec_states_the_registered_eps():
     _load(SPEC)
 
 
-@pytest.mark.parametrize("field, old, new, needle", [
-    ("baseline", "(eps=0.2)", "(eps=0.3)", "'GRPO clipped-ratio loss (eps=0.3)"),
-    ("baseline", "(eps=0.2)", "(epsilon = 0.25)", "epsilon = 0.25"),
-    ("method", "clip(r, 1-0.2, 1+0.2)", "clip(r, 1-0.3, 1+0.3)", "clip(r, 1-0.3, 1+0.3)"),
-    ("command", "clip(r, 0.8, 1.2)", "clip(r, 0.7, 1.3)", "clip(r, 0.7, 1.3)"),
-])
+@pytest.mark.parametrize(
+    "field, old, new, needle",
+    [
+        ("baseline", "(eps=0.2)", "(eps=0.3)", "'GRPO clipped-ratio loss (eps=0.3)"),
+        ("baseline", "(eps=0.2)", "(epsilon = 0.25)", "epsilon = 0.25"),
+        ("method", "clip(r, 1-0.2, 1+0.2)", "clip(r, 1-0.3, 1+0.3)", "clip(r, 1-0.3, 1+0.3)"),
+        ("command", "clip(r, 0.8, 1.2)", "clip(r, 0.7, 1.3)", "clip(r, 0.7, 1.3)"),
+    ],
+)
 def test_an_eps_other_than_the_registered_one_is_refused_quoting_both(field, old, new, needle):
     line = _refused(_variant(field, old, new))
     assert f"variant.json: {field}: " in line and needle in line
     assert "grpo_clip_eps0.2" in line and "0.2" in line
 
 
-@pytest.mark.parametrize("sentence, needle", [
-    ("The mask threshold is delta = 0.2.", "delta = 0.2"),
-    ("The DPPO ratio cap is C = 5, as in the paper's text.", "C = 5"),
-    ("Importance weights use a ratio cap of 5.", "ratio cap of 5"),
-])
+@pytest.mark.parametrize(
+    "sentence, needle",
+    [
+        ("The mask threshold is delta = 0.2.", "delta = 0.2"),
+        ("The DPPO ratio cap is C = 5, as in the paper's text.", "C = 5"),
+        ("Importance weights use a ratio cap of 5.", "ratio cap of 5"),
+    ],
+)
 def test_a_dppo_parameter_other_than_the_registered_one_is_refused(sentence, needle):
     line = _refused(_variant("method", "Training: LoRA rank", f"{sentence}\n\nTraining: LoRA rank"))
     assert "variant.json: method: " in line and needle in line and "dppo_divergence_mask" in line
 
 
 def test_stated_values_equal_to_the_registered_ones_load():
-    ok = _variant("method", "Training: LoRA rank",
-                  "The mask threshold is delta = 0.15 and the ratio cap C = 10.\n\nTraining: LoRA rank")
+    ok = _variant(
+        "method",
+        "Training: LoRA rank",
+        "The mask threshold is delta = 0.15 and the ratio cap C = 10.\n\nTraining: LoRA rank",
+    )
     _load(ok)
     stated = loss_params.stated_loss_params(loss_params.spec_model(ok))
     assert stated["dppo_delta"][0].value == 0.15 and stated["ratio_cap"][0].value == 10.0
@@ -76,12 +85,15 @@ def test_a_history_sentence_is_not_a_statement():
     _load(_variant("method", "Training: LoRA rank", "An earlier draft used eps=0.3.\n\nTraining: LoRA rank"))
 
 
-@pytest.mark.parametrize("field, old, new, needle", [
-    ("baseline", "(eps=0.2)", "(eps=0.2x)", "cannot read"),
-    ("baseline", "(eps=0.2)", "(eps=0.2.5)", "cannot read"),
-    ("command", "clip(r, 0.8, 1.2)", "clip(r, 0.8, 1.25)", "not symmetric"),
-    ("method", "clip(r, 1-0.2, 1+0.2)", "clip(r, 1-0.2, 1+0.25)", "not symmetric"),
-])
+@pytest.mark.parametrize(
+    "field, old, new, needle",
+    [
+        ("baseline", "(eps=0.2)", "(eps=0.2x)", "cannot read"),
+        ("baseline", "(eps=0.2)", "(eps=0.2.5)", "cannot read"),
+        ("command", "clip(r, 0.8, 1.2)", "clip(r, 0.8, 1.25)", "not symmetric"),
+        ("method", "clip(r, 1-0.2, 1+0.2)", "clip(r, 1-0.2, 1+0.25)", "not symmetric"),
+    ],
+)
 def test_an_unreadable_or_one_sided_statement_is_refused(field, old, new, needle):
     line = _refused(_variant(field, old, new))
     assert f"variant.json: {field}: " in line and needle in line
@@ -90,7 +102,9 @@ def test_an_unreadable_or_one_sided_statement_is_refused(field, old, new, needle
 def test_a_parameter_no_arm_trains_with_is_refused():
     spec = copy.deepcopy(SPEC)
     spec["arms"][1]["loss"] = "grpo_clip_eps0.2"
-    spec = _variant_of(spec, "method", "Training: LoRA rank", "The mask threshold is delta = 0.15.\n\nTraining: LoRA rank")
+    spec = _variant_of(
+        spec, "method", "Training: LoRA rank", "The mask threshold is delta = 0.15.\n\nTraining: LoRA rank"
+    )
     line = loss_params_refusal(spec)
     assert "DPPO mask delta 0.15" in line and "no arm" in line
 

@@ -84,11 +84,23 @@ def test_the_corpus_covers_both_outcomes_and_every_reader_rule():
     refused = [c for c in CORPUS if "refused" in c]
     loads = [c for c in CORPUS if "loads" in c]
     assert len(refused) >= 20 and len(loads) >= 10
-    for rule in ("method: states", "method: cannot read", "method: does not state", "baseline: names several",
-                 "decision_rule.seeds:", "decision_rule.alpha:", "decision_rule.criteria[0].bounds:",
-                 "decision_rule.estimand:", "arms: updates_per_batch", "activation_gate.checks[3]:",
-                 "activation_gate.reason: states", "hypothesis: states", "baseline: states",
-                 "decision_rule.criteria[1].weights:", "decision_rule.criteria: criterion ids"):
+    for rule in (
+        "method: states",
+        "method: cannot read",
+        "method: does not state",
+        "baseline: names several",
+        "decision_rule.seeds:",
+        "decision_rule.alpha:",
+        "decision_rule.criteria[0].bounds:",
+        "decision_rule.estimand:",
+        "arms: updates_per_batch",
+        "activation_gate.checks[3]:",
+        "activation_gate.reason: states",
+        "hypothesis: states",
+        "baseline: states",
+        "decision_rule.criteria[1].weights:",
+        "decision_rule.criteria: criterion ids",
+    ):
         assert any(c["refused"].startswith(rule) for c in refused), rule
     # three arms and two criteria, each way
     for outcome in (loads, refused):
@@ -98,11 +110,17 @@ def test_the_corpus_covers_both_outcomes_and_every_reader_rule():
 
 # (key, the text of its statement in the saved spec, the number in it)
 SAVED_NUMBERS = [
-    ("groups_per_batch", "groups_per_batch=32", "32"), ("group_size", "group_size=8", "8"),
-    ("temperature", "temperature 1.0", "1.0"), ("max_tokens", "max_tokens=512", "512"),
-    ("minibatches", "split into 2 minibatches", "2"), ("updates_per_batch", "2 optim_steps per batch", "2"),
-    ("rollout_steps", "50 rollout steps", "50"), ("optim_steps", "(100 optim steps)", "100"),
-    ("lora_rank", "LoRA rank 32", "32"), ("lr", "lr 2e-5", "2e-5"), ("seed", "seed 0", "0"),
+    ("groups_per_batch", "groups_per_batch=32", "32"),
+    ("group_size", "group_size=8", "8"),
+    ("temperature", "temperature 1.0", "1.0"),
+    ("max_tokens", "max_tokens=512", "512"),
+    ("minibatches", "split into 2 minibatches", "2"),
+    ("updates_per_batch", "2 optim_steps per batch", "2"),
+    ("rollout_steps", "50 rollout steps", "50"),
+    ("optim_steps", "(100 optim steps)", "100"),
+    ("lora_rank", "LoRA rank 32", "32"),
+    ("lr", "lr 2e-5", "2e-5"),
+    ("seed", "seed 0", "0"),
     ("eval_items", "all 1319 GSM8K", "1319"),
 ]
 _WORDS = {0: "zero", 2: "two", 8: "eight", 32: "thirty-two", 50: "fifty"}
@@ -142,10 +160,19 @@ def test_mutations_of_every_prose_number_are_read_right_or_refused(key, statemen
     assert checked >= 2  # at least two other spellings of each number are read, not refused
 
 
-@pytest.mark.parametrize("raw, is_int, value", [
-    ("1,024", True, 1024), ("2e-5", False, 2e-5), ("2 x 10^-5", False, 2e-5), ("2\u00d710^-5", False, 2e-5),
-    ("ten", True, 10), ("Twenty-five", True, 25), ("512.0", True, 512), ("1.0", False, 1.0),
-])
+@pytest.mark.parametrize(
+    "raw, is_int, value",
+    [
+        ("1,024", True, 1024),
+        ("2e-5", False, 2e-5),
+        ("2 x 10^-5", False, 2e-5),
+        ("2\u00d710^-5", False, 2e-5),
+        ("ten", True, 10),
+        ("Twenty-five", True, 25),
+        ("512.0", True, 512),
+        ("1.0", False, 1.0),
+    ],
+)
 def test_numbers_are_read_whole(raw, is_int, value):
     assert read_number(raw, is_int) == value
 
@@ -159,7 +186,9 @@ def test_a_fraction_where_a_count_is_needed_is_refused():
 
 def test_rehearse_rewrites_every_statement_of_a_value(tmp_path):
     raw = copy.deepcopy(SPEC.raw)
-    raw["method"] = raw["method"].replace("Advantages are", "Every batch holds groups_per_batch=32 prompts. Advantages are")
+    raw["method"] = raw["method"].replace(
+        "Advantages are", "Every batch holds groups_per_batch=32 prompts. Advantages are"
+    )
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(raw, indent=1))
     data = make_rehearsal(spec, tmp_path / "plan.json", RehearsalSize(steps=2, groups=4, eval_items=8))

@@ -67,7 +67,9 @@ def test_stage_folder_is_found_from_the_file_path_alone():
 
 def test_stages_of_the_paths_on_the_command_line():
     assert stages.stages_of_paths([PurePath("/p/tests/diagnostic"), PurePath("/p/tests/preflight")]) == (
-        "preflight", "diagnostic")
+        "preflight",
+        "diagnostic",
+    )
     assert stages.stages_of_paths([PurePath("/p/tests/gates/test_gate.py")]) == ("gate",)
     assert stages.stages_of_paths([PurePath("/p/tests")]) == stages.STAGES
     assert stages.stages_of_paths([PurePath("/p/tests/integration/test_x.py"), PurePath("/p/other")]) == ("unit",)

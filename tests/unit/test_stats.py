@@ -47,7 +47,14 @@ def test_decide_boundaries():
 
 def _rows(arm, values, evaluator="e" * 64, seed=0, start=0):
     return [
-        {"item_id": f"gsm8k-test-{i + start:04d}", "arm": arm, "seed": seed, "metric": "accuracy", "value": v, "evaluator_id": evaluator}
+        {
+            "item_id": f"gsm8k-test-{i + start:04d}",
+            "arm": arm,
+            "seed": seed,
+            "metric": "accuracy",
+            "value": v,
+            "evaluator_id": evaluator,
+        }
         for i, v in enumerate(values)
     ]
 
@@ -65,7 +72,9 @@ def test_pairing_refusals():
     with pytest.raises(stats.ObservationError, match="not a number"):
         stats.paired_hoeffding_from_rows(_rows("dppo", [True, 0, 1]) + _rows("grpo", [0, 0, 1]), "dppo", "grpo")
     with pytest.raises(stats.ObservationError, match="2 evaluators"):
-        stats.paired_hoeffding_from_rows(_rows("dppo", [1, 0, 1]) + _rows("grpo", [0, 0, 1], evaluator="f" * 64), "dppo", "grpo")
+        stats.paired_hoeffding_from_rows(
+            _rows("dppo", [1, 0, 1]) + _rows("grpo", [0, 0, 1], evaluator="f" * 64), "dppo", "grpo"
+        )
     with pytest.raises(stats.ObservationError, match="no 'accuracy' observations for arm 'ppo'"):
         stats.paired_hoeffding_from_rows(ok, "dppo", "ppo")
     with pytest.raises(stats.ObservationError, match="missing"):
@@ -73,7 +82,9 @@ def test_pairing_refusals():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "dppo_harness.evaluation.stats", *map(str, args)], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evaluation.stats", *map(str, args)], capture_output=True, text=True
+    )
 
 
 @pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity
@@ -112,8 +123,11 @@ def test_cli_prints_json_and_refuses_bad_files(tmp_path):
 
 
 def test_pair_observations_is_a_record_in_key_order():
-    rows = [{"item_id": i, "arm": arm, "seed": 0, "metric": "accuracy", "value": v, "evaluator_id": "e" * 64}
-            for arm, values in (("dppo", (1, 0)), ("grpo", (0, 0))) for i, v in zip(("b", "a"), values)]
+    rows = [
+        {"item_id": i, "arm": arm, "seed": 0, "metric": "accuracy", "value": v, "evaluator_id": "e" * 64}
+        for arm, values in (("dppo", (1, 0)), ("grpo", (0, 0)))
+        for i, v in zip(("b", "a"), values)
+    ]
     paired = stats.pair_observations(rows, "dppo", "grpo")
     assert paired.keys == [("a", 0), ("b", 0)] and paired.treatment == [0, 1] and paired.baseline == [0, 0]
     assert paired.values("treatment") == paired.treatment and paired.seeds == [0] and paired.evaluator_id == "e" * 64

@@ -35,7 +35,7 @@ Z95 = 1.959963984540054
 def _wilson_by_quadratic(x: int, n: int) -> tuple[float, float]:
     """Roots of (1 + z^2/n) p^2 - (2 p_hat + z^2/n) p + p_hat^2 = 0 (the Wilson limits)."""
     p = x / n
-    a, b, c = 1 + Z95 ** 2 / n, -(2 * p + Z95 ** 2 / n), p * p
+    a, b, c = 1 + Z95**2 / n, -(2 * p + Z95**2 / n), p * p
     disc = math.sqrt(b * b - 4 * a * c)
     return (-b - disc) / (2 * a), (-b + disc) / (2 * a)
 
@@ -47,10 +47,13 @@ def test_wilson_limits_are_the_score_test_roots(x, n):
     assert lo == pytest.approx(max(qlo, 0.0), abs=1e-12) and hi == pytest.approx(min(qhi, 1.0), abs=1e-12)
 
 
-@pytest.mark.parametrize("table, lower, upper, p", [
-    ((14, 5, 0, 22), 0.0115, 0.2265, 0.0625),  # Altman et al. (2000) Table 6.2, hand-worked above
-    ((1, 1, 7, 12), -0.5069, -0.0256, 18 / 256),  # Fagerland et al. (2014), hand-worked above
-])
+@pytest.mark.parametrize(
+    "table, lower, upper, p",
+    [
+        ((14, 5, 0, 22), 0.0115, 0.2265, 0.0625),  # Altman et al. (2000) Table 6.2, hand-worked above
+        ((1, 1, 7, 12), -0.5069, -0.0256, 18 / 256),  # Fagerland et al. (2014), hand-worked above
+    ],
+)
 def test_newcombe_interval_and_exact_mcnemar_on_worked_examples(table, lower, upper, p):
     ci = stats.newcombe_paired_interval(*table, alpha=0.05)
     assert round(ci["lower"], 4) == lower and round(ci["upper"], 4) == upper
@@ -96,8 +99,13 @@ def test_informational_block_counts_discordant_pairs_and_is_labelled():
     t = [1] * 14 + [1] * 5 + [0] * 22
     b = [1] * 14 + [0] * 5 + [0] * 22
     info = stats.paired_binary_informational(_rows(t, b), "dppo", "grpo")
-    assert (info["both_correct"], info["treatment_only_correct"], info["baseline_only_correct"],
-            info["neither_correct"], info["discordant_pairs"]) == (14, 5, 0, 22, 5)
+    assert (
+        info["both_correct"],
+        info["treatment_only_correct"],
+        info["baseline_only_correct"],
+        info["neither_correct"],
+        info["discordant_pairs"],
+    ) == (14, 5, 0, 22, 5)
     assert round(info["lower"], 4) == 0.0115 and round(info["upper"], 4) == 0.2265
     assert info["used_for_verdict"] is False and "informational" in info["label"]
     assert info["mcnemar_exact_p"] == pytest.approx(0.0625)

@@ -40,8 +40,10 @@ class FakeTrainingClient:
         self.calls.append("fwd_bwd")
         out = None
         for _ in range(self.call_loss):
-            lps = [torch.tensor(np.asarray(d.loss_fn_inputs["logprobs"].to_numpy()) - 0.05, requires_grad=True)
-                   for d in data]
+            lps = [
+                torch.tensor(np.asarray(d.loss_fn_inputs["logprobs"].to_numpy()) - 0.05, requires_grad=True)
+                for d in data
+            ]
             out = loss_fn(data, lps)
         return _Future(out)
 
@@ -54,9 +56,17 @@ def _datums(n=2):
     out = []
     for i in range(n):
         toks = [5 + i, 6, 7, 8]
-        out.append(tinker.Datum(model_input=tinker.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
-            "target_tokens": toks[1:], "logprobs": [0.0, -1.0, -0.5], "advantages": [0.0, 1.0 - 2 * i, 1.0 - 2 * i],
-            "mask": np.array([0.0, 1.0, 1.0], dtype=np.float32)}))
+        out.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:],
+                    "logprobs": [0.0, -1.0, -0.5],
+                    "advantages": [0.0, 1.0 - 2 * i, 1.0 - 2 * i],
+                    "mask": np.array([0.0, 1.0, 1.0], dtype=np.float32),
+                },
+            )
+        )
     return out
 
 
@@ -76,8 +86,15 @@ def test_train_step_records_one_call_and_persists_before_the_optimizer_step():
     def persist(record):
         seen.append((record.context["update_index"], list(tc.calls)))
 
-    record, result = train_step.train_step(tc, _datums(), losses.make_loss_fn(cfg), tinker.AdamParams(learning_rate=1e-3),
-                                           rec, {"update_index": 7}, persist=persist)
+    record, result = train_step.train_step(
+        tc,
+        _datums(),
+        losses.make_loss_fn(cfg),
+        tinker.AdamParams(learning_rate=1e-3),
+        rec,
+        {"update_index": 7},
+        persist=persist,
+    )
     assert record is rec.records[-1] and record.context["update_index"] == 7
     assert seen == [(7, ["fwd_bwd"])], "persist must run after the loss call and before optim_step"
     assert tc.calls == ["fwd_bwd", "optim"] and result.optim == {"lr": 1e-3} and result.seconds >= 0
@@ -93,15 +110,27 @@ def test_an_update_says_where_its_seconds_went(sequential):
         instrumentation.records_to_npz([_record])  # some real work
         hook_span.append(time.perf_counter() - t)
 
-    _, result = train_step.train_step(FakeTrainingClient(), _datums(), losses.make_loss_fn(cfg),
-                                      tinker.AdamParams(learning_rate=1e-3), instrumentation.LossCallRecorder(cfg),
-                                      {}, persist=persist, sequential=sequential)
+    _, result = train_step.train_step(
+        FakeTrainingClient(),
+        _datums(),
+        losses.make_loss_fn(cfg),
+        tinker.AdamParams(learning_rate=1e-3),
+        instrumentation.LossCallRecorder(cfg),
+        {},
+        persist=persist,
+        sequential=sequential,
+    )
     assert set(result.phases) == {"forward_wait", "loss", "before_optim", "backward_wait", "optim_wait"}
     assert all(v >= 0 for v in result.phases.values()) and result.phases["before_optim"] >= hook_span[0]
     assert sum(result.phases.values()) <= result.seconds + 1e-9
     # a loss that never ran leaves the intervals after it out instead of inventing them
-    unrun = train_step.minibatch_update(FakeTrainingClient(call_loss=0), _datums(), losses.make_loss_fn(cfg),
-                                        tinker.AdamParams(learning_rate=1e-3), sequential=sequential)
+    unrun = train_step.minibatch_update(
+        FakeTrainingClient(call_loss=0),
+        _datums(),
+        losses.make_loss_fn(cfg),
+        tinker.AdamParams(learning_rate=1e-3),
+        sequential=sequential,
+    )
     assert "loss" not in unrun.phases and "forward_wait" not in unrun.phases
 
 
@@ -109,8 +138,14 @@ def test_train_step_fails_when_the_loss_is_not_called_exactly_once():
     cfg = losses.LossConfig(loss="grpo_clip_eps0.2", normalization="sum")
     for n in (0, 2):
         with pytest.raises(train_step.TrainStepError, match="expected one loss call"):
-            train_step.train_step(FakeTrainingClient(call_loss=n), _datums(), losses.make_loss_fn(cfg),
-                                  tinker.AdamParams(learning_rate=1e-3), instrumentation.LossCallRecorder(cfg), {})
+            train_step.train_step(
+                FakeTrainingClient(call_loss=n),
+                _datums(),
+                losses.make_loss_fn(cfg),
+                tinker.AdamParams(learning_rate=1e-3),
+                instrumentation.LossCallRecorder(cfg),
+                {},
+            )
 
 
 def test_timed_updates_runs_n_unrecorded_updates():
@@ -191,15 +226,25 @@ class OrderClient(FakeTrainingClient):
         return _LoggedFuture(self.calls, "optim", super().optim_step(adam).value)
 
 
-@pytest.mark.parametrize(("sequential", "want"), [
-    (False, ["fwd_bwd", "persist", "optim", "behind", "await fwd_bwd", "await optim"]),
-    (True, ["fwd_bwd", "await fwd_bwd", "persist", "optim", "await optim", "behind"]),
-])
+@pytest.mark.parametrize(
+    ("sequential", "want"),
+    [
+        (False, ["fwd_bwd", "persist", "optim", "behind", "await fwd_bwd", "await optim"]),
+        (True, ["fwd_bwd", "await fwd_bwd", "persist", "optim", "await optim", "behind"]),
+    ],
+)
 def test_pipelined_schedule_submits_optim_and_the_behind_call_before_awaiting(sequential, want):
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     tc, rec = OrderClient(), instrumentation.LossCallRecorder(cfg)
     _, result = train_step.train_step(
-        tc, _datums(), losses.make_loss_fn(cfg), tinker.AdamParams(learning_rate=1e-3), rec, {"update_index": 1},
-        persist=lambda r: tc.calls.append("persist"), sequential=sequential,
-        submit_behind=lambda: tc.calls.append("behind") or "sentinel-future")
+        tc,
+        _datums(),
+        losses.make_loss_fn(cfg),
+        tinker.AdamParams(learning_rate=1e-3),
+        rec,
+        {"update_index": 1},
+        persist=lambda r: tc.calls.append("persist"),
+        sequential=sequential,
+        submit_behind=lambda: tc.calls.append("behind") or "sentinel-future",
+    )
     assert tc.calls == want and result.behind == "sentinel-future"

@@ -115,8 +115,13 @@ def heavy_modules_loaded(modules: list[str]) -> list[str]:
 def test_the_plugin_starts_without_the_heavy_stack():
     # Every pytest session (`pytest --help` too) imports the plugin and its fixture modules: the
     # stages' SDK and torch load when a fixture first runs, never at start-up.
-    plugin = ["dppo_harness.pytest_plugin.hooks", "dppo_harness.pytest_plugin.options",
-              "dppo_harness.pytest_plugin.fixtures_session", "dppo_harness.pytest_plugin.fixtures_connectivity",
-              "dppo_harness.pytest_plugin.fixtures_preflight", "dppo_harness.pytest_plugin.fixtures_stages"]
+    plugin = [
+        "dppo_harness.pytest_plugin.hooks",
+        "dppo_harness.pytest_plugin.options",
+        "dppo_harness.pytest_plugin.fixtures_session",
+        "dppo_harness.pytest_plugin.fixtures_connectivity",
+        "dppo_harness.pytest_plugin.fixtures_preflight",
+        "dppo_harness.pytest_plugin.fixtures_stages",
+    ]
     assert heavy_modules_loaded(plugin) == []
     assert "torch" in heavy_modules_loaded(["dppo_harness.stages.feasibility"])  # the check sees a heavy import

@@ -21,8 +21,12 @@ def test_short_and_known_values_are_refused_and_fresh_ones_pass(tmp_path):
     hidden = _fresh("ws-")
     (tmp_path / "data.b64").write_bytes(base64.b64encode(b"xx" + hidden.encode()))  # only its base64 is there
     files = sorted(tmp_path.iterdir())
-    env = {"TINKER_API_KEY": "tml-local-rehearsal-copy", "MODAL_PROXY_TOKEN_ID": "unused",
-           "MODAL_PROXY_TOKEN_SECRET": hidden, "RUNS_PROXY_TOKEN_ID": _fresh("wk-")}
+    env = {
+        "TINKER_API_KEY": "tml-local-rehearsal-copy",
+        "MODAL_PROXY_TOKEN_ID": "unused",
+        "MODAL_PROXY_TOKEN_SECRET": hidden,
+        "RUNS_PROXY_TOKEN_ID": _fresh("wk-"),
+    }
     got = unsafe_credentials(env, files, root=tmp_path)
     assert [u.variable for u in got] == ["TINKER_API_KEY", "MODAL_PROXY_TOKEN_ID", "MODAL_PROXY_TOKEN_SECRET"]
     assert "notes.txt" in got[0].reason and "data.b64" in got[2].reason
@@ -36,10 +40,13 @@ def test_short_and_known_values_are_refused_and_fresh_ones_pass(tmp_path):
 PROBE = {"tests/preflight/test_p.py": "def test_restore():\n    assert True\n"}
 
 
-@pytest.mark.parametrize("value, reason", [
-    ("unused", "shorter than"),
-    (constants.LOCAL_API_KEY, "occurs in the harness's own files ("),  # constants.py, at least
-])
+@pytest.mark.parametrize(
+    "value, reason",
+    [
+        ("unused", "shorter than"),
+        (constants.LOCAL_API_KEY, "occurs in the harness's own files ("),  # constants.py, at least
+    ],
+)
 def test_session_refuses_at_once_with_one_line(pytester, monkeypatch, value, reason):
     pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin.hooks"]')
     pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
@@ -59,29 +66,49 @@ def test_session_refuses_at_once_with_one_line(pytester, monkeypatch, value, rea
 def test_every_credential_named_variable_is_scanned_and_only_the_harness_ones_refused(tmp_path):
     from dppo_harness.service.secrets_scan import is_credential_name, live_secret_items, scanner_for
 
-    env = {"CLOUDFLARE_ACCESS_CLIENT_SECRET": _fresh("cf-"), "HF_TOKEN": _fresh("hf_"),
-           "WANDB_API_KEY": _fresh("wb"), "AWS_SECRET_ACCESS_KEY": _fresh("aws/"), "MODAL_TOKEN_SECRET": _fresh("as-"),
-           "GITHUB_TOKEN": "short", "SSL_KEY_FILE": "/etc/ssl/private/a-very-long-key-path.pem",
-           "TOKENIZERS_PARALLELISM": "false-but-padded-long-enough", "HOME": "/root/some/long/home/directory"}
+    env = {
+        "CLOUDFLARE_ACCESS_CLIENT_SECRET": _fresh("cf-"),
+        "HF_TOKEN": _fresh("hf_"),
+        "WANDB_API_KEY": _fresh("wb"),
+        "AWS_SECRET_ACCESS_KEY": _fresh("aws/"),
+        "MODAL_TOKEN_SECRET": _fresh("as-"),
+        "GITHUB_TOKEN": "short",
+        "SSL_KEY_FILE": "/etc/ssl/private/a-very-long-key-path.pem",
+        "TOKENIZERS_PARALLELISM": "false-but-padded-long-enough",
+        "HOME": "/root/some/long/home/directory",
+    }
     names = [n for n, _ in live_secret_items(env)]
-    assert names == ["CLOUDFLARE_ACCESS_CLIENT_SECRET", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "MODAL_TOKEN_SECRET",
-                     "WANDB_API_KEY"]
+    assert names == [
+        "CLOUDFLARE_ACCESS_CLIENT_SECRET",
+        "AWS_SECRET_ACCESS_KEY",
+        "HF_TOKEN",
+        "MODAL_TOKEN_SECRET",
+        "WANDB_API_KEY",
+    ]
     assert not is_credential_name("TOKENIZERS_PARALLELISM") and is_credential_name("OPENAI_API_KEY")
     blob = ("the log says " + base64.b64encode(env["HF_TOKEN"].encode()).decode()).encode()
     with pytest.raises(Exception, match="HF_TOKEN"):
         scanner_for(env).check(blob, "a log")
     # a short credential of another tool is not the harness's to refuse; its own are
     assert [u.variable for u in unsafe_credentials({**env, "CLOUDFLARE_ACCESS_CLIENT_ID": "x"}, [])] == [
-        "CLOUDFLARE_ACCESS_CLIENT_ID"]
+        "CLOUDFLARE_ACCESS_CLIENT_ID"
+    ]
 
 
 def test_the_embedded_server_gets_no_credential_it_does_not_check():
     from dppo_harness.local_server.process import server_environment
     from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS
 
-    env = {"PATH": "/usr/bin", "HOME": "/root", "HF_TOKEN": _fresh("hf_"), "WANDB_API_KEY": _fresh("wb"),
-           "TINKER_API_KEY": _fresh("tml-"), "MODAL_PROXY_TOKEN_ID": _fresh("wk-"),
-           "MODAL_PROXY_TOKEN_SECRET": _fresh("ws-"), "CLOUDFLARE_ACCESS_CLIENT_SECRET": _fresh("cf-")}
+    env = {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "HF_TOKEN": _fresh("hf_"),
+        "WANDB_API_KEY": _fresh("wb"),
+        "TINKER_API_KEY": _fresh("tml-"),
+        "MODAL_PROXY_TOKEN_ID": _fresh("wk-"),
+        "MODAL_PROXY_TOKEN_SECRET": _fresh("ws-"),
+        "CLOUDFLARE_ACCESS_CLIENT_SECRET": _fresh("cf-"),
+    }
     assert server_environment(env, "default") == {"PATH": "/usr/bin", "HOME": "/root"}
     spindle = server_environment(env, "spindle")
     assert set(spindle) == {"PATH", "HOME"} | {var for _, var in SPINDLE_CREDENTIALS}

@@ -25,12 +25,18 @@ def _refuse_under(monkeypatch, where: str, code: int) -> None:
         if where in str(path):
             raise OSError(code, os.strerror(code), str(path))
         real(path, data)
+
     monkeypatch.setattr(bundle_module, "atomic_write", atomic_write)
 
 
-@pytest.mark.parametrize("code, why", [(errno.ENOSPC, "the disk is full (ENOSPC)"),
-                                       (errno.EROFS, "the file system is read-only (EROFS)"),
-                                       (errno.EACCES, "permission denied (EACCES)")])
+@pytest.mark.parametrize(
+    "code, why",
+    [
+        (errno.ENOSPC, "the disk is full (ENOSPC)"),
+        (errno.EROFS, "the file system is read-only (EROFS)"),
+        (errno.EACCES, "permission denied (EACCES)"),
+    ],
+)
 def test_a_refused_file_write_is_one_line_and_closes_the_run_failed(tmp_path, monkeypatch, code, why):
     b = EvidenceBundle.create(tmp_path, "full", env={})
     b.update_result(metrics={"kept": 1.0})
@@ -44,8 +50,14 @@ def test_a_refused_file_write_is_one_line_and_closes_the_run_failed(tmp_path, mo
     assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
     assert "could not be written" in r["summary"] and r["metrics"]["kept"] == 1.0
     assert b.entry("update-01.npz") is None
-    b.finish("succeeded", "inconclusive", "incomplete_execution", "Stages run: diagnostic. All passed.",
-             original_hypothesis_tested=False, tested_instead="nothing")  # a later close cannot undo it
+    b.finish(
+        "succeeded",
+        "inconclusive",
+        "incomplete_execution",
+        "Stages run: diagnostic. All passed.",
+        original_hypothesis_tested=False,
+        tested_instead="nothing",
+    )  # a later close cannot undo it
     r = json.loads((b.dir / "result.json").read_text())
     assert r["status"] == "failed" and "could not be written" in r["summary"]
     assert verify_bundle(b.dir) == [] and unclosed_line(b) is None
@@ -55,8 +67,14 @@ def test_a_bundle_whose_result_cannot_be_closed_is_not_named_by_latest(tmp_path,
     b = EvidenceBundle.create(tmp_path, "stuck", env={})
     _refuse_under(monkeypatch, str(tmp_path), errno.ENOSPC)
     with pytest.raises(UnwritableEvidenceError, match="result.json: the disk is full"):
-        b.finish("succeeded", "inconclusive", "incomplete_execution", "Stages run: unit. All passed.",
-                 original_hypothesis_tested=False, tested_instead="nothing")
+        b.finish(
+            "succeeded",
+            "inconclusive",
+            "incomplete_execution",
+            "Stages run: unit. All passed.",
+            original_hypothesis_tested=False,
+            tested_instead="nothing",
+        )
     assert json.loads((b.dir / "result.json").read_text())["status"] == "running"
     line = unclosed_line(b)
     assert line is not None and "left incomplete" in line and "LATEST no longer names it" in line
@@ -100,7 +118,8 @@ def test_too_little_free_space_is_refused_up_front(tmp_path, monkeypatch):
     monkeypatch.setattr(files.shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 2**20, 2**20))
     assert files.unwritable_reason(tmp_path / "runs") == (
         f"only 1.0 MiB free in {tmp_path}; a run's evidence needs 50 MiB (its 40 MiB limit and one 10 MiB file "
-        "being written)")
+        "being written)"
+    )
     monkeypatch.setattr(files.shutil, "disk_usage", shutil.disk_usage)
 
 

@@ -49,7 +49,8 @@ def test_records_are_staged_before_registration_and_archived_per_file(tmp_path: 
 
 
 def test_an_archive_over_the_per_file_limit_is_split_and_a_record_too_large_refused(
-        tmp_path: Path, records, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, records, monkeypatch: pytest.MonkeyPatch
+) -> None:
     one = len(ins.records_to_npz(records[:1]))
     monkeypatch.setattr(update_archive, "MAX_FILE_BYTES", int(one * 2.5))
     bundle = EvidenceBundle.create(tmp_path, "run")
@@ -66,7 +67,8 @@ def test_an_archive_over_the_per_file_limit_is_split_and_a_record_too_large_refu
 
 
 def test_a_staging_write_the_disk_refuses_is_the_evidence_one_line_and_fails_the_run(
-        tmp_path: Path, records, monkeypatch) -> None:
+    tmp_path: Path, records, monkeypatch
+) -> None:
     bundle = EvidenceBundle.create(tmp_path, "run", env={})
     real = bundle_module.atomic_write
 
@@ -74,6 +76,7 @@ def test_a_staging_write_the_disk_refuses_is_the_evidence_one_line_and_fails_the
         if path.name == STAGING_FILE:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         real(path, data)
+
     monkeypatch.setattr(bundle_module, "atomic_write", atomic_write)
     with pytest.raises(UnwritableEvidenceError, match=f"{STAGING_FILE}: the disk is full"):
         UpdateArchive(bundle, per_file=4).add(records[0])

@@ -17,8 +17,9 @@ SAVED = ROOT / "plans" / "exp_e6b0965af3.json"
 
 
 def _validate(path: Path) -> tuple[dict, list[str]]:
-    proc = subprocess.run([sys.executable, "-m", "dppo_harness.plans", "validate", str(path)], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.plans", "validate", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout), proc.stderr.splitlines()
 
@@ -29,13 +30,17 @@ def test_validate_prints_every_prose_value_with_its_sentence_and_the_half_width_
     run = load_plan(SAVED).run
     for key, stated in run.prose.items():  # every statement the reader read, with its sentence
         name = {"minibatches": "minibatches_per_batch"}.get(key, key)
-        assert any(line.startswith(f"  {name} = {stated.value} ({KEYS[key].what}) from method: ")
-                   and stated.source in line for line in lines), (key, lines)
+        assert any(
+            line.startswith(f"  {name} = {stated.value} ({KEYS[key].what}) from method: ") and stated.source in line
+            for line in lines
+        ), (key, lines)
     assert any(line.startswith("  gate_pilot_steps = 5 ") and "A 5-step pilot" in line for line in lines), lines
     (half,) = [line for line in lines if "half-width" in line]
-    assert ("primary: accuracy dppo_seed0 - grpo_seed0: half-width 0.07479 at 1319 paired items (alpha 0.05, "
-            "difference range 2) next to margin 0: supported needs an observed mean difference above 0.07479, "
-            "refuted one below -0.07479") in half, half
+    assert (
+        "primary: accuracy dppo_seed0 - grpo_seed0: half-width 0.07479 at 1319 paired items (alpha 0.05, "
+        "difference range 2) next to margin 0: supported needs an observed mean difference above 0.07479, "
+        "refuted one below -0.07479"
+    ) in half, half
 
 
 def test_a_default_and_an_unreachable_verdict_are_said_plainly(tmp_path):
@@ -48,9 +53,17 @@ def test_a_default_and_an_unreachable_verdict_are_said_plainly(tmp_path):
     path.write_text(json.dumps(raw))
     config, lines = _validate(path)
     assert config["config"]["run"]["stated_in_prose"]["minibatches_per_batch"]["default"] is True
-    assert any(line.startswith("  minibatches_per_batch = 2 (complete-group minibatches per rollout batch) "
-                               "default (arms[*].updates_per_batch): one complete-group minibatch per update")
-               for line in lines), lines
+    assert any(
+        line.startswith(
+            "  minibatches_per_batch = 2 (complete-group minibatches per rollout batch) "
+            "default (arms[*].updates_per_batch): one complete-group minibatch per update"
+        )
+        for line in lines
+    ), lines
     (half,) = [line for line in lines if "half-width" in line]
-    assert ("half-width 0.9603 at 8 paired items" in half and "above 1.01 (unreachable)" in half
-            and "refuted one below -0.9103" in half and "-0.9103 (unreachable)" not in half), half
+    assert (
+        "half-width 0.9603 at 8 paired items" in half
+        and "above 1.01 (unreachable)" in half
+        and "refuted one below -0.9103" in half
+        and "-0.9103 (unreachable)" not in half
+    ), half

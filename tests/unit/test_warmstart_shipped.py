@@ -15,8 +15,13 @@ from dppo_harness.local_server.vocab import load_vocab
 
 def _default_key() -> dict:
     vocab = load_vocab()
-    return warmstart.config_key(PRESETS["tiny-qwen3-gsm8k"].config, vocab, 0, dict(warmstart.RECIPE),
-                                warmstart._train_sha256(warmstart.data_dir()))
+    return warmstart.config_key(
+        PRESETS["tiny-qwen3-gsm8k"].config,
+        vocab,
+        0,
+        dict(warmstart.RECIPE),
+        warmstart._train_sha256(warmstart.data_dir()),
+    )
 
 
 def test_the_shipped_asset_is_the_default_recipe():

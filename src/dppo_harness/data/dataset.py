@@ -38,8 +38,9 @@ def names() -> tuple[str, ...]:
 
 def entry(name: str) -> DatasetEntry:
     if name not in DATASETS:
-        raise UnknownDatasetError(f"{name!r} is not a registered dataset (registered: {', '.join(names())}; "
-                                  "nothing else is fetched)")
+        raise UnknownDatasetError(
+            f"{name!r} is not a registered dataset (registered: {', '.join(names())}; nothing else is fetched)"
+        )
     return DATASETS[name]
 
 

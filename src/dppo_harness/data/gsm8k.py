@@ -91,8 +91,10 @@ def _parse_rows(data: bytes, origin: str) -> list[Gsm8kRow]:
     rows: list[Gsm8kRow] = []
     for lineno, line in enumerate(data.splitlines(), 1):
         row = json.loads(line)
-        if row.get("idx") != lineno - 1 or not isinstance(row.get("question"), str) or not isinstance(
-            row.get("answer"), str
+        if (
+            row.get("idx") != lineno - 1
+            or not isinstance(row.get("question"), str)
+            or not isinstance(row.get("answer"), str)
         ):
             raise DataIntegrityError(f"{origin}:{lineno}: unexpected row layout")
         rows.append(row)
@@ -158,9 +160,7 @@ def cookbook_permutation(n_rows: int, seed: int) -> list[int]:
     return [int(r) for r in list(ds["row"])]
 
 
-def load_split(
-    split: Split, seed: int = 0, *, source: Source = "vendored", data_dir: Path = DATA_DIR
-) -> Gsm8kSplit:
+def load_split(split: Split, seed: int = 0, *, source: Source = "vendored", data_dir: Path = DATA_DIR) -> Gsm8kSplit:
     """Verified items in the cookbook's order: train shuffled with ``seed``, test in order."""
     rows, prov = load_rows(split, source=source, data_dir=data_dir)
     order = cookbook_permutation(len(rows), seed) if split == "train" else list(range(len(rows)))

@@ -127,9 +127,7 @@ def parse_choice(choice: str) -> tuple[str, str | None]:
         return "tml", None
     if choice.startswith(HF_PREFIX) and len(choice) > len(HF_PREFIX):
         return "hf", choice[len(HF_PREFIX) :]
-    raise TokenizerConfigError(
-        f"unknown tokenizer choice {choice!r}: expected {TML_QWEN35!r} or 'hf:<model name>'"
-    )
+    raise TokenizerConfigError(f"unknown tokenizer choice {choice!r}: expected {TML_QWEN35!r} or 'hf:<model name>'")
 
 
 def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, JsonObject]:
@@ -189,9 +187,7 @@ def vocab_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
 
 
-def make_renderer(
-    choice: str = DEFAULT_TOKENIZER, renderer_name: str = constants.RENDERER_NAME
-) -> TokenizerBundle:
+def make_renderer(choice: str = DEFAULT_TOKENIZER, renderer_name: str = constants.RENDERER_NAME) -> TokenizerBundle:
     """Tokenizer + cookbook renderer, with a provenance dict for the evidence bundle."""
     tokenizer, tok_prov = load_tokenizer(choice)
     renderer = renderers.get_renderer(renderer_name, tokenizer=tokenizer)
@@ -227,17 +223,21 @@ def renderer_declaration(bundle: TokenizerBundle | None = None) -> JsonObject:
     decoded = b.tokenizer.decode(ob.to_ints())
     text = decoded if isinstance(decoded, str) else "".join(decoded)
     head = "<|im_start|>assistant\n"
-    suffix = text[text.rindex(head):] if head in text else text[-32:]
+    suffix = text[text.rindex(head) :] if head in text else text[-32:]
     thinking = suffix.endswith(THINK_PREFILL)
     return {
         "name": b.renderer_name,
         "class": b.provenance["renderer_class"],
         "thinking": "enabled" if thinking else "disabled",
         "generation_prompt_suffix": suffix,
-        "note": ("every generation prompt ends with '<think>\\n': a response starts inside a reasoning block, "
-                 "so one cut off at max_tokens before its \\boxed{} answer scores 0 (reward -0.1 in training); "
-                 "the measured truncation rates are in the step rows, the gate and diagnostic records and the "
-                 "evaluation metrics") if thinking else "the generation prompt opens no reasoning block",
+        "note": (
+            "every generation prompt ends with '<think>\\n': a response starts inside a reasoning block, "
+            "so one cut off at max_tokens before its \\boxed{} answer scores 0 (reward -0.1 in training); "
+            "the measured truncation rates are in the step rows, the gate and diagnostic records and the "
+            "evaluation metrics"
+        )
+        if thinking
+        else "the generation prompt opens no reasoning block",
         "alternative": _disable_thinking_variant(b) if thinking else None,
     }
 

@@ -43,10 +43,16 @@ class ResponseYield:
         return self.response_tokens / self.n
 
     def as_dict(self) -> JsonObject:
-        return {"n": self.n, "truncated": self.truncated, "truncated_frac": self.truncated_frac,
-                "no_answer": self.no_answer, "no_answer_frac": self.no_answer_frac,
-                "mean_response_tokens": self.mean_response_tokens, "max_tokens": self.max_tokens,
-                "definitions": {**DEFINITIONS}}
+        return {
+            "n": self.n,
+            "truncated": self.truncated,
+            "truncated_frac": self.truncated_frac,
+            "no_answer": self.no_answer,
+            "no_answer_frac": self.no_answer_frac,
+            "mean_response_tokens": self.mean_response_tokens,
+            "max_tokens": self.max_tokens,
+            "definitions": {**DEFINITIONS},
+        }
 
 
 DEFINITIONS = {
@@ -56,17 +62,24 @@ DEFINITIONS = {
 }
 
 
-def response_yield(stop_reasons: Sequence[str], answers_found: Sequence[bool], lengths: Sequence[int], *,
-                   max_tokens: int | None = None) -> ResponseYield:
+def response_yield(
+    stop_reasons: Sequence[str], answers_found: Sequence[bool], lengths: Sequence[int], *, max_tokens: int | None = None
+) -> ResponseYield:
     """The yield of one set of responses; the three sequences are per response, in the same order."""
     n = len(stop_reasons)
     if n == 0:
         raise ValueError("no responses: truncation and answer yield are undefined")
     if not len(answers_found) == len(lengths) == n:
-        raise ValueError(f"{n} stop reasons, {len(answers_found)} answer flags, {len(lengths)} lengths: not per response")
-    return ResponseYield(n=n, truncated=sum(str(s) == TRUNCATED_STOP_REASON for s in stop_reasons),
-                         no_answer=sum(not bool(a) for a in answers_found), response_tokens=int(sum(lengths)),
-                         max_tokens=max_tokens)
+        raise ValueError(
+            f"{n} stop reasons, {len(answers_found)} answer flags, {len(lengths)} lengths: not per response"
+        )
+    return ResponseYield(
+        n=n,
+        truncated=sum(str(s) == TRUNCATED_STOP_REASON for s in stop_reasons),
+        no_answer=sum(not bool(a) for a in answers_found),
+        response_tokens=int(sum(lengths)),
+        max_tokens=max_tokens,
+    )
 
 
 def pooled(yields: Sequence[ResponseYield]) -> ResponseYield:
@@ -74,7 +87,10 @@ def pooled(yields: Sequence[ResponseYield]) -> ResponseYield:
     if not yields:
         raise ValueError("nothing to pool")
     limits = {y.max_tokens for y in yields}
-    return ResponseYield(n=sum(y.n for y in yields), truncated=sum(y.truncated for y in yields),
-                         no_answer=sum(y.no_answer for y in yields),
-                         response_tokens=sum(y.response_tokens for y in yields),
-                         max_tokens=limits.pop() if len(limits) == 1 else None)
+    return ResponseYield(
+        n=sum(y.n for y in yields),
+        truncated=sum(y.truncated for y in yields),
+        no_answer=sum(y.no_answer for y in yields),
+        response_tokens=sum(y.response_tokens for y in yields),
+        max_tokens=limits.pop() if len(limits) == 1 else None,
+    )

@@ -84,10 +84,21 @@ class PredictionRow(TypedDict):
 
 def prediction_json(row: PredictionRow) -> JsonObject:
     """The row as the JSON object written to the predictions file (same keys, same order)."""
-    return {"item_id": row["item_id"], "arm": row["arm"], "seed": row["seed"], "checkpoint": row["checkpoint"],
-            "metric": row["metric"], "prediction": row["prediction"], "response": row["response"],
-            "reference": row["reference"], "value": row["value"], "format_ok": row["format_ok"],
-            "stop_reason": row["stop_reason"], "n_tokens": row["n_tokens"], "evaluator_id": row["evaluator_id"]}
+    return {
+        "item_id": row["item_id"],
+        "arm": row["arm"],
+        "seed": row["seed"],
+        "checkpoint": row["checkpoint"],
+        "metric": row["metric"],
+        "prediction": row["prediction"],
+        "response": row["response"],
+        "reference": row["reference"],
+        "value": row["value"],
+        "format_ok": row["format_ok"],
+        "stop_reason": row["stop_reason"],
+        "n_tokens": row["n_tokens"],
+        "evaluator_id": row["evaluator_id"],
+    }
 
 
 def evaluator_id(provenance: JsonObject) -> str:
@@ -109,8 +120,10 @@ def dataset_of(items: Sequence[object]) -> str:
     modules = {type(it).__module__ for it in items}
     names = [e.name for e in dataset.DATASETS.values() if e.module in modules]
     if len(modules) != 1 or len(names) != 1:
-        raise ValueError(f"evaluation items of {sorted(modules)}: no registered dataset serves exactly these "
-                         f"(registered: {', '.join(dataset.names())})")
+        raise ValueError(
+            f"evaluation items of {sorted(modules)}: no registered dataset serves exactly these "
+            f"(registered: {', '.join(dataset.names())})"
+        )
     return names[0]
 
 
@@ -133,8 +146,9 @@ def code_files(dataset_name: str) -> dict[str, Path]:
 
 
 def code_manifest(dataset_name: str) -> JsonObject:
-    files: JsonObject = {name: hashlib.sha256(path.read_bytes()).hexdigest()
-                         for name, path in sorted(code_files(dataset_name).items())}
+    files: JsonObject = {
+        name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in sorted(code_files(dataset_name).items())
+    }
     versions: JsonObject = {name: _version(name) for name in DEPENDENCIES}
     return {"files": files, "versions": versions, "python": platform.python_version()}
 
@@ -156,7 +170,14 @@ def prompt_template(bundle: TokenizerBundle, item_type: type, dataset_name: str)
 
 
 def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> JsonObject:
-    return {"temperature": 0.0, "max_tokens": int(max_tokens), "stop": list(stop), "top_k": -1, "top_p": 1.0, "num_samples": 1}
+    return {
+        "temperature": 0.0,
+        "max_tokens": int(max_tokens),
+        "stop": list(stop),
+        "top_k": -1,
+        "top_p": 1.0,
+        "num_samples": 1,
+    }
 
 
 def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_tokens: int) -> JsonObject:
@@ -241,7 +262,13 @@ def freeze_evaluator(
         raise ValueError(f"{len(ids)} items instead of all {n_test} test items: pass the recorded deviation")
     prov = build_provenance(items, bundle, max_tokens)
     return FrozenEvaluator(
-        evaluator_id(prov), prov, code_manifest(name), tuple(items), bundle, max_tokens, None if full else dict(deviation or {})
+        evaluator_id(prov),
+        prov,
+        code_manifest(name),
+        tuple(items),
+        bundle,
+        max_tokens,
+        None if full else dict(deviation or {}),
     )
 
 
@@ -265,28 +292,50 @@ class EvalResult:
         return sum(r["prediction"] is None for r in self.rows)
 
     def response_yield(self, max_tokens: int | None = None) -> answer_yield.ResponseYield:
-        return answer_yield.response_yield([r["stop_reason"] for r in self.rows],
-                                           [r["prediction"] is not None for r in self.rows],
-                                           [r["n_tokens"] for r in self.rows], max_tokens=max_tokens)
+        return answer_yield.response_yield(
+            [r["stop_reason"] for r in self.rows],
+            [r["prediction"] is not None for r in self.rows],
+            [r["n_tokens"] for r in self.rows],
+            max_tokens=max_tokens,
+        )
 
     def arm_metrics(self, max_tokens: int | None = None) -> dict[str, float]:
         """What `metrics.arms[arm]` and `evidence.per_arm_metrics[arm]` hold for this scored model."""
         ry = self.response_yield(max_tokens)
-        return {"accuracy": self.accuracy, "eval_n": float(len(self.rows)),
-                "eval_invalid_outputs": float(self.invalid_outputs), "eval_truncated_frac": ry.truncated_frac,
-                "eval_no_answer_frac": ry.no_answer_frac, "eval_mean_response_tokens": ry.mean_response_tokens}
+        return {
+            "accuracy": self.accuracy,
+            "eval_n": float(len(self.rows)),
+            "eval_invalid_outputs": float(self.invalid_outputs),
+            "eval_truncated_frac": ry.truncated_frac,
+            "eval_no_answer_frac": ry.no_answer_frac,
+            "eval_mean_response_tokens": ry.mean_response_tokens,
+        }
 
     def predictions_jsonl(self) -> bytes:
         return "".join(canonical_json(prediction_json(r)) + "\n" for r in self.rows).encode("utf-8")
 
     def observations(self) -> list[JsonObject]:
         return [
-            {"item_id": r["item_id"], "arm": r["arm"], "seed": r["seed"], "metric": METRIC, "value": r["value"], "evaluator_id": r["evaluator_id"]}
+            {
+                "item_id": r["item_id"],
+                "arm": r["arm"],
+                "seed": r["seed"],
+                "metric": METRIC,
+                "value": r["value"],
+                "evaluator_id": r["evaluator_id"],
+            }
             for r in self.rows
         ]
 
     def score(self, predictions_ref: str) -> JsonObject:
-        return {"arm": self.arm, "metric": METRIC, "value": self.accuracy, "evaluator_id": self.evaluator_id, "seed": self.seed, "predictions_ref": predictions_ref}
+        return {
+            "arm": self.arm,
+            "metric": METRIC,
+            "value": self.accuracy,
+            "evaluator_id": self.evaluator_id,
+            "seed": self.seed,
+            "predictions_ref": predictions_ref,
+        }
 
 
 def evaluate(
@@ -306,7 +355,9 @@ def evaluate(
     evaluator.check_unchanged()
     renderer = evaluator.bundle.renderer
     stop = renderer.get_stop_sequences()
-    params = tinker.SamplingParams(temperature=0.0, max_tokens=evaluator.max_tokens, stop=gsm8k.stop_list(stop), top_k=-1, top_p=1.0)
+    params = tinker.SamplingParams(
+        temperature=0.0, max_tokens=evaluator.max_tokens, stop=gsm8k.stop_list(stop), top_k=-1, top_p=1.0
+    )
     data = dataset.get(dataset_of(evaluator.items))  # the seam: the items' own dataset prompts and grades
     prompts = [data.build_prompt(it, renderer)[0] for it in evaluator.items]
     t0 = time.perf_counter()
@@ -403,13 +454,19 @@ def register_results(
     ``(evaluation, decision)`` objects for ``update_result``; file names must be new per update."""
     known = {ev.evaluator_id for ev in evaluators}
     for ev in evaluators:
-        record: JsonObject = {"evaluator_id": ev.evaluator_id, "provenance": ev.provenance, "code_manifest": ev.code_manifest,
-                  "deviation": None if ev.deviation is None else dict(ev.deviation)}
+        record: JsonObject = {
+            "evaluator_id": ev.evaluator_id,
+            "provenance": ev.provenance,
+            "code_manifest": ev.code_manifest,
+            "deviation": None if ev.deviation is None else dict(ev.deviation),
+        }
         evidence.register_json(f"evaluator-{ev.evaluator_id[:16]}.json", "manifest", record)
     scores: list[JsonObject] = []
     for res in results:
         if res.evaluator_id not in known:
-            raise EvaluatorChangedError(f"{res.arm}: scored by evaluator {res.evaluator_id[:12]}, which is not registered")
+            raise EvaluatorChangedError(
+                f"{res.arm}: scored by evaluator {res.evaluator_id[:12]}, which is not registered"
+            )
         name = f"predictions-{res.arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
         evidence.register_bytes(name, "predictions", res.predictions_jsonl())
         scores.append(res.score(name))

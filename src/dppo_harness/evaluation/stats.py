@@ -53,7 +53,10 @@ def decide(lower: float, upper: float, margin: float) -> tuple[str, str]:
         return "supported", f"lower bound {lower:.6g} > margin {margin:g}"
     if upper < margin:
         return "refuted", f"upper bound {upper:.6g} < margin {margin:g}"
-    return "inconclusive", f"interval [{lower:.6g}, {upper:.6g}] contains the margin {margin:g}: uncertainty too large to settle it"
+    return (
+        "inconclusive",
+        f"interval [{lower:.6g}, {upper:.6g}] contains the margin {margin:g}: uncertainty too large to settle it",
+    )
 
 
 def paired_hoeffding(
@@ -186,7 +189,9 @@ def pair_observations(
             f"{len(only_b)} only in {baseline!r} (e.g. {only_b[:3]})"
         )
     if len(evaluators) != 1:
-        raise ObservationError(f"observations come from {len(evaluators)} evaluators {sorted(evaluators)}; pair under one")
+        raise ObservationError(
+            f"observations come from {len(evaluators)} evaluators {sorted(evaluators)}; pair under one"
+        )
     keys = sorted(t, key=lambda k: (k[0], str(k[1])))
     seeds: list[JsonValue] = sorted({k[1] for k in keys}, key=str)
     return PairedObservations(keys, [t[k] for k in keys], [b[k] for k in keys], evaluators.pop(), seeds)
@@ -221,11 +226,17 @@ def paired_hoeffding_from_rows(
 
 # ---- informational: the usual paired interval for two proportions (never the decision rule) -----
 
-INFORMATIONAL_LABEL = "informational only: never used for the verdict (the decision rule is the paired Hoeffding interval)"
-NEWCOMBE_REFERENCE = ("Newcombe RG (1998), Improved confidence intervals for the difference between binomial "
-                      "proportions based on paired data, Statistics in Medicine 17:2635-2650, method 10")
-MCNEMAR_REFERENCE = ("McNemar Q (1947), Psychometrika 12:153-157; exact conditional form: the treatment-only count "
-                     "given the discordant pairs is Binomial(b + c, 1/2) under no difference")
+INFORMATIONAL_LABEL = (
+    "informational only: never used for the verdict (the decision rule is the paired Hoeffding interval)"
+)
+NEWCOMBE_REFERENCE = (
+    "Newcombe RG (1998), Improved confidence intervals for the difference between binomial "
+    "proportions based on paired data, Statistics in Medicine 17:2635-2650, method 10"
+)
+MCNEMAR_REFERENCE = (
+    "McNemar Q (1947), Psychometrika 12:153-157; exact conditional form: the treatment-only count "
+    "given the discordant pairs is Binomial(b + c, 1/2) under no difference"
+)
 
 
 def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
@@ -283,8 +294,18 @@ def newcombe_paired_interval(a: int, b: int, c: int, d: int, alpha: float = 0.05
     theta = p1 - p2
     lower = theta - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
     upper = theta + math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
-    return {"n": n, "p1": p1, "p2": p2, "difference": theta, "lower": max(-1.0, lower), "upper": min(1.0, upper),
-            "phi": phi, "wilson_p1": [l1, u1], "wilson_p2": [l2, u2], "alpha": alpha}
+    return {
+        "n": n,
+        "p1": p1,
+        "p2": p2,
+        "difference": theta,
+        "lower": max(-1.0, lower),
+        "upper": min(1.0, upper),
+        "phi": phi,
+        "wilson_p1": [l1, u1],
+        "wilson_p2": [l2, u2],
+        "alpha": alpha,
+    }
 
 
 def mcnemar_exact_p(b: int, c: int) -> float:
@@ -294,12 +315,17 @@ def mcnemar_exact_p(b: int, c: int) -> float:
     m = b + c
     if m == 0:
         return 1.0
-    tail = math.fsum(math.comb(m, i) for i in range(min(b, c) + 1)) / 2.0 ** m
+    tail = math.fsum(math.comb(m, i) for i in range(min(b, c) + 1)) / 2.0**m
     return min(1.0, 2.0 * tail)
 
 
 def paired_binary_informational(
-    rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, *, alpha: float = 0.05, metric: str = "accuracy",
+    rows: Iterable[Mapping[str, JsonValue]],
+    treatment: str,
+    baseline: str,
+    *,
+    alpha: float = 0.05,
+    metric: str = "accuracy",
 ) -> JsonObject:
     """The informational interval beside the decision: discordant pairs, Newcombe's paired interval
     for treatment minus baseline accuracy and the exact McNemar p-value. Values must be 0 or 1."""
@@ -307,7 +333,9 @@ def paired_binary_informational(
     for arm in ("treatment", "baseline"):
         for k, v in zip(paired.keys, paired.values(arm)):
             if isinstance(v, bool) or v not in (0, 1):
-                raise ObservationError(f"{arm} item {k[0]!r}: value {v!r} is not 0 or 1 (a paired proportion needs binary scores)")
+                raise ObservationError(
+                    f"{arm} item {k[0]!r}: value {v!r} is not 0 or 1 (a paired proportion needs binary scores)"
+                )
     pairs = list(zip(paired.treatment, paired.baseline))
     a = sum(1 for t, b_ in pairs if t == 1 and b_ == 1)
     b = sum(1 for t, b_ in pairs if t == 1 and b_ == 0)
@@ -315,17 +343,33 @@ def paired_binary_informational(
     d = len(pairs) - a - b - c
     ci = newcombe_paired_interval(a, b, c, d, alpha)
     return {
-        "label": INFORMATIONAL_LABEL, "used_for_verdict": False, "method": "newcombe_1998_method10",
-        "treatment": treatment, "baseline": baseline, "metric": metric, "evaluator_id": paired.evaluator_id,
-        "n": len(pairs), "alpha": alpha, "both_correct": a, "treatment_only_correct": b, "baseline_only_correct": c,
-        "neither_correct": d, "discordant_pairs": b + c, "mean_difference": ci["difference"],
-        "lower": ci["lower"], "upper": ci["upper"], "phi_corrected": ci["phi"],
-        "mcnemar_exact_p": mcnemar_exact_p(b, c), "references": [NEWCOMBE_REFERENCE, MCNEMAR_REFERENCE],
+        "label": INFORMATIONAL_LABEL,
+        "used_for_verdict": False,
+        "method": "newcombe_1998_method10",
+        "treatment": treatment,
+        "baseline": baseline,
+        "metric": metric,
+        "evaluator_id": paired.evaluator_id,
+        "n": len(pairs),
+        "alpha": alpha,
+        "both_correct": a,
+        "treatment_only_correct": b,
+        "baseline_only_correct": c,
+        "neither_correct": d,
+        "discordant_pairs": b + c,
+        "mean_difference": ci["difference"],
+        "lower": ci["lower"],
+        "upper": ci["upper"],
+        "phi_corrected": ci["phi"],
+        "mcnemar_exact_p": mcnemar_exact_p(b, c),
+        "references": [NEWCOMBE_REFERENCE, MCNEMAR_REFERENCE],
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dppo_harness.evaluation.stats", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dppo_harness.evaluation.stats", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("paired-hoeffding", help="paired Hoeffding interval and verdict")
     p.add_argument("observations", type=Path)
@@ -335,7 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=0.0)
     p.add_argument("--metric", default="accuracy")
     p.add_argument("--bounds", type=float, nargs=2, default=(0.0, 1.0), metavar=("A", "B"))
-    q = sub.add_parser("paired-informational", help="Newcombe paired interval + exact McNemar (informational, not the rule)")
+    q = sub.add_parser(
+        "paired-informational", help="Newcombe paired interval + exact McNemar (informational, not the rule)"
+    )
     q.add_argument("observations", type=Path)
     q.add_argument("--treatment", required=True)
     q.add_argument("--baseline", required=True)
@@ -345,12 +391,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rows = read_observations(args.observations)
         if args.command == "paired-informational":
-            result = paired_binary_informational(rows, args.treatment, args.baseline, alpha=args.alpha,
-                                                 metric=args.metric)
+            result = paired_binary_informational(
+                rows, args.treatment, args.baseline, alpha=args.alpha, metric=args.metric
+            )
         else:
             result = paired_hoeffding_from_rows(
-                rows, args.treatment, args.baseline, alpha=args.alpha, margin=args.margin,
-                metric=args.metric, bounds=tuple(args.bounds),
+                rows,
+                args.treatment,
+                args.baseline,
+                alpha=args.alpha,
+                margin=args.margin,
+                metric=args.metric,
+                bounds=tuple(args.bounds),
             )
     except (ObservationError, OSError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -35,8 +35,21 @@ _SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 _FIXED_TIME = (2020, 1, 1, 0, 0, 0)
 _REFERENCED_SUFFIXES = (".pt",)
 # Names that hold credentials by convention: never archived, tracked or not.
-SECRET_FILE_PATTERNS = (".env", ".env.*", "*.env", ".envrc", ".netrc", ".pypirc", "*.pem", "*.key", "*.p12",
-                        "credentials", "credentials.json", "id_rsa*", "id_ed25519*")
+SECRET_FILE_PATTERNS = (
+    ".env",
+    ".env.*",
+    "*.env",
+    ".envrc",
+    ".netrc",
+    ".pypirc",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "credentials",
+    "credentials.json",
+    "id_rsa*",
+    "id_ed25519*",
+)
 
 
 def is_secret_file(path: Path) -> bool:
@@ -68,14 +81,18 @@ def archived_paths(root: Path, include: Iterable[str] = ARCHIVED) -> list[Path]:
         if p.is_file():
             out.add(p)
         elif p.is_dir():
-            out.update(f for f in p.rglob("*") if f.is_file() and not _SKIP_PARTS & set(f.parts)
-                       and f.suffix not in (".pyc", ".pyo"))
+            out.update(
+                f
+                for f in p.rglob("*")
+                if f.is_file() and not _SKIP_PARTS & set(f.parts) and f.suffix not in (".pyc", ".pyo")
+            )
     tracked = tracked_files(root)
     return sorted(f for f in out if not is_secret_file(f) and (tracked is None or f.resolve() in tracked))
 
 
-def build_archive(root: Path, *, commit: str | None = None,
-                  include: Iterable[str] = ARCHIVED) -> tuple[bytes, dict[str, Any]]:
+def build_archive(
+    root: Path, *, commit: str | None = None, include: Iterable[str] = ARCHIVED
+) -> tuple[bytes, dict[str, Any]]:
     """(zip bytes, manifest). Deterministic for a given tree and commit."""
     root = Path(root).resolve()
     members, referenced = [], []
@@ -93,8 +110,15 @@ def build_archive(root: Path, *, commit: str | None = None,
             info.compress_type = zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
             zf.writestr(info, data)
-        manifest = {"kind": "code_archive", "version": 1, "commit": commit, "roots": list(include),
-                    "members": members, "n_members": len(members), "referenced": referenced}
+        manifest = {
+            "kind": "code_archive",
+            "version": 1,
+            "commit": commit,
+            "roots": list(include),
+            "members": members,
+            "n_members": len(members),
+            "referenced": referenced,
+        }
         info = zipfile.ZipInfo(MANIFEST_MEMBER, date_time=_FIXED_TIME)
         info.compress_type = zipfile.ZIP_DEFLATED
         zf.writestr(info, json.dumps(manifest, indent=1, sort_keys=True))

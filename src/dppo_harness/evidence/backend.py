@@ -85,8 +85,13 @@ class ServedName:
         }[self.origin]
 
 
-def served_model(model_data: Mapping[str, JsonValue] | None, backend: Backend | None, *,
-                 seen: EmbeddedServer | None = None, local: bool = False) -> ServedName:
+def served_model(
+    model_data: Mapping[str, JsonValue] | None,
+    backend: Backend | None,
+    *,
+    seen: EmbeddedServer | None = None,
+    local: bool = False,
+) -> ServedName:
     """The model that computes.
 
     On the embedded server (its marker in model_data, `seen` now, recorded earlier in the backend
@@ -112,8 +117,10 @@ def _text_or_none(v: object) -> str | None:
 
 
 def stand_in_note(stand_in: str | None, requested_model: str) -> str:
-    return (f"computed by the embedded server's stand-in model {stand_in or '(unnamed)'}, not {requested_model}; "
-            "a rehearsal, not a scientific result")
+    return (
+        f"computed by the embedded server's stand-in model {stand_in or '(unnamed)'}, not {requested_model}; "
+        "a rehearsal, not a scientific result"
+    )
 
 
 def report_lines(block: Backend | None) -> list[str]:
@@ -122,9 +129,13 @@ def report_lines(block: Backend | None) -> list[str]:
     if block is None or embedded is None:
         return []
     stand_in = embedded.stand_in or block.served_model
-    return ["", "## Served model (embedded server)", "",
-            f"- REHEARSAL: {stand_in_note(stand_in, str(block.requested_model))}.",
-            f"- The service at `{block.base_url}` carries the embedded-server marker "
-            f"(in: {', '.join(embedded.sources or [])}; profile {embedded.profile}); "
-            f"it answers to the name `{block.answers_to}`.",
-            f"- Limitation: numbers here describe the stand-in {stand_in}, not {block.requested_model}."]
+    return [
+        "",
+        "## Served model (embedded server)",
+        "",
+        f"- REHEARSAL: {stand_in_note(stand_in, str(block.requested_model))}.",
+        f"- The service at `{block.base_url}` carries the embedded-server marker "
+        f"(in: {', '.join(embedded.sources or [])}; profile {embedded.profile}); "
+        f"it answers to the name `{block.answers_to}`.",
+        f"- Limitation: numbers here describe the stand-in {stand_in}, not {block.requested_model}.",
+    ]

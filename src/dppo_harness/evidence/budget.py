@@ -113,10 +113,15 @@ class BudgetNeeds:
 
     def as_record(self) -> JsonObject:
         """What ledger.json keeps of the session's budget (files counted, bytes estimated)."""
-        return {"limit_files": MAX_FILES, "limit_bytes": MAX_TOTAL_BYTES, "required_files": self.required_files,
-                "optional_files": self.optional_files, "estimated_bytes": self.required_bytes,
-                "closing_records": [*CLOSING_RECORDS, "the last stage-end snapshot"],
-                "stages": [asdict(s) for s in self.stages]}
+        return {
+            "limit_files": MAX_FILES,
+            "limit_bytes": MAX_TOTAL_BYTES,
+            "required_files": self.required_files,
+            "optional_files": self.optional_files,
+            "estimated_bytes": self.required_bytes,
+            "closing_records": [*CLOSING_RECORDS, "the last stage-end snapshot"],
+            "stages": [asdict(s) for s in self.stages],
+        }
 
     def largest(self) -> StageNeed:
         return max(self.stages, key=lambda s: s.files, default=StageNeed("none", 0, 0))
@@ -164,13 +169,19 @@ def diagnostic_need(size: DiagnosticSize, groups_per_batch: int | None = None) -
     per = updates_per_archive(size)
     archives = math.ceil(size.max_updates / per) if per else size.max_updates
     stored = _tokens_per_update(size) * STORED_BYTES_PER_TOKEN + RECORD_OVERHEAD_BYTES
-    frozen = (groups_per_batch or size.groups_per_minibatch) * size.group_size * (
-        size.max_tokens + PROMPT_TOKENS_BOUND) * STORED_BYTES_PER_TOKEN
+    frozen = (
+        (groups_per_batch or size.groups_per_minibatch)
+        * size.group_size
+        * (size.max_tokens + PROMPT_TOKENS_BOUND)
+        * STORED_BYTES_PER_TOKEN
+    )
     return StageNeed(
-        "diagnostic", DIAGNOSTIC_FIXED_FILES + archives,
+        "diagnostic",
+        DIAGNOSTIC_FIXED_FILES + archives,
         DIAGNOSTIC_FIXED_BYTES + frozen + size.max_updates * stored,
         optional_files=(size.max_updates - 1) // SNAPSHOT_EVERY_UPDATES + 1,
-        detail=f"{size.max_updates} updates in {archives} archive file(s) of {per or 1}")
+        detail=f"{size.max_updates} updates in {archives} archive file(s) of {per or 1}",
+    )
 
 
 def comparison_end_files(arms: int) -> int:
@@ -188,25 +199,41 @@ def comparison_need(size: ComparisonSize) -> StageNeed:
     saves = size.steps // size.save_every
     files = 1 + comparison_end_files(size.arms) + MID_STEP_RESTORES_PER_ARM * size.arms
     files += RESUME_FILES if size.resumed else 0
-    return StageNeed("comparison", files, COMPARISON_END_BYTES + saves * MIB // 4, optional_files=2 * saves,
-                     detail=f"{size.arms} arms, {size.steps} steps, a save every {size.save_every}")
+    return StageNeed(
+        "comparison",
+        files,
+        COMPARISON_END_BYTES + saves * MIB // 4,
+        optional_files=2 * saves,
+        detail=f"{size.arms} arms, {size.steps} steps, a save every {size.save_every}",
+    )
 
 
 def gate_need(pilot_steps: int) -> StageNeed:
-    return StageNeed("gate", GATE_FIXED_FILES + pilot_steps, MIB + pilot_steps * MIB, optional_files=1,
-                     detail=f"{pilot_steps} pilot steps")
+    return StageNeed(
+        "gate",
+        GATE_FIXED_FILES + pilot_steps,
+        MIB + pilot_steps * MIB,
+        optional_files=1,
+        detail=f"{pilot_steps} pilot steps",
+    )
 
 
-def session_needs(stages: Sequence[str], *, diagnostic: DiagnosticSize | None = None,
-                  comparison: ComparisonSize | None = None, resolution: bool = False) -> BudgetNeeds:
+def session_needs(
+    stages: Sequence[str],
+    *,
+    diagnostic: DiagnosticSize | None = None,
+    comparison: ComparisonSize | None = None,
+    resolution: bool = False,
+) -> BudgetNeeds:
     """The session's needs for the stages it will run (the unit stage registers no file); a plan
     read with a resolution file beside it registers that file too."""
     run = set(stages)
     needs = [StageNeed("session", SESSION_FILES + int(resolution), SESSION_BYTES, optional_files=WAIT_SNAPSHOTS)]
     if "preflight" in run:  # a spec's preflight also runs the feasibility pilot
         extra = FEASIBILITY_FILES if comparison is not None else 0
-        needs.append(StageNeed("preflight", PREFLIGHT_FILES + extra, PREFLIGHT_BYTES,
-                               optional_files=PREFLIGHT_SNAPSHOTS))
+        needs.append(
+            StageNeed("preflight", PREFLIGHT_FILES + extra, PREFLIGHT_BYTES, optional_files=PREFLIGHT_SNAPSHOTS)
+        )
     if "gate" in run and comparison is not None:
         needs.append(gate_need(comparison.gate_pilot_steps))
     if "diagnostic" in run and diagnostic is not None:
@@ -224,25 +251,41 @@ def plan_needs(plan: Plan, stages: Sequence[str], *, save_every: int = 1, resume
     resolution = plan.resolution is not None
     if plan.kind == "bounded_diagnostic":
         d = plan.diagnostic
-        return session_needs(stages, diagnostic=DiagnosticSize(
-            d.schedule.max_optimizer_updates, d.schedule.groups_per_minibatch, d.schedule.group_size,
-            d.fixed_settings.sampling.max_tokens, d.schedule.groups_per_batch), resolution=resolution)
+        return session_needs(
+            stages,
+            diagnostic=DiagnosticSize(
+                d.schedule.max_optimizer_updates,
+                d.schedule.groups_per_minibatch,
+                d.schedule.group_size,
+                d.fixed_settings.sampling.max_tokens,
+                d.schedule.groups_per_batch,
+            ),
+            resolution=resolution,
+        )
     if plan.run is None:
         return session_needs(stages, resolution=resolution)
     run = plan.run
-    return session_needs(stages, comparison=ComparisonSize(
-        len(run.arms), run.rollout_steps, save_every, int(run.gate_pilot_steps.value), resumed),
-        resolution=resolution)
+    return session_needs(
+        stages,
+        comparison=ComparisonSize(
+            len(run.arms), run.rollout_steps, save_every, int(run.gate_pilot_steps.value), resumed
+        ),
+        resolution=resolution,
+    )
 
 
 def refusal(needs: BudgetNeeds, plan_name: str) -> str | None:
     """One line when the plan cannot fit the bundle (needed vs limit, and what to change); else None."""
     big = needs.largest()
     if needs.required_files > MAX_FILES:
-        return (f"evidence budget: plan {plan_name} needs {needs.required_files} evidence files "
-                f"({', '.join(f'{s.stage} {s.files}' for s in needs.stages)}, closing records {needs.closing_files}); "
-                f"the bundle holds {MAX_FILES}: reduce the {big.stage} stage ({big.detail})")
+        return (
+            f"evidence budget: plan {plan_name} needs {needs.required_files} evidence files "
+            f"({', '.join(f'{s.stage} {s.files}' for s in needs.stages)}, closing records {needs.closing_files}); "
+            f"the bundle holds {MAX_FILES}: reduce the {big.stage} stage ({big.detail})"
+        )
     if needs.required_bytes > MAX_TOTAL_BYTES:
-        return (f"evidence budget: plan {plan_name} needs up to {needs.required_bytes / MIB:.1f} MiB of evidence; "
-                f"the bundle holds {MAX_TOTAL_BYTES // MIB} MiB: reduce the {big.stage} stage ({big.detail})")
+        return (
+            f"evidence budget: plan {plan_name} needs up to {needs.required_bytes / MIB:.1f} MiB of evidence; "
+            f"the bundle holds {MAX_TOTAL_BYTES // MIB} MiB: reduce the {big.stage} stage ({big.detail})"
+        )
     return None

@@ -67,8 +67,14 @@ if TYPE_CHECKING:
 class EvidenceBundle:
     """One run's evidence directory (`<root>/<run_id>/`). Thread-safe; every write is atomic."""
 
-    def __init__(self, run_dir: Path, result: dict[str, Any], secret_values: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        run_dir: Path,
+        result: dict[str, Any],
+        secret_values: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.dir = run_dir
         self.run_id = run_dir.name
         self._result = result
@@ -85,8 +91,15 @@ class EvidenceBundle:
     # -- construction
 
     @classmethod
-    def create(cls, root: Path, run_id: str | None = None, secret_values: Sequence[str] = (), *,
-               env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic) -> EvidenceBundle:
+    def create(
+        cls,
+        root: Path,
+        run_id: str | None = None,
+        secret_values: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> EvidenceBundle:
         root = Path(root)
         run_id = run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
         if not NAME_RE.match(run_id):
@@ -104,8 +117,14 @@ class EvidenceBundle:
         return bundle
 
     @classmethod
-    def open(cls, run_dir: Path, secret_values: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
-             clock: Callable[[], float] = time.monotonic) -> EvidenceBundle:
+    def open(
+        cls,
+        run_dir: Path,
+        secret_values: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> EvidenceBundle:
         run_dir = Path(run_dir)
         result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
         validate_result(result)
@@ -249,12 +268,16 @@ class EvidenceBundle:
             return
         slots, nbytes = self._closing_left(entries)
         if len(entries) + 1 > MAX_FILES - slots:
-            raise LimitError(f"file {entry['name']!r} would be file {len(entries) + 1}; the last {slots} of the "
-                             f"{MAX_FILES} file slots are reserved for the closing records")
+            raise LimitError(
+                f"file {entry['name']!r} would be file {len(entries) + 1}; the last {slots} of the "
+                f"{MAX_FILES} file slots are reserved for the closing records"
+            )
         total = sum(f["size"] for f in entries) + entry["size"]
         if total > MAX_TOTAL_BYTES - nbytes:
-            raise LimitError(f"file {entry['name']!r} would bring the run to {total} bytes; the last {nbytes} of "
-                             f"{MAX_TOTAL_BYTES} bytes are reserved for the closing records")
+            raise LimitError(
+                f"file {entry['name']!r} would bring the run to {total} bytes; the last {nbytes} of "
+                f"{MAX_TOTAL_BYTES} bytes are reserved for the closing records"
+            )
 
     def free_slots(self) -> int:
         """File slots any file may still take (the closing records' reserve left out)."""
@@ -307,8 +330,10 @@ class EvidenceBundle:
             self._commit(new)
 
     def post_arm_metrics(self, arm: str, metrics: Mapping[str, float], *, completed: bool = False) -> None:
-        fields: dict[str, Any] = {"metrics": {"arms": {arm: dict(metrics)}},
-                                  "evidence": {"per_arm_metrics": {arm: dict(metrics)}}}
+        fields: dict[str, Any] = {
+            "metrics": {"arms": {arm: dict(metrics)}},
+            "evidence": {"per_arm_metrics": {arm: dict(metrics)}},
+        }
         if completed:
             fields["completed_arms"] = [arm]
         self.update_result(**fields)
@@ -329,8 +354,10 @@ class EvidenceBundle:
             raise EvidenceError(f"checkpoint step: expected int, got {type(step).__name__}")
         parts = urlsplit(uri)
         if not parts.scheme or parts.query or parts.fragment or "@" in parts.netloc:
-            raise EvidenceError("checkpoint uri: expected a plain reference such as tinker://<id>/weights/<name> "
-                                "(no query string, fragment or credentials)")
+            raise EvidenceError(
+                "checkpoint uri: expected a plain reference such as tinker://<id>/weights/<name> "
+                "(no query string, fragment or credentials)"
+            )
         cp = {"arm": arm, "step": step, "uri": uri}
         with self._lock:
             if cp in self._result["evidence"]["checkpoints"]:
@@ -339,8 +366,9 @@ class EvidenceBundle:
             new["evidence"]["checkpoints"].append(cp)
             self._commit(new)
 
-    def finish(self, status: str, verdict: str, outcome_reason: str | None = None, summary: str | None = None,
-               **fields: Any) -> None:
+    def finish(
+        self, status: str, verdict: str, outcome_reason: str | None = None, summary: str | None = None, **fields: Any
+    ) -> None:
         """Final result first, so nothing after it can lose it; then the budget ledger as a file,
         or, when the bundle has no slot left for it, a note in ledger.json saying so."""
         final = dict(fields, status=status, verdict=verdict)
@@ -469,11 +497,27 @@ class EvidenceBundle:
                 self._rehearsal_plan = True
         session.record_plan(self, plan, effective_config, plan_name=plan_name)
 
-    def start_session(self, *, backend: BackendKind, plan: Plan, stages: Sequence[str],
-                      project_root: Path, test_files: Sequence[str | Path] = (), served_model: str | None = None,
-                      size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
-        session.start_session(self, backend=backend, plan=plan, stages=stages, project_root=project_root,
-                              test_files=test_files, served_model=served_model, size_reductions=size_reductions)
+    def start_session(
+        self,
+        *,
+        backend: BackendKind,
+        plan: Plan,
+        stages: Sequence[str],
+        project_root: Path,
+        test_files: Sequence[str | Path] = (),
+        served_model: str | None = None,
+        size_reductions: Sequence[Mapping[str, str]] = (),
+    ) -> None:
+        session.start_session(
+            self,
+            backend=backend,
+            plan=plan,
+            stages=stages,
+            project_root=project_root,
+            test_files=test_files,
+            served_model=served_model,
+            size_reductions=size_reductions,
+        )
 
     def finish_session(self, stage_failures: Mapping[str, str] | None = None) -> None:
         session.finish_session(self, stage_failures)

@@ -24,10 +24,23 @@ MAX_FILE_BYTES = 10 * 1024 * 1024
 MAX_FILES = 64
 MAX_TOTAL_BYTES = 40 * 1024 * 1024
 
-KINDS = frozenset({
-    "script", "effective_config", "code_revision", "code_patch", "predictions", "metrics", "plan",
-    "report", "tensors", "manifest", "plot", "log", "generated_tasks",
-})
+KINDS = frozenset(
+    {
+        "script",
+        "effective_config",
+        "code_revision",
+        "code_patch",
+        "predictions",
+        "metrics",
+        "plan",
+        "report",
+        "tensors",
+        "manifest",
+        "plot",
+        "log",
+        "generated_tasks",
+    }
+)
 RESULT_FILE = "result.json"
 LEDGER_FILE = "ledger.json"
 FILES_DIR = "files"
@@ -83,22 +96,30 @@ def unwritable_reason(directory: Path) -> str | None:
         return f"cannot write in {target}: {exc.strerror or type(exc).__name__}"
     free = shutil.disk_usage(target).free
     if free < MIN_FREE_BYTES:
-        return (f"only {free / 2**20:.1f} MiB free in {target}; a run's evidence needs {MIN_FREE_BYTES / 2**20:.0f} MiB "
-                f"(its {MAX_TOTAL_BYTES / 2**20:.0f} MiB limit and one {MAX_FILE_BYTES / 2**20:.0f} MiB file being written)")
+        return (
+            f"only {free / 2**20:.1f} MiB free in {target}; a run's evidence needs {MIN_FREE_BYTES / 2**20:.0f} MiB "
+            f"(its {MAX_TOTAL_BYTES / 2**20:.0f} MiB limit and one {MAX_FILE_BYTES / 2**20:.0f} MiB file being written)"
+        )
     return None
 
 
-_WHY = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is spent",
-        errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-        errno.EPERM: "permission denied"}
+_WHY = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is spent",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
 
 
 def unwritable_line(path: Path, exc: OSError) -> str:
     """One line for a refused evidence write: where, what the system said, what would settle it."""
     code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
     why = _WHY.get(exc.errno or 0, exc.strerror or str(exc))
-    return (f"evidence not written: {path}: {why} ({code}); free space or make the evidence directory "
-            "writable, or give another --evidence-dir")
+    return (
+        f"evidence not written: {path}: {why} ({code}); free space or make the evidence directory "
+        "writable, or give another --evidence-dir"
+    )
 
 
 def fsync_dir(directory: Path) -> None:
@@ -162,7 +183,9 @@ class FileRegistry:
 
         Raises EvidenceError for a bad name/kind, ImmutableNameError for a changed file."""
         if not valid_name(name):
-            raise EvidenceError(f"file name {name!r}: use 1-128 of letters, digits, '.', '_', '-' (not a reserved name)")
+            raise EvidenceError(
+                f"file name {name!r}: use 1-128 of letters, digits, '.', '_', '-' (not a reserved name)"
+            )
         if kind not in KINDS:
             raise EvidenceError(f"file {name!r}: unknown kind {kind!r}; expected one of {sorted(KINDS)}")
         entry = FileEntry(name=name, kind=kind, sha256=sha256_bytes(data), size=len(data))
@@ -174,7 +197,8 @@ class FileRegistry:
             what = "bytes" if existing["sha256"] != entry["sha256"] else "kind"
             raise ImmutableNameError(
                 f"file {name!r} is already registered with different {what}"
-                f" (sha256 {existing['sha256'][:12]}…, kind {existing['kind']}); use a new name")
+                f" (sha256 {existing['sha256'][:12]}…, kind {existing['kind']}); use a new name"
+            )
         return entry, True
 
     @staticmethod
@@ -186,8 +210,10 @@ class FileRegistry:
             raise LimitError(f"file {name!r} would be file {len(entries) + 1}; the limit is {MAX_FILES} files per run")
         total = sum(f["size"] for f in entries)
         if total + size > MAX_TOTAL_BYTES:
-            raise LimitError(f"file {name!r} ({size} bytes) would bring the run to {total + size} bytes; "
-                             f"the limit is {MAX_TOTAL_BYTES} bytes (40 MiB) in total")
+            raise LimitError(
+                f"file {name!r} ({size} bytes) would bring the run to {total + size} bytes; "
+                f"the limit is {MAX_TOTAL_BYTES} bytes (40 MiB) in total"
+            )
 
     @staticmethod
     def read_source(name: str, path: Path) -> bytes:

@@ -34,16 +34,19 @@ class BudgetLedger:
         return self._clock() - self._t0
 
     def set_budget(self, max_wall_seconds: float, gpu_hours: float | None) -> dict[str, float]:
-        self.data["budget"] = {"max_wall_seconds": float(max_wall_seconds),
-                               "gpu_hours": None if gpu_hours is None else float(gpu_hours)}
+        self.data["budget"] = {
+            "max_wall_seconds": float(max_wall_seconds),
+            "gpu_hours": None if gpu_hours is None else float(gpu_hours),
+        }
         return {"budget/max_wall_seconds": float(max_wall_seconds)}
 
     def remaining_seconds(self) -> float | None:
         b = self.data["budget"]
         return None if b is None else b["max_wall_seconds"] - self.elapsed_seconds()
 
-    def block_if_over(self, stage: str, projected_seconds: float,
-                      projected_gpu_hours: float | None) -> dict[str, float] | None:
+    def block_if_over(
+        self, stage: str, projected_seconds: float, projected_gpu_hours: float | None
+    ) -> dict[str, float] | None:
         """None if the projection fits what remains; else records the stage as blocked_by_budget
         and returns the metrics to post."""
         b = self.data["budget"]
@@ -57,20 +60,32 @@ class BudgetLedger:
             reasons.append(f"projected {projected_gpu_hours:.3f} GPU-h > cap {b['gpu_hours']:.3f}")
         if not reasons:
             return None
-        self.data["stages"].append({"stage": stage, "seconds": 0.0, "status": "blocked_by_budget",
-                                    "projected_seconds": float(projected_seconds),
-                                    "remaining_seconds": float(remaining), "reason": "; ".join(reasons)})
-        return {f"budget/blocked/{stage}": 1.0,
-                f"budget/projected_seconds/{stage}": float(projected_seconds),
-                f"budget/remaining_seconds/{stage}": float(remaining)}
+        self.data["stages"].append(
+            {
+                "stage": stage,
+                "seconds": 0.0,
+                "status": "blocked_by_budget",
+                "projected_seconds": float(projected_seconds),
+                "remaining_seconds": float(remaining),
+                "reason": "; ".join(reasons),
+            }
+        )
+        return {
+            f"budget/blocked/{stage}": 1.0,
+            f"budget/projected_seconds/{stage}": float(projected_seconds),
+            f"budget/remaining_seconds/{stage}": float(remaining),
+        }
 
     def record_stage(self, stage: str, seconds: float, status: str) -> dict[str, float]:
         """Append one stage timing; returns the stage's and the run's total wall-seconds metrics."""
-        self.data["stages"].append({"stage": stage, "seconds": float(seconds), "status": status,
-                                    "elapsed_at_end": self.elapsed_seconds()})
+        self.data["stages"].append(
+            {"stage": stage, "seconds": float(seconds), "status": status, "elapsed_at_end": self.elapsed_seconds()}
+        )
         stages = self.data["stages"]
-        return {f"budget/wall_seconds/{stage}": sum(s["seconds"] for s in stages if s["stage"] == stage),
-                "budget/wall_seconds_total": sum(s["seconds"] for s in stages)}
+        return {
+            f"budget/wall_seconds/{stage}": sum(s["seconds"] for s in stages if s["stage"] == stage),
+            "budget/wall_seconds_total": sum(s["seconds"] for s in stages),
+        }
 
     def note(self, **items: Any) -> None:
         """Session facts kept with the ledger (stages_selected, budget_source, stage_failures)."""

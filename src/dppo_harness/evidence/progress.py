@@ -95,8 +95,9 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)

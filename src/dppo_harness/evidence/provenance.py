@@ -49,8 +49,13 @@ def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[JsonObject,
     info: JsonObject = {"repo": root.name, "source_sha256": _source_sha256(root)}
     head = _git(root, "rev-parse", "HEAD") if (root / ".git").exists() else None
     if head is None or head.returncode != 0:
-        info.update({"commit": None, "available": False,
-                     "reason": "not a git checkout (or no commit); source_sha256 identifies the package source"})
+        info.update(
+            {
+                "commit": None,
+                "available": False,
+                "reason": "not a git checkout (or no commit); source_sha256 identifies the package source",
+            }
+        )
         return info, b""
     info.update({"commit": head.stdout.decode().strip(), "available": True})
     patch = _git(root, "diff", "HEAD", "--binary").stdout
@@ -64,6 +69,12 @@ def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[JsonObject,
             continue
         untracked.append(rel)
         listed.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_bytes(p.read_bytes())})
-    info.update({"dirty": bool(patch) or bool(untracked), "untracked_files": untracked,
-                 "untracked_not_in_patch": listed, "patch_sha256": sha256_bytes(patch) if patch else None})
+    info.update(
+        {
+            "dirty": bool(patch) or bool(untracked),
+            "untracked_files": untracked,
+            "untracked_not_in_patch": listed,
+            "patch_sha256": sha256_bytes(patch) if patch else None,
+        }
+    )
     return info, patch

@@ -31,15 +31,30 @@ SERVED_NOTE = "Served model: "  # how a summary names the stand-in that computed
 
 Status = Literal["running", "succeeded", "failed"]
 Verdict = Literal["supported", "refuted", "inconclusive"]
-OutcomeReason = Literal["supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence",
-                        "incomplete_execution"]
+OutcomeReason = Literal[
+    "supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence", "incomplete_execution"
+]
 DeviationField = Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
-FileKind = Literal["script", "effective_config", "code_revision", "code_patch", "predictions", "metrics", "plan",
-                   "report", "tensors", "manifest", "plot", "log", "generated_tasks"]
+FileKind = Literal[
+    "script",
+    "effective_config",
+    "code_revision",
+    "code_patch",
+    "predictions",
+    "metrics",
+    "plan",
+    "report",
+    "tensors",
+    "manifest",
+    "plot",
+    "log",
+    "generated_tasks",
+]
 NumberMap = dict[str, float]  # strict float: ints pass, bools and strings do not; finite only
 # Keys update_result may not touch; dedicated bundle methods keep their invariants.
-PROTECTED = frozenset({("deviations",), ("evidence", "files"), ("evidence", "checkpoints"), ("evidence", "version"),
-                       ("backend",)})
+PROTECTED = frozenset(
+    {("deviations",), ("evidence", "files"), ("evidence", "checkpoints"), ("evidence", "version"), ("backend",)}
+)
 
 
 class _Strict(BaseModel):

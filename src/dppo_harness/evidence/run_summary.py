@@ -37,17 +37,27 @@ def arm_line(arm: str, m: JsonMap, completed: bool) -> str:
     """One trained arm: steps, final reward, accuracy (or that it was not evaluated)."""
     steps = m.get("steps_completed")
     acc = m.get("accuracy")
-    parts = [f"{arm}: {_num(steps, '.0f')} steps{' (completed)' if completed else ''}",
-             f"final reward {_num(m.get('reward_mean_last'))}",
-             f"accuracy {_num(acc)}" + (f" (n={_num(m.get('eval_n'), '.0f')}, "
-                                         f"{_num(m.get('eval_invalid_outputs'), '.0f')} invalid)" if acc is not None else
-                                         " (not evaluated)")]
+    parts = [
+        f"{arm}: {_num(steps, '.0f')} steps{' (completed)' if completed else ''}",
+        f"final reward {_num(m.get('reward_mean_last'))}",
+        f"accuracy {_num(acc)}"
+        + (
+            f" (n={_num(m.get('eval_n'), '.0f')}, {_num(m.get('eval_invalid_outputs'), '.0f')} invalid)"
+            if acc is not None
+            else " (not evaluated)"
+        ),
+    ]
     return ", ".join(parts)
 
 
-def summary_lines(result: JsonMap, run_dir: Path, *, stage_failures: Mapping[str, str] | None = None,
-                  failure_messages: Mapping[str, str] | None = None,
-                  stage_order: Sequence[str] = ()) -> list[str]:
+def summary_lines(
+    result: JsonMap,
+    run_dir: Path,
+    *,
+    stage_failures: Mapping[str, str] | None = None,
+    failure_messages: Mapping[str, str] | None = None,
+    stage_order: Sequence[str] = (),
+) -> list[str]:
     """The block's lines (no title). `stage_failures`: stage -> first failing test id; `failure_messages`:
     stage -> that failure's one-line message."""
     failures = dict(stage_failures or {})
@@ -63,14 +73,19 @@ def summary_lines(result: JsonMap, run_dir: Path, *, stage_failures: Mapping[str
         lines.append(_stopped_line(failures, dict(failure_messages or {}), stage_order))
     elif result.get("capacity_block"):
         cb = obj(result["capacity_block"])
-        lines.append(f"stopped by service capacity after {cb.get('comparison_steps_completed')} comparison steps: "
-                     f"{cb.get('error')}")
+        lines.append(
+            f"stopped by service capacity after {cb.get('comparison_steps_completed')} comparison steps: "
+            f"{cb.get('error')}"
+        )
     elif status == "running":
         lines.append("the session ended before any stage closed the result (status still running)")
     lines.append(f"evidence: {run_dir}")
     names = {f.get("name") for f in objs(obj(result.get("evidence") or {}).get("files", []))}
-    lines.append(f"report:   {Path(run_dir) / 'files' / 'report.md'}" if "report.md" in names
-                 else "report:   none written (no stage reached its report)")
+    lines.append(
+        f"report:   {Path(run_dir) / 'files' / 'report.md'}"
+        if "report.md" in names
+        else "report:   none written (no stage reached its report)"
+    )
     metrics = obj(result.get("metrics") or {})
     arms = obj(metrics.get("arms") or {})
     completed = set(map(str, items(result.get("completed_arms") or [])))
@@ -79,14 +94,18 @@ def summary_lines(result: JsonMap, run_dir: Path, *, stage_failures: Mapping[str
         lines.append("  " + arm_line(arm, obj(arms[arm]), arm in completed))
     if BASE_ARM in arms:
         b = obj(arms[BASE_ARM])
-        lines.append(f"  base model: accuracy {_num(b.get('accuracy'))} (n={_num(b.get('eval_n'), '.0f')}, "
-                     f"{_num(b.get('eval_invalid_outputs'), '.0f')} invalid)")
+        lines.append(
+            f"  base model: accuracy {_num(b.get('accuracy'))} (n={_num(b.get('eval_n'), '.0f')}, "
+            f"{_num(b.get('eval_invalid_outputs'), '.0f')} invalid)"
+        )
     if not trained:
         if "diagnostic/updates_done" in metrics:
-            lines.append(f"  bounded diagnostic (dppo_seed0 trained, no outcome arms): "
-                         f"{_num(metrics['diagnostic/updates_done'], '.0f')} updates, mask fired "
-                         f"{'yes' if metrics.get('diagnostic/mask_fired') else 'no'}, active "
-                         f"{'yes' if metrics.get('diagnostic/active') else 'no'}")
+            lines.append(
+                f"  bounded diagnostic (dppo_seed0 trained, no outcome arms): "
+                f"{_num(metrics['diagnostic/updates_done'], '.0f')} updates, mask fired "
+                f"{'yes' if metrics.get('diagnostic/mask_fired') else 'no'}, active "
+                f"{'yes' if metrics.get('diagnostic/active') else 'no'}"
+            )
         else:
             lines.append("  no arm trained in this session")
     return lines

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 STAGE_TEST_FOLDERS = ("preflight", "gates", "diagnostic")
 
 
-def record_plan(bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapping[str, Any], *,
-                plan_name: str | None = None) -> None:
+def record_plan(
+    bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None
+) -> None:
     """Before any training call: the plan's exact bytes, the effective config, every deviation
     it declares (plan + backend), the hypothesis scope and generation_audit applicability.
 
@@ -62,9 +63,17 @@ def _split_test_files(root: Path, test_files: Sequence[str | Path]) -> tuple[lis
     return stage_files, other_files
 
 
-def start_session(bundle: EvidenceBundle, *, backend: BackendKind, plan: plans.Plan,
-                  stages: Sequence[str], project_root: Path, test_files: Sequence[str | Path] = (),
-                  served_model: str | None = None, size_reductions: Sequence[Mapping[str, str]] = ()) -> None:
+def start_session(
+    bundle: EvidenceBundle,
+    *,
+    backend: BackendKind,
+    plan: plans.Plan,
+    stages: Sequence[str],
+    project_root: Path,
+    test_files: Sequence[str | Path] = (),
+    served_model: str | None = None,
+    size_reductions: Sequence[Mapping[str, str]] = (),
+) -> None:
     """Everything that must be in evidence before any service call of the session.
 
     Backend block, code revision (+ patch), one hashed archive of all executed code
@@ -76,10 +85,14 @@ def start_session(bundle: EvidenceBundle, *, backend: BackendKind, plan: plans.P
     root = Path(project_root)
     bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)
     versions = sdk_versions()
-    bundle.set_backend(Backend(
-        kind=backend, requested_model=plan.planned_model,
-        served_model=served_model or "reported at client creation (see initialization_provenance)",
-        sdk_versions=versions))
+    bundle.set_backend(
+        Backend(
+            kind=backend,
+            requested_model=plan.planned_model,
+            served_model=served_model or "reported at client creation (see initialization_provenance)",
+            sdk_versions=versions,
+        )
+    )
     bundle.register_provenance(root, [])
     # All executed code (library incl. the embedded server, tests, plans) as one hashed archive.
     rev = bundle.dir / "files" / "code-revision.json"
@@ -93,17 +106,34 @@ def start_session(bundle: EvidenceBundle, *, backend: BackendKind, plan: plans.P
     executed = [*stage_files, *hooks, *other_files]
     if executed:
         stage_set = {*stage_files, *hooks}
-        bundle.register_json("test-files.json", "manifest", {
-            "archive": ARCHIVE_NAME,
-            "files": [{"path": str(f.relative_to(root.resolve())) if root.resolve() in f.parents else str(f),
-                       "stage_test": f in stage_set, "sha256": sha256_bytes(f.read_bytes()),
-                       "size": f.stat().st_size} for f in executed if f.is_file()]})
+        bundle.register_json(
+            "test-files.json",
+            "manifest",
+            {
+                "archive": ARCHIVE_NAME,
+                "files": [
+                    {
+                        "path": str(f.relative_to(root.resolve())) if root.resolve() in f.parents else str(f),
+                        "stage_test": f in stage_set,
+                        "sha256": sha256_bytes(f.read_bytes()),
+                        "size": f.stat().st_size,
+                    }
+                    for f in executed
+                    if f.is_file()
+                ],
+            },
+        )
     if backend == "local":
         served = served_model or "the embedded server's model (named at client creation)"
     else:
         served = served_model or plan.base_model
-    info = plans.BackendInfo(backend=backend, requested_model=plan.planned_model, served_model=served,
-                         sdk_versions=versions, size_reductions=tuple(size_reductions))
+    info = plans.BackendInfo(
+        backend=backend,
+        requested_model=plan.planned_model,
+        served_model=served,
+        sdk_versions=versions,
+        size_reductions=tuple(size_reductions),
+    )
     record_plan(bundle, plan, plans.effective_config(plan, info))
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
@@ -120,18 +150,22 @@ def start_session(bundle: EvidenceBundle, *, backend: BackendKind, plan: plans.P
     bundle.set_budget(budget["max_wall_minutes"] * 60.0, budget["gpu_hours"])
 
 
-def closing_fields(result: JsonMap, stages_selected: Sequence[str],
-                   failures: Mapping[str, str]) -> dict[str, Any] | None:
+def closing_fields(
+    result: JsonMap, stages_selected: Sequence[str], failures: Mapping[str, str]
+) -> dict[str, Any] | None:
     """The final fields no stage has set (status, verdict, reason, scope, summary); None if the
     result is already final."""
     if result["status"] != "running":
         return None
-    fields: dict[str, Any] = {"status": "failed" if failures else "succeeded",
-                              "verdict": result.get("verdict", "inconclusive")}
+    fields: dict[str, Any] = {
+        "status": "failed" if failures else "succeeded",
+        "verdict": result.get("verdict", "inconclusive"),
+    }
     if result["original_hypothesis_tested"] is None:
         fields["original_hypothesis_tested"] = False
-        fields["tested_instead"] = ("harness stages only (" + ", ".join(stages_selected)
-                                    + "); the accuracy comparison did not run")
+        fields["tested_instead"] = (
+            "harness stages only (" + ", ".join(stages_selected) + "); the accuracy comparison did not run"
+        )
     if "outcome_reason" not in result and fields["verdict"] == "inconclusive":
         fields["outcome_reason"] = "incomplete_execution"
     body = str(result["summary"]).removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip()

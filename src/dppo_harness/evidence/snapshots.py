@@ -32,8 +32,14 @@ def post_snapshot(bundle: EvidenceBundle, label: str, *, reserve: int = DEFAULT_
     ledger = bundle.ledger()
     log: list[dict[str, Any]] = list(ledger.get("snapshots", []))
     if len(bundle.files()) + 1 > MAX_FILES - reserve or bundle.free_slots() < 1:
-        log.append({"label": label, "name": None, "skipped": f"file limit: {len(bundle.files())} of {MAX_FILES} "
-                                                              f"files used, {reserve} kept for later evidence"})
+        log.append(
+            {
+                "label": label,
+                "name": None,
+                "skipped": f"file limit: {len(bundle.files())} of {MAX_FILES} "
+                f"files used, {reserve} kept for later evidence",
+            }
+        )
         bundle.note_ledger(snapshots=log)
         return None
     last = SNAPSHOT_RE.match(names[-1]) if names else None  # every name matches: snapshot_names filters by it

@@ -174,8 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = json.loads((target / RESULT_FILE).read_text())
     n = len(result["evidence"]["files"])
     if result.get("status") not in FINAL_STATUSES:
-        print(f"verify: INCOMPLETE, {n} registered file(s) match their sha256 and size in {target}, but its status is "
-              f"{result.get('status')!r}: the run was killed or is still running, so its result is not final")
+        print(
+            f"verify: INCOMPLETE, {n} registered file(s) match their sha256 and size in {target}, but its status is "
+            f"{result.get('status')!r}: the run was killed or is still running, so its result is not final"
+        )
         return INCOMPLETE_EXIT
     print(f"verify: OK, {n} registered file(s) match their sha256 and size in {target} (status {result['status']})")
     return 0

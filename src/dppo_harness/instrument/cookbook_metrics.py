@@ -45,12 +45,29 @@ if TYPE_CHECKING:
     from dppo_harness.instrument.instrumentation import LossCallRecord
 
 KL_KEYS = ("optim/kl_sample_train_v1", "optim/kl_sample_train_v2", "optim/entropy")
-ROW_KL_KEYS = {"optim/kl_sample_train_v1": "kl_sample_train_v1", "optim/kl_sample_train_v2": "kl_sample_train_v2",
-               "optim/entropy": "entropy"}
+ROW_KL_KEYS = {
+    "optim/kl_sample_train_v1": "kl_sample_train_v1",
+    "optim/kl_sample_train_v2": "kl_sample_train_v2",
+    "optim/entropy": "entropy",
+}
 METRICS_FILE = "metrics.jsonl"  # the name ml_log's JsonLogger writes
 # Step-row keys that are not metrics (or are logged under a cookbook name instead).
-_NOT_HARNESS = {"arm", "step", "loss", "sampler_checkpoint", "cookbook_env", "seconds", "sample_seconds", "max_tokens",
-                "rollout_seconds", "retries", "reward_mean", "format_rate", "correct_rate", *ROW_KL_KEYS.values()}
+_NOT_HARNESS = {
+    "arm",
+    "step",
+    "loss",
+    "sampler_checkpoint",
+    "cookbook_env",
+    "seconds",
+    "sample_seconds",
+    "max_tokens",
+    "rollout_seconds",
+    "retries",
+    "reward_mean",
+    "format_rate",
+    "correct_rate",
+    *ROW_KL_KEYS.values(),
+}
 
 
 # ---- values -------------------------------------------------------------------------------------
@@ -66,12 +83,18 @@ def kl_sample_train(records: Sequence[LossCallRecord]) -> dict[str, float]:
         for s, n in enumerate(lengths):
             sl = slice(int(starts[s]), int(starts[s]) + n)
             targets = [int(x) for x in t["target_tokens_N"][sl]]
-            data_D.append(tinker.Datum(
-                model_input=tinker.ModelInput.from_ints([int(t["first_token_S"][s]), *targets[:-1]]),
-                loss_fn_inputs={
-                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
-                    "logprobs": tinker.TensorData.from_numpy(np.asarray(t["sampler_logprobs_N"][sl], dtype=np.float32)),
-                    "mask": tinker.TensorData.from_numpy(np.asarray(t["mask_N"][sl], dtype=np.float32))}))
+            data_D.append(
+                tinker.Datum(
+                    model_input=tinker.ModelInput.from_ints([int(t["first_token_S"][s]), *targets[:-1]]),
+                    loss_fn_inputs={
+                        "target_tokens": tinker.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
+                        "logprobs": tinker.TensorData.from_numpy(
+                            np.asarray(t["sampler_logprobs_N"][sl], dtype=np.float32)
+                        ),
+                        "mask": tinker.TensorData.from_numpy(np.asarray(t["mask_N"][sl], dtype=np.float32)),
+                    },
+                )
+            )
             train_lp_D.append(torch.as_tensor(np.asarray(t["logprobs_N"][sl], dtype=np.float32)))
     if not any(float(d.loss_fn_inputs["mask"].to_torch().sum()) > 0 for d in data_D):
         return {}
@@ -88,8 +111,11 @@ def step_record(row: Mapping[str, Any], *, steps: int, learning_rate: float) -> 
     """One arm-step row (comparison.step_metrics) as a cookbook `metrics.jsonl` record (without `step`,
     which `log_metrics` adds)."""
     step = int(row["step"])
-    out: dict[str, float] = {"progress/batch": float(step), "progress/done_frac": (step + 1) / steps,
-                             "optim/lr": float(learning_rate)}
+    out: dict[str, float] = {
+        "progress/batch": float(step),
+        "progress/done_frac": (step + 1) / steps,
+        "optim/lr": float(learning_rate),
+    }
     out.update({k: float(v) for k, v in (row.get("cookbook_env") or {}).items()})
     out.update({k: float(row[r]) for k, r in ROW_KL_KEYS.items() if row.get(r) is not None})
     out["time/total"] = float(row["seconds"])
@@ -176,16 +202,28 @@ class ArmMetricsLog:
 
     def __post_init__(self) -> None:
         ml_log = load_ml_log(wandb=bool(self.wandb.project))
-        self.status = {"writer": "tinker_cookbook.utils.ml_log.JsonLogger", "wandb": {
-            "requested": bool(self.wandb.project), "source": self.wandb.source, "project": self.wandb.project,
-            "active_arms": [], "problems": []}}
+        self.status = {
+            "writer": "tinker_cookbook.utils.ml_log.JsonLogger",
+            "wandb": {
+                "requested": bool(self.wandb.project),
+                "source": self.wandb.source,
+                "project": self.wandb.project,
+                "active_arms": [],
+                "problems": [],
+            },
+        }
         for arm in self.arms:
             loggers = [ml_log.JsonLogger(str(Path(self.root) / arm))]
             if self.wandb.project:
                 try:
-                    loggers.append(ml_log.WandbLogger(project=self.wandb.project, config=dict(self.config, arm=arm),
-                                                      log_dir=str(Path(self.root) / arm),
-                                                      wandb_name=f"{self.run_name}-{arm}"))
+                    loggers.append(
+                        ml_log.WandbLogger(
+                            project=self.wandb.project,
+                            config=dict(self.config, arm=arm),
+                            log_dir=str(Path(self.root) / arm),
+                            wandb_name=f"{self.run_name}-{arm}",
+                        )
+                    )
                     self.status["wandb"]["active_arms"].append(arm)
                 except Exception as exc:  # never required: the JSON log goes on without it
                     self.status["wandb"]["problems"].append(f"{arm}: {type(exc).__name__}: {str(exc).splitlines()[0]}")

@@ -91,9 +91,7 @@ def signed_histograms(
         "neg": loss_token_N & (advantages_N < 0),
         "zero": loss_token_N & (advantages_N == 0),
     }
-    return {
-        s: np.bincount(idx[m], minlength=N_HIST_BINS).astype(int).tolist() for s, m in sel.items()
-    }
+    return {s: np.bincount(idx[m], minlength=N_HIST_BINS).astype(int).tolist() for s, m in sel.items()}
 
 
 def _quantiles(values: np.ndarray) -> dict[str, float]:
@@ -177,16 +175,38 @@ def decision_stats(
 
 # Statistics compared exactly by replay (counts) or to float tolerance (fractions and tails).
 COUNT_KEYS: tuple[str, ...] = (
-    "tokens/loss", "tokens/nonzero_adv", "tokens/pos_adv", "tokens/neg_adv", "tokens/zero_adv",
-    "dppo/removed", "dppo/removed_pos_adv", "dppo/removed_neg_adv", "dppo/mask_zero_adv",
-    "dppo/exceed_pos", "dppo/exceed_neg", "dppo/exceed_pos_on_pos_adv", "dppo/exceed_neg_on_neg_adv",
-    "dppo/ratio_cap_hits", "ppo/clipped", "ppo/clipped_pos_adv", "ppo/clipped_neg_adv",
+    "tokens/loss",
+    "tokens/nonzero_adv",
+    "tokens/pos_adv",
+    "tokens/neg_adv",
+    "tokens/zero_adv",
+    "dppo/removed",
+    "dppo/removed_pos_adv",
+    "dppo/removed_neg_adv",
+    "dppo/mask_zero_adv",
+    "dppo/exceed_pos",
+    "dppo/exceed_neg",
+    "dppo/exceed_pos_on_pos_adv",
+    "dppo/exceed_neg_on_neg_adv",
+    "dppo/ratio_cap_hits",
+    "ppo/clipped",
+    "ppo/clipped_pos_adv",
+    "ppo/clipped_neg_adv",
 )
 FLOAT_KEYS: tuple[str, ...] = (
-    "dppo/masked_frac_loss_tokens", "dppo/masked_frac_nonzero_adv", "ppo/clip_frac_loss_tokens",
-    "ppo/clip_frac_nonzero_adv", "drift/signed_p90", "drift/signed_p99", "drift/signed_max",
-    "drift/signed_min", "drift/abs_p90", "drift/abs_p99", "drift/abs_max",
-    "drift/max_on_pos_adv", "drift/min_on_neg_adv",
+    "dppo/masked_frac_loss_tokens",
+    "dppo/masked_frac_nonzero_adv",
+    "ppo/clip_frac_loss_tokens",
+    "ppo/clip_frac_nonzero_adv",
+    "drift/signed_p90",
+    "drift/signed_p99",
+    "drift/signed_max",
+    "drift/signed_min",
+    "drift/abs_p90",
+    "drift/abs_p99",
+    "drift/abs_max",
+    "drift/max_on_pos_adv",
+    "drift/min_on_neg_adv",
 )
 
 
@@ -265,15 +285,9 @@ def record_from_call(
     on the exact tensors of one loss call and build its record."""
 
     inputs = packed_inputs(data)
-    lp_N = (
-        torch.cat([lp.detach().reshape(-1) for lp in logprobs_list])
-        if len(logprobs_list)
-        else torch.zeros(0)
-    )
+    lp_N = torch.cat([lp.detach().reshape(-1) for lp in logprobs_list]) if len(logprobs_list) else torch.zeros(0)
     if lp_N.shape[0] != inputs["target_tokens_N"].shape[0]:
-        raise ValueError(
-            f"loss got {lp_N.shape[0]} logprobs for {inputs['target_tokens_N'].shape[0]} targets"
-        )
+        raise ValueError(f"loss got {lp_N.shape[0]} logprobs for {inputs['target_tokens_N'].shape[0]} targets")
     terms = losses.datum_token_terms(data, [lp.detach() for lp in logprobs_list], loss_cfg)
     decisions = {
         "dppo_keep_N": terms.dppo_keep_N.cpu().numpy().astype(bool),
@@ -301,8 +315,6 @@ def record_from_call(
         started_unix=time.time(),
         prob_diff_N=prob_diff_N,
     )
-
-
 
 
 class LossCallRecorder:
@@ -336,8 +348,14 @@ class LossCallRecorder:
 
 # Loss metric name -> recorder stat compared against it (counts exactly, fractions to 1e-9).
 LOSS_METRIC_CROSSCHECK: tuple[str, ...] = (
-    "tokens/loss", "tokens/nonzero_adv", "dppo/removed", "dppo/removed_pos_adv",
-    "dppo/removed_neg_adv", "dppo/exceed_pos", "dppo/exceed_neg", "dppo/ratio_cap_hits",
+    "tokens/loss",
+    "tokens/nonzero_adv",
+    "dppo/removed",
+    "dppo/removed_pos_adv",
+    "dppo/removed_neg_adv",
+    "dppo/exceed_pos",
+    "dppo/exceed_neg",
+    "dppo/ratio_cap_hits",
     "ppo/clipped",
 )
 
@@ -471,7 +489,10 @@ def sentinel_summary(
 
     by_sign: JsonObject = {}
     for name, sel in (("pos", adv > 0), ("neg", adv < 0)):
-        by_sign[name] = {"tokens": int(sel.sum()), "mean_p_minus_p_init": float(vs_init[sel].mean()) if sel.any() else None}
+        by_sign[name] = {
+            "tokens": int(sel.sum()),
+            "mean_p_minus_p_init": float(vs_init[sel].mean()) if sel.any() else None,
+        }
     return {
         "tokens": int(m.sum()),
         "p_minus_q": tails(vs_sampler),

@@ -26,8 +26,12 @@ RATIO_PARTS = {
     "ppo/clip_frac_loss_tokens": ("ppo/clipped", "tokens/loss"),
     "ppo/clip_frac_nonzero_adv": ("ppo/clipped", "tokens/nonzero_adv"),
 }
-POOLED_QUANTILES = {"drift/abs_p90": (True, 0.9), "drift/abs_p99": (True, 0.99),
-                    "drift/signed_p90": (False, 0.9), "drift/signed_p99": (False, 0.99)}
+POOLED_QUANTILES = {
+    "drift/abs_p90": (True, 0.9),
+    "drift/abs_p99": (True, 0.99),
+    "drift/signed_p90": (False, 0.9),
+    "drift/signed_p99": (False, 0.99),
+}
 
 
 def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> JsonObject:
@@ -38,7 +42,11 @@ def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.nd
         pooled[metric] = sums[num] / sums[den] if sums[den] else 0.0
     loss_d = [d[r.tensors["mask_N"] != 0] for r, d in zip(records, prob_diffs, strict=True)]
     d = np.concatenate(loss_d) if loss_d else np.zeros(0)
-    adv = np.concatenate([r.tensors["advantages_N"][r.tensors["mask_N"] != 0] for r in records]) if records else np.zeros(0)
+    adv = (
+        np.concatenate([r.tensors["advantages_N"][r.tensors["mask_N"] != 0] for r in records])
+        if records
+        else np.zeros(0)
+    )
     for metric, (absolute, q) in POOLED_QUANTILES.items():
         x = np.abs(d) if absolute else d
         pooled[metric] = float(np.quantile(x, q)) if x.size else None

@@ -61,8 +61,13 @@ class RecordCheck:
     recomputed: dict[str, Any] = field(default_factory=dict)
 
 
-def recompute(record: ins.LossCallRecord, normalization: str = "token_mean", delta: float = DPPO_DELTA,
-              cap: float = DPPO_RATIO_CAP, eps: float = PPO_EPS) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def recompute(
+    record: ins.LossCallRecord,
+    normalization: str = "token_mean",
+    delta: float = DPPO_DELTA,
+    cap: float = DPPO_RATIO_CAP,
+    eps: float = PPO_EPS,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Decisions (packed) and statistics of one record from the padded reference path."""
     t = record.tensors
     lengths = np.asarray(t["lengths_S"])
@@ -71,7 +76,9 @@ def recompute(record: ins.LossCallRecord, normalization: str = "token_mean", del
     adv = to_padded(t["advantages_N"].astype(np.float64), lengths)
     mask = to_padded(t["mask_N"].astype(np.float64), lengths)
     on = mask > 0
-    dppo = references.ref_dppo(lp, mu, adv, mask, normalization, delta=delta, cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX)
+    dppo = references.ref_dppo(
+        lp, mu, adv, mask, normalization, delta=delta, cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX
+    )
     ppo = references.ref_ppo(lp, mu, adv, mask, normalization, eps=eps)
     with np.errstate(over="ignore", invalid="ignore"):
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
@@ -84,8 +91,15 @@ def recompute(record: ins.LossCallRecord, normalization: str = "token_mean", del
         "prob_diff_N": from_padded(tv, lengths),
         "loss_token_N": from_padded(on, lengths).astype(bool),
     }
-    stats = ins.decision_stats(decisions["prob_diff_N"], t["advantages_N"].astype(np.float64), decisions["loss_token_N"],
-                               decisions["dppo_keep_N"], decisions["ppo_clipped_N"], decisions["ratio_cap_hit_N"], delta=delta)
+    stats = ins.decision_stats(
+        decisions["prob_diff_N"],
+        t["advantages_N"].astype(np.float64),
+        decisions["loss_token_N"],
+        decisions["dppo_keep_N"],
+        decisions["ppo_clipped_N"],
+        decisions["ratio_cap_hit_N"],
+        delta=delta,
+    )
     return decisions, stats
 
 
@@ -98,8 +112,13 @@ def _close(a: Any, b: Any) -> bool:
     return math.isclose(float(a), float(b), rel_tol=FLOAT_RTOL, abs_tol=FLOAT_ATOL)
 
 
-def check_record(record: ins.LossCallRecord, normalization: str = "token_mean", delta: float = DPPO_DELTA,
-                 cap: float = DPPO_RATIO_CAP, eps: float = PPO_EPS) -> RecordCheck:
+def check_record(
+    record: ins.LossCallRecord,
+    normalization: str = "token_mean",
+    delta: float = DPPO_DELTA,
+    cap: float = DPPO_RATIO_CAP,
+    eps: float = PPO_EPS,
+) -> RecordCheck:
     """Every logged decision and statistic of one loss call against the independent recompute."""
     where = f"update {record.context.get('update_index', record.call_index)}"
     check = RecordCheck(record.context.get("update_index", record.call_index))
@@ -109,7 +128,9 @@ def check_record(record: ins.LossCallRecord, normalization: str = "token_mean", 
     for name in ins.DECISION_FIELDS:
         logged = np.asarray(record.tensors[name]).astype(bool)
         if logged.shape != decisions[name].shape:
-            check.problems.append(f"{where}: {name} has {logged.shape[0]} entries, recompute {decisions[name].shape[0]}")
+            check.problems.append(
+                f"{where}: {name} has {logged.shape[0]} entries, recompute {decisions[name].shape[0]}"
+            )
             continue
         diff = logged != decisions[name]
         if name == "dppo_keep_N":
@@ -200,8 +221,9 @@ def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecor
     return problems
 
 
-def _pooled_problems(files_dir: Path, records: Sequence[ins.LossCallRecord], normalization: str, delta: float,
-                     cap: float, eps: float) -> tuple[list[str], JsonObject | None]:
+def _pooled_problems(
+    files_dir: Path, records: Sequence[ins.LossCallRecord], normalization: str, delta: float, cap: float, eps: float
+) -> tuple[list[str], JsonObject | None]:
     """The logged pooled second-epoch analysis against a pooled recompute from the padded path."""
     second = [r for r in records if r.context.get("epoch") == 2]
     if not second:
@@ -239,7 +261,9 @@ def replay_bundle(path: Path) -> ReplayReport:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dppo_harness.instrument.replay", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dppo_harness.instrument.replay", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("evidence_dir", type=Path, help="run directory (or evidence root with LATEST)")
     args = parser.parse_args(argv)
     if not args.evidence_dir.exists():
@@ -248,21 +272,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = replay_bundle(args.evidence_dir)
     for c in report.checks:
         s = c.recomputed
-        print(f"update {c.update_index}: loss tokens {s.get('tokens/loss')}, removed {s.get('dppo/removed')} "
-              f"(+{s.get('dppo/removed_pos_adv')}/-{s.get('dppo/removed_neg_adv')}), exceed +{s.get('dppo/exceed_pos')}"
-              f"/-{s.get('dppo/exceed_neg')}, cap hits {s.get('dppo/ratio_cap_hits')}, ppo clipped {s.get('ppo/clipped')}, "
-              f"|p-q| q90 {s.get('drift/abs_p90', float('nan')):.6g} -> {'OK' if not c.problems else 'MISMATCH'}"
-              + (f" ({c.ties} boundary ties)" if c.ties else ""))
+        print(
+            f"update {c.update_index}: loss tokens {s.get('tokens/loss')}, removed {s.get('dppo/removed')} "
+            f"(+{s.get('dppo/removed_pos_adv')}/-{s.get('dppo/removed_neg_adv')}), exceed +{s.get('dppo/exceed_pos')}"
+            f"/-{s.get('dppo/exceed_neg')}, cap hits {s.get('dppo/ratio_cap_hits')}, ppo clipped {s.get('ppo/clipped')}, "
+            f"|p-q| q90 {s.get('drift/abs_p90', float('nan')):.6g} -> {'OK' if not c.problems else 'MISMATCH'}"
+            + (f" ({c.ties} boundary ties)" if c.ties else "")
+        )
     if report.pooled:
         p = report.pooled
-        print(f"pooled second epoch: {p['calls']} calls, {p['tokens/loss']} loss tokens, masked fraction "
-              f"{p['dppo/masked_frac_loss_tokens']:.6g}, clip fraction {p['ppo/clip_frac_loss_tokens']:.6g}, "
-              f"|p-q| q90 {p['drift/abs_p90']:.6g}")
+        print(
+            f"pooled second epoch: {p['calls']} calls, {p['tokens/loss']} loss tokens, masked fraction "
+            f"{p['dppo/masked_frac_loss_tokens']:.6g}, clip fraction {p['ppo/clip_frac_loss_tokens']:.6g}, "
+            f"|p-q| q90 {p['drift/abs_p90']:.6g}"
+        )
     for prob in report.problems:
         print(f"FAIL {prob}")
     n_ok = sum(not c.problems for c in report.checks)
-    print(f"replay: {len(report.checks)} loss calls from {len(report.files)} files, {n_ok} matched, "
-          f"{len(report.problems)} problem(s)")
+    print(
+        f"replay: {len(report.checks)} loss calls from {len(report.files)} files, {n_ok} matched, "
+        f"{len(report.problems)} problem(s)"
+    )
     return 0 if report.ok else 1
 
 

@@ -31,5 +31,7 @@ def wandb_request(option: str | None, env: Mapping[str, str] | None = None) -> W
 def wandb_problem(request: WandbRequest) -> str | None:
     """Why an asked-for W&B cannot work here (one line), else None."""
     if request.project and importlib.util.find_spec("wandb") is None:
-        return f"{request.source} asks for W&B project {request.project!r}, but wandb is not installed (pip install wandb)"
+        return (
+            f"{request.source} asks for W&B project {request.project!r}, but wandb is not installed (pip install wandb)"
+        )
     return None

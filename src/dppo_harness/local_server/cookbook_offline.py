@@ -60,8 +60,10 @@ def offline_load_dataset(path: str, name: str | None = None, split: str | None =
     """Stand-in for `datasets.load_dataset` inside the cookbook's math env: GSM8K only."""
     if path == GSM8K_HUB_PATH and name in (GSM8K_HUB_CONFIG, None) and split is not None:
         return vendored_gsm8k(split)
-    raise OfflineDataError(f"offline cookbook: only {GSM8K_HUB_PATH} ({GSM8K_HUB_CONFIG}, train/test) is vendored; "
-                           f"the recipe asked for {path!r} name={name!r} split={split!r}")
+    raise OfflineDataError(
+        f"offline cookbook: only {GSM8K_HUB_PATH} ({GSM8K_HUB_CONFIG}, train/test) is vendored; "
+        f"the recipe asked for {path!r} name={name!r} split={split!r}"
+    )
 
 
 @contextlib.contextmanager

@@ -27,8 +27,16 @@ FOREVER = ("forever", "inf")
 ANY_KIND = "*"
 # Values of these headers are never recorded, whatever the whitelist says.
 SECRET_HEADERS = frozenset(
-    {"authorization", "x-api-key", "modal-secret", "modal-key", "cookie", "proxy-authorization",
-     "cf-access-client-secret", "cf-access-client-id"}
+    {
+        "authorization",
+        "x-api-key",
+        "modal-secret",
+        "modal-key",
+        "cookie",
+        "proxy-authorization",
+        "cf-access-client-secret",
+        "cf-access-client-id",
+    }
 )
 DEFAULT_VALUE_HEADERS = ("x-harness-probe",)
 
@@ -66,13 +74,29 @@ class CapacityFail:
 # `forward_backward.logprobs` is the loss output key every datum carries (protobuf).
 OPTIONAL_RESPONSE_FIELDS: dict[str, frozenset[str]] = {
     "load_weights": frozenset({"path", "model_id", "type"}),  # LoadWeightsResponse
-    "get_info": frozenset({"type", "model_data.arch", "model_data.model_name", "model_data.tokenizer_id",
-                           "optimizer_config", "is_lora", "lora_rank", "model_name"}),  # GetInfoResponse
+    "get_info": frozenset(
+        {
+            "type",
+            "model_data.arch",
+            "model_data.model_name",
+            "model_data.tokenizer_id",
+            "optimizer_config",
+            "is_lora",
+            "lora_rank",
+            "model_name",
+        }
+    ),  # GetInfoResponse
     "optim_step": frozenset({"metrics"}),  # OptimStepResponse
     "save_weights": frozenset({"type"}),  # SaveWeightsResponse (path is required)
     "save_weights_for_sampler": frozenset({"path", "sampling_session_id", "type"}),  # ...ResponseInternal
-    "get_server_capabilities": frozenset({"supported_models.model_name", "supported_models.max_context_length",
-                                          "supported_models.trainable", "supported_models.sampleable"}),
+    "get_server_capabilities": frozenset(
+        {
+            "supported_models.model_name",
+            "supported_models.max_context_length",
+            "supported_models.trainable",
+            "supported_models.sampleable",
+        }
+    ),
     "asample": frozenset({"logprobs"}),  # SampledSequence.logprobs
     "forward": frozenset({"logprobs", "metrics"}),  # LossFnOutput keys; ForwardBackwardOutput.metrics
     "forward_backward": frozenset({"logprobs", "metrics"}),
@@ -171,9 +195,19 @@ class FaultConfig:
 
     @property
     def active(self) -> bool:
-        return bool(self.reject_first or self.reject_prob or self.capacity_exhausted or self.capacity_fail
-                    or self.latency_ms or self.die_after is not None or self.queue_pause or self.never_complete
-                    or self.reject_for or self.omit_fields or self.sample_use_retrieve_futures)
+        return bool(
+            self.reject_first
+            or self.reject_prob
+            or self.capacity_exhausted
+            or self.capacity_fail
+            or self.latency_ms
+            or self.die_after is not None
+            or self.queue_pause
+            or self.never_complete
+            or self.reject_for
+            or self.omit_fields
+            or self.sample_use_retrieve_futures
+        )
 
 
 def _split(spec: str, option: str, parts: int) -> list[str]:
@@ -243,11 +277,14 @@ def parse_omit_field(spec: str) -> OmitField:
         raise FaultSpecError(f"{option}: expected KIND.FIELD[:N1,N2...], got {spec!r}")
     allowed = OPTIONAL_RESPONSE_FIELDS.get(kind)
     if allowed is None:
-        raise FaultSpecError(f"{option}: no optional response fields known for kind {kind!r}; "
-                             f"kinds: {sorted(OPTIONAL_RESPONSE_FIELDS)}")
+        raise FaultSpecError(
+            f"{option}: no optional response fields known for kind {kind!r}; kinds: {sorted(OPTIONAL_RESPONSE_FIELDS)}"
+        )
     if field_path not in allowed:
-        raise FaultSpecError(f"{option}: {field_path!r} is not an optional field of the SDK's {kind} response; "
-                             f"optional: {sorted(allowed)}")
+        raise FaultSpecError(
+            f"{option}: {field_path!r} is not an optional field of the SDK's {kind} response; "
+            f"optional: {sorted(allowed)}"
+        )
     return OmitField(kind, field_path, _numbers(numbers, option, "response") if numbers else None)
 
 
@@ -287,7 +324,9 @@ def _seconds(value: str, option: str, *, forever: bool) -> float:
     try:
         secs = float(value)
     except ValueError:
-        raise FaultSpecError(f"{option}: SECONDS must be a number{' or forever' if forever else ''}, got {value!r}") from None
+        raise FaultSpecError(
+            f"{option}: SECONDS must be a number{' or forever' if forever else ''}, got {value!r}"
+        ) from None
     if not secs >= 0 or secs == float("inf"):
         raise FaultSpecError(f"{option}: SECONDS must be >= 0, got {value!r}")
     return secs
@@ -384,8 +423,11 @@ class FaultInjector:
                     start = self._reject_since.setdefault(window.kind, time.monotonic())
                     if time.monotonic() - start < window.seconds:
                         self.injected[f"{kind}:{window.status}"] += 1
-                        return Decision(window.status, f"injected {window.status}: {kind} refused for "
-                                                       f"{window.seconds:g} s from the first request", latency)
+                        return Decision(
+                            window.status,
+                            f"injected {window.status}: {kind} refused for {window.seconds:g} s from the first request",
+                            latency,
+                        )
             for chance in cfg.reject_prob:
                 if chance.kind in (kind, ANY_KIND) and self._rng.random() < chance.prob:
                     self.injected[f"{kind}:{chance.status}"] += 1

@@ -99,8 +99,12 @@ def platform_sha256(threads: int = THREADS) -> str:
         logits = torch.randn(9, 4000, generator=g) * 3
         hs.add("log_softmax", torch.log_softmax(logits, dim=-1))
         q, kv = torch.randn(2, 4, 37, 32, generator=g), torch.randn(2, 2, 37, 32, generator=g)
-        hs.add("sdpa", torch.nn.functional.scaled_dot_product_attention(
-            q, kv.repeat_interleave(2, dim=1), kv.flip(-1).repeat_interleave(2, dim=1), is_causal=True))
+        hs.add(
+            "sdpa",
+            torch.nn.functional.scaled_dot_product_attention(
+                q, kv.repeat_interleave(2, dim=1), kv.flip(-1).repeat_interleave(2, dim=1), is_causal=True
+            ),
+        )
         layer = torch.nn.Linear(128, 384)
         with torch.no_grad():
             layer.weight.copy_(torch.randn(384, 128, generator=g) * 0.02)
@@ -157,10 +161,42 @@ def _probe(eng: Engine, prompts: list[list[int]], key: str) -> tuple[list[int], 
     batch below has rows that stop on a token id, rows that stop on a string and rows that run to
     max_tokens (random weights never emit <|im_end|>)."""
     net = eng._sampler_net(key)
-    a = eng._decode_batch(net, [_SampleJob(key=key, prompt=prompts[0], n=4, max_tokens=12, temperature=1.0, top_k=-1,
-                                           top_p=1.0, stop_ids=[], stop_strings=[], seed=11, want_prompt_lp=False)])[0]
-    b = eng._decode_batch(net, [_SampleJob(key=key, prompt=prompts[1], n=3, max_tokens=8, temperature=0.7, top_k=20,
-                                           top_p=1.0, stop_ids=[], stop_strings=[], seed=12, want_prompt_lp=False)])[0]
+    a = eng._decode_batch(
+        net,
+        [
+            _SampleJob(
+                key=key,
+                prompt=prompts[0],
+                n=4,
+                max_tokens=12,
+                temperature=1.0,
+                top_k=-1,
+                top_p=1.0,
+                stop_ids=[],
+                stop_strings=[],
+                seed=11,
+                want_prompt_lp=False,
+            )
+        ],
+    )[0]
+    b = eng._decode_batch(
+        net,
+        [
+            _SampleJob(
+                key=key,
+                prompt=prompts[1],
+                n=3,
+                max_tokens=8,
+                temperature=0.7,
+                top_k=20,
+                top_p=1.0,
+                stop_ids=[],
+                stop_strings=[],
+                seed=12,
+                want_prompt_lp=False,
+            )
+        ],
+    )[0]
     text = eng._decode_text([b[0].tokens[4]]) or eng._decode_text(b[0].tokens[4:6])
     return [a[0].tokens[3], a[1].tokens[9]], text
 
@@ -169,19 +205,69 @@ def _jobs(prompts: list[list[int]], key: str, stop_ids: list[int], stop_string: 
     """One batch: different prompt lengths, sample counts and sampling settings."""
     p0, p1, p2 = prompts
     return [
-        _SampleJob(key=key, prompt=p0, n=4, max_tokens=24, temperature=1.0, top_k=-1, top_p=1.0,
-                   stop_ids=[STOP_TOKEN_ID, *stop_ids], stop_strings=[], seed=11, want_prompt_lp=True),
-        _SampleJob(key=key, prompt=p1, n=3, max_tokens=16, temperature=0.7, top_k=20, top_p=1.0,
-                   stop_ids=[STOP_TOKEN_ID], stop_strings=[stop_string], seed=12, want_prompt_lp=False),
-        _SampleJob(key=key, prompt=p2, n=2, max_tokens=20, temperature=1.0, top_k=-1, top_p=0.9,
-                   stop_ids=[], stop_strings=[], seed=13, want_prompt_lp=True),
-        _SampleJob(key=key, prompt=p1[:12], n=2, max_tokens=8, temperature=0.0, top_k=-1, top_p=1.0,
-                   stop_ids=[STOP_TOKEN_ID], stop_strings=[], seed=14, want_prompt_lp=False),
+        _SampleJob(
+            key=key,
+            prompt=p0,
+            n=4,
+            max_tokens=24,
+            temperature=1.0,
+            top_k=-1,
+            top_p=1.0,
+            stop_ids=[STOP_TOKEN_ID, *stop_ids],
+            stop_strings=[],
+            seed=11,
+            want_prompt_lp=True,
+        ),
+        _SampleJob(
+            key=key,
+            prompt=p1,
+            n=3,
+            max_tokens=16,
+            temperature=0.7,
+            top_k=20,
+            top_p=1.0,
+            stop_ids=[STOP_TOKEN_ID],
+            stop_strings=[stop_string],
+            seed=12,
+            want_prompt_lp=False,
+        ),
+        _SampleJob(
+            key=key,
+            prompt=p2,
+            n=2,
+            max_tokens=20,
+            temperature=1.0,
+            top_k=-1,
+            top_p=0.9,
+            stop_ids=[],
+            stop_strings=[],
+            seed=13,
+            want_prompt_lp=True,
+        ),
+        _SampleJob(
+            key=key,
+            prompt=p1[:12],
+            n=2,
+            max_tokens=8,
+            temperature=0.0,
+            top_k=-1,
+            top_p=1.0,
+            stop_ids=[STOP_TOKEN_ID],
+            stop_strings=[],
+            seed=14,
+            want_prompt_lp=False,
+        ),
     ]
 
 
-def _add_samples(hs: _Hasher, hp: _Hasher, tag: str, jobs: list[_SampleJob], results: list[list[SampledSeq]],
-                 coverage: dict[str, int]) -> None:
+def _add_samples(
+    hs: _Hasher,
+    hp: _Hasher,
+    tag: str,
+    jobs: list[_SampleJob],
+    results: list[list[SampledSeq]],
+    coverage: dict[str, int],
+) -> None:
     for j, seqs in enumerate(results):
         for r, s in enumerate(seqs):
             how = "stop_string" if s.stop_reason == "stop" and s.tokens[-1] not in jobs[j].stop_ids else s.stop_reason
@@ -221,25 +307,58 @@ def run_script(eng: Engine, coverage: dict[str, int]) -> dict[str, str]:
         samp.add(f"{tag}/probe", [stop_ids, stop_string])
         jobs = _jobs(prompts, key, stop_ids, stop_string)
         _add_samples(samp, plp, tag, jobs, eng._decode_batch(eng._sampler_net(key), jobs), coverage)
-    queued = _SampleJob(key="base", prompt=prompts[2], n=3, max_tokens=12, temperature=1.0, top_k=-1, top_p=1.0,
-                        stop_ids=[STOP_TOKEN_ID], stop_strings=[], seed=21, want_prompt_lp=True)
-    out = eng.sample(BASE_MODEL, queued.prompt, queued.n, queued.max_tokens, queued.temperature, queued.top_k,
-                     queued.top_p, queued.stop_ids, queued.stop_strings, queued.seed, queued.want_prompt_lp)
+    queued = _SampleJob(
+        key="base",
+        prompt=prompts[2],
+        n=3,
+        max_tokens=12,
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        stop_ids=[STOP_TOKEN_ID],
+        stop_strings=[],
+        seed=21,
+        want_prompt_lp=True,
+    )
+    out = eng.sample(
+        BASE_MODEL,
+        queued.prompt,
+        queued.n,
+        queued.max_tokens,
+        queued.temperature,
+        queued.top_k,
+        queued.top_p,
+        queued.stop_ids,
+        queued.stop_strings,
+        queued.seed,
+        queued.want_prompt_lp,
+    )
     _add_samples(samp, plp, "queued", [queued], [out], coverage)
-    return {"training": train.hexdigest(), "optim": optim.hexdigest(), "sampling": samp.hexdigest(),
-            "prompt_logprobs": plp.hexdigest()}
+    return {
+        "training": train.hexdigest(),
+        "optim": optim.hexdigest(),
+        "sampling": samp.hexdigest(),
+        "prompt_logprobs": plp.hexdigest(),
+    }
 
 
 def preset_fingerprint(model_name: str, run_dir: Path, cache_dir: Path | None = None) -> Fingerprint:
-    eng = Engine(run_dir, model_name=model_name, seed=0, batch_window_s=0.0, num_threads=THREADS,
-                 cache_dir=cache_dir)
+    eng = Engine(run_dir, model_name=model_name, seed=0, batch_window_s=0.0, num_threads=THREADS, cache_dir=cache_dir)
     try:
         coverage: dict[str, int] = {}
         sections = run_script(eng, coverage)
     finally:
         eng.close()
-    return Fingerprint(model=model_name, base_sha256=eng.base_sha256, torch=torch.__version__, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                       threads=THREADS, platform_sha256=platform_sha256(), sections=sections, coverage=coverage)
+    return Fingerprint(
+        model=model_name,
+        base_sha256=eng.base_sha256,
+        torch=torch.__version__,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        threads=THREADS,
+        platform_sha256=platform_sha256(),
+        sections=sections,
+        coverage=coverage,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

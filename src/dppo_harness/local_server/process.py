@@ -48,6 +48,7 @@ class PendingResult(Protocol[T_co]):
 
     def result(self, timeout: float | None = None) -> T_co: ...
 
+
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
 LOG_NAME = "server.log"
@@ -125,8 +126,19 @@ class LocalServerProcess:
         self.run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="dppo-local-server-"))
         self.port = port
         self.startup_timeout = startup_timeout
-        self.cmd = [python, "-m", "dppo_harness.local_server", "--host", "127.0.0.1", "--port", str(port),
-                    "--run-dir", str(self.run_dir), "--exit-with-parent", str(os.getpid())]
+        self.cmd = [
+            python,
+            "-m",
+            "dppo_harness.local_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--run-dir",
+            str(self.run_dir),
+            "--exit-with-parent",
+            str(os.getpid()),
+        ]
         if model:
             self.cmd += ["--model", model]
         self.profile = profile
@@ -173,8 +185,15 @@ class LocalServerProcess:
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child, closed below
         try:
-            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                         env=self.env, text=True, bufsize=1)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                text=True,
+                bufsize=1,
+            )
         finally:
             log.close()
         _live.add(self)
@@ -288,8 +307,10 @@ class LocalServerProcess:
     def _describe(self, what: str) -> str:
         code = self.returncode
         status = f"exit code {code}" if code is not None else "still running"
-        return (f"local server (pid {self.pid}, {status}) {what}; command: {' '.join(self.cmd)}\n"
-                f"--- last lines of {self.log_path} ---\n{self.log_tail()}")
+        return (
+            f"local server (pid {self.pid}, {status}) {what}; command: {' '.join(self.cmd)}\n"
+            f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
+        )
 
     def check_alive(self) -> None:
         if not self.alive():
@@ -360,8 +381,13 @@ class InProcessServer:
     (`engine.get_parameter_grads(server.state.engine_model_id(training_client.model_id))`).
     """
 
-    def __init__(self, engine: Engine, faults: FaultConfig | None = None, sample_workers: int = 64,
-                 profile: Profile | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        faults: FaultConfig | None = None,
+        sample_workers: int = 64,
+        profile: Profile | None = None,
+    ) -> None:
         cfg = faults or FaultConfig()
         self.engine = engine
         self._cfg = cfg
@@ -410,10 +436,17 @@ class InProcessServer:
 
         from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, ServerState, build_app  # likewise
 
-        self.state = ServerState(self.engine, self._injector, self._headers, sample_workers=self._sample_workers,
-                                 profile=self._profile or Profile(), on_die=self._on_die)
-        self._runner = web.AppRunner(build_app(self.state), access_log=None, handle_signals=False,
-                                     shutdown_timeout=SHUTDOWN_GRACE_S)
+        self.state = ServerState(
+            self.engine,
+            self._injector,
+            self._headers,
+            sample_workers=self._sample_workers,
+            profile=self._profile or Profile(),
+            on_die=self._on_die,
+        )
+        self._runner = web.AppRunner(
+            build_app(self.state), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))

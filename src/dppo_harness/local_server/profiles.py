@@ -72,7 +72,8 @@ def make_profile(name: str, env: Mapping[str, str]) -> Profile:
         if not value:
             raise MissingCredential(
                 f"--profile spindle needs {var} in the server's environment (expected value of header {header}); "
-                f"it is unset")
+                f"it is unset"
+            )
         creds.append((header, value.encode("utf-8", "surrogateescape")))
     return Profile("spindle", tuple(creds))
 

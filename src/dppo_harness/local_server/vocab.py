@@ -101,8 +101,10 @@ def build_vocab_ids(data_dir: Path = DATA_DIR) -> list[int]:
         for row in read_jsonl(Path(data_dir) / f"{split}.jsonl"):
             ids.update(tok.encode(row["question"]))
             ids.update(tok.encode(row["answer"]))
-            msgs: list[Message] = [*prompt_messages(row["question"]),
-                                   {"role": "assistant", "content": solution_reply(row["answer"])}]
+            msgs: list[Message] = [
+                *prompt_messages(row["question"]),
+                {"role": "assistant", "content": solution_reply(row["answer"])},
+            ]
             ids.update(renderer.build_generation_prompt(msgs[:-1]).to_ints())
             ids.update(renderer.build_supervised_example(msgs)[0].to_ints())
     return sorted(int(i) for i in ids)
@@ -161,8 +163,13 @@ class VocabAsset(TypedDict):
 
 def asset_payload(ids: Sequence[int]) -> VocabAsset:
     vocab = Vocab(ids)
-    return {"tokenizer": TOKENIZER_NAME, "recipe": "dppo_harness.local_server.vocab.build_vocab_ids",
-            "size": vocab.size, "sha256": vocab.sha256, "real_ids": [int(i) for i in ids]}
+    return {
+        "tokenizer": TOKENIZER_NAME,
+        "recipe": "dppo_harness.local_server.vocab.build_vocab_ids",
+        "size": vocab.size,
+        "sha256": vocab.sha256,
+        "real_ids": [int(i) for i in ids],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

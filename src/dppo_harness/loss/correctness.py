@@ -108,8 +108,10 @@ def spec_tolerances(spec: JsonObject, path_id: str | None = None) -> dict[str, d
     if path_id is None:
         ids = spec_path_ids(spec)
         if len(ids) != 1:
-            raise ValueError(f"spec names {len(ids)} correctness_preflight paths {list(ids)}, not one "
-                             f"(implemented: {implemented_list()})")
+            raise ValueError(
+                f"spec names {len(ids)} correctness_preflight paths {list(ids)}, not one "
+                f"(implemented: {implemented_list()})"
+            )
         path_id = ids[0]
     for p in _paths(spec.get("correctness_preflight", spec)):
         if p.get("id") == path_id:
@@ -137,15 +139,22 @@ def _utilization(errors: ErrorMeasures, tol: Mapping[str, float]) -> float:
 def _worst(entries: list[ErrorMeasures], tol: Mapping[str, float]) -> ErrorMeasures:
     failing = [e for e in entries if not errors_pass(e, tol)[0]]
     pool = failing or entries
-    return max(pool, key=lambda e: (_utilization(e, tol), -(e["cosine_similarity"] if e["cosine_similarity"] is not None else -2.0)))
+    return max(
+        pool,
+        key=lambda e: (_utilization(e, tol), -(e["cosine_similarity"] if e["cosine_similarity"] is not None else -2.0)),
+    )
 
 
 def build_preflight_block(report: GoldenReport, spec: JsonObject | None = None) -> JsonObject:
     """The spec's ``correctness_preflight`` object, one path per id the spec names (each with its
     own tolerances); errors are the worst case over every case and mode."""
-    return {"required": True,
-            "paths": [_path_block(report, pid, spec_tolerances(spec, pid) if spec is not None else DEFAULT_TOLERANCES)
-                      for pid in spec_path_ids(spec)]}
+    return {
+        "required": True,
+        "paths": [
+            _path_block(report, pid, spec_tolerances(spec, pid) if spec is not None else DEFAULT_TOLERANCES)
+            for pid in spec_path_ids(spec)
+        ],
+    }
 
 
 def _path_block(report: GoldenReport, path_id: str, tol: Tolerances) -> JsonObject:
@@ -287,10 +296,14 @@ def _validate_lr_scaling(pid: JsonValue, lr: list[JsonValue], lr_tol: JsonValue)
         if not (isinstance(reason, str) and reason.strip()) or e.get("update_norm") is not None:
             msgs.append(f"FAIL {pid}: an unavailable lr_scaling entry needs a reason and update_norm null")
     if unavailable and isinstance(lr_tol, dict):
-        msgs.append(f"FAIL {pid}: lr_scaling unavailable ({unavailable[0].get('reason')}) but the spec sets a tolerance")
+        msgs.append(
+            f"FAIL {pid}: lr_scaling unavailable ({unavailable[0].get('reason')}) but the spec sets a tolerance"
+        )
     elif unavailable:
-        msgs.append(f"note {pid}: lr_scaling unavailable: {unavailable[0].get('reason')} (unverified; the spec "
-                    "sets no LR-scaling tolerance for this path)")
+        msgs.append(
+            f"note {pid}: lr_scaling unavailable: {unavailable[0].get('reason')} (unverified; the spec "
+            "sets no LR-scaling tolerance for this path)"
+        )
     lr = [e for e in lr if not (isinstance(e, dict) and e.get("available") is False)]
     for i, probe in enumerate(lr):
         good = isinstance(probe, dict) and all(_positive_finite(probe.get(k)) for k in ("learning_rate", "update_norm"))
@@ -355,12 +368,18 @@ def run_validator_cli(spec_bytes: bytes, preflight_block: JsonObject, timeout_s:
         spec_f.write_bytes(spec_bytes)
         pre_f.write_text(json.dumps(preflight_block, indent=1))
         cmd = [sys.executable, "-m", "dppo_harness.loss.correctness", "validate", str(spec_f), str(pre_f)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              env=without_credentials(os.environ))  # it reads two files: no credential
-    return {"kind": "correctness_validator", "command": "python -m dppo_harness.loss.correctness validate <spec> <preflight>",
-            "spec_sha256": hashlib.sha256(spec_bytes).hexdigest(),
-            "preflight_sha256": hashlib.sha256(json.dumps(preflight_block, indent=1).encode()).hexdigest(),
-            "exit_code": proc.returncode, "stdout": proc.stdout[-20000:], "stderr": proc.stderr[-4000:]}
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, env=without_credentials(os.environ)
+        )  # it reads two files: no credential
+    return {
+        "kind": "correctness_validator",
+        "command": "python -m dppo_harness.loss.correctness validate <spec> <preflight>",
+        "spec_sha256": hashlib.sha256(spec_bytes).hexdigest(),
+        "preflight_sha256": hashlib.sha256(json.dumps(preflight_block, indent=1).encode()).hexdigest(),
+        "exit_code": proc.returncode,
+        "stdout": proc.stdout[-20000:],
+        "stderr": proc.stderr[-4000:],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

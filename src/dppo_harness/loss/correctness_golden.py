@@ -85,8 +85,12 @@ def parity_errors(actual: npt.ArrayLike, reference: npt.ArrayLike) -> ErrorMeasu
 
 
 def measures_json(e: ErrorMeasures) -> JsonObject:
-    return {"max_abs_error": e["max_abs_error"], "reference_max_abs": e["reference_max_abs"],
-            "relative_l2_error": e["relative_l2_error"], "cosine_similarity": e["cosine_similarity"]}
+    return {
+        "max_abs_error": e["max_abs_error"],
+        "reference_max_abs": e["reference_max_abs"],
+        "relative_l2_error": e["relative_l2_error"],
+        "cosine_similarity": e["cosine_similarity"],
+    }
 
 
 def errors_pass(errors: Mapping[str, object], tol: Mapping[str, float]) -> tuple[bool, str]:
@@ -161,10 +165,15 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
         label = f"{name}/{c.get('name', '?')}"
         try:
             shape = tuple(int(x) for x in c["shape"])
-            lp, mu, adv, mask = (np.asarray(c[k], dtype=np.float64).reshape(shape)
-                                 for k in ("log_prob", "rollout_log_prob", "advantages", "response_mask"))
+            lp, mu, adv, mask = (
+                np.asarray(c[k], dtype=np.float64).reshape(shape)
+                for k in ("log_prob", "rollout_log_prob", "advantages", "response_mask")
+            )
             want = c[entry.golden.key]
-            want_loss, want_grad = float(want["loss"]), np.asarray(want["grad_log_prob"], dtype=np.float64).reshape(shape)
+            want_loss, want_grad = (
+                float(want["loss"]),
+                np.asarray(want["grad_log_prob"], dtype=np.float64).reshape(shape),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             failures.append(f"{label}: malformed golden case ({exc})")
             continue
@@ -214,8 +223,15 @@ class CaseResult:
             "case": self.case,
             "mode": self.mode,
             "passed": self.passed,
-            "subchecks": [{"name": s.name, "passed": s.passed, "detail": s.detail,
-                           "errors": {k: measures_json(e) for k, e in s.errors.items()}} for s in self.subchecks],
+            "subchecks": [
+                {
+                    "name": s.name,
+                    "passed": s.passed,
+                    "detail": s.detail,
+                    "errors": {k: measures_json(e) for k, e in s.errors.items()},
+                }
+                for s in self.subchecks
+            ],
         }
 
 
@@ -267,15 +283,47 @@ def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
     """The independent implementation must itself reproduce the golden file (exact masks)."""
     rd = ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT)
     fails = [] if np.array_equal(rd.decision_BT, case.dppo_mask_BT > 0) else ["mask differs"]
-    subs = [_loss_grad_check("ref_dppo_vs_golden", rd.loss, rd.grad_BT, case.dppo_loss, case.dppo_grad_BT, tol, "reference_loss", "reference_gradient", fails)]
+    subs = [
+        _loss_grad_check(
+            "ref_dppo_vs_golden",
+            rd.loss,
+            rd.grad_BT,
+            case.dppo_loss,
+            case.dppo_grad_BT,
+            tol,
+            "reference_loss",
+            "reference_gradient",
+            fails,
+        )
+    ]
     if case.grpo_loss is not None and case.grpo_grad_BT is not None:  # both or neither (the golden's GRPO entry)
-        rv = ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=LOG_RATIO_CLAMP_MAX, dual_clip_c=VERL_NO_DUAL_CLIP_C)
+        rv = ref_ppo(
+            case.lp_BT,
+            case.mu_BT,
+            case.adv_BT,
+            case.mask_BT,
+            "token_mean",
+            log_ratio_clamp=LOG_RATIO_CLAMP_MAX,
+            dual_clip_c=VERL_NO_DUAL_CLIP_C,
+        )
         fails = []
         if case.grpo_clipfrac is not None:
             n = token_count(case.mask_BT)
             if int(rv.decision_BT.sum()) != round(case.grpo_clipfrac * (n + 1e-8)):
                 fails.append("clip count differs")
-        subs.append(_loss_grad_check("ref_grpo_vs_golden", rv.loss, rv.grad_BT, case.grpo_loss, case.grpo_grad_BT, tol, "reference_loss", "reference_gradient", fails))
+        subs.append(
+            _loss_grad_check(
+                "ref_grpo_vs_golden",
+                rv.loss,
+                rv.grad_BT,
+                case.grpo_loss,
+                case.grpo_grad_BT,
+                tol,
+                "reference_loss",
+                "reference_gradient",
+                fails,
+            )
+        )
     return subs
 
 
@@ -293,7 +341,9 @@ def _dppo_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances
     if not np.array_equal(run.keep_BT, exp_mask):
         fails.append(f"mask differs on {int((run.keep_BT != exp_mask).sum())} tokens")
     fails += _metric_failures(run, case, exp_mask, flips == 0)
-    return _loss_grad_check("dppo", run.loss, run.grad_BT, exp_loss, exp_grad, tol, "reference_loss", "reference_gradient", fails, note)
+    return _loss_grad_check(
+        "dppo", run.loss, run.grad_BT, exp_loss, exp_grad, tol, "reference_loss", "reference_gradient", fails, note
+    )
 
 
 def _baseline_checks(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> list[SubCheck]:
@@ -307,14 +357,40 @@ def _baseline_checks(case: GoldenCase, packed: PackedCase, mode: str, tol: Toler
         fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
     if run.metrics.get("ppo/clipped") != float(rb.decision_BT.sum()):
         fails.append("ppo/clipped metric differs")
-    subs = [_loss_grad_check("grpo_baseline", run.loss, run.grad_BT, rb.loss, rb.grad_BT, tol, "baseline_loss", "baseline_gradient", fails, "vs tinker ppo formula")]
+    subs = [
+        _loss_grad_check(
+            "grpo_baseline",
+            run.loss,
+            run.grad_BT,
+            rb.loss,
+            rb.grad_BT,
+            tol,
+            "baseline_loss",
+            "baseline_gradient",
+            fails,
+            "vs tinker ppo formula",
+        )
+    ]
 
     run = run_packed(case, packed, "grpo", "token_mean", mode)
     rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean")
     fails = _common_failures(run)
     if not np.array_equal(run.clipped_BT, rb.decision_BT):
         fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
-    subs.append(_loss_grad_check("grpo_baseline_token_mean", run.loss, run.grad_BT, rb.loss, rb.grad_BT, tol, "baseline_loss", "baseline_gradient", fails, "vs tinker ppo formula / loss tokens"))
+    subs.append(
+        _loss_grad_check(
+            "grpo_baseline_token_mean",
+            run.loss,
+            run.grad_BT,
+            rb.loss,
+            rb.grad_BT,
+            tol,
+            "baseline_loss",
+            "baseline_gradient",
+            fails,
+            "vs tinker ppo formula / loss tokens",
+        )
+    )
     return subs
 
 
@@ -325,7 +401,11 @@ def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tol
         lr = np.where(on, case.lp_BT - case.mu_BT, 0.0)
         outside = on & ((np.abs(lr) > LOG_RATIO_CLAMP_MAX) | ((case.adv_BT < 0) & (np.exp(lr) > VERL_NO_DUAL_CLIP_C)))
     if outside.any():
-        return SubCheck("grpo_golden", True, f"n/a: {int(outside.sum())} tokens beyond verl's +-20 log-ratio clamp or c=1e4 dual clip, which Tinker ppo lacks; covered by ref_grpo_vs_golden + grpo_baseline")
+        return SubCheck(
+            "grpo_golden",
+            True,
+            f"n/a: {int(outside.sum())} tokens beyond verl's +-20 log-ratio clamp or c=1e4 dual clip, which Tinker ppo lacks; covered by ref_grpo_vs_golden + grpo_baseline",
+        )
     run = run_packed(case, packed, "grpo", "token_mean", mode)
     rv = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean")
     gold_clip = ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean").decision_BT
@@ -339,7 +419,18 @@ def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tol
         n = token_count(case.mask_BT)
         if run.metrics["ppo/clipped"] != round(case.grpo_clipfrac * (n + 1e-8)):
             fails.append("ppo/clipped differs from golden clipfrac")
-    return _loss_grad_check("grpo_golden", run.loss, run.grad_BT, exp_loss, exp_grad, tol, "reference_loss", "reference_gradient", fails, note)
+    return _loss_grad_check(
+        "grpo_golden",
+        run.loss,
+        run.grad_BT,
+        exp_loss,
+        exp_grad,
+        tol,
+        "reference_loss",
+        "reference_gradient",
+        fails,
+        note,
+    )
 
 
 def _common_failures(run: PackedRun) -> list[str]:
@@ -365,7 +456,9 @@ def _metric_failures(run: PackedRun, case: GoldenCase, exp_keep_BT: np.ndarray, 
     }
     fails = [f"{k}={run.metrics.get(k)} want {v}" for k, v in want.items() if run.metrics.get(k) != v]
     if vs_golden and case.dppo_removed is not None and run.metrics.get("dppo/removed") != float(case.dppo_removed):
-        fails.append(f"dppo/removed={run.metrics.get('dppo/removed')} vs golden n_invalid_tr_tokens={case.dppo_removed}")
+        fails.append(
+            f"dppo/removed={run.metrics.get('dppo/removed')} vs golden n_invalid_tr_tokens={case.dppo_removed}"
+        )
     return fails
 
 
@@ -393,8 +486,12 @@ class GoldenReport:
         }
 
 
-def check_golden(path: Path, modes: Sequence[str] = MODES, tolerances: Tolerances | None = None,
-                 progress: Callable[[str], None] | None = None) -> GoldenReport:
+def check_golden(
+    path: Path,
+    modes: Sequence[str] = MODES,
+    tolerances: Tolerances | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> GoldenReport:
     """Every golden case in every mode; `progress` gets a line at least every few seconds of work."""
     # the evidence package's __init__ loads the bundle stack (plans, service); only this runner ticks
     from dppo_harness.evidence.progress import Ticker, quiet

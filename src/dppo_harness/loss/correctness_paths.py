@@ -18,9 +18,13 @@ class ImplementedPath:
 
 
 IMPLEMENTED_PATHS: dict[str, ImplementedPath] = {
-    p.id: p for p in (
-        ImplementedPath("grpo_dppo_custom_loss", "loss",
-                        "both registered losses through forward_backward_custom against the pinned golden values"),
+    p.id: p
+    for p in (
+        ImplementedPath(
+            "grpo_dppo_custom_loss",
+            "loss",
+            "both registered losses through forward_backward_custom against the pinned golden values",
+        ),
     )
 }
 DEFAULT_PATH_ID = "grpo_dppo_custom_loss"  # the CLI's block when no spec is given

@@ -102,7 +102,9 @@ def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
     except (OSError, json.JSONDecodeError) as exc:
         raise GoldenError(f"cannot read golden file {path}: {exc}") from exc
     if not isinstance(raw, dict) or raw.get("schema") != GOLDEN_SCHEMA:
-        raise GoldenError(f"{path}: schema must be {GOLDEN_SCHEMA!r}, got {raw.get('schema') if isinstance(raw, dict) else type(raw).__name__!r}")
+        raise GoldenError(
+            f"{path}: schema must be {GOLDEN_SCHEMA!r}, got {raw.get('schema') if isinstance(raw, dict) else type(raw).__name__!r}"
+        )
     cases_raw = raw.get("cases")
     if not isinstance(cases_raw, list) or not cases_raw:
         raise GoldenError(f"{path}: 'cases' must be a non-empty list")
@@ -134,8 +136,12 @@ def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
                 dppo_grad_BT=_array(c, ["dppo", "grad_log_prob"], shp),
                 grpo_loss=_scalar(c, ["grpo_no_dual_clip", "loss"]) if grpo is not None else None,
                 grpo_grad_BT=_array(c, ["grpo_no_dual_clip", "grad_log_prob"], shp) if grpo is not None else None,
-                grpo_clipfrac=_scalar(c, ["grpo_no_dual_clip", "clipfrac"]) if grpo is not None and "clipfrac" in grpo else None,
-                dppo_removed=int(removed) if isinstance(removed, (int, float)) and not isinstance(removed, bool) else None,
+                grpo_clipfrac=_scalar(c, ["grpo_no_dual_clip", "clipfrac"])
+                if grpo is not None and "clipfrac" in grpo
+                else None,
+                dppo_removed=int(removed)
+                if isinstance(removed, (int, float)) and not isinstance(removed, bool)
+                else None,
             )
         )
     return raw, cases
@@ -267,4 +273,15 @@ def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: No
         used_mu_BT[b, :r_len] = used_mu[b][n_prompt:]
         used_adv_BT[b, :r_len] = used_adv[b][n_prompt:]
         offset += lp.shape[0]
-    return PackedRun(float(loss.detach()), grad_BT, keep_BT, clipped_BT, metrics, used_lp_BT, used_mu_BT, used_adv_BT, prompt_max, missing)
+    return PackedRun(
+        float(loss.detach()),
+        grad_BT,
+        keep_BT,
+        clipped_BT,
+        metrics,
+        used_lp_BT,
+        used_mu_BT,
+        used_adv_BT,
+        prompt_max,
+        missing,
+    )

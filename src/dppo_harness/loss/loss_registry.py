@@ -118,8 +118,9 @@ def gate_metric_sources() -> dict[str, str]:
     return out
 
 
-def _dppo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms,
-                     cfg: LossConfig) -> torch.Tensor:
+def _dppo_token_loss(
+    lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms, cfg: LossConfig
+) -> torch.Tensor:
     """DPPO Binary-TV: -A * w * keep * lp with the detached capped weight w = min(exp(min(lp - mu,
     20)), C); no lower clamp on the log-ratio (pinned rule)."""
     import torch  # plan loading imports the registry: torch only when a rule runs
@@ -131,8 +132,9 @@ def _dppo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor
     return -coef_N * lp_N
 
 
-def _grpo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms,
-                     cfg: LossConfig) -> torch.Tensor:
+def _grpo_token_loss(
+    lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms, cfg: LossConfig
+) -> torch.Tensor:
     """GRPO clipped ratio (Tinker's `ppo`): -min(r*A, clamp(r, 1-eps, 1+eps)*A), gradient through r."""
     import torch  # plan loading imports the registry: torch only when a rule runs
 
@@ -143,30 +145,40 @@ def _grpo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor
 
 _GOLDEN_FILE = "tests/fixtures/dppo_golden_v1.json"
 
-register_loss(LossEntry(
-    name=DPPO_LOSS,
-    summary="DPPO Binary-TV (arXiv 2602.04879, released-code variant): directional mask |p - q| > delta "
-            "against the sampler probability, detached weight min(r, C)",
-    token_loss=_dppo_token_loss,
-    params={"dppo_delta": DPPO_DELTA, "ratio_cap": DPPO_RATIO_CAP},
-    reference=references.ref_dppo,
-    golden=GoldenCases(_GOLDEN_FILE, "dppo", "token_mean"),
-    metric_names=DPPO_METRIC_NAMES,
-    gate_metrics={"dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens",
-                  "policy_drift_abs_p_q90": "drift/abs_p90"},
-    labels=("DPPO",),
-))
-register_loss(LossEntry(
-    name=GRPO_LOSS,
-    summary="GRPO clipped ratio, eps 0.2 (Tinker's built-in ppo formula, no dual clip), ratio against the sampler",
-    token_loss=_grpo_token_loss,
-    params={"ppo_eps": PPO_EPS},
-    reference=references.ref_ppo,
-    # The golden `grpo_no_dual_clip` entry is verl's vanilla loss: Tinker's ppo plus a +-20
-    # log-ratio clamp and a c=1e4 dual clip, which the reference reproduces with these options.
-    golden=GoldenCases(_GOLDEN_FILE, "grpo_no_dual_clip", "token_mean",
-                       {"log_ratio_clamp": LOG_RATIO_CLAMP_MAX, "dual_clip_c": 1e4}),
-    metric_names=PPO_METRIC_NAMES,
-    gate_metrics={"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"},
-    labels=("GRPO",),
-))
+register_loss(
+    LossEntry(
+        name=DPPO_LOSS,
+        summary="DPPO Binary-TV (arXiv 2602.04879, released-code variant): directional mask |p - q| > delta "
+        "against the sampler probability, detached weight min(r, C)",
+        token_loss=_dppo_token_loss,
+        params={"dppo_delta": DPPO_DELTA, "ratio_cap": DPPO_RATIO_CAP},
+        reference=references.ref_dppo,
+        golden=GoldenCases(_GOLDEN_FILE, "dppo", "token_mean"),
+        metric_names=DPPO_METRIC_NAMES,
+        gate_metrics={
+            "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens",
+            "policy_drift_abs_p_q90": "drift/abs_p90",
+        },
+        labels=("DPPO",),
+    )
+)
+register_loss(
+    LossEntry(
+        name=GRPO_LOSS,
+        summary="GRPO clipped ratio, eps 0.2 (Tinker's built-in ppo formula, no dual clip), ratio against the sampler",
+        token_loss=_grpo_token_loss,
+        params={"ppo_eps": PPO_EPS},
+        reference=references.ref_ppo,
+        # The golden `grpo_no_dual_clip` entry is verl's vanilla loss: Tinker's ppo plus a +-20
+        # log-ratio clamp and a c=1e4 dual clip, which the reference reproduces with these options.
+        golden=GoldenCases(
+            _GOLDEN_FILE,
+            "grpo_no_dual_clip",
+            "token_mean",
+            {"log_ratio_clamp": LOG_RATIO_CLAMP_MAX, "dual_clip_c": 1e4},
+        ),
+        metric_names=PPO_METRIC_NAMES,
+        gate_metrics={"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"},
+        labels=("GRPO",),
+    )
+)

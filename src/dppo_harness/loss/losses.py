@@ -63,8 +63,20 @@ SHARED_METRIC_NAMES = (
 )
 METRIC_NAMES = SHARED_METRIC_NAMES[:2] + DPPO_METRIC_NAMES + PPO_METRIC_NAMES + SHARED_METRIC_NAMES[2:]
 _CONFIG_PARAMS = ("ppo_eps", "dppo_delta", "ratio_cap")  # LossConfig fields an entry's params may pin
-__all__ = ["DPPO_LOSS", "GRPO_LOSS", "HARNESS_GATE_METRICS", "LOSSES", "GoldenCases", "LossEntry", "UnknownLossError",
-           "gate_metric_sources", "get_loss", "loss_names", "register_loss", "unregister_loss"]
+__all__ = [
+    "DPPO_LOSS",
+    "GRPO_LOSS",
+    "HARNESS_GATE_METRICS",
+    "LOSSES",
+    "GoldenCases",
+    "LossEntry",
+    "UnknownLossError",
+    "gate_metric_sources",
+    "get_loss",
+    "loss_names",
+    "register_loss",
+    "unregister_loss",
+]
 
 
 @dataclass(frozen=True)
@@ -87,9 +99,7 @@ class LossConfig:
     def __post_init__(self) -> None:
         get_loss(self.loss)  # UnknownLossError (a ValueError) naming the registered losses
         if self.normalization not in _NORMALIZATIONS:
-            raise ValueError(
-                f"LossConfig.normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}"
-            )
+            raise ValueError(f"LossConfig.normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}")
         for name in ("ppo_eps", "dppo_delta", "ratio_cap"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
@@ -149,9 +159,7 @@ def unpack_datums(
         length = arrays["mask"].shape[0]
         for k, arr in arrays.items():
             if arr.shape[0] != length:
-                raise ValueError(
-                    f"datum {i}: loss_fn_inputs[{k!r}] has length {arr.shape[0]}, mask has {length}"
-                )
+                raise ValueError(f"datum {i}: loss_fn_inputs[{k!r}] has length {arr.shape[0]}, mask has {length}")
             columns[k].append(arr.astype(np.float64, copy=False))
         lengths.append(length)
     if not lengths:
@@ -303,21 +311,28 @@ def normalization_declaration(mode: Normalization) -> dict[str, str]:
     """What `effective-config.json` and the reports declare about the loss normalization."""
     if mode not in _NORMALIZATIONS:
         raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {mode!r}")
-    ours = ("the summed token losses of one forward_backward_custom call (one minibatch) divided by the number "
-            "of loss tokens (mask 1) in that call, zero-advantage tokens included"
-            if mode == "token_mean" else
-            "the token losses of one forward_backward_custom call (one minibatch) summed over its loss tokens")
+    ours = (
+        "the summed token losses of one forward_backward_custom call (one minibatch) divided by the number "
+        "of loss tokens (mask 1) in that call, zero-advantage tokens included"
+        if mode == "token_mean"
+        else "the token losses of one forward_backward_custom call (one minibatch) summed over its loss tokens"
+    )
     return {
         "mode": mode,
         "definition": ours,
         "applies_to": "both arms' trained loss, the activation-gate pilot, the bounded diagnostic and the feasibility pilot",
-        "cookbook_ppo": ("tinker-cookbook rl/train.py trains with the service's built-in loss_fn ('ppo' or "
-                         "'importance_sampling'), whose per-token losses are summed over every loss token of the "
-                         "forward_backward call: no division by the token count"),
-        "difference": ("token_mean gradient = sum gradient / loss tokens of the minibatch; under AdamW a constant "
-                       "rescale changes updates only through eps, but minibatches with different token counts "
-                       "are weighted differently than under the sum" if mode == "token_mean" else
-                       "the same convention as the cookbook's ppo"),
+        "cookbook_ppo": (
+            "tinker-cookbook rl/train.py trains with the service's built-in loss_fn ('ppo' or "
+            "'importance_sampling'), whose per-token losses are summed over every loss token of the "
+            "forward_backward call: no division by the token count"
+        ),
+        "difference": (
+            "token_mean gradient = sum gradient / loss tokens of the minibatch; under AdamW a constant "
+            "rescale changes updates only through eps, but minibatches with different token counts "
+            "are weighted differently than under the sum"
+            if mode == "token_mean"
+            else "the same convention as the cookbook's ppo"
+        ),
     }
 
 
@@ -332,18 +347,24 @@ def packed_loss_and_metrics(
     return packed_loss(logprobs_N, sampler_logprobs_N, terms, cfg), loss_metrics(terms, cfg)
 
 
-def _concat_logprobs(data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+def _concat_logprobs(
+    data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor], lengths: list[int]
+) -> torch.Tensor:
     if len(logprobs_list) != len(data):
         raise ValueError(f"got {len(logprobs_list)} logprob tensors for {len(data)} datums")
     for i, (lp, length) in enumerate(zip(logprobs_list, lengths)):
         if lp.ndim != 1 or lp.shape[0] != length:
-            raise ValueError(f"datum {i}: logprobs tensor has shape {tuple(lp.shape)}, loss inputs have length {length}")
+            raise ValueError(
+                f"datum {i}: logprobs tensor has shape {tuple(lp.shape)}, loss inputs have length {length}"
+            )
     if not logprobs_list:
         return torch.zeros(0, dtype=torch.float64)
     return torch.cat([lp.to(torch.float64) for lp in logprobs_list])
 
 
-def datum_token_terms(data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor], cfg: LossConfig) -> TokenTerms:
+def datum_token_terms(
+    data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor], cfg: LossConfig
+) -> TokenTerms:
     """Per-token terms for a list of datums and their current logprobs (instrumentation entry)."""
     sampler_N, adv_N, mask_N, lengths = unpack_datums(data)
     logprobs_N = _concat_logprobs(data, logprobs_list, lengths).detach()
@@ -361,8 +382,9 @@ class PackedLoss:
 
     loss_config: LossConfig
 
-    def __call__(self, data: Sequence[tinker.Datum],
-                 logprobs_list: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(
+        self, data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         sampler_N, adv_N, mask_N, lengths = unpack_datums(data)
         logprobs_N = _concat_logprobs(data, logprobs_list, lengths)
         loss, metrics = packed_loss_and_metrics(logprobs_N, sampler_N, adv_N, mask_N, self.loss_config)

@@ -48,13 +48,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("spec", type=Path)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"rollout steps per arm (default {DEFAULT_STEPS})")
-    r.add_argument("--groups", type=int, default=None,
-                   help=f"groups per rollout batch (default: {DEFAULT_ROLLOUTS} rollouts per batch)")
-    r.add_argument("--eval-items", type=int, default=DEFAULT_EVAL_ITEMS,
-                   help=f"test items scored per model (default {DEFAULT_EVAL_ITEMS})")
+    r.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help=f"groups per rollout batch (default: {DEFAULT_ROLLOUTS} rollouts per batch)",
+    )
+    r.add_argument(
+        "--eval-items",
+        type=int,
+        default=DEFAULT_EVAL_ITEMS,
+        help=f"test items scored per model (default {DEFAULT_EVAL_ITEMS})",
+    )
     lr = r.add_mutually_exclusive_group()
-    lr.add_argument("--lr", type=float, default=STAND_IN_LR,
-                    help=f"learning rate of every arm (default {STAND_IN_LR}, measured on the stand-in)")
+    lr.add_argument(
+        "--lr",
+        type=float,
+        default=STAND_IN_LR,
+        help=f"learning rate of every arm (default {STAND_IN_LR}, measured on the stand-in)",
+    )
     lr.add_argument("--spec-lr", action="store_true", help="keep the spec's learning rates")
     r.add_argument("--lr-reason", default=None, help="why that lr (recorded as the difference's reason)")
     r.add_argument("--stand-in", default=STAND_IN, help=f"the model that computes (default {STAND_IN})")
@@ -75,8 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--out: {args.out} exists (pass --force to overwrite)", file=sys.stderr)
         return 1
     try:
-        size = RehearsalSize(args.steps, args.groups, args.eval_items, None if args.spec_lr else args.lr,
-                             args.lr_reason, args.stand_in)
+        size = RehearsalSize(
+            args.steps, args.groups, args.eval_items, None if args.spec_lr else args.lr, args.lr_reason, args.stand_in
+        )
         data = make_rehearsal(args.spec, args.out, size)
     except PlanError as exc:
         print(str(exc), file=sys.stderr)

@@ -23,8 +23,15 @@ def unauthorized_stages(launch: Launch | None, stages: Sequence[str]) -> list[st
     return [s for s in stages if s in AUTHORIZABLE_STAGES and s not in allowed]
 
 
-def refusal(plan_name: str, launch: Launch | None, stages: Sequence[str], *, embedded: bool,
-            service: str, stated_in: str | None = None) -> str | None:
+def refusal(
+    plan_name: str,
+    launch: Launch | None,
+    stages: Sequence[str],
+    *,
+    embedded: bool,
+    service: str,
+    stated_in: str | None = None,
+) -> str | None:
     """The one-line refusal for running `stages` under this launch, or None when allowed.
     `stated_in`: the resolution file the launch comes from, when the plan (a verbatim spec) holds none."""
     if embedded:
@@ -37,14 +44,19 @@ def refusal(plan_name: str, launch: Launch | None, stages: Sequence[str], *, emb
         has = f"plan {plan_name} carries no launch block"
     else:
         where = f" (stated in {stated_in})" if stated_in else ""
-        has = (f"plan {plan_name}'s launch{where} authorizes {', '.join(launch.authorized_stages) or 'no training stage'} "
-               f"({launch.scope})")
-    return (f"launch scope: stage {what} is not authorized on {service} (not the embedded server): {has}; a plan "
-            f"whose launch.authorized_stages lists {what} would authorize it")
+        has = (
+            f"plan {plan_name}'s launch{where} authorizes {', '.join(launch.authorized_stages) or 'no training stage'} "
+            f"({launch.scope})"
+        )
+    return (
+        f"launch scope: stage {what} is not authorized on {service} (not the embedded server): {has}; a plan "
+        f"whose launch.authorized_stages lists {what} would authorize it"
+    )
 
 
-def undecided_refusal(plan_name: str, launch: Launch | None, stages: Sequence[str], *, service: str,
-                      seen: str) -> str | None:
+def undecided_refusal(
+    plan_name: str, launch: Launch | None, stages: Sequence[str], *, service: str, seen: str
+) -> str | None:
     """The one-line refusal when the stages need this launch's authorization unless `service` is the
     embedded server, and the check could not tell (`seen`: what the connectivity preflight saw).
     None when nothing selected needs authorization."""
@@ -52,6 +64,8 @@ def undecided_refusal(plan_name: str, launch: Launch | None, stages: Sequence[st
     if not denied:
         return None
     what = ", ".join(denied)
-    return (f"launch scope: stage {what} is authorized only on the embedded server by plan {plan_name}, and whether "
-            f"{service} is that server could not be told ({seen}); run again when the service answers, or with a plan "
-            f"whose launch.authorized_stages lists {what}")
+    return (
+        f"launch scope: stage {what} is authorized only on the embedded server by plan {plan_name}, and whether "
+        f"{service} is that server could not be told ({seen}); run again when the service answers, or with a plan "
+        f"whose launch.authorized_stages lists {what}"
+    )

@@ -30,15 +30,19 @@ def check_correctness_paths(spec: ExperimentSpec) -> tuple[str, ...]:
     gives it, each named once, at least one when the preflight is required; else PlanError."""
     block = spec.correctness_preflight
     if block.required and not block.paths:
-        raise PlanError(f"correctness_preflight.paths: the spec requires a correctness preflight but names no path "
-                        f"(implemented: {implemented_list()})")
+        raise PlanError(
+            f"correctness_preflight.paths: the spec requires a correctness preflight but names no path "
+            f"(implemented: {implemented_list()})"
+        )
     seen: set[str] = set()
     for i, path in enumerate(block.paths):
         at = f"correctness_preflight.paths[{i}]"
         known = IMPLEMENTED_PATHS.get(path.id)
         if known is None:
-            raise PlanError(f"{at}.id: {path.id!r} is not a correctness path this harness implements "
-                            f"(implemented: {implemented_list()})")
+            raise PlanError(
+                f"{at}.id: {path.id!r} is not a correctness path this harness implements "
+                f"(implemented: {implemented_list()})"
+            )
         if path.kind != known.kind:
             raise PlanError(f"{at}.kind: {path.kind!r}, but the harness's path {path.id!r} is of kind {known.kind!r}")
         if path.id in seen:
@@ -49,6 +53,7 @@ def check_correctness_paths(spec: ExperimentSpec) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------
 # Loss parameters stated in the text
+
 
 # A number's place: a token that starts with a digit (a symbol such as "eps" in "1-eps" is not a
 # statement); the whole token goes to the prose number reader, which refuses what it cannot read.
@@ -66,8 +71,10 @@ _FORMS: dict[str, tuple[re.Pattern[str], ...]] = {
         re.compile(_CLIP + _n("lo", True) + r"\s*,\s*" + _n("hi", True) + r"\s*\)"),
     ),
     "dppo_delta": (re.compile(r"(?i)(?<![\w-])(?:delta|δ)" + _IS + _n("a")),),
-    "ratio_cap": (re.compile(r"(?i)\bratio[- ]cap(?:\s+C)?" + _IS + _n("a")),
-                  re.compile(r"(?<![\w-])C\s*=\s*" + _n("a"))),
+    "ratio_cap": (
+        re.compile(r"(?i)\bratio[- ]cap(?:\s+C)?" + _IS + _n("a")),
+        re.compile(r"(?<![\w-])C\s*=\s*" + _n("a")),
+    ),
 }
 _WHAT = {"ppo_eps": "the GRPO clip eps", "dppo_delta": "the DPPO mask delta", "ratio_cap": "the DPPO ratio cap"}
 _FORM = {"ppo_eps": "eps=0.2 or clip(r, 1-0.2, 1+0.2)", "dppo_delta": "delta = 0.15", "ratio_cap": "ratio cap C = 10"}
@@ -102,8 +109,9 @@ def _number(token: str, at: str, key: str, sentence: str) -> Decimal:
             raise ValueError(token)
         return Decimal(repr(read_number(token, False)))
     except ValueError:
-        raise PlanError(f"{at}: cannot read {_WHAT[key]} {token!r} in {sentence!r} (a form the reader reads: "
-                        f"{_FORM[key]})") from None
+        raise PlanError(
+            f"{at}: cannot read {_WHAT[key]} {token!r} in {sentence!r} (a form the reader reads: {_FORM[key]})"
+        ) from None
 
 
 def _value(key: str, m: re.Match[str], at: str, sentence: str) -> float:
@@ -115,8 +123,10 @@ def _value(key: str, m: re.Match[str], at: str, sentence: str) -> float:
         a = _number(groups["a"], at, key, sentence)
         b = _number(groups["b"], at, key, sentence) if groups.get("b") else a
     if a != b:
-        raise PlanError(f"{at}: the clip {m.group(0)!r} is not symmetric ({a} below, {b} above) in {sentence!r}; "
-                        f"the registered GRPO clip is symmetric (a form the reader reads: {_FORM[key]})")
+        raise PlanError(
+            f"{at}: the clip {m.group(0)!r} is not symmetric ({a} below, {b} above) in {sentence!r}; "
+            f"the registered GRPO clip is symmetric (a form the reader reads: {_FORM[key]})"
+        )
     return float(a)
 
 
@@ -137,7 +147,8 @@ def stated_loss_params(spec: ExperimentSpec) -> dict[str, list[LossParamStatemen
                             continue
                         taken.append(m.span())
                         out.setdefault(key, []).append(
-                            LossParamStatement(key, _value(key, m, at, sentence), at, sentence))
+                            LossParamStatement(key, _value(key, m, at, sentence), at, sentence)
+                        )
     return out
 
 
@@ -147,14 +158,21 @@ def check_loss_params(spec: ExperimentSpec) -> dict[str, list[LossParamStatement
     registered value. A parameter no arm's loss uses is refused too."""
     stated = stated_loss_params(spec)
     for key, statements in stated.items():
-        registered = {a.loss: float(loss_registry.get_loss(a.loss).params[key]) for a in spec.arms
-                      if key in loss_registry.get_loss(a.loss).params}
+        registered = {
+            a.loss: float(loss_registry.get_loss(a.loss).params[key])
+            for a in spec.arms
+            if key in loss_registry.get_loss(a.loss).params
+        }
         for s in statements:
             if not registered:
-                raise PlanError(f"{s.field}: states {_WHAT[key]} {s.value:g} ({s.source!r}), but no arm trains a "
-                                f"loss with it (arms' losses: {', '.join(sorted({a.loss for a in spec.arms}))})")
+                raise PlanError(
+                    f"{s.field}: states {_WHAT[key]} {s.value:g} ({s.source!r}), but no arm trains a "
+                    f"loss with it (arms' losses: {', '.join(sorted({a.loss for a in spec.arms}))})"
+                )
             for loss, value in registered.items():
                 if not math.isclose(s.value, value, rel_tol=1e-12):
-                    raise PlanError(f"{s.field}: states {_WHAT[key]} {s.value:g} ({s.source!r}), but the registered "
-                                    f"loss {loss} uses {value:g}")
+                    raise PlanError(
+                        f"{s.field}: states {_WHAT[key]} {s.value:g} ({s.source!r}), but the registered "
+                        f"loss {loss} uses {value:g}"
+                    )
     return stated

@@ -370,8 +370,9 @@ class DiagnosticSchedule(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> DiagnosticSchedule:
         if self.minibatches_per_epoch * self.groups_per_minibatch != self.groups_per_batch:
-            raise rule_error("groups_per_minibatch",
-                             "minibatches_per_epoch x groups_per_minibatch must equal groups_per_batch")
+            raise rule_error(
+                "groups_per_minibatch", "minibatches_per_epoch x groups_per_minibatch must equal groups_per_batch"
+            )
         if self.max_optimizer_updates > self.epochs * self.minibatches_per_epoch:
             raise rule_error("max_optimizer_updates", "exceeds epochs x minibatches_per_epoch")
         return self
@@ -499,15 +500,22 @@ class BoundedDiagnostic(_Model):
         if self.service_work is not None:
             diag = [i for i in self.service_work.items if i.stage == "diagnostic"]
             if sum(i.optimizer_updates for i in diag) != self.schedule.max_optimizer_updates:
-                raise rule_error("service_work.items", "the diagnostic's optimizer_updates must equal "
-                                 "schedule.max_optimizer_updates")
+                raise rule_error(
+                    "service_work.items", "the diagnostic's optimizer_updates must equal schedule.max_optimizer_updates"
+                )
             if sum(i.sampling_batches for i in diag) != self.schedule.sampling_batches:
-                raise rule_error("service_work.items", "the diagnostic's sampling_batches must equal schedule.sampling_batches")
+                raise rule_error(
+                    "service_work.items", "the diagnostic's sampling_batches must equal schedule.sampling_batches"
+                )
         if self.original_hypothesis_tested is False and not self.tested_instead.strip():
-            raise rule_error("tested_instead", "must describe the claim tested when original_hypothesis_tested is false")
+            raise rule_error(
+                "tested_instead", "must describe the claim tested when original_hypothesis_tested is false"
+            )
         cap = self.schedule.max_optimizer_updates
         if any(u > cap for u in self.recording.sentinels.after_updates):
-            raise rule_error("recording.sentinels.after_updates", f"an update index exceeds max_optimizer_updates {cap}")
+            raise rule_error(
+                "recording.sentinels.after_updates", f"an update index exceeds max_optimizer_updates {cap}"
+            )
         return self
 
 
@@ -554,7 +562,9 @@ class RehearsalPlan(_Model):
 
 PlanModel = ExperimentSpec | BoundedDiagnostic | RehearsalPlan
 MODELS: dict[PlanKind, type[PlanModel]] = {
-    "experiment_spec": ExperimentSpec, "bounded_diagnostic": BoundedDiagnostic, "rehearsal": RehearsalPlan,
+    "experiment_spec": ExperimentSpec,
+    "bounded_diagnostic": BoundedDiagnostic,
+    "rehearsal": RehearsalPlan,
 }
 
 
@@ -565,8 +575,10 @@ def detect_kind(raw: JsonValue) -> PlanKind:
         kind = raw["kind"]
         if kind == "bounded_diagnostic" or kind == "rehearsal":
             return "bounded_diagnostic" if kind == "bounded_diagnostic" else "rehearsal"
-        raise _fail("kind", "expected one of ['bounded_diagnostic', 'rehearsal'] "
-                            f"(a saved experiment spec has no kind), got {kind!r}")
+        raise _fail(
+            "kind",
+            f"expected one of ['bounded_diagnostic', 'rehearsal'] (a saved experiment spec has no kind), got {kind!r}",
+        )
     return "experiment_spec"
 
 
@@ -595,5 +607,3 @@ def decode(data: bytes, path: Path | None = None) -> JsonValue:
 
 def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"non-finite number {name} is not allowed")
-
-

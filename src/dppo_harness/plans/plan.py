@@ -220,8 +220,16 @@ def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None 
             run = _run_config(model, "", path, resolution)
     except PlanError as exc:
         raise PlanError(f"{where}{exc}") from None
-    plan = Plan(raw=raw, sha256=hashlib.sha256(data).hexdigest(), kind=kind, path=path, data=data, model=model, run=run,
-                resolution=resolution)
+    plan = Plan(
+        raw=raw,
+        sha256=hashlib.sha256(data).hexdigest(),
+        kind=kind,
+        path=path,
+        data=data,
+        model=model,
+        run=run,
+        resolution=resolution,
+    )
     if isinstance(model, BoundedDiagnostic):
         try:
             _check_diagnostic(plan, resolve_original=path is not None)
@@ -244,12 +252,16 @@ def _check_diagnostic(plan: Plan, *, resolve_original: bool) -> None:
     assert original.run is not None
     names = [a.name for a in original.run.arms]
     if fs.treatment.arm not in names:
-        raise PlanError(f"fixed_settings.treatment.arm: {fs.treatment.arm!r} is not an arm of the original plan "
-                        f"{plan.diagnostic.original_plan.file} ({names})")
+        raise PlanError(
+            f"fixed_settings.treatment.arm: {fs.treatment.arm!r} is not an arm of the original plan "
+            f"{plan.diagnostic.original_plan.file} ({names})"
+        )
     loss = original.run.arm(fs.treatment.arm).loss
     if loss != losses.DPPO_LOSS:
-        raise PlanError(f"fixed_settings.treatment.arm: {fs.treatment.arm!r} trains {loss!r} in the original plan, "
-                        f"not the DPPO Binary-TV loss ({losses.DPPO_LOSS}) a bounded diagnostic measures")
+        raise PlanError(
+            f"fixed_settings.treatment.arm: {fs.treatment.arm!r} trains {loss!r} in the original plan, "
+            f"not the DPPO Binary-TV loss ({losses.DPPO_LOSS}) a bounded diagnostic measures"
+        )
 
 
 def load_plan(path: str | Path, *, repo_root: Path | None = None) -> Plan:
@@ -313,20 +325,26 @@ def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
     """Deviations that come from where the plan runs, not from the plan itself."""
     out: list[dict[str, str]] = []
     if info.backend == "local":
-        out.append({
-            "field": "model",
-            "original": plan.planned_model,
-            "effective": f"{info.served_model} (embedded local CPU server on loopback, answering to the name {plan.base_model})",
-            # what the run chose (the harness does not test whether a service is reachable)
-            "reason": "the local backend was selected (--backend local, or TINKER_BASE_URL unset): the embedded CPU "
-                      "server's stand-in computes; this run is a local rehearsal of the harness, not a measurement "
-                      "of the planned model",
-        })
+        out.append(
+            {
+                "field": "model",
+                "original": plan.planned_model,
+                "effective": f"{info.served_model} (embedded local CPU server on loopback, answering to the name {plan.base_model})",
+                # what the run chose (the harness does not test whether a service is reachable)
+                "reason": "the local backend was selected (--backend local, or TINKER_BASE_URL unset): the embedded CPU "
+                "server's stand-in computes; this run is a local rehearsal of the harness, not a measurement "
+                "of the planned model",
+            }
+        )
     elif info.served_model != plan.base_model and not info.served_model.startswith(SERVED_MODEL_UNAVAILABLE):
-        out.append({
-            "field": "model", "original": plan.base_model, "effective": info.served_model,
-            "reason": "the service reported a different model at client creation",
-        })
+        out.append(
+            {
+                "field": "model",
+                "original": plan.base_model,
+                "effective": info.served_model,
+                "reason": "the service reported a different model at client creation",
+            }
+        )
     for red in info.size_reductions:
         d = {k: str(red[k]) for k in ("field", "original", "effective", "reason")}
         if d["field"] not in DEVIATION_FIELDS:
@@ -344,14 +362,20 @@ def generation_audit_applicability(plan: Plan) -> GenerationAuditApplicability:
     gen = plan.experiment_features.get("generated_training_data")
     explicit = plan.experiment.generation_audit.required if plan.kind != "bounded_diagnostic" else None
     if gen is True:
-        return {"applicable": True, "status": "required",
-                "reason": "experiment_features.generated_training_data is true"}
+        return {
+            "applicable": True,
+            "status": "required",
+            "reason": "experiment_features.generated_training_data is true",
+        }
     if explicit is True:
         return {"applicable": True, "status": "required", "reason": "generation_audit.required is true"}
     # The schema requires every feature, so generated_training_data is false here.
-    return {"applicable": False, "status": "not_applicable",
-            "reason": "experiment_features.generated_training_data is false: no generated training data is used "
-                      "(GSM8K train items only), and no explicit contract requires the audit"}
+    return {
+        "applicable": False,
+        "status": "not_applicable",
+        "reason": "experiment_features.generated_training_data is false: no generated training data is used "
+        "(GSM8K train items only), and no explicit contract requires the audit",
+    }
 
 
 def _dump(m: BaseModel) -> JsonObject:
@@ -376,11 +400,24 @@ def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
 
     # Declared for every plan: the renderer's thinking mode (read off a rendered prompt) and the
     # loss normalization, against the cookbook ppo's sum.
-    mode = (plan.diagnostic.fixed_settings.loss_normalization.mode if plan.kind == "bounded_diagnostic"
-            else plan.spec_run.normalization)
+    mode = (
+        plan.diagnostic.fixed_settings.loss_normalization.mode
+        if plan.kind == "bounded_diagnostic"
+        else plan.spec_run.normalization
+    )
     out["renderer"] = tokenizer.default_renderer_declaration()
     out["loss_normalization"] = _strings_json(loss_path.normalization_declaration(mode))
-    keys = ("plan", "backend", "pinned", "budget", "generation_audit", "config", "renderer", "loss_normalization", "deviations")
+    keys = (
+        "plan",
+        "backend",
+        "pinned",
+        "budget",
+        "generation_audit",
+        "config",
+        "renderer",
+        "loss_normalization",
+        "deviations",
+    )
     return {k: out[k] for k in keys}
 
 
@@ -420,8 +457,10 @@ def plan_config(plan: Plan) -> JsonObject:
         body = {
             "base_model": fs.base_model,
             "lora_rank": fs.lora_rank,
-            "arms": [{"name": fs.treatment.arm, "loss": fs.treatment.loss, "trained": True},
-                     {"name": "ppo_counterfactual", "loss": fs.counterfactual_baseline.loss, "trained": False}],
+            "arms": [
+                {"name": fs.treatment.arm, "loss": fs.treatment.loss, "trained": True},
+                {"name": "ppo_counterfactual", "loss": fs.counterfactual_baseline.loss, "trained": False},
+            ],
             "steps": sch.max_optimizer_updates,
             "batch_size": sch.groups_per_batch * sch.group_size,
             "sequences_per_update": sch.groups_per_minibatch * sch.group_size,
@@ -447,9 +486,12 @@ def plan_config(plan: Plan) -> JsonObject:
     return {
         "plan": plan_block,
         "pinned": {
-            "ppo_eps": constants.PPO_EPS, "dppo_delta": constants.DPPO_DELTA,
-            "dppo_ratio_cap": constants.DPPO_RATIO_CAP, "renderer": constants.RENDERER_NAME,
-            "reference_revision": constants.REFERENCE_REVISION, "baseline_revision": constants.BASELINE_REVISION,
+            "ppo_eps": constants.PPO_EPS,
+            "dppo_delta": constants.DPPO_DELTA,
+            "dppo_ratio_cap": constants.DPPO_RATIO_CAP,
+            "renderer": constants.RENDERER_NAME,
+            "reference_revision": constants.REFERENCE_REVISION,
+            "baseline_revision": constants.BASELINE_REVISION,
         },
         "budget": dict(plan.budget.items()),
         "generation_audit": _audit_json(generation_audit_applicability(plan)),
@@ -458,8 +500,14 @@ def plan_config(plan: Plan) -> JsonObject:
     }
 
 
-def resized_plan(plan: Plan, *, rollout_steps: int, groups_per_batch: int, max_tokens: int | None = None,
-                 eval_items: int | None = None) -> Plan:
+def resized_plan(
+    plan: Plan,
+    *,
+    rollout_steps: int,
+    groups_per_batch: int,
+    max_tokens: int | None = None,
+    eval_items: int | None = None,
+) -> Plan:
     """A copy of a spec-kind plan at another size, for tests and benchmarks only (never a plan
     file): steps, batch_size, eval.n_examples and the numbers the method text states change
     together, and the copy keeps the original's sha256 (it is a test-size copy of that plan)."""
@@ -472,8 +520,11 @@ def resized_plan(plan: Plan, *, rollout_steps: int, groups_per_batch: int, max_t
     spec["batch_size"] = groups_per_batch * int(run.group_size.value)
     if eval_items is not None:
         spec["eval"]["n_examples"] = eval_items
-    new = {"groups_per_batch": str(groups_per_batch), "rollout_steps": str(rollout_steps),
-           "optim_steps": str(rollout_steps * run.updates_per_batch)}
+    new = {
+        "groups_per_batch": str(groups_per_batch),
+        "rollout_steps": str(rollout_steps),
+        "optim_steps": str(rollout_steps * run.updates_per_batch),
+    }
     if max_tokens is not None:
         new["max_tokens"] = str(max_tokens)
     if eval_items is not None:

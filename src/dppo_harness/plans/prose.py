@@ -38,11 +38,30 @@ from dppo_harness.plans.models import PlanError
 
 Context = Literal["training", "evaluation", "history", "arm"]
 
-_UNITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-          "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
-_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80,
-         "ninety": 90}
-_WORD = (rf"(?i:\b(?:(?:{'|'.join(_TENS)})(?:-(?:{'|'.join(_UNITS[1:10])}))?|{'|'.join(_UNITS)}|a hundred)\b)")
+_UNITS = (
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+)
+_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
+_WORD = rf"(?i:\b(?:(?:{'|'.join(_TENS)})(?:-(?:{'|'.join(_UNITS[1:10])}))?|{'|'.join(_UNITS)}|a hundred)\b)"
 _DIGITS = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*[x\u00d7*·]\s*10\s*\^\s*[-+]?\d+)?"
 
 
@@ -88,34 +107,66 @@ def _k(form: str, is_int: bool, what: str, example: str, contexts: tuple[Context
 
 
 KEYS: dict[str, Key] = {
-    "groups_per_batch": _k(r"\bgroups_per_batch" + _IS + r"{num}|\b{num2}\s+(?:(?:GSM8K|train(?:ing)?)\s+)*"
-                           r"(?:prompts|problems|questions|groups)\s+per\s+(?:rollout\s+)?(?:batch|step)\b", True,
-                           "prompts (groups) per rollout batch", "groups_per_batch=32"),
-    "group_size": _k(r"\bgroup_size" + _IS + r"{num}|(?i:\bgroup size)" + _IS + "{num2}"
-                     r"|\b{num3}\s+(?:rollouts|samples|completions|responses)\s+(?:per|for each)\s+"
-                     r"(?:prompt|problem|question)\b", True, "rollouts per prompt", "group_size=8"),
+    "groups_per_batch": _k(
+        r"\bgroups_per_batch" + _IS + r"{num}|\b{num2}\s+(?:(?:GSM8K|train(?:ing)?)\s+)*"
+        r"(?:prompts|problems|questions|groups)\s+per\s+(?:rollout\s+)?(?:batch|step)\b",
+        True,
+        "prompts (groups) per rollout batch",
+        "groups_per_batch=32",
+    ),
+    "group_size": _k(
+        r"\bgroup_size" + _IS + r"{num}|(?i:\bgroup size)" + _IS + "{num2}"
+        r"|\b{num3}\s+(?:rollouts|samples|completions|responses)\s+(?:per|for each)\s+"
+        r"(?:prompt|problem|question)\b",
+        True,
+        "rollouts per prompt",
+        "group_size=8",
+    ),
     "temperature": _k(r"(?i:\btemperature)" + _IS + "{num}", False, "sampling temperature", "temperature 1.0"),
-    "max_tokens": _k(r"\bmax_tokens" + _IS + "{num}|" + _CAP + r"\s+{num2}\s+" + _SAMPLED + r"?tokens\b"
-                     r"|\b{num3}\s+" + _SAMPLED + r"tokens\b", True, "sampled tokens per rollout at most",
-                     "max_tokens=512"),
-    "minibatches": _k(r"(?i:\b(?:split|divided|partitioned)\s+into)\s+{num}\s+(?:complete-group\s+)?minibatch(?:es)?\b"
-                      r"|\b{num2}\s+minibatch(?:es)?\s+per\s+(?:rollout\s+)?batch\b", True,
-                      "complete-group minibatches per rollout batch", "split into 2 minibatches"),
-    "updates_per_batch": _k(r"\b{num}\s+(?:optim(?:izer)?[ _]steps?|(?:policy |optimizer |minibatch )?updates)"
-                            r"\s+per\s+(?:rollout\s+)?batch\b", True, "optimizer steps per rollout batch",
-                            "2 optim_steps per batch"),
+    "max_tokens": _k(
+        r"\bmax_tokens" + _IS + "{num}|" + _CAP + r"\s+{num2}\s+" + _SAMPLED + r"?tokens\b"
+        r"|\b{num3}\s+" + _SAMPLED + r"tokens\b",
+        True,
+        "sampled tokens per rollout at most",
+        "max_tokens=512",
+    ),
+    "minibatches": _k(
+        r"(?i:\b(?:split|divided|partitioned)\s+into)\s+{num}\s+(?:complete-group\s+)?minibatch(?:es)?\b"
+        r"|\b{num2}\s+minibatch(?:es)?\s+per\s+(?:rollout\s+)?batch\b",
+        True,
+        "complete-group minibatches per rollout batch",
+        "split into 2 minibatches",
+    ),
+    "updates_per_batch": _k(
+        r"\b{num}\s+(?:optim(?:izer)?[ _]steps?|(?:policy |optimizer |minibatch )?updates)"
+        r"\s+per\s+(?:rollout\s+)?batch\b",
+        True,
+        "optimizer steps per rollout batch",
+        "2 optim_steps per batch",
+    ),
     "rollout_steps": _k(r"\b{num}\s+rollout steps\b", True, "rollout batches per arm", "50 rollout steps"),
-    "optim_steps": _k(r"\(\s*{num}\s+optim(?:izer)?[ _]steps?\s*\)", True, "optimizer steps per arm",
-                      "(100 optim steps)"),
+    "optim_steps": _k(
+        r"\(\s*{num}\s+optim(?:izer)?[ _]steps?\s*\)", True, "optimizer steps per arm", "(100 optim steps)"
+    ),
     "lora_rank": _k(r"\bLoRA rank" + _IS + "{num}", True, "LoRA rank", "LoRA rank 32"),
     "lr": _k(r"(?:\blr|(?i:\blearning rate))" + _IS + "{num}", False, "learning rate", "lr 2e-5"),
     "seed": _k(r"\bseed" + _IS + "{num}", True, "seed", "seed 0"),
-    "pilot_steps": _k(r"\b{num}[- ]step pilot\b|(?i:\bpilot of)\s+{num2}\s+steps?\b", True,
-                      "activation-gate pilot steps", "A 5-step pilot", ("training", "evaluation", "arm")),
+    "pilot_steps": _k(
+        r"\b{num}[- ]step pilot\b|(?i:\bpilot of)\s+{num2}\s+steps?\b",
+        True,
+        "activation-gate pilot steps",
+        "A 5-step pilot",
+        ("training", "evaluation", "arm"),
+    ),
     # the span covers the quantifier, so a rewrite can turn "all 1319" into "the first 50"
-    "eval_items": _k(r"\b(?P<span>(?:(?:all|the first|first)\s+)?{num})\s+(?:[\w-]+\s+)?test "
-                     r"(?:items|examples|problems|questions)\b", True, "test items scored per model",
-                     "all 1319 GSM8K test items", ("training", "evaluation")),
+    "eval_items": _k(
+        r"\b(?P<span>(?:(?:all|the first|first)\s+)?{num})\s+(?:[\w-]+\s+)?test "
+        r"(?:items|examples|problems|questions)\b",
+        True,
+        "test items scored per model",
+        "all 1319 GSM8K test items",
+        ("training", "evaluation"),
+    ),
 }
 # The schedule values no structured field holds: a spec of this family must state them.
 REQUIRED = ("groups_per_batch", "group_size", "temperature", "max_tokens")
@@ -123,12 +174,17 @@ REQUIRED = ("groups_per_batch", "group_size", "temperature", "max_tokens")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\-])|\n+")
 _EVAL_HEAD = re.compile(r"(?i)^\s*(?:evaluation|eval|scoring)\s*:")
 _EVAL = re.compile(r"(?i)\b(?:evaluat\w*|eval|scored|scoring|test (?:items|set|split)|held[- ]?out|greedy)\b")
-_HISTORY = re.compile(r"(?i)\b(?:earlier|previous|prior|original|old|first|last)\s+(?:drafts?|versions?|plans?|specs?)\b"
-                      r"|\b(?:previously|originally|formerly|used to|was changed|were changed|no longer)\b")
+_HISTORY = re.compile(
+    r"(?i)\b(?:earlier|previous|prior|original|old|first|last)\s+(?:drafts?|versions?|plans?|specs?)\b"
+    r"|\b(?:previously|originally|formerly|used to|was changed|were changed|no longer)\b"
+)
 _ALL_ARMS = re.compile(r"(?i)\b(?:both|each|all|every|per|the two)\s+(?:arms?|losses|runs|treatments)\b")
 _ONE_ARM = re.compile(r"(?i)\b(?:baseline|treatment|control)\b")
-_WHAT = {"evaluation": "a sentence about evaluation", "history": "a sentence about an earlier version",
-         "arm": "a sentence about one arm"}
+_WHAT = {
+    "evaluation": "a sentence about evaluation",
+    "history": "a sentence about an earlier version",
+    "arm": "a sentence about one arm",
+}
 
 
 @dataclass(frozen=True)
@@ -187,9 +243,11 @@ def settle_hint(file: str, key: str, sentence: str) -> str:
     """What to write to settle `key` without editing the spec: the file and its JSON entry."""
     if not file:
         return ""  # a statement no resolution settles (one that is only cross-checked)
-    entry = json.dumps({"key": key, "value": "<the value meant>", "sentence": sentence,
-                        "why": "<why this reading>"}, ensure_ascii=False)
-    return f"; or settle it beside the spec in {file}: {{\"interpretations\": [{entry}]}}"
+    entry = json.dumps(
+        {"key": key, "value": "<the value meant>", "sentence": sentence, "why": "<why this reading>"},
+        ensure_ascii=False,
+    )
+    return f'; or settle it beside the spec in {file}: {{"interpretations": [{entry}]}}'
 
 
 @dataclass(frozen=True)
@@ -204,7 +262,7 @@ def sentences(text: str) -> list[tuple[int, str]]:
     """(offset, sentence) of each sentence of `text`, whitespace-trimmed."""
     out, pos = [], 0
     for m in _SENTENCE_END.finditer(text):
-        out.append((pos, text[pos:m.start()]))
+        out.append((pos, text[pos : m.start()]))
         pos = m.end()
     out.append((pos, text[pos:]))
     return [(o + len(s) - len(s.lstrip()), s.strip()) for o, s in out if s.strip()]
@@ -262,21 +320,32 @@ def read_number(raw: str, is_int: bool) -> int | float:
 def contexted_sentences(text: str, arm_names: Sequence[str] = ()) -> list[tuple[int, str, Context]]:
     """(offset, sentence, context) of each sentence of `text`."""
     heads = _paragraph_heads(text)
-    return [(offset, sentence, sentence_context(sentence, next((h for o, h in reversed(heads) if o <= offset), ""),
-                                                arm_names))
-            for offset, sentence in sentences(text)]
+    return [
+        (
+            offset,
+            sentence,
+            sentence_context(sentence, next((h for o, h in reversed(heads) if o <= offset), ""), arm_names),
+        )
+        for offset, sentence in sentences(text)
+    ]
 
 
-def _statements(contexted: Sequence[tuple[int, str, Context]], key: str, spec: Key,
-                field_name: str, file: str) -> list[_Statement]:
+def _statements(
+    contexted: Sequence[tuple[int, str, Context]], key: str, spec: Key, field_name: str, file: str
+) -> list[_Statement]:
     out = []
     for offset, sentence, context in contexted:
         matches = list(spec.pattern.finditer(sentence))
         read = [m.span() for m in matches]
 
         def unreadable(why: str, sentence: str = sentence) -> Unsettled:
-            return Unsettled(f"{field_name}: cannot read the {key} in {sentence!r} ({why}); write it as digits, e.g. "
-                             f"{spec.example!r}{settle_hint(file, key, sentence)}", key, (sentence,))
+            return Unsettled(
+                f"{field_name}: cannot read the {key} in {sentence!r} ({why}); write it as digits, e.g. "
+                f"{spec.example!r}{settle_hint(file, key, sentence)}",
+                key,
+                (sentence,),
+            )
+
         for m in spec.loose.finditer(sentence):
             if not any(a < m.end() and m.start() < b for a, b in read):
                 group = _number_group(m)
@@ -284,17 +353,16 @@ def _statements(contexted: Sequence[tuple[int, str, Context]], key: str, spec: K
         for m in matches:
             group = _number_group(m)
             raw = m.group(group)
-            after = sentence[m.end(group):]
+            after = sentence[m.end(group) :]
             if raw[0].isdigit() and _GOES_ON.match(after):
-                bad = re.match(r"\S*", sentence[m.start(group):]).group(0)  # type: ignore[union-attr]
+                bad = re.match(r"\S*", sentence[m.start(group) :]).group(0)  # type: ignore[union-attr]
                 raise unreadable(f"the number goes on past {raw!r}: {bad!r}")
             try:
                 value = read_number(raw, spec.is_int)
             except ValueError as exc:
                 raise unreadable(str(exc)) from None
             span_group = "span" if "span" in spec.pattern.groupindex else group
-            out.append(_Statement(value, sentence, context,
-                                  (offset + m.start(span_group), offset + m.end(span_group))))
+            out.append(_Statement(value, sentence, context, (offset + m.start(span_group), offset + m.end(span_group))))
     return out
 
 
@@ -307,21 +375,33 @@ def _read_key(contexted: Sequence[tuple[int, str, Context]], key: str, field: st
     if not sources:
         if all_statements:
             s = all_statements[0]
-            raise Unsettled(f"{field}: states {key} ({spec.what}) only in {_WHAT[s.context]} ({s.sentence!r}), which "
-                            f"is not a source for the run; state it in a {spec.contexts[0]} sentence"
-                            f"{settle_hint(file, key, s.sentence)}", key, (s.sentence,))
+            raise Unsettled(
+                f"{field}: states {key} ({spec.what}) only in {_WHAT[s.context]} ({s.sentence!r}), which "
+                f"is not a source for the run; state it in a {spec.contexts[0]} sentence"
+                f"{settle_hint(file, key, s.sentence)}",
+                key,
+                (s.sentence,),
+            )
         return None
     first = sources[0]
     for s in sources[1:]:
         if s.value != first.value:
-            raise Unsettled(f"{field}: states {key} twice with different values ({first.value} in {first.sentence!r}; "
-                            f"{s.value} in {s.sentence!r}){settle_hint(file, key, first.sentence)}", key,
-                            (first.sentence, s.sentence), (first.value, s.value))
+            raise Unsettled(
+                f"{field}: states {key} twice with different values ({first.value} in {first.sentence!r}; "
+                f"{s.value} in {s.sentence!r}){settle_hint(file, key, first.sentence)}",
+                key,
+                (first.sentence, s.sentence),
+                (first.value, s.value),
+            )
     for s in all_statements:
         if s.context == "arm" and s.value != first.value:
-            raise Unsettled(f"{field}: states {key} differently for one arm ({first.value} in {first.sentence!r}; "
-                            f"{s.value} in {s.sentence!r}); the arms share it{settle_hint(file, key, first.sentence)}",
-                            key, (first.sentence, s.sentence), (first.value, s.value))
+            raise Unsettled(
+                f"{field}: states {key} differently for one arm ({first.value} in {first.sentence!r}; "
+                f"{s.value} in {s.sentence!r}); the arms share it{settle_hint(file, key, first.sentence)}",
+                key,
+                (first.sentence, s.sentence),
+                (first.value, s.value),
+            )
     spans = tuple(s.span for s in all_statements if s.value == first.value and s.context != "history")
     return Stated(first.value, field, first.sentence, first.span[0], first.span[1], spans)
 
@@ -344,20 +424,31 @@ def _settled(key: str, entry: Settlement, file: str, text: str, field: str, refu
     if isinstance(entry.value, bool) or (KEYS[key].is_int and not float(entry.value).is_integer()):
         raise PlanError(f"{where}: value {entry.value!r} is not a {'whole number' if KEYS[key].is_int else 'number'}")
     if _flat(entry.sentence) not in _flat(text):
-        raise PlanError(f"{where}: the sentence {entry.sentence!r} is not in the spec's {field}; quote the sentence "
-                        "it settles verbatim")
+        raise PlanError(
+            f"{where}: the sentence {entry.sentence!r} is not in the spec's {field}; quote the sentence "
+            "it settles verbatim"
+        )
     if refusal is not None and refusal.values and _flat(entry.sentence) not in map(_flat, refusal.sentences):
-        raise PlanError(f"{where}: settles {key} by {entry.sentence!r}, which is not one of the sentences that "
-                        f"contradict each other ({' / '.join(repr(s) for s in refusal.sentences)})")
+        raise PlanError(
+            f"{where}: settles {key} by {entry.sentence!r}, which is not one of the sentences that "
+            f"contradict each other ({' / '.join(repr(s) for s in refusal.sentences)})"
+        )
     if refusal is not None and refusal.values and entry.value not in refusal.values:
-        raise PlanError(f"{where}: value {entry.value!r} contradicts the spec, which states {key} as "
-                        f"{' or '.join(str(v) for v in refusal.values)}; settle it as one of them")
+        raise PlanError(
+            f"{where}: value {entry.value!r} contradicts the spec, which states {key} as "
+            f"{' or '.join(str(v) for v in refusal.values)}; settle it as one of them"
+        )
     value = int(entry.value) if KEYS[key].is_int else float(entry.value)
     return Stated(value, file, entry.sentence, why=entry.why)
 
 
-def parse_method(text: str, field: str = "method", keys: Sequence[str] | None = None,
-                 arm_names: Sequence[str] = (), settlements: Settlements | None = None) -> dict[str, Stated]:
+def parse_method(
+    text: str,
+    field: str = "method",
+    keys: Sequence[str] | None = None,
+    arm_names: Sequence[str] = (),
+    settlements: Settlements | None = None,
+) -> dict[str, Stated]:
     """Every key of `keys` (default all but the pilot's length) that `text` states in a sentence of
     the key's contexts, or PlanError (one line quoting the sentences) when a statement cannot be
     read, two statements disagree, or the key is stated only in sentences that are no source.
@@ -376,9 +467,11 @@ def parse_method(text: str, field: str = "method", keys: Sequence[str] | None = 
             found[key] = _settled(key, entry, settlements.file, text, field, exc)
             continue
         if entry is not None and stated is not None:
-            raise PlanError(f"{settlements.file}: interpretations[{key}]: settles {key} as {entry.value!r}, but the "
-                            f"spec's {field} states it unambiguously as {stated.value} ({stated.source!r}); a "
-                            "resolution settles only what the reader refused or left to a default")
+            raise PlanError(
+                f"{settlements.file}: interpretations[{key}]: settles {key} as {entry.value!r}, but the "
+                f"spec's {field} states it unambiguously as {stated.value} ({stated.source!r}); a "
+                "resolution settles only what the reader refused or left to a default"
+            )
         if entry is not None:
             found[key] = _settled(key, entry, settlements.file, text, field, None)
         elif stated is not None:
@@ -386,13 +479,15 @@ def parse_method(text: str, field: str = "method", keys: Sequence[str] | None = 
     return found
 
 
-def require(stated: Mapping[str, Stated], key: str, field: str = "method",
-            file: str = Settlements.file) -> Stated:
+def require(stated: Mapping[str, Stated], key: str, field: str = "method", file: str = Settlements.file) -> Stated:
     if key not in stated:
         spec = KEYS[key]
-        raise Unsettled(f"{field}: does not state {key} ({spec.what}) in a training sentence; no structured field "
-                        f"holds it, so the method text must say it, for example {spec.example!r}"
-                        f"{settle_hint(file, key, '<the sentence that implies it>')}", key)
+        raise Unsettled(
+            f"{field}: does not state {key} ({spec.what}) in a training sentence; no structured field "
+            f"holds it, so the method text must say it, for example {spec.example!r}"
+            f"{settle_hint(file, key, '<the sentence that implies it>')}",
+            key,
+        )
     return stated[key]
 
 
@@ -408,8 +503,9 @@ def format_number(value: float) -> str:
 def rewrite(text: str, replacements: Mapping[str, tuple[Stated, str]]) -> str:
     """`text` with every statement of each stated number replaced by its new text (spans from
     `parse_method`)."""
-    edits = sorted((span, new) for stated, new in replacements.values()
-                   for span in (stated.spans or ((stated.start, stated.end),)))
+    edits = sorted(
+        (span, new) for stated, new in replacements.values() for span in (stated.spans or ((stated.start, stated.end),))
+    )
     out, pos = [], 0
     for (start, end), new in edits:
         if start < pos:

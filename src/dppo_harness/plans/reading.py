@@ -42,10 +42,12 @@ def decision_lines(run: RunConfig) -> list[str]:
         span = hi - lo  # the difference lies in [-span, span]
         hw = hoeffding_half_width(run.eval_items, run.alpha, 2 * span)
         up, down = c.margin + hw, c.margin - hw
-        out.append(f"  {c.id}: {c.metric} {c.treatment} - {c.baseline}: half-width {hw:.4g} at {run.eval_items} "
-                   f"paired items (alpha {run.alpha:g}, difference range {2 * span:g}) next to margin {c.margin:g}: "
-                   f"supported needs an observed mean difference above {up:.4g}{' (unreachable)' if up >= span else ''}"
-                   f", refuted one below {down:.4g}{' (unreachable)' if down <= -span else ''}")
+        out.append(
+            f"  {c.id}: {c.metric} {c.treatment} - {c.baseline}: half-width {hw:.4g} at {run.eval_items} "
+            f"paired items (alpha {run.alpha:g}, difference range {2 * span:g}) next to margin {c.margin:g}: "
+            f"supported needs an observed mean difference above {up:.4g}{' (unreachable)' if up >= span else ''}"
+            f", refuted one below {down:.4g}{' (unreachable)' if down <= -span else ''}"
+        )
     return out
 
 
@@ -53,7 +55,9 @@ def reading_lines(plan: Plan) -> list[str]:
     """The information lines `plans validate` prints on stderr (none for a plan without prose)."""
     if plan.run is None:
         return []
-    return [f"{plan.name}: values read from the spec's prose (config.run.stated_in_prose), each with its source:",
-            *prose_lines(plan.run),
-            f"{plan.name}: decision at the planned size (information, not a check):",
-            *decision_lines(plan.run)]
+    return [
+        f"{plan.name}: values read from the spec's prose (config.run.stated_in_prose), each with its source:",
+        *prose_lines(plan.run),
+        f"{plan.name}: decision at the planned size (information, not a check):",
+        *decision_lines(plan.run),
+    ]

@@ -61,8 +61,14 @@ class _Missing(enum.Enum):
 
 _MISSING = _Missing.MISSING
 # The deviation field (models.DEVIATION_FIELDS) of a difference, by the spec's top-level key (default "objective").
-_DEVIATION_FIELD_OF = {"base_model": "model", "steps": "steps", "batch_size": "effective_batch",
-                       "dataset": "dataset", "eval": "evaluator", "primary_endpoint": "endpoint"}
+_DEVIATION_FIELD_OF = {
+    "base_model": "model",
+    "steps": "steps",
+    "batch_size": "effective_batch",
+    "dataset": "dataset",
+    "eval": "evaluator",
+    "primary_endpoint": "endpoint",
+}
 
 
 def _leaves(obj: JsonValue, path: JsonPath = ()) -> Iterator[tuple[JsonPath, JsonValue]]:
@@ -103,12 +109,15 @@ def _same(a: JsonValue | _Missing, b: JsonValue | _Missing) -> bool:
     if isinstance(a, _Missing) or isinstance(b, _Missing):
         return a is b
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) or (
-        type(a) in (int, float) and type(b) in (int, float) and a == b)
+        type(a) in (int, float) and type(b) in (int, float) and a == b
+    )
 
 
 def _changed_leaves(a: JsonValue, b: JsonValue) -> list[JsonPath]:
-    return sorted({p for p, v in _leaves(b) if not _same(_get(a, p), v)}
-                  | {p for p, v in _leaves(a) if not _same(_get(b, p), v)}, key=str)
+    return sorted(
+        {p for p, v in _leaves(b) if not _same(_get(a, p), v)} | {p for p, v in _leaves(a) if not _same(_get(b, p), v)},
+        key=str,
+    )
 
 
 def leaf_differences(a: JsonValue, b: JsonValue) -> dict[str, tuple[JsonValue, JsonValue]]:
@@ -159,8 +168,11 @@ def check_rehearsal(plan: RehearsalPlan, raw: JsonObject, derived_path: Path) ->
         leaf = format_path(p)
         _check_not_frozen(leaf, spec, plan.spec)
         if not any(p[: len(dp)] == dp for _, _, dp in declared):
-            raise _fail(f"spec.{leaf}", f"differs from {ref.path} ({_show(_get(base, p))} -> "
-                                        f"{_show(_get(spec, p))}) but is not listed in differences")
+            raise _fail(
+                f"spec.{leaf}",
+                f"differs from {ref.path} ({_show(_get(base, p))} -> "
+                f"{_show(_get(spec, p))}) but is not listed in differences",
+            )
     for i, d, dp in declared:
         old, new = _get(base, dp), _get(spec, dp)
         if isinstance(old, _Missing) or isinstance(new, _Missing):
@@ -168,11 +180,13 @@ def check_rehearsal(plan: RehearsalPlan, raw: JsonObject, derived_path: Path) ->
         if _same(old, new):
             raise _fail(f"differences[{i}]", f"{d.field!r} does not differ: both specs have {_show(old)}")
         if not _same(d.spec, old):
-            raise _fail(f"differences[{i}].spec", f"expected {_show(old)} (the value in {ref.path}), "
-                                                  f"got {_show(d.spec)}")
+            raise _fail(
+                f"differences[{i}].spec", f"expected {_show(old)} (the value in {ref.path}), got {_show(d.spec)}"
+            )
         if not _same(d.rehearsal, new):
-            raise _fail(f"differences[{i}].rehearsal", f"expected {_show(new)} (the value in spec), "
-                                                       f"got {_show(d.rehearsal)}")
+            raise _fail(
+                f"differences[{i}].rehearsal", f"expected {_show(new)} (the value in spec), got {_show(d.rehearsal)}"
+            )
 
 
 def _check_not_frozen(leaf: str, spec: JsonValue, model: ExperimentSpec) -> None:
@@ -185,9 +199,12 @@ def _check_not_frozen(leaf: str, spec: JsonValue, model: ExperimentSpec) -> None
     if _FOLLOWS_LR.match(leaf) and _same(_get(spec, _parse_path(leaf)), model.optimizer.lr):
         return  # the restoration preflight's learning rate follows optimizer.lr
     if any(f.match(leaf) for f in _FROZEN):
-        raise _fail(f"spec.{leaf}", "a rehearsal keeps the spec's gates and thresholds as written "
-                                    "(activation_gate, decision_rule, success_criterion, correctness_preflight, "
-                                    "arms[*].loss, arms[*].updates_per_batch, restoration_preflight)")
+        raise _fail(
+            f"spec.{leaf}",
+            "a rehearsal keeps the spec's gates and thresholds as written "
+            "(activation_gate, decision_rule, success_criterion, correctness_preflight, "
+            "arms[*].loss, arms[*].updates_per_batch, restoration_preflight)",
+        )
 
 
 def _show(v: JsonValue | _Missing) -> str:
@@ -197,12 +214,12 @@ def _show(v: JsonValue | _Missing) -> str:
 def rehearsal_deviation(d: Difference) -> dict[str, str]:
     """A declared rehearsal difference as a deviation ({field, original, effective, reason})."""
     top = d.field.split(".")[0].split("[")[0]
-    return {"field": _DEVIATION_FIELD_OF.get(top, "objective"),
-            "original": f"{d.field} = {json.dumps(d.spec)}",
-            "effective": f"{d.field} = {json.dumps(d.rehearsal)}",
-            "reason": f"rehearsal: {d.reason}"}
-
-
+    return {
+        "field": _DEVIATION_FIELD_OF.get(top, "objective"),
+        "original": f"{d.field} = {json.dumps(d.spec)}",
+        "effective": f"{d.field} = {json.dumps(d.rehearsal)}",
+        "reason": f"rehearsal: {d.reason}",
+    }
 
 
 # ----------------------------------------------------------------------------- the rehearse tool
@@ -216,26 +233,40 @@ DEFAULT_STEPS, DEFAULT_GROUPS, DEFAULT_EVAL_ITEMS = 3, 4, 50
 DEFAULT_ROLLOUTS = 32
 # The learning rate at which the stand-in's DPPO mask fires inside the spec's gate ranges, and why.
 STAND_IN_LR = 0.01
-_MEASURED_LR = ("the stand-in's DPPO mask was measured to fire at this lr (gate pilot of the saved spec at 4 groups: "
-                "lr 3e-3 gave a mean second-update masked fraction 0.00049; lr 1e-2 gave 0.022, |p-q| q90 0.12, clip "
-                "fraction 0.33) and not at 2e-5 (bounded diagnostic: 0 tokens removed)")
+_MEASURED_LR = (
+    "the stand-in's DPPO mask was measured to fire at this lr (gate pilot of the saved spec at 4 groups: "
+    "lr 3e-3 gave a mean second-update masked fraction 0.00049; lr 1e-2 gave 0.022, |p-q| q90 0.12, clip "
+    "fraction 0.33) and not at 2e-5 (bounded diagnostic: 0 tokens removed)"
+)
 # The shipped plan's reason (the saved spec's lr is the one measured): kept word for word.
 _SAVED_SPEC_LR_REASON = (
     "lr 0.01: at the spec's 2e-5 the stand-in's DPPO mask does not fire (bounded diagnostic: 0 tokens removed), so "
     "the spec's own gate ranges could not pass and the pipeline could not be rehearsed end to end; at this lr the "
     "stand-in's mask fires measurably inside those unchanged ranges (measured on the stand-in with the gate pilot at "
     "4 groups: lr 3e-3 gave a mean second-update masked fraction 0.00049 < 0.001; lr 1e-2 gave 0.022, |p-q| q90 "
-    "0.12, clip fraction 0.33, all in range)")
+    "0.12, clip fraction 0.33, all in range)"
+)
 # A rehearsal plan states its launch: it authorizes nothing on a service that is not the embedded server.
-_LAUNCH: JsonObject = {"source": "this project's declared rehearsal plan, not a requester's launch", "launch_mode": "rehearsal",
-           "scope": "offline rehearsal on the embedded server only; no stage is authorized on a real service",
-           "only_authorized_run": False, "authorized_stages": []}
-_PURPOSE = ("Drive the whole paired-comparison pipeline (restoration preflight, activation gate, {arms}, frozen "
-            "evaluation of base and {checkpoints}, paired Hoeffding decision, report) offline on the embedded server's "
-            "stand-in model. Not a measurement of the hypothesis: results are always labelled rehearsal with verdict "
-            "inconclusive.")
-_PROSE_WORDS = {"groups_per_batch": "groups_per_batch", "rollout_steps": "steps", "optim_steps": "steps",
-                "lr": "lr", "eval_items": "test items"}
+_LAUNCH: JsonObject = {
+    "source": "this project's declared rehearsal plan, not a requester's launch",
+    "launch_mode": "rehearsal",
+    "scope": "offline rehearsal on the embedded server only; no stage is authorized on a real service",
+    "only_authorized_run": False,
+    "authorized_stages": [],
+}
+_PURPOSE = (
+    "Drive the whole paired-comparison pipeline (restoration preflight, activation gate, {arms}, frozen "
+    "evaluation of base and {checkpoints}, paired Hoeffding decision, report) offline on the embedded server's "
+    "stand-in model. Not a measurement of the hypothesis: results are always labelled rehearsal with verdict "
+    "inconclusive."
+)
+_PROSE_WORDS = {
+    "groups_per_batch": "groups_per_batch",
+    "rollout_steps": "steps",
+    "optim_steps": "steps",
+    "lr": "lr",
+    "eval_items": "test items",
+}
 
 
 @dataclass(frozen=True)
@@ -262,11 +293,15 @@ def _lr_reason(size: RehearsalSize, lr: float, run: RunConfig) -> str:
     if lr == STAND_IN_LR and spec_lr == 2e-5:
         return _SAVED_SPEC_LR_REASON
     if lr == STAND_IN_LR:
-        return (f"lr {format_number(lr)}: the spec's {format_number(spec_lr)} is a setting for {run.base_model}, not "
-                f"for the stand-in; {_MEASURED_LR}; the gate ranges it must meet are unchanged")
-    return (f"lr {format_number(lr)}: set for the stand-in model with `plans rehearse --lr` (the spec's "
-            f"{format_number(spec_lr)} is a setting for {run.base_model}, not for the stand-in); the gate ranges it "
-            "must meet are unchanged")
+        return (
+            f"lr {format_number(lr)}: the spec's {format_number(spec_lr)} is a setting for {run.base_model}, not "
+            f"for the stand-in; {_MEASURED_LR}; the gate ranges it must meet are unchanged"
+        )
+    return (
+        f"lr {format_number(lr)}: set for the stand-in model with `plans rehearse --lr` (the spec's "
+        f"{format_number(spec_lr)} is a setting for {run.base_model}, not for the stand-in); the gate ranges it "
+        "must meet are unchanged"
+    )
 
 
 def _derived_path(spec_path: Path, out_path: Path) -> str:
@@ -285,9 +320,11 @@ def _spec_run(spec_path: Path, model: ExperimentSpec) -> RunConfig:
     refused (a rehearsal rewrites the method text those values' sentences belong to)."""
     resolution = load_resolution(spec_path)
     if resolution is not None and resolution.model.interpretations:
-        raise PlanError(f"{spec_path}: {resolution.file} settles {', '.join(resolution.settlements.entries)}, which a "
-                        "rehearsal plan cannot carry yet (its method text is rewritten); rehearse a spec whose prose "
-                        "states these values")
+        raise PlanError(
+            f"{spec_path}: {resolution.file} settles {', '.join(resolution.settlements.entries)}, which a "
+            "rehearsal plan cannot carry yet (its method text is rewritten); rehearse a spec whose prose "
+            "states these values"
+        )
     return build_run_config(model, default_settlements(spec_path))
 
 
@@ -303,20 +340,26 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     run = _spec_run(Path(spec_path), model)
     groups_reason = ""
     if size.groups is None:
-        size = replace(size, groups=default_groups(int(run.group_size.value), run.updates_per_batch,
-                                                   int(run.groups_per_batch.value)))
+        size = replace(
+            size,
+            groups=default_groups(int(run.group_size.value), run.updates_per_batch, int(run.groups_per_batch.value)),
+        )
         if size.groups != DEFAULT_GROUPS:
-            groups_reason = (f"; {size.groups} groups: {DEFAULT_ROLLOUTS} rollouts per batch as in the shipped "
-                             "rehearsal, since the stand-in answers few prompts and a smaller batch can hold no group "
-                             "with unequal rewards (measured on the variant spec's gate pilot at lr 1e-2: at 2 and at 4 "
-                             "groups x 4 it moved nothing, masked fraction 0 and |p-q| q90 below 1e-6; at 8 x 4 it "
-                             "passed)")
+            groups_reason = (
+                f"; {size.groups} groups: {DEFAULT_ROLLOUTS} rollouts per batch as in the shipped "
+                "rehearsal, since the stand-in answers few prompts and a smaller batch can hold no group "
+                "with unequal rewards (measured on the variant spec's gate pilot at lr 1e-2: at 2 and at 4 "
+                "groups x 4 it moved nothing, masked fraction 0 and |p-q| q90 below 1e-6; at 8 x 4 it "
+                "passed)"
+            )
     assert size.groups is not None
     for name, v in (("--steps", size.steps), ("--groups", size.groups), ("--eval-items", size.eval_items)):
         if v < 1:
             raise PlanError(f"{name}: must be at least 1, got {v}")
     if size.groups % run.updates_per_batch:
-        raise PlanError(f"--groups: {size.groups} groups cannot form {run.updates_per_batch} complete-group minibatches")
+        raise PlanError(
+            f"--groups: {size.groups} groups cannot form {run.updates_per_batch} complete-group minibatches"
+        )
     spec: JsonValue = json.loads(json.dumps(raw))
     diffs: list[JsonValue] = []
 
@@ -329,18 +372,23 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
         _set(spec, _parse_path(field), new)
         diffs.append({"field": field, "spec": old, "rehearsal": new, "reason": reason})
 
-    model_reason = (f"offline rehearsal on the embedded CPU server: the stand-in model computes, not {run.base_model} "
-                    "(no Tinker service is reachable here); the gate's executed_base_model check follows base_model")
+    model_reason = (
+        f"offline rehearsal on the embedded CPU server: the stand-in model computes, not {run.base_model} "
+        "(no Tinker service is reachable here); the gate's executed_base_model check follows base_model"
+    )
     change("base_model", size.stand_in, model_reason)
     for i, check in enumerate(model.activation_gate.checks):
         if check.metric == "executed_base_model" and check.one_of and run.base_model in check.one_of:
-            change(f"activation_gate.checks[{i}].one_of[{check.one_of.index(run.base_model)}]", size.stand_in,
-                   model_reason)
+            change(
+                f"activation_gate.checks[{i}].one_of[{check.one_of.index(run.base_model)}]", size.stand_in, model_reason
+            )
     gs, upb = int(run.group_size.value), run.updates_per_batch
-    size_reason = (f"size: {size.steps} rollout steps x {size.groups} groups x {gs} and {size.eval_items} test items "
-                   "so that gate -> both arms -> evaluation of base and arms -> decision -> report fits 10 minutes on "
-                   f"2 CPU cores; the schedule's shape (group size, {upb} complete-group minibatch updates per batch, "
-                   f"temperature, max_tokens) is unchanged{groups_reason}")
+    size_reason = (
+        f"size: {size.steps} rollout steps x {size.groups} groups x {gs} and {size.eval_items} test items "
+        "so that gate -> both arms -> evaluation of base and arms -> decision -> report fits 10 minutes on "
+        f"2 CPU cores; the schedule's shape (group size, {upb} complete-group minibatch updates per batch, "
+        f"temperature, max_tokens) is unchanged{groups_reason}"
+    )
     change("steps", size.steps * upb, size_reason)
     change("batch_size", size.groups * gs, size_reason)
     change("eval.n_examples", size.eval_items, size_reason)
@@ -351,21 +399,33 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
             change(f"arms[{i}].lr", size.lr, lr_reason)
         for g, group in enumerate(model.restoration_preflight.groups):
             for a in range(len(group.arms)):
-                change(f"restoration_preflight.groups[{g}].arms[{a}].optimizer_config.learning_rate", size.lr, lr_reason)
+                change(
+                    f"restoration_preflight.groups[{g}].arms[{a}].optimizer_config.learning_rate", size.lr, lr_reason
+                )
     method, words = _rewritten_method(model.method, run.prose, size, upb)
     if words:
         follows = "size and lr differences" if size.lr is not None else "size differences"
-        change("method", method, f"the method text states the executed schedule ({', '.join(words)}): it follows "
-                                 f"the {follows} above, nothing else in it changes")
+        change(
+            "method",
+            method,
+            f"the method text states the executed schedule ({', '.join(words)}): it follows "
+            f"the {follows} above, nothing else in it changes",
+        )
     two = len(model.arms) == 2
     plan: JsonObject = {
-        "kind": "rehearsal", "version": 1, "plan_id": f"{Path(spec_path).stem}-rehearsal-local-v1",
+        "kind": "rehearsal",
+        "version": 1,
+        "plan_id": f"{Path(spec_path).stem}-rehearsal-local-v1",
         "label": "rehearsal",
-        "purpose": _PURPOSE.format(arms="both arms" if two else "every arm",
-                                   checkpoints="both final checkpoints" if two else "every final checkpoint"),
+        "purpose": _PURPOSE.format(
+            arms="both arms" if two else "every arm",
+            checkpoints="both final checkpoints" if two else "every final checkpoint",
+        ),
         "launch": _LAUNCH,
-        "derived_from": {"path": _derived_path(Path(spec_path), Path(out_path)),
-                         "sha256": hashlib.sha256(data).hexdigest()},
+        "derived_from": {
+            "path": _derived_path(Path(spec_path), Path(out_path)),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        },
         "differences": diffs,
         "spec": spec,
     }
@@ -373,8 +433,12 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
 
 
 def _rewritten_method(text: str, stated: Mapping[str, Stated], size: RehearsalSize, upb: int) -> tuple[str, list[str]]:
-    new = {"groups_per_batch": str(size.groups), "rollout_steps": str(size.steps),
-           "optim_steps": str(size.steps * upb), "eval_items": f"the first {size.eval_items}"}
+    new = {
+        "groups_per_batch": str(size.groups),
+        "rollout_steps": str(size.steps),
+        "optim_steps": str(size.steps * upb),
+        "eval_items": f"the first {size.eval_items}",
+    }
     if size.lr is not None:
         new["lr"] = format_number(size.lr)
     replacements: dict[str, tuple[Stated, str]] = {}
@@ -382,7 +446,7 @@ def _rewritten_method(text: str, stated: Mapping[str, Stated], size: RehearsalSi
         s = stated.get(key)
         if s is None:
             continue
-        old = text[s.start:s.end]
+        old = text[s.start : s.end]
         if key == "eval_items" and old == f"all {size.eval_items}":
             continue
         if key != "eval_items" and s.value == (size.lr if key == "lr" else int(value)):

@@ -50,8 +50,9 @@ class ResolutionFile(_Model):
         keys = [i.key for i in self.interpretations]
         unknown = [k for k in keys if k not in KEYS]
         if unknown:
-            raise rule_error("interpretations", f"key {unknown[0]!r} is no value the prose reader reads (keys: "
-                                                f"{', '.join(KEYS)})")
+            raise rule_error(
+                "interpretations", f"key {unknown[0]!r} is no value the prose reader reads (keys: {', '.join(KEYS)})"
+            )
         if len(set(keys)) != len(keys):
             raise rule_error("interpretations", f"settles a key twice ({keys})")
         if not keys and self.launch is None:
@@ -68,8 +69,9 @@ class Resolution:
 
     @property
     def settlements(self) -> Settlements:
-        return Settlements(self.file, {i.key: Settlement(i.value, i.sentence, i.why)
-                                       for i in self.model.interpretations})
+        return Settlements(
+            self.file, {i.key: Settlement(i.value, i.sentence, i.why) for i in self.model.interpretations}
+        )
 
     @property
     def launch(self) -> Launch | None:
@@ -77,9 +79,12 @@ class Resolution:
 
     def as_json(self) -> JsonObject:
         """The effective config's record of the file (its settled values are under config.run)."""
-        return {"file": self.file, "sha256": self.sha256,
-                "settles": [i.key for i in self.model.interpretations],
-                "states_launch": self.model.launch is not None}
+        return {
+            "file": self.file,
+            "sha256": self.sha256,
+            "settles": [i.key for i in self.model.interpretations],
+            "states_launch": self.model.launch is not None,
+        }
 
 
 def resolution_path(plan_path: Path) -> Path:

@@ -59,8 +59,14 @@ class ArmConfig:
     def adam(self) -> dict[str, float]:
         """AdamParams of this arm's updates (the spec declares no weight decay or clipping: 0)."""
         c = self.optimizer_config
-        return {"learning_rate": self.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps,
-                "weight_decay": c.weight_decay or 0.0, "grad_clip_norm": c.grad_clip_norm or 0.0}
+        return {
+            "learning_rate": self.lr,
+            "beta1": c.beta1,
+            "beta2": c.beta2,
+            "eps": c.eps,
+            "weight_decay": c.weight_decay or 0.0,
+            "grad_clip_norm": c.grad_clip_norm or 0.0,
+        }
 
     def adam_config_requested(self) -> dict[str, float]:
         """The spec's optimizer_config keys (what an optimizer check compares)."""
@@ -125,38 +131,74 @@ class RunConfig:
         return self.arms[0].seed
 
     def schedule_values(self) -> dict[str, Stated]:
-        return {"groups_per_batch": self.groups_per_batch, "group_size": self.group_size,
-                "temperature": self.temperature, "max_tokens": self.max_tokens,
-                "minibatches_per_batch": self.minibatches_per_batch, "gate_pilot_steps": self.gate_pilot_steps}
+        return {
+            "groups_per_batch": self.groups_per_batch,
+            "group_size": self.group_size,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "minibatches_per_batch": self.minibatches_per_batch,
+            "gate_pilot_steps": self.gate_pilot_steps,
+        }
 
     def as_json(self) -> JsonObject:
         """The effective config's view: plain values, and each prose value with its sentence."""
         return {
-            "base_model": self.base_model, "lora_rank": self.lora_rank, "dataset": self.dataset,
-            "train_items": self.train_items, "max_seq_len": self.max_seq_len,
-            "arms": [{"name": a.name, "loss": a.loss, "role": a.role, "seed": a.seed, "lr": a.lr,
-                      "updates_per_batch": a.updates_per_batch, "optimizer": a.optimizer, "adam": dict(a.adam.items())}
-                     for a in self.arms],
+            "base_model": self.base_model,
+            "lora_rank": self.lora_rank,
+            "dataset": self.dataset,
+            "train_items": self.train_items,
+            "max_seq_len": self.max_seq_len,
+            "arms": [
+                {
+                    "name": a.name,
+                    "loss": a.loss,
+                    "role": a.role,
+                    "seed": a.seed,
+                    "lr": a.lr,
+                    "updates_per_batch": a.updates_per_batch,
+                    "optimizer": a.optimizer,
+                    "adam": dict(a.adam.items()),
+                }
+                for a in self.arms
+            ],
             "baseline_source": self.baseline_source,
-            "rollout_steps": self.rollout_steps, "optimizer_steps": self.optimizer_steps,
-            "updates_per_batch": self.updates_per_batch, "batch_size": self.batch_size,
+            "rollout_steps": self.rollout_steps,
+            "optimizer_steps": self.optimizer_steps,
+            "updates_per_batch": self.updates_per_batch,
+            "batch_size": self.batch_size,
             **{k: v.value for k, v in self.schedule_values().items()},
-            "eval_items": self.eval_items, "normalization": self.normalization,
-            "decision": {"method": self.decision_method, "alpha": self.alpha,
-                         "criteria": [{"id": c.id, "metric": c.metric, "treatment": c.treatment,
-                                       "baseline": c.baseline, "margin": c.margin, "bounds": list(c.bounds)}
-                                      for c in self.criteria]},
+            "eval_items": self.eval_items,
+            "normalization": self.normalization,
+            "decision": {
+                "method": self.decision_method,
+                "alpha": self.alpha,
+                "criteria": [
+                    {
+                        "id": c.id,
+                        "metric": c.metric,
+                        "treatment": c.treatment,
+                        "baseline": c.baseline,
+                        "margin": c.margin,
+                        "bounds": list(c.bounds),
+                    }
+                    for c in self.criteria
+                ],
+            },
             "gate_checks": [c.model_dump(exclude_none=True) for c in self.gate_checks],
             "stated_in_prose": {k: v.as_json() for k, v in self.schedule_values().items()},
-            **({"declared_interpretations": self.declared_interpretations()} if self.declared_interpretations()
-               else {}),
+            **(
+                {"declared_interpretations": self.declared_interpretations()} if self.declared_interpretations() else {}
+            ),
         }
 
     def declared_interpretations(self) -> list[JsonValue]:
         """The values a resolution file settled ({key, value, sentence, why, file})."""
         values = {**self.prose, "gate_pilot_steps": self.gate_pilot_steps}
-        return [{"key": k, "value": v.value, "sentence": v.source, "why": v.why, "file": v.field}
-                for k, v in values.items() if v.why]
+        return [
+            {"key": k, "value": v.value, "sentence": v.source, "why": v.why, "file": v.field}
+            for k, v in values.items()
+            if v.why
+        ]
 
 
 def _fail(at: str, msg: str) -> PlanError:
@@ -178,8 +220,10 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
     upb, seed = _check_arms(spec)
     if "updates_per_batch" in stated and stated["updates_per_batch"].value != upb:
         s = stated["updates_per_batch"]
-        raise _fail("arms", f"updates_per_batch {upb} != the {s.value} optimizer steps per batch the method states "
-                            f"({_quote(s)})")
+        raise _fail(
+            "arms",
+            f"updates_per_batch {upb} != the {s.value} optimizer steps per batch the method states ({_quote(s)})",
+        )
 
     # steps, batch and the minibatch split: prose against the structured fields
     if spec.steps % upb:
@@ -192,25 +236,39 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
         s = stated["optim_steps"]
         raise _fail("steps", f"{spec.steps} != the {s.value} optimizer steps the method states ({_quote(s)})")
     if gpb * gs != spec.batch_size:
-        raise _fail("batch_size", f"{spec.batch_size} != groups_per_batch {gpb} x group_size {gs} "
-                                  f"({_quote(sched['groups_per_batch'])})")
+        raise _fail(
+            "batch_size",
+            f"{spec.batch_size} != groups_per_batch {gpb} x group_size {gs} ({_quote(sched['groups_per_batch'])})",
+        )
     minibatches = stated.get("minibatches") or Stated(
-        upb, "arms[*].updates_per_batch", "one complete-group minibatch per update (the method states no split)",
-        default=True)
+        upb,
+        "arms[*].updates_per_batch",
+        "one complete-group minibatch per update (the method states no split)",
+        default=True,
+    )
     if minibatches.value != upb:
-        raise _fail("arms", f"updates_per_batch {upb} != the {minibatches.value} minibatches the rollout batch is "
-                            f"split into ({_quote(minibatches)})")
+        raise _fail(
+            "arms",
+            f"updates_per_batch {upb} != the {minibatches.value} minibatches the rollout batch is "
+            f"split into ({_quote(minibatches)})",
+        )
     if gpb % upb:
         raise _fail("method", f"groups_per_batch {gpb} cannot form {upb} complete-group minibatches")
-    for key, structured, at in (("lora_rank", spec.lora_rank, "lora_rank"), ("lr", spec.optimizer.lr, "optimizer.lr"),
-                                ("seed", seed, "arms[*].seed"), ("eval_items", spec.eval.n_examples,
-                                                                 "eval.n_examples")):
+    for key, structured, at in (
+        ("lora_rank", spec.lora_rank, "lora_rank"),
+        ("lr", spec.optimizer.lr, "optimizer.lr"),
+        ("seed", seed, "arms[*].seed"),
+        ("eval_items", spec.eval.n_examples, "eval.n_examples"),
+    ):
         said = stated.get(key)
         if said is not None and said.value != structured:
             raise _fail(at, f"{structured} but the method states {said.value} ({_quote(said)})")
     if max_tokens >= spec.max_seq_len:
-        raise _fail("max_seq_len", f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={max_tokens} "
-                                   f"({_quote(sched['max_tokens'])})")
+        raise _fail(
+            "max_seq_len",
+            f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={max_tokens} "
+            f"({_quote(sched['max_tokens'])})",
+        )
 
     data = _check_dataset(spec, rollout_steps, gpb)
     arms = _arms(spec)
@@ -219,29 +277,58 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
     _check_gate_plan(spec, upb)
     _check_updates_stated_elsewhere(spec, upb)
     check_loss_statements(spec)
-    pilot = parse_method(spec.activation_gate.reason, "activation_gate.reason", keys=("pilot_steps",),
-                         arm_names=arm_names, settlements=settlements).get("pilot_steps") or Stated(
-        DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'", default=True)
+    pilot = parse_method(
+        spec.activation_gate.reason,
+        "activation_gate.reason",
+        keys=("pilot_steps",),
+        arm_names=arm_names,
+        settlements=settlements,
+    ).get("pilot_steps") or Stated(
+        DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'", default=True
+    )
     return RunConfig(
-        base_model=spec.base_model, lora_rank=spec.lora_rank, dataset=data.name, train_items=spec.dataset.n_examples,
-        max_seq_len=spec.max_seq_len, arms=arms[0], baseline_source=arms[1], rollout_steps=rollout_steps,
-        optimizer_steps=spec.steps, updates_per_batch=upb, batch_size=spec.batch_size,
-        groups_per_batch=sched["groups_per_batch"], group_size=sched["group_size"],
-        temperature=sched["temperature"], max_tokens=sched["max_tokens"], minibatches_per_batch=minibatches,
-        eval_items=spec.eval.n_examples, gate_pilot_steps=pilot, decision_method=spec.decision_rule.method, alpha=spec.decision_rule.alpha,
-        criteria=criteria, gate_checks=tuple(spec.activation_gate.checks), budget=spec.budget, prose=stated,
+        base_model=spec.base_model,
+        lora_rank=spec.lora_rank,
+        dataset=data.name,
+        train_items=spec.dataset.n_examples,
+        max_seq_len=spec.max_seq_len,
+        arms=arms[0],
+        baseline_source=arms[1],
+        rollout_steps=rollout_steps,
+        optimizer_steps=spec.steps,
+        updates_per_batch=upb,
+        batch_size=spec.batch_size,
+        groups_per_batch=sched["groups_per_batch"],
+        group_size=sched["group_size"],
+        temperature=sched["temperature"],
+        max_tokens=sched["max_tokens"],
+        minibatches_per_batch=minibatches,
+        eval_items=spec.eval.n_examples,
+        gate_pilot_steps=pilot,
+        decision_method=spec.decision_rule.method,
+        alpha=spec.decision_rule.alpha,
+        criteria=criteria,
+        gate_checks=tuple(spec.activation_gate.checks),
+        budget=spec.budget,
+        prose=stated,
     )
 
 
 def _check_updates_stated_elsewhere(spec: ExperimentSpec, upb: int) -> None:
     """The hypothesis, the baseline text and the gate's reason state the updates per batch too
     ("with 2 updates per batch"); each statement must be what the arms run."""
-    for at, text in (("hypothesis", spec.hypothesis), ("baseline", spec.baseline),
-                     ("activation_gate.reason", spec.activation_gate.reason)):
+    for at, text in (
+        ("hypothesis", spec.hypothesis),
+        ("baseline", spec.baseline),
+        ("activation_gate.reason", spec.activation_gate.reason),
+    ):
         for value, sentence in stated_values(text, "updates_per_batch", at):
             if value != upb:
-                raise _fail(at, f"states {value} optimizer steps per rollout batch ({sentence!r}), but the arms run "
-                                f"updates_per_batch {upb}")
+                raise _fail(
+                    at,
+                    f"states {value} optimizer steps per rollout batch ({sentence!r}), but the arms run "
+                    f"updates_per_batch {upb}",
+                )
 
 
 def _check_arms(spec: ExperimentSpec) -> tuple[int, int]:
@@ -257,8 +344,11 @@ def _check_arms(spec: ExperimentSpec) -> tuple[int, int]:
     for key in ("seed", "updates_per_batch"):
         values = sorted({getattr(a, key) for a in spec.arms})
         if len(values) != 1:
-            raise _fail("arms", f"{key} differs between arms ({values}): paired arms share prompts, sampling seeds "
-                                "and the minibatch schedule")
+            raise _fail(
+                "arms",
+                f"{key} differs between arms ({values}): paired arms share prompts, sampling seeds "
+                "and the minibatch schedule",
+            )
     return spec.arms[0].updates_per_batch, spec.arms[0].seed
 
 
@@ -269,14 +359,21 @@ def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: i
     except dataset.UnknownDatasetError as exc:
         raise _fail("dataset.name", str(exc)) from None
     if spec.dataset.hf_path != data.hf_path:
-        raise _fail("dataset.hf_path", f"{spec.dataset.hf_path!r} is not the source of the registered "
-                                       f"{data.name} ({data.hf_path!r})")
+        raise _fail(
+            "dataset.hf_path",
+            f"{spec.dataset.hf_path!r} is not the source of the registered {data.name} ({data.hf_path!r})",
+        )
     need = rollout_steps * groups_per_batch
     if need > spec.dataset.n_examples:
-        raise _fail("dataset.n_examples", f"{spec.dataset.n_examples} train prompts, but {rollout_steps} rollout "
-                                          f"steps x {groups_per_batch} groups use {need}")
-    for split, n, at in (("train", spec.dataset.n_examples, "dataset.n_examples"), ("test", spec.eval.n_examples,
-                                                                                  "eval.n_examples")):
+        raise _fail(
+            "dataset.n_examples",
+            f"{spec.dataset.n_examples} train prompts, but {rollout_steps} rollout "
+            f"steps x {groups_per_batch} groups use {need}",
+        )
+    for split, n, at in (
+        ("train", spec.dataset.n_examples, "dataset.n_examples"),
+        ("test", spec.eval.n_examples, "eval.n_examples"),
+    ):
         if n > data.split_sizes[split]:
             raise _fail(at, f"{n} exceeds the {data.split_sizes[split]} items of {data.name} {split}")
     return data
@@ -339,24 +436,41 @@ def baseline_arm(spec: ExperimentSpec) -> tuple[str, str]:
     else:
         hits = _losses_named(text)
         if not hits:
-            raise _fail("baseline", f"names no arm ({[a.name for a in spec.arms]}) and no registered loss "
-                                    f"({', '.join(losses.loss_names())}, or their labels), so the baseline arm is unknown")
+            raise _fail(
+                "baseline",
+                f"names no arm ({[a.name for a in spec.arms]}) and no registered loss "
+                f"({', '.join(losses.loss_names())}, or their labels), so the baseline arm is unknown",
+            )
         named_losses = list(dict.fromkeys(loss for _, loss, _ in hits))
         if len(named_losses) > 1:
             labels = list(dict.fromkeys(label for _, _, label in hits))
-            raise _fail("baseline", f"names several losses ({', '.join(labels)}), so which arm is the baseline is "
-                                    f"ambiguous; name the baseline arm ({[a.name for a in spec.arms]}) in the text")
+            raise _fail(
+                "baseline",
+                f"names several losses ({', '.join(labels)}), so which arm is the baseline is "
+                f"ambiguous; name the baseline arm ({[a.name for a in spec.arms]}) in the text",
+            )
         _, loss, label = hits[0]
         with_loss = [a.name for a in spec.arms if a.loss == loss]
         if len(with_loss) != 1:
-            raise _fail("baseline", f"names the loss {loss!r}, which {len(with_loss)} arms train ({with_loss}); "
-                                    "name the baseline arm in the baseline text")
-        base, how = with_loss[0], (f"the baseline text names {label!r} (registered loss {loss!r}) first, the loss "
-                                   f"of arm {with_loss[0]!r} only")
+            raise _fail(
+                "baseline",
+                f"names the loss {loss!r}, which {len(with_loss)} arms train ({with_loss}); "
+                "name the baseline arm in the baseline text",
+            )
+        base, how = (
+            with_loss[0],
+            (
+                f"the baseline text names {label!r} (registered loss {loss!r}) first, the loss "
+                f"of arm {with_loss[0]!r} only"
+            ),
+        )
     for at, phrase, pos, neg in stated_differences(spec):
         if neg != base or pos == base:
-            raise _fail(at, f"{phrase!r} compares against arm {neg!r}, but {how}, so arm {base!r} is the "
-                            "baseline; the decision would measure the opposite difference")
+            raise _fail(
+                at,
+                f"{phrase!r} compares against arm {neg!r}, but {how}, so arm {base!r} is the "
+                "baseline; the decision would measure the opposite difference",
+            )
     return base, how
 
 
@@ -378,10 +492,22 @@ def _arms(spec: ExperimentSpec) -> tuple[tuple[ArmConfig, ...], str]:
             raise _fail("restoration_preflight.groups", f"no optimizer_config for arm {a.name!r}")
         family, cfg = opt[a.name]
         if cfg.learning_rate != a.lr:
-            raise _fail(f"arms[{i}].lr", f"{a.lr} != restoration_preflight optimizer_config.learning_rate "
-                                         f"{cfg.learning_rate} of arm {a.name!r}")
-        out.append(ArmConfig(a.name, a.loss, "baseline" if a.name == base else "treatment", a.seed, a.lr,
-                             a.updates_per_batch, family, cfg))
+            raise _fail(
+                f"arms[{i}].lr",
+                f"{a.lr} != restoration_preflight optimizer_config.learning_rate {cfg.learning_rate} of arm {a.name!r}",
+            )
+        out.append(
+            ArmConfig(
+                a.name,
+                a.loss,
+                "baseline" if a.name == base else "treatment",
+                a.seed,
+                a.lr,
+                a.updates_per_batch,
+                family,
+                cfg,
+            )
+        )
     if len(out) < 2:
         raise _fail("arms", "a paired comparison needs a baseline and at least one treatment arm")
     return tuple(sorted(out, key=lambda x: x.role)), how  # stable: baseline first, treatments in spec order
@@ -391,14 +517,19 @@ def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str])
     arms = arms_how[0]
     rule = spec.decision_rule
     if rule.method not in DECISION_METHODS:
-        raise _fail("decision_rule.method", f"{rule.method!r} is not implemented (implemented: {list(DECISION_METHODS)})")
+        raise _fail(
+            "decision_rule.method", f"{rule.method!r} is not implemented (implemented: {list(DECISION_METHODS)})"
+        )
     seeds = sorted({a.seed for a in arms})
     if not set(seeds) <= set(rule.seeds):
         raise _fail("decision_rule.seeds", f"{rule.seeds} does not schedule the arms' seed {seeds}")
     unrun = sorted(set(rule.seeds) - set(seeds))
     if unrun:
-        raise _fail("decision_rule.seeds", f"{rule.seeds} schedules seed {unrun}, which no arm runs (the arms run "
-                                           f"{seeds}); every scheduled seed needs every arm")
+        raise _fail(
+            "decision_rule.seeds",
+            f"{rule.seeds} schedules seed {unrun}, which no arm runs (the arms run "
+            f"{seeds}); every scheduled seed needs every arm",
+        )
     if not 0 < rule.alpha < 1:
         raise _fail("decision_rule.alpha", f"{rule.alpha} must be in (0, 1)")
     treatments = [a.name for a in arms if a.role == "treatment"]
@@ -412,8 +543,11 @@ def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str])
             return arms[0].name
         if key == "treatment":
             if len(treatments) != 1:
-                raise _fail(at, f"names the role 'treatment', but the spec has {len(treatments)} treatment arms "
-                                f"({treatments}); name the arm instead")
+                raise _fail(
+                    at,
+                    f"names the role 'treatment', but the spec has {len(treatments)} treatment arms "
+                    f"({treatments}); name the arm instead",
+                )
             return treatments[0]
         raise _fail(at, f"{key!r} is neither an arm ({sorted(names)}) nor a role (treatment, baseline)")
 
@@ -423,8 +557,10 @@ def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str])
         if sorted(c.weights.values()) != [-1, 1]:
             raise _fail(at, f"{c.weights}: only a paired difference (+1 one arm, -1 another) is implemented")
         if c.metric not in SCORED_METRICS:
-            raise _fail(f"decision_rule.criteria[{i}].metric", f"{c.metric!r} is not scored by the evaluator "
-                                                               f"(scores: {list(SCORED_METRICS)})")
+            raise _fail(
+                f"decision_rule.criteria[{i}].metric",
+                f"{c.metric!r} is not scored by the evaluator (scores: {list(SCORED_METRICS)})",
+            )
         pos = arm_of(next(k for k, w in c.weights.items() if w == 1), at)
         neg = arm_of(next(k for k, w in c.weights.items() if w == -1), at)
         if pos == neg:
@@ -433,11 +569,15 @@ def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str])
         if not lo < hi:
             raise _fail(f"decision_rule.criteria[{i}].bounds", f"{c.bounds}: lower bound must be below upper")
         if (lo, hi) != METRIC_RANGES[c.metric]:
-            raise _fail(f"decision_rule.criteria[{i}].bounds", f"{c.bounds} is not the range of {c.metric} "
-                                                               f"{list(METRIC_RANGES[c.metric])}")
+            raise _fail(
+                f"decision_rule.criteria[{i}].bounds",
+                f"{c.bounds} is not the range of {c.metric} {list(METRIC_RANGES[c.metric])}",
+            )
         if not abs(c.margin) < hi - lo:
-            raise _fail(f"decision_rule.criteria[{i}].margin", f"{c.margin} is outside the difference's range "
-                                                               f"({lo - hi}, {hi - lo}) of {c.metric}")
+            raise _fail(
+                f"decision_rule.criteria[{i}].margin",
+                f"{c.margin} is outside the difference's range ({lo - hi}, {hi - lo}) of {c.metric}",
+            )
         for at_s, phrase, stated_pos, stated_neg in differences:
             if (stated_pos or pos, stated_neg) == (neg, pos):
                 raise _fail(at, f"measures {pos} minus {neg}, but {at_s} states {phrase!r}")
@@ -451,8 +591,10 @@ def _check_gate_metrics(spec: ExperimentSpec) -> None:
     provided = {**losses.gate_metric_sources(), **dict.fromkeys(losses.HARNESS_GATE_METRICS, "harness")}
     for i, c in enumerate(spec.activation_gate.checks):
         if c.metric not in provided:
-            raise _fail(f"activation_gate.checks[{i}].metric", f"{c.metric!r} is provided by no registered loss "
-                                                               f"(provided: {', '.join(sorted(provided))})")
+            raise _fail(
+                f"activation_gate.checks[{i}].metric",
+                f"{c.metric!r} is provided by no registered loss (provided: {', '.join(sorted(provided))})",
+            )
 
 
 def _check_gate_plan(spec: ExperimentSpec, updates_per_batch: int) -> None:
@@ -460,9 +602,14 @@ def _check_gate_plan(spec: ExperimentSpec, updates_per_batch: int) -> None:
     for i, c in enumerate(spec.activation_gate.checks):
         at = f"activation_gate.checks[{i}]"
         if c.metric == "executed_updates_per_batch" and not (
-                (c.min is None or c.min <= updates_per_batch) and (c.max is None or updates_per_batch <= c.max)):
-            raise _fail(at, f"executed_updates_per_batch in [{c.min}, {c.max}] cannot pass: the arms run "
-                            f"updates_per_batch {updates_per_batch}")
+            (c.min is None or c.min <= updates_per_batch) and (c.max is None or updates_per_batch <= c.max)
+        ):
+            raise _fail(
+                at,
+                f"executed_updates_per_batch in [{c.min}, {c.max}] cannot pass: the arms run "
+                f"updates_per_batch {updates_per_batch}",
+            )
         if c.metric == "executed_base_model" and c.one_of is not None and spec.base_model not in c.one_of:
-            raise _fail(at, f"executed_base_model one_of {c.one_of} cannot pass: the plan's base_model is "
-                            f"{spec.base_model!r}")
+            raise _fail(
+                at, f"executed_base_model one_of {c.one_of} cannot pass: the plan's base_model is {spec.base_model!r}"
+            )

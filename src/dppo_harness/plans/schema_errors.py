@@ -43,8 +43,14 @@ def format_path(loc: Sequence[str | int]) -> str:
 
 
 _EXPECTED = {
-    "float_type": "number", "int_type": "integer", "bool_type": "bool", "string_type": "string",
-    "list_type": "list", "dict_type": "object", "model_type": "object", "model_attributes_type": "object",
+    "float_type": "number",
+    "int_type": "integer",
+    "bool_type": "bool",
+    "string_type": "string",
+    "list_type": "list",
+    "dict_type": "object",
+    "model_type": "object",
+    "model_attributes_type": "object",
 }
 
 
@@ -70,8 +76,12 @@ def describe(err: ErrorDetails) -> str:
     elif kind == "string_pattern_mismatch":
         msg = f"expected a string matching {ctx['pattern']!r}, got {value!r}"
     elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        op, bound = {"greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le"),
-                     "greater_than": (">", "gt"), "less_than": ("<", "lt")}[kind]
+        op, bound = {
+            "greater_than_equal": (">=", "ge"),
+            "less_than_equal": ("<=", "le"),
+            "greater_than": (">", "gt"),
+            "less_than": ("<", "lt"),
+        }[kind]
         msg = f"expected a number {op} {ctx[bound]}, got {value!r}"
     elif kind == "too_short":
         msg = f"expected at least {ctx['min_length']} items, got {ctx['actual_length']}"

@@ -29,17 +29,22 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(scope="session")
-def connectivity(request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan,
-                 harness_options: HarnessOptions) -> ConnectivityReport:
+def connectivity(
+    request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan, harness_options: HarnessOptions
+) -> ConnectivityReport:
     from dppo_harness.service.connectivity import ConnectivityError, check_connectivity  # the SDK: see above
 
     report = early_connectivity(request.config)  # the launch-scope check may have read it already
     if report is not None:
         return report
     try:
-        return check_connectivity(service_backend.kind, service_backend.base_url, plan.base_model,
-                                  proxy_tokens=harness_options.proxy_credentials,
-                                  sdk_telemetry=harness_options.sdk_telemetry)
+        return check_connectivity(
+            service_backend.kind,
+            service_backend.base_url,
+            plan.base_model,
+            proxy_tokens=harness_options.proxy_credentials,
+            sdk_telemetry=harness_options.sdk_telemetry,
+        )
     except ConnectivityError as exc:
         line = f"connectivity preflight ({exc.check}): {exc.line}"
     pytest.fail(line, pytrace=False)  # outside the except: the one line, without a chained traceback

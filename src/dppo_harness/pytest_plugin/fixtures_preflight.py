@@ -44,27 +44,43 @@ logger = logging.getLogger(__name__)
 # imports them when a test first asks for it, so that pytest start-up and unit-only sessions never pay.
 
 
-def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient,
-                 backend_block: Backend | None = None) -> plans.BackendInfo:
+def backend_info(
+    service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient, backend_block: Backend | None = None
+) -> plans.BackendInfo:
     """plans.BackendInfo from what the server reported at client creation."""
     info = client.get_info()
-    served = info.model_data.arch if service_backend.kind == "local" and info.model_data.arch else (
-        info.model_data.model_name or info.model_name)
+    served = (
+        info.model_data.arch
+        if service_backend.kind == "local" and info.model_data.arch
+        else (info.model_data.model_name or info.model_name)
+    )
     if backend_block:  # on the embedded server (marker seen) the stand-in computes
         served = served_model(info.model_data.model_dump(), backend_block).name or served
     if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
         served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
-    return plans.BackendInfo(backend=service_backend.kind, requested_model=plan.base_model,
-                             served_model=str(served), base_url=redact_url(service_backend.base_url),
-                             sdk_versions=sdk_versions())
+    return plans.BackendInfo(
+        backend=service_backend.kind,
+        requested_model=plan.base_model,
+        served_model=str(served),
+        base_url=redact_url(service_backend.base_url),
+        sdk_versions=sdk_versions(),
+    )
 
 
 @pytest.fixture(scope="session")
 @stops_stage
-def restoration(request: pytest.FixtureRequest, service_client: tinker.ServiceClient, service_backend: ServiceBackend,
-                plan: Plan, evidence_bundle: EvidenceBundle, client_registry: ClientRegistry, client_base_model: str,
-                service_waiter: ServiceWaiter, stage_session_client: Callable[[str, str], tinker.ServiceClient],
-                harness_progress: Callable[[str], None]) -> RestorationResult:
+def restoration(
+    request: pytest.FixtureRequest,
+    service_client: tinker.ServiceClient,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    evidence_bundle: EvidenceBundle,
+    client_registry: ClientRegistry,
+    client_base_model: str,
+    service_waiter: ServiceWaiter,
+    stage_session_client: Callable[[str, str], tinker.ServiceClient],
+    harness_progress: Callable[[str], None],
+) -> RestorationResult:
     """restoration.RestorationResult for the initialization group of the plan's spec (a
     diagnostic's original plan), run once."""
     from dppo_harness.service.capacity import call_with_capacity_retry  # the SDK: see above
@@ -77,8 +93,9 @@ def restoration(request: pytest.FixtureRequest, service_client: tinker.ServiceCl
         reader = LocalCheckpointReader(service_backend.server.run_dir)
     # Its own session, registered before its first call: a stop on the way (capacity, hang)
     # releases it with the rest.
-    probe_sc = stage_session_client("preflight-probes",
-                                    "preflight setup and probe clients (closed when the preflight ends)")
+    probe_sc = stage_session_client(
+        "preflight-probes", "preflight setup and probe clients (closed when the preflight ends)"
+    )
     policy = service_waiter.policy.capacity()  # the session's windows for refused creations
     update_norm = None
     if reader is None:  # tinker backend: read trained weights back through the SDK (no local engine to ask)
@@ -90,8 +107,12 @@ def restoration(request: pytest.FixtureRequest, service_client: tinker.ServiceCl
         # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
         with Watchdog(harness_progress, every_s=10.0) as watch:
             result = restoration_module.run_restoration_preflight(
-                service_client, plan, evidence_bundle, checkpoint_reader=reader,
-                probe_service_client=probe_sc, base_model=client_base_model,  # the served substitute
+                service_client,
+                plan,
+                evidence_bundle,
+                checkpoint_reader=reader,
+                probe_service_client=probe_sc,
+                base_model=client_base_model,  # the served substitute
                 # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
                 call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
                 update_norm=update_norm,
@@ -120,17 +141,26 @@ def verified_restoration(restoration: RestorationResult) -> RestorationResult:
 
 @pytest.fixture(scope="session")
 @stops_stage
-def feasibility(request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan,
-                evidence_bundle: EvidenceBundle, verified_restoration: RestorationResult,
-                client_registry: ClientRegistry, stage_session_client: Callable[[str, str], tinker.ServiceClient],
-                harness_progress: Callable[[str], None], connectivity: ConnectivityReport) -> FeasibilityResult:
+def feasibility(
+    request: pytest.FixtureRequest,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    evidence_bundle: EvidenceBundle,
+    verified_restoration: RestorationResult,
+    client_registry: ClientRegistry,
+    stage_session_client: Callable[[str, str], tinker.ServiceClient],
+    harness_progress: Callable[[str], None],
+    connectivity: ConnectivityReport,
+) -> FeasibilityResult:
     """feasibility.FeasibilityResult of the selected plan on this backend (runs once); the pilot's
     client lives in its own session, closed when the pilot ends."""
     if not runs_feasibility_pilot(plan):
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written.
-    eff = plans.effective_config(plan, backend_info(service_backend, plan, arm_client, backend_of(evidence_bundle.result)))
+    eff = plans.effective_config(
+        plan, backend_info(service_backend, plan, arm_client, backend_of(evidence_bundle.result))
+    )
     # The plan's own budget is compared with the plan's projected work; time already spent in this
     # session is the budget ledger's business (evidence.budget_allows per stage).
     from dppo_harness.stages import feasibility as feasibility_module  # the SDK and torch: see above
@@ -139,9 +169,15 @@ def feasibility(request: pytest.FixtureRequest, service_backend: ServiceBackend,
     try:
         with Watchdog(harness_progress, every_s=10.0) as watch:
             return feasibility_module.run_feasibility(
-                pilot_sc, plan, evidence_bundle, initial_checkpoint=verified_restoration.initial_checkpoint,
-                backend_kind=service_backend.kind, effective_config=eff,
-                measured_setup={"restoration_preflight": verified_restoration.wall_seconds}, progress=watch.say,
-                embedded_server=connectivity.embedded)
+                pilot_sc,
+                plan,
+                evidence_bundle,
+                initial_checkpoint=verified_restoration.initial_checkpoint,
+                backend_kind=service_backend.kind,
+                effective_config=eff,
+                measured_setup={"restoration_preflight": verified_restoration.wall_seconds},
+                progress=watch.say,
+                embedded_server=connectivity.embedded,
+            )
     finally:
         record_client_releases(request.config, client_registry.release_stage("feasibility-pilot"))

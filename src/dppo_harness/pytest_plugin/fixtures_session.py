@@ -51,8 +51,9 @@ class ServiceBackend:
 
 
 @pytest.fixture(scope="session")
-def service_backend(harness_options: HarnessOptions, tmp_path_factory: pytest.TempPathFactory,
-                    harness_progress: Callable[[str], None]) -> Iterator[ServiceBackend]:
+def service_backend(
+    harness_options: HarnessOptions, tmp_path_factory: pytest.TempPathFactory, harness_progress: Callable[[str], None]
+) -> Iterator[ServiceBackend]:
     if harness_options.backend == "tinker":
         yield ServiceBackend("tinker", os.environ["TINKER_BASE_URL"], None)
         return
@@ -85,8 +86,13 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
 
 
 @pytest.fixture(scope="session")
-def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptions, service_backend: ServiceBackend,
-                   evidence_bundle: EvidenceBundle, client_registry: ClientRegistry) -> ServiceWaiter:
+def service_waiter(
+    request: pytest.FixtureRequest,
+    harness_options: HarnessOptions,
+    service_backend: ServiceBackend,
+    evidence_bundle: EvidenceBundle,
+    client_registry: ClientRegistry,
+) -> ServiceWaiter:
     """The session's one wait policy: every client of every ServiceClient the harness makes waits
     under it; long waits are posted to the evidence, a stop releases the clients and records why."""
     # The waiter and its evidence poster load the tinker SDK (seconds): paid when a test first needs a client.
@@ -94,13 +100,17 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
     from dppo_harness.service.wait.waiter import ServiceWaiter  # the tinker SDK, as above
 
     scale = capacity_scale(service_backend.kind, os.environ)
-    policy = WaitPolicy.from_options(capacity_patience_s=harness_options.capacity_patience_s,
-                                     capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
-                                     service_timeout_s=harness_options.service_timeout_s, scale=scale)
+    policy = WaitPolicy.from_options(
+        capacity_patience_s=harness_options.capacity_patience_s,
+        capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
+        service_timeout_s=harness_options.service_timeout_s,
+        scale=scale,
+    )
     poster = BundlePoster(evidence_bundle, client_registry)
     waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
+
         def died(srv: LocalServerProcess) -> None:
             code, tail = srv.death_report()
             client_registry.service_gone(f"the embedded server (pid {srv.pid}) exited (exit code {code})")
@@ -111,35 +121,54 @@ def service_waiter(request: pytest.FixtureRequest, harness_options: HarnessOptio
 
 
 @pytest.fixture(scope="session")
-def service_client(service_backend: ServiceBackend, client_registry: ClientRegistry, harness_options: HarnessOptions,
-                   training_client_observer: TrainingClientRecorder,
-                   service_waiter: ServiceWaiter) -> tinker.ServiceClient:
+def service_client(
+    service_backend: ServiceBackend,
+    client_registry: ClientRegistry,
+    harness_options: HarnessOptions,
+    training_client_observer: TrainingClientRecorder,
+    service_waiter: ServiceWaiter,
+) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
     from dppo_harness.service.observed import make_service_client  # the tinker SDK (seconds), on first use
 
     return make_service_client(
-        service_backend.kind, service_backend.base_url, registry=client_registry, stage="session",
+        service_backend.kind,
+        service_backend.base_url,
+        registry=client_registry,
+        stage="session",
         observer=training_client_observer,  # every training client's identity -> evidence
         label="session: the arms' training clients and evaluation samplers (open until the session ends)",
-        waiter=service_waiter, proxy_tokens=harness_options.proxy_credentials,
+        waiter=service_waiter,
+        proxy_tokens=harness_options.proxy_credentials,
         sdk_telemetry=harness_options.sdk_telemetry,
     )
 
 
 @pytest.fixture(scope="session")
-def stage_session_client(service_backend: ServiceBackend, client_registry: ClientRegistry,
-                         training_client_observer: TrainingClientRecorder, service_waiter: ServiceWaiter,
-                         harness_options: HarnessOptions) -> Callable[[str, str], tinker.ServiceClient]:
+def stage_session_client(
+    service_backend: ServiceBackend,
+    client_registry: ClientRegistry,
+    training_client_observer: TrainingClientRecorder,
+    service_waiter: ServiceWaiter,
+    harness_options: HarnessOptions,
+) -> Callable[[str, str], tinker.ServiceClient]:
     """A factory of a stage's own ServiceClient session (`stage`, `label`): observed, waited and
     registered before its first call, so a stop on the way releases it with the rest; the stage
     closes it when its work ends, before any arm trains."""
     from dppo_harness.service.observed import make_service_client  # the tinker SDK (seconds), on first use
 
     def open_session(stage: str, label: str) -> tinker.ServiceClient:
-        return make_service_client(service_backend.kind, service_backend.base_url, observer=training_client_observer,
-                                   registry=client_registry, stage=stage, label=label, waiter=service_waiter,
-                                   proxy_tokens=harness_options.proxy_credentials,
-                                   sdk_telemetry=harness_options.sdk_telemetry)
+        return make_service_client(
+            service_backend.kind,
+            service_backend.base_url,
+            observer=training_client_observer,
+            registry=client_registry,
+            stage=stage,
+            label=label,
+            waiter=service_waiter,
+            proxy_tokens=harness_options.proxy_credentials,
+            sdk_telemetry=harness_options.sdk_telemetry,
+        )
 
     return open_session
 
@@ -151,8 +180,13 @@ def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
 
 
 @pytest.fixture(scope="session")
-def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions, plan: Plan,
-                    service_backend: ServiceBackend, connectivity: ConnectivityReport) -> EvidenceBundle:
+def evidence_bundle(
+    pytestconfig: pytest.Config,
+    harness_options: HarnessOptions,
+    plan: Plan,
+    service_backend: ServiceBackend,
+    connectivity: ConnectivityReport,
+) -> EvidenceBundle:
     bundle = EvidenceBundle.create(harness_options.evidence_dir)
     # Known to the session before anything else is written, so whatever fails next, the session's
     # end closes this bundle's result.
@@ -164,13 +198,23 @@ def evidence_bundle(pytestconfig: pytest.Config, harness_options: HarnessOptions
         project_root=project.project_root(),
         test_files=sorted({str(p) for p in _stage_test_files(pytestconfig)}),
         # The embedded server names its stand-in model; a real service names it at client creation.
-        served_model=(connectivity.marker.stand_in if connectivity.marker and connectivity.marker.stand_in
-                      else service_backend.server.stats()["served_model"] if service_backend.server else None),
+        served_model=(
+            connectivity.marker.stand_in
+            if connectivity.marker and connectivity.marker.stand_in
+            else service_backend.server.stats()["served_model"]
+            if service_backend.server
+            else None
+        ),
     )
     # What the plan's stages will register (refused at load if over).
-    bundle.note_ledger(evidence_budget=budget.plan_needs(
-        plan, harness_options.budget_stages, save_every=harness_options.save_every,
-        resumed=harness_options.resume is not None).as_record())
+    bundle.note_ledger(
+        evidence_budget=budget.plan_needs(
+            plan,
+            harness_options.budget_stages,
+            save_every=harness_options.save_every,
+            resumed=harness_options.resume is not None,
+        ).as_record()
+    )
     # the connectivity report; on the embedded server (marker), the rehearsal label.
     from dppo_harness.service.identity import record_session_identity  # httpx: paid once a stage opens a bundle
 

@@ -64,9 +64,15 @@ def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
 
 @pytest.fixture(scope="session")
 @stops_stage
-def gate_report(request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan,
-                evidence_bundle: EvidenceBundle, restoration: RestorationResult, client_registry: ClientRegistry,
-                stage_session_client: Callable[[str, str], tinker.ServiceClient]) -> GateReport | GateReports:
+def gate_report(
+    request: pytest.FixtureRequest,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    evidence_bundle: EvidenceBundle,
+    restoration: RestorationResult,
+    client_registry: ClientRegistry,
+    stage_session_client: Callable[[str, str], tinker.ServiceClient],
+) -> GateReport | GateReports:
     """The plan's activation-gate pilot of each treatment arm, run once per session. The pilots'
     clients live in their own session, closed as soon as the pilots end (before any arm trains)."""
     from dppo_harness.stages.gate import run_activation_gates  # the SDK and torch: see above
@@ -74,8 +80,12 @@ def gate_report(request: pytest.FixtureRequest, service_backend: ServiceBackend,
     pilot_sc = stage_session_client("gate-pilot", "activation-gate pilot (closed when the pilot ends)")
     try:
         return run_activation_gates(
-            pilot_sc, plan, evidence_bundle, restoration.initial_checkpoint,
-            backend=service_backend.kind, progress=_progress(request),
+            pilot_sc,
+            plan,
+            evidence_bundle,
+            restoration.initial_checkpoint,
+            backend=service_backend.kind,
+            progress=_progress(request),
         )
     finally:
         record_client_releases(request.config, client_registry.release_stage("gate-pilot"))
@@ -83,10 +93,17 @@ def gate_report(request: pytest.FixtureRequest, service_backend: ServiceBackend,
 
 @pytest.fixture(scope="session")
 @stops_stage
-def comparison_run(request: pytest.FixtureRequest, service_client: tinker.ServiceClient,
-                   service_backend: ServiceBackend, plan: Plan, harness_options: HarnessOptions,
-                   evidence_bundle: EvidenceBundle, client_registry: ClientRegistry, client_base_model: str,
-                   service_waiter: ServiceWaiter) -> ComparisonResult:
+def comparison_run(
+    request: pytest.FixtureRequest,
+    service_client: tinker.ServiceClient,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    harness_options: HarnessOptions,
+    evidence_bundle: EvidenceBundle,
+    client_registry: ClientRegistry,
+    client_base_model: str,
+    service_waiter: ServiceWaiter,
+) -> ComparisonResult:
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session.
 
     A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
@@ -100,32 +117,48 @@ def comparison_run(request: pytest.FixtureRequest, service_client: tinker.Servic
         restoration = request.getfixturevalue("verified_restoration")
         gate_report = request.getfixturevalue("gate_report")
         if not gate_report.passed:
-            pytest.fail("activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
-                        pytrace=False)
-    schedule, source = comparison_schedule(harness_options.comparison_schedule,
-                                           (evidence_bundle.result.get("backend") or {}).get("kind"))
+            pytest.fail(
+                "activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
+                pytrace=False,
+            )
+    schedule, source = comparison_schedule(
+        harness_options.comparison_schedule, (evidence_bundle.result.get("backend") or {}).get("kind")
+    )
     # On a resume the feasibility block is not in this session's result yet: the guard then starts
     # from the finalize reserve alone and projects from the steps it measures.
-    guard = wall_guard_from_feasibility(evidence_bundle.remaining_seconds,
-                                        PilotFigures.from_block(evidence_bundle.result.get("feasibility")),
-                                          arms=len(plan.run.arms) if plan.run else 0,
-                                          eval_items=plan.run.eval_items if plan.run else 0)
+    guard = wall_guard_from_feasibility(
+        evidence_bundle.remaining_seconds,
+        PilotFigures.from_block(evidence_bundle.result.get("feasibility")),
+        arms=len(plan.run.arms) if plan.run else 0,
+        eval_items=plan.run.eval_items if plan.run else 0,
+    )
     service_waiter.budget_left = evidence_bundle.remaining_seconds  # no wait in a step outlasts the budget
     try:
         run = run_comparison(
-            service_client, plan, evidence_bundle, restoration, backend=service_backend.kind,
-            state_root=harness_options.evidence_dir / "comparison-state", resume_run_id=harness_options.resume,
-            schedule=schedule, schedule_source=source, guard=guard, save_every=harness_options.save_every,
+            service_client,
+            plan,
+            evidence_bundle,
+            restoration,
+            backend=service_backend.kind,
+            state_root=harness_options.evidence_dir / "comparison-state",
+            resume_run_id=harness_options.resume,
+            schedule=schedule,
+            schedule_source=source,
+            guard=guard,
+            save_every=harness_options.save_every,
             registry=client_registry,
             capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
-            progress=_progress(request), base_model=client_base_model,
+            progress=_progress(request),
+            base_model=client_base_model,
             wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
         )
     except ComparisonError as exc:  # a refused resume or configuration: its one line
         line = str(exc)
     else:
         propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
-        if run.stopped is not None:  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
+        if (
+            run.stopped is not None
+        ):  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
             evidence_bundle.update_result(**run.final)
         return run
     finally:
@@ -133,13 +166,16 @@ def comparison_run(request: pytest.FixtureRequest, service_client: tinker.Servic
     pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
 
-
-
 @pytest.fixture(scope="session")
 @stops_stage
-def diagnostic_run(request: pytest.FixtureRequest, service_client: tinker.ServiceClient,
-                   service_backend: ServiceBackend, plan: Plan, evidence_bundle: EvidenceBundle,
-                   restoration: RestorationResult) -> DiagnosticResult:
+def diagnostic_run(
+    request: pytest.FixtureRequest,
+    service_client: tinker.ServiceClient,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    evidence_bundle: EvidenceBundle,
+    restoration: RestorationResult,
+) -> DiagnosticResult:
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
@@ -148,9 +184,16 @@ def diagnostic_run(request: pytest.FixtureRequest, service_client: tinker.Servic
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()
     run = run_bounded_diagnostic(
-        service_client, plan, evidence_bundle, restoration.initial_checkpoint,
-        backend=service_backend.kind, stage_start=start, spec=plan.original.experiment, progress=_progress(request),
-        prior_service_work=preflight_service_work(restoration), init_reference=restoration,
+        service_client,
+        plan,
+        evidence_bundle,
+        restoration.initial_checkpoint,
+        backend=service_backend.kind,
+        stage_start=start,
+        spec=plan.original.experiment,
+        progress=_progress(request),
+        prior_service_work=preflight_service_work(restoration),
+        init_reference=restoration,
         restored=restoration.loaded.get(plan.diagnostic.fixed_settings.treatment.arm),
     )
     propose_outcome(request.config, **run.result_fields["final"])

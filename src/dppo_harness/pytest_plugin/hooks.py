@@ -49,9 +49,12 @@ from dppo_harness.pytest_plugin.session import (
 from dppo_harness.service.config import redact_url
 
 # Fixture modules of later stages; each owns the session fixtures of its step.
-FIXTURE_PLUGINS = ("dppo_harness.pytest_plugin.fixtures_session", "dppo_harness.pytest_plugin.fixtures_preflight",
-                   "dppo_harness.pytest_plugin.fixtures_stages",
-                   "dppo_harness.pytest_plugin.fixtures_connectivity")  # connectivity + served identity
+FIXTURE_PLUGINS = (
+    "dppo_harness.pytest_plugin.fixtures_session",
+    "dppo_harness.pytest_plugin.fixtures_preflight",
+    "dppo_harness.pytest_plugin.fixtures_stages",
+    "dppo_harness.pytest_plugin.fixtures_connectivity",
+)  # connectivity + served identity
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,35 +68,73 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--plan", default=None, help="plan JSON (default: chosen by the selected stage)")
     group.addoption("--evidence-dir", default=None, help="evidence root (default: the project's evidence/)")
     # -- comparison stage
-    group.addoption("--resume", default=None, metavar="RUN_ID",
-                    help="continue a stopped comparison from its arms' last saved state, reusing that run's "
-                         "preflight and gate evidence after re-verifying its hashes (refused if the plan, "
-                         "evaluator or code changed)")
-    group.addoption("--save-every", type=int, default=5, metavar="N",
-                    help="comparison: save each arm's state (weights + optimizer) every N rollout steps and at the "
-                         "end; 1 <= N <= 10 (a run saves each arm at least every 10 steps); a resume restarts "
-                         "from the last step every arm saved")
-    group.addoption("--comparison-schedule", choices=("interleaved", "concurrent"), default=None,
-                    help="how the two arms advance step by step (default: concurrent on a real service, interleaved "
-                         "on the embedded server; see benchmarks/comparison_schedule.py)")
-    group.addoption("--wandb-project", default=None, metavar="PROJECT",
-                    help="also log each arm's cookbook metrics to this W&B project (default: WANDB_PROJECT; "
-                         "unset: no W&B at all)")
+    group.addoption(
+        "--resume",
+        default=None,
+        metavar="RUN_ID",
+        help="continue a stopped comparison from its arms' last saved state, reusing that run's "
+        "preflight and gate evidence after re-verifying its hashes (refused if the plan, "
+        "evaluator or code changed)",
+    )
+    group.addoption(
+        "--save-every",
+        type=int,
+        default=5,
+        metavar="N",
+        help="comparison: save each arm's state (weights + optimizer) every N rollout steps and at the "
+        "end; 1 <= N <= 10 (a run saves each arm at least every 10 steps); a resume restarts "
+        "from the last step every arm saved",
+    )
+    group.addoption(
+        "--comparison-schedule",
+        choices=("interleaved", "concurrent"),
+        default=None,
+        help="how the two arms advance step by step (default: concurrent on a real service, interleaved "
+        "on the embedded server; see benchmarks/comparison_schedule.py)",
+    )
+    group.addoption(
+        "--wandb-project",
+        default=None,
+        metavar="PROJECT",
+        help="also log each arm's cookbook metrics to this W&B project (default: WANDB_PROJECT; unset: no W&B at all)",
+    )
     # -- service waits (docs/service.md)
-    group.addoption("--capacity-patience-s", type=float, default=None, metavar="S",
-                    help="give up after the service paused or refused work for S seconds before any comparison "
-                         "step completed (default 600)")
-    group.addoption("--capacity-patience-after-steps-s", type=float, default=None, metavar="S",
-                    help="the same window once a comparison step completed (default 1800)")
-    group.addoption("--service-timeout-s", type=float, default=None, metavar="S",
-                    help="stop the stage when a request whose queue is active gives no answer for S seconds "
-                         "(default 900)")
-    group.addoption("--proxy-credentials", choices=("modal", "runs"), default="modal",
-                    help="Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (shared Spindle, default) or "
-                         "RUNS_PROXY_TOKEN_* (a forked deployment's proxy)")
-    group.addoption("--sdk-telemetry", action="store_true", default=False,
-                    help="let the tinker SDK post its telemetry to the service (off by default: on auth "
-                         "errors its events carry the request headers, credentials included)")
+    group.addoption(
+        "--capacity-patience-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up after the service paused or refused work for S seconds before any comparison "
+        "step completed (default 600)",
+    )
+    group.addoption(
+        "--capacity-patience-after-steps-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the same window once a comparison step completed (default 1800)",
+    )
+    group.addoption(
+        "--service-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop the stage when a request whose queue is active gives no answer for S seconds (default 900)",
+    )
+    group.addoption(
+        "--proxy-credentials",
+        choices=("modal", "runs"),
+        default="modal",
+        help="Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (shared Spindle, default) or "
+        "RUNS_PROXY_TOKEN_* (a forked deployment's proxy)",
+    )
+    group.addoption(
+        "--sdk-telemetry",
+        action="store_true",
+        default=False,
+        help="let the tinker SDK post its telemetry to the service (off by default: on auth "
+        "errors its events carry the request headers, credentials included)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -105,8 +146,11 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 def pytest_configure(config: pytest.Config) -> None:
     for stage in stages.STAGES:
         config.addinivalue_line("markers", f"{stage}: test of the '{stage}' experiment stage")
-    config.addinivalue_line("markers", "integration: end to end (the embedded server or engine, a CLI in a "
-                                       "subprocess); stage 'unit', but not part of unit parity")
+    config.addinivalue_line(
+        "markers",
+        "integration: end to end (the embedded server or engine, a CLI in a "
+        "subprocess); stage 'unit', but not part of unit parity",
+    )
     # The SDK's own use of pydantic v1 API warns at every run; ours would still be shown.
     config.addinivalue_line("filterwarnings", r"ignore::pydantic.warnings.PydanticDeprecatedSince20:tinker\.")
     state = StageState()
@@ -182,15 +226,27 @@ def pytest_runtestloop(session: pytest.Session) -> None:
 
     url = os.environ["TINKER_BASE_URL"]
     try:
-        report = check_connectivity("tinker", url, plan.base_model,
-                                    proxy_tokens=options.proxy_credentials, sdk_telemetry=options.sdk_telemetry)
+        report = check_connectivity(
+            "tinker", url, plan.base_model, proxy_tokens=options.proxy_credentials, sdk_telemetry=options.sdk_telemetry
+        )
     except ConnectivityError as exc:
-        line = launch_undecided_refusal(plan.name, plan.launch, collected, service=redact_url(url) or "the service",
-                                        seen=f"connectivity preflight ({exc.check}): {exc.line}")
+        line = launch_undecided_refusal(
+            plan.name,
+            plan.launch,
+            collected,
+            service=redact_url(url) or "the service",
+            seen=f"connectivity preflight ({exc.check}): {exc.line}",
+        )
         pytest.exit(str(line), returncode=pytest.ExitCode.USAGE_ERROR)  # stages need authorization: never None
     config.stash[CONNECTIVITY_KEY] = report
-    line = launch_refusal(plan.name, plan.launch, collected, embedded=report.embedded, service=report.base_url,
-                          stated_in=plan.launch_stated_in)
+    line = launch_refusal(
+        plan.name,
+        plan.launch,
+        collected,
+        embedded=report.embedded,
+        service=report.base_url,
+        stated_in=plan.launch_stated_in,
+    )
     if line is not None:
         pytest.exit(line, returncode=pytest.ExitCode.USAGE_ERROR)
 
@@ -210,8 +266,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item,
-                               call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     stop = service_stop(call.excinfo.value if call.excinfo is not None else None)
     if stop is not None:  # the wait policy stopped the stage: its one line, not a traceback
@@ -222,7 +279,8 @@ def pytest_runtest_makereport(item: pytest.Item,
         item.session.shouldstop = refused
     if report.when == "call" or report.outcome != "passed":
         counts = item.config.stash[STATE_KEY].outcomes.setdefault(
-            item.stash.get(STAGE_KEY, "unit"), new_stage_outcomes())
+            item.stash.get(STAGE_KEY, "unit"), new_stage_outcomes()
+        )
         counts[report.outcome] += 1
         if report.failed:
             counts["failed_tests"].append(f"{item.nodeid} ({report.when})")
@@ -242,9 +300,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     say = session.config.get_terminal_writer().line
     stage, state.current = state.current, None
     problems: dict[str, str] = {}
-    for step, run in (("close_stage", lambda: close_stage(state, stage)),
-                      ("session_records", lambda: write_session_records(state)),
-                      ("stage_outcome", lambda: _apply_outcome(state))):
+    for step, run in (
+        ("close_stage", lambda: close_stage(state, stage)),
+        ("session_records", lambda: write_session_records(state)),
+        ("stage_outcome", lambda: _apply_outcome(state)),
+    ):
         if state.bundle is None and step != "close_stage":
             return
         try:
@@ -290,8 +350,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
                 crash = getattr(getattr(rep, "longrepr", None), "reprcrash", None)
                 messages[stage] = f"{nodeid}: {(getattr(crash, 'message', '') or 'failed').splitlines()[0]}"
     terminalreporter.write_sep("=", TITLE)
-    for line in summary_lines(state.bundle.result, state.bundle.dir, stage_failures=state.first_failure,
-                              failure_messages=messages, stage_order=stages.STAGES):
+    for line in summary_lines(
+        state.bundle.result,
+        state.bundle.dir,
+        stage_failures=state.first_failure,
+        failure_messages=messages,
+        stage_order=stages.STAGES,
+    ):
         terminalreporter.write_line(line)
 
 

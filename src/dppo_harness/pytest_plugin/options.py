@@ -35,8 +35,9 @@ def validated_plan(config: pytest.Config, options: HarnessOptions) -> Plan | Non
 def refuse_over_budget(plan: Plan, options: HarnessOptions) -> None:
     """A plan whose evidence cannot fit the bundle's limits is refused now, in one line naming the
     numbers, before any client exists (evidence.budget)."""
-    needs = budget.plan_needs(plan, options.budget_stages, save_every=options.save_every,
-                              resumed=options.resume is not None)
+    needs = budget.plan_needs(
+        plan, options.budget_stages, save_every=options.save_every, resumed=options.resume is not None
+    )
     line = budget.refusal(needs, plan.name)
     if line is not None:
         raise pytest.UsageError(line)
@@ -97,9 +98,7 @@ def skip_setup_stages_on_resume(config: pytest.Config, state: StageState) -> Non
 
 def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
     backend_opt = config.getoption("--backend")
-    backend: BackendKind = backend_opt or (
-        "tinker" if os.environ.get("TINKER_BASE_URL") else "local"
-    )
+    backend: BackendKind = backend_opt or ("tinker" if os.environ.get("TINKER_BASE_URL") else "local")
     if backend == "tinker" and not os.environ.get("TINKER_BASE_URL"):
         raise pytest.UsageError("--backend tinker needs the environment variable TINKER_BASE_URL")
     run_stages = tuple(state.run) if state.run else ("unit",)
@@ -118,26 +117,38 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
     if evidence_dir.exists() and not evidence_dir.is_dir():
         raise pytest.UsageError(f"--evidence-dir: not a directory: {evidence_dir}")
     if run_stages != ("unit",) and (problem := unwritable_reason(evidence_dir)) is not None:
-        raise pytest.UsageError(f"--evidence-dir {evidence_dir}: {problem}; nothing was run (give a writable directory with room)")
+        raise pytest.UsageError(
+            f"--evidence-dir {evidence_dir}: {problem}; nothing was run (give a writable directory with room)"
+        )
     save_every = config.getoption("--save-every")
     if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
-        raise pytest.UsageError(f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (each arm's "
-                                f"state is saved at least every {constants.MAX_SAVE_EVERY} steps)")
+        raise pytest.UsageError(
+            f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (each arm's "
+            f"state is saved at least every {constants.MAX_SAVE_EVERY} steps)"
+        )
     capacity_patience_s = _wait_seconds(config, "--capacity-patience-s")
     capacity_patience_after_steps_s = _wait_seconds(config, "--capacity-patience-after-steps-s")
     service_timeout_s = _wait_seconds(config, "--service-timeout-s")
     wandb = wandb_request(config.getoption("--wandb-project"))
     if wandb_problem(wandb):
         raise pytest.UsageError(wandb_problem(wandb))
-    return HarnessOptions(backend, plan_path, evidence_dir, run_stages,
-                          resume=_resume_run_id(config, config.getoption("--resume"), evidence_dir),
-                          comparison_schedule=config.getoption("--comparison-schedule"), save_every=save_every,
-                          proxy_credentials=config.getoption("--proxy-credentials"),
-                          sdk_telemetry=config.getoption("--sdk-telemetry"),
-                          wandb_project=wandb.project, wandb_source=wandb.source,
-                          path_stages=_path_stages(config, state), capacity_patience_s=capacity_patience_s,
-                          capacity_patience_after_steps_s=capacity_patience_after_steps_s,
-                          service_timeout_s=service_timeout_s)
+    return HarnessOptions(
+        backend,
+        plan_path,
+        evidence_dir,
+        run_stages,
+        resume=_resume_run_id(config, config.getoption("--resume"), evidence_dir),
+        comparison_schedule=config.getoption("--comparison-schedule"),
+        save_every=save_every,
+        proxy_credentials=config.getoption("--proxy-credentials"),
+        sdk_telemetry=config.getoption("--sdk-telemetry"),
+        wandb_project=wandb.project,
+        wandb_source=wandb.source,
+        path_stages=_path_stages(config, state),
+        capacity_patience_s=capacity_patience_s,
+        capacity_patience_after_steps_s=capacity_patience_after_steps_s,
+        service_timeout_s=service_timeout_s,
+    )
 
 
 def _wait_seconds(config: pytest.Config, opt: str) -> float | None:
@@ -154,6 +165,8 @@ def _resume_run_id(config: pytest.Config, value: str | None, evidence_dir: Path)
         return value
     path = _user_path(config, value)
     if path.parent != evidence_dir:
-        raise pytest.UsageError(f"--resume: {value} is not a run under the evidence dir {evidence_dir}; give its run "
-                                f"id, or --evidence-dir {path.parent}")
+        raise pytest.UsageError(
+            f"--resume: {value} is not a run under the evidence dir {evidence_dir}; give its run "
+            f"id, or --evidence-dir {path.parent}"
+        )
     return path.name

@@ -43,13 +43,18 @@ def misread_values(args: Sequence[str], invocation_dir: Path, options: Sequence[
     return out
 
 
-def _determine_setup(config: pytest.Config,
-                     ns: argparse.Namespace) -> tuple[Path, Path | None, ConfigDict, Sequence[str]]:
+def _determine_setup(
+    config: pytest.Config, ns: argparse.Namespace
+) -> tuple[Path, Path | None, ConfigDict, Sequence[str]]:
     # A pytest internal, imported only when a session must be re-rooted: a pytest without it fails only then.
     from _pytest.config.findpaths import determine_setup
 
-    kwargs: dict[str, Any] = dict(inifile=ns.inifilename, args=ns.file_or_dir, rootdir_cmd_arg=ns.rootdir or None,
-                                  invocation_dir=config.invocation_params.dir)
+    kwargs: dict[str, Any] = dict(
+        inifile=ns.inifilename,
+        args=ns.file_or_dir,
+        rootdir_cmd_arg=ns.rootdir or None,
+        invocation_dir=config.invocation_params.dir,
+    )
     if "override_ini" in inspect.signature(determine_setup).parameters:
         kwargs["override_ini"] = ns.override_ini
     rootpath, inipath, inicfg, *rest = determine_setup(**kwargs)
@@ -66,12 +71,21 @@ def reroot(config: pytest.Config, parser: pytest.Parser, args: list[str]) -> Pat
     rootpath, inipath, inicfg, ignored = _determine_setup(config, ns)
     if (rootpath, inipath) == (config.rootpath, config.inipath):
         return None
-    needed = ("_rootpath", "_inipath", "_inicfg", "_inicache", "_validate_args", "known_args_namespace",
-              "_configure_python_path", "_unconfigure_python_path")
+    needed = (
+        "_rootpath",
+        "_inipath",
+        "_inicfg",
+        "_inicache",
+        "_validate_args",
+        "known_args_namespace",
+        "_configure_python_path",
+        "_unconfigure_python_path",
+    )
     if not all(hasattr(config, a) for a in needed):
         raise pytest.UsageError(
             f"pytest took {misread[0]!r} (the value of a harness option) for a test path and rooted this session at "
-            f"{config.rootpath}; write the option as --opt={misread[0]}")
+            f"{config.rootpath}; write the option as --opt={misread[0]}"
+        )
     old_addopts = list(config.getini("addopts")) if config.inipath is not None else []
     if old_addopts and args[: len(old_addopts)] == old_addopts:
         del args[: len(old_addopts)]

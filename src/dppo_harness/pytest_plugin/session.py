@@ -52,7 +52,9 @@ class HarnessOptions:
     selected_stages: tuple[str, ...]  # the stages this session runs, in order
     # -- comparison stage
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
-    comparison_schedule: Literal["interleaved", "concurrent"] | None = None  # None: the default for the service (comparison.default_schedule)
+    comparison_schedule: Literal["interleaved", "concurrent"] | None = (
+        None  # None: the default for the service (comparison.default_schedule)
+    )
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
     wandb_project: str | None = None  # --wandb-project or WANDB_PROJECT; None: W&B is never touched
     wandb_source: str = "not requested"
@@ -163,7 +165,9 @@ def close_stage(state: StageState, stage: str) -> None:
         bundle.update_result(metrics={f"clients/training_created/{stage}": float(created)})
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
-    if stage != "unit":  # an immutable result snapshot at each service stage's end (a killed run keeps each finished stage's result)
+    if (
+        stage != "unit"
+    ):  # an immutable result snapshot at each service stage's end (a killed run keeps each finished stage's result)
         post_snapshot(bundle, f"stage {stage} end", reserve=4)
 
 
@@ -249,8 +253,13 @@ def release_remaining(state: StageState) -> None:
         return
     state.registry.release_all()
     now = {(r["label"], r["stage"]): r for r in state.registry.records()}
-    note_releases(state, [dict(r, released=now[(r["label"], r["stage"])]["released"],
-                                error=now[(r["label"], r["stage"])]["error"]) for r in pending])
+    note_releases(
+        state,
+        [
+            dict(r, released=now[(r["label"], r["stage"])]["released"], error=now[(r["label"], r["stage"])]["error"])
+            for r in pending
+        ],
+    )
 
 
 def write_session_records(state: StageState) -> None:
@@ -264,18 +273,28 @@ def write_session_records(state: StageState) -> None:
         bundle.register_json("client-releases.json", "log", client_release_record(state))
     unit = state.outcomes.get("unit")
     if unit is not None and bundle.entry("unit-parity-summary.json") is None:
-        bundle.register_json("unit-parity-summary.json", "report", {
-            "kind": "unit_parity_summary", "stage": "unit", **unit,
-            # Which run this is: this pytest session (the bundle's), before any service stage.
-            "selection": "tests/unit without the tests marked integration, in this pytest session",
-            "seconds": (state.finished["unit"] - state.started["unit"]) if "unit" in state.finished else None,
-            "all_stages": {k: {kk: vv for kk, vv in v.items() if kk != "failed_tests"} for k, v in state.outcomes.items()}})
+        bundle.register_json(
+            "unit-parity-summary.json",
+            "report",
+            {
+                "kind": "unit_parity_summary",
+                "stage": "unit",
+                **unit,
+                # Which run this is: this pytest session (the bundle's), before any service stage.
+                "selection": "tests/unit without the tests marked integration, in this pytest session",
+                "seconds": (state.finished["unit"] - state.started["unit"]) if "unit" in state.finished else None,
+                "all_stages": {
+                    k: {kk: vv for kk, vv in v.items() if kk != "failed_tests"} for k, v in state.outcomes.items()
+                },
+            },
+        )
 
 
 CLIENT_RELEASE_NOTE = (
     "tinker 0.38.0 has no per-client release: ServiceClient.close(status) finishes its session, which ends every "
     "training and sampling client the session created. Each session below lists the training clients it created "
-    "(stage, SDK method, role); `events` says, at each release, which sessions it closed and which stayed open.")
+    "(stage, SDK method, role); `events` says, at each release, which sessions it closed and which stayed open."
+)
 
 
 class ClientReleaseRecord(TypedDict):
@@ -297,10 +316,16 @@ def client_release_record(state: StageState) -> ClientReleaseRecord:
     reg = state.registry
     sessions = reg.records() if reg is not None else []
     by_stage = reg.training_clients_by_stage() if reg is not None else {}
-    return {"kind": "client_releases", "all_released": all(r["released"] for r in state.releases),
-            "sessions": sessions, "events": list(reg.events) if reg is not None else [],
-            "training_clients_by_stage": by_stage, "training_clients_total": sum(by_stage.values()),
-            "releases": state.releases, "note": CLIENT_RELEASE_NOTE}
+    return {
+        "kind": "client_releases",
+        "all_released": all(r["released"] for r in state.releases),
+        "sessions": sessions,
+        "events": list(reg.events) if reg is not None else [],
+        "training_clients_by_stage": by_stage,
+        "training_clients_total": sum(by_stage.values()),
+        "releases": state.releases,
+        "note": CLIENT_RELEASE_NOTE,
+    }
 
 
 def unit_parity_passed(config: pytest.Config) -> bool:

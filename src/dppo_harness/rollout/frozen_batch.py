@@ -84,7 +84,9 @@ def canonical_json(obj: JsonValue) -> str:
 
 
 def _overall_sha256(field_hashes: Mapping[str, str], metadata_json: str) -> str:
-    return hashlib.sha256(canonical_json({"fields": dict(field_hashes), "metadata": json.loads(metadata_json)}).encode()).hexdigest()
+    return hashlib.sha256(
+        canonical_json({"fields": dict(field_hashes), "metadata": json.loads(metadata_json)}).encode()
+    ).hexdigest()
 
 
 def split_complete_groups(group_of_seq: Sequence[int], n_minibatches: int) -> list[tuple[list[int], list[int]]]:
@@ -221,7 +223,10 @@ class FrozenBatch:
 
     @classmethod
     def from_rollouts(
-        cls, batch: RolloutBatch, *, sampler_version: str | None = None,
+        cls,
+        batch: RolloutBatch,
+        *,
+        sampler_version: str | None = None,
         extra_metadata: Mapping[str, JsonValue] | None = None,
     ) -> FrozenBatch:
         """Freeze a ``rollouts.RolloutBatch`` (datums built by the cookbook's own functions)."""
@@ -297,7 +302,9 @@ class FrozenBatch:
         writable = [n for n in FIELDS if self._arrays[n].flags.writeable]
         overall = _overall_sha256(self._field_hashes, self._metadata_json)
         if changed or overall != self._sha256:
-            raise FrozenBatchError(f"frozen batch {self._sha256[:12]} changed after freezing: fields {changed or ['<hash table>']}")
+            raise FrozenBatchError(
+                f"frozen batch {self._sha256[:12]} changed after freezing: fields {changed or ['<hash table>']}"
+            )
         if writable:
             raise FrozenBatchError(f"frozen batch arrays were made writable: {writable}")
         return self._sha256
@@ -356,7 +363,11 @@ class FrozenBatch:
             "format_version": FORMAT_VERSION,
             "sha256": self._sha256,
             "fields": {
-                n: {"sha256": self._field_hashes[n], "dtype": self._arrays[n].dtype.str, "shape": list(self._arrays[n].shape)}
+                n: {
+                    "sha256": self._field_hashes[n],
+                    "dtype": self._arrays[n].dtype.str,
+                    "shape": list(self._arrays[n].shape),
+                }
                 for n in FIELDS
             },
             "metadata": self.metadata,

@@ -57,11 +57,9 @@ def sample_rollout_batch(
     path, sampler = save_sampler(training_client, sampler_name)
     batch = rollouts.sample_batch(sampler, items, renderer, cfg, sampler_checkpoint=path)
     datums, meta = rollouts.batch_to_datums(batch)
-    return SampledStep(path, batch, tuple(datums), tuple(int(m["group_idx"]) for m in meta),
-                       time.perf_counter() - t0)
+    return SampledStep(path, batch, tuple(datums), tuple(int(m["group_idx"]) for m in meta), time.perf_counter() - t0)
 
 
 def freeze(sampled: SampledStep, extra_metadata: Mapping[str, JsonValue] | None = None) -> FrozenBatch:
     """The sampled batch frozen (hashed, immutable) for reuse across updates."""
-    return FrozenBatch.from_rollouts(sampled.batch, sampler_version=sampled.sampler_path,
-                                     extra_metadata=extra_metadata)
+    return FrozenBatch.from_rollouts(sampled.batch, sampler_version=sampled.sampler_path, extra_metadata=extra_metadata)

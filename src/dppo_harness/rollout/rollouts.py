@@ -75,8 +75,11 @@ class RolloutBatch:
     def response_yield(self) -> answer_yield.ResponseYield:
         """Truncation at max_tokens, answers found and mean length over every sampled response."""
         return answer_yield.response_yield(
-            [s for g in self.groups for s in g.stop_reasons], [gr.answer_found for g in self.groups for gr in g.graded],
-            [len(r) for g in self.groups for r in g.responses], max_tokens=self.config.max_tokens)
+            [s for g in self.groups for s in g.stop_reasons],
+            [gr.answer_found for g in self.groups for gr in g.graded],
+            [len(r) for g in self.groups for r in g.responses],
+            max_tokens=self.config.max_tokens,
+        )
 
     def summary(self) -> JsonObject:
         rewards = np.array([r for g in self.groups for r in g.rewards_G], dtype=np.float64)
@@ -127,8 +130,10 @@ def sample_batch(
     if cfg.max_seq_len is not None:
         for g, (ob, _) in enumerate(prompts):
             if ob.length + cfg.max_tokens > cfg.max_seq_len:
-                raise RolloutError(f"group {g} ({items[g].item_id}): prompt of {ob.length} tokens + max_tokens "
-                                   f"{cfg.max_tokens} exceeds the plan's max_seq_len {cfg.max_seq_len}")
+                raise RolloutError(
+                    f"group {g} ({items[g].item_id}): prompt of {ob.length} tokens + max_tokens "
+                    f"{cfg.max_tokens} exceeds the plan's max_seq_len {cfg.max_seq_len}"
+                )
     stop = prompts[0][1]
     t0 = time.perf_counter()
     done_at: dict[int, float] = {}
@@ -156,11 +161,14 @@ def sample_batch(
         responses, logprobs = [], []
         for s, seq in enumerate(res.sequences):
             if seq.logprobs is None:  # optional in the SDK's SampledSequence: p_old cannot be invented
-                raise RolloutError(f"group {g} sample {s}: the sample response has no logprobs "
-                                   "(SampledSequence.logprobs, optional in the SDK): no sampler log-probs to train on")
+                raise RolloutError(
+                    f"group {g} sample {s}: the sample response has no logprobs "
+                    "(SampledSequence.logprobs, optional in the SDK): no sampler log-probs to train on"
+                )
             if len(seq.logprobs) != len(seq.tokens):
-                raise RolloutError(f"group {g} sample {s}: {len(seq.logprobs)} sampler logprobs for "
-                                   f"{len(seq.tokens)} tokens")
+                raise RolloutError(
+                    f"group {g} sample {s}: {len(seq.logprobs)} sampler logprobs for {len(seq.tokens)} tokens"
+                )
             if len(seq.tokens) > cfg.max_tokens:
                 raise RolloutError(f"group {g} sample {s}: {len(seq.tokens)} tokens > max_tokens")
             responses.append(tuple(int(t) for t in seq.tokens))

@@ -40,8 +40,10 @@ def install_cancel_tracking() -> bool:
 
 def _install() -> bool:
     if not hasattr(InternalClientHolder, "enqueue_cancel") or not hasattr(InternalClientHolder, "_process_one_cancel"):
-        logger.warning("the SDK's holder has no enqueue_cancel/_process_one_cancel: abandoned samples are not "
-                       "cancelled before the session closes")
+        logger.warning(
+            "the SDK's holder has no enqueue_cancel/_process_one_cancel: abandoned samples are not "
+            "cancelled before the session closes"
+        )
         return False
 
     def enqueue_cancel(self: InternalClientHolder, request_id: str) -> None:  # on the holder's loop, as the SDK's is
@@ -133,12 +135,17 @@ def _install_setup_abort() -> bool:
         logger.warning("the SDK's holder has no run_coroutine_threadsafe: a stopped session setup runs on")
         return False
 
-    def run_coroutine_threadsafe(self: InternalClientHolder, coro: Coroutine[Any, Any, T]) -> AwaitableConcurrentFuture[T]:
+    def run_coroutine_threadsafe(
+        self: InternalClientHolder, coro: Coroutine[Any, Any, T]
+    ) -> AwaitableConcurrentFuture[T]:
         made = sdk_run(self, coro)
         scope = SetupScope.current()
         inner = getattr(made, "_future", None)
-        if scope is not None and isinstance(inner, concurrent.futures.Future) \
-                and getattr(coro, "__name__", "") != "_async_cleanup":
+        if (
+            scope is not None
+            and isinstance(inner, concurrent.futures.Future)
+            and getattr(coro, "__name__", "") != "_async_cleanup"
+        ):
             scope.keep(inner)
         return made
 

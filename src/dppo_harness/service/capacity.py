@@ -101,8 +101,13 @@ def call_with_capacity_retry(
                 raise CapacityExhausted(block, elapsed, attempt + 1) from exc
             wait = min(policy.backoff(attempt), window - elapsed)
             event = CapacityEvent(attempt + 1, elapsed, wait, error_text(exc))
-            logger.warning("capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s",
-                           event.attempt, elapsed, wait, event.error)
+            logger.warning(
+                "capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s",
+                event.attempt,
+                elapsed,
+                wait,
+                event.error,
+            )
             if on_retry is not None:
                 on_retry(event)
             sleep(wait)

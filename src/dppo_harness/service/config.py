@@ -38,6 +38,7 @@ class ServiceDescription(TypedDict):
     auth: str
     proxy_headers: list[str]
 
+
 _PROXY_VARS: dict[str, tuple[str, str]] = {
     "modal": ("MODAL_PROXY_TOKEN_ID", "MODAL_PROXY_TOKEN_SECRET"),  # shared Spindle
     "runs": ("RUNS_PROXY_TOKEN_ID", "RUNS_PROXY_TOKEN_SECRET"),  # a Spindle fork in research-exchange-runs
@@ -71,7 +72,6 @@ def redact_url(url: str | None) -> str | None:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
-
 def client_kwargs(
     backend: BackendKind,
     base_url: str | None = None,
@@ -85,7 +85,9 @@ def client_kwargs(
         if not base_url:
             raise ServiceConfigError("the local backend needs the embedded server's base_url (got none)")
         if not is_loopback_url(base_url):
-            raise ServiceConfigError(f"the local backend must use a loopback base_url, got host {urlsplit(base_url).hostname!r}")
+            raise ServiceConfigError(
+                f"the local backend must use a loopback base_url, got host {urlsplit(base_url).hostname!r}"
+            )
         return {"base_url": base_url, "api_key": constants.LOCAL_API_KEY}
     if backend != "tinker":
         raise ServiceConfigError(f"unknown backend {backend!r}: expected 'local' or 'tinker'")
@@ -108,8 +110,10 @@ def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -
     id_var, secret_var = _PROXY_VARS[proxy_tokens]
     if proxy_tokens == "modal" and not env.get(id_var) and not env.get(secret_var):
         return {}
-    return {"Modal-Key": _require(env, id_var, f"for the Modal-Key proxy header ({secret_var} is set)"),
-            "Modal-Secret": _require(env, secret_var, f"for the Modal-Secret proxy header ({id_var} is set)")}
+    return {
+        "Modal-Key": _require(env, id_var, f"for the Modal-Key proxy header ({secret_var} is set)"),
+        "Modal-Secret": _require(env, secret_var, f"for the Modal-Secret proxy header ({id_var} is set)"),
+    }
 
 
 TELEMETRY_VAR = "TINKER_TELEMETRY"
@@ -127,24 +131,35 @@ def apply_sdk_telemetry(enabled: bool, env: dict[str, str] | None = None) -> Non
     target[TELEMETRY_VAR] = "1" if enabled else "0"
 
 
-
 def live_secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """The secret values present in env that evidence must never contain."""
     return [v for _, v in live_secret_items(env)]
 
 
-def describe_service(backend: BackendKind, base_url: str | None, *, proxy_tokens: ProxyTokens = "modal",
-                     env: Mapping[str, str] | None = None) -> ServiceDescription:
+def describe_service(
+    backend: BackendKind,
+    base_url: str | None,
+    *,
+    proxy_tokens: ProxyTokens = "modal",
+    env: Mapping[str, str] | None = None,
+) -> ServiceDescription:
     """Evidence-safe description of the connection (no values of credentials)."""
     env = os.environ if env is None else env
-    sent = backend != "local" and proxy_tokens != "none" and (
-        proxy_tokens != "modal" or any(env.get(v) for v in _PROXY_VARS["modal"]))
+    sent = (
+        backend != "local"
+        and proxy_tokens != "none"
+        and (proxy_tokens != "modal" or any(env.get(v) for v in _PROXY_VARS["modal"]))
+    )
     return {
         "backend": backend,
         "base_url": redact_url(base_url),
         "auth": "constants.LOCAL_API_KEY (not a secret)" if backend == "local" else "TINKER_API_KEY from environment",
-        "proxy_headers": [f"Modal-Key from {_PROXY_VARS[proxy_tokens][0]}",
-                          f"Modal-Secret from {_PROXY_VARS[proxy_tokens][1]}"] if sent else [],
+        "proxy_headers": [
+            f"Modal-Key from {_PROXY_VARS[proxy_tokens][0]}",
+            f"Modal-Secret from {_PROXY_VARS[proxy_tokens][1]}",
+        ]
+        if sent
+        else [],
     }
 
 
@@ -157,4 +172,3 @@ def sdk_versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "not installed"
     return out
-

@@ -46,11 +46,17 @@ from dppo_harness.service.identity import EmbeddedMarker, Substitution
 from dppo_harness.service.wait.policy import ServiceConfigError
 
 # Which variable feeds which request header (tinker backend, shared Spindle).
-HEADER_VARS = {"x-api-key": "TINKER_API_KEY", "modal-key": "MODAL_PROXY_TOKEN_ID",
-               "modal-secret": "MODAL_PROXY_TOKEN_SECRET"}
+HEADER_VARS = {
+    "x-api-key": "TINKER_API_KEY",
+    "modal-key": "MODAL_PROXY_TOKEN_ID",
+    "modal-secret": "MODAL_PROXY_TOKEN_SECRET",
+}
 # ... and with --proxy-credentials runs (a Spindle fork)
-HEADER_VARS_RUNS = {"x-api-key": "TINKER_API_KEY", "modal-key": "RUNS_PROXY_TOKEN_ID",
-                    "modal-secret": "RUNS_PROXY_TOKEN_SECRET"}
+HEADER_VARS_RUNS = {
+    "x-api-key": "TINKER_API_KEY",
+    "modal-key": "RUNS_PROXY_TOKEN_ID",
+    "modal-secret": "RUNS_PROXY_TOKEN_SECRET",
+}
 CLIENT_CONFIG_PATH = "/api/v1/client/config"
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,11 +112,18 @@ class ConnectivityReport:
         return self.marker is not None
 
     def as_evidence(self) -> ConnectivityEvidence:
-        return {"backend": self.backend, "base_url": self.base_url, "requested_model": self.requested_model,
-                "model": self.model, "served_models": self.served_models, "substitution": self.substitution,
-                "embedded_server": self.marker.as_dict() if self.marker else None,
-                "get_server_capabilities": self.capabilities, "checks": self.checks,
-                "seconds": round(self.seconds, 3)}
+        return {
+            "backend": self.backend,
+            "base_url": self.base_url,
+            "requested_model": self.requested_model,
+            "model": self.model,
+            "served_models": self.served_models,
+            "substitution": self.substitution,
+            "embedded_server": self.marker.as_dict() if self.marker else None,
+            "get_server_capabilities": self.capabilities,
+            "checks": self.checks,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 def client_base_model(requested_model: str, report: ConnectivityReport) -> str:
@@ -134,8 +147,10 @@ def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: P
     if var == "TINKER_API_KEY":
         hint = "check TINKER_API_KEY (sent as X-API-Key)"
     elif var and what == "missing":  # Modal headers are sent only when both variables are set
-        hint = (f"the service requires the Modal proxy headers Modal-Key/Modal-Secret; set {prefix}_PROXY_TOKEN_ID and "
-                f"{prefix}_PROXY_TOKEN_SECRET")
+        hint = (
+            f"the service requires the Modal proxy headers Modal-Key/Modal-Secret; set {prefix}_PROXY_TOKEN_ID and "
+            f"{prefix}_PROXY_TOKEN_SECRET"
+        )
     elif var:
         hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET ({var} is sent as {header})"
     else:
@@ -143,8 +158,9 @@ def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: P
     return f"authentication {what} by {url} (HTTP {status}{f', header {header}' if header else ''}): {hint}"
 
 
-def _status_line(status: int, payload: JsonValue, path: str, var: str, shown: str, proxy_tokens: ProxyTokens
-                 ) -> tuple[str, str]:
+def _status_line(
+    status: int, payload: JsonValue, path: str, var: str, shown: str, proxy_tokens: ProxyTokens
+) -> tuple[str, str]:
     """(check, line) for a non-200 answer to `path`."""
     if status in (401, 403):
         return "auth", auth_failure_line(status, payload, shown, proxy_tokens)
@@ -159,11 +175,15 @@ def first_contact(kwargs: ClientKwargs, timeout_s: float) -> tuple[int, JsonValu
     None when the service answered it; else (HTTP status, JSON body). Raises the SDK's
     APIConnectionError / APITimeoutError when nothing answered.
     """
+
     async def send() -> tuple[int, JsonValue] | None:
-        client = AsyncTinker(base_url=str(kwargs["base_url"]), api_key=str(kwargs["api_key"]),
-                                    default_headers=_get_default_headers() | dict(kwargs.get("default_headers_overrides")
-                                                                                  or {}),
-                                    max_retries=0, timeout=timeout_s)
+        client = AsyncTinker(
+            base_url=str(kwargs["base_url"]),
+            api_key=str(kwargs["api_key"]),
+            default_headers=_get_default_headers() | dict(kwargs.get("default_headers_overrides") or {}),
+            max_retries=0,
+            timeout=timeout_s,
+        )
         try:
             await client.service.client_config(request=tinker.types.ClientConfigRequest(sdk_version=tinker.__version__))
             return None
@@ -233,8 +253,13 @@ class _Target:
         return ConnectivityError(*_status_line(status, payload, path, self.var, self.shown, self.proxy_tokens))
 
 
-def _check_variables(backend: BackendKind, base_url: str | None, env: Mapping[str, str] | None,
-                     proxy_tokens: ProxyTokens, ok: Callable[[str, str], None]) -> _Target:
+def _check_variables(
+    backend: BackendKind,
+    base_url: str | None,
+    env: Mapping[str, str] | None,
+    proxy_tokens: ProxyTokens,
+    ok: Callable[[str, str], None],
+) -> _Target:
     """1. The variables are set (their names only)."""
     try:
         kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
@@ -244,9 +269,12 @@ def _check_variables(backend: BackendKind, base_url: str | None, env: Mapping[st
     shown = redact_url(url) or url
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
     proxy = ", ".join(describe_service(backend, url, proxy_tokens=proxy_tokens, env=env)["proxy_headers"])
-    ok("variables", f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: "
-                    f"{proxy or 'none (no proxy-token variables set)'}"
-       if backend == "tinker" else "local backend: no credentials needed")
+    ok(
+        "variables",
+        f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: {proxy or 'none (no proxy-token variables set)'}"
+        if backend == "tinker"
+        else "local backend: no credentials needed",
+    )
     return _Target(kwargs, shown, var, proxy_tokens)
 
 
@@ -259,8 +287,11 @@ def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str
     except tinker.APITimeoutError:
         raise ConnectivityError("reachable", f"{var} {shown} did not answer within {timeout_s:.0f} s") from None
     except tinker.APIConnectionError:
-        raise ConnectivityError("reachable", f"cannot connect to {var} {shown}: connection refused or host unknown; "
-                                             "check the URL and that the service is up") from None
+        raise ConnectivityError(
+            "reachable",
+            f"cannot connect to {var} {shown}: connection refused or host unknown; "
+            "check the URL and that the service is up",
+        ) from None
     if refused is not None:
         status, payload = refused
         if status in (401, 403):
@@ -272,15 +303,20 @@ def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str
             holder = sdk_holder(probe, timeout_s)
             resp = identity.get_capabilities_raw(holder, timeout_s)
         except tinker.APIStatusError as exc:
-            raise target.status_error(exc.status_code, identity.raw_response(exc.response).json,
-                                      CLIENT_CONFIG_PATH) from None
+            raise target.status_error(
+                exc.status_code, identity.raw_response(exc.response).json, CLIENT_CONFIG_PATH
+            ) from None
         except (TimeoutError, tinker.APIConnectionError) as exc:
-            raise ConnectivityError("reachable", f"{var} {shown}: the SDK could not set up its client "
-                                                 f"({type(exc).__name__}: {error_text(exc)})") from None
+            raise ConnectivityError(
+                "reachable",
+                f"{var} {shown}: the SDK could not set up its client ({type(exc).__name__}: {error_text(exc)})",
+            ) from None
     finally:
         unclosed = close_probe(probe, timeout_s)  # a session-less holder: nothing to finish on the server
     if unclosed is not None:
-        logger.warning("the connectivity probe's client did not close (%s); it holds no session on the service", unclosed)
+        logger.warning(
+            "the connectivity probe's client did not close (%s); it holds no session on the service", unclosed
+        )
     if resp.status != 200:
         if resp.status in (401, 403):
             ok("reachable", f"{shown} answered HTTP {resp.status}")
@@ -296,23 +332,35 @@ class _ModelChoice:
     substitution: Substitution | None
 
 
-def _choose_base_model(requested_model: str, caps: JsonValue, shown: str, ok: Callable[[str, str], None]) -> _ModelChoice:
+def _choose_base_model(
+    requested_model: str, caps: JsonValue, shown: str, ok: Callable[[str, str], None]
+) -> _ModelChoice:
     """4. The plan's base model is served, or the closest served model of its family is chosen
     (recorded as a deviation)."""
     models = caps.get("supported_models") if isinstance(caps, Mapping) else None
     if not isinstance(models, list):
         raise ConnectivityError("model", f"{shown} did not answer like a Tinker service (no supported_models list)")
-    served = [str(m.get("model_name")) for m in models
-              if isinstance(m, Mapping) and m.get("model_name") and m.get("trainable") is not False]
+    served = [
+        str(m.get("model_name"))
+        for m in models
+        if isinstance(m, Mapping) and m.get("model_name") and m.get("trainable") is not False
+    ]
     choice = identity.choose_model(requested_model, served)
     if choice.model is None:
-        raise ConnectivityError("model", f"base model {requested_model} is not served by {shown} and no model of its "
-                                         f"family is; served: {', '.join(served) or 'none'}")
+        raise ConnectivityError(
+            "model",
+            f"base model {requested_model} is not served by {shown} and no model of its "
+            f"family is; served: {', '.join(served) or 'none'}",
+        )
     substitution: Substitution | None = None
     if choice.substituted:
-        substitution = {"field": "model", "original": requested_model, "effective": choice.model,
-                        "reason": f"{requested_model} is not served by {shown}; {choice.model} is the closest served "
-                                  f"model of the same family (served: {', '.join(served)})"}
+        substitution = {
+            "field": "model",
+            "original": requested_model,
+            "effective": choice.model,
+            "reason": f"{requested_model} is not served by {shown}; {choice.model} is the closest served "
+            f"model of the same family (served: {', '.join(served)})",
+        }
     ok("model", f"{choice.model} is served" + (f" (instead of {requested_model})" if choice.substituted else ""))
     return _ModelChoice(choice.model, served, substitution)
 
@@ -340,7 +388,19 @@ def check_connectivity(
     ok("auth", "credentials accepted" if backend == "tinker" else "no authentication on the local backend")
     caps = resp.json
     model = _choose_base_model(requested_model, caps, target.shown, ok)
-    marker = identity.detect_marker(headers={EMBEDDED_SERVER_HEADER: resp.marker_header}
-                                    if resp.marker_header else None, capabilities=caps if isinstance(caps, dict) else None)
-    return ConnectivityReport(backend, target.shown, requested_model, model.model, model.served, model.substitution,
-                              marker, caps, checks, time.monotonic() - t0)
+    marker = identity.detect_marker(
+        headers={EMBEDDED_SERVER_HEADER: resp.marker_header} if resp.marker_header else None,
+        capabilities=caps if isinstance(caps, dict) else None,
+    )
+    return ConnectivityReport(
+        backend,
+        target.shown,
+        requested_model,
+        model.model,
+        model.served,
+        model.substitution,
+        marker,
+        caps,
+        checks,
+        time.monotonic() - t0,
+    )

@@ -56,12 +56,19 @@ class EmbeddedMarker:
     sources: tuple[str, ...]  # "header", "capabilities", "model_data"
 
     def as_dict(self) -> JsonObject:
-        return {"marker": EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile,
-                "sources": list(self.sources)}
+        return {
+            "marker": EMBEDDED_SERVER_MARKER,
+            "stand_in": self.stand_in,
+            "profile": self.profile,
+            "sources": list(self.sources),
+        }
 
 
-def detect_marker(headers: Mapping[str, str] | None = None, capabilities: Mapping[str, JsonValue] | None = None,
-                  model_data: Mapping[str, JsonValue] | None = None) -> EmbeddedMarker | None:
+def detect_marker(
+    headers: Mapping[str, str] | None = None,
+    capabilities: Mapping[str, JsonValue] | None = None,
+    model_data: Mapping[str, JsonValue] | None = None,
+) -> EmbeddedMarker | None:
     """The embedded-server marker from any of its three places, or None (a real service)."""
     sources: list[str] = []
     stand_in = profile = None
@@ -107,8 +114,14 @@ def raw_response(resp: httpx.Response) -> RawResponse:
     return RawResponse(resp.status_code, payload, _header(resp.headers, EMBEDDED_SERVER_HEADER))
 
 
-def sdk_raw(holder: InternalClientHolder | None, method: str, path: str, *, body: JsonObject | None = None,
-            timeout_s: float = 10.0) -> RawResponse:
+def sdk_raw(
+    holder: InternalClientHolder | None,
+    method: str,
+    path: str,
+    *,
+    body: JsonObject | None = None,
+    timeout_s: float = 10.0,
+) -> RawResponse:
     """One request through an SDK client holder (a ServiceClient's or a TrainingClient's), kept
     raw: status, JSON and the marker header. No retries: an HTTP error status is returned as it
     came; transport failures raise the SDK's errors (tinker.APIConnectionError, ...)."""
@@ -171,11 +184,17 @@ def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, ba
     if found.origin == "arch" and found.name is not None and found.name != requested:
         return ServedModel(requested, found.name, found.name, "get_info model_data.arch")
     if backend == "local":
-        stand_in = found.name if found.origin == "arch" and found.name else "embedded server stand-in (identity not reported)"
+        stand_in = (
+            found.name if found.origin == "arch" and found.name else "embedded server stand-in (identity not reported)"
+        )
         return ServedModel(requested, stand_in, stand_in, "backend=local")
     if not found.reported:  # optional in the SDK's ModelData: unavailable, never the requested name
-        return ServedModel(requested, f"a model the service did not name (requested {requested})", None,
-                           "unavailable: the get_info response has no model_data.model_name")
+        return ServedModel(
+            requested,
+            f"a model the service did not name (requested {requested})",
+            None,
+            "unavailable: the get_info response has no model_data.model_name",
+        )
     return ServedModel(requested, found.reported, None, "get_info model_data.model_name")
 
 
@@ -188,18 +207,19 @@ class Substitution(TypedDict):
     reason: str
 
 
-def substitution_deviation(requested_model: str, marker: EmbeddedMarker, base_url: str | None,
-                           answers_to: str | None) -> Substitution:
+def substitution_deviation(
+    requested_model: str, marker: EmbeddedMarker, base_url: str | None, answers_to: str | None
+) -> Substitution:
     """The model deviation a run on the embedded server records before any training."""
     where = ", ".join(marker.sources)
     return {
         "field": "model",
         "original": requested_model,
         "effective": f"{marker.stand_in or 'an unnamed stand-in'} (embedded dppo-harness server"
-                     f"{f', profile {marker.profile}' if marker.profile else ''}, answering to the name {answers_to or requested_model})",
+        f"{f', profile {marker.profile}' if marker.profile else ''}, answering to the name {answers_to or requested_model})",
         "reason": f"the service at {base_url or 'the configured URL'} identified itself as the embedded rehearsal server "
-                  f"(marker in: {where}); a small stand-in model computes, so results are a rehearsal, not "
-                  f"measurements of {requested_model}",
+        f"(marker in: {where}); a small stand-in model computes, so results are a rehearsal, not "
+        f"measurements of {requested_model}",
     }
 
 
@@ -219,8 +239,11 @@ def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
     if not stand_in or stand_in not in summary:  # the rehearsal labels stay in front
         body = summary.removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX)
         text = body.strip()
-        out["summary"] = summary[:len(summary) - len(body)] + \
-            (f"{text if text.endswith('.') else text + '.'} " if text else "") + f"{SERVED_NOTE}{note}."
+        out["summary"] = (
+            summary[: len(summary) - len(body)]
+            + (f"{text if text.endswith('.') else text + '.'} " if text else "")
+            + f"{SERVED_NOTE}{note}."
+        )
     tested = result.get("tested_instead")
     if isinstance(tested, str) and tested.strip() and (not stand_in or stand_in not in tested):
         out["tested_instead"] = tested.rstrip().rstrip(".") + f" ({note})"
@@ -284,11 +307,16 @@ class ClientIdentity:
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> JsonObject:
-        return {"label": self.label, "model_id": self.model_id, "get_info": self.get_info,
-                "get_server_capabilities": self.capabilities,
-                "embedded_server": self.marker.as_dict() if self.marker else None,
-                "served_model": self.served_model, "served_model_source": self.served_model_source,
-                "errors": list(self.errors)}
+        return {
+            "label": self.label,
+            "model_id": self.model_id,
+            "get_info": self.get_info,
+            "get_server_capabilities": self.capabilities,
+            "embedded_server": self.marker.as_dict() if self.marker else None,
+            "served_model": self.served_model,
+            "served_model_source": self.served_model_source,
+            "errors": list(self.errors),
+        }
 
 
 # ----------------------------------------------------------------------------- evidence
@@ -337,8 +365,9 @@ class TrainingClientRecorder:
         model_data = model_data if isinstance(model_data, dict) else None
         marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
         backend_block = backend_of(self.bundle.result) if hasattr(self.bundle, "result") else None
-        served = served_model(model_data, backend_block,
-                              seen=None if marker is None else EmbeddedServer.model_validate(marker.as_dict()))
+        served = served_model(
+            model_data, backend_block, seen=None if marker is None else EmbeddedServer.model_validate(marker.as_dict())
+        )
         name, source = served.name, served.source
         rec = ClientIdentity(label, model_id, info_json, caps, marker, name, source, errors)
         self.records.append(rec)
@@ -357,19 +386,32 @@ class TrainingClientRecorder:
         if not self.records or self._flushed:
             return
         self._flushed = True
-        self.bundle.register_json(name, "manifest", {
-            "clients": [{"label": r.label, "model_id": r.model_id, "get_info": r.get_info,
-                         "served_model": r.served_model, "served_model_source": r.served_model_source,
-                         "embedded_server": r.marker.as_dict() if r.marker else None, "errors": r.errors,
-                         "capabilities_and_identity_file": self._written[_identity_key(r)]}
-                        for r in self.records],
-            "note": "get_server_capabilities of each client is in the named file (identical for all clients "
-                    "sharing it: the file is written per distinct model_data + capabilities + marker)",
-        })
+        self.bundle.register_json(
+            name,
+            "manifest",
+            {
+                "clients": [
+                    {
+                        "label": r.label,
+                        "model_id": r.model_id,
+                        "get_info": r.get_info,
+                        "served_model": r.served_model,
+                        "served_model_source": r.served_model_source,
+                        "embedded_server": r.marker.as_dict() if r.marker else None,
+                        "errors": r.errors,
+                        "capabilities_and_identity_file": self._written[_identity_key(r)],
+                    }
+                    for r in self.records
+                ],
+                "note": "get_server_capabilities of each client is in the named file (identical for all clients "
+                "sharing it: the file is written per distinct model_data + capabilities + marker)",
+            },
+        )
 
 
-def record_session_identity(bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str,
-                            sdk_versions: Mapping[str, str]) -> None:
+def record_session_identity(
+    bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str, sdk_versions: Mapping[str, str]
+) -> None:
     """Before any training client: the connectivity report, a model choice, and on the embedded
     server the rehearsal label (evidence backend kind `local`, whatever `--backend` said), the
     substitution deviation and the stand-in's name in summary/tested_instead."""
@@ -386,12 +428,19 @@ def record_session_identity(bundle: EvidenceBundle, report: ConnectivityReport, 
     # session recorded it; the connectivity check asked for the plan's own base_model.
     planned = str((block.requested_model if block is not None else None) or report.requested_model)
     # Kind `local` = the embedded server computed this run; the bundle then labels every summary.
-    bundle.set_backend(Backend(
-        kind="local", requested_model=planned, served_model=str(stand_in),
-        sdk_versions=dict(sdk_versions), base_url=report.base_url, requested_backend=option_backend,
-        answers_to=report.model, embedded_server=EmbeddedServer.model_validate(marker.as_dict()),
-        kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
-    ))
+    bundle.set_backend(
+        Backend(
+            kind="local",
+            requested_model=planned,
+            served_model=str(stand_in),
+            sdk_versions=dict(sdk_versions),
+            base_url=report.base_url,
+            requested_backend=option_backend,
+            answers_to=report.model,
+            embedded_server=EmbeddedServer.model_validate(marker.as_dict()),
+            kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
+        )
+    )
     d = substitution_deviation(planned, marker, report.base_url, report.model)
     bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     finalize_labels(bundle)
@@ -408,6 +457,9 @@ def _identity_key(rec: ClientIdentity) -> str:
     """What must be equal for two clients to share an identity file (everything but the model id)."""
     info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
     info.pop("model_id", None)
-    blob = json.dumps([info, rec.capabilities, rec.marker.as_dict() if rec.marker else None, rec.served_model],
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        [info, rec.capabilities, rec.marker.as_dict() if rec.marker else None, rec.served_model],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -64,8 +64,9 @@ def make_service_client(
     """
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     apply_sdk_telemetry(sdk_telemetry)
-    client = ObservedServiceClient(observer=observer, waiter=waiter,
-                                   stage_of=registry.stage_now if registry else None, **kwargs)
+    client = ObservedServiceClient(
+        observer=observer, waiter=waiter, stage_of=registry.stage_now if registry else None, **kwargs
+    )
     if registry is not None:
         registry.register(client, stage=stage, label=label or f"{backend}-service-client")
     return client
@@ -111,10 +112,16 @@ class ObservedServiceClient(tinker.ServiceClient):
     names the stage running now (the registry's), kept with each created client.
     """
 
-    def __init__(self, *, base_url: str | None = None, api_key: str | None = None,
-                 default_headers_overrides: Mapping[str, str] | None = None,
-                 observer: TrainingClientObserver | None = None,
-                 waiter: ServiceWaiter | None = None, stage_of: Callable[[], str | None] | None = None):
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        default_headers_overrides: Mapping[str, str] | None = None,
+        observer: TrainingClientObserver | None = None,
+        waiter: ServiceWaiter | None = None,
+        stage_of: Callable[[], str | None] | None = None,
+    ):
         super().__init__(base_url=base_url, api_key=api_key, default_headers_overrides=default_headers_overrides)
         self._observer = observer
         self._stage_of = stage_of
@@ -136,8 +143,14 @@ class ObservedServiceClient(tinker.ServiceClient):
 
     def observe(self, client: tinker.TrainingClient, label: str) -> None:
         model_id = getattr(client, "model_id", None)
-        self.created.append(CreatedClient(None if model_id is None else str(model_id), label,
-                                          self._stage_of() if self._stage_of else None, now_iso()))
+        self.created.append(
+            CreatedClient(
+                None if model_id is None else str(model_id),
+                label,
+                self._stage_of() if self._stage_of else None,
+                now_iso(),
+            )
+        )
         if self._observer is None:
             return
         try:
@@ -184,57 +197,96 @@ class ObservedServiceClient(tinker.ServiceClient):
                 logger.warning("%s (session setup) still runs %.0f s after its stop", call, SETUP_ABORT_S)
             raise
 
-    def _creation(self, make: Callable[[], tinker.BackcompatTrainingClientFuture], call: str, what: str
-                  ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
+    def _creation(
+        self, make: Callable[[], tinker.BackcompatTrainingClientFuture], call: str, what: str
+    ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
         fut = self.set_up(make, call, what)
-        return WaitedFuture(fut, self.waiter, call, what, CreationWatch(time.monotonic()),
-                            then=lambda c: self.adopt(c, call))
+        return WaitedFuture(
+            fut, self.waiter, call, what, CreationWatch(time.monotonic()), then=lambda c: self.adopt(c, call)
+        )
 
     # The creation methods take the SDK's own parameters and hand out a WaitedFuture (the SDK future's
     # result()/result_async, waited under the policy) in place of the SDK's future.
     def create_lora_training_client(  # type: ignore[override]  # a WaitedFuture in place of the SDK's future
-        self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool = True,
-        train_attn: bool = True, train_unembed: bool = True, user_metadata: dict[str, str] | None = None,
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
         optimizer: tinker.types.OptimizerConfig | None = None,
     ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
-        return self._creation(lambda: super(ObservedServiceClient, self).create_lora_training_client(
-            base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata, optimizer),
-                              "create_lora_training_client", f"a new LoRA client on {base_model}")
+        return self._creation(
+            lambda: super(ObservedServiceClient, self).create_lora_training_client(
+                base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata, optimizer
+            ),
+            "create_lora_training_client",
+            f"a new LoRA client on {base_model}",
+        )
 
     def create_training_client_from_state(  # type: ignore[override]  # a WaitedFuture in place of the SDK's future
-        self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
-        weights_access_token: str | None = None, optimizer: tinker.types.OptimizerConfig | None = None,
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+        optimizer: tinker.types.OptimizerConfig | None = None,
     ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
-        return self._creation(lambda: super(ObservedServiceClient, self).create_training_client_from_state(
-            path, base_model, user_metadata, weights_access_token, optimizer),
-                              "create_training_client_from_state", f"a client from {path}")
+        return self._creation(
+            lambda: super(ObservedServiceClient, self).create_training_client_from_state(
+                path, base_model, user_metadata, weights_access_token, optimizer
+            ),
+            "create_training_client_from_state",
+            f"a client from {path}",
+        )
 
     def create_training_client_from_state_with_optimizer(  # type: ignore[override]  # a WaitedFuture in place of the SDK's future
-        self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
         weights_access_token: str | None = None,
     ) -> WaitedFuture[tinker.TrainingClient, tinker.TrainingClient]:
-        return self._creation(lambda: super(ObservedServiceClient, self).create_training_client_from_state_with_optimizer(
-            path, base_model, user_metadata, weights_access_token),
-                              "create_training_client_from_state_with_optimizer", f"a client from {path}")
+        return self._creation(
+            lambda: super(ObservedServiceClient, self).create_training_client_from_state_with_optimizer(
+                path, base_model, user_metadata, weights_access_token
+            ),
+            "create_training_client_from_state_with_optimizer",
+            f"a client from {path}",
+        )
 
     def create_sampling_client(  # type: ignore[override]  # a WaitedFuture in place of the SDK's future
-        self, model_path: str | None = None, base_model: str | None = None,
-        retry_config: RetryConfig | None = None, record_stability_info: bool = False,
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        retry_config: RetryConfig | None = None,
+        record_stability_info: bool = False,
     ) -> WaitedFuture[tinker.SamplingClient, tinker.SamplingClient]:
         what = f"sampler of {model_path or base_model}"
-        fut = self.set_up(lambda: super(ObservedServiceClient, self).create_sampling_client(
-            model_path=model_path, base_model=base_model, retry_config=retry_config,
-            record_stability_info=record_stability_info), "create_sampling_client", what)
-        return WaitedFuture(fut, self.waiter, "create_sampling_client", what, None,
-                            then=lambda c: self.waiter.adopt(c, what))
+        fut = self.set_up(
+            lambda: super(ObservedServiceClient, self).create_sampling_client(
+                model_path=model_path,
+                base_model=base_model,
+                retry_config=retry_config,
+                record_stability_info=record_stability_info,
+            ),
+            "create_sampling_client",
+            what,
+        )
+        return WaitedFuture(
+            fut, self.waiter, "create_sampling_client", what, None, then=lambda c: self.waiter.adopt(c, what)
+        )
 
     def _rest_client(self) -> tinker.RestClient:
         made = self.set_up(super()._rest_client, "create_rest_client", "the REST client", holder="_rest_holder")
         return self.waiter.adopt(made, "rest client")
 
 
-def notify_training_client(service_client: tinker.ServiceClient, client: tinker.TrainingClient, label: str,
-                           name: str | None = None) -> tinker.TrainingClient:
+def notify_training_client(
+    service_client: tinker.ServiceClient, client: tinker.TrainingClient, label: str, name: str | None = None
+) -> tinker.TrainingClient:
     """For code that builds a TrainingClient around the public methods (e.g. to keep a load
     response): the client observed and waited, as the public methods hand them out."""
     if isinstance(service_client, ObservedServiceClient):
@@ -242,8 +294,9 @@ def notify_training_client(service_client: tinker.ServiceClient, client: tinker.
     return client
 
 
-def create_from_state_with_response(service_client: tinker.ServiceClient, path: str, name: str | None = None
-                                    ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
+def create_from_state_with_response(
+    service_client: tinker.ServiceClient, path: str, name: str | None = None
+) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
     """`create_training_client_from_state_with_optimizer`, keeping the server's load response.
 
     The public SDK method awaits the LoadWeightsResponse and drops it, yet that response is the
@@ -273,15 +326,27 @@ def create_from_state_with_response(service_client: tinker.ServiceClient, path: 
 
         async def _send() -> tinker.types.UntypedAPIFuture:
             request = tinker.types.LoadWeightsRequest(
-                session_id=session_id, model_seq_id=model_seq_id, path=path, optimizer=True,
-                optimizer_config=None, base_model=None, user_metadata=None,
-                weights_access_token=None)
+                session_id=session_id,
+                model_seq_id=model_seq_id,
+                path=path,
+                optimizer=True,
+                optimizer_config=None,
+                base_model=None,
+                user_metadata=None,
+                weights_access_token=None,
+            )
             with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
                 return await client.weights.load(request=request)
 
         future = await holder.execute_with_retries(_send)
-        response = await _APIFuture(tinker.types.LoadWeightsResponse, holder, future, request_start_time=start,
-                                    request_type="LoadWeights", queue_state_observer=watch).result_async()
+        response = await _APIFuture(
+            tinker.types.LoadWeightsResponse,
+            holder,
+            future,
+            request_start_time=start,
+            request_type="LoadWeights",
+            queue_state_observer=watch,
+        ).result_async()
         info = await fetch_training_info(holder, model_id)
         return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info), response
 
@@ -299,5 +364,3 @@ def describe_client(service_client: tinker.ServiceClient, client: C, role: str) 
     if isinstance(service_client, ObservedServiceClient):
         service_client.describe(client, role)
     return client
-
-

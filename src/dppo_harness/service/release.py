@@ -26,7 +26,9 @@ class _Entry:
     released: bool = False
     error: str | None = None
     released_at: str | None = None
-    closing: AwaitableConcurrentFuture[None] | None = None  # the future of the one close() this entry sent (the SDK answers a second at once)
+    closing: AwaitableConcurrentFuture[None] | None = (
+        None  # the future of the one close() this entry sent (the SDK answers a second at once)
+    )
 
 
 def training_clients_of(service_client: object) -> list[CreatedClient]:
@@ -60,7 +62,9 @@ class ClientRegistry:
     def stage_now(self) -> str | None:
         return self.current_stage
 
-    def register(self, client: tinker.ServiceClient, *, stage: str, label: str = "service-client") -> tinker.ServiceClient:
+    def register(
+        self, client: tinker.ServiceClient, *, stage: str, label: str = "service-client"
+    ) -> tinker.ServiceClient:
         with self._lock:
             self._entries.append(_Entry(client, stage, label))
         return client
@@ -92,10 +96,12 @@ class ClientRegistry:
             # The SDK's AwaitableConcurrentFuture has no cancel(); the concurrent future it wraps has.
             inner: object = getattr(entry.closing, "_future", entry.closing)
             cancelled = hasattr(inner, "cancel") and inner.cancel()
-            entry.error = (f"TimeoutError: the session finish (POST sessions/<id>/finish) got no answer in "
-                           f"{self.release_timeout_s:g} s; the SDK's close was "
-                           f"{'cancelled' if cancelled else 'not cancellable'}, so the service may still hold "
-                           f"the session until it expires")
+            entry.error = (
+                f"TimeoutError: the session finish (POST sessions/<id>/finish) got no answer in "
+                f"{self.release_timeout_s:g} s; the SDK's close was "
+                f"{'cancelled' if cancelled else 'not cancellable'}, so the service may still hold "
+                f"the session until it expires"
+            )
             logger.warning("releasing %s failed: %s", entry.label, entry.error)
         except Exception as exc:  # record and carry on: releasing the rest matters more
             entry.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -125,22 +131,32 @@ class ClientRegistry:
         gc.collect()
         with self._lock:
             still_open = [e for e in self._entries if not e.released]
-            self.events.append({
-                "at": now_iso(), "stage": self.current_stage, "trigger": trigger,
-                "closed": [e.label for e in pending if e.released],
-                "close_failed": [{"label": e.label, "error": e.error} for e in pending if not e.released],
-                "still_open": [{"label": e.label, "training_clients": len(training_clients_of(e.client))}
-                               for e in still_open],
-            })
+            self.events.append(
+                {
+                    "at": now_iso(),
+                    "stage": self.current_stage,
+                    "trigger": trigger,
+                    "closed": [e.label for e in pending if e.released],
+                    "close_failed": [{"label": e.label, "error": e.error} for e in pending if not e.released],
+                    "still_open": [
+                        {"label": e.label, "training_clients": len(training_clients_of(e.client))} for e in still_open
+                    ],
+                }
+            )
             cancels = {e.label: sent for e in pending if (sent := getattr(e.client, "cancels", None))}
             if cancels:  # cancel_future sent for samples a stop abandoned: {"asked", "unsent"} per session
                 self.events[-1]["cancels_of_abandoned_samples"] = cancels
 
     @staticmethod
     def _record(e: _Entry) -> JsonObject:
-        return {"label": e.label, "stage": e.stage, "released": e.released, "error": e.error,
-                "released_at": e.released_at,
-                "training_clients": [asdict(c) for c in training_clients_of(e.client)]}
+        return {
+            "label": e.label,
+            "stage": e.stage,
+            "released": e.released,
+            "error": e.error,
+            "released_at": e.released_at,
+            "training_clients": [asdict(c) for c in training_clients_of(e.client)],
+        }
 
     def training_clients_by_stage(self) -> dict[str, int]:
         """How many training clients every registered session created, per stage they were created in."""

@@ -74,8 +74,11 @@ def live_secret_items(env: Mapping[str, str] | None = None) -> list[tuple[str, s
     every other credential-named variable long enough to scan for (shorter ones would match ordinary text)."""
     env = os.environ if env is None else env
     held = held_secret_items(env)
-    named = [(name, value) for name, value in sorted(env.items())
-             if name not in SECRET_ENV_VARS and is_credential_name(name) and len(value.strip()) >= MIN_SECRET_LENGTH]
+    named = [
+        (name, value)
+        for name, value in sorted(env.items())
+        if name not in SECRET_ENV_VARS and is_credential_name(name) and len(value.strip()) >= MIN_SECRET_LENGTH
+    ]
     return held + named
 
 
@@ -112,7 +115,7 @@ def _pieces(variants: Mapping[str, bytes]) -> dict[str, bytes]:
             continue
         starts = sorted({*range(0, len(pat) - PIECE + 1, PIECE), len(pat) - PIECE})
         for at in starts:
-            out[f"{name}_piece@{at}"] = pat[at:at + PIECE]
+            out[f"{name}_piece@{at}"] = pat[at : at + PIECE]
     return out
 
 
@@ -197,8 +200,13 @@ class UnsafeCredential:
         return f"{self.variable}: credential value refused: {self.reason}"
 
 
-def unsafe_credentials(env: Mapping[str, str] | None, files: Iterable[Path], *, root: Path | None = None,
-                       min_length: int = MIN_SECRET_LENGTH) -> list[UnsafeCredential]:
+def unsafe_credentials(
+    env: Mapping[str, str] | None,
+    files: Iterable[Path],
+    *,
+    root: Path | None = None,
+    min_length: int = MIN_SECRET_LENGTH,
+) -> list[UnsafeCredential]:
     """Credential values that would make the evidence scan fail or mean nothing: shorter than
     `min_length`, or present (in any encoding the scan looks for) in one of `files`, the
     harness's own files, which reach the evidence as plans, patches, copies and the code archive.
@@ -206,8 +214,13 @@ def unsafe_credentials(env: Mapping[str, str] | None, files: Iterable[Path], *, 
     out, long_enough = [], []
     for name, value in held_secret_items(env):
         if len(value.strip()) < min_length:
-            out.append(UnsafeCredential(name, f"shorter than {min_length} characters, too short to scan the evidence "
-                                              "for (set the real credential)"))
+            out.append(
+                UnsafeCredential(
+                    name,
+                    f"shorter than {min_length} characters, too short to scan the evidence "
+                    "for (set the real credential)",
+                )
+            )
         else:
             long_enough.append((name, value))
     scanner = SecretScanner(long_enough)
@@ -220,12 +233,19 @@ def unsafe_credentials(env: Mapping[str, str] | None, files: Iterable[Path], *, 
                 continue
             for m in scanner.find(data):
                 if m.label not in found:
-                    shown = Path(path).relative_to(root) if root and Path(root) in Path(path).parents else Path(path).name
+                    shown = (
+                        Path(path).relative_to(root) if root and Path(root) in Path(path).parents else Path(path).name
+                    )
                     found[m.label] = str(shown)
             if len(found) == len(long_enough):
                 break
     for name, _ in long_enough:
         if name in found:
-            out.append(UnsafeCredential(name, f"its value occurs in the harness's own files ({found[name]}), so the "
-                                              "evidence scan would block them (a placeholder? set the real credential)"))
+            out.append(
+                UnsafeCredential(
+                    name,
+                    f"its value occurs in the harness's own files ({found[name]}), so the "
+                    "evidence scan would block them (a placeholder? set the real credential)",
+                )
+            )
     return sorted(out, key=lambda u: SECRET_ENV_VARS.index(u.variable))

@@ -54,10 +54,17 @@ class ArmStepRun:
     updates_per_batch: int
 
 
-def run_arm_step(arm: ArmStepRun, items: Sequence[Gsm8kItem], renderer: renderers.Renderer,
-                 rollout_cfg: rollouts.RolloutConfig, *, sampler_name: str, context: UpdateContext,
-                 progress: ArmStepProgress | None = None,
-                 minibatches: Minibatches = train_step.prepare_minibatches) -> ArmStepResult:
+def run_arm_step(
+    arm: ArmStepRun,
+    items: Sequence[Gsm8kItem],
+    renderer: renderers.Renderer,
+    rollout_cfg: rollouts.RolloutConfig,
+    *,
+    sampler_name: str,
+    context: UpdateContext,
+    progress: ArmStepProgress | None = None,
+    minibatches: Minibatches = train_step.prepare_minibatches,
+) -> ArmStepResult:
     """Sample `items` from `arm.client`'s current weights as `sampler_name`, then one recorded
     update per minibatch of whole groups (`minibatches`); `progress` says how far it got."""
     progress = progress if progress is not None else ArmStepProgress()
@@ -66,8 +73,14 @@ def run_arm_step(arm: ArmStepRun, items: Sequence[Gsm8kItem], renderer: renderer
     progress.minibatches = minibatches(sampled.group_of_datum, arm.updates_per_batch)
     for u, idx in enumerate(progress.minibatches, start=1):
         progress.updates_submitted += 1
-        record, _ = train_step.train_step(arm.client, [sampled.datums[i] for i in idx], arm.loss_fn, arm.adam,
-                                          arm.recorder, context(u, sampled.sampler_path, idx))
+        record, _ = train_step.train_step(
+            arm.client,
+            [sampled.datums[i] for i in idx],
+            arm.loss_fn,
+            arm.adam,
+            arm.recorder,
+            context(u, sampled.sampler_path, idx),
+        )
         progress.records.append(record)
         progress.updates_done += 1
     return ArmStepResult(sampled, list(progress.records))

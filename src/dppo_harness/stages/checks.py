@@ -32,8 +32,12 @@ class Bounds:
     def of(cls, check: BaseModel) -> Bounds:
         """The bounds a validated plan check declares (a model without a field has no such bound)."""
         one_of = getattr(check, "one_of", None)
-        return cls(getattr(check, "min", None), getattr(check, "max", None), getattr(check, "min_exclusive", None),
-                   tuple(one_of) if one_of is not None else None)
+        return cls(
+            getattr(check, "min", None),
+            getattr(check, "max", None),
+            getattr(check, "min_exclusive", None),
+            tuple(one_of) if one_of is not None else None,
+        )
 
     @property
     def declared(self) -> bool:

@@ -57,10 +57,16 @@ class CorrectnessPreflight:
 
     def golden_report_json(self) -> JsonObject:
         """``correctness-golden-report.json``: the golden report and the registry parity."""
-        return {**self.report.to_json(), "loss_registry_parity": {
-            "tolerance": {**REGISTRY_TOLERANCE},
-            "losses": [{"loss": p.loss, "cases": p.cases, "passed": p.passed, "failures": list(p.failures)}
-                       for p in self.parity]}}
+        return {
+            **self.report.to_json(),
+            "loss_registry_parity": {
+                "tolerance": {**REGISTRY_TOLERANCE},
+                "losses": [
+                    {"loss": p.loss, "cases": p.cases, "passed": p.passed, "failures": list(p.failures)}
+                    for p in self.parity
+                ],
+            },
+        }
 
     def preflight_json(self) -> JsonObject:
         """``correctness-preflight.json``: the validator's verdict with the block it judged."""

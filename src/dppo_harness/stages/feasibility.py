@@ -51,14 +51,28 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan
 
-__all__ = ["DEFAULT_RESERVE_FRACTION", "PILOT_FILE", "ArmPilot", "FeasibilityError", "FeasibilityResult", "PilotFigures",
-           "PilotSchedule", "PilotTimings", "Projection", "arm_pilots", "feasibility_block", "feasibility_check",
-           "gpu_allocation", "project", "run_feasibility", "run_timing_pilot", "schedule_from_plan",
-           "stage_projections"]
+__all__ = [
+    "DEFAULT_RESERVE_FRACTION",
+    "PILOT_FILE",
+    "ArmPilot",
+    "FeasibilityError",
+    "FeasibilityResult",
+    "PilotFigures",
+    "PilotSchedule",
+    "PilotTimings",
+    "Projection",
+    "arm_pilots",
+    "feasibility_block",
+    "feasibility_check",
+    "gpu_allocation",
+    "project",
+    "run_feasibility",
+    "run_timing_pilot",
+    "schedule_from_plan",
+    "stage_projections",
+]
 
 PILOT_FILE = "feasibility-pilot.json"
-
-
 
 
 @dataclass
@@ -81,8 +95,10 @@ class FeasibilityResult:
         msg = "feasibility: the plan does not fit its budget:\n  - " + "\n  - ".join(self.failures)
         if self.embedded_server:
             # The stages run a plan as written; a smaller run is a declared rehearsal plan.
-            msg += ("\n  the embedded server runs a plan at its own size; rehearse it at a declared size: "
-                    "python -m dppo_harness.plans rehearse SPEC --out PLAN, then --plan PLAN")
+            msg += (
+                "\n  the embedded server runs a plan at its own size; rehearse it at a declared size: "
+                "python -m dppo_harness.plans rehearse SPEC --out PLAN, then --plan PLAN"
+            )
         return msg
 
 
@@ -92,14 +108,14 @@ def _tile(datums: Sequence[tinker.Datum], n: int) -> list[tinker.Datum]:
     return [datums[i % len(datums)] for i in range(n)]
 
 
-def _time_greedy_eval(client: tinker.TrainingClient, data: ModuleType, renderer: renderers.Renderer, max_tokens: int,
-                      eval_n: int) -> tuple[float, int]:
+def _time_greedy_eval(
+    client: tinker.TrainingClient, data: ModuleType, renderer: renderers.Renderer, max_tokens: int, eval_n: int
+) -> tuple[float, int]:
     """Greedy samples of the first `eval_n` test items, submitted together like the evaluation:
     (seconds from the first submit to the last result, greedy tokens)."""
     test = data.load_split("test").items[:eval_n]
     prompts = [data.build_prompt(it, renderer) for it in test]
-    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                   stop=list(prompts[0][1]))
+    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(prompts[0][1]))
     _, sampler = rollout_batch.save_sampler(client, "feasibility-eval")
     t2 = time.perf_counter()
     futures = [sampler.sample(ob, 1, params) for ob, _ in prompts]
@@ -142,42 +158,62 @@ def run_timing_pilot(
     data = dataset.get(schedule.dataset)
     train = data.load_split("train", seed=seed)
     items = train.items[:pilot_groups]
-    cfg = rollouts.RolloutConfig(groups_per_batch=pilot_groups, group_size=schedule.group_size,
-                                 temperature=schedule.temperature, max_tokens=schedule.max_tokens, seed=seed)
+    cfg = rollouts.RolloutConfig(
+        groups_per_batch=pilot_groups,
+        group_size=schedule.group_size,
+        temperature=schedule.temperature,
+        max_tokens=schedule.max_tokens,
+        seed=seed,
+    )
     sampled = rollout_batch.sample_rollout_batch(client, items, bundle.renderer, cfg, sampler_name="feasibility-pilot")
     sampling_s = sampled.seconds  # includes saving sampler weights, as every real step does
     batch, datums = sampled.batch, list(sampled.datums)
     minibatch = _tile(datums, schedule.sequences_per_update)
-    say(f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences for each of {len(arms)} arm(s) "
-        f"({batch.response_yield().truncated} of {batch.response_yield().n} sampled responses truncated)")
+    say(
+        f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences for each of {len(arms)} arm(s) "
+        f"({batch.response_yield().truncated} of {batch.response_yield().n} sampled responses truncated)"
+    )
     by_arm: dict[str, list[float]] = {}
     for arm in arms:
         loss_fn = losses.make_loss_fn(losses.LossConfig.for_loss(arm.loss, "token_mean"))
-        adam = tinker.AdamParams(**{k: float(v) for k, v in arm.optimizer.items() if k in tinker.AdamParams.model_fields})
+        adam = tinker.AdamParams(
+            **{k: float(v) for k, v in arm.optimizer.items() if k in tinker.AdamParams.model_fields}
+        )
         by_arm[arm.name] = list(train_step.timed_updates(client, minibatch, loss_fn, adam, pilot_updates))
     update_s = [t for times in by_arm.values() for t in times]
 
     eval_n = pilot_eval_items if schedule.eval_items else 0
     say(f"4/4: greedy evaluation of {eval_n} test items" if eval_n else "4/4: no evaluation in this plan")
-    eval_s, eval_tokens = (_time_greedy_eval(client, data, bundle.renderer, schedule.max_tokens, eval_n)
-                           if eval_n else (0.0, 0))
+    eval_s, eval_tokens = (
+        _time_greedy_eval(client, data, bundle.renderer, schedule.max_tokens, eval_n) if eval_n else (0.0, 0)
+    )
 
     lengths = [len(d.model_input.to_ints()) + 1 for d in minibatch]
     timings = PilotTimings(
-        setup_seconds=setup_s, sampling_seconds=sampling_s, sampled_groups=pilot_groups,
-        sampled_sequences=pilot_groups * schedule.group_size, update_seconds=tuple(update_s),
-        sequences_per_update=len(minibatch), eval_seconds=eval_s, eval_items=eval_n)
+        setup_seconds=setup_s,
+        sampling_seconds=sampling_s,
+        sampled_groups=pilot_groups,
+        sampled_sequences=pilot_groups * schedule.group_size,
+        update_seconds=tuple(update_s),
+        sequences_per_update=len(minibatch),
+        eval_seconds=eval_s,
+        eval_items=eval_n,
+    )
     details: JsonObject = {
         "setup": "create_training_client_from_state_with_optimizer(initial checkpoint)",
         "sampling": batch.summary(),
-        "minibatch": {"sequences": len(minibatch), "distinct_sampled_sequences": len(datums),
-                      "mean_tokens": float(np.mean(lengths)), "max_tokens": int(max(lengths)),
-                      "loss": "each arm's own registered loss, token_mean, via forward_backward_custom"},
+        "minibatch": {
+            "sequences": len(minibatch),
+            "distinct_sampled_sequences": len(datums),
+            "mean_tokens": float(np.mean(lengths)),
+            "max_tokens": int(max(lengths)),
+            "loss": "each arm's own registered loss, token_mean, via forward_backward_custom",
+        },
         "update_seconds": list(update_s),
-        "updates_by_arm": {a.name: {"loss": a.loss, "optimizer": dict(a.optimizer), "seconds": list(by_arm[a.name])}
-                           for a in arms},
-        "evaluation": {"items": eval_n, "greedy_tokens": eval_tokens, "seconds": eval_s,
-                       "submitted_together": True},
+        "updates_by_arm": {
+            a.name: {"loss": a.loss, "optimizer": dict(a.optimizer), "seconds": list(by_arm[a.name])} for a in arms
+        },
+        "evaluation": {"items": eval_n, "greedy_tokens": eval_tokens, "seconds": eval_s, "submitted_together": True},
     }
     return timings, details
 
@@ -213,33 +249,71 @@ def run_feasibility(
     t0 = time.perf_counter()
     if timings is None:
         timings, details = run_timing_pilot(
-            service_client, schedule, initial_checkpoint, pilot_groups=pilot_groups,
-            pilot_updates=pilot_updates, pilot_eval_items=pilot_eval_items,
-            arms=arm_pilots(plan), seed=schedule.seed, progress=progress)
+            service_client,
+            schedule,
+            initial_checkpoint,
+            pilot_groups=pilot_groups,
+            pilot_updates=pilot_updates,
+            pilot_eval_items=pilot_eval_items,
+            arms=arm_pilots(plan),
+            seed=schedule.seed,
+            progress=progress,
+        )
     timings, setup_parts = _with_measured_setup(timings, measured_setup)
     gpu_count, alloc = gpu_allocation(backend_kind)
-    proj = project(schedule, timings, plan.budget, gpu_count=gpu_count,
-                   reserve_fraction=reserve_fraction, elapsed_seconds=elapsed_seconds)
+    proj = project(
+        schedule,
+        timings,
+        plan.budget,
+        gpu_count=gpu_count,
+        reserve_fraction=reserve_fraction,
+        elapsed_seconds=elapsed_seconds,
+    )
     pilot_config = _pilot_config(
-        backend_kind=backend_kind, plan=plan, initial_checkpoint=initial_checkpoint, schedule=schedule,
-        timings=timings, pilot_groups=pilot_groups, pilot_updates=pilot_updates, reserve_fraction=reserve_fraction,
-        elapsed_seconds=elapsed_seconds, schedule_overrides=schedule_overrides, setup_parts=setup_parts)
+        backend_kind=backend_kind,
+        plan=plan,
+        initial_checkpoint=initial_checkpoint,
+        schedule=schedule,
+        timings=timings,
+        pilot_groups=pilot_groups,
+        pilot_updates=pilot_updates,
+        reserve_fraction=reserve_fraction,
+        elapsed_seconds=elapsed_seconds,
+        schedule_overrides=schedule_overrides,
+        setup_parts=setup_parts,
+    )
     eff = dict(effective_config) if effective_config is not None else {"schedule": asdict(schedule)}
-    endpoint = (plan.diagnostic.question if plan.kind == "bounded_diagnostic"
-                else plan.experiment.primary_endpoint or plan.experiment.eval.metric)
-    block = feasibility_block(schedule=schedule, timings=timings, projection=proj,
-                              pilot_config=pilot_config, effective_config=eff,
-                              primary_endpoint=endpoint, source=PILOT_FILE, allocation_source=alloc)
+    endpoint = (
+        plan.diagnostic.question
+        if plan.kind == "bounded_diagnostic"
+        else plan.experiment.primary_endpoint or plan.experiment.eval.metric
+    )
+    block = feasibility_block(
+        schedule=schedule,
+        timings=timings,
+        projection=proj,
+        pilot_config=pilot_config,
+        effective_config=eff,
+        primary_endpoint=endpoint,
+        source=PILOT_FILE,
+        allocation_source=alloc,
+    )
     check = feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None)
     failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
     stages = {k: v * (1.0 + reserve_fraction) for k, v in stage_projections(schedule, timings).items()}
-    record = {"schedule": asdict(schedule), "timings": asdict(timings), "pilot": details,
-              "projection": proj.as_dict(), "stage_projections_with_reserve": stages,
-              "feasibility_check": check}
+    record = {
+        "schedule": asdict(schedule),
+        "timings": asdict(timings),
+        "pilot": details,
+        "projection": proj.as_dict(),
+        "stage_projections_with_reserve": stages,
+        "feasibility_check": check,
+    }
     bundle.register_json(PILOT_FILE, "metrics", record)
     bundle.update_result(feasibility=block, metrics=_feasibility_metrics(proj, time.perf_counter() - t0))
-    return FeasibilityResult(schedule, timings, proj, block, check, proj.fits, failures, details, stages,
-                             embedded_server=embedded_server)
+    return FeasibilityResult(
+        schedule, timings, proj, block, check, proj.fits, failures, details, stages, embedded_server=embedded_server
+    )
 
 
 def _reduced_schedule(plan: Plan, schedule_overrides: Mapping[str, JsonValue] | None) -> PilotSchedule:
@@ -254,8 +328,9 @@ def _reduced_schedule(plan: Plan, schedule_overrides: Mapping[str, JsonValue] | 
     return schedule
 
 
-def _with_measured_setup(timings: PilotTimings, measured_setup: Mapping[str, float] | None
-                         ) -> tuple[PilotTimings, dict[str, float]]:
+def _with_measured_setup(
+    timings: PilotTimings, measured_setup: Mapping[str, float] | None
+) -> tuple[PilotTimings, dict[str, float]]:
     """The pilot's setup time plus the run's other measured setup phases, and the parts by name."""
     setup_parts = {"create_client_from_initial_checkpoint": timings.setup_seconds}
     for name, secs in (measured_setup or {}).items():
@@ -265,31 +340,50 @@ def _with_measured_setup(timings: PilotTimings, measured_setup: Mapping[str, flo
     return replace(timings, setup_seconds=sum(setup_parts.values())), setup_parts
 
 
-def _pilot_config(*, backend_kind: str, plan: Plan, initial_checkpoint: str, schedule: PilotSchedule,
-                  timings: PilotTimings, pilot_groups: int, pilot_updates: int, reserve_fraction: float,
-                  elapsed_seconds: float, schedule_overrides: Mapping[str, JsonValue] | None,
-                  setup_parts: Mapping[str, float]) -> JsonObject:
+def _pilot_config(
+    *,
+    backend_kind: str,
+    plan: Plan,
+    initial_checkpoint: str,
+    schedule: PilotSchedule,
+    timings: PilotTimings,
+    pilot_groups: int,
+    pilot_updates: int,
+    reserve_fraction: float,
+    elapsed_seconds: float,
+    schedule_overrides: Mapping[str, JsonValue] | None,
+    setup_parts: Mapping[str, float],
+) -> JsonObject:
     """What the pilot ran and how the projection extrapolates it (the feasibility block's config)."""
     return {
-        "backend": backend_kind, "plan": plan.name, "plan_sha256": plan.sha256,
-        "initial_checkpoint": initial_checkpoint, "pilot_groups": pilot_groups,
-        "group_size": schedule.group_size, "temperature": schedule.temperature,
-        "max_tokens": schedule.max_tokens, "pilot_updates": pilot_updates,
-        "sequences_per_update": schedule.sequences_per_update, "pilot_eval_items": timings.eval_items,
+        "backend": backend_kind,
+        "plan": plan.name,
+        "plan_sha256": plan.sha256,
+        "initial_checkpoint": initial_checkpoint,
+        "pilot_groups": pilot_groups,
+        "group_size": schedule.group_size,
+        "temperature": schedule.temperature,
+        "max_tokens": schedule.max_tokens,
+        "pilot_updates": pilot_updates,
+        "sequences_per_update": schedule.sequences_per_update,
+        "pilot_eval_items": timings.eval_items,
         "eval_decoding": {"temperature": 0.0, "max_tokens": schedule.max_tokens},
-        "reserve_fraction": reserve_fraction, "elapsed_seconds_taken_off_budget": elapsed_seconds,
+        "reserve_fraction": reserve_fraction,
+        "elapsed_seconds_taken_off_budget": elapsed_seconds,
         "size_reductions": dict(schedule_overrides or {}),
         "setup_components_seconds": dict(setup_parts),
         "extrapolation": "sampling seconds per group x groups_per_batch, mean update seconds x "
-                         "updates_per_batch, per arm-step; eval seconds per item x eval items",
+        "updates_per_batch, per arm-step; eval seconds per item x eval items",
     }
 
 
 def _feasibility_metrics(proj: Projection, pilot_wall_seconds: float) -> dict[str, float]:
-    metrics = {"feasibility/pilot_wall_seconds": pilot_wall_seconds,
-               "feasibility/projected_wall_seconds": proj.total_seconds,
-               "feasibility/remaining_wall_budget_seconds": proj.budget_seconds,
-               "feasibility/fits": 1.0 if proj.fits else 0.0}
+    metrics = {
+        "feasibility/pilot_wall_seconds": pilot_wall_seconds,
+        "feasibility/projected_wall_seconds": proj.total_seconds,
+        "feasibility/remaining_wall_budget_seconds": proj.budget_seconds,
+        "feasibility/fits": 1.0 if proj.fits else 0.0,
+    }
     if proj.gpu_hours is not None:
         metrics["feasibility/projected_gpu_hours"] = proj.gpu_hours
     return metrics

@@ -65,27 +65,39 @@ def schedule_from_plan(plan: Plan) -> PilotSchedule:
         if run is None:
             raise FeasibilityError(f"plan {plan.name}: a {plan.kind} plan without its typed run config")
         return PilotSchedule(
-            plan_kind=plan.kind, trained_arms=len(run.arms), batches_per_arm=run.rollout_steps,
-            groups_per_batch=int(run.groups_per_batch.value), group_size=int(run.group_size.value),
-            updates_per_batch=run.updates_per_batch, sequences_per_update=run.batch_size // run.updates_per_batch,
-            max_tokens=int(run.max_tokens.value), eval_items=len(run.arms) * run.eval_items,
-            temperature=float(run.temperature.value), dataset=run.dataset, arm_losses=tuple(a.loss for a in run.arms),
+            plan_kind=plan.kind,
+            trained_arms=len(run.arms),
+            batches_per_arm=run.rollout_steps,
+            groups_per_batch=int(run.groups_per_batch.value),
+            group_size=int(run.group_size.value),
+            updates_per_batch=run.updates_per_batch,
+            sequences_per_update=run.batch_size // run.updates_per_batch,
+            max_tokens=int(run.max_tokens.value),
+            eval_items=len(run.arms) * run.eval_items,
+            temperature=float(run.temperature.value),
+            dataset=run.dataset,
+            arm_losses=tuple(a.loss for a in run.arms),
             seed=run.seed,
         )
     if plan.kind == "bounded_diagnostic":
         d = plan.diagnostic
         sch, fs = d.schedule, d.fixed_settings
         return PilotSchedule(
-            plan_kind=plan.kind, trained_arms=1, batches_per_arm=sch.sampling_batches,
-            groups_per_batch=sch.groups_per_batch, group_size=sch.group_size,
+            plan_kind=plan.kind,
+            trained_arms=1,
+            batches_per_arm=sch.sampling_batches,
+            groups_per_batch=sch.groups_per_batch,
+            group_size=sch.group_size,
             updates_per_batch=sch.max_optimizer_updates,
             sequences_per_update=sch.groups_per_minibatch * sch.group_size,
-            max_tokens=fs.sampling.max_tokens, eval_items=0, temperature=float(fs.sampling.temperature),
-            dataset=fs.sampling.dataset, arm_losses=(DPPO_LOSS,), seed=fs.seed,
+            max_tokens=fs.sampling.max_tokens,
+            eval_items=0,
+            temperature=float(fs.sampling.temperature),
+            dataset=fs.sampling.dataset,
+            arm_losses=(DPPO_LOSS,),
+            seed=fs.seed,
         )
     raise FeasibilityError(f"unknown plan kind {plan.kind!r}")
-
-
 
 
 @dataclass(frozen=True)
@@ -166,8 +178,9 @@ def project(
     if not (0.0 <= reserve_fraction < 10.0):
         raise FeasibilityError(f"reserve_fraction must be in [0, 10), got {reserve_fraction}")
     problems: list[str] = []
-    arm_step = (timings.seconds_per_group * schedule.groups_per_batch
-                + schedule.updates_per_batch * timings.seconds_per_update)
+    arm_step = (
+        timings.seconds_per_group * schedule.groups_per_batch + schedule.updates_per_batch * timings.seconds_per_update
+    )
     training = schedule.arm_steps * arm_step
     if schedule.eval_items:
         per_item = timings.seconds_per_eval_item
@@ -186,7 +199,9 @@ def project(
             f"projected wall time {total:.0f}s (setup {timings.setup_seconds:.0f}s + training "
             f"{training:.0f}s + evaluation {evaluation:.0f}s + reserve {recovery:.0f}s) exceeds the "
             f"remaining wall budget {budget_s:.0f}s ({budget['max_wall_minutes']} min"
-            + (f" minus {elapsed_seconds:.0f}s spent" if elapsed_seconds else "") + ")")
+            + (f" minus {elapsed_seconds:.0f}s spent" if elapsed_seconds else "")
+            + ")"
+        )
     gpu_budget = float(budget["gpu_hours"])
     if gpu_count is None:
         gpu_hours = None
@@ -197,10 +212,19 @@ def project(
             fits = False
             problems.append(f"projected {gpu_hours:.2f} GPU-hours exceeds the budget {gpu_budget}")
     return Projection(
-        setup_seconds=timings.setup_seconds, arm_step_seconds=arm_step, training_seconds=training,
-        evaluation_seconds=evaluation, recovery_seconds=recovery, total_seconds=total,
-        budget_seconds=budget_s, gpu_count=gpu_count, gpu_hours=gpu_hours,
-        gpu_hours_budget=gpu_budget, fits=fits, problems=tuple(problems))
+        setup_seconds=timings.setup_seconds,
+        arm_step_seconds=arm_step,
+        training_seconds=training,
+        evaluation_seconds=evaluation,
+        recovery_seconds=recovery,
+        total_seconds=total,
+        budget_seconds=budget_s,
+        gpu_count=gpu_count,
+        gpu_hours=gpu_hours,
+        gpu_hours_budget=gpu_budget,
+        fits=fits,
+        problems=tuple(problems),
+    )
 
 
 def feasibility_block(
@@ -220,22 +244,36 @@ def feasibility_block(
     the projected seconds of one arm-step, so seconds / units x planned_units is the projection.
     """
     gpu, alloc = projection.gpu_count, allocation_source if projection.gpu_count is not None else None
-    eval_block: JsonObject = {"seconds": timings.eval_seconds, "units": timings.eval_items,
-                  "planned_units": schedule.eval_items, "samples": timings.eval_items,
-                  "gpu_count": gpu, "allocation_source": alloc}
+    eval_block: JsonObject = {
+        "seconds": timings.eval_seconds,
+        "units": timings.eval_items,
+        "planned_units": schedule.eval_items,
+        "samples": timings.eval_items,
+        "gpu_count": gpu,
+        "allocation_source": alloc,
+    }
     return {
         "config": dict(pilot_config),
         "effective_config": dict(effective_config),
         "primary_endpoint": primary_endpoint,
         "source": source,
         "measurements": {
-            "setup": {"seconds": timings.setup_seconds, "units": 1, "planned_units": 1, "samples": 0,
-                      "gpu_count": gpu, "allocation_source": alloc},
-            "training": {"seconds": timings.training_seconds,
-                         "units": timings.training_seconds / projection.arm_step_seconds,
-                         "planned_units": schedule.arm_steps,
-                         "samples": timings.sampled_sequences + timings.sequences_per_update * len(timings.update_seconds),
-                         "gpu_count": gpu, "allocation_source": alloc},
+            "setup": {
+                "seconds": timings.setup_seconds,
+                "units": 1,
+                "planned_units": 1,
+                "samples": 0,
+                "gpu_count": gpu,
+                "allocation_source": alloc,
+            },
+            "training": {
+                "seconds": timings.training_seconds,
+                "units": timings.training_seconds / projection.arm_step_seconds,
+                "planned_units": schedule.arm_steps,
+                "samples": timings.sampled_sequences + timings.sequences_per_update * len(timings.update_seconds),
+                "gpu_count": gpu,
+                "allocation_source": alloc,
+            },
             "evaluation": eval_block,
         },
         "generation": None,
@@ -251,8 +289,12 @@ def feasibility_check(projection: Projection, known_gpu_hours: float | None) -> 
         "wall_seconds": projection.total_seconds,
         "gpu_hours": projection.gpu_hours,
         "known_gpu_hours": known_gpu_hours,
-        "phases": {"setup": projection.setup_seconds, "training": projection.training_seconds,
-                   "evaluation": projection.evaluation_seconds, "recovery": projection.recovery_seconds},
+        "phases": {
+            "setup": projection.setup_seconds,
+            "training": projection.training_seconds,
+            "evaluation": projection.evaluation_seconds,
+            "recovery": projection.recovery_seconds,
+        },
     }
 
 
@@ -264,8 +306,11 @@ def stage_projections(schedule: PilotSchedule, timings: PilotTimings, *, gate_st
     """
     group_s, update_s = timings.seconds_per_group, timings.seconds_per_update
     step_s = group_s * schedule.groups_per_batch + schedule.updates_per_batch * update_s
-    out = {"plan": timings.setup_seconds + schedule.arm_steps * step_s
-           + schedule.eval_items * (timings.seconds_per_eval_item or 0.0)}
+    out = {
+        "plan": timings.setup_seconds
+        + schedule.arm_steps * step_s
+        + schedule.eval_items * (timings.seconds_per_eval_item or 0.0)
+    }
     if schedule.plan_kind in ("experiment_spec", "rehearsal"):
         out["gate"] = timings.setup_seconds + gate_steps * step_s
     return out
@@ -284,13 +329,19 @@ def arm_pilots(plan: Plan) -> tuple[ArmPilot, ...]:
     """Every arm the plan trains, each with its own loss and optimizer config (a diagnostic: its one arm)."""
     if plan.kind == "bounded_diagnostic":
         o = plan.diagnostic.fixed_settings.optimizer
-        return (ArmPilot("diagnostic", DPPO_LOSS, {k: getattr(o, k) for k in (
-            "learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}),)
+        return (
+            ArmPilot(
+                "diagnostic",
+                DPPO_LOSS,
+                {
+                    k: getattr(o, k)
+                    for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+                },
+            ),
+        )
     if plan.run is None:
         raise FeasibilityError(f"plan {plan.name}: a {plan.kind} plan without its typed run config")
     return tuple(ArmPilot(a.name, a.loss, dict(a.adam_config_requested())) for a in plan.run.arms)
-
-
 
 
 @dataclass(frozen=True)

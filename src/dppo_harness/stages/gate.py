@@ -111,8 +111,11 @@ def definition(metric: str, stat: str | None, *, updates_per_batch: int, ppo_eps
     numbers: its updates per batch and the clip eps of its loss call."""
     if metric in DEFINITIONS:
         return DEFINITIONS[metric].format(last=ordinal(updates_per_batch), eps=ppo_eps)
-    return (f"{stat} of the loss call of the last minibatch update of each pilot step, unweighted mean over "
-            "pilot steps" if stat else "not measured by the pilot")
+    return (
+        f"{stat} of the loss call of the last minibatch update of each pilot step, unweighted mean over pilot steps"
+        if stat
+        else "not measured by the pilot"
+    )
 
 
 def gate_values(
@@ -159,15 +162,30 @@ def gate_values(
     return values, rows
 
 
-def with_rollout_yield(rows: Sequence[PilotStepRow], yields: Sequence[answer_yield.ResponseYield]) -> list[PilotStepRow]:
+def with_rollout_yield(
+    rows: Sequence[PilotStepRow], yields: Sequence[answer_yield.ResponseYield]
+) -> list[PilotStepRow]:
     """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
     length (a step that sampled nothing gets none)."""
     out = []
     for row in rows:
         step = int(row["step"])
         y = yields[step] if step < len(yields) else None
-        out.append({**row, **({"truncated_frac": y.truncated_frac, "no_answer_frac": y.no_answer_frac,
-                               "mean_response_tokens": y.mean_response_tokens, "responses": y.n} if y else {})})
+        out.append(
+            {
+                **row,
+                **(
+                    {
+                        "truncated_frac": y.truncated_frac,
+                        "no_answer_frac": y.no_answer_frac,
+                        "mean_response_tokens": y.mean_response_tokens,
+                        "responses": y.n,
+                    }
+                    if y
+                    else {}
+                ),
+            }
+        )
     return out
 
 
@@ -288,25 +306,33 @@ class GateReport:
     records: list[ins.LossCallRecord] = field(default_factory=list, repr=False)
 
     def failures(self) -> list[str]:
-        return [f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed] + self.errors
+        return [
+            f"{c.metric}: {c.reason} (value {c.value!r}, bounds {c.bounds})" for c in self.checks if not c.passed
+        ] + self.errors
 
     def to_json(self) -> JsonObject:
         sources, p = losses.gate_metric_sources(), self.pilot
         eps = losses.LossConfig.for_loss(p["loss"], p["normalization"]).ppo_eps  # as the pilot's loss call counted
-        return ins.nan_free({
-            "kind": "activation_gate_report",
-            "passed": self.passed,
-            "plan": self.plan,
-            "pilot": self.pilot,
-            "definitions": {c.metric: definition(c.metric, sources.get(c.metric), updates_per_batch=p["updates_per_batch"],
-                                                 ppo_eps=eps) for c in self.checks},
-            "checks": [asdict(c) for c in self.checks],
-            "values": self.values,
-            "per_step": self.per_step,
-            "errors": self.errors,
-            "wall_seconds": self.wall_seconds,
-            "note": "written once by the gate stage; later stages never rewrite it",
-        })
+        return ins.nan_free(
+            {
+                "kind": "activation_gate_report",
+                "passed": self.passed,
+                "plan": self.plan,
+                "pilot": self.pilot,
+                "definitions": {
+                    c.metric: definition(
+                        c.metric, sources.get(c.metric), updates_per_batch=p["updates_per_batch"], ppo_eps=eps
+                    )
+                    for c in self.checks
+                },
+                "checks": [asdict(c) for c in self.checks],
+                "values": self.values,
+                "per_step": self.per_step,
+                "errors": self.errors,
+                "wall_seconds": self.wall_seconds,
+                "note": "written once by the gate stage; later stages never rewrite it",
+            }
+        )
 
     def calibration(self) -> JsonObject:
         p = self.pilot
@@ -341,14 +367,17 @@ class GateReports:
         return [f"{r.pilot['arm']}: {f}" for r in self.reports for f in r.failures()]
 
 
-def run_activation_gates(service_client: tinker.ServiceClient, plan: Plan, bundle: EvidenceBundle,
-                         initial_checkpoint: str, **kwargs: Any) -> GateReport | GateReports:
+def run_activation_gates(
+    service_client: tinker.ServiceClient, plan: Plan, bundle: EvidenceBundle, initial_checkpoint: str, **kwargs: Any
+) -> GateReport | GateReports:
     """The gate of every treatment arm of the plan (one pilot each, in spec order)."""
     run = plan.spec_plan.run
     if run is None:
         raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
-    reports = tuple(run_activation_gate(service_client, plan, bundle, initial_checkpoint, arm=a.name, **kwargs)
-                    for a in run.treatments)
+    reports = tuple(
+        run_activation_gate(service_client, plan, bundle, initial_checkpoint, arm=a.name, **kwargs)
+        for a in run.treatments
+    )
     return reports[0] if len(reports) == 1 else GateReports(reports)
 
 
@@ -365,22 +394,49 @@ class _Pilot:
     yields: list[answer_yield.ResponseYield] = field(default_factory=list)  # of each step's batch
 
 
-def _pilot_step(arm: ArmStepRun, step: int, cfg: PilotConfig, pilot: _Pilot, items: Sequence[Gsm8kItem],
-                renderer: renderers.Renderer, bundle: EvidenceBundle, tag: str) -> list[ins.LossCallRecord]:
+def _pilot_step(
+    arm: ArmStepRun,
+    step: int,
+    cfg: PilotConfig,
+    pilot: _Pilot,
+    items: Sequence[Gsm8kItem],
+    renderer: renderers.Renderer,
+    bundle: EvidenceBundle,
+    tag: str,
+) -> list[ins.LossCallRecord]:
     """One pilot step, the comparison's arm-step (`arm_step.run_arm_step`): fresh rollout batch from
     the current weights, then one recorded update per complete-group minibatch. Returns this step's
     loss-call records (also persisted)."""
-    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed,
-                                  max_seq_len=cfg.max_seq_len)
+    rcfg = rollouts.RolloutConfig(
+        cfg.groups_per_batch,
+        cfg.group_size,
+        cfg.temperature,
+        cfg.max_tokens,
+        seed=cfg.seed,
+        max_seq_len=cfg.max_seq_len,
+    )
 
     def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
-        return {"step": step, "update_in_batch": u, "update_index": step * cfg.updates_per_batch + u,
-                "sampler_checkpoint": sampler_path, "n_sequences": len(idx)}
+        return {
+            "step": step,
+            "update_in_batch": u,
+            "update_index": step * cfg.updates_per_batch + u,
+            "sampler_checkpoint": sampler_path,
+            "n_sequences": len(idx),
+        }
 
     progress = ArmStepProgress()
     try:
-        run_arm_step(arm, items, renderer, rcfg, sampler_name=f"{tag}-sampler-s{step}", context=context,
-                     progress=progress, minibatches=split_complete_groups)
+        run_arm_step(
+            arm,
+            items,
+            renderer,
+            rcfg,
+            sampler_name=f"{tag}-sampler-s{step}",
+            context=context,
+            progress=progress,
+            minibatches=split_complete_groups,
+        )
     finally:  # what the step reached is kept when it stops part-way
         if progress.sampled is not None:
             pilot.samplers.append(progress.sampled.sampler_path)
@@ -391,9 +447,19 @@ def _pilot_step(arm: ArmStepRun, step: int, cfg: PilotConfig, pilot: _Pilot, ite
     return progress.records
 
 
-def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotConfig, pilot: _Pilot,
-               initial_checkpoint: str, *, backend: str, bundle: EvidenceBundle, tag: str,
-               say: Callable[[str], None], t0: float) -> list[str]:
+def _run_pilot(
+    service_client: tinker.ServiceClient,
+    run: RunConfig,
+    cfg: PilotConfig,
+    pilot: _Pilot,
+    initial_checkpoint: str,
+    *,
+    backend: str,
+    bundle: EvidenceBundle,
+    tag: str,
+    say: Callable[[str], None],
+    t0: float,
+) -> list[str]:
     """The pilot's steps on a client loaded from the shared initial checkpoint, measured into
     `pilot`; returns the errors (a pilot stopping early is recorded, and the gate then fails on
     the missing values)."""
@@ -405,14 +471,17 @@ def _run_pilot(service_client: tinker.ServiceClient, run: RunConfig, cfg: PilotC
         pilot.loaded_checkpoint = getattr(load_response, "path", None)
         pilot.base_model, pilot.base_model_source = executed_model(tc.get_info(), backend, bundle)
         if pilot.base_model is None:  # model_name is optional in the SDK's ModelData: never the requested name
-            errors.append(f"executed_base_model unavailable: the service's get_info response names no model "
-                          f"(read from {pilot.base_model_source})")
+            errors.append(
+                f"executed_base_model unavailable: the service's get_info response names no model "
+                f"(read from {pilot.base_model_source})"
+            )
         renderer = tokenizer.make_renderer().renderer
         train = dataset.get(run.dataset).load_split("train", seed=cfg.seed)
         arm = ArmStepRun(tc, loss_fn, adam, pilot.recorder, cfg.updates_per_batch)
         for step in range(cfg.steps):
-            step_records = _pilot_step(arm, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer,
-                                       bundle, tag)
+            step_records = _pilot_step(
+                arm, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer, bundle, tag
+            )
             last = step_records[-1].stats if step_records else {}
             say(
                 f"[gate] step {step + 1}/{cfg.steps}: {pilot.optim_counts[step]} updates, "
@@ -435,8 +504,15 @@ def _pilot_block(cfg: PilotConfig, pilot: _Pilot, initial_checkpoint: str, backe
         "sampler_checkpoints": pilot.samplers,
         "initial_checkpoint": initial_checkpoint,
         "loaded_checkpoint": pilot.loaded_checkpoint,
-        **({} if pilot.loaded_checkpoint is not None else {"loaded_checkpoint_unavailable": (
-            "the service's load response has no path (optional in the SDK's LoadWeightsResponse)")}),
+        **(
+            {}
+            if pilot.loaded_checkpoint is not None
+            else {
+                "loaded_checkpoint_unavailable": (
+                    "the service's load response has no path (optional in the SDK's LoadWeightsResponse)"
+                )
+            }
+        ),
         "backend": backend,
         "loss_calls": len(pilot.recorder.records),
         "executed_base_model_source": pilot.base_model_source,
@@ -469,11 +545,13 @@ def run_activation_gate(
     tag = tag if first else f"{tag}-{cfg.arm}"
     loss_cfg = losses.LossConfig.for_loss(cfg.loss, cfg.normalization)  # type: ignore[arg-type]
     pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
-    errors = _run_pilot(service_client, run, cfg, pilot, initial_checkpoint, backend=backend, bundle=bundle, tag=tag,
-                        say=say, t0=t0)
+    errors = _run_pilot(
+        service_client, run, cfg, pilot, initial_checkpoint, backend=backend, bundle=bundle, tag=tag, say=say, t0=t0
+    )
     records = pilot.recorder.records
-    values, per_step = gate_values(records, pilot.optim_counts, pilot.base_model, cfg.steps,
-                                   updates_per_batch=cfg.updates_per_batch)
+    values, per_step = gate_values(
+        records, pilot.optim_counts, pilot.base_model, cfg.steps, updates_per_batch=cfg.updates_per_batch
+    )
     per_step = with_rollout_yield(per_step, pilot.yields)
     results = evaluate_gate(run.gate_checks, values)
     errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]

@@ -43,15 +43,16 @@ def datum_arrays(datum: tinker.Datum) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return tokens_T, targets_T, mask_T
 
 
-def make_datum(prompt_tokens: Sequence[int], completion_tokens: Sequence[int],
-               completion_weight: float = 1.0) -> tinker.Datum:
+def make_datum(
+    prompt_tokens: Sequence[int], completion_tokens: Sequence[int], completion_weight: float = 1.0
+) -> tinker.Datum:
     """Datum for `forward(..., "cross_entropy")`: shifted input/targets, `completion_weight` on the
     completion's targets, 0 on the prompt (weight 0 everywhere: a forward-only logprob read)."""
     tokens = list(prompt_tokens) + list(completion_tokens)
     if len(completion_tokens) == 0 or len(tokens) < 2:
         raise ValueError("fixed-batch item needs a non-empty completion")
     weights_T = np.zeros(len(tokens) - 1, dtype=np.float32)
-    weights_T[len(prompt_tokens) - 1:] = completion_weight
+    weights_T[len(prompt_tokens) - 1 :] = completion_weight
     return tinker.Datum(
         model_input=tinker.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
@@ -65,8 +66,7 @@ def full_logprobs(client: tinker.TrainingClient, batch: Sequence[tinker.Datum]) 
     """Per-token logprobs of every target token (forward only, no gradient, no update)."""
     out = client.forward(list(batch), "cross_entropy").result()
     if len(out.loss_fn_outputs) != len(batch):
-        raise RestorationError(
-            f"forward returned {len(out.loss_fn_outputs)} outputs for {len(batch)} datums")
+        raise RestorationError(f"forward returned {len(out.loss_fn_outputs)} outputs for {len(batch)} datums")
     result = []
     for i, o in enumerate(out.loss_fn_outputs):
         if "logprobs" not in o:

@@ -62,9 +62,14 @@ def server_optimizer_family(info: tinker.types.GetInfoResponse | None) -> str | 
 # Keys under which a server may echo applied AdamW hyperparameters in optim_step metrics.
 _ECHO_PREFIXES = ("", "adam/", "optim/", "optimizer/", "adam_", "optim_")
 _ECHO_SUFFIXES = ("", ":mean", ":max", ":min", ":sum")
-_ECHO_ALIASES = {"learning_rate": ("learning_rate", "lr"), "beta1": ("beta1",),
-                 "beta2": ("beta2",), "eps": ("eps", "epsilon"),
-                 "weight_decay": ("weight_decay",), "grad_clip_norm": ("grad_clip_norm",)}
+_ECHO_ALIASES = {
+    "learning_rate": ("learning_rate", "lr"),
+    "beta1": ("beta1",),
+    "beta2": ("beta2",),
+    "eps": ("eps", "epsilon"),
+    "weight_decay": ("weight_decay",),
+    "grad_clip_norm": ("grad_clip_norm",),
+}
 
 
 def echoed_config(metrics: Mapping[str, float] | None, keys: Sequence[str]) -> dict[str, float]:
@@ -117,27 +122,30 @@ def optimizer_check(
     if not config_complete:
         missing = sorted(set(requested_config) - set(actual_cfg or {}))
         unverified.append(f"config keys not exposed by any server response: {missing}")
-    return OptimizerCheck({
-        "after_restore": after_restore,
-        "before_next_update": True,
-        "requested_optimizer": requested_optimizer,
-        "requested_config": dict(requested_config),
-        "actual_optimizer": family,
-        "actual_optimizer_source": "server_response" if family is not None else "declared",
-        "actual_config": actual_cfg,
-        "actual_config_source": "server_response" if actual_cfg else "declared",
-        "actual_config_observed_on": echo_observed_on if actual_cfg else None,
-        "source": "server_response" if (family is not None or actual_cfg) else "declared",
-        "evidence_ref": info_ref if not actual_cfg else f"{info_ref}; {echo_ref}",
-        "matches": not mismatches,
-        "mismatches": mismatches,
-        "verified": bool(family is not None and config_complete and not mismatches),
-        "unverified_reasons": unverified,
-    })
+    return OptimizerCheck(
+        {
+            "after_restore": after_restore,
+            "before_next_update": True,
+            "requested_optimizer": requested_optimizer,
+            "requested_config": dict(requested_config),
+            "actual_optimizer": family,
+            "actual_optimizer_source": "server_response" if family is not None else "declared",
+            "actual_config": actual_cfg,
+            "actual_config_source": "server_response" if actual_cfg else "declared",
+            "actual_config_observed_on": echo_observed_on if actual_cfg else None,
+            "source": "server_response" if (family is not None or actual_cfg) else "declared",
+            "evidence_ref": info_ref if not actual_cfg else f"{info_ref}; {echo_ref}",
+            "matches": not mismatches,
+            "mismatches": mismatches,
+            "verified": bool(family is not None and config_complete and not mismatches),
+            "unverified_reasons": unverified,
+        }
+    )
 
 
-PROBE_ECHO_REASON = ("the config was echoed only by a probe client's optim_step, not by this arm's own client: "
-                     "stays declared")
+PROBE_ECHO_REASON = (
+    "the config was echoed only by a probe client's optim_step, not by this arm's own client: stays declared"
+)
 
 
 def own_response_only(check: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,6 +159,13 @@ def own_response_only(check: Mapping[str, Any]) -> dict[str, Any]:
     source = "server_response" if c.get("actual_optimizer") else "declared"
     evidence_ref = str(c.get("evidence_ref", "")).split("; ")[0]
     unverified_reasons = list(c.get("unverified_reasons", [])) + [PROBE_ECHO_REASON]
-    c.update(actual_config=None, actual_config_source="declared", actual_config_observed_on=None,
-             source=source, verified=False, evidence_ref=evidence_ref, unverified_reasons=unverified_reasons)
+    c.update(
+        actual_config=None,
+        actual_config_source="declared",
+        actual_config_observed_on=None,
+        source=source,
+        verified=False,
+        evidence_ref=evidence_ref,
+        unverified_reasons=unverified_reasons,
+    )
     return c

@@ -110,8 +110,11 @@ def _phases(t0: float, marks: Mapping[str, float], sequential: bool) -> dict[str
     """Durations between consecutive marks of one update; an interval whose mark is missing (a
     loss that was never called) is left out, not guessed."""
     order: tuple[tuple[str, str], ...] = (("forward_wait", "loss_start"), ("loss", "loss_end"))
-    order += ((("backward_wait", "fb_done"), ("before_optim", "before_optim_end")) if sequential else
-              (("before_optim", "before_optim_end"), ("backward_wait", "fb_done")))
+    order += (
+        (("backward_wait", "fb_done"), ("before_optim", "before_optim_end"))
+        if sequential
+        else (("before_optim", "before_optim_end"), ("backward_wait", "fb_done"))
+    )
     order += (("optim_wait", "optim_done"),)
     out: dict[str, float] = {}
     last: float | None = t0
@@ -143,14 +146,20 @@ def train_step(
     wrapped = recorder.wrap(loss_fn, **dict(context))
     n_before = len(recorder.records)
     hook = None if persist is None else (lambda: persist(recorder.records[-1]))
-    result = minibatch_update(training_client, datums, wrapped, adam, before_optim=hook,
-                              submit_behind=submit_behind, sequential=sequential)
+    result = minibatch_update(
+        training_client, datums, wrapped, adam, before_optim=hook, submit_behind=submit_behind, sequential=sequential
+    )
     if len(recorder.records) != n_before + 1:
         raise TrainStepError(f"expected one loss call, the recorder saw {len(recorder.records) - n_before}")
     return recorder.records[-1], result
 
 
-def timed_updates(training_client: tinker.TrainingClient, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn,
-                  adam: tinker.AdamParams, n: int) -> list[float]:
+def timed_updates(
+    training_client: tinker.TrainingClient,
+    datums: Sequence[tinker.Datum],
+    loss_fn: CustomLossFn,
+    adam: tinker.AdamParams,
+    n: int,
+) -> list[float]:
     """Wall seconds of each of `n` unrecorded updates on the same minibatch (timing pilots)."""
     return [minibatch_update(training_client, datums, loss_fn, adam).seconds for _ in range(n)]

@@ -22,9 +22,11 @@ import tinker
 if TYPE_CHECKING:
     import torch
 
-DESCRIPTION = ("tinker backend: ||theta_after - theta_before|| over all tensors of the external-format weights "
-               "(TrainingClient.save_weights_external before and after the update, files fetched from "
-               "RestClient.get_external_weights_urls, read with safetensors)")
+DESCRIPTION = (
+    "tinker backend: ||theta_after - theta_before|| over all tensors of the external-format weights "
+    "(TrainingClient.save_weights_external before and after the update, files fetched from "
+    "RestClient.get_external_weights_urls, read with safetensors)"
+)
 
 
 def update_norm_from_tensors(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
@@ -45,8 +47,13 @@ class ExternalWeightsUpdateNorm:
 
     description = DESCRIPTION
 
-    def __init__(self, rest_client_factory: Callable[[], tinker.RestClient], *, fetch: Callable[[str], bytes] | None = None,
-                 timeout_s: float = 300.0):
+    def __init__(
+        self,
+        rest_client_factory: Callable[[], tinker.RestClient],
+        *,
+        fetch: Callable[[str], bytes] | None = None,
+        timeout_s: float = 300.0,
+    ):
         self._rest = rest_client_factory
         self._fetch = fetch or _http_get
         self.timeout_s = timeout_s
@@ -60,7 +67,9 @@ class ExternalWeightsUpdateNorm:
         urls = self._rest().get_external_weights_urls(saved.path).result(timeout=self.timeout_s).urls
         files = sorted(k for k in urls if k.endswith(".safetensors"))
         if not files:
-            raise RuntimeError(f"get_external_weights_urls({saved.path}) listed no .safetensors file: {sorted(urls)[:5]}")
+            raise RuntimeError(
+                f"get_external_weights_urls({saved.path}) listed no .safetensors file: {sorted(urls)[:5]}"
+            )
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
             for k, v in load_safetensors(self._fetch(urls[f])).items():

@@ -24,8 +24,10 @@ from dppo_harness.json_types import JsonMap, JsonObject, num, obj, objs
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
 
-CF_NOTE = ("cf = counterfactual: the rule the arm does not train with, counted on the arm's own tensors "
-           "(the GRPO arm's DPPO mask, the DPPO arm's PPO clip); it removed nothing from that arm's gradient")
+CF_NOTE = (
+    "cf = counterfactual: the rule the arm does not train with, counted on the arm's own tensors "
+    "(the GRPO arm's DPPO mask, the DPPO arm's PPO clip); it removed nothing from that arm's gradient"
+)
 
 
 def resume_lines(resume: JsonMap | None) -> list[str]:
@@ -35,11 +37,14 @@ def resume_lines(resume: JsonMap | None) -> list[str]:
         return []
     cont = obj(resume["continues_session"])
     snap = obj(cont["last_snapshot"]) if cont.get("last_snapshot") else {}
-    return [f"**Resumed** ({resume['resumed_times']} time(s) in all): this session continued comparison run "
-            f"`{resume['comparison_run']}` from step {resume['from_step']} (the last step every arm had saved), after "
-            f"session `{cont['run_id']}` stopped with status `{cont['status']}`; its last snapshot "
-            f"`{snap.get('name')}` sha256 `{snap.get('sha256')}`. The preflight and the gate were not rerun: their "
-            f"evidence was reused after it verified by sha256 (`{resume['evidence_ref']}`).", ""]
+    return [
+        f"**Resumed** ({resume['resumed_times']} time(s) in all): this session continued comparison run "
+        f"`{resume['comparison_run']}` from step {resume['from_step']} (the last step every arm had saved), after "
+        f"session `{cont['run_id']}` stopped with status `{cont['status']}`; its last snapshot "
+        f"`{snap.get('name')}` sha256 `{snap.get('sha256')}`. The preflight and the gate were not rerun: their "
+        f"evidence was reused after it verified by sha256 (`{resume['evidence_ref']}`).",
+        "",
+    ]
 
 
 def _pooled_rollout_yield(rs: list[JsonMap]) -> JsonObject | None:
@@ -49,99 +54,161 @@ def _pooled_rollout_yield(rs: list[JsonMap]) -> JsonObject | None:
     n = sum(int(num(r["responses"])) for r in rs)
     trunc = sum(round(num(r["truncated_frac"]) * num(r["responses"])) for r in rs)
     none = sum(round(num(r["no_answer_frac"]) * num(r["responses"])) for r in rs)
-    return {"n": n, "truncated": trunc, "truncated_frac": trunc / n, "no_answer": none, "no_answer_frac": none / n,
-            "mean_response_tokens": sum(num(r["mean_response_tokens"]) * num(r["responses"]) for r in rs) / n,
-            "max_tokens": rs[0].get("max_tokens")}
+    return {
+        "n": n,
+        "truncated": trunc,
+        "truncated_frac": trunc / n,
+        "no_answer": none,
+        "no_answer_frac": none / n,
+        "mean_response_tokens": sum(num(r["mean_response_tokens"]) * num(r["responses"]) for r in rs) / n,
+        "max_tokens": rs[0].get("max_tokens"),
+    }
 
 
 TRUNCATION_WARN_FRAC = 0.5  # from here on, a scored model's accuracy mostly measures truncation
 
 
-def truncation_warnings(scores: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap],
-                        max_tokens: int | None) -> list[str]:
+def truncation_warnings(
+    scores: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap], max_tokens: int | None
+) -> list[str]:
     """A plain warning for each scored model whose greedy outputs were mostly cut off at max_tokens."""
     out = []
     for s in scores:
         m = eval_metrics.get(str(s["arm"])) or {}
         frac = m.get("eval_truncated_frac")
         if isinstance(frac, (int, float)) and frac >= TRUNCATION_WARN_FRAC:
-            out.append(f"\n**{s['arm']}: {pct(frac)} of its greedy outputs stopped at max_tokens {max_tokens or ''}** "
-                       f"({pct(m.get('eval_no_answer_frac', 0.0))} without a parseable answer): its accuracy measures "
-                       "truncation more than answers.")
+            out.append(
+                f"\n**{s['arm']}: {pct(frac)} of its greedy outputs stopped at max_tokens {max_tokens or ''}** "
+                f"({pct(m.get('eval_no_answer_frac', 0.0))} without a parseable answer): its accuracy measures "
+                "truncation more than answers."
+            )
     return out
 
 
-def render_comparison_markdown(rows: Sequence[JsonMap], scores: Sequence[JsonMap],
-                               decision: JsonMap, plot_files: Mapping[str, str], backend: str,
-                               eval_metrics: Mapping[str, JsonMap] | None = None,
-                               declared: JsonMap | None = None, max_tokens: int | None = None,
-                               resume: JsonMap | None = None) -> str:
+def render_comparison_markdown(
+    rows: Sequence[JsonMap],
+    scores: Sequence[JsonMap],
+    decision: JsonMap,
+    plot_files: Mapping[str, str],
+    backend: str,
+    eval_metrics: Mapping[str, JsonMap] | None = None,
+    declared: JsonMap | None = None,
+    max_tokens: int | None = None,
+    resume: JsonMap | None = None,
+) -> str:
     eval_metrics = eval_metrics or {}
     pairs = "; ".join(dict.fromkeys(f"{c['treatment']} vs {c['baseline']}" for c in objs(decision.get("criteria", []))))
     lines = [f"# Paired comparison: {pairs or 'no criterion decided'}", ""]
     if backend == "local" or decision.get("rehearsal"):
-        lines += ["**REHEARSAL** on the embedded CPU server's stand-in model under the declared rehearsal plan; "
-                  "not a result about Qwen3.5-2B. Verdict always inconclusive.", ""]
+        lines += [
+            "**REHEARSAL** on the embedded CPU server's stand-in model under the declared rehearsal plan; "
+            "not a result about Qwen3.5-2B. Verdict always inconclusive.",
+            "",
+        ]
     lines += resume_lines(resume)
     by_arm = rows_by_arm(rows)
-    measured: list[tuple[str, JsonMap | None]] = [(f"{arm} rollouts, all steps", _pooled_rollout_yield(rs)) for arm, rs in by_arm.items()]
+    measured: list[tuple[str, JsonMap | None]] = [
+        (f"{arm} rollouts, all steps", _pooled_rollout_yield(rs)) for arm, rs in by_arm.items()
+    ]
     for s in scores:
         m = eval_metrics.get(str(s["arm"])) or {}
         if "eval_truncated_frac" in m:
             n = int(num(m["eval_n"]))
-            measured.append((f"{s['arm']} greedy evaluation", {
-                "n": n, "truncated": round(num(m["eval_truncated_frac"]) * n), "truncated_frac": m["eval_truncated_frac"],
-                "no_answer": round(num(m["eval_no_answer_frac"]) * n), "no_answer_frac": m["eval_no_answer_frac"],
-                "mean_response_tokens": m["eval_mean_response_tokens"], "max_tokens": max_tokens}))
+            measured.append(
+                (
+                    f"{s['arm']} greedy evaluation",
+                    {
+                        "n": n,
+                        "truncated": round(num(m["eval_truncated_frac"]) * n),
+                        "truncated_frac": m["eval_truncated_frac"],
+                        "no_answer": round(num(m["eval_no_answer_frac"]) * n),
+                        "no_answer_frac": m["eval_no_answer_frac"],
+                        "mean_response_tokens": m["eval_mean_response_tokens"],
+                        "max_tokens": max_tokens,
+                    },
+                )
+            )
     lines += ["## Setup", ""] + declared_lines(declared or {}, measured) + [""]
-    lines += ["## Per step and arm", "",
-              "| arm | step | reward | format | DPPO masked frac | PPO clip frac | abs(p-q) q90 | KL(s\\|t) v1 | entropy | "
-              "truncated | no answer | mean len | loss tokens | s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Per step and arm",
+        "",
+        "| arm | step | reward | format | DPPO masked frac | PPO clip frac | abs(p-q) q90 | KL(s\\|t) v1 | entropy | "
+        "truncated | no answer | mean len | loss tokens | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         cells = []
         for base in ("dppo_masked_frac", "ppo_clip_frac"):
             cf, v = rule_fraction(r, base)
             cells.append(f"{'cf ' if cf else ''}{fmt(v)}")
-        lines.append(f"| {r['arm']} | {num(r['step']) + 1} | {fmt(r['reward_mean'])} | {fmt(r['format_rate'])} | "
-                     f"{cells[0]} | {cells[1]} | {fmt(r['drift_abs_p90'])} | {fmt(r.get('kl_sample_train_v1'))} | "
-                     f"{fmt(r.get('entropy'))} | {fmt(r.get('truncated_frac'), '.3f')} | {fmt(r.get('no_answer_frac'), '.3f')} | "
-                     f"{fmt(r.get('mean_response_tokens'), '.0f')} | {r['loss_tokens']} | {fmt(r['seconds'], '.1f')} |")
-    lines += ["", CF_NOTE + ". KL(s|t) and entropy: tinker-cookbook `compute_kl_sample_train` (sampler vs trainer "
-              "logprobs over the step's loss tokens); each arm's cookbook-named metrics are in `metrics-<arm>.jsonl`.",
-              "", f"![reward]({plot_files['reward']})", "", f"![fractions]({plot_files['fractions']})", "",
-              f"![truncation and answer yield]({plot_files['truncation']})", "",
-              "## Evaluation (one frozen evaluator, greedy)", "",
-              "| model | accuracy | n | invalid outputs | truncated | mean len | predictions |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['arm']} | {num(r['step']) + 1} | {fmt(r['reward_mean'])} | {fmt(r['format_rate'])} | "
+            f"{cells[0]} | {cells[1]} | {fmt(r['drift_abs_p90'])} | {fmt(r.get('kl_sample_train_v1'))} | "
+            f"{fmt(r.get('entropy'))} | {fmt(r.get('truncated_frac'), '.3f')} | {fmt(r.get('no_answer_frac'), '.3f')} | "
+            f"{fmt(r.get('mean_response_tokens'), '.0f')} | {r['loss_tokens']} | {fmt(r['seconds'], '.1f')} |"
+        )
+    lines += [
+        "",
+        CF_NOTE + ". KL(s|t) and entropy: tinker-cookbook `compute_kl_sample_train` (sampler vs trainer "
+        "logprobs over the step's loss tokens); each arm's cookbook-named metrics are in `metrics-<arm>.jsonl`.",
+        "",
+        f"![reward]({plot_files['reward']})",
+        "",
+        f"![fractions]({plot_files['fractions']})",
+        "",
+        f"![truncation and answer yield]({plot_files['truncation']})",
+        "",
+        "## Evaluation (one frozen evaluator, greedy)",
+        "",
+        "| model | accuracy | n | invalid outputs | truncated | mean len | predictions |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in scores:
         m = eval_metrics.get(str(s["arm"])) or {}
-        lines.append(f"| {s['arm']} | {fmt(s['value'])} | {fmt(m.get('eval_n'), '.0f')} | "
-                     f"{fmt(m.get('eval_invalid_outputs'), '.0f')} | {fmt(m.get('eval_truncated_frac'), '.3f')} | "
-                     f"{fmt(m.get('eval_mean_response_tokens'), '.0f')} | `{s['predictions_ref']}` |")
+        lines.append(
+            f"| {s['arm']} | {fmt(s['value'])} | {fmt(m.get('eval_n'), '.0f')} | "
+            f"{fmt(m.get('eval_invalid_outputs'), '.0f')} | {fmt(m.get('eval_truncated_frac'), '.3f')} | "
+            f"{fmt(m.get('eval_mean_response_tokens'), '.0f')} | `{s['predictions_ref']}` |"
+        )
     lines += truncation_warnings(scores, eval_metrics, max_tokens)
     lines += ["", "## Decision (paired Hoeffding)", ""]
     for c in objs(decision.get("criteria", [])):
-        lines.append(f"- {c['id']}: {c['treatment']} - {c['baseline']} = {fmt(c['mean_difference'])}, "
-                     f"{100 * (1 - num(c['alpha'])):g}% CI [{fmt(c['lower'])}, {fmt(c['upper'])}] (n={c['n']}, margin {c['margin']:g})")
+        lines.append(
+            f"- {c['id']}: {c['treatment']} - {c['baseline']} = {fmt(c['mean_difference'])}, "
+            f"{100 * (1 - num(c['alpha'])):g}% CI [{fmt(c['lower'])}, {fmt(c['upper'])}] (n={c['n']}, margin {c['margin']:g})"
+        )
     obs = obj(decision["observations_file"])
-    lines += [f"- verdict **{decision.get('verdict')}** ({decision.get('outcome_reason')}): {decision.get('explanation')}",
-              f"- observations: `{obs['name']}` sha256 `{obs['sha256']}`"]
+    lines += [
+        f"- verdict **{decision.get('verdict')}** ({decision.get('outcome_reason')}): {decision.get('explanation')}",
+        f"- observations: `{obs['name']}` sha256 `{obs['sha256']}`",
+    ]
     info = obj(decision["informational"]) if decision.get("informational") else None
     if info:
-        lines += ["", "### Informational paired interval (not the decision rule)", "",
-                  f"- {info['label']}.",
-                  f"- Newcombe (1998) method 10, {100 * (1 - num(info['alpha'])):g}%: {info['treatment']} - {info['baseline']} = "
-                  f"{fmt(info['mean_difference'])}, [{fmt(info['lower'])}, {fmt(info['upper'])}] (n={info['n']})",
-                  f"- discordant pairs: {info['treatment_only_correct']} items only {info['treatment']} got right, "
-                  f"{info['baseline_only_correct']} only {info['baseline']}; concordant: {info['both_correct']} both, "
-                  f"{info['neither_correct']} neither; exact McNemar p = {fmt(info['mcnemar_exact_p'])}"]
+        lines += [
+            "",
+            "### Informational paired interval (not the decision rule)",
+            "",
+            f"- {info['label']}.",
+            f"- Newcombe (1998) method 10, {100 * (1 - num(info['alpha'])):g}%: {info['treatment']} - {info['baseline']} = "
+            f"{fmt(info['mean_difference'])}, [{fmt(info['lower'])}, {fmt(info['upper'])}] (n={info['n']})",
+            f"- discordant pairs: {info['treatment_only_correct']} items only {info['treatment']} got right, "
+            f"{info['baseline_only_correct']} only {info['baseline']}; concordant: {info['both_correct']} both, "
+            f"{info['neither_correct']} neither; exact McNemar p = {fmt(info['mcnemar_exact_p'])}",
+        ]
     lines += ["", f"![difference]({plot_files['difference']})", ""]
     return "\n".join(lines)
 
 
-def write_comparison_report(bundle: EvidenceBundle, rows: Sequence[JsonMap], scores: Sequence[JsonMap],
-                            decision: JsonMap, backend: str, *, max_tokens: int | None = None,
-                            resume: JsonMap | None = None) -> dict[str, str]:
+def write_comparison_report(
+    bundle: EvidenceBundle,
+    rows: Sequence[JsonMap],
+    scores: Sequence[JsonMap],
+    decision: JsonMap,
+    backend: str,
+    *,
+    max_tokens: int | None = None,
+    resume: JsonMap | None = None,
+) -> dict[str, str]:
     """The comparison section of report.md with its plots, registered in the bundle. Per-model
     evaluation metrics come from the result's `metrics.arms`, the renderer and normalization from
     effective-config.json: what the evidence already says."""
@@ -151,12 +218,16 @@ def write_comparison_report(bundle: EvidenceBundle, rows: Sequence[JsonMap], sco
     if bundle.entry("effective-config.json") is not None:
         eff = json.loads(bundle.file_path("effective-config.json").read_text())
         declared = {k: eff[k] for k in ("renderer", "loss_normalization") if k in eff}
-    plots = {"reward": plot_comparison_reward(rows), "fractions": plot_comparison_fractions(rows),
-             "truncation": plot_truncation(rows, eval_metrics, max_tokens),
-             "difference": plot_accuracy_difference(scores, decision)}
+    plots = {
+        "reward": plot_comparison_reward(rows),
+        "fractions": plot_comparison_fractions(rows),
+        "truncation": plot_truncation(rows, eval_metrics, max_tokens),
+        "difference": plot_accuracy_difference(scores, decision),
+    }
     for key, data in plots.items():
         bundle.register_bytes(COMPARISON_PLOTS[key], "plot", data)
-    text = render_comparison_markdown(rows, scores, decision, COMPARISON_PLOTS, backend, eval_metrics, declared,
-                                      max_tokens, resume)
+    text = render_comparison_markdown(
+        rows, scores, decision, COMPARISON_PLOTS, backend, eval_metrics, declared, max_tokens, resume
+    )
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**COMPARISON_PLOTS, "report": REPORT_FILE}

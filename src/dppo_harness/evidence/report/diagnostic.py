@@ -22,8 +22,10 @@ def _cause_status(c: JsonMap) -> str:
     """Verified or suspected, said plainly: a stand-in run verifies only that the evidence
     for the planned model is missing; its measured cause is suspected, for the stand-in only."""
     if c.get("stand_in"):
-        return (f"Cause for the planned model: **{c['cause']}** (verified: a stand-in served). Measured cause on the "
-                f"stand-in: {c.get('measured_cause') or 'none'} (suspected, and about the stand-in only).")
+        return (
+            f"Cause for the planned model: **{c['cause']}** (verified: a stand-in served). Measured cause on the "
+            f"stand-in: {c.get('measured_cause') or 'none'} (suspected, and about the stand-in only)."
+        )
     label = "verified" if c["cause"] in ("code_or_instrumentation_defect", "missing_evidence") else "suspected"
     return f"Cause: **{c['cause'] or 'none (active)'}** ({label if c['cause'] else 'criteria met'})."
 
@@ -80,32 +82,47 @@ def _run_lines(analysis: JsonMap) -> list[str]:
 def _criteria_lines(analysis: JsonMap) -> list[str]:
     """The fixed criteria table and the pooled second epoch they were judged on."""
     pooled = obj(analysis["pooled_second_epoch"]) if analysis.get("pooled_second_epoch") else None
-    lines = ["", "## Fixed criteria (all second-epoch loss calls, pooled by loss-token counts)", "",
-             "| criterion | metric | value | bounds | result |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Fixed criteria (all second-epoch loss calls, pooled by loss-token counts)",
+        "",
+        "| criterion | metric | value | bounds | result |",
+        "|---|---|---|---|---|",
+    ]
     for cr in objs(analysis.get("criteria", [])):
-        res = "n/a (does not apply)" if cr["passed"] is None else ("met" if cr["passed"] else f"NOT met: {cr['reason']}")
+        res = (
+            "n/a (does not apply)" if cr["passed"] is None else ("met" if cr["passed"] else f"NOT met: {cr['reason']}")
+        )
         lines.append(f"| {cr['id']} | `{cr['metric']}` | {fmt(cr['value'])} | {cr['bounds']} | {res} |")
     if pooled:
-        lines += ["", f"Pooled second epoch: {pooled['calls']} calls, {pooled['tokens/loss']} loss tokens "
-                  f"({pooled['tokens/nonzero_adv']} with A != 0); exceedances +{pooled['dppo/exceed_pos']} / "
-                  f"-{pooled['dppo/exceed_neg']}; ratio-cap hits {pooled['dppo/ratio_cap_hits']}; masked fraction over "
-                  f"A != 0 tokens {fmt(pooled['dppo/masked_frac_nonzero_adv'])}."]
+        lines += [
+            "",
+            f"Pooled second epoch: {pooled['calls']} calls, {pooled['tokens/loss']} loss tokens "
+            f"({pooled['tokens/nonzero_adv']} with A != 0); exceedances +{pooled['dppo/exceed_pos']} / "
+            f"-{pooled['dppo/exceed_neg']}; ratio-cap hits {pooled['dppo/ratio_cap_hits']}; masked fraction over "
+            f"A != 0 tokens {fmt(pooled['dppo/masked_frac_nonzero_adv'])}.",
+        ]
     return lines
 
 
 def _per_update_lines(rows: Sequence[JsonMap]) -> list[str]:
     """One table row per optimizer update (the loss call before it)."""
-    lines = ["", "## Per update (the loss call before each optimizer step)", "",
-             "| update | epoch | mb | loss tok | A!=0 tok | removed (+/-) | masked frac | exceed +/- | cap hits | "
-             "PPO clipped | abs(p-q) q90 | abs(p-q) p99 | abs(p-q) max | max p-q on A>0 | min p-q on A<0 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Per update (the loss call before each optimizer step)",
+        "",
+        "| update | epoch | mb | loss tok | A!=0 tok | removed (+/-) | masked frac | exceed +/- | cap hits | "
+        "PPO clipped | abs(p-q) q90 | abs(p-q) p99 | abs(p-q) max | max p-q on A>0 | min p-q on A<0 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['update_index']} | {r.get('epoch')} | {r.get('minibatch')} | {r['tokens/loss']} | {r['tokens/nonzero_adv']} | "
             f"{r['dppo/removed']} ({r['dppo/removed_pos_adv']}/{r['dppo/removed_neg_adv']}) | {fmt(r['dppo/masked_frac_loss_tokens'])} | "
             f"{r['dppo/exceed_pos']}/{r['dppo/exceed_neg']} | {r['dppo/ratio_cap_hits']} | {r['ppo/clipped']} | "
             f"{fmt(r['drift/abs_p90'])} | {fmt(r['drift/abs_p99'])} | {fmt(r['drift/abs_max'])} | "
-            f"{fmt(r['drift/max_on_pos_adv'])} | {fmt(r['drift/min_on_neg_adv'])} |")
+            f"{fmt(r['drift/max_on_pos_adv'])} | {fmt(r['drift/min_on_neg_adv'])} |"
+        )
     return lines
 
 
@@ -113,24 +130,35 @@ def _sentinel_lines(sent: JsonMap) -> list[str]:
     """The sentinel tokens' drift after each update (nothing when none were followed)."""
     if not sent.get("points"):
         return []
-    lines = ["", f"## Sentinel tokens ({sent.get('tokens')} tokens of sequences {sent.get('sequence_indices')})", "",
-             f"Selection: {sent.get('selection_rule')}.", "",
-             "| after update | abs(p-q) q90 | abs(p-q) max | abs(p-p_init) q90 | abs(p-p_init) max | mean p-p_init on A>0 | on A<0 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"## Sentinel tokens ({sent.get('tokens')} tokens of sequences {sent.get('sequence_indices')})",
+        "",
+        f"Selection: {sent.get('selection_rule')}.",
+        "",
+        "| after update | abs(p-q) q90 | abs(p-q) max | abs(p-p_init) q90 | abs(p-p_init) max | mean p-p_init on A>0 | on A<0 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for p in objs(sent["points"]):
         s = obj(p["summary"])
         p_q, p_init, by_sign = obj(s["p_minus_q"]), obj(s["p_minus_p_init"]), obj(s["by_advantage_sign"])
-        lines.append(f"| {p['after_update']} | {fmt(p_q['abs_p90'])} | {fmt(p_q['abs_max'])} | "
-                     f"{fmt(p_init['abs_p90'])} | {fmt(p_init['abs_max'])} | "
-                     f"{fmt(obj(by_sign['pos'])['mean_p_minus_p_init'])} | "
-                     f"{fmt(obj(by_sign['neg'])['mean_p_minus_p_init'])} |")
+        lines.append(
+            f"| {p['after_update']} | {fmt(p_q['abs_p90'])} | {fmt(p_q['abs_max'])} | "
+            f"{fmt(p_init['abs_p90'])} | {fmt(p_init['abs_max'])} | "
+            f"{fmt(obj(by_sign['pos'])['mean_p_minus_p_init'])} | "
+            f"{fmt(obj(by_sign['neg'])['mean_p_minus_p_init'])} |"
+        )
     return lines
 
 
 def _plot_lines(plot_files: Mapping[str, str]) -> list[str]:
     lines = ["", "## Plots", ""]
-    for key, title in (("drift_tails", "Drift tails per update"), ("histograms", "p - q histograms by advantage sign"),
-                       ("fractions", "Masked and clip fraction per update"), ("sentinels", "Sentinel drift")):
+    for key, title in (
+        ("drift_tails", "Drift tails per update"),
+        ("histograms", "p - q histograms by advantage sign"),
+        ("fractions", "Masked and clip fraction per update"),
+        ("sentinels", "Sentinel drift"),
+    ):
         lines.append(f"![{title}]({plot_files[key]})" if key in plot_files else f"- {title}: not available (no data)")
     return lines
 
@@ -138,10 +166,15 @@ def _plot_lines(plot_files: Mapping[str, str]) -> list[str]:
 def _defect_and_fix_lines(analysis: JsonMap) -> list[str]:
     """The evidence against a code defect, and the fixes this loop made."""
     c = obj(analysis["classification"])
-    lines = ["", "## Evidence against a code defect", "", f"- {c['evidence_against_code_defect']}",
-             "- every loss call recomputed with the independent padded implementation (`python -m dppo_harness.instrument.replay`): "
-             + ("no mismatch" if not c["integrity_problems"] else f"{len(items(c['integrity_problems']))} problem(s)"),
-             "- golden parity of both rules against the pinned reference runs in the unit stage (prerequisite of this stage)"]
+    lines = [
+        "",
+        "## Evidence against a code defect",
+        "",
+        f"- {c['evidence_against_code_defect']}",
+        "- every loss call recomputed with the independent padded implementation (`python -m dppo_harness.instrument.replay`): "
+        + ("no mismatch" if not c["integrity_problems"] else f"{len(items(c['integrity_problems']))} problem(s)"),
+        "- golden parity of both rules against the pinned reference runs in the unit stage (prerequisite of this stage)",
+    ]
     if analysis.get("fixes"):
         lines += ["", "## Fixes in this replacement loop (the prior code could not be audited)", ""]
         lines += [f"- {f}" for f in items(analysis["fixes"])]
@@ -153,26 +186,34 @@ def _next_action_lines(next_action: JsonMap | None) -> list[str]:
         return []
     lines = ["", "## Next action (not executed)", ""]
     if next_action.get("kind") == "frozen_revised_comparison_spec":
-        lines.append(f"Frozen revised comparison spec, sha256 `{next_action['spec_sha256']}`, requires "
-                     f"{next_action['requires_before_execution']}. See `diagnostic-next-action.json`.")
+        lines.append(
+            f"Frozen revised comparison spec, sha256 `{next_action['spec_sha256']}`, requires "
+            f"{next_action['requires_before_execution']}. See `diagnostic-next-action.json`."
+        )
     else:
         lines.append(str(next_action.get("action")))
     return lines
 
 
 def _limitation_lines(c: JsonMap, backend: str) -> list[str]:
-    lines = ["", "## Limitations", "",
-             "- The accuracy hypothesis was not tested: verdict stays inconclusive.",
-             "- The earlier run's code, patch, audit script and evidence could not be fetched; this loop is a replacement.",
-             ]
+    lines = [
+        "",
+        "## Limitations",
+        "",
+        "- The accuracy hypothesis was not tested: verdict stays inconclusive.",
+        "- The earlier run's code, patch, audit script and evidence could not be fetched; this loop is a replacement.",
+    ]
     if backend == "local" or c.get("stand_in"):
-        lines.append(f"- Stand-in model `{c.get('served_model') or 'embedded server model'}` computed every number here "
-                     "(backend `" + backend + "`), so drift magnitudes and the mask's activity say nothing about Qwen3.5-2B.")
+        lines.append(
+            f"- Stand-in model `{c.get('served_model') or 'embedded server model'}` computed every number here "
+            "(backend `" + backend + "`), so drift magnitudes and the mask's activity say nothing about Qwen3.5-2B."
+        )
     return lines
 
 
-def render_markdown(analysis: JsonMap, plot_files: Mapping[str, str], backend: str,
-                    next_action: JsonMap | None = None) -> str:
+def render_markdown(
+    analysis: JsonMap, plot_files: Mapping[str, str], backend: str, next_action: JsonMap | None = None
+) -> str:
     lines = _headline_lines(analysis, backend)
     lines += _run_lines(analysis)
     lines += _criteria_lines(analysis)
@@ -185,8 +226,9 @@ def render_markdown(analysis: JsonMap, plot_files: Mapping[str, str], backend: s
     return "\n".join(lines) + "\n"
 
 
-def write_report(bundle: EvidenceBundle, analysis: JsonMap, backend: str,
-                 next_action: JsonMap | None = None) -> dict[str, str]:
+def write_report(
+    bundle: EvidenceBundle, analysis: JsonMap, backend: str, next_action: JsonMap | None = None
+) -> dict[str, str]:
     """Render plots and report.md, register them in the bundle; returns {key: file name}."""
     plots = make_plots(analysis)
     names = {}

@@ -40,9 +40,17 @@ def _xs(rows: Sequence[JsonMap]) -> list[float]:
 def plot_drift_tails(rows: Sequence[JsonMap], delta: float) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = _xs(rows)
-    for key, style in (("drift/signed_max", "-^"), ("drift/signed_p99", "-o"), ("drift/signed_p90", "-."),
-                       ("drift/signed_min", "-v"), ("drift/abs_p90", "--s"), ("drift/abs_p99", "--D")):
-        ax.plot(x, [float(num(v)) if (v := r.get(key)) is not None else float("nan") for r in rows], style, label=key, ms=4)
+    for key, style in (
+        ("drift/signed_max", "-^"),
+        ("drift/signed_p99", "-o"),
+        ("drift/signed_p90", "-."),
+        ("drift/signed_min", "-v"),
+        ("drift/abs_p90", "--s"),
+        ("drift/abs_p99", "--D"),
+    ):
+        ax.plot(
+            x, [float(num(v)) if (v := r.get(key)) is not None else float("nan") for r in rows], style, label=key, ms=4
+        )
     for y in (delta, -delta):
         ax.axhline(y, color="red", lw=1, ls=":")
     ax.text(x[0] if x else 0, delta, f" +delta {delta}", color="red", va="bottom", fontsize=8)
@@ -77,8 +85,12 @@ def plot_histograms(hist: JsonMap, delta: float, scope: str) -> bytes:
 def plot_fractions(rows: Sequence[JsonMap], criteria: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = _xs(rows)
-    for key, style in (("dppo/masked_frac_loss_tokens", "-o"), ("dppo/masked_frac_nonzero_adv", "--o"),
-                       ("ppo/clip_frac_loss_tokens", "-s"), ("ppo/clip_frac_nonzero_adv", "--s")):
+    for key, style in (
+        ("dppo/masked_frac_loss_tokens", "-o"),
+        ("dppo/masked_frac_nonzero_adv", "--o"),
+        ("ppo/clip_frac_loss_tokens", "-s"),
+        ("ppo/clip_frac_nonzero_adv", "--s"),
+    ):
         ax.plot(x, [num(r[key]) for r in rows], style, label=key, ms=4)
     for c in criteria:
         if c["metric"] in ("dppo/masked_frac_loss_tokens", "ppo/clip_frac_loss_tokens"):
@@ -86,7 +98,14 @@ def plot_fractions(rows: Sequence[JsonMap], criteria: Sequence[JsonMap]) -> byte
             for bound in ("min", "max"):
                 if bound in bounds:
                     ax.axhline(num(bounds[bound]), ls=":", lw=1, color="gray")
-                    ax.text(x[-1] if x else 0, num(bounds[bound]), f"{c['id']} {bound}", fontsize=7, ha="right", color="gray")
+                    ax.text(
+                        x[-1] if x else 0,
+                        num(bounds[bound]),
+                        f"{c['id']} {bound}",
+                        fontsize=7,
+                        ha="right",
+                        color="gray",
+                    )
     ax.set_yscale("symlog", linthresh=1e-4)
     ax.set_xlabel("optimizer update")
     ax.set_ylabel("fraction")
@@ -151,36 +170,55 @@ def plot_comparison_fractions(rows: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for arm, rs in rows_by_arm(rows).items():
         xs = [num(r["step"]) + 1 for r in rs]
-        for base, title, marker, ls in (("dppo_masked_frac", "DPPO masked fraction", "o", "-"),
-                                        ("ppo_clip_frac", "PPO clip fraction", "x", "--")):
+        for base, title, marker, ls in (
+            ("dppo_masked_frac", "DPPO masked fraction", "o", "-"),
+            ("ppo_clip_frac", "PPO clip fraction", "x", "--"),
+        ):
             cf = rule_fraction(rs[0], base)[0]
-            ax.plot(xs, [rule_fraction(r, base)[1] for r in rs], marker=marker, linestyle=":" if cf else ls,
-                    label=f"{arm}: {title}{' (counterfactual)' if cf else ''}")
+            ax.plot(
+                xs,
+                [rule_fraction(r, base)[1] for r in rs],
+                marker=marker,
+                linestyle=":" if cf else ls,
+                label=f"{arm}: {title}{' (counterfactual)' if cf else ''}",
+            )
     ax.set_xlabel("rollout step"), ax.set_ylabel("fraction of loss tokens"), ax.legend(fontsize=7)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("masked / clipped fraction per step (token-pooled over the step's updates)")
     return _png(fig)
 
 
-def plot_truncation(rows: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap],
-                    max_tokens: int | None) -> bytes:
+def plot_truncation(rows: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap], max_tokens: int | None) -> bytes:
     """Per step and arm: truncated at max_tokens and no parseable answer; right: each scored model."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [2, 1]})
     for arm, rs in rows_by_arm(rows).items():
         xs = [num(r["step"]) + 1 for r in rs]
         ax1.plot(xs, [num(r.get("truncated_frac", float("nan"))) for r in rs], marker="o", label=f"{arm}: truncated")
-        ax1.plot(xs, [num(r.get("no_answer_frac", float("nan"))) for r in rs], marker="x", linestyle="--",
-                 label=f"{arm}: no parseable answer")
+        ax1.plot(
+            xs,
+            [num(r.get("no_answer_frac", float("nan"))) for r in rs],
+            marker="x",
+            linestyle="--",
+            label=f"{arm}: no parseable answer",
+        )
     ax1.set_ylim(-0.02, 1.02), ax1.set_xlabel("rollout step"), ax1.set_ylabel("fraction of the step's responses")
     ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax1.set_title(f"rollouts (T=1): stopped at max_tokens {max_tokens or ''} / no \\boxed{{}} answer", fontsize=9)
     ax1.legend(fontsize=7)
     models = [m for m in eval_metrics if "eval_truncated_frac" in eval_metrics[m]]
     model_xs = range(len(models))
-    ax2.bar([x - 0.2 for x in model_xs], [num(eval_metrics[m]["eval_truncated_frac"]) for m in models], width=0.4,
-            label="truncated")
-    ax2.bar([x + 0.2 for x in model_xs], [num(eval_metrics[m]["eval_no_answer_frac"]) for m in models], width=0.4,
-            label="no parseable answer")
+    ax2.bar(
+        [x - 0.2 for x in model_xs],
+        [num(eval_metrics[m]["eval_truncated_frac"]) for m in models],
+        width=0.4,
+        label="truncated",
+    )
+    ax2.bar(
+        [x + 0.2 for x in model_xs],
+        [num(eval_metrics[m]["eval_no_answer_frac"]) for m in models],
+        width=0.4,
+        label="no parseable answer",
+    )
     ax2.set_xticks(list(model_xs), models, fontsize=7), ax2.set_ylim(0, 1.3)
     ax2.legend(fontsize=7, loc="upper center", ncol=2)
     ax2.set_title("greedy evaluation, per scored model", fontsize=9)
@@ -195,15 +233,24 @@ def plot_accuracy_difference(scores: Sequence[JsonMap], decision: JsonMap) -> by
     labels = []
     for i, c in enumerate(objs(decision.get("criteria", []))):
         d = num(c["mean_difference"])
-        ax2.errorbar([i], [d], yerr=[[d - num(c["lower"])], [num(c["upper"]) - d]], fmt="o", capsize=6, label="Hoeffding (rule)")
+        ax2.errorbar(
+            [i], [d], yerr=[[d - num(c["lower"])], [num(c["upper"]) - d]], fmt="o", capsize=6, label="Hoeffding (rule)"
+        )
         ax2.axhline(num(c["margin"]), color="grey", linestyle=":")
         labels.append(str(c["id"]))
     info = obj(decision["informational"]) if decision.get("informational") else None
     if info:
         d = num(info["mean_difference"])
         x = len(labels)
-        ax2.errorbar([x], [d], yerr=[[d - num(info["lower"])], [num(info["upper"]) - d]], fmt="s", capsize=6, color="tab:gray",
-                     label="Newcombe (informational)")
+        ax2.errorbar(
+            [x],
+            [d],
+            yerr=[[d - num(info["lower"])], [num(info["upper"]) - d]],
+            fmt="s",
+            capsize=6,
+            color="tab:gray",
+            label="Newcombe (informational)",
+        )
         labels.append("informational")
     ax2.set_xticks(range(len(labels)), labels)
     ax2.set_ylabel("treatment - baseline"), ax2.set_title("paired difference: rule CI and informational CI")

@@ -29,9 +29,11 @@ def pct(x: JsonValue) -> str:
 def yield_text(y: JsonMap) -> str:
     """'12 of 256 responses (4.7%) truncated at max_tokens 512, 30 (11.7%) without a parseable answer, mean 210 tokens'."""
     limit = f" at max_tokens {y['max_tokens']}" if y.get("max_tokens") else ""
-    return (f"{y['truncated']} of {y['n']} responses ({pct(y['truncated_frac'])}) truncated{limit}, "
-            f"{y['no_answer']} ({pct(y['no_answer_frac'])}) without a parseable answer, mean "
-            f"{y['mean_response_tokens']:.0f} tokens")
+    return (
+        f"{y['truncated']} of {y['n']} responses ({pct(y['truncated_frac'])}) truncated{limit}, "
+        f"{y['no_answer']} ({pct(y['no_answer_frac'])}) without a parseable answer, mean "
+        f"{y['mean_response_tokens']:.0f} tokens"
+    )
 
 
 def declared_lines(declared: JsonMap, measured: Sequence[tuple[str, JsonMap | None]]) -> list[str]:
@@ -41,7 +43,9 @@ def declared_lines(declared: JsonMap, measured: Sequence[tuple[str, JsonMap | No
     r = obj(declared["renderer"]) if declared.get("renderer") else None
     seen = [f"  - {label}: {yield_text(y)}" for label, y in measured if y]
     if r:
-        prefill = "every generation prompt ends with `<think>\\n`" if r.get("thinking") == "enabled" else "no think prefill"
+        prefill = (
+            "every generation prompt ends with `<think>\\n`" if r.get("thinking") == "enabled" else "no think prefill"
+        )
         head = f"- renderer `{r['name']}`, thinking {r.get('thinking')} ({prefill}); measured truncation"
     else:
         head = "- renderer: not declared in effective-config.json; measured truncation"
@@ -49,6 +53,7 @@ def declared_lines(declared: JsonMap, measured: Sequence[tuple[str, JsonMap | No
     out += seen
     n = obj(declared["loss_normalization"]) if declared.get("loss_normalization") else None
     if n:
-        out.append(f"- loss normalization `{n['mode']}`: {n['definition']}. The cookbook's `ppo` instead: "
-                   f"{n['cookbook_ppo']}.")
+        out.append(
+            f"- loss normalization `{n['mode']}`: {n['definition']}. The cookbook's `ppo` instead: {n['cookbook_ppo']}."
+        )
     return out

@@ -26,21 +26,36 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def sdpa_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                       is_causal: bool | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+def sdpa_gqa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
     """transformers' `sdpa_attention_forward`, with `enable_gqa` instead of `repeat_kv` where
     that gives the same bits (module docstring)."""
     grouped = key.shape[1] != query.shape[1]
-    if (not grouped or query.device.type != "cpu" or dropout or kwargs.get("output_attentions")
-            or _needs_grad(query, key, value)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if (
+        not grouped
+        or query.device.type != "cpu"
+        or dropout
+        or kwargs.get("output_attentions")
+        or _needs_grad(query, key, value)
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     # The causal flag as transformers derives it: only for a multi-token query without a mask.
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
     out_BHTD = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=causal, enable_gqa=True)
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=causal, enable_gqa=True
+    )
     return out_BHTD.transpose(1, 2).contiguous(), None
 
 

@@ -60,8 +60,9 @@ class CheckpointsMixin:
 
         def _drop_retained(self, model_id: str) -> None: ...
 
-        def _create_model(self, base_model: str, lora_rank: int, seed: int | None, targets: tuple[str, ...],
-                          model_id: str | None) -> str: ...
+        def _create_model(
+            self, base_model: str, lora_rank: int, seed: int | None, targets: tuple[str, ...], model_id: str | None
+        ) -> str: ...
 
         def unload_model(self, model_id: str) -> None: ...
 
@@ -76,10 +77,19 @@ class CheckpointsMixin:
         return m.group(1), m.group(2), m.group(3)
 
     def _meta(self, tm: TrainModel, kind: str, name: str) -> dict:
-        return {"kind": kind, "name": name, "model_id": tm.model_id, "requested_base_model": tm.requested_base_model,
-                "served_model": self.served_model_name, "lora_rank": tm.lora_rank, "lora_seed": tm.seed, "optimizer_steps": tm.steps,
-                "lora_targets": list(tm.targets),
-                "base_sha256": self.base_sha256, "created_unix": time.time()}
+        return {
+            "kind": kind,
+            "name": name,
+            "model_id": tm.model_id,
+            "requested_base_model": tm.requested_base_model,
+            "served_model": self.served_model_name,
+            "lora_rank": tm.lora_rank,
+            "lora_seed": tm.seed,
+            "optimizer_steps": tm.steps,
+            "lora_targets": list(tm.targets),
+            "base_sha256": self.base_sha256,
+            "created_unix": time.time(),
+        }
 
     def save_state(self, model_id: str, name: str, overwrite: bool = False) -> str:
         tm = self._get(model_id)
@@ -87,8 +97,10 @@ class CheckpointsMixin:
             raise UserError(f"checkpoint name {name!r} must match {_NAME_RE.pattern}")
         with tm.lock:
             adapter = {n: q.detach().to("cpu", copy=True) for n, q in tm.params}
-            files = {"adapter.pt": model.tensor_bytes(adapter),
-                     "optimizer.pt": model.tensor_bytes(tm.optimizer.state_dict())}
+            files = {
+                "adapter.pt": model.tensor_bytes(adapter),
+                "optimizer.pt": model.tensor_bytes(tm.optimizer.state_dict()),
+            }
             meta = self._meta(tm, "weights", name) | {"adapter_sha256": model.state_sha256(adapter)}
         files["meta.json"] = json.dumps(meta, indent=1).encode()
         _atomic_dir_write(self._ckpt_dir(model_id, "weights", name), files, overwrite)
@@ -160,8 +172,9 @@ class CheckpointsMixin:
     def create_model_from_state(self, path: str, with_optimizer: bool, *, model_id: str | None = None) -> str:
         _, meta = self._read_ckpt(path)
         targets = tuple(meta.get("lora_targets") or model.LORA_TARGETS)
-        mid = self._create_model(meta["requested_base_model"], int(meta["lora_rank"]), int(meta["lora_seed"]),
-                                 targets, model_id)
+        mid = self._create_model(
+            meta["requested_base_model"], int(meta["lora_rank"]), int(meta["lora_seed"]), targets, model_id
+        )
         try:
             self.load_state(mid, path, with_optimizer)
         except Exception:

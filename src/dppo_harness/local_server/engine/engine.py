@@ -136,8 +136,14 @@ PRESETS = {
     # Fast random-init model for unit tests of the protocol plumbing (no warm start).
     "tiny-qwen3-random": ModelPreset(
         "local/tiny-qwen3-random",
-        model.TinyConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, head_dim=32),
+        model.TinyConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+        ),
         False,
     ),
 }
@@ -236,8 +242,9 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self._sampler_thread.start()
 
     # ----- base model -----------------------------------------------------------------------
-    def _init_checkpoint(self, model_path: str | Path, device: str, dtype: str | None, served_name: str | None,
-                         sampler_dtype: str | None) -> None:
+    def _init_checkpoint(
+        self, model_path: str | Path, device: str, dtype: str | None, served_name: str | None, sampler_dtype: str | None
+    ) -> None:
         """--model-path backend: full vocabulary, served under the checkpoint's name (or
         `served_name`); the stand-in identity (HTTP model_data.arch) is local/<dir name>."""
         ck = hf_model.load_checkpoint(model_path, device=device, dtype=dtype)  # CheckpointError: one line
@@ -256,9 +263,15 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self.config = hf_model.ContextConfig(ck.max_position_embeddings)
         self.base_model = ck.net
         self.base_sha256 = ck.identity_sha256
-        self.base_info = {"checkpoint": str(ck.path), "checkpoint_name": ck.name, "model_type": ck.model_type,
-                          "device": str(ck.device), "dtype": str(ck.dtype).removeprefix("torch."),
-                          "vocab_size": ck.vocab_size, "identity_sha256": ck.identity_sha256}
+        self.base_info = {
+            "checkpoint": str(ck.path),
+            "checkpoint_name": ck.name,
+            "model_type": ck.model_type,
+            "device": str(ck.device),
+            "dtype": str(ck.dtype).removeprefix("torch."),
+            "vocab_size": ck.vocab_size,
+            "identity_sha256": ck.identity_sha256,
+        }
 
     @staticmethod
     def _checkpoint_tokenizer(ck: hf_model.LoadedCheckpoint) -> TextDecoder | None:
@@ -308,18 +321,29 @@ class Engine(TrainerMixin, CheckpointsMixin):
                 f"base model {base_model!r} is not served by this local server; served: {self.served_models}"
             )
 
-    def create_model(self, base_model: str, lora_rank: int, seed: int | None, *, model_id: str | None = None,
-                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True) -> str:
+    def create_model(
+        self,
+        base_model: str,
+        lora_rank: int,
+        seed: int | None,
+        *,
+        model_id: str | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+    ) -> str:
         """LoRA of `lora_rank` on the linear layers the three switches select (Tinker's
         train_mlp / train_attn / train_unembed); AdamW over the LoRA parameters only."""
-        targets = hf_model.lora_targets(self.base_model, train_attn=train_attn, train_mlp=train_mlp,
-                                  train_unembed=train_unembed)
+        targets = hf_model.lora_targets(
+            self.base_model, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
+        )
         if not targets:
             raise UserError("train_mlp, train_attn and train_unembed are all off: nothing to train")
         return self._create_model(base_model, lora_rank, seed, tuple(targets), model_id)
 
-    def _create_model(self, base_model: str, lora_rank: int, seed: int | None, targets: tuple[str, ...],
-                      model_id: str | None) -> str:
+    def _create_model(
+        self, base_model: str, lora_rank: int, seed: int | None, targets: tuple[str, ...], model_id: str | None
+    ) -> str:
         self._check_base(base_model)
         if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 1 or lora_rank > 512:
             raise UserError(f"lora_rank must be an integer in [1, 512], got {lora_rank!r}")
@@ -400,10 +424,20 @@ class Engine(TrainerMixin, CheckpointsMixin):
                 self._sampler_cache.popitem(last=False)
         return net
 
-    def sample(self, sampler_path_or_base: str, prompt_tokens: Sequence[int], num_samples: int, max_tokens: int,
-               temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
-               stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
-               seed: int | None = None, prompt_logprobs: bool = False) -> list[SampledSeq]:
+    def sample(
+        self,
+        sampler_path_or_base: str,
+        prompt_tokens: Sequence[int],
+        num_samples: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        seed: int | None = None,
+        prompt_logprobs: bool = False,
+    ) -> list[SampledSeq]:
         """Blocking; concurrent calls are batched together by the sampler thread."""
         if sampler_path_or_base in self.served_models:
             key = "base"
@@ -422,8 +456,10 @@ class Engine(TrainerMixin, CheckpointsMixin):
         if not (isinstance(max_tokens, int) and max_tokens >= 1):
             raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if len(prompt) + max_tokens > self.config.max_position_embeddings:
-            raise UserError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context "
-                            f"{self.config.max_position_embeddings}")
+            raise UserError(
+                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context "
+                f"{self.config.max_position_embeddings}"
+            )
         if temperature is None or temperature < 0 or not math.isfinite(temperature):
             raise UserError(f"temperature must be >= 0, got {temperature!r}")
         if top_k is None or (top_k != -1 and top_k < 1):
@@ -432,9 +468,19 @@ class Engine(TrainerMixin, CheckpointsMixin):
             raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
         if seed is None:
             seed = secrets.randbits(63)
-        job = _SampleJob(key=key, prompt=prompt, n=num_samples, max_tokens=max_tokens, temperature=float(temperature),
-                         top_k=int(top_k), top_p=float(top_p), stop_ids=[int(s) for s in (stop_token_ids or ())],
-                         stop_strings=[s for s in (stop_strings or ()) if s], seed=int(seed), want_prompt_lp=bool(prompt_logprobs))
+        job = _SampleJob(
+            key=key,
+            prompt=prompt,
+            n=num_samples,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_k=int(top_k),
+            top_p=float(top_p),
+            stop_ids=[int(s) for s in (stop_token_ids or ())],
+            stop_strings=[s for s in (stop_strings or ()) if s],
+            seed=int(seed),
+            want_prompt_lp=bool(prompt_logprobs),
+        )
         with self._queue_cv:
             if self._closed:
                 raise RuntimeError("engine is closed")
@@ -472,16 +518,22 @@ class Engine(TrainerMixin, CheckpointsMixin):
             to_real: Callable[[list[int]], list[int]] = list
         else:
             V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
-            reqs = [self._request(j, self.vocab.to_local(j.prompt).tolist(),
-                                  [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else [])
-                    for j in jobs]
+            reqs = [
+                self._request(
+                    j,
+                    self.vocab.to_local(j.prompt).tolist(),
+                    [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else [],
+                )
+                for j in jobs
+            ]
             decode_text, to_real = self._preset_text, self.vocab.to_real
         stats: sampling.DecodeStats = {}
         with torch.no_grad():
             out = sampling.generate(net, reqs, decode_text, self.decode_spec, mode=self.decode_mode, stats=stats)
         self.last_sample_stats = stats
-        return [[SampledSeq(to_real(d.tokens), d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs]
-                for seqs in out]
+        return [
+            [SampledSeq(to_real(d.tokens), d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs] for seqs in out
+        ]
 
     @staticmethod
     def _request(job: _SampleJob, prompt: list[int], stop_ids: list[int]) -> sampling.DecodeRequest:

@@ -38,8 +38,17 @@ SUPPORTED_MODEL_TYPES = ("qwen3",)
 # in_proj_z (output gate), in_proj_b (beta), in_proj_a (decay input) and out_proj; the DeltaNet's
 # depthwise conv1d, A_log, dt_bias and gated RMSNorm are not linear layers and stay frozen.
 # train_mlp: gate/up/down in every layer; train_unembed: lm_head.
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                "out_proj")
+ATTN_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
+)
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_TARGETS = ("lm_head",)
 
@@ -99,14 +108,18 @@ def weight_files(path: Path) -> list[Path]:
                 raise CheckpointError(f"--model-path {path}: unreadable {index_name} ({exc})") from None
             missing = [s for s in shards if not (path / s).is_file()]
             if missing:
-                raise CheckpointError(f"--model-path {path}: incomplete checkpoint, missing shard(s) {missing[:3]}"
-                                      f"{' ...' if len(missing) > 3 else ''} listed in {index_name}")
+                raise CheckpointError(
+                    f"--model-path {path}: incomplete checkpoint, missing shard(s) {missing[:3]}"
+                    f"{' ...' if len(missing) > 3 else ''} listed in {index_name}"
+                )
             return [path / s for s in shards]
     for name in SINGLE_WEIGHT_FILES:
         if (path / name).is_file():
             return [path / name]
-    raise CheckpointError(f"--model-path {path}: no weights found (expected {SINGLE_WEIGHT_FILES[0]}, "
-                          f"{SAFETENSORS_INDEX} with its shards, or {SINGLE_WEIGHT_FILES[1]})")
+    raise CheckpointError(
+        f"--model-path {path}: no weights found (expected {SINGLE_WEIGHT_FILES[0]}, "
+        f"{SAFETENSORS_INDEX} with its shards, or {SINGLE_WEIGHT_FILES[1]})"
+    )
 
 
 def check_checkpoint_dir(path: Path | str) -> tuple[Path, dict, list[Path]]:
@@ -133,7 +146,7 @@ def checkpoint_name(path: Path) -> str:
     """Hub-cache snapshots (.../models--ORG--NAME/snapshots/REV) are named ORG/NAME; otherwise the
     directory name."""
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return path.parent.parent.name[len("models--"):].replace("--", "/")
+        return path.parent.parent.name[len("models--") :].replace("--", "/")
     return path.name
 
 
@@ -159,7 +172,8 @@ def load_checkpoint(path: Path | str, device: str = "auto", dtype: str | None = 
     try:
         config = transformers.AutoConfig.from_pretrained(p, local_files_only=True)
         net = transformers.AutoModelForCausalLM.from_pretrained(
-            p, config=config, dtype=dt, local_files_only=True, attn_implementation="sdpa")
+            p, config=config, dtype=dt, local_files_only=True, attn_implementation="sdpa"
+        )
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"--model-path {p}: cannot load the checkpoint ({first})") from None
@@ -172,15 +186,22 @@ def load_checkpoint(path: Path | str, device: str = "auto", dtype: str | None = 
         q.requires_grad_(False)
     tcfg = text_config(net.config)
     return LoadedCheckpoint(
-        net=net, path=p, name=checkpoint_name(p), dir_name=p.name, identity_sha256=identity_sha256(p, files),
+        net=net,
+        path=p,
+        name=checkpoint_name(p),
+        dir_name=p.name,
+        identity_sha256=identity_sha256(p, files),
         vocab_size=int(net.get_output_embeddings().weight.shape[0]),
         max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 2048)),
-        model_type=str(net.config.model_type), device=dev, dtype=dt,
+        model_type=str(net.config.model_type),
+        device=dev,
+        dtype=dt,
     )
 
 
-def lora_targets(net: torch.nn.Module, train_attn: bool = True, train_mlp: bool = True,
-                 train_unembed: bool = True) -> list[str]:
+def lora_targets(
+    net: torch.nn.Module, train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True
+) -> list[str]:
     """Linear-module names present in `net` that the three switches select (sorted)."""
     wanted: set[str] = set()
     if train_attn:
@@ -204,27 +225,53 @@ def untie_output_head(net: transformers.PreTrainedModel) -> None:
             net.config.get_text_config().tie_word_embeddings = False
 
 
-def qwen3_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
-                 num_attention_heads: int, num_key_value_heads: int, head_dim: int,
-                 tie_word_embeddings: bool = True, max_position_embeddings: int = 4096) -> transformers.Qwen3Config:
+def qwen3_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 4096,
+) -> transformers.Qwen3Config:
     # Qwen3Config is a @strict dataclass whose fields mypy does not see (model.qwen3_config).
     return transformers.Qwen3Config(  # type: ignore[call-arg]
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=head_dim, tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=max_position_embeddings, rope_theta=1_000_000.0, use_cache=True,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=1_000_000.0,
+        use_cache=True,
     )
 
 
-def save_random_checkpoint(out_dir: Path | str, config: transformers.PretrainedConfig, *, seed: int = 0,
-                           dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
+def save_random_checkpoint(
+    out_dir: Path | str,
+    config: transformers.PretrainedConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Path:
     """Random-weight checkpoint (transformers' own init, seeded) written with save_pretrained:
     CI fixture and GPU benchmark input."""
     out = Path(out_dir)
     torch.manual_seed(int(seed))
     # A config with a vision tower (Qwen3.5's hub layout, Qwen3_5ForConditionalGeneration) is
     # saved as that whole model; the loader serves its text model.
-    auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else transformers.AutoModelForCausalLM
+    auto = (
+        transformers.AutoModelForImageTextToText
+        if hasattr(config, "vision_config")
+        else transformers.AutoModelForCausalLM
+    )
     with torch.device(device):
         net = auto.from_config(config, dtype=dtype)
     net.save_pretrained(out)
@@ -281,27 +328,34 @@ def kernel_report(net: transformers.PreTrainedModel) -> dict:
         "delta_rule_recurrent": m.recurrent_gated_delta_rule,  # decode steps
         "gated_norm": m.norm,
     }
-    impls = {k: (_impl_name(v) if callable(v) and not isinstance(v, torch.nn.Module) else _impl_name(type(v)))
-             for k, v in parts.items()}
+    impls = {
+        k: (_impl_name(v) if callable(v) and not isinstance(v, torch.nn.Module) else _impl_name(type(v)))
+        for k, v in parts.items()
+    }
     fast = {k: v.startswith(FAST_MODULE_PREFIXES) for k, v in impls.items()}
     reasons = []
     if not torch.cuda.is_available():
-        reasons.append(f"torch {torch.__version__} sees no CUDA device (transformers uses fla and causal-conv1d "
-                       "only with CUDA)")
+        reasons.append(
+            f"torch {torch.__version__} sees no CUDA device (transformers uses fla and causal-conv1d only with CUDA)"
+        )
     if importlib.util.find_spec("fla") is None:
         reasons.append("fla is not installed (pip install '.[gpu]' brings fla-core)")
     if importlib.util.find_spec("causal_conv1d") is None:
-        reasons.append("causal-conv1d is not installed (not in the gpu extra: its only release on the index is a "
-                       "source build that needs nvcc or a GitHub download)")
+        reasons.append(
+            "causal-conv1d is not installed (not in the gpu extra: its only release on the index is a "
+            "source build that needs nvcc or a GitHub download)"
+        )
     module = importlib.import_module(type(m).__module__)
     out["linear_attention"] = {
         "layers": len(linear),
         "path": "fast kernels" if all(fast.values()) else "torch fallback" if not any(fast.values()) else "mixed",
         "implementations": impls,
         "fast": fast,
-        "transformers": {"is_fast_path_available": bool(getattr(module, "is_fast_path_available", False)),
-                         "is_flash_linear_attention_available": bool(import_utils.is_flash_linear_attention_available()),
-                         "is_causal_conv1d_available": bool(import_utils.is_causal_conv1d_available())},
+        "transformers": {
+            "is_fast_path_available": bool(getattr(module, "is_fast_path_available", False)),
+            "is_flash_linear_attention_available": bool(import_utils.is_flash_linear_attention_available()),
+            "is_causal_conv1d_available": bool(import_utils.is_causal_conv1d_available()),
+        },
         "reasons": reasons,
     }
     return out

@@ -22,8 +22,9 @@ def _chunk_logprobs(hidden_CH: torch.Tensor, targets_C: torch.Tensor, head: torc
     return tgt_C - torch.logsumexp(logits_CV, dim=-1)
 
 
-def chunked_target_logprobs(hidden_NH: torch.Tensor, targets_N: torch.Tensor, head: torch.nn.Module,
-                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+def chunked_target_logprobs(
+    hidden_NH: torch.Tensor, targets_N: torch.Tensor, head: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> torch.Tensor:
     """float32 log p(target) per row of `hidden_NH` under softmax(head(hidden)); same values and
     gradients (w.r.t. hidden and the head's trainable parameters) as the naive full computation."""
     if hidden_NH.shape[0] != targets_N.shape[0]:
@@ -31,13 +32,15 @@ def chunked_target_logprobs(hidden_NH: torch.Tensor, targets_N: torch.Tensor, he
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be >= 1")
     needs_graph = torch.is_grad_enabled() and (
-        hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters()))
+        hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
     out = []
     for s in range(0, hidden_NH.shape[0], chunk_tokens):
         h_CH, t_C = hidden_NH[s : s + chunk_tokens], targets_N[s : s + chunk_tokens]
         if needs_graph:
-            out.append(checkpoint(_chunk_logprobs, h_CH, t_C, head, use_reentrant=False,
-                                  preserve_rng_state=False))  # no randomness in the head
+            out.append(
+                checkpoint(_chunk_logprobs, h_CH, t_C, head, use_reentrant=False, preserve_rng_state=False)
+            )  # no randomness in the head
         else:
             out.append(_chunk_logprobs(h_CH, t_C, head))
     if not out:
@@ -59,7 +62,9 @@ def naive_target_logprobs(hidden_NH: torch.Tensor, targets_N: torch.Tensor, head
 HEAD_CHUNK_ROWS = 128
 
 
-def lora_head_parts(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float] | None:
+def lora_head_parts(
+    head: torch.nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float] | None:
     """(W, A, B, scaling) of a float32 output head the fused path can run: a bias-free
     `nn.Linear` (A = B = None) or a peft LoRA `Linear` with one plain adapter (no dropout, bias or
     variant, not merged) over a frozen bias-free base. None for anything else."""
@@ -77,9 +82,14 @@ def lora_head_parts(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
         return None
     name = active[0]
     base, lora_a, lora_b = head.base_layer, head.lora_A[name], head.lora_B[name]
-    if (type(base) is not torch.nn.Linear or base.bias is not None or base.weight.requires_grad
-            or lora_a.bias is not None or lora_b.bias is not None
-            or not isinstance(head.lora_dropout[name], torch.nn.Identity)):
+    if (
+        type(base) is not torch.nn.Linear
+        or base.bias is not None
+        or base.weight.requires_grad
+        or lora_a.bias is not None
+        or lora_b.bias is not None
+        or not isinstance(head.lora_dropout[name], torch.nn.Identity)
+    ):
         return None
     if any(t.dtype != torch.float32 for t in (base.weight, lora_a.weight, lora_b.weight)):
         return None
@@ -107,9 +117,19 @@ class _HeadTargetLogprobs(torch.autograd.Function):
     row chunks; the chunks' logits are kept for backward (keep=True) or recomputed (keep=False)."""
 
     @staticmethod
-    def forward(ctx: _HeadCtx, hidden_NH: torch.Tensor, targets_N: torch.Tensor, W_VH: torch.Tensor,
-                A_RH: torch.Tensor | None, B_VR: torch.Tensor | None, scaling: float, in_vocab: int, chunk_rows: int,
-                keep: bool, oov_logprob: float) -> torch.Tensor:
+    def forward(
+        ctx: _HeadCtx,
+        hidden_NH: torch.Tensor,
+        targets_N: torch.Tensor,
+        W_VH: torch.Tensor,
+        A_RH: torch.Tensor | None,
+        B_VR: torch.Tensor | None,
+        scaling: float,
+        in_vocab: int,
+        chunk_rows: int,
+        keep: bool,
+        oov_logprob: float,
+    ) -> torch.Tensor:
         W_vH = W_VH[:in_vocab]
         B_vR = B_VR[:in_vocab] if B_VR is not None else None
         oov_N = targets_N >= in_vocab
@@ -180,8 +200,16 @@ class _HeadTargetLogprobs(torch.autograd.Function):
         return dh_NH, None, None, dA_RH, dB_VR, None, None, None, None, None
 
 
-def head_target_logprobs(hidden_NH: torch.Tensor, targets_N: torch.Tensor, head: torch.nn.Module, in_vocab: int,
-                         *, oov_logprob: float, chunk_rows: int = HEAD_CHUNK_ROWS, keep_logits: bool = True) -> torch.Tensor:
+def head_target_logprobs(
+    hidden_NH: torch.Tensor,
+    targets_N: torch.Tensor,
+    head: torch.nn.Module,
+    in_vocab: int,
+    *,
+    oov_logprob: float,
+    chunk_rows: int = HEAD_CHUNK_ROWS,
+    keep_logits: bool = True,
+) -> torch.Tensor:
     """float32 log p(target) per row of `hidden_NH` under the softmax over the head's first
     `in_vocab` output columns (the restricted vocabulary drops its input-only unk row); a target
     >= `in_vocab` gets the constant `oov_logprob` with zero gradient.
@@ -201,7 +229,14 @@ def head_target_logprobs(hidden_NH: torch.Tensor, targets_N: torch.Tensor, head:
     W_VH, A_RH, B_VR, scaling = parts
     if not 0 < in_vocab <= W_VH.shape[0]:
         raise ValueError(f"in_vocab {in_vocab} outside the head's {W_VH.shape[0]} rows")
-    keep = keep_logits and torch.is_grad_enabled() and (
-        hidden_NH.requires_grad or (A_RH is not None and B_VR is not None and (A_RH.requires_grad or B_VR.requires_grad)))
-    return _HeadTargetLogprobs.apply(hidden_NH, targets_N, W_VH, A_RH, B_VR, scaling, int(in_vocab), int(chunk_rows),
-                                     keep, float(oov_logprob))
+    keep = (
+        keep_logits
+        and torch.is_grad_enabled()
+        and (
+            hidden_NH.requires_grad
+            or (A_RH is not None and B_VR is not None and (A_RH.requires_grad or B_VR.requires_grad))
+        )
+    )
+    return _HeadTargetLogprobs.apply(
+        hidden_NH, targets_N, W_VH, A_RH, B_VR, scaling, int(in_vocab), int(chunk_rows), keep, float(oov_logprob)
+    )

@@ -84,8 +84,9 @@ def cross_entropy(lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor], config
 
 
 @register_server_loss("importance_sampling", inputs=("target_tokens", "logprobs", "advantages"))
-def importance_sampling(lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor],
-                        config: Mapping[str, float]) -> torch.Tensor:
+def importance_sampling(
+    lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
+) -> torch.Tensor:
     ratio_T = torch.exp(lp_T - inputs["logprobs"])
     return -(ratio_T * inputs["advantages"])
 

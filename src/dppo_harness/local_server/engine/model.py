@@ -101,8 +101,9 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int,
-             targets: Sequence[str] | None = None) -> peft.PeftModel:
+def add_lora(
+    model: transformers.PreTrainedModel, rank: int, seed: int, targets: Sequence[str] | None = None
+) -> peft.PeftModel:
     """Wrap with peft LoRA on ``targets`` (default: every linear layer: attention, MLP and
     unembedding).
 
@@ -113,8 +114,7 @@ def add_lora(model: transformers.PreTrainedModel, rank: int, seed: int,
     import peft  # loads transformers' model modules (seconds): deferred to the first LoRA model
 
     lcfg = peft.LoraConfig(
-        r=int(rank), lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(targets or LORA_TARGETS),
-        bias="none"
+        r=int(rank), lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(targets or LORA_TARGETS), bias="none"
     )
     pm = peft.get_peft_model(model, lcfg)
     gen = torch.Generator().manual_seed(int(seed))

@@ -129,11 +129,14 @@ class BufferLayer(CacheLayerMixin):
     def values(self) -> torch.Tensor:  # type: ignore[override]
         return self.vbuf[:, :, : self.len]
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover - prefilled
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:  # pragma: no cover - prefilled
         raise RuntimeError("buffer layer is prefilled")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
-               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = key_states.shape[-2]
         self.kbuf[:, :, self.len : self.len + n] = key_states
         self.vbuf[:, :, self.len : self.len + n] = value_states
@@ -159,15 +162,24 @@ class BufferLayer(CacheLayerMixin):
 GQA_DECODE_ATTENTION = "dppo_gqa_decode"
 
 
-def gqa_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                         is_causal: bool | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+def gqa_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
     """Single-query attention over a grouped KV cache without repeating K/V per query head (sdpa
     with a mask repeats the whole cache per step); any other shape goes to transformers' sdpa.
     Query head h reads KV head h // (H / Hkv), as transformers' repeat_kv does."""
     if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     R, H, _, D = query.shape
     Hkv = key.shape[1]
     q_RKGD = query.reshape(R, Hkv, H // Hkv, D)
@@ -209,11 +221,14 @@ class StaticKVLayer(CacheLayerMixin):
     def values(self) -> torch.Tensor:  # type: ignore[override]
         return self.vbuf
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover - prefilled
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:  # pragma: no cover - prefilled
         raise RuntimeError("static layer is prefilled")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
-               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.kbuf.index_copy_(2, self.write_col, key_states)
         self.vbuf.index_copy_(2, self.write_col, value_states)
         return self.kbuf, self.vbuf
@@ -240,8 +255,10 @@ class StaticDecodeStep:
         dev = attn_RC.device
         R = attn_RC.shape[0]
         self.write_col = torch.zeros(1, dtype=torch.int64, device=dev)
-        layers: list[AnyCacheLayer] = [StaticKVLayer(lay.kbuf, lay.vbuf, self.write_col)
-                                       if isinstance(lay, BufferLayer) else lay for lay in cache.layers]
+        layers: list[AnyCacheLayer] = [
+            StaticKVLayer(lay.kbuf, lay.vbuf, self.write_col) if isinstance(lay, BufferLayer) else lay
+            for lay in cache.layers
+        ]
         self.cache = Cache(layers=layers)
         self.mask_R11C = attn_RC.bool()[:, None, None, :].clone()
         self.ids_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
@@ -252,8 +269,13 @@ class StaticDecodeStep:
 
     def _states(self) -> list[torch.Tensor]:
         """The linear-attention states a step advances (a KV write to the same column is idempotent)."""
-        return [t for lay in self.cache.layers if isinstance(lay, LinearAttentionLayer)
-                for t in (lay.conv_states, lay.recurrent_states) if t is not None]
+        return [
+            t
+            for lay in self.cache.layers
+            if isinstance(lay, LinearAttentionLayer)
+            for t in (lay.conv_states, lay.recurrent_states)
+            if t is not None
+        ]
 
     def _forward(self) -> torch.Tensor:
         cfg = self.decoder.config
@@ -261,8 +283,13 @@ class StaticDecodeStep:
         try:
             # A 4D mask is used as given (masking_utils); linear-attention layers take none once
             # their cache has a previous state.
-            out = self.decoder(input_ids=self.ids_R1, attention_mask=self.mask_R11C, position_ids=self.pos_R1,
-                               past_key_values=self.cache, use_cache=True)
+            out = self.decoder(
+                input_ids=self.ids_R1,
+                attention_mask=self.mask_R11C,
+                position_ids=self.pos_R1,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
         finally:
             cfg._attn_implementation = prev
         return self.head(out.last_hidden_state[:, -1]).float()
@@ -326,8 +353,9 @@ class _Prefill:
     prompt_lps: list[list[float | None] | None]
 
 
-def _prefill_batched(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor,
-                     cap: int) -> _Prefill:
+def _prefill_batched(
+    net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor, cap: int
+) -> _Prefill:
     decoder, head = net.get_decoder(), net.get_output_embeddings()
     if spec.vocab_size != head.weight.shape[0]:
         raise ValueError("batched prefill computes prompt logprobs over the whole output head")
@@ -336,8 +364,8 @@ def _prefill_batched(net: transformers.PreTrainedModel, reqs: Sequence[DecodeReq
     ids_JL = torch.zeros((J, Lp), dtype=torch.int64)
     mask_JL = torch.zeros((J, Lp), dtype=torch.int64)
     for j, r in enumerate(reqs):
-        ids_JL[j, Lp - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.int64)
-        mask_JL[j, Lp - len(r.prompt):] = 1
+        ids_JL[j, Lp - len(r.prompt) :] = torch.tensor(r.prompt, dtype=torch.int64)
+        mask_JL[j, Lp - len(r.prompt) :] = 1
     ids_JL, mask_JL = ids_JL.to(device), mask_JL.to(device)
     pos_JL = (mask_JL.cumsum(-1) - 1).clamp_min(0)
     out = decoder(input_ids=ids_JL, attention_mask=mask_JL, position_ids=pos_JL, use_cache=True)
@@ -357,8 +385,9 @@ def _prefill_batched(net: transformers.PreTrainedModel, reqs: Sequence[DecodeReq
     return _Prefill(_buffered(cache, cap), last, mask_JL, prompt_lps)
 
 
-def _prefill_each(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor,
-                  cap: int) -> _Prefill:
+def _prefill_each(
+    net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor, cap: int
+) -> _Prefill:
     """Every prompt alone (batch 1, no padding); its KV is copied into its samples' rows of
     zeroed buffers, right-aligned at the longest prompt's end."""
     decoder, head = net.get_decoder(), net.get_output_embeddings()
@@ -384,7 +413,7 @@ def _prefill_each(net: transformers.PreTrainedModel, reqs: Sequence[DecodeReques
     R = int(rows_idx.shape[0])
     mask_JL = torch.zeros((J, Lp), dtype=torch.int64, device=device)
     for j, r in enumerate(reqs):
-        mask_JL[j, Lp - len(r.prompt):] = 1
+        mask_JL[j, Lp - len(r.prompt) :] = 1
     layers: list[AnyCacheLayer] = []
     for li in range(len(kv[0])):
         k0 = kv[0][li][0]
@@ -403,7 +432,8 @@ def _prefill_each(net: transformers.PreTrainedModel, reqs: Sequence[DecodeReques
 def static_capable(net: transformers.PreTrainedModel, cache: Cache) -> bool:
     """Whether a decode step over this cache can keep fixed shapes (`StaticDecodeStep`)."""
     return all(type(lay) in (BufferLayer, LinearAttentionLayer) for lay in cache.layers) and not getattr(
-        net.get_decoder(), "has_sliding_layers", False)
+        net.get_decoder(), "has_sliding_layers", False
+    )
 
 
 def resolve_mode(mode: str, net: transformers.PreTrainedModel, cache: Cache) -> str:
@@ -431,9 +461,14 @@ class _DecodedRows:
     mode: str  # the decode mode that ran ("static" when a graph capture failed)
 
 
-def generate(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest],
-             decode_text: Callable[[list[int]], str], spec: DecodeSpec, mode: str = "auto",
-             stats: DecodeStats | None = None) -> list[list[Decoded]]:
+def generate(
+    net: transformers.PreTrainedModel,
+    reqs: Sequence[DecodeRequest],
+    decode_text: Callable[[list[int]], str],
+    spec: DecodeSpec,
+    mode: str = "auto",
+    stats: DecodeStats | None = None,
+) -> list[list[Decoded]]:
     """All samples of all `reqs` (token ids are the model's rows) through the one batched decode
     loop (module docstring). `decode_text` turns model ids into text for stop strings. `stats`, if
     given, receives the decode mode used, the step count and the row count."""
@@ -449,16 +484,39 @@ def generate(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest],
     mode = resolve_mode(mode, net, pre.cache_R)
     static = StaticDecodeStep(net, pre.cache_R, attn_RC, mode == "graph") if mode in ("static", "graph") else None
     pos_R = torch.tensor([len(reqs[j].prompt) for j in row_req], dtype=torch.int64, device=device)
-    rows = _decode_rows(net, reqs, decode_text, spec, row_req, Lp, pre.cache_R, attn_RC, pos_R,
-                        pre.last_logits_JV[rows_idx], static, mode)
+    rows = _decode_rows(
+        net,
+        reqs,
+        decode_text,
+        spec,
+        row_req,
+        Lp,
+        pre.cache_R,
+        attn_RC,
+        pos_R,
+        pre.last_logits_JV[rows_idx],
+        static,
+        mode,
+    )
     if stats is not None:
         stats.update(decode_mode=rows.mode, decode_steps=rows.steps, rows=R)
     return _decoded_by_request(reqs, rows, pre.prompt_lps)
 
 
-def _decode_rows(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], decode_text: Callable[[list[int]], str], spec: DecodeSpec,
-                 row_req: list[int], Lp: int, cache: Cache, attn_RC: torch.Tensor, pos_R: torch.Tensor,
-                 logits_BV: torch.Tensor, static: StaticDecodeStep | None, mode: str) -> _DecodedRows:
+def _decode_rows(
+    net: transformers.PreTrainedModel,
+    reqs: Sequence[DecodeRequest],
+    decode_text: Callable[[list[int]], str],
+    spec: DecodeSpec,
+    row_req: list[int],
+    Lp: int,
+    cache: Cache,
+    attn_RC: torch.Tensor,
+    pos_R: torch.Tensor,
+    logits_BV: torch.Tensor,
+    static: StaticDecodeStep | None,
+    mode: str,
+) -> _DecodedRows:
     """The decode loop over every row from the prefill's last logits until every row finished."""
     head = net.get_output_embeddings()
     decoder = net.get_decoder()
@@ -493,7 +551,9 @@ def _decode_rows(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest
             r = reqs[row_req[row]]
             toks[row].append(nxt_list[k])
             lps[row].append(lp_list[k])
-            if nxt_list[k] in stops[row_req[row]] or (r.stop_strings and _hits_stop_string(decode_text, toks[row], r.stop_strings)):
+            if nxt_list[k] in stops[row_req[row]] or (
+                r.stop_strings and _hits_stop_string(decode_text, toks[row], r.stop_strings)
+            ):
                 reason[row] = "stop"
             elif len(toks[row]) >= r.max_tokens:
                 reason[row] = "length"
@@ -521,16 +581,22 @@ def _decode_rows(net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest
             attn_RC, pos_R, nxt_B = attn_RC[kidx], pos_R[kidx], nxt_B[kidx]
             batch_rows = [batch_rows[k] for k in live_k]
         attn_RC[:, cur - 1] = 1
-        out = decoder(input_ids=nxt_B.unsqueeze(-1), attention_mask=attn_RC[:, :cur],
-                      position_ids=pos_R.unsqueeze(-1), past_key_values=cache, use_cache=True)
+        out = decoder(
+            input_ids=nxt_B.unsqueeze(-1),
+            attention_mask=attn_RC[:, :cur],
+            position_ids=pos_R.unsqueeze(-1),
+            past_key_values=cache,
+            use_cache=True,
+        )
         cache = out.past_key_values
         pos_R = pos_R + 1
         logits_BV = head(out.last_hidden_state[:, -1])[:, :V].float()
     return _DecodedRows(toks, lps, reason, step, mode)
 
 
-def _decoded_by_request(reqs: Sequence[DecodeRequest], rows: _DecodedRows,
-                        prompt_lps: list[list[float | None] | None]) -> list[list[Decoded]]:
+def _decoded_by_request(
+    reqs: Sequence[DecodeRequest], rows: _DecodedRows, prompt_lps: list[list[float | None] | None]
+) -> list[list[Decoded]]:
     results: list[list[Decoded]] = []
     row = 0
     for j, r in enumerate(reqs):
@@ -545,5 +611,5 @@ def _decoded_by_request(reqs: Sequence[DecodeRequest], rows: _DecodedRows,
 def _hits_stop_string(decode_text: Callable[[list[int]], str], toks: list[int], stop_strings: list[str]) -> bool:
     # The newest token can complete a stop string spanning at most a few earlier tokens.
     longest = max(len(s) for s in stop_strings)
-    tail = decode_text(toks[-(longest + 1):])
+    tail = decode_text(toks[-(longest + 1) :])
     return any(s in tail for s in stop_strings)

@@ -67,7 +67,8 @@ class RetainedForward:
     def matches(self, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> bool:
         return len(items) == len(self.items) and all(
             torch.equal(a[0], b[0]) and torch.equal(a[1]["target_tokens"], b[1]["target_tokens"])
-            for a, b in zip(items, self.items))
+            for a, b in zip(items, self.items)
+        )
 
 
 def causal_lm(net: torch.nn.Module) -> transformers.PreTrainedModel:
@@ -81,10 +82,12 @@ def causal_lm(net: torch.nn.Module) -> transformers.PreTrainedModel:
 
 def make_optimizer(params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        [p for _, p in params], lr=0.0, betas=(ADAM_DEFAULTS["beta1"], ADAM_DEFAULTS["beta2"]),
-        eps=ADAM_DEFAULTS["eps"], weight_decay=0.0,
+        [p for _, p in params],
+        lr=0.0,
+        betas=(ADAM_DEFAULTS["beta1"], ADAM_DEFAULTS["beta2"]),
+        eps=ADAM_DEFAULTS["eps"],
+        weight_decay=0.0,
     )
-
 
 
 class TrainerMixin:
@@ -161,8 +164,9 @@ class TrainerMixin:
             batches.append(cur)
         return batches
 
-    def _logprobs_mb(self, net: torch.nn.Module, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                     idx: list[int]) -> list[torch.Tensor]:
+    def _logprobs_mb(
+        self, net: torch.nn.Module, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]], idx: list[int]
+    ) -> list[torch.Tensor]:
         lens = [int(items[i][0].numel()) for i in idx]
         Tm = max(lens)
         ids_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
@@ -186,12 +190,14 @@ class TrainerMixin:
         # (unpadded) positions only; same values as the logits path above.
         hidden_BTH = causal.get_decoder()(input_ids=ids_BT, use_cache=False, **kw).last_hidden_state
         real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
-        lp_N = head_target_logprobs(hidden_BTH[real_BT], tgt_BT[real_BT], head, self.vocab.size,
-                                    oov_logprob=model.OOV_TARGET_LOGPROB)
+        lp_N = head_target_logprobs(
+            hidden_BTH[real_BT], tgt_BT[real_BT], head, self.vocab.size, oov_logprob=model.OOV_TARGET_LOGPROB
+        )
         return list(lp_N.split(lens))
 
-    def _logprobs_hf(self, net: torch.nn.Module, ids_BT: torch.Tensor, tgt_BT: torch.Tensor, mask_BT: torch.Tensor,
-                     lens: list[int]) -> list[torch.Tensor]:
+    def _logprobs_hf(
+        self, net: torch.nn.Module, ids_BT: torch.Tensor, tgt_BT: torch.Tensor, mask_BT: torch.Tensor, lens: list[int]
+    ) -> list[torch.Tensor]:
         """Full vocabulary: the decoder's hidden states at the real (unpadded) positions, then the
         target log-softmax in token chunks (never a [B, T, V] float32 logits tensor)."""
         causal = causal_lm(net)
@@ -200,8 +206,9 @@ class TrainerMixin:
         kw = {"attention_mask": mask_BT} if min(lens) != ids_BT.shape[1] else {}
         hidden_BTH = causal.get_decoder()(input_ids=ids_BT, use_cache=False, **kw).last_hidden_state
         real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
-        lp_N = chunked_target_logprobs(hidden_BTH[real_BT], tgt_BT[real_BT], causal.get_output_embeddings(),
-                                       self.chunk_tokens)
+        lp_N = chunked_target_logprobs(
+            hidden_BTH[real_BT], tgt_BT[real_BT], causal.get_output_embeddings(), self.chunk_tokens
+        )
         return list(lp_N.split(lens))
 
     @staticmethod
@@ -212,8 +219,9 @@ class TrainerMixin:
     def _loss_cfg(loss_fn: str, loss_fn_config: LossConfigIn) -> dict[str, float]:
         return server_loss(loss_fn).config(loss_fn_config)
 
-    def _run(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn,
-             backward: bool) -> FwdBwdOut:
+    def _run(
+        self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn, backward: bool
+    ) -> FwdBwdOut:
         tm = self._get(model_id)
         cfg = self._loss_cfg(loss_fn, loss_fn_config)
         items = self._validate(data, loss_fn)
@@ -224,15 +232,20 @@ class TrainerMixin:
             retain = not backward and self._retainable(items, loss_fn)
             kept: list[tuple[list[int], list[torch.Tensor]]] = []
             with torch.set_grad_enabled(backward or retain):
-                plan = reuse.microbatches if reuse is not None else [
-                    (idx, None) for idx in self._microbatches([int(it[0].numel()) for it in items])]
+                plan = (
+                    reuse.microbatches
+                    if reuse is not None
+                    else [(idx, None) for idx in self._microbatches([int(it[0].numel()) for it in items])]
+                )
                 for idx, lps in plan:
                     if lps is None:
                         lps = self._logprobs_mb(tm.net, items, idx)
                     if retain:
                         kept.append((idx, lps))
-                    losses = [self._loss(loss_fn, lp, {k: v.to(lp.device) for k, v in items[i][1].items()}, cfg)
-                              for lp, i in zip(lps, idx)]
+                    losses = [
+                        self._loss(loss_fn, lp, {k: v.to(lp.device) for k, v in items[i][1].items()}, cfg)
+                        for lp, i in zip(lps, idx)
+                    ]
                     mb_loss = torch.stack([loss_T.sum() for loss_T in losses]).sum()
                     if backward:
                         mb_loss.backward()
@@ -253,20 +266,26 @@ class TrainerMixin:
     def _retainable(self, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]], loss_fn: str) -> bool:
         """The SDK's first pass of forward_backward_custom: a cross-entropy forward with every
         weight zero (a forward with weights is never kept), small enough to keep."""
-        return (self.retain_forward and loss_fn == "cross_entropy"
-                and all(not bool(it[1]["weights"].any()) for it in items)
-                and self._logit_bytes(items) <= RETAINED_LOGIT_BYTES)
+        return (
+            self.retain_forward
+            and loss_fn == "cross_entropy"
+            and all(not bool(it[1]["weights"].any()) for it in items)
+            and self._logit_bytes(items) <= RETAINED_LOGIT_BYTES
+        )
 
     def _keep_retained(self, entry: RetainedForward) -> None:
         with self._retained_lock:
             self._retained.append(entry)
             self.retained_stats["retained"] += 1
-            while len(self._retained) > MAX_RETAINED or sum(e.logit_bytes for e in self._retained) > RETAINED_LOGIT_BYTES:
+            while (
+                len(self._retained) > MAX_RETAINED or sum(e.logit_bytes for e in self._retained) > RETAINED_LOGIT_BYTES
+            ):
                 self._retained.pop(0)  # the oldest first
                 self.retained_stats["dropped"] += 1
 
-    def _take_retained(self, model_id: str, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
-                       ) -> RetainedForward | None:
+    def _take_retained(
+        self, model_id: str, items: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    ) -> RetainedForward | None:
         with self._retained_lock:
             for k, entry in enumerate(self._retained):
                 if entry.model_id == model_id and entry.matches(items):
@@ -285,19 +304,26 @@ class TrainerMixin:
             self.retained_stats["dropped"] += len(self._retained) - len(kept)
             self._retained = kept
 
-    def forward(self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn = None) -> FwdBwdOut:
+    def forward(
+        self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn = None
+    ) -> FwdBwdOut:
         return self._run(model_id, data, loss_fn, loss_fn_config, backward=False)
 
-    def forward_backward(self, model_id: str, data: Sequence[DatumIn], loss_fn: str,
-                         loss_fn_config: LossConfigIn = None) -> FwdBwdOut:
+    def forward_backward(
+        self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn = None
+    ) -> FwdBwdOut:
         """Forward + backward; LoRA gradients accumulate until ``optim_step``."""
         return self._run(model_id, data, loss_fn, loss_fn_config, backward=True)
 
     def compute_logprobs(self, model_id: str, data: Sequence[DatumIn], *, grad: bool = False) -> list[torch.Tensor]:
         """Per-datum target logprobs exactly as ``forward`` computes them (graph kept if grad)."""
         tm = self._get(model_id)
-        only_targets = [(t, {"target_tokens": inp["target_tokens"], "weights": np.zeros(len(t), np.float32)})
-                        if "target_tokens" in inp else (t, inp) for t, inp in data]
+        only_targets = [
+            (t, {"target_tokens": inp["target_tokens"], "weights": np.zeros(len(t), np.float32)})
+            if "target_tokens" in inp
+            else (t, inp)
+            for t, inp in data
+        ]
         items = self._validate(only_targets, "cross_entropy")
         out: list[torch.Tensor | None] = [None] * len(items)
         with tm.lock, torch.set_grad_enabled(grad):
@@ -314,18 +340,28 @@ class TrainerMixin:
         unknown = set(p) - set(ADAM_DEFAULTS) - {"learning_rate"}
         if unknown:
             raise UserError(f"unknown adam_params fields {sorted(unknown)}")
-        lr, b1, b2, eps, wd, clip = (float(p[k]) for k in
-                                     ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"))
-        checks = [(lr >= 0 and math.isfinite(lr), "learning_rate >= 0"), (0 <= b1 < 1, "0 <= beta1 < 1"),
-                  (0 <= b2 < 1, "0 <= beta2 < 1"), (eps > 0, "eps > 0"), (wd >= 0, "weight_decay >= 0"),
-                  (clip >= 0, "grad_clip_norm >= 0 (0 = off)")]
+        lr, b1, b2, eps, wd, clip = (
+            float(p[k]) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+        )
+        checks = [
+            (lr >= 0 and math.isfinite(lr), "learning_rate >= 0"),
+            (0 <= b1 < 1, "0 <= beta1 < 1"),
+            (0 <= b2 < 1, "0 <= beta2 < 1"),
+            (eps > 0, "eps > 0"),
+            (wd >= 0, "weight_decay >= 0"),
+            (clip >= 0, "grad_clip_norm >= 0 (0 = off)"),
+        ]
         for ok, what in checks:
             if not ok:
                 raise UserError(f"invalid adam_params: need {what}, got {adam}")
         with tm.lock:
             self._drop_retained(model_id)
             grads = [q.grad for _, q in tm.params if q.grad is not None]
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+            grad_norm = (
+                float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                if grads
+                else 0.0
+            )
             if clip > 0 and grads:
                 torch.nn.utils.clip_grad_norm_([q for _, q in tm.params if q.grad is not None], clip)
             for g in tm.optimizer.param_groups:
@@ -333,12 +369,20 @@ class TrainerMixin:
             tm.optimizer.step()
             tm.optimizer.zero_grad(set_to_none=True)
             tm.steps += 1
-        return {"optim/learning_rate": lr, "optim/beta1": b1, "optim/beta2": b2, "optim/eps": eps,
-                "optim/weight_decay": wd, "optim/grad_clip_norm": clip, "optim/grad_norm": grad_norm,
-                "optim/step": float(tm.steps)}
+        return {
+            "optim/learning_rate": lr,
+            "optim/beta1": b1,
+            "optim/beta2": b2,
+            "optim/eps": eps,
+            "optim/weight_decay": wd,
+            "optim/grad_clip_norm": clip,
+            "optim/grad_norm": grad_norm,
+            "optim/step": float(tm.steps),
+        }
 
-    def direct_loss_grads(self, model_id: str, data: Sequence[DatumIn],
-                          loss_of_logprobs: Callable[[list[torch.Tensor]], torch.Tensor]) -> dict[str, torch.Tensor]:
+    def direct_loss_grads(
+        self, model_id: str, data: Sequence[DatumIn], loss_of_logprobs: Callable[[list[torch.Tensor]], torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """Gradient of ``loss_of_logprobs(per-datum target logprobs)`` w.r.t. the LoRA parameters by
         plain autograd through the model (no accumulation into ``.grad``): the reference the
         two-pass ``forward_backward_custom`` path must reproduce."""

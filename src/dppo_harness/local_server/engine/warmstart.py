@@ -96,9 +96,15 @@ def _train_sha256(ddir: Path) -> str:
 
 
 def config_key(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, train_sha: str) -> dict:
-    return {"recipe": recipe, "model_config": config.to_dict(), "vocab_sha256": vocab.sha256,
-            "num_embeddings": vocab.num_embeddings, "seed": int(seed), "train_sha256": train_sha,
-            "torch": torch.__version__}
+    return {
+        "recipe": recipe,
+        "model_config": config.to_dict(),
+        "vocab_sha256": vocab.sha256,
+        "num_embeddings": vocab.num_embeddings,
+        "seed": int(seed),
+        "train_sha256": train_sha,
+        "torch": torch.__version__,
+    }
 
 
 def asset_paths(version: str = RECIPE_VERSION) -> tuple[Path, Path]:
@@ -124,9 +130,15 @@ def build_example(vocab: Vocab, renderer: Renderer, row: Mapping[str, str]) -> t
     return vocab.to_local(mi.to_ints()), torch.as_tensor(w, dtype=torch.float32)
 
 
-def train(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path,
-          log_every: int = 0, on_step: Callable[[int, torch.nn.Module], object] | None = None
-          ) -> tuple[transformers.Qwen3ForCausalLM, dict]:
+def train(
+    config: model.TinyConfig,
+    vocab: Vocab,
+    seed: int,
+    recipe: dict,
+    ddir: Path,
+    log_every: int = 0,
+    on_step: Callable[[int, torch.nn.Module], object] | None = None,
+) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(int(recipe["num_threads"]))
     try:
@@ -146,15 +158,22 @@ def train(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir:
         last_said = time.time()
         net = model.build_base_model(config, vocab.num_embeddings, seed)
         net.train()
-        opt = torch.optim.AdamW(net.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]),
-                                eps=recipe["eps"], weight_decay=recipe["weight_decay"])
+        opt = torch.optim.AdamW(
+            net.parameters(),
+            lr=recipe["lr"],
+            betas=tuple(recipe["betas"]),
+            eps=recipe["eps"],
+            weight_decay=recipe["weight_decay"],
+        )
         losses = []
         for step in range(steps):
             if step < recipe["warmup_steps"]:
                 lr = recipe["lr"] * (step + 1) / recipe["warmup_steps"]
             else:
                 frac = (step - recipe["warmup_steps"]) / max(1, sched - recipe["warmup_steps"])
-                lr = recipe["lr"] * (recipe["final_lr_frac"] + (1 - recipe["final_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * frac)))
+                lr = recipe["lr"] * (
+                    recipe["final_lr_frac"] + (1 - recipe["final_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * frac))
+                )
             for g in opt.param_groups:
                 g["lr"] = lr
             idx = [order[(step * bs + k) % len(order)] for k in range(bs)]
@@ -182,21 +201,36 @@ def train(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir:
                 on_step(step, net)
             if time.time() - last_said >= PROGRESS_EVERY_S or step == steps - 1:
                 last_said = time.time()
-                _progress(f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
-                          f"{losses[-1]:.3f} ({last_said - t0:.0f}s)")
+                _progress(
+                    f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
+                    f"{losses[-1]:.3f} ({last_said - t0:.0f}s)"
+                )
             if log_every and (step % log_every == 0 or step == steps - 1):
-                print(f"warmstart step {step} loss {losses[-1]:.4f} lr {lr:.2e} t {time.time() - t0:.1f}s "
-                      f"cpu {time.process_time():.1f}s", flush=True)
+                print(
+                    f"warmstart step {step} loss {losses[-1]:.4f} lr {lr:.2e} t {time.time() - t0:.1f}s "
+                    f"cpu {time.process_time():.1f}s",
+                    flush=True,
+                )
         net.eval()
-        info = {"data_seconds": t_data, "train_seconds": time.time() - t0 - t_data,
-                "final_loss_mean_last10": sum(losses[-10:]) / len(losses[-10:]), "first_loss": losses[0]}
+        info = {
+            "data_seconds": t_data,
+            "train_seconds": time.time() - t0 - t_data,
+            "final_loss_mean_last10": sum(losses[-10:]) / len(losses[-10:]),
+            "first_loss": losses[0],
+        }
         return net, info
     finally:
         torch.set_num_threads(prev_threads)
 
 
-def load_or_build(config: model.TinyConfig, vocab: Vocab, seed: int = 0, cache_dir: Path | None = None,
-                  recipe: dict | None = None, log_every: int = 0) -> tuple[transformers.Qwen3ForCausalLM, dict]:
+def load_or_build(
+    config: model.TinyConfig,
+    vocab: Vocab,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    recipe: dict | None = None,
+    log_every: int = 0,
+) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     """Return the warm-started base model (eval mode) and provenance info; build + cache on miss."""
     recipe = dict(recipe or RECIPE)
     ddir = data_dir()
@@ -219,8 +253,9 @@ def load_or_build(config: model.TinyConfig, vocab: Vocab, seed: int = 0, cache_d
         return _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final, log_every)
 
 
-def load_shipped(config: model.TinyConfig, vocab: Vocab, seed: int,
-                 key: dict) -> tuple[transformers.Qwen3ForCausalLM, dict] | None:
+def load_shipped(
+    config: model.TinyConfig, vocab: Vocab, seed: int, key: dict
+) -> tuple[transformers.Qwen3ForCausalLM, dict] | None:
     """The shipped warm start when its key is ``key`` (torch aside), sha256 checked; else None."""
     wfile, mfile = asset_paths(str(key["recipe"].get("version", "")))
     if not (wfile.exists() and mfile.exists()):
@@ -230,8 +265,9 @@ def load_shipped(config: model.TinyConfig, vocab: Vocab, seed: int,
         return None
     state = torch.load(wfile, map_location="cpu", weights_only=True)
     if model.state_sha256(state) != meta.get("weights_sha256"):
-        raise ValueError(f"shipped warm start {wfile} fails its sha256 check {meta.get('weights_sha256')}; "
-                         "reinstall the package")
+        raise ValueError(
+            f"shipped warm start {wfile} fails its sha256 check {meta.get('weights_sha256')}; reinstall the package"
+        )
     net = model.build_base_model(config, vocab.num_embeddings, seed)
     net.load_state_dict(state)
     net.eval()
@@ -243,9 +279,13 @@ def write_shipped(net: torch.nn.Module, key: dict, info: dict, platform_sha256: 
     wfile, mfile = asset_paths(str(key["recipe"]["version"]))
     state = net.state_dict()
     torch.save(state, wfile)
-    meta = {"key": shipped_key(key), "weights_sha256": model.state_sha256(state),
-            "built_with": {"torch": key["torch"], "platform_sha256": platform_sha256},
-            "final_loss_mean_last10": info.get("final_loss_mean_last10"), "first_loss": info.get("first_loss")}
+    meta = {
+        "key": shipped_key(key),
+        "weights_sha256": model.state_sha256(state),
+        "built_with": {"torch": key["torch"], "platform_sha256": platform_sha256},
+        "final_loss_mean_last10": info.get("final_loss_mean_last10"),
+        "first_loss": info.get("first_loss"),
+    }
     mfile.write_text(json.dumps(meta, indent=1) + "\n")
     return wfile
 
@@ -254,8 +294,17 @@ def _progress(text: str) -> None:
     log.info("%s%s", PROGRESS_MARKER, text)
 
 
-def _load_or_build_locked(config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path, key: dict,
-                          chash: str, final: Path, log_every: int) -> tuple[transformers.Qwen3ForCausalLM, dict]:
+def _load_or_build_locked(
+    config: model.TinyConfig,
+    vocab: Vocab,
+    seed: int,
+    recipe: dict,
+    ddir: Path,
+    key: dict,
+    chash: str,
+    final: Path,
+    log_every: int,
+) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     wfile, mfile = final / "weights.pt", final / "meta.json"
     if wfile.exists() and mfile.exists():
         meta = json.loads(mfile.read_text())
@@ -270,8 +319,13 @@ def _load_or_build_locked(config: model.TinyConfig, vocab: Vocab, seed: int, rec
     _progress(f"warm start: no cached stand-in model at {final}; building it once (deterministic, cached afterwards)")
     net, info = train(config, vocab, seed, recipe, ddir, log_every=log_every)
     state = net.state_dict()
-    meta = {"config_hash": chash, "key": key, "weights_sha256": model.state_sha256(state),
-            "build_seconds": time.time() - t0, **info}
+    meta = {
+        "config_hash": chash,
+        "key": key,
+        "weights_sha256": model.state_sha256(state),
+        "build_seconds": time.time() - t0,
+        **info,
+    }
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{chash}-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -285,8 +339,15 @@ def _load_or_build_locked(config: model.TinyConfig, vocab: Vocab, seed: int, rec
     return net, meta | {"cache_hit": False, "cache_dir": str(final)}
 
 
-def signal_rate(engine: Engine, n_groups: int = 32, group_size: int = 8, max_tokens: int = 512,
-                temperature: float = 1.0, sample_seed: int = 0, shuffle_seed: int = 0) -> dict:
+def signal_rate(
+    engine: Engine,
+    n_groups: int = 32,
+    group_size: int = 8,
+    max_tokens: int = 512,
+    temperature: float = 1.0,
+    sample_seed: int = 0,
+    shuffle_seed: int = 0,
+) -> dict:
     """Sample the first ``n_groups`` GSM8K train prompts (cookbook order) x ``group_size`` from the
     engine's base model and score them with the cookbook MathEnv reward. Returns counts, including
     how many groups have non-constant rewards (the RL signal the diagnostic needs)."""
@@ -297,8 +358,23 @@ def signal_rate(engine: Engine, n_groups: int = 32, group_size: int = 8, max_tok
     prompts = [gsm8k.build_prompt(it, renderer)[0].to_ints() for it in items]
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=n_groups) as pool:
-        futs = [pool.submit(engine.sample, BASE_MODEL, p, group_size, max_tokens, temperature, -1, 1.0,
-                            [STOP_TOKEN_ID], [], sample_seed + g, False) for g, p in enumerate(prompts)]
+        futs = [
+            pool.submit(
+                engine.sample,
+                BASE_MODEL,
+                p,
+                group_size,
+                max_tokens,
+                temperature,
+                -1,
+                1.0,
+                [STOP_TOKEN_ID],
+                [],
+                sample_seed + g,
+                False,
+            )
+            for g, p in enumerate(prompts)
+        ]
         groups = [f.result() for f in futs]
     seconds = time.time() - t0
     rewards, fmt, correct, stops, n_tokens = [], 0, 0, 0, 0
@@ -311,7 +387,16 @@ def signal_rate(engine: Engine, n_groups: int = 32, group_size: int = 8, max_tok
         n_tokens += sum(len(s.tokens) for s in seqs)
     nonconst = sum(len(set(r)) > 1 for r in rewards)
     n = n_groups * group_size
-    return {"groups": n_groups, "group_size": group_size, "nonconstant_groups": nonconst,
-            "format_ok": fmt, "correct": correct, "stopped": stops, "samples": n,
-            "sampled_tokens": n_tokens, "sample_seconds": seconds, "tokens_per_second": n_tokens / seconds,
-            "rewards": rewards}
+    return {
+        "groups": n_groups,
+        "group_size": group_size,
+        "nonconstant_groups": nonconst,
+        "format_ok": fmt,
+        "correct": correct,
+        "stopped": stops,
+        "samples": n,
+        "sampled_tokens": n_tokens,
+        "sample_seconds": seconds,
+        "tokens_per_second": n_tokens / seconds,
+        "rewards": rewards,
+    }

@@ -77,8 +77,9 @@ SHUTDOWN_GRACE_S = 1.0
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_log_requests, _authenticate, _faults_and_errors],
-                          client_max_size=512 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[_log_requests, _authenticate, _faults_and_errors], client_max_size=512 * 1024 * 1024
+    )
     app[STATE_KEY] = state
     app.on_response_prepare.append(_add_marker)
     r = app.router
@@ -151,8 +152,10 @@ async def _faults_and_errors(request: web.Request, handler: Handler) -> web.Stre
     state.headers.record(request.headers)
     decision = state.faults.decide(kind, counts_toward_death=kind != "healthz")
     if decision.die:
-        message = (f"local server: fault injection: exiting after "
-                   f"{state.faults.config.die_after} API requests (request {kind})")
+        message = (
+            f"local server: fault injection: exiting after "
+            f"{state.faults.config.die_after} API requests (request {kind})"
+        )
         if state.on_die is not None:
             state.on_die(message)
             raise web.HTTPServiceUnavailable(text=message)
@@ -167,8 +170,9 @@ async def _faults_and_errors(request: web.Request, handler: Handler) -> web.Stre
         headers = {}
         if state.faults.config.retry_after_ms is not None:
             headers["retry-after-ms"] = str(state.faults.config.retry_after_ms)
-        rejection = dump(types.RequestFailedResponse(error=decision.reject_reason,
-                                                     category=types.RequestErrorCategory.Server))
+        rejection = dump(
+            types.RequestFailedResponse(error=decision.reject_reason, category=types.RequestErrorCategory.Server)
+        )
         return web.json_response(rejection, status=decision.reject_status, headers=headers)
     try:
         return await handler(request)

@@ -34,7 +34,6 @@ class ProtocolError(Exception):
     """A request the server cannot parse: answered with HTTP 400 and a message naming the field."""
 
 
-
 def kind_of(path: str) -> str:
     """Endpoint name used for fault rules and counters (`/api/v1/create_model` → `create_model`)."""
     if not path.startswith(API + "/"):
@@ -116,8 +115,14 @@ def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> FwdBwdRe
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
-    return FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, data=data, loss_fn=msg.loss_fn,
-                         loss_fn_config=config or None, forward_only=msg.forward_only)
+    return FwdBwdRequest(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        data=data,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=config or None,
+        forward_only=msg.forward_only,
+    )
 
 
 def _pb_dtype(arr: np.ndarray) -> tuple[int, np.dtype]:
@@ -162,8 +167,9 @@ def encode_fwdbwd_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str
     return msg.SerializeToString()
 
 
-def encode_sample_response(seqs: Sequence[SampledSeq], prompt_logprobs: list[float | None] | None, *,
-                           omit_logprobs: bool = False) -> bytes:
+def encode_sample_response(
+    seqs: Sequence[SampledSeq], prompt_logprobs: list[float | None] | None, *, omit_logprobs: bool = False
+) -> bytes:
     """`omit_logprobs`: leave every sequence's (optional) logprobs out, as a service may."""
     msg = pb.SampleResponse()
     for seq in seqs:

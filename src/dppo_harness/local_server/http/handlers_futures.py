@@ -29,8 +29,9 @@ async def retrieve_future(request: web.Request) -> web.Response:
         try:
             await asyncio.wait_for(asyncio.shield(fut), PAUSED_POLL_S if paused is not None else LONG_POLL_S)
         except TimeoutError:
-            pending = TryAgainResponse(request_id=request_id,
-                                       queue_state=paused.queue_state if paused is not None else "active")
+            pending = TryAgainResponse(
+                request_id=request_id, queue_state=paused.queue_state if paused is not None else "active"
+            )
             # queue_state_reason: sent by the service, read by the SDK, not in its TryAgainResponse type
             reason = paused.poll_reason() if paused is not None else None
             extra = {"queue_state_reason": reason} if reason else {}

@@ -77,8 +77,16 @@ async def weights_info(request: web.Request) -> web.Response:
     saved = state.checkpoints.get(req.tinker_path)
     if saved is None:
         return error_json(f"unknown checkpoint {req.tinker_path!r} (not saved through this server)", 404)
-    return web.json_response(dump(types.WeightsInfoResponse(
-        base_model=saved.base_model, optimizer_config=types.AdamOptimizerConfig(), is_lora=True,
-        lora_rank=saved.lora_rank, train_mlp=saved.lora_switches[0], train_attn=saved.lora_switches[1],
-        train_unembed=saved.lora_switches[2],
-    )))
+    return web.json_response(
+        dump(
+            types.WeightsInfoResponse(
+                base_model=saved.base_model,
+                optimizer_config=types.AdamOptimizerConfig(),
+                is_lora=True,
+                lora_rank=saved.lora_rank,
+                train_mlp=saved.lora_switches[0],
+                train_attn=saved.lora_switches[1],
+                train_unembed=saved.lora_switches[2],
+            )
+        )
+    )

@@ -44,13 +44,23 @@ async def get_sampler(request: web.Request) -> web.Response:
     if sampler_id not in state.samplers:
         return error_json(f"unknown sampler {sampler_id!r}", 404)
     s = state.samplers[sampler_id]
-    return web.json_response(dump(types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model,
-                                                           model_path=s.model_path)))
+    return web.json_response(
+        dump(types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path))
+    )
 
 
 def _unsupported_sample_fields(req: types.SampleRequest) -> list[str]:
-    return [name for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
-                              "target_prompt_logprobs", "record_stability_info") if getattr(req, name)]
+    return [
+        name
+        for name in (
+            "topk_prompt_logprobs",
+            "topk_sample_logprobs",
+            "prompt_alt_tokens_k",
+            "target_prompt_logprobs",
+            "record_stability_info",
+        )
+        if getattr(req, name)
+    ]
 
 
 async def asample(request: web.Request) -> web.Response:
@@ -91,8 +101,17 @@ async def asample(request: web.Request) -> web.Response:
 
     def fn() -> Outcome:
         seqs = state.engine.sample(
-            target, prompt, num_samples, max_tokens, float(params.temperature), int(params.top_k),
-            float(params.top_p), stop_ids, stop_strings, params.seed, want_prompt_lp,
+            target,
+            prompt,
+            num_samples,
+            max_tokens,
+            float(params.temperature),
+            int(params.top_k),
+            float(params.top_p),
+            stop_ids,
+            stop_strings,
+            params.seed,
+            want_prompt_lp,
         )
         if len(seqs) != num_samples:
             raise RuntimeError(f"engine returned {len(seqs)} sequences for {num_samples} samples")

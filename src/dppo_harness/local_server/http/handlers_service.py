@@ -38,35 +38,43 @@ async def capabilities(request: web.Request) -> web.Response:
     state = state_of(request)
     config = getattr(state.engine, "config", None)
     max_ctx = getattr(config, "max_position_embeddings", None)
-    response = types.GetServerCapabilitiesResponse(supported_models=[
-        types.SupportedModel(model_name=name, max_context_length=max_ctx, trainable=True, sampleable=True)
-        for name in state.served_models()
-    ])
+    response = types.GetServerCapabilitiesResponse(
+        supported_models=[
+            types.SupportedModel(model_name=name, max_context_length=max_ctx, trainable=True, sampleable=True)
+            for name in state.served_models()
+        ]
+    )
     # Extra key (the SDK's type ignores it): who is really answering.
-    return web.json_response(state.faults.omit_json("get_server_capabilities",
-                                                    dump(response) | {"embedded_server": state.marker()}))
+    return web.json_response(
+        state.faults.omit_json("get_server_capabilities", dump(response) | {"embedded_server": state.marker()})
+    )
 
 
 async def client_config(request: web.Request) -> web.Response:
     # API-key auth, httpx transport, uncompressed protobuf, client-side custom losses,
     # per-request retrieve_future polling (unless a fault profile asks for the session poller):
     # the simplest paths of SDK 0.38.
-    return web.json_response(dump(types.ClientConfigResponse(
-        pjwt_auth_enabled=False,
-        credential_default_source="api_key",
-        use_pyqwest_transport=False,
-        proto_compress_fwdbwd=False,
-        parallel_fwdbwd_chunks=True,
-        sample_use_retrieve_futures=state_of(request).faults.config.sample_use_retrieve_futures,
-        custom_loss_server_side=False,
-        sample_join_sampling_session=False,
-    )))
+    return web.json_response(
+        dump(
+            types.ClientConfigResponse(
+                pjwt_auth_enabled=False,
+                credential_default_source="api_key",
+                use_pyqwest_transport=False,
+                proto_compress_fwdbwd=False,
+                parallel_fwdbwd_chunks=True,
+                sample_use_retrieve_futures=state_of(request).faults.config.sample_use_retrieve_futures,
+                custom_loss_server_side=False,
+                sample_join_sampling_session=False,
+            )
+        )
+    )
 
 
 async def client_dynamic_config(request: web.Request) -> web.Response:
     # sample_cancel_enabled: the SDK sends cancel_future for a sample whose wait was abandoned
-    return web.json_response(dump(types.ClientDynamicConfigResponse(refresh_interval_sec=300,
-                                                                    sample_cancel_enabled=True)))
+    return web.json_response(
+        dump(types.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=True))
+    )
 
 
 async def create_session(request: web.Request) -> web.Response:
@@ -122,9 +130,13 @@ async def get_session(request: web.Request) -> web.Response:
     state = state_of(request)
     session_id = request.match_info["session_id"]
     session = session_of(state, session_id)
-    return web.json_response(dump(types.GetSessionResponse(
-        training_run_ids=[m for m, e in state.models.items() if e.session_id == session_id],
-        sampler_ids=[s for s in state.samplers if s.startswith(session_id)],
-        user_metadata=session.user_metadata,
-        display_name=session.display_name,
-    )))
+    return web.json_response(
+        dump(
+            types.GetSessionResponse(
+                training_run_ids=[m for m, e in state.models.items() if e.session_id == session_id],
+                sampler_ids=[s for s in state.samplers if s.startswith(session_id)],
+                user_metadata=session.user_metadata,
+                display_name=session.display_name,
+            )
+        )
+    )

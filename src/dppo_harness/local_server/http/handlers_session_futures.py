@@ -43,8 +43,9 @@ class SessionCompletions:
         return list(self.events)
 
 
-def report_completion(completions: dict[str, SessionCompletions], sampling_session_id: str,
-                      request_id: str, fut: asyncio.Future) -> None:
+def report_completion(
+    completions: dict[str, SessionCompletions], sampling_session_id: str, request_id: str, fut: asyncio.Future
+) -> None:
     """Done-callback of a sample future: its session's poll learns it finished (or failed)."""
     outcome: Outcome | None = None if fut.cancelled() or fut.exception() is not None else fut.result()
     state = "finished" if outcome is not None and outcome.kind != "error" else "failed"
@@ -62,7 +63,9 @@ async def retrieve_futures(request: web.Request) -> web.Response:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), hold)
         ready = session.after(req.prev_cursor)
-    return web.json_response({
-        "completions": [{"state": s, "request_id": rid} for _, rid, s in ready],
-        "cursor": ready[-1][0] if ready else req.prev_cursor,
-    })
+    return web.json_response(
+        {
+            "completions": [{"state": s, "request_id": rid} for _, rid, s in ready],
+            "cursor": ready[-1][0] if ready else req.prev_cursor,
+        }
+    )

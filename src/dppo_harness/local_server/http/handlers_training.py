@@ -57,13 +57,29 @@ async def create_model(request: web.Request) -> web.Response:
         check_optimizer(req.optimizer_config)
         check_served(state, req.base_model)
         engine_id = await run_engine(
-            state, state.misc_pool, "create_model",
-            lambda: state.engine.create_model(req.base_model, lora.rank, lora.seed, model_id=model_id,
-                                              train_mlp=switches[0], train_attn=switches[1],
-                                              train_unembed=switches[2]),
+            state,
+            state.misc_pool,
+            "create_model",
+            lambda: state.engine.create_model(
+                req.base_model,
+                lora.rank,
+                lora.seed,
+                model_id=model_id,
+                train_mlp=switches[0],
+                train_attn=switches[1],
+                train_unembed=switches[2],
+            ),
         )
-        new_entry(state, model_id, engine_id, req.base_model, req.session_id, lora_rank=lora.rank,
-                   user_metadata=str_metadata(req.user_metadata), lora_switches=switches)
+        new_entry(
+            state,
+            model_id,
+            engine_id,
+            req.base_model,
+            req.session_id,
+            lora_rank=lora.rank,
+            user_metadata=str_metadata(req.user_metadata),
+            lora_switches=switches,
+        )
         return Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
 
     spawn(state, fut, "create_model", work)
@@ -83,11 +99,17 @@ async def get_info(request: web.Request) -> web.Response:
     entry = model_entry(state, req.model_id)
     info = state.engine.get_info(entry.engine_id)
     response = types.GetInfoResponse(
-        type="get_info", model_data=types.ModelData(), model_id=entry.model_id,
-        optimizer_config=types.AdamOptimizerConfig(), is_lora=bool(info.get("is_lora", True)),
-        lora_rank=info.get("lora_rank"), model_name=entry.base_model,
+        type="get_info",
+        model_data=types.ModelData(),
+        model_id=entry.model_id,
+        optimizer_config=types.AdamOptimizerConfig(),
+        is_lora=bool(info.get("is_lora", True)),
+        lora_rank=info.get("lora_rank"),
+        model_name=entry.base_model,
     )
-    return web.json_response(state.faults.omit_json("get_info", dump(response) | {"model_data": _model_data(state, entry)}))
+    return web.json_response(
+        state.faults.omit_json("get_info", dump(response) | {"model_data": _model_data(state, entry)})
+    )
 
 
 async def forward_backward(request: web.Request) -> web.Response:
@@ -161,8 +183,14 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         sampler_id = None
         if req.path is None and session_seq_id is not None:
             sampler_id = new_sampler(state, entry.session_id, int(session_seq_id), entry.base_model, path)
-        return Outcome("json", dump(SaveWeightsForSamplerResponseInternal(
-            path=path, sampling_session_id=sampler_id, type="save_weights_for_sampler")))
+        return Outcome(
+            "json",
+            dump(
+                SaveWeightsForSamplerResponseInternal(
+                    path=path, sampling_session_id=sampler_id, type="save_weights_for_sampler"
+                )
+            ),
+        )
 
     return submit_ordered(state, entry, req.seq_id, "save_weights_for_sampler", fn)
 
@@ -176,8 +204,9 @@ async def load_weights(request: web.Request) -> web.Response:
 
         def fn() -> Outcome:
             state.engine.load_state(entry.engine_id, path, req.optimizer)
-            return Outcome("json", dump(types.LoadWeightsResponse(path=path, model_id=entry.model_id,
-                                                                   type="load_weights")))
+            return Outcome(
+                "json", dump(types.LoadWeightsResponse(path=path, model_id=entry.model_id, type="load_weights"))
+            )
 
         return submit_ordered(state, entry, req.seq_id, "load_weights", fn)
 
@@ -196,15 +225,28 @@ async def load_weights(request: web.Request) -> web.Response:
     async def work() -> Outcome:
         check_optimizer(req.optimizer_config)
         engine_id = await run_engine(
-            state, state.misc_pool, "load_weights",
+            state,
+            state.misc_pool,
+            "load_weights",
             lambda: state.engine.create_model_from_state(path, req.optimizer, model_id=model_id),
         )
         info = await run_engine(state, state.misc_pool, "get_info", lambda: state.engine.get_info(engine_id))
         saved = state.checkpoints.get(path)
-        base_model = (req.base_model or info.get("requested_base_model")
-                      or (saved.base_model if saved else None) or constants.BASE_MODEL)
-        new_entry(state, model_id, engine_id, base_model, session_id, lora_rank=info.get("lora_rank"),
-                   user_metadata=str_metadata(req.user_metadata))
+        base_model = (
+            req.base_model
+            or info.get("requested_base_model")
+            or (saved.base_model if saved else None)
+            or constants.BASE_MODEL
+        )
+        new_entry(
+            state,
+            model_id,
+            engine_id,
+            base_model,
+            session_id,
+            lora_rank=info.get("lora_rank"),
+            user_metadata=str_metadata(req.user_metadata),
+        )
         return Outcome("json", dump(types.LoadWeightsResponse(path=path, model_id=model_id, type="load_weights")))
 
     spawn(state, fut, "load_weights", work)

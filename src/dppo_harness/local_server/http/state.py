@@ -168,20 +168,33 @@ class ServerState:
 
     def record_checkpoint(self, entry: ModelEntry, path: str, user_metadata: dict[str, str] | None) -> None:
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
-        checkpoint = types.Checkpoint(checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type,
-                                      time=utc_now(), tinker_path=path, user_metadata=user_metadata)
+        checkpoint = types.Checkpoint(
+            checkpoint_id=parsed.checkpoint_id,
+            checkpoint_type=parsed.checkpoint_type,
+            time=utc_now(),
+            tinker_path=path,
+            user_metadata=user_metadata,
+        )
         self.checkpoints.pop(path, None)  # an overwrite moves to the end
-        self.checkpoints[path] = CheckpointRecord(entry.model_id, checkpoint, entry.base_model, entry.lora_rank,
-                                                 entry.lora_switches)
+        self.checkpoints[path] = CheckpointRecord(
+            entry.model_id, checkpoint, entry.base_model, entry.lora_rank, entry.lora_switches
+        )
 
     def training_run(self, entry: ModelEntry) -> types.TrainingRun:
         mine = [r.checkpoint for r in self.checkpoints.values() if r.model_id == entry.model_id]
-        last = {kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
-                for kind in ("training", "sampler")}
+        last = {
+            kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
+            for kind in ("training", "sampler")
+        }
         return types.TrainingRun(
-            training_run_id=entry.model_id, base_model=entry.base_model, model_owner=MODEL_OWNER, is_lora=True,
-            lora_rank=entry.lora_rank, last_request_time=entry.last_request_time,
-            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"],
+            training_run_id=entry.model_id,
+            base_model=entry.base_model,
+            model_owner=MODEL_OWNER,
+            is_lora=True,
+            lora_rank=entry.lora_rank,
+            last_request_time=entry.last_request_time,
+            last_checkpoint=last["training"],
+            last_sampler_checkpoint=last["sampler"],
             user_metadata=entry.user_metadata,
         )
 

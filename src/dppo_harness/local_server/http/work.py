@@ -29,21 +29,26 @@ SEQ_GAP_TIMEOUT_S = 900.0  # a missing earlier seq_id fails the waiting request 
 
 
 def error_json(message: str, status: int, category: str = "user") -> web.Response:
-    return web.json_response(dump(types.RequestFailedResponse(error=message, category=types.RequestErrorCategory(category))),
-                             status=status)
+    return web.json_response(
+        dump(types.RequestFailedResponse(error=message, category=types.RequestErrorCategory(category))), status=status
+    )
 
 
-def future_json(request_id: str, model_id: str | None = None, sample_sequence_ids: list[str] | None = None
-                 ) -> web.Response:
-    return web.json_response(dump(types.UntypedAPIFuture(request_id=request_id, model_id=model_id,
-                                                         sample_sequence_ids=sample_sequence_ids)))
+def future_json(
+    request_id: str, model_id: str | None = None, sample_sequence_ids: list[str] | None = None
+) -> web.Response:
+    return web.json_response(
+        dump(types.UntypedAPIFuture(request_id=request_id, model_id=model_id, sample_sequence_ids=sample_sequence_ids))
+    )
 
 
 async def parse_body(request: web.Request, model: type[RequestT]) -> RequestT:
     return parse_request(model, await request.read())
 
-async def run_engine(state: ServerState, executor: ThreadPoolExecutor, label: str, fn: Callable[[], T],
-                      detail: str = "") -> T:
+
+async def run_engine(
+    state: ServerState, executor: ThreadPoolExecutor, label: str, fn: Callable[[], T], detail: str = ""
+) -> T:
     loop = asyncio.get_running_loop()
     t0, c0 = time.perf_counter(), time.process_time()
     state.inflight += 1
@@ -55,8 +60,14 @@ async def run_engine(state: ServerState, executor: ThreadPoolExecutor, label: st
         state.engine_seconds[label] = state.engine_seconds.get(label, 0.0) + wall
         state.engine_cpu_seconds[label] = state.engine_cpu_seconds.get(label, 0.0) + cpu
         state.engine_calls[label] = state.engine_calls.get(label, 0) + 1
-        engine_log.info("engine %s %.3fs wall %.3fs cpu (process %.2fs cpu)%s", label, wall, cpu, time.process_time(),
-                        f" {detail}" if detail else "")
+        engine_log.info(
+            "engine %s %.3fs wall %.3fs cpu (process %.2fs cpu)%s",
+            label,
+            wall,
+            cpu,
+            time.process_time(),
+            f" {detail}" if detail else "",
+        )
 
 
 def _outcome_of_exception(exc: BaseException, label: str) -> Outcome:
@@ -66,8 +77,9 @@ def _outcome_of_exception(exc: BaseException, label: str) -> Outcome:
     return Outcome("error", f"{label} failed on the local server: {type(exc).__name__}: {exc}", "server")
 
 
-def spawn(state: ServerState, fut: asyncio.Future[Outcome], label: str,
-          coro_fn: Callable[[], Awaitable[Outcome]]) -> None:
+def spawn(
+    state: ServerState, fut: asyncio.Future[Outcome], label: str, coro_fn: Callable[[], Awaitable[Outcome]]
+) -> None:
     """Run `coro_fn()` in the background and resolve `fut` with its Outcome."""
 
     async def runner() -> None:
@@ -94,8 +106,9 @@ def spawn(state: ServerState, fut: asyncio.Future[Outcome], label: str,
     task.add_done_callback(state.tasks.discard)
 
 
-async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | None, label: str, fn: Callable[[], T],
-                        detail: str = "") -> T:
+async def _in_seq_order(
+    state: ServerState, entry: ModelEntry, seq_id: int | None, label: str, fn: Callable[[], T], detail: str = ""
+) -> T:
     """Run `fn` on the model's worker once every earlier seq_id of the model has finished."""
     if seq_id is None:
         return await run_engine(state, entry.executor, label, fn, detail)
@@ -115,8 +128,9 @@ async def _in_seq_order(state: ServerState, entry: ModelEntry, seq_id: int | Non
             entry.cond.notify_all()
 
 
-def submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, label: str,
-                    fn: Callable[[], Outcome], detail: str = "") -> web.Response:
+def submit_ordered(
+    state: ServerState, entry: ModelEntry, seq_id: int | None, label: str, fn: Callable[[], Outcome], detail: str = ""
+) -> web.Response:
     entry.last_request_time = utc_now()
     if seq_id is not None:
         if seq_id in entry.requests_by_seq:  # a resent request: same future
@@ -124,7 +138,9 @@ def submit_ordered(state: ServerState, entry: ModelEntry, seq_id: int | None, la
         if seq_id < entry.next_seq:
             return error_json(
                 f"{label}: seq_id {seq_id} of model {entry.model_id} is older than the next expected "
-                f"seq_id {entry.next_seq}", 400)
+                f"seq_id {entry.next_seq}",
+                400,
+            )
     request_id, fut = state.new_future()
     if seq_id is not None:
         entry.requests_by_seq[seq_id] = request_id
@@ -148,9 +164,17 @@ def model_entry(state: ServerState, model_id: str | None) -> ModelEntry:
     return state.models[model_id]
 
 
-def new_entry(state: ServerState, model_id: str, engine_id: str, base_model: str, session_id: str, *,
-               lora_rank: int | None, user_metadata: dict[str, str] | None,
-               lora_switches: tuple[bool, bool, bool] = (True, True, True)) -> ModelEntry:
+def new_entry(
+    state: ServerState,
+    model_id: str,
+    engine_id: str,
+    base_model: str,
+    session_id: str,
+    *,
+    lora_rank: int | None,
+    user_metadata: dict[str, str] | None,
+    lora_switches: tuple[bool, bool, bool] = (True, True, True),
+) -> ModelEntry:
     entry = ModelEntry(
         model_id=model_id,
         engine_id=engine_id,
@@ -174,5 +198,6 @@ def check_optimizer(config: types.OptimizerConfig | None) -> None:
 
 def check_served(state: ServerState, base_model: str) -> None:
     if base_model not in state.served_models():
-        raise UserError(f"base model {base_model!r} is not served by the local server; served models: "
-                        f"{state.served_models()}")
+        raise UserError(
+            f"base model {base_model!r} is not served by the local server; served models: {state.served_models()}"
+        )

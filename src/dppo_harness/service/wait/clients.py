@@ -26,8 +26,15 @@ class WaitedFuture(Generic[U, V]):
     """An SDK future whose result() waits under the policy; `then` turns the value into what the
     caller gets (e.g. a new client, observed and wrapped)."""
 
-    def __init__(self, inner: Pending[U], waiter: ServiceWaiter, call: str, client: str,
-                 watch: QueueSource | None = None, then: Callable[[U], V] | None = None):
+    def __init__(
+        self,
+        inner: Pending[U],
+        waiter: ServiceWaiter,
+        call: str,
+        client: str,
+        watch: QueueSource | None = None,
+        then: Callable[[U], V] | None = None,
+    ):
         self._inner, self._waiter, self._call, self._client, self._watch = inner, waiter, call, client, watch
         self._then = then
         self._value: list[V] = []  # what `then` made, once
@@ -35,8 +42,7 @@ class WaitedFuture(Generic[U, V]):
         waiter.track(self)
 
     def result(self, timeout: float | None = None) -> V:
-        value = self._waiter.wait(self._inner, call=self._call, client=self._client, watch=self._watch,
-                                  timeout=timeout)
+        value = self._waiter.wait(self._inner, call=self._call, client=self._client, watch=self._watch, timeout=timeout)
         if self._then is None:
             return value  # type: ignore[return-value]  # without `then` the caller gets the SDK's value
         with self._lock:

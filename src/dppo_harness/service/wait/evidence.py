@@ -37,7 +37,12 @@ class BundlePoster:
     releases every registered client and writes the stopped run's result (status failed, verdict
     inconclusive, incomplete_execution, and the capacity_block or the hang), then a snapshot."""
 
-    def __init__(self, bundle: EvidenceBundle, registry: ClientRegistry | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        bundle: EvidenceBundle,
+        registry: ClientRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.bundle, self.registry, self.clock = bundle, registry, clock
         self._lock = threading.Lock()  # concurrent waits (the arms') post at once
         self._last_snapshot: float | None = None
@@ -55,8 +60,12 @@ class BundlePoster:
             due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
             if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
                 self._last_snapshot = now
-                self.snapshots += post_snapshot(self.bundle, f"waiting: {status.call} on {status.client}",
-                                                reserve=WAIT_SNAPSHOT_RESERVE) is not None
+                self.snapshots += (
+                    post_snapshot(
+                        self.bundle, f"waiting: {status.call} on {status.client}", reserve=WAIT_SNAPSHOT_RESERVE
+                    )
+                    is not None
+                )
 
     def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
         # A dead server holds no session to finish, and each close would wait out its timeout.
@@ -64,14 +73,22 @@ class BundlePoster:
         released = bool(self.registry.release_all("errored")) if self.registry is not None and not dead else False
         if isinstance(stop, CapacityExhausted):
             stop.block = replace(stop.block, released_clients=released)
-        fields: dict[str, Any] = {**stop.result_fields(),
-                                  "service_wait": {**waiter.evidence(), "released_clients": released}}
+        fields: dict[str, Any] = {
+            **stop.result_fields(),
+            "service_wait": {**waiter.evidence(), "released_clients": released},
+        }
         result = self.bundle.result
         if result.get("original_hypothesis_tested") is None:
-            fields.update(original_hypothesis_tested=False,
-                          tested_instead=f"nothing to completion: the run stopped waiting on the service ({stop.kind})")
-        if not str(result.get("summary") or "").removeprefix(REHEARSAL_PREFIX).removeprefix(
-                REHEARSAL_PLAN_PREFIX).strip():
+            fields.update(
+                original_hypothesis_tested=False,
+                tested_instead=f"nothing to completion: the run stopped waiting on the service ({stop.kind})",
+            )
+        if (
+            not str(result.get("summary") or "")
+            .removeprefix(REHEARSAL_PREFIX)
+            .removeprefix(REHEARSAL_PLAN_PREFIX)
+            .strip()
+        ):
             fields["summary"] = f"Stopped waiting on the service: {stop.line}."
         self.bundle.update_result(**fields)
         post_snapshot(self.bundle, f"service stop ({stop.kind})", reserve=4)

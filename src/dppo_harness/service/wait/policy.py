@@ -90,46 +90,73 @@ class WaitPolicy:
     snapshot_every_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("capacity_patience_s", "capacity_patience_after_steps_s", "service_timeout_s", "poll_s",
-                     "post_after_s", "post_every_s", "snapshot_every_s"):
+        for name in (
+            "capacity_patience_s",
+            "capacity_patience_after_steps_s",
+            "service_timeout_s",
+            "poll_s",
+            "post_after_s",
+            "post_every_s",
+            "snapshot_every_s",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ServiceConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}")
+                raise ServiceConfigError(
+                    f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}"
+                )
 
     @classmethod
-    def from_options(cls, *, capacity_patience_s: float | None = None,
-                     capacity_patience_after_steps_s: float | None = None, service_timeout_s: float | None = None,
-                     scale: float | None = None, env: Mapping[str, str] | None = None) -> WaitPolicy:
+    def from_options(
+        cls,
+        *,
+        capacity_patience_s: float | None = None,
+        capacity_patience_after_steps_s: float | None = None,
+        service_timeout_s: float | None = None,
+        scale: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> WaitPolicy:
         """Options given explicitly are used as they are; the capacity defaults (and the refusal
         backoff) are shrunk by `scale` (default: DPPO_HARNESS_CAPACITY_SCALE, else 1)."""
         s = capacity_scale(env) if scale is None else scale
         base = cls()
         policy = cls(
             capacity_patience_s=base.capacity_patience_s * s if capacity_patience_s is None else capacity_patience_s,
-            capacity_patience_after_steps_s=(base.capacity_patience_after_steps_s * s
-                                             if capacity_patience_after_steps_s is None
-                                             else capacity_patience_after_steps_s),
+            capacity_patience_after_steps_s=(
+                base.capacity_patience_after_steps_s * s
+                if capacity_patience_after_steps_s is None
+                else capacity_patience_after_steps_s
+            ),
             service_timeout_s=base.service_timeout_s if service_timeout_s is None else service_timeout_s,
             backoff_s=tuple(b * s for b in base.backoff_s),
         )
         # Waits are watched (and posted) at a grain that fits the shortest window.
         shortest = min(policy.capacity_patience_s, policy.service_timeout_s)
-        return replace(policy, poll_s=min(1.0, max(0.05, shortest / 20)),
-                       post_after_s=min(60.0, max(0.2, shortest / 5)), post_every_s=min(30.0, max(0.2, shortest / 5)),
-                       snapshot_every_s=min(300.0, max(1.0, shortest)))
+        return replace(
+            policy,
+            poll_s=min(1.0, max(0.05, shortest / 20)),
+            post_after_s=min(60.0, max(0.2, shortest / 5)),
+            post_every_s=min(30.0, max(0.2, shortest / 5)),
+            snapshot_every_s=min(300.0, max(1.0, shortest)),
+        )
 
     def capacity_window(self, steps_completed: int) -> float:
         return self.capacity_patience_after_steps_s if steps_completed > 0 else self.capacity_patience_s
 
     def capacity(self) -> CapacityPolicy:
         """The same windows for `capacity.call_with_capacity_retry` (retrying refused calls)."""
-        return CapacityPolicy(backoff_s=self.backoff_s, give_up_no_steps_s=self.capacity_patience_s,
-                              give_up_after_steps_s=self.capacity_patience_after_steps_s, scale=1.0)
+        return CapacityPolicy(
+            backoff_s=self.backoff_s,
+            give_up_no_steps_s=self.capacity_patience_s,
+            give_up_after_steps_s=self.capacity_patience_after_steps_s,
+            scale=1.0,
+        )
 
     def as_evidence(self) -> JsonObject:
-        return {"capacity_patience_s": self.capacity_patience_s,
-                "capacity_patience_after_steps_s": self.capacity_patience_after_steps_s,
-                "service_timeout_s": self.service_timeout_s}
+        return {
+            "capacity_patience_s": self.capacity_patience_s,
+            "capacity_patience_after_steps_s": self.capacity_patience_after_steps_s,
+            "service_timeout_s": self.service_timeout_s,
+        }
 
 
 # ----------------------------------------------------------------------------- stops
@@ -161,13 +188,20 @@ class CapacityBlock:
     released_clients: bool
 
     def as_dict(self) -> JsonObject:
-        return {"error": self.error, "comparison_steps_completed": self.comparison_steps_completed,
-                "released_clients": self.released_clients}
+        return {
+            "error": self.error,
+            "comparison_steps_completed": self.comparison_steps_completed,
+            "released_clients": self.released_clients,
+        }
 
     def result_fields(self) -> JsonObject:
         """The result.json fields for a run stopped by capacity."""
-        return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
-                "capacity_block": self.as_dict()}
+        return {
+            "status": "failed",
+            "verdict": "inconclusive",
+            "outcome_reason": "incomplete_execution",
+            "capacity_block": self.as_dict(),
+        }
 
 
 class CapacityExhausted(ServiceStopped):
@@ -176,10 +210,14 @@ class CapacityExhausted(ServiceStopped):
     kind = "capacity"
 
     def __init__(self, block: CapacityBlock, waited_s: float, attempts: int, line: str | None = None):
-        super().__init__(line or (
-            f"service capacity refused for {waited_s:.0f}s over {attempts} attempts; giving up "
-            f"(comparison steps completed: {block.comparison_steps_completed}, "
-            f"clients released: {block.released_clients}): {block.error}"))
+        super().__init__(
+            line
+            or (
+                f"service capacity refused for {waited_s:.0f}s over {attempts} attempts; giving up "
+                f"(comparison steps completed: {block.comparison_steps_completed}, "
+                f"clients released: {block.released_clients}): {block.error}"
+            )
+        )
         self.block, self.waited_s, self.attempts = block, waited_s, attempts
 
     def result_fields(self) -> JsonObject:
@@ -193,8 +231,10 @@ class PaymentRequired(ServiceStopped):
     kind = "payment_required"
 
     def __init__(self, call: str, client: str, waited_s: float, text: str | None, option: str, window: float):
-        super().__init__(f"{call} on {client}: the service refused it with HTTP 402 (payment or credits) for "
-                         f"{int(waited_s)} s: {text or 'no text sent'}; giving up after {option}={window:g}")
+        super().__init__(
+            f"{call} on {client}: the service refused it with HTTP 402 (payment or credits) for "
+            f"{int(waited_s)} s: {text or 'no text sent'}; giving up after {option}={window:g}"
+        )
         self.call, self.client, self.waited_s, self.text = call, client, waited_s, text
 
     def details(self) -> JsonObject:
@@ -208,8 +248,9 @@ class WallBudgetSpent(ServiceStopped):
     kind = "wall_budget"
 
     def __init__(self, call: str, client: str, waited_s: float):
-        super().__init__(f"{call} on {client}: the plan's wall budget ran out after {int(waited_s)} s of waiting on "
-                         "the service")
+        super().__init__(
+            f"{call} on {client}: the plan's wall budget ran out after {int(waited_s)} s of waiting on the service"
+        )
         self.call, self.client, self.waited_s = call, client, waited_s
 
 
@@ -220,8 +261,10 @@ class ServiceDied(ServiceStopped):
     kind = "server_died"
 
     def __init__(self, what: str, exit_code: int | None, log_tail: str):
-        super().__init__(f"{what} exited (exit code {exit_code}) while the run was using it; "
-                         "its last log lines are in result.json service_wait.stopped.log_tail")
+        super().__init__(
+            f"{what} exited (exit code {exit_code}) while the run was using it; "
+            "its last log lines are in result.json service_wait.stopped.log_tail"
+        )
         self.exit_code, self.log_tail = exit_code, log_tail
 
     def details(self) -> JsonObject:
@@ -233,14 +276,22 @@ class ServiceHang(ServiceStopped):
 
     kind = "no_answer"
 
-    def __init__(self, call: str, client: str, waited_s: float, queue_state: str | None,
-                 last_answer: tuple[int | None, str | None] | None = None):
+    def __init__(
+        self,
+        call: str,
+        client: str,
+        waited_s: float,
+        queue_state: str | None,
+        last_answer: tuple[int | None, str | None] | None = None,
+    ):
         said = ""
         if last_answer is not None:
             status, text = last_answer
             said = f"; the service's last answer: {f'HTTP {status}' if status else 'no response'}: {text or 'no text'}"
-        super().__init__(f"{call} on {client}: no answer for {int(waited_s)} s"
-                         f" (queue state {queue_state or 'never reported'}{said}; --service-timeout-s)")
+        super().__init__(
+            f"{call} on {client}: no answer for {int(waited_s)} s"
+            f" (queue state {queue_state or 'never reported'}{said}; --service-timeout-s)"
+        )
         self.call, self.client, self.waited_s, self.queue_state = call, client, waited_s, queue_state
         self.last_answer = last_answer
 
@@ -258,10 +309,12 @@ class NoQueueState(ServiceStopped):
     kind = "no_queue_state"
 
     def __init__(self, call: str, client: str, waited_s: float, polls: int):
-        super().__init__(f"{call} on {client}: no result for {int(waited_s)} s; the service answered {polls} "
-                         f"session poll{'' if polls == 1 else 's'} (retrieve_futures) without it and sends no queue state on that path, so "
-                         "capacity cannot be told from a hang (--service-timeout-s; a service config without "
-                         "sample_use_retrieve_futures reports the queue)")
+        super().__init__(
+            f"{call} on {client}: no result for {int(waited_s)} s; the service answered {polls} "
+            f"session poll{'' if polls == 1 else 's'} (retrieve_futures) without it and sends no queue state on that path, so "
+            "capacity cannot be told from a hang (--service-timeout-s; a service config without "
+            "sample_use_retrieve_futures reports the queue)"
+        )
         self.call, self.client, self.waited_s, self.polls = call, client, waited_s, polls
 
     def details(self) -> JsonObject:

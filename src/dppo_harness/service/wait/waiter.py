@@ -105,9 +105,15 @@ class Pause:
     reason_changes: int = 0
 
     def as_dict(self) -> JsonObject:
-        out: JsonObject = {"call": self.call, "client": self.client, "queue_state": self.queue_state,
-               "queue_state_reason": self.queue_state_reason, "began_at": self.began_at,
-               "seconds": round(self.seconds, 3), "outcome": self.outcome}
+        out: JsonObject = {
+            "call": self.call,
+            "client": self.client,
+            "queue_state": self.queue_state,
+            "queue_state_reason": self.queue_state_reason,
+            "began_at": self.began_at,
+            "seconds": round(self.seconds, 3),
+            "outcome": self.outcome,
+        }
         if self.http_status is not None:
             out["http_status"] = self.http_status
         if self.reason_changes:
@@ -130,9 +136,17 @@ class WaitStatus:
     outcome: str = "waiting"  # waiting | answered | failed | stopped
 
     def as_dict(self) -> JsonObject:
-        return {"call": self.call, "client": self.client, "since": self.since, "waited_s": round(self.waited_s, 3),
-                "queue_state": self.queue_state, "queue_state_reason": self.queue_state_reason,
-                "paused_s": round(self.paused_s, 3), "outcome": self.outcome, "updated_at": _utc()}
+        return {
+            "call": self.call,
+            "client": self.client,
+            "since": self.since,
+            "waited_s": round(self.waited_s, 3),
+            "queue_state": self.queue_state,
+            "queue_state_reason": self.queue_state_reason,
+            "paused_s": round(self.paused_s, 3),
+            "outcome": self.outcome,
+            "updated_at": _utc(),
+        }
 
 
 @dataclass
@@ -180,10 +194,16 @@ class ServiceWaiter:
     MAX_PAUSES_LISTED = 200
     MAX_WAITS_LISTED = 20  # posted waits kept in the block (each stays once posted: numbers are never dropped)
 
-    def __init__(self, policy: WaitPolicy | None = None, *, tracker: CapacityTracker | None = None,
-                 on_post: Callable[[ServiceWaiter, WaitStatus | None], None] | None = None,
-                 on_stop: Callable[[ServiceWaiter, ServiceStopped], None] | None = None,
-                 say: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        policy: WaitPolicy | None = None,
+        *,
+        tracker: CapacityTracker | None = None,
+        on_post: Callable[[ServiceWaiter, WaitStatus | None], None] | None = None,
+        on_stop: Callable[[ServiceWaiter, ServiceStopped], None] | None = None,
+        say: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.policy = policy or WaitPolicy.from_options()
         self.tracker = tracker or CapacityTracker()
         self.on_post, self.on_stop, self.say, self.clock = on_post, on_stop, say, clock
@@ -239,8 +259,11 @@ class ServiceWaiter:
             return client
         if isinstance(client, TrainingClient):
             current = getattr(client, "_queue_state_logger", None)
-            watch = current if isinstance(current, QueueWatch) else QueueWatch(
-                current.on_queue_state_change if current is not None else None)
+            watch = (
+                current
+                if isinstance(current, QueueWatch)
+                else QueueWatch(current.on_queue_state_change if current is not None else None)
+            )
             # the SDK passes it to every future of this client, as the futures' QueueStateObserver
             client._queue_state_logger = watch  # type: ignore[assignment]  # an observer, as the SDK uses it
             return WaitedClient(client, self, label or f"training client {client.model_id}", watch)
@@ -254,16 +277,29 @@ class ServiceWaiter:
         """What a waited client's method returned, with its futures and clients waited."""
         if isinstance(value, APIFuture):
             sub_label = f"sampler of {parent.label}" if call.endswith("sampling_client") else None
-            return WaitedFuture(value, self, call, parent.label, parent.queue_watch,
-                                then=lambda v: self.adopt(v, sub_label) if _is_client(v) else v)
+            return WaitedFuture(
+                value,
+                self,
+                call,
+                parent.label,
+                parent.queue_watch,
+                then=lambda v: self.adopt(v, sub_label) if _is_client(v) else v,
+            )
         if _is_client(value):
             return self.adopt(value)
         return value
 
     # -- waiting
 
-    def wait(self, future: Pending[V], *, call: str, client: str, watch: QueueSource | None = None,
-             timeout: float | None = None) -> V:
+    def wait(
+        self,
+        future: Pending[V],
+        *,
+        call: str,
+        client: str,
+        watch: QueueSource | None = None,
+        timeout: float | None = None,
+    ) -> V:
         """future.result(), bounded by the policy (and by `timeout` when the caller gives one)."""
         p = self.policy
         t0 = self.clock()
@@ -308,7 +344,9 @@ class ServiceWaiter:
                     last_pause = rep if rep is not None and rep.paused else self._last_pause(watch, t0)
                     self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s and rep is not None and rep.state == SESSION_POLLED:
-                    self._stop(NoQueueState(call, client, clock.quiet_s, getattr(watch, "session_polls", 0) - polls_before))
+                    self._stop(
+                        NoQueueState(call, client, clock.quiet_s, getattr(watch, "session_polls", 0) - polls_before)
+                    )
                 if clock.quiet_s >= p.service_timeout_s:
                     said = (rep.http_status, rep.reason) if rep is not None and rep.state == TRANSPORT_ERROR else None
                     self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None, said))
@@ -342,34 +380,54 @@ class ServiceWaiter:
         ep = max(episodes, key=lambda e: e.seen)
         return QueueReport(ep.state, ep.reason, ep.began, ep.seen, ep.http_status)
 
-    def _status(self, wait_id: int, call: str, client: str, since: str, clock: _CallClock, rep: QueueReport | None,
-                outcome: str) -> WaitStatus:
-        return WaitStatus(call, client, since, clock.last - clock.t0, rep.state if rep else None,
-                          rep.reason if rep else None, clock.paused_s, wait_id, outcome)
+    def _status(
+        self, wait_id: int, call: str, client: str, since: str, clock: _CallClock, rep: QueueReport | None, outcome: str
+    ) -> WaitStatus:
+        return WaitStatus(
+            call,
+            client,
+            since,
+            clock.last - clock.t0,
+            rep.state if rep else None,
+            rep.reason if rep else None,
+            clock.paused_s,
+            wait_id,
+            outcome,
+        )
 
-    def _note_pauses(self, watch: QueueSource | None, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]) -> None:
+    def _note_pauses(
+        self, watch: QueueSource | None, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]
+    ) -> None:
         """Record the watch's pauses during this wait (each once), with their elapsed time."""
         episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
         for ep in episodes:
             pause = seen.get(ep.id)
             if pause is None:
-                pause = seen[ep.id] = Pause(call, client, ep.state, ep.reason, _utc(time.time() - (now - ep.began)),
-                                            http_status=ep.http_status)
+                pause = seen[ep.id] = Pause(
+                    call, client, ep.state, ep.reason, _utc(time.time() - (now - ep.began)), http_status=ep.http_status
+                )
                 with self._lock:
                     if len(self.pauses) < self.MAX_PAUSES_LISTED:
                         self.pauses.append(pause)
                     else:
                         self.pauses_not_listed += 1
-                self._say(f"service: {call} on {client} paused by the service ({ep.state}: "
-                          f"{ep.reason if ep.reason is not None else 'no reason sent'})")
-            pause.queue_state_reason, pause.http_status, pause.reason_changes = ep.reason, ep.http_status, ep.reason_changes
+                self._say(
+                    f"service: {call} on {client} paused by the service ({ep.state}: "
+                    f"{ep.reason if ep.reason is not None else 'no reason sent'})"
+                )
+            pause.queue_state_reason, pause.http_status, pause.reason_changes = (
+                ep.reason,
+                ep.http_status,
+                ep.reason_changes,
+            )
             pause.seconds = (ep.ended if ep.ended is not None else now) - ep.began
             if ep.ended is not None and pause.outcome == "waiting":
                 pause.outcome = "resumed"
                 self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
 
-    def _capacity_stop(self, call: str, client: str, rep: QueueReport, paused_s: float, window: float
-                       ) -> ServiceStopped:
+    def _capacity_stop(
+        self, call: str, client: str, rep: QueueReport, paused_s: float, window: float
+    ) -> ServiceStopped:
         steps = int(self.tracker())
         option = "--capacity-patience-after-steps-s" if steps > 0 else "--capacity-patience-s"
         if rep.state == PAYMENT_REQUIRED:
@@ -378,8 +436,10 @@ class ServiceWaiter:
         if rep.state == POLL_REFUSED:
             error = f"HTTP 429 on polls: {error}"
         block = CapacityBlock(error, steps, False)
-        line = (f"{call} on {client}: paused by the service for {int(paused_s)} s ({rep.state}: {error}); "
-                f"giving up after {option}={window:g}")
+        line = (
+            f"{call} on {client}: paused by the service for {int(paused_s)} s ({rep.state}: {error}); "
+            f"giving up after {option}={window:g}"
+        )
         return CapacityExhausted(block, paused_s, 1, line=line)
 
     def _post(self, status: WaitStatus | None) -> None:
@@ -396,8 +456,12 @@ class ServiceWaiter:
         try:
             self.on_post(self, status)
         except Exception as exc:
-            logger.warning("posting the wait on %s failed: %s: %s", status.call if status else "the service",
-                           type(exc).__name__, exc)
+            logger.warning(
+                "posting the wait on %s failed: %s: %s",
+                status.call if status else "the service",
+                type(exc).__name__,
+                exc,
+            )
 
     def _say(self, line: str) -> None:
         logger.warning(line)
@@ -425,8 +489,12 @@ class ServiceWaiter:
         """The `service_wait` block of result.json: policy, pauses, the posted waits (by id, each
         with its outcome), the stop."""
         with self._lock:
-            out: JsonObject = {"policy": self.policy.as_evidence(), "pauses": [p.as_dict() for p in self.pauses],
-                                   "waits": self.waits, "longest_wait_s": round(self.longest_wait_s, 3)}
+            out: JsonObject = {
+                "policy": self.policy.as_evidence(),
+                "pauses": [p.as_dict() for p in self.pauses],
+                "waits": self.waits,
+                "longest_wait_s": round(self.longest_wait_s, 3),
+            }
             if self.pauses_not_listed:
                 out["pauses_not_listed"] = self.pauses_not_listed
             if self.posted:
@@ -434,6 +502,10 @@ class ServiceWaiter:
             if self.posted_not_listed:
                 out["waits_not_listed"] = self.posted_not_listed
             if self.stopped is not None:
-                out["stopped"] = {"kind": self.stopped.kind, "line": self.stopped.line, **self.stopped.details(),
-                                  "futures_cancelled": self.abandoned}
+                out["stopped"] = {
+                    "kind": self.stopped.kind,
+                    "line": self.stopped.line,
+                    **self.stopped.details(),
+                    "futures_cancelled": self.abandoned,
+                }
         return out

@@ -108,8 +108,11 @@ class QueueWatch(QueueStateObserver):
 
     MAX_EPISODES = 100
 
-    def __init__(self, forward: Callable[[QueueState, str | None], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        forward: Callable[[QueueState, str | None], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._forward, self._clock = forward, clock
         self._lock = threading.Lock()
         self._latest: QueueReport | None = None
@@ -133,9 +136,10 @@ class QueueWatch(QueueStateObserver):
                 current = None
             if state in PAUSED_STATES:
                 if current is None:
-                    self._episodes.append(Episode(_next_episode_id(), state, reason, now, http_status=http_status,
-                                                  seen=now))
-                    del self._episodes[:-self.MAX_EPISODES]
+                    self._episodes.append(
+                        Episode(_next_episode_id(), state, reason, now, http_status=http_status, seen=now)
+                    )
+                    del self._episodes[: -self.MAX_EPISODES]
                 else:  # the same pause: the service's latest words
                     current.reason_changes += current.reason != reason
                     current.reason, current.http_status, current.seen = reason, http_status, now
@@ -220,8 +224,10 @@ def install_creation_watch() -> bool:
 
 def _install_creation_watch() -> bool:
     if getattr(sc_module, "QueueStateLogger", None) is not QueueStateLogger:
-        logger.warning("tinker.lib.public_interfaces.service_client.QueueStateLogger is not the SDK's "
-                       "QueueStateLogger: creation pauses are not observed")
+        logger.warning(
+            "tinker.lib.public_interfaces.service_client.QueueStateLogger is not the SDK's "
+            "QueueStateLogger: creation pauses are not observed"
+        )
         return False
 
     class WatchedQueueStateLogger(QueueStateLogger):
@@ -268,8 +274,9 @@ def _install_transport_watch() -> bool:
     return True
 
 
-def _observer_told_first(original: Callable[Concatenate[F, E, P], Awaitable[R]]
-                         ) -> Callable[Concatenate[F, E, P], Awaitable[R]]:
+def _observer_told_first(
+    original: Callable[Concatenate[F, E, P], Awaitable[R]],
+) -> Callable[Concatenate[F, E, P], Awaitable[R]]:
     """The SDK's `_handle_transport_error`, after telling the future's observer (if it listens)."""
 
     async def observed(self: F, err: E, *args: P.args, **kwargs: P.kwargs) -> R:

@@ -43,30 +43,65 @@ class ArmRunner:
     recorder: ins.LossCallRecorder
 
 
-def run_arm_step(runner: ArmRunner, step: int, cfg: ComparisonConfig, items: Sequence[Gsm8kItem],
-                 renderer: renderers.Renderer, adam: tinker.AdamParams, tag: str, *, attempt: int = 0,
-                 progress: ArmStepProgress | None = None) -> tuple[StepRowJson, list[ins.LossCallRecord]]:
+def run_arm_step(
+    runner: ArmRunner,
+    step: int,
+    cfg: ComparisonConfig,
+    items: Sequence[Gsm8kItem],
+    renderer: renderers.Renderer,
+    adam: tinker.AdamParams,
+    tag: str,
+    *,
+    attempt: int = 0,
+    progress: ArmStepProgress | None = None,
+) -> tuple[StepRowJson, list[ins.LossCallRecord]]:
     """One rollout step of one arm (`arm_step.run_arm_step`): sample from its current weights, then
     its minibatch updates. `progress.updates_submitted` counts updates sent (so a failed attempt says
     whether it moved the arm)."""
     t0 = time.perf_counter()
-    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens,
-                                  seed=step_seed(cfg, step), max_seq_len=cfg.max_seq_len)
+    rcfg = rollouts.RolloutConfig(
+        cfg.groups_per_batch,
+        cfg.group_size,
+        cfg.temperature,
+        cfg.max_tokens,
+        seed=step_seed(cfg, step),
+        max_seq_len=cfg.max_seq_len,
+    )
     retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
 
     def context(u: int, sampler_path: str, _idx: list[int]) -> dict[str, int | str]:
-        return {"arm": runner.spec.name, "step": step, "update_in_batch": u,
-                "update_index": step * runner.spec.updates_per_batch + u, "sampler_checkpoint": sampler_path}
+        return {
+            "arm": runner.spec.name,
+            "step": step,
+            "update_in_batch": u,
+            "update_index": step * runner.spec.updates_per_batch + u,
+            "sampler_checkpoint": sampler_path,
+        }
 
     arm = ArmStepRun(runner.client, runner.loss_fn, adam, runner.recorder, runner.spec.updates_per_batch)
-    done = arm_step.run_arm_step(arm, items, renderer, rcfg, sampler_name=f"{tag}-{runner.spec.name}-s{step}{retry}",
-                                 context=context, progress=progress)
+    done = arm_step.run_arm_step(
+        arm,
+        items,
+        renderer,
+        rcfg,
+        sampler_name=f"{tag}-{runner.spec.name}-s{step}{retry}",
+        context=context,
+        progress=progress,
+    )
     sampled, records = done.sampled, done.records
-    row = step_metrics(runner.spec.name, step, sampled.batch.summary(), records, loss=runner.spec.loss,
-                       seconds=time.perf_counter() - t0, sample_seconds=sampled.seconds,
-                       sampler_checkpoint=sampled.sampler_path, kl=cookbook_metrics.kl_sample_train(records),
-                       cookbook_env=cookbook_metrics.trajectory_metrics(sampled.batch),
-                       rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds)
+    row = step_metrics(
+        runner.spec.name,
+        step,
+        sampled.batch.summary(),
+        records,
+        loss=runner.spec.loss,
+        seconds=time.perf_counter() - t0,
+        sample_seconds=sampled.seconds,
+        sampler_checkpoint=sampled.sampler_path,
+        kl=cookbook_metrics.kl_sample_train(records),
+        cookbook_env=cookbook_metrics.trajectory_metrics(sampled.batch),
+        rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds,
+    )
     return row.as_row(), records
 
 
@@ -100,7 +135,8 @@ class GuardedArmStep:
                 raise ComparisonError(
                     f"{self.runner.spec.name} step {self.step}: refused after it sent updates, and no state was saved "
                     f"at the step's start (save_every > 1), so a retry would apply updates twice; continue with "
-                    f"--resume from the last saved state")
+                    f"--resume from the last saved state"
+                )
             self.runner = self.restore(self.runner, self.start_state, self.failures[-1])
             self.failures[-1]["restored_from"] = self.start_state
             self.dirty = False
@@ -109,8 +145,15 @@ class GuardedArmStep:
         try:
             return self.run(self.runner, attempt, progress)
         except Exception as exc:
-            self.failures.append({"step": self.step, "attempt": attempt, "error": f"{type(exc).__name__}: {exc}"[:500],
-                                  "updates_sent_before_failure": progress.updates_submitted, "restored_from": None})
+            self.failures.append(
+                {
+                    "step": self.step,
+                    "attempt": attempt,
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                    "updates_sent_before_failure": progress.updates_submitted,
+                    "restored_from": None,
+                }
+            )
             self.dirty = progress.updates_submitted > 0
             raise
 
@@ -129,8 +172,10 @@ class StopRequested(Exception):
 
 
 def _no_restore(runner: ArmRunner, path: str, failure: StepRetry) -> ArmRunner:
-    raise ComparisonError(f"{runner.spec.name} step {failure['step']}: refused after it sent updates and no "
-                          "restore is configured; a retry would apply updates twice")
+    raise ComparisonError(
+        f"{runner.spec.name} step {failure['step']}: refused after it sent updates and no "
+        "restore is configured; a retry would apply updates twice"
+    )
 
 
 def _step_start_state(state: RunState, arm: ArmState) -> str | None:
@@ -165,17 +210,37 @@ class _ArmSteps:
             return None, None
         items = self.items_for_step(step)
         attempt_guard = GuardedArmStep(
-            self.current[name], step, _step_start_state(self.state, arm), self.restore,
-            run=lambda r, attempt, prog: run_arm_step(r, step, self.cfg, items, self.renderer, self.adams[r.spec.name],
-                                                      self.tag, attempt=attempt, progress=prog)[0])
+            self.current[name],
+            step,
+            _step_start_state(self.state, arm),
+            self.restore,
+            run=lambda r, attempt, prog: run_arm_step(
+                r,
+                step,
+                self.cfg,
+                items,
+                self.renderer,
+                self.adams[r.spec.name],
+                self.tag,
+                attempt=attempt,
+                progress=prog,
+            )[0],
+        )
         try:
             return self.call(attempt_guard), attempt_guard
         finally:
             self.current[name] = attempt_guard.runner
             arm.step_retries.extend(attempt_guard.failures)
 
-    def commit(self, name: str, step: int, step_row: StepRowJson | None, attempt_guard: GuardedArmStep | None, *,
-               save: bool = True) -> None:
+    def commit(
+        self,
+        name: str,
+        step: int,
+        step_row: StepRowJson | None,
+        attempt_guard: GuardedArmStep | None,
+        *,
+        save: bool = True,
+    ) -> None:
         """Record a finished arm-step: steps done, the state saved at a save step (`save`), the row."""
         if step_row is None:
             return
@@ -210,8 +275,14 @@ class _ArmSteps:
             raise next((e for e in failures if isinstance(e, ServiceStopped)), failures[0])
 
 
-def _paired_steps(arm_steps: _ArmSteps, names: Sequence[str], start: int, pool: ThreadPoolExecutor | None,
-                  guard: WallGuard | None, stop_after: Callable[[int], None] | None) -> str | None:
+def _paired_steps(
+    arm_steps: _ArmSteps,
+    names: Sequence[str],
+    start: int,
+    pool: ThreadPoolExecutor | None,
+    guard: WallGuard | None,
+    stop_after: Callable[[int], None] | None,
+) -> str | None:
     """Steps `start` .. `cfg.steps - 1` of every arm; the wall guard's reason if it stopped them."""
     for step in range(start, arm_steps.cfg.steps):
         halt = guard.check(step) if guard is not None else None
@@ -219,7 +290,9 @@ def _paired_steps(arm_steps: _ArmSteps, names: Sequence[str], start: int, pool: 
             arm_steps.progress(f"[comparison] {halt}")
             return halt
         t_step = guard.clock() if guard is not None else 0.0
-        arm_steps.progress(f"[comparison] training rollout step {step + 1} of {arm_steps.cfg.steps} ({', '.join(names)})")
+        arm_steps.progress(
+            f"[comparison] training rollout step {step + 1} of {arm_steps.cfg.steps} ({', '.join(names)})"
+        )
         arm_steps.advance(step, names, pool)
         if guard is not None:
             guard.step_seconds.append(guard.clock() - t_step)
@@ -257,9 +330,20 @@ def train_arms(
     """
     t0 = time.perf_counter()
     start = min(state.arms[r.spec.name].steps_done for r in runners)
-    arm_steps = _ArmSteps(cfg, state, {r.spec.name: r for r in runners},
-                          {a.name: tinker.AdamParams(**a.adam) for a in cfg.arms}, items_for_step, renderer, tag,
-                          on_row, save_state, restore or _no_restore, call, progress)
+    arm_steps = _ArmSteps(
+        cfg,
+        state,
+        {r.spec.name: r for r in runners},
+        {a.name: tinker.AdamParams(**a.adam) for a in cfg.arms},
+        items_for_step,
+        renderer,
+        tag,
+        on_row,
+        save_state,
+        restore or _no_restore,
+        call,
+        progress,
+    )
     pool = ThreadPoolExecutor(max_workers=len(runners)) if schedule == "concurrent" else None
     try:
         stopped = _paired_steps(arm_steps, [r.spec.name for r in runners], start, pool, guard, stop_after)
@@ -272,11 +356,9 @@ def train_arms(
     return TrainingOutcome(tuple(state.rows), done, time.perf_counter() - t0, schedule, stopped)
 
 
-
 def make_runners(clients: Mapping[str, tinker.TrainingClient], cfg: ComparisonConfig) -> list[ArmRunner]:
     out = []
     for a in cfg.arms:
         lc = losses.LossConfig.for_loss(a.loss, cfg.normalization)  # type: ignore[arg-type]
         out.append(ArmRunner(a, clients[a.name], losses.make_loss_fn(lc), ins.LossCallRecorder(lc)))
     return out
-

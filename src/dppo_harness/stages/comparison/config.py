@@ -32,8 +32,13 @@ class OptimizerMismatch(ComparisonError):
     stops. Carries the arm's provenance entry with that check and the run-state file the check's
     get_info reference names (to be registered before the provenance is posted), for the evidence."""
 
-    def __init__(self, message: str, arm: str = "", provenance: Mapping[str, JsonValue] | None = None,
-                 state_file: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        arm: str = "",
+        provenance: Mapping[str, JsonValue] | None = None,
+        state_file: str | None = None,
+    ):
         super().__init__(message)
         self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file
 
@@ -53,8 +58,11 @@ def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[A
             raise ComparisonError(f"--comparison-schedule: {option!r} is not interleaved or concurrent")
         return ("interleaved" if option == "interleaved" else "concurrent"), "--comparison-schedule"
     embedded = backend_kind == "local"
-    return default_schedule(embedded), ("default on the embedded server" if embedded else
-                                        "default on a real service (benchmarks/comparison_schedule.py)")
+    return default_schedule(embedded), (
+        "default on the embedded server"
+        if embedded
+        else "default on a real service (benchmarks/comparison_schedule.py)"
+    )
 
 
 @dataclass(frozen=True)
@@ -103,13 +111,25 @@ def comparison_config(run: RunConfig, *, save_every: int = 1) -> ComparisonConfi
     """The paired schedule of a plan's typed run config (`Plan.run`)."""
     if not 1 <= save_every <= MAX_SAVE_EVERY:
         raise ComparisonError(f"save_every: {save_every} not in [1, {MAX_SAVE_EVERY}]")
-    arms = tuple(ArmSpec(a.name, a.loss, a.role, a.seed, a.lr, a.updates_per_batch, a.adam, a.adam_config_requested())
-                 for a in run.arms)
+    arms = tuple(
+        ArmSpec(a.name, a.loss, a.role, a.seed, a.lr, a.updates_per_batch, a.adam, a.adam_config_requested())
+        for a in run.arms
+    )
     return ComparisonConfig(
-        arms=arms, steps=run.rollout_steps, groups_per_batch=int(run.groups_per_batch.value),
-        group_size=int(run.group_size.value), temperature=float(run.temperature.value),
-        max_tokens=int(run.max_tokens.value), eval_items=run.eval_items, base_model=run.base_model,
-        lora_rank=run.lora_rank, dataset=run.dataset, max_seq_len=run.max_seq_len, criteria=run.criteria, alpha=run.alpha, save_every=save_every,
+        arms=arms,
+        steps=run.rollout_steps,
+        groups_per_batch=int(run.groups_per_batch.value),
+        group_size=int(run.group_size.value),
+        temperature=float(run.temperature.value),
+        max_tokens=int(run.max_tokens.value),
+        eval_items=run.eval_items,
+        base_model=run.base_model,
+        lora_rank=run.lora_rank,
+        dataset=run.dataset,
+        max_seq_len=run.max_seq_len,
+        criteria=run.criteria,
+        alpha=run.alpha,
+        save_every=save_every,
         normalization=run.normalization,
     )
 
@@ -117,4 +137,3 @@ def comparison_config(run: RunConfig, *, save_every: int = 1) -> ComparisonConfi
 def step_seed(cfg: ComparisonConfig, step: int) -> int:
     """Sampling seed base of a rollout step: the same for both arms, distinct across steps."""
     return cfg.arms[0].seed + step * cfg.groups_per_batch
-

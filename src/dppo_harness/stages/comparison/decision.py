@@ -46,15 +46,22 @@ class CriterionDecision:
         return float(self.interval["margin"])
 
 
-def decide_criteria(rows: Sequence[Observation], criteria: Sequence[CriterionConfig], *,
-                    alpha: float) -> list[CriterionDecision]:
+def decide_criteria(
+    rows: Sequence[Observation], criteria: Sequence[CriterionConfig], *, alpha: float
+) -> list[CriterionDecision]:
     """Every criterion of the plan's decision rule (`RunConfig.criteria`: +1 arm minus -1 arm),
     each decided on its own with the paired Hoeffding interval on the observation rows."""
     out = []
     for c in criteria:
-        interval = stats.paired_hoeffding_from_rows(rows, c.treatment, c.baseline, alpha=float(alpha),
-                                                    margin=float(c.margin), metric=c.metric,
-                                                    bounds=(float(c.bounds[0]), float(c.bounds[1])))
+        interval = stats.paired_hoeffding_from_rows(
+            rows,
+            c.treatment,
+            c.baseline,
+            alpha=float(alpha),
+            margin=float(c.margin),
+            metric=c.metric,
+            bounds=(float(c.bounds[0]), float(c.bounds[1])),
+        )
         out.append(CriterionDecision(c.id, c.metric, c.treatment, c.baseline, interval))
     return out
 
@@ -69,8 +76,10 @@ def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[
         return "inconclusive", "incomplete_execution", "no criterion was evaluated"
     above = [c.lower > c.margin for c in criteria]
     below = [c.upper < c.margin for c in criteria]
-    text = "; ".join(f"{c.id}: {c.metric} {c.treatment} - {c.baseline} CI [{c.lower:.4g}, {c.upper:.4g}] vs margin "
-                     f"{c.margin:g}" for c in criteria)
+    text = "; ".join(
+        f"{c.id}: {c.metric} {c.treatment} - {c.baseline} CI [{c.lower:.4g}, {c.upper:.4g}] vs margin {c.margin:g}"
+        for c in criteria
+    )
     if all(above):
         v, reason = "supported", "supported"
     elif all(below):
@@ -80,18 +89,21 @@ def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[
     else:
         v, reason = "inconclusive", "insufficient_evidence"
     if rehearsal:
-        return ("inconclusive", "insufficient_evidence",
-                f"rehearsal on the embedded server's stand-in model, not the planned model: verdict inconclusive "
-                f"whatever the interval says (the rule alone would give {v}/{reason}); {text}")
+        return (
+            "inconclusive",
+            "insufficient_evidence",
+            f"rehearsal on the embedded server's stand-in model, not the planned model: verdict inconclusive "
+            f"whatever the interval says (the rule alone would give {v}/{reason}); {text}",
+        )
     return v, reason, text
 
 
-def informational_interval(rows: Sequence[Observation], criterion: CriterionConfig, *,
-                           alpha: float) -> JsonObject:
+def informational_interval(rows: Sequence[Observation], criterion: CriterionConfig, *, alpha: float) -> JsonObject:
     """Newcombe's paired interval and the exact McNemar test for one criterion's pair and metric, at
     the rule's alpha: shown beside the decision, never used for the verdict."""
-    return stats.paired_binary_informational(rows, criterion.treatment, criterion.baseline, alpha=float(alpha),
-                                             metric=criterion.metric)
+    return stats.paired_binary_informational(
+        rows, criterion.treatment, criterion.baseline, alpha=float(alpha), metric=criterion.metric
+    )
 
 
 def _number(value: JsonValue) -> float:
@@ -102,23 +114,50 @@ def _number(value: JsonValue) -> float:
 
 def informational_metrics(info: JsonObject) -> dict[str, float]:
     """result.json `metrics` of the informational interval (labelled: none of it decides)."""
-    return {"comparison/informational_newcombe_lower": _number(info["lower"]),
-            "comparison/informational_newcombe_upper": _number(info["upper"]),
-            "comparison/informational_mcnemar_exact_p": _number(info["mcnemar_exact_p"]),
-            "comparison/discordant_treatment_only_correct": _number(info["treatment_only_correct"]),
-            "comparison/discordant_baseline_only_correct": _number(info["baseline_only_correct"])}
+    return {
+        "comparison/informational_newcombe_lower": _number(info["lower"]),
+        "comparison/informational_newcombe_upper": _number(info["upper"]),
+        "comparison/informational_mcnemar_exact_p": _number(info["mcnemar_exact_p"]),
+        "comparison/discordant_treatment_only_correct": _number(info["treatment_only_correct"]),
+        "comparison/discordant_baseline_only_correct": _number(info["baseline_only_correct"]),
+    }
 
 
-def decision_block(observations_bytes: bytes, criteria: Sequence[CriterionDecision], rule_verdict: tuple[str, str, str],
-                   *, rehearsal: bool, informational: JsonObject | None = None) -> JsonObject:
+def decision_block(
+    observations_bytes: bytes,
+    criteria: Sequence[CriterionDecision],
+    rule_verdict: tuple[str, str, str],
+    *,
+    rehearsal: bool,
+    informational: JsonObject | None = None,
+) -> JsonObject:
     """The evidence's decision object (version 1, observations_file) plus the computed intervals, and
     the informational interval beside them (`informational.used_for_verdict` is false)."""
     block: JsonObject = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
     block["method"] = "paired_hoeffding"
-    block["criteria"] = [{"id": c.id, "metric": c.metric, "treatment": c.treatment, "baseline": c.baseline,
-                          **{k: c.interval[k] for k in ("n", "alpha", "margin", "mean_treatment", "mean_baseline",
-                                                        "mean_difference", "half_width", "lower", "upper")}}
-                         for c in criteria]
+    block["criteria"] = [
+        {
+            "id": c.id,
+            "metric": c.metric,
+            "treatment": c.treatment,
+            "baseline": c.baseline,
+            **{
+                k: c.interval[k]
+                for k in (
+                    "n",
+                    "alpha",
+                    "margin",
+                    "mean_treatment",
+                    "mean_baseline",
+                    "mean_difference",
+                    "half_width",
+                    "lower",
+                    "upper",
+                )
+            },
+        }
+        for c in criteria
+    ]
     block["verdict"], block["outcome_reason"], block["explanation"] = rule_verdict
     block["rehearsal"] = rehearsal
     if informational is not None:

@@ -57,8 +57,14 @@ def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> 
     return res.score(name)
 
 
-def items_progress(progress: Callable[[str], None], what: str, n_items: int, *, every_s: float = 15.0,
-                   clock: Callable[[], float] = time.monotonic) -> Callable[[int, int], None]:
+def items_progress(
+    progress: Callable[[str], None],
+    what: str,
+    n_items: int,
+    *,
+    every_s: float = 15.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> Callable[[int, int], None]:
     """How far one scored model's evaluation is: a line at its first answer, then whenever `every_s`
     passed since the last line as answers arrive, and at its last (a call that blocks longer is
     the run's watchdog's to report)."""
@@ -69,35 +75,58 @@ def items_progress(progress: Callable[[str], None], what: str, n_items: int, *, 
 def eval_line(res: evaluation.EvalResult, max_tokens: int, elapsed_s: float) -> str:
     """The terminal line after one scored model."""
     ry = res.response_yield(max_tokens)
-    return (f"[comparison] {res.arm} accuracy {res.accuracy:.3f} on {len(res.rows)} items, {res.invalid_outputs} "
-            f"without an answer, {ry.truncated} truncated at max_tokens {max_tokens}, mean "
-            f"{ry.mean_response_tokens:.0f} tokens ({elapsed_s:.0f}s)")
+    return (
+        f"[comparison] {res.arm} accuracy {res.accuracy:.3f} on {len(res.rows)} items, {res.invalid_outputs} "
+        f"without an answer, {ry.truncated} truncated at max_tokens {max_tokens}, mean "
+        f"{ry.mean_response_tokens:.0f} tokens ({elapsed_s:.0f}s)"
+    )
 
 
-
-def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonConfig, state: RunState, evaluator: evaluation.FrozenEvaluator, bundle: EvidenceBundle,
-                         rehearsal: bool, progress: Callable[[str], None],
-                         base_model: str) -> tuple[list[JsonObject], JsonObject, list[str]]:
+def evaluate_and_decide(
+    service_client: tinker.ServiceClient,
+    cfg: ComparisonConfig,
+    state: RunState,
+    evaluator: evaluation.FrozenEvaluator,
+    bundle: EvidenceBundle,
+    rehearsal: bool,
+    progress: Callable[[str], None],
+    base_model: str,
+) -> tuple[list[JsonObject], JsonObject, list[str]]:
     """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
     files: list[str] = []
-    bundle.register_json(f"evaluator-{evaluator.evaluator_id[:16]}.json", "manifest",
-                         {"evaluator_id": evaluator.evaluator_id, "provenance": evaluator.provenance,
-                          "code_manifest": evaluator.code_manifest, "deviation": evaluator.deviation})
+    bundle.register_json(
+        f"evaluator-{evaluator.evaluator_id[:16]}.json",
+        "manifest",
+        {
+            "evaluator_id": evaluator.evaluator_id,
+            "provenance": evaluator.provenance,
+            "code_manifest": evaluator.code_manifest,
+            "deviation": evaluator.deviation,
+        },
+    )
     files.append(f"evaluator-{evaluator.evaluator_id[:16]}.json")
     seed = cfg.arms[0].seed
     scores: list[JsonObject] = []
     comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
 
     def post() -> None:
-        bundle.update_result(evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
-                             metrics={f"eval/accuracy/{s['arm']}": _number(s["value"]) for s in scores})
+        bundle.update_result(
+            evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
+            metrics={f"eval/accuracy/{s['arm']}": _number(s["value"]) for s in scores},
+        )
 
     t0 = time.perf_counter()
     # The served model the arms were created on (the connectivity preflight's choice).
     base_client = service_client.create_sampling_client(base_model=base_model).result()
     progress(f"[comparison] evaluating the base model on {len(evaluator.items)} test items (greedy)")
-    base = evaluation.evaluate(base_client, evaluator, arm=BASE_ARM, seed=seed, checkpoint=f"base:{base_model}",
-                               on_item=items_progress(progress, "the base model", len(evaluator.items)))
+    base = evaluation.evaluate(
+        base_client,
+        evaluator,
+        arm=BASE_ARM,
+        seed=seed,
+        checkpoint=f"base:{base_model}",
+        on_item=items_progress(progress, "the base model", len(evaluator.items)),
+    )
     scores.append(register_predictions(bundle, base))
     files.append(predictions_name(base.arm, base))
     post()
@@ -111,8 +140,14 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
             raise ComparisonError(f"{a.name}: no final sampler checkpoint to evaluate")
         sampler = service_client.create_sampling_client(model_path=path).result()
         progress(f"[comparison] evaluating {a.name} (final checkpoint) on {len(evaluator.items)} test items")
-        res = evaluation.evaluate(sampler, evaluator, arm=a.name, seed=seed, checkpoint=path,
-                                  on_item=items_progress(progress, a.name, len(evaluator.items)))
+        res = evaluation.evaluate(
+            sampler,
+            evaluator,
+            arm=a.name,
+            seed=seed,
+            checkpoint=path,
+            on_item=items_progress(progress, a.name, len(evaluator.items)),
+        )
         results[a.name] = res
         scores.append(register_predictions(bundle, res))
         files.append(predictions_name(res.arm, res))
@@ -126,16 +161,30 @@ def evaluate_and_decide(service_client: tinker.ServiceClient, cfg: ComparisonCon
     criteria = comparison_decision.decide_criteria(rows, cfg.criteria, alpha=cfg.alpha)
     # Beside the decision, never deciding: the first criterion's pair (the metrics keys are unqualified).
     informational = comparison_decision.informational_interval(rows, cfg.criteria[0], alpha=cfg.alpha)
-    decision = comparison_decision.decision_block(obs, criteria, comparison_decision.verdict(criteria, rehearsal=rehearsal), rehearsal=rehearsal,
-                                informational=informational)
+    decision = comparison_decision.decision_block(
+        obs,
+        criteria,
+        comparison_decision.verdict(criteria, rehearsal=rehearsal),
+        rehearsal=rehearsal,
+        informational=informational,
+    )
     bundle.register_json(comparison_decision.DECISION_FILE, "metrics", decision)
     files.append(comparison_decision.DECISION_FILE)
-    metrics = {"comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
-               "comparison/ci_lower": criteria[0].lower, "comparison/ci_upper": criteria[0].upper,
-               "comparison/eval_seconds": time.perf_counter() - t0, **comparison_decision.informational_metrics(informational)}
+    metrics = {
+        "comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
+        "comparison/ci_lower": criteria[0].lower,
+        "comparison/ci_upper": criteria[0].upper,
+        "comparison/eval_seconds": time.perf_counter() - t0,
+        **comparison_decision.informational_metrics(informational),
+    }
     if len(criteria) > 1:  # every criterion is decided on its own
         for c in criteria:
-            metrics.update({f"comparison/{c.id}/difference": float(c.interval["mean_difference"]),
-                            f"comparison/{c.id}/ci_lower": c.lower, f"comparison/{c.id}/ci_upper": c.upper})
+            metrics.update(
+                {
+                    f"comparison/{c.id}/difference": float(c.interval["mean_difference"]),
+                    f"comparison/{c.id}/ci_lower": c.lower,
+                    f"comparison/{c.id}/ci_upper": c.upper,
+                }
+            )
     bundle.update_result(decision=decision, metrics=metrics)
     return scores, decision, files

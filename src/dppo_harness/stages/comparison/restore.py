@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 Restored = tuple["tinker.TrainingClient", JsonObject]
 
 
-def restore_arm(service_client: tinker.ServiceClient, state: RunState, cfg: ComparisonConfig, name: str, path: str,
-                state_file: str) -> tuple[tinker.TrainingClient, JsonObject]:
+def restore_arm(
+    service_client: tinker.ServiceClient, state: RunState, cfg: ComparisonConfig, name: str, path: str, state_file: str
+) -> tuple[tinker.TrainingClient, JsonObject]:
     """A new training client for arm `name` from its saved state `path`, weights + optimizer, the
     load observed; one more restore_count and optimizer check, whose get_info is kept in the run
     state registered as `state_file`. Returns (client, provenance entry). A check that finds the
@@ -35,34 +36,56 @@ def restore_arm(service_client: tinker.ServiceClient, state: RunState, cfg: Comp
     arm = state.arms[name]
     client, resp = create_from_state_observed(service_client, path, name)
     if resp is None or resp.path is None:
-        raise ComparisonError(f"{name}: restore of {path} not observed: the load response has no path "
-                                "(optional in the SDK's LoadWeightsResponse)")
+        raise ComparisonError(
+            f"{name}: restore of {path} not observed: the load response has no path "
+            "(optional in the SDK's LoadWeightsResponse)"
+        )
     if resp.path != path:
         raise ComparisonError(f"{name}: restore of {path} loaded {resp.path!r}")
     arm.restore_count += 1
     prior = state.setup_provenance.get(name)
     if prior is None:
         raise ComparisonError(f"{name}: the run state holds no preflight provenance to count restores on")
-    check = optimizer_check(after_restore=prior["restore_count"] + arm.restore_count,
-                            requested_optimizer="adam", requested_config=cfg.arm(name).adam_requested,
-                            info=client.get_info(), info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
-                            echoed=None, echo_ref=None, echo_observed_on=None)
-    arm.optimizer_checks.append({**check, "loaded_checkpoint_uri": resp.path, "at_step": arm.steps_done,
-                                 "load_response": dump_response(resp)})
-    prov: JsonObject = {"restore_count": prior["restore_count"] + arm.restore_count,
-            # The checkpoint this session's arm actually loaded (the server's own load response).
-            "loaded_checkpoint_uri": resp.path, "loaded_at_step": arm.steps_done,
-            "optimizer_checks": list(prior["optimizer_checks"]) + [
-                {k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks]}
+    check = optimizer_check(
+        after_restore=prior["restore_count"] + arm.restore_count,
+        requested_optimizer="adam",
+        requested_config=cfg.arm(name).adam_requested,
+        info=client.get_info(),
+        info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
+        echoed=None,
+        echo_ref=None,
+        echo_observed_on=None,
+    )
+    arm.optimizer_checks.append(
+        {**check, "loaded_checkpoint_uri": resp.path, "at_step": arm.steps_done, "load_response": dump_response(resp)}
+    )
+    prov: JsonObject = {
+        "restore_count": prior["restore_count"] + arm.restore_count,
+        # The checkpoint this session's arm actually loaded (the server's own load response).
+        "loaded_checkpoint_uri": resp.path,
+        "loaded_at_step": arm.steps_done,
+        "optimizer_checks": list(prior["optimizer_checks"])
+        + [{k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks],
+    }
     if check["mismatches"]:  # a restored optimizer that differs from the request stops the run
-        raise OptimizerMismatch(f"{name}: optimizer mismatch after restore {check['after_restore']} "
-                                  f"({path}): " + "; ".join(check["mismatches"]), name, prov, state_file)
+        raise OptimizerMismatch(
+            f"{name}: optimizer mismatch after restore {check['after_restore']} "
+            f"({path}): " + "; ".join(check["mismatches"]),
+            name,
+            prov,
+            state_file,
+        )
     return client, prov
 
 
-def open_arms(service_client: tinker.ServiceClient, state: RunState, cfg: ComparisonConfig,
-               restoration: RestorationResult | None, bundle: EvidenceBundle,
-               call: Callable[[Callable[[], Restored]], Restored]) -> dict[str, tinker.TrainingClient]:
+def open_arms(
+    service_client: tinker.ServiceClient,
+    state: RunState,
+    cfg: ComparisonConfig,
+    restoration: RestorationResult | None,
+    bundle: EvidenceBundle,
+    call: Callable[[Callable[[], Restored]], Restored],
+) -> dict[str, tinker.TrainingClient]:
     """New run: the arms' clients the preflight loaded from the shared initial checkpoint (its
     observed load). Resume: each arm from the state every arm saved last (step 0: the shared
     initial checkpoint), with optimizer; each restore is one more restore_count and optimizer

@@ -128,8 +128,10 @@ def checkpoint_problems(state: RunState) -> list[str]:
                         continue
                     now = here.saves.get(step) if here is not None else None
                     if now != path:
-                        out.append(f"arm {arm_name}'s checkpoint at step {step} is {now} in the state but {path} in "
-                                   f"{session['run_id']}/{name}")
+                        out.append(
+                            f"arm {arm_name}'s checkpoint at step {step} is {now} in the state but {path} in "
+                            f"{session['run_id']}/{name}"
+                        )
     return out
 
 
@@ -142,8 +144,11 @@ def verified_dirs(state: RunState) -> list[Path]:
             raise _refuse(state.run_id, f"the bundle of session {s['run_id']} is missing ({d})")
         problems = verify_bundle(d)
         if problems:
-            raise _refuse(state.run_id, f"the evidence of session {s['run_id']} does not verify by hash: {problems[0]}"
-                                        + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+            raise _refuse(
+                state.run_id,
+                f"the evidence of session {s['run_id']} does not verify by hash: {problems[0]}"
+                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+            )
         dirs.append(d)
     return dirs
 
@@ -160,32 +165,57 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> ReusedSetup:
     if snap is not None:
         setup_dir = next((d for d in dirs if d.name == snap["run_id"]), None)
         if setup_dir is None:
-            raise _refuse(state.run_id, f"the setup snapshot's session {snap['run_id']} is not among the run's sessions")
+            raise _refuse(
+                state.run_id, f"the setup snapshot's session {snap['run_id']} is not among the run's sessions"
+            )
         reg = _registry(setup_dir)
         data = (setup_dir / FILES_DIR / snap["name"]).read_bytes()
         if reg.get(snap["name"], {}).get("sha256") != snap["sha256"] or sha256_bytes(data) != snap["sha256"]:
-            raise _refuse(state.run_id, f"setup snapshot {snap['run_id']}/{snap['name']} does not match the sha256 "
-                                        "recorded when the run started")
+            raise _refuse(
+                state.run_id,
+                f"setup snapshot {snap['run_id']}/{snap['name']} does not match the sha256 "
+                "recorded when the run started",
+            )
         setup = json.loads(data)
         blocks = {k: setup[k] for k in SETUP_BLOCKS if setup.get(k) is not None}
         gate_reports = sorted(n for n in reg if is_report_file(n))  # one per piloted treatment arm
         for name in sorted(set(_referenced_files(blocks)) | set(gate_reports)):
             raw = (setup_dir / FILES_DIR / name).read_bytes()
             entry = bundle.register_bytes(name, reg[name]["kind"], raw)
-            files.append({"name": name, "kind": entry["kind"], "sha256": entry["sha256"], "size": entry["size"],
-                          "from_run": snap["run_id"]})
+            files.append(
+                {
+                    "name": name,
+                    "kind": entry["kind"],
+                    "sha256": entry["sha256"],
+                    "size": entry["size"],
+                    "from_run": snap["run_id"],
+                }
+            )
         for name in gate_reports:
             if not json.loads((setup_dir / FILES_DIR / name).read_bytes())["passed"]:
                 raise _refuse(state.run_id, f"the activation gate of session {snap['run_id']} did not pass ({name})")
     last = _last_snapshot_on_disk(dirs[-1])
     resume = state.resumes[-1]
-    continued = {"run_id": dirs[-1].name, "status": json.loads((dirs[-1] / RESULT_FILE).read_text())["status"],
-                 "last_snapshot": last}
+    continued = {
+        "run_id": dirs[-1].name,
+        "status": json.loads((dirs[-1] / RESULT_FILE).read_text())["status"],
+        "last_snapshot": last,
+    }
     name = f"resumed-from-{state.resumed}.json"
-    bundle.register_json(name, "manifest", {
-        "kind": "comparison_resume", "comparison_run": state.run_id, "resumed_times": state.resumed,
-        "from_step": resume["from_step"], "continues_session": continued,
-        "sessions_verified": [d.name for d in dirs], "setup_snapshot": snap, "reused_files": files,
-        "note": "the preflight and the gate were not rerun: their evidence is taken over from the setup snapshot "
-                "after every earlier bundle verified by sha256"})
+    bundle.register_json(
+        name,
+        "manifest",
+        {
+            "kind": "comparison_resume",
+            "comparison_run": state.run_id,
+            "resumed_times": state.resumed,
+            "from_step": resume["from_step"],
+            "continues_session": continued,
+            "sessions_verified": [d.name for d in dirs],
+            "setup_snapshot": snap,
+            "reused_files": files,
+            "note": "the preflight and the gate were not rerun: their evidence is taken over from the setup snapshot "
+            "after every earlier bundle verified by sha256",
+        },
+    )
     return ReusedSetup(blocks, tuple(files), name, continued)

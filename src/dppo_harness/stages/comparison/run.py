@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from dppo_harness.stages.restoration import RestorationResult
 
 PROGRESS_EVERY_S = 15.0  # a line at least this often in every phase: arm steps and evaluation take minutes
-EVAL_SUBSET_REASON = ("declared rehearsal size: the plan evaluates its first {n} {dataset} test items (see the plan's "
-                      "differences)")
+EVAL_SUBSET_REASON = (
+    "declared rehearsal size: the plan evaluates its first {n} {dataset} test items (see the plan's differences)"
+)
 EVAL_SUBSET_EMBEDDED = ", a size the embedded server's stand-in evaluates on this host's CPU"
 # A spec (not a rehearsal plan) that itself asks for fewer items: its own words, no rehearsal claimed.
 EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} {dataset} test items are evaluated"
@@ -73,8 +74,9 @@ class ComparisonResult:
     files: tuple[str, ...] = ()
 
 
-def _frozen_evaluator(cfg: ComparisonConfig, bundle: EvidenceBundle, plan: Plan, *,
-                      embedded: bool) -> evaluation.FrozenEvaluator:
+def _frozen_evaluator(
+    cfg: ComparisonConfig, bundle: EvidenceBundle, plan: Plan, *, embedded: bool
+) -> evaluation.FrozenEvaluator:
     """The run's evaluator, frozen before training; its subset is a deviation, with the reason the
     plan gives (a rehearsal plan's declared size, or the spec's own n_examples)."""
     evaluator = freeze_for(cfg, eval_subset_reason(plan, embedded=embedded, n=cfg.eval_items))
@@ -133,31 +135,78 @@ def run_comparison(
         cfg = comparison_config(plan.run, save_every=save_every)
         rehearsal = is_rehearsal(plan, backend, bundle.result)
         evaluator = _frozen_evaluator(cfg, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
-        state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root),
-                                        resume_run_id)
+        state = run_steps.prepare_state(
+            plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root), resume_run_id
+        )
         if state.resumed:
             run_steps.post_reused_setup(bundle, state)
-        session = run_steps.open_session(service_client, plan, bundle, cfg, state, Path(state_root), tag=tag,
-                                         progress=progress, capacity_policy=capacity_policy, registry=registry, wandb=wandb)
-        run_steps.register_run_manifest(session, plan, schedule=schedule, schedule_source=schedule_source,
-                                        rehearsal=rehearsal, evaluator_id=evaluator.evaluator_id)
+        session = run_steps.open_session(
+            service_client,
+            plan,
+            bundle,
+            cfg,
+            state,
+            Path(state_root),
+            tag=tag,
+            progress=progress,
+            capacity_policy=capacity_policy,
+            registry=registry,
+            wandb=wandb,
+        )
+        run_steps.register_run_manifest(
+            session,
+            plan,
+            schedule=schedule,
+            schedule_source=schedule_source,
+            rehearsal=rehearsal,
+            evaluator_id=evaluator.evaluator_id,
+        )
         progress(f"[comparison] schedule {schedule} ({schedule_source})")
-        outcome, capacity_block = run_steps.train_session(session, restoration, schedule=schedule, stop_after=stop_after,
-                                                          guard=guard)
-        files = run_steps.register_training_end(session, outcome, schedule=schedule, schedule_source=schedule_source,
-                                                guard=guard)
-        def result(final: JsonObject, scores: tuple[JsonObject, ...] = (),
-                   decision: JsonObject | None = None) -> ComparisonResult:
-            return ComparisonResult(cfg, state.run_id, tuple(state.rows), outcome.steps_completed, outcome.wall_seconds,
-                                    schedule, outcome.stopped, capacity_block, scores, decision, final, tuple(files))
+        outcome, capacity_block = run_steps.train_session(
+            session, restoration, schedule=schedule, stop_after=stop_after, guard=guard
+        )
+        files = run_steps.register_training_end(
+            session, outcome, schedule=schedule, schedule_source=schedule_source, guard=guard
+        )
+
+        def result(
+            final: JsonObject, scores: tuple[JsonObject, ...] = (), decision: JsonObject | None = None
+        ) -> ComparisonResult:
+            return ComparisonResult(
+                cfg,
+                state.run_id,
+                tuple(state.rows),
+                outcome.steps_completed,
+                outcome.wall_seconds,
+                schedule,
+                outcome.stopped,
+                capacity_block,
+                scores,
+                decision,
+                final,
+                tuple(files),
+            )
 
         if outcome.stopped is not None:
             return result(run_steps.stopped_final(plan, bundle, cfg, outcome, capacity_block))
-        scores, decision, eval_files = evaluate_and_decide(service_client, cfg, state, evaluator, bundle, rehearsal,
-                                                           progress, base_model or cfg.base_model)
+        scores, decision, eval_files = evaluate_and_decide(
+            service_client, cfg, state, evaluator, bundle, rehearsal, progress, base_model or cfg.base_model
+        )
         files += eval_files
         resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
-        files += list(report.write_comparison_report(bundle, [as_object(r) for r in state.rows], list(scores), decision, backend,
-                                                     max_tokens=cfg.max_tokens, resume=resume).values())
-        return result(run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal),
-                      tuple(scores), decision)
+        files += list(
+            report.write_comparison_report(
+                bundle,
+                [as_object(r) for r in state.rows],
+                list(scores),
+                decision,
+                backend,
+                max_tokens=cfg.max_tokens,
+                resume=resume,
+            ).values()
+        )
+        return result(
+            run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal),
+            tuple(scores),
+            decision,
+        )

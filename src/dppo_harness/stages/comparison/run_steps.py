@@ -59,18 +59,32 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, evaluator_id: str,
-                   restoration: RestorationResult | None, state_root: Path, resume_run_id: str | None) -> RunState:
+def prepare_state(
+    plan: Plan,
+    bundle: EvidenceBundle,
+    cfg: ComparisonConfig,
+    evaluator_id: str,
+    restoration: RestorationResult | None,
+    state_root: Path,
+    resume_run_id: str | None,
+) -> RunState:
     code_rev = code_revision()
     session = {"run_id": bundle.run_id, "dir": str(bundle.dir.resolve())}
     if resume_run_id is None:
         if restoration is None:
             raise ComparisonError("a new comparison starts from the restoration preflight's result (none given)")
         hold_run_lock(state_root, bundle.run_id, what=f"comparison run {bundle.run_id}")
-        return RunState(run_id=bundle.run_id, plan_sha256=plan.sha256, evaluator_id=evaluator_id,
-                          code_revision=code_rev, initial_checkpoint=restoration.initial_checkpoint,
-                          arms={a.name: ArmState(a.name) for a in cfg.arms}, sessions=[session],
-                          setup_snapshot=latest_snapshot(bundle), setup_provenance=setup_provenance(restoration, cfg))
+        return RunState(
+            run_id=bundle.run_id,
+            plan_sha256=plan.sha256,
+            evaluator_id=evaluator_id,
+            code_revision=code_rev,
+            initial_checkpoint=restoration.initial_checkpoint,
+            arms={a.name: ArmState(a.name) for a in cfg.arms},
+            sessions=[session],
+            setup_snapshot=latest_snapshot(bundle),
+            setup_provenance=setup_provenance(restoration, cfg),
+        )
     path = state_path(state_root, resume_run_id)
     if not path.is_file():
         raise ComparisonError(f"--resume {resume_run_id}: no saved comparison state at {path}")
@@ -92,8 +106,10 @@ def prepare_state(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, eva
 
 def setup_provenance(restoration: RestorationResult, cfg: ComparisonConfig) -> JsonObject:
     """Per arm, what the preflight's load counted (later restores count on from it)."""
-    return {a.name: {k: as_value(restoration.provenance["arms"][a.name][k]) for k in ("restore_count", "optimizer_checks")}
-            for a in cfg.arms}
+    return {
+        a.name: {k: as_value(restoration.provenance["arms"][a.name][k]) for k in ("restore_count", "optimizer_checks")}
+        for a in cfg.arms
+    }
 
 
 def kept_slots(cfg: ComparisonConfig, restores_left: int) -> int:
@@ -107,9 +123,16 @@ def register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, kep
     name = state_file_name(state, f"s{step}")
     if bundle.free_slots() - 1 < kept:
         skipped = list(bundle.ledger().get("comparison_states_not_registered", []))
-        bundle.note_ledger(comparison_states_not_registered=[*skipped, {
-            "name": name, "reason": f"file limit: {len(bundle.files())} files used, {bundle.free_slots()} free, "
-                                    f"{kept} kept for the evaluation, report and restores"}])
+        bundle.note_ledger(
+            comparison_states_not_registered=[
+                *skipped,
+                {
+                    "name": name,
+                    "reason": f"file limit: {len(bundle.files())} files used, {bundle.free_slots()} free, "
+                    f"{kept} kept for the evaluation, report and restores",
+                },
+            ]
+        )
         return None
     bundle.register_json(name, "manifest", state.to_json())
     return name
@@ -126,7 +149,9 @@ def metrics_name(arm: str, state: RunState) -> str:
     return f"metrics-{arm}-r{state.resumed}.jsonl" if state.resumed else f"metrics-{arm}.jsonl"
 
 
-def register_cookbook_metrics(bundle: EvidenceBundle, state: RunState, mlog: cookbook_metrics.ArmMetricsLog) -> list[str]:
+def register_cookbook_metrics(
+    bundle: EvidenceBundle, state: RunState, mlog: cookbook_metrics.ArmMetricsLog
+) -> list[str]:
     """Each arm's ml_log `metrics.jsonl`, as written (every step of the run so far, resumed sessions
     included), registered as kind metrics."""
     names = []
@@ -139,8 +164,14 @@ def register_cookbook_metrics(bundle: EvidenceBundle, state: RunState, mlog: coo
     return names
 
 
-def finalize_arm(client: tinker.TrainingClient, arm: str, state: RunState, bundle: EvidenceBundle,
-                 by_arm: Mapping[str, list[StepRowJson]], tag: str) -> None:
+def finalize_arm(
+    client: tinker.TrainingClient,
+    arm: str,
+    state: RunState,
+    bundle: EvidenceBundle,
+    by_arm: Mapping[str, list[StepRowJson]],
+    tag: str,
+) -> None:
     """After an arm's last step: final sampler weights + state, checkpoint URI, completed_arms, metrics."""
     s = state.arms[arm]
     s.final_sampler = client.save_weights_for_sampler(f"{tag}-{state.run_id}-{arm}-final").result().path
@@ -151,15 +182,21 @@ def finalize_arm(client: tinker.TrainingClient, arm: str, state: RunState, bundl
     bundle.post_arm_metrics(arm, arm_summary(by_arm[arm]), completed=True)
 
 
-
 def post_reused_setup(bundle: EvidenceBundle, state: RunState) -> None:
     """A resume: the preflight and gate of the run, hash-verified, and where this session starts."""
     reused = reuse_setup(bundle, state)
     bundle.update_result(**reused.blocks)
-    bundle.update_result(initialization_provenance={"resume": {
-        "comparison_run": state.run_id, "resumed_times": state.resumed,
-        "from_step": state.resumes[-1]["from_step"], "continues_session": reused.continued,
-        "evidence_ref": reused.manifest}})
+    bundle.update_result(
+        initialization_provenance={
+            "resume": {
+                "comparison_run": state.run_id,
+                "resumed_times": state.resumed,
+                "from_step": state.resumes[-1]["from_step"],
+                "continues_session": reused.continued,
+                "evidence_ref": reused.manifest,
+            }
+        }
+    )
 
 
 @dataclass
@@ -188,22 +225,30 @@ class RunSession:
         return self.restores_left
 
     def call(self, fn: Callable[[], T]) -> T:
-        return call_with_capacity_retry(fn, policy=self.capacity_policy or CapacityPolicy(),
-                                                steps_completed=self.tracker, registry=self.registry,
-                                                on_retry=self.tracker.events.append)
+        return call_with_capacity_retry(
+            fn,
+            policy=self.capacity_policy or CapacityPolicy(),
+            steps_completed=self.tracker,
+            registry=self.registry,
+            on_retry=self.tracker.events.append,
+        )
 
     def restore_mid_step(self, runner: ArmRunner, path: str, failure: StepRetry) -> ArmRunner:
         """A refused attempt sent updates: back to the step's start before the retry (inside `call`)."""
         name = runner.spec.name
-        self.progress(f"[comparison] {name} step {failure['step'] + 1}: refused after "
-                      f"{failure['updates_sent_before_failure']} update(s) ({failure['error'][:120]}); restoring "
-                      f"{path} (weights + optimizer) before the retry")
+        self.progress(
+            f"[comparison] {name} step {failure['step'] + 1}: refused after "
+            f"{failure['updates_sent_before_failure']} update(s) ({failure['error'][:120]}); restoring "
+            f"{path} (weights + optimizer) before the retry"
+        )
         ref = state_file_name(self.state, f"{name}-s{failure['step']}-a{failure['attempt']}")
         reserved = self._restore_slots_left()
         if reserved == 0 and self.bundle.free_slots() - 1 < kept_slots(self.cfg, 0):
-            raise ComparisonError(f"{name} step {failure['step'] + 1}: no evidence file slot left for the run state of "
-                                  f"another mid-step restore ({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
-                                  "resume the run (--resume) to continue from its last save")
+            raise ComparisonError(
+                f"{name} step {failure['step'] + 1}: no evidence file slot left for the run state of "
+                f"another mid-step restore ({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
+                "resume the run (--resume) to continue from its last save"
+            )
         self.restores_left = max(0, reserved - 1)
         client, prov = restore_arm(self.service_client, self.state, self.cfg, name, path, ref)
         self.clients[name] = client
@@ -213,8 +258,11 @@ class RunSession:
 
     def save_arm_state(self, runner: ArmRunner, steps_done: int) -> str:
         state = self.state
-        return runner.client.save_state(
-            f"{self.tag}-{state.run_id}-{runner.spec.name}-step{steps_done}-r{state.resumed}").result().path
+        return (
+            runner.client.save_state(f"{self.tag}-{state.run_id}-{runner.spec.name}-step{steps_done}-r{state.resumed}")
+            .result()
+            .path
+        )
 
     def on_row(self, row: StepRowJson) -> None:
         """A committed arm-step: state saved, metrics logged and posted, a common save registered
@@ -222,8 +270,11 @@ class RunSession:
         state, cfg, bundle = self.state, self.cfg, self.bundle
         self.by_arm[row["arm"]].append(row)
         state.save(self.spath)
-        self.mlog.log(row["arm"], cookbook_metrics.step_record(
-            row, steps=cfg.steps, learning_rate=cfg.arm(row["arm"]).adam["learning_rate"]), row["step"])
+        self.mlog.log(
+            row["arm"],
+            cookbook_metrics.step_record(row, steps=cfg.steps, learning_rate=cfg.arm(row["arm"]).adam["learning_rate"]),
+            row["step"],
+        )
         done = row["step"] + 1
         if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
             # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
@@ -239,44 +290,89 @@ class RunSession:
             state.save(self.spath)
 
 
-def open_session(service_client: tinker.ServiceClient, plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig,
-                 state: RunState, state_root: Path, *, tag: str, progress: Callable[[str], None],
-                 capacity_policy: CapacityPolicy | None, registry: ClientRegistry | None,
-                 wandb: cookbook_metrics.WandbRequest | None) -> RunSession:
+def open_session(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    cfg: ComparisonConfig,
+    state: RunState,
+    state_root: Path,
+    *,
+    tag: str,
+    progress: Callable[[str], None],
+    capacity_policy: CapacityPolicy | None,
+    registry: ClientRegistry | None,
+    wandb: cookbook_metrics.WandbRequest | None,
+) -> RunSession:
     """The session's capacity tracker (the session waiter's when there is one: its capacity window
     widens after the first step too) and its cookbook metrics log."""
     waiter = getattr(service_client, "waiter", None)
     tracker = waiter.tracker if waiter is not None else CapacityTracker()
     tracker.comparison_steps_completed = min(s.steps_done for s in state.arms.values())
     mlog = cookbook_metrics.ArmMetricsLog(
-        state_root / state.run_id / "cookbook-metrics", [a.name for a in cfg.arms], run_name=state.run_id,
+        state_root / state.run_id / "cookbook-metrics",
+        [a.name for a in cfg.arms],
+        run_name=state.run_id,
         wandb=wandb or cookbook_metrics.WandbRequest(None, "not requested"),
-        config={"plan": plan.name, "plan_sha256": plan.sha256, "run_id": state.run_id, **asdict(cfg)})
+        config={"plan": plan.name, "plan_sha256": plan.sha256, "run_id": state.run_id, **asdict(cfg)},
+    )
     if state.resumed:  # the steps after the common save are trained again: logged once, as without the kill
         mlog.drop_steps_from(int(state.resumes[-1]["from_step"]))
     for problem in mlog.status["wandb"]["problems"]:
         progress(f"[comparison] W&B not used: {problem} (the metrics.jsonl logs go on)")
-    return RunSession(service_client, bundle, cfg, state, state_path(state_root, state.run_id), tracker, mlog, tag,
-                      progress, capacity_policy, registry)
+    return RunSession(
+        service_client,
+        bundle,
+        cfg,
+        state,
+        state_path(state_root, state.run_id),
+        tracker,
+        mlog,
+        tag,
+        progress,
+        capacity_policy,
+        registry,
+    )
 
 
-def register_run_manifest(session: RunSession, plan: Plan, *, schedule: ArmOrder, schedule_source: str,
-                          rehearsal: bool, evaluator_id: str) -> None:
+def register_run_manifest(
+    session: RunSession, plan: Plan, *, schedule: ArmOrder, schedule_source: str, rehearsal: bool, evaluator_id: str
+) -> None:
     """`comparison-run-N.json`: the run, its sessions and resumes, schedule, state file, evaluator,
     code revision, plan, config and where the cookbook metrics are; a rehearsal says what it tests."""
     state, cfg, mlog, bundle = session.state, session.cfg, session.mlog, session.bundle
-    bundle.register_json(f"comparison-run-{state.resumed}.json", "manifest", {
-        "run_id": state.run_id, "resumed_sessions": state.resumed, "sessions": state.sessions,
-        "resumes": state.resumes, "save_every": cfg.save_every, "schedule": schedule,
-        "schedule_source": schedule_source, "rehearsal": rehearsal,
-        "state_file": str(session.spath), "evaluator_id": evaluator_id, "code_revision": state.code_revision,
-        "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}, "config": asdict(cfg),
-        "cookbook_metrics": {**mlog.status, "live_files": {a.name: str(mlog.path(a.name)) for a in cfg.arms},
-                             "evidence_files": {a.name: metrics_name(a.name, state) for a in cfg.arms}}})
+    bundle.register_json(
+        f"comparison-run-{state.resumed}.json",
+        "manifest",
+        {
+            "run_id": state.run_id,
+            "resumed_sessions": state.resumed,
+            "sessions": state.sessions,
+            "resumes": state.resumes,
+            "save_every": cfg.save_every,
+            "schedule": schedule,
+            "schedule_source": schedule_source,
+            "rehearsal": rehearsal,
+            "state_file": str(session.spath),
+            "evaluator_id": evaluator_id,
+            "code_revision": state.code_revision,
+            "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256},
+            "config": asdict(cfg),
+            "cookbook_metrics": {
+                **mlog.status,
+                "live_files": {a.name: str(mlog.path(a.name)) for a in cfg.arms},
+                "evidence_files": {a.name: metrics_name(a.name, state) for a in cfg.arms},
+            },
+        },
+    )
     if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
-        bundle.update_result(original_hypothesis_tested=False, tested_instead=(
-            f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
-            f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"))
+        bundle.update_result(
+            original_hypothesis_tested=False,
+            tested_instead=(
+                f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
+                f"model ({cfg.base_model}); declared differences from the spec are recorded as deviations"
+            ),
+        )
 
 
 def _stopped(session: RunSession, schedule: ArmOrder, exc: Exception) -> TrainingOutcome:
@@ -292,9 +388,14 @@ def _stopped(session: RunSession, schedule: ArmOrder, exc: Exception) -> Trainin
     return TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule, reason)
 
 
-def train_session(session: RunSession, restoration: RestorationResult | None, *, schedule: ArmOrder,
-                  stop_after: Callable[[int], None] | None, guard: WallGuard | None,
-                  ) -> tuple[TrainingOutcome, JsonObject | None]:
+def train_session(
+    session: RunSession,
+    restoration: RestorationResult | None,
+    *,
+    schedule: ArmOrder,
+    stop_after: Callable[[int], None] | None,
+    guard: WallGuard | None,
+) -> tuple[TrainingOutcome, JsonObject | None]:
     """Open the arms and train them to the end or a stop: (outcome, capacity block if capacity
     stopped it). The metrics log is closed either way."""
     state, cfg = session.state, session.cfg
@@ -305,19 +406,32 @@ def train_session(session: RunSession, restoration: RestorationResult | None, *,
     try:
         session.clients.update(open_arms(session.service_client, state, cfg, restoration, session.bundle, session.call))
         state.save(session.spath)
-        outcome = train_arms(make_runners(session.clients, cfg), cfg, state,
-                             items_for_step=lambda s: train.batch(s, cfg.groups_per_batch), renderer=renderer,
-                             tag=f"{session.tag}-{state.run_id}-r{state.resumed}", schedule=schedule,
-                             on_row=session.on_row, save_state=session.save_arm_state, restore=session.restore_mid_step,
-                             call=session.call, stop_after=stop_after, progress=session.progress, guard=guard)
+        outcome = train_arms(
+            make_runners(session.clients, cfg),
+            cfg,
+            state,
+            items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
+            renderer=renderer,
+            tag=f"{session.tag}-{state.run_id}-r{state.resumed}",
+            schedule=schedule,
+            on_row=session.on_row,
+            save_state=session.save_arm_state,
+            restore=session.restore_mid_step,
+            call=session.call,
+            stop_after=stop_after,
+            progress=session.progress,
+            guard=guard,
+        )
     except CapacityExhausted as exc:
         capacity_block = exc.block.as_dict()
-        outcome = TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
-                                  f"capacity: {exc}")
+        outcome = TrainingOutcome(
+            tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule, f"capacity: {exc}"
+        )
     except ServiceStopped as exc:  # a hang (or any other stop): the training so far is registered all the same
         session.progress(f"[comparison] stopped: {exc.line}")
-        outcome = TrainingOutcome(tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule,
-                                  f"{exc.kind}: {exc.line}")
+        outcome = TrainingOutcome(
+            tuple(state.rows), min(s.steps_done for s in state.arms.values()), 0.0, schedule, f"{exc.kind}: {exc.line}"
+        )
     except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
         outcome = _stopped(session, schedule, exc)
     finally:
@@ -325,51 +439,96 @@ def train_session(session: RunSession, restoration: RestorationResult | None, *,
     return outcome, capacity_block
 
 
-def register_training_end(session: RunSession, outcome: TrainingOutcome, *, schedule: ArmOrder,
-                          schedule_source: str, guard: WallGuard | None) -> list[str]:
+def register_training_end(
+    session: RunSession, outcome: TrainingOutcome, *, schedule: ArmOrder, schedule_source: str, guard: WallGuard | None
+) -> list[str]:
     """After training, stopped or not: state saved, steps JSONL, the arms' metrics logs and the
     end state (with the training's schedule, stop and wall guard) registered; their names."""
     state, bundle = session.state, session.bundle
     state.save(session.spath)
     files = [register_steps(bundle, state)]
     files += register_cookbook_metrics(bundle, state, session.mlog)
-    bundle.register_json(state_file_name(state, "end"), "manifest", {
-        **state.to_json(), "training": {"schedule": schedule, "schedule_source": schedule_source,
-                                        "stopped": outcome.stopped, "steps_completed": outcome.steps_completed,
-                                        "wall_guard": guard.as_dict() if guard is not None else None}})
+    bundle.register_json(
+        state_file_name(state, "end"),
+        "manifest",
+        {
+            **state.to_json(),
+            "training": {
+                "schedule": schedule,
+                "schedule_source": schedule_source,
+                "stopped": outcome.stopped,
+                "steps_completed": outcome.steps_completed,
+                "wall_guard": guard.as_dict() if guard is not None else None,
+            },
+        },
+    )
     files.append(state_file_name(state, "end"))
     return files
 
 
-def stopped_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
-                  capacity_block: JsonObject | None) -> JsonObject:
+def stopped_final(
+    plan: Plan,
+    bundle: EvidenceBundle,
+    cfg: ComparisonConfig,
+    outcome: TrainingOutcome,
+    capacity_block: JsonObject | None,
+) -> JsonObject:
     """The final of a run that stopped before every arm finished: failed, nothing compared."""
     stopped = outcome.stopped or ""
-    final: JsonObject = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution",
-             "summary": (f"The paired comparison under {plan.name} stopped after {outcome.steps_completed} of "
-                         f"{cfg.steps} rollout steps per arm, before evaluation, so nothing was compared: "
-                         + stopped.replace(". ", "; ").rstrip(".") + ".")}
+    final: JsonObject = {
+        "status": "failed",
+        "verdict": "inconclusive",
+        "outcome_reason": "incomplete_execution",
+        "summary": (
+            f"The paired comparison under {plan.name} stopped after {outcome.steps_completed} of "
+            f"{cfg.steps} rollout steps per arm, before evaluation, so nothing was compared: "
+            + stopped.replace(". ", "; ").rstrip(".")
+            + "."
+        ),
+    }
     if bundle.result.get("original_hypothesis_tested") is None:
-        final.update(original_hypothesis_tested=False,
-                     tested_instead="nothing: the paired comparison stopped before any evaluation")
+        final.update(
+            original_hypothesis_tested=False,
+            tested_instead="nothing: the paired comparison stopped before any evaluation",
+        )
     if capacity_block is not None:
         final["capacity_block"] = capacity_block
     return final
 
 
-def succeeded_final(plan: Plan, bundle: EvidenceBundle, cfg: ComparisonConfig, outcome: TrainingOutcome,
-                    scores: list[JsonObject], decision: Mapping[str, Any], *, rehearsal: bool) -> JsonObject:
+def succeeded_final(
+    plan: Plan,
+    bundle: EvidenceBundle,
+    cfg: ComparisonConfig,
+    outcome: TrainingOutcome,
+    scores: list[JsonObject],
+    decision: Mapping[str, Any],
+    *,
+    rehearsal: bool,
+) -> JsonObject:
     """The final of a finished run: at most two plain sentences (the result's `final` shape); the
     details are in report.md."""
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
-    diffs = "; ".join(f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "
-                      f"{100 * (1 - c['alpha']):g}% paired Hoeffding CI [{c['lower']:.4g}, {c['upper']:.4g}]"
-                      for c in decision["criteria"])
+    diffs = "; ".join(
+        f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "
+        f"{100 * (1 - c['alpha']):g}% paired Hoeffding CI [{c['lower']:.4g}, {c['upper']:.4g}]"
+        for c in decision["criteria"]
+    )
     block = backend_of(bundle.result)
     served = (block.served_model if block is not None else None) or cfg.base_model
-    return {"status": "succeeded", "verdict": decision["verdict"], "outcome_reason": decision["outcome_reason"],
-            "summary": (f"Paired comparison under {plan.name} ({outcome.steps_completed}/{cfg.steps} rollout steps per "
-                        f"arm): greedy accuracy on {cfg.eval_items} test items {acc}, {diffs}, verdict {decision['verdict']} "
-                        f"({decision['outcome_reason']})."
-                        + (f" It is a rehearsal on the stand-in model {served}, not a test of the hypothesis on "
-                           f"{plan.planned_model}." if rehearsal else ""))}
+    return {
+        "status": "succeeded",
+        "verdict": decision["verdict"],
+        "outcome_reason": decision["outcome_reason"],
+        "summary": (
+            f"Paired comparison under {plan.name} ({outcome.steps_completed}/{cfg.steps} rollout steps per "
+            f"arm): greedy accuracy on {cfg.eval_items} test items {acc}, {diffs}, verdict {decision['verdict']} "
+            f"({decision['outcome_reason']})."
+            + (
+                f" It is a rehearsal on the stand-in model {served}, not a test of the hypothesis on "
+                f"{plan.planned_model}."
+                if rehearsal
+                else ""
+            )
+        ),
+    }

@@ -82,8 +82,10 @@ def checkpoint_record_problems(state: RunState) -> list[str]:
             if want is None:
                 out.append(f"arm {arm.name}'s checkpoint at step {step} has no hash recorded when it was saved")
             elif want != checkpoint_record_sha256(state.run_id, arm.name, int(step), path):
-                out.append(f"arm {arm.name}'s checkpoint record at step {step} ({path}) does not match the sha256 "
-                           "recorded when it was saved")
+                out.append(
+                    f"arm {arm.name}'s checkpoint record at step {step} ({path}) does not match the sha256 "
+                    "recorded when it was saved"
+                )
         if arm.state_path is not None and arm.saves.get(str(arm.state_step)) != arm.state_path:
             out.append(f"arm {arm.name}'s current state {arm.state_path} is not one of its hashed saves")
     return out
@@ -108,8 +110,10 @@ class RunState:
     resumes: list[dict[str, Any]] = field(default_factory=list)  # per resume: session, from_step, continued
 
     def to_json(self) -> JsonObject:
-        return {**{k: v for k, v in asdict(self).items() if k != "arms"},
-                "arms": {a: asdict(s) for a, s in self.arms.items()}}
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "arms"},
+            "arms": {a: asdict(s) for a, s in self.arms.items()},
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RunState:
@@ -135,9 +139,11 @@ class RunState:
 def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, code_rev: str) -> list[str]:
     """Why a saved run may not be continued: plan, evaluator, code or carried data changed."""
     out = []
-    for what, saved, now in (("plan sha256", state.plan_sha256, plan_sha256),
-                             ("evaluator id", state.evaluator_id, evaluator_id),
-                             ("code and data revision", state.code_revision, code_rev)):
+    for what, saved, now in (
+        ("plan sha256", state.plan_sha256, plan_sha256),
+        ("evaluator id", state.evaluator_id, evaluator_id),
+        ("code and data revision", state.code_revision, code_rev),
+    ):
         if saved != now:
             out.append(f"{what} changed since run {state.run_id}: saved {saved[:16]}, now {now[:16]}")
     steps = [s.steps_done for s in state.arms.values()]
@@ -197,12 +203,13 @@ def hold_run_lock(state_root: Path, run_id: str, *, what: str) -> None:
     except OSError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise ComparisonError(f"{what} refused: run {run_id} is being written by {holder} (it holds {path}); "
-                              "wait for it to end, or resume it once it has") from None
+        raise ComparisonError(
+            f"{what} refused: run {run_id} is being written by {holder} (it holds {path}); "
+            "wait for it to end, or resume it once it has"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
     _held[path] = fd
-
 
 
 def state_file_name(state: RunState, label: str) -> str:

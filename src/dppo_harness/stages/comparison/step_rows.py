@@ -21,8 +21,12 @@ from dppo_harness.loss import losses
 
 # A row's loss-rule fractions -> the loss-call statistic each is computed from (every loss call
 # counts both rules on its tensors, whichever loss it trains with).
-FRACTION_SOURCES = {"dppo_masked_frac": "dppo/removed", "last_update_masked_frac": "dppo/masked_frac_loss_tokens",
-                    "ppo_clip_frac": "ppo/clipped", "last_update_clip_frac": "ppo/clip_frac_loss_tokens"}
+FRACTION_SOURCES = {
+    "dppo_masked_frac": "dppo/removed",
+    "last_update_masked_frac": "dppo/masked_frac_loss_tokens",
+    "ppo_clip_frac": "ppo/clipped",
+    "last_update_clip_frac": "ppo/clip_frac_loss_tokens",
+}
 
 
 def fraction_names(loss: str) -> dict[str, str]:
@@ -68,10 +72,17 @@ class StepRow:
 
     def as_row(self) -> StepRowJson:
         row: StepRowJson = {
-            "arm": self.arm, "step": self.step, "loss": self.loss, "reward_mean": self.reward_mean,
-            "format_rate": self.format_rate, "correct_rate": self.correct_rate, "truncated_frac": self.truncated_frac,
-            "no_answer_frac": self.no_answer_frac, "mean_response_tokens": self.mean_response_tokens,
-            "responses": self.responses, "max_tokens": self.max_tokens,
+            "arm": self.arm,
+            "step": self.step,
+            "loss": self.loss,
+            "reward_mean": self.reward_mean,
+            "format_rate": self.format_rate,
+            "correct_rate": self.correct_rate,
+            "truncated_frac": self.truncated_frac,
+            "no_answer_frac": self.no_answer_frac,
+            "mean_response_tokens": self.mean_response_tokens,
+            "responses": self.responses,
+            "max_tokens": self.max_tokens,
         }
         if self.dppo_masked_frac.counterfactual:
             row["counterfactual_dppo_masked_frac"] = self.dppo_masked_frac.value
@@ -89,10 +100,19 @@ class StepRow:
             row["counterfactual_last_update_clip_frac"] = self.last_update_clip_frac.value
         else:
             row["last_update_clip_frac"] = self.last_update_clip_frac.value
-        row.update({"drift_abs_p90": self.drift_abs_p90, "drift_abs_p99": self.drift_abs_p99,
-                    "drift_abs_max": self.drift_abs_max, "loss_tokens": self.loss_tokens,
-                    "response_tokens": self.response_tokens, "updates": self.updates, "seconds": self.seconds,
-                    "sample_seconds": self.sample_seconds, "sampler_checkpoint": self.sampler_checkpoint})
+        row.update(
+            {
+                "drift_abs_p90": self.drift_abs_p90,
+                "drift_abs_p99": self.drift_abs_p99,
+                "drift_abs_max": self.drift_abs_max,
+                "loss_tokens": self.loss_tokens,
+                "response_tokens": self.response_tokens,
+                "updates": self.updates,
+                "seconds": self.seconds,
+                "sample_seconds": self.sample_seconds,
+                "sampler_checkpoint": self.sampler_checkpoint,
+            }
+        )
         for key, value in self.kl.items():  # in the order the step's KL metrics came
             if key == "kl_sample_train_v1":
                 row["kl_sample_train_v1"] = value
@@ -148,10 +168,20 @@ class StepRowJson(TypedDict, total=False):
     retries: int
 
 
-def step_metrics(arm: str, step: int, summary: Mapping[str, Any], records: Sequence[ins.LossCallRecord],
-                 *, loss: str, seconds: float, sample_seconds: float, sampler_checkpoint: str,
-                 kl: Mapping[str, float] | None = None, cookbook_env: Mapping[str, float] | None = None,
-                 rollout_seconds: float | None = None) -> StepRow:
+def step_metrics(
+    arm: str,
+    step: int,
+    summary: Mapping[str, Any],
+    records: Sequence[ins.LossCallRecord],
+    *,
+    loss: str,
+    seconds: float,
+    sample_seconds: float,
+    sampler_checkpoint: str,
+    kl: Mapping[str, float] | None = None,
+    cookbook_env: Mapping[str, float] | None = None,
+    rollout_seconds: float | None = None,
+) -> StepRow:
     """One arm-step row: reward/format/truncation from the batch, loss metrics of the step's minibatch
     updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate).
 
@@ -168,20 +198,35 @@ def step_metrics(arm: str, step: int, summary: Mapping[str, Any], records: Seque
         return RuleFraction(value, FRACTION_SOURCES[base] not in own)
 
     return StepRow(
-        arm=arm, step=step, loss=loss, reward_mean=float(summary["mean_reward"]),
-        format_rate=float(summary["frac_format"]), correct_rate=float(summary["frac_correct"]),
-        truncated_frac=float(summary["frac_truncated"]), no_answer_frac=float(summary["frac_no_answer"]),
-        mean_response_tokens=float(summary["mean_response_tokens"]), responses=int(summary["n_sequences"]),
+        arm=arm,
+        step=step,
+        loss=loss,
+        reward_mean=float(summary["mean_reward"]),
+        format_rate=float(summary["frac_format"]),
+        correct_rate=float(summary["frac_correct"]),
+        truncated_frac=float(summary["frac_truncated"]),
+        no_answer_frac=float(summary["frac_no_answer"]),
+        mean_response_tokens=float(summary["mean_response_tokens"]),
+        responses=int(summary["n_sequences"]),
         max_tokens=int(summary["config"]["max_tokens"]),
         dppo_masked_frac=rule("dppo_masked_frac", sums["dppo/removed"] / den if den else 0.0),
         ppo_clip_frac=rule("ppo_clip_frac", sums["ppo/clipped"] / den if den else 0.0),
         last_update_masked_frac=rule("last_update_masked_frac", float(last.get("dppo/masked_frac_loss_tokens", 0.0))),
         last_update_clip_frac=rule("last_update_clip_frac", float(last.get("ppo/clip_frac_loss_tokens", 0.0))),
-        drift_abs_p90=float(last.get("drift/abs_p90", 0.0)), drift_abs_p99=float(last.get("drift/abs_p99", 0.0)),
-        drift_abs_max=float(last.get("drift/abs_max", 0.0)), loss_tokens=den,
-        response_tokens=int(summary["response_tokens"]), updates=len(records), seconds=float(seconds),
-        sample_seconds=float(sample_seconds), sampler_checkpoint=sampler_checkpoint,
-        kl={cookbook_metrics.ROW_KL_KEYS[k]: float(v) for k, v in (kl or {}).items() if k in cookbook_metrics.ROW_KL_KEYS},
+        drift_abs_p90=float(last.get("drift/abs_p90", 0.0)),
+        drift_abs_p99=float(last.get("drift/abs_p99", 0.0)),
+        drift_abs_max=float(last.get("drift/abs_max", 0.0)),
+        loss_tokens=den,
+        response_tokens=int(summary["response_tokens"]),
+        updates=len(records),
+        seconds=float(seconds),
+        sample_seconds=float(sample_seconds),
+        sampler_checkpoint=sampler_checkpoint,
+        kl={
+            cookbook_metrics.ROW_KL_KEYS[k]: float(v)
+            for k, v in (kl or {}).items()
+            if k in cookbook_metrics.ROW_KL_KEYS
+        },
         rollout_seconds=float(rollout_seconds) if rollout_seconds is not None else None,
         cookbook_env={k: float(v) for k, v in cookbook_env.items()} if cookbook_env is not None else None,
     )
@@ -214,8 +259,21 @@ def comparable(row: StepRowJson) -> StepRowJson:
 # What the sampled tokens decide must match exactly between a resumed and an uninterrupted run;
 # logprob-derived floats only to the embedded server's run-to-run float noise (its batched CPU
 # kernels are not bitwise reproducible between two runs, resumed or not).
-TOKEN_FIELDS = ("reward_mean", "format_rate", "correct_rate", "response_tokens", "loss_tokens", "updates", "loss",
-                "truncated_frac", "no_answer_frac", "mean_response_tokens", "responses", "max_tokens", "cookbook_env")
+TOKEN_FIELDS = (
+    "reward_mean",
+    "format_rate",
+    "correct_rate",
+    "response_tokens",
+    "loss_tokens",
+    "updates",
+    "loss",
+    "truncated_frac",
+    "no_answer_frac",
+    "mean_response_tokens",
+    "responses",
+    "max_tokens",
+    "cookbook_env",
+)
 RESUME_FLOAT_ATOL = 2e-3
 
 
@@ -225,8 +283,11 @@ def row_differences(got_row: StepRowJson, want_row: StepRowJson, atol: float = R
     want: Mapping[str, object] = want_row
     where = f"{got['arm']} step {got['step']}"
     out = [f"{where}: {k} {got.get(k)!r} != {want.get(k)!r}" for k in TOKEN_FIELDS if got.get(k) != want.get(k)]
-    out += [f"{where}: {k} {got[k]!r} vs {want[k]!r}" for k in sorted(set(want) - set(TOKEN_FIELDS) - {"arm", "step"})
-            if abs(number(got_row, k) - number(want_row, k)) > atol]
+    out += [
+        f"{where}: {k} {got[k]!r} vs {want[k]!r}"
+        for k in sorted(set(want) - set(TOKEN_FIELDS) - {"arm", "step"})
+        if abs(number(got_row, k) - number(want_row, k)) > atol
+    ]
     return out
 
 
@@ -258,11 +319,12 @@ def arm_summary(rows: Sequence[StepRowJson]) -> dict[str, float]:
     return out
 
 
-
 def step_line(row: StepRowJson, steps: int) -> str:
     """The terminal line of one committed arm-step (a counterfactual fraction is labelled 'cf')."""
-    parts = [f"[comparison] {row['arm']} step {row['step'] + 1}/{steps}: reward {row['reward_mean']:.3f}, "
-             f"format {row['format_rate']:.2f}"]
+    parts = [
+        f"[comparison] {row['arm']} step {row['step'] + 1}/{steps}: reward {row['reward_mean']:.3f}, "
+        f"format {row['format_rate']:.2f}"
+    ]
     for base, short in (("dppo_masked_frac", "masked"), ("ppo_clip_frac", "clip")):
         try:
             f = fraction(row, base)
@@ -273,7 +335,6 @@ def step_line(row: StepRowJson, steps: int) -> str:
         parts.append(f"truncated {row['truncated_frac']:.2f}")
     parts.append(f"|p-q| q90 {row.get('drift_abs_p90', 0.0):.4g}, {row.get('seconds', 0.0):.1f}s")
     return ", ".join(parts)
-
 
 
 def jsonl(rows: Sequence[StepRowJson]) -> bytes:

@@ -55,33 +55,54 @@ class WallGuard:
         left = self.remaining()
         measured = max(self.step_seconds) if self.step_seconds else None
         est = measured if measured is not None else self.first_step_estimate_s
-        self.last_check = {"step": step, "seconds_left": left, "projected_step_seconds": est,
-                           "projection_source": "longest measured step" if measured is not None else
-                           ("estimate: " + self.basis) if est is not None else "none yet",
-                           "reserve_seconds": self.reserve_s}
+        self.last_check = {
+            "step": step,
+            "seconds_left": left,
+            "projected_step_seconds": est,
+            "projection_source": "longest measured step"
+            if measured is not None
+            else ("estimate: " + self.basis)
+            if est is not None
+            else "none yet",
+            "reserve_seconds": self.reserve_s,
+        }
         if left is None:
             return None
         need = (est or 0.0) + self.reserve_s
         if left <= 0 or (est is not None and need > left):
-            return (f"wall clock: step {step + 1} projected {est or 0.0:.0f} s + {self.reserve_s:.0f} s to finish "
-                    f"and evaluate > {max(left, 0.0):.0f} s left of the plan's wall budget; stopped before it")
+            return (
+                f"wall clock: step {step + 1} projected {est or 0.0:.0f} s + {self.reserve_s:.0f} s to finish "
+                f"and evaluate > {max(left, 0.0):.0f} s left of the plan's wall budget; stopped before it"
+            )
         return None
 
     def as_dict(self) -> WallGuardJson:
-        return {"reserve_seconds": self.reserve_s, "first_step_estimate_seconds": self.first_step_estimate_s,
-                "basis": self.basis, "step_seconds": list(self.step_seconds),
-                "last_check": self.last_check.copy() if self.last_check is not None else {}}
+        return {
+            "reserve_seconds": self.reserve_s,
+            "first_step_estimate_seconds": self.first_step_estimate_s,
+            "basis": self.basis,
+            "step_seconds": list(self.step_seconds),
+            "last_check": self.last_check.copy() if self.last_check is not None else {},
+        }
 
 
-def wall_guard_from_feasibility(remaining: Callable[[], float | None], figures: PilotFigures,
-                                *, arms: int, eval_items: int) -> WallGuard:
+def wall_guard_from_feasibility(
+    remaining: Callable[[], float | None], figures: PilotFigures, *, arms: int, eval_items: int
+) -> WallGuard:
     """A WallGuard whose first-step estimate and evaluation reserve come from the feasibility
     pilot's measured figures (an arm-step's seconds x arms, never assuming overlap is free; seconds
     per evaluation item x items x (arms + base model)); without them, only the finalize reserve."""
     arm_step, per_item = figures.arm_step_seconds, figures.eval_item_seconds
     reserve = FINALIZE_RESERVE_S + (per_item * eval_items * (arms + 1) if per_item is not None else 0.0)
-    basis = ("feasibility pilot: " + (f"{arm_step:.1f} s per arm-step x {arms} arms" if arm_step else "no arm-step timing")
-             + (f"; evaluation {per_item:.2f} s per item x {eval_items} items x {arms + 1} checkpoints"
-                if per_item is not None else "; no evaluation timing (reserve: finalize only)"))
-    return WallGuard(remaining, reserve_s=reserve, first_step_estimate_s=arm_step * arms if arm_step else None,
-                     basis=basis)
+    basis = (
+        "feasibility pilot: "
+        + (f"{arm_step:.1f} s per arm-step x {arms} arms" if arm_step else "no arm-step timing")
+        + (
+            f"; evaluation {per_item:.2f} s per item x {eval_items} items x {arms + 1} checkpoints"
+            if per_item is not None
+            else "; no evaluation timing (reserve: finalize only)"
+        )
+    )
+    return WallGuard(
+        remaining, reserve_s=reserve, first_step_estimate_s=arm_step * arms if arm_step else None, basis=basis
+    )

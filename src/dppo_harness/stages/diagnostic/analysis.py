@@ -61,29 +61,30 @@ class DiagnosticResult:
         return result_fields(self)
 
     def analysis_json(self) -> JsonObject:
-        return ins.nan_free({
-            "kind": "bounded_diagnostic_analysis",
-            "loop": LOOP_LABEL,
-            "config": asdict(self.config),
-            "updates_done": self.updates_done,
-            "stop_reason": self.stop_reason,
-            "wall_seconds": self.wall_seconds,
-            "effective_cap_seconds": self.effective_cap_seconds,
-            "restore": self.restore,
-            "setup_seconds": self.setup_seconds,
-            "frozen_batch_sha256": self.frozen_batch_sha256,
-            "minibatches": self.minibatches,
-            "per_update": [ins.summary_row(r) | {"loss_seconds": r.loss_seconds} for r in self.records],
-            "pooled_second_epoch": self.pooled,
-            "criteria": [asdict(c) for c in self.criteria],
-            "classification": self.classification.as_dict(),
-            "selftest_passed": self.selftest.get("passed"),
-            "fixes": list(FIXES),
-            "sentinels": self.sentinels,
-            "errors": self.errors,
-            "hist_bins": ins.hist_bin_labels(),
-        })
-
+        return ins.nan_free(
+            {
+                "kind": "bounded_diagnostic_analysis",
+                "loop": LOOP_LABEL,
+                "config": asdict(self.config),
+                "updates_done": self.updates_done,
+                "stop_reason": self.stop_reason,
+                "wall_seconds": self.wall_seconds,
+                "effective_cap_seconds": self.effective_cap_seconds,
+                "restore": self.restore,
+                "setup_seconds": self.setup_seconds,
+                "frozen_batch_sha256": self.frozen_batch_sha256,
+                "minibatches": self.minibatches,
+                "per_update": [ins.summary_row(r) | {"loss_seconds": r.loss_seconds} for r in self.records],
+                "pooled_second_epoch": self.pooled,
+                "criteria": [asdict(c) for c in self.criteria],
+                "classification": self.classification.as_dict(),
+                "selftest_passed": self.selftest.get("passed"),
+                "fixes": list(FIXES),
+                "sentinels": self.sentinels,
+                "errors": self.errors,
+                "hist_bins": ins.hist_bin_labels(),
+            }
+        )
 
 
 def analyse(
@@ -112,29 +113,60 @@ def analyse(
     second = [r for r in records if r.context.get("epoch") == 2]
     pooled = pool_calls(second, [ins.record_prob_diff(r, loss_cfg) for r in second]) if second else None
     planned = plan.diagnostic.analysis.criteria
-    criteria = evaluate_criteria(planned, pooled) if pooled else [
-        CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {})
-        for c in planned
-    ]
+    criteria = (
+        evaluate_criteria(planned, pooled)
+        if pooled
+        else [
+            CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {})
+            for c in planned
+        ]
+    )
     integrity = [p for r in records for p in ins.crosscheck_loss_metrics(r)]
     integrity += _independent_recheck(records, loss_cfg)
     variant = pinned_variant_problems(cfg) + anchor_problems(records, frozen_by_call, trainer_moved(sentinels))
-    classification = classify(criteria=criteria, pooled=pooled, selftest=selftest, integrity_problems=integrity,
-                              variant_problems=variant, sentinels=sentinels, updates_done=updates_done,
-                              second_epoch_calls=len(second), stop_reason=stop_reason, delta=cfg.delta,
-                              updates_planned=cfg.max_updates, minibatches_per_epoch=cfg.minibatches_per_epoch,
-                              errors=errors)
+    classification = classify(
+        criteria=criteria,
+        pooled=pooled,
+        selftest=selftest,
+        integrity_problems=integrity,
+        variant_problems=variant,
+        sentinels=sentinels,
+        updates_done=updates_done,
+        second_epoch_calls=len(second),
+        stop_reason=stop_reason,
+        delta=cfg.delta,
+        updates_planned=cfg.max_updates,
+        minibatches_per_epoch=cfg.minibatches_per_epoch,
+        errors=errors,
+    )
     if served is not None:
         classification = for_planned_model(classification, served)
-    measured = {"state": classification.state, "measured_cause": classification.measured_cause,
-                "mask_fired": classification.mask_fired, "updates_done": updates_done}
+    measured = {
+        "state": classification.state,
+        "measured_cause": classification.measured_cause,
+        "mask_fired": classification.mask_fired,
+        "updates_done": updates_done,
+    }
     action = next_action(classification, cfg, spec, plan.diagnostic.plan_id, served, measured)
     return DiagnosticResult(
-        config=cfg, records=list(records), sentinels=sentinels, pooled=pooled, criteria=criteria,
-        classification=classification, selftest=selftest, updates_done=updates_done, stop_reason=stop_reason,
-        wall_seconds=wall_seconds, setup_seconds=setup_seconds, frozen_batch_sha256=frozen_sha256,
-        minibatches=minibatches, next_action=action, errors=list(errors), restore=dict(restore or {}),
-        effective_cap_seconds=effective_cap_seconds, served=served,
+        config=cfg,
+        records=list(records),
+        sentinels=sentinels,
+        pooled=pooled,
+        criteria=criteria,
+        classification=classification,
+        selftest=selftest,
+        updates_done=updates_done,
+        stop_reason=stop_reason,
+        wall_seconds=wall_seconds,
+        setup_seconds=setup_seconds,
+        frozen_batch_sha256=frozen_sha256,
+        minibatches=minibatches,
+        next_action=action,
+        errors=list(errors),
+        restore=dict(restore or {}),
+        effective_cap_seconds=effective_cap_seconds,
+        served=served,
     )
 
 
@@ -142,7 +174,9 @@ def _independent_recheck(records: Sequence[ins.LossCallRecord], loss_cfg: LossCo
     """Recompute every recorded call with the independent padded implementation (as replay does)."""
     problems = []
     for r in records:
-        problems += replay.check_record(r, loss_cfg.normalization, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps).problems
+        problems += replay.check_record(
+            r, loss_cfg.normalization, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps
+        ).problems
     return problems
 
 
@@ -158,32 +192,56 @@ def result_fields(res: DiagnosticResult) -> DiagnosticResultFields:
         "diagnostic/selftest_passed": 1.0 if res.selftest.get("passed") else 0.0,
     }
     if res.pooled:
-        for k in ("dppo/masked_frac_loss_tokens", "dppo/masked_frac_nonzero_adv", "ppo/clip_frac_loss_tokens",
-                  "drift/abs_p90", "drift/abs_p99", "drift/abs_max", "tokens/loss", "tokens/nonzero_adv",
-                  "dppo/removed", "dppo/removed_pos_adv", "dppo/removed_neg_adv", "dppo/exceed_pos", "dppo/exceed_neg",
-                  "dppo/ratio_cap_hits", "ppo/clipped"):
+        for k in (
+            "dppo/masked_frac_loss_tokens",
+            "dppo/masked_frac_nonzero_adv",
+            "ppo/clip_frac_loss_tokens",
+            "drift/abs_p90",
+            "drift/abs_p99",
+            "drift/abs_max",
+            "tokens/loss",
+            "tokens/nonzero_adv",
+            "dppo/removed",
+            "dppo/removed_pos_adv",
+            "dppo/removed_neg_adv",
+            "dppo/exceed_pos",
+            "dppo/exceed_neg",
+            "dppo/ratio_cap_hits",
+            "ppo/clipped",
+        ):
             v = res.pooled.get(k)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 metrics[f"diagnostic/epoch2_pooled/{k}"] = float(v)
     served = res.served or ServedModel(res.config.base_model, res.config.base_model, None, "plan")
     summary = compose_summary(
-        served=served, updates_done=res.updates_done, max_updates=res.config.max_updates,
-        groups=res.config.groups_per_batch, group_size=res.config.group_size, wall_seconds=res.wall_seconds,
-        state=c.state, cause=c.cause, active=c.active,
-        next_action=str(res.next_action.get("action", "review the frozen revised comparison spec (not executed)")))
+        served=served,
+        updates_done=res.updates_done,
+        max_updates=res.config.max_updates,
+        groups=res.config.groups_per_batch,
+        group_size=res.config.group_size,
+        wall_seconds=res.wall_seconds,
+        state=c.state,
+        cause=c.cause,
+        active=c.active,
+        next_action=str(res.next_action.get("action", "review the frozen revised comparison spec (not executed)")),
+    )
     calibration: JsonObject = {
         "values": {cr.id: (as_value(cr.value) if cr.value is not None else "missing") for cr in res.criteria},
-        "note": (f"bounded diagnostic, not the original gate: {res.updates_done} updates over one frozen batch "
-                 f"({res.config.epochs} epochs x {res.config.minibatches_per_epoch} minibatches of "
-                 f"{res.config.groups_per_minibatch} groups), values pooled over all second-epoch loss calls by "
-                 f"loss-token counts; state {c.state}"),
+        "note": (
+            f"bounded diagnostic, not the original gate: {res.updates_done} updates over one frozen batch "
+            f"({res.config.epochs} epochs x {res.config.minibatches_per_epoch} minibatches of "
+            f"{res.config.groups_per_minibatch} groups), values pooled over all second-epoch loss calls by "
+            f"loss-token counts; state {c.state}"
+        ),
         "evidence_ref": ANALYSIS_FILE,
     }
     return {
         "metrics": metrics,
         "summary": summary,
         "activation_calibration": calibration,
-        "final": {"status": "succeeded" if not res.errors else "failed", "verdict": "inconclusive",
-                  "outcome_reason": "insufficient_evidence" if not res.errors else "incomplete_execution"},
+        "final": {
+            "status": "succeeded" if not res.errors else "failed",
+            "verdict": "inconclusive",
+            "outcome_reason": "insufficient_evidence" if not res.errors else "incomplete_execution",
+        },
     }
-

@@ -32,8 +32,11 @@ def _fmt(x: JsonValue, spec: str = ".4g") -> str:
 def pinned_variant_problems(cfg: DiagnosticConfig) -> list[str]:
     """The trained rule must be the pinned reference variant (delta, C, eps, sampler anchor)."""
     problems = []
-    for name, got, want in (("delta", cfg.delta, constants.DPPO_DELTA), ("ratio_cap", cfg.ratio_cap, constants.DPPO_RATIO_CAP),
-                            ("ppo_eps", cfg.ppo_eps, constants.PPO_EPS)):
+    for name, got, want in (
+        ("delta", cfg.delta, constants.DPPO_DELTA),
+        ("ratio_cap", cfg.ratio_cap, constants.DPPO_RATIO_CAP),
+        ("ppo_eps", cfg.ppo_eps, constants.PPO_EPS),
+    ):
         if got != want:
             problems.append(f"{name} {got} differs from the pinned reference value {want}")
     return problems
@@ -47,8 +50,11 @@ def trainer_moved(sentinels: SentinelSummary) -> bool | None:
     return bool(last["summary"]["p_minus_p_init"]["abs_max"] > 0.0)
 
 
-def anchor_problems(records: Sequence[ins.LossCallRecord], frozen_sampler_by_call: Sequence[np.ndarray] | None,
-                    moved: bool | None = None) -> list[str]:
+def anchor_problems(
+    records: Sequence[ins.LossCallRecord],
+    frozen_sampler_by_call: Sequence[np.ndarray] | None,
+    moved: bool | None = None,
+) -> list[str]:
     """The anchor must be the frozen sampler logprobs: never refreshed, never the current policy.
     Anchor == current only convicts when the sentinels show the trainer actually moved (with a
     zero learning rate and a bit-identical sampler the two are legitimately equal)."""
@@ -57,16 +63,22 @@ def anchor_problems(records: Sequence[ins.LossCallRecord], frozen_sampler_by_cal
         for r, want in zip(records, frozen_sampler_by_call, strict=True):
             got = r.tensors["sampler_logprobs_N"]
             if got.shape != want.shape or not np.array_equal(got.astype(np.float64), want.astype(np.float64)):
-                problems.append(f"update {r.context.get('update_index')}: anchor logprobs differ from the frozen batch (refreshed?)")
+                problems.append(
+                    f"update {r.context.get('update_index')}: anchor logprobs differ from the frozen batch (refreshed?)"
+                )
     later = [r for r in records if r.context.get("update_index", 1) > 1]
     if later and moved:
         same = all(
-            np.array_equal(r.tensors["logprobs_N"][r.tensors["mask_N"] != 0].astype(np.float64),
-                           r.tensors["sampler_logprobs_N"][r.tensors["mask_N"] != 0].astype(np.float64))
+            np.array_equal(
+                r.tensors["logprobs_N"][r.tensors["mask_N"] != 0].astype(np.float64),
+                r.tensors["sampler_logprobs_N"][r.tensors["mask_N"] != 0].astype(np.float64),
+            )
             for r in later
         )
         if same:
-            problems.append("after the first update the anchor equals the current logprobs bitwise: anchored on the current policy")
+            problems.append(
+                "after the first update the anchor equals the current logprobs bitwise: anchored on the current policy"
+            )
     return problems
 
 
@@ -122,37 +134,64 @@ def _sentinel_line(init: Mapping[str, Any], last: SentinelPoint | None) -> str:
     return (
         f"Sentinels ({init['tokens']} tokens): trainer-vs-sampler |p-q| q90 {_fmt(init['p_minus_q']['abs_p90'])} "
         f"(max {_fmt(init['p_minus_q']['abs_max'])}) at initialization"
-        + (f"; after update {last['after_update']}: |p-q| q90 {_fmt(last['summary']['p_minus_q']['abs_p90'])}, "
-           f"optimizer drift |p-p_init| q90 {_fmt(last['summary']['p_minus_p_init']['abs_p90'])} "
-           f"(max {_fmt(last['summary']['p_minus_p_init']['abs_max'])})." if last else ".")
+        + (
+            f"; after update {last['after_update']}: |p-q| q90 {_fmt(last['summary']['p_minus_q']['abs_p90'])}, "
+            f"optimizer drift |p-p_init| q90 {_fmt(last['summary']['p_minus_p_init']['abs_p90'])} "
+            f"(max {_fmt(last['summary']['p_minus_p_init']['abs_max'])})."
+            if last
+            else "."
+        )
     )
 
 
-def _measured_lines(pooled: Mapping[str, JsonValue] | None, sentinels: SentinelSummary, *, delta: float,
-                    second_epoch_calls: int, stop_reason: str, updates_planned: int,
-                    minibatches_per_epoch: int) -> list[str]:
+def _measured_lines(
+    pooled: Mapping[str, JsonValue] | None,
+    sentinels: SentinelSummary,
+    *,
+    delta: float,
+    second_epoch_calls: int,
+    stop_reason: str,
+    updates_planned: int,
+    minibatches_per_epoch: int,
+) -> list[str]:
     """What was measured: pooled values, a short second epoch, and the sentinels."""
     lines: list[str] = []
     if pooled:
         lines.append(_pooled_line(pooled, delta))
-    planned_second = max(0, min(updates_planned, 2 * minibatches_per_epoch) - minibatches_per_epoch) if updates_planned else 0
+    planned_second = (
+        max(0, min(updates_planned, 2 * minibatches_per_epoch) - minibatches_per_epoch) if updates_planned else 0
+    )
     if pooled and planned_second and second_epoch_calls < planned_second:
-        lines.append(f"Only {second_epoch_calls} of {planned_second} planned second-epoch loss calls ran "
-                     f"(stopped: {stop_reason}); the pooled values cover those calls only.")
+        lines.append(
+            f"Only {second_epoch_calls} of {planned_second} planned second-epoch loss calls ran "
+            f"(stopped: {stop_reason}); the pooled values cover those calls only."
+        )
     init, last = sentinels.get("at_init"), sentinels.get("last")
     if init:
         lines.append(_sentinel_line(init, last))
     return lines
 
 
-def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], pooled: Mapping[str, JsonValue] | None,
-                    selftest: SelftestReport, integrity_problems: Sequence[str], variant_problems: Sequence[str],
-                    updates_done: int, second_epoch_calls: int, stop_reason: str,
-                    evidence_against_defect: str) -> str:
+def _inactive_cause(
+    lines: list[str],
+    *,
+    criteria: Sequence[CriterionResult],
+    pooled: Mapping[str, JsonValue] | None,
+    selftest: SelftestReport,
+    integrity_problems: Sequence[str],
+    variant_problems: Sequence[str],
+    updates_done: int,
+    second_epoch_calls: int,
+    stop_reason: str,
+    evidence_against_defect: str,
+) -> str:
     """The cause of a run that is not active (first that applies), its reason appended to `lines`."""
     if second_epoch_calls == 0:
-        lines.insert(0, f"No second-epoch loss call was recorded ({updates_done} updates done; stopped: {stop_reason}), "
-                        "so the fixed analysis has nothing to pool.")
+        lines.insert(
+            0,
+            f"No second-epoch loss call was recorded ({updates_done} updates done; stopped: {stop_reason}), "
+            "so the fixed analysis has nothing to pool.",
+        )
         return "missing_evidence"
     if integrity_problems or not selftest.get("passed"):
         lines.append("Integrity problems: " + "; ".join(list(integrity_problems)[:5] or ["self-test failed"]))
@@ -161,17 +200,22 @@ def _inactive_cause(lines: list[str], *, criteria: Sequence[CriterionResult], po
         lines.append("Variant/anchor problems: " + "; ".join(variant_problems[:5]))
         return "wrong_reference_or_variant"
     if any(c.applies and c.reason.startswith("missing") for c in criteria):
-        lines.append("A criterion could not be measured: " + ", ".join(c.id for c in criteria if c.reason.startswith("missing")))
+        lines.append(
+            "A criterion could not be measured: " + ", ".join(c.id for c in criteria if c.reason.startswith("missing"))
+        )
         return "missing_evidence"
     if pooled and pooled.get("tokens/nonzero_adv", 0) == 0:
-        lines.append("No second-epoch loss token has a nonzero advantage (every group's rewards were constant), "
-                     "so there is no policy-gradient signal to move the policy and nothing the mask could remove.")
+        lines.append(
+            "No second-epoch loss token has a nonzero advantage (every group's rewards were constant), "
+            "so there is no policy-gradient signal to move the policy and nothing the mask could remove."
+        )
     failing = [f"{c.id} ({c.reason})" for c in criteria if c.applies and not c.passed]
     lines.append(
         "The recorded decisions agree with the pinned rule on every token "
         f"({evidence_against_defect}; loss metrics and recorder counts cross-checked), the anchor is the frozen "
         "sampler logprobs, and the variant is the pinned one; the criteria fail on the measured drift itself: "
-        + "; ".join(failing) + "."
+        + "; ".join(failing)
+        + "."
     )
     return "legitimate_inactive_regime"
 
@@ -200,23 +244,42 @@ def classify(
     removed = pooled.get("dppo/removed", 0) if pooled else 0
     fired = bool(pooled) and isinstance(removed, (int, float)) and removed > 0
     state = "active" if active else ("partially_active" if fired else "inactive")
-    lines = _measured_lines(pooled, sentinels, delta=delta, second_epoch_calls=second_epoch_calls,
-                            stop_reason=stop_reason, updates_planned=updates_planned,
-                            minibatches_per_epoch=minibatches_per_epoch)
+    lines = _measured_lines(
+        pooled,
+        sentinels,
+        delta=delta,
+        second_epoch_calls=second_epoch_calls,
+        stop_reason=stop_reason,
+        updates_planned=updates_planned,
+        minibatches_per_epoch=minibatches_per_epoch,
+    )
     cause: str | None = None
     if active:
         lines.append("Every applicable criterion is met: the mask engages in this regime.")
     else:
-        cause = _inactive_cause(lines, criteria=criteria, pooled=pooled, selftest=selftest,
-                                integrity_problems=integrity_problems, variant_problems=variant_problems,
-                                updates_done=updates_done, second_epoch_calls=second_epoch_calls,
-                                stop_reason=stop_reason, evidence_against_defect=evidence_against_defect)
+        cause = _inactive_cause(
+            lines,
+            criteria=criteria,
+            pooled=pooled,
+            selftest=selftest,
+            integrity_problems=integrity_problems,
+            variant_problems=variant_problems,
+            updates_done=updates_done,
+            second_epoch_calls=second_epoch_calls,
+            stop_reason=stop_reason,
+            evidence_against_defect=evidence_against_defect,
+        )
     explanation = " ".join(lines)
     if errors and not active and cause != "code_or_instrumentation_defect":
         cause = "missing_evidence"
         explanation += f" The run stopped on an error before completing its schedule: {errors[0]}"
     return Classification(
-        state=state, mask_fired=fired, active=active, cause=cause, explanation=explanation,
+        state=state,
+        mask_fired=fired,
+        active=active,
+        cause=cause,
+        explanation=explanation,
         evidence_against_code_defect=evidence_against_defect,
-        integrity_problems=tuple(integrity_problems), variant_problems=tuple(variant_problems),
+        integrity_problems=tuple(integrity_problems),
+        variant_problems=tuple(variant_problems),
     )

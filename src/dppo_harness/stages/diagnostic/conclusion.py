@@ -54,7 +54,9 @@ def stand_in_next_action(served: ServedModel, plan_id: str, measured: Mapping[st
         "plan_changes": [],
         "served_model": served.served,
         "measured_on_stand_in": dict(measured),
-        "not_yet_candidates": ["more epochs over the frozen batch (only after a real-model run shows an inactive regime)"],
+        "not_yet_candidates": [
+            "more epochs over the frozen batch (only after a real-model run shows an inactive regime)"
+        ],
     }
 
 
@@ -71,18 +73,32 @@ def count_sentences(text: str) -> int:
     return ends + (0 if _SENTENCE_END.search(stripped[-1:] + " ") else 1)
 
 
-def compose_summary(*, served: ServedModel, updates_done: int, max_updates: int, groups: int, group_size: int,
-                    wall_seconds: float, state: str, cause: str | None, active: bool, next_action: str) -> str:
+def compose_summary(
+    *,
+    served: ServedModel,
+    updates_done: int,
+    max_updates: int,
+    groups: int,
+    group_size: int,
+    wall_seconds: float,
+    state: str,
+    cause: str | None,
+    active: bool,
+    next_action: str,
+) -> str:
     """Two plain sentences: what ran (naming the stand-in when one served) and what it showed,
     with the next action. Details live in report.md."""
-    model = (f"the stand-in {served.stand_in} (not {served.requested})" if served.is_stand_in
-             else served.served)
-    first = (f"A bounded DPPO diagnostic trained {model} for {updates_done} of {max_updates} updates on one "
-             f"frozen {groups}x{group_size} GSM8K batch in {wall_seconds:.0f} s")
+    model = f"the stand-in {served.stand_in} (not {served.requested})" if served.is_stand_in else served.served
+    first = (
+        f"A bounded DPPO diagnostic trained {model} for {updates_done} of {max_updates} updates on one "
+        f"frozen {groups}x{group_size} GSM8K batch in {wall_seconds:.0f} s"
+    )
     shown = "the mask engaged" if active else f"the measured state was {state}"
     if served.is_stand_in:
-        second = (f"On the stand-in {shown}, so for {served.requested} the cause is {cause or 'none'} "
-                  f"and the next action is to {next_action.split(':')[0]}")
+        second = (
+            f"On the stand-in {shown}, so for {served.requested} the cause is {cause or 'none'} "
+            f"and the next action is to {next_action.split(':')[0]}"
+        )
     else:
         second = f"Pooled over the second epoch {shown} (cause {cause or 'none'}); next: {next_action.split(':')[0]}"
     return _plain(first) + ". " + _plain(second) + "."
@@ -99,21 +115,37 @@ def for_planned_model(c: Classification, served: ServedModel) -> Classification:
     cause = cause_for_question(c.cause, c.active, served)
     extra = ""
     if served.is_stand_in:
-        extra = (f" These measurements come from the stand-in {served.stand_in}, not {served.requested}: the measured "
-                 f"state ({c.state}, measured cause {c.cause or 'none'}) is a fact about the stand-in only, so for "
-                 f"{served.requested} the evidence is missing.")
-    return replace(c, cause=cause, explanation=c.explanation + extra, measured_cause=c.cause,
-                   served_model=served.served, stand_in=served.is_stand_in)
+        extra = (
+            f" These measurements come from the stand-in {served.stand_in}, not {served.requested}: the measured "
+            f"state ({c.state}, measured cause {c.cause or 'none'}) is a fact about the stand-in only, so for "
+            f"{served.requested} the evidence is missing."
+        )
+    return replace(
+        c,
+        cause=cause,
+        explanation=c.explanation + extra,
+        measured_cause=c.cause,
+        served_model=served.served,
+        stand_in=served.is_stand_in,
+    )
 
 
-def next_action(classification: Classification, cfg: DiagnosticConfig, spec: ExperimentSpec | None,
-                plan_id: str, served: ServedModel | None = None,
-                measured: Mapping[str, JsonValue] | None = None) -> JsonObject:
+def next_action(
+    classification: Classification,
+    cfg: DiagnosticConfig,
+    spec: ExperimentSpec | None,
+    plan_id: str,
+    served: ServedModel | None = None,
+    measured: Mapping[str, JsonValue] | None = None,
+) -> JsonObject:
     """Stand-in: the same frozen plan unchanged on the real service. Active: the frozen revised
     comparison spec (not executed). Otherwise: the cheapest next step."""
     if served is not None and served.is_stand_in and classification.cause != "code_or_instrumentation_defect":
-        return stand_in_next_action(served, plan_id, measured or {
-            "state": classification.state, "measured_cause": classification.measured_cause})
+        return stand_in_next_action(
+            served,
+            plan_id,
+            measured or {"state": classification.state, "measured_cause": classification.measured_cause},
+        )
     if classification.active and spec is not None:
         revised = spec.model_dump(mode="json", exclude_unset=True)
         revised["title"] = spec.title + " (revised schedule r2, proposed)"
@@ -135,22 +167,25 @@ def next_action(classification: Classification, cfg: DiagnosticConfig, spec: Exp
             "kind": "frozen_revised_comparison_spec",
             "executed": False,
             "spec_sha256": hashlib.sha256(blob).hexdigest(),
-            "requires_before_execution": ["requester approval", "feasibility pilot on the new schedule",
-                                          "restoration preflight", "activation gate of the revised spec"],
+            "requires_before_execution": [
+                "requester approval",
+                "feasibility pilot on the new schedule",
+                "restoration preflight",
+                "activation gate of the revised spec",
+            ],
             "spec": revised,
         }
     cause = classification.cause
     cheapest = {
         "missing_evidence": "rerun this same bounded diagnostic unchanged on a backend fast enough to reach the second "
-                            "epoch inside the 12-minute cap (measure feasibility first); no setting changes",
+        "epoch inside the 12-minute cap (measure feasibility first); no setting changes",
         "code_or_instrumentation_defect": "fix the defect named in the integrity problems, rerun the unit suite's "
-                                          "must-fire/must-not-fire and golden parity, then rerun this diagnostic unchanged",
+        "must-fire/must-not-fire and golden parity, then rerun this diagnostic unchanged",
         "wrong_reference_or_variant": "re-pin the loss to the reference variant (sampler anchor, delta 0.15, C 10), "
-                                      "rerun correctness preflight, then rerun this diagnostic unchanged",
+        "rerun correctness preflight, then rerun this diagnostic unchanged",
         "legitimate_inactive_regime": "propose (not run) a requester-approved revised diagnostic in which the policy "
-                                      "moves further from the sampler before the trust region is judged (e.g. more "
-                                      "epochs over the frozen batch at the same lr), frozen before measurement",
+        "moves further from the sampler before the trust region is judged (e.g. more "
+        "epochs over the frozen batch at the same lr), frozen before measurement",
         None: "partially active: report the measured values; a revised plan needs the requester's approval",
     }[cause]
     return {"kind": "cheapest_next_action", "executed": False, "cause": cause, "action": cheapest}
-

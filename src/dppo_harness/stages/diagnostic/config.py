@@ -43,7 +43,6 @@ class DiagnosticError(RuntimeError):
     """The diagnostic cannot run as planned; the message says which requirement failed."""
 
 
-
 @dataclass(frozen=True)
 class DiagnosticConfig:
     arm: str  # the original spec's arm this diagnostic trains
@@ -72,12 +71,26 @@ class DiagnosticConfig:
 
     def loss_config(self) -> LossConfig:
         # The plan kind pins DPPO Binary-TV (fixed_settings.treatment.loss); its thresholds are the plan's.
-        return LossConfig(DPPO_LOSS, normalization=self.normalization, ppo_eps=self.ppo_eps,
-                          dppo_delta=self.delta, ratio_cap=self.ratio_cap)
+        return LossConfig(
+            DPPO_LOSS,
+            normalization=self.normalization,
+            ppo_eps=self.ppo_eps,
+            dppo_delta=self.delta,
+            ratio_cap=self.ratio_cap,
+        )
 
 
-_OVERRIDABLE = ("groups_per_batch", "group_size", "max_tokens", "minibatches_per_epoch",
-                "groups_per_minibatch", "max_updates", "max_wall_seconds", "learning_rate", "sentinels_per_sign")
+_OVERRIDABLE = (
+    "groups_per_batch",
+    "group_size",
+    "max_tokens",
+    "minibatches_per_epoch",
+    "groups_per_minibatch",
+    "max_updates",
+    "max_wall_seconds",
+    "learning_rate",
+    "sentinels_per_sign",
+)
 
 
 def diagnostic_config(plan: Plan, **overrides: float) -> DiagnosticConfig:
@@ -113,8 +126,14 @@ def diagnostic_config(plan: Plan, **overrides: float) -> DiagnosticConfig:
         values[k] = v
     if values["groups_per_batch"] != values["minibatches_per_epoch"] * values["groups_per_minibatch"]:
         raise DiagnosticError("overrides: groups_per_batch must equal minibatches_per_epoch * groups_per_minibatch")
-    adam = {"learning_rate": float(values["learning_rate"]), "beta1": float(opt.beta1), "beta2": float(opt.beta2),
-            "eps": float(opt.eps), "weight_decay": float(opt.weight_decay), "grad_clip_norm": float(opt.grad_clip_norm)}
+    adam = {
+        "learning_rate": float(values["learning_rate"]),
+        "beta1": float(opt.beta1),
+        "beta2": float(opt.beta2),
+        "eps": float(opt.eps),
+        "weight_decay": float(opt.weight_decay),
+        "grad_clip_norm": float(opt.grad_clip_norm),
+    }
     return DiagnosticConfig(
         arm=tr.arm,
         dataset=samp.dataset,
@@ -139,4 +158,3 @@ def diagnostic_config(plan: Plan, **overrides: float) -> DiagnosticConfig:
         sentinels_per_sign=int(values["sentinels_per_sign"]),
         reductions=tuple(reductions),
     )
-

@@ -41,8 +41,11 @@ def _applies(criterion: AnalysisCriterion, pooled: JsonMap) -> bool:
     raise DiagnosticError(f"analysis.criteria[{criterion.id}].applies_when: cannot interpret {cond!r}")
 
 
-_POOLING_OK = {"token_weighted_ratio": set(RATIO_PARTS), "pooled_quantile": set(POOLED_QUANTILES),
-               "token_count_sum": set(ins.COUNT_KEYS)}
+_POOLING_OK = {
+    "token_weighted_ratio": set(RATIO_PARTS),
+    "pooled_quantile": set(POOLED_QUANTILES),
+    "token_count_sum": set(ins.COUNT_KEYS),
+}
 
 
 def _measured(x: JsonValue) -> Measured:
@@ -57,12 +60,17 @@ def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: JsonMap) ->
     out = []
     for c in criteria:
         if c.metric not in _POOLING_OK.get(c.pooling, set()):
-            raise DiagnosticError(f"analysis.criteria[{c.id}]: pooling {c.pooling!r} of {c.metric!r} is not implemented")
+            raise DiagnosticError(
+                f"analysis.criteria[{c.id}]: pooling {c.pooling!r} of {c.metric!r} is not implemented"
+            )
         bounds = Bounds.of(c)
         declared, value = bounds.as_json(), _measured(pooled.get(c.metric))
         if not _applies(c, pooled):
-            out.append(CriterionResult(c.id, c.metric, value, False, None, f"does not apply: {c.applies_when} is false",
-                                       declared))
+            out.append(
+                CriterionResult(
+                    c.id, c.metric, value, False, None, f"does not apply: {c.applies_when} is false", declared
+                )
+            )
             continue
         if not is_number(value):
             out.append(CriterionResult(c.id, c.metric, value, True, False, "missing: not measured", declared))

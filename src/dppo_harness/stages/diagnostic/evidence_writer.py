@@ -53,24 +53,40 @@ def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: Ru
     for dev in plan.diagnostic.deviations:
         bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
     for red in cfg.reductions:
-        bundle.add_deviation("steps" if red["field"] in ("max_updates", "max_wall_seconds") else "effective_batch",
-                             f"{red['field']}={red['original']}", f"{red['field']}={red['effective']}",
-                             "size reduction for a small test plan (not the requester's settings)")
-    register_json(bundle, state, REFERENCES_FILE, "report", {
-        "loop": LOOP_LABEL,
-        "unavailable_references": [dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references],
-        "reason": BASIS_FOR_REFERENCES,
-        "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
-    })
+        bundle.add_deviation(
+            "steps" if red["field"] in ("max_updates", "max_wall_seconds") else "effective_batch",
+            f"{red['field']}={red['original']}",
+            f"{red['field']}={red['effective']}",
+            "size reduction for a small test plan (not the requester's settings)",
+        )
+    register_json(
+        bundle,
+        state,
+        REFERENCES_FILE,
+        "report",
+        {
+            "loop": LOOP_LABEL,
+            "unavailable_references": [
+                dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references
+            ],
+            "reason": BASIS_FOR_REFERENCES,
+            "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
+        },
+    )
     # What the deviations' "kept separately" points at: the original gate report's status.
-    register_json(bundle, state, ORIGINAL_GATE_REPORT_FILE, "report", evidence_items.original_gate_report(
-        plan.diagnostic, "gate-report.json" if bundle.entry("gate-report.json") else None))
+    register_json(
+        bundle,
+        state,
+        ORIGINAL_GATE_REPORT_FILE,
+        "report",
+        evidence_items.original_gate_report(
+            plan.diagnostic, "gate-report.json" if bundle.entry("gate-report.json") else None
+        ),
+    )
     bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.diagnostic.tested_instead)
     selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
     register_json(bundle, state, SELFTEST_FILE, "report", selftest)
     return selftest
-
-
 
 
 def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> OptimizerCheck | None:
@@ -82,10 +98,15 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> O
     metrics = getattr(state.first_optim, "metrics", None) or {}
     requested = dict(cfg.adam)
     return optimizer_check(
-        after_restore=0, requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
-        requested_config=requested, info=state.info, info_ref=f"{ANALYSIS_FILE}#restore.get_info",
-        echoed=echoed_config(metrics, list(requested)), echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
-        echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)")
+        after_restore=0,
+        requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
+        requested_config=requested,
+        info=state.info,
+        info_ref=f"{ANALYSIS_FILE}#restore.get_info",
+        echoed=echoed_config(metrics, list(requested)),
+        echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
+        echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)",
+    )
 
 
 def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, plan: Plan, state: RunState) -> None:
@@ -94,36 +115,68 @@ def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, pl
     prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
     if not prior or state.initial_output is None:
         return
-    entry = evidence_items.trained_client_entry(prior, restore=state.restore, initial_output=state.initial_output,
-                                    own_check=own_optimizer_check(cfg, plan, state),
-                                    restore_ref=f"{ANALYSIS_FILE}#restore", new_restore=not state.preloaded)
+    entry = evidence_items.trained_client_entry(
+        prior,
+        restore=state.restore,
+        initial_output=state.initial_output,
+        own_check=own_optimizer_check(cfg, plan, state),
+        restore_ref=f"{ANALYSIS_FILE}#restore",
+        new_restore=not state.preloaded,
+    )
     bundle.update_result(initialization_provenance={"arms": {cfg.arm: entry}})
 
 
-
-def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState,
-                    selftest: SelftestReport, *, wall: float, cap_s: float, backend: str,
-                    spec: ExperimentSpec | None,
-                    served: ServedModel | None = None,
-                    prior_service_work: Mapping[str, Mapping[str, int]] | None = None) -> DiagnosticResult:
+def write_evidence(
+    bundle: EvidenceBundle,
+    plan: Plan,
+    cfg: DiagnosticConfig,
+    state: RunState,
+    selftest: SelftestReport,
+    *,
+    wall: float,
+    cap_s: float,
+    backend: str,
+    spec: ExperimentSpec | None,
+    served: ServedModel | None = None,
+    prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
+) -> DiagnosticResult:
     """Analyse, then write sentinels, analysis, next action, report and result fields."""
     tracker = state.sentinels
-    sentinels: SentinelSummary = tracker.summary() if tracker is not None else {
-        "points": [], "at_init": None, "last": None}
-    result = analyse(cfg, plan, state.records, selftest=selftest, sentinels=sentinels,
-                     frozen_by_call=state.frozen_by_call or None, updates_done=state.updates_done,
-                     stop_reason=state.stop_reason, wall_seconds=wall, setup_seconds=state.setup_seconds,
-                     frozen_sha256=state.frozen.sha256 if state.frozen else None, minibatches=state.minibatches,
-                     errors=state.errors, spec=spec, restore=state.restore, effective_cap_seconds=cap_s,
-                     served=served)
+    sentinels: SentinelSummary = (
+        tracker.summary() if tracker is not None else {"points": [], "at_init": None, "last": None}
+    )
+    result = analyse(
+        cfg,
+        plan,
+        state.records,
+        selftest=selftest,
+        sentinels=sentinels,
+        frozen_by_call=state.frozen_by_call or None,
+        updates_done=state.updates_done,
+        stop_reason=state.stop_reason,
+        wall_seconds=wall,
+        setup_seconds=state.setup_seconds,
+        frozen_sha256=state.frozen.sha256 if state.frozen else None,
+        minibatches=state.minibatches,
+        errors=state.errors,
+        spec=spec,
+        restore=state.restore,
+        effective_cap_seconds=cap_s,
+        served=served,
+    )
     if tracker is not None and tracker.points:
         register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
     analysis = result.analysis_json()
-    analysis["timings"] = {"restore_seconds": state.restore_seconds, "sampling_seconds": state.sampling_seconds,
-                           "sampled_sequences": state.sampled_sequences, "update_seconds": [*state.update_seconds],
-                           "update_phases": [dict[str, JsonValue](p) for p in state.update_phases],
-                           "setup_seconds": state.setup_seconds, "wall_seconds": wall,
-                           "wall_counted_from": "session start (the budget ledger's clock)"}
+    analysis["timings"] = {
+        "restore_seconds": state.restore_seconds,
+        "sampling_seconds": state.sampling_seconds,
+        "sampled_sequences": state.sampled_sequences,
+        "update_seconds": [*state.update_seconds],
+        "update_phases": [dict[str, JsonValue](p) for p in state.update_phases],
+        "setup_seconds": state.setup_seconds,
+        "wall_seconds": wall,
+        "wall_counted_from": "session start (the budget ledger's clock)",
+    }
     analysis["final_checkpoint"] = state.final_checkpoint
     analysis["trained_client_initial_output"] = state.initial_output
     analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
@@ -135,20 +188,35 @@ def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, st
     _trained_client_provenance(bundle, cfg, plan, state)
     # Declared vs executed service work: the requester allowed only the declared updates and batches.
     executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
-    executed["bounded_diagnostic"] = {"optimizer_updates": state.updates_done,
-                                      "sampling_batches": 1 if state.frozen is not None else 0}
-    register_json(bundle, state, SERVICE_WORK_FILE, "report", evidence_items.service_work_ledger(plan.diagnostic.service_work, executed))
+    executed["bounded_diagnostic"] = {
+        "optimizer_updates": state.updates_done,
+        "sampling_batches": 1 if state.frozen is not None else 0,
+    }
+    register_json(
+        bundle,
+        state,
+        SERVICE_WORK_FILE,
+        "report",
+        evidence_items.service_work_ledger(plan.diagnostic.service_work, executed),
+    )
     # Feasibility from the diagnostic's own measured setup: the plan forbids an extra pilot.
     if state.update_seconds:
         eff_path = bundle.file_path("effective-config.json")
         eff = json.loads(eff_path.read_text()) if bundle.entry("effective-config.json") else {}
-        bundle.update_result(feasibility=evidence_items.diagnostic_feasibility(
-            config=asdict(cfg), effective_config=eff,
-            primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
-            setup_seconds=state.restore_seconds, sampling_seconds=state.sampling_seconds,
-            sampled_sequences=state.sampled_sequences, update_seconds=state.update_seconds,
-            sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
-            planned_updates=cfg.max_updates, recovery_seconds=FINALIZE_RESERVE_S))
+        bundle.update_result(
+            feasibility=evidence_items.diagnostic_feasibility(
+                config=asdict(cfg),
+                effective_config=eff,
+                primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
+                setup_seconds=state.restore_seconds,
+                sampling_seconds=state.sampling_seconds,
+                sampled_sequences=state.sampled_sequences,
+                update_seconds=state.update_seconds,
+                sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
+                planned_updates=cfg.max_updates,
+                recovery_seconds=FINALIZE_RESERVE_S,
+            )
+        )
     # The replay output itself, as evidence: a reviewer reads it without rerunning replay.
     if state.records:
         code, text = evidence_items.replay_output(bundle.dir)
@@ -159,12 +227,21 @@ def write_evidence(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, st
     result = replace(result, files=tuple(state.files))
     fields_ = result.result_fields
     if state.rollout_yield:
-        bundle.update_result(metrics={"diagnostic/rollout_truncated_frac": state.rollout_yield["truncated_frac"],
-                                      "diagnostic/rollout_no_answer_frac": state.rollout_yield["no_answer_frac"],
-                                      "diagnostic/rollout_mean_response_tokens":
-                                          state.rollout_yield["mean_response_tokens"]})
-    bundle.update_result(**{k: v for k, v in fields_.items() if k in ("metrics", "summary", "activation_calibration")
-                            and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))})
+        bundle.update_result(
+            metrics={
+                "diagnostic/rollout_truncated_frac": state.rollout_yield["truncated_frac"],
+                "diagnostic/rollout_no_answer_frac": state.rollout_yield["no_answer_frac"],
+                "diagnostic/rollout_mean_response_tokens": state.rollout_yield["mean_response_tokens"],
+            }
+        )
+    bundle.update_result(
+        **{
+            k: v
+            for k, v in fields_.items()
+            if k in ("metrics", "summary", "activation_calibration")
+            and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))
+        }
+    )
     post_snapshot(bundle, "diagnostic stage end", reserve=4)
     return result
 
@@ -175,5 +252,3 @@ def _declared(bundle: EvidenceBundle) -> JsonObject:
         return {}
     eff = json.loads(bundle.file_path("effective-config.json").read_text())
     return {k: eff[k] for k in ("renderer", "loss_normalization") if k in eff}
-
-

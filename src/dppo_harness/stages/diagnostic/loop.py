@@ -53,14 +53,25 @@ def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonOb
     first update, compared bitwise with the group's (same initial checkpoint)."""
     out_sha = logprobs_sha256(full_logprobs(tc, ref.fixed_batch))
     group: dict[str, JsonValue] = dict(ref.output_sha256)
-    return {"available": True, "batch_sha256": batch_sha256(ref.fixed_batch), "output_sha256": out_sha,
-            "evidence_ref": f"{ANALYSIS_FILE}#trained_client_initial_output", "before_first_update": True,
-            "group_output_sha256": group, "bitwise_equal_to_group": {a: out_sha == h for a, h in group.items()}}
+    return {
+        "available": True,
+        "batch_sha256": batch_sha256(ref.fixed_batch),
+        "output_sha256": out_sha,
+        "evidence_ref": f"{ANALYSIS_FILE}#trained_client_initial_output",
+        "before_first_update": True,
+        "group_output_sha256": group,
+        "bitwise_equal_to_group": {a: out_sha == h for a, h in group.items()},
+    }
 
 
-
-def _save_final_checkpoint(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: RunState, tag: str,
-                           say: Callable[[str], None]) -> None:
+def _save_final_checkpoint(
+    tc: tinker.TrainingClient,
+    cfg: DiagnosticConfig,
+    bundle: EvidenceBundle,
+    state: RunState,
+    tag: str,
+    say: Callable[[str], None],
+) -> None:
     """The trained client's final state, saved and its URI recorded (a claim cites the checkpoint)."""
     if state.updates_done == 0:
         return
@@ -78,19 +89,24 @@ class _Stop(Exception):
     """Planned stop (wall cap) before training could start."""
 
 
-
 def _preflight_client(loaded: LoadedArm, initial_checkpoint: str) -> tuple[tinker.TrainingClient, JsonObject]:
     """The restoration preflight's loaded client of the trained arm, trained here instead of a new
     client: its observed load is this run's restore."""
-    restore = dict(loaded.restore_record(),
-                   source="the restoration preflight's client for this arm, loaded from the initial checkpoint "
-                          "with optimizer and never updated before this stage (no second restore)")
+    restore = dict(
+        loaded.restore_record(),
+        source="the restoration preflight's client for this arm, loaded from the initial checkpoint "
+        "with optimizer and never updated before this stage (no second restore)",
+    )
     if not loaded.load_succeeded or loaded.loaded_path is None:
-        raise DiagnosticError("the preflight's load of the trained arm was not observed: its load response has no "
-                              "path (optional in the SDK's LoadWeightsResponse); the plan requires an observed load")
+        raise DiagnosticError(
+            "the preflight's load of the trained arm was not observed: its load response has no "
+            "path (optional in the SDK's LoadWeightsResponse); the plan requires an observed load"
+        )
     if loaded.loaded_path != initial_checkpoint:
-        raise DiagnosticError(f"the preflight's trained-arm client loaded {loaded.loaded_path!r}, not the initial "
-                              f"checkpoint {initial_checkpoint!r}")
+        raise DiagnosticError(
+            f"the preflight's trained-arm client loaded {loaded.loaded_path!r}, not the initial "
+            f"checkpoint {initial_checkpoint!r}"
+        )
     return loaded.client, restore
 
 
@@ -109,19 +125,23 @@ def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> t
     if load_response is None:
         raise DiagnosticError("the initial-state load was not observed (plan requires an observed successful load)")
     if load_response.path is None:
-        raise DiagnosticError("the initial-state load response has no path (optional in the SDK's "
-                              "LoadWeightsResponse): the plan requires an observed load of the initial checkpoint")
+        raise DiagnosticError(
+            "the initial-state load response has no path (optional in the SDK's "
+            "LoadWeightsResponse): the plan requires an observed load of the initial checkpoint"
+        )
     return tc, restore
 
 
-def _sample_and_freeze(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: RunState,
-                       tag: str) -> tuple[str, FrozenBatch, dict[str, Any]]:
+def _sample_and_freeze(
+    tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: RunState, tag: str
+) -> tuple[str, FrozenBatch, dict[str, Any]]:
     """ONE batch from the restored weights, frozen and persisted; returns (sampler path, batch, summary)."""
     tok = tokenizer.make_renderer()
     train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
-    sampled = rollout_batch.sample_rollout_batch(tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer,
-                                                 rcfg, sampler_name=f"{tag}-sampler-initial")
+    sampled = rollout_batch.sample_rollout_batch(
+        tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer, rcfg, sampler_name=f"{tag}-sampler-initial"
+    )
     load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
     frozen = rollout_batch.freeze(sampled, {"load": load, "tokenizer": tok.provenance})
     npz, manifest = frozen.to_bytes()
@@ -133,10 +153,22 @@ def _sample_and_freeze(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle:
     return sampled.sampler_path, frozen, sampled.batch.summary()
 
 
-def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: FrozenBatch, mbs: Sequence[Minibatch],
-                  sampler_path: str, bundle: EvidenceBundle, state: RunState, *, elapsed: Callable[[], float],
-                  clock: Callable[[], float], cap_s: float, say: Callable[[str], None], tag: str,
-                  after_update: Callable[[int], str | None] = lambda _n: None) -> str:
+def _train_epochs(
+    tc: tinker.TrainingClient,
+    cfg: DiagnosticConfig,
+    frozen: FrozenBatch,
+    mbs: Sequence[Minibatch],
+    sampler_path: str,
+    bundle: EvidenceBundle,
+    state: RunState,
+    *,
+    elapsed: Callable[[], float],
+    clock: Callable[[], float],
+    cap_s: float,
+    say: Callable[[str], None],
+    tag: str,
+    after_update: Callable[[int], str | None] = lambda _n: None,
+) -> str:
     """Epochs over the same frozen batch (no sampling, no anchor refresh) until the update cap,
     the wall cap, the schedule's end or `after_update(n)` naming a stop; returns the stop reason."""
     loss_cfg = cfg.loss_config()
@@ -151,17 +183,25 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
             stop = "update cap reached"
             break
         if elapsed() + last_update_s + FINALIZE_RESERVE_S > cap_s:
-            stop = (f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
-                    f"{FINALIZE_RESERVE_S:.0f}s to write the analysis would exceed {cap_s:.0f}s")
+            stop = (
+                f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
+                f"{FINALIZE_RESERVE_S:.0f}s to write the analysis would exceed {cap_s:.0f}s"
+            )
             break
         u0 = clock()
         frozen.assert_intact()  # before every reuse (to_datums checks again)
         datums = frozen.to_datums(mb.sequence_indices)
         anchor = np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices])
         update_index = state.updates_done + 1
-        context: JsonObject = {"update_index": update_index, "epoch": epoch, "minibatch": mb.index, "group_ids": list(mb.group_ids),
-                   "sequence_indices": list(mb.sequence_indices), "sampler_checkpoint": sampler_path,
-                   "frozen_batch_sha256": frozen.sha256}
+        context: JsonObject = {
+            "update_index": update_index,
+            "epoch": epoch,
+            "minibatch": mb.index,
+            "group_ids": list(mb.group_ids),
+            "sequence_indices": list(mb.sequence_indices),
+            "sampler_checkpoint": sampler_path,
+            "frozen_batch_sha256": frozen.sha256,
+        }
 
         def persist(rec: ins.LossCallRecord, update_index: int = update_index, anchor: np.ndarray = anchor) -> None:
             # Persisted before the optimizer step it feeds (staged, then registered in its archive).
@@ -172,8 +212,16 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         sentinels = state.sentinels if state.sentinels is not None and state.sentinels.due(update_index) else None
         # A due sentinel forward is submitted right behind the optimizer step (it reads the
         # updated weights) and awaited after the next update's submission (one round trip less per update).
-        rec, upd = train_step.train_step(tc, datums, loss_fn, adam, recorder, context, persist=persist,
-                                         submit_behind=None if sentinels is None else partial(sentinels.submit, tc))
+        rec, upd = train_step.train_step(
+            tc,
+            datums,
+            loss_fn,
+            adam,
+            recorder,
+            context,
+            persist=persist,
+            submit_behind=None if sentinels is None else partial(sentinels.submit, tc),
+        )
         t_collect = clock()
         if state.sentinels is not None:
             state.sentinels.collect()  # the previous update's sentinel: long done by now
@@ -189,19 +237,24 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
         state.update_seconds.append(last_update_s)
         t_snapshot = clock()
         if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running: a killed run keeps its numbers
-            bundle.update_result(metrics={"diagnostic/updates_done": float(update_index),
-                                          "diagnostic/elapsed_seconds": float(elapsed())})
+            bundle.update_result(
+                metrics={"diagnostic/updates_done": float(update_index), "diagnostic/elapsed_seconds": float(elapsed())}
+            )
             # the last planned update's snapshot is the stage-end one, posted after the analysis
-            name = post_snapshot(bundle, f"{tag} after update {update_index}") if update_index < cfg.max_updates else None
+            name = (
+                post_snapshot(bundle, f"{tag} after update {update_index}") if update_index < cfg.max_updates else None
+            )
             if name:
                 state.snapshots.append(name)
         state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
         s = rec.stats
-        say(f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
+        say(
+            f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
             f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
             f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
             f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
-            f"elapsed {elapsed():.0f}s / {cap_s:.0f}s")
+            f"elapsed {elapsed():.0f}s / {cap_s:.0f}s"
+        )
         if halt is not None:
             stop = halt
             break
@@ -212,22 +265,31 @@ def _train_epochs(tc: tinker.TrainingClient, cfg: DiagnosticConfig, frozen: Froz
     return "schedule complete" if state.updates_done < cfg.max_updates else "update cap reached"
 
 
-def _effective_cap(bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: float, say: Callable[[str], None],
-                   tag: str) -> float:
+def _effective_cap(
+    bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: float, say: Callable[[str], None], tag: str
+) -> float:
     """The plan's wall cap, shortened to the run budget's end when that comes first."""
     cap_s = cfg.max_wall_seconds
     remaining = bundle.remaining_seconds()
     if remaining is not None and elapsed_s + remaining < cap_s:
         cap_s = max(0.0, elapsed_s + float(remaining))
         if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
-            say(f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
-                f"{cfg.max_wall_seconds:.0f}s cap: stopping there")
+            say(
+                f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
+                f"{cfg.max_wall_seconds:.0f}s cap: stopping there"
+            )
     return cap_s
 
 
-def _take_client(service_client: tinker.ServiceClient, initial_checkpoint: str, state: RunState, *,
-                 restored: LoadedArm | None, init_reference: RestorationResult | None,
-                 clock: Callable[[], float]) -> tinker.TrainingClient:
+def _take_client(
+    service_client: tinker.ServiceClient,
+    initial_checkpoint: str,
+    state: RunState,
+    *,
+    restored: LoadedArm | None,
+    init_reference: RestorationResult | None,
+    clock: Callable[[], float],
+) -> tinker.TrainingClient:
     """The trained client: the preflight's loaded one when given, else a fresh restore; its
     restore record, get_info, initial output and restore seconds go into `state`."""
     r0 = clock()
@@ -244,31 +306,44 @@ def _take_client(service_client: tinker.ServiceClient, initial_checkpoint: str, 
     return tc
 
 
-def _freeze_and_split(tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: RunState, *,
-                      elapsed: Callable[[], float], cap_s: float, say: Callable[[str], None],
-                      tag: str) -> tuple[str, list[Minibatch]]:
+def _freeze_and_split(
+    tc: tinker.TrainingClient,
+    cfg: DiagnosticConfig,
+    bundle: EvidenceBundle,
+    state: RunState,
+    *,
+    elapsed: Callable[[], float],
+    cap_s: float,
+    say: Callable[[str], None],
+    tag: str,
+) -> tuple[str, list[Minibatch]]:
     """Sample and freeze the one batch, split it into complete-group minibatches, choose the
     sentinels and measure them at initialization; returns (sampler path, minibatches)."""
     sampler_path, state.frozen, summary = _sample_and_freeze(tc, cfg, bundle, state, tag)
     state.sampling_seconds = float(summary["sampling_seconds"])
     state.sampled_sequences = int(state.frozen.n_sequences)
-    say(f"[{tag}] sampled and froze {state.frozen.n_sequences} sequences ({summary['response_tokens']} response "
+    say(
+        f"[{tag}] sampled and froze {state.frozen.n_sequences} sequences ({summary['response_tokens']} response "
         f"tokens, {summary['nonconstant_reward_groups']} groups with signal, {summary['frac_truncated']:.1%} "
         f"truncated at max_tokens {cfg.max_tokens}, {summary['frac_no_answer']:.1%} without an answer) in "
-        f"{summary['sampling_seconds']:.0f}s; elapsed {elapsed():.0f}s / {cap_s:.0f}s")
+        f"{summary['sampling_seconds']:.0f}s; elapsed {elapsed():.0f}s / {cap_s:.0f}s"
+    )
     mbs = state.frozen.split_minibatches(cfg.minibatches_per_epoch)
     state.minibatches = [mb.record() for mb in mbs]
     state.sentinels = SentinelTracker(state.frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
     state.sentinels.maybe_measure(tc, 0, elapsed())
     state.setup_seconds = elapsed()
-    say(f"[{tag}] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
-        f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)")
+    say(
+        f"[{tag}] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
+        f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)"
+    )
     return sampler_path, list(mbs)
 
 
 def _stop_on_optimizer_mismatch(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> Callable[[int], str | None]:
     """The after-update hook: the trained client's own optimizer echo, checked before update 2;
     a mismatch is recorded as an error and names the stop."""
+
     def stop_on_mismatch(update_index: int) -> str | None:
         check = own_optimizer_check(cfg, plan, state) if update_index == 1 else None
         if check and check["mismatches"]:
@@ -322,8 +397,12 @@ def run_bounded_diagnostic(
         return clock() - t0
 
     state = RunState()
-    state.archive = UpdateArchive(bundle, budget.updates_per_archive(budget.DiagnosticSize(
-        cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)))
+    state.archive = UpdateArchive(
+        bundle,
+        budget.updates_per_archive(
+            budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
+        ),
+    )
     selftest = declare(bundle, plan, cfg, state)
     cap_s = cfg.max_wall_seconds
     try:
@@ -331,18 +410,33 @@ def run_bounded_diagnostic(
         cap_s = _effective_cap(bundle, cfg, elapsed(), say, tag)
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted before service work")
-        tc = _take_client(service_client, initial_checkpoint, state, restored=restored,
-                          init_reference=init_reference, clock=clock)
-        say(f"[{tag}] {'training the preflight client loaded from' if restored is not None else 'restored'} "
-            f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)")
+        tc = _take_client(
+            service_client, initial_checkpoint, state, restored=restored, init_reference=init_reference, clock=clock
+        )
+        say(
+            f"[{tag}] {'training the preflight client loaded from' if restored is not None else 'restored'} "
+            f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)"
+        )
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted during setup (after restore)")
         sampler_path, mbs = _freeze_and_split(tc, cfg, bundle, state, elapsed=elapsed, cap_s=cap_s, say=say, tag=tag)
         frozen = state.frozen
         assert frozen is not None  # _freeze_and_split froze the batch
-        state.stop_reason = _train_epochs(tc, cfg, frozen, mbs, sampler_path, bundle, state, elapsed=elapsed,
-                                          clock=clock, cap_s=cap_s, say=say, tag=tag,
-                                          after_update=_stop_on_optimizer_mismatch(cfg, plan, state))
+        state.stop_reason = _train_epochs(
+            tc,
+            cfg,
+            frozen,
+            mbs,
+            sampler_path,
+            bundle,
+            state,
+            elapsed=elapsed,
+            clock=clock,
+            cap_s=cap_s,
+            say=say,
+            tag=tag,
+            after_update=_stop_on_optimizer_mismatch(cfg, plan, state),
+        )
         _save_final_checkpoint(tc, cfg, bundle, state, tag, say)
     except _Stop as stop:
         state.stop_reason = str(stop)
@@ -357,6 +451,16 @@ def run_bounded_diagnostic(
     if served is None:
         info = state.restore.get("get_info")
         served = served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
-    return write_evidence(bundle, plan, cfg, state, selftest, wall=wall, cap_s=cap_s, backend=backend,
-                           spec=spec, served=served, prior_service_work=prior_service_work)
-
+    return write_evidence(
+        bundle,
+        plan,
+        cfg,
+        state,
+        selftest,
+        wall=wall,
+        cap_s=cap_s,
+        backend=backend,
+        spec=spec,
+        served=served,
+        prior_service_work=prior_service_work,
+    )

@@ -28,13 +28,17 @@ def _case_datums(rows: Sequence[tuple[float, ...]]) -> tuple[list[tinker.Datum],
         p, q, a, m = row[:4]
         lp = row[4] if len(row) > 4 else math.log(p)
         target = [11 + i, 12 + i, 13 + i]
-        data.append(tinker.Datum(
-            model_input=tinker.ModelInput.from_ints([10 + i, 11 + i, 12 + i]),
-            loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(np.asarray(target).astype(np.int64)),
-                            "logprobs": tinker.TensorData.from_numpy(np.asarray([-7.0, 3.0, math.log(q)], np.float32)),
-                            "advantages": tinker.TensorData.from_numpy(np.asarray([0.0, 0.0, a], np.float32)),
-                            "mask": tinker.TensorData.from_numpy(np.array([0.0, 0.0, m], dtype=np.float32))},
-        ))
+        data.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints([10 + i, 11 + i, 12 + i]),
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(target).astype(np.int64)),
+                    "logprobs": tinker.TensorData.from_numpy(np.asarray([-7.0, 3.0, math.log(q)], np.float32)),
+                    "advantages": tinker.TensorData.from_numpy(np.asarray([0.0, 0.0, a], np.float32)),
+                    "mask": tinker.TensorData.from_numpy(np.array([0.0, 0.0, m], dtype=np.float32)),
+                },
+            )
+        )
         lps.append(torch.tensor([0.5, -40.0, lp], dtype=torch.float64, requires_grad=True))
     return data, lps
 
@@ -65,21 +69,40 @@ _D = constants.DPPO_DELTA
 SELFTEST_CASES: dict[str, tuple[tuple[tuple[float, ...], ...], tuple[int, int, int], tuple[bool, ...]]] = {
     "must_fire_pos_adv_up": (((0.80, 0.40, 1.0, 1.0),), (1, 0, 0), (True,)),
     "must_fire_neg_adv_down": (((0.10, 0.60, -1.0, 1.0),), (0, 1, 0), (True,)),
-    "must_fire_both_signs": (((0.95, 0.50, 0.5, 1.0), (0.05, 0.50, -0.5, 1.0), (0.5, 0.5, 0.5, 1.0)), (1, 1, 0), (True, True, False)),
+    "must_fire_both_signs": (
+        ((0.95, 0.50, 0.5, 1.0), (0.05, 0.50, -0.5, 1.0), (0.5, 0.5, 0.5, 1.0)),
+        (1, 1, 0),
+        (True, True, False),
+    ),
     # Probability difference, not ratio: these two separate Binary-TV from a ratio clip.
     "must_fire_high_q_small_ratio": (((0.995, 0.84, 1.0, 1.0),), (1, 0, 0), (True,)),
-    "must_not_fire_large_ratio_small_prob": (((0.20, 0.10, 1.0, 1.0), (0.02, 0.10, -1.0, 1.0)), (0, 0, 0), (False, False)),
+    "must_not_fire_large_ratio_small_prob": (
+        ((0.20, 0.10, 1.0, 1.0), (0.02, 0.10, -1.0, 1.0)),
+        (0, 0, 0),
+        (False, False),
+    ),
     "must_not_fire_on_policy": (((0.3, 0.3, 1.0, 1.0), (0.7, 0.7, -1.0, 1.0)), (0, 0, 0), (False, False)),
     "must_not_fire_below_delta": (((0.60, 0.50, 1.0, 1.0), (0.40, 0.50, -1.0, 1.0)), (0, 0, 0), (False, False)),
     "must_not_fire_recovery_direction": (((0.05, 0.90, 1.0, 1.0), (0.90, 0.05, -1.0, 1.0)), (0, 0, 0), (False, False)),
     "zero_advantage_is_not_engagement": (((0.05, 0.90, 0.0, 1.0),), (0, 0, 1), (True,)),
-    "padding_is_not_engagement": (((0.99, 0.01, 1.0, 0.0), (0.01, 0.99, -1.0, 0.0), (0.5, 1e-4, 1.0, 0.0)), (0, 0, 0),
-                                  (True, True, True)),
+    "padding_is_not_engagement": (
+        ((0.99, 0.01, 1.0, 0.0), (0.01, 0.99, -1.0, 0.0), (0.5, 1e-4, 1.0, 0.0)),
+        (0, 0, 0),
+        (True, True, True),
+    ),
     # Exact +-delta boundaries: the rule is strict, so p - q == +-delta is kept, one ulp beyond is removed.
     "boundary_exact_plus_delta_kept": ((_boundary_row(0.20, 1.0, _D),), (0, 0, 0), (False,)),
-    "boundary_one_ulp_above_plus_delta_removed": ((_boundary_row(0.20, 1.0, math.nextafter(_D, 1.0)),), (1, 0, 0), (True,)),
+    "boundary_one_ulp_above_plus_delta_removed": (
+        (_boundary_row(0.20, 1.0, math.nextafter(_D, 1.0)),),
+        (1, 0, 0),
+        (True,),
+    ),
     "boundary_exact_minus_delta_kept": ((_boundary_row(0.30, -1.0, -_D),), (0, 0, 0), (False,)),
-    "boundary_one_ulp_below_minus_delta_removed": ((_boundary_row(0.30, -1.0, math.nextafter(-_D, -1.0)),), (0, 1, 0), (True,)),
+    "boundary_one_ulp_below_minus_delta_removed": (
+        (_boundary_row(0.30, -1.0, math.nextafter(-_D, -1.0)),),
+        (0, 1, 0),
+        (True,),
+    ),
     # Ratio cap C: r = 20 on a kept token is a hit (weight C); on a dropped token it is not (no gradient to cap).
     "ratio_cap_hit_on_kept_token": (((2e-5, 1e-6, 1.0, 1.0),), (0, 0, 0), (False,)),
     "ratio_cap_not_counted_on_dropped_token": (((0.90, 0.04, 1.0, 1.0),), (1, 0, 0), (True,)),
@@ -118,7 +141,9 @@ def deterministic_selftest(
         loss.backward()
         s = rec.records[0].stats
         got = (s["dppo/removed_pos_adv"], s["dppo/removed_neg_adv"], s["dppo/mask_zero_adv"])
-        reported = tuple(int(metrics.get(k, -1)) for k in ("dppo/removed_pos_adv", "dppo/removed_neg_adv", "dppo/mask_zero_adv"))
+        reported = tuple(
+            int(metrics.get(k, -1)) for k in ("dppo/removed_pos_adv", "dppo/removed_neg_adv", "dppo/mask_zero_adv")
+        )
         grads = [float(lp.grad[-1]) if lp.grad is not None else math.nan for lp in lps]
         prompt_grads_zero = all(lp.grad is not None and float(lp.grad[:2].abs().sum()) == 0.0 for lp in lps)
         grad_ok = all((g == 0.0) if z else (g != 0.0 and math.isfinite(g)) for g, z in zip(grads, zero_grad))
@@ -136,14 +161,19 @@ def deterministic_selftest(
                 problems.append(f"recorded {key}={s.get(key)} != expected {want}")
             if key in metrics and int(metrics[key]) != want:
                 problems.append(f"loss reported {key}={metrics[key]} != expected {want}")
-        cases[name] = {"expected": list(expected), "recorded": list(got), "loss_reported": list(reported),
-                       "expected_counts": SELFTEST_EXTRA.get(name, {}),
-                       "grads": grads, "passed": not problems, "problems": problems}
+        cases[name] = {
+            "expected": list(expected),
+            "recorded": list(got),
+            "loss_reported": list(reported),
+            "expected_counts": SELFTEST_EXTRA.get(name, {}),
+            "grads": grads,
+            "passed": not problems,
+            "problems": problems,
+        }
     return {
         "passed": all(c["passed"] for c in cases.values()),
         "loss_config": asdict(cfg),
         "cases": cases,
         "note": "deterministic inputs through losses.make_loss_fn and the recorder; the same cases run in "
-                "tests/unit/test_diagnostic_analysis.py, golden parity in tests/unit covers exact boundaries",
+        "tests/unit/test_diagnostic_analysis.py, golden parity in tests/unit covers exact boundaries",
     }
-

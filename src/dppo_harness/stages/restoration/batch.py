@@ -35,8 +35,9 @@ def reference_completion(solution: str, reference: str) -> str:
     return f"{body} \\boxed{{{reference}}}"
 
 
-def build_fixed_batch(n_items: int = FIXED_BATCH_ITEMS, seed: int = 0,
-                      dataset_name: str = "gsm8k") -> tuple[list[tinker.Datum], JsonObject]:
+def build_fixed_batch(
+    n_items: int = FIXED_BATCH_ITEMS, seed: int = 0, dataset_name: str = "gsm8k"
+) -> tuple[list[tinker.Datum], JsonObject]:
     """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered with the qwen3_5
     renderer (one-shot prefix, cookbook prompt), reference solutions as the assistant targets.
 
@@ -52,20 +53,23 @@ def build_fixed_batch(n_items: int = FIXED_BATCH_ITEMS, seed: int = 0,
     described: list[JsonValue] = []
     for item in items:
         messages = data.prompt_messages(item) + [
-            {"role": "assistant", "content": reference_completion(item.solution, item.reference)}]
+            {"role": "assistant", "content": reference_completion(item.solution, item.reference)}
+        ]
         model_input, weights = bundle.renderer.build_supervised_example(messages)
         tokens = model_input.to_ints()
         w = np.asarray(weights, dtype=np.float32).reshape(-1)
         if len(w) != len(tokens) or w.sum() == 0:
             raise RestorationError(f"{item.item_id}: renderer gave {len(w)} weights for {len(tokens)} tokens")
-        batch.append(tinker.Datum(
-            model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={
-                "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
-                "weights": tinker.TensorData.from_numpy(w[1:].copy()),
-            }))
-        described.append({"item_id": item.item_id, "tokens": len(tokens),
-                          "weighted_targets": int(w[1:].sum())})
+        batch.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+                    "weights": tinker.TensorData.from_numpy(w[1:].copy()),
+                },
+            )
+        )
+        described.append({"item_id": item.item_id, "tokens": len(tokens), "weighted_targets": int(w[1:].sum())})
     return batch, {"items": described, "renderer": bundle.provenance, "seed": seed}
 
 
@@ -73,16 +77,23 @@ def batch_to_json(batch: Sequence[tinker.Datum]) -> list[JsonObject]:
     rows: list[JsonObject] = []
     for d in batch:
         tokens_T, targets_T, mask_T = datum_arrays(d)
-        rows.append({"input_tokens": tokens_T.tolist(), "target_tokens": targets_T.tolist(),
-                     "mask": mask_T.tolist()})
+        rows.append({"input_tokens": tokens_T.tolist(), "target_tokens": targets_T.tolist(), "mask": mask_T.tolist()})
     return rows
 
 
-def register_fixed_batch(bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: JsonObject | None) -> str:
+def register_fixed_batch(
+    bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: JsonObject | None
+) -> str:
     b_sha = batch_sha256(fixed_batch)
-    bundle.register_json(FIXED_BATCH_FILE, "tensors", {
-        "batch_sha256": b_sha,
-        "hash": "sha256 over each datum's int64 input ids, int64 target ids and float32 mask (weights), "
-                "length-prefixed; see restoration.batch_sha256",
-        "description": description, "datums": batch_to_json(fixed_batch)})
+    bundle.register_json(
+        FIXED_BATCH_FILE,
+        "tensors",
+        {
+            "batch_sha256": b_sha,
+            "hash": "sha256 over each datum's int64 input ids, int64 target ids and float32 mask (weights), "
+            "length-prefixed; see restoration.batch_sha256",
+            "description": description,
+            "datums": batch_to_json(fixed_batch),
+        },
+    )
     return b_sha

@@ -60,8 +60,9 @@ def duplicate_save_outcome(exc: BaseException | None) -> tuple[bool | None, str]
         refused = bool(OVERWRITE_REFUSAL_RE.search(text))
     if refused:
         return True, f"the service refused to overwrite the saved name ({what})"
-    return None, (f"the duplicate save_state ended in {what}, not an explicit refusal to overwrite: "
-                  "immutability unverified")
+    return None, (
+        f"the duplicate save_state ended in {what}, not an explicit refusal to overwrite: immutability unverified"
+    )
 
 
 @dataclass(frozen=True)
@@ -80,27 +81,46 @@ class LoadedArm:
     load_ref: str
     load_succeeded: bool
     source_path: str = ""  # the checkpoint the load asked for
-    response: tinker.types.LoadWeightsResponse | None = None  # the LoadWeightsResponse as the SDK parsed it (None: not observed)
+    response: tinker.types.LoadWeightsResponse | None = (
+        None  # the LoadWeightsResponse as the SDK parsed it (None: not observed)
+    )
     info: tinker.types.GetInfoResponse | None = None  # the client's get_info right after the load
     seconds: float = 0.0  # wall time of the load (client creation included)
 
     def restore_record(self) -> dict[str, JsonValue]:
         """The load as a stage that trains this client records it (its own restore, not a new one)."""
-        return {"initial_checkpoint": self.source_path, "loaded_checkpoint_uri": self.loaded_path,
-                "load_succeeded": self.load_succeeded, "load_response": dump_response(self.response),
-                "get_info": dump_response(self.info), "before_first_update": True,
-                "evidence_ref": self.load_ref, "seconds": self.seconds}
+        return {
+            "initial_checkpoint": self.source_path,
+            "loaded_checkpoint_uri": self.loaded_path,
+            "load_succeeded": self.load_succeeded,
+            "load_response": dump_response(self.response),
+            "get_info": dump_response(self.info),
+            "before_first_update": True,
+            "evidence_ref": self.load_ref,
+            "seconds": self.seconds,
+        }
 
 
-
-def fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int, label: str, seed: int, tag: str,
-                      rec: Recorder, call: CallWrapper) -> InitialCheckpoint:
+def fresh_checkpoint(
+    probe_sc: tinker.ServiceClient,
+    base_model: str,
+    rank: int,
+    label: str,
+    seed: int,
+    tag: str,
+    rec: Recorder,
+    call: CallWrapper,
+) -> InitialCheckpoint:
     """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
     # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
     client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
     name_client(client, f"setup client ({label}, seed {seed})")
-    describe_client(probe_sc, client, f"setup ({label}, seed {seed}): saves the initial checkpoint"
-                    + ("; then the uninterrupted restore probe and the base-LR scaling probe" if label == "shared" else ""))
+    describe_client(
+        probe_sc,
+        client,
+        f"setup ({label}, seed {seed}): saves the initial checkpoint"
+        + ("; then the uninterrupted restore probe and the base-LR scaling probe" if label == "shared" else ""),
+    )
     info = client.get_info()
     rec.keep(f"create_{label}.get_info", info)
     name = f"{tag}-initial-{label}-seed{seed}"
@@ -111,16 +131,17 @@ def fresh_checkpoint(probe_sc: tinker.ServiceClient, base_model: str, rank: int,
         again = client.save_state(name).result()
     except Exception as exc:
         immutable, reason = duplicate_save_outcome(exc)
-        rec.keep(f"save_{label}_again_refused" if immutable else f"save_{label}_again_failed",
-                 {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason})
+        rec.keep(
+            f"save_{label}_again_refused" if immutable else f"save_{label}_again_failed",
+            {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason},
+        )
     else:
         immutable, reason = duplicate_save_outcome(None)
         rec.keep(f"save_{label}_again", again)
     return InitialCheckpoint(client, saved.path, immutable, reason, info)
 
 
-def load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: Recorder,
-              call: CallWrapper) -> LoadedArm:
+def load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: Recorder, call: CallWrapper) -> LoadedArm:
     """Step 2: the arm's client from the checkpoint with optimizer; the load response kept. A
     response without `path` (optional in the SDK's LoadWeightsResponse) leaves the URI unproved."""
     t0 = time.monotonic()
@@ -130,6 +151,13 @@ def load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: Rec
     load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
     info = client.get_info()
     rec.keep(f"load_{arm}.get_info", info)
-    return LoadedArm(client, resp.path if resp is not None and resp.path else None, load_ref, resp is not None,
-                     source_path=path, response=resp, info=info, seconds=seconds)
-
+    return LoadedArm(
+        client,
+        resp.path if resp is not None and resp.path else None,
+        load_ref,
+        resp is not None,
+        source_path=path,
+        response=resp,
+        info=info,
+        seconds=seconds,
+    )

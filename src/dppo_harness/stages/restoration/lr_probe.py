@@ -29,9 +29,15 @@ LR_SCALING_FILE = "lr-scaling-probe.json"
 
 
 def lr_scaling_probe(
-    service_client: tinker.ServiceClient, initial_checkpoint: str, batch: Sequence[tinker.Datum],
-    opt_cfg: Mapping[str, float], multipliers: Sequence[float], rtol: float,
-    update_norm: UpdateNormMeasure | None, unavailable_reason: str, call: CallWrapper | None = None,
+    service_client: tinker.ServiceClient,
+    initial_checkpoint: str,
+    batch: Sequence[tinker.Datum],
+    opt_cfg: Mapping[str, float],
+    multipliers: Sequence[float],
+    rtol: float,
+    update_norm: UpdateNormMeasure | None,
+    unavailable_reason: str,
+    call: CallWrapper | None = None,
     measured: Mapping[float, float | None] | None = None,
     say: Callable[[str], None] = lambda _m: None,
 ) -> LrScalingBlock:
@@ -62,8 +68,7 @@ def lr_scaling_probe(
             say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
             continue
         say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
-        client, _ = (call or (lambda fn: fn()))(
-            lambda: create_from_state_observed(service_client, initial_checkpoint))
+        client, _ = (call or (lambda fn: fn()))(lambda: create_from_state_observed(service_client, initial_checkpoint))
         describe_client(service_client, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
         adam = adam_params(opt_cfg, lr)
         norm = update_norm(client, partial(fixed_gradient_step, client, g, adam))
@@ -76,16 +81,30 @@ def lr_scaling_probe(
     passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= rtol)
     problem = None
     if not passed:
-        problem = (f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {rtol})"
-                   if worst > rtol else "an update norm is zero: the update did not move parameters")
-    reset = ("a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
-             "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
-             "every other LR") if measured else "a client created from the initial checkpoint with optimizer per probe"
+        problem = (
+            f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {rtol})"
+            if worst > rtol
+            else "an update norm is zero: the update did not move parameters"
+        )
+    reset = (
+        (
+            "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
+            "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
+            "every other LR"
+        )
+        if measured
+        else "a client created from the initial checkpoint with optimizer per probe"
+    )
     return LrScalingMeasured(
-        measure=update_norm.description, reset=reset,
+        measure=update_norm.description,
+        reset=reset,
         gradient="cross_entropy on the even fixed-batch datums (the restore probe's update 1)",
-        lr_scaling=probes, relative_error=[e if math.isfinite(e) else None for e in errors],
-        rtol=rtol, passed=passed, problem=problem)
+        lr_scaling=probes,
+        relative_error=[e if math.isfinite(e) else None for e in errors],
+        rtol=rtol,
+        passed=passed,
+        problem=problem,
+    )
 
 
 def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -> JsonObject:
@@ -98,9 +117,13 @@ def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -
     out = json.loads(json.dumps(correctness_block))
     status: JsonObject = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE}
     if isinstance(lr_block, LrScalingMeasured):
-        status.update(passed=lr_block.passed, rtol=lr_block.rtol,
-                      relative_error=None if lr_block.relative_error is None else list(lr_block.relative_error),
-                      measure=lr_block.measure, reset=lr_block.reset)
+        status.update(
+            passed=lr_block.passed,
+            rtol=lr_block.rtol,
+            relative_error=None if lr_block.relative_error is None else list(lr_block.relative_error),
+            measure=lr_block.measure,
+            reset=lr_block.reset,
+        )
     else:
         status["reason"] = lr_block.reason
     for path in out.get("paths", []):
@@ -108,8 +131,9 @@ def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -
             path["lr_scaling"] = [dict(p) for p in lr_block.lr_scaling]
         else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
             reason = lr_block.reason or "not measured"
-            path["lr_scaling"] = [{"learning_rate": float(lr), "update_norm": None, "available": False,
-                                   "reason": reason} for lr in lr_block.learning_rates] or [
-                {"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
+            path["lr_scaling"] = [
+                {"learning_rate": float(lr), "update_norm": None, "available": False, "reason": reason}
+                for lr in lr_block.learning_rates
+            ] or [{"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
         path["lr_scaling_status"] = status
     return out

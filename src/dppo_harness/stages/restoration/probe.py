@@ -52,8 +52,11 @@ def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.Ada
     return tinker.AdamParams(**kw)
 
 
-def fixed_gradient_step(client: tinker.TrainingClient, batch: Sequence[tinker.Datum], adam: tinker.AdamParams,
-                        ) -> tuple[tinker.ForwardBackwardOutput, tinker.OptimStepResponse]:
+def fixed_gradient_step(
+    client: tinker.TrainingClient,
+    batch: Sequence[tinker.Datum],
+    adam: tinker.AdamParams,
+) -> tuple[tinker.ForwardBackwardOutput, tinker.OptimStepResponse]:
     """One fixed-gradient update: cross-entropy on fixed weights, then optim_step."""
     fb = client.forward_backward(list(batch), "cross_entropy")
     opt = client.optim_step(adam)
@@ -66,9 +69,15 @@ def reweighted(batch: Sequence[tinker.Datum], scale: float, keep: Callable[[int]
     for i, d in enumerate(batch):
         _, targets_T, mask_T = datum_arrays(d)
         w_T = (mask_T * np.float32(scale)) if keep(i) else np.zeros_like(mask_T)
-        out.append(tinker.Datum(model_input=d.model_input, loss_fn_inputs={
-            "target_tokens": tinker.TensorData.from_numpy(targets_T),
-            "weights": tinker.TensorData.from_numpy(w_T.astype(np.float32))}))
+        out.append(
+            tinker.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(targets_T),
+                    "weights": tinker.TensorData.from_numpy(w_T.astype(np.float32)),
+                },
+            )
+        )
     return out
 
 
@@ -77,11 +86,20 @@ def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
     return reweighted(batch, 1.0, lambda i: i % 2 == 0)
 
 
-def restore_probe(service_client: tinker.ServiceClient, uninterrupted: tinker.TrainingClient, initial_checkpoint: str,
-                  batch: Sequence[tinker.Datum], opt_cfg: Mapping[str, float], tag: str, rec: KeepsResponses,
-                  atol: float, call: CallWrapper, restore_optimizer: bool = True,
-                  update_norm: UpdateNormMeasure | None = None,
-                  say: Callable[[str], None] = lambda _m: None) -> RestoreProbeResult:
+def restore_probe(
+    service_client: tinker.ServiceClient,
+    uninterrupted: tinker.TrainingClient,
+    initial_checkpoint: str,
+    batch: Sequence[tinker.Datum],
+    opt_cfg: Mapping[str, float],
+    tag: str,
+    rec: KeepsResponses,
+    atol: float,
+    call: CallWrapper,
+    restore_optimizer: bool = True,
+    update_norm: UpdateNormMeasure | None = None,
+    say: Callable[[str], None] = lambda _m: None,
+) -> RestoreProbeResult:
     """Uninterrupted vs create-save-restore probe clients must agree after the same update.
 
     `uninterrupted` is the setup client that saved the initial checkpoint and has applied nothing
@@ -101,8 +119,12 @@ def restore_probe(service_client: tinker.ServiceClient, uninterrupted: tinker.Tr
         _, opt1 = fixed_gradient_step(uninterrupted, g1, adam)
     else:
         done: dict[str, Any] = {}
-        norm1 = update_norm(uninterrupted, lambda: done.setdefault("step", fixed_gradient_step(uninterrupted, g1, adam)))
-        _, opt1 = done["step"] if "step" in done else fixed_gradient_step(uninterrupted, g1, adam)  # weights unread: no norm
+        norm1 = update_norm(
+            uninterrupted, lambda: done.setdefault("step", fixed_gradient_step(uninterrupted, g1, adam))
+        )
+        _, opt1 = (
+            done["step"] if "step" in done else fixed_gradient_step(uninterrupted, g1, adam)
+        )  # weights unread: no norm
     echo_ref = rec.keep("probe_optim_step_1", opt1)
     mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
     rec.keep("probe_save_mid", mid)
@@ -125,20 +147,31 @@ def restore_probe(service_client: tinker.ServiceClient, uninterrupted: tinker.Tr
     cmp = compare_logprobs(after_u, after_r, atol)
     effect = compare_logprobs(before, after_u, atol)
     if resp is None or resp.path != mid.path:
-        failures.append(f"probe restore: server load response path {getattr(resp, 'path', None)!r} "
-                        f"!= saved {mid.path!r}")
+        failures.append(
+            f"probe restore: server load response path {getattr(resp, 'path', None)!r} != saved {mid.path!r}"
+        )
     if not cmp["within_tolerance"]:
-        failures.append(f"restored probe update differs from uninterrupted: max |diff| "
-                        f"{cmp['max_abs_diff']} > {atol}")
+        failures.append(f"restored probe update differs from uninterrupted: max |diff| {cmp['max_abs_diff']} > {atol}")
     if effect["within_tolerance"]:
-        failures.append(f"probe update changed logprobs by only {effect['max_abs_diff']} <= {atol}: "
-                        "the restore comparison cannot tell a lost update from a matching one")
+        failures.append(
+            f"probe update changed logprobs by only {effect['max_abs_diff']} <= {atol}: "
+            "the restore comparison cannot tell a lost update from a matching one"
+        )
     keys = list(opt_cfg)
     return RestoreProbeResult(
-        initial_checkpoint=initial_checkpoint, mid_checkpoint=mid.path, loaded_checkpoint_uri=getattr(resp, "path", None),
-        adam_params=adam.model_dump(), restored_vs_uninterrupted=as_object(cmp), second_update_effect=as_object(effect),
-        optim_metrics={"update1": dict(opt1.metrics or {}),
-                       "update2_uninterrupted": dict(opt2_u.metrics or {}),
-                       "update2_restored": dict(opt2_r.metrics or {})},
-        echoed_config=echoed_config(opt1.metrics, keys), echo_ref=echo_ref,
-        base_lr_update_norm=norm1, failures=failures)
+        initial_checkpoint=initial_checkpoint,
+        mid_checkpoint=mid.path,
+        loaded_checkpoint_uri=getattr(resp, "path", None),
+        adam_params=adam.model_dump(),
+        restored_vs_uninterrupted=as_object(cmp),
+        second_update_effect=as_object(effect),
+        optim_metrics={
+            "update1": dict(opt1.metrics or {}),
+            "update2_uninterrupted": dict(opt2_u.metrics or {}),
+            "update2_restored": dict(opt2_r.metrics or {}),
+        },
+        echoed_config=echoed_config(opt1.metrics, keys),
+        echo_ref=echo_ref,
+        base_lr_update_norm=norm1,
+        failures=failures,
+    )

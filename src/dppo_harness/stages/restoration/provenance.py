@@ -37,7 +37,6 @@ class InitializationProvenance(TypedDict):
     failures: NotRequired[list[str]]
 
 
-
 def initialization_entry(
     *,
     base_checkpoint: str,
@@ -94,35 +93,39 @@ def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) 
             failures.append(f"{arm}: checkpoint load did not succeed")
         immutable = init.get("checkpoint_immutable")
         if immutable is None:
-            failures.append(f"{arm}: checkpoint_immutable unverified: "
-                            + str(init.get("checkpoint_immutable_reason") or "no explicit refusal to overwrite"))
+            failures.append(
+                f"{arm}: checkpoint_immutable unverified: "
+                + str(init.get("checkpoint_immutable_reason") or "no explicit refusal to overwrite")
+            )
         elif not immutable:
-            failures.append(f"{arm}: initial checkpoint not shown immutable"
-                            + (f": {init['checkpoint_immutable_reason']}" if init.get("checkpoint_immutable_reason")
-                               else ""))
+            failures.append(
+                f"{arm}: initial checkpoint not shown immutable"
+                + (f": {init['checkpoint_immutable_reason']}" if init.get("checkpoint_immutable_reason") else "")
+            )
         if init.get("loaded_checkpoint_uri") is None:
             failures.append(f"{arm}: no loaded checkpoint URI in the server's load response")
         elif init["loaded_checkpoint_uri"] != init["checkpoint_uri"]:
             failures.append(
-                f"{arm}: server loaded {init['loaded_checkpoint_uri']!r}, "
-                f"expected {init['checkpoint_uri']!r}"
+                f"{arm}: server loaded {init['loaded_checkpoint_uri']!r}, expected {init['checkpoint_uri']!r}"
             )
         checks = e.get("optimizer_checks", [])
         covered = sorted(int(num(c["after_restore"])) for c in checks)
         if covered != list(range(e["restore_count"] + 1)):
-            failures.append(
-                f"{arm}: optimizer checks cover restores {covered}, need 0..{e['restore_count']}"
-            )
+            failures.append(f"{arm}: optimizer checks cover restores {covered}, need 0..{e['restore_count']}")
         for c in checks:
             if c["mismatches"]:
-                failures.append(f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
-                                + "; ".join(str(m) for m in items(c["mismatches"])))
+                failures.append(
+                    f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
+                    + "; ".join(str(m) for m in items(c["mismatches"]))
+                )
         if not e["initial_output"].get("available"):
             failures.append(f"{arm}: initial output unavailable")
     # Shared identity: one checkpoint, one loaded URI, one batch, same outputs.
-    for key, label in (("checkpoint_uri", "initial checkpoint"),
-                       ("loaded_checkpoint_uri", "loaded checkpoint"),
-                       ("base_checkpoint", "base checkpoint")):
+    for key, label in (
+        ("checkpoint_uri", "initial checkpoint"),
+        ("loaded_checkpoint_uri", "loaded checkpoint"),
+        ("base_checkpoint", "base checkpoint"),
+    ):
         values = {entries[a]["initialization"].get(key) for a in present}
         if len(values) > 1:
             failures.append(f"arms do not share one {label}: {sorted(map(str, values))}")

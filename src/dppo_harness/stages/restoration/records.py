@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
 
 PROBE_UPDATES = ["cross_entropy on even datums + optim_step", "cross_entropy on odd datums + optim_step"]
-SETUP_CLIENT_ECHO = ("probe client (the setup client that saved the initial checkpoint, nothing applied "
-                     "since) (optim_step response metrics)")
+SETUP_CLIENT_ECHO = (
+    "probe client (the setup client that saved the initial checkpoint, nothing applied "
+    "since) (optim_step response metrics)"
+)
 SETUP_CLIENT = "the setup client that saved the initial checkpoint (no update before update 1)"
 
 
@@ -48,14 +50,20 @@ class RestoreProbeResult:
     def to_json(self) -> JsonObject:
         """restoration-probe.json (`own_config_probes` only when another arm's config was probed)."""
         out: JsonObject = {
-            "initial_checkpoint": self.initial_checkpoint, "mid_checkpoint": self.mid_checkpoint,
-            "loaded_checkpoint_uri": self.loaded_checkpoint_uri, "updates": list(PROBE_UPDATES),
-            "adam_params": self.adam_params, "restored_vs_uninterrupted": self.restored_vs_uninterrupted,
+            "initial_checkpoint": self.initial_checkpoint,
+            "mid_checkpoint": self.mid_checkpoint,
+            "loaded_checkpoint_uri": self.loaded_checkpoint_uri,
+            "updates": list(PROBE_UPDATES),
+            "adam_params": self.adam_params,
+            "restored_vs_uninterrupted": self.restored_vs_uninterrupted,
             "second_update_effect": self.second_update_effect,
             "optim_metrics": {k: dict(v) for k, v in self.optim_metrics.items()},
-            "echoed_config": dict(self.echoed_config), "echo_ref": self.echo_ref,
-            "echo_observed_on": self.echo_observed_on, "uninterrupted_client": self.uninterrupted_client,
-            "base_lr_update_norm": self.base_lr_update_norm, "failures": list(self.failures),
+            "echoed_config": dict(self.echoed_config),
+            "echo_ref": self.echo_ref,
+            "echo_observed_on": self.echo_observed_on,
+            "uninterrupted_client": self.uninterrupted_client,
+            "base_lr_update_norm": self.base_lr_update_norm,
+            "failures": list(self.failures),
         }
         if self.own_config_probes:
             out["own_config_probes"] = {a: p.to_json() for a, p in self.own_config_probes.items()}
@@ -72,8 +80,13 @@ class LrScalingUnavailable:
 
     def to_json(self) -> JsonObject:
         """lr-scaling-probe.json when unmeasured."""
-        return {"available": False, "reason": self.reason, "learning_rates": list(self.learning_rates),
-                "lr_scaling": [], "passed": None}
+        return {
+            "available": False,
+            "reason": self.reason,
+            "learning_rates": list(self.learning_rates),
+            "lr_scaling": [],
+            "passed": None,
+        }
 
 
 @dataclass(frozen=True)
@@ -92,10 +105,17 @@ class LrScalingMeasured:
 
     def to_json(self) -> JsonObject:
         """lr-scaling-probe.json when measured."""
-        return {"available": True, "measure": self.measure, "reset": self.reset, "gradient": self.gradient,
-                "lr_scaling": [dict(p) for p in self.lr_scaling],
-                "relative_error": None if self.relative_error is None else list(self.relative_error),
-                "rtol": self.rtol, "passed": self.passed, "problem": self.problem}
+        return {
+            "available": True,
+            "measure": self.measure,
+            "reset": self.reset,
+            "gradient": self.gradient,
+            "lr_scaling": [dict(p) for p in self.lr_scaling],
+            "relative_error": None if self.relative_error is None else list(self.relative_error),
+            "rtol": self.rtol,
+            "passed": self.passed,
+            "problem": self.problem,
+        }
 
 
 LrScalingBlock = LrScalingUnavailable | LrScalingMeasured
@@ -129,6 +149,8 @@ def preflight_service_work(restoration: RestorationResult) -> dict[str, dict[str
     lr, probe = restoration.lr_scaling, restoration.probe
     shared = 1 if probe is not None and probe.base_lr_update_norm is not None else 0
     lr_updates = max(0, len(lr.lr_scaling) - shared) if isinstance(lr, LrScalingMeasured) else 0
-    return {"restore_continuity_probe": {"optimizer_updates": 3 if probe is not None else 0, "sampling_batches": 0},
-            "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
-            "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0}}
+    return {
+        "restore_continuity_probe": {"optimizer_updates": 3 if probe is not None else 0, "sampling_batches": 0},
+        "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
+        "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0},
+    }

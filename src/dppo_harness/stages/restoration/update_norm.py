@@ -42,8 +42,10 @@ class LocalCheckpointReader:
     parameters). `local_server.checkpoint_files.adapter_file` says where a checkpoint's adapter is.
     """
 
-    description = ("local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
-                   "save_state checkpoints the embedded server wrote under its run_dir")
+    description = (
+        "local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
+        "save_state checkpoints the embedded server wrote under its run_dir"
+    )
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
@@ -96,5 +98,8 @@ def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multiplier
     """Whether the planned LR's scaling probe is the setup client's update 1 (no client of its own):
     only with a measure that cannot leave that client waiting on a refused request (it still has
     the restore probe to run); otherwise every LR gets its own client."""
-    return (update_norm is not None and any(float(m) == 1.0 for m in multipliers)
-            and bool(getattr(update_norm, "safe_on_a_working_client", False)))
+    return (
+        update_norm is not None
+        and any(float(m) == 1.0 for m in multipliers)
+        and bool(getattr(update_norm, "safe_on_a_working_client", False))
+    )
