@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from dppo_harness.loss import correctness as cx
-from dppo_harness.loss import correctness_golden, correctness_reference, references
+from dppo_harness.loss import (
+    correctness_golden,
+    correctness_measures,
+    correctness_packed,
+    correctness_reference,
+    references,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "dppo_golden_v1.json"
@@ -23,7 +29,7 @@ SPEC = {
             {
                 "id": "grpo_dppo_custom_loss",
                 "kind": "loss",
-                "tolerances": copy.deepcopy(correctness_golden.DEFAULT_TOLERANCES),
+                "tolerances": copy.deepcopy(correctness_measures.DEFAULT_TOLERANCES),
             }
         ],
     }
@@ -65,31 +71,31 @@ def test_packing_has_prompt_junk_varied_lengths_and_an_empty_row():
     assert 0 in packed.response_lens  # the fully padded row becomes a prompt-only datum
     for p, mask, adv in zip(packed.prompt_lens, packed.mask_T, packed.adv_T):
         assert not mask[: p - 1].any() and np.all(adv[: p - 1] != 0)
-    datums = correctness_reference.to_datums(packed)
+    datums = correctness_packed.to_datums(packed)
     assert all(d.model_input.length == len(m) for d, m in zip(datums, packed.mask_T))
 
 
 def test_parity_errors_and_acceptance_rule():
-    e = correctness_golden.parity_errors([1.0, 2.0], [1.0, 2.0])
+    e = correctness_measures.parity_errors([1.0, 2.0], [1.0, 2.0])
     assert e == {
         "max_abs_error": 0.0,
         "reference_max_abs": 2.0,
         "relative_l2_error": 0.0,
         "cosine_similarity": pytest.approx(1.0),
     }
-    z = correctness_golden.parity_errors([0.0, 0.0], [0.0, 0.0])
+    z = correctness_measures.parity_errors([0.0, 0.0], [0.0, 0.0])
     assert z["relative_l2_error"] is None and z["cosine_similarity"] is None
     tol = {"atol": 1e-5, "rtol": 1e-3, "min_cosine": 0.9999}
-    assert correctness_golden.errors_pass(correctness_golden.parity_errors([1.0 + 1.0e-3], [1.0]), tol)[
+    assert correctness_measures.errors_pass(correctness_measures.parity_errors([1.0 + 1.0e-3], [1.0]), tol)[
         0
     ]  # 1e-3 <= 1e-5 + 1e-3 * 1
-    assert not correctness_golden.errors_pass(
-        correctness_golden.parity_errors([1.0 + 1.02e-3], [1.0]), {"atol": 1e-5, "rtol": 1e-3}
+    assert not correctness_measures.errors_pass(
+        correctness_measures.parity_errors([1.0 + 1.02e-3], [1.0]), {"atol": 1e-5, "rtol": 1e-3}
     )[0]
-    assert not correctness_golden.errors_pass(
-        correctness_golden.parity_errors([1.0, -1.0], [1.0, 1.0]), {"atol": 10.0, "rtol": 0.0, "min_cosine": 0.9999}
+    assert not correctness_measures.errors_pass(
+        correctness_measures.parity_errors([1.0, -1.0], [1.0, 1.0]), {"atol": 10.0, "rtol": 0.0, "min_cosine": 0.9999}
     )[0]
-    assert not correctness_golden.errors_pass(correctness_golden.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[
+    assert not correctness_measures.errors_pass(correctness_measures.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[
         0
     ]  # zero reference: no cosine
 
@@ -97,8 +103,8 @@ def test_parity_errors_and_acceptance_rule():
 def test_measures_json_is_parity_errors_as_written():
     """The preflight block writes each ErrorMeasures record with the same keys, order and values."""
     for got, want in (([1.0, 2.0], [1.0, 2.5]), ([0.0], [0.0])):
-        e = correctness_golden.parity_errors(got, want)
-        assert list(correctness_golden.measures_json(e).items()) == list(e.items())
+        e = correctness_measures.parity_errors(got, want)
+        assert list(correctness_measures.measures_json(e).items()) == list(e.items())
 
 
 def test_validate_tolerances_are_numbers():
@@ -219,7 +225,7 @@ def test_preflight_block_has_the_briefs_shape(good_block):
     assert p["id"] == "grpo_dppo_custom_loss" and p["lr_scaling"] == []
     assert p["fixed_input"]["sha256"] == correctness_reference.file_sha256(GOLDEN)
     assert p["implementation_revision"] == cx.implementation_revision()
-    assert set(p["errors"]) == set(correctness_golden.CHECK_NAMES)
+    assert set(p["errors"]) == set(correctness_measures.CHECK_NAMES)
     for e in p["errors"].values():
         assert set(e) == {"max_abs_error", "reference_max_abs", "relative_l2_error", "cosine_similarity"}
 

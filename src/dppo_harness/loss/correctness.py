@@ -31,13 +31,12 @@ from pydantic import JsonValue
 
 from dppo_harness.constants import BASELINE_REVISION, REFERENCE_REVISION
 from dppo_harness.json_types import JsonObject
-from dppo_harness.loss.correctness_golden import (
+from dppo_harness.loss.correctness_measures import (
     CHECK_NAMES,
     DEFAULT_TOLERANCES,
     ErrorMeasures,
     GoldenReport,
     Tolerances,
-    check_golden,
     errors_pass,
     measures_json,
 )
@@ -397,9 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.cmd == "check-golden":
-        import torch  # the golden run's packed path only: `validate` and the importers stay torch-free
+        # The packed path (torch, the SDK) loads for this command only: `validate` stays numpy-only.
+        from dppo_harness.loss.correctness_golden import check_golden
 
-        torch.set_num_threads(1)
         spec = _object(_load_json(args.spec, "spec")) if args.spec else None
         tol = spec_tolerances(spec) if spec is not None else None
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -408,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: unknown modes {bad}; expected {MODES}", file=sys.stderr)
             return 2
         try:
-            report = check_golden(Path(args.file), modes, tol)
+            report = check_golden(Path(args.file), modes, tol, torch_threads=1)
         except GoldenError as exc:
             print(f"error: {exc}", file=sys.stderr)
             print("0 passed, 1 failed")

@@ -1,10 +1,10 @@
 """The golden cases in the padded [B, T] layout, and their packing into the layout under test.
 
 Reads and validates a ``dppo_golden_v1`` file (rows of the pinned Stable-RL functions' inputs and
-outputs, padded with a response mask), lays each case out as real ``tinker.Datum``s after junk
-prompt positions, runs the packed loss path (``losses``) on them and scatters its outputs back
-into the padded layout, so the parity checks (``correctness_golden``) compare like with like. The
-independent padded implementations themselves are ``references``.
+outputs, padded with a response mask) and lays each case out after junk prompt positions;
+``correctness_packed`` runs the packed loss path on that layout and scatters its outputs back, so
+the parity checks (``correctness_golden``) compare like with like. The independent padded
+implementations themselves are ``references``. numpy only.
 
 Modes of the packed path (``MODES``):
 - ``float64``: the packed layout (prompt junk + responses, varied lengths) as flat float64 tensors
@@ -23,17 +23,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import JsonValue
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.loss.loss_registry import Normalization
-
-if TYPE_CHECKING:
-    import tinker
-
 
 GOLDEN_SCHEMA = "dppo_golden_v1"
 MODES = ("float64", "float32", "float64-datum")
@@ -185,103 +179,3 @@ def pack_case(case: GoldenCase, seed: int = 0) -> PackedCase:
         packed.mask_T.append(np.concatenate([np.zeros(n_prompt_targets), case.mask_BT[b, :r_len]]))
         packed.tokens.append([int(t) for t in rng.integers(0, 151_000, p_len + r_len)])
     return packed
-
-
-def to_datums(packed: PackedCase) -> list[tinker.Datum]:
-    import tinker  # only where datums are built: the validate CLI needs numpy alone
-
-    datums: list[tinker.Datum] = []
-    for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T):
-        datums.append(
-            tinker.Datum(
-                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
-                    "logprobs": tinker.TensorData.from_numpy(mu.astype(np.float32)),
-                    "advantages": tinker.TensorData.from_numpy(adv.astype(np.float32)),
-                    "mask": tinker.TensorData.from_numpy(mask.astype(np.float32)),
-                },
-            )
-        )
-    return datums
-
-
-@dataclass
-class PackedRun:
-    loss: float
-    grad_BT: np.ndarray
-    keep_BT: np.ndarray
-    clipped_BT: np.ndarray
-    metrics: dict[str, float]
-    used_lp_BT: np.ndarray  # the values the loss actually saw
-    used_mu_BT: np.ndarray
-    used_adv_BT: np.ndarray
-    prompt_grad_max_abs: float
-    missing_grads: int
-
-
-def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: Normalization, mode: str) -> PackedRun:
-    """Run the packed path under test and scatter its outputs back into the padded layout."""
-    import torch  # lazy: the validate CLI needs numpy only
-
-    from dppo_harness.loss import losses  # imports torch (see above)
-
-    cfg = losses.LossConfig(loss=losses.DPPO_LOSS if arm == "dppo" else losses.GRPO_LOSS, normalization=normalization)
-    B, T = case.mask_BT.shape
-    if mode == "float64":
-        lps = [torch.tensor(lp, dtype=torch.float64, requires_grad=True) for lp in packed.lp_T]
-        logprobs_N = torch.cat(lps) if lps else torch.zeros(0, dtype=torch.float64)
-        cat = lambda xs: torch.from_numpy(np.concatenate(xs)) if xs else torch.zeros(0, dtype=torch.float64)  # noqa: E731
-        mu_N, adv_N, mask_N = cat(packed.mu_T), cat(packed.adv_T), cat(packed.mask_T)
-        loss, metrics = losses.packed_loss_and_metrics(logprobs_N, mu_N, adv_N, mask_N, cfg)
-        terms = losses.token_terms(logprobs_N.detach(), mu_N, adv_N, mask_N, cfg)
-        used_mu, used_adv = packed.mu_T, packed.adv_T
-    elif mode in ("float32", "float64-datum"):
-        dtype = torch.float32 if mode == "float32" else torch.float64
-        datums = to_datums(packed)
-        lps = [torch.tensor(lp, dtype=dtype).requires_grad_(True) for lp in packed.lp_T]
-        loss, metrics = losses.make_loss_fn(cfg)(datums, lps)
-        terms = losses.datum_token_terms(datums, lps, cfg)
-        used_mu = [mu.astype(np.float32).astype(np.float64) for mu in packed.mu_T]
-        used_adv = [adv.astype(np.float32).astype(np.float64) for adv in packed.adv_T]
-    else:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    loss.backward()
-    grad_BT = np.zeros((B, T))
-    keep_BT = np.zeros((B, T), dtype=bool)
-    clipped_BT = np.zeros((B, T), dtype=bool)
-    used_lp_BT = case.lp_BT.copy()
-    used_mu_BT = case.mu_BT.copy()
-    used_adv_BT = case.adv_BT.copy()
-    prompt_max = 0.0
-    missing = 0
-    offset = 0
-    keep_N = terms.dppo_keep_N.numpy()
-    clip_N = terms.ppo_clipped_N.numpy()
-    for b, (lp, p_len, r_len) in enumerate(zip(lps, packed.prompt_lens, packed.response_lens)):
-        n_prompt = p_len - 1
-        if lp.grad is None:
-            missing += 1
-            g = np.zeros(lp.shape[0])
-        else:
-            g = lp.grad.detach().to(torch.float64).numpy()
-        prompt_max = max(prompt_max, float(np.max(np.abs(g[:n_prompt]), initial=0.0)))
-        grad_BT[b, :r_len] = g[n_prompt:]
-        keep_BT[b, :r_len] = keep_N[offset + n_prompt : offset + n_prompt + r_len]
-        clipped_BT[b, :r_len] = clip_N[offset + n_prompt : offset + n_prompt + r_len]
-        used_lp_BT[b, :r_len] = lp.detach().to(torch.float64).numpy()[n_prompt:]
-        used_mu_BT[b, :r_len] = used_mu[b][n_prompt:]
-        used_adv_BT[b, :r_len] = used_adv[b][n_prompt:]
-        offset += lp.shape[0]
-    return PackedRun(
-        float(loss.detach()),
-        grad_BT,
-        keep_BT,
-        clipped_BT,
-        metrics,
-        used_lp_BT,
-        used_mu_BT,
-        used_adv_BT,
-        prompt_max,
-        missing,
-    )

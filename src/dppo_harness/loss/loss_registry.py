@@ -6,8 +6,8 @@ parameters, the loss-call metrics that describe its decisions, the activation-ga
 provides, its independent numpy reference (`references.py`) and its golden cases. A plan naming
 an unregistered loss is refused at load (`plans.run_config`), before any service call. Adding a
 loss is `register_loss(LossEntry(...))` with its reference and golden file, nothing else
-(`docs/plans.md`). This module imports no torch (plan loading stays cheap); the rules import it
-when they run.
+(`docs/plans.md`). This module imports no torch (plan loading stays cheap): the rules use the
+tensors' own methods.
 """
 
 from __future__ import annotations
@@ -123,12 +123,9 @@ def _dppo_token_loss(
 ) -> torch.Tensor:
     """DPPO Binary-TV: -A * w * keep * lp with the detached capped weight w = min(exp(min(lp - mu,
     20)), C); no lower clamp on the log-ratio (pinned rule)."""
-    import torch  # plan loading imports the registry: torch only when a rule runs
-
-    zero = torch.zeros((), dtype=torch.float64)
     log_ratio_N = (lp_N.detach() - mu_N).clamp(max=LOG_RATIO_CLAMP_MAX)
     weight_N = log_ratio_N.exp().clamp(max=cfg.ratio_cap)
-    coef_N = torch.where(terms.dppo_keep_N & terms.nonzero_adv_N, adv_N * weight_N, zero)
+    coef_N = (adv_N * weight_N).where(terms.dppo_keep_N & terms.nonzero_adv_N, 0.0)
     return -coef_N * lp_N
 
 
@@ -136,11 +133,9 @@ def _grpo_token_loss(
     lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms, cfg: LossConfig
 ) -> torch.Tensor:
     """GRPO clipped ratio (Tinker's `ppo`): -min(r*A, clamp(r, 1-eps, 1+eps)*A), gradient through r."""
-    import torch  # plan loading imports the registry: torch only when a rule runs
-
     ratio_N = (lp_N - mu_N).exp()
     clamped_N = ratio_N.clamp(1 - cfg.ppo_eps, 1 + cfg.ppo_eps)
-    return -torch.minimum(ratio_N * adv_N, clamped_N * adv_N)
+    return -(ratio_N * adv_N).minimum(clamped_N * adv_N)
 
 
 _GOLDEN_FILE = "tests/fixtures/dppo_golden_v1.json"
