@@ -11,7 +11,7 @@ import pytest
 import tinker
 
 from dppo_harness.pytest_plugin import fixtures_preflight
-from dppo_harness.service.connectivity import ConnectivityReport, client_base_model
+from dppo_harness.service.connectivity import ConnectivityReport
 from dppo_harness.stages.restoration import checkpoint
 
 PLANNED = "Qwen/Qwen3.5-2B"
@@ -74,7 +74,7 @@ class _ServiceClient:
 
 @pytest.mark.parametrize(("report", "want"), [(SUBSTITUTED, SUBSTITUTE), (SERVED, PLANNED)])
 def test_the_resolved_model_is_the_one_passed_to_client_creation(report, want):
-    model = client_base_model(PLANNED, report)
+    model = report.client_base_model(PLANNED)
     assert model == want
     sc = _ServiceClient()
     initial = checkpoint.fresh_checkpoint(sc, model, 8, "shared", 0, "t", checkpoint.Recorder(), lambda fn: fn())
@@ -82,7 +82,7 @@ def test_the_resolved_model_is_the_one_passed_to_client_creation(report, want):
 
 
 def test_a_model_the_preflight_did_not_check_is_passed_unchanged():
-    assert client_base_model("Qwen/Qwen3-8B", SUBSTITUTED) == "Qwen/Qwen3-8B"
+    assert SUBSTITUTED.client_base_model("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
 
 
 def test_the_restoration_fixture_creates_clients_with_the_resolved_model():
@@ -90,11 +90,7 @@ def test_the_restoration_fixture_creates_clients_with_the_resolved_model():
     fn = fixtures_preflight.restoration
     fn = getattr(fn, "__wrapped__", None) or getattr(fn, "_get_wrapped_function", lambda: fn)()
     tree = ast.parse(inspect.getsource(fn).lstrip())
-    calls = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "run_restoration_preflight"
-    ]
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "run_for_session"]
     assert len(calls) == 1
     kw = {k.arg: k.value for k in calls[0].keywords}
     assert isinstance(kw["base_model"], ast.Name) and kw["base_model"].id == "client_base_model"

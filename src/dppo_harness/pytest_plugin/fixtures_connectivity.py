@@ -4,7 +4,7 @@
   training client; a failure fails the requesting test with its one line (later stages skip).
   When the plugin's launch-scope check (before the first test) already read it, that report.
 - `client_base_model`: the base model the stages create training clients with (the plan's, or
-  the preflight's same-family substitute); `connectivity.client_base_model` resolves it.
+  the preflight's same-family substitute); `ConnectivityReport.client_base_model` resolves it.
 - `training_client_observer`: records every training client's served identity into evidence.
 """
 
@@ -52,9 +52,7 @@ def connectivity(
 
 @pytest.fixture(scope="session")
 def client_base_model(connectivity: ConnectivityReport, plan: Plan) -> str:
-    from dppo_harness.service.connectivity import client_base_model as resolve  # the SDK: see above
-
-    return resolve(plan.base_model, connectivity)
+    return connectivity.client_base_model(plan.base_model)
 
 
 @pytest.fixture(scope="session")

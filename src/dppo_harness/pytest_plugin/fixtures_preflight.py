@@ -83,53 +83,38 @@ def restoration(
 ) -> RestorationResult:
     """restoration.RestorationResult for the initialization group of the plan's spec (a
     diagnostic's original plan), run once."""
-    from dppo_harness.service.capacity import call_with_capacity_retry  # the SDK: see above
-    from dppo_harness.stages import restoration as restoration_module  # the SDK: see above
-    from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader  # the SDK: see above
-    from dppo_harness.train.clients import RestorationError  # the SDK: see above
+    from dppo_harness.stages.restoration import for_session  # the SDK and torch: see above
 
-    reader = None
-    if service_backend.kind == "local" and service_backend.server is not None:
-        reader = LocalCheckpointReader(service_backend.server.run_dir)
     # Its own session, registered before its first call: a stop on the way (capacity, hang)
     # releases it with the rest.
     probe_sc = stage_session_client(
         "preflight-probes", "preflight setup and probe clients (closed when the preflight ends)"
     )
-    policy = service_waiter.policy.capacity()  # the session's windows for refused creations
-    update_norm = None
-    if reader is None:  # tinker backend: read trained weights back through the SDK (no local engine to ask)
-        from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm  # the SDK: see above
-
-        update_norm = ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
-    failure = None
+    server = service_backend.server if service_backend.kind == "local" else None
     try:
         # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
         with Watchdog(harness_progress, every_s=10.0) as watch:
-            result = restoration_module.run_restoration_preflight(
+            outcome = for_session.run_for_session(
                 service_client,
                 plan,
                 evidence_bundle,
-                checkpoint_reader=reader,
                 probe_service_client=probe_sc,
+                local_run_dir=server.run_dir if server is not None else None,
                 base_model=client_base_model,  # the served substitute
-                # 429/503/capacity on client creation; scaled policy + capacity_block on give-up
-                call=lambda fn: call_with_capacity_retry(fn, policy=policy, registry=client_registry),
-                update_norm=update_norm,
+                capacity=service_waiter.policy.capacity(),  # the session's windows for refused creations
+                registry=client_registry,
                 trained_arms=trained_arms(plan),
                 progress=watch.say,
             )
-    except RestorationError as exc:  # e.g. a response without a field the proof needs: one line
-        failure = f"restoration preflight: {exc}"
     except CapacityExhausted as exc:  # the run ends with its capacity_block
         record_capacity_stop_before_training(evidence_bundle, exc.block)
         raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
         # Release the setup/probe session before anything trains, and record it.
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)  # outside the except: the line, without a chained traceback
-    return result
+    if isinstance(outcome, str):  # a response without a field the proof needs: its one line
+        pytest.fail(outcome, pytrace=False)
+    return outcome
 
 
 @pytest.fixture(scope="session")

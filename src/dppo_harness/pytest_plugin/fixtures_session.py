@@ -96,8 +96,7 @@ def service_waiter(
     """The session's one wait policy: every client of every ServiceClient the harness makes waits
     under it; long waits are posted to the evidence, a stop releases the clients and records why."""
     # The waiter and its evidence poster load the tinker SDK (seconds): paid when a test first needs a client.
-    from dppo_harness.service.wait.evidence import BundlePoster
-    from dppo_harness.service.wait.waiter import ServiceWaiter  # the tinker SDK, as above
+    from dppo_harness.service.wait.evidence import bundle_waiter
 
     scale = capacity_scale(service_backend.kind, os.environ)
     policy = WaitPolicy.from_options(
@@ -106,8 +105,7 @@ def service_waiter(
         service_timeout_s=harness_options.service_timeout_s,
         scale=scale,
     )
-    poster = BundlePoster(evidence_bundle, client_registry)
-    waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=progress_printer(request.config))
+    waiter = bundle_waiter(policy, evidence_bundle, client_registry, progress_printer(request.config))
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
 
@@ -121,26 +119,10 @@ def service_waiter(
 
 
 @pytest.fixture(scope="session")
-def service_client(
-    service_backend: ServiceBackend,
-    client_registry: ClientRegistry,
-    harness_options: HarnessOptions,
-    training_client_observer: TrainingClientRecorder,
-    service_waiter: ServiceWaiter,
-) -> tinker.ServiceClient:
+def service_client(stage_session_client: Callable[[str, str], tinker.ServiceClient]) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
-    from dppo_harness.service.observed import make_service_client  # the tinker SDK (seconds), on first use
-
-    return make_service_client(
-        service_backend.kind,
-        service_backend.base_url,
-        registry=client_registry,
-        stage="session",
-        observer=training_client_observer,  # every training client's identity -> evidence
-        label="session: the arms' training clients and evaluation samplers (open until the session ends)",
-        waiter=service_waiter,
-        proxy_tokens=harness_options.proxy_credentials,
-        sdk_telemetry=harness_options.sdk_telemetry,
+    return stage_session_client(
+        "session", "session: the arms' training clients and evaluation samplers (open until the session ends)"
     )
 
 
@@ -154,7 +136,7 @@ def stage_session_client(
 ) -> Callable[[str, str], tinker.ServiceClient]:
     """A factory of a stage's own ServiceClient session (`stage`, `label`): observed, waited and
     registered before its first call, so a stop on the way releases it with the rest; the stage
-    closes it when its work ends, before any arm trains."""
+    closes it when its work ends, before any arm trains (stage "session": the session's own)."""
     from dppo_harness.service.observed import make_service_client  # the tinker SDK (seconds), on first use
 
     def open_session(stage: str, label: str) -> tinker.ServiceClient:

@@ -180,7 +180,6 @@ def diagnostic_run(
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
     from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic  # the SDK and torch: see above
-    from dppo_harness.stages.restoration import preflight_service_work  # the SDK and torch: see above
 
     start = time.monotonic() - evidence_bundle.elapsed_seconds()
     run = run_bounded_diagnostic(
@@ -192,7 +191,7 @@ def diagnostic_run(
         stage_start=start,
         spec=plan.original.experiment,
         progress=_progress(request),
-        prior_service_work=preflight_service_work(restoration),
+        prior_service_work=restoration.preflight_service_work(),
         init_reference=restoration,
         restored=restoration.loaded.get(plan.diagnostic.fixed_settings.treatment.arm),
     )

@@ -111,6 +111,14 @@ class ConnectivityReport:
     def embedded(self) -> bool:
         return self.marker is not None
 
+    def client_base_model(self, requested_model: str) -> str:
+        """The base model every stage creates clients with: the preflight's choice for this requested
+        model (a served model of the same family when the requested one is not served, recorded as a
+        deviation), else the requested model itself. The only place that resolves it."""
+        if requested_model == self.requested_model:
+            return self.model
+        return requested_model  # not the model the preflight checked: nothing to substitute
+
     def as_evidence(self) -> ConnectivityEvidence:
         return {
             "backend": self.backend,
@@ -124,15 +132,6 @@ class ConnectivityReport:
             "checks": self.checks,
             "seconds": round(self.seconds, 3),
         }
-
-
-def client_base_model(requested_model: str, report: ConnectivityReport) -> str:
-    """The base model every stage creates clients with: the preflight's choice for this requested
-    model (a served model of the same family when the requested one is not served, recorded as a
-    deviation), else the requested model itself. The only place that resolves it."""
-    if requested_model == report.requested_model:
-        return report.model
-    return requested_model  # not the model the preflight checked: nothing to substitute
 
 
 def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: ProxyTokens = "modal") -> str:

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import httpx
 import tinker
-
-if TYPE_CHECKING:
-    import torch
+import torch
+from safetensors.torch import load as load_safetensors
 
 DESCRIPTION = (
     "tinker backend: ||theta_after - theta_before|| over all tensors of the external-format weights "
@@ -31,8 +29,6 @@ DESCRIPTION = (
 
 def update_norm_from_tensors(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
     """L2 norm of the parameter change over the union of tensor names (float64)."""
-    import torch  # heavy: loaded only when an update norm is measured
-
     if set(before) != set(after):
         raise ValueError(f"tensor names differ: {sorted(set(before) ^ set(after))[:5]}")
     total = 0.0
@@ -61,8 +57,6 @@ class ExternalWeightsUpdateNorm:
         self._n = 0
 
     def read(self, client: tinker.TrainingClient, name: str) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load as load_safetensors  # heavy (torch): loaded only when weights are read
-
         saved = client.save_weights_external(name).result(timeout=self.timeout_s)
         urls = self._rest().get_external_weights_urls(saved.path).result(timeout=self.timeout_s).urls
         files = sorted(k for k in urls if k.endswith(".safetensors"))

@@ -25,7 +25,6 @@ from dppo_harness.stages.restoration.records import (
     LrScalingUnavailable,
     RestorationResult,
     RestoreProbeResult,
-    preflight_service_work,
 )
 
 __all__ = [
@@ -41,7 +40,6 @@ __all__ = [
     "RestorationResult",
     "RestoreProbeResult",
     "duplicate_save_outcome",
-    "preflight_service_work",
     "restoration_arms",
     "run_restoration_preflight",
 ]

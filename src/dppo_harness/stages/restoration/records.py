@@ -2,7 +2,7 @@
 block and `RestorationResult`, each a record whose `to_json()` writes the evidence file's dict
 (same keys, same order) that the bundle registers.
 
-`preflight_service_work` is the stage rule that counts the optimizer updates the preflight issued
+`RestorationResult.preflight_service_work` is the stage rule that counts the optimizer updates the preflight issued
 on its throwaway probe clients (the diagnostic's service-work ledger starts from it).
 """
 
@@ -140,17 +140,16 @@ class RestorationResult:
     def failure_message(self) -> str:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
 
-
-def preflight_service_work(restoration: RestorationResult) -> dict[str, dict[str, int]]:
-    """Optimizer updates the preflight issued on its throwaway probe clients, from its own records:
-    the restore-continuity probe (one update on the uninterrupted client, then one on each of the
-    uninterrupted and the restored client) and one update per measured LR probe, less the one at
-    the planned LR, which is the continuity probe's first update. No sampling."""
-    lr, probe = restoration.lr_scaling, restoration.probe
-    shared = 1 if probe is not None and probe.base_lr_update_norm is not None else 0
-    lr_updates = max(0, len(lr.lr_scaling) - shared) if isinstance(lr, LrScalingMeasured) else 0
-    return {
-        "restore_continuity_probe": {"optimizer_updates": 3 if probe is not None else 0, "sampling_batches": 0},
-        "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
-        "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0},
-    }
+    def preflight_service_work(self) -> dict[str, dict[str, int]]:
+        """Optimizer updates the preflight issued on its throwaway probe clients, from its own records:
+        the restore-continuity probe (one update on the uninterrupted client, then one on each of the
+        uninterrupted and the restored client) and one update per measured LR probe, less the one at
+        the planned LR, which is the continuity probe's first update. No sampling."""
+        lr, probe = self.lr_scaling, self.probe
+        shared = 1 if probe is not None and probe.base_lr_update_norm is not None else 0
+        lr_updates = max(0, len(lr.lr_scaling) - shared) if isinstance(lr, LrScalingMeasured) else 0
+        return {
+            "restore_continuity_probe": {"optimizer_updates": 3 if probe is not None else 0, "sampling_batches": 0},
+            "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
+            "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0},
+        }
