@@ -21,7 +21,7 @@ from dppo_harness.service.observed import describe_client
 from dppo_harness.stages.restoration.records import RestoreProbeResult
 from dppo_harness.stages.restoration.update_norm import UpdateNormMeasure
 from dppo_harness.train.clients import create_from_state_observed, datum_arrays, full_logprobs
-from dppo_harness.train.fingerprints import compare_logprobs
+from dppo_harness.train.fingerprints import LogprobComparison, compare_logprobs
 from dppo_harness.train.optimizer_checks import echoed_config
 
 CallWrapper = Callable[[Callable[[], Any]], Any]  # wraps every client-creating call (e.g. a capacity retry)
@@ -86,6 +86,61 @@ def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
     return reweighted(batch, 1.0, lambda i: i % 2 == 0)
 
 
+def _measured_first_update(
+    client: tinker.TrainingClient,
+    gradient: Sequence[tinker.Datum],
+    adam: tinker.AdamParams,
+    update_norm: UpdateNormMeasure | None,
+) -> tuple[tinker.OptimStepResponse, float | None]:
+    """Update 1 on the uninterrupted client, with its update norm when `update_norm` is given
+    (the LR-scaling probe at the planned LR); a measure that never applied the update leaves it
+    to be applied here, unmeasured."""
+    if update_norm is None:
+        return fixed_gradient_step(client, gradient, adam)[1], None
+    done: dict[str, tuple[tinker.ForwardBackwardOutput, tinker.OptimStepResponse]] = {}
+    norm = update_norm(client, lambda: done.setdefault("step", fixed_gradient_step(client, gradient, adam)))
+    _, opt = done["step"] if "step" in done else fixed_gradient_step(client, gradient, adam)  # weights unread: no norm
+    return opt, norm
+
+
+def _restored_client(
+    service_client: tinker.ServiceClient, mid_path: str, call: CallWrapper, restore_optimizer: bool
+) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
+    """A client created from the uninterrupted client's mid save, with the server's load response."""
+    if restore_optimizer:
+        restored, resp = call(lambda: create_from_state_observed(service_client, mid_path))
+    else:  # failure-path tests only: a restore that drops the Adam moments must be caught
+        restored = call(lambda: service_client.create_training_client_from_state(mid_path).result())
+        resp = tinker.types.LoadWeightsResponse(path=mid_path)
+    describe_client(service_client, restored, "restore probe: created from the uninterrupted probe's mid save")
+    return restored, resp
+
+
+def _probe_failures(
+    resp: tinker.types.LoadWeightsResponse | None,
+    mid_path: str,
+    restored_vs_uninterrupted: LogprobComparison,
+    second_update_effect: LogprobComparison,
+    atol: float,
+) -> list[str]:
+    """What the probe proves wrong: the load, a restored update that differs, or an update 2 too
+    small for the comparison to tell a lost update from a matching one."""
+    failures: list[str] = []
+    if resp is None or resp.path != mid_path:
+        failures.append(
+            f"probe restore: server load response path {getattr(resp, 'path', None)!r} != saved {mid_path!r}"
+        )
+    cmp, effect = restored_vs_uninterrupted, second_update_effect
+    if not cmp["within_tolerance"]:
+        failures.append(f"restored probe update differs from uninterrupted: max |diff| {cmp['max_abs_diff']} > {atol}")
+    if effect["within_tolerance"]:
+        failures.append(
+            f"probe update changed logprobs by only {effect['max_abs_diff']} <= {atol}: "
+            "the restore comparison cannot tell a lost update from a matching one"
+        )
+    return failures
+
+
 def restore_probe(
     service_client: tinker.ServiceClient,
     uninterrupted: tinker.TrainingClient,
@@ -109,31 +164,15 @@ def restore_probe(
     same bias-corrected step, and the check could not fail). With `update_norm`, update 1 is also
     the LR-scaling probe at the planned LR (`base_lr_update_norm`).
     """
-    failures: list[str] = []
     adam = adam_params(opt_cfg)
     g1 = probe_gradient(batch)
     g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
     say("4/6: probe update 1 on the uninterrupted client")
-    norm1: float | None = None
-    if update_norm is None:
-        _, opt1 = fixed_gradient_step(uninterrupted, g1, adam)
-    else:
-        done: dict[str, Any] = {}
-        norm1 = update_norm(
-            uninterrupted, lambda: done.setdefault("step", fixed_gradient_step(uninterrupted, g1, adam))
-        )
-        _, opt1 = (
-            done["step"] if "step" in done else fixed_gradient_step(uninterrupted, g1, adam)
-        )  # weights unread: no norm
+    opt1, norm1 = _measured_first_update(uninterrupted, g1, adam, update_norm)
     echo_ref = rec.keep("probe_optim_step_1", opt1)
     mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
     rec.keep("probe_save_mid", mid)
-    if restore_optimizer:
-        restored, resp = call(lambda: create_from_state_observed(service_client, mid.path))
-    else:  # failure-path tests only: a restore that drops the Adam moments must be caught
-        restored = call(lambda: service_client.create_training_client_from_state(mid.path).result())
-        resp = tinker.types.LoadWeightsResponse(path=mid.path)
-    describe_client(service_client, restored, "restore probe: created from the uninterrupted probe's mid save")
+    restored, resp = _restored_client(service_client, mid.path, call, restore_optimizer)
     rec.keep("probe_load_mid", resp if resp is not None else {"response": None})
     rec.keep("probe_load_mid.get_info", restored.get_info())
     say("4/6: probe update 2 on both clients, then logprobs compared")
@@ -146,18 +185,6 @@ def restore_probe(
     after_r = full_logprobs(restored, batch)
     cmp = compare_logprobs(after_u, after_r, atol)
     effect = compare_logprobs(before, after_u, atol)
-    if resp is None or resp.path != mid.path:
-        failures.append(
-            f"probe restore: server load response path {getattr(resp, 'path', None)!r} != saved {mid.path!r}"
-        )
-    if not cmp["within_tolerance"]:
-        failures.append(f"restored probe update differs from uninterrupted: max |diff| {cmp['max_abs_diff']} > {atol}")
-    if effect["within_tolerance"]:
-        failures.append(
-            f"probe update changed logprobs by only {effect['max_abs_diff']} <= {atol}: "
-            "the restore comparison cannot tell a lost update from a matching one"
-        )
-    keys = list(opt_cfg)
     return RestoreProbeResult(
         initial_checkpoint=initial_checkpoint,
         mid_checkpoint=mid.path,
@@ -170,8 +197,8 @@ def restore_probe(
             "update2_uninterrupted": dict(opt2_u.metrics or {}),
             "update2_restored": dict(opt2_r.metrics or {}),
         },
-        echoed_config=echoed_config(opt1.metrics, keys),
+        echoed_config=echoed_config(opt1.metrics, list(opt_cfg)),
         echo_ref=echo_ref,
         base_lr_update_norm=norm1,
-        failures=failures,
+        failures=_probe_failures(resp, mid.path, cmp, effect, atol),
     )

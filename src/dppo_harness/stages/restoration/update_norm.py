@@ -2,24 +2,24 @@
 
 The contract: `UpdateNormMeasure` is what the restore and LR-scaling probes call; on the local
 backend `CheckpointUpdateNorm` measures it from save_state checkpoints that `LocalCheckpointReader`
-reads under the embedded server's run_dir (which also hashes adapters as loaded). The Tinker API
-exposes no parameters, so other backends bring their own measure or none.
+reads under the embedded server's run_dir (which also hashes adapters as loaded) through
+`local_checkpoints`. The Tinker API exposes no parameters, so other backends bring their own measure
+or none.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import tinker
 
-from dppo_harness.local_server.checkpoint_files import adapter_file
-from dppo_harness.train.clients import RestorationError
-
 if TYPE_CHECKING:
     import torch
+
+    from dppo_harness.stages.restoration.local_checkpoints import LocalAdapterFiles
 
 
 class UpdateNormMeasure(Protocol):
@@ -39,7 +39,9 @@ class LocalCheckpointReader:
     """Reads adapter tensors of checkpoints the embedded server wrote under its run_dir.
 
     Local backend only: this is an in-process route around the SDK (the Tinker API exposes no
-    parameters). `local_server.checkpoint_files.adapter_file` says where a checkpoint's adapter is.
+    parameters). The reading and the arithmetic are `local_checkpoints.LocalAdapterFiles`'s, loaded
+    on the first read, so that importing this module or constructing a reader on another backend
+    loads neither the embedded server's model module (transformers) nor torch on its own account.
     """
 
     description = (
@@ -50,31 +52,22 @@ class LocalCheckpointReader:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
 
-    def adapter(self, path: str) -> dict[str, torch.Tensor]:
-        import torch  # loaded only on the local backend, where the checkpoints are read
+    @cached_property
+    def _files(self) -> LocalAdapterFiles:
+        # Local backend only: torch and the embedded server's model module load on the first read.
+        from dppo_harness.stages.restoration.local_checkpoints import LocalAdapterFiles
 
-        f = adapter_file(self.run_dir, path)
-        if f is None:
-            raise RestorationError(f"not a checkpoint path: {path!r}")
-        if not f.is_file():
-            raise RestorationError(f"checkpoint {path!r} has no adapter file at {f}")
-        return torch.load(f, map_location="cpu", weights_only=True)
+        return LocalAdapterFiles(self.run_dir)
+
+    def adapter(self, path: str) -> dict[str, torch.Tensor]:
+        return self._files.adapter(path)
 
     def adapter_sha256(self, path: str) -> str:
         """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
-        # Local backend only: the embedded server's model module (torch, transformers) loads on use.
-        from dppo_harness.local_server.engine.model import state_sha256
-
-        return state_sha256(self.adapter(path))
+        return self._files.adapter_sha256(path)
 
     def update_norm(self, before: str, after: str) -> float:
-        import torch  # local backend only, as in `adapter`
-
-        a, b = self.adapter(before), self.adapter(after)
-        if sorted(a) != sorted(b):
-            raise RestorationError("checkpoints have different parameter names")
-        sq = sum(float(torch.sum((b[k].double() - a[k].double()) ** 2)) for k in a)
-        return math.sqrt(sq)
+        return self._files.update_norm(before, after)
 
 
 class CheckpointUpdateNorm:
