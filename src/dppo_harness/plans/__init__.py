@@ -1,7 +1,8 @@
 """Frozen plans: the plan models, loading (sha256 of the exact bytes), the typed run config,
 rehearsal rules, launch scope, effective config and deviations.
 
-Modules: `models` (strict pydantic models per kind, decoding; `schema_errors` words their errors),
+Modules: `models` (strict pydantic models per kind, decoding, on `model_base`; a diagnostic's
+settings blocks in `diagnostic_settings`; `schema_errors` words their errors),
 `prose` (values a spec states only in its method text), `resolution` (the file beside a plan that
 settles what the prose leaves open), `loss_params` (what a spec says about its losses against the
 registry), `run_config` (the typed `RunConfig` stages read), `rehearsal` (rules and the `rehearse`
@@ -11,16 +12,16 @@ tool), `launch` (what a launch authorizes on a real service), `plan` (`Plan`, `l
 """
 
 from dppo_harness.json_types import JsonObject
+from dppo_harness.plans.diagnostic_settings import DiagnosticSchedule
 from dppo_harness.plans.launch import refusal as launch_refusal
 from dppo_harness.plans.launch import unauthorized_stages
 from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refusal
+from dppo_harness.plans.model_base import PlanError
 from dppo_harness.plans.models import (
     AUTHORIZABLE_STAGES,
     DEVIATION_FIELDS,
-    DiagnosticSchedule,
     ExperimentSpec,
     Launch,
-    PlanError,
     PlanKind,
     detect_kind,
     validate_model,

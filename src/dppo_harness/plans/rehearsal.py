@@ -23,15 +23,8 @@ from pathlib import Path
 from pydantic import JsonValue
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.plans.models import (
-    Difference,
-    ExperimentSpec,
-    PlanError,
-    RehearsalPlan,
-    _fail,
-    decode,
-    validate_model,
-)
+from dppo_harness.plans.model_base import PlanError
+from dppo_harness.plans.models import Difference, ExperimentSpec, RehearsalPlan, _fail, decode, validate_model
 from dppo_harness.plans.prose import Stated, format_number, rewrite
 from dppo_harness.plans.resolution import default_settlements, load_resolution
 from dppo_harness.plans.run_config import RunConfig, build_run_config

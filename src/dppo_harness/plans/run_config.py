@@ -28,7 +28,8 @@ from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.loss_params import check_loss_statements
-from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
+from dppo_harness.plans.model_base import PlanError
+from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig
 from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, stated_values, word_re
 
 Role = Literal["baseline", "treatment"]
