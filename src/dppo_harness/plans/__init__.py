@@ -1,26 +1,28 @@
 """Frozen plans: the plan models, loading (sha256 of the exact bytes), the typed run config,
 rehearsal rules, launch scope, effective config and deviations.
 
-Modules: `models` (strict pydantic models per kind, decoding; `schema_errors` words their errors),
-`prose` (values a spec states only in its method text), `resolution` (the file beside a plan that
-settles what the prose leaves open), `loss_params` (what a spec says about its losses against the
-registry), `run_config` (the typed `RunConfig` stages read), `rehearsal` (rules and the `rehearse`
-tool), `launch` (what a launch authorizes on a real service), `plan` (`Plan`, `load_plan`,
-`effective_config`), `reading` (what `validate` prints beside the config). CLI:
-`python -m dppo_harness.plans {validate,rehearse}`.
+Modules: `models` (strict pydantic models per kind, decoding, on `model_base`; a diagnostic's
+settings blocks in `diagnostic_settings`; `schema_errors` words their errors), `prose` (values a
+spec states only in its method text), `resolution` (the file beside a plan that settles what the
+prose leaves open), `loss_params` (what a spec says about its losses against the registry),
+`run_config` (the typed `RunConfig` stages read; its arms and criteria from `arm_roles`),
+`rehearsal` (rules and the `rehearse` tool), `launch` (what a launch authorizes on a real
+service), `plan` (`Plan`, `load_plan`, `effective_config`), `reading` (what `validate` prints
+beside the config). CLI: `python -m dppo_harness.plans {validate,rehearse}`.
 """
 
 from dppo_harness.json_types import JsonObject
+from dppo_harness.plans.arm_roles import ArmConfig, CriterionConfig
+from dppo_harness.plans.diagnostic_settings import DiagnosticSchedule
 from dppo_harness.plans.launch import refusal as launch_refusal
 from dppo_harness.plans.launch import unauthorized_stages
 from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refusal
+from dppo_harness.plans.model_base import PlanError
 from dppo_harness.plans.models import (
     AUTHORIZABLE_STAGES,
     DEVIATION_FIELDS,
-    DiagnosticSchedule,
     ExperimentSpec,
     Launch,
-    PlanError,
     PlanKind,
     detect_kind,
     validate_model,
@@ -53,7 +55,7 @@ from dppo_harness.plans.rehearsal import (
     rehearsal_deviation,
 )
 from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
-from dppo_harness.plans.run_config import ArmConfig, CriterionConfig, RunConfig, build_run_config
+from dppo_harness.plans.run_config import RunConfig, build_run_config
 
 __all__ = [
     "AUTHORIZABLE_STAGES",

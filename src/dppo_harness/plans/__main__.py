@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dppo_harness.plans.models import PlanError
+from dppo_harness.plans.model_base import PlanError
 from dppo_harness.plans.plan import load_plan, plan_config, plan_errors
 from dppo_harness.plans.reading import reading_lines
 from dppo_harness.plans.rehearsal import (

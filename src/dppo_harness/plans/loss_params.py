@@ -15,7 +15,8 @@ from decimal import Decimal
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry
 from dppo_harness.loss.correctness_paths import IMPLEMENTED_PATHS, implemented_list
-from dppo_harness.plans.models import ExperimentSpec, PlanError
+from dppo_harness.plans.model_base import PlanError
+from dppo_harness.plans.models import ExperimentSpec
 from dppo_harness.plans.prose import contexted_sentences, read_number
 
 

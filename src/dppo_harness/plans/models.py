@@ -10,6 +10,8 @@ Each kind is a strict pydantic model (no unknown keys, no coercion, no NaN/inf).
 raises `PlanError` whose message starts with the field path, e.g.
 `activation_gate.checks[2].min: expected number, got str`. Any kind may carry a `launch` block:
 what this launch authorizes on a service that is not the embedded server (`plans.launch`).
+The strict base and the shared field types are `model_base`'s; a bounded diagnostic's settings
+blocks are `diagnostic_settings`'s.
 """
 
 from __future__ import annotations
@@ -21,48 +23,33 @@ from typing import Annotated, ClassVar, Literal, NoReturn
 
 from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
-from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error, type_name
+from dppo_harness.plans.diagnostic_settings import (
+    Caps,
+    DiagnosticSchedule,
+    FixedSettings,
+    Outcomes,
+    Recording,
+    UnavailableReference,
+)
+from dppo_harness.plans.model_base import (
+    NonEmptyStr,
+    NonNeg,
+    NonNegInt,
+    PlanError,
+    PosInt,
+    Sha256,
+    StrictModel,
+    Unit,
+)
+from dppo_harness.plans.schema_errors import first_error, rule_error, type_name
 
 PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
 # A deviation's `field` is one of these (the structured output's deviation fields; no other is reported).
 DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
-_SHA256_PATTERN = r"^[0-9a-f]{64}$"
-
-
-class PlanError(ValueError):
-    """A plan file that cannot be used; the message names the offending field path."""
 
 
 def _fail(path: str, msg: str) -> PlanError:
     return PlanError(f"{path or '<root>'}: {msg}")
-
-
-# ----------------------------------------------------------------------------- field types
-
-NonNeg = Annotated[float, Field(ge=0)]
-Unit = Annotated[float, Field(ge=0, le=1)]
-PosInt = Annotated[int, Field(ge=1)]
-NonNegInt = Annotated[int, Field(ge=0)]
-Sha256 = Annotated[str, Field(pattern=_SHA256_PATTERN)]
-NonEmptyStr = Annotated[str, Field(min_length=1, pattern=r"\S")]
-
-
-class _Model(BaseModel):
-    """Strict, closed model. An optional key (default None) may be left out but not given as null,
-    unless the field is listed in `_nullable`."""
-
-    model_config = STRICT
-    _nullable: ClassVar[frozenset[str]] = frozenset()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_null_for_optional_keys(cls, data: object) -> object:  # any input: pydantic validates it next
-        if isinstance(data, dict):
-            for key, value in data.items():
-                f = cls.model_fields.get(key)
-                if value is None and f is not None and not f.is_required() and key not in cls._nullable:
-                    raise rule_error(key, "expected a value, got null (leave the key out instead)")
-        return data
 
 
 def _needs_bound(check: BaseModel, keys: Sequence[str]) -> None:
@@ -77,7 +64,7 @@ def _needs_bound(check: BaseModel, keys: Sequence[str]) -> None:
 # ----------------------------------------------------------------------------- experiment_spec
 
 
-class ExperimentFeatures(_Model):
+class ExperimentFeatures(StrictModel):
     custom_loss: bool
     custom_optimizer: bool
     paired_comparison: bool
@@ -90,13 +77,13 @@ class ExperimentFeatures(_Model):
     adaptive_selection: bool
 
 
-class Tolerance(_Model):
+class Tolerance(StrictModel):
     atol: NonNeg
     rtol: NonNeg
     min_cosine: Annotated[float, Field(ge=-1, le=1)] | None = None
 
 
-class OptimizerConfig(_Model):
+class OptimizerConfig(StrictModel):
     learning_rate: NonNeg
     beta1: Unit
     beta2: Unit
@@ -105,7 +92,7 @@ class OptimizerConfig(_Model):
     grad_clip_norm: NonNeg | None = None
 
 
-class GateCheck(_Model):
+class GateCheck(StrictModel):
     metric: str
     measures: str
     min: float | None = None
@@ -118,26 +105,26 @@ class GateCheck(_Model):
         return self
 
 
-class SpecDataset(_Model):
+class SpecDataset(StrictModel):
     name: str
     hf_path: str
     split: str
     n_examples: PosInt
 
 
-class SpecOptimizer(_Model):
+class SpecOptimizer(StrictModel):
     name: str
     lr: NonNeg
 
 
-class SpecEval(_Model):
+class SpecEval(StrictModel):
     benchmark: str
     metric: str
     n_examples: PosInt
     aggregation: str | None
 
 
-class CorrectnessPath(_Model):
+class CorrectnessPath(StrictModel):
     id: str
     kind: str
     baseline_revision: str
@@ -145,36 +132,36 @@ class CorrectnessPath(_Model):
     tolerances: dict[str, Tolerance]
 
 
-class CorrectnessPreflight(_Model):
+class CorrectnessPreflight(StrictModel):
     required: bool
     status: str
     paths: list[CorrectnessPath]
 
 
-class ActivationGate(_Model):
+class ActivationGate(StrictModel):
     applicable: bool
     reason: str
     checks: list[GateCheck]
 
 
-class RestorationArm(_Model):
+class RestorationArm(StrictModel):
     name: str
     optimizer: str
     optimizer_config: OptimizerConfig
 
 
-class RestorationGroup(_Model):
+class RestorationGroup(StrictModel):
     arms: Annotated[list[RestorationArm], Field(min_length=1)]
 
 
-class RestorationPreflight(_Model):
+class RestorationPreflight(StrictModel):
     applicable: bool
     reason: str
     fixed_batch_required: bool
     groups: list[RestorationGroup]
 
 
-class DecisionCriterion(_Model):
+class DecisionCriterion(StrictModel):
     id: str
     metric: str
     weights: dict[str, float]
@@ -182,7 +169,7 @@ class DecisionCriterion(_Model):
     bounds: Annotated[list[float], Field(min_length=2, max_length=2)]
 
 
-class DecisionRule(_Model):
+class DecisionRule(StrictModel):
     version: int
     estimand: str
     unit: str
@@ -192,7 +179,7 @@ class DecisionRule(_Model):
     criteria: Annotated[list[DecisionCriterion], Field(min_length=1)]
 
 
-class SpecArm(_Model):
+class SpecArm(StrictModel):
     name: str
     loss: str
     seed: int
@@ -200,12 +187,12 @@ class SpecArm(_Model):
     updates_per_batch: PosInt
 
 
-class Budget(_Model):
+class Budget(StrictModel):
     gpu_hours: NonNeg
     max_wall_minutes: NonNeg
 
 
-class GenerationAudit(_Model):
+class GenerationAudit(StrictModel):
     required: bool
     answer_comparison: str
     min_sample_size: NonNegInt
@@ -213,7 +200,7 @@ class GenerationAudit(_Model):
     max_eval_overlaps: NonNegInt
 
 
-class FeasibilityCheck(_Model):
+class FeasibilityCheck(StrictModel):
     status: str
     problems: list[str]
     wall_seconds: float | None
@@ -222,7 +209,7 @@ class FeasibilityCheck(_Model):
     phases: dict[str, JsonValue]
 
 
-class ExperimentSpec(_Model):
+class ExperimentSpec(StrictModel):
     """The saved experiment spec, verbatim as exchanged (no `kind` key)."""
 
     title: str
@@ -258,7 +245,7 @@ class ExperimentSpec(_Model):
 # ----------------------------------------------------------------------------- bounded_diagnostic
 
 
-class OriginalPlanRef(_Model):
+class OriginalPlanRef(StrictModel):
     file: str
     sha256: Sha256
     experiment_version: str
@@ -271,7 +258,7 @@ class OriginalPlanRef(_Model):
 AUTHORIZABLE_STAGES = ("gate", "diagnostic", "comparison")
 
 
-class Launch(_Model):
+class Launch(StrictModel):
     """What this launch authorizes, in the requester's words, and the stages that it lets run
     on a real service."""
 
@@ -288,119 +275,7 @@ class Launch(_Model):
         return self
 
 
-class Initialization(_Model):
-    source: str
-    require_observed_successful_load: bool
-    trained_pilot_weights_allowed: bool
-
-
-class Treatment(_Model):
-    arm: str
-    loss: Literal["dppo_binary_tv"]
-    delta: NonNeg
-    ratio_cap: NonNeg
-    variant: str
-    variant_note: str
-    anchor: Literal["sampler_logprobs"]
-    divergence: str
-    reference_revision: str
-
-
-class CounterfactualBaseline(_Model):
-    loss: str
-    ppo_eps: NonNeg
-    trained: bool
-    note: str
-
-
-class DiagnosticOptimizer(_Model):
-    name: Literal["adamw"]
-    learning_rate: NonNeg
-    beta1: Unit
-    beta2: Unit
-    eps: NonNeg
-    weight_decay: NonNeg
-    grad_clip_norm: NonNeg
-
-
-class Sampling(_Model):
-    renderer: str
-    dataset: str
-    split: Literal["train"]
-    temperature: NonNeg
-    max_tokens: PosInt
-
-
-class LossNormalization(_Model):
-    mode: Literal["sum", "token_mean"]
-    denominator: str
-    reason: str
-
-
-class FixedSettings(_Model):
-    base_model: str
-    lora_rank: PosInt
-    seed: int
-    initialization: Initialization
-    treatment: Treatment
-    counterfactual_baseline: CounterfactualBaseline
-    optimizer: DiagnosticOptimizer
-    sampling: Sampling
-    advantages: Literal["group_mean_centered"]
-    loss_normalization: LossNormalization
-
-
-class DiagnosticSchedule(_Model):
-    """A bounded diagnostic's schedule: one sampled batch reused over epochs of minibatches."""
-
-    sampling_batches: Annotated[int, Field(ge=1, le=1)]
-    groups_per_batch: PosInt
-    group_size: PosInt
-    minibatches_per_epoch: PosInt
-    groups_per_minibatch: PosInt
-    complete_groups_only: bool
-    epochs: PosInt
-    max_optimizer_updates: PosInt
-    new_sampling_after_batch: Literal[False]
-    old_logprob_refresh: Literal[False]
-    frozen_fields: Annotated[list[str], Field(min_length=1)]
-    assert_hashes_before_every_reuse: bool
-    record_sampler_checkpoint: bool
-
-    @model_validator(mode="after")
-    def _consistent(self) -> DiagnosticSchedule:
-        if self.minibatches_per_epoch * self.groups_per_minibatch != self.groups_per_batch:
-            raise rule_error(
-                "groups_per_minibatch", "minibatches_per_epoch x groups_per_minibatch must equal groups_per_batch"
-            )
-        if self.max_optimizer_updates > self.epochs * self.minibatches_per_epoch:
-            raise rule_error("max_optimizer_updates", "exceeds epochs x minibatches_per_epoch")
-        return self
-
-
-class Caps(_Model):
-    max_wall_minutes: NonNeg
-    wall_clock_includes: list[str]
-    gpu_hours_cap: NonNeg
-    gpu_hours_cap_source: str
-    stop_rule: str
-    on_setup_exhausting_cap: str
-    check_remaining_budget_before_service_work: bool
-
-
-class Sentinels(_Model):
-    source: str
-    compare: str
-    after_updates: Annotated[list[NonNegInt], Field(min_length=1)]
-    purpose: str
-
-
-class Recording(_Model):
-    before_each_loss_and_update: Annotated[list[str], Field(min_length=1)]
-    sentinels: Sentinels
-
-
-class AnalysisCriterion(_Model):
+class AnalysisCriterion(StrictModel):
     id: str
     metric: str
     measures: str
@@ -416,7 +291,7 @@ class AnalysisCriterion(_Model):
         return self
 
 
-class Analysis(_Model):
+class Analysis(StrictModel):
     scope: str
     pooling: str
     selection_rule: str
@@ -425,25 +300,14 @@ class Analysis(_Model):
     original_gate_report: str
 
 
-class Outcomes(_Model):
-    inactive: str
-    active: str
-    verdict: str
-
-
-class UnavailableReference(_Model):
-    ref: str
-    reason: str
-
-
-class PlanDeviation(_Model):
+class PlanDeviation(StrictModel):
     field: Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
     original: str
     effective: str
     reason: str
 
 
-class DeclaredServiceWork(_Model):
+class DeclaredServiceWork(StrictModel):
     id: str
     stage: str
     optimizer_updates: Annotated[int, Field(ge=0)]
@@ -452,7 +316,7 @@ class DeclaredServiceWork(_Model):
     reason: Annotated[str, Field(min_length=1)]
 
 
-class ServiceWork(_Model):
+class ServiceWork(StrictModel):
     """Every optimizer update and sampling batch of the session, declared before execution
     (so executed work can be checked against what was planned)."""
 
@@ -473,7 +337,7 @@ class ServiceWork(_Model):
         return self
 
 
-class BoundedDiagnostic(_Model):
+class BoundedDiagnostic(StrictModel):
     kind: Literal["bounded_diagnostic"]
     version: Annotated[int, Field(ge=1, le=1)]
     plan_id: str
@@ -522,12 +386,12 @@ class BoundedDiagnostic(_Model):
 # ----------------------------------------------------------------------------- rehearsal
 
 
-class DerivedFrom(_Model):
+class DerivedFrom(StrictModel):
     path: NonEmptyStr  # relative to the repository root holding the plan file
     sha256: Sha256
 
 
-class Difference(_Model):
+class Difference(StrictModel):
     field: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*(\.[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*)*$")]
     spec: JsonValue
     rehearsal: JsonValue
@@ -535,7 +399,7 @@ class Difference(_Model):
     _nullable: ClassVar[frozenset[str]] = frozenset({"spec", "rehearsal"})
 
 
-class RehearsalPlan(_Model):
+class RehearsalPlan(StrictModel):
     """A complete experiment spec at rehearsal size; its differences from `derived_from` are
     declared one by one, and the spec's gates and thresholds stay as written (see
     check_rehearsal, which needs the derived-from file)."""

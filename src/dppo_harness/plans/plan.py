@@ -23,13 +23,13 @@ from dppo_harness import constants
 from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
+from dppo_harness.plans.model_base import PlanError
 from dppo_harness.plans.models import (
     DEVIATION_FIELDS,
     MODELS,
     BoundedDiagnostic,
     ExperimentSpec,
     Launch,
-    PlanError,
     PlanKind,
     PlanModel,
     RehearsalPlan,

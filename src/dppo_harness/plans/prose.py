@@ -34,7 +34,7 @@ from decimal import Decimal
 from typing import Literal
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.plans.models import PlanError
+from dppo_harness.plans.model_base import PlanError
 
 Context = Literal["training", "evaluation", "history", "arm"]
 

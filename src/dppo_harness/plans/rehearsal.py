@@ -17,21 +17,14 @@ import json
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pydantic import JsonValue
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.plans.models import (
-    Difference,
-    ExperimentSpec,
-    PlanError,
-    RehearsalPlan,
-    _fail,
-    decode,
-    validate_model,
-)
+from dppo_harness.plans.model_base import PlanError
+from dppo_harness.plans.models import Difference, ExperimentSpec, RehearsalPlan, _fail, decode, validate_model
 from dppo_harness.plans.prose import Stated, format_number, rewrite
 from dppo_harness.plans.resolution import default_settlements, load_resolution
 from dppo_harness.plans.run_config import RunConfig, build_run_config
@@ -338,20 +331,58 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
     if not isinstance(model, ExperimentSpec):
         raise _fail("<root>", f"{spec_path}: plans rehearse needs an experiment spec, got kind {kind!r}")
     run = _spec_run(Path(spec_path), model)
-    groups_reason = ""
-    if size.groups is None:
-        size = replace(
-            size,
-            groups=default_groups(int(run.group_size.value), run.updates_per_batch, int(run.groups_per_batch.value)),
-        )
-        if size.groups != DEFAULT_GROUPS:
-            groups_reason = (
-                f"; {size.groups} groups: {DEFAULT_ROLLOUTS} rollouts per batch as in the shipped "
-                "rehearsal, since the stand-in answers few prompts and a smaller batch can hold no group "
-                "with unequal rewards (measured on the variant spec's gate pilot at lr 1e-2: at 2 and at 4 "
-                "groups x 4 it moved nothing, masked fraction 0 and |p-q| q90 below 1e-6; at 8 x 4 it "
-                "passed)"
-            )
+    size, groups_reason = _with_default_groups(size, run)
+    groups = _checked_groups(size, run)
+    edits = _SpecEdits(json.loads(json.dumps(raw)))
+    _swap_in_stand_in(edits, model, run, size.stand_in)
+    _resize(edits, run, size, groups, groups_reason)
+    _follow_lr(edits, model, run, size)
+    _follow_method(edits, model, run, size)
+    plan = _rehearsal_plan(Path(spec_path), Path(out_path), data, edits, model)
+    return (json.dumps(plan, indent=2) + "\n").encode()
+
+
+@dataclass
+class _SpecEdits:
+    """The rehearsal's spec as it is rewritten, with each difference declared as it is made."""
+
+    spec: JsonValue
+    differences: list[JsonValue] = field(default_factory=list)
+
+    def change(self, at: str, new: JsonValue, reason: str) -> None:
+        """Set the leaf `at` to `new` and declare the difference (nothing when it already is `new`)."""
+        old = _get(self.spec, _parse_path(at))
+        if isinstance(old, _Missing):
+            raise KeyError(f"{at}: not a field of the spec")  # every changed field is one of the schema's
+        if _same(old, new):
+            return
+        _set(self.spec, _parse_path(at), new)
+        self.differences.append({"field": at, "spec": old, "rehearsal": new, "reason": reason})
+
+
+def _with_default_groups(size: RehearsalSize, run: RunConfig) -> tuple[RehearsalSize, str]:
+    """`size` with its groups per batch set (`default_groups` when none is asked for), and why a
+    default that is not the shipped plan's was chosen ("" otherwise)."""
+    if size.groups is not None:
+        return size, ""
+    size = replace(
+        size,
+        groups=default_groups(int(run.group_size.value), run.updates_per_batch, int(run.groups_per_batch.value)),
+    )
+    if size.groups == DEFAULT_GROUPS:
+        return size, ""
+    return size, (
+        f"; {size.groups} groups: {DEFAULT_ROLLOUTS} rollouts per batch as in the shipped "
+        "rehearsal, since the stand-in answers few prompts and a smaller batch can hold no group "
+        "with unequal rewards (measured on the variant spec's gate pilot at lr 1e-2: at 2 and at 4 "
+        "groups x 4 it moved nothing, masked fraction 0 and |p-q| q90 below 1e-6; at 8 x 4 it "
+        "passed)"
+    )
+
+
+def _checked_groups(size: RehearsalSize, run: RunConfig) -> int:
+    """The rehearsal's groups per batch, once every size is at least 1 and the groups form the
+    spec's complete-group minibatches (PlanError naming the option otherwise)."""
     assert size.groups is not None
     for name, v in (("--steps", size.steps), ("--groups", size.groups), ("--eval-items", size.eval_items)):
         if v < 1:
@@ -360,76 +391,84 @@ def make_rehearsal(spec_path: Path, out_path: Path, size: RehearsalSize = Rehear
         raise PlanError(
             f"--groups: {size.groups} groups cannot form {run.updates_per_batch} complete-group minibatches"
         )
-    spec: JsonValue = json.loads(json.dumps(raw))
-    diffs: list[JsonValue] = []
+    return size.groups
 
-    def change(field: str, new: JsonValue, reason: str) -> None:
-        old = _get(spec, _parse_path(field))
-        if isinstance(old, _Missing):
-            raise KeyError(f"{field}: not a field of the spec")  # every changed field is one of the schema's
-        if _same(old, new):
-            return
-        _set(spec, _parse_path(field), new)
-        diffs.append({"field": field, "spec": old, "rehearsal": new, "reason": reason})
 
+def _swap_in_stand_in(edits: _SpecEdits, model: ExperimentSpec, run: RunConfig, stand_in: str) -> None:
+    """The stand-in model computes; the gate's executed_base_model check follows it."""
     model_reason = (
         f"offline rehearsal on the embedded CPU server: the stand-in model computes, not {run.base_model} "
         "(no Tinker service is reachable here); the gate's executed_base_model check follows base_model"
     )
-    change("base_model", size.stand_in, model_reason)
+    edits.change("base_model", stand_in, model_reason)
     for i, check in enumerate(model.activation_gate.checks):
         if check.metric == "executed_base_model" and check.one_of and run.base_model in check.one_of:
-            change(
-                f"activation_gate.checks[{i}].one_of[{check.one_of.index(run.base_model)}]", size.stand_in, model_reason
+            edits.change(
+                f"activation_gate.checks[{i}].one_of[{check.one_of.index(run.base_model)}]", stand_in, model_reason
             )
+
+
+def _resize(edits: _SpecEdits, run: RunConfig, size: RehearsalSize, groups: int, groups_reason: str) -> None:
+    """Steps, batch size and test items at rehearsal size; the schedule's shape stays."""
     gs, upb = int(run.group_size.value), run.updates_per_batch
     size_reason = (
-        f"size: {size.steps} rollout steps x {size.groups} groups x {gs} and {size.eval_items} test items "
+        f"size: {size.steps} rollout steps x {groups} groups x {gs} and {size.eval_items} test items "
         "so that gate -> both arms -> evaluation of base and arms -> decision -> report fits 10 minutes on "
         f"2 CPU cores; the schedule's shape (group size, {upb} complete-group minibatch updates per batch, "
         f"temperature, max_tokens) is unchanged{groups_reason}"
     )
-    change("steps", size.steps * upb, size_reason)
-    change("batch_size", size.groups * gs, size_reason)
-    change("eval.n_examples", size.eval_items, size_reason)
-    if size.lr is not None:
-        lr_reason = _lr_reason(size, size.lr, run)
-        change("optimizer.lr", size.lr, lr_reason)
-        for i in range(len(model.arms)):
-            change(f"arms[{i}].lr", size.lr, lr_reason)
-        for g, group in enumerate(model.restoration_preflight.groups):
-            for a in range(len(group.arms)):
-                change(
-                    f"restoration_preflight.groups[{g}].arms[{a}].optimizer_config.learning_rate", size.lr, lr_reason
-                )
-    method, words = _rewritten_method(model.method, run.prose, size, upb)
+    edits.change("steps", size.steps * upb, size_reason)
+    edits.change("batch_size", groups * gs, size_reason)
+    edits.change("eval.n_examples", size.eval_items, size_reason)
+
+
+def _follow_lr(edits: _SpecEdits, model: ExperimentSpec, run: RunConfig, size: RehearsalSize) -> None:
+    """A rehearsal lr, when one is asked for, in the optimizer, every arm and every restoration arm."""
+    if size.lr is None:
+        return
+    lr_reason = _lr_reason(size, size.lr, run)
+    edits.change("optimizer.lr", size.lr, lr_reason)
+    for i in range(len(model.arms)):
+        edits.change(f"arms[{i}].lr", size.lr, lr_reason)
+    for g, group in enumerate(model.restoration_preflight.groups):
+        for a in range(len(group.arms)):
+            edits.change(
+                f"restoration_preflight.groups[{g}].arms[{a}].optimizer_config.learning_rate", size.lr, lr_reason
+            )
+
+
+def _follow_method(edits: _SpecEdits, model: ExperimentSpec, run: RunConfig, size: RehearsalSize) -> None:
+    """The method text's statements of the schedule, rewritten to the size and lr above."""
+    method, words = _rewritten_method(model.method, run.prose, size, run.updates_per_batch)
     if words:
         follows = "size and lr differences" if size.lr is not None else "size differences"
-        change(
+        edits.change(
             "method",
             method,
             f"the method text states the executed schedule ({', '.join(words)}): it follows "
             f"the {follows} above, nothing else in it changes",
         )
+
+
+def _rehearsal_plan(
+    spec_path: Path, out_path: Path, data: bytes, edits: _SpecEdits, model: ExperimentSpec
+) -> JsonObject:
+    """The rehearsal plan around the rewritten spec, its declared differences and `derived_from`."""
     two = len(model.arms) == 2
-    plan: JsonObject = {
+    return {
         "kind": "rehearsal",
         "version": 1,
-        "plan_id": f"{Path(spec_path).stem}-rehearsal-local-v1",
+        "plan_id": f"{spec_path.stem}-rehearsal-local-v1",
         "label": "rehearsal",
         "purpose": _PURPOSE.format(
             arms="both arms" if two else "every arm",
             checkpoints="both final checkpoints" if two else "every final checkpoint",
         ),
         "launch": _LAUNCH,
-        "derived_from": {
-            "path": _derived_path(Path(spec_path), Path(out_path)),
-            "sha256": hashlib.sha256(data).hexdigest(),
-        },
-        "differences": diffs,
-        "spec": spec,
+        "derived_from": {"path": _derived_path(spec_path, out_path), "sha256": hashlib.sha256(data).hexdigest()},
+        "differences": edits.differences,
+        "spec": edits.spec,
     }
-    return (json.dumps(plan, indent=2) + "\n").encode()
 
 
 def _rewritten_method(text: str, stated: Mapping[str, Stated], size: RehearsalSize, upb: int) -> tuple[str, list[str]]:

@@ -26,21 +26,22 @@ from typing import Annotated
 from pydantic import Field, ValidationError, model_validator
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.plans.models import Launch, NonEmptyStr, PlanError, _Model, decode
+from dppo_harness.plans.model_base import NonEmptyStr, PlanError, StrictModel
+from dppo_harness.plans.models import Launch, decode
 from dppo_harness.plans.prose import KEYS, Settlement, Settlements
 from dppo_harness.plans.schema_errors import describe, rule_error
 
 SUFFIX = ".resolution.json"
 
 
-class Interpretation(_Model):
+class Interpretation(StrictModel):
     key: NonEmptyStr
     value: Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an integer too (JSON 8 is a count)
     sentence: NonEmptyStr
     why: NonEmptyStr
 
 
-class ResolutionFile(_Model):
+class ResolutionFile(StrictModel):
     about: str | None = None
     interpretations: list[Interpretation] = Field(default_factory=list)
     launch: Launch | None = None

@@ -12,76 +12,30 @@ the field, a spec that the harness cannot run as written:
   (`dataset.DATASETS`), a gate check's metric is provided by no registered loss;
 - roles cannot be told: the baseline comes from the spec's `baseline` text (an arm name, else a
   registered loss's label such as "GRPO"), every other arm is a treatment; each criterion's
-  +1/-1 weights name arms or the roles `treatment`/`baseline` (a role must name one arm).
+  +1/-1 weights name arms or the roles `treatment`/`baseline` (a role must name one arm). The
+  arms and criteria are resolved by `arm_roles`.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
+from dppo_harness.plans.arm_roles import ArmConfig, CriterionConfig, resolve_arms, resolve_criteria
 from dppo_harness.plans.loss_params import check_loss_statements
-from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError
-from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, stated_values, word_re
+from dppo_harness.plans.model_base import PlanError
+from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck
+from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, stated_values
 
-Role = Literal["baseline", "treatment"]
-# What the frozen evaluator scores per item (evaluation.METRIC): the only criterion metric.
-SCORED_METRICS = ("accuracy",)
-# Each scored metric's range: a criterion's bounds must be it (a narrower one refuses real
-# observations; a wider one inflates the interval until no verdict is reachable).
-METRIC_RANGES: dict[str, tuple[float, float]] = {"accuracy": (0.0, 1.0)}
-DECISION_METHODS = ("paired_hoeffding",)
 # The spec declares no loss normalization; both arms use the diagnostic plan's token mean.
 NORMALIZATION: losses.Normalization = "token_mean"
 # The gate's pilot length when its reason text states none (the saved spec says "A 5-step pilot").
 DEFAULT_PILOT_STEPS = 5
-
-
-@dataclass(frozen=True)
-class ArmConfig:
-    name: str
-    loss: str  # a registered loss name
-    role: Role
-    seed: int
-    lr: float
-    updates_per_batch: int
-    optimizer: str  # the optimizer family the restoration preflight names
-    optimizer_config: OptimizerConfig
-
-    @property
-    def adam(self) -> dict[str, float]:
-        """AdamParams of this arm's updates (the spec declares no weight decay or clipping: 0)."""
-        c = self.optimizer_config
-        return {
-            "learning_rate": self.lr,
-            "beta1": c.beta1,
-            "beta2": c.beta2,
-            "eps": c.eps,
-            "weight_decay": c.weight_decay or 0.0,
-            "grad_clip_norm": c.grad_clip_norm or 0.0,
-        }
-
-    def adam_config_requested(self) -> dict[str, float]:
-        """The spec's optimizer_config keys (what an optimizer check compares)."""
-        return {k: v for k, v in self.optimizer_config.model_dump().items() if v is not None}
-
-
-@dataclass(frozen=True)
-class CriterionConfig:
-    id: str
-    metric: str
-    treatment: str  # arm with weight +1
-    baseline: str  # arm with weight -1
-    margin: float
-    bounds: tuple[float, float]
-    weights: Mapping[str, float]  # as the spec writes them (role or arm names)
 
 
 @dataclass(frozen=True)
@@ -216,16 +170,57 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
     arm_names = [a.name for a in spec.arms]
     stated = parse_method(spec.method, arm_names=arm_names, settlements=settlements)
     sched = {k: require(stated, k, file=settlements.file) for k in REQUIRED}
-    gpb, gs, max_tokens = (int(sched[k].value) for k in ("groups_per_batch", "group_size", "max_tokens"))
+    groups_per_batch = int(sched["groups_per_batch"].value)
     upb, seed = _check_arms(spec)
+    rollout_steps = _rollout_steps(spec, stated, upb)
+    minibatches = _minibatch_split(spec, stated, sched, upb)
+    _check_stated_settings(spec, stated, seed)
+    _check_room_for_prompt(spec, sched["max_tokens"])
+    data = _check_dataset(spec, rollout_steps, groups_per_batch)
+    arms, baseline_source = resolve_arms(spec)
+    criteria = resolve_criteria(spec, arms)
+    _check_gate_metrics(spec)
+    _check_gate_plan(spec, upb)
+    _check_updates_stated_elsewhere(spec, upb)
+    check_loss_statements(spec)
+    pilot = _gate_pilot_steps(spec, arm_names, settlements)
+    return RunConfig(
+        base_model=spec.base_model,
+        lora_rank=spec.lora_rank,
+        dataset=data.name,
+        train_items=spec.dataset.n_examples,
+        max_seq_len=spec.max_seq_len,
+        arms=arms,
+        baseline_source=baseline_source,
+        rollout_steps=rollout_steps,
+        optimizer_steps=spec.steps,
+        updates_per_batch=upb,
+        batch_size=spec.batch_size,
+        groups_per_batch=sched["groups_per_batch"],
+        group_size=sched["group_size"],
+        temperature=sched["temperature"],
+        max_tokens=sched["max_tokens"],
+        minibatches_per_batch=minibatches,
+        eval_items=spec.eval.n_examples,
+        gate_pilot_steps=pilot,
+        decision_method=spec.decision_rule.method,
+        alpha=spec.decision_rule.alpha,
+        criteria=criteria,
+        gate_checks=tuple(spec.activation_gate.checks),
+        budget=spec.budget,
+        prose=stated,
+    )
+
+
+def _rollout_steps(spec: ExperimentSpec, stated: Mapping[str, Stated], upb: int) -> int:
+    """Rollout batches per arm: spec.steps optimizer steps over `upb` updates per batch, and each
+    count the method states (updates per batch, rollout steps, optimizer steps) agrees."""
     if "updates_per_batch" in stated and stated["updates_per_batch"].value != upb:
         s = stated["updates_per_batch"]
         raise _fail(
             "arms",
             f"updates_per_batch {upb} != the {s.value} optimizer steps per batch the method states ({_quote(s)})",
         )
-
-    # steps, batch and the minibatch split: prose against the structured fields
     if spec.steps % upb:
         raise _fail("steps", f"{spec.steps} optimizer steps is not a multiple of updates_per_batch {upb}")
     rollout_steps = spec.steps // upb
@@ -235,6 +230,15 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
     if "optim_steps" in stated and stated["optim_steps"].value != spec.steps:
         s = stated["optim_steps"]
         raise _fail("steps", f"{spec.steps} != the {s.value} optimizer steps the method states ({_quote(s)})")
+    return rollout_steps
+
+
+def _minibatch_split(
+    spec: ExperimentSpec, stated: Mapping[str, Stated], sched: Mapping[str, Stated], upb: int
+) -> Stated:
+    """The rollout batch's split into minibatches: batch_size is groups_per_batch x group_size, and
+    the batch splits into `upb` complete-group minibatches, one per update."""
+    gpb, gs = int(sched["groups_per_batch"].value), int(sched["group_size"].value)
     if gpb * gs != spec.batch_size:
         raise _fail(
             "batch_size",
@@ -254,6 +258,11 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
         )
     if gpb % upb:
         raise _fail("method", f"groups_per_batch {gpb} cannot form {upb} complete-group minibatches")
+    return minibatches
+
+
+def _check_stated_settings(spec: ExperimentSpec, stated: Mapping[str, Stated], seed: int) -> None:
+    """The LoRA rank, lr, seed and test items the method states are the structured fields' values."""
     for key, structured, at in (
         ("lora_rank", spec.lora_rank, "lora_rank"),
         ("lr", spec.optimizer.lr, "optimizer.lr"),
@@ -263,21 +272,22 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
         said = stated.get(key)
         if said is not None and said.value != structured:
             raise _fail(at, f"{structured} but the method states {said.value} ({_quote(said)})")
-    if max_tokens >= spec.max_seq_len:
+
+
+def _check_room_for_prompt(spec: ExperimentSpec, max_tokens: Stated) -> None:
+    """max_seq_len bounds prompt + sampled tokens, so it must exceed max_tokens."""
+    if int(max_tokens.value) >= spec.max_seq_len:
         raise _fail(
             "max_seq_len",
-            f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={max_tokens} "
-            f"({_quote(sched['max_tokens'])})",
+            f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={int(max_tokens.value)} "
+            f"({_quote(max_tokens)})",
         )
 
-    data = _check_dataset(spec, rollout_steps, gpb)
-    arms = _arms(spec)
-    criteria = _criteria(spec, arms)
-    _check_gate_metrics(spec)
-    _check_gate_plan(spec, upb)
-    _check_updates_stated_elsewhere(spec, upb)
-    check_loss_statements(spec)
-    pilot = parse_method(
+
+def _gate_pilot_steps(spec: ExperimentSpec, arm_names: list[str], settlements: Settlements) -> Stated:
+    """The activation gate's pilot length as its reason text states it ("N-step pilot"), else the
+    harness default."""
+    return parse_method(
         spec.activation_gate.reason,
         "activation_gate.reason",
         keys=("pilot_steps",),
@@ -285,32 +295,6 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
         settlements=settlements,
     ).get("pilot_steps") or Stated(
         DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'", default=True
-    )
-    return RunConfig(
-        base_model=spec.base_model,
-        lora_rank=spec.lora_rank,
-        dataset=data.name,
-        train_items=spec.dataset.n_examples,
-        max_seq_len=spec.max_seq_len,
-        arms=arms[0],
-        baseline_source=arms[1],
-        rollout_steps=rollout_steps,
-        optimizer_steps=spec.steps,
-        updates_per_batch=upb,
-        batch_size=spec.batch_size,
-        groups_per_batch=sched["groups_per_batch"],
-        group_size=sched["group_size"],
-        temperature=sched["temperature"],
-        max_tokens=sched["max_tokens"],
-        minibatches_per_batch=minibatches,
-        eval_items=spec.eval.n_examples,
-        gate_pilot_steps=pilot,
-        decision_method=spec.decision_rule.method,
-        alpha=spec.decision_rule.alpha,
-        criteria=criteria,
-        gate_checks=tuple(spec.activation_gate.checks),
-        budget=spec.budget,
-        prose=stated,
     )
 
 
@@ -377,214 +361,6 @@ def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: i
         if n > data.split_sizes[split]:
             raise _fail(at, f"{n} exceeds the {data.split_sizes[split]} items of {data.name} {split}")
     return data
-
-
-def _losses_named(text: str) -> list[tuple[int, str, str]]:
-    """(position, registered loss, label) of every registered loss `text` names, in order."""
-    hits = []
-    for entry in losses.LOSSES.values():
-        for label in (*entry.labels, entry.name):
-            for m in word_re(label).finditer(text):
-                hits.append((m.start(), entry.name, label))
-    return sorted(hits)
-
-
-def _arm_named(spec: ExperimentSpec, token: str) -> str | None:
-    """The arm a word of the spec's prose refers to: an arm name, or a registered loss's label or
-    name when one arm trains that loss; None when it refers to no arm."""
-    for a in spec.arms:
-        if a.name == token:
-            return a.name
-    for _, loss, _label in _losses_named(token):
-        with_loss = [a.name for a in spec.arms if a.loss == loss]
-        if len(with_loss) == 1:
-            return with_loss[0]
-    return None
-
-
-_MINUS = re.compile(r"(?<![\w-])([\w.-]+)\s+minus\s+(?:the\s+)?([\w.-]+)")
-_THAN = re.compile(r"\bthan\s+(?:the\s+)?([\w.-]+)")
-
-
-def stated_differences(spec: ExperimentSpec) -> list[tuple[str, str, str, str]]:
-    """(field, sentence part, arm with +1, arm with -1) of every "X minus Y" and "... than Y" the
-    hypothesis and the estimand state, where both sides name arms (the +1 arm is "" for "than")."""
-    out = []
-    for at, text in (("hypothesis", spec.hypothesis), ("decision_rule.estimand", spec.decision_rule.estimand)):
-        for m in _MINUS.finditer(text):
-            pos, neg = _arm_named(spec, m.group(1)), _arm_named(spec, m.group(2))
-            if pos and neg and pos != neg:
-                out.append((at, m.group(0), pos, neg))
-        for m in _THAN.finditer(text):
-            neg = _arm_named(spec, m.group(1))
-            if neg:
-                out.append((at, m.group(0), "", neg))
-    return out
-
-
-def baseline_arm(spec: ExperimentSpec) -> tuple[str, str]:
-    """(baseline arm name, how it was told) from the spec's `baseline` text: the one arm it names,
-    else the one arm whose registered loss it names (by label or loss name; a text naming several
-    losses is refused). The hypothesis and the estimand, where they say what is compared against
-    what, must agree."""
-    text = spec.baseline
-    named = [a.name for a in spec.arms if word_re(a.name).search(text)]
-    if len(named) > 1:
-        raise _fail("baseline", f"names several arms ({named}); it must name one")
-    if len(named) == 1:
-        base, how = named[0], f"the baseline text names arm {named[0]!r}"
-    else:
-        hits = _losses_named(text)
-        if not hits:
-            raise _fail(
-                "baseline",
-                f"names no arm ({[a.name for a in spec.arms]}) and no registered loss "
-                f"({', '.join(losses.loss_names())}, or their labels), so the baseline arm is unknown",
-            )
-        named_losses = list(dict.fromkeys(loss for _, loss, _ in hits))
-        if len(named_losses) > 1:
-            labels = list(dict.fromkeys(label for _, _, label in hits))
-            raise _fail(
-                "baseline",
-                f"names several losses ({', '.join(labels)}), so which arm is the baseline is "
-                f"ambiguous; name the baseline arm ({[a.name for a in spec.arms]}) in the text",
-            )
-        _, loss, label = hits[0]
-        with_loss = [a.name for a in spec.arms if a.loss == loss]
-        if len(with_loss) != 1:
-            raise _fail(
-                "baseline",
-                f"names the loss {loss!r}, which {len(with_loss)} arms train ({with_loss}); "
-                "name the baseline arm in the baseline text",
-            )
-        base, how = (
-            with_loss[0],
-            (
-                f"the baseline text names {label!r} (registered loss {loss!r}) first, the loss "
-                f"of arm {with_loss[0]!r} only"
-            ),
-        )
-    for at, phrase, pos, neg in stated_differences(spec):
-        if neg != base or pos == base:
-            raise _fail(
-                at,
-                f"{phrase!r} compares against arm {neg!r}, but {how}, so arm {base!r} is the "
-                "baseline; the decision would measure the opposite difference",
-            )
-    return base, how
-
-
-def _arms(spec: ExperimentSpec) -> tuple[tuple[ArmConfig, ...], str]:
-    base, how = baseline_arm(spec)
-    opt: dict[str, tuple[str, OptimizerConfig]] = {}
-    for g in spec.restoration_preflight.groups:
-        for r in g.arms:
-            if r.name in opt:
-                raise _fail("restoration_preflight.groups", f"arm {r.name!r} is listed twice")
-            opt[r.name] = (r.optimizer, r.optimizer_config)
-    names = [a.name for a in spec.arms]
-    extra = sorted(set(opt) - set(names))
-    if extra:
-        raise _fail("restoration_preflight.groups", f"names arms that are not in arms: {extra}")
-    out = []
-    for i, a in enumerate(spec.arms):
-        if a.name not in opt:
-            raise _fail("restoration_preflight.groups", f"no optimizer_config for arm {a.name!r}")
-        family, cfg = opt[a.name]
-        if cfg.learning_rate != a.lr:
-            raise _fail(
-                f"arms[{i}].lr",
-                f"{a.lr} != restoration_preflight optimizer_config.learning_rate {cfg.learning_rate} of arm {a.name!r}",
-            )
-        out.append(
-            ArmConfig(
-                a.name,
-                a.loss,
-                "baseline" if a.name == base else "treatment",
-                a.seed,
-                a.lr,
-                a.updates_per_batch,
-                family,
-                cfg,
-            )
-        )
-    if len(out) < 2:
-        raise _fail("arms", "a paired comparison needs a baseline and at least one treatment arm")
-    return tuple(sorted(out, key=lambda x: x.role)), how  # stable: baseline first, treatments in spec order
-
-
-def _criteria(spec: ExperimentSpec, arms_how: tuple[tuple[ArmConfig, ...], str]) -> tuple[CriterionConfig, ...]:
-    arms = arms_how[0]
-    rule = spec.decision_rule
-    if rule.method not in DECISION_METHODS:
-        raise _fail(
-            "decision_rule.method", f"{rule.method!r} is not implemented (implemented: {list(DECISION_METHODS)})"
-        )
-    seeds = sorted({a.seed for a in arms})
-    if not set(seeds) <= set(rule.seeds):
-        raise _fail("decision_rule.seeds", f"{rule.seeds} does not schedule the arms' seed {seeds}")
-    unrun = sorted(set(rule.seeds) - set(seeds))
-    if unrun:
-        raise _fail(
-            "decision_rule.seeds",
-            f"{rule.seeds} schedules seed {unrun}, which no arm runs (the arms run "
-            f"{seeds}); every scheduled seed needs every arm",
-        )
-    if not 0 < rule.alpha < 1:
-        raise _fail("decision_rule.alpha", f"{rule.alpha} must be in (0, 1)")
-    treatments = [a.name for a in arms if a.role == "treatment"]
-    names = {a.name for a in arms}
-    differences = stated_differences(spec)
-
-    def arm_of(key: str, at: str) -> str:
-        if key in names:
-            return key
-        if key == "baseline":
-            return arms[0].name
-        if key == "treatment":
-            if len(treatments) != 1:
-                raise _fail(
-                    at,
-                    f"names the role 'treatment', but the spec has {len(treatments)} treatment arms "
-                    f"({treatments}); name the arm instead",
-                )
-            return treatments[0]
-        raise _fail(at, f"{key!r} is neither an arm ({sorted(names)}) nor a role (treatment, baseline)")
-
-    out = []
-    for i, c in enumerate(rule.criteria):
-        at = f"decision_rule.criteria[{i}].weights"
-        if sorted(c.weights.values()) != [-1, 1]:
-            raise _fail(at, f"{c.weights}: only a paired difference (+1 one arm, -1 another) is implemented")
-        if c.metric not in SCORED_METRICS:
-            raise _fail(
-                f"decision_rule.criteria[{i}].metric",
-                f"{c.metric!r} is not scored by the evaluator (scores: {list(SCORED_METRICS)})",
-            )
-        pos = arm_of(next(k for k, w in c.weights.items() if w == 1), at)
-        neg = arm_of(next(k for k, w in c.weights.items() if w == -1), at)
-        if pos == neg:
-            raise _fail(at, f"both weights resolve to arm {pos!r}")
-        lo, hi = c.bounds
-        if not lo < hi:
-            raise _fail(f"decision_rule.criteria[{i}].bounds", f"{c.bounds}: lower bound must be below upper")
-        if (lo, hi) != METRIC_RANGES[c.metric]:
-            raise _fail(
-                f"decision_rule.criteria[{i}].bounds",
-                f"{c.bounds} is not the range of {c.metric} {list(METRIC_RANGES[c.metric])}",
-            )
-        if not abs(c.margin) < hi - lo:
-            raise _fail(
-                f"decision_rule.criteria[{i}].margin",
-                f"{c.margin} is outside the difference's range ({lo - hi}, {hi - lo}) of {c.metric}",
-            )
-        for at_s, phrase, stated_pos, stated_neg in differences:
-            if (stated_pos or pos, stated_neg) == (neg, pos):
-                raise _fail(at, f"measures {pos} minus {neg}, but {at_s} states {phrase!r}")
-        out.append(CriterionConfig(c.id, c.metric, pos, neg, c.margin, (lo, hi), dict(c.weights)))
-    if len({c.id for c in out}) != len(out):
-        raise _fail("decision_rule.criteria", "criterion ids must be unique")
-    return tuple(out)
 
 
 def _check_gate_metrics(spec: ExperimentSpec) -> None:

@@ -127,14 +127,60 @@ def sample_batch(
     if len(items) != cfg.groups_per_batch:
         raise ValueError(f"got {len(items)} items for groups_per_batch={cfg.groups_per_batch}")
     prompts = [build_prompt(item, renderer) for item in items]
-    if cfg.max_seq_len is not None:
-        for g, (ob, _) in enumerate(prompts):
-            if ob.length + cfg.max_tokens > cfg.max_seq_len:
-                raise RolloutError(
-                    f"group {g} ({items[g].item_id}): prompt of {ob.length} tokens + max_tokens "
-                    f"{cfg.max_tokens} exceeds the plan's max_seq_len {cfg.max_seq_len}"
-                )
-    stop = prompts[0][1]
+    _check_prompt_lengths(items, [ob for ob, _ in prompts], cfg)
+    sampled = _sample_concurrently(sampling_client, prompts, cfg)
+    t1 = time.perf_counter()
+    groups = tuple(
+        _graded_group(g, item, ob, res, cfg, renderer)
+        for g, (item, (ob, _), res) in enumerate(zip(items, prompts, sampled.responses_G, strict=True))
+    )
+    return RolloutBatch(
+        groups=groups,
+        config=cfg,
+        sampler_checkpoint=sampler_checkpoint,
+        base_model=sampling_client.get_base_model(),
+        stop=tuple(prompts[0][1]),
+        sampling_seconds=sampled.sampling_seconds,
+        grading_seconds=time.perf_counter() - t1,
+        request_seconds=sampled.request_seconds(),
+    )
+
+
+def _check_prompt_lengths(
+    items: Sequence[Gsm8kItem], prompts_G: Sequence[tinker.ModelInput], cfg: RolloutConfig
+) -> None:
+    """Every prompt leaves room for max_tokens within the plan's max_seq_len (when it sets one)."""
+    if cfg.max_seq_len is None:
+        return
+    for g, ob in enumerate(prompts_G):
+        if ob.length + cfg.max_tokens > cfg.max_seq_len:
+            raise RolloutError(
+                f"group {g} ({items[g].item_id}): prompt of {ob.length} tokens + max_tokens "
+                f"{cfg.max_tokens} exceeds the plan's max_seq_len {cfg.max_seq_len}"
+            )
+
+
+@dataclass(frozen=True)
+class _InFlightBatch:
+    """A batch's sample responses in group order, and when each arrived (seconds from the first
+    submit): `done_at` is filled by the responses' callbacks, `got_at` when each result() returned."""
+
+    responses_G: list[tinker.SampleResponse]
+    done_at: dict[int, float]
+    got_at: list[float]
+    sampling_seconds: float  # first submit -> last result
+
+    def request_seconds(self) -> tuple[float, ...]:
+        """Per group: the callback time where it ran already, else when result() returned (an upper bound)."""
+        return tuple(min(self.done_at.get(g, got), got) for g, got in enumerate(self.got_at))
+
+
+def _sample_concurrently(
+    sampling_client: tinker.SamplingClient,
+    prompts: Sequence[tuple[tinker.ModelInput, list[int] | list[str]]],
+    cfg: RolloutConfig,
+) -> _InFlightBatch:
+    """One request per group, every one submitted before any is awaited."""
     t0 = time.perf_counter()
     done_at: dict[int, float] = {}
 
@@ -151,50 +197,45 @@ def sample_batch(
     for f in futures:
         results.append(f.result())
         got_at.append(time.perf_counter() - t0)
-    sampling_seconds = time.perf_counter() - t0
+    return _InFlightBatch(results, done_at, got_at, sampling_seconds=time.perf_counter() - t0)
 
-    t1 = time.perf_counter()
-    groups = []
-    for g, (item, (ob, _), res) in enumerate(zip(items, prompts, results, strict=True)):
-        if len(res.sequences) != cfg.group_size:
-            raise RolloutError(f"group {g}: {len(res.sequences)} sequences, expected {cfg.group_size}")
-        responses, logprobs = [], []
-        for s, seq in enumerate(res.sequences):
-            if seq.logprobs is None:  # optional in the SDK's SampledSequence: p_old cannot be invented
-                raise RolloutError(
-                    f"group {g} sample {s}: the sample response has no logprobs "
-                    "(SampledSequence.logprobs, optional in the SDK): no sampler log-probs to train on"
-                )
-            if len(seq.logprobs) != len(seq.tokens):
-                raise RolloutError(
-                    f"group {g} sample {s}: {len(seq.logprobs)} sampler logprobs for {len(seq.tokens)} tokens"
-                )
-            if len(seq.tokens) > cfg.max_tokens:
-                raise RolloutError(f"group {g} sample {s}: {len(seq.tokens)} tokens > max_tokens")
-            responses.append(tuple(int(t) for t in seq.tokens))
-            logprobs.append(tuple(float(x) for x in seq.logprobs))
-        groups.append(
-            SampledGroup(
-                group_id=g,
-                item=item,
-                prompt_tokens=tuple(ob.to_ints()),
-                responses=tuple(responses),
-                logprobs=tuple(logprobs),
-                stop_reasons=tuple(str(seq.stop_reason) for seq in res.sequences),
-                graded=tuple(grade_response(item, renderer, r) for r in responses),
-                seed=None if cfg.seed is None else cfg.seed + g,
+
+def _graded_group(
+    g: int,
+    item: Gsm8kItem,
+    prompt: tinker.ModelInput,
+    res: tinker.SampleResponse,
+    cfg: RolloutConfig,
+    renderer: renderers.Renderer,
+) -> SampledGroup:
+    """Group `g`'s sampled tokens and sampler log-probs, checked (count, logprobs present, one per
+    token, at most max_tokens), and each response graded."""
+    if len(res.sequences) != cfg.group_size:
+        raise RolloutError(f"group {g}: {len(res.sequences)} sequences, expected {cfg.group_size}")
+    responses, logprobs = [], []
+    for s, seq in enumerate(res.sequences):
+        if seq.logprobs is None:  # optional in the SDK's SampledSequence: p_old cannot be invented
+            raise RolloutError(
+                f"group {g} sample {s}: the sample response has no logprobs "
+                "(SampledSequence.logprobs, optional in the SDK): no sampler log-probs to train on"
             )
-        )
-    return RolloutBatch(
-        groups=tuple(groups),
-        config=cfg,
-        sampler_checkpoint=sampler_checkpoint,
-        base_model=sampling_client.get_base_model(),
-        stop=tuple(stop),
-        sampling_seconds=sampling_seconds,
-        grading_seconds=time.perf_counter() - t1,
-        # the callback time where it ran already, else when result() returned (an upper bound)
-        request_seconds=tuple(min(done_at.get(g, got_at[g]), got_at[g]) for g in range(len(futures))),
+        if len(seq.logprobs) != len(seq.tokens):
+            raise RolloutError(
+                f"group {g} sample {s}: {len(seq.logprobs)} sampler logprobs for {len(seq.tokens)} tokens"
+            )
+        if len(seq.tokens) > cfg.max_tokens:
+            raise RolloutError(f"group {g} sample {s}: {len(seq.tokens)} tokens > max_tokens")
+        responses.append(tuple(int(t) for t in seq.tokens))
+        logprobs.append(tuple(float(x) for x in seq.logprobs))
+    return SampledGroup(
+        group_id=g,
+        item=item,
+        prompt_tokens=tuple(prompt.to_ints()),
+        responses=tuple(responses),
+        logprobs=tuple(logprobs),
+        stop_reasons=tuple(str(seq.stop_reason) for seq in res.sequences),
+        graded=tuple(grade_response(item, renderer, r) for r in responses),
+        seed=None if cfg.seed is None else cfg.seed + g,
     )
 
 
