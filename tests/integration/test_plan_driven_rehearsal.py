@@ -4,8 +4,9 @@
 rank, lr, group sizes, max_tokens, gate pilot length and ranges, and margin. `plans rehearse`
 turns it into a rehearsal plan (2 rollout steps x 8 groups x 4, 8 test items, lr 1e-2), and the
 harness runs preflight -> gate -> both arms -> evaluation -> decision -> report from that plan as
-a user runs it (the stage folders given as paths, so unit parity, which the unit stage already
-is, does not run twice). The bundle must show the variant's own values everywhere and never a
+a user runs it (the stage folders given as paths, with unit parity the loss-parity file alone, as
+in every subprocess run of the harness: the comparison starts only after unit parity passed in
+the same session). The bundle must show the variant's own values everywhere and never a
 saved-spec arm name.
 
 Opt-in (`DPPO_HARNESS_E2E=1`): measured 261 s wall on the shared 2-core machine at load average
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness_paths import LOSS_PARITY
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ROOT / "tests" / "fixtures" / "plans" / "spec-variant.json"
@@ -75,6 +77,7 @@ def rehearsal_run(tmp_path_factory):
             "no:cacheprovider",
             "-q",
             "-rfE",
+            LOSS_PARITY,
             "tests/preflight",
             "tests/gates",
             "tests/comparison",
