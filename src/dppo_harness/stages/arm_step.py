@@ -1,7 +1,8 @@
 """One arm-step, the unit the gate's pilot and the comparison's arms both train in: sample a fresh
 rollout batch from the client's current weights, then one recorded update per complete-group
 minibatch. The caller names the sampler, builds each update's record context and reads what the
-step reached from its `ArmStepProgress` (kept when a call fails part-way)."""
+step reached from its `ArmStepProgress` (kept when a call fails part-way). The update phase alone
+(`run_arm_updates`) is what the feasibility pilot times, so it measures an update as the arms run it."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class ArmStepProgress:
     updates_submitted: int = 0
     updates_done: int = 0
     records: list[ins.LossCallRecord] = field(default_factory=list)
+    update_seconds: list[float] = field(default_factory=list)  # each returned update, submit -> awaited
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,24 @@ def run_arm_step(
     sampled = rollout_batch.sample_rollout_batch(arm.client, items, renderer, rollout_cfg, sampler_name=sampler_name)
     progress.sampled = sampled
     progress.minibatches = minibatches(sampled.group_of_datum, arm.updates_per_batch)
-    for u, idx in enumerate(progress.minibatches, start=1):
+    run_arm_updates(arm, sampled, progress.minibatches, context=context, progress=progress)
+    return ArmStepResult(sampled, list(progress.records))
+
+
+def run_arm_updates(
+    arm: ArmStepRun,
+    sampled: rollout_batch.SampledStep,
+    minibatches: Sequence[list[int]],
+    *,
+    context: UpdateContext,
+    progress: ArmStepProgress,
+) -> None:
+    """The arm-step's update phase: one recorded update per minibatch (indices into
+    `sampled.datums`), in order; each update's record and seconds go to `progress` as it returns."""
+    for u, idx in enumerate(minibatches, start=1):
         progress.updates_submitted += 1
-        record, _ = train_step.train_step(
+        update: train_step.UpdateResult[None]  # no request submitted behind the update
+        record, update = train_step.train_step(
             arm.client,
             [sampled.datums[i] for i in idx],
             arm.loss_fn,
@@ -82,5 +99,5 @@ def run_arm_step(
             context(u, sampled.sampler_path, idx),
         )
         progress.records.append(record)
+        progress.update_seconds.append(update.seconds)
         progress.updates_done += 1
-    return ArmStepResult(sampled, list(progress.records))

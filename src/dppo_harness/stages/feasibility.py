@@ -3,8 +3,9 @@
 
 The pilot measures, on the backend that will run the plan:
 - setup: create a training client from the initial checkpoint with optimizer state;
-- training: sample `pilot_groups` GSM8K train groups at the plan's sampling settings, then
-  `pilot_updates` forward_backward_custom + optim_step calls on a minibatch of the plan's size;
+- training: sample `pilot_groups` GSM8K train groups at the plan's sampling settings, then per
+  arm `pilot_updates` recorded updates on a minibatch of the plan's size, through the arm-step's
+  update phase (`arm_step.run_arm_updates`) as the comparison runs them;
 - evaluation: greedy samples of a few GSM8K test items, submitted together like the evaluation.
 
 A plan that does not fit fails the stage, which blocks later stages.
@@ -25,9 +26,11 @@ import torch
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
+from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_updates
 from dppo_harness.stages.feasibility_projection import (
     DEFAULT_RESERVE_FRACTION,
     ArmPilot,
@@ -43,7 +46,6 @@ from dppo_harness.stages.feasibility_projection import (
     schedule_from_plan,
     stage_projections,
 )
-from dppo_harness.train import train_step
 
 if TYPE_CHECKING:
     from tinker_cookbook import renderers
@@ -102,17 +104,31 @@ class FeasibilityResult:
         return msg
 
 
-def _tile(datums: Sequence[tinker.Datum], n: int) -> list[tinker.Datum]:
-    if not datums:
+def _tiled_minibatch(n_datums: int, n: int) -> list[int]:
+    """Datum indices of a minibatch of `n` sequences, the sampled ones repeated in order when the
+    pilot sampled fewer (real sampled lengths at the plan's minibatch size)."""
+    if not n_datums:
         raise FeasibilityError("pilot sampled no datums to build a minibatch from")
-    return [datums[i % len(datums)] for i in range(n)]
+    return [i % n_datums for i in range(n)]
+
+
+@dataclass(frozen=True)
+class GreedyEvalTiming:
+    """The pilot's greedy evaluation: items scored, greedy tokens, seconds from the first submit to
+    the last result."""
+
+    items: int
+    greedy_tokens: int
+    seconds: float
 
 
 def _time_greedy_eval(
     client: tinker.TrainingClient, data: ModuleType, renderer: renderers.Renderer, max_tokens: int, eval_n: int
-) -> tuple[float, int]:
-    """Greedy samples of the first `eval_n` test items, submitted together like the evaluation:
-    (seconds from the first submit to the last result, greedy tokens)."""
+) -> GreedyEvalTiming:
+    """Greedy samples of the first `eval_n` test items (none: nothing runs), submitted together
+    like the evaluation."""
+    if not eval_n:
+        return GreedyEvalTiming(0, 0, 0.0)
     test = data.load_split("test").items[:eval_n]
     prompts = [data.build_prompt(it, renderer) for it in test]
     params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(prompts[0][1]))
@@ -121,7 +137,7 @@ def _time_greedy_eval(
     futures = [sampler.sample(ob, 1, params) for ob, _ in prompts]
     results = [f.result() for f in futures]
     eval_s = time.perf_counter() - t2
-    return eval_s, int(sum(len(r.sequences[0].tokens) for r in results))
+    return GreedyEvalTiming(eval_n, int(sum(len(r.sequences[0].tokens) for r in results)), eval_s)
 
 
 def run_timing_pilot(
@@ -140,24 +156,67 @@ def run_timing_pilot(
 
     The update minibatch has the plan's `sequences_per_update` sequences, tiled from the pilot's
     sampled sequences (real sampled lengths) when the pilot sampled fewer. Every arm's updates are
-    timed with its own loss and optimizer config (`pilot_updates` each), so the mean update time
-    the projection uses weighs every arm equally, as the schedule trains them.
+    timed with its own loss and optimizer config (`pilot_updates` each), through the arm-step's
+    update phase (`arm_step.run_arm_updates`, recorded as the comparison records them), so the mean
+    update time the projection uses weighs every arm equally, as the schedule trains them.
     """
-    bundle = tokenizer.make_renderer()
+    renderer = tokenizer.make_renderer().renderer
     t0 = time.perf_counter()
+    say = _pilot_say(progress, t0)
+    say("1/4: client from the initial checkpoint")
+    client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint).result()
+    setup_s = time.perf_counter() - t0
+    say(f"2/4: sampling {pilot_groups} groups x {schedule.group_size} (max_tokens {schedule.max_tokens})")
+    data = dataset.get(schedule.dataset)
+    sampled = _sample_pilot_batch(client, data, renderer, schedule, pilot_groups, seed)
+    minibatch = _tiled_minibatch(len(sampled.datums), schedule.sequences_per_update)
+    ry = sampled.batch.response_yield()
+    say(
+        f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences for each of {len(arms)} arm(s) "
+        f"({ry.truncated} of {ry.n} sampled responses truncated)"
+    )
+    by_arm = {arm.name: _time_arm_updates(client, sampled, minibatch, arm, pilot_updates) for arm in arms}
+    update_s = [t for times in by_arm.values() for t in times]
+
+    eval_n = pilot_eval_items if schedule.eval_items else 0
+    say(f"4/4: greedy evaluation of {eval_n} test items" if eval_n else "4/4: no evaluation in this plan")
+    evaluation = _time_greedy_eval(client, data, renderer, schedule.max_tokens, eval_n)
+
+    timings = PilotTimings(
+        setup_seconds=setup_s,
+        sampling_seconds=sampled.seconds,  # includes saving sampler weights, as every real step does
+        sampled_groups=pilot_groups,
+        sampled_sequences=pilot_groups * schedule.group_size,
+        update_seconds=tuple(update_s),
+        sequences_per_update=len(minibatch),
+        eval_seconds=evaluation.seconds,
+        eval_items=evaluation.items,
+    )
+    minibatch_datums = [sampled.datums[i] for i in minibatch]
+    details = _pilot_details(sampled, minibatch_datums, arms, by_arm, update_s, evaluation)
+    return timings, details
+
+
+def _pilot_say(progress: Callable[[str], None] | None, t0: float) -> Callable[[str], None]:
+    """The pilot's progress line for one phase, with the seconds since `t0` (silent without `progress`)."""
 
     def say(msg: str) -> None:
         if progress is not None:
             progress(f"[preflight] feasibility pilot {msg} ({time.perf_counter() - t0:.0f}s)")
 
-    say("1/4: client from the initial checkpoint")
-    client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint).result()
-    setup_s = time.perf_counter() - t0
-    say(f"2/4: sampling {pilot_groups} groups x {schedule.group_size} (max_tokens {schedule.max_tokens})")
+    return say
 
-    data = dataset.get(schedule.dataset)
-    train = data.load_split("train", seed=seed)
-    items = train.items[:pilot_groups]
+
+def _sample_pilot_batch(
+    client: tinker.TrainingClient,
+    data: ModuleType,
+    renderer: renderers.Renderer,
+    schedule: PilotSchedule,
+    pilot_groups: int,
+    seed: int,
+) -> rollout_batch.SampledStep:
+    """The first `pilot_groups` train groups sampled at the plan's settings, as a real step samples."""
+    items = data.load_split("train", seed=seed).items[:pilot_groups]
     cfg = rollouts.RolloutConfig(
         groups_per_batch=pilot_groups,
         group_size=schedule.group_size,
@@ -165,57 +224,62 @@ def run_timing_pilot(
         max_tokens=schedule.max_tokens,
         seed=seed,
     )
-    sampled = rollout_batch.sample_rollout_batch(client, items, bundle.renderer, cfg, sampler_name="feasibility-pilot")
-    sampling_s = sampled.seconds  # includes saving sampler weights, as every real step does
-    batch, datums = sampled.batch, list(sampled.datums)
-    minibatch = _tile(datums, schedule.sequences_per_update)
-    say(
-        f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences for each of {len(arms)} arm(s) "
-        f"({batch.response_yield().truncated} of {batch.response_yield().n} sampled responses truncated)"
-    )
-    by_arm: dict[str, list[float]] = {}
-    for arm in arms:
-        loss_fn = losses.make_loss_fn(losses.LossConfig.for_loss(arm.loss, "token_mean"))
-        adam = tinker.AdamParams(
-            **{k: float(v) for k, v in arm.optimizer.items() if k in tinker.AdamParams.model_fields}
-        )
-        by_arm[arm.name] = list(train_step.timed_updates(client, minibatch, loss_fn, adam, pilot_updates))
-    update_s = [t for times in by_arm.values() for t in times]
+    return rollout_batch.sample_rollout_batch(client, items, renderer, cfg, sampler_name="feasibility-pilot")
 
-    eval_n = pilot_eval_items if schedule.eval_items else 0
-    say(f"4/4: greedy evaluation of {eval_n} test items" if eval_n else "4/4: no evaluation in this plan")
-    eval_s, eval_tokens = (
-        _time_greedy_eval(client, data, bundle.renderer, schedule.max_tokens, eval_n) if eval_n else (0.0, 0)
-    )
 
+def _time_arm_updates(
+    client: tinker.TrainingClient,
+    sampled: rollout_batch.SampledStep,
+    minibatch: list[int],
+    arm: ArmPilot,
+    pilot_updates: int,
+) -> list[float]:
+    """Seconds of each of `pilot_updates` updates of `arm` on the same minibatch, through the
+    arm-step's update phase with the arm's own loss (token_mean), recorder and optimizer."""
+    loss_cfg = losses.LossConfig.for_loss(arm.loss, "token_mean")
+    adam = tinker.AdamParams(**{k: float(v) for k, v in arm.optimizer.items() if k in tinker.AdamParams.model_fields})
+    run = ArmStepRun(client, losses.make_loss_fn(loss_cfg), adam, ins.LossCallRecorder(loss_cfg), pilot_updates)
+
+    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
+        return {"arm": arm.name, "update_in_batch": u, "sampler_checkpoint": sampler_path, "n_sequences": len(idx)}
+
+    minibatches = [minibatch] * pilot_updates
+    done = ArmStepProgress(sampled=sampled, minibatches=minibatches)
+    run_arm_updates(run, sampled, minibatches, context=context, progress=done)
+    return list(done.update_seconds)
+
+
+def _pilot_details(
+    sampled: rollout_batch.SampledStep,
+    minibatch: Sequence[tinker.Datum],
+    arms: Sequence[ArmPilot],
+    by_arm: Mapping[str, list[float]],
+    update_seconds: Sequence[float],
+    evaluation: GreedyEvalTiming,
+) -> JsonObject:
+    """What the pilot sampled, trained on and timed (the pilot file's `pilot` entry)."""
     lengths = [len(d.model_input.to_ints()) + 1 for d in minibatch]
-    timings = PilotTimings(
-        setup_seconds=setup_s,
-        sampling_seconds=sampling_s,
-        sampled_groups=pilot_groups,
-        sampled_sequences=pilot_groups * schedule.group_size,
-        update_seconds=tuple(update_s),
-        sequences_per_update=len(minibatch),
-        eval_seconds=eval_s,
-        eval_items=eval_n,
-    )
-    details: JsonObject = {
+    return {
         "setup": "create_training_client_from_state_with_optimizer(initial checkpoint)",
-        "sampling": batch.summary(),
+        "sampling": sampled.batch.summary(),
         "minibatch": {
             "sequences": len(minibatch),
-            "distinct_sampled_sequences": len(datums),
+            "distinct_sampled_sequences": len(sampled.datums),
             "mean_tokens": float(np.mean(lengths)),
             "max_tokens": int(max(lengths)),
             "loss": "each arm's own registered loss, token_mean, via forward_backward_custom",
         },
-        "update_seconds": list(update_s),
+        "update_seconds": list(update_seconds),
         "updates_by_arm": {
             a.name: {"loss": a.loss, "optimizer": dict(a.optimizer), "seconds": list(by_arm[a.name])} for a in arms
         },
-        "evaluation": {"items": eval_n, "greedy_tokens": eval_tokens, "seconds": eval_s, "submitted_together": True},
+        "evaluation": {
+            "items": evaluation.items,
+            "greedy_tokens": evaluation.greedy_tokens,
+            "seconds": evaluation.seconds,
+            "submitted_together": True,
+        },
     }
-    return timings, details
 
 
 def run_feasibility(
@@ -282,38 +346,63 @@ def run_feasibility(
         schedule_overrides=schedule_overrides,
         setup_parts=setup_parts,
     )
-    eff = dict(effective_config) if effective_config is not None else {"schedule": asdict(schedule)}
-    endpoint = (
-        plan.diagnostic.question
-        if plan.kind == "bounded_diagnostic"
-        else plan.experiment.primary_endpoint or plan.experiment.eval.metric
+    block = _plan_feasibility_block(plan, schedule, timings, proj, pilot_config, effective_config, alloc)
+    check = feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None)
+    failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
+    stages = {k: v * (1.0 + reserve_fraction) for k, v in stage_projections(schedule, timings).items()}
+    result = FeasibilityResult(
+        schedule, timings, proj, block, check, proj.fits, failures, details, stages, embedded_server=embedded_server
     )
-    block = feasibility_block(
+    _write_feasibility(bundle, result, t0)
+    return result
+
+
+def _plan_feasibility_block(
+    plan: Plan,
+    schedule: PilotSchedule,
+    timings: PilotTimings,
+    proj: Projection,
+    pilot_config: JsonObject,
+    effective_config: Mapping[str, JsonValue] | None,
+    allocation_source: str | None,
+) -> JsonObject:
+    """The `feasibility` block of `plan`: its effective config (the schedule when the caller gives
+    none) and primary endpoint beside the projection, sourced to the pilot file."""
+    eff = dict(effective_config) if effective_config is not None else {"schedule": asdict(schedule)}
+    return feasibility_block(
         schedule=schedule,
         timings=timings,
         projection=proj,
         pilot_config=pilot_config,
         effective_config=eff,
-        primary_endpoint=endpoint,
+        primary_endpoint=_primary_endpoint(plan),
         source=PILOT_FILE,
-        allocation_source=alloc,
+        allocation_source=allocation_source,
     )
-    check = feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None)
-    failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
-    stages = {k: v * (1.0 + reserve_fraction) for k, v in stage_projections(schedule, timings).items()}
+
+
+def _primary_endpoint(plan: Plan) -> str:
+    """What the plan's run answers: a diagnostic's question, else the experiment's primary endpoint
+    (its evaluation metric when it names none)."""
+    if plan.kind == "bounded_diagnostic":
+        return plan.diagnostic.question
+    return plan.experiment.primary_endpoint or plan.experiment.eval.metric
+
+
+def _write_feasibility(bundle: EvidenceBundle, result: FeasibilityResult, t0: float) -> None:
+    """The pilot file (schedule, timings, pilot, projection, the check), then the result's
+    `feasibility` block and metrics, the pilot's wall seconds counted from `t0` to here."""
     record = {
-        "schedule": asdict(schedule),
-        "timings": asdict(timings),
-        "pilot": details,
-        "projection": proj.as_dict(),
-        "stage_projections_with_reserve": stages,
-        "feasibility_check": check,
+        "schedule": asdict(result.schedule),
+        "timings": asdict(result.timings),
+        "pilot": result.pilot_details,
+        "projection": result.projection.as_dict(),
+        "stage_projections_with_reserve": result.stage_seconds,
+        "feasibility_check": result.check,
     }
     bundle.register_json(PILOT_FILE, "metrics", record)
-    bundle.update_result(feasibility=block, metrics=_feasibility_metrics(proj, time.perf_counter() - t0))
-    return FeasibilityResult(
-        schedule, timings, proj, block, check, proj.fits, failures, details, stages, embedded_server=embedded_server
-    )
+    metrics = _feasibility_metrics(result.projection, time.perf_counter() - t0)
+    bundle.update_result(feasibility=result.block, metrics=metrics)
 
 
 def _reduced_schedule(plan: Plan, schedule_overrides: Mapping[str, JsonValue] | None) -> PilotSchedule:

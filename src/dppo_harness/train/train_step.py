@@ -161,5 +161,5 @@ def timed_updates(
     adam: tinker.AdamParams,
     n: int,
 ) -> list[float]:
-    """Wall seconds of each of `n` unrecorded updates on the same minibatch (timing pilots)."""
+    """Wall seconds of each of `n` unrecorded updates on the same minibatch (benchmarks)."""
     return [minibatch_update(training_client, datums, loss_fn, adam).seconds for _ in range(n)]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
@@ -93,9 +94,24 @@ def evaluate_and_decide(
     base_model: str,
 ) -> tuple[list[JsonObject], JsonObject, list[str]]:
     """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
-    files: list[str] = []
+    evaluator_file = register_evaluator(bundle, evaluator)
+    seed = cfg.arms[0].seed
+    comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
+    scored = ScoredModels(bundle, evaluator, comparisons, cfg.max_tokens, progress, time.perf_counter())
+    scored.add(evaluate_base(service_client, evaluator, base_model, seed, progress))
+    results: dict[str, evaluation.EvalResult] = {}
+    for a in cfg.arms:
+        results[a.name] = evaluate_arm(service_client, evaluator, a.name, state, seed, progress)
+        scored.add(results[a.name])
+    decision, decision_files = register_decision(bundle, cfg, [results[a.name] for a in cfg.arms], rehearsal, scored.t0)
+    return scored.scores, decision, [evaluator_file, *scored.files, *decision_files]
+
+
+def register_evaluator(bundle: EvidenceBundle, evaluator: evaluation.FrozenEvaluator) -> str:
+    """The frozen evaluator's identity, provenance and deviation as a manifest; returns its name."""
+    name = f"evaluator-{evaluator.evaluator_id[:16]}.json"
     bundle.register_json(
-        f"evaluator-{evaluator.evaluator_id[:16]}.json",
+        name,
         "manifest",
         {
             "evaluator_id": evaluator.evaluator_id,
@@ -104,59 +120,93 @@ def evaluate_and_decide(
             "deviation": evaluator.deviation,
         },
     )
-    files.append(f"evaluator-{evaluator.evaluator_id[:16]}.json")
-    seed = cfg.arms[0].seed
-    scores: list[JsonObject] = []
-    comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
+    return name
 
-    def post() -> None:
-        bundle.update_result(
-            evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
-            metrics={f"eval/accuracy/{s['arm']}": _number(s["value"]) for s in scores},
+
+@dataclass
+class ScoredModels:
+    """The scored models so far, the evaluation block re-posted after each: their scores (in
+    order), the predictions files they wrote, and the clock the terminal lines count from."""
+
+    bundle: EvidenceBundle
+    evaluator: evaluation.FrozenEvaluator
+    comparisons: list[JsonObject]
+    max_tokens: int
+    progress: Callable[[str], None]
+    t0: float
+    scores: list[JsonObject] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    def add(self, res: evaluation.EvalResult) -> None:
+        """One scored model: its predictions file, the evaluation block and accuracy metrics so far,
+        its own metrics under its arm's key (the base model's is "base"), and its terminal line."""
+        self.scores.append(register_predictions(self.bundle, res))
+        self.files.append(predictions_name(res.arm, res))
+        self.bundle.update_result(
+            evaluation=evaluation.evaluation_object([self.evaluator], self.scores, self.comparisons),
+            metrics={f"eval/accuracy/{s['arm']}": _number(s["value"]) for s in self.scores},
         )
+        self.bundle.post_arm_metrics(res.arm, res.arm_metrics(self.max_tokens))
+        self.progress(eval_line(res, self.max_tokens, time.perf_counter() - self.t0))
 
-    t0 = time.perf_counter()
-    # The served model the arms were created on (the connectivity preflight's choice).
-    base_client = service_client.create_sampling_client(base_model=base_model).result()
+
+def evaluate_base(
+    service_client: tinker.ServiceClient,
+    evaluator: evaluation.FrozenEvaluator,
+    base_model: str,
+    seed: int,
+    progress: Callable[[str], None],
+) -> evaluation.EvalResult:
+    """The served model the arms were created on (the connectivity preflight's choice), scored as
+    the "base" arm."""
+    client = service_client.create_sampling_client(base_model=base_model).result()
     progress(f"[comparison] evaluating the base model on {len(evaluator.items)} test items (greedy)")
-    base = evaluation.evaluate(
-        base_client,
+    return evaluation.evaluate(
+        client,
         evaluator,
         arm=BASE_ARM,
         seed=seed,
         checkpoint=f"base:{base_model}",
         on_item=items_progress(progress, "the base model", len(evaluator.items)),
     )
-    scores.append(register_predictions(bundle, base))
-    files.append(predictions_name(base.arm, base))
-    post()
-    # Accuracy, n and invalid outputs under the scored model's own key (the base model's is "base").
-    bundle.post_arm_metrics(BASE_ARM, base.arm_metrics(cfg.max_tokens))
-    progress(eval_line(base, cfg.max_tokens, time.perf_counter() - t0))
-    results = {}
-    for a in cfg.arms:
-        path = state.arms[a.name].final_sampler
-        if path is None:  # evaluation runs once every arm finished, with its final sampler saved
-            raise ComparisonError(f"{a.name}: no final sampler checkpoint to evaluate")
-        sampler = service_client.create_sampling_client(model_path=path).result()
-        progress(f"[comparison] evaluating {a.name} (final checkpoint) on {len(evaluator.items)} test items")
-        res = evaluation.evaluate(
-            sampler,
-            evaluator,
-            arm=a.name,
-            seed=seed,
-            checkpoint=path,
-            on_item=items_progress(progress, a.name, len(evaluator.items)),
-        )
-        results[a.name] = res
-        scores.append(register_predictions(bundle, res))
-        files.append(predictions_name(res.arm, res))
-        post()
-        bundle.post_arm_metrics(a.name, res.arm_metrics(cfg.max_tokens))
-        progress(eval_line(res, cfg.max_tokens, time.perf_counter() - t0))
-    obs = evaluation.observations_jsonl([results[a.name] for a in cfg.arms])
+
+
+def evaluate_arm(
+    service_client: tinker.ServiceClient,
+    evaluator: evaluation.FrozenEvaluator,
+    arm: str,
+    state: RunState,
+    seed: int,
+    progress: Callable[[str], None],
+) -> evaluation.EvalResult:
+    """One arm's final sampler checkpoint scored (evaluation runs once every arm finished, each
+    with its final sampler saved)."""
+    path = state.arms[arm].final_sampler
+    if path is None:
+        raise ComparisonError(f"{arm}: no final sampler checkpoint to evaluate")
+    sampler = service_client.create_sampling_client(model_path=path).result()
+    progress(f"[comparison] evaluating {arm} (final checkpoint) on {len(evaluator.items)} test items")
+    return evaluation.evaluate(
+        sampler,
+        evaluator,
+        arm=arm,
+        seed=seed,
+        checkpoint=path,
+        on_item=items_progress(progress, arm, len(evaluator.items)),
+    )
+
+
+def register_decision(
+    bundle: EvidenceBundle,
+    cfg: ComparisonConfig,
+    arm_results: Sequence[evaluation.EvalResult],
+    rehearsal: bool,
+    t0: float,
+) -> tuple[JsonObject, list[str]]:
+    """The arms' scored observations, every criterion decided on them, the decision block and its
+    metrics posted (evaluation seconds counted from `t0`); returns the block and the files written."""
+    obs = evaluation.observations_jsonl(arm_results)
     bundle.register_bytes(comparison_decision.OBSERVATIONS_FILE, "metrics", obs)
-    files.append(comparison_decision.OBSERVATIONS_FILE)
     rows = [json.loads(line) for line in obs.decode().splitlines()]
     criteria = comparison_decision.decide_criteria(rows, cfg.criteria, alpha=cfg.alpha)
     # Beside the decision, never deciding: the first criterion's pair (the metrics keys are unqualified).
@@ -169,12 +219,21 @@ def evaluate_and_decide(
         informational=informational,
     )
     bundle.register_json(comparison_decision.DECISION_FILE, "metrics", decision)
-    files.append(comparison_decision.DECISION_FILE)
+    metrics = decision_metrics(criteria, informational, time.perf_counter() - t0)
+    bundle.update_result(decision=decision, metrics=metrics)
+    return decision, [comparison_decision.OBSERVATIONS_FILE, comparison_decision.DECISION_FILE]
+
+
+def decision_metrics(
+    criteria: Sequence[comparison_decision.CriterionDecision], informational: JsonObject, eval_seconds: float
+) -> dict[str, float]:
+    """result.json `metrics` of the decision: the first criterion's difference and interval
+    unqualified, the informational interval, and each criterion under its id when there are several."""
     metrics = {
         "comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
         "comparison/ci_lower": criteria[0].lower,
         "comparison/ci_upper": criteria[0].upper,
-        "comparison/eval_seconds": time.perf_counter() - t0,
+        "comparison/eval_seconds": eval_seconds,
         **comparison_decision.informational_metrics(informational),
     }
     if len(criteria) > 1:  # every criterion is decided on its own
@@ -186,5 +245,4 @@ def evaluate_and_decide(
                     f"comparison/{c.id}/ci_upper": c.upper,
                 }
             )
-    bundle.update_result(decision=decision, metrics=metrics)
-    return scores, decision, files
+    return metrics

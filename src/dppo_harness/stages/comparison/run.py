@@ -8,7 +8,7 @@ completed_arms, metrics) -> evaluate base and both final checkpoints -> decision
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +22,7 @@ from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityPolicy
 from dppo_harness.stages.comparison import run_steps
+from dppo_harness.stages.comparison.arms import TrainingOutcome
 from dppo_harness.stages.comparison.config import (
     ArmOrder,
     ComparisonConfig,
@@ -29,6 +30,7 @@ from dppo_harness.stages.comparison.config import (
     comparison_config,
 )
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
+from dppo_harness.stages.comparison.state import RunState
 from dppo_harness.stages.comparison.step_rows import StepRowJson
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 
@@ -133,19 +135,15 @@ def run_comparison(
     with Watchdog(progress, every_s=PROGRESS_EVERY_S) as dog:  # no phase is silent for longer
         progress = dog.say
         cfg = comparison_config(plan.run, save_every=save_every)
-        rehearsal = is_rehearsal(plan, backend, bundle.result)
-        evaluator = _frozen_evaluator(cfg, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
-        state = run_steps.prepare_state(
-            plan, bundle, cfg, evaluator.evaluator_id, restoration, Path(state_root), resume_run_id
+        prepared = prepare_run(
+            plan, bundle, cfg, restoration, backend=backend, state_root=Path(state_root), resume_run_id=resume_run_id
         )
-        if state.resumed:
-            run_steps.post_reused_setup(bundle, state)
         session = run_steps.open_session(
             service_client,
             plan,
             bundle,
             cfg,
-            state,
+            prepared.state,
             Path(state_root),
             tag=tag,
             progress=progress,
@@ -158,55 +156,136 @@ def run_comparison(
             plan,
             schedule=schedule,
             schedule_source=schedule_source,
-            rehearsal=rehearsal,
-            evaluator_id=evaluator.evaluator_id,
+            rehearsal=prepared.rehearsal,
+            evaluator_id=prepared.evaluator.evaluator_id,
         )
         progress(f"[comparison] schedule {schedule} ({schedule_source})")
-        outcome, capacity_block = run_steps.train_session(
-            session, restoration, schedule=schedule, stop_after=stop_after, guard=guard
+        trained = train_run(
+            session, restoration, schedule=schedule, schedule_source=schedule_source, stop_after=stop_after, guard=guard
         )
-        files = run_steps.register_training_end(
-            session, outcome, schedule=schedule, schedule_source=schedule_source, guard=guard
+        if trained.outcome.stopped is not None:
+            final = run_steps.stopped_final(plan, bundle, cfg, trained.outcome, trained.capacity_block)
+            return trained.comparison_result(final)
+        return close_with_evaluation(
+            service_client,
+            plan,
+            bundle,
+            prepared,
+            trained,
+            backend=backend,
+            base_model=base_model or cfg.base_model,
+            progress=progress,
         )
 
-        def result(
-            final: JsonObject, scores: tuple[JsonObject, ...] = (), decision: JsonObject | None = None
-        ) -> ComparisonResult:
-            return ComparisonResult(
-                cfg,
-                state.run_id,
-                tuple(state.rows),
-                outcome.steps_completed,
-                outcome.wall_seconds,
-                schedule,
-                outcome.stopped,
-                capacity_block,
-                scores,
-                decision,
-                final,
-                tuple(files),
-            )
 
-        if outcome.stopped is not None:
-            return result(run_steps.stopped_final(plan, bundle, cfg, outcome, capacity_block))
-        scores, decision, eval_files = evaluate_and_decide(
-            service_client, cfg, state, evaluator, bundle, rehearsal, progress, base_model or cfg.base_model
-        )
-        files += eval_files
-        resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
-        files += list(
-            report.write_comparison_report(
-                bundle,
-                [as_object(r) for r in state.rows],
-                list(scores),
-                decision,
-                backend,
-                max_tokens=cfg.max_tokens,
-                resume=resume,
-            ).values()
-        )
-        return result(
-            run_steps.succeeded_final(plan, bundle, cfg, outcome, scores, decision, rehearsal=rehearsal),
-            tuple(scores),
+@dataclass(frozen=True)
+class PreparedRun:
+    """What the run is fixed to before training: its config, whether it is a rehearsal, the frozen
+    evaluator and the run state (new, or the resumed run's)."""
+
+    cfg: ComparisonConfig
+    rehearsal: bool
+    evaluator: evaluation.FrozenEvaluator
+    state: RunState
+
+
+def prepare_run(
+    plan: Plan,
+    bundle: EvidenceBundle,
+    cfg: ComparisonConfig,
+    restoration: RestorationResult | None,
+    *,
+    backend: str,
+    state_root: Path,
+    resume_run_id: str | None,
+) -> PreparedRun:
+    """Freeze the evaluator, then the run state it is named in (a resume also posts the reused
+    preflight and gate)."""
+    rehearsal = is_rehearsal(plan, backend, bundle.result)
+    evaluator = _frozen_evaluator(cfg, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
+    state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, state_root, resume_run_id)
+    if state.resumed:
+        run_steps.post_reused_setup(bundle, state)
+    return PreparedRun(cfg, rehearsal, evaluator, state)
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """How training ended, with what every closing path reports: the run's config and state, the
+    schedule it ran, the capacity block and the files written so far."""
+
+    cfg: ComparisonConfig
+    state: RunState
+    schedule: ArmOrder
+    outcome: TrainingOutcome
+    capacity_block: JsonObject | None
+    files: tuple[str, ...]
+
+    def comparison_result(
+        self,
+        final: JsonObject,
+        scores: tuple[JsonObject, ...] = (),
+        decision: JsonObject | None = None,
+        later_files: Sequence[str] = (),
+    ) -> ComparisonResult:
+        """The stage's result, `later_files` (evaluation, report) after training's own."""
+        return ComparisonResult(
+            self.cfg,
+            self.state.run_id,
+            tuple(self.state.rows),
+            self.outcome.steps_completed,
+            self.outcome.wall_seconds,
+            self.schedule,
+            self.outcome.stopped,
+            self.capacity_block,
+            scores,
             decision,
+            final,
+            (*self.files, *later_files),
         )
+
+
+def train_run(
+    session: run_steps.RunSession,
+    restoration: RestorationResult | None,
+    *,
+    schedule: ArmOrder,
+    schedule_source: str,
+    stop_after: Callable[[int], None] | None,
+    guard: WallGuard | None,
+) -> TrainedRun:
+    """Train every arm to the end or a stop, then register what training wrote (stopped or not)."""
+    outcome, capacity_block = run_steps.train_session(
+        session, restoration, schedule=schedule, stop_after=stop_after, guard=guard
+    )
+    files = run_steps.register_training_end(
+        session, outcome, schedule=schedule, schedule_source=schedule_source, guard=guard
+    )
+    return TrainedRun(session.cfg, session.state, schedule, outcome, capacity_block, tuple(files))
+
+
+def close_with_evaluation(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    prepared: PreparedRun,
+    trained: TrainedRun,
+    *,
+    backend: str,
+    base_model: str,
+    progress: Callable[[str], None],
+) -> ComparisonResult:
+    """Every arm finished: evaluate base and arms, decide, write the report, then the final."""
+    cfg, state = prepared.cfg, prepared.state
+    scores, decision, eval_files = evaluate_and_decide(
+        service_client, cfg, state, prepared.evaluator, bundle, prepared.rehearsal, progress, base_model
+    )
+    resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
+    rows = [as_object(r) for r in state.rows]
+    report_files = report.write_comparison_report(
+        bundle, rows, list(scores), decision, backend, max_tokens=cfg.max_tokens, resume=resume
+    ).values()
+    final = run_steps.succeeded_final(
+        plan, bundle, cfg, trained.outcome, scores, decision, rehearsal=prepared.rehearsal
+    )
+    return trained.comparison_result(final, tuple(scores), decision, [*eval_files, *report_files])
