@@ -117,7 +117,8 @@ def test_the_bundle_shows_the_variants_own_values(rehearsal_run):
     files = bundle / "files"
     result = json.loads((bundle / "result.json").read_text())
     arms = {"clip_ref_s7", "tv_mask_s7"}
-    assert set(result["completed_arms"]) == arms and set(result["metrics"]["arms"]) == arms
+    # the scored models: both arms and the base model ("base"), never a saved-spec arm name
+    assert set(result["completed_arms"]) == arms and set(result["metrics"]["arms"]) == arms | {"base"}
     run = json.loads((files / "effective-config.json").read_text())["config"]["run"]
     assert [(a["name"], a["role"], a["seed"], a["lr"]) for a in run["arms"]] == [
         ("clip_ref_s7", "baseline", 7, 0.01),
