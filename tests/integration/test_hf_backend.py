@@ -15,10 +15,12 @@ import pytest
 import torch
 import transformers
 
-from dppo_harness.local_server.__main__ import check_model_path_args, parse_args
-from dppo_harness.local_server.engine import attention, draws, hf_model, sampling
+from dppo_harness.local_server.__main__ import parse_args
+from dppo_harness.local_server.cli import check_model_path_flags
+from dppo_harness.local_server.engine import attention, decode_cache, draws, hf_model, sampling
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.serve import check_checkpoint
 
 SMALL = dict(
     vocab_size=1000,
@@ -97,9 +99,9 @@ def test_missing_or_incomplete_checkpoints_get_one_line_errors(tmp_path, qwen3_d
 
 def test_cli_refuses_a_bad_model_path_with_one_line(tmp_path):
     with pytest.raises(SystemExit, match="no such directory"):
-        check_model_path_args(parse_args(["--model-path", str(tmp_path / "nope")]))
+        check_checkpoint(parse_args(["--model-path", str(tmp_path / "nope")]))
     with pytest.raises(SystemExit, match="exclusive"):
-        check_model_path_args(parse_args(["--model-path", str(tmp_path), "--model", "tiny-qwen3-random"]))
+        check_model_path_flags(parse_args(["--model-path", str(tmp_path), "--model", "tiny-qwen3-random"]))
     src = str(Path(hf_model.__file__).resolve().parents[2])  # this checkout's src/, as LocalServerProcess does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
@@ -249,7 +251,7 @@ def test_decode_mode_resolution(engine, qwen35_dir, tmp_path):
     """CPU: auto -> dynamic, graph -> its eager form; Qwen3.5's hybrid cache has a static step,
     a sliding-window cache has none."""
     net = engine.base_model
-    buffered = sampling._buffered(transformers.DynamicCache(), 4)  # no layers yet: trivially "pure attention"
+    buffered = decode_cache.buffered_cache(transformers.DynamicCache(), 4)  # no layers yet: trivially "pure attention"
     assert sampling.resolve_mode("auto", net, buffered) == "dynamic"
     assert sampling.resolve_mode("graph", net, buffered) == "static"
     assert sampling.resolve_mode("static", net, buffered) == "static"
@@ -310,7 +312,7 @@ def test_hybrid_static_step_equals_the_dynamic_cache(qwen35_dir):
     with torch.no_grad():
         pre_d, attn_d, pos_d, Lp = _hybrid_prefill(net, prompts, 2, steps + 1)
         pre_s, attn_s, pos_s, _ = _hybrid_prefill(net, prompts, 2, steps + 1)
-        step = sampling.StaticDecodeStep(net, pre_s.cache_R, attn_s, use_graph=False)
+        step = decode_cache.StaticDecodeStep(net, pre_s.cache_R, attn_s, use_graph=False)
         linear = [lay for lay in step.cache.layers if type(lay).__name__ == "LinearAttentionLayer"]
         assert linear and any(type(lay).__name__ == "StaticKVLayer" for lay in step.cache.layers)
         ptrs = [(lay.conv_states.data_ptr(), lay.recurrent_states.data_ptr()) for lay in linear]
@@ -505,7 +507,7 @@ def test_linear_attention_option_forces_the_torch_fallback(qwen35_dir, tmp_path,
     with pytest.raises(UserError, match="linear_attention"):
         Engine(tmp_path / "bad", model_path=qwen35_dir, device="cpu", linear_attention="fla")
     with pytest.raises(SystemExit, match="need --model-path"):
-        check_model_path_args(parse_args(["--linear-attention", "torch"]))
+        check_model_path_flags(parse_args(["--linear-attention", "torch"]))
     assert parse_args(["--model-path", "x", "--decode-mode", "static"]).decode_mode == "static"
 
 
@@ -531,12 +533,12 @@ def test_gqa_decode_attention_equals_sdpa_with_repeated_kv():
     module = torch.nn.Module()
     module.num_key_value_groups = H // Hkv
     module.is_causal = True
-    got, _ = sampling.gqa_decode_attention(module, q, k, v, mask, scaling=0.25)
+    got, _ = decode_cache.gqa_decode_attention(module, q, k, v, mask, scaling=0.25)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     assert got.shape == want.shape == (R, 1, H, D)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # A wrong head grouping (query head h on KV head h % Hkv) is detected.
-    bad, _ = sampling.gqa_decode_attention(
+    bad, _ = decode_cache.gqa_decode_attention(
         module, q.reshape(R, H // Hkv, Hkv, 1, D).transpose(1, 2).reshape(R, H, 1, D), k, v, mask, scaling=0.25
     )
     assert not torch.allclose(bad, want, atol=1e-3)

@@ -430,11 +430,9 @@ class InProcessServer:
         return self
 
     async def _setup(self) -> None:
-        # The app (aiohttp, the SDK's types and protobufs, the engine's modules) loads for an
-        # in-process server only: the pytest plugin imports this module at start-up.
-        from aiohttp import web  # for an in-process server only (above)
-
-        from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, ServerState, build_app  # likewise
+        # The server's stack (aiohttp, the SDK's types and protobufs, the engine's modules) loads for
+        # an in-process server only: the pytest plugin imports this module at start-up.
+        from dppo_harness.local_server.serve import ServerState, start_site
 
         self.state = ServerState(
             self.engine,
@@ -444,14 +442,10 @@ class InProcessServer:
             profile=self._profile or Profile(),
             on_die=self._on_die,
         )
-        self._runner = web.AppRunner(
-            build_app(self.state), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S
-        )
-        await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         sock.listen(512)
-        await web.SockSite(self._runner, sock).start()
+        self._runner = await start_site(self.state, sock)
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
 
     def _on_die(self, message: str) -> None:

@@ -22,10 +22,10 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from dppo_harness.constants import RENDERER_NAME
 from dppo_harness.data.tokenizer import TML_QWEN35, TmlQwen35Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
     from tinker_cookbook.renderers import Message, Renderer
 
 ASSET_PATH = Path(__file__).parent / "assets" / "vocab_qwen35_gsm8k.json"
@@ -57,12 +58,24 @@ def get_renderer() -> Renderer:
     return renderers.get_renderer(RENDERER_NAME, tokenizer=get_tokenizer())  # type: ignore[arg-type]
 
 
+class _CookbookMath(NamedTuple):
+    """What this module takes from the cookbook's math env."""
+
+    env: type[MathEnv]  # its one-shot prefix and question suffix
+    final_answer: Callable[[str], str]  # extract_gsm8k_final_answer
+
+
+@lru_cache(maxsize=1)
+def _cookbook_math() -> _CookbookMath:
+    # the cookbook's math env imports its RL stack (seconds): only the warm start and the vocabulary rebuild need it
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv, extract_gsm8k_final_answer
+
+    return _CookbookMath(MathEnv, extract_gsm8k_final_answer)
+
+
 def gsm8k_final_answer(answer: str) -> str:
     """Ground truth of a GSM8K answer field: the cookbook's ``extract_gsm8k_final_answer``."""
-    # the cookbook's math env imports its RL stack (seconds): only the warm start and the vocabulary rebuild need it
-    from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer
-
-    return extract_gsm8k_final_answer(answer)
+    return _cookbook_math().final_answer(answer)
 
 
 _CALC_RE = re.compile(r"<<[^>]*>>")
@@ -79,9 +92,8 @@ def solution_reply(answer: str) -> str:
 def prompt_messages(question: str) -> list[Message]:
     """The cookbook math_rl GSM8K conversation: ``MathEnv``'s one-shot prefix, then the question
     with ``MathEnv.question_suffix()`` (the same messages MathEnv renders)."""
-    from tinker_cookbook.recipes.math_rl.math_env import MathEnv  # deferred like gsm8k_final_answer's
-
-    return [*MathEnv.standard_fewshot_prefix(), {"role": "user", "content": question + MathEnv.question_suffix()}]
+    env = _cookbook_math().env
+    return [*env.standard_fewshot_prefix(), {"role": "user", "content": question + env.question_suffix()}]
 
 
 def read_jsonl(path: Path) -> list[dict[str, str]]:

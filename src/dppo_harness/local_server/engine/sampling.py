@@ -31,27 +31,26 @@ elementwise pass instead of softmax + multinomial over the vocabulary. "multinom
 their seeded outputs stay bitwise what they were). Either keeps the seed's meaning: the same
 request alone, or with the same concurrent batch, gives the same tokens. Per-token logprobs are
 the untempered log-softmax of the drawn token (the trainer's distribution).
-The draws live in `draws.py`.
+The draws live in `draws.py`; the cache layers and the static step in `decode_cache.py`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers.cache_utils import (
-    Cache,
-    CacheLayerMixin,
-    DynamicLayer,
-    LinearAttentionCacheLayerMixin,
-    LinearAttentionLayer,
-)
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.cache_utils import Cache, DynamicLayer
 
+from dppo_harness.local_server.engine.decode_cache import (
+    AnyCacheLayer,
+    BufferLayer,
+    StaticDecodeStep,
+    buffered_cache,
+    static_capable,
+)
 from dppo_harness.local_server.engine.draws import draw
 from dppo_harness.local_server.engine.logprobs import chunked_target_logprobs
 from dppo_harness.local_server.engine.model import token_logprobs
@@ -61,7 +60,6 @@ MODES = ("auto", "dynamic", "static", "graph")
 DRAWS = ("gumbel", "multinomial")
 PREFILLS = ("batched", "each")
 log = logging.getLogger(__name__)
-AnyCacheLayer = CacheLayerMixin | LinearAttentionCacheLayerMixin  # what a transformers `Cache` holds
 DecodeStats = dict[str, int | str]  # decode_mode, decode_steps, rows (`generate`)
 
 
@@ -110,241 +108,6 @@ class Decoded:
     prompt_logprobs: list[float | None] | None
 
 
-class BufferLayer(CacheLayerMixin):
-    """KV-cache layer over a preallocated [B, H, cap, D] buffer (no per-step concatenation)."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        self.kbuf, self.vbuf, self.len = keys, values, length
-        self.is_initialized = True
-
-    # keys / values are views of the buffers: read-only here, where the mixin declares attributes.
-    @property
-    def keys(self) -> torch.Tensor:  # type: ignore[override]
-        return self.kbuf[:, :, : self.len]
-
-    @property
-    def values(self) -> torch.Tensor:  # type: ignore[override]
-        return self.vbuf[:, :, : self.len]
-
-    def lazy_initialization(
-        self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> None:  # pragma: no cover - prefilled
-        raise RuntimeError("buffer layer is prefilled")
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = key_states.shape[-2]
-        self.kbuf[:, :, self.len : self.len + n] = key_states
-        self.vbuf[:, :, self.len : self.len + n] = value_states
-        self.len += n
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int, *args: object) -> tuple[int, int]:
-        return self.len + query_length, 0
-
-    def get_seq_length(self, *args: object) -> int:
-        return self.len
-
-    def get_max_cache_shape(self, *args: object) -> int:
-        return -1
-
-    def select(self, idx: torch.Tensor) -> None:
-        self.kbuf, self.vbuf = self.kbuf[idx], self.vbuf[idx]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select(beam_idx.to(self.kbuf.device))
-
-
-GQA_DECODE_ATTENTION = "dppo_gqa_decode"
-
-
-def gqa_decode_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """Single-query attention over a grouped KV cache without repeating K/V per query head (sdpa
-    with a mask repeats the whole cache per step); any other shape goes to transformers' sdpa.
-    Query head h reads KV head h // (H / Hkv), as transformers' repeat_kv does."""
-    if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    R, H, _, D = query.shape
-    Hkv = key.shape[1]
-    q_RKGD = query.reshape(R, Hkv, H // Hkv, D)
-    scale = scaling if scaling is not None else D**-0.5
-    scores_RKGC = torch.matmul(q_RKGD, key.transpose(-1, -2)).float() * scale
-    scores_RKGC = scores_RKGC.masked_fill(~attention_mask, float("-inf"))  # mask [R, 1, 1, C] broadcasts
-    out_RKGD = torch.matmul(scores_RKGC.softmax(dim=-1).to(value.dtype), value)
-    return out_RKGD.reshape(R, H, 1, D).transpose(1, 2).contiguous(), None
-
-
-@functools.cache
-def register_gqa_decode_attention() -> str:
-    """Registered on first static decode (importing transformers' attention registry early slows
-    the preset server's first requests)."""
-    from transformers import AttentionInterface  # loads transformers.modeling_utils (docstring)
-
-    AttentionInterface.register(GQA_DECODE_ATTENTION, gqa_decode_attention)
-    return GQA_DECODE_ATTENTION
-
-
-class StaticKVLayer(CacheLayerMixin):
-    """Fixed-shape KV layer for captured decode steps: writes the new position at the column held
-    in the shared device tensor `write_col` and returns the whole buffer (the attention mask hides
-    unused columns), so a step's shapes and kernels never change."""
-
-    is_sliding = False
-    is_compileable = True
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_col: torch.Tensor):
-        self.kbuf, self.vbuf, self.write_col = keys, values, write_col
-        self.is_initialized = True
-
-    # keys / values are the buffers themselves: read-only here, where the mixin declares attributes.
-    @property
-    def keys(self) -> torch.Tensor:  # type: ignore[override]
-        return self.kbuf
-
-    @property
-    def values(self) -> torch.Tensor:  # type: ignore[override]
-        return self.vbuf
-
-    def lazy_initialization(
-        self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> None:  # pragma: no cover - prefilled
-        raise RuntimeError("static layer is prefilled")
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kbuf.index_copy_(2, self.write_col, key_states)
-        self.vbuf.index_copy_(2, self.write_col, value_states)
-        return self.kbuf, self.vbuf
-
-    def get_mask_sizes(self, query_length: int, *args: object) -> tuple[int, int]:
-        return self.kbuf.shape[2], 0
-
-    def get_seq_length(self, *args: object) -> int:
-        return self.kbuf.shape[2]
-
-    def get_max_cache_shape(self, *args: object) -> int:
-        return self.kbuf.shape[2]
-
-
-class StaticDecodeStep:
-    """One decode step over fixed buffers: ids/positions/mask/column are copied into static
-    tensors, then the step runs eagerly or as a replayed CUDA graph (captured on first use).
-    Attention layers (`BufferLayer`) become `StaticKVLayer`s over the same buffers; linear-attention
-    layers keep their transformers `LinearAttentionLayer`, whose conv and recurrent states the
-    model updates in place (`copy_`), so their addresses stay fixed for the graph."""
-
-    def __init__(self, net: transformers.PreTrainedModel, cache: Cache, attn_RC: torch.Tensor, use_graph: bool):
-        self.decoder, self.head = net.get_decoder(), net.get_output_embeddings()
-        dev = attn_RC.device
-        R = attn_RC.shape[0]
-        self.write_col = torch.zeros(1, dtype=torch.int64, device=dev)
-        layers: list[AnyCacheLayer] = [
-            StaticKVLayer(lay.kbuf, lay.vbuf, self.write_col) if isinstance(lay, BufferLayer) else lay
-            for lay in cache.layers
-        ]
-        self.cache = Cache(layers=layers)
-        self.mask_R11C = attn_RC.bool()[:, None, None, :].clone()
-        self.ids_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
-        self.pos_R1 = torch.zeros((R, 1), dtype=torch.int64, device=dev)
-        self.use_graph = use_graph
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits_RV: torch.Tensor | None = None
-
-    def _states(self) -> list[torch.Tensor]:
-        """The linear-attention states a step advances (a KV write to the same column is idempotent)."""
-        return [
-            t
-            for lay in self.cache.layers
-            if isinstance(lay, LinearAttentionLayer)
-            for t in (lay.conv_states, lay.recurrent_states)
-            if t is not None
-        ]
-
-    def _forward(self) -> torch.Tensor:
-        cfg = self.decoder.config
-        prev, cfg._attn_implementation = cfg._attn_implementation, register_gqa_decode_attention()
-        try:
-            # A 4D mask is used as given (masking_utils); linear-attention layers take none once
-            # their cache has a previous state.
-            out = self.decoder(
-                input_ids=self.ids_R1,
-                attention_mask=self.mask_R11C,
-                position_ids=self.pos_R1,
-                past_key_values=self.cache,
-                use_cache=True,
-            )
-        finally:
-            cfg._attn_implementation = prev
-        return self.head(out.last_hidden_state[:, -1]).float()
-
-    def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The captured step and the logits tensor its replays write."""
-        saved = [t.clone() for t in self._states()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: kernels picked / autotuned before capture
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        for t, s in zip(self._states(), saved):  # undo the warm-up's linear-attention steps
-            t.copy_(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # trainer threads may run meanwhile
-            logits_RV = self._forward()  # recorded, not run
-        return graph, logits_RV
-
-    def __call__(self, ids_R: torch.Tensor, pos_R: torch.Tensor, col: int) -> torch.Tensor:
-        self.ids_R1.copy_(ids_R.unsqueeze(-1))
-        self.pos_R1.copy_(pos_R.unsqueeze(-1))
-        self.write_col.fill_(col)
-        self.mask_R11C[:, 0, 0, col] = True
-        if not self.use_graph:
-            return self._forward()
-        if self.graph is None or self.logits_RV is None:
-            self.graph, self.logits_RV = self._capture()
-        self.graph.replay()
-        return self.logits_RV
-
-
-def _buffered(cache: Cache, cap: int) -> Cache:
-    """Attention layers move into preallocated buffers of `cap` positions; linear-attention layers
-    stay as they are (fixed-size states). Any other layer kind (sliding windows) leaves the whole
-    cache as it is."""
-    if not all(type(layer) in (DynamicLayer, LinearAttentionLayer) for layer in cache.layers):
-        return cache
-    layers: list[AnyCacheLayer] = []
-    for layer in cache.layers:
-        if not isinstance(layer, DynamicLayer):  # a LinearAttentionLayer
-            layers.append(layer)
-            continue
-        k, v = layer.keys, layer.values
-        if k is None or v is None:
-            raise ValueError("an attention layer of the prefilled cache holds no KV")
-        kb = k.new_zeros((k.shape[0], k.shape[1], cap, k.shape[3]))
-        vb = v.new_zeros((v.shape[0], v.shape[1], cap, v.shape[3]))
-        kb[:, :, : k.shape[2]] = k
-        vb[:, :, : v.shape[2]] = v
-        layers.append(BufferLayer(kb, vb, k.shape[2]))
-    return Cache(layers=layers)
-
-
 @dataclass
 class _Prefill:
     cache_R: Cache  # one row per sample, attention layers buffered to the batch's capacity
@@ -382,7 +145,7 @@ def _prefill_batched(
     last = head(hidden_JLH[:, -1]).float()
     cache = out.past_key_values
     cache.reorder_cache(rows_idx)  # each prompt's cache -> one row per sample
-    return _Prefill(_buffered(cache, cap), last, mask_JL, prompt_lps)
+    return _Prefill(buffered_cache(cache, cap), last, mask_JL, prompt_lps)
 
 
 def _prefill_each(
@@ -427,13 +190,6 @@ def _prefill_each(
             row += counts[j]
         layers.append(BufferLayer(kb, vb, Lp))
     return _Prefill(Cache(layers=layers), torch.stack(last), mask_JL, prompt_lps)
-
-
-def static_capable(net: transformers.PreTrainedModel, cache: Cache) -> bool:
-    """Whether a decode step over this cache can keep fixed shapes (`StaticDecodeStep`)."""
-    return all(type(lay) in (BufferLayer, LinearAttentionLayer) for lay in cache.layers) and not getattr(
-        net.get_decoder(), "has_sliding_layers", False
-    )
 
 
 def resolve_mode(mode: str, net: transformers.PreTrainedModel, cache: Cache) -> str:
@@ -518,60 +274,25 @@ def _decode_rows(
     mode: str,
 ) -> _DecodedRows:
     """The decode loop over every row from the prefill's last logits until every row finished."""
-    head = net.get_output_embeddings()
-    decoder = net.get_decoder()
+    decoder, head = net.get_decoder(), net.get_output_embeddings()
     device = head.weight.device
     V = spec.vocab_size
     R = len(row_req)
     gens = [torch.Generator(device=device).manual_seed(r.seed) for r in reqs]
     stops = [set(r.stop_ids) for r in reqs]
-    toks: list[list[int]] = [[] for _ in range(R)]
-    lps: list[list[float]] = [[] for _ in range(R)]
-    reason: list[str | None] = [None] * R
+    rows = _DecodedRows([[] for _ in range(R)], [[] for _ in range(R)], [None] * R, steps=0, mode=mode)
     batch_rows = list(range(R))  # original row of each batch position
-    step = 0
     while True:
-        nxt_B = torch.zeros(len(batch_rows), dtype=torch.int64, device=device)  # finished rows feed 0
-        b = 0
-        while b < len(batch_rows):  # rows of one request are contiguous
-            j = row_req[batch_rows[b]]
-            e = b
-            while e < len(batch_rows) and row_req[batch_rows[e]] == j:
-                e += 1
-            live = [k for k in range(b, e) if reason[batch_rows[k]] is None]
-            if live:
-                sel = torch.tensor(live, dtype=torch.int64, device=device) if len(live) < e - b else slice(b, e)
-                nxt_B[sel] = draw(logits_BV[sel], reqs[j], gens[j], spec.draw)
-            b = e
-        lp_B = torch.log_softmax(logits_BV, dim=-1).gather(-1, nxt_B.unsqueeze(-1)).squeeze(-1)
-        nxt_list, lp_list = nxt_B.tolist(), lp_B.tolist()  # the step's one host sync
-        for k, row in enumerate(batch_rows):
-            if reason[row] is not None:
-                continue
-            r = reqs[row_req[row]]
-            toks[row].append(nxt_list[k])
-            lps[row].append(lp_list[k])
-            if nxt_list[k] in stops[row_req[row]] or (
-                r.stop_strings and _hits_stop_string(decode_text, toks[row], r.stop_strings)
-            ):
-                reason[row] = "stop"
-            elif len(toks[row]) >= r.max_tokens:
-                reason[row] = "length"
-        step += 1
-        live_k = [k for k, row in enumerate(batch_rows) if reason[row] is None]
+        nxt_B = _draw_tokens(logits_BV, batch_rows, row_req, rows.reason, reqs, gens, spec.draw)
+        _record_tokens(rows, batch_rows, nxt_B, logits_BV, reqs, row_req, stops, decode_text)
+        rows.steps += 1
+        live_k = [k for k, row in enumerate(batch_rows) if rows.reason[row] is None]
         if not live_k:
             break
         dead = len(batch_rows) - len(live_k)
-        cur = Lp + step
+        cur = Lp + rows.steps
         if static is not None:  # fixed shapes: finished rows keep running, their tokens are ignored
-            try:
-                logits_BV = static(nxt_B, pos_R, cur - 1)[:, :V]
-            except Exception as exc:
-                if not static.use_graph or static.graph is not None:
-                    raise
-                log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
-                mode, static.use_graph = "static", False
-                logits_BV = static(nxt_B, pos_R, cur - 1)[:, :V]
+            logits_BV = _static_step(static, nxt_B, pos_R, cur - 1, rows)[:, :V]
             pos_R = pos_R + 1
             continue
         if dead and dead >= max(1, int(spec.compact_fraction * len(batch_rows))):
@@ -581,17 +302,99 @@ def _decode_rows(
             attn_RC, pos_R, nxt_B = attn_RC[kidx], pos_R[kidx], nxt_B[kidx]
             batch_rows = [batch_rows[k] for k in live_k]
         attn_RC[:, cur - 1] = 1
-        out = decoder(
-            input_ids=nxt_B.unsqueeze(-1),
-            attention_mask=attn_RC[:, :cur],
-            position_ids=pos_R.unsqueeze(-1),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        cache = out.past_key_values
+        logits_BV, cache = _dynamic_step(decoder, head, cache, nxt_B, attn_RC[:, :cur], pos_R, V)
         pos_R = pos_R + 1
-        logits_BV = head(out.last_hidden_state[:, -1])[:, :V].float()
-    return _DecodedRows(toks, lps, reason, step, mode)
+    return rows
+
+
+def _draw_tokens(
+    logits_BV: torch.Tensor,
+    batch_rows: list[int],
+    row_req: list[int],
+    reason: list[str | None],
+    reqs: Sequence[DecodeRequest],
+    gens: list[torch.Generator],
+    draw_kind: str,
+) -> torch.Tensor:
+    """One token per batch position [B]: each request's live rows drawn together from its own
+    generator; finished rows feed 0."""
+    nxt_B = torch.zeros(len(batch_rows), dtype=torch.int64, device=logits_BV.device)
+    b = 0
+    while b < len(batch_rows):  # rows of one request are contiguous
+        j = row_req[batch_rows[b]]
+        e = b
+        while e < len(batch_rows) and row_req[batch_rows[e]] == j:
+            e += 1
+        live = [k for k in range(b, e) if reason[batch_rows[k]] is None]
+        if live:
+            sel = torch.tensor(live, dtype=torch.int64, device=logits_BV.device) if len(live) < e - b else slice(b, e)
+            nxt_B[sel] = draw(logits_BV[sel], reqs[j], gens[j], draw_kind)
+        b = e
+    return nxt_B
+
+
+def _record_tokens(
+    rows: _DecodedRows,
+    batch_rows: list[int],
+    nxt_B: torch.Tensor,
+    logits_BV: torch.Tensor,
+    reqs: Sequence[DecodeRequest],
+    row_req: list[int],
+    stops: list[set[int]],
+    decode_text: Callable[[list[int]], str],
+) -> None:
+    """Append each live row's drawn token and its logprob; a stop token or string, or the token
+    budget, finishes the row."""
+    lp_B = torch.log_softmax(logits_BV, dim=-1).gather(-1, nxt_B.unsqueeze(-1)).squeeze(-1)
+    nxt_list, lp_list = nxt_B.tolist(), lp_B.tolist()  # the step's one host sync
+    for k, row in enumerate(batch_rows):
+        if rows.reason[row] is not None:
+            continue
+        r = reqs[row_req[row]]
+        toks = rows.toks[row]
+        toks.append(nxt_list[k])
+        rows.lps[row].append(lp_list[k])
+        if nxt_list[k] in stops[row_req[row]] or (
+            r.stop_strings and _hits_stop_string(decode_text, toks, r.stop_strings)
+        ):
+            rows.reason[row] = "stop"
+        elif len(toks) >= r.max_tokens:
+            rows.reason[row] = "length"
+
+
+def _static_step(
+    static: StaticDecodeStep, nxt_B: torch.Tensor, pos_R: torch.Tensor, col: int, rows: _DecodedRows
+) -> torch.Tensor:
+    """Logits [R, V_head] of one fixed-shape step; a CUDA graph that fails to capture falls back to
+    the eager static step, which `rows.mode` then records."""
+    try:
+        return static(nxt_B, pos_R, col)
+    except Exception as exc:
+        if not static.use_graph or static.graph is not None:
+            raise
+        log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
+        rows.mode, static.use_graph = "static", False
+        return static(nxt_B, pos_R, col)
+
+
+def _dynamic_step(
+    decoder: torch.nn.Module,
+    head: torch.nn.Module,
+    cache: Cache,
+    nxt_B: torch.Tensor,
+    attn_BC: torch.Tensor,
+    pos_B: torch.Tensor,
+    V: int,
+) -> tuple[torch.Tensor, Cache]:
+    """Float32 logits [B, V] of the eager step that feeds `nxt_B`, and the cache it extended."""
+    out = decoder(
+        input_ids=nxt_B.unsqueeze(-1),
+        attention_mask=attn_BC,
+        position_ids=pos_B.unsqueeze(-1),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return head(out.last_hidden_state[:, -1])[:, :V].float(), out.past_key_values
 
 
 def _decoded_by_request(

@@ -36,6 +36,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -148,50 +149,20 @@ def train(
         order = torch.randperm(len(rows), generator=gen).tolist()
         steps, bs = int(recipe["steps"]), int(recipe["batch_size"])
         sched = int(recipe.get("schedule_steps", steps))  # cosine length; training may stop earlier
-        renderer = get_renderer()
-        # Render only the rows the schedule visits.
-        visit = sorted({order[k % len(order)] for k in range(steps * bs)})
-        _progress(f"warm start: rendering {len(visit)} GSM8K train examples")
-        examples = {i: build_example(vocab, renderer, rows[i]) for i in visit}
+        examples = _visited_examples(vocab, rows, order, steps * bs)
         t_data = time.time() - t0
         _progress(f"warm start: {steps} supervised steps of {bs} examples ({t_data:.0f}s)")
         last_said = time.time()
         net = model.build_base_model(config, vocab.num_embeddings, seed)
         net.train()
-        opt = torch.optim.AdamW(
-            net.parameters(),
-            lr=recipe["lr"],
-            betas=tuple(recipe["betas"]),
-            eps=recipe["eps"],
-            weight_decay=recipe["weight_decay"],
-        )
+        opt = _optimizer(net, recipe)
         losses = []
         for step in range(steps):
-            if step < recipe["warmup_steps"]:
-                lr = recipe["lr"] * (step + 1) / recipe["warmup_steps"]
-            else:
-                frac = (step - recipe["warmup_steps"]) / max(1, sched - recipe["warmup_steps"])
-                lr = recipe["lr"] * (
-                    recipe["final_lr_frac"] + (1 - recipe["final_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * frac))
-                )
+            lr = _lr_at(step, recipe, sched)
             for g in opt.param_groups:
                 g["lr"] = lr
-            idx = [order[(step * bs + k) % len(order)] for k in range(bs)]
-            batch = [examples[i] for i in idx]
-            Tm = max(int(t.numel()) for t, _ in batch) - 1
-            ids = torch.zeros((bs, Tm), dtype=torch.int64)
-            tgt = torch.zeros((bs, Tm), dtype=torch.int64)
-            wts = torch.zeros((bs, Tm), dtype=torch.float32)
-            att = torch.zeros((bs, Tm), dtype=torch.int64)
-            for b, (t, w) in enumerate(batch):
-                L = int(t.numel()) - 1
-                ids[b, :L], tgt[b, :L], wts[b, :L], att[b, :L] = t[:-1], t[1:], w[1:], 1
-            # The unembedding (15k rows) dominates the cost: apply it only where the loss looks.
-            hidden = net.model(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
-            sel = wts > 0
-            logits = net.lm_head(hidden[sel]).unsqueeze(0)
-            lp = model.token_logprobs(logits, tgt[sel].unsqueeze(0), vocab.size)[0]
-            loss = -(lp * wts[sel]).sum() / wts[sel].sum()
+            batch = _padded_batch([examples[order[(step * bs + k) % len(order)]] for k in range(bs)])
+            loss = _batch_loss(net, batch, vocab.size)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), recipe["grad_clip_norm"])
@@ -199,18 +170,7 @@ def train(
             losses.append(float(loss.detach()))
             if on_step is not None:
                 on_step(step, net)
-            if time.time() - last_said >= PROGRESS_EVERY_S or step == steps - 1:
-                last_said = time.time()
-                _progress(
-                    f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
-                    f"{losses[-1]:.3f} ({last_said - t0:.0f}s)"
-                )
-            if log_every and (step % log_every == 0 or step == steps - 1):
-                print(
-                    f"warmstart step {step} loss {losses[-1]:.4f} lr {lr:.2e} t {time.time() - t0:.1f}s "
-                    f"cpu {time.process_time():.1f}s",
-                    flush=True,
-                )
+            last_said = _report_step(step, steps, losses[-1], lr, t0, last_said, log_every)
         net.eval()
         info = {
             "data_seconds": t_data,
@@ -221,6 +181,88 @@ def train(
         return net, info
     finally:
         torch.set_num_threads(prev_threads)
+
+
+def _visited_examples(
+    vocab: Vocab, rows: list[dict[str, str]], order: list[int], n_examples: int
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The examples of the first `n_examples` positions of `order` (cycled), by row: only the rows
+    the schedule visits are rendered."""
+    renderer = get_renderer()
+    visit = sorted({order[k % len(order)] for k in range(n_examples)})
+    _progress(f"warm start: rendering {len(visit)} GSM8K train examples")
+    return {i: build_example(vocab, renderer, rows[i]) for i in visit}
+
+
+def _optimizer(net: torch.nn.Module, recipe: dict) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        net.parameters(),
+        lr=recipe["lr"],
+        betas=tuple(recipe["betas"]),
+        eps=recipe["eps"],
+        weight_decay=recipe["weight_decay"],
+    )
+
+
+def _lr_at(step: int, recipe: dict, sched: int) -> float:
+    """Linear warmup to the peak lr, then a cosine decay to `final_lr_frac` of it laid out over
+    `sched` steps."""
+    if step < recipe["warmup_steps"]:
+        return recipe["lr"] * (step + 1) / recipe["warmup_steps"]
+    frac = (step - recipe["warmup_steps"]) / max(1, sched - recipe["warmup_steps"])
+    return recipe["lr"] * (
+        recipe["final_lr_frac"] + (1 - recipe["final_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * frac))
+    )
+
+
+@dataclass(frozen=True)
+class _PaddedBatch:
+    """Examples right-padded to the longest one, T = its length - 1 (inputs predict the next token)."""
+
+    ids_BT: torch.Tensor  # input tokens
+    tgt_BT: torch.Tensor  # next tokens
+    wts_BT: torch.Tensor  # loss weight of each target (0 on padding)
+    att_BT: torch.Tensor  # attention mask
+
+
+def _padded_batch(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> _PaddedBatch:
+    B, T = len(batch), max(int(t.numel()) for t, _ in batch) - 1
+    ids = torch.zeros((B, T), dtype=torch.int64)
+    tgt = torch.zeros((B, T), dtype=torch.int64)
+    wts = torch.zeros((B, T), dtype=torch.float32)
+    att = torch.zeros((B, T), dtype=torch.int64)
+    for b, (t, w) in enumerate(batch):
+        L = int(t.numel()) - 1
+        ids[b, :L], tgt[b, :L], wts[b, :L], att[b, :L] = t[:-1], t[1:], w[1:], 1
+    return _PaddedBatch(ids, tgt, wts, att)
+
+
+def _batch_loss(net: transformers.Qwen3ForCausalLM, batch: _PaddedBatch, vocab_size: int) -> torch.Tensor:
+    """Weighted mean of the targets' negative logprobs over the loss positions."""
+    # The unembedding (15k rows) dominates the cost: apply it only where the loss looks.
+    hidden = net.model(input_ids=batch.ids_BT, attention_mask=batch.att_BT, use_cache=False).last_hidden_state
+    sel = batch.wts_BT > 0
+    logits = net.lm_head(hidden[sel]).unsqueeze(0)
+    lp = model.token_logprobs(logits, batch.tgt_BT[sel].unsqueeze(0), vocab_size)[0]
+    return -(lp * batch.wts_BT[sel]).sum() / batch.wts_BT[sel].sum()
+
+
+def _report_step(step: int, steps: int, loss: float, lr: float, t0: float, last_said: float, log_every: int) -> float:
+    """A progress line every `PROGRESS_EVERY_S` and at the last step, a stdout line every
+    `log_every` steps (0: none); returns when progress was last said."""
+    if time.time() - last_said >= PROGRESS_EVERY_S or step == steps - 1:
+        last_said = time.time()
+        _progress(
+            f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
+            f"{loss:.3f} ({last_said - t0:.0f}s)"
+        )
+    if log_every and (step % log_every == 0 or step == steps - 1):
+        print(
+            f"warmstart step {step} loss {loss:.4f} lr {lr:.2e} t {time.time() - t0:.1f}s "
+            f"cpu {time.process_time():.1f}s",
+            flush=True,
+        )
+    return last_said
 
 
 def load_or_build(

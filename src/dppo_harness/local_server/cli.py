@@ -1,0 +1,275 @@
+"""The embedded server's command line: its argument parser, built one option group at a time, and
+the checks of its values that need no heavy import.
+
+Nothing here imports torch, aiohttp or the engine: the CLI refuses a bad argument in a blink, and
+torch loads only after `__main__.main` set its OpenMP settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+
+from dppo_harness.local_server.faults import (
+    DEFAULT_VALUE_HEADERS,
+    FaultConfig,
+    parse_capacity_fail,
+    parse_latency,
+    parse_never_complete,
+    parse_omit_field,
+    parse_queue_pause,
+    parse_reject_first,
+    parse_reject_for,
+    parse_reject_prob,
+)
+from dppo_harness.local_server.profiles import PROFILES
+
+PROG = "python -m dppo_harness.local_server"
+
+
+def build_parser(description: str | None) -> argparse.ArgumentParser:
+    """The server's parser: the general options, then the checkpoint backend's and the faults'
+    groups (in this order in `--help`)."""
+    p = argparse.ArgumentParser(prog=PROG, description=description)
+    _add_server_options(p)
+    _add_checkpoint_options(p.add_argument_group("Hugging Face checkpoint backend (instead of the tiny presets)"))
+    faults = p.add_argument_group("fault injection (seeded and counted; see GET /_harness/stats)")
+    _add_rejection_faults(faults)
+    _add_held_request_faults(faults)
+    _add_capacity_faults(faults)
+    _add_timing_faults(faults)
+    _add_response_faults(faults)
+    return p
+
+
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    """Where it listens, what it serves and how the engine runs."""
+    p.add_argument("--host", default="127.0.0.1", help="loopback address only (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="default",
+        help="spindle: require the Spindle credential headers and serve the plan's base model by name",
+    )
+    p.add_argument("--model", default=None, help="engine model name (default: the engine's default)")
+    p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
+    p.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="exit as soon as this process is no longer the server's parent (the harness that "
+        "started it died, even by SIGKILL): no orphan server",
+    )
+    p.add_argument(
+        "--sampler-dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="sampler precision (default: float32 for the presets, the checkpoint dtype for "
+        "--model-path); bfloat16 rehearses trainer/sampler mismatch",
+    )
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--sample-workers", type=int, default=64, help="threads running sample requests")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the engine (default 2)")
+
+
+def _add_checkpoint_options(h: argparse._ArgumentGroup) -> None:
+    """`--model-path` and the options that only apply with it."""
+    h.add_argument(
+        "--model-path",
+        default=None,
+        metavar="DIR",
+        help="local Qwen3 / Qwen3.5 checkpoint (config.json + weights); nothing is downloaded",
+    )
+    h.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="with --model-path")
+    h.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="with --model-path (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+    h.add_argument(
+        "--served-name", default=None, help="with --model-path: name to serve it under (default: the checkpoint's name)"
+    )
+    h.add_argument(
+        "--linear-attention",
+        choices=("auto", "torch"),
+        default="auto",
+        help="with --model-path: Qwen3.5's linear-attention layers run the kernels transformers picked "
+        "(auto) or its torch fallback (torch)",
+    )
+    h.add_argument(
+        "--decode-mode",
+        choices=("auto", "dynamic", "static", "graph"),
+        default="auto",
+        help="sampler decode step: auto = the CUDA graph of the whole step on CUDA, eager on CPU",
+    )
+
+
+def _add_rejection_faults(f: argparse._ArgumentGroup) -> None:
+    """The seed of the random faults and the HTTP rejections (429/503)."""
+    f.add_argument("--fault-seed", type=int, default=0)
+    f.add_argument(
+        "--fault-reject-first",
+        action="append",
+        default=[],
+        metavar="KIND:STATUS:N",
+        help="answer the first N requests of KIND ('*' = any) with HTTP STATUS (429|503)",
+    )
+    f.add_argument(
+        "--fault-reject-prob",
+        action="append",
+        default=[],
+        metavar="KIND:STATUS:P",
+        help="answer each request of KIND with HTTP STATUS with probability P",
+    )
+    f.add_argument(
+        "--fault-reject-for",
+        action="append",
+        default=[],
+        metavar="KIND:STATUS:SECONDS",
+        help="answer every request of KIND with HTTP STATUS for SECONDS from the first one (asample:429:S "
+        "is a sample submit the SDK retries without limit)",
+    )
+
+
+def _add_held_request_faults(f: argparse._ArgumentGroup) -> None:
+    """Accepted requests whose futures stay pending: a paused queue, a request that never
+    completes, and the session poller that reports no queue state."""
+    f.add_argument(
+        "--fault-queue-pause",
+        action="append",
+        default=[],
+        metavar="KIND:N:SECONDS[:STATE][:moving]",
+        help="hold the N-th request of KIND (create_model, forward_backward, optim_step, save_weights, "
+        "asample, ...) for SECONDS ('forever': never) before it runs; its polls answer 408 try_again "
+        "with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a reason; "
+        "'moving': the reason names a queue position that changes at every poll",
+    )
+    f.add_argument(
+        "--fault-never-complete",
+        action="append",
+        default=[],
+        metavar="KIND:N",
+        help="accept the N-th request of KIND and never complete it (its polls say queue_state active)",
+    )
+    f.add_argument(
+        "--fault-sample-use-retrieve-futures",
+        action="store_true",
+        help="client config sets sample_use_retrieve_futures: samples wait on the SDK's session poller "
+        "(POST /api/v1/retrieve_futures), a path that sends no queue state",
+    )
+
+
+def _add_capacity_faults(f: argparse._ArgumentGroup) -> None:
+    """'trainer capacity exhausted' at model creation or on ordered training requests."""
+    f.add_argument(
+        "--fault-capacity-exhausted",
+        type=int,
+        default=0,
+        metavar="N",
+        help="fail the first N create_model requests with 'trainer capacity exhausted'",
+    )
+    f.add_argument(
+        "--fault-capacity-mode",
+        choices=("future", "http"),
+        default="future",
+        help="future: failed future (SDK raises RequestFailedError, category server); "
+        "http: HTTP 503 (the SDK's own retries absorb it)",
+    )
+    f.add_argument(
+        "--fault-capacity-fail",
+        action="append",
+        default=[],
+        metavar="KIND:N1[,N2...]",
+        help="fail the N-th ordered training request of KIND (forward_backward, optim_step, ...; "
+        "counted when it executes) with 'trainer capacity exhausted' before it runs",
+    )
+
+
+def _add_timing_faults(f: argparse._ArgumentGroup) -> None:
+    """Added latency, the server's death after K requests, and the retry delay it asks for."""
+    f.add_argument(
+        "--fault-latency-ms",
+        action="append",
+        default=[],
+        metavar="KIND:MS",
+        help="add MS milliseconds (non-blocking) before handling each request of KIND",
+    )
+    f.add_argument(
+        "--fault-die-after",
+        type=int,
+        default=None,
+        metavar="K",
+        help="exit (code 75) when API request K+1 arrives (healthz not counted)",
+    )
+    f.add_argument(
+        "--fault-retry-after-ms",
+        type=int,
+        default=None,
+        metavar="MS",
+        help="send Retry-After-Ms with injected 429/503 (the SDK honours it)",
+    )
+
+
+def _add_response_faults(f: argparse._ArgumentGroup) -> None:
+    """Optional response fields left out, and which request headers are recorded."""
+    f.add_argument(
+        "--fault-omit-field",
+        action="append",
+        default=[],
+        metavar="KIND.FIELD[:N1,N2...]",
+        help="leave an optional response field out (every response of KIND, or the N-th ones), "
+        "e.g. load_weights.path or get_info.model_data.model_name",
+    )
+    f.add_argument(
+        "--record-header-values",
+        default=",".join(DEFAULT_VALUE_HEADERS),
+        metavar="NAMES",
+        help="comma-separated header names whose values are recorded (never secrets)",
+    )
+
+
+def fault_config(args: argparse.Namespace) -> FaultConfig:
+    return FaultConfig(
+        seed=args.fault_seed,
+        reject_first=tuple(parse_reject_first(s) for s in args.fault_reject_first),
+        reject_prob=tuple(parse_reject_prob(s) for s in args.fault_reject_prob),
+        capacity_exhausted=args.fault_capacity_exhausted,
+        capacity_mode=args.fault_capacity_mode,
+        capacity_fail=tuple(parse_capacity_fail(s) for s in args.fault_capacity_fail),
+        latency_ms=tuple(parse_latency(s) for s in args.fault_latency_ms),
+        queue_pause=tuple(parse_queue_pause(s) for s in args.fault_queue_pause),
+        never_complete=tuple(parse_never_complete(s) for s in args.fault_never_complete),
+        reject_for=tuple(parse_reject_for(s) for s in args.fault_reject_for),
+        die_after=args.fault_die_after,
+        retry_after_ms=args.fault_retry_after_ms,
+        omit_fields=tuple(parse_omit_field(s) for s in args.fault_omit_field),
+        record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
+        sample_use_retrieve_futures=args.fault_sample_use_retrieve_futures,
+    )
+
+
+def loopback_host(host: str) -> str:
+    """The numeric loopback address for `host`; anything else is refused."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        raise SystemExit(f"--host {host!r}: not an IP address; the local server binds loopback only") from None
+    if not addr.is_loopback:
+        raise SystemExit(f"--host {host!r}: not a loopback address; the local server binds loopback only")
+    return str(addr)
+
+
+def check_model_path_flags(args: argparse.Namespace) -> None:
+    """The options that only go with `--model-path` (or never with it); the checkpoint directory
+    itself is checked once torch is loaded (`serve.check_checkpoint`)."""
+    if not args.model_path:
+        if args.served_name or args.dtype or args.linear_attention != "auto":
+            raise SystemExit("--served-name, --dtype and --linear-attention need --model-path")
+        return
+    if args.model:
+        raise SystemExit("--model (a tiny preset) and --model-path are exclusive")

@@ -1,0 +1,139 @@
+"""The embedded server's running stack: the engine, the aiohttp app over it and the socket that
+serves it.
+
+`run_server` is the CLI's whole server; `start_site` serves an app for the in-process server too.
+
+Importing this module loads torch, transformers, aiohttp and the SDK's types, so it is imported
+late and once: by `__main__.main` after its OpenMP settings and argument checks, and by
+`process.InProcessServer` when one starts (the pytest plugin imports process.py at start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import socket
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.engine.hf_model import (
+    CheckpointError,
+    check_checkpoint_dir,
+    kernel_summary,
+    resolve_device,
+)
+from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
+from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, build_app
+from dppo_harness.local_server.http.state import ServerState
+from dppo_harness.local_server.profiles import Profile
+
+STATS_FILE = "server_stats.json"
+log = logging.getLogger("dppo_harness.local_server")
+
+
+def check_checkpoint(args: argparse.Namespace) -> None:
+    """A bad `--model-path` directory or `--device` exits with one line before any weight loads."""
+    if not args.model_path:
+        return
+    try:
+        check_checkpoint_dir(args.model_path)
+        resolve_device(args.device)
+    except CheckpointError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def build_engine(args: argparse.Namespace, run_dir: Path) -> Engine:
+    """The engine the arguments ask for: a tiny preset (`--model`, else the engine's default) or the
+    `--model-path` checkpoint."""
+    engine_kwargs = {
+        "sampler_dtype": args.sampler_dtype,
+        "seed": args.seed,
+        "num_threads": args.threads,
+        "decode_mode": args.decode_mode,
+    }
+    if args.model:
+        engine_kwargs["model_name"] = args.model
+    if args.model_path:
+        engine_kwargs.update(
+            model_path=args.model_path,
+            device=args.device,
+            dtype=args.dtype,
+            served_name=args.served_name,
+            linear_attention=args.linear_attention,
+        )
+    return Engine(run_dir, **engine_kwargs)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port` (port 0: a free one) and listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    return sock
+
+
+async def start_site(state: ServerState, sock: socket.socket) -> web.AppRunner:
+    """The app over `state`, serving on the listening `sock`; the runner's cleanup stops it."""
+    runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner
+
+
+def _log_ready(engine: Engine, seconds: float, profile: Profile, run_dir: Path) -> None:
+    base_info = getattr(engine, "base_info", {}) or {}
+    log.info(
+        "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
+        getattr(engine, "model_name", "?"),
+        seconds,
+        base_info.get("cache_hit"),
+        profile.name,
+        run_dir,
+    )
+    if getattr(engine, "kernels", None):
+        log.info("kernels: %s", kernel_summary(engine.kernels))
+
+
+async def _until_signalled() -> None:
+    """Wait for SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def run_server(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, profile: Profile) -> None:
+    """Build the engine, serve it until SIGTERM/SIGINT, then write the stats file and shut down.
+    The ready line goes to stdout once the socket accepts connections."""
+    t0 = time.perf_counter()
+    try:
+        engine = await asyncio.to_thread(build_engine, args, run_dir)
+    except CheckpointError as exc:
+        raise SystemExit(str(exc)) from None
+    state = ServerState(
+        engine=engine,
+        faults=FaultInjector(faults),
+        headers=HeaderRecorder(faults.record_header_values),
+        sample_workers=args.sample_workers,
+        profile=profile,
+        stats_path=run_dir / STATS_FILE,
+    )
+    sock = listening_socket(args.host, args.port)
+    runner = await start_site(state, sock)
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if sock.family == socket.AF_INET6 else args.host
+    _log_ready(engine, time.perf_counter() - t0, profile, run_dir)
+    print(f"listening on http://{host}:{port}", flush=True)
+    await _until_signalled()
+    (run_dir / STATS_FILE).write_text(json.dumps(state.stats(), indent=1))
+    await runner.cleanup()
+    state.shutdown()
