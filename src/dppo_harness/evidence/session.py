@@ -98,42 +98,8 @@ def start_session(
     rev = bundle.dir / "files" / "code-revision.json"
     commit = json.loads(rev.read_text()).get("commit") if rev.is_file() else None
     register_code_archive(bundle, root, commit=commit)
-    # The executed test files' bytes are in the archive; one manifest says which ran (stage test
-    # files flagged) with their hashes, so the 64-file limit is spent on measurements, not copies.
-    stage_files, other_files = _split_test_files(root, test_files)
-    conftest = root / "conftest.py"
-    hooks = [conftest.resolve()] if conftest.is_file() else []
-    executed = [*stage_files, *hooks, *other_files]
-    if executed:
-        stage_set = {*stage_files, *hooks}
-        bundle.register_json(
-            "test-files.json",
-            "manifest",
-            {
-                "archive": ARCHIVE_NAME,
-                "files": [
-                    {
-                        "path": str(f.relative_to(root.resolve())) if root.resolve() in f.parents else str(f),
-                        "stage_test": f in stage_set,
-                        "sha256": sha256_bytes(f.read_bytes()),
-                        "size": f.stat().st_size,
-                    }
-                    for f in executed
-                    if f.is_file()
-                ],
-            },
-        )
-    if backend == "local":
-        served = served_model or "the embedded server's model (named at client creation)"
-    else:
-        served = served_model or plan.base_model
-    info = plans.BackendInfo(
-        backend=backend,
-        requested_model=plan.planned_model,
-        served_model=served,
-        sdk_versions=versions,
-        size_reductions=tuple(size_reductions),
-    )
+    _register_test_manifest(bundle, root, test_files)
+    info = _backend_info(backend, plan, versions, served_model=served_model, size_reductions=size_reductions)
     record_plan(bundle, plan, plans.effective_config(plan, info))
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
@@ -142,9 +108,66 @@ def start_session(
         from dppo_harness.instrument.pooled import REVISED_SPEC_FILE
 
         bundle.register_plan(plan, REVISED_SPEC_FILE)
-    # The ledger's budget is the executed plan's own, counted from the session start (the ledger's
-    # clock starts with the bundle): a bounded diagnostic's 12-minute cap includes setup and every
-    # stage before it, inside the original experiment's GPU-hour cap.
+    _set_budget(bundle, plan, stages)
+
+
+def _register_test_manifest(bundle: EvidenceBundle, root: Path, test_files: Sequence[str | Path]) -> None:
+    """The executed test files' bytes are in the code archive; one manifest says which ran (stage
+    test files and the root conftest flagged) with their hashes, so the 64-file limit is spent on
+    measurements, not copies."""
+    stage_files, other_files = _split_test_files(root, test_files)
+    conftest = root / "conftest.py"
+    hooks = [conftest.resolve()] if conftest.is_file() else []
+    executed = [*stage_files, *hooks, *other_files]
+    if not executed:
+        return
+    stage_set = {*stage_files, *hooks}
+    bundle.register_json(
+        "test-files.json",
+        "manifest",
+        {
+            "archive": ARCHIVE_NAME,
+            "files": [
+                {
+                    "path": str(f.relative_to(root.resolve())) if root.resolve() in f.parents else str(f),
+                    "stage_test": f in stage_set,
+                    "sha256": sha256_bytes(f.read_bytes()),
+                    "size": f.stat().st_size,
+                }
+                for f in executed
+                if f.is_file()
+            ],
+        },
+    )
+
+
+def _backend_info(
+    backend: BackendKind,
+    plan: plans.Plan,
+    versions: Mapping[str, str],
+    *,
+    served_model: str | None,
+    size_reductions: Sequence[Mapping[str, str]],
+) -> plans.BackendInfo:
+    """The backend as the effective config declares it; the served model, when not known yet,
+    is named for where it will be reported."""
+    if backend == "local":
+        served = served_model or "the embedded server's model (named at client creation)"
+    else:
+        served = served_model or plan.base_model
+    return plans.BackendInfo(
+        backend=backend,
+        requested_model=plan.planned_model,
+        served_model=served,
+        sdk_versions=versions,
+        size_reductions=tuple(size_reductions),
+    )
+
+
+def _set_budget(bundle: EvidenceBundle, plan: plans.Plan, stages: Sequence[str]) -> None:
+    """The ledger's budget is the executed plan's own, counted from the session start (the ledger's
+    clock starts with the bundle): a bounded diagnostic's 12-minute cap includes setup and every
+    stage before it, inside the original experiment's GPU-hour cap."""
     budget, source = plan.budget, f"{plan.name} " + ("caps" if plan.kind == "bounded_diagnostic" else "budget")
     bundle.note_ledger(stages_selected=list(stages), budget_source=source)
     bundle.set_budget(budget["max_wall_minutes"] * 60.0, budget["gpu_hours"])

@@ -96,7 +96,19 @@ def render_comparison_markdown(
     max_tokens: int | None = None,
     resume: JsonMap | None = None,
 ) -> str:
+    """The report, section by section: title (rehearsal and resume notes), setup, per step and
+    arm, evaluation, decision."""
     eval_metrics = eval_metrics or {}
+    lines = _title_lines(decision, backend, resume)
+    lines += ["## Setup", ""] + declared_lines(declared or {}, _measured_yields(rows, scores, eval_metrics, max_tokens))
+    lines += [""] + _per_step_lines(rows, plot_files)
+    lines += _evaluation_lines(scores, eval_metrics, max_tokens)
+    lines += _decision_lines(decision, plot_files)
+    return "\n".join(lines)
+
+
+def _title_lines(decision: JsonMap, backend: str, resume: JsonMap | None) -> list[str]:
+    """The compared pairs as the title, the rehearsal warning when it is one, and the resume account."""
     pairs = "; ".join(dict.fromkeys(f"{c['treatment']} vs {c['baseline']}" for c in objs(decision.get("criteria", []))))
     lines = [f"# Paired comparison: {pairs or 'no criterion decided'}", ""]
     if backend == "local" or decision.get("rehearsal"):
@@ -105,10 +117,16 @@ def render_comparison_markdown(
             "not a result about Qwen3.5-2B. Verdict always inconclusive.",
             "",
         ]
-    lines += resume_lines(resume)
-    by_arm = rows_by_arm(rows)
+    return lines + resume_lines(resume)
+
+
+def _measured_yields(
+    rows: Sequence[JsonMap], scores: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap], max_tokens: int | None
+) -> list[tuple[str, JsonMap | None]]:
+    """Truncation and answer yield as measured: each arm's rollouts over all its steps, then each
+    scored model's greedy evaluation."""
     measured: list[tuple[str, JsonMap | None]] = [
-        (f"{arm} rollouts, all steps", _pooled_rollout_yield(rs)) for arm, rs in by_arm.items()
+        (f"{arm} rollouts, all steps", _pooled_rollout_yield(rs)) for arm, rs in rows_by_arm(rows).items()
     ]
     for s in scores:
         m = eval_metrics.get(str(s["arm"])) or {}
@@ -128,8 +146,12 @@ def render_comparison_markdown(
                     },
                 )
             )
-    lines += ["## Setup", ""] + declared_lines(declared or {}, measured) + [""]
-    lines += [
+    return measured
+
+
+def _per_step_lines(rows: Sequence[JsonMap], plot_files: Mapping[str, str]) -> list[str]:
+    """One table row per step and arm (counterfactual fractions marked), its note, and the per-step plots."""
+    lines = [
         "## Per step and arm",
         "",
         "| arm | step | reward | format | DPPO masked frac | PPO clip frac | abs(p-q) q90 | KL(s\\|t) v1 | entropy | "
@@ -147,7 +169,7 @@ def render_comparison_markdown(
             f"{fmt(r.get('entropy'))} | {fmt(r.get('truncated_frac'), '.3f')} | {fmt(r.get('no_answer_frac'), '.3f')} | "
             f"{fmt(r.get('mean_response_tokens'), '.0f')} | {r['loss_tokens']} | {fmt(r['seconds'], '.1f')} |"
         )
-    lines += [
+    return lines + [
         "",
         CF_NOTE + ". KL(s|t) and entropy: tinker-cookbook `compute_kl_sample_train` (sampler vs trainer "
         "logprobs over the step's loss tokens); each arm's cookbook-named metrics are in `metrics-<arm>.jsonl`.",
@@ -158,6 +180,14 @@ def render_comparison_markdown(
         "",
         f"![truncation and answer yield]({plot_files['truncation']})",
         "",
+    ]
+
+
+def _evaluation_lines(
+    scores: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap], max_tokens: int | None
+) -> list[str]:
+    """One table row per scored model, then a warning for each whose outputs were mostly truncated."""
+    lines = [
         "## Evaluation (one frozen evaluator, greedy)",
         "",
         "| model | accuracy | n | invalid outputs | truncated | mean len | predictions |",
@@ -170,8 +200,13 @@ def render_comparison_markdown(
             f"{fmt(m.get('eval_invalid_outputs'), '.0f')} | {fmt(m.get('eval_truncated_frac'), '.3f')} | "
             f"{fmt(m.get('eval_mean_response_tokens'), '.0f')} | `{s['predictions_ref']}` |"
         )
-    lines += truncation_warnings(scores, eval_metrics, max_tokens)
-    lines += ["", "## Decision (paired Hoeffding)", ""]
+    return lines + truncation_warnings(scores, eval_metrics, max_tokens)
+
+
+def _decision_lines(decision: JsonMap, plot_files: Mapping[str, str]) -> list[str]:
+    """Each criterion's paired Hoeffding interval, the verdict, the observations file, the
+    informational interval when there is one, and the difference plot."""
+    lines = ["", "## Decision (paired Hoeffding)", ""]
     for c in objs(decision.get("criteria", [])):
         lines.append(
             f"- {c['id']}: {c['treatment']} - {c['baseline']} = {fmt(c['mean_difference'])}, "
@@ -182,21 +217,26 @@ def render_comparison_markdown(
         f"- verdict **{decision.get('verdict')}** ({decision.get('outcome_reason')}): {decision.get('explanation')}",
         f"- observations: `{obs['name']}` sha256 `{obs['sha256']}`",
     ]
-    info = obj(decision["informational"]) if decision.get("informational") else None
-    if info:
-        lines += [
-            "",
-            "### Informational paired interval (not the decision rule)",
-            "",
-            f"- {info['label']}.",
-            f"- Newcombe (1998) method 10, {100 * (1 - num(info['alpha'])):g}%: {info['treatment']} - {info['baseline']} = "
-            f"{fmt(info['mean_difference'])}, [{fmt(info['lower'])}, {fmt(info['upper'])}] (n={info['n']})",
-            f"- discordant pairs: {info['treatment_only_correct']} items only {info['treatment']} got right, "
-            f"{info['baseline_only_correct']} only {info['baseline']}; concordant: {info['both_correct']} both, "
-            f"{info['neither_correct']} neither; exact McNemar p = {fmt(info['mcnemar_exact_p'])}",
-        ]
-    lines += ["", f"![difference]({plot_files['difference']})", ""]
-    return "\n".join(lines)
+    if decision.get("informational"):
+        lines += _informational_lines(obj(decision["informational"]))
+    return lines + ["", f"![difference]({plot_files['difference']})", ""]
+
+
+def _informational_lines(info: JsonMap) -> list[str]:
+    """The Newcombe paired interval and the discordant pairs: reported beside the decision, not part of its rule."""
+    if not info:
+        return []
+    return [
+        "",
+        "### Informational paired interval (not the decision rule)",
+        "",
+        f"- {info['label']}.",
+        f"- Newcombe (1998) method 10, {100 * (1 - num(info['alpha'])):g}%: {info['treatment']} - {info['baseline']} = "
+        f"{fmt(info['mean_difference'])}, [{fmt(info['lower'])}, {fmt(info['upper'])}] (n={info['n']})",
+        f"- discordant pairs: {info['treatment_only_correct']} items only {info['treatment']} got right, "
+        f"{info['baseline_only_correct']} only {info['baseline']}; concordant: {info['both_correct']} both, "
+        f"{info['neither_correct']} neither; exact McNemar p = {fmt(info['mcnemar_exact_p'])}",
+    ]
 
 
 def write_comparison_report(

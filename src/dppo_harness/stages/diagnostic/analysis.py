@@ -31,6 +31,7 @@ from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, Selft
 
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
+    from dppo_harness.plans.models import AnalysisCriterion
 
 
 @dataclass(frozen=True)
@@ -110,19 +111,12 @@ def analyse(
     """The fixed analysis: ALL second-epoch loss calls pooled by loss tokens (no selection),
     the plan's criteria, integrity re-checks, and the classification."""
     loss_cfg = cfg.loss_config()
-    second = [r for r in records if r.context.get("epoch") == 2]
-    pooled = pool_calls(second, [ins.record_prob_diff(r, loss_cfg) for r in second]) if second else None
-    planned = plan.diagnostic.analysis.criteria
-    criteria = (
-        evaluate_criteria(planned, pooled)
-        if pooled
-        else [
-            CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {})
-            for c in planned
-        ]
+    second_epoch = [r for r in records if r.context.get("epoch") == 2]
+    pooled = (
+        pool_calls(second_epoch, [ins.record_prob_diff(r, loss_cfg) for r in second_epoch]) if second_epoch else None
     )
-    integrity = [p for r in records for p in ins.crosscheck_loss_metrics(r)]
-    integrity += _independent_recheck(records, loss_cfg)
+    criteria = _second_epoch_criteria(plan.diagnostic.analysis.criteria, pooled)
+    integrity = _integrity_problems(records, loss_cfg)
     variant = pinned_variant_problems(cfg) + anchor_problems(records, frozen_by_call, trainer_moved(sentinels))
     classification = classify(
         criteria=criteria,
@@ -132,7 +126,7 @@ def analyse(
         variant_problems=variant,
         sentinels=sentinels,
         updates_done=updates_done,
-        second_epoch_calls=len(second),
+        second_epoch_calls=len(second_epoch),
         stop_reason=stop_reason,
         delta=cfg.delta,
         updates_planned=cfg.max_updates,
@@ -141,13 +135,9 @@ def analyse(
     )
     if served is not None:
         classification = for_planned_model(classification, served)
-    measured = {
-        "state": classification.state,
-        "measured_cause": classification.measured_cause,
-        "mask_fired": classification.mask_fired,
-        "updates_done": updates_done,
-    }
-    action = next_action(classification, cfg, spec, plan.diagnostic.plan_id, served, measured)
+    action = next_action(
+        classification, cfg, spec, plan.diagnostic.plan_id, served, _measured(classification, updates_done)
+    )
     return DiagnosticResult(
         config=cfg,
         records=list(records),
@@ -168,6 +158,32 @@ def analyse(
         effective_cap_seconds=effective_cap_seconds,
         served=served,
     )
+
+
+def _second_epoch_criteria(planned: Sequence[AnalysisCriterion], pooled: JsonObject | None) -> list[CriterionResult]:
+    """The plan's criteria on the pooled second epoch; without a second-epoch loss call each one
+    is reported missing (and failing) rather than left out."""
+    if pooled:
+        return evaluate_criteria(planned, pooled)
+    return [
+        CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {}) for c in planned
+    ]
+
+
+def _integrity_problems(records: Sequence[ins.LossCallRecord], loss_cfg: LossConfig) -> list[str]:
+    """Every recorded call's metrics re-checked against its own tensors, then recomputed independently."""
+    integrity = [p for r in records for p in ins.crosscheck_loss_metrics(r)]
+    return integrity + _independent_recheck(records, loss_cfg)
+
+
+def _measured(classification: Classification, updates_done: int) -> JsonObject:
+    """What the run measured, as the next action cites it."""
+    return {
+        "state": classification.state,
+        "measured_cause": classification.measured_cause,
+        "mask_fired": classification.mask_fired,
+        "updates_done": updates_done,
+    }
 
 
 def _independent_recheck(records: Sequence[ins.LossCallRecord], loss_cfg: LossConfig) -> list[str]:

@@ -29,7 +29,7 @@ from dppo_harness.stages.diagnostic.files import (
     SENTINEL_FILE,
     SERVICE_WORK_FILE,
 )
-from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelSummary
+from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, SelftestReport, SentinelSummary
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 from dppo_harness.train.clients import dump_response
@@ -141,11 +141,44 @@ def write_evidence(
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
 ) -> DiagnosticResult:
     """Analyse, then write sentinels, analysis, next action, report and result fields."""
+    result = _analyse_run(plan, cfg, state, selftest, wall=wall, cap_s=cap_s, spec=spec, served=served)
+    if state.sentinels is not None and state.sentinels.points:
+        register_json(bundle, state, SENTINEL_FILE, "metrics", state.sentinels.evidence())
+    analysis = _analysis_record(bundle, result, state, wall)
+    register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
+    register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    _trained_client_provenance(bundle, cfg, plan, state)
+    _register_service_work(bundle, plan, state, prior_service_work)
+    # Feasibility from the diagnostic's own measured setup: the plan forbids an extra pilot.
+    if state.update_seconds:
+        _record_feasibility(bundle, cfg, state, spec)
+    # The replay output itself, as evidence: a reviewer reads it without rerunning replay.
+    if state.records:
+        _register_replay_output(bundle, state)
+    state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
+    result = replace(result, files=tuple(state.files))
+    _post_result_fields(bundle, state, result.result_fields)
+    post_snapshot(bundle, "diagnostic stage end", reserve=4)
+    return result
+
+
+def _analyse_run(
+    plan: Plan,
+    cfg: DiagnosticConfig,
+    state: RunState,
+    selftest: SelftestReport,
+    *,
+    wall: float,
+    cap_s: float,
+    spec: ExperimentSpec | None,
+    served: ServedModel | None,
+) -> DiagnosticResult:
+    """The fixed analysis of what the run measured (`state`), however early it stopped."""
     tracker = state.sentinels
     sentinels: SentinelSummary = (
         tracker.summary() if tracker is not None else {"points": [], "at_init": None, "last": None}
     )
-    result = analyse(
+    return analyse(
         cfg,
         plan,
         state.records,
@@ -164,10 +197,11 @@ def write_evidence(
         effective_cap_seconds=cap_s,
         served=served,
     )
-    if tracker is not None and tracker.points:
-        register_json(bundle, state, SENTINEL_FILE, "metrics", tracker.evidence())
-    analysis = result.analysis_json()
-    analysis["timings"] = {
+
+
+def _timings(state: RunState, wall: float) -> JsonObject:
+    """Where the stage's seconds went, on the budget ledger's clock."""
+    return {
         "restore_seconds": state.restore_seconds,
         "sampling_seconds": state.sampling_seconds,
         "sampled_sequences": state.sampled_sequences,
@@ -177,16 +211,26 @@ def write_evidence(
         "wall_seconds": wall,
         "wall_counted_from": "session start (the budget ledger's clock)",
     }
+
+
+def _analysis_record(bundle: EvidenceBundle, result: DiagnosticResult, state: RunState, wall: float) -> JsonObject:
+    """The analysis file's content: the analysis, then the run's timings, checkpoint, the trained
+    client's own first outputs, snapshots, rollout yield and what effective-config.json declares."""
+    analysis = result.analysis_json()
+    analysis["timings"] = _timings(state, wall)
     analysis["final_checkpoint"] = state.final_checkpoint
     analysis["trained_client_initial_output"] = state.initial_output
     analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
     analysis["snapshots"] = [*state.snapshots]
     analysis["rollout_yield"] = state.rollout_yield
     analysis["declared"] = _declared(bundle)
-    register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
-    register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
-    _trained_client_provenance(bundle, cfg, plan, state)
-    # Declared vs executed service work: the requester allowed only the declared updates and batches.
+    return analysis
+
+
+def _register_service_work(
+    bundle: EvidenceBundle, plan: Plan, state: RunState, prior_service_work: Mapping[str, Mapping[str, int]] | None
+) -> None:
+    """Declared vs executed service work: the requester allowed only the declared updates and batches."""
     executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
     executed["bounded_diagnostic"] = {
         "optimizer_updates": state.updates_done,
@@ -199,33 +243,41 @@ def write_evidence(
         "report",
         evidence_items.service_work_ledger(plan.diagnostic.service_work, executed),
     )
-    # Feasibility from the diagnostic's own measured setup: the plan forbids an extra pilot.
-    if state.update_seconds:
-        eff_path = bundle.file_path("effective-config.json")
-        eff = json.loads(eff_path.read_text()) if bundle.entry("effective-config.json") else {}
-        bundle.update_result(
-            feasibility=evidence_items.diagnostic_feasibility(
-                config=asdict(cfg),
-                effective_config=eff,
-                primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
-                setup_seconds=state.restore_seconds,
-                sampling_seconds=state.sampling_seconds,
-                sampled_sequences=state.sampled_sequences,
-                update_seconds=state.update_seconds,
-                sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
-                planned_updates=cfg.max_updates,
-                recovery_seconds=FINALIZE_RESERVE_S,
-            )
+
+
+def _record_feasibility(
+    bundle: EvidenceBundle, cfg: DiagnosticConfig, state: RunState, spec: ExperimentSpec | None
+) -> None:
+    """The result's feasibility block, from the run's measured restore, sampling and update seconds."""
+    eff_path = bundle.file_path("effective-config.json")
+    eff = json.loads(eff_path.read_text()) if bundle.entry("effective-config.json") else {}
+    bundle.update_result(
+        feasibility=evidence_items.diagnostic_feasibility(
+            config=asdict(cfg),
+            effective_config=eff,
+            primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
+            setup_seconds=state.restore_seconds,
+            sampling_seconds=state.sampling_seconds,
+            sampled_sequences=state.sampled_sequences,
+            update_seconds=state.update_seconds,
+            sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
+            planned_updates=cfg.max_updates,
+            recovery_seconds=FINALIZE_RESERVE_S,
         )
-    # The replay output itself, as evidence: a reviewer reads it without rerunning replay.
-    if state.records:
-        code, text = evidence_items.replay_output(bundle.dir)
-        bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
-        state.files.append(REPLAY_OUTPUT_FILE)
-        bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
-    state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
-    result = replace(result, files=tuple(state.files))
-    fields_ = result.result_fields
+    )
+
+
+def _register_replay_output(bundle: EvidenceBundle, state: RunState) -> None:
+    """The offline replay of the bundle's recorded loss calls: its output and exit code, registered."""
+    code, text = evidence_items.replay_output(bundle.dir)
+    bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
+    state.files.append(REPLAY_OUTPUT_FILE)
+    bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
+
+
+def _post_result_fields(bundle: EvidenceBundle, state: RunState, fields_: DiagnosticResultFields) -> None:
+    """The rollout yield's metrics, then the stage's result fields; an activation calibration an
+    earlier stage already set is kept."""
     if state.rollout_yield:
         bundle.update_result(
             metrics={
@@ -242,8 +294,6 @@ def write_evidence(
             and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))
         }
     )
-    post_snapshot(bundle, "diagnostic stage end", reserve=4)
-    return result
 
 
 def _declared(bundle: EvidenceBundle) -> JsonObject:

@@ -7,36 +7,26 @@ evidence. Every loss call is persisted before the optimizer step it feeds.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import tinker
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
-from dppo_harness.evidence.snapshots import post_snapshot
-from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM
 from dppo_harness.json_types import JsonObject
-from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult
-from dppo_harness.stages.diagnostic.config import (
-    FINALIZE_RESERVE_S,
-    DiagnosticConfig,
-    DiagnosticError,
-    diagnostic_config,
-)
+from dppo_harness.stages.diagnostic.config import DiagnosticConfig, DiagnosticError, diagnostic_config
+from dppo_harness.stages.diagnostic.epochs import train_epochs
 from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimizer_check, write_evidence
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
 from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
-from dppo_harness.train import train_step
 from dppo_harness.train.clients import create_from_state_observed, dump_response, full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 
@@ -44,8 +34,6 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.stages.restoration import LoadedArm, RestorationResult
-
-SNAPSHOT_EVERY_UPDATES = budget.SNAPSHOT_EVERY_UPDATES
 
 
 def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonObject:
@@ -151,118 +139,6 @@ def _sample_and_freeze(
     bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
     return sampled.sampler_path, frozen, sampled.batch.summary()
-
-
-def _train_epochs(
-    tc: tinker.TrainingClient,
-    cfg: DiagnosticConfig,
-    frozen: FrozenBatch,
-    mbs: Sequence[Minibatch],
-    sampler_path: str,
-    bundle: EvidenceBundle,
-    state: RunState,
-    *,
-    elapsed: Callable[[], float],
-    clock: Callable[[], float],
-    cap_s: float,
-    say: Callable[[str], None],
-    tag: str,
-    after_update: Callable[[int], str | None] = lambda _n: None,
-) -> str:
-    """Epochs over the same frozen batch (no sampling, no anchor refresh) until the update cap,
-    the wall cap, the schedule's end or `after_update(n)` naming a stop; returns the stop reason."""
-    loss_cfg = cfg.loss_config()
-    loss_fn = losses.make_loss_fn(loss_cfg)
-    recorder = ins.LossCallRecorder(loss_cfg)
-    adam = tinker.AdamParams(**cfg.adam)
-    last_update_s = 0.0
-    tokens_seen = 0
-    stop = None
-    for epoch, mb in [(e, mb) for e in range(1, cfg.epochs + 1) for mb in mbs]:
-        if state.updates_done >= cfg.max_updates:
-            stop = "update cap reached"
-            break
-        if elapsed() + last_update_s + FINALIZE_RESERVE_S > cap_s:
-            stop = (
-                f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
-                f"{FINALIZE_RESERVE_S:.0f}s to write the analysis would exceed {cap_s:.0f}s"
-            )
-            break
-        u0 = clock()
-        frozen.assert_intact()  # before every reuse (to_datums checks again)
-        datums = frozen.to_datums(mb.sequence_indices)
-        anchor = np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices])
-        update_index = state.updates_done + 1
-        context: JsonObject = {
-            "update_index": update_index,
-            "epoch": epoch,
-            "minibatch": mb.index,
-            "group_ids": list(mb.group_ids),
-            "sequence_indices": list(mb.sequence_indices),
-            "sampler_checkpoint": sampler_path,
-            "frozen_batch_sha256": frozen.sha256,
-        }
-
-        def persist(rec: ins.LossCallRecord, update_index: int = update_index, anchor: np.ndarray = anchor) -> None:
-            # Persisted before the optimizer step it feeds (staged, then registered in its archive).
-            state.update_archive().add(rec)
-            state.records.append(rec)
-            state.frozen_by_call.append(anchor)
-
-        sentinels = state.sentinels if state.sentinels is not None and state.sentinels.due(update_index) else None
-        # A due sentinel forward is submitted right behind the optimizer step (it reads the
-        # updated weights) and awaited after the next update's submission (one round trip less per update).
-        rec, upd = train_step.train_step(
-            tc,
-            datums,
-            loss_fn,
-            adam,
-            recorder,
-            context,
-            persist=persist,
-            submit_behind=None if sentinels is None else partial(sentinels.submit, tc),
-        )
-        t_collect = clock()
-        if state.sentinels is not None:
-            state.sentinels.collect()  # the previous update's sentinel: long done by now
-        phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
-        if sentinels is not None and upd.behind is not None:
-            sentinels.defer(upd.behind, update_index, elapsed())
-        if state.first_optim is None:
-            state.first_optim = upd.optim
-        state.updates_done = update_index
-        halt = after_update(update_index)
-        tokens_seen += rec.stats["tokens/loss"]
-        last_update_s = clock() - u0
-        state.update_seconds.append(last_update_s)
-        t_snapshot = clock()
-        if update_index % SNAPSHOT_EVERY_UPDATES == 0:  # post while running: a killed run keeps its numbers
-            bundle.update_result(
-                metrics={"diagnostic/updates_done": float(update_index), "diagnostic/elapsed_seconds": float(elapsed())}
-            )
-            # the last planned update's snapshot is the stage-end one, posted after the analysis
-            name = (
-                post_snapshot(bundle, f"{tag} after update {update_index}") if update_index < cfg.max_updates else None
-            )
-            if name:
-                state.snapshots.append(name)
-        state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
-        s = rec.stats
-        say(
-            f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
-            f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
-            f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
-            f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
-            f"elapsed {elapsed():.0f}s / {cap_s:.0f}s"
-        )
-        if halt is not None:
-            stop = halt
-            break
-    if state.sentinels is not None:
-        state.sentinels.collect()
-    if stop is not None:
-        return stop
-    return "schedule complete" if state.updates_done < cfg.max_updates else "update cap reached"
 
 
 def _effective_cap(
@@ -396,6 +272,42 @@ def run_bounded_diagnostic(
     def elapsed() -> float:
         return clock() - t0
 
+    state = _open_run_state(bundle, cfg)
+    selftest = declare(bundle, plan, cfg, state)
+    cap_s = _service_work(
+        service_client,
+        plan,
+        bundle,
+        initial_checkpoint,
+        cfg,
+        state,
+        restored=restored,
+        init_reference=init_reference,
+        elapsed=elapsed,
+        clock=clock,
+        say=say,
+        tag=tag,
+    )
+    _register_update_archives(state)
+    wall = elapsed()
+    say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
+    return write_evidence(
+        bundle,
+        plan,
+        cfg,
+        state,
+        selftest,
+        wall=wall,
+        cap_s=cap_s,
+        backend=backend,
+        spec=spec,
+        served=served if served is not None else _served_model(state, cfg, backend),
+        prior_service_work=prior_service_work,
+    )
+
+
+def _open_run_state(bundle: EvidenceBundle, cfg: DiagnosticConfig) -> RunState:
+    """A fresh run state with its update archive open, sized so the run's file count stays bounded."""
     state = RunState()
     state.archive = UpdateArchive(
         bundle,
@@ -403,7 +315,27 @@ def run_bounded_diagnostic(
             budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
         ),
     )
-    selftest = declare(bundle, plan, cfg, state)
+    return state
+
+
+def _service_work(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    initial_checkpoint: str,
+    cfg: DiagnosticConfig,
+    state: RunState,
+    *,
+    restored: LoadedArm | None,
+    init_reference: RestorationResult | None,
+    elapsed: Callable[[], float],
+    clock: Callable[[], float],
+    say: Callable[[str], None],
+    tag: str,
+) -> float:
+    """Restore -> sample and freeze -> sentinels -> train epochs -> save the final checkpoint, within
+    the wall cap; returns that cap. A planned stop or an error ends it early and is recorded in
+    `state` (stop reason, errors), so the evidence keeps what was measured."""
     cap_s = cfg.max_wall_seconds
     try:
         # Remaining run budget first (the ledger's, when one is set): never start what cannot fit.
@@ -422,7 +354,7 @@ def run_bounded_diagnostic(
         sampler_path, mbs = _freeze_and_split(tc, cfg, bundle, state, elapsed=elapsed, cap_s=cap_s, say=say, tag=tag)
         frozen = state.frozen
         assert frozen is not None  # _freeze_and_split froze the batch
-        state.stop_reason = _train_epochs(
+        state.stop_reason = train_epochs(
             tc,
             cfg,
             frozen,
@@ -445,22 +377,10 @@ def run_bounded_diagnostic(
         state.errors.append(f"{type(exc).__name__}: {exc}")
         state.stop_reason = f"error: {type(exc).__name__}"
         state.setup_seconds = state.setup_seconds or elapsed()
-    _register_update_archives(state)
-    wall = elapsed()
-    say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
-    if served is None:
-        info = state.restore.get("get_info")
-        served = served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
-    return write_evidence(
-        bundle,
-        plan,
-        cfg,
-        state,
-        selftest,
-        wall=wall,
-        cap_s=cap_s,
-        backend=backend,
-        spec=spec,
-        served=served,
-        prior_service_work=prior_service_work,
-    )
+    return cap_s
+
+
+def _served_model(state: RunState, cfg: DiagnosticConfig, backend: str) -> ServedModel:
+    """The served model as the trained client's own get_info names it (the plan's when it does not)."""
+    info = state.restore.get("get_info")
+    return served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
