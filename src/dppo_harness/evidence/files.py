@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypedDict
+from typing import Literal, TypedDict, get_args
 
 from dppo_harness.evidence.errors import EvidenceError, ImmutableNameError, LimitError
 
@@ -24,23 +24,22 @@ MAX_FILE_BYTES = 10 * 1024 * 1024
 MAX_FILES = 64
 MAX_TOTAL_BYTES = 40 * 1024 * 1024
 
-KINDS = frozenset(
-    {
-        "script",
-        "effective_config",
-        "code_revision",
-        "code_patch",
-        "predictions",
-        "metrics",
-        "plan",
-        "report",
-        "tensors",
-        "manifest",
-        "plot",
-        "log",
-        "generated_tasks",
-    }
-)
+FileKind = Literal[
+    "script",
+    "effective_config",
+    "code_revision",
+    "code_patch",
+    "predictions",
+    "metrics",
+    "plan",
+    "report",
+    "tensors",
+    "manifest",
+    "plot",
+    "log",
+    "generated_tasks",
+]
+KINDS = frozenset(get_args(FileKind))  # checked at registration; result.json's file entries use the same
 RESULT_FILE = "result.json"
 LEDGER_FILE = "ledger.json"
 FILES_DIR = "files"

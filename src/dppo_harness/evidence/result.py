@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dppo_harness.evidence.backend import Backend, backend_of, is_embedded
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
+from dppo_harness.evidence.files import FileKind
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error
 
@@ -35,21 +36,6 @@ OutcomeReason = Literal[
     "supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence", "incomplete_execution"
 ]
 DeviationField = Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
-FileKind = Literal[
-    "script",
-    "effective_config",
-    "code_revision",
-    "code_patch",
-    "predictions",
-    "metrics",
-    "plan",
-    "report",
-    "tensors",
-    "manifest",
-    "plot",
-    "log",
-    "generated_tasks",
-]
 NumberMap = dict[str, float]  # strict float: ints pass, bools and strings do not; finite only
 # Keys update_result may not touch; dedicated bundle methods keep their invariants.
 PROTECTED = frozenset(
