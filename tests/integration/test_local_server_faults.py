@@ -68,15 +68,15 @@ def faulty_server(tmp_path_factory):
     _assert_gone(server)
 
 
-def test_default_headers_overrides_arrive_and_secrets_are_not_recorded(faulty_server):
+def test_default_headers_arrive_and_secrets_are_not_recorded(faulty_server):
     probe = f"probe-{uuid.uuid4().hex[:8]}"
     secret = f"s3cret-{uuid.uuid4().hex}"
-    client = _client(faulty_server, default_headers_overrides={"X-Harness-Probe": probe, "Modal-Secret": secret})
+    client = _client(faulty_server, default_headers={"X-Harness-Probe": probe, "Modal-Secret": secret})
     try:
-        client.create_sampling_client(base_model=constants.BASE_MODEL).result()
+        client.create_sampling_client(base_model=constants.BASE_MODEL)
         stats = faulty_server.stats()
     finally:
-        client.close("success").result(timeout=60)
+        client.holder.close()  # SDK 0.25: no session close; stop its heartbeat
     assert probe in stats["headers"]["values"]["x-harness-probe"]
     assert stats["headers"]["names"]["modal-secret"] >= 1
     assert stats["headers"]["names"]["x-api-key"] >= 1
@@ -88,19 +88,19 @@ def test_default_headers_overrides_arrive_and_secrets_are_not_recorded(faulty_se
 def test_sdk_retries_injected_429_and_503_and_succeeds(faulty_server):
     client = _client(faulty_server)
     try:
-        tc = client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4, seed=0).result(timeout=300)
+        tc = client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4, seed=0)
         datum = types.Datum(
             model_input=types.ModelInput.from_ints(PROMPT[:-1]),
             loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0, 1.0]},
         )
         out = tc.forward_backward([datum], "cross_entropy").result(timeout=300)
-        sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+        sampler = tc.save_weights_and_get_sampling_client()
         res = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=4, seed=1)).result(
             timeout=300
         )
         stats = faulty_server.stats()["faults"]
     finally:
-        client.close("success").result(timeout=60)
+        client.holder.close()  # SDK 0.25: no session close; stop its heartbeat
     assert out.metrics["loss:sum"] > 0
     assert len(res.sequences) == 2 and all(len(s.tokens) >= 1 for s in res.sequences)
     injected = stats["injected"]
@@ -120,21 +120,21 @@ def test_capacity_exhausted_surfaces_to_sdk_and_harness_retry(tmp_path_factory):
     try:
         client = _client(server)
         with pytest.raises(tinker.RequestFailedError) as info:
-            client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4).result(timeout=300)
+            client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4)
         assert "trainer capacity exhausted" in str(info.value)
         assert info.value.category == types.RequestErrorCategory.Server
         assert is_capacity_error(info.value)
         # The harness's retry layer sees the refusal, backs off and succeeds on the next attempt.
         retries: list = []
         tc = call_with_capacity_retry(
-            lambda: client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4).result(timeout=300),
+            lambda: client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4),
             sleep=lambda s: None,
             on_retry=retries.append,
         )
         assert len(retries) == 1 and "trainer capacity exhausted" in retries[0].error
         assert tc.get_info().lora_rank == 4
         assert server.stats()["faults"]["injected"]["create_model:capacity_exhausted"] == 2
-        client.close("success").result(timeout=60)
+        client.holder.close()  # SDK 0.25: no session close; stop its heartbeat
     finally:
         _assert_gone(server)
 
@@ -143,35 +143,33 @@ def test_unknown_model_is_refused_with_a_user_error(faulty_server):
     client = _client(faulty_server)
     try:
         with pytest.raises(tinker.RequestFailedError) as info:
-            client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result(timeout=300)
+            client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4)
     finally:
-        client.close("success").result(timeout=60)
+        client.holder.close()  # SDK 0.25: no session close; stop its heartbeat
     message = str(info.value)
     assert info.value.category == types.RequestErrorCategory.User
     assert "'Qwen/Qwen3-8B' is not served" in message and constants.BASE_MODEL in message
 
 
 def test_server_death_after_k_requests_is_a_clear_error(tmp_path_factory):
-    # client_config, dynamic_config, create_session, create_model, retrieve_future, get_info = 6;
-    # the 7th API request (normally the first forward; a session heartbeat if the machine is slow)
-    # kills the server.
-    server = _server(tmp_path_factory, "dies", ["--fault-die-after", "6"])
+    # client_config, dynamic_config, create_session, create_model, retrieve_future = 5 (SDK 0.25's
+    # create_lora_training_client sends no get_info); the 6th API request (normally the first
+    # forward; a session heartbeat if the machine is slow) kills the server.
+    server = _server(tmp_path_factory, "dies", ["--fault-die-after", "5"])
     try:
         client = _client(server)
         datum = types.Datum(
             model_input=types.ModelInput.from_ints(PROMPT[:-1]),
             loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0, 1.0]},
         )
+        tc = client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4)  # SDK 0.25: synchronous
         with pytest.raises(LocalServerDied) as info:
-            tc = server.wait_result(
-                client.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4), timeout=300
-            )
             server.wait_result(tc.forward([datum], "cross_entropy"), timeout=120)
         message = str(info.value)
         assert "exit code 75" in message
-        assert "fault injection: exiting after 6 API requests" in message
+        assert "fault injection: exiting after 5 API requests" in message
         stats = server.stats()  # read from the file the dying server left behind
-        assert stats["faults"]["api_requests"] == 7 and stats["faults"]["injected"]["*:die"] == 1
+        assert stats["faults"]["api_requests"] == 6 and stats["faults"]["injected"]["*:die"] == 1
     finally:
         _assert_gone(server)
 
@@ -180,7 +178,7 @@ def test_injected_latency_is_non_blocking(tmp_path_factory):
     server = _server(tmp_path_factory, "latency", ["--fault-latency-ms", "asample:400"])
     client = _client(server)
     try:
-        sampler = client.create_sampling_client(base_model=constants.BASE_MODEL).result(timeout=300)
+        sampler = client.create_sampling_client(base_model=constants.BASE_MODEL)
         params = types.SamplingParams(max_tokens=2, seed=0)
         prompt = types.ModelInput.from_ints(PROMPT)
         sampler.sample(prompt, 1, params).result(timeout=300)  # warm-up
@@ -194,7 +192,7 @@ def test_injected_latency_is_non_blocking(tmp_path_factory):
         sixteen = time.perf_counter() - t0
         injected = server.stats()["faults"]["injected"]["asample:latency"]
     finally:
-        client.close("success").result(timeout=60)
+        client.holder.close()  # SDK 0.25: no session close; stop its heartbeat
         _assert_gone(server)
     assert one >= 0.4 and injected == 18
     # Served one after another, the 16 latencies alone take 6.4 s. The bound is half of that, not a

@@ -137,7 +137,7 @@ def server(tmp_path_factory, backend):
 def client(server):
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=constants.LOCAL_API_KEY)
     yield sc
-    sc.close("success").result(timeout=60)
+    sc.holder.close()  # SDK 0.25 has no session close: stop the session's heartbeat
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def inproc(tmp_path_factory, backend):
     srv = InProcessServer(engine).start()
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     yield srv, sc
-    sc.close("success").result(timeout=60)
+    sc.holder.close()
     srv.stop()
     engine.close()
 
@@ -235,6 +235,18 @@ def harness_loss() -> Callable:
     return make_loss_fn(LossConfig(loss="dppo_divergence_mask", normalization="token_mean"))
 
 
+def custom_forward_backward(tc, data: list[types.Datum], loss_fn: Callable):
+    """`forward_backward_custom` with RL datums. SDK 0.25 accepts only target_tokens / weights per
+    datum there (tinker/lib/public_interfaces/training_client.py `_get_custom_loss_forward_data`):
+    it sends them as a cross_entropy forward, then a cross_entropy forward_backward with
+    weights = -dLoss/dlogprobs. The RL inputs reach the loss through this closure instead."""
+    bare = [
+        types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
+        for d in data
+    ]
+    return tc.forward_backward_custom(bare, lambda _bare, logprobs: loss_fn(data, logprobs))
+
+
 def perturbed(lps: list[list[float]], seed: int) -> list[list[float]]:
     """Sampler logprobs moved off the trainer's on about a third of the tokens: half of those get
     sampler probability 0.9 (far outside any trust region), half a shifted log-ratio."""
@@ -252,14 +264,13 @@ def perturbed(lps: list[list[float]], seed: int) -> list[list[float]]:
 # ---- end-to-end flow over a child-process server ------------------------------------------------
 
 
-def test_create_client_reports_model_lora_and_optimizer(client, backend):
-    tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=3).result(timeout=300)
+def test_create_client_reports_model_and_lora(client, backend):
+    tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=3)
     info = tc.get_info()
     assert info.model_data.model_name == BASE
     # The stand-in identity: the preset's served name, or local/<checkpoint dir name>.
     assert info.model_data.arch == backend["arch"]
     assert info.model_id == tc.model_id and info.is_lora is True and info.lora_rank == 8
-    assert info.optimizer_config.type == "adamw"
 
 
 def test_server_states_which_kernels_each_layer_type_runs(server, backend):
@@ -282,7 +293,7 @@ def test_server_states_which_kernels_each_layer_type_runs(server, backend):
 
 
 def test_forward_cross_entropy_and_ppo_losses_match_their_formulas(client, prompt, answer):
-    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result(timeout=300)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=0)
     datum = sft_datum(prompt + answer, len(prompt))
     fwd = tc.forward([datum], "cross_entropy").result(timeout=300)
     (lp,) = logprobs_of(fwd)
@@ -290,7 +301,7 @@ def test_forward_cross_entropy_and_ppo_losses_match_their_formulas(client, promp
     assert lp.shape == (len(prompt) + len(answer) - 1,) and np.all(lp <= 0)
     assert fwd.metrics["loss:sum"] == pytest.approx(-(lp * weights).sum(), rel=1e-5)
 
-    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    sampler = tc.save_weights_and_get_sampling_client()
     res = sample_group(sampler, prompt, 4, seed=5)
     responses = [list(s.tokens) for s in res.sequences]
     data = rl_datums(prompt, responses, perturbed([list(s.logprobs) for s in res.sequences], 1), [1.0, -1.0, 0.5, -0.5])
@@ -310,8 +321,8 @@ def test_forward_cross_entropy_and_ppo_losses_match_their_formulas(client, promp
 
 
 def test_custom_loss_then_optim_step_updates_weights(client, prompt):
-    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result(timeout=300)
-    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1)
+    sampler = tc.save_weights_and_get_sampling_client()
     res = sample_group(sampler, prompt, 4, seed=9)
     data = rl_datums(
         prompt,
@@ -320,12 +331,13 @@ def test_custom_loss_then_optim_step_updates_weights(client, prompt):
         [1.0, -1.0, 1.0, -1.0],
     )
     before = logprobs_of(tc.forward(for_scoring(data), "cross_entropy").result(timeout=300))
-    out = tc.forward_backward_custom(data, harness_loss()).result(timeout=300)
+    out = custom_forward_backward(tc, data, harness_loss()).result(timeout=300)
     step = tc.optim_step(
         types.AdamParams(learning_rate=2e-3, beta1=0.85, beta2=0.97, eps=1e-8, weight_decay=0.01, grad_clip_norm=5.0)
     ).result(timeout=300)
     after = logprobs_of(tc.forward(for_scoring(data), "cross_entropy").result(timeout=300))
-    assert {"loss:sum", "surrogate_loss:sum", "dppo/removed", "tokens/loss"} <= set(out.metrics)
+    # SDK 0.25 returns the server's surrogate cross_entropy metrics updated with the loss's own
+    assert {"loss:sum", "dppo/removed", "tokens/loss"} <= set(out.metrics)
     assert out.metrics["dppo/removed"] > 0  # the perturbed tokens were masked
     applied = step.metrics
     assert applied["optim/learning_rate"] == pytest.approx(2e-3) and applied["optim/beta1"] == pytest.approx(0.85)
@@ -335,15 +347,14 @@ def test_custom_loss_then_optim_step_updates_weights(client, prompt):
 
 
 def test_seeded_sampling_is_reproducible_and_logprobs_match_the_trainer(client, prompt):
-    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result(timeout=300)
-    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=2)
+    sampler = tc.save_weights_and_get_sampling_client()
     first, again, other = (sample_group(sampler, prompt, 4, seed=s) for s in (11, 11, 12))
     assert [list(s.tokens) for s in first.sequences] == [list(s.tokens) for s in again.sequences]
     assert [list(s.logprobs) for s in first.sequences] == [list(s.logprobs) for s in again.sequences]
     assert [list(s.tokens) for s in first.sequences] != [list(s.tokens) for s in other.sequences]
     for seq in first.sequences:
         assert len(seq.logprobs) == len(seq.tokens) <= 24 and seq.stop_reason in ("stop", "length")
-        assert seq.sequence_id  # one sample_sequence_ids entry per sample reached the SDK
     # The sampled tokens' logprobs are the trainer's (float32 sampler): re-score them with forward.
     data = rl_datums(
         prompt, [list(s.tokens) for s in first.sequences], [list(s.logprobs) for s in first.sequences], [0.0] * 4
@@ -358,7 +369,7 @@ def test_seeded_sampling_is_reproducible_and_logprobs_match_the_trainer(client, 
 
 
 def test_stop_token_ends_a_sample(client, prompt):
-    sampler = client.create_sampling_client(base_model=BASE).result(timeout=300)
+    sampler = client.create_sampling_client(base_model=BASE)
     res = sample_group(sampler, prompt, 2, seed=4, max_tokens=8)
     full = list(res.sequences[0].tokens)
     stop_at = full[2]  # a token this seed draws by step 3
@@ -369,7 +380,7 @@ def test_stop_token_ends_a_sample(client, prompt):
 
 
 def test_save_state_names_are_immutable_unless_overwrite(client, prompt, answer):
-    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=4).result(timeout=300)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=4)
     path = tc.save_state("immutable").result(timeout=300).path
     assert path.startswith("tinker://") and path.endswith("/weights/immutable")
     with pytest.raises(tinker.RequestFailedError, match="already exists"):
@@ -385,20 +396,20 @@ def test_restore_with_optimizer_continues_exactly_and_weights_only_does_not(clie
         tc.forward_backward(batch, "cross_entropy")
         tc.optim_step(adam).result(timeout=300)  # requests run in submission (seq_id) order
 
-    a = client.create_lora_training_client(base_model=BASE, rank=4, seed=5).result(timeout=300)
+    a = client.create_lora_training_client(base_model=BASE, rank=4, seed=5)
     step(a)
     path = a.save_state("continuity").result(timeout=300).path
     lp_saved = logprobs_of(a.forward(probe, "cross_entropy").result(timeout=300))[0]
     step(a)
     lp_a = logprobs_of(a.forward(probe, "cross_entropy").result(timeout=300))[0]
 
-    b = client.create_training_client_from_state_with_optimizer(path).result(timeout=300)
+    b = client.create_training_client_from_state_with_optimizer(path)
     assert b.get_info().lora_rank == 4 and b.model_id != a.model_id
     lp_b0 = logprobs_of(b.forward(probe, "cross_entropy").result(timeout=300))[0]
     step(b)
     lp_b = logprobs_of(b.forward(probe, "cross_entropy").result(timeout=300))[0]
 
-    c = client.create_training_client_from_state(path).result(timeout=300)
+    c = client.create_training_client_from_state(path)
     step(c)
     lp_c = logprobs_of(c.forward(probe, "cross_entropy").result(timeout=300))[0]
 
@@ -440,14 +451,14 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
 
     def trained_model(seed: int):
         # One supervised step first so both LoRA factors are nonzero (a fresh B is all zeros).
-        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=seed).result(timeout=300)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=seed)
         tc.forward_backward([sft_datum(prompt + answer, len(prompt))], "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=1e-2, eps=1e-8)).result(timeout=300)
         return tc
 
     tc = trained_model(21)
     mid = srv.state.engine_model_id(tc.model_id)
-    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    sampler = tc.save_weights_and_get_sampling_client()
     res = sample_group(sampler, prompt, 4, seed=13)
     data = rl_datums(
         prompt,
@@ -456,7 +467,7 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
         [1.0, -0.5, 0.25, -1.0],
     )
 
-    out = tc.forward_backward_custom(data, loss_fn).result(timeout=300)
+    out = custom_forward_backward(tc, data, loss_fn).result(timeout=300)
     g_http = engine.get_parameter_grads(mid)
     # Reference: the same loss differentiated straight through the server's model (accumulates).
     lps = engine.compute_logprobs(mid, _datum_inputs(data), grad=True)
@@ -472,7 +483,7 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
 
     # The same check on a sign-flipped loss must fail (and the HTTP gradient is exactly -g_ref).
     tc2 = trained_model(21)
-    tc2.forward_backward_custom(data, flipped).result(timeout=300)
+    custom_forward_backward(tc2, data, flipped).result(timeout=300)
     g_flip = engine.get_parameter_grads(srv.state.engine_model_id(tc2.model_id))
     ok_flip, rel_flip = _grads_match(g_flip, g_ref)
     assert not ok_flip and rel_flip == pytest.approx(2.0, rel=1e-3)
@@ -482,7 +493,7 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
 def test_optim_step_equals_torch_adamw_on_the_same_gradient(inproc, prompt, answer):
     srv, sc = inproc
     engine = srv.engine
-    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=31).result(timeout=300)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=31)
     mid = srv.state.engine_model_id(tc.model_id)
     batches = [[sft_datum(prompt + answer, len(prompt))], [sft_datum(prompt + answer[:20], len(prompt))]]
     p0 = engine.get_parameters(mid)

@@ -76,9 +76,7 @@ def _close_clients_of(server: LocalServerProcess) -> None:
     for srv, client in [e for e in _OPENED if e[0] is server]:
         _OPENED.remove((srv, client))
         with contextlib.suppress(Exception):  # a client refused at auth has nothing to end
-            fut = client.close("success")
-            if hasattr(fut, "result"):
-                fut.result(timeout=30)
+            client.holder.close()  # SDK 0.25 has no session close: stop the session's heartbeat
 
 
 def _service_client(
@@ -88,9 +86,7 @@ def _service_client(
     modal.update(overrides)
     return _opened(
         server,
-        tinker.ServiceClient(
-            base_url=server.base_url, api_key=creds["TINKER_API_KEY"], default_headers_overrides=modal
-        ),
+        tinker.ServiceClient(base_url=server.base_url, api_key=creds["TINKER_API_KEY"], default_headers=modal),
     )
 
 
@@ -195,7 +191,7 @@ def test_sdk_without_modal_secret_fails_fast_naming_the_header(spindle):
     client = _service_client(spindle, **{"Modal-Secret": ""})
     t0 = time.monotonic()
     with pytest.raises(tinker.APIStatusError) as info:
-        client.create_lora_training_client(constants.BASE_MODEL, rank=4).result()
+        client.create_lora_training_client(constants.BASE_MODEL, rank=4)
     assert time.monotonic() - t0 < 30
     assert info.value.status_code == 401
     assert "Modal-Secret" in str(info.value)
@@ -206,7 +202,7 @@ def test_sdk_with_wrong_api_key_gets_401(spindle):
     wrong = {**CREDS, "TINKER_API_KEY": "tml-not-the-planted-key"}
     client = _service_client(spindle, creds=wrong)
     with pytest.raises(tinker.APIStatusError) as info:
-        client.create_lora_training_client(constants.BASE_MODEL, rank=4).result()
+        client.create_lora_training_client(constants.BASE_MODEL, rank=4)
     assert info.value.status_code == 401 and "X-API-Key" in str(info.value)
     _no_planted_values(str(info.value))
 
@@ -256,7 +252,7 @@ def test_process_helper_reports_the_missing_variable(tmp_path):
 
 def test_spindle_serves_the_base_model_by_name_with_the_marker(spindle):
     client = _service_client(spindle)
-    caps = _rest_client(client).get_server_capabilities().result()
+    caps = client.get_server_capabilities()
     assert [m.model_name for m in caps.supported_models] == [constants.BASE_MODEL]
     raw = httpx.get(spindle.base_url + f"{API}/get_server_capabilities", headers=_headers()).json()
     assert raw["embedded_server"] == {
@@ -265,9 +261,7 @@ def test_spindle_serves_the_base_model_by_name_with_the_marker(spindle):
         "profile": "spindle",
     }
 
-    training = client.create_lora_training_client(
-        constants.BASE_MODEL, rank=4, user_metadata={"note": BODY_CANARY}
-    ).result()
+    training = client.create_lora_training_client(constants.BASE_MODEL, rank=4, user_metadata={"note": BODY_CANARY})
     info = training.get_info()
     assert info.model_name == constants.BASE_MODEL and info.model_data.model_name == constants.BASE_MODEL
     assert info.model_data.arch == STAND_IN
@@ -287,7 +281,7 @@ def test_spindle_serves_the_base_model_by_name_with_the_marker(spindle):
 
     # The stand-in's own name is not served under this profile.
     with pytest.raises(tinker.RequestFailedError, match="not served"):
-        client.create_lora_training_client(STAND_IN, rank=4).result()
+        client.create_lora_training_client(STAND_IN, rank=4)
 
 
 def test_default_profile_carries_the_marker_too(default_server):
@@ -304,7 +298,7 @@ def test_default_profile_carries_the_marker_too(default_server):
     client = _opened(
         default_server, tinker.ServiceClient(base_url=default_server.base_url, api_key=constants.LOCAL_API_KEY)
     )
-    training = client.create_lora_training_client(constants.BASE_MODEL, rank=4).result()
+    training = client.create_lora_training_client(constants.BASE_MODEL, rank=4)
     info = training.get_info()
     assert info.model_data.arch == STAND_IN and info.model_name == constants.BASE_MODEL
     raw_info = httpx.post(
@@ -363,7 +357,7 @@ def test_rest_reads_through_the_sdk_rest_client(spindle):
     rest = _rest_client(client)
     training = client.create_lora_training_client(
         constants.BASE_MODEL, rank=8, user_metadata={"renderer_name": constants.RENDERER_NAME}
-    ).result()
+    )
     training.forward_backward([_datum()], "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     state_path = training.save_state("rest-read-1").result().path
@@ -394,7 +388,7 @@ def test_rest_reads_through_the_sdk_rest_client(spindle):
     assert runs.cursor.total_count >= 1
 
     # A run restored from the checkpoint is a training run of its own, with the checkpoint's rank.
-    restored = client.create_training_client_from_state_with_optimizer(state_path).result()
+    restored = client.create_training_client_from_state_with_optimizer(state_path)
     again = rest.get_training_run(restored.model_id).result()
     assert again.base_model == constants.BASE_MODEL and again.lora_rank == 8
 
@@ -409,10 +403,8 @@ def test_lora_switches_reach_the_engine_and_are_reported(spindle):
     layers), and the weights info of a checkpoint reports the switches it was trained with."""
     client = _service_client(spindle)
     rest = _rest_client(client)
-    attn_only = client.create_lora_training_client(
-        constants.BASE_MODEL, rank=4, train_mlp=False, train_unembed=False
-    ).result()
-    everything = client.create_lora_training_client(constants.BASE_MODEL, rank=4).result()
+    attn_only = client.create_lora_training_client(constants.BASE_MODEL, rank=4, train_mlp=False, train_unembed=False)
+    everything = client.create_lora_training_client(constants.BASE_MODEL, rank=4)
     for training in (attn_only, everything):
         training.forward_backward([_datum()], "cross_entropy").result()
     path = attn_only.save_state("switches-1").result().path
@@ -428,7 +420,7 @@ def test_lora_switches_reach_the_engine_and_are_reported(spindle):
 def test_spindle_storms_and_latency_are_injectable(spindle):
     before = spindle.stats()["faults"]["injected"]
     client = _service_client(spindle)
-    sampler = client.create_sampling_client(base_model=constants.BASE_MODEL).result()
+    sampler = client.create_sampling_client(base_model=constants.BASE_MODEL)
     t0 = time.monotonic()
     result = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=4, seed=3)).result()
     assert len(result.sequences) == 2
@@ -443,9 +435,7 @@ def test_spindle_storms_and_latency_are_injectable(spindle):
 
 def test_request_log_has_one_line_per_request_and_no_headers_or_bodies(spindle):
     client = _service_client(spindle)
-    training = client.create_lora_training_client(
-        constants.BASE_MODEL, rank=4, user_metadata={"note": BODY_CANARY}
-    ).result()
+    training = client.create_lora_training_client(constants.BASE_MODEL, rank=4, user_metadata={"note": BODY_CANARY})
     training.forward_backward([_datum()], "cross_entropy").result()
     marker_path = f"{API}/get_server_capabilities"
     n_before = sum(1 for m in _request_log_lines(spindle) if m.group(2) == marker_path)

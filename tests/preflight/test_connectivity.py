@@ -6,7 +6,7 @@ model of its family chosen and recorded). A failure is one line; later stages ar
 
 
 def test_connectivity_preflight(connectivity, plan, evidence_bundle):
-    assert [c["check"] for c in connectivity.checks] == ["variables", "reachable", "auth", "model"]
+    assert [c["check"] for c in connectivity.checks] == ["variables", "reachable", "auth", "sdk", "model"]
     assert all(c["passed"] for c in connectivity.checks)
     assert connectivity.model in connectivity.served_models
     entry = evidence_bundle.entry("connectivity-preflight.json")

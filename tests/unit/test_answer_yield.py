@@ -4,6 +4,8 @@ step's row, the gate and the diagnostic read `RolloutBatch.summary`) and for eac
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 from tinker.types import SampledSequence, SampleResponse
@@ -14,6 +16,13 @@ from dppo_harness.data.tokenizer import make_renderer
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.rollout import rollouts
+
+
+def answered(response):
+    """tinker 0.25's `SamplingClient.sample` returns a plain `concurrent.futures.Future`: one already answered."""
+    fut = concurrent.futures.Future()
+    fut.set_result(response)
+    return fut
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +115,11 @@ class _Sampler:
         )
         seq = SampledSequence(
             stop_reason=reason,
-            sequence_id=str(self.k),
             tokens_np=np.asarray(toks, np.int32),
             logprobs_np=np.zeros(len(toks), np.float32),
         )
 
-        class F:
-            def result(self_inner):
-                return SampleResponse(sequences=[seq])
-
-        return F()
+        return answered(SampleResponse(sequences=[seq]))
 
 
 def test_each_scored_model_reports_accuracy_n_invalid_and_truncation(bundle):

@@ -53,8 +53,9 @@ class _Client:
     def __init__(self):
         self.closed = 0
 
-    def close(self, status):
+    def release(self, timeout_s):
         self.closed += 1
+        return []  # nothing created: nothing to unload
 
 
 def test_session_client_release_is_recorded_even_when_the_fixture_releases_it(tmp_path):

@@ -12,6 +12,7 @@ from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.pytest_plugin import session as plugin_session
 from dppo_harness.service.observed import describe_client, make_service_client
 from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.rest import ServiceRest, UnloadOutcome
 
 FAKE_ENV = {
     "TINKER_BASE_URL": "http://127.0.0.1:9",
@@ -19,14 +20,6 @@ FAKE_ENV = {
     "MODAL_PROXY_TOKEN_ID": "wk-x",
     "MODAL_PROXY_TOKEN_SECRET": "ws-y",
 }
-
-
-class _Fut:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self, timeout=None):
-        return self.value
 
 
 class _Training:
@@ -37,14 +30,19 @@ class _Training:
 def _sessions(monkeypatch, reg):
     n = {"i": 0}
 
-    def create(self, *a, **k):
+    def create(self, *a, **k):  # tinker 0.25's creation methods block and return the client
         n["i"] += 1
-        return _Fut(_Training(f"{id(self)}:train:{n['i']}"))
+        return _Training(f"{id(self)}:train:{n['i']}")
 
     monkeypatch.setattr(tinker.ServiceClient, "create_lora_training_client", create)
     monkeypatch.setattr(tinker.ServiceClient, "create_training_client_from_state_with_optimizer", create)
-    closed = []
-    monkeypatch.setattr(tinker.ServiceClient, "close", lambda self, status="success": closed.append(status))
+    closed = []  # the models unloaded, in order
+
+    def unload(rest, model_id, timeout_s):
+        closed.append(model_id)
+        return UnloadOutcome(model_id, True, f"{{'type': 'unload_model', 'model_id': '{model_id}'}}", 0.01)
+
+    monkeypatch.setattr(ServiceRest, "unload", unload)
     probes = make_service_client("tinker", env=FAKE_ENV, registry=reg, stage="preflight-probes", label="probes")
     session = make_service_client("tinker", env=FAKE_ENV, registry=reg, stage="session", label="arms")
     return probes, session, closed
@@ -54,13 +52,13 @@ def test_training_clients_are_listed_per_session_and_counted_per_stage(monkeypat
     reg = ClientRegistry()
     probes, session, _ = _sessions(monkeypatch, reg)
     reg.current_stage = "preflight"
-    setup = probes.create_lora_training_client(base_model="m").result()
+    setup = probes.create_lora_training_client(base_model="m")
     describe_client(probes, setup, "setup: saves the initial checkpoint")
-    probes.create_training_client_from_state_with_optimizer("p").result()
-    arm = session.create_training_client_from_state_with_optimizer("p").result()
+    probes.create_training_client_from_state_with_optimizer("p")
+    arm = session.create_training_client_from_state_with_optimizer("p")
     describe_client(session, arm, "arm dppo_seed0")
     reg.current_stage = "gate"
-    session.create_training_client_from_state_with_optimizer("p").result()
+    session.create_training_client_from_state_with_optimizer("p")
     assert reg.training_clients_by_stage() == {"preflight": 3, "gate": 1}
     recs = {r["label"]: r for r in reg.records()}
     assert [(c["stage"], c["method"], c["role"]) for c in recs["probes"]["training_clients"]] == [
@@ -74,8 +72,8 @@ def test_each_release_says_what_it_closed_and_what_stays_open(monkeypatch, tmp_p
     reg = ClientRegistry()
     probes, session, closed = _sessions(monkeypatch, reg)
     reg.current_stage = "preflight"
-    probes.create_lora_training_client(base_model="m").result()
-    session.create_training_client_from_state_with_optimizer("p").result()
+    probes.create_lora_training_client(base_model="m")
+    session.create_training_client_from_state_with_optimizer("p")
     state = plugin_session.StageState(registry=reg, bundle=EvidenceBundle.create(tmp_path, "b", env={}))
     plugin_session.note_releases(state, reg.release_stage("preflight-probes"))  # before the arms train
     reg.current_stage = "diagnostic"
@@ -88,7 +86,10 @@ def test_each_release_says_what_it_closed_and_what_stays_open(monkeypatch, tmp_p
     assert last["closed"] == ["arms"] and last["still_open"] == []
     assert [s["label"] for s in rel["sessions"]] == ["probes", "arms"] and all(s["released"] for s in rel["sessions"])
     assert rel["training_clients_by_stage"] == {"preflight": 2} and rel["training_clients_total"] == 2
-    assert "no per-client release" in rel["note"] and closed == ["success", "success"]
+    assert "no session finish" in rel["note"] and len(closed) == 2  # each model unloaded once
+    releases = [c["release"] for sess in rel["sessions"] for c in sess["training_clients"]]
+    assert all(r["how"] == "unload_model" and r["answered"] for r in releases)
+    assert first["unloaded"] == [closed[0]] and last["unloaded"] == [closed[1]]
 
 
 def test_stage_end_posts_the_training_clients_it_created(monkeypatch, tmp_path):
@@ -97,8 +98,8 @@ def test_stage_end_posts_the_training_clients_it_created(monkeypatch, tmp_path):
     bundle = EvidenceBundle.create(tmp_path, "b", env={})
     state = plugin_session.StageState(registry=reg, bundle=bundle)
     plugin_session.enter_stage(state, "preflight")
-    probes.create_lora_training_client(base_model="m").result()
-    probes.create_lora_training_client(base_model="m").result()
+    probes.create_lora_training_client(base_model="m")
+    probes.create_lora_training_client(base_model="m")
     plugin_session.enter_stage(state, "diagnostic")  # closes the preflight stage
     plugin_session.enter_stage(state, "report")
     metrics = bundle.result["metrics"]
@@ -106,32 +107,29 @@ def test_stage_end_posts_the_training_clients_it_created(monkeypatch, tmp_path):
     assert metrics["clients/training_created/diagnostic"] == 0.0
 
 
-def test_a_failed_close_is_never_recorded_as_released_by_a_later_one():
-    """The SDK's second close() returns a completed future whatever became of the first: the
-    registry judges by the first close's own future and never sends a second."""
-    import concurrent.futures
-
-    class Session:
-        def __init__(self):
-            self.closes = 0
-
-        def close(self, status):
-            self.closes += 1
-            f = concurrent.futures.Future()
-            if self.closes == 1:
-                f.set_exception(RuntimeError("session finish refused: 503"))
-            else:
-                f.set_result(None)
-            return f
-
+def test_a_refused_unload_is_never_recorded_as_released(monkeypatch):
+    """An unload the service refused leaves the session unreleased, with the service's words; a
+    later release asks again for that model only, and counts it released once it is answered."""
     reg = ClientRegistry()
-    s = Session()
-    reg.register(s, stage="session", label="arms")
-    assert reg.release_all("errored") is False
-    assert reg.release_all("errored") is False and s.closes == 1
-    (record,) = reg.records()
-    assert record["released"] is False and "session finish refused: 503" in record["error"]
+    _probes, session, _ = _sessions(monkeypatch, reg)
+    session.create_training_client_from_state_with_optimizer("p")
+    session.create_training_client_from_state_with_optimizer("p")
+    asked = []
+    answers = iter([False, True, True])
+
+    def unload(rest, model_id, timeout_s):
+        asked.append(model_id)
+        ok = next(answers)
+        return UnloadOutcome(model_id, ok, "unloaded" if ok else "unload_model answered HTTP 503: engine_unreachable", 0.0)
+
+    monkeypatch.setattr(ServiceRest, "unload", unload)
+    assert reg.release_stage("session", "errored")[0]["released"] is False
+    (record,) = [r for r in reg.records() if r["label"] == "arms"]
+    assert record["released"] is False and "HTTP 503: engine_unreachable" in record["error"]
     assert not reg.all_released
+    assert reg.release_all("errored") is True  # asked again: answered; the probes had nothing to unload
+    assert len(asked) == 3 and asked[2] == asked[0]  # only the refused model asked again
+    assert reg.all_released
 
 
 def test_after_the_service_died_a_release_closes_nothing_and_returns_at_once():
@@ -143,9 +141,9 @@ def test_after_the_service_died_a_release_closes_nothing_and_returns_at_once():
     class Session:
         closes = 0
 
-        def close(self, status):
+        def release(self, timeout_s):
             Session.closes += 1
-            return concurrent.futures.Future()  # never answered: the server is gone
+            concurrent.futures.Future().result(timeout_s)  # never answered: the server is gone
 
     reg = ClientRegistry(release_timeout_s=30.0)
     for label in ("arms", "sampler"):
@@ -156,5 +154,5 @@ def test_after_the_service_died_a_release_closes_nothing_and_returns_at_once():
     assert time.monotonic() - t0 < 10 and Session.closes == 0  # far under one 30 s close, on a loaded machine
     for record in reg.records():
         assert record["released"] is False and record["error"] == (
-            "not closed: the embedded server (pid 1) exited (exit code -9); nothing is left to close"
+            "not released: the embedded server (pid 1) exited (exit code -9); nothing is left to unload"
         )

@@ -92,21 +92,31 @@ def test_without_a_budget_or_projection_the_guard_lets_steps_run(monkeypatch):
     assert spent.check(0).startswith("wall clock: step 1")  # the budget is already spent
 
 
+def _raw_info(optimizer_type):
+    """get_info's JSON as the server sent it, naming the optimizer family `optimizer_type`."""
+    return {
+        "model_data": {"model_name": "Qwen/Qwen3.5-2B"},
+        "model_id": "m",
+        "optimizer_config": {"type": optimizer_type},
+    }
+
+
 class _Restored:
-    def __init__(self, optimizer_config):
-        self.info = types.GetInfoResponse(
-            model_data=types.ModelData(model_name="Qwen/Qwen3.5-2B"), model_id="m", optimizer_config=optimizer_config
-        )
+    """A restored client whose get_info answers `info`: a raw get_info mapping (the only form in
+    which tinker 0.25 lets a server-sent optimizer be seen) or an SDK GetInfoResponse."""
+
+    def __init__(self, info):
+        self.info = info
 
     def get_info(self):
         return self.info
 
 
-def _restore(monkeypatch, optimizer_config, path="tinker://m/weights/step2"):
+def _restore(monkeypatch, info, path="tinker://m/weights/step2"):
     monkeypatch.setattr(
         comparison_restore,
         "create_from_state_observed",
-        lambda sc, p, name=None: (_Restored(optimizer_config), types.LoadWeightsResponse(path=p)),
+        lambda sc, p, name=None: (_Restored(info), types.LoadWeightsResponse(path=p)),
     )
     cfg = _cfg(3)
     state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
@@ -118,7 +128,7 @@ def _restore(monkeypatch, optimizer_config, path="tinker://m/weights/step2"):
 
 
 def test_a_restore_whose_optimizer_mismatches_stops_the_run(monkeypatch):
-    state, restore = _restore(monkeypatch, types.DimuonOptimizerConfig())
+    state, restore = _restore(monkeypatch, _raw_info("dimuon"))
     with pytest.raises(OptimizerMismatch, match="optimizer mismatch after restore 2") as info:
         restore()
     assert "server 'dimuon'" in str(info.value)
@@ -130,16 +140,29 @@ def test_a_restore_whose_optimizer_mismatches_stops_the_run(monkeypatch):
 
 
 def test_a_matching_restore_continues(monkeypatch):
-    state, restore = _restore(monkeypatch, types.AdamOptimizerConfig())
+    state, restore = _restore(monkeypatch, _raw_info("adamw"))
     _client, prov = restore()
-    assert prov["restore_count"] == 2 and state.arms["dppo_seed0"].optimizer_checks[0]["matches"]
+    (check,) = state.arms["dppo_seed0"].optimizer_checks
+    assert prov["restore_count"] == 2 and check["matches"] and check["actual_optimizer"] == "adamw"
+
+
+def test_a_restore_seen_only_through_the_sdk_get_info_stays_declared(monkeypatch):
+    """tinker 0.25's GetInfoResponse drops optimizer_config: even a server that sent a different
+    family cannot be seen through it, so the check stays declared (no family), and does not stop."""
+    sdk_info = types.GetInfoResponse.model_validate(_raw_info("dimuon"))
+    state, restore = _restore(monkeypatch, sdk_info)
+    _client, prov = restore()
+    (check,) = state.arms["dppo_seed0"].optimizer_checks
+    assert check["matches"] and not check["verified"]
+    assert check["actual_optimizer"] is None and check["actual_optimizer_source"] == "declared"
+    assert prov["restore_count"] == 2
 
 
 def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
     monkeypatch.setattr(
         comparison_restore,
         "create_from_state_observed",
-        lambda sc, p, name=None: (_Restored(types.AdamOptimizerConfig()), types.LoadWeightsResponse()),
+        lambda sc, p, name=None: (_Restored(_raw_info("adamw")), types.LoadWeightsResponse()),
     )
     cfg = _cfg(3)
     state = RunState("r", "p", "e", "c", "i", {a.name: ArmState(a.name) for a in cfg.arms})

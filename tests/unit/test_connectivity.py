@@ -28,8 +28,22 @@ class Stub:
     client/dynamic_config, GET get_server_capabilities, as configured); checks the proxy headers
     on every request."""
 
-    def __init__(self, *, status=200, models=(QWEN,), marker=False, require_auth=True, body=None, jwt=None, modal=True):
+    def __init__(
+        self,
+        *,
+        status=200,
+        models=(QWEN,),
+        marker=False,
+        require_auth=True,
+        body=None,
+        jwt=None,
+        modal=True,
+        deployments=None,
+        config=None,
+    ):
         self.status, self.models, self.marker, self.require_auth, self.body = status, models, marker, require_auth, body
+        self.deployments = deployments  # [(base_model, parameterization)]: answered at spindle/deployments
+        self.config = config if config is not None else {}  # the client/config answer
         self.jwt = jwt  # set: the service asks for the SDK's JWT exchange and accepts only the JWT afterwards
         self.modal = modal  # False: a stock Tinker service, the API key only
         self.seen_headers: list[dict] = []
@@ -68,8 +82,11 @@ class Stub:
         path = urlsplit(path).path  # a request through a proxy names the absolute URL
         if self.jwt is not None:
             return self.answer_jwt(path, headers)
+        if path == "/api/v1/spindle/deployments" and self.deployments is not None:
+            rows = [{"base_model": m, "parameterization": p, "max_context_length": 16384} for m, p in self.deployments]
+            return 200, {"deployments": rows}
         if path not in ("/api/v1/get_server_capabilities", "/api/v1/client/config", "/api/v1/client/dynamic_config"):
-            return 404, {"error": "not found"}
+            return 404, {"detail": "Not Found"}
         if self.require_auth:
             for h, var in (
                 ("X-API-Key", "TINKER_API_KEY"),
@@ -82,6 +99,8 @@ class Stub:
                     return 401, {"error": f"invalid credentials in header {h}", "category": "user"}
         if self.status != 200:
             return self.status, self.body or {"error": "nope"}
+        if path == "/api/v1/client/config":
+            return 200, self.config
         if path != "/api/v1/get_server_capabilities":
             return 200, {}  # the SDK's defaults: API-key auth
         caps = self.body or {"supported_models": [{"model_name": m, "trainable": True} for m in self.models]}
@@ -139,19 +158,21 @@ def _fail(url, env=ENV, model=QWEN) -> ConnectivityError:
 def test_all_checks_pass_and_headers_are_the_sdks(stub_factory):
     s = stub_factory()
     rep = check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url))
-    assert [c["check"] for c in rep.checks] == ["variables", "reachable", "auth", "model"]
+    assert [c["check"] for c in rep.checks] == ["variables", "reachable", "auth", "sdk", "model"]
     assert rep.model == QWEN and rep.substitution is None and rep.marker is None
     headers = [{k.lower(): v for k, v in h.items()} for h in s.seen_headers]
     assert all(h["x-api-key"] == ENV["TINKER_API_KEY"] for h in headers)
     assert all(h["modal-secret"] == ENV["MODAL_PROXY_TOKEN_SECRET"] for h in headers)
-    # the SDK's own requests: its first contact, the holder every ServiceClient builds, the read
+    # first contact: the SDK's first request, then what it does not hand back, each once
     assert s.paths == [
         "POST /api/v1/client/config",
-        "POST /api/v1/client/config",
-        "POST /api/v1/client/dynamic_config",
         "GET /api/v1/get_server_capabilities",
+        "POST /api/v1/client/dynamic_config",
+        "GET /api/v1/spindle/deployments",
     ]
-    assert all(h["user-agent"].startswith("Tinker/") or "tinker" in h["user-agent"].lower() for h in headers)
+    contact = rep.as_evidence()["first_contact"]
+    assert contact["client_config"] == {"path": "/api/v1/client/config", "http_status": 200, "body": {}}
+    assert contact["spindle_deployments"]["http_status"] == 404  # a stock Tinker service has none: recorded
     assert json.dumps(rep.as_evidence()).count("PLANTED") == 0
 
 
@@ -310,3 +331,30 @@ def test_runs_credentials_feed_the_proxy_headers(stub_factory):
     assert "check RUNS_PROXY_TOKEN_ID/SECRET" in str(ei.value) and "RUNS_PROXY_TOKEN_SECRET" in str(ei.value)
     with pytest.raises(ConnectivityError, match="RUNS_PROXY_TOKEN_ID"):
         check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url), proxy_tokens="runs")
+
+
+SPINDLE_LIKE = [("Qwen/Qwen3.5-9B-Base", "lora"), ("Qwen/Qwen3.5-4B", "full"), ("Qwen/Qwen3.5-9B-Base", "lora")]
+
+
+def test_substitution_never_picks_a_full_fine_tune_only_model(stub_factory):
+    """Spindle's repo deploys Qwen3.5-4B for full fine-tuning only and the 9B base with LoRA:
+    capabilities list both without saying so; spindle/deployments does."""
+    s = stub_factory(models=("Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3.5-4B"), deployments=SPINDLE_LIKE)
+    rep = check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url))
+    assert rep.model == "Qwen/Qwen3.5-9B-Base" and rep.substitution["effective"] == "Qwen/Qwen3.5-9B-Base"
+    assert "with LoRA" in rep.substitution["reason"]
+    # without the deployment list, capabilities alone would have picked the nearer, full-only 4B
+    s2 = stub_factory(models=("Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3.5-4B"))
+    assert check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s2.url)).model == "Qwen/Qwen3.5-4B"
+
+
+def test_a_model_served_only_for_full_fine_tuning_is_refused_in_one_line(stub_factory):
+    s = stub_factory(models=("Qwen/Qwen3.5-4B",), deployments=[("Qwen/Qwen3.5-4B", "full")])
+    err = _fail(s.url, model="Qwen/Qwen3.5-4B")
+    assert err.check == "model" and "full fine-tuning only" in str(err) and "LoRA-capable: none" in str(err)
+
+
+def test_a_client_config_the_installed_sdk_cannot_use_is_refused(stub_factory):
+    s = stub_factory(config={"pjwt_auth_enabled": "sometimes", "fwdbwd_max_chunk_len": "many"})
+    err = _fail(s.url)
+    assert err.check == "sdk" and "does not serve this SDK" in str(err) and "tinker 0.25.0" in str(err)

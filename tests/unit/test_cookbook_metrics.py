@@ -173,13 +173,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(tmp_path: Path, project: str, env_project: str | None = None) -> tuple[dict, list[dict]]:
+# tinker-cookbook 0.5.7's `ml_log.WandbLogger` refuses to start without WANDB_API_KEY in the
+# environment (0.5.8 left authentication to wandb itself): the stub never checks the value.
+STUB_API_KEY = "stub-key-never-sent"
+
+
+def _run(
+    tmp_path: Path, project: str, env_project: str | None = None, api_key: str | None = STUB_API_KEY
+) -> tuple[dict, list[dict]]:
     stub = tmp_path / "stub"
     (stub / "wandb").mkdir(parents=True, exist_ok=True)
     (stub / "wandb" / "__init__.py").write_text(STUB)
     events = tmp_path / f"events-{project or 'none'}-{env_project or 'none'}.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_PROJECT"}
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_PROJECT", "WANDB_API_KEY")}
     env.update(PYTHONPATH=os.pathsep.join([str(stub), str(SRC)]), WANDB_STUB_LOG=str(events), TINKER_TELEMETRY="0")
+    if api_key is not None:
+        env["WANDB_API_KEY"] = api_key
     if env_project:
         env["WANDB_PROJECT"] = env_project
     out = subprocess.run(
@@ -218,6 +227,17 @@ def test_w_and_b_is_used_when_asked(tmp_path, option, env_project):
     assert init["project"] == "proj" and init["name"] == "r-a"
     assert result["status"]["wandb"]["active_arms"] == ["a"]
     assert next(e for e in events if e["event"] == "log")["step"] == 0
+
+
+def test_w_and_b_asked_for_without_an_api_key_is_a_recorded_problem_not_a_failure(tmp_path):
+    """With cookbook 0.5.7 an asked-for W&B run needs WANDB_API_KEY: without it no run starts, the
+    status says why for each arm, and the JSON metrics are written all the same."""
+    result, events = _run(tmp_path, "proj", api_key=None)
+    assert "init" not in [e["event"] for e in events]
+    wandb = result["status"]["wandb"]
+    assert wandb["requested"] is True and wandb["active_arms"] == []
+    assert wandb["problems"] == ["a: ConfigurationError: WANDB_API_KEY environment variable not set"]
+    assert (tmp_path / "logs" / "a" / "metrics.jsonl").is_file()
 
 
 def test_a_rewind_drops_the_logged_steps_it_trains_again(tmp_path):

@@ -1,5 +1,6 @@
 """Frozen evaluator identity, greedy request shape, rows (invalid outputs kept), output objects."""
 
+import concurrent.futures
 import hashlib
 import json
 import shutil
@@ -12,6 +13,13 @@ from dppo_harness import constants
 from dppo_harness.data import gsm8k
 from dppo_harness.data.tokenizer import make_renderer
 from dppo_harness.evaluation import greedy as evaluation
+
+
+def answered(response):
+    """tinker 0.25's `SamplingClient.sample` returns a plain `concurrent.futures.Future`: one already answered."""
+    fut = concurrent.futures.Future()
+    fut.set_result(response)
+    return fut
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +110,11 @@ class GreedyScript:
         toks = self.bundle.tokenizer.encode(text, add_special_tokens=False) + [constants.STOP_TOKEN_ID]
         seq = SampledSequence(
             stop_reason="stop",
-            sequence_id=str(k),
             tokens_np=np.asarray(toks, np.int32),
             logprobs_np=np.zeros(len(toks), np.float32),
         )
 
-        class F:
-            def result(self_inner):
-                return SampleResponse(sequences=[seq])
-
-        return F()
+        return answered(SampleResponse(sequences=[seq]))
 
 
 def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
@@ -213,12 +216,14 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
         def sample(self, prompt, num_samples, sampling_params):
             fut = super().sample(prompt, num_samples, sampling_params)
 
-            class F:
-                def result(self_inner):
+            class F(concurrent.futures.Future):
+                def result(self_inner, timeout=None):
                     now["t"] += 8.0
-                    return fut.result()
+                    return super().result(timeout)
 
-            return F()
+            slow = F()
+            slow.set_result(fut.result())
+            return slow
 
     lines, at = [], []
     say = lambda m: (lines.append(m), at.append(now["t"]))  # noqa: E731

@@ -34,7 +34,7 @@ def test_create_model_parses_into_the_sdk_type_with_its_defaults():
     req = parse_request(types.CreateModelRequest, _raw(CREATE))
     assert isinstance(req, types.CreateModelRequest)
     assert req.lora_config == types.LoraConfig(rank=8)
-    assert req.optimizer_config == types.AdamOptimizerConfig()
+    assert req.user_metadata is None
 
 
 @pytest.mark.parametrize(
@@ -65,13 +65,15 @@ def test_optim_step_takes_adam_params_and_the_sdk_defaults():
     req = parse_request(
         types.OptimStepRequest, _raw({"model_id": "m", "seq_id": 3, "adam_params": {"learning_rate": 2e-3}})
     )
-    assert isinstance(req.optim_params, types.AdamParams)
+    assert isinstance(req.adam_params, types.AdamParams)
     # The server no longer holds its own copy of the defaults: they are the pinned SDK's.
-    assert req.optim_params.model_dump() == types.AdamParams(learning_rate=2e-3).model_dump()
-    other = parse_request(
-        types.OptimStepRequest, _raw({"model_id": "m", "optimizer_params": {"type": "dimuon", "learning_rate": 1.0}})
-    )
-    assert not isinstance(other.optim_params, types.AdamParams)
+    assert req.adam_params.model_dump() == types.AdamParams(learning_rate=2e-3).model_dump()
+    # SDK 0.25's OptimStepRequest is AdamW only: adam_params is required, other optimizers do not parse.
+    with pytest.raises(ProtocolError, match="adam_params"):
+        parse_request(
+            types.OptimStepRequest,
+            _raw({"model_id": "m", "optimizer_params": {"type": "dimuon", "learning_rate": 1.0}}),
+        )
     with pytest.raises(ProtocolError, match="learning_rate"):
         parse_request(types.OptimStepRequest, _raw({"model_id": "m", "adam_params": {"learning_rate": "fast"}}))
 
@@ -103,19 +105,47 @@ def test_load_weights_both_forms_parse():
         parse_request(types.LoadWeightsRequest, _raw({"model_id": "m", "path": "tinker://m/weights/a"}))
 
 
-def test_compressed_forward_backward_is_refused():
-    with pytest.raises(ProtocolError, match="Content-Encoding 'zstd'"):
-        decode_fwdbwd_request(b"\x28\xb5\x2f\xfd", "zstd")
-
-
-def test_forward_backward_protobuf_decodes_into_its_record():
+def _fwdbwd_message() -> pb.ForwardBackwardRequest:
     msg = pb.ForwardBackwardRequest(model_id="m", seq_id=3, loss_fn="ppo", forward_only=True)
     msg.loss_fn_config["clip_low_threshold"] = 0.5
     datum = msg.data.add()
     datum.model_input.add().encoded_text.tokens = np.asarray([5, 6, 7], np.int32).tobytes()
     weights = datum.loss_fn_inputs["weights"]
     weights.dtype, weights.dense = pb.DTYPE_FLOAT32, np.asarray([0.0, 1.0, 1.0], np.float32).tobytes()
-    req = decode_fwdbwd_request(msg.SerializeToString(), None)
+    return msg
+
+
+def test_zstd_forward_backward_decodes_like_the_uncompressed_one():
+    """SDK 0.25 sends `Content-Encoding: zstd` under client/config proto_compress_fwdbwd
+    (tinker/resources/training.py: zstd.ZstdCompressor().compress of the serialized request)."""
+    import zstandard
+
+    raw = _fwdbwd_message().SerializeToString()
+
+    def decoded(body: bytes, encoding: str | None) -> tuple:
+        req = decode_fwdbwd_request(body, encoding)
+        data = [(tokens, {k: v.tolist() for k, v in inputs.items()}) for tokens, inputs in req.data]
+        return (req.model_id, req.seq_id, req.loss_fn, req.loss_fn_config, req.forward_only, data)
+
+    plain = decoded(raw, None)
+    assert plain[-1] == [([5, 6, 7], {"weights": [0.0, 1.0, 1.0]})]
+    for encoding in ("zstd", "ZSTD"):
+        assert decoded(zstandard.ZstdCompressor().compress(raw), encoding) == plain
+    # a frame without its content size in the header (a streaming compressor) inflates as well
+    streamed = zstandard.ZstdCompressor().compressobj()
+    assert decoded(streamed.compress(raw) + streamed.flush(), "zstd") == plain
+    assert decoded(raw, "identity") == plain
+
+
+def test_a_bad_zstd_body_or_another_encoding_is_a_protocol_error():
+    with pytest.raises(ProtocolError, match="not a zstd stream"):
+        decode_fwdbwd_request(b"not zstd at all", "zstd")
+    with pytest.raises(ProtocolError, match="Content-Encoding 'gzip' is not supported"):
+        decode_fwdbwd_request(b"\x1f\x8b", "gzip")
+
+
+def test_forward_backward_protobuf_decodes_into_its_record():
+    req = decode_fwdbwd_request(_fwdbwd_message().SerializeToString(), None)
     assert (req.model_id, req.seq_id, req.loss_fn, req.forward_only) == ("m", 3, "ppo", True)
     assert req.loss_fn_config == {"clip_low_threshold": 0.5}
     [(tokens, inputs)] = req.data
@@ -188,6 +218,30 @@ def test_spindle_profile_serves_the_base_model_and_drops_optimizer_echo():
     metrics = dict.fromkeys(OPTIMIZER_ECHO_KEYS, 1.0) | {"optim/grad_norm": 2.0}
     assert profile.optim_metrics(metrics) == {"optim/grad_norm": 2.0}
     assert Profile().optim_metrics(metrics) == metrics
+
+
+def test_client_config_per_profile_parses_into_the_sdk_type():
+    """Spindle's flags (zstd fwd/bwd bodies, create-from-state via load_weights, httpx transport);
+    the default profile keeps the SDK's pyqwest transport and its plain create_model restore."""
+    spindle = make_profile("spindle", ENV).client_config()
+    assert spindle["proto_write_fwdbwd"] is True  # Spindle's own key: SDK 0.25 ignores it
+    cfg = types.ClientConfigResponse.model_validate(spindle)
+    assert (cfg.pjwt_auth_enabled, cfg.credential_default_source, cfg.parallel_fwdbwd_chunks) == (
+        False,
+        "api_key",
+        True,
+    )
+    assert (cfg.use_pyqwest_transport, cfg.create_model_via_load_weights, cfg.proto_compress_fwdbwd) == (
+        False,
+        True,
+        True,
+    )
+    default = types.ClientConfigResponse.model_validate(Profile().client_config())
+    assert (default.use_pyqwest_transport, default.create_model_via_load_weights, default.proto_compress_fwdbwd) == (
+        True,
+        False,
+        False,
+    )
 
 
 def test_fault_kinds_of_rest_reads_do_not_carry_ids():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import math
 from pathlib import Path
@@ -11,10 +13,11 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from tinker.lib.public_interfaces.training_client import TrainingClient
+from tinker import TrainingClient
 
 from dppo_harness.loss import losses
 from dppo_harness.loss.losses import LossConfig, make_loss_fn, token_terms
+from dppo_harness.train import train_step
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
 CASES = json.loads(GOLDEN.read_text())["cases"]
@@ -73,22 +76,88 @@ def test_grpo_float64_parity_with_golden_no_dual_clip(case):
     assert metrics["ppo/clipped"] == round(ref["clipfrac"] * (n + 1e-8))
 
 
-def test_loss_fn_is_usable_by_sdk_compute_custom_loss():
+class _Answered:
+    """An already answered SDK future (sync and async)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout=None):
+        return self.value
+
+    async def result_async(self, timeout=None):
+        return self.value
+
+
+class _Holder:
+    """All the TrainingClient needs of its holder here: a coroutine run to completion."""
+
+    def run_coroutine_threadsafe(self, coro):
+        fut = concurrent.futures.Future()
+        fut.set_result(asyncio.run(coro))
+        return fut
+
+
+class _TinyService(TrainingClient):
+    """The SDK's own TrainingClient (its forward_backward_custom, public) over a tiny fake service:
+    its public `forward` / `forward_backward` / `optim_step` answer at once, recording what was sent;
+    the model's current log-probs of datum i are `logprobs[i]`."""
+
+    def __init__(self, logprobs):
+        super().__init__(_Holder(), model_seq_id=0, model_id="fake:train:0")
+        self.logprobs, self.sent = logprobs, []
+
+    def answer(self, metrics):
+        outs = [{"logprobs": tinker.TensorData.from_numpy(lp)} for lp in self.logprobs]
+        return _Answered(tinker.types.ForwardBackwardOutput("ArrayRecord", outs, metrics))
+
+    def forward(self, data, loss_fn, loss_fn_config=None):
+        self.sent.append(("forward", loss_fn, data))
+        return self.answer({})
+
+    def forward_backward(self, data, loss_fn, loss_fn_config=None):
+        self.sent.append(("forward_backward", loss_fn, data))
+        return self.answer({"loss:sum": 0.0})
+
+    def optim_step(self, adam_params):
+        self.sent.append(("optim_step", adam_params, None))
+        return _Answered(tinker.types.OptimStepResponse(metrics={}))
+
+
+def test_loss_fn_is_usable_by_sdk_forward_backward_custom():
+    """The loss through tinker 0.25's public `forward_backward_custom` (its client-side custom
+    loss: a cross-entropy forward, the loss, a cross-entropy backward with weights = -dL/dlogprobs),
+    as the harness's one training path (`train_step.minibatch_update`) calls it."""
     rng = np.random.default_rng(1)
-    data, outputs = [], []
+    data, current = [], []
     for T, p in ((9, 4), (5, 2), (3, 4)):  # last datum is prompt only
         mu = np.log(rng.uniform(0.05, 1, T))
         mask = (np.arange(T) >= p - 1).astype(np.float32)
         data.append(_datum(mu, mask * 0.5, mask))
-        outputs.append({"logprobs": tinker.TensorData.from_numpy((mu + rng.normal(0, 0.3, T)).astype(np.float32))})
-    fwd = tinker.types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics={})
-    result = TrainingClient._compute_custom_loss(data, make_loss_fn(DPPO_MEAN), fwd)
-    assert len(result.data) == 3
-    weights = [d.loss_fn_inputs["weights"].to_numpy() for d in result.data]
+        current.append((mu + rng.normal(0, 0.3, T)).astype(np.float32))
+    # 0.25 refuses datums carrying the RL inputs (0.38 dropped them): the harness sends bare ones.
+    with pytest.raises(ValueError, match="unexpected keys"):
+        _TinyService(current).forward_backward_custom(data, make_loss_fn(DPPO_MEAN))
+
+    service = _TinyService(current)
+    out = train_step.minibatch_update(service, data, make_loss_fn(DPPO_MEAN), tinker.AdamParams(learning_rate=1e-5))
+    adam = service.sent[2][1]
+    assert [(call, fn) for call, fn, _ in service.sent] == [
+        ("forward", "cross_entropy"),
+        ("forward_backward", "cross_entropy"),
+        ("optim_step", adam),
+    ]
+    assert adam.learning_rate == 1e-5
+    forward, backward = service.sent[0][2], service.sent[1][2]
+    for sent in (forward, backward):
+        assert len(sent) == 3 and all(set(d.loss_fn_inputs) == {"target_tokens", "weights"} for d in sent)
+    assert not any(np.any(d.loss_fn_inputs["weights"].to_numpy()) for d in forward)  # forward: zero weights
+    weights = [d.loss_fn_inputs["weights"].to_numpy() for d in backward]
     assert not np.any(weights[2])  # prompt-only datum: zero weights, but a gradient exists
     assert np.all(weights[0][:3] == 0) and np.any(weights[0][3:])
-    assert all(isinstance(v, float) for v in result.metrics.values())
-    assert set(losses.METRIC_NAMES) <= set(result.metrics)
+    metrics = out.fwd_bwd.metrics
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert set(losses.METRIC_NAMES) <= set(metrics)
 
 
 def test_every_logprob_tensor_gets_a_gradient_even_without_active_tokens():

@@ -99,13 +99,42 @@ def test_compare_logprobs_bitwise_tolerance_and_failures():
 
 
 def _info(**extra) -> tinker.types.GetInfoResponse:
-    body = {"model_data": {"model_name": "Qwen/Qwen3.5-2B"}, "model_id": "m1", **extra}
-    return tinker.types.GetInfoResponse.model_validate(body)
+    """get_info as tinker 0.25's SDK hands it over (its GetInfoResponse drops `optimizer_config`)."""
+    return tinker.types.GetInfoResponse.model_validate(_raw_info(**extra))
 
 
-def test_server_optimizer_family_ignores_sdk_default():
-    assert server_optimizer_family(_info()) is None  # SDK fills AdamW by default: not evidence
-    assert server_optimizer_family(_info(optimizer_config={"type": "adamw"})) == "adamw"
+def _raw_info(**extra) -> dict:
+    """get_info's JSON as the server sent it: the only place a 0.25 client can see `optimizer_config`."""
+    return {"model_data": {"model_name": "Qwen/Qwen3.5-2B"}, "model_id": "m1", **extra}
+
+
+def test_server_optimizer_family_only_from_what_the_server_sent():
+    assert server_optimizer_family(_raw_info()) is None  # nothing sent: not evidence
+    assert server_optimizer_family(_raw_info(optimizer_config={"type": "adamw"})) == "adamw"
+    assert server_optimizer_family(_raw_info(optimizer_config={"version": 1})) is None  # no family named
+    assert server_optimizer_family(None) is None
+
+
+def test_server_optimizer_family_from_an_sdk_get_info_is_declared():
+    """tinker 0.25's GetInfoResponse has no optimizer_config field: even when the server sent one,
+    the SDK response carries nothing, so the family stays unknown (declared), never a default."""
+    sent = _info(optimizer_config={"type": "adamw"})
+    assert not hasattr(sent, "optimizer_config")
+    assert server_optimizer_family(sent) is None
+    assert server_optimizer_family(_info()) is None
+    check = optimizer_check(
+        after_restore=0,
+        requested_optimizer="adam",
+        requested_config=REQ,
+        info=sent,
+        info_ref="x#info",
+        echoed=dict(REQ),
+        echo_ref="x#opt",
+        echo_observed_on="probe",
+    )
+    assert check["actual_optimizer"] is None and check["actual_optimizer_source"] == "declared"
+    assert not check["verified"] and check["matches"]
+    assert "optimizer family not exposed by any server response" in check["unverified_reasons"]
 
 
 REQ = {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
@@ -116,7 +145,7 @@ def test_optimizer_check_verified_only_with_full_server_evidence():
         after_restore=0,
         requested_optimizer="adam",
         requested_config=REQ,
-        info=_info(optimizer_config={"type": "adamw"}),
+        info=_raw_info(optimizer_config={"type": "adamw"}),
         info_ref="x#info",
         echoed=dict(REQ),
         echo_ref="x#opt",
@@ -142,7 +171,7 @@ def test_optimizer_check_verified_only_with_full_server_evidence():
         after_restore=1,
         requested_optimizer="adam",
         requested_config=REQ,
-        info=_info(optimizer_config={"type": "adamw"}),
+        info=_raw_info(optimizer_config={"type": "adamw"}),
         info_ref="x#info",
         echoed={"learning_rate": 2e-5},
         echo_ref="x#opt",
@@ -157,7 +186,7 @@ def test_optimizer_check_reports_mismatches():
         after_restore=0,
         requested_optimizer="adam",
         requested_config=REQ,
-        info=_info(optimizer_config={"type": "adamw"}),
+        info=_raw_info(optimizer_config={"type": "adamw"}),
         info_ref="i",
         echoed={**REQ, "learning_rate": 1e-4},
         echo_ref="o",
@@ -169,7 +198,7 @@ def test_optimizer_check_reports_mismatches():
         after_restore=0,
         requested_optimizer="adam",
         requested_config=REQ,
-        info=_info(optimizer_config={"type": "dimuon", "version": 1}),
+        info=_raw_info(optimizer_config={"type": "dimuon", "version": 1}),
         info_ref="i",
         echoed=dict(REQ),
         echo_ref="o",
@@ -202,7 +231,7 @@ def _entry(uri="tinker://a/weights/init", loaded="tinker://a/weights/init", **kw
             after_restore=i,
             requested_optimizer="adam",
             requested_config=REQ,
-            info=_info(optimizer_config={"type": "adamw"}),
+            info=_raw_info(optimizer_config={"type": "adamw"}),
             info_ref="i",
             echoed=dict(REQ),
             echo_ref="o",

@@ -1,5 +1,7 @@
 """Rollouts without a server: concurrency of submission, params, advantages, datum layout."""
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 from tinker.types import SampledSequence, SampleResponse
@@ -15,13 +17,18 @@ def renderer():
     return make_renderer().renderer
 
 
-class _Future:
-    def __init__(self, log, key, response):
-        self.log, self.key, self.response = log, key, response
+class _Future(concurrent.futures.Future):
+    """What tinker 0.25's `SamplingClient.sample` returns (a plain concurrent Future), already
+    answered, recording when the harness waits on it."""
 
-    def result(self):
+    def __init__(self, log, key, response):
+        super().__init__()
+        self.log, self.key = log, key
+        self.set_result(response)
+
+    def result(self, timeout=None):
         self.log.append(("result", self.key))
-        return self.response
+        return super().result(timeout)
 
 
 class ScriptedSampler:
@@ -49,7 +56,6 @@ class ScriptedSampler:
             seqs.append(
                 SampledSequence(
                     stop_reason="stop",
-                    sequence_id=f"{key}-{s}",
                     tokens_np=np.asarray(toks, dtype=np.int32),
                     logprobs_np=None if self.drop_logprobs else lps.astype(np.float32),
                 )

@@ -30,23 +30,29 @@ def _status_error(cls, code: int, text: str):
 def test_tinker_client_uses_env_and_modal_headers():
     kw = client_kwargs("tinker", env=FAKE_ENV)
     assert kw["base_url"] == FAKE_ENV["TINKER_BASE_URL"] and kw["api_key"] == FAKE_ENV["TINKER_API_KEY"]
-    assert kw["default_headers_overrides"] == {
+    key = {"X-API-Key": FAKE_ENV["TINKER_API_KEY"]}
+    assert kw["default_headers"] == {
+        **key,
         "Modal-Key": FAKE_ENV["MODAL_PROXY_TOKEN_ID"],
         "Modal-Secret": FAKE_ENV["MODAL_PROXY_TOKEN_SECRET"],
     }
-    fork = client_kwargs("tinker", env=FAKE_ENV, proxy_tokens="runs")["default_headers_overrides"]
-    assert fork == {"Modal-Key": FAKE_ENV["RUNS_PROXY_TOKEN_ID"], "Modal-Secret": FAKE_ENV["RUNS_PROXY_TOKEN_SECRET"]}
-    assert client_kwargs("tinker", env=FAKE_ENV, proxy_tokens="none")["default_headers_overrides"] == {}
+    fork = client_kwargs("tinker", env=FAKE_ENV, proxy_tokens="runs")["default_headers"]
+    assert fork == {
+        **key,
+        "Modal-Key": FAKE_ENV["RUNS_PROXY_TOKEN_ID"],
+        "Modal-Secret": FAKE_ENV["RUNS_PROXY_TOKEN_SECRET"],
+    }
+    assert client_kwargs("tinker", env=FAKE_ENV, proxy_tokens="none")["default_headers"] == key
     client = make_service_client("tinker", env=FAKE_ENV)
     assert isinstance(client, tinker.ServiceClient)
-    client.close("success").result()  # lazy client: nothing was opened, release is immediate
+    assert client.release(5.0) == []  # lazy client: nothing was created, nothing to unload
     desc = str(describe_service("tinker", FAKE_ENV["TINKER_BASE_URL"]))
     assert not any(v in desc for k, v in FAKE_ENV.items() if k != "TINKER_BASE_URL")
 
 
 def test_modal_headers_are_sent_only_when_set():
     env = {k: v for k, v in FAKE_ENV.items() if not k.startswith("MODAL_")}
-    assert client_kwargs("tinker", env=env)["default_headers_overrides"] == {}
+    assert client_kwargs("tinker", env=env)["default_headers"] == {"X-API-Key": env["TINKER_API_KEY"]}
     assert describe_service("tinker", env["TINKER_BASE_URL"], env=env)["proxy_headers"] == []
     assert len(describe_service("tinker", env["TINKER_BASE_URL"], env=FAKE_ENV)["proxy_headers"]) == 2
     with pytest.raises(ServiceConfigError, match="RUNS_PROXY_TOKEN_ID"):  # the fork's tokens: asked for, required
@@ -79,7 +85,12 @@ def test_missing_variable_named_without_values(missing, proxy):
 
 def test_local_backend_needs_no_env_and_loopback_only():
     kw = client_kwargs("local", "http://127.0.0.1:8123", env={})
-    assert kw == {"base_url": "http://127.0.0.1:8123", "api_key": constants.LOCAL_API_KEY}
+    # the key header too: tinker 0.25 would otherwise send TINKER_API_KEY from the environment
+    assert kw == {
+        "base_url": "http://127.0.0.1:8123",
+        "api_key": constants.LOCAL_API_KEY,
+        "default_headers": {"X-API-Key": constants.LOCAL_API_KEY},
+    }
     assert isinstance(make_service_client("local", "http://localhost:9", env={}), tinker.ServiceClient)
     with pytest.raises(ServiceConfigError, match="loopback"):
         client_kwargs("local", "http://10.0.0.5:8000", env={})
@@ -128,15 +139,19 @@ class FakeClock:
 
 
 class FakeClient:
+    """A session whose release unloads one model; `fail`: the service refuses the unload."""
+
     def __init__(self, fail: bool = False):
-        self.closed_with: str | None = None
+        self.released = 0
         self.fail = fail
 
-    def close(self, status):
+    def release(self, timeout_s):
+        from dppo_harness.service.rest import UnloadOutcome
+
+        self.released += 1
         if self.fail:
-            raise RuntimeError("finish refused")
-        self.closed_with = status
-        return None
+            return [UnloadOutcome("m-1", False, "unload_model answered HTTP 409: conflict; unload refused", 0.1)]
+        return [UnloadOutcome("m-1", True, "{'type': 'unload_model', 'model_id': 'm-1'}", 0.1)]
 
 
 def _storm(error):
@@ -173,7 +188,7 @@ def test_capacity_storm_before_any_step_gives_up_after_ten_minutes(tmp_path):
         "comparison_steps_completed": 0,
         "released_clients": True,
     }
-    assert fake.closed_with == "errored" and reg.all_released and real._closed
+    assert fake.released == 1 and reg.all_released and real.release(1.0) == []
     bundle = EvidenceBundle.create(tmp_path, "storm", env={})
     bundle.update_result(
         **block.result_fields(),
@@ -198,8 +213,8 @@ def test_capacity_storm_after_steps_keeps_trying_for_thirty_minutes():
     assert sum(clock.sleeps) == pytest.approx(1800.0)
     assert max(clock.sleeps) == 240.0
     assert e.value.block.comparison_steps_completed == 3
-    assert e.value.block.released_clients is False  # the finish call failed: reported truthfully
-    assert "finish refused" in reg.records()[0]["error"]
+    assert e.value.block.released_clients is False  # the unload was refused: reported truthfully
+    assert "unload refused" in reg.records()[0]["error"]
 
 
 def test_capacity_retry_recovers_and_scales():
@@ -239,8 +254,8 @@ def test_registry_releases_per_stage():
         {"label": "probe", "stage": "preflight", "released": True, "error": None}
     ]
     assert recs[0]["released_at"] and recs[0]["training_clients"] == []
-    assert a.closed_with == "success" and b.closed_with is None and not reg.all_released
-    assert reg.release_all("interrupted") and b.closed_with == "interrupted"
+    assert a.released == 1 and b.released == 0 and not reg.all_released
+    assert reg.release_all("interrupted") and (a.released, b.released) == (1, 1)  # each released once
 
 
 def test_sdk_internal_retry_time_counts_toward_the_window():
@@ -274,18 +289,14 @@ def test_observed_service_client_reports_training_clients_without_breaking_them(
 
     seen = []
 
-    def boom(client, label):
+    def boom(client, label, rest):
         seen.append((client, label))
         raise RuntimeError("recording failed")
 
-    class _Fut:
-        def result(self, timeout=None):
-            return "tc"
-
-    monkeypatch.setattr(tinker.ServiceClient, "create_lora_training_client", lambda self, *a, **k: _Fut())
+    monkeypatch.setattr(tinker.ServiceClient, "create_lora_training_client", lambda self, *a, **k: "tc")
     sc = make_service_client("tinker", env=FAKE_ENV, observer=boom)
     assert isinstance(sc, ObservedServiceClient)
-    assert sc.create_lora_training_client(base_model="Qwen/Qwen3.5-2B").result() == "tc"  # observer error swallowed
+    assert sc.create_lora_training_client(base_model="Qwen/Qwen3.5-2B") == "tc"  # observer error swallowed
     assert seen == [("tc", "create_lora_training_client")]
     # without an observer too: every client the harness makes waits under the policy
     plain = make_service_client("tinker", env=FAKE_ENV)

@@ -24,7 +24,8 @@ SERVICE_LAYER = {
     "service/wait/watch.py",
     "service/connectivity.py",
     "service/identity.py",
-    "service/cancels.py",
+    "service/rest.py",
+    "service/sdk_internals.py",
 }
 SDK_CLIENTS = {"ServiceClient", "TrainingClient", "SamplingClient", "RestClient", "AsyncTinker", "InternalClientHolder"}
 SDK_INTERNALS = {

@@ -20,6 +20,7 @@ def test_connectivity_evidence_keeps_its_keys_in_order():
         None,
         None,
         {"supported_models": []},
+        {"sdk": "tinker 0.25.0"},
         [{"check": "variables", "passed": True, "detail": "set"}],
         1.23456,
     )
@@ -33,6 +34,7 @@ def test_connectivity_evidence_keeps_its_keys_in_order():
             "substitution": None,
             "embedded_server": None,
             "get_server_capabilities": {"supported_models": []},
+            "first_contact": {"sdk": "tinker 0.25.0"},  # client/config, dynamic_config, deployments as sent
             "checks": [{"check": "variables", "passed": True, "detail": "set"}],
             "seconds": 1.235,
         }

@@ -5,6 +5,7 @@ run in milliseconds."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ from dppo_harness.service.wait.policy import (
     WaitPolicy,
 )
 from dppo_harness.service.wait.waiter import ServiceWaiter
-from dppo_harness.service.wait.watch import QueueWatch
+from dppo_harness.service.wait.watch import LogWatch, SdkPauseLog
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = "Tinker backend is running short on capacity, please wait (sent by the service)"
@@ -36,6 +37,48 @@ class Clock:
 
     def __call__(self):
         return self.t
+
+
+SDK_DEFAULT_REASON = {
+    QueueState.PAUSED_CAPACITY: "Tinker backend is running short on capacity, please wait",
+    QueueState.PAUSED_RATE_LIMIT: "concurrent training clients rate limit hit",
+}
+
+
+class QueueWatch:
+    """What a caller sees of a training client's queue through tinker 0.25's public surface: the
+    SDK's QueueStateLogger turns each report into a warning line (at the first paused report, then
+    at most every 60 s; never for active; its own default text when the service sent no reason),
+    and a LogWatch reads those lines. `on_queue_state_change` is the report the SDK would pass."""
+
+    def __init__(self, clock=None, model_id="m"):
+        self.clock = clock or time.monotonic
+        self.log = SdkPauseLog(clock=self.clock)
+        self.model_id = model_id
+        self.watch = LogWatch("training", model_id, 0.0, log=self.log, clock=self.clock)
+        self._last_logged = float("-inf")
+
+    def on_queue_state_change(self, state, reason):
+        if state == QueueState.ACTIVE or self.clock() - self._last_logged < 60:
+            return
+        self._last_logged = self.clock()
+        text = reason or SDK_DEFAULT_REASON.get(state, "unknown")
+        record = logging.LogRecord(
+            "tinker.lib.queue_state_logger", logging.WARNING, __file__, 0,
+            f"Training for {self.model_id} is paused. Reason: {text}.", None, None,
+        )  # fmt: skip
+        self.log.emit(record)
+
+    def latest(self):
+        return self.watch.latest()
+
+    def episodes_since(self, t0):
+        return self.watch.episodes_since(t0)
+
+
+def paused_every_poll(start, end, state=QueueState.PAUSED_CAPACITY, reason=REASON):
+    """A pause as the SDK meets it: the same paused report at every (1 s) poll from start to end."""
+    return [(t, state, reason) for t in range(start, end)]
 
 
 class FakeFuture:
@@ -90,19 +133,20 @@ def test_a_pause_longer_than_the_patience_gives_up_with_the_services_words():
     clock = Clock()
     watch = QueueWatch(clock=clock)
     w, _posts, stops, _ = _waiter(clock)
-    fut = FakeFuture(clock, watch, events=[(5, QueueState.PAUSED_CAPACITY, REASON)])
+    fut = FakeFuture(clock, watch, events=paused_every_poll(5, 5000))
     with pytest.raises(CapacityExhausted) as ei:
         w.wait(fut, call="forward_backward", client="dppo_seed0", watch=watch)
     stop = ei.value
     assert isinstance(stop, ServiceStopped) and not isinstance(stop, Exception)  # stage code cannot swallow it
     assert stop.block.error == REASON and stop.block.comparison_steps_completed == 0
     assert 600 <= stop.waited_s < 602 and clock.t - 1000 < 607
-    assert stop.line.startswith("forward_backward on dppo_seed0: paused by the service for 600 s (paused_capacity: ")
+    assert stop.line.startswith("forward_backward on dppo_seed0: paused by the service for 600 s (paused: ")
     assert "--capacity-patience-s=600" in stop.line
     assert stops == [stop]
     pause = w.pauses[0].as_dict()
-    assert pause["queue_state"] == "paused_capacity" and pause["queue_state_reason"] == REASON
-    assert pause["outcome"] == "gave_up" and pause["seconds"] >= 600
+    # the SDK's log names no state: "paused", with the reason as it logged it
+    assert pause["queue_state"] == "paused" and pause["queue_state_reason"] == REASON
+    assert pause["outcome"] == "gave_up" and pause["seconds"] >= 540  # from its first line to its latest
 
 
 def test_the_window_widens_once_a_comparison_step_completed():
@@ -110,14 +154,17 @@ def test_the_window_widens_once_a_comparison_step_completed():
     watch = QueueWatch(clock=clock)
     w, *_ = _waiter(clock)
     w.tracker.step_done()
-    fut = FakeFuture(clock, watch, done_at=clock.t + 1500, events=[(1, QueueState.PAUSED_RATE_LIMIT, None)])
+    events = paused_every_poll(1, 1500, QueueState.PAUSED_RATE_LIMIT, None)
+    fut = FakeFuture(clock, watch, done_at=clock.t + 1500, events=events)
     assert w.wait(fut, call="optim_step", client="grpo_seed0", watch=watch) == "ok"  # 1500 s < 1800 s
-    assert w.pauses[0].outcome == "resumed" and w.pauses[0].queue_state_reason is None
-    fut = FakeFuture(clock, watch, events=[(0, QueueState.PAUSED_RATE_LIMIT, None)])
+    # no reason sent: the SDK logs its own default text, and that is all a caller can see
+    assert w.pauses[0].outcome == "resumed"
+    assert w.pauses[0].queue_state_reason == SDK_DEFAULT_REASON[QueueState.PAUSED_RATE_LIMIT]
+    fut = FakeFuture(clock, watch, events=paused_every_poll(0, 5000, QueueState.PAUSED_RATE_LIMIT, None))
     with pytest.raises(CapacityExhausted) as ei:
         w.wait(fut, call="optim_step", client="grpo_seed0", watch=watch)
     assert ei.value.block.comparison_steps_completed == 1 and "--capacity-patience-after-steps-s=1800" in ei.value.line
-    assert ei.value.block.error == "queue_state paused_rate_limit (the service sent no reason)"
+    assert ei.value.block.error == "concurrent training clients rate limit hit"
 
 
 def test_a_hang_is_not_a_pause_and_stops_after_the_service_timeout():
@@ -134,7 +181,7 @@ def test_a_hang_is_not_a_pause_and_stops_after_the_service_timeout():
 
 def test_a_long_pause_is_never_taken_for_a_hang():
     """Paused for 850 s (longer than the 500 s service timeout), then active for 400 s: the hang
-    clock starts when the pause ends."""
+    clock starts when the pause is over (no pause line for PAUSE_LOG_FRESH_S after its last)."""
     clock = Clock()
     watch = QueueWatch(clock=clock)
     w, *_ = _waiter(clock, capacity_patience_s=1200.0, service_timeout_s=500.0)
@@ -142,10 +189,11 @@ def test_a_long_pause_is_never_taken_for_a_hang():
         clock,
         watch,
         done_at=clock.t + 1250,
-        events=[(0, QueueState.PAUSED_CAPACITY, REASON), (850, QueueState.ACTIVE, None)],
+        events=[*paused_every_poll(0, 850), (850, QueueState.ACTIVE, None)],
     )
     assert w.wait(fut, call="save_state", client="arm", watch=watch) == "ok"
-    assert w.pauses[0].outcome == "resumed" and 849 <= w.pauses[0].seconds <= 851
+    # lines at 0, 60, ..., 840: the pause ran from the first to the last
+    assert w.pauses[0].outcome == "resumed" and w.pauses[0].seconds == pytest.approx(840, abs=1)
 
 
 def test_no_watch_no_word_is_a_hang_after_the_timeout_and_a_caller_timeout_still_applies():
@@ -179,12 +227,12 @@ def test_long_waits_are_posted_with_what_is_waited_on_and_the_queue_state():
     clock = Clock()
     watch = QueueWatch(clock=clock)
     w, posts, _, lines = _waiter(clock)
-    fut = FakeFuture(clock, watch, done_at=clock.t + 200, events=[(10, QueueState.PAUSED_CAPACITY, REASON)])
+    fut = FakeFuture(clock, watch, done_at=clock.t + 200, events=paused_every_poll(10, 200))
     w.wait(fut, call="sample", client="sampler of dppo_seed0", watch=watch)
     assert len(posts) >= 4  # after 60 s, then every 30 s
     first = posts[0].as_dict()
     assert first["call"] == "sample" and first["client"] == "sampler of dppo_seed0"
-    assert first["queue_state"] == "paused_capacity" and first["queue_state_reason"] == REASON
+    assert first["queue_state"] == "paused" and first["queue_state_reason"] == REASON
     assert first["waited_s"] >= 60 and first["paused_s"] >= 50 and first["since"].endswith("Z")
     assert any("paused by the service" in ln for ln in lines) and any("pause ended" in ln for ln in lines)
 
@@ -196,25 +244,27 @@ def test_short_waits_post_nothing():
     assert posts == []
 
 
-def test_watch_forwards_every_report_to_the_sdks_own_observer():
-    seen = []
-    watch = QueueWatch(lambda s, r: seen.append((s, r)))
-    watch.on_queue_state_change(QueueState.PAUSED_CAPACITY, REASON)
-    watch.on_queue_state_change(QueueState.ACTIVE, None)
-    assert seen == [(QueueState.PAUSED_CAPACITY, REASON), (QueueState.ACTIVE, None)]
-    assert watch.latest().state == "active" and watch.reports == 2
+def test_the_pause_log_reads_the_sdks_own_warning_lines():
+    """The real SDK observers' output (tinker 0.25), through the logger the harness listens on."""
+    from tinker.lib.public_interfaces.sampling_client import SamplingClient
+    from tinker.lib.queue_state_logger import QueueStateLogger
 
-    def broken(*_a):
-        raise RuntimeError("logger bug")
+    from dppo_harness.service.wait.watch import creation_watch, parse_pause_line, pause_log, training_watch
 
-    watch = QueueWatch(broken)
-    watch.on_queue_state_change(QueueState.PAUSED_CAPACITY, REASON)  # the watch still records
-    assert watch.latest().reason == REASON
-    watch.on_submit_refused(429, "rate limited: too many sample requests")
-    assert (watch.latest().state, watch.latest().http_status) == ("submit_refused", 429)
-    watch.on_submitted()
-    assert watch.latest().state == "active"
-
+    log = pause_log()
+    t0 = time.monotonic()
+    QueueStateLogger("m-7", "Training").on_queue_state_change(QueueState.PAUSED_CAPACITY, REASON)
+    QueueStateLogger("Qwen/Qwen3.5-2B", "Model creation").on_queue_state_change(QueueState.PAUSED_RATE_LIMIT, None)
+    QueueStateLogger("m-8", "Training").on_queue_state_change(QueueState.ACTIVE, None)  # never logged
+    sampler = object.__new__(SamplingClient)  # only its observer method runs: it logs a pause
+    sampler._last_queue_state_logged, sampler._sampling_session_id = 0.0, "s-1"
+    sampler.on_queue_state_change(QueueState.PAUSED_CAPACITY, "sampler queue full")
+    assert [(ln.kind, ln.ident, ln.reason) for ln in log.lines("training", None, t0)] == [("training", "m-7", REASON)]
+    assert training_watch("m-7").latest().reason == REASON and training_watch("m-8").latest() is None
+    creation = creation_watch(t0).latest()
+    assert creation.state == "paused" and creation.reason == "concurrent training clients rate limit hit"
+    assert [(ln.ident, ln.reason) for ln in log.lines("sampling", None, t0)] == [("s-1", "sampler queue full")]
+    assert parse_pause_line("HTTP Request: POST /api/v1/retrieve_future 408") is None
 
 def test_waited_client_returns_waited_futures_and_keeps_everything_else():
     from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
@@ -289,7 +339,7 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
         on_stop=poster.stop,
     )
     w.wait(
-        FakeFuture(clock, watch, done_at=clock.t + 400, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
+        FakeFuture(clock, watch, done_at=clock.t + 400, events=paused_every_poll(0, 400)),
         call="save_state",
         client="dppo_seed0",
         watch=watch,
@@ -298,7 +348,7 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
     (waiting,) = on_disk["service_wait"]["waiting"].values()
     assert waiting["call"] == "save_state" and waiting["queue_state_reason"] == REASON and waiting["waited_s"] >= 399
     assert waiting["outcome"] == "answered" and waiting["paused_s"] >= 399  # settled when the answer came
-    assert on_disk["service_wait"]["pauses"][0]["queue_state"] == "paused_capacity"
+    assert on_disk["service_wait"]["pauses"][0]["queue_state"] == "paused"
     snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
     assert poster.posts >= 10 and len(snaps) == 2  # at the first post, then once 300 s later
     # however long the waits, at most MAX_WAIT_SNAPSHOTS snapshots: the stages' own files need the slots
@@ -314,7 +364,7 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
         on_post=poster.post,
     )
     long.wait(
-        FakeFuture(clock, watch, done_at=clock.t + 3600, events=[(0, QueueState.PAUSED_CAPACITY, REASON)]),
+        FakeFuture(clock, watch, done_at=clock.t + 3600, events=paused_every_poll(0, 3600)),
         call="save_state",
         client="dppo_seed0",
         watch=watch,
@@ -393,8 +443,10 @@ def test_a_pause_shorter_than_the_poll_is_still_recorded():
 
     assert w.wait(Brief(clock), call="create_lora_training_client", client="a new client", watch=watch) == "ok"
     (pause,) = [p.as_dict() for p in w.pauses]
+    # the SDK logs the pause once and never its end: one line, a pause of 0 s as seen, resumed
+    # when the call was answered
     assert pause["queue_state_reason"] == REASON and pause["outcome"] == "resumed"
-    assert pause["seconds"] == pytest.approx(0.4)
+    assert pause["seconds"] == 0.0
 
 
 class Bounded(FakeFuture):
@@ -418,7 +470,8 @@ def test_a_reason_that_changes_every_poll_does_not_restart_the_capacity_clock():
         w.wait(Bounded(clock, watch, events=events), call="forward_backward", client="dppo_seed0", watch=watch)
     assert 600 <= ei.value.waited_s < 602 and ei.value.block.error.startswith("queued: position ")
     (pause,) = [p.as_dict() for p in w.pauses]
-    assert pause["outcome"] == "gave_up" and pause["reason_changes"] >= 599 and pause["seconds"] >= 599
+    # the SDK logs the moving position once a minute: ten rewordings of one pause
+    assert pause["outcome"] == "gave_up" and pause["reason_changes"] >= 9 and pause["seconds"] >= 540
 
 
 def test_states_that_alternate_cannot_keep_a_call_waiting_past_both_windows():

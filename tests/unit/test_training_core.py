@@ -29,8 +29,13 @@ class _Future:
         return self.value
 
 
+# The fake model's current log-probs of every datum's targets (`_datums` samples at [0, -1, -0.5]).
+POLICY_LOGPROBS = np.array([0.0, -1.0, -0.5]) - 0.05
+
+
 class FakeTrainingClient:
-    """Records the order of calls; runs the custom loss on fixed logprobs like the SDK would."""
+    """Records the order of calls; runs the custom loss on fixed logprobs like the SDK would, and
+    refuses datums tinker 0.25's forward_backward_custom refuses (keys beside target_tokens/weights)."""
 
     def __init__(self, call_loss: int = 1):
         self.calls: list[str] = []
@@ -38,12 +43,13 @@ class FakeTrainingClient:
 
     def forward_backward_custom(self, data, loss_fn):
         self.calls.append("fwd_bwd")
+        for d in data:
+            unexpected = sorted(set(d.loss_fn_inputs) - {"target_tokens", "weights"})
+            if unexpected:
+                raise ValueError(f"forward_backward_custom: found unexpected keys: {unexpected}")
         out = None
         for _ in range(self.call_loss):
-            lps = [
-                torch.tensor(np.asarray(d.loss_fn_inputs["logprobs"].to_numpy()) - 0.05, requires_grad=True)
-                for d in data
-            ]
+            lps = [torch.tensor(POLICY_LOGPROBS[: d.model_input.length], requires_grad=True) for d in data]
             out = loss_fn(data, lps)
         return _Future(out)
 

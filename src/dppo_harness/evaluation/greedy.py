@@ -13,6 +13,7 @@ the embedded server maps it to argmax. Grading is the cookbook's ``MathEnv`` che
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import importlib.metadata
 import platform
@@ -363,10 +364,10 @@ def evaluate(
     t0 = time.perf_counter()
     responses: list[tinker.SampleResponse | None] = [None] * len(prompts)
     # Sliding window: many requests in flight, bounded so a real service is not flooded.
-    pending: list[tuple[int, tinker.APIFuture[tinker.SampleResponse]]] = []
+    pending: list[tuple[int, concurrent.futures.Future[tinker.SampleResponse]]] = []
     done = 0
 
-    def received(j: int, fut: tinker.APIFuture[tinker.SampleResponse]) -> None:
+    def received(j: int, fut: concurrent.futures.Future[tinker.SampleResponse]) -> None:
         nonlocal done
         responses[j] = fut.result()
         done += 1

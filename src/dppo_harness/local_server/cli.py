@@ -135,8 +135,8 @@ def _add_rejection_faults(f: argparse._ArgumentGroup) -> None:
 
 
 def _add_held_request_faults(f: argparse._ArgumentGroup) -> None:
-    """Accepted requests whose futures stay pending: a paused queue, a request that never
-    completes, and the session poller that reports no queue state."""
+    """Accepted requests whose futures stay pending: a paused queue and a request that never
+    completes."""
     f.add_argument(
         "--fault-queue-pause",
         action="append",
@@ -153,12 +153,6 @@ def _add_held_request_faults(f: argparse._ArgumentGroup) -> None:
         default=[],
         metavar="KIND:N",
         help="accept the N-th request of KIND and never complete it (its polls say queue_state active)",
-    )
-    f.add_argument(
-        "--fault-sample-use-retrieve-futures",
-        action="store_true",
-        help="client config sets sample_use_retrieve_futures: samples wait on the SDK's session poller "
-        "(POST /api/v1/retrieve_futures), a path that sends no queue state",
     )
 
 
@@ -247,7 +241,6 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         retry_after_ms=args.fault_retry_after_ms,
         omit_fields=tuple(parse_omit_field(s) for s in args.fault_omit_field),
         record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
-        sample_use_retrieve_futures=args.fault_sample_use_retrieve_futures,
     )
 
 

@@ -68,7 +68,7 @@ class CapacityFail:
     numbers: frozenset[int]
 
 
-# Fields the SDK's response types (tinker 0.38.0 `tinker/types/*`) declare optional, per request
+# Fields the SDK's response types (tinker 0.25.0 `tinker/types/*`) declare optional, per request
 # kind, that `--fault-omit-field KIND.FIELD` may leave out. Dotted paths go into nested objects
 # and through lists. `asample.logprobs` is per sampled sequence (protobuf); `forward.logprobs` /
 # `forward_backward.logprobs` is the loss output key every datum carries (protobuf).
@@ -80,7 +80,6 @@ OPTIONAL_RESPONSE_FIELDS: dict[str, frozenset[str]] = {
             "model_data.arch",
             "model_data.model_name",
             "model_data.tokenizer_id",
-            "optimizer_config",
             "is_lora",
             "lora_rank",
             "model_name",
@@ -93,8 +92,6 @@ OPTIONAL_RESPONSE_FIELDS: dict[str, frozenset[str]] = {
         {
             "supported_models.model_name",
             "supported_models.max_context_length",
-            "supported_models.trainable",
-            "supported_models.sampleable",
         }
     ),
     "asample": frozenset({"logprobs"}),  # SampledSequence.logprobs
@@ -178,9 +175,6 @@ class FaultConfig:
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
     omit_fields: tuple[OmitField, ...] = ()  # optional response fields left out
     record_header_values: tuple[str, ...] = DEFAULT_VALUE_HEADERS
-    # client config's sample_use_retrieve_futures: samples wait on the SDK's session poller, a path
-    # that reports no queue state
-    sample_use_retrieve_futures: bool = False
 
     def __post_init__(self) -> None:
         for name in self.record_header_values:
@@ -206,7 +200,6 @@ class FaultConfig:
             or self.never_complete
             or self.reject_for
             or self.omit_fields
-            or self.sample_use_retrieve_futures
         )
 
 

@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dppo_harness import constants
+from dppo_harness.json_types import JsonObject
 
 PROFILES = ("default", "spindle")
 # (request header, environment variable holding its expected value). The stock SDK sends the API
-# key as `X-API-Key` (tinker/lib/_auth_token_provider.py); the Modal proxy headers come from
-# `default_headers_overrides`.
+# key as `X-API-Key` (tinker/lib/_auth_token_provider.py); the Modal proxy headers come from the
+# ServiceClient's `default_headers` (tinker/lib/public_interfaces/service_client.py).
 SPINDLE_CREDENTIALS = (
     ("X-API-Key", "TINKER_API_KEY"),
     ("Modal-Key", "MODAL_PROXY_TOKEN_ID"),
@@ -27,6 +28,31 @@ SPINDLE_CREDENTIALS = (
 OPTIMIZER_ECHO_KEYS = frozenset(
     {"optim/learning_rate", "optim/beta1", "optim/beta2", "optim/eps", "optim/weight_decay", "optim/grad_clip_norm"}
 )
+
+# `POST client/config` (SDK 0.25 reads it into tinker/types/client_config_response.py, ignoring keys
+# it does not know). Both profiles: API-key auth (no JWT exchange), fwd/bwd chunks sent in parallel.
+_CLIENT_CONFIG_COMMON: JsonObject = {
+    "pjwt_auth_enabled": False,
+    "credential_default_source": "api_key",
+    "parallel_fwdbwd_chunks": True,
+}
+# Spindle's answer: zstd-compressed protobuf fwd/bwd bodies (`Content-Encoding: zstd`,
+# tinker/resources/training.py), create_training_client_from_state* as one create-from-state
+# load_weights (tinker/lib/public_interfaces/service_client.py), httpx's own transport.
+# `proto_write_fwdbwd` is Spindle's own flag; SDK 0.25 has no field for it (it always sends protobuf).
+SPINDLE_CLIENT_CONFIG: JsonObject = _CLIENT_CONFIG_COMMON | {
+    "proto_write_fwdbwd": True,
+    "use_pyqwest_transport": False,
+    "create_model_via_load_weights": True,
+    "proto_compress_fwdbwd": True,
+}
+# The open stand-in: uncompressed protobuf, a restore as weights_info + create_model + load_weights,
+# and the SDK's default transport (pyqwest, tinker/_base_client.py), which serves loopback plain HTTP.
+DEFAULT_CLIENT_CONFIG: JsonObject = _CLIENT_CONFIG_COMMON | {
+    "use_pyqwest_transport": True,
+    "create_model_via_load_weights": False,
+    "proto_compress_fwdbwd": False,
+}
 
 
 class MissingCredential(ValueError):
@@ -53,6 +79,10 @@ class Profile:
         if self.name == "spindle":
             return [constants.BASE_MODEL]
         return list(engine_models) or [constants.BASE_MODEL, stand_in]
+
+    def client_config(self) -> JsonObject:
+        """The body of `POST client/config` for this profile."""
+        return dict(SPINDLE_CLIENT_CONFIG if self.name == "spindle" else DEFAULT_CLIENT_CONFIG)
 
     def optim_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
         if self.name == "spindle":

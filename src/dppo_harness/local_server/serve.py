@@ -82,7 +82,16 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 async def start_site(state: ServerState, sock: socket.socket) -> web.AppRunner:
     """The app over `state`, serving on the listening `sock`; the runner's cleanup stops it."""
-    runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S)
+    # auto_decompress=False: request bodies reach the handlers as sent. aiohttp's own parser would
+    # inflate a `Content-Encoding: zstd` body only with backports.zstd installed (400 otherwise);
+    # forward_backward inflates SDK 0.25's zstd bodies itself (codecs.decode_fwdbwd_request).
+    runner = web.AppRunner(
+        build_app(state),
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        auto_decompress=False,
+    )
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return runner

@@ -291,9 +291,12 @@ def write_session_records(state: StageState) -> None:
 
 
 CLIENT_RELEASE_NOTE = (
-    "tinker 0.38.0 has no per-client release: ServiceClient.close(status) finishes its session, which ends every "
-    "training and sampling client the session created. Each session below lists the training clients it created "
-    "(stage, SDK method, role); `events` says, at each release, which sessions it closed and which stayed open."
+    "tinker 0.25.0 has no session finish and no close: a model stays loaded until it is unloaded or the "
+    "service's idle sweep reclaims it. Each session below lists the training clients it created (stage, SDK "
+    "method, role) and, per model, how it was released: `unload_model` (POST /api/v1/unload_model, the "
+    "SDK's UnloadModelRequest), whether the service answered it and what it said. A session counts as "
+    "released only when every unload was answered; `events` says, at each release, which sessions it "
+    "released and which stayed open."
 )
 
 

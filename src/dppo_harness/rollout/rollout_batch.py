@@ -41,7 +41,7 @@ class SampledStep:
 def save_sampler(training_client: tinker.TrainingClient, name: str) -> tuple[str, tinker.SamplingClient]:
     """The training client's current weights as a named sampler checkpoint and its client."""
     path = training_client.save_weights_for_sampler(name).result().path
-    return path, training_client.create_sampling_client(path).result()
+    return path, training_client.create_sampling_client(path)
 
 
 def sample_rollout_batch(

@@ -9,6 +9,7 @@ before any is awaited, so the whole batch is in flight together. Rewards come fr
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -239,11 +240,12 @@ def _graded_group(
     )
 
 
-def _on_done(fut: tinker.APIFuture[tinker.SampleResponse], callback: Callable[[], object]) -> None:
-    """Time-stamp a request when its response arrives (SDK futures wrap a concurrent Future)."""
+def _on_done(fut: concurrent.futures.Future[tinker.SampleResponse], callback: Callable[[], object]) -> None:
+    """Time-stamp a request when its response arrives (a waited future hands out the SDK's own)."""
     inner = getattr(fut, "future", None)
-    if callable(inner):
-        inner().add_done_callback(lambda _f: callback())
+    target = inner() if callable(inner) else fut
+    if isinstance(target, concurrent.futures.Future):
+        target.add_done_callback(lambda _f: callback())
 
 
 def to_trajectory_groups(batch: RolloutBatch) -> list[TrajectoryGroup]:

@@ -27,7 +27,10 @@ class ClientKwargs(TypedDict, total=False):
 
     base_url: str
     api_key: str
-    default_headers_overrides: dict[str, str]
+    # Every header the SDK must send, X-API-Key included: tinker 0.25 also puts TINKER_API_KEY
+    # from the environment into its default headers, and these replace them (so a real key in
+    # the environment never reaches the embedded server).
+    default_headers: dict[str, str]
 
 
 class ServiceDescription(TypedDict):
@@ -88,12 +91,20 @@ def client_kwargs(
             raise ServiceConfigError(
                 f"the local backend must use a loopback base_url, got host {urlsplit(base_url).hostname!r}"
             )
-        return {"base_url": base_url, "api_key": constants.LOCAL_API_KEY}
+        return {
+            "base_url": base_url,
+            "api_key": constants.LOCAL_API_KEY,
+            "default_headers": {"X-API-Key": constants.LOCAL_API_KEY},
+        }
     if backend != "tinker":
         raise ServiceConfigError(f"unknown backend {backend!r}: expected 'local' or 'tinker'")
     url = base_url or _require(env, "TINKER_BASE_URL", "for the tinker backend")
     api_key = _require(env, "TINKER_API_KEY", "for the tinker backend")
-    return {"base_url": url, "api_key": api_key, "default_headers_overrides": proxy_headers(env, proxy_tokens)}
+    return {
+        "base_url": url,
+        "api_key": api_key,
+        "default_headers": {"X-API-Key": api_key, **proxy_headers(env, proxy_tokens)},
+    }
 
 
 def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -> dict[str, str]:

@@ -1,39 +1,35 @@
 """Connectivity preflight: before any training client exists, check the service can be used.
 
-In order: the variables are set, the URL is reachable, authentication is accepted, the plan's base
-model is served (or the closest served model of its family is chosen, a recorded deviation). Each
-failure is one actionable line that names the variable, header or URL and never a secret value.
+In order: the variables are set, the URL is reachable, authentication is accepted, the service can
+serve the installed SDK, and the plan's base model is served with LoRA (or the closest served LoRA
+model of its family is chosen, a recorded deviation). Each failure is one actionable line that
+names the variable, header or URL and never a secret value.
 
-Every request goes the way the SDK's own go (docs/service.md), so a passing check means the SDK
-connects: the SDK's HTTP client (`tinker.AsyncTinker`, which honours the proxy and CA settings of
-the environment) sends the SDK's first request, `client/config`, once and without retries, for a
-clear line on a wrong URL or key; then the SDK builds its client holder as every ServiceClient
-does (that config, the auth it asks for, API key or JWT exchange, and the dynamic config); the
-capabilities are read through that holder, raw, so the same read also tells whether the service
-is the embedded server (its marker header and `embedded_server` key, which the SDK type drops).
+First contact is what the SDK itself asks first, and what tinker's public API does not hand back,
+read raw with the run's own headers (`service.rest`), one attempt each: `client/config` (the SDK's
+first request; its flags say which features the service turns on), `client/dynamic_config` (404 on
+services without it), `get_server_capabilities` (raw, so the embedded server's marker, which the
+SDK's type drops, is kept) and `spindle/deployments` when the service has it (which definitions
+train LoRA and which only full fine-tunes: capabilities do not say). All are recorded as sent.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypedDict, TypeVar
+from typing import TypedDict
 
+import httpx
 import tinker
-from pydantic import JsonValue
-from tinker._client import AsyncTinker
-from tinker.lib.internal_client_holder import InternalClientHolder, _get_default_headers
+from pydantic import JsonValue, ValidationError
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
+from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import identity
-from dppo_harness.service.cancels import SetupScope, install_setup_abort
-from dppo_harness.service.capacity import error_text
 from dppo_harness.service.config import (
     ClientKwargs,
     ProxyTokens,
@@ -43,6 +39,15 @@ from dppo_harness.service.config import (
     redact_url,
 )
 from dppo_harness.service.identity import EmbeddedMarker, Substitution
+from dppo_harness.service.rest import (
+    CAPABILITIES_PATH,
+    CLIENT_CONFIG_PATH,
+    DEPLOYMENTS_PATH,
+    DYNAMIC_CONFIG_PATH,
+    RawResponse,
+    ServiceRest,
+)
+from dppo_harness.service.wait.clients import run_beside
 from dppo_harness.service.wait.policy import ServiceConfigError
 
 # Which variable feeds which request header (tinker backend, shared Spindle).
@@ -57,9 +62,7 @@ HEADER_VARS_RUNS = {
     "modal-key": "RUNS_PROXY_TOKEN_ID",
     "modal-secret": "RUNS_PROXY_TOKEN_SECRET",
 }
-CLIENT_CONFIG_PATH = "/api/v1/client/config"
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
 
 
@@ -82,6 +85,7 @@ class ConnectivityEvidence(TypedDict):
     substitution: Substitution | None
     embedded_server: dict[str, JsonValue] | None
     get_server_capabilities: JsonValue
+    first_contact: JsonObject
     checks: list[CheckRow]
     seconds: float
 
@@ -104,6 +108,7 @@ class ConnectivityReport:
     substitution: Substitution | None  # a model deviation when model != requested_model
     marker: EmbeddedMarker | None
     capabilities: JsonValue  # the raw capabilities JSON
+    first_contact: JsonObject = field(default_factory=dict)  # client/config, dynamic_config, deployments as sent
     checks: list[CheckRow] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -129,6 +134,7 @@ class ConnectivityReport:
             "substitution": self.substitution,
             "embedded_server": self.marker.as_dict() if self.marker else None,
             "get_server_capabilities": self.capabilities,
+            "first_contact": self.first_contact,
             "checks": self.checks,
             "seconds": round(self.seconds, 3),
         }
@@ -166,76 +172,6 @@ def _status_line(
     if status == 404:
         return "reachable", f"{var} {shown} answered HTTP 404 for {path}: not a Tinker service root; check the URL"
     return "reachable", f"{var} {shown} answered HTTP {status} for {path}; retry later or check the service"
-
-
-def first_contact(kwargs: ClientKwargs, timeout_s: float) -> tuple[int, JsonValue] | None:
-    """The SDK's first request (POST client/config) with the SDK's HTTP client, once, no retries.
-
-    None when the service answered it; else (HTTP status, JSON body). Raises the SDK's
-    APIConnectionError / APITimeoutError when nothing answered.
-    """
-
-    async def send() -> tuple[int, JsonValue] | None:
-        client = AsyncTinker(
-            base_url=str(kwargs["base_url"]),
-            api_key=str(kwargs["api_key"]),
-            default_headers=_get_default_headers() | dict(kwargs.get("default_headers_overrides") or {}),
-            max_retries=0,
-            timeout=timeout_s,
-        )
-        try:
-            await client.service.client_config(request=tinker.types.ClientConfigRequest(sdk_version=tinker.__version__))
-            return None
-        except tinker.APIStatusError as exc:
-            return exc.status_code, identity.raw_response(exc.response).json
-        finally:
-            await client.close()
-
-    return asyncio.run(send())
-
-
-def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
-    """fn() on a daemon thread, so that the SDK's own minutes of retries (and the lifecycle lock
-    its holder construction keeps) cannot hold the check: TimeoutError naming `what` after `timeout_s`,
-    once the SDK calls fn() still waits on are cancelled (its thread then ends and lets the lock go)."""
-    out: dict[str, T] = {}
-    failed: list[BaseException] = []
-    install_setup_abort()
-    scope = SetupScope()
-
-    def run() -> None:
-        try:
-            with scope:
-                out["value"] = fn()
-        except BaseException as exc:  # handed to the caller
-            failed.append(exc)
-
-    t = threading.Thread(target=run, name=f"connectivity: {what}", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        scope.abort()
-        t.join(timeout_s)
-        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s")
-    if failed:
-        raise failed[0]
-    return out["value"]
-
-
-def sdk_holder(client: tinker.ServiceClient, timeout_s: float) -> InternalClientHolder:
-    """The session-less holder the ServiceClient builds for REST reads (config, auth, dynamic
-    config), built under `bounded`."""
-    return bounded(client._get_rest_holder, timeout_s, "the SDK's client setup")
-
-
-def close_probe(probe: tinker.ServiceClient, timeout_s: float) -> str | None:
-    """Close the probe's ServiceClient within `timeout_s` (close() itself waits on the lock a
-    holder still being built keeps); None when closed, else what was seen (the thread is left, a daemon)."""
-    try:
-        bounded(lambda: probe.close("success").result(timeout_s), timeout_s, "closing the probe client")
-    except Exception as exc:
-        return f"{type(exc).__name__}: {error_text(exc)}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -277,51 +213,127 @@ def _check_variables(
     return _Target(kwargs, shown, var, proxy_tokens)
 
 
-def _read_capabilities(target: _Target, timeout_s: float, ok: Callable[[str, str], None]) -> identity.RawResponse:
-    """2. Reachable (3. auth is judged on the same requests): the SDK's first request, then its
-    holder, then the capabilities read through it. Returns the raw capabilities response."""
-    shown, var = target.shown, target.var
+@dataclass(frozen=True)
+class _FirstContact:
+    """What the service answered before any client exists (raw, as sent)."""
+
+    capabilities: RawResponse
+    client_config: RawResponse
+    dynamic_config: RawResponse | None
+    deployments: RawResponse | None
+
+    def as_evidence(self) -> JsonObject:
+        def row(path: str, r: RawResponse | None) -> JsonObject:
+            return (
+                {"path": path, "http_status": None, "body": None}
+                if r is None
+                else {
+                    "path": path,
+                    "http_status": r.status,
+                    "body": r.json,
+                }
+            )
+
+        return {
+            "sdk": f"tinker {tinker.__version__}",
+            "client_config": row(CLIENT_CONFIG_PATH, self.client_config),
+            "client_dynamic_config": row(DYNAMIC_CONFIG_PATH, self.dynamic_config),
+            "spindle_deployments": row(DEPLOYMENTS_PATH, self.deployments),
+        }
+
+
+def _optional(read: Callable[[], RawResponse]) -> RawResponse | None:
+    """A read a service may lack (404) or refuse: its answer, None when nothing answered."""
     try:
-        refused = first_contact(target.kwargs, timeout_s)
-    except tinker.APITimeoutError:
+        return read()
+    except httpx.HTTPError:
+        return None
+
+
+def _first_contact(target: _Target, timeout_s: float, ok: Callable[[str, str], None]) -> _FirstContact:
+    """2. Reachable (3. auth is judged on the same requests): the SDK's first request, client/config,
+    once, then what else a client of this service should know before it creates anything."""
+    shown, var = target.shown, target.var
+    rest = ServiceRest(str(target.kwargs["base_url"]), target.kwargs["default_headers"], timeout_s)
+    try:
+        config = rest.client_config(tinker.__version__)
+    except httpx.TimeoutException:
         raise ConnectivityError("reachable", f"{var} {shown} did not answer within {timeout_s:.0f} s") from None
-    except tinker.APIConnectionError:
+    except httpx.HTTPError:
         raise ConnectivityError(
             "reachable",
             f"cannot connect to {var} {shown}: connection refused or host unknown; "
             "check the URL and that the service is up",
         ) from None
-    if refused is not None:
-        status, payload = refused
-        if status in (401, 403):
-            ok("reachable", f"{shown} answered HTTP {status}")
-        raise target.status_error(status, payload, CLIENT_CONFIG_PATH)
-    probe = tinker.ServiceClient(**target.kwargs)
+    if config.status != 200:
+        if config.status in (401, 403):
+            ok("reachable", f"{shown} answered HTTP {config.status}")
+        raise target.status_error(config.status, config.json, CLIENT_CONFIG_PATH)
     try:
-        try:
-            holder = sdk_holder(probe, timeout_s)
-            resp = identity.get_capabilities_raw(holder, timeout_s)
-        except tinker.APIStatusError as exc:
-            raise target.status_error(
-                exc.status_code, identity.raw_response(exc.response).json, CLIENT_CONFIG_PATH
-            ) from None
-        except (TimeoutError, tinker.APIConnectionError) as exc:
-            raise ConnectivityError(
-                "reachable",
-                f"{var} {shown}: the SDK could not set up its client ({type(exc).__name__}: {error_text(exc)})",
-            ) from None
-    finally:
-        unclosed = close_probe(probe, timeout_s)  # a session-less holder: nothing to finish on the server
-    if unclosed is not None:
-        logger.warning(
-            "the connectivity probe's client did not close (%s); it holds no session on the service", unclosed
-        )
-    if resp.status != 200:
-        if resp.status in (401, 403):
-            ok("reachable", f"{shown} answered HTTP {resp.status}")
-        raise target.status_error(resp.status, resp.json, identity.CAPABILITIES_PATH)
-    ok("reachable", f"{shown} answered {identity.CAPABILITIES_PATH} through the SDK's client")
-    return resp
+        jwt = isinstance(config.json, Mapping) and config.json.get("pjwt_auth_enabled") is True
+        caps = _sdk_capabilities(target, timeout_s) if jwt else rest.capabilities()
+    except tinker.APIStatusError as exc:
+        raise target.status_error(exc.status_code, _body(exc), CAPABILITIES_PATH) from None
+    except (TimeoutError, tinker.APIConnectionError) as exc:
+        raise ConnectivityError(
+            "reachable", f"{var} {shown}: the SDK could not read {CAPABILITIES_PATH} ({type(exc).__name__})"
+        ) from None
+    except httpx.HTTPError as exc:
+        raise ConnectivityError(
+            "reachable", f"{var} {shown}: {CAPABILITIES_PATH} failed ({type(exc).__name__})"
+        ) from None
+    if caps.status != 200:
+        raise target.status_error(caps.status, caps.json, CAPABILITIES_PATH)
+    ok("reachable", f"{shown} answered {CLIENT_CONFIG_PATH} and {CAPABILITIES_PATH}")
+    dynamic = _optional(lambda: rest.post(DYNAMIC_CONFIG_PATH, {"sdk_version": tinker.__version__}))
+    deployments = _optional(lambda: rest.get(DEPLOYMENTS_PATH))
+    return _FirstContact(caps, config, dynamic, deployments)
+
+
+def _body(exc: tinker.APIStatusError) -> JsonValue:
+    try:
+        body: JsonValue = exc.response.json()
+    except ValueError:
+        body = None
+    return body
+
+
+def _sdk_capabilities(target: _Target, timeout_s: float) -> RawResponse:
+    """Capabilities through the SDK's public call, for a service that asks for its JWT exchange
+    (`pjwt_auth_enabled`): a raw read with the API key would be refused. The SDK's type keeps
+    only the keys it declares (no embedded-server marker: the embedded server never asks for JWTs)."""
+    client = tinker.ServiceClient(**target.kwargs)
+    caps = run_beside(client.get_server_capabilities, "get_server_capabilities").result(timeout_s)
+    return RawResponse(200, caps.model_dump(mode="json"), None)
+
+
+def _check_sdk_served(contact: _FirstContact, shown: str, ok: Callable[[str, str], None]) -> None:
+    """The service's client/config is one the installed SDK sets a session up from (its own type)."""
+    try:
+        parsed = tinker.types.ClientConfigResponse.model_validate(contact.client_config.json)
+    except ValidationError as exc:
+        raise ConnectivityError(
+            "sdk",
+            f"{shown} answered {CLIENT_CONFIG_PATH} with {str(contact.client_config.json)[:200]!r}, which tinker "
+            f"{tinker.__version__} cannot set a session up from ({exc.error_count()} field errors): the service "
+            "does not serve this SDK",
+        ) from None
+    flags = sorted(k for k, v in parsed.model_dump().items() if v is True)
+    ok("sdk", f"tinker {tinker.__version__} accepts the service's client/config (on: {', '.join(flags) or 'none'})")
+
+
+def _lora_models(contact: _FirstContact) -> dict[str, list[str]] | None:
+    """Per base model, the parameterizations its deployments offer; None without a deployment list."""
+    r = contact.deployments
+    rows = r.json.get("deployments") if r is not None and r.status == 200 and isinstance(r.json, Mapping) else None
+    if not isinstance(rows, list):
+        return None
+    out: dict[str, list[str]] = {}
+    for row in rows:
+        base = row.get("base_model") if isinstance(row, Mapping) else None
+        if isinstance(row, Mapping) and isinstance(base, str):
+            out.setdefault(base, []).append(str(row.get("parameterization")))
+    return out
 
 
 @dataclass(frozen=True)
@@ -332,10 +344,15 @@ class _ModelChoice:
 
 
 def _choose_base_model(
-    requested_model: str, caps: JsonValue, shown: str, ok: Callable[[str, str], None]
+    requested_model: str,
+    caps: JsonValue,
+    deployments: dict[str, list[str]] | None,
+    shown: str,
+    ok: Callable[[str, str], None],
 ) -> _ModelChoice:
-    """4. The plan's base model is served, or the closest served model of its family is chosen
-    (recorded as a deviation)."""
+    """4. The plan's base model is served with LoRA, or the closest served LoRA model of its family is
+    chosen (recorded as a deviation). Without a deployment list, capabilities name what is served
+    and creation is the first to say whether LoRA is."""
     models = caps.get("supported_models") if isinstance(caps, Mapping) else None
     if not isinstance(models, list):
         raise ConnectivityError("model", f"{shown} did not answer like a Tinker service (no supported_models list)")
@@ -344,23 +361,37 @@ def _choose_base_model(
         for m in models
         if isinstance(m, Mapping) and m.get("model_name") and m.get("trainable") is not False
     ]
-    choice = identity.choose_model(requested_model, served)
+    candidates = served if deployments is None else [m for m in served if "lora" in deployments.get(m, [])]
+    full_only = [] if deployments is None else [m for m in served if m not in candidates]
+    choice = identity.choose_model(requested_model, candidates)
     if choice.model is None:
+        if requested_model in full_only:
+            raise ConnectivityError(
+                "model",
+                f"base model {requested_model} is served by {shown} for full fine-tuning only "
+                f"({DEPLOYMENTS_PATH}: {', '.join(deployments.get(requested_model, []) if deployments else [])}), "
+                f"and no LoRA model of its family is; LoRA-capable: {', '.join(candidates) or 'none'}",
+            )
         raise ConnectivityError(
             "model",
-            f"base model {requested_model} is not served by {shown} and no model of its "
-            f"family is; served: {', '.join(served) or 'none'}",
+            f"base model {requested_model} is not served{' with LoRA' if deployments is not None else ''} by {shown} "
+            f"and no model of its family is; served: {', '.join(served) or 'none'}"
+            + (f" (LoRA-capable: {', '.join(candidates) or 'none'})" if deployments is not None else ""),
         )
     substitution: Substitution | None = None
+    lora_note = f" with LoRA ({DEPLOYMENTS_PATH})" if deployments is not None else ""
     if choice.substituted:
         substitution = {
             "field": "model",
             "original": requested_model,
             "effective": choice.model,
-            "reason": f"{requested_model} is not served by {shown}; {choice.model} is the closest served "
-            f"model of the same family (served: {', '.join(served)})",
+            "reason": f"{requested_model} is not served{lora_note} by {shown}; {choice.model} is the closest served "
+            f"model of the same family (served: {', '.join(candidates)})",
         }
-    ok("model", f"{choice.model} is served" + (f" (instead of {requested_model})" if choice.substituted else ""))
+    ok(
+        "model",
+        f"{choice.model} is served{lora_note}" + (f" (instead of {requested_model})" if choice.substituted else ""),
+    )
     return _ModelChoice(choice.model, served, substitution)
 
 
@@ -374,7 +405,7 @@ def check_connectivity(
     timeout_s: float = 10.0,
     sdk_telemetry: bool = False,
 ) -> ConnectivityReport:
-    """Run the four checks; raise ConnectivityError (one line) on the first that fails."""
+    """Run the checks; raise ConnectivityError (one line) on the first that fails."""
     t0 = time.monotonic()
     checks: list[CheckRow] = []
 
@@ -383,10 +414,12 @@ def check_connectivity(
 
     target = _check_variables(backend, base_url, env, proxy_tokens, ok)
     apply_sdk_telemetry(sdk_telemetry)
-    resp = _read_capabilities(target, timeout_s, ok)
+    contact = _first_contact(target, timeout_s, ok)
     ok("auth", "credentials accepted" if backend == "tinker" else "no authentication on the local backend")
+    _check_sdk_served(contact, target.shown, ok)
+    resp = contact.capabilities
     caps = resp.json
-    model = _choose_base_model(requested_model, caps, target.shown, ok)
+    model = _choose_base_model(requested_model, caps, _lora_models(contact), target.shown, ok)
     marker = identity.detect_marker(
         headers={EMBEDDED_SERVER_HEADER: resp.marker_header} if resp.marker_header else None,
         capabilities=caps if isinstance(caps, dict) else None,
@@ -400,6 +433,7 @@ def check_connectivity(
         model.substitution,
         marker,
         caps,
+        contact.as_evidence(),
         checks,
         time.monotonic() - t0,
     )

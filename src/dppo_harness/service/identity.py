@@ -3,9 +3,8 @@
 The embedded server answers to the planned model's name (so the SDK accepts it) while a small
 stand-in computes. It marks itself on every response (header `X-Embedded-Tinker-Server`), in its
 capabilities (`embedded_server` key) and in `get_info().model_data` (`embedded_server` key). The
-SDK's response types drop unknown keys, so the raw JSON is read here through the SDK's own client
-holder (`sdk_raw`: the same auth, API key or JWT exchange, headers, proxy and CA settings as every
-SDK call), keeping the body and headers. A run that meets the marker is a rehearsal, and every
+SDK's response types drop unknown keys, so the raw JSON is read here with the session's own
+headers (`service.rest`), keeping the body and headers. A run that meets the marker is a rehearsal, and every
 place that names the model names the stand-in.
 """
 
@@ -19,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-import httpx
 from pydantic import JsonValue
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
@@ -33,18 +31,13 @@ from dppo_harness.evidence.backend import (
 )
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonObject
+from dppo_harness.service.rest import CAPABILITIES_PATH, GET_INFO_PATH, RawResponse, ServiceRest
 
 if TYPE_CHECKING:
     import tinker
-    from tinker._types import RequestOptions
-    from tinker.lib.internal_client_holder import InternalClientHolder
 
     from dppo_harness.evidence.bundle import EvidenceBundle
     from dppo_harness.service.connectivity import ConnectivityReport  # connectivity reads the marker here
-
-
-CAPABILITIES_PATH = "/api/v1/get_server_capabilities"
-GET_INFO_PATH = "/api/v1/get_info"
 
 
 @dataclass(frozen=True)
@@ -99,61 +92,18 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
 # ----------------------------------------------------------------------------- raw reads
 
 
-@dataclass(frozen=True)
-class RawResponse:
-    status: int
-    json: JsonValue  # None when the body is not JSON
-    marker_header: str | None  # value of the embedded-server header, if present
-
-
-def raw_response(resp: httpx.Response) -> RawResponse:
-    try:
-        payload = resp.json()
-    except ValueError:
-        payload = None
-    return RawResponse(resp.status_code, payload, _header(resp.headers, EMBEDDED_SERVER_HEADER))
-
-
-def sdk_raw(
-    holder: InternalClientHolder | None,
-    method: str,
-    path: str,
-    *,
-    body: JsonObject | None = None,
-    timeout_s: float = 10.0,
-) -> RawResponse:
-    """One request through an SDK client holder (a ServiceClient's or a TrainingClient's), kept
-    raw: status, JSON and the marker header. No retries: an HTTP error status is returned as it
-    came; transport failures raise the SDK's errors (tinker.APIConnectionError, ...)."""
-    # The SDK loads only for a raw read: report and diagnostic modules import this one for its labels.
-    import tinker
-    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType  # the SDK, as above
-
-    if holder is None:  # a client without an SDK holder: nothing to send the request through
-        raise AttributeError("no SDK client holder to read through")
-
-    async def send() -> httpx.Response:
-        assert holder is not None
-        options: RequestOptions = {"max_retries": 0, "timeout": timeout_s}
-        with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
-            if method == "GET":
-                return await client.get(path, cast_to=httpx.Response, options=options)
-            return await client.post(path, body=body, cast_to=httpx.Response, options=options)
-
-    try:
-        return raw_response(holder.run_coroutine_threadsafe(send()).result(timeout_s + 5.0))
-    except tinker.APIStatusError as exc:
-        return raw_response(exc.response)
-
-
-def get_capabilities_raw(holder: InternalClientHolder | None, timeout_s: float = 10.0) -> RawResponse:
+def get_capabilities_raw(rest: ServiceRest | None, timeout_s: float = 10.0) -> RawResponse:
     """GET get_server_capabilities as raw JSON (keeps keys the SDK type drops)."""
-    return sdk_raw(holder, "GET", CAPABILITIES_PATH, timeout_s=timeout_s)
+    if rest is None:  # a client made outside an observed session: nothing to read through
+        raise AttributeError("no service to read through")
+    return rest.get(CAPABILITIES_PATH, timeout_s)
 
 
-def get_info_raw(holder: InternalClientHolder | None, model_id: str, timeout_s: float = 10.0) -> RawResponse:
+def get_info_raw(rest: ServiceRest | None, model_id: str, timeout_s: float = 10.0) -> RawResponse:
     """POST get_info for one model as raw JSON (the complete model_data)."""
-    return sdk_raw(holder, "POST", GET_INFO_PATH, body={"model_id": model_id}, timeout_s=timeout_s)
+    if rest is None:
+        raise AttributeError("no service to read through")
+    return rest.post(GET_INFO_PATH, {"model_id": model_id}, timeout_s)
 
 
 # ----------------------------------------------------------------------------- the served model
@@ -336,15 +286,14 @@ class TrainingClientRecorder:
         self._written: dict[str, str] = {}  # identity key -> file holding it
         self._flushed = False
 
-    def __call__(self, client: tinker.TrainingClient, label: str) -> ClientIdentity:
+    def __call__(self, client: tinker.TrainingClient, label: str, rest: ServiceRest | None = None) -> ClientIdentity:
         sdk_info = client.get_info()
         model_id = str(sdk_info.model_id)
         errors: list[str] = []
         info_json: JsonValue = sdk_info.model_dump(mode="json")
         marker_headers: dict[str, str] = {}
-        holder = getattr(client, "holder", None)  # the client's own SDK holder: its auth and headers
         try:
-            raw = get_info_raw(holder, model_id, self.timeout_s)
+            raw = get_info_raw(rest, model_id, self.timeout_s)
             if raw.status == 200 and isinstance(raw.json, Mapping):
                 info_json = raw.json
             else:
@@ -355,7 +304,7 @@ class TrainingClientRecorder:
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
         caps: JsonValue = None
         try:
-            cr = get_capabilities_raw(holder, self.timeout_s)
+            cr = get_capabilities_raw(rest, self.timeout_s)
             caps = cr.json if cr.status == 200 else {"http_status": cr.status}
             if cr.marker_header:
                 marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header

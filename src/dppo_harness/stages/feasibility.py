@@ -164,7 +164,7 @@ def run_timing_pilot(
     t0 = time.perf_counter()
     say = _pilot_say(progress, t0)
     say("1/4: client from the initial checkpoint")
-    client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint).result()
+    client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint)
     setup_s = time.perf_counter() - t0
     say(f"2/4: sampling {pilot_groups} groups x {schedule.group_size} (max_tokens {schedule.max_tokens})")
     data = dataset.get(schedule.dataset)

@@ -45,12 +45,18 @@ def normalize_family(name: str | None) -> str | None:
     return ADAM_FAMILIES.get(name.lower(), name.lower())
 
 
-def server_optimizer_family(info: tinker.types.GetInfoResponse | None) -> str | None:
-    """Optimizer family from a GetInfoResponse, only if the server actually sent it.
+def server_optimizer_family(info: tinker.types.GetInfoResponse | Mapping[str, Any] | None) -> str | None:
+    """Optimizer family from a get_info answer, only if the server actually sent it.
 
-    The SDK model defaults `optimizer_config` to AdamW when the field is absent, so a default
-    value is not evidence: `model_fields_set` tells what came over the wire.
+    tinker 0.25's GetInfoResponse has no `optimizer_config` field (it drops the key), so only a
+    raw get_info (JSON as sent) can carry it; from an SDK response the family is taken only when
+    its type declares the field and the field came over the wire (`model_fields_set`), never from
+    a default.
     """
+    if isinstance(info, Mapping):
+        cfg = info.get("optimizer_config")
+        family = cfg.get("type") if isinstance(cfg, Mapping) else None
+        return str(family) if family else None
     fields_set = getattr(info, "model_fields_set", None)
     if fields_set is None or "optimizer_config" not in fields_set:
         return None
@@ -92,7 +98,7 @@ def optimizer_check(
     after_restore: int,
     requested_optimizer: str,
     requested_config: Mapping[str, float],
-    info: tinker.types.GetInfoResponse | None,
+    info: tinker.types.GetInfoResponse | Mapping[str, Any] | None,
     info_ref: str,
     echoed: Mapping[str, float] | None,
     echo_ref: str | None,

@@ -13,13 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+import tinker
+
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonValue
 from dppo_harness.loss.losses import CustomLossFn
 from dppo_harness.rollout.frozen_batch import split_complete_groups
 
 if TYPE_CHECKING:
-    import tinker
     import torch
 
 # The SDK's custom loss (forward_backward_custom): (datums, per-datum logprobs) -> (loss, metrics).
@@ -66,7 +67,9 @@ def minibatch_update(
 
     Pipelined (default): the SDK reserves the custom loss's forward and backward request ids at
     submission and a client executes requests in id order, so `optim_step` and `submit_behind()`
-    are submitted at once and queue behind the backward: one wait instead of three.
+    are submitted at once and queue behind the backward: one wait instead of three. (tinker 0.25's
+    `forward_backward_custom` returns only once the backward is submitted: they still queue behind it.)
+    The SDK is sent `sdk_datums(datums)`; the loss is called with `datums` themselves.
     `before_optim` then runs inside the loss call (it needs what the loss saw), before the
     backward is sent, so still before the optimizer step reaches the server.
     `sequential=True` is the old schedule (each call awaited before the next is submitted), kept
@@ -75,10 +78,13 @@ def minibatch_update(
     t0 = time.perf_counter()
     marks: dict[str, float] = {}
     inner = loss_fn
+    full = list(datums)
 
     def timed_loss_fn(data: list[tinker.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         marks["loss_start"] = time.perf_counter()
-        out = inner(data, logprobs)
+        if len(data) != len(full):
+            raise TrainStepError(f"forward_backward_custom called the loss with {len(data)} datums, sent {len(full)}")
+        out = inner(full, logprobs)  # the RL inputs the SDK was not sent (sdk_datums)
         marks["loss_end"] = time.perf_counter()
         if not sequential:
             if before_optim is not None:
@@ -87,7 +93,7 @@ def minibatch_update(
         return out
 
     if sequential:
-        fb_out = training_client.forward_backward_custom(list(datums), timed_loss_fn).result()
+        fb_out = training_client.forward_backward_custom(sdk_datums(full), timed_loss_fn).result()
         marks["fb_done"] = time.perf_counter()
         if before_optim is not None:
             before_optim()
@@ -96,7 +102,7 @@ def minibatch_update(
         marks["optim_done"] = time.perf_counter()
         behind = submit_behind() if submit_behind is not None else None
         return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind, _phases(t0, marks, sequential))
-    fb = training_client.forward_backward_custom(list(datums), timed_loss_fn)
+    fb = training_client.forward_backward_custom(sdk_datums(full), timed_loss_fn)
     opt = training_client.optim_step(adam)
     behind = submit_behind() if submit_behind is not None else None
     fb_out = fb.result()
@@ -104,6 +110,23 @@ def minibatch_update(
     opt_out = opt.result()
     marks["optim_done"] = time.perf_counter()
     return UpdateResult(fb_out, opt_out, time.perf_counter() - t0, behind, _phases(t0, marks, sequential))
+
+
+# The only loss_fn_inputs tinker 0.25's forward_backward_custom accepts per datum (it raises on any
+# other key; 0.38 dropped them): the RL inputs (logprobs, advantages, mask) reach the loss by closure.
+SDK_CUSTOM_LOSS_KEYS = ("target_tokens", "weights")
+
+
+def sdk_datums(datums: Sequence[tinker.Datum]) -> list[tinker.Datum]:
+    """The datums as `forward_backward_custom` is sent them: model input, target tokens (and
+    weights where a datum has them), nothing else."""
+    return [
+        tinker.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k in SDK_CUSTOM_LOSS_KEYS},
+        )
+        for d in datums
+    ]
 
 
 def _phases(t0: float, marks: Mapping[str, float], sequential: bool) -> dict[str, float]:

@@ -1,19 +1,24 @@
 """Reading trained weights back through the stock SDK, for the LR-scaling probe on the `tinker`
 backend (no local engine there to report the update's size).
 
-tinker 0.38.0 exposes no parameter read on the TrainingClient, but it can save weights in an
-external (HuggingFace) format (`TrainingClient.save_weights_external`) and hand out signed
-download URLs per file (`RestClient.get_external_weights_urls`). This measure saves before and
-after the update, downloads the `.safetensors` files and returns ||theta_after - theta_before||
-over every tensor. When any step is refused (a server without external weights, an unsigned or
-unreachable URL), it returns None and keeps the exact reason in `last_error`; the probe then
-records `available: false` with that reason.
+tinker 0.25.0 exposes no parameter read on the TrainingClient, but it can save the sampler weights
+(`TrainingClient.save_weights_for_sampler`) and hand out a signed download URL of a checkpoint's
+archive (`RestClient.get_checkpoint_archive_url_from_tinker_path`). This measure saves before and
+after the update, downloads both archives, reads their `.safetensors` members and returns
+||theta_after - theta_before|| over every tensor. When any step is refused (Spindle answers the
+archive request 405: its checkpoints are read with `modal volume get`, not through the API; an
+unsigned or unreachable URL), it returns None and keeps the exact reason in `last_error`; the probe
+then records `available: false` with that reason.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import io
 import math
+import tarfile
 from collections.abc import Callable
+from typing import Protocol
 
 import httpx
 import tinker
@@ -21,9 +26,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 DESCRIPTION = (
-    "tinker backend: ||theta_after - theta_before|| over all tensors of the external-format weights "
-    "(TrainingClient.save_weights_external before and after the update, files fetched from "
-    "RestClient.get_external_weights_urls, read with safetensors)"
+    "tinker backend: ||theta_after - theta_before|| over all tensors of the sampler weights "
+    "(TrainingClient.save_weights_for_sampler before and after the update, archives fetched from "
+    "RestClient.get_checkpoint_archive_url_from_tinker_path, their .safetensors members read with safetensors)"
 )
 
 
@@ -38,14 +43,22 @@ def update_norm_from_tensors(before: dict[str, torch.Tensor], after: dict[str, t
     return math.sqrt(total)
 
 
+class ArchiveUrls(Protocol):
+    """The part of the SDK's RestClient this measure uses."""
+
+    def get_checkpoint_archive_url_from_tinker_path(
+        self, tinker_path: str
+    ) -> concurrent.futures.Future[tinker.types.CheckpointArchiveUrlResponse]: ...
+
+
 class ExternalWeightsUpdateNorm:
-    """`restoration.update_norm.UpdateNormMeasure` through `save_weights_external` + signed URLs."""
+    """`restoration.update_norm.UpdateNormMeasure` through saved sampler weights and their archive URLs."""
 
     description = DESCRIPTION
 
     def __init__(
         self,
-        rest_client_factory: Callable[[], tinker.RestClient],
+        rest_client_factory: Callable[[], ArchiveUrls],
         *,
         fetch: Callable[[str], bytes] | None = None,
         timeout_s: float = 300.0,
@@ -57,17 +70,18 @@ class ExternalWeightsUpdateNorm:
         self._n = 0
 
     def read(self, client: tinker.TrainingClient, name: str) -> dict[str, torch.Tensor]:
-        saved = client.save_weights_external(name).result(timeout=self.timeout_s)
-        urls = self._rest().get_external_weights_urls(saved.path).result(timeout=self.timeout_s).urls
-        files = sorted(k for k in urls if k.endswith(".safetensors"))
-        if not files:
-            raise RuntimeError(
-                f"get_external_weights_urls({saved.path}) listed no .safetensors file: {sorted(urls)[:5]}"
-            )
+        saved = client.save_weights_for_sampler(name).result(timeout=self.timeout_s)
+        archive = self._rest().get_checkpoint_archive_url_from_tinker_path(saved.path).result(timeout=self.timeout_s)
         tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            for k, v in load_safetensors(self._fetch(urls[f])).items():
-                tensors[f"{f}:{k}"] = v
+        with tarfile.open(fileobj=io.BytesIO(self._fetch(archive.url)), mode="r:*") as tar:
+            for member in sorted(tar.getmembers(), key=lambda m: m.name):
+                if member.isfile() and member.name.endswith(".safetensors"):
+                    extracted = tar.extractfile(member)
+                    if extracted is not None:
+                        for k, v in load_safetensors(extracted.read()).items():
+                            tensors[f"{member.name}:{k}"] = v
+        if not tensors:
+            raise RuntimeError(f"the archive of {saved.path} holds no .safetensors file")
         return tensors
 
     def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None:

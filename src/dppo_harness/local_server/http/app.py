@@ -1,15 +1,17 @@
-"""aiohttp app speaking the Tinker SDK 0.38 wire protocol over a local `Engine`.
+"""aiohttp app speaking the Tinker SDK 0.25 wire protocol over a local `Engine`.
 
 Protocol (read from the SDK source, see docs/local-server.md "HTTP side"):
 - JSON requests are validated into the SDK's own pydantic request types (`tinker.types`) and
   answers are built from its response types, so the server cannot drift from the pinned SDK; a
   request that does not validate gets HTTP 400 naming the field.
 - Work endpoints answer at once with an `UntypedAPIFuture` (`{"request_id": ...}`); the SDK then
-  long-polls `POST /api/v1/retrieve_future`. Pending -> HTTP 408 `{"type": "try_again", ...}`
-  (the SDK re-polls at once); failure -> 200 `{"error": ..., "category": "user"|"server"}`
-  (the SDK raises `RequestFailedError`); success -> JSON, or protobuf for `ForwardBackwardOutput`
-  and `SampleResponse` (SDK 0.38 refuses JSON for those two; the SDK ships no encoder).
-- `forward_backward` requests arrive as protobuf (`forward_only` distinguishes `forward`).
+  long-polls `POST /api/v1/retrieve_future` (tinker/lib/api_future_impl.py). Pending -> HTTP 408
+  `{"type": "try_again", ...}` (the SDK re-polls at once); failure -> 200
+  `{"error": ..., "category": "user"|"server"}` (the SDK raises `RequestFailedError`); success ->
+  JSON, or protobuf for `ForwardBackwardOutput` and `SampleResponse` (SDK 0.25 refuses JSON for
+  those two, tinker/proto/response_conv.py PROTO_SUPPORTED_TYPES; the SDK ships no encoder).
+- `forward_backward` requests arrive as protobuf (`forward_only` distinguishes `forward`),
+  zstd-compressed (`Content-Encoding: zstd`) when client/config says `proto_compress_fwdbwd`.
 - Requests on one training model run strictly in `seq_id` order on that model's own worker
   thread; sampling runs on a shared thread pool so concurrent samples overlap.
 - Every response carries the embedded-server marker header; the `spindle` profile checks the
@@ -47,14 +49,12 @@ from dppo_harness.local_server.http.handlers_service import (
     client_config,
     client_dynamic_config,
     create_session,
-    finish_session,
     get_session,
     healthz,
     session_heartbeat,
     stats,
     telemetry,
 )
-from dppo_harness.local_server.http.handlers_session_futures import retrieve_futures
 from dppo_harness.local_server.http.handlers_training import (
     create_model,
     forward_backward,
@@ -63,6 +63,7 @@ from dppo_harness.local_server.http.handlers_training import (
     optim_step,
     save_weights,
     save_weights_for_sampler,
+    unload_model,
 )
 from dppo_harness.local_server.http.state import STATE_KEY, ServerState, state_of
 from dppo_harness.local_server.http.work import error_json
@@ -90,10 +91,10 @@ def build_app(state: ServerState) -> web.Application:
     r.add_post(f"{API}/create_session", create_session)
     r.add_post(f"{API}/session_heartbeat", session_heartbeat)
     r.add_post(f"{API}/telemetry", telemetry)
-    r.add_post(f"{API}/sessions/{{session_id}}/finish", finish_session)
     r.add_get(f"{API}/sessions/{{session_id}}", get_session)
     r.add_post(f"{API}/create_model", create_model)
     r.add_post(f"{API}/get_info", get_info)
+    r.add_post(f"{API}/unload_model", unload_model)
     r.add_post(f"{API}/forward_backward", forward_backward)
     r.add_post(f"{API}/optim_step", optim_step)
     r.add_post(f"{API}/save_weights", save_weights)
@@ -104,7 +105,6 @@ def build_app(state: ServerState) -> web.Application:
     r.add_post(f"{API}/asample", asample)
     r.add_post(f"{API}/retrieve_future", retrieve_future)
     r.add_post(f"{API}/cancel_future", cancel_future)
-    r.add_post(f"{API}/retrieve_futures", retrieve_futures)
     # REST reads (RestClient; the cookbook's checkpoint_utils)
     r.add_get(f"{API}/training_runs", list_training_runs)
     r.add_get(f"{API}/training_runs/{{model_id}}", get_training_run)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import pydantic
+import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from dppo_harness.local_server.engine.engine import SampledSeq
 
 API = "/api/v1"
+# A zstd fwd/bwd body inflates to at most this (the server takes raw bodies up to 512 MiB).
+MAX_INFLATED_BODY = 1024 * 1024 * 1024
 
 RequestT = TypeVar("RequestT", bound=pydantic.BaseModel)
 
@@ -92,11 +95,33 @@ class FwdBwdRequest:
     forward_only: bool
 
 
+def inflate_zstd(body: bytes) -> bytes:
+    """A zstd-compressed request body, decompressed (at most MAX_INFLATED_BODY bytes)."""
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as reader:
+            while chunk := reader.read(1 << 20):
+                out += chunk
+                if len(out) > MAX_INFLATED_BODY:
+                    raise ProtocolError(f"zstd body inflates beyond {MAX_INFLATED_BODY} bytes")
+    except zstandard.ZstdError as exc:
+        raise ProtocolError(f"Content-Encoding zstd: body is not a zstd stream: {exc}") from exc
+    return bytes(out)
+
+
 def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> FwdBwdRequest:
-    """The protobuf `ForwardBackwardRequest` as plain Python: model_id, seq_id, data, loss_fn, ..."""
-    if content_encoding and content_encoding.lower() != "identity":
-        # client/config answers proto_compress_fwdbwd=false, so the stock SDK never compresses.
-        raise ProtocolError(f"Content-Encoding {content_encoding!r} is not supported; send uncompressed protobuf")
+    """The protobuf `ForwardBackwardRequest` as plain Python: model_id, seq_id, data, loss_fn, ...
+
+    SDK 0.25 zstd-compresses the body and sends `Content-Encoding: zstd` when client/config says
+    `proto_compress_fwdbwd` (tinker/resources/training.py); anything else arrives uncompressed.
+    """
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding == "zstd":
+        body = inflate_zstd(body)
+    elif encoding != "identity":
+        raise ProtocolError(
+            f"Content-Encoding {content_encoding!r} is not supported; send zstd or uncompressed protobuf"
+        )
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -112,9 +137,8 @@ def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> FwdBwdRe
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
         inputs = {name: decode_tensor(t) for name, t in datum.loss_fn_inputs.items()}
         data.append((tokens, inputs))
+    # SDK 0.25's protobuf carries float-only loss_fn_config (tinker/proto/request_conv.py).
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
-    for k, v in msg.loss_fn_config_v2.items():
-        config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
     return FwdBwdRequest(
         model_id=msg.model_id,
         seq_id=msg.seq_id,

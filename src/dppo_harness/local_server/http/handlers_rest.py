@@ -81,7 +81,6 @@ async def weights_info(request: web.Request) -> web.Response:
         dump(
             types.WeightsInfoResponse(
                 base_model=saved.base_model,
-                optimizer_config=types.AdamOptimizerConfig(),
                 is_lora=True,
                 lora_rank=saved.lora_rank,
                 train_mlp=saved.lora_switches[0],

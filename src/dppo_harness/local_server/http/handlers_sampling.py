@@ -12,7 +12,6 @@ from tinker import types
 from dppo_harness import constants
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.http.codecs import dump, encode_sample_response, parse_stop, prompt_tokens_of
-from dppo_harness.local_server.http.handlers_session_futures import report_completion
 from dppo_harness.local_server.http.state import Outcome, new_sampler, session_of, state_of
 from dppo_harness.local_server.http.work import check_served, error_json, future_json, parse_body, run_engine, spawn
 
@@ -49,26 +48,11 @@ async def get_sampler(request: web.Request) -> web.Response:
     )
 
 
-def _unsupported_sample_fields(req: types.SampleRequest) -> list[str]:
-    return [
-        name
-        for name in (
-            "topk_prompt_logprobs",
-            "topk_sample_logprobs",
-            "prompt_alt_tokens_k",
-            "target_prompt_logprobs",
-            "record_stability_info",
-        )
-        if getattr(req, name)
-    ]
-
-
 async def asample(request: web.Request) -> web.Response:
     state = state_of(request)
     req = await parse_body(request, types.SampleRequest)
-    unsupported = _unsupported_sample_fields(req)
-    if unsupported:
-        raise UserError(f"asample: {', '.join(unsupported)} not supported by the local server")
+    if req.topk_prompt_logprobs:  # SDK 0.25's one optional sample output this server does not compute
+        raise UserError("asample: topk_prompt_logprobs not supported by the local server")
     if req.sampling_session_id is not None:
         if req.sampling_session_id not in state.samplers:
             raise UserError(f"asample: unknown sampling_session_id {req.sampling_session_id!r}")
@@ -92,12 +76,8 @@ async def asample(request: web.Request) -> web.Response:
         raise UserError(f"asample: sampling_params.max_tokens must be a positive integer, got {params.max_tokens!r}")
     stop_ids, stop_strings = parse_stop(params.stop, state.default_stop_ids())
     want_prompt_lp = bool(req.prompt_logprobs)
-    last_n = req.prompt_logprobs_last_n
-    if last_n is not None and not (want_prompt_lp and 1 <= last_n <= len(prompt) - 1):
-        raise UserError(f"asample: prompt_logprobs_last_n must be in [1, {len(prompt) - 1}] with prompt_logprobs")
     num_samples = req.num_samples
     request_id, fut = state.new_future()
-    sequence_ids = [f"{request_id}:{i}" for i in range(num_samples)]
 
     def fn() -> Outcome:
         seqs = state.engine.sample(
@@ -118,21 +98,14 @@ async def asample(request: web.Request) -> web.Response:
         prompt_lp = None
         if want_prompt_lp:
             prompt_lp = _prompt_logprobs_of(seqs, len(prompt))
-            if last_n is not None:
-                cut = len(prompt) - last_n
-                unscored: list[float | None] = [None] * cut
-                prompt_lp = unscored + prompt_lp[cut:]
         omit = state.faults.omitted_fields("asample")
         return Outcome("proto", encode_sample_response(seqs, prompt_lp, omit_logprobs="logprobs" in omit))
 
     async def work() -> Outcome:
         return await run_engine(state, state.sample_pool, "asample", fn)
 
-    if req.sampling_session_id is not None and state.faults.config.sample_use_retrieve_futures:
-        session_id = req.sampling_session_id
-        fut.add_done_callback(lambda f: report_completion(state.session_completions, session_id, request_id, f))
     spawn(state, fut, "asample", work)
-    return future_json(request_id, sample_sequence_ids=sequence_ids)
+    return future_json(request_id)
 
 
 def _prompt_logprobs_of(seqs: Sequence[SampledSeq], prompt_len: int) -> list[float | None]:

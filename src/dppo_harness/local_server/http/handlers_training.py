@@ -1,11 +1,10 @@
 """Training handlers: create_model, get_info, forward(_backward), optim_step, save and load
-weights; work on one model runs in its `seq_id` order."""
+weights, unload_model; work on one model runs in its `seq_id` order."""
 
 from __future__ import annotations
 
 from aiohttp import web
 from tinker import types
-from tinker.types._pydantic_types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
 
 from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
@@ -23,7 +22,6 @@ from dppo_harness.local_server.http.state import (
     str_metadata,
 )
 from dppo_harness.local_server.http.work import (
-    check_optimizer,
     check_served,
     future_json,
     model_entry,
@@ -54,7 +52,6 @@ async def create_model(request: web.Request) -> web.Response:
         if state.faults.take_capacity_failure():
             state.model_requests.pop(key, None)  # a retry is a new creation attempt
             return Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {req.base_model}", "server")
-        check_optimizer(req.optimizer_config)
         check_served(state, req.base_model)
         engine_id = await run_engine(
             state,
@@ -102,7 +99,6 @@ async def get_info(request: web.Request) -> web.Response:
         type="get_info",
         model_data=types.ModelData(),
         model_id=entry.model_id,
-        optimizer_config=types.AdamOptimizerConfig(),
         is_lora=bool(info.get("is_lora", True)),
         lora_rank=info.get("lora_rank"),
         model_name=entry.base_model,
@@ -142,9 +138,7 @@ async def optim_step(request: web.Request) -> web.Response:
     state = state_of(request)
     req = await parse_body(request, types.OptimStepRequest)
     entry = model_entry(state, req.model_id)
-    if not isinstance(req.optim_params, types.AdamParams):
-        raise UserError(f"optimizer {req.optim_params.type!r} is not supported; only AdamW (adam_params)")
-    adam = req.optim_params.model_dump()  # every field, SDK defaults filled in
+    adam = req.adam_params.model_dump()  # every field, SDK defaults filled in (SDK 0.25: AdamW only)
 
     def fn() -> Outcome:
         metrics = state.engine.optim_step(entry.engine_id, adam)
@@ -161,7 +155,7 @@ async def save_weights(request: web.Request) -> web.Response:
 
     def fn() -> Outcome:
         path = state.engine.save_state(entry.engine_id, name, overwrite=req.overwrite)
-        state.record_checkpoint(entry, path, req.user_metadata)
+        state.record_checkpoint(entry, path)
         return Outcome("json", dump(types.SaveWeightsResponse(path=path, type="save_weights")))
 
     return submit_ordered(state, entry, req.seq_id, "save_weights", fn)
@@ -173,20 +167,18 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     entry = model_entry(state, req.model_id)
     if req.path is None and req.sampling_session_seq_id is None:
         raise ProtocolError("save_weights_for_sampler needs 'path' or 'sampling_session_seq_id'")
-    if req.kind != "snapshot":
-        raise UserError(f"sampler weights kind {req.kind!r} is not supported by the local server; only 'snapshot'")
     session_seq_id = req.sampling_session_seq_id  # not None when path is (checked above)
 
     def fn() -> Outcome:
         path = state.engine.save_for_sampler(entry.engine_id, req.path)
-        state.record_checkpoint(entry, path, req.user_metadata)
+        state.record_checkpoint(entry, path)
         sampler_id = None
         if req.path is None and session_seq_id is not None:
             sampler_id = new_sampler(state, entry.session_id, int(session_seq_id), entry.base_model, path)
         return Outcome(
             "json",
             dump(
-                SaveWeightsForSamplerResponseInternal(
+                types.SaveWeightsForSamplerResponseInternal(
                     path=path, sampling_session_id=sampler_id, type="save_weights_for_sampler"
                 )
             ),
@@ -223,7 +215,6 @@ async def load_weights(request: web.Request) -> web.Response:
     state.model_requests[key] = request_id
 
     async def work() -> Outcome:
-        check_optimizer(req.optimizer_config)
         engine_id = await run_engine(
             state,
             state.misc_pool,
@@ -251,3 +242,24 @@ async def load_weights(request: web.Request) -> web.Response:
 
     spawn(state, fut, "load_weights", work)
     return future_json(request_id, model_id)
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    """`POST unload_model {"model_id"}` (SDK 0.25: tinker/resources/models.py `unload`): a future
+    resolving to `UnloadModelResponse` (tinker/types/unload_model_response.py) once the model's
+    earlier requests are done; the model is freed and its id answers as unknown from then on."""
+    state = state_of(request)
+    req = await parse_body(request, types.UnloadModelRequest)
+    entry = model_entry(state, req.model_id)
+    request_id, fut = state.new_future()
+
+    async def work() -> Outcome:
+        async with entry.cond:  # after every request already accepted for the model
+            await entry.cond.wait_for(lambda: entry.pending == 0)
+        await run_engine(state, entry.executor, "unload_model", lambda: state.engine.unload_model(entry.engine_id))
+        state.models.pop(entry.model_id, None)
+        entry.executor.shutdown(wait=False)
+        return Outcome("json", dump(types.UnloadModelResponse(model_id=entry.model_id, type="unload_model")))
+
+    spawn(state, fut, "unload_model", work)
+    return future_json(request_id, entry.model_id)

@@ -29,7 +29,6 @@ from dppo_harness.local_server.profiles import Profile
 
 if TYPE_CHECKING:
     from dppo_harness.local_server.engine.engine import Engine
-    from dppo_harness.local_server.http.handlers_session_futures import SessionCompletions
 
 MAX_KEPT_RESULTS = 20000
 MODEL_OWNER = "local"  # TrainingRun.model_owner: the embedded server has no accounts
@@ -60,6 +59,7 @@ class ModelEntry:
     lora_switches: tuple[bool, bool, bool] = (True, True, True)
     next_seq: int = 1
     requests_by_seq: dict[int, str] = field(default_factory=dict)
+    pending: int = 0  # accepted ordered requests not finished yet (unload_model waits for them)
     last_request_time: datetime = field(default_factory=utc_now)
 
 
@@ -69,11 +69,9 @@ class SessionEntry:
 
     created: float
     last_heartbeat: float
-    finished: str | None  # the first finish reason
     sdk_version: str
     tags: list[str]
     user_metadata: dict[str, str] | None
-    display_name: str | None
 
 
 @dataclass
@@ -132,7 +130,6 @@ class ServerState:
         self.telemetry_bodies: list[bytes] = []
         self.tasks: set[asyncio.Task] = set()
         self.holds: dict[asyncio.Future[Outcome], Hold] = {}  # queued requests a fault holds
-        self.session_completions: dict[str, SessionCompletions] = {}  # sampling session -> its finished samples
         self.cancelled_requests = 0  # cancel_future calls received
 
     # -- futures
@@ -166,14 +163,13 @@ class ServerState:
     def marker(self) -> JsonObject:
         return {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile.name}
 
-    def record_checkpoint(self, entry: ModelEntry, path: str, user_metadata: dict[str, str] | None) -> None:
+    def record_checkpoint(self, entry: ModelEntry, path: str) -> None:
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
         checkpoint = types.Checkpoint(
             checkpoint_id=parsed.checkpoint_id,
             checkpoint_type=parsed.checkpoint_type,
             time=utc_now(),
             tinker_path=path,
-            user_metadata=user_metadata,
         )
         self.checkpoints.pop(path, None)  # an overwrite moves to the end
         self.checkpoints[path] = CheckpointRecord(
@@ -208,7 +204,6 @@ class ServerState:
             "faults": self.faults.snapshot(),
             "headers": self.headers.snapshot(),
             "sessions": len(self.sessions),
-            "sessions_finished": sum(1 for s in self.sessions.values() if s.finished is not None),
             "cancelled_requests": self.cancelled_requests,
             "models": {m: e.engine_id for m, e in self.models.items()},
             "samplers": len(self.samplers),

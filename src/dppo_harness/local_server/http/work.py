@@ -34,12 +34,8 @@ def error_json(message: str, status: int, category: str = "user") -> web.Respons
     )
 
 
-def future_json(
-    request_id: str, model_id: str | None = None, sample_sequence_ids: list[str] | None = None
-) -> web.Response:
-    return web.json_response(
-        dump(types.UntypedAPIFuture(request_id=request_id, model_id=model_id, sample_sequence_ids=sample_sequence_ids))
-    )
+def future_json(request_id: str, model_id: str | None = None) -> web.Response:
+    return web.json_response(dump(types.UntypedAPIFuture(request_id=request_id, model_id=model_id)))
 
 
 async def parse_body(request: web.Request, model: type[RequestT]) -> RequestT:
@@ -152,8 +148,14 @@ def submit_ordered(
         return fn()
 
     async def work() -> Outcome:
-        return await _in_seq_order(state, entry, seq_id, label, checked, detail)
+        try:
+            return await _in_seq_order(state, entry, seq_id, label, checked, detail)
+        finally:
+            async with entry.cond:
+                entry.pending -= 1
+                entry.cond.notify_all()
 
+    entry.pending += 1
     spawn(state, fut, label, work)
     return future_json(request_id, entry.model_id)
 
@@ -188,12 +190,6 @@ def new_entry(
     )
     state.models[model_id] = entry
     return entry
-
-
-def check_optimizer(config: types.OptimizerConfig | None) -> None:
-    kind = getattr(config, "type", "adamw") if config is not None else "adamw"
-    if kind != "adamw":
-        raise UserError(f"optimizer {kind!r} is not supported; only 'adamw'")
 
 
 def check_served(state: ServerState, base_model: str) -> None:

@@ -8,11 +8,12 @@ each client a method returns is waited too. Everything else is the wrapped clien
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from dppo_harness.service.wait.watch import QueueSource, QueueWatch
+from dppo_harness.service.wait.watch import QueueSource
 
 C = TypeVar("C")
 U = TypeVar("U")  # what the SDK's future resolves to
@@ -57,14 +58,17 @@ class WaitedFuture(Generic[U, V]):
         return self.result_async().__await__()
 
     def future(self) -> Any:
+        """The concurrent future behind the SDK's (a sample's is one already)."""
+        if isinstance(self._inner, concurrent.futures.Future):
+            return self._inner
         return self._inner.future()  # type: ignore[attr-defined]  # an SDK APIFuture's own future
 
     def abandon(self) -> bool:
-        """Cancel the SDK's wait for this result (a stop ended the run): its polls stop, and for a
-        sample the SDK sends the service's cancel_future. True if it was still pending."""
-        inner = getattr(self._inner, "future", None)
+        """Cancel the SDK's wait for this result (a stop ended the run): its polls stop. The
+        service is not told (tinker 0.25 has no cancel; Spindle no cancel_future route), so work it
+        began runs on there. True if it was still pending."""
         try:
-            pending = inner() if callable(inner) else None
+            pending = self.future()
             return bool(pending is not None and not pending.done() and pending.cancel())
         except Exception:  # cancelling is best effort: the stop is what matters
             return False
@@ -73,11 +77,40 @@ class WaitedFuture(Generic[U, V]):
         return f"WaitedFuture({self._call} on {self._client})"
 
 
+# The SDK's public methods that block their caller on the service (no future handed back): each
+# runs on its own thread, waited under the policy like a future (tinker 0.25, public_interfaces/).
+BLOCKING_METHODS = frozenset(
+    {
+        "get_info",
+        "save_weights_and_get_sampling_client",
+        "create_sampling_client",
+        "get_tokenizer",
+        # blocks until its first (forward) pass is answered, then hands out the second's future
+        "forward_backward_custom",
+    }
+)
+
+
+def run_beside(fn: Callable[[], U], what: str) -> concurrent.futures.Future[U]:
+    """fn() on a daemon thread, as a future a wait can bound. A stopped wait leaves the thread to
+    the SDK (its public API has no way to cancel a blocking call); it holds no harness lock."""
+    box: concurrent.futures.Future[U] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            box.set_result(fn())
+        except BaseException as exc:  # the waiting caller gets it
+            box.set_exception(exc)
+
+    threading.Thread(target=run, name=f"sdk call: {what}", daemon=True).start()
+    return box
+
+
 class WaitedClient:
     """A training, sampling or REST client whose every returned future is a WaitedFuture (and
     whose every returned client is waited too). Everything else is the wrapped client's."""
 
-    def __init__(self, inner: object, waiter: ServiceWaiter, label: str, watch: QueueWatch | None):
+    def __init__(self, inner: object, waiter: ServiceWaiter, label: str, watch: QueueSource | None):
         object.__setattr__(self, "_w_inner", inner)
         object.__setattr__(self, "_w_waiter", waiter)
         object.__setattr__(self, "label", label)
@@ -88,7 +121,7 @@ class WaitedClient:
         return self._w_inner
 
     @property
-    def queue_watch(self) -> QueueWatch | None:
+    def queue_watch(self) -> QueueSource | None:
         return self._w_watch
 
     def __getattr__(self, name: str) -> Any:
@@ -97,7 +130,12 @@ class WaitedClient:
             return attr
 
         def call(*args: object, **kwargs: object) -> object:
-            return self._w_waiter.wrap(attr(*args, **kwargs), call=name, parent=self)
+            if name in BLOCKING_METHODS:
+                made = run_beside(lambda: attr(*args, **kwargs), f"{name} on {self.label}")
+                value = self._w_waiter.wait(made, call=name, client=self.label, watch=self._w_watch)
+            else:
+                value = attr(*args, **kwargs)
+            return self._w_waiter.wrap(value, call=name, parent=self)
 
         call.__name__ = name
         call.__doc__ = getattr(attr, "__doc__", None)

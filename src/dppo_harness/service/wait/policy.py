@@ -224,23 +224,6 @@ class CapacityExhausted(ServiceStopped):
         return self.block.result_fields()
 
 
-class PaymentRequired(ServiceStopped):
-    """The service answered the call's polls with HTTP 402 (payment or credits) for the whole
-    capacity window; the SDK alone would sleep and re-poll for up to an hour."""
-
-    kind = "payment_required"
-
-    def __init__(self, call: str, client: str, waited_s: float, text: str | None, option: str, window: float):
-        super().__init__(
-            f"{call} on {client}: the service refused it with HTTP 402 (payment or credits) for "
-            f"{int(waited_s)} s: {text or 'no text sent'}; giving up after {option}={window:g}"
-        )
-        self.call, self.client, self.waited_s, self.text = call, client, waited_s, text
-
-    def details(self) -> JsonObject:
-        return {"http_status": 402, "error": self.text}
-
-
 class WallBudgetSpent(ServiceStopped):
     """A call was still waiting when the plan's wall budget ran out (the comparison sets the budget
     its waits may use); the patience windows alone could outlast it."""
@@ -301,27 +284,6 @@ class ServiceHang(ServiceStopped):
         return {"http_status": self.last_answer[0], "error": self.last_answer[1]}
 
 
-class NoQueueState(ServiceStopped):
-    """A sample waited on the SDK's session poller (the service's `sample_use_retrieve_futures`)
-    had no result for the whole service timeout. That path sends no queue state, so a capacity
-    pause cannot be told from a hang: the stop says what the service did answer."""
-
-    kind = "no_queue_state"
-
-    def __init__(self, call: str, client: str, waited_s: float, polls: int):
-        super().__init__(
-            f"{call} on {client}: no result for {int(waited_s)} s; the service answered {polls} "
-            f"session poll{'' if polls == 1 else 's'} (retrieve_futures) without it and sends no queue state on that path, so "
-            "capacity cannot be told from a hang (--service-timeout-s; a service config without "
-            "sample_use_retrieve_futures reports the queue)"
-        )
-        self.call, self.client, self.waited_s, self.polls = call, client, waited_s, polls
-
-    def details(self) -> JsonObject:
-        return {"session_polls_answered": self.polls}
-
-
-@dataclass
 class CapacityTracker:
     """Completed comparison steps (the capacity window switches from 10 to 30 minutes after the
     first) and the refusals retried on the way."""

@@ -1,28 +1,28 @@
 """One wait policy for every service call: bounded waits, queue pauses seen, capacity give-up, hang stop.
 
 The stock SDK retries underneath the harness (docs/service.md): a 429 at sample submit loops without
-limit, `retrieve_future` re-polls 408 and 5xx without limit, and a capacity shortage arrives as 408
-`try_again` polls whose `queue_state` only a `QueueStateObserver` sees. What reaches the caller is a
-future that does not resolve. So every client the harness's ServiceClient hands out is a
+limit, `retrieve_future` re-polls 408, 5xx and 429 without limit, and a capacity shortage arrives as
+408 `try_again` polls whose queue state only the SDK's own observers see. What reaches the caller
+is a future that does not resolve. So every client the harness's ServiceClient hands out is a
 `WaitedClient`: each future it returns is a `WaitedFuture`, whose `result()` is
-`ServiceWaiter.wait`:
+`ServiceWaiter.wait`, polling the SDK future's public `result(timeout=...)`:
 
-- the client's queue state is watched (`QueueWatch`, installed as the SDK's observer of that client;
-  the SDK's own logger still gets every report), and every pause is recorded with its elapsed time
-  and the service's own words (`queue_state`, `queue_state_reason`) exactly as sent;
-- a pause (`paused_capacity`, `paused_rate_limit`, or a sample submit the SDK keeps retrying) that
-  lasts `--capacity-patience-s` (no comparison step completed) or `--capacity-patience-after-steps-s`
-  (one did) ends the stage with `CapacityExhausted` and a `capacity_block`;
-- a request whose queue is active (or says nothing) but gives no answer for `--service-timeout-s`
-  ends the stage with `ServiceHang` ("forward_backward on dppo_seed0: no answer for 900 s");
+- the call's pauses are read from what the SDK shows (`watch`: its pause warnings, and a refused
+  sample submit it is holding back), each recorded with its elapsed time and the words the SDK
+  logged for it;
+- a pause that lasts `--capacity-patience-s` (no comparison step completed) or
+  `--capacity-patience-after-steps-s` (one did) ends the stage with `CapacityExhausted` and a
+  `capacity_block`;
+- a request with no pause seen that gives no answer for `--service-timeout-s` ends the stage with
+  `ServiceHang` ("forward_backward on dppo_seed0: no answer for 900 s");
 - a long wait is posted (`on_post`: result.json and a snapshot) with what is waited on, since when,
-  the queue state and the reason.
+  the pause seen and its reason.
 
 Both stops derive from `ServiceStopped`, a BaseException like KeyboardInterrupt: a stage's own
 `except Exception` bookkeeping must not turn a stopped service into a finished stage.
 
-The policy and the stops are in `policy`, the queue-state watches in `watch`, the waited clients
-and futures in `clients`, result.json's block and the stopped run's result in `evidence`.
+The policy and the stops are in `policy`, the queue watches in `watch`, the waited clients and
+futures in `clients`, result.json's block and the stopped run's result in `evidence`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
-from tinker import RestClient, SamplingClient, TrainingClient
-from tinker.lib.public_interfaces.api_future import APIFuture
+from tinker import APIFuture, SamplingClient, TrainingClient
+from tinker.lib.public_interfaces.rest_client import RestClient
 
 from dppo_harness.json_types import JsonObject
 from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
@@ -47,23 +47,12 @@ from dppo_harness.service.wait.policy import (
     CapacityBlock,
     CapacityExhausted,
     CapacityTracker,
-    NoQueueState,
-    PaymentRequired,
     ServiceHang,
     ServiceStopped,
     WaitPolicy,
     WallBudgetSpent,
 )
-from dppo_harness.service.wait.watch import (
-    PAYMENT_REQUIRED,
-    POLL_REFUSED,
-    SESSION_POLLED,
-    TRANSPORT_ERROR,
-    QueueReport,
-    QueueSource,
-    QueueWatch,
-    watch_sampling_client,
-)
+from dppo_harness.service.wait.watch import PAUSED, QueueReport, QueueSource, sampling_watch, training_watch
 
 logger = logging.getLogger(__name__)
 V = TypeVar("V")
@@ -171,6 +160,8 @@ class _CallClock:
 
 def _done(future: object) -> bool:
     """Whether the call behind `future` ended (so a TimeoutError it raised is the call's own)."""
+    if isinstance(future, concurrent.futures.Future):
+        return future.done()
     inner = getattr(future, "future", None)  # an SDK APIFuture: its own done() is deprecated
     if callable(inner):
         with contextlib.suppress(Exception):
@@ -258,24 +249,17 @@ class ServiceWaiter:
                 client.label = label
             return client
         if isinstance(client, TrainingClient):
-            current = getattr(client, "_queue_state_logger", None)
-            watch = (
-                current
-                if isinstance(current, QueueWatch)
-                else QueueWatch(current.on_queue_state_change if current is not None else None)
-            )
-            # the SDK passes it to every future of this client, as the futures' QueueStateObserver
-            client._queue_state_logger = watch  # type: ignore[assignment]  # an observer, as the SDK uses it
-            return WaitedClient(client, self, label or f"training client {client.model_id}", watch)
+            model_id = str(client.model_id)
+            return WaitedClient(client, self, label or f"training client {model_id}", training_watch(model_id))
         if isinstance(client, SamplingClient):
-            return WaitedClient(client, self, label or "sampling client", watch_sampling_client(client))
+            return WaitedClient(client, self, label or "sampling client", sampling_watch(client))
         if isinstance(client, RestClient):
             return WaitedClient(client, self, label or "rest client", None)
         return None
 
     def wrap(self, value: object, *, call: str, parent: WaitedClient) -> object:
         """What a waited client's method returned, with its futures and clients waited."""
-        if isinstance(value, APIFuture):
+        if isinstance(value, APIFuture | concurrent.futures.Future):
             sub_label = f"sampler of {parent.label}" if call.endswith("sampling_client") else None
             return WaitedFuture(
                 value,
@@ -312,7 +296,6 @@ class ServiceWaiter:
             self.waits += 1
             wait_id = self.waits
         rep: QueueReport | None = None
-        polls_before = getattr(watch, "session_polls", 0)
         outcome = "failed"
         try:
             while True:
@@ -343,13 +326,8 @@ class ServiceWaiter:
                             pause.outcome = "gave_up"
                     last_pause = rep if rep is not None and rep.paused else self._last_pause(watch, t0)
                     self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
-                if clock.quiet_s >= p.service_timeout_s and rep is not None and rep.state == SESSION_POLLED:
-                    self._stop(
-                        NoQueueState(call, client, clock.quiet_s, getattr(watch, "session_polls", 0) - polls_before)
-                    )
                 if clock.quiet_s >= p.service_timeout_s:
-                    said = (rep.http_status, rep.reason) if rep is not None and rep.state == TRANSPORT_ERROR else None
-                    self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None, said))
+                    self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None, None))
                 if now >= next_post:
                     next_post = now + p.post_every_s
                     self._post(self._status(wait_id, call, client, since, clock, rep, "waiting"))
@@ -376,7 +354,7 @@ class ServiceWaiter:
         """The latest pause reported during a wait (for a give-up reached while the state alternates)."""
         episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
         if not episodes:
-            return QueueReport("paused_capacity", None, t0, t0)
+            return QueueReport(PAUSED, None, t0, t0)
         ep = max(episodes, key=lambda e: e.seen)
         return QueueReport(ep.state, ep.reason, ep.began, ep.seen, ep.http_status)
 
@@ -420,7 +398,8 @@ class ServiceWaiter:
                 ep.http_status,
                 ep.reason_changes,
             )
-            pause.seconds = (ep.ended if ep.ended is not None else now) - ep.began
+            # what the signs show: from the first to the latest (never more, so a posted number only grows)
+            pause.seconds = (ep.ended if ep.ended is not None else ep.seen) - ep.began
             if ep.ended is not None and pause.outcome == "waiting":
                 pause.outcome = "resumed"
                 self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
@@ -430,11 +409,7 @@ class ServiceWaiter:
     ) -> ServiceStopped:
         steps = int(self.tracker())
         option = "--capacity-patience-after-steps-s" if steps > 0 else "--capacity-patience-s"
-        if rep.state == PAYMENT_REQUIRED:
-            return PaymentRequired(call, client, paused_s, rep.reason, option, window)
         error = rep.reason if rep.reason is not None else f"queue_state {rep.state} (the service sent no reason)"
-        if rep.state == POLL_REFUSED:
-            error = f"HTTP 429 on polls: {error}"
         block = CapacityBlock(error, steps, False)
         line = (
             f"{call} on {client}: paused by the service for {int(paused_s)} s ({rep.state}: {error}); "

@@ -159,7 +159,7 @@ def evaluate_base(
 ) -> evaluation.EvalResult:
     """The served model the arms were created on (the connectivity preflight's choice), scored as
     the "base" arm."""
-    client = service_client.create_sampling_client(base_model=base_model).result()
+    client = service_client.create_sampling_client(base_model=base_model)
     progress(f"[comparison] evaluating the base model on {len(evaluator.items)} test items (greedy)")
     return evaluation.evaluate(
         client,
@@ -184,7 +184,7 @@ def evaluate_arm(
     path = state.arms[arm].final_sampler
     if path is None:
         raise ComparisonError(f"{arm}: no final sampler checkpoint to evaluate")
-    sampler = service_client.create_sampling_client(model_path=path).result()
+    sampler = service_client.create_sampling_client(model_path=path)
     progress(f"[comparison] evaluating {arm} (final checkpoint) on {len(evaluator.items)} test items")
     return evaluation.evaluate(
         sampler,

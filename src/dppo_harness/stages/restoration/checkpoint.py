@@ -113,7 +113,7 @@ def fresh_checkpoint(
 ) -> InitialCheckpoint:
     """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
     # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
-    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed).result())
+    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed))
     name_client(client, f"setup client ({label}, seed {seed})")
     describe_client(
         probe_sc,

@@ -110,7 +110,7 @@ def _restored_client(
     if restore_optimizer:
         restored, resp = call(lambda: create_from_state_observed(service_client, mid_path))
     else:  # failure-path tests only: a restore that drops the Adam moments must be caught
-        restored = call(lambda: service_client.create_training_client_from_state(mid_path).result())
+        restored = call(lambda: service_client.create_training_client_from_state(mid_path))
         resp = tinker.types.LoadWeightsResponse(path=mid_path)
     describe_client(service_client, restored, "restore probe: created from the uninterrupted probe's mid save")
     return restored, resp
