@@ -3,7 +3,9 @@ training client it creates is listed (stage, role) and reported to an observer b
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -119,6 +121,10 @@ class ObservedServiceClient(tinker.ServiceClient):
         self._stage_of = stage_of
         self.created: list[CreatedClient] = []
         self.waiter = waiter or ServiceWaiter()
+        # Set on the thread an SDK creation runs on: the SDK's own calls back into this client's
+        # creation methods (0.25's create-from-state: create_rest_client, create_lora_training_client)
+        # are its steps, made and waited as the one call the harness waits on, not clients of their own.
+        self._sdk_call = threading.local()
 
     def release(self, timeout_s: float) -> list[UnloadOutcome]:
         """Unload every training model this session created and has not unloaded (each within
@@ -157,9 +163,23 @@ class ObservedServiceClient(tinker.ServiceClient):
         self.observe(client, label)
         return self.waiter.adopt(client, name)
 
+    def _inside_sdk_call(self) -> bool:
+        return bool(getattr(self._sdk_call, "active", False))
+
+    def _beside(self, make: Callable[[], T], what: str) -> concurrent.futures.Future[T]:
+        """The SDK's call on its own thread, marked as inside an SDK call."""
+
+        def marked() -> T:
+            self._sdk_call.active = True
+            return make()
+
+        return run_beside(marked, what)
+
     def _creation(self, make: Callable[[], tinker.TrainingClient], call: str, what: str) -> tinker.TrainingClient:
+        if self._inside_sdk_call():
+            return make()
         watch = creation_watch()
-        made = run_beside(make, f"{call}: {what}")
+        made = self._beside(make, f"{call}: {what}")
         return WaitedFuture(made, self.waiter, call, what, watch, then=lambda c: self.adopt(c, call)).result()
 
     # The creation methods take the SDK's own parameters and, like the SDK's, return the client once
@@ -219,7 +239,11 @@ class ObservedServiceClient(tinker.ServiceClient):
         retry_config: RetryConfig | None = None,
     ) -> tinker.SamplingClient:
         what = f"sampler of {model_path or base_model}"
-        made = run_beside(
+        if self._inside_sdk_call():
+            return super().create_sampling_client(
+                model_path=model_path, base_model=base_model, retry_config=retry_config
+            )
+        made = self._beside(
             lambda: super(ObservedServiceClient, self).create_sampling_client(
                 model_path=model_path, base_model=base_model, retry_config=retry_config
             ),
@@ -231,7 +255,9 @@ class ObservedServiceClient(tinker.ServiceClient):
 
     def create_rest_client(self) -> RestClient:
         """The SDK's REST client (its session-less setup waited under the policy), waited too."""
-        made = run_beside(super().create_rest_client, "create_rest_client")
+        if self._inside_sdk_call():
+            return super().create_rest_client()
+        made = self._beside(super().create_rest_client, "create_rest_client")
         client = self.waiter.wait(made, call="create_rest_client (session-less setup)", client="the REST client")
         return self.waiter.adopt(client, "rest client")
 

@@ -259,8 +259,8 @@ class ServiceWaiter:
 
     def wrap(self, value: object, *, call: str, parent: WaitedClient) -> object:
         """What a waited client's method returned, with its futures and clients waited."""
+        sub_label = f"sampler of {parent.label}" if call.endswith("sampling_client") else None
         if isinstance(value, APIFuture | concurrent.futures.Future):
-            sub_label = f"sampler of {parent.label}" if call.endswith("sampling_client") else None
             return WaitedFuture(
                 value,
                 self,
@@ -270,7 +270,7 @@ class ServiceWaiter:
                 then=lambda v: self.adopt(v, sub_label) if _is_client(v) else v,
             )
         if _is_client(value):
-            return self.adopt(value)
+            return self.adopt(value, sub_label)
         return value
 
     # -- waiting
