@@ -1,7 +1,8 @@
-"""The SDK's session setup is waited on like every other call: the connectivity probe keeps its
-bound when the holder's setup never ends, and a ServiceClient's first create (which builds the
-SDK's session holder: client/config, dynamic_config, create_session) stops under the hang window
-instead of the SDK's minutes of per-attempt timeouts and retries."""
+"""The SDK's session setup is waited on like every other call: the connectivity check keeps its
+bound when the service never answers a first-contact read, and a ServiceClient's first create
+(which builds the SDK's session holder inside tinker 0.25's blocking call: client/config,
+dynamic_config, create_session) stops under the hang window instead of the SDK's minutes of
+per-attempt timeouts and retries; the stopped setup holds nothing the release needs."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def test_the_connectivity_probe_keeps_its_bound_when_the_sdk_setup_never_ends(en
     faults = FaultConfig(latency_ms=(parse_latency(f"client_dynamic_config:{NEVER}"),))
     with InProcessServer(engine, faults=faults) as srv:
         t0 = time.monotonic()
-        with pytest.raises(ConnectivityError, match="the SDK could not set up its client"):
+        with pytest.raises(ConnectivityError, match="client/dynamic_config got no answer"):
             check_connectivity("local", srv.base_url, BASE, timeout_s=2)
-        assert time.monotonic() - t0 < 8  # the check's 2 s, then at most 2 s to close the probe
+        assert time.monotonic() - t0 < 8  # one read's 2 s bound
         assert not [t for t in threading.enumerate() if t.name.startswith("connectivity:")]
 
 
@@ -49,7 +50,7 @@ def test_a_session_setup_that_is_never_answered_stops_under_the_hang_window(engi
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=3))
         sc = make_service_client("local", srv.base_url, waiter=waiter)
         t0 = time.monotonic()
-        with pytest.raises(ServiceHang, match=r"create_lora_training_client \(session setup\) on .*no answer for 3 s"):
+        with pytest.raises(ServiceHang, match=r"create_lora_training_client on .*no answer for 3 s"):
             sc.create_lora_training_client(base_model=BASE, rank=4)
         assert time.monotonic() - t0 < 10 and waiter.stopped is not None
 
@@ -62,22 +63,23 @@ def test_a_503_on_the_first_client_config_is_retried_by_the_sdk_inside_the_wait(
         waiter = ServiceWaiter(WaitPolicy.from_options(service_timeout_s=60))
         sc = make_service_client("local", srv.base_url, waiter=waiter)
         try:
-            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4)
             assert tc.sdk_client.model_id and srv.state.faults.injected["client_config:503"] == 1
-            assert waiter.stopped is None and waiter.waits == 2  # the session setup, then the creation
+            assert waiter.stopped is None and waiter.waits == 1  # the creation, its session setup inside
         finally:
-            sc.close("success").result(30)
+            sc.release(30)
 
 
 def setup_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("sdk session setup")]
+    return [t for t in threading.enumerate() if t.name.startswith("sdk call: create_lora_training_client")]
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["create_session", "client_config", "client_dynamic_config"])
-def test_a_stopped_session_setup_ends_and_its_client_closes(engine, monkeypatch, kind):
-    """The setup thread holds the ServiceClient's lifecycle lock while the SDK waits; after the stop it
-    must end, so the release does not wait out the SDK's retries."""
+def test_a_stopped_session_setup_holds_nothing_the_release_needs(engine, monkeypatch, kind):
+    """tinker 0.25 offers no way to cancel a session setup: its thread (a daemon) runs on inside the
+    SDK's retries, holding the ServiceClient's setup lock. The stop and the release do not wait
+    for it: nothing was created, so there is nothing to unload."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(latency_ms=(parse_latency(f"{kind}:{NEVER}"),))
     with InProcessServer(engine, faults=faults) as srv:
@@ -86,6 +88,6 @@ def test_a_stopped_session_setup_ends_and_its_client_closes(engine, monkeypatch,
         with pytest.raises(ServiceHang):
             sc.create_lora_training_client(base_model=BASE, rank=4)
         t0 = time.monotonic()
-        assert not setup_threads(), "the session setup thread runs on after its stop"
-        sc.close("errored").result(5)  # the lifecycle lock is free again
+        assert all(t.daemon for t in setup_threads())
+        assert sc.release(5) == [] and sc.created == []
         assert time.monotonic() - t0 < 5

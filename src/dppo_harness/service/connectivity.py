@@ -285,7 +285,14 @@ def _first_contact(target: _Target, timeout_s: float, ok: Callable[[str, str], N
     if caps.status != 200:
         raise target.status_error(caps.status, caps.json, CAPABILITIES_PATH)
     ok("reachable", f"{shown} answered {CLIENT_CONFIG_PATH} and {CAPABILITIES_PATH}")
-    dynamic = _optional(lambda: rest.post(DYNAMIC_CONFIG_PATH, {"sdk_version": tinker.__version__}))
+    try:  # the SDK's session setup reads it next: a service that never answers it cannot be used
+        dynamic = rest.post(DYNAMIC_CONFIG_PATH, {"sdk_version": tinker.__version__})
+    except httpx.HTTPError as exc:
+        raise ConnectivityError(
+            "reachable",
+            f"{var} {shown}: {DYNAMIC_CONFIG_PATH} got no answer ({type(exc).__name__}); the SDK's session setup "
+            "reads it after client/config",
+        ) from None
     deployments = _optional(lambda: rest.get(DEPLOYMENTS_PATH))
     return _FirstContact(caps, config, dynamic, deployments)
 
