@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -40,10 +41,28 @@ class WaitedFuture(Generic[U, V]):
         self._then = then
         self._value: list[V] = []  # what `then` made, once
         self._lock = threading.Lock()
+        self._box: concurrent.futures.Future[U] | None = None
         waiter.track(self)
 
+    def _settled(self) -> concurrent.futures.Future[U]:
+        """The SDK future's outcome as a concurrent future a wait can poll without harm. tinker 0.25's
+        `result(timeout=...)` cancels the request when the timeout passes on a future it combines
+        from several (`lib/api_future_impl.py`, `_CombinedAPIFuture.result_async`: forward_backward
+        in chunks, forward_backward_custom), so an SDK future is waited once, without a timeout, on
+        its own thread, and the wait polls that thread's future."""
+        with self._lock:
+            if self._box is None:
+                inner = self._inner
+                if isinstance(inner, concurrent.futures.Future):
+                    self._box = inner
+                else:
+                    self._box = run_beside(inner.result, f"{self._call} on {self._client}")
+            return self._box
+
     def result(self, timeout: float | None = None) -> V:
-        value = self._waiter.wait(self._inner, call=self._call, client=self._client, watch=self._watch, timeout=timeout)
+        value = self._waiter.wait(
+            self._settled(), call=self._call, client=self._client, watch=self._watch, timeout=timeout
+        )
         if self._then is None:
             return value  # type: ignore[return-value]  # without `then` the caller gets the SDK's value
         with self._lock:
@@ -57,19 +76,29 @@ class WaitedFuture(Generic[U, V]):
     def __await__(self) -> Generator[object, None, V]:
         return self.result_async().__await__()
 
-    def future(self) -> Any:
-        """The concurrent future behind the SDK's (a sample's is one already)."""
-        if isinstance(self._inner, concurrent.futures.Future):
-            return self._inner
-        return self._inner.future()  # type: ignore[attr-defined]  # an SDK APIFuture's own future
+    def future(self) -> concurrent.futures.Future[U]:
+        """A concurrent future that completes with the SDK's (a sample's is one already)."""
+        return self._settled()
 
     def abandon(self) -> bool:
-        """Cancel the SDK's wait for this result (a stop ended the run): its polls stop. The
-        service is not told (tinker 0.25 has no cancel; Spindle no cancel_future route), so work it
-        began runs on there. True if it was still pending."""
+        """Stop the SDK's polling for this result (a stop ended the run). The service is not told
+        (tinker 0.25 has no cancel; Spindle no cancel_future route), so work it began runs on
+        there. True if it was still pending."""
+        inner: Any = self._inner
         try:
-            pending = self.future()
-            return bool(pending is not None and not pending.done() and pending.cancel())
+            if isinstance(inner, concurrent.futures.Future):
+                return not inner.done() and inner.cancel()
+            own = getattr(inner, "future", None)
+            if callable(own):  # an AwaitableConcurrentFuture: its concurrent future cancels its task
+                pending = own()
+                return bool(not pending.done() and pending.cancel())
+            if self._box is not None and self._box.done():
+                return False
+            # Any other SDK future is cancelled by the SDK itself when its result_async times out.
+            timed_out = inner.holder.run_coroutine_threadsafe(inner.result_async(0))
+            with contextlib.suppress(Exception):
+                timed_out.result(5)
+            return True
         except Exception:  # cancelling is best effort: the stop is what matters
             return False
 
