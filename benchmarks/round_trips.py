@@ -61,8 +61,8 @@ def sampled_datums(sc: tinker.ServiceClient, groups: int, group_size: int, max_t
     from dppo_harness.data.tokenizer import make_renderer
 
     renderer = make_renderer().renderer
-    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=8, seed=1).result()
-    sampler = tc.save_weights_and_get_sampling_client().result()
+    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=8, seed=1)
+    sampler = tc.save_weights_and_get_sampling_client()
     data = []
     for g, item in enumerate(gsm8k.load_split("train", seed=0).batch(0, groups)):
         ob, stop = gsm8k.build_prompt(item, renderer)
@@ -95,7 +95,7 @@ def run_schedule(
     sequential: bool,
     persist_dir: Path,
 ) -> dict:
-    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=args.rank, seed=0).result()
+    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=args.rank, seed=0)
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     recorder, loss_fn = instrumentation.LossCallRecorder(cfg), losses.make_loss_fn(cfg)
     adam = tinker.AdamParams(learning_rate=2e-5, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{r['updates']} updates at {args.latency_ms:g} ms/request  [{paths}]",
                 flush=True,
             )
-        sc.close("success").result(timeout=60)
+        # tinker 0.25 has no close: the server stops with the benchmark
     for name in ("sequential", "pipelined"):
         runs = [r for r in figures["runs"] if r["schedule"] == name]
         if len(runs) > 1:

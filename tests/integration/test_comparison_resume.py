@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,8 +36,8 @@ PLAN = resized_plan(REHEARSAL, rollout_steps=3, groups_per_batch=2, max_tokens=6
 
 
 def _live_session_holders():
-    """The SDK's session holders whose heartbeat still runs (each one a client not released).
-    Reads SDK internals (tinker 0.38.0 InternalClientHolder), for this check only."""
+    """The SDK's session holders whose heartbeat still runs (each one a session not released).
+    Reads SDK internals (tinker 0.25.0 InternalClientHolder), for this check only."""
     import gc
 
     from tinker.lib.internal_client_holder import InternalClientHolder
@@ -46,7 +47,6 @@ def _live_session_holders():
         h
         for h in gc.get_objects()
         if isinstance(h, InternalClientHolder)
-        and not getattr(h, "_closed", True)
         and getattr(h, "_session_heartbeat_task", None) is not None
         and not h._session_heartbeat_task.done()
     ]
@@ -62,13 +62,16 @@ def registry():
     reg.release_all()
     records = reg.records()
     assert records and all(r["released"] for r in records), f"clients not released: {records}"
+    deadline = time.monotonic() + 10  # the release ends a heartbeat on the SDK's loop, soon after
+    while time.monotonic() < deadline and [h for h in _live_session_holders() if id(h) not in before]:
+        time.sleep(0.2)
     left = [h._session_id for h in _live_session_holders() if id(h) not in before]
     assert not left, f"SDK sessions still heart-beating after the file: {left}"
 
 
 def _server_and_initial_state(srv, registry, stage):
     sc = make_service_client("local", srv.base_url, registry=registry, stage=stage)
-    tc = sc.create_lora_training_client(base_model=PLAN.run.base_model, rank=32, seed=0).result()
+    tc = sc.create_lora_training_client(base_model=PLAN.run.base_model, rank=32, seed=0)
     return sc, tc.save_state("resume-initial").result().path
 
 

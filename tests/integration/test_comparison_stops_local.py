@@ -37,11 +37,11 @@ def engine(tmp_path_factory):
     srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("stops-server"), model="tiny-qwen3-random").start()
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     try:
-        tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+        tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)
         yield sc, tc.save_state("stops-initial").result().path
     finally:
         try:
-            sc.close("success").result(timeout=60)
+            sc.release(60)
         finally:
             srv.stop()
 

@@ -29,9 +29,9 @@ def test_small_greedy_evaluation(tmp_path, bundle, shared_random_server):
     srv = shared_random_server  # the MODEL preset
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     try:
-        tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=8, seed=0).result()
+        tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=8, seed=0)
         path = tc.save_weights_for_sampler("final").result().path
-        sampler = sc.create_sampling_client(model_path=path).result()
+        sampler = sc.create_sampling_client(model_path=path)
         a = evaluation.evaluate(sampler, evaluator, arm="grpo_seed0", seed=0, checkpoint=path, max_in_flight=8)
         b = evaluation.evaluate(sampler, evaluator, arm="dppo_seed0", seed=0, checkpoint=path)
         # temperature 1 without a seed differs from run to run; greedy must not
@@ -50,7 +50,7 @@ def test_small_greedy_evaluation(tmp_path, bundle, shared_random_server):
             for _ in range(2)
         ]
     finally:
-        sc.close("success").result(timeout=60)  # no SDK heartbeat outlives the shared server
+        sc.release(60)  # no SDK heartbeat outlives the shared server
     assert len(a.rows) == N_ITEMS and [r["item_id"] for r in a.rows] == [it.item_id for it in items]
     assert all(r["value"] in (0, 1) and r["evaluator_id"] == evaluator.evaluator_id for r in a.rows)
     assert all(r["checkpoint"] == path and r["n_tokens"] <= 24 for r in a.rows)

@@ -40,11 +40,11 @@ HIGH_LR = 1e-2  # 500x the plan's 2e-5: deliberately far off-policy after one up
 def engine(shared_server):
     sc = tinker.ServiceClient(base_url=shared_server.base_url, api_key=constants.LOCAL_API_KEY)
     try:
-        tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+        tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)
         init = tc.save_state("must-fire-initial").result().path
         yield sc, init
     finally:
-        sc.close("success").result(timeout=60)
+        sc.release(60)
 
 
 def _run(engine, tmp_path, lr):

@@ -58,7 +58,7 @@ class _Served:
 
     def close(self):
         try:
-            self.sc.close("success").result(timeout=60)
+            self.sc.release(60)
         finally:
             self.srv.stop()
 
@@ -139,7 +139,7 @@ def test_a_duplicate_save_that_fails_otherwise_leaves_immutability_unverified(se
 
 def test_the_diagnostic_without_sampler_logprobs_stops_with_evidence(served, tmp_path):
     s = served("--fault-omit-field", "asample.logprobs")
-    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)
     init = tc.save_state("omit-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
     res = run_bounded_diagnostic(
@@ -165,7 +165,7 @@ def test_the_diagnostic_without_sampler_logprobs_stops_with_evidence(served, tmp
 
 def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp_path):
     s = served("--fault-omit-field", "asample.logprobs")
-    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)
     init = tc.save_state("omit-cmp-initial").result().path
     clients = {a: create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
     restoration = SimpleNamespace(
@@ -194,7 +194,7 @@ def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp
 
 def test_the_gate_without_a_model_name_never_reports_the_requested_one(served, tmp_path):
     s = served("--fault-omit-field", "get_info.model_data.model_name", "--fault-omit-field", "get_info.model_name")
-    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0).result()
+    tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)
     init = tc.save_state("omit-gate-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
     report = gate.run_activation_gate(

@@ -59,7 +59,7 @@ def test_a_failed_persist_sends_no_optimizer_step(engine, monkeypatch, sequentia
             "local", srv.base_url, waiter=ServiceWaiter(WaitPolicy.from_options(service_timeout_s=60))
         )
         try:
-            tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4)
             requests = srv.state.faults.requests
             persisted = []
             train_step.train_step(
@@ -77,7 +77,7 @@ def test_a_failed_persist_sends_no_optimizer_step(engine, monkeypatch, sequentia
             def disk_full(_record):
                 raise OSError(errno.ENOSPC, "No space left on device")
 
-            tc2 = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+            tc2 = sc.create_lora_training_client(base_model=BASE, rank=4)
             with pytest.raises(OSError, match="No space left on device"):
                 train_step.train_step(
                     tc2,
@@ -92,4 +92,4 @@ def test_a_failed_persist_sends_no_optimizer_step(engine, monkeypatch, sequentia
             time.sleep(2)  # an optimizer step still in flight would arrive by now
             assert requests["optim_step"] == 1, dict(requests)  # the failed update's step never reached the service
         finally:
-            sc.close("errored").result(30)
+            sc.release(30)

@@ -42,7 +42,7 @@ def test_each_arm_is_checked_against_a_probe_of_its_own_optimizer_config(shared_
             checkpoint_reader=LocalCheckpointReader(server.run_dir),
         )
     finally:
-        sc.close("success").result(timeout=60)
+        sc.release(60)
     assert result.passed, result.failure_message()
     assert set(result.probe.own_config_probes) == {"dppo_seed0"}
     assert result.probe.own_config_probes["dppo_seed0"].adam_params["beta2"] == 0.99

@@ -35,7 +35,7 @@ def server(tmp_path_factory):
     with LocalServerProcess(tmp_path_factory.mktemp("srv"), model=MODEL, fault_args=fault) as srv:
         yield srv
         for sc in _OPENED:  # before the server stops: no SDK heartbeat outlives it
-            sc.close("success").result(timeout=60)
+            sc.release(60)
         _OPENED.clear()
 
 
@@ -45,9 +45,9 @@ _OPENED: list[tinker.ServiceClient] = []
 def _clients(srv):
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     _OPENED.append(sc)
-    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=8, seed=0).result()
+    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=8, seed=0)
     path = tc.save_weights_for_sampler("s0").result().path
-    return sc, tc, path, sc.create_sampling_client(model_path=path).result()
+    return sc, tc, path, sc.create_sampling_client(model_path=path)
 
 
 def test_rollout_batch_datums_align_with_trainer_logprobs(server, renderer, train_items):

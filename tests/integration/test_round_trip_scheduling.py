@@ -42,7 +42,7 @@ def served(tmp_path_factory):
     srv = InProcessServer(Engine(tmp_path_factory.mktemp("rt-run"), model_name=MODEL)).start()
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     yield sc
-    sc.close("success").result(timeout=60)
+    sc.release(60)
     srv.stop()
 
 

@@ -46,7 +46,7 @@ def test_a_killed_server_ends_the_wait_within_seconds_with_its_exit_code(tmp_pat
             ServiceDied(f"the embedded server (pid {s.pid})", *s.death_report())
         )
         sc = make_service_client("local", srv.base_url, waiter=waiter)
-        tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4)
         os.kill(srv.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(ServiceDied) as ei:

@@ -120,7 +120,9 @@ def test_a_refused_unload_is_never_recorded_as_released(monkeypatch):
     def unload(rest, model_id, timeout_s):
         asked.append(model_id)
         ok = next(answers)
-        return UnloadOutcome(model_id, ok, "unloaded" if ok else "unload_model answered HTTP 503: engine_unreachable", 0.0)
+        return UnloadOutcome(
+            model_id, ok, "unloaded" if ok else "unload_model answered HTTP 503: engine_unreachable", 0.0
+        )
 
     monkeypatch.setattr(ServiceRest, "unload", unload)
     assert reg.release_stage("session", "errored")[0]["released"] is False

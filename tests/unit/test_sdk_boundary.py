@@ -121,7 +121,7 @@ def test_the_confined_module_refuses_another_sdk_version():
 
     from dppo_harness.service import sdk_internals
 
-    assert sdk_internals.PINNED_SDK == tinker.__version__
+    assert tinker.__version__ == sdk_internals.PINNED_SDK
 
 
 @pytest.mark.parametrize(

@@ -93,7 +93,7 @@ def create(service_client, path):
         ".run_coroutine_threadsafe",
     ):
         assert any(needle in o for o in found), (needle, found)
-    assert offences("import tinker\nsc = tinker.ServiceClient(base_url=u)\nsc.create_lora_training_client().result()")
+    assert offences("import tinker\nsc = tinker.ServiceClient(base_url=u)\nsc.create_lora_training_client()")
     assert offences("from tinker import SamplingClient\ns = SamplingClient(h, sampling_session_id='x', base_model='m')")
     assert offences("raw = client.sdk_client.optim_step(adam).result()")
     # what stage code does write: calls on the clients it was handed

@@ -266,6 +266,7 @@ def test_the_pause_log_reads_the_sdks_own_warning_lines():
     assert [(ln.ident, ln.reason) for ln in log.lines("sampling", None, t0)] == [("s-1", "sampler queue full")]
     assert parse_pause_line("HTTP Request: POST /api/v1/retrieve_future 408") is None
 
+
 def test_waited_client_returns_waited_futures_and_keeps_everything_else():
     from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
@@ -443,10 +444,10 @@ def test_a_pause_shorter_than_the_poll_is_still_recorded():
 
     assert w.wait(Brief(clock), call="create_lora_training_client", client="a new client", watch=watch) == "ok"
     (pause,) = [p.as_dict() for p in w.pauses]
-    # the SDK logs the pause once and never its end: one line, a pause of 0 s as seen, resumed
-    # when the call was answered
+    # the SDK logs the pause once and never its end: it lasted, as far as anyone can tell, until
+    # the call was answered
     assert pause["queue_state_reason"] == REASON and pause["outcome"] == "resumed"
-    assert pause["seconds"] == 0.0
+    assert pause["seconds"] == pytest.approx(0.8)
 
 
 class Bounded(FakeFuture):

@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
@@ -92,6 +92,7 @@ class Pause:
     outcome: str = "waiting"  # waiting | resumed | gave_up | call_ended (the call failed or another stop came)
     http_status: int | None = None  # a refused submit's status
     reason_changes: int = 0
+    began: float = field(default=0.0, repr=False)  # time.monotonic() of its first sign (not evidence)
 
     def as_dict(self) -> JsonObject:
         out: JsonObject = {
@@ -342,6 +343,7 @@ class ServiceWaiter:
             for pause in seen.values():  # the wait is over: a pause the watch still lists ended with it
                 if pause.outcome == "waiting":
                     pause.outcome = "resumed" if outcome == "answered" else "call_ended"
+                    pause.seconds = max(pause.seconds, now - pause.began)  # it lasted until the call ended
                     self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
             with self._lock:
                 was_posted = wait_id in self.posted
@@ -382,7 +384,13 @@ class ServiceWaiter:
             pause = seen.get(ep.id)
             if pause is None:
                 pause = seen[ep.id] = Pause(
-                    call, client, ep.state, ep.reason, _utc(time.time() - (now - ep.began)), http_status=ep.http_status
+                    call,
+                    client,
+                    ep.state,
+                    ep.reason,
+                    _utc(time.time() - (now - ep.began)),
+                    http_status=ep.http_status,
+                    began=ep.began,
                 )
                 with self._lock:
                     if len(self.pauses) < self.MAX_PAUSES_LISTED:
