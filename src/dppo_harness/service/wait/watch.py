@@ -147,7 +147,10 @@ def pause_log() -> SdkPauseLog:
     with _install_lock:
         if _pause_log is None:
             _pause_log = SdkPauseLog()
-            logging.getLogger(SDK_LOGGER).addHandler(_pause_log)
+            sdk = logging.getLogger(SDK_LOGGER)
+            sdk.addHandler(_pause_log)
+            if sdk.getEffectiveLevel() > logging.WARNING:  # a quieter root would drop the pause lines unread
+                sdk.setLevel(logging.WARNING)
         return _pause_log
 
 
