@@ -96,8 +96,8 @@ class ObservedServiceClient(tinker.ServiceClient):
 
     tinker 0.25's creation methods block their caller (the session is set up inside the first
     one: client/config, create_session, each under the SDK's own minutes of retries), so each runs
-    on its own thread and is handed out as a WaitedFuture; the clients they resolve to are
-    WaitedClients (service.wait), so no call a stage makes on them can wait unbounded. The
+    on its own thread, waited under the policy, and returns, like the SDK's, the client it made: a
+    WaitedClient (service.wait), so no call a stage makes on it can wait unbounded. The
     observer (e.g. identity.TrainingClientRecorder) records what the server says a new training
     client is; its errors are logged, never raised: observing must not change the run. `stage_of`
     names the stage running now (the registry's), kept with each created client. `rest` reads what
