@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import tinker
+from sdk_session import end_session
 from tinker import types
 
 from dppo_harness import constants
@@ -41,7 +42,7 @@ def engine(tmp_path_factory):
         yield sc, tc.save_state("stops-initial").result().path
     finally:
         try:
-            sc.release(60)
+            end_session(sc)
         finally:
             srv.stop()
 

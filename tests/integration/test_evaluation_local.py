@@ -4,6 +4,7 @@ import json
 
 import pytest
 import tinker
+from sdk_session import end_session
 
 from dppo_harness import constants
 from dppo_harness.data import gsm8k
@@ -50,7 +51,7 @@ def test_small_greedy_evaluation(tmp_path, bundle, shared_random_server):
             for _ in range(2)
         ]
     finally:
-        sc.release(60)  # no SDK heartbeat outlives the shared server
+        end_session(sc)  # no SDK heartbeat outlives the shared server
     assert len(a.rows) == N_ITEMS and [r["item_id"] for r in a.rows] == [it.item_id for it in items]
     assert all(r["value"] in (0, 1) and r["evaluator_id"] == evaluator.evaluator_id for r in a.rows)
     assert all(r["checkpoint"] == path and r["n_tokens"] <= 24 for r in a.rows)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import tinker
+from sdk_session import end_session
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
@@ -44,7 +45,7 @@ def engine(shared_server):
         init = tc.save_state("must-fire-initial").result().path
         yield sc, init
     finally:
-        sc.release(60)
+        end_session(sc)
 
 
 def _run(engine, tmp_path, lr):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import tinker
+from sdk_session import end_session
 
 from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
@@ -59,7 +60,7 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
         )
     finally:
         if own:
-            sc.release(60)
+            end_session(sc)
     return result, bundle
 
 
@@ -71,7 +72,7 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
         result, bundle = _run(
             server, spec, fixed_batch, tmp_path, sc=sc, probe_service_client=probe_sc, progress=lines.append
         )
-        probe_sc.release(60)  # release setup + probe clients
+        end_session(probe_sc)  # release setup + probe clients
         assert result.passed, result.failure_message()
         # 2 arms + setup (= uninterrupted probe, planned-LR probe) + restored probe + 2 other LRs (8 before)
         assert len(_models(server) - before) == 6
@@ -87,7 +88,7 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
         for arm, client in result.clients.items():
             assert logprobs_sha256(full_logprobs(client, result.fixed_batch)) == result.output_sha256[arm]
     finally:
-        sc.release(60)
+        end_session(sc)
 
 
 def test_different_seed_for_one_arm_fails(server, spec, fixed_batch, tmp_path):
@@ -180,4 +181,4 @@ def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_
         assert entry["initial_output"]["bitwise_equal_to_group"] == {"dppo_seed0": True}
         assert entry["initialization"]["loaded_checkpoint_uri"] == result.initial_checkpoint
     finally:
-        sc.release(60)
+        end_session(sc)

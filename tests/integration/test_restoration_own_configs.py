@@ -9,6 +9,7 @@ import json
 
 import pytest
 import tinker
+from sdk_session import end_session
 
 from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle
@@ -42,7 +43,7 @@ def test_each_arm_is_checked_against_a_probe_of_its_own_optimizer_config(shared_
             checkpoint_reader=LocalCheckpointReader(server.run_dir),
         )
     finally:
-        sc.release(60)
+        end_session(sc)
     assert result.passed, result.failure_message()
     assert set(result.probe.own_config_probes) == {"dppo_seed0"}
     assert result.probe.own_config_probes["dppo_seed0"].adam_params["beta2"] == 0.99

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 import tinker
+from sdk_session import end_session
 
 from dppo_harness import constants
 from dppo_harness.data import gsm8k
@@ -35,7 +36,7 @@ def server(tmp_path_factory):
     with LocalServerProcess(tmp_path_factory.mktemp("srv"), model=MODEL, fault_args=fault) as srv:
         yield srv
         for sc in _OPENED:  # before the server stops: no SDK heartbeat outlives it
-            sc.release(60)
+            end_session(sc)
         _OPENED.clear()
 
 

@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import tinker
+from sdk_session import end_session
 from tinker import types
 
 from dppo_harness import constants
@@ -42,7 +43,7 @@ def served(tmp_path_factory):
     srv = InProcessServer(Engine(tmp_path_factory.mktemp("rt-run"), model_name=MODEL)).start()
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     yield sc
-    sc.release(60)
+    end_session(sc)
     srv.stop()
 
 

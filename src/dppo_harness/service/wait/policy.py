@@ -255,35 +255,19 @@ class ServiceDied(ServiceStopped):
 
 
 class ServiceHang(ServiceStopped):
-    """A request whose queue was active gave no answer for the whole service timeout."""
+    """A request with no pause seen gave no answer for the whole service timeout."""
 
     kind = "no_answer"
 
-    def __init__(
-        self,
-        call: str,
-        client: str,
-        waited_s: float,
-        queue_state: str | None,
-        last_answer: tuple[int | None, str | None] | None = None,
-    ):
-        said = ""
-        if last_answer is not None:
-            status, text = last_answer
-            said = f"; the service's last answer: {f'HTTP {status}' if status else 'no response'}: {text or 'no text'}"
+    def __init__(self, call: str, client: str, waited_s: float, queue_state: str | None):
         super().__init__(
             f"{call} on {client}: no answer for {int(waited_s)} s"
-            f" (queue state {queue_state or 'never reported'}{said}; --service-timeout-s)"
+            f" (queue state {queue_state or 'never reported'}; --service-timeout-s)"
         )
         self.call, self.client, self.waited_s, self.queue_state = call, client, waited_s, queue_state
-        self.last_answer = last_answer
-
-    def details(self) -> JsonObject:
-        if self.last_answer is None:
-            return {}
-        return {"http_status": self.last_answer[0], "error": self.last_answer[1]}
 
 
+@dataclass
 class CapacityTracker:
     """Completed comparison steps (the capacity window switches from 10 to 30 minutes after the
     first) and the refusals retried on the way."""

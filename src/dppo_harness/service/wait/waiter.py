@@ -328,7 +328,7 @@ class ServiceWaiter:
                     last_pause = rep if rep is not None and rep.paused else self._last_pause(watch, t0)
                     self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s:
-                    self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None, None))
+                    self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None))
                 if now >= next_post:
                     next_post = now + p.post_every_s
                     self._post(self._status(wait_id, call, client, since, clock, rep, "waiting"))
