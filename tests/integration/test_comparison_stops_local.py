@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import tinker
 from sdk_session import end_session
-from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
@@ -114,15 +113,12 @@ def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_
     first, _ = _run(engine, tmp_path, "first", schedule="interleaved", stop_after=stop_after_1)
     assert first.steps_completed == 1
 
-    real = comparison_restore.create_from_state_observed
+    real = comparison_restore.server_info
 
-    def restored_with_another_optimizer(sc, path, name=None):
-        client, resp = real(sc, path, name)
-        info = client.get_info()
-        client.get_info = lambda: info.model_copy(update={"optimizer_config": types.DimuonOptimizerConfig()})
-        return client, resp
+    def another_optimizer(sc, client):  # get_info as sent, naming an optimizer 0.25's type would drop
+        return {**real(sc, client), "optimizer_config": {"type": "dimuon"}}
 
-    monkeypatch.setattr(comparison_restore, "create_from_state_observed", restored_with_another_optimizer)
+    monkeypatch.setattr(comparison_restore, "server_info", another_optimizer)
     run, bundle = _run(engine, tmp_path, "resumed", schedule="interleaved", resume_run_id=first.run_id)
     assert run.stopped.startswith("OptimizerMismatch: ") and "optimizer mismatch after restore 2" in run.stopped
     assert "server 'dimuon'" in run.stopped

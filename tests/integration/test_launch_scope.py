@@ -45,9 +45,15 @@ PLANTED = {  # planted, not real: the server checks them
     "MODAL_PROXY_TOKEN_SECRET": f"ws-{_TAG}-PLANTED-launch",
 }
 CAPABILITIES = "/api/v1/get_server_capabilities"
-# What the connectivity preflight sends, through the SDK's own client setup (connectivity.py).
+# What the connectivity preflight sends at first contact (connectivity.py, service/rest.py).
 CONNECTIVITY_READS = frozenset(
-    {"/api/v1/client/config", "/api/v1/auth/token", "/api/v1/client/dynamic_config", CAPABILITIES}
+    {
+        "/api/v1/client/config",
+        "/api/v1/auth/token",
+        "/api/v1/client/dynamic_config",
+        CAPABILITIES,
+        "/api/v1/spindle/deployments",
+    }
 )
 
 

@@ -10,7 +10,7 @@ evidence, and creation from a saved state with optimizer that keeps the server's
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import tinker
@@ -88,6 +88,22 @@ def dump_response(obj: object) -> JsonValue:
     if isinstance(obj, float) and not math.isfinite(obj):
         return repr(obj)
     return obj  # type: ignore[return-value]  # any other value goes to the JSON writer as it is
+
+
+def server_info(service_client: tinker.ServiceClient, client: tinker.TrainingClient) -> Mapping[str, JsonValue]:
+    """A training client's get_info as the service sent it: raw through the session's own reads
+    (`ObservedServiceClient.rest`), so a field tinker 0.25's type drops (`optimizer_config`) is
+    still seen; the SDK's parsed response when no raw read is possible or it was refused."""
+    rest = getattr(service_client, "rest", None)
+    model_id = getattr(client, "model_id", None)
+    if rest is not None and model_id is not None:
+        try:
+            raw = rest.get_info(str(model_id))
+            if raw.status == 200 and isinstance(raw.json, Mapping):
+                return raw.json
+        except Exception:  # the SDK's parsed response stands in (it never invents a field)
+            pass
+    return client.get_info().model_dump(mode="json", exclude_unset=True)
 
 
 def create_from_state_observed(

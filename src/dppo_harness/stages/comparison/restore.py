@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch
 from dppo_harness.stages.comparison.state import RunState, state_file_name
-from dppo_harness.train.clients import create_from_state_observed, dump_response
+from dppo_harness.train.clients import create_from_state_observed, dump_response, server_info
 from dppo_harness.train.optimizer_checks import optimizer_check
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def restore_arm(
         after_restore=prior["restore_count"] + arm.restore_count,
         requested_optimizer="adam",
         requested_config=cfg.arm(name).adam_requested,
-        info=client.get_info(),
+        info=server_info(service_client, client),
         info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
         echoed=None,
         echo_ref=None,
