@@ -103,7 +103,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         data = self.rfile.read(length) if length else b""
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _NOT_FORWARDED}
+        # A request body stays as sent (a zstd forward_backward keeps its Content-Encoding); a
+        # response's is decoded by httpx, so its encoding header is not passed on.
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _NOT_FORWARDED - {"content-encoding"}}
         try:
             resp = self.server.client.request(
                 self.command, self.server.upstream + self.path, headers=headers, content=data
