@@ -127,11 +127,18 @@ class ObservedServiceClient(tinker.ServiceClient):
         self._sdk_call = threading.local()
 
     def release(self, timeout_s: float) -> list[UnloadOutcome]:
-        """Unload every training model this session created and has not unloaded (each within
-        `timeout_s`), then stop the session's heartbeat; the outcome of each model's unload."""
+        """Unload every training model this session created and has not unloaded, all within
+        `timeout_s`, then stop the session's heartbeat; the outcome of each model's unload (a model
+        the time did not reach is recorded as not asked, never as released)."""
+        deadline = time.monotonic() + timeout_s
         for c in self.created:
             if c.model_id is not None and (c.release is None or not c.release.answered):
-                c.release = self.rest.unload(c.model_id, timeout_s)
+                left = deadline - time.monotonic()
+                c.release = (
+                    self.rest.unload(c.model_id, left)
+                    if left > 0
+                    else UnloadOutcome(c.model_id, False, f"not asked: the release's {timeout_s:g} s were spent", 0.0)
+                )
         sdk_internals.end_session_heartbeat(self)
         return [c.release for c in self.created if c.release is not None]
 

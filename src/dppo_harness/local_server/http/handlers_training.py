@@ -3,6 +3,9 @@ weights, unload_model; work on one model runs in its `seq_id` order."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from aiohttp import web
 from tinker import types
 
@@ -244,6 +247,9 @@ async def load_weights(request: web.Request) -> web.Response:
     return future_json(request_id, model_id)
 
 
+UNLOAD_DRAIN_S = 10.0  # how long an unload waits for the model's accepted requests
+
+
 async def unload_model(request: web.Request) -> web.Response:
     """`POST unload_model {"model_id"}` (SDK 0.25: tinker/resources/models.py `unload`): a future
     resolving to `UnloadModelResponse` (tinker/types/unload_model_response.py) once the model's
@@ -254,8 +260,11 @@ async def unload_model(request: web.Request) -> web.Response:
     request_id, fut = state.new_future()
 
     async def work() -> Outcome:
-        async with entry.cond:  # after every request already accepted for the model
-            await entry.cond.wait_for(lambda: entry.pending == 0)
+        # After the requests already accepted for the model, but not after one a fault holds
+        # forever (--fault-never-complete): the unload frees the model all the same.
+        async with entry.cond:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.cond.wait_for(lambda: entry.pending == 0), UNLOAD_DRAIN_S)
         await run_engine(state, entry.executor, "unload_model", lambda: state.engine.unload_model(entry.engine_id))
         state.models.pop(entry.model_id, None)
         entry.executor.shutdown(wait=False)

@@ -325,6 +325,7 @@ class ServiceWaiter:
                     for pause in seen.values():
                         if pause.outcome == "waiting":
                             pause.outcome = "gave_up"
+                            pause.seconds = max(pause.seconds, now - pause.began)  # current until the give-up
                     last_pause = rep if rep is not None and rep.paused else self._last_pause(watch, t0)
                     self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s:
