@@ -408,7 +408,7 @@ class ServiceWaiter:
                 ep.reason_changes,
             )
             # what the signs show: from the first to the latest (never more, so a posted number only grows)
-            pause.seconds = (ep.ended if ep.ended is not None else ep.seen) - ep.began
+            pause.seconds = max(pause.seconds, (ep.ended if ep.ended is not None else ep.seen) - ep.began)
             if ep.ended is not None and pause.outcome == "waiting":
                 pause.outcome = "resumed"
                 self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
