@@ -50,8 +50,8 @@ def served(tmp_path_factory):
 def _datums(sc: tinker.ServiceClient) -> list[types.Datum]:
     """Two groups of 4 sampled responses with group-relative advantages (harness datum layout)."""
     prompt = list(get_tokenizer().encode(QUESTION))
-    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4, seed=11).result(timeout=300)
-    sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4, seed=11)
+    sampler = tc.save_weights_and_get_sampling_client()
     out = []
     for g in range(2):
         res = sampler.sample(
@@ -76,7 +76,7 @@ def _datums(sc: tinker.ServiceClient) -> list[types.Datum]:
 
 
 def _run(sc: tinker.ServiceClient, data: list[types.Datum], *, sequential: bool) -> dict:
-    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4, seed=5).result(timeout=300)
+    tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=4, seed=5)
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     recorder = instrumentation.LossCallRecorder(cfg)
     adam = tinker.AdamParams(learning_rate=5e-2)

@@ -10,6 +10,7 @@ import pytest
 from tinker import types
 
 from dppo_harness.plans import load_plan
+from dppo_harness.service.rest import RawResponse
 from dppo_harness.stages.comparison import arms as comparison_arms
 from dppo_harness.stages.comparison import restore as comparison_restore
 from dppo_harness.stages.comparison.config import (
@@ -102,14 +103,28 @@ def _raw_info(optimizer_type):
 
 
 class _Restored:
-    """A restored client whose get_info answers `info`: a raw get_info mapping (the only form in
-    which tinker 0.25 lets a server-sent optimizer be seen) or an SDK GetInfoResponse."""
+    """A restored client whose SDK get_info answers `info` (tinker 0.25's GetInfoResponse drops
+    optimizer_config: only the session's raw read sees a server-sent optimizer)."""
+
+    model_id = "m"
 
     def __init__(self, info):
-        self.info = info
+        self.info = info if isinstance(info, types.GetInfoResponse) else types.GetInfoResponse.model_validate(info)
 
     def get_info(self):
         return self.info
+
+
+class _Session:
+    """A service client whose raw reads (`ObservedServiceClient.rest`) answer get_info with `raw`."""
+
+    def __init__(self, raw):
+        self.rest = self
+        self.raw = raw
+
+    def get_info(self, model_id):
+        assert model_id == "m"
+        return RawResponse(200, self.raw, None)
 
 
 def _restore(monkeypatch, info, path="tinker://m/weights/step2"):
@@ -122,8 +137,9 @@ def _restore(monkeypatch, info, path="tinker://m/weights/step2"):
     state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
     prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
     state.setup_provenance = {a.name: prior for a in cfg.arms}
+    session = None if isinstance(info, types.GetInfoResponse) else _Session(info)
     return state, lambda: comparison_restore.restore_arm(
-        None, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json"
+        session, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json"
     )
 
 

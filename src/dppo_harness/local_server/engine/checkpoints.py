@@ -139,6 +139,10 @@ class CheckpointsMixin:
             raise UserError(f"checkpoint {path!r} was saved on a different base model (base weights hash differs)")
         return d, meta
 
+    def checkpoint_meta(self, path: str) -> dict:
+        """What a checkpoint on disk says about itself (a restarted server still knows it)."""
+        return self._read_ckpt(path)[1]
+
     def _load_adapter(self, d: Path, meta: dict) -> dict[str, torch.Tensor]:
         adapter = torch.load(d / "adapter.pt", map_location="cpu", weights_only=True)
         if model.state_sha256(adapter) != meta.get("adapter_sha256"):

@@ -7,6 +7,7 @@ import pydantic
 from aiohttp import web
 from tinker import types
 
+from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.http.codecs import ProtocolError, dump
 from dppo_harness.local_server.http.state import state_of
 from dppo_harness.local_server.http.work import error_json, parse_body
@@ -76,7 +77,16 @@ async def weights_info(request: web.Request) -> web.Response:
     req = await parse_body(request, WeightsInfoRequest)
     saved = state.checkpoints.get(req.tinker_path)
     if saved is None:
-        return error_json(f"unknown checkpoint {req.tinker_path!r} (not saved through this server)", 404)
+        # saved before this server started (a resumed run): the checkpoint's own record on disk
+        # names its base model and rank; the LoRA switches were never written, so none is sent
+        try:
+            meta = state.engine.checkpoint_meta(req.tinker_path)
+        except UserError:
+            return error_json(f"unknown checkpoint {req.tinker_path!r} (not saved through this server)", 404)
+        on_disk = types.WeightsInfoResponse(
+            base_model=meta["requested_base_model"], is_lora=True, lora_rank=int(meta["lora_rank"])
+        )
+        return web.json_response(dump(on_disk))
     return web.json_response(
         dump(
             types.WeightsInfoResponse(
