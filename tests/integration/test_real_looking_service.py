@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,10 +48,13 @@ UNIT_PARITY = ("tests/unit/test_pytest_plugin.py", LOSS_PARITY)
 ALLOWED_SKIP = "feasibility is measured by the diagnostic itself"  # a diagnostic plan's own rule
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory) -> Iterator[MarkerHidingProxy]:
+COLD_START_S = 75  # the first model creation waits this long, as on a trainer that starts cold
+
+
+@contextmanager
+def _spindle(run_dir: Path, *server_args: str) -> Iterator[MarkerHidingProxy]:
     srv = LocalServerProcess(
-        run_dir=tmp_path_factory.mktemp("spindle"), profile="spindle", env=harness_env(**PLANTED)
+        run_dir=run_dir, profile="spindle", env=harness_env(**PLANTED), fault_args=list(server_args)
     ).start()
     try:
         with marker_hiding_proxy(srv.base_url) as proxy:
@@ -58,6 +62,14 @@ def service(tmp_path_factory) -> Iterator[MarkerHidingProxy]:
     finally:
         srv.stop()
     assert not srv.alive()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory) -> Iterator[MarkerHidingProxy]:
+    """Spindle as its source shows it, its first creation pending COLD_START_S (queue_state active,
+    no reason: a trainer starting), behind the marker-hiding proxy."""
+    with _spindle(tmp_path_factory.mktemp("spindle"), "--cold-start-s", str(COLD_START_S)) as proxy:
+        yield proxy
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +85,9 @@ def plans(tmp_path_factory) -> Path:
     return d
 
 
-def _run(args: list[str], proxy: MarkerHidingProxy, evidence: Path) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], proxy: MarkerHidingProxy, evidence: Path, timeout: float = 1500
+) -> subprocess.CompletedProcess:
     env = harness_env(**PLANTED, TINKER_BASE_URL=proxy.url, PYTHONPATH=str(ROOT / "src"))
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -89,14 +103,14 @@ def _run(args: list[str], proxy: MarkerHidingProxy, evidence: Path) -> subproces
             "tinker",
             "--evidence-dir",
             str(evidence),
-            "--timeout=900",
+            "--timeout=720",
             *args,
         ],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=timeout,
     )
     print(f"{' '.join(args[:2])} behind the marker-hiding proxy: {time.monotonic() - t0:.0f} s")
     return proc
@@ -132,22 +146,71 @@ def _check_bundle(
     return result
 
 
+def _diagnostic(plans: Path, *extra: str) -> list[str]:
+    return ["-m", "diagnostic", *UNIT_PARITY, "tests/preflight", "tests/diagnostic", *extra,
+            "--plan", str(plans / "diagnostic-ci-short.json")]  # fmt: skip
+
+
+def _bundle(evidence: Path) -> Path:
+    return evidence / (evidence / "LATEST").read_text().strip()
+
+
 def test_diagnostic_under_its_launch(service, plans, tmp_path):
+    """Spindle as is, its first trainer cold: the run passes with no seed sent (Spindle refuses
+    one), the optimizer stays declared (no response exposes it), every model it created is
+    unloaded and the unload answered, and the cold start is waited out and recorded."""
     evidence = tmp_path / "evidence"
-    proc = _run(
-        [
-            "-m",
-            "diagnostic",
-            *UNIT_PARITY,
-            "tests/preflight",
-            "tests/diagnostic",
-            "--plan",
-            str(plans / "diagnostic-ci-short.json"),
-        ],
-        service,
-        evidence,
-    )
-    _check_bundle(proc, service, evidence)
+    proc = _run(_diagnostic(plans), service, evidence)
+    result = _check_bundle(proc, service, evidence)
+    placed = [w for w in result["service_wait"]["waiting"].values() if w["queue_state"] == "placing"]
+    assert placed and placed[0]["call"] == "create_lora_training_client", result["service_wait"]
+    assert placed[0]["outcome"] == "answered" and COLD_START_S <= placed[0]["waited_s"] < COLD_START_S + 30
+    for arm, entry in result["initialization_provenance"]["arms"].items():
+        for check in entry["optimizer_checks"]:
+            assert check["actual_optimizer"] is None and check["actual_optimizer_source"] == "declared", (arm, check)
+        assert entry["initialization"]["checkpoint_immutable"] is True  # Spindle's refusal, category server
+        assert "(category server)" in entry["initialization"]["checkpoint_immutable_reason"]
+    releases = json.loads((_bundle(evidence) / "files" / "client-releases.json").read_text())
+    models = [c for s in releases["sessions"] for c in s["training_clients"]]
+    assert len(models) >= 3 and releases["all_released"]
+    assert all(c["release"]["how"] == "unload_model" and c["release"]["answered"] for c in models), models
+
+
+def test_every_creation_pending_ends_in_a_capacity_block(plans, tmp_path):
+    """No free LoRA slot on the trainer, ever: every creation stays pending with an active queue and
+    no reason. With --capacity-patience-s 60 the run stops by itself, as the brief says, before
+    any comparison step, with what it observed, and its bundle verifies."""
+    evidence = tmp_path / "evidence"
+    with _spindle(tmp_path / "srv", "--trainer-slots", "0") as proxy:
+        t0 = time.monotonic()
+        proc = _run(_diagnostic(plans, "--capacity-patience-s", "60"), proxy, evidence, timeout=600)
+        secs = time.monotonic() - t0
+    assert secs < 400, secs
+    result = _check_bundle(proc, proxy, evidence, passed=False, allowed_skips=(ALLOWED_SKIP, "blocked: stage"))
+    assert (result["verdict"], result["outcome_reason"]) == ("inconclusive", "incomplete_execution")
+    block = result["capacity_block"]
+    assert block["comparison_steps_completed"] == 0 and block["released_clients"] is True
+    assert block["error"].startswith("create_lora_training_client on ") and "pending for 60 s" in block["error"]
+    assert "queue_state active" in block["error"], block
+    assert "--capacity-patience-s=60" in proc.stdout
+
+
+def test_a_lost_model_stops_the_diagnostic_naming_it(plans, tmp_path):
+    """The trainer behind a model dies at its 6th forward_backward: Spindle answers 410 model_lost.
+    The run stops by itself in one line naming the model, failed, and its bundle verifies."""
+    evidence = tmp_path / "evidence"
+    with _spindle(tmp_path / "srv", "--fault-model-lost", "forward_backward:6") as proxy:
+        t0 = time.monotonic()
+        proc = _run(_diagnostic(plans), proxy, evidence, timeout=600)
+        secs = time.monotonic() - t0
+    assert secs < 400, secs
+    result = _check_bundle(proc, proxy, evidence, passed=False, allowed_skips=(ALLOWED_SKIP, "blocked: stage"))
+    stopped = result["service_wait"]["stopped"]
+    assert stopped["kind"] == "model_lost" and stopped["model_id"], stopped
+    assert f"(model {stopped['model_id']})" in stopped["line"] or stopped["model_id"] in stopped["line"]
+    assert "model_lost" in stopped["error"] and stopped["line"] in proc.stdout
+    assert (result["verdict"], result["outcome_reason"]) == ("inconclusive", "incomplete_execution")
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_gate_and_comparison_under_a_launch_that_authorizes_them(service, plans, tmp_path):

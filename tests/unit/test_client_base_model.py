@@ -67,7 +67,7 @@ class _ServiceClient:
     def __init__(self):
         self.created: list[str] = []
 
-    def create_lora_training_client(self, *, base_model, rank, seed):
+    def create_lora_training_client(self, *, base_model, rank):  # no seed: Spindle refuses one
         self.created.append(base_model)
         return _Client()  # tinker 0.25: the creation returns the client
 

@@ -9,7 +9,7 @@ import pytest
 from tinker_cookbook.recipes.math_rl import math_env
 
 from dppo_harness.data import gsm8k, sha256sums
-from dppo_harness.data.tokenizer import make_renderer
+from dppo_harness.data.tokenizer import make_renderer, stop_list
 
 
 @pytest.fixture(scope="module")
@@ -152,5 +152,7 @@ def test_prompt_is_cookbook_one_shot_with_math_env_suffix(renderer):
 
 def test_stop_list_copies_ids_or_strings():
     ids, texts = (151645,), ("</s>", "<|im_end|>")
-    assert gsm8k.stop_list(ids) == [151645] and gsm8k.stop_list(texts) == ["</s>", "<|im_end|>"]
-    assert gsm8k.stop_list([]) == []
+    assert stop_list(ids) == [151645] and stop_list(texts) == ["</s>", "<|im_end|>"]
+    # an empty list would make Spindle's sampler ignore end-of-sequence: refused, never sent
+    with pytest.raises(ValueError, match="ignore end-of-sequence"):
+        stop_list([])

@@ -205,18 +205,30 @@ def test_spindle_profile_needs_every_variable_and_hides_values():
     profile = make_profile("spindle", ENV)
     assert all(v not in repr(profile) for v in ENV.values())
     good = {"X-API-Key": "tml-k", "Modal-Key": "wk-i", "Modal-Secret": "ws-s"}
-    assert profile.auth_error(good) is None
-    assert profile.auth_error({**good, "Modal-Secret": "ws-x"}) == "invalid credentials in header Modal-Secret"
-    assert profile.auth_error({"X-API-Key": "tml-k"}) == "missing header Modal-Key"
-    assert Profile().auth_error({}) is None
+    # the exchange's front door (Modal-Key / Modal-Secret), then Spindle's own X-API-Key check
+    assert profile.auth_error(good) is None and profile.api_key_ok(good)
+    assert (
+        profile.auth_error({**good, "Modal-Secret": "ws-x"})
+        == "research exchange front door: invalid credentials in header Modal-Secret"
+    )
+    assert profile.auth_error({"X-API-Key": "tml-k"}) == "research exchange front door: missing header Modal-Key"
+    assert profile.auth_error({**good, "X-API-Key": "tml-x"}) is None  # not the front door's business
+    assert not profile.api_key_ok({**good, "X-API-Key": "tml-x"}) and not profile.api_key_ok({})
+    assert Profile().auth_error({}) is None and Profile().api_key_ok({})
 
 
 def test_spindle_profile_serves_the_base_model_and_drops_optimizer_echo():
     profile = make_profile("spindle", ENV)
     assert profile.served_models([constants.BASE_MODEL, "local/x"], "local/x") == [constants.BASE_MODEL]
     assert Profile().served_models([constants.BASE_MODEL, "local/x"], "local/x") == [constants.BASE_MODEL, "local/x"]
-    metrics = dict.fromkeys(OPTIMIZER_ECHO_KEYS, 1.0) | {"optim/grad_norm": 2.0}
-    assert profile.optim_metrics(metrics) == {"optim/grad_norm": 2.0}
+    metrics = dict.fromkeys(OPTIMIZER_ECHO_KEYS, 1.0) | {"optim/grad_norm": 2.0, "optim/step": 3.0}
+    # Spindle's Miles metrics (backends/miles_lora.py optim_step): no optimizer echo
+    assert profile.optim_metrics(metrics, 0.5) == {
+        "update_successful:mean": 1.0,
+        "grad_norm:mean": 2.0,
+        "timing/optimizer_step": 2.0,
+        "timing/optim_step": 0.5,
+    }
     assert Profile().optim_metrics(metrics) == metrics
 
 

@@ -52,11 +52,15 @@ def _failed(text: str, category=USER) -> tinker.RequestFailedError:
         _failed("checkpoint '20261202T004503Z-731a34-initial-shared-seed0' already exists; pass overwrite=True"),
         _status(tinker.ConflictError, 409, "Conflict"),
         _status(tinker.BadRequestError, 400, "checkpoint name is immutable: refusing to overwrite"),
+        # Spindle: a plain FileExistsError, category server, naming the checkpoint's directory
+        _failed("checkpoint already exists: /checkpoints/run-initial-shared/s1:train:0", SERVER),
     ],
 )
 def test_an_explicit_refusal_to_overwrite_proves_immutability(exc):
-    immutable, reason = restoration.duplicate_save_outcome(exc)
+    immutable, reason = restoration.duplicate_save_outcome(exc, "run-initial-shared")
     assert immutable is True and "refused to overwrite" in reason
+    if isinstance(exc, tinker.RequestFailedError) and exc.category == SERVER:
+        assert "(category server)" in reason and "/checkpoints/run-initial-shared/s1:train:0" in reason
 
 
 @pytest.mark.parametrize(
@@ -68,13 +72,15 @@ def test_an_explicit_refusal_to_overwrite_proves_immutability(exc):
         (_failed("trainer capacity exhausted: no trainer available for save_weights", SERVER), "capacity"),
         (_failed("save_weights failed on the local server: OSError: disk full", SERVER), "disk full"),
         (_failed("checkpoint already exists (while cleaning up)", SERVER), "already exists"),  # server-side failure
+        # category server naming another checkpoint: not this name's refusal
+        (_failed("checkpoint already exists: /checkpoints/other/s1:train:0", SERVER), "category server"),
         (_status(tinker.BadRequestError, 400, "bad request"), "bad request"),
         (tinker.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9")), "APIConnectionError"),
         (RuntimeError("exists"), "RuntimeError"),
     ],
 )
 def test_anything_else_leaves_immutability_unverified_with_the_reason(exc, needle):
-    immutable, reason = restoration.duplicate_save_outcome(exc)
+    immutable, reason = restoration.duplicate_save_outcome(exc, "run-initial-shared")
     assert immutable is None
     assert needle in reason and "immutability unverified" in reason
 
@@ -116,8 +122,10 @@ class _ServiceClient:
     def __init__(self, client):
         self.client = client
 
-    def create_lora_training_client(self, *, base_model, rank, seed):
-        return self.client  # tinker 0.25 blocks and hands the TrainingClient itself back
+    def create_lora_training_client(self, *, base_model, rank):
+        # no seed keyword: Spindle refuses a per-model seed, so the setup client must not send one;
+        # tinker 0.25 blocks and hands the TrainingClient itself back
+        return self.client
 
 
 @pytest.mark.parametrize(

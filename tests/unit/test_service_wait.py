@@ -19,6 +19,7 @@ from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
 from dppo_harness.service.wait.evidence import MAX_WAIT_SNAPSHOTS, BundlePoster
 from dppo_harness.service.wait.policy import (
     CapacityExhausted,
+    ModelLost,
     ServiceConfigError,
     ServiceHang,
     ServiceStopped,
@@ -601,3 +602,100 @@ def test_posted_waits_past_the_listed_ones_are_counted_once_each():
         w.wait(FakeFuture(clock, done_at=clock.t + 10), call="sample", client="sampler")  # ~9 posts each
     block = w.evidence()
     assert len(block["waiting"]) == ServiceWaiter.MAX_WAITS_LISTED and block["waits_not_listed"] == 3
+
+
+class CreationWatch(QueueWatch):
+    """A creation's watch: the SDK logs "Model creation for ... is paused" lines (never for active)."""
+
+    def __init__(self, clock):
+        super().__init__(clock=clock)
+        self.watch = LogWatch("creation", None, clock(), log=self.log, clock=self.clock)
+        self.kind = "creation"
+
+
+def test_a_creation_pending_with_an_active_queue_is_a_capacity_wait_not_a_hang():
+    """Spindle keeps a creation pending, queue_state active with no reason, while a trainer starts
+    cold or has no free slot; the SDK logs nothing for it. That counts toward the capacity patience
+    (600 s), not the 900 s service timeout, and the stop says which call, how long and what was seen."""
+    clock = Clock()
+    watch = CreationWatch(clock)
+    w, posts, stops, _ = _waiter(clock)
+    fut = FakeFuture(clock, watch, events=[(t, QueueState.ACTIVE, None) for t in range(0, 2000, 20)])
+    with pytest.raises(CapacityExhausted) as ei:
+        w.wait(fut, call="create_lora_training_client", client="a new LoRA client", watch=watch)
+    stop = ei.value
+    assert 600 <= stop.waited_s < 602 and clock.t - 1000 < 603 and stops == [stop]
+    assert stop.block.error.startswith("create_lora_training_client on a new LoRA client: pending for 600 s")
+    assert "queue_state active" in stop.block.error and "--capacity-patience-s=600" in stop.line
+    assert posts and posts[0].as_dict()["queue_state"] == "placing"  # posted while it lasts
+
+
+def test_a_cold_start_shorter_than_the_patience_is_waited_out_and_recorded():
+    clock = Clock()
+    watch = CreationWatch(clock)
+    w, posts, stops, _ = _waiter(clock)
+    fut = FakeFuture(clock, watch, done_at=clock.t + 75)
+    assert w.wait(fut, call="create_lora_training_client", client="a new LoRA client", watch=watch) == "ok"
+    assert stops == []
+    settled = posts[-1].as_dict()
+    assert settled["outcome"] == "answered" and settled["queue_state"] == "placing"
+    assert 75 <= settled["waited_s"] < 77 and settled["paused_s"] >= 74
+
+
+def test_a_training_call_with_an_active_queue_is_still_a_hang():
+    """Only creations are placements: an operation with no answer stays under the service timeout."""
+    clock = Clock()
+    watch = QueueWatch(clock=clock)
+    w, *_ = _waiter(clock)
+    with pytest.raises(ServiceHang):
+        w.wait(FakeFuture(clock, watch), call="forward_backward", client="dppo_seed0", watch=watch)
+
+
+class Raising(FakeFuture):
+    def __init__(self, clock, exc):
+        super().__init__(clock)
+        self.exc = exc
+
+    def result(self, timeout=None):
+        raise self.exc
+
+
+def _gone(status: int, body: dict) -> Exception:
+    import httpx
+    import tinker
+
+    req = httpx.Request("POST", "http://127.0.0.1:9/api/v1/forward_backward")
+    return tinker.APIStatusError(str(body), response=httpx.Response(status, request=req), body=body)
+
+
+def test_a_lost_model_stops_in_one_line_naming_it():
+    import tinker
+
+    clock = Clock()
+    w, _, stops, _ = _waiter(clock)
+    watch = QueueWatch(clock=clock, model_id="s1:train:3")
+    lost = _gone(410, {"error": "model_lost", "message": "model s1:train:3 was lost with its trainer"})
+    with pytest.raises(ModelLost) as ei:
+        w.wait(Raising(clock, lost), call="forward_backward", client="diagnostic arm", watch=watch.watch)
+    assert ei.value.line.startswith("forward_backward on diagnostic arm (model s1:train:3): the service lost the model")
+    assert "410 model_lost: model s1:train:3 was lost with its trainer" in ei.value.line and stops == [ei.value]
+    # a pending future failed because its engine terminated: the same stop
+    died = tinker.RequestFailedError(
+        "Request failed: engine terminated before producing a result for self.request_id='r'",
+        request_id="r",
+        category=tinker.types.RequestErrorCategory.Server,
+    )
+    with pytest.raises(ModelLost):
+        w.wait(Raising(clock, died), call="optim_step", client="diagnostic arm", watch=watch.watch)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [_gone(410, {"error": "request_lost"}), _gone(404, {"error": "not_found", "message": "model_lost? no"})],
+)
+def test_other_errors_are_not_a_lost_model(exc):
+    clock = Clock()
+    w, _, stops, _ = _waiter(clock)
+    with pytest.raises(type(exc)):
+        w.wait(Raising(clock, exc), call="forward_backward", client="a")
+    assert stops == []

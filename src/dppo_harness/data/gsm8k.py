@@ -210,12 +210,6 @@ def build_prompt(item: Gsm8kItem, renderer: renderers.Renderer) -> tuple[tinker.
     return ob, stop
 
 
-def stop_list(stop: Sequence[int] | Sequence[str]) -> list[int] | list[str]:
-    """A list copy of a stop condition: the renderer's stop token ids, or its stop strings."""
-    ids = [t for t in stop if isinstance(t, int)]
-    return ids if len(ids) == len(stop) else [str(t) for t in stop]
-
-
 @dataclass(frozen=True)
 class Graded:
     reward: float

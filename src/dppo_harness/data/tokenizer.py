@@ -250,3 +250,16 @@ def _disable_thinking_variant(b: TokenizerBundle) -> str | None:
     except (ValueError, KeyError):
         return None
     return name
+
+
+def stop_list(stop: Sequence[int] | Sequence[str]) -> list[int] | list[str]:
+    """A list copy of a stop condition: the renderer's stop token ids, or its stop strings. Never
+    empty: Spindle's sampler reads `stop == []` as "ignore end-of-sequence" and always generates
+    max_tokens (inference/sampling.py), so an empty condition is refused here."""
+    if not stop:
+        raise ValueError(
+            "the renderer gave no stop tokens or strings: an empty stop list would make the sampler "
+            "ignore end-of-sequence (Spindle generates max_tokens); check the renderer named in the plan"
+        )
+    ids = [t for t in stop if isinstance(t, int)]
+    return ids if len(ids) == len(stop) else [str(t) for t in stop]

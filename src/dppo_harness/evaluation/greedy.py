@@ -32,7 +32,7 @@ from tinker_cookbook.rl import problem_env
 from dppo_harness.data import dataset, gsm8k
 from dppo_harness.data import tokenizer as tokenizer_mod
 from dppo_harness.data.gsm8k import Gsm8kItem
-from dppo_harness.data.tokenizer import TokenizerBundle
+from dppo_harness.data.tokenizer import TokenizerBundle, stop_list
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.rollout.frozen_batch import canonical_json
@@ -174,7 +174,7 @@ def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> JsonObject
     return {
         "temperature": 0.0,
         "max_tokens": int(max_tokens),
-        "stop": list(stop),
+        "stop": stop_list(stop),  # as sent in SamplingParams
         "top_k": -1,
         "top_p": 1.0,
         "num_samples": 1,
@@ -357,7 +357,7 @@ def evaluate(
     renderer = evaluator.bundle.renderer
     stop = renderer.get_stop_sequences()
     params = tinker.SamplingParams(
-        temperature=0.0, max_tokens=evaluator.max_tokens, stop=gsm8k.stop_list(stop), top_k=-1, top_p=1.0
+        temperature=0.0, max_tokens=evaluator.max_tokens, stop=stop_list(stop), top_k=-1, top_p=1.0
     )
     data = dataset.get(dataset_of(evaluator.items))  # the seam: the items' own dataset prompts and grades
     prompts = [data.build_prompt(it, renderer)[0] for it in evaluator.items]

@@ -4,13 +4,17 @@ Prints exactly one line `listening on http://127.0.0.1:PORT` on stdout once the 
 loaded and the socket accepts connections; logs go to stderr (one line per request: method, path,
 status, milliseconds). SIGTERM/SIGINT shut it down.
 
-`--profile spindle` behaves like the shared Spindle service: it reads TINKER_API_KEY,
+`--profile spindle` behaves like Spindle, Modal's Tinker-compatible service, as its source shows it
+(modal-projects/spindle; docs/local-server.md "Spindle profile"): it reads TINKER_API_KEY,
 MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET from its own environment (exit code 2, naming
-the variable, if one is unset) and requires them as X-API-Key / Modal-Key / Modal-Secret.
+the variable, if one is unset); Spindle checks X-API-Key, the research exchange's front door in
+front of it checks Modal-Key / Modal-Secret.
 
 The fault options rehearse what a shared service does and the SDK knows (docs/service.md): capacity
-pauses as `paused_capacity` try_again polls (`--fault-queue-pause`), a request that never completes
-(`--fault-never-complete`), a 429 at sample submit for a while (`--fault-reject-for asample:429:S`).
+pauses as `paused_capacity` try_again polls (`--fault-queue-pause`, default profile; Spindle only
+ever says `active`), a request that never completes (`--fault-never-complete`), a 429 at sample
+submit for a while (`--fault-reject-for asample:429:S`), a trainer that dies (`--fault-model-lost`,
+spindle profile).
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ import threading
 import time
 from pathlib import Path
 
-from dppo_harness.local_server.cli import build_parser, check_model_path_flags, fault_config, loopback_host
+from dppo_harness.local_server.cli import (
+    build_parser,
+    check_model_path_flags,
+    check_profile_options,
+    fault_config,
+    loopback_host,
+    spindle_settings,
+)
 from dppo_harness.local_server.faults import FaultSpecError
 from dppo_harness.local_server.profiles import MissingCredential, make_profile
 
@@ -70,8 +81,15 @@ def main(argv: list[str] | None = None) -> None:
         faults = fault_config(args)
     except FaultSpecError as exc:
         raise SystemExit(str(exc)) from None
+    refusal = check_profile_options(args, faults)
+    if refusal is not None:
+        raise SystemExit(refusal)
     try:
-        profile = make_profile(args.profile, os.environ)
+        settings = spindle_settings(args)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    try:
+        profile = make_profile(args.profile, os.environ, settings)
     except MissingCredential as exc:
         print(f"local server: {exc}", file=sys.stderr, flush=True)
         sys.exit(USAGE_EXIT_CODE)

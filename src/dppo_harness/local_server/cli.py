@@ -15,6 +15,7 @@ from dppo_harness.local_server.faults import (
     FaultConfig,
     parse_capacity_fail,
     parse_latency,
+    parse_model_lost,
     parse_never_complete,
     parse_omit_field,
     parse_queue_pause,
@@ -22,7 +23,13 @@ from dppo_harness.local_server.faults import (
     parse_reject_for,
     parse_reject_prob,
 )
-from dppo_harness.local_server.profiles import PROFILES
+from dppo_harness.local_server.profiles import (
+    DEFAULT_SESSION_IDLE_TIMEOUT_S,
+    DEFAULT_SWEEP_INTERVAL_S,
+    DEFAULT_TRAINER_SLOTS,
+    PROFILES,
+    SpindleSettings,
+)
 
 PROG = "python -m dppo_harness.local_server"
 
@@ -32,6 +39,7 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     groups (in this order in `--help`)."""
     p = argparse.ArgumentParser(prog=PROG, description=description)
     _add_server_options(p)
+    _add_spindle_options(p.add_argument_group("Spindle's capacity and sweep (--profile spindle only)"))
     _add_checkpoint_options(p.add_argument_group("Hugging Face checkpoint backend (instead of the tiny presets)"))
     faults = p.add_argument_group("fault injection (seeded and counted; see GET /_harness/stats)")
     _add_rejection_faults(faults)
@@ -50,7 +58,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
         "--profile",
         choices=PROFILES,
         default="default",
-        help="spindle: require the Spindle credential headers and serve the plan's base model by name",
+        help="spindle: behave like Spindle, Modal's Tinker-compatible service, as its source shows it "
+        "(X-API-Key checked by Spindle, Modal-Key/Modal-Secret by the research exchange's front door; "
+        "the plan's base model by name; Spindle's routes, errors and futures; docs/local-server.md)",
     )
     p.add_argument("--model", default=None, help="engine model name (default: the engine's default)")
     p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
@@ -72,6 +82,99 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--sample-workers", type=int, default=64, help="threads running sample requests")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the engine (default 2)")
+
+
+def _add_spindle_options(g: argparse._ArgumentGroup) -> None:
+    """A trainer that starts cold, its LoRA slots, and the idle-session sweep (Spindle's
+    control_plane/service.py); refused without --profile spindle. Defaults are None here so that
+    an explicit use on the default profile is told apart."""
+    g.add_argument(
+        "--cold-start-s",
+        type=float,
+        default=None,
+        metavar="N",
+        help="the first model creation (create_model, or load_weights creating from a checkpoint) stays "
+        "pending N seconds before it runs, like a trainer starting cold; its polls say queue_state "
+        "active, no reason (default 0)",
+    )
+    g.add_argument(
+        "--trainer-slots",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"LoRA slots of the one trainer (Spindle's max_lora_slots, default {DEFAULT_TRAINER_SLOTS}): a "
+        "creation stays pending (active, no reason) while K models hold slots; unload_model or the idle "
+        "sweep frees one at once; 0: every creation stays pending forever",
+    )
+    g.add_argument(
+        "--session-idle-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a session with no heartbeat (or other request) for S seconds is reclaimed with its models, "
+        f"their slots freed (default {DEFAULT_SESSION_IDLE_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--sweep-interval-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"how often the idle sweep runs (default {DEFAULT_SWEEP_INTERVAL_S:g})",
+    )
+    g.add_argument(
+        "--fault-model-lost",
+        action="append",
+        default=[],
+        metavar="KIND:N",
+        help="at the N-th request of KIND this server receives (forward_backward, forward, optim_step, "
+        "save_weights, load_weights, save_weights_for_sampler, '*'), the trainer of the model it was sent "
+        "to is gone: every submit on that model "
+        "answers 410 model_lost and its pending futures fail with 'engine terminated before producing a result'",
+    )
+    g.add_argument(
+        "--fault-trainer-full-refuse",
+        action="store_true",
+        default=False,
+        help="a creation that would wait for a free slot fails instead with 'engine refused work: trainer "
+        "capacity exhausted' (category server), as Spindle does with autoscaling at its maximum",
+    )
+
+
+SPINDLE_ONLY_OPTIONS = (
+    ("cold_start_s", "--cold-start-s"),
+    ("trainer_slots", "--trainer-slots"),
+    ("session_idle_timeout_s", "--session-idle-timeout-s"),
+    ("sweep_interval_s", "--sweep-interval-s"),
+)
+
+
+def spindle_settings(args: argparse.Namespace) -> SpindleSettings:
+    """The spindle options as settings (defaults filled in); ValueError naming a bad value."""
+    given = {name: getattr(args, name) for name, _ in SPINDLE_ONLY_OPTIONS if getattr(args, name) is not None}
+    return SpindleSettings(**given)
+
+
+def check_profile_options(args: argparse.Namespace, faults: FaultConfig) -> str | None:
+    """One line refusing an option the chosen profile cannot honour, else None. Spindle never sends a
+    paused queue state, so `--fault-queue-pause` with one is refused under --profile spindle; the
+    spindle capacity/sweep options and faults are refused on the default profile."""
+    if args.profile == "spindle":
+        paused = [p for p in faults.queue_pause if p.queue_state != "active"]
+        if paused:
+            return (
+                f"--fault-queue-pause: Spindle never sends queue_state {paused[0].queue_state} (every pending poll is "
+                f"'active' with no reason); under --profile spindle give STATE active, e.g. {paused[0].kind}:"
+                f"{paused[0].number}:{'forever' if paused[0].seconds is None else f'{paused[0].seconds:g}'}:active"
+            )
+        return None
+    used = [flag for name, flag in SPINDLE_ONLY_OPTIONS if getattr(args, name) is not None]
+    if args.fault_model_lost:
+        used.append("--fault-model-lost")
+    if args.fault_trainer_full_refuse:
+        used.append("--fault-trainer-full-refuse")
+    if used:
+        return f"{', '.join(used)}: only with --profile spindle (Spindle's capacity, sweep and trainer faults)"
+    return None
 
 
 def _add_checkpoint_options(h: argparse._ArgumentGroup) -> None:
@@ -115,7 +218,8 @@ def _add_rejection_faults(f: argparse._ArgumentGroup) -> None:
         action="append",
         default=[],
         metavar="KIND:STATUS:N",
-        help="answer the first N requests of KIND ('*' = any) with HTTP STATUS (429|503)",
+        help="answer the first N requests of KIND ('*' = any) with HTTP STATUS (429|503); under --profile "
+        "spindle in Spindle's shape (429: {error: saturated, message: 'engine refused work: operation buffer full'})",
     )
     f.add_argument(
         "--fault-reject-prob",
@@ -144,8 +248,9 @@ def _add_held_request_faults(f: argparse._ArgumentGroup) -> None:
         metavar="KIND:N:SECONDS[:STATE][:moving]",
         help="hold the N-th request of KIND (create_model, forward_backward, optim_step, save_weights, "
         "asample, ...) for SECONDS ('forever': never) before it runs; its polls answer 408 try_again "
-        "with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a reason; "
-        "'moving': the reason names a queue position that changes at every poll",
+        "with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a reason, or STATE "
+        "active with no reason (the only form --profile spindle takes: Spindle never sends a paused "
+        "state); 'moving': the reason names a queue position that changes at every poll",
     )
     f.add_argument(
         "--fault-never-complete",
@@ -240,6 +345,8 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         die_after=args.fault_die_after,
         retry_after_ms=args.fault_retry_after_ms,
         omit_fields=tuple(parse_omit_field(s) for s in args.fault_omit_field),
+        model_lost=tuple(parse_model_lost(s) for s in args.fault_model_lost),
+        trainer_full_refuse=args.fault_trainer_full_refuse,
         record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
     )
 

@@ -23,6 +23,9 @@ CAPACITY_EXHAUSTED_TEXT = "trainer capacity exhausted"
 REJECT_STATUSES = (401, 402, 429, 500, 502, 503)
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]  # the SDK's TryAgainResponse.queue_state
 PAUSE_STATES: tuple[QueueState, ...] = ("paused_capacity", "paused_rate_limit")
+# STATE values `--fault-queue-pause` takes: the paused ones (with a reason), or `active` (a hold
+# whose polls look like any pending request: queue_state active, no reason; what Spindle sends).
+HOLD_STATES: tuple[QueueState, ...] = (*PAUSE_STATES, "active")
 FOREVER = ("forever", "inf")
 ANY_KIND = "*"
 # Values of these headers are never recorded, whatever the whitelist says.
@@ -124,6 +127,17 @@ class QueuePause:
 
 
 @dataclass(frozen=True)
+class ModelLost:
+    """At the `number`-th request of `kind` the server receives (1-based, counted over every model
+    as submits arrive), the trainer of the model it was sent to is gone: that submit and every
+    later one on the model answer HTTP 410 model_lost, and its pending futures fail (spindle
+    profile only)."""
+
+    kind: str
+    number: int
+
+
+@dataclass(frozen=True)
 class NeverComplete:
     """The `number`-th request of `kind` is accepted and never completes (its queue stays active)."""
 
@@ -174,6 +188,8 @@ class FaultConfig:
     die_after: int | None = None  # exit the process when API request K+1 arrives
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
     omit_fields: tuple[OmitField, ...] = ()  # optional response fields left out
+    model_lost: tuple[ModelLost, ...] = ()  # a model's trainer dies (spindle profile)
+    trainer_full_refuse: bool = False  # a creation waiting for a slot fails instead (spindle profile)
     record_header_values: tuple[str, ...] = DEFAULT_VALUE_HEADERS
 
     def __post_init__(self) -> None:
@@ -200,6 +216,8 @@ class FaultConfig:
             or self.never_complete
             or self.reject_for
             or self.omit_fields
+            or self.model_lost
+            or self.trainer_full_refuse
         )
 
 
@@ -336,10 +354,18 @@ def parse_queue_pause(spec: str) -> QueuePause:
     if len(fields) not in (3, 4) or not all(fields):
         raise FaultSpecError(f"{option}: expected KIND:N:SECONDS[:STATE][:moving], got {spec!r}")
     name = fields[3] if len(fields) == 4 else "paused_capacity"
-    state = next((s for s in PAUSE_STATES if s == name), None)
+    state = next((s for s in HOLD_STATES if s == name), None)
     if state is None:
-        raise FaultSpecError(f"{option}: STATE must be one of {PAUSE_STATES}, got {name!r}")
+        raise FaultSpecError(f"{option}: STATE must be one of {HOLD_STATES}, got {name!r}")
+    if moving and state == "active":
+        raise FaultSpecError(f"{option}: 'moving' needs a paused STATE (an active hold has no reason), got {spec!r}")
     return QueuePause(fields[0], _number(fields[1], option), _seconds_or_forever(fields[2], option), state, moving)
+
+
+def parse_model_lost(spec: str) -> ModelLost:
+    """`KIND:N`, e.g. `forward_backward:6`: a model's 6th forward_backward finds its trainer gone."""
+    kind, n = _split(spec, "--fault-model-lost", 2)
+    return ModelLost(kind, _number(n, "--fault-model-lost"))
 
 
 def parse_never_complete(spec: str) -> NeverComplete:
@@ -387,6 +413,7 @@ class FaultInjector:
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()  # kind -> requests seen (faults included)
         self.injected: Counter[str] = Counter()  # "kind:what" -> count
+        self._submits_seen: Counter[str] = Counter()  # spindle submits by kind, for --fault-model-lost
         self.api_requests = 0  # counted toward die_after
         self._capacity_left = self.config.capacity_exhausted
         self.executed: Counter[str] = Counter()  # kind -> ordered calls that reached execution
@@ -450,6 +477,18 @@ class FaultInjector:
                 return True
             return False
 
+    def model_lost_now(self, kind: str) -> bool:
+        """Counts one submit of `kind`; True if a --fault-model-lost rule kills the trainer of the
+        model it was sent to here (the rule's number-th submit of its kind on this server)."""
+        with self._lock:
+            self._submits_seen[kind] += 1
+            self._submits_seen[ANY_KIND] += 1
+            for rule in self.config.model_lost:
+                if rule.kind in (kind, ANY_KIND) and self._submits_seen[rule.kind] == rule.number:
+                    self.injected[f"{kind}:model_lost"] += 1
+                    return True
+        return False
+
     def omitted_fields(self, kind: str) -> frozenset[str]:
         """Counts one response of `kind` being built; the field paths to leave out of it."""
         rules = [r for r in self.config.omit_fields if r.kind == kind]
@@ -482,7 +521,11 @@ class FaultInjector:
                 if pause.kind in (kind, ANY_KIND) and pause.number == n:
                     self.injected[f"{kind}:queue_pause"] += 1
                     how_long = "until further notice" if pause.seconds is None else f"for {pause.seconds:g} s"
-                    reason = f"embedded server fault: no capacity for {kind} request {n}; paused {how_long}"
+                    reason = (
+                        None
+                        if pause.queue_state == "active"
+                        else f"embedded server fault: no capacity for {kind} request {n}; paused {how_long}"
+                    )
                     until = None if pause.seconds is None else time.monotonic() + pause.seconds
                     return Hold(pause.queue_state, reason, until, itertools.count(10_000, -1) if pause.moving else None)
             return None

@@ -1,6 +1,13 @@
-"""Server profiles: `default` (the open local stand-in) and `spindle` (behaves like the shared
-Spindle service where a client can tell: credentials on every request, the plan's base
-model by name, no optimizer echo beyond what the SDK types carry).
+"""Server profiles: `default` (the open local stand-in) and `spindle` (behaves like Spindle, Modal's
+Tinker-compatible service, as its source shows it: repository `modal-projects/spindle`; the facts
+are collected in docs/local-server.md "Spindle profile").
+
+The spindle profile has two checks in front of its handlers:
+- the research exchange's front door (a proxy in front of Spindle, not Spindle itself): every
+  request must carry `Modal-Key` / `Modal-Secret` (MODAL_PROXY_TOKEN_ID / _SECRET);
+- Spindle's own check (src/spindle/control_plane/http.py, `authorize`): `X-API-Key` must equal its
+  TINKER_API_KEY, else 401 `{"error": "unauthorized", "message": "unauthorized"}`; it runs after
+  routing, so an unknown route answers 404 first.
 
 Expected credential values come from the server's own environment at start and live only in a
 `Profile` (excluded from its repr); errors name the header or variable, never a value.
@@ -9,21 +16,26 @@ Expected credential values come from the server's own environment at start and l
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
 
 PROFILES = ("default", "spindle")
-# (request header, environment variable holding its expected value). The stock SDK sends the API
-# key as `X-API-Key` (tinker/lib/_auth_token_provider.py); the Modal proxy headers come from the
-# ServiceClient's `default_headers` (tinker/lib/public_interfaces/service_client.py).
-SPINDLE_CREDENTIALS = (
-    ("X-API-Key", "TINKER_API_KEY"),
+# The research exchange's front door in front of Spindle: (request header, environment variable
+# holding its expected value). The ServiceClient sends them as `default_headers`
+# (tinker/lib/public_interfaces/service_client.py).
+FRONT_DOOR_CREDENTIALS = (
     ("Modal-Key", "MODAL_PROXY_TOKEN_ID"),
     ("Modal-Secret", "MODAL_PROXY_TOKEN_SECRET"),
 )
+# Spindle's own key: the stock SDK sends the API key as `X-API-Key` (tinker/lib/_auth_token_provider.py).
+API_KEY_CREDENTIAL = ("X-API-Key", "TINKER_API_KEY")
+# Every credential the spindle profile reads (the process helper keeps these in the child's env).
+SPINDLE_CREDENTIALS = (API_KEY_CREDENTIAL, *FRONT_DOOR_CREDENTIALS)
 # optim_step metrics that only echo the requested optimizer config; Spindle does not send them.
 OPTIMIZER_ECHO_KEYS = frozenset(
     {"optim/learning_rate", "optim/beta1", "optim/beta2", "optim/eps", "optim/weight_decay", "optim/grad_clip_norm"}
@@ -36,15 +48,17 @@ _CLIENT_CONFIG_COMMON: JsonObject = {
     "credential_default_source": "api_key",
     "parallel_fwdbwd_chunks": True,
 }
-# Spindle's answer: zstd-compressed protobuf fwd/bwd bodies (`Content-Encoding: zstd`,
+# Spindle's answer (src/spindle/control_plane/http.py, `client_config`, the version with
+# `proto_compress_fwdbwd`): zstd-compressed protobuf fwd/bwd bodies (`Content-Encoding: zstd`,
 # tinker/resources/training.py), create_training_client_from_state* as one create-from-state
 # load_weights (tinker/lib/public_interfaces/service_client.py), httpx's own transport.
 # `proto_write_fwdbwd` is Spindle's own flag; SDK 0.25 has no field for it (it always sends protobuf).
+# No `sample_cancel_enabled`, no session poller flag.
 SPINDLE_CLIENT_CONFIG: JsonObject = _CLIENT_CONFIG_COMMON | {
     "proto_write_fwdbwd": True,
+    "proto_compress_fwdbwd": True,
     "use_pyqwest_transport": False,
     "create_model_via_load_weights": True,
-    "proto_compress_fwdbwd": True,
 }
 # The open stand-in: uncompressed protobuf, a restore as weights_info + create_model + load_weights,
 # and the SDK's default transport (pyqwest, tinker/_base_client.py), which serves loopback plain HTTP.
@@ -54,49 +68,157 @@ DEFAULT_CLIENT_CONFIG: JsonObject = _CLIENT_CONFIG_COMMON | {
     "proto_compress_fwdbwd": False,
 }
 
+# Spindle's deployment-wide Miles LoRA settings (src/spindle/backends/miles_config.py,
+# MilesBackendConfig: max_lora_rank 32; target_modules attention + MLP + output layer, i.e.
+# train_attn, train_mlp and train_unembed all on).
+MAX_LORA_RANK = 32
+LORA_TARGETS = (True, True, True)  # (train_attn, train_mlp, train_unembed)
+# Spindle's per-trainer LoRA slots on the 9B configs (max_lora_slots 6).
+DEFAULT_TRAINER_SLOTS = 6
+# Spindle's idle sweep (session_idle_timeout_s 300, sweep_interval_s 300).
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
+DEFAULT_SWEEP_INTERVAL_S = 300.0
+# The full-fine-tune-only definition the repo's deploy script serves next to the LoRA ones.
+FULL_ONLY_MODEL = "Qwen/Qwen3.5-4B"
+FULL_ONLY_CONTEXT = 32768
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One deployed definition, as `GET /api/v1/spindle/deployments` lists it
+    (src/spindle/control_plane/http.py, `list_deployments`)."""
+
+    name: str
+    definition_id: str
+    base_model: str
+    parameterization: Literal["lora", "full"]
+    max_context_length: int | None
+
+    def listing(self) -> JsonObject:
+        return {
+            "name": self.name,
+            "definition_id": self.definition_id,
+            "base_model": self.base_model,
+            "parameterization": self.parameterization,
+            "max_context_length": self.max_context_length,
+        }
+
+
+def spindle_deployments(max_context_length: int | None) -> tuple[Deployment, ...]:
+    """The definitions the spindle profile says it deploys: the plan's base model with LoRA (the
+    tiny stand-in computes it, with the engine's context length) and a full-fine-tune-only 4B."""
+    return (
+        Deployment("qwen3-5-2b-lora", "qwen3-5-2b-lora", constants.BASE_MODEL, "lora", max_context_length),
+        Deployment("qwen3-5-4b-full", "qwen3-5-4b-full", FULL_ONLY_MODEL, "full", FULL_ONLY_CONTEXT),
+    )
+
+
+def capabilities_of(deployments: tuple[Deployment, ...]) -> list[JsonObject]:
+    """`get_server_capabilities` entries: one per base model (the smallest context of its
+    definitions), no parameterization (src/spindle/control_plane/deployments.py, `capabilities`)."""
+    contexts: dict[str, int | None] = {}
+    for d in deployments:
+        if d.base_model not in contexts:
+            contexts[d.base_model] = d.max_context_length
+        elif d.max_context_length is not None:
+            known = contexts[d.base_model]
+            contexts[d.base_model] = d.max_context_length if known is None else min(known, d.max_context_length)
+    return [{"model_name": m, "max_context_length": c} for m, c in contexts.items()]
+
+
+@dataclass(frozen=True)
+class SpindleSettings:
+    """The spindle profile's capacity and sweep options (see docs/local-server.md)."""
+
+    cold_start_s: float = 0.0  # the first creation stays pending this long (a trainer starting cold)
+    trainer_slots: int = DEFAULT_TRAINER_SLOTS  # models holding a LoRA slot at once; 0: every creation waits
+    session_idle_timeout_s: float = DEFAULT_SESSION_IDLE_TIMEOUT_S
+    sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        for name in ("cold_start_s", "session_idle_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value!r}")
+        if not (math.isfinite(self.sweep_interval_s) and self.sweep_interval_s > 0):
+            raise ValueError(f"--sweep-interval-s must be a finite number > 0, got {self.sweep_interval_s!r}")
+        if self.trainer_slots < 0:
+            raise ValueError(f"--trainer-slots must be >= 0, got {self.trainer_slots}")
+
 
 class MissingCredential(ValueError):
     """A credential variable the spindle profile needs is unset; the message names it."""
 
 
+def _matches(value: str | None, expected: bytes) -> bool:
+    return bool(value) and hmac.compare_digest(str(value).encode("utf-8", "surrogateescape"), expected)
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str = "default"
-    credentials: tuple[tuple[str, bytes], ...] = field(default=(), repr=False)  # (header, expected value)
+    # The exchange's front door: (header, expected value), checked on every request.
+    front_door: tuple[tuple[str, bytes], ...] = field(default=(), repr=False)
+    # Spindle's X-API-Key value; None: not checked (the default profile).
+    api_key: bytes | None = field(default=None, repr=False)
+    spindle: SpindleSettings = field(default_factory=SpindleSettings)
+
+    @property
+    def is_spindle(self) -> bool:
+        return self.name == "spindle"
 
     def auth_error(self, headers: Mapping[str, str]) -> str | None:
-        """None when the request may pass, else a message naming the first bad header (no value)."""
-        for header, expected in self.credentials:
+        """The exchange front door: None when the request may pass, else a message naming the
+        first missing or wrong header (never a value)."""
+        for header, expected in self.front_door:
             value = headers.get(header)
             if not value:
-                return f"missing header {header}"
-            if not hmac.compare_digest(value.encode("utf-8", "surrogateescape"), expected):
-                return f"invalid credentials in header {header}"
+                return f"research exchange front door: missing header {header}"
+            if not _matches(value, expected):
+                return f"research exchange front door: invalid credentials in header {header}"
         return None
 
+    def api_key_ok(self, headers: Mapping[str, str]) -> bool:
+        """Spindle's own check: X-API-Key equals TINKER_API_KEY (always true on the default profile)."""
+        return self.api_key is None or _matches(headers.get(API_KEY_CREDENTIAL[0]), self.api_key)
+
     def served_models(self, engine_models: list[str], stand_in: str) -> list[str]:
-        """Model names this server answers to: Spindle serves the plan's base model by name only."""
-        if self.name == "spindle":
+        """Model names the engine computes for: Spindle serves the plan's base model by name only."""
+        if self.is_spindle:
             return [constants.BASE_MODEL]
         return list(engine_models) or [constants.BASE_MODEL, stand_in]
 
     def client_config(self) -> JsonObject:
         """The body of `POST client/config` for this profile."""
-        return dict(SPINDLE_CLIENT_CONFIG if self.name == "spindle" else DEFAULT_CLIENT_CONFIG)
+        return dict(SPINDLE_CLIENT_CONFIG if self.is_spindle else DEFAULT_CLIENT_CONFIG)
 
-    def optim_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
-        if self.name == "spindle":
-            return {k: float(v) for k, v in metrics.items() if k not in OPTIMIZER_ECHO_KEYS}
-        return {k: float(v) for k, v in metrics.items()}
+    def optim_metrics(self, metrics: Mapping[str, float], seconds: float = 0.0) -> dict[str, float]:
+        """optim_step metrics. Spindle's Miles backend answers `update_successful:mean`,
+        `grad_norm:mean` (or `skipped_nonfinite:sum`) and `timing/*` only, no optimizer echo
+        (src/spindle/backends/miles_lora.py, `optim_step`)."""
+        if not self.is_spindle:
+            return {k: float(v) for k, v in metrics.items()}
+        grad_norm = float(metrics.get("optim/grad_norm", float("nan")))
+        step = float(metrics.get("optim/step", 1.0))
+        out = {
+            "update_successful:mean": 1.0 if math.isfinite(grad_norm) else 0.0,
+            "timing/optimizer_step": max(step - 1.0, 0.0),  # the step index before this update
+            "timing/optim_step": float(seconds),
+        }
+        if math.isfinite(grad_norm):
+            out["grad_norm:mean"] = grad_norm
+        else:
+            out["skipped_nonfinite:sum"] = 1.0
+        return out
 
 
-def make_profile(name: str, env: Mapping[str, str]) -> Profile:
+def make_profile(name: str, env: Mapping[str, str], spindle: SpindleSettings | None = None) -> Profile:
     """The profile `name`, reading the spindle credentials from `env`; MissingCredential if unset."""
     if name not in PROFILES:
         raise ValueError(f"--profile must be one of {PROFILES}, got {name!r}")
     if name == "default":
         return Profile()
-    creds = []
+    values: dict[str, bytes] = {}
     for header, var in SPINDLE_CREDENTIALS:
         value = env.get(var)
         if not value:
@@ -104,8 +226,13 @@ def make_profile(name: str, env: Mapping[str, str]) -> Profile:
                 f"--profile spindle needs {var} in the server's environment (expected value of header {header}); "
                 f"it is unset"
             )
-        creds.append((header, value.encode("utf-8", "surrogateescape")))
-    return Profile("spindle", tuple(creds))
+        values[header] = value.encode("utf-8", "surrogateescape")
+    return Profile(
+        "spindle",
+        front_door=tuple((header, values[header]) for header, _ in FRONT_DOOR_CREDENTIALS),
+        api_key=values[API_KEY_CREDENTIAL[0]],
+        spindle=spindle or SpindleSettings(),
+    )
 
 
 def client_auth_headers(env: Mapping[str, str]) -> dict[str, str]:

@@ -21,7 +21,8 @@ from tinker_cookbook.completers import TokensWithLogprobs
 from tinker_cookbook.rl import data_processing
 from tinker_cookbook.rl.types import Trajectory, TrajectoryGroup, Transition
 
-from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response, stop_list
+from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response
+from dppo_harness.data.tokenizer import stop_list
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.json_types import JsonObject
 

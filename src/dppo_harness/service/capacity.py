@@ -36,6 +36,26 @@ def error_text(exc: BaseException) -> str:
     return m.group(1) if m else text
 
 
+# A lost trainer, in Spindle's words: 410 `model_lost` on a submit, and the text its pending futures
+# fail with (control_plane/http.py, service.py). 410 `request_lost` is not one: the SDK resends.
+MODEL_LOST_CODE = "model_lost"
+ENGINE_TERMINATED_TEXT = "engine terminated before producing a result"
+
+
+def model_lost_error(exc: BaseException) -> str | None:
+    """The service's words when `exc` says the model is gone (410 model_lost, or a pending future
+    failed because its engine terminated); None for anything else."""
+    if isinstance(exc, tinker.APIStatusError) and exc.status_code == 410:
+        body = exc.body if isinstance(exc.body, dict) else {}
+        if body.get("error") == MODEL_LOST_CODE:
+            return f"410 {MODEL_LOST_CODE}: {body.get('message') or error_text(exc)}"
+        return None
+    text = error_text(exc)
+    if ENGINE_TERMINATED_TEXT in text or (isinstance(exc, tinker.RequestFailedError) and MODEL_LOST_CODE in text):
+        return text
+    return None
+
+
 def is_capacity_error(exc: BaseException) -> bool:
     """429, 503, or a 'trainer capacity exhausted' message, from creation or any call."""
     if isinstance(exc, tinker.RateLimitError):

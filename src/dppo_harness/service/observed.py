@@ -293,9 +293,14 @@ def create_from_state_with_response(
     """
     rest_client = service_client.create_rest_client()
     info = rest_client.get_weights_info_by_tinker_path(path).result()
+    if not info.is_lora or info.lora_rank is None:
+        raise ValueError(
+            f"weights_info for {path} says is_lora={info.is_lora}, lora_rank={info.lora_rank}: "
+            "a LoRA client cannot be created for it without guessing its rank"
+        )
     client = service_client.create_lora_training_client(
         base_model=info.base_model,
-        rank=info.lora_rank if info.lora_rank is not None else 32,
+        rank=info.lora_rank,
         train_mlp=info.train_mlp if info.train_mlp is not None else True,
         train_attn=info.train_attn if info.train_attn is not None else True,
         train_unembed=info.train_unembed if info.train_unembed is not None else True,

@@ -131,7 +131,7 @@ def _time_greedy_eval(
         return GreedyEvalTiming(0, 0, 0.0)
     test = data.load_split("test").items[:eval_n]
     prompts = [data.build_prompt(it, renderer) for it in test]
-    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(prompts[0][1]))
+    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=tokenizer.stop_list(prompts[0][1]))
     _, sampler = rollout_batch.save_sampler(client, "feasibility-eval")
     t2 = time.perf_counter()
     futures = [sampler.sample(ob, 1, params) for ob, _ in prompts]

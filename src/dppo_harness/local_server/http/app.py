@@ -14,8 +14,13 @@ Protocol (read from the SDK source, see docs/local-server.md "HTTP side"):
   zstd-compressed (`Content-Encoding: zstd`) when client/config says `proto_compress_fwdbwd`.
 - Requests on one training model run strictly in `seq_id` order on that model's own worker
   thread; sampling runs on a shared thread pool so concurrent samples overlap.
-- Every response carries the embedded-server marker header; the `spindle` profile checks the
-  credential headers first (401 naming the header, never a value); one log line per request.
+- Every response carries the embedded-server marker header; one log line per request.
+- The `spindle` profile (docs/local-server.md "Spindle profile"): the research exchange's front
+  door checks Modal-Key / Modal-Secret on every request (401 naming the header, never a value);
+  then, on a route Spindle has, Spindle's own X-API-Key check (401 `{"error": "unauthorized",
+  "message": "unauthorized"}`, src/spindle/control_plane/http.py `authorize`); routes Spindle lacks
+  are not registered and answer FastAPI's 404 `{"detail": "Not Found"}`; errors are in Spindle's
+  `{"error": <code>, "message": <text>}` shape (http/spindle.py).
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from aiohttp.typedefs import Handler
 from tinker import types
 
 from dppo_harness import constants
-from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.errors import SpindleError, UserError
+from dppo_harness.local_server.http import spindle
 from dppo_harness.local_server.http.codecs import API, ProtocolError, dump, kind_of
 from dppo_harness.local_server.http.handlers_futures import cancel_future, retrieve_future
 from dppo_harness.local_server.http.handlers_rest import (
+    checkpoint_archive,
     get_training_run,
     list_checkpoints,
     list_training_runs,
@@ -49,6 +56,7 @@ from dppo_harness.local_server.http.handlers_service import (
     client_config,
     client_dynamic_config,
     create_session,
+    deployments,
     get_session,
     healthz,
     session_heartbeat,
@@ -79,10 +87,15 @@ SHUTDOWN_GRACE_S = 1.0
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[_log_requests, _authenticate, _faults_and_errors], client_max_size=512 * 1024 * 1024
+        middlewares=[_log_requests, _authenticate, _spindle_gate, _faults_and_errors],
+        client_max_size=512 * 1024 * 1024,
     )
     app[STATE_KEY] = state
     app.on_response_prepare.append(_add_marker)
+    is_spindle = state.profile.is_spindle
+    if is_spindle:
+        app.on_startup.append(_start_sweep)
+        app.on_cleanup.append(_stop_sweep)
     r = app.router
     r.add_get(f"{API}/healthz", healthz)
     r.add_get(f"{API}/get_server_capabilities", capabilities)
@@ -91,7 +104,8 @@ def build_app(state: ServerState) -> web.Application:
     r.add_post(f"{API}/create_session", create_session)
     r.add_post(f"{API}/session_heartbeat", session_heartbeat)
     r.add_post(f"{API}/telemetry", telemetry)
-    r.add_get(f"{API}/sessions/{{session_id}}", get_session)
+    if not is_spindle:  # Spindle has no session read (nor a session finish)
+        r.add_get(f"{API}/sessions/{{session_id}}", get_session)
     r.add_post(f"{API}/create_model", create_model)
     r.add_post(f"{API}/get_info", get_info)
     r.add_post(f"{API}/unload_model", unload_model)
@@ -104,13 +118,18 @@ def build_app(state: ServerState) -> web.Application:
     r.add_get(f"{API}/samplers/{{sampler_id}}", get_sampler)
     r.add_post(f"{API}/asample", asample)
     r.add_post(f"{API}/retrieve_future", retrieve_future)
-    r.add_post(f"{API}/cancel_future", cancel_future)
+    if not is_spindle:  # Spindle cannot cancel a request
+        r.add_post(f"{API}/cancel_future", cancel_future)
     # REST reads (RestClient; the cookbook's checkpoint_utils)
     r.add_get(f"{API}/training_runs", list_training_runs)
     r.add_get(f"{API}/training_runs/{{model_id}}", get_training_run)
     r.add_get(f"{API}/training_runs/{{model_id}}/checkpoints", list_checkpoints)
-    r.add_get(f"{API}/checkpoints", list_user_checkpoints)
+    if not is_spindle:  # Spindle lists checkpoints per training run only
+        r.add_get(f"{API}/checkpoints", list_user_checkpoints)
     r.add_post(f"{API}/weights_info", weights_info)
+    if is_spindle:
+        r.add_get(f"{API}/spindle/deployments", deployments)
+        r.add_get(f"{API}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:.+}}/archive", checkpoint_archive)
     r.add_get("/_harness/stats", stats)
     return app
 
@@ -135,11 +154,48 @@ async def _log_requests(request: web.Request, handler: Handler) -> web.StreamRes
         request_log.info("%s %s %d %.1fms", request.method, request.path, status, (time.perf_counter() - t0) * 1e3)
 
 
+SWEEP_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("sweep", asyncio.Task)
+
+
+async def _start_sweep(app: web.Application) -> None:
+    app[SWEEP_KEY] = asyncio.get_running_loop().create_task(spindle.sweep_forever(app[STATE_KEY]))
+
+
+async def _stop_sweep(app: web.Application) -> None:
+    task = app.get(SWEEP_KEY)
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 @web.middleware
 async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The research exchange's front door in front of Spindle (spindle profile): Modal-Key and
+    Modal-Secret on every request, before any route is looked at. Not Spindle's own check."""
     problem = state_of(request).profile.auth_error(request.headers)
     if problem is not None:
         return error_json(problem, 401)
+    return await handler(request)
+
+
+@web.middleware
+async def _spindle_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Spindle itself (spindle profile): a route it lacks answers FastAPI's 404 before any key check;
+    then X-API-Key must equal TINKER_API_KEY (src/spindle/control_plane/http.py, `authorize`)."""
+    state = state_of(request)
+    if not state.profile.is_spindle:
+        return await handler(request)
+    unmatched = request.match_info.http_exception
+    if unmatched is not None:
+        if unmatched.status == 405:
+            allowed = getattr(unmatched, "allowed_methods", ())
+            return web.json_response(
+                spindle.METHOD_NOT_ALLOWED_BODY, status=405, headers={"Allow": ", ".join(sorted(allowed))}
+            )
+        return web.json_response(spindle.NOT_FOUND_BODY, status=unmatched.status)
+    if not state.profile.api_key_ok(request.headers):
+        return spindle.error_json(401, "unauthorized", "unauthorized")
     return await handler(request)
 
 
@@ -170,11 +226,19 @@ async def _faults_and_errors(request: web.Request, handler: Handler) -> web.Stre
         headers = {}
         if state.faults.config.retry_after_ms is not None:
             headers["retry-after-ms"] = str(state.faults.config.retry_after_ms)
+        if state.profile.is_spindle:
+            response = spindle.injected_rejection(decision.reject_status, decision.reject_reason)
+            response.headers.update(headers)
+            return response
         rejection = dump(
             types.RequestFailedResponse(error=decision.reject_reason, category=types.RequestErrorCategory.Server)
         )
         return web.json_response(rejection, status=decision.reject_status, headers=headers)
     try:
         return await handler(request)
+    except SpindleError as exc:
+        return spindle.error_json(exc.status, exc.code, exc.message)
     except (ProtocolError, UserError) as exc:
+        if state.profile.is_spindle:  # Spindle's ValueError / RequestValidationError: 400 invalid_request
+            return spindle.error_json(400, "invalid_request", f"{kind}: {exc}")
         return error_json(f"{kind}: {exc}", 400)

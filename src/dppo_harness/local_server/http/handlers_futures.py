@@ -8,6 +8,8 @@ from aiohttp import web
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
+from dppo_harness.local_server.errors import SpindleError
+from dppo_harness.local_server.http import spindle
 from dppo_harness.local_server.http.codecs import dump
 from dppo_harness.local_server.http.state import Outcome, state_of
 from dppo_harness.local_server.http.work import error_json, parse_body
@@ -22,7 +24,19 @@ async def retrieve_future(request: web.Request) -> web.Response:
     request_id = req.request_id
     fut = state.results.get(request_id)
     if fut is None:
+        if state.profile.is_spindle:  # RecordNotFound("future", ...)
+            raise SpindleError(404, "not_found", f"future not found: {request_id}")
         return error_json(f"unknown request_id {request_id!r}", 404)
+    if state.profile.is_spindle and not fut.done():
+        # Every pending poll is 408 try_again, queue_state active, no reason: a cold trainer, a full
+        # one and a held request all look alike (src/spindle/control_plane/http.py, retrieve_future).
+        window = spindle.CREATION_POLL_S if request_id in state.creation_requests else LONG_POLL_S
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), window)
+        except TimeoutError:
+            return web.json_response(
+                {"type": "try_again", "request_id": request_id, "queue_state": "active"}, status=408
+            )
     if not fut.done():
         hold = state.holds.get(fut)
         paused = hold if hold is not None and hold.queue_state != "active" else None

@@ -7,7 +7,7 @@ import pydantic
 from aiohttp import web
 from tinker import types
 
-from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.errors import SpindleError, UserError
 from dppo_harness.local_server.http.codecs import ProtocolError, dump
 from dppo_harness.local_server.http.state import state_of
 from dppo_harness.local_server.http.work import error_json, parse_body
@@ -63,6 +63,27 @@ async def list_user_checkpoints(request: web.Request) -> web.Response:
     lo, hi = _page(request, len(every))
     cursor = types.Cursor(offset=lo, limit=hi - lo, total_count=len(every))
     return web.json_response(dump(types.CheckpointsListResponse(checkpoints=every[lo:hi], cursor=cursor)))
+
+
+CHECKPOINT_VOLUME = "spindle-checkpoints"  # Spindle's default checkpoint volume name
+
+
+async def checkpoint_archive(request: web.Request) -> web.Response:
+    """`GET training_runs/{id}/checkpoints/{checkpoint_id}/archive` (spindle profile): Spindle serves
+    no archive download; a known checkpoint answers 405 unsupported naming the volume copy
+    (src/spindle/control_plane/http.py, `get_checkpoint_archive_url`), an unknown one 404."""
+    state = state_of(request)
+    model_id = request.match_info["model_id"]
+    name = request.match_info["checkpoint_id"].removeprefix("weights/")
+    path = f"tinker://{model_id}/weights/{name}"
+    if path not in state.checkpoints:
+        raise SpindleError(404, "not_found", f"checkpoint not found: {path}")
+    raise SpindleError(
+        405,
+        "unsupported",
+        "archive downloads are not served; copy the checkpoint directly with "
+        f"`modal volume get {CHECKPOINT_VOLUME} /{name}/{model_id} <dest>`",
+    )
 
 
 class WeightsInfoRequest(pydantic.BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from aiohttp import web
 from tinker import types
@@ -12,8 +13,9 @@ from tinker import types
 from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
 from dppo_harness.local_server.engine.loss_fns import server_loss
-from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.errors import SpindleError, UserError
 from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
+from dppo_harness.local_server.http import spindle
 from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, dump, encode_fwdbwd_output
 from dppo_harness.local_server.http.state import (
     ModelEntry,
@@ -34,14 +36,18 @@ from dppo_harness.local_server.http.work import (
     spawn,
     submit_ordered,
 )
+from dppo_harness.local_server.profiles import spindle_deployments
 
 
 async def create_model(request: web.Request) -> web.Response:
     state = state_of(request)
     req = await parse_body(request, types.CreateModelRequest)
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    if state.profile.is_spindle:
+        _spindle_creation_checks(state, req)
     key = (req.session_id, req.model_seq_id)
     if key in state.model_requests:  # resent request
-        return future_json(state.model_requests[key])
+        return future_json(state.model_requests[key], model_id if state.profile.is_spindle else None)
     session_of(state, req.session_id)
     lora = req.lora_config
     if lora is None:
@@ -49,13 +55,22 @@ async def create_model(request: web.Request) -> web.Response:
     switches = (lora.train_mlp, lora.train_attn, lora.train_unembed)
     request_id, fut = state.new_future()
     state.model_requests[key] = request_id
-    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    state.creation_requests.add(request_id)
 
     async def work() -> Outcome:
         if state.faults.take_capacity_failure():
             state.model_requests.pop(key, None)  # a retry is a new creation attempt
             return Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {req.base_model}", "server")
         check_served(state, req.base_model)
+        if state.profile.is_spindle:  # the trainer's cold start, a LoRA slot, then Miles' checks
+            refused = await _spindle_admit(state, model_id, req.session_id)
+            if refused is None:
+                refusal = spindle.lora_refusal(lora.rank, lora.seed, switches)
+                if refusal is not None:
+                    await spindle.release_slot(state, model_id)
+                    refused = Outcome("error", refusal, "user")
+            if refused is not None:
+                return refused
         engine_id = await run_engine(
             state,
             state.misc_pool,
@@ -83,7 +98,30 @@ async def create_model(request: web.Request) -> web.Response:
         return Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
 
     spawn(state, fut, "create_model", work)
-    return future_json(request_id)
+    # Spindle's create_model answers the model id with the request id (control_plane/http.py).
+    return future_json(request_id, model_id if state.profile.is_spindle else None)
+
+
+def _spindle_creation_checks(state: ServerState, req: types.CreateModelRequest) -> None:
+    """Spindle's refusals at the create_model POST (src/spindle/control_plane/http.py, create_model):
+    an undeployed base model, no lora_config (SDK 0.25 can ask for no other parameterization), and
+    LoRA asked of a full-fine-tune-only definition."""
+    deployed = spindle_deployments(None)
+    if not any(d.base_model == req.base_model for d in deployed):
+        raise SpindleError(400, "invalid_request", f"unsupported base_model: {req.base_model}")
+    if req.lora_config is None:
+        raise SpindleError(400, "invalid_request", "parameterization is required when lora_config is absent")
+    if not any(d.base_model == req.base_model and d.parameterization == "lora" for d in deployed):
+        raise SpindleError(400, "invalid_request", f"lora parameterization is not available for {req.base_model}")
+
+
+async def _spindle_admit(state: ServerState, model_id: str, session_id: str) -> Outcome | None:
+    """Wait for the trainer and a slot (http/spindle.py); a session reclaimed meanwhile ends the creation."""
+    refused = await spindle.admit_creation(state, model_id)
+    if refused is None and session_id not in state.sessions:
+        await spindle.release_slot(state, model_id)
+        refused = Outcome("error", spindle.SESSION_CLOSED, "server")
+    return refused
 
 
 def _model_data(state: ServerState, entry: ModelEntry) -> JsonObject:
@@ -97,6 +135,19 @@ async def get_info(request: web.Request) -> web.Response:
     state = state_of(request)
     req = await parse_body(request, types.GetInfoRequest)
     entry = model_entry(state, req.model_id)
+    if state.profile.is_spindle:
+        # Spindle's fields exactly: no architecture, tokenizer id or optimizer config
+        # (src/spindle/control_plane/http.py, get_info).
+        spindle_info: JsonObject = {
+            "type": "get_info",
+            "model_id": entry.model_id,
+            "model_data": {"model_name": entry.base_model},
+            "model_name": entry.base_model,
+            "is_lora": True,
+            "lora_rank": entry.lora_rank,
+            "parameterization": {"type": "lora"},
+        }
+        return web.json_response(state.faults.omit_json("get_info", spindle_info))
     info = state.engine.get_info(entry.engine_id)
     response = types.GetInfoResponse(
         type="get_info",
@@ -144,8 +195,10 @@ async def optim_step(request: web.Request) -> web.Response:
     adam = req.adam_params.model_dump()  # every field, SDK defaults filled in (SDK 0.25: AdamW only)
 
     def fn() -> Outcome:
+        t0 = time.perf_counter()
         metrics = state.engine.optim_step(entry.engine_id, adam)
-        return Outcome("json", dump(types.OptimStepResponse(metrics=state.profile.optim_metrics(metrics))))
+        answered = state.profile.optim_metrics(metrics, time.perf_counter() - t0)
+        return Outcome("json", dump(types.OptimStepResponse(metrics=answered)))
 
     return submit_ordered(state, entry, req.seq_id, "optim_step", fn)
 
@@ -157,6 +210,17 @@ async def save_weights(request: web.Request) -> web.Response:
     name = req.path or f"checkpoint-seq{req.seq_id}"
 
     def fn() -> Outcome:
+        if (
+            state.profile.is_spindle
+            and not req.overwrite
+            and f"tinker://{entry.model_id}/weights/{name}" in state.checkpoints
+        ):
+            # Spindle's Miles backend installs into /checkpoints/<name>/<model_id> and raises a plain
+            # FileExistsError (backends/miles_lora.py `_install_directory`); its engine reports a
+            # failed persist as "<type>: <text>", category server (engine/server.py `_failure`).
+            return Outcome(
+                "error", f"FileExistsError: checkpoint already exists: /checkpoints/{name}/{entry.model_id}", "server"
+            )
         path = state.engine.save_state(entry.engine_id, name, overwrite=req.overwrite)
         state.record_checkpoint(entry, path)
         return Outcome("json", dump(types.SaveWeightsResponse(path=path, type="save_weights")))
@@ -216,8 +280,13 @@ async def load_weights(request: web.Request) -> web.Response:
     model_id = f"{session_id}:train:{model_seq_id}"
     request_id, fut = state.new_future()
     state.model_requests[key] = request_id
+    state.creation_requests.add(request_id)
 
     async def work() -> Outcome:
+        if state.profile.is_spindle:  # a creation like create_model: cold trainer, a LoRA slot
+            refused = await _spindle_admit(state, model_id, session_id)
+            if refused is not None:
+                return refused
         engine_id = await run_engine(
             state,
             state.misc_pool,
@@ -241,6 +310,10 @@ async def load_weights(request: web.Request) -> web.Response:
             lora_rank=info.get("lora_rank"),
             user_metadata=str_metadata(req.user_metadata),
         )
+        if state.profile.is_spindle:
+            # A creation resolves to its type and model id only, no path
+            # (src/spindle/control_plane/service.py, `_retrieve_creation`).
+            return Outcome("json", {"type": "load_weights", "model_id": model_id})
         return Outcome("json", dump(types.LoadWeightsResponse(path=path, model_id=model_id, type="load_weights")))
 
     spawn(state, fut, "load_weights", work)
@@ -258,6 +331,8 @@ async def unload_model(request: web.Request) -> web.Response:
     req = await parse_body(request, types.UnloadModelRequest)
     entry = model_entry(state, req.model_id)
     request_id, fut = state.new_future()
+    if state.profile.is_spindle:  # the slot is free at once; a waiting creation proceeds (service.py unload_model)
+        await spindle.release_slot(state, entry.model_id)
 
     async def work() -> Outcome:
         # After the requests already accepted for the model, but not after one a fault holds

@@ -23,7 +23,7 @@ from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
-from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.errors import SpindleError, UserError
 from dppo_harness.local_server.faults import FaultInjector, HeaderRecorder, Hold
 from dppo_harness.local_server.profiles import Profile
 
@@ -61,6 +61,8 @@ class ModelEntry:
     requests_by_seq: dict[int, str] = field(default_factory=dict)
     pending: int = 0  # accepted ordered requests not finished yet (unload_model waits for them)
     last_request_time: datetime = field(default_factory=utc_now)
+    # spindle profile: whether the model's trainer is gone (every later submit answers 410 model_lost)
+    lost: bool = False
 
 
 @dataclass
@@ -131,6 +133,14 @@ class ServerState:
         self.tasks: set[asyncio.Task] = set()
         self.holds: dict[asyncio.Future[Outcome], Hold] = {}  # queued requests a fault holds
         self.cancelled_requests = 0  # cancel_future calls received
+        # spindle profile: the one trainer's LoRA slots (model ids holding one), its cold start, and
+        # the creations waiting for either (see http/spindle.py)
+        self.slots: set[str] = set()
+        self.slot_cond = asyncio.Condition()
+        self.trainer_ready_at: float | None = None  # time.monotonic() when the cold trainer is up
+        self.waiting_creations = 0
+        self.creation_requests: set[str] = set()  # request ids of model creations (their polls)
+        self.reclaimed_sessions = 0
 
     # -- futures
     def new_future(self) -> tuple[str, asyncio.Future[Outcome]]:
@@ -205,6 +215,9 @@ class ServerState:
             "headers": self.headers.snapshot(),
             "sessions": len(self.sessions),
             "cancelled_requests": self.cancelled_requests,
+            "trainer_slots_held": len(self.slots),
+            "waiting_creations": self.waiting_creations,
+            "reclaimed_sessions": self.reclaimed_sessions,
             "models": {m: e.engine_id for m, e in self.models.items()},
             "samplers": len(self.samplers),
             "checkpoints": len(self.checkpoints),
@@ -235,8 +248,13 @@ def state_of(request: web.Request) -> ServerState:
 
 def session_of(state: ServerState, session_id: str) -> SessionEntry:
     if session_id not in state.sessions:
+        if state.profile.is_spindle:  # Spindle's RecordNotFound("session", ...): 404 not_found
+            raise SpindleError(404, "not_found", f"session not found: {session_id}")
         raise UserError(f"unknown session_id {session_id!r}")
-    return state.sessions[session_id]
+    session = state.sessions[session_id]
+    if state.profile.is_spindle:  # any request on a session counts as it being seen (Spindle's _touch_session)
+        session.last_heartbeat = time.time()
+    return session
 
 
 def new_sampler(state: ServerState, session_id: str, seq: int, base_model: str, model_path: str | None) -> str:

@@ -14,8 +14,9 @@ from typing import TypeVar
 from aiohttp import web
 from tinker import types
 
-from dppo_harness.local_server.errors import UserError
+from dppo_harness.local_server.errors import SpindleError, UserError
 from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
+from dppo_harness.local_server.http import spindle
 from dppo_harness.local_server.http.codecs import RequestT, dump, parse_request
 from dppo_harness.local_server.http.state import ModelEntry, Outcome, ServerState, utc_now
 
@@ -128,6 +129,8 @@ def submit_ordered(
     state: ServerState, entry: ModelEntry, seq_id: int | None, label: str, fn: Callable[[], Outcome], detail: str = ""
 ) -> web.Response:
     entry.last_request_time = utc_now()
+    if state.profile.is_spindle:
+        spindle.check_submit(state, entry, label)  # 410 model_lost once the model's trainer is gone
     if seq_id is not None:
         if seq_id in entry.requests_by_seq:  # a resent request: same future
             return future_json(entry.requests_by_seq[seq_id], entry.model_id)
@@ -143,6 +146,8 @@ def submit_ordered(
     detail = f"model {entry.model_id}" + (f" {detail}" if detail else "")
 
     def checked() -> Outcome:  # in seq order, so the injected failure hits a definite request
+        if entry.lost:  # its trainer died while this request waited (spindle --fault-model-lost)
+            return Outcome("error", spindle.ENGINE_TERMINATED, "server")
         if state.faults.take_call_capacity_failure(label):
             return Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {label}", "server")
         return fn()
@@ -162,8 +167,13 @@ def submit_ordered(
 
 def model_entry(state: ServerState, model_id: str | None) -> ModelEntry:
     if model_id is None or model_id not in state.models:
+        if state.profile.is_spindle:  # Spindle's RecordNotFound("model", ...): 404 not_found
+            raise spindle.model_not_found(model_id)
         raise UserError(f"unknown model_id {model_id!r}: create it with create_model or load_weights first")
-    return state.models[model_id]
+    entry = state.models[model_id]
+    if state.profile.is_spindle:
+        spindle.touch_session(state, entry.session_id)
+    return entry
 
 
 def new_entry(
@@ -194,6 +204,8 @@ def new_entry(
 
 def check_served(state: ServerState, base_model: str) -> None:
     if base_model not in state.served_models():
+        if state.profile.is_spindle:  # control_plane/http.py create_sampling_session / create_model
+            raise SpindleError(400, "invalid_request", f"unsupported base_model: {base_model}")
         raise UserError(
             f"base model {base_model!r} is not served by the local server; served models: {state.served_models()}"
         )

@@ -254,6 +254,26 @@ class ServiceDied(ServiceStopped):
         return {"exit_code": self.exit_code, "log_tail": self.log_tail}
 
 
+class ModelLost(ServiceStopped):
+    """The service lost a model: Spindle answers every later submit on a model whose trainer died
+    410 `model_lost`, and fails the model's pending futures ("engine terminated before producing a
+    result") (control_plane/http.py, service.py). The model does not come back; the only way on is a
+    new client loaded from a saved checkpoint."""
+
+    kind = "model_lost"
+
+    def __init__(self, call: str, client: str, model_id: str | None, text: str):
+        named = f"{client} (model {model_id})" if model_id and model_id not in client else client
+        super().__init__(
+            f"{call} on {named}: the service lost the model ({text}); it does not come back, "
+            "a new client must be loaded from a saved checkpoint"
+        )
+        self.call, self.client, self.model_id, self.text = call, client, model_id, text
+
+    def details(self) -> JsonObject:
+        return {"call": self.call, "client": self.client, "model_id": self.model_id, "error": self.text}
+
+
 class ServiceHang(ServiceStopped):
     """A request with no pause seen gave no answer for the whole service timeout."""
 

@@ -42,17 +42,27 @@ from tinker import APIFuture, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.rest_client import RestClient
 
 from dppo_harness.json_types import JsonObject
+from dppo_harness.service.capacity import model_lost_error
 from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
 from dppo_harness.service.wait.policy import (
     CapacityBlock,
     CapacityExhausted,
     CapacityTracker,
+    ModelLost,
     ServiceHang,
     ServiceStopped,
     WaitPolicy,
     WallBudgetSpent,
 )
-from dppo_harness.service.wait.watch import PAUSED, QueueReport, QueueSource, sampling_watch, training_watch
+from dppo_harness.service.wait.watch import (
+    PAUSED,
+    PLACING,
+    PLACING_REASON,
+    QueueReport,
+    QueueSource,
+    sampling_watch,
+    training_watch,
+)
 
 logger = logging.getLogger(__name__)
 V = TypeVar("V")
@@ -297,6 +307,7 @@ class ServiceWaiter:
             self.waits += 1
             wait_id = self.waits
         rep: QueueReport | None = None
+        placing = getattr(watch, "kind", None) == "creation"  # no answer yet is the model being placed
         outcome = "failed"
         try:
             while True:
@@ -308,6 +319,9 @@ class ServiceWaiter:
                 except TimeoutError:
                     if _done(future):
                         raise  # the call itself failed with a timeout
+                except Exception as exc:
+                    self._stop_if_lost(exc, call, client, watch)
+                    raise
                 now = self.clock()
                 if self._dead is not None:
                     self._stop(self._dead)
@@ -316,8 +330,7 @@ class ServiceWaiter:
                     self._stop(WallBudgetSpent(call, client, now - t0))
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
-                latest = watch.latest() if watch is not None else None
-                rep = latest if latest is not None and latest.at >= t0 else None  # reported during this call
+                rep = self._report(watch, t0, now, placing)
                 clock.advance(now, rep.since if rep is not None and rep.paused else None)
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
@@ -351,6 +364,20 @@ class ServiceWaiter:
             if was_posted or seen:  # settle what was posted: every pause reaches the block, no wait stays "waiting"
                 clock.advance(now, rep.since if rep is not None and rep.paused else None)
                 self._post(self._status(wait_id, call, client, since, clock, rep, outcome) if was_posted else None)
+
+    @staticmethod
+    def _report(watch: QueueSource | None, t0: float, now: float, placing: bool) -> QueueReport | None:
+        """What the watch reported during this call; for a creation with no report, its placement."""
+        latest = watch.latest() if watch is not None else None
+        if latest is not None and latest.at >= t0:
+            return latest
+        return QueueReport(PLACING, None, t0, now) if placing else None
+
+    def _stop_if_lost(self, exc: Exception, call: str, client: str, watch: QueueSource | None) -> None:
+        """Stop when the call failed because the service lost the model (a training watch names it)."""
+        lost = model_lost_error(exc)
+        if lost is not None:
+            self._stop(ModelLost(call, client, getattr(watch, "ident", None), lost))
 
     @staticmethod
     def _last_pause(watch: QueueSource | None, t0: float) -> QueueReport:
@@ -418,12 +445,16 @@ class ServiceWaiter:
     ) -> ServiceStopped:
         steps = int(self.tracker())
         option = "--capacity-patience-after-steps-s" if steps > 0 else "--capacity-patience-s"
-        error = rep.reason if rep.reason is not None else f"queue_state {rep.state} (the service sent no reason)"
+        if rep.state == PLACING:
+            error = f"{call} on {client}: pending for {int(paused_s)} s, {PLACING_REASON}"
+            line = f"{error}; giving up after {option}={window:g}"
+        else:
+            error = rep.reason if rep.reason is not None else f"queue_state {rep.state} (the service sent no reason)"
+            line = (
+                f"{call} on {client}: paused by the service for {int(paused_s)} s ({rep.state}: {error}); "
+                f"giving up after {option}={window:g}"
+            )
         block = CapacityBlock(error, steps, False)
-        line = (
-            f"{call} on {client}: paused by the service for {int(paused_s)} s ({rep.state}: {error}); "
-            f"giving up after {option}={window:g}"
-        )
         return CapacityExhausted(block, paused_s, 1, line=line)
 
     def _post(self, status: WaitStatus | None) -> None:

@@ -34,7 +34,16 @@ if TYPE_CHECKING:
 
 PAUSED = "paused"  # the SDK logged a pause (it does not log which paused state)
 SUBMIT_REFUSED = "submit_refused"  # the SDK is holding a refused sample submit back
-PAUSED_STATES = frozenset({PAUSED, SUBMIT_REFUSED})
+# A creation with no answer and no pause logged: the service is placing the model. Spindle keeps a
+# creation pending while a trainer starts cold or has no free LoRA slot, and every poll says only
+# `queue_state: active`, with no reason (control_plane/http.py, tests/control_plane/test_models.py);
+# tinker 0.25 logs only paused states, so this is all a client sees. It counts as a capacity wait.
+PLACING = "placing"
+PLACING_REASON = (
+    "no answer and no pause reported: the service is placing the model (Spindle polls say queue_state active, "
+    "no reason, while a trainer starts cold or has no free LoRA slot)"
+)
+PAUSED_STATES = frozenset({PAUSED, SUBMIT_REFUSED, PLACING})
 # The SDK logs a continuing pause at most every 60 s; a pause with no line for longer has ended.
 PAUSE_LOG_FRESH_S = 90.0
 # A refusal sets a backoff of 1 s (5 s for large prompts); one that ended longer ago than this is over.
@@ -53,7 +62,7 @@ _refusal_ids = itertools.count(1 << 40)  # apart from the log lines' numbers, wh
 
 @dataclass(frozen=True)
 class QueueReport:
-    state: str  # paused | submit_refused
+    state: str  # paused | submit_refused | placing
     reason: str | None  # as the SDK logged it (the service's words, or the SDK's default when none was sent)
     since: float  # time.monotonic() when this pause began
     at: float  # time.monotonic() of the latest sign of it

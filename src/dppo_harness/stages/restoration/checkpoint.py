@@ -37,13 +37,17 @@ class Recorder:
 OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable", re.IGNORECASE)
 
 
-def duplicate_save_outcome(exc: BaseException | None) -> tuple[bool | None, str]:
-    """(checkpoint_immutable, reason) from the second save_state under the same name.
+def duplicate_save_outcome(exc: BaseException | None, name: str = "") -> tuple[bool | None, str]:
+    """(checkpoint_immutable, reason) from the second save_state of `name` under the same name.
 
     True only on the service's explicit refusal to overwrite: HTTP 409, or a failed request / 400
-    that is not a server-side failure and whose text says the checkpoint exists or may not be
-    overwritten. A second save that succeeded is False (the name is not immutable). Anything else
-    (timeout, 5xx, capacity, connection, other errors) is None: unverified, with the reason.
+    whose text says the checkpoint exists or may not be overwritten. A failed request of category
+    server counts only when its text also names the checkpoint: Spindle refuses a duplicate name as
+    a server-category `checkpoint already exists: /checkpoints/<name>/<model_id>` (a plain
+    FileExistsError), while a server failure that merely mentions a file proves nothing. A second
+    save that succeeded is False (the name is not immutable). Anything else (timeout, 5xx,
+    capacity, connection, other errors) is None: unverified, with the reason. The reason keeps the
+    category and text as sent.
     """
     if exc is None:
         return False, "the service accepted a second save_state under the same name without overwrite"
@@ -55,7 +59,12 @@ def duplicate_save_outcome(exc: BaseException | None) -> tuple[bool | None, str]
     elif is_capacity_error(exc):
         refused = False
     elif isinstance(exc, tinker.RequestFailedError):
-        refused = exc.category != tinker.types.RequestErrorCategory.Server and bool(OVERWRITE_REFUSAL_RE.search(text))
+        says_refused = bool(OVERWRITE_REFUSAL_RE.search(text))
+        if exc.category == tinker.types.RequestErrorCategory.Server:
+            refused = says_refused and bool(name) and name in text
+            what = f"{what} (category server)"
+        else:
+            refused = says_refused
     elif isinstance(exc, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
         refused = bool(OVERWRITE_REFUSAL_RE.search(text))
     if refused:
@@ -111,32 +120,37 @@ def fresh_checkpoint(
     rec: Recorder,
     call: CallWrapper,
 ) -> InitialCheckpoint:
-    """Step 1: a fresh LoRA client saves the immutable initial checkpoint."""
+    """Step 1: a fresh LoRA client saves the immutable initial checkpoint.
+
+    No per-model seed is sent: Spindle's multi-LoRA backend refuses one (the creation future fails,
+    "Miles multi-LoRA does not support per-model seeds"), and a seed would prove nothing anyway;
+    every arm is proved to start from this one saved state by its observed load. `seed` is the
+    plan's initialization group (arms with their own group get their own setup client)."""
     # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
-    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank, seed=seed))
-    name_client(client, f"setup client ({label}, seed {seed})")
+    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank))
+    name_client(client, f"setup client ({label})")
     describe_client(
         probe_sc,
         client,
-        f"setup ({label}, seed {seed}): saves the initial checkpoint"
+        f"setup ({label}, initialization group of seed {seed}): saves the initial checkpoint"
         + ("; then the uninterrupted restore probe and the base-LR scaling probe" if label == "shared" else ""),
     )
     info = client.get_info()
     rec.keep(f"create_{label}.get_info", info)
-    name = f"{tag}-initial-{label}-seed{seed}"
+    name = f"{tag}-initial-{label}"
     saved = client.save_state(name).result()
     rec.keep(f"save_{label}", saved)
     # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
     try:
         again = client.save_state(name).result()
     except Exception as exc:
-        immutable, reason = duplicate_save_outcome(exc)
+        immutable, reason = duplicate_save_outcome(exc, name)
         rec.keep(
             f"save_{label}_again_refused" if immutable else f"save_{label}_again_failed",
             {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason},
         )
     else:
-        immutable, reason = duplicate_save_outcome(None)
+        immutable, reason = duplicate_save_outcome(None, name)
         rec.keep(f"save_{label}_again", again)
     return InitialCheckpoint(client, saved.path, immutable, reason, info)
 
