@@ -183,14 +183,16 @@ def test_summary_is_two_plain_sentences_naming_the_served_model(comparison_run, 
 
 
 def test_the_schedule_and_its_source_are_recorded(comparison_run, evidence_bundle, harness_options):
-    """The embedded rehearsal keeps `interleaved` unless asked; a real service defaults to concurrent."""
+    """Arm after arm unless asked, on any service: the schedule the feasibility pilot timed."""
     n = _session_index(evidence_bundle)
     manifest = json.loads(evidence_bundle.file_path(f"comparison-run-{n}.json").read_text())
     assert manifest["schedule"] == comparison_run.schedule
     if harness_options.comparison_schedule is None:
-        embedded = (evidence_bundle.result.get("backend") or {}).get("kind") == "local"
-        assert comparison_run.schedule == ("interleaved" if embedded else "concurrent")
-        assert manifest["schedule_source"].startswith("default on")
+        assert comparison_run.schedule == "interleaved"
+        assert (
+            manifest["schedule_source"].startswith("default on")
+            and "feasibility pilot timed" in (manifest["schedule_source"])
+        )
     state = json.loads(evidence_bundle.file_path(f"comparison-state-r{n}-end.json").read_text())
     guard = state["training"]["wall_guard"]
     # one measured step time per step this session trained (a resumed session starts mid-run)

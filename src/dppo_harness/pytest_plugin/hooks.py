@@ -89,8 +89,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--comparison-schedule",
         choices=("interleaved", "concurrent"),
         default=None,
-        help="how the two arms advance step by step (default: concurrent on a real service, interleaved "
-        "on the embedded server; see benchmarks/comparison_schedule.py)",
+        help="how the two arms advance step by step (default: interleaved, arm after arm, the schedule the "
+        "feasibility pilot times; concurrent overlaps them: see benchmarks/comparison_schedule.py)",
     )
     group.addoption(
         "--wandb-project",

@@ -220,6 +220,9 @@ class ServiceWaiter:
         self.longest_wait_s = 0.0
         # Seconds left of the wall budget the current stage's waits may use (None: not bounded by one).
         self.budget_left: Callable[[], float | None] | None = None
+        # Whether a lost model is the stage's to replace (the comparison replaces a lost arm once): such
+        # a ModelLost is raised to the stage as it is, neither recorded as the stop nor releasing clients.
+        self.replaces_lost: Callable[[ModelLost], bool] | None = None
         self._dead: ServiceStopped | None = None  # the service itself is gone: every wait stops at its next look
         self._issued: weakref.WeakSet[Abandonable] = weakref.WeakSet()  # every WaitedFuture handed out
         self.abandoned = 0  # futures still pending at the stop, cancelled
@@ -376,8 +379,17 @@ class ServiceWaiter:
     def _stop_if_lost(self, exc: Exception, call: str, client: str, watch: QueueSource | None) -> None:
         """Stop when the call failed because the service lost the model (a training watch names it)."""
         lost = model_lost_error(exc)
-        if lost is not None:
-            self._stop(ModelLost(call, client, getattr(watch, "ident", None), lost))
+        if lost is None:
+            return
+        stop = ModelLost(call, client, getattr(watch, "ident", None), lost)
+        if self.replaces_lost is not None and self.replaces_lost(stop):
+            self._say(f"service: {stop.line} (the stage replaces it)")
+            raise stop
+        self._stop(stop)
+
+    def stop(self, stop: ServiceStopped) -> None:
+        """Stop the stage with `stop` as a wait would (recorded, clients released, evidence written), raising it."""
+        self._stop(stop)
 
     @staticmethod
     def _last_pause(watch: QueueSource | None, t0: float) -> QueueReport:

@@ -44,24 +44,31 @@ class OptimizerMismatch(ComparisonError):
 
 
 def default_schedule(embedded: bool) -> ArmOrder:
-    """How the arms advance unless asked: concurrently on a real service (faster once each request
-    pays a round trip, benchmarks/comparison_schedule.py), interleaved on the embedded server (two
-    arms on 2 CPU cores gain nothing from overlap)."""
-    return "interleaved" if embedded else "concurrent"
+    """How the arms advance unless asked: arm after arm, on any service. It is the schedule the
+    feasibility pilot times (its projection adds the arms' steps), and on Spindle two arms'
+    concurrent forward_backward requests on the one shared trainer are packed into one batch
+    (a failed batch fails both; numerics vary with packing: docs/multi-lora.md), which would tie
+    one arm's step to the other's. `--comparison-schedule concurrent` overlaps them on request
+    (benchmarks/comparison_schedule.py measures the overlap)."""
+    del embedded  # the same default on the embedded server (2 CPU cores gain nothing from overlap)
+    return "interleaved"
 
 
 def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[ArmOrder, str]:
-    """(arm order, why): --comparison-schedule when given, else concurrent on a real service and
-    interleaved on the embedded server (evidence backend kind `local`, marker seen)."""
+    """(arm order, why): --comparison-schedule when given, else arm after arm (`default_schedule`),
+    the source saying which service it defaulted on."""
     if option:
         if option not in ("interleaved", "concurrent"):
             raise ComparisonError(f"--comparison-schedule: {option!r} is not interleaved or concurrent")
-        return ("interleaved" if option == "interleaved" else "concurrent"), "--comparison-schedule"
+        if option == "concurrent":
+            return "concurrent", "--comparison-schedule (the feasibility projection timed the arms one after the other)"
+        return "interleaved", "--comparison-schedule"
     embedded = backend_kind == "local"
     return default_schedule(embedded), (
-        "default on the embedded server"
+        "default on the embedded server (arm after arm, as the feasibility pilot timed)"
         if embedded
-        else "default on a real service (benchmarks/comparison_schedule.py)"
+        else "default on a real service (arm after arm, as the feasibility pilot timed; concurrent arms' "
+        "forward_backward requests are packed into one batch on a shared trainer)"
     )
 
 

@@ -23,7 +23,13 @@ from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.service.capacity import call_with_capacity_retry, error_text
 from dppo_harness.service.release import ClientRegistry
-from dppo_harness.service.wait.policy import CapacityExhausted, CapacityPolicy, CapacityTracker, ServiceStopped
+from dppo_harness.service.wait.policy import (
+    CapacityExhausted,
+    CapacityPolicy,
+    CapacityTracker,
+    ModelLost,
+    ServiceStopped,
+)
 from dppo_harness.stages.comparison.arms import ArmRunner, TrainingOutcome, make_runners, train_arms
 from dppo_harness.stages.comparison.config import (
     ArmOrder,
@@ -219,6 +225,17 @@ class RunSession:
     by_arm: dict[str, list[StepRowJson]] = field(default_factory=dict)
     restores_left: int = -1  # mid-step restore states the budget keeps slots for (-1: per arm, set on first use)
 
+    def _take_restore_slot(self, what: str) -> None:
+        """One evidence slot for the run state of a restore in the run (kept per arm in the budget)."""
+        reserved = self._restore_slots_left()
+        if reserved == 0 and self.bundle.free_slots() - 1 < kept_slots(self.cfg, 0):
+            raise ComparisonError(
+                f"{what}: no evidence file slot left for the run state of another restore "
+                f"({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
+                "resume the run (--resume) to continue from its last save"
+            )
+        self.restores_left = max(0, reserved - 1)
+
     def _restore_slots_left(self) -> int:
         if self.restores_left < 0:
             self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.cfg.arms)
@@ -242,19 +259,46 @@ class RunSession:
             f"{path} (weights + optimizer) before the retry"
         )
         ref = state_file_name(self.state, f"{name}-s{failure['step']}-a{failure['attempt']}")
-        reserved = self._restore_slots_left()
-        if reserved == 0 and self.bundle.free_slots() - 1 < kept_slots(self.cfg, 0):
-            raise ComparisonError(
-                f"{name} step {failure['step'] + 1}: no evidence file slot left for the run state of "
-                f"another mid-step restore ({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
-                "resume the run (--resume) to continue from its last save"
-            )
-        self.restores_left = max(0, reserved - 1)
+        self._take_restore_slot(f"{name} step {failure['step'] + 1}")
         client, prov = restore_arm(self.service_client, self.state, self.cfg, name, path, ref)
         self.clients[name] = client
         self.bundle.register_json(ref, "manifest", self.state.to_json())
         self.bundle.update_result(initialization_provenance={"arms": {name: prov}})
         return dataclasses.replace(runner, client=client)
+
+    def arm_of(self, lost: ModelLost) -> str | None:
+        """The arm whose current client is the lost model, if it has not lost one before (the one
+        replacement an arm gets); None otherwise: the loss stops the run."""
+        for name, client in self.clients.items():
+            if str(getattr(client, "model_id", "")) == lost.model_id and not self.state.arms[name].lost_models:
+                return name
+        return None
+
+    def replace_lost_arm(self, lost: ModelLost) -> None:
+        """The service lost an arm's model: a new client loaded from the arm's last save (its initial
+        checkpoint before any), the load observed and counted like any restore; the arm's steps after
+        that save are trained again, their rows and logged metrics dropped so each step is kept once."""
+        name = self.arm_of(lost)
+        if name is None:
+            raise lost
+        arm = self.state.arms[name]
+        path, at = (
+            (arm.state_path, arm.state_step) if arm.state_path is not None else (self.state.initial_checkpoint, 0)
+        )
+        self._take_restore_slot(f"{name}: replacing the lost model")  # before anything changes
+        self.progress(f"[comparison] {lost.line}; replacing {name} from {path} (step {at}), trained again from there")
+        ref = state_file_name(self.state, f"{name}-lost-s{arm.steps_done}")
+        arm.lost_models.append({"model_id": lost.model_id, "call": lost.call, "error": lost.text,
+                                "at_steps_done": arm.steps_done, "replaced_from": path, "replaced_from_step": at})  # fmt: skip
+        self.state.rows = [r for r in self.state.rows if r["arm"] != name or r["step"] < at]
+        self.by_arm[name] = [r for r in self.by_arm[name] if r["step"] < at]
+        cookbook_metrics.drop_logged_steps(self.mlog.path(name), at)
+        arm.steps_done = at  # the loaded state's step: the restore is recorded there
+        client, prov = restore_arm(self.service_client, self.state, self.cfg, name, path, ref)
+        self.clients[name] = client
+        self.state.save(self.spath)
+        self.bundle.register_json(ref, "manifest", self.state.to_json())
+        self.bundle.update_result(initialization_provenance={"arms": {name: prov}})
 
     def save_arm_state(self, runner: ArmRunner, steps_done: int) -> str:
         state = self.state
@@ -282,8 +326,8 @@ class RunSession:
             register_saved_state(bundle, state, done, kept)
             post_snapshot(bundle, f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
         bundle.post_arm_metrics(row["arm"], arm_summary(self.by_arm[row["arm"]]))
-        if all(s.steps_done > row["step"] for s in state.arms.values()):
-            self.tracker.step_done()
+        if all(s.steps_done > row["step"] for s in state.arms.values()) and self.tracker() <= row["step"]:
+            self.tracker.step_done()  # once per step, a step an arm trained again included
         arm = state.arms[row["arm"]]
         if arm.steps_done == cfg.steps:
             finalize_arm(self.clients[row["arm"]], row["arm"], state, bundle, self.by_arm, self.tag)
@@ -403,25 +447,36 @@ def train_session(
     renderer = tokenizer.make_renderer().renderer
     session.by_arm = {a.name: [r for r in state.rows if r["arm"] == a.name] for a in cfg.arms}
     capacity_block: JsonObject | None = None
+    waiter = getattr(session.service_client, "waiter", None)
     try:
         session.clients.update(open_arms(session.service_client, state, cfg, restoration, session.bundle, session.call))
         state.save(session.spath)
-        outcome = train_arms(
-            make_runners(session.clients, cfg),
-            cfg,
-            state,
-            items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
-            renderer=renderer,
-            tag=f"{session.tag}-{state.run_id}-r{state.resumed}",
-            schedule=schedule,
-            on_row=session.on_row,
-            save_state=session.save_arm_state,
-            restore=session.restore_mid_step,
-            call=session.call,
-            stop_after=stop_after,
-            progress=session.progress,
-            guard=guard,
-        )
+        if waiter is not None:  # a lost arm is replaced once from its last save, not the end of the run
+            waiter.replaces_lost = lambda lost: session.arm_of(lost) is not None
+        runners = make_runners(session.clients, cfg)
+        while True:
+            try:
+                outcome = train_arms(
+                    [dataclasses.replace(r, client=session.clients[r.spec.name]) for r in runners],
+                    cfg,
+                    state,
+                    items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
+                    renderer=renderer,
+                    tag=f"{session.tag}-{state.run_id}-r{state.resumed}",
+                    schedule=schedule,
+                    on_row=session.on_row,
+                    save_state=session.save_arm_state,
+                    restore=session.restore_mid_step,
+                    call=session.call,
+                    stop_after=stop_after,
+                    progress=session.progress,
+                    guard=guard,
+                )
+                break
+            except ModelLost as lost:
+                if session.arm_of(lost) is None and waiter is not None:
+                    waiter.stop(lost)  # recorded as the run's stop, clients released
+                session.replace_lost_arm(lost)
     except CapacityExhausted as exc:
         capacity_block = exc.block.as_dict()
         outcome = TrainingOutcome(
@@ -435,6 +490,8 @@ def train_session(
     except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
         outcome = _stopped(session, schedule, exc)
     finally:
+        if waiter is not None:
+            waiter.replaces_lost = None
         session.mlog.close()
     return outcome, capacity_block
 

@@ -57,6 +57,8 @@ class ArmState:
     step_retries: list[StepRetry] = field(default_factory=list)  # refused attempts, see GuardedArmStep
     # str(steps_done) -> checkpoint_record_sha256 of that save, taken when it was saved
     save_hashes: dict[str, str] = field(default_factory=dict)
+    # models the service lost under this arm, each replaced from the arm's last save (at most once a run)
+    lost_models: list[dict[str, Any]] = field(default_factory=list)
 
     def record_save(self, run_id: str, step: int, path: str) -> None:
         """The state saved after `step` steps: the resume point, hashed as it is recorded."""
