@@ -227,20 +227,41 @@ def _creation_stop(engine, faults, policy):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("status", [402, 429, 503])
-def test_refused_polls_end_as_a_hang_within_the_timeout(engine, monkeypatch, status):
+def test_refused_polls_of_a_creation_end_as_a_capacity_wait_within_the_patience(engine, monkeypatch, status):
     """tinker 0.25 re-polls a 402 (billing: for up to an hour), a 429 and a 503 without a word to
-    anyone: the wait sees no pause and no answer, so it ends as a hang at --service-timeout-s, not
-    after the SDK's hour; what the service said is not seen (docs/service.md)."""
+    anyone: a creation whose session is set up sees no pause and no answer, as on a Spindle placing
+    its model, so it ends at --capacity-patience-s with what was observed, not after the SDK's hour;
+    what the service said is not seen (docs/service.md)."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     faults = FaultConfig(reject_for=(parse_reject_for(f"retrieve_future:{status}:600"),))
     stop, secs, block = _creation_stop(
-        engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=4)
+        engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=30)
     )
-    assert isinstance(stop, ServiceHang) and 4 <= secs < 20, (type(stop), secs)
-    assert stop.line.startswith(
-        "create_lora_training_client on a new LoRA client on Qwen/Qwen3.5-2B: no answer for 4 s"
+    assert isinstance(stop, CapacityExhausted) and 3 <= secs < 20, (type(stop), secs)
+    assert stop.block.error.startswith(
+        "create_lora_training_client on a new LoRA client on Qwen/Qwen3.5-2B: pending for 3 s, no answer"
     )
-    assert block["stopped"]["kind"] == "no_answer"
+    assert block["stopped"]["kind"] == "capacity"
+
+
+@pytest.mark.timeout(90)
+def test_refused_polls_of_an_operation_end_as_a_hang_within_the_timeout(engine, monkeypatch):
+    """The same silent re-polls on an operation (not a creation): no pause, no answer, a hang at
+    --service-timeout-s."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    faults = FaultConfig(reject_for=(parse_reject_for("optim_step:503:600"),))
+    with InProcessServer(engine, faults=faults) as srv:
+        waiter = ServiceWaiter(WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=4))
+        sc = make_service_client("local", srv.base_url, waiter=waiter)
+        try:
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4)
+            t0 = time.monotonic()
+            with pytest.raises(ServiceHang) as ei:
+                tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+            assert 4 <= time.monotonic() - t0 < 20
+        finally:
+            sc.release(5)
+    assert ei.value.line.startswith("optim_step on ") and "no answer for 4 s" in ei.value.line
 
 
 @pytest.mark.timeout(90)

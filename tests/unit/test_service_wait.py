@@ -605,12 +605,17 @@ def test_posted_waits_past_the_listed_ones_are_counted_once_each():
 
 
 class CreationWatch(QueueWatch):
-    """A creation's watch: the SDK logs "Model creation for ... is paused" lines (never for active)."""
+    """A creation's watch: the SDK logs "Model creation for ... is paused" lines (never for active);
+    `ready_at`: the clock time its session is set up (the SDK keeps its session holder from then)."""
 
-    def __init__(self, clock):
+    def __init__(self, clock, ready_at=0.0):
         super().__init__(clock=clock)
-        self.watch = LogWatch("creation", None, clock(), log=self.log, clock=self.clock)
-        self.kind = "creation"
+        self.watch = LogWatch(
+            "creation", None, clock(), log=self.log, clock=self.clock, placing=lambda: clock() >= ready_at
+        )
+
+    def placing_since(self, now):
+        return self.watch.placing_since(now)
 
 
 def test_a_creation_pending_with_an_active_queue_is_a_capacity_wait_not_a_hang():
@@ -640,6 +645,22 @@ def test_a_cold_start_shorter_than_the_patience_is_waited_out_and_recorded():
     settled = posts[-1].as_dict()
     assert settled["outcome"] == "answered" and settled["queue_state"] == "placing"
     assert 75 <= settled["waited_s"] < 77 and settled["paused_s"] >= 74
+
+
+def test_a_creation_whose_session_is_never_set_up_is_a_hang_not_a_placement():
+    """Before the session exists (client/config, create_session unanswered) nothing is being placed:
+    the creation's wait is under the service timeout; once the session is up, placement counts."""
+    clock = Clock()
+    w, *_ = _waiter(clock, service_timeout_s=100.0)
+    never = CreationWatch(clock, ready_at=float("inf"))
+    with pytest.raises(ServiceHang):
+        w.wait(FakeFuture(clock, never), call="create_lora_training_client", client="c", watch=never)
+    clock = Clock()
+    w, *_ = _waiter(clock, service_timeout_s=100.0)
+    late = CreationWatch(clock, ready_at=clock.t + 50)  # 50 s of session setup, then placement
+    with pytest.raises(CapacityExhausted) as ei:
+        w.wait(FakeFuture(clock, late), call="create_lora_training_client", client="c", watch=late)
+    assert 650 <= clock.t - 1000 < 653 and "pending for 600 s" in ei.value.block.error
 
 
 def test_a_training_call_with_an_active_queue_is_still_a_hang():

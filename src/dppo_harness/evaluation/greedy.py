@@ -174,7 +174,7 @@ def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> JsonObject
     return {
         "temperature": 0.0,
         "max_tokens": int(max_tokens),
-        "stop": stop_list(stop),  # as sent in SamplingParams
+        "stop": list(stop_list(stop)),  # as sent in SamplingParams
         "top_k": -1,
         "top_p": 1.0,
         "num_samples": 1,

@@ -185,7 +185,7 @@ class ObservedServiceClient(tinker.ServiceClient):
     def _creation(self, make: Callable[[], tinker.TrainingClient], call: str, what: str) -> tinker.TrainingClient:
         if self._inside_sdk_call():
             return make()
-        watch = creation_watch()
+        watch = creation_watch(placing=lambda: sdk_internals.session_ready(self))
         made = self._beside(make, f"{call}: {what}")
         return WaitedFuture(made, self.waiter, call, what, watch, then=lambda c: self.adopt(c, call)).result()
 

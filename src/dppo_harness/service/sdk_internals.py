@@ -1,6 +1,7 @@
 """The one module that reaches SDK internals, for what the brief requires and tinker's public API
 does not offer: that the SDK is holding sample submits back because the service refused them,
-and ending a released session's heartbeat.
+whether a ServiceClient's session is set up (a creation still waiting after that waits on its
+model: Spindle places it), and ending a released session's heartbeat.
 
 tinker 0.25 swallows a refused sample submit (HTTP 429, or a billing pause) inside the sampling
 client and resubmits it after a backoff, without limit and without a log line or an observer call
@@ -44,6 +45,13 @@ def sample_backoff_until(sampling_client: tinker.SamplingClient) -> float | None
     holder = getattr(sampling_client, "holder", None)
     value = getattr(holder, "_sample_backoff_until", None)
     return float(value) if isinstance(value, int | float) else None
+
+
+def session_ready(service_client: tinker.ServiceClient) -> bool:
+    """Whether `service_client` has its session: the SDK keeps the session holder only once
+    client/config, dynamic_config and create_session were answered (service_client.py
+    `_get_session_holder`), so a creation still waiting after that waits on its model."""
+    return getattr(service_client, "_session_holder", None) is not None
 
 
 def end_session_heartbeat(service_client: tinker.ServiceClient) -> bool:

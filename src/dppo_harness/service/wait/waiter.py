@@ -310,7 +310,6 @@ class ServiceWaiter:
             self.waits += 1
             wait_id = self.waits
         rep: QueueReport | None = None
-        placing = getattr(watch, "kind", None) == "creation"  # no answer yet is the model being placed
         outcome = "failed"
         try:
             while True:
@@ -333,7 +332,7 @@ class ServiceWaiter:
                     self._stop(WallBudgetSpent(call, client, now - t0))
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
-                rep = self._report(watch, t0, now, placing)
+                rep = self._report(watch, t0, now)
                 clock.advance(now, rep.since if rep is not None and rep.paused else None)
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
@@ -369,12 +368,15 @@ class ServiceWaiter:
                 self._post(self._status(wait_id, call, client, since, clock, rep, outcome) if was_posted else None)
 
     @staticmethod
-    def _report(watch: QueueSource | None, t0: float, now: float, placing: bool) -> QueueReport | None:
-        """What the watch reported during this call; for a creation with no report, its placement."""
+    def _report(watch: QueueSource | None, t0: float, now: float) -> QueueReport | None:
+        """What the watch reported during this call; for a creation with no report, its placement
+        (from when its session was set up: the time before is the session's, under the hang window)."""
         latest = watch.latest() if watch is not None else None
         if latest is not None and latest.at >= t0:
             return latest
-        return QueueReport(PLACING, None, t0, now) if placing else None
+        placing = getattr(watch, "placing_since", None)
+        since = placing(now) if placing is not None else None
+        return QueueReport(PLACING, None, max(since, t0), now) if since is not None else None
 
     def _stop_if_lost(self, exc: Exception, call: str, client: str, watch: QueueSource | None) -> None:
         """Stop when the call failed because the service lost the model (a training watch names it)."""

@@ -40,8 +40,9 @@ SUBMIT_REFUSED = "submit_refused"  # the SDK is holding a refused sample submit 
 # tinker 0.25 logs only paused states, so this is all a client sees. It counts as a capacity wait.
 PLACING = "placing"
 PLACING_REASON = (
-    "no answer and no pause reported: the service is placing the model (Spindle polls say queue_state active, "
-    "no reason, while a trainer starts cold or has no free LoRA slot)"
+    "no answer and no pause reported after the session was set up (Spindle keeps a creation pending this way, "
+    "its polls saying only queue_state active, no reason, while it places the model on a trainer that starts "
+    "cold or has no free LoRA slot)"
 )
 PAUSED_STATES = frozenset({PAUSED, SUBMIT_REFUSED, PLACING})
 # The SDK logs a continuing pause at most every 60 s; a pause with no line for longer has ended.
@@ -192,10 +193,20 @@ class LogWatch:
         *,
         log: SdkPauseLog | None = None,
         clock: Callable[[], float] = time.monotonic,
+        placing: Callable[[], bool] | None = None,
     ):
         self.kind, self.ident, self._clock = kind, ident, clock
         self.t0 = clock() if t0 is None else t0
         self._log = log or pause_log()
+        self._placing = placing  # a creation: whether its session is set up (then it waits on its model)
+        self._placing_since: float | None = None
+
+    def placing_since(self, now: float) -> float | None:
+        """For a creation: when it began waiting on its model (first seen with the session set up);
+        None before that, and for any other call."""
+        if self._placing_since is None and self._placing is not None and self._placing():
+            self._placing_since = now
+        return self._placing_since
 
     def episodes_since(self, t0: float) -> list[Episode]:
         lines = self._log.lines(self.kind, self.ident, max(t0, self.t0))
@@ -269,9 +280,10 @@ class Watches:
         return [e for s in self.sources for e in s.episodes_since(t0)]
 
 
-def creation_watch(t0: float | None = None) -> LogWatch:
-    """The pauses of client creations started at or after `t0` (the SDK logs them per creation)."""
-    return LogWatch("creation", None, t0)
+def creation_watch(t0: float | None = None, placing: Callable[[], bool] | None = None) -> LogWatch:
+    """The pauses of client creations started at or after `t0` (the SDK logs them per creation);
+    `placing`: whether the session is set up, so that a creation still waiting waits on its model."""
+    return LogWatch("creation", None, t0, placing=placing)
 
 
 def training_watch(model_id: str) -> LogWatch:
