@@ -309,3 +309,33 @@ def test_omission_drops_nested_and_listed_fields_of_the_chosen_responses_only():
     assert snap["injected"] == {"get_info:omit:model_data.model_name": 1, "load_weights:omit:path": 1}
     caps = {"supported_models": [{"model_name": "a", "trainable": True}, {"model_name": "b"}]}
     assert drop_path(caps, "supported_models.model_name") == 2 and caps["supported_models"][1] == {}
+
+
+class _WeightsInfoService:
+    """A service whose weights_info answers `info` and which records every client it creates."""
+
+    def __init__(self, info):
+        self.info, self.created = info, []
+
+    def create_rest_client(self):
+        return SimpleNamespace(get_weights_info_by_tinker_path=lambda path: _Future(self.info))
+
+    def create_lora_training_client(self, **kw):
+        self.created.append(kw)
+        raise AssertionError("no client may be created without the checkpoint's rank")
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        types.WeightsInfoResponse(base_model="Qwen/Qwen3.5-2B", is_lora=True),  # no rank sent
+        types.WeightsInfoResponse(base_model="Qwen/Qwen3.5-2B", is_lora=False, lora_rank=32),
+    ],
+)
+def test_a_restore_whose_weights_info_gives_no_lora_rank_stops_instead_of_guessing(info):
+    from dppo_harness.service.observed import create_from_state_with_response
+
+    service = _WeightsInfoService(info)
+    with pytest.raises(ValueError, match="without guessing its rank"):
+        create_from_state_with_response(service, "tinker://m/weights/initial")  # type: ignore[arg-type]
+    assert service.created == []
