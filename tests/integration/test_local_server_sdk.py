@@ -4,13 +4,7 @@ Two servers: a `python -m dppo_harness.local_server` child for the end-to-end fl
 app in this process (`InProcessServer`) where a test must compare what crossed HTTP with the
 engine's own tensors (custom-loss gradient parity, AdamW parity).
 
-Every test runs on each backend (`backend` fixture): the tiny preset (restricted vocabulary) and
-`--model-path` with tiny random checkpoints carrying the full 248,320-row vocabulary, saved by
-`save_pretrained` into a temp dir and loaded on CPU: Qwen3, Qwen3.5 as its text model
-(`Qwen3_5ForCausalLM`) and Qwen3.5 in the hub's layout (`Qwen3_5ForConditionalGeneration` with a
-vision tower, served as its text model); both Qwen3.5 ones have a linear-attention and a
-full-attention layer. The two in-process tests skip the hub layout (`inproc`): it is served as
-the same text model as `hf-qwen3_5`.
+Both serve the tiny preset `TEST_MODEL` (restricted vocabulary, CPU).
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ import torch
 from tinker import types
 
 from dppo_harness import constants
-from dppo_harness.local_server.engine import attention
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.local_server.vocab import get_tokenizer
 
@@ -59,75 +52,9 @@ def answer(tok) -> list[int]:
     return list(tok.encode(ANSWER))
 
 
-# 2 layers, hidden 64, full Qwen3.5 vocabulary: the CI stand-in for a real checkpoint.
-FULL_VOCAB_CONFIG = dict(
-    vocab_size=248_320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-)
-
-
-QWEN35_CONFIG = dict(
-    FULL_VOCAB_CONFIG,
-    linear_num_key_heads=2,
-    linear_num_value_heads=2,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    layer_types=["linear_attention", "full_attention"],
-)
-QWEN35_VISION = dict(
-    depth=1,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=64,
-    num_position_embeddings=16,
-    patch_size=4,
-)
-
-
-@pytest.fixture(scope="module", params=["preset", "hf-full-vocab", "hf-qwen3_5", "hf-qwen3_5-hub"])
-def backend(request, tmp_path_factory) -> dict:
-    """Engine kwargs, CLI args and the expected stand-in identity of one backend."""
-    if request.param == "preset":
-        return {
-            "engine": {"model_name": TEST_MODEL},
-            "cli": {"model": TEST_MODEL},
-            "arch": f"local/{TEST_MODEL}",
-            "linear_attention": False,
-        }
-    import transformers
-
-    from dppo_harness.local_server.engine.hf_model import qwen3_config, save_random_checkpoint
-
-    name, config = {
-        "hf-full-vocab": ("tiny-qwen3-full-vocab", qwen3_config(**FULL_VOCAB_CONFIG)),
-        "hf-qwen3_5": ("tiny-qwen3_5-text", transformers.Qwen3_5TextConfig(**QWEN35_CONFIG, tie_word_embeddings=True)),
-        "hf-qwen3_5-hub": (
-            "tiny-qwen3_5-hub",
-            transformers.Qwen3_5Config(
-                text_config=dict(QWEN35_CONFIG, tie_word_embeddings=True),
-                vision_config=QWEN35_VISION,
-                tie_word_embeddings=True,
-            ),
-        ),
-    }[request.param]
-    path = save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / name, config, seed=0)
-    return {
-        "engine": {"model_path": path, "device": "cpu"},
-        "cli": {"extra_args": ["--model-path", str(path), "--device", "cpu"]},
-        "arch": f"local/{name}",
-        "linear_attention": request.param != "hf-full-vocab",
-    }
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, backend):
-    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("sdk-server"), **backend["cli"]).start()
+def server(tmp_path_factory):
+    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("sdk-server"), model=TEST_MODEL).start()
     yield srv
     srv.stop()
     assert not srv.alive()
@@ -141,18 +68,12 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def inproc(tmp_path_factory, backend):
-    """Engine + app in this process; tests read gradients and parameters from `engine`.
-
-    Not for the hub layout: the loader serves its text model, the same Qwen3.5 text model class as
-    `hf-qwen3_5`, whose gradient and optimizer math these tests check; what differs (loading, the
-    checkpoints' parameter names) the child-process tests cover."""
-    if backend["arch"] == "local/tiny-qwen3_5-hub":
-        pytest.skip("hub layout: served as the hf-qwen3_5 text model, whose engine math is checked there")
+def inproc(tmp_path_factory):
+    """Engine + app in this process; tests read gradients and parameters from `engine`."""
     from dppo_harness.local_server.engine.engine import Engine
     from dppo_harness.local_server.process import InProcessServer
 
-    engine = Engine(tmp_path_factory.mktemp("inproc-run"), **backend["engine"])
+    engine = Engine(tmp_path_factory.mktemp("inproc-run"), model_name=TEST_MODEL)
     srv = InProcessServer(engine).start()
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     yield srv, sc
@@ -264,32 +185,13 @@ def perturbed(lps: list[list[float]], seed: int) -> list[list[float]]:
 # ---- end-to-end flow over a child-process server ------------------------------------------------
 
 
-def test_create_client_reports_model_and_lora(client, backend):
+def test_create_client_reports_model_and_lora(client):
     tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=3)
     info = tc.get_info()
     assert info.model_data.model_name == BASE
-    # The stand-in identity: the preset's served name, or local/<checkpoint dir name>.
-    assert info.model_data.arch == backend["arch"]
+    # The stand-in identity: the preset's served name.
+    assert info.model_data.arch == f"local/{TEST_MODEL}"
     assert info.model_id == tc.model_id and info.is_lora is True and info.lora_rank == 8
-
-
-def test_server_states_which_kernels_each_layer_type_runs(server, backend):
-    """GET /_harness/stats and the startup log name each layer type's implementation; on a CPU
-    Qwen3.5 the linear-attention layers run the torch fallback, with the reasons."""
-    kernels = server.stats()["kernels"]
-    assert (
-        kernels["full_attention"]["layers"] >= 1 and kernels["full_attention"]["implementation"] == attention.SDPA_GQA
-    )
-    log = server.log_path.read_text()
-    assert "kernels: full_attention:" in log
-    if not backend["linear_attention"]:
-        assert kernels["linear_attention"] is None and "no linear_attention layers" in log
-        return
-    la = kernels["linear_attention"]
-    assert la["layers"] == 1 and la["path"] == "torch fallback" and not any(la["fast"].values())
-    assert la["transformers"]["is_fast_path_available"] is False
-    assert any("no CUDA device" in r for r in la["reasons"]) or torch.cuda.is_available()
-    assert "linear_attention: 1 layers, torch fallback" in log
 
 
 def test_forward_cross_entropy_and_ppo_losses_match_their_formulas(client, prompt, answer):

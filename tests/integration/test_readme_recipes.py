@@ -1,4 +1,4 @@
-"""The README's local-server recipe ("Running the diagnostic on your own GPU", step 2) as written:
+"""The README's recipe "The harness against a server you started", step 2, as written:
 the embedded server (default profile, the stand-in model on CPU) on a free port, the `tinker`
 backend, exactly the README's variables (no Modal ones) and its command line. Three things are
 added: a CI-size diagnostic plan (the README's default plan is the requester's full 32 x 8 batch),
@@ -35,8 +35,8 @@ def _user_env() -> dict[str, str]:
     return env
 
 
-def test_gpu_recipe_step_2_runs_as_written(readme, tmp_path):
-    cmd = readme("Running the diagnostic on your own GPU", "TINKER_BASE_URL=")
+def test_separate_server_recipe_step_2_runs_as_written(readme, tmp_path):
+    cmd = readme("The harness against a server you started", "TINKER_BASE_URL=")
     assert README_URL in cmd and "MODAL_PROXY" not in cmd and "--backend tinker" in cmd, cmd
     before = live_child_pids()
     evidence = tmp_path / "runs"

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from dppo_harness.local_server.cli import (
     build_parser,
-    check_model_path_flags,
     check_profile_options,
     fault_config,
     loopback_host,
@@ -76,7 +75,6 @@ def main(argv: list[str] | None = None) -> None:
     args.host = loopback_host(args.host)
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-    check_model_path_flags(args)
     try:
         faults = fault_config(args)
     except FaultSpecError as exc:
@@ -97,7 +95,6 @@ def main(argv: list[str] | None = None) -> None:
     # is set and the arguments are checked.
     from dppo_harness.local_server import serve
 
-    serve.check_checkpoint(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("dppo_harness.local_server").info(
         "starting (pid %d, %d engine threads)", os.getpid(), args.threads

@@ -21,7 +21,6 @@ from dppo_harness.local_server.faults import (
     parse_queue_pause,
     parse_reject_first,
     parse_reject_for,
-    parse_reject_prob,
 )
 from dppo_harness.local_server.profiles import (
     DEFAULT_SESSION_IDLE_TIMEOUT_S,
@@ -35,13 +34,12 @@ PROG = "python -m dppo_harness.local_server"
 
 
 def build_parser(description: str | None) -> argparse.ArgumentParser:
-    """The server's parser: the general options, then the checkpoint backend's and the faults'
-    groups (in this order in `--help`)."""
+    """The server's parser: the general options, then Spindle's and the faults' groups (in this
+    order in `--help`)."""
     p = argparse.ArgumentParser(prog=PROG, description=description)
     _add_server_options(p)
     _add_spindle_options(p.add_argument_group("Spindle's capacity and sweep (--profile spindle only)"))
-    _add_checkpoint_options(p.add_argument_group("Hugging Face checkpoint backend (instead of the tiny presets)"))
-    faults = p.add_argument_group("fault injection (seeded and counted; see GET /_harness/stats)")
+    faults = p.add_argument_group("fault injection (counted; see GET /_harness/stats)")
     _add_rejection_faults(faults)
     _add_held_request_faults(faults)
     _add_capacity_faults(faults)
@@ -51,7 +49,7 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
 
 
 def _add_server_options(p: argparse.ArgumentParser) -> None:
-    """Where it listens, what it serves and how the engine runs."""
+    """Where it listens, what it serves and how many threads the engine runs."""
     p.add_argument("--host", default="127.0.0.1", help="loopback address only (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
     p.add_argument(
@@ -62,7 +60,7 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
         "(X-API-Key checked by Spindle, Modal-Key/Modal-Secret by the research exchange's front door; "
         "the plan's base model by name; Spindle's routes, errors and futures; docs/local-server.md)",
     )
-    p.add_argument("--model", default=None, help="engine model name (default: the engine's default)")
+    p.add_argument("--model", default=None, help="tiny preset to serve (default: the engine's default)")
     p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
     p.add_argument(
         "--exit-with-parent",
@@ -72,15 +70,6 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
         help="exit as soon as this process is no longer the server's parent (the harness that "
         "started it died, even by SIGKILL): no orphan server",
     )
-    p.add_argument(
-        "--sampler-dtype",
-        choices=("float32", "bfloat16"),
-        default=None,
-        help="sampler precision (default: float32 for the presets, the checkpoint dtype for "
-        "--model-path); bfloat16 rehearses trainer/sampler mismatch",
-    )
-    p.add_argument("--seed", type=int, default=0, help="engine seed")
-    p.add_argument("--sample-workers", type=int, default=64, help="threads running sample requests")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the engine (default 2)")
 
 
@@ -107,19 +96,13 @@ def _add_spindle_options(g: argparse._ArgumentGroup) -> None:
         "sweep frees one at once; 0: every creation stays pending forever",
     )
     g.add_argument(
-        "--session-idle-timeout-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="a session with no heartbeat (or other request) for S seconds is reclaimed with its models, "
-        f"their slots freed (default {DEFAULT_SESSION_IDLE_TIMEOUT_S:g})",
-    )
-    g.add_argument(
         "--sweep-interval-s",
         type=float,
         default=None,
         metavar="S",
-        help=f"how often the idle sweep runs (default {DEFAULT_SWEEP_INTERVAL_S:g})",
+        help=f"how often the idle sweep runs: a session with no heartbeat (or other request) for "
+        f"{DEFAULT_SESSION_IDLE_TIMEOUT_S:g} s is reclaimed with its models, their slots freed "
+        f"(default {DEFAULT_SWEEP_INTERVAL_S:g})",
     )
     g.add_argument(
         "--fault-model-lost",
@@ -143,7 +126,6 @@ def _add_spindle_options(g: argparse._ArgumentGroup) -> None:
 SPINDLE_ONLY_OPTIONS = (
     ("cold_start_s", "--cold-start-s"),
     ("trainer_slots", "--trainer-slots"),
-    ("session_idle_timeout_s", "--session-idle-timeout-s"),
     ("sweep_interval_s", "--sweep-interval-s"),
 )
 
@@ -177,42 +159,8 @@ def check_profile_options(args: argparse.Namespace, faults: FaultConfig) -> str 
     return None
 
 
-def _add_checkpoint_options(h: argparse._ArgumentGroup) -> None:
-    """`--model-path` and the options that only apply with it."""
-    h.add_argument(
-        "--model-path",
-        default=None,
-        metavar="DIR",
-        help="local Qwen3 / Qwen3.5 checkpoint (config.json + weights); nothing is downloaded",
-    )
-    h.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="with --model-path")
-    h.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float32"),
-        default=None,
-        help="with --model-path (default: bfloat16 on CUDA, float32 on CPU)",
-    )
-    h.add_argument(
-        "--served-name", default=None, help="with --model-path: name to serve it under (default: the checkpoint's name)"
-    )
-    h.add_argument(
-        "--linear-attention",
-        choices=("auto", "torch"),
-        default="auto",
-        help="with --model-path: Qwen3.5's linear-attention layers run the kernels transformers picked "
-        "(auto) or its torch fallback (torch)",
-    )
-    h.add_argument(
-        "--decode-mode",
-        choices=("auto", "dynamic", "static", "graph"),
-        default="auto",
-        help="sampler decode step: auto = the CUDA graph of the whole step on CUDA, eager on CPU",
-    )
-
-
 def _add_rejection_faults(f: argparse._ArgumentGroup) -> None:
-    """The seed of the random faults and the HTTP rejections (429/503)."""
-    f.add_argument("--fault-seed", type=int, default=0)
+    """HTTP rejections (429/503 and the other statuses a service answers)."""
     f.add_argument(
         "--fault-reject-first",
         action="append",
@@ -220,13 +168,6 @@ def _add_rejection_faults(f: argparse._ArgumentGroup) -> None:
         metavar="KIND:STATUS:N",
         help="answer the first N requests of KIND ('*' = any) with HTTP STATUS (429|503); under --profile "
         "spindle in Spindle's shape (429: {error: saturated, message: 'engine refused work: operation buffer full'})",
-    )
-    f.add_argument(
-        "--fault-reject-prob",
-        action="append",
-        default=[],
-        metavar="KIND:STATUS:P",
-        help="answer each request of KIND with HTTP STATUS with probability P",
     )
     f.add_argument(
         "--fault-reject-for",
@@ -268,14 +209,8 @@ def _add_capacity_faults(f: argparse._ArgumentGroup) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="fail the first N create_model requests with 'trainer capacity exhausted'",
-    )
-    f.add_argument(
-        "--fault-capacity-mode",
-        choices=("future", "http"),
-        default="future",
-        help="future: failed future (SDK raises RequestFailedError, category server); "
-        "http: HTTP 503 (the SDK's own retries absorb it)",
+        help="fail the first N create_model futures with 'trainer capacity exhausted' (the SDK raises "
+        "RequestFailedError, category server)",
     )
     f.add_argument(
         "--fault-capacity-fail",
@@ -332,11 +267,8 @@ def _add_response_faults(f: argparse._ArgumentGroup) -> None:
 
 def fault_config(args: argparse.Namespace) -> FaultConfig:
     return FaultConfig(
-        seed=args.fault_seed,
         reject_first=tuple(parse_reject_first(s) for s in args.fault_reject_first),
-        reject_prob=tuple(parse_reject_prob(s) for s in args.fault_reject_prob),
         capacity_exhausted=args.fault_capacity_exhausted,
-        capacity_mode=args.fault_capacity_mode,
         capacity_fail=tuple(parse_capacity_fail(s) for s in args.fault_capacity_fail),
         latency_ms=tuple(parse_latency(s) for s in args.fault_latency_ms),
         queue_pause=tuple(parse_queue_pause(s) for s in args.fault_queue_pause),
@@ -362,14 +294,3 @@ def loopback_host(host: str) -> str:
     if not addr.is_loopback:
         raise SystemExit(f"--host {host!r}: not a loopback address; the local server binds loopback only")
     return str(addr)
-
-
-def check_model_path_flags(args: argparse.Namespace) -> None:
-    """The options that only go with `--model-path` (or never with it); the checkpoint directory
-    itself is checked once torch is loaded (`serve.check_checkpoint`)."""
-    if not args.model_path:
-        if args.served_name or args.dtype or args.linear_attention != "auto":
-            raise SystemExit("--served-name, --dtype and --linear-attention need --model-path")
-        return
-    if args.model:
-        raise SystemExit("--model (a tiny preset) and --model-path are exclusive")

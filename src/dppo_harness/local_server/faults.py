@@ -1,14 +1,14 @@
-"""Seeded, counted fault injection for the embedded server's reliability tests.
+"""Counted fault injection for the embedded server's reliability tests.
 
 A request's *kind* is its endpoint name (`create_model`, `forward_backward`, `asample`,
-`retrieve_future`, ...); `*` matches every kind. Every decision is drawn from one seeded RNG and
-every injected fault is counted, so a test can assert exactly what the client went through.
+`retrieve_future`, ...); `*` matches every kind. Every fault is deterministic (the N-th request of
+a kind, or a time window) and every injected fault is counted, so a test can assert exactly what
+the client went through.
 """
 
 from __future__ import annotations
 
 import itertools
-import random
 import threading
 import time
 from collections import Counter
@@ -53,13 +53,6 @@ class RejectFirst:
     kind: str
     status: int
     count: int
-
-
-@dataclass(frozen=True)
-class RejectProb:
-    kind: str
-    status: int
-    prob: float
 
 
 @dataclass(frozen=True)
@@ -175,11 +168,8 @@ class Hold:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    seed: int = 0
     reject_first: tuple[RejectFirst, ...] = ()
-    reject_prob: tuple[RejectProb, ...] = ()
-    capacity_exhausted: int = 0  # first N create_model requests fail with CAPACITY_EXHAUSTED_TEXT
-    capacity_mode: str = "future"  # "future": failed future (RequestFailedError); "http": HTTP 503
+    capacity_exhausted: int = 0  # first N create_model requests fail their future with CAPACITY_EXHAUSTED_TEXT
     capacity_fail: tuple[CapacityFail, ...] = ()  # ordered training calls whose future fails with capacity
     latency_ms: tuple[tuple[str, float], ...] = ()  # (kind, ms) added before handling
     queue_pause: tuple[QueuePause, ...] = ()  # k-th request of a kind paused (try_again polls)
@@ -196,8 +186,6 @@ class FaultConfig:
         for name in self.record_header_values:
             if name.lower() in SECRET_HEADERS:
                 raise FaultSpecError(f"--record-header-values: refusing to record secret header {name!r}")
-        if self.capacity_mode not in ("future", "http"):
-            raise FaultSpecError(f"--fault-capacity-mode must be 'future' or 'http', got {self.capacity_mode!r}")
         if self.capacity_exhausted < 0:
             raise FaultSpecError("--fault-capacity-exhausted must be >= 0")
         if self.die_after is not None and self.die_after < 0:
@@ -207,7 +195,6 @@ class FaultConfig:
     def active(self) -> bool:
         return bool(
             self.reject_first
-            or self.reject_prob
             or self.capacity_exhausted
             or self.capacity_fail
             or self.latency_ms
@@ -248,18 +235,6 @@ def parse_reject_first(spec: str) -> RejectFirst:
     if n < 0:
         raise FaultSpecError(f"--fault-reject-first: N must be >= 0, got {n}")
     return RejectFirst(kind, _status(status, "--fault-reject-first"), n)
-
-
-def parse_reject_prob(spec: str) -> RejectProb:
-    """`KIND:STATUS:P`, e.g. `asample:503:0.1`."""
-    kind, status, prob = _split(spec, "--fault-reject-prob", 3)
-    try:
-        p = float(prob)
-    except ValueError:
-        raise FaultSpecError(f"--fault-reject-prob: P must be a number, got {prob!r}") from None
-    if not 0.0 <= p <= 1.0:
-        raise FaultSpecError(f"--fault-reject-prob: P must be in [0, 1], got {p}")
-    return RejectProb(kind, _status(status, "--fault-reject-prob"), p)
 
 
 def _numbers(numbers: str, option: str, what: str) -> frozenset[int]:
@@ -409,7 +384,6 @@ class FaultInjector:
     config: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
-        self._rng = random.Random(self.config.seed)
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()  # kind -> requests seen (faults included)
         self.injected: Counter[str] = Counter()  # "kind:what" -> count
@@ -448,20 +422,12 @@ class FaultInjector:
                             f"injected {window.status}: {kind} refused for {window.seconds:g} s from the first request",
                             latency,
                         )
-            for chance in cfg.reject_prob:
-                if chance.kind in (kind, ANY_KIND) and self._rng.random() < chance.prob:
-                    self.injected[f"{kind}:{chance.status}"] += 1
-                    return Decision(chance.status, f"injected {chance.status} (p={chance.prob} {chance.kind})", latency)
-            if cfg.capacity_mode == "http" and kind == "create_model" and self._capacity_left > 0:
-                self._capacity_left -= 1
-                self.injected["create_model:capacity_exhausted"] += 1
-                return Decision(503, CAPACITY_EXHAUSTED_TEXT, latency)
             return Decision(latency_s=latency)
 
     def take_capacity_failure(self) -> bool:
-        """For capacity_mode "future": True while create_model should fail its future."""
+        """True while create_model should fail its future (the first `capacity_exhausted` ones)."""
         with self._lock:
-            if self.config.capacity_mode != "future" or self._capacity_left <= 0:
+            if self._capacity_left <= 0:
                 return False
             self._capacity_left -= 1
             self.injected["create_model:capacity_exhausted"] += 1
@@ -533,7 +499,6 @@ class FaultInjector:
     def snapshot(self) -> dict:
         with self._lock:
             return {
-                "seed": self.config.seed,
                 "queued": dict(self.queued),
                 "executed": dict(self.executed),
                 "requests": dict(self.requests),

@@ -113,8 +113,6 @@ class LocalServerProcess:
         port: int = 0,
         model: str | None = None,
         profile: str = "default",
-        sampler_dtype: str | None = None,
-        seed: int | None = None,
         fault_args: Sequence[str] = (),
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
@@ -144,10 +142,6 @@ class LocalServerProcess:
         self.profile = profile
         if profile != "default":
             self.cmd += ["--profile", profile]
-        if sampler_dtype:
-            self.cmd += ["--sampler-dtype", sampler_dtype]
-        if seed is not None:
-            self.cmd += ["--seed", str(seed)]
         self.cmd += list(fault_args) + list(extra_args)
         self.env = server_environment(os.environ if env is None else env, profile)
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_root(), self.env.get("PYTHONPATH")) if p)
@@ -385,7 +379,6 @@ class InProcessServer:
         self,
         engine: Engine,
         faults: FaultConfig | None = None,
-        sample_workers: int = 64,
         profile: Profile | None = None,
     ) -> None:
         cfg = faults or FaultConfig()
@@ -393,7 +386,6 @@ class InProcessServer:
         self._cfg = cfg
         self._injector = FaultInjector(cfg)
         self._headers = HeaderRecorder(cfg.record_header_values)
-        self._sample_workers = sample_workers
         self._profile = profile  # a profiles.Profile; None = default
         self.state: ServerState | None = None
         self.base_url = ""
@@ -438,7 +430,6 @@ class InProcessServer:
             self.engine,
             self._injector,
             self._headers,
-            sample_workers=self._sample_workers,
             profile=self._profile or Profile(),
             on_die=self._on_die,
         )

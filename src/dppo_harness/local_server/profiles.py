@@ -136,10 +136,10 @@ class SpindleSettings:
     sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S
 
     def __post_init__(self) -> None:
-        for name in ("cold_start_s", "session_idle_timeout_s"):
-            value = getattr(self, name)
+        for name in ("--cold-start-s", "session_idle_timeout_s"):
+            value = getattr(self, name.lstrip("-").replace("-", "_"))
             if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value!r}")
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not (math.isfinite(self.sweep_interval_s) and self.sweep_interval_s > 0):
             raise ValueError(f"--sweep-interval-s must be a finite number > 0, got {self.sweep_interval_s!r}")
         if self.trainer_slots < 0:

@@ -22,12 +22,7 @@ from pathlib import Path
 from aiohttp import web
 
 from dppo_harness.local_server.engine.engine import Engine
-from dppo_harness.local_server.engine.hf_model import (
-    CheckpointError,
-    check_checkpoint_dir,
-    kernel_summary,
-    resolve_device,
-)
+from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
 from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, build_app
 from dppo_harness.local_server.http.state import ServerState
@@ -37,37 +32,11 @@ STATS_FILE = "server_stats.json"
 log = logging.getLogger("dppo_harness.local_server")
 
 
-def check_checkpoint(args: argparse.Namespace) -> None:
-    """A bad `--model-path` directory or `--device` exits with one line before any weight loads."""
-    if not args.model_path:
-        return
-    try:
-        check_checkpoint_dir(args.model_path)
-        resolve_device(args.device)
-    except CheckpointError as exc:
-        raise SystemExit(str(exc)) from None
-
-
 def build_engine(args: argparse.Namespace, run_dir: Path) -> Engine:
-    """The engine the arguments ask for: a tiny preset (`--model`, else the engine's default) or the
-    `--model-path` checkpoint."""
-    engine_kwargs = {
-        "sampler_dtype": args.sampler_dtype,
-        "seed": args.seed,
-        "num_threads": args.threads,
-        "decode_mode": args.decode_mode,
-    }
+    """The engine the arguments ask for: the tiny preset `--model`, else the engine's default."""
     if args.model:
-        engine_kwargs["model_name"] = args.model
-    if args.model_path:
-        engine_kwargs.update(
-            model_path=args.model_path,
-            device=args.device,
-            dtype=args.dtype,
-            served_name=args.served_name,
-            linear_attention=args.linear_attention,
-        )
-    return Engine(run_dir, **engine_kwargs)
+        return Engine(run_dir, model_name=args.model, num_threads=args.threads)
+    return Engine(run_dir, num_threads=args.threads)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -98,17 +67,14 @@ async def start_site(state: ServerState, sock: socket.socket) -> web.AppRunner:
 
 
 def _log_ready(engine: Engine, seconds: float, profile: Profile, run_dir: Path) -> None:
-    base_info = getattr(engine, "base_info", {}) or {}
     log.info(
         "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
-        getattr(engine, "model_name", "?"),
+        engine.model_name,
         seconds,
-        base_info.get("cache_hit"),
+        engine.base_info.get("cache_hit"),
         profile.name,
         run_dir,
     )
-    if getattr(engine, "kernels", None):
-        log.info("kernels: %s", kernel_summary(engine.kernels))
 
 
 async def _until_signalled() -> None:
@@ -126,13 +92,12 @@ async def run_server(args: argparse.Namespace, faults: FaultConfig, run_dir: Pat
     t0 = time.perf_counter()
     try:
         engine = await asyncio.to_thread(build_engine, args, run_dir)
-    except CheckpointError as exc:
+    except UserError as exc:  # an unknown --model
         raise SystemExit(str(exc)) from None
     state = ServerState(
         engine=engine,
         faults=FaultInjector(faults),
         headers=HeaderRecorder(faults.record_header_values),
-        sample_workers=args.sample_workers,
         profile=profile,
         stats_path=run_dir / STATS_FILE,
     )

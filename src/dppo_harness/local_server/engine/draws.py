@@ -1,12 +1,11 @@
 """One token per row from a decode step's logits, seeded by the request's own generator.
 
 Temperature 0 is argmax. Otherwise the logits are tempered and cut to top_k / the top_p nucleus
-(`filter_logits`), then drawn one of two exact ways (`sampling.DecodeSpec.draw`): "gumbel",
-argmax(x - log E) with E ~ Exp(1); "multinomial", what `torch.multinomial(softmax(x), 1)` draws
-(the presets', kept bitwise).
+(`filter_logits`), then drawn as `torch.multinomial(softmax(x), 1)` draws them, bitwise
+(`multinomial_one`).
 
-On CPU both take their Exp(1) noise from `exponential_cpu`, bitwise torch's `exponential_`, which
-computes each value in one serial loop, most of a preset decode step's draw otherwise
+The Exp(1) noise that draw consumes comes from `exponential_cpu`, bitwise torch's `exponential_`,
+which computes each value in one serial loop, most of a preset decode step's draw otherwise
 (docs/benchmarks.md).
 """
 
@@ -51,35 +50,26 @@ def exponential_cpu(shape: torch.Size, generator: torch.Generator) -> torch.Tens
     return torch.from_numpy((-np.log1p(-u)).astype(np.float32))
 
 
-def _exponential_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    # torch fills `empty_like(x)` in x's memory order; `exponential_cpu` fills row-major, the same
-    # order only for a contiguous x.
-    if x.device.type == "cpu" and generator.device.type == "cpu" and x.is_contiguous():
-        return exponential_cpu(x.shape, generator)
-    return torch.empty_like(x, dtype=torch.float32).exponential_(generator=generator)
-
-
 def multinomial_one(probs_RV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """`torch.multinomial(probs_RV, 1, generator=generator)[:, 0]`, bitwise, for float32 probs: torch
-    draws a single sample per row as argmax(p / E), E ~ Exp(1), after the same checks."""
-    if probs_RV.dtype != torch.float32 or probs_RV.device.type != "cpu" or not probs_RV.is_contiguous():
+    draws a single sample per row as argmax(p / E), E ~ Exp(1), after the same checks (a
+    strided tensor, filled in its own memory order by torch, goes to torch itself)."""
+    if (
+        probs_RV.dtype != torch.float32
+        or probs_RV.device.type != "cpu"
+        or generator.device.type != "cpu"
+        or not probs_RV.is_contiguous()
+    ):
         return torch.multinomial(probs_RV, 1, generator=generator).squeeze(-1)
     if not bool(((probs_RV >= 0) & (probs_RV < float("inf"))).all()):
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
     if bool((probs_RV.sum(dim=-1) == 0).any()):
         raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
-    return torch.argmax(probs_RV / _exponential_like(probs_RV, generator), dim=-1)
+    return torch.argmax(probs_RV / exponential_cpu(probs_RV.shape, generator), dim=-1)
 
 
-def gumbel_max(x_RV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row from softmax(x): argmax(x - log E), E ~ Exp(1)."""
-    return (x_RV.float() - _exponential_like(x_RV, generator).log()).argmax(dim=-1)
-
-
-def draw(logits_RV: torch.Tensor, req: DecodeRequest, generator: torch.Generator, kind: str = "gumbel") -> torch.Tensor:
+def draw(logits_RV: torch.Tensor, req: DecodeRequest, generator: torch.Generator) -> torch.Tensor:
     if req.temperature == 0.0:
         return logits_RV.argmax(dim=-1)
     x_RV = filter_logits(logits_RV, req.temperature, req.top_k, req.top_p)
-    if kind == "multinomial":
-        return multinomial_one(torch.softmax(x_RV, dim=-1), generator)
-    return gumbel_max(x_RV, generator)
+    return multinomial_one(torch.softmax(x_RV, dim=-1), generator)

@@ -7,11 +7,9 @@ Final signatures (docs/architecture.md contract; extensions are optional keyword
                           prompt_logprobs: list[float | None] | None)
     class Engine:
         __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
-                 cache_dir=None, batch_window_s=0.05, num_threads=2,
-                 model_path=None, device="auto", dtype=None, served_name=None, token_budget=None,
-                 decode_mode="auto", linear_attention="auto", retain_forward=None)
+                 cache_dir=None, batch_window_s=0.05, num_threads=2, token_budget=None,
+                 retain_forward=True)
         served_models: list[str]; served_model_name: str; model_name: str
-        kernels: dict  # hf_model.kernel_report: implementation per layer type (fast kernels / torch fallback)
         retained_stats: dict[str, int]  # kept first passes: retained, reused, dropped
         create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
                      train_unembed=True) -> str
@@ -40,11 +38,8 @@ Sampled-token logprobs are the model's untempered log-softmax (the trainer's dis
 whatever temperature/top_k/top_p shaped the draw; at temperature 1 without truncation they are
 exactly the sampling distribution.
 
-Two base-model backends: the tiny presets (restricted vocabulary, CPU, offline/CI default) and
-`model_path=DIR`, a local Hugging Face Qwen3 / Qwen3.5 checkpoint with its full vocabulary on
-CUDA or CPU (`hf_model.py`; chunked target logprobs, `logprobs.py`). Both sample through the one
-batched decode loop of `sampling.py` (`DecodeSpec`: Gumbel-max for checkpoints, the presets'
-multinomial draw for the presets).
+The base model is one of the tiny presets (`PRESETS`: a small Qwen3 over a restricted
+vocabulary, on CPU); every sample goes through the batched decode loop of `sampling.py`.
 """
 
 from __future__ import annotations
@@ -57,7 +52,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,13 +62,9 @@ import torch
 import transformers
 
 from dppo_harness.constants import BASE_MODEL
-from dppo_harness.local_server.engine import hf_model, model, sampling, warmstart
+from dppo_harness.local_server.engine import model, sampling, warmstart
 from dppo_harness.local_server.engine.checkpoints import CheckpointsMixin
-from dppo_harness.local_server.engine.logprobs import (
-    DEFAULT_CHUNK_TOKENS,
-)
 from dppo_harness.local_server.engine.trainer import (
-    CUDA_TOKEN_BUDGET,
     TOKEN_BUDGET,
     RetainedForward,
     TrainerMixin,
@@ -93,8 +84,8 @@ class SampledSeq:
 
 
 class TextDecoder(Protocol):
-    """A tokenizer's decode, as the stop-string checks and preset text use it (a Hugging Face
-    tokenizer declares a list of texts for a batch of sequences; one sequence decodes to one text)."""
+    """A tokenizer's decode, as the stop-string checks use it (a Hugging Face tokenizer declares a
+    list of texts for a batch of sequences; one sequence decodes to one text)."""
 
     def decode(self, token_ids: list[int], /) -> str | list[str]: ...
 
@@ -124,6 +115,9 @@ class ModelInfo(TypedDict):
     requested_base_model: str
 
 
+SAMPLER_CACHE_SIZE = 4  # sampler models (base, saved weights) kept merged at once
+
+
 @dataclass(frozen=True)
 class ModelPreset:
     served_name: str
@@ -149,13 +143,6 @@ PRESETS = {
 }
 
 
-def preset_decode_spec(in_vocab: int) -> sampling.DecodeSpec:
-    """The presets' draw and batching (multinomial, each prompt prefilled alone, compaction as soon
-    as a row finishes): what they always computed, pinned bitwise by
-    tests/integration/test_preset_fingerprint.py."""
-    return sampling.DecodeSpec(vocab_size=in_vocab, draw="multinomial", prefill="each", compact_fraction=0.0)
-
-
 class Engine(TrainerMixin, CheckpointsMixin):
     model_name: str
     served_model_name: str
@@ -163,7 +150,6 @@ class Engine(TrainerMixin, CheckpointsMixin):
     sampler_dtype: torch.dtype
     base_model: transformers.PreTrainedModel
     base_sha256: str
-    decode_spec: sampling.DecodeSpec
     preset: ModelPreset
 
     def __init__(
@@ -176,16 +162,10 @@ class Engine(TrainerMixin, CheckpointsMixin):
         cache_dir: Path | None = None,
         batch_window_s: float = 0.05,
         num_threads: int = 2,
-        model_path: str | Path | None = None,
-        device: str = "auto",
-        dtype: str | None = None,
-        served_name: str | None = None,
         token_budget: int | None = None,
-        decode_mode: str = "auto",
-        linear_attention: str = "auto",
-        retain_forward: bool | None = None,
+        retain_forward: bool = True,
     ):
-        if model_path is None and model_name not in PRESETS:
+        if model_name not in PRESETS:
             raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
         if sampler_dtype not in (None, "float32", "bfloat16"):
             raise UserError(f"sampler_dtype must be 'float32' or 'bfloat16', got {sampler_dtype!r}")
@@ -194,38 +174,19 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.seed = int(seed)
         self.base_info: dict = {}
-        self.checkpoint: hf_model.LoadedCheckpoint | None = None
-        self.device = torch.device("cpu")
-        self.chunk_tokens = DEFAULT_CHUNK_TOKENS
-        if decode_mode not in sampling.MODES:
-            raise UserError(f"decode_mode must be one of {sampling.MODES}, got {decode_mode!r}")
-        self.decode_mode = decode_mode  # sampling.generate's mode; "auto" = CUDA graph on CUDA, eager on CPU
-        self.last_sample_stats: sampling.DecodeStats = {}
-        if linear_attention not in ("auto", "torch"):
-            raise UserError(f"linear_attention must be 'auto' or 'torch', got {linear_attention!r}")
-        if model_path is not None:
-            self._init_checkpoint(model_path, device, dtype, served_name, sampler_dtype)
-            if linear_attention == "torch":  # transformers' torch fallback whatever kernels it found
-                hf_model.use_torch_linear_attention(self.base_model)
-        else:
-            self.model_name = model_name
-            self.preset = PRESETS[model_name]
-            self.served_model_name = self.preset.served_name
-            self.served_models = [BASE_MODEL, self.served_model_name]
-            self.sampler_dtype = getattr(torch, sampler_dtype or "float32")
-            vocab = load_vocab()
-            self.vocab = vocab
-            self.config = self.preset.config
-            self.base_model = self._load_base(cache_dir, vocab)
-            self.base_sha256 = model.state_sha256(self.base_model.state_dict())
-            self.decode_spec = preset_decode_spec(self.vocab.size)
-        self.kernels = hf_model.kernel_report(self.base_model)  # which implementation each layer type runs
-        default_budget = CUDA_TOKEN_BUDGET if self.device.type == "cuda" else TOKEN_BUDGET
-        self.token_budget = int(token_budget or default_budget)
-        self._sampler_cache_size = 4 if self.checkpoint is None else 2
+        self.model_name = model_name
+        self.preset = PRESETS[model_name]
+        self.served_model_name = self.preset.served_name
+        self.served_models = [BASE_MODEL, self.served_model_name]
+        self.sampler_dtype = getattr(torch, sampler_dtype or "float32")
+        self.vocab = load_vocab()
+        self.config = self.preset.config
+        self.base_model = self._load_base(cache_dir, self.vocab)
+        self.base_sha256 = model.state_sha256(self.base_model.state_dict())
+        self.token_budget = int(token_budget or TOKEN_BUDGET)
         # Keep a zero-weight cross-entropy forward's graph for the forward_backward that follows on
-        # the same inputs (default on the tiny presets; a checkpoint's activations can be large).
-        self.retain_forward = self.checkpoint is None if retain_forward is None else bool(retain_forward)
+        # the same inputs.
+        self.retain_forward = bool(retain_forward)
         self.retained_stats = {"retained": 0, "reused": 0, "dropped": 0}
         self._retained: list[RetainedForward] = []
         self._retained_lock = threading.Lock()
@@ -242,68 +203,11 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self._sampler_thread.start()
 
     # ----- base model -----------------------------------------------------------------------
-    def _init_checkpoint(
-        self, model_path: str | Path, device: str, dtype: str | None, served_name: str | None, sampler_dtype: str | None
-    ) -> None:
-        """--model-path backend: full vocabulary, served under the checkpoint's name (or
-        `served_name`); the stand-in identity (HTTP model_data.arch) is local/<dir name>."""
-        ck = hf_model.load_checkpoint(model_path, device=device, dtype=dtype)  # CheckpointError: one line
-        self.checkpoint = ck
-        self.device = ck.device
-        self.model_name = served_name or ck.name
-        self.served_model_name = f"local/{ck.dir_name}"
-        self.served_models = list(dict.fromkeys([BASE_MODEL, self.model_name, self.served_model_name]))
-        # Sampler precision defaults to the checkpoint's dtype (bf16 on CUDA).
-        self.sampler_dtype = getattr(torch, sampler_dtype) if sampler_dtype else ck.dtype
-        self.vocab = hf_model.FullVocab(ck.vocab_size)
-        self.decode_spec = sampling.DecodeSpec(vocab_size=ck.vocab_size)
-        own = self._checkpoint_tokenizer(ck)
-        if own is not None:  # else the offline tokenizer, built on first use (`tokenizer`)
-            self.tokenizer = own
-        self.config = hf_model.ContextConfig(ck.max_position_embeddings)
-        self.base_model = ck.net
-        self.base_sha256 = ck.identity_sha256
-        self.base_info = {
-            "checkpoint": str(ck.path),
-            "checkpoint_name": ck.name,
-            "model_type": ck.model_type,
-            "device": str(ck.device),
-            "dtype": str(ck.dtype).removeprefix("torch."),
-            "vocab_size": ck.vocab_size,
-            "identity_sha256": ck.identity_sha256,
-        }
-
-    @staticmethod
-    def _checkpoint_tokenizer(ck: hf_model.LoadedCheckpoint) -> TextDecoder | None:
-        """The checkpoint's own tokenizer when it ships one and it loads (for stop strings), else
-        None."""
-        if any((ck.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            try:
-                return transformers.AutoTokenizer.from_pretrained(ck.path, local_files_only=True)
-            except (OSError, ValueError):
-                pass
-        return None
-
     @functools.cached_property
     def tokenizer(self) -> TextDecoder:
-        """The harness's offline Qwen3.5 tokenizer, built on first use (stop strings, preset text):
-        it takes seconds to build and most runs stop on token ids alone, so the server starts
-        without it. A checkpoint that ships a tokenizer sets its own at load."""
+        """The harness's offline Qwen3.5 tokenizer, built on first use (stop strings): it takes
+        seconds to build and most runs stop on token ids alone, so the server starts without it."""
         return get_tokenizer()
-
-    def _decode_text(self, ids: list[int]) -> str:
-        """Text of model ids for stop-string checks; ids the tokenizer cannot decode (padding rows
-        of the embedding) are skipped."""
-        try:
-            return decoded_text(self.tokenizer, ids)
-        except ValueError:
-            out: list[str] = []
-            for i in ids:
-                try:
-                    out.append(decoded_text(self.tokenizer, [i]))
-                except ValueError:
-                    continue
-            return "".join(out)
 
     def _load_base(self, cache_dir: Path | None, vocab: Vocab) -> transformers.PreTrainedModel:
         if self.preset.warm_start:
@@ -334,9 +238,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
     ) -> str:
         """LoRA of `lora_rank` on the linear layers the three switches select (Tinker's
         train_mlp / train_attn / train_unembed); AdamW over the LoRA parameters only."""
-        targets = hf_model.lora_targets(
-            self.base_model, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
-        )
+        targets = model.lora_targets(train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed)
         if not targets:
             raise UserError("train_mlp, train_attn and train_unembed are all off: nothing to train")
         return self._create_model(base_model, lora_rank, seed, tuple(targets), model_id)
@@ -399,16 +301,14 @@ class Engine(TrainerMixin, CheckpointsMixin):
             if dkey in self._sampler_cache:
                 self._sampler_cache.move_to_end(dkey)
                 return self._sampler_cache[dkey]
-        if key == "base" and self.checkpoint is not None and self.sampler_dtype == self.checkpoint.dtype:
-            net = self.base_model  # frozen and never modified: no copy of a multi-GB model
-        elif key == "base":
+        if key == "base":
             net = copy.deepcopy(self.base_model)
         else:
             d, meta = self._read_ckpt(key)
             adapter = self._load_adapter(d, meta)
-            base = copy.deepcopy(self.base_model)
-            hf_model.untie_output_head(base)  # merging into a tied head would also change the embedding
-            pm = model.add_lora(base, int(meta["lora_rank"]), 0, meta.get("lora_targets"))
+            # The presets' output head has its own weight (not tied to the embedding), so merging
+            # a LoRA delta into it leaves the input embedding alone.
+            pm = model.add_lora(copy.deepcopy(self.base_model), int(meta["lora_rank"]), 0, meta.get("lora_targets"))
             with torch.no_grad():
                 for n, q in model.lora_named_parameters(pm):
                     q.copy_(adapter[n])
@@ -420,7 +320,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
             q.requires_grad_(False)
         with self._sampler_cache_lock:
             self._sampler_cache[dkey] = net
-            while len(self._sampler_cache) > self._sampler_cache_size:
+            while len(self._sampler_cache) > SAMPLER_CACHE_SIZE:
                 self._sampler_cache.popitem(last=False)
         return net
 
@@ -449,8 +349,6 @@ class Engine(TrainerMixin, CheckpointsMixin):
         prompt = [int(t) for t in prompt_tokens]
         if not prompt:
             raise UserError("prompt is empty")
-        if self.checkpoint is not None:
-            self._to_local(prompt, "prompt")
         if not (isinstance(num_samples, int) and 1 <= num_samples <= 1024):
             raise UserError(f"num_samples must be an integer in [1, 1024], got {num_samples!r}")
         if not (isinstance(max_tokens, int) and max_tokens >= 1):
@@ -511,28 +409,21 @@ class Engine(TrainerMixin, CheckpointsMixin):
 
     def _decode_batch(self, net: transformers.PreTrainedModel, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
         """Every sample of `jobs` (one sampler) decoded together by the one decode loop
-        (`sampling.generate`); the presets map their restricted vocabulary in and out here."""
-        if self.checkpoint is not None:
-            reqs = [self._request(j, j.prompt, [s for s in j.stop_ids if 0 <= s < self.vocab.size]) for j in jobs]
-            decode_text: Callable[[list[int]], str] = self._decode_text
-            to_real: Callable[[list[int]], list[int]] = list
-        else:
-            V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
-            reqs = [
-                self._request(
-                    j,
-                    self.vocab.to_local(j.prompt).tolist(),
-                    [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else [],
-                )
-                for j in jobs
-            ]
-            decode_text, to_real = self._preset_text, self.vocab.to_real
-        stats: sampling.DecodeStats = {}
+        (`sampling.generate`), the restricted vocabulary mapped in and out here."""
+        V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
+        reqs = [
+            self._request(
+                j,
+                self.vocab.to_local(j.prompt).tolist(),
+                [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else [],
+            )
+            for j in jobs
+        ]
         with torch.no_grad():
-            out = sampling.generate(net, reqs, decode_text, self.decode_spec, mode=self.decode_mode, stats=stats)
-        self.last_sample_stats = stats
+            out = sampling.generate(net, reqs, self._preset_text, V)
         return [
-            [SampledSeq(to_real(d.tokens), d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs] for seqs in out
+            [SampledSeq(self.vocab.to_real(d.tokens), d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs]
+            for seqs in out
         ]
 
     @staticmethod

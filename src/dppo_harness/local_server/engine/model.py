@@ -30,7 +30,11 @@ if TYPE_CHECKING:
 OOV_TARGET_LOGPROB = -30.0
 # LoRA scale alpha / rank with a fixed alpha, like common Tinker/peft setups.
 LORA_ALPHA = 32
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+# LoRA target modules by Tinker's train_attn / train_mlp / train_unembed switches.
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_TARGETS = ("lm_head",)
+LORA_TARGETS = [*ATTN_TARGETS, *MLP_TARGETS, *UNEMBED_TARGETS]
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,12 @@ def add_lora(
             elif "lora_B" in name:
                 p.zero_()
     return pm
+
+
+def lora_targets(train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True) -> list[str]:
+    """The linear-module names the three switches select (sorted)."""
+    chosen = (ATTN_TARGETS if train_attn else ()) + (MLP_TARGETS if train_mlp else ())
+    return sorted(chosen + (UNEMBED_TARGETS if train_unembed else ()))
 
 
 def lora_named_parameters(pm: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -1,89 +1,75 @@
-"""The one batched KV-cache decode loop of the embedded server, for every model it runs (the tiny
-presets and `--model-path` Hugging Face checkpoints).
+"""The batched KV-cache decode loop of the embedded server's tiny presets.
 
 Every sample of every request in a batch goes through `generate`:
-1. prefill the distinct prompts once (`DecodeSpec.prefill`): "batched" = one left-padded batch
-   (attention mask + position ids), then each prompt's cache is copied to its samples' rows
-   (`Cache.reorder_cache` with repeated indices); "each" = every prompt alone (batch 1, no
-   padding), its KV copied left-padded into the rows;
-2. attention layers move their KV into preallocated buffers (`BufferLayer`), so a step writes one
-   position instead of concatenating the whole cache; Qwen3.5's linear-attention layers keep
-   transformers' fixed-size conv and recurrent states (`LinearAttentionLayer`, updated in place);
-3. decode all rows together; the output head runs on the last position only; finished rows stay
-   in the batch until `DecodeSpec.compact_fraction` of it has finished, then the batch is
-   compacted.
+1. prefill every distinct prompt alone (batch 1, no padding); its KV is copied, right-aligned at
+   the longest prompt's end, into its samples' rows of preallocated buffers (`BufferLayer`), so a
+   decode step writes one position instead of concatenating the whole cache;
+2. decode all rows together; the output head runs on the last position only; as soon as a row has
+   finished, the batch is compacted to the rows still running.
 
-Decode modes (`generate(..., mode=)`): "dynamic" runs the steps above eagerly. "static" gives
-every step the same shapes and no host values: attention covers the whole preallocated cache
-under a boolean mask, the new KV is written at a position held in a device tensor, the
-linear-attention states are updated in place, finished rows stay in the batch. "graph" is
-"static" with the step captured once as a CUDA graph and replayed (the decode of a 2B model is
-bound by CPU dispatch otherwise, see gpu-anchor.md). "auto" = "graph" on CUDA when the cache
-allows a static step (pure attention, or Qwen3.5's hybrid of full and linear attention; not
-sliding windows), else "dynamic"; a failed capture falls back to "static" and says so in the
-returned stats.
-
-Draws (`DecodeSpec.draw`): temperature 0 is argmax. "gumbel": `argmax(logits / T - log E)` with
-`E ~ Exp(1)` drawn from the request's own `torch.Generator` (seeded with the request seed, on
-the model's device): an exact draw from softmax(logits / T) (after top_k / top_p) in one
-elementwise pass instead of softmax + multinomial over the vocabulary. "multinomial": what
-`torch.multinomial(softmax, 1)` with the same generator draws (the presets' draw, kept so that
-their seeded outputs stay bitwise what they were). Either keeps the seed's meaning: the same
-request alone, or with the same concurrent batch, gives the same tokens. Per-token logprobs are
-the untempered log-softmax of the drawn token (the trainer's distribution).
-The draws live in `draws.py`; the cache layers and the static step in `decode_cache.py`.
+Draws (`draws.py`): temperature 0 is argmax, else what `torch.multinomial(softmax, 1)` draws from
+the request's own `torch.Generator` (seeded with the request seed), so the same request alone, or
+with the same concurrent batch, gives the same tokens. Per-token logprobs are the untempered
+log-softmax of the drawn token over the in-vocabulary columns (the trainer's distribution).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, LinearAttentionCacheLayerMixin
 
-from dppo_harness.local_server.engine.decode_cache import (
-    AnyCacheLayer,
-    BufferLayer,
-    StaticDecodeStep,
-    buffered_cache,
-    static_capable,
-)
 from dppo_harness.local_server.engine.draws import draw
-from dppo_harness.local_server.engine.logprobs import chunked_target_logprobs
 from dppo_harness.local_server.engine.model import token_logprobs
 
-COMPACT_FRACTION = 0.25  # compact the batch once this fraction of its rows has finished
-MODES = ("auto", "dynamic", "static", "graph")
-DRAWS = ("gumbel", "multinomial")
-PREFILLS = ("batched", "each")
-log = logging.getLogger(__name__)
-DecodeStats = dict[str, int | str]  # decode_mode, decode_steps, rows (`generate`)
 
+class BufferLayer(CacheLayerMixin):
+    """KV-cache layer over a preallocated [B, H, cap, D] buffer (no per-step concatenation)."""
 
-@dataclass(frozen=True)
-class DecodeSpec:
-    """What differs between the models the one loop decodes.
+    is_sliding = False
+    is_compileable = False
 
-    vocab_size: logits columns that can be drawn (the presets' restricted vocabulary drops its
-        input-only unk row; a full-vocabulary checkpoint: every row of the output head).
-    draw: "gumbel" or "multinomial" (module docstring).
-    prefill: "batched" or "each" (module docstring; "each" needs a pure-attention cache and
-        computes the whole prompt's logits, which the presets' small vocabulary affords).
-    compact_fraction: compact the batch once this fraction of its rows has finished (0: as soon
-        as one has).
-    """
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        self.kbuf, self.vbuf, self.len = keys, values, length
+        self.is_initialized = True
 
-    vocab_size: int
-    draw: str = "gumbel"
-    prefill: str = "batched"
-    compact_fraction: float = COMPACT_FRACTION
+    # keys / values are views of the buffers: read-only here, where the mixin declares attributes.
+    @property
+    def keys(self) -> torch.Tensor:  # type: ignore[override]
+        return self.kbuf[:, :, : self.len]
 
-    def __post_init__(self) -> None:
-        if self.draw not in DRAWS or self.prefill not in PREFILLS or not 0.0 <= self.compact_fraction < 1.0:
-            raise ValueError(f"bad decode spec {self}")
+    @property
+    def values(self) -> torch.Tensor:  # type: ignore[override]
+        return self.vbuf[:, :, : self.len]
+
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:  # pragma: no cover - prefilled
+        raise RuntimeError("buffer layer is prefilled")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        self.kbuf[:, :, self.len : self.len + n] = key_states
+        self.vbuf[:, :, self.len : self.len + n] = value_states
+        self.len += n
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args: object) -> tuple[int, int]:
+        return self.len + query_length, 0
+
+    def get_seq_length(self, *args: object) -> int:
+        return self.len
+
+    def get_max_cache_shape(self, *args: object) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.kbuf, self.vbuf = self.kbuf[beam_idx], self.vbuf[beam_idx]
 
 
 @dataclass
@@ -110,60 +96,27 @@ class Decoded:
 
 @dataclass
 class _Prefill:
-    cache_R: Cache  # one row per sample, attention layers buffered to the batch's capacity
-    last_logits_JV: torch.Tensor  # float32, drawable columns only
+    cache_R: Cache  # one row per sample, buffered to the batch's capacity
+    last_logits_JV: torch.Tensor  # float32, in-vocabulary columns only
     mask_JL: torch.Tensor  # left-padded prompts
     prompt_lps: list[list[float | None] | None]
 
 
-def _prefill_batched(
-    net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor, cap: int
-) -> _Prefill:
-    decoder, head = net.get_decoder(), net.get_output_embeddings()
-    if spec.vocab_size != head.weight.shape[0]:
-        raise ValueError("batched prefill computes prompt logprobs over the whole output head")
-    device = head.weight.device
-    J, Lp = len(reqs), max(len(r.prompt) for r in reqs)
-    ids_JL = torch.zeros((J, Lp), dtype=torch.int64)
-    mask_JL = torch.zeros((J, Lp), dtype=torch.int64)
-    for j, r in enumerate(reqs):
-        ids_JL[j, Lp - len(r.prompt) :] = torch.tensor(r.prompt, dtype=torch.int64)
-        mask_JL[j, Lp - len(r.prompt) :] = 1
-    ids_JL, mask_JL = ids_JL.to(device), mask_JL.to(device)
-    pos_JL = (mask_JL.cumsum(-1) - 1).clamp_min(0)
-    out = decoder(input_ids=ids_JL, attention_mask=mask_JL, position_ids=pos_JL, use_cache=True)
-    hidden_JLH = out.last_hidden_state
-    prompt_lps: list[list[float | None] | None] = []
-    for j, r in enumerate(reqs):
-        if not r.want_prompt_lp:
-            prompt_lps.append(None)
-            continue
-        L = len(r.prompt)
-        tgt = torch.tensor(r.prompt[1:], dtype=torch.int64, device=device)
-        lp = chunked_target_logprobs(hidden_JLH[j, Lp - L : Lp - 1], tgt, head)
-        prompt_lps.append([None] + lp.cpu().tolist())
-    last = head(hidden_JLH[:, -1]).float()
-    cache = out.past_key_values
-    cache.reorder_cache(rows_idx)  # each prompt's cache -> one row per sample
-    return _Prefill(buffered_cache(cache, cap), last, mask_JL, prompt_lps)
-
-
-def _prefill_each(
-    net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], spec: DecodeSpec, rows_idx: torch.Tensor, cap: int
+def _prefill(
+    net: transformers.PreTrainedModel, reqs: Sequence[DecodeRequest], V: int, rows_idx: torch.Tensor, cap: int
 ) -> _Prefill:
     """Every prompt alone (batch 1, no padding); its KV is copied into its samples' rows of
     zeroed buffers, right-aligned at the longest prompt's end."""
     decoder, head = net.get_decoder(), net.get_output_embeddings()
-    device, V = head.weight.device, spec.vocab_size
     J, Lp = len(reqs), max(len(r.prompt) for r in reqs)
     kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
     last: list[torch.Tensor] = []
     prompt_lps: list[list[float | None] | None] = []
     for r in reqs:
-        ids_1L = torch.tensor([r.prompt], dtype=torch.int64, device=device)
+        ids_1L = torch.tensor([r.prompt], dtype=torch.int64)
         out = decoder(input_ids=ids_1L, use_cache=True)
         if not all(type(layer) is DynamicLayer for layer in out.past_key_values.layers):
-            raise ValueError("prefill 'each' needs a pure-attention cache")
+            raise ValueError("the preset decode loop needs a pure-attention cache")
         logits_1LV = head(out.last_hidden_state)
         if r.want_prompt_lp:
             lp = token_logprobs(logits_1LV[:, :-1].float(), ids_1L[:, 1:], V)[0]
@@ -172,12 +125,12 @@ def _prefill_each(
             prompt_lps.append(None)
         last.append(logits_1LV[0, -1, :V].float())
         kv.append([(layer.keys, layer.values) for layer in out.past_key_values.layers])
-    counts = torch.bincount(rows_idx.cpu(), minlength=J).tolist()
+    counts = torch.bincount(rows_idx, minlength=J).tolist()
     R = int(rows_idx.shape[0])
-    mask_JL = torch.zeros((J, Lp), dtype=torch.int64, device=device)
+    mask_JL = torch.zeros((J, Lp), dtype=torch.int64)
     for j, r in enumerate(reqs):
         mask_JL[j, Lp - len(r.prompt) :] = 1
-    layers: list[AnyCacheLayer] = []
+    layers: list[CacheLayerMixin | LinearAttentionCacheLayerMixin] = []  # what a transformers Cache holds
     for li in range(len(kv[0])):
         k0 = kv[0][li][0]
         kb = k0.new_zeros((R, k0.shape[1], cap, k0.shape[3]))
@@ -192,20 +145,6 @@ def _prefill_each(
     return _Prefill(Cache(layers=layers), torch.stack(last), mask_JL, prompt_lps)
 
 
-def resolve_mode(mode: str, net: transformers.PreTrainedModel, cache: Cache) -> str:
-    if mode not in MODES:
-        raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
-    static_ok = isinstance(cache, Cache) and static_capable(net, cache)
-    on_cuda = net.get_output_embeddings().weight.device.type == "cuda"
-    if mode == "auto":
-        return "graph" if (static_ok and on_cuda) else "dynamic"
-    if mode in ("static", "graph") and not static_ok:
-        return "dynamic"  # sliding-window caches have no static step
-    if mode == "graph" and not on_cuda:
-        return "static"
-    return mode
-
-
 @dataclass
 class _DecodedRows:
     """What the decode loop produced, one entry per sample row (rows of one request contiguous)."""
@@ -214,48 +153,29 @@ class _DecodedRows:
     lps: list[list[float]]
     reason: list[str | None]  # "stop", "length"; None: never finished (counted as "length")
     steps: int
-    mode: str  # the decode mode that ran ("static" when a graph capture failed)
 
 
 def generate(
     net: transformers.PreTrainedModel,
     reqs: Sequence[DecodeRequest],
     decode_text: Callable[[list[int]], str],
-    spec: DecodeSpec,
-    mode: str = "auto",
-    stats: DecodeStats | None = None,
+    vocab_size: int,
 ) -> list[list[Decoded]]:
     """All samples of all `reqs` (token ids are the model's rows) through the one batched decode
-    loop (module docstring). `decode_text` turns model ids into text for stop strings. `stats`, if
-    given, receives the decode mode used, the step count and the row count."""
-    device = net.get_output_embeddings().weight.device
+    loop (module docstring). Only the first `vocab_size` logits columns can be drawn (the presets'
+    input-only unk row is never drawn). `decode_text` turns model ids into text for stop strings."""
     row_req = [j for j, r in enumerate(reqs) for _ in range(r.n)]
     R = len(row_req)
     Lp = max(len(r.prompt) for r in reqs)
     cap = Lp + max(r.max_tokens for r in reqs)
-    rows_idx = torch.tensor(row_req, dtype=torch.int64, device=device)
-    pre = (_prefill_each if spec.prefill == "each" else _prefill_batched)(net, reqs, spec, rows_idx, cap)
-    attn_RC = torch.zeros((R, cap), dtype=torch.int64, device=device)
+    rows_idx = torch.tensor(row_req, dtype=torch.int64)
+    pre = _prefill(net, reqs, vocab_size, rows_idx, cap)
+    attn_RC = torch.zeros((R, cap), dtype=torch.int64)
     attn_RC[:, :Lp] = pre.mask_JL[rows_idx]
-    mode = resolve_mode(mode, net, pre.cache_R)
-    static = StaticDecodeStep(net, pre.cache_R, attn_RC, mode == "graph") if mode in ("static", "graph") else None
-    pos_R = torch.tensor([len(reqs[j].prompt) for j in row_req], dtype=torch.int64, device=device)
+    pos_R = torch.tensor([len(reqs[j].prompt) for j in row_req], dtype=torch.int64)
     rows = _decode_rows(
-        net,
-        reqs,
-        decode_text,
-        spec,
-        row_req,
-        Lp,
-        pre.cache_R,
-        attn_RC,
-        pos_R,
-        pre.last_logits_JV[rows_idx],
-        static,
-        mode,
+        net, reqs, decode_text, vocab_size, row_req, Lp, pre.cache_R, attn_RC, pos_R, pre.last_logits_JV[rows_idx]
     )
-    if stats is not None:
-        stats.update(decode_mode=rows.mode, decode_steps=rows.steps, rows=R)
     return _decoded_by_request(reqs, rows, pre.prompt_lps)
 
 
@@ -263,46 +183,44 @@ def _decode_rows(
     net: transformers.PreTrainedModel,
     reqs: Sequence[DecodeRequest],
     decode_text: Callable[[list[int]], str],
-    spec: DecodeSpec,
+    V: int,
     row_req: list[int],
     Lp: int,
     cache: Cache,
     attn_RC: torch.Tensor,
     pos_R: torch.Tensor,
     logits_BV: torch.Tensor,
-    static: StaticDecodeStep | None,
-    mode: str,
 ) -> _DecodedRows:
     """The decode loop over every row from the prefill's last logits until every row finished."""
     decoder, head = net.get_decoder(), net.get_output_embeddings()
-    device = head.weight.device
-    V = spec.vocab_size
     R = len(row_req)
-    gens = [torch.Generator(device=device).manual_seed(r.seed) for r in reqs]
+    gens = [torch.Generator().manual_seed(r.seed) for r in reqs]
     stops = [set(r.stop_ids) for r in reqs]
-    rows = _DecodedRows([[] for _ in range(R)], [[] for _ in range(R)], [None] * R, steps=0, mode=mode)
+    rows = _DecodedRows([[] for _ in range(R)], [[] for _ in range(R)], [None] * R, steps=0)
     batch_rows = list(range(R))  # original row of each batch position
     while True:
-        nxt_B = _draw_tokens(logits_BV, batch_rows, row_req, rows.reason, reqs, gens, spec.draw)
+        nxt_B = _draw_tokens(logits_BV, batch_rows, row_req, rows.reason, reqs, gens)
         _record_tokens(rows, batch_rows, nxt_B, logits_BV, reqs, row_req, stops, decode_text)
         rows.steps += 1
         live_k = [k for k, row in enumerate(batch_rows) if rows.reason[row] is None]
         if not live_k:
             break
-        dead = len(batch_rows) - len(live_k)
         cur = Lp + rows.steps
-        if static is not None:  # fixed shapes: finished rows keep running, their tokens are ignored
-            logits_BV = _static_step(static, nxt_B, pos_R, cur - 1, rows)[:, :V]
-            pos_R = pos_R + 1
-            continue
-        if dead and dead >= max(1, int(spec.compact_fraction * len(batch_rows))):
-            kidx = torch.tensor(live_k, dtype=torch.int64, device=device)
+        if len(live_k) < len(batch_rows):
+            kidx = torch.tensor(live_k, dtype=torch.int64)
             # transformers annotates the index with the legacy torch.LongTensor class; an int64 tensor is what it takes.
             cache.reorder_cache(kidx)  # type: ignore[arg-type]
             attn_RC, pos_R, nxt_B = attn_RC[kidx], pos_R[kidx], nxt_B[kidx]
             batch_rows = [batch_rows[k] for k in live_k]
         attn_RC[:, cur - 1] = 1
-        logits_BV, cache = _dynamic_step(decoder, head, cache, nxt_B, attn_RC[:, :cur], pos_R, V)
+        out = decoder(
+            input_ids=nxt_B.unsqueeze(-1),
+            attention_mask=attn_RC[:, :cur],
+            position_ids=pos_R.unsqueeze(-1),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits_BV, cache = head(out.last_hidden_state[:, -1])[:, :V].float(), out.past_key_values
         pos_R = pos_R + 1
     return rows
 
@@ -314,11 +232,10 @@ def _draw_tokens(
     reason: list[str | None],
     reqs: Sequence[DecodeRequest],
     gens: list[torch.Generator],
-    draw_kind: str,
 ) -> torch.Tensor:
     """One token per batch position [B]: each request's live rows drawn together from its own
     generator; finished rows feed 0."""
-    nxt_B = torch.zeros(len(batch_rows), dtype=torch.int64, device=logits_BV.device)
+    nxt_B = torch.zeros(len(batch_rows), dtype=torch.int64)
     b = 0
     while b < len(batch_rows):  # rows of one request are contiguous
         j = row_req[batch_rows[b]]
@@ -327,8 +244,8 @@ def _draw_tokens(
             e += 1
         live = [k for k in range(b, e) if reason[batch_rows[k]] is None]
         if live:
-            sel = torch.tensor(live, dtype=torch.int64, device=logits_BV.device) if len(live) < e - b else slice(b, e)
-            nxt_B[sel] = draw(logits_BV[sel], reqs[j], gens[j], draw_kind)
+            sel = torch.tensor(live, dtype=torch.int64) if len(live) < e - b else slice(b, e)
+            nxt_B[sel] = draw(logits_BV[sel], reqs[j], gens[j])
         b = e
     return nxt_B
 
@@ -360,41 +277,6 @@ def _record_tokens(
             rows.reason[row] = "stop"
         elif len(toks) >= r.max_tokens:
             rows.reason[row] = "length"
-
-
-def _static_step(
-    static: StaticDecodeStep, nxt_B: torch.Tensor, pos_R: torch.Tensor, col: int, rows: _DecodedRows
-) -> torch.Tensor:
-    """Logits [R, V_head] of one fixed-shape step; a CUDA graph that fails to capture falls back to
-    the eager static step, which `rows.mode` then records."""
-    try:
-        return static(nxt_B, pos_R, col)
-    except Exception as exc:
-        if not static.use_graph or static.graph is not None:
-            raise
-        log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
-        rows.mode, static.use_graph = "static", False
-        return static(nxt_B, pos_R, col)
-
-
-def _dynamic_step(
-    decoder: torch.nn.Module,
-    head: torch.nn.Module,
-    cache: Cache,
-    nxt_B: torch.Tensor,
-    attn_BC: torch.Tensor,
-    pos_B: torch.Tensor,
-    V: int,
-) -> tuple[torch.Tensor, Cache]:
-    """Float32 logits [B, V] of the eager step that feeds `nxt_B`, and the cache it extended."""
-    out = decoder(
-        input_ids=nxt_B.unsqueeze(-1),
-        attention_mask=attn_BC,
-        position_ids=pos_B.unsqueeze(-1),
-        past_key_values=cache,
-        use_cache=True,
-    )
-    return head(out.last_hidden_state[:, -1])[:, :V].float(), out.past_key_values
 
 
 def _decoded_by_request(

@@ -13,12 +13,8 @@ import numpy as np
 import torch
 import transformers
 
-from dppo_harness.local_server.engine import hf_model, model
-from dppo_harness.local_server.engine.logprobs import (
-    chunked_target_logprobs,
-    head_target_logprobs,
-    lora_head_parts,
-)
+from dppo_harness.local_server.engine import model
+from dppo_harness.local_server.engine.logprobs import head_target_logprobs, lora_head_parts
 from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.vocab import Vocab
@@ -36,7 +32,6 @@ TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memo
 # (a forward_backward_custom the SDK splits into chunks sends one forward per chunk).
 RETAINED_LOGIT_BYTES = 1 << 30
 MAX_RETAINED = 4
-CUDA_TOKEN_BUDGET = 16384  # --model-path on CUDA: logits are chunked, so the budget bounds activations only
 
 
 @dataclass
@@ -92,15 +87,12 @@ def make_optimizer(params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.
 
 class TrainerMixin:
     """The trainer half of `Engine` (mixed into it): validated datums, length-sorted micro-batches,
-    target logprobs (the presets' fused head, a checkpoint's chunked head), the registered losses,
+    target logprobs (the presets' fused head), the registered losses,
     retained first passes, AdamW steps and parameter reads. `Engine.__init__` sets the attributes
     below; `_get` is `Engine`'s."""
 
-    vocab: Vocab | hf_model.FullVocab
-    config: model.TinyConfig | hf_model.ContextConfig
-    checkpoint: hf_model.LoadedCheckpoint | None
-    device: torch.device
-    chunk_tokens: int
+    vocab: Vocab
+    config: model.TinyConfig
     token_budget: int
     retain_forward: bool
     retained_stats: dict[str, int]
@@ -131,20 +123,14 @@ class TrainerMixin:
                 if arr.size != T:
                     raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has length {arr.size}, model_input has {T}")
                 if key == "target_tokens":
-                    conv[key] = self._to_local(arr.astype(np.int64), f"datum {i}: loss_fn_inputs['target_tokens']")
+                    conv[key] = self.vocab.to_local(arr.astype(np.int64))  # unknown ids: the unk row
                 else:
                     t = torch.from_numpy(arr.astype(np.float32))
                     if not bool(torch.isfinite(t).all()):
                         raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has non-finite values")
                     conv[key] = t
-            out.append((self._to_local(toks, f"datum {i}: model_input"), conv))
+            out.append((self.vocab.to_local(toks), conv))
         return out
-
-    def _to_local(self, ids: Sequence[int] | np.ndarray | torch.Tensor, what: str) -> torch.Tensor:
-        try:
-            return self.vocab.to_local(ids)
-        except ValueError as exc:  # full vocabulary: ids outside the model's rows
-            raise UserError(f"{what}: {exc}") from None
 
     def _microbatches(self, lengths: list[int]) -> list[list[int]]:
         """Datum indices grouped into micro-batches of <= TOKEN_BUDGET padded tokens; datums are
@@ -177,8 +163,6 @@ class TrainerMixin:
             ids_BT[b, :L] = items[i][0]
             tgt_BT[b, :L] = items[i][1]["target_tokens"]
             mask_BT[b, :L] = 1
-        if self.checkpoint is not None:
-            return self._logprobs_hf(net, ids_BT, tgt_BT, mask_BT, lens)
         kw = {"attention_mask": mask_BT} if min(lens) != Tm else {}
         causal = causal_lm(net)
         head = causal.get_output_embeddings()
@@ -192,22 +176,6 @@ class TrainerMixin:
         real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
         lp_N = head_target_logprobs(
             hidden_BTH[real_BT], tgt_BT[real_BT], head, self.vocab.size, oov_logprob=model.OOV_TARGET_LOGPROB
-        )
-        return list(lp_N.split(lens))
-
-    def _logprobs_hf(
-        self, net: torch.nn.Module, ids_BT: torch.Tensor, tgt_BT: torch.Tensor, mask_BT: torch.Tensor, lens: list[int]
-    ) -> list[torch.Tensor]:
-        """Full vocabulary: the decoder's hidden states at the real (unpadded) positions, then the
-        target log-softmax in token chunks (never a [B, T, V] float32 logits tensor)."""
-        causal = causal_lm(net)
-        dev = self.device
-        ids_BT, tgt_BT, mask_BT = ids_BT.to(dev), tgt_BT.to(dev), mask_BT.to(dev)
-        kw = {"attention_mask": mask_BT} if min(lens) != ids_BT.shape[1] else {}
-        hidden_BTH = causal.get_decoder()(input_ids=ids_BT, use_cache=False, **kw).last_hidden_state
-        real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
-        lp_N = chunked_target_logprobs(
-            hidden_BTH[real_BT], tgt_BT[real_BT], causal.get_output_embeddings(), self.chunk_tokens
         )
         return list(lp_N.split(lens))
 

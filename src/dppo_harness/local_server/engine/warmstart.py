@@ -316,7 +316,7 @@ def load_shipped(
     return net, meta | {"cache_hit": True, "source": "shipped", "asset": wfile.name}
 
 
-def write_shipped(net: torch.nn.Module, key: dict, info: dict, platform_sha256: str) -> Path:
+def write_shipped(net: torch.nn.Module, key: dict, info: dict) -> Path:
     """Write ``net`` as the shipped warm start of ``key`` (run once by whoever changes the recipe)."""
     wfile, mfile = asset_paths(str(key["recipe"]["version"]))
     state = net.state_dict()
@@ -324,7 +324,7 @@ def write_shipped(net: torch.nn.Module, key: dict, info: dict, platform_sha256: 
     meta = {
         "key": shipped_key(key),
         "weights_sha256": model.state_sha256(state),
-        "built_with": {"torch": key["torch"], "platform_sha256": platform_sha256},
+        "built_with": {"torch": key["torch"], "cpu_capability": torch.backends.cpu.get_cpu_capability()},
         "final_loss_mean_last10": info.get("final_loss_mean_last10"),
         "first_loss": info.get("first_loss"),
     }

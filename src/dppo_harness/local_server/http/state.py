@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 MAX_KEPT_RESULTS = 20000
 MODEL_OWNER = "local"  # TrainingRun.model_owner: the embedded server has no accounts
+SAMPLE_WORKERS = 64  # threads running sample requests (each blocks on the engine's batching sampler)
 
 
 def utc_now() -> datetime:
@@ -106,7 +107,6 @@ class ServerState:
     engine: Engine
     faults: FaultInjector
     headers: HeaderRecorder
-    sample_workers: int = 64
     profile: Profile = field(default_factory=Profile)
     started: float = field(default_factory=time.time)
     on_die: Callable[[str], None] | None = None  # called instead of os._exit in-process
@@ -119,7 +119,7 @@ class ServerState:
         self.checkpoints: dict[str, CheckpointRecord] = {}  # tinker path -> record, in save order
         self.results: OrderedDict[str, asyncio.Future[Outcome]] = OrderedDict()
         self.model_requests: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> request
-        self.sample_pool = ThreadPoolExecutor(self.sample_workers, thread_name_prefix="sample")
+        self.sample_pool = ThreadPoolExecutor(SAMPLE_WORKERS, thread_name_prefix="sample")
         self.misc_pool = ThreadPoolExecutor(2, thread_name_prefix="misc")
         self._ids = itertools.count(1)
         self.engine_seconds: dict[str, float] = {}
@@ -229,7 +229,6 @@ class ServerState:
             "engine_cpu_seconds": dict(self.engine_cpu_seconds),
             "engine_calls": dict(self.engine_calls),
             "retained_forwards": dict(getattr(self.engine, "retained_stats", {}) or {}),
-            "kernels": getattr(self.engine, "kernels", None),  # implementation per layer type
         }
 
     def shutdown(self) -> None:
