@@ -54,7 +54,7 @@ def undeclared() -> dict[str, set[str]]:
         if mod in sys.stdlib_module_names or mod in ("dppo_harness", "__future__") or mod in OPTIONAL_BY_DESIGN:
             continue
         owners = {_norm(d) for d in dists.get(mod, [])}
-        if not owners:  # not installed here (an extra, e.g. gpu): its declared name must carry the module's
+        if not owners:  # not installed here (an optional extra): its declared name must carry the module's
             owners = {d for d in declared if d == _norm(mod) or d.startswith(_norm(mod) + "-")}
         if not owners & declared:
             missing[mod] = files
