@@ -36,6 +36,7 @@ from dppo_harness.loss.correctness_measures import (
 )
 from dppo_harness.loss.correctness_packed import PackedRun, run_packed
 from dppo_harness.loss.correctness_reference import MODES, GoldenCase, PackedCase, file_sha256, load_golden, pack_case
+from dppo_harness.loss.loss_registry import get_loss
 from dppo_harness.loss.references import ref_dppo, ref_ppo, token_count
 
 # verl's vanilla PPO (the golden grpo_no_dual_clip entry) keeps a dual clip at c=1e4 and clamps the
@@ -74,7 +75,7 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
     """A registered loss on its golden cases: its numpy reference reproduces the golden values
     (with the golden's rule variant, `GoldenCases.reference_params`), and the packed training path
     (float64) matches the reference (as trained) in loss, gradient and, for DPPO, mask."""
-    entry = losses.get_loss(name)
+    entry = get_loss(name)
     path = Path(root) / entry.golden.file
     try:
         cases = json.loads(path.read_text())["cases"]
@@ -105,7 +106,7 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
         ref = entry.reference(lp, mu, adv, mask, norm)
         lp_N = torch.tensor(lp.ravel(), dtype=torch.float64, requires_grad=True)
         mu_N, adv_N, mask_N = (torch.from_numpy(np.ascontiguousarray(x.ravel())) for x in (mu, adv, mask))
-        loss, _ = losses.packed_loss_and_metrics(lp_N, mu_N, adv_N, mask_N, cfg)
+        loss = losses.packed_loss_call(lp_N, mu_N, adv_N, mask_N, cfg).loss
         if loss.requires_grad:
             loss.backward()
         grad = lp_N.grad.numpy().reshape(shape) if lp_N.grad is not None else np.zeros(shape)
