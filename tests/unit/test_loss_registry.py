@@ -15,6 +15,7 @@ registered here with its own reference and hand-derived golden file
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from dppo_harness.loss import correctness_golden, losses, references
+from dppo_harness.loss import correctness_golden, golden, losses, references
 from dppo_harness.loss import loss_registry as registry
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.plans import PlanError, parse_plan
@@ -169,3 +170,28 @@ def test_gate_metrics_come_from_the_registry(registered):
     ):
         parse_plan(json.dumps(raw).encode())
     assert "pg_ratio_drift_q99" not in gate.gate_values([], [], None, 1)[0]
+
+
+def test_the_shipped_golden_cases_are_the_generators_fixed_point(capsys):
+    assert golden.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_the_golden_generator_replaces_what_the_references_do_not_reproduce(monkeypatch):
+    doc = json.loads((ROOT / "tests/fixtures/dppo_golden_v1.json").read_text())
+    file = registry.get_loss(registry.DPPO_LOSS).golden.file
+    assert golden.regenerate(doc, file) == doc
+    tampered = copy.deepcopy(doc)
+    tampered["cases"][0]["dppo"]["loss"] += 1e-6
+    fixed = golden.regenerate(tampered, file)
+    assert fixed != tampered and fixed["cases"][0]["dppo"]["loss"] == pytest.approx(doc["cases"][0]["dppo"]["loss"])
+    # Another delta: the boundary case's mask, removed count and loss follow it; params.dppo says it.
+    dppo = registry.get_loss(registry.DPPO_LOSS)
+    monkeypatch.setitem(
+        registry.LOSSES, dppo.name, dataclasses.replace(dppo, params={**dppo.params, "dppo_delta": 0.3})
+    )
+    moved = golden.regenerate(doc, file)
+    assert moved["params"]["dppo"]["clip_ratio"] == 0.3
+    case = next(c for c in moved["cases"] if c["name"] == "boundary_exact")
+    assert case["dppo"]["metrics"]["n_invalid_tr_tokens"] == 0 and case != next(
+        c for c in doc["cases"] if c["name"] == "boundary_exact"
+    )

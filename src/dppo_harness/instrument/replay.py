@@ -82,9 +82,9 @@ def recompute(
     mask = to_padded(t["mask_N"].astype(np.float64), lengths)
     on = mask > 0
     dppo = references.ref_dppo(
-        lp, mu, adv, mask, normalization, delta=delta, cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX
+        lp, mu, adv, mask, normalization, dppo_delta=delta, ratio_cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX
     )
-    ppo = references.ref_ppo(lp, mu, adv, mask, normalization, eps=eps)
+    ppo = references.ref_ppo(lp, mu, adv, mask, normalization, ppo_eps=eps)
     with np.errstate(over="ignore", invalid="ignore"):
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
         # The cap shapes only kept tokens (a dropped token has no gradient to cap).
