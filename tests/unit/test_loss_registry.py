@@ -81,7 +81,7 @@ def _spec_with_test_loss() -> dict:
 
 
 def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
-    assert registry.loss_names() == ("dppo_divergence_mask", "grpo_clip_eps0.2")
+    assert {"dppo_divergence_mask", "grpo_clip_eps0.2"} <= set(registry.loss_names())
     dppo, grpo = registry.get_loss(registry.DPPO_LOSS), registry.get_loss(registry.GRPO_LOSS)
     assert dppo.params == {"dppo_delta": 0.15, "ratio_cap": 10.0} and grpo.params == {"ppo_eps": 0.2}
     assert dppo.reference is references.ref_dppo and grpo.reference is references.ref_ppo
@@ -99,9 +99,8 @@ def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
 def test_an_unregistered_loss_is_refused_at_load_listing_the_registered_ones():
     with pytest.raises(PlanError) as e:
         parse_plan(json.dumps(_spec_with_test_loss()).encode())
-    assert str(e.value) == (
-        "arms[1].loss: 'pg_ratio_test' is not a registered loss (registered: dppo_divergence_mask, grpo_clip_eps0.2)"
-    )
+    registered = ", ".join(registry.loss_names())
+    assert str(e.value) == f"arms[1].loss: 'pg_ratio_test' is not a registered loss (registered: {registered})"
     with pytest.raises(ValueError, match="registered twice|already registered"):
         registry.register_loss(_entry(name=registry.DPPO_LOSS))
 

@@ -6,8 +6,9 @@ For every case of FILE (default: the registered losses' golden file) and every r
 whose golden cases live in it, the values the harness reads are recomputed with the loss's
 reference (`LossEntry.reference` at its `params` and `GoldenCases.reference_params`, normalized as
 `GoldenCases.normalization`): `loss` and `grad_log_prob` under the entry's key, and what the case
-holds of the rule's decisions (`mask`: the DPPO keep mask; `metrics.n_invalid_tr_tokens`: the
-nonzero-advantage tokens it removes; `clipfrac`: the clipped fraction as verl counts it). The DPPO
+holds of the rule's decisions (`mask`: the DPPO keep mask; `metrics.n_invalid_tr_tokens` and
+`metrics.actor/pg_clipfrac`: the nonzero-advantage tokens it removes, counted and as a fraction;
+`clipfrac`: the clipped fraction as verl counts it). The DPPO
 thresholds in `params.dppo` follow the registered DPPO loss.
 
 A stored value that the reference reproduces within the registry's parity tolerance (float64
@@ -78,8 +79,12 @@ def _case_entry(case: JsonObject, entry: LossEntry) -> JsonObject:
     if "mask" in out:  # the DPPO keep mask and the tokens it removes
         out["mask"] = _kept(out["mask"], ref.decision_BT.astype(np.float64))
         metrics = out.get("metrics")
+        removed = on & (adv != 0) & ~ref.decision_BT.astype(bool)
         if isinstance(metrics, dict) and "n_invalid_tr_tokens" in metrics:
-            metrics["n_invalid_tr_tokens"] = int((on & (adv != 0) & ~ref.decision_BT.astype(bool)).sum())
+            metrics["n_invalid_tr_tokens"] = int(removed.sum())
+        if isinstance(metrics, dict) and "actor/pg_clipfrac" in metrics:  # over nonzero-advantage tokens
+            frac = float(removed.sum() / ((on & (adv != 0)).sum() + _VERL_EPS))
+            metrics["actor/pg_clipfrac"] = _kept(metrics["actor/pg_clipfrac"], frac)
     if "clipfrac" in out:  # the clipped fraction, as verl's masked mean counts it
         out["clipfrac"] = _kept(out["clipfrac"], float(ref.decision_BT.sum() / (on.sum() + _VERL_EPS)))
     return out
