@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dppo_harness.evaluation import stats
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry
 from dppo_harness.stages.comparison.decision import OBSERVATIONS_FILE, recompute_from_file
 from dppo_harness.stages.comparison.evaluate import BASE_ARM
 from dppo_harness.stages.comparison.step_rows import fraction_names
@@ -53,7 +53,7 @@ def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle)
     GRPO arm's DPPO mask and the DPPO arm's PPO clip."""
     cfg = comparison_run.config
     for t in cfg.treatments:
-        if t.loss == losses.DPPO_LOSS:
+        if t.loss == loss_registry.DPPO_LOSS:
             assert sum(r["dppo_masked_frac"] for r in comparison_run.rows if r["arm"] == t.name) > 0, t.name
     assert all(r["loss_tokens"] > 0 for r in comparison_run.rows)
     arms = evidence_bundle.result["metrics"]["arms"]
@@ -68,11 +68,11 @@ def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle)
     own = {
         a.loss: {k for k in fraction_names(a.loss).values() if not k.startswith("counterfactual_")} for a in cfg.arms
     }
-    assert own.get(losses.GRPO_LOSS, {"ppo_clip_frac", "last_update_clip_frac"}) == {
+    assert own.get(loss_registry.GRPO_LOSS, {"ppo_clip_frac", "last_update_clip_frac"}) == {
         "ppo_clip_frac",
         "last_update_clip_frac",
     }
-    assert own.get(losses.DPPO_LOSS, {"dppo_masked_frac", "last_update_masked_frac"}) == {
+    assert own.get(loss_registry.DPPO_LOSS, {"dppo_masked_frac", "last_update_masked_frac"}) == {
         "dppo_masked_frac",
         "last_update_masked_frac",
     }

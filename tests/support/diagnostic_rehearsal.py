@@ -11,7 +11,7 @@ import tinker
 import torch
 
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry, losses
 
 
 def simulate_records(
@@ -26,7 +26,7 @@ def simulate_records(
     """Loss-call records of a simulated policy that moves each token's probability in its
     advantage's direction by about `drift_per_update` per update, through the real recorder and
     loss. Zero drift gives an on-policy run (the mask must stay silent)."""
-    cfg = loss_cfg or losses.LossConfig(losses.DPPO_LOSS, normalization="token_mean")
+    cfg = loss_cfg or losses.LossConfig(loss_registry.DPPO_LOSS, normalization="token_mean")
     rng = np.random.default_rng(seed)
     recorder = ins.LossCallRecorder(cfg)
     loss_fn = losses.make_loss_fn(cfg)

@@ -8,7 +8,7 @@ import pytest
 
 from dppo_harness import plans
 from dppo_harness.evaluation import stats
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry
 from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_config, step_seed
 from dppo_harness.stages.comparison.decision import (
@@ -133,7 +133,7 @@ def test_step_metrics_pool_fractions_by_loss_tokens():
         3,
         SUMMARY,
         _recs(),
-        loss=losses.DPPO_LOSS,
+        loss=loss_registry.DPPO_LOSS,
         seconds=2.0,
         sample_seconds=1.0,
         sampler_checkpoint="tinker://x",
@@ -153,7 +153,10 @@ def test_step_metrics_pool_fractions_by_loss_tokens():
 
 @pytest.mark.parametrize(
     "loss, real, counterfactual",
-    [(losses.GRPO_LOSS, "ppo_clip_frac", "dppo_masked_frac"), (losses.DPPO_LOSS, "dppo_masked_frac", "ppo_clip_frac")],
+    [
+        (loss_registry.GRPO_LOSS, "ppo_clip_frac", "dppo_masked_frac"),
+        (loss_registry.DPPO_LOSS, "dppo_masked_frac", "ppo_clip_frac"),
+    ],
 )
 def test_the_rule_an_arm_does_not_train_with_is_labelled_counterfactual(loss, real, counterfactual):
     """A GRPO arm's DPPO masked fraction (and a DPPO arm's PPO clip fraction) is counted on the arm's
@@ -459,7 +462,7 @@ def test_step_row_record_writes_the_jsonl_keys_in_their_order_and_decodes_back()
         3,
         SUMMARY,
         _recs(),
-        loss=losses.GRPO_LOSS,
+        loss=loss_registry.GRPO_LOSS,
         seconds=2.0,
         sample_seconds=1.0,
         sampler_checkpoint="tinker://x",

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry
 from dppo_harness.plans import load_plan
 from dppo_harness.stages.comparison import arms as comparison_arms
 from dppo_harness.stages.comparison.config import ArmSpec, ComparisonConfig, ComparisonError, comparison_config
@@ -27,7 +27,7 @@ class FakeArm:
 
 
 def _runner(arm):
-    spec = ArmSpec("grpo_seed0", losses.GRPO_LOSS, "baseline", 0, 1e-2, 2)
+    spec = ArmSpec("grpo_seed0", loss_registry.GRPO_LOSS, "baseline", 0, 1e-2, 2)
     return comparison_arms.ArmRunner(spec, arm, loss_fn=None, recorder=None)
 
 

@@ -21,7 +21,7 @@ from tinker_cookbook.utils.file_utils import read_jsonl
 from dppo_harness.data.gsm8k import Graded, Gsm8kItem
 from dppo_harness.instrument import cookbook_metrics as CM
 from dppo_harness.instrument import wandb_opt_in
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.comparison.step_rows import step_metrics
 
@@ -72,7 +72,7 @@ def test_step_record_uses_the_cookbooks_names():
         1,
         batch.summary(),
         records,
-        loss=losses.GRPO_LOSS,
+        loss=loss_registry.GRPO_LOSS,
         seconds=3.0,
         sample_seconds=1.0,
         sampler_checkpoint="tinker://x",

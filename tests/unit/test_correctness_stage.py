@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness.loss import correctness, correctness_golden, losses
+from dppo_harness.loss import correctness, correctness_golden, loss_registry, losses
 from dppo_harness.stages.correctness_preflight import GOLDEN_FIXTURE, run_correctness_preflight
 from dppo_harness.stages.restoration.lr_probe import attach_lr_scaling
 from dppo_harness.stages.restoration.records import LrScalingMeasured, LrScalingUnavailable
@@ -19,7 +19,7 @@ from dppo_harness.stages.restoration.records import LrScalingMeasured, LrScaling
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / GOLDEN_FIXTURE
 SPEC = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
-TRAINED = (losses.GRPO_LOSS, losses.DPPO_LOSS)
+TRAINED = (loss_registry.GRPO_LOSS, loss_registry.DPPO_LOSS)
 UNMEASURED = LrScalingUnavailable("backend reports no update norms", [1e-5, 2e-5])
 
 
@@ -77,7 +77,7 @@ def test_fails_on_a_mutated_dppo_rule(monkeypatch):
     outcome = run_correctness_preflight(SPEC, UNMEASURED, TRAINED, ROOT, modes=("float64",))
     assert not outcome.passed
     assert any(line.startswith("FAIL recovery_direction") for line in outcome.failures())
-    dppo_parity = next(p for p in outcome.parity if p.loss == losses.DPPO_LOSS)
+    dppo_parity = next(p for p in outcome.parity if p.loss == loss_registry.DPPO_LOSS)
     assert not dppo_parity.passed and any("packed" in f for f in dppo_parity.failures)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from dppo_harness.instrument.instrumentation import LossCallRecord
+from dppo_harness.loss.terms import LossStats
 from dppo_harness.plans import load_plan
 from dppo_harness.plans.models import GateCheck
 from dppo_harness.stages import gate
@@ -63,7 +64,7 @@ def test_unmeasured_metric_and_boundless_check_fail():
 
 
 def _rec(step, u, frac, q90, clip):
-    stats = dict.fromkeys(gate.ins.COUNT_KEYS, 0) | dict.fromkeys(gate.ins.FLOAT_KEYS, 0.0)
+    stats = dict.fromkeys(LossStats.scalar_names(), 0.0)  # the gate reads the scalars by recorded name
     stats.update({"dppo/masked_frac_loss_tokens": frac, "drift/abs_p90": q90, "ppo/clip_frac_loss_tokens": clip})
     return LossCallRecord(
         call_index=2 * step + u - 1,

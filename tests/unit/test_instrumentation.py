@@ -1,4 +1,5 @@
-"""Per-loss-call records: decisions, counts, histograms, persistence and the loss cross-check."""
+"""Per-loss-call records: decisions, counts, histograms, persistence, and the record built from the
+loss's own evaluation."""
 
 import math
 
@@ -8,9 +9,16 @@ import tinker
 import torch
 
 from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.loss import terms as loss_terms
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
 
 CFG = LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
+
+
+def _record(call_index, context, data, lps, cfg=CFG):
+    """The record of one loss call, as the recorder builds it from the loss's evaluation."""
+    inputs, call = make_loss_fn(cfg).evaluate(data, lps)
+    return ins.record_from_call(call_index, context, inputs, lps, call)
 
 
 def _datum(prompt_len: int, p_cur: list[float], q_samp: list[float], adv: float, seed: int = 0):
@@ -41,7 +49,7 @@ def _batch():
 
 def test_record_counts_decisions_by_sign_and_ignores_prompt_and_zero_adv():
     data, lps = _batch()
-    rec = ins.record_from_call(0, {"update_index": 1}, data, lps, CFG)
+    rec = _record(0, {"update_index": 1}, data, lps)
     s = rec.stats
     assert s["tokens/loss"] == 7 and s["tokens/nonzero_adv"] == 5
     assert (s["tokens/pos_adv"], s["tokens/neg_adv"], s["tokens/zero_adv"]) == (3, 2, 2)
@@ -61,20 +69,39 @@ def test_record_counts_decisions_by_sign_and_ignores_prompt_and_zero_adv():
 
 
 def test_histograms_split_by_sign_and_put_delta_on_the_kept_side():
-    labels = ins.hist_bin_labels()
-    assert len(labels) == ins.N_HIST_BINS
-    up, down = ins.delta_bins(0.15)
+    edges = loss_terms.magnitude_edges(0.15)
+    assert edges == (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+    labels = loss_terms.hist_bin_labels(edges)
+    assert len(labels) == 2 * len(edges) - 1
+    up, down = loss_terms.delta_bins(0.15)
     assert labels[up] == "(0.15,0.2]" and labels[down] == "[-0.2,-0.15)"
     d = np.array([0.15, 0.1500001, -0.15, -0.1500001, 0.0, 0.35, -1.0])
-    idx = ins.hist_bin_index(d)
+    idx = loss_terms.hist_bin_index(d, edges)
     assert idx[0] == up - 1 and idx[1] == up  # exactly +delta is kept: below the exceed bins
     assert idx[2] == down + 1 and idx[3] == down
     assert labels[idx[4]] == "[-0.001,0.001]" and labels[idx[5]] == "(0.3,0.5]" and labels[idx[6]] == "[-1,-0.5)"
     data, lps = _batch()
-    rec = ins.record_from_call(0, {}, data, lps, CFG)
+    rec = _record(0, {}, data, lps)
     h = rec.stats["hist"]
     assert sum(h["pos"]) == 3 and sum(h["neg"]) == 2 and sum(h["zero"]) == 2
-    exceed = sum(sum(h[s][up:]) + sum(h[s][: down + 1]) for s in ins.HIST_SIGNS)
+    exceed = sum(sum(h[s][up:]) + sum(h[s][: down + 1]) for s in loss_terms.HIST_SIGNS)
+    assert exceed == rec.stats["dppo/exceed_pos"] + rec.stats["dppo/exceed_neg"]
+
+
+@pytest.mark.parametrize("delta", [0.2, 0.17, 0.001, 0.9])
+def test_any_delta_gets_exact_bins(delta):
+    """delta is always an edge: the bins beyond +-delta hold exactly the strict exceedances."""
+    edges = loss_terms.magnitude_edges(delta)
+    assert delta in edges and list(edges) == sorted(set(edges))
+    labels = loss_terms.hist_bin_labels(edges)
+    up, down = loss_terms.delta_bins(delta)
+    assert labels[up].startswith(f"({delta:g},") and labels[down].endswith(f",-{delta:g})")
+    data, lps = _batch()
+    cfg = LossConfig(loss="dppo_divergence_mask", normalization="token_mean", dppo_delta=delta)
+    rec = _record(0, {}, data, lps, cfg)
+    h = rec.stats["hist"]
+    assert rec.stats.hist.edges == edges and len(h["pos"]) == len(labels)
+    exceed = sum(sum(h[s][up:]) + sum(h[s][: down + 1]) for s in loss_terms.HIST_SIGNS)
     assert exceed == rec.stats["dppo/exceed_pos"] + rec.stats["dppo/exceed_neg"]
 
 
@@ -92,14 +119,19 @@ def test_recorder_records_exact_inputs_and_leaves_the_loss_unchanged():
     (r,) = rec.records
     assert r.context == {"update_index": 3, "epoch": 1}
     np.testing.assert_array_equal(r.tensors["logprobs_N"], torch.cat(lps).numpy())
-    assert ins.crosscheck_loss_metrics(r) == []
-    r.loss_metrics["dppo/removed_neg_adv"] += 1  # a loss that reports something else is caught
-    assert any("removed_neg_adv" in p for p in ins.crosscheck_loss_metrics(r))
+    # One evaluation per call: what the loss returned is its statistics, as recorded.
+    assert r.loss_metrics == metrics == loss_fn.metrics(r.stats)
+    assert r.stats == _record(0, {}, data, lps).stats
+
+
+def test_recorder_refuses_a_loss_whose_decisions_it_cannot_read():
+    with pytest.raises(TypeError, match="packed loss path"):
+        ins.LossCallRecorder(CFG).wrap(lambda data, lps: (torch.zeros(()), {}))
 
 
 def test_npz_roundtrip_is_exact_and_rejects_foreign_files():
     data, lps = _batch()
-    recs = [ins.record_from_call(i, {"update_index": i + 1}, data, lps, CFG) for i in range(2)]
+    recs = [_record(i, {"update_index": i + 1}, data, lps) for i in range(2)]
     blob = ins.records_to_npz(recs)
     assert ins.is_record_file(blob)
     back = ins.records_from_npz(blob)

@@ -1,5 +1,5 @@
 """The loss registry: every loss a spec's arm may name is one entry (packed rule, parameters,
-metric names, gate metrics, numpy reference, golden cases); an unregistered loss is refused at
+the decisions it trains with, gate metrics, numpy reference, golden cases); an unregistered loss is refused at
 plan load; adding a loss is an entry, its reference and its golden file, nothing else.
 
 The test-only loss `pg_ratio_test` (token loss -A * r, gradient through r, no clip, no mask) is
@@ -15,6 +15,7 @@ registered here with its own reference and hand-derived golden file
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from dppo_harness.loss import correctness_golden, losses, references
+from dppo_harness.loss import correctness_golden, golden, losses, references
+from dppo_harness.loss import loss_registry as registry
+from dppo_harness.loss.terms import LossStats
 from dppo_harness.plans import PlanError, parse_plan
 from dppo_harness.stages.comparison.arms import make_runners
 from dppo_harness.stages.comparison.config import comparison_config
@@ -34,7 +37,7 @@ NAME = "pg_ratio_test"
 GOLDEN = "tests/fixtures/losses/pg_ratio_golden.json"
 
 
-def _pg_token_loss(lp_N, mu_N, adv_N, terms, cfg):
+def _pg_token_loss(lp_N, mu_N, adv_N, terms):
     return -(lp_N - mu_N).exp() * adv_N
 
 
@@ -48,27 +51,26 @@ def _pg_reference(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **_params):
     return references.RefResult(loss * scale, grad * scale, on & (adv_BT != 0))
 
 
-def _entry(**overrides) -> losses.LossEntry:
+def _entry(**overrides) -> registry.LossEntry:
     fields = dict(
         name=NAME,
         summary="test-only: importance-ratio policy gradient -A * r, no clip, no mask",
         token_loss=_pg_token_loss,
         params={},
         reference=_pg_reference,
-        golden=losses.GoldenCases(GOLDEN, "expected", "token_mean"),
-        metric_names=(),
+        golden=registry.GoldenCases(GOLDEN, "expected", "token_mean"),
         gate_metrics={"pg_ratio_drift_q99": "drift/abs_p99"},
         labels=("PG-ratio",),
     )
     fields.update(overrides)
-    return losses.LossEntry(**fields)
+    return registry.LossEntry(**fields)
 
 
 @pytest.fixture
 def registered():
-    entry = losses.register_loss(_entry())
+    entry = registry.register_loss(_entry())
     yield entry
-    losses.unregister_loss(NAME)
+    registry.unregister_loss(NAME)
 
 
 def _spec_with_test_loss() -> dict:
@@ -79,14 +81,17 @@ def _spec_with_test_loss() -> dict:
 
 
 def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
-    assert losses.loss_names() == ("dppo_divergence_mask", "grpo_clip_eps0.2")
-    dppo, grpo = losses.get_loss(losses.DPPO_LOSS), losses.get_loss(losses.GRPO_LOSS)
+    assert {"dppo_divergence_mask", "grpo_clip_eps0.2"} <= set(registry.loss_names())
+    dppo, grpo = registry.get_loss(registry.DPPO_LOSS), registry.get_loss(registry.GRPO_LOSS)
     assert dppo.params == {"dppo_delta": 0.15, "ratio_cap": 10.0} and grpo.params == {"ppo_eps": 0.2}
     assert dppo.reference is references.ref_dppo and grpo.reference is references.ref_ppo
     assert set(dppo.gate_metrics) == {"dppo_masked_token_fraction", "policy_drift_abs_p_q90"}
     assert grpo.gate_metrics == {"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"}
-    assert set(dppo.metric_names) | set(grpo.metric_names) <= set(losses.METRIC_NAMES)
-    for name in losses.loss_names():
+    # Each rule's own statistics are the returned ones of the decisions it trains with.
+    assert (dppo.decisions, grpo.decisions) == ("dppo", "ppo")
+    assert grpo.metric_names == ("ppo/clipped", "ppo/clip_frac_loss_tokens", "ppo/clip_frac_nonzero_adv")
+    assert len(dppo.metric_names) == 9 and set(dppo.metric_names) <= set(LossStats.names(returned=True))
+    for name in registry.loss_names():
         parity = correctness_golden.registered_loss_parity(name, ROOT)
         assert parity.passed and parity.cases == 8, parity.failures
 
@@ -94,11 +99,10 @@ def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
 def test_an_unregistered_loss_is_refused_at_load_listing_the_registered_ones():
     with pytest.raises(PlanError) as e:
         parse_plan(json.dumps(_spec_with_test_loss()).encode())
-    assert str(e.value) == (
-        "arms[1].loss: 'pg_ratio_test' is not a registered loss (registered: dppo_divergence_mask, grpo_clip_eps0.2)"
-    )
+    registered = ", ".join(registry.loss_names())
+    assert str(e.value) == f"arms[1].loss: 'pg_ratio_test' is not a registered loss (registered: {registered})"
     with pytest.raises(ValueError, match="registered twice|already registered"):
-        losses.register_loss(_entry(name=losses.DPPO_LOSS))
+        registry.register_loss(_entry(name=registry.DPPO_LOSS))
 
 
 def test_a_registered_test_loss_runs_with_no_other_change(registered):
@@ -119,7 +123,8 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
         torch.tensor(np.asarray(case[k]).ravel(), dtype=torch.float64)
         for k in ("rollout_log_prob", "advantages", "response_mask")
     )
-    loss, metrics = losses.packed_loss_and_metrics(lp, mu, adv, mask, runner.loss_fn.loss_config)
+    call = losses.packed_loss_call(lp, mu, adv, mask, runner.loss_fn.loss_config)
+    loss, metrics = call.loss, runner.loss_fn.metrics(call.stats)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(0.75, rel=1e-12)
     np.testing.assert_allclose(lp.grad.numpy(), [-1 / 6, -1 / 12, 1.0, 0.0], rtol=1e-12)
@@ -127,12 +132,12 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
 
 
 def test_registry_parity_fails_on_a_wrong_rule_reference_or_golden(registered, tmp_path):
-    losses.unregister_loss(NAME)
-    losses.register_loss(_entry(token_loss=lambda lp, mu, adv, terms, cfg: -lp * adv))  # REINFORCE, not -A * r
+    registry.unregister_loss(NAME)
+    registry.register_loss(_entry(token_loss=lambda lp, mu, adv, terms: -lp * adv))  # REINFORCE, not -A * r
     bad = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert not bad.passed and any("packed gradient vs reference" in f for f in bad.failures)
-    losses.unregister_loss(NAME)
-    losses.register_loss(_entry(reference=lambda *a, **k: references.RefResult(0.0, np.zeros(a[0].shape), a[3] > 0)))
+    registry.unregister_loss(NAME)
+    registry.register_loss(_entry(reference=lambda *a, **k: references.RefResult(0.0, np.zeros(a[0].shape), a[3] > 0)))
     bad = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert any("reference loss vs golden" in f for f in bad.failures)
     # a tampered golden value of a built-in loss is caught too
@@ -140,25 +145,52 @@ def test_registry_parity_fails_on_a_wrong_rule_reference_or_golden(registered, t
     golden["cases"][0]["dppo"]["loss"] += 1e-3
     (tmp_path / "tests" / "fixtures").mkdir(parents=True)
     (tmp_path / "tests" / "fixtures" / "dppo_golden_v1.json").write_text(json.dumps(golden))
-    bad = correctness_golden.registered_loss_parity(losses.DPPO_LOSS, tmp_path)
+    bad = correctness_golden.registered_loss_parity(registry.DPPO_LOSS, tmp_path)
     assert next(f.split(": ", 1)[1] for f in bad.failures).startswith("reference loss vs golden differs")
     shutil.rmtree(tmp_path / "tests")
-    assert not correctness_golden.registered_loss_parity(losses.DPPO_LOSS, tmp_path).passed  # missing file: not passed
+    assert not correctness_golden.registered_loss_parity(
+        registry.DPPO_LOSS, tmp_path
+    ).passed  # missing file: not passed
 
 
 def test_gate_metrics_come_from_the_registry(registered):
     from dppo_harness.stages import gate
 
-    sources = losses.gate_metric_sources()
+    sources = registry.gate_metric_sources()
     assert (
         sources["pg_ratio_drift_q99"] == "drift/abs_p99"
         and sources["grpo_clip_fraction"] == "ppo/clip_frac_loss_tokens"
     )
-    losses.unregister_loss(NAME)
+    registry.unregister_loss(NAME)
     raw = _spec_with_test_loss()
-    raw["arms"][1]["loss"] = losses.DPPO_LOSS  # a registered loss, but no registered loss provides the check
+    raw["arms"][1]["loss"] = registry.DPPO_LOSS  # a registered loss, but no registered loss provides the check
     with pytest.raises(
         PlanError, match=r"^activation_gate.checks\[5\].metric: 'pg_ratio_drift_q99' is provided by no "
     ):
         parse_plan(json.dumps(raw).encode())
     assert "pg_ratio_drift_q99" not in gate.gate_values([], [], None, 1)[0]
+
+
+def test_the_shipped_golden_cases_are_the_generators_fixed_point(capsys):
+    assert golden.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_the_golden_generator_replaces_what_the_references_do_not_reproduce(monkeypatch):
+    doc = json.loads((ROOT / "tests/fixtures/dppo_golden_v1.json").read_text())
+    file = registry.get_loss(registry.DPPO_LOSS).golden.file
+    assert golden.regenerate(doc, file) == doc
+    tampered = copy.deepcopy(doc)
+    tampered["cases"][0]["dppo"]["loss"] += 1e-6
+    fixed = golden.regenerate(tampered, file)
+    assert fixed != tampered and fixed["cases"][0]["dppo"]["loss"] == pytest.approx(doc["cases"][0]["dppo"]["loss"])
+    # Another delta: the boundary case's mask, removed count and loss follow it; params.dppo says it.
+    dppo = registry.get_loss(registry.DPPO_LOSS)
+    monkeypatch.setitem(
+        registry.LOSSES, dppo.name, dataclasses.replace(dppo, params={**dppo.params, "dppo_delta": 0.3})
+    )
+    moved = golden.regenerate(doc, file)
+    assert moved["params"]["dppo"]["clip_ratio"] == 0.3
+    case = next(c for c in moved["cases"] if c["name"] == "boundary_exact")
+    assert case["dppo"]["metrics"]["n_invalid_tr_tokens"] == 0 and case != next(
+        c for c in doc["cases"] if c["name"] == "boundary_exact"
+    )

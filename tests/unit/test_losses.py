@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,9 @@ import torch
 from tinker import TrainingClient
 
 from dppo_harness.loss import losses
+from dppo_harness.loss.loss_registry import loss_names
 from dppo_harness.loss.losses import LossConfig, make_loss_fn, token_terms
+from dppo_harness.loss.terms import LossStats, stats
 from dppo_harness.train import train_step
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
@@ -47,9 +50,9 @@ def _datum(mu, adv, mask, tokens=None):
 def test_dppo_float64_parity_with_golden(case):
     lp = _flat(case, "log_prob").requires_grad_(True)
     mu, adv, mask = _flat(case, "rollout_log_prob"), _flat(case, "advantages"), _flat(case, "response_mask")
-    loss, metrics = losses.packed_loss_and_metrics(lp, mu, adv, mask, DPPO_MEAN)
+    call = losses.packed_loss_call(lp, mu, adv, mask, DPPO_MEAN)
+    loss, metrics, terms = call.loss, call.stats, call.terms
     loss.backward()
-    terms = token_terms(lp, mu, adv, mask, DPPO_MEAN)
     assert torch.equal(terms.dppo_keep_N.double(), _flat(case["dppo"], "mask"))
     assert math.isclose(loss.item(), case["dppo"]["loss"], rel_tol=1e-12, abs_tol=1e-15)
     torch.testing.assert_close(lp.grad, _flat(case["dppo"], "grad_log_prob"), rtol=1e-12, atol=1e-15)
@@ -67,7 +70,8 @@ def test_grpo_float64_parity_with_golden_no_dual_clip(case):
     # tails/ratio_cap hold |log r| > 20 tokens where verl's clamp differs from Tinker's ppo by design.
     lp = _flat(case, "log_prob").requires_grad_(True)
     mu, adv, mask = _flat(case, "rollout_log_prob"), _flat(case, "advantages"), _flat(case, "response_mask")
-    loss, metrics = losses.packed_loss_and_metrics(lp, mu, adv, mask, LossConfig("grpo_clip_eps0.2", "token_mean"))
+    call = losses.packed_loss_call(lp, mu, adv, mask, LossConfig("grpo_clip_eps0.2", "token_mean"))
+    loss, metrics = call.loss, call.stats
     loss.backward()
     ref = case["grpo_no_dual_clip"]
     assert math.isclose(loss.item(), ref["loss"], rel_tol=1e-12, abs_tol=1e-15)
@@ -157,7 +161,7 @@ def test_loss_fn_is_usable_by_sdk_forward_backward_custom():
     assert np.all(weights[0][:3] == 0) and np.any(weights[0][3:])
     metrics = out.fwd_bwd.metrics
     assert all(isinstance(v, float) for v in metrics.values())
-    assert set(losses.METRIC_NAMES) <= set(metrics)
+    assert set(LossStats.names(returned=True)) | {"loss/arm_dppo", "loss/normalization_sum"} <= set(metrics)
 
 
 def test_every_logprob_tensor_gets_a_gradient_even_without_active_tokens():
@@ -219,9 +223,9 @@ def _single(p, q, a):
     mu = torch.tensor(np.log(q), dtype=torch.float64)
     adv = torch.tensor(a, dtype=torch.float64)
     mask = torch.ones_like(mu)
-    loss, m = losses.packed_loss_and_metrics(lp, mu, adv, mask, DPPO_MEAN)
-    loss.backward()
-    return token_terms(lp, mu, adv, mask, DPPO_MEAN), m, lp.grad
+    call = losses.packed_loss_call(lp, mu, adv, mask, DPPO_MEAN)
+    call.loss.backward()
+    return call.terms, call.stats, lp.grad
 
 
 def test_must_fire_and_must_not_fire_both_signs():
@@ -270,9 +274,9 @@ def test_metrics_are_the_same_whichever_arm_trains():
     mask = torch.tensor((rng.uniform(size=N) > 0.2).astype(np.float64))
     ms = []
     for cfg in (DPPO_MEAN, GRPO_SUM):
-        _, m = losses.packed_loss_and_metrics(lp.clone().requires_grad_(True), mu, adv, mask, cfg)
-        ms.append(m)
-    for k in losses.METRIC_NAMES:
+        call = losses.packed_loss_call(lp.clone().requires_grad_(True), mu, adv, mask, cfg)
+        ms.append(make_loss_fn(cfg).metrics(call.stats))
+    for k in ms[0]:
         if not k.startswith("loss/"):
             assert ms[0][k] == ms[1][k], k
     assert (ms[0]["loss/arm_dppo"], ms[1]["loss/arm_dppo"]) == (1.0, 0.0)
@@ -298,7 +302,7 @@ def test_sum_gradient_is_token_count_times_mean_gradient():
     grads = {}
     for norm in ("sum", "token_mean"):
         lp = lp0.clone().requires_grad_(True)
-        loss, _ = losses.packed_loss_and_metrics(lp, mu, adv, mask, LossConfig("dppo_divergence_mask", norm))
+        loss = losses.packed_loss_call(lp, mu, adv, mask, LossConfig("dppo_divergence_mask", norm)).loss
         loss.backward()
         grads[norm] = lp.grad
     torch.testing.assert_close(grads["sum"], grads["token_mean"] * 40, rtol=1e-13, atol=0)
@@ -313,27 +317,35 @@ def test_unpack_reads_mask_in_any_container(kind):
         "tensordata": tinker.TensorData.from_numpy,
         "list": lambda a: a.tolist(),
     }[kind]
-    datum = SimpleNamespace(loss_fn_inputs={"logprobs": np.zeros(3), "advantages": np.ones(3), "mask": wrap(mask)})
-    _, _, mask_N, lengths = losses.unpack_datums([datum])
-    assert mask_N.tolist() == [0.0, 1.0, 1.0] and lengths == [3]
+    datum = _namespace_datum(logprobs=np.zeros(3), advantages=np.ones(3), mask=wrap(mask))
+    inputs = losses.unpack_datums([datum])
+    assert inputs.mask_N.tolist() == [0.0, 1.0, 1.0] and inputs.lengths_S.tolist() == [3]
+    assert inputs.first_token_S.tolist() == [7] and inputs.target_tokens_N.dtype == np.int64
+
+
+def _namespace_datum(**inputs):
+    """A datum-like object (the unpacker reads only `loss_fn_inputs` and `model_input`)."""
+    fields = dict(target_tokens=np.arange(3), **inputs)
+    return SimpleNamespace(loss_fn_inputs=fields, model_input=tinker.ModelInput.from_ints([7, 1, 2]))
 
 
 def test_bad_inputs_raise_clear_errors():
     good = dict(logprobs=np.zeros(3), advantages=np.ones(3), mask=np.ones(3))
     with pytest.raises(ValueError, match="lacks \\['mask'\\]"):
-        losses.unpack_datums([SimpleNamespace(loss_fn_inputs={k: v for k, v in good.items() if k != "mask"})])
+        losses.unpack_datums([_namespace_datum(**{k: v for k, v in good.items() if k != "mask"})])
     with pytest.raises(ValueError, match="'advantages'\\] has length 2"):
-        losses.unpack_datums([SimpleNamespace(loss_fn_inputs={**good, "advantages": np.ones(2)})])
+        losses.unpack_datums([_namespace_datum(**{**good, "advantages": np.ones(2)})])
     with pytest.raises(ValueError, match="0/1"):
-        losses.unpack_datums([SimpleNamespace(loss_fn_inputs={**good, "mask": np.array([0.0, 0.5, 1.0])})])
+        losses.unpack_datums([_namespace_datum(**{**good, "mask": np.array([0.0, 0.5, 1.0])})])
+    with pytest.raises(TypeError, match="loss_fn_inputs"):
+        losses.unpack_datums([object()])
     d = _datum([0.0, -1.0, -1.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="shape \\(2,\\)"):
         make_loss_fn(DPPO_MEAN)([d], [torch.zeros(2, requires_grad=True)])
     with pytest.raises(ValueError, match="non-finite current logprob"):
         make_loss_fn(DPPO_MEAN)([d], [torch.tensor([0.0, float("nan"), -1.0], requires_grad=True)])
-    with pytest.raises(
-        ValueError, match=r"'ppo' is not a registered loss \(registered: dppo_divergence_mask, grpo_clip_eps0.2\)"
-    ):
+    registered = ", ".join(loss_names())
+    with pytest.raises(ValueError, match=re.escape(f"'ppo' is not a registered loss (registered: {registered})")):
         LossConfig("ppo", "sum")
     with pytest.raises(ValueError, match="normalization"):
         LossConfig("dppo_divergence_mask", "mean")
@@ -348,7 +360,7 @@ def test_nan_junk_on_prompt_positions_does_not_leak():
     assert all(math.isfinite(v) for v in m.values())
 
 
-def test_datum_token_terms_match_what_the_loss_fn_reports():
+def test_the_loss_fn_reports_the_statistics_of_its_own_terms():
     rng = np.random.default_rng(5)
     data, lps = [], []
     for T, p in ((30, 6), (12, 3)):
@@ -356,10 +368,12 @@ def test_datum_token_terms_match_what_the_loss_fn_reports():
         mask = (np.arange(T) >= p - 1).astype(np.float32)
         data.append(_datum(mu, mask * rng.choice([-1.0, 1.0]), mask))
         lps.append(torch.tensor(mu + rng.normal(0, 0.6, T), dtype=torch.float32, requires_grad=True))
-    _, metrics = make_loss_fn(DPPO_MEAN)(data, lps)
-    terms = losses.datum_token_terms(data, lps, DPPO_MEAN)
-    assert terms.loss_token_N.shape == (42,)
-    assert losses.loss_metrics(terms, DPPO_MEAN) == metrics
+    loss_fn = make_loss_fn(DPPO_MEAN)
+    _, metrics = loss_fn(data, lps)
+    inputs, call = loss_fn.evaluate(data, lps)
+    terms = call.terms
+    assert terms.loss_token_N.shape == (42,) and inputs.lengths_S.tolist() == [30, 12]
+    assert loss_fn.metrics(stats(terms)) == metrics == loss_fn.metrics(call.stats)
     assert not terms.prob_diff_N.requires_grad
 
 

@@ -18,7 +18,7 @@ from dppo_harness.loss import correctness_golden, losses
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "dppo_golden_v1.json"
 _ORIG_TERMS = losses.token_terms
 _ORIG_LOSS = losses.packed_loss
-_ORIG_BOTH = losses.packed_loss_and_metrics
+_ORIG_BOTH = losses.packed_loss_call
 
 
 def _remask(drop_fn):
@@ -53,7 +53,7 @@ def _anchor_current(logprobs_N, sampler_logprobs_N, advantages_N, mask_N, cfg):
 
 
 def _no_cap(logprobs_N, sampler_logprobs_N, terms, cfg):
-    return _ORIG_LOSS(logprobs_N, sampler_logprobs_N, terms, dataclasses.replace(cfg, ratio_cap=1e300))
+    return _ORIG_LOSS(logprobs_N, sampler_logprobs_N, dataclasses.replace(terms, ratio_cap=1e300), cfg)
 
 
 def _ignore_loss_mask(logprobs_N, sampler_logprobs_N, advantages_N, mask_N, cfg):
@@ -61,20 +61,20 @@ def _ignore_loss_mask(logprobs_N, sampler_logprobs_N, advantages_N, mask_N, cfg)
 
 
 def _wider_ppo_clip(logprobs_N, sampler_logprobs_N, terms, cfg):
-    return _ORIG_LOSS(logprobs_N, sampler_logprobs_N, terms, dataclasses.replace(cfg, ppo_eps=0.3))
+    return _ORIG_LOSS(logprobs_N, sampler_logprobs_N, dataclasses.replace(terms, ppo_eps=0.3), cfg)
 
 
 MUTATIONS = {
     "log_prob_instead_of_probability": ("token_terms", _remask(_log_prob_diff), {"boundary_exact", "tails"}),
     "symmetric_abs_p_minus_q": ("token_terms", _remask(_symmetric), {"recovery_direction"}),
     "anchored_on_current_policy": (
-        "packed_loss_and_metrics",
+        "packed_loss_call",
         _anchor_current,
         {"zero_and_mixed_advantages", "basic_both_signs"},
     ),
     "non_strict_boundary": ("token_terms", _remask(_non_strict), {"boundary_exact"}),
     "missing_ratio_cap": ("packed_loss", _no_cap, {"ratio_cap", "tails"}),
-    "loss_mask_ignored": ("packed_loss_and_metrics", _ignore_loss_mask, {"padding"}),
+    "loss_mask_ignored": ("packed_loss_call", _ignore_loss_mask, {"padding"}),
     "grpo_clip_eps_0.3": ("packed_loss", _wider_ppo_clip, {"boundary_exact"}),
 }
 

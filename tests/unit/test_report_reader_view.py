@@ -11,7 +11,7 @@ import pytest
 from dppo_harness import constants
 from dppo_harness.evaluation import stats
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry
 from dppo_harness.plans import HARNESS_NORMALIZATION, BackendInfo, CriterionConfig, effective_config, load_plan
 from dppo_harness.stages import gate
 from dppo_harness.stages.comparison.config import comparison_config
@@ -43,7 +43,7 @@ def test_the_declared_normalization_is_what_the_arms_and_the_gate_train_with(nam
 
 def _rows():
     rows = []
-    for arm, loss in (("grpo_seed0", losses.GRPO_LOSS), ("dppo_seed0", losses.DPPO_LOSS)):
+    for arm, loss in (("grpo_seed0", loss_registry.GRPO_LOSS), ("dppo_seed0", loss_registry.DPPO_LOSS)):
         names = fraction_names(loss)
         for step in range(3):
             rows.append(

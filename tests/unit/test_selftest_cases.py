@@ -2,6 +2,8 @@
 PPO-clip counterfactual on both sides, padding); cap hits count only kept tokens; replay
 cross-checks the drift statistics even when boundary ties skip the decision counts."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -35,7 +37,7 @@ def test_selftest_has_and_passes_the_required_cases():
 
 def test_boundary_rows_are_exact():
     for name, diff in (("boundary_exact_plus_delta_kept", 0.15), ("boundary_exact_minus_delta_kept", -0.15)):
-        _p, q, _a, _m, lp = selftest.SELFTEST_CASES[name][0][0]
+        _p, q, _a, _m, lp = selftest.selftest_cases(0.15)[name][0][0]
         mu = float(np.float32(np.log(q)))
         got = torch.tensor(lp, dtype=torch.float64).exp() - torch.tensor(mu, dtype=torch.float64).exp()
         assert float(got) == diff
@@ -60,7 +62,7 @@ def test_replay_checks_drift_even_with_boundary_ties(monkeypatch):
     i = int(np.flatnonzero(rec.tensors["mask_N"] > 0)[0])
     keep[i] = not keep[i]
     rec.tensors["dppo_keep_N"] = keep
-    rec.stats["drift/abs_p90"] = rec.stats["drift/abs_p90"] + 0.01
+    rec.stats = dataclasses.replace(rec.stats, drift_abs_p90=rec.stats.drift_abs_p90 + 0.01)
     monkeypatch.setattr(replay, "BOUNDARY_TIE", 10.0)  # every decision difference reads as a tie
     problems = replay.check_record(rec).problems
     assert any("drift/abs_p90" in p for p in problems), problems

@@ -13,6 +13,7 @@ import numpy as np
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject
+from dppo_harness.loss.terms import HIST_SIGNS, LossStats
 
 ANALYSIS_FILE = "diagnostic-analysis.json"
 REVISED_SPEC_FILE = "revised-diagnostic-spec.json"
@@ -36,7 +37,7 @@ POOLED_QUANTILES = {
 
 def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> JsonObject:
     """Pooled statistics of the given loss calls, weighted by their loss-token counts."""
-    sums = {k: int(sum(r.stats[k] for r in records)) for k in ins.COUNT_KEYS}
+    sums = {k: int(sum(r.stats[k] for r in records)) for k in LossStats.names("count")}
     pooled: JsonObject = {"calls": len(records), **sums}
     for metric, (num, den) in RATIO_PARTS.items():
         pooled[metric] = sums[num] / sums[den] if sums[den] else 0.0
@@ -55,9 +56,13 @@ def pool_calls(records: Sequence[ins.LossCallRecord], prob_diffs: Sequence[np.nd
     pooled["drift/signed_min"] = float(d.min()) if d.size else None
     pooled["drift/max_on_pos_adv"] = float(d[adv > 0].max()) if (adv > 0).any() else None
     pooled["drift/min_on_neg_adv"] = float(d[adv < 0].min()) if (adv < 0).any() else None
-    hist = {s: np.zeros(ins.N_HIST_BINS, dtype=np.int64) for s in ins.HIST_SIGNS}
+    edges = {r.stats.hist.edges for r in records}
+    if len(edges) > 1:
+        raise ValueError(f"pooled loss calls were binned at different p - q edges: {sorted(edges)}")
+    n_bins = 2 * len(edges.pop()) - 1 if edges else 0
+    hist = {s: np.zeros(n_bins, dtype=np.int64) for s in HIST_SIGNS}
     for r in records:
-        for s in ins.HIST_SIGNS:
-            hist[s] += np.asarray(r.stats["hist"][s], dtype=np.int64)
+        for s in HIST_SIGNS:
+            hist[s] += np.asarray(getattr(r.stats.hist, s), dtype=np.int64)
     pooled["hist"] = {s: [*h.tolist()] for s, h in hist.items()}
     return pooled

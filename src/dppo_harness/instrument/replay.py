@@ -5,9 +5,11 @@
 Reloads every record file in the bundle (`instrumentation` npz files, one or several calls each), rebuilds the
 padded [S, T] tensors, recomputes the DPPO keep mask and the counterfactual PPO clip with
 `references.ref_dppo` / `references.ref_ppo` (numpy float64, no code shared with `losses.py`),
-and the ratio-cap hits, p - q tails, exceedances and histograms from those padded tensors. It
-compares every decision and statistic with what was logged, checks the anchor logprobs against
-the frozen batch when the bundle has one, prints the counts and exits non-zero on any mismatch.
+and the ratio-cap hits and p - q from those padded tensors. Its statistics are `terms.stats` of
+those independent decisions (the one statistics function, so a disagreement can only come from
+the decisions or tensors). It compares every decision, every statistic and every metric the loss
+returned with what was logged, checks the anchor logprobs against the frozen batch when the
+bundle has one, prints the counts and exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -16,18 +18,21 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import pooled as pooled_mod
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import references
+from dppo_harness.loss import terms as loss_terms
+from dppo_harness.loss.terms import HIST_SIGNS, LossStats, TokenTerms
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
 # A decision may legitimately differ between two float64 exp() implementations only when p - q
@@ -58,7 +63,7 @@ class RecordCheck:
     update_index: JsonValue  # the record's context update_index, else its call index
     problems: list[str] = field(default_factory=list)
     ties: int = 0
-    recomputed: dict[str, Any] = field(default_factory=dict)
+    recomputed: LossStats | None = None
 
 
 def recompute(
@@ -67,7 +72,7 @@ def recompute(
     delta: float = DPPO_DELTA,
     cap: float = DPPO_RATIO_CAP,
     eps: float = PPO_EPS,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+) -> tuple[dict[str, np.ndarray], LossStats]:
     """Decisions (packed) and statistics of one record from the padded reference path."""
     t = record.tensors
     lengths = np.asarray(t["lengths_S"])
@@ -77,9 +82,9 @@ def recompute(
     mask = to_padded(t["mask_N"].astype(np.float64), lengths)
     on = mask > 0
     dppo = references.ref_dppo(
-        lp, mu, adv, mask, normalization, delta=delta, cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX
+        lp, mu, adv, mask, normalization, dppo_delta=delta, ratio_cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX
     )
-    ppo = references.ref_ppo(lp, mu, adv, mask, normalization, eps=eps)
+    ppo = references.ref_ppo(lp, mu, adv, mask, normalization, ppo_eps=eps)
     with np.errstate(over="ignore", invalid="ignore"):
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
         # The cap shapes only kept tokens (a dropped token has no gradient to cap).
@@ -91,19 +96,21 @@ def recompute(
         "prob_diff_N": from_padded(tv, lengths),
         "loss_token_N": from_padded(on, lengths).astype(bool),
     }
-    stats = ins.decision_stats(
-        decisions["prob_diff_N"],
-        t["advantages_N"].astype(np.float64),
-        decisions["loss_token_N"],
-        decisions["dppo_keep_N"],
-        decisions["ppo_clipped_N"],
-        decisions["ratio_cap_hit_N"],
-        delta=delta,
+    advantages_N = t["advantages_N"].astype(np.float64)
+    terms = TokenTerms(
+        prob_diff_N=torch.from_numpy(decisions["prob_diff_N"]),
+        ratio_N=torch.from_numpy(from_padded(np.where(on, np.exp(np.where(on, lp - mu, 0.0)), 1.0), lengths)),
+        dppo_keep_N=torch.from_numpy(decisions["dppo_keep_N"]),
+        ppo_clipped_N=torch.from_numpy(decisions["ppo_clipped_N"]),
+        ratio_cap_hit_N=torch.from_numpy(decisions["ratio_cap_hit_N"]),
+        loss_token_N=torch.from_numpy(decisions["loss_token_N"]),
+        nonzero_adv_N=torch.from_numpy(decisions["loss_token_N"] & (advantages_N != 0)),
+        advantages_N=torch.from_numpy(advantages_N),
+        dppo_delta=delta,
+        ppo_eps=eps,
+        ratio_cap=cap,
     )
-    return decisions, stats
-
-
-DRIFT_KEYS: tuple[str, ...] = tuple(k for k in ins.FLOAT_KEYS if k.startswith("drift/"))
+    return decisions, loss_terms.stats(terms)
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -140,22 +147,24 @@ def check_record(
             idx = np.flatnonzero(diff)
             check.problems.append(f"{where}: {name} differs on {idx.size} tokens (first packed index {int(idx[0])})")
     # p - q tails do not depend on any decision: always cross-checked, ties or not.
-    for key in DRIFT_KEYS:
-        if not _close(record.stats.get(key), stats[key]):
-            check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
+    for key in LossStats.names("drift"):
+        if not _close(record.stats[key], stats[key]):
+            check.problems.append(f"{where}: logged {key}={record.stats[key]}, replay {stats[key]}")
     if check.ties:  # a tie moves counts; compare decision statistics only when decisions agree exactly
         return check
-    for key in ins.COUNT_KEYS:
-        if record.stats.get(key) != stats[key]:
-            check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
-    for key in (k for k in ins.FLOAT_KEYS if k not in DRIFT_KEYS):
-        if not _close(record.stats.get(key), stats[key]):
-            check.problems.append(f"{where}: logged {key}={record.stats.get(key)}, replay {stats[key]}")
-    for sign in ins.HIST_SIGNS:
-        if list(record.stats["hist"][sign]) != stats["hist"][sign]:
+    for key in LossStats.names("count"):
+        if record.stats[key] != stats[key]:
+            check.problems.append(f"{where}: logged {key}={record.stats[key]}, replay {stats[key]}")
+    for key in LossStats.names("float"):
+        if not _close(record.stats[key], stats[key]):
+            check.problems.append(f"{where}: logged {key}={record.stats[key]}, replay {stats[key]}")
+    for sign in HIST_SIGNS:
+        if record.stats["hist"][sign] != stats["hist"][sign] or record.stats.hist.edges != stats.hist.edges:
             check.problems.append(f"{where}: logged p-q histogram (A {sign}) differs from replay")
-    for key in ins.LOSS_METRIC_CROSSCHECK:  # what the loss itself reported during training
-        if key in record.loss_metrics and not _close(record.loss_metrics[key], stats[key]):
+    for key in LossStats.names(returned=True):  # what the loss itself returned to the SDK during training
+        if key not in record.loss_metrics:
+            check.problems.append(f"{where}: the loss did not report {key}")
+        elif not _close(record.loss_metrics[key], stats[key]):
             check.problems.append(f"{where}: loss reported {key}={record.loss_metrics[key]}, replay {stats[key]}")
     return check
 
@@ -235,7 +244,7 @@ def _pooled_problems(
         return [], pooled
     logged = json.loads(path.read_text()).get("pooled_second_epoch") or {}
     problems = []
-    for key in list(ins.COUNT_KEYS) + list(pooled_mod.RATIO_PARTS) + list(pooled_mod.POOLED_QUANTILES):
+    for key in LossStats.names("count") + tuple(pooled_mod.RATIO_PARTS) + tuple(pooled_mod.POOLED_QUANTILES):
         if key in logged and not _close(logged[key], pooled[key]):
             problems.append(f"pooled second epoch: logged {key}={logged[key]}, replay {pooled[key]}")
     return problems, pooled
@@ -271,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     report = replay_bundle(args.evidence_dir)
     for c in report.checks:
-        s = c.recomputed
+        s: Mapping[str, Any] = c.recomputed or {}
         print(
             f"update {c.update_index}: loss tokens {s.get('tokens/loss')}, removed {s.get('dppo/removed')} "
             f"(+{s.get('dppo/removed_pos_adv')}/-{s.get('dppo/removed_neg_adv')}), exceed +{s.get('dppo/exceed_pos')}"

@@ -36,6 +36,7 @@ from dppo_harness.loss.correctness_measures import (
 )
 from dppo_harness.loss.correctness_packed import PackedRun, run_packed
 from dppo_harness.loss.correctness_reference import MODES, GoldenCase, PackedCase, file_sha256, load_golden, pack_case
+from dppo_harness.loss.loss_registry import get_loss
 from dppo_harness.loss.references import ref_dppo, ref_ppo, token_count
 
 # verl's vanilla PPO (the golden grpo_no_dual_clip entry) keeps a dual clip at c=1e4 and clamps the
@@ -72,9 +73,9 @@ def _close(name: str, what: str, got: npt.ArrayLike, want: npt.ArrayLike, tol: M
 
 def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REGISTRY_TOLERANCE) -> LossParity:
     """A registered loss on its golden cases: its numpy reference reproduces the golden values
-    (with the golden's rule variant, `GoldenCases.reference_params`), and the packed training path
-    (float64) matches the reference (as trained) in loss, gradient and, for DPPO, mask."""
-    entry = losses.get_loss(name)
+    (at the loss's parameters, with the golden's rule variant, `GoldenCases.reference_params`), and
+    the packed training path (float64) matches the reference (as trained) in loss and gradient."""
+    entry = get_loss(name)
     path = Path(root) / entry.golden.file
     try:
         cases = json.loads(path.read_text())["cases"]
@@ -99,13 +100,13 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
         except (KeyError, TypeError, ValueError) as exc:
             failures.append(f"{label}: malformed golden case ({exc})")
             continue
-        golden_ref = entry.reference(lp, mu, adv, mask, norm, **dict(entry.golden.reference_params))
+        golden_ref = entry.reference(lp, mu, adv, mask, norm, **entry.params, **entry.golden.reference_params)
         failures += _close(label, "reference loss vs golden", golden_ref.loss, want_loss, tol)
         failures += _close(label, "reference gradient vs golden", golden_ref.grad_BT, want_grad, tol)
-        ref = entry.reference(lp, mu, adv, mask, norm)
+        ref = entry.reference(lp, mu, adv, mask, norm, **entry.params)
         lp_N = torch.tensor(lp.ravel(), dtype=torch.float64, requires_grad=True)
         mu_N, adv_N, mask_N = (torch.from_numpy(np.ascontiguousarray(x.ravel())) for x in (mu, adv, mask))
-        loss, _ = losses.packed_loss_and_metrics(lp_N, mu_N, adv_N, mask_N, cfg)
+        loss = losses.packed_loss_call(lp_N, mu_N, adv_N, mask_N, cfg).loss
         if loss.requires_grad:
             loss.backward()
         grad = lp_N.grad.numpy().reshape(shape) if lp_N.grad is not None else np.zeros(shape)

@@ -13,7 +13,7 @@ import torch
 
 from dppo_harness.loss import losses
 from dppo_harness.loss.correctness_reference import MODES, GoldenCase, PackedCase
-from dppo_harness.loss.loss_registry import Normalization
+from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, Normalization
 
 
 def to_datums(packed: PackedCase) -> list[tinker.Datum]:
@@ -52,26 +52,25 @@ class PackedRun:
 def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: Normalization, mode: str) -> PackedRun:
     """Run the packed path under test and scatter its outputs back into the padded layout."""
 
-    cfg = losses.LossConfig(loss=losses.DPPO_LOSS if arm == "dppo" else losses.GRPO_LOSS, normalization=normalization)
+    cfg = losses.LossConfig(loss=DPPO_LOSS if arm == "dppo" else GRPO_LOSS, normalization=normalization)
     B, T = case.mask_BT.shape
     if mode == "float64":
         lps = [torch.tensor(lp, dtype=torch.float64, requires_grad=True) for lp in packed.lp_T]
         logprobs_N = torch.cat(lps) if lps else torch.zeros(0, dtype=torch.float64)
         cat = lambda xs: torch.from_numpy(np.concatenate(xs)) if xs else torch.zeros(0, dtype=torch.float64)  # noqa: E731
         mu_N, adv_N, mask_N = cat(packed.mu_T), cat(packed.adv_T), cat(packed.mask_T)
-        loss, metrics = losses.packed_loss_and_metrics(logprobs_N, mu_N, adv_N, mask_N, cfg)
-        terms = losses.token_terms(logprobs_N.detach(), mu_N, adv_N, mask_N, cfg)
+        call = losses.packed_loss_call(logprobs_N, mu_N, adv_N, mask_N, cfg)
         used_mu, used_adv = packed.mu_T, packed.adv_T
     elif mode in ("float32", "float64-datum"):
         dtype = torch.float32 if mode == "float32" else torch.float64
         datums = to_datums(packed)
         lps = [torch.tensor(lp, dtype=dtype).requires_grad_(True) for lp in packed.lp_T]
-        loss, metrics = losses.make_loss_fn(cfg)(datums, lps)
-        terms = losses.datum_token_terms(datums, lps, cfg)
+        _, call = losses.make_loss_fn(cfg).evaluate(datums, lps)
         used_mu = [mu.astype(np.float32).astype(np.float64) for mu in packed.mu_T]
         used_adv = [adv.astype(np.float32).astype(np.float64) for adv in packed.adv_T]
     else:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    loss, terms = call.loss, call.terms
     loss.backward()
     grad_BT = np.zeros((B, T))
     keep_BT = np.zeros((B, T), dtype=bool)
@@ -104,7 +103,7 @@ def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: No
         grad_BT,
         keep_BT,
         clipped_BT,
-        metrics,
+        call.stats.metrics(),
         used_lp_BT,
         used_mu_BT,
         used_adv_BT,

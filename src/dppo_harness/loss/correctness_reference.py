@@ -8,7 +8,7 @@ implementations themselves are ``references``. numpy only.
 
 Modes of the packed path (``MODES``):
 - ``float64``: the packed layout (prompt junk + responses, varied lengths) as flat float64 tensors
-  through ``losses.packed_loss_and_metrics`` (tinker.Datum can only store float32, so this is the
+  through ``losses.packed_loss_call`` (tinker.Datum can only store float32, so this is the
   one mode that sees the golden inputs bit-exactly).
 - ``float32``: real ``tinker.Datum`` packing + ``losses.make_loss_fn`` with float32 current logprob
   tensors (what the SDK hands a custom loss).

@@ -2,12 +2,12 @@
 registry, one signature).
 
 An entry holds the loss's packed per-token rule (called by `losses.packed_loss`), its
-parameters, the loss-call metrics that describe its decisions, the activation-gate metrics it
-provides, its independent numpy reference (`references.py`) and its golden cases. A plan naming
-an unregistered loss is refused at load (`plans.run_config`), before any service call. Adding a
-loss is `register_loss(LossEntry(...))` with its reference and golden file, nothing else
-(`docs/plans.md`). This module imports no torch (plan loading stays cheap): the rules use the
-tensors' own methods.
+parameters, the family of per-token decisions it trains with (whose statistics, `terms.LossStats`,
+are then its own), the activation-gate metrics it provides, its independent numpy reference
+(`references.py`) and its golden cases. A plan naming an unregistered loss is refused at load
+(`plans.run_config`), before any service call. A loss that trains with the existing decisions is
+an entry here, its reference and its golden cases (`python -m dppo_harness.loss.golden`). This
+module imports no torch (plan loading stays cheap): the rules use the tensors' own methods.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Literal
 
 from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.loss import references
+from dppo_harness.loss.terms import LossStats, TokenTerms
 
 if TYPE_CHECKING:
     import torch
-
-    from dppo_harness.loss.losses import LossConfig, TokenTerms
 
 Normalization = Literal["sum", "token_mean"]
 
@@ -30,18 +29,6 @@ Normalization = Literal["sum", "token_mean"]
 DPPO_LOSS = "dppo_divergence_mask"
 GRPO_LOSS = "grpo_clip_eps0.2"
 
-DPPO_METRIC_NAMES = (
-    "dppo/removed",
-    "dppo/removed_pos_adv",
-    "dppo/removed_neg_adv",
-    "dppo/masked_frac_loss_tokens",
-    "dppo/masked_frac_nonzero_adv",
-    "dppo/mask_zero_adv",
-    "dppo/exceed_pos",
-    "dppo/exceed_neg",
-    "dppo/ratio_cap_hits",
-)
-PPO_METRIC_NAMES = ("ppo/clipped", "ppo/clip_frac_loss_tokens", "ppo/clip_frac_nonzero_adv")
 # Activation-gate metrics the harness measures itself, whatever the losses.
 HARNESS_GATE_METRICS = ("executed_updates_per_batch", "executed_base_model")
 
@@ -50,10 +37,12 @@ class UnknownLossError(ValueError):
     """A loss name that is not registered; the message lists the registered ones."""
 
 
-# One signature for every rule: (lp_N with grad, sampler mu_N, advantages_N, the call's terms,
-# its LossConfig) -> per-token loss_N. The inputs are zero off gradient-bearing tokens (loss
+# One signature for every rule: (lp_N with grad, sampler mu_N, advantages_N, the call's terms and
+# their thresholds) -> per-token loss_N. The inputs are zero off gradient-bearing tokens (loss
 # tokens with A != 0); a rule must keep those tokens' loss at exactly 0.
-TokenLoss = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "TokenTerms", "LossConfig"], "torch.Tensor"]
+TokenLoss = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", TokenTerms], "torch.Tensor"]
+# The families of per-token decisions `TokenTerms` holds, by the prefix of their statistics' names.
+Decisions = Literal["dppo", "ppo", ""]
 
 
 @dataclass(frozen=True)
@@ -79,9 +68,17 @@ class LossEntry:
     # numpy padded reference: ref(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **params) -> RefResult
     reference: Callable[..., references.RefResult]
     golden: GoldenCases
-    metric_names: tuple[str, ...] = ()  # the loss-call metrics that describe this rule's decisions
+    # The decisions the rule trains with: their statistics are the loss's own; every loss call
+    # also counts the other family on its tensors, as a counterfactual ("": neither).
+    decisions: Decisions = ""
     gate_metrics: Mapping[str, str] = field(default_factory=dict)  # gate metric -> loss-call statistic
     labels: tuple[str, ...] = ()  # how a spec's prose names this loss ("GRPO"): matched in the `baseline` text
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The returned loss-call metrics that describe this rule's own decisions."""
+        prefix = f"{self.decisions}/"
+        return tuple(n for n in LossStats.names(returned=True) if self.decisions and n.startswith(prefix))
 
 
 LOSSES: dict[str, LossEntry] = {}
@@ -118,23 +115,19 @@ def gate_metric_sources() -> dict[str, str]:
     return out
 
 
-def _dppo_token_loss(
-    lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms, cfg: LossConfig
-) -> torch.Tensor:
+def _dppo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms) -> torch.Tensor:
     """DPPO Binary-TV: -A * w * keep * lp with the detached capped weight w = min(exp(min(lp - mu,
     20)), C); no lower clamp on the log-ratio (pinned rule)."""
     log_ratio_N = (lp_N.detach() - mu_N).clamp(max=LOG_RATIO_CLAMP_MAX)
-    weight_N = log_ratio_N.exp().clamp(max=cfg.ratio_cap)
+    weight_N = log_ratio_N.exp().clamp(max=terms.ratio_cap)
     coef_N = (adv_N * weight_N).where(terms.dppo_keep_N & terms.nonzero_adv_N, 0.0)
     return -coef_N * lp_N
 
 
-def _grpo_token_loss(
-    lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms, cfg: LossConfig
-) -> torch.Tensor:
+def _grpo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms) -> torch.Tensor:
     """GRPO clipped ratio (Tinker's `ppo`): -min(r*A, clamp(r, 1-eps, 1+eps)*A), gradient through r."""
     ratio_N = (lp_N - mu_N).exp()
-    clamped_N = ratio_N.clamp(1 - cfg.ppo_eps, 1 + cfg.ppo_eps)
+    clamped_N = ratio_N.clamp(1 - terms.ppo_eps, 1 + terms.ppo_eps)
     return -(ratio_N * adv_N).minimum(clamped_N * adv_N)
 
 
@@ -149,7 +142,7 @@ register_loss(
         params={"dppo_delta": DPPO_DELTA, "ratio_cap": DPPO_RATIO_CAP},
         reference=references.ref_dppo,
         golden=GoldenCases(_GOLDEN_FILE, "dppo", "token_mean"),
-        metric_names=DPPO_METRIC_NAMES,
+        decisions="dppo",
         gate_metrics={
             "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens",
             "policy_drift_abs_p_q90": "drift/abs_p90",
@@ -172,7 +165,7 @@ register_loss(
             "token_mean",
             {"log_ratio_clamp": LOG_RATIO_CLAMP_MAX, "dual_clip_c": 1e4},
         ),
-        metric_names=PPO_METRIC_NAMES,
+        decisions="ppo",
         gate_metrics={"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"},
         labels=("GRPO",),
     )

@@ -1,24 +1,25 @@
 """Packed loss path for ``TrainingClient.forward_backward_custom``.
 
-Every loss a spec's arm may name is one registered `LossEntry` (``loss_registry.py``, re-exported
-here): its packed per-token rule, its parameters, its metric names, the activation-gate metrics
-it provides, its independent numpy reference (``references.py``) and its golden cases. The spec's
+Every loss a spec's arm may name is one registered `LossEntry` (``loss_registry.py``): its packed
+per-token rule, its parameters, the decisions it trains with, the activation-gate metrics it
+provides, its independent numpy reference (``references.py``) and its golden cases. The spec's
 loss name is the one switch (``LossConfig.loss``); a plan naming an unregistered loss is refused
-at load. Every rule sees the same per-token terms, so the family's
+at load. Every rule sees the same per-token terms (``terms.TokenTerms``), so the family's
 diagnostics are counted for every loss call (GRPO clip fraction while DPPO trains, DPPO masked
-fraction while GRPO trains). Rules: ``/work/shared/reference/dppo-binary-tv.md``.
+fraction while GRPO trains), once, by ``terms.stats``. Rules: ``/work/shared/reference/dppo-binary-tv.md``.
 
 Layout (docs/architecture.md): each datum carries ``target_tokens``, sampler ``logprobs``,
 ``advantages`` and ``mask`` of length T; the SDK hands the loss one current-logprob tensor of
-length T per datum. Everything is concatenated into packed ``_N`` tensors. Decisions and weights
-are computed in float64 whatever the caller's dtype, so a float32 boundary token is decided on
-the exact values the service returned (bf16/float32 probabilities flip boundary tokens).
+length T per datum. Everything is concatenated into packed ``_N`` tensors (``unpack_datums``, the
+one unpacker: the recorder keeps what it returns). Decisions and weights are computed in float64
+whatever the caller's dtype, so a float32 boundary token is decided on the exact values the
+service returned (bf16/float32 probabilities flip boundary tokens).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -26,57 +27,12 @@ import tinker
 import torch
 
 from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
-from dppo_harness.loss.loss_registry import (  # the registry; re-exported here for the loss path's callers
-    DPPO_LOSS,
-    DPPO_METRIC_NAMES,
-    GRPO_LOSS,
-    HARNESS_GATE_METRICS,
-    LOSSES,
-    PPO_METRIC_NAMES,
-    GoldenCases,
-    LossEntry,
-    Normalization,
-    UnknownLossError,
-    gate_metric_sources,
-    get_loss,
-    loss_names,
-    register_loss,
-    unregister_loss,
-)
+from dppo_harness.loss.loss_registry import DPPO_LOSS, Normalization, get_loss
+from dppo_harness.loss.terms import LossStats, TokenTerms, stats
 
 _NORMALIZATIONS = ("sum", "token_mean")
-_INPUT_KEYS = ("logprobs", "advantages", "mask")
-
-# Metrics every loss call reports, whatever rule trains (token counts and drift tails).
-SHARED_METRIC_NAMES = (
-    "tokens/loss",
-    "tokens/nonzero_adv",
-    "drift/signed_p90",
-    "drift/signed_p99",
-    "drift/signed_max",
-    "drift/signed_min",
-    "drift/abs_p90",
-    "drift/abs_p99",
-    "drift/abs_max",
-    "loss/arm_dppo",
-    "loss/normalization_sum",
-)
-METRIC_NAMES = SHARED_METRIC_NAMES[:2] + DPPO_METRIC_NAMES + PPO_METRIC_NAMES + SHARED_METRIC_NAMES[2:]
+_INPUT_KEYS = ("target_tokens", "logprobs", "advantages", "mask")
 _CONFIG_PARAMS = ("ppo_eps", "dppo_delta", "ratio_cap")  # LossConfig fields an entry's params may pin
-__all__ = [
-    "DPPO_LOSS",
-    "GRPO_LOSS",
-    "HARNESS_GATE_METRICS",
-    "LOSSES",
-    "GoldenCases",
-    "LossEntry",
-    "UnknownLossError",
-    "gate_metric_sources",
-    "get_loss",
-    "loss_names",
-    "register_loss",
-    "unregister_loss",
-]
 
 
 @dataclass(frozen=True)
@@ -108,20 +64,6 @@ class LossConfig:
             raise ValueError(f"LossConfig.ppo_eps must be < 1, got {self.ppo_eps!r}")
 
 
-@dataclass(frozen=True)
-class TokenTerms:
-    """Flat packed per-token terms over N tokens; all detached, float64 / bool."""
-
-    prob_diff_N: torch.Tensor  # p - q on loss tokens, 0.0 elsewhere
-    ratio_N: torch.Tensor  # r = exp(lp - mu) on loss tokens, 1.0 elsewhere
-    dppo_keep_N: torch.Tensor  # recorded DPPO mask (includes the loss mask, like the reference)
-    ppo_clipped_N: torch.Tensor  # clamp active and removing the gradient
-    ratio_cap_hit_N: torch.Tensor  # loss & A != 0 & kept & r > C
-    loss_token_N: torch.Tensor  # mask == 1
-    nonzero_adv_N: torch.Tensor  # loss & A != 0
-    advantages_N: torch.Tensor  # float64, as given (junk kept on non-loss tokens)
-
-
 def as_numpy(value: tinker.TensorData | torch.Tensor | npt.ArrayLike) -> np.ndarray:
     """One loss_fn_inputs entry as numpy, whether TensorData (dense or sparse), torch or a list."""
     if isinstance(value, tinker.TensorData):
@@ -138,16 +80,32 @@ def _as_numpy_1d(value: tinker.TensorData | torch.Tensor | npt.ArrayLike, key: s
     return arr
 
 
-def unpack_datums(
-    data: Sequence[tinker.Datum],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Concatenate sampler logprobs, advantages and mask of all datums.
+@dataclass(frozen=True)
+class PackedInputs:
+    """The datums' loss inputs packed over N target positions (S sequences), in the dtypes the
+    datums hold them: what the loss decides on and what the recorder keeps."""
 
-    Returns float64 ``sampler_logprobs_N``, ``advantages_N``, ``mask_N`` (1.0/0.0) and the per-datum
-    lengths T. Copies, never views, so callers cannot mutate the datums through the result.
-    """
+    sampler_logprobs_N: np.ndarray
+    advantages_N: np.ndarray
+    mask_N: np.ndarray  # 0/1
+    target_tokens_N: np.ndarray  # int64
+    first_token_S: np.ndarray  # model_input[0] (-1 for an empty input): with target_tokens it rebuilds every sequence
+    lengths_S: np.ndarray  # int64, T of each datum
+
+    def as_float64(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Float64 copies of (sampler logprobs, advantages, mask), never views of the datums."""
+
+        def f64(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(x.astype(np.float64, copy=True))
+
+        return f64(self.sampler_logprobs_N), f64(self.advantages_N), f64(self.mask_N)
+
+
+def unpack_datums(data: Sequence[tinker.Datum]) -> PackedInputs:
+    """Concatenate target tokens, sampler logprobs, advantages and mask of all datums (each 1-D,
+    all of one datum's the same length; the mask 0/1)."""
     columns: dict[str, list[np.ndarray]] = {k: [] for k in _INPUT_KEYS}
-    lengths: list[int] = []
+    first: list[int] = []
     for i, datum in enumerate(data):
         inputs = getattr(datum, "loss_fn_inputs", None)
         if inputs is None:
@@ -156,20 +114,28 @@ def unpack_datums(
         if missing:
             raise ValueError(f"datum {i}: loss_fn_inputs lacks {missing} (needs {list(_INPUT_KEYS)})")
         arrays = {k: _as_numpy_1d(inputs[k], k, i) for k in _INPUT_KEYS}
-        length = arrays["mask"].shape[0]
+        length = arrays["target_tokens"].shape[0]
         for k, arr in arrays.items():
             if arr.shape[0] != length:
-                raise ValueError(f"datum {i}: loss_fn_inputs[{k!r}] has length {arr.shape[0]}, mask has {length}")
-            columns[k].append(arr.astype(np.float64, copy=False))
-        lengths.append(length)
-    if not lengths:
-        empty = torch.zeros(0, dtype=torch.float64)
-        return empty, empty.clone(), empty.clone(), []
-    sampler_N, adv_N, mask_N = (torch.from_numpy(np.concatenate(columns[k])) for k in _INPUT_KEYS)
+                raise ValueError(
+                    f"datum {i}: loss_fn_inputs[{k!r}] has length {arr.shape[0]}, target_tokens has {length}"
+                )
+            columns[k].append(arr)
+        tokens = datum.model_input.to_ints()
+        first.append(tokens[0] if tokens else -1)
+    cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in columns.items()}
+    mask_N = cat["mask"]
     bad = ~((mask_N == 0) | (mask_N == 1))
-    if bool(bad.any()):
+    if bad.any():
         raise ValueError(f"loss mask must be 0/1, found {mask_N[bad][:5].tolist()}")
-    return sampler_N, adv_N, mask_N, lengths
+    return PackedInputs(
+        sampler_logprobs_N=cat["logprobs"],
+        advantages_N=cat["advantages"],
+        mask_N=mask_N,
+        target_tokens_N=cat["target_tokens"].astype(np.int64),
+        first_token_S=np.asarray(first, dtype=np.int64),
+        lengths_S=np.asarray([len(c) for c in columns["target_tokens"]], dtype=np.int64),
+    )
 
 
 def _check_finite(name: str, values_N: torch.Tensor, loss_N: torch.Tensor) -> None:
@@ -223,66 +189,10 @@ def token_terms(
         loss_token_N=loss_N,
         nonzero_adv_N=nonzero_N,
         advantages_N=adv_N,
+        dppo_delta=cfg.dppo_delta,
+        ppo_eps=cfg.ppo_eps,
+        ratio_cap=cfg.ratio_cap,
     )
-
-
-def _frac(num: int, den: int) -> float:
-    return float(num) / float(den) if den > 0 else 0.0
-
-
-def loss_metrics(terms: TokenTerms, cfg: LossConfig | None = None) -> dict[str, float]:
-    """Plain-float metrics over loss tokens; names in METRIC_NAMES (docs/architecture.md)."""
-    loss_N = terms.loss_token_N
-    nonzero_N = terms.nonzero_adv_N
-    n_loss = int(loss_N.sum())
-    n_nonzero = int(nonzero_N.sum())
-    removed_N = nonzero_N & ~terms.dppo_keep_N
-    adv_N = terms.advantages_N
-    n_removed = int(removed_N.sum())
-    n_clipped = int(terms.ppo_clipped_N.sum())
-    delta = cfg.dppo_delta if cfg is not None else DPPO_DELTA
-    diff_L = terms.prob_diff_N[loss_N]
-    metrics = {
-        "tokens/loss": float(n_loss),
-        "tokens/nonzero_adv": float(n_nonzero),
-        "dppo/removed": float(n_removed),
-        "dppo/removed_pos_adv": float((removed_N & (adv_N > 0)).sum()),
-        "dppo/removed_neg_adv": float((removed_N & (adv_N < 0)).sum()),
-        "dppo/masked_frac_loss_tokens": _frac(n_removed, n_loss),
-        "dppo/masked_frac_nonzero_adv": _frac(n_removed, n_nonzero),
-        "dppo/mask_zero_adv": float((loss_N & ~nonzero_N & ~terms.dppo_keep_N).sum()),
-        "dppo/exceed_pos": float((diff_L > delta).sum()),
-        "dppo/exceed_neg": float((diff_L < -delta).sum()),
-        "dppo/ratio_cap_hits": float(terms.ratio_cap_hit_N.sum()),
-        "ppo/clipped": float(n_clipped),
-        "ppo/clip_frac_loss_tokens": _frac(n_clipped, n_loss),
-        "ppo/clip_frac_nonzero_adv": _frac(n_clipped, n_nonzero),
-    }
-    if n_loss > 0:
-        # numpy's partition-based linear quantile: same definition as torch.quantile, ~10x cheaper.
-        d_L = diff_L.numpy()
-        abs_L = np.abs(d_L)
-        q_signed = np.quantile(d_L, (0.9, 0.99))
-        q_abs = np.quantile(abs_L, (0.9, 0.99))
-        metrics.update(
-            {
-                "drift/signed_p90": float(q_signed[0]),
-                "drift/signed_p99": float(q_signed[1]),
-                "drift/signed_max": float(d_L.max()),
-                "drift/signed_min": float(d_L.min()),
-                "drift/abs_p90": float(q_abs[0]),
-                "drift/abs_p99": float(q_abs[1]),
-                "drift/abs_max": float(abs_L.max()),
-            }
-        )
-    else:
-        for name in METRIC_NAMES:
-            if name.startswith("drift/"):
-                metrics[name] = 0.0
-    if cfg is not None:
-        metrics["loss/arm_dppo"] = 1.0 if cfg.loss == DPPO_LOSS else 0.0
-        metrics["loss/normalization_sum"] = 1.0 if cfg.normalization == "sum" else 0.0
-    return metrics
 
 
 def packed_loss(
@@ -299,7 +209,7 @@ def packed_loss(
     lp_N = torch.where(active_N, logprobs_N.to(torch.float64), zero)
     mu_N = torch.where(active_N, sampler_logprobs_N.detach().to(torch.float64), zero)
     adv_N = torch.where(active_N, terms.advantages_N, zero)
-    token_loss_N = get_loss(cfg.loss).token_loss(lp_N, mu_N, adv_N, terms, cfg)
+    token_loss_N = get_loss(cfg.loss).token_loss(lp_N, mu_N, adv_N, terms)
     total = token_loss_N.sum()
     if cfg.normalization == "token_mean":
         n_loss = int(terms.loss_token_N.sum())
@@ -336,23 +246,30 @@ def normalization_declaration(mode: Normalization) -> dict[str, str]:
     }
 
 
-def packed_loss_and_metrics(
+@dataclass(frozen=True)
+class LossCall:
+    """One evaluated loss call: the scalar loss, the per-token terms it decided on, their statistics."""
+
+    loss: torch.Tensor
+    terms: TokenTerms
+    stats: LossStats
+
+
+def packed_loss_call(
     logprobs_N: torch.Tensor,
     sampler_logprobs_N: torch.Tensor,
     advantages_N: torch.Tensor,
     mask_N: torch.Tensor,
     cfg: LossConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> LossCall:
     terms = token_terms(logprobs_N, sampler_logprobs_N, advantages_N, mask_N, cfg)
-    return packed_loss(logprobs_N, sampler_logprobs_N, terms, cfg), loss_metrics(terms, cfg)
+    return LossCall(packed_loss(logprobs_N, sampler_logprobs_N, terms, cfg), terms, stats(terms))
 
 
-def _concat_logprobs(
-    data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor], lengths: list[int]
-) -> torch.Tensor:
-    if len(logprobs_list) != len(data):
-        raise ValueError(f"got {len(logprobs_list)} logprob tensors for {len(data)} datums")
-    for i, (lp, length) in enumerate(zip(logprobs_list, lengths)):
+def _concat_logprobs(logprobs_list: Sequence[torch.Tensor], lengths_S: np.ndarray) -> torch.Tensor:
+    if len(logprobs_list) != len(lengths_S):
+        raise ValueError(f"got {len(logprobs_list)} logprob tensors for {len(lengths_S)} datums")
+    for i, (lp, length) in enumerate(zip(logprobs_list, lengths_S)):
         if lp.ndim != 1 or lp.shape[0] != length:
             raise ValueError(
                 f"datum {i}: logprobs tensor has shape {tuple(lp.shape)}, loss inputs have length {length}"
@@ -362,15 +279,6 @@ def _concat_logprobs(
     return torch.cat([lp.to(torch.float64) for lp in logprobs_list])
 
 
-def datum_token_terms(
-    data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor], cfg: LossConfig
-) -> TokenTerms:
-    """Per-token terms for a list of datums and their current logprobs (instrumentation entry)."""
-    sampler_N, adv_N, mask_N, lengths = unpack_datums(data)
-    logprobs_N = _concat_logprobs(data, logprobs_list, lengths).detach()
-    return token_terms(logprobs_N, sampler_N, adv_N, mask_N, cfg)
-
-
 # What `forward_backward_custom` calls: (datums, their current logprobs) -> (scalar loss, metrics).
 CustomLossFn = Callable[[list[tinker.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -378,24 +286,37 @@ CustomLossFn = Callable[[list[tinker.Datum], list[torch.Tensor]], tuple[torch.Te
 @dataclass(frozen=True)
 class PackedLoss:
     """``loss_fn(data, logprobs_list) -> (scalar loss, metrics)`` for ``forward_backward_custom``:
-    the packed path at `loss_config`, whatever registered loss it names."""
+    the packed path at `loss_config`, whatever registered loss it names. `evaluate` is the same
+    call with its packed inputs, terms and statistics (what the recorder keeps)."""
 
     loss_config: LossConfig
+
+    def evaluate(
+        self, data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor]
+    ) -> tuple[PackedInputs, LossCall]:
+        inputs = unpack_datums(data)
+        logprobs_N = _concat_logprobs(logprobs_list, inputs.lengths_S)
+        call = packed_loss_call(logprobs_N, *inputs.as_float64(), self.loss_config)
+        if not call.loss.requires_grad:
+            # No gradient-bearing token (or no logprob requires grad): still give every tensor a grad.
+            call = replace(call, loss=call.loss + sum((lp * 0.0).sum() for lp in logprobs_list if lp.requires_grad))
+        return inputs, call
+
+    def metrics(self, loss_stats: LossStats) -> dict[str, float]:
+        """The metrics returned to the SDK: the returned statistics and the arm's loss settings."""
+        cfg = self.loss_config
+        return loss_stats.metrics() | {
+            "loss/arm_dppo": 1.0 if cfg.loss == DPPO_LOSS else 0.0,
+            "loss/normalization_sum": 1.0 if cfg.normalization == "sum" else 0.0,
+        }
 
     def __call__(
         self, data: Sequence[tinker.Datum], logprobs_list: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        sampler_N, adv_N, mask_N, lengths = unpack_datums(data)
-        logprobs_N = _concat_logprobs(data, logprobs_list, lengths)
-        loss, metrics = packed_loss_and_metrics(logprobs_N, sampler_N, adv_N, mask_N, self.loss_config)
-        if not loss.requires_grad:
-            # No gradient-bearing token (or no logprob requires grad): still give every tensor a grad.
-            loss = loss + sum((lp * 0.0).sum() for lp in logprobs_list if lp.requires_grad)
-        return loss, metrics
+        _, call = self.evaluate(data, logprobs_list)
+        return call.loss, self.metrics(call.stats)
 
 
 def make_loss_fn(cfg: LossConfig) -> PackedLoss:
     """The `forward_backward_custom` loss of one arm (`PackedLoss`)."""
-    if not isinstance(cfg, LossConfig):
-        raise TypeError(f"make_loss_fn needs a LossConfig, got {type(cfg).__name__}")
     return PackedLoss(cfg)

@@ -4,7 +4,9 @@ closed-form gradients, no autograd).
 Written from ``/work/shared/reference/dppo-binary-tv.md``; they share nothing with ``losses.py``
 beyond ``constants.py``. Each registered loss (`loss_registry.LOSSES`) names its reference here; the
 correctness preflight, the registry's golden parity and `replay` compare the packed training
-path against them. One signature: ``ref(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **params)``.
+path against them. One signature: ``ref(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **params)``,
+where ``params`` are the registered loss's parameters under the same names (``dppo_delta``,
+``ratio_cap``, ``ppo_eps``) plus the options of a rule variant.
 """
 
 from __future__ import annotations
@@ -33,17 +35,17 @@ def ref_dppo(
     adv_BT: np.ndarray,
     mask_BT: np.ndarray,
     normalization: str = "token_mean",
-    delta: float = DPPO_DELTA,
-    cap: float = DPPO_RATIO_CAP,
+    dppo_delta: float = DPPO_DELTA,
+    ratio_cap: float = DPPO_RATIO_CAP,
     log_ratio_max: float = LOG_RATIO_CLAMP_MAX,
 ) -> RefResult:
     """DPPO Binary-TV on padded rows: loss -A*w*keep*m*lp, gradient -A*w*keep*m (per normalization)."""
     on = mask_BT > 0
     with np.errstate(over="ignore", invalid="ignore"):
         tv = np.exp(lp_BT) - np.exp(mu_BT)
-        violates = np.where(adv_BT > 0, tv > delta, tv < -delta)
+        violates = np.where(adv_BT > 0, tv > dppo_delta, tv < -dppo_delta)
         kept = on & ~violates
-        weight = np.minimum(np.exp(np.minimum(lp_BT - mu_BT, log_ratio_max)), cap)
+        weight = np.minimum(np.exp(np.minimum(lp_BT - mu_BT, log_ratio_max)), ratio_cap)
         coef = np.where(kept, -adv_BT * weight, 0.0)
         loss = float(np.where(kept, coef * lp_BT, 0.0).sum())
     loss, grad = _normalize(loss, coef.astype(np.float64), mask_BT, normalization)
@@ -67,7 +69,7 @@ def ref_ppo(
     adv_BT: np.ndarray,
     mask_BT: np.ndarray,
     normalization: str = "sum",
-    eps: float = PPO_EPS,
+    ppo_eps: float = PPO_EPS,
     log_ratio_clamp: float | None = None,
     dual_clip_c: float | None = None,
 ) -> RefResult:
@@ -86,9 +88,9 @@ def ref_ppo(
     with np.errstate(over="ignore", invalid="ignore"):
         ratio = np.exp(log_ratio)
         unclipped = -adv_BT * ratio
-        clipped_val = -adv_BT * np.clip(ratio, 1 - eps, 1 + eps)
+        clipped_val = -adv_BT * np.clip(ratio, 1 - ppo_eps, 1 + ppo_eps)
         token = np.maximum(unclipped, clipped_val)
-        clipped = on & (((adv_BT > 0) & (ratio > 1 + eps)) | ((adv_BT < 0) & (ratio < 1 - eps)))
+        clipped = on & (((adv_BT > 0) & (ratio > 1 + ppo_eps)) | ((adv_BT < 0) & (ratio < 1 - ppo_eps)))
         grad = np.where(on & ~clipped & in_range, -adv_BT * ratio, 0.0)
         if dual_clip_c is not None:
             dual = on & (adv_BT < 0) & (-adv_BT * dual_clip_c < token)

@@ -5,7 +5,7 @@ The pilot is the spec's own schedule, shortened to the pilot length its gate sta
 sampling each step from the current weights, the batch split into the spec's complete-group
 minibatches, one `forward_backward_custom` + `optim_step` per minibatch (the comparison's
 arm-step, `arm_step.run_arm_step`), the treatment's loss trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
-metric is the loss-call statistic its registered loss names (`losses.gate_metric_sources`) on the
+metric is the loss-call statistic its registered loss names (`loss_registry.gate_metric_sources`) on the
 last update of each pilot step. Every check of the plan is evaluated (`checks.Bounds`, the rule the
 diagnostic's criteria share); a value outside its range or missing fails the gate. The gate report is its own immutable evidence file; nothing later
 rewrites it. A plan with several treatments pilots each of them (one report each).
@@ -25,7 +25,8 @@ from dppo_harness.evaluation import answer_yield
 from dppo_harness.evidence.backend import backend_of, served_model
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry, losses
+from dppo_harness.loss.terms import LossStats
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_step
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
@@ -130,11 +131,11 @@ def gate_values(
     """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
 
     `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
-    registered loss's, `losses.gate_metric_sources()`), measured on each step's last update. A
+    registered loss's, `loss_registry.gate_metric_sources()`), measured on each step's last update. A
     step whose last update never ran contributes nothing, and then the metric is missing (None)
     rather than a mean over fewer steps.
     """
-    sources = losses.gate_metric_sources() if sources is None else sources
+    sources = loss_registry.gate_metric_sources() if sources is None else sources
     second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
     rows: list[PilotStepRow] = []
     for step in range(pilot_steps):
@@ -144,7 +145,7 @@ def gate_values(
                 "step": step,
                 "optim_steps": optim_steps_per_batch[step] if step < len(optim_steps_per_batch) else 0,
                 "second_update_recorded": rec is not None,
-                **({k: rec.stats[k] for k in ins.COUNT_KEYS + ins.FLOAT_KEYS} if rec else {}),
+                **({k: rec.stats[k] for k in LossStats.scalar_names()} if rec else {}),
             }
         )
     complete = len(second) == pilot_steps
@@ -311,7 +312,7 @@ class GateReport:
         ] + self.errors
 
     def to_json(self) -> JsonObject:
-        sources, p = losses.gate_metric_sources(), self.pilot
+        sources, p = loss_registry.gate_metric_sources(), self.pilot
         eps = losses.LossConfig.for_loss(p["loss"], p["normalization"]).ppo_eps  # as the pilot's loss call counted
         return ins.nan_free(
             {
@@ -554,7 +555,6 @@ def run_activation_gate(
     )
     per_step = with_rollout_yield(per_step, pilot.yields)
     results = evaluate_gate(run.gate_checks, values)
-    errors += [p for r in records for p in ins.crosscheck_loss_metrics(r)]
     report = GateReport(
         passed=all(r.passed for r in results) and not errors,
         checks=results,

@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
-from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonMap, items, num, obj, objs
+from dppo_harness.loss.terms import delta_bins, hist_bin_labels, magnitude_edges
 
 PLOTS = {
     "drift_tails": "diagnostic-drift-tails.png",
@@ -64,8 +64,8 @@ def plot_drift_tails(rows: Sequence[JsonMap], delta: float) -> bytes:
 
 
 def plot_histograms(hist: JsonMap, delta: float, scope: str) -> bytes:
-    labels = ins.hist_bin_labels()
-    up, down = ins.delta_bins(delta)
+    labels = hist_bin_labels(magnitude_edges(delta))
+    up, down = delta_bins(delta)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), sharey=True)
     for ax, sign, title in zip(axes, ("pos", "neg", "zero"), ("A > 0", "A < 0", "A = 0 (never engagement)")):
         counts = [num(c) for c in items(hist[sign])] if sign in hist else [0] * len(labels)

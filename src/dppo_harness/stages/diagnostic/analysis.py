@@ -16,6 +16,7 @@ from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, pool_calls
 from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.loss.losses import LossConfig
+from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import (
     Classification,
@@ -83,7 +84,7 @@ class DiagnosticResult:
                 "fixes": list(FIXES),
                 "sentinels": self.sentinels,
                 "errors": self.errors,
-                "hist_bins": ins.hist_bin_labels(),
+                "hist_bins": hist_bin_labels(magnitude_edges(self.config.delta)),
             }
         )
 
@@ -171,9 +172,8 @@ def _second_epoch_criteria(planned: Sequence[AnalysisCriterion], pooled: JsonObj
 
 
 def _integrity_problems(records: Sequence[ins.LossCallRecord], loss_cfg: LossConfig) -> list[str]:
-    """Every recorded call's metrics re-checked against its own tensors, then recomputed independently."""
-    integrity = [p for r in records for p in ins.crosscheck_loss_metrics(r)]
-    return integrity + _independent_recheck(records, loss_cfg)
+    """Every recorded call's decisions, statistics and returned metrics recomputed independently."""
+    return _independent_recheck(records, loss_cfg)
 
 
 def _measured(classification: Classification, updates_done: int) -> JsonObject:

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 from pydantic import JsonValue
 
-from dppo_harness import constants
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject
+from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.stages.diagnostic.config import DiagnosticConfig
 from dppo_harness.stages.diagnostic.criteria import CriterionResult
 from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelPoint, SentinelSummary
@@ -30,12 +30,14 @@ def _fmt(x: JsonValue, spec: str = ".4g") -> str:
 
 
 def pinned_variant_problems(cfg: DiagnosticConfig) -> list[str]:
-    """The trained rule must be the pinned reference variant (delta, C, eps, sampler anchor)."""
+    """The trained rule must be the pinned reference variant: the registered losses' parameters
+    (delta and C of the DPPO rule, eps of the GRPO clip it counts)."""
     problems = []
+    dppo, grpo = get_loss(DPPO_LOSS).params, get_loss(GRPO_LOSS).params
     for name, got, want in (
-        ("delta", cfg.delta, constants.DPPO_DELTA),
-        ("ratio_cap", cfg.ratio_cap, constants.DPPO_RATIO_CAP),
-        ("ppo_eps", cfg.ppo_eps, constants.PPO_EPS),
+        ("delta", cfg.delta, dppo["dppo_delta"]),
+        ("ratio_cap", cfg.ratio_cap, dppo["ratio_cap"]),
+        ("ppo_eps", cfg.ppo_eps, grpo["ppo_eps"]),
     ):
         if got != want:
             problems.append(f"{name} {got} differs from the pinned reference value {want}")

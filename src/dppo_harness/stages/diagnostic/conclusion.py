@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from pydantic import JsonValue
 
 from dppo_harness.json_types import JsonObject
+from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import Classification
 from dppo_harness.stages.diagnostic.config import DiagnosticConfig
@@ -176,12 +177,14 @@ def next_action(
             "spec": revised,
         }
     cause = classification.cause
+    pinned = get_loss(DPPO_LOSS).params
     cheapest = {
         "missing_evidence": "rerun this same bounded diagnostic unchanged on a backend fast enough to reach the second "
         "epoch inside the 12-minute cap (measure feasibility first); no setting changes",
         "code_or_instrumentation_defect": "fix the defect named in the integrity problems, rerun the unit suite's "
         "must-fire/must-not-fire and golden parity, then rerun this diagnostic unchanged",
-        "wrong_reference_or_variant": "re-pin the loss to the reference variant (sampler anchor, delta 0.15, C 10), "
+        "wrong_reference_or_variant": "re-pin the loss to the reference variant (sampler anchor, "
+        f"delta {pinned['dppo_delta']:g}, C {pinned['ratio_cap']:g}), "
         "rerun correctness preflight, then rerun this diagnostic unchanged",
         "legitimate_inactive_regime": "propose (not run) a requester-approved revised diagnostic in which the policy "
         "moves further from the sampler before the trust region is judged (e.g. more "

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dppo_harness.loss.losses import DPPO_LOSS, LossConfig, Normalization
+from dppo_harness.loss.loss_registry import DPPO_LOSS, Normalization
+from dppo_harness.loss.losses import LossConfig
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan

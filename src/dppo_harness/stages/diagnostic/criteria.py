@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import POOLED_QUANTILES, RATIO_PARTS
 from dppo_harness.json_types import JsonMap, JsonValue, num
+from dppo_harness.loss.terms import LossStats
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured, is_number
 from dppo_harness.stages.diagnostic.config import DiagnosticError
 
@@ -44,7 +44,7 @@ def _applies(criterion: AnalysisCriterion, pooled: JsonMap) -> bool:
 _POOLING_OK = {
     "token_weighted_ratio": set(RATIO_PARTS),
     "pooled_quantile": set(POOLED_QUANTILES),
-    "token_count_sum": set(ins.COUNT_KEYS),
+    "token_count_sum": set(LossStats.names("count")),
 }
 
 

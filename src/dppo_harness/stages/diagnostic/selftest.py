@@ -11,9 +11,9 @@ import numpy as np
 import tinker
 import torch
 
-from dppo_harness import constants
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
+from dppo_harness.loss.loss_registry import DPPO_LOSS
 from dppo_harness.stages.diagnostic.config import DiagnosticError
 from dppo_harness.stages.diagnostic.records import SelftestCase, SelftestReport
 
@@ -64,52 +64,67 @@ def _boundary_row(q: float, a: float, diff: float) -> tuple[float, float, float,
     raise DiagnosticError(f"no float64 logprob gives p - q == {diff!r} exactly")
 
 
-_D = constants.DPPO_DELTA
-# name -> ((p, q, A, mask[, lp]) rows, expected (removed_pos, removed_neg, mask_zero_adv), grad must be zero per row)
-SELFTEST_CASES: dict[str, tuple[tuple[tuple[float, ...], ...], tuple[int, int, int], tuple[bool, ...]]] = {
-    "must_fire_pos_adv_up": (((0.80, 0.40, 1.0, 1.0),), (1, 0, 0), (True,)),
-    "must_fire_neg_adv_down": (((0.10, 0.60, -1.0, 1.0),), (0, 1, 0), (True,)),
-    "must_fire_both_signs": (
-        ((0.95, 0.50, 0.5, 1.0), (0.05, 0.50, -0.5, 1.0), (0.5, 0.5, 0.5, 1.0)),
-        (1, 1, 0),
-        (True, True, False),
-    ),
-    # Probability difference, not ratio: these two separate Binary-TV from a ratio clip.
-    "must_fire_high_q_small_ratio": (((0.995, 0.84, 1.0, 1.0),), (1, 0, 0), (True,)),
-    "must_not_fire_large_ratio_small_prob": (
-        ((0.20, 0.10, 1.0, 1.0), (0.02, 0.10, -1.0, 1.0)),
-        (0, 0, 0),
-        (False, False),
-    ),
-    "must_not_fire_on_policy": (((0.3, 0.3, 1.0, 1.0), (0.7, 0.7, -1.0, 1.0)), (0, 0, 0), (False, False)),
-    "must_not_fire_below_delta": (((0.60, 0.50, 1.0, 1.0), (0.40, 0.50, -1.0, 1.0)), (0, 0, 0), (False, False)),
-    "must_not_fire_recovery_direction": (((0.05, 0.90, 1.0, 1.0), (0.90, 0.05, -1.0, 1.0)), (0, 0, 0), (False, False)),
-    "zero_advantage_is_not_engagement": (((0.05, 0.90, 0.0, 1.0),), (0, 0, 1), (True,)),
-    "padding_is_not_engagement": (
-        ((0.99, 0.01, 1.0, 0.0), (0.01, 0.99, -1.0, 0.0), (0.5, 1e-4, 1.0, 0.0)),
-        (0, 0, 0),
-        (True, True, True),
-    ),
-    # Exact +-delta boundaries: the rule is strict, so p - q == +-delta is kept, one ulp beyond is removed.
-    "boundary_exact_plus_delta_kept": ((_boundary_row(0.20, 1.0, _D),), (0, 0, 0), (False,)),
-    "boundary_one_ulp_above_plus_delta_removed": (
-        (_boundary_row(0.20, 1.0, math.nextafter(_D, 1.0)),),
-        (1, 0, 0),
-        (True,),
-    ),
-    "boundary_exact_minus_delta_kept": ((_boundary_row(0.30, -1.0, -_D),), (0, 0, 0), (False,)),
-    "boundary_one_ulp_below_minus_delta_removed": (
-        (_boundary_row(0.30, -1.0, math.nextafter(-_D, -1.0)),),
-        (0, 1, 0),
-        (True,),
-    ),
-    # Ratio cap C: r = 20 on a kept token is a hit (weight C); on a dropped token it is not (no gradient to cap).
-    "ratio_cap_hit_on_kept_token": (((2e-5, 1e-6, 1.0, 1.0),), (0, 0, 0), (False,)),
-    "ratio_cap_not_counted_on_dropped_token": (((0.90, 0.04, 1.0, 1.0),), (1, 0, 0), (True,)),
-    # Counterfactual PPO eps=0.2, both sides: clipped only where the ratio left [0.8, 1.2] in A's direction.
-    "ppo_clip_pos_side": (((0.13, 0.10, 1.0, 1.0), (0.07, 0.10, 1.0, 1.0)), (0, 0, 0), (False, False)),
-    "ppo_clip_neg_side": (((0.07, 0.10, -1.0, 1.0), (0.13, 0.10, -1.0, 1.0)), (0, 0, 0), (False, False)),
-}
+# (p, q, A, mask[, lp]) rows, expected (removed_pos, removed_neg, mask_zero_adv), grad must be zero per row
+SelftestRows = tuple[tuple[tuple[float, ...], ...], tuple[int, int, int], tuple[bool, ...]]
+
+
+def selftest_cases(delta: float) -> dict[str, SelftestRows]:
+    """The cases at the rule's `delta`: the rows that sit near +-delta are placed relative to it."""
+    return {
+        "must_fire_pos_adv_up": (((0.80, 0.40, 1.0, 1.0),), (1, 0, 0), (True,)),
+        "must_fire_neg_adv_down": (((0.10, 0.60, -1.0, 1.0),), (0, 1, 0), (True,)),
+        "must_fire_both_signs": (
+            ((0.95, 0.50, 0.5, 1.0), (0.05, 0.50, -0.5, 1.0), (0.5, 0.5, 0.5, 1.0)),
+            (1, 1, 0),
+            (True, True, False),
+        ),
+        # Probability difference, not ratio: these two separate Binary-TV from a ratio clip (p - q just
+        # above delta at a ratio under 1 + eps while delta < 0.16).
+        "must_fire_high_q_small_ratio": (((0.995, 0.995 - (delta + 0.005), 1.0, 1.0),), (1, 0, 0), (True,)),
+        "must_not_fire_large_ratio_small_prob": (
+            ((0.20, 0.10, 1.0, 1.0), (0.02, 0.10, -1.0, 1.0)),
+            (0, 0, 0),
+            (False, False),
+        ),
+        "must_not_fire_on_policy": (((0.3, 0.3, 1.0, 1.0), (0.7, 0.7, -1.0, 1.0)), (0, 0, 0), (False, False)),
+        "must_not_fire_below_delta": (
+            ((0.5 + (delta - 0.05), 0.50, 1.0, 1.0), (0.5 - (delta - 0.05), 0.50, -1.0, 1.0)),
+            (0, 0, 0),
+            (False, False),
+        ),
+        "must_not_fire_recovery_direction": (
+            ((0.05, 0.90, 1.0, 1.0), (0.90, 0.05, -1.0, 1.0)),
+            (0, 0, 0),
+            (False, False),
+        ),
+        "zero_advantage_is_not_engagement": (((0.05, 0.90, 0.0, 1.0),), (0, 0, 1), (True,)),
+        "padding_is_not_engagement": (
+            ((0.99, 0.01, 1.0, 0.0), (0.01, 0.99, -1.0, 0.0), (0.5, 1e-4, 1.0, 0.0)),
+            (0, 0, 0),
+            (True, True, True),
+        ),
+        # Exact +-delta boundaries: the rule is strict, so p - q == +-delta is kept, one ulp beyond is removed.
+        "boundary_exact_plus_delta_kept": ((_boundary_row(0.20, 1.0, delta),), (0, 0, 0), (False,)),
+        "boundary_one_ulp_above_plus_delta_removed": (
+            (_boundary_row(0.20, 1.0, math.nextafter(delta, 1.0)),),
+            (1, 0, 0),
+            (True,),
+        ),
+        "boundary_exact_minus_delta_kept": ((_boundary_row(0.30, -1.0, -delta),), (0, 0, 0), (False,)),
+        "boundary_one_ulp_below_minus_delta_removed": (
+            (_boundary_row(0.30, -1.0, math.nextafter(-delta, -1.0)),),
+            (0, 1, 0),
+            (True,),
+        ),
+        # Ratio cap C: r = 20 on a kept token is a hit (weight C); on a dropped token it is not (no gradient to cap).
+        "ratio_cap_hit_on_kept_token": (((2e-5, 1e-6, 1.0, 1.0),), (0, 0, 0), (False,)),
+        "ratio_cap_not_counted_on_dropped_token": (((0.90, 0.04, 1.0, 1.0),), (1, 0, 0), (True,)),
+        # Counterfactual PPO eps=0.2, both sides: clipped only where the ratio left [0.8, 1.2] in A's direction.
+        "ppo_clip_pos_side": (((0.13, 0.10, 1.0, 1.0), (0.07, 0.10, 1.0, 1.0)), (0, 0, 0), (False, False)),
+        "ppo_clip_neg_side": (((0.07, 0.10, -1.0, 1.0), (0.13, 0.10, -1.0, 1.0)), (0, 0, 0), (False, False)),
+    }
+
+
 # Further recorded/reported counts a case must show (cap hits and counterfactual clips).
 SELFTEST_EXTRA: dict[str, dict[str, int]] = {
     "padding_is_not_engagement": {"dppo/ratio_cap_hits": 0, "ppo/clipped": 0, "tokens/loss": 0},
@@ -131,10 +146,10 @@ def deterministic_selftest(
     """Must-fire and must-not-fire cases through the real packed loss (counts from its metrics
     and from the recorder) and its gradients: a removed token gets exactly zero gradient, a kept
     nonzero-advantage token a nonzero one. Also run in tests/unit (the suite's evidence)."""
-    cfg = loss_cfg or losses.LossConfig(losses.DPPO_LOSS, normalization="token_mean")
+    cfg = loss_cfg or losses.LossConfig(DPPO_LOSS, normalization="token_mean")
     factory = loss_fn_factory or losses.make_loss_fn
     cases: dict[str, SelftestCase] = {}
-    for name, (rows, expected, zero_grad) in SELFTEST_CASES.items():
+    for name, (rows, expected, zero_grad) in selftest_cases(cfg.dppo_delta).items():
         data, lps = _case_datums(rows)
         rec = ins.LossCallRecorder(cfg)
         loss, metrics = rec.wrap(factory(cfg))(data, lps)

@@ -1,0 +1,144 @@
+"""The golden cases, regenerated from the numpy references at the registered losses' parameters.
+
+    python -m dppo_harness.loss.golden [--check] [FILE]
+
+For every case of FILE (default: the registered losses' golden file) and every registered loss
+whose golden cases live in it, the values the harness reads are recomputed with the loss's
+reference (`LossEntry.reference` at its `params` and `GoldenCases.reference_params`, normalized as
+`GoldenCases.normalization`): `loss` and `grad_log_prob` under the entry's key, and what the case
+holds of the rule's decisions (`mask`: the DPPO keep mask; `metrics.n_invalid_tr_tokens` and
+`metrics.actor/pg_clipfrac`: the nonzero-advantage tokens it removes, counted and as a fraction;
+`clipfrac`: the clipped fraction as verl counts it). The DPPO
+thresholds in `params.dppo` follow the registered DPPO loss.
+
+A stored value that the reference reproduces within the registry's parity tolerance (float64
+summation order) is kept as it is: the shipped values were computed by the implementation the
+file's `reference` names, and stay its. Any other value (after a change of delta, or for a newly
+registered loss) is replaced by the reference's. The other entries of a case (that implementation's
+other aggregation modes and metrics) are not read by the harness and are left as they are.
+
+`--check` exits 1, naming the differing cases, when FILE is not the generator's fixed point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from dppo_harness.json_types import JsonObject, JsonValue
+from dppo_harness.loss.loss_registry import DPPO_LOSS, LOSSES, LossEntry, get_loss
+from dppo_harness.project import project_root
+
+# float64 on both sides: only summation order differs (as `correctness_golden.REGISTRY_TOLERANCE`).
+_ATOL, _RTOL = 1e-12, 1e-9
+_VERL_EPS = 1e-8  # verl's masked_mean adds it to the token count: its clipfrac is n_clipped / (n + 1e-8)
+# Where `params.dppo` writes the registered DPPO loss's parameters.
+_DPPO_PARAMS = {
+    "clip_ratio": "dppo_delta",
+    "clip_ratio_low (delta_low)": "dppo_delta",
+    "clip_ratio_high (delta_high)": "dppo_delta",
+    "clip_ratio_c (C, ratio cap)": "ratio_cap",
+}
+
+
+def _kept(stored: JsonValue, fresh: np.ndarray | float) -> JsonValue:
+    """The stored value where the reference reproduces it, else the reference's."""
+    want = np.asarray(fresh, dtype=np.float64)
+    try:
+        got = np.asarray(stored, dtype=np.float64)
+    except (TypeError, ValueError):
+        got = None
+    if got is not None and got.shape == want.shape and np.allclose(got, want, atol=_ATOL, rtol=_RTOL):
+        return stored
+    value: JsonValue = want.tolist()
+    return value
+
+
+def _case_entry(case: JsonObject, entry: LossEntry) -> JsonObject:
+    """The case's values for one registered loss, regenerated from its reference."""
+    dims = case["shape"]
+    if not isinstance(dims, list) or not all(isinstance(x, int) for x in dims):
+        raise ValueError(f"case {case.get('name')!r}: shape {dims!r} is not a list of sizes")
+    shape = tuple(x for x in dims if isinstance(x, int))
+    lp, mu, adv, mask = (
+        np.asarray(case[k], dtype=np.float64).reshape(shape)
+        for k in ("log_prob", "rollout_log_prob", "advantages", "response_mask")
+    )
+    golden = entry.golden
+    ref = entry.reference(lp, mu, adv, mask, golden.normalization, **entry.params, **golden.reference_params)
+    old = case.get(golden.key)
+    out: JsonObject = copy.deepcopy(old) if isinstance(old, dict) else {}
+    out["loss"] = _kept(out.get("loss"), ref.loss)
+    out["grad_log_prob"] = _kept(out.get("grad_log_prob"), ref.grad_BT)
+    on = mask > 0
+    if "mask" in out:  # the DPPO keep mask and the tokens it removes
+        out["mask"] = _kept(out["mask"], ref.decision_BT.astype(np.float64))
+        metrics = out.get("metrics")
+        removed = on & (adv != 0) & ~ref.decision_BT.astype(bool)
+        if isinstance(metrics, dict) and "n_invalid_tr_tokens" in metrics:
+            metrics["n_invalid_tr_tokens"] = int(removed.sum())
+        if isinstance(metrics, dict) and "actor/pg_clipfrac" in metrics:  # over nonzero-advantage tokens
+            frac = float(removed.sum() / ((on & (adv != 0)).sum() + _VERL_EPS))
+            metrics["actor/pg_clipfrac"] = _kept(metrics["actor/pg_clipfrac"], frac)
+    if "clipfrac" in out:  # the clipped fraction, as verl's masked mean counts it
+        out["clipfrac"] = _kept(out["clipfrac"], float(ref.decision_BT.sum() / (on.sum() + _VERL_EPS)))
+    return out
+
+
+def regenerate(doc: JsonObject, file: str) -> JsonObject:
+    """`doc` (a golden file's JSON, stored at `file` relative to the project root) regenerated."""
+    out = copy.deepcopy(doc)
+    entries = [e for e in LOSSES.values() if e.golden.file == file]
+    if not entries:
+        raise ValueError(f"no registered loss keeps its golden cases in {file}")
+    cases = out.get("cases")
+    if not isinstance(cases, list) or not cases:
+        raise ValueError(f"{file}: no cases")
+    for case in cases:
+        if not isinstance(case, dict):
+            raise ValueError(f"{file}: a case is not an object")
+        for entry in entries:
+            case[entry.golden.key] = _case_entry(case, entry)
+    params = out.get("params")
+    dppo = params.get("dppo") if isinstance(params, dict) else None
+    if isinstance(dppo, dict) and get_loss(DPPO_LOSS).golden.file == file:
+        for key, param in _DPPO_PARAMS.items():
+            if key in dppo:
+                dppo[key] = get_loss(DPPO_LOSS).params[param]
+    return out
+
+
+def dumps(doc: JsonObject) -> str:
+    """The golden file's layout."""
+    return json.dumps(doc, indent=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dppo_harness.loss.golden", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", nargs="?", default=get_loss(DPPO_LOSS).golden.file, help="relative to the project root")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless FILE is the generator's fixed point")
+    args = parser.parse_args(argv)
+    path = project_root() / args.file
+    text = path.read_text()
+    fresh = dumps(regenerate(json.loads(text), args.file))
+    if not args.check:
+        if fresh != text:
+            path.write_text(fresh)
+        print(f"golden: {args.file} {'rewritten' if fresh != text else 'unchanged'}")
+        return 0
+    if fresh == text:
+        print(f"golden: {args.file} is the references' fixed point")
+        return 0
+    old, new = json.loads(text)["cases"], json.loads(fresh)["cases"]
+    differing = [o.get("name", "?") for o, n in zip(old, new) if o != n]
+    print(f"golden: {args.file} differs from what the references give (cases {differing or 'none'}; params or layout)")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
