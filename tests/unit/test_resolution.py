@@ -64,7 +64,7 @@ def test_the_saved_spec_values_come_from_its_resolution_file_with_the_sentences_
     assert run["baseline_source"] == "baseline_arm in exp_e6b0965af3.json.resolution.json"
     block = plan_config(plan)["plan"]["resolution"]
     assert block["file"] == "exp_e6b0965af3.json.resolution.json" and len(block["sha256"]) == 64
-    assert block["states"] == [
+    assert block["settles"] == [
         "groups_per_batch",
         "group_size",
         "temperature",

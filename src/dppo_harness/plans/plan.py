@@ -3,8 +3,9 @@ the backend's deviations and the effective config.
 
 `parse_plan` validates the kind's model, checks a rehearsal against the spec it derives from,
 builds the `RunConfig` of every experiment spec (`run_config`: the values its resolution file
-states with the sentences they quote, cross-field rules, registered losses and dataset, roles) and resolves a diagnostic's original plan. Stages
-read `Plan.run`, `Plan.experiment`, `Plan.diagnostic` and `Plan.launch`, never the raw JSON.
+states with the sentences they quote, cross-field rules, registered losses and dataset, roles)
+and resolves a diagnostic's original plan. Stages read `Plan.run`, `Plan.experiment`,
+`Plan.diagnostic` and `Plan.launch`, never the raw JSON.
 """
 
 from __future__ import annotations
@@ -528,14 +529,10 @@ def resized_plan(
         spec["eval"]["n_examples"] = eval_items
     model = ExperimentSpec.model_validate(spec)
     wrapped = RehearsalPlan.model_validate(raw) if plan.kind == "rehearsal" else model
-    values = dict(run.schedule_values())
+    values = {k: v for k, v in run.schedule_values().items() if not v.default}  # defaults stay defaults
     values["groups_per_batch"] = Stated(groups_per_batch, "resized_plan", "a test-size copy of the plan")
     if max_tokens is not None:
         values["max_tokens"] = Stated(max_tokens, "resized_plan", "a test-size copy of the plan")
-    if values["minibatches_per_batch"].default:
-        del values["minibatches_per_batch"]
-    if values["gate_pilot_steps"].default:
-        del values["gate_pilot_steps"]
     return replace(
         plan, raw=raw, model=wrapped, run=build_run_config(model, values, run.baseline.name, run.baseline_source)
     )

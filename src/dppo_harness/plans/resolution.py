@@ -108,7 +108,7 @@ class Resolution:
         return {
             "file": self.file,
             "sha256": self.sha256,
-            "states": list(self.model.values),
+            "settles": list(self.model.values),
             "states_launch": self.model.launch is not None,
         }
 
