@@ -38,6 +38,7 @@ def test_a_diagnostic_past_one_file_per_update_closes_within_the_bundle(tmp_path
     plans = tmp_path / "plans"
     plans.mkdir()
     shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json", plans)  # the original plan it names
+    shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json.resolution.json", plans)
     shutil.copy(ROOT / "tests" / "fixtures" / "plans" / PLAN, plans)
     updates = json.loads((plans / PLAN).read_text())["schedule"]["max_optimizer_updates"]
     evidence = tmp_path / "evidence"

@@ -232,13 +232,16 @@ def test_a_plan_whose_launch_authorizes_the_stage_is_not_refused(service, tmp_pa
         "authorized_stages": ["gate"],
     }
     plan = tmp_path / "authorized.json"
+    resolution = json.loads(saved.with_name(saved.name + ".resolution.json").read_text())
+    del resolution["launch"]
     if stated_in == "plan":
         spec = json.loads(saved.read_text())
         spec["launch"] = launch
         plan.write_text(json.dumps(spec, indent=2))
     else:
         plan.write_bytes(saved.read_bytes())
-        plan.with_name(plan.name + ".resolution.json").write_text(json.dumps({"launch": launch}))
+        resolution["launch"] = launch
+    plan.with_name(plan.name + ".resolution.json").write_text(json.dumps(resolution))
     before = len(proxy.requests)
     proc, _secs = _harness(
         ["tests/gates", f"--plan={plan}", f"--evidence-dir={tmp_path / 'evidence'}", "-x"], proxy.url

@@ -1,8 +1,8 @@
 """A spec that is not the saved one, rehearsed end to end from its own plan.
 
 `tests/fixtures/plans/spec-variant.json` differs from the saved spec in arm names, seed, LoRA
-rank, lr, group sizes, max_tokens, gate pilot length and ranges, and margin. `plans rehearse`
-turns it into a rehearsal plan (2 rollout steps x 8 groups x 4, 8 test items, lr 1e-2), and the
+rank, lr, group sizes, max_tokens, gate pilot length and ranges, and margin. Its rehearsal plan
+(`variant-rehearsal.json`: 2 rollout steps x 8 groups x 4, 8 test items, lr 1e-2), and the
 harness runs preflight -> gate -> both arms -> evaluation -> decision -> report from that plan as
 a user runs it (the stage folders given as paths, with unit parity the loss-parity file alone, as
 in every subprocess run of the harness: the comparison starts only after unit parity passed in
@@ -28,6 +28,7 @@ from harness_paths import LOSS_PARITY
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ROOT / "tests" / "fixtures" / "plans" / "spec-variant.json"
+REHEARSAL = ROOT / "tests" / "fixtures" / "plans" / "variant-rehearsal.json"
 SAVED_ARMS = ("grpo_seed0", "dppo_seed0")
 CODE_KINDS = ("script", "code_revision", "code_patch")  # the executed code itself, not the run's values
 pytestmark = pytest.mark.skipif(
@@ -39,34 +40,9 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def rehearsal_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("variant")
-    plan = d / "variant-rehearsal.json"
+    plan = REHEARSAL
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TINKER_TELEMETRY": "0"}
     env.pop("TINKER_BASE_URL", None)
-    made = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dppo_harness.plans",
-            "rehearse",
-            str(VARIANT),
-            "--out",
-            str(plan),
-            "--steps",
-            "2",
-            "--groups",
-            "8",
-            "--eval-items",
-            "8",
-            "--lr",
-            "1e-2",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert made.returncode == 0, made.stderr
     t0 = time.monotonic()
     proc = subprocess.run(
         [

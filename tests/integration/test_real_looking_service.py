@@ -80,7 +80,8 @@ def plans(tmp_path_factory) -> Path:
     (d / "plans").mkdir()
     for spec in (d / "exp_e6b0965af3.json", d / "plans" / "exp_e6b0965af3.json"):
         shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json", spec)
-    for name in ("diagnostic-ci-short.json", "comparison-ci-launch.json"):
+        shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json.resolution.json", spec.parent)
+    for name in ("diagnostic-ci-short.json", "comparison-ci-launch.json", "comparison-ci-launch.json.resolution.json"):
         shutil.copy(FIXTURES / name, d / name)
     return d
 

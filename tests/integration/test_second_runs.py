@@ -65,6 +65,7 @@ def test_plan_copied_outside_the_project_collects_as_the_project_plan(tmp_path):
     plan = outside / "exp_e6b0965af3-diagnostic-r1.json"
     shutil.copy(ROOT / "plans" / plan.name, plan)
     shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json", outside / "exp_e6b0965af3.json")
+    shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json.resolution.json", outside)
     rc, eq_form, out = _collect(["-m", "preflight", f"--plan={plan}"])
     assert rc == 0 and eq_form, out[-3000:]
     rc, space_form, out = _collect(["-m", "preflight", "--plan", str(plan)])

@@ -108,6 +108,7 @@ def test_the_server_killed_mid_diagnostic_ends_the_run_within_a_minute_with_its_
     plans = tmp_path / "plans"
     plans.mkdir()
     shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json", plans)
+    shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json.resolution.json", plans)
     shutil.copy(ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-short.json", plans)
     evidence = tmp_path / "evidence"
     harness = subprocess.Popen(

@@ -92,6 +92,7 @@ def plan_file(tmp_path_factory) -> Path:
     """The CI test plan beside a copy of the spec it derives from (so its original plan resolves)."""
     d = tmp_path_factory.mktemp("plans")
     shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json", d / "exp_e6b0965af3.json")
+    shutil.copy(ROOT / "plans" / "exp_e6b0965af3.json.resolution.json", d)
     shutil.copy(ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-short.json", d / "diagnostic-ci-short.json")
     return d / "diagnostic-ci-short.json"
 

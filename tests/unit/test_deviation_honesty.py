@@ -23,7 +23,7 @@ def test_the_evaluation_subset_reason_fits_what_served_the_run():
 
 
 def test_the_saved_spec_on_the_embedded_server_is_projected_at_its_own_size():
-    # The stages run a plan as written; a smaller run is a declared rehearsal plan (plans rehearse),
+    # The stages run a plan as written; a smaller run is a declared rehearsal plan,
     # so no fixed rehearsal size is projected or recorded as a deviation.
     assert not hasattr(feasibility, "rehearsal_sizing") and not hasattr(feasibility, "LOCAL_REHEARSAL_SIZE")
     sched = feasibility.schedule_from_plan(SPEC)
@@ -40,7 +40,7 @@ def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
         passed=False,
         failures=["projected 40000 s > remaining budget 7200 s"],
     )
-    assert "plans rehearse" not in res.failure_message()
+    assert "rehearsal plan" not in res.failure_message()
     local = feasibility.FeasibilityResult(
         schedule=None,
         timings=None,
@@ -53,7 +53,7 @@ def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
     )
     msg = local.failure_message()
     assert "projected 40000 s" in msg
-    assert "python -m dppo_harness.plans rehearse SPEC --out PLAN" in msg
+    assert "a rehearsal plan (kind rehearsal, docs/plans.md) with its resolution file, then --plan PLAN" in msg
 
 
 def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer():
@@ -71,7 +71,7 @@ def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer()
     raw = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
     other = copy.deepcopy(raw)
     other["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"]["beta2"] = 0.99
-    plan = parse_plan(json.dumps(other).encode(), ROOT / "plans" / "variant.json", repo_root=ROOT)
+    plan = parse_plan(json.dumps(other).encode(), ROOT / "plans" / "exp_e6b0965af3.json", repo_root=ROOT)
     by_arm = {p.name: p.optimizer for p in feasibility.arm_pilots(plan)}
     assert by_arm["grpo_seed0"]["beta2"] == 0.99 and by_arm["dppo_seed0"]["beta2"] == 0.95
     assert feasibility.schedule_from_plan(SPEC).arm_losses == ("grpo_clip_eps0.2", "dppo_divergence_mask")

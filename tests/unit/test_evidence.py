@@ -645,6 +645,9 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
     path.parent.mkdir(parents=True)
     (tmp_path / "plans" / "exp_e6b0965af3.json").write_bytes((PLANS / "exp_e6b0965af3.json").read_bytes())
     path.write_text(json.dumps(raw))
+    resolution = json.loads((PLANS / "exp_e6b0965af3.json.resolution.json").read_text())
+    del resolution["launch"]  # the saved spec's launch, not this rehearsal's
+    path.with_name("r.json.resolution.json").write_text(json.dumps(resolution))
     plan = load_plan(path)
     b = EvidenceBundle.create(tmp_path / "evidence", "reh", env={})
     b.record_plan(plan, effective_config(plan, BackendInfo("tinker", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")))

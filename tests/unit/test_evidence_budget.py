@@ -153,6 +153,10 @@ def test_a_comparison_whose_gate_pilot_cannot_fit_is_refused_at_load(tmp_path: P
     text = SPEC_PLAN.read_text().replace("A 5-step pilot", "A 40-step pilot")
     spec = tmp_path / "spec-40-step-pilot.json"
     spec.write_text(text)
+    resolution = json.loads(SPEC_PLAN.with_name(SPEC_PLAN.name + ".resolution.json").read_text())
+    pilot = resolution["values"]["gate_pilot_steps"]
+    pilot.update(value=40, sentence=pilot["sentence"].replace("A 5-step pilot", "A 40-step pilot"))
+    spec.with_name(spec.name + ".resolution.json").write_text(json.dumps(resolution))
     needs = budget.plan_needs(load_plan(spec), COMPARISON_STAGES, save_every=5)
     assert needs.required_files > MAX_FILES
     proc = _run_pytest(["-m", "comparison", "--plan", str(spec)], tmp_path)

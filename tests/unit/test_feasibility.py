@@ -112,8 +112,10 @@ def test_bad_inputs_raise_clear_errors(spec):
 
 def test_schedule_needs_stated_group_sizes(spec):
     raw = dict(spec.raw, method=spec.raw["method"].replace("group_size=8", "eight per group"))
-    with pytest.raises(PlanError, match="^method: does not state group_size"):
-        parse_plan(json.dumps(raw).encode())
+    with pytest.raises(
+        PlanError, match="values.groups_per_batch: the sentence .* is not verbatim in the spec's method"
+    ):
+        parse_plan(json.dumps(raw).encode(), spec.path)
 
 
 def test_feasibility_block_shape_and_consistency(spec):

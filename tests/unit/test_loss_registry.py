@@ -32,7 +32,8 @@ from dppo_harness.stages.comparison.arms import make_runners
 from dppo_harness.stages.comparison.config import comparison_config
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
+SPEC_PATH = ROOT / "plans" / "exp_e6b0965af3.json"  # a changed copy is read with its resolution file
+SPEC = json.loads(SPEC_PATH.read_text())
 NAME = "pg_ratio_test"
 GOLDEN = "tests/fixtures/losses/pg_ratio_golden.json"
 
@@ -60,7 +61,6 @@ def _entry(**overrides) -> registry.LossEntry:
         reference=_pg_reference,
         golden=registry.GoldenCases(GOLDEN, "expected", "token_mean"),
         gate_metrics={"pg_ratio_drift_q99": "drift/abs_p99"},
-        labels=("PG-ratio",),
     )
     fields.update(overrides)
     return registry.LossEntry(**fields)
@@ -98,15 +98,18 @@ def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
 
 def test_an_unregistered_loss_is_refused_at_load_listing_the_registered_ones():
     with pytest.raises(PlanError) as e:
-        parse_plan(json.dumps(_spec_with_test_loss()).encode())
+        parse_plan(json.dumps(_spec_with_test_loss()).encode(), SPEC_PATH)
     registered = ", ".join(registry.loss_names())
-    assert str(e.value) == f"arms[1].loss: 'pg_ratio_test' is not a registered loss (registered: {registered})"
+    assert (
+        str(e.value)
+        == f"{SPEC_PATH}: arms[1].loss: 'pg_ratio_test' is not a registered loss (registered: {registered})"
+    )
     with pytest.raises(ValueError, match="registered twice|already registered"):
         registry.register_loss(_entry(name=registry.DPPO_LOSS))
 
 
 def test_a_registered_test_loss_runs_with_no_other_change(registered):
-    plan = parse_plan(json.dumps(_spec_with_test_loss()).encode())  # loads: arm, gate metric, roles
+    plan = parse_plan(json.dumps(_spec_with_test_loss()).encode(), SPEC_PATH)  # loads: arm, gate metric, roles
     assert [(a.name, a.loss, a.role) for a in plan.run.arms] == [
         ("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
         ("dppo_seed0", NAME, "treatment"),
@@ -165,9 +168,9 @@ def test_gate_metrics_come_from_the_registry(registered):
     raw = _spec_with_test_loss()
     raw["arms"][1]["loss"] = registry.DPPO_LOSS  # a registered loss, but no registered loss provides the check
     with pytest.raises(
-        PlanError, match=r"^activation_gate.checks\[5\].metric: 'pg_ratio_drift_q99' is provided by no "
+        PlanError, match=r": activation_gate.checks\[5\].metric: 'pg_ratio_drift_q99' is provided by no "
     ):
-        parse_plan(json.dumps(raw).encode())
+        parse_plan(json.dumps(raw).encode(), SPEC_PATH)
     assert "pg_ratio_drift_q99" not in gate.gate_values([], [], None, 1)[0]
 
 

@@ -172,6 +172,8 @@ def test_invalid_json_and_non_finite_numbers(tmp_path):
 
 def test_original_plan_hash_mismatch_is_refused(tmp_path):
     (tmp_path / "exp_e6b0965af3.json").write_bytes(SPEC.read_bytes().replace(b'"gpu_hours": 2.0', b'"gpu_hours": 2.5'))
+    resolution = SPEC.name + ".resolution.json"
+    (tmp_path / resolution).write_bytes((PLANS / resolution).read_bytes())
     diag = load_plan(DIAG)
     with pytest.raises(PlanError, match="original_plan.sha256: recorded"):
         check_original_plan(diag, tmp_path)
@@ -234,10 +236,10 @@ def test_generation_audit_applicability_follows_features():
     assert "generated_training_data is false" in res["reason"]
     raw = copy.deepcopy(plan.raw)
     raw["experiment_features"]["generated_training_data"] = True
-    assert generation_audit_applicability(parse_plan(_bytes(raw)))["status"] == "required"
+    assert generation_audit_applicability(parse_plan(_bytes(raw), SPEC))["status"] == "required"
     raw["experiment_features"]["generated_training_data"] = False
     raw["generation_audit"]["required"] = True
-    assert generation_audit_applicability(parse_plan(_bytes(raw)))["applicable"] is True
+    assert generation_audit_applicability(parse_plan(_bytes(raw), SPEC))["applicable"] is True
     del raw["experiment_features"]["generated_training_data"]  # the schema requires every feature
     with pytest.raises(PlanError, match="experiment_features.generated_training_data: missing required key"):
         parse_plan(_bytes(raw))
@@ -248,16 +250,18 @@ def test_generation_audit_applicability_follows_features():
 LOCAL_MODEL = "local/tiny-qwen3-gsm8k"
 
 
-def _rehearsal(tmp_path, mutate=None):
-    """A rehearsal of the saved spec at a small size (2 rollout steps x 2 groups, 32 test items, lr
-    1e-3), written by `plans rehearse` under a scratch repo; returns its path."""
-    from dppo_harness.plans import RehearsalSize, make_rehearsal
+SHIPPED = PLANS / "rehearsal" / "comparison-local.json"
 
+
+def _rehearsal(tmp_path, mutate=None):
+    """The shipped rehearsal of the saved spec (3 rollout steps x 4 groups, 50 test items, lr 1e-2)
+    and its resolution file, copied under a scratch repo and changed by `mutate`; returns its path."""
     (tmp_path / "plans" / "rehearsal").mkdir(parents=True, exist_ok=True)
-    (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "plans" / SPEC.name).write_bytes(SPEC.read_bytes())
     path = tmp_path / "plans" / "rehearsal" / "comparison-local.json"
-    raw = json.loads(make_rehearsal(tmp_path / "plans" / SPEC.name, path, RehearsalSize(2, 2, 32, 1e-3)))
+    resolution = SHIPPED.name + ".resolution.json"
+    (path.parent / resolution).write_bytes((SHIPPED.parent / resolution).read_bytes())
+    raw = json.loads(SHIPPED.read_text())
     assert raw["derived_from"] == {"path": f"plans/{SPEC.name}", "sha256": SPEC_SHA256}
     if mutate:
         mutate(raw)
@@ -267,7 +271,7 @@ def _rehearsal(tmp_path, mutate=None):
 
 def test_rehearsal_plan_loads_and_exposes_its_spec(tmp_path):
     plan = load_plan(_rehearsal(tmp_path))
-    assert plan.kind == "rehearsal" and plan.spec["steps"] == 4 and plan.spec["base_model"] == LOCAL_MODEL
+    assert plan.kind == "rehearsal" and plan.spec["steps"] == 6 and plan.spec["base_model"] == LOCAL_MODEL
     assert plan.base_model == LOCAL_MODEL and plan.budget == {"gpu_hours": 2.0, "max_wall_minutes": 120.0}
     devs = {d["original"].split(" = ")[0]: d["field"] for d in plan.deviations}
     assert devs["steps"] == "steps" and devs["batch_size"] == "effective_batch" and devs["base_model"] == "model"
@@ -275,12 +279,15 @@ def test_rehearsal_plan_loads_and_exposes_its_spec(tmp_path):
     cfg = effective_config(plan, BackendInfo("local", LOCAL_MODEL, LOCAL_MODEL))
     assert cfg["plan"]["kind"] == "rehearsal" and cfg["plan"]["label"] == "rehearsal"
     assert cfg["plan"]["derived_from"]["sha256"] == SPEC_SHA256
-    assert (cfg["config"]["steps"], cfg["config"]["batch_size"], cfg["config"]["n_eval"]) == (4, 16, 32)
-    # given as bytes, it needs the repo root to find the derived-from spec
-    again = parse_plan(plan.data, repo_root=tmp_path)
+    assert (cfg["config"]["steps"], cfg["config"]["batch_size"], cfg["config"]["n_eval"]) == (6, 32, 50)
+    # given as bytes, it needs the repo root to find the derived-from spec, and a path to find its
+    # resolution file
+    again = parse_plan(plan.data, plan.path, repo_root=tmp_path)
     assert again.sha256 == plan.sha256
     with pytest.raises(PlanError, match="derived_from.path: a rehearsal given as bytes needs repo_root"):
         parse_plan(plan.data)
+    with pytest.raises(PlanError, match=r"^<plan file>.resolution.json: no such file beside the plan"):
+        parse_plan(plan.data, repo_root=tmp_path)
 
 
 def _add_difference(field, spec, rehearsal):
@@ -324,7 +331,7 @@ def _add_difference(field, spec, rehearsal):
         (lambda r: r["derived_from"].__setitem__("sha256", "0" * 64), "derived_from.sha256: recorded 0000"),
         # declared values that do not match the specs
         (lambda r: r["differences"][2].__setitem__("spec", 99), "differences[2].spec: expected 100"),
-        (lambda r: r["differences"][2].__setitem__("rehearsal", 5), "differences[2].rehearsal: expected 4"),
+        (lambda r: r["differences"][2].__setitem__("rehearsal", 5), "differences[2].rehearsal: expected 6"),
         (lambda r: r["differences"][0].__setitem__("reason", " "), "differences[0].reason: expected a string matching"),
         (_add_difference("no_such.key", 1, 2), "differences[11].field: 'no_such.key' is not a field of both specs"),
         (lambda r: r["spec"].__setitem__("lora_rank", "32"), "spec.lora_rank: expected integer, got str"),
@@ -347,7 +354,7 @@ def test_leaf_differences_of_the_shipped_rehearsal_shape(tmp_path):
     plan = load_plan(_rehearsal(tmp_path))
     diffs = leaf_differences(_spec_raw(), plan.spec)
     assert set(diffs) == {d["field"] for d in plan.raw["differences"]}
-    assert diffs["steps"] == (100, 4)
+    assert diffs["steps"] == (100, 6)
     assert leaf_differences({"a": [1, 2]}, {"a": [1]}) == {"a[1]": (2, None)}
 
 

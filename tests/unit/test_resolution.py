@@ -1,12 +1,11 @@
-"""The resolution file beside a spec settles what its prose leaves open, without editing it: the
-refusal says what to write, a settled value is declared, and a resolution that does not fit the
-spec (a sentence not in it, a contradiction of what it states, a malformed file) is refused in one
-line. The saved spec's resolution states its launch and changes nothing else."""
+"""The resolution file beside a plan states what the spec has no field for: the schedule values its
+method prose states, each with the sentence it quotes, and the baseline arm. The load-time check
+refuses, in one line naming the field and the sentence, a sentence that is not verbatim in the spec
+or that does not contain the number; a missing or malformed file is refused in one line too."""
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,35 +19,28 @@ from dppo_harness.plans import PlanError, launch_refusal, load_plan, parse_plan,
 
 ROOT = Path(__file__).resolve().parents[2]
 SAVED = ROOT / "plans" / "exp_e6b0965af3.json"
-RAW = json.loads(SAVED.read_text())
+RESOLUTION = json.loads((ROOT / "plans" / "exp_e6b0965af3.json.resolution.json").read_text())
 TRAINING = (
     "Each step samples groups_per_batch=32 GSM8K train prompts with group_size=8 rollouts at temperature 1.0 "
     "and max_tokens=512."
 )
+FILE = "my_spec.json.resolution.json"
 
 
-def _spec(tmp_path: Path, method_edits: list[tuple[str, str]], resolution: object | None = None) -> Path:
-    raw = json.loads(json.dumps(RAW))
+def _plan(tmp_path: Path, method_edits=(), resolution_edit=None, resolution: object = RESOLUTION) -> Path:
+    """The saved spec (its method edited) and its resolution file (edited), as my_spec.json."""
+    raw = json.loads(SAVED.read_text())
     for old, new in method_edits:
         assert old in raw["method"], old
         raw["method"] = raw["method"].replace(old, new, 1)
     path = tmp_path / "my_spec.json"
     path.write_text(json.dumps(raw, indent=1))
     if resolution is not None:
-        text = resolution if isinstance(resolution, str) else json.dumps(resolution)
-        (tmp_path / "my_spec.json.resolution.json").write_text(text)
+        res = json.loads(json.dumps(resolution)) if not isinstance(resolution, str) else resolution
+        if resolution_edit:
+            resolution_edit(res)
+        (tmp_path / FILE).write_text(res if isinstance(res, str) else json.dumps(res))
     return path
-
-
-def _entry(key: str, value: object, sentence: str, why: str = "the author's reading") -> dict:
-    return {"interpretations": [{"key": key, "value": value, "sentence": sentence, "why": why}]}
-
-
-NO_TEMPERATURE = [
-    ("rollouts at temperature 1.0 and", "rollouts and"),
-    ("scored with greedy decoding on", "scored with greedy decoding (temperature 0) on"),
-]
-TWO_TEMPERATURES = [("max_tokens=512. Advantages", "max_tokens=512. The sampling temperature is 0.7. Advantages")]
 
 
 def _refusal(path: Path) -> str:
@@ -59,129 +51,136 @@ def _refusal(path: Path) -> str:
     return line
 
 
-def test_a_refusal_says_exactly_what_to_write_and_that_entry_settles_it(tmp_path):
-    path = _spec(tmp_path, NO_TEMPERATURE)
-    line = _refusal(path)
-    assert "states temperature (sampling temperature) only in a sentence about evaluation" in line, line
-    m = re.search(r"settle it beside the spec in (\S+): (\{.*\})$", line)
-    assert m and m.group(1) == "my_spec.json.resolution.json", line
-    entry = json.loads(m.group(2))["interpretations"][0]
-    assert entry["key"] == "temperature" and entry["sentence"].startswith("Evaluation: the final checkpoint"), entry
-    # the user writes what the line asks for, with the value meant and a training sentence it settles
-    training = TRAINING.replace("rollouts at temperature 1.0 and", "rollouts and")
-    (tmp_path / m.group(1)).write_text(json.dumps(_entry("temperature", 1.0, training, "the sampler's 1.0")))
-    plan = load_plan(path)
-    assert plan.run.temperature.value == 1.0
+def test_the_saved_spec_values_come_from_its_resolution_file_with_the_sentences_they_quote():
+    plan = load_plan(SAVED)
     run = plan_config(plan)["config"]["run"]
-    assert run["temperature"] == 1.0
+    assert (run["groups_per_batch"], run["group_size"], run["temperature"], run["max_tokens"]) == (32, 8, 1.0, 512)
     assert run["stated_in_prose"]["temperature"] == {
         "value": 1.0,
-        "field": "my_spec.json.resolution.json",
-        "source": training,
-        "why": "the sampler's 1.0",
+        "field": "exp_e6b0965af3.json.resolution.json",
+        "source": TRAINING,
     }
-    assert run["declared_interpretations"] == [
-        {
-            "key": "temperature",
-            "value": 1.0,
-            "sentence": training,
-            "why": "the sampler's 1.0",
-            "file": "my_spec.json.resolution.json",
-        }
-    ]
+    assert not any(v.get("default") for v in run["stated_in_prose"].values())
+    assert run["baseline_source"] == "baseline_arm in exp_e6b0965af3.json.resolution.json"
     block = plan_config(plan)["plan"]["resolution"]
-    assert block["file"] == "my_spec.json.resolution.json" and block["settles"] == ["temperature"]
-    assert len(block["sha256"]) == 64
+    assert block["file"] == "exp_e6b0965af3.json.resolution.json" and len(block["sha256"]) == 64
+    assert block["settles"] == [
+        "groups_per_batch",
+        "group_size",
+        "temperature",
+        "max_tokens",
+        "minibatches_per_batch",
+        "gate_pilot_steps",
+    ]
 
 
-def test_two_values_settle_only_to_one_of_them_quoting_one_of_their_sentences(tmp_path):
-    line = _refusal(_spec(tmp_path, TWO_TEMPERATURES))
-    assert "states temperature twice with different values" in line and "my_spec.json.resolution.json" in line, line
-    second = "The sampling temperature is 0.7."
-    path = _spec(tmp_path, TWO_TEMPERATURES, _entry("temperature", 0.5, second))
-    assert "value 0.5 contradicts the spec, which states temperature as 1.0 or 0.7" in _refusal(path)
-    other = "Advantages are group-mean-centered (GRPO)."
-    path = _spec(tmp_path, TWO_TEMPERATURES, _entry("temperature", 0.7, other))
-    assert "is not one of the sentences that contradict each other" in _refusal(path)
-    path = _spec(tmp_path, TWO_TEMPERATURES, _entry("temperature", 0.7, second))
-    assert load_plan(path).run.temperature.value == 0.7
-
-
-def test_a_resolution_must_quote_a_sentence_of_the_spec(tmp_path):
-    path = _spec(tmp_path, NO_TEMPERATURE, _entry("temperature", 1.0, "Sampling uses temperature 1.0."))
-    line = _refusal(path)
-    assert (
-        "my_spec.json.resolution.json: interpretations[temperature]: the sentence 'Sampling uses temperature "
-        "1.0.' is not in the spec's method" in line
-    ), line
-
-
-def test_a_resolution_cannot_change_what_the_spec_states_unambiguously(tmp_path):
-    for value in (0.7, 1.0):  # another value, or the same: either way there was nothing to settle
-        path = _spec(tmp_path, [], _entry("temperature", value, TRAINING))
-        line = _refusal(path)
-        assert (
-            f"interpretations[temperature]: settles temperature as {value}, but the spec's method states it "
-            "unambiguously as 1.0"
-        ) in line, line
-
-
-def test_a_key_left_to_a_default_can_be_settled_and_a_default_is_declared(tmp_path):
-    split = "The rollout batch is split into 2 minibatches. "
-    path = _spec(tmp_path, [(split, "")])
-    stated = plan_config(load_plan(path))["config"]["run"]["stated_in_prose"]["minibatches_per_batch"]
-    assert stated["default"] is True and stated["value"] == 2, stated
-    sentence = (
-        "That gives 2 optim_steps per batch, so the policy drifts from the sampling policy and the trust "
-        "region can act."
+def test_a_number_changed_in_the_spec_is_refused(tmp_path):
+    path = _plan(tmp_path, [("groups_per_batch=32", "groups_per_batch=16")])
+    assert _refusal(path) == (
+        f"{tmp_path / 'my_spec.json'}: {FILE}: values.groups_per_batch: the sentence {TRAINING!r} is not "
+        "verbatim in the spec's method"
     )
-    path = _spec(tmp_path, [(split, "")], _entry("minibatches", 2, sentence, "two optim steps, one per minibatch"))
-    stated = plan_config(load_plan(path))["config"]["run"]["stated_in_prose"]["minibatches_per_batch"]
-    assert "default" not in stated and stated["field"] == "my_spec.json.resolution.json", stated
-    # the saved spec states it, so nothing is declared a default
-    saved = plan_config(load_plan(SAVED))["config"]["run"]["stated_in_prose"]
-    assert not any(v.get("default") for v in saved.values()), saved
 
 
-def test_the_pilot_length_in_the_gate_reason_can_be_settled(tmp_path):
-    raw = json.loads(json.dumps(RAW))
-    raw["activation_gate"]["reason"] = raw["activation_gate"]["reason"].replace("A 5-step pilot", "A five-ish pilot")
-    (tmp_path / "p.json").write_text(json.dumps(raw))
-    sentence = next(s for s in raw["activation_gate"]["reason"].split(". ") if "pilot" in s) + "."
-    (tmp_path / "p.json.resolution.json").write_text(json.dumps(_entry("pilot_steps", 5, sentence)))
-    plan = load_plan(tmp_path / "p.json")
-    assert plan.run.gate_pilot_steps.value == 5 and plan.run.gate_pilot_steps.why == "the author's reading"
+def test_a_number_changed_in_the_resolution_file_is_refused(tmp_path):
+    path = _plan(tmp_path, resolution_edit=lambda r: r["values"]["max_tokens"].update(value=1024))
+    assert _refusal(path).endswith(
+        f"{FILE}: values.max_tokens: the sentence {TRAINING!r} does not contain the number 1024"
+    )
+    path = _plan(tmp_path, resolution_edit=lambda r: r["values"]["temperature"].update(value=0.7))
+    assert "values.temperature: the sentence" in _refusal(path) and "does not contain the number 0.7" in _refusal(path)
+
+
+def test_a_sentence_absent_from_the_spec_is_refused(tmp_path):
+    absent = "Sampling uses temperature 1.0."
+    path = _plan(tmp_path, resolution_edit=lambda r: r["values"]["temperature"].update(sentence=absent))
+    assert _refusal(path).endswith(
+        f"{FILE}: values.temperature: the sentence {absent!r} is not verbatim in the spec's method"
+    )
+    # the gate's pilot length quotes the gate's reason, not the method
+    path = _plan(tmp_path, resolution_edit=lambda r: r["values"]["gate_pilot_steps"].update(sentence=TRAINING))
+    assert "values.gate_pilot_steps: the sentence" in _refusal(path)
+    assert "is not verbatim in the spec's activation_gate.reason" in _refusal(path)
+
+
+def test_the_number_is_a_whole_token_of_the_sentence(tmp_path):
+    # "8" is in "Qwen3.5-0.8B" and "3.5", but no number of the sentence is 8
+    sentence = "The requested Qwen3.5-0.8B is not served, so we use the closest served small model, Qwen/Qwen3.5-2B."
+    path = _plan(tmp_path, resolution_edit=lambda r: r["values"]["group_size"].update(sentence=sentence))
+    assert "values.group_size: the sentence" in _refusal(path) and "does not contain the number 8" in _refusal(path)
+
+
+def test_a_missing_file_value_or_baseline_is_refused(tmp_path):
+    line = _refusal(_plan(tmp_path, resolution=None))
+    assert line.endswith(
+        f"{FILE}: no such file beside the plan; the spec format has no field for groups_per_batch, group_size, "
+        "temperature, max_tokens or the baseline arm, so this file states them, each value with the spec sentence "
+        "it quotes"
+    ), line
+    assert f"{FILE}: values.group_size (rollouts per prompt): the spec format has no field for it" in _refusal(
+        _plan(tmp_path, resolution_edit=lambda r: r["values"].pop("group_size"))
+    )
+    assert f"{FILE}: baseline_arm (the arm the decision compares against)" in _refusal(
+        _plan(tmp_path, resolution_edit=lambda r: r.pop("baseline_arm"))
+    )
+    assert _refusal(_plan(tmp_path, resolution_edit=lambda r: r.update(baseline_arm="GRPO"))).endswith(
+        f"{FILE}: baseline_arm: 'GRPO' is not an arm of the spec (arms: ['grpo_seed0', 'dppo_seed0'])"
+    )
+    # in-memory bytes have no file beside them
+    with pytest.raises(PlanError, match=r"^<plan file>.resolution.json: no such file beside the plan"):
+        parse_plan(SAVED.read_bytes())
+
+
+def test_the_baseline_arm_comes_from_the_resolution_file(tmp_path):
+    path = _plan(tmp_path, resolution_edit=lambda r: r.update(baseline_arm="dppo_seed0"))
+    run = load_plan(path).run
+    assert [(a.name, a.role) for a in run.arms] == [("dppo_seed0", "baseline"), ("grpo_seed0", "treatment")]
+    assert [(c.treatment, c.baseline) for c in run.criteria] == [("grpo_seed0", "dppo_seed0")]
+
+
+def test_optional_values_default_and_are_declared(tmp_path):
+    def drop(r):
+        del r["values"]["minibatches_per_batch"], r["values"]["gate_pilot_steps"]
+
+    stated = plan_config(load_plan(_plan(tmp_path, resolution_edit=drop)))["config"]["run"]["stated_in_prose"]
+    assert stated["minibatches_per_batch"]["default"] is True and stated["minibatches_per_batch"]["value"] == 2
+    assert stated["gate_pilot_steps"] == {
+        "value": 5,
+        "field": "harness default",
+        "source": "the resolution file states no gate_pilot_steps",
+        "default": True,
+    }
 
 
 @pytest.mark.parametrize(
     "text, says",
     [
-        ("{not json", "my_spec.json.resolution.json: <root>: invalid JSON at line 1"),
+        ("{not json", f"{FILE}: <root>: invalid JSON at line 1"),
         (
-            json.dumps({"interpretations": [{"key": "temperature", "value": "1.0", "sentence": "x", "why": "y"}]}),
-            "interpretations[0].value: expected number, got str",
+            json.dumps({**RESOLUTION, "values": {"temperature": {"value": "1.0", "sentence": TRAINING}}}),
+            "values.temperature.value: expected number, got str",
         ),
         (
-            json.dumps({"interpretations": [{"key": "temp", "value": 1.0, "sentence": "x", "why": "y"}]}),
-            "key 'temp' is no value the prose reader reads",
-        ),
-        (json.dumps({"interpretations": []}), "settles nothing: it needs interpretations or a launch block"),
-        (
-            json.dumps({"interpretations": [{"key": "temperature", "value": 1.0, "sentence": "x"}]}),
-            "interpretations[0].why: missing required key",
+            json.dumps({**RESOLUTION, "values": {"temp": {"value": 1.0, "sentence": TRAINING}}}),
+            "values: 'temp' is no value the harness reads",
         ),
         (
-            json.dumps({**_entry("max_tokens", 511.5, TRAINING.replace("=512", "=0.5k"))}),
-            "value 511.5 is not a whole number",
+            json.dumps({**RESOLUTION, "values": {"temperature": {"value": 1.0}}}),
+            "values.temperature.sentence: missing required key",
         ),
-        (json.dumps({"launch": {"source": "x"}}), "launch.launch_mode: missing required key"),
+        (
+            json.dumps(
+                {**RESOLUTION, "values": {**RESOLUTION["values"], "max_tokens": {"value": 511.5, "sentence": TRAINING}}}
+            ),
+            "values.max_tokens: value 511.5 is not a whole number",
+        ),
+        (json.dumps({**RESOLUTION, "launch": {"source": "x"}}), "launch.launch_mode: missing required key"),
+        (json.dumps({**RESOLUTION, "interpretations": []}), "interpretations: unknown key"),
     ],
-    ids=["invalid JSON", "value a string", "unknown key", "empty", "no why", "count not whole", "launch incomplete"],
+    ids=["invalid JSON", "value a string", "unknown key", "no sentence", "count not whole", "launch", "old format"],
 )
 def test_a_malformed_resolution_is_refused_in_one_line(tmp_path, text, says):
-    path = _spec(
-        tmp_path, NO_TEMPERATURE if "max_tokens" not in text else [("max_tokens=512", "max_tokens=0.5k")], text
-    )
+    path = _plan(tmp_path, resolution=text)
     proc = subprocess.run(
         [sys.executable, "-m", "dppo_harness.plans", "validate", str(path)], capture_output=True, text=True, timeout=120
     )
@@ -190,20 +189,12 @@ def test_a_malformed_resolution_is_refused_in_one_line(tmp_path, text, says):
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_the_saved_spec_states_its_launch_in_its_resolution_and_loads_as_before():
+def test_the_saved_spec_states_its_launch_in_its_resolution():
     plan = load_plan(SAVED)
     assert plan.launch is not None and plan.launch.authorized_stages == [] and plan.launch.launch_mode == "redo"
     assert "Only this single diagnostic is authorized in this launch" in plan.launch.source
     assert plan.launch_stated_in == "exp_e6b0965af3.json.resolution.json"
-    bare = parse_plan(SAVED.read_bytes(), None)  # the same bytes without the file beside them
-    with_file, without = plan_config(plan), plan_config(bare)
-    assert (
-        with_file["plan"].pop("launch")
-        == json.loads((ROOT / "plans" / "exp_e6b0965af3.json.resolution.json").read_text())["launch"]
-    )
-    assert with_file["plan"].pop("resolution")["settles"] == []
-    without["plan"]["name"] = with_file["plan"]["name"]
-    assert with_file == without  # only the launch and the resolution's record are added
+    assert plan_config(plan)["plan"]["launch"] == RESOLUTION["launch"]
     line = launch_refusal(
         plan.name,
         plan.launch,
@@ -219,24 +210,21 @@ def test_the_saved_spec_states_its_launch_in_its_resolution_and_loads_as_before(
 
 
 def test_a_launch_stated_twice_is_refused(tmp_path):
-    raw = json.loads(json.dumps(RAW))
-    launch = json.loads((ROOT / "plans" / "exp_e6b0965af3.json.resolution.json").read_text())["launch"]
-    raw["launch"] = launch
+    raw = json.loads(SAVED.read_text())
+    raw["launch"] = RESOLUTION["launch"]
     (tmp_path / "s.json").write_text(json.dumps(raw))
-    (tmp_path / "s.json.resolution.json").write_text(json.dumps({"launch": launch}))
+    (tmp_path / "s.json.resolution.json").write_text(json.dumps(RESOLUTION))
     with pytest.raises(PlanError, match="s.json.resolution.json: launch: the plan states its own launch block"):
         load_plan(tmp_path / "s.json")
 
 
-def test_rehearse_refuses_a_spec_whose_resolution_settles_values(tmp_path):
-    from dppo_harness.plans import RehearsalSize, make_rehearsal
-
-    training = TRAINING.replace("rollouts at temperature 1.0 and", "rollouts and")
-    path = _spec(tmp_path, NO_TEMPERATURE, _entry("temperature", 1.0, training))
-    with pytest.raises(
-        PlanError, match="my_spec.json.resolution.json settles temperature, which a rehearsal plan cannot carry yet"
-    ):
-        make_rehearsal(path, tmp_path / "r.json", RehearsalSize())
+def test_a_diagnostic_plan_takes_no_values_from_a_resolution_file(tmp_path):
+    diag = ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"
+    for name in (diag.name, SAVED.name, SAVED.name + ".resolution.json"):
+        (tmp_path / name).write_bytes((diag.parent / name).read_bytes())
+    (tmp_path / (diag.name + ".resolution.json")).write_text(json.dumps({"values": RESOLUTION["values"]}))
+    with pytest.raises(PlanError, match="values: a bounded_diagnostic plan states its schedule and arm in its own"):
+        load_plan(tmp_path / diag.name)
 
 
 def test_the_resolution_file_read_is_registered_in_the_evidence_by_its_bytes_and_counted_in_the_budget(tmp_path):

@@ -121,7 +121,13 @@ def test_parity(pytestconfig, tmp_path_factory):
 @pytest.fixture
 def inner(pytester: pytest.Pytester):
     (pytester.path / "plans" / "rehearsal").mkdir(parents=True)
-    for name in ("exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json", "rehearsal/comparison-local.json"):
+    for name in (
+        "exp_e6b0965af3.json",
+        "exp_e6b0965af3.json.resolution.json",
+        "exp_e6b0965af3-diagnostic-r1.json",
+        "rehearsal/comparison-local.json",
+        "rehearsal/comparison-local.json.resolution.json",
+    ):
         (pytester.path / "plans" / name).write_bytes((REPO / "plans" / name).read_bytes())
     pytester.makeconftest('pytest_plugins = ["dppo_harness.pytest_plugin.hooks"]')
     pytester.makeini("[pytest]\ntestpaths = tests\naddopts = --strict-markers -p no:cacheprovider\n")

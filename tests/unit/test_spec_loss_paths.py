@@ -15,7 +15,7 @@ SPEC = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
 
 
 def _load(spec: dict) -> object:
-    return parse_plan(json.dumps(spec).encode(), ROOT / "plans" / "variant.json", repo_root=ROOT)
+    return parse_plan(json.dumps(spec).encode(), ROOT / "plans" / "exp_e6b0965af3.json", repo_root=ROOT)
 
 
 def _with_paths(paths: list[dict]) -> dict:

@@ -1,5 +1,5 @@
 """`plans validate` prints the effective config as JSON on stdout, unchanged, and on stderr every
-value read from the prose with its sentence (a default or a resolution says so) and, as
+schedule value with the sentence its resolution file quotes (a default says so) and, as
 information, the decision's half-width at the planned item count next to each margin."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dppo_harness.plans import load_plan, plan_config
-from dppo_harness.plans.prose import KEYS
+from dppo_harness.plans.resolution import KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 SAVED = ROOT / "plans" / "exp_e6b0965af3.json"
@@ -28,10 +28,10 @@ def test_validate_prints_every_prose_value_with_its_sentence_and_the_half_width_
     config, lines = _validate(SAVED)
     assert config == json.loads(json.dumps(plan_config(load_plan(SAVED))))  # stdout: the effective config
     run = load_plan(SAVED).run
-    for key, stated in run.prose.items():  # every statement the reader read, with its sentence
-        name = {"minibatches": "minibatches_per_batch"}.get(key, key)
+    for key, stated in run.schedule_values().items():  # every value, with the sentence it quotes
         assert any(
-            line.startswith(f"  {name} = {stated.value} ({KEYS[key].what}) from method: ") and stated.source in line
+            line.startswith(f"  {key} = {stated.value} ({KEYS[key].what}) from exp_e6b0965af3.json.resolution.json: ")
+            and stated.source in line
             for line in lines
         ), (key, lines)
     assert any(line.startswith("  gate_pilot_steps = 5 ") and "A 5-step pilot" in line for line in lines), lines
@@ -45,18 +45,20 @@ def test_validate_prints_every_prose_value_with_its_sentence_and_the_half_width_
 
 def test_a_default_and_an_unreachable_verdict_are_said_plainly(tmp_path):
     raw = json.loads(SAVED.read_text())
-    raw["method"] = raw["method"].replace("The rollout batch is split into 2 minibatches. ", "")
-    raw["method"] = raw["method"].replace("on all 1319 GSM8K test items", "on the first 8 GSM8K test items")
     raw["eval"]["n_examples"] = 8
     raw["decision_rule"]["criteria"][0]["margin"] = 0.05
     path = tmp_path / "small.json"
     path.write_text(json.dumps(raw))
+    resolution = json.loads((ROOT / "plans" / "exp_e6b0965af3.json.resolution.json").read_text())
+    del resolution["values"]["minibatches_per_batch"]
+    (tmp_path / "small.json.resolution.json").write_text(json.dumps(resolution))
     config, lines = _validate(path)
     assert config["config"]["run"]["stated_in_prose"]["minibatches_per_batch"]["default"] is True
     assert any(
         line.startswith(
             "  minibatches_per_batch = 2 (complete-group minibatches per rollout batch) "
-            "default (arms[*].updates_per_batch): one complete-group minibatch per update"
+            "default (arms[*].updates_per_batch): one complete-group minibatch per update (the resolution file "
+            "states no split)"
         )
         for line in lines
     ), lines

@@ -72,7 +72,6 @@ class LossEntry:
     # also counts the other family on its tensors, as a counterfactual ("": neither).
     decisions: Decisions = ""
     gate_metrics: Mapping[str, str] = field(default_factory=dict)  # gate metric -> loss-call statistic
-    labels: tuple[str, ...] = ()  # how a spec's prose names this loss ("GRPO"): matched in the `baseline` text
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -147,7 +146,6 @@ register_loss(
             "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens",
             "policy_drift_abs_p_q90": "drift/abs_p90",
         },
-        labels=("DPPO",),
     )
 )
 register_loss(
@@ -167,6 +165,5 @@ register_loss(
         ),
         decisions="ppo",
         gate_metrics={"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"},
-        labels=("GRPO",),
     )
 )

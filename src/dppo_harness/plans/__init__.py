@@ -2,13 +2,12 @@
 rehearsal rules, launch scope, effective config and deviations.
 
 Modules: `models` (strict pydantic models per kind, decoding, on `model_base`; a diagnostic's
-settings blocks in `diagnostic_settings`; `schema_errors` words their errors), `prose` (values a
-spec states only in its method text), `resolution` (the file beside a plan that settles what the
-prose leaves open), `loss_params` (what a spec says about its losses against the registry),
-`run_config` (the typed `RunConfig` stages read; its arms and criteria from `arm_roles`),
-`rehearsal` (rules and the `rehearse` tool), `launch` (what a launch authorizes on a real
-service), `plan` (`Plan`, `load_plan`, `effective_config`), `reading` (what `validate` prints
-beside the config). CLI: `python -m dppo_harness.plans {validate,rehearse}`.
+settings blocks in `diagnostic_settings`; `schema_errors` words their errors), `resolution` (the
+file beside a plan that states what the spec has no field for: the schedule values its prose
+states, each with the sentence it quotes, and the baseline arm), `run_config` (the typed
+`RunConfig` stages read; its arms and criteria from `arm_roles`), `rehearsal` (the rules a
+rehearsal plan obeys), `launch` (what a launch authorizes on a real service), `plan` (`Plan`,
+`load_plan`, `effective_config`). CLI: `python -m dppo_harness.plans validate PLAN`.
 """
 
 from dppo_harness.json_types import JsonObject
@@ -44,16 +43,8 @@ from dppo_harness.plans.plan import (
     resized_plan,
     validate_plan,
 )
-from dppo_harness.plans.prose import Stated
-from dppo_harness.plans.rehearsal import (
-    RehearsalSize,
-    _get,
-    _parse_path,
-    check_rehearsal,
-    leaf_differences,
-    make_rehearsal,
-    rehearsal_deviation,
-)
+from dppo_harness.plans.rehearsal import _get, _parse_path, check_rehearsal, leaf_differences, rehearsal_deviation
+from dppo_harness.plans.resolution import Stated
 from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
 from dppo_harness.plans.run_config import RunConfig, build_run_config
 
@@ -74,7 +65,6 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanKind",
-    "RehearsalSize",
     "RunConfig",
     "Stated",
     "_get",
@@ -90,7 +80,6 @@ __all__ = [
     "launch_undecided_refusal",
     "leaf_differences",
     "load_plan",
-    "make_rehearsal",
     "parse_plan",
     "plan_config",
     "plan_errors",

@@ -2,9 +2,10 @@
 the backend's deviations and the effective config.
 
 `parse_plan` validates the kind's model, checks a rehearsal against the spec it derives from,
-builds the `RunConfig` of every experiment spec (`run_config`: prose parsed once, cross-field
-rules, registered losses and dataset, roles) and resolves a diagnostic's original plan. Stages
-read `Plan.run`, `Plan.experiment`, `Plan.diagnostic` and `Plan.launch`, never the raw JSON.
+builds the `RunConfig` of every experiment spec (`run_config`: the values its resolution file
+states with the sentences they quote, cross-field rules, registered losses and dataset, roles)
+and resolves a diagnostic's original plan. Stages read `Plan.run`, `Plan.experiment`,
+`Plan.diagnostic` and `Plan.launch`, never the raw JSON.
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ from dppo_harness.plans.models import (
     detect_kind,
     validate_model,
 )
-from dppo_harness.plans.prose import rewrite
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
-from dppo_harness.plans.resolution import Resolution, default_settlements, load_resolution
+from dppo_harness.plans.resolution import Resolution, Stated, load_resolution, quoted_values, resolution_path
 from dppo_harness.plans.run_config import RunConfig, build_run_config
 from dppo_harness.plans.schema_errors import describe
 from dppo_harness.project import plans_dir as project_plans
@@ -185,20 +185,26 @@ def validate_plan(raw: JsonValue) -> PlanKind:
 
 
 def _run_config(spec: ExperimentSpec, prefix: str, path: Path | None, resolution: Resolution | None) -> RunConfig:
+    """`prefix` leads the field paths of a spec inside a rehearsal plan ("spec.")."""
+    file = resolution.file if resolution else resolution_path(path or Path("<plan file>")).name
+    values, base = quoted_values(spec, resolution, file)
     try:
-        return build_run_config(spec, resolution.settlements if resolution else default_settlements(path))
+        return build_run_config(spec, values, base, f"baseline_arm in {file}")
     except PlanError as exc:
         raise PlanError(f"{prefix}{exc}") from None
 
 
 def _check_resolution(model: PlanModel, resolution: Resolution | None) -> None:
-    """A resolution's launch cannot stand beside the plan's own, and only a spec's prose is settled."""
+    """A resolution's launch cannot stand beside the plan's own, and a bounded diagnostic states its
+    schedule in its own fields."""
     if resolution is None:
         return
     if resolution.launch is not None and getattr(model, "launch", None) is not None:
         raise PlanError(f"{resolution.file}: launch: the plan states its own launch block; state it in one place")
-    if resolution.model.interpretations and isinstance(model, BoundedDiagnostic):
-        raise PlanError(f"{resolution.file}: interpretations: a bounded_diagnostic plan reads no prose to settle")
+    if (resolution.model.values or resolution.model.baseline_arm) and isinstance(model, BoundedDiagnostic):
+        raise PlanError(
+            f"{resolution.file}: values: a bounded_diagnostic plan states its schedule and arm in its own fields"
+        )
 
 
 def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None = None) -> Plan:
@@ -385,7 +391,7 @@ def _dump(m: BaseModel) -> JsonObject:
 
 def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
     """The configuration that will actually run (the feasibility record's `effective_config`),
-    with every value the spec states only in prose and the sentence it came from."""
+    with every value the spec states only in prose and the sentence the resolution file quotes."""
     out = plan_config(plan)
     out["backend"] = {
         "backend": info.backend,
@@ -509,8 +515,9 @@ def resized_plan(
     eval_items: int | None = None,
 ) -> Plan:
     """A copy of a spec-kind plan at another size, for tests and benchmarks only (never a plan
-    file): steps, batch_size, eval.n_examples and the numbers the method text states change
-    together, and the copy keeps the original's sha256 (it is a test-size copy of that plan)."""
+    file): steps, batch_size and eval.n_examples change with the run config's groups_per_batch and
+    max_tokens, and the copy keeps the original's sha256 (it is a test-size copy of that plan).
+    The method text stays as written; the resized values name this function as their source."""
     if plan.run is None:
         raise PlanError(f"kind: {plan.kind} has no experiment spec to resize")
     run = plan.run
@@ -520,20 +527,15 @@ def resized_plan(
     spec["batch_size"] = groups_per_batch * int(run.group_size.value)
     if eval_items is not None:
         spec["eval"]["n_examples"] = eval_items
-    new = {
-        "groups_per_batch": str(groups_per_batch),
-        "rollout_steps": str(rollout_steps),
-        "optim_steps": str(rollout_steps * run.updates_per_batch),
-    }
-    if max_tokens is not None:
-        new["max_tokens"] = str(max_tokens)
-    if eval_items is not None:
-        new["eval_items"] = f"the first {eval_items}"
-    spec["method"] = rewrite(spec["method"], {k: (run.prose[k], v) for k, v in new.items() if k in run.prose})
     model = ExperimentSpec.model_validate(spec)
     wrapped = RehearsalPlan.model_validate(raw) if plan.kind == "rehearsal" else model
-    settle = plan.resolution.settlements if plan.resolution else default_settlements(plan.path)
-    return replace(plan, raw=raw, model=wrapped, run=build_run_config(model, settle))
+    values = {k: v for k, v in run.schedule_values().items() if not v.default}  # defaults stay defaults
+    values["groups_per_batch"] = Stated(groups_per_batch, "resized_plan", "a test-size copy of the plan")
+    if max_tokens is not None:
+        values["max_tokens"] = Stated(max_tokens, "resized_plan", "a test-size copy of the plan")
+    return replace(
+        plan, raw=raw, model=wrapped, run=build_run_config(model, values, run.baseline.name, run.baseline_source)
+    )
 
 
 def plan_errors(path: str | Path, *, repo_root: Path | None = None) -> list[str]:

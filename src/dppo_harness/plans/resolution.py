@@ -1,24 +1,26 @@
-"""The resolution file beside a spec: what its prose leaves open, settled without editing it.
+"""The resolution file beside a spec: what the harness needs that the spec format has no field for,
+each value beside the sentence of the spec that states it.
 
-A spec is an exchange document kept verbatim (its sha256 is the plan's identity), so an
-ambiguity the prose reader refuses, or a value it would leave to a default, is settled beside
-it in `<spec file>.resolution.json`:
+A spec is an exchange document kept verbatim (its sha256 is the plan's identity). It states the
+sampling schedule only in its `method` prose, and its baseline only as free text, so the plan's
+author writes them beside it in `<plan file>.resolution.json`:
 
-    {"interpretations": [{"key": "temperature", "value": 1.0,
-                          "sentence": "<the spec's sentence it settles, verbatim>",
-                          "why": "<why this reading>"}],
+    {"values": {"groups_per_batch": {"value": 32, "sentence": "<a sentence of spec.method, verbatim>"},
+                "group_size": {...}, "temperature": {...}, "max_tokens": {...}},
+     "baseline_arm": "grpo_seed0",
      "launch": {...}}
 
-Each entry names a key the prose reader reads (`prose.KEYS`), quotes a sentence that is in the
-spec and settles only what the reader refused or found unstated (`prose.parse_method` checks
-both). The optional `launch` block states the launch of a plan kind that cannot hold one itself
-(a verbatim spec). The file is hashed; the effective config records it (`plan.resolution`) and
-every settled value as a declared interpretation (`config.run.declared_interpretations`).
+`quoted_values` checks at load that each quoted sentence occurs verbatim in the spec field it
+quotes (`method`, or `activation_gate.reason` for the gate's pilot length) and that the sentence
+contains the value as a number; it does not tell which of the sentence's numbers is meant. The
+optional `launch` block states the launch of a plan kind that cannot hold one itself (a verbatim
+spec). The file is hashed; the effective config records it (`plan.resolution`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -27,74 +29,92 @@ from pydantic import Field, ValidationError, model_validator
 
 from dppo_harness.json_types import JsonObject
 from dppo_harness.plans.model_base import NonEmptyStr, PlanError, StrictModel
-from dppo_harness.plans.models import Launch, decode
-from dppo_harness.plans.prose import KEYS, Settlement, Settlements
+from dppo_harness.plans.models import ExperimentSpec, Launch, decode
 from dppo_harness.plans.schema_errors import describe, rule_error
 
 SUFFIX = ".resolution.json"
 
 
-class Interpretation(StrictModel):
-    key: NonEmptyStr
+@dataclass(frozen=True)
+class Key:
+    what: str  # what the number means
+    is_int: bool
+    quotes: str  # the spec field its sentence is quoted from
+    required: bool = True
+
+
+KEYS: dict[str, Key] = {
+    "groups_per_batch": Key("prompts (groups) per rollout batch", True, "method"),
+    "group_size": Key("rollouts per prompt", True, "method"),
+    "temperature": Key("sampling temperature", False, "method"),
+    "max_tokens": Key("sampled tokens per rollout at most", True, "method"),
+    # without these the harness's defaults hold, declared as defaults (`run_config`)
+    "minibatches_per_batch": Key("complete-group minibatches per rollout batch", True, "method", required=False),
+    "gate_pilot_steps": Key("activation-gate pilot steps", True, "activation_gate.reason", required=False),
+}
+# A number as a sentence writes it in digits, not part of a longer token ("8" is not in "Qwen3-8B").
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w]|\.\d)")
+
+
+@dataclass(frozen=True)
+class Stated:
+    """One value and where it comes from: `field` is the resolution file that states it (or, for a
+    harness default, the structured field it follows), `source` the spec's sentence it quotes."""
+
+    value: int | float
+    field: str
+    source: str
+    default: bool = False  # no file states it, so the harness's default holds
+
+    def as_json(self) -> JsonObject:
+        out: JsonObject = {"value": self.value, "field": self.field, "source": self.source}
+        if self.default:
+            out["default"] = True
+        return out
+
+
+class Quote(StrictModel):
     value: Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an integer too (JSON 8 is a count)
     sentence: NonEmptyStr
-    why: NonEmptyStr
 
 
 class ResolutionFile(StrictModel):
     about: str | None = None
-    interpretations: list[Interpretation] = Field(default_factory=list)
+    values: dict[str, Quote] = Field(default_factory=dict)
+    baseline_arm: NonEmptyStr | None = None
     launch: Launch | None = None
 
     @model_validator(mode="after")
-    def _settles_something(self) -> ResolutionFile:
-        keys = [i.key for i in self.interpretations]
-        unknown = [k for k in keys if k not in KEYS]
+    def _known_keys(self) -> ResolutionFile:
+        unknown = sorted(set(self.values) - set(KEYS))
         if unknown:
-            raise rule_error(
-                "interpretations", f"key {unknown[0]!r} is no value the prose reader reads (keys: {', '.join(KEYS)})"
-            )
-        if len(set(keys)) != len(keys):
-            raise rule_error("interpretations", f"settles a key twice ({keys})")
-        if not keys and self.launch is None:
-            raise rule_error("", "settles nothing: it needs interpretations or a launch block")
+            raise rule_error("values", f"{unknown[0]!r} is no value the harness reads (values: {', '.join(KEYS)})")
         return self
 
 
 @dataclass(frozen=True)
 class Resolution:
-    file: str  # the file's name (it lies beside the spec)
+    file: str  # the file's name (it lies beside the plan)
     sha256: str  # of the file's exact bytes
     model: ResolutionFile
     data: bytes = field(default=b"", repr=False)  # the exact bytes, registered in the evidence beside the plan
-
-    @property
-    def settlements(self) -> Settlements:
-        return Settlements(
-            self.file, {i.key: Settlement(i.value, i.sentence, i.why) for i in self.model.interpretations}
-        )
 
     @property
     def launch(self) -> Launch | None:
         return self.model.launch
 
     def as_json(self) -> JsonObject:
-        """The effective config's record of the file (its settled values are under config.run)."""
+        """The effective config's record of the file (its values are under config.run)."""
         return {
             "file": self.file,
             "sha256": self.sha256,
-            "settles": [i.key for i in self.model.interpretations],
+            "settles": list(self.model.values),
             "states_launch": self.model.launch is not None,
         }
 
 
 def resolution_path(plan_path: Path) -> Path:
     return plan_path.with_name(plan_path.name + SUFFIX)
-
-
-def default_settlements(plan_path: Path | None) -> Settlements:
-    """No settlements, naming the file a refusal would ask for."""
-    return Settlements(file=resolution_path(plan_path).name) if plan_path is not None else Settlements()
 
 
 def load_resolution(plan_path: Path | None) -> Resolution | None:
@@ -114,3 +134,45 @@ def load_resolution(plan_path: Path | None) -> Resolution | None:
     except ValidationError as exc:
         raise PlanError(f"{path}: {describe(exc.errors(include_url=False)[0])}") from None
     return Resolution(path.name, hashlib.sha256(data).hexdigest(), model, data)
+
+
+def _missing(file: str, what: str) -> PlanError:
+    return PlanError(
+        f"{file}: {what}: the spec format has no field for it, so the resolution file beside the plan must state it"
+    )
+
+
+def quoted_values(spec: ExperimentSpec, resolution: Resolution | None, file: str) -> tuple[dict[str, Stated], str]:
+    """(each value the resolution file `file` states, the baseline arm it names), or PlanError (one
+    line naming the field and the sentence) when the file or a required entry is missing, a
+    sentence is not verbatim in the spec field it quotes, or the sentence does not contain the
+    number, or the baseline is not an arm of the spec."""
+    if resolution is None:
+        required = [k for k, v in KEYS.items() if v.required]
+        raise PlanError(
+            f"{file}: no such file beside the plan; the spec format has no field for {', '.join(required)} "
+            "or the baseline arm, so this file states them, each value with the spec sentence it quotes"
+        )
+    texts = {"method": spec.method, "activation_gate.reason": spec.activation_gate.reason}
+    out: dict[str, Stated] = {}
+    for key, k in KEYS.items():
+        quote = resolution.model.values.get(key)
+        if quote is None:
+            if k.required:
+                raise _missing(file, f"values.{key} ({k.what})")
+            continue
+        at = f"{file}: values.{key}"
+        if k.is_int and not quote.value.is_integer():
+            raise PlanError(f"{at}: value {quote.value!r} is not a whole number")
+        if quote.sentence not in texts[k.quotes]:
+            raise PlanError(f"{at}: the sentence {quote.sentence!r} is not verbatim in the spec's {k.quotes}")
+        if not any(float(n) == quote.value for n in _NUMBER.findall(quote.sentence)):
+            raise PlanError(f"{at}: the sentence {quote.sentence!r} does not contain the number {quote.value:g}")
+        out[key] = Stated(int(quote.value) if k.is_int else quote.value, file, quote.sentence)
+    base = resolution.model.baseline_arm
+    if base is None:
+        raise _missing(file, "baseline_arm (the arm the decision compares against)")
+    names = [a.name for a in spec.arms]
+    if base not in names:
+        raise PlanError(f"{file}: baseline_arm: {base!r} is not an arm of the spec (arms: {names})")
+    return out, base

@@ -1,40 +1,40 @@
 """The typed run configuration of an experiment spec, built once at plan load.
 
-`build_run_config(spec)` turns a validated `ExperimentSpec` into the `RunConfig` every stage
-reads: arms with their roles, losses and optimizer settings; the sampling schedule, whose values
-the spec states only in its `method` prose (each one carrying its sentence, `prose.Stated`); the
-sizes; the gate checks; the decision criteria resolved to arms. It refuses, with one line naming
-the field, a spec that the harness cannot run as written:
+`build_run_config(spec, values, baseline)` turns a validated `ExperimentSpec` into the `RunConfig`
+every stage reads: arms with their roles, losses and optimizer settings; the sampling schedule,
+which the spec states only in its `method` prose and the resolution file states beside it, each
+value with the sentence it quotes (`resolution.Stated`); the sizes; the gate checks; the decision
+criteria resolved to arms. It refuses, with one line naming the field, a spec that the harness
+cannot run as written:
 
-- prose and structured fields disagree (batch_size != groups_per_batch x group_size, steps !=
-  rollout steps x updates_per_batch, LoRA rank, lr, seed or test items stated differently);
+- batch_size != groups_per_batch x group_size, steps not a multiple of updates_per_batch, a
+  batch that cannot form one complete-group minibatch per update, max_tokens that leaves no room
+  for a prompt in max_seq_len;
 - an arm names an unregistered loss (`loss_registry.LOSSES`), the dataset is not registered
-  (`dataset.DATASETS`), a gate check's metric is provided by no registered loss;
-- roles cannot be told: the baseline comes from the spec's `baseline` text (an arm name, else a
-  registered loss's label such as "GRPO"), every other arm is a treatment; each criterion's
-  +1/-1 weights name arms or the roles `treatment`/`baseline` (a role must name one arm). The
-  arms and criteria are resolved by `arm_roles`.
+  (`dataset.DATASETS`), a gate check's metric is provided by no registered loss, a correctness
+  path is not one the harness implements;
+- roles cannot be told: the baseline is the arm the resolution file names, every other arm is a
+  treatment; each criterion's +1/-1 weights name arms or the roles `treatment`/`baseline` (a role
+  must name one arm). The arms and criteria are resolved by `arm_roles`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-
-from pydantic import JsonValue
+from dataclasses import dataclass
 
 from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
+from dppo_harness.loss.correctness_paths import IMPLEMENTED_PATHS, implemented_list
 from dppo_harness.plans.arm_roles import ArmConfig, CriterionConfig, resolve_arms, resolve_criteria
-from dppo_harness.plans.loss_params import check_loss_statements
 from dppo_harness.plans.model_base import PlanError
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck
-from dppo_harness.plans.prose import REQUIRED, Settlements, Stated, parse_method, require, stated_values
+from dppo_harness.plans.resolution import Stated
 
 # The spec declares no loss normalization; both arms use the diagnostic plan's token mean.
 NORMALIZATION: losses.Normalization = "token_mean"
-# The gate's pilot length when its reason text states none (the saved spec says "A 5-step pilot").
+# The gate's pilot length when the resolution file states none (the saved spec says "A 5-step pilot").
 DEFAULT_PILOT_STEPS = 5
 
 
@@ -46,7 +46,7 @@ class RunConfig:
     train_items: int  # dataset.n_examples: train prompts the run may use
     max_seq_len: int  # prompt + sampled tokens, at most
     arms: tuple[ArmConfig, ...]  # the baseline first, then the treatments in spec order
-    baseline_source: str  # how the baseline arm was told from the spec's text
+    baseline_source: str  # where the baseline arm was named
     rollout_steps: int  # rollout batches per arm
     optimizer_steps: int  # spec.steps
     updates_per_batch: int
@@ -64,7 +64,6 @@ class RunConfig:
     gate_checks: tuple[GateCheck, ...]
     budget: Budget
     normalization: losses.Normalization = NORMALIZATION
-    prose: Mapping[str, Stated] = field(default_factory=dict)  # every statement parsed from `method`
 
     def arm(self, name: str) -> ArmConfig:
         for a in self.arms:
@@ -95,7 +94,8 @@ class RunConfig:
         }
 
     def as_json(self) -> JsonObject:
-        """The effective config's view: plain values, and each prose value with its sentence."""
+        """The effective config's view: plain values, and each value the spec states only in prose
+        with the sentence it quotes."""
         return {
             "base_model": self.base_model,
             "lora_rank": self.lora_rank,
@@ -140,19 +140,7 @@ class RunConfig:
             },
             "gate_checks": [c.model_dump(exclude_none=True) for c in self.gate_checks],
             "stated_in_prose": {k: v.as_json() for k, v in self.schedule_values().items()},
-            **(
-                {"declared_interpretations": self.declared_interpretations()} if self.declared_interpretations() else {}
-            ),
         }
-
-    def declared_interpretations(self) -> list[JsonValue]:
-        """The values a resolution file settled ({key, value, sentence, why, file})."""
-        values = {**self.prose, "gate_pilot_steps": self.gate_pilot_steps}
-        return [
-            {"key": k, "value": v.value, "sentence": v.source, "why": v.why, "file": v.field}
-            for k, v in values.items()
-            if v.why
-        ]
 
 
 def _fail(at: str, msg: str) -> PlanError:
@@ -163,27 +151,28 @@ def _quote(s: Stated) -> str:
     return f"{s.field}: {s.source!r}"
 
 
-def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = None) -> RunConfig:
-    """The RunConfig of a validated spec, or PlanError (one line, field path first). `settlements`
-    (the spec's resolution file) settles what the prose leaves open."""
-    settlements = settlements or Settlements()
-    arm_names = [a.name for a in spec.arms]
-    stated = parse_method(spec.method, arm_names=arm_names, settlements=settlements)
-    sched = {k: require(stated, k, file=settlements.file) for k in REQUIRED}
-    groups_per_batch = int(sched["groups_per_batch"].value)
-    upb, seed = _check_arms(spec)
-    rollout_steps = _rollout_steps(spec, stated, upb)
-    minibatches = _minibatch_split(spec, stated, sched, upb)
-    _check_stated_settings(spec, stated, seed)
-    _check_room_for_prompt(spec, sched["max_tokens"])
-    data = _check_dataset(spec, rollout_steps, groups_per_batch)
-    arms, baseline_source = resolve_arms(spec)
+def build_run_config(
+    spec: ExperimentSpec, values: Mapping[str, Stated], baseline: str, baseline_source: str
+) -> RunConfig:
+    """The RunConfig of a validated spec, or PlanError (one line, field path first). `values` are
+    the schedule values the resolution file states (`resolution.quoted_values`), `baseline` the arm
+    it names."""
+    upb = _check_arms(spec)
+    gpb = int(values["groups_per_batch"].value)
+    if spec.steps % upb:
+        raise _fail("steps", f"{spec.steps} optimizer steps is not a multiple of updates_per_batch {upb}")
+    rollout_steps = spec.steps // upb
+    minibatches = _minibatch_split(spec, values, upb)
+    _check_room_for_prompt(spec, values["max_tokens"])
+    data = _check_dataset(spec, rollout_steps, gpb)
+    arms = resolve_arms(spec, baseline)
     criteria = resolve_criteria(spec, arms)
     _check_gate_metrics(spec)
     _check_gate_plan(spec, upb)
-    _check_updates_stated_elsewhere(spec, upb)
-    check_loss_statements(spec)
-    pilot = _gate_pilot_steps(spec, arm_names, settlements)
+    check_correctness_paths(spec)
+    pilot = values.get("gate_pilot_steps") or Stated(
+        DEFAULT_PILOT_STEPS, "harness default", "the resolution file states no gate_pilot_steps", default=True
+    )
     return RunConfig(
         base_model=spec.base_model,
         lora_rank=spec.lora_rank,
@@ -196,10 +185,10 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
         optimizer_steps=spec.steps,
         updates_per_batch=upb,
         batch_size=spec.batch_size,
-        groups_per_batch=sched["groups_per_batch"],
-        group_size=sched["group_size"],
-        temperature=sched["temperature"],
-        max_tokens=sched["max_tokens"],
+        groups_per_batch=values["groups_per_batch"],
+        group_size=values["group_size"],
+        temperature=values["temperature"],
+        max_tokens=values["max_tokens"],
         minibatches_per_batch=minibatches,
         eval_items=spec.eval.n_examples,
         gate_pilot_steps=pilot,
@@ -208,46 +197,22 @@ def build_run_config(spec: ExperimentSpec, settlements: Settlements | None = Non
         criteria=criteria,
         gate_checks=tuple(spec.activation_gate.checks),
         budget=spec.budget,
-        prose=stated,
     )
 
 
-def _rollout_steps(spec: ExperimentSpec, stated: Mapping[str, Stated], upb: int) -> int:
-    """Rollout batches per arm: spec.steps optimizer steps over `upb` updates per batch, and each
-    count the method states (updates per batch, rollout steps, optimizer steps) agrees."""
-    if "updates_per_batch" in stated and stated["updates_per_batch"].value != upb:
-        s = stated["updates_per_batch"]
-        raise _fail(
-            "arms",
-            f"updates_per_batch {upb} != the {s.value} optimizer steps per batch the method states ({_quote(s)})",
-        )
-    if spec.steps % upb:
-        raise _fail("steps", f"{spec.steps} optimizer steps is not a multiple of updates_per_batch {upb}")
-    rollout_steps = spec.steps // upb
-    if "rollout_steps" in stated and stated["rollout_steps"].value != rollout_steps:
-        s = stated["rollout_steps"]
-        raise _fail("steps", f"{spec.steps} != {s.value} rollout steps x updates_per_batch {upb} ({_quote(s)})")
-    if "optim_steps" in stated and stated["optim_steps"].value != spec.steps:
-        s = stated["optim_steps"]
-        raise _fail("steps", f"{spec.steps} != the {s.value} optimizer steps the method states ({_quote(s)})")
-    return rollout_steps
-
-
-def _minibatch_split(
-    spec: ExperimentSpec, stated: Mapping[str, Stated], sched: Mapping[str, Stated], upb: int
-) -> Stated:
+def _minibatch_split(spec: ExperimentSpec, values: Mapping[str, Stated], upb: int) -> Stated:
     """The rollout batch's split into minibatches: batch_size is groups_per_batch x group_size, and
     the batch splits into `upb` complete-group minibatches, one per update."""
-    gpb, gs = int(sched["groups_per_batch"].value), int(sched["group_size"].value)
+    gpb, gs = int(values["groups_per_batch"].value), int(values["group_size"].value)
     if gpb * gs != spec.batch_size:
         raise _fail(
             "batch_size",
-            f"{spec.batch_size} != groups_per_batch {gpb} x group_size {gs} ({_quote(sched['groups_per_batch'])})",
+            f"{spec.batch_size} != groups_per_batch {gpb} x group_size {gs} ({_quote(values['groups_per_batch'])})",
         )
-    minibatches = stated.get("minibatches") or Stated(
+    minibatches = values.get("minibatches_per_batch") or Stated(
         upb,
         "arms[*].updates_per_batch",
-        "one complete-group minibatch per update (the method states no split)",
+        "one complete-group minibatch per update (the resolution file states no split)",
         default=True,
     )
     if minibatches.value != upb:
@@ -257,21 +222,8 @@ def _minibatch_split(
             f"split into ({_quote(minibatches)})",
         )
     if gpb % upb:
-        raise _fail("method", f"groups_per_batch {gpb} cannot form {upb} complete-group minibatches")
+        raise _fail("batch_size", f"groups_per_batch {gpb} cannot form {upb} complete-group minibatches")
     return minibatches
-
-
-def _check_stated_settings(spec: ExperimentSpec, stated: Mapping[str, Stated], seed: int) -> None:
-    """The LoRA rank, lr, seed and test items the method states are the structured fields' values."""
-    for key, structured, at in (
-        ("lora_rank", spec.lora_rank, "lora_rank"),
-        ("lr", spec.optimizer.lr, "optimizer.lr"),
-        ("seed", seed, "arms[*].seed"),
-        ("eval_items", spec.eval.n_examples, "eval.n_examples"),
-    ):
-        said = stated.get(key)
-        if said is not None and said.value != structured:
-            raise _fail(at, f"{structured} but the method states {said.value} ({_quote(said)})")
 
 
 def _check_room_for_prompt(spec: ExperimentSpec, max_tokens: Stated) -> None:
@@ -284,39 +236,34 @@ def _check_room_for_prompt(spec: ExperimentSpec, max_tokens: Stated) -> None:
         )
 
 
-def _gate_pilot_steps(spec: ExperimentSpec, arm_names: list[str], settlements: Settlements) -> Stated:
-    """The activation gate's pilot length as its reason text states it ("N-step pilot"), else the
-    harness default."""
-    return parse_method(
-        spec.activation_gate.reason,
-        "activation_gate.reason",
-        keys=("pilot_steps",),
-        arm_names=arm_names,
-        settlements=settlements,
-    ).get("pilot_steps") or Stated(
-        DEFAULT_PILOT_STEPS, "harness default", "the activation gate's reason states no 'N-step pilot'", default=True
-    )
+def check_correctness_paths(spec: ExperimentSpec) -> tuple[str, ...]:
+    """The spec's correctness path ids, each one the harness implements with the kind the spec
+    gives it, each named once, at least one when the preflight is required; else PlanError."""
+    block = spec.correctness_preflight
+    if block.required and not block.paths:
+        raise PlanError(
+            f"correctness_preflight.paths: the spec requires a correctness preflight but names no path "
+            f"(implemented: {implemented_list()})"
+        )
+    seen: set[str] = set()
+    for i, path in enumerate(block.paths):
+        at = f"correctness_preflight.paths[{i}]"
+        known = IMPLEMENTED_PATHS.get(path.id)
+        if known is None:
+            raise PlanError(
+                f"{at}.id: {path.id!r} is not a correctness path this harness implements "
+                f"(implemented: {implemented_list()})"
+            )
+        if path.kind != known.kind:
+            raise PlanError(f"{at}.kind: {path.kind!r}, but the harness's path {path.id!r} is of kind {known.kind!r}")
+        if path.id in seen:
+            raise PlanError(f"{at}.id: {path.id!r} is named twice")
+        seen.add(path.id)
+    return tuple(p.id for p in block.paths)
 
 
-def _check_updates_stated_elsewhere(spec: ExperimentSpec, upb: int) -> None:
-    """The hypothesis, the baseline text and the gate's reason state the updates per batch too
-    ("with 2 updates per batch"); each statement must be what the arms run."""
-    for at, text in (
-        ("hypothesis", spec.hypothesis),
-        ("baseline", spec.baseline),
-        ("activation_gate.reason", spec.activation_gate.reason),
-    ):
-        for value, sentence in stated_values(text, "updates_per_batch", at):
-            if value != upb:
-                raise _fail(
-                    at,
-                    f"states {value} optimizer steps per rollout batch ({sentence!r}), but the arms run "
-                    f"updates_per_batch {upb}",
-                )
-
-
-def _check_arms(spec: ExperimentSpec) -> tuple[int, int]:
-    """(updates_per_batch, seed) the arms share; unique names and registered losses."""
+def _check_arms(spec: ExperimentSpec) -> int:
+    """The updates_per_batch the arms share (their seed too); unique names and registered losses."""
     names = [a.name for a in spec.arms]
     if len(set(names)) != len(names):
         raise _fail("arms", f"arm names must be unique, got {names}")
@@ -333,7 +280,7 @@ def _check_arms(spec: ExperimentSpec) -> tuple[int, int]:
                 f"{key} differs between arms ({values}): paired arms share prompts, sampling seeds "
                 "and the minibatch schedule",
             )
-    return spec.arms[0].updates_per_batch, spec.arms[0].seed
+    return spec.arms[0].updates_per_batch
 
 
 def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: int) -> dataset.DatasetEntry:

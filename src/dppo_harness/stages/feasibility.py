@@ -98,8 +98,8 @@ class FeasibilityResult:
         if self.embedded_server:
             # The stages run a plan as written; a smaller run is a declared rehearsal plan.
             msg += (
-                "\n  the embedded server runs a plan at its own size; rehearse it at a declared size: "
-                "python -m dppo_harness.plans rehearse SPEC --out PLAN, then --plan PLAN"
+                "\n  the embedded server runs a plan at its own size; rehearse it at a declared size: a "
+                "rehearsal plan (kind rehearsal, docs/plans.md) with its resolution file, then --plan PLAN"
             )
         return msg
 
