@@ -19,7 +19,6 @@ spindle profile).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -29,21 +28,10 @@ import threading
 import time
 from pathlib import Path
 
-from dppo_harness.local_server.cli import (
-    build_parser,
-    check_profile_options,
-    fault_config,
-    loopback_host,
-    spindle_settings,
-)
-from dppo_harness.local_server.faults import FaultSpecError
+from dppo_harness.local_server.cli import build_parser, checked
 from dppo_harness.local_server.profiles import MissingCredential, make_profile
 
 USAGE_EXIT_CODE = 2
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser(__doc__).parse_args(argv)
 
 
 PARENT_GONE_EXIT = 75
@@ -69,23 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     # every barrier, which on a machine shared with the harness or other jobs burns the CPU time the
     # other thread is waiting for (docs/benchmarks.md: several times the CPU per update under load).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = parse_args(argv)
+    args = build_parser(__doc__).parse_args(argv)
     if args.exit_with_parent is not None:
         exit_with_parent(args.exit_with_parent)
-    args.host = loopback_host(args.host)
-    if args.threads < 1:
-        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-    try:
-        faults = fault_config(args)
-    except FaultSpecError as exc:
-        raise SystemExit(str(exc)) from None
-    refusal = check_profile_options(args, faults)
-    if refusal is not None:
-        raise SystemExit(refusal)
-    try:
-        settings = spindle_settings(args)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    args.host, faults, settings = checked(args)
     try:
         profile = make_profile(args.profile, os.environ, settings)
     except MissingCredential as exc:

@@ -1,5 +1,5 @@
-"""The embedded server's command line: its argument parser, built one option group at a time, and
-the checks of its values that need no heavy import.
+"""The embedded server's command line: its argument parser and the checks of its values that need
+no heavy import.
 
 Nothing here imports torch, aiohttp or the engine: the CLI refuses a bad argument in a blink, and
 torch loads only after `__main__.main` set its OpenMP settings.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+from collections.abc import Callable
 
 from dppo_harness.local_server.faults import (
     DEFAULT_VALUE_HEADERS,
@@ -32,24 +33,86 @@ from dppo_harness.local_server.profiles import (
 
 PROG = "python -m dppo_harness.local_server"
 
+# The repeatable `KIND:...` fault options: (FaultConfig field, option, METAVAR, parser, help).
+# `--fault-model-lost` is Spindle's (refused on the default profile).
+_REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...] = (
+    (
+        "reject_first",
+        "--fault-reject-first",
+        "KIND:STATUS:N",
+        parse_reject_first,
+        "answer the first N requests of KIND ('*' = any) with HTTP STATUS; under --profile spindle in "
+        "Spindle's shape (429: {error: saturated, message: 'engine refused work: operation buffer full'})",
+    ),
+    (
+        "reject_for",
+        "--fault-reject-for",
+        "KIND:STATUS:SECONDS",
+        parse_reject_for,
+        "answer every request of KIND with HTTP STATUS for SECONDS from the first one (asample:429:S "
+        "is a sample submit the SDK retries without limit)",
+    ),
+    (
+        "queue_pause",
+        "--fault-queue-pause",
+        "KIND:N:SECONDS[:STATE][:moving]",
+        parse_queue_pause,
+        "hold the N-th request of KIND for SECONDS ('forever': never) before it runs; its polls answer "
+        "408 try_again with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a "
+        "reason, or STATE active with no reason (the only form --profile spindle takes: Spindle never "
+        "sends a paused state); 'moving': the reason names a queue position that changes at every poll",
+    ),
+    (
+        "never_complete",
+        "--fault-never-complete",
+        "KIND:N",
+        parse_never_complete,
+        "accept the N-th request of KIND and never complete it (its polls say queue_state active)",
+    ),
+    (
+        "capacity_fail",
+        "--fault-capacity-fail",
+        "KIND:N1[,N2...]",
+        parse_capacity_fail,
+        "fail the N-th ordered training request of KIND (counted when it executes) with 'trainer "
+        "capacity exhausted' before it runs",
+    ),
+    (
+        "latency_ms",
+        "--fault-latency-ms",
+        "KIND:MS",
+        parse_latency,
+        "add MS milliseconds (non-blocking) before handling each request of KIND",
+    ),
+    (
+        "omit_fields",
+        "--fault-omit-field",
+        "KIND.FIELD[:N1,N2...]",
+        parse_omit_field,
+        "leave an optional response field out (every response of KIND, or the N-th ones), "
+        "e.g. load_weights.path or get_info.model_data.model_name",
+    ),
+    (
+        "model_lost",
+        "--fault-model-lost",
+        "KIND:N",
+        parse_model_lost,
+        "spindle only: at the N-th request of KIND this server receives, the trainer of the model it "
+        "was sent to is gone: every submit on that model answers 410 model_lost and its pending futures "
+        "fail with 'engine terminated before producing a result'",
+    ),
+)
+# Spindle's capacity and sweep options (control_plane/service.py); None by default so that a use
+# on the default profile is told apart.
+SPINDLE_ONLY_OPTIONS = (
+    ("cold_start_s", "--cold-start-s"),
+    ("trainer_slots", "--trainer-slots"),
+    ("sweep_interval_s", "--sweep-interval-s"),
+)
+
 
 def build_parser(description: str | None) -> argparse.ArgumentParser:
-    """The server's parser: the general options, then Spindle's and the faults' groups (in this
-    order in `--help`)."""
     p = argparse.ArgumentParser(prog=PROG, description=description)
-    _add_server_options(p)
-    _add_spindle_options(p.add_argument_group("Spindle's capacity and sweep (--profile spindle only)"))
-    faults = p.add_argument_group("fault injection (counted; see GET /_harness/stats)")
-    _add_rejection_faults(faults)
-    _add_held_request_faults(faults)
-    _add_capacity_faults(faults)
-    _add_timing_faults(faults)
-    _add_response_faults(faults)
-    return p
-
-
-def _add_server_options(p: argparse.ArgumentParser) -> None:
-    """Where it listens, what it serves and how many threads the engine runs."""
     p.add_argument("--host", default="127.0.0.1", help="loopback address only (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
     p.add_argument(
@@ -57,8 +120,7 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
         choices=PROFILES,
         default="default",
         help="spindle: behave like Spindle, Modal's Tinker-compatible service, as its source shows it "
-        "(X-API-Key checked by Spindle, Modal-Key/Modal-Secret by the research exchange's front door; "
-        "the plan's base model by name; Spindle's routes, errors and futures; docs/local-server.md)",
+        "(docs/local-server.md)",
     )
     p.add_argument("--model", default=None, help="tiny preset to serve (default: the engine's default)")
     p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
@@ -67,67 +129,75 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="PID",
-        help="exit as soon as this process is no longer the server's parent (the harness that "
-        "started it died, even by SIGKILL): no orphan server",
+        help="exit as soon as this process is no longer the server's parent: no orphan server",
     )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the engine (default 2)")
-
-
-def _add_spindle_options(g: argparse._ArgumentGroup) -> None:
-    """A trainer that starts cold, its LoRA slots, and the idle-session sweep (Spindle's
-    control_plane/service.py); refused without --profile spindle. Defaults are None here so that
-    an explicit use on the default profile is told apart."""
+    g = p.add_argument_group("Spindle's capacity and sweep (--profile spindle only)")
     g.add_argument(
         "--cold-start-s",
         type=float,
         default=None,
         metavar="N",
-        help="the first model creation (create_model, or load_weights creating from a checkpoint) stays "
-        "pending N seconds before it runs, like a trainer starting cold; its polls say queue_state "
-        "active, no reason (default 0)",
+        help="the first model creation stays pending N seconds, like a trainer starting cold (default 0)",
     )
     g.add_argument(
         "--trainer-slots",
         type=int,
         default=None,
         metavar="K",
-        help=f"LoRA slots of the one trainer (Spindle's max_lora_slots, default {DEFAULT_TRAINER_SLOTS}): a "
-        "creation stays pending (active, no reason) while K models hold slots; unload_model or the idle "
-        "sweep frees one at once; 0: every creation stays pending forever",
+        help=f"LoRA slots of the one trainer (default {DEFAULT_TRAINER_SLOTS}): a creation stays pending while "
+        "K models hold slots; unload_model or the idle sweep frees one; 0: every creation waits forever",
     )
     g.add_argument(
         "--sweep-interval-s",
         type=float,
         default=None,
         metavar="S",
-        help=f"how often the idle sweep runs: a session with no heartbeat (or other request) for "
-        f"{DEFAULT_SESSION_IDLE_TIMEOUT_S:g} s is reclaimed with its models, their slots freed "
-        f"(default {DEFAULT_SWEEP_INTERVAL_S:g})",
-    )
-    g.add_argument(
-        "--fault-model-lost",
-        action="append",
-        default=[],
-        metavar="KIND:N",
-        help="at the N-th request of KIND this server receives (forward_backward, forward, optim_step, "
-        "save_weights, load_weights, save_weights_for_sampler, '*'), the trainer of the model it was sent "
-        "to is gone: every submit on that model "
-        "answers 410 model_lost and its pending futures fail with 'engine terminated before producing a result'",
+        help=f"how often the idle sweep runs: a session not seen for {DEFAULT_SESSION_IDLE_TIMEOUT_S:g} s is "
+        f"reclaimed with its models (default {DEFAULT_SWEEP_INTERVAL_S:g})",
     )
     g.add_argument(
         "--fault-trainer-full-refuse",
         action="store_true",
-        default=False,
-        help="a creation that would wait for a free slot fails instead with 'engine refused work: trainer "
-        "capacity exhausted' (category server), as Spindle does with autoscaling at its maximum",
+        help="a creation that would wait for a free slot fails with 'engine refused work: trainer "
+        "capacity exhausted' (category server), as Spindle at its autoscaling maximum",
     )
+    g = p.add_argument_group("fault injection (counted; see GET /_harness/stats)")
+    for _, option, metavar, _, text in _REPEATED_FAULTS:
+        g.add_argument(option, action="append", default=[], metavar=metavar, help=text)
+    g.add_argument(
+        "--fault-capacity-exhausted",
+        type=int,
+        default=0,
+        metavar="N",
+        help="fail the first N create_model futures with 'trainer capacity exhausted' (category server)",
+    )
+    g.add_argument("--fault-die-after", type=int, default=None, metavar="K", help="exit (code 75) at API request K+1")
+    g.add_argument(
+        "--fault-retry-after-ms", type=int, default=None, metavar="MS", help="Retry-After-Ms on injected 429/503"
+    )
+    g.add_argument(
+        "--record-header-values",
+        default=",".join(DEFAULT_VALUE_HEADERS),
+        metavar="NAMES",
+        help="comma-separated header names whose values are recorded (never secrets)",
+    )
+    return p
 
 
-SPINDLE_ONLY_OPTIONS = (
-    ("cold_start_s", "--cold-start-s"),
-    ("trainer_slots", "--trainer-slots"),
-    ("sweep_interval_s", "--sweep-interval-s"),
-)
+def fault_config(args: argparse.Namespace) -> FaultConfig:
+    repeated = {
+        name: tuple(parse(spec) for spec in getattr(args, option[2:].replace("-", "_")))
+        for name, option, _, parse, _ in _REPEATED_FAULTS
+    }
+    return FaultConfig(
+        **repeated,  # type: ignore[arg-type]
+        capacity_exhausted=args.fault_capacity_exhausted,
+        die_after=args.fault_die_after,
+        retry_after_ms=args.fault_retry_after_ms,
+        trainer_full_refuse=args.fault_trainer_full_refuse,
+        record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
+    )
 
 
 def spindle_settings(args: argparse.Namespace) -> SpindleSettings:
@@ -159,128 +229,19 @@ def check_profile_options(args: argparse.Namespace, faults: FaultConfig) -> str 
     return None
 
 
-def _add_rejection_faults(f: argparse._ArgumentGroup) -> None:
-    """HTTP rejections (429/503 and the other statuses a service answers)."""
-    f.add_argument(
-        "--fault-reject-first",
-        action="append",
-        default=[],
-        metavar="KIND:STATUS:N",
-        help="answer the first N requests of KIND ('*' = any) with HTTP STATUS (429|503); under --profile "
-        "spindle in Spindle's shape (429: {error: saturated, message: 'engine refused work: operation buffer full'})",
-    )
-    f.add_argument(
-        "--fault-reject-for",
-        action="append",
-        default=[],
-        metavar="KIND:STATUS:SECONDS",
-        help="answer every request of KIND with HTTP STATUS for SECONDS from the first one (asample:429:S "
-        "is a sample submit the SDK retries without limit)",
-    )
-
-
-def _add_held_request_faults(f: argparse._ArgumentGroup) -> None:
-    """Accepted requests whose futures stay pending: a paused queue and a request that never
-    completes."""
-    f.add_argument(
-        "--fault-queue-pause",
-        action="append",
-        default=[],
-        metavar="KIND:N:SECONDS[:STATE][:moving]",
-        help="hold the N-th request of KIND (create_model, forward_backward, optim_step, save_weights, "
-        "asample, ...) for SECONDS ('forever': never) before it runs; its polls answer 408 try_again "
-        "with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a reason, or STATE "
-        "active with no reason (the only form --profile spindle takes: Spindle never sends a paused "
-        "state); 'moving': the reason names a queue position that changes at every poll",
-    )
-    f.add_argument(
-        "--fault-never-complete",
-        action="append",
-        default=[],
-        metavar="KIND:N",
-        help="accept the N-th request of KIND and never complete it (its polls say queue_state active)",
-    )
-
-
-def _add_capacity_faults(f: argparse._ArgumentGroup) -> None:
-    """'trainer capacity exhausted' at model creation or on ordered training requests."""
-    f.add_argument(
-        "--fault-capacity-exhausted",
-        type=int,
-        default=0,
-        metavar="N",
-        help="fail the first N create_model futures with 'trainer capacity exhausted' (the SDK raises "
-        "RequestFailedError, category server)",
-    )
-    f.add_argument(
-        "--fault-capacity-fail",
-        action="append",
-        default=[],
-        metavar="KIND:N1[,N2...]",
-        help="fail the N-th ordered training request of KIND (forward_backward, optim_step, ...; "
-        "counted when it executes) with 'trainer capacity exhausted' before it runs",
-    )
-
-
-def _add_timing_faults(f: argparse._ArgumentGroup) -> None:
-    """Added latency, the server's death after K requests, and the retry delay it asks for."""
-    f.add_argument(
-        "--fault-latency-ms",
-        action="append",
-        default=[],
-        metavar="KIND:MS",
-        help="add MS milliseconds (non-blocking) before handling each request of KIND",
-    )
-    f.add_argument(
-        "--fault-die-after",
-        type=int,
-        default=None,
-        metavar="K",
-        help="exit (code 75) when API request K+1 arrives (healthz not counted)",
-    )
-    f.add_argument(
-        "--fault-retry-after-ms",
-        type=int,
-        default=None,
-        metavar="MS",
-        help="send Retry-After-Ms with injected 429/503 (the SDK honours it)",
-    )
-
-
-def _add_response_faults(f: argparse._ArgumentGroup) -> None:
-    """Optional response fields left out, and which request headers are recorded."""
-    f.add_argument(
-        "--fault-omit-field",
-        action="append",
-        default=[],
-        metavar="KIND.FIELD[:N1,N2...]",
-        help="leave an optional response field out (every response of KIND, or the N-th ones), "
-        "e.g. load_weights.path or get_info.model_data.model_name",
-    )
-    f.add_argument(
-        "--record-header-values",
-        default=",".join(DEFAULT_VALUE_HEADERS),
-        metavar="NAMES",
-        help="comma-separated header names whose values are recorded (never secrets)",
-    )
-
-
-def fault_config(args: argparse.Namespace) -> FaultConfig:
-    return FaultConfig(
-        reject_first=tuple(parse_reject_first(s) for s in args.fault_reject_first),
-        capacity_exhausted=args.fault_capacity_exhausted,
-        capacity_fail=tuple(parse_capacity_fail(s) for s in args.fault_capacity_fail),
-        latency_ms=tuple(parse_latency(s) for s in args.fault_latency_ms),
-        queue_pause=tuple(parse_queue_pause(s) for s in args.fault_queue_pause),
-        never_complete=tuple(parse_never_complete(s) for s in args.fault_never_complete),
-        reject_for=tuple(parse_reject_for(s) for s in args.fault_reject_for),
-        die_after=args.fault_die_after,
-        retry_after_ms=args.fault_retry_after_ms,
-        omit_fields=tuple(parse_omit_field(s) for s in args.fault_omit_field),
-        model_lost=tuple(parse_model_lost(s) for s in args.fault_model_lost),
-        trainer_full_refuse=args.fault_trainer_full_refuse,
-        record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
-    )
+def checked(args: argparse.Namespace) -> tuple[str, FaultConfig, SpindleSettings]:
+    """The numeric loopback host, the faults and the spindle settings the arguments ask for;
+    SystemExit with one line at the first bad one."""
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    try:
+        faults = fault_config(args)
+        refusal = check_profile_options(args, faults)
+        if refusal is not None:
+            raise SystemExit(refusal)
+        return loopback_host(args.host), faults, spindle_settings(args)
+    except ValueError as exc:  # FaultSpecError included
+        raise SystemExit(str(exc)) from None
 
 
 def loopback_host(host: str) -> str:

@@ -22,10 +22,9 @@ CAPACITY_EXHAUSTED_TEXT = "trainer capacity exhausted"
 # 401: a credential the service stops accepting mid-run; 402: payment or credits (the SDK pauses up to an hour)
 REJECT_STATUSES = (401, 402, 429, 500, 502, 503)
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]  # the SDK's TryAgainResponse.queue_state
-PAUSE_STATES: tuple[QueueState, ...] = ("paused_capacity", "paused_rate_limit")
 # STATE values `--fault-queue-pause` takes: the paused ones (with a reason), or `active` (a hold
 # whose polls look like any pending request: queue_state active, no reason; what Spindle sends).
-HOLD_STATES: tuple[QueueState, ...] = (*PAUSE_STATES, "active")
+HOLD_STATES: tuple[QueueState, ...] = ("paused_capacity", "paused_rate_limit", "active")
 FOREVER = ("forever", "inf")
 ANY_KIND = "*"
 # Values of these headers are never recorded, whatever the whitelist says.
@@ -191,22 +190,6 @@ class FaultConfig:
         if self.die_after is not None and self.die_after < 0:
             raise FaultSpecError("--fault-die-after must be >= 0")
 
-    @property
-    def active(self) -> bool:
-        return bool(
-            self.reject_first
-            or self.capacity_exhausted
-            or self.capacity_fail
-            or self.latency_ms
-            or self.die_after is not None
-            or self.queue_pause
-            or self.never_complete
-            or self.reject_for
-            or self.omit_fields
-            or self.model_lost
-            or self.trainer_full_refuse
-        )
-
 
 def _split(spec: str, option: str, parts: int) -> list[str]:
     fields = spec.split(":")
@@ -215,26 +198,26 @@ def _split(spec: str, option: str, parts: int) -> list[str]:
     return fields
 
 
-def _status(value: str, option: str) -> int:
+def _int(value: str, option: str, what: str = "N") -> int:
     try:
-        status = int(value)
+        return int(value)
     except ValueError:
-        raise FaultSpecError(f"{option}: status must be an integer, got {value!r}") from None
+        raise FaultSpecError(f"{option}: {what} must be an integer, got {value!r}") from None
+
+
+def _status(value: str, option: str) -> int:
+    status = _int(value, option, "status")
     if status not in REJECT_STATUSES:
         raise FaultSpecError(f"{option}: status must be one of {REJECT_STATUSES}, got {status}")
     return status
 
 
-def parse_reject_first(spec: str) -> RejectFirst:
-    """`KIND:STATUS:N`, e.g. `forward_backward:429:2`."""
-    kind, status, count = _split(spec, "--fault-reject-first", 3)
-    try:
-        n = int(count)
-    except ValueError:
-        raise FaultSpecError(f"--fault-reject-first: N must be an integer, got {count!r}") from None
-    if n < 0:
-        raise FaultSpecError(f"--fault-reject-first: N must be >= 0, got {n}")
-    return RejectFirst(kind, _status(status, "--fault-reject-first"), n)
+def _number(value: str, option: str) -> int:
+    """The N of `KIND:N`: the N-th request of its kind, counted from 1."""
+    n = _int(value, option)
+    if n < 1:
+        raise FaultSpecError(f"{option}: N counts requests from 1, got {n}")
+    return n
 
 
 def _numbers(numbers: str, option: str, what: str) -> frozenset[int]:
@@ -248,10 +231,84 @@ def _numbers(numbers: str, option: str, what: str) -> frozenset[int]:
     return ns
 
 
+def _seconds(value: str, option: str, *, forever: bool = False) -> float:
+    """A finite SECONDS >= 0 (`forever`: the option also takes forever, for the message)."""
+    try:
+        secs = float(value)
+    except ValueError:
+        raise FaultSpecError(
+            f"{option}: SECONDS must be a number{' or forever' if forever else ''}, got {value!r}"
+        ) from None
+    if not secs >= 0 or secs == float("inf"):
+        raise FaultSpecError(f"{option}: SECONDS must be >= 0, got {value!r}")
+    return secs
+
+
+def parse_reject_first(spec: str) -> RejectFirst:
+    """`KIND:STATUS:N`, e.g. `forward_backward:429:2`."""
+    option = "--fault-reject-first"
+    kind, status, count = _split(spec, option, 3)
+    n = _int(count, option)
+    if n < 0:
+        raise FaultSpecError(f"{option}: N must be >= 0, got {n}")
+    return RejectFirst(kind, _status(status, option), n)
+
+
+def parse_reject_for(spec: str) -> RejectFor:
+    """`KIND:STATUS:SECONDS`, e.g. `asample:429:20`: every sample submit refused for 20 s."""
+    option = "--fault-reject-for"
+    kind, status, secs = _split(spec, option, 3)
+    return RejectFor(kind, _status(status, option), _seconds(secs, option))
+
+
 def parse_capacity_fail(spec: str) -> CapacityFail:
     """`KIND:N1[,N2...]`, e.g. `optim_step:6`: the 6th optim_step fails with capacity exhausted."""
     kind, numbers = _split(spec, "--fault-capacity-fail", 2)
     return CapacityFail(kind, _numbers(numbers, "--fault-capacity-fail", "request"))
+
+
+def parse_model_lost(spec: str) -> ModelLost:
+    """`KIND:N`, e.g. `forward_backward:6`: a model's 6th forward_backward finds its trainer gone."""
+    kind, n = _split(spec, "--fault-model-lost", 2)
+    return ModelLost(kind, _number(n, "--fault-model-lost"))
+
+
+def parse_never_complete(spec: str) -> NeverComplete:
+    """`KIND:N`, e.g. `save_weights:1`: the first save never completes."""
+    kind, n = _split(spec, "--fault-never-complete", 2)
+    return NeverComplete(kind, _number(n, "--fault-never-complete"))
+
+
+def parse_latency(spec: str) -> tuple[str, float]:
+    """`KIND:MS`, e.g. `asample:200`."""
+    kind, ms = _split(spec, "--fault-latency-ms", 2)
+    try:
+        value = float(ms)
+    except ValueError:
+        raise FaultSpecError(f"--fault-latency-ms: MS must be a number, got {ms!r}") from None
+    if value < 0:
+        raise FaultSpecError(f"--fault-latency-ms: MS must be >= 0, got {value}")
+    return kind, value
+
+
+def parse_queue_pause(spec: str) -> QueuePause:
+    """`KIND:N:SECONDS[:STATE][:moving]`, e.g. `optim_step:1:30`, `create_model:1:forever:paused_rate_limit`
+    or `forward_backward:1:forever:moving` (a queue position in the reason, new at every poll)."""
+    option = "--fault-queue-pause"
+    fields = spec.split(":")
+    moving = len(fields) > 3 and fields[-1] == "moving"
+    if moving:
+        fields = fields[:-1]
+    if len(fields) not in (3, 4) or not all(fields):
+        raise FaultSpecError(f"{option}: expected KIND:N:SECONDS[:STATE][:moving], got {spec!r}")
+    name = fields[3] if len(fields) == 4 else "paused_capacity"
+    state = next((s for s in HOLD_STATES if s == name), None)
+    if state is None:
+        raise FaultSpecError(f"{option}: STATE must be one of {HOLD_STATES}, got {name!r}")
+    if moving and state == "active":
+        raise FaultSpecError(f"{option}: 'moving' needs a paused STATE (an active hold has no reason), got {spec!r}")
+    seconds = None if fields[2].lower() in FOREVER else _seconds(fields[2], option, forever=True)
+    return QueuePause(fields[0], _number(fields[1], option), seconds, state, moving)
 
 
 def parse_omit_field(spec: str) -> OmitField:
@@ -286,85 +343,6 @@ def drop_path(obj: JsonValue, path: str) -> int:
         del obj[head]
         return 1
     return drop_path(obj[head], rest)
-
-
-def _number(value: str, option: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise FaultSpecError(f"{option}: N must be an integer, got {value!r}") from None
-    if n < 1:
-        raise FaultSpecError(f"{option}: N counts requests from 1, got {n}")
-    return n
-
-
-def _seconds_or_forever(value: str, option: str) -> float | None:
-    """SECONDS, or None for forever."""
-    if value.lower() in FOREVER:
-        return None
-    return _seconds(value, option, forever=True)
-
-
-def _seconds(value: str, option: str, *, forever: bool) -> float:
-    """A finite SECONDS >= 0 (`forever`: the option also takes forever, for the message)."""
-    try:
-        secs = float(value)
-    except ValueError:
-        raise FaultSpecError(
-            f"{option}: SECONDS must be a number{' or forever' if forever else ''}, got {value!r}"
-        ) from None
-    if not secs >= 0 or secs == float("inf"):
-        raise FaultSpecError(f"{option}: SECONDS must be >= 0, got {value!r}")
-    return secs
-
-
-def parse_queue_pause(spec: str) -> QueuePause:
-    """`KIND:N:SECONDS[:STATE][:moving]`, e.g. `optim_step:1:30`, `create_model:1:forever:paused_rate_limit`
-    or `forward_backward:1:forever:moving` (a queue position in the reason, new at every poll)."""
-    option = "--fault-queue-pause"
-    fields = spec.split(":")
-    moving = len(fields) > 3 and fields[-1] == "moving"
-    if moving:
-        fields = fields[:-1]
-    if len(fields) not in (3, 4) or not all(fields):
-        raise FaultSpecError(f"{option}: expected KIND:N:SECONDS[:STATE][:moving], got {spec!r}")
-    name = fields[3] if len(fields) == 4 else "paused_capacity"
-    state = next((s for s in HOLD_STATES if s == name), None)
-    if state is None:
-        raise FaultSpecError(f"{option}: STATE must be one of {HOLD_STATES}, got {name!r}")
-    if moving and state == "active":
-        raise FaultSpecError(f"{option}: 'moving' needs a paused STATE (an active hold has no reason), got {spec!r}")
-    return QueuePause(fields[0], _number(fields[1], option), _seconds_or_forever(fields[2], option), state, moving)
-
-
-def parse_model_lost(spec: str) -> ModelLost:
-    """`KIND:N`, e.g. `forward_backward:6`: a model's 6th forward_backward finds its trainer gone."""
-    kind, n = _split(spec, "--fault-model-lost", 2)
-    return ModelLost(kind, _number(n, "--fault-model-lost"))
-
-
-def parse_never_complete(spec: str) -> NeverComplete:
-    """`KIND:N`, e.g. `save_weights:1`: the first save never completes."""
-    kind, n = _split(spec, "--fault-never-complete", 2)
-    return NeverComplete(kind, _number(n, "--fault-never-complete"))
-
-
-def parse_reject_for(spec: str) -> RejectFor:
-    """`KIND:STATUS:SECONDS`, e.g. `asample:429:20`: every sample submit refused for 20 s."""
-    kind, status, secs = _split(spec, "--fault-reject-for", 3)
-    return RejectFor(kind, _status(status, "--fault-reject-for"), _seconds(secs, "--fault-reject-for", forever=False))
-
-
-def parse_latency(spec: str) -> tuple[str, float]:
-    """`KIND:MS`, e.g. `asample:200`."""
-    kind, ms = _split(spec, "--fault-latency-ms", 2)
-    try:
-        value = float(ms)
-    except ValueError:
-        raise FaultSpecError(f"--fault-latency-ms: MS must be a number, got {ms!r}") from None
-    if value < 0:
-        raise FaultSpecError(f"--fault-latency-ms: MS must be >= 0, got {value}")
-    return kind, value
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -381,12 +380,9 @@ class InProcessServer:
         faults: FaultConfig | None = None,
         profile: Profile | None = None,
     ) -> None:
-        cfg = faults or FaultConfig()
         self.engine = engine
-        self._cfg = cfg
-        self._injector = FaultInjector(cfg)
-        self._headers = HeaderRecorder(cfg.record_header_values)
-        self._profile = profile  # a profiles.Profile; None = default
+        self._faults = faults or FaultConfig()
+        self._profile = profile or Profile()
         self.state: ServerState | None = None
         self.base_url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -424,18 +420,16 @@ class InProcessServer:
     async def _setup(self) -> None:
         # The server's stack (aiohttp, the SDK's types and protobufs, the engine's modules) loads for
         # an in-process server only: the pytest plugin imports this module at start-up.
-        from dppo_harness.local_server.serve import ServerState, start_site
+        from dppo_harness.local_server.serve import ServerState, listening_socket, start_site
 
         self.state = ServerState(
             self.engine,
-            self._injector,
-            self._headers,
-            profile=self._profile or Profile(),
+            FaultInjector(self._faults),
+            HeaderRecorder(self._faults.record_header_values),
+            profile=self._profile,
             on_die=self._on_die,
         )
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(512)
+        sock = listening_socket("127.0.0.1", 0)
         self._runner = await start_site(self.state, sock)
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
 

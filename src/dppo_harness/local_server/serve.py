@@ -21,7 +21,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.engine.engine import DEFAULT_PRESET, Engine
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
 from dppo_harness.local_server.http.app import SHUTDOWN_GRACE_S, build_app
@@ -30,13 +30,6 @@ from dppo_harness.local_server.profiles import Profile
 
 STATS_FILE = "server_stats.json"
 log = logging.getLogger("dppo_harness.local_server")
-
-
-def build_engine(args: argparse.Namespace, run_dir: Path) -> Engine:
-    """The engine the arguments ask for: the tiny preset `--model`, else the engine's default."""
-    if args.model:
-        return Engine(run_dir, model_name=args.model, num_threads=args.threads)
-    return Engine(run_dir, num_threads=args.threads)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -91,7 +84,7 @@ async def run_server(args: argparse.Namespace, faults: FaultConfig, run_dir: Pat
     The ready line goes to stdout once the socket accepts connections."""
     t0 = time.perf_counter()
     try:
-        engine = await asyncio.to_thread(build_engine, args, run_dir)
+        engine = await asyncio.to_thread(Engine, run_dir, args.model or DEFAULT_PRESET, num_threads=args.threads)
     except UserError as exc:  # an unknown --model
         raise SystemExit(str(exc)) from None
     state = ServerState(

@@ -1,37 +1,5 @@
 """Model side of the embedded Tinker-protocol server: training models, optimizer, sampling.
 
-Final signatures (docs/architecture.md contract; extensions are optional keyword args only):
-
-    class UserError(Exception)
-    @dataclass SampledSeq(tokens: list[int], logprobs: list[float], stop_reason: "stop"|"length",
-                          prompt_logprobs: list[float | None] | None)
-    class Engine:
-        __init__(run_dir, model_name="tiny-qwen3-gsm8k", sampler_dtype=None, seed=0, *,
-                 cache_dir=None, batch_window_s=0.05, num_threads=2, token_budget=None,
-                 retain_forward=True)
-        served_models: list[str]; served_model_name: str; model_name: str
-        retained_stats: dict[str, int]  # kept first passes: retained, reused, dropped
-        create_model(base_model, lora_rank, seed, *, model_id=None, train_mlp=True, train_attn=True,
-                     train_unembed=True) -> str
-        get_info(model_id) -> ModelInfo  # model_name (served), model_id, is_lora, lora_rank,
-                                    # optimizer_config {"type": "adamw"}, model_data, requested_base_model
-        forward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
-        forward_backward(model_id, data, loss_fn, loss_fn_config=None) -> (outputs, metrics)
-        optim_step(model_id, adam) -> dict[str, float]
-        save_state(model_id, name, overwrite=False) -> "tinker://<model_id>/weights/<name>"
-        save_for_sampler(model_id, name=None, *, overwrite=False) -> "tinker://<model_id>/sampler_weights/<name>"
-        load_state(model_id, path, with_optimizer) -> None
-        create_model_from_state(path, with_optimizer, *, model_id=None) -> str
-        sample(sampler_path_or_base, prompt_tokens, num_samples, max_tokens, temperature, top_k,
-               top_p, stop_token_ids, stop_strings, seed, prompt_logprobs) -> list[SampledSeq]
-        compute_logprobs(model_id, data, *, grad=False) -> list[torch.Tensor]   # in-process tests
-        direct_loss_grads(model_id, data, loss_of_logprobs) -> dict[str, torch.Tensor]  # parity reference
-        get_parameter_grads(model_id) -> dict[str, torch.Tensor]
-        get_parameters(model_id) -> dict[str, torch.Tensor]
-        unload_model(model_id) -> None
-        drop_retained(model_id) -> None  # free its kept first passes (the model's session ended)
-        close() -> None
-
 ``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``. Token ids are real
 Qwen3.5 ids; prompt_logprobs (when requested) is on every returned sequence, first element None.
 Sampled-token logprobs are the model's untempered log-softmax (the trainer's distribution),
@@ -125,8 +93,9 @@ class ModelPreset:
     warm_start: bool
 
 
+DEFAULT_PRESET = "tiny-qwen3-gsm8k"
 PRESETS = {
-    "tiny-qwen3-gsm8k": ModelPreset("local/tiny-qwen3-gsm8k", model.TinyConfig(), True),
+    DEFAULT_PRESET: ModelPreset("local/tiny-qwen3-gsm8k", model.TinyConfig(), True),
     # Fast random-init model for unit tests of the protocol plumbing (no warm start).
     "tiny-qwen3-random": ModelPreset(
         "local/tiny-qwen3-random",
@@ -155,7 +124,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
     def __init__(
         self,
         run_dir: Path,
-        model_name: str = "tiny-qwen3-gsm8k",
+        model_name: str = DEFAULT_PRESET,
         sampler_dtype: str | None = None,
         seed: int = 0,
         *,

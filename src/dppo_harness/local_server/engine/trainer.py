@@ -261,10 +261,6 @@ class TrainerMixin:
                     return self._retained.pop(k)
         return None
 
-    def drop_retained(self, model_id: str) -> None:
-        """Free the model's kept first passes (its session ended: no second pass will come)."""
-        self._drop_retained(model_id)
-
     def _drop_retained(self, model_id: str) -> None:
         """The model's weights change (or it goes): a kept graph no longer describes them."""
         with self._retained_lock:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 from tinker import types
 
@@ -14,9 +10,6 @@ from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.http.codecs import dump, encode_sample_response, parse_stop, prompt_tokens_of
 from dppo_harness.local_server.http.state import Outcome, new_sampler, session_of, state_of
 from dppo_harness.local_server.http.work import check_served, error_json, future_json, parse_body, run_engine, spawn
-
-if TYPE_CHECKING:
-    from dppo_harness.local_server.engine.engine import SampledSeq
 
 
 async def create_sampling_session(request: web.Request) -> web.Response:
@@ -93,11 +86,8 @@ async def asample(request: web.Request) -> web.Response:
             params.seed,
             want_prompt_lp,
         )
-        if len(seqs) != num_samples:
-            raise RuntimeError(f"engine returned {len(seqs)} sequences for {num_samples} samples")
-        prompt_lp = None
-        if want_prompt_lp:
-            prompt_lp = _prompt_logprobs_of(seqs, len(prompt))
+        # The engine's prompt logprobs cover the whole prompt, first element None.
+        prompt_lp = seqs[0].prompt_logprobs if want_prompt_lp else None
         omit = state.faults.omitted_fields("asample")
         return Outcome("proto", encode_sample_response(seqs, prompt_lp, omit_logprobs="logprobs" in omit))
 
@@ -106,16 +96,3 @@ async def asample(request: web.Request) -> web.Response:
 
     spawn(state, fut, "asample", work)
     return future_json(request_id)
-
-
-def _prompt_logprobs_of(seqs: Sequence[SampledSeq], prompt_len: int) -> list[float | None]:
-    given = seqs[0].prompt_logprobs
-    if given is None:
-        raise RuntimeError("engine returned no prompt_logprobs although they were requested")
-    lp = [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in given]
-    if len(lp) == prompt_len - 1:  # engine scored positions 1..n-1 only
-        lp = [None, *lp]
-    if len(lp) != prompt_len:
-        raise RuntimeError(f"engine returned {len(lp)} prompt logprobs for a {prompt_len}-token prompt")
-    lp[0] = None
-    return lp

@@ -11,7 +11,7 @@ from pydantic import JsonValue
 from tinker import types
 
 from dppo_harness.local_server.http.codecs import dump, parse_request
-from dppo_harness.local_server.http.state import ServerState, SessionEntry, session_of, state_of, str_metadata
+from dppo_harness.local_server.http.state import SessionEntry, session_of, state_of, str_metadata
 from dppo_harness.local_server.http.work import parse_body
 from dppo_harness.local_server.profiles import capabilities_of, spindle_deployments
 
@@ -26,15 +26,9 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(state_of(request).stats())
 
 
-def _max_context(state: ServerState) -> int | None:
-    config = getattr(state.engine, "config", None)
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) else None
-
-
 async def capabilities(request: web.Request) -> web.Response:
     state = state_of(request)
-    max_ctx = _max_context(state)
+    max_ctx = state.engine.config.max_position_embeddings
     if state.profile.is_spindle:
         # One entry per deployed base model, no parameterization (src/spindle/control_plane/deployments.py).
         listed: list[JsonValue] = list(capabilities_of(spindle_deployments(max_ctx)))
@@ -58,7 +52,7 @@ async def deployments(request: web.Request) -> web.Response:
     """`GET spindle/deployments` (spindle profile): every deployed definition with its name, id, base
     model, parameterization and context (src/spindle/control_plane/http.py, `list_deployments`)."""
     state = state_of(request)
-    listing = [d.listing() for d in spindle_deployments(_max_context(state))]
+    listing = [d.listing() for d in spindle_deployments(state.engine.config.max_position_embeddings)]
     return web.json_response({"deployments": listing})
 
 

@@ -13,7 +13,7 @@ from tinker import types
 from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
 from dppo_harness.local_server.engine.loss_fns import server_loss
-from dppo_harness.local_server.errors import SpindleError, UserError
+from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
 from dppo_harness.local_server.http import spindle
 from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, dump, encode_fwdbwd_output
@@ -36,7 +36,6 @@ from dppo_harness.local_server.http.work import (
     spawn,
     submit_ordered,
 )
-from dppo_harness.local_server.profiles import spindle_deployments
 
 
 async def create_model(request: web.Request) -> web.Response:
@@ -44,7 +43,7 @@ async def create_model(request: web.Request) -> web.Response:
     req = await parse_body(request, types.CreateModelRequest)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     if state.profile.is_spindle:
-        _spindle_creation_checks(state, req)
+        spindle.check_creation(req)
     key = (req.session_id, req.model_seq_id)
     if key in state.model_requests:  # resent request
         return future_json(state.model_requests[key], model_id if state.profile.is_spindle else None)
@@ -63,12 +62,8 @@ async def create_model(request: web.Request) -> web.Response:
             return Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {req.base_model}", "server")
         check_served(state, req.base_model)
         if state.profile.is_spindle:  # the trainer's cold start, a LoRA slot, then Miles' checks
-            refused = await _spindle_admit(state, model_id, req.session_id)
-            if refused is None:
-                refusal = spindle.lora_refusal(lora.rank, lora.seed, switches)
-                if refusal is not None:
-                    await spindle.release_slot(state, model_id)
-                    refused = Outcome("error", refusal, "user")
+            refusal = spindle.lora_refusal(lora.rank, lora.seed, switches)
+            refused = await spindle.admit_creation(state, model_id, req.session_id, refusal)
             if refused is not None:
                 return refused
         engine_id = await run_engine(
@@ -100,28 +95,6 @@ async def create_model(request: web.Request) -> web.Response:
     spawn(state, fut, "create_model", work)
     # Spindle's create_model answers the model id with the request id (control_plane/http.py).
     return future_json(request_id, model_id if state.profile.is_spindle else None)
-
-
-def _spindle_creation_checks(state: ServerState, req: types.CreateModelRequest) -> None:
-    """Spindle's refusals at the create_model POST (src/spindle/control_plane/http.py, create_model):
-    an undeployed base model, no lora_config (SDK 0.25 can ask for no other parameterization), and
-    LoRA asked of a full-fine-tune-only definition."""
-    deployed = spindle_deployments(None)
-    if not any(d.base_model == req.base_model for d in deployed):
-        raise SpindleError(400, "invalid_request", f"unsupported base_model: {req.base_model}")
-    if req.lora_config is None:
-        raise SpindleError(400, "invalid_request", "parameterization is required when lora_config is absent")
-    if not any(d.base_model == req.base_model and d.parameterization == "lora" for d in deployed):
-        raise SpindleError(400, "invalid_request", f"lora parameterization is not available for {req.base_model}")
-
-
-async def _spindle_admit(state: ServerState, model_id: str, session_id: str) -> Outcome | None:
-    """Wait for the trainer and a slot (http/spindle.py); a session reclaimed meanwhile ends the creation."""
-    refused = await spindle.admit_creation(state, model_id)
-    if refused is None and session_id not in state.sessions:
-        await spindle.release_slot(state, model_id)
-        refused = Outcome("error", spindle.SESSION_CLOSED, "server")
-    return refused
 
 
 def _model_data(state: ServerState, entry: ModelEntry) -> JsonObject:
@@ -284,7 +257,7 @@ async def load_weights(request: web.Request) -> web.Response:
 
     async def work() -> Outcome:
         if state.profile.is_spindle:  # a creation like create_model: cold trainer, a LoRA slot
-            refused = await _spindle_admit(state, model_id, session_id)
+            refused = await spindle.admit_creation(state, model_id, session_id)
             if refused is not None:
                 return refused
         engine_id = await run_engine(

@@ -22,10 +22,11 @@ import time
 import uuid
 
 from aiohttp import web
+from tinker import types
 
 from dppo_harness.local_server.errors import SpindleError
 from dppo_harness.local_server.http.state import ModelEntry, Outcome, ServerState
-from dppo_harness.local_server.profiles import LORA_TARGETS, MAX_LORA_RANK
+from dppo_harness.local_server.profiles import LORA_TARGETS, MAX_LORA_RANK, spindle_deployments
 
 log = logging.getLogger("dppo_harness.local_server")
 
@@ -65,10 +66,6 @@ def model_not_found(model_id: str | None) -> SpindleError:
     return SpindleError(404, "not_found", f"model not found: {model_id}")  # RecordNotFound("model", ...)
 
 
-def session_not_found(session_id: str) -> SpindleError:
-    return SpindleError(404, "not_found", f"session not found: {session_id}")
-
-
 # ---- model acceptance (Miles multi-LoRA) --------------------------------------------------------
 
 
@@ -91,10 +88,26 @@ def lora_refusal(rank: int, seed: int | None, switches: tuple[bool, bool, bool])
 # ---- the trainer: cold start and LoRA slots -----------------------------------------------------
 
 
-async def admit_creation(state: ServerState, model_id: str) -> Outcome | None:
+def check_creation(req: types.CreateModelRequest) -> None:
+    """Spindle's refusals at the create_model POST (src/spindle/control_plane/http.py, create_model):
+    an undeployed base model, no lora_config (SDK 0.25 can ask for no other parameterization), and
+    LoRA asked of a full-fine-tune-only definition."""
+    deployed = spindle_deployments(None)
+    if not any(d.base_model == req.base_model for d in deployed):
+        raise SpindleError(400, "invalid_request", f"unsupported base_model: {req.base_model}")
+    if req.lora_config is None:
+        raise SpindleError(400, "invalid_request", "parameterization is required when lora_config is absent")
+    if not any(d.base_model == req.base_model and d.parameterization == "lora" for d in deployed):
+        raise SpindleError(400, "invalid_request", f"lora parameterization is not available for {req.base_model}")
+
+
+async def admit_creation(
+    state: ServerState, model_id: str, session_id: str, refusal: str | None = None
+) -> Outcome | None:
     """Wait until the trainer is up and `model_id` holds one of its LoRA slots: None then, or the
-    Outcome the creation fails with (--fault-trainer-full-refuse). Meanwhile the creation's future
-    is plainly pending, so its polls say queue_state active with no reason."""
+    Outcome the creation fails with: the trainer full (--fault-trainer-full-refuse), the session
+    reclaimed meanwhile, or Miles' `refusal` at acceptance (`lora_refusal`). Meanwhile the
+    creation's future is plainly pending, so its polls say queue_state active with no reason."""
     settings = state.profile.spindle
     if state.trainer_ready_at is None:  # the first creation starts the trainer
         state.trainer_ready_at = time.monotonic() + settings.cold_start_s
@@ -102,17 +115,22 @@ async def admit_creation(state: ServerState, model_id: str) -> Outcome | None:
     if cold > 0:
         await asyncio.sleep(cold)
     async with state.slot_cond:
-        if model_id in state.slots:
-            return None
-        if len(state.slots) >= settings.trainer_slots and state.faults.config.trainer_full_refuse:
-            state.faults.injected["create_model:trainer_full_refuse"] += 1
-            return Outcome("error", CAPACITY_REFUSED, "server")
-        state.waiting_creations += 1
-        try:
-            await state.slot_cond.wait_for(lambda: len(state.slots) < settings.trainer_slots)
-        finally:
-            state.waiting_creations -= 1
-        state.slots.add(model_id)
+        if model_id not in state.slots:
+            if len(state.slots) >= settings.trainer_slots and state.faults.config.trainer_full_refuse:
+                state.faults.injected["create_model:trainer_full_refuse"] += 1
+                return Outcome("error", CAPACITY_REFUSED, "server")
+            state.waiting_creations += 1
+            try:
+                await state.slot_cond.wait_for(lambda: len(state.slots) < settings.trainer_slots)
+            finally:
+                state.waiting_creations -= 1
+            state.slots.add(model_id)
+    if session_id not in state.sessions:
+        await release_slot(state, model_id)
+        return Outcome("error", SESSION_CLOSED, "server")
+    if refusal is not None:
+        await release_slot(state, model_id)
+        return Outcome("error", refusal, "user")
     return None
 
 
