@@ -108,12 +108,6 @@ def test_pilot_config_reads_the_plan_and_records_reductions():
         gate.pilot_config(run, "grpo_seed0")
 
 
-def test_complete_group_split():
-    assert gate.split_complete_groups([0, 0, 1, 1, 2, 2, 3, 3], 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    with pytest.raises(gate.GateError):
-        gate.split_complete_groups([0, 1, 2], 2)
-
-
 def test_executed_model_is_the_model_that_computes_not_the_requested_name():
     from types import SimpleNamespace as NS
 

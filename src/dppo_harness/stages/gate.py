@@ -29,7 +29,6 @@ from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_step
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
-from dppo_harness.train import train_step
 from dppo_harness.train.clients import create_from_state_observed
 
 if TYPE_CHECKING:
@@ -187,14 +186,6 @@ def with_rollout_yield(
             }
         )
     return out
-
-
-def split_complete_groups(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
-    """`train_step.prepare_minibatches`, with the gate's error type."""
-    try:
-        return train_step.prepare_minibatches(group_of_datum, n_minibatches)
-    except train_step.TrainStepError as exc:
-        raise GateError(str(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -435,7 +426,6 @@ def _pilot_step(
             sampler_name=f"{tag}-sampler-s{step}",
             context=context,
             progress=progress,
-            minibatches=split_complete_groups,
         )
     finally:  # what the step reached is kept when it stops part-way
         if progress.sampled is not None:
