@@ -92,20 +92,13 @@ def test_gate_values_use_the_second_update_mean_over_steps():
     assert not results["executed_updates_per_batch"].passed
 
 
-def test_pilot_config_reads_the_plan_and_records_reductions():
+def test_the_gate_pilots_the_plans_treatment_at_the_plans_schedule():
     run = SPEC_PLAN.run
-    cfg = gate.pilot_config(run)
-    assert (cfg.arm, cfg.loss) == ("dppo_seed0", "dppo_divergence_mask")  # the treatment, from the spec's roles
-    assert (cfg.steps, cfg.groups_per_batch, cfg.group_size, cfg.max_tokens) == (5, 32, 8, 512)
-    assert cfg.updates_per_batch == 2 and cfg.adam["learning_rate"] == 2e-5 and cfg.adam["eps"] == 1e-8
-    assert cfg.temperature == 1.0 and cfg.max_seq_len == 1024 and cfg.reductions == ()
-    assert "5-step pilot" in run.gate_pilot_steps.source  # the gate's reason states the pilot length
-    small = gate.pilot_config(run, groups_per_batch=4, max_tokens=32)
-    assert {r["field"] for r in small.reductions} == {"groups_per_batch", "max_tokens"}
-    with pytest.raises(gate.GateError, match="unknown pilot overrides"):
-        gate.pilot_config(run, delta=0.1)
-    with pytest.raises(gate.GateError, match="'grpo_seed0' is the baseline"):
-        gate.pilot_config(run, "grpo_seed0")
+    arm = gate.pilot_arm(SPEC_PLAN.name, run)
+    assert (arm.name, arm.loss, arm.role) == ("dppo_seed0", "dppo_divergence_mask", "treatment")
+    assert int(run.gate_pilot_steps.value) == 5 and "5-step pilot" in run.gate_pilot_steps.source
+    assert arm.updates_per_batch == 2 and arm.adam["learning_rate"] == 2e-5 and arm.adam["eps"] == 1e-8
+    assert gate.is_report_file(gate.GATE_REPORT_FILE) and not gate.is_report_file("activation-gate-report.md")
 
 
 def test_executed_model_is_the_model_that_computes_not_the_requested_name():
