@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness.plans import PlanError, load_plan, parse_plan
+from dppo_harness.plans import PlanError, load_plan, parse_plan, resized_plan
 from dppo_harness.stages import feasibility as feasibility_module
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
@@ -192,37 +192,23 @@ class _FakeEvidence:
         self.fields.update(fields)
 
 
-def test_run_feasibility_with_given_timings_and_overrides(diagnostic, spec):
+def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
+    """One way to run smaller: a smaller plan (here the spec resized to 1 rollout step, 4 items)."""
     ev = _FakeEvidence()
+    small = resized_plan(spec, rollout_steps=1, groups_per_batch=32, eval_items=4)
     res = feasibility_module.run_feasibility(
-        None,
-        spec,
-        ev,
-        initial_checkpoint="tinker://x/weights/init",
-        backend_kind="local",
-        timings=_timings(),
-        schedule_overrides={"batches_per_arm": 1, "eval_items": 8},
+        None, small, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local", timings=_timings()
     )
     assert res.schedule.batches_per_arm == 1 and res.schedule.eval_items == 8
     # 10 + 2 arm-steps x 72 + 8 x 0.5 = 158; x1.25
     assert res.projection.total_seconds == pytest.approx(158 * 1.25) and res.passed
     assert ev.files[feasibility_module.PILOT_FILE][1]["projection"]["fits"] is True
-    assert ev.fields["feasibility"]["config"]["size_reductions"] == {"batches_per_arm": 1, "eval_items": 8}
+    assert ev.fields["feasibility"]["config"]["plan_sha256"] == small.sha256
     assert ev.fields["metrics"]["feasibility/fits"] == 1.0
     full = feasibility_module.run_feasibility(
         None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local", timings=_timings()
     )
     assert not full.passed and "exceeds the remaining wall budget" in full.failure_message()
-    with pytest.raises(feasibility_module.FeasibilityError, match="unknown Schedule fields"):
-        feasibility_module.run_feasibility(
-            None,
-            spec,
-            _FakeEvidence(),
-            initial_checkpoint="i",
-            backend_kind="local",
-            timings=_timings(),
-            schedule_overrides={"steps": 3},
-        )
 
 
 def test_stage_projections(spec, diagnostic):
