@@ -172,3 +172,41 @@ def test_bounds_record_writes_the_keys_the_plan_check_declares_in_report_order()
         dumped = c.model_dump(exclude_none=True)
         assert Bounds.of(c).as_json() == {k: dumped[k] for k in ("min", "max", "one_of") if k in dumped}
     assert list(Bounds(min=0.0, max=1.0, min_exclusive=0.0).as_json()) == ["min", "max", "min_exclusive"]
+
+
+class _Bundle:
+    def __init__(self):
+        self.result, self.files, self.fields = {"backend": None}, {}, {}
+
+    def register_json(self, name, kind, obj):
+        self.files[name] = obj
+
+    def register_bytes(self, name, kind, data):
+        self.files[name] = data
+
+    def update_result(self, **fields):
+        self.fields.update(fields)
+
+
+def test_a_pilot_client_not_shown_loaded_from_the_initial_checkpoint_fails_the_gate(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from tinker import types
+
+    from dppo_harness.train.restore import Restore
+
+    init, other = "tinker://m/weights/initial", "tinker://m/weights/other"
+    info = NS(model_data=NS(model_name="Qwen/Qwen3.5-2B", arch=""))
+    restored = lambda sc, path, name: Restore(name, NS(), path, types.LoadWeightsResponse(path=other), info, 0.0)  # noqa: E731
+    monkeypatch.setattr(gate, "restore", restored)
+
+    def no_renderer():  # the pilot stops after the load: nothing to sample with
+        raise RuntimeError("no renderer here")
+
+    monkeypatch.setattr(gate.tokenizer, "make_renderer", no_renderer)
+    bundle = _Bundle()
+    report = gate.run_activation_gate(None, SPEC_PLAN, bundle, init, backend="tinker")
+    assert not report.passed and f"pilot client: the load of {init} loaded {other!r}" in report.errors
+    assert "pilot stopped: RuntimeError: no renderer here" in report.errors
+    assert report.pilot["loaded_checkpoint"] == other and report.pilot["initial_checkpoint"] == init
+    assert bundle.files[gate.GATE_REPORT_FILE]["passed"] is False
