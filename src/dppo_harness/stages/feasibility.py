@@ -35,7 +35,6 @@ from dppo_harness.stages.feasibility_projection import (
     DEFAULT_RESERVE_FRACTION,
     ArmPilot,
     FeasibilityError,
-    PilotFigures,
     PilotSchedule,
     PilotTimings,
     Projection,
@@ -53,26 +52,6 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan
 
-__all__ = [
-    "DEFAULT_RESERVE_FRACTION",
-    "PILOT_FILE",
-    "ArmPilot",
-    "FeasibilityError",
-    "FeasibilityResult",
-    "PilotFigures",
-    "PilotSchedule",
-    "PilotTimings",
-    "Projection",
-    "arm_pilots",
-    "feasibility_block",
-    "feasibility_check",
-    "gpu_allocation",
-    "project",
-    "run_feasibility",
-    "run_timing_pilot",
-    "schedule_from_plan",
-    "stage_projections",
-]
 
 PILOT_FILE = "feasibility-pilot.json"
 
