@@ -198,9 +198,7 @@ def test_the_gate_without_a_model_name_never_reports_the_requested_one(served, t
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)
     init = tc.save_state("omit-gate-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
-    report = gate.run_activation_gate(
-        s.sc, SPEC, bundle, init, backend="tinker", steps=1, groups_per_batch=2, max_tokens=16
-    )
+    report = gate.run_activation_gate(s.sc, CMP_PLAN, bundle, init, backend="tinker")
     assert not report.passed
     assert report.values["executed_base_model"] is None
     assert any(

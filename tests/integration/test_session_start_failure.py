@@ -15,15 +15,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Loaded with -p before the session: start_session fails after its first records are written.
 _PLANTED = """
-from dppo_harness.evidence import bundle
+from dppo_harness.pytest_plugin import fixtures_session
 
 
-def start_session(self, **kw):
-    self.update_result(metrics={"planted/started": 1.0})
+def start_session(bundle, **kw):
+    bundle.update_result(metrics={"planted/started": 1.0})
     raise RuntimeError("planted failure inside start_session")
 
 
-bundle.EvidenceBundle.start_session = start_session
+fixtures_session.start_session = start_session
 """
 
 

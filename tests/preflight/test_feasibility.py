@@ -4,6 +4,7 @@ plan against its budget. A plan that cannot fit fails here, which blocks the lat
 from __future__ import annotations
 
 from dppo_harness.stages import feasibility as feasibility_module
+from dppo_harness.stages import feasibility_projection as projection
 
 
 def test_plan_fits_its_budget(feasibility):
@@ -17,7 +18,7 @@ def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bund
     assert m["setup"]["seconds"] > 0 and m["training"]["seconds"] > 0
     # The projected schedule is the plan's own on every backend: the stages run it as written (a
     # smaller run on the embedded server is a declared rehearsal plan, never a silent reduction).
-    expected = feasibility_module.schedule_from_plan(plan)
+    expected = projection.schedule_from_plan(plan)
     assert feasibility.schedule == expected and feasibility.pilot_details is not None
     assert m["training"]["planned_units"] == expected.arm_steps
     assert m["evaluation"]["planned_units"] == expected.eval_items

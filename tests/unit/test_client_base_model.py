@@ -90,7 +90,11 @@ def test_the_restoration_fixture_creates_clients_with_the_resolved_model():
     fn = fixtures_preflight.restoration
     fn = getattr(fn, "__wrapped__", None) or getattr(fn, "_get_wrapped_function", lambda: fn)()
     tree = ast.parse(inspect.getsource(fn).lstrip())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "run_for_session"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "run_restoration_preflight"
+    ]
     assert len(calls) == 1
     kw = {k.arg: k.value for k in calls[0].keywords}
     assert isinstance(kw["base_model"], ast.Name) and kw["base_model"].id == "client_base_model"

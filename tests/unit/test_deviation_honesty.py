@@ -5,6 +5,7 @@ from pathlib import Path
 
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import feasibility
+from dppo_harness.stages import feasibility_projection as projection
 from dppo_harness.stages.comparison import run as comparison_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ def test_the_saved_spec_on_the_embedded_server_is_projected_at_its_own_size():
     # The stages run a plan as written; a smaller run is a declared rehearsal plan,
     # so no fixed rehearsal size is projected or recorded as a deviation.
     assert not hasattr(feasibility, "rehearsal_sizing") and not hasattr(feasibility, "LOCAL_REHEARSAL_SIZE")
-    sched = feasibility.schedule_from_plan(SPEC)
+    sched = projection.schedule_from_plan(SPEC)
     assert (sched.batches_per_arm, sched.groups_per_batch, sched.eval_items) == (50, 32, 2 * 1319)
 
 
@@ -62,7 +63,7 @@ def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer()
 
     from dppo_harness.plans import parse_plan
 
-    pilots = feasibility.arm_pilots(SPEC)
+    pilots = projection.arm_pilots(SPEC)
     assert [(p.name, p.loss) for p in pilots] == [
         ("grpo_seed0", "grpo_clip_eps0.2"),
         ("dppo_seed0", "dppo_divergence_mask"),
@@ -72,10 +73,10 @@ def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer()
     other = copy.deepcopy(raw)
     other["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"]["beta2"] = 0.99
     plan = parse_plan(json.dumps(other).encode(), ROOT / "plans" / "exp_e6b0965af3.json", repo_root=ROOT)
-    by_arm = {p.name: p.optimizer for p in feasibility.arm_pilots(plan)}
+    by_arm = {p.name: p.optimizer for p in projection.arm_pilots(plan)}
     assert by_arm["grpo_seed0"]["beta2"] == 0.99 and by_arm["dppo_seed0"]["beta2"] == 0.95
-    assert feasibility.schedule_from_plan(SPEC).arm_losses == ("grpo_clip_eps0.2", "dppo_divergence_mask")
-    diag = feasibility.arm_pilots(load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"))
+    assert projection.schedule_from_plan(SPEC).arm_losses == ("grpo_clip_eps0.2", "dppo_divergence_mask")
+    diag = projection.arm_pilots(load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"))
     assert len(diag) == 1 and diag[0].loss == "dppo_divergence_mask"
 
 

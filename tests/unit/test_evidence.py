@@ -22,6 +22,7 @@ from dppo_harness.evidence import (
     LimitError,
     ResultShapeError,
     SecretLeakError,
+    session,
     verify_bundle,
 )
 from dppo_harness.evidence.backend import Backend
@@ -495,7 +496,7 @@ def test_record_plan_before_training(bundle):
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
     cfg = effective_config(plan, BackendInfo("local", "Qwen/Qwen3.5-2B", "tiny-qwen3-gsm8k"))
-    bundle.record_plan(plan, cfg, plan_name="revised-diagnostic-spec.json")
+    session.record_plan(bundle, plan, cfg, plan_name="revised-diagnostic-spec.json")
     r = bundle.result
     assert bundle.entry("revised-diagnostic-spec.json")["sha256"] == plan.sha256
     assert bundle.entry("effective-config.json")["kind"] == "effective_config"
@@ -504,15 +505,16 @@ def test_record_plan_before_training(bundle):
     assert r["generation_audit"]["status"] == "not_applicable"
     other = load_plan(PLANS / "exp_e6b0965af3.json")
     with pytest.raises(EvidenceError, match="sha256 differs"):
-        bundle.record_plan(other, cfg)
+        session.record_plan(bundle, other, cfg)
 
 
 def _git_repo(tmp_path):
     repo = tmp_path / "proj"
-    for d in ("tests/preflight", "tests/unit", "plans"):
+    for d in ("tests/preflight", "tests/comparison", "tests/unit", "plans"):
         (repo / d).mkdir(parents=True)
     (repo / "conftest.py").write_text("pytest_plugins = []\n")
     (repo / "tests/preflight/test_a.py").write_text("def test_a(): pass\n")
+    (repo / "tests/comparison/test_c.py").write_text("def test_c(): pass\n")
     (repo / "tests/unit/test_u.py").write_text("def test_u(): pass\n")
     for p in PLANS.glob("*.json"):
         (repo / "plans" / p.name).write_bytes(p.read_bytes())
@@ -528,12 +530,15 @@ def test_session_start_and_finish(tmp_path):
     repo = _git_repo(tmp_path)
     plan = load_plan(repo / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
     b = EvidenceBundle.create(tmp_path / "evidence", "sess", env={})
-    b.start_session(
+    session.start_session(
+        b,
         backend="local",
         plan=plan,
         stages=["unit", "preflight", "diagnostic"],
         project_root=repo,
-        test_files=[str(repo / "tests/preflight/test_a.py"), str(repo / "tests/unit/test_u.py")],
+        test_files=[
+            str(repo / f"tests/{f}") for f in ("preflight/test_a.py", "comparison/test_c.py", "unit/test_u.py")
+        ],
     )
     names = {f["name"]: f["kind"] for f in b.files()}
     assert names == {
@@ -548,6 +553,7 @@ def test_session_start_and_finish(tmp_path):
     listed = json.loads((b.dir / "files" / "test-files.json").read_text())
     assert listed["archive"] == "code-archive.zip"
     assert {f["path"]: f["stage_test"] for f in listed["files"]} == {
+        "tests/comparison/test_c.py": True,  # every stage's folder but unit's (pytest_plugin.stages)
         "tests/preflight/test_a.py": True,
         "conftest.py": True,
         "tests/unit/test_u.py": False,
@@ -555,12 +561,12 @@ def test_session_start_and_finish(tmp_path):
     r = b.result
     assert r["backend"]["kind"] == "local" and r["summary"].startswith(REHEARSAL_PREFIX)
     assert r["deviations"][-1]["field"] == "model" and r["original_hypothesis_tested"] is False
-    # Issue 11 point 6: the diagnostic plan's own 12 minutes, from the session start (not 7200 s).
+    # The diagnostic plan's own 12 minutes, from the session start (not 7200 s).
     assert r["metrics"]["budget/max_wall_seconds"] == 720.0
-    # Issue 11 point 5: the revised spec exists before any stage ran (same bytes as the plan).
+    # The revised spec exists before any stage ran (same bytes as the plan).
     assert b.entry("revised-diagnostic-spec.json")["sha256"] == plan.sha256
     b.stage_timing("preflight", 3.0, "failed")
-    b.finish_session({"preflight": "tests/preflight/test_a.py::test_a"})
+    session.finish_session(b, {"preflight": "tests/preflight/test_a.py::test_a"})
     r = b.result
     assert (r["status"], r["verdict"], r["outcome_reason"]) == ("failed", "inconclusive", "incomplete_execution")
     assert "preflight (tests/preflight/test_a.py::test_a)" in r["summary"]
@@ -568,11 +574,11 @@ def test_session_start_and_finish(tmp_path):
     assert verify_bundle(b.dir) == []
     done = EvidenceBundle.create(tmp_path / "evidence", "sess2", env={})
     spec = load_plan(repo / "plans" / "exp_e6b0965af3.json")
-    done.start_session(
-        backend="tinker", plan=spec, stages=["preflight"], project_root=repo, served_model="Qwen/Qwen3.5-2B"
+    session.start_session(
+        done, backend="tinker", plan=spec, stages=["preflight"], project_root=repo, served_model="Qwen/Qwen3.5-2B"
     )
     assert done.result["deviations"] == [] and done.result["original_hypothesis_tested"] is True
-    done.finish_session({})
+    session.finish_session(done, {})
     assert (done.result["status"], done.result["verdict"]) == ("succeeded", "inconclusive")
 
 
@@ -650,7 +656,7 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
     path.with_name("r.json.resolution.json").write_text(json.dumps(resolution))
     plan = load_plan(path)
     b = EvidenceBundle.create(tmp_path / "evidence", "reh", env={})
-    b.record_plan(plan, effective_config(plan, BackendInfo("tinker", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")))
+    session.record_plan(b, plan, effective_config(plan, BackendInfo("tinker", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")))
     assert b.result["deviations"][0]["original"] == "max_seq_len = 1024"
     with pytest.raises(ResultShapeError, match="rehearsal plan is always 'inconclusive'"):
         b.finish("succeeded", "supported", "supported", original_hypothesis_tested=True, summary="DPPO wins.")

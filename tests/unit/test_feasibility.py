@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness.plans import PlanError, load_plan, parse_plan
+from dppo_harness.plans import PlanError, load_plan, parse_plan, resized_plan
 from dppo_harness.stages import feasibility as feasibility_module
+from dppo_harness.stages import feasibility_projection as projection
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -23,7 +24,7 @@ def diagnostic():
     return load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
 
 
-def _timings(**kw) -> feasibility_module.PilotTimings:
+def _timings(**kw) -> projection.PilotTimings:
     # 2 s per group, 4 s per update (mean of 3 and 5), 0.5 s per eval item, 10 s setup.
     args = dict(
         setup_seconds=10.0,
@@ -36,11 +37,11 @@ def _timings(**kw) -> feasibility_module.PilotTimings:
         eval_items=4,
     )
     args.update(kw)
-    return feasibility_module.PilotTimings(**args)
+    return projection.PilotTimings(**args)
 
 
 def test_spec_schedule(spec):
-    s = feasibility_module.schedule_from_plan(spec)
+    s = projection.schedule_from_plan(spec)
     assert (s.trained_arms, s.batches_per_arm, s.updates_per_batch) == (2, 50, 2)
     assert (s.groups_per_batch, s.group_size, s.sequences_per_update) == (32, 8, 128)
     assert (s.max_tokens, s.eval_items, s.temperature) == (512, 2 * 1319, 1.0)
@@ -48,15 +49,15 @@ def test_spec_schedule(spec):
 
 
 def test_diagnostic_schedule(diagnostic):
-    s = feasibility_module.schedule_from_plan(diagnostic)
+    s = projection.schedule_from_plan(diagnostic)
     assert (s.trained_arms, s.batches_per_arm, s.updates_per_batch) == (1, 1, 16)
     assert (s.groups_per_batch, s.group_size, s.sequences_per_update) == (32, 8, 32)
     assert s.eval_items == 0 and s.max_tokens == 512
 
 
 def test_spec_projection_that_must_not_fit(spec):
-    s = feasibility_module.schedule_from_plan(spec)
-    p = feasibility_module.project(s, _timings(), spec.budget, gpu_count=0, reserve_fraction=0.25)
+    s = projection.schedule_from_plan(spec)
+    p = projection.project(s, _timings(), spec.budget, gpu_count=0, reserve_fraction=0.25)
     assert p.arm_step_seconds == pytest.approx(2.0 * 32 + 2 * 4.0)  # 72
     assert p.training_seconds == pytest.approx(100 * 72.0)
     assert p.evaluation_seconds == pytest.approx(2638 * 0.5)
@@ -70,44 +71,44 @@ def test_spec_projection_that_must_not_fit(spec):
 
 
 def test_diagnostic_projection_fits(diagnostic):
-    s = feasibility_module.schedule_from_plan(diagnostic)
-    p = feasibility_module.project(s, _timings(eval_items=0, eval_seconds=0.0), diagnostic.budget, gpu_count=0)
+    s = projection.schedule_from_plan(diagnostic)
+    p = projection.project(s, _timings(eval_items=0, eval_seconds=0.0), diagnostic.budget, gpu_count=0)
     assert p.arm_step_seconds == pytest.approx(2.0 * 32 + 16 * 4.0)  # 128
     assert p.total_seconds == pytest.approx((10.0 + 128.0) * 1.25)
     assert p.fits and p.problems == ()
 
 
 def test_elapsed_time_shrinks_the_budget(diagnostic):
-    s = feasibility_module.schedule_from_plan(diagnostic)
+    s = projection.schedule_from_plan(diagnostic)
     t = _timings(eval_items=0, eval_seconds=0.0)
-    assert feasibility_module.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=500).fits
-    late = feasibility_module.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=600)
+    assert projection.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=500).fits
+    late = projection.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=600)
     assert not late.fits and late.budget_seconds == pytest.approx(120.0)
 
 
 def test_gpu_hours(spec, diagnostic):
-    s = feasibility_module.schedule_from_plan(diagnostic)
+    s = projection.schedule_from_plan(diagnostic)
     t = _timings(eval_items=0, eval_seconds=0.0)
-    unknown = feasibility_module.project(s, t, diagnostic.budget, gpu_count=None)
+    unknown = projection.project(s, t, diagnostic.budget, gpu_count=None)
     assert unknown.gpu_hours is None and unknown.fits  # wall fits; GPU-hours stay unknown
     assert any("GPU-hours not projected" in p for p in unknown.problems)
     # 8 GPUs for ~1.2 h of wall time exceed 2 GPU-hours even where the wall budget would allow it.
     slow = _timings(sampling_seconds=2 * 40.0, update_seconds=(60.0,), eval_items=0, eval_seconds=0.0)
-    over = feasibility_module.project(s, slow, {"gpu_hours": 2.0, "max_wall_minutes": 600}, gpu_count=8)
+    over = projection.project(s, slow, {"gpu_hours": 2.0, "max_wall_minutes": 600}, gpu_count=8)
     assert over.gpu_hours == pytest.approx(over.total_seconds / 3600 * 8)
     assert not over.fits and "GPU-hours exceeds" in over.problems[-1]
 
 
 def test_bad_inputs_raise_clear_errors(spec):
-    s = feasibility_module.schedule_from_plan(spec)
-    with pytest.raises(feasibility_module.FeasibilityError, match="update timings"):
-        feasibility_module.project(s, _timings(update_seconds=()), spec.budget, gpu_count=0)
-    with pytest.raises(feasibility_module.FeasibilityError, match="sampled no groups"):
-        feasibility_module.project(s, _timings(sampled_groups=0), spec.budget, gpu_count=0)
-    with pytest.raises(feasibility_module.FeasibilityError, match="timed no evaluation"):
-        feasibility_module.project(s, _timings(eval_items=0, eval_seconds=0.0), spec.budget, gpu_count=0)
-    with pytest.raises(feasibility_module.FeasibilityError, match="setup_seconds"):
-        feasibility_module.project(s, _timings(setup_seconds=float("nan")), spec.budget, gpu_count=0)
+    s = projection.schedule_from_plan(spec)
+    with pytest.raises(projection.FeasibilityError, match="update timings"):
+        projection.project(s, _timings(update_seconds=()), spec.budget, gpu_count=0)
+    with pytest.raises(projection.FeasibilityError, match="sampled no groups"):
+        projection.project(s, _timings(sampled_groups=0), spec.budget, gpu_count=0)
+    with pytest.raises(projection.FeasibilityError, match="timed no evaluation"):
+        projection.project(s, _timings(eval_items=0, eval_seconds=0.0), spec.budget, gpu_count=0)
+    with pytest.raises(projection.FeasibilityError, match="setup_seconds"):
+        projection.project(s, _timings(setup_seconds=float("nan")), spec.budget, gpu_count=0)
 
 
 def test_schedule_needs_stated_group_sizes(spec):
@@ -119,10 +120,10 @@ def test_schedule_needs_stated_group_sizes(spec):
 
 
 def test_feasibility_block_shape_and_consistency(spec):
-    s = feasibility_module.schedule_from_plan(spec)
+    s = projection.schedule_from_plan(spec)
     t = _timings()
-    p = feasibility_module.project(s, t, spec.budget, gpu_count=0)
-    block = feasibility_module.feasibility_block(
+    p = projection.project(s, t, spec.budget, gpu_count=0)
+    block = projection.feasibility_block(
         schedule=s,
         timings=t,
         projection=p,
@@ -160,15 +161,15 @@ def test_feasibility_block_shape_and_consistency(spec):
     assert m["evaluation"]["planned_units"] == 2638 and m["evaluation"]["units"] == 4
     assert block["generation"] is None
     assert block["recovery"] == {"seconds": p.recovery_seconds, "gpu_count": 0, "allocation_source": "cpu"}
-    check = feasibility_module.feasibility_check(p, known_gpu_hours=0.0)
+    check = projection.feasibility_check(p, known_gpu_hours=0.0)
     assert check["status"] == "exceeds_budget" and check["wall_seconds"] == p.total_seconds
 
 
 def test_unknown_gpu_count_nulls_allocation_source(diagnostic):
-    s = feasibility_module.schedule_from_plan(diagnostic)
+    s = projection.schedule_from_plan(diagnostic)
     t = _timings(eval_items=0, eval_seconds=0.0)
-    p = feasibility_module.project(s, t, diagnostic.budget, gpu_count=None)
-    block = feasibility_module.feasibility_block(
+    p = projection.project(s, t, diagnostic.budget, gpu_count=None)
+    block = projection.feasibility_block(
         schedule=s,
         timings=t,
         projection=p,
@@ -194,46 +195,32 @@ class _FakeEvidence:
         self.fields.update(fields)
 
 
-def test_run_feasibility_with_given_timings_and_overrides(diagnostic, spec):
+def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
+    """One way to run smaller: a smaller plan (here the spec resized to 1 rollout step, 4 items)."""
     ev = _FakeEvidence()
+    small = resized_plan(spec, rollout_steps=1, groups_per_batch=32, eval_items=4)
     res = feasibility_module.run_feasibility(
-        None,
-        spec,
-        ev,
-        initial_checkpoint="tinker://x/weights/init",
-        backend_kind="local",
-        timings=_timings(),
-        schedule_overrides={"batches_per_arm": 1, "eval_items": 8},
+        None, small, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local", timings=_timings()
     )
     assert res.schedule.batches_per_arm == 1 and res.schedule.eval_items == 8
     # 10 + 2 arm-steps x 72 + 8 x 0.5 = 158; x1.25
     assert res.projection.total_seconds == pytest.approx(158 * 1.25) and res.passed
     assert ev.files[feasibility_module.PILOT_FILE][1]["projection"]["fits"] is True
-    assert ev.fields["feasibility"]["config"]["size_reductions"] == {"batches_per_arm": 1, "eval_items": 8}
+    assert ev.fields["feasibility"]["config"]["plan_sha256"] == small.sha256
     assert ev.fields["metrics"]["feasibility/fits"] == 1.0
     full = feasibility_module.run_feasibility(
         None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local", timings=_timings()
     )
     assert not full.passed and "exceeds the remaining wall budget" in full.failure_message()
-    with pytest.raises(feasibility_module.FeasibilityError, match="unknown Schedule fields"):
-        feasibility_module.run_feasibility(
-            None,
-            spec,
-            _FakeEvidence(),
-            initial_checkpoint="i",
-            backend_kind="local",
-            timings=_timings(),
-            schedule_overrides={"steps": 3},
-        )
 
 
 def test_stage_projections(spec, diagnostic):
-    s = feasibility_module.schedule_from_plan(spec)
-    out = feasibility_module.stage_projections(s, _timings())
+    s = projection.schedule_from_plan(spec)
+    out = projection.stage_projections(s, _timings())
     assert out["gate"] == pytest.approx(10.0 + 5 * 72.0)
     assert out["plan"] == pytest.approx(10.0 + 100 * 72.0 + 2638 * 0.5)
-    assert "gate" not in feasibility_module.stage_projections(
-        feasibility_module.schedule_from_plan(diagnostic), _timings(eval_items=0, eval_seconds=0.0)
+    assert "gate" not in projection.stage_projections(
+        projection.schedule_from_plan(diagnostic), _timings(eval_items=0, eval_seconds=0.0)
     )
 
 
@@ -254,7 +241,7 @@ def test_measured_setup_parts_add_up(diagnostic):
         "create_client_from_initial_checkpoint": 10.0,
         "restoration_preflight": 30.0,
     }
-    with pytest.raises(feasibility_module.FeasibilityError, match="measured_setup"):
+    with pytest.raises(projection.FeasibilityError, match="measured_setup"):
         feasibility_module.run_feasibility(
             None,
             diagnostic,

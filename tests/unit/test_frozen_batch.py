@@ -7,7 +7,7 @@ import pytest
 
 from dppo_harness.data.gsm8k import Graded, Gsm8kItem
 from dppo_harness.rollout import rollouts
-from dppo_harness.rollout.frozen_batch import FIELDS, FrozenBatch, FrozenBatchError
+from dppo_harness.rollout.frozen_batch import FIELDS, FrozenBatch, FrozenBatchError, split_complete_groups
 
 
 def make_rollout_batch(n_groups=32, group_size=8, seed=0):
@@ -149,6 +149,15 @@ def test_minibatches_hold_complete_groups(fb):
     for bad in (0, 3, 5, 64):
         with pytest.raises(FrozenBatchError, match="complete groups"):
             fb.split_minibatches(bad)
+
+
+def test_the_split_rule_keeps_groups_whole_and_refuses_uneven_splits():
+    """The one rule every trainer splits a batch with (the arm-step and frozen batches alike)."""
+    assert split_complete_groups([0, 0, 1, 1, 2, 2, 3, 3], 2) == [([0, 1], [0, 1, 2, 3]), ([2, 3], [4, 5, 6, 7])]
+    assert split_complete_groups([5, 5, 2, 2], 1) == [([5, 2], [0, 1, 2, 3])]  # groups in first-appearance order
+    for groups, n in (([0, 1, 2], 2), ([0, 1], 0), ([], 1)):
+        with pytest.raises(ValueError, match="minibatches of complete groups"):
+            split_complete_groups(groups, n)
 
 
 def test_invalid_construction_is_refused(rb):

@@ -93,26 +93,13 @@ def test_gate_values_use_the_second_update_mean_over_steps():
     assert not results["executed_updates_per_batch"].passed
 
 
-def test_pilot_config_reads_the_plan_and_records_reductions():
+def test_the_gate_pilots_the_plans_treatment_at_the_plans_schedule():
     run = SPEC_PLAN.run
-    cfg = gate.pilot_config(run)
-    assert (cfg.arm, cfg.loss) == ("dppo_seed0", "dppo_divergence_mask")  # the treatment, from the spec's roles
-    assert (cfg.steps, cfg.groups_per_batch, cfg.group_size, cfg.max_tokens) == (5, 32, 8, 512)
-    assert cfg.updates_per_batch == 2 and cfg.adam["learning_rate"] == 2e-5 and cfg.adam["eps"] == 1e-8
-    assert cfg.temperature == 1.0 and cfg.max_seq_len == 1024 and cfg.reductions == ()
-    assert "5-step pilot" in run.gate_pilot_steps.source  # the gate's reason states the pilot length
-    small = gate.pilot_config(run, groups_per_batch=4, max_tokens=32)
-    assert {r["field"] for r in small.reductions} == {"groups_per_batch", "max_tokens"}
-    with pytest.raises(gate.GateError, match="unknown pilot overrides"):
-        gate.pilot_config(run, delta=0.1)
-    with pytest.raises(gate.GateError, match="'grpo_seed0' is the baseline"):
-        gate.pilot_config(run, "grpo_seed0")
-
-
-def test_complete_group_split():
-    assert gate.split_complete_groups([0, 0, 1, 1, 2, 2, 3, 3], 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    with pytest.raises(gate.GateError):
-        gate.split_complete_groups([0, 1, 2], 2)
+    arm = gate.pilot_arm(SPEC_PLAN.name, run)
+    assert (arm.name, arm.loss, arm.role) == ("dppo_seed0", "dppo_divergence_mask", "treatment")
+    assert int(run.gate_pilot_steps.value) == 5 and "5-step pilot" in run.gate_pilot_steps.source
+    assert arm.updates_per_batch == 2 and arm.adam["learning_rate"] == 2e-5 and arm.adam["eps"] == 1e-8
+    assert gate.is_report_file(gate.GATE_REPORT_FILE) and not gate.is_report_file("activation-gate-report.md")
 
 
 def test_executed_model_is_the_model_that_computes_not_the_requested_name():
@@ -186,3 +173,41 @@ def test_bounds_record_writes_the_keys_the_plan_check_declares_in_report_order()
         dumped = c.model_dump(exclude_none=True)
         assert Bounds.of(c).as_json() == {k: dumped[k] for k in ("min", "max", "one_of") if k in dumped}
     assert list(Bounds(min=0.0, max=1.0, min_exclusive=0.0).as_json()) == ["min", "max", "min_exclusive"]
+
+
+class _Bundle:
+    def __init__(self):
+        self.result, self.files, self.fields = {"backend": None}, {}, {}
+
+    def register_json(self, name, kind, obj):
+        self.files[name] = obj
+
+    def register_bytes(self, name, kind, data):
+        self.files[name] = data
+
+    def update_result(self, **fields):
+        self.fields.update(fields)
+
+
+def test_a_pilot_client_not_shown_loaded_from_the_initial_checkpoint_fails_the_gate(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from tinker import types
+
+    from dppo_harness.train.restore import Restore
+
+    init, other = "tinker://m/weights/initial", "tinker://m/weights/other"
+    info = NS(model_data=NS(model_name="Qwen/Qwen3.5-2B", arch=""))
+    restored = lambda sc, path, name: Restore(name, NS(), path, types.LoadWeightsResponse(path=other), info, 0.0)  # noqa: E731
+    monkeypatch.setattr(gate, "restore", restored)
+
+    def no_renderer():  # the pilot stops after the load: nothing to sample with
+        raise RuntimeError("no renderer here")
+
+    monkeypatch.setattr(gate.tokenizer, "make_renderer", no_renderer)
+    bundle = _Bundle()
+    report = gate.run_activation_gate(None, SPEC_PLAN, bundle, init, backend="tinker")
+    assert not report.passed and f"pilot client: the load of {init} loaded {other!r}" in report.errors
+    assert "pilot stopped: RuntimeError: no renderer here" in report.errors
+    assert report.pilot["loaded_checkpoint"] == other and report.pilot["initial_checkpoint"] == init
+    assert bundle.files[gate.GATE_REPORT_FILE]["passed"] is False

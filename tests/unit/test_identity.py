@@ -12,7 +12,7 @@ from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKE
 from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
 from dppo_harness.evidence.backend import Backend, EmbeddedServer, backend_of, report_lines, served_model
 from dppo_harness.evidence.result import label_summary
-from dppo_harness.evidence.session import closing_fields
+from dppo_harness.evidence.session import closing_fields, start_session
 from dppo_harness.plans import load_plan
 from dppo_harness.service import identity
 from dppo_harness.service.connectivity import ConnectivityReport
@@ -89,7 +89,7 @@ def _report(marker=True, model="Qwen/Qwen3.5-2B", substitution=None):
 def _bundle(tmp_path, plan_name="exp_e6b0965af3-diagnostic-r1.json", served=None):
     plan = load_plan(ROOT / "plans" / plan_name)
     b = EvidenceBundle.create(tmp_path)
-    b.start_session(backend="tinker", plan=plan, stages=("unit", "preflight"), project_root=ROOT, served_model=served)
+    start_session(b, backend="tinker", plan=plan, stages=("unit", "preflight"), project_root=ROOT, served_model=served)
     return b, plan
 
 

@@ -425,3 +425,33 @@ def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
         ("passed", True),
         ("problem", None),
     ]
+
+
+def test_a_restore_counts_as_observed_only_when_the_service_names_the_path_asked_for(monkeypatch):
+    """`train.restore`: the one observed restore every stage uses; a load response without the path,
+    or naming another one, is reported in one line."""
+    from types import SimpleNamespace
+
+    from tinker import types
+
+    from dppo_harness.train import restore as restore_module
+
+    init, info = "tinker://m/weights/initial", types.GetInfoResponse.model_construct(model_id="m")
+    client = SimpleNamespace(get_info=lambda: info)
+    asked = []
+
+    def create(sc, path, name):
+        asked.append((path, name))
+        return client, types.LoadWeightsResponse(path=loaded)
+
+    monkeypatch.setattr(restore_module, "create_from_state_with_response", create)
+    loaded = init
+    restored = restore_module.restore(object(), init, "dppo_seed0")
+    assert asked == [(init, "dppo_seed0")] and restored.client is client and restored.info is info
+    assert restored.mismatch() is None and restored.seconds >= 0
+    record = restored.record()
+    assert record["loaded_checkpoint_uri"] == record["initial_checkpoint"] == init and record["before_first_update"]
+    loaded = None
+    assert "its response has no path" in restore_module.restore(object(), init, "a").mismatch()
+    loaded = "tinker://m/weights/other"
+    assert restore_module.restore(object(), init, "a").mismatch() == f"the load of {init} loaded {loaded!r}"

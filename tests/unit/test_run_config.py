@@ -199,23 +199,16 @@ def test_n_arms_one_baseline_several_treatments_each_criterion_on_its_own():
         _parse(_three_arms(SPEC.raw["decision_rule"]["criteria"]))
 
 
-def test_each_treatments_gate_report_is_one_a_resume_takes_over():
-    """A resume re-registers and re-checks every gate report of the run (comparison_resume), so
-    every name gate.report_file gives, one treatment or several, must be recognized as one."""
+def test_the_gate_refuses_a_plan_with_several_treatments_in_one_line():
+    """No plan has two treatments; a gate deciding for several is not built, so such a plan stops."""
     from dppo_harness.stages import gate
 
-    three = _parse(_three_arms([_criterion("a", "dppo_seed0"), _criterion("b", "dppo_seed0_b")])).run
-    names = [gate.report_file(three, a.name) for a in three.treatments] + [gate.report_file(SPEC.run, "dppo_seed0")]
-    assert names == [
-        "activation-gate-report-dppo_seed0.json",
-        "activation-gate-report-dppo_seed0_b.json",
-        gate.GATE_REPORT_FILE,
-    ]
-    assert all(gate.is_report_file(n) for n in names)
-    assert not any(
-        gate.is_report_file(n)
-        for n in ("original-gate-report.json", "activation-gate-report.md", "comparison-state-r1-end.json")
-    )
+    three = _parse(_three_arms([_criterion("a", "dppo_seed0"), _criterion("b", "dppo_seed0_b")]))
+    with pytest.raises(gate.GateError) as refused:
+        gate.pilot_arm(three.name, three.run)
+    line = str(refused.value)
+    assert "\n" not in line and "pilots one treatment arm; this plan has 2 (dppo_seed0, dppo_seed0_b)" in line
+    assert gate.pilot_arm(SPEC.name, SPEC.run).name == "dppo_seed0"
 
 
 def test_diagnostic_plan_names_a_registered_dataset_and_an_arm_of_its_original(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from tinker.lib.api_future_impl import QueueState
 
 from dppo_harness.evidence import MAX_FILES, EvidenceBundle
+from dppo_harness.evidence.session import start_session
 from dppo_harness.plans import load_plan
 from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
 from dppo_harness.service.wait.evidence import MAX_WAIT_SNAPSHOTS, BundlePoster
@@ -311,7 +312,8 @@ def test_policy_options_and_the_capacity_scale():
 
 def _bundle(tmp_path):
     b = EvidenceBundle.create(tmp_path, env={})
-    b.start_session(
+    start_session(
+        b,
         backend="tinker",
         plan=load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"),
         stages=("unit", "preflight"),

@@ -74,3 +74,20 @@ def test_stages_of_the_paths_on_the_command_line():
     assert stages.stages_of_paths([PurePath("/p/tests")]) == stages.STAGES
     assert stages.stages_of_paths([PurePath("/p/tests/integration/test_x.py"), PurePath("/p/other")]) == ("unit",)
     assert stages.stages_of_paths([]) == ()
+
+
+def test_each_stage_needs_only_stages_before_it():
+    for i, stage in enumerate(stages.STAGE_LIST):
+        assert all(stages.stage_index(p) < i for p in stage.prerequisites), stage
+    assert stages.FOLDER_STAGE["gates"] == "gate" and stages.FOLDER_STAGE["integration"] == "unit"
+    assert "comparison" in stages.STAGE_TEST_FOLDERS and "unit" not in stages.STAGE_TEST_FOLDERS
+
+
+def test_the_launch_block_authorizes_exactly_the_stages_the_list_marks_authorizable():
+    """pydantic needs the launch block's stage names spelled out as a Literal; this holds it to the list."""
+    from typing import get_args
+
+    from dppo_harness.plans.models import AUTHORIZABLE_STAGES, Launch
+
+    (literal,) = get_args(Launch.model_fields["authorized_stages"].annotation)
+    assert get_args(literal) == AUTHORIZABLE_STAGES == stages.AUTHORIZABLE == ("gate", "diagnostic", "comparison")

@@ -76,14 +76,6 @@ def _datums(n=2):
     return out
 
 
-def test_prepare_minibatches_keeps_groups_whole_and_refuses_uneven_splits():
-    assert train_step.prepare_minibatches([0, 0, 1, 1, 2, 2, 3, 3], 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    with pytest.raises(train_step.TrainStepError, match="3 groups"):
-        train_step.prepare_minibatches([0, 1, 2], 2)
-    with pytest.raises(gate.GateError):
-        gate.split_complete_groups([0, 1, 2], 2)
-
-
 def test_train_step_records_one_call_and_persists_before_the_optimizer_step():
     cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
     tc, rec = FakeTrainingClient(), instrumentation.LossCallRecorder(cfg)

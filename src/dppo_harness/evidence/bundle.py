@@ -2,8 +2,8 @@
 
 - files.FileRegistry: immutable `files/<name>` within the limits;
 - result: result.json (shape, merge rules, rehearsal label);
-- ledger.BudgetLedger: the run budget and stage times (`ledger.json`);
-- session: what a pytest session records first and how it closes the result.
+- ledger.BudgetLedger: the run budget and stage times (`ledger.json`).
+(`session` writes what a pytest session records first, and closes the result, through it.)
 
 The bundle holds the one lock, scans every byte for live secrets before it leaves memory, and
 writes every file atomically. On any error nothing changes, on disk or in memory.
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from dppo_harness.evidence import session
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
@@ -56,7 +55,6 @@ from dppo_harness.evidence.result import (
     validate_result,
 )
 from dppo_harness.json_types import JsonMap, JsonObject
-from dppo_harness.plans import BackendKind
 from dppo_harness.plans.models import DEVIATION_FIELDS
 from dppo_harness.service.secrets_scan import SecretLeakError, SecretScanner, scanner_for
 
@@ -488,36 +486,8 @@ class EvidenceBundle:
     def register_effective_config(self, config: JsonMap, name: str = "effective-config.json") -> FileEntry:
         return self.register_json(name, "effective_config", config)
 
-    # -- pytest session (called by dppo_harness.pytest_plugin.hooks; see evidence.session)
-
-    def record_plan(self, plan: Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None) -> None:
-        if plan.kind == "rehearsal":
-            with self._lock:
-                check_rehearsal_plan_result(self._result)
-                self._rehearsal_plan = True
-        session.record_plan(self, plan, effective_config, plan_name=plan_name)
-
-    def start_session(
-        self,
-        *,
-        backend: BackendKind,
-        plan: Plan,
-        stages: Sequence[str],
-        project_root: Path,
-        test_files: Sequence[str | Path] = (),
-        served_model: str | None = None,
-        size_reductions: Sequence[Mapping[str, str]] = (),
-    ) -> None:
-        session.start_session(
-            self,
-            backend=backend,
-            plan=plan,
-            stages=stages,
-            project_root=project_root,
-            test_files=test_files,
-            served_model=served_model,
-            size_reductions=size_reductions,
-        )
-
-    def finish_session(self, stage_failures: Mapping[str, str] | None = None) -> None:
-        session.finish_session(self, stage_failures)
+    def mark_rehearsal_plan(self) -> None:
+        """The run executes a rehearsal plan: its result must say so, now and at every later update."""
+        with self._lock:
+            check_rehearsal_plan_result(self._result)
+            self._rehearsal_plan = True

@@ -1,27 +1,24 @@
 """The pytest session's part of the evidence: what is recorded before any service call, and the
-closing of the result when the session ends (called by dppo_harness.pytest_plugin.hooks)."""
+closing of the result when the session ends (called by the harness plugin's fixtures and hooks)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dppo_harness import plans
 from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 from dppo_harness.evidence.backend import Backend
+from dppo_harness.evidence.bundle import EvidenceBundle
 from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonMap
 from dppo_harness.plans import BackendKind
+from dppo_harness.pytest_plugin.stages import STAGE_TEST_FOLDERS
 from dppo_harness.service.config import sdk_versions
-
-if TYPE_CHECKING:
-    from dppo_harness.evidence.bundle import EvidenceBundle
-
-STAGE_TEST_FOLDERS = ("preflight", "gates", "diagnostic")
 
 
 def record_plan(
@@ -33,6 +30,8 @@ def record_plan(
     `effective_config` is plans.effective_config(plan, backend_info)."""
     if effective_config.get("plan", {}).get("sha256") != plan.sha256:
         raise EvidenceError("effective config was not built from this plan (sha256 differs)")
+    if plan.kind == "rehearsal":
+        bundle.mark_rehearsal_plan()
     bundle.register_plan(plan, plan_name)
     bundle.register_resolution(plan)
     bundle.register_effective_config(effective_config)
@@ -72,7 +71,6 @@ def start_session(
     project_root: Path,
     test_files: Sequence[str | Path] = (),
     served_model: str | None = None,
-    size_reductions: Sequence[Mapping[str, str]] = (),
 ) -> None:
     """Everything that must be in evidence before any service call of the session.
 
@@ -99,7 +97,7 @@ def start_session(
     commit = json.loads(rev.read_text()).get("commit") if rev.is_file() else None
     register_code_archive(bundle, root, commit=commit)
     _register_test_manifest(bundle, root, test_files)
-    info = _backend_info(backend, plan, versions, served_model=served_model, size_reductions=size_reductions)
+    info = _backend_info(backend, plan, versions, served_model=served_model)
     record_plan(bundle, plan, plans.effective_config(plan, info))
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
@@ -147,7 +145,6 @@ def _backend_info(
     versions: Mapping[str, str],
     *,
     served_model: str | None,
-    size_reductions: Sequence[Mapping[str, str]],
 ) -> plans.BackendInfo:
     """The backend as the effective config declares it; the served model, when not known yet,
     is named for where it will be reported."""
@@ -160,7 +157,6 @@ def _backend_info(
         requested_model=plan.planned_model,
         served_model=served,
         sdk_versions=versions,
-        size_reductions=tuple(size_reductions),
     )
 
 

@@ -83,7 +83,7 @@ def restoration(
 ) -> RestorationResult:
     """restoration.RestorationResult for the initialization group of the plan's spec (a
     diagnostic's original plan), run once."""
-    from dppo_harness.stages.restoration import for_session  # the SDK and torch: see above
+    from dppo_harness.stages import restoration as restoration_module  # the SDK and torch: see above
 
     # Its own session, registered before its first call: a stop on the way (capacity, hang)
     # releases it with the rest.
@@ -92,29 +92,33 @@ def restoration(
     )
     server = service_backend.server if service_backend.kind == "local" else None
     try:
+        reader, update_norm = restoration_module.backend_update_norm(
+            server.run_dir if server is not None else None, probe_sc
+        )
         # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
         with Watchdog(harness_progress, every_s=10.0) as watch:
-            outcome = for_session.run_for_session(
+            return restoration_module.run_restoration_preflight(
                 service_client,
                 plan,
                 evidence_bundle,
+                checkpoint_reader=reader,
+                update_norm=update_norm,
                 probe_service_client=probe_sc,
-                local_run_dir=server.run_dir if server is not None else None,
                 base_model=client_base_model,  # the served substitute
                 capacity=service_waiter.policy.capacity(),  # the session's windows for refused creations
                 registry=client_registry,
                 trained_arms=trained_arms(plan),
                 progress=watch.say,
             )
+    except restoration_module.RestorationError as exc:  # a response without a field the proof needs
+        line = f"restoration preflight: {exc}"
     except CapacityExhausted as exc:  # the run ends with its capacity_block
         record_capacity_stop_before_training(evidence_bundle, exc.block)
         raise  # a ServiceStopped: stops_stage fails the test with its one line
     finally:
         # Release the setup/probe session before anything trains, and record it.
         record_client_releases(request.config, client_registry.release_stage("preflight-probes"))
-    if isinstance(outcome, str):  # a response without a field the proof needs: its one line
-        pytest.fail(outcome, pytrace=False)
-    return outcome
+    pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
 
 @pytest.fixture(scope="session")

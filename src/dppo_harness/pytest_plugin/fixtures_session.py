@@ -14,6 +14,7 @@ import pytest
 
 from dppo_harness import project
 from dppo_harness.evidence import EvidenceBundle, budget
+from dppo_harness.evidence.session import start_session
 from dppo_harness.plans import BackendKind, Plan, load_plan
 from dppo_harness.pytest_plugin.session import (
     ITEMS_KEY,
@@ -173,7 +174,8 @@ def evidence_bundle(
     # Known to the session before anything else is written, so whatever fails next, the session's
     # end closes this bundle's result.
     pytestconfig.stash[STATE_KEY].bundle = bundle
-    bundle.start_session(
+    start_session(
+        bundle,
         backend=harness_options.backend,
         plan=plan,
         stages=harness_options.selected_stages,

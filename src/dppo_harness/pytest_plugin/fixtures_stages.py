@@ -1,7 +1,7 @@
 """Session fixtures of the `gate`, `comparison` and `diagnostic` stages, and the session's progress
 writer (registered by the harness plugin).
 
-Thin adapters: they call `gate.run_activation_gates`, `comparison.run.run_comparison` and
+Thin adapters: they call `gate.run_activation_gate`, `comparison.run.run_comparison` and
 `diagnostic.loop.run_bounded_diagnostic` with the session's service client, plan, evidence bundle
 and the restoration preflight's shared initial checkpoint and restored arms, show progress lines on
 the terminal (pytest captures ordinary output) and propose the stage's final outcome to the session.
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from dppo_harness.service.wait.waiter import ServiceWaiter
     from dppo_harness.stages.comparison.run import ComparisonResult
     from dppo_harness.stages.diagnostic.loop import DiagnosticResult
-    from dppo_harness.stages.gate import GateReport, GateReports
+    from dppo_harness.stages.gate import GateReport
     from dppo_harness.stages.restoration import RestorationResult
 
 # The gate, comparison and diagnostic loops load the tinker SDK and torch (seconds): each fixture imports
@@ -72,14 +72,14 @@ def gate_report(
     restoration: RestorationResult,
     client_registry: ClientRegistry,
     stage_session_client: Callable[[str, str], tinker.ServiceClient],
-) -> GateReport | GateReports:
-    """The plan's activation-gate pilot of each treatment arm, run once per session. The pilots'
-    clients live in their own session, closed as soon as the pilots end (before any arm trains)."""
-    from dppo_harness.stages.gate import run_activation_gates  # the SDK and torch: see above
+) -> GateReport:
+    """The plan's activation-gate pilot of its treatment arm, run once per session. The pilot's
+    client lives in its own session, closed as soon as the pilot ends (before any arm trains)."""
+    from dppo_harness.stages.gate import run_activation_gate  # the SDK and torch: see above
 
     pilot_sc = stage_session_client("gate-pilot", "activation-gate pilot (closed when the pilot ends)")
     try:
-        return run_activation_gates(
+        return run_activation_gate(
             pilot_sc,
             plan,
             evidence_bundle,

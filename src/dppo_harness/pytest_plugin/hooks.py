@@ -18,7 +18,7 @@ import pytest
 
 from dppo_harness.evidence import UnwritableEvidenceError
 from dppo_harness.evidence.run_summary import TITLE, summary_lines
-from dppo_harness.evidence.session import unclosed_line
+from dppo_harness.evidence.session import finish_session, unclosed_line
 from dppo_harness.plans import PlanError, launch_refusal, launch_undecided_refusal, load_plan, unauthorized_stages
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.options import (
@@ -321,7 +321,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     try:
         if problems:
             state.bundle.note_ledger(session_close_problems=problems)
-        state.bundle.finish_session(stage_failures=dict(state.first_failure))
+        finish_session(state.bundle, stage_failures=dict(state.first_failure))
         finalize_labels(state.bundle)
     except UnwritableEvidenceError as exc:  # the close itself was refused: one line, never a traceback
         say(str(exc), red=True)

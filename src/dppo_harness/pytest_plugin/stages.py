@@ -1,38 +1,48 @@
-"""Stage model of the gated experiment: order, prerequisites, and how a test's stage is derived.
+"""The stages of the gated experiment, listed once, and the rules read from that list: run order,
+prerequisites, a test's stage from its folder or marker, `-m` selection.
 
-Pure helpers, so the pytest plugin stays a thin adapter and the rules are unit-testable.
+The list is read by the plugin's hooks, the evidence's test manifest (`evidence.session`) and,
+through a unit test that holds them equal, the launch block's Literal of authorizable stages
+(`plans.models.Launch`, which pydantic needs spelled out).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import PurePath
 
 from dppo_harness.project import REHEARSAL_PLAN
 
-STAGES: tuple[str, ...] = ("unit", "preflight", "gate", "diagnostic", "comparison")
 
-# What each stage needs to have passed first, in run order (the stage itself comes last).
-PREREQUISITES: dict[str, tuple[str, ...]] = {
-    "unit": (),
-    "preflight": ("unit",),
-    "gate": ("unit", "preflight"),
-    "diagnostic": ("unit", "preflight"),
-    "comparison": ("unit", "preflight", "gate"),
-}
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    folder: str  # its tests' folder below `tests/`
+    prerequisites: tuple[str, ...]  # stages that must pass first, in run order
+    authorizable: bool  # trains beyond setup: on a service a plan's launch block must authorize it
 
-FOLDER_STAGE: dict[str, str] = {
-    "unit": "unit",
-    "integration": "unit",
-    "preflight": "preflight",
-    "gates": "gate",
-    "diagnostic": "diagnostic",
-    "comparison": "comparison",
-}
 
-# Folders whose tests belong to stage "unit" but are not part of "unit parity" as a prerequisite.
+# In run order.
+STAGE_LIST: tuple[Stage, ...] = (
+    Stage("unit", "unit", (), authorizable=False),
+    Stage("preflight", "preflight", ("unit",), authorizable=False),
+    Stage("gate", "gates", ("unit", "preflight"), authorizable=True),
+    Stage("diagnostic", "diagnostic", ("unit", "preflight"), authorizable=True),
+    Stage("comparison", "comparison", ("unit", "preflight", "gate"), authorizable=True),
+)
+
+STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_LIST)
+PREREQUISITES: dict[str, tuple[str, ...]] = {s.name: s.prerequisites for s in STAGE_LIST}
+AUTHORIZABLE: tuple[str, ...] = tuple(s.name for s in STAGE_LIST if s.authorizable)
+
+# Tests of stage "unit" that are not part of "unit parity" when unit runs only as a prerequisite.
 INTEGRATION_FOLDER = "integration"
+
+FOLDER_STAGE: dict[str, str] = {s.folder: s.name for s in STAGE_LIST} | {INTEGRATION_FOLDER: "unit"}
+# Folders whose test files the evidence's manifest flags as stage tests (every stage but unit's).
+STAGE_TEST_FOLDERS: tuple[str, ...] = tuple(s.folder for s in STAGE_LIST if s.name != "unit")
 
 _STAGE_EXPR = re.compile(r"^\s*\w+(\s+or\s+\w+)*\s*$")
 

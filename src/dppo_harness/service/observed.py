@@ -281,7 +281,7 @@ def notify_training_client(
 
 def create_from_state_with_response(
     service_client: tinker.ServiceClient, path: str, name: str | None = None
-) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
+) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse]:
     """A fresh client with `path` (weights and optimizer) loaded, keeping the service's load response.
 
     tinker 0.25's `create_training_client_from_state_with_optimizer` awaits the load response and

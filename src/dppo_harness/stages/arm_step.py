@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss.losses import CustomLossFn
 from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.rollout.frozen_batch import split_complete_groups
 from dppo_harness.train import train_step
 
 if TYPE_CHECKING:  # only types: the callers make the clients and the renderer
@@ -23,7 +24,6 @@ if TYPE_CHECKING:  # only types: the callers make the clients and the renderer
 
 # (1-based update in the batch, sampler path, datum indices of its minibatch) -> the loss call's context
 UpdateContext = Callable[[int, str, list[int]], Mapping[str, int | str]]
-Minibatches = Callable[[Sequence[int], int], list[list[int]]]
 
 
 @dataclass
@@ -65,14 +65,14 @@ def run_arm_step(
     sampler_name: str,
     context: UpdateContext,
     progress: ArmStepProgress | None = None,
-    minibatches: Minibatches = train_step.prepare_minibatches,
 ) -> ArmStepResult:
     """Sample `items` from `arm.client`'s current weights as `sampler_name`, then one recorded
-    update per minibatch of whole groups (`minibatches`); `progress` says how far it got."""
+    update per minibatch of whole groups (`frozen_batch.split_complete_groups`; ValueError when the
+    groups do not split evenly); `progress` says how far it got."""
     progress = progress if progress is not None else ArmStepProgress()
     sampled = rollout_batch.sample_rollout_batch(arm.client, items, renderer, rollout_cfg, sampler_name=sampler_name)
     progress.sampled = sampled
-    progress.minibatches = minibatches(sampled.group_of_datum, arm.updates_per_batch)
+    progress.minibatches = [seqs for _, seqs in split_complete_groups(sampled.group_of_datum, arm.updates_per_batch)]
     run_arm_updates(arm, sampled, progress.minibatches, context=context, progress=progress)
     return ArmStepResult(sampled, list(progress.records))
 

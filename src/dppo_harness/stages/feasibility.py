@@ -35,7 +35,6 @@ from dppo_harness.stages.feasibility_projection import (
     DEFAULT_RESERVE_FRACTION,
     ArmPilot,
     FeasibilityError,
-    PilotFigures,
     PilotSchedule,
     PilotTimings,
     Projection,
@@ -53,26 +52,6 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan
 
-__all__ = [
-    "DEFAULT_RESERVE_FRACTION",
-    "PILOT_FILE",
-    "ArmPilot",
-    "FeasibilityError",
-    "FeasibilityResult",
-    "PilotFigures",
-    "PilotSchedule",
-    "PilotTimings",
-    "Projection",
-    "arm_pilots",
-    "feasibility_block",
-    "feasibility_check",
-    "gpu_allocation",
-    "project",
-    "run_feasibility",
-    "run_timing_pilot",
-    "schedule_from_plan",
-    "stage_projections",
-]
 
 PILOT_FILE = "feasibility-pilot.json"
 
@@ -296,19 +275,15 @@ def run_feasibility(
     reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
     elapsed_seconds: float = 0.0,
     timings: PilotTimings | None = None,
-    schedule_overrides: Mapping[str, JsonValue] | None = None,
     measured_setup: Mapping[str, float] | None = None,
     progress: Callable[[str], None] | None = None,
     embedded_server: bool = False,
 ) -> FeasibilityResult:
-    """Pilot (unless `timings` is given), project `plan`, write `feasibility` to the bundle.
-
-    `schedule_overrides` applies explicit size reductions (PilotSchedule field -> value, e.g.
-    {"batches_per_arm": 5}); they are recorded in the pilot config and the caller must record
-    them as deviations. Unknown fields are an error. `measured_setup` adds other measured setup
+    """Pilot (unless `timings` is given), project `plan` at its own schedule (a smaller run is a
+    smaller plan), write `feasibility` to the bundle. `measured_setup` adds other measured setup
     phases of this run ({"restoration_preflight": seconds, ...}) to the pilot's setup time.
     """
-    schedule = _reduced_schedule(plan, schedule_overrides)
+    schedule = schedule_from_plan(plan)
     details: JsonObject = {}
     t0 = time.perf_counter()
     if timings is None:
@@ -343,7 +318,6 @@ def run_feasibility(
         pilot_updates=pilot_updates,
         reserve_fraction=reserve_fraction,
         elapsed_seconds=elapsed_seconds,
-        schedule_overrides=schedule_overrides,
         setup_parts=setup_parts,
     )
     block = _plan_feasibility_block(plan, schedule, timings, proj, pilot_config, effective_config, alloc)
@@ -405,18 +379,6 @@ def _write_feasibility(bundle: EvidenceBundle, result: FeasibilityResult, t0: fl
     bundle.update_result(feasibility=result.block, metrics=metrics)
 
 
-def _reduced_schedule(plan: Plan, schedule_overrides: Mapping[str, JsonValue] | None) -> PilotSchedule:
-    """The plan's schedule with the explicit size reductions applied (unknown fields: an error)."""
-    schedule = schedule_from_plan(plan)
-    if schedule_overrides:
-        unknown = set(schedule_overrides) - set(PilotSchedule.__dataclass_fields__)
-        if unknown:
-            raise FeasibilityError(f"schedule_overrides: unknown Schedule fields {sorted(unknown)}")
-        # The names are checked above; the values are the caller's explicit reductions, as given.
-        schedule = replace(schedule, **dict(schedule_overrides))  # type: ignore[arg-type]
-    return schedule
-
-
 def _with_measured_setup(
     timings: PilotTimings, measured_setup: Mapping[str, float] | None
 ) -> tuple[PilotTimings, dict[str, float]]:
@@ -440,7 +402,6 @@ def _pilot_config(
     pilot_updates: int,
     reserve_fraction: float,
     elapsed_seconds: float,
-    schedule_overrides: Mapping[str, JsonValue] | None,
     setup_parts: Mapping[str, float],
 ) -> JsonObject:
     """What the pilot ran and how the projection extrapolates it (the feasibility block's config)."""
@@ -459,7 +420,6 @@ def _pilot_config(
         "eval_decoding": {"temperature": 0.0, "max_tokens": schedule.max_tokens},
         "reserve_fraction": reserve_fraction,
         "elapsed_seconds_taken_off_budget": elapsed_seconds,
-        "size_reductions": dict(schedule_overrides or {}),
         "setup_components_seconds": dict(setup_parts),
         "extrapolation": "sampling seconds per group x groups_per_batch, mean update seconds x "
         "updates_per_batch, per arm-step; eval seconds per item x eval items",

@@ -8,7 +8,7 @@ arm-step, `arm_step.run_arm_step`), the treatment's loss trained, the family's d
 metric is the loss-call statistic its registered loss names (`loss_registry.gate_metric_sources`) on the
 last update of each pilot step. Every check of the plan is evaluated (`checks.Bounds`, the rule the
 diagnostic's criteria share); a value outside its range or missing fails the gate. The gate report is its own immutable evidence file; nothing later
-rewrites it. A plan with several treatments pilots each of them (one report each).
+rewrites it. A plan with several treatments is refused: the gate pilots the one treatment arm.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.evidence.backend import backend_of, served_model
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss import loss_registry, losses
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_step
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
-from dppo_harness.train import train_step
-from dppo_harness.train.clients import create_from_state_observed
+from dppo_harness.train.restore import restore
 
 if TYPE_CHECKING:
     from tinker_cookbook import renderers
@@ -39,6 +38,7 @@ if TYPE_CHECKING:
     from dppo_harness.data.gsm8k import Gsm8kItem
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan, RunConfig
+    from dppo_harness.plans.arm_roles import ArmConfig
     from dppo_harness.plans.models import GateCheck
 
 GATE_REPORT_FILE = "activation-gate-report.json"
@@ -190,83 +190,20 @@ def with_rollout_yield(
     return out
 
 
-def split_complete_groups(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
-    """`train_step.prepare_minibatches`, with the gate's error type."""
-    try:
-        return train_step.prepare_minibatches(group_of_datum, n_minibatches)
-    except train_step.TrainStepError as exc:
-        raise GateError(str(exc)) from exc
-
-
-@dataclass(frozen=True)
-class PilotConfig:
-    arm: str
-    loss: str
-    steps: int
-    groups_per_batch: int
-    group_size: int
-    temperature: float
-    max_tokens: int
-    updates_per_batch: int
-    adam: dict[str, float]
-    normalization: str
-    seed: int
-    max_seq_len: int | None = None  # the plan's bound on prompt + sampled tokens
-    reductions: tuple[dict[str, Any], ...] = ()  # explicit size reductions (tests only)
-
-
-def pilot_config(run: RunConfig, arm: str | None = None, **overrides: float) -> PilotConfig:
-    """The pilot schedule of treatment arm `arm` (default: the first treatment) from the plan's
-    run config; overrides are recorded as reductions (the stage passes none)."""
-    name = arm or run.treatments[0].name
-    a = run.arm(name)
-    if a.role != "treatment":
-        raise GateError(f"arms: {name!r} is the baseline; the gate pilots a treatment arm")
-    base = {
-        "steps": int(run.gate_pilot_steps.value),
-        "groups_per_batch": int(run.groups_per_batch.value),
-        "group_size": int(run.group_size.value),
-        "max_tokens": int(run.max_tokens.value),
-    }
-    adam = dict(a.adam)
-    unknown = set(overrides) - set(base) - {"learning_rate"}
-    if unknown:
-        raise GateError(f"unknown pilot overrides {sorted(unknown)}")
-    reductions = []
-    for k, v in overrides.items():
-        original = adam["learning_rate"] if k == "learning_rate" else base[k]
-        if v != original:
-            reductions.append({"field": k, "original": original, "effective": v})
-        if k == "learning_rate":
-            adam["learning_rate"] = float(v)
-        else:
-            base[k] = int(v)
-    return PilotConfig(
-        arm=name,
-        loss=a.loss,
-        steps=base["steps"],
-        groups_per_batch=base["groups_per_batch"],
-        group_size=base["group_size"],
-        temperature=float(run.temperature.value),
-        max_tokens=base["max_tokens"],
-        updates_per_batch=a.updates_per_batch,
-        adam=adam,
-        normalization=run.normalization,
-        seed=a.seed,
-        max_seq_len=run.max_seq_len,
-        reductions=tuple(reductions),
-    )
-
-
-def report_file(run: RunConfig, arm: str) -> str:
-    """The gate report's evidence name: the one report of a single treatment, else one per arm."""
-    return GATE_REPORT_FILE if len(run.treatments) == 1 else f"activation-gate-report-{arm}.json"
-
-
 def is_report_file(name: str) -> bool:
-    """Whether an evidence name is a gate report (`report_file` of any plan and arm)."""
-    stem = GATE_REPORT_FILE.removesuffix(".json")
-    return name == GATE_REPORT_FILE or (name.startswith(f"{stem}-") and name.endswith(".json"))
+    """Whether an evidence name is the gate report."""
+    return name == GATE_REPORT_FILE
+
+
+def pilot_arm(plan_name: str, run: RunConfig) -> ArmConfig:
+    """The treatment arm the gate pilots: the plan's one treatment (no plan has more, and a gate
+    that decides for several treatments is not built)."""
+    if len(run.treatments) != 1:
+        names = ", ".join(a.name for a in run.treatments)
+        raise GateError(
+            f"plan {plan_name}: the activation gate pilots one treatment arm; this plan has {len(run.treatments)} ({names})"
+        )
+    return run.treatments[0]
 
 
 def executed_model(info: tinker.types.GetInfoResponse, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
@@ -279,7 +216,7 @@ def executed_model(info: tinker.types.GetInfoResponse, backend: str, bundle: Evi
     """
     md = getattr(info, "model_data", None)
     names = {"model_name": getattr(md, "model_name", None), "arch": getattr(md, "arch", None)}
-    block = backend_of(bundle.result) if hasattr(bundle, "result") else None
+    block = backend_of(bundle.result)
     served = served_model(names, block, local=backend == "local")
     name = served.reported if served.origin == "model_name" else served.name  # the service's word, even ""
     return name, _GATE_SOURCES[served.origin].format(reported=served.reported)
@@ -345,41 +282,7 @@ class GateReport:
             f"{p['updates_per_batch']} complete-group minibatch updates per batch, AdamW lr {p['adam']['learning_rate']:g}; "
             f"backend {p['backend']}; gate {'passed' if self.passed else 'FAILED'}"
         )
-        if p.get("reductions"):
-            note += f"; size reductions {p['reductions']}"
         return {"values": values, "note": note}
-
-
-@dataclass(frozen=True)
-class GateReports:
-    """The pilots of a plan with several treatments: the gate passes when every one does."""
-
-    reports: tuple[GateReport, ...]
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.reports)
-
-    @property
-    def checks(self) -> list[CheckResult]:
-        return [c for r in self.reports for c in r.checks]
-
-    def failures(self) -> list[str]:
-        return [f"{r.pilot['arm']}: {f}" for r in self.reports for f in r.failures()]
-
-
-def run_activation_gates(
-    service_client: tinker.ServiceClient, plan: Plan, bundle: EvidenceBundle, initial_checkpoint: str, **kwargs: Any
-) -> GateReport | GateReports:
-    """The gate of every treatment arm of the plan (one pilot each, in spec order)."""
-    run = plan.spec_plan.run
-    if run is None:
-        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
-    reports = tuple(
-        run_activation_gate(service_client, plan, bundle, initial_checkpoint, arm=a.name, **kwargs)
-        for a in run.treatments
-    )
-    return reports[0] if len(reports) == 1 else GateReports(reports)
 
 
 @dataclass
@@ -398,7 +301,7 @@ class _Pilot:
 def _pilot_step(
     arm: ArmStepRun,
     step: int,
-    cfg: PilotConfig,
+    rollout_cfg: rollouts.RolloutConfig,
     pilot: _Pilot,
     items: Sequence[Gsm8kItem],
     renderer: renderers.Renderer,
@@ -408,20 +311,12 @@ def _pilot_step(
     """One pilot step, the comparison's arm-step (`arm_step.run_arm_step`): fresh rollout batch from
     the current weights, then one recorded update per complete-group minibatch. Returns this step's
     loss-call records (also persisted)."""
-    rcfg = rollouts.RolloutConfig(
-        cfg.groups_per_batch,
-        cfg.group_size,
-        cfg.temperature,
-        cfg.max_tokens,
-        seed=cfg.seed,
-        max_seq_len=cfg.max_seq_len,
-    )
 
     def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
         return {
             "step": step,
             "update_in_batch": u,
-            "update_index": step * cfg.updates_per_batch + u,
+            "update_index": step * arm.updates_per_batch + u,
             "sampler_checkpoint": sampler_path,
             "n_sequences": len(idx),
         }
@@ -432,11 +327,10 @@ def _pilot_step(
             arm,
             items,
             renderer,
-            rcfg,
+            rollout_cfg,
             sampler_name=f"{tag}-sampler-s{step}",
             context=context,
             progress=progress,
-            minibatches=split_complete_groups,
         )
     finally:  # what the step reached is kept when it stops part-way
         if progress.sampled is not None:
@@ -451,7 +345,8 @@ def _pilot_step(
 def _run_pilot(
     service_client: tinker.ServiceClient,
     run: RunConfig,
-    cfg: PilotConfig,
+    treatment: ArmConfig,
+    rollout_cfg: rollouts.RolloutConfig,
     pilot: _Pilot,
     initial_checkpoint: str,
     *,
@@ -461,31 +356,35 @@ def _run_pilot(
     say: Callable[[str], None],
     t0: float,
 ) -> list[str]:
-    """The pilot's steps on a client loaded from the shared initial checkpoint, measured into
+    """The pilot's steps on a client restored from the shared initial checkpoint, measured into
     `pilot`; returns the errors (a pilot stopping early is recorded, and the gate then fails on
     the missing values)."""
     errors: list[str] = []
+    steps = int(run.gate_pilot_steps.value)
     loss_fn = losses.make_loss_fn(pilot.recorder.loss_cfg)
-    adam = tinker.AdamParams(**cfg.adam)
     try:
-        tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "gate pilot client")
-        pilot.loaded_checkpoint = getattr(load_response, "path", None)
-        pilot.base_model, pilot.base_model_source = executed_model(tc.get_info(), backend, bundle)
+        restored = restore(service_client, initial_checkpoint, "gate pilot client")
+        pilot.loaded_checkpoint = restored.loaded_path
+        problem = restored.mismatch()
+        if problem is not None:  # the pilot must train the shared initial state, shown loaded
+            errors.append(f"pilot client: {problem}")
+        pilot.base_model, pilot.base_model_source = executed_model(restored.info, backend, bundle)
         if pilot.base_model is None:  # model_name is optional in the SDK's ModelData: never the requested name
             errors.append(
                 f"executed_base_model unavailable: the service's get_info response names no model "
                 f"(read from {pilot.base_model_source})"
             )
         renderer = tokenizer.make_renderer().renderer
-        train = dataset.get(run.dataset).load_split("train", seed=cfg.seed)
-        arm = ArmStepRun(tc, loss_fn, adam, pilot.recorder, cfg.updates_per_batch)
-        for step in range(cfg.steps):
-            step_records = _pilot_step(
-                arm, step, cfg, pilot, train.batch(step, cfg.groups_per_batch), renderer, bundle, tag
-            )
+        train = dataset.get(run.dataset).load_split("train", seed=treatment.seed)
+        arm = ArmStepRun(
+            restored.client, loss_fn, tinker.AdamParams(**treatment.adam), pilot.recorder, treatment.updates_per_batch
+        )
+        for step in range(steps):
+            items = train.batch(step, rollout_cfg.groups_per_batch)
+            step_records = _pilot_step(arm, step, rollout_cfg, pilot, items, renderer, bundle, tag)
             last = step_records[-1].stats if step_records else {}
             say(
-                f"[gate] step {step + 1}/{cfg.steps}: {pilot.optim_counts[step]} updates, "
+                f"[gate] step {step + 1}/{steps}: {pilot.optim_counts[step]} updates, "
                 f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
                 f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
                 f"truncated {pilot.yields[step].truncated_frac:.2f}, no answer {pilot.yields[step].no_answer_frac:.2f}, "
@@ -496,24 +395,33 @@ def _run_pilot(
     return errors
 
 
-def _pilot_block(cfg: PilotConfig, pilot: _Pilot, initial_checkpoint: str, backend: str) -> JsonObject:
-    """The report's `pilot` block: the schedule run, what was loaded and sampled, and where the
-    executed model's name came from."""
+def _pilot_block(
+    run: RunConfig,
+    treatment: ArmConfig,
+    rollout_cfg: rollouts.RolloutConfig,
+    pilot: _Pilot,
+    initial_checkpoint: str,
+    backend: str,
+) -> JsonObject:
+    """The report's `pilot` block: the schedule run (the plan's), what was loaded and sampled, and
+    where the executed model's name came from."""
     return {
-        **asdict(cfg),
-        "steps_completed": sum(1 for c in pilot.optim_counts if c == cfg.updates_per_batch),
-        "sampler_checkpoints": pilot.samplers,
+        "arm": treatment.name,
+        "loss": treatment.loss,
+        "steps": int(run.gate_pilot_steps.value),
+        "groups_per_batch": rollout_cfg.groups_per_batch,
+        "group_size": rollout_cfg.group_size,
+        "temperature": rollout_cfg.temperature,
+        "max_tokens": rollout_cfg.max_tokens,
+        "updates_per_batch": treatment.updates_per_batch,
+        "adam": as_object(treatment.adam),
+        "normalization": run.normalization,
+        "seed": treatment.seed,
+        "max_seq_len": run.max_seq_len,
+        "steps_completed": sum(1 for c in pilot.optim_counts if c == treatment.updates_per_batch),
+        "sampler_checkpoints": as_value(pilot.samplers),
         "initial_checkpoint": initial_checkpoint,
         "loaded_checkpoint": pilot.loaded_checkpoint,
-        **(
-            {}
-            if pilot.loaded_checkpoint is not None
-            else {
-                "loaded_checkpoint_unavailable": (
-                    "the service's load response has no path (optional in the SDK's LoadWeightsResponse)"
-                )
-            }
-        ),
         "backend": backend,
         "loss_calls": len(pilot.recorder.records),
         "executed_base_model_source": pilot.base_model_source,
@@ -530,28 +438,46 @@ def run_activation_gate(
     backend: str,
     progress: Callable[[str], None] | None = None,
     tag: str = "gate",
-    arm: str | None = None,
-    **overrides: float,
 ) -> GateReport:
-    """Run the pilot of treatment `arm` (default: the first) from the shared initial checkpoint,
-    evaluate every check of the plan's gate, write the report (own immutable evidence file), the
-    per-step tensors and `activation_calibration`."""
+    """Run the pilot of the plan's treatment arm at the plan's own schedule from the shared initial
+    checkpoint, evaluate every check of the plan's gate, write the report (own immutable evidence
+    file), the per-step tensors and `activation_calibration`."""
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
     run = plan.spec_plan.run
     if run is None:
         raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
-    cfg = pilot_config(run, arm, **overrides)
-    first = cfg.arm == run.treatments[0].name
-    tag = tag if first else f"{tag}-{cfg.arm}"
-    loss_cfg = losses.LossConfig.for_loss(cfg.loss, cfg.normalization)  # type: ignore[arg-type]
+    treatment = pilot_arm(plan.name, run)
+    rollout_cfg = rollouts.RolloutConfig(
+        int(run.groups_per_batch.value),
+        int(run.group_size.value),
+        float(run.temperature.value),
+        int(run.max_tokens.value),
+        seed=treatment.seed,
+        max_seq_len=run.max_seq_len,
+    )
+    loss_cfg = losses.LossConfig.for_loss(treatment.loss, run.normalization)
     pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
     errors = _run_pilot(
-        service_client, run, cfg, pilot, initial_checkpoint, backend=backend, bundle=bundle, tag=tag, say=say, t0=t0
+        service_client,
+        run,
+        treatment,
+        rollout_cfg,
+        pilot,
+        initial_checkpoint,
+        backend=backend,
+        bundle=bundle,
+        tag=tag,
+        say=say,
+        t0=t0,
     )
     records = pilot.recorder.records
     values, per_step = gate_values(
-        records, pilot.optim_counts, pilot.base_model, cfg.steps, updates_per_batch=cfg.updates_per_batch
+        records,
+        pilot.optim_counts,
+        pilot.base_model,
+        int(run.gate_pilot_steps.value),
+        updates_per_batch=treatment.updates_per_batch,
     )
     per_step = with_rollout_yield(per_step, pilot.yields)
     results = evaluate_gate(run.gate_checks, values)
@@ -560,15 +486,12 @@ def run_activation_gate(
         checks=results,
         values=values,
         per_step=per_step,
-        pilot=_pilot_block(cfg, pilot, initial_checkpoint, backend),
+        pilot=_pilot_block(run, treatment, rollout_cfg, pilot, initial_checkpoint, backend),
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,
         errors=errors,
         records=list(records),
     )
-    bundle.register_json(report_file(run, cfg.arm), "report", report.to_json())
-    if first:
-        bundle.update_result(activation_calibration=report.calibration())
-    else:  # a further treatment's pilot: its own calibration beside the first one's
-        bundle.update_result(activation_calibration={"by_arm": {cfg.arm: report.calibration()}})
+    bundle.register_json(GATE_REPORT_FILE, "report", report.to_json())
+    bundle.update_result(activation_calibration=report.calibration())
     return report

@@ -2,8 +2,7 @@
 
 The contract: datums for `forward`/`forward_backward` with `cross_entropy` (shifted tokens, a
 per-target weight), forward-only per-token logprob reads, a JSON-able dump of any SDK response for
-evidence, and creation from a saved state with optimizer that keeps the server's load response
-(the proof of what was loaded). A response that lacks what a caller needs raises
+evidence. A response that lacks what a caller needs raises
 `RestorationError` with one line naming the missing field.
 """
 
@@ -106,11 +105,6 @@ def server_info(service_client: tinker.ServiceClient, client: tinker.TrainingCli
     return client.get_info().model_dump(mode="json", exclude_unset=True)
 
 
-def create_from_state_observed(
-    service_client: tinker.ServiceClient, path: str, name: str | None = None
-) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
-    """`create_training_client_from_state_with_optimizer`, keeping the server's load response
-    (`observed.create_from_state_with_response`: the SDK drops it, yet it is the proof of
-    what was loaded). `name` names the client in wait lines (e.g. the arm)."""
-
-    return create_from_state_with_response(service_client, path, name)
+# stages/comparison/restore.py creates its restored arms under this name; every other stage
+# restores through `train.restore.restore`.
+create_from_state_observed = create_from_state_with_response

@@ -1,9 +1,9 @@
 """The minibatch update, the second half of every training step (gate, diagnostic, feasibility
 pilot, comparison): the (recorded) loss -> `forward_backward_custom` -> `optim_step`.
 
-Shaped like the cookbook's `rl/train.py`: `prepare_minibatches` splits a batch into complete
-groups, `train_step` runs one update per minibatch. No other module calls
-`forward_backward_custom` or `optim_step` for training.
+Shaped like the cookbook's `rl/train.py`: `train_step` runs one update per minibatch (of complete
+groups, `frozen_batch.split_complete_groups`). No other module calls `forward_backward_custom` or
+`optim_step` for training.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import tinker
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonValue
 from dppo_harness.loss.losses import CustomLossFn
-from dppo_harness.rollout.frozen_batch import split_complete_groups
 
 if TYPE_CHECKING:
     import torch
@@ -28,16 +27,7 @@ B = TypeVar("B")  # what `submit_behind()` returns
 
 
 class TrainStepError(RuntimeError):
-    """A minibatch cannot be formed, or an update did not go through the loss exactly once."""
-
-
-def prepare_minibatches(group_of_datum: Sequence[int], n_minibatches: int) -> list[list[int]]:
-    """Datum indices of `n_minibatches` minibatches of whole groups, groups in order
-    (`frozen_batch.split_complete_groups`, the one home of the rule)."""
-    try:
-        return [seqs for _, seqs in split_complete_groups(group_of_datum, n_minibatches)]
-    except ValueError as exc:
-        raise TrainStepError(str(exc)) from None
+    """An update did not go through the loss exactly once."""
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,15 @@ from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimize
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
 from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
-from dppo_harness.train.clients import create_from_state_observed, dump_response, full_logprobs
+from dppo_harness.stages.restoration.checkpoint import load_ref
+from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
+from dppo_harness.train.restore import Restore, restore
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
-    from dppo_harness.stages.restoration import LoadedArm, RestorationResult
+    from dppo_harness.stages.restoration import RestorationResult
 
 
 def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonObject:
@@ -77,47 +79,23 @@ class _Stop(Exception):
     """Planned stop (wall cap) before training could start."""
 
 
-def _preflight_client(loaded: LoadedArm, initial_checkpoint: str) -> tuple[tinker.TrainingClient, JsonObject]:
-    """The restoration preflight's loaded client of the trained arm, trained here instead of a new
-    client: its observed load is this run's restore."""
-    restore = dict(
-        loaded.restore_record(),
-        source="the restoration preflight's client for this arm, loaded from the initial checkpoint "
+def _restore_record(restored: Restore, initial_checkpoint: str, *, preloaded: bool) -> JsonObject:
+    """The trained client's restore as the evidence records it; a load the service does not show
+    to be of the initial checkpoint stops the run (the plan requires an observed load of it)."""
+    which = "the preflight's load of the trained arm" if preloaded else "the initial-state load"
+    problem = restored.mismatch()
+    if problem is None and restored.source_path != initial_checkpoint:
+        problem = f"it loaded {restored.source_path!r}, not the initial checkpoint {initial_checkpoint!r}"
+    if problem is not None:
+        raise DiagnosticError(f"{which}: {problem}; the plan requires an observed load of the initial checkpoint")
+    if not preloaded:
+        return restored.record()
+    return {
+        **restored.record(),
+        "evidence_ref": load_ref(restored.name),
+        "source": "the restoration preflight's client for this arm, loaded from the initial checkpoint "
         "with optimizer and never updated before this stage (no second restore)",
-    )
-    if not loaded.load_succeeded or loaded.loaded_path is None:
-        raise DiagnosticError(
-            "the preflight's load of the trained arm was not observed: its load response has no "
-            "path (optional in the SDK's LoadWeightsResponse); the plan requires an observed load"
-        )
-    if loaded.loaded_path != initial_checkpoint:
-        raise DiagnosticError(
-            f"the preflight's trained-arm client loaded {loaded.loaded_path!r}, not the initial "
-            f"checkpoint {initial_checkpoint!r}"
-        )
-    return loaded.client, restore
-
-
-def _restore(service_client: tinker.ServiceClient, initial_checkpoint: str) -> tuple[tinker.TrainingClient, JsonObject]:
-    """A fresh client from the shared initial state, the load observed (never trained weights)."""
-    tc, load_response = create_from_state_observed(service_client, initial_checkpoint, "diagnostic DPPO client")
-    info = tc.get_info()
-    restore: JsonObject = {
-        "initial_checkpoint": initial_checkpoint,
-        "loaded_checkpoint_uri": getattr(load_response, "path", None),
-        "load_succeeded": load_response is not None,
-        "load_response": dump_response(load_response),
-        "get_info": dump_response(info),
-        "before_first_update": True,
     }
-    if load_response is None:
-        raise DiagnosticError("the initial-state load was not observed (plan requires an observed successful load)")
-    if load_response.path is None:
-        raise DiagnosticError(
-            "the initial-state load response has no path (optional in the SDK's "
-            "LoadWeightsResponse): the plan requires an observed load of the initial checkpoint"
-        )
-    return tc, restore
 
 
 def _sample_and_freeze(
@@ -162,23 +140,21 @@ def _take_client(
     initial_checkpoint: str,
     state: RunState,
     *,
-    restored: LoadedArm | None,
+    restored: Restore | None,
     init_reference: RestorationResult | None,
     clock: Callable[[], float],
 ) -> tinker.TrainingClient:
     """The trained client: the preflight's loaded one when given, else a fresh restore; its
     restore record, get_info, initial output and restore seconds go into `state`."""
     r0 = clock()
-    if restored is not None:
-        tc, state.restore = _preflight_client(restored, initial_checkpoint)
-        state.preloaded = True
-        state.info = restored.info
-    else:
-        tc, state.restore = _restore(service_client, initial_checkpoint)
-        state.info = tc.get_info()
+    state.preloaded = restored is not None
+    if restored is None:
+        restored = restore(service_client, initial_checkpoint, "diagnostic DPPO client")
+    state.restore = _restore_record(restored, initial_checkpoint, preloaded=state.preloaded)
+    tc, state.info = restored.client, restored.info
     if init_reference is not None:  # the trained client's own initial output, before any update
         state.initial_output = _initial_output(tc, init_reference)
-    state.restore_seconds = float(restored.seconds) + (clock() - r0) if restored is not None else clock() - r0
+    state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (clock() - r0)
     return tc
 
 
@@ -255,14 +231,14 @@ def run_bounded_diagnostic(
     served: ServedModel | None = None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
     init_reference: RestorationResult | None = None,
-    restored: LoadedArm | None = None,
+    restored: Restore | None = None,
     **overrides: float,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
 
     Named steps: declare -> restore -> sample and freeze -> sentinels -> train epochs -> analyse
     -> write evidence. `stage_start` (a `clock()` reading) is when the stage began: the wall cap
-    counts from it. `restored` (a `restoration.LoadedArm`): the preflight's loaded client of the
+    counts from it. `restored` (a `train.restore.Restore`): the preflight's loaded client of the
     trained arm, trained here instead of restoring a new one.
     """
     t0 = clock() if stage_start is None else stage_start
@@ -326,7 +302,7 @@ def _service_work(
     cfg: DiagnosticConfig,
     state: RunState,
     *,
-    restored: LoadedArm | None,
+    restored: Restore | None,
     init_reference: RestorationResult | None,
     elapsed: Callable[[], float],
     clock: Callable[[], float],

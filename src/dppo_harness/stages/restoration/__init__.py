@@ -14,10 +14,10 @@ LR-scaling block, `RestorationResult` and the preflight's service work) and `pre
 """
 
 from dppo_harness.stages.restoration.arm_checks import INITIAL_OUTPUT_FILE, SOURCE_OUTPUT_KEY
-from dppo_harness.stages.restoration.checkpoint import RESPONSES_FILE, LoadedArm, duplicate_save_outcome
+from dppo_harness.stages.restoration.checkpoint import RESPONSES_FILE, duplicate_save_outcome, load_ref
 from dppo_harness.stages.restoration.group import restoration_arms
 from dppo_harness.stages.restoration.outcome import PROBE_FILE, PROVENANCE_FILE
-from dppo_harness.stages.restoration.preflight import run_restoration_preflight
+from dppo_harness.stages.restoration.preflight import backend_update_norm, run_restoration_preflight
 from dppo_harness.stages.restoration.records import (
     LrScalingBlock,
     LrScalingMeasured,
@@ -25,6 +25,7 @@ from dppo_harness.stages.restoration.records import (
     RestorationResult,
     RestoreProbeResult,
 )
+from dppo_harness.train.clients import RestorationError
 
 __all__ = [
     "INITIAL_OUTPUT_FILE",
@@ -32,13 +33,15 @@ __all__ = [
     "PROVENANCE_FILE",
     "RESPONSES_FILE",
     "SOURCE_OUTPUT_KEY",
-    "LoadedArm",
     "LrScalingBlock",
     "LrScalingMeasured",
     "LrScalingUnavailable",
+    "RestorationError",
     "RestorationResult",
     "RestoreProbeResult",
+    "backend_update_norm",
     "duplicate_save_outcome",
+    "load_ref",
     "restoration_arms",
     "run_restoration_preflight",
 ]

@@ -17,12 +17,13 @@ import numpy as np
 import tinker
 
 from dppo_harness.json_types import JsonObject, as_object
-from dppo_harness.stages.restoration.checkpoint import RESPONSES_FILE, InitialCheckpoint, LoadedArm, Recorder
+from dppo_harness.stages.restoration.checkpoint import RESPONSES_FILE, InitialCheckpoint, Recorder, load_ref
 from dppo_harness.stages.restoration.provenance import ArmProvenance, initialization_entry
 from dppo_harness.stages.restoration.records import RestoreProbeResult
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import compare_logprobs, logprobs_sha256
 from dppo_harness.train.optimizer_checks import optimizer_check
+from dppo_harness.train.restore import Restore
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -60,7 +61,7 @@ class InitialOutputs:
 
 def adapter_hashes(
     reader: LocalCheckpointReader | None,
-    arms: Mapping[str, LoadedArm],
+    arms: Mapping[str, Restore],
     source_of: Mapping[str, str],
     tag: str,
     rec: Recorder,
@@ -82,7 +83,7 @@ def adapter_hashes(
 
 def initial_outputs(
     bundle: EvidenceBundle,
-    arms: Mapping[str, LoadedArm],
+    arms: Mapping[str, Restore],
     fixed_batch: Sequence[tinker.Datum],
     b_sha: str,
     atol: float,
@@ -131,7 +132,7 @@ def provenance_entries(
     base_model: str,
     sources: Mapping[str, InitialCheckpoint],
     source_label: Mapping[str, str],
-    loaded: Mapping[str, LoadedArm],
+    loaded: Mapping[str, Restore],
     probes: Mapping[str, RestoreProbeResult],
     b_sha: str,
     out_sha: Mapping[str, str],
@@ -166,8 +167,8 @@ def provenance_entries(
             checkpoint_immutable=sources[a].immutable,
             checkpoint_immutable_reason=sources[a].immutable_reason or None,
             loaded_checkpoint_uri=loaded[a].loaded_path,
-            load_succeeded=loaded[a].load_succeeded,
-            evidence_ref=loaded[a].load_ref,
+            load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
+            evidence_ref=load_ref(a),
             restore_count=1,
             optimizer_checks=checks,
             initial_output={

@@ -1,12 +1,12 @@
 """The initial checkpoint and the arms loaded from it: the fresh setup client's save (and the
 duplicate save that must be refused for the checkpoint to count as immutable), each arm's load with
-optimizer, and `Recorder`, which keeps every server response for evidence under a reference id.
+optimizer (`train.restore`), and `Recorder`, which keeps every server response for evidence under a
+reference id.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 
 import tinker
@@ -16,7 +16,8 @@ from dppo_harness.service.capacity import error_text, is_capacity_error
 from dppo_harness.service.observed import describe_client
 from dppo_harness.service.wait.clients import name_client
 from dppo_harness.stages.restoration.probe import CallWrapper
-from dppo_harness.train.clients import create_from_state_observed, dump_response
+from dppo_harness.train.clients import dump_response
+from dppo_harness.train.restore import Restore, restore
 
 RESPONSES_FILE = "restoration-server-responses.json"
 
@@ -83,33 +84,6 @@ class InitialCheckpoint:
     info: tinker.types.GetInfoResponse | None = None  # the setup client's get_info at creation, before any update
 
 
-@dataclass(frozen=True)
-class LoadedArm:
-    client: tinker.TrainingClient
-    loaded_path: str | None  # the server's load response path (the proof), None if not observed
-    load_ref: str
-    load_succeeded: bool
-    source_path: str = ""  # the checkpoint the load asked for
-    response: tinker.types.LoadWeightsResponse | None = (
-        None  # the LoadWeightsResponse as the SDK parsed it (None: not observed)
-    )
-    info: tinker.types.GetInfoResponse | None = None  # the client's get_info right after the load
-    seconds: float = 0.0  # wall time of the load (client creation included)
-
-    def restore_record(self) -> dict[str, JsonValue]:
-        """The load as a stage that trains this client records it (its own restore, not a new one)."""
-        return {
-            "initial_checkpoint": self.source_path,
-            "loaded_checkpoint_uri": self.loaded_path,
-            "load_succeeded": self.load_succeeded,
-            "load_response": dump_response(self.response),
-            "get_info": dump_response(self.info),
-            "before_first_update": True,
-            "evidence_ref": self.load_ref,
-            "seconds": self.seconds,
-        }
-
-
 def fresh_checkpoint(
     probe_sc: tinker.ServiceClient,
     base_model: str,
@@ -155,23 +129,15 @@ def fresh_checkpoint(
     return InitialCheckpoint(client, saved.path, immutable, reason, info)
 
 
-def load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: Recorder, call: CallWrapper) -> LoadedArm:
-    """Step 2: the arm's client from the checkpoint with optimizer; the load response kept. A
-    response without `path` (optional in the SDK's LoadWeightsResponse) leaves the URI unproved."""
-    t0 = time.monotonic()
-    client, resp = call(lambda: create_from_state_observed(service_client, path, arm))
-    seconds = time.monotonic() - t0
-    describe_client(service_client, client, f"arm {arm}: loaded from the initial checkpoint with optimizer")
-    load_ref = rec.keep(f"load_{arm}", resp if resp is not None else {"response": None})
-    info = client.get_info()
-    rec.keep(f"load_{arm}.get_info", info)
-    return LoadedArm(
-        client,
-        resp.path if resp is not None and resp.path else None,
-        load_ref,
-        resp is not None,
-        source_path=path,
-        response=resp,
-        info=info,
-        seconds=seconds,
-    )
+def load_ref(arm: str) -> str:
+    """Where the evidence keeps an arm's load response (`load_arm`)."""
+    return f"{RESPONSES_FILE}#load_{arm}"
+
+
+def load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: Recorder, call: CallWrapper) -> Restore:
+    """Step 2: the arm's client from the checkpoint with optimizer; its load response and get_info kept."""
+    restored = call(lambda: restore(service_client, path, arm))
+    describe_client(service_client, restored.client, f"arm {arm}: loaded from the initial checkpoint with optimizer")
+    rec.keep(f"load_{arm}", restored.response)
+    rec.keep(f"load_{arm}.get_info", restored.info)
+    return restored

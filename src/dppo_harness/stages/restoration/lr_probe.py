@@ -17,11 +17,10 @@ import tinker
 
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.correctness import lr_scaling_error
-from dppo_harness.service.observed import describe_client
+from dppo_harness.service.observed import create_from_state_with_response, describe_client
 from dppo_harness.stages.restoration.probe import CallWrapper, adam_params, fixed_gradient_step, probe_gradient
 from dppo_harness.stages.restoration.records import LrScalingBlock, LrScalingMeasured, LrScalingUnavailable
 from dppo_harness.stages.restoration.update_norm import UpdateNormMeasure
-from dppo_harness.train.clients import create_from_state_observed
 
 LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
 DEFAULT_LR_MULTIPLIERS = (0.5, 1.0, 2.0)
@@ -68,7 +67,9 @@ def lr_scaling_probe(
             say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
             continue
         say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
-        client, _ = (call or (lambda fn: fn()))(lambda: create_from_state_observed(service_client, initial_checkpoint))
+        client, _ = (call or (lambda fn: fn()))(
+            lambda: create_from_state_with_response(service_client, initial_checkpoint)
+        )
         describe_client(service_client, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
         adam = adam_params(opt_cfg, lr)
         norm = update_norm(client, partial(fixed_gradient_step, client, g, adam))

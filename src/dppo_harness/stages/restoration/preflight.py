@@ -36,7 +36,8 @@ Options of `run_restoration_preflight`:
   mismatched initial state, for failure-path tests).
 - `probe_restore_with_optimizer=False`: the probe restores weights only (failure-path tests:
   the restored-vs-uninterrupted check must then fail).
-- `call`: wraps every client-creating call (e.g. `service.capacity.call_with_capacity_retry`).
+- `capacity`, `registry`: every client-creating call is retried on a capacity refusal within the
+  policy's windows (`service.capacity.call_with_capacity_retry`); without a policy, called once.
 - `progress`: one line at every step (which of the six, how far along), so the preflight is never silent.
 """
 
@@ -46,6 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -53,7 +55,8 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
-from dppo_harness.service.observed import describe_client
+from dppo_harness.service.capacity import call_with_capacity_retry
+from dppo_harness.service.observed import create_from_state_with_response, describe_client
 from dppo_harness.stages.restoration.arm_checks import (
     AdapterHashes,
     InitialOutputs,
@@ -64,7 +67,6 @@ from dppo_harness.stages.restoration.arm_checks import (
 from dppo_harness.stages.restoration.batch import build_fixed_batch, register_fixed_batch
 from dppo_harness.stages.restoration.checkpoint import (
     InitialCheckpoint,
-    LoadedArm,
     Recorder,
     fresh_checkpoint,
     load_arm,
@@ -86,12 +88,16 @@ from dppo_harness.stages.restoration.update_norm import (
     UpdateNormMeasure,
     planned_lr_on_setup_client,
 )
-from dppo_harness.train.clients import RestorationError, create_from_state_observed, full_logprobs
+from dppo_harness.train.clients import RestorationError, full_logprobs
 from dppo_harness.train.fingerprints import LOGPROB_ATOL
+from dppo_harness.train.restore import Restore
+from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan
+    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.wait.policy import CapacityPolicy
 
 T = TypeVar("T")
 
@@ -145,6 +151,16 @@ def _call_directly(fn: Callable[[], T]) -> T:
     return fn()
 
 
+def backend_update_norm(
+    local_run_dir: Path | None, probe_service_client: tinker.ServiceClient
+) -> tuple[LocalCheckpointReader | None, UpdateNormMeasure | None]:
+    """(checkpoint reader, update-norm measure) a backend allows: the embedded server's checkpoints
+    on disk under `local_run_dir`, else the trained weights read back through the SDK."""
+    if local_run_dir is not None:
+        return LocalCheckpointReader(local_run_dir), None
+    return None, ExternalWeightsUpdateNorm(probe_service_client.create_rest_client)
+
+
 def _prepare_fixed_batch(
     bundle: EvidenceBundle,
     fixed_batch: Sequence[tinker.Datum] | None,
@@ -186,7 +202,7 @@ def _initial_states(
 
 def _load_arms(
     service_client: tinker.ServiceClient, run: _Session, sources: Mapping[str, InitialCheckpoint]
-) -> dict[str, LoadedArm]:
+) -> dict[str, Restore]:
     """Step 2: every trained arm from its checkpoint with optimizer; the load responses kept."""
     arm_names = run.group.arm_names
     loaded = {}
@@ -243,7 +259,7 @@ def _other_config_probes(run: _Session, init: _InitialStates, probe: _ProbeStep)
             results[a] = results[same]
             continue
         run.say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
-        fresh, _ = run.call(partial(create_from_state_observed, probe_sc, init.shared.path, f"probe-{a}"))
+        fresh, _ = run.call(partial(create_from_state_with_response, probe_sc, init.shared.path, f"probe-{a}"))
         describe_client(probe_sc, fresh, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
         results[a] = restore_probe(
             probe_sc,
@@ -277,7 +293,7 @@ def _provenance_step(
     run: _Session,
     init: _InitialStates,
     base_model: str,
-    loaded: Mapping[str, LoadedArm],
+    loaded: Mapping[str, Restore],
     probes: Mapping[str, RestoreProbeResult],
     outputs: InitialOutputs,
     adapters: AdapterHashes,
@@ -354,7 +370,8 @@ def run_restoration_preflight(
     probe_service_client: tinker.ServiceClient | None = None,
     arm_seed_overrides: Mapping[str, int] | None = None,
     probe_restore_with_optimizer: bool = True,
-    call: CallWrapper | None = None,
+    capacity: CapacityPolicy | None = None,
+    registry: ClientRegistry | None = None,
     run_tag: str | None = None,
     trained_arms: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -366,9 +383,12 @@ def run_restoration_preflight(
     group = resolve_group(plan, bundle, trained_arms, run_tag)
     batch, b_sha = _prepare_fixed_batch(bundle, fixed_batch, fixed_batch_description, group)
     probe_sc = probe_service_client or service_client
-    run = _Session(
-        probe_sc, group, batch, b_sha, Recorder(), atol, call or _call_directly, probe_restore_with_optimizer, say
+    call: CallWrapper = (
+        _call_directly
+        if capacity is None
+        else (lambda fn: call_with_capacity_retry(fn, policy=capacity, registry=registry))
     )
+    run = _Session(probe_sc, group, batch, b_sha, Recorder(), atol, call, probe_restore_with_optimizer, say)
     say(f"1/6: fresh LoRA rank-{group.rank} client on {base_model} and the shared initial checkpoint")
     init = _initial_states(run, bundle, base_model, arm_seed_overrides)
     loaded = _load_arms(service_client, run, init.sources)

@@ -17,10 +17,10 @@ import numpy as np
 import tinker
 
 from dppo_harness.json_types import as_object
-from dppo_harness.service.observed import describe_client
+from dppo_harness.service.observed import create_from_state_with_response, describe_client
 from dppo_harness.stages.restoration.records import RestoreProbeResult
 from dppo_harness.stages.restoration.update_norm import UpdateNormMeasure
-from dppo_harness.train.clients import create_from_state_observed, datum_arrays, full_logprobs
+from dppo_harness.train.clients import datum_arrays, full_logprobs
 from dppo_harness.train.fingerprints import LogprobComparison, compare_logprobs
 from dppo_harness.train.optimizer_checks import echoed_config
 
@@ -105,10 +105,10 @@ def _measured_first_update(
 
 def _restored_client(
     service_client: tinker.ServiceClient, mid_path: str, call: CallWrapper, restore_optimizer: bool
-) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse | None]:
+) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse]:
     """A client created from the uninterrupted client's mid save, with the server's load response."""
     if restore_optimizer:
-        restored, resp = call(lambda: create_from_state_observed(service_client, mid_path))
+        restored, resp = call(lambda: create_from_state_with_response(service_client, mid_path))
     else:  # failure-path tests only: a restore that drops the Adam moments must be caught
         restored = call(lambda: service_client.create_training_client_from_state(mid_path))
         resp = tinker.types.LoadWeightsResponse(path=mid_path)
@@ -117,7 +117,7 @@ def _restored_client(
 
 
 def _probe_failures(
-    resp: tinker.types.LoadWeightsResponse | None,
+    resp: tinker.types.LoadWeightsResponse,
     mid_path: str,
     restored_vs_uninterrupted: LogprobComparison,
     second_update_effect: LogprobComparison,
@@ -126,10 +126,8 @@ def _probe_failures(
     """What the probe proves wrong: the load, a restored update that differs, or an update 2 too
     small for the comparison to tell a lost update from a matching one."""
     failures: list[str] = []
-    if resp is None or resp.path != mid_path:
-        failures.append(
-            f"probe restore: server load response path {getattr(resp, 'path', None)!r} != saved {mid_path!r}"
-        )
+    if resp.path != mid_path:
+        failures.append(f"probe restore: server load response path {resp.path!r} != saved {mid_path!r}")
     cmp, effect = restored_vs_uninterrupted, second_update_effect
     if not cmp["within_tolerance"]:
         failures.append(f"restored probe update differs from uninterrupted: max |diff| {cmp['max_abs_diff']} > {atol}")
@@ -173,7 +171,7 @@ def restore_probe(
     mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
     rec.keep("probe_save_mid", mid)
     restored, resp = _restored_client(service_client, mid.path, call, restore_optimizer)
-    rec.keep("probe_load_mid", resp if resp is not None else {"response": None})
+    rec.keep("probe_load_mid", resp)
     rec.keep("probe_load_mid.get_info", restored.get_info())
     say("4/6: probe update 2 on both clients, then logprobs compared")
     before = full_logprobs(uninterrupted, batch)
@@ -188,7 +186,7 @@ def restore_probe(
     return RestoreProbeResult(
         initial_checkpoint=initial_checkpoint,
         mid_checkpoint=mid.path,
-        loaded_checkpoint_uri=getattr(resp, "path", None),
+        loaded_checkpoint_uri=resp.path,
         adam_params=adam.model_dump(),
         restored_vs_uninterrupted=as_object(cmp),
         second_update_effect=as_object(effect),

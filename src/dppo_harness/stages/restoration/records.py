@@ -16,8 +16,8 @@ import tinker
 from dppo_harness.json_types import JsonObject
 
 if TYPE_CHECKING:
-    from dppo_harness.stages.restoration.checkpoint import LoadedArm
     from dppo_harness.stages.restoration.provenance import InitializationProvenance
+    from dppo_harness.train.restore import Restore
 
 
 PROBE_UPDATES = ["cross_entropy on even datums + optim_step", "cross_entropy on odd datums + optim_step"]
@@ -135,7 +135,7 @@ class RestorationResult:
     lr_scaling: LrScalingBlock | None = None
     probe: RestoreProbeResult | None = None
     wall_seconds: float = 0.0
-    loaded: dict[str, LoadedArm] = field(default_factory=dict)  # each loaded arm: client, load response, get_info
+    loaded: dict[str, Restore] = field(default_factory=dict)  # each loaded arm: client, load response, get_info
 
     def failure_message(self) -> str:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
