@@ -1,4 +1,4 @@
-"""Pinned numbers and revisions shared by every module (see docs/architecture.md)."""
+"""Pinned numbers and revisions shared by every module (see docs/design.md)."""
 
 PPO_EPS = 0.2
 DPPO_DELTA = 0.15

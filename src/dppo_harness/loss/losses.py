@@ -8,7 +8,7 @@ at load. Every rule sees the same per-token terms (``terms.TokenTerms``), so the
 diagnostics are counted for every loss call (GRPO clip fraction while DPPO trains, DPPO masked
 fraction while GRPO trains), once, by ``terms.stats``. Rules: ``/work/shared/reference/dppo-binary-tv.md``.
 
-Layout (docs/architecture.md): each datum carries ``target_tokens``, sampler ``logprobs``,
+Layout (docs/design.md): each datum carries ``target_tokens``, sampler ``logprobs``,
 ``advantages`` and ``mask`` of length T; the SDK hands the loss one current-logprob tensor of
 length T per datum. Everything is concatenated into packed ``_N`` tensors (``unpack_datums``, the
 one unpacker: the recorder keeps what it returns). Decisions and weights are computed in float64

@@ -2,7 +2,7 @@
 
 Storage is packed over sequences (suffix ``_S``), over full token sequences (``_K``: prompt +
 response, ``T_s + 1`` tokens each) and over datum positions (``_N``: ``T_s`` positions each, aligned
-with ``target_tokens`` as in ``docs/architecture.md``). Every array is read-only; a sha256 per field
+with ``target_tokens`` as in ``docs/design.md``). Every array is read-only; a sha256 per field
 and one over all fields plus metadata are fixed at creation and recomputed by ``assert_intact``.
 """
 
