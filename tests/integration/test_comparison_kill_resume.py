@@ -1,5 +1,6 @@
 """A comparison killed with SIGKILL and resumed, as a user runs it: `pytest -m comparison` as a
-subprocess on the CI rehearsal plan (2 rollout steps x 2 groups x 8, 4 test items) with the default
+subprocess on the CI rehearsal plan (2 rollout steps x 2 groups x 8 at max_tokens 64, 4 test items,
+the smallest whose activation gate still passes on the stand-in) with the default
 options, its whole process group killed once both arms have finished step 1, then the same command
 with `--resume RUN_ID`. With the default `--save-every` (5) no step was saved yet: the kill falls
 between saves, and the resume rewinds to the shared initial checkpoint and trains step 0 again.
