@@ -233,13 +233,14 @@ def run_comparison(
         steps_completed = min(s.steps_done for s in state.arms.values())
 
         state.save(spath)
-        files = [_register_steps(bundle, state), _register_end_state(bundle, state, schedule, schedule_source, stopped, steps_completed, guard)]  # fmt: skip
+        files = [
+            _register_steps(bundle, state),
+            _register_end_state(bundle, state, schedule, schedule_source, stopped, steps_completed, guard),
+        ]
+        trained = (state.run_id, tuple(state.rows), steps_completed, train_seconds, schedule)
         if stopped is not None:
             final = _stopped_final(plan, bundle, run, steps_completed, stopped, capacity_block)
-            return ComparisonResult(
-                state.run_id, tuple(state.rows), steps_completed, train_seconds, schedule, stopped, capacity_block,
-                final=final, files=tuple(files),
-            )  # fmt: skip
+            return ComparisonResult(*trained, stopped, capacity_block, final=final, files=tuple(files))
 
         scores, decision, eval_files = evaluate_and_decide(
             service_client, run, state, evaluator, bundle, rehearsal, progress, base_model or run.base_model
@@ -256,9 +257,8 @@ def run_comparison(
         ).values()
         final = _succeeded_final(plan, bundle, run, steps_completed, scores, decision, rehearsal=rehearsal)
         return ComparisonResult(
-            state.run_id, tuple(state.rows), steps_completed, train_seconds, schedule, None, None,
-            tuple(scores), decision, final, (*files, *eval_files, *report_files),
-        )  # fmt: skip
+            *trained, None, None, tuple(scores), decision, final, (*files, *eval_files, *report_files)
+        )
 
 
 # ---- the arms ---------------------------------------------------------------------------------
@@ -343,10 +343,19 @@ class Arms:
                 failures[-1]["restored_from"] = start_state
             sent = ArmStepProgress()
             try:
+                client, arm_config, loss = self.clients[name], self.run.arm(name), self.losses[name]
                 return run_arm_step(
-                    self.clients[name], self.run.arm(name), self.run, step, items, renderer,
-                    self.losses[name], self.sampler_tag, attempt=len(failures), progress=sent,
-                )  # fmt: skip
+                    client,
+                    arm_config,
+                    self.run,
+                    step,
+                    items,
+                    renderer,
+                    loss,
+                    self.sampler_tag,
+                    attempt=len(failures),
+                    progress=sent,
+                )
             except Exception as exc:
                 failures.append(
                     {
