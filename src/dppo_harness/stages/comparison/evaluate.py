@@ -14,12 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pydantic import JsonValue
-
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence.progress import Ticker
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, num
 from dppo_harness.stages.comparison import decision as comparison_decision
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import RunState
@@ -42,12 +40,6 @@ def freeze_for(run: RunConfig, reason: str) -> evaluation.FrozenEvaluator:
     return evaluation.freeze_evaluator(
         items, tokenizer.make_renderer(), max_tokens=int(run.max_tokens.value), deviation=deviation
     )
-
-
-def _number(value: JsonValue) -> float:
-    if not isinstance(value, (int, float)):
-        raise TypeError(f"{value!r} is not a number")
-    return float(value)
 
 
 def predictions_name(arm: str, res: evaluation.EvalResult) -> str:
@@ -147,7 +139,7 @@ class ScoredModels:
         self.files.append(predictions_name(res.arm, res))
         self.bundle.update_result(
             evaluation=evaluation.evaluation_object([self.evaluator], self.scores, self.comparisons),
-            metrics={f"eval/accuracy/{s['arm']}": _number(s["value"]) for s in self.scores},
+            metrics={f"eval/accuracy/{s['arm']}": float(num(s["value"])) for s in self.scores},
         )
         self.bundle.post_arm_metrics(res.arm, res.arm_metrics(self.max_tokens))
         self.progress(eval_line(res, self.max_tokens, time.perf_counter() - self.t0))
