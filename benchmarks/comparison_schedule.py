@@ -25,7 +25,7 @@ from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.stages.comparison.run import make_loss, run_arm_step
-from dppo_harness.stages.restoration import create_from_state_observed
+from dppo_harness.train.clients import create_from_state_observed
 
 ROOT = Path(__file__).parents[1]
 
