@@ -13,6 +13,7 @@ import argparse
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -23,10 +24,8 @@ from dppo_harness import constants
 from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
-from dppo_harness.stages.comparison.arms import make_runners, train_arms
-from dppo_harness.stages.comparison.config import comparison_config
-from dppo_harness.stages.comparison.state import ArmState, RunState
-from dppo_harness.stages.restoration import create_from_state_observed
+from dppo_harness.stages.comparison.run import make_loss, run_arm_step
+from dppo_harness.train.clients import create_from_state_observed
 
 ROOT = Path(__file__).parents[1]
 
@@ -40,14 +39,14 @@ def main() -> None:
     args = ap.parse_args()
     plan = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
     small = resized_plan(plan, rollout_steps=args.steps, groups_per_batch=args.groups, max_tokens=args.max_tokens)
-    cfg = comparison_config(small.run)
+    run = small.run
     renderer = tokenizer.make_renderer().renderer
     train = gsm8k.load_split("train", seed=0)
     faults = [f"--fault-latency-ms=*:{args.latency_ms:g}"] if args.latency_ms else []
     with tempfile.TemporaryDirectory() as tmp, LocalServerProcess(run_dir=Path(tmp), fault_args=faults) as srv:
         sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
         init = (
-            sc.create_lora_training_client(base_model=cfg.base_model, rank=32, seed=0)
+            sc.create_lora_training_client(base_model=run.base_model, rank=32, seed=0)
             .result()
             .save_state("i")
             .result()
@@ -55,22 +54,26 @@ def main() -> None:
         )
         rows = {}
         for schedule in ("interleaved", "concurrent", "interleaved", "concurrent"):
-            clients = {a.name: create_from_state_observed(sc, init)[0] for a in cfg.arms}
-            state = RunState("bench", "", "", "", init, {a.name: ArmState(a.name) for a in cfg.arms})
+            clients = {a.name: create_from_state_observed(sc, init)[0] for a in run.arms}
+            arm_losses = {a.name: make_loss(a, run) for a in run.arms}
+            tag = f"b{time.time_ns()}"
             t0 = time.perf_counter()
-            out = train_arms(
-                make_runners(clients, cfg),
-                cfg,
-                state,
-                renderer=renderer,
-                tag=f"b{time.time_ns()}",
-                items_for_step=lambda s: train.batch(s, cfg.groups_per_batch),
-                schedule=schedule,
-            )
+            with ThreadPoolExecutor(max_workers=len(run.arms)) as pool:
+                for step in range(run.rollout_steps):
+                    items = train.batch(step, int(run.groups_per_batch.value))
+                    steps = [
+                        (a, step, items, renderer, arm_losses[a.name], tag) for a in run.arms
+                    ]  # the same arm-step the comparison runs, arm after arm or at once
+                    if schedule == "concurrent":
+                        for f in [pool.submit(run_arm_step, clients[s[0].name], s[0], run, *s[1:]) for s in steps]:
+                            f.result()
+                    else:
+                        for s in steps:
+                            run_arm_step(clients[s[0].name], s[0], run, *s[1:])
             wall = time.perf_counter() - t0
             rows.setdefault(schedule, []).append(wall)
             print(
-                f"{schedule:12s} {out.steps_completed} steps x 2 arms: {wall:.1f}s "
+                f"{schedule:12s} {run.rollout_steps} steps x 2 arms: {wall:.1f}s "
                 f"(latency {args.latency_ms:g} ms/request, {args.groups} groups x 8, max_tokens {args.max_tokens})",
                 flush=True,
             )

@@ -23,9 +23,8 @@ from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.service.observed import make_service_client
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityPolicy
-from dppo_harness.stages.comparison import arms as comparison_arms
+from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError
-from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.comparison.state import state_path
 from dppo_harness.stages.comparison.step_rows import comparable, row_differences
 from dppo_harness.train.clients import create_from_state_observed
@@ -113,7 +112,7 @@ def _restoration(sc, init):
 def _run(engine, tmp_path, name, **kw):
     sc, init = engine[:2]
     bundle = EvidenceBundle.create(tmp_path / name)
-    return run_comparison(
+    return comparison_run.run_comparison(
         sc, PLAN, bundle, _restoration(sc, init), backend="local", state_root=tmp_path / "state", tag=name, **kw
     ), bundle
 
@@ -135,7 +134,7 @@ def uninterrupted(engine, tmp_path_factory):
 def _kill_after(n):
     def stop(step_done):
         if step_done == n:
-            raise comparison_arms.StopRequested(f"killed after step {n}")
+            raise comparison_run.StopRequested(f"killed after step {n}")
 
     return stop
 
@@ -200,14 +199,6 @@ def _final_steps(srv, result, tmp_path):
     return {a: _optimizer_steps(srv, s["final_state"]) for a, s in state["arms"].items()}, state
 
 
-class _RetryAsItStands(comparison_arms.GuardedArmStep):
-    """The behaviour before the fix: a refused arm-step is rerun on the arm as it stands."""
-
-    def __call__(self):
-        self.dirty = False
-        return super().__call__()
-
-
 def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine, uninterrupted, tmp_path, monkeypatch):
     srv = faulty_engine[2]
     # Back off 0.1 s; the window (which opens when the refused attempt began) outlasts any step here.
@@ -234,7 +225,7 @@ def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine,
     assert not problems, "run with a mid-step refusal differs from the undisturbed run:\n" + "\n".join(problems)
 
     # Before the fix the step was rerun on the arm as it stood: one update more than the plan.
-    monkeypatch.setattr(comparison_arms, "GuardedArmStep", _RetryAsItStands)
+    monkeypatch.setattr(comparison_run.Arms, "restore_mid_step", lambda self, name, path, failure: None)  # as it stands
     old, _ = _run(faulty_engine, tmp_path, "old", capacity_policy=policy)
     assert srv.stats()["faults"]["injected"]["optim_step:capacity_exhausted"] == 2
     old_steps, _ = _final_steps(srv, old, tmp_path)

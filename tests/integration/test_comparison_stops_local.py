@@ -20,8 +20,7 @@ from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.stages.comparison import restore as comparison_restore
-from dppo_harness.stages.comparison.arms import StopRequested
-from dppo_harness.stages.comparison.run import run_comparison
+from dppo_harness.stages.comparison.run import StopRequested, run_comparison
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard
 from dppo_harness.train.clients import create_from_state_observed
 
@@ -131,7 +130,7 @@ def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_
 
 def test_a_service_stop_mid_run_still_registers_the_training_so_far(engine, tmp_path):
     """A hang stop (a BaseException, so stage bookkeeping cannot swallow it) after step 1: the
-    steps, the metrics logs and the end state are registered, and the run ends failed with the stop's line."""
+    steps and the end state are registered, and the run ends failed with the stop's line."""
     from dppo_harness.service.wait.policy import ServiceHang
 
     hang = ServiceHang("forward_backward", ARM_NAMES[0], 900.0, "active")

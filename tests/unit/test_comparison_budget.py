@@ -1,5 +1,5 @@
 """The comparison keeps the slots its end needs, computed from its arms (not a hand count for 2):
-with 3 arms and a state saved at every step, the evaluation, report, logs, a mid-step restore
+with 3 arms and a state saved at every step, the evaluation, report, a mid-step restore
 and the session's closing records still fit."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dppo_harness.evidence import EvidenceBundle, budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.evidence.verify import verify_bundle
-from dppo_harness.stages.comparison import run_steps
+from dppo_harness.stages.comparison import run as comparison_run
 
 
 class _State(SimpleNamespace):
@@ -20,7 +20,7 @@ class _State(SimpleNamespace):
         return {"run_id": self.run_id, "resumed": self.resumed}
 
 
-def _cfg(arms: int) -> SimpleNamespace:
+def _run(arms: int) -> SimpleNamespace:
     return SimpleNamespace(arms=tuple(SimpleNamespace(name=f"arm{i}") for i in range(arms)))
 
 
@@ -29,12 +29,12 @@ def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_c
     bundle.reserve_closing()
     for i in range(30):  # session start, preflight and gate files
         bundle.register_bytes(f"setup-{i:02d}.json", "manifest", b"{}%d" % i)
-    cfg, state = _cfg(3), _State(run_id="run", resumed=0)
+    run, state = _run(3), _State(run_id="run", resumed=0)
     restores = budget.MID_STEP_RESTORES_PER_ARM * 3
     registered = []
     for step in range(1, 51):
-        kept = run_steps.kept_slots(cfg, restores)
-        name = run_steps.register_saved_state(bundle, state, step, kept)
+        kept = comparison_run._kept_slots(run, restores)
+        name = comparison_run._register_saved_state(bundle, state, step, kept)
         post_snapshot(bundle, f"comparison step {step} saved", reserve=kept + len(budget.CLOSING_RECORDS))
         if name is None:
             break
@@ -45,7 +45,7 @@ def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_c
     assert "kept for the evaluation, report and restores" in skipped[0]["reason"]
     for i in range(restores):  # each arm restores once mid-step
         bundle.register_json(f"comparison-state-r0-arm{i}-s9-a1.json", "manifest", {"restore": i})
-    for i in range(budget.comparison_end_files(3)):  # steps, logs, end state, evaluator, predictions, report...
+    for i in range(budget.comparison_end_files(3)):  # steps, end state, evaluator, predictions, report...
         bundle.register_bytes(f"end-{i:02d}.json", "metrics", b"[%d]" % i)
     assert post_snapshot(bundle, "stage comparison end", reserve=len(budget.CLOSING_RECORDS)) is not None
     for name in budget.CLOSING_RECORDS:
@@ -62,18 +62,10 @@ def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_c
     assert verify_bundle(bundle.dir) == []
 
 
-def _session(bundle: EvidenceBundle, arms: int) -> run_steps.RunSession:
-    return run_steps.RunSession(
-        service_client=None,
-        bundle=bundle,
-        cfg=_cfg(arms),
-        state=_State(run_id="run", resumed=0),
-        spath=Path("unused"),
-        tracker=None,
-        mlog=None,
-        tag="t",
-        progress=lambda _m: None,
-    )
+def _arms(bundle: EvidenceBundle, arms: int, monkeypatch) -> comparison_run.Arms:
+    monkeypatch.setattr(comparison_run, "make_loss", lambda arm, run: None)
+    state = _State(run_id="run", resumed=0)
+    return comparison_run.Arms(None, bundle, _run(arms), state, Path("unused"), 1, "t", lambda _m: None)
 
 
 def test_a_mid_step_restore_uses_its_kept_slot_and_past_it_stops_in_one_line(tmp_path: Path, monkeypatch) -> None:
@@ -83,19 +75,17 @@ def test_a_mid_step_restore_uses_its_kept_slot_and_past_it_stops_in_one_line(tmp
 
     bundle = EvidenceBundle.create(tmp_path, "run")
     bundle.reserve_closing()
-    session = _session(bundle, 3)
-    while bundle.free_slots() > run_steps.kept_slots(session.cfg, 3):  # saves took every slot they could
+    arms = _arms(bundle, 3, monkeypatch)
+    while bundle.free_slots() > comparison_run._kept_slots(arms.run, 3):  # saves took every slot they could
         bundle.register_bytes(f"saved-{len(bundle.files()):02d}.json", "manifest", b"%d" % len(bundle.files()))
     restored = []
     monkeypatch.setattr(
-        run_steps, "restore_arm", lambda *a, **k: (restored.append(a[3]) or object(), {"restore_count": 2})
+        comparison_run, "restore_arm", lambda *a, **k: (restored.append(a[3]) or object(), {"restore_count": 2})
     )
-    runner = SimpleNamespace(spec=SimpleNamespace(name="arm0"), client=None)
     failure = {"step": 8, "attempt": 1, "updates_sent_before_failure": 1, "error": "refused"}
-    monkeypatch.setattr(run_steps.dataclasses, "replace", lambda r, **k: r)
     for attempt in range(1, 4):  # one kept slot per arm: three restores register their state
-        session.restore_mid_step(runner, "tinker://x/state", dict(failure, attempt=attempt))
-    assert len(restored) == 3 and bundle.free_slots() == run_steps.kept_slots(session.cfg, 0)
+        arms.restore_mid_step("arm0", "tinker://x/state", dict(failure, attempt=attempt))
+    assert len(restored) == 3 and bundle.free_slots() == comparison_run._kept_slots(arms.run, 0)
     with pytest.raises(ComparisonError, match="no evidence file slot left") as exc:
-        session.restore_mid_step(runner, "tinker://x/state", dict(failure, attempt=4))
+        arms.restore_mid_step("arm0", "tinker://x/state", dict(failure, attempt=4))
     assert "\n" not in str(exc.value) and len(restored) == 3  # refused before any restore was sent

@@ -4,27 +4,18 @@ and the arms run one after the other unless asked (the schedule the feasibility 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from comparison_fakes import PLAN, row, run_fake
 from tinker import types
 
-from dppo_harness.plans import load_plan
 from dppo_harness.service.rest import RawResponse
-from dppo_harness.stages.comparison import arms as comparison_arms
 from dppo_harness.stages.comparison import restore as comparison_restore
-from dppo_harness.stages.comparison.config import (
-    ComparisonConfig,
-    ComparisonError,
-    OptimizerMismatch,
-    comparison_config,
-    comparison_schedule,
-)
+from dppo_harness.stages.comparison.config import ComparisonError, OptimizerMismatch, comparison_schedule
 from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard, wall_guard_from_feasibility
 from dppo_harness.stages.feasibility_projection import PilotFigures
 
-SPEC = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
+RUN = PLAN.run
 
 
 class _Clock:
@@ -35,60 +26,43 @@ class _Clock:
         return self.t
 
 
-def _cfg(steps: int) -> ComparisonConfig:
-    cfg = comparison_config(SPEC.run)
-    return ComparisonConfig(**{**cfg.__dict__, "steps": steps})
-
-
-def _train(monkeypatch, cfg, guard, clock, arm_step_s=10.0):
-    def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
+def _train(tmp_path, monkeypatch, steps, guard, clock, arm_step_s=10.0):
+    def timed_step(client, arm, run, step, *a, **k):
         clock.t += arm_step_s
-        return {
-            "arm": runner.spec.name,
-            "step": step,
-            "reward_mean": 0.0,
-            "format_rate": 0.0,
-            "dppo_masked_frac": 0.0,
-            "ppo_clip_frac": 0.0,
-            "drift_abs_p90": 0.0,
-            "seconds": arm_step_s,
-        }, []
+        return row(arm.name, step, seconds=arm_step_s)
 
-    monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
-    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
-    runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
-    return comparison_arms.train_arms(
-        runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", guard=guard
-    )
+    out, _bundle, _clients = run_fake(tmp_path, monkeypatch, steps, arm_step=timed_step, guard=guard)
+    return out
 
 
-def test_the_wall_guard_stops_before_the_step_that_would_pass_the_budget(monkeypatch):
+def test_the_wall_guard_stops_before_the_step_that_would_pass_the_budget(tmp_path, monkeypatch):
     clock = _Clock()
     budget = 64.0  # 2 arms x 10 s per step, 5 s reserve: step 3 needs 20 + 5 s with 24 s left
     guard = WallGuard(lambda: budget - clock.t, reserve_s=5.0, clock=clock)
-    out = _train(monkeypatch, _cfg(5), guard, clock)
+    out = _train(tmp_path, monkeypatch, 5, guard, clock)
     assert out.steps_completed == 2 and clock.t == 40.0 <= budget
     assert out.stopped.startswith("wall clock: step 3 projected 20 s + 5 s") and "24 s left" in out.stopped
     assert guard.step_seconds == [20.0, 20.0] and guard.as_dict()["last_check"]["step"] == 2
+    assert out.final["status"] == "failed" and "wall clock" in out.final["summary"]
 
 
-def test_the_first_step_is_projected_from_the_feasibility_pilot(monkeypatch):
+def test_the_first_step_is_projected_from_the_feasibility_pilot(tmp_path, monkeypatch):
     feas = {"measurements": {"training": {"seconds": 30.0, "units": 2.0}, "evaluation": {"seconds": 4.0, "units": 8}}}
     clock = _Clock()
     guard = wall_guard_from_feasibility(lambda: 40.0 - clock.t, PilotFigures.from_block(feas), arms=2, eval_items=10)
     assert guard.first_step_estimate_s == 30.0  # 15 s per arm-step x 2 arms, no overlap assumed
     assert guard.reserve_s == pytest.approx(FINALIZE_RESERVE_S + 0.5 * 10 * 3)
     guard.clock = clock
-    out = _train(monkeypatch, _cfg(3), guard, clock)
+    out = _train(tmp_path, monkeypatch, 3, guard, clock)
     assert out.steps_completed == 0 and out.stopped.startswith("wall clock: step 1")
     plain = wall_guard_from_feasibility(lambda: 1e9, PilotFigures.from_block(None), arms=2, eval_items=10)
     assert plain.first_step_estimate_s is None and plain.reserve_s == FINALIZE_RESERVE_S
 
 
-def test_without_a_budget_or_projection_the_guard_lets_steps_run(monkeypatch):
+def test_without_a_budget_or_projection_the_guard_lets_steps_run(tmp_path, monkeypatch):
     clock = _Clock()
-    out = _train(monkeypatch, _cfg(3), WallGuard(lambda: None, clock=clock), clock)
-    assert out.steps_completed == 3 and out.stopped is None
+    out = _train(tmp_path, monkeypatch, 3, WallGuard(lambda: None, clock=clock), clock)
+    assert out.steps_completed == 3 and out.stopped is None and out.final["status"] == "succeeded"
     spent = WallGuard(lambda: -1.0, clock=clock)
     assert spent.check(0).startswith("wall clock: step 1")  # the budget is already spent
 
@@ -133,13 +107,12 @@ def _restore(monkeypatch, info, path="tinker://m/weights/step2"):
         "create_from_state_observed",
         lambda sc, p, name=None: (_Restored(info), types.LoadWeightsResponse(path=p)),
     )
-    cfg = _cfg(3)
-    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
+    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in RUN.arms})
     prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
-    state.setup_provenance = {a.name: prior for a in cfg.arms}
+    state.setup_provenance = {a.name: prior for a in RUN.arms}
     session = None if isinstance(info, types.GetInfoResponse) else _Session(info)
     return state, lambda: comparison_restore.restore_arm(
-        session, state, cfg, "dppo_seed0", path, "comparison-state-r1-open.json"
+        session, state, RUN, "dppo_seed0", path, "comparison-state-r1-open.json"
     )
 
 
@@ -180,10 +153,9 @@ def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
         "create_from_state_observed",
         lambda sc, p, name=None: (_Restored(_raw_info("adamw")), types.LoadWeightsResponse()),
     )
-    cfg = _cfg(3)
-    state = RunState("r", "p", "e", "c", "i", {a.name: ArmState(a.name) for a in cfg.arms})
+    state = RunState("r", "p", "e", "c", "i", {a.name: ArmState(a.name) for a in RUN.arms})
     with pytest.raises(ComparisonError, match="the load response has no path"):
-        comparison_restore.restore_arm(None, state, cfg, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
+        comparison_restore.restore_arm(None, state, RUN, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
 
 
 @pytest.mark.parametrize(
@@ -210,84 +182,44 @@ def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):
     assert pytestconfig.getoption("--comparison-schedule") is None
 
 
-def _concurrent(monkeypatch, cfg, fail):
+def _concurrent(tmp_path, monkeypatch, fail):
     """Both arms' step at once; `fail[arm index]` (seconds to wait, exception) makes that arm fail."""
     import time as _time
 
-    def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
-        index = [a.name for a in cfg.arms].index(runner.spec.name)
-        if index in fail:
-            delay, exc = fail[index]
+    names = [a.name for a in RUN.arms]
+
+    def failing_step(client, arm, run, step, *a, **k):
+        if names.index(arm.name) in fail:
+            delay, exc = fail[names.index(arm.name)]
             _time.sleep(delay)
             raise exc
-        return {
-            "arm": runner.spec.name,
-            "step": step,
-            "reward_mean": 0.0,
-            "format_rate": 0.0,
-            "dppo_masked_frac": 0.0,
-            "ppo_clip_frac": 0.0,
-            "drift_abs_p90": 0.0,
-            "seconds": 0.0,
-        }, []
+        return row(arm.name, step)
 
-    monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
-    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
-    runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
-    saves = []
-    try:
-        comparison_arms.train_arms(
-            runners,
-            cfg,
-            state,
-            items_for_step=lambda s: [],
-            renderer=None,
-            tag="t",
-            schedule="concurrent",
-            save_state=lambda r, n: saves.append(n) or f"tinker://{n}",
-        )
-    except BaseException as exc:  # the test looks at what train_arms raised, a stop included
-        return state, exc, saves
-    return state, None, saves
+    out, _bundle, clients = run_fake(tmp_path, monkeypatch, 3, arm_step=failing_step, schedule="concurrent")
+    return out, [p for c in clients.values() for p in c.saved]
 
 
-def test_concurrent_arms_report_the_services_stop_not_what_it_caused_in_the_other_arm(monkeypatch):
+def test_concurrent_arms_report_the_services_stop_not_what_it_caused_in_the_other_arm(tmp_path, monkeypatch):
     from dppo_harness.service.wait.policy import ServiceHang
 
-    cfg = _cfg(3)
-    hang = ServiceHang("forward_backward", cfg.arms[1].name, 900.0, "active")
+    hang = ServiceHang("forward_backward", RUN.arms[1].name, 900.0, "active")
     # The second arm's wait stops; the stop closes the sessions, so the first arm then fails on a closed holder.
-    _, raised, _ = _concurrent(monkeypatch, cfg, {0: (0.3, RuntimeError("ServiceClient is closed")), 1: (0.0, hang)})
-    assert raised is hang
+    out, _ = _concurrent(
+        tmp_path / "a", monkeypatch, {0: (0.3, RuntimeError("ServiceClient is closed")), 1: (0.0, hang)}
+    )
+    assert out.stopped == f"{hang.kind}: {hang.line}"
     # The stopping arm is the first one: the second arm finished its step, and its row is kept (not saved).
-    state, raised, saves = _concurrent(monkeypatch, cfg, {0: (0.0, hang)})
-    assert raised is hang and [r["arm"] for r in state.rows] == [cfg.arms[1].name] and saves == []
-    assert state.arms[cfg.arms[1].name].steps_done == 1 and state.arms[cfg.arms[0].name].steps_done == 0
+    out, saves = _concurrent(tmp_path / "b", monkeypatch, {0: (0.0, hang)})
+    assert out.stopped == f"{hang.kind}: {hang.line}" and [r["arm"] for r in out.rows] == [RUN.arms[1].name]
+    assert saves == [] and out.steps_completed == 0
 
 
-def test_each_rollout_step_says_it_started_so_no_step_is_silent(monkeypatch):
+def test_each_rollout_step_says_it_started_so_no_step_is_silent(tmp_path, monkeypatch):
     """A line when a step starts (the comparison's watchdog repeats it while the step runs); its
     words never read as an arm's finished-step line (`<arm> step K/N`)."""
-    cfg = _cfg(2)
     lines = []
-
-    def fake_step(runner, step, cfg_, items, renderer, adam, tag, *, attempt=0, progress=None):
-        return {
-            "arm": runner.spec.name,
-            "step": step,
-            "reward_mean": 0.0,
-            "format_rate": 0.0,
-            "dppo_masked_frac": 0.0,
-            "ppo_clip_frac": 0.0,
-            "drift_abs_p90": 0.0,
-            "seconds": 0.0,
-        }, []
-
-    monkeypatch.setattr(comparison_arms, "run_arm_step", fake_step)
-    state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in cfg.arms})
-    runners = [comparison_arms.ArmRunner(a, object(), None, None) for a in cfg.arms]
-    comparison_arms.train_arms(
-        runners, cfg, state, items_for_step=lambda s: [], renderer=None, tag="t", progress=lines.append
+    run_fake(
+        tmp_path, monkeypatch, 2, arm_step=lambda c, arm, r, step, *a, **k: row(arm.name, step), progress=lines.append
     )
     starts = [ln for ln in lines if "training rollout step" in ln]
     assert [ln.split(" (")[0] for ln in starts] == [
@@ -295,3 +227,6 @@ def test_each_rollout_step_says_it_started_so_no_step_is_silent(monkeypatch):
         "[comparison] training rollout step 2 of 2",
     ]
     assert not any(" step 1/" in ln for ln in starts)
+    assert [ln.split(":")[0] for ln in lines if "/2:" in ln] == [
+        f"[comparison] {a.name} step {n}/2" for n in (1, 2) for a in RUN.arms
+    ]

@@ -11,7 +11,7 @@ from dppo_harness import plans
 from dppo_harness.evaluation import stats
 from dppo_harness.loss import loss_registry
 from dppo_harness.plans import PlanError, load_plan, parse_plan
-from dppo_harness.stages.comparison.config import ComparisonError, comparison_config, step_seed
+from dppo_harness.stages.comparison.config import ComparisonError, step_seed
 from dppo_harness.stages.comparison.decision import (
     OBSERVATIONS_FILE,
     CriterionDecision,
@@ -36,24 +36,24 @@ SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
 REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
 
 
+def _sizes(run):
+    return (run.rollout_steps, run.groups_per_batch.value, run.group_size.value, run.max_tokens.value, run.eval_items)
+
+
 def test_config_of_the_saved_spec_and_the_rehearsal():
-    full = comparison_config(SPEC.run)
-    assert (full.steps, full.groups_per_batch, full.group_size, full.max_tokens, full.eval_items) == (
-        50,
-        32,
-        8,
-        512,
-        1319,
-    )
+    full = SPEC.run
+    assert _sizes(full) == (50, 32, 8, 512, 1319)
     assert [(a.name, a.loss, a.role) for a in full.arms] == [
         ("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
         ("dppo_seed0", "dppo_divergence_mask", "treatment"),
     ]
-    assert all(a.adam["learning_rate"] == 2e-5 for a in full.arms) and full.temperature == 1.0
+    assert all(a.adam["learning_rate"] == 2e-5 for a in full.arms) and full.temperature.value == 1.0
     assert [(c.treatment, c.baseline, c.margin) for c in full.criteria] == [("dppo_seed0", "grpo_seed0", 0.0)]
-    small = comparison_config(REHEARSAL.run)
+    small = REHEARSAL.run
     assert small.base_model == "local/tiny-qwen3-gsm8k" and small.arms[0].updates_per_batch == 2
-    assert small.steps * 2 == REHEARSAL.spec["steps"] and small.eval_items == REHEARSAL.spec["eval"]["n_examples"]
+    assert (
+        small.rollout_steps * 2 == REHEARSAL.spec["steps"] and small.eval_items == REHEARSAL.spec["eval"]["n_examples"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,14 +76,16 @@ def test_plan_load_refuses_specs_that_break_the_pairing(mutate, match):
     with pytest.raises(PlanError) as e:
         parse_plan(json.dumps(spec).encode(), SPEC.path)  # read with the saved spec's resolution file
     assert re.match(match, str(e.value).removeprefix(f"{SPEC.path}: ")), str(e.value)
-    with pytest.raises(ComparisonError, match="save_every"):
-        comparison_config(SPEC.run, save_every=11)
+    from dppo_harness.stages.comparison.run import run_comparison
+
+    with pytest.raises(ComparisonError, match="save_every: 11 not in"):
+        run_comparison(None, SPEC, None, None, backend="local", state_root=Path("unused"), save_every=11)
 
 
 def test_same_seeds_for_both_arms_distinct_across_steps():
-    cfg = comparison_config(SPEC.run)
-    seeds = [step_seed(cfg, s) for s in range(cfg.steps)]
-    assert len(set(seeds)) == cfg.steps and seeds[1] - seeds[0] == cfg.groups_per_batch
+    run = SPEC.run
+    seeds = [step_seed(run, s) for s in range(run.rollout_steps)]
+    assert len(set(seeds)) == run.rollout_steps and seeds[1] - seeds[0] == run.groups_per_batch.value
 
 
 class _Rec:
@@ -393,8 +395,8 @@ def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
 
 def test_resized_plan_changes_size_fields_together_and_never_the_input():
     small = plans.resized_plan(SPEC, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)
-    cfg = comparison_config(small.run)
-    assert (cfg.steps, cfg.groups_per_batch, cfg.max_tokens, cfg.eval_items) == (3, 2, 64, 5)
+    run = small.run
+    assert (run.rollout_steps, run.groups_per_batch.value, run.max_tokens.value, run.eval_items) == (3, 2, 64, 5)
     assert small.run.groups_per_batch.field == "resized_plan" and small.sha256 == SPEC.sha256
     assert SPEC.raw["steps"] == 100 and "groups_per_batch=32" in SPEC.raw["method"] and SPEC.run.rollout_steps == 50
 

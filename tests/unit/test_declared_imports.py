@@ -14,9 +14,6 @@ import dppo_harness
 
 PKG = Path(dppo_harness.__file__).resolve().parent
 PYPROJECT = PKG.parents[1] / "pyproject.toml"
-# Imported only behind an explicit user request and never required (see cookbook_metrics):
-# W&B is the user's own install, checked with importlib.util.find_spec before use.
-OPTIONAL_BY_DESIGN = {"wandb", "neptune_scale", "trackio"}
 
 
 def _norm(name: str) -> str:
@@ -51,7 +48,7 @@ def undeclared() -> dict[str, set[str]]:
     declared = declared_distributions()
     missing = {}
     for mod, files in imported_top_level_modules().items():
-        if mod in sys.stdlib_module_names or mod in ("dppo_harness", "__future__") or mod in OPTIONAL_BY_DESIGN:
+        if mod in sys.stdlib_module_names or mod in ("dppo_harness", "__future__"):
             continue
         owners = {_norm(d) for d in dists.get(mod, [])}
         if not owners:  # not installed here (an optional extra): its declared name must carry the module's

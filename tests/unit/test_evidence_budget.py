@@ -41,16 +41,13 @@ def test_needs_grow_with_updates_arms_saves_and_resumes() -> None:
     assert budget.diagnostic_need(big).files == budget.diagnostic_need(small).files + 18  # 20 archives, not 2
     two = budget.ComparisonSize(arms=2, steps=50, save_every=5)
     three = budget.ComparisonSize(arms=3, steps=50, save_every=5)
-    assert (
-        budget.comparison_need(three).files == budget.comparison_need(two).files + 3
-    )  # metrics log, predictions, restore
+    assert budget.comparison_need(three).files == budget.comparison_need(two).files + 2  # predictions, restore
     assert budget.comparison_need(budget.ComparisonSize(2, 50, 1)).optional_files == 100
     resumed = budget.ComparisonSize(arms=2, steps=50, save_every=5, resumed=True)
     assert budget.comparison_need(resumed).files == budget.comparison_need(two).files + budget.RESUME_FILES
-    # what the comparison keeps free after its last step replaces the old hand count of 19 (2 arms,
-    # without the client identities written at the close)
-    assert budget.comparison_reserve(2, 0) + len(budget.CLOSING_RECORDS) == 20
-    assert budget.comparison_reserve(3, 3) + len(budget.CLOSING_RECORDS) == 25
+    # what the comparison keeps free after its last step, computed from its arms
+    assert budget.comparison_reserve(2, 0) + len(budget.CLOSING_RECORDS) == 18
+    assert budget.comparison_reserve(3, 3) + len(budget.CLOSING_RECORDS) == 22
 
 
 def test_a_record_too_large_for_one_file_is_one_per_file_and_refused_by_bytes() -> None:

@@ -28,8 +28,7 @@ from dppo_harness.loss import correctness_golden, golden, losses, references
 from dppo_harness.loss import loss_registry as registry
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.plans import PlanError, parse_plan
-from dppo_harness.stages.comparison.arms import make_runners
-from dppo_harness.stages.comparison.config import comparison_config
+from dppo_harness.stages.comparison.run import make_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_PATH = ROOT / "plans" / "exp_e6b0965af3.json"  # a changed copy is read with its resolution file
@@ -117,17 +116,16 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
     parity = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert parity.passed and parity.cases == 3, parity.failures
     # the training path: the comparison's runner for that arm trains the registered rule
-    cfg = comparison_config(plan.run)
-    runner = make_runners({a.name: object() for a in cfg.arms}, cfg)[1]
-    assert runner.loss_fn.loss_config.loss == NAME
+    loss_fn, _recorder = make_loss(plan.run.arms[1], plan.run)
+    assert loss_fn.loss_config.loss == NAME
     case = json.loads((ROOT / GOLDEN).read_text())["cases"][1]
     lp = torch.tensor(np.asarray(case["log_prob"]).ravel(), dtype=torch.float64, requires_grad=True)
     mu, adv, mask = (
         torch.tensor(np.asarray(case[k]).ravel(), dtype=torch.float64)
         for k in ("rollout_log_prob", "advantages", "response_mask")
     )
-    call = losses.packed_loss_call(lp, mu, adv, mask, runner.loss_fn.loss_config)
-    loss, metrics = call.loss, runner.loss_fn.metrics(call.stats)
+    call = losses.packed_loss_call(lp, mu, adv, mask, loss_fn.loss_config)
+    loss, metrics = call.loss, loss_fn.metrics(call.stats)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(0.75, rel=1e-12)
     np.testing.assert_allclose(lp.grad.numpy(), [-1 / 6, -1 / 12, 1.0, 0.0], rtol=1e-12)

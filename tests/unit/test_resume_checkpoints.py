@@ -129,26 +129,26 @@ def test_steps_saved_again_after_a_resume_are_not_held_to_the_earlier_copy(tmp_p
 
 
 def test_the_resume_is_refused_in_one_line_before_anything_is_reused(tmp_path):
-    """Through prepare_state, as `--resume` runs it: one line, before any rewind or reuse."""
+    """Through the run's state opening, as `--resume` runs it: one line, before any rewind or reuse."""
     from types import SimpleNamespace
 
-    from dppo_harness.stages.comparison import run_steps
+    from dppo_harness.stages.comparison import run as comparison_run
 
     _saved_run(tmp_path)
     _edit(tmp_path, lambda d: d["arms"]["grpo"]["saves"].update({"1": "tinker://x/weights/y"}))
-    plan = SimpleNamespace(sha256="p" * 64)
+    plan = SimpleNamespace(sha256="p" * 64, run=SimpleNamespace(rollout_steps=3))
     bundle = EvidenceBundle.create(tmp_path / "evidence", "20261203T010000Z-res001", env={})
     with pytest.raises(ComparisonError) as e:
-        run_steps.prepare_state(plan, bundle, SimpleNamespace(steps=3), "e" * 64, None, tmp_path / "state", RUN)
+        comparison_run._run_state(plan, bundle, "e" * 64, None, tmp_path / "state", RUN)
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"--resume {RUN} refused: arm grpo's checkpoint record at step 1")
 
 
 @pytest.fixture(autouse=True)
 def _same_code(monkeypatch):
-    from dppo_harness.stages.comparison import run_steps
+    from dppo_harness.stages.comparison import run as comparison_run
 
-    monkeypatch.setattr(run_steps, "code_revision", lambda: "c" * 64)
+    monkeypatch.setattr(comparison_run, "code_revision", lambda: "c" * 64)
 
 
 def test_a_refused_state_write_is_the_evidences_one_line(tmp_path, monkeypatch):

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from dppo_harness.plans import BackendInfo, PlanError, effective_config, load_plan, parse_plan
-from dppo_harness.stages.comparison.config import comparison_config
 from dppo_harness.stages.comparison.decision import decide_criteria, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,8 +179,7 @@ def test_n_arms_one_baseline_several_treatments_each_criterion_on_its_own():
         ("a", "dppo_seed0", "grpo_seed0"),
         ("b", "dppo_seed0_b", "grpo_seed0"),
     ]
-    cfg = comparison_config(run)
-    assert [a.name for a in cfg.treatments] == ["dppo_seed0", "dppo_seed0_b"]
+    assert [a.name for a in run.treatments] == ["dppo_seed0", "dppo_seed0_b"]
     rows = []
     for i in range(400):  # treatment a clearly better, treatment b equal to the baseline
         for arm, v in (("dppo_seed0", 1), ("dppo_seed0_b", i % 2), ("grpo_seed0", i % 2)):

@@ -155,19 +155,3 @@ def test_the_session_ends_with_the_summary_block(inner):
 def test_no_block_without_an_evidence_bundle(inner):
     (inner.path / "tests" / "unit" / "test_u.py").write_text("def test_parity():\n    assert True\n")
     assert TITLE not in inner.runpytest().stdout.str()
-
-
-def test_wandb_option_without_wandb_installed_is_one_usage_error(inner, monkeypatch):
-    import importlib.util
-
-    if importlib.util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here: the option is accepted")
-    monkeypatch.delenv("WANDB_PROJECT", raising=False)
-    res = inner.runpytest("--wandb-project", "myproj")
-    assert res.ret == pytest.ExitCode.USAGE_ERROR
-    err = [ln for ln in res.stderr.lines if ln.strip()]
-    assert err == [
-        "ERROR: --wandb-project asks for W&B project 'myproj', but wandb is not installed (pip install wandb)"
-    ]
-    monkeypatch.setenv("WANDB_PROJECT", "envproj")
-    assert "WANDB_PROJECT asks for W&B project 'envproj'" in inner.runpytest().stderr.str()

@@ -66,10 +66,10 @@ RECORD_OVERHEAD_BYTES = 64 * 1024  # the JSON meta (context, stats, histograms) 
 PROMPT_TOKENS_BOUND = 384
 
 # The comparison's files after its last step: steps JSONL, end state, evaluator, observations,
-# decision, report.md and its 4 plots; per arm a cookbook metrics log and predictions (plus the
-# base model's predictions); the run manifest comes first.
+# decision, report.md and its 4 plots; per arm its predictions (plus the base model's
+# predictions); the run manifest comes first.
 COMPARISON_END_FIXED = 10
-COMPARISON_END_PER_ARM = 2
+COMPARISON_END_PER_ARM = 1
 COMPARISON_END_BYTES = 6 * MIB
 MID_STEP_RESTORES_PER_ARM = 1  # slots kept for a state registered by a restore inside a step
 # A resume's own files: the reused-setup manifest and the state at the arms' restore.
@@ -185,7 +185,7 @@ def diagnostic_need(size: DiagnosticSize, groups_per_batch: int | None = None) -
 
 
 def comparison_end_files(arms: int) -> int:
-    """Files the comparison registers after its last step (evaluation, report, logs)."""
+    """Files the comparison registers after its last step (steps, end state, evaluation, report)."""
     return COMPARISON_END_FIXED + COMPARISON_END_PER_ARM * arms + 1  # + the base model's predictions
 
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import pytest
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.instrument.wandb_opt_in import WandbRequest
 from dppo_harness.plans import Plan
 from dppo_harness.pytest_plugin.fixtures_session import ServiceBackend
 from dppo_harness.pytest_plugin.session import (
@@ -150,7 +149,6 @@ def comparison_run(
             capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
             progress=_progress(request),
             base_model=client_base_model,
-            wandb=WandbRequest(harness_options.wandb_project, harness_options.wandb_source),
         )
     except ComparisonError as exc:  # a refused resume or configuration: its one line
         line = str(exc)

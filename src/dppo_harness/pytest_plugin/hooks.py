@@ -92,12 +92,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="how the two arms advance step by step (default: interleaved, arm after arm, the schedule the "
         "feasibility pilot times; concurrent overlaps them: see benchmarks/comparison_schedule.py)",
     )
-    group.addoption(
-        "--wandb-project",
-        default=None,
-        metavar="PROJECT",
-        help="also log each arm's cookbook metrics to this W&B project (default: WANDB_PROJECT; unset: no W&B at all)",
-    )
     # -- service waits (docs/service.md)
     group.addoption(
         "--capacity-patience-s",

@@ -13,7 +13,6 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import budget
 from dppo_harness.evidence.archive import ARCHIVED, archived_paths
 from dppo_harness.evidence.files import unwritable_reason
-from dppo_harness.instrument.wandb_opt_in import wandb_problem, wandb_request
 from dppo_harness.plans import BackendKind, Plan, PlanError, load_plan
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.session import HarnessOptions, StageState
@@ -129,9 +128,6 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
     capacity_patience_s = _wait_seconds(config, "--capacity-patience-s")
     capacity_patience_after_steps_s = _wait_seconds(config, "--capacity-patience-after-steps-s")
     service_timeout_s = _wait_seconds(config, "--service-timeout-s")
-    wandb = wandb_request(config.getoption("--wandb-project"))
-    if wandb_problem(wandb):
-        raise pytest.UsageError(wandb_problem(wandb))
     return HarnessOptions(
         backend,
         plan_path,
@@ -142,8 +138,6 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
         save_every=save_every,
         proxy_credentials=config.getoption("--proxy-credentials"),
         sdk_telemetry=config.getoption("--sdk-telemetry"),
-        wandb_project=wandb.project,
-        wandb_source=wandb.source,
         path_stages=_path_stages(config, state),
         capacity_patience_s=capacity_patience_s,
         capacity_patience_after_steps_s=capacity_patience_after_steps_s,

@@ -56,8 +56,6 @@ class HarnessOptions:
         None  # None: the default for the service (comparison.default_schedule)
     )
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
-    wandb_project: str | None = None  # --wandb-project or WANDB_PROJECT; None: W&B is never touched
-    wandb_source: str = "not requested"
     # -- the service wait policy (service.wait.policy.WaitPolicy); None: the default (capacity defaults
     # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
     capacity_patience_s: float | None = None

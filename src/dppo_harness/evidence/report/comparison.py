@@ -172,7 +172,7 @@ def _per_step_lines(rows: Sequence[JsonMap], plot_files: Mapping[str, str]) -> l
     return lines + [
         "",
         CF_NOTE + ". KL(s|t) and entropy: tinker-cookbook `compute_kl_sample_train` (sampler vs trainer "
-        "logprobs over the step's loss tokens); each arm's cookbook-named metrics are in `metrics-<arm>.jsonl`.",
+        "logprobs over the step's loss tokens).",
         "",
         f"![reward]({plot_files['reward']})",
         "",

@@ -1,12 +1,11 @@
-"""The comparison's configuration: the paired schedule of a plan's typed run config, its arms,
-the order the arms take each step (`ArmOrder`, `comparison_schedule`), the sampling seed of each
-rollout step (the same for both arms), and the errors that name a field the comparison cannot be
-configured or resumed with."""
+"""What the comparison adds to the plan's `RunConfig`: the order the arms take each step
+(`ArmOrder`, `comparison_schedule`, from the `--comparison-schedule` option), the bound on
+`--save-every`, the sampling seed of each rollout step (the same for both arms), and the errors
+that name a field the comparison cannot be configured or resumed with."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import JsonValue
@@ -14,10 +13,9 @@ from pydantic import JsonValue
 from dppo_harness import constants
 
 if TYPE_CHECKING:
-    from dppo_harness.plans import CriterionConfig, RunConfig
+    from dppo_harness.plans import RunConfig
 
 
-# A JSON object the comparison passes on as written (scores, the decision, provenance blocks).
 MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY  # each arm's state is saved at least every 10 steps
 # How the arms take each step: one after the other on one thread, or at once on their own clients.
 ArmOrder = Literal["interleaved", "concurrent"]
@@ -72,75 +70,6 @@ def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[A
     )
 
 
-@dataclass(frozen=True)
-class ArmSpec:
-    name: str
-    loss: str  # a registered loss name (loss_registry.LOSSES)
-    role: str  # "baseline" or "treatment"
-    seed: int
-    lr: float
-    updates_per_batch: int
-    adam: dict[str, float] = field(default_factory=dict)  # this arm's AdamParams
-    adam_requested: dict[str, float] = field(default_factory=dict)  # the spec's optimizer_config keys
-
-
-@dataclass(frozen=True)
-class ComparisonConfig:
-    arms: tuple[ArmSpec, ...]  # the baseline first, then the treatments
-    steps: int  # rollout steps per arm
-    groups_per_batch: int
-    group_size: int
-    temperature: float
-    max_tokens: int
-    eval_items: int
-    base_model: str
-    lora_rank: int
-    dataset: str
-    max_seq_len: int
-    criteria: tuple[CriterionConfig, ...]
-    alpha: float
-    save_every: int = 1
-    normalization: str = "token_mean"
-
-    def arm(self, name: str) -> ArmSpec:
-        return next(a for a in self.arms if a.name == name)
-
-    def role(self, role: str) -> ArmSpec:
-        """The first arm with this role (the baseline is unique; see `treatments` for all)."""
-        return next(a for a in self.arms if a.role == role)
-
-    @property
-    def treatments(self) -> tuple[ArmSpec, ...]:
-        return tuple(a for a in self.arms if a.role == "treatment")
-
-
-def comparison_config(run: RunConfig, *, save_every: int = 1) -> ComparisonConfig:
-    """The paired schedule of a plan's typed run config (`Plan.run`)."""
-    if not 1 <= save_every <= MAX_SAVE_EVERY:
-        raise ComparisonError(f"save_every: {save_every} not in [1, {MAX_SAVE_EVERY}]")
-    arms = tuple(
-        ArmSpec(a.name, a.loss, a.role, a.seed, a.lr, a.updates_per_batch, a.adam, a.adam_config_requested())
-        for a in run.arms
-    )
-    return ComparisonConfig(
-        arms=arms,
-        steps=run.rollout_steps,
-        groups_per_batch=int(run.groups_per_batch.value),
-        group_size=int(run.group_size.value),
-        temperature=float(run.temperature.value),
-        max_tokens=int(run.max_tokens.value),
-        eval_items=run.eval_items,
-        base_model=run.base_model,
-        lora_rank=run.lora_rank,
-        dataset=run.dataset,
-        max_seq_len=run.max_seq_len,
-        criteria=run.criteria,
-        alpha=run.alpha,
-        save_every=save_every,
-        normalization=run.normalization,
-    )
-
-
-def step_seed(cfg: ComparisonConfig, step: int) -> int:
+def step_seed(run: RunConfig, step: int) -> int:
     """Sampling seed base of a rollout step: the same for both arms, distinct across steps."""
-    return cfg.arms[0].seed + step * cfg.groups_per_batch
+    return run.seed + step * int(run.groups_per_batch.value)

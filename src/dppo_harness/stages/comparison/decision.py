@@ -14,7 +14,7 @@ from pydantic import JsonValue
 
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evaluation import stats
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, num
 
 if TYPE_CHECKING:
     from dppo_harness.plans import CriterionConfig
@@ -106,20 +106,14 @@ def informational_interval(rows: Sequence[Observation], criterion: CriterionConf
     )
 
 
-def _number(value: JsonValue) -> float:
-    if not isinstance(value, (int, float)):
-        raise TypeError(f"{value!r} is not a number")
-    return float(value)
-
-
 def informational_metrics(info: JsonObject) -> dict[str, float]:
     """result.json `metrics` of the informational interval (labelled: none of it decides)."""
     return {
-        "comparison/informational_newcombe_lower": _number(info["lower"]),
-        "comparison/informational_newcombe_upper": _number(info["upper"]),
-        "comparison/informational_mcnemar_exact_p": _number(info["mcnemar_exact_p"]),
-        "comparison/discordant_treatment_only_correct": _number(info["treatment_only_correct"]),
-        "comparison/discordant_baseline_only_correct": _number(info["baseline_only_correct"]),
+        "comparison/informational_newcombe_lower": float(num(info["lower"])),
+        "comparison/informational_newcombe_upper": float(num(info["upper"])),
+        "comparison/informational_mcnemar_exact_p": float(num(info["mcnemar_exact_p"])),
+        "comparison/discordant_treatment_only_correct": float(num(info["treatment_only_correct"])),
+        "comparison/discordant_baseline_only_correct": float(num(info["baseline_only_correct"])),
     }
 
 

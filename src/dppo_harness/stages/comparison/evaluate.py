@@ -14,37 +14,32 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pydantic import JsonValue
-
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence.progress import Ticker
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, num
 from dppo_harness.stages.comparison import decision as comparison_decision
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError
+from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import RunState
 
 if TYPE_CHECKING:
     import tinker
 
     from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import RunConfig
 
 BASE_ARM = "base"
 
 
-def freeze_for(cfg: ComparisonConfig, reason: str) -> evaluation.FrozenEvaluator:
-    """The comparison's frozen evaluator: the first `cfg.eval_items` test items (all 1319 for the
+def freeze_for(run: RunConfig, reason: str) -> evaluation.FrozenEvaluator:
+    """The comparison's frozen evaluator: the first `run.eval_items` test items (all 1319 for the
     spec), greedy, max_tokens as sampled in training."""
-    test = dataset.get(cfg.dataset).load_split("test")
-    n = None if cfg.eval_items == len(test) else cfg.eval_items
+    test = dataset.get(run.dataset).load_split("test")
+    n = None if run.eval_items == len(test) else run.eval_items
     items, deviation = evaluation.select_items(test, n, reason if n else None)
-    return evaluation.freeze_evaluator(items, tokenizer.make_renderer(), max_tokens=cfg.max_tokens, deviation=deviation)
-
-
-def _number(value: JsonValue) -> float:
-    if not isinstance(value, (int, float)):
-        raise TypeError(f"{value!r} is not a number")
-    return float(value)
+    return evaluation.freeze_evaluator(
+        items, tokenizer.make_renderer(), max_tokens=int(run.max_tokens.value), deviation=deviation
+    )
 
 
 def predictions_name(arm: str, res: evaluation.EvalResult) -> str:
@@ -85,7 +80,7 @@ def eval_line(res: evaluation.EvalResult, max_tokens: int, elapsed_s: float) -> 
 
 def evaluate_and_decide(
     service_client: tinker.ServiceClient,
-    cfg: ComparisonConfig,
+    run: RunConfig,
     state: RunState,
     evaluator: evaluation.FrozenEvaluator,
     bundle: EvidenceBundle,
@@ -95,15 +90,15 @@ def evaluate_and_decide(
 ) -> tuple[list[JsonObject], JsonObject, list[str]]:
     """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
     evaluator_file = register_evaluator(bundle, evaluator)
-    seed = cfg.arms[0].seed
-    comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in cfg.criteria]
-    scored = ScoredModels(bundle, evaluator, comparisons, cfg.max_tokens, progress, time.perf_counter())
+    seed = run.seed
+    comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in run.criteria]
+    scored = ScoredModels(bundle, evaluator, comparisons, int(run.max_tokens.value), progress, time.perf_counter())
     scored.add(evaluate_base(service_client, evaluator, base_model, seed, progress))
     results: dict[str, evaluation.EvalResult] = {}
-    for a in cfg.arms:
+    for a in run.arms:
         results[a.name] = evaluate_arm(service_client, evaluator, a.name, state, seed, progress)
         scored.add(results[a.name])
-    decision, decision_files = register_decision(bundle, cfg, [results[a.name] for a in cfg.arms], rehearsal, scored.t0)
+    decision, decision_files = register_decision(bundle, run, [results[a.name] for a in run.arms], rehearsal, scored.t0)
     return scored.scores, decision, [evaluator_file, *scored.files, *decision_files]
 
 
@@ -144,7 +139,7 @@ class ScoredModels:
         self.files.append(predictions_name(res.arm, res))
         self.bundle.update_result(
             evaluation=evaluation.evaluation_object([self.evaluator], self.scores, self.comparisons),
-            metrics={f"eval/accuracy/{s['arm']}": _number(s["value"]) for s in self.scores},
+            metrics={f"eval/accuracy/{s['arm']}": float(num(s["value"])) for s in self.scores},
         )
         self.bundle.post_arm_metrics(res.arm, res.arm_metrics(self.max_tokens))
         self.progress(eval_line(res, self.max_tokens, time.perf_counter() - self.t0))
@@ -198,7 +193,7 @@ def evaluate_arm(
 
 def register_decision(
     bundle: EvidenceBundle,
-    cfg: ComparisonConfig,
+    run: RunConfig,
     arm_results: Sequence[evaluation.EvalResult],
     rehearsal: bool,
     t0: float,
@@ -208,9 +203,9 @@ def register_decision(
     obs = evaluation.observations_jsonl(arm_results)
     bundle.register_bytes(comparison_decision.OBSERVATIONS_FILE, "metrics", obs)
     rows = [json.loads(line) for line in obs.decode().splitlines()]
-    criteria = comparison_decision.decide_criteria(rows, cfg.criteria, alpha=cfg.alpha)
+    criteria = comparison_decision.decide_criteria(rows, run.criteria, alpha=run.alpha)
     # Beside the decision, never deciding: the first criterion's pair (the metrics keys are unqualified).
-    informational = comparison_decision.informational_interval(rows, cfg.criteria[0], alpha=cfg.alpha)
+    informational = comparison_decision.informational_interval(rows, run.criteria[0], alpha=run.alpha)
     decision = comparison_decision.decision_block(
         obs,
         criteria,

@@ -10,7 +10,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.stages.comparison.config import ComparisonConfig, ComparisonError, OptimizerMismatch
+from dppo_harness.stages.comparison.config import ComparisonError, OptimizerMismatch
 from dppo_harness.stages.comparison.state import RunState, state_file_name
 from dppo_harness.train.clients import create_from_state_observed, dump_response, server_info
 from dppo_harness.train.optimizer_checks import optimizer_check
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import tinker
 
     from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import RunConfig
     from dppo_harness.stages.restoration import RestorationResult
 
 # A restored arm: its new training client and its provenance entry.
@@ -26,7 +27,7 @@ Restored = tuple["tinker.TrainingClient", JsonObject]
 
 
 def restore_arm(
-    service_client: tinker.ServiceClient, state: RunState, cfg: ComparisonConfig, name: str, path: str, state_file: str
+    service_client: tinker.ServiceClient, state: RunState, run: RunConfig, name: str, path: str, state_file: str
 ) -> tuple[tinker.TrainingClient, JsonObject]:
     """A new training client for arm `name` from its saved state `path`, weights + optimizer, the
     load observed; one more restore_count and optimizer check, whose get_info is kept in the run
@@ -49,7 +50,7 @@ def restore_arm(
     check = optimizer_check(
         after_restore=prior["restore_count"] + arm.restore_count,
         requested_optimizer="adam",
-        requested_config=cfg.arm(name).adam_requested,
+        requested_config=run.arm(name).adam_config_requested(),
         info=server_info(service_client, client),
         info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
         echoed=None,
@@ -81,7 +82,7 @@ def restore_arm(
 def open_arms(
     service_client: tinker.ServiceClient,
     state: RunState,
-    cfg: ComparisonConfig,
+    run: RunConfig,
     restoration: RestorationResult | None,
     bundle: EvidenceBundle,
     call: Callable[[Callable[[], Restored]], Restored],
@@ -92,13 +93,13 @@ def open_arms(
     check, and the run state holding their get_info is registered before the result names it."""
     if not state.resumed:
         assert restoration is not None
-        return {a.name: restoration.clients[a.name] for a in cfg.arms}
+        return {a.name: restoration.clients[a.name] for a in run.arms}
     clients: dict[str, tinker.TrainingClient] = {}
     prov_arms: JsonObject = {}
     ref = state_file_name(state, "open")
-    for a in cfg.arms:
+    for a in run.arms:
         path = state.arms[a.name].state_path or state.initial_checkpoint
-        clients[a.name], prov_arms[a.name] = call(partial(restore_arm, service_client, state, cfg, a.name, path, ref))
+        clients[a.name], prov_arms[a.name] = call(partial(restore_arm, service_client, state, run, a.name, path, ref))
     bundle.register_json(ref, "manifest", state.to_json())
     bundle.update_result(initialization_provenance={"arms": prov_arms})
     return clients

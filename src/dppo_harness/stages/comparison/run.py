@@ -1,45 +1,88 @@
-"""The comparison stage's run: `run_comparison`, the named steps of `run_steps` in order.
+"""The paired comparison, one loop that reads top to bottom (`run_comparison`).
 
-prepare (config, frozen evaluator, resume state) -> open arms (the preflight's loaded clients, or
-each arm's saved state on resume) -> train both arms step by step (JSONL + metrics.arms as they
-go, state saved every `save_every` steps, capacity retry) -> finalize each arm (checkpoint,
-completed_arms, metrics) -> evaluate base and both final checkpoints -> decision -> report.
+restore the arms (the preflight's loaded clients, or each arm's last common save on a resume) ->
+for each rollout step: the wall guard, then for each arm its step (capacity retry from the step's
+start), its row, its state saved every `save_every` steps -> finalize each arm after its last
+step -> evaluate base and both final checkpoints with one frozen evaluator -> the paired decision
+-> report. A model the service loses is replaced once from its arm's last save inside the loop.
+Any stop before every arm finished leaves the evidence written so far and a failed final.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import tinker
+
+from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
-from dppo_harness.evidence import report
+from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import backend_of
 from dppo_harness.evidence.progress import Watchdog
-from dppo_harness.instrument import cookbook_metrics
-from dppo_harness.json_types import JsonObject, as_object
+from dppo_harness.evidence.snapshots import post_snapshot
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.json_types import JsonObject, as_object, as_value
+from dppo_harness.loss import losses
+from dppo_harness.rollout import rollouts
+from dppo_harness.service.capacity import call_with_capacity_retry, error_text
 from dppo_harness.service.release import ClientRegistry
-from dppo_harness.service.wait.policy import CapacityPolicy
-from dppo_harness.stages.comparison import run_steps
-from dppo_harness.stages.comparison.arms import TrainingOutcome
+from dppo_harness.service.wait.policy import (
+    CapacityExhausted,
+    CapacityPolicy,
+    CapacityTracker,
+    ModelLost,
+    ServiceStopped,
+)
+from dppo_harness.stages import arm_step
+from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun
 from dppo_harness.stages.comparison.config import (
+    MAX_SAVE_EVERY,
     ArmOrder,
-    ComparisonConfig,
     ComparisonError,
-    comparison_config,
+    OptimizerMismatch,
+    step_seed,
 )
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
-from dppo_harness.stages.comparison.state import RunState
-from dppo_harness.stages.comparison.step_rows import StepRowJson
+from dppo_harness.stages.comparison.restore import open_arms, restore_arm
+from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
+from dppo_harness.stages.comparison.state import (
+    STEPS_FILE,
+    ArmState,
+    RunState,
+    StepRetry,
+    code_revision,
+    hold_run_lock,
+    load_owned_state,
+    resume_problems,
+    rewind_to_common_save,
+    state_file_name,
+    state_path,
+)
+from dppo_harness.stages.comparison.step_rows import (
+    StepRowJson,
+    arm_summary,
+    jsonl,
+    kl_sample_train,
+    step_line,
+    step_metrics,
+    trajectory_metrics,
+)
 from dppo_harness.stages.comparison.wall_guard import WallGuard
 
 if TYPE_CHECKING:
-    import tinker
+    from tinker_cookbook import renderers
 
+    from dppo_harness.data.gsm8k import Gsm8kItem
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import Plan
+    from dppo_harness.plans import ArmConfig, Plan, RunConfig
     from dppo_harness.stages.restoration import RestorationResult
+
+T = TypeVar("T")
 
 PROGRESS_EVERY_S = 15.0  # a line at least this often in every phase: arm steps and evaluation take minutes
 EVAL_SUBSET_REASON = (
@@ -50,55 +93,23 @@ EVAL_SUBSET_EMBEDDED = ", a size the embedded server's stand-in evaluates on thi
 EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} {dataset} test items are evaluated"
 
 
-def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
-    """Why the evaluator scores a subset, in words that fit the run: a rehearsal plan's declared
-    size (the CPU named only when the embedded server computes), else the spec's own n_examples."""
-    if plan.run is None:
-        raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
-    if plan.kind != "rehearsal":
-        return EVAL_STATED_REASON.format(n=n, dataset=plan.run.dataset)
-    return EVAL_SUBSET_REASON.format(n=n, dataset=plan.run.dataset) + (EVAL_SUBSET_EMBEDDED if embedded else "")
+class StopRequested(Exception):
+    """Raised by a `stop_after` hook to end the run at a step boundary (tests: a kill)."""
 
 
 @dataclass(frozen=True)
 class ComparisonResult:
-    config: ComparisonConfig
     run_id: str  # the run whose state this continues (== this bundle's run id unless resumed)
     rows: tuple[StepRowJson, ...]
-    steps_completed: int
+    steps_completed: int  # min over arms
     training_seconds: float
     schedule: str
-    stopped: str | None
+    stopped: str | None  # None when every arm finished
     capacity_block: JsonObject | None
     scores: tuple[JsonObject, ...] = ()
     decision: JsonObject | None = None
     final: JsonObject = field(default_factory=dict)  # status, verdict, outcome_reason
     files: tuple[str, ...] = ()
-
-
-def _frozen_evaluator(
-    cfg: ComparisonConfig, bundle: EvidenceBundle, plan: Plan, *, embedded: bool
-) -> evaluation.FrozenEvaluator:
-    """The run's evaluator, frozen before training; its subset is a deviation, with the reason the
-    plan gives (a rehearsal plan's declared size, or the spec's own n_examples)."""
-    evaluator = freeze_for(cfg, eval_subset_reason(plan, embedded=embedded, n=cfg.eval_items))
-    if evaluator.deviation:
-        d = evaluator.deviation
-        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
-    return evaluator
-
-
-def served_by_embedded_server(backend: str, result: Mapping[str, Any]) -> bool:
-    """The embedded server computed this run: the local backend, or its marker seen behind
-    `--backend tinker`."""
-    block = backend_of(result)
-    return backend == "local" or (block is not None and block.embedded_server is not None)
-
-
-def is_rehearsal(plan: Plan, backend: str, result: Mapping[str, Any]) -> bool:
-    """A rehearsal by what served the run, not by the flag that chose the client: a rehearsal plan,
-    the local backend, or the embedded server's marker seen behind `--backend tinker`."""
-    return plan.kind == "rehearsal" or served_by_embedded_server(backend, result)
 
 
 def run_comparison(
@@ -120,172 +131,715 @@ def run_comparison(
     base_model: str | None = None,
     schedule_source: str = "given",
     guard: WallGuard | None = None,
-    wandb: cookbook_metrics.WandbRequest | None = None,
 ) -> ComparisonResult:
-    """Run (or continue) the paired comparison and write its evidence; see the module docstring.
+    """Run (or continue, `resume_run_id`) the paired comparison and write its evidence.
 
-    Any stop before every arm finished (wall-clock guard, optimizer mismatch on a restore, a
-    response the run cannot use, capacity) leaves the evidence written so far and returns a final
-    failed / inconclusive / incomplete_execution with the reason. Each arm's steps are also written
-    through the cookbook's `ml_log` (`metrics-<arm>.jsonl` in the bundle, live under
-    `<state_root>/<run_id>/cookbook-metrics/<arm>/metrics.jsonl`), and to W&B only when `wandb`
-    asks for a project."""
+    Any stop before every arm finished (wall guard, optimizer mismatch on a restore, a response
+    the run cannot use, capacity, a service stop, `stop_after` raising StopRequested) leaves the
+    evidence written so far and returns a final failed / inconclusive / incomplete_execution with
+    the reason."""
     if plan.run is None:
         raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
+    if not 1 <= save_every <= MAX_SAVE_EVERY:
+        raise ComparisonError(f"save_every: {save_every} not in [1, {MAX_SAVE_EVERY}]")
+    run, state_root = plan.run, Path(state_root)
     with Watchdog(progress, every_s=PROGRESS_EVERY_S) as dog:  # no phase is silent for longer
         progress = dog.say
-        cfg = comparison_config(plan.run, save_every=save_every)
-        prepared = prepare_run(
-            plan, bundle, cfg, restoration, backend=backend, state_root=Path(state_root), resume_run_id=resume_run_id
-        )
-        session = run_steps.open_session(
-            service_client,
-            plan,
-            bundle,
-            cfg,
-            prepared.state,
-            Path(state_root),
-            tag=tag,
-            progress=progress,
-            capacity_policy=capacity_policy,
-            registry=registry,
-            wandb=wandb,
-        )
-        run_steps.register_run_manifest(
-            session,
-            plan,
-            schedule=schedule,
-            schedule_source=schedule_source,
-            rehearsal=prepared.rehearsal,
-            evaluator_id=prepared.evaluator.evaluator_id,
-        )
+        rehearsal = is_rehearsal(plan, backend, bundle.result)
+        evaluator = _frozen_evaluator(run, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
+        state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
+        if state.resumed:
+            _post_reused_setup(bundle, state)
+        spath = state_path(state_root, state.run_id)
+        _register_run_manifest(bundle, plan, state, spath, save_every, schedule, schedule_source, rehearsal, evaluator)
         progress(f"[comparison] schedule {schedule} ({schedule_source})")
-        trained = train_run(
-            session, restoration, schedule=schedule, schedule_source=schedule_source, stop_after=stop_after, guard=guard
+
+        waiter = getattr(service_client, "waiter", None)
+        tracker = waiter.tracker if waiter is not None else CapacityTracker()  # the session's: its window widens
+        tracker.comparison_steps_completed = min(s.steps_done for s in state.arms.values())
+
+        def call(fn: Callable[[], T]) -> T:
+            return call_with_capacity_retry(
+                fn,
+                policy=capacity_policy or CapacityPolicy(),
+                steps_completed=tracker,
+                registry=registry,
+                on_retry=tracker.events.append,
+            )
+
+        arms = Arms(service_client, bundle, run, state, spath, save_every, tag, progress)
+        train = dataset.get(run.dataset).load_split("train", seed=run.seed)
+        renderer = tokenizer.make_renderer().renderer
+        pool = ThreadPoolExecutor(max_workers=len(run.arms)) if schedule == "concurrent" else None
+        stopped: str | None = None
+        capacity_block: JsonObject | None = None
+        t0 = time.perf_counter()
+        train_seconds = 0.0  # a stop by an error counts none
+        try:
+            arms.clients.update(open_arms(service_client, state, run, restoration, bundle, call))
+            state.save(spath)
+            if waiter is not None:  # a lost arm is replaced once from its last save, not the end of the run
+                waiter.replaces_lost = lambda lost: arms.arm_of(lost) is not None
+            step = min(s.steps_done for s in state.arms.values())
+            while step < run.rollout_steps:
+                try:
+                    stopped = guard.check(step) if guard is not None else None
+                    if stopped is not None:
+                        progress(f"[comparison] {stopped}")
+                        break
+                    t_step = guard.clock() if guard is not None else 0.0
+                    progress(
+                        f"[comparison] training rollout step {step + 1} of {run.rollout_steps} ({', '.join(arms.names)})"
+                    )
+                    items = train.batch(step, int(run.groups_per_batch.value))
+                    if pool is None:  # arm after arm, each committed before the next starts
+                        for name in arms.pending(step):
+                            _commit_row(arms, name, arms.step_with_retry(name, step, items, renderer, call), tracker)
+                    else:  # at once on their own clients, joined before any commit
+                        rows, failure = arms.step_concurrently(step, items, renderer, call, pool)
+                        for name, row in rows:
+                            _commit_row(arms, name, row, tracker, save=failure is None)
+                        if failure is not None:
+                            raise failure
+                    if guard is not None:
+                        guard.step_seconds.append(guard.clock() - t_step)
+                    if stop_after is not None:
+                        stop_after(step + 1)
+                    step += 1
+                except ModelLost as lost:
+                    if arms.arm_of(lost) is None:
+                        if waiter is not None:
+                            waiter.stop(lost)  # recorded as the run's stop, clients released
+                        raise
+                    arms.replace_lost(lost)
+                    step = min(s.steps_done for s in state.arms.values())
+            train_seconds = time.perf_counter() - t0
+        except StopRequested as stop:
+            stopped = str(stop) or "stop requested"
+            train_seconds = time.perf_counter() - t0
+        except CapacityExhausted as exc:
+            capacity_block = exc.block.as_dict()
+            stopped = f"capacity: {exc}"
+        except ServiceStopped as exc:  # a hang (or any other stop): the training so far is registered all the same
+            progress(f"[comparison] stopped: {exc.line}")
+            stopped = f"{exc.kind}: {exc.line}"
+        except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
+            stopped = _stopped_by(bundle, state, exc, progress)
+        finally:
+            if waiter is not None:
+                waiter.replaces_lost = None
+            if pool is not None:
+                pool.shutdown(wait=True)
+        steps_completed = min(s.steps_done for s in state.arms.values())
+
+        state.save(spath)
+        files = [
+            _register_steps(bundle, state),
+            _register_end_state(bundle, state, schedule, schedule_source, stopped, steps_completed, guard),
+        ]
+        trained = (state.run_id, tuple(state.rows), steps_completed, train_seconds, schedule)
+        if stopped is not None:
+            final = _stopped_final(plan, bundle, run, steps_completed, stopped, capacity_block)
+            return ComparisonResult(*trained, stopped, capacity_block, final=final, files=tuple(files))
+
+        scores, decision, eval_files = evaluate_and_decide(
+            service_client, run, state, evaluator, bundle, rehearsal, progress, base_model or run.base_model
         )
-        if trained.outcome.stopped is not None:
-            final = run_steps.stopped_final(plan, bundle, cfg, trained.outcome, trained.capacity_block)
-            return trained.comparison_result(final)
-        return close_with_evaluation(
-            service_client,
-            plan,
+        resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
+        report_files = report.write_comparison_report(
             bundle,
-            prepared,
-            trained,
-            backend=backend,
-            base_model=base_model or cfg.base_model,
-            progress=progress,
+            [as_object(r) for r in state.rows],
+            list(scores),
+            decision,
+            backend,
+            max_tokens=int(run.max_tokens.value),
+            resume=resume,
+        ).values()
+        final = _succeeded_final(plan, bundle, run, steps_completed, scores, decision, rehearsal=rehearsal)
+        return ComparisonResult(
+            *trained, None, None, tuple(scores), decision, final, (*files, *eval_files, *report_files)
         )
 
 
-@dataclass(frozen=True)
-class PreparedRun:
-    """What the run is fixed to before training: its config, whether it is a rehearsal, the frozen
-    evaluator and the run state (new, or the resumed run's)."""
+# ---- the arms ---------------------------------------------------------------------------------
 
-    cfg: ComparisonConfig
-    rehearsal: bool
-    evaluator: evaluation.FrozenEvaluator
+
+@dataclass
+class Arms:
+    """The arms' live training clients, replaced by a restore (a retry from a step's start, a lost
+    model), each arm's loss and recorder, and the evidence slots the run keeps for restores."""
+
+    service_client: tinker.ServiceClient
+    bundle: EvidenceBundle
+    run: RunConfig
     state: RunState
+    spath: Path  # the run state file, saved after every row
+    save_every: int  # each arm's state is saved every this many steps, and after its last
+    tag: str  # the names this run gives its saves on the service (immutable there)
+    progress: Callable[[str], None]
+    clients: dict[str, tinker.TrainingClient] = field(default_factory=dict)
+    restores_left: int = -1  # restore states the budget keeps slots for (-1: per arm, set on first use)
+
+    def __post_init__(self) -> None:
+        self.losses = {a.name: make_loss(a, self.run) for a in self.run.arms}
+
+    @property
+    def names(self) -> list[str]:
+        return [a.name for a in self.run.arms]
+
+    @property
+    def sampler_tag(self) -> str:
+        return f"{self.tag}-{self.state.run_id}-r{self.state.resumed}"
+
+    def pending(self, step: int) -> list[str]:
+        """The arms that have not done step `step` (after a stop, one arm may be a step ahead)."""
+        return [n for n in self.names if self.state.arms[n].steps_done <= step]
+
+    def step_concurrently(
+        self,
+        step: int,
+        items: Sequence[Gsm8kItem],
+        renderer: renderers.Renderer,
+        call: Callable[[Callable[[], StepRowJson]], StepRowJson],
+        pool: ThreadPoolExecutor,
+    ) -> tuple[list[tuple[str, StepRowJson]], BaseException | None]:
+        """Step `step` of every pending arm at once, all joined: the rows of the arms that finished
+        (kept even when another failed) and the failure to raise after they are committed, the
+        service's stop when there is one, not what it caused in the other arm (a closed session)."""
+        futures = [(n, pool.submit(self.step_with_retry, n, step, items, renderer, call)) for n in self.pending(step)]
+        wait([f for _, f in futures])
+        failures = [exc for _, f in futures if (exc := f.exception()) is not None]
+        failure = next((e for e in failures if isinstance(e, ServiceStopped)), failures[0]) if failures else None
+        return [(n, f.result()) for n, f in futures if f.exception() is None], failure
+
+    def step_with_retry(
+        self,
+        name: str,
+        step: int,
+        items: Sequence[Gsm8kItem],
+        renderer: renderers.Renderer,
+        call: Callable[[Callable[[], StepRowJson]], StepRowJson],
+    ) -> StepRowJson:
+        """One arm-step through the capacity retry, which never applies an update twice.
+
+        An attempt refused after it sent a minibatch update leaves the arm part-way through the
+        step: before the next attempt the arm is restored (a new client) from its saved state at
+        the step's start, weights + optimizer, so the redo samples from the same weights with the
+        same seeds and applies exactly `updates_per_batch` updates. An attempt refused before any
+        update is retried as is. Every refused attempt is kept in the arm's `step_retries`."""
+        arm = self.state.arms[name]
+        start_state = _step_start_state(self.state, arm)
+        failures: list[StepRetry] = []
+
+        def attempt() -> StepRowJson:
+            if failures and failures[-1]["updates_sent_before_failure"] and failures[-1]["restored_from"] is None:
+                if start_state is None:
+                    raise ComparisonError(
+                        f"{name} step {step}: refused after it sent updates, and no state was saved at the step's "
+                        f"start (save_every > 1), so a retry would apply updates twice; continue with --resume "
+                        f"from the last saved state"
+                    )
+                self.restore_mid_step(name, start_state, failures[-1])
+                failures[-1]["restored_from"] = start_state
+            sent = ArmStepProgress()
+            try:
+                client, arm_config, loss = self.clients[name], self.run.arm(name), self.losses[name]
+                return run_arm_step(
+                    client,
+                    arm_config,
+                    self.run,
+                    step,
+                    items,
+                    renderer,
+                    loss,
+                    self.sampler_tag,
+                    attempt=len(failures),
+                    progress=sent,
+                )
+            except Exception as exc:
+                failures.append(
+                    {
+                        "step": step,
+                        "attempt": len(failures),
+                        "error": f"{type(exc).__name__}: {exc}"[:500],
+                        "updates_sent_before_failure": sent.updates_submitted,
+                        "restored_from": None,
+                    }
+                )
+                raise
+
+        try:
+            row = call(attempt).copy()
+        finally:
+            arm.step_retries.extend(failures)
+        row["retries"] = len(failures)
+        return row
+
+    def restore_mid_step(self, name: str, path: str, failure: StepRetry) -> None:
+        """A refused attempt sent updates: back to the step's start before the retry."""
+        self.progress(
+            f"[comparison] {name} step {failure['step'] + 1}: refused after "
+            f"{failure['updates_sent_before_failure']} update(s) ({failure['error'][:120]}); restoring "
+            f"{path} (weights + optimizer) before the retry"
+        )
+        ref = state_file_name(self.state, f"{name}-s{failure['step']}-a{failure['attempt']}")
+        self._take_restore_slot(f"{name} step {failure['step'] + 1}")
+        self._restore(name, path, ref)
+
+    def arm_of(self, lost: ModelLost) -> str | None:
+        """The arm whose current client is the lost model, if it has not lost one before (the one
+        replacement an arm gets); None otherwise: the loss stops the run."""
+        for name, client in self.clients.items():
+            if str(getattr(client, "model_id", "")) == lost.model_id and not self.state.arms[name].lost_models:
+                return name
+        return None
+
+    def replace_lost(self, lost: ModelLost) -> None:
+        """The service lost an arm's model: a new client loaded from the arm's last save (its initial
+        checkpoint before any), the load observed and counted like any restore; the arm's steps after
+        that save are trained again, their rows dropped so each step is kept once."""
+        name = self.arm_of(lost)
+        if name is None:
+            raise lost
+        arm = self.state.arms[name]
+        path, at = (
+            (arm.state_path, arm.state_step) if arm.state_path is not None else (self.state.initial_checkpoint, 0)
+        )
+        self._take_restore_slot(f"{name}: replacing the lost model")  # before anything changes
+        self.progress(f"[comparison] {lost.line}; replacing {name} from {path} (step {at}), trained again from there")
+        ref = state_file_name(self.state, f"{name}-lost-s{arm.steps_done}")
+        arm.lost_models.append({"model_id": lost.model_id, "call": lost.call, "error": lost.text,
+                                "at_steps_done": arm.steps_done, "replaced_from": path, "replaced_from_step": at})  # fmt: skip
+        self.state.rows = [r for r in self.state.rows if r["arm"] != name or r["step"] < at]
+        arm.steps_done = at  # the loaded state's step: the restore is recorded there
+        self._restore(name, path, ref)
+        self.state.save(self.spath)
+
+    def _restore(self, name: str, path: str, ref: str) -> None:
+        client, prov = restore_arm(self.service_client, self.state, self.run, name, path, ref)
+        self.clients[name] = client
+        self.bundle.register_json(ref, "manifest", self.state.to_json())
+        self.bundle.update_result(initialization_provenance={"arms": {name: prov}})
+
+    def _take_restore_slot(self, what: str) -> None:
+        """One evidence slot for the run state of a restore in the run (kept per arm in the budget)."""
+        reserved = self.restore_slots_left()
+        if reserved == 0 and self.bundle.free_slots() - 1 < _kept_slots(self.run, 0):
+            raise ComparisonError(
+                f"{what}: no evidence file slot left for the run state of another restore "
+                f"({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
+                "resume the run (--resume) to continue from its last save"
+            )
+        self.restores_left = max(0, reserved - 1)
+
+    def restore_slots_left(self) -> int:
+        if self.restores_left < 0:
+            self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.run.arms)
+        return self.restores_left
 
 
-def prepare_run(
+def make_loss(arm: ArmConfig, run: RunConfig) -> tuple[losses.CustomLossFn, ins.LossCallRecorder]:
+    """An arm's loss function and the recorder every one of its loss calls goes through."""
+    lc = losses.LossConfig.for_loss(arm.loss, run.normalization)
+    return losses.make_loss_fn(lc), ins.LossCallRecorder(lc)
+
+
+def run_arm_step(
+    client: tinker.TrainingClient,
+    arm: ArmConfig,
+    run: RunConfig,
+    step: int,
+    items: Sequence[Gsm8kItem],
+    renderer: renderers.Renderer,
+    loss: tuple[losses.CustomLossFn, ins.LossCallRecorder],
+    tag: str,
+    *,
+    attempt: int = 0,
+    progress: ArmStepProgress | None = None,
+) -> StepRowJson:
+    """One rollout step of one arm (`arm_step.run_arm_step`, the gate pilot's too): sample from its
+    current weights, then its minibatch updates; its step row. `progress.updates_submitted` counts
+    updates sent (so a failed attempt says whether it moved the arm)."""
+    t0 = time.perf_counter()
+    rcfg = rollouts.RolloutConfig(
+        int(run.groups_per_batch.value),
+        int(run.group_size.value),
+        float(run.temperature.value),
+        int(run.max_tokens.value),
+        seed=step_seed(run, step),
+        max_seq_len=run.max_seq_len,
+    )
+    retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
+
+    def context(u: int, sampler_path: str, _idx: list[int]) -> dict[str, int | str]:
+        return {
+            "arm": arm.name,
+            "step": step,
+            "update_in_batch": u,
+            "update_index": step * arm.updates_per_batch + u,
+            "sampler_checkpoint": sampler_path,
+        }
+
+    loss_fn, recorder = loss
+    done = arm_step.run_arm_step(
+        ArmStepRun(client, loss_fn, tinker.AdamParams(**arm.adam), recorder, arm.updates_per_batch),
+        items,
+        renderer,
+        rcfg,
+        sampler_name=f"{tag}-{arm.name}-s{step}{retry}",
+        context=context,
+        progress=progress,
+    )
+    sampled, records = done.sampled, done.records
+    return step_metrics(
+        arm.name,
+        step,
+        sampled.batch.summary(),
+        records,
+        loss=arm.loss,
+        seconds=time.perf_counter() - t0,
+        sample_seconds=sampled.seconds,
+        sampler_checkpoint=sampled.sampler_path,
+        kl=kl_sample_train(records),
+        cookbook_env=trajectory_metrics(sampled.batch),
+        rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds,
+    ).as_row()
+
+
+def _step_start_state(state: RunState, arm: ArmState) -> str | None:
+    """The tinker:// state an arm's next step starts from (None: none saved there)."""
+    if arm.state_path is not None and arm.state_step == arm.steps_done:
+        return arm.state_path
+    return state.initial_checkpoint if arm.steps_done == 0 else None
+
+
+def _commit_row(arms: Arms, name: str, row: StepRowJson, tracker: CapacityTracker, *, save: bool = True) -> None:
+    """A finished arm-step: steps done, the state saved at a save step (`save`: not after a
+    concurrent step another arm failed, its clients may be gone), the row kept and posted; a save
+    every arm made registered with a snapshot; the capacity window widened once per step; the arm
+    finalized after its last step."""
+    state, run, bundle = arms.state, arms.run, arms.bundle
+    arm = state.arms[name]
+    arm.steps_done = row["step"] + 1
+    if save and (arm.steps_done % arms.save_every == 0 or arm.steps_done == run.rollout_steps):
+        saved = arms.clients[name].save_state(f"{arms.tag}-{state.run_id}-{name}-step{arm.steps_done}-r{state.resumed}")
+        arm.record_save(state.run_id, arm.steps_done, saved.result().path)
+    state.rows.append(row)
+    state.save(arms.spath)
+    done = arm.steps_done
+    if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
+        # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
+        kept = _kept_slots(run, arms.restore_slots_left())
+        _register_saved_state(bundle, state, done, kept)
+        post_snapshot(bundle, f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
+    arm_rows = [r for r in state.rows if r["arm"] == name]
+    bundle.post_arm_metrics(name, arm_summary(arm_rows))
+    if all(s.steps_done > row["step"] for s in state.arms.values()) and tracker() <= row["step"]:
+        tracker.step_done()  # once per step, a step an arm trained again included
+    if arm.steps_done == run.rollout_steps:
+        _finalize_arm(arms.clients[name], name, state, bundle, arm_rows, arms.tag)
+        state.save(arms.spath)
+    arms.progress(step_line(row, run.rollout_steps))
+
+
+def _finalize_arm(
+    client: tinker.TrainingClient, name: str, state: RunState, bundle: EvidenceBundle, rows: list[StepRowJson], tag: str
+) -> None:
+    """After an arm's last step: final sampler weights + state, checkpoint URI, completed_arms, metrics."""
+    s = state.arms[name]
+    s.final_sampler = client.save_weights_for_sampler(f"{tag}-{state.run_id}-{name}-final").result().path
+    s.final_state = s.state_path
+    if s.final_state:
+        bundle.add_checkpoint(name, s.steps_done, s.final_state)
+    bundle.add_checkpoint(name, s.steps_done, s.final_sampler)
+    bundle.post_arm_metrics(name, arm_summary(rows), completed=True)
+
+
+def _stopped_by(bundle: EvidenceBundle, state: RunState, exc: Exception, progress: Callable[[str], None]) -> str:
+    """The stop's reason, with the check that stopped it posted when it is an optimizer mismatch
+    (and the run state its check references registered)."""
+    if isinstance(exc, OptimizerMismatch) and exc.provenance:
+        if exc.state_file and bundle.entry(exc.state_file) is None:
+            bundle.register_json(exc.state_file, "manifest", state.to_json())
+        bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
+    reason = f"{type(exc).__name__}: {error_text(exc)}"[:500]
+    progress(f"[comparison] stopped: {reason}")
+    return reason
+
+
+# ---- the run state, new or resumed --------------------------------------------------------------
+
+
+def _run_state(
     plan: Plan,
     bundle: EvidenceBundle,
-    cfg: ComparisonConfig,
+    evaluator_id: str,
     restoration: RestorationResult | None,
-    *,
-    backend: str,
     state_root: Path,
     resume_run_id: str | None,
-) -> PreparedRun:
-    """Freeze the evaluator, then the run state it is named in (a resume also posts the reused
-    preflight and gate)."""
-    rehearsal = is_rehearsal(plan, backend, bundle.result)
-    evaluator = _frozen_evaluator(cfg, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
-    state = run_steps.prepare_state(plan, bundle, cfg, evaluator.evaluator_id, restoration, state_root, resume_run_id)
-    if state.resumed:
-        run_steps.post_reused_setup(bundle, state)
-    return PreparedRun(cfg, rehearsal, evaluator, state)
+) -> RunState:
+    """A new run's state (locked to this session), or the resumed run's, checked and rewound to
+    the last step every arm saved."""
+    assert plan.run is not None
+    run, code_rev = plan.run, code_revision()
+    session = {"run_id": bundle.run_id, "dir": str(bundle.dir.resolve())}
+    if resume_run_id is None:
+        if restoration is None:
+            raise ComparisonError("a new comparison starts from the restoration preflight's result (none given)")
+        hold_run_lock(state_root, bundle.run_id, what=f"comparison run {bundle.run_id}")
+        return RunState(
+            run_id=bundle.run_id,
+            plan_sha256=plan.sha256,
+            evaluator_id=evaluator_id,
+            code_revision=code_rev,
+            initial_checkpoint=restoration.initial_checkpoint,
+            arms={a.name: ArmState(a.name) for a in run.arms},
+            sessions=[session],
+            setup_snapshot=latest_snapshot(bundle),
+            setup_provenance=_setup_provenance(restoration, run),
+        )
+    path = state_path(state_root, resume_run_id)
+    if not path.is_file():
+        raise ComparisonError(f"--resume {resume_run_id}: no saved comparison state at {path}")
+    hold_run_lock(state_root, resume_run_id, what=f"--resume {resume_run_id}")
+    state = load_owned_state(state_root, resume_run_id)
+    problems = resume_problems(state, plan_sha256=plan.sha256, evaluator_id=evaluator_id, code_rev=code_rev)
+    problems += checkpoint_problems(state)  # before the rewind picks a checkpoint to reuse
+    if problems:
+        raise ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))
+    if not state.setup_provenance and restoration is not None:  # a state saved before it was kept
+        state.setup_provenance = _setup_provenance(restoration, run)
+    continued = state.sessions[-1]["run_id"] if state.sessions else state.run_id
+    from_step = rewind_to_common_save(state, run.rollout_steps)
+    state.resumed += 1
+    state.resumes.append({"session": bundle.run_id, "continues_session": continued, "from_step": from_step})
+    state.sessions.append(session)
+    return state
 
 
-@dataclass(frozen=True)
-class TrainedRun:
-    """How training ended, with what every closing path reports: the run's config and state, the
-    schedule it ran, the capacity block and the files written so far."""
+def _setup_provenance(restoration: RestorationResult, run: RunConfig) -> JsonObject:
+    """Per arm, what the preflight's load counted (later restores count on from it)."""
+    return {
+        a.name: {k: as_value(restoration.provenance["arms"][a.name][k]) for k in ("restore_count", "optimizer_checks")}
+        for a in run.arms
+    }
 
-    cfg: ComparisonConfig
-    state: RunState
-    schedule: ArmOrder
-    outcome: TrainingOutcome
-    capacity_block: JsonObject | None
-    files: tuple[str, ...]
 
-    def comparison_result(
-        self,
-        final: JsonObject,
-        scores: tuple[JsonObject, ...] = (),
-        decision: JsonObject | None = None,
-        later_files: Sequence[str] = (),
-    ) -> ComparisonResult:
-        """The stage's result, `later_files` (evaluation, report) after training's own."""
-        return ComparisonResult(
-            self.cfg,
-            self.state.run_id,
-            tuple(self.state.rows),
-            self.outcome.steps_completed,
-            self.outcome.wall_seconds,
-            self.schedule,
-            self.outcome.stopped,
-            self.capacity_block,
-            scores,
-            decision,
-            final,
-            (*self.files, *later_files),
+def _post_reused_setup(bundle: EvidenceBundle, state: RunState) -> None:
+    """A resume: the preflight and gate of the run, hash-verified, and where this session starts."""
+    reused = reuse_setup(bundle, state)
+    bundle.update_result(**reused.blocks)
+    bundle.update_result(
+        initialization_provenance={
+            "resume": {
+                "comparison_run": state.run_id,
+                "resumed_times": state.resumed,
+                "from_step": state.resumes[-1]["from_step"],
+                "continues_session": reused.continued,
+                "evidence_ref": reused.manifest,
+            }
+        }
+    )
+
+
+# ---- evidence files -----------------------------------------------------------------------------
+
+
+def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
+    """Why the evaluator scores a subset, in words that fit the run: a rehearsal plan's declared
+    size (the CPU named only when the embedded server computes), else the spec's own n_examples."""
+    if plan.run is None:
+        raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
+    if plan.kind != "rehearsal":
+        return EVAL_STATED_REASON.format(n=n, dataset=plan.run.dataset)
+    return EVAL_SUBSET_REASON.format(n=n, dataset=plan.run.dataset) + (EVAL_SUBSET_EMBEDDED if embedded else "")
+
+
+def _frozen_evaluator(
+    run: RunConfig, bundle: EvidenceBundle, plan: Plan, *, embedded: bool
+) -> evaluation.FrozenEvaluator:
+    """The run's evaluator, frozen before training; its subset is a deviation, with the reason the
+    plan gives (a rehearsal plan's declared size, or the spec's own n_examples)."""
+    evaluator = freeze_for(run, eval_subset_reason(plan, embedded=embedded, n=run.eval_items))
+    if evaluator.deviation:
+        d = evaluator.deviation
+        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    return evaluator
+
+
+def served_by_embedded_server(backend: str, result: Mapping[str, Any]) -> bool:
+    """The embedded server computed this run: the local backend, or its marker seen behind
+    `--backend tinker`."""
+    block = backend_of(result)
+    return backend == "local" or (block is not None and block.embedded_server is not None)
+
+
+def is_rehearsal(plan: Plan, backend: str, result: Mapping[str, Any]) -> bool:
+    """A rehearsal by what served the run, not by the flag that chose the client: a rehearsal plan,
+    the local backend, or the embedded server's marker seen behind `--backend tinker`."""
+    return plan.kind == "rehearsal" or served_by_embedded_server(backend, result)
+
+
+def _register_run_manifest(
+    bundle: EvidenceBundle,
+    plan: Plan,
+    state: RunState,
+    spath: Path,
+    save_every: int,
+    schedule: ArmOrder,
+    schedule_source: str,
+    rehearsal: bool,
+    evaluator: evaluation.FrozenEvaluator,
+) -> None:
+    """`comparison-run-N.json`: the run, its sessions and resumes, schedule, state file, evaluator,
+    code revision, plan and run config; a rehearsal says what it tests."""
+    assert plan.run is not None
+    bundle.register_json(
+        f"comparison-run-{state.resumed}.json",
+        "manifest",
+        {
+            "run_id": state.run_id,
+            "resumed_sessions": state.resumed,
+            "sessions": state.sessions,
+            "resumes": state.resumes,
+            "save_every": save_every,
+            "schedule": schedule,
+            "schedule_source": schedule_source,
+            "rehearsal": rehearsal,
+            "state_file": str(spath),
+            "evaluator_id": evaluator.evaluator_id,
+            "code_revision": state.code_revision,
+            "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256},
+            "config": {**plan.run.as_json(), "save_every": save_every},
+        },
+    )
+    if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
+        bundle.update_result(
+            original_hypothesis_tested=False,
+            tested_instead=(
+                f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
+                f"model ({plan.run.base_model}); declared differences from the spec are recorded as deviations"
+            ),
         )
 
 
-def train_run(
-    session: run_steps.RunSession,
-    restoration: RestorationResult | None,
-    *,
+def _kept_slots(run: RunConfig, restores_left: int) -> int:
+    """File slots the comparison keeps free beyond the closing records' (budget.comparison_reserve)."""
+    return budget.comparison_reserve(len(run.arms), restores_left)
+
+
+def _register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, kept: int) -> str | None:
+    """The run state at a save every arm made, as an evidence file, unless only the `kept` slots
+    for the evaluation, report and restores are left (then the ledger says so; the state file itself is kept)."""
+    name = state_file_name(state, f"s{step}")
+    if bundle.free_slots() - 1 < kept:
+        skipped = list(bundle.ledger().get("comparison_states_not_registered", []))
+        bundle.note_ledger(
+            comparison_states_not_registered=[
+                *skipped,
+                {
+                    "name": name,
+                    "reason": f"file limit: {len(bundle.files())} files used, {bundle.free_slots()} free, "
+                    f"{kept} kept for the evaluation, report and restores",
+                },
+            ]
+        )
+        return None
+    bundle.register_json(name, "manifest", state.to_json())
+    return name
+
+
+def _register_steps(bundle: EvidenceBundle, state: RunState) -> str:
+    name = f"{STEPS_FILE.removesuffix('.jsonl')}-{state.resumed}.jsonl" if state.resumed else STEPS_FILE
+    bundle.register_bytes(name, "metrics", jsonl(state.rows))
+    return name
+
+
+def _register_end_state(
+    bundle: EvidenceBundle,
+    state: RunState,
     schedule: ArmOrder,
     schedule_source: str,
-    stop_after: Callable[[int], None] | None,
+    stopped: str | None,
+    steps_completed: int,
     guard: WallGuard | None,
-) -> TrainedRun:
-    """Train every arm to the end or a stop, then register what training wrote (stopped or not)."""
-    outcome, capacity_block = run_steps.train_session(
-        session, restoration, schedule=schedule, stop_after=stop_after, guard=guard
-    )
-    files = run_steps.register_training_end(
-        session, outcome, schedule=schedule, schedule_source=schedule_source, guard=guard
-    )
-    return TrainedRun(session.cfg, session.state, schedule, outcome, capacity_block, tuple(files))
+) -> str:
+    """The run state after training, stopped or not, with the training's schedule, stop and wall guard."""
+    name = state_file_name(state, "end")
+    training = {
+        "schedule": schedule,
+        "schedule_source": schedule_source,
+        "stopped": stopped,
+        "steps_completed": steps_completed,
+        "wall_guard": guard.as_dict() if guard is not None else None,
+    }
+    bundle.register_json(name, "manifest", {**state.to_json(), "training": training})
+    return name
 
 
-def close_with_evaluation(
-    service_client: tinker.ServiceClient,
+def _stopped_final(
     plan: Plan,
     bundle: EvidenceBundle,
-    prepared: PreparedRun,
-    trained: TrainedRun,
+    run: RunConfig,
+    steps_completed: int,
+    stopped: str,
+    capacity_block: JsonObject | None,
+) -> JsonObject:
+    """The final of a run that stopped before every arm finished: failed, nothing compared."""
+    final: JsonObject = {
+        "status": "failed",
+        "verdict": "inconclusive",
+        "outcome_reason": "incomplete_execution",
+        "summary": (
+            f"The paired comparison under {plan.name} stopped after {steps_completed} of "
+            f"{run.rollout_steps} rollout steps per arm, before evaluation, so nothing was compared: "
+            + stopped.replace(". ", "; ").rstrip(".")
+            + "."
+        ),
+    }
+    if bundle.result.get("original_hypothesis_tested") is None:
+        final.update(
+            original_hypothesis_tested=False,
+            tested_instead="nothing: the paired comparison stopped before any evaluation",
+        )
+    if capacity_block is not None:
+        final["capacity_block"] = capacity_block
+    return final
+
+
+def _succeeded_final(
+    plan: Plan,
+    bundle: EvidenceBundle,
+    run: RunConfig,
+    steps_completed: int,
+    scores: list[JsonObject],
+    decision: Mapping[str, Any],
     *,
-    backend: str,
-    base_model: str,
-    progress: Callable[[str], None],
-) -> ComparisonResult:
-    """Every arm finished: evaluate base and arms, decide, write the report, then the final."""
-    cfg, state = prepared.cfg, prepared.state
-    scores, decision, eval_files = evaluate_and_decide(
-        service_client, cfg, state, prepared.evaluator, bundle, prepared.rehearsal, progress, base_model
+    rehearsal: bool,
+) -> JsonObject:
+    """The final of a finished run: at most two plain sentences (the result's `final` shape); the
+    details are in report.md."""
+    acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
+    diffs = "; ".join(
+        f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "
+        f"{100 * (1 - c['alpha']):g}% paired Hoeffding CI [{c['lower']:.4g}, {c['upper']:.4g}]"
+        for c in decision["criteria"]
     )
-    resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
-    rows = [as_object(r) for r in state.rows]
-    report_files = report.write_comparison_report(
-        bundle, rows, list(scores), decision, backend, max_tokens=cfg.max_tokens, resume=resume
-    ).values()
-    final = run_steps.succeeded_final(
-        plan, bundle, cfg, trained.outcome, scores, decision, rehearsal=prepared.rehearsal
-    )
-    return trained.comparison_result(final, tuple(scores), decision, [*eval_files, *report_files])
+    block = backend_of(bundle.result)
+    served = (block.served_model if block is not None else None) or run.base_model
+    return {
+        "status": "succeeded",
+        "verdict": decision["verdict"],
+        "outcome_reason": decision["outcome_reason"],
+        "summary": (
+            f"Paired comparison under {plan.name} ({steps_completed}/{run.rollout_steps} rollout steps per "
+            f"arm): greedy accuracy on {run.eval_items} test items {acc}, {diffs}, verdict {decision['verdict']} "
+            f"({decision['outcome_reason']})."
+            + (
+                f" It is a rehearsal on the stand-in model {served}, not a test of the hypothesis on "
+                f"{plan.planned_model}."
+                if rehearsal
+                else ""
+            )
+        ),
+    }

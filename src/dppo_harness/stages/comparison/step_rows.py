@@ -1,7 +1,8 @@
-"""One row per arm-step (pure): the `StepRow` record (the batch's reward and format, the loss-rule
+"""One row per arm-step: the `StepRow` record (the batch's reward and format, the loss-rule
 fractions of the step's updates, each a `RuleFraction` whose `counterfactual` says the arm does not
 train with that rule (`instrument.rule_fraction`), drift tails, timings) and its JSONL form
-`StepRowJson`; what a resumed run must reproduce of a row; the per-arm summary
+`StepRowJson`, with the cookbook's KL(sample||train), entropy and `env/all/*` metrics of the
+step under its names; what a resumed run must reproduce of a row; the per-arm summary
 `metrics.arms` posts; the terminal line of a committed step; the rows as JSONL."""
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, Required, TypedDict
 
 import numpy as np
+import tinker
+import torch
+from tinker_cookbook.rl.metric_util import compute_trajectory_metrics
+from tinker_cookbook.rl.metrics import compute_kl_sample_train
 
-from dppo_harness.instrument import cookbook_metrics
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.rule_fraction import RuleFraction, fraction, fraction_label
 from dppo_harness.loss import losses
+from dppo_harness.rollout import rollouts
 
 # A row's loss-rule fractions -> the loss-call statistic each is computed from (every loss call
 # counts both rules on its tensors, whichever loss it trains with).
@@ -27,6 +32,49 @@ FRACTION_SOURCES = {
     "ppo_clip_frac": "ppo/clipped",
     "last_update_clip_frac": "ppo/clip_frac_loss_tokens",
 }
+# The cookbook's `compute_kl_sample_train` names -> the row keys they are kept under.
+ROW_KL_KEYS = {
+    "optim/kl_sample_train_v1": "kl_sample_train_v1",
+    "optim/kl_sample_train_v2": "kl_sample_train_v2",
+    "optim/entropy": "entropy",
+}
+
+
+def kl_sample_train(records: Sequence[ins.LossCallRecord]) -> dict[str, float]:
+    """The cookbook's `compute_kl_sample_train` over every datum of the step's loss calls (rebuilt
+    from the records) and the trainer logprobs each loss call received, as `rl/train.py` passes
+    them; {} when no loss token."""
+    data_D, train_lp_D = [], []
+    for rec in records:
+        t = rec.tensors
+        lengths = [int(n) for n in t["lengths_S"]]
+        starts = np.cumsum([0, *lengths])
+        for s, n in enumerate(lengths):
+            sl = slice(int(starts[s]), int(starts[s]) + n)
+            targets = [int(x) for x in t["target_tokens_N"][sl]]
+            data_D.append(
+                tinker.Datum(
+                    model_input=tinker.ModelInput.from_ints([int(t["first_token_S"][s]), *targets[:-1]]),
+                    loss_fn_inputs={
+                        "target_tokens": tinker.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
+                        "logprobs": tinker.TensorData.from_numpy(
+                            np.asarray(t["sampler_logprobs_N"][sl], dtype=np.float32)
+                        ),
+                        "mask": tinker.TensorData.from_numpy(np.asarray(t["mask_N"][sl], dtype=np.float32)),
+                    },
+                )
+            )
+            train_lp_D.append(torch.as_tensor(np.asarray(t["logprobs_N"][sl], dtype=np.float32)))
+    if not any(float(d.loss_fn_inputs["mask"].to_torch().sum()) > 0 for d in data_D):
+        return {}
+    return {k: float(v) for k, v in compute_kl_sample_train(data_D, train_lp_D).items()}
+
+
+def trajectory_metrics(batch: rollouts.RolloutBatch) -> dict[str, float]:
+    """The cookbook's `env/all/*` metrics of one rollout batch (`compute_trajectory_metrics`; no
+    per-tag split: one data set), kept in the row's `cookbook_env`."""
+    groups = rollouts.to_trajectory_groups(batch)
+    return {k: float(v) for k, v in compute_trajectory_metrics(groups, [[] for _ in groups]).items()}
 
 
 def fraction_names(loss: str) -> dict[str, str]:
@@ -66,7 +114,7 @@ class StepRow:
     seconds: float
     sample_seconds: float
     sampler_checkpoint: str
-    kl: dict[str, float] = field(default_factory=dict)  # row key (cookbook_metrics.ROW_KL_KEYS) -> value
+    kl: dict[str, float] = field(default_factory=dict)  # row key (ROW_KL_KEYS values) -> value
     rollout_seconds: float | None = None
     cookbook_env: dict[str, float] | None = None
 
@@ -188,7 +236,7 @@ def step_metrics(
     `loss` is the arm's registered loss name. A rule the loss does not train with (the GRPO arm's
     DPPO mask, the DPPO arm's PPO clip) is a counterfactual count on the same tensors
     (`RuleFraction.counterfactual`; its JSONL key starts with `counterfactual_`). `kl` is the
-    cookbook's `compute_kl_sample_train` of the step (`cookbook_metrics.kl_sample_train`)."""
+    cookbook's `compute_kl_sample_train` of the step (`kl_sample_train`)."""
     sums = {k: int(sum(r.stats[k] for r in records)) for k in ("tokens/loss", "dppo/removed", "ppo/clipped")}
     last = records[-1].stats if records else {}
     den = sums["tokens/loss"]
@@ -222,11 +270,7 @@ def step_metrics(
         seconds=float(seconds),
         sample_seconds=float(sample_seconds),
         sampler_checkpoint=sampler_checkpoint,
-        kl={
-            cookbook_metrics.ROW_KL_KEYS[k]: float(v)
-            for k, v in (kl or {}).items()
-            if k in cookbook_metrics.ROW_KL_KEYS
-        },
+        kl={ROW_KL_KEYS[k]: float(v) for k, v in (kl or {}).items() if k in ROW_KL_KEYS},
         rollout_seconds=float(rollout_seconds) if rollout_seconds is not None else None,
         cookbook_env={k: float(v) for k, v in cookbook_env.items()} if cookbook_env is not None else None,
     )
