@@ -26,7 +26,6 @@ LONGEST_FIRST = (
     "test_local_server_sdk.py",
     "test_comparison_resume.py",
     "test_readme_recipes.py",
-    "test_optional_fields_local.py",
 )
 
 

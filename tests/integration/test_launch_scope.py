@@ -33,7 +33,9 @@ import httpx
 import pytest
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
-from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.process import InProcessServer
+from dppo_harness.local_server.profiles import make_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 # Made at run time and put first, so no source file (or code patch in the evidence) holds any
@@ -118,10 +120,23 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_DELETE = _handle
 
 
+class _Spindle:
+    """The spindle profile in this process: the harness runs as its own process against the proxy,
+    and no request past the connectivity reads reaches a model, so the untrained preset serves."""
+
+    def __init__(self, run_dir: Path):
+        engine = Engine(run_dir, model_name="tiny-qwen3-random")
+        self.server = InProcessServer(engine, profile=make_profile("spindle", PLANTED)).start()
+        self.base_url = self.server.base_url
+
+    def stats(self) -> dict:
+        assert self.server.state is not None
+        return self.server.state.stats()
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    env = {**os.environ, **PLANTED, "TINKER_TELEMETRY": "0"}
-    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("launch-spindle"), profile="spindle", env=env).start()
+    srv = _Spindle(tmp_path_factory.mktemp("launch-spindle"))
     proxy = _MarkerStrippingProxy(srv.base_url)
     thread = threading.Thread(target=proxy.serve_forever, daemon=True)
     thread.start()
@@ -130,8 +145,7 @@ def service(tmp_path_factory):
     finally:
         proxy.shutdown()
         proxy.server_close()
-        srv.stop()
-    assert not srv.alive()
+        srv.server.stop()
 
 
 def _harness(args: list[str], base_url: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:

@@ -25,7 +25,9 @@ from sdk_session import end_session
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
-from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.local_server.cli import build_parser, fault_config
+from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.plans import load_plan, resized_plan
 from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
@@ -51,11 +53,19 @@ def fixed_batch():
 
 
 class _Served:
-    """An embedded server (untrained preset: fast start) with the given faults, and a client."""
+    """The embedded server in this process (untrained preset: fast start, and no server process to
+    start: each test reads only the responses and the fault counters) with the given fault flags,
+    parsed as the server's command line parses them, and a client."""
 
     def __init__(self, run_dir, *faults):
-        self.srv = LocalServerProcess(run_dir=run_dir, model="tiny-qwen3-random", fault_args=list(faults)).start()
+        self.engine = Engine(run_dir, model_name="tiny-qwen3-random")
+        self.srv = InProcessServer(self.engine, faults=fault_config(build_parser(None).parse_args(list(faults))))
+        self.srv.start()
         self.sc = tinker.ServiceClient(base_url=self.srv.base_url, api_key=constants.LOCAL_API_KEY)
+
+    def injected(self) -> dict[str, int]:
+        assert self.srv.state is not None
+        return self.srv.state.faults.snapshot()["injected"]
 
     def close(self):
         try:
@@ -85,7 +95,7 @@ def _preflight(s, bundle, fixed_batch, **kw):
         bundle,
         fixed_batch=batch,
         fixed_batch_description=desc,
-        checkpoint_reader=LocalCheckpointReader(s.srv.run_dir),
+        checkpoint_reader=LocalCheckpointReader(s.engine.run_dir),
         trained_arms=("dppo_seed0",),
         lr_multipliers=(1.0, 2.0),
         **kw,
@@ -102,7 +112,7 @@ def test_load_responses_without_path_fail_the_proof_naming_it(served, fixed_batc
     init = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]
     assert init["loaded_checkpoint_uri"] is None  # never the path that was asked for
     assert init["checkpoint_uri"] == result.initial_checkpoint and result.loaded_paths == {}
-    assert s.srv.stats()["faults"]["injected"]["load_weights:omit:path"] >= 2
+    assert s.injected()["load_weights:omit:path"] >= 2
     assert verify_bundle(bundle.dir) == []
 
 

@@ -10,7 +10,9 @@ from sdk_session import end_session
 from dppo_harness import constants
 from dppo_harness.data import gsm8k
 from dppo_harness.data.tokenizer import make_renderer
-from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.local_server.cli import build_parser, fault_config
+from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
@@ -31,13 +33,19 @@ def train_items():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """One server for the module, adding LATENCY_MS to every sample request."""
-    fault = ["--fault-latency-ms", f"asample:{LATENCY_MS}"]
-    with LocalServerProcess(tmp_path_factory.mktemp("srv"), model=MODEL, fault_args=fault) as srv:
+    """One server for the module, in this process (the added latency is an asyncio sleep, which
+    holds no core), adding LATENCY_MS to every sample request."""
+    faults = fault_config(build_parser(None).parse_args(["--fault-latency-ms", f"asample:{LATENCY_MS}"]))
+    with InProcessServer(Engine(tmp_path_factory.mktemp("srv"), model_name=MODEL), faults=faults) as srv:
         yield srv
         for sc in _OPENED:  # before the server stops: no SDK heartbeat outlives it
             end_session(sc)
         _OPENED.clear()
+
+
+def _injected_latencies(srv: InProcessServer) -> int:
+    assert srv.state is not None
+    return srv.state.faults.snapshot()["injected"].get("asample:latency", 0)
 
 
 _OPENED: list[tinker.ServiceClient] = []
@@ -110,7 +118,7 @@ def _sequential(sampler, renderer, items, cfg):
 def test_batch_requests_are_in_flight_together(server, renderer, train_items, capsys):
     """With 200 ms added to every sample request, a 32-group batch pays the latency about once."""
     L = LATENCY_MS / 1000
-    before = server.stats()["faults"]["injected"].get("asample:latency", 0)
+    before = _injected_latencies(server)
     _, _, path, sampler = _clients(server)
     one = rollouts.RolloutConfig(groups_per_batch=1, group_size=8, temperature=1.0, max_tokens=4, seed=1)
     full = rollouts.RolloutConfig(groups_per_batch=32, group_size=8, temperature=1.0, max_tokens=4, seed=1)
@@ -124,7 +132,7 @@ def test_batch_requests_are_in_flight_together(server, renderer, train_items, ca
         for _ in range(2)
     )
     t_seq = _sequential(sampler, renderer, train_items, full)
-    injected = server.stats()["faults"]["injected"]["asample:latency"] - before
+    injected = _injected_latencies(server) - before
     with capsys.disabled():
         print(
             f"\n[concurrency] one request {t_one:.3f}s, 32-group batch {t_batch:.3f}s "
