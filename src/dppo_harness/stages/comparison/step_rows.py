@@ -21,7 +21,7 @@ from tinker_cookbook.rl.metrics import compute_kl_sample_train
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.rule_fraction import RuleFraction, fraction, fraction_label
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry
 from dppo_harness.rollout import rollouts
 
 # A row's loss-rule fractions -> the loss-call statistic each is computed from (every loss call
@@ -80,7 +80,7 @@ def trajectory_metrics(batch: rollouts.RolloutBatch) -> dict[str, float]:
 def fraction_names(loss: str) -> dict[str, str]:
     """Base name -> label in the rows of an arm training with the registered `loss`: a fraction is
     the arm's own when its statistic is one of the loss's `metric_names`, else counterfactual."""
-    own = set(losses.get_loss(loss).metric_names)
+    own = set(loss_registry.get_loss(loss).metric_names)
     return {base: fraction_label(base, trained=source in own) for base, source in FRACTION_SOURCES.items()}
 
 
@@ -240,7 +240,7 @@ def step_metrics(
     sums = {k: int(sum(r.stats[k] for r in records)) for k in ("tokens/loss", "dppo/removed", "ppo/clipped")}
     last = records[-1].stats if records else {}
     den = sums["tokens/loss"]
-    own = set(losses.get_loss(loss).metric_names)
+    own = set(loss_registry.get_loss(loss).metric_names)
 
     def rule(base: str, value: float) -> RuleFraction:
         return RuleFraction(value, FRACTION_SOURCES[base] not in own)
