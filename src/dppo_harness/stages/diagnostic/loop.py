@@ -15,7 +15,7 @@ from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
-from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM
+from dppo_harness.instrument.pooled import ANALYSIS_FILE
 from dppo_harness.json_types import JsonObject
 from dppo_harness.rollout import rollout_batch, rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
@@ -23,10 +23,10 @@ from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult
 from dppo_harness.stages.diagnostic.config import DiagnosticConfig, DiagnosticError, diagnostic_config
 from dppo_harness.stages.diagnostic.epochs import train_epochs
-from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimizer_check, write_evidence
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
 from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
+from dppo_harness.stages.diagnostic.write import declare, own_optimizer_check, register_frozen_batch, write_evidence
 from dppo_harness.train.clients import create_from_state_observed, dump_response, full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 
@@ -132,10 +132,7 @@ def _sample_and_freeze(
     )
     load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
     frozen = rollout_batch.freeze(sampled, {"load": load, "tokenizer": tok.provenance})
-    npz, manifest = frozen.to_bytes()
-    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
-    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
-    state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
+    register_frozen_batch(bundle, state, frozen)
     bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
     return sampled.sampler_path, frozen, sampled.batch.summary()
