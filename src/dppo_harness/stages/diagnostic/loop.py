@@ -26,7 +26,13 @@ from dppo_harness.stages.diagnostic.epochs import train_epochs
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
 from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
-from dppo_harness.stages.diagnostic.write import declare, own_optimizer_check, register_frozen_batch, write_evidence
+from dppo_harness.stages.diagnostic.write import (
+    declare,
+    own_optimizer_check,
+    register_frozen_batch,
+    register_update_archives,
+    write_evidence,
+)
 from dppo_harness.train.clients import create_from_state_observed, dump_response, full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 
@@ -228,15 +234,6 @@ def _stop_on_optimizer_mismatch(cfg: DiagnosticConfig, plan: Plan, state: RunSta
     return stop_on_mismatch
 
 
-def _register_update_archives(state: RunState) -> None:
-    """The update records not yet in an archive file (a stop mid-archive), registered now."""
-    try:
-        state.update_archive().flush()
-    except Exception as exc:  # recorded: the analysis then says which records are missing
-        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    state.files += state.update_archive().registered
-
-
 def run_bounded_diagnostic(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -285,7 +282,7 @@ def run_bounded_diagnostic(
         say=say,
         tag=tag,
     )
-    _register_update_archives(state)
+    register_update_archives(state)
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
     return write_evidence(

@@ -145,6 +145,15 @@ def post_progress(
         state.snapshots.append(name)
 
 
+def register_update_archives(state: RunState) -> None:
+    """The update records not yet in an archive file (a stop mid-archive), registered now."""
+    try:
+        state.update_archive().flush()
+    except Exception as exc:  # recorded: the analysis then says which records are missing
+        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
+    state.files += state.update_archive().registered
+
+
 def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> OptimizerCheck | None:
     """The optimizer check from the trained client's OWN first optim_step response (its metrics
     are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
@@ -305,12 +314,10 @@ def _record_feasibility(
     bundle: EvidenceBundle, cfg: DiagnosticConfig, state: RunState, spec: ExperimentSpec | None
 ) -> None:
     """The result's feasibility block, from the run's measured restore, sampling and update seconds."""
-    eff_path = bundle.file_path("effective-config.json")
-    eff = json.loads(eff_path.read_text()) if bundle.entry("effective-config.json") else {}
     bundle.update_result(
         feasibility=diagnostic_feasibility(
             config=asdict(cfg),
-            effective_config=eff,
+            effective_config=_effective_config(bundle),
             primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
             setup_seconds=state.restore_seconds,
             sampling_seconds=state.sampling_seconds,
@@ -352,11 +359,17 @@ def _post_result_fields(bundle: EvidenceBundle, state: RunState, fields_: Diagno
     )
 
 
-def _declared(bundle: EvidenceBundle) -> JsonObject:
-    """The renderer and loss normalization effective-config.json declares (what the report cites)."""
+def _effective_config(bundle: EvidenceBundle) -> JsonObject:
+    """effective-config.json as the session registered it ({} when it registered none)."""
     if bundle.entry("effective-config.json") is None:
         return {}
-    eff = json.loads(bundle.file_path("effective-config.json").read_text())
+    eff: JsonObject = json.loads(bundle.file_path("effective-config.json").read_text())
+    return eff
+
+
+def _declared(bundle: EvidenceBundle) -> JsonObject:
+    """The renderer and loss normalization effective-config.json declares (what the report cites)."""
+    eff = _effective_config(bundle)
     return {k: eff[k] for k in ("renderer", "loss_normalization") if k in eff}
 
 
