@@ -8,7 +8,7 @@ import sys
 
 from dppo_harness.instrument.pooled import ANALYSIS_FILE
 from dppo_harness.stages.diagnostic.classification import CAUSES
-from dppo_harness.stages.diagnostic.files import NEXT_ACTION_FILE, REFERENCES_FILE
+from dppo_harness.stages.diagnostic.write import NEXT_ACTION_FILE, REFERENCES_FILE
 
 
 def _cli(module: str, path) -> subprocess.CompletedProcess:

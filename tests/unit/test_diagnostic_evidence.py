@@ -11,8 +11,8 @@ from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.snapshots import post_snapshot, snapshot_names
 from dppo_harness.loss import correctness, correctness_golden
 from dppo_harness.plans import PlanError, load_plan
-from dppo_harness.stages.diagnostic import evidence_items
-from dppo_harness.stages.diagnostic.files import FEASIBILITY_SOURCE, ORIGINAL_GATE_REPORT_FILE
+from dppo_harness.stages.diagnostic import write
+from dppo_harness.stages.diagnostic.write import FEASIBILITY_SOURCE, ORIGINAL_GATE_REPORT_FILE
 
 ROOT = Path(__file__).parents[2]
 PLAN = load_plan(ROOT / "plans/exp_e6b0965af3-diagnostic-r1.json")
@@ -39,7 +39,7 @@ def test_plan_totals_must_match(tmp_path):
 
 
 def test_service_work_ledger_flags_undeclared_and_excess_work():
-    ok = evidence_items.service_work_ledger(
+    ok = write.service_work_ledger(
         PLAN.diagnostic.service_work,
         {
             "restore_continuity_probe": {"optimizer_updates": 3},
@@ -49,7 +49,7 @@ def test_service_work_ledger_flags_undeclared_and_excess_work():
     )
     assert ok["within_declaration"] and ok["executed_totals"] == {"optimizer_updates": 22, "sampling_batches": 1}
     # The old behaviour: a feasibility pilot with 2 updates and 16 rollouts under the diagnostic plan.
-    bad = evidence_items.service_work_ledger(
+    bad = write.service_work_ledger(
         PLAN.diagnostic.service_work,
         {
             "feasibility_pilot": {"optimizer_updates": 2, "sampling_batches": 1},
@@ -59,7 +59,7 @@ def test_service_work_ledger_flags_undeclared_and_excess_work():
     assert not bad["within_declaration"] and any("feasibility_pilot" in p for p in bad["problems"])
     assert any(
         "undeclared_probe" in p
-        for p in evidence_items.service_work_ledger(
+        for p in write.service_work_ledger(
             PLAN.diagnostic.service_work, {"undeclared_probe": {"optimizer_updates": 1}}
         )["problems"]
     )
@@ -68,14 +68,14 @@ def test_service_work_ledger_flags_undeclared_and_excess_work():
 
 
 def test_original_gate_report_is_a_real_file_saying_unavailable():
-    r = evidence_items.original_gate_report(PLAN.diagnostic)
+    r = write.original_gate_report(PLAN.diagnostic)
     assert r["available"] is False and "run_19badd842c" in r["reason"] and r["overwritten"] is False
     reasons = " ".join(d["reason"] for d in PLAN.raw["deviations"])
     assert "kept separately" not in reasons and ORIGINAL_GATE_REPORT_FILE in reasons
 
 
 def test_feasibility_from_the_diagnostics_own_measurements():
-    f = evidence_items.diagnostic_feasibility(
+    f = write.diagnostic_feasibility(
         config={},
         effective_config={},
         primary_endpoint="x",

@@ -12,7 +12,7 @@ from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.stages.diagnostic.files import update_record_name
+from dppo_harness.stages.diagnostic.write import update_record_name
 
 
 def _write_bundle(tmp_path: Path, records) -> Path:

@@ -1,7 +1,7 @@
 """Issue 11 point 4: provenance covers the client that trained (one more restore, an optimizer check
 from its OWN response, its own initial output); probe-echoed configs stay declared for other checks."""
 
-from dppo_harness.stages.diagnostic import evidence_items
+from dppo_harness.stages.diagnostic import write
 from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check
 
 REQ = {"learning_rate": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
@@ -59,7 +59,7 @@ def test_trained_client_gets_its_own_restore_check_and_initial_output():
         "evidence_ref": "x",
         "before_first_update": True,
     }
-    e = evidence_items.trained_client_entry(
+    e = write.trained_client_entry(
         PRIOR,
         restore={"loaded_checkpoint_uri": "tinker://m:train:3/w", "load_succeeded": True},
         initial_output=init_out,

@@ -1,5 +1,5 @@
 """Pooled loss-call statistics, and the diagnostic evidence file names that replay and the
-session read as well (the diagnostic's other file names live in `stages.diagnostic.files`).
+session read as well (the diagnostic's other file names live in `stages.diagnostic.write`).
 
 The lower module under both the diagnostic (which pools the second-epoch calls it trained) and
 `replay` (which pools its independent recompute of the same calls): neither imports the other.

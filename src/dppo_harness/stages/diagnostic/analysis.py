@@ -117,7 +117,7 @@ def analyse(
         pool_calls(second_epoch, [ins.record_prob_diff(r, loss_cfg) for r in second_epoch]) if second_epoch else None
     )
     criteria = _second_epoch_criteria(plan.diagnostic.analysis.criteria, pooled)
-    integrity = _integrity_problems(records, loss_cfg)
+    integrity = _independent_recheck(records, loss_cfg)
     variant = pinned_variant_problems(cfg) + anchor_problems(records, frozen_by_call, trainer_moved(sentinels))
     classification = classify(
         criteria=criteria,
@@ -169,11 +169,6 @@ def _second_epoch_criteria(planned: Sequence[AnalysisCriterion], pooled: JsonObj
     return [
         CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {}) for c in planned
     ]
-
-
-def _integrity_problems(records: Sequence[ins.LossCallRecord], loss_cfg: LossConfig) -> list[str]:
-    """Every recorded call's decisions, statistics and returned metrics recomputed independently."""
-    return _independent_recheck(records, loss_cfg)
 
 
 def _measured(classification: Classification, updates_done: int) -> JsonObject:

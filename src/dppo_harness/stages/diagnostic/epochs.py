@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import tinker
 
-from dppo_harness.evidence import budget
-from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
@@ -23,12 +21,11 @@ from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.stages.diagnostic.config import FINALIZE_RESERVE_S, DiagnosticConfig
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
+from dppo_harness.stages.diagnostic.write import post_progress
 from dppo_harness.train import train_step
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
-
-SNAPSHOT_EVERY_UPDATES = budget.SNAPSHOT_EVERY_UPDATES
 
 # What a due sentinel's forward, submitted behind an optimizer step, hands back.
 SentinelForward = tinker.APIFuture[tinker.ForwardBackwardOutput]
@@ -86,7 +83,7 @@ def train_epochs(
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
         t_snapshot = clock()
-        _post_progress(bundle, cfg, state, update_index, elapsed=elapsed, tag=tag)
+        post_progress(bundle, cfg, state, update_index, elapsed=elapsed, tag=tag)
         state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
         s = rec.stats
         say(
@@ -198,25 +195,3 @@ def _settle_update(
         state.first_optim = upd.optim
     state.updates_done = update_index
     return phases
-
-
-def _post_progress(
-    bundle: EvidenceBundle,
-    cfg: DiagnosticConfig,
-    state: RunState,
-    update_index: int,
-    *,
-    elapsed: Callable[[], float],
-    tag: str,
-) -> None:
-    """Every SNAPSHOT_EVERY_UPDATES updates, the counts posted while running (a killed run keeps
-    its numbers) and a snapshot of the bundle."""
-    if update_index % SNAPSHOT_EVERY_UPDATES != 0:
-        return
-    bundle.update_result(
-        metrics={"diagnostic/updates_done": float(update_index), "diagnostic/elapsed_seconds": float(elapsed())}
-    )
-    # the last planned update's snapshot is the stage-end one, posted after the analysis
-    name = post_snapshot(bundle, f"{tag} after update {update_index}") if update_index < cfg.max_updates else None
-    if name:
-        state.snapshots.append(name)

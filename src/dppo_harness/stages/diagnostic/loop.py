@@ -15,7 +15,7 @@ from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
-from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM
+from dppo_harness.instrument.pooled import ANALYSIS_FILE
 from dppo_harness.json_types import JsonObject
 from dppo_harness.rollout import rollout_batch, rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
@@ -23,10 +23,16 @@ from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult
 from dppo_harness.stages.diagnostic.config import DiagnosticConfig, DiagnosticError, diagnostic_config
 from dppo_harness.stages.diagnostic.epochs import train_epochs
-from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimizer_check, write_evidence
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
 from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
+from dppo_harness.stages.diagnostic.write import (
+    declare,
+    own_optimizer_check,
+    register_frozen_batch,
+    register_update_archives,
+    write_evidence,
+)
 from dppo_harness.stages.restoration.checkpoint import load_ref
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
@@ -110,10 +116,7 @@ def _sample_and_freeze(
     )
     load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
     frozen = rollout_batch.freeze(sampled, {"load": load, "tokenizer": tok.provenance})
-    npz, manifest = frozen.to_bytes()
-    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
-    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
-    state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
+    register_frozen_batch(bundle, state, frozen)
     bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
     return sampled.sampler_path, frozen, sampled.batch.summary()
@@ -207,15 +210,6 @@ def _stop_on_optimizer_mismatch(cfg: DiagnosticConfig, plan: Plan, state: RunSta
     return stop_on_mismatch
 
 
-def _register_update_archives(state: RunState) -> None:
-    """The update records not yet in an archive file (a stop mid-archive), registered now."""
-    try:
-        state.update_archive().flush()
-    except Exception as exc:  # recorded: the analysis then says which records are missing
-        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    state.files += state.update_archive().registered
-
-
 def run_bounded_diagnostic(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -264,7 +258,7 @@ def run_bounded_diagnostic(
         say=say,
         tag=tag,
     )
-    _register_update_archives(state)
+    register_update_archives(state)
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
     return write_evidence(

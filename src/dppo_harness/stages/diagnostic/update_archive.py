@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING
 
 from dppo_harness.evidence.files import MAX_FILE_BYTES
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.stages.diagnostic.files import update_archive_name
+from dppo_harness.stages.diagnostic.write import STAGING_FILE, update_archive_name
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
-
-STAGING_FILE = ".diagnostic-updates.staged.npz"
 
 
 @dataclass

@@ -1,0 +1,547 @@
+"""The bounded diagnostic's one evidence writer: the only diagnostic code that knows its file names
+and the result.json fields it sets (the names replay and the session also read live in
+`instrument.pooled`, which must not import the diagnostic).
+
+Before any service work it registers the declarations (revised spec, deviations, unavailable
+references, the original gate report's status, self-test); during the run the frozen batch; after
+the run the analysis, sentinels, next action, the trained client's provenance, the service-work
+ledger against the plan's declaration, the feasibility block from the diagnostic's OWN measured
+setup (no extra pilot), the replay output, the report and the result fields. The update records'
+archives (`update_archive`) and the progress snapshots (`epochs`) are written as the run goes, so
+a kill leaves a valid bundle; their file names come from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
+
+from dppo_harness.evidence import budget, report
+from dppo_harness.evidence.snapshots import post_snapshot
+from dppo_harness.instrument import instrumentation as ins
+from dppo_harness.instrument import replay
+from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE
+from dppo_harness.json_types import JsonObject
+from dppo_harness.service.identity import ServedModel
+from dppo_harness.stages.diagnostic.analysis import DiagnosticResult, analyse
+from dppo_harness.stages.diagnostic.config import BASIS_FOR_REFERENCES, FINALIZE_RESERVE_S, LOOP_LABEL, DiagnosticConfig
+from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, SelftestReport, SentinelSummary
+from dppo_harness.stages.diagnostic.run_state import RunState
+from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
+from dppo_harness.train.clients import dump_response
+from dppo_harness.train.optimizer_checks import OptimizerCheck, echoed_config, optimizer_check, own_response_only
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import ExperimentSpec, Plan
+    from dppo_harness.plans.models import BoundedDiagnostic, ServiceWork
+    from dppo_harness.rollout.frozen_batch import FrozenBatch
+    from dppo_harness.stages.restoration.provenance import ArmProvenance
+
+SELFTEST_FILE = "diagnostic-selftest.json"
+SENTINEL_FILE = "diagnostic-sentinels.json"
+REFERENCES_FILE = "diagnostic-prior-references.json"
+NEXT_ACTION_FILE = "diagnostic-next-action.json"
+ORIGINAL_GATE_REPORT_FILE = "original-gate-report.json"
+SERVICE_WORK_FILE = "service-work-ledger.json"
+REPLAY_OUTPUT_FILE = "diagnostic-replay.txt"
+FEASIBILITY_SOURCE = "diagnostic-analysis.json#timings"
+# The open update archive's records, rewritten beside the bundle before each optimizer step.
+STAGING_FILE = ".diagnostic-updates.staged.npz"
+
+
+def update_record_name(update_index: int) -> str:
+    """A file holding update `update_index`'s recorded loss call alone (replay reads any record
+    file; the diagnostic registers its records in archives, `update_archive_name`)."""
+    return f"diagnostic-update-{update_index:02d}.npz"
+
+
+def update_archive_name(first: int, last: int) -> str:
+    """The file holding the recorded loss calls of updates `first` to `last` (one archive)."""
+    return f"diagnostic-updates-{first:02d}-{last:02d}.npz"
+
+
+def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: object) -> None:
+    bundle.register_json(name, kind, ins.nan_free(obj))
+    state.files.append(name)
+
+
+def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState) -> SelftestReport:
+    """Before any service work: revised spec, deviations, unavailable references, self-test."""
+    if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
+        bundle.register_plan(plan, REVISED_SPEC_FILE)
+    state.files.append(REVISED_SPEC_FILE)
+    for dev in plan.diagnostic.deviations:
+        bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
+    for red in cfg.reductions:
+        bundle.add_deviation(
+            "steps" if red["field"] in ("max_updates", "max_wall_seconds") else "effective_batch",
+            f"{red['field']}={red['original']}",
+            f"{red['field']}={red['effective']}",
+            "size reduction for a small test plan (not the requester's settings)",
+        )
+    register_json(
+        bundle,
+        state,
+        REFERENCES_FILE,
+        "report",
+        {
+            "loop": LOOP_LABEL,
+            "unavailable_references": [
+                dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references
+            ],
+            "reason": BASIS_FOR_REFERENCES,
+            "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
+        },
+    )
+    # What the deviations' "kept separately" points at: the original gate report's status.
+    register_json(
+        bundle,
+        state,
+        ORIGINAL_GATE_REPORT_FILE,
+        "report",
+        original_gate_report(plan.diagnostic, "gate-report.json" if bundle.entry("gate-report.json") else None),
+    )
+    bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.diagnostic.tested_instead)
+    selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
+    register_json(bundle, state, SELFTEST_FILE, "report", selftest)
+    return selftest
+
+
+def register_frozen_batch(bundle: EvidenceBundle, state: RunState, frozen: FrozenBatch) -> None:
+    """The frozen batch, registered before any update trains on it (replay re-derives from it)."""
+    npz, manifest = frozen.to_bytes()
+    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
+    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
+    state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
+
+
+def post_progress(
+    bundle: EvidenceBundle,
+    cfg: DiagnosticConfig,
+    state: RunState,
+    update_index: int,
+    *,
+    elapsed: Callable[[], float],
+    tag: str,
+) -> None:
+    """Every SNAPSHOT_EVERY_UPDATES updates, the counts posted while running (a killed run keeps
+    its numbers) and a snapshot of the bundle."""
+    if update_index % budget.SNAPSHOT_EVERY_UPDATES != 0:
+        return
+    bundle.update_result(
+        metrics={"diagnostic/updates_done": float(update_index), "diagnostic/elapsed_seconds": float(elapsed())}
+    )
+    # the last planned update's snapshot is the stage-end one, posted after the analysis
+    name = post_snapshot(bundle, f"{tag} after update {update_index}") if update_index < cfg.max_updates else None
+    if name:
+        state.snapshots.append(name)
+
+
+def register_update_archives(state: RunState) -> None:
+    """The update records not yet in an archive file (a stop mid-archive), registered now."""
+    try:
+        state.update_archive().flush()
+    except Exception as exc:  # recorded: the analysis then says which records are missing
+        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
+    state.files += state.update_archive().registered
+
+
+def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> OptimizerCheck | None:
+    """The optimizer check from the trained client's OWN first optim_step response (its metrics
+    are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
+    before update 1."""
+    if state.first_optim is None:
+        return None
+    metrics = getattr(state.first_optim, "metrics", None) or {}
+    requested = dict(cfg.adam)
+    return optimizer_check(
+        after_restore=0,
+        requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
+        requested_config=requested,
+        info=state.info,
+        info_ref=f"{ANALYSIS_FILE}#restore.get_info",
+        echoed=echoed_config(metrics, list(requested)),
+        echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
+        echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)",
+    )
+
+
+def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, plan: Plan, state: RunState) -> None:
+    """Post the trained arm's provenance: the optimizer check from ITS OWN first optim_step
+    response, its own initial output, and one more restore when the diagnostic restored it itself."""
+    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
+    if not prior or state.initial_output is None:
+        return
+    entry = trained_client_entry(
+        prior,
+        restore=state.restore,
+        initial_output=state.initial_output,
+        own_check=own_optimizer_check(cfg, plan, state),
+        restore_ref=f"{ANALYSIS_FILE}#restore",
+        new_restore=not state.preloaded,
+    )
+    bundle.update_result(initialization_provenance={"arms": {cfg.arm: entry}})
+
+
+def write_evidence(
+    bundle: EvidenceBundle,
+    plan: Plan,
+    cfg: DiagnosticConfig,
+    state: RunState,
+    selftest: SelftestReport,
+    *,
+    wall: float,
+    cap_s: float,
+    backend: str,
+    spec: ExperimentSpec | None,
+    served: ServedModel | None = None,
+    prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
+) -> DiagnosticResult:
+    """Analyse, then write sentinels, analysis, next action, report and result fields."""
+    result = _analyse_run(plan, cfg, state, selftest, wall=wall, cap_s=cap_s, spec=spec, served=served)
+    if state.sentinels is not None and state.sentinels.points:
+        register_json(bundle, state, SENTINEL_FILE, "metrics", state.sentinels.evidence())
+    analysis = _analysis_record(bundle, result, state, wall)
+    register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
+    register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    _trained_client_provenance(bundle, cfg, plan, state)
+    _register_service_work(bundle, plan, state, prior_service_work)
+    # Feasibility from the diagnostic's own measured setup: the plan forbids an extra pilot.
+    if state.update_seconds:
+        _record_feasibility(bundle, cfg, state, spec)
+    # The replay output itself, as evidence: a reviewer reads it without rerunning replay.
+    if state.records:
+        _register_replay_output(bundle, state)
+    state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
+    result = replace(result, files=tuple(state.files))
+    _post_result_fields(bundle, state, result.result_fields)
+    post_snapshot(bundle, "diagnostic stage end", reserve=4)
+    return result
+
+
+def _analyse_run(
+    plan: Plan,
+    cfg: DiagnosticConfig,
+    state: RunState,
+    selftest: SelftestReport,
+    *,
+    wall: float,
+    cap_s: float,
+    spec: ExperimentSpec | None,
+    served: ServedModel | None,
+) -> DiagnosticResult:
+    """The fixed analysis of what the run measured (`state`), however early it stopped."""
+    tracker = state.sentinels
+    sentinels: SentinelSummary = (
+        tracker.summary() if tracker is not None else {"points": [], "at_init": None, "last": None}
+    )
+    return analyse(
+        cfg,
+        plan,
+        state.records,
+        selftest=selftest,
+        sentinels=sentinels,
+        frozen_by_call=state.frozen_by_call or None,
+        updates_done=state.updates_done,
+        stop_reason=state.stop_reason,
+        wall_seconds=wall,
+        setup_seconds=state.setup_seconds,
+        frozen_sha256=state.frozen.sha256 if state.frozen else None,
+        minibatches=state.minibatches,
+        errors=state.errors,
+        spec=spec,
+        restore=state.restore,
+        effective_cap_seconds=cap_s,
+        served=served,
+    )
+
+
+def _timings(state: RunState, wall: float) -> JsonObject:
+    """Where the stage's seconds went, on the budget ledger's clock."""
+    return {
+        "restore_seconds": state.restore_seconds,
+        "sampling_seconds": state.sampling_seconds,
+        "sampled_sequences": state.sampled_sequences,
+        "update_seconds": [*state.update_seconds],
+        "update_phases": [dict[str, JsonValue](p) for p in state.update_phases],
+        "setup_seconds": state.setup_seconds,
+        "wall_seconds": wall,
+        "wall_counted_from": "session start (the budget ledger's clock)",
+    }
+
+
+def _analysis_record(bundle: EvidenceBundle, result: DiagnosticResult, state: RunState, wall: float) -> JsonObject:
+    """The analysis file's content: the analysis, then the run's timings, checkpoint, the trained
+    client's own first outputs, snapshots, rollout yield and what effective-config.json declares."""
+    analysis = result.analysis_json()
+    analysis["timings"] = _timings(state, wall)
+    analysis["final_checkpoint"] = state.final_checkpoint
+    analysis["trained_client_initial_output"] = state.initial_output
+    analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
+    analysis["snapshots"] = [*state.snapshots]
+    analysis["rollout_yield"] = state.rollout_yield
+    analysis["declared"] = _declared(bundle)
+    return analysis
+
+
+def _register_service_work(
+    bundle: EvidenceBundle, plan: Plan, state: RunState, prior_service_work: Mapping[str, Mapping[str, int]] | None
+) -> None:
+    """Declared vs executed service work: the requester allowed only the declared updates and batches."""
+    executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
+    executed["bounded_diagnostic"] = {
+        "optimizer_updates": state.updates_done,
+        "sampling_batches": 1 if state.frozen is not None else 0,
+    }
+    register_json(
+        bundle,
+        state,
+        SERVICE_WORK_FILE,
+        "report",
+        service_work_ledger(plan.diagnostic.service_work, executed),
+    )
+
+
+def _record_feasibility(
+    bundle: EvidenceBundle, cfg: DiagnosticConfig, state: RunState, spec: ExperimentSpec | None
+) -> None:
+    """The result's feasibility block, from the run's measured restore, sampling and update seconds."""
+    bundle.update_result(
+        feasibility=diagnostic_feasibility(
+            config=asdict(cfg),
+            effective_config=_effective_config(bundle),
+            primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
+            setup_seconds=state.restore_seconds,
+            sampling_seconds=state.sampling_seconds,
+            sampled_sequences=state.sampled_sequences,
+            update_seconds=state.update_seconds,
+            sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
+            planned_updates=cfg.max_updates,
+            recovery_seconds=FINALIZE_RESERVE_S,
+        )
+    )
+
+
+def _register_replay_output(bundle: EvidenceBundle, state: RunState) -> None:
+    """The offline replay of the bundle's recorded loss calls: its output and exit code, registered."""
+    code, text = replay_output(bundle.dir)
+    bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
+    state.files.append(REPLAY_OUTPUT_FILE)
+    bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
+
+
+def _post_result_fields(bundle: EvidenceBundle, state: RunState, fields_: DiagnosticResultFields) -> None:
+    """The rollout yield's metrics, then the stage's result fields; an activation calibration an
+    earlier stage already set is kept."""
+    if state.rollout_yield:
+        bundle.update_result(
+            metrics={
+                "diagnostic/rollout_truncated_frac": state.rollout_yield["truncated_frac"],
+                "diagnostic/rollout_no_answer_frac": state.rollout_yield["no_answer_frac"],
+                "diagnostic/rollout_mean_response_tokens": state.rollout_yield["mean_response_tokens"],
+            }
+        )
+    bundle.update_result(
+        **{
+            k: v
+            for k, v in fields_.items()
+            if k in ("metrics", "summary", "activation_calibration")
+            and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))
+        }
+    )
+
+
+def _effective_config(bundle: EvidenceBundle) -> JsonObject:
+    """effective-config.json as the session registered it ({} when it registered none)."""
+    if bundle.entry("effective-config.json") is None:
+        return {}
+    eff: JsonObject = json.loads(bundle.file_path("effective-config.json").read_text())
+    return eff
+
+
+def _declared(bundle: EvidenceBundle) -> JsonObject:
+    """The renderer and loss normalization effective-config.json declares (what the report cites)."""
+    eff = _effective_config(bundle)
+    return {k: eff[k] for k in ("renderer", "loss_normalization") if k in eff}
+
+
+def original_gate_report(plan: BoundedDiagnostic, gate_report_in_bundle: str | None = None) -> JsonObject:
+    """What the deviations' "kept separately" points at: the original pilot's gate report is not in
+    reach (the prior run's evidence), and this session's gate stage report, if any, is untouched."""
+    refs = [r for r in plan.unavailable_references if "run_" in r.ref]
+    return {
+        "kind": "original_gate_report",
+        "available": False,
+        "reason": (
+            "the original failed pilot's gate report is part of the prior run's evidence ("
+            + ", ".join(r.ref for r in refs)
+            + "), which cannot be reached from this machine: "
+            + "; ".join(r.reason for r in refs)
+        )
+        if refs
+        else "the original failed pilot's gate report is not reachable from this machine",
+        "this_session_gate_report": gate_report_in_bundle,
+        "overwritten": False,
+        "made_to_pass": False,
+        "note": "the diagnostic's criteria are recorded separately (diagnostic-analysis.json) and never "
+        "change the original gate's verdict",
+    }
+
+
+def service_work_ledger(sw: ServiceWork | None, executed: Mapping[str, Mapping[str, int]]) -> JsonObject:
+    """Declared (plan.service_work) vs executed optimizer updates and sampling batches per item.
+    Executed work not declared, or above its declared count, is a problem."""
+    if sw is None:
+        return {
+            "declared": None,
+            "executed": {k: dict(v) for k, v in executed.items()},
+            "problems": ["the plan declares no service_work"],
+            "within_declaration": False,
+        }
+    declared = {i.id: i for i in sw.items}
+    rows: list[JsonValue] = []
+    problems: list[str] = []
+    totals = {"optimizer_updates": 0, "sampling_batches": 0}
+    for item_id in list(declared) + [k for k in executed if k not in declared]:
+        d, e = declared.get(item_id), dict(executed.get(item_id, {}))
+        done = {
+            "optimizer_updates": int(e.get("optimizer_updates", 0)),
+            "sampling_batches": int(e.get("sampling_batches", 0)),
+        }
+        if d is None:
+            problems.append(f"{item_id}: executed but not declared in the plan")
+        else:
+            for k, want in (("optimizer_updates", d.optimizer_updates), ("sampling_batches", d.sampling_batches)):
+                if done[k] > want:
+                    problems.append(f"{item_id}: {done[k]} {k} executed > {want} declared")
+        rows.append(
+            {
+                "id": item_id,
+                "declared": None if d is None else d.model_dump(mode="json", exclude_none=True),
+                "executed": dict(done),
+            }
+        )
+        totals = {k: totals[k] + done[k] for k in totals}
+    if totals["optimizer_updates"] > sw.max_total_optimizer_updates:
+        problems.append(f"{totals['optimizer_updates']} optimizer updates > {sw.max_total_optimizer_updates} declared")
+    if totals["sampling_batches"] > sw.max_total_sampling_batches:
+        problems.append(f"{totals['sampling_batches']} sampling batches > {sw.max_total_sampling_batches} declared")
+    return {
+        "kind": "service_work_ledger",
+        "declared_before_execution": bool(sw.declared_before_execution),
+        "items": rows,
+        "executed_totals": dict(totals),
+        "declared_totals": {
+            "optimizer_updates": sw.max_total_optimizer_updates,
+            "sampling_batches": sw.max_total_sampling_batches,
+        },
+        "problems": list(problems),
+        "within_declaration": not problems,
+    }
+
+
+def diagnostic_feasibility(
+    *,
+    config: Mapping[str, JsonValue],
+    effective_config: Mapping[str, JsonValue],
+    primary_endpoint: str,
+    setup_seconds: float,
+    sampling_seconds: float,
+    sampled_sequences: int,
+    update_seconds: Sequence[float],
+    sequences_per_update: float,
+    planned_updates: int,
+    recovery_seconds: float,
+) -> JsonObject:
+    """result.json's feasibility block from the diagnostic's own measured schedule: setup (restore),
+    training (the one sampling batch + every update), no evaluation (forbidden in this launch)."""
+    train_s = float(sampling_seconds + sum(update_seconds))
+    return {
+        "config": dict(config),
+        "effective_config": dict(effective_config),
+        "primary_endpoint": primary_endpoint,
+        "source": FEASIBILITY_SOURCE,
+        "measurements": {
+            "setup": {
+                "seconds": float(setup_seconds),
+                "units": 1,
+                "planned_units": 1,
+                "samples": 0,
+                "gpu_count": None,
+                "allocation_source": None,
+            },
+            "training": {
+                "seconds": train_s,
+                "units": len(update_seconds),
+                "planned_units": int(planned_updates),
+                "samples": int(sampled_sequences + sequences_per_update * len(update_seconds)),
+                "gpu_count": None,
+                "allocation_source": None,
+            },
+            "evaluation": {
+                "seconds": 0.0,
+                "units": 0,
+                "planned_units": 0,
+                "samples": 0,
+                "gpu_count": None,
+                "allocation_source": None,
+            },
+        },
+        "generation": None,
+        "recovery": {"seconds": float(recovery_seconds), "gpu_count": None, "allocation_source": None},
+    }
+
+
+def replay_output(bundle_dir: Path) -> tuple[int, str]:
+    """(exit code, printed lines) of `python -m dppo_harness.instrument.replay` on the bundle, run in-process."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        code = replay.main([str(bundle_dir)])
+    return code, buf.getvalue()
+
+
+def trained_client_entry(
+    prior: ArmProvenance,
+    *,
+    restore: JsonObject,
+    initial_output: JsonObject,
+    own_check: OptimizerCheck | None,
+    restore_ref: str,
+    new_restore: bool = True,
+) -> JsonObject:
+    """The trained arm's `initialization_provenance` entry: an optimizer check from the trained
+    client's OWN response for its last restore, and that client's initial output before its first
+    update. `new_restore`: the diagnostic restored the arm again (one more restore); otherwise it
+    trains the preflight's loaded client, whose restore the own check replaces."""
+    n = int(prior.get("restore_count", 0)) + (1 if new_restore else 0)
+    checks = [own_response_only(c) for c in prior.get("optimizer_checks", [])]
+    if own_check is not None:
+        checks = [c for c in checks if c.get("after_restore") != n] + [dict(own_check, after_restore=n)]
+    init = dict(prior.get("initialization", {}))
+    init.update(
+        loaded_checkpoint_uri=restore.get("loaded_checkpoint_uri"),
+        load_succeeded=bool(restore.get("load_succeeded")),
+        evidence_ref=restore_ref,
+        before_first_update=True,
+    )
+    return {
+        "initialization": init,
+        "restore_count": n,
+        "optimizer_checks": list[JsonValue](checks),
+        "initial_output": dict(initial_output),
+        "trained_client": {
+            "restore": n,
+            "note": (
+                "the client the bounded diagnostic trained, restored from the shared initial checkpoint"
+                + ("" if new_restore else " by the restoration preflight (the same client, no second restore)")
+            ),
+        },
+    }
