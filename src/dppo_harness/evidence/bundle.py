@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from dppo_harness.evidence.backend import Backend
-from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS
+from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, STAGE_END_SLOTS, record
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
     FILES_DIR,
@@ -40,6 +40,7 @@ from dppo_harness.evidence.files import (
     json_file_bytes,
     sidecar_files,
     unwritable_line,
+    written,
 )
 from dppo_harness.evidence.ledger import BudgetLedger
 from dppo_harness.evidence.provenance import code_revision
@@ -85,6 +86,7 @@ class EvidenceBundle:
         self.unwritable: str | None = None  # the first refused write's line; the run fails with it
         self._closing: frozenset[str] = frozenset()  # names reserved for the close (reserve_closing)
         self._closing_bytes = 0
+        self._stage_end_slots = 0  # slots only a stage-end snapshot may take (reserve_closing)
 
     # -- construction
 
@@ -221,8 +223,10 @@ class EvidenceBundle:
 
     # -- files
 
-    def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry:
-        """Register immutable bytes under `name`. Same bytes again is a no-op; different bytes fail."""
+    def register_bytes(self, name: str, kind: str, data: bytes, *, stage_end: bool = False) -> FileEntry:
+        """Register immutable bytes under `name`. Same bytes again is a no-op; different bytes fail.
+        Every limit is checked here, the closing reserve with them (`stage_end`: a stage-end
+        snapshot, which may take the slot kept for the last one)."""
         if not isinstance(data, (bytes, bytearray)):
             raise EvidenceError(f"file {name!r}: expected bytes, got {type(data).__name__}")
         data = bytes(data)
@@ -233,7 +237,7 @@ class EvidenceBundle:
                 return entry
             self._scan(data, f"evidence file {name!r}")
             self._files.check_limits(entry, entries)
-            self._check_closing_reserve(entry, entries)
+            self._check_closing_reserve(entry, entries, stage_end)
             self._write(self._files.path(entry["name"]), data)
             new = copy.deepcopy(self._result)
             new["evidence"]["files"].append(dict(entry))
@@ -251,40 +255,46 @@ class EvidenceBundle:
     # -- the closing records' reserve
 
     def reserve_closing(self, names: Sequence[str] = CLOSING_RECORDS, nbytes: int = CLOSING_BYTES) -> None:
-        """Keep a file slot for each of `names` and `nbytes` in total until they are registered:
-        any other file that would take them is refused (LimitError), so the close always fits."""
+        """Keep a file slot for each of `names`, one for the last stage-end snapshot, and `nbytes` in
+        total until they are registered: any other file that would take them is refused
+        (LimitError), so the close always fits. The ledger records the limits and the reserve."""
         with self._lock:
             self._closing, self._closing_bytes = frozenset(names), int(nbytes)
+            self._stage_end_slots = STAGE_END_SLOTS
+        self.note_ledger(evidence_budget=record())
 
-    def _closing_left(self, entries: Sequence[FileEntry]) -> tuple[int, int]:
-        """(file slots, bytes) still reserved for closing records not yet registered."""
-        slots = len(self._closing - {e["name"] for e in entries})
-        return slots, (self._closing_bytes if slots else 0)
+    def _closing_left(self, entries: Sequence[FileEntry], stage_end: bool = False) -> tuple[int, int]:
+        """(file slots, bytes) still reserved for closing records not yet registered; a stage-end
+        snapshot may take the slot kept for the last one."""
+        names = len(self._closing - {e["name"] for e in entries})
+        slots = names + (0 if stage_end else self._stage_end_slots)
+        return slots, (self._closing_bytes if names else 0)
 
-    def _check_closing_reserve(self, entry: FileEntry, entries: Sequence[FileEntry]) -> None:
+    def _check_closing_reserve(self, entry: FileEntry, entries: Sequence[FileEntry], stage_end: bool) -> None:
         if entry["name"] in self._closing:
             return
-        slots, nbytes = self._closing_left(entries)
+        slots, nbytes = self._closing_left(entries, stage_end)
         if len(entries) + 1 > MAX_FILES - slots:
             raise LimitError(
                 f"file {entry['name']!r} would be file {len(entries) + 1}; the last {slots} of the "
-                f"{MAX_FILES} file slots are reserved for the closing records"
+                f"{MAX_FILES} file slots are reserved for the closing records; {written(entries)}"
             )
         total = sum(f["size"] for f in entries) + entry["size"]
         if total > MAX_TOTAL_BYTES - nbytes:
             raise LimitError(
                 f"file {entry['name']!r} would bring the run to {total} bytes; the last {nbytes} of "
-                f"{MAX_TOTAL_BYTES} bytes are reserved for the closing records"
+                f"{MAX_TOTAL_BYTES} bytes are reserved for the closing records; {written(entries)}"
             )
 
-    def free_slots(self) -> int:
-        """File slots any file may still take (the closing records' reserve left out)."""
+    def free_slots(self, *, stage_end: bool = False) -> int:
+        """File slots any file may still take (the closing reserve left out); `stage_end`: what a
+        stage-end snapshot may take."""
         with self._lock:
             entries = self._entries()
-            return MAX_FILES - len(entries) - self._closing_left(entries)[0]
+            return MAX_FILES - len(entries) - self._closing_left(entries, stage_end)[0]
 
-    def register_json(self, name: str, kind: str, obj: object) -> FileEntry:
-        return self.register_bytes(name, kind, json_file_bytes(name, obj))
+    def register_json(self, name: str, kind: str, obj: object, *, stage_end: bool = False) -> FileEntry:
+        return self.register_bytes(name, kind, json_file_bytes(name, obj), stage_end=stage_end)
 
     def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
         return self.register_bytes(name, kind, FileRegistry.read_source(name, Path(path)))

@@ -168,6 +168,11 @@ def valid_name(name: object) -> bool:
     return isinstance(name, str) and bool(NAME_RE.match(name)) and name not in RESERVED_NAMES
 
 
+def written(entries: Sequence[FileEntry]) -> str:
+    """What a run has already registered, for a limit's refusal line."""
+    return f"already written: {len(entries)} files, {sum(f['size'] for f in entries)} bytes"
+
+
 class FileRegistry:
     """Admits and writes evidence files under `<run>/files/`."""
 
@@ -204,14 +209,20 @@ class FileRegistry:
     def check_limits(entry: FileEntry, entries: Sequence[FileEntry]) -> None:
         name, size = entry["name"], entry["size"]
         if size > MAX_FILE_BYTES:
-            raise LimitError(f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file")
+            raise LimitError(
+                f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file; "
+                f"{written(entries)}"
+            )
         if len(entries) + 1 > MAX_FILES:
-            raise LimitError(f"file {name!r} would be file {len(entries) + 1}; the limit is {MAX_FILES} files per run")
+            raise LimitError(
+                f"file {name!r} would be file {len(entries) + 1}; the limit is {MAX_FILES} files per run; "
+                f"{written(entries)}"
+            )
         total = sum(f["size"] for f in entries)
         if total + size > MAX_TOTAL_BYTES:
             raise LimitError(
                 f"file {name!r} ({size} bytes) would bring the run to {total + size} bytes; "
-                f"the limit is {MAX_TOTAL_BYTES} bytes (40 MiB) in total"
+                f"the limit is {MAX_TOTAL_BYTES} bytes (40 MiB) in total; {written(entries)}"
             )
 
     @staticmethod

@@ -3,8 +3,9 @@ update is saved, so a session that ends early still leaves its results.
 
 `post_snapshot` registers the current result.json, exactly as posted, under the next free name
 `result-0001.json`, `result-0002.json`, ... (names are immutable, so each is a new file). It keeps
-`reserve` file slots free for the evidence still to come and never breaks the 64-file limit: when
-the slots are spent it posts nothing and says so in the ledger.
+`reserve` file slots free for the evidence still to come and never takes the bundle's closing
+reserve: when only reserved slots are left it posts nothing and says so in the ledger. A stage-end
+snapshot (`stage_end`) may take the slot the reserve keeps for the last one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from dppo_harness.evidence.budget import STAGE_END_SLOTS
 from dppo_harness.evidence.files import MAX_FILES
 
 if TYPE_CHECKING:
@@ -25,19 +27,23 @@ def snapshot_names(bundle: EvidenceBundle) -> list[str]:
     return sorted(e["name"] for e in bundle.files() if SNAPSHOT_RE.match(e["name"]))
 
 
-def post_snapshot(bundle: EvidenceBundle, label: str, *, reserve: int = DEFAULT_RESERVE) -> str | None:
+def post_snapshot(
+    bundle: EvidenceBundle, label: str, *, reserve: int = DEFAULT_RESERVE, stage_end: bool = False
+) -> str | None:
     """Register the current result as the next `result-NNNN.json`; returns its name, or None when
     the file limit (less `reserve`) leaves no room (recorded in the ledger as skipped)."""
     names = snapshot_names(bundle)
     ledger = bundle.ledger()
     log: list[dict[str, Any]] = list(ledger.get("snapshots", []))
-    if len(bundle.files()) + 1 > MAX_FILES - reserve or bundle.free_slots() < 1:
+    # `reserve` counts the closing records; the slot kept for the last stage-end snapshot comes on top.
+    kept = reserve + (0 if stage_end else STAGE_END_SLOTS)
+    if len(bundle.files()) + 1 > MAX_FILES - kept or bundle.free_slots(stage_end=stage_end) < 1:
         log.append(
             {
                 "label": label,
                 "name": None,
                 "skipped": f"file limit: {len(bundle.files())} of {MAX_FILES} "
-                f"files used, {reserve} kept for later evidence",
+                f"files used, {kept} kept for later evidence",
             }
         )
         bundle.note_ledger(snapshots=log)
@@ -45,7 +51,7 @@ def post_snapshot(bundle: EvidenceBundle, label: str, *, reserve: int = DEFAULT_
     last = SNAPSHOT_RE.match(names[-1]) if names else None  # every name matches: snapshot_names filters by it
     index = int(last.group(1)) + 1 if last else 1
     name = f"result-{index:04d}.json"
-    bundle.register_json(name, "metrics", bundle.result)
+    bundle.register_json(name, "metrics", bundle.result, stage_end=stage_end)
     log.append({"label": label, "name": name, "elapsed_s": round(bundle.elapsed_seconds(), 3)})
     bundle.note_ledger(snapshots=log)
     return name

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from dppo_harness import project
-from dppo_harness.evidence import EvidenceBundle, budget
+from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.evidence.session import start_session
 from dppo_harness.plans import BackendKind, Plan, load_plan
 from dppo_harness.pytest_plugin.session import (
@@ -189,15 +189,6 @@ def evidence_bundle(
             if service_backend.server
             else None
         ),
-    )
-    # What the plan's stages will register (refused at load if over).
-    bundle.note_ledger(
-        evidence_budget=budget.plan_needs(
-            plan,
-            harness_options.budget_stages,
-            save_every=harness_options.save_every,
-            resumed=harness_options.resume is not None,
-        ).as_record()
     )
     # the connectivity report; on the embedded server (marker), the rehearsal label.
     from dppo_harness.service.identity import record_session_identity  # httpx: paid once a stage opens a bundle

@@ -22,7 +22,6 @@ from dppo_harness.evidence.session import finish_session, unclosed_line
 from dppo_harness.plans import PlanError, launch_refusal, launch_undecided_refusal, load_plan, unauthorized_stages
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.options import (
-    refuse_over_budget,
     refuse_unsafe_credentials,
     resolve_options,
     skip_setup_stages_on_resume,
@@ -161,7 +160,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[OPTIONS_KEY] = options
     plan = validated_plan(config, options)
     if plan is not None:
-        refuse_over_budget(plan, options)
         config.stash[PLAN_KEY] = plan
     for name in FIXTURE_PLUGINS:
         config.pluginmanager.import_plugin(name)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from dppo_harness import constants, project
-from dppo_harness.evidence import budget
 from dppo_harness.evidence.archive import ARCHIVED, archived_paths
 from dppo_harness.evidence.files import unwritable_reason
 from dppo_harness.plans import BackendKind, Plan, PlanError, load_plan
@@ -29,24 +28,6 @@ def validated_plan(config: pytest.Config, options: HarnessOptions) -> Plan | Non
         return load_plan(options.plan_path)
     except PlanError as exc:
         raise pytest.UsageError(f"{'--plan' if explicit else 'default plan'}: {exc}") from None
-
-
-def refuse_over_budget(plan: Plan, options: HarnessOptions) -> None:
-    """A plan whose evidence cannot fit the bundle's limits is refused now, in one line naming the
-    numbers, before any client exists (evidence.budget)."""
-    needs = budget.plan_needs(
-        plan, options.budget_stages, save_every=options.save_every, resumed=options.resume is not None
-    )
-    line = budget.refusal(needs, plan.name)
-    if line is not None:
-        raise pytest.UsageError(line)
-
-
-def _path_stages(config: pytest.Config, state: StageState) -> tuple[str, ...]:
-    """The stages of the test paths given on the command line, when no `-m` chose the stages."""
-    if state.run is not None or config.args_source != pytest.Config.ArgsSource.ARGS:
-        return ()
-    return stages.stages_of_paths(_user_path(config, arg.split("::", 1)[0]) for arg in config.args)
 
 
 def _user_path(config: pytest.Config, value: str) -> Path:
@@ -138,7 +119,6 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
         save_every=save_every,
         proxy_credentials=config.getoption("--proxy-credentials"),
         sdk_telemetry=config.getoption("--sdk-telemetry"),
-        path_stages=_path_stages(config, state),
         capacity_patience_s=capacity_patience_s,
         capacity_patience_after_steps_s=capacity_patience_after_steps_s,
         service_timeout_s=service_timeout_s,

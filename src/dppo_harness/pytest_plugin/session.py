@@ -63,14 +63,6 @@ class HarnessOptions:
     service_timeout_s: float | None = None
     proxy_credentials: Literal["modal", "runs"] = "modal"  # which proxy tokens feed Modal-Key/Modal-Secret
     sdk_telemetry: bool = False  # let the SDK post its telemetry (off: TINKER_TELEMETRY=0)
-    # The stages of the test paths on the command line, when no `-m` chose the stages (pytest
-    # tests/preflight tests/diagnostic): what the evidence budget counts besides selected_stages.
-    path_stages: tuple[str, ...] = ()
-
-    @property
-    def budget_stages(self) -> tuple[str, ...]:
-        """The stages whose evidence the session's bundle must hold."""
-        return tuple(dict.fromkeys((*self.selected_stages, *self.path_stages)))
 
 
 OPTIONS_KEY = pytest.StashKey[HarnessOptions]()
@@ -166,7 +158,7 @@ def close_stage(state: StageState, stage: str) -> None:
     if (
         stage != "unit"
     ):  # an immutable result snapshot at each service stage's end (a killed run keeps each finished stage's result)
-        post_snapshot(bundle, f"stage {stage} end", reserve=4)
+        post_snapshot(bundle, f"stage {stage} end", reserve=4, stage_end=True)
 
 
 def note_releases(state: StageState, records: list[ReleaseRecord]) -> None:
