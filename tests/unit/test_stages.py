@@ -65,17 +65,6 @@ def test_stage_folder_is_found_from_the_file_path_alone():
     assert stages.stage_of([], PurePath("/p/src/test_x.py")) == "unit"
 
 
-def test_stages_of_the_paths_on_the_command_line():
-    assert stages.stages_of_paths([PurePath("/p/tests/diagnostic"), PurePath("/p/tests/preflight")]) == (
-        "preflight",
-        "diagnostic",
-    )
-    assert stages.stages_of_paths([PurePath("/p/tests/gates/test_gate.py")]) == ("gate",)
-    assert stages.stages_of_paths([PurePath("/p/tests")]) == stages.STAGES
-    assert stages.stages_of_paths([PurePath("/p/tests/integration/test_x.py"), PurePath("/p/other")]) == ("unit",)
-    assert stages.stages_of_paths([]) == ()
-
-
 def test_each_stage_needs_only_stages_before_it():
     for i, stage in enumerate(stages.STAGE_LIST):
         assert all(stages.stage_index(p) < i for p in stage.prerequisites), stage

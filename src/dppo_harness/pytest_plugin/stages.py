@@ -88,21 +88,6 @@ def stage_of(marker_names: Iterable[str], path: PurePath, tests_root: PurePath |
     return stage_from_path(path, tests_root) or "unit"
 
 
-def stages_of_paths(paths: Iterable[PurePath]) -> tuple[str, ...]:
-    """The stages the test paths given on the command line hold, in run order: a stage folder
-    (`tests/diagnostic`) or a file in one gives its stage, `tests/` itself every stage, anything
-    else "unit"."""
-    found: set[str] = set()
-    for path in paths:
-        if path.name == TESTS_FOLDER:
-            found.update(STAGES)
-        elif path.parent.name == TESTS_FOLDER and path.name in FOLDER_STAGE:
-            found.add(FOLDER_STAGE[path.name])
-        else:
-            found.add(stage_from_path(path) or "unit")
-    return tuple(sorted(found, key=stage_index))
-
-
 def parse_stage_selection(markexpr: str) -> tuple[str, ...] | None:
     """Stages named by a plain `-m a or b` expression; None when the expression is anything else."""
     if not markexpr or not _STAGE_EXPR.match(markexpr):
