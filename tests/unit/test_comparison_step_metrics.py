@@ -8,7 +8,7 @@ import pytest
 from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.data.gsm8k import Graded, Gsm8kItem
-from dppo_harness.loss import losses
+from dppo_harness.loss import loss_registry
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.comparison.step_rows import kl_sample_train, step_metrics, trajectory_metrics
 
@@ -58,7 +58,7 @@ def test_a_step_row_carries_the_cookbooks_metrics_under_its_names():
         1,
         batch.summary(),
         records,
-        loss=losses.GRPO_LOSS,
+        loss=loss_registry.GRPO_LOSS,
         seconds=3.0,
         sample_seconds=1.0,
         sampler_checkpoint="tinker://x",
