@@ -37,12 +37,11 @@ from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.evidence import verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
-from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.stages.comparison.run import make_loss, run_arm_step
 from dppo_harness.stages.comparison.state import state_path
 from dppo_harness.stages.comparison.step_rows import TOKEN_FIELDS, comparable, row_differences
-from dppo_harness.train.clients import create_from_state_observed
 
 pytestmark = pytest.mark.timeout(3000)
 
@@ -128,7 +127,7 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
     with LocalServerProcess(run_dir=server_dir) as srv:
         try:
             sc = make_service_client("local", srv.base_url, registry=registry, stage="reference")
-            clients = {a.name: create_from_state_observed(sc, initial_checkpoint)[0] for a in run.arms}
+            clients = {a.name: create_from_state_with_response(sc, initial_checkpoint)[0] for a in run.arms}
             arm_losses = {a.name: make_loss(a, run) for a in run.arms}
             train = gsm8k.load_split("train", seed=run.seed)
             renderer = tokenizer.make_renderer().renderer

@@ -24,9 +24,8 @@ from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
-from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.stages.comparison.run import run_comparison
-from dppo_harness.train.clients import create_from_state_observed
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -52,7 +51,7 @@ def _run(tmp_path: Path, *lost_at: int):
         try:
             init = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32)
             path = init.save_state("lost-arm-initial").result().path
-            clients = {a: create_from_state_observed(sc, path, a)[0] for a in ARM_NAMES}
+            clients = {a: create_from_state_with_response(sc, path, a)[0] for a in ARM_NAMES}
             restoration = SimpleNamespace(
                 clients=clients,
                 initial_checkpoint=path,

@@ -20,14 +20,13 @@ import pytest
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
-from dppo_harness.service.observed import make_service_client
+from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityPolicy
 from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import state_path
 from dppo_harness.stages.comparison.step_rows import comparable, row_differences
-from dppo_harness.train.clients import create_from_state_observed
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 REHEARSAL = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
@@ -104,7 +103,7 @@ def faulty_engine(tmp_path_factory, registry):
 
 def _restoration(sc, init):
     """What the preflight hands the comparison: both arms loaded from the initial checkpoint."""
-    clients = {a.name: create_from_state_observed(sc, init)[0] for a in PLAN.run.arms}
+    clients = {a.name: create_from_state_with_response(sc, init)[0] for a in PLAN.run.arms}
     arms = {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}
     return SimpleNamespace(clients=clients, initial_checkpoint=init, provenance={"arms": arms})
 

@@ -19,10 +19,10 @@ from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan, resized_plan
+from dppo_harness.service.observed import create_from_state_with_response
 from dppo_harness.stages.comparison import restore as comparison_restore
 from dppo_harness.stages.comparison.run import StopRequested, run_comparison
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard
-from dppo_harness.train.clients import create_from_state_observed
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -47,7 +47,7 @@ def engine(tmp_path_factory):
 
 def _run(engine, tmp_path, name, **kw):
     sc, init = engine
-    clients = {a: create_from_state_observed(sc, init)[0] for a in ARM_NAMES}
+    clients = {a: create_from_state_with_response(sc, init)[0] for a in ARM_NAMES}
     restoration = SimpleNamespace(
         clients=clients,
         initial_checkpoint=init,

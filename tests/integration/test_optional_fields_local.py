@@ -29,13 +29,14 @@ from dppo_harness.local_server.cli import build_parser, fault_config
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.plans import load_plan, resized_plan
+from dppo_harness.service.observed import create_from_state_with_response
 from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 from dppo_harness.stages.restoration.batch import build_fixed_batch
 from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader
-from dppo_harness.train.clients import RestorationError, create_from_state_observed
+from dppo_harness.train.clients import RestorationError
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -178,7 +179,7 @@ def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp
     s = served("--fault-omit-field", "asample.logprobs")
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)
     init = tc.save_state("omit-cmp-initial").result().path
-    clients = {a: create_from_state_observed(s.sc, init)[0] for a in ARM_NAMES}
+    clients = {a: create_from_state_with_response(s.sc, init)[0] for a in ARM_NAMES}
     restoration = SimpleNamespace(
         clients=clients,
         initial_checkpoint=init,

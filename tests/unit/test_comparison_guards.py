@@ -14,6 +14,7 @@ from dppo_harness.stages.comparison.config import ComparisonError, OptimizerMism
 from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard, wall_guard_from_feasibility
 from dppo_harness.stages.feasibility_projection import PilotFigures
+from dppo_harness.train import restore as train_restore
 
 RUN = PLAN.run
 
@@ -103,8 +104,8 @@ class _Session:
 
 def _restore(monkeypatch, info, path="tinker://m/weights/step2"):
     monkeypatch.setattr(
-        comparison_restore,
-        "create_from_state_observed",
+        train_restore,
+        "create_from_state_with_response",
         lambda sc, p, name=None: (_Restored(info), types.LoadWeightsResponse(path=p)),
     )
     state = RunState("r", "p", "e", "c", "tinker://init/weights/initial", {a.name: ArmState(a.name) for a in RUN.arms})
@@ -147,15 +148,23 @@ def test_a_restore_seen_only_through_the_sdk_get_info_stays_declared(monkeypatch
     assert prov["restore_count"] == 2
 
 
-def test_a_restore_without_a_load_path_names_the_field(monkeypatch):
+@pytest.mark.parametrize(
+    "loaded, line",
+    [
+        (None, "dppo_seed0: the load of tinker://x is not observed: its response has no path"),
+        ("tinker://y", "dppo_seed0: the load of tinker://x loaded 'tinker://y'"),
+    ],
+)
+def test_a_restore_that_did_not_load_the_path_asked_for_stops_the_run(monkeypatch, loaded, line):
     monkeypatch.setattr(
-        comparison_restore,
-        "create_from_state_observed",
-        lambda sc, p, name=None: (_Restored(_raw_info("adamw")), types.LoadWeightsResponse()),
+        train_restore,
+        "create_from_state_with_response",
+        lambda sc, p, name=None: (_Restored(_raw_info("adamw")), types.LoadWeightsResponse(path=loaded)),
     )
     state = RunState("r", "p", "e", "c", "i", {a.name: ArmState(a.name) for a in RUN.arms})
-    with pytest.raises(ComparisonError, match="the load response has no path"):
+    with pytest.raises(ComparisonError, match=line):
         comparison_restore.restore_arm(None, state, RUN, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
+    assert state.arms["dppo_seed0"].restore_count == 0 and not state.arms["dppo_seed0"].optimizer_checks
 
 
 @pytest.mark.parametrize(

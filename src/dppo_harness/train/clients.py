@@ -15,8 +15,6 @@ import numpy as np
 import tinker
 from pydantic import JsonValue
 
-from dppo_harness.service.observed import create_from_state_with_response
-
 
 class RestorationError(RuntimeError):
     """A restoration step could not run (as opposed to a check that ran and failed): raised by the
@@ -103,8 +101,3 @@ def server_info(service_client: tinker.ServiceClient, client: tinker.TrainingCli
         except Exception:  # the SDK's parsed response stands in (it never invents a field)
             pass
     return client.get_info().model_dump(mode="json", exclude_unset=True)
-
-
-# stages/comparison/restore.py creates its restored arms under this name; every other stage
-# restores through `train.restore.restore`.
-create_from_state_observed = create_from_state_with_response

@@ -1,6 +1,5 @@
 """What the comparison adds to the plan's `RunConfig`: the order the arms take each step
-(`ArmOrder`, `comparison_schedule`, from the `--comparison-schedule` option), the bound on
-`--save-every`, the sampling seed of each rollout step (the same for both arms), and the errors
+(`ArmOrder`, `comparison_schedule`, from the `--comparison-schedule` option), the sampling seed of each rollout step (the same for both arms), and the errors
 that name a field the comparison cannot be configured or resumed with."""
 
 from __future__ import annotations
@@ -10,13 +9,10 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import JsonValue
 
-from dppo_harness import constants
-
 if TYPE_CHECKING:
     from dppo_harness.plans import RunConfig
 
 
-MAX_SAVE_EVERY = constants.MAX_SAVE_EVERY  # each arm's state is saved at least every 10 steps
 # How the arms take each step: one after the other on one thread, or at once on their own clients.
 ArmOrder = Literal["interleaved", "concurrent"]
 

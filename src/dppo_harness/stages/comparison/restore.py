@@ -1,7 +1,7 @@
-"""An arm's training client from its saved state (weights + optimizer), the load observed and
-counted: every restore is one more `restore_count` and one more optimizer check on top of the
-preflight's, and a check that finds the server's optimizer differs from the request stops the
-run. `open_arms` gives the run its clients: the preflight's on a new run, restored on a resume."""
+"""An arm's training client from its saved state (weights + optimizer), restored through
+`train.restore.restore` (the load observed) and counted: every restore is one more `restore_count`
+and one more optimizer check on top of the preflight's, and a check that finds the server's
+optimizer differs from the request stops the run. `open_arms` gives the run its clients: the preflight's on a new run, restored on a resume."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError, OptimizerMismatch
 from dppo_harness.stages.comparison.state import RunState, state_file_name
-from dppo_harness.train.clients import create_from_state_observed, dump_response, server_info
+from dppo_harness.train.clients import dump_response, server_info
 from dppo_harness.train.optimizer_checks import optimizer_check
+from dppo_harness.train.restore import restore
 
 if TYPE_CHECKING:
     import tinker
@@ -35,14 +36,11 @@ def restore_arm(
     server's optimizer differs from the request stops the run (OptimizerMismatch, after the check
     is recorded in the state)."""
     arm = state.arms[name]
-    client, resp = create_from_state_observed(service_client, path, name)
-    if resp is None or resp.path is None:
-        raise ComparisonError(
-            f"{name}: restore of {path} not observed: the load response has no path "
-            "(optional in the SDK's LoadWeightsResponse)"
-        )
-    if resp.path != path:
-        raise ComparisonError(f"{name}: restore of {path} loaded {resp.path!r}")
+    restored = restore(service_client, path, name)
+    mismatch = restored.mismatch()
+    if mismatch is not None:
+        raise ComparisonError(f"{name}: {mismatch}")
+    client, loaded = restored.client, restored.loaded_path
     arm.restore_count += 1
     prior = state.setup_provenance.get(name)
     if prior is None:
@@ -51,6 +49,7 @@ def restore_arm(
         after_restore=prior["restore_count"] + arm.restore_count,
         requested_optimizer="adam",
         requested_config=run.arm(name).adam_config_requested(),
+        # raw: tinker 0.25's parsed get_info (`restored.info`) drops the server's optimizer_config
         info=server_info(service_client, client),
         info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
         echoed=None,
@@ -58,12 +57,17 @@ def restore_arm(
         echo_observed_on=None,
     )
     arm.optimizer_checks.append(
-        {**check, "loaded_checkpoint_uri": resp.path, "at_step": arm.steps_done, "load_response": dump_response(resp)}
+        {
+            **check,
+            "loaded_checkpoint_uri": loaded,
+            "at_step": arm.steps_done,
+            "load_response": dump_response(restored.response),
+        }
     )
     prov: JsonObject = {
         "restore_count": prior["restore_count"] + arm.restore_count,
         # The checkpoint this session's arm actually loaded (the server's own load response).
-        "loaded_checkpoint_uri": resp.path,
+        "loaded_checkpoint_uri": loaded,
         "loaded_at_step": arm.steps_done,
         "optimizer_checks": list(prior["optimizer_checks"])
         + [{k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks],

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import tinker
 
+from dppo_harness import constants
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence import budget, report
@@ -41,7 +42,6 @@ from dppo_harness.service.wait.policy import (
 from dppo_harness.stages import arm_step
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun
 from dppo_harness.stages.comparison.config import (
-    MAX_SAVE_EVERY,
     ArmOrder,
     ComparisonError,
     OptimizerMismatch,
@@ -140,8 +140,8 @@ def run_comparison(
     the reason."""
     if plan.run is None:
         raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
-    if not 1 <= save_every <= MAX_SAVE_EVERY:
-        raise ComparisonError(f"save_every: {save_every} not in [1, {MAX_SAVE_EVERY}]")
+    if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
+        raise ComparisonError(f"save_every: {save_every} not in [1, {constants.MAX_SAVE_EVERY}]")
     run, state_root = plan.run, Path(state_root)
     with Watchdog(progress, every_s=PROGRESS_EVERY_S) as dog:  # no phase is silent for longer
         progress = dog.say

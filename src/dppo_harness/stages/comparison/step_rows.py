@@ -8,7 +8,6 @@ step under its names; what a resumed run must reproduce of a row; the per-arm su
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Required, TypedDict
@@ -383,7 +382,3 @@ def step_line(row: StepRowJson, steps: int) -> str:
 
 def jsonl(rows: Sequence[StepRowJson]) -> bytes:
     return "".join(json.dumps(ins.nan_free(dict(r)), sort_keys=True) + "\n" for r in rows).encode()
-
-
-def finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
