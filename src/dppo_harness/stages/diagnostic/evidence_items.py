@@ -23,7 +23,7 @@ from dppo_harness.train.optimizer_checks import OptimizerCheck, own_response_onl
 
 if TYPE_CHECKING:
     from dppo_harness.plans.models import BoundedDiagnostic, ServiceWork
-    from dppo_harness.stages.restoration.provenance import ArmProvenance
+    from dppo_harness.stages.restoration.records import ArmProvenance
 
 
 def original_gate_report(plan: BoundedDiagnostic, gate_report_in_bundle: str | None = None) -> JsonObject:

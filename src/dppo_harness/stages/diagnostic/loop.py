@@ -27,7 +27,7 @@ from dppo_harness.stages.diagnostic.evidence_writer import declare, own_optimize
 from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
 from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
-from dppo_harness.stages.restoration.checkpoint import load_ref
+from dppo_harness.stages.restoration.records import load_ref
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 from dppo_harness.train.restore import Restore, restore
