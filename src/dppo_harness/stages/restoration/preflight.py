@@ -78,7 +78,6 @@ from dppo_harness.stages.restoration.records import (
     INITIAL_OUTPUT_FILE,
     RESPONSES_FILE,
     ArmProvenance,
-    LrScalingBlock,
     LrScalingMeasured,
     Recorder,
     RestorationResult,
@@ -337,15 +336,6 @@ def fresh_checkpoint(
     return InitialCheckpoint(client, saved.path, immutable, reason, info)
 
 
-def load_arm(service_client: tinker.ServiceClient, arm: str, path: str, rec: Recorder, call: CallWrapper) -> Restore:
-    """Step 2: the arm's client from the checkpoint with optimizer; its load response and get_info kept."""
-    restored = call(lambda: restore(service_client, path, arm))
-    describe_client(service_client, restored.client, f"arm {arm}: loaded from the initial checkpoint with optimizer")
-    rec.keep(f"load_{arm}", restored.response)
-    rec.keep(f"load_{arm}.get_info", restored.info)
-    return restored
-
-
 SOURCE_OUTPUT_KEY = "initial_checkpoint_source"
 ADAPTERS_UNMEASURED = "not measurable over the Tinker API on this backend"
 ADAPTERS_MEASURED = (
@@ -528,16 +518,6 @@ class _InitialStates:
     source_logprobs: list[np.ndarray] | None  # the setup client's output a single arm is compared with
 
 
-@dataclass(frozen=True)
-class _ProbeStep:
-    """Step 4's outcome, and what step 6 needs of it."""
-
-    result: RestoreProbeResult
-    opt_cfg: dict[str, float]
-    update_norm: UpdateNormMeasure | None
-    lr_in_plan: bool  # the planned LR was measured on the setup client by the probe's update 1
-
-
 def _progress_line(progress: Callable[[str], None] | None, t0: float) -> Callable[[str], None]:
     def say(msg: str) -> None:
         if progress is not None:
@@ -599,46 +579,16 @@ def _initial_states(
     )
 
 
-def _probe_step(
-    run: _Session,
-    init: _InitialStates,
-    checkpoint_reader: LocalCheckpointReader | None,
-    update_norm: UpdateNormMeasure | None,
-    lr_multipliers: Sequence[float],
-) -> _ProbeStep:
-    """Step 4: the setup client (uninterrupted) vs a create-save-restore client, same two
-    fixed-gradient updates; update 1 is also the LR-scaling probe at the planned LR."""
-    group = run.group
-    opt_cfg = group.optimizer_config(group.arm_names[0])  # the first trained arm's; others: _other_config_probes
-    if update_norm is None and checkpoint_reader is not None:
-        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{group.tag}-lr")
-    lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
-    run.say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
-    probe = restore_probe(
-        run.probe_sc,
-        init.shared.client,
-        init.shared.path,
-        run.fixed_batch,
-        opt_cfg,
-        group.tag,
-        run.rec,
-        run.atol,
-        run.call,
-        restore_optimizer=run.restore_with_optimizer,
-        update_norm=update_norm if lr_in_plan else None,
-        say=run.say,
-    )
-    return _ProbeStep(probe, opt_cfg, update_norm, lr_in_plan)
-
-
-def _other_config_probes(run: _Session, init: _InitialStates, probe: _ProbeStep) -> dict[str, RestoreProbeResult]:
+def _other_config_probes(
+    run: _Session, init: _InitialStates, probe: RestoreProbeResult, probe_cfg: Mapping[str, float]
+) -> dict[str, RestoreProbeResult]:
     """Step 4 again for each trained arm whose optimizer config differs from every one probed so
     far: a fresh client from the initial checkpoint stands in for the uninterrupted setup client,
     so each arm's optimizer checks compare with the echo of its OWN config. The probe result of
     every trained arm, by arm; the other configs' probes are also the step-4 probe's
     `own_config_probes`."""
     group, probe_sc = run.group, run.probe_sc
-    results = {a: probe.result for a in group.arm_names if group.optimizer_config(a) == probe.opt_cfg}
+    results = {a: probe for a in group.arm_names if group.optimizer_config(a) == probe_cfg}
     for a in group.arm_names:
         cfg = group.optimizer_config(a)
         same = next((b for b in results if group.optimizer_config(b) == cfg), None)
@@ -664,52 +614,10 @@ def _other_config_probes(run: _Session, init: _InitialStates, probe: _ProbeStep)
         results[a].echo_observed_on = results[a].uninterrupted_client = (
             f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
         )
-    others = {a: r for a, r in results.items() if r is not probe.result}
+    others = {a: r for a, r in results.items() if r is not probe}
     if others:
-        probe.result.own_config_probes = others  # written with the step-4 probe (PROBE_FILE)
+        probe.own_config_probes = others  # written with the step-4 probe (PROBE_FILE)
     return results
-
-
-def _all_probe_failures(probe: RestoreProbeResult) -> list[str]:
-    """The step-4 probe's failures, then each other config's probe's, prefixed with its arm."""
-    others = probe.own_config_probes
-    return [*probe.failures, *(f"{a}: {m}" for a, r in others.items() for m in r.failures)]
-
-
-def _lr_scaling_step(
-    run: _Session,
-    initial_checkpoint: str,
-    probe: _ProbeStep,
-    lr_multipliers: Sequence[float],
-    lr_rtol: float,
-    unavailable_reason: str,
-) -> LrScalingBlock:
-    """Step 6: the LR-scaling probe (the planned LR was measured on the setup client in step 4)."""
-    in_plan = probe.lr_in_plan and probe.update_norm
-    run.say(
-        f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
-        + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
-    )
-    base_lr = float(probe.opt_cfg["learning_rate"])
-    return lr_scaling_probe(
-        run.probe_sc,
-        initial_checkpoint,
-        run.fixed_batch,
-        probe.opt_cfg,
-        lr_multipliers,
-        lr_rtol,
-        probe.update_norm,
-        unavailable_reason,
-        run.call,
-        measured={base_lr: probe.result.base_lr_update_norm} if in_plan else None,
-        say=run.say,
-    )
-
-
-def _lr_failures(lr_block: LrScalingBlock) -> list[str]:
-    return (
-        [f"LR scaling: {lr_block.problem}"] if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed else []
-    )
 
 
 def run_restoration_preflight(
@@ -756,14 +664,38 @@ def run_restoration_preflight(
     loaded = {}
     for i, a in enumerate(group.arm_names, start=1):
         say(f"2/6: loading arm {a} ({i}/{len(group.arm_names)}) from {init.sources[a].path} with optimizer")
-        loaded[a] = load_arm(service_client, a, init.sources[a].path, run.rec, call)
+        loaded[a] = call(partial(restore, service_client, init.sources[a].path, a))
+        describe_client(service_client, loaded[a].client, f"arm {a}: loaded from the initial checkpoint with optimizer")
+        run.rec.keep(f"load_{a}", loaded[a].response)
+        run.rec.keep(f"load_{a}.get_info", loaded[a].info)
     source_paths = {a: init.sources[a].path for a in group.arm_names}
     adapters = adapter_hashes(checkpoint_reader, loaded, source_paths, group.tag, run.rec)
     say(f"3/6: initial logprobs of {len(group.arm_names)} arms on the fixed batch ({len(batch)} datums)")
     outputs = initial_outputs(bundle, loaded, batch, b_sha, atol, source=init.source_logprobs)
-    probe = _probe_step(run, init, checkpoint_reader, update_norm, lr_multipliers)
-    probes = _other_config_probes(run, init, probe)
-    failures = [*adapters.failures, *outputs.failures, *_all_probe_failures(probe.result)]
+    # Step 4: the setup client (uninterrupted) vs a create-save-restore client, on the first trained
+    # arm's config (the others: _other_config_probes); update 1 is also the LR probe at the planned LR.
+    opt_cfg = group.optimizer_config(group.arm_names[0])
+    if update_norm is None and checkpoint_reader is not None:
+        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{group.tag}-lr")
+    lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
+    say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
+    probe = restore_probe(
+        probe_sc,
+        init.shared.client,
+        init.shared.path,
+        batch,
+        opt_cfg,
+        group.tag,
+        run.rec,
+        atol,
+        call,
+        restore_optimizer=probe_restore_with_optimizer,
+        update_norm=update_norm if lr_in_plan else None,
+        say=say,
+    )
+    probes = _other_config_probes(run, init, probe, opt_cfg)
+    failures = [*adapters.failures, *outputs.failures, *probe.failures]
+    failures += [f"{a}: {m}" for a, r in probe.own_config_probes.items() for m in r.failures]
     say("5/6: optimizer checks and initialization provenance")
     arms = provenance_entries(
         group.arms,
@@ -777,8 +709,26 @@ def run_restoration_preflight(
         adapters.by_arm,
     )
     failures.extend(check_provenance({"version": 1, "arms": arms}, group.arm_names))
-    lr_block = _lr_scaling_step(run, init.shared.path, probe, lr_multipliers, lr_rtol, update_norm_unavailable_reason)
-    failures.extend(_lr_failures(lr_block))
+    in_plan = lr_in_plan and update_norm
+    say(
+        f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
+        + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
+    )
+    lr_block = lr_scaling_probe(
+        probe_sc,
+        init.shared.path,
+        batch,
+        opt_cfg,
+        lr_multipliers,
+        lr_rtol,
+        update_norm,
+        update_norm_unavailable_reason,
+        call,
+        measured={float(opt_cfg["learning_rate"]): probe.base_lr_update_norm} if in_plan else None,
+        say=say,
+    )
+    if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
+        failures.append(f"LR scaling: {lr_block.problem}")
     excluded = group.excluded_arms()
     provenance = group_provenance(
         arms,
@@ -791,7 +741,7 @@ def run_restoration_preflight(
     )
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
     posted = posted_provenance(arms, excluded, trained_arms)
-    wall = record_evidence(bundle, run.rec, probe.result, lr_block, provenance, posted, t0)
+    wall = record_evidence(bundle, run.rec, probe, lr_block, provenance, posted, t0)
     return RestorationResult(
         initial_checkpoint=init.shared.path,
         loaded_paths={a: arm.loaded_path for a, arm in loaded.items() if arm.loaded_path},
@@ -804,6 +754,6 @@ def run_restoration_preflight(
         passed=not failures,
         failures=failures,
         lr_scaling=lr_block,
-        probe=probe.result,
+        probe=probe,
         wall_seconds=wall,
     )
