@@ -82,9 +82,9 @@ class LocalCheckpointReader:
 
     def adapter(self, path: str) -> dict[str, torch.Tensor]:
         """The checkpoint's LoRA tensors by name (`checkpoint_files.adapter_file` says where they are)."""
-        import torch
+        import torch  # local backend only: loaded on the first read (see the class docstring)
 
-        from dppo_harness.local_server.checkpoint_files import adapter_file
+        from dppo_harness.local_server.checkpoint_files import adapter_file  # local backend only
 
         f = adapter_file(self.run_dir, path)
         if f is None:
@@ -95,6 +95,7 @@ class LocalCheckpointReader:
 
     def adapter_sha256(self, path: str) -> str:
         """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
+        # Local backend only: the embedded server's model module (transformers) loads on the first hash.
         from dppo_harness.local_server.engine.model import state_sha256
 
         return state_sha256(self.adapter(path))
