@@ -509,9 +509,8 @@ class _Session:
 
 @dataclass(frozen=True)
 class _InitialStates:
-    """Step 1's outcome: the initial checkpoint per seed and which one each arm loads."""
+    """Step 1's outcome: which initial checkpoint each arm loads, and the run's shared one."""
 
-    by_seed: dict[int, InitialCheckpoint]
     sources: dict[str, InitialCheckpoint]
     source_label: dict[str, str]
     shared: InitialCheckpoint  # the plan seed's checkpoint: the initial checkpoint of the run
@@ -571,7 +570,6 @@ def _initial_states(
     # The setup client's own output, before its first update: what one loaded arm is compared with.
     source_lp = full_logprobs(by_seed[seed].client, run.fixed_batch) if len(group.arm_names) == 1 else None
     return _InitialStates(
-        by_seed,
         {a: by_seed[arm_seed[a]] for a in group.arm_names},
         {a: "shared" if arm_seed[a] == seed else a for a in group.arm_names},
         by_seed[seed],
