@@ -15,8 +15,8 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration.batch import build_fixed_batch
-from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader
+from dppo_harness.stages.restoration.preflight import build_fixed_batch
+from dppo_harness.stages.restoration.probe import LocalCheckpointReader
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import logprobs_sha256
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import tinker
@@ -15,8 +16,8 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.plans import parse_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration.batch import build_fixed_batch
-from dppo_harness.stages.restoration.update_norm import LocalCheckpointReader
+from dppo_harness.stages.restoration.preflight import build_fixed_batch
+from dppo_harness.stages.restoration.probe import LocalCheckpointReader
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -26,11 +27,10 @@ def test_each_arm_is_checked_against_a_probe_of_its_own_optimizer_config(shared_
     raw = json.loads(project.plan_file(project.SPEC_PLAN).read_text())
     other = copy.deepcopy(raw)
     other["restoration_preflight"]["groups"][0]["arms"][1]["optimizer_config"]["beta2"] = 0.99  # dppo_seed0
-    plan = parse_plan(
-        json.dumps(other).encode(),
-        project.plan_file(project.SPEC_PLAN).with_name("variant.json"),
-        repo_root=project.project_root(),
-    )
+    # The variant needs the spec's resolution beside it (the values the spec format has no field for).
+    spec_path = project.plan_file(project.SPEC_PLAN)
+    shutil.copy(spec_path.with_name(spec_path.name + ".resolution.json"), tmp_path / "variant.json.resolution.json")
+    plan = parse_plan(json.dumps(other).encode(), tmp_path / "variant.json", repo_root=project.project_root())
     batch, desc = build_fixed_batch()
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=constants.LOCAL_API_KEY)
     try:

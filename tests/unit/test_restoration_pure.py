@@ -12,11 +12,15 @@ import tinker
 from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration.batch import reference_completion
-from dppo_harness.stages.restoration.lr_probe import LR_SCALING_FILE, attach_lr_scaling
-from dppo_harness.stages.restoration.probe import reweighted
-from dppo_harness.stages.restoration.provenance import check_provenance, initialization_entry
-from dppo_harness.stages.restoration.records import LrScalingMeasured, LrScalingUnavailable
+from dppo_harness.stages.restoration.preflight import reference_completion
+from dppo_harness.stages.restoration.probe import attach_lr_scaling, reweighted
+from dppo_harness.stages.restoration.records import (
+    LR_SCALING_FILE,
+    LrScalingMeasured,
+    LrScalingUnavailable,
+    check_provenance,
+    initialization_entry,
+)
 from dppo_harness.train.clients import RestorationError, datum_arrays, make_datum
 from dppo_harness.train.fingerprints import batch_sha256, compare_logprobs, logprobs_sha256
 from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, server_optimizer_family

@@ -14,7 +14,7 @@ from dppo_harness.instrument import instrumentation, pooled, replay
 from dppo_harness.loss import correctness, losses
 from dppo_harness.stages import gate
 from dppo_harness.stages.diagnostic import analysis
-from dppo_harness.stages.restoration import lr_probe as restoration_lr_probe
+from dppo_harness.stages.restoration import probe as restoration_lr_probe
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import make_datum
 

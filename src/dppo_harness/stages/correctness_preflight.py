@@ -22,7 +22,7 @@ from dppo_harness.loss.correctness_golden import (
     registered_loss_parity,
 )
 from dppo_harness.loss.correctness_reference import MODES
-from dppo_harness.stages.restoration.lr_probe import attach_lr_scaling
+from dppo_harness.stages.restoration.probe import attach_lr_scaling
 from dppo_harness.stages.restoration.records import LrScalingBlock
 
 # The golden file the preflight checks, relative to the project root.

@@ -52,7 +52,7 @@ class ArchiveUrls(Protocol):
 
 
 class ExternalWeightsUpdateNorm:
-    """`restoration.update_norm.UpdateNormMeasure` through saved sampler weights and their archive URLs."""
+    """`restoration.probe.UpdateNormMeasure` through saved sampler weights and their archive URLs."""
 
     description = DESCRIPTION
 

@@ -33,7 +33,7 @@ from dppo_harness.stages.diagnostic.write import (
     register_update_archives,
     write_evidence,
 )
-from dppo_harness.stages.restoration.checkpoint import load_ref
+from dppo_harness.stages.restoration.records import load_ref
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 from dppo_harness.train.restore import Restore, restore

@@ -15,9 +15,9 @@ Flow (`run_restoration_preflight`):
    LR, one client from the initial checkpoint per other LR), the same fixed gradient, norm / LR.
 
 Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
-The group, the fixed batch, the checkpoints, the probes, the update-norm measures, the checks on the
-loaded arms, the provenance checks, the evidence files and the records live in the modules beside
-this one; this module runs the steps in order.
+This module holds the steps themselves (the group, the fixed batch, the initial checkpoint and its
+immutability, the arms' loads through `train.restore`, the checks on the loaded arms) and runs them
+in order; the probes are in `probe`, what is recorded and written in `records`.
 
 Options of `run_restoration_preflight`:
 
@@ -43,7 +43,9 @@ Options of `run_restoration_preflight`:
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -52,52 +54,439 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import tinker
+from pydantic import JsonValue
 
 from dppo_harness import constants
-from dppo_harness.json_types import JsonObject
-from dppo_harness.service.capacity import call_with_capacity_retry
+from dppo_harness.data import dataset, tokenizer
+from dppo_harness.json_types import JsonObject, as_object
+from dppo_harness.service.capacity import call_with_capacity_retry, error_text, is_capacity_error
 from dppo_harness.service.observed import create_from_state_with_response, describe_client
-from dppo_harness.stages.restoration.arm_checks import (
-    AdapterHashes,
-    InitialOutputs,
-    adapter_hashes,
-    initial_outputs,
-    provenance_entries,
-)
-from dppo_harness.stages.restoration.batch import build_fixed_batch, register_fixed_batch
-from dppo_harness.stages.restoration.checkpoint import (
-    InitialCheckpoint,
-    Recorder,
-    fresh_checkpoint,
-    load_arm,
-)
-from dppo_harness.stages.restoration.group import RestorationGroup, resolve_group
-from dppo_harness.stages.restoration.lr_probe import DEFAULT_LR_MULTIPLIERS, LR_SCALING_RTOL, lr_scaling_probe
-from dppo_harness.stages.restoration.outcome import group_provenance, posted_provenance, record_evidence
-from dppo_harness.stages.restoration.probe import CallWrapper, PrefixedResponses, restore_probe
-from dppo_harness.stages.restoration.provenance import ArmProvenance, check_provenance
-from dppo_harness.stages.restoration.records import (
-    LrScalingBlock,
-    LrScalingMeasured,
-    RestorationResult,
-    RestoreProbeResult,
-)
-from dppo_harness.stages.restoration.update_norm import (
+from dppo_harness.service.wait.clients import name_client
+from dppo_harness.stages.restoration.probe import (
+    DEFAULT_LR_MULTIPLIERS,
+    LR_SCALING_RTOL,
+    CallWrapper,
     CheckpointUpdateNorm,
     LocalCheckpointReader,
     UpdateNormMeasure,
+    lr_scaling_probe,
     planned_lr_on_setup_client,
+    restore_probe,
 )
-from dppo_harness.train.clients import RestorationError, full_logprobs
-from dppo_harness.train.fingerprints import LOGPROB_ATOL
-from dppo_harness.train.restore import Restore
+from dppo_harness.stages.restoration.records import (
+    FIXED_BATCH_FILE,
+    INITIAL_OUTPUT_FILE,
+    RESPONSES_FILE,
+    ArmProvenance,
+    LrScalingMeasured,
+    Recorder,
+    RestorationResult,
+    RestoreProbeResult,
+    check_provenance,
+    group_provenance,
+    initialization_entry,
+    load_ref,
+    posted_provenance,
+    record_evidence,
+)
+from dppo_harness.train.clients import RestorationError, datum_arrays, full_logprobs
+from dppo_harness.train.fingerprints import LOGPROB_ATOL, batch_sha256, compare_logprobs, logprobs_sha256
+from dppo_harness.train.optimizer_checks import optimizer_check
+from dppo_harness.train.restore import Restore, restore
 from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import Plan
+    from dppo_harness.plans import ExperimentSpec, Plan
+    from dppo_harness.plans.models import RestorationArm
     from dppo_harness.service.release import ClientRegistry
     from dppo_harness.service.wait.policy import CapacityPolicy
+
+EXCLUDED_REASON = (
+    "never trains in this session: no client created for it, excluded from the optimizer-restoration groups"
+)
+
+
+def restoration_arms(spec: ExperimentSpec) -> list[RestorationArm]:
+    """The (single) initialization group's arms with optimizer and config, from the validated spec."""
+    rp = spec.restoration_preflight
+    if not rp.applicable:
+        raise RestorationError("plan has no applicable restoration_preflight")
+    if len(rp.groups) != 1:
+        raise RestorationError(f"restoration_preflight needs exactly one group, got {len(rp.groups)}")
+    arms = rp.groups[0].arms
+    if len(arms) < 2:
+        raise RestorationError("restoration_preflight group needs at least two arms")
+    return list(arms)
+
+
+@dataclass(frozen=True)
+class RestorationGroup:
+    """The initialization group as this session runs it: the arms, which of them train, one seed."""
+
+    arms: list[RestorationArm]  # every arm of the group with optimizer and config, from the spec
+    all_arm_names: list[str]
+    arm_names: list[str]  # the trained arms, in the group's order
+    rank: int
+    seed: int
+    tag: str  # names the checkpoints this run saves
+    dataset: str
+
+    def optimizer_config(self, arm: str) -> dict[str, float]:
+        """The arm's optimizer_config as the spec gives it (unset keys left out)."""
+        return next(a for a in self.arms if a.name == arm).optimizer_config.model_dump(exclude_none=True)
+
+    def excluded_arms(self) -> dict[str, str]:
+        """Each arm that does not train, with the reason it has no client and no restore to check."""
+        return {a: EXCLUDED_REASON for a in self.all_arm_names if a not in self.arm_names}
+
+
+def resolve_group(
+    plan: Plan, bundle: EvidenceBundle, trained_arms: Sequence[str] | None, run_tag: str | None
+) -> RestorationGroup:
+    """The group's arms, the trained ones among them, their one seed, and the run's checkpoint tag."""
+    spec_plan = plan.spec_plan
+    run = spec_plan.run
+    assert run is not None  # every experiment spec has its RunConfig from load
+    arms = restoration_arms(spec_plan.experiment)
+    all_arm_names = [a.name for a in arms]
+    if trained_arms is not None:
+        unknown = sorted(set(trained_arms) - set(all_arm_names))
+        if unknown or not trained_arms:
+            raise RestorationError(
+                f"trained_arms {list(trained_arms)}: not arms of the initialization group {all_arm_names}"
+            )
+    arm_names = [a for a in all_arm_names if trained_arms is None or a in set(trained_arms)]
+    seeds = {a.name: a.seed for a in run.arms}
+    if len({seeds.get(a) for a in arm_names}) > 1:
+        raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
+    tag = run_tag or bundle.run_id or uuid.uuid4().hex[:12]
+    tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(tag))[:64]
+    return RestorationGroup(arms, all_arm_names, arm_names, run.lora_rank, seeds.get(arm_names[0], 0), tag, run.dataset)
+
+
+FIXED_BATCH_ITEMS = 4
+
+
+def reference_completion(solution: str, reference: str) -> str:
+    """A GSM8K worked solution as an assistant answer: calculator annotations dropped, the
+    '#### N' line replaced by the boxed answer the cookbook's grader reads."""
+    body = solution.split("####")[0]
+    body = re.sub(r"<<[^>]*>>", "", body).strip()
+    return f"{body} \\boxed{{{reference}}}"
+
+
+def build_fixed_batch(
+    n_items: int = FIXED_BATCH_ITEMS, seed: int = 0, dataset_name: str = "gsm8k"
+) -> tuple[list[tinker.Datum], JsonObject]:
+    """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered with the qwen3_5
+    renderer (one-shot prefix, cookbook prompt), reference solutions as the assistant targets.
+
+    Weights are 1 on the assistant answer's tokens, 0 on the prompt (the renderer's supervised
+    example). Returns the datums and a description (item ids, lengths) for evidence.
+    """
+    data = dataset.get(dataset_name)
+    bundle = tokenizer.make_renderer()
+    items = data.load_split("train", seed=seed).items[:n_items]
+    if len(items) < n_items:
+        raise RestorationError(f"fixed batch needs {n_items} GSM8K train items, got {len(items)}")
+    batch: list[tinker.Datum] = []
+    described: list[JsonValue] = []
+    for item in items:
+        messages = data.prompt_messages(item) + [
+            {"role": "assistant", "content": reference_completion(item.solution, item.reference)}
+        ]
+        model_input, weights = bundle.renderer.build_supervised_example(messages)
+        tokens = model_input.to_ints()
+        w = np.asarray(weights, dtype=np.float32).reshape(-1)
+        if len(w) != len(tokens) or w.sum() == 0:
+            raise RestorationError(f"{item.item_id}: renderer gave {len(w)} weights for {len(tokens)} tokens")
+        batch.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+                    "weights": tinker.TensorData.from_numpy(w[1:].copy()),
+                },
+            )
+        )
+        described.append({"item_id": item.item_id, "tokens": len(tokens), "weighted_targets": int(w[1:].sum())})
+    return batch, {"items": described, "renderer": bundle.provenance, "seed": seed}
+
+
+def batch_to_json(batch: Sequence[tinker.Datum]) -> list[JsonObject]:
+    rows: list[JsonObject] = []
+    for d in batch:
+        tokens_T, targets_T, mask_T = datum_arrays(d)
+        rows.append({"input_tokens": tokens_T.tolist(), "target_tokens": targets_T.tolist(), "mask": mask_T.tolist()})
+    return rows
+
+
+def register_fixed_batch(
+    bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: JsonObject | None
+) -> str:
+    b_sha = batch_sha256(fixed_batch)
+    bundle.register_json(
+        FIXED_BATCH_FILE,
+        "tensors",
+        {
+            "batch_sha256": b_sha,
+            "hash": "sha256 over each datum's int64 input ids, int64 target ids and float32 mask (weights), "
+            "length-prefixed; see restoration.batch_sha256",
+            "description": description,
+            "datums": batch_to_json(fixed_batch),
+        },
+    )
+    return b_sha
+
+
+# A refusal to overwrite names the existing checkpoint; other failures of the duplicate save
+# (timeouts, 5xx, capacity, connection errors) say nothing about immutability.
+OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable", re.IGNORECASE)
+
+
+def duplicate_save_outcome(exc: BaseException | None, name: str = "") -> tuple[bool | None, str]:
+    """(checkpoint_immutable, reason) from the second save_state of `name` under the same name.
+
+    True only on the service's explicit refusal to overwrite: HTTP 409, or a failed request / 400
+    whose text says the checkpoint exists or may not be overwritten. A failed request of category
+    server counts only when its text also names the checkpoint: Spindle refuses a duplicate name as
+    a server-category `checkpoint already exists: /checkpoints/<name>/<model_id>` (a plain
+    FileExistsError), while a server failure that merely mentions a file proves nothing. A second
+    save that succeeded is False (the name is not immutable). Anything else (timeout, 5xx,
+    capacity, connection, other errors) is None: unverified, with the reason. The reason keeps the
+    category and text as sent.
+    """
+    if exc is None:
+        return False, "the service accepted a second save_state under the same name without overwrite"
+    text = error_text(exc)
+    what = f"{type(exc).__name__}: {text}"[:300]
+    refused = False
+    if isinstance(exc, tinker.ConflictError):
+        refused = True
+    elif is_capacity_error(exc):
+        refused = False
+    elif isinstance(exc, tinker.RequestFailedError):
+        says_refused = bool(OVERWRITE_REFUSAL_RE.search(text))
+        if exc.category == tinker.types.RequestErrorCategory.Server:
+            refused = says_refused and bool(name) and name in text
+            what = f"{what} (category server)"
+        else:
+            refused = says_refused
+    elif isinstance(exc, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
+        refused = bool(OVERWRITE_REFUSAL_RE.search(text))
+    if refused:
+        return True, f"the service refused to overwrite the saved name ({what})"
+    return None, (
+        f"the duplicate save_state ended in {what}, not an explicit refusal to overwrite: immutability unverified"
+    )
+
+
+@dataclass(frozen=True)
+class InitialCheckpoint:
+    client: tinker.TrainingClient  # the fresh setup client that saved it (released with its ServiceClient)
+    path: str
+    immutable: bool | None  # None: the duplicate save proved nothing either way
+    immutable_reason: str = ""
+    info: tinker.types.GetInfoResponse | None = None  # the setup client's get_info at creation, before any update
+
+
+def fresh_checkpoint(
+    probe_sc: tinker.ServiceClient,
+    base_model: str,
+    rank: int,
+    label: str,
+    seed: int,
+    tag: str,
+    rec: Recorder,
+    call: CallWrapper,
+) -> InitialCheckpoint:
+    """Step 1: a fresh LoRA client saves the immutable initial checkpoint.
+
+    No per-model seed is sent: Spindle's multi-LoRA backend refuses one (the creation future fails,
+    "Miles multi-LoRA does not support per-model seeds"), and a seed would prove nothing anyway;
+    every arm is proved to start from this one saved state by its observed load. `seed` is the
+    plan's initialization group (arms with their own group get their own setup client)."""
+    # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
+    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank))
+    name_client(client, f"setup client ({label})")
+    describe_client(
+        probe_sc,
+        client,
+        f"setup ({label}, initialization group of seed {seed}): saves the initial checkpoint"
+        + ("; then the uninterrupted restore probe and the base-LR scaling probe" if label == "shared" else ""),
+    )
+    info = client.get_info()
+    rec.keep(f"create_{label}.get_info", info)
+    name = f"{tag}-initial-{label}"
+    saved = client.save_state(name).result()
+    rec.keep(f"save_{label}", saved)
+    # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
+    try:
+        again = client.save_state(name).result()
+    except Exception as exc:
+        immutable, reason = duplicate_save_outcome(exc, name)
+        rec.keep(
+            f"save_{label}_again_refused" if immutable else f"save_{label}_again_failed",
+            {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason},
+        )
+    else:
+        immutable, reason = duplicate_save_outcome(None, name)
+        rec.keep(f"save_{label}_again", again)
+    return InitialCheckpoint(client, saved.path, immutable, reason, info)
+
+
+SOURCE_OUTPUT_KEY = "initial_checkpoint_source"
+ADAPTERS_UNMEASURED = "not measurable over the Tinker API on this backend"
+ADAPTERS_MEASURED = (
+    "local_hash: sha256 of the LoRA tensors in a save_state of each arm taken right "
+    "after its load, read from the embedded server's run_dir"
+)
+
+
+@dataclass(frozen=True)
+class AdapterHashes:
+    """Each arm's adapter sha256 as loaded (None where unmeasurable), how it was measured, and
+    every arm whose adapter differs from its checkpoint's."""
+
+    by_arm: dict[str, str | None]
+    method: str
+    failures: list[str]
+
+
+@dataclass(frozen=True)
+class InitialOutputs:
+    """Each arm's output sha256 on the fixed batch before any update, the pairwise comparisons
+    (by `first_vs_other`), and every pair outside the tolerance."""
+
+    output_sha256: dict[str, str]
+    comparison: JsonObject
+    failures: list[str]
+
+
+def adapter_hashes(
+    reader: LocalCheckpointReader | None,
+    arms: Mapping[str, Restore],
+    source_of: Mapping[str, str],
+    tag: str,
+    rec: Recorder,
+) -> AdapterHashes:
+    """Adapter hashes as loaded (local backend: read back from a save of each arm; not an update)."""
+    hashes: dict[str, str | None] = dict.fromkeys(arms)
+    if reader is None:
+        return AdapterHashes(hashes, ADAPTERS_UNMEASURED, [])
+    failures = []
+    for a, arm in arms.items():
+        snap = arm.client.save_state(f"{tag}-{a}-as-loaded").result()
+        rec.keep(f"save_{a}_as_loaded", snap)
+        hashes[a] = as_loaded = reader.adapter_sha256(snap.path)
+        src_sha = reader.adapter_sha256(source_of[a])
+        if as_loaded != src_sha:
+            failures.append(f"{a}: adapter as loaded ({as_loaded[:12]}) differs from its checkpoint's ({src_sha[:12]})")
+    return AdapterHashes(hashes, ADAPTERS_MEASURED, failures)
+
+
+def initial_outputs(
+    bundle: EvidenceBundle,
+    arms: Mapping[str, Restore],
+    fixed_batch: Sequence[tinker.Datum],
+    b_sha: str,
+    atol: float,
+    source: Sequence[np.ndarray] | None = None,
+) -> InitialOutputs:
+    """Step 3: full logprobs of every arm on the fixed batch before any update, compared. With a
+    single arm, `source` (the setup client's logprobs, taken before its first update) is what it
+    is compared with, so the check can still fail."""
+    names = list(arms)
+    logprobs = {a: full_logprobs(arms[a].client, fixed_batch) for a in names}
+    out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
+    pairs: list[tuple[str, str, Sequence[np.ndarray]]] = [(names[0], other, logprobs[other]) for other in names[1:]]
+    if len(names) == 1 and source is not None:
+        pairs = [(names[0], SOURCE_OUTPUT_KEY, source)]
+    cmp: JsonObject = {}
+    failures: list[str] = []
+    for first, other, lp in pairs:
+        c = compare_logprobs(logprobs[first], lp, atol)
+        cmp[f"{first}_vs_{other}"] = as_object(c)
+        if not c["within_tolerance"]:
+            failures.append(
+                f"initial logprobs differ between {first} and {other}: max |diff| "
+                f"{c['max_abs_diff']} > {atol}" + (f" ({c['problem']})" if "problem" in c else "")
+            )
+    stored = dict(logprobs)
+    if len(names) == 1 and source is not None:
+        stored[SOURCE_OUTPUT_KEY] = list(source)
+    bundle.register_json(
+        INITIAL_OUTPUT_FILE,
+        "tensors",
+        {
+            "batch_sha256": b_sha,
+            "dtype": {a: str(lp[0].dtype) for a, lp in stored.items()},
+            "output_sha256": out_sha,
+            "comparison": cmp,
+            "hash": "sha256 over every datum's per-token logprobs at the returned precision; see "
+            "restoration.logprobs_sha256",
+            "logprobs": {a: [x.tolist() for x in lp] for a, lp in stored.items()},
+        },
+    )
+    return InitialOutputs(out_sha, cmp, failures)
+
+
+def provenance_entries(
+    arms_cfg: Sequence[RestorationArm],
+    base_model: str,
+    sources: Mapping[str, InitialCheckpoint],
+    source_label: Mapping[str, str],
+    loaded: Mapping[str, Restore],
+    probes: Mapping[str, RestoreProbeResult],
+    b_sha: str,
+    out_sha: Mapping[str, str],
+    adapter_sha: Mapping[str, str | None],
+) -> dict[str, ArmProvenance]:
+    """Step 5: each arm's initialization entry with optimizer checks at creation (0) and restore (1),
+    against the echo of the probe that ran the arm's own optimizer config."""
+    entries: dict[str, ArmProvenance] = {}
+    for arm in arms_cfg:
+        a = arm.name
+        if a not in loaded:
+            continue
+        probe = probes[a]
+        echo = probe.echoed_config or None
+        check = partial(
+            optimizer_check,
+            requested_optimizer=arm.optimizer,
+            requested_config=arm.optimizer_config.model_dump(exclude_none=True),
+            echoed=echo,
+            echo_ref=probe.echo_ref,
+            echo_observed_on=probe.echo_observed_on,
+        )
+        checks = [
+            check(
+                after_restore=0, info=sources[a].info, info_ref=f"{RESPONSES_FILE}#create_{source_label[a]}.get_info"
+            ),
+            check(after_restore=1, info=loaded[a].info, info_ref=f"{RESPONSES_FILE}#load_{a}.get_info"),
+        ]
+        entries[a] = initialization_entry(
+            base_checkpoint=base_model,
+            checkpoint_uri=sources[a].path,
+            checkpoint_immutable=sources[a].immutable,
+            checkpoint_immutable_reason=sources[a].immutable_reason or None,
+            loaded_checkpoint_uri=loaded[a].loaded_path,
+            load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
+            evidence_ref=load_ref(a),
+            restore_count=1,
+            optimizer_checks=checks,
+            initial_output={
+                "available": True,
+                "batch_sha256": b_sha,
+                "output_sha256": out_sha[a],
+                "evidence_ref": INITIAL_OUTPUT_FILE,
+                "before_first_update": True,
+            },
+            adapter_sha256=adapter_sha[a],
+        )
+    return entries
+
 
 T = TypeVar("T")
 
@@ -120,23 +509,12 @@ class _Session:
 
 @dataclass(frozen=True)
 class _InitialStates:
-    """Step 1's outcome: the initial checkpoint per seed and which one each arm loads."""
+    """Step 1's outcome: which initial checkpoint each arm loads, and the run's shared one."""
 
-    by_seed: dict[int, InitialCheckpoint]
     sources: dict[str, InitialCheckpoint]
     source_label: dict[str, str]
     shared: InitialCheckpoint  # the plan seed's checkpoint: the initial checkpoint of the run
     source_logprobs: list[np.ndarray] | None  # the setup client's output a single arm is compared with
-
-
-@dataclass(frozen=True)
-class _ProbeStep:
-    """Step 4's outcome, and what step 6 needs of it."""
-
-    result: RestoreProbeResult
-    opt_cfg: dict[str, float]
-    update_norm: UpdateNormMeasure | None
-    lr_in_plan: bool  # the planned LR was measured on the setup client by the probe's update 1
 
 
 def _progress_line(progress: Callable[[str], None] | None, t0: float) -> Callable[[str], None]:
@@ -192,7 +570,6 @@ def _initial_states(
     # The setup client's own output, before its first update: what one loaded arm is compared with.
     source_lp = full_logprobs(by_seed[seed].client, run.fixed_batch) if len(group.arm_names) == 1 else None
     return _InitialStates(
-        by_seed,
         {a: by_seed[arm_seed[a]] for a in group.arm_names},
         {a: "shared" if arm_seed[a] == seed else a for a in group.arm_names},
         by_seed[seed],
@@ -200,58 +577,16 @@ def _initial_states(
     )
 
 
-def _load_arms(
-    service_client: tinker.ServiceClient, run: _Session, sources: Mapping[str, InitialCheckpoint]
-) -> dict[str, Restore]:
-    """Step 2: every trained arm from its checkpoint with optimizer; the load responses kept."""
-    arm_names = run.group.arm_names
-    loaded = {}
-    for i, a in enumerate(arm_names, start=1):
-        run.say(f"2/6: loading arm {a} ({i}/{len(arm_names)}) from {sources[a].path} with optimizer")
-        loaded[a] = load_arm(service_client, a, sources[a].path, run.rec, run.call)
-    return loaded
-
-
-def _probe_step(
-    run: _Session,
-    init: _InitialStates,
-    checkpoint_reader: LocalCheckpointReader | None,
-    update_norm: UpdateNormMeasure | None,
-    lr_multipliers: Sequence[float],
-) -> _ProbeStep:
-    """Step 4: the setup client (uninterrupted) vs a create-save-restore client, same two
-    fixed-gradient updates; update 1 is also the LR-scaling probe at the planned LR."""
-    group = run.group
-    opt_cfg = group.optimizer_config(group.arm_names[0])  # the first trained arm's; others: _other_config_probes
-    if update_norm is None and checkpoint_reader is not None:
-        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{group.tag}-lr")
-    lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
-    run.say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
-    probe = restore_probe(
-        run.probe_sc,
-        init.shared.client,
-        init.shared.path,
-        run.fixed_batch,
-        opt_cfg,
-        group.tag,
-        run.rec,
-        run.atol,
-        run.call,
-        restore_optimizer=run.restore_with_optimizer,
-        update_norm=update_norm if lr_in_plan else None,
-        say=run.say,
-    )
-    return _ProbeStep(probe, opt_cfg, update_norm, lr_in_plan)
-
-
-def _other_config_probes(run: _Session, init: _InitialStates, probe: _ProbeStep) -> dict[str, RestoreProbeResult]:
+def _other_config_probes(
+    run: _Session, init: _InitialStates, probe: RestoreProbeResult, probe_cfg: Mapping[str, float]
+) -> dict[str, RestoreProbeResult]:
     """Step 4 again for each trained arm whose optimizer config differs from every one probed so
     far: a fresh client from the initial checkpoint stands in for the uninterrupted setup client,
     so each arm's optimizer checks compare with the echo of its OWN config. The probe result of
     every trained arm, by arm; the other configs' probes are also the step-4 probe's
     `own_config_probes`."""
     group, probe_sc = run.group, run.probe_sc
-    results = {a: probe.result for a in group.arm_names if group.optimizer_config(a) == probe.opt_cfg}
+    results = {a: probe for a in group.arm_names if group.optimizer_config(a) == probe_cfg}
     for a in group.arm_names:
         cfg = group.optimizer_config(a)
         same = next((b for b in results if group.optimizer_config(b) == cfg), None)
@@ -268,7 +603,7 @@ def _other_config_probes(run: _Session, init: _InitialStates, probe: _ProbeStep)
             run.fixed_batch,
             cfg,
             f"{group.tag}-{a}",
-            PrefixedResponses(run.rec, f"{a}:"),
+            run.rec.prefixed(f"{a}:"),
             run.atol,
             run.call,
             restore_optimizer=run.restore_with_optimizer,
@@ -277,77 +612,10 @@ def _other_config_probes(run: _Session, init: _InitialStates, probe: _ProbeStep)
         results[a].echo_observed_on = results[a].uninterrupted_client = (
             f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
         )
-    others = {a: r for a, r in results.items() if r is not probe.result}
+    others = {a: r for a, r in results.items() if r is not probe}
     if others:
-        probe.result.own_config_probes = others  # written with the step-4 probe (PROBE_FILE)
+        probe.own_config_probes = others  # written with the step-4 probe (PROBE_FILE)
     return results
-
-
-def _all_probe_failures(probe: RestoreProbeResult) -> list[str]:
-    """The step-4 probe's failures, then each other config's probe's, prefixed with its arm."""
-    others = probe.own_config_probes
-    return [*probe.failures, *(f"{a}: {m}" for a, r in others.items() for m in r.failures)]
-
-
-def _provenance_step(
-    run: _Session,
-    init: _InitialStates,
-    base_model: str,
-    loaded: Mapping[str, Restore],
-    probes: Mapping[str, RestoreProbeResult],
-    outputs: InitialOutputs,
-    adapters: AdapterHashes,
-) -> dict[str, ArmProvenance]:
-    """Step 5: each trained arm's initialization entry, its optimizer checks against its own
-    config's probe."""
-    run.say("5/6: optimizer checks and initialization provenance")
-    return provenance_entries(
-        run.group.arms,
-        base_model,
-        init.sources,
-        init.source_label,
-        loaded,
-        probes,
-        run.batch_sha256,
-        outputs.output_sha256,
-        adapters.by_arm,
-    )
-
-
-def _lr_scaling_step(
-    run: _Session,
-    initial_checkpoint: str,
-    probe: _ProbeStep,
-    lr_multipliers: Sequence[float],
-    lr_rtol: float,
-    unavailable_reason: str,
-) -> LrScalingBlock:
-    """Step 6: the LR-scaling probe (the planned LR was measured on the setup client in step 4)."""
-    in_plan = probe.lr_in_plan and probe.update_norm
-    run.say(
-        f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
-        + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
-    )
-    base_lr = float(probe.opt_cfg["learning_rate"])
-    return lr_scaling_probe(
-        run.probe_sc,
-        initial_checkpoint,
-        run.fixed_batch,
-        probe.opt_cfg,
-        lr_multipliers,
-        lr_rtol,
-        probe.update_norm,
-        unavailable_reason,
-        run.call,
-        measured={base_lr: probe.result.base_lr_update_norm} if in_plan else None,
-        say=run.say,
-    )
-
-
-def _lr_failures(lr_block: LrScalingBlock) -> list[str]:
-    return (
-        [f"LR scaling: {lr_block.problem}"] if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed else []
-    )
 
 
 def run_restoration_preflight(
@@ -391,18 +659,74 @@ def run_restoration_preflight(
     run = _Session(probe_sc, group, batch, b_sha, Recorder(), atol, call, probe_restore_with_optimizer, say)
     say(f"1/6: fresh LoRA rank-{group.rank} client on {base_model} and the shared initial checkpoint")
     init = _initial_states(run, bundle, base_model, arm_seed_overrides)
-    loaded = _load_arms(service_client, run, init.sources)
+    loaded = {}
+    for i, a in enumerate(group.arm_names, start=1):
+        say(f"2/6: loading arm {a} ({i}/{len(group.arm_names)}) from {init.sources[a].path} with optimizer")
+        loaded[a] = call(partial(restore, service_client, init.sources[a].path, a))
+        describe_client(service_client, loaded[a].client, f"arm {a}: loaded from the initial checkpoint with optimizer")
+        run.rec.keep(f"load_{a}", loaded[a].response)
+        run.rec.keep(f"load_{a}.get_info", loaded[a].info)
     source_paths = {a: init.sources[a].path for a in group.arm_names}
     adapters = adapter_hashes(checkpoint_reader, loaded, source_paths, group.tag, run.rec)
     say(f"3/6: initial logprobs of {len(group.arm_names)} arms on the fixed batch ({len(batch)} datums)")
     outputs = initial_outputs(bundle, loaded, batch, b_sha, atol, source=init.source_logprobs)
-    probe = _probe_step(run, init, checkpoint_reader, update_norm, lr_multipliers)
-    probes = _other_config_probes(run, init, probe)
-    failures = [*adapters.failures, *outputs.failures, *_all_probe_failures(probe.result)]
-    arms = _provenance_step(run, init, base_model, loaded, probes, outputs, adapters)
+    # Step 4: the setup client (uninterrupted) vs a create-save-restore client, on the first trained
+    # arm's config (the others: _other_config_probes); update 1 is also the LR probe at the planned LR.
+    opt_cfg = group.optimizer_config(group.arm_names[0])
+    if update_norm is None and checkpoint_reader is not None:
+        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{group.tag}-lr")
+    lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
+    say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
+    probe = restore_probe(
+        probe_sc,
+        init.shared.client,
+        init.shared.path,
+        batch,
+        opt_cfg,
+        group.tag,
+        run.rec,
+        atol,
+        call,
+        restore_optimizer=probe_restore_with_optimizer,
+        update_norm=update_norm if lr_in_plan else None,
+        say=say,
+    )
+    probes = _other_config_probes(run, init, probe, opt_cfg)
+    failures = [*adapters.failures, *outputs.failures, *probe.failures]
+    failures += [f"{a}: {m}" for a, r in probe.own_config_probes.items() for m in r.failures]
+    say("5/6: optimizer checks and initialization provenance")
+    arms = provenance_entries(
+        group.arms,
+        base_model,
+        init.sources,
+        init.source_label,
+        loaded,
+        probes,
+        b_sha,
+        outputs.output_sha256,
+        adapters.by_arm,
+    )
     failures.extend(check_provenance({"version": 1, "arms": arms}, group.arm_names))
-    lr_block = _lr_scaling_step(run, init.shared.path, probe, lr_multipliers, lr_rtol, update_norm_unavailable_reason)
-    failures.extend(_lr_failures(lr_block))
+    in_plan = lr_in_plan and update_norm
+    say(
+        f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
+        + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
+    )
+    lr_block = lr_scaling_probe(
+        probe_sc,
+        init.shared.path,
+        batch,
+        opt_cfg,
+        lr_multipliers,
+        lr_rtol,
+        update_norm,
+        update_norm_unavailable_reason,
+        call,
+        measured={float(opt_cfg["learning_rate"]): probe.base_lr_update_norm} if in_plan else None,
+        say=say,
+    )
+    if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
+        failures.append(f"LR scaling: {lr_block.problem}")
     excluded = group.excluded_arms()
     provenance = group_provenance(
         arms,
@@ -415,7 +739,7 @@ def run_restoration_preflight(
     )
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
     posted = posted_provenance(arms, excluded, trained_arms)
-    wall = record_evidence(bundle, run.rec, probe.result, lr_block, provenance, posted, t0)
+    wall = record_evidence(bundle, run.rec, probe, lr_block, provenance, posted, t0)
     return RestorationResult(
         initial_checkpoint=init.shared.path,
         loaded_paths={a: arm.loaded_path for a, arm in loaded.items() if arm.loaded_path},
@@ -428,6 +752,6 @@ def run_restoration_preflight(
         passed=not failures,
         failures=failures,
         lr_scaling=lr_block,
-        probe=probe.result,
+        probe=probe,
         wall_seconds=wall,
     )

@@ -1,47 +1,140 @@
-"""The create-save-restore probe: a restored client must update exactly as the uninterrupted one.
+"""The restoration probes and the one fixed-gradient update they all apply.
 
-The contract: `restore_probe` applies two different fixed-gradient updates (even, then odd
-datums) to the uninterrupted setup client, restores a second client from its save after update 1
-and applies update 2 to both; their logprobs must agree within the tolerance, and update 2 must
-move the logprobs at all (else the check could not fail). `fixed_gradient_step` is the one
-cross-entropy + optim_step update every restoration probe applies.
+- `restore_probe`: two different fixed-gradient updates (even, then odd datums) on the
+  uninterrupted setup client; a second client restored from its save after update 1 applies
+  update 2 too; their logprobs must agree within the tolerance, and update 2 must move the logprobs
+  at all (else the check could not fail).
+- `lr_scaling_probe`: the same fixed gradient from a fresh state per learning rate. Adam's first
+  step is ~lr * sign(g), so update_norm / lr must be the same at every learning rate within
+  `LR_SCALING_RTOL`; where no update-norm measure exists on the backend the block says
+  `available: false` with the reason. `attach_lr_scaling` fills every correctness path's
+  `lr_scaling` from that block, unmeasured entries included (never invented, never an empty list).
+- `UpdateNormMeasure`: ||theta_after - theta_before|| around one update, where a backend allows it;
+  on the local backend `CheckpointUpdateNorm` reads it from save_state checkpoints through
+  `LocalCheckpointReader`. The Tinker API exposes no parameters, so other backends bring their own
+  measure or none.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import tinker
 
-from dppo_harness.json_types import as_object
+from dppo_harness.json_types import JsonObject, as_object
+from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.service.observed import create_from_state_with_response, describe_client
-from dppo_harness.stages.restoration.records import RestoreProbeResult
-from dppo_harness.stages.restoration.update_norm import UpdateNormMeasure
-from dppo_harness.train.clients import datum_arrays, full_logprobs
+from dppo_harness.stages.restoration.records import (
+    LR_SCALING_FILE,
+    LrScalingBlock,
+    LrScalingMeasured,
+    LrScalingUnavailable,
+    Recorder,
+    RestoreProbeResult,
+)
+from dppo_harness.train.clients import RestorationError, datum_arrays, full_logprobs
 from dppo_harness.train.fingerprints import LogprobComparison, compare_logprobs
 from dppo_harness.train.optimizer_checks import echoed_config
 
+if TYPE_CHECKING:
+    import torch
+
 CallWrapper = Callable[[Callable[[], Any]], Any]  # wraps every client-creating call (e.g. a capacity retry)
+LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
+DEFAULT_LR_MULTIPLIERS = (0.5, 1.0, 2.0)
 
 
-class KeepsResponses(Protocol):
-    """Keeps a server response for evidence and returns its reference id."""
+class UpdateNormMeasure(Protocol):
+    """Measures ||theta_after - theta_before|| around `apply_update()` on `client`, or None.
 
-    def keep(self, ref: str, obj: object) -> str: ...
+    A measure whose own requests can be refused (e.g. a service without external weights) must
+    not run on a client that has more work to do: the SDK numbers each client's requests, and one
+    refused at submit leaves a gap the server waits on before running that client's next request.
+    `safe_on_a_working_client` says the measure's requests cannot be refused that way."""
+
+    description: str
+
+    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None: ...
 
 
-@dataclass
-class PrefixedResponses:
-    """Keeps responses in `rec` under `prefix` (one more probe's, without clashing with the first's)."""
+class LocalCheckpointReader:
+    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir: their hash and
+    the distance between two.
 
-    rec: KeepsResponses
-    prefix: str
+    Local backend only: an in-process route around the SDK (the Tinker API exposes no parameters).
+    torch and the embedded server's model module are imported on the first read, so constructing a
+    reader, or importing this module, on another backend loads neither.
+    """
 
-    def keep(self, ref: str, obj: object) -> str:
-        return self.rec.keep(f"{self.prefix}{ref}", obj)
+    description = (
+        "local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
+        "save_state checkpoints the embedded server wrote under its run_dir"
+    )
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+
+    def adapter(self, path: str) -> dict[str, torch.Tensor]:
+        """The checkpoint's LoRA tensors by name (`checkpoint_files.adapter_file` says where they are)."""
+        import torch  # local backend only: loaded on the first read (see the class docstring)
+
+        from dppo_harness.local_server.checkpoint_files import adapter_file  # local backend only
+
+        f = adapter_file(self.run_dir, path)
+        if f is None:
+            raise RestorationError(f"not a checkpoint path: {path!r}")
+        if not f.is_file():
+            raise RestorationError(f"checkpoint {path!r} has no adapter file at {f}")
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+    def adapter_sha256(self, path: str) -> str:
+        """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
+        # Local backend only: the embedded server's model module (transformers) loads on the first hash.
+        from dppo_harness.local_server.engine.model import state_sha256
+
+        return state_sha256(self.adapter(path))
+
+    def update_norm(self, before: str, after: str) -> float:
+        """||theta_after - theta_before|| over all LoRA parameters, in float64."""
+        a, b = self.adapter(before), self.adapter(after)
+        if sorted(a) != sorted(b):
+            raise RestorationError("checkpoints have different parameter names")
+        sq = sum(float(((b[k].double() - a[k].double()) ** 2).sum()) for k in a)
+        return math.sqrt(sq)
+
+
+class CheckpointUpdateNorm:
+    """UpdateNormMeasure via save_state before and after the update (local backend)."""
+
+    safe_on_a_working_client = True  # save_state only: a request every backend serves
+
+    def __init__(self, reader: LocalCheckpointReader, tag: str):
+        self.reader, self.tag, self.description = reader, tag, reader.description
+        self._n = 0
+
+    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None:
+        self._n += 1
+        before = client.save_state(f"{self.tag}-norm{self._n}-before").result().path
+        apply_update()
+        after = client.save_state(f"{self.tag}-norm{self._n}-after").result().path
+        return self.reader.update_norm(before, after)
+
+
+def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multipliers: Sequence[float]) -> bool:
+    """Whether the planned LR's scaling probe is the setup client's update 1 (no client of its own):
+    only with a measure that cannot leave that client waiting on a refused request (it still has
+    the restore probe to run); otherwise every LR gets its own client."""
+    return (
+        update_norm is not None
+        and any(float(m) == 1.0 for m in multipliers)
+        and bool(getattr(update_norm, "safe_on_a_working_client", False))
+    )
 
 
 def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.AdamParams:
@@ -146,7 +239,7 @@ def restore_probe(
     batch: Sequence[tinker.Datum],
     opt_cfg: Mapping[str, float],
     tag: str,
-    rec: KeepsResponses,
+    rec: Recorder,
     atol: float,
     call: CallWrapper,
     restore_optimizer: bool = True,
@@ -200,3 +293,114 @@ def restore_probe(
         base_lr_update_norm=norm1,
         failures=_probe_failures(resp, mid.path, cmp, effect, atol),
     )
+
+
+def lr_scaling_probe(
+    service_client: tinker.ServiceClient,
+    initial_checkpoint: str,
+    batch: Sequence[tinker.Datum],
+    opt_cfg: Mapping[str, float],
+    multipliers: Sequence[float],
+    rtol: float,
+    update_norm: UpdateNormMeasure | None,
+    unavailable_reason: str,
+    call: CallWrapper,
+    measured: Mapping[float, float | None] | None = None,
+    say: Callable[[str], None] = lambda _m: None,
+) -> LrScalingBlock:
+    """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
+
+    `measured`: LRs already probed from a fresh state (the restore probe's update 1 on the setup
+    client, at the planned LR); None there means that measure failed, and no further client is
+    created. Every other LR gets its own client created from the initial checkpoint with optimizer.
+    Adam's first step is lr * m_hat / (sqrt(v_hat) + eps) ~ lr * sign(g), so update_norm / lr
+    should be the same at every LR; the relative change against the first probe is checked.
+    """
+    base_lr = float(opt_cfg["learning_rate"])
+    lrs = [base_lr * float(m) for m in multipliers]
+    if update_norm is None:
+        return LrScalingUnavailable(unavailable_reason, lrs)
+    measured = dict(measured or {})
+
+    def unavailable() -> LrScalingUnavailable:
+        why = getattr(update_norm, "last_error", None) or "no measurement"
+        return LrScalingUnavailable(f"{update_norm.description}: {why}", lrs)
+
+    if any(v is None for v in measured.values()):
+        return unavailable()
+    g = probe_gradient(batch)
+    norms: dict[float, float] = {lr: float(v) for lr, v in measured.items() if v is not None}
+    for i, lr in enumerate(lrs, start=1):
+        if lr in norms:
+            say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
+            continue
+        say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
+        client, _ = call(lambda: create_from_state_with_response(service_client, initial_checkpoint))
+        describe_client(service_client, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
+        adam = adam_params(opt_cfg, lr)
+        norm = update_norm(client, partial(fixed_gradient_step, client, g, adam))
+        if norm is None:
+            return unavailable()
+        norms[lr] = float(norm)
+    probes: list[dict[str, float]] = [{"learning_rate": lr, "update_norm": norms[lr]} for lr in lrs]
+    errors = lr_scaling_error(probes)
+    worst = max(errors)
+    passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= rtol)
+    problem = None
+    if not passed:
+        problem = (
+            f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {rtol})"
+            if worst > rtol
+            else "an update norm is zero: the update did not move parameters"
+        )
+    reset = (
+        (
+            "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
+            "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
+            "every other LR"
+        )
+        if measured
+        else "a client created from the initial checkpoint with optimizer per probe"
+    )
+    return LrScalingMeasured(
+        measure=update_norm.description,
+        reset=reset,
+        gradient="cross_entropy on the even fixed-batch datums (the restore probe's update 1)",
+        lr_scaling=probes,
+        relative_error=[e if math.isfinite(e) else None for e in errors],
+        rtol=rtol,
+        passed=passed,
+        problem=problem,
+    )
+
+
+def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -> JsonObject:
+    """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe.
+
+    Where the backend could not measure update norms, each planned LR gets an entry with
+    `update_norm: null`, `available: false` and the reason (never invented, never an empty list),
+    and `lr_scaling_status` says why.
+    """
+    out = json.loads(json.dumps(correctness_block))
+    status: JsonObject = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE}
+    if isinstance(lr_block, LrScalingMeasured):
+        status.update(
+            passed=lr_block.passed,
+            rtol=lr_block.rtol,
+            relative_error=None if lr_block.relative_error is None else list(lr_block.relative_error),
+            measure=lr_block.measure,
+            reset=lr_block.reset,
+        )
+    else:
+        status["reason"] = lr_block.reason
+    for path in out.get("paths", []):
+        if isinstance(lr_block, LrScalingMeasured):
+            path["lr_scaling"] = [dict(p) for p in lr_block.lr_scaling]
+        else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
+            reason = lr_block.reason or "not measured"
+            path["lr_scaling"] = [
+                {"learning_rate": float(lr), "update_norm": None, "available": False, "reason": reason}
+                for lr in lr_block.learning_rates
+            ] or [{"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
+        path["lr_scaling_status"] = status
+    return out

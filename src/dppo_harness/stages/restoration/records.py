@@ -1,23 +1,57 @@
-"""What the restoration preflight hands to later stages: the restore probe's result, the LR-scaling
-block and `RestorationResult`, each a record whose `to_json()` writes the evidence file's dict
-(same keys, same order) that the bundle registers.
+"""What the restoration preflight records: the server responses it keeps, each arm's initialization
+provenance and the group's proof, the restore probe's result, the LR-scaling block,
+`RestorationResult`, and the evidence files they are written to (one place, so every run writes the
+same set).
 
-`RestorationResult.preflight_service_work` is the stage rule that counts the optimizer updates the preflight issued
-on its throwaway probe clients (the diagnostic's service-work ledger starts from it).
+`RestorationResult.preflight_service_work` counts the optimizer updates the preflight issued on its
+throwaway probe clients (the diagnostic's service-work ledger starts from it).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 import tinker
+from pydantic import JsonValue
 
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, as_object, items, num
+from dppo_harness.train.clients import dump_response
+from dppo_harness.train.optimizer_checks import own_response_only
 
 if TYPE_CHECKING:
-    from dppo_harness.stages.restoration.provenance import InitializationProvenance
+    from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.train.restore import Restore
+
+RESPONSES_FILE = "restoration-server-responses.json"
+PROBE_FILE = "restoration-probe.json"
+PROVENANCE_FILE = "initialization-provenance.json"
+LR_SCALING_FILE = "lr-scaling-probe.json"
+INITIAL_OUTPUT_FILE = "restoration-initial-logprobs.json"
+FIXED_BATCH_FILE = "restoration-fixed-batch.json"
+
+
+@dataclass
+class Recorder:
+    """Server responses kept for evidence, each under a stable reference id; `prefixed` keeps one
+    more probe's responses in the same file without clashing with the first's."""
+
+    responses: dict[str, JsonValue] = field(default_factory=dict)
+    prefix: str = ""
+
+    def keep(self, ref: str, obj: object) -> str:
+        self.responses[f"{self.prefix}{ref}"] = dump_response(obj)
+        return f"{RESPONSES_FILE}#{self.prefix}{ref}"
+
+    def prefixed(self, prefix: str) -> Recorder:
+        return Recorder(self.responses, self.prefix + prefix)
+
+
+def load_ref(arm: str) -> str:
+    """Where the evidence keeps an arm's load response."""
+    return f"{RESPONSES_FILE}#load_{arm}"
 
 
 PROBE_UPDATES = ["cross_entropy on even datums + optim_step", "cross_entropy on odd datums + optim_step"]
@@ -153,3 +187,199 @@ class RestorationResult:
             "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
             "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0},
         }
+
+
+class ArmProvenance(TypedDict):
+    """One arm's `initialization_provenance` entry (version 1)."""
+
+    initialization: JsonObject
+    restore_count: int
+    optimizer_checks: list[JsonObject]  # train.optimizer_checks.OptimizerCheck entries, as JSON
+    initial_output: JsonObject
+
+
+class InitializationProvenance(TypedDict):
+    """initialization-provenance.json; the result's `initialization_provenance` has `version`,
+    `arms` and (when some arm does not train) `excluded_arms`."""
+
+    version: int
+    arms: dict[str, ArmProvenance]
+    excluded_arms: NotRequired[dict[str, str]]
+    group: NotRequired[JsonObject]
+    passed: NotRequired[bool]
+    failures: NotRequired[list[str]]
+
+
+def initialization_entry(
+    *,
+    base_checkpoint: str,
+    checkpoint_uri: str,
+    checkpoint_immutable: bool | None,
+    loaded_checkpoint_uri: str | None,
+    load_succeeded: bool,
+    evidence_ref: str,
+    restore_count: int,
+    optimizer_checks: Sequence[Mapping[str, object]],
+    initial_output: JsonObject,
+    adapter_sha256: str | None = None,
+    checkpoint_immutable_reason: str | None = None,
+) -> ArmProvenance:
+    """One arm's `initialization_provenance` entry (version 1).
+
+    `checkpoint_immutable` is None when the duplicate save proved nothing (no explicit refusal);
+    `checkpoint_immutable_reason` says what the duplicate save got either way."""
+    init: JsonObject = {
+        "base_checkpoint": base_checkpoint,
+        "checkpoint_uri": checkpoint_uri,
+        "checkpoint_immutable": checkpoint_immutable,
+        "checkpoint_scope": "full_initialization",
+        "loaded_checkpoint_uri": loaded_checkpoint_uri,
+        "load_succeeded": load_succeeded,
+        "source": "server_response",
+        "evidence_ref": evidence_ref,
+        "before_first_update": True,
+    }
+    if checkpoint_immutable_reason is not None:
+        init["checkpoint_immutable_reason"] = checkpoint_immutable_reason
+    if adapter_sha256 is not None:
+        init["adapter_sha256"] = adapter_sha256
+    return {
+        "initialization": init,
+        "restore_count": restore_count,
+        "optimizer_checks": [as_object(c) for c in optimizer_checks],
+        "initial_output": initial_output,
+    }
+
+
+def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) -> list[str]:
+    """Every failure of the group's initialization proof; empty means the group is proved."""
+    failures: list[str] = []
+    entries = provenance.get("arms", {})
+    for arm in arms:
+        if arm not in entries:
+            failures.append(f"{arm}: no initialization_provenance entry")
+    present = [a for a in arms if a in entries]
+    for arm in present:
+        e = entries[arm]
+        init = e["initialization"]
+        if not init.get("load_succeeded"):
+            failures.append(f"{arm}: checkpoint load did not succeed")
+        immutable = init.get("checkpoint_immutable")
+        if immutable is None:
+            failures.append(
+                f"{arm}: checkpoint_immutable unverified: "
+                + str(init.get("checkpoint_immutable_reason") or "no explicit refusal to overwrite")
+            )
+        elif not immutable:
+            failures.append(
+                f"{arm}: initial checkpoint not shown immutable"
+                + (f": {init['checkpoint_immutable_reason']}" if init.get("checkpoint_immutable_reason") else "")
+            )
+        if init.get("loaded_checkpoint_uri") is None:
+            failures.append(f"{arm}: no loaded checkpoint URI in the server's load response")
+        elif init["loaded_checkpoint_uri"] != init["checkpoint_uri"]:
+            failures.append(
+                f"{arm}: server loaded {init['loaded_checkpoint_uri']!r}, expected {init['checkpoint_uri']!r}"
+            )
+        checks = e.get("optimizer_checks", [])
+        covered = sorted(int(num(c["after_restore"])) for c in checks)
+        if covered != list(range(e["restore_count"] + 1)):
+            failures.append(f"{arm}: optimizer checks cover restores {covered}, need 0..{e['restore_count']}")
+        for c in checks:
+            if c["mismatches"]:
+                failures.append(
+                    f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
+                    + "; ".join(str(m) for m in items(c["mismatches"]))
+                )
+        if not e["initial_output"].get("available"):
+            failures.append(f"{arm}: initial output unavailable")
+    # Shared identity: one checkpoint, one loaded URI, one batch, same outputs.
+    for key, label in (
+        ("checkpoint_uri", "initial checkpoint"),
+        ("loaded_checkpoint_uri", "loaded checkpoint"),
+        ("base_checkpoint", "base checkpoint"),
+    ):
+        values = {entries[a]["initialization"].get(key) for a in present}
+        if len(values) > 1:
+            failures.append(f"arms do not share one {label}: {sorted(map(str, values))}")
+    hashes = {str(h) for a in present if (h := entries[a]["initialization"].get("adapter_sha256")) is not None}
+    if len(hashes) > 1:
+        failures.append(f"arms' adapter_sha256 differ: {sorted(hashes)}")
+    batches = {entries[a]["initial_output"].get("batch_sha256") for a in present}
+    if len(batches) > 1:
+        failures.append(f"arms' fixed batches differ: {sorted(map(str, batches))}")
+    return failures
+
+
+def group_provenance(
+    arms: dict[str, ArmProvenance],
+    excluded: Mapping[str, str],
+    *,
+    trained: Sequence[str],
+    initial_checkpoint: str,
+    initial_output_comparison: JsonObject,
+    adapter_sha256_method: str,
+    failures: Sequence[str],
+) -> InitializationProvenance:
+    """initialization-provenance.json: the arms' entries, the arms left out (if any), where the
+    group's proof lives, and the verdict."""
+    provenance: InitializationProvenance = {"version": 1, "arms": arms}
+    if excluded:
+        provenance["excluded_arms"] = dict(excluded)
+    provenance["group"] = {
+        "arms": list(trained),
+        "initial_checkpoint": initial_checkpoint,
+        "initial_output_comparison": initial_output_comparison,
+        "adapter_sha256_method": adapter_sha256_method,
+        "restore_probe": PROBE_FILE,
+        "server_responses": RESPONSES_FILE,
+    }
+    provenance["passed"], provenance["failures"] = not failures, list(failures)
+    return provenance
+
+
+def posted_provenance(
+    arms: dict[str, ArmProvenance], excluded: Mapping[str, str], trained_arms: Sequence[str] | None
+) -> InitializationProvenance:
+    """The result's initialization_provenance: with `trained_arms`, each posted check keeps only
+    what the arm's OWN responses exposed."""
+    if trained_arms is None:
+        return {"version": 1, "arms": arms}
+    return {
+        "version": 1,
+        "arms": {
+            a: ArmProvenance(
+                initialization=e["initialization"],
+                restore_count=e["restore_count"],
+                optimizer_checks=[as_object(own_response_only(c)) for c in e["optimizer_checks"]],
+                initial_output=e["initial_output"],
+            )
+            for a, e in arms.items()
+        },
+        "excluded_arms": dict(excluded),
+    }
+
+
+def record_evidence(
+    bundle: EvidenceBundle,
+    rec: Recorder,
+    probe: RestoreProbeResult,
+    lr_block: LrScalingBlock,
+    provenance: InitializationProvenance,
+    posted: InitializationProvenance,
+    t0: float,
+) -> float:
+    """The preflight's evidence files and result fields; returns the preflight's wall seconds."""
+    bundle.register_json(RESPONSES_FILE, "log", rec.responses)
+    bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
+    bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
+    bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
+    wall = time.monotonic() - t0
+    bundle.update_result(
+        initialization_provenance=posted,
+        metrics={
+            "preflight/restoration_wall_seconds": wall,
+            "preflight/restoration_passed": 1.0 if provenance["passed"] else 0.0,
+        },
+    )
+    return wall
