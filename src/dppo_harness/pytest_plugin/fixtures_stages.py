@@ -23,7 +23,6 @@ from dppo_harness.pytest_plugin.session import (
     progress_printer,
     propose_outcome,
     record_client_releases,
-    stage_started_at,
     stops_stage,
     unit_parity_passed,
 )
@@ -53,12 +52,6 @@ def _progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
 def harness_progress(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
     return _progress(request)
-
-
-def _stage_start(request: pytest.FixtureRequest, stage: str) -> float:
-    """When the plugin saw the stage begin (time.monotonic), else now."""
-    started = stage_started_at(request.config, stage)
-    return time.monotonic() if started is None else started
 
 
 @pytest.fixture(scope="session")

@@ -52,10 +52,6 @@ class PilotSchedule:
     def arm_steps(self) -> int:
         return self.trained_arms * self.batches_per_arm
 
-    @property
-    def sequences_per_batch(self) -> int:
-        return self.groups_per_batch * self.group_size
-
 
 def schedule_from_plan(plan: Plan) -> PilotSchedule:
     """The executed schedule of an experiment spec (its typed run config; a rehearsal at its
