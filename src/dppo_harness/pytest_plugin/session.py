@@ -98,12 +98,6 @@ class StageState:
     outcomes: dict[str, StageOutcomes] = field(default_factory=dict)  # stage -> test outcome counts
 
 
-def stage_started_at(config: pytest.Config, stage: str) -> float | None:
-    """time.monotonic() when the stage's first test began, or None before that."""
-    state = config.stash.get(STATE_KEY, None)
-    return state.started.get(stage) if state is not None else None
-
-
 def early_connectivity(config: pytest.Config) -> ConnectivityReport | None:
     """The connectivity report the launch-scope check read before the first test, else None."""
     return config.stash.get(CONNECTIVITY_KEY, None)
