@@ -214,7 +214,8 @@ def _inactive_cause(
     failing = [f"{c.id} ({c.reason})" for c in criteria if c.applies and not c.passed]
     lines.append(
         "The recorded decisions agree with the pinned rule on every token "
-        f"({evidence_against_defect}; loss metrics and recorder counts cross-checked), the anchor is the frozen "
+        f"({evidence_against_defect}; every recorded decision and returned metric recomputed from the stored tensors "
+        "by the independent replay), the anchor is the frozen "
         "sampler logprobs, and the variant is the pinned one; the criteria fail on the measured drift itself: "
         + "; ".join(failing)
         + "."
