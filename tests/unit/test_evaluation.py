@@ -171,29 +171,6 @@ def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
     assert dec["observations_file"]["sha256"] == hashlib.sha256(obs).hexdigest()
 
 
-def test_register_results_with_evidence_bundle(tmp_path, bundle, evaluator):
-    from dppo_harness.evidence import EvidenceBundle
-
-    sampler = GreedyScript(bundle, [it.reference for it in evaluator.items])
-    a = evaluation.evaluate(sampler, evaluator, arm="grpo_seed0", seed=0, checkpoint="tinker://a")
-    b = evaluation.evaluate(sampler, evaluator, arm="dppo_seed0", seed=0, checkpoint="tinker://b")
-    ev = EvidenceBundle.create(tmp_path, run_id="eval-test")
-    obj, dec = evaluation.register_results(
-        ev, [evaluator], [a, b], comparisons=[{"metric": "accuracy", "arms": ["grpo_seed0", "dppo_seed0"]}]
-    )
-    kinds = {e["name"]: e["kind"] for e in ev.files()}
-    assert kinds["scored-observations.jsonl"] == "metrics"
-    assert sorted(k for k, v in kinds.items() if v == "predictions") == sorted(
-        s["predictions_ref"] for s in obj["scores"]
-    )
-    obs_bytes = ev.file_path("scored-observations.jsonl").read_bytes()
-    assert dec["observations_file"]["sha256"] == hashlib.sha256(obs_bytes).hexdigest()
-    assert len(obs_bytes.decode().splitlines()) == 8
-    other = evaluation.EvalResult("x", 0, "c", "z" * 64, a.rows, 0.0)
-    with pytest.raises(evaluation.EvaluatorChangedError, match="not registered"):
-        evaluation.register_results(ev, [evaluator], [other], observations_name="obs2.jsonl")
-
-
 def test_observations_refuse_mixed_evaluators(bundle, evaluator):
     a = evaluation.EvalResult(
         "a", 0, "c", "x" * 64, ({"item_id": "i", "arm": "a", "seed": 0, "value": 1, "evaluator_id": "x" * 64},), 0.0

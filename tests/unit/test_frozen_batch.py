@@ -107,13 +107,13 @@ def test_any_field_change_is_detected(fb, field):
 
 
 def test_save_load_round_trip_and_corruption(tmp_path, fb):
-    p_npz, p_man = fb.save(tmp_path)
+    p_npz, p_man = tmp_path / "fb.npz", tmp_path / "fb.manifest.json"
+    for path, data in zip((p_npz, p_man), fb.to_bytes()):
+        path.write_bytes(data)
     loaded = FrozenBatch.load(p_npz, p_man)
     assert loaded.sha256 == fb.sha256 and loaded.metadata == fb.metadata
     manifest = json.loads(p_man.read_text())
     assert manifest["sha256"] == fb.sha256 and manifest["n_groups"] == 32 and "npz_sha256" in manifest
-    with pytest.raises(FrozenBatchError, match="never overwritten"):
-        fb.save(tmp_path)
     # manifest whose field hash disagrees with the arrays
     manifest["fields"]["rewards_S"]["sha256"] = "0" * 64
     del manifest["npz_sha256"]
@@ -171,15 +171,3 @@ def test_invalid_construction_is_refused(rb):
         FrozenBatch.from_datums(
             datums[:1], sampler_checkpoint="x", rewards_S=[float("nan")], group_ids_S=[0], item_ids_S=["a"]
         )
-
-
-def test_register_with_evidence_bundle(tmp_path, fb):
-    from dppo_harness.evidence import EvidenceBundle
-
-    ev = EvidenceBundle.create(tmp_path, run_id="fb-test")
-    out = fb.register(ev, stem="frozen-batch-diag")
-    assert out["sha256"] == fb.sha256
-    kinds = {e["name"]: e["kind"] for e in ev.files()}
-    assert kinds["frozen-batch-diag.npz"] == "tensors" and kinds["frozen-batch-diag.manifest.json"] == "manifest"
-    loaded = FrozenBatch.load(ev.file_path("frozen-batch-diag.npz"), ev.file_path("frozen-batch-diag.manifest.json"))
-    assert loaded.sha256 == fb.sha256

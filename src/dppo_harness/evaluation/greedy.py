@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from typing import TypedDict
 
 import tinker
 from tinker_cookbook.recipes.math_rl import math_env, math_grading
@@ -34,15 +34,11 @@ from dppo_harness.data import tokenizer as tokenizer_mod
 from dppo_harness.data.gsm8k import Gsm8kItem
 from dppo_harness.data.tokenizer import TokenizerBundle, stop_list
 from dppo_harness.evaluation import answer_yield
-from dppo_harness.json_types import JsonObject, JsonValue
+from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.rollout.frozen_batch import canonical_json
-
-if TYPE_CHECKING:
-    from dppo_harness.evidence.files import FileEntry
 
 METRIC = "accuracy"
 DEFAULT_MAX_TOKENS = 512
-N_TEST_ITEMS = gsm8k.EXPECTED_ROWS["test"]
 DEPENDENCIES = ("tinker", "tinker-cookbook", "tml-renderers", "sympy", "pylatexenc", "math-verify", "numpy", "datasets")
 PARSER_DESCRIPTION = (
     "renderer.parse_response(tokens) -> assistant text content; "
@@ -55,14 +51,6 @@ PARSER_DESCRIPTION = (
 
 class EvaluatorChangedError(RuntimeError):
     """The code, prompt, decoding, parser or items differ from the frozen evaluator."""
-
-
-class _RegistersFiles(Protocol):
-    """What :func:`register_results` needs of an ``EvidenceBundle``."""
-
-    def register_json(self, name: str, kind: str, obj: JsonValue) -> FileEntry: ...
-
-    def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry: ...
 
 
 class PredictionRow(TypedDict):
@@ -85,21 +73,7 @@ class PredictionRow(TypedDict):
 
 def prediction_json(row: PredictionRow) -> JsonObject:
     """The row as the JSON object written to the predictions file (same keys, same order)."""
-    return {
-        "item_id": row["item_id"],
-        "arm": row["arm"],
-        "seed": row["seed"],
-        "checkpoint": row["checkpoint"],
-        "metric": row["metric"],
-        "prediction": row["prediction"],
-        "response": row["response"],
-        "reference": row["reference"],
-        "value": row["value"],
-        "format_ok": row["format_ok"],
-        "stop_reason": row["stop_reason"],
-        "n_tokens": row["n_tokens"],
-        "evaluator_id": row["evaluator_id"],
-    }
+    return as_object(row)
 
 
 def evaluator_id(provenance: JsonObject) -> str:
@@ -440,37 +414,3 @@ def decision_object(observations_name: str, observations_bytes: bytes) -> JsonOb
         "version": 1,
         "observations_file": {"name": observations_name, "sha256": hashlib.sha256(observations_bytes).hexdigest()},
     }
-
-
-def register_results(
-    evidence: _RegistersFiles,
-    evaluators: Sequence[FrozenEvaluator],
-    results: Sequence[EvalResult],
-    *,
-    observations_name: str = "scored-observations.jsonl",
-    comparisons: Sequence[JsonObject] = (),
-) -> tuple[JsonObject, JsonObject]:
-    """Register each evaluator record (kind manifest), each arm's predictions (kind predictions)
-    and the scored observations (kind metrics) with an ``EvidenceBundle``. Returns the
-    ``(evaluation, decision)`` objects for ``update_result``; file names must be new per update."""
-    known = {ev.evaluator_id for ev in evaluators}
-    for ev in evaluators:
-        record: JsonObject = {
-            "evaluator_id": ev.evaluator_id,
-            "provenance": ev.provenance,
-            "code_manifest": ev.code_manifest,
-            "deviation": None if ev.deviation is None else dict(ev.deviation),
-        }
-        evidence.register_json(f"evaluator-{ev.evaluator_id[:16]}.json", "manifest", record)
-    scores: list[JsonObject] = []
-    for res in results:
-        if res.evaluator_id not in known:
-            raise EvaluatorChangedError(
-                f"{res.arm}: scored by evaluator {res.evaluator_id[:12]}, which is not registered"
-            )
-        name = f"predictions-{res.arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
-        evidence.register_bytes(name, "predictions", res.predictions_jsonl())
-        scores.append(res.score(name))
-    obs = observations_jsonl(results)
-    evidence.register_bytes(observations_name, "metrics", obs)
-    return evaluation_object(evaluators, scores, comparisons), decision_object(observations_name, obs)

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import tinker
@@ -23,7 +23,6 @@ import tinker
 from dppo_harness.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:  # only the type: rollouts imports this module's neighbours at run time
-    from dppo_harness.evidence.files import FileEntry
     from dppo_harness.rollout.rollouts import RolloutBatch
 
 
@@ -41,20 +40,6 @@ FIELDS: tuple[str, ...] = (
     "item_ids_S",  # unicode, the GSM8K item id of each sequence
 )
 REQUIRED_METADATA = ("sampler_checkpoint", "created_at", "dtype")
-
-
-class _RegistersBytes(Protocol):
-    """What :meth:`FrozenBatch.register` needs of an ``EvidenceBundle``."""
-
-    def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry: ...
-
-
-class RegisteredBatch(TypedDict):
-    """The batch sha256 and the two evidence entries :meth:`FrozenBatch.register` made."""
-
-    sha256: str
-    npz: FileEntry
-    manifest: FileEntry
 
 
 class SequenceView(TypedDict):
@@ -351,15 +336,13 @@ class FrozenBatch:
 
     # --- persistence ---------------------------------------------------------------------
 
-    def to_npz_bytes(self) -> bytes:
+    def to_bytes(self) -> tuple[bytes, bytes]:
+        """``(npz_bytes, manifest_json_bytes)`` for ``EvidenceBundle.register_bytes``."""
         self.assert_intact()
         buf = io.BytesIO()
         np.savez_compressed(buf, allow_pickle=False, **self._arrays)
-        return buf.getvalue()
-
-    def manifest(self, npz_bytes: bytes | None = None) -> JsonObject:
-        self.assert_intact()
-        m: JsonObject = {
+        npz = buf.getvalue()
+        manifest: JsonObject = {
             "format_version": FORMAT_VERSION,
             "sha256": self._sha256,
             "fields": {
@@ -374,35 +357,9 @@ class FrozenBatch:
             "n_sequences": self.n_sequences,
             "n_groups": len(self.group_ids),
             "loss_tokens": int(self._arrays["loss_mask_N"].sum()),
+            "npz_sha256": hashlib.sha256(npz).hexdigest(),
         }
-        if npz_bytes is not None:
-            m["npz_sha256"] = hashlib.sha256(npz_bytes).hexdigest()
-        return m
-
-    def to_bytes(self) -> tuple[bytes, bytes]:
-        """``(npz_bytes, manifest_json_bytes)`` for ``EvidenceBundle.register_bytes``."""
-        npz = self.to_npz_bytes()
-        return npz, (json.dumps(self.manifest(npz), indent=2, sort_keys=True) + "\n").encode()
-
-    def register(self, evidence: _RegistersBytes, stem: str = "frozen-batch") -> RegisteredBatch:
-        """Register ``{stem}.npz`` (kind tensors) and ``{stem}.manifest.json`` (kind manifest)
-        with an ``EvidenceBundle``; returns both entries and the batch sha256."""
-        npz, manifest = self.to_bytes()
-        return {
-            "sha256": self._sha256,
-            "npz": evidence.register_bytes(f"{stem}.npz", "tensors", npz),
-            "manifest": evidence.register_bytes(f"{stem}.manifest.json", "manifest", manifest),
-        }
-
-    def save(self, directory: Path, stem: str = "frozen-batch") -> tuple[Path, Path]:
-        npz, manifest = self.to_bytes()
-        directory.mkdir(parents=True, exist_ok=True)
-        p_npz, p_man = directory / f"{stem}.npz", directory / f"{stem}.manifest.json"
-        for path, data in ((p_npz, npz), (p_man, manifest)):
-            if path.exists():
-                raise FrozenBatchError(f"{path} exists; frozen batch files are never overwritten")
-            path.write_bytes(data)
-        return p_npz, p_man
+        return npz, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
     @classmethod
     def from_bytes(cls, npz_bytes: bytes, manifest_bytes: bytes) -> FrozenBatch:
