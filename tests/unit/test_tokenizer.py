@@ -12,12 +12,10 @@ def bundle():
     return tk.make_renderer(tk.TML_QWEN35)
 
 
-def test_choice_parsing_is_explicit():
-    assert tk.parse_choice("tml-qwen3.5") == ("tml", None)
-    assert tk.parse_choice("hf:Qwen/Qwen3.5-2B") == ("hf", "Qwen/Qwen3.5-2B")
-    for bad in ("", "hf:", "qwen", "Qwen/Qwen3.5-2B", "tml-qwen3"):
+def test_only_the_offline_tokenizer_is_a_choice():
+    for bad in ("", "hf:Qwen/Qwen3.5-2B", "qwen", "tml-qwen3"):
         with pytest.raises(tk.TokenizerConfigError, match="unknown tokenizer choice"):
-            tk.parse_choice(bad)
+            tk.load_tokenizer(bad)
 
 
 def test_adapter_encodes_special_tokens_as_single_ids(bundle):
@@ -53,39 +51,3 @@ def test_provenance_records_what_ran(bundle):
     assert prov["stop_sequences"] == [constants.STOP_TOKEN_ID]
     assert len(prov["tokenizer"]["vocab_fingerprint"]) == 64
     assert prov["renderer_class"].endswith("Qwen3_5Renderer")
-
-
-def test_hf_choice_never_falls_back_to_tml(monkeypatch):
-    import transformers
-
-    calls = []
-
-    def offline(name, **kw):
-        calls.append(name)
-        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}")
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
-    with pytest.raises(OSError, match="couldn't connect"):
-        tk.load_tokenizer("hf:Qwen/Qwen3.5-2B")
-    assert calls == ["Qwen/Qwen3.5-2B"]
-
-
-def test_hf_choice_uses_the_hf_tokenizer_and_checks_it(monkeypatch, bundle):
-    import transformers
-
-    class HfLike:  # stands in for a downloaded PreTrainedTokenizer with Qwen3.5 ids
-        def encode(self, text, add_special_tokens=False):
-            return bundle.tokenizer.encode(text)
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kw: HfLike())
-    tok, prov = tk.load_tokenizer("hf:Qwen/Qwen3.5-2B")
-    assert isinstance(tok, HfLike) and prov["kind"] == "huggingface" and prov["name_or_path"] == "Qwen/Qwen3.5-2B"
-    assert prov["vocab_fingerprint"] == bundle.provenance["tokenizer"]["vocab_fingerprint"]
-
-    class Wrong:
-        def encode(self, text, add_special_tokens=False):
-            return [1, 2]
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kw: Wrong())
-    with pytest.raises(tk.TokenizerConfigError, match="not a Qwen3.5 tokenizer"):
-        tk.load_tokenizer("hf:some/other-model")

@@ -26,10 +26,7 @@ from dppo_harness.data.sha256sums import DATA_DIR, DataIntegrityError, pinned_sh
 from dppo_harness.json_types import JsonObject
 
 Split = Literal["train", "test"]
-Source = Literal["vendored", "hf_hub"]
 SPLITS: tuple[Split, ...] = ("train", "test")
-HF_PATH = "openai/gsm8k"
-HF_CONFIG = "main"
 EXPECTED_ROWS = {"train": 7473, "test": 1319}
 
 
@@ -76,17 +73,6 @@ def item_id(split: Split, index: int) -> str:
     return f"gsm8k-{split}-{index:04d}"
 
 
-def canonical_jsonl_bytes(rows: Sequence[Gsm8kRow]) -> bytes:
-    """Serialize rows exactly as the vendored files are written (compact JSON, ASCII escapes,
-    escaped '/', '\\n' after every row), so rows from any source hash to the pinned value."""
-    lines = []
-    for i, row in enumerate(rows):
-        rec = {"question": row["question"], "answer": row["answer"], "idx": i}
-        # '/' only occurs inside string values, where '\\/' is a valid JSON escape.
-        lines.append(json.dumps(rec, separators=(",", ":"), ensure_ascii=True).replace("/", "\\/"))
-    return ("\n".join(lines) + "\n").encode("ascii")
-
-
 def _parse_rows(data: bytes, origin: str) -> list[Gsm8kRow]:
     rows: list[Gsm8kRow] = []
     for lineno, line in enumerate(data.splitlines(), 1):
@@ -101,52 +87,24 @@ def _parse_rows(data: bytes, origin: str) -> list[Gsm8kRow]:
     return rows
 
 
-def load_rows(
-    split: Split, *, source: Source = "vendored", data_dir: Path = DATA_DIR
-) -> tuple[list[Gsm8kRow], JsonObject]:
-    """Rows in ORIGINAL order plus provenance; content verified against the pinned sha256.
-
-    ``source="hf_hub"`` downloads ``openai/gsm8k`` (config ``main``) and checks that its rows,
-    serialized canonically, hash to the pinned value. Any failure (network, mismatch) raises:
-    there is no fallback from one source to the other.
-    """
+def load_rows(split: Split, *, data_dir: Path = DATA_DIR) -> tuple[list[Gsm8kRow], JsonObject]:
+    """The vendored rows in ORIGINAL order plus provenance; the file's sha256 must be the pinned one."""
     if split not in SPLITS:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     expected = pinned_sha256(split, data_dir)
-    if source == "vendored":
-        path = data_dir / f"{split}.jsonl"
-        data = path.read_bytes()
-        got = hashlib.sha256(data).hexdigest()
-        if got != expected:
-            raise DataIntegrityError(
-                f"{path}: sha256 {got} does not match pinned {expected} (SHA256SUMS); refusing to use it"
-            )
-        rows = _parse_rows(data, str(path))
-        prov: JsonObject = {"source": "vendored", "path": f"dppo_harness/data/gsm8k/{split}.jsonl"}
-    elif source == "hf_hub":
-        hub_rows = _load_hub_rows(split)
-        data = canonical_jsonl_bytes(hub_rows)
-        got = hashlib.sha256(data).hexdigest()
-        if got != expected:
-            raise DataIntegrityError(
-                f"{HF_PATH} ({HF_CONFIG}/{split}) content sha256 {got} does not match pinned {expected}"
-            )
-        rows = _parse_rows(data, f"{HF_PATH}/{split}")
-        prov = {"source": "hf_hub", "hf_path": HF_PATH, "hf_config": HF_CONFIG, "hf_split": split}
-    else:
-        raise ValueError(f"source must be 'vendored' or 'hf_hub', got {source!r}")
+    path = data_dir / f"{split}.jsonl"
+    data = path.read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    if got != expected:
+        raise DataIntegrityError(
+            f"{path}: sha256 {got} does not match pinned {expected} (SHA256SUMS); refusing to use it"
+        )
+    rows = _parse_rows(data, str(path))
     if len(rows) != EXPECTED_ROWS[split]:
         raise DataIntegrityError(f"{split}: {len(rows)} rows, expected {EXPECTED_ROWS[split]}")
+    prov: JsonObject = {"source": "vendored", "path": f"dppo_harness/data/gsm8k/{split}.jsonl"}
     prov.update({"split": split, "sha256": got, "pinned_sha256": expected, "verified": True, "n_rows": len(rows)})
     return rows, prov
-
-
-def _load_hub_rows(split: Split) -> list[Gsm8kRow]:
-    # deferred: HF datasets takes seconds to import; only the hub source and the train order use it
-    import datasets
-
-    ds = datasets.load_dataset(HF_PATH, name=HF_CONFIG, split=split)
-    return [{"question": r["question"], "answer": r["answer"]} for r in ds]
 
 
 def cookbook_permutation(n_rows: int, seed: int) -> list[int]:
@@ -160,9 +118,9 @@ def cookbook_permutation(n_rows: int, seed: int) -> list[int]:
     return [int(r) for r in list(ds["row"])]
 
 
-def load_split(split: Split, seed: int = 0, *, source: Source = "vendored", data_dir: Path = DATA_DIR) -> Gsm8kSplit:
+def load_split(split: Split, seed: int = 0, *, data_dir: Path = DATA_DIR) -> Gsm8kSplit:
     """Verified items in the cookbook's order: train shuffled with ``seed``, test in order."""
-    rows, prov = load_rows(split, source=source, data_dir=data_dir)
+    rows, prov = load_rows(split, data_dir=data_dir)
     order = cookbook_permutation(len(rows), seed) if split == "train" else list(range(len(rows)))
     items = tuple(
         Gsm8kItem(

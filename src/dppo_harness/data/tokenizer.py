@@ -1,9 +1,8 @@
-"""Tokenizer choice and renderer construction.
+"""The tokenizer and the renderer.
 
-The tokenizer is picked by an explicit configuration string, never by catching a network error:
-- ``"tml-qwen3.5"``: the offline ``tml_renderers.tokenizers.Qwen35Tokenizer`` (tml-renderers 0.2.1)
-  behind :class:`TmlQwen35Tokenizer`, a small HF-style adapter the cookbook renderers can use;
-- ``"hf:<name>"``: ``transformers.AutoTokenizer.from_pretrained(<name>)`` (needs the hub or a cache).
+The one tokenizer is ``"tml-qwen3.5"``: the offline ``tml_renderers.tokenizers.Qwen35Tokenizer``
+(tml-renderers 0.2.1) behind :class:`TmlQwen35Tokenizer`, a small HF-style adapter the cookbook
+renderers can use, so no run needs the hub.
 
 The renderer name is explicit (``constants.RENDERER_NAME``): ``Qwen/Qwen3.5-2B`` is not in the
 cookbook's model table, so ``get_recommended_renderer_name`` cannot be used.
@@ -25,8 +24,6 @@ from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
 
 TML_QWEN35 = "tml-qwen3.5"
-HF_PREFIX = "hf:"
-DEFAULT_TOKENIZER = TML_QWEN35
 # Ids every Qwen3.5 tokenizer must agree on; checked at load so a wrong tokenizer fails loudly.
 EXPECTED_SPECIAL_IDS = {"<|im_start|>": 248045, "<|im_end|>": constants.STOP_TOKEN_ID}
 
@@ -121,42 +118,18 @@ class TokenizerBundle:
     provenance: JsonObject
 
 
-def parse_choice(choice: str) -> tuple[str, str | None]:
-    """Return ``("tml", None)`` or ``("hf", name)``; raise on anything else."""
-    if choice == TML_QWEN35:
-        return "tml", None
-    if choice.startswith(HF_PREFIX) and len(choice) > len(HF_PREFIX):
-        return "hf", choice[len(HF_PREFIX) :]
-    raise TokenizerConfigError(f"unknown tokenizer choice {choice!r}: expected {TML_QWEN35!r} or 'hf:<model name>'")
-
-
-def load_tokenizer(choice: str = DEFAULT_TOKENIZER) -> tuple[Tokenizer, JsonObject]:
+def load_tokenizer(choice: str = TML_QWEN35) -> tuple[Tokenizer, JsonObject]:
     """Load the configured tokenizer and return it with its provenance record."""
-    kind, hf_name = parse_choice(choice)
-    if kind == "tml":
-        tokenizer: Tokenizer = _tml_qwen35()  # type: ignore[assignment]  # a facade with the tokenizer methods renderers call
-        prov: JsonObject = {
-            "choice": choice,
-            "kind": "tml-renderers",
-            "class": "tml_renderers.tokenizers.Qwen35Tokenizer",
-            "adapter": f"{__name__}.TmlQwen35Tokenizer",
-            "package_version": _package_version("tml-renderers"),
-        }
-    else:
-        # deferred: transformers takes seconds to import and only an 'hf:' choice needs it
-        from transformers import AutoTokenizer
-
-        assert hf_name is not None
-        # A network failure here propagates: the caller chose the HF tokenizer explicitly.
-        # A fast (Rust) or SentencePiece tokenizer, not the cookbook's `Tokenizer` class: same methods.
-        tokenizer = AutoTokenizer.from_pretrained(hf_name)  # type: ignore[assignment]
-        prov = {
-            "choice": choice,
-            "kind": "huggingface",
-            "class": type(tokenizer).__name__,
-            "name_or_path": hf_name,
-            "package_version": _package_version("transformers"),
-        }
+    if choice != TML_QWEN35:
+        raise TokenizerConfigError(f"unknown tokenizer choice {choice!r}: expected {TML_QWEN35!r}")
+    tokenizer: Tokenizer = _tml_qwen35()  # type: ignore[assignment]  # a facade with the tokenizer methods renderers call
+    prov: JsonObject = {
+        "choice": choice,
+        "kind": "tml-renderers",
+        "class": "tml_renderers.tokenizers.Qwen35Tokenizer",
+        "adapter": f"{__name__}.TmlQwen35Tokenizer",
+        "package_version": _package_version("tml-renderers"),
+    }
     check_special_ids(tokenizer)
     prov["special_ids"] = dict(EXPECTED_SPECIAL_IDS.items())
     prov["vocab_fingerprint"] = vocab_fingerprint(tokenizer)
@@ -187,7 +160,7 @@ def vocab_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
 
 
-def make_renderer(choice: str = DEFAULT_TOKENIZER, renderer_name: str = constants.RENDERER_NAME) -> TokenizerBundle:
+def make_renderer(choice: str = TML_QWEN35, renderer_name: str = constants.RENDERER_NAME) -> TokenizerBundle:
     """Tokenizer + cookbook renderer, with a provenance dict for the evidence bundle."""
     tokenizer, tok_prov = load_tokenizer(choice)
     renderer = renderers.get_renderer(renderer_name, tokenizer=tokenizer)
