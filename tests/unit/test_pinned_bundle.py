@@ -10,7 +10,7 @@ from dppo_harness.evaluation import stats
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.files import json_file_bytes
 from dppo_harness.evidence.result import ResultModel
-from dppo_harness.plans.arm_roles import CriterionConfig
+from dppo_harness.plans.run_config import CriterionConfig
 from dppo_harness.stages.comparison import decision
 from dppo_harness.stages.comparison.step_rows import StepRow, StepRowJson, fraction, jsonl
 

@@ -10,8 +10,6 @@ Each kind is a strict pydantic model (no unknown keys, no coercion, no NaN/inf).
 raises `PlanError` whose message starts with the field path, e.g.
 `activation_gate.checks[2].min: expected number, got str`. Any kind may carry a `launch` block:
 what this launch authorizes on a service that is not the embedded server (`plans.launch`).
-The strict base and the shared field types are `model_base`'s; a bounded diagnostic's settings
-blocks are `diagnostic_settings`'s.
 """
 
 from __future__ import annotations
@@ -23,29 +21,41 @@ from typing import Annotated, ClassVar, Literal, NoReturn
 
 from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
-from dppo_harness.plans.diagnostic_settings import (
-    Caps,
-    DiagnosticSchedule,
-    FixedSettings,
-    Outcomes,
-    Recording,
-    UnavailableReference,
-)
-from dppo_harness.plans.model_base import (
-    NonEmptyStr,
-    NonNeg,
-    NonNegInt,
-    PlanError,
-    PosInt,
-    Sha256,
-    StrictModel,
-    Unit,
-)
-from dppo_harness.plans.schema_errors import first_error, rule_error, type_name
+from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error, type_name
 
 PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
 # A deviation's `field` is one of these (the structured output's deviation fields; no other is reported).
 DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be used; the message names the offending field path."""
+
+
+NonNeg = Annotated[float, Field(ge=0)]
+Unit = Annotated[float, Field(ge=0, le=1)]
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+NonEmptyStr = Annotated[str, Field(min_length=1, pattern=r"\S")]
+
+
+class StrictModel(BaseModel):
+    """Strict, closed model. An optional key (default None) may be left out but not given as null,
+    unless the field is listed in `_nullable`."""
+
+    model_config = STRICT
+    _nullable: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_null_for_optional_keys(cls, data: object) -> object:  # any input: pydantic validates it next
+        if isinstance(data, dict):
+            for key, value in data.items():
+                f = cls.model_fields.get(key)
+                if value is None and f is not None and not f.is_required() and key not in cls._nullable:
+                    raise rule_error(key, "expected a value, got null (leave the key out instead)")
+        return data
 
 
 def _fail(path: str, msg: str) -> PlanError:
@@ -243,6 +253,129 @@ class ExperimentSpec(StrictModel):
 
 
 # ----------------------------------------------------------------------------- bounded_diagnostic
+
+
+class Initialization(StrictModel):
+    source: str
+    require_observed_successful_load: bool
+    trained_pilot_weights_allowed: bool
+
+
+class Treatment(StrictModel):
+    arm: str
+    loss: Literal["dppo_binary_tv"]
+    delta: NonNeg
+    ratio_cap: NonNeg
+    variant: str
+    variant_note: str
+    anchor: Literal["sampler_logprobs"]
+    divergence: str
+    reference_revision: str
+
+
+class CounterfactualBaseline(StrictModel):
+    loss: str
+    ppo_eps: NonNeg
+    trained: bool
+    note: str
+
+
+class DiagnosticOptimizer(StrictModel):
+    name: Literal["adamw"]
+    learning_rate: NonNeg
+    beta1: Unit
+    beta2: Unit
+    eps: NonNeg
+    weight_decay: NonNeg
+    grad_clip_norm: NonNeg
+
+
+class Sampling(StrictModel):
+    renderer: str
+    dataset: str
+    split: Literal["train"]
+    temperature: NonNeg
+    max_tokens: PosInt
+
+
+class LossNormalization(StrictModel):
+    mode: Literal["sum", "token_mean"]
+    denominator: str
+    reason: str
+
+
+class FixedSettings(StrictModel):
+    base_model: str
+    lora_rank: PosInt
+    seed: int
+    initialization: Initialization
+    treatment: Treatment
+    counterfactual_baseline: CounterfactualBaseline
+    optimizer: DiagnosticOptimizer
+    sampling: Sampling
+    advantages: Literal["group_mean_centered"]
+    loss_normalization: LossNormalization
+
+
+class DiagnosticSchedule(StrictModel):
+    """A bounded diagnostic's schedule: one sampled batch reused over epochs of minibatches."""
+
+    sampling_batches: Annotated[int, Field(ge=1, le=1)]
+    groups_per_batch: PosInt
+    group_size: PosInt
+    minibatches_per_epoch: PosInt
+    groups_per_minibatch: PosInt
+    complete_groups_only: bool
+    epochs: PosInt
+    max_optimizer_updates: PosInt
+    new_sampling_after_batch: Literal[False]
+    old_logprob_refresh: Literal[False]
+    frozen_fields: Annotated[list[str], Field(min_length=1)]
+    assert_hashes_before_every_reuse: bool
+    record_sampler_checkpoint: bool
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DiagnosticSchedule:
+        if self.minibatches_per_epoch * self.groups_per_minibatch != self.groups_per_batch:
+            raise rule_error(
+                "groups_per_minibatch", "minibatches_per_epoch x groups_per_minibatch must equal groups_per_batch"
+            )
+        if self.max_optimizer_updates > self.epochs * self.minibatches_per_epoch:
+            raise rule_error("max_optimizer_updates", "exceeds epochs x minibatches_per_epoch")
+        return self
+
+
+class Caps(StrictModel):
+    max_wall_minutes: NonNeg
+    wall_clock_includes: list[str]
+    gpu_hours_cap: NonNeg
+    gpu_hours_cap_source: str
+    stop_rule: str
+    on_setup_exhausting_cap: str
+    check_remaining_budget_before_service_work: bool
+
+
+class Sentinels(StrictModel):
+    source: str
+    compare: str
+    after_updates: Annotated[list[NonNegInt], Field(min_length=1)]
+    purpose: str
+
+
+class Recording(StrictModel):
+    before_each_loss_and_update: Annotated[list[str], Field(min_length=1)]
+    sentinels: Sentinels
+
+
+class Outcomes(StrictModel):
+    inactive: str
+    active: str
+    verdict: str
+
+
+class UnavailableReference(StrictModel):
+    ref: str
+    reason: str
 
 
 class OriginalPlanRef(StrictModel):

@@ -24,13 +24,13 @@ from dppo_harness import constants
 from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
-from dppo_harness.plans.model_base import PlanError
 from dppo_harness.plans.models import (
     DEVIATION_FIELDS,
     MODELS,
     BoundedDiagnostic,
     ExperimentSpec,
     Launch,
+    PlanError,
     PlanKind,
     PlanModel,
     RehearsalPlan,
@@ -177,11 +177,6 @@ class Plan:
         if self.kind == "bounded_diagnostic":
             return [d.model_dump() for d in self.diagnostic.deviations]
         return []
-
-
-def validate_plan(raw: JsonValue) -> PlanKind:
-    """Validate a decoded plan against its kind's schema; returns the kind or raises PlanError."""
-    return validate_model(raw)[0]
 
 
 def _run_config(spec: ExperimentSpec, prefix: str, path: Path | None, resolution: Resolution | None) -> RunConfig:

@@ -20,8 +20,15 @@ from pathlib import Path
 from pydantic import JsonValue
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.plans.model_base import PlanError
-from dppo_harness.plans.models import Difference, ExperimentSpec, RehearsalPlan, _fail, decode, validate_model
+from dppo_harness.plans.models import (
+    Difference,
+    ExperimentSpec,
+    PlanError,
+    RehearsalPlan,
+    _fail,
+    decode,
+    validate_model,
+)
 from dppo_harness.plans.schema_errors import format_path
 
 # Spec subtrees a rehearsal may not change (its gates and thresholds stay as written), as

@@ -37,8 +37,7 @@ if TYPE_CHECKING:
 
     from dppo_harness.data.gsm8k import Gsm8kItem
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import Plan, RunConfig
-    from dppo_harness.plans.arm_roles import ArmConfig
+    from dppo_harness.plans import ArmConfig, Plan, RunConfig
     from dppo_harness.plans.models import GateCheck
 
 GATE_REPORT_FILE = "activation-gate-report.json"
