@@ -16,13 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import Literal
 
-from pydantic import BaseModel, JsonValue, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from dppo_harness import constants
 from dppo_harness.data import dataset
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import (
     DEVIATION_FIELDS,
@@ -153,11 +153,6 @@ class Plan:
                 if d.field == "base_model":
                     return str(d.spec)
         return self.base_model
-
-    @property
-    def experiment_features(self) -> dict[str, bool]:
-        src = self.diagnostic if self.kind == "bounded_diagnostic" else self.experiment
-        return src.experiment_features.model_dump()
 
     @property
     def budget(self) -> dict[str, float]:
@@ -314,14 +309,6 @@ class BackendInfo:
     size_reductions: Sequence[Mapping[str, str]] = ()
 
 
-class GenerationAuditApplicability(TypedDict):
-    """Whether the generation audit applies to a plan (the effective config's `generation_audit`)."""
-
-    applicable: bool
-    status: Literal["required", "not_applicable"]
-    reason: str
-
-
 def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
     """Deviations that come from where the plan runs, not from the plan itself."""
     out: list[dict[str, str]] = []
@@ -354,13 +341,15 @@ def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
     return out
 
 
-def generation_audit_applicability(plan: Plan) -> GenerationAuditApplicability:
-    """Resolve whether the generation audit applies, from the plan's experiment_features.
+def generation_audit_applicability(plan: Plan) -> JsonObject:
+    """Whether the generation audit applies (the effective config's `generation_audit`: applicable,
+    status "required" or "not_applicable", reason), from the plan's experiment_features.
 
     generated_training_data=true requires it (overriding a legacy required=false); false makes it
     not applicable unless an explicit contract (generation_audit.required=true) asks for it.
     """
-    gen = plan.experiment_features.get("generated_training_data")
+    src = plan.diagnostic if plan.kind == "bounded_diagnostic" else plan.experiment
+    gen = src.experiment_features.generated_training_data
     explicit = plan.experiment.generation_audit.required if plan.kind != "bounded_diagnostic" else None
     if gen is True:
         return {
@@ -394,7 +383,7 @@ def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
         "served_model": info.served_model,
         "sdk_versions": dict(info.sdk_versions),
     }
-    out["deviations"] = [*_deviations_json(plan.deviations), *_deviations_json(backend_deviations(plan, info))]
+    out["deviations"] = [as_object(d) for d in (*plan.deviations, *backend_deviations(plan, info))]
     # Deferred: the tokenizer pulls in tinker_cookbook and the loss path torch; loading a plan stays light.
     from dppo_harness.data import tokenizer
     from dppo_harness.loss import losses as loss_path  # torch (see above)
@@ -407,7 +396,7 @@ def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
         else plan.spec_run.normalization
     )
     out["renderer"] = tokenizer.default_renderer_declaration()
-    out["loss_normalization"] = _strings_json(loss_path.normalization_declaration(mode))
+    out["loss_normalization"] = as_object(loss_path.normalization_declaration(mode))
     keys = (
         "plan",
         "backend",
@@ -420,18 +409,6 @@ def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
         "deviations",
     )
     return {k: out[k] for k in keys}
-
-
-def _strings_json(d: Mapping[str, str]) -> JsonObject:
-    return dict(d.items())
-
-
-def _deviations_json(deviations: list[dict[str, str]]) -> list[JsonValue]:
-    return [_strings_json(d) for d in deviations]
-
-
-def _audit_json(audit: GenerationAuditApplicability) -> JsonObject:
-    return {"applicable": audit["applicable"], "status": audit["status"], "reason": audit["reason"]}
 
 
 def plan_config(plan: Plan) -> JsonObject:
@@ -495,9 +472,9 @@ def plan_config(plan: Plan) -> JsonObject:
             "baseline_revision": constants.BASELINE_REVISION,
         },
         "budget": dict(plan.budget.items()),
-        "generation_audit": _audit_json(generation_audit_applicability(plan)),
+        "generation_audit": generation_audit_applicability(plan),
         "config": body,
-        "deviations": _deviations_json(plan.deviations),
+        "deviations": [as_object(d) for d in plan.deviations],
     }
 
 
