@@ -71,7 +71,7 @@ def test_rollout_batch_datums_align_with_trainer_logprobs(server, renderer, trai
         adv = advantages[grp.group_id]
         np.testing.assert_allclose(adv, np.array(grp.rewards_G) - np.mean(grp.rewards_G), atol=1e-6)
 
-    fb = FrozenBatch.from_rollouts(rb, sampler_version="step-0")
+    fb = rollouts.freeze(rb, sampler_version="step-0")
     fb.assert_intact()
     datums = fb.to_datums()
     # The trainer (same weights as the sampler, both float32) must reproduce the sampler's

@@ -42,7 +42,7 @@ def rb():
 
 @pytest.fixture()
 def fb(rb):
-    return FrozenBatch.from_rollouts(rb, sampler_version="step-0")
+    return rollouts.freeze(rb, sampler_version="step-0")
 
 
 def _datum_arrays(d):

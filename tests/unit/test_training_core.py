@@ -1,4 +1,4 @@
-"""The one training core (`rollout_batch`, `train_step`) and the shared lower helpers."""
+"""The one training core (`rollouts`, `train_step`) and the shared lower helpers."""
 
 import ast
 import math

@@ -15,16 +15,12 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 import numpy as np
 import tinker
 
 from dppo_harness.json_types import JsonObject, JsonValue
-
-if TYPE_CHECKING:  # only the type: rollouts imports this module's neighbours at run time
-    from dppo_harness.rollout.rollouts import RolloutBatch
-
 
 FORMAT_VERSION = 1
 FLOAT_DTYPE = np.dtype(np.float32)  # what the cookbook's datums carry
@@ -108,7 +104,7 @@ class Minibatch:
 
 
 class FrozenBatch:
-    """Immutable rollout batch. Build with :meth:`from_datums` / :meth:`from_rollouts` or :meth:`load`."""
+    """Immutable rollout batch. Build with :meth:`from_datums` (`rollouts.freeze`) or :meth:`load`."""
 
     __slots__ = ("_arrays", "_field_hashes", "_metadata_json", "_offsets_K", "_offsets_N", "_sha256")
     _arrays: dict[str, np.ndarray]
@@ -205,40 +201,6 @@ class FrozenBatch:
             "item_ids_S": np.asarray(list(item_ids_S), dtype=np.str_),
         }
         return cls(arrays, meta)
-
-    @classmethod
-    def from_rollouts(
-        cls,
-        batch: RolloutBatch,
-        *,
-        sampler_version: str | None = None,
-        extra_metadata: Mapping[str, JsonValue] | None = None,
-    ) -> FrozenBatch:
-        """Freeze a ``rollouts.RolloutBatch`` (datums built by the cookbook's own functions)."""
-        # deferred: rollouts imports the cookbook's RL stack, which a frozen batch loaded for replay does not need
-        from dppo_harness.rollout.rollouts import batch_to_datums
-
-        datums, meta = batch_to_datums(batch)
-        rewards = [batch.groups[m["group_idx"]].graded[m["traj_idx"]].reward for m in meta]
-        group_ids = [batch.groups[m["group_idx"]].group_id for m in meta]
-        item_ids = [batch.groups[m["group_idx"]].item.item_id for m in meta]
-        summary = batch.summary()
-        info: JsonObject = {
-            "base_model": batch.base_model,
-            "rollout_config": summary["config"],
-            "stop": summary["stop"],
-            "group_size": batch.config.group_size,
-            "sampling_seconds": batch.sampling_seconds,
-        }
-        return cls.from_datums(
-            datums,
-            rewards_S=rewards,
-            group_ids_S=group_ids,
-            item_ids_S=item_ids,
-            sampler_checkpoint=batch.sampler_checkpoint,
-            sampler_version=sampler_version,
-            extra_metadata={**info, **dict(extra_metadata or {})},
-        )
 
     # --- access --------------------------------------------------------------------------
 

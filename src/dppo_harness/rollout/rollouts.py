@@ -1,4 +1,5 @@
-"""Sampling one rollout batch concurrently, group-centred advantages and datums.
+"""Sampling one rollout batch concurrently, group-centred advantages and datums: the first half of
+every training step (gate, diagnostic, feasibility pilot, comparison).
 
 One request per group (``num_samples=group_size``): ``groups_per_batch`` requests, all submitted
 before any is awaited, so the whole batch is in flight together. Rewards come from the cookbook's
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -24,7 +25,8 @@ from tinker_cookbook.rl.types import Trajectory, TrajectoryGroup, Transition
 from dppo_harness.data.gsm8k import Graded, Gsm8kItem, build_prompt, grade_response
 from dppo_harness.data.tokenizer import stop_list
 from dppo_harness.evaluation import answer_yield
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, JsonValue
+from dppo_harness.rollout.frozen_batch import FrozenBatch
 
 
 class RolloutError(RuntimeError):
@@ -287,3 +289,70 @@ def batch_to_datums(batch: RolloutBatch) -> tuple[list[tinker.Datum], list[dict[
     if len(data) != sum(len(g.responses) for g in batch.groups):
         raise RolloutError("a trajectory produced more than one datum; single-turn GSM8K expects one")
     return data, meta
+
+
+# ---- one training step's first half
+# save the current weights for the sampler -> sample a batch from them -> (where reused) freeze it;
+# the update half is `train.train_step`.
+
+
+@dataclass(frozen=True)
+class SampledStep:
+    """One sampled rollout batch and the datums the loss trains on."""
+
+    sampler_path: str  # tinker:// path of the weights that sampled
+    batch: RolloutBatch
+    datums: tuple[tinker.Datum, ...]  # cookbook layout
+    group_of_datum: tuple[int, ...]  # group index of each datum (complete-group minibatches)
+    seconds: float  # save for sampler + sampling + grading
+
+    def summary(self) -> JsonObject:
+        return {**self.batch.summary(), "step_seconds": self.seconds}
+
+
+def save_sampler(training_client: tinker.TrainingClient, name: str) -> tuple[str, tinker.SamplingClient]:
+    """The training client's current weights as a named sampler checkpoint and its client."""
+    path = training_client.save_weights_for_sampler(name).result().path
+    return path, training_client.create_sampling_client(path)
+
+
+def sample_rollout_batch(
+    training_client: tinker.TrainingClient,
+    items: Sequence[Gsm8kItem],
+    renderer: renderers.Renderer,
+    cfg: RolloutConfig,
+    *,
+    sampler_name: str,
+) -> SampledStep:
+    """Save sampler weights, sample `cfg.group_size` responses per item from them, build datums."""
+    t0 = time.perf_counter()
+    path, sampler = save_sampler(training_client, sampler_name)
+    batch = sample_batch(sampler, items, renderer, cfg, sampler_checkpoint=path)
+    datums, meta = batch_to_datums(batch)
+    return SampledStep(path, batch, tuple(datums), tuple(int(m["group_idx"]) for m in meta), time.perf_counter() - t0)
+
+
+def freeze(
+    batch: RolloutBatch, *, sampler_version: str | None = None, extra_metadata: Mapping[str, JsonValue] | None = None
+) -> FrozenBatch:
+    """The sampled batch frozen (hashed, immutable) for reuse across updates, its datums built by
+    the cookbook's own functions."""
+    datums, meta = batch_to_datums(batch)
+    groups = [batch.groups[m["group_idx"]] for m in meta]
+    summary = batch.summary()
+    info: JsonObject = {
+        "base_model": batch.base_model,
+        "rollout_config": summary["config"],
+        "stop": summary["stop"],
+        "group_size": batch.config.group_size,
+        "sampling_seconds": batch.sampling_seconds,
+    }
+    return FrozenBatch.from_datums(
+        datums,
+        rewards_S=[g.graded[m["traj_idx"]].reward for g, m in zip(groups, meta)],
+        group_ids_S=[g.group_id for g in groups],
+        item_ids_S=[g.item.item_id for g in groups],
+        sampler_checkpoint=batch.sampler_checkpoint,
+        sampler_version=sampler_version,
+        extra_metadata={**info, **dict(extra_metadata or {})},
+    )

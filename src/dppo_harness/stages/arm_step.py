@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss.losses import CustomLossFn
-from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import split_complete_groups
 from dppo_harness.train import train_step
 
@@ -31,7 +31,7 @@ class ArmStepProgress:
     """How far one arm-step got: its sampled batch, its minibatches once formed, the updates sent
     (counted before each call: a refusal may come after the server applied it) and returned."""
 
-    sampled: rollout_batch.SampledStep | None = None
+    sampled: rollouts.SampledStep | None = None
     minibatches: list[list[int]] | None = None
     updates_submitted: int = 0
     updates_done: int = 0
@@ -41,7 +41,7 @@ class ArmStepProgress:
 
 @dataclass(frozen=True)
 class ArmStepResult:
-    sampled: rollout_batch.SampledStep
+    sampled: rollouts.SampledStep
     records: list[ins.LossCallRecord]  # one per update, in order
 
 
@@ -70,7 +70,7 @@ def run_arm_step(
     update per minibatch of whole groups (`frozen_batch.split_complete_groups`; ValueError when the
     groups do not split evenly); `progress` says how far it got."""
     progress = progress if progress is not None else ArmStepProgress()
-    sampled = rollout_batch.sample_rollout_batch(arm.client, items, renderer, rollout_cfg, sampler_name=sampler_name)
+    sampled = rollouts.sample_rollout_batch(arm.client, items, renderer, rollout_cfg, sampler_name=sampler_name)
     progress.sampled = sampled
     progress.minibatches = [seqs for _, seqs in split_complete_groups(sampled.group_of_datum, arm.updates_per_batch)]
     run_arm_updates(arm, sampled, progress.minibatches, context=context, progress=progress)
@@ -79,7 +79,7 @@ def run_arm_step(
 
 def run_arm_updates(
     arm: ArmStepRun,
-    sampled: rollout_batch.SampledStep,
+    sampled: rollouts.SampledStep,
     minibatches: Sequence[list[int]],
     *,
     context: UpdateContext,

@@ -29,7 +29,7 @@ from dppo_harness.data import dataset, tokenizer
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
-from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.rollout import rollouts
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_updates
 from dppo_harness.stages.feasibility_projection import (
     DEFAULT_RESERVE_FRACTION,
@@ -111,7 +111,7 @@ def _time_greedy_eval(
     test = data.load_split("test").items[:eval_n]
     prompts = [data.build_prompt(it, renderer) for it in test]
     params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=tokenizer.stop_list(prompts[0][1]))
-    _, sampler = rollout_batch.save_sampler(client, "feasibility-eval")
+    _, sampler = rollouts.save_sampler(client, "feasibility-eval")
     t2 = time.perf_counter()
     futures = [sampler.sample(ob, 1, params) for ob, _ in prompts]
     results = [f.result() for f in futures]
@@ -193,7 +193,7 @@ def _sample_pilot_batch(
     schedule: PilotSchedule,
     pilot_groups: int,
     seed: int,
-) -> rollout_batch.SampledStep:
+) -> rollouts.SampledStep:
     """The first `pilot_groups` train groups sampled at the plan's settings, as a real step samples."""
     items = data.load_split("train", seed=seed).items[:pilot_groups]
     cfg = rollouts.RolloutConfig(
@@ -203,12 +203,12 @@ def _sample_pilot_batch(
         max_tokens=schedule.max_tokens,
         seed=seed,
     )
-    return rollout_batch.sample_rollout_batch(client, items, renderer, cfg, sampler_name="feasibility-pilot")
+    return rollouts.sample_rollout_batch(client, items, renderer, cfg, sampler_name="feasibility-pilot")
 
 
 def _time_arm_updates(
     client: tinker.TrainingClient,
-    sampled: rollout_batch.SampledStep,
+    sampled: rollouts.SampledStep,
     minibatch: list[int],
     arm: ArmPilot,
     pilot_updates: int,
@@ -229,7 +229,7 @@ def _time_arm_updates(
 
 
 def _pilot_details(
-    sampled: rollout_batch.SampledStep,
+    sampled: rollouts.SampledStep,
     minibatch: Sequence[tinker.Datum],
     arms: Sequence[ArmPilot],
     by_arm: Mapping[str, list[float]],

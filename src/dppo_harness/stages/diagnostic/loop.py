@@ -17,7 +17,7 @@ from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
 from dppo_harness.instrument.pooled import ANALYSIS_FILE
 from dppo_harness.json_types import JsonObject
-from dppo_harness.rollout import rollout_batch, rollouts
+from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult
@@ -111,11 +111,13 @@ def _sample_and_freeze(
     tok = tokenizer.make_renderer()
     train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
-    sampled = rollout_batch.sample_rollout_batch(
+    sampled = rollouts.sample_rollout_batch(
         tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer, rcfg, sampler_name=f"{tag}-sampler-initial"
     )
     load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
-    frozen = rollout_batch.freeze(sampled, {"load": load, "tokenizer": tok.provenance})
+    frozen = rollouts.freeze(
+        sampled.batch, sampler_version=sampled.sampler_path, extra_metadata={"load": load, "tokenizer": tok.provenance}
+    )
     register_frozen_batch(bundle, state, frozen)
     bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
