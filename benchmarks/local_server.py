@@ -30,7 +30,7 @@ from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.train.train_step import timed_updates
+from dppo_harness.train.train_step import minibatch_update
 
 
 def start_once(cache: Path, run_dir: Path, model: str | None) -> tuple[LocalServerProcess, float]:
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
                 )
         loss_fn = make_loss_fn(LossConfig(loss="dppo_divergence_mask", normalization="token_mean"))
         adam = types.AdamParams(learning_rate=1e-5, eps=1e-8)
-        times = timed_updates(tc, data, loss_fn, adam, args.updates)
+        times = [minibatch_update(tc, data, loss_fn, adam).seconds for _ in range(args.updates)]
         n_train_tokens = sum(d.model_input.length for d in data)
         figures["update"] = {
             "sequences": len(data),

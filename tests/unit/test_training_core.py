@@ -146,13 +146,6 @@ def test_train_step_fails_when_the_loss_is_not_called_exactly_once():
             )
 
 
-def test_timed_updates_runs_n_unrecorded_updates():
-    tc = FakeTrainingClient()
-    cfg = losses.LossConfig(loss="dppo_divergence_mask", normalization="token_mean")
-    secs = train_step.timed_updates(tc, _datums(), losses.make_loss_fn(cfg), tinker.AdamParams(learning_rate=1e-3), 3)
-    assert len(secs) == 3 and tc.calls == ["fwd_bwd", "optim"] * 3
-
-
 def test_lr_scaling_error_has_one_definition_including_the_first_probe():
     assert restoration_lr_probe.lr_scaling_error is correctness.lr_scaling_error
     good = [{"learning_rate": 1e-5, "update_norm": 1.0}, {"learning_rate": 2e-5, "update_norm": 2.0}]

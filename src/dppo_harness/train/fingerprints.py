@@ -62,37 +62,29 @@ def logprobs_sha256(logprobs: Sequence[np.ndarray]) -> str:
 
 def compare_logprobs(a: Sequence[np.ndarray], b: Sequence[np.ndarray], atol: float = LOGPROB_ATOL) -> LogprobComparison:
     """Bitwise equality, max |a-b| and whether it is within `atol`. Shape mismatch never passes."""
-    if len(a) != len(b):
+
+    def refused(problem: str) -> LogprobComparison:
         return {
             "bitwise_equal": False,
             "max_abs_diff": None,
             "within_tolerance": False,
             "atol": atol,
-            "problem": f"datum count differs: {len(a)} vs {len(b)}",
+            "problem": problem,
         }
+
+    if len(a) != len(b):
+        return refused(f"datum count differs: {len(a)} vs {len(b)}")
     max_abs = 0.0
     bitwise = True
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         x, y = np.asarray(x), np.asarray(y)
         if x.shape != y.shape:
-            return {
-                "bitwise_equal": False,
-                "max_abs_diff": None,
-                "within_tolerance": False,
-                "atol": atol,
-                "problem": f"datum {i} shape differs: {x.shape} vs {y.shape}",
-            }
+            return refused(f"datum {i} shape differs: {x.shape} vs {y.shape}")
         bitwise = bitwise and x.dtype == y.dtype and x.tobytes() == y.tobytes()
         if x.size:
             d = np.abs(x.astype(np.float64) - y.astype(np.float64))
             if not np.all(np.isfinite(d)):
-                return {
-                    "bitwise_equal": False,
-                    "max_abs_diff": None,
-                    "within_tolerance": False,
-                    "atol": atol,
-                    "problem": f"datum {i} has non-finite logprobs",
-                }
+                return refused(f"datum {i} has non-finite logprobs")
             max_abs = max(max_abs, float(d.max()))
     return {
         "bitwise_equal": bool(bitwise),

@@ -165,14 +165,3 @@ def train_step(
     if len(recorder.records) != n_before + 1:
         raise TrainStepError(f"expected one loss call, the recorder saw {len(recorder.records) - n_before}")
     return recorder.records[-1], result
-
-
-def timed_updates(
-    training_client: tinker.TrainingClient,
-    datums: Sequence[tinker.Datum],
-    loss_fn: CustomLossFn,
-    adam: tinker.AdamParams,
-    n: int,
-) -> list[float]:
-    """Wall seconds of each of `n` unrecorded updates on the same minibatch (benchmarks)."""
-    return [minibatch_update(training_client, datums, loss_fn, adam).seconds for _ in range(n)]
