@@ -2,7 +2,7 @@
 arms' step at once on their own clients), on the embedded server with injected per-request
 latency standing in for a remote service's round trips.
 
-    python benchmarks/comparison_schedule.py [--latency-ms 300] [--steps 2] [--groups 2] [--max-tokens 64]
+    python benchmarks/comparison_schedule.py [--latency-ms 300] [--plan PLAN.json]
 
 Prints the wall seconds of each schedule for the same steps; nothing is asserted.
 """
@@ -23,7 +23,7 @@ import tinker
 from dppo_harness import constants
 from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.plans import load_plan, resized_plan
+from dppo_harness.plans import load_plan
 from dppo_harness.stages.comparison.run import make_loss, run_arm_step
 from dppo_harness.train.clients import create_from_state_observed
 
@@ -33,13 +33,12 @@ ROOT = Path(__file__).parents[1]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--latency-ms", type=float, default=300.0)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    # the size is the plan file's (default: 2 rollout steps x 2 groups, max_tokens 64)
+    ap.add_argument(
+        "--plan", type=Path, default=ROOT / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json"
+    )
     args = ap.parse_args()
-    plan = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
-    small = resized_plan(plan, rollout_steps=args.steps, groups_per_batch=args.groups, max_tokens=args.max_tokens)
-    run = small.run
+    run = load_plan(args.plan).spec_run
     renderer = tokenizer.make_renderer().renderer
     train = gsm8k.load_split("train", seed=0)
     faults = [f"--fault-latency-ms=*:{args.latency_ms:g}"] if args.latency_ms else []
@@ -74,7 +73,7 @@ def main() -> None:
             rows.setdefault(schedule, []).append(wall)
             print(
                 f"{schedule:12s} {run.rollout_steps} steps x 2 arms: {wall:.1f}s "
-                f"(latency {args.latency_ms:g} ms/request, {args.groups} groups x 8, max_tokens {args.max_tokens})",
+                f"(latency {args.latency_ms:g} ms/request, {int(run.groups_per_batch.value)} groups x 8, max_tokens {int(run.max_tokens.value)})",
                 flush=True,
             )
         # tinker 0.25 has no close: the server stops with the benchmark

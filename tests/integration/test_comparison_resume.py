@@ -19,7 +19,7 @@ import pytest
 
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.plans import load_plan, resized_plan
+from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import CapacityPolicy
@@ -29,8 +29,7 @@ from dppo_harness.stages.comparison.state import state_path
 from dppo_harness.stages.comparison.step_rows import comparable, row_differences
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-REHEARSAL = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
-PLAN = resized_plan(REHEARSAL, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)  # same sha256
+PLAN = load_plan(Path(__file__).parents[2] / "tests" / "fixtures" / "plans" / "comparison-ci-resume.json")
 
 
 def _live_session_holders():

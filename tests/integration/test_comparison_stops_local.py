@@ -18,7 +18,7 @@ from sdk_session import end_session
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
-from dppo_harness.plans import load_plan, resized_plan
+from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response
 from dppo_harness.stages.comparison import restore as comparison_restore
 from dppo_harness.stages.comparison.run import StopRequested, run_comparison
@@ -26,8 +26,7 @@ from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGu
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-REHEARSAL = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
-PLAN = resized_plan(REHEARSAL, rollout_steps=2, groups_per_batch=2, max_tokens=32, eval_items=2)
+PLAN = load_plan(Path(__file__).parents[2] / "tests" / "fixtures" / "plans" / "comparison-ci-small.json")
 ARM_NAMES = [a.name for a in PLAN.run.arms]
 
 

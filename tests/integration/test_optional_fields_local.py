@@ -28,7 +28,7 @@ from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.cli import build_parser, fault_config
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.process import InProcessServer
-from dppo_harness.plans import load_plan, resized_plan
+from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response
 from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
@@ -43,8 +43,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 ROOT = Path(__file__).parents[2]
 SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
 DIAG = load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
-REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
-CMP_PLAN = resized_plan(REHEARSAL, rollout_steps=2, groups_per_batch=2, max_tokens=32, eval_items=2)
+CMP_PLAN = load_plan(ROOT / "tests" / "fixtures" / "plans" / "comparison-ci-small.json")
 ARM_NAMES = [a.name for a in CMP_PLAN.run.arms]
 
 

@@ -393,14 +393,6 @@ def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
         _reparse(mutate)
 
 
-def test_resized_plan_changes_size_fields_together_and_never_the_input():
-    small = plans.resized_plan(SPEC, rollout_steps=3, groups_per_batch=2, max_tokens=64, eval_items=5)
-    run = small.run
-    assert (run.rollout_steps, run.groups_per_batch.value, run.max_tokens.value, run.eval_items) == (3, 2, 64, 5)
-    assert small.run.groups_per_batch.field == "resized_plan" and small.sha256 == SPEC.sha256
-    assert SPEC.raw["steps"] == 100 and "groups_per_batch=32" in SPEC.raw["method"] and SPEC.run.rollout_steps == 50
-
-
 def test_a_comparison_served_by_the_embedded_server_is_a_rehearsal_whatever_the_flag():
     from dppo_harness.plans import load_plan
     from dppo_harness.stages.comparison.run import is_rehearsal

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness.plans import PlanError, load_plan, parse_plan, resized_plan
+from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages import feasibility as feasibility_module
 from dppo_harness.stages import feasibility_projection as projection
 
@@ -196,15 +196,15 @@ class _FakeEvidence:
 
 
 def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
-    """One way to run smaller: a smaller plan (here the spec resized to 1 rollout step, 4 items)."""
+    """One way to run smaller: a smaller plan file (2 rollout steps x 2 groups, 4 test items)."""
     ev = _FakeEvidence()
-    small = resized_plan(spec, rollout_steps=1, groups_per_batch=32, eval_items=4)
+    small = load_plan(PLANS.parent / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json")
     res = feasibility_module.run_feasibility(
         None, small, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local", timings=_timings()
     )
-    assert res.schedule.batches_per_arm == 1 and res.schedule.eval_items == 8
-    # 10 + 2 arm-steps x 72 + 8 x 0.5 = 158; x1.25
-    assert res.projection.total_seconds == pytest.approx(158 * 1.25) and res.passed
+    assert res.schedule.batches_per_arm == 2 and res.schedule.eval_items == 8
+    # arm-step: 2 groups x 2 s + 2 updates x 4 s = 12; 10 + 4 arm-steps x 12 + 8 x 0.5 = 62; x1.25
+    assert res.projection.total_seconds == pytest.approx(62 * 1.25) and res.passed
     assert ev.files[feasibility_module.PILOT_FILE][1]["projection"]["fits"] is True
     assert ev.fields["feasibility"]["config"]["plan_sha256"] == small.sha256
     assert ev.fields["metrics"]["feasibility/fits"] == 1.0

@@ -19,7 +19,6 @@ from dppo_harness.plans.plan import (
     load_plan,
     parse_plan,
     plan_config,
-    resized_plan,
 )
 from dppo_harness.plans.rehearsal import leaf_differences
 from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
@@ -47,6 +46,5 @@ __all__ = [
     "load_plan",
     "parse_plan",
     "plan_config",
-    "resized_plan",
     "unauthorized_stages",
 ]

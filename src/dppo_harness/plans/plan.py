@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -39,7 +39,7 @@ from dppo_harness.plans.models import (
     validate_model,
 )
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
-from dppo_harness.plans.resolution import Resolution, Stated, load_resolution, quoted_values, resolution_path
+from dppo_harness.plans.resolution import Resolution, load_resolution, quoted_values, resolution_path
 from dppo_harness.plans.run_config import RunConfig, build_run_config
 from dppo_harness.plans.schema_errors import describe
 from dppo_harness.project import plans_dir as project_plans
@@ -476,38 +476,6 @@ def plan_config(plan: Plan) -> JsonObject:
         "config": body,
         "deviations": [as_object(d) for d in plan.deviations],
     }
-
-
-def resized_plan(
-    plan: Plan,
-    *,
-    rollout_steps: int,
-    groups_per_batch: int,
-    max_tokens: int | None = None,
-    eval_items: int | None = None,
-) -> Plan:
-    """A copy of a spec-kind plan at another size, for tests and benchmarks only (never a plan
-    file): steps, batch_size and eval.n_examples change with the run config's groups_per_batch and
-    max_tokens, and the copy keeps the original's sha256 (it is a test-size copy of that plan).
-    The method text stays as written; the resized values name this function as their source."""
-    if plan.run is None:
-        raise PlanError(f"kind: {plan.kind} has no experiment spec to resize")
-    run = plan.run
-    raw = json.loads(json.dumps(plan.raw))
-    spec = raw["spec"] if plan.kind == "rehearsal" else raw
-    spec["steps"] = rollout_steps * run.updates_per_batch
-    spec["batch_size"] = groups_per_batch * int(run.group_size.value)
-    if eval_items is not None:
-        spec["eval"]["n_examples"] = eval_items
-    model = ExperimentSpec.model_validate(spec)
-    wrapped = RehearsalPlan.model_validate(raw) if plan.kind == "rehearsal" else model
-    values = {k: v for k, v in run.schedule_values().items() if not v.default}  # defaults stay defaults
-    values["groups_per_batch"] = Stated(groups_per_batch, "resized_plan", "a test-size copy of the plan")
-    if max_tokens is not None:
-        values["max_tokens"] = Stated(max_tokens, "resized_plan", "a test-size copy of the plan")
-    return replace(
-        plan, raw=raw, model=wrapped, run=build_run_config(model, values, run.baseline.name, run.baseline_source)
-    )
 
 
 def plan_errors(path: str | Path, *, repo_root: Path | None = None) -> list[str]:
