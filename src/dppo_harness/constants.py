@@ -10,7 +10,6 @@ RENDERER_NAME = "qwen3_5"
 STOP_TOKEN_ID = 248046  # <|im_end|>
 
 REFERENCE_REVISION = "sail-sg/Stable-RL@c6af1d119c0fe30d16dd9a837d35fdf695acd226:verl/trainer/ppo/core_algos.py"
-REFERENCE_PORT_REVISION = "verl-project/verl@182383bbb58035a5587db6835872977e26441dcd"
 BASELINE_REVISION = (
     "tinker==0.25.0 ppo loss; tinker-cookbook==0.5.7 rl/train.py, rl/data_processing.py::compute_advantages"
 )

@@ -56,12 +56,10 @@ class TmlQwen35Tokenizer:
         # Longest first so a token that is a prefix of another never wins.
         alternatives = sorted(special, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in alternatives) + ")")
-        self.eos_token = self.tml_tokenizer.decode([self.encode_special_name(self.tml_tokenizer.eos_token)])
+        self.eos_token = self.tml_tokenizer.decode(
+            [int(self.tml_tokenizer.encode_special(self.tml_tokenizer.eos_token))]
+        )
         self.eos_token_id = special[self.eos_token]
-        self.bos_token = self.tml_tokenizer.bos_token or None
-
-    def encode_special_name(self, name: str) -> int:
-        return int(self.tml_tokenizer.encode_special(name))
 
     def encode(self, text: str, add_special_tokens: bool = False, **_: object) -> list[int]:
         if add_special_tokens:
@@ -83,11 +81,6 @@ class TmlQwen35Tokenizer:
             ids = [t for t in ids if not self.tml_tokenizer.is_special_token(t)]
         return str(self.tml_tokenizer.decode(ids))
 
-    def convert_tokens_to_ids(self, token: str) -> int:
-        if token not in self.special_token_ids:
-            raise KeyError(f"{token!r} is not a special token of the tml-renderers Qwen3.5 tokenizer")
-        return self.special_token_ids[token]
-
 
 @functools.cache
 def _tml_qwen35() -> TmlQwen35Tokenizer:
@@ -102,7 +95,7 @@ def _tml_qwen35() -> TmlQwen35Tokenizer:
 register_tokenizer(TML_QWEN35, _tml_qwen35)  # type: ignore[arg-type]
 
 
-def _package_version(name: str) -> str | None:
+def package_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -128,7 +121,7 @@ def load_tokenizer(choice: str = TML_QWEN35) -> tuple[Tokenizer, JsonObject]:
         "kind": "tml-renderers",
         "class": "tml_renderers.tokenizers.Qwen35Tokenizer",
         "adapter": f"{__name__}.TmlQwen35Tokenizer",
-        "package_version": _package_version("tml-renderers"),
+        "package_version": package_version("tml-renderers"),
     }
     check_special_ids(tokenizer)
     prov["special_ids"] = dict(EXPECTED_SPECIAL_IDS.items())
@@ -170,7 +163,7 @@ def make_renderer(choice: str = TML_QWEN35, renderer_name: str = constants.RENDE
         "renderer_name": renderer_name,
         "renderer_class": f"{type(renderer).__module__}.{type(renderer).__qualname__}",
         "stop_sequences": list(stop),
-        "tinker_cookbook_version": _package_version("tinker-cookbook"),
+        "tinker_cookbook_version": package_version("tinker-cookbook"),
     }
     return TokenizerBundle(choice, tokenizer, renderer, renderer_name, provenance)
 

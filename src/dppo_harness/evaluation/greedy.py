@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import importlib.metadata
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -82,13 +81,6 @@ def evaluator_id(provenance: JsonObject) -> str:
     return hashlib.sha256(canonical_json(provenance).encode()).hexdigest()
 
 
-def _version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def dataset_of(items: Sequence[object]) -> str:
     """The registered dataset the evaluation items belong to (the dataset seam serves them:
     `dataset.get(name)`), from the module that defines their type; ValueError if not exactly one."""
@@ -124,7 +116,7 @@ def code_manifest(dataset_name: str) -> JsonObject:
     files: JsonObject = {
         name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in sorted(code_files(dataset_name).items())
     }
-    versions: JsonObject = {name: _version(name) for name in DEPENDENCIES}
+    versions: JsonObject = {name: tokenizer_mod.package_version(name) for name in DEPENDENCIES}
     return {"files": files, "versions": versions, "python": platform.python_version()}
 
 
@@ -186,10 +178,6 @@ class FrozenEvaluator:
                 f"evaluator {self.evaluator_id[:12]} changed after freezing ({', '.join(changed)}); "
                 "re-freeze and re-evaluate every compared arm and the base model"
             )
-
-    def record(self) -> JsonObject:
-        """The ``evaluators[<id>]`` entry of the evaluation object: the provenance the id hashes."""
-        return dict(self.provenance)
 
 
 def select_items(
@@ -402,7 +390,7 @@ def evaluation_object(
     """The ``evaluation`` object of result.json: evaluator records by id, scores and comparisons."""
     return {
         "version": 1,
-        "evaluators": {ev.evaluator_id: ev.record() for ev in evaluators},
+        "evaluators": {ev.evaluator_id: dict(ev.provenance) for ev in evaluators},  # the provenance each id hashes
         "scores": list(scores),
         "comparisons": list(comparisons),
     }
