@@ -3,13 +3,8 @@
 The `qwen3_5` renderer prefills every generation prompt with `<think>\\n`, so a response starts
 inside a reasoning block; one cut off at `max_tokens` before its `\\boxed{}` answer scores 0
 (-0.1 in training). Both arms are then pulled toward zero, so every batch and every scored model
-says how often that happened:
-
-- **truncated**: the sampler reported `stop_reason == "length"` (it stopped at `max_tokens`, not at
-  the renderer's stop sequence). The service's own word, never inferred from lengths;
-- **no parseable answer**: the cookbook's `math_grading.extract_boxed` finds no `\\boxed{}` in the
-  response's parsed text (the answer the grader would read does not exist);
-- **mean response length**: sampled tokens per response, stop token included when sampled.
+says how often that happened (`DEFINITIONS`). Truncation is the sampler's own word (its
+stop_reason), never inferred from lengths.
 """
 
 from __future__ import annotations

@@ -208,12 +208,11 @@ def paired_hoeffding_from_rows(
     bounds: tuple[float, float] = (0.0, 1.0),
 ) -> JsonObject:
     paired = pair_observations(rows, treatment, baseline, metric)
-    checked: dict[str, list[float]] = {}
-    for arm in ("treatment", "baseline"):
-        checked[arm] = []
-        for k, v in zip(paired.keys, paired.values(arm)):
-            checked[arm].append(_check_value(v, bounds, f"{arm} item {k[0]!r} seed {k[1]!r}"))
-    out = paired_hoeffding(checked["treatment"], checked["baseline"], alpha=alpha, margin=margin, bounds=bounds)
+    t, b = (
+        [_check_value(v, bounds, f"{arm} item {k[0]!r} seed {k[1]!r}") for k, v in zip(paired.keys, paired.values(arm))]
+        for arm in ("treatment", "baseline")
+    )
+    out = paired_hoeffding(t, b, alpha=alpha, margin=margin, bounds=bounds)
     return {
         "treatment": treatment,
         "baseline": baseline,

@@ -1,21 +1,11 @@
 """The typed run configuration of an experiment spec, built once at plan load.
 
-`build_run_config(spec, values, baseline)` turns a validated `ExperimentSpec` into the `RunConfig`
-every stage reads: arms with their roles, losses and optimizer settings; the sampling schedule,
-which the spec states only in its `method` prose and the resolution file states beside it, each
-value with the sentence it quotes (`resolution.Stated`); the sizes; the gate checks; the decision
-criteria resolved to arms. It refuses, with one line naming the field, a spec that the harness
-cannot run as written:
-
-- batch_size != groups_per_batch x group_size, steps not a multiple of updates_per_batch, a
-  batch that cannot form one complete-group minibatch per update, max_tokens that leaves no room
-  for a prompt in max_seq_len;
-- an arm names an unregistered loss (`loss_registry.LOSSES`), the dataset is not registered
-  (`dataset.DATASETS`), a gate check's metric is provided by no registered loss, a correctness
-  path is not one the harness implements;
-- roles cannot be told: the baseline is the arm the resolution file names, every other arm is a
-  treatment; each criterion's +1/-1 weights name arms or the roles `treatment`/`baseline` (a role
-  must name one arm).
+`build_run_config` turns a validated `ExperimentSpec` into the `RunConfig` every stage reads (arms
+with their roles, losses and optimizers; the sampling schedule the resolution file states, each
+value with the sentence it quotes; sizes; gate checks; criteria resolved to arms), or refuses, in
+one line naming the field, a spec the harness cannot run as written. The baseline is the arm the
+resolution file names, every other arm a treatment; a criterion's +1/-1 weights name arms or the
+roles `treatment`/`baseline` (a role must name one arm).
 """
 
 from __future__ import annotations
