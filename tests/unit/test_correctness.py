@@ -19,6 +19,7 @@ from dppo_harness.loss import (
     correctness_reference,
     references,
 )
+from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "dppo_golden_v1.json"
@@ -35,11 +36,12 @@ SPEC = {
     }
 }
 _, CASES = correctness_reference.load_golden(GOLDEN)
+DPPO_PARAMS = get_loss(DPPO_LOSS).params  # delta: the plan's, as the golden file was generated at
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_independent_reference_reproduces_golden_in_float64(case):
-    r = references.ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT)
+    r = references.ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", **DPPO_PARAMS)
     assert np.array_equal(r.decision_BT, case.dppo_mask_BT > 0)
     assert r.loss == pytest.approx(case.dppo_loss, rel=1e-12, abs=1e-15)
     np.testing.assert_allclose(r.grad_BT, case.dppo_grad_BT, rtol=1e-12, atol=1e-15)

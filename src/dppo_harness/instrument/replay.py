@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import pooled as pooled_mod
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import references
 from dppo_harness.loss import terms as loss_terms
+from dppo_harness.loss.loss_registry import DPPO_DELTA
 from dppo_harness.loss.terms import HIST_SIGNS, LossStats, TokenTerms
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 

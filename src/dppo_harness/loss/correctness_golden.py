@@ -36,7 +36,7 @@ from dppo_harness.loss.correctness_measures import (
 )
 from dppo_harness.loss.correctness_packed import PackedRun, run_packed
 from dppo_harness.loss.correctness_reference import MODES, GoldenCase, PackedCase, file_sha256, load_golden, pack_case
-from dppo_harness.loss.loss_registry import get_loss
+from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 from dppo_harness.loss.references import ref_dppo, ref_ppo, token_count
 
 # verl's vanilla PPO (the golden grpo_no_dual_clip entry) keeps a dual clip at c=1e4 and clamps the
@@ -119,6 +119,11 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
 # Per-case checks
 
 
+def _dppo_params() -> Mapping[str, float]:
+    """The registered DPPO rule's parameters (its delta is the plan's)."""
+    return get_loss(DPPO_LOSS).params
+
+
 def _loss_grad_check(
     name: str,
     loss: float,
@@ -165,7 +170,7 @@ def check_case(case: GoldenCase, mode: str, tolerances: Tolerances | None = None
 
 def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
     """The independent implementation must itself reproduce the golden file (exact masks)."""
-    rd = ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT)
+    rd = ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", **_dppo_params())
     fails = [] if np.array_equal(rd.decision_BT, case.dppo_mask_BT > 0) else ["mask differs"]
     subs = [
         _loss_grad_check(
@@ -214,7 +219,7 @@ def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
 def _dppo_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> SubCheck:
     """Treatment (reference parity): DPPO, token_mean."""
     run = run_packed(case, packed, "dppo", "token_mean", mode)
-    r_used = ref_dppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT)
+    r_used = ref_dppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean", **_dppo_params())
     flips = int((r_used.decision_BT != (case.dppo_mask_BT > 0)).sum())
     if flips == 0:
         exp_loss, exp_grad, exp_mask, note = case.dppo_loss, case.dppo_grad_BT, case.dppo_mask_BT > 0, "vs golden"

@@ -12,13 +12,15 @@ module imports no torch (plan loading stays cheap): the rules use the tensors' o
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.loss import references
 from dppo_harness.loss.terms import LossStats, TokenTerms
+from dppo_harness.project import project_root
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +30,12 @@ Normalization = Literal["sum", "token_mean"]
 # The exchange's two loss names (the spec's `arms[*].loss`).
 DPPO_LOSS = "dppo_divergence_mask"
 GRPO_LOSS = "grpo_clip_eps0.2"
+
+# The DPPO threshold has one home: the plan that pins the rule (its `fixed_settings.treatment.delta`).
+# Every loss config, the golden cases (`python -m dppo_harness.loss.golden`) and the self-test read it
+# from the registered entry. Read as JSON: the plans package imports this registry.
+DELTA_PLAN = "plans/exp_e6b0965af3-diagnostic-r1.json"
+DPPO_DELTA = float(json.loads((project_root() / DELTA_PLAN).read_text())["fixed_settings"]["treatment"]["delta"])
 
 # Activation-gate metrics the harness measures itself, whatever the losses.
 HARNESS_GATE_METRICS = ("executed_updates_per_batch", "executed_base_model")

@@ -26,8 +26,8 @@ import numpy.typing as npt
 import tinker
 import torch
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
-from dppo_harness.loss.loss_registry import DPPO_LOSS, Normalization, get_loss
+from dppo_harness.constants import DPPO_RATIO_CAP, PPO_EPS
+from dppo_harness.loss.loss_registry import DPPO_DELTA, DPPO_LOSS, Normalization, get_loss
 from dppo_harness.loss.terms import LossStats, TokenTerms, stats
 
 _NORMALIZATIONS = ("sum", "token_mean")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ def ref_dppo(
     mu_BT: np.ndarray,
     adv_BT: np.ndarray,
     mask_BT: np.ndarray,
-    normalization: str = "token_mean",
-    dppo_delta: float = DPPO_DELTA,
+    normalization: str,
+    dppo_delta: float,
     ratio_cap: float = DPPO_RATIO_CAP,
     log_ratio_max: float = LOG_RATIO_CLAMP_MAX,
 ) -> RefResult:
