@@ -1,11 +1,7 @@
-"""The correctness preflight's ``correctness_preflight`` block, its validator, and the CLI.
-
-``build_preflight_block`` turns a golden parity report (``correctness_golden.check_golden``) into
-the spec's ``correctness_preflight`` block: worst-case errors over every case and mode, fixed-input
-hash, revisions, precision and normalization. ``validate_preflight`` checks a written block: ``failed``
-unless every check the spec sets a tolerance for passes it. The golden cases and their packing are in
-``correctness_reference``, the independent padded implementations in ``references``; they share
-nothing with ``losses.py`` beyond ``constants.py``.
+"""The correctness preflight's ``correctness_preflight`` block: the paths the harness implements,
+golden parity's error measures and their acceptance rule, the block built from a parity report,
+its validator, and the CLI. numpy only: the parity run itself (torch, the SDK) is
+``correctness_golden``, which the ``validate`` command never loads.
 
 CLI::
 
@@ -24,27 +20,190 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import JsonValue
 
 from dppo_harness.constants import BASELINE_REVISION, REFERENCE_REVISION
 from dppo_harness.json_types import JsonObject
-from dppo_harness.loss.correctness_measures import (
-    CHECK_NAMES,
-    DEFAULT_TOLERANCES,
-    ErrorMeasures,
-    GoldenReport,
-    Tolerances,
-    errors_pass,
-    measures_json,
-)
-from dppo_harness.loss.correctness_paths import DEFAULT_PATH_ID, implemented_list
-from dppo_harness.loss.correctness_reference import GOLDEN_SCHEMA, MODES, GoldenError
 from dppo_harness.service.secrets_scan import without_credentials
 
-PATH_ID = DEFAULT_PATH_ID  # the block's path when no spec names one (the CLI without --spec)
+GOLDEN_SCHEMA = "dppo_golden_v1"
+MODES = ("float64", "float32", "float64-datum")  # the packed path's modes (`correctness_golden`)
+
+
+class GoldenError(ValueError):
+    """The golden file is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ImplementedPath:
+    """A correctness-preflight path this harness implements: a spec naming another id (or another
+    kind) is refused at load rather than run with a check it did not ask for."""
+
+    id: str
+    kind: str
+    what: str  # what the harness checks under this id, for the refusal line and the docs
+
+
+PATH_ID = "grpo_dppo_custom_loss"  # the block's path when no spec names one (the CLI without --spec)
+IMPLEMENTED_PATHS = {
+    PATH_ID: ImplementedPath(
+        PATH_ID, "loss", "both registered losses through forward_backward_custom against the pinned golden values"
+    )
+}
+
+
+def implemented_list() -> str:
+    return ", ".join(f"{p.id} (kind {p.kind}: {p.what})" for p in IMPLEMENTED_PATHS.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden parity's error measures: max |error| <= atol + rtol x max |reference|, and cosine >= min_cosine
+# where the tolerance sets one; and the records of a parity run.
+
+CHECK_NAMES = ("baseline_loss", "baseline_gradient", "reference_loss", "reference_gradient")
+
+
+# The spec's tolerances (plans/exp_e6b0965af3.json, correctness_preflight.paths[0].tolerances);
+# used only when check-golden runs without --spec.
+DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
+    "baseline_loss": {"atol": 1e-5, "rtol": 1e-4},
+    "baseline_gradient": {"atol": 1e-5, "rtol": 1e-3, "min_cosine": 0.9999},
+    "reference_loss": {"atol": 1e-5, "rtol": 1e-4},
+    "reference_gradient": {"atol": 1e-5, "rtol": 1e-3, "min_cosine": 0.9999},
+}
+
+
+Tolerances = Mapping[str, Mapping[str, float]]  # check name -> {atol, rtol, min_cosine}
+
+
+class ErrorMeasures(TypedDict):
+    """One comparison's error measures (a check of the `correctness_preflight` block's `errors`)."""
+
+    max_abs_error: float
+    reference_max_abs: float
+    relative_l2_error: float | None  # None for a zero reference
+    cosine_similarity: float | None  # None for a zero vector
+
+
+def parity_errors(actual: npt.ArrayLike, reference: npt.ArrayLike) -> ErrorMeasures:
+    """max_abs_error, reference_max_abs, relative_l2_error (None for zero reference), cosine (None for a zero vector)."""
+    a = np.asarray(actual, dtype=np.float64).ravel()
+    r = np.asarray(reference, dtype=np.float64).ravel()
+    if a.shape != r.shape:
+        raise ValueError(f"parity_errors: shapes differ {a.shape} vs {r.shape}")
+    diff = a - r
+    ref_norm = float(np.linalg.norm(r))
+    act_norm = float(np.linalg.norm(a))
+    return {
+        "max_abs_error": float(np.max(np.abs(diff))) if diff.size else 0.0,
+        "reference_max_abs": float(np.max(np.abs(r))) if r.size else 0.0,
+        "relative_l2_error": float(np.linalg.norm(diff)) / ref_norm if ref_norm > 0 else None,
+        "cosine_similarity": float(np.dot(a, r)) / (act_norm * ref_norm) if act_norm > 0 and ref_norm > 0 else None,
+    }
+
+
+def measures_json(e: ErrorMeasures) -> JsonObject:
+    return {
+        "max_abs_error": e["max_abs_error"],
+        "reference_max_abs": e["reference_max_abs"],
+        "relative_l2_error": e["relative_l2_error"],
+        "cosine_similarity": e["cosine_similarity"],
+    }
+
+
+def errors_pass(errors: Mapping[str, object], tol: Mapping[str, float]) -> tuple[bool, str]:
+    """The acceptance rule: max_abs_error <= atol + rtol * reference_max_abs (both finite and
+    non-negative) and, where `tol` sets min_cosine, cosine_similarity >= it (missing only for an
+    exact zero on both sides); returns (passed, reason). `errors` may be a recorded block's JSON."""
+    measures: list[float] = []
+    for key in ("max_abs_error", "reference_max_abs"):
+        v = errors.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            return False, f"{key} must be a finite non-negative number, got {v!r}"
+        measures.append(v)
+    max_abs, ref_max_abs = measures
+    bound = float(tol["atol"]) + float(tol.get("rtol", 0.0)) * ref_max_abs
+    if not max_abs <= bound:
+        return False, f"max_abs_error {max_abs:.3g} > atol+rtol*ref {bound:.3g}"
+    if "min_cosine" in tol:
+        cos = errors.get("cosine_similarity")
+        exact_zero = max_abs == 0 and ref_max_abs == 0
+        if cos is None and not exact_zero:
+            return False, "cosine_similarity missing (zero vector) but min_cosine is required"
+        if cos is not None and (not isinstance(cos, (int, float)) or not cos >= float(tol["min_cosine"])):
+            return False, f"cosine {cos!r} < min_cosine {tol['min_cosine']}"
+    return True, "ok"
+
+
+@dataclass
+class SubCheck:
+    name: str
+    passed: bool
+    detail: str
+    errors: dict[str, ErrorMeasures] = field(default_factory=dict)  # check name -> error measures
+
+
+@dataclass
+class CaseResult:
+    case: str
+    mode: str
+    subchecks: list[SubCheck]
+
+    @property
+    def passed(self) -> bool:
+        return all(s.passed for s in self.subchecks)
+
+    def line(self) -> str:
+        parts = [f"{s.name}:{'ok' if s.passed else 'FAIL'}({s.detail})" for s in self.subchecks]
+        return f"{'PASS' if self.passed else 'FAIL'} {self.case} [{self.mode}] " + " ".join(parts)
+
+    def to_json(self) -> JsonObject:
+        return {
+            "case": self.case,
+            "mode": self.mode,
+            "passed": self.passed,
+            "subchecks": [
+                {
+                    "name": s.name,
+                    "passed": s.passed,
+                    "detail": s.detail,
+                    "errors": {k: measures_json(e) for k, e in s.errors.items()},
+                }
+                for s in self.subchecks
+            ],
+        }
+
+
+@dataclass
+class GoldenReport:
+    path: str
+    sha256: str
+    results: list[CaseResult]
+
+    @property
+    def n_passed(self) -> int:
+        return sum(r.passed for r in self.results)
+
+    @property
+    def n_failed(self) -> int:
+        return len(self.results) - self.n_passed
+
+    def to_json(self) -> JsonObject:
+        return {
+            "golden_path": self.path,
+            "golden_sha256": self.sha256,
+            "passed": self.n_passed,
+            "failed": self.n_failed,
+            "results": [r.to_json() for r in self.results],
+        }
+
+
 _LOSSES_PY = Path(__file__).with_name("losses.py")
 
 
@@ -64,13 +223,6 @@ def _object(value: JsonValue) -> JsonObject:
     """A JSON value that must be an object here (a spec's or block's structure)."""
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _list(value: JsonValue) -> list[JsonValue]:
-    """A JSON value that must be a list here."""
-    if not isinstance(value, list):
-        raise ValueError(f"expected a JSON list, got {type(value).__name__}")
     return value
 
 
@@ -117,17 +269,12 @@ def spec_tolerances(spec: JsonObject, path_id: str | None = None) -> dict[str, d
             tol = p.get("tolerances")
             if not isinstance(tol, dict) or not tol:
                 raise ValueError(f"spec path {path_id!r} has no tolerances")
-            return _tolerances(tol)
+            return {check: _limits(limits) for check, limits in tol.items()}
     raise ValueError(f"spec has no correctness_preflight path {path_id!r}")
 
 
 def implementation_revision() -> str:
     return hashlib.sha256(_LOSSES_PY.read_bytes()).hexdigest()
-
-
-def _tolerances(tol: JsonObject) -> dict[str, dict[str, float]]:
-    """A spec path's tolerances: check name -> {limit name: number}."""
-    return {check: _limits(limits) for check, limits in tol.items()}
 
 
 def _utilization(errors: ErrorMeasures, tol: Mapping[str, float]) -> float:
@@ -208,14 +355,6 @@ def _path_block(report: GoldenReport, path_id: str, tol: Tolerances) -> JsonObje
 # Validator: exit nonzero unless the status is passed or not_applicable
 
 
-def _is_hex64(v: JsonValue) -> bool:
-    return isinstance(v, str) and len(v) == 64 and all(ch in "0123456789abcdef" for ch in v.lower())
-
-
-def _nonempty_str(v: JsonValue) -> bool:
-    return isinstance(v, str) and v.strip() != ""
-
-
 def validate_preflight(spec: JsonValue, preflight: JsonValue) -> tuple[str, list[str]]:
     """Return (status, messages); status in {'passed', 'failed', 'not_applicable'}."""
     spec_block = spec.get("correctness_preflight", spec) if isinstance(spec, dict) else None
@@ -233,7 +372,7 @@ def validate_preflight(spec: JsonValue, preflight: JsonValue) -> tuple[str, list
     if not isinstance(paths, list):
         return "failed", msgs + ["FAIL preflight.paths must be a list"]
     by_id = {p.get("id"): p for p in paths if isinstance(p, dict)}
-    for entry in _list(spec_block.get("paths", []) or []):
+    for entry in spec_block.get("paths") or []:  # a malformed spec raises: never a pass
         sp = _object(entry)
         pid = sp.get("id")
         p = by_id.get(pid)
@@ -249,11 +388,13 @@ def _validate_path(pid: JsonValue, sp: JsonObject, p: JsonObject) -> list[str]:
     """Messages for one spec path against its preflight entry `p`."""
     msgs: list[str] = []
     fi = p.get("fixed_input")
-    if not (isinstance(fi, dict) and _is_hex64(fi.get("sha256")) and _nonempty_str(fi.get("description"))):
+    sha, what = (fi.get("sha256"), fi.get("description")) if isinstance(fi, dict) else (None, None)
+    hex64 = isinstance(sha, str) and len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha.lower())
+    if not (hex64 and isinstance(what, str) and what.strip()):
         msgs.append(f"FAIL {pid}: fixed_input needs a 64-hex sha256 and a description")
     for key in ("baseline_revision", "reference_revision", "implementation_revision", "precision", "normalization"):
         v = p.get(key)
-        if not isinstance(v, str) or not _nonempty_str(v) or v.strip().upper().startswith("UNRESOLVED"):
+        if not isinstance(v, str) or not v.strip() or v.strip().upper().startswith("UNRESOLVED"):
             msgs.append(f"FAIL {pid}: {key} missing or unresolved ({v!r})")
     recorded = p.get("errors")
     errors = recorded if isinstance(recorded, dict) else {}
