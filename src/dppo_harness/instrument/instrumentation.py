@@ -285,6 +285,8 @@ def record_prob_diff(record: LossCallRecord, loss_cfg: losses.LossConfig) -> np.
     if record.prob_diff_N is None:
         t = record.tensors
         keys = ("sampler_logprobs_N", "advantages_N", "mask_N")
-        f64 = (torch.from_numpy(t[k].astype(np.float64)) for k in keys)
-        record.prob_diff_N = losses.token_terms(torch.from_numpy(t["logprobs_N"]), *f64, loss_cfg).prob_diff_N.numpy()
+        mu, adv, mask = (torch.from_numpy(t[k].astype(np.float64)) for k in keys)
+        record.prob_diff_N = losses.token_terms(
+            torch.from_numpy(t["logprobs_N"]), mu, adv, mask, loss_cfg
+        ).prob_diff_N.numpy()
     return record.prob_diff_N

@@ -109,12 +109,7 @@ def parity_errors(actual: npt.ArrayLike, reference: npt.ArrayLike) -> ErrorMeasu
 
 
 def measures_json(e: ErrorMeasures) -> JsonObject:
-    return {
-        "max_abs_error": e["max_abs_error"],
-        "reference_max_abs": e["reference_max_abs"],
-        "relative_l2_error": e["relative_l2_error"],
-        "cosine_similarity": e["cosine_similarity"],
-    }
+    return {k: e[k] for k in ("max_abs_error", "reference_max_abs", "relative_l2_error", "cosine_similarity")}
 
 
 def errors_pass(errors: Mapping[str, object], tol: Mapping[str, float]) -> tuple[bool, str]:
@@ -164,20 +159,16 @@ class CaseResult:
         return f"{'PASS' if self.passed else 'FAIL'} {self.case} [{self.mode}] " + " ".join(parts)
 
     def to_json(self) -> JsonObject:
-        return {
-            "case": self.case,
-            "mode": self.mode,
-            "passed": self.passed,
-            "subchecks": [
-                {
-                    "name": s.name,
-                    "passed": s.passed,
-                    "detail": s.detail,
-                    "errors": {k: measures_json(e) for k, e in s.errors.items()},
-                }
-                for s in self.subchecks
-            ],
-        }
+        subchecks: list[JsonValue] = [
+            {
+                "name": s.name,
+                "passed": s.passed,
+                "detail": s.detail,
+                "errors": {k: measures_json(e) for k, e in s.errors.items()},
+            }
+            for s in self.subchecks
+        ]
+        return {"case": self.case, "mode": self.mode, "passed": self.passed, "subchecks": subchecks}
 
 
 @dataclass
@@ -195,28 +186,17 @@ class GoldenReport:
         return len(self.results) - self.n_passed
 
     def to_json(self) -> JsonObject:
+        results: list[JsonValue] = [r.to_json() for r in self.results]
         return {
             "golden_path": self.path,
             "golden_sha256": self.sha256,
             "passed": self.n_passed,
             "failed": self.n_failed,
-            "results": [r.to_json() for r in self.results],
+            "results": results,
         }
 
 
 _LOSSES_PY = Path(__file__).with_name("losses.py")
-
-
-class ValidatorRun(TypedDict):
-    """What `run_validator_cli` records of one validator run."""
-
-    kind: str
-    command: str
-    spec_sha256: str
-    preflight_sha256: str
-    exit_code: int
-    stdout: str
-    stderr: str
 
 
 def _object(value: JsonValue) -> JsonObject:
@@ -372,7 +352,10 @@ def validate_preflight(spec: JsonValue, preflight: JsonValue) -> tuple[str, list
     if not isinstance(paths, list):
         return "failed", msgs + ["FAIL preflight.paths must be a list"]
     by_id = {p.get("id"): p for p in paths if isinstance(p, dict)}
-    for entry in spec_block.get("paths") or []:  # a malformed spec raises: never a pass
+    spec_paths = spec_block.get("paths") or []
+    if not isinstance(spec_paths, list):  # a malformed spec raises: never a pass
+        raise ValueError(f"expected a JSON list, got {type(spec_paths).__name__}")
+    for entry in spec_paths:
         sp = _object(entry)
         pid = sp.get("id")
         p = by_id.get(pid)
@@ -500,7 +483,7 @@ def _load_json(path: str, what: str) -> JsonValue:
         raise SystemExit(f"error: cannot read {what} {path}: {exc}") from None
 
 
-def run_validator_cli(spec_bytes: bytes, preflight_block: JsonObject, timeout_s: float = 120.0) -> ValidatorRun:
+def run_validator_cli(spec_bytes: bytes, preflight_block: JsonObject, timeout_s: float = 120.0) -> JsonObject:
     """Run `python -m dppo_harness.loss.correctness validate` on the WRITTEN preflight block (the
     validator judges the file as written, not the object in memory), and return its exit code and output."""
     with tempfile.TemporaryDirectory() as d:

@@ -47,6 +47,7 @@ from dppo_harness.loss.correctness import (
     errors_pass,
     parity_errors,
 )
+from dppo_harness.loss.golden import case_inputs
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, Normalization, get_loss
 from dppo_harness.loss.references import ref_dppo, ref_ppo, token_count
 
@@ -320,11 +321,8 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
     for c in cases:
         label = f"{name}/{c.get('name', '?')}"
         try:
-            shape = tuple(int(x) for x in c["shape"])
-            lp, mu, adv, mask = (
-                np.asarray(c[k], dtype=np.float64).reshape(shape)
-                for k in ("log_prob", "rollout_log_prob", "advantages", "response_mask")
-            )
+            lp, mu, adv, mask = case_inputs(c)
+            shape = lp.shape
             want = c[entry.golden.key]
             want_loss, want_grad = (
                 float(want["loss"]),

@@ -137,16 +137,17 @@ def _boundary_case(case: JsonObject, delta: float) -> JsonObject:
     return out
 
 
+def case_inputs(case: JsonObject) -> tuple[np.ndarray, ...]:
+    """A case's (lp, mu, adv, mask) as float64 [B, T] arrays (KeyError, TypeError or ValueError when malformed)."""
+    dims = case["shape"]
+    shape = tuple(int(x) for x in dims) if isinstance(dims, list) else ()  # type: ignore[arg-type]
+    keys = ("log_prob", "rollout_log_prob", "advantages", "response_mask")
+    return tuple(np.asarray(case[k], dtype=np.float64).reshape(shape) for k in keys)
+
+
 def _case_entry(case: JsonObject, entry: LossEntry) -> JsonObject:
     """The case's values for one registered loss, regenerated from its reference."""
-    dims = case["shape"]
-    if not isinstance(dims, list) or not all(isinstance(x, int) for x in dims):
-        raise ValueError(f"case {case.get('name')!r}: shape {dims!r} is not a list of sizes")
-    shape = tuple(x for x in dims if isinstance(x, int))
-    lp, mu, adv, mask = (
-        np.asarray(case[k], dtype=np.float64).reshape(shape)
-        for k in ("log_prob", "rollout_log_prob", "advantages", "response_mask")
-    )
+    lp, mu, adv, mask = case_inputs(case)
     golden = entry.golden
     ref = entry.reference(lp, mu, adv, mask, golden.normalization, **entry.params, **golden.reference_params)
     old = case.get(golden.key)

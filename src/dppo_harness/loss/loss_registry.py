@@ -1,13 +1,9 @@
 """The loss registry: every loss a spec's arm may name is one entry (verl `core_algos` style: one
-registry, one signature).
-
-An entry holds the loss's packed per-token rule (called by `losses.packed_loss`), its
-parameters, the family of per-token decisions it trains with (whose statistics, `terms.LossStats`,
-are then its own), the activation-gate metrics it provides, its independent numpy reference
-(`references.py`) and its golden cases. A plan naming an unregistered loss is refused at load
-(`plans.run_config`), before any service call. A loss that trains with the existing decisions is
-an entry here, its reference and its golden cases (`python -m dppo_harness.loss.golden`). This
-module imports no torch (plan loading stays cheap): the rules use the tensors' own methods.
+registry, one signature): its packed per-token rule (called by `losses.packed_loss`), its
+parameters, the decisions it trains with (whose `terms.LossStats` are then its own), the gate
+metrics it provides, its independent numpy reference (`references.py`) and its golden cases
+(`python -m dppo_harness.loss.golden`). A plan naming an unregistered loss is refused at load. No
+torch import (plan loading stays cheap): the rules use the tensors' own methods.
 """
 
 from __future__ import annotations
@@ -55,11 +51,10 @@ Decisions = Literal["dppo", "ppo", ""]
 
 @dataclass(frozen=True)
 class GoldenCases:
-    """Where a loss's golden values live: a JSON file (relative to the project root) whose
-    `cases[i]` hold padded inputs (`log_prob`, `rollout_log_prob`, `advantages`,
-    `response_mask`, `shape`) and, under `key`, the expected `loss` and `grad_log_prob` at
-    `normalization`. `reference_params` are the keyword arguments with which the loss's
-    reference reproduces them (a variant of the rule, e.g. verl's clamps; empty: as trained)."""
+    """A loss's golden values: a JSON file (relative to the project root) whose `cases[i]` hold
+    padded inputs and, under `key`, the expected `loss` and `grad_log_prob` at `normalization`;
+    `reference_params`: the options with which the reference reproduces them (a variant of the
+    rule, e.g. verl's clamps; empty: as trained)."""
 
     file: str
     key: str

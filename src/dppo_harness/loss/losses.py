@@ -80,11 +80,12 @@ class PackedInputs:
     first_token_S: np.ndarray  # model_input[0] (-1 for an empty input): with target_tokens it rebuilds every sequence
     lengths_S: np.ndarray  # int64, T of each datum
 
-    def as_float64(self) -> tuple[torch.Tensor, ...]:
+    def as_float64(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Float64 copies of (sampler logprobs, advantages, mask), never views of the datums."""
-        return tuple(
+        mu, adv, mask = (
             torch.from_numpy(x.astype(np.float64)) for x in (self.sampler_logprobs_N, self.advantages_N, self.mask_N)
         )
+        return mu, adv, mask
 
 
 def unpack_datums(data: Sequence[tinker.Datum]) -> PackedInputs:

@@ -1,12 +1,8 @@
 """Independent numpy references of the registered losses (padded [B, T] layout, float64,
-closed-form gradients, no autograd).
-
-Written from ``/work/shared/reference/dppo-binary-tv.md``; they share nothing with ``losses.py``
-beyond ``constants.py``. Each registered loss (`loss_registry.LOSSES`) names its reference here; the
-correctness preflight, the registry's golden parity and `replay` compare the packed training
-path against them. One signature: ``ref(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **params)``,
-where ``params`` are the registered loss's parameters under the same names (``dppo_delta``,
-``ratio_cap``, ``ppo_eps``) plus the options of a rule variant.
+closed-form gradients, no autograd), written from ``/work/shared/reference/dppo-binary-tv.md`` and
+sharing nothing with ``losses.py``. One signature: ``ref(lp_BT, mu_BT, adv_BT, mask_BT,
+normalization, **params)``, ``params`` the registered loss's parameters under the same names plus
+the options of a rule variant.
 """
 
 from __future__ import annotations

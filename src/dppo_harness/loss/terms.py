@@ -186,9 +186,10 @@ class LossStats(Mapping[str, Any]):
         values: dict[str, Any] = {f.name: stats[f.metadata["name"]] for f in dataclasses.fields(cls)}
         hist = stats["hist"]
         counts = [hist.get(s) if isinstance(hist, dict) else None for s in HIST_SIGNS]
-        if not all(isinstance(c, list) and all(isinstance(n, int) for n in c) for c in counts):
+        ints = [tuple(n for n in c if isinstance(n, int)) if isinstance(c, list) else () for c in counts]
+        if [len(c) if isinstance(c, list) else -1 for c in counts] != [len(c) for c in ints]:
             raise ValueError(f"loss-call statistics: hist is not counts by advantage sign: {hist!r}")
-        values["hist"] = Histogram(edges, *(tuple(c) for c in counts if isinstance(c, list)))
+        values["hist"] = Histogram(edges, *ints)
         return cls(**values)
 
 
