@@ -117,6 +117,28 @@ def gate_metric_sources() -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class ImplementedPath:
+    """A correctness-preflight path this harness implements: a spec naming another id (or another
+    kind) is refused at load rather than run with a check it did not ask for."""
+
+    id: str
+    kind: str
+    what: str  # what the harness checks under this id, for the refusal line and the docs
+
+
+PATH_ID = "grpo_dppo_custom_loss"  # the block's path when no spec names one (the CLI without --spec)
+IMPLEMENTED_PATHS = {
+    PATH_ID: ImplementedPath(
+        PATH_ID, "loss", "both registered losses through forward_backward_custom against the pinned golden values"
+    )
+}
+
+
+def implemented_list() -> str:
+    return ", ".join(f"{p.id} (kind {p.kind}: {p.what})" for p in IMPLEMENTED_PATHS.values())
+
+
 def _dppo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms) -> torch.Tensor:
     """DPPO Binary-TV: -A * w * keep * lp with the detached capped weight w = min(exp(min(lp - mu,
     20)), C); no lower clamp on the log-ratio (pinned rule)."""

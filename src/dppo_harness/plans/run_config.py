@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
-from dppo_harness.loss.correctness import IMPLEMENTED_PATHS, implemented_list
+from dppo_harness.loss.loss_registry import IMPLEMENTED_PATHS, implemented_list
 from dppo_harness.plans.arm_roles import ArmConfig, CriterionConfig, resolve_arms, resolve_criteria
 from dppo_harness.plans.model_base import PlanError
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck
