@@ -1,7 +1,6 @@
 """Pinned numbers and revisions shared by every module (see docs/design.md)."""
 
 PPO_EPS = 0.2
-DPPO_DELTA = 0.15
 DPPO_RATIO_CAP = 10.0  # C of the released-code variant (the paper's text uses 5)
 LOG_RATIO_CLAMP_MAX = 20.0
 

@@ -12,13 +12,8 @@ import numpy as np
 import pytest
 
 from dppo_harness.loss import correctness as cx
-from dppo_harness.loss import (
-    correctness_golden,
-    correctness_measures,
-    correctness_packed,
-    correctness_reference,
-    references,
-)
+from dppo_harness.loss import correctness_golden, correctness_measures, references
+from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "dppo_golden_v1.json"
@@ -34,12 +29,13 @@ SPEC = {
         ],
     }
 }
-_, CASES = correctness_reference.load_golden(GOLDEN)
+_, CASES = correctness_golden.load_golden(GOLDEN)
+DPPO_PARAMS = get_loss(DPPO_LOSS).params  # delta: the plan's, as the golden file was generated at
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_independent_reference_reproduces_golden_in_float64(case):
-    r = references.ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT)
+    r = references.ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", **DPPO_PARAMS)
     assert np.array_equal(r.decision_BT, case.dppo_mask_BT > 0)
     assert r.loss == pytest.approx(case.dppo_loss, rel=1e-12, abs=1e-15)
     np.testing.assert_allclose(r.grad_BT, case.dppo_grad_BT, rtol=1e-12, atol=1e-15)
@@ -50,7 +46,7 @@ def test_independent_reference_reproduces_golden_in_float64(case):
     np.testing.assert_allclose(v.grad_BT, case.grpo_grad_BT, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("mode", correctness_reference.MODES)
+@pytest.mark.parametrize("mode", correctness_measures.MODES)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_packed_path_parity_every_case_every_mode(case, mode):
     res = correctness_golden.check_case(case, mode)
@@ -66,12 +62,12 @@ def test_packed_path_parity_every_case_every_mode(case, mode):
 
 def test_packing_has_prompt_junk_varied_lengths_and_an_empty_row():
     case = next(c for c in CASES if c.name == "padding")
-    packed = correctness_reference.pack_case(case)
+    packed = correctness_golden.pack_case(case)
     assert len(set(packed.prompt_lens)) > 1
     assert 0 in packed.response_lens  # the fully padded row becomes a prompt-only datum
     for p, mask, adv in zip(packed.prompt_lens, packed.mask_T, packed.adv_T):
         assert not mask[: p - 1].any() and np.all(adv[: p - 1] != 0)
-    datums = correctness_packed.to_datums(packed)
+    datums = correctness_golden.to_datums(packed)
     assert all(d.model_input.length == len(m) for d, m in zip(datums, packed.mask_T))
 
 
@@ -131,7 +127,7 @@ def test_check_golden_cli_passes_on_the_shared_file(tmp_path):
     out = tmp_path / "report.json"
     r = _run_cli("check-golden", str(GOLDEN), "--json", str(out))
     lines = r.stdout.strip().splitlines()
-    n = len(CASES) * len(correctness_reference.MODES)
+    n = len(CASES) * len(correctness_measures.MODES)
     assert r.returncode == 0, r.stdout + r.stderr
     assert lines[-1] == f"{n} passed, 0 failed"
     assert len(lines) == n + 1 and all(line.startswith("PASS ") for line in lines[:-1])
@@ -184,7 +180,7 @@ def test_check_golden_accepts_any_file_in_the_schema(tmp_path):
     f = tmp_path / "subset.json"
     f.write_text(json.dumps(raw))
     report = correctness_golden.check_golden(f)
-    assert report.n_failed == 0 and len(report.results) == 3 * len(correctness_reference.MODES)
+    assert report.n_failed == 0 and len(report.results) == 3 * len(correctness_measures.MODES)
 
 
 def test_malformed_golden_file_names_the_problem(tmp_path, capsys):
@@ -192,15 +188,15 @@ def test_malformed_golden_file_names_the_problem(tmp_path, capsys):
     del raw["cases"][1]["dppo"]["grad_log_prob"]
     f = tmp_path / "broken.json"
     f.write_text(json.dumps(raw))
-    with pytest.raises(correctness_reference.GoldenError, match="zero_and_mixed_advantages.*dppo.grad_log_prob"):
-        correctness_reference.load_golden(f)
+    with pytest.raises(correctness_measures.GoldenError, match="zero_and_mixed_advantages.*dppo.grad_log_prob"):
+        correctness_golden.load_golden(f)
     assert cx.main(["check-golden", str(f)]) == 1
     captured = capsys.readouterr()
     assert "dppo.grad_log_prob" in captured.err and captured.out.strip().endswith("0 passed, 1 failed")
     raw["schema"] = "other"
     f.write_text(json.dumps(raw))
-    with pytest.raises(correctness_reference.GoldenError, match="schema"):
-        correctness_reference.load_golden(f)
+    with pytest.raises(correctness_measures.GoldenError, match="schema"):
+        correctness_golden.load_golden(f)
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +219,7 @@ def test_preflight_block_has_the_briefs_shape(good_block):
         "lr_scaling",
     }
     assert p["id"] == "grpo_dppo_custom_loss" and p["lr_scaling"] == []
-    assert p["fixed_input"]["sha256"] == correctness_reference.file_sha256(GOLDEN)
+    assert p["fixed_input"]["sha256"] == correctness_golden.file_sha256(GOLDEN)
     assert p["implementation_revision"] == cx.implementation_revision()
     assert set(p["errors"]) == set(correctness_measures.CHECK_NAMES)
     for e in p["errors"].values():

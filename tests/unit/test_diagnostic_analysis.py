@@ -37,7 +37,8 @@ def test_config_is_the_plan_as_written():
         "weight_decay": 0.0,
         "grad_clip_norm": 0.0,
     }
-    assert (c.delta, c.ratio_cap, c.ppo_eps, c.normalization) == (0.15, 10.0, 0.2, "token_mean")
+    delta = PLAN.raw["fixed_settings"]["treatment"]["delta"]
+    assert (c.delta, c.ratio_cap, c.ppo_eps, c.normalization) == (delta, 10.0, 0.2, "token_mean")
     assert c.sentinel_after_updates == (0, 1, 2, 4, 8, 16) and c.reductions == ()
     small = diagnostic_config(PLAN, groups_per_batch=4, minibatches_per_epoch=2, groups_per_minibatch=2)
     assert {r["field"] for r in small.reductions} == {
@@ -70,10 +71,17 @@ def test_must_fire_and_must_not_fire_cases_pass_on_the_real_loss():
     ],
     ids=["mask-disabled", "grpo-instead"],
 )
-def test_selftest_fails_on_a_broken_loss(mutant):
+def test_selftest_fails_on_a_broken_loss(mutant, request):
     st = deterministic_selftest(loss_fn_factory=mutant)
     assert not st["passed"]
-    assert not st["cases"]["must_fire_high_q_small_ratio"]["passed"]
+    # The ratio clip is told from the probability difference by a large ratio at a small p - q (any
+    # delta) and, while delta < eps / (1 + eps), by a p - q beyond delta at a ratio under 1 + eps.
+    high_q = not st["cases"]["must_fire_high_q_small_ratio"]["passed"]
+    if "grpo-instead" in request.node.name:
+        assert not st["cases"]["must_not_fire_large_ratio_small_prob"]["passed"]
+        assert high_q or CFG.delta >= CFG.ppo_eps / (1 + CFG.ppo_eps)
+    else:
+        assert high_q
 
 
 def _analyse(records):
@@ -95,7 +103,7 @@ def _classify(records, **kw):
         updates_done=len(records),
         second_epoch_calls=len(second),
         stop_reason="update cap reached",
-        delta=0.15,
+        delta=CFG.delta,
     )
     args.update(kw)
     return classify(**args)
@@ -109,7 +117,7 @@ def test_on_policy_run_is_an_inactive_regime_not_a_defect():
     assert by_id["dppo_masked_fraction"].passed is False and by_id["pooled_abs_drift_q90"].passed is False
     c = _classify(records)
     assert c.state == "inactive" and c.cause == "legitimate_inactive_regime"
-    assert "vs +delta 0.15" in c.explanation and "self-test passed" in c.explanation
+    assert f"vs +delta {CFG.delta}" in c.explanation and "self-test passed" in c.explanation
     action = next_action(c, CFG, SPEC, "r1")
     assert action["kind"] == "cheapest_next_action" and not action["executed"]
 

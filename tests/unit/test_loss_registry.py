@@ -82,7 +82,8 @@ def _spec_with_test_loss() -> dict:
 def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
     assert {"dppo_divergence_mask", "grpo_clip_eps0.2"} <= set(registry.loss_names())
     dppo, grpo = registry.get_loss(registry.DPPO_LOSS), registry.get_loss(registry.GRPO_LOSS)
-    assert dppo.params == {"dppo_delta": 0.15, "ratio_cap": 10.0} and grpo.params == {"ppo_eps": 0.2}
+    plan = json.loads((ROOT / registry.DELTA_PLAN).read_text())["fixed_settings"]["treatment"]
+    assert dppo.params == {"dppo_delta": plan["delta"], "ratio_cap": 10.0} and grpo.params == {"ppo_eps": 0.2}
     assert dppo.reference is references.ref_dppo and grpo.reference is references.ref_ppo
     assert set(dppo.gate_metrics) == {"dppo_masked_token_fraction", "policy_drift_abs_p_q90"}
     assert grpo.gate_metrics == {"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"}
@@ -184,14 +185,15 @@ def test_the_golden_generator_replaces_what_the_references_do_not_reproduce(monk
     tampered["cases"][0]["dppo"]["loss"] += 1e-6
     fixed = golden.regenerate(tampered, file)
     assert fixed != tampered and fixed["cases"][0]["dppo"]["loss"] == pytest.approx(doc["cases"][0]["dppo"]["loss"])
-    # Another delta: the boundary case's mask, removed count and loss follow it; params.dppo says it.
+    # Another delta: the boundary case's rows move to it (p - q == +-0.3 kept, one step beyond removed),
+    # its values follow from the references, and params.dppo says it.
     dppo = registry.get_loss(registry.DPPO_LOSS)
     monkeypatch.setitem(
         registry.LOSSES, dppo.name, dataclasses.replace(dppo, params={**dppo.params, "dppo_delta": 0.3})
     )
     moved = golden.regenerate(doc, file)
-    assert moved["params"]["dppo"]["clip_ratio"] == 0.3
+    assert moved["params"]["dppo"]["clip_ratio"] == 0.3 and golden.regenerate(moved, file) == moved
     case = next(c for c in moved["cases"] if c["name"] == "boundary_exact")
-    assert case["dppo"]["metrics"]["n_invalid_tr_tokens"] == 0 and case != next(
-        c for c in doc["cases"] if c["name"] == "boundary_exact"
-    )
+    lp, mu = np.asarray(case["log_prob"]), np.asarray(case["rollout_log_prob"])
+    assert (np.exp(lp) - np.exp(mu))[0, [0, 3]].tolist() == [0.3, -0.3]
+    assert case["dppo"]["metrics"]["n_invalid_tr_tokens"] == 2 and case["dppo"]["mask"][0] == [1, 0, 1, 1, 1, 1]

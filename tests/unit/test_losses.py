@@ -230,7 +230,8 @@ def _single(p, q, a):
 
 def test_must_fire_and_must_not_fire_both_signs():
     #            A>0 up   A>0 small  A>0 down(recovery)  A<0 down  A<0 small  A<0 up(recovery)
-    p = np.array([0.66, 0.64, 0.05, 0.34, 0.36, 0.95])
+    d = DPPO_MEAN.dppo_delta  # the plan's: the up/down tokens sit 0.01 beyond it, the small ones 0.01 inside
+    p = np.array([0.5 + d + 0.01, 0.5 + d - 0.01, 0.05, 0.5 - d - 0.01, 0.5 - d + 0.01, 0.95])
     q = np.array([0.5, 0.5, 0.9, 0.5, 0.5, 0.1])
     a = np.array([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
     terms, m, grad = _single(p, q, a)
@@ -248,11 +249,12 @@ def test_exact_boundary_tokens_are_kept():
     adv, mask = _flat(case, "advantages"), _flat(case, "response_mask")
     terms = token_terms(lp, mu, adv, mask, DPPO_MEAN)
     diff = terms.prob_diff_N
-    at_pos = (diff == 0.15) & (adv > 0)
-    at_neg = (diff == -0.15) & (adv < 0)
+    delta = DPPO_MEAN.dppo_delta  # the plan's, as the golden boundary rows were generated at
+    at_pos = (diff == delta) & (adv > 0)
+    at_neg = (diff == -delta) & (adv < 0)
     assert at_pos.any() and at_neg.any()
     assert terms.dppo_keep_N[at_pos | at_neg].all()
-    above = (diff > 0.15) & (adv > 0)
+    above = (diff > delta) & (adv > 0)
     assert above.any() and not terms.dppo_keep_N[above].any()
 
 
@@ -337,7 +339,7 @@ def test_bad_inputs_raise_clear_errors():
         losses.unpack_datums([_namespace_datum(**{**good, "advantages": np.ones(2)})])
     with pytest.raises(ValueError, match="0/1"):
         losses.unpack_datums([_namespace_datum(**{**good, "mask": np.array([0.0, 0.5, 1.0])})])
-    with pytest.raises(TypeError, match="loss_fn_inputs"):
+    with pytest.raises(AttributeError, match="loss_fn_inputs"):  # not a Datum
         losses.unpack_datums([object()])
     d = _datum([0.0, -1.0, -1.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="shape \\(2,\\)"):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dppo_harness import constants
+from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 from dppo_harness.plans import (
     BackendInfo,
     PlanError,
@@ -53,7 +54,7 @@ def test_diagnostic_plan_validates_and_pins_its_settings():
     assert plan.kind == "bounded_diagnostic"
     fs, sch = plan.raw["fixed_settings"], plan.raw["schedule"]
     assert fs["base_model"] == constants.BASE_MODEL and fs["lora_rank"] == 32 and fs["seed"] == 0
-    assert fs["treatment"]["delta"] == constants.DPPO_DELTA
+    assert fs["treatment"]["delta"] == get_loss(DPPO_LOSS).params["dppo_delta"]  # the rule's delta is the plan's
     assert fs["treatment"]["ratio_cap"] == constants.DPPO_RATIO_CAP
     assert fs["counterfactual_baseline"]["ppo_eps"] == constants.PPO_EPS
     assert fs["sampling"]["renderer"] == constants.RENDERER_NAME

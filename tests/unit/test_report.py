@@ -75,7 +75,7 @@ def test_report_and_plots_are_registered_and_say_whether_the_mask_fired(tmp_path
     assert analysis["classification"]["explanation"] in text
     assert text.count("| ") > 20 and "![Sentinel drift](diagnostic-sentinel-drift.png)" in text
     if not fired:
-        assert "legitimate_inactive_regime" in text and "vs +delta 0.15" in text
+        assert "legitimate_inactive_regime" in text and f"vs +delta {CFG.delta}" in text
     assert verify_bundle(bundle.dir) == []
 
 

@@ -36,8 +36,9 @@ def test_selftest_has_and_passes_the_required_cases():
 
 
 def test_boundary_rows_are_exact():
-    for name, diff in (("boundary_exact_plus_delta_kept", 0.15), ("boundary_exact_minus_delta_kept", -0.15)):
-        _p, q, _a, _m, lp = selftest.selftest_cases(0.15)[name][0][0]
+    delta = losses.LossConfig("dppo_divergence_mask", "token_mean").dppo_delta  # the plan's
+    for name, diff in (("boundary_exact_plus_delta_kept", delta), ("boundary_exact_minus_delta_kept", -delta)):
+        _p, q, _a, _m, lp = selftest.selftest_cases(delta)[name][0][0]
         mu = float(np.float32(np.log(q)))
         got = torch.tensor(lp, dtype=torch.float64).exp() - torch.tensor(mu, dtype=torch.float64).exp()
         assert float(got) == diff

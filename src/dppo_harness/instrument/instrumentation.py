@@ -1,14 +1,11 @@
 """Per-loss-call records: the exact tensors each loss saw, its decisions and its statistics.
 
-A `LossCallRecorder` wraps the loss function handed to `forward_backward_custom`, so what it
-records is what the loss actually received (the current logprobs of that very call: no extra
-server pass) and what it decided: the packed inputs, terms and statistics of the loss's own
-evaluation (`PackedLoss.evaluate`, computed once per call); `replay.py` later recomputes the
-decisions with the independent padded implementation.
-
-One record = one loss call = one optimizer update. Records are saved as compressed npz files
-(`records_to_npz`, read back by `records_from_npz`) holding the tensors plus a JSON `meta` entry
-with the logged statistics, so a file is self-describing and replay needs nothing else.
+A `LossCallRecorder` wraps the loss handed to `forward_backward_custom`, so a record holds what
+the loss received (the current logprobs of that very call: no extra server pass) and the inputs,
+terms and statistics of its own evaluation (`PackedLoss.evaluate`, computed once per call). One
+record = one loss call = one optimizer update; records are saved as compressed npz files with a
+JSON meta entry (`records_to_npz` / `records_from_npz`), so a file is self-describing and
+`replay.py` needs nothing else to recompute the decisions independently.
 """
 
 from __future__ import annotations
@@ -111,10 +108,8 @@ def record_from_call(
 
 
 class LossCallRecorder:
-    """Wraps the packed loss so every call is recorded from the loss's own evaluation.
-
-    `on_record` (e.g. a persisting sink) runs once the loss returned, with its metrics attached.
-    """
+    """Wraps the packed loss so every call is recorded from the loss's own evaluation; `on_record`
+    (e.g. a persisting sink) runs once the loss returned, with its metrics attached."""
 
     def __init__(self, loss_cfg: losses.LossConfig, on_record: Callable[[LossCallRecord], None] | None = None):
         self.loss_cfg = loss_cfg
@@ -168,22 +163,19 @@ def records_from_npz(data: bytes) -> list[LossCallRecord]:
         meta = json.loads(bytes(z[META_KEY]).decode())
         if meta.get("format") != RECORD_FORMAT:
             raise ValueError(f"unknown record format {meta.get('format')!r}")
-        out = []
-        for i, m in enumerate(meta["calls"]):
-            tensors = {name: z[f"c{i}.{name}"] for name in TENSOR_FIELDS}
-            out.append(
-                LossCallRecord(
-                    call_index=m["call_index"],
-                    context=m["context"],
-                    dtype=m["dtype"],
-                    tensors=tensors,
-                    stats=LossStats.from_recorded(m["stats"], tuple(m["magnitude_edges"])),
-                    loss_metrics=m["loss_metrics"],
-                    started_unix=m["started_unix"],
-                    loss_seconds=m["loss_seconds"],
-                )
+        return [
+            LossCallRecord(
+                call_index=m["call_index"],
+                context=m["context"],
+                dtype=m["dtype"],
+                tensors={name: z[f"c{i}.{name}"] for name in TENSOR_FIELDS},
+                stats=LossStats.from_recorded(m["stats"], tuple(m["magnitude_edges"])),
+                loss_metrics=m["loss_metrics"],
+                started_unix=m["started_unix"],
+                loss_seconds=m["loss_seconds"],
             )
-        return out
+            for i, m in enumerate(meta["calls"])
+        ]
 
 
 def is_record_file(data: bytes) -> bool:
@@ -256,12 +248,10 @@ def sentinel_summary(
             "abs_max": float(np.abs(x).max()),
         }
 
-    by_sign: JsonObject = {}
-    for name, sel in (("pos", adv > 0), ("neg", adv < 0)):
-        by_sign[name] = {
-            "tokens": int(sel.sum()),
-            "mean_p_minus_p_init": float(vs_init[sel].mean()) if sel.any() else None,
-        }
+    by_sign: JsonObject = {
+        name: {"tokens": int(sel.sum()), "mean_p_minus_p_init": float(vs_init[sel].mean()) if sel.any() else None}
+        for name, sel in (("pos", adv > 0), ("neg", adv < 0))
+    }
     return {
         "tokens": int(m.sum()),
         "p_minus_q": tails(vs_sampler),
@@ -292,16 +282,11 @@ def nan_free(obj: object) -> JsonValue:
 def record_prob_diff(record: LossCallRecord, loss_cfg: losses.LossConfig) -> np.ndarray:
     """p - q of a record (float64, 0 off loss tokens): kept from the call, else recomputed with
     the packed path from the saved tensors (records loaded from disk carry no p - q)."""
-    if record.prob_diff_N is not None:
-        return record.prob_diff_N
-
-    t = record.tensors
-    terms = losses.token_terms(
-        torch.from_numpy(t["logprobs_N"]),
-        torch.from_numpy(t["sampler_logprobs_N"].astype(np.float64)),
-        torch.from_numpy(t["advantages_N"].astype(np.float64)),
-        torch.from_numpy(t["mask_N"].astype(np.float64)),
-        loss_cfg,
-    )
-    record.prob_diff_N = terms.prob_diff_N.numpy()
+    if record.prob_diff_N is None:
+        t = record.tensors
+        keys = ("sampler_logprobs_N", "advantages_N", "mask_N")
+        mu, adv, mask = (torch.from_numpy(t[k].astype(np.float64)) for k in keys)
+        record.prob_diff_N = losses.token_terms(
+            torch.from_numpy(t["logprobs_N"]), mu, adv, mask, loss_cfg
+        ).prob_diff_N.numpy()
     return record.prob_diff_N

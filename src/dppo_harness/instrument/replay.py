@@ -2,14 +2,12 @@
 
     python -m dppo_harness.instrument.replay EVIDENCE_DIR
 
-Reloads every record file in the bundle (`instrumentation` npz files, one or several calls each), rebuilds the
-padded [S, T] tensors, recomputes the DPPO keep mask and the counterfactual PPO clip with
-`references.ref_dppo` / `references.ref_ppo` (numpy float64, no code shared with `losses.py`),
-and the ratio-cap hits and p - q from those padded tensors. Its statistics are `terms.stats` of
-those independent decisions (the one statistics function, so a disagreement can only come from
-the decisions or tensors). It compares every decision, every statistic and every metric the loss
-returned with what was logged, checks the anchor logprobs against the frozen batch when the
-bundle has one, prints the counts and exits non-zero on any mismatch.
+Reloads every record file of a bundle, recomputes the DPPO keep mask and the counterfactual PPO
+clip with `references` (numpy float64, nothing shared with `losses.py`), and the ratio-cap hits
+and p - q from the padded tensors; its statistics are `terms.stats` of those independent
+decisions, so a disagreement can only come from the decisions or tensors. Every decision,
+statistic and returned metric is compared with what was logged, the anchor with the frozen batch
+when the bundle has one; it prints the counts and exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -26,12 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import pooled as pooled_mod
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import references
 from dppo_harness.loss import terms as loss_terms
+from dppo_harness.loss.loss_registry import DPPO_DELTA
 from dppo_harness.loss.terms import HIST_SIGNS, LossStats, TokenTerms
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
@@ -74,43 +73,24 @@ def recompute(
     eps: float = PPO_EPS,
 ) -> tuple[dict[str, np.ndarray], LossStats]:
     """Decisions (packed) and statistics of one record from the padded reference path."""
-    t = record.tensors
-    lengths = np.asarray(t["lengths_S"])
-    lp = to_padded(t["logprobs_N"].astype(np.float64), lengths)
-    mu = to_padded(t["sampler_logprobs_N"].astype(np.float64), lengths)
-    adv = to_padded(t["advantages_N"].astype(np.float64), lengths)
-    mask = to_padded(t["mask_N"].astype(np.float64), lengths)
+    t, lengths = record.tensors, np.asarray(record.tensors["lengths_S"])
+    keys = ("logprobs_N", "sampler_logprobs_N", "advantages_N", "mask_N")
+    lp, mu, adv, mask = (to_padded(t[k].astype(np.float64), lengths) for k in keys)
     on = mask > 0
-    dppo = references.ref_dppo(
-        lp, mu, adv, mask, normalization, dppo_delta=delta, ratio_cap=cap, log_ratio_max=LOG_RATIO_CLAMP_MAX
-    )
+    dppo = references.ref_dppo(lp, mu, adv, mask, normalization, delta, cap, LOG_RATIO_CLAMP_MAX)
     ppo = references.ref_ppo(lp, mu, adv, mask, normalization, ppo_eps=eps)
     with np.errstate(over="ignore", invalid="ignore"):
+        ratio = np.where(on, np.exp(np.where(on, lp - mu, 0.0)), 1.0)
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
-        # The cap shapes only kept tokens (a dropped token has no gradient to cap).
-        cap_hit = on & (adv != 0) & dppo.decision_BT.astype(bool) & (np.exp(np.where(on, lp - mu, 0.0)) > cap)
-    decisions = {
-        "dppo_keep_N": from_padded(dppo.decision_BT, lengths).astype(bool),
-        "ppo_clipped_N": from_padded(ppo.decision_BT, lengths).astype(bool),
-        "ratio_cap_hit_N": from_padded(cap_hit, lengths).astype(bool),
-        "prob_diff_N": from_padded(tv, lengths),
-        "loss_token_N": from_padded(on, lengths).astype(bool),
-    }
+    # The cap shapes only kept tokens (a dropped token has no gradient to cap).
+    cap_hit = on & (adv != 0) & dppo.decision_BT & (ratio > cap)
+    padded = {"dppo_keep_N": dppo.decision_BT, "ppo_clipped_N": ppo.decision_BT, "ratio_cap_hit_N": cap_hit}
+    decisions = {k: from_padded(v, lengths) for k, v in {**padded, "prob_diff_N": tv, "loss_token_N": on}.items()}
     advantages_N = t["advantages_N"].astype(np.float64)
-    terms = TokenTerms(
-        prob_diff_N=torch.from_numpy(decisions["prob_diff_N"]),
-        ratio_N=torch.from_numpy(from_padded(np.where(on, np.exp(np.where(on, lp - mu, 0.0)), 1.0), lengths)),
-        dppo_keep_N=torch.from_numpy(decisions["dppo_keep_N"]),
-        ppo_clipped_N=torch.from_numpy(decisions["ppo_clipped_N"]),
-        ratio_cap_hit_N=torch.from_numpy(decisions["ratio_cap_hit_N"]),
-        loss_token_N=torch.from_numpy(decisions["loss_token_N"]),
-        nonzero_adv_N=torch.from_numpy(decisions["loss_token_N"] & (advantages_N != 0)),
-        advantages_N=torch.from_numpy(advantages_N),
-        dppo_delta=delta,
-        ppo_eps=eps,
-        ratio_cap=cap,
-    )
-    return decisions, loss_terms.stats(terms)
+    nonzero_N = decisions["loss_token_N"] & (advantages_N != 0)
+    extra = {"ratio_N": from_padded(ratio, lengths), "nonzero_adv_N": nonzero_N, "advantages_N": advantages_N}
+    tensors = {k: torch.from_numpy(v) for k, v in {**decisions, **extra}.items()}
+    return decisions, loss_terms.stats(TokenTerms(**tensors, dppo_delta=delta, ppo_eps=eps, ratio_cap=cap))
 
 
 def _close(a: Any, b: Any) -> bool:

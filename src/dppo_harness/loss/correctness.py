@@ -1,11 +1,6 @@
-"""The correctness preflight's ``correctness_preflight`` block, its validator, and the CLI.
-
-``build_preflight_block`` turns a golden parity report (``correctness_golden.check_golden``) into
-the spec's ``correctness_preflight`` block: worst-case errors over every case and mode, fixed-input
-hash, revisions, precision and normalization. ``validate_preflight`` checks a written block: ``failed``
-unless every check the spec sets a tolerance for passes it. The golden cases and their packing are in
-``correctness_reference``, the independent padded implementations in ``references``; they share
-nothing with ``losses.py`` beyond ``constants.py``.
+"""The correctness preflight's ``correctness_preflight`` block built from a golden parity report,
+its validator, and the CLI. numpy only: the parity run itself (torch, the SDK) is
+``correctness_golden``, which only the ``check-golden`` command loads.
 
 CLI::
 
@@ -25,7 +20,6 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypedDict
 
 from pydantic import JsonValue
 
@@ -34,43 +28,25 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.correctness_measures import (
     CHECK_NAMES,
     DEFAULT_TOLERANCES,
+    GOLDEN_SCHEMA,
+    MODES,
     ErrorMeasures,
+    GoldenError,
     GoldenReport,
     Tolerances,
     errors_pass,
     measures_json,
 )
-from dppo_harness.loss.correctness_paths import DEFAULT_PATH_ID, implemented_list
-from dppo_harness.loss.correctness_reference import GOLDEN_SCHEMA, MODES, GoldenError
+from dppo_harness.loss.loss_registry import PATH_ID, implemented_list
 from dppo_harness.service.secrets_scan import without_credentials
 
-PATH_ID = DEFAULT_PATH_ID  # the block's path when no spec names one (the CLI without --spec)
 _LOSSES_PY = Path(__file__).with_name("losses.py")
-
-
-class ValidatorRun(TypedDict):
-    """What `run_validator_cli` records of one validator run."""
-
-    kind: str
-    command: str
-    spec_sha256: str
-    preflight_sha256: str
-    exit_code: int
-    stdout: str
-    stderr: str
 
 
 def _object(value: JsonValue) -> JsonObject:
     """A JSON value that must be an object here (a spec's or block's structure)."""
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _list(value: JsonValue) -> list[JsonValue]:
-    """A JSON value that must be a list here."""
-    if not isinstance(value, list):
-        raise ValueError(f"expected a JSON list, got {type(value).__name__}")
     return value
 
 
@@ -117,17 +93,12 @@ def spec_tolerances(spec: JsonObject, path_id: str | None = None) -> dict[str, d
             tol = p.get("tolerances")
             if not isinstance(tol, dict) or not tol:
                 raise ValueError(f"spec path {path_id!r} has no tolerances")
-            return _tolerances(tol)
+            return {check: _limits(limits) for check, limits in tol.items()}
     raise ValueError(f"spec has no correctness_preflight path {path_id!r}")
 
 
 def implementation_revision() -> str:
     return hashlib.sha256(_LOSSES_PY.read_bytes()).hexdigest()
-
-
-def _tolerances(tol: JsonObject) -> dict[str, dict[str, float]]:
-    """A spec path's tolerances: check name -> {limit name: number}."""
-    return {check: _limits(limits) for check, limits in tol.items()}
 
 
 def _utilization(errors: ErrorMeasures, tol: Mapping[str, float]) -> float:
@@ -208,14 +179,6 @@ def _path_block(report: GoldenReport, path_id: str, tol: Tolerances) -> JsonObje
 # Validator: exit nonzero unless the status is passed or not_applicable
 
 
-def _is_hex64(v: JsonValue) -> bool:
-    return isinstance(v, str) and len(v) == 64 and all(ch in "0123456789abcdef" for ch in v.lower())
-
-
-def _nonempty_str(v: JsonValue) -> bool:
-    return isinstance(v, str) and v.strip() != ""
-
-
 def validate_preflight(spec: JsonValue, preflight: JsonValue) -> tuple[str, list[str]]:
     """Return (status, messages); status in {'passed', 'failed', 'not_applicable'}."""
     spec_block = spec.get("correctness_preflight", spec) if isinstance(spec, dict) else None
@@ -233,7 +196,10 @@ def validate_preflight(spec: JsonValue, preflight: JsonValue) -> tuple[str, list
     if not isinstance(paths, list):
         return "failed", msgs + ["FAIL preflight.paths must be a list"]
     by_id = {p.get("id"): p for p in paths if isinstance(p, dict)}
-    for entry in _list(spec_block.get("paths", []) or []):
+    spec_paths = spec_block.get("paths") or []
+    if not isinstance(spec_paths, list):  # a malformed spec raises: never a pass
+        raise ValueError(f"expected a JSON list, got {type(spec_paths).__name__}")
+    for entry in spec_paths:
         sp = _object(entry)
         pid = sp.get("id")
         p = by_id.get(pid)
@@ -249,11 +215,13 @@ def _validate_path(pid: JsonValue, sp: JsonObject, p: JsonObject) -> list[str]:
     """Messages for one spec path against its preflight entry `p`."""
     msgs: list[str] = []
     fi = p.get("fixed_input")
-    if not (isinstance(fi, dict) and _is_hex64(fi.get("sha256")) and _nonempty_str(fi.get("description"))):
+    sha, what = (fi.get("sha256"), fi.get("description")) if isinstance(fi, dict) else (None, None)
+    hex64 = isinstance(sha, str) and len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha.lower())
+    if not (hex64 and isinstance(what, str) and what.strip()):
         msgs.append(f"FAIL {pid}: fixed_input needs a 64-hex sha256 and a description")
     for key in ("baseline_revision", "reference_revision", "implementation_revision", "precision", "normalization"):
         v = p.get(key)
-        if not isinstance(v, str) or not _nonempty_str(v) or v.strip().upper().startswith("UNRESOLVED"):
+        if not isinstance(v, str) or not v.strip() or v.strip().upper().startswith("UNRESOLVED"):
             msgs.append(f"FAIL {pid}: {key} missing or unresolved ({v!r})")
     recorded = p.get("errors")
     errors = recorded if isinstance(recorded, dict) else {}
@@ -359,7 +327,7 @@ def _load_json(path: str, what: str) -> JsonValue:
         raise SystemExit(f"error: cannot read {what} {path}: {exc}") from None
 
 
-def run_validator_cli(spec_bytes: bytes, preflight_block: JsonObject, timeout_s: float = 120.0) -> ValidatorRun:
+def run_validator_cli(spec_bytes: bytes, preflight_block: JsonObject, timeout_s: float = 120.0) -> JsonObject:
     """Run `python -m dppo_harness.loss.correctness validate` on the WRITTEN preflight block (the
     validator judges the file as written, not the object in memory), and return its exit code and output."""
     with tempfile.TemporaryDirectory() as d:

@@ -1,47 +1,281 @@
 """Golden parity: every golden case through the packed loss path, in every mode, against the
-golden values (or, where float32 rounding moves a token across a decision boundary, against the
-independent padded implementation on the rounded inputs), and every registered loss against its
-own reference and golden cases.
+golden values, and every registered loss against its own reference and golden cases.
 
-The error measures and their acceptance rule are ``correctness_measures``'; this module runs the
-packed path (``correctness_packed``: torch and the SDK), so the numpy-only validator never imports it.
-
-In Datum modes the sampler logprobs are float32-rounded; if that rounding moves a token across a
+The golden file (``dppo_golden_v1``: rows of the pinned Stable-RL functions' inputs and outputs,
+padded with a response mask) is read and validated here (``load_golden``); each case is laid out
+as datums after junk prompt positions (``pack_case``), run through the packed path
+(``run_packed``) and scattered back, so like is compared with like. Modes (``correctness_measures.MODES``):
+- ``float64``: flat float64 tensors through ``losses.packed_loss_call`` (tinker.Datum stores only
+  float32, so this is the one mode that sees the golden inputs bit-exactly);
+- ``float32``: real Datums + ``losses.make_loss_fn`` with float32 current logprobs (what the SDK
+  hands a custom loss);
+- ``float64-datum``: real Datums with float64 current logprobs.
+In Datum modes the sampler logprobs are float32-rounded; where that moves a token across a
 decision boundary (only the exact-boundary cases do), the expectation is the independent padded
-implementation evaluated on the rounded inputs, and the line says so (``flips=k``).
+implementation (``references``) on the rounded inputs, and the line says so (``flips=k``).
+The error measures and records are ``correctness_measures``' (numpy only).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+import tinker
 import torch
+from pydantic import JsonValue
 
 from dppo_harness.constants import LOG_RATIO_CLAMP_MAX
 from dppo_harness.evidence.progress import Ticker, quiet
+from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.loss.correctness_measures import (
     DEFAULT_TOLERANCES,
+    GOLDEN_SCHEMA,
+    MODES,
     CaseResult,
+    GoldenError,
     GoldenReport,
     SubCheck,
     Tolerances,
     errors_pass,
     parity_errors,
 )
-from dppo_harness.loss.correctness_packed import PackedRun, run_packed
-from dppo_harness.loss.correctness_reference import MODES, GoldenCase, PackedCase, file_sha256, load_golden, pack_case
-from dppo_harness.loss.loss_registry import get_loss
+from dppo_harness.loss.golden import case_inputs
+from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, Normalization, get_loss
 from dppo_harness.loss.references import ref_dppo, ref_ppo, token_count
 
+_REQUIRED_CASE_KEYS = ("name", "shape", "log_prob", "rollout_log_prob", "advantages", "response_mask", "dppo")
 # verl's vanilla PPO (the golden grpo_no_dual_clip entry) keeps a dual clip at c=1e4 and clamps the
 # log-ratio to +-20; Tinker's ppo has neither. Used only to reproduce the golden values.
 VERL_NO_DUAL_CLIP_C = 10000.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The golden file
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _field(case: JsonObject, keys: Sequence[str]) -> JsonValue:
+    obj: JsonValue = case
+    for k in keys:
+        if not isinstance(obj, dict) or k not in obj:
+            raise GoldenError(f"case {case.get('name', '?')!r}: missing {'.'.join(keys)}")
+        obj = obj[k]
+    return obj
+
+
+def _array(case: JsonObject, keys: Sequence[str], shape: tuple[int, int]) -> np.ndarray:
+    try:
+        arr = np.asarray(_field(case, keys), dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise GoldenError(f"case {case.get('name', '?')!r}: {'.'.join(keys)} is not numeric: {exc}") from exc
+    if arr.shape != shape:
+        raise GoldenError(f"case {case.get('name', '?')!r}: {'.'.join(keys)} has shape {arr.shape}, expected {shape}")
+    return arr
+
+
+def _scalar(case: JsonObject, keys: Sequence[str]) -> float:
+    obj = _field(case, keys)
+    if not isinstance(obj, (int, float)) or isinstance(obj, bool) or not math.isfinite(obj):
+        raise GoldenError(f"case {case.get('name', '?')!r}: {'.'.join(keys)} must be a finite number, got {obj!r}")
+    return float(obj)
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    name: str
+    lp_BT: np.ndarray
+    mu_BT: np.ndarray
+    adv_BT: np.ndarray
+    mask_BT: np.ndarray
+    dppo_mask_BT: np.ndarray
+    dppo_loss: float
+    dppo_grad_BT: np.ndarray
+    grpo_loss: float | None
+    grpo_grad_BT: np.ndarray | None
+    grpo_clipfrac: float | None
+    dppo_removed: int | None  # n_invalid_tr_tokens, when recorded
+
+
+def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
+    """Read and validate a ``dppo_golden_v1`` file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GoldenError(f"cannot read golden file {path}: {exc}") from exc
+    if not isinstance(raw, dict) or raw.get("schema") != GOLDEN_SCHEMA:
+        raise GoldenError(
+            f"{path}: schema must be {GOLDEN_SCHEMA!r}, got {raw.get('schema') if isinstance(raw, dict) else type(raw).__name__!r}"
+        )
+    cases_raw = raw.get("cases")
+    if not isinstance(cases_raw, list) or not cases_raw:
+        raise GoldenError(f"{path}: 'cases' must be a non-empty list")
+    cases = []
+    for i, c in enumerate(cases_raw):
+        if not isinstance(c, dict):
+            raise GoldenError(f"{path}: cases[{i}] is not an object")
+        missing = [k for k in _REQUIRED_CASE_KEYS if k not in c]
+        if missing:
+            raise GoldenError(f"{path}: cases[{i}] ({c.get('name', '?')!r}) lacks {missing}")
+        shape = c["shape"]
+        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise GoldenError(f"{path}: cases[{i}].shape must be [B, T], got {shape!r}")
+        shp = (shape[0], shape[1])
+        mask = _array(c, ["response_mask"], shp)
+        if not np.isin(mask, (0.0, 1.0)).all():
+            raise GoldenError(f"case {c['name']!r}: response_mask must be 0/1")
+        grpo = c.get("grpo_no_dual_clip")
+        removed = c["dppo"].get("metrics", {}).get("n_invalid_tr_tokens")
+        cases.append(
+            GoldenCase(
+                name=str(c["name"]),
+                lp_BT=_array(c, ["log_prob"], shp),
+                mu_BT=_array(c, ["rollout_log_prob"], shp),
+                adv_BT=_array(c, ["advantages"], shp),
+                mask_BT=mask,
+                dppo_mask_BT=_array(c, ["dppo", "mask"], shp),
+                dppo_loss=_scalar(c, ["dppo", "loss"]),
+                dppo_grad_BT=_array(c, ["dppo", "grad_log_prob"], shp),
+                grpo_loss=_scalar(c, ["grpo_no_dual_clip", "loss"]) if grpo is not None else None,
+                grpo_grad_BT=_array(c, ["grpo_no_dual_clip", "grad_log_prob"], shp) if grpo is not None else None,
+                grpo_clipfrac=_scalar(c, ["grpo_no_dual_clip", "clipfrac"])
+                if grpo is not None and "clipfrac" in grpo
+                else None,
+                dppo_removed=int(removed)
+                if isinstance(removed, (int, float)) and not isinstance(removed, bool)
+                else None,
+            )
+        )
+    return raw, cases
+
+
+# ---------------------------------------------------------------------------------------------
+# The packed path under test: golden rows as datums (prompt junk, varied prompt lengths, stale sampler logprobs)
+
+
+@dataclass
+class PackedCase:
+    """One golden case laid out as datums: row b -> prompt (mask 0, junk) + its response span."""
+
+    prompt_lens: list[int]  # P_b: prompt tokens; loss positions 0..P_b-2 are prompt targets
+    response_lens: list[int]  # R_b: golden columns carried (up to the last mask-1 column)
+    lp_T: list[np.ndarray]  # float64 current logprobs per datum (junk on prompt positions)
+    mu_T: list[np.ndarray]  # float64 sampler logprobs (junk on prompt positions)
+    adv_T: list[np.ndarray]
+    mask_T: list[np.ndarray]
+    tokens: list[list[int]]
+
+
+def pack_case(case: GoldenCase, seed: int = 0) -> PackedCase:
+    rng = np.random.default_rng(seed)
+    B, _T = case.mask_BT.shape
+    packed = PackedCase([], [], [], [], [], [], [])
+    for b in range(B):
+        on = np.nonzero(case.mask_BT[b] > 0)[0]
+        r_len = int(on[-1]) + 1 if on.size else 0
+        p_len = int(rng.integers(2, 40))
+        n_prompt_targets = p_len - 1
+        # Junk that would dominate every term if the mask leaked: huge ratios, nonzero advantages.
+        junk_lp = rng.uniform(-60.0, 0.0, n_prompt_targets)
+        junk_mu = rng.choice([0.0, -80.0, 3.0, -1e4], n_prompt_targets)
+        junk_adv = rng.normal(0.0, 5.0, n_prompt_targets) + 1.0
+        packed.prompt_lens.append(p_len)
+        packed.response_lens.append(r_len)
+        packed.lp_T.append(np.concatenate([junk_lp, case.lp_BT[b, :r_len]]))
+        packed.mu_T.append(np.concatenate([junk_mu, case.mu_BT[b, :r_len]]))
+        packed.adv_T.append(np.concatenate([junk_adv, case.adv_BT[b, :r_len]]))
+        packed.mask_T.append(np.concatenate([np.zeros(n_prompt_targets), case.mask_BT[b, :r_len]]))
+        packed.tokens.append([int(t) for t in rng.integers(0, 151_000, p_len + r_len)])
+    return packed
+
+
+def to_datums(packed: PackedCase) -> list[tinker.Datum]:
+    datums: list[tinker.Datum] = []
+    for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T):
+        datums.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+                    "logprobs": tinker.TensorData.from_numpy(mu.astype(np.float32)),
+                    "advantages": tinker.TensorData.from_numpy(adv.astype(np.float32)),
+                    "mask": tinker.TensorData.from_numpy(mask.astype(np.float32)),
+                },
+            )
+        )
+    return datums
+
+
+@dataclass
+class PackedRun:
+    loss: float
+    grad_BT: np.ndarray
+    keep_BT: np.ndarray
+    clipped_BT: np.ndarray
+    metrics: dict[str, float]
+    used_lp_BT: np.ndarray  # the values the loss actually saw
+    used_mu_BT: np.ndarray
+    used_adv_BT: np.ndarray
+    prompt_grad_max_abs: float
+    missing_grads: int
+
+
+def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: Normalization, mode: str) -> PackedRun:
+    """Run the packed path under test and scatter its outputs back into the padded layout."""
+
+    cfg = losses.LossConfig(loss=DPPO_LOSS if arm == "dppo" else GRPO_LOSS, normalization=normalization)
+    B, T = case.mask_BT.shape
+    if mode == "float64":
+        lps = [torch.tensor(lp, dtype=torch.float64, requires_grad=True) for lp in packed.lp_T]
+        logprobs_N = torch.cat(lps) if lps else torch.zeros(0, dtype=torch.float64)
+        cat = lambda xs: torch.from_numpy(np.concatenate(xs)) if xs else torch.zeros(0, dtype=torch.float64)  # noqa: E731
+        mu_N, adv_N, mask_N = cat(packed.mu_T), cat(packed.adv_T), cat(packed.mask_T)
+        call = losses.packed_loss_call(logprobs_N, mu_N, adv_N, mask_N, cfg)
+        used_mu, used_adv = packed.mu_T, packed.adv_T
+    elif mode in ("float32", "float64-datum"):
+        dtype = torch.float32 if mode == "float32" else torch.float64
+        datums = to_datums(packed)
+        lps = [torch.tensor(lp, dtype=dtype).requires_grad_(True) for lp in packed.lp_T]
+        _, call = losses.make_loss_fn(cfg).evaluate(datums, lps)
+        used_mu = [mu.astype(np.float32).astype(np.float64) for mu in packed.mu_T]
+        used_adv = [adv.astype(np.float32).astype(np.float64) for adv in packed.adv_T]
+    else:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    call.loss.backward()
+    starts = np.cumsum([0] + [lp.shape[0] for lp in lps])[:-1]
+
+    def scatter(values_N: np.ndarray, base_BT: np.ndarray) -> np.ndarray:
+        out = base_BT.copy()
+        for b, (start, p_len, r_len) in enumerate(zip(starts, packed.prompt_lens, packed.response_lens)):
+            out[b, :r_len] = values_N[start + p_len - 1 : start + p_len - 1 + r_len]
+        return out
+
+    grad_N = np.concatenate([np.zeros(lp.shape[0]) if lp.grad is None else lp.grad.double().numpy() for lp in lps])
+    prompt_N = np.concatenate([np.arange(start, start + p - 1) for start, p in zip(starts, packed.prompt_lens)])
+    no_B = np.zeros((B, T), dtype=bool)
+    return PackedRun(
+        float(call.loss.detach()),
+        scatter(grad_N, np.zeros((B, T))),
+        scatter(call.terms.dppo_keep_N.numpy(), no_B),
+        scatter(call.terms.ppo_clipped_N.numpy(), no_B),
+        call.stats.metrics(),
+        scatter(np.concatenate([lp.detach().double().numpy() for lp in lps]), case.lp_BT),
+        scatter(np.concatenate(used_mu), case.mu_BT),
+        scatter(np.concatenate(used_adv), case.adv_BT),
+        float(np.max(np.abs(grad_N[prompt_N]), initial=0.0)),
+        sum(lp.grad is None for lp in lps),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,11 +321,8 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
     for c in cases:
         label = f"{name}/{c.get('name', '?')}"
         try:
-            shape = tuple(int(x) for x in c["shape"])
-            lp, mu, adv, mask = (
-                np.asarray(c[k], dtype=np.float64).reshape(shape)
-                for k in ("log_prob", "rollout_log_prob", "advantages", "response_mask")
-            )
+            lp, mu, adv, mask = case_inputs(c)
+            shape = lp.shape
             want = c[entry.golden.key]
             want_loss, want_grad = (
                 float(want["loss"]),
@@ -119,34 +350,31 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
 # Per-case checks
 
 
+def _dppo_params() -> Mapping[str, float]:
+    """The registered DPPO rule's parameters (its delta is the plan's)."""
+    return get_loss(DPPO_LOSS).params
+
+
+_REF, _BASE = ("reference_loss", "reference_gradient"), ("baseline_loss", "baseline_gradient")
+
+
 def _loss_grad_check(
     name: str,
-    loss: float,
-    grad_BT: np.ndarray,
-    exp_loss: float,
-    exp_grad_BT: np.ndarray,
+    got: tuple[float, np.ndarray],
+    want: tuple[float, np.ndarray],
     tolerances: Tolerances,
-    loss_key: str,
-    grad_key: str,
+    keys: tuple[str, str],
     extra_fail: list[str],
     note: str = "",
 ) -> SubCheck:
-    le = parity_errors([loss], [exp_loss])
-    ge = parity_errors(grad_BT, exp_grad_BT)
-    ok_l, why_l = errors_pass(le, tolerances[loss_key])
-    ok_g, why_g = errors_pass(ge, tolerances[grad_key])
-    fails = list(extra_fail)
-    if not ok_l:
-        fails.append(f"loss {why_l}")
-    if not ok_g:
-        fails.append(f"grad {why_g}")
+    """(loss, gradient) against the expected pair under the tolerances of the checks `keys` names."""
+    le, ge = parity_errors([got[0]], [want[0]]), parity_errors(got[1], want[1])
+    (ok_l, why_l), (ok_g, why_g) = errors_pass(le, tolerances[keys[0]]), errors_pass(ge, tolerances[keys[1]])
+    fails = [*extra_fail, *([f"loss {why_l}"] if not ok_l else []), *([f"grad {why_g}"] if not ok_g else [])]
     cos = ge["cosine_similarity"]
     detail = f"loss_err={le['max_abs_error']:.2e} grad_err={ge['max_abs_error']:.2e} cos={'n/a' if cos is None else f'{cos:.9f}'}"
-    if note:
-        detail += f" {note}"
-    if fails:
-        detail += " | " + "; ".join(fails)
-    return SubCheck(name, not fails, detail, {loss_key: le, grad_key: ge})
+    detail += (f" {note}" if note else "") + (" | " + "; ".join(fails) if fails else "")
+    return SubCheck(name, not fails, detail, {keys[0]: le, keys[1]: ge})
 
 
 def check_case(case: GoldenCase, mode: str, tolerances: Tolerances | None = None, seed: int = 0) -> CaseResult:
@@ -165,56 +393,28 @@ def check_case(case: GoldenCase, mode: str, tolerances: Tolerances | None = None
 
 def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
     """The independent implementation must itself reproduce the golden file (exact masks)."""
-    rd = ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT)
+    rd = ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", **_dppo_params())
     fails = [] if np.array_equal(rd.decision_BT, case.dppo_mask_BT > 0) else ["mask differs"]
-    subs = [
-        _loss_grad_check(
-            "ref_dppo_vs_golden",
-            rd.loss,
-            rd.grad_BT,
-            case.dppo_loss,
-            case.dppo_grad_BT,
-            tol,
-            "reference_loss",
-            "reference_gradient",
-            fails,
-        )
-    ]
+    want = (case.dppo_loss, case.dppo_grad_BT)
+    subs = [_loss_grad_check("ref_dppo_vs_golden", (rd.loss, rd.grad_BT), want, tol, _REF, fails)]
     if case.grpo_loss is not None and case.grpo_grad_BT is not None:  # both or neither (the golden's GRPO entry)
+        clamp, dual = LOG_RATIO_CLAMP_MAX, VERL_NO_DUAL_CLIP_C
         rv = ref_ppo(
-            case.lp_BT,
-            case.mu_BT,
-            case.adv_BT,
-            case.mask_BT,
-            "token_mean",
-            log_ratio_clamp=LOG_RATIO_CLAMP_MAX,
-            dual_clip_c=VERL_NO_DUAL_CLIP_C,
+            case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=clamp, dual_clip_c=dual
         )
+        n = token_count(case.mask_BT)
         fails = []
-        if case.grpo_clipfrac is not None:
-            n = token_count(case.mask_BT)
-            if int(rv.decision_BT.sum()) != round(case.grpo_clipfrac * (n + 1e-8)):
-                fails.append("clip count differs")
-        subs.append(
-            _loss_grad_check(
-                "ref_grpo_vs_golden",
-                rv.loss,
-                rv.grad_BT,
-                case.grpo_loss,
-                case.grpo_grad_BT,
-                tol,
-                "reference_loss",
-                "reference_gradient",
-                fails,
-            )
-        )
+        if case.grpo_clipfrac is not None and int(rv.decision_BT.sum()) != round(case.grpo_clipfrac * (n + 1e-8)):
+            fails.append("clip count differs")
+        want = (case.grpo_loss, case.grpo_grad_BT)
+        subs.append(_loss_grad_check("ref_grpo_vs_golden", (rv.loss, rv.grad_BT), want, tol, _REF, fails))
     return subs
 
 
 def _dppo_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> SubCheck:
     """Treatment (reference parity): DPPO, token_mean."""
     run = run_packed(case, packed, "dppo", "token_mean", mode)
-    r_used = ref_dppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT)
+    r_used = ref_dppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean", **_dppo_params())
     flips = int((r_used.decision_BT != (case.dppo_mask_BT > 0)).sum())
     if flips == 0:
         exp_loss, exp_grad, exp_mask, note = case.dppo_loss, case.dppo_grad_BT, case.dppo_mask_BT > 0, "vs golden"
@@ -225,56 +425,26 @@ def _dppo_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances
     if not np.array_equal(run.keep_BT, exp_mask):
         fails.append(f"mask differs on {int((run.keep_BT != exp_mask).sum())} tokens")
     fails += _metric_failures(run, case, exp_mask, flips == 0)
-    return _loss_grad_check(
-        "dppo", run.loss, run.grad_BT, exp_loss, exp_grad, tol, "reference_loss", "reference_gradient", fails, note
-    )
+    return _loss_grad_check("dppo", (run.loss, run.grad_BT), (exp_loss, exp_grad), tol, _REF, fails, note)
 
 
 def _baseline_checks(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> list[SubCheck]:
     """Baseline parity: the GRPO path against Tinker's built-in ppo formula, under sum
     normalization and under the normalization that is trained (token_mean: the same formula
     divided by the call's loss-token count)."""
-    run = run_packed(case, packed, "grpo", "sum", mode)
-    rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "sum")
-    fails = _common_failures(run)
-    if not np.array_equal(run.clipped_BT, rb.decision_BT):
-        fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
-    if run.metrics.get("ppo/clipped") != float(rb.decision_BT.sum()):
-        fails.append("ppo/clipped metric differs")
-    subs = [
-        _loss_grad_check(
-            "grpo_baseline",
-            run.loss,
-            run.grad_BT,
-            rb.loss,
-            rb.grad_BT,
-            tol,
-            "baseline_loss",
-            "baseline_gradient",
-            fails,
-            "vs tinker ppo formula",
-        )
-    ]
-
-    run = run_packed(case, packed, "grpo", "token_mean", mode)
-    rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean")
-    fails = _common_failures(run)
-    if not np.array_equal(run.clipped_BT, rb.decision_BT):
-        fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
-    subs.append(
-        _loss_grad_check(
-            "grpo_baseline_token_mean",
-            run.loss,
-            run.grad_BT,
-            rb.loss,
-            rb.grad_BT,
-            tol,
-            "baseline_loss",
-            "baseline_gradient",
-            fails,
-            "vs tinker ppo formula / loss tokens",
-        )
-    )
+    subs = []
+    for norm, name, note in (
+        ("sum", "grpo_baseline", "vs tinker ppo formula"),
+        ("token_mean", "grpo_baseline_token_mean", "vs tinker ppo formula / loss tokens"),
+    ):
+        run = run_packed(case, packed, "grpo", norm, mode)  # type: ignore[arg-type]
+        rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, norm)
+        fails = _common_failures(run)
+        if not np.array_equal(run.clipped_BT, rb.decision_BT):
+            fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
+        if norm == "sum" and run.metrics.get("ppo/clipped") != float(rb.decision_BT.sum()):
+            fails.append("ppo/clipped metric differs")
+        subs.append(_loss_grad_check(name, (run.loss, run.grad_BT), (rb.loss, rb.grad_BT), tol, _BASE, fails, note))
     return subs
 
 
@@ -303,18 +473,7 @@ def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tol
         n = token_count(case.mask_BT)
         if run.metrics["ppo/clipped"] != round(case.grpo_clipfrac * (n + 1e-8)):
             fails.append("ppo/clipped differs from golden clipfrac")
-    return _loss_grad_check(
-        "grpo_golden",
-        run.loss,
-        run.grad_BT,
-        exp_loss,
-        exp_grad,
-        tol,
-        "reference_loss",
-        "reference_gradient",
-        fails,
-        note,
-    )
+    return _loss_grad_check("grpo_golden", (run.loss, run.grad_BT), (exp_loss, exp_grad), tol, _REF, fails, note)
 
 
 def _common_failures(run: PackedRun) -> list[str]:

@@ -1,8 +1,9 @@
-"""Golden parity's error measures and their acceptance rule (``parity_errors``, ``errors_pass``: max
-|error| <= atol + rtol x max |reference|, and cosine >= min_cosine where the tolerance sets one), and
-the records of a parity run (``SubCheck``, ``CaseResult``, ``GoldenReport``). The parity checks
-(``correctness_golden``) and the ``correctness_preflight`` validator (``correctness``) both apply
-them; numpy only, so the validator loads no torch."""
+"""Golden parity's records, numpy only: the golden file's schema and the packed path's modes, the
+error measures and their acceptance rule (max |error| <= atol + rtol x max |reference|, and cosine
+>= min_cosine where the tolerance sets one), and a parity run's results. The parity run
+(``correctness_golden``: torch, the SDK) and the block and its validator (``correctness``) both
+read them; neither imports the other at module level.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ from typing import TypedDict
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import JsonValue
 
 from dppo_harness.json_types import JsonObject
+
+GOLDEN_SCHEMA = "dppo_golden_v1"
+MODES = ("float64", "float32", "float64-datum")  # the packed path's modes (`correctness_golden`)
+
+
+class GoldenError(ValueError):
+    """The golden file is malformed; the message names the field."""
+
 
 CHECK_NAMES = ("baseline_loss", "baseline_gradient", "reference_loss", "reference_gradient")
 
@@ -59,12 +69,7 @@ def parity_errors(actual: npt.ArrayLike, reference: npt.ArrayLike) -> ErrorMeasu
 
 
 def measures_json(e: ErrorMeasures) -> JsonObject:
-    return {
-        "max_abs_error": e["max_abs_error"],
-        "reference_max_abs": e["reference_max_abs"],
-        "relative_l2_error": e["relative_l2_error"],
-        "cosine_similarity": e["cosine_similarity"],
-    }
+    return {k: e[k] for k in ("max_abs_error", "reference_max_abs", "relative_l2_error", "cosine_similarity")}
 
 
 def errors_pass(errors: Mapping[str, object], tol: Mapping[str, float]) -> tuple[bool, str]:
@@ -114,20 +119,16 @@ class CaseResult:
         return f"{'PASS' if self.passed else 'FAIL'} {self.case} [{self.mode}] " + " ".join(parts)
 
     def to_json(self) -> JsonObject:
-        return {
-            "case": self.case,
-            "mode": self.mode,
-            "passed": self.passed,
-            "subchecks": [
-                {
-                    "name": s.name,
-                    "passed": s.passed,
-                    "detail": s.detail,
-                    "errors": {k: measures_json(e) for k, e in s.errors.items()},
-                }
-                for s in self.subchecks
-            ],
-        }
+        subchecks: list[JsonValue] = [
+            {
+                "name": s.name,
+                "passed": s.passed,
+                "detail": s.detail,
+                "errors": {k: measures_json(e) for k, e in s.errors.items()},
+            }
+            for s in self.subchecks
+        ]
+        return {"case": self.case, "mode": self.mode, "passed": self.passed, "subchecks": subchecks}
 
 
 @dataclass
@@ -145,10 +146,11 @@ class GoldenReport:
         return len(self.results) - self.n_passed
 
     def to_json(self) -> JsonObject:
+        results: list[JsonValue] = [r.to_json() for r in self.results]
         return {
             "golden_path": self.path,
             "golden_sha256": self.sha256,
             "passed": self.n_passed,
             "failed": self.n_failed,
-            "results": [r.to_json() for r in self.results],
+            "results": results,
         }

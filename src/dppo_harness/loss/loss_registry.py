@@ -1,24 +1,22 @@
 """The loss registry: every loss a spec's arm may name is one entry (verl `core_algos` style: one
-registry, one signature).
-
-An entry holds the loss's packed per-token rule (called by `losses.packed_loss`), its
-parameters, the family of per-token decisions it trains with (whose statistics, `terms.LossStats`,
-are then its own), the activation-gate metrics it provides, its independent numpy reference
-(`references.py`) and its golden cases. A plan naming an unregistered loss is refused at load
-(`plans.run_config`), before any service call. A loss that trains with the existing decisions is
-an entry here, its reference and its golden cases (`python -m dppo_harness.loss.golden`). This
-module imports no torch (plan loading stays cheap): the rules use the tensors' own methods.
+registry, one signature): its packed per-token rule (called by `losses.packed_loss`), its
+parameters, the decisions it trains with (whose `terms.LossStats` are then its own), the gate
+metrics it provides, its independent numpy reference (`references.py`) and its golden cases
+(`python -m dppo_harness.loss.golden`). A plan naming an unregistered loss is refused at load. No
+torch import (plan loading stays cheap): the rules use the tensors' own methods.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.loss import references
 from dppo_harness.loss.terms import LossStats, TokenTerms
+from dppo_harness.project import project_root
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +26,12 @@ Normalization = Literal["sum", "token_mean"]
 # The exchange's two loss names (the spec's `arms[*].loss`).
 DPPO_LOSS = "dppo_divergence_mask"
 GRPO_LOSS = "grpo_clip_eps0.2"
+
+# The DPPO threshold has one home: the plan that pins the rule (its `fixed_settings.treatment.delta`).
+# Every loss config, the golden cases (`python -m dppo_harness.loss.golden`) and the self-test read it
+# from the registered entry. Read as JSON: the plans package imports this registry.
+DELTA_PLAN = "plans/exp_e6b0965af3-diagnostic-r1.json"
+DPPO_DELTA = float(json.loads((project_root() / DELTA_PLAN).read_text())["fixed_settings"]["treatment"]["delta"])
 
 # Activation-gate metrics the harness measures itself, whatever the losses.
 HARNESS_GATE_METRICS = ("executed_updates_per_batch", "executed_base_model")
@@ -47,11 +51,10 @@ Decisions = Literal["dppo", "ppo", ""]
 
 @dataclass(frozen=True)
 class GoldenCases:
-    """Where a loss's golden values live: a JSON file (relative to the project root) whose
-    `cases[i]` hold padded inputs (`log_prob`, `rollout_log_prob`, `advantages`,
-    `response_mask`, `shape`) and, under `key`, the expected `loss` and `grad_log_prob` at
-    `normalization`. `reference_params` are the keyword arguments with which the loss's
-    reference reproduces them (a variant of the rule, e.g. verl's clamps; empty: as trained)."""
+    """A loss's golden values: a JSON file (relative to the project root) whose `cases[i]` hold
+    padded inputs and, under `key`, the expected `loss` and `grad_log_prob` at `normalization`;
+    `reference_params`: the options with which the reference reproduces them (a variant of the
+    rule, e.g. verl's clamps; empty: as trained)."""
 
     file: str
     key: str
@@ -112,6 +115,28 @@ def gate_metric_sources() -> dict[str, str]:
     for entry in LOSSES.values():
         out.update(entry.gate_metrics)
     return out
+
+
+@dataclass(frozen=True)
+class ImplementedPath:
+    """A correctness-preflight path this harness implements: a spec naming another id (or another
+    kind) is refused at load rather than run with a check it did not ask for."""
+
+    id: str
+    kind: str
+    what: str  # what the harness checks under this id, for the refusal line and the docs
+
+
+PATH_ID = "grpo_dppo_custom_loss"  # the block's path when no spec names one (the CLI without --spec)
+IMPLEMENTED_PATHS = {
+    PATH_ID: ImplementedPath(
+        PATH_ID, "loss", "both registered losses through forward_backward_custom against the pinned golden values"
+    )
+}
+
+
+def implemented_list() -> str:
+    return ", ".join(f"{p.id} (kind {p.kind}: {p.what})" for p in IMPLEMENTED_PATHS.values())
 
 
 def _dppo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms) -> torch.Tensor:

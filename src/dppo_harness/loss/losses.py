@@ -1,19 +1,12 @@
 """Packed loss path for ``TrainingClient.forward_backward_custom``.
 
-Every loss a spec's arm may name is one registered `LossEntry` (``loss_registry.py``): its packed
-per-token rule, its parameters, the decisions it trains with, the activation-gate metrics it
-provides, its independent numpy reference (``references.py``) and its golden cases. The spec's
-loss name is the one switch (``LossConfig.loss``); a plan naming an unregistered loss is refused
-at load. Every rule sees the same per-token terms (``terms.TokenTerms``), so the family's
-diagnostics are counted for every loss call (GRPO clip fraction while DPPO trains, DPPO masked
-fraction while GRPO trains), once, by ``terms.stats``. Rules: ``/work/shared/reference/dppo-binary-tv.md``.
-
-Layout (docs/design.md): each datum carries ``target_tokens``, sampler ``logprobs``,
-``advantages`` and ``mask`` of length T; the SDK hands the loss one current-logprob tensor of
-length T per datum. Everything is concatenated into packed ``_N`` tensors (``unpack_datums``, the
-one unpacker: the recorder keeps what it returns). Decisions and weights are computed in float64
-whatever the caller's dtype, so a float32 boundary token is decided on the exact values the
-service returned (bf16/float32 probabilities flip boundary tokens).
+The spec's loss name is the one switch (``LossConfig.loss``, a registered ``LossEntry``). Every
+rule sees the same per-token terms (``terms.TokenTerms``), so the family's diagnostics are counted
+for every loss call, once, by ``terms.stats``. Rules: ``/work/shared/reference/dppo-binary-tv.md``.
+The datums' inputs are concatenated into packed ``_N`` tensors (``unpack_datums``, the one
+unpacker: the recorder keeps what it returns); decisions and weights are computed in float64
+whatever the caller's dtype, so a float32 boundary token is decided on the exact values the service
+returned (bf16/float32 probabilities flip boundary tokens).
 """
 
 from __future__ import annotations
@@ -26,8 +19,8 @@ import numpy.typing as npt
 import tinker
 import torch
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
-from dppo_harness.loss.loss_registry import DPPO_LOSS, Normalization, get_loss
+from dppo_harness.constants import DPPO_RATIO_CAP, PPO_EPS
+from dppo_harness.loss.loss_registry import DPPO_DELTA, DPPO_LOSS, Normalization, get_loss
 from dppo_harness.loss.terms import LossStats, TokenTerms, stats
 
 _NORMALIZATIONS = ("sum", "token_mean")
@@ -64,17 +57,12 @@ class LossConfig:
             raise ValueError(f"LossConfig.ppo_eps must be < 1, got {self.ppo_eps!r}")
 
 
-def as_numpy(value: tinker.TensorData | torch.Tensor | npt.ArrayLike) -> np.ndarray:
+def _as_numpy_1d(value: tinker.TensorData | torch.Tensor | npt.ArrayLike, key: str, index: int) -> np.ndarray:
     """One loss_fn_inputs entry as numpy, whether TensorData (dense or sparse), torch or a list."""
     if isinstance(value, tinker.TensorData):
-        return np.asarray(value.to_numpy())
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
-
-
-def _as_numpy_1d(value: tinker.TensorData | torch.Tensor | npt.ArrayLike, key: str, index: int) -> np.ndarray:
-    arr = as_numpy(value)
+        arr = np.asarray(value.to_numpy())
+    else:
+        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     if arr.ndim != 1:
         raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] must be 1-D, got shape {arr.shape}")
     return arr
@@ -94,11 +82,10 @@ class PackedInputs:
 
     def as_float64(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Float64 copies of (sampler logprobs, advantages, mask), never views of the datums."""
-
-        def f64(x: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(x.astype(np.float64, copy=True))
-
-        return f64(self.sampler_logprobs_N), f64(self.advantages_N), f64(self.mask_N)
+        mu, adv, mask = (
+            torch.from_numpy(x.astype(np.float64)) for x in (self.sampler_logprobs_N, self.advantages_N, self.mask_N)
+        )
+        return mu, adv, mask
 
 
 def unpack_datums(data: Sequence[tinker.Datum]) -> PackedInputs:
@@ -107,9 +94,7 @@ def unpack_datums(data: Sequence[tinker.Datum]) -> PackedInputs:
     columns: dict[str, list[np.ndarray]] = {k: [] for k in _INPUT_KEYS}
     first: list[int] = []
     for i, datum in enumerate(data):
-        inputs = getattr(datum, "loss_fn_inputs", None)
-        if inputs is None:
-            raise TypeError(f"datum {i}: expected a tinker.Datum with loss_fn_inputs, got {type(datum).__name__}")
+        inputs = datum.loss_fn_inputs
         missing = [k for k in _INPUT_KEYS if k not in inputs]
         if missing:
             raise ValueError(f"datum {i}: loss_fn_inputs lacks {missing} (needs {list(_INPUT_KEYS)})")
@@ -274,9 +259,7 @@ def _concat_logprobs(logprobs_list: Sequence[torch.Tensor], lengths_S: np.ndarra
             raise ValueError(
                 f"datum {i}: logprobs tensor has shape {tuple(lp.shape)}, loss inputs have length {length}"
             )
-    if not logprobs_list:
-        return torch.zeros(0, dtype=torch.float64)
-    return torch.cat([lp.to(torch.float64) for lp in logprobs_list])
+    return torch.cat([lp.to(torch.float64) for lp in logprobs_list]) if logprobs_list else torch.zeros(0)
 
 
 # What `forward_backward_custom` calls: (datums, their current logprobs) -> (scalar loss, metrics).

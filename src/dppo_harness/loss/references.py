@@ -1,12 +1,8 @@
 """Independent numpy references of the registered losses (padded [B, T] layout, float64,
-closed-form gradients, no autograd).
-
-Written from ``/work/shared/reference/dppo-binary-tv.md``; they share nothing with ``losses.py``
-beyond ``constants.py``. Each registered loss (`loss_registry.LOSSES`) names its reference here; the
-correctness preflight, the registry's golden parity and `replay` compare the packed training
-path against them. One signature: ``ref(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **params)``,
-where ``params`` are the registered loss's parameters under the same names (``dppo_delta``,
-``ratio_cap``, ``ppo_eps``) plus the options of a rule variant.
+closed-form gradients, no autograd), written from ``/work/shared/reference/dppo-binary-tv.md`` and
+sharing nothing with ``losses.py``. One signature: ``ref(lp_BT, mu_BT, adv_BT, mask_BT,
+normalization, **params)``, ``params`` the registered loss's parameters under the same names plus
+the options of a rule variant.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dppo_harness.constants import DPPO_DELTA, DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 
 
 @dataclass(frozen=True)
@@ -34,8 +30,8 @@ def ref_dppo(
     mu_BT: np.ndarray,
     adv_BT: np.ndarray,
     mask_BT: np.ndarray,
-    normalization: str = "token_mean",
-    dppo_delta: float = DPPO_DELTA,
+    normalization: str,
+    dppo_delta: float,
     ratio_cap: float = DPPO_RATIO_CAP,
     log_ratio_max: float = LOG_RATIO_CLAMP_MAX,
 ) -> RefResult:

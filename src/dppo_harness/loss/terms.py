@@ -1,20 +1,13 @@
-"""The per-token terms every loss rule decides on, and their statistics: `TokenTerms` (one loss
-call's decisions, as the packed path or replay's independent recompute made them) and
-`stats(terms) -> LossStats`, the one function that counts them.
+"""The per-token terms every loss rule decides on (`TokenTerms`: one loss call's decisions, as the
+packed path or replay's independent recompute made them) and `stats(terms) -> LossStats`, the one
+function that counts them.
 
-Every consumer reads the same `LossStats`: the metrics the loss returns to the SDK
-(`LossStats.metrics`), the loss-call record and its npz meta (`LossStats.recorded`), pooling,
-replay's comparison and the diagnostic. Each field carries its recorded metric name and its kind
-(`count`: compared exactly, `float`: to float tolerance, `drift`: a p - q tail that no decision
-moves), so no consumer keeps its own list of names. A `LossStats` is also a read-only mapping from
-recorded name to value, so readers that key by name (step rows, the gate) read it like the
-recorded JSON.
-
-The p - q histogram's edges are derived from delta (`magnitude_edges`): delta is always an edge,
-so the bins beyond +-delta hold exactly the strict exceedances, whatever delta the rule runs at.
-
-No torch import: the terms are CPU tensors, read through numpy, and plan loading, which reads the
-registry, stays free of torch.
+Every consumer reads the same `LossStats` (the loss's returned metrics, the record and its npz
+meta, pooling, replay, the diagnostic); each field carries its recorded name and its kind (`count`:
+compared exactly, `float`: to float tolerance, `drift`: a p - q tail that no decision moves), and a
+`LossStats` is also a read-only mapping from recorded name to value. The p - q histogram's edges
+always include delta (`magnitude_edges`), so the bins beyond +-delta hold exactly the strict
+exceedances. No torch import: plan loading reads the registry, which imports this module.
 """
 
 from __future__ import annotations
@@ -192,16 +185,12 @@ class LossStats(Mapping[str, Any]):
             raise ValueError(f"loss-call statistics lack {missing}")
         values: dict[str, Any] = {f.name: stats[f.metadata["name"]] for f in dataclasses.fields(cls)}
         hist = stats["hist"]
-        if not isinstance(hist, dict):
-            raise ValueError(f"loss-call statistics: hist is {type(hist).__name__}, not an object")
-        values["hist"] = Histogram(edges, *(_counts(hist.get(s), s) for s in HIST_SIGNS))
+        counts = [hist.get(s) if isinstance(hist, dict) else None for s in HIST_SIGNS]
+        ints = [tuple(n for n in c if isinstance(n, int)) if isinstance(c, list) else () for c in counts]
+        if [len(c) if isinstance(c, list) else -1 for c in counts] != [len(c) for c in ints]:
+            raise ValueError(f"loss-call statistics: hist is not counts by advantage sign: {hist!r}")
+        values["hist"] = Histogram(edges, *ints)
         return cls(**values)
-
-
-def _counts(value: JsonValue, sign: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(c, int) for c in value):
-        raise ValueError(f"loss-call statistics: hist[{sign!r}] is not a list of counts: {value!r}")
-    return tuple(c for c in value if isinstance(c, int))
 
 
 _FIELDS: dict[str, dataclasses.Field[Any]] = {f.metadata["name"]: f for f in dataclasses.fields(LossStats)}
@@ -227,20 +216,13 @@ def stats(terms: TokenTerms) -> LossStats:
     clipped = loss & np.asarray(terms.ppo_clipped_N).astype(bool)
     delta = np.asarray(terms.dppo_delta, dtype=d.dtype)
     exceed_pos, exceed_neg = loss & (d > delta), loss & (d < -delta)
-    n_loss, n_nonzero, n_removed, n_clipped = (
-        int(loss.sum()),
-        int(nonzero.sum()),
-        int(removed.sum()),
-        int(clipped.sum()),
-    )
+    n_loss, n_nonzero, n_removed, n_clipped = (int(x.sum()) for x in (loss, nonzero, removed, clipped))
     loss_d = d[loss].astype(np.float64)
     signed, absolute = _quantiles(loss_d), _quantiles(np.abs(loss_d))
     edges = magnitude_edges(terms.dppo_delta)
     idx = hist_bin_index(d, edges)
     n_bins = 2 * len(edges) - 1
-    counts = {
-        s: tuple(int(c) for c in np.bincount(idx[m], minlength=n_bins)) for s, m in zip(HIST_SIGNS, (pos, neg, zero))
-    }
+    counts = [tuple(int(c) for c in np.bincount(idx[m], minlength=n_bins)) for m in (pos, neg, zero)]
 
     def frac(num: int, den: int) -> float:
         return num / den if den else 0.0
@@ -276,6 +258,6 @@ def stats(terms: TokenTerms) -> LossStats:
         drift_abs_max=absolute[2],
         drift_max_on_pos_adv=float(d[pos].max()) if pos.any() else None,
         drift_min_on_neg_adv=float(d[neg].min()) if neg.any() else None,
-        hist=Histogram(edges, counts["pos"], counts["neg"], counts["zero"]),
+        hist=Histogram(edges, *counts),
         decision_dtype=str(d.dtype),
     )

@@ -465,7 +465,7 @@ def plan_config(plan: Plan) -> JsonObject:
         "plan": plan_block,
         "pinned": {
             "ppo_eps": constants.PPO_EPS,
-            "dppo_delta": constants.DPPO_DELTA,
+            "dppo_delta": losses.DPPO_DELTA,
             "dppo_ratio_cap": constants.DPPO_RATIO_CAP,
             "renderer": constants.RENDERER_NAME,
             "reference_revision": constants.REFERENCE_REVISION,

@@ -17,7 +17,7 @@ from typing import Literal
 from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
-from dppo_harness.loss.correctness_paths import IMPLEMENTED_PATHS, implemented_list
+from dppo_harness.loss.loss_registry import IMPLEMENTED_PATHS, implemented_list
 from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError, _fail
 from dppo_harness.plans.resolution import Stated
 

@@ -79,10 +79,10 @@ def selftest_cases(delta: float) -> dict[str, SelftestRows]:
             (True, True, False),
         ),
         # Probability difference, not ratio: these two separate Binary-TV from a ratio clip (p - q just
-        # above delta at a ratio under 1 + eps while delta < 0.16).
+        # above delta at a ratio under 1 + eps while delta < eps / (1 + eps); a ratio beyond 1 +- eps at |p - q| = delta / 2).
         "must_fire_high_q_small_ratio": (((0.995, 0.995 - (delta + 0.005), 1.0, 1.0),), (1, 0, 0), (True,)),
         "must_not_fire_large_ratio_small_prob": (
-            ((0.20, 0.10, 1.0, 1.0), (0.02, 0.10, -1.0, 1.0)),
+            ((1.5 * delta, delta, 1.0, 1.0), (0.5 * delta, delta, -1.0, 1.0)),
             (0, 0, 0),
             (False, False),
         ),
