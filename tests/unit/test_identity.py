@@ -16,7 +16,6 @@ from dppo_harness.evidence.session import closing_fields, start_session
 from dppo_harness.plans import load_plan
 from dppo_harness.service import identity
 from dppo_harness.service.connectivity import ConnectivityReport
-from dppo_harness.service.observed import notify_training_client
 from dppo_harness.service.wait.clients import WaitedFuture
 from dppo_harness.service.wait.waiter import ServiceWaiter
 
@@ -133,7 +132,6 @@ def test_creation_future_reports_the_client_once():
     )
     assert f.result() == "client" and f.result() == "client"
     assert seen == ["client"]
-    assert notify_training_client(object(), "c", "x") == "c"  # a plain ServiceClient: nothing to notify
 
 
 def test_recorder_keeps_the_complete_model_data(tmp_path, monkeypatch):

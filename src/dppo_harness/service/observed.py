@@ -3,17 +3,15 @@ training client it creates is listed (stage, role) and reported to an observer b
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import tinker
 from tinker.lib.public_interfaces.rest_client import RestClient
-from tinker.lib.retry_handler import RetryConfig
 
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import sdk_internals
@@ -21,7 +19,7 @@ from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client
 from dppo_harness.service.rest import ServiceRest, UnloadOutcome
 from dppo_harness.service.wait.clients import WaitedFuture, name_client, run_beside
 from dppo_harness.service.wait.waiter import ServiceWaiter
-from dppo_harness.service.wait.watch import creation_watch
+from dppo_harness.service.wait.watch import LogWatch, creation_watch
 
 if TYPE_CHECKING:
     from dppo_harness.service.release import ClientRegistry  # release lists the clients created here
@@ -170,113 +168,62 @@ class ObservedServiceClient(tinker.ServiceClient):
         self.observe(client, label)
         return self.waiter.adopt(client, name)
 
-    def _inside_sdk_call(self) -> bool:
-        return bool(getattr(self._sdk_call, "active", False))
-
-    def _beside(self, make: Callable[[], T], what: str) -> concurrent.futures.Future[T]:
-        """The SDK's call on its own thread, marked as inside an SDK call."""
+    def _created(
+        self,
+        make: Callable[[], T],
+        call: str,
+        what: str,
+        then: Callable[[T], T],
+        watch: LogWatch | None = None,
+    ) -> T:
+        """The SDK's creation on its own thread, waited under the policy, and what `then` makes of
+        it. The SDK's own calls back into these methods (0.25's create-from-state calls
+        create_rest_client and create_lora_training_client) are steps of the one call waited on."""
+        if getattr(self._sdk_call, "active", False):
+            return make()
 
         def marked() -> T:
             self._sdk_call.active = True
             return make()
 
-        return run_beside(marked, what)
+        return WaitedFuture(run_beside(marked, f"{call}: {what}"), self.waiter, call, what, watch, then=then).result()
 
-    def _creation(self, make: Callable[[], tinker.TrainingClient], call: str, what: str) -> tinker.TrainingClient:
-        if self._inside_sdk_call():
-            return make()
+    def _training(self, call: str, what: str, make: Callable[[], tinker.TrainingClient]) -> tinker.TrainingClient:
         watch = creation_watch(placing=lambda: sdk_internals.session_ready(self))
-        made = self._beside(make, f"{call}: {what}")
-        return WaitedFuture(made, self.waiter, call, what, watch, then=lambda c: self.adopt(c, call)).result()
+        return self._created(make, call, what, lambda c: self.adopt(c, call), watch)
 
-    # The creation methods take the SDK's own parameters and, like the SDK's, return the client once
-    # it exists: the SDK's call runs beside, waited under the policy, and the client is waited too.
-    def create_lora_training_client(
-        self,
-        base_model: str,
-        rank: int = 32,
-        seed: int | None = None,
-        train_mlp: bool = True,
-        train_attn: bool = True,
-        train_unembed: bool = True,
-        user_metadata: dict[str, str] | None = None,
-    ) -> tinker.TrainingClient:
-        return self._creation(
-            lambda: super(ObservedServiceClient, self).create_lora_training_client(
-                base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata
-            ),
-            "create_lora_training_client",
-            f"a new LoRA client on {base_model}",
-        )
+    # The SDK's own parameters, passed on as given; like the SDK's, each returns the client it made.
+    def create_lora_training_client(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
+        what = f"a new LoRA client on {kwargs.get('base_model', args[0] if args else None)}"
+        make = super().create_lora_training_client
+        return self._training("create_lora_training_client", what, lambda: make(*args, **kwargs))
 
-    def create_training_client_from_state(
-        self,
-        path: str,
-        base_model: str | None = None,
-        user_metadata: dict[str, str] | None = None,
-        weights_access_token: str | None = None,
-    ) -> tinker.TrainingClient:
-        return self._creation(
-            lambda: super(ObservedServiceClient, self).create_training_client_from_state(
-                path, base_model, user_metadata, weights_access_token
-            ),
-            "create_training_client_from_state",
-            f"a client from {path}",
-        )
+    def create_training_client_from_state(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
+        what = f"a client from {kwargs.get('path', args[0] if args else None)}"
+        make = super().create_training_client_from_state
+        return self._training("create_training_client_from_state", what, lambda: make(*args, **kwargs))
 
-    def create_training_client_from_state_with_optimizer(
-        self,
-        path: str,
-        base_model: str | None = None,
-        user_metadata: dict[str, str] | None = None,
-        weights_access_token: str | None = None,
-    ) -> tinker.TrainingClient:
-        return self._creation(
-            lambda: super(ObservedServiceClient, self).create_training_client_from_state_with_optimizer(
-                path, base_model, user_metadata, weights_access_token
-            ),
-            "create_training_client_from_state_with_optimizer",
-            f"a client from {path}",
-        )
+    def create_training_client_from_state_with_optimizer(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
+        what = f"a client from {kwargs.get('path', args[0] if args else None)}"
+        make = super().create_training_client_from_state_with_optimizer
+        call = "create_training_client_from_state_with_optimizer"
+        return self._training(call, what, lambda: make(*args, **kwargs))
 
-    def create_sampling_client(
-        self,
-        model_path: str | None = None,
-        base_model: str | None = None,
-        retry_config: RetryConfig | None = None,
-    ) -> tinker.SamplingClient:
-        what = f"sampler of {model_path or base_model}"
-        if self._inside_sdk_call():
-            return super().create_sampling_client(
-                model_path=model_path, base_model=base_model, retry_config=retry_config
-            )
-        made = self._beside(
-            lambda: super(ObservedServiceClient, self).create_sampling_client(
-                model_path=model_path, base_model=base_model, retry_config=retry_config
-            ),
-            f"create_sampling_client: {what}",
+    def create_sampling_client(self, *args: Any, **kwargs: Any) -> tinker.SamplingClient:
+        named = kwargs.get("model_path", args[0] if args else None) or kwargs.get(
+            "base_model", args[1] if len(args) > 1 else None
         )
-        return WaitedFuture(
-            made, self.waiter, "create_sampling_client", what, None, then=lambda c: self.waiter.adopt(c, what)
-        ).result()
+        what = f"sampler of {named}"
+        make = super().create_sampling_client
+        return self._created(
+            lambda: make(*args, **kwargs), "create_sampling_client", what, lambda c: self.waiter.adopt(c, what)
+        )
 
     def create_rest_client(self) -> RestClient:
         """The SDK's REST client (its session-less setup waited under the policy), waited too."""
-        if self._inside_sdk_call():
-            return super().create_rest_client()
-        made = self._beside(super().create_rest_client, "create_rest_client")
-        client = self.waiter.wait(made, call="create_rest_client (session-less setup)", client="the REST client")
-        return self.waiter.adopt(client, "rest client")
-
-
-def notify_training_client(
-    service_client: tinker.ServiceClient, client: tinker.TrainingClient, label: str, name: str | None = None
-) -> tinker.TrainingClient:
-    """For code that builds a TrainingClient around the public methods: the client observed and
-    waited, as the public methods hand them out."""
-    if isinstance(service_client, ObservedServiceClient):
-        return service_client.adopt(client, label, name)
-    return client
+        make = super().create_rest_client
+        call, what = "create_rest_client (session-less setup)", "the REST client"
+        return self._created(make, call, what, lambda c: self.waiter.adopt(c, "rest client"))
 
 
 def create_from_state_with_response(

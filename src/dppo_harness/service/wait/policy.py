@@ -1,9 +1,8 @@
 """The service wait policy's settings and its stops (see `waiter` for how waits apply them).
 
 `WaitPolicy` says how long every service call may wait (capacity patience before and after the
-first comparison step, the no-answer timeout, the posting grain); `CapacityPolicy` the backoff
-for retrying refused calls; `CapacityTracker` counts completed comparison steps, which switch the
-capacity window. The stops, `CapacityExhausted` and `ServiceHang`, derive from `ServiceStopped`,
+first comparison step, the no-answer timeout, the posting grain) and the backoff for retrying
+refused calls; `CapacityTracker` counts completed comparison steps, which switch the capacity window. The stops, `CapacityExhausted` and `ServiceHang`, derive from `ServiceStopped`,
 a BaseException like KeyboardInterrupt, so that a stage's own `except Exception` bookkeeping
 cannot turn a stopped service into a finished stage.
 """
@@ -13,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dppo_harness.json_types import JsonObject
@@ -29,30 +28,6 @@ class ServiceConfigError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- policy
-
-
-@dataclass(frozen=True)
-class CapacityPolicy:
-    """Backoff for retrying a *refused* call (1, 2, 4 minutes, then 4 again) inside the capacity
-    window: ~10 min with no comparison step completed, 30 min once steps ran. `scale` shrinks
-    every duration (tests, rehearsals)."""
-
-    backoff_s: tuple[float, ...] = (60.0, 120.0, 240.0)
-    give_up_no_steps_s: float = 600.0
-    give_up_after_steps_s: float = 1800.0
-    scale: float = 1.0
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> CapacityPolicy:
-        """The default policy, shrunk by DPPO_HARNESS_CAPACITY_SCALE (0 < scale <= 1) when set:
-        rehearsals and CI use it to exercise backoff and give-up in seconds, not minutes."""
-        return cls(scale=capacity_scale(env))
-
-    def backoff(self, attempt: int) -> float:
-        return self.backoff_s[min(attempt, len(self.backoff_s) - 1)] * self.scale
-
-    def window(self, steps_completed: int) -> float:
-        return (self.give_up_after_steps_s if steps_completed > 0 else self.give_up_no_steps_s) * self.scale
 
 
 def capacity_scale(env: Mapping[str, str] | None = None) -> float:
@@ -142,14 +117,9 @@ class WaitPolicy:
     def capacity_window(self, steps_completed: int) -> float:
         return self.capacity_patience_after_steps_s if steps_completed > 0 else self.capacity_patience_s
 
-    def capacity(self) -> CapacityPolicy:
-        """The same windows for `capacity.call_with_capacity_retry` (retrying refused calls)."""
-        return CapacityPolicy(
-            backoff_s=self.backoff_s,
-            give_up_no_steps_s=self.capacity_patience_s,
-            give_up_after_steps_s=self.capacity_patience_after_steps_s,
-            scale=1.0,
-        )
+    def backoff(self, attempt: int) -> float:
+        """The wait before retrying a refused call (1, 2, 4 minutes, then 4 again, scaled)."""
+        return self.backoff_s[min(attempt, len(self.backoff_s) - 1)]
 
     def as_evidence(self) -> JsonObject:
         return {
@@ -160,6 +130,9 @@ class WaitPolicy:
 
 
 # ----------------------------------------------------------------------------- stops
+
+
+STOPPED_FIELDS: JsonObject = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
 
 
 class ServiceStopped(BaseException):
@@ -174,7 +147,7 @@ class ServiceStopped(BaseException):
         self.line = line
 
     def result_fields(self) -> JsonObject:
-        return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
+        return dict(STOPPED_FIELDS)
 
     def details(self) -> JsonObject:
         """What the service said, for result.json's service_wait.stopped (beside kind and line)."""
@@ -188,20 +161,11 @@ class CapacityBlock:
     released_clients: bool
 
     def as_dict(self) -> JsonObject:
-        return {
-            "error": self.error,
-            "comparison_steps_completed": self.comparison_steps_completed,
-            "released_clients": self.released_clients,
-        }
+        return dict(asdict(self))
 
     def result_fields(self) -> JsonObject:
         """The result.json fields for a run stopped by capacity."""
-        return {
-            "status": "failed",
-            "verdict": "inconclusive",
-            "outcome_reason": "incomplete_execution",
-            "capacity_block": self.as_dict(),
-        }
+        return {**STOPPED_FIELDS, "capacity_block": self.as_dict()}
 
 
 class CapacityExhausted(ServiceStopped):
