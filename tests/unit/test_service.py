@@ -7,9 +7,10 @@ import tinker
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.service.capacity import call_with_capacity_retry, is_capacity_error
-from dppo_harness.service.config import client_kwargs, describe_service, live_secret_values
+from dppo_harness.service.config import client_kwargs, describe_service
 from dppo_harness.service.observed import make_service_client
 from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.secrets_scan import live_secret_items
 from dppo_harness.service.wait.policy import CapacityExhausted, CapacityTracker, ServiceConfigError, WaitPolicy
 
 FAKE_ENV = {
@@ -101,8 +102,9 @@ def test_local_backend_needs_no_env_and_loopback_only():
 
 
 def test_live_secret_values_from_env():
-    assert sorted(live_secret_values(FAKE_ENV)) == sorted(v for k, v in FAKE_ENV.items() if k != "TINKER_BASE_URL")
-    assert live_secret_values({"TINKER_API_KEY": ""}) == []
+    values = [v for _, v in live_secret_items(FAKE_ENV)]
+    assert sorted(values) == sorted(v for k, v in FAKE_ENV.items() if k != "TINKER_BASE_URL")
+    assert live_secret_items({"TINKER_API_KEY": ""}) == []
 
 
 def test_capacity_error_classification():

@@ -163,8 +163,7 @@ class ServiceWaiter:
         self.pauses: list[Pause] = []
         self.pauses_not_listed = 0
         self.posted: dict[int, WaitStatus] = {}  # waits long enough to be posted, by id: the latest status
-        self.posted_not_listed = 0  # posted waits beyond MAX_WAITS_LISTED, counted once each
-        self._not_listed: set[int] = set()
+        self._not_listed: set[int] = set()  # posted waits beyond MAX_WAITS_LISTED
         self.stopped: ServiceStopped | None = None
         self.waits = 0
         self.longest_wait_s = 0.0
@@ -189,14 +188,13 @@ class ServiceWaiter:
         with self._lock:
             self._issued.add(future)
 
-    def abandon_pending(self) -> int:
-        """Cancel every handed-out future still pending (after a stop); how many were."""
+    def abandon_pending(self) -> None:
+        """Cancel every handed-out future still pending (after a stop), counting them."""
         with self._lock:
             issued = list(self._issued)
         cancelled = sum(1 for f in issued if f.abandon())
         with self._lock:
             self.abandoned += cancelled
-        return cancelled
 
     def adopt(self, client: C, label: str | None = None) -> C:
         """The SDK client wrapped so that its futures wait under this policy (idempotent; anything
@@ -411,7 +409,6 @@ class ServiceWaiter:
                     self.posted[status.id] = status
                 else:
                     self._not_listed.add(status.id)
-                    self.posted_not_listed = len(self._not_listed)
         if self.on_post is None:
             return
         try:
@@ -460,8 +457,8 @@ class ServiceWaiter:
                 out["pauses_not_listed"] = self.pauses_not_listed
             if self.posted:
                 out["waiting"] = {str(i): st.as_dict() for i, st in sorted(self.posted.items())}
-            if self.posted_not_listed:
-                out["waits_not_listed"] = self.posted_not_listed
+            if self._not_listed:
+                out["waits_not_listed"] = len(self._not_listed)
             if self.stopped is not None:
                 out["stopped"] = {
                     "kind": self.stopped.kind,
