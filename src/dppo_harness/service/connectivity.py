@@ -285,7 +285,7 @@ def _choose_base_model(
     ]
     candidates = served if deployments is None else [m for m in served if "lora" in deployments.get(m, [])]
     choice = identity.choose_model(requested_model, candidates)
-    if choice.model is None:
+    if choice is None:
         if deployments is not None and requested_model in served:
             raise ConnectivityError(
                 "model",
@@ -301,19 +301,19 @@ def _choose_base_model(
         )
     substitution: Substitution | None = None
     lora_note = f" with LoRA ({DEPLOYMENTS_PATH})" if deployments is not None else ""
-    if choice.substituted:
+    if choice != requested_model:
         substitution = {
             "field": "model",
             "original": requested_model,
-            "effective": choice.model,
-            "reason": f"{requested_model} is not served{lora_note} by {shown}; {choice.model} is the closest served "
+            "effective": choice,
+            "reason": f"{requested_model} is not served{lora_note} by {shown}; {choice} is the closest served "
             f"model of the same family (served: {', '.join(candidates)})",
         }
     ok(
         "model",
-        f"{choice.model} is served{lora_note}" + (f" (instead of {requested_model})" if choice.substituted else ""),
+        f"{choice} is served{lora_note}" + (f" (instead of {requested_model})" if substitution else ""),
     )
-    return choice.model, served, substitution
+    return choice, served, substitution
 
 
 def check_connectivity(

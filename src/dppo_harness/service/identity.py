@@ -182,13 +182,6 @@ def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
 _SIZE_RE = re.compile(r"^(?P<family>.+?)-(?P<size>\d+(?:\.\d+)?)(?P<unit>[BbMm])(?:-(?P<suffix>.*))?$")
 
 
-@dataclass(frozen=True)
-class ModelChoice:
-    model: str | None  # None: nothing of the family is served
-    substituted: bool
-    served: tuple[str, ...]
-
-
 def _parse(name: str) -> tuple[str, float, str] | None:
     m = _SIZE_RE.match(name)
     if not m:
@@ -197,26 +190,21 @@ def _parse(name: str) -> tuple[str, float, str] | None:
     return m["family"], size, (m["suffix"] or "")
 
 
-def choose_model(requested: str, served: list[str]) -> ModelChoice:
-    """The requested model if served, else the closest served model of the same family.
+def choose_model(requested: str, served: list[str]) -> str | None:
+    """The requested model if served, else the closest served model of the same family (None: none).
 
     Family = the name before the size (`Qwen/Qwen3.5` of `Qwen/Qwen3.5-0.8B`); closest = smallest
     |log size ratio|, same variant suffix preferred, ties to the smaller model.
     """
-    names = tuple(dict.fromkeys(served))
-    if requested in names:
-        return ModelChoice(requested, False, names)
     want = _parse(requested)
-    if want is None:
-        return ModelChoice(None, False, names)
+    if requested in served or want is None:
+        return requested if requested in served else None
     cands = []
-    for n in names:
+    for n in served:
         p = _parse(n)
         if p and p[0] == want[0] and p[1] > 0 and want[1] > 0:
             cands.append(((p[2] != want[2]), abs(math.log(p[1] / want[1])), p[1], n))
-    if not cands:
-        return ModelChoice(None, False, names)
-    return ModelChoice(min(cands)[3], True, names)
+    return min(cands)[3] if cands else None
 
 
 @dataclass

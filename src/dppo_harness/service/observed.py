@@ -42,19 +42,10 @@ def make_service_client(
     waiter: ServiceWaiter | None = None,
     sdk_telemetry: bool = False,
 ) -> ObservedServiceClient:
-    """A ServiceClient for `backend` whose clients all wait under `waiter`'s policy (default: the
-    default WaitPolicy, shrunk by DPPO_HARNESS_CAPACITY_SCALE). Construction is lazy (no network
-    until first call).
-
-    tinker: TINKER_BASE_URL (unless base_url is given), TINKER_API_KEY, and the proxy headers
-    Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* when they are set (proxy_tokens="modal",
-    shared Spindle) or from RUNS_PROXY_TOKEN_* (proxy_tokens="runs", a fork); see proxy_headers.
-    local: the given loopback base_url and constants.LOCAL_API_KEY; no environment needed.
-    observer: called with each training client this ServiceClient creates (see ObservedServiceClient).
-    registry: the ServiceClient is registered under `stage` (released at that stage's end, always on
-    exit) with `label` saying what its session is for; its training clients are listed per stage.
-    sdk_telemetry: False (default) sets TINKER_TELEMETRY=0 for this process (apply_sdk_telemetry).
-    """
+    """A ServiceClient for `backend` (arguments from `config.client_kwargs`) whose clients all wait
+    under `waiter`'s policy; no network until its first call. `observer` sees each training client
+    it creates; `registry` lists it under `stage` (released at that stage's end, always on exit)
+    with `label` saying what its session is for. `sdk_telemetry` False sets TINKER_TELEMETRY=0."""
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     apply_sdk_telemetry(sdk_telemetry)
     client = ObservedServiceClient(
@@ -94,12 +85,9 @@ class ObservedServiceClient(tinker.ServiceClient):
 
     tinker 0.25's creation methods block their caller (the session is set up inside the first
     one: client/config, create_session, each under the SDK's own minutes of retries), so each runs
-    on its own thread, waited under the policy, and returns, like the SDK's, the client it made: a
-    WaitedClient (service.wait), so no call a stage makes on it can wait unbounded. The
-    observer (e.g. identity.TrainingClientRecorder) records what the server says a new training
-    client is; its errors are logged, never raised: observing must not change the run. `stage_of`
-    names the stage running now (the registry's), kept with each created client. `rest` reads what
-    the SDK's types drop and unloads models, with this session's own headers.
+    on its own thread, waited under the policy, and returns a WaitedClient. The observer's errors
+    are logged, never raised: observing must not change the run. `stage_of` names the stage
+    running now (kept with each created client); `rest` reads what the SDK's types drop.
     """
 
     def __init__(
@@ -140,7 +128,8 @@ class ObservedServiceClient(tinker.ServiceClient):
         sdk_internals.end_session_heartbeat(self)
         return [c.release for c in self.created if c.release is not None]
 
-    def observe(self, client: tinker.TrainingClient, label: str) -> None:
+    def adopt(self, client: tinker.TrainingClient, label: str) -> tinker.TrainingClient:
+        """A training client this session made: listed, shown to the observer, then waited under the policy."""
         model_id = getattr(client, "model_id", None)
         self.created.append(
             CreatedClient(
@@ -150,23 +139,12 @@ class ObservedServiceClient(tinker.ServiceClient):
                 now_iso(),
             )
         )
-        if self._observer is None:
-            return
         try:
-            self._observer(client, label, self.rest)
+            if self._observer is not None:
+                self._observer(client, label, self.rest)
         except Exception as exc:
             logger.warning("recording training client (%s) failed: %s: %s", label, type(exc).__name__, exc)
-
-    def describe(self, client: object, role: str) -> None:
-        model_id = getattr(client, "model_id", None)
-        for c in self.created:
-            if model_id is not None and c.model_id == str(model_id):
-                c.role = role
-
-    def adopt(self, client: tinker.TrainingClient, label: str, name: str | None = None) -> tinker.TrainingClient:
-        """A training client this session made: observed, then waited under the policy."""
-        self.observe(client, label)
-        return self.waiter.adopt(client, name)
+        return self.waiter.adopt(client)
 
     def _created(
         self,
@@ -259,6 +237,8 @@ def create_from_state_with_response(
 
 def describe_client(service_client: tinker.ServiceClient, client: C, role: str) -> C:
     """Say what a training client is for (listed in client-releases.json); returns the client."""
-    if isinstance(service_client, ObservedServiceClient):
-        service_client.describe(client, role)
+    model_id = getattr(client, "model_id", None)
+    for c in service_client.created if isinstance(service_client, ObservedServiceClient) else []:
+        if model_id is not None and c.model_id == str(model_id):
+            c.role = role
     return client
