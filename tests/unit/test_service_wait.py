@@ -108,6 +108,9 @@ class FakeFuture:
     def future(self):
         return SimpleNamespace(done=lambda: self.done_at is not None and self.clock.t >= self.done_at)
 
+    def done(self):
+        return self.future().done()
+
 
 def _waiter(clock, **policy):
     base = dict(

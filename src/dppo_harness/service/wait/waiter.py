@@ -125,16 +125,6 @@ class _CallClock:
         self.last = now
 
 
-def _done(future: object) -> bool:
-    """Whether the call behind `future` ended (so a TimeoutError it raised is the call's own)."""
-    if isinstance(future, concurrent.futures.Future):
-        return future.done()
-    inner = getattr(future, "future", None)  # an SDK APIFuture: its own done() is deprecated
-    with contextlib.suppress(Exception):
-        return callable(inner) and bool(inner().done())
-    return False
-
-
 class ServiceWaiter:
     """Waits on service futures under one WaitPolicy; see the module docstring.
 
@@ -230,14 +220,15 @@ class ServiceWaiter:
 
     def wait(
         self,
-        future: Pending[V],
+        future: concurrent.futures.Future[V],
         *,
         call: str,
         client: str,
         watch: QueueSource | None = None,
         timeout: float | None = None,
     ) -> V:
-        """future.result(), bounded by the policy (and by `timeout` when the caller gives one)."""
+        """future.result(), bounded by the policy (and by `timeout` when the caller gives one). Every
+        future waited on is a concurrent one (`WaitedFuture` runs an SDK future's own result() beside)."""
         p = self.policy
         t0 = self.clock()
         clock = _CallClock(t0, t0)
@@ -258,7 +249,7 @@ class ServiceWaiter:
                     outcome = "answered"
                     return value
                 except TimeoutError:
-                    if _done(future):
+                    if future.done():
                         raise  # the call itself failed with a timeout
                 except Exception as exc:
                     self._stop_if_lost(exc, call, client, watch)
