@@ -22,7 +22,7 @@ from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.service.release import ClientRegistry
-from dppo_harness.service.wait.policy import CapacityPolicy
+from dppo_harness.service.wait.policy import WaitPolicy
 from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import state_path
@@ -200,7 +200,7 @@ def _final_steps(srv, result, tmp_path):
 def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine, uninterrupted, tmp_path, monkeypatch):
     srv = faulty_engine[2]
     # Back off 0.1 s; the window (which opens when the refused attempt began) outlasts any step here.
-    policy = CapacityPolicy(backoff_s=(0.1,), give_up_no_steps_s=600.0, give_up_after_steps_s=600.0)
+    policy = WaitPolicy(backoff_s=(0.1,), capacity_patience_s=600.0, capacity_patience_after_steps_s=600.0)
     clean_steps = {"grpo_seed0": 6, "dppo_seed0": 6}  # 3 steps x 2 updates, from the initial state
     assert all(not r["retries"] for r in uninterrupted.rows)
 

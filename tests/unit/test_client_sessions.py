@@ -125,7 +125,7 @@ def test_a_refused_unload_is_never_recorded_as_released(monkeypatch):
         )
 
     monkeypatch.setattr(ServiceRest, "unload", unload)
-    assert reg.release_stage("session", "errored")[0]["released"] is False
+    assert reg.release_stage("session")[0]["released"] is False
     (record,) = [r for r in reg.records() if r["label"] == "arms"]
     assert record["released"] is False and "HTTP 503: engine_unreachable" in record["error"]
     assert not reg.all_released
@@ -152,7 +152,7 @@ def test_after_the_service_died_a_release_closes_nothing_and_returns_at_once():
         reg.register(Session(), stage="diagnostic", label=label)
     reg.service_gone("the embedded server (pid 1) exited (exit code -9)")
     t0 = time.monotonic()
-    assert reg.release_stage("diagnostic", "errored") and reg.release_all("errored") is False
+    assert reg.release_stage("diagnostic") and reg.release_all("errored") is False
     assert time.monotonic() - t0 < 10 and Session.closes == 0  # far under one 30 s close, on a loaded machine
     for record in reg.records():
         assert record["released"] is False and record["error"] == (

@@ -7,10 +7,11 @@ import tinker
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.service.capacity import call_with_capacity_retry, is_capacity_error
-from dppo_harness.service.config import client_kwargs, describe_service, live_secret_values
+from dppo_harness.service.config import client_kwargs, describe_service
 from dppo_harness.service.observed import make_service_client
 from dppo_harness.service.release import ClientRegistry
-from dppo_harness.service.wait.policy import CapacityExhausted, CapacityPolicy, CapacityTracker, ServiceConfigError
+from dppo_harness.service.secrets_scan import live_secret_items
+from dppo_harness.service.wait.policy import CapacityExhausted, CapacityTracker, ServiceConfigError, WaitPolicy
 
 FAKE_ENV = {
     "TINKER_BASE_URL": "https://spindle.example.invalid/api",
@@ -101,8 +102,9 @@ def test_local_backend_needs_no_env_and_loopback_only():
 
 
 def test_live_secret_values_from_env():
-    assert sorted(live_secret_values(FAKE_ENV)) == sorted(v for k, v in FAKE_ENV.items() if k != "TINKER_BASE_URL")
-    assert live_secret_values({"TINKER_API_KEY": ""}) == []
+    values = [v for _, v in live_secret_items(FAKE_ENV)]
+    assert sorted(values) == sorted(v for k, v in FAKE_ENV.items() if k != "TINKER_BASE_URL")
+    assert live_secret_items({"TINKER_API_KEY": ""}) == []
 
 
 def test_capacity_error_classification():
@@ -178,7 +180,7 @@ def test_capacity_storm_before_any_step_gives_up_after_ten_minutes(tmp_path):
     fn, calls = _storm(err)
     with pytest.raises(CapacityExhausted) as e:
         call_with_capacity_retry(
-            fn, policy=CapacityPolicy(), steps_completed=0, registry=reg, clock=clock, sleep=clock.sleep
+            fn, policy=WaitPolicy(), steps_completed=0, registry=reg, clock=clock, sleep=clock.sleep
         )
     assert clock.sleeps == [60.0, 120.0, 240.0, 180.0]  # 1, 2, 4 min, then up to the 10-minute mark
     assert calls["n"] == 5
@@ -229,7 +231,7 @@ def test_capacity_retry_recovers_and_scales():
 
     assert (
         call_with_capacity_retry(
-            fn, policy=CapacityPolicy(scale=0.01), clock=clock, sleep=clock.sleep, on_retry=events.append
+            fn, policy=WaitPolicy.from_options(scale=0.01), clock=clock, sleep=clock.sleep, on_retry=events.append
         )
         == "ok"
     )
@@ -274,14 +276,16 @@ def test_sdk_internal_retry_time_counts_toward_the_window():
 def test_capacity_policy_scale_from_env():
     from dppo_harness.service.wait.policy import CAPACITY_SCALE_VAR
 
-    assert CapacityPolicy.from_env({}) == CapacityPolicy()
-    p = CapacityPolicy.from_env({CAPACITY_SCALE_VAR: "0.01"})
+    assert WaitPolicy.from_options(env={}).backoff_s == WaitPolicy().backoff_s
+    p = WaitPolicy.from_options(env={CAPACITY_SCALE_VAR: "0.01"})
     assert (
-        p.backoff(0) == pytest.approx(0.6) and p.window(0) == pytest.approx(6.0) and p.window(1) == pytest.approx(18.0)
+        p.backoff(0) == pytest.approx(0.6)
+        and p.capacity_window(0) == pytest.approx(6.0)
+        and p.capacity_window(1) == pytest.approx(18.0)
     )
     for bad in ("0", "-1", "2", "fast"):
         with pytest.raises(ServiceConfigError, match=CAPACITY_SCALE_VAR):
-            CapacityPolicy.from_env({CAPACITY_SCALE_VAR: bad})
+            WaitPolicy.from_options(env={CAPACITY_SCALE_VAR: bad})
 
 
 def test_observed_service_client_reports_training_clients_without_breaking_them(monkeypatch):

@@ -108,6 +108,9 @@ class FakeFuture:
     def future(self):
         return SimpleNamespace(done=lambda: self.done_at is not None and self.clock.t >= self.done_at)
 
+    def done(self):
+        return self.future().done()
+
 
 def _waiter(clock, **policy):
     base = dict(
@@ -298,7 +301,7 @@ def test_policy_options_and_the_capacity_scale():
     assert (p.capacity_patience_s, p.capacity_patience_after_steps_s, p.service_timeout_s) == (600, 1800, 900)
     s = WaitPolicy.from_options(env={"DPPO_HARNESS_CAPACITY_SCALE": "0.01"})
     assert (s.capacity_patience_s, s.capacity_patience_after_steps_s, s.service_timeout_s) == (6, 18, 900)
-    assert s.capacity().window(0) == 6 and s.capacity().backoff(0) == pytest.approx(0.6)
+    assert s.capacity_window(0) == 6 and s.backoff(0) == pytest.approx(0.6)
     explicit = WaitPolicy.from_options(
         capacity_patience_s=3, service_timeout_s=2, env={"DPPO_HARNESS_CAPACITY_SCALE": "0.01"}
     )

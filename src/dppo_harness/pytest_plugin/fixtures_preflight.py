@@ -105,7 +105,7 @@ def restoration(
                 update_norm=update_norm,
                 probe_service_client=probe_sc,
                 base_model=client_base_model,  # the served substitute
-                capacity=service_waiter.policy.capacity(),  # the session's windows for refused creations
+                capacity=service_waiter.policy,  # the session's windows for refused creations
                 registry=client_registry,
                 trained_arms=trained_arms(plan),
                 progress=watch.say,

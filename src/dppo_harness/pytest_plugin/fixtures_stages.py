@@ -139,7 +139,7 @@ def comparison_run(
             guard=guard,
             save_every=harness_options.save_every,
             registry=client_registry,
-            capacity_policy=service_waiter.policy.capacity(),  # the session's windows (scaled down on local)
+            capacity_policy=service_waiter.policy,  # the session's windows (scaled down on local)
             progress=_progress(request),
             base_model=client_base_model,
         )

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import tinker
 
-from dppo_harness.service.wait.policy import CapacityBlock, CapacityExhausted, CapacityPolicy
+from dppo_harness.service.wait.policy import CapacityBlock, CapacityExhausted, WaitPolicy
 
 if TYPE_CHECKING:
     from dppo_harness.service.release import ClientRegistry
@@ -83,7 +83,7 @@ class CapacityEvent:
 def call_with_capacity_retry(
     fn: Callable[[], T],
     *,
-    policy: CapacityPolicy | None = None,
+    policy: WaitPolicy | None = None,
     steps_completed: int | Callable[[], int] = 0,
     registry: ClientRegistry | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -98,7 +98,7 @@ def call_with_capacity_retry(
     `fn` should bound its own wait (e.g. `future.result(timeout=...)`) since the SDK itself
     retries 429/5xx internally for several minutes before surfacing an error.
     """
-    policy = policy or CapacityPolicy()
+    policy = policy or WaitPolicy()
     started: float | None = None
     attempt = 0
     while True:
@@ -114,7 +114,7 @@ def call_with_capacity_retry(
             started = attempt_start if started is None else started
             elapsed = now - started
             steps = steps_completed() if callable(steps_completed) else steps_completed
-            window = policy.window(steps)
+            window = policy.capacity_window(steps)
             if elapsed >= window:
                 released = registry.release_all("errored") if registry is not None else False
                 block = CapacityBlock(error_text(exc), int(steps), released)

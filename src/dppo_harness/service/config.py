@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 
 from dppo_harness import constants
 from dppo_harness.plans import BackendKind
-from dppo_harness.service.secrets_scan import live_secret_items
 from dppo_harness.service.wait.policy import ServiceConfigError
 
 ProxyTokens = Literal["modal", "runs", "none"]
@@ -140,11 +139,6 @@ def apply_sdk_telemetry(enabled: bool, env: dict[str, str] | None = None) -> Non
     """
     target = os.environ if env is None else env
     target[TELEMETRY_VAR] = "1" if enabled else "0"
-
-
-def live_secret_values(env: Mapping[str, str] | None = None) -> list[str]:
-    """The secret values present in env that evidence must never contain."""
-    return [v for _, v in live_secret_items(env)]
 
 
 def describe_service(

@@ -20,7 +20,6 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypedDict
 
 import httpx
 import tinker
@@ -46,48 +45,13 @@ from dppo_harness.service.rest import (
     DYNAMIC_CONFIG_PATH,
     RawResponse,
     ServiceRest,
+    raw_response,
 )
 from dppo_harness.service.wait.clients import run_beside
 from dppo_harness.service.wait.policy import ServiceConfigError
 
-# Which variable feeds which request header (tinker backend, shared Spindle).
-HEADER_VARS = {
-    "x-api-key": "TINKER_API_KEY",
-    "modal-key": "MODAL_PROXY_TOKEN_ID",
-    "modal-secret": "MODAL_PROXY_TOKEN_SECRET",
-}
-# ... and with --proxy-credentials runs (a Spindle fork)
-HEADER_VARS_RUNS = {
-    "x-api-key": "TINKER_API_KEY",
-    "modal-key": "RUNS_PROXY_TOKEN_ID",
-    "modal-secret": "RUNS_PROXY_TOKEN_SECRET",
-}
 logger = logging.getLogger(__name__)
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
-
-
-class CheckRow(TypedDict):
-    """One preflight check that passed, as connectivity-preflight.json lists it."""
-
-    check: str
-    passed: bool
-    detail: str
-
-
-class ConnectivityEvidence(TypedDict):
-    """connectivity-preflight.json, key for key."""
-
-    backend: str
-    base_url: str
-    requested_model: str
-    model: str
-    served_models: list[str]
-    substitution: Substitution | None
-    embedded_server: dict[str, JsonValue] | None
-    get_server_capabilities: JsonValue
-    first_contact: JsonObject
-    checks: list[CheckRow]
-    seconds: float
 
 
 class ConnectivityError(RuntimeError):
@@ -109,7 +73,7 @@ class ConnectivityReport:
     marker: EmbeddedMarker | None
     capabilities: JsonValue  # the raw capabilities JSON
     first_contact: JsonObject = field(default_factory=dict)  # client/config, dynamic_config, deployments as sent
-    checks: list[CheckRow] = field(default_factory=list)
+    checks: list[JsonValue] = field(default_factory=list)  # each check that passed: check, passed, detail
     seconds: float = 0.0
 
     @property
@@ -124,18 +88,15 @@ class ConnectivityReport:
             return self.model
         return requested_model  # not the model the preflight checked: nothing to substitute
 
-    def as_evidence(self) -> ConnectivityEvidence:
+    def as_evidence(self) -> JsonObject:
+        """connectivity-preflight.json."""
+        head = ("backend", "base_url", "requested_model", "model", "served_models", "substitution")
         return {
-            "backend": self.backend,
-            "base_url": self.base_url,
-            "requested_model": self.requested_model,
-            "model": self.model,
-            "served_models": self.served_models,
-            "substitution": self.substitution,
+            **{k: getattr(self, k) for k in head},
             "embedded_server": self.marker.as_dict() if self.marker else None,
             "get_server_capabilities": self.capabilities,
             "first_contact": self.first_contact,
-            "checks": self.checks,
+            "checks": list(self.checks),
             "seconds": round(self.seconds, 3),
         }
 
@@ -145,9 +106,9 @@ def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: P
     text = str(payload.get("error", "")) if isinstance(payload, Mapping) else ""
     m = _HEADER_IN_ERROR.search(text)
     header = m.group(1) if m else None
-    header_vars = HEADER_VARS_RUNS if proxy_tokens == "runs" else HEADER_VARS
-    var = header_vars.get(header.lower()) if header else None
     prefix = "RUNS" if proxy_tokens == "runs" else "MODAL"
+    header_vars = {"x-api-key": "TINKER_API_KEY", "modal-key": f"{prefix}_PROXY_TOKEN_ID"}
+    var = {**header_vars, "modal-secret": f"{prefix}_PROXY_TOKEN_SECRET"}.get(header.lower()) if header else None
     what = ("missing" if "missing" in text.lower() else "rejected") if header else "rejected"
     if var == "TINKER_API_KEY":
         hint = "check TINKER_API_KEY (sent as X-API-Key)"
@@ -163,17 +124,6 @@ def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: P
     return f"authentication {what} by {url} (HTTP {status}{f', header {header}' if header else ''}): {hint}"
 
 
-def _status_line(
-    status: int, payload: JsonValue, path: str, var: str, shown: str, proxy_tokens: ProxyTokens
-) -> tuple[str, str]:
-    """(check, line) for a non-200 answer to `path`."""
-    if status in (401, 403):
-        return "auth", auth_failure_line(status, payload, shown, proxy_tokens)
-    if status == 404:
-        return "reachable", f"{var} {shown} answered HTTP 404 for {path}: not a Tinker service root; check the URL"
-    return "reachable", f"{var} {shown} answered HTTP {status} for {path}; retry later or check the service"
-
-
 @dataclass(frozen=True)
 class _Target:
     """The service as the checks name it: the SDK's client arguments, the URL as shown (redacted)
@@ -185,7 +135,16 @@ class _Target:
     proxy_tokens: ProxyTokens
 
     def status_error(self, status: int, payload: JsonValue, path: str) -> ConnectivityError:
-        return ConnectivityError(*_status_line(status, payload, path, self.var, self.shown, self.proxy_tokens))
+        """The line for a non-200 answer to `path`."""
+        if status in (401, 403):
+            return ConnectivityError("auth", auth_failure_line(status, payload, self.shown, self.proxy_tokens))
+        where = f"{self.var} {self.shown} answered HTTP {status} for {path}"
+        if status == 404:
+            return ConnectivityError("reachable", f"{where}: not a Tinker service root; check the URL")
+        return ConnectivityError("reachable", f"{where}; retry later or check the service")
+
+    def unreachable(self, what: str) -> ConnectivityError:
+        return ConnectivityError("reachable", f"{self.var} {self.shown}{what}")
 
 
 def _check_variables(
@@ -201,7 +160,6 @@ def _check_variables(
     except ServiceConfigError as exc:
         raise ConnectivityError("variables", str(exc)) from None
     url = str(kwargs["base_url"])
-    shown = redact_url(url) or url
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
     proxy = ", ".join(describe_service(backend, url, proxy_tokens=proxy_tokens, env=env)["proxy_headers"])
     ok(
@@ -210,59 +168,29 @@ def _check_variables(
         if backend == "tinker"
         else "local backend: no credentials needed",
     )
-    return _Target(kwargs, shown, var, proxy_tokens)
+    return _Target(kwargs, redact_url(url) or url, var, proxy_tokens)
 
 
-@dataclass(frozen=True)
-class _FirstContact:
-    """What the service answered before any client exists (raw, as sent)."""
-
-    capabilities: RawResponse
-    client_config: RawResponse
-    dynamic_config: RawResponse | None
-    deployments: RawResponse | None
-
-    def as_evidence(self) -> JsonObject:
-        def row(path: str, r: RawResponse | None) -> JsonObject:
-            return (
-                {"path": path, "http_status": None, "body": None}
-                if r is None
-                else {
-                    "path": path,
-                    "http_status": r.status,
-                    "body": r.json,
-                }
-            )
-
-        return {
-            "sdk": f"tinker {tinker.__version__}",
-            "client_config": row(CLIENT_CONFIG_PATH, self.client_config),
-            "client_dynamic_config": row(DYNAMIC_CONFIG_PATH, self.dynamic_config),
-            "spindle_deployments": row(DEPLOYMENTS_PATH, self.deployments),
-        }
+def _row(path: str, r: RawResponse | None) -> JsonObject:
+    return {"path": path, "http_status": None if r is None else r.status, "body": None if r is None else r.json}
 
 
-def _optional(read: Callable[[], RawResponse]) -> RawResponse | None:
-    """A read a service may lack (404) or refuse: its answer, None when nothing answered."""
-    try:
-        return read()
-    except httpx.HTTPError:
-        return None
-
-
-def _first_contact(target: _Target, timeout_s: float, ok: Callable[[str, str], None]) -> _FirstContact:
+def _first_contact(
+    target: _Target, timeout_s: float, ok: Callable[[str, str], None]
+) -> tuple[RawResponse, RawResponse, RawResponse | None, JsonObject]:
     """2. Reachable (3. auth is judged on the same requests): the SDK's first request, client/config,
-    once, then what else a client of this service should know before it creates anything."""
-    shown, var = target.shown, target.var
+    once, then what else a client of this service should know before it creates anything:
+    (capabilities, client/config, deployments, the first-contact evidence)."""
+    shown = target.shown
     rest = ServiceRest(str(target.kwargs["base_url"]), target.kwargs["default_headers"], timeout_s)
     try:
-        config = rest.client_config(tinker.__version__)
+        config = rest.post(CLIENT_CONFIG_PATH, {"sdk_version": tinker.__version__})  # as the SDK sends it
     except httpx.TimeoutException:
-        raise ConnectivityError("reachable", f"{var} {shown} did not answer within {timeout_s:.0f} s") from None
+        raise target.unreachable(f" did not answer within {timeout_s:.0f} s") from None
     except httpx.HTTPError:
         raise ConnectivityError(
             "reachable",
-            f"cannot connect to {var} {shown}: connection refused or host unknown; "
+            f"cannot connect to {target.var} {shown}: connection refused or host unknown; "
             "check the URL and that the service is up",
         ) from None
     if config.status != 200:
@@ -271,38 +199,34 @@ def _first_contact(target: _Target, timeout_s: float, ok: Callable[[str, str], N
         raise target.status_error(config.status, config.json, CLIENT_CONFIG_PATH)
     try:
         jwt = isinstance(config.json, Mapping) and config.json.get("pjwt_auth_enabled") is True
-        caps = _sdk_capabilities(target, timeout_s) if jwt else rest.capabilities()
+        caps = _sdk_capabilities(target, timeout_s) if jwt else rest.get(CAPABILITIES_PATH)
     except tinker.APIStatusError as exc:
-        raise target.status_error(exc.status_code, _body(exc), CAPABILITIES_PATH) from None
+        raise target.status_error(exc.status_code, raw_response(exc.response).json, CAPABILITIES_PATH) from None
     except (TimeoutError, tinker.APIConnectionError) as exc:
-        raise ConnectivityError(
-            "reachable", f"{var} {shown}: the SDK could not read {CAPABILITIES_PATH} ({type(exc).__name__})"
-        ) from None
+        raise target.unreachable(f": the SDK could not read {CAPABILITIES_PATH} ({type(exc).__name__})") from None
     except httpx.HTTPError as exc:
-        raise ConnectivityError(
-            "reachable", f"{var} {shown}: {CAPABILITIES_PATH} failed ({type(exc).__name__})"
-        ) from None
+        raise target.unreachable(f": {CAPABILITIES_PATH} failed ({type(exc).__name__})") from None
     if caps.status != 200:
         raise target.status_error(caps.status, caps.json, CAPABILITIES_PATH)
     ok("reachable", f"{shown} answered {CLIENT_CONFIG_PATH} and {CAPABILITIES_PATH}")
     try:  # the SDK's session setup reads it next: a service that never answers it cannot be used
         dynamic = rest.post(DYNAMIC_CONFIG_PATH, {"sdk_version": tinker.__version__})
     except httpx.HTTPError as exc:
-        raise ConnectivityError(
-            "reachable",
-            f"{var} {shown}: {DYNAMIC_CONFIG_PATH} got no answer ({type(exc).__name__}); the SDK's session setup "
-            "reads it after client/config",
+        raise target.unreachable(
+            f": {DYNAMIC_CONFIG_PATH} got no answer ({type(exc).__name__}); the SDK's session setup "
+            "reads it after client/config"
         ) from None
-    deployments = _optional(lambda: rest.get(DEPLOYMENTS_PATH))
-    return _FirstContact(caps, config, dynamic, deployments)
-
-
-def _body(exc: tinker.APIStatusError) -> JsonValue:
-    try:
-        body: JsonValue = exc.response.json()
-    except ValueError:
-        body = None
-    return body
+    try:  # a service may lack it (404) or refuse it
+        deployments: RawResponse | None = rest.get(DEPLOYMENTS_PATH)
+    except httpx.HTTPError:
+        deployments = None
+    evidence: JsonObject = {
+        "sdk": f"tinker {tinker.__version__}",
+        "client_config": _row(CLIENT_CONFIG_PATH, config),
+        "client_dynamic_config": _row(DYNAMIC_CONFIG_PATH, dynamic),
+        "spindle_deployments": _row(DEPLOYMENTS_PATH, deployments),
+    }
+    return caps, config, deployments, evidence
 
 
 def _sdk_capabilities(target: _Target, timeout_s: float) -> RawResponse:
@@ -314,14 +238,14 @@ def _sdk_capabilities(target: _Target, timeout_s: float) -> RawResponse:
     return RawResponse(200, caps.model_dump(mode="json"), None)
 
 
-def _check_sdk_served(contact: _FirstContact, shown: str, ok: Callable[[str, str], None]) -> None:
+def _check_sdk_served(config: RawResponse, shown: str, ok: Callable[[str, str], None]) -> None:
     """The service's client/config is one the installed SDK sets a session up from (its own type)."""
     try:
-        parsed = tinker.types.ClientConfigResponse.model_validate(contact.client_config.json)
+        parsed = tinker.types.ClientConfigResponse.model_validate(config.json)
     except ValidationError as exc:
         raise ConnectivityError(
             "sdk",
-            f"{shown} answered {CLIENT_CONFIG_PATH} with {str(contact.client_config.json)[:200]!r}, which tinker "
+            f"{shown} answered {CLIENT_CONFIG_PATH} with {str(config.json)[:200]!r}, which tinker "
             f"{tinker.__version__} cannot set a session up from ({exc.error_count()} field errors): the service "
             "does not serve this SDK",
         ) from None
@@ -329,25 +253,16 @@ def _check_sdk_served(contact: _FirstContact, shown: str, ok: Callable[[str, str
     ok("sdk", f"tinker {tinker.__version__} accepts the service's client/config (on: {', '.join(flags) or 'none'})")
 
 
-def _lora_models(contact: _FirstContact) -> dict[str, list[str]] | None:
+def _lora_models(r: RawResponse | None) -> dict[str, list[str]] | None:
     """Per base model, the parameterizations its deployments offer; None without a deployment list."""
-    r = contact.deployments
     rows = r.json.get("deployments") if r is not None and r.status == 200 and isinstance(r.json, Mapping) else None
     if not isinstance(rows, list):
         return None
     out: dict[str, list[str]] = {}
     for row in rows:
-        base = row.get("base_model") if isinstance(row, Mapping) else None
-        if isinstance(row, Mapping) and isinstance(base, str):
+        if isinstance(row, Mapping) and isinstance(base := row.get("base_model"), str):
             out.setdefault(base, []).append(str(row.get("parameterization")))
     return out
-
-
-@dataclass(frozen=True)
-class _ModelChoice:
-    model: str
-    served: list[str]
-    substitution: Substitution | None
 
 
 def _choose_base_model(
@@ -356,10 +271,10 @@ def _choose_base_model(
     deployments: dict[str, list[str]] | None,
     shown: str,
     ok: Callable[[str, str], None],
-) -> _ModelChoice:
+) -> tuple[str, list[str], Substitution | None]:
     """4. The plan's base model is served with LoRA, or the closest served LoRA model of its family is
-    chosen (recorded as a deviation). Without a deployment list, capabilities name what is served
-    and creation is the first to say whether LoRA is."""
+    chosen (recorded as a deviation): (model, served, substitution). Without a deployment list,
+    capabilities name what is served and creation is the first to say whether LoRA is."""
     models = caps.get("supported_models") if isinstance(caps, Mapping) else None
     if not isinstance(models, list):
         raise ConnectivityError("model", f"{shown} did not answer like a Tinker service (no supported_models list)")
@@ -369,14 +284,13 @@ def _choose_base_model(
         if isinstance(m, Mapping) and m.get("model_name") and m.get("trainable") is not False
     ]
     candidates = served if deployments is None else [m for m in served if "lora" in deployments.get(m, [])]
-    full_only = [] if deployments is None else [m for m in served if m not in candidates]
     choice = identity.choose_model(requested_model, candidates)
-    if choice.model is None:
-        if requested_model in full_only:
+    if choice is None:
+        if deployments is not None and requested_model in served:
             raise ConnectivityError(
                 "model",
                 f"base model {requested_model} is served by {shown} for full fine-tuning only "
-                f"({DEPLOYMENTS_PATH}: {', '.join(deployments.get(requested_model, []) if deployments else [])}), "
+                f"({DEPLOYMENTS_PATH}: {', '.join(deployments.get(requested_model, []))}), "
                 f"and no LoRA model of its family is; LoRA-capable: {', '.join(candidates) or 'none'}",
             )
         raise ConnectivityError(
@@ -387,19 +301,19 @@ def _choose_base_model(
         )
     substitution: Substitution | None = None
     lora_note = f" with LoRA ({DEPLOYMENTS_PATH})" if deployments is not None else ""
-    if choice.substituted:
+    if choice != requested_model:
         substitution = {
             "field": "model",
             "original": requested_model,
-            "effective": choice.model,
-            "reason": f"{requested_model} is not served{lora_note} by {shown}; {choice.model} is the closest served "
+            "effective": choice,
+            "reason": f"{requested_model} is not served{lora_note} by {shown}; {choice} is the closest served "
             f"model of the same family (served: {', '.join(candidates)})",
         }
     ok(
         "model",
-        f"{choice.model} is served{lora_note}" + (f" (instead of {requested_model})" if choice.substituted else ""),
+        f"{choice} is served{lora_note}" + (f" (instead of {requested_model})" if substitution else ""),
     )
-    return _ModelChoice(choice.model, served, substitution)
+    return choice, served, substitution
 
 
 def check_connectivity(
@@ -414,33 +328,33 @@ def check_connectivity(
 ) -> ConnectivityReport:
     """Run the checks; raise ConnectivityError (one line) on the first that fails."""
     t0 = time.monotonic()
-    checks: list[CheckRow] = []
+    checks: list[JsonValue] = []
 
     def ok(check: str, detail: str) -> None:
-        checks.append(CheckRow(check=check, passed=True, detail=detail))
+        checks.append({"check": check, "passed": True, "detail": detail})
 
     target = _check_variables(backend, base_url, env, proxy_tokens, ok)
     apply_sdk_telemetry(sdk_telemetry)
-    contact = _first_contact(target, timeout_s, ok)
+    caps, config, deployments, contact = _first_contact(target, timeout_s, ok)
     ok("auth", "credentials accepted" if backend == "tinker" else "no authentication on the local backend")
-    _check_sdk_served(contact, target.shown, ok)
-    resp = contact.capabilities
-    caps = resp.json
-    model = _choose_base_model(requested_model, caps, _lora_models(contact), target.shown, ok)
+    _check_sdk_served(config, target.shown, ok)
+    model, served, substitution = _choose_base_model(
+        requested_model, caps.json, _lora_models(deployments), target.shown, ok
+    )
     marker = identity.detect_marker(
-        headers={EMBEDDED_SERVER_HEADER: resp.marker_header} if resp.marker_header else None,
-        capabilities=caps if isinstance(caps, dict) else None,
+        headers={EMBEDDED_SERVER_HEADER: caps.marker_header} if caps.marker_header else None,
+        capabilities=caps.json if isinstance(caps.json, dict) else None,
     )
     return ConnectivityReport(
         backend,
         target.shown,
         requested_model,
-        model.model,
-        model.served,
-        model.substitution,
+        model,
+        served,
+        substitution,
         marker,
-        caps,
-        contact.as_evidence(),
+        caps.json,
+        contact,
         checks,
         time.monotonic() - t0,
     )

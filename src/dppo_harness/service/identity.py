@@ -31,7 +31,7 @@ from dppo_harness.evidence.backend import (
 )
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonObject
-from dppo_harness.service.rest import CAPABILITIES_PATH, GET_INFO_PATH, RawResponse, ServiceRest
+from dppo_harness.service.rest import CAPABILITIES_PATH, ServiceRest, header
 
 if TYPE_CHECKING:
     import tinker
@@ -65,7 +65,7 @@ def detect_marker(
     """The embedded-server marker from any of its three places, or None (a real service)."""
     sources: list[str] = []
     stand_in = profile = None
-    if headers is not None and _header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
+    if headers is not None and header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
         sources.append("header")
     caps = (capabilities or {}).get(EMBEDDED_KEY)
     if isinstance(caps, Mapping) and caps.get("marker") == EMBEDDED_SERVER_MARKER:
@@ -80,30 +80,6 @@ def detect_marker(
 def _text(value: JsonValue) -> str | None:
     """A name the embedded server sent (a non-empty string), else None."""
     return value if isinstance(value, str) and value else None
-
-
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    for k, v in headers.items():
-        if k.lower() == name.lower():
-            return v
-    return None
-
-
-# ----------------------------------------------------------------------------- raw reads
-
-
-def get_capabilities_raw(rest: ServiceRest | None, timeout_s: float = 10.0) -> RawResponse:
-    """GET get_server_capabilities as raw JSON (keeps keys the SDK type drops)."""
-    if rest is None:  # a client made outside an observed session: nothing to read through
-        raise AttributeError("no service to read through")
-    return rest.get(CAPABILITIES_PATH, timeout_s)
-
-
-def get_info_raw(rest: ServiceRest | None, model_id: str, timeout_s: float = 10.0) -> RawResponse:
-    """POST get_info for one model as raw JSON (the complete model_data)."""
-    if rest is None:
-        raise AttributeError("no service to read through")
-    return rest.post(GET_INFO_PATH, {"model_id": model_id}, timeout_s)
 
 
 # ----------------------------------------------------------------------------- the served model
@@ -206,13 +182,6 @@ def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
 _SIZE_RE = re.compile(r"^(?P<family>.+?)-(?P<size>\d+(?:\.\d+)?)(?P<unit>[BbMm])(?:-(?P<suffix>.*))?$")
 
 
-@dataclass(frozen=True)
-class ModelChoice:
-    model: str | None  # None: nothing of the family is served
-    substituted: bool
-    served: tuple[str, ...]
-
-
 def _parse(name: str) -> tuple[str, float, str] | None:
     m = _SIZE_RE.match(name)
     if not m:
@@ -221,26 +190,21 @@ def _parse(name: str) -> tuple[str, float, str] | None:
     return m["family"], size, (m["suffix"] or "")
 
 
-def choose_model(requested: str, served: list[str]) -> ModelChoice:
-    """The requested model if served, else the closest served model of the same family.
+def choose_model(requested: str, served: list[str]) -> str | None:
+    """The requested model if served, else the closest served model of the same family (None: none).
 
     Family = the name before the size (`Qwen/Qwen3.5` of `Qwen/Qwen3.5-0.8B`); closest = smallest
     |log size ratio|, same variant suffix preferred, ties to the smaller model.
     """
-    names = tuple(dict.fromkeys(served))
-    if requested in names:
-        return ModelChoice(requested, False, names)
     want = _parse(requested)
-    if want is None:
-        return ModelChoice(None, False, names)
+    if requested in served or want is None:
+        return requested if requested in served else None
     cands = []
-    for n in names:
+    for n in served:
         p = _parse(n)
         if p and p[0] == want[0] and p[1] > 0 and want[1] > 0:
             cands.append(((p[2] != want[2]), abs(math.log(p[1] / want[1])), p[1], n))
-    if not cands:
-        return ModelChoice(None, False, names)
-    return ModelChoice(min(cands)[3], True, names)
+    return min(cands)[3] if cands else None
 
 
 @dataclass
@@ -292,9 +256,9 @@ class TrainingClientRecorder:
         errors: list[str] = []
         info_json: JsonValue = sdk_info.model_dump(mode="json")
         marker_headers: dict[str, str] = {}
-        try:
-            raw = get_info_raw(rest, model_id, self.timeout_s)
-            if raw.status == 200 and isinstance(raw.json, Mapping):
+        try:  # rest None (a client made outside an observed session): nothing to read through
+            raw = rest.get_info(model_id, self.timeout_s)  # type: ignore[union-attr]
+            if raw.status == 200 and isinstance(raw.json, dict):
                 info_json = raw.json
             else:
                 errors.append(f"raw get_info answered HTTP {raw.status}; the SDK's parsed get_info is recorded")
@@ -304,7 +268,7 @@ class TrainingClientRecorder:
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
         caps: JsonValue = None
         try:
-            cr = get_capabilities_raw(rest, self.timeout_s)
+            cr = rest.get(CAPABILITIES_PATH, self.timeout_s)  # type: ignore[union-attr]
             caps = cr.json if cr.status == 200 else {"http_status": cr.status}
             if cr.marker_header:
                 marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header
@@ -341,13 +305,7 @@ class TrainingClientRecorder:
             {
                 "clients": [
                     {
-                        "label": r.label,
-                        "model_id": r.model_id,
-                        "get_info": r.get_info,
-                        "served_model": r.served_model,
-                        "served_model_source": r.served_model_source,
-                        "embedded_server": r.marker.as_dict() if r.marker else None,
-                        "errors": r.errors,
+                        **{k: v for k, v in r.as_dict().items() if k != "get_server_capabilities"},
                         "capabilities_and_identity_file": self._written[_identity_key(r)],
                     }
                     for r in self.records

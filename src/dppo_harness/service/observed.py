@@ -3,17 +3,15 @@ training client it creates is listed (stage, role) and reported to an observer b
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import tinker
 from tinker.lib.public_interfaces.rest_client import RestClient
-from tinker.lib.retry_handler import RetryConfig
 
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import sdk_internals
@@ -21,7 +19,7 @@ from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client
 from dppo_harness.service.rest import ServiceRest, UnloadOutcome
 from dppo_harness.service.wait.clients import WaitedFuture, name_client, run_beside
 from dppo_harness.service.wait.waiter import ServiceWaiter
-from dppo_harness.service.wait.watch import creation_watch
+from dppo_harness.service.wait.watch import LogWatch, creation_watch
 
 if TYPE_CHECKING:
     from dppo_harness.service.release import ClientRegistry  # release lists the clients created here
@@ -44,19 +42,10 @@ def make_service_client(
     waiter: ServiceWaiter | None = None,
     sdk_telemetry: bool = False,
 ) -> ObservedServiceClient:
-    """A ServiceClient for `backend` whose clients all wait under `waiter`'s policy (default: the
-    default WaitPolicy, shrunk by DPPO_HARNESS_CAPACITY_SCALE). Construction is lazy (no network
-    until first call).
-
-    tinker: TINKER_BASE_URL (unless base_url is given), TINKER_API_KEY, and the proxy headers
-    Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* when they are set (proxy_tokens="modal",
-    shared Spindle) or from RUNS_PROXY_TOKEN_* (proxy_tokens="runs", a fork); see proxy_headers.
-    local: the given loopback base_url and constants.LOCAL_API_KEY; no environment needed.
-    observer: called with each training client this ServiceClient creates (see ObservedServiceClient).
-    registry: the ServiceClient is registered under `stage` (released at that stage's end, always on
-    exit) with `label` saying what its session is for; its training clients are listed per stage.
-    sdk_telemetry: False (default) sets TINKER_TELEMETRY=0 for this process (apply_sdk_telemetry).
-    """
+    """A ServiceClient for `backend` (arguments from `config.client_kwargs`) whose clients all wait
+    under `waiter`'s policy; no network until its first call. `observer` sees each training client
+    it creates; `registry` lists it under `stage` (released at that stage's end, always on exit)
+    with `label` saying what its session is for. `sdk_telemetry` False sets TINKER_TELEMETRY=0."""
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     apply_sdk_telemetry(sdk_telemetry)
     client = ObservedServiceClient(
@@ -96,12 +85,9 @@ class ObservedServiceClient(tinker.ServiceClient):
 
     tinker 0.25's creation methods block their caller (the session is set up inside the first
     one: client/config, create_session, each under the SDK's own minutes of retries), so each runs
-    on its own thread, waited under the policy, and returns, like the SDK's, the client it made: a
-    WaitedClient (service.wait), so no call a stage makes on it can wait unbounded. The
-    observer (e.g. identity.TrainingClientRecorder) records what the server says a new training
-    client is; its errors are logged, never raised: observing must not change the run. `stage_of`
-    names the stage running now (the registry's), kept with each created client. `rest` reads what
-    the SDK's types drop and unloads models, with this session's own headers.
+    on its own thread, waited under the policy, and returns a WaitedClient. The observer's errors
+    are logged, never raised: observing must not change the run. `stage_of` names the stage
+    running now (kept with each created client); `rest` reads what the SDK's types drop.
     """
 
     def __init__(
@@ -142,7 +128,8 @@ class ObservedServiceClient(tinker.ServiceClient):
         sdk_internals.end_session_heartbeat(self)
         return [c.release for c in self.created if c.release is not None]
 
-    def observe(self, client: tinker.TrainingClient, label: str) -> None:
+    def adopt(self, client: tinker.TrainingClient, label: str) -> tinker.TrainingClient:
+        """A training client this session made: listed, shown to the observer, then waited under the policy."""
         model_id = getattr(client, "model_id", None)
         self.created.append(
             CreatedClient(
@@ -152,131 +139,69 @@ class ObservedServiceClient(tinker.ServiceClient):
                 now_iso(),
             )
         )
-        if self._observer is None:
-            return
         try:
-            self._observer(client, label, self.rest)
+            if self._observer is not None:
+                self._observer(client, label, self.rest)
         except Exception as exc:
             logger.warning("recording training client (%s) failed: %s: %s", label, type(exc).__name__, exc)
+        return self.waiter.adopt(client)
 
-    def describe(self, client: object, role: str) -> None:
-        model_id = getattr(client, "model_id", None)
-        for c in self.created:
-            if model_id is not None and c.model_id == str(model_id):
-                c.role = role
-
-    def adopt(self, client: tinker.TrainingClient, label: str, name: str | None = None) -> tinker.TrainingClient:
-        """A training client this session made: observed, then waited under the policy."""
-        self.observe(client, label)
-        return self.waiter.adopt(client, name)
-
-    def _inside_sdk_call(self) -> bool:
-        return bool(getattr(self._sdk_call, "active", False))
-
-    def _beside(self, make: Callable[[], T], what: str) -> concurrent.futures.Future[T]:
-        """The SDK's call on its own thread, marked as inside an SDK call."""
+    def _created(
+        self,
+        make: Callable[[], T],
+        call: str,
+        what: str,
+        then: Callable[[T], T],
+        watch: LogWatch | None = None,
+    ) -> T:
+        """The SDK's creation on its own thread, waited under the policy, and what `then` makes of
+        it. The SDK's own calls back into these methods (0.25's create-from-state calls
+        create_rest_client and create_lora_training_client) are steps of the one call waited on."""
+        if getattr(self._sdk_call, "active", False):
+            return make()
 
         def marked() -> T:
             self._sdk_call.active = True
             return make()
 
-        return run_beside(marked, what)
+        return WaitedFuture(run_beside(marked, f"{call}: {what}"), self.waiter, call, what, watch, then=then).result()
 
-    def _creation(self, make: Callable[[], tinker.TrainingClient], call: str, what: str) -> tinker.TrainingClient:
-        if self._inside_sdk_call():
-            return make()
+    def _training(self, call: str, what: str, make: Callable[[], tinker.TrainingClient]) -> tinker.TrainingClient:
         watch = creation_watch(placing=lambda: sdk_internals.session_ready(self))
-        made = self._beside(make, f"{call}: {what}")
-        return WaitedFuture(made, self.waiter, call, what, watch, then=lambda c: self.adopt(c, call)).result()
+        return self._created(make, call, what, lambda c: self.adopt(c, call), watch)
 
-    # The creation methods take the SDK's own parameters and, like the SDK's, return the client once
-    # it exists: the SDK's call runs beside, waited under the policy, and the client is waited too.
-    def create_lora_training_client(
-        self,
-        base_model: str,
-        rank: int = 32,
-        seed: int | None = None,
-        train_mlp: bool = True,
-        train_attn: bool = True,
-        train_unembed: bool = True,
-        user_metadata: dict[str, str] | None = None,
-    ) -> tinker.TrainingClient:
-        return self._creation(
-            lambda: super(ObservedServiceClient, self).create_lora_training_client(
-                base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata
-            ),
-            "create_lora_training_client",
-            f"a new LoRA client on {base_model}",
-        )
+    # The SDK's own parameters, passed on as given; like the SDK's, each returns the client it made.
+    def create_lora_training_client(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
+        what = f"a new LoRA client on {kwargs.get('base_model', args[0] if args else None)}"
+        make = super().create_lora_training_client
+        return self._training("create_lora_training_client", what, lambda: make(*args, **kwargs))
 
-    def create_training_client_from_state(
-        self,
-        path: str,
-        base_model: str | None = None,
-        user_metadata: dict[str, str] | None = None,
-        weights_access_token: str | None = None,
-    ) -> tinker.TrainingClient:
-        return self._creation(
-            lambda: super(ObservedServiceClient, self).create_training_client_from_state(
-                path, base_model, user_metadata, weights_access_token
-            ),
-            "create_training_client_from_state",
-            f"a client from {path}",
-        )
+    def create_training_client_from_state(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
+        what = f"a client from {kwargs.get('path', args[0] if args else None)}"
+        make = super().create_training_client_from_state
+        return self._training("create_training_client_from_state", what, lambda: make(*args, **kwargs))
 
-    def create_training_client_from_state_with_optimizer(
-        self,
-        path: str,
-        base_model: str | None = None,
-        user_metadata: dict[str, str] | None = None,
-        weights_access_token: str | None = None,
-    ) -> tinker.TrainingClient:
-        return self._creation(
-            lambda: super(ObservedServiceClient, self).create_training_client_from_state_with_optimizer(
-                path, base_model, user_metadata, weights_access_token
-            ),
-            "create_training_client_from_state_with_optimizer",
-            f"a client from {path}",
-        )
+    def create_training_client_from_state_with_optimizer(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
+        what = f"a client from {kwargs.get('path', args[0] if args else None)}"
+        make = super().create_training_client_from_state_with_optimizer
+        call = "create_training_client_from_state_with_optimizer"
+        return self._training(call, what, lambda: make(*args, **kwargs))
 
-    def create_sampling_client(
-        self,
-        model_path: str | None = None,
-        base_model: str | None = None,
-        retry_config: RetryConfig | None = None,
-    ) -> tinker.SamplingClient:
-        what = f"sampler of {model_path or base_model}"
-        if self._inside_sdk_call():
-            return super().create_sampling_client(
-                model_path=model_path, base_model=base_model, retry_config=retry_config
-            )
-        made = self._beside(
-            lambda: super(ObservedServiceClient, self).create_sampling_client(
-                model_path=model_path, base_model=base_model, retry_config=retry_config
-            ),
-            f"create_sampling_client: {what}",
+    def create_sampling_client(self, *args: Any, **kwargs: Any) -> tinker.SamplingClient:
+        named = kwargs.get("model_path", args[0] if args else None) or kwargs.get(
+            "base_model", args[1] if len(args) > 1 else None
         )
-        return WaitedFuture(
-            made, self.waiter, "create_sampling_client", what, None, then=lambda c: self.waiter.adopt(c, what)
-        ).result()
+        what = f"sampler of {named}"
+        make = super().create_sampling_client
+        return self._created(
+            lambda: make(*args, **kwargs), "create_sampling_client", what, lambda c: self.waiter.adopt(c, what)
+        )
 
     def create_rest_client(self) -> RestClient:
         """The SDK's REST client (its session-less setup waited under the policy), waited too."""
-        if self._inside_sdk_call():
-            return super().create_rest_client()
-        made = self._beside(super().create_rest_client, "create_rest_client")
-        client = self.waiter.wait(made, call="create_rest_client (session-less setup)", client="the REST client")
-        return self.waiter.adopt(client, "rest client")
-
-
-def notify_training_client(
-    service_client: tinker.ServiceClient, client: tinker.TrainingClient, label: str, name: str | None = None
-) -> tinker.TrainingClient:
-    """For code that builds a TrainingClient around the public methods: the client observed and
-    waited, as the public methods hand them out."""
-    if isinstance(service_client, ObservedServiceClient):
-        return service_client.adopt(client, label, name)
-    return client
+        make = super().create_rest_client
+        call, what = "create_rest_client (session-less setup)", "the REST client"
+        return self._created(make, call, what, lambda c: self.waiter.adopt(c, "rest client"))
 
 
 def create_from_state_with_response(
@@ -312,6 +237,8 @@ def create_from_state_with_response(
 
 def describe_client(service_client: tinker.ServiceClient, client: C, role: str) -> C:
     """Say what a training client is for (listed in client-releases.json); returns the client."""
-    if isinstance(service_client, ObservedServiceClient):
-        service_client.describe(client, role)
+    model_id = getattr(client, "model_id", None)
+    for c in service_client.created if isinstance(service_client, ObservedServiceClient) else []:
+        if model_id is not None and c.model_id == str(model_id):
+            c.role = role
     return client

@@ -103,7 +103,7 @@ class ClientRegistry:
             return
         entry.released, entry.error, entry.released_at = True, None, now_iso()
 
-    def release_stage(self, stage: str, status: str = "success") -> list[JsonObject]:
+    def release_stage(self, stage: str) -> list[JsonObject]:
         with self._lock:
             entries = [e for e in self._entries if e.stage == stage]
         self._release_and_note(entries, f"release of stage {stage!r}")

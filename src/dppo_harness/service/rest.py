@@ -40,7 +40,8 @@ class RawResponse:
     marker_header: str | None  # value of the embedded-server header, if present
 
 
-def _header(headers: Mapping[str, str], name: str) -> str | None:
+def header(headers: Mapping[str, str], name: str) -> str | None:
+    """A header's value, its name matched without case."""
     for k, v in headers.items():
         if k.lower() == name.lower():
             return v
@@ -52,7 +53,7 @@ def raw_response(resp: httpx.Response) -> RawResponse:
         payload = resp.json()
     except ValueError:
         payload = None
-    return RawResponse(resp.status_code, payload, _header(resp.headers, EMBEDDED_SERVER_HEADER))
+    return RawResponse(resp.status_code, payload, header(resp.headers, EMBEDDED_SERVER_HEADER))
 
 
 @dataclass(frozen=True)
@@ -87,15 +88,9 @@ class ServiceRest:
     def post(self, path: str, body: JsonObject, timeout_s: float | None = None) -> RawResponse:
         return self._send("POST", path, body, timeout_s)
 
-    def client_config(self, sdk_version: str) -> RawResponse:
-        """The SDK's first request, as it sends it (`ClientConfigRequest`)."""
-        return self.post(CLIENT_CONFIG_PATH, {"sdk_version": sdk_version})
-
-    def capabilities(self) -> RawResponse:
-        return self.get(CAPABILITIES_PATH)
-
-    def get_info(self, model_id: str) -> RawResponse:
-        return self.post(GET_INFO_PATH, {"model_id": model_id})
+    def get_info(self, model_id: str, timeout_s: float | None = None) -> RawResponse:
+        """One model's get_info as sent (the complete model_data, which the SDK's type trims)."""
+        return self.post(GET_INFO_PATH, {"model_id": model_id}, timeout_s)
 
     def unload(self, model_id: str, timeout_s: float) -> UnloadOutcome:
         """POST unload_model (the body of the SDK's `UnloadModelRequest`), then its future, both

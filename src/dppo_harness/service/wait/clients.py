@@ -108,13 +108,13 @@ class WaitedFuture(Generic[U, V]):
 
 # The SDK's public methods that block their caller on the service (no future handed back): each
 # runs on its own thread, waited under the policy like a future (tinker 0.25, public_interfaces/).
+# forward_backward_custom blocks until its first (forward) pass is answered, then hands out the second's future.
 BLOCKING_METHODS = frozenset(
     {
         "get_info",
         "save_weights_and_get_sampling_client",
         "create_sampling_client",
         "get_tokenizer",
-        # blocks until its first (forward) pass is answered, then hands out the second's future
         "forward_backward_custom",
     }
 )

@@ -83,12 +83,8 @@ class BundlePoster:
                 original_hypothesis_tested=False,
                 tested_instead=f"nothing to completion: the run stopped waiting on the service ({stop.kind})",
             )
-        if (
-            not str(result.get("summary") or "")
-            .removeprefix(REHEARSAL_PREFIX)
-            .removeprefix(REHEARSAL_PLAN_PREFIX)
-            .strip()
-        ):
+        body = str(result.get("summary") or "").removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX)
+        if not body.strip():
             fields["summary"] = f"Stopped waiting on the service: {stop.line}."
         self.bundle.update_result(**fields)
         post_snapshot(self.bundle, f"service stop ({stop.kind})", reserve=4)

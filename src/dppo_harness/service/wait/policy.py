@@ -1,11 +1,10 @@
 """The service wait policy's settings and its stops (see `waiter` for how waits apply them).
 
 `WaitPolicy` says how long every service call may wait (capacity patience before and after the
-first comparison step, the no-answer timeout, the posting grain); `CapacityPolicy` the backoff
-for retrying refused calls; `CapacityTracker` counts completed comparison steps, which switch the
-capacity window. The stops, `CapacityExhausted` and `ServiceHang`, derive from `ServiceStopped`,
-a BaseException like KeyboardInterrupt, so that a stage's own `except Exception` bookkeeping
-cannot turn a stopped service into a finished stage.
+first comparison step, the no-answer timeout, the posting grain) and the backoff for retrying
+refused calls; `CapacityTracker` counts completed comparison steps, which switch the capacity
+window. The stops derive from `ServiceStopped`, a BaseException like KeyboardInterrupt, so that a
+stage's own `except Exception` bookkeeping cannot turn a stopped service into a finished stage.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from dppo_harness.json_types import JsonObject
@@ -28,42 +27,12 @@ class ServiceConfigError(RuntimeError):
     """The service cannot be configured; the message names the variable or option, never a value."""
 
 
-# ----------------------------------------------------------------------------- policy
-
-
-@dataclass(frozen=True)
-class CapacityPolicy:
-    """Backoff for retrying a *refused* call (1, 2, 4 minutes, then 4 again) inside the capacity
-    window: ~10 min with no comparison step completed, 30 min once steps ran. `scale` shrinks
-    every duration (tests, rehearsals)."""
-
-    backoff_s: tuple[float, ...] = (60.0, 120.0, 240.0)
-    give_up_no_steps_s: float = 600.0
-    give_up_after_steps_s: float = 1800.0
-    scale: float = 1.0
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> CapacityPolicy:
-        """The default policy, shrunk by DPPO_HARNESS_CAPACITY_SCALE (0 < scale <= 1) when set:
-        rehearsals and CI use it to exercise backoff and give-up in seconds, not minutes."""
-        return cls(scale=capacity_scale(env))
-
-    def backoff(self, attempt: int) -> float:
-        return self.backoff_s[min(attempt, len(self.backoff_s) - 1)] * self.scale
-
-    def window(self, steps_completed: int) -> float:
-        return (self.give_up_after_steps_s if steps_completed > 0 else self.give_up_no_steps_s) * self.scale
-
-
 def capacity_scale(env: Mapping[str, str] | None = None) -> float:
-    env = os.environ if env is None else env
-    raw = env.get(CAPACITY_SCALE_VAR)
-    if not raw:
-        return 1.0
+    raw = (os.environ if env is None else env).get(CAPACITY_SCALE_VAR)
     try:
-        scale = float(raw)
+        scale = float(raw) if raw else 1.0
     except ValueError:
-        raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}") from None
+        scale = math.nan
     if not 0.0 < scale <= 1.0:
         raise ServiceConfigError(f"{CAPACITY_SCALE_VAR} must be a number in (0, 1], got {raw!r}")
     return scale
@@ -75,9 +44,10 @@ class WaitPolicy:
 
     `capacity_patience_s` / `capacity_patience_after_steps_s`: how long a pause may last before
     the run gives up (before / after the first completed comparison step); `service_timeout_s`:
-    how long a request whose queue is active may give no answer. `poll_s` is how often a waiting
-    call looks at its queue state; a wait longer than `post_after_s` is posted every
-    `post_every_s` (result.json) and at most every `snapshot_every_s` as a snapshot file.
+    how long a request whose queue is active may give no answer; `backoff_s`: the waits before
+    retrying a refused call. `poll_s` is how often a waiting call looks at its queue state; a wait
+    longer than `post_after_s` is posted every `post_every_s` (result.json) and at most every
+    `snapshot_every_s` as a snapshot file.
     """
 
     capacity_patience_s: float = 600.0
@@ -90,17 +60,8 @@ class WaitPolicy:
     snapshot_every_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "capacity_patience_s",
-            "capacity_patience_after_steps_s",
-            "service_timeout_s",
-            "poll_s",
-            "post_after_s",
-            "post_every_s",
-            "snapshot_every_s",
-        ):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        for name, value in asdict(self).items():
+            if name != "backoff_s" and not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ServiceConfigError(
                     f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}"
                 )
@@ -118,21 +79,18 @@ class WaitPolicy:
         """Options given explicitly are used as they are; the capacity defaults (and the refusal
         backoff) are shrunk by `scale` (default: DPPO_HARNESS_CAPACITY_SCALE, else 1)."""
         s = capacity_scale(env) if scale is None else scale
-        base = cls()
-        policy = cls(
-            capacity_patience_s=base.capacity_patience_s * s if capacity_patience_s is None else capacity_patience_s,
-            capacity_patience_after_steps_s=(
-                base.capacity_patience_after_steps_s * s
-                if capacity_patience_after_steps_s is None
-                else capacity_patience_after_steps_s
-            ),
-            service_timeout_s=base.service_timeout_s if service_timeout_s is None else service_timeout_s,
-            backoff_s=tuple(b * s for b in base.backoff_s),
-        )
+        patience = cls.capacity_patience_s * s if capacity_patience_s is None else capacity_patience_s
+        after = cls.capacity_patience_after_steps_s * s
+        timeout = cls.service_timeout_s if service_timeout_s is None else service_timeout_s
         # Waits are watched (and posted) at a grain that fits the shortest window.
-        shortest = min(policy.capacity_patience_s, policy.service_timeout_s)
-        return replace(
-            policy,
+        shortest = min(patience, timeout)
+        return cls(
+            capacity_patience_s=patience,
+            capacity_patience_after_steps_s=after
+            if capacity_patience_after_steps_s is None
+            else capacity_patience_after_steps_s,
+            service_timeout_s=timeout,
+            backoff_s=tuple(b * s for b in cls.backoff_s),
             poll_s=min(1.0, max(0.05, shortest / 20)),
             post_after_s=min(60.0, max(0.2, shortest / 5)),
             post_every_s=min(30.0, max(0.2, shortest / 5)),
@@ -142,24 +100,17 @@ class WaitPolicy:
     def capacity_window(self, steps_completed: int) -> float:
         return self.capacity_patience_after_steps_s if steps_completed > 0 else self.capacity_patience_s
 
-    def capacity(self) -> CapacityPolicy:
-        """The same windows for `capacity.call_with_capacity_retry` (retrying refused calls)."""
-        return CapacityPolicy(
-            backoff_s=self.backoff_s,
-            give_up_no_steps_s=self.capacity_patience_s,
-            give_up_after_steps_s=self.capacity_patience_after_steps_s,
-            scale=1.0,
-        )
+    def backoff(self, attempt: int) -> float:
+        """The wait before retrying a refused call (1, 2, 4 minutes, then 4 again, scaled)."""
+        return self.backoff_s[min(attempt, len(self.backoff_s) - 1)]
 
     def as_evidence(self) -> JsonObject:
         return {
-            "capacity_patience_s": self.capacity_patience_s,
-            "capacity_patience_after_steps_s": self.capacity_patience_after_steps_s,
-            "service_timeout_s": self.service_timeout_s,
+            k: getattr(self, k) for k in ("capacity_patience_s", "capacity_patience_after_steps_s", "service_timeout_s")
         }
 
 
-# ----------------------------------------------------------------------------- stops
+STOPPED_FIELDS: JsonObject = {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
 
 
 class ServiceStopped(BaseException):
@@ -174,7 +125,7 @@ class ServiceStopped(BaseException):
         self.line = line
 
     def result_fields(self) -> JsonObject:
-        return {"status": "failed", "verdict": "inconclusive", "outcome_reason": "incomplete_execution"}
+        return dict(STOPPED_FIELDS)
 
     def details(self) -> JsonObject:
         """What the service said, for result.json's service_wait.stopped (beside kind and line)."""
@@ -188,20 +139,11 @@ class CapacityBlock:
     released_clients: bool
 
     def as_dict(self) -> JsonObject:
-        return {
-            "error": self.error,
-            "comparison_steps_completed": self.comparison_steps_completed,
-            "released_clients": self.released_clients,
-        }
+        return dict(asdict(self))
 
     def result_fields(self) -> JsonObject:
         """The result.json fields for a run stopped by capacity."""
-        return {
-            "status": "failed",
-            "verdict": "inconclusive",
-            "outcome_reason": "incomplete_execution",
-            "capacity_block": self.as_dict(),
-        }
+        return {**STOPPED_FIELDS, "capacity_block": self.as_dict()}
 
 
 class CapacityExhausted(ServiceStopped):
@@ -234,7 +176,7 @@ class WallBudgetSpent(ServiceStopped):
         super().__init__(
             f"{call} on {client}: the plan's wall budget ran out after {int(waited_s)} s of waiting on the service"
         )
-        self.call, self.client, self.waited_s = call, client, waited_s
+        self.waited_s = waited_s
 
 
 class ServiceDied(ServiceStopped):
@@ -284,7 +226,7 @@ class ServiceHang(ServiceStopped):
             f"{call} on {client}: no answer for {int(waited_s)} s"
             f" (queue state {queue_state or 'never reported'}; --service-timeout-s)"
         )
-        self.call, self.client, self.waited_s, self.queue_state = call, client, waited_s, queue_state
+        self.waited_s = waited_s
 
 
 @dataclass

@@ -1,28 +1,11 @@
-"""One wait policy for every service call: bounded waits, queue pauses seen, capacity give-up, hang stop.
+"""ServiceWaiter: one wait policy for every service call (see the package docstring).
 
 The stock SDK retries underneath the harness (docs/service.md): a 429 at sample submit loops without
 limit, `retrieve_future` re-polls 408, 5xx and 429 without limit, and a capacity shortage arrives as
 408 `try_again` polls whose queue state only the SDK's own observers see. What reaches the caller
-is a future that does not resolve. So every client the harness's ServiceClient hands out is a
-`WaitedClient`: each future it returns is a `WaitedFuture`, whose `result()` is
-`ServiceWaiter.wait`, polling the SDK future's public `result(timeout=...)`:
-
-- the call's pauses are read from what the SDK shows (`watch`: its pause warnings, and a refused
-  sample submit it is holding back), each recorded with its elapsed time and the words the SDK
-  logged for it;
-- a pause that lasts `--capacity-patience-s` (no comparison step completed) or
-  `--capacity-patience-after-steps-s` (one did) ends the stage with `CapacityExhausted` and a
-  `capacity_block`;
-- a request with no pause seen that gives no answer for `--service-timeout-s` ends the stage with
-  `ServiceHang` ("forward_backward on dppo_seed0: no answer for 900 s");
-- a long wait is posted (`on_post`: result.json and a snapshot) with what is waited on, since when,
-  the pause seen and its reason.
-
-Both stops derive from `ServiceStopped`, a BaseException like KeyboardInterrupt: a stage's own
-`except Exception` bookkeeping must not turn a stopped service into a finished stage.
-
-The policy and the stops are in `policy`, the queue watches in `watch`, the waited clients and
-futures in `clients`, result.json's block and the stopped run's result in `evidence`.
+is a future that does not resolve, so each wait polls it under the policy: a pause that lasts the
+capacity window stops the stage (`CapacityExhausted`), a call with no pause seen and no answer for
+`--service-timeout-s` too (`ServiceHang`), and a long wait is posted (`on_post`).
 """
 
 from __future__ import annotations
@@ -34,9 +17,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tinker import APIFuture, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.rest_client import RestClient
@@ -70,12 +53,6 @@ C = TypeVar("C")
 V_co = TypeVar("V_co", covariant=True)
 
 
-class Abandonable(Protocol):
-    """A handed-out future a stop can cancel (WaitedFuture)."""
-
-    def abandon(self) -> bool: ...
-
-
 class Pending(Protocol[V_co]):
     """A future the waiter can wait on: the SDK's futures and concurrent futures alike."""
 
@@ -84,9 +61,6 @@ class Pending(Protocol[V_co]):
 
 def _utc(ts: float | None = None) -> str:
     return datetime.fromtimestamp(time.time() if ts is None else ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-# ----------------------------------------------------------------------------- the waiter
 
 
 @dataclass
@@ -100,24 +74,14 @@ class Pause:
     began_at: str  # UTC
     seconds: float = 0.0
     outcome: str = "waiting"  # waiting | resumed | gave_up | call_ended (the call failed or another stop came)
-    http_status: int | None = None  # a refused submit's status
     reason_changes: int = 0
     began: float = field(default=0.0, repr=False)  # time.monotonic() of its first sign (not evidence)
 
     def as_dict(self) -> JsonObject:
-        out: JsonObject = {
-            "call": self.call,
-            "client": self.client,
-            "queue_state": self.queue_state,
-            "queue_state_reason": self.queue_state_reason,
-            "began_at": self.began_at,
-            "seconds": round(self.seconds, 3),
-            "outcome": self.outcome,
-        }
-        if self.http_status is not None:
-            out["http_status"] = self.http_status
-        if self.reason_changes:
-            out["reason_changes"] = self.reason_changes
+        out: JsonObject = {**asdict(self), "seconds": round(self.seconds, 3)}
+        del out["began"]
+        if not self.reason_changes:
+            del out["reason_changes"]
         return out
 
 
@@ -136,17 +100,9 @@ class WaitStatus:
     outcome: str = "waiting"  # waiting | answered | failed | stopped
 
     def as_dict(self) -> JsonObject:
-        return {
-            "call": self.call,
-            "client": self.client,
-            "since": self.since,
-            "waited_s": round(self.waited_s, 3),
-            "queue_state": self.queue_state,
-            "queue_state_reason": self.queue_state_reason,
-            "paused_s": round(self.paused_s, 3),
-            "outcome": self.outcome,
-            "updated_at": _utc(),
-        }
+        out: JsonObject = {**asdict(self), "waited_s": round(self.waited_s, 3), "paused_s": round(self.paused_s, 3)}
+        del out["id"]
+        return {**out, "updated_at": _utc()}
 
 
 @dataclass
@@ -167,22 +123,6 @@ class _CallClock:
         self.quiet_s += split - self.last
         self.paused_s += now - split
         self.last = now
-
-
-def _done(future: object) -> bool:
-    """Whether the call behind `future` ended (so a TimeoutError it raised is the call's own)."""
-    if isinstance(future, concurrent.futures.Future):
-        return future.done()
-    inner = getattr(future, "future", None)  # an SDK APIFuture: its own done() is deprecated
-    if callable(inner):
-        with contextlib.suppress(Exception):
-            return bool(inner().done())
-        return False
-    return isinstance(future, concurrent.futures.Future) and future.done()
-
-
-def _is_client(value: object) -> bool:
-    return isinstance(value, (TrainingClient, SamplingClient, RestClient))
 
 
 class ServiceWaiter:
@@ -213,8 +153,7 @@ class ServiceWaiter:
         self.pauses: list[Pause] = []
         self.pauses_not_listed = 0
         self.posted: dict[int, WaitStatus] = {}  # waits long enough to be posted, by id: the latest status
-        self.posted_not_listed = 0  # posted waits beyond MAX_WAITS_LISTED, counted once each
-        self._not_listed: set[int] = set()
+        self._not_listed: set[int] = set()  # posted waits beyond MAX_WAITS_LISTED
         self.stopped: ServiceStopped | None = None
         self.waits = 0
         self.longest_wait_s = 0.0
@@ -224,7 +163,7 @@ class ServiceWaiter:
         # a ModelLost is raised to the stage as it is, neither recorded as the stop nor releasing clients.
         self.replaces_lost: Callable[[ModelLost], bool] | None = None
         self._dead: ServiceStopped | None = None  # the service itself is gone: every wait stops at its next look
-        self._issued: weakref.WeakSet[Abandonable] = weakref.WeakSet()  # every WaitedFuture handed out
+        self._issued: weakref.WeakSet[WaitedFuture[Any, Any]] = weakref.WeakSet()  # every WaitedFuture handed out
         self.abandoned = 0  # futures still pending at the stop, cancelled
 
     def service_died(self, stop: ServiceStopped) -> None:
@@ -234,42 +173,36 @@ class ServiceWaiter:
             self._dead = self._dead or stop
         self._say(f"service: {stop.line}")
 
-    def track(self, future: Abandonable) -> None:
+    def track(self, future: WaitedFuture[Any, Any]) -> None:
         """Keep a handed-out future, so that a stop can cancel it if it is still pending."""
         with self._lock:
             self._issued.add(future)
 
-    def abandon_pending(self) -> int:
-        """Cancel every handed-out future still pending (after a stop); how many were."""
+    def abandon_pending(self) -> None:
+        """Cancel every handed-out future still pending (after a stop), counting them."""
         with self._lock:
             issued = list(self._issued)
         cancelled = sum(1 for f in issued if f.abandon())
         with self._lock:
             self.abandoned += cancelled
-        return cancelled
-
-    # -- adopting clients
 
     def adopt(self, client: C, label: str | None = None) -> C:
-        """The client wrapped so that its futures wait under this policy (idempotent). The
-        WaitedClient stands in for the client it wraps: every attribute is the wrapped client's."""
-        waited = self._waited(client, label)
-        return client if waited is None else waited  # type: ignore[return-value]  # the stand-in of `client`
-
-    def _waited(self, client: object, label: str | None) -> WaitedClient | None:
-        """`client` as a WaitedClient (None: not an SDK client, handed out as it is)."""
+        """The SDK client wrapped so that its futures wait under this policy (idempotent; anything
+        else as it is). The WaitedClient stands in for the client: every attribute is the wrapped one's."""
         if isinstance(client, WaitedClient):
             if label:
                 client.label = label
             return client
         if isinstance(client, TrainingClient):
             model_id = str(client.model_id)
-            return WaitedClient(client, self, label or f"training client {model_id}", training_watch(model_id))
-        if isinstance(client, SamplingClient):
-            return WaitedClient(client, self, label or "sampling client", sampling_watch(client))
-        if isinstance(client, RestClient):
-            return WaitedClient(client, self, label or "rest client", None)
-        return None
+            waited = WaitedClient(client, self, label or f"training client {model_id}", training_watch(model_id))
+        elif isinstance(client, SamplingClient):
+            waited = WaitedClient(client, self, label or "sampling client", sampling_watch(client))
+        elif isinstance(client, RestClient):
+            waited = WaitedClient(client, self, label or "rest client", None)
+        else:
+            return client
+        return waited  # type: ignore[return-value]  # the stand-in of `client`
 
     def wrap(self, value: object, *, call: str, parent: WaitedClient) -> object:
         """What a waited client's method returned, with its futures and clients waited."""
@@ -281,24 +214,21 @@ class ServiceWaiter:
                 call,
                 parent.label,
                 parent.queue_watch,
-                then=lambda v: self.adopt(v, sub_label) if _is_client(v) else v,
+                then=lambda v: self.adopt(v, sub_label),
             )
-        if _is_client(value):
-            return self.adopt(value, sub_label)
-        return value
-
-    # -- waiting
+        return self.adopt(value, sub_label)
 
     def wait(
         self,
-        future: Pending[V],
+        future: concurrent.futures.Future[V],
         *,
         call: str,
         client: str,
         watch: QueueSource | None = None,
         timeout: float | None = None,
     ) -> V:
-        """future.result(), bounded by the policy (and by `timeout` when the caller gives one)."""
+        """future.result(), bounded by the policy (and by `timeout` when the caller gives one). Every
+        future waited on is a concurrent one (`WaitedFuture` runs an SDK future's own result() beside)."""
         p = self.policy
         t0 = self.clock()
         clock = _CallClock(t0, t0)
@@ -319,21 +249,21 @@ class ServiceWaiter:
                     outcome = "answered"
                     return value
                 except TimeoutError:
-                    if _done(future):
+                    if future.done():
                         raise  # the call itself failed with a timeout
                 except Exception as exc:
                     self._stop_if_lost(exc, call, client, watch)
                     raise
                 now = self.clock()
                 if self._dead is not None:
-                    self._stop(self._dead)
+                    self.stop(self._dead)
                 left = self.budget_left() if self.budget_left is not None else None
                 if left is not None and left <= 0:
-                    self._stop(WallBudgetSpent(call, client, now - t0))
+                    self.stop(WallBudgetSpent(call, client, now - t0))
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
                 rep = self._report(watch, t0, now)
-                clock.advance(now, rep.since if rep is not None and rep.paused else None)
+                clock.advance(now, rep.since if rep is not None else None)
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
                 if clock.paused_s >= window:
@@ -341,10 +271,10 @@ class ServiceWaiter:
                         if pause.outcome == "waiting":
                             pause.outcome = "gave_up"
                             pause.seconds = max(pause.seconds, now - pause.began)  # current until the give-up
-                    last_pause = rep if rep is not None and rep.paused else self._last_pause(watch, t0)
-                    self._stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
+                    last_pause = rep or self._last_pause(watch, t0)
+                    self.stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s:
-                    self._stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None))
+                    self.stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None))
                 if now >= next_post:
                     next_post = now + p.post_every_s
                     self._post(self._status(wait_id, call, client, since, clock, rep, "waiting"))
@@ -364,7 +294,7 @@ class ServiceWaiter:
             with self._lock:
                 was_posted = wait_id in self.posted
             if was_posted or seen:  # settle what was posted: every pause reaches the block, no wait stays "waiting"
-                clock.advance(now, rep.since if rep is not None and rep.paused else None)
+                clock.advance(now, rep.since if rep is not None else None)
                 self._post(self._status(wait_id, call, client, since, clock, rep, outcome) if was_posted else None)
 
     @staticmethod
@@ -387,20 +317,16 @@ class ServiceWaiter:
         if self.replaces_lost is not None and self.replaces_lost(stop):
             self._say(f"service: {stop.line} (the stage replaces it)")
             raise stop
-        self._stop(stop)
-
-    def stop(self, stop: ServiceStopped) -> None:
-        """Stop the stage with `stop` as a wait would (recorded, clients released, evidence written), raising it."""
-        self._stop(stop)
+        self.stop(stop)
 
     @staticmethod
     def _last_pause(watch: QueueSource | None, t0: float) -> QueueReport:
         """The latest pause reported during a wait (for a give-up reached while the state alternates)."""
-        episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
+        episodes = watch.episodes_since(t0) if watch is not None else []
         if not episodes:
             return QueueReport(PAUSED, None, t0, t0)
         ep = max(episodes, key=lambda e: e.seen)
-        return QueueReport(ep.state, ep.reason, ep.began, ep.seen, ep.http_status)
+        return QueueReport(ep.state, ep.reason, ep.began, ep.seen)
 
     def _status(
         self, wait_id: int, call: str, client: str, since: str, clock: _CallClock, rep: QueueReport | None, outcome: str
@@ -421,7 +347,7 @@ class ServiceWaiter:
         self, watch: QueueSource | None, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]
     ) -> None:
         """Record the watch's pauses during this wait (each once), with their elapsed time."""
-        episodes = watch.episodes_since(t0) if watch is not None and hasattr(watch, "episodes_since") else []
+        episodes = watch.episodes_since(t0) if watch is not None else []
         for ep in episodes:
             pause = seen.get(ep.id)
             if pause is None:
@@ -431,7 +357,6 @@ class ServiceWaiter:
                     ep.state,
                     ep.reason,
                     _utc(time.time() - (now - ep.began)),
-                    http_status=ep.http_status,
                     began=ep.began,
                 )
                 with self._lock:
@@ -443,11 +368,7 @@ class ServiceWaiter:
                     f"service: {call} on {client} paused by the service ({ep.state}: "
                     f"{ep.reason if ep.reason is not None else 'no reason sent'})"
                 )
-            pause.queue_state_reason, pause.http_status, pause.reason_changes = (
-                ep.reason,
-                ep.http_status,
-                ep.reason_changes,
-            )
+            pause.queue_state_reason, pause.reason_changes = ep.reason, ep.reason_changes
             # what the signs show: from the first to the latest (never more, so a posted number only grows)
             pause.seconds = max(pause.seconds, (ep.ended if ep.ended is not None else ep.seen) - ep.began)
             if ep.ended is not None and pause.outcome == "waiting":
@@ -479,7 +400,6 @@ class ServiceWaiter:
                     self.posted[status.id] = status
                 else:
                     self._not_listed.add(status.id)
-                    self.posted_not_listed = len(self._not_listed)
         if self.on_post is None:
             return
         try:
@@ -498,8 +418,8 @@ class ServiceWaiter:
             with contextlib.suppress(Exception):
                 self.say(line)
 
-    def _stop(self, stop: ServiceStopped) -> None:
-        """Record the stop, let on_stop release clients and write evidence, then raise it."""
+    def stop(self, stop: ServiceStopped) -> None:
+        """Record the stop, let on_stop release clients and write evidence (as a wait does), then raise it."""
         with self._lock:
             first = self.stopped is None
             if first:
@@ -528,8 +448,8 @@ class ServiceWaiter:
                 out["pauses_not_listed"] = self.pauses_not_listed
             if self.posted:
                 out["waiting"] = {str(i): st.as_dict() for i, st in sorted(self.posted.items())}
-            if self.posted_not_listed:
-                out["waits_not_listed"] = self.posted_not_listed
+            if self._not_listed:
+                out["waits_not_listed"] = len(self._not_listed)
             if self.stopped is not None:
                 out["stopped"] = {
                     "kind": self.stopped.kind,

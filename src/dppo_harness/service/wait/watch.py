@@ -44,7 +44,6 @@ PLACING_REASON = (
     "its polls saying only queue_state active, no reason, while it places the model on a trainer that starts "
     "cold or has no free LoRA slot)"
 )
-PAUSED_STATES = frozenset({PAUSED, SUBMIT_REFUSED, PLACING})
 # The SDK logs a continuing pause at most every 60 s; a pause with no line for longer has ended.
 PAUSE_LOG_FRESH_S = 90.0
 # A refusal sets a backoff of 1 s (5 s for large prompts); one that ended longer ago than this is over.
@@ -67,11 +66,6 @@ class QueueReport:
     reason: str | None  # as the SDK logged it (the service's words, or the SDK's default when none was sent)
     since: float  # time.monotonic() when this pause began
     at: float  # time.monotonic() of the latest sign of it
-    http_status: int | None = None
-
-    @property
-    def paused(self) -> bool:
-        return self.state in PAUSED_STATES
 
 
 @dataclass
@@ -83,7 +77,6 @@ class Episode:
     reason: str | None
     began: float
     ended: float | None = None
-    http_status: int | None = None
     seen: float = 0.0  # time.monotonic() of the latest sign
     reason_changes: int = 0  # how often the reason's text changed (a queue position, say)
 

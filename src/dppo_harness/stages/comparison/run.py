@@ -34,10 +34,10 @@ from dppo_harness.service.capacity import call_with_capacity_retry, error_text
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import (
     CapacityExhausted,
-    CapacityPolicy,
     CapacityTracker,
     ModelLost,
     ServiceStopped,
+    WaitPolicy,
 )
 from dppo_harness.stages import arm_step
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun
@@ -123,7 +123,7 @@ def run_comparison(
     resume_run_id: str | None = None,
     schedule: ArmOrder = "interleaved",
     save_every: int = 1,
-    capacity_policy: CapacityPolicy | None = None,
+    capacity_policy: WaitPolicy | None = None,
     registry: ClientRegistry | None = None,
     stop_after: Callable[[int], None] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
@@ -161,7 +161,7 @@ def run_comparison(
         def call(fn: Callable[[], T]) -> T:
             return call_with_capacity_retry(
                 fn,
-                policy=capacity_policy or CapacityPolicy(),
+                policy=capacity_policy or WaitPolicy(),
                 steps_completed=tracker,
                 registry=registry,
                 on_retry=tracker.events.append,

@@ -100,7 +100,7 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.plans.models import RestorationArm
     from dppo_harness.service.release import ClientRegistry
-    from dppo_harness.service.wait.policy import CapacityPolicy
+    from dppo_harness.service.wait.policy import WaitPolicy
 
 EXCLUDED_REASON = (
     "never trains in this session: no client created for it, excluded from the optimizer-restoration groups"
@@ -638,7 +638,7 @@ def run_restoration_preflight(
     probe_service_client: tinker.ServiceClient | None = None,
     arm_seed_overrides: Mapping[str, int] | None = None,
     probe_restore_with_optimizer: bool = True,
-    capacity: CapacityPolicy | None = None,
+    capacity: WaitPolicy | None = None,
     registry: ClientRegistry | None = None,
     run_tag: str | None = None,
     trained_arms: Sequence[str] | None = None,
