@@ -1,14 +1,11 @@
-"""Activation gate of the plan's spec: a short pilot of a treatment arm, checked against the
+"""Activation gate of the plan's spec: a short pilot of its one treatment arm, checked against the
 frozen plan's `activation_gate` ranges.
 
-The pilot is the spec's own schedule, shortened to the pilot length its gate states: fresh
-sampling each step from the current weights, the batch split into the spec's complete-group
-minibatches, one `forward_backward_custom` + `optim_step` per minibatch (the comparison's
-arm-step, `arm_step.run_arm_step`), the treatment's loss trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
-metric is the loss-call statistic its registered loss names (`loss_registry.gate_metric_sources`) on the
-last update of each pilot step. Every check of the plan is evaluated (`checks.Bounds`, the rule the
-diagnostic's criteria share); a value outside its range or missing fails the gate. The gate report is its own immutable evidence file; nothing later
-rewrites it. A plan with several treatments is refused: the gate pilots the one treatment arm.
+The pilot is the spec's own schedule for the pilot length its gate states, run as the comparison's
+arm-step (`arm_step.run_arm_step`). Each gate metric is the loss-call statistic its registered loss
+names (`loss_registry.gate_metric_sources`) on the last update of each pilot step; every check of the
+plan is evaluated (`checks.Bounds`, the rule the diagnostic's criteria share), and a value outside its
+range or missing fails the gate. The report is its own immutable evidence file.
 """
 
 from __future__ import annotations
@@ -33,9 +30,6 @@ from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
 from dppo_harness.train.restore import restore
 
 if TYPE_CHECKING:
-    from tinker_cookbook import renderers
-
-    from dppo_harness.data.gsm8k import Gsm8kItem
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan, RunConfig
     from dppo_harness.plans.arm_roles import ArmConfig
@@ -147,10 +141,8 @@ def gate_values(
         return sum(r.stats[key] for r in second.values()) / pilot_steps if complete and pilot_steps else None
 
     counts = list(optim_steps_per_batch)
-    if len(counts) == pilot_steps and len(set(counts)) == 1:
-        updates: int | list[int] | None = counts[0]
-    else:
-        updates = counts if counts else None
+    same = len(counts) == pilot_steps and len(set(counts)) == 1
+    updates: int | list[int] | None = counts[0] if same else (counts or None)
     values: dict[str, Measured] = {metric: over_steps(stat) for metric, stat in sources.items()}
     values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
     return values, rows
@@ -287,50 +279,6 @@ class _Pilot:
     yields: list[answer_yield.ResponseYield] = field(default_factory=list)  # of each step's batch
 
 
-def _pilot_step(
-    arm: ArmStepRun,
-    step: int,
-    rollout_cfg: rollouts.RolloutConfig,
-    pilot: _Pilot,
-    items: Sequence[Gsm8kItem],
-    renderer: renderers.Renderer,
-    bundle: EvidenceBundle,
-    tag: str,
-) -> list[ins.LossCallRecord]:
-    """One pilot step, the comparison's arm-step (`arm_step.run_arm_step`): fresh rollout batch from
-    the current weights, then one recorded update per complete-group minibatch. Returns this step's
-    loss-call records (also persisted)."""
-
-    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
-        return {
-            "step": step,
-            "update_in_batch": u,
-            "update_index": step * arm.updates_per_batch + u,
-            "sampler_checkpoint": sampler_path,
-            "n_sequences": len(idx),
-        }
-
-    progress = ArmStepProgress()
-    try:
-        run_arm_step(
-            arm,
-            items,
-            renderer,
-            rollout_cfg,
-            sampler_name=f"{tag}-sampler-s{step}",
-            context=context,
-            progress=progress,
-        )
-    finally:  # what the step reached is kept when it stops part-way
-        if progress.sampled is not None:
-            pilot.samplers.append(progress.sampled.sampler_path)
-            pilot.yields.append(progress.sampled.batch.response_yield())
-        if progress.minibatches is not None:
-            pilot.optim_counts.append(progress.updates_done)
-    bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(progress.records))
-    return progress.records
-
-
 def run_activation_gate(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -381,10 +329,37 @@ def run_activation_gate(
         arm = ArmStepRun(
             restored.client, losses.make_loss_fn(loss_cfg), adam, pilot.recorder, treatment.updates_per_batch
         )
-        for step in range(steps):
+        for step in range(steps):  # the comparison's arm-step: sample from the current weights, then the updates
+
+            def context(u: int, sampler_path: str, idx: list[int], step: int = step) -> dict[str, int | str]:
+                return {
+                    "step": step,
+                    "update_in_batch": u,
+                    "update_index": step * treatment.updates_per_batch + u,
+                    "sampler_checkpoint": sampler_path,
+                    "n_sequences": len(idx),
+                }
+
+            done = ArmStepProgress()
             items = train.batch(step, rollout_cfg.groups_per_batch)
-            step_records = _pilot_step(arm, step, rollout_cfg, pilot, items, renderer, bundle, tag)
-            last = step_records[-1].stats if step_records else {}
+            try:
+                run_arm_step(
+                    arm,
+                    items,
+                    renderer,
+                    rollout_cfg,
+                    sampler_name=f"{tag}-sampler-s{step}",
+                    context=context,
+                    progress=done,
+                )
+            finally:  # what the step reached is kept when it stops part-way
+                if done.sampled is not None:
+                    pilot.samplers.append(done.sampled.sampler_path)
+                    pilot.yields.append(done.sampled.batch.response_yield())
+                if done.minibatches is not None:
+                    pilot.optim_counts.append(done.updates_done)
+            bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
+            last = done.records[-1].stats if done.records else {}
             say(
                 f"[gate] step {step + 1}/{steps}: {pilot.optim_counts[step]} updates, "
                 f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
