@@ -244,20 +244,16 @@ def duplicate_save_outcome(exc: BaseException | None, name: str = "") -> tuple[b
         return False, "the service accepted a second save_state under the same name without overwrite"
     text = error_text(exc)
     what = f"{type(exc).__name__}: {text}"[:300]
-    refused = False
+    says_refused = bool(OVERWRITE_REFUSAL_RE.search(text))
     if isinstance(exc, tinker.ConflictError):
         refused = True
     elif is_capacity_error(exc):
         refused = False
-    elif isinstance(exc, tinker.RequestFailedError):
-        says_refused = bool(OVERWRITE_REFUSAL_RE.search(text))
-        if exc.category == tinker.types.RequestErrorCategory.Server:
-            refused = says_refused and bool(name) and name in text
-            what = f"{what} (category server)"
-        else:
-            refused = says_refused
-    elif isinstance(exc, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
-        refused = bool(OVERWRITE_REFUSAL_RE.search(text))
+    elif isinstance(exc, tinker.RequestFailedError) and exc.category == tinker.types.RequestErrorCategory.Server:
+        refused, what = says_refused and bool(name) and name in text, f"{what} (category server)"
+    else:
+        failed = (tinker.RequestFailedError, tinker.BadRequestError, tinker.UnprocessableEntityError)
+        refused = says_refused and isinstance(exc, failed)
     if refused:
         return True, f"the service refused to overwrite the saved name ({what})"
     return None, (

@@ -1,18 +1,8 @@
-"""The restoration probes and the one fixed-gradient update they all apply.
-
-- `restore_probe`: two different fixed-gradient updates (even, then odd datums) on the
-  uninterrupted setup client; a second client restored from its save after update 1 applies
-  update 2 too; their logprobs must agree within the tolerance, and update 2 must move the logprobs
-  at all (else the check could not fail).
-- `lr_scaling_probe`: the same fixed gradient from a fresh state per learning rate. Adam's first
-  step is ~lr * sign(g), so update_norm / lr must be the same at every learning rate within
-  `LR_SCALING_RTOL`; where no update-norm measure exists on the backend the block says
-  `available: false` with the reason. `attach_lr_scaling` fills every correctness path's
-  `lr_scaling` from that block, unmeasured entries included (never invented, never an empty list).
-- `UpdateNormMeasure`: ||theta_after - theta_before|| around one update, where a backend allows it;
-  on the local backend `CheckpointUpdateNorm` reads it from save_state checkpoints through
-  `LocalCheckpointReader`. The Tinker API exposes no parameters, so other backends bring their own
-  measure or none.
+"""The restoration probes (`restore_probe`, `lr_scaling_probe`), the one fixed-gradient update they
+all apply, and the update-norm measures the LR probe reads (`UpdateNormMeasure`; on the local
+backend `CheckpointUpdateNorm` through `LocalCheckpointReader`; the Tinker API exposes no
+parameters, so other backends bring their own measure or none). `attach_lr_scaling` fills every
+correctness path's `lr_scaling` from the LR probe's block.
 """
 
 from __future__ import annotations

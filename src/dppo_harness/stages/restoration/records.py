@@ -1,10 +1,6 @@
-"""What the restoration preflight records: the server responses it keeps, each arm's initialization
-provenance and the group's proof, the restore probe's result, the LR-scaling block,
-`RestorationResult`, and the evidence files they are written to (one place, so every run writes the
-same set).
-
-`RestorationResult.preflight_service_work` counts the optimizer updates the preflight issued on its
-throwaway probe clients (the diagnostic's service-work ledger starts from it).
+"""What the restoration preflight records (the server responses it keeps, each arm's initialization
+provenance and the group's proof, the probes' results, `RestorationResult`) and the one writer of
+its evidence files (`record_evidence`), so every run writes the same set.
 """
 
 from __future__ import annotations
