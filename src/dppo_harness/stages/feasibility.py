@@ -3,8 +3,8 @@
 
 The pilot measures, on the backend that will run the plan:
 - setup: create a training client from the initial checkpoint with optimizer state;
-- training: sample `pilot_groups` GSM8K train groups at the plan's sampling settings, then per
-  arm `pilot_updates` recorded updates on a minibatch of the plan's size, through the arm-step's
+- training: sample PILOT_GROUPS GSM8K train groups at the plan's sampling settings, then per
+  arm PILOT_UPDATES recorded updates on a minibatch of the plan's size, through the arm-step's
   update phase (`arm_step.run_arm_updates`) as the comparison runs them;
 - evaluation: greedy samples of a few GSM8K test items, submitted together like the evaluation.
 
@@ -32,8 +32,8 @@ from dppo_harness.loss import losses
 from dppo_harness.rollout import rollout_batch, rollouts
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_updates
 from dppo_harness.stages.feasibility_projection import (
-    DEFAULT_RESERVE_FRACTION,
     PILOT_FILE,
+    RESERVE_FRACTION,
     FeasibilityError,
     PilotTimings,
     Projection,
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan, RunConfig
     from dppo_harness.plans.arm_roles import ArmConfig
+
+PILOT_GROUPS, PILOT_UPDATES, PILOT_EVAL_ITEMS = 2, 2, 4  # train groups sampled, updates per arm, test items
 
 
 @dataclass
@@ -81,10 +83,6 @@ def run_timing_pilot(
     service_client: tinker.ServiceClient,
     run: RunConfig,
     initial_checkpoint: str,
-    *,
-    pilot_groups: int = 2,
-    pilot_updates: int = 2,
-    pilot_eval_items: int = 4,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PilotTimings, JsonObject]:
     """Time setup, sampling + updates, and greedy evaluation on `service_client`'s backend; returns
@@ -92,7 +90,7 @@ def run_timing_pilot(
 
     The update minibatch has the plan's sequences per update, tiled from the pilot's sampled
     sequences (real sampled lengths) when the pilot sampled fewer. Every arm's updates are timed
-    with its own loss and optimizer (`pilot_updates` each), so the mean update time the projection
+    with its own loss and optimizer (PILOT_UPDATES each), so the mean update time the projection
     uses weighs every arm equally, as the schedule trains them.
     """
     renderer = tokenizer.make_renderer().renderer
@@ -106,23 +104,23 @@ def run_timing_pilot(
     say("1/4: client from the initial checkpoint")
     client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint)
     setup_s = time.perf_counter() - t0
-    say(f"2/4: sampling {pilot_groups} groups x {group_size} (max_tokens {max_tokens})")
+    say(f"2/4: sampling {PILOT_GROUPS} groups x {group_size} (max_tokens {max_tokens})")
     data = dataset.get(run.dataset)
-    cfg = rollouts.RolloutConfig(pilot_groups, group_size, float(run.temperature.value), max_tokens, seed=run.seed)
-    items = data.load_split("train", seed=run.seed).items[:pilot_groups]
+    cfg = rollouts.RolloutConfig(PILOT_GROUPS, group_size, float(run.temperature.value), max_tokens, seed=run.seed)
+    items = data.load_split("train", seed=run.seed).items[:PILOT_GROUPS]
     sampled = rollout_batch.sample_rollout_batch(client, items, renderer, cfg, sampler_name="feasibility-pilot")
     if not sampled.datums:
         raise FeasibilityError("pilot sampled no datums to build a minibatch from")
     minibatch = [i % len(sampled.datums) for i in range(sequences_per_update(run))]
     ry = sampled.batch.response_yield()
     say(
-        f"3/4: {pilot_updates} timed updates of {len(minibatch)} sequences for each of {len(run.arms)} arm(s) "
+        f"3/4: {PILOT_UPDATES} timed updates of {len(minibatch)} sequences for each of {len(run.arms)} arm(s) "
         f"({ry.truncated} of {ry.n} sampled responses truncated)"
     )
-    by_arm = {arm.name: _time_arm_updates(client, sampled, minibatch, arm, pilot_updates) for arm in run.arms}
+    by_arm = {arm.name: _time_arm_updates(client, sampled, minibatch, arm) for arm in run.arms}
     update_s = [t for times in by_arm.values() for t in times]
 
-    eval_n = pilot_eval_items if run.eval_items else 0
+    eval_n = PILOT_EVAL_ITEMS if run.eval_items else 0
     say(f"4/4: greedy evaluation of {eval_n} test items" if eval_n else "4/4: no evaluation in this plan")
     eval_tokens, eval_s = 0, 0.0
     if eval_n:  # greedy samples of the first test items, submitted together like the evaluation
@@ -137,8 +135,8 @@ def run_timing_pilot(
     timings = PilotTimings(
         setup_seconds=setup_s,
         sampling_seconds=sampled.seconds,  # includes saving sampler weights, as every real step does
-        sampled_groups=pilot_groups,
-        sampled_sequences=pilot_groups * group_size,
+        sampled_groups=PILOT_GROUPS,
+        sampled_sequences=PILOT_GROUPS * group_size,
         update_seconds=tuple(update_s),
         sequences_per_update=len(minibatch),
         eval_seconds=eval_s,
@@ -170,18 +168,17 @@ def _time_arm_updates(
     sampled: rollout_batch.SampledStep,
     minibatch: list[int],
     arm: ArmConfig,
-    pilot_updates: int,
 ) -> list[float]:
-    """Seconds of each of `pilot_updates` updates of `arm` on the same minibatch, through the
+    """Seconds of each of PILOT_UPDATES updates of `arm` on the same minibatch, through the
     arm-step's update phase with the arm's own loss (token_mean), recorder and optimizer."""
     loss_cfg = losses.LossConfig.for_loss(arm.loss, "token_mean")
     adam = tinker.AdamParams(**arm.adam)
-    run = ArmStepRun(client, losses.make_loss_fn(loss_cfg), adam, ins.LossCallRecorder(loss_cfg), pilot_updates)
+    run = ArmStepRun(client, losses.make_loss_fn(loss_cfg), adam, ins.LossCallRecorder(loss_cfg), PILOT_UPDATES)
 
     def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
         return {"arm": arm.name, "update_in_batch": u, "sampler_checkpoint": sampler_path, "n_sequences": len(idx)}
 
-    minibatches = [minibatch] * pilot_updates
+    minibatches = [minibatch] * PILOT_UPDATES
     done = ArmStepProgress(sampled=sampled, minibatches=minibatches)
     run_arm_updates(run, sampled, minibatches, context=context, progress=done)
     return list(done.update_seconds)
@@ -195,11 +192,6 @@ def run_feasibility(
     initial_checkpoint: str,
     backend_kind: str,
     effective_config: Mapping[str, JsonValue] | None = None,
-    pilot_groups: int = 2,
-    pilot_updates: int = 2,
-    pilot_eval_items: int = 4,
-    reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
-    elapsed_seconds: float = 0.0,
     timings: PilotTimings | None = None,
     measured_setup: Mapping[str, float] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -215,15 +207,7 @@ def run_feasibility(
     details: JsonObject = {}
     t0 = time.perf_counter()
     if timings is None:
-        timings, details = run_timing_pilot(
-            service_client,
-            run,
-            initial_checkpoint,
-            pilot_groups=pilot_groups,
-            pilot_updates=pilot_updates,
-            pilot_eval_items=pilot_eval_items,
-            progress=progress,
-        )
+        timings, details = run_timing_pilot(service_client, run, initial_checkpoint, progress)
     setup_parts = {"create_client_from_initial_checkpoint": timings.setup_seconds}
     for name, secs in (measured_setup or {}).items():
         if not (isinstance(secs, (int, float)) and math.isfinite(secs) and secs >= 0):
@@ -231,29 +215,22 @@ def run_feasibility(
         setup_parts[name] = float(secs)
     timings = replace(timings, setup_seconds=sum(setup_parts.values()))
     gpu_count, alloc = gpu_allocation(backend_kind)
-    proj = project(
-        run,
-        timings,
-        plan.budget,
-        gpu_count=gpu_count,
-        reserve_fraction=reserve_fraction,
-        elapsed_seconds=elapsed_seconds,
-    )
+    proj = project(run, timings, plan.budget, gpu_count=gpu_count)
     pilot_config: JsonObject = {
         "backend": backend_kind,
         "plan": plan.name,
         "plan_sha256": plan.sha256,
         "initial_checkpoint": initial_checkpoint,
-        "pilot_groups": pilot_groups,
+        "pilot_groups": PILOT_GROUPS,
         "group_size": int(run.group_size.value),
         "temperature": float(run.temperature.value),
         "max_tokens": int(run.max_tokens.value),
-        "pilot_updates": pilot_updates,
+        "pilot_updates": PILOT_UPDATES,
         "sequences_per_update": sequences_per_update(run),
         "pilot_eval_items": timings.eval_items,
         "eval_decoding": {"temperature": 0.0, "max_tokens": int(run.max_tokens.value)},
-        "reserve_fraction": reserve_fraction,
-        "elapsed_seconds_taken_off_budget": elapsed_seconds,
+        "reserve_fraction": RESERVE_FRACTION,
+        "elapsed_seconds_taken_off_budget": 0.0,  # time spent in the session is the budget ledger's
         "setup_components_seconds": dict(setup_parts),
         "extrapolation": "sampling seconds per group x groups_per_batch, mean update seconds x "
         "updates_per_batch, per arm-step; eval seconds per item x eval items",
@@ -270,7 +247,7 @@ def run_feasibility(
     )
     check = feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None)
     failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
-    stages = {k: v * (1.0 + reserve_fraction) for k, v in stage_projections(run, timings).items()}
+    stages = {k: v * (1.0 + RESERVE_FRACTION) for k, v in stage_projections(run, timings).items()}
     result = FeasibilityResult(run, timings, proj, block, check, proj.fits, failures, details, stages, embedded_server)
     record = {
         "schedule": schedule,

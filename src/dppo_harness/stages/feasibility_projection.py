@@ -21,7 +21,7 @@ from dppo_harness.json_types import JsonObject
 if TYPE_CHECKING:
     from dppo_harness.plans import RunConfig
 
-DEFAULT_RESERVE_FRACTION = 0.25
+RESERVE_FRACTION = 0.25
 PILOT_FILE = "feasibility-pilot.json"
 
 
@@ -126,17 +126,13 @@ def project(
     budget: Mapping[str, float],
     *,
     gpu_count: int | None,
-    reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
-    elapsed_seconds: float = 0.0,
 ) -> Projection:
     """Whole-plan wall time (and GPU-hours when the GPU count is known) against the budget.
 
-    total = (setup + arm_steps x arm-step + eval_items x seconds_per_item) x (1 + reserve);
-    `elapsed_seconds` (already spent on this run) is taken off the wall budget first.
+    total = (setup + arm_steps x arm-step + eval_items x seconds_per_item) x (1 + reserve). Time
+    already spent in the session is the budget ledger's (`evidence.budget_allows`), not this one's.
     """
     timings.validate()
-    if not (0.0 <= reserve_fraction < 10.0):
-        raise FeasibilityError(f"reserve_fraction must be in [0, 10), got {reserve_fraction}")
     problems: list[str] = []
     arm_step = timings.arm_step_seconds(run)
     training = arm_steps(run) * arm_step
@@ -146,17 +142,15 @@ def project(
             raise FeasibilityError("the plan evaluates items but the pilot timed no evaluation")
         evaluation = planned_eval_items(run) * timings.seconds_per_eval_item
     work = timings.setup_seconds + training + evaluation
-    recovery = reserve_fraction * work
+    recovery = RESERVE_FRACTION * work
     total = work + recovery
-    budget_s = float(budget["max_wall_minutes"]) * 60.0 - float(elapsed_seconds)
+    budget_s = float(budget["max_wall_minutes"]) * 60.0
     fits = total <= budget_s
     if not fits:
         problems.append(
             f"projected wall time {total:.0f}s (setup {timings.setup_seconds:.0f}s + training "
             f"{training:.0f}s + evaluation {evaluation:.0f}s + reserve {recovery:.0f}s) exceeds the "
-            f"remaining wall budget {budget_s:.0f}s ({budget['max_wall_minutes']} min"
-            + (f" minus {elapsed_seconds:.0f}s spent" if elapsed_seconds else "")
-            + ")"
+            f"remaining wall budget {budget_s:.0f}s ({budget['max_wall_minutes']} min)"
         )
     gpu_budget = float(budget["gpu_hours"])
     gpu_hours = None if gpu_count is None else total / 3600.0 * gpu_count
