@@ -56,7 +56,6 @@ from dppo_harness.service.observed import create_from_state_with_response, descr
 from dppo_harness.service.wait.clients import name_client
 from dppo_harness.stages.restoration.probe import (
     DEFAULT_LR_MULTIPLIERS,
-    LR_SCALING_RTOL,
     CallWrapper,
     CheckpointUpdateNorm,
     LocalCheckpointReader,
@@ -138,9 +137,7 @@ class RestorationGroup:
         return next(a for a in self.arms if a.name == arm).optimizer_config.model_dump(exclude_none=True)
 
 
-def resolve_group(
-    plan: Plan, bundle: EvidenceBundle, trained_arms: Sequence[str] | None, run_tag: str | None
-) -> RestorationGroup:
+def resolve_group(plan: Plan, bundle: EvidenceBundle, trained_arms: Sequence[str] | None) -> RestorationGroup:
     """The group's arms, the trained ones among them, their one seed, and the run's checkpoint tag."""
     run = plan.spec_plan.run
     assert run is not None  # every experiment spec has its RunConfig from load
@@ -152,7 +149,7 @@ def resolve_group(
     seeds = {a.name: a.seed for a in run.arms}
     if len({seeds.get(a.name) for a in trained}) > 1:
         raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
-    tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(run_tag or bundle.run_id or uuid.uuid4().hex[:12]))[:64]
+    tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(bundle.run_id or uuid.uuid4().hex[:12]))[:64]
     return RestorationGroup(names, trained, run.lora_rank, seeds.get(trained[0].name, 0), tag, run.dataset)
 
 
@@ -340,7 +337,6 @@ def initial_outputs(
     arms: Mapping[str, Restore],
     fixed_batch: Sequence[tinker.Datum],
     b_sha: str,
-    atol: float,
     source: Sequence[np.ndarray] | None = None,
 ) -> tuple[dict[str, str], JsonObject, list[str]]:
     """Step 3: full logprobs of every arm on the fixed batch before any update, compared: each arm's
@@ -358,12 +354,12 @@ def initial_outputs(
     cmp: JsonObject = {}
     failures: list[str] = []
     for first, other, lp in pairs:
-        c = compare_logprobs(logprobs[first], lp, atol)
+        c = compare_logprobs(logprobs[first], lp, LOGPROB_ATOL)
         cmp[f"{first}_vs_{other}"] = as_object(c)
         if not c["within_tolerance"]:
             failures.append(
                 f"initial logprobs differ between {first} and {other}: max |diff| "
-                f"{c['max_abs_diff']} > {atol}" + (f" ({c['problem']})" if "problem" in c else "")
+                f"{c['max_abs_diff']} > {LOGPROB_ATOL}" + (f" ({c['problem']})" if "problem" in c else "")
             )
     bundle.register_json(
         INITIAL_OUTPUT_FILE,
@@ -437,21 +433,14 @@ def run_restoration_preflight(
     base_model: str = constants.BASE_MODEL,
     fixed_batch: Sequence[tinker.Datum] | None = None,
     fixed_batch_description: JsonObject | None = None,
-    atol: float = LOGPROB_ATOL,
     lr_multipliers: Sequence[float] = DEFAULT_LR_MULTIPLIERS,
-    lr_rtol: float = LR_SCALING_RTOL,
     checkpoint_reader: LocalCheckpointReader | None = None,
     update_norm: UpdateNormMeasure | None = None,
-    update_norm_unavailable_reason: str = (
-        "the Tinker API exposes neither parameters nor an update-norm metric (optim_step reports "
-        "the gradient norm only), so update norms cannot be measured on this backend"
-    ),
     probe_service_client: tinker.ServiceClient | None = None,
     arm_seed_overrides: Mapping[str, int] | None = None,
     probe_restore_with_optimizer: bool = True,
     capacity: CapacityPolicy | None = None,
     registry: ClientRegistry | None = None,
-    run_tag: str | None = None,
     trained_arms: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RestorationResult:
@@ -463,7 +452,7 @@ def run_restoration_preflight(
         if progress is not None:
             progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
 
-    group = resolve_group(plan, bundle, trained_arms, run_tag)
+    group = resolve_group(plan, bundle, trained_arms)
     names = group.arm_names
     if fixed_batch is None:
         fixed_batch, fixed_batch_description = build_fixed_batch(seed=group.seed, dataset_name=group.dataset)
@@ -478,7 +467,7 @@ def run_restoration_preflight(
     )
     rec = Recorder()
     probe_sc = probe_service_client or service_client
-    prun = ProbeRun(probe_sc, batch, rec, atol, call, say, probe_restore_with_optimizer)
+    prun = ProbeRun(probe_sc, batch, rec, call, say, probe_restore_with_optimizer)
 
     say(f"1/6: fresh LoRA rank-{group.rank} client on {base_model} and the shared initial checkpoint")
     arm_seed = {a: (arm_seed_overrides or {}).get(a, group.seed) for a in names}
@@ -502,7 +491,7 @@ def run_restoration_preflight(
         rec.keep(f"load_{a}.get_info", loaded[a].info)
     adapters, adapter_method, failures = adapter_hashes(checkpoint_reader, loaded, group.tag, rec)
     say(f"3/6: initial logprobs of {len(names)} arms on the fixed batch ({len(batch)} datums)")
-    out_sha, comparison, output_failures = initial_outputs(bundle, loaded, batch, b_sha, atol, source=source_lp)
+    out_sha, comparison, output_failures = initial_outputs(bundle, loaded, batch, b_sha, source=source_lp)
     failures += output_failures
 
     # Step 4: the setup client (uninterrupted) vs a create-save-restore client on the first trained
@@ -524,7 +513,7 @@ def run_restoration_preflight(
         say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
         client, _ = call(partial(create_from_state_with_response, probe_sc, shared.path, f"probe-{a}"))
         describe_client(probe_sc, client, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
-        own = ProbeRun(probe_sc, batch, rec.prefixed(f"{a}:"), atol, call, say, probe_restore_with_optimizer)
+        own = ProbeRun(probe_sc, batch, rec.prefixed(f"{a}:"), call, say, probe_restore_with_optimizer)
         probes[a] = restore_probe(own, client, shared.path, cfg, f"{group.tag}-{a}")
         probes[a].echo_observed_on = probes[a].uninterrupted_client = (
             f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
@@ -553,9 +542,7 @@ def run_restoration_preflight(
         + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
     )
     measured = {float(opt_cfg["learning_rate"]): probe.base_lr_update_norm} if in_plan else None
-    lr_block = lr_scaling_probe(
-        prun, shared.path, opt_cfg, lr_multipliers, lr_rtol, update_norm, update_norm_unavailable_reason, measured
-    )
+    lr_block = lr_scaling_probe(prun, shared.path, opt_cfg, lr_multipliers, update_norm, measured)
     if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
         failures.append(f"LR scaling: {lr_block.problem}")
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
