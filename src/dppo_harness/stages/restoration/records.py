@@ -139,10 +139,10 @@ class RestorationResult:
     provenance: InitializationProvenance  # initialization-provenance.json
     passed: bool
     failures: list[str]
-    lr_scaling: LrScalingBlock | None = None
-    probe: RestoreProbeResult | None = None
-    wall_seconds: float = 0.0
-    loaded: dict[str, Restore] = field(default_factory=dict)  # each loaded arm: client, load response, get_info
+    lr_scaling: LrScalingBlock
+    probe: RestoreProbeResult
+    wall_seconds: float
+    loaded: dict[str, Restore]  # each loaded arm: client, load response, get_info
 
     def failure_message(self) -> str:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
@@ -152,11 +152,10 @@ class RestorationResult:
         the restore-continuity probe (one update on the uninterrupted client, then one on each of the
         uninterrupted and the restored client) and one update per measured LR probe, less the one at
         the planned LR, which is the continuity probe's first update. No sampling."""
-        lr, probe = self.lr_scaling, self.probe
-        shared = 1 if probe is not None and probe.base_lr_update_norm is not None else 0
+        lr, shared = self.lr_scaling, int(self.probe.base_lr_update_norm is not None)
         lr_updates = max(0, len(lr.lr_scaling) - shared) if isinstance(lr, LrScalingMeasured) else 0
         return {
-            "restore_continuity_probe": {"optimizer_updates": 3 if probe is not None else 0, "sampling_batches": 0},
+            "restore_continuity_probe": {"optimizer_updates": 3, "sampling_batches": 0},
             "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
             "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0},
         }
