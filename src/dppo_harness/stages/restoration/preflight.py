@@ -73,7 +73,6 @@ from dppo_harness.stages.restoration.records import (
     LrScalingMeasured,
     Recorder,
     RestorationResult,
-    RestoreProbeResult,
     check_provenance,
     initialization_entry,
     load_ref,
@@ -377,44 +376,6 @@ def initial_outputs(
     return out_sha, cmp, failures
 
 
-def provenance_entry(
-    arm: RestorationArm,
-    base_model: str,
-    source: InitialCheckpoint,
-    source_label: str,
-    loaded: Restore,
-    probe: RestoreProbeResult,
-    initial_output: JsonObject,
-    adapter_sha256: str | None,
-) -> ArmProvenance:
-    """Step 5: one arm's initialization entry with optimizer checks at creation (0) and restore (1),
-    against the echo of the probe that ran the arm's own optimizer config."""
-    check = partial(
-        optimizer_check,
-        requested_optimizer=arm.optimizer,
-        requested_config=arm.optimizer_config.model_dump(exclude_none=True),
-        echoed=probe.echoed_config or None,
-        echo_ref=probe.echo_ref,
-        echo_observed_on=probe.echo_observed_on,
-    )
-    return initialization_entry(
-        base_checkpoint=base_model,
-        checkpoint_uri=source.path,
-        checkpoint_immutable=source.immutable,
-        checkpoint_immutable_reason=source.immutable_reason or None,
-        loaded_checkpoint_uri=loaded.loaded_path,
-        load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
-        evidence_ref=load_ref(arm.name),
-        restore_count=1,
-        optimizer_checks=[
-            check(after_restore=0, info=source.info, info_ref=f"{RESPONSES_FILE}#create_{source_label}.get_info"),
-            check(after_restore=1, info=loaded.info, info_ref=f"{load_ref(arm.name)}.get_info"),
-        ],
-        initial_output=initial_output,
-        adapter_sha256=adapter_sha256,
-    )
-
-
 def backend_update_norm(
     local_run_dir: Path | None, probe_service_client: tinker.ServiceClient
 ) -> tuple[LocalCheckpointReader | None, UpdateNormMeasure | None]:
@@ -523,18 +484,42 @@ def run_restoration_preflight(
 
     say("5/6: optimizer checks and initialization provenance")
     arms: dict[str, ArmProvenance] = {}
-    for arm in group.arms:
-        a = arm.name
-        output: JsonObject = {
-            "available": True,
-            "batch_sha256": b_sha,
-            "output_sha256": out_sha[a],
-            "evidence_ref": INITIAL_OUTPUT_FILE,
-            "before_first_update": True,
-        }
-        label = "shared" if arm_seed[a] == group.seed else a
-        source = by_seed[arm_seed[a]]
-        arms[a] = provenance_entry(arm, base_model, source, label, loaded[a], probes[a], output, adapters[a])
+    for arm in group.arms:  # optimizer checks at creation (0) and restore (1), against its own config's echo
+        a, source, label = (
+            arm.name,
+            by_seed[arm_seed[arm.name]],
+            "shared" if arm_seed[arm.name] == group.seed else arm.name,
+        )
+        check = partial(
+            optimizer_check,
+            requested_optimizer=arm.optimizer,
+            requested_config=arm.optimizer_config.model_dump(exclude_none=True),
+            echoed=probes[a].echoed_config or None,
+            echo_ref=probes[a].echo_ref,
+            echo_observed_on=probes[a].echo_observed_on,
+        )
+        arms[a] = initialization_entry(
+            base_checkpoint=base_model,
+            checkpoint_uri=source.path,
+            checkpoint_immutable=source.immutable,
+            checkpoint_immutable_reason=source.immutable_reason or None,
+            loaded_checkpoint_uri=loaded[a].loaded_path,
+            load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
+            evidence_ref=load_ref(a),
+            restore_count=1,
+            optimizer_checks=[
+                check(after_restore=0, info=source.info, info_ref=f"{RESPONSES_FILE}#create_{label}.get_info"),
+                check(after_restore=1, info=loaded[a].info, info_ref=f"{load_ref(a)}.get_info"),
+            ],
+            initial_output={
+                "available": True,
+                "batch_sha256": b_sha,
+                "output_sha256": out_sha[a],
+                "evidence_ref": INITIAL_OUTPUT_FILE,
+                "before_first_update": True,
+            },
+            adapter_sha256=adapters[a],
+        )
     failures += check_provenance({"version": 1, "arms": arms}, names)
 
     say(
