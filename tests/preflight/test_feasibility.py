@@ -18,9 +18,8 @@ def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bund
     assert m["setup"]["seconds"] > 0 and m["training"]["seconds"] > 0
     # The projected schedule is the plan's own on every backend: the stages run it as written (a
     # smaller run on the embedded server is a declared rehearsal plan, never a silent reduction).
-    expected = projection.schedule_from_plan(plan)
-    assert feasibility.schedule == expected and feasibility.pilot_details is not None
-    assert m["training"]["planned_units"] == expected.arm_steps
-    assert m["evaluation"]["planned_units"] == expected.eval_items
+    assert feasibility.run is plan.run and feasibility.pilot_details is not None
+    assert m["training"]["planned_units"] == projection.arm_steps(plan.run)
+    assert m["evaluation"]["planned_units"] == projection.planned_eval_items(plan.run)
     assert written["source"] == feasibility_module.PILOT_FILE
     assert evidence_bundle.entry(feasibility_module.PILOT_FILE) is not None

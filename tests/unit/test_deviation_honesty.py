@@ -27,13 +27,13 @@ def test_the_saved_spec_on_the_embedded_server_is_projected_at_its_own_size():
     # The stages run a plan as written; a smaller run is a declared rehearsal plan,
     # so no fixed rehearsal size is projected or recorded as a deviation.
     assert not hasattr(feasibility, "rehearsal_sizing") and not hasattr(feasibility, "LOCAL_REHEARSAL_SIZE")
-    sched = projection.schedule_from_plan(SPEC)
-    assert (sched.batches_per_arm, sched.groups_per_batch, sched.eval_items) == (50, 32, 2 * 1319)
+    sched = projection.schedule_json(SPEC.kind, SPEC.run)
+    assert (sched["batches_per_arm"], sched["groups_per_batch"], sched["eval_items"]) == (50, 32, 2 * 1319)
 
 
 def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
     res = feasibility.FeasibilityResult(
-        schedule=None,
+        run=None,
         timings=None,
         projection=None,
         block={},
@@ -43,7 +43,7 @@ def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
     )
     assert "rehearsal plan" not in res.failure_message()
     local = feasibility.FeasibilityResult(
-        schedule=None,
+        run=None,
         timings=None,
         projection=None,
         block={},
@@ -63,21 +63,19 @@ def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer()
 
     from dppo_harness.plans import parse_plan
 
-    pilots = projection.arm_pilots(SPEC)
+    pilots = SPEC.run.arms
     assert [(p.name, p.loss) for p in pilots] == [
         ("grpo_seed0", "grpo_clip_eps0.2"),
         ("dppo_seed0", "dppo_divergence_mask"),
     ]
-    assert all(p.optimizer["learning_rate"] == 2e-5 for p in pilots)
+    assert all(p.adam["learning_rate"] == 2e-5 for p in pilots)
     raw = json.loads((ROOT / "plans" / "exp_e6b0965af3.json").read_text())
     other = copy.deepcopy(raw)
     other["restoration_preflight"]["groups"][0]["arms"][0]["optimizer_config"]["beta2"] = 0.99
     plan = parse_plan(json.dumps(other).encode(), ROOT / "plans" / "exp_e6b0965af3.json", repo_root=ROOT)
-    by_arm = {p.name: p.optimizer for p in projection.arm_pilots(plan)}
+    by_arm = {p.name: p.adam for p in plan.run.arms}
     assert by_arm["grpo_seed0"]["beta2"] == 0.99 and by_arm["dppo_seed0"]["beta2"] == 0.95
-    assert projection.schedule_from_plan(SPEC).arm_losses == ("grpo_clip_eps0.2", "dppo_divergence_mask")
-    diag = projection.arm_pilots(load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json"))
-    assert len(diag) == 1 and diag[0].loss == "dppo_divergence_mask"
+    assert projection.schedule_json(SPEC.kind, SPEC.run)["arm_losses"] == ["grpo_clip_eps0.2", "dppo_divergence_mask"]
 
 
 def test_the_local_backend_substitution_says_what_was_chosen_not_what_is_reachable():

@@ -20,8 +20,9 @@ def spec():
 
 
 @pytest.fixture(scope="module")
-def diagnostic():
-    return load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
+def small():
+    """2 rollout steps x 2 groups and 4 evaluation items per arm: a plan that fits its budget."""
+    return load_plan(PLANS.parent / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json")
 
 
 def _timings(**kw) -> projection.PilotTimings:
@@ -41,23 +42,15 @@ def _timings(**kw) -> projection.PilotTimings:
 
 
 def test_spec_schedule(spec):
-    s = projection.schedule_from_plan(spec)
-    assert (s.trained_arms, s.batches_per_arm, s.updates_per_batch) == (2, 50, 2)
-    assert (s.groups_per_batch, s.group_size, s.sequences_per_update) == (32, 8, 128)
-    assert (s.max_tokens, s.eval_items, s.temperature) == (512, 2 * 1319, 1.0)
-    assert s.arm_steps == 100
-
-
-def test_diagnostic_schedule(diagnostic):
-    s = projection.schedule_from_plan(diagnostic)
-    assert (s.trained_arms, s.batches_per_arm, s.updates_per_batch) == (1, 1, 16)
-    assert (s.groups_per_batch, s.group_size, s.sequences_per_update) == (32, 8, 32)
-    assert s.eval_items == 0 and s.max_tokens == 512
+    s = projection.schedule_json(spec.kind, spec.run)
+    assert (s["trained_arms"], s["batches_per_arm"], s["updates_per_batch"]) == (2, 50, 2)
+    assert (s["groups_per_batch"], s["group_size"], s["sequences_per_update"]) == (32, 8, 128)
+    assert (s["max_tokens"], s["eval_items"], s["temperature"]) == (512, 2 * 1319, 1.0)
+    assert projection.arm_steps(spec.run) == 100
 
 
 def test_spec_projection_that_must_not_fit(spec):
-    s = projection.schedule_from_plan(spec)
-    p = projection.project(s, _timings(), spec.budget, gpu_count=0, reserve_fraction=0.25)
+    p = projection.project(spec.run, _timings(), spec.budget, gpu_count=0)
     assert p.arm_step_seconds == pytest.approx(2.0 * 32 + 2 * 4.0)  # 72
     assert p.training_seconds == pytest.approx(100 * 72.0)
     assert p.evaluation_seconds == pytest.approx(2638 * 0.5)
@@ -70,37 +63,28 @@ def test_spec_projection_that_must_not_fit(spec):
     assert p.gpu_hours == 0.0
 
 
-def test_diagnostic_projection_fits(diagnostic):
-    s = projection.schedule_from_plan(diagnostic)
-    p = projection.project(s, _timings(eval_items=0, eval_seconds=0.0), diagnostic.budget, gpu_count=0)
-    assert p.arm_step_seconds == pytest.approx(2.0 * 32 + 16 * 4.0)  # 128
-    assert p.total_seconds == pytest.approx((10.0 + 128.0) * 1.25)
+def test_small_projection_fits(small):
+    p = projection.project(small.run, _timings(), small.budget, gpu_count=0)
+    assert p.arm_step_seconds == pytest.approx(2.0 * 2 + 2 * 4.0)  # 12
+    assert p.total_seconds == pytest.approx((10.0 + 4 * 12.0 + 8 * 0.5) * 1.25)
     assert p.fits and p.problems == ()
 
 
-def test_elapsed_time_shrinks_the_budget(diagnostic):
-    s = projection.schedule_from_plan(diagnostic)
-    t = _timings(eval_items=0, eval_seconds=0.0)
-    assert projection.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=500).fits
-    late = projection.project(s, t, diagnostic.budget, gpu_count=0, elapsed_seconds=600)
-    assert not late.fits and late.budget_seconds == pytest.approx(120.0)
-
-
-def test_gpu_hours(spec, diagnostic):
-    s = projection.schedule_from_plan(diagnostic)
-    t = _timings(eval_items=0, eval_seconds=0.0)
-    unknown = projection.project(s, t, diagnostic.budget, gpu_count=None)
+def test_gpu_hours(small):
+    s = small.run
+    t = _timings()
+    unknown = projection.project(s, t, small.budget, gpu_count=None)
     assert unknown.gpu_hours is None and unknown.fits  # wall fits; GPU-hours stay unknown
     assert any("GPU-hours not projected" in p for p in unknown.problems)
     # 8 GPUs for ~1.2 h of wall time exceed 2 GPU-hours even where the wall budget would allow it.
-    slow = _timings(sampling_seconds=2 * 40.0, update_seconds=(60.0,), eval_items=0, eval_seconds=0.0)
+    slow = _timings(sampling_seconds=2 * 40.0, update_seconds=(60.0,))
     over = projection.project(s, slow, {"gpu_hours": 2.0, "max_wall_minutes": 600}, gpu_count=8)
     assert over.gpu_hours == pytest.approx(over.total_seconds / 3600 * 8)
     assert not over.fits and "GPU-hours exceeds" in over.problems[-1]
 
 
 def test_bad_inputs_raise_clear_errors(spec):
-    s = projection.schedule_from_plan(spec)
+    s = spec.run
     with pytest.raises(projection.FeasibilityError, match="update timings"):
         projection.project(s, _timings(update_seconds=()), spec.budget, gpu_count=0)
     with pytest.raises(projection.FeasibilityError, match="sampled no groups"):
@@ -120,19 +104,18 @@ def test_schedule_needs_stated_group_sizes(spec):
 
 
 def test_feasibility_block_shape_and_consistency(spec):
-    s = projection.schedule_from_plan(spec)
     t = _timings()
-    p = projection.project(s, t, spec.budget, gpu_count=0)
+    p = projection.project(spec.run, t, spec.budget, gpu_count=0)
     block = projection.feasibility_block(
-        schedule=s,
-        timings=t,
-        projection=p,
+        spec.run,
+        t,
+        p,
         pilot_config={"pilot_groups": 2},
         effective_config={"base_model": "Qwen/Qwen3.5-2B"},
         primary_endpoint=spec.raw["primary_endpoint"],
-        source=feasibility_module.PILOT_FILE,
         allocation_source="cpu",
     )
+    assert block["source"] == feasibility_module.PILOT_FILE
     assert set(block) == {
         "config",
         "effective_config",
@@ -165,19 +148,11 @@ def test_feasibility_block_shape_and_consistency(spec):
     assert check["status"] == "exceeds_budget" and check["wall_seconds"] == p.total_seconds
 
 
-def test_unknown_gpu_count_nulls_allocation_source(diagnostic):
-    s = projection.schedule_from_plan(diagnostic)
-    t = _timings(eval_items=0, eval_seconds=0.0)
-    p = projection.project(s, t, diagnostic.budget, gpu_count=None)
+def test_unknown_gpu_count_nulls_allocation_source(small):
+    t = _timings()
+    p = projection.project(small.run, t, small.budget, gpu_count=None)
     block = projection.feasibility_block(
-        schedule=s,
-        timings=t,
-        projection=p,
-        pilot_config={},
-        effective_config={},
-        primary_endpoint="x",
-        source=feasibility_module.PILOT_FILE,
-        allocation_source="ignored",
+        small.run, t, p, pilot_config={}, effective_config={}, primary_endpoint="x", allocation_source="ignored"
     )
     assert block["measurements"]["setup"]["gpu_count"] is None
     assert block["measurements"]["setup"]["allocation_source"] is None
@@ -202,7 +177,8 @@ def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
     res = feasibility_module.run_feasibility(
         None, small, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local", timings=_timings()
     )
-    assert res.schedule.batches_per_arm == 2 and res.schedule.eval_items == 8
+    assert res.run.rollout_steps == 2 and projection.planned_eval_items(res.run) == 8
+    assert ev.files[feasibility_module.PILOT_FILE][1]["schedule"]["eval_items"] == 8
     # arm-step: 2 groups x 2 s + 2 updates x 4 s = 12; 10 + 4 arm-steps x 12 + 8 x 0.5 = 62; x1.25
     assert res.projection.total_seconds == pytest.approx(62 * 1.25) and res.passed
     assert ev.files[feasibility_module.PILOT_FILE][1]["projection"]["fits"] is True
@@ -214,25 +190,29 @@ def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
     assert not full.passed and "exceeds the remaining wall budget" in full.failure_message()
 
 
-def test_stage_projections(spec, diagnostic):
-    s = projection.schedule_from_plan(spec)
-    out = projection.stage_projections(s, _timings())
-    assert out["gate"] == pytest.approx(10.0 + 5 * 72.0)
+def test_stage_projections(spec):
+    out = projection.stage_projections(spec.run, _timings())
+    assert out["gate"] == pytest.approx(10.0 + 5 * 72.0)  # the plan's 5-step gate pilot
     assert out["plan"] == pytest.approx(10.0 + 100 * 72.0 + 2638 * 0.5)
-    assert "gate" not in projection.stage_projections(
-        projection.schedule_from_plan(diagnostic), _timings(eval_items=0, eval_seconds=0.0)
-    )
 
 
-def test_measured_setup_parts_add_up(diagnostic):
+def test_a_diagnostic_plan_is_not_piloted():
+    diagnostic = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
+    with pytest.raises(projection.FeasibilityError, match="not piloted"):
+        feasibility_module.run_feasibility(
+            None, diagnostic, _FakeEvidence(), initial_checkpoint="i", backend_kind="local", timings=_timings()
+        )
+
+
+def test_measured_setup_parts_add_up(small):
     ev = _FakeEvidence()
     res = feasibility_module.run_feasibility(
         None,
-        diagnostic,
+        small,
         ev,
         initial_checkpoint="i",
         backend_kind="local",
-        timings=_timings(eval_items=0, eval_seconds=0.0),
+        timings=_timings(),
         measured_setup={"restoration_preflight": 30.0},
     )
     assert res.timings.setup_seconds == 40.0
@@ -244,10 +224,10 @@ def test_measured_setup_parts_add_up(diagnostic):
     with pytest.raises(projection.FeasibilityError, match="measured_setup"):
         feasibility_module.run_feasibility(
             None,
-            diagnostic,
+            small,
             _FakeEvidence(),
             initial_checkpoint="i",
             backend_kind="local",
-            timings=_timings(eval_items=0, eval_seconds=0.0),
+            timings=_timings(),
             measured_setup={"x": -1.0},
         )

@@ -379,17 +379,17 @@ def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
 
     cmp = {"bitwise_equal": True, "max_abs_diff": 0.0, "within_tolerance": True, "atol": 1e-4}
     probe = RestoreProbeResult(
-        "tinker://m/weights/a",
-        "tinker://m/weights/b",
-        None,
-        {"learning_rate": 1e-5},
-        cmp,
-        cmp,
-        {"update1": {}, "update2_uninterrupted": {}, "update2_restored": {}},
-        {},
-        "r#x",
-        None,
-        [],
+        initial_checkpoint="tinker://m/weights/a",
+        mid_checkpoint="tinker://m/weights/b",
+        loaded_checkpoint_uri=None,
+        adam_params={"learning_rate": 1e-5},
+        restored_vs_uninterrupted=cmp,
+        second_update_effect=cmp,
+        optim_metrics={"update1": {}, "update2_uninterrupted": {}, "update2_restored": {}},
+        echoed_config={},
+        echo_ref="r#x",
+        base_lr_update_norm=None,
+        failures=[],
     )
     keys = [
         "initial_checkpoint",
@@ -417,7 +417,15 @@ def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
         "lr_scaling": [],
         "passed": None,
     }
-    measured = LrScalingMeasured([{"learning_rate": 1e-5, "update_norm": 0.1}], True, 0.05, [0.0], "m", "r", "g", None)
+    measured = LrScalingMeasured(
+        lr_scaling=[{"learning_rate": 1e-5, "update_norm": 0.1}],
+        passed=True,
+        rtol=0.05,
+        relative_error=[0.0],
+        measure="m",
+        reset="r",
+        gradient="g",
+    )
     assert list(measured.to_json().items()) == [
         ("available", True),
         ("measure", "m"),

@@ -82,20 +82,13 @@ def run_correctness_preflight(
     modes: Sequence[str] = MODES,
     progress: Callable[[str], None] | None = None,
 ) -> CorrectnessPreflight:
-    """Run the correctness preflight and return its findings.
+    """Run the correctness preflight and return its findings; nothing is written.
 
-    - `spec`: the plan's spec JSON; its ``correctness_preflight`` path ``grpo_dppo_custom_loss``
-      supplies the tolerances (a spec without that path raises ValueError naming it).
-    - `lr_scaling`: the restoration preflight's LR-probe block (``RestorationResult.lr_scaling``),
-      attached to every path of the block as measured or as unmeasured with its reason.
-    - `losses`: the registered losses the plan's arms train; each gets ``registered_loss_parity``
-      against its golden cases under `root`.
-    - `golden`: the golden file (default `root` / ``GOLDEN_FIXTURE``); a malformed file raises
-      ``GoldenError`` naming the field.
-    - `modes`: packed-path modes (default all three, as the preflight requires).
-    - `progress`: gets a line at least every few seconds of golden-parity work.
-
-    Nothing is written; `CorrectnessPreflight.passed` is the stage's verdict.
+    The tolerances come from `spec`'s ``correctness_preflight`` path ``grpo_dppo_custom_loss`` (a
+    spec without it raises ValueError naming it); `lr_scaling` (``RestorationResult.lr_scaling``)
+    is attached to every path of the block; each of `losses` gets ``registered_loss_parity``
+    against its golden cases under `root`; `golden` defaults to `root` / ``GOLDEN_FIXTURE`` (a
+    malformed file raises ``GoldenError``); `progress` gets a line every few seconds.
     """
     root = Path(root)
     golden = Path(golden) if golden is not None else root / GOLDEN_FIXTURE

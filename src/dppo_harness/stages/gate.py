@@ -1,14 +1,11 @@
-"""Activation gate of the plan's spec: a short pilot of a treatment arm, checked against the
+"""Activation gate of the plan's spec: a short pilot of its one treatment arm, checked against the
 frozen plan's `activation_gate` ranges.
 
-The pilot is the spec's own schedule, shortened to the pilot length its gate states: fresh
-sampling each step from the current weights, the batch split into the spec's complete-group
-minibatches, one `forward_backward_custom` + `optim_step` per minibatch (the comparison's
-arm-step, `arm_step.run_arm_step`), the treatment's loss trained, the family's diagnostics (DPPO mask, GRPO clip) counted on the same tensors. Each gate
-metric is the loss-call statistic its registered loss names (`loss_registry.gate_metric_sources`) on the
-last update of each pilot step. Every check of the plan is evaluated (`checks.Bounds`, the rule the
-diagnostic's criteria share); a value outside its range or missing fails the gate. The gate report is its own immutable evidence file; nothing later
-rewrites it. A plan with several treatments is refused: the gate pilots the one treatment arm.
+The pilot is the spec's own schedule for the pilot length its gate states, run as the comparison's
+arm-step (`arm_step.run_arm_step`). Each gate metric is the loss-call statistic its registered loss
+names (`loss_registry.gate_metric_sources`) on the last update of each pilot step; every check of the
+plan is evaluated (`checks.Bounds`, the rule the diagnostic's criteria share), and a value outside its
+range or missing fails the gate. The report is its own immutable evidence file.
 """
 
 from __future__ import annotations
@@ -33,9 +30,6 @@ from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
 from dppo_harness.train.restore import restore
 
 if TYPE_CHECKING:
-    from tinker_cookbook import renderers
-
-    from dppo_harness.data.gsm8k import Gsm8kItem
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ArmConfig, Plan, RunConfig
     from dppo_harness.plans.models import GateCheck
@@ -86,24 +80,17 @@ class CheckResult:
 def evaluate_check(check: GateCheck, value: Measured) -> CheckResult:
     """One plan check against one measured value. Missing or non-numeric values fail."""
     bounds = Bounds.of(check)
-    metric, declared, measures = check.metric, bounds.as_json(), check.measures
     if not bounds.declared:
-        return CheckResult(metric, value, False, "check declares no min, max or one_of", declared, measures)
-    if value is None:
-        return CheckResult(metric, None, False, "missing: not measured", declared, measures)
-    problems = bounds.problems(value)
-    if problems:
-        return CheckResult(metric, value, False, "; ".join(problems), declared, measures)
-    return CheckResult(metric, value, True, "in range", declared, measures)
+        reason = "check declares no min, max or one_of"
+    else:
+        reason = "missing: not measured" if value is None else "; ".join(bounds.problems(value))
+    passed = bounds.declared and value is not None and not reason
+    return CheckResult(check.metric, value, passed, reason or "in range", bounds.as_json(), check.measures)
 
 
 def evaluate_gate(checks: Sequence[GateCheck], values: Mapping[str, Measured]) -> list[CheckResult]:
     """Every plan check, in plan order; a metric with no measurement fails as missing."""
     return [evaluate_check(c, values.get(c.metric)) for c in checks]
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def definition(metric: str, stat: str | None, *, updates_per_batch: int, ppo_eps: float) -> str:
@@ -149,14 +136,12 @@ def gate_values(
         )
     complete = len(second) == pilot_steps
 
-    def over_steps(key: str) -> float | None:
-        return _mean([second[s].stats[key] for s in sorted(second)]) if complete else None
+    def over_steps(key: str) -> float | None:  # None unless every step's last update ran
+        return sum(r.stats[key] for r in second.values()) / pilot_steps if complete and pilot_steps else None
 
     counts = list(optim_steps_per_batch)
-    if len(counts) == pilot_steps and len(set(counts)) == 1:
-        updates: int | list[int] | None = counts[0]
-    else:
-        updates = counts if counts else None
+    same = len(counts) == pilot_steps and len(set(counts)) == 1
+    updates: int | list[int] | None = counts[0] if same else (counts or None)
     values: dict[str, Measured] = {metric: over_steps(stat) for metric, stat in sources.items()}
     values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
     return values, rows
@@ -169,21 +154,17 @@ def with_rollout_yield(
     length (a step that sampled nothing gets none)."""
     out = []
     for row in rows:
-        step = int(row["step"])
-        y = yields[step] if step < len(yields) else None
+        y = yields[int(row["step"])] if int(row["step"]) < len(yields) else None
+        if y is None:
+            out.append({**row})
+            continue
         out.append(
             {
                 **row,
-                **(
-                    {
-                        "truncated_frac": y.truncated_frac,
-                        "no_answer_frac": y.no_answer_frac,
-                        "mean_response_tokens": y.mean_response_tokens,
-                        "responses": y.n,
-                    }
-                    if y
-                    else {}
-                ),
+                "truncated_frac": y.truncated_frac,
+                "no_answer_frac": y.no_answer_frac,
+                "mean_response_tokens": y.mean_response_tokens,
+                "responses": y.n,
             }
         )
     return out
@@ -297,70 +278,38 @@ class _Pilot:
     yields: list[answer_yield.ResponseYield] = field(default_factory=list)  # of each step's batch
 
 
-def _pilot_step(
-    arm: ArmStepRun,
-    step: int,
-    rollout_cfg: rollouts.RolloutConfig,
-    pilot: _Pilot,
-    items: Sequence[Gsm8kItem],
-    renderer: renderers.Renderer,
-    bundle: EvidenceBundle,
-    tag: str,
-) -> list[ins.LossCallRecord]:
-    """One pilot step, the comparison's arm-step (`arm_step.run_arm_step`): fresh rollout batch from
-    the current weights, then one recorded update per complete-group minibatch. Returns this step's
-    loss-call records (also persisted)."""
-
-    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
-        return {
-            "step": step,
-            "update_in_batch": u,
-            "update_index": step * arm.updates_per_batch + u,
-            "sampler_checkpoint": sampler_path,
-            "n_sequences": len(idx),
-        }
-
-    progress = ArmStepProgress()
-    try:
-        run_arm_step(
-            arm,
-            items,
-            renderer,
-            rollout_cfg,
-            sampler_name=f"{tag}-sampler-s{step}",
-            context=context,
-            progress=progress,
-        )
-    finally:  # what the step reached is kept when it stops part-way
-        if progress.sampled is not None:
-            pilot.samplers.append(progress.sampled.sampler_path)
-            pilot.yields.append(progress.sampled.batch.response_yield())
-        if progress.minibatches is not None:
-            pilot.optim_counts.append(progress.updates_done)
-    bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(progress.records))
-    return progress.records
-
-
-def _run_pilot(
+def run_activation_gate(
     service_client: tinker.ServiceClient,
-    run: RunConfig,
-    treatment: ArmConfig,
-    rollout_cfg: rollouts.RolloutConfig,
-    pilot: _Pilot,
+    plan: Plan,
+    bundle: EvidenceBundle,
     initial_checkpoint: str,
     *,
     backend: str,
-    bundle: EvidenceBundle,
-    tag: str,
-    say: Callable[[str], None],
-    t0: float,
-) -> list[str]:
-    """The pilot's steps on a client restored from the shared initial checkpoint, measured into
-    `pilot`; returns the errors (a pilot stopping early is recorded, and the gate then fails on
-    the missing values)."""
-    errors: list[str] = []
+    progress: Callable[[str], None] | None = None,
+    tag: str = "gate",
+) -> GateReport:
+    """Run the pilot of the plan's treatment arm at the plan's own schedule on a client restored from
+    the shared initial checkpoint, evaluate every check of the plan's gate, write the report (own
+    immutable evidence file), the per-step tensors and `activation_calibration`. A pilot stopping
+    early is recorded in `errors`, and the gate then fails on the missing values."""
+    say = progress or (lambda _msg: None)
+    t0 = time.monotonic()
+    run = plan.spec_plan.run
+    if run is None:
+        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
+    treatment = pilot_arm(plan.name, run)
     steps = int(run.gate_pilot_steps.value)
-    loss_fn = losses.make_loss_fn(pilot.recorder.loss_cfg)
+    rollout_cfg = rollouts.RolloutConfig(
+        int(run.groups_per_batch.value),
+        int(run.group_size.value),
+        float(run.temperature.value),
+        int(run.max_tokens.value),
+        seed=treatment.seed,
+        max_seq_len=run.max_seq_len,
+    )
+    loss_cfg = losses.LossConfig.for_loss(treatment.loss, run.normalization)
+    pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
+    errors: list[str] = []
     try:
         restored = restore(service_client, initial_checkpoint, "gate pilot client")
         pilot.loaded_checkpoint = restored.loaded_path
@@ -375,13 +324,41 @@ def _run_pilot(
             )
         renderer = tokenizer.make_renderer().renderer
         train = dataset.get(run.dataset).load_split("train", seed=treatment.seed)
+        adam = tinker.AdamParams(**treatment.adam)
         arm = ArmStepRun(
-            restored.client, loss_fn, tinker.AdamParams(**treatment.adam), pilot.recorder, treatment.updates_per_batch
+            restored.client, losses.make_loss_fn(loss_cfg), adam, pilot.recorder, treatment.updates_per_batch
         )
-        for step in range(steps):
+        for step in range(steps):  # the comparison's arm-step: sample from the current weights, then the updates
+
+            def context(u: int, sampler_path: str, idx: list[int], step: int = step) -> dict[str, int | str]:
+                return {
+                    "step": step,
+                    "update_in_batch": u,
+                    "update_index": step * treatment.updates_per_batch + u,
+                    "sampler_checkpoint": sampler_path,
+                    "n_sequences": len(idx),
+                }
+
+            done = ArmStepProgress()
             items = train.batch(step, rollout_cfg.groups_per_batch)
-            step_records = _pilot_step(arm, step, rollout_cfg, pilot, items, renderer, bundle, tag)
-            last = step_records[-1].stats if step_records else {}
+            try:
+                run_arm_step(
+                    arm,
+                    items,
+                    renderer,
+                    rollout_cfg,
+                    sampler_name=f"{tag}-sampler-s{step}",
+                    context=context,
+                    progress=done,
+                )
+            finally:  # what the step reached is kept when it stops part-way
+                if done.sampled is not None:
+                    pilot.samplers.append(done.sampled.sampler_path)
+                    pilot.yields.append(done.sampled.batch.response_yield())
+                if done.minibatches is not None:
+                    pilot.optim_counts.append(done.updates_done)
+            bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
+            last = done.records[-1].stats if done.records else {}
             say(
                 f"[gate] step {step + 1}/{steps}: {pilot.optim_counts[step]} updates, "
                 f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
@@ -391,23 +368,15 @@ def _run_pilot(
             )
     except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
         errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
-    return errors
-
-
-def _pilot_block(
-    run: RunConfig,
-    treatment: ArmConfig,
-    rollout_cfg: rollouts.RolloutConfig,
-    pilot: _Pilot,
-    initial_checkpoint: str,
-    backend: str,
-) -> JsonObject:
-    """The report's `pilot` block: the schedule run (the plan's), what was loaded and sampled, and
-    where the executed model's name came from."""
-    return {
+    records = pilot.recorder.records
+    values, per_step = gate_values(
+        records, pilot.optim_counts, pilot.base_model, steps, updates_per_batch=treatment.updates_per_batch
+    )
+    results = evaluate_gate(run.gate_checks, values)
+    pilot_block = {  # the schedule run (the plan's), what was loaded and sampled, where the model name came from
         "arm": treatment.name,
         "loss": treatment.loss,
-        "steps": int(run.gate_pilot_steps.value),
+        "steps": steps,
         "groups_per_batch": rollout_cfg.groups_per_batch,
         "group_size": rollout_cfg.group_size,
         "temperature": rollout_cfg.temperature,
@@ -422,70 +391,16 @@ def _pilot_block(
         "initial_checkpoint": initial_checkpoint,
         "loaded_checkpoint": pilot.loaded_checkpoint,
         "backend": backend,
-        "loss_calls": len(pilot.recorder.records),
+        "loss_calls": len(records),
         "executed_base_model_source": pilot.base_model_source,
         "rollout_yield": answer_yield.pooled(pilot.yields).as_dict() if pilot.yields else None,
     }
-
-
-def run_activation_gate(
-    service_client: tinker.ServiceClient,
-    plan: Plan,
-    bundle: EvidenceBundle,
-    initial_checkpoint: str,
-    *,
-    backend: str,
-    progress: Callable[[str], None] | None = None,
-    tag: str = "gate",
-) -> GateReport:
-    """Run the pilot of the plan's treatment arm at the plan's own schedule from the shared initial
-    checkpoint, evaluate every check of the plan's gate, write the report (own immutable evidence
-    file), the per-step tensors and `activation_calibration`."""
-    say = progress or (lambda _msg: None)
-    t0 = time.monotonic()
-    run = plan.spec_plan.run
-    if run is None:
-        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
-    treatment = pilot_arm(plan.name, run)
-    rollout_cfg = rollouts.RolloutConfig(
-        int(run.groups_per_batch.value),
-        int(run.group_size.value),
-        float(run.temperature.value),
-        int(run.max_tokens.value),
-        seed=treatment.seed,
-        max_seq_len=run.max_seq_len,
-    )
-    loss_cfg = losses.LossConfig.for_loss(treatment.loss, run.normalization)
-    pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
-    errors = _run_pilot(
-        service_client,
-        run,
-        treatment,
-        rollout_cfg,
-        pilot,
-        initial_checkpoint,
-        backend=backend,
-        bundle=bundle,
-        tag=tag,
-        say=say,
-        t0=t0,
-    )
-    records = pilot.recorder.records
-    values, per_step = gate_values(
-        records,
-        pilot.optim_counts,
-        pilot.base_model,
-        int(run.gate_pilot_steps.value),
-        updates_per_batch=treatment.updates_per_batch,
-    )
-    per_step = with_rollout_yield(per_step, pilot.yields)
-    results = evaluate_gate(run.gate_checks, values)
     report = GateReport(
         passed=all(r.passed for r in results) and not errors,
         checks=results,
         values=values,
-        per_step=per_step,
-        pilot=_pilot_block(run, treatment, rollout_cfg, pilot, initial_checkpoint, backend),
+        per_step=with_rollout_yield(per_step, pilot.yields),
+        pilot=pilot_block,
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,
         errors=errors,

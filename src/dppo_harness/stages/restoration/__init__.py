@@ -13,33 +13,21 @@ from dppo_harness.stages.restoration.preflight import (
 )
 from dppo_harness.stages.restoration.records import (
     INITIAL_OUTPUT_FILE,
-    PROBE_FILE,
     PROVENANCE_FILE,
     RESPONSES_FILE,
-    LrScalingBlock,
-    LrScalingMeasured,
-    LrScalingUnavailable,
     RestorationResult,
-    RestoreProbeResult,
-    load_ref,
 )
 from dppo_harness.train.clients import RestorationError
 
 __all__ = [
     "INITIAL_OUTPUT_FILE",
-    "PROBE_FILE",
     "PROVENANCE_FILE",
     "RESPONSES_FILE",
     "SOURCE_OUTPUT_KEY",
-    "LrScalingBlock",
-    "LrScalingMeasured",
-    "LrScalingUnavailable",
     "RestorationError",
     "RestorationResult",
-    "RestoreProbeResult",
     "backend_update_norm",
     "duplicate_save_outcome",
-    "load_ref",
     "restoration_arms",
     "run_restoration_preflight",
 ]

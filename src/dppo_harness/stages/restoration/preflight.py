@@ -1,44 +1,36 @@
 """Restoration preflight, the six steps in order: one shared immutable initial state for both arms, proved.
 
 Flow (`run_restoration_preflight`):
-1. One fresh LoRA client (plan rank + seed) saves its state as the initial checkpoint; a second
-   save under the same name must be refused explicitly for the checkpoint to count as immutable.
-2. Each trained arm's client is created from that checkpoint with optimizer state; the load
-   response's path is the proof of what was loaded.
+1. One fresh LoRA client (plan rank) saves its state as the initial checkpoint; a second save
+   under the same name must be refused explicitly for the checkpoint to count as immutable.
+2. Each trained arm's client is restored from that checkpoint with optimizer state
+   (`train.restore`); the load response's path is the proof of what was loaded.
 3. Full per-token logprobs on a fixed tokenized GSM8K batch, on the arms (one arm: against the
    setup client), before any update: bitwise equal or within `LOGPROB_ATOL`.
 4. Probe: the setup client (nothing applied since it saved) is the uninterrupted client; a
-   create-save-restore client applies the same fixed-gradient update and must agree. The arms'
-   clients are never updated here.
+   create-save-restore client applies the same fixed-gradient update and must agree. An arm whose
+   optimizer config differs gets its own probe. The arms' clients are never updated here.
 5. Optimizer checks at creation and at every restore, from what server responses expose.
 6. LR-scaling probe: a fresh state per learning rate (the setup client's update 1 at the planned
    LR, one client from the initial checkpoint per other LR), the same fixed gradient, norm / LR.
 
 Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
-This module holds the steps themselves (the group, the fixed batch, the initial checkpoint and its
-immutability, the arms' loads through `train.restore`, the checks on the loaded arms) and runs them
-in order; the probes are in `probe`, what is recorded and written in `records`.
+The probes are in `probe`, what is recorded and written in `records`.
 
 Options of `run_restoration_preflight`:
-
-- `trained_arms`: the arms that will train in this session (None: all). Only they get a client
-  (loaded from the initial checkpoint) and an `initialization_provenance` entry; an untrained arm
-  is never created and is left out of the optimizer-restoration groups: an arm that never trains
-  has no restore to check (it is listed under `excluded_arms` with the reason). A single trained arm's initial output is compared with
-  the setup client's, taken before that client's first update.
-- `checkpoint_reader` (local backend): measures adapter_sha256 of each arm as loaded and the
-  LR-scaling update norms from server-written checkpoints. Without it (and without
-  `update_norm`) the LR probe is recorded unavailable with the reason.
-- `probe_service_client`: where the setup (fresh) client and the probe clients live, so the
-  caller can release them (close that ServiceClient) before the arms train; the arms live on
-  `service_client`. Defaults to `service_client`.
-- `arm_seed_overrides`: give an arm its own fresh client with another seed (a deliberately
-  mismatched initial state, for failure-path tests).
-- `probe_restore_with_optimizer=False`: the probe restores weights only (failure-path tests:
-  the restored-vs-uninterrupted check must then fail).
+- `trained_arms`: the arms that train in this session (None: all). Only they get a client and an
+  `initialization_provenance` entry; the others are listed under `excluded_arms` with the reason.
+  A single trained arm's initial output is compared with the setup client's.
+- `checkpoint_reader` (local backend): adapter_sha256 of each arm as loaded and the LR-scaling
+  update norms from server-written checkpoints; without it (and without `update_norm`) the LR probe
+  is recorded unavailable with the reason.
+- `probe_service_client`: where the setup and probe clients live, so the caller can release them
+  before the arms train; the arms live on `service_client`.
+- `arm_seed_overrides`, `probe_restore_with_optimizer=False`: failure-path tests (a mismatched
+  initial state for one arm; a probe restore that drops the Adam moments).
 - `capacity`, `registry`: every client-creating call is retried on a capacity refusal within the
-  policy's windows (`service.capacity.call_with_capacity_retry`); without a policy, called once.
-- `progress`: one line at every step (which of the six, how far along), so the preflight is never silent.
+  policy's windows (`service.capacity.call_with_capacity_retry`).
+- `progress`: one line at every step, so the preflight is never silent.
 """
 
 from __future__ import annotations
@@ -50,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tinker
@@ -64,10 +56,10 @@ from dppo_harness.service.observed import create_from_state_with_response, descr
 from dppo_harness.service.wait.clients import name_client
 from dppo_harness.stages.restoration.probe import (
     DEFAULT_LR_MULTIPLIERS,
-    LR_SCALING_RTOL,
     CallWrapper,
     CheckpointUpdateNorm,
     LocalCheckpointReader,
+    ProbeRun,
     UpdateNormMeasure,
     lr_scaling_probe,
     planned_lr_on_setup_client,
@@ -81,12 +73,9 @@ from dppo_harness.stages.restoration.records import (
     LrScalingMeasured,
     Recorder,
     RestorationResult,
-    RestoreProbeResult,
     check_provenance,
-    group_provenance,
     initialization_entry,
     load_ref,
-    posted_provenance,
     record_evidence,
 )
 from dppo_harness.train.clients import RestorationError, datum_arrays, full_logprobs
@@ -105,6 +94,13 @@ if TYPE_CHECKING:
 EXCLUDED_REASON = (
     "never trains in this session: no client created for it, excluded from the optimizer-restoration groups"
 )
+SOURCE_OUTPUT_KEY = "initial_checkpoint_source"
+ADAPTERS_UNMEASURED = "not measurable over the Tinker API on this backend"
+ADAPTERS_MEASURED = (
+    "local_hash: sha256 of the LoRA tensors in a save_state of each arm taken right "
+    "after its load, read from the embedded server's run_dir"
+)
+FIXED_BATCH_ITEMS = 4
 
 
 def restoration_arms(spec: ExperimentSpec) -> list[RestorationArm]:
@@ -122,50 +118,38 @@ def restoration_arms(spec: ExperimentSpec) -> list[RestorationArm]:
 
 @dataclass(frozen=True)
 class RestorationGroup:
-    """The initialization group as this session runs it: the arms, which of them train, one seed."""
+    """The initialization group as this session runs it: its arms, the trained ones, one seed."""
 
-    arms: list[RestorationArm]  # every arm of the group with optimizer and config, from the spec
     all_arm_names: list[str]
-    arm_names: list[str]  # the trained arms, in the group's order
+    arms: list[RestorationArm]  # the trained arms, in the group's order
     rank: int
     seed: int
     tag: str  # names the checkpoints this run saves
     dataset: str
 
+    @property
+    def arm_names(self) -> list[str]:
+        return [a.name for a in self.arms]
+
     def optimizer_config(self, arm: str) -> dict[str, float]:
         """The arm's optimizer_config as the spec gives it (unset keys left out)."""
         return next(a for a in self.arms if a.name == arm).optimizer_config.model_dump(exclude_none=True)
 
-    def excluded_arms(self) -> dict[str, str]:
-        """Each arm that does not train, with the reason it has no client and no restore to check."""
-        return {a: EXCLUDED_REASON for a in self.all_arm_names if a not in self.arm_names}
 
-
-def resolve_group(
-    plan: Plan, bundle: EvidenceBundle, trained_arms: Sequence[str] | None, run_tag: str | None
-) -> RestorationGroup:
+def resolve_group(plan: Plan, bundle: EvidenceBundle, trained_arms: Sequence[str] | None) -> RestorationGroup:
     """The group's arms, the trained ones among them, their one seed, and the run's checkpoint tag."""
-    spec_plan = plan.spec_plan
-    run = spec_plan.run
+    run = plan.spec_plan.run
     assert run is not None  # every experiment spec has its RunConfig from load
-    arms = restoration_arms(spec_plan.experiment)
-    all_arm_names = [a.name for a in arms]
-    if trained_arms is not None:
-        unknown = sorted(set(trained_arms) - set(all_arm_names))
-        if unknown or not trained_arms:
-            raise RestorationError(
-                f"trained_arms {list(trained_arms)}: not arms of the initialization group {all_arm_names}"
-            )
-    arm_names = [a for a in all_arm_names if trained_arms is None or a in set(trained_arms)]
+    arms = restoration_arms(plan.spec_plan.experiment)
+    names = [a.name for a in arms]
+    if trained_arms is not None and (not trained_arms or set(trained_arms) - set(names)):
+        raise RestorationError(f"trained_arms {list(trained_arms)}: not arms of the initialization group {names}")
+    trained = [a for a in arms if trained_arms is None or a.name in set(trained_arms)]
     seeds = {a.name: a.seed for a in run.arms}
-    if len({seeds.get(a) for a in arm_names}) > 1:
+    if len({seeds.get(a.name) for a in trained}) > 1:
         raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
-    tag = run_tag or bundle.run_id or uuid.uuid4().hex[:12]
-    tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(tag))[:64]
-    return RestorationGroup(arms, all_arm_names, arm_names, run.lora_rank, seeds.get(arm_names[0], 0), tag, run.dataset)
-
-
-FIXED_BATCH_ITEMS = 4
+    tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(bundle.run_id or uuid.uuid4().hex[:12]))[:64]
+    return RestorationGroup(names, trained, run.lora_rank, seeds.get(trained[0].name, 0), tag, run.dataset)
 
 
 def reference_completion(solution: str, reference: str) -> str:
@@ -179,12 +163,10 @@ def reference_completion(solution: str, reference: str) -> str:
 def build_fixed_batch(
     n_items: int = FIXED_BATCH_ITEMS, seed: int = 0, dataset_name: str = "gsm8k"
 ) -> tuple[list[tinker.Datum], JsonObject]:
-    """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered with the qwen3_5
-    renderer (one-shot prefix, cookbook prompt), reference solutions as the assistant targets.
-
-    Weights are 1 on the assistant answer's tokens, 0 on the prompt (the renderer's supervised
-    example). Returns the datums and a description (item ids, lengths) for evidence.
-    """
+    """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered
+    with the qwen3_5 renderer (one-shot prefix, cookbook prompt), reference solutions as the
+    assistant targets; weights 1 on the answer's tokens, 0 on the prompt. Returns the datums and a
+    description (item ids, lengths) for evidence."""
     data = dataset.get(dataset_name)
     bundle = tokenizer.make_renderer()
     items = data.load_split("train", seed=seed).items[:n_items]
@@ -214,18 +196,15 @@ def build_fixed_batch(
     return batch, {"items": described, "renderer": bundle.provenance, "seed": seed}
 
 
-def batch_to_json(batch: Sequence[tinker.Datum]) -> list[JsonObject]:
-    rows: list[JsonObject] = []
-    for d in batch:
-        tokens_T, targets_T, mask_T = datum_arrays(d)
-        rows.append({"input_tokens": tokens_T.tolist(), "target_tokens": targets_T.tolist(), "mask": mask_T.tolist()})
-    return rows
-
-
 def register_fixed_batch(
     bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: JsonObject | None
 ) -> str:
+    """The fixed batch as evidence; returns its sha256."""
     b_sha = batch_sha256(fixed_batch)
+    rows: list[JsonValue] = []
+    for d in fixed_batch:
+        tokens_T, targets_T, mask_T = datum_arrays(d)
+        rows.append({"input_tokens": tokens_T.tolist(), "target_tokens": targets_T.tolist(), "mask": mask_T.tolist()})
     bundle.register_json(
         FIXED_BATCH_FILE,
         "tensors",
@@ -234,7 +213,7 @@ def register_fixed_batch(
             "hash": "sha256 over each datum's int64 input ids, int64 target ids and float32 mask (weights), "
             "length-prefixed; see restoration.batch_sha256",
             "description": description,
-            "datums": batch_to_json(fixed_batch),
+            "datums": rows,
         },
     )
     return b_sha
@@ -261,20 +240,16 @@ def duplicate_save_outcome(exc: BaseException | None, name: str = "") -> tuple[b
         return False, "the service accepted a second save_state under the same name without overwrite"
     text = error_text(exc)
     what = f"{type(exc).__name__}: {text}"[:300]
-    refused = False
+    says_refused = bool(OVERWRITE_REFUSAL_RE.search(text))
     if isinstance(exc, tinker.ConflictError):
         refused = True
     elif is_capacity_error(exc):
         refused = False
-    elif isinstance(exc, tinker.RequestFailedError):
-        says_refused = bool(OVERWRITE_REFUSAL_RE.search(text))
-        if exc.category == tinker.types.RequestErrorCategory.Server:
-            refused = says_refused and bool(name) and name in text
-            what = f"{what} (category server)"
-        else:
-            refused = says_refused
-    elif isinstance(exc, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
-        refused = bool(OVERWRITE_REFUSAL_RE.search(text))
+    elif isinstance(exc, tinker.RequestFailedError) and exc.category == tinker.types.RequestErrorCategory.Server:
+        refused, what = says_refused and bool(name) and name in text, f"{what} (category server)"
+    else:
+        failed = (tinker.RequestFailedError, tinker.BadRequestError, tinker.UnprocessableEntityError)
+        refused = says_refused and isinstance(exc, failed)
     if refused:
         return True, f"the service refused to overwrite the saved name ({what})"
     return None, (
@@ -336,54 +311,24 @@ def fresh_checkpoint(
     return InitialCheckpoint(client, saved.path, immutable, reason, info)
 
 
-SOURCE_OUTPUT_KEY = "initial_checkpoint_source"
-ADAPTERS_UNMEASURED = "not measurable over the Tinker API on this backend"
-ADAPTERS_MEASURED = (
-    "local_hash: sha256 of the LoRA tensors in a save_state of each arm taken right "
-    "after its load, read from the embedded server's run_dir"
-)
-
-
-@dataclass(frozen=True)
-class AdapterHashes:
-    """Each arm's adapter sha256 as loaded (None where unmeasurable), how it was measured, and
-    every arm whose adapter differs from its checkpoint's."""
-
-    by_arm: dict[str, str | None]
-    method: str
-    failures: list[str]
-
-
-@dataclass(frozen=True)
-class InitialOutputs:
-    """Each arm's output sha256 on the fixed batch before any update, the pairwise comparisons
-    (by `first_vs_other`), and every pair outside the tolerance."""
-
-    output_sha256: dict[str, str]
-    comparison: JsonObject
-    failures: list[str]
-
-
 def adapter_hashes(
-    reader: LocalCheckpointReader | None,
-    arms: Mapping[str, Restore],
-    source_of: Mapping[str, str],
-    tag: str,
-    rec: Recorder,
-) -> AdapterHashes:
-    """Adapter hashes as loaded (local backend: read back from a save of each arm; not an update)."""
+    reader: LocalCheckpointReader | None, arms: Mapping[str, Restore], tag: str, rec: Recorder
+) -> tuple[dict[str, str | None], str, list[str]]:
+    """Each arm's adapter sha256 as loaded (local backend: read back from a save of each arm; not an
+    update; None where unmeasurable), how it was measured, and every arm whose adapter differs from
+    its checkpoint's."""
     hashes: dict[str, str | None] = dict.fromkeys(arms)
     if reader is None:
-        return AdapterHashes(hashes, ADAPTERS_UNMEASURED, [])
+        return hashes, ADAPTERS_UNMEASURED, []
     failures = []
     for a, arm in arms.items():
         snap = arm.client.save_state(f"{tag}-{a}-as-loaded").result()
         rec.keep(f"save_{a}_as_loaded", snap)
         hashes[a] = as_loaded = reader.adapter_sha256(snap.path)
-        src_sha = reader.adapter_sha256(source_of[a])
+        src_sha = reader.adapter_sha256(arm.source_path)
         if as_loaded != src_sha:
             failures.append(f"{a}: adapter as loaded ({as_loaded[:12]}) differs from its checkpoint's ({src_sha[:12]})")
-    return AdapterHashes(hashes, ADAPTERS_MEASURED, failures)
+    return hashes, ADAPTERS_MEASURED, failures
 
 
 def initial_outputs(
@@ -391,31 +336,30 @@ def initial_outputs(
     arms: Mapping[str, Restore],
     fixed_batch: Sequence[tinker.Datum],
     b_sha: str,
-    atol: float,
     source: Sequence[np.ndarray] | None = None,
-) -> InitialOutputs:
-    """Step 3: full logprobs of every arm on the fixed batch before any update, compared. With a
-    single arm, `source` (the setup client's logprobs, taken before its first update) is what it
+) -> tuple[dict[str, str], JsonObject, list[str]]:
+    """Step 3: full logprobs of every arm on the fixed batch before any update, compared: each arm's
+    output sha256, the comparisons (by `first_vs_other`) and every pair outside the tolerance. With
+    a single arm, `source` (the setup client's logprobs, taken before its first update) is what it
     is compared with, so the check can still fail."""
     names = list(arms)
     logprobs = {a: full_logprobs(arms[a].client, fixed_batch) for a in names}
     out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
+    stored = dict(logprobs)
     pairs: list[tuple[str, str, Sequence[np.ndarray]]] = [(names[0], other, logprobs[other]) for other in names[1:]]
     if len(names) == 1 and source is not None:
         pairs = [(names[0], SOURCE_OUTPUT_KEY, source)]
+        stored[SOURCE_OUTPUT_KEY] = list(source)
     cmp: JsonObject = {}
     failures: list[str] = []
     for first, other, lp in pairs:
-        c = compare_logprobs(logprobs[first], lp, atol)
+        c = compare_logprobs(logprobs[first], lp, LOGPROB_ATOL)
         cmp[f"{first}_vs_{other}"] = as_object(c)
         if not c["within_tolerance"]:
             failures.append(
                 f"initial logprobs differ between {first} and {other}: max |diff| "
-                f"{c['max_abs_diff']} > {atol}" + (f" ({c['problem']})" if "problem" in c else "")
+                f"{c['max_abs_diff']} > {LOGPROB_ATOL}" + (f" ({c['problem']})" if "problem" in c else "")
             )
-    stored = dict(logprobs)
-    if len(names) == 1 and source is not None:
-        stored[SOURCE_OUTPUT_KEY] = list(source)
     bundle.register_json(
         INITIAL_OUTPUT_FILE,
         "tensors",
@@ -429,104 +373,7 @@ def initial_outputs(
             "logprobs": {a: [x.tolist() for x in lp] for a, lp in stored.items()},
         },
     )
-    return InitialOutputs(out_sha, cmp, failures)
-
-
-def provenance_entries(
-    arms_cfg: Sequence[RestorationArm],
-    base_model: str,
-    sources: Mapping[str, InitialCheckpoint],
-    source_label: Mapping[str, str],
-    loaded: Mapping[str, Restore],
-    probes: Mapping[str, RestoreProbeResult],
-    b_sha: str,
-    out_sha: Mapping[str, str],
-    adapter_sha: Mapping[str, str | None],
-) -> dict[str, ArmProvenance]:
-    """Step 5: each arm's initialization entry with optimizer checks at creation (0) and restore (1),
-    against the echo of the probe that ran the arm's own optimizer config."""
-    entries: dict[str, ArmProvenance] = {}
-    for arm in arms_cfg:
-        a = arm.name
-        if a not in loaded:
-            continue
-        probe = probes[a]
-        echo = probe.echoed_config or None
-        check = partial(
-            optimizer_check,
-            requested_optimizer=arm.optimizer,
-            requested_config=arm.optimizer_config.model_dump(exclude_none=True),
-            echoed=echo,
-            echo_ref=probe.echo_ref,
-            echo_observed_on=probe.echo_observed_on,
-        )
-        checks = [
-            check(
-                after_restore=0, info=sources[a].info, info_ref=f"{RESPONSES_FILE}#create_{source_label[a]}.get_info"
-            ),
-            check(after_restore=1, info=loaded[a].info, info_ref=f"{RESPONSES_FILE}#load_{a}.get_info"),
-        ]
-        entries[a] = initialization_entry(
-            base_checkpoint=base_model,
-            checkpoint_uri=sources[a].path,
-            checkpoint_immutable=sources[a].immutable,
-            checkpoint_immutable_reason=sources[a].immutable_reason or None,
-            loaded_checkpoint_uri=loaded[a].loaded_path,
-            load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
-            evidence_ref=load_ref(a),
-            restore_count=1,
-            optimizer_checks=checks,
-            initial_output={
-                "available": True,
-                "batch_sha256": b_sha,
-                "output_sha256": out_sha[a],
-                "evidence_ref": INITIAL_OUTPUT_FILE,
-                "before_first_update": True,
-            },
-            adapter_sha256=adapter_sha[a],
-        )
-    return entries
-
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class _Session:
-    """What every step of one preflight run shares: where the setup and probe clients live, the
-    group, the fixed batch, the kept responses and how client-creating calls are made."""
-
-    probe_sc: tinker.ServiceClient
-    group: RestorationGroup
-    fixed_batch: list[tinker.Datum]
-    batch_sha256: str
-    rec: Recorder
-    atol: float
-    call: CallWrapper
-    restore_with_optimizer: bool  # False only in failure-path tests: the probes restore weights only
-    say: Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class _InitialStates:
-    """Step 1's outcome: which initial checkpoint each arm loads, and the run's shared one."""
-
-    sources: dict[str, InitialCheckpoint]
-    source_label: dict[str, str]
-    shared: InitialCheckpoint  # the plan seed's checkpoint: the initial checkpoint of the run
-    source_logprobs: list[np.ndarray] | None  # the setup client's output a single arm is compared with
-
-
-def _progress_line(progress: Callable[[str], None] | None, t0: float) -> Callable[[str], None]:
-    def say(msg: str) -> None:
-        if progress is not None:
-            progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
-
-    return say
-
-
-def _call_directly(fn: Callable[[], T]) -> T:
-    return fn()
+    return out_sha, cmp, failures
 
 
 def backend_update_norm(
@@ -539,85 +386,6 @@ def backend_update_norm(
     return None, ExternalWeightsUpdateNorm(probe_service_client.create_rest_client)
 
 
-def _prepare_fixed_batch(
-    bundle: EvidenceBundle,
-    fixed_batch: Sequence[tinker.Datum] | None,
-    description: JsonObject | None,
-    group: RestorationGroup,
-) -> tuple[list[tinker.Datum], str]:
-    """The given fixed batch (else the plan dataset's), registered as evidence, and its sha256."""
-    if fixed_batch is None:
-        fixed_batch, description = build_fixed_batch(seed=group.seed, dataset_name=group.dataset)
-    fixed_batch = list(fixed_batch)
-    if len(fixed_batch) < 2:
-        raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")
-    return fixed_batch, register_fixed_batch(bundle, fixed_batch, description)
-
-
-def _initial_states(
-    run: _Session, bundle: EvidenceBundle, base_model: str, arm_seed_overrides: Mapping[str, int] | None
-) -> _InitialStates:
-    """Step 1: fresh LoRA client(s) and the immutable initial checkpoint(s)."""
-    group = run.group
-    seed = group.seed
-    arm_seed = {a: (arm_seed_overrides or {}).get(a, seed) for a in group.arm_names}
-    fresh = partial(fresh_checkpoint, run.probe_sc, base_model, group.rank)
-    by_seed = {seed: fresh("shared", seed, group.tag, run.rec, run.call)}
-    for a, s in arm_seed.items():
-        if s not in by_seed:
-            by_seed[s] = fresh(a, s, group.tag, run.rec, run.call)
-    bundle.add_checkpoint("initial", 0, by_seed[seed].path)
-    # The setup client's own output, before its first update: what one loaded arm is compared with.
-    source_lp = full_logprobs(by_seed[seed].client, run.fixed_batch) if len(group.arm_names) == 1 else None
-    return _InitialStates(
-        {a: by_seed[arm_seed[a]] for a in group.arm_names},
-        {a: "shared" if arm_seed[a] == seed else a for a in group.arm_names},
-        by_seed[seed],
-        source_lp if arm_seed[group.arm_names[0]] == seed else None,
-    )
-
-
-def _other_config_probes(
-    run: _Session, init: _InitialStates, probe: RestoreProbeResult, probe_cfg: Mapping[str, float]
-) -> dict[str, RestoreProbeResult]:
-    """Step 4 again for each trained arm whose optimizer config differs from every one probed so
-    far: a fresh client from the initial checkpoint stands in for the uninterrupted setup client,
-    so each arm's optimizer checks compare with the echo of its OWN config. The probe result of
-    every trained arm, by arm; the other configs' probes are also the step-4 probe's
-    `own_config_probes`."""
-    group, probe_sc = run.group, run.probe_sc
-    results = {a: probe for a in group.arm_names if group.optimizer_config(a) == probe_cfg}
-    for a in group.arm_names:
-        cfg = group.optimizer_config(a)
-        same = next((b for b in results if group.optimizer_config(b) == cfg), None)
-        if same is not None:
-            results[a] = results[same]
-            continue
-        run.say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
-        fresh, _ = run.call(partial(create_from_state_with_response, probe_sc, init.shared.path, f"probe-{a}"))
-        describe_client(probe_sc, fresh, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
-        results[a] = restore_probe(
-            probe_sc,
-            fresh,
-            init.shared.path,
-            run.fixed_batch,
-            cfg,
-            f"{group.tag}-{a}",
-            run.rec.prefixed(f"{a}:"),
-            run.atol,
-            run.call,
-            restore_optimizer=run.restore_with_optimizer,
-            say=run.say,
-        )
-        results[a].echo_observed_on = results[a].uninterrupted_client = (
-            f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
-        )
-    others = {a: r for a, r in results.items() if r is not probe}
-    if others:
-        probe.own_config_probes = others  # written with the step-4 probe (PROBE_FILE)
-    return results
-
-
 def run_restoration_preflight(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -626,128 +394,161 @@ def run_restoration_preflight(
     base_model: str = constants.BASE_MODEL,
     fixed_batch: Sequence[tinker.Datum] | None = None,
     fixed_batch_description: JsonObject | None = None,
-    atol: float = LOGPROB_ATOL,
     lr_multipliers: Sequence[float] = DEFAULT_LR_MULTIPLIERS,
-    lr_rtol: float = LR_SCALING_RTOL,
     checkpoint_reader: LocalCheckpointReader | None = None,
     update_norm: UpdateNormMeasure | None = None,
-    update_norm_unavailable_reason: str = (
-        "the Tinker API exposes neither parameters nor an update-norm metric (optim_step reports "
-        "the gradient norm only), so update norms cannot be measured on this backend"
-    ),
     probe_service_client: tinker.ServiceClient | None = None,
     arm_seed_overrides: Mapping[str, int] | None = None,
     probe_restore_with_optimizer: bool = True,
     capacity: WaitPolicy | None = None,
     registry: ClientRegistry | None = None,
-    run_tag: str | None = None,
     trained_arms: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RestorationResult:
     """Run the restoration preflight for the initialization group of the plan's spec (a
     diagnostic's: its original plan's); the six steps and every option are in the module docstring."""
     t0 = time.monotonic()
-    say = _progress_line(progress, t0)
-    group = resolve_group(plan, bundle, trained_arms, run_tag)
-    batch, b_sha = _prepare_fixed_batch(bundle, fixed_batch, fixed_batch_description, group)
-    probe_sc = probe_service_client or service_client
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
+
+    group = resolve_group(plan, bundle, trained_arms)
+    names = group.arm_names
+    if fixed_batch is None:
+        fixed_batch, fixed_batch_description = build_fixed_batch(seed=group.seed, dataset_name=group.dataset)
+    batch = list(fixed_batch)
+    if len(batch) < 2:
+        raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")
+    b_sha = register_fixed_batch(bundle, batch, fixed_batch_description)
     call: CallWrapper = (
-        _call_directly
+        (lambda fn: fn())
         if capacity is None
         else (lambda fn: call_with_capacity_retry(fn, policy=capacity, registry=registry))
     )
-    run = _Session(probe_sc, group, batch, b_sha, Recorder(), atol, call, probe_restore_with_optimizer, say)
+    rec = Recorder()
+    probe_sc = probe_service_client or service_client
+    prun = ProbeRun(probe_sc, batch, rec, call, say, probe_restore_with_optimizer)
+
     say(f"1/6: fresh LoRA rank-{group.rank} client on {base_model} and the shared initial checkpoint")
-    init = _initial_states(run, bundle, base_model, arm_seed_overrides)
-    loaded = {}
-    for i, a in enumerate(group.arm_names, start=1):
-        say(f"2/6: loading arm {a} ({i}/{len(group.arm_names)}) from {init.sources[a].path} with optimizer")
-        loaded[a] = call(partial(restore, service_client, init.sources[a].path, a))
+    arm_seed = {a: (arm_seed_overrides or {}).get(a, group.seed) for a in names}
+    fresh = partial(fresh_checkpoint, probe_sc, base_model, group.rank)
+    by_seed = {group.seed: fresh("shared", group.seed, group.tag, rec, call)}
+    for a, s in arm_seed.items():
+        if s not in by_seed:
+            by_seed[s] = fresh(a, s, group.tag, rec, call)
+    shared = by_seed[group.seed]
+    bundle.add_checkpoint("initial", 0, shared.path)
+    # The setup client's own output, before its first update: what one loaded arm is compared with.
+    source_lp = full_logprobs(shared.client, batch) if len(names) == 1 and arm_seed[names[0]] == group.seed else None
+
+    loaded: dict[str, Restore] = {}
+    for i, a in enumerate(names, start=1):
+        path = by_seed[arm_seed[a]].path
+        say(f"2/6: loading arm {a} ({i}/{len(names)}) from {path} with optimizer")
+        loaded[a] = call(partial(restore, service_client, path, a))
         describe_client(service_client, loaded[a].client, f"arm {a}: loaded from the initial checkpoint with optimizer")
-        run.rec.keep(f"load_{a}", loaded[a].response)
-        run.rec.keep(f"load_{a}.get_info", loaded[a].info)
-    source_paths = {a: init.sources[a].path for a in group.arm_names}
-    adapters = adapter_hashes(checkpoint_reader, loaded, source_paths, group.tag, run.rec)
-    say(f"3/6: initial logprobs of {len(group.arm_names)} arms on the fixed batch ({len(batch)} datums)")
-    outputs = initial_outputs(bundle, loaded, batch, b_sha, atol, source=init.source_logprobs)
-    # Step 4: the setup client (uninterrupted) vs a create-save-restore client, on the first trained
-    # arm's config (the others: _other_config_probes); update 1 is also the LR probe at the planned LR.
-    opt_cfg = group.optimizer_config(group.arm_names[0])
+        rec.keep(f"load_{a}", loaded[a].response)
+        rec.keep(f"load_{a}.get_info", loaded[a].info)
+    adapters, adapter_method, failures = adapter_hashes(checkpoint_reader, loaded, group.tag, rec)
+    say(f"3/6: initial logprobs of {len(names)} arms on the fixed batch ({len(batch)} datums)")
+    out_sha, comparison, output_failures = initial_outputs(bundle, loaded, batch, b_sha, source=source_lp)
+    failures += output_failures
+
+    # Step 4: the setup client (uninterrupted) vs a create-save-restore client on the first trained
+    # arm's config; update 1 is also the LR probe at the planned LR. Each other optimizer config
+    # gets its own probe from a fresh client, so every arm's checks compare with its OWN echo.
+    opt_cfg = group.optimizer_config(names[0])
     if update_norm is None and checkpoint_reader is not None:
         update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{group.tag}-lr")
-    lr_in_plan = planned_lr_on_setup_client(update_norm, lr_multipliers)
+    in_plan = update_norm if planned_lr_on_setup_client(update_norm, lr_multipliers) else None
     say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
-    probe = restore_probe(
-        probe_sc,
-        init.shared.client,
-        init.shared.path,
-        batch,
-        opt_cfg,
-        group.tag,
-        run.rec,
-        atol,
-        call,
-        restore_optimizer=probe_restore_with_optimizer,
-        update_norm=update_norm if lr_in_plan else None,
-        say=say,
-    )
-    probes = _other_config_probes(run, init, probe, opt_cfg)
-    failures = [*adapters.failures, *outputs.failures, *probe.failures]
-    failures += [f"{a}: {m}" for a, r in probe.own_config_probes.items() for m in r.failures]
+    probe = restore_probe(prun, shared.client, shared.path, opt_cfg, group.tag, update_norm=in_plan)
+    probes = {names[0]: probe}
+    for a in names[1:]:
+        cfg = group.optimizer_config(a)
+        same = next((p for b, p in probes.items() if group.optimizer_config(b) == cfg), None)
+        if same is not None:
+            probes[a] = same
+            continue
+        say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
+        client, _ = call(partial(create_from_state_with_response, probe_sc, shared.path, f"probe-{a}"))
+        describe_client(probe_sc, client, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
+        own = ProbeRun(probe_sc, batch, rec.prefixed(f"{a}:"), call, say, probe_restore_with_optimizer)
+        probes[a] = restore_probe(own, client, shared.path, cfg, f"{group.tag}-{a}")
+        probes[a].echo_observed_on = probes[a].uninterrupted_client = (
+            f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
+        )
+        probe.own_config_probes[a] = probes[a]  # written with the step-4 probe (PROBE_FILE)
+    failures += probe.failures + [f"{a}: {m}" for a, r in probe.own_config_probes.items() for m in r.failures]
+
     say("5/6: optimizer checks and initialization provenance")
-    arms = provenance_entries(
-        group.arms,
-        base_model,
-        init.sources,
-        init.source_label,
-        loaded,
-        probes,
-        b_sha,
-        outputs.output_sha256,
-        adapters.by_arm,
-    )
-    failures.extend(check_provenance({"version": 1, "arms": arms}, group.arm_names))
-    in_plan = lr_in_plan and update_norm
+    arms: dict[str, ArmProvenance] = {}
+    for arm in group.arms:  # optimizer checks at creation (0) and restore (1), against its own config's echo
+        a, source, label = (
+            arm.name,
+            by_seed[arm_seed[arm.name]],
+            "shared" if arm_seed[arm.name] == group.seed else arm.name,
+        )
+        check = partial(
+            optimizer_check,
+            requested_optimizer=arm.optimizer,
+            requested_config=arm.optimizer_config.model_dump(exclude_none=True),
+            echoed=probes[a].echoed_config or None,
+            echo_ref=probes[a].echo_ref,
+            echo_observed_on=probes[a].echo_observed_on,
+        )
+        arms[a] = initialization_entry(
+            base_checkpoint=base_model,
+            checkpoint_uri=source.path,
+            checkpoint_immutable=source.immutable,
+            checkpoint_immutable_reason=source.immutable_reason or None,
+            loaded_checkpoint_uri=loaded[a].loaded_path,
+            load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
+            evidence_ref=load_ref(a),
+            restore_count=1,
+            optimizer_checks=[
+                check(after_restore=0, info=source.info, info_ref=f"{RESPONSES_FILE}#create_{label}.get_info"),
+                check(after_restore=1, info=loaded[a].info, info_ref=f"{load_ref(a)}.get_info"),
+            ],
+            initial_output={
+                "available": True,
+                "batch_sha256": b_sha,
+                "output_sha256": out_sha[a],
+                "evidence_ref": INITIAL_OUTPUT_FILE,
+                "before_first_update": True,
+            },
+            adapter_sha256=adapters[a],
+        )
+    failures += check_provenance({"version": 1, "arms": arms}, names)
+
     say(
         f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
         + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
     )
-    lr_block = lr_scaling_probe(
-        probe_sc,
-        init.shared.path,
-        batch,
-        opt_cfg,
-        lr_multipliers,
-        lr_rtol,
-        update_norm,
-        update_norm_unavailable_reason,
-        call,
-        measured={float(opt_cfg["learning_rate"]): probe.base_lr_update_norm} if in_plan else None,
-        say=say,
-    )
+    measured = {float(opt_cfg["learning_rate"]): probe.base_lr_update_norm} if in_plan else None
+    lr_block = lr_scaling_probe(prun, shared.path, opt_cfg, lr_multipliers, update_norm, measured)
     if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
         failures.append(f"LR scaling: {lr_block.problem}")
-    excluded = group.excluded_arms()
-    provenance = group_provenance(
-        arms,
-        excluded,
-        trained=group.arm_names,
-        initial_checkpoint=init.shared.path,
-        initial_output_comparison=outputs.comparison,
-        adapter_sha256_method=adapters.method,
-        failures=failures,
-    )
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
-    posted = posted_provenance(arms, excluded, trained_arms)
-    wall = record_evidence(bundle, run.rec, probe, lr_block, provenance, posted, t0)
+    group_block: JsonObject = {
+        "arms": list(names),
+        "initial_checkpoint": shared.path,
+        "initial_output_comparison": comparison,
+        "adapter_sha256_method": adapter_method,
+    }
+    excluded = {a: EXCLUDED_REASON for a in group.all_arm_names if a not in names}
+    provenance, wall = record_evidence(
+        bundle, rec, probe, lr_block, arms, excluded, group_block, failures, trained_arms is not None, t0
+    )
     return RestorationResult(
-        initial_checkpoint=init.shared.path,
+        initial_checkpoint=shared.path,
         loaded_paths={a: arm.loaded_path for a, arm in loaded.items() if arm.loaded_path},
         clients={a: arm.client for a, arm in loaded.items()},
-        loaded=dict(loaded),
+        loaded=loaded,
         fixed_batch=batch,
         batch_sha256=b_sha,
-        output_sha256=outputs.output_sha256,
+        output_sha256=out_sha,
         provenance=provenance,
         passed=not failures,
         failures=failures,

@@ -1,18 +1,8 @@
-"""The restoration probes and the one fixed-gradient update they all apply.
-
-- `restore_probe`: two different fixed-gradient updates (even, then odd datums) on the
-  uninterrupted setup client; a second client restored from its save after update 1 applies
-  update 2 too; their logprobs must agree within the tolerance, and update 2 must move the logprobs
-  at all (else the check could not fail).
-- `lr_scaling_probe`: the same fixed gradient from a fresh state per learning rate. Adam's first
-  step is ~lr * sign(g), so update_norm / lr must be the same at every learning rate within
-  `LR_SCALING_RTOL`; where no update-norm measure exists on the backend the block says
-  `available: false` with the reason. `attach_lr_scaling` fills every correctness path's
-  `lr_scaling` from that block, unmeasured entries included (never invented, never an empty list).
-- `UpdateNormMeasure`: ||theta_after - theta_before|| around one update, where a backend allows it;
-  on the local backend `CheckpointUpdateNorm` reads it from save_state checkpoints through
-  `LocalCheckpointReader`. The Tinker API exposes no parameters, so other backends bring their own
-  measure or none.
+"""The restoration probes (`restore_probe`, `lr_scaling_probe`), the one fixed-gradient update they
+all apply, and the update-norm measures the LR probe reads (`UpdateNormMeasure`; on the local
+backend `CheckpointUpdateNorm` through `LocalCheckpointReader`; the Tinker API exposes no
+parameters, so other backends bring their own measure or none). `attach_lr_scaling` fills every
+correctness path's `lr_scaling` from the LR probe's block.
 """
 
 from __future__ import annotations
@@ -20,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,8 +30,9 @@ from dppo_harness.stages.restoration.records import (
     RestoreProbeResult,
 )
 from dppo_harness.train.clients import RestorationError, datum_arrays, full_logprobs
-from dppo_harness.train.fingerprints import LogprobComparison, compare_logprobs
+from dppo_harness.train.fingerprints import LOGPROB_ATOL, compare_logprobs
 from dppo_harness.train.optimizer_checks import echoed_config
+from dppo_harness.train.restore import restore
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +40,10 @@ if TYPE_CHECKING:
 CallWrapper = Callable[[Callable[[], Any]], Any]  # wraps every client-creating call (e.g. a capacity retry)
 LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
 DEFAULT_LR_MULTIPLIERS = (0.5, 1.0, 2.0)
+NO_UPDATE_NORM = (
+    "the Tinker API exposes neither parameters nor an update-norm metric (optim_step reports "
+    "the gradient norm only), so update norms cannot be measured on this backend"
+)
 
 
 class UpdateNormMeasure(Protocol):
@@ -65,12 +61,8 @@ class UpdateNormMeasure(Protocol):
 
 class LocalCheckpointReader:
     """Adapter tensors of the checkpoints the embedded server wrote under its run_dir: their hash and
-    the distance between two.
-
-    Local backend only: an in-process route around the SDK (the Tinker API exposes no parameters).
-    torch and the embedded server's model module are imported on the first read, so constructing a
-    reader, or importing this module, on another backend loads neither.
-    """
+    the distance between two. Local backend only (the Tinker API exposes no parameters); torch and
+    the embedded server's model module load on the first read, so another backend loads neither."""
 
     description = (
         "local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
@@ -95,8 +87,7 @@ class LocalCheckpointReader:
 
     def adapter_sha256(self, path: str) -> str:
         """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
-        # Local backend only: the embedded server's model module (transformers) loads on the first hash.
-        from dppo_harness.local_server.engine.model import state_sha256
+        from dppo_harness.local_server.engine.model import state_sha256  # local backend only
 
         return state_sha256(self.adapter(path))
 
@@ -105,8 +96,7 @@ class LocalCheckpointReader:
         a, b = self.adapter(before), self.adapter(after)
         if sorted(a) != sorted(b):
             raise RestorationError("checkpoints have different parameter names")
-        sq = sum(float(((b[k].double() - a[k].double()) ** 2).sum()) for k in a)
-        return math.sqrt(sq)
+        return math.sqrt(sum(float(((b[k].double() - a[k].double()) ** 2).sum()) for k in a))
 
 
 class CheckpointUpdateNorm:
@@ -137,6 +127,19 @@ def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multiplier
     )
 
 
+@dataclass(frozen=True)
+class ProbeRun:
+    """What every probe of one preflight shares: the ServiceClient its clients live on, the fixed
+    batch, the kept responses, the tolerance, how client-creating calls are made, the progress line."""
+
+    sc: tinker.ServiceClient
+    batch: list[tinker.Datum]
+    rec: Recorder
+    call: CallWrapper
+    say: Callable[[str], None] = lambda _m: None
+    restore_with_optimizer: bool = True  # False only in failure-path tests: the probes restore weights only
+
+
 def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.AdamParams:
     """AdamParams from an arm's optimizer_config (keys AdamParams has), at `lr` if given."""
     kw = {k: float(v) for k, v in cfg.items() if k in tinker.AdamParams.model_fields}
@@ -146,14 +149,13 @@ def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.Ada
 
 
 def fixed_gradient_step(
-    client: tinker.TrainingClient,
-    batch: Sequence[tinker.Datum],
-    adam: tinker.AdamParams,
-) -> tuple[tinker.ForwardBackwardOutput, tinker.OptimStepResponse]:
+    client: tinker.TrainingClient, batch: Sequence[tinker.Datum], adam: tinker.AdamParams
+) -> tinker.OptimStepResponse:
     """One fixed-gradient update: cross-entropy on fixed weights, then optim_step."""
     fb = client.forward_backward(list(batch), "cross_entropy")
     opt = client.optim_step(adam)
-    return fb.result(), opt.result()
+    fb.result()
+    return opt.result()
 
 
 def reweighted(batch: Sequence[tinker.Datum], scale: float, keep: Callable[[int], bool]) -> list[tinker.Datum]:
@@ -179,103 +181,65 @@ def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
     return reweighted(batch, 1.0, lambda i: i % 2 == 0)
 
 
-def _measured_first_update(
-    client: tinker.TrainingClient,
-    gradient: Sequence[tinker.Datum],
-    adam: tinker.AdamParams,
-    update_norm: UpdateNormMeasure | None,
-) -> tuple[tinker.OptimStepResponse, float | None]:
-    """Update 1 on the uninterrupted client, with its update norm when `update_norm` is given
-    (the LR-scaling probe at the planned LR); a measure that never applied the update leaves it
-    to be applied here, unmeasured."""
+def restore_probe(
+    run: ProbeRun,
+    uninterrupted: tinker.TrainingClient,
+    initial_checkpoint: str,
+    opt_cfg: Mapping[str, float],
+    tag: str,
+    update_norm: UpdateNormMeasure | None = None,
+) -> RestoreProbeResult:
+    """Uninterrupted vs create-save-restore probe clients must agree after the same update.
+
+    `uninterrupted` is a client in the initial state with nothing applied (the setup client that
+    saved the initial checkpoint, or a fresh client from it). Two different fixed gradients (even /
+    odd datums) are used so that a restore that dropped the Adam moments would give a different
+    second update (with one repeated gradient a fresh Adam and a continued one take the same
+    bias-corrected step, and the check could not fail). With `update_norm`, update 1 is also the
+    LR-scaling probe at the planned LR (`base_lr_update_norm`).
+    """
+    adam, batch, rec, atol = adam_params(opt_cfg), run.batch, run.rec, LOGPROB_ATOL
+    g1, g2 = probe_gradient(batch), reweighted(batch, 1.0, lambda i: i % 2 == 1)
+    run.say("4/6: probe update 1 on the uninterrupted client")
+    norm1 = None
     if update_norm is None:
-        return fixed_gradient_step(client, gradient, adam)[1], None
-    done: dict[str, tuple[tinker.ForwardBackwardOutput, tinker.OptimStepResponse]] = {}
-    norm = update_norm(client, lambda: done.setdefault("step", fixed_gradient_step(client, gradient, adam)))
-    _, opt = done["step"] if "step" in done else fixed_gradient_step(client, gradient, adam)  # weights unread: no norm
-    return opt, norm
-
-
-def _restored_client(
-    service_client: tinker.ServiceClient, mid_path: str, call: CallWrapper, restore_optimizer: bool
-) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse]:
-    """A client created from the uninterrupted client's mid save, with the server's load response."""
-    if restore_optimizer:
-        restored, resp = call(lambda: create_from_state_with_response(service_client, mid_path))
+        opt1 = fixed_gradient_step(uninterrupted, g1, adam)
+    else:
+        done: dict[str, tinker.OptimStepResponse] = {}
+        norm1 = update_norm(uninterrupted, lambda: done.setdefault("opt", fixed_gradient_step(uninterrupted, g1, adam)))
+        # a measure that never applied the update leaves it to be applied here, unmeasured
+        opt1 = done["opt"] if "opt" in done else fixed_gradient_step(uninterrupted, g1, adam)
+    echo_ref = rec.keep("probe_optim_step_1", opt1)
+    mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
+    rec.keep("probe_save_mid", mid)
+    if run.restore_with_optimizer:
+        r = run.call(lambda: restore(run.sc, mid.path, f"restore probe ({tag})"))
+        restored, resp, info = r.client, r.response, r.info
     else:  # failure-path tests only: a restore that drops the Adam moments must be caught
-        restored = call(lambda: service_client.create_training_client_from_state(mid_path))
-        resp = tinker.types.LoadWeightsResponse(path=mid_path)
-    describe_client(service_client, restored, "restore probe: created from the uninterrupted probe's mid save")
-    return restored, resp
-
-
-def _probe_failures(
-    resp: tinker.types.LoadWeightsResponse,
-    mid_path: str,
-    restored_vs_uninterrupted: LogprobComparison,
-    second_update_effect: LogprobComparison,
-    atol: float,
-) -> list[str]:
-    """What the probe proves wrong: the load, a restored update that differs, or an update 2 too
-    small for the comparison to tell a lost update from a matching one."""
+        restored = run.call(lambda: run.sc.create_training_client_from_state(mid.path))
+        resp, info = tinker.types.LoadWeightsResponse(path=mid.path), restored.get_info()
+    describe_client(run.sc, restored, "restore probe: created from the uninterrupted probe's mid save")
+    rec.keep("probe_load_mid", resp)
+    rec.keep("probe_load_mid.get_info", info)
+    run.say("4/6: probe update 2 on both clients, then logprobs compared")
+    before = full_logprobs(uninterrupted, batch)
+    opt2_u = fixed_gradient_step(uninterrupted, g2, adam)
+    opt2_r = fixed_gradient_step(restored, g2, adam)
+    rec.keep("probe_optim_step_2_uninterrupted", opt2_u)
+    rec.keep("probe_optim_step_2_restored", opt2_r)
+    after_u = full_logprobs(uninterrupted, batch)
+    cmp = compare_logprobs(after_u, full_logprobs(restored, batch), atol)
+    effect = compare_logprobs(before, after_u, atol)
     failures: list[str] = []
-    if resp.path != mid_path:
-        failures.append(f"probe restore: server load response path {resp.path!r} != saved {mid_path!r}")
-    cmp, effect = restored_vs_uninterrupted, second_update_effect
+    if resp.path != mid.path:
+        failures.append(f"probe restore: server load response path {resp.path!r} != saved {mid.path!r}")
     if not cmp["within_tolerance"]:
         failures.append(f"restored probe update differs from uninterrupted: max |diff| {cmp['max_abs_diff']} > {atol}")
-    if effect["within_tolerance"]:
+    if effect["within_tolerance"]:  # too small to tell a lost update from a matching one
         failures.append(
             f"probe update changed logprobs by only {effect['max_abs_diff']} <= {atol}: "
             "the restore comparison cannot tell a lost update from a matching one"
         )
-    return failures
-
-
-def restore_probe(
-    service_client: tinker.ServiceClient,
-    uninterrupted: tinker.TrainingClient,
-    initial_checkpoint: str,
-    batch: Sequence[tinker.Datum],
-    opt_cfg: Mapping[str, float],
-    tag: str,
-    rec: Recorder,
-    atol: float,
-    call: CallWrapper,
-    restore_optimizer: bool = True,
-    update_norm: UpdateNormMeasure | None = None,
-    say: Callable[[str], None] = lambda _m: None,
-) -> RestoreProbeResult:
-    """Uninterrupted vs create-save-restore probe clients must agree after the same update.
-
-    `uninterrupted` is the setup client that saved the initial checkpoint and has applied nothing
-    since (the same state a fresh client from that checkpoint has). Two different fixed gradients
-    (even / odd datums) are used so that a restore that dropped the Adam moments would give a
-    different second update (with one repeated gradient a fresh Adam and a continued one take the
-    same bias-corrected step, and the check could not fail). With `update_norm`, update 1 is also
-    the LR-scaling probe at the planned LR (`base_lr_update_norm`).
-    """
-    adam = adam_params(opt_cfg)
-    g1 = probe_gradient(batch)
-    g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
-    say("4/6: probe update 1 on the uninterrupted client")
-    opt1, norm1 = _measured_first_update(uninterrupted, g1, adam, update_norm)
-    echo_ref = rec.keep("probe_optim_step_1", opt1)
-    mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
-    rec.keep("probe_save_mid", mid)
-    restored, resp = _restored_client(service_client, mid.path, call, restore_optimizer)
-    rec.keep("probe_load_mid", resp)
-    rec.keep("probe_load_mid.get_info", restored.get_info())
-    say("4/6: probe update 2 on both clients, then logprobs compared")
-    before = full_logprobs(uninterrupted, batch)
-    _, opt2_u = fixed_gradient_step(uninterrupted, g2, adam)
-    _, opt2_r = fixed_gradient_step(restored, g2, adam)
-    rec.keep("probe_optim_step_2_uninterrupted", opt2_u)
-    rec.keep("probe_optim_step_2_restored", opt2_r)
-    after_u = full_logprobs(uninterrupted, batch)
-    after_r = full_logprobs(restored, batch)
-    cmp = compare_logprobs(after_u, after_r, atol)
-    effect = compare_logprobs(before, after_u, atol)
     return RestoreProbeResult(
         initial_checkpoint=initial_checkpoint,
         mid_checkpoint=mid.path,
@@ -291,22 +255,17 @@ def restore_probe(
         echoed_config=echoed_config(opt1.metrics, list(opt_cfg)),
         echo_ref=echo_ref,
         base_lr_update_norm=norm1,
-        failures=_probe_failures(resp, mid.path, cmp, effect, atol),
+        failures=failures,
     )
 
 
 def lr_scaling_probe(
-    service_client: tinker.ServiceClient,
+    run: ProbeRun,
     initial_checkpoint: str,
-    batch: Sequence[tinker.Datum],
     opt_cfg: Mapping[str, float],
     multipliers: Sequence[float],
-    rtol: float,
     update_norm: UpdateNormMeasure | None,
-    unavailable_reason: str,
-    call: CallWrapper,
     measured: Mapping[float, float | None] | None = None,
-    say: Callable[[str], None] = lambda _m: None,
 ) -> LrScalingBlock:
     """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
 
@@ -319,46 +278,43 @@ def lr_scaling_probe(
     base_lr = float(opt_cfg["learning_rate"])
     lrs = [base_lr * float(m) for m in multipliers]
     if update_norm is None:
-        return LrScalingUnavailable(unavailable_reason, lrs)
-    measured = dict(measured or {})
+        return LrScalingUnavailable(NO_UPDATE_NORM, lrs)
 
-    def unavailable() -> LrScalingUnavailable:
-        why = getattr(update_norm, "last_error", None) or "no measurement"
-        return LrScalingUnavailable(f"{update_norm.description}: {why}", lrs)
+    def unavailable() -> LrScalingUnavailable:  # why: the measure's last error, read when it failed
+        return LrScalingUnavailable(
+            f"{update_norm.description}: {getattr(update_norm, 'last_error', None) or 'no measurement'}", lrs
+        )
 
-    if any(v is None for v in measured.values()):
+    if any(v is None for v in (measured or {}).values()):
         return unavailable()
-    g = probe_gradient(batch)
-    norms: dict[float, float] = {lr: float(v) for lr, v in measured.items() if v is not None}
+    g = probe_gradient(run.batch)
+    norms: dict[float, float] = {lr: float(v) for lr, v in (measured or {}).items() if v is not None}
     for i, lr in enumerate(lrs, start=1):
         if lr in norms:
-            say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
+            run.say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
             continue
-        say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
-        client, _ = call(lambda: create_from_state_with_response(service_client, initial_checkpoint))
-        describe_client(service_client, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
-        adam = adam_params(opt_cfg, lr)
-        norm = update_norm(client, partial(fixed_gradient_step, client, g, adam))
+        run.say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
+        client, _ = run.call(lambda: create_from_state_with_response(run.sc, initial_checkpoint))
+        describe_client(run.sc, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
+        norm = update_norm(client, partial(fixed_gradient_step, client, g, adam_params(opt_cfg, lr)))
         if norm is None:
             return unavailable()
         norms[lr] = float(norm)
     probes: list[dict[str, float]] = [{"learning_rate": lr, "update_norm": norms[lr]} for lr in lrs]
     errors = lr_scaling_error(probes)
     worst = max(errors)
-    passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= rtol)
+    passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= LR_SCALING_RTOL)
     problem = None
     if not passed:
         problem = (
-            f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {rtol})"
-            if worst > rtol
+            f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {LR_SCALING_RTOL})"
+            if worst > LR_SCALING_RTOL
             else "an update norm is zero: the update did not move parameters"
         )
     reset = (
-        (
-            "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
-            "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
-            "every other LR"
-        )
+        "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
+        "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
+        "every other LR"
         if measured
         else "a client created from the initial checkpoint with optimizer per probe"
     )
@@ -368,7 +324,7 @@ def lr_scaling_probe(
         gradient="cross_entropy on the even fixed-batch datums (the restore probe's update 1)",
         lr_scaling=probes,
         relative_error=[e if math.isfinite(e) else None for e in errors],
-        rtol=rtol,
+        rtol=LR_SCALING_RTOL,
         passed=passed,
         problem=problem,
     )
@@ -391,16 +347,15 @@ def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -
             measure=lr_block.measure,
             reset=lr_block.reset,
         )
-    else:
+        entries: list[JsonObject] = [dict(p) for p in lr_block.lr_scaling]
+    else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
+        reason = lr_block.reason or "not measured"
+        entries = [
+            {"learning_rate": float(lr), "update_norm": None, "available": False, "reason": reason}
+            for lr in lr_block.learning_rates
+        ] or [{"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
         status["reason"] = lr_block.reason
     for path in out.get("paths", []):
-        if isinstance(lr_block, LrScalingMeasured):
-            path["lr_scaling"] = [dict(p) for p in lr_block.lr_scaling]
-        else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
-            reason = lr_block.reason or "not measured"
-            path["lr_scaling"] = [
-                {"learning_rate": float(lr), "update_norm": None, "available": False, "reason": reason}
-                for lr in lr_block.learning_rates
-            ] or [{"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
+        path["lr_scaling"] = json.loads(json.dumps(entries))
         path["lr_scaling_status"] = status
     return out

@@ -1,17 +1,13 @@
-"""What the restoration preflight records: the server responses it keeps, each arm's initialization
-provenance and the group's proof, the restore probe's result, the LR-scaling block,
-`RestorationResult`, and the evidence files they are written to (one place, so every run writes the
-same set).
-
-`RestorationResult.preflight_service_work` counts the optimizer updates the preflight issued on its
-throwaway probe clients (the diagnostic's service-work ledger starts from it).
+"""What the restoration preflight records (the server responses it keeps, each arm's initialization
+provenance and the group's proof, the probes' results, `RestorationResult`) and the one writer of
+its evidence files (`record_evidence`), so every run writes the same set.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 import tinker
@@ -62,9 +58,10 @@ SETUP_CLIENT_ECHO = (
 SETUP_CLIENT = "the setup client that saved the initial checkpoint (no update before update 1)"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RestoreProbeResult:
-    """One create-save-restore probe (`restore_probe`): what it loaded, compared and measured."""
+    """One create-save-restore probe (`restore_probe`): what it loaded, compared and measured; its
+    fields in the order restoration-probe.json writes them."""
 
     initial_checkpoint: str
     mid_checkpoint: str
@@ -75,33 +72,18 @@ class RestoreProbeResult:
     optim_metrics: dict[str, dict[str, float]]  # update1, update2_uninterrupted, update2_restored
     echoed_config: dict[str, float]
     echo_ref: str
-    base_lr_update_norm: float | None
-    failures: list[str]
     echo_observed_on: str = SETUP_CLIENT_ECHO
     uninterrupted_client: str = SETUP_CLIENT
+    base_lr_update_norm: float | None
+    failures: list[str]
     own_config_probes: dict[str, RestoreProbeResult] = field(default_factory=dict)  # other trained arms' configs
 
     def to_json(self) -> JsonObject:
         """restoration-probe.json (`own_config_probes` only when another arm's config was probed)."""
-        out: JsonObject = {
-            "initial_checkpoint": self.initial_checkpoint,
-            "mid_checkpoint": self.mid_checkpoint,
-            "loaded_checkpoint_uri": self.loaded_checkpoint_uri,
-            "updates": list(PROBE_UPDATES),
-            "adam_params": self.adam_params,
-            "restored_vs_uninterrupted": self.restored_vs_uninterrupted,
-            "second_update_effect": self.second_update_effect,
-            "optim_metrics": {k: dict(v) for k, v in self.optim_metrics.items()},
-            "echoed_config": dict(self.echoed_config),
-            "echo_ref": self.echo_ref,
-            "echo_observed_on": self.echo_observed_on,
-            "uninterrupted_client": self.uninterrupted_client,
-            "base_lr_update_norm": self.base_lr_update_norm,
-            "failures": list(self.failures),
-        }
-        if self.own_config_probes:
-            out["own_config_probes"] = {a: p.to_json() for a, p in self.own_config_probes.items()}
-        return out
+        out = as_object(asdict(self))
+        if not self.own_config_probes:
+            del out["own_config_probes"]
+        return {**{k: out.pop(k) for k in list(out)[:3]}, "updates": list(PROBE_UPDATES), **out}
 
 
 @dataclass(frozen=True)
@@ -123,33 +105,24 @@ class LrScalingUnavailable:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LrScalingMeasured:
-    """Update norms from a fresh state per learning rate, and whether norm / LR stayed constant."""
+    """Update norms from a fresh state per learning rate, and whether norm / LR stayed constant;
+    its fields in the order lr-scaling-probe.json writes them."""
 
-    lr_scaling: list[dict[str, float]]  # {"learning_rate", "update_norm"} per probe, in LR order
-    passed: bool | None = None
-    rtol: float | None = None
-    relative_error: list[float | None] | None = None
+    available: Literal[True] = True
     measure: str | None = None
     reset: str | None = None
     gradient: str | None = None
+    lr_scaling: list[dict[str, float]]  # {"learning_rate", "update_norm"} per probe, in LR order
+    relative_error: list[float | None] | None = None
+    rtol: float | None = None
+    passed: bool | None = None
     problem: str | None = None
-    available: Literal[True] = True
 
     def to_json(self) -> JsonObject:
         """lr-scaling-probe.json when measured."""
-        return {
-            "available": True,
-            "measure": self.measure,
-            "reset": self.reset,
-            "gradient": self.gradient,
-            "lr_scaling": [dict(p) for p in self.lr_scaling],
-            "relative_error": None if self.relative_error is None else list(self.relative_error),
-            "rtol": self.rtol,
-            "passed": self.passed,
-            "problem": self.problem,
-        }
+        return as_object(asdict(self))
 
 
 LrScalingBlock = LrScalingUnavailable | LrScalingMeasured
@@ -166,10 +139,10 @@ class RestorationResult:
     provenance: InitializationProvenance  # initialization-provenance.json
     passed: bool
     failures: list[str]
-    lr_scaling: LrScalingBlock | None = None
-    probe: RestoreProbeResult | None = None
-    wall_seconds: float = 0.0
-    loaded: dict[str, Restore] = field(default_factory=dict)  # each loaded arm: client, load response, get_info
+    lr_scaling: LrScalingBlock
+    probe: RestoreProbeResult
+    wall_seconds: float
+    loaded: dict[str, Restore]  # each loaded arm: client, load response, get_info
 
     def failure_message(self) -> str:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
@@ -179,11 +152,10 @@ class RestorationResult:
         the restore-continuity probe (one update on the uninterrupted client, then one on each of the
         uninterrupted and the restored client) and one update per measured LR probe, less the one at
         the planned LR, which is the continuity probe's first update. No sampling."""
-        lr, probe = self.lr_scaling, self.probe
-        shared = 1 if probe is not None and probe.base_lr_update_norm is not None else 0
+        lr, shared = self.lr_scaling, int(self.probe.base_lr_update_norm is not None)
         lr_updates = max(0, len(lr.lr_scaling) - shared) if isinstance(lr, LrScalingMeasured) else 0
         return {
-            "restore_continuity_probe": {"optimizer_updates": 3 if probe is not None else 0, "sampling_batches": 0},
+            "restore_continuity_probe": {"optimizer_updates": 3, "sampling_batches": 0},
             "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
             "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0},
         }
@@ -311,65 +283,36 @@ def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) 
     return failures
 
 
-def group_provenance(
-    arms: dict[str, ArmProvenance],
-    excluded: Mapping[str, str],
-    *,
-    trained: Sequence[str],
-    initial_checkpoint: str,
-    initial_output_comparison: JsonObject,
-    adapter_sha256_method: str,
-    failures: Sequence[str],
-) -> InitializationProvenance:
-    """initialization-provenance.json: the arms' entries, the arms left out (if any), where the
-    group's proof lives, and the verdict."""
-    provenance: InitializationProvenance = {"version": 1, "arms": arms}
-    if excluded:
-        provenance["excluded_arms"] = dict(excluded)
-    provenance["group"] = {
-        "arms": list(trained),
-        "initial_checkpoint": initial_checkpoint,
-        "initial_output_comparison": initial_output_comparison,
-        "adapter_sha256_method": adapter_sha256_method,
-        "restore_probe": PROBE_FILE,
-        "server_responses": RESPONSES_FILE,
-    }
-    provenance["passed"], provenance["failures"] = not failures, list(failures)
-    return provenance
-
-
-def posted_provenance(
-    arms: dict[str, ArmProvenance], excluded: Mapping[str, str], trained_arms: Sequence[str] | None
-) -> InitializationProvenance:
-    """The result's initialization_provenance: with `trained_arms`, each posted check keeps only
-    what the arm's OWN responses exposed."""
-    if trained_arms is None:
-        return {"version": 1, "arms": arms}
-    return {
-        "version": 1,
-        "arms": {
-            a: ArmProvenance(
-                initialization=e["initialization"],
-                restore_count=e["restore_count"],
-                optimizer_checks=[as_object(own_response_only(c)) for c in e["optimizer_checks"]],
-                initial_output=e["initial_output"],
-            )
-            for a, e in arms.items()
-        },
-        "excluded_arms": dict(excluded),
-    }
-
-
 def record_evidence(
     bundle: EvidenceBundle,
     rec: Recorder,
     probe: RestoreProbeResult,
     lr_block: LrScalingBlock,
-    provenance: InitializationProvenance,
-    posted: InitializationProvenance,
+    arms: dict[str, ArmProvenance],
+    excluded: Mapping[str, str],
+    group: JsonObject,
+    failures: Sequence[str],
+    posted_own_only: bool,
     t0: float,
-) -> float:
-    """The preflight's evidence files and result fields; returns the preflight's wall seconds."""
+) -> tuple[InitializationProvenance, float]:
+    """The preflight's evidence files and result fields; returns initialization-provenance.json (the
+    arms' entries, the arms left out, where the group's proof lives, the verdict) and the wall seconds.
+
+    The result's initialization_provenance has `version` and `arms`; with `posted_own_only` (some
+    arm does not train) also `excluded_arms`, and each posted check keeps only what the arm's OWN
+    responses exposed."""
+    provenance: InitializationProvenance = {"version": 1, "arms": arms}
+    if excluded:
+        provenance["excluded_arms"] = dict(excluded)
+    provenance["group"] = {**group, "restore_probe": PROBE_FILE, "server_responses": RESPONSES_FILE}
+    provenance["passed"], provenance["failures"] = not failures, list(failures)
+    posted: InitializationProvenance = {"version": 1, "arms": arms}
+    if posted_own_only:
+        posted["arms"] = {
+            a: {**e, "optimizer_checks": [as_object(own_response_only(c)) for c in e["optimizer_checks"]]}
+            for a, e in arms.items()
+        }
+        posted["excluded_arms"] = dict(excluded)
     bundle.register_json(RESPONSES_FILE, "log", rec.responses)
     bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
@@ -382,4 +325,4 @@ def record_evidence(
             "preflight/restoration_passed": 1.0 if provenance["passed"] else 0.0,
         },
     )
-    return wall
+    return provenance, wall
