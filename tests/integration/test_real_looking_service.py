@@ -50,10 +50,11 @@ ALLOWED_SKIP = "feasibility is measured by the diagnostic itself"  # a diagnosti
 
 # The first model creation waits this long, as on a trainer that starts cold. A wait is posted to
 # result.json once it outlasts a fifth of the capacity patience (service/wait/policy.py), so the
-# diagnostic runs with CAPACITY_PATIENCE_S: its cold start is then posted after 20 s and waited out
+# diagnostic runs with CAPACITY_PATIENCE_S: its cold start is then posted after 8 s and waited out
 # well inside the patience, instead of a cold start past the default patience's 60 s posting mark.
-COLD_START_S = 30
-CAPACITY_PATIENCE_S = 100
+# Short, because CI sleeps through it.
+COLD_START_S = 10
+CAPACITY_PATIENCE_S = 40
 # No creation ever gets a slot in the capacity-block test: this patience is all the run waits.
 BLOCK_PATIENCE_S = 15
 
