@@ -25,7 +25,6 @@ LONGEST_FIRST = (
     "test_real_looking_service.py",
     "test_local_server_sdk.py",
     "test_comparison_resume.py",
-    "test_readme_recipes.py",
 )
 
 

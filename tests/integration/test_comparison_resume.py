@@ -1,11 +1,11 @@
-"""Resume of the paired comparison on the embedded server: a rehearsal stopped after step 2
+"""Resume of the paired comparison on the embedded server: a rehearsal stopped after step 1
 (at the step boundary, as a kill leaves it: the last saved state of each arm on disk, nothing
 else), continued with `resume_run_id`, gives the same per-step metrics as an uninterrupted run;
 a changed plan is refused. A capacity refusal in the middle of an arm-step (after its first
 minibatch update) is retried from the arm's state at the step's start, so the run equals an
 undisturbed one; retrying the step as it stands (the behaviour before) applies an extra update.
-Small size (3 rollout steps x 2 groups x 8, max_tokens 64, 5 test items) so the runs fit the
-unit stage. Every ServiceClient the file creates is registered and must be released."""
+Small size (2 rollout steps x 2 groups x 8, max_tokens 32, 2 test items: a step done before the
+stop and one after it) so the runs stay short. Every ServiceClient the file creates is registered and must be released."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from dppo_harness.stages.comparison.state import state_path
 from dppo_harness.stages.comparison.step_rows import comparable, row_differences
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-PLAN = load_plan(Path(__file__).parents[2] / "tests" / "fixtures" / "plans" / "comparison-ci-resume.json")
+PLAN = load_plan(Path(__file__).parents[2] / "tests" / "fixtures" / "plans" / "comparison-ci-small.json")
 
 
 def _live_session_holders():
@@ -82,9 +82,9 @@ def engine(shared_server, registry):
 
 
 # The 6th optim_step on this server (numbered when they execute, interleaved schedule, 2 arms x
-# 2 updates per step) is the GRPO arm's second update of step 1 in its first run; the 20th is the
-# same update of the second run (the first sends 14: 12 + the refused one + the redone first).
-CAPACITY_FAIL = "optim_step:6,20"
+# 2 updates per step) is the GRPO arm's second update of step 1 in its first run; the 16th is the
+# same update of the second run (the first sends 10: 8 + the refused one + the redone first).
+CAPACITY_FAIL = "optim_step:6,16"
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def uninterrupted(engine, tmp_path_factory):
     """The rehearsal run without a stop or a fault: the reference of both tests (the faulty server
     starts from the same seeded initial state, so it computes the same rows)."""
     full, _ = _run(engine, tmp_path_factory.mktemp("uninterrupted"), "full")
-    assert full.stopped is None and full.steps_completed == 3
+    assert full.stopped is None and full.steps_completed == 2
     return full
 
 
@@ -139,14 +139,14 @@ def _kill_after(n):
 
 def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, uninterrupted, tmp_path):
     full = uninterrupted
-    first, first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(2))
-    assert first.stopped == "killed after step 2" and first.steps_completed == 2
+    first, first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(1))
+    assert first.stopped == "killed after step 1" and first.steps_completed == 1
     assert first.final["outcome_reason"] == "incomplete_execution"
     saved = json.loads(state_path(tmp_path / "state", first.run_id).read_text())
-    assert all(a["steps_done"] == 2 and a["state_path"] for a in saved["arms"].values())
+    assert all(a["steps_done"] == 1 and a["state_path"] for a in saved["arms"].values())
 
     resumed, bundle = _run(engine, tmp_path, "resumed", resume_run_id=first.run_id)
-    assert resumed.stopped is None and resumed.steps_completed == 3 and resumed.run_id == first.run_id
+    assert resumed.stopped is None and resumed.steps_completed == 2 and resumed.run_id == first.run_id
     key = lambda r: (r["arm"], r["step"])  # noqa: E731
     want = sorted((comparable(r) for r in full.rows), key=key)
     got = sorted((comparable(r) for r in resumed.rows), key=key)
@@ -165,7 +165,7 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, uninterrupted, t
     # Both bundles verify: every evidence_ref written on resume names a registered file.
     assert verify_bundle(first_bundle.dir) == [] and verify_bundle(bundle.dir) == []
     resume = bundle.result["initialization_provenance"]["resume"]
-    assert (resume["comparison_run"], resume["from_step"], resume["resumed_times"]) == (first.run_id, 2, 1)
+    assert (resume["comparison_run"], resume["from_step"], resume["resumed_times"]) == (first.run_id, 1, 1)
     assert resume["continues_session"]["run_id"] == first_bundle.run_id
 
 
@@ -201,12 +201,12 @@ def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine,
     srv = faulty_engine[2]
     # Back off 0.1 s; the window (which opens when the refused attempt began) outlasts any step here.
     policy = WaitPolicy(backoff_s=(0.1,), capacity_patience_s=600.0, capacity_patience_after_steps_s=600.0)
-    clean_steps = {"grpo_seed0": 6, "dppo_seed0": 6}  # 3 steps x 2 updates, from the initial state
+    clean_steps = {"grpo_seed0": 4, "dppo_seed0": 4}  # 2 steps x 2 updates, from the initial state
     assert all(not r["retries"] for r in uninterrupted.rows)
 
     refused, bundle = _run(faulty_engine, tmp_path, "refused", capacity_policy=policy)
     assert srv.stats()["faults"]["injected"]["optim_step:capacity_exhausted"] == 1
-    assert refused.stopped is None and refused.steps_completed == 3
+    assert refused.stopped is None and refused.steps_completed == 2
     steps, state = _final_steps(srv, refused, tmp_path)
     assert steps == clean_steps  # no update applied twice
     (retry,) = state["arms"]["grpo_seed0"]["step_retries"]
@@ -217,7 +217,7 @@ def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine,
     prov = bundle.result["initialization_provenance"]["arms"]
     assert prov["grpo_seed0"]["restore_count"] == 2 and "dppo_seed0" not in prov  # the preflight's load + this
     assert [c["after_restore"] for c in prov["grpo_seed0"]["optimizer_checks"]] == [2]
-    assert [r["retries"] for r in refused.rows if r["arm"] == "grpo_seed0"] == [0, 1, 0]
+    assert [r["retries"] for r in refused.rows if r["arm"] == "grpo_seed0"] == [0, 1]
     got, want = _rows(refused), _rows(uninterrupted)
     problems = [p for g, w in zip(got, want, strict=True) for p in _row_differences(g, w)]
     assert not problems, "run with a mid-step refusal differs from the undisturbed run:\n" + "\n".join(problems)
@@ -227,4 +227,4 @@ def test_capacity_refusal_mid_step_is_retried_from_the_step_start(faulty_engine,
     old, _ = _run(faulty_engine, tmp_path, "old", capacity_policy=policy)
     assert srv.stats()["faults"]["injected"]["optim_step:capacity_exhausted"] == 2
     old_steps, _ = _final_steps(srv, old, tmp_path)
-    assert old_steps == {"grpo_seed0": 7, "dppo_seed0": 6}
+    assert old_steps == {"grpo_seed0": 5, "dppo_seed0": 4}

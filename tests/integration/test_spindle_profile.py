@@ -3,7 +3,12 @@ process, planted credentials, and the harness run as a user runs it (`pytest -m 
 
 - the main run: unit parity (the loss-parity file) -> preflight -> a shortened diagnostic (test plan: 4 groups x 4,
   2 minibatches x 2 epochs) through a capacity storm shorter than the backoff window;
-- the same plan on the `local` backend: the frozen batch and pooled statistics must agree;
+- the README's recipe "The harness against a server you started", step 2, as written: the same plan
+  on the default profile's server (a separate process on a free port), the `tinker` backend,
+  exactly the README's variables (no Modal ones) and its command line, plus the CI plan, an
+  evidence dir outside the repository given with a space as a user types it, and the test paths
+  (unit parity is the loss-parity file); its frozen batch and pooled statistics must agree with
+  the main run's;
 - a storm longer than the window ends in a correct capacity_block;
 - bad credentials and a wrong URL: one line within 30 s, nothing left running.
 
@@ -29,7 +34,7 @@ from run_env import harness_env
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
-from dppo_harness.service.secrets_scan import SecretScanner
+from dppo_harness.service.secrets_scan import SECRET_ENV_VARS, SecretScanner
 from dppo_harness.service.wait.watch import SUBMIT_REFUSED_REASON
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +50,8 @@ SHORT_STORM = 2  # refusals; backoff 0.6 s + 1.2 s at scale 0.01, inside the 6 s
 CAPACITY_SCALE = "0.01"  # backoff 0.6/1.2/2.4 s, give-up window 6 s before any comparison step
 # `-m diagnostic` on these paths: unit parity is the loss-parity file (harness_paths).
 UNIT_PARITY_AND_STAGES = (LOSS_PARITY, "tests/preflight", "tests/diagnostic")
-SAMPLER_LP_ATOL = 1e-4  # see test_same_plan_on_the_local_backend_computes_the_same
+SAMPLER_LP_ATOL = 1e-4  # see test_same_plan_on_the_default_profile_computes_the_same
+README_URL = "http://127.0.0.1:8123"
 POOLED_ATOL = 1e-4
 
 
@@ -184,8 +190,60 @@ def test_planted_values_in_no_evidence_file(spindle_run):
     assert not {k: v for k, v in leaks.items() if v}
 
 
-def test_same_plan_on_the_local_backend_computes_the_same(spindle_run, plan_file, tmp_path):
-    """Same plan and seed on `--backend local` (its own embedded server, default profile).
+def _user_env() -> dict[str, str]:
+    """This environment without any service variable, with this interpreter's bin first on PATH
+    (the README's `python` and `pytest` are the installed ones)."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV_VARS and k != "TINKER_BASE_URL"}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def readme_run(readme, plan_file, tmp_path_factory):
+    """The README's recipe, step 2, as written, against the default profile's server on a free port."""
+    cmd = readme("The harness against a server you started", "TINKER_BASE_URL=")
+    assert README_URL in cmd and "MODAL_PROXY" not in cmd and "--backend tinker" in cmd, cmd
+    before = live_child_pids()
+    evidence = tmp_path_factory.mktemp("runs")
+    paths = " ".join(UNIT_PARITY_AND_STAGES)
+    with LocalServerProcess(run_dir=tmp_path_factory.mktemp("readme-server")) as srv:
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [
+                "bash",
+                "-c",
+                cmd.replace(README_URL, srv.base_url)
+                + f" {paths} --plan={plan_file} --evidence-dir {evidence} -p no:cacheprovider -q",
+            ],
+            cwd=ROOT,
+            env=_user_env(),
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
+        secs = time.monotonic() - t0
+    return proc, secs, evidence, before
+
+
+def test_separate_server_recipe_step_2_runs_as_written(readme_run):
+    proc, secs, evidence, before = readme_run
+    print(f"README recipe (diagnostic, CI plan): {secs:.0f} s")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run = _bundle_dir(evidence)
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["backend"]["requested_backend"] == "tinker", result["backend"]
+    conn = json.loads((run / "files" / "connectivity-preflight.json").read_text())
+    variables = next(c for c in conn["checks"] if c["check"] == "variables")
+    assert "proxy headers: none" in variables["detail"], variables
+    verify = subprocess.run(
+        [sys.executable, "-m", "dppo_harness.evidence", "verify", str(run)], capture_output=True, text=True, timeout=300
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert live_child_pids() <= before
+
+
+def test_same_plan_on_the_default_profile_computes_the_same(spindle_run, readme_run):
+    """Same plan and seed on the default profile's server (the README recipe's run above).
 
     Bitwise: every frozen-batch tensor except the sampler logprobs (tokens, advantages, masks,
     rewards, ids, lengths). Not bitwise across server processes: the sampler logprobs. The embedded
@@ -201,22 +259,9 @@ def test_same_plan_on_the_local_backend_computes_the_same(spindle_run, plan_file
     import numpy as np
 
     _, _, evidence = spindle_run
-    local_ev = tmp_path / "evidence-local"
-    proc, secs = _harness(
-        [
-            "tests/preflight",
-            "tests/diagnostic",
-            "--backend=local",
-            f"--plan={plan_file}",
-            f"--evidence-dir={local_ev}",
-            "--timeout=900",
-        ],
-        _harness_env(None, TINKER_API_KEY=None, MODAL_PROXY_TOKEN_ID=None, MODAL_PROXY_TOKEN_SECRET=None),
-        timeout=1200,
-    )
+    proc, _, other_ev, _ = readme_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    print(f"local-backend run: {secs:.0f} s")
-    files = [_bundle_dir(e) / "files" for e in (evidence, local_ev)]
+    files = [_bundle_dir(e) / "files" for e in (evidence, other_ev)]
     # The overall frozen-batch sha256 also covers run metadata (time, checkpoint URIs): compare fields.
     fa, fb = (json.loads((f / "diagnostic-frozen-batch.manifest.json").read_text())["fields"] for f in files)
     assert set(fa) == set(fb)
