@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -199,33 +199,21 @@ def check_rehearsal_plan_result(state: Mapping[str, JsonValue]) -> None:
 # ----------------------------------------------------------------------------- merging
 
 
-_MISSING = object()
-
-
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _number_paths(obj: object, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
-    if _is_number(obj):
-        yield path
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _number_paths(v, (*path, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _number_paths(v, (*path, i))
-
-
-def _get_path(obj: object, path: tuple[str | int, ...]) -> object:
-    for p in path:
-        if isinstance(obj, dict) and p in obj:
-            obj = obj[p]
-            continue
-        if not (isinstance(obj, list) and isinstance(p, int) and p < len(obj)):
-            return _MISSING
-        obj = obj[p]
-    return obj
+def _dropped_number(old: object, new: object, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """The path of the first number in `old` that is no number at the same place in `new`, else None."""
+    if isinstance(old, (dict, list)):
+        for k in old if isinstance(old, dict) else range(len(old)):
+            has = (isinstance(new, dict) and k in new) or (
+                isinstance(new, list) and isinstance(k, int) and k < len(new)
+            )
+            if (p := _dropped_number(old[k], new[k] if has else None, (*path, k))) is not None:  # type: ignore[index]
+                return p
+        return None
+    return path if _is_number(old) and not _is_number(new) else None
 
 
 def deep_merge(old: Mapping[str, JsonValue], new: Mapping[str, JsonValue]) -> JsonObject:
@@ -271,9 +259,8 @@ def merged_result(old: JsonObject, fields: Mapping[str, JsonValue]) -> JsonObjec
         arms = list(done)
         arms += [a for a in posted if a not in arms]
         new["completed_arms"] = arms
-    for path in _number_paths(old):
-        if not _is_number(_get_path(new, path)):
-            raise EvidenceError(f"{fmt_path(path)}: an earlier posted number would be dropped")
+    if (path := _dropped_number(old, new)) is not None:
+        raise EvidenceError(f"{fmt_path(path)}: an earlier posted number would be dropped")
     return new
 
 
@@ -286,16 +273,6 @@ def stopped_state(old: JsonObject, summary: str) -> JsonObject:
         state["tested_instead"] = "nothing: the run stopped before any claim could be tested"
     state["summary"] = label_summary(state, summary)
     return state
-
-
-def leak_failure_state(old: JsonObject, message: str) -> JsonObject:
-    """The result after the secret scanner stopped the run (the message names variables only)."""
-    return stopped_state(old, f"Run stopped by the evidence secret scanner ({message}).")
-
-
-def unwritable_failure_state(old: JsonObject, line: str) -> JsonObject:
-    """The result after an evidence write was refused (disk full, read-only, permission)."""
-    return stopped_state(old, f"Run stopped: its evidence could not be written ({line}).")
 
 
 def as_text(v: object) -> str:

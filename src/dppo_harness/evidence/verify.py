@@ -24,6 +24,7 @@ from dppo_harness.evidence.files import (
     MAX_TOTAL_BYTES,
     NAME_RE,
     RESULT_FILE,
+    run_dir_of,
     sha256_bytes,
     sidecar_files,
 )
@@ -57,13 +58,6 @@ def iter_refs(obj: object, path: tuple[str | int, ...] = ()) -> Iterator[tuple[s
 def split_refs(ref: str) -> list[str]:
     """'a.json#x; b.json#y' -> ['a.json#x', 'b.json#y'] (file names never hold ';' or ',')."""
     return [r.strip() for r in re.split(r"[;,]", ref) if r.strip()]
-
-
-def run_dir_of(path: Path) -> Path:
-    """A run dir as given, or the LATEST run under a root."""
-    if not (path / RESULT_FILE).exists() and (path / "LATEST").exists():
-        return path / (path / "LATEST").read_text().strip()
-    return path
 
 
 def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]:
