@@ -41,19 +41,11 @@ from dppo_harness.pytest_plugin.session import (
     enter_stage,
     new_stage_outcomes,
     selected_for_run,
-    service_stop,
     unwritable_evidence,
     write_session_records,
 )
 from dppo_harness.service.config import redact_url
-
-# Fixture modules of later stages; each owns the session fixtures of its step.
-FIXTURE_PLUGINS = (
-    "dppo_harness.pytest_plugin.fixtures_session",
-    "dppo_harness.pytest_plugin.fixtures_preflight",
-    "dppo_harness.pytest_plugin.fixtures_stages",
-    "dppo_harness.pytest_plugin.fixtures_connectivity",
-)  # connectivity + served identity
+from dppo_harness.service.wait.policy import ServiceStopped
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -161,8 +153,7 @@ def pytest_configure(config: pytest.Config) -> None:
     plan = validated_plan(config, options)
     if plan is not None:
         config.stash[PLAN_KEY] = plan
-    for name in FIXTURE_PLUGINS:
-        config.pluginmanager.import_plugin(name)
+    config.pluginmanager.import_plugin("dppo_harness.pytest_plugin.fixtures")
 
 
 @pytest.hookimpl(trylast=True)
@@ -262,10 +253,10 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    stop = service_stop(call.excinfo.value if call.excinfo is not None else None)
-    if stop is not None:  # the wait policy stopped the stage: its one line, not a traceback
-        report.longrepr = stop.line
-    refused = unwritable_evidence(call.excinfo.value if call.excinfo is not None else None)
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(exc, ServiceStopped):  # the wait policy stopped the stage: its one line, not a traceback
+        report.longrepr = exc.line
+    refused = unwritable_evidence(exc)
     if refused is not None:  # nothing more can be recorded: its one line, and no later test runs
         report.longrepr = refused
         item.session.shouldstop = refused
