@@ -1,12 +1,11 @@
 """Pytest hooks of the harness plugin: options, stage selection and order, fail-fast, launch scope,
-and the session's closing records. Nothing but hooks lives here: session state is in `session`,
-option resolution in `options`, fixtures in the `fixtures_*` modules, stage rules in `stages`.
+and the session's closing records. Session state is in `session`, option resolution in `options`,
+fixtures in `fixtures`, stage rules in `stages`.
 
-Registered through the `pytest11` entry point `dppo_harness.pytest_plugin.hooks` (pyproject.toml), so
-`--plan` and friends are known wherever pytest runs; the project's conftest.py names the same
-module, which pytest then skips as already registered (the entry point's name is the module
-name). The plan is validated in pytest_configure, so a malformed plan is a one-line usage error
-before anything is collected.
+Registered through the `pytest11` entry point named after this module (pyproject.toml), so `--plan`
+and friends are known wherever pytest runs; the project's conftest.py names the same module, which
+pytest then skips as already registered. The plan is validated in pytest_configure, so a malformed
+plan is a one-line usage error before anything is collected.
 """
 
 from __future__ import annotations
@@ -164,17 +163,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         stage = stages.stage_of(markers, item.path)
         item.stash[STAGE_KEY] = stage
         item.add_marker(stage)
-        if stages.stage_from_path(item.path) is None and stage == "unit":
-            continue
-        if item.path.parent.name == stages.INTEGRATION_FOLDER:
+        in_tests = stages.stage_from_path(item.path) is not None or stage != "unit"
+        if in_tests and item.path.parent.name == stages.INTEGRATION_FOLDER:
             item.add_marker("integration")
-
-    keep, drop = [], []
-    for item in items:
-        if selected_for_run(config, state, item):
-            keep.append(item)
-        else:
-            drop.append(item)
+    selected = [selected_for_run(config, state, item) for item in items]
+    keep = [item for item, chosen in zip(items, selected) if chosen]
+    drop = [item for item, chosen in zip(items, selected) if not chosen]
     if drop:
         config.hook.pytest_deselected(items=drop)
     # Stable sort: collection order inside a stage, stage order across stages.

@@ -17,8 +17,7 @@ from dppo_harness.evidence.report.plots import (
     plot_comparison_reward,
     plot_truncation,
 )
-from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
-from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct
+from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct, rows_by_arm, rule_fraction
 from dppo_harness.json_types import JsonMap, JsonObject, num, obj, objs
 
 if TYPE_CHECKING:
