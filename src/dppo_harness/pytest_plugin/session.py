@@ -43,9 +43,8 @@ class HarnessOptions:
     selected_stages: tuple[str, ...]  # the stages this session runs, in order
     # -- comparison stage
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
-    comparison_schedule: Literal["interleaved", "concurrent"] | None = (
-        None  # None: the default for the service (comparison.default_schedule)
-    )
+    # None: the default for the service (comparison.default_schedule)
+    comparison_schedule: Literal["interleaved", "concurrent"] | None = None
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
     # -- the service wait policy (service.wait.policy.WaitPolicy); None: the default (capacity defaults
     # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
@@ -135,9 +134,8 @@ def close_stage(state: StageState, stage: str) -> None:
         bundle.update_result(metrics={f"clients/training_created/{stage}": float(created)})
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
-    if (
-        stage != "unit"
-    ):  # an immutable result snapshot at each service stage's end (a killed run keeps each finished stage's result)
+    # An immutable result snapshot at each service stage's end (a killed run keeps each finished stage's result).
+    if stage != "unit":
         post_snapshot(bundle, f"stage {stage} end", reserve=4, stage_end=True)
 
 
@@ -159,12 +157,11 @@ def progress_printer(config: pytest.Config) -> Callable[[str], None]:
         with _SAY_LOCK:
             if reporter is None:
                 print(msg, flush=True)
-                return
-            if capture is not None:
+            elif capture is None:
+                reporter.write_line(msg)
+            else:
                 with capture.global_and_fixture_disabled():
                     reporter.write_line(msg)
-            else:
-                reporter.write_line(msg)
 
     return say
 
@@ -210,13 +207,8 @@ def release_remaining(state: StageState) -> None:
         return
     state.registry.release_all()
     now = {(r["label"], r["stage"]): r for r in state.registry.records()}
-    note_releases(
-        state,
-        [
-            dict(r, released=now[(r["label"], r["stage"])]["released"], error=now[(r["label"], r["stage"])]["error"])
-            for r in pending
-        ],
-    )
+    done = [now[(r["label"], r["stage"])] for r in pending]
+    note_releases(state, [dict(r, released=d["released"], error=d["error"]) for r, d in zip(pending, done)])
 
 
 CLIENT_RELEASE_NOTE = (

@@ -237,6 +237,6 @@ def write_report(
         names[key] = PLOTS[key]
     text = render_markdown(analysis, names, backend, next_action)
     # On the embedded server, name the stand-in that computed.
-    text += "".join(line + "\n" for line in report_lines(backend_of(getattr(bundle, "result", {}))))
+    text += "".join(line + "\n" for line in report_lines(backend_of(bundle.result)))
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**names, "report": REPORT_FILE}
