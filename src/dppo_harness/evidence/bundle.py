@@ -257,19 +257,17 @@ class EvidenceBundle:
 
     def register_plan(self, plan: Plan, name: str | None = None) -> FileEntry:
         """Register a plans.Plan's exact file bytes; the recorded sha256 must equal Plan.sha256."""
-        entry = self.register_bytes(name or plan.name, "plan", plan.data)
-        if entry["sha256"] != plan.sha256:
-            raise EvidenceError(f"plan {plan.name}: registered sha256 differs from the loaded plan's")
-        return entry
+        return self._register_read(name or plan.name, plan.data, plan.sha256, f"plan {plan.name}")
 
     def register_resolution(self, plan: Plan) -> FileEntry | None:
         """The resolution file read beside the plan, by its exact bytes; None when the plan has none."""
         res = plan.resolution
-        if res is None:
-            return None
-        entry = self.register_bytes(res.file, "plan", res.data)
-        if entry["sha256"] != res.sha256:
-            raise EvidenceError(f"{res.file}: registered sha256 differs from the resolution file read")
+        return None if res is None else self._register_read(res.file, res.data, res.sha256, res.file)
+
+    def _register_read(self, name: str, data: bytes, sha256: str, what: str) -> FileEntry:
+        entry = self.register_bytes(name, "plan", data)
+        if entry["sha256"] != sha256:
+            raise EvidenceError(f"{what}: registered sha256 differs from the file read")
         return entry
 
     def register_effective_config(self, config: JsonMap) -> FileEntry:

@@ -32,7 +32,6 @@ from dppo_harness.evidence.session import start_session
 from dppo_harness.plans import BackendKind, Plan, load_plan
 from dppo_harness.pytest_plugin.session import (
     CONNECTIVITY_KEY,
-    ITEMS_KEY,
     OPTIONS_KEY,
     PLAN_KEY,
     STATE_KEY,
@@ -198,6 +197,7 @@ def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
 
 @pytest.fixture(scope="session")
 def evidence_bundle(
+    request: pytest.FixtureRequest,
     pytestconfig: pytest.Config,
     harness_options: HarnessOptions,
     plan: Plan,
@@ -218,7 +218,7 @@ def evidence_bundle(
         plan=plan,
         stages=harness_options.selected_stages,
         project_root=project.project_root(),
-        test_files=sorted({str(it.path) for it in pytestconfig.stash.get(ITEMS_KEY, [])}),
+        test_files=sorted({str(it.path) for it in request.session.items}),
         served_model=served,
     )
     from dppo_harness.service.identity import record_session_identity  # lazy: see the module docstring

@@ -29,7 +29,6 @@ from dppo_harness.pytest_plugin.options import (
 from dppo_harness.pytest_plugin.rootdir import reroot
 from dppo_harness.pytest_plugin.session import (
     CONNECTIVITY_KEY,
-    ITEMS_KEY,
     OPTIONS_KEY,
     PLAN_KEY,
     STAGE_KEY,
@@ -335,7 +334,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         stage_order=stages.STAGES,
     ):
         terminalreporter.write_line(line)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    session.config.stash[ITEMS_KEY] = list(session.items)

@@ -31,7 +31,6 @@ ReleaseRecord = dict[str, Any]
 STAGE_KEY = pytest.StashKey[str]()
 STATE_KEY = pytest.StashKey["StageState"]()
 PLAN_KEY = pytest.StashKey[Plan]()
-ITEMS_KEY = pytest.StashKey[list[pytest.Item]]()
 CONNECTIVITY_KEY = pytest.StashKey["ConnectivityReport"]()  # the launch-scope check's, reused by `connectivity`
 
 
