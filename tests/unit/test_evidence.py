@@ -232,10 +232,6 @@ def test_planted_secret_in_result_json_is_blocked(tmp_path, monkeypatch):
     text = (b.dir / "result.json").read_text()
     assert FAKE_MODAL not in text and b.result["metrics"]["kept"] == 1.0
     assert json.loads(before)["status"] == "running"
-    # An explicitly given secret (not in env) is scanned as well.
-    b2 = EvidenceBundle.create(tmp_path, "explicit", secret_values=["s3cr3t-explicit-value"], env={})
-    with pytest.raises(SecretLeakError, match=r"explicit_secret\[0\]"):
-        b2.register_json("cfg.json", "effective_config", {"key": "s3cr3t-explicit-value"})
 
 
 def test_a_failure_is_sticky_whatever_closes_the_run_later(tmp_path, monkeypatch):
@@ -484,9 +480,6 @@ def test_killed_run_leaves_a_valid_partial_bundle(tmp_path):
     assert any(f["name"] == "early.json" for f in r["evidence"]["files"])
     told = _cli("verify", str(root))  # as a reader runs it, through LATEST: never read as verified
     assert told.returncode == 3 and "verify: INCOMPLETE" in told.stdout and "OK" not in told.stdout, told.stdout
-    reopened = EvidenceBundle.open(run, env={})  # and the partial bundle can be continued
-    reopened.update_result(metrics={"after_restart": 1.0})
-    assert verify_bundle(run) == []
 
 
 def test_record_plan_before_training(bundle):

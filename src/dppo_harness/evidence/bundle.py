@@ -62,14 +62,12 @@ class EvidenceBundle:
         self,
         run_dir: Path,
         result: dict[str, Any],
-        secret_values: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.dir = run_dir
         self.run_id = run_dir.name
         self._result = result
-        self._secret_values = tuple(secret_values)
         self._env = env  # None = os.environ, read at every scan so late-set secrets count too
         self._lock = threading.RLock()
         self._clock, self._t0 = clock, clock()
@@ -88,7 +86,6 @@ class EvidenceBundle:
         cls,
         root: Path,
         run_id: str | None = None,
-        secret_values: Sequence[str] = (),
         *,
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -104,24 +101,10 @@ class EvidenceBundle:
             (run_dir / FILES_DIR).mkdir(parents=True)
         except OSError as exc:
             raise UnwritableEvidenceError(unwritable_line(run_dir, exc)) from None
-        bundle = cls(run_dir, initial_result(), secret_values, env, clock)
+        bundle = cls(run_dir, initial_result(), env, clock)
         bundle._write_result(bundle._result)
         bundle._write(root / LATEST_FILE, (run_id + "\n").encode())  # last: it never names a run without result.json
         return bundle
-
-    @classmethod
-    def open(
-        cls,
-        run_dir: Path,
-        secret_values: Sequence[str] = (),
-        *,
-        env: Mapping[str, str] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> EvidenceBundle:
-        run_dir = Path(run_dir)
-        result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
-        validate_result(result)
-        return cls(run_dir, result, secret_values, env, clock)
 
     # -- reading
 
@@ -148,7 +131,7 @@ class EvidenceBundle:
     # -- secret scanning and refused writes
 
     def _scanner(self) -> SecretScanner:
-        return scanner_for(self._env, self._secret_values)
+        return scanner_for(self._env)
 
     def _scan(self, data: bytes, what: str) -> None:
         try:
