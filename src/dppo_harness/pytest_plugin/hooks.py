@@ -82,28 +82,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "feasibility pilot times; concurrent overlaps them: see benchmarks/comparison_schedule.py)",
     )
     # -- service waits (docs/service.md)
-    group.addoption(
-        "--capacity-patience-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="give up after the service paused or refused work for S seconds before any comparison "
-        "step completed (default 600)",
-    )
-    group.addoption(
-        "--capacity-patience-after-steps-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="the same window once a comparison step completed (default 1800)",
-    )
-    group.addoption(
-        "--service-timeout-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="stop the stage when a request whose queue is active gives no answer for S seconds (default 900)",
-    )
+    for name, help_text in (
+        (
+            "--capacity-patience-s",
+            "give up after the service paused or refused work for S seconds before any comparison "
+            "step completed (default 600)",
+        ),
+        ("--capacity-patience-after-steps-s", "the same window once a comparison step completed (default 1800)"),
+        (
+            "--service-timeout-s",
+            "stop the stage when a request whose queue is active gives no answer for S seconds (default 900)",
+        ),
+    ):
+        group.addoption(name, type=float, default=None, metavar="S", help=help_text)
     group.addoption(
         "--proxy-credentials",
         choices=("modal", "runs"),
