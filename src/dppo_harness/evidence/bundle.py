@@ -96,7 +96,7 @@ class EvidenceBundle:
             raise EvidenceError(f"run_id {run_id!r}: use letters, digits, '.', '_' or '-' only")
         run_dir = root / run_id
         if run_dir.exists():
-            raise EvidenceError(f"run directory {run_dir} already exists; open it with EvidenceBundle.open")
+            raise EvidenceError(f"run directory {run_dir} already exists; give another run_id")
         try:
             (run_dir / FILES_DIR).mkdir(parents=True)
         except OSError as exc:
