@@ -139,8 +139,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.option.help:
         refuse_unsafe_credentials()
     config.stash[OPTIONS_KEY] = options
-    plan = validated_plan(config, options)
-    if plan is not None:
+    if (plan := validated_plan(config, options)) is not None:
         config.stash[PLAN_KEY] = plan
     config.pluginmanager.import_plugin("dppo_harness.pytest_plugin.fixtures")
 
