@@ -309,9 +309,7 @@ class EvidenceBundle:
     def set_backend(self, backend: Backend) -> None:
         """The backend block; a local backend also forces the rehearsal label onto the summary."""
         with self._lock:
-            new = copy.deepcopy(self._result)
-            new["backend"] = backend.to_json()
-            self._commit(new)
+            self._commit({**copy.deepcopy(self._result), "backend": backend.to_json()})
 
     def post_arm_metrics(self, arm: str, metrics: Mapping[str, float], *, completed: bool = False) -> None:
         fields: dict[str, Any] = {

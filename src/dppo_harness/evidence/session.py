@@ -76,10 +76,9 @@ def start_session(
     register_code_archive(bundle, root, commit=commit)
     _register_test_manifest(bundle, root, test_files)
     # The served model, when not known yet, is named for where it will be reported.
-    if backend == "local":
-        served = served_model or "the embedded server's model (named at client creation)"
-    else:
-        served = served_model or plan.base_model
+    served = served_model or (
+        "the embedded server's model (named at client creation)" if backend == "local" else plan.base_model
+    )
     info = plans.BackendInfo(
         backend=backend, requested_model=plan.planned_model, served_model=served, sdk_versions=versions
     )

@@ -251,8 +251,7 @@ def pytest_runtest_makereport(
         if report.failed:
             counts["failed_tests"].append(f"{item.nodeid} ({report.when})")
     if report.failed:
-        state = item.config.stash[STATE_KEY]
-        state.first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
+        item.config.stash[STATE_KEY].first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
     return report
 
 
