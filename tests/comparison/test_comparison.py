@@ -1,7 +1,7 @@
 """Stage `comparison`: the paired comparison run as the executed plan says (on the local backend
 the declared rehearsal plan), then its evidence checked offline.
 
-The run itself happens once, in the session fixture `comparison_run` (dppo_harness.pytest_plugin.fixtures_stages).
+The run itself happens once, in the session fixture `comparison_run` (dppo_harness.pytest_plugin.fixtures).
 """
 
 import json

@@ -1,6 +1,6 @@
 """Stage `diagnostic`: the requester's bounded diagnostic, then its evidence checked offline.
 
-The run itself happens once, in the session fixture `diagnostic_run` (dppo_harness.pytest_plugin.fixtures_stages).
+The run itself happens once, in the session fixture `diagnostic_run` (dppo_harness.pytest_plugin.fixtures).
 """
 
 import subprocess

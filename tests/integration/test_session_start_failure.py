@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Loaded with -p before the session: start_session fails after its first records are written.
 _PLANTED = """
-from dppo_harness.pytest_plugin import fixtures_session
+from dppo_harness.pytest_plugin import fixtures
 
 
 def start_session(bundle, **kw):
@@ -23,7 +23,7 @@ def start_session(bundle, **kw):
     raise RuntimeError("planted failure inside start_session")
 
 
-fixtures_session.start_session = start_session
+fixtures.start_session = start_session
 """
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import tinker
 
-from dppo_harness.pytest_plugin import fixtures_preflight
+from dppo_harness.pytest_plugin import fixtures
 from dppo_harness.service.connectivity import ConnectivityReport
 from dppo_harness.stages.restoration import preflight as checkpoint
 
@@ -87,7 +87,7 @@ def test_a_model_the_preflight_did_not_check_is_passed_unchanged():
 
 def test_the_restoration_fixture_creates_clients_with_the_resolved_model():
     """The session's restoration passes the `client_base_model` fixture, not the spec's name."""
-    fn = fixtures_preflight.restoration
+    fn = fixtures.restoration
     fn = getattr(fn, "__wrapped__", None) or getattr(fn, "_get_wrapped_function", lambda: fn)()
     tree = ast.parse(inspect.getsource(fn).lstrip())
     calls = [

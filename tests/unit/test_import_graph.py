@@ -108,9 +108,9 @@ def test_module_graph_is_acyclic():
 
 def test_module_graph_with_function_level_imports_is_acyclic():
     graph = import_graph(functions=True)
-    # fixtures_preflight imports identity inside a fixture: only the function-level graph has that edge.
-    assert "dppo_harness.stages.restoration" in graph["dppo_harness.pytest_plugin.fixtures_preflight"]
-    assert "dppo_harness.stages.restoration" not in import_graph()["dppo_harness.pytest_plugin.fixtures_preflight"]
+    # fixtures imports identity inside a fixture: only the function-level graph has that edge.
+    assert "dppo_harness.stages.restoration" in graph["dppo_harness.pytest_plugin.fixtures"]
+    assert "dppo_harness.stages.restoration" not in import_graph()["dppo_harness.pytest_plugin.fixtures"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 

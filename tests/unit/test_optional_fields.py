@@ -209,7 +209,7 @@ def test_served_model_without_a_model_name_is_unavailable_not_the_requested_one(
 
 
 def test_backend_info_without_model_names_is_unavailable_and_no_deviation(pytestconfig):
-    from dppo_harness.pytest_plugin.fixtures_preflight import backend_info
+    from dppo_harness.pytest_plugin.fixtures import backend_info
 
     plan = plans.load_plan(pytestconfig.rootpath / "plans" / "exp_e6b0965af3.json")
     info = types.GetInfoResponse(model_data=types.ModelData(), model_id="s:train:0")  # the service sent no names

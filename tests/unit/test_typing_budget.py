@@ -115,10 +115,7 @@ def test_the_plugin_starts_without_the_heavy_stack():
     plugin = [
         "dppo_harness.pytest_plugin.hooks",
         "dppo_harness.pytest_plugin.options",
-        "dppo_harness.pytest_plugin.fixtures_session",
-        "dppo_harness.pytest_plugin.fixtures_connectivity",
-        "dppo_harness.pytest_plugin.fixtures_preflight",
-        "dppo_harness.pytest_plugin.fixtures_stages",
+        "dppo_harness.pytest_plugin.fixtures",
     ]
     assert heavy_modules_loaded(plugin) == []
     assert "torch" in heavy_modules_loaded(["dppo_harness.stages.feasibility"])  # the check sees a heavy import

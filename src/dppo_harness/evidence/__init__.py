@@ -10,10 +10,6 @@ Every byte that leaves memory (files and result.json) is scanned first for the l
 values in the environment; a match blocks the write and raises SecretLeakError.
 
     python -m dppo_harness.evidence verify DIR     # DIR: a run dir, or a root with LATEST
-
-Modules: files (file registry + limits), result (result.json shape and merge rules), ledger
-(budget), session (what a pytest session records), provenance (git revision), verify (CLI),
-bundle (EvidenceBundle, which composes them).
 """
 
 from dppo_harness.evidence.bundle import EvidenceBundle
@@ -24,53 +20,20 @@ from dppo_harness.evidence.errors import (
     ResultShapeError,
     UnwritableEvidenceError,
 )
-from dppo_harness.evidence.files import (
-    KINDS,
-    MAX_FILE_BYTES,
-    MAX_FILES,
-    MAX_TOTAL_BYTES,
-    FileEntry,
-    atomic_write,
-    sha256_bytes,
-)
-from dppo_harness.evidence.provenance import code_revision
-from dppo_harness.evidence.result import (
-    OUTCOME_REASONS,
-    REHEARSAL_PREFIX,
-    STATUSES,
-    VERDICTS,
-    ResultModel,
-    initial_result,
-    validate_result,
-)
-from dppo_harness.evidence.verify import main, verify_bundle
-from dppo_harness.plans.models import DEVIATION_FIELDS
+from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.result import REHEARSAL_PREFIX
+from dppo_harness.evidence.verify import verify_bundle
 from dppo_harness.service.secrets_scan import SecretLeakError
 
 __all__ = [
-    "DEVIATION_FIELDS",
-    "KINDS",
     "MAX_FILES",
-    "MAX_FILE_BYTES",
-    "MAX_TOTAL_BYTES",
-    "OUTCOME_REASONS",
     "REHEARSAL_PREFIX",
-    "STATUSES",
-    "VERDICTS",
     "EvidenceBundle",
     "EvidenceError",
-    "FileEntry",
     "ImmutableNameError",
     "LimitError",
-    "ResultModel",
     "ResultShapeError",
     "SecretLeakError",
     "UnwritableEvidenceError",
-    "atomic_write",
-    "code_revision",
-    "initial_result",
-    "main",
-    "sha256_bytes",
-    "validate_result",
     "verify_bundle",
 ]

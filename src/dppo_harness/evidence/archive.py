@@ -52,11 +52,6 @@ SECRET_FILE_PATTERNS = (
 )
 
 
-def is_secret_file(path: Path) -> bool:
-    name = path.name.lower()
-    return any(fnmatch.fnmatch(name, pat) for pat in SECRET_FILE_PATTERNS)
-
-
 def tracked_files(root: Path) -> set[Path] | None:
     """The files git tracks under `root` (None: not a git checkout, or git unavailable)."""
     if not (root / ".git").exists():
@@ -87,7 +82,8 @@ def archived_paths(root: Path, include: Iterable[str] = ARCHIVED) -> list[Path]:
                 if f.is_file() and not _SKIP_PARTS & set(f.parts) and f.suffix not in (".pyc", ".pyo")
             )
     tracked = tracked_files(root)
-    return sorted(f for f in out if not is_secret_file(f) and (tracked is None or f.resolve() in tracked))
+    secret = [f for f in out if any(fnmatch.fnmatch(f.name.lower(), pat) for pat in SECRET_FILE_PATTERNS)]
+    return sorted(f for f in out if f not in secret and (tracked is None or f.resolve() in tracked))
 
 
 def build_archive(

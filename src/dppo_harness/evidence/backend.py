@@ -12,20 +12,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from dppo_harness.constants import EMBEDDED_SERVER_MARKER
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.plans import BackendKind
+from dppo_harness.plans.schema_errors import STRICT
 
 EMBEDDED_KEY = "embedded_server"  # the marker's key in capabilities and in get_info().model_data
 
 
-class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+class Block(BaseModel):
+    """A closed, strict block of result.json (no extra key, no coercion, no NaN/inf)."""
+
+    model_config = STRICT
 
 
-class EmbeddedServer(_Block):
+class EmbeddedServer(Block):
     """The embedded server's self-identification: its marker, stand-in, profile and where it was seen."""
 
     marker: str | None = None
@@ -34,7 +37,7 @@ class EmbeddedServer(_Block):
     sources: list[str] | None = None  # "header", "capabilities", "model_data"
 
 
-class Backend(_Block):
+class Backend(Block):
     """The backend block. Only `kind` is always there; a block read back from a result may lack the rest."""
 
     kind: BackendKind
@@ -56,11 +59,6 @@ def backend_of(result: Mapping[str, JsonValue]) -> Backend | None:
     """The result's backend block as a record (None before the session recorded it)."""
     block = result.get("backend")
     return Backend.model_validate(block) if block else None
-
-
-def is_embedded(backend: Backend | None) -> bool:
-    """The embedded server computed: the evidence's backend kind is `local` (the marker was seen)."""
-    return backend is not None and backend.kind == "local"
 
 
 ServedOrigin = Literal["arch", "backend_block", "unnamed", "model_name"]
@@ -100,20 +98,15 @@ def served_model(
     real service it is `model_data.model_name`, the service's word.
     """
     md = model_data or {}
-    reported = md.get("model_name")
+    reported = None if md.get("model_name") is None else str(md["model_name"])
     embedded = seen or (backend.embedded_server if backend is not None else None)
-    if local or md.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER or embedded or is_embedded(backend):
+    local = local or (backend is not None and backend.kind == "local")
+    if local or md.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER or embedded:
         if md.get("arch"):
-            return ServedName(str(md["arch"]), "arch", _text_or_none(reported))
+            return ServedName(str(md["arch"]), "arch", reported)
         name = (embedded.stand_in if embedded is not None else None) or (backend.served_model if backend else None)
-        if name:
-            return ServedName(name, "backend_block", _text_or_none(reported))
-        return ServedName(None, "unnamed", _text_or_none(reported))
-    return ServedName(str(reported) if reported else None, "model_name", _text_or_none(reported))
-
-
-def _text_or_none(v: object) -> str | None:
-    return None if v is None else str(v)
+        return ServedName(name, "backend_block", reported) if name else ServedName(None, "unnamed", reported)
+    return ServedName(reported or None, "model_name", reported)
 
 
 def stand_in_note(stand_in: str | None, requested_model: str) -> str:

@@ -1,16 +1,9 @@
-"""The evidence budget: the bundle's limits (64 files, 10 MiB a file, 40 MiB in all) checked at
-every registration, with one reserve for the closing records.
-
-Nothing is counted ahead from the plan: every write goes through `EvidenceBundle.register_bytes`,
-which refuses the one that would pass a limit or take the reserve (one `LimitError` line naming
-the file, the limit and what was already written). The reserve is set before any other file
-(`EvidenceBundle.reserve_closing`): a slot for each closing record and one for the last stage-end
-snapshot, and CLOSING_BYTES, so no stage can starve the close. Optional files (result snapshots,
-saved run states) ask `free_slots()` first and are skipped, and the ledger says so, when only the
-reserve is left.
-
-What else lives here sizes single files, or keeps slots for writes a running stage knows are
-still to come (the comparison's end files and mid-step restores).
+"""The evidence budget: the bundle's limits (64 files, 10 MiB a file, 40 MiB in all) are checked at
+every registration (`EvidenceBundle.register_bytes`), nothing is counted ahead from the plan. One
+reserve, set before any other file (`EvidenceBundle.reserve_closing`), keeps a slot for each closing
+record and for the last stage-end snapshot, and CLOSING_BYTES, so no stage can starve the close;
+optional files ask `free_slots()` first and are skipped, the ledger saying so. The rest sizes single
+files, or keeps slots for writes a running stage knows are still to come.
 """
 
 from __future__ import annotations

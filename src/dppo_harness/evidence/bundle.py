@@ -1,10 +1,7 @@
-"""EvidenceBundle: one run's evidence directory, composed of its parts.
+"""EvidenceBundle: one run's evidence directory.
 
-- files.FileRegistry: immutable `files/<name>` within the limits;
-- result: result.json (shape, merge rules, rehearsal label);
-- ledger.BudgetLedger: the run budget and stage times (`ledger.json`).
-(`session` writes what a pytest session records first, and closes the result, through it.)
-
+Its parts: the immutable `files/<name>` within the limits (`files`), result.json with its shape
+and merge rules (`result`), and the budget ledger, the run budget and stage times (`ledger.json`).
 The bundle holds the one lock, scans every byte for live secrets before it leaves memory, and
 writes every file atomically. On any error nothing changes, on disk or in memory.
 """
@@ -13,36 +10,32 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from dppo_harness.evidence import files
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, STAGE_END_SLOTS, record
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
+    EFFECTIVE_CONFIG_FILE,
     FILES_DIR,
+    LATEST_FILE,
     LEDGER_FILE,
     MAX_FILES,
-    MAX_TOTAL_BYTES,
-    NAME_RE,
     RESULT_FILE,
     FileEntry,
-    FileRegistry,
     atomic_write,
     dump_json,
     json_file_bytes,
     sidecar_files,
     unwritable_line,
-    written,
 )
-from dppo_harness.evidence.ledger import BudgetLedger
 from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
     as_text,
@@ -50,9 +43,8 @@ from dppo_harness.evidence.result import (
     check_update_keys,
     initial_result,
     label_summary,
-    leak_failure_state,
     merged_result,
-    unwritable_failure_state,
+    stopped_state,
     validate_result,
 )
 from dppo_harness.json_types import JsonMap, JsonObject
@@ -70,65 +62,49 @@ class EvidenceBundle:
         self,
         run_dir: Path,
         result: dict[str, Any],
-        secret_values: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.dir = run_dir
         self.run_id = run_dir.name
         self._result = result
-        self._secret_values = tuple(secret_values)
         self._env = env  # None = os.environ, read at every scan so late-set secrets count too
         self._lock = threading.RLock()
-        self._files = FileRegistry(run_dir / FILES_DIR)
-        self._ledger = BudgetLedger(run_dir / LEDGER_FILE, clock)
+        self._clock, self._t0 = clock, clock()
+        ledger = run_dir / LEDGER_FILE
+        self._ledger: dict[str, Any] = (
+            json.loads(ledger.read_text()) if ledger.exists() else {"budget": None, "stages": []}
+        )
         self._rehearsal_plan = False  # set by record_plan for a plan of kind "rehearsal"
         self.unwritable: str | None = None  # the first refused write's line; the run fails with it
         self._closing: frozenset[str] = frozenset()  # names reserved for the close (reserve_closing)
         self._closing_bytes = 0
         self._stage_end_slots = 0  # slots only a stage-end snapshot may take (reserve_closing)
 
-    # -- construction
-
     @classmethod
     def create(
         cls,
         root: Path,
         run_id: str | None = None,
-        secret_values: Sequence[str] = (),
         *,
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> EvidenceBundle:
         root = Path(root)
         run_id = run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
-        if not NAME_RE.match(run_id):
+        if not files.NAME_RE.match(run_id):
             raise EvidenceError(f"run_id {run_id!r}: use letters, digits, '.', '_' or '-' only")
         run_dir = root / run_id
         if run_dir.exists():
-            raise EvidenceError(f"run directory {run_dir} already exists; open it with EvidenceBundle.open")
+            raise EvidenceError(f"run directory {run_dir} already exists; give another run_id")
         try:
             (run_dir / FILES_DIR).mkdir(parents=True)
         except OSError as exc:
             raise UnwritableEvidenceError(unwritable_line(run_dir, exc)) from None
-        bundle = cls(run_dir, initial_result(), secret_values, env, clock)
+        bundle = cls(run_dir, initial_result(), env, clock)
         bundle._write_result(bundle._result)
-        bundle._write(root / "LATEST", (run_id + "\n").encode())  # last: it never names a run without result.json
+        bundle._write(root / LATEST_FILE, (run_id + "\n").encode())  # last: it never names a run without result.json
         return bundle
-
-    @classmethod
-    def open(
-        cls,
-        run_dir: Path,
-        secret_values: Sequence[str] = (),
-        *,
-        env: Mapping[str, str] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> EvidenceBundle:
-        run_dir = Path(run_dir)
-        result = json.loads((run_dir / RESULT_FILE).read_text(encoding="utf-8"))
-        validate_result(result)
-        return cls(run_dir, result, secret_values, env, clock)
 
     # -- reading
 
@@ -138,7 +114,7 @@ class EvidenceBundle:
             return copy.deepcopy(self._result)
 
     def file_path(self, name: str) -> Path:
-        return self._files.path(name)
+        return self.dir / FILES_DIR / name
 
     def files(self) -> list[FileEntry]:
         with self._lock:
@@ -146,25 +122,22 @@ class EvidenceBundle:
 
     def entry(self, name: str) -> FileEntry | None:
         with self._lock:
-            for f in self._entries():
-                if f["name"] == name:
-                    return FileEntry(**f)
-        return None
+            return next((FileEntry(**f) for f in self._entries() if f["name"] == name), None)
 
     def _entries(self) -> list[FileEntry]:
-        files: list[FileEntry] = self._result["evidence"]["files"]
-        return files
+        entries: list[FileEntry] = self._result["evidence"]["files"]
+        return entries
 
-    # -- secret scanning
+    # -- secret scanning and refused writes
 
     def _scanner(self) -> SecretScanner:
-        return scanner_for(self._env, self._secret_values)
+        return scanner_for(self._env)
 
     def _scan(self, data: bytes, what: str) -> None:
         try:
             self._scanner().check(data, what)
         except SecretLeakError as exc:
-            self._mark_failed_after_leak(str(exc))
+            self._stop(f"Run stopped by the evidence secret scanner ({exc}).")  # the message names variables only
             raise
 
     def _sidecar_leak(self) -> str | None:
@@ -180,18 +153,17 @@ class EvidenceBundle:
                 continue  # gone or unreadable: nothing of it can reach a reader through the bundle
         return None
 
-    def _mark_failed_after_leak(self, message: str) -> None:
-        state = leak_failure_state(self._result, message)
+    def _stop(self, summary: str) -> None:
+        """Write the failed, closed result the evidence itself calls for; if it cannot land, the old
+        result.json stays (the exception on the way already fails the run loudly)."""
+        state = stopped_state(self._result, summary)
         try:
+            validate_result(state)
             data = dump_json(state)
             self._scanner().check(data, RESULT_FILE)
-            validate_result(state)
-        except (SecretLeakError, ResultShapeError, ValueError):
-            return  # the old result.json stays; the exception already fails the run loudly
-        try:
             atomic_write(self.dir / RESULT_FILE, data)
-        except OSError:
-            return  # the old result.json stays; the exception already fails the run loudly
+        except (OSError, SecretLeakError, ResultShapeError, ValueError):
+            return
         self._result = state
 
     def _write(self, path: Path, data: bytes) -> None:
@@ -203,23 +175,9 @@ class EvidenceBundle:
             line = unwritable_line(path, exc)
             if self.unwritable is None:
                 self.unwritable = line
-                if path.name != RESULT_FILE:
-                    self._close_unwritable()
+                if path.name != RESULT_FILE and self._result["status"] != "failed":
+                    self._stop(_unwritable_summary(line))
             raise UnwritableEvidenceError(line) from None
-
-    def _close_unwritable(self) -> None:
-        """Write the failed, closed result a refused write calls for (nothing if it cannot land)."""
-        if self.unwritable is None or self._result["status"] == "failed":
-            return
-        state = unwritable_failure_state(self._result, self.unwritable)
-        try:
-            validate_result(state)
-            data = dump_json(state)
-            self._scanner().check(data, RESULT_FILE)
-            atomic_write(self.dir / RESULT_FILE, data)
-        except (OSError, SecretLeakError, ResultShapeError, ValueError):
-            return
-        self._result = state
 
     # -- files
 
@@ -232,17 +190,23 @@ class EvidenceBundle:
         data = bytes(data)
         with self._lock:
             entries = self._entries()
-            entry, is_new = self._files.admit(name, kind, data, entries)
+            entry, is_new = files.admit(name, kind, data, entries)
             if not is_new:
                 return entry
             self._scan(data, f"evidence file {name!r}")
-            self._files.check_limits(entry, entries)
-            self._check_closing_reserve(entry, entries, stage_end)
-            self._write(self._files.path(entry["name"]), data)
+            slots, nbytes = (0, 0) if name in self._closing else self._closing_left(entries, stage_end)
+            files.check_limits(entry, entries, slots, nbytes)
+            self._write(self.file_path(name), data)
             new = copy.deepcopy(self._result)
             new["evidence"]["files"].append(dict(entry))
             self._commit(new)
             return FileEntry(**entry)
+
+    def register_json(self, name: str, kind: str, obj: object, *, stage_end: bool = False) -> FileEntry:
+        return self.register_bytes(name, kind, json_file_bytes(name, obj), stage_end=stage_end)
+
+    def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
+        return self.register_bytes(name, kind, files.read_source(name, Path(path)))
 
     def write_beside(self, name: str, data: bytes) -> Path:
         """Write a sidecar beside the bundle (not registered; scanned at finish and by verify) through
@@ -251,8 +215,6 @@ class EvidenceBundle:
         with self._lock:
             self._write(path, bytes(data))
         return path
-
-    # -- the closing records' reserve
 
     def reserve_closing(self, names: Sequence[str] = CLOSING_RECORDS, nbytes: int = CLOSING_BYTES) -> None:
         """Keep a file slot for each of `names`, one for the last stage-end snapshot, and `nbytes` in
@@ -267,24 +229,7 @@ class EvidenceBundle:
         """(file slots, bytes) still reserved for closing records not yet registered; a stage-end
         snapshot may take the slot kept for the last one."""
         names = len(self._closing - {e["name"] for e in entries})
-        slots = names + (0 if stage_end else self._stage_end_slots)
-        return slots, (self._closing_bytes if names else 0)
-
-    def _check_closing_reserve(self, entry: FileEntry, entries: Sequence[FileEntry], stage_end: bool) -> None:
-        if entry["name"] in self._closing:
-            return
-        slots, nbytes = self._closing_left(entries, stage_end)
-        if len(entries) + 1 > MAX_FILES - slots:
-            raise LimitError(
-                f"file {entry['name']!r} would be file {len(entries) + 1}; the last {slots} of the "
-                f"{MAX_FILES} file slots are reserved for the closing records; {written(entries)}"
-            )
-        total = sum(f["size"] for f in entries) + entry["size"]
-        if total > MAX_TOTAL_BYTES - nbytes:
-            raise LimitError(
-                f"file {entry['name']!r} would bring the run to {total} bytes; the last {nbytes} of "
-                f"{MAX_TOTAL_BYTES} bytes are reserved for the closing records; {written(entries)}"
-            )
+        return names + (0 if stage_end else self._stage_end_slots), (self._closing_bytes if names else 0)
 
     def free_slots(self, *, stage_end: bool = False) -> int:
         """File slots any file may still take (the closing reserve left out); `stage_end`: what a
@@ -293,11 +238,31 @@ class EvidenceBundle:
             entries = self._entries()
             return MAX_FILES - len(entries) - self._closing_left(entries, stage_end)[0]
 
-    def register_json(self, name: str, kind: str, obj: object, *, stage_end: bool = False) -> FileEntry:
-        return self.register_bytes(name, kind, json_file_bytes(name, obj), stage_end=stage_end)
+    def register_plan(self, plan: Plan, name: str | None = None) -> FileEntry:
+        """Register a plans.Plan's exact file bytes; the recorded sha256 must equal Plan.sha256."""
+        return self._register_read(name or plan.name, plan.data, plan.sha256, f"plan {plan.name}")
 
-    def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
-        return self.register_bytes(name, kind, FileRegistry.read_source(name, Path(path)))
+    def register_resolution(self, plan: Plan) -> FileEntry | None:
+        """The resolution file read beside the plan, by its exact bytes; None when the plan has none."""
+        res = plan.resolution
+        return None if res is None else self._register_read(res.file, res.data, res.sha256, res.file)
+
+    def _register_read(self, name: str, data: bytes, sha256: str, what: str) -> FileEntry:
+        entry = self.register_bytes(name, "plan", data)
+        if entry["sha256"] != sha256:
+            raise EvidenceError(f"{what}: registered sha256 differs from the file read")
+        return entry
+
+    def register_effective_config(self, config: JsonMap) -> FileEntry:
+        return self.register_json(EFFECTIVE_CONFIG_FILE, "effective_config", config)
+
+    def register_code_revision(self, repo_root: Path) -> list[FileEntry]:
+        """code-revision.json, and code.patch when the checkout has uncommitted changes."""
+        info, patch = code_revision(Path(repo_root), exclude=[self.dir])
+        entries = [self.register_json("code-revision.json", "code_revision", info)]
+        if patch:
+            entries.append(self.register_bytes("code.patch", "code_patch", patch))
+        return entries
 
     # -- result.json
 
@@ -316,9 +281,20 @@ class EvidenceBundle:
         """Write `new` as result.json, then adopt it (a failed write leaves the old state); after a
         refused write the result is failed, whatever is merged later."""
         if self.unwritable is not None and new["status"] != "failed":
-            new = unwritable_failure_state(new, self.unwritable)
+            new = stopped_state(new, _unwritable_summary(self.unwritable))
         self._write_result(new)
         self._result = new
+
+    def _append(self, key: tuple[str, ...], item: Mapping[str, object]) -> None:
+        """Append `item` to the list at `key` once (the same item again is a no-op)."""
+        with self._lock:
+            new = copy.deepcopy(self._result)
+            target: Any = new
+            for k in key:
+                target = target[k]
+            if item not in target:
+                target.append(item)
+                self._commit(new)
 
     def update_result(self, **fields: Any) -> None:
         """Deep-merge fields into result.json and rewrite it atomically.
@@ -333,9 +309,7 @@ class EvidenceBundle:
     def set_backend(self, backend: Backend) -> None:
         """The backend block; a local backend also forces the rehearsal label onto the summary."""
         with self._lock:
-            new = copy.deepcopy(self._result)
-            new["backend"] = backend.to_json()
-            self._commit(new)
+            self._commit({**copy.deepcopy(self._result), "backend": backend.to_json()})
 
     def post_arm_metrics(self, arm: str, metrics: Mapping[str, float], *, completed: bool = False) -> None:
         fields: dict[str, Any] = {
@@ -350,12 +324,7 @@ class EvidenceBundle:
         if field not in DEVIATION_FIELDS:
             raise EvidenceError(f"deviation field {field!r}: expected one of {list(DEVIATION_FIELDS)}")
         dev = {"field": field, "original": as_text(original), "effective": as_text(effective), "reason": str(reason)}
-        with self._lock:
-            if dev in self._result["deviations"]:
-                return
-            new = copy.deepcopy(self._result)
-            new["deviations"].append(dev)
-            self._commit(new)
+        self._append(("deviations",), dev)
 
     def add_checkpoint(self, arm: str, step: int, uri: str) -> None:
         if isinstance(step, bool) or not isinstance(step, int):
@@ -366,13 +335,7 @@ class EvidenceBundle:
                 "checkpoint uri: expected a plain reference such as tinker://<id>/weights/<name> "
                 "(no query string, fragment or credentials)"
             )
-        cp = {"arm": arm, "step": step, "uri": uri}
-        with self._lock:
-            if cp in self._result["evidence"]["checkpoints"]:
-                return
-            new = copy.deepcopy(self._result)
-            new["evidence"]["checkpoints"].append(cp)
-            self._commit(new)
+        self._append(("evidence", "checkpoints"), {"arm": arm, "step": step, "uri": uri})
 
     def finish(
         self, status: str, verdict: str, outcome_reason: str | None = None, summary: str | None = None, **fields: Any
@@ -389,115 +352,104 @@ class EvidenceBundle:
             if leak is None:
                 self.update_result(**final)
             else:  # a sidecar holds a secret: the run failed, whatever it reached
-                self._mark_failed_after_leak(leak)
-            if self._ledger.has_entries():
+                self._stop(f"Run stopped by the evidence secret scanner ({leak}).")
+            if self._ledger["stages"] or self._ledger["budget"]:
                 try:
-                    self.register_json("budget-ledger.json", "manifest", self._ledger.snapshot())
+                    self.register_json("budget-ledger.json", "manifest", self.ledger())
                 except LimitError as exc:
                     self.note_ledger(ledger_file_not_registered=str(exc))
 
-    # -- budget ledger
+    # -- budget ledger (ledger.json): the ledger keeps and judges times, result.json gets its metrics
 
     def elapsed_seconds(self) -> float:
-        return self._ledger.elapsed_seconds()
+        return self._clock() - self._t0
+
+    def remaining_seconds(self) -> float | None:
+        b = self._ledger["budget"]
+        return None if b is None else b["max_wall_seconds"] - self.elapsed_seconds()
 
     def set_budget(self, max_wall_seconds: float, gpu_hours: float | None = None) -> None:
         with self._lock:
-            metrics = self._ledger.set_budget(max_wall_seconds, gpu_hours)
-            self._write_ledger()
-            self.update_result(metrics=metrics)
-
-    def remaining_seconds(self) -> float | None:
-        return self._ledger.remaining_seconds()
+            self._ledger["budget"] = {
+                "max_wall_seconds": float(max_wall_seconds),
+                "gpu_hours": None if gpu_hours is None else float(gpu_hours),
+            }
+            self._post_ledger({"budget/max_wall_seconds": float(max_wall_seconds)})
 
     def budget_allows(self, stage: str, projected_seconds: float, projected_gpu_hours: float | None = None) -> bool:
         """False (and the stage recorded as blocked_by_budget) if the projection exceeds what remains."""
         with self._lock:
-            metrics = self._ledger.block_if_over(stage, projected_seconds, projected_gpu_hours)
-            if metrics is None:
+            b = self._ledger["budget"]
+            if b is None:
+                raise EvidenceError("budget_allows: no budget set (call set_budget first)")
+            remaining = b["max_wall_seconds"] - self.elapsed_seconds()
+            reasons = []
+            if projected_seconds > remaining:
+                reasons.append(f"projected {projected_seconds:.1f}s > remaining {remaining:.1f}s of wall budget")
+            cap = b["gpu_hours"]
+            if projected_gpu_hours is not None and cap is not None and projected_gpu_hours > cap:
+                reasons.append(f"projected {projected_gpu_hours:.3f} GPU-h > cap {cap:.3f}")
+            if not reasons:
                 return True
-            self._write_ledger()
-            self.update_result(metrics=metrics)
+            projected, remaining = float(projected_seconds), float(remaining)
+            self._ledger["stages"].append(
+                {
+                    "stage": stage,
+                    "seconds": 0.0,
+                    "status": "blocked_by_budget",
+                    "projected_seconds": projected,
+                    "remaining_seconds": remaining,
+                    "reason": "; ".join(reasons),
+                }
+            )
+            self._post_ledger(
+                {
+                    f"budget/blocked/{stage}": 1.0,
+                    f"budget/projected_seconds/{stage}": projected,
+                    f"budget/remaining_seconds/{stage}": remaining,
+                }
+            )
             return False
 
     def stage_timing(self, stage: str, seconds: float, status: str) -> None:
+        """One stage timing; posts the stage's and the run's total wall seconds."""
         with self._lock:
-            metrics = self._ledger.record_stage(stage, seconds, status)
-            self._write_ledger()
-            self.update_result(metrics=metrics)
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """Time a stage into the ledger; status 'passed' or 'failed' by whether it raised."""
-        clock = self._ledger.elapsed_seconds
-        t = clock()
-        try:
-            yield
-        except BaseException:
-            self.stage_timing(name, clock() - t, "failed")
-            raise
-        self.stage_timing(name, clock() - t, "passed")
+            stages = self._ledger["stages"]
+            stages.append(
+                {"stage": stage, "seconds": float(seconds), "status": status, "elapsed_at_end": self.elapsed_seconds()}
+            )
+            self._post_ledger(
+                {
+                    f"budget/wall_seconds/{stage}": sum(s["seconds"] for s in stages if s["stage"] == stage),
+                    "budget/wall_seconds_total": sum(s["seconds"] for s in stages),
+                }
+            )
 
     def ledger(self) -> dict[str, Any]:
         with self._lock:
-            return self._ledger.snapshot()
+            return copy.deepcopy(self._ledger)
 
     def note_ledger(self, **items: Any) -> None:
         """Session facts kept in ledger.json (stages_selected, budget_source, stage_failures)."""
         with self._lock:
-            self._ledger.note(**items)
+            self._ledger.update(copy.deepcopy(items))
             self._write_ledger()
 
+    def _post_ledger(self, metrics: dict[str, float]) -> None:
+        self._write_ledger()
+        self.update_result(metrics=metrics)
+
     def _write_ledger(self) -> None:
-        data = dump_json(self._ledger.data)
+        data = dump_json(self._ledger)
         self._scan(data, LEDGER_FILE)
-        self._write(self._ledger.path, data)
-
-    # -- provenance
-
-    def register_code_revision(self, repo_root: Path) -> list[FileEntry]:
-        info, patch = code_revision(Path(repo_root), exclude=[self.dir])
-        entries = [self.register_json("code-revision.json", "code_revision", info)]
-        if patch:
-            entries.append(self.register_bytes("code.patch", "code_patch", patch))
-        return entries
-
-    def register_script(self, path: Path, repo_root: Path | None = None) -> FileEntry:
-        path = Path(path).resolve()
-        rel = path.relative_to(repo_root.resolve()) if repo_root else Path(path.name)
-        name = "script-" + str(rel).replace(os.sep, "__")
-        return self.register_file(name, "script", path)
-
-    def register_provenance(self, repo_root: Path, scripts: Iterable[Path] = ()) -> list[FileEntry]:
-        """Code revision (+ code_patch) and the executed stage test files (kind script)."""
-        entries = self.register_code_revision(repo_root)
-        for s in scripts:
-            entries.append(self.register_script(Path(s), Path(repo_root)))
-        return entries
-
-    def register_plan(self, plan: Plan, name: str | None = None) -> FileEntry:
-        """Register a plans.Plan's exact file bytes; the recorded sha256 must equal Plan.sha256."""
-        entry = self.register_bytes(name or plan.name, "plan", plan.data)
-        if entry["sha256"] != plan.sha256:
-            raise EvidenceError(f"plan {plan.name}: registered sha256 differs from the loaded plan's")
-        return entry
-
-    def register_resolution(self, plan: Plan) -> FileEntry | None:
-        """The resolution file read beside the plan (its declared interpretations and launch), by its
-        exact bytes; None when the plan has none."""
-        res = plan.resolution
-        if res is None:
-            return None
-        entry = self.register_bytes(res.file, "plan", res.data)
-        if entry["sha256"] != res.sha256:
-            raise EvidenceError(f"{res.file}: registered sha256 differs from the resolution file read")
-        return entry
-
-    def register_effective_config(self, config: JsonMap, name: str = "effective-config.json") -> FileEntry:
-        return self.register_json(name, "effective_config", config)
+        self._write(self.dir / LEDGER_FILE, data)
 
     def mark_rehearsal_plan(self) -> None:
         """The run executes a rehearsal plan: its result must say so, now and at every later update."""
         with self._lock:
             check_rehearsal_plan_result(self._result)
             self._rehearsal_plan = True
+
+
+def _unwritable_summary(line: str) -> str:
+    return f"Run stopped: its evidence could not be written ({line})."

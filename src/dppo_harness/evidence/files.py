@@ -1,7 +1,7 @@
-"""The file registry: `files/<name>`, immutable once registered, within the bundle's limits.
+"""The bundle's file names, limits and writes: `files/<name>`, immutable once registered.
 
-The registry's entries ({name, kind, sha256, size}) live in result.json under evidence.files;
-the bundle keeps them there. This module decides whether bytes may be registered and writes them.
+The entries ({name, kind, sha256, size}) live in result.json under evidence.files; the bundle keeps
+them there. This module decides whether bytes may be registered and writes them atomically.
 """
 
 from __future__ import annotations
@@ -42,9 +42,13 @@ FileKind = Literal[
 KINDS = frozenset(get_args(FileKind))  # checked at registration; result.json's file entries use the same
 RESULT_FILE = "result.json"
 LEDGER_FILE = "ledger.json"
+LATEST_FILE = "LATEST"  # beside the run dirs: the newest run_id
 FILES_DIR = "files"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-RESERVED_NAMES = frozenset({RESULT_FILE, LEDGER_FILE, "LATEST"})
+RESERVED_NAMES = frozenset({RESULT_FILE, LEDGER_FILE, LATEST_FILE})
+STATE_ROOT = "comparison-state"  # beside the run dirs: comparison-state/<run>/ (state, lock, metrics logs)
+SERVER_DIR = "local-server"  # beside the run dirs: the embedded server a comparison keeps, its server.log
+EFFECTIVE_CONFIG_FILE = "effective-config.json"
 
 
 class FileEntry(TypedDict):
@@ -54,10 +58,6 @@ class FileEntry(TypedDict):
     size: int
 
 
-STATE_ROOT = "comparison-state"  # beside the run dirs: comparison-state/<run>/ (state, lock, metrics logs)
-SERVER_LOG = ("local-server", "server.log")  # beside the run dirs: the embedded server a comparison keeps
-
-
 def sidecar_files(run: Path) -> list[Path]:
     """The files the run wrote beside its registered ones: its own sidecars (ledger.json, ...), its
     comparison state and metrics logs, and the embedded server's log."""
@@ -65,8 +65,15 @@ def sidecar_files(run: Path) -> list[Path]:
     state = run.parent / STATE_ROOT / run.name
     if state.is_dir():
         out += sorted(p for p in state.rglob("*") if p.is_file())
-    log = run.parent.joinpath(*SERVER_LOG)
+    log = run.parent / SERVER_DIR / "server.log"
     return out + ([log] if log.is_file() else [])
+
+
+def run_dir_of(path: Path) -> Path:
+    """A run dir as given, or the LATEST run under a root."""
+    if not (path / RESULT_FILE).exists() and (path / LATEST_FILE).exists():
+        return path / (path / LATEST_FILE).read_text().strip()
+    return path
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -121,20 +128,6 @@ def unwritable_line(path: Path, exc: OSError) -> str:
     )
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in `directory` durable (the entry, not only the file's bytes, survives a crash)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # a platform without directory handles: the rename is as durable as it gets
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, data: bytes) -> None:
     """Write via a temp file in the same directory, fsync, os.replace, then fsync the directory
     (never a torn file, never a rename lost in a crash)."""
@@ -146,7 +139,16 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        try:  # the rename itself durable; a platform without directory handles gets what it can
+            fd = os.open(path.parent, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -164,73 +166,69 @@ def json_file_bytes(name: str, obj: object) -> bytes:
         raise EvidenceError(f"file {name!r}: not JSON-serializable without NaN/inf ({exc})") from None
 
 
-def valid_name(name: object) -> bool:
-    return isinstance(name, str) and bool(NAME_RE.match(name)) and name not in RESERVED_NAMES
-
-
 def written(entries: Sequence[FileEntry]) -> str:
     """What a run has already registered, for a limit's refusal line."""
     return f"already written: {len(entries)} files, {sum(f['size'] for f in entries)} bytes"
 
 
-class FileRegistry:
-    """Admits and writes evidence files under `<run>/files/`."""
+def admit(name: str, kind: str, data: bytes, entries: Sequence[FileEntry]) -> tuple[FileEntry, bool]:
+    """(entry, is_new). Same name, bytes and kind again is a no-op (is_new False).
 
-    def __init__(self, files_dir: Path):
-        self.dir = files_dir
+    Raises EvidenceError for a bad name/kind, ImmutableNameError for a changed file."""
+    if not (isinstance(name, str) and NAME_RE.match(name) and name not in RESERVED_NAMES):
+        raise EvidenceError(f"file name {name!r}: use 1-128 of letters, digits, '.', '_', '-' (not a reserved name)")
+    if kind not in KINDS:
+        raise EvidenceError(f"file {name!r}: unknown kind {kind!r}; expected one of {sorted(KINDS)}")
+    entry = FileEntry(name=name, kind=kind, sha256=sha256_bytes(data), size=len(data))
+    for existing in entries:
+        if existing["name"] != name:
+            continue
+        if existing["sha256"] == entry["sha256"] and existing["kind"] == kind:
+            return FileEntry(**existing), False
+        what = "bytes" if existing["sha256"] != entry["sha256"] else "kind"
+        raise ImmutableNameError(
+            f"file {name!r} is already registered with different {what}"
+            f" (sha256 {existing['sha256'][:12]}…, kind {existing['kind']}); use a new name"
+        )
+    return entry, True
 
-    def path(self, name: str) -> Path:
-        return self.dir / name
 
-    def admit(self, name: str, kind: str, data: bytes, entries: Sequence[FileEntry]) -> tuple[FileEntry, bool]:
-        """(entry, is_new). Same name, bytes and kind again is a no-op (is_new False).
+def check_limits(entry: FileEntry, entries: Sequence[FileEntry], slots: int = 0, nbytes: int = 0) -> None:
+    """The bundle's limits, the last `slots` files and `nbytes` bytes kept for the closing records."""
+    name, size, n, total = (
+        entry["name"],
+        entry["size"],
+        len(entries) + 1,
+        sum(f["size"] for f in entries) + entry["size"],
+    )
+    if size > MAX_FILE_BYTES:
+        raise LimitError(
+            f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file; {written(entries)}"
+        )
+    if n > MAX_FILES:
+        raise LimitError(f"file {name!r} would be file {n}; the limit is {MAX_FILES} files per run; {written(entries)}")
+    if total > MAX_TOTAL_BYTES:
+        raise LimitError(
+            f"file {name!r} ({size} bytes) would bring the run to {total} bytes; "
+            f"the limit is {MAX_TOTAL_BYTES} bytes (40 MiB) in total; {written(entries)}"
+        )
+    if n > MAX_FILES - slots:
+        raise LimitError(
+            f"file {name!r} would be file {n}; the last {slots} of the {MAX_FILES} file slots are reserved "
+            f"for the closing records; {written(entries)}"
+        )
+    if total > MAX_TOTAL_BYTES - nbytes:
+        raise LimitError(
+            f"file {name!r} would bring the run to {total} bytes; the last {nbytes} of {MAX_TOTAL_BYTES} bytes "
+            f"are reserved for the closing records; {written(entries)}"
+        )
 
-        Raises EvidenceError for a bad name/kind, ImmutableNameError for a changed file."""
-        if not valid_name(name):
-            raise EvidenceError(
-                f"file name {name!r}: use 1-128 of letters, digits, '.', '_', '-' (not a reserved name)"
-            )
-        if kind not in KINDS:
-            raise EvidenceError(f"file {name!r}: unknown kind {kind!r}; expected one of {sorted(KINDS)}")
-        entry = FileEntry(name=name, kind=kind, sha256=sha256_bytes(data), size=len(data))
-        for existing in entries:
-            if existing["name"] != name:
-                continue
-            if existing["sha256"] == entry["sha256"] and existing["kind"] == kind:
-                return FileEntry(**existing), False
-            what = "bytes" if existing["sha256"] != entry["sha256"] else "kind"
-            raise ImmutableNameError(
-                f"file {name!r} is already registered with different {what}"
-                f" (sha256 {existing['sha256'][:12]}…, kind {existing['kind']}); use a new name"
-            )
-        return entry, True
 
-    @staticmethod
-    def check_limits(entry: FileEntry, entries: Sequence[FileEntry]) -> None:
-        name, size = entry["name"], entry["size"]
-        if size > MAX_FILE_BYTES:
-            raise LimitError(
-                f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file; "
-                f"{written(entries)}"
-            )
-        if len(entries) + 1 > MAX_FILES:
-            raise LimitError(
-                f"file {name!r} would be file {len(entries) + 1}; the limit is {MAX_FILES} files per run; "
-                f"{written(entries)}"
-            )
-        total = sum(f["size"] for f in entries)
-        if total + size > MAX_TOTAL_BYTES:
-            raise LimitError(
-                f"file {name!r} ({size} bytes) would bring the run to {total + size} bytes; "
-                f"the limit is {MAX_TOTAL_BYTES} bytes (40 MiB) in total; {written(entries)}"
-            )
-
-    @staticmethod
-    def read_source(name: str, path: Path) -> bytes:
-        """Bytes of a file on disk to register, refusing a missing or oversized source early."""
-        if not path.is_file():
-            raise EvidenceError(f"file {name!r}: source {path} does not exist or is not a file")
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise LimitError(f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file")
-        return path.read_bytes()
+def read_source(name: str, path: Path) -> bytes:
+    """Bytes of a file on disk to register, refusing a missing or oversized source early."""
+    if not path.is_file():
+        raise EvidenceError(f"file {name!r}: source {path} does not exist or is not a file")
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise LimitError(f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file")
+    return path.read_bytes()

@@ -5,7 +5,7 @@ always at the first and the last item), so a phase of many small steps says wher
 flooding the terminal. `Watchdog` covers the other case, one step that blocks for long (a service
 call on a loaded machine): when nothing was said for `every_s` seconds it repeats the current step
 with its elapsed time, from a background thread. The `say` callable is whatever writes a line (the
-pytest terminal writer of `fixtures_stages.harness_progress`, which serializes writers, `print`, or a
+pytest terminal writer of `fixtures.harness_progress`, which serializes writers, `print`, or a
 logger).
 """
 

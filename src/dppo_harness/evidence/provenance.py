@@ -15,29 +15,16 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=60)
 
 
-def package_source_sha256(package_dir: Path) -> str:
-    """sha256 over a package's Python sources, each file's path relative to `package_dir` plus its
-    bytes, in path order: the one hash of the executed source (the provenance's `source_sha256`,
-    the comparison's code revision)."""
+def package_files_sha256(package_dir: Path, pattern: str = "*") -> str:
+    """sha256 over a package's files matching `pattern`, each file's path relative to `package_dir`
+    plus its bytes, in path order, bytecode caches excepted. Every file (sources and what the package
+    carries: vendored data, the embedded server's assets) is what a resume must match; "*.py" is
+    the one hash of the executed source (the provenance's `source_sha256`)."""
     h = hashlib.sha256()
-    for p in sorted(Path(package_dir).rglob("*.py")):
-        h.update(str(p.relative_to(package_dir)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def package_files_sha256(package_dir: Path) -> str:
-    """sha256 over every file of a package, sources and what it carries (vendored data and its
-    SHA256SUMS, the embedded server's assets), bytecode caches excepted: what a resume must match."""
-    h = hashlib.sha256()
-    for p in sorted(Path(package_dir).rglob("*")):
+    for p in sorted(Path(package_dir).rglob(pattern)):
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
             h.update(str(p.relative_to(package_dir)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
-
-
-def _source_sha256(root: Path) -> str | None:
-    pkg = root / "src" / "dppo_harness"
-    return package_source_sha256(pkg) if pkg.is_dir() else None
 
 
 def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[JsonObject, bytes]:
@@ -46,7 +33,8 @@ def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[JsonObject,
     Untracked files are listed with their path, size and sha256 but never inlined: a `.env` or a
     notes file with a token in it is the user's, not the run's code. Read-only (no index change).
     """
-    info: JsonObject = {"repo": root.name, "source_sha256": _source_sha256(root)}
+    pkg = root / "src" / "dppo_harness"
+    info: JsonObject = {"repo": root.name, "source_sha256": package_files_sha256(pkg, "*.py") if pkg.is_dir() else None}
     head = _git(root, "rev-parse", "HEAD") if (root / ".git").exists() else None
     if head is None or head.returncode != 0:
         info.update(

@@ -1,9 +1,7 @@
 """result.json: the run's structured output (status, verdict, metrics, evidence) plus the harness's `backend` block.
 
-`ResultModel` is its shape as a strict pydantic model (no extra keys, no coercion, no NaN/inf);
-the cross-field rules (verdict only when final, outcome_reason implies verdict, a local backend's
-summary carries the rehearsal label, ...) are its model validator. The bundle keeps the result as
-a plain dict (what is written is exactly what was posted) and validates every new state with
+`ResultModel` is its shape, its model validator the cross-field rules. The bundle keeps the result
+as a plain dict (what is written is exactly what was posted) and validates every new state with
 `validate_result` before it is written.
 """
 
@@ -11,20 +9,17 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dppo_harness.evidence.backend import Backend, backend_of, is_embedded
+from dppo_harness.evidence.backend import Backend, Block, backend_of
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
 from dppo_harness.evidence.files import FileKind
 from dppo_harness.json_types import JsonObject, JsonValue
-from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error
+from dppo_harness.plans.schema_errors import first_error, rule_error
 
-STATUSES = ("running", "succeeded", "failed")
-VERDICTS = ("supported", "refuted", "inconclusive")
-OUTCOME_REASONS = ("supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence", "incomplete_execution")
 REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
 # A run under a rehearsal plan (plans/rehearsal/) on a real service is a rehearsal as well.
 REHEARSAL_PLAN_PREFIX = "Rehearsal plan, not the saved experiment spec: "
@@ -43,10 +38,6 @@ PROTECTED = frozenset(
 )
 
 
-class _Strict(BaseModel):
-    model_config = STRICT
-
-
 class Metrics(BaseModel):
     """`arms` holds per-arm number maps; every other key is a finite number."""
 
@@ -55,34 +46,34 @@ class Metrics(BaseModel):
     __pydantic_extra__: dict[str, float] = Field(init=False)
 
 
-class Deviation(_Strict):
+class Deviation(Block):
     field: DeviationField
     original: str
     effective: str
     reason: str
 
 
-class FileEntryModel(_Strict):
+class FileEntryModel(Block):
     name: str
     kind: FileKind
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     size: Annotated[int, Field(ge=0)]
 
 
-class Checkpoint(_Strict):
+class Checkpoint(Block):
     arm: str
     step: int
     uri: str
 
 
-class EvidenceBlock(_Strict):
+class EvidenceBlock(Block):
     version: Literal[1]
     files: list[FileEntryModel]
     checkpoints: list[Checkpoint]
     per_arm_metrics: dict[str, NumberMap]
 
 
-class CapacityBlock(_Strict):
+class CapacityBlock(Block):
     error: str
     comparison_steps_completed: int
     released_clients: bool
@@ -91,7 +82,7 @@ class CapacityBlock(_Strict):
 JsonBlock = Any  # free JSON written by one stage (finite numbers checked on the whole result)
 
 
-class ResultModel(_Strict):
+class ResultModel(Block):
     status: Status
     summary: str
     metrics: Metrics
@@ -183,7 +174,7 @@ def initial_result() -> JsonObject:
 def label_summary(state: Mapping[str, JsonValue], summary: str, rehearsal_plan: bool = False) -> str:
     """A local backend's summary always starts with the rehearsal label; so does a run under a
     rehearsal plan."""
-    if is_embedded(backend_of(state)):
+    if (block := backend_of(state)) is not None and block.kind == "local":
         return summary if summary.startswith(REHEARSAL_PREFIX) else REHEARSAL_PREFIX + summary
     if rehearsal_plan and not summary.startswith(REHEARSAL_PLAN_PREFIX):
         return REHEARSAL_PLAN_PREFIX + summary
@@ -199,33 +190,21 @@ def check_rehearsal_plan_result(state: Mapping[str, JsonValue]) -> None:
 # ----------------------------------------------------------------------------- merging
 
 
-_MISSING = object()
-
-
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _number_paths(obj: object, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
-    if _is_number(obj):
-        yield path
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _number_paths(v, (*path, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _number_paths(v, (*path, i))
-
-
-def _get_path(obj: object, path: tuple[str | int, ...]) -> object:
-    for p in path:
-        if isinstance(obj, dict) and p in obj:
-            obj = obj[p]
-            continue
-        if not (isinstance(obj, list) and isinstance(p, int) and p < len(obj)):
-            return _MISSING
-        obj = obj[p]
-    return obj
+def _dropped_number(old: object, new: object, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """The path of the first number in `old` that is no number at the same place in `new`, else None."""
+    if isinstance(old, (dict, list)):
+        for k in old if isinstance(old, dict) else range(len(old)):
+            has = (isinstance(new, dict) and k in new) or (
+                isinstance(new, list) and isinstance(k, int) and k < len(new)
+            )
+            if (p := _dropped_number(old[k], new[k] if has else None, (*path, k))) is not None:  # type: ignore[index]
+                return p
+        return None
+    return path if _is_number(old) and not _is_number(new) else None
 
 
 def deep_merge(old: Mapping[str, JsonValue], new: Mapping[str, JsonValue]) -> JsonObject:
@@ -271,9 +250,8 @@ def merged_result(old: JsonObject, fields: Mapping[str, JsonValue]) -> JsonObjec
         arms = list(done)
         arms += [a for a in posted if a not in arms]
         new["completed_arms"] = arms
-    for path in _number_paths(old):
-        if not _is_number(_get_path(new, path)):
-            raise EvidenceError(f"{fmt_path(path)}: an earlier posted number would be dropped")
+    if (path := _dropped_number(old, new)) is not None:
+        raise EvidenceError(f"{fmt_path(path)}: an earlier posted number would be dropped")
     return new
 
 
@@ -286,16 +264,6 @@ def stopped_state(old: JsonObject, summary: str) -> JsonObject:
         state["tested_instead"] = "nothing: the run stopped before any claim could be tested"
     state["summary"] = label_summary(state, summary)
     return state
-
-
-def leak_failure_state(old: JsonObject, message: str) -> JsonObject:
-    """The result after the secret scanner stopped the run (the message names variables only)."""
-    return stopped_state(old, f"Run stopped by the evidence secret scanner ({message}).")
-
-
-def unwritable_failure_state(old: JsonObject, line: str) -> JsonObject:
-    """The result after an evidence write was refused (disk full, read-only, permission)."""
-    return stopped_state(old, f"Run stopped: its evidence could not be written ({line}).")
 
 
 def as_text(v: object) -> str:

@@ -33,21 +33,15 @@ def _stopped_line(stage_failures: Mapping[str, str], messages: Mapping[str, str]
     return text + (f"; later failures in {', '.join(later)}" if later else "")
 
 
+def _accuracy(m: JsonMap) -> str:
+    return f"accuracy {_num(m.get('accuracy'))} (n={_num(m.get('eval_n'), '.0f')}, {_num(m.get('eval_invalid_outputs'), '.0f')} invalid)"
+
+
 def arm_line(arm: str, m: JsonMap, completed: bool) -> str:
     """One trained arm: steps, final reward, accuracy (or that it was not evaluated)."""
-    steps = m.get("steps_completed")
-    acc = m.get("accuracy")
-    parts = [
-        f"{arm}: {_num(steps, '.0f')} steps{' (completed)' if completed else ''}",
-        f"final reward {_num(m.get('reward_mean_last'))}",
-        f"accuracy {_num(acc)}"
-        + (
-            f" (n={_num(m.get('eval_n'), '.0f')}, {_num(m.get('eval_invalid_outputs'), '.0f')} invalid)"
-            if acc is not None
-            else " (not evaluated)"
-        ),
-    ]
-    return ", ".join(parts)
+    acc = _accuracy(m) if m.get("accuracy") is not None else "accuracy n/a (not evaluated)"
+    done = " (completed)" if completed else ""
+    return f"{arm}: {_num(m.get('steps_completed'), '.0f')} steps{done}, final reward {_num(m.get('reward_mean_last'))}, {acc}"
 
 
 def summary_lines(
@@ -93,11 +87,7 @@ def summary_lines(
     for arm in trained:
         lines.append("  " + arm_line(arm, obj(arms[arm]), arm in completed))
     if BASE_ARM in arms:
-        b = obj(arms[BASE_ARM])
-        lines.append(
-            f"  base model: accuracy {_num(b.get('accuracy'))} (n={_num(b.get('eval_n'), '.0f')}, "
-            f"{_num(b.get('eval_invalid_outputs'), '.0f')} invalid)"
-        )
+        lines.append(f"  base model: {_accuracy(obj(arms[BASE_ARM]))}")
     if not trained:
         if "diagnostic/updates_done" in metrics:
             lines.append(

@@ -13,7 +13,7 @@ from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.bundle import EvidenceBundle
 from dppo_harness.evidence.errors import EvidenceError
-from dppo_harness.evidence.files import RESULT_FILE, sha256_bytes
+from dppo_harness.evidence.files import LATEST_FILE, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonMap
 from dppo_harness.plans import BackendKind
@@ -24,10 +24,9 @@ from dppo_harness.service.config import sdk_versions
 def record_plan(
     bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None
 ) -> None:
-    """Before any training call: the plan's exact bytes, the effective config, every deviation
-    it declares (plan + backend), the hypothesis scope and generation_audit applicability.
-
-    `effective_config` is plans.effective_config(plan, backend_info)."""
+    """Before any training call: the plan's exact bytes, the effective config
+    (plans.effective_config(plan, backend_info)), every deviation it declares (plan + backend), the
+    hypothesis scope and generation_audit applicability."""
     if effective_config.get("plan", {}).get("sha256") != plan.sha256:
         raise EvidenceError("effective config was not built from this plan (sha256 differs)")
     if plan.kind == "rehearsal":
@@ -47,21 +46,6 @@ def record_plan(
     bundle.update_result(**fields)
 
 
-def _split_test_files(root: Path, test_files: Sequence[str | Path]) -> tuple[list[Path], list[Path]]:
-    """(stage test files, other test files): unit and integration files are many, so they go into
-    one sha256 manifest to spare the 64-file limit."""
-    stage_files: list[Path] = []
-    other_files: list[Path] = []
-    for f in sorted({Path(p).resolve() for p in test_files}):
-        try:
-            parts = f.relative_to(root.resolve()).parts
-        except ValueError:
-            parts = ()
-        is_stage = len(parts) > 1 and parts[0] == "tests" and parts[1] in STAGE_TEST_FOLDERS
-        (stage_files if is_stage else other_files).append(f)
-    return stage_files, other_files
-
-
 def start_session(
     bundle: EvidenceBundle,
     *,
@@ -72,14 +56,10 @@ def start_session(
     test_files: Sequence[str | Path] = (),
     served_model: str | None = None,
 ) -> None:
-    """Everything that must be in evidence before any service call of the session.
-
-    Backend block, code revision (+ patch), one hashed archive of all executed code
-    (`code-archive.zip`, kind script), the executed stage test files (kind script), a
-    manifest of the other test files, the plan's bytes, the effective config, its deviations,
-    and the run budget.
-    """
-
+    """Everything that must be in evidence before any service call of the session: backend block,
+    code revision (+ patch), one hashed archive of all executed code (`code-archive.zip`), a
+    manifest of the executed test files, the plan's bytes, the effective config, its deviations,
+    and the run budget."""
     root = Path(project_root)
     bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)
     versions = sdk_versions()
@@ -91,13 +71,17 @@ def start_session(
             sdk_versions=versions,
         )
     )
-    bundle.register_provenance(root, [])
-    # All executed code (library incl. the embedded server, tests, plans) as one hashed archive.
-    rev = bundle.dir / "files" / "code-revision.json"
-    commit = json.loads(rev.read_text()).get("commit") if rev.is_file() else None
+    bundle.register_code_revision(root)
+    commit = json.loads(bundle.file_path("code-revision.json").read_text()).get("commit")
     register_code_archive(bundle, root, commit=commit)
     _register_test_manifest(bundle, root, test_files)
-    info = _backend_info(backend, plan, versions, served_model=served_model)
+    # The served model, when not known yet, is named for where it will be reported.
+    served = served_model or (
+        "the embedded server's model (named at client creation)" if backend == "local" else plan.base_model
+    )
+    info = plans.BackendInfo(
+        backend=backend, requested_model=plan.planned_model, served_model=served, sdk_versions=versions
+    )
     record_plan(bundle, plan, plans.effective_config(plan, info))
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
@@ -106,67 +90,42 @@ def start_session(
         from dppo_harness.instrument.pooled import REVISED_SPEC_FILE
 
         bundle.register_plan(plan, REVISED_SPEC_FILE)
-    _set_budget(bundle, plan, stages)
+    # The ledger's budget is the executed plan's own, counted from the session start (the ledger's
+    # clock starts with the bundle): a bounded diagnostic's 12-minute cap includes setup and every
+    # stage before it, inside the original experiment's GPU-hour cap.
+    source = f"{plan.name} " + ("caps" if plan.kind == "bounded_diagnostic" else "budget")
+    bundle.note_ledger(stages_selected=list(stages), budget_source=source)
+    bundle.set_budget(plan.budget["max_wall_minutes"] * 60.0, plan.budget["gpu_hours"])
 
 
 def _register_test_manifest(bundle: EvidenceBundle, root: Path, test_files: Sequence[str | Path]) -> None:
     """The executed test files' bytes are in the code archive; one manifest says which ran (stage
     test files and the root conftest flagged) with their hashes, so the 64-file limit is spent on
     measurements, not copies."""
-    stage_files, other_files = _split_test_files(root, test_files)
+    root = root.resolve()
+    stage_files: list[Path] = []
+    other_files: list[Path] = []
+    for f in sorted({Path(p).resolve() for p in test_files}):
+        parts = f.relative_to(root).parts if root in f.parents else ()
+        is_stage = len(parts) > 1 and parts[0] == "tests" and parts[1] in STAGE_TEST_FOLDERS
+        (stage_files if is_stage else other_files).append(f)
     conftest = root / "conftest.py"
     hooks = [conftest.resolve()] if conftest.is_file() else []
     executed = [*stage_files, *hooks, *other_files]
     if not executed:
         return
     stage_set = {*stage_files, *hooks}
-    bundle.register_json(
-        "test-files.json",
-        "manifest",
+    listed = [
         {
-            "archive": ARCHIVE_NAME,
-            "files": [
-                {
-                    "path": str(f.relative_to(root.resolve())) if root.resolve() in f.parents else str(f),
-                    "stage_test": f in stage_set,
-                    "sha256": sha256_bytes(f.read_bytes()),
-                    "size": f.stat().st_size,
-                }
-                for f in executed
-                if f.is_file()
-            ],
-        },
-    )
-
-
-def _backend_info(
-    backend: BackendKind,
-    plan: plans.Plan,
-    versions: Mapping[str, str],
-    *,
-    served_model: str | None,
-) -> plans.BackendInfo:
-    """The backend as the effective config declares it; the served model, when not known yet,
-    is named for where it will be reported."""
-    if backend == "local":
-        served = served_model or "the embedded server's model (named at client creation)"
-    else:
-        served = served_model or plan.base_model
-    return plans.BackendInfo(
-        backend=backend,
-        requested_model=plan.planned_model,
-        served_model=served,
-        sdk_versions=versions,
-    )
-
-
-def _set_budget(bundle: EvidenceBundle, plan: plans.Plan, stages: Sequence[str]) -> None:
-    """The ledger's budget is the executed plan's own, counted from the session start (the ledger's
-    clock starts with the bundle): a bounded diagnostic's 12-minute cap includes setup and every
-    stage before it, inside the original experiment's GPU-hour cap."""
-    budget, source = plan.budget, f"{plan.name} " + ("caps" if plan.kind == "bounded_diagnostic" else "budget")
-    bundle.note_ledger(stages_selected=list(stages), budget_source=source)
-    bundle.set_budget(budget["max_wall_minutes"] * 60.0, budget["gpu_hours"])
+            "path": str(f.relative_to(root)) if root in f.parents else str(f),
+            "stage_test": f in stage_set,
+            "sha256": sha256_bytes(f.read_bytes()),
+            "size": f.stat().st_size,
+        }
+        for f in executed
+        if f.is_file()
+    ]
+    bundle.register_json("test-files.json", "manifest", {"archive": ARCHIVE_NAME, "files": listed})
 
 
 def closing_fields(
@@ -208,7 +167,7 @@ def unclosed_line(bundle: EvidenceBundle) -> str | None:
         status = None
     if status not in (None, "running"):
         return None
-    latest = bundle.dir.parent / "LATEST"
+    latest = bundle.dir.parent / LATEST_FILE
     what = f"evidence: {bundle.dir} was left incomplete (its result.json is not closed; verify says INCOMPLETE)"
     try:
         if latest.read_text().strip() == bundle.run_id:

@@ -1,11 +1,7 @@
-"""Immutable result snapshots while the run works: the result is updated as the run goes and each
-update is saved, so a session that ends early still leaves its results.
-
-`post_snapshot` registers the current result.json, exactly as posted, under the next free name
-`result-0001.json`, `result-0002.json`, ... (names are immutable, so each is a new file). It keeps
-`reserve` file slots free for the evidence still to come and never takes the bundle's closing
-reserve: when only reserved slots are left it posts nothing and says so in the ledger. A stage-end
-snapshot (`stage_end`) may take the slot the reserve keeps for the last one.
+"""Immutable result snapshots while the run works, so a session that ends early still leaves its
+results: the current result.json, exactly as posted, under the next free name `result-0001.json`,
+`result-0002.json`, ... It never takes the file slots kept for later evidence or the bundle's
+closing reserve (a stage-end snapshot may take the slot the reserve keeps for the last one).
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ def post_snapshot(
         bundle.note_ledger(snapshots=log)
         return None
     last = SNAPSHOT_RE.match(names[-1]) if names else None  # every name matches: snapshot_names filters by it
-    index = int(last.group(1)) + 1 if last else 1
-    name = f"result-{index:04d}.json"
+    name = f"result-{int(last.group(1)) + 1 if last else 1:04d}.json"
     bundle.register_json(name, "metrics", bundle.result, stage_end=stage_end)
     log.append({"label": label, "name": name, "elapsed_s": round(bundle.elapsed_seconds(), 3)})
     bundle.note_ledger(snapshots=log)

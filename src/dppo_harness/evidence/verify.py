@@ -24,6 +24,7 @@ from dppo_harness.evidence.files import (
     MAX_TOTAL_BYTES,
     NAME_RE,
     RESULT_FILE,
+    run_dir_of,
     sha256_bytes,
     sidecar_files,
 )
@@ -59,13 +60,6 @@ def split_refs(ref: str) -> list[str]:
     return [r.strip() for r in re.split(r"[;,]", ref) if r.strip()]
 
 
-def run_dir_of(path: Path) -> Path:
-    """A run dir as given, or the LATEST run under a root."""
-    if not (path / RESULT_FILE).exists() and (path / "LATEST").exists():
-        return path / (path / "LATEST").read_text().strip()
-    return path
-
-
 def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]:
     """Problems found (empty list = verified). `path` is a run dir, or a root holding LATEST."""
     path = run_dir_of(Path(path))
@@ -84,10 +78,14 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
         if not isinstance(result, dict) or not isinstance(result.get("evidence"), dict):
             return problems
     scanner = scanner_for(env)
-    try:
-        scanner.check(raw, RESULT_FILE)
-    except SecretLeakError as exc:
-        problems.append(str(exc))
+
+    def scan(data: bytes, what: str) -> None:
+        try:
+            scanner.check(data, what)
+        except SecretLeakError as exc:
+            problems.append(str(exc))
+
+    scan(raw, RESULT_FILE)
     files = result["evidence"].get("files", [])
     by_name: dict[str, dict[str, Any]] = {}
     total = 0
@@ -111,10 +109,7 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
             problems.append(f"{name}: sha256 does not match the recorded value (file changed)")
         if len(data) > MAX_FILE_BYTES:
             problems.append(f"{name}: exceeds the 10 MiB per-file limit")
-        try:
-            scanner.check(data, f"evidence file {name!r}")
-        except SecretLeakError as exc:
-            problems.append(str(exc))
+        scan(data, f"evidence file {name!r}")
     if len(files) > MAX_FILES:
         problems.append(f"{len(files)} files registered; the limit is {MAX_FILES}")
     if total > MAX_TOTAL_BYTES:
@@ -122,11 +117,11 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
     problems += _reference_problems(result, by_name)
     for fp in sidecar_files(path):
         try:
-            scanner.check(fp.read_bytes(), f"{fp.relative_to(path.parent)} (beside the bundle)")
-        except SecretLeakError as exc:
-            problems.append(str(exc))
+            data = fp.read_bytes()
         except OSError as exc:
             problems.append(f"{fp.relative_to(path.parent)}: unreadable ({exc.strerror})")
+        else:
+            scan(data, f"{fp.relative_to(path.parent)} (beside the bundle)")
     return problems
 
 

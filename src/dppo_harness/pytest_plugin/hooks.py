@@ -1,12 +1,11 @@
 """Pytest hooks of the harness plugin: options, stage selection and order, fail-fast, launch scope,
-and the session's closing records. Nothing but hooks lives here: session state is in `session`,
-option resolution in `options`, fixtures in the `fixtures_*` modules, stage rules in `stages`.
+and the session's closing records. Session state is in `session`, option resolution in `options`,
+fixtures in `fixtures`, stage rules in `stages`.
 
-Registered through the `pytest11` entry point `dppo_harness.pytest_plugin.hooks` (pyproject.toml), so
-`--plan` and friends are known wherever pytest runs; the project's conftest.py names the same
-module, which pytest then skips as already registered (the entry point's name is the module
-name). The plan is validated in pytest_configure, so a malformed plan is a one-line usage error
-before anything is collected.
+Registered through the `pytest11` entry point named after this module (pyproject.toml), so `--plan`
+and friends are known wherever pytest runs; the project's conftest.py names the same module, which
+pytest then skips as already registered. The plan is validated in pytest_configure, so a malformed
+plan is a one-line usage error before anything is collected.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from dppo_harness.pytest_plugin.options import (
 from dppo_harness.pytest_plugin.rootdir import reroot
 from dppo_harness.pytest_plugin.session import (
     CONNECTIVITY_KEY,
-    ITEMS_KEY,
     OPTIONS_KEY,
     PLAN_KEY,
     STAGE_KEY,
@@ -41,19 +39,11 @@ from dppo_harness.pytest_plugin.session import (
     enter_stage,
     new_stage_outcomes,
     selected_for_run,
-    service_stop,
     unwritable_evidence,
     write_session_records,
 )
 from dppo_harness.service.config import redact_url
-
-# Fixture modules of later stages; each owns the session fixtures of its step.
-FIXTURE_PLUGINS = (
-    "dppo_harness.pytest_plugin.fixtures_session",
-    "dppo_harness.pytest_plugin.fixtures_preflight",
-    "dppo_harness.pytest_plugin.fixtures_stages",
-    "dppo_harness.pytest_plugin.fixtures_connectivity",
-)  # connectivity + served identity
+from dppo_harness.service.wait.policy import ServiceStopped
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -92,28 +82,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "feasibility pilot times; concurrent overlaps them: see benchmarks/comparison_schedule.py)",
     )
     # -- service waits (docs/service.md)
-    group.addoption(
-        "--capacity-patience-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="give up after the service paused or refused work for S seconds before any comparison "
-        "step completed (default 600)",
-    )
-    group.addoption(
-        "--capacity-patience-after-steps-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="the same window once a comparison step completed (default 1800)",
-    )
-    group.addoption(
-        "--service-timeout-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="stop the stage when a request whose queue is active gives no answer for S seconds (default 900)",
-    )
+    for name, help_text in (
+        (
+            "--capacity-patience-s",
+            "give up after the service paused or refused work for S seconds before any comparison "
+            "step completed (default 600)",
+        ),
+        ("--capacity-patience-after-steps-s", "the same window once a comparison step completed (default 1800)"),
+        (
+            "--service-timeout-s",
+            "stop the stage when a request whose queue is active gives no answer for S seconds (default 900)",
+        ),
+    ):
+        group.addoption(name, type=float, default=None, metavar="S", help=help_text)
     group.addoption(
         "--proxy-credentials",
         choices=("modal", "runs"),
@@ -158,11 +139,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.option.help:
         refuse_unsafe_credentials()
     config.stash[OPTIONS_KEY] = options
-    plan = validated_plan(config, options)
-    if plan is not None:
+    if (plan := validated_plan(config, options)) is not None:
         config.stash[PLAN_KEY] = plan
-    for name in FIXTURE_PLUGINS:
-        config.pluginmanager.import_plugin(name)
+    config.pluginmanager.import_plugin("dppo_harness.pytest_plugin.fixtures")
 
 
 @pytest.hookimpl(trylast=True)
@@ -173,17 +152,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         stage = stages.stage_of(markers, item.path)
         item.stash[STAGE_KEY] = stage
         item.add_marker(stage)
-        if stages.stage_from_path(item.path) is None and stage == "unit":
-            continue
-        if item.path.parent.name == stages.INTEGRATION_FOLDER:
+        in_tests = stages.stage_from_path(item.path) is not None or stage != "unit"
+        if in_tests and item.path.parent.name == stages.INTEGRATION_FOLDER:
             item.add_marker("integration")
-
-    keep, drop = [], []
-    for item in items:
-        if selected_for_run(config, state, item):
-            keep.append(item)
-        else:
-            drop.append(item)
+    selected = [selected_for_run(config, state, item) for item in items]
+    keep = [item for item, chosen in zip(items, selected) if chosen]
+    drop = [item for item, chosen in zip(items, selected) if not chosen]
     if drop:
         config.hook.pytest_deselected(items=drop)
     # Stable sort: collection order inside a stage, stage order across stages.
@@ -262,10 +236,10 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    stop = service_stop(call.excinfo.value if call.excinfo is not None else None)
-    if stop is not None:  # the wait policy stopped the stage: its one line, not a traceback
-        report.longrepr = stop.line
-    refused = unwritable_evidence(call.excinfo.value if call.excinfo is not None else None)
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(exc, ServiceStopped):  # the wait policy stopped the stage: its one line, not a traceback
+        report.longrepr = exc.line
+    refused = unwritable_evidence(exc)
     if refused is not None:  # nothing more can be recorded: its one line, and no later test runs
         report.longrepr = refused
         item.session.shouldstop = refused
@@ -277,8 +251,7 @@ def pytest_runtest_makereport(
         if report.failed:
             counts["failed_tests"].append(f"{item.nodeid} ({report.when})")
     if report.failed:
-        state = item.config.stash[STATE_KEY]
-        state.first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
+        item.config.stash[STATE_KEY].first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
     return report
 
 
@@ -350,7 +323,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         stage_order=stages.STAGES,
     ):
         terminalreporter.write_line(line)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    session.config.stash[ITEMS_KEY] = list(session.items)

@@ -106,9 +106,7 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
             f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (each arm's "
             f"state is saved at least every {constants.MAX_SAVE_EVERY} steps)"
         )
-    capacity_patience_s = _wait_seconds(config, "--capacity-patience-s")
-    capacity_patience_after_steps_s = _wait_seconds(config, "--capacity-patience-after-steps-s")
-    service_timeout_s = _wait_seconds(config, "--service-timeout-s")
+    waits = ("capacity_patience_s", "capacity_patience_after_steps_s", "service_timeout_s")
     return HarnessOptions(
         backend,
         plan_path,
@@ -119,9 +117,7 @@ def resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
         save_every=save_every,
         proxy_credentials=config.getoption("--proxy-credentials"),
         sdk_telemetry=config.getoption("--sdk-telemetry"),
-        capacity_patience_s=capacity_patience_s,
-        capacity_patience_after_steps_s=capacity_patience_after_steps_s,
-        service_timeout_s=service_timeout_s,
+        **{name: _wait_seconds(config, "--" + name.replace("_", "-")) for name in waits},
     )
 
 

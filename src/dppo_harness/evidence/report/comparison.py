@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
 from dppo_harness.evidence.report.plots import (
     COMPARISON_PLOTS,
     plot_accuracy_difference,
@@ -17,9 +18,8 @@ from dppo_harness.evidence.report.plots import (
     plot_comparison_reward,
     plot_truncation,
 )
-from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
-from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct
-from dppo_harness.json_types import JsonMap, JsonObject, num, obj, objs
+from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct, rows_by_arm, rule_fraction
+from dppo_harness.json_types import JsonMap, JsonObject, JsonValue, num, obj, objs
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
@@ -47,6 +47,21 @@ def resume_lines(resume: JsonMap | None) -> list[str]:
     ]
 
 
+def _yield(
+    n: int, truncated_frac: float, no_answer_frac: float, mean_tokens: float, max_tokens: JsonValue
+) -> JsonObject:
+    """Truncation and answer yield over `n` responses, as `text.yield_text` reads it."""
+    return {
+        "n": n,
+        "truncated": round(truncated_frac * n),
+        "truncated_frac": truncated_frac,
+        "no_answer": round(no_answer_frac * n),
+        "no_answer_frac": no_answer_frac,
+        "mean_response_tokens": mean_tokens,
+        "max_tokens": max_tokens,
+    }
+
+
 def _pooled_rollout_yield(rs: list[JsonMap]) -> JsonObject | None:
     """An arm's rollouts over all its steps (every step samples the same number of responses)."""
     if not rs or not all("truncated_frac" in r and "responses" in r for r in rs):
@@ -54,15 +69,8 @@ def _pooled_rollout_yield(rs: list[JsonMap]) -> JsonObject | None:
     n = sum(int(num(r["responses"])) for r in rs)
     trunc = sum(round(num(r["truncated_frac"]) * num(r["responses"])) for r in rs)
     none = sum(round(num(r["no_answer_frac"]) * num(r["responses"])) for r in rs)
-    return {
-        "n": n,
-        "truncated": trunc,
-        "truncated_frac": trunc / n,
-        "no_answer": none,
-        "no_answer_frac": none / n,
-        "mean_response_tokens": sum(num(r["mean_response_tokens"]) * num(r["responses"]) for r in rs) / n,
-        "max_tokens": rs[0].get("max_tokens"),
-    }
+    mean = sum(num(r["mean_response_tokens"]) * num(r["responses"]) for r in rs) / n
+    return _yield(n, trunc / n, none / n, mean, rs[0].get("max_tokens"))
 
 
 TRUNCATION_WARN_FRAC = 0.5  # from here on, a scored model's accuracy mostly measures truncation
@@ -131,21 +139,8 @@ def _measured_yields(
     for s in scores:
         m = eval_metrics.get(str(s["arm"])) or {}
         if "eval_truncated_frac" in m:
-            n = int(num(m["eval_n"]))
-            measured.append(
-                (
-                    f"{s['arm']} greedy evaluation",
-                    {
-                        "n": n,
-                        "truncated": round(num(m["eval_truncated_frac"]) * n),
-                        "truncated_frac": m["eval_truncated_frac"],
-                        "no_answer": round(num(m["eval_no_answer_frac"]) * n),
-                        "no_answer_frac": m["eval_no_answer_frac"],
-                        "mean_response_tokens": m["eval_mean_response_tokens"],
-                        "max_tokens": max_tokens,
-                    },
-                )
-            )
+            fracs = num(m["eval_truncated_frac"]), num(m["eval_no_answer_frac"]), num(m["eval_mean_response_tokens"])
+            measured.append((f"{s['arm']} greedy evaluation", _yield(int(num(m["eval_n"])), *fracs, max_tokens)))
     return measured
 
 
@@ -224,8 +219,6 @@ def _decision_lines(decision: JsonMap, plot_files: Mapping[str, str]) -> list[st
 
 def _informational_lines(info: JsonMap) -> list[str]:
     """The Newcombe paired interval and the discordant pairs: reported beside the decision, not part of its rule."""
-    if not info:
-        return []
     return [
         "",
         "### Informational paired interval (not the decision rule)",
@@ -252,11 +245,11 @@ def write_comparison_report(
     """The comparison section of report.md with its plots, registered in the bundle. Per-model
     evaluation metrics come from the result's `metrics.arms`, the renderer and normalization from
     effective-config.json: what the evidence already says."""
-    result = getattr(bundle, "result", {}) or {}
-    eval_metrics = {str(s["arm"]): (result.get("metrics", {}).get("arms", {}).get(s["arm"]) or {}) for s in scores}
+    arms = bundle.result["metrics"]["arms"]
+    eval_metrics = {str(s["arm"]): arms.get(s["arm"]) or {} for s in scores}
     declared: JsonObject = {}
-    if bundle.entry("effective-config.json") is not None:
-        eff = json.loads(bundle.file_path("effective-config.json").read_text())
+    if bundle.entry(EFFECTIVE_CONFIG_FILE) is not None:
+        eff = json.loads(bundle.file_path(EFFECTIVE_CONFIG_FILE).read_text())
         declared = {k: eff[k] for k in ("renderer", "loss_normalization") if k in eff}
     plots = {
         "reward": plot_comparison_reward(rows),

@@ -230,13 +230,9 @@ def write_report(
     bundle: EvidenceBundle, analysis: JsonMap, backend: str, next_action: JsonMap | None = None
 ) -> dict[str, str]:
     """Render plots and report.md, register them in the bundle; returns {key: file name}."""
-    plots = make_plots(analysis)
-    names = {}
-    for key, data in plots.items():
-        bundle.register_bytes(PLOTS[key], "plot", data)
-        names[key] = PLOTS[key]
+    names = {key: bundle.register_bytes(PLOTS[key], "plot", data)["name"] for key, data in make_plots(analysis).items()}
     text = render_markdown(analysis, names, backend, next_action)
     # On the embedded server, name the stand-in that computed.
-    text += "".join(line + "\n" for line in report_lines(backend_of(getattr(bundle, "result", {}))))
+    text += "".join(line + "\n" for line in report_lines(backend_of(bundle.result)))
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**names, "report": REPORT_FILE}

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dppo_harness.evidence.report.rows import rows_by_arm, rule_fraction
+from dppo_harness.evidence.report.text import rows_by_arm, rule_fraction
 from dppo_harness.json_types import JsonMap, items, num, obj, objs
 from dppo_harness.loss.terms import delta_bins, hist_bin_labels, magnitude_edges
 

@@ -1,10 +1,12 @@
-"""Text helpers shared by the diagnostic and the comparison report: numbers as the report prints
-them, and the declared renderer / loss normalization with the measured truncation under them."""
+"""Helpers shared by the diagnostic and the comparison report: numbers as the report prints them,
+the declared renderer / loss normalization with the measured truncation under them, and the
+comparison's step rows per arm with their loss-rule fractions."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, JsonValue, num, obj
 
 REPORT_FILE = "report.md"
@@ -13,13 +15,7 @@ REPORT_FILE = "report.md"
 def fmt(x: object, spec: str = ".4g") -> str:
     if x is None:
         return "n/a"
-    if isinstance(x, bool):
-        return str(x)
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        return format(x, spec)
-    return str(x)
+    return format(x, spec) if isinstance(x, float) else str(x)
 
 
 def pct(x: JsonValue) -> str:
@@ -57,3 +53,16 @@ def declared_lines(declared: JsonMap, measured: Sequence[tuple[str, JsonMap | No
             f"- loss normalization `{n['mode']}`: {n['definition']}. The cookbook's `ppo` instead: {n['cookbook_ppo']}."
         )
     return out
+
+
+def rows_by_arm(rows: Sequence[JsonMap]) -> dict[str, list[JsonMap]]:
+    out: dict[str, list[JsonMap]] = {}
+    for r in rows:
+        out.setdefault(str(r["arm"]), []).append(r)
+    return {a: sorted(rs, key=lambda r: num(r["step"])) for a, rs in out.items()}
+
+
+def rule_fraction(row: JsonMap, base: str) -> tuple[bool, float]:
+    """(counterfactual?, value) of a loss-rule fraction in a step row (`instrument.rule_fraction`)."""
+    f = fraction(row, base)
+    return f.counterfactual, f.value

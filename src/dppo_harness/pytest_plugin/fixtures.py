@@ -1,0 +1,535 @@
+"""Session fixtures of the harness plugin (registered by `hooks.pytest_configure`): options,
+backend (the embedded server when local), client registry, the one wait policy, the session's
+ServiceClient, the plan, the evidence bundle, connectivity, and one fixture per stage's run.
+
+The stage fixtures are thin adapters: they call the stage's library function with the session's
+service client, plan, evidence bundle and the preflight's restored arms, show progress lines on
+the terminal (pytest captures ordinary output) and propose the stage's final outcome. Setup, probe
+and pilot clients live on their own ServiceClient session, released as soon as their work ends;
+the arms' clients stay on the session's ServiceClient for later stages.
+
+The stages, the service modules and the embedded server load the tinker SDK, torch or httpx
+(seconds): each fixture imports them when a test first asks for it, so that pytest start-up and
+unit-only sessions never pay.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pytest
+
+from dppo_harness import plans, project
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence.backend import Backend, backend_of, served_model
+from dppo_harness.evidence.files import SERVER_DIR, STATE_ROOT
+from dppo_harness.evidence.progress import Watchdog
+from dppo_harness.evidence.session import start_session
+from dppo_harness.plans import BackendKind, Plan, load_plan
+from dppo_harness.pytest_plugin.session import (
+    CONNECTIVITY_KEY,
+    OPTIONS_KEY,
+    PLAN_KEY,
+    STATE_KEY,
+    HarnessOptions,
+    note_releases,
+    progress_printer,
+    propose_outcome,
+    release_remaining,
+    stops_stage,
+    unit_parity_passed,
+)
+from dppo_harness.service.config import redact_url, sdk_versions
+from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, WaitPolicy
+from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
+from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
+from dppo_harness.stages.feasibility_projection import PilotFigures
+from dppo_harness.stages.session_rules import (
+    capacity_scale,
+    record_capacity_stop_before_training,
+    runs_feasibility_pilot,
+    trained_arms,
+)
+
+if TYPE_CHECKING:
+    import tinker
+
+    from dppo_harness.local_server.process import LocalServerProcess  # lazy: see the module docstring
+    from dppo_harness.service.connectivity import ConnectivityReport  # lazy: see the module docstring
+    from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
+    from dppo_harness.service.release import ClientRegistry  # lazy: see the module docstring
+    from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
+    from dppo_harness.stages.comparison.run import ComparisonResult  # lazy: see the module docstring
+    from dppo_harness.stages.diagnostic.loop import DiagnosticResult  # lazy: see the module docstring
+    from dppo_harness.stages.feasibility import FeasibilityResult  # lazy: see the module docstring
+    from dppo_harness.stages.gate import GateReport  # lazy: see the module docstring
+    from dppo_harness.stages.restoration import RestorationResult  # lazy: see the module docstring
+
+
+@pytest.fixture(scope="session")
+def harness_options(pytestconfig: pytest.Config) -> HarnessOptions:
+    return pytestconfig.stash[OPTIONS_KEY]
+
+
+@pytest.fixture(scope="session")
+def harness_progress(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
+    return progress_printer(pytestconfig)
+
+
+@dataclass(frozen=True)
+class ServiceBackend:
+    kind: BackendKind
+    base_url: str
+    server: LocalServerProcess | None  # the embedded server when kind == "local"
+
+
+@pytest.fixture(scope="session")
+def service_backend(
+    harness_options: HarnessOptions, tmp_path_factory: pytest.TempPathFactory, harness_progress: Callable[[str], None]
+) -> Iterator[ServiceBackend]:
+    if harness_options.backend == "tinker":
+        yield ServiceBackend("tinker", os.environ["TINKER_BASE_URL"], None)
+        return
+    from dppo_harness.local_server.process import LocalServerProcess  # lazy: see the module docstring
+
+    run_dir = tmp_path_factory.mktemp(SERVER_DIR)
+    if "comparison" in harness_options.selected_stages:  # --resume loads states saved by an earlier server
+        run_dir = harness_options.evidence_dir / SERVER_DIR
+        run_dir.mkdir(parents=True, exist_ok=True)
+    # The first start builds the stand-in model (minutes on 2 cores): its progress is forwarded.
+    with LocalServerProcess(run_dir=run_dir, progress=harness_progress) as server:
+        yield ServiceBackend("local", server.base_url, server)
+
+
+@pytest.fixture(scope="session")
+def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
+    """Every service client the harness creates; stage-scoped ones are released at stage end."""
+    from dppo_harness.service.release import ClientRegistry  # lazy: see the module docstring
+
+    registry = ClientRegistry()
+    registry.install_atexit()
+    state = pytestconfig.stash[STATE_KEY]
+    state.registry = registry
+    registry.current_stage = state.current
+    yield registry
+    release_remaining(state)  # recorded for client-releases.json
+    registry.release_all()
+
+
+@pytest.fixture(scope="session")
+def service_waiter(
+    harness_progress: Callable[[str], None],
+    harness_options: HarnessOptions,
+    service_backend: ServiceBackend,
+    evidence_bundle: EvidenceBundle,
+    client_registry: ClientRegistry,
+) -> ServiceWaiter:
+    """The session's one wait policy: every client of every ServiceClient the harness makes waits
+    under it; long waits are posted to the evidence, a stop releases the clients and records why."""
+    from dppo_harness.service.wait.evidence import bundle_waiter  # lazy: see the module docstring
+
+    policy = WaitPolicy.from_options(
+        capacity_patience_s=harness_options.capacity_patience_s,
+        capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
+        service_timeout_s=harness_options.service_timeout_s,
+        scale=capacity_scale(service_backend.kind, os.environ),
+    )
+    waiter = bundle_waiter(policy, evidence_bundle, client_registry, harness_progress)
+    server = service_backend.server
+    if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
+
+        def died(srv: LocalServerProcess) -> None:
+            code, tail = srv.death_report()
+            client_registry.service_gone(f"the embedded server (pid {srv.pid}) exited (exit code {code})")
+            waiter.service_died(ServiceDied(f"the embedded server (pid {srv.pid})", code, tail))
+
+        server.on_death = died
+    return waiter
+
+
+@pytest.fixture(scope="session")
+def service_client(stage_session_client: Callable[[str, str], tinker.ServiceClient]) -> tinker.ServiceClient:
+    """The session's client: the restored arms live on it across stages; released on exit."""
+    return stage_session_client(
+        "session", "session: the arms' training clients and evaluation samplers (open until the session ends)"
+    )
+
+
+@pytest.fixture(scope="session")
+def stage_session_client(
+    service_backend: ServiceBackend,
+    client_registry: ClientRegistry,
+    training_client_observer: TrainingClientRecorder,
+    service_waiter: ServiceWaiter,
+    harness_options: HarnessOptions,
+) -> Callable[[str, str], tinker.ServiceClient]:
+    """A factory of a stage's own ServiceClient session (`stage`, `label`): observed, waited and
+    registered before its first call, so a stop on the way releases it with the rest; the stage
+    closes it when its work ends, before any arm trains (stage "session": the session's own)."""
+    from dppo_harness.service.observed import make_service_client  # lazy: see the module docstring
+
+    def open_session(stage: str, label: str) -> tinker.ServiceClient:
+        return make_service_client(
+            service_backend.kind,
+            service_backend.base_url,
+            observer=training_client_observer,
+            registry=client_registry,
+            stage=stage,
+            label=label,
+            waiter=service_waiter,
+            proxy_tokens=harness_options.proxy_credentials,
+            sdk_telemetry=harness_options.sdk_telemetry,
+        )
+
+    return open_session
+
+
+@pytest.fixture(scope="session")
+def plan(pytestconfig: pytest.Config, harness_options: HarnessOptions) -> Plan:
+    """The plan validated at configure time (the same bytes), else loaded now."""
+    return pytestconfig.stash.get(PLAN_KEY, None) or load_plan(harness_options.plan_path)
+
+
+@pytest.fixture(scope="session")
+def evidence_bundle(
+    request: pytest.FixtureRequest,
+    pytestconfig: pytest.Config,
+    harness_options: HarnessOptions,
+    plan: Plan,
+    service_backend: ServiceBackend,
+    connectivity: ConnectivityReport,
+) -> EvidenceBundle:
+    bundle = EvidenceBundle.create(harness_options.evidence_dir)
+    # Known to the session before anything else is written, so whatever fails next, the session's
+    # end closes this bundle's result.
+    pytestconfig.stash[STATE_KEY].bundle = bundle
+    # The embedded server names its stand-in model; a real service names it at client creation.
+    served = connectivity.marker.stand_in if connectivity.marker else None
+    if not served and service_backend.server:
+        served = service_backend.server.stats()["served_model"]
+    start_session(
+        bundle,
+        backend=harness_options.backend,
+        plan=plan,
+        stages=harness_options.selected_stages,
+        project_root=project.project_root(),
+        test_files=sorted({str(it.path) for it in request.session.items}),
+        served_model=served,
+    )
+    from dppo_harness.service.identity import record_session_identity  # lazy: see the module docstring
+
+    # the connectivity report; on the embedded server (marker), the rehearsal label.
+    record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())
+    return bundle
+
+
+@pytest.fixture(scope="session")
+def connectivity(
+    request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan, harness_options: HarnessOptions
+) -> ConnectivityReport:
+    """check_connectivity on the session's backend, once, before any training client (the report
+    the launch-scope check already read, if it did); a failure fails the test with its one line."""
+    from dppo_harness.service.connectivity import ConnectivityError, check_connectivity  # lazy: see above
+
+    report = request.config.stash.get(CONNECTIVITY_KEY, None)
+    if report is not None:
+        return report
+    try:
+        return check_connectivity(
+            service_backend.kind,
+            service_backend.base_url,
+            plan.base_model,
+            proxy_tokens=harness_options.proxy_credentials,
+            sdk_telemetry=harness_options.sdk_telemetry,
+        )
+    except ConnectivityError as exc:
+        line = f"connectivity preflight ({exc.check}): {exc.line}"
+    pytest.fail(line, pytrace=False)  # outside the except: the one line, without a chained traceback
+
+
+@pytest.fixture(scope="session")
+def client_base_model(connectivity: ConnectivityReport, plan: Plan) -> str:
+    """The base model the stages create training clients with (the plan's, or the preflight's
+    same-family substitute)."""
+    return connectivity.client_base_model(plan.base_model)
+
+
+@pytest.fixture(scope="session")
+def training_client_observer(evidence_bundle: EvidenceBundle) -> Iterator[TrainingClientRecorder]:
+    """Records every training client's served identity into evidence."""
+    from dppo_harness.service import identity  # lazy: see the module docstring
+
+    recorder = identity.TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
+    yield recorder
+    recorder.flush()  # every client's get_info, in one file (keeps the bundle under its file limit)
+
+
+def backend_info(
+    service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient, backend_block: Backend | None = None
+) -> plans.BackendInfo:
+    """plans.BackendInfo from what the server reported at client creation."""
+    info = client.get_info()
+    served = (
+        info.model_data.arch
+        if service_backend.kind == "local" and info.model_data.arch
+        else (info.model_data.model_name or info.model_name)
+    )
+    if backend_block:  # on the embedded server (marker seen) the stand-in computes
+        served = served_model(info.model_data.model_dump(), backend_block).name or served
+    if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
+        served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
+    return plans.BackendInfo(
+        backend=service_backend.kind,
+        requested_model=plan.base_model,
+        served_model=str(served),
+        base_url=redact_url(service_backend.base_url),
+        sdk_versions=sdk_versions(),
+    )
+
+
+@pytest.fixture(scope="session")
+@stops_stage
+def restoration(
+    request: pytest.FixtureRequest,
+    service_client: tinker.ServiceClient,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    evidence_bundle: EvidenceBundle,
+    client_registry: ClientRegistry,
+    client_base_model: str,
+    service_waiter: ServiceWaiter,
+    stage_session_client: Callable[[str, str], tinker.ServiceClient],
+    harness_progress: Callable[[str], None],
+) -> RestorationResult:
+    """The restoration preflight for the initialization group of the plan's spec (a diagnostic's
+    original plan), run once. Later stages reuse its shared initial checkpoint, the arms' restored
+    clients (never updated here) and the fixed batch."""
+    from dppo_harness.stages import restoration as restoration_module  # lazy: see the module docstring
+
+    # Its own session, registered before its first call: a stop on the way (capacity, hang)
+    # releases it with the rest.
+    probe_sc = stage_session_client(
+        "preflight-probes", "preflight setup and probe clients (closed when the preflight ends)"
+    )
+    server = service_backend.server if service_backend.kind == "local" else None
+    try:
+        reader, update_norm = restoration_module.backend_update_norm(
+            server.run_dir if server is not None else None, probe_sc
+        )
+        # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
+        with Watchdog(harness_progress, every_s=10.0) as watch:
+            return restoration_module.run_restoration_preflight(
+                service_client,
+                plan,
+                evidence_bundle,
+                checkpoint_reader=reader,
+                update_norm=update_norm,
+                probe_service_client=probe_sc,
+                base_model=client_base_model,  # the served substitute
+                capacity=service_waiter.policy,  # the session's windows for refused creations
+                registry=client_registry,
+                trained_arms=trained_arms(plan),
+                progress=watch.say,
+            )
+    except restoration_module.RestorationError as exc:  # a response without a field the proof needs
+        line = f"restoration preflight: {exc}"
+    except CapacityExhausted as exc:  # the run ends with its capacity_block
+        record_capacity_stop_before_training(evidence_bundle, exc.block)
+        raise  # a ServiceStopped: stops_stage fails the test with its one line
+    finally:
+        # Release the setup/probe session before anything trains, and record it.
+        note_releases(request.config.stash[STATE_KEY], client_registry.release_stage("preflight-probes"))
+    pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
+
+
+@pytest.fixture(scope="session")
+def verified_restoration(restoration: RestorationResult) -> RestorationResult:
+    """The same object, but fails the requesting test unless every check passed."""
+    if not restoration.passed:
+        pytest.fail(restoration.failure_message(), pytrace=False)
+    return restoration
+
+
+@pytest.fixture(scope="session")
+@stops_stage
+def feasibility(
+    request: pytest.FixtureRequest,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    evidence_bundle: EvidenceBundle,
+    verified_restoration: RestorationResult,
+    client_registry: ClientRegistry,
+    stage_session_client: Callable[[str, str], tinker.ServiceClient],
+    harness_progress: Callable[[str], None],
+    connectivity: ConnectivityReport,
+) -> FeasibilityResult:
+    """The timing pilot + projection of the selected plan on this backend (runs once)."""
+    if not runs_feasibility_pilot(plan):
+        pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
+    arm_client = next(iter(verified_restoration.clients.values()))
+    # The plan is projected at its own size on every backend: the stages run it as written. Time
+    # already spent in this session is the budget ledger's business (evidence.budget_allows per stage).
+    eff = plans.effective_config(
+        plan, backend_info(service_backend, plan, arm_client, backend_of(evidence_bundle.result))
+    )
+    from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
+
+    pilot_sc = stage_session_client("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)")
+    try:
+        with Watchdog(harness_progress, every_s=10.0) as watch:
+            return feasibility_module.run_feasibility(
+                pilot_sc,
+                plan,
+                evidence_bundle,
+                initial_checkpoint=verified_restoration.initial_checkpoint,
+                backend_kind=service_backend.kind,
+                effective_config=eff,
+                measured_setup={"restoration_preflight": verified_restoration.wall_seconds},
+                progress=watch.say,
+                embedded_server=connectivity.embedded,
+            )
+    finally:
+        note_releases(request.config.stash[STATE_KEY], client_registry.release_stage("feasibility-pilot"))
+
+
+@pytest.fixture(scope="session")
+@stops_stage
+def gate_report(
+    request: pytest.FixtureRequest,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    evidence_bundle: EvidenceBundle,
+    restoration: RestorationResult,
+    client_registry: ClientRegistry,
+    stage_session_client: Callable[[str, str], tinker.ServiceClient],
+    harness_progress: Callable[[str], None],
+) -> GateReport:
+    """The plan's activation-gate pilot of its treatment arm, run once per session. The pilot's
+    client lives in its own session, closed as soon as the pilot ends (before any arm trains)."""
+    from dppo_harness.stages.gate import run_activation_gate  # lazy: see the module docstring
+
+    pilot_sc = stage_session_client("gate-pilot", "activation-gate pilot (closed when the pilot ends)")
+    try:
+        return run_activation_gate(
+            pilot_sc,
+            plan,
+            evidence_bundle,
+            restoration.initial_checkpoint,
+            backend=service_backend.kind,
+            progress=harness_progress,
+        )
+    finally:
+        note_releases(request.config.stash[STATE_KEY], client_registry.release_stage("gate-pilot"))
+
+
+@pytest.fixture(scope="session")
+@stops_stage
+def comparison_run(
+    request: pytest.FixtureRequest,
+    service_client: tinker.ServiceClient,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    harness_options: HarnessOptions,
+    evidence_bundle: EvidenceBundle,
+    client_registry: ClientRegistry,
+    client_base_model: str,
+    service_waiter: ServiceWaiter,
+    harness_progress: Callable[[str], None],
+) -> ComparisonResult:
+    """The paired comparison (or its continuation with --resume RUN_ID), run once per session.
+
+    A new run needs the preflight's restored arms and a passed gate; a resume reruns neither (the
+    run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
+    from dppo_harness.stages.comparison.run import run_comparison  # lazy: see the module docstring
+
+    if not unit_parity_passed(request.config):
+        pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
+    restoration = None
+    if harness_options.resume is None:
+        restoration = request.getfixturevalue("verified_restoration")
+        gate_report = request.getfixturevalue("gate_report")
+        if not gate_report.passed:
+            pytest.fail(
+                "activation gate failed: the comparison does not run\n  " + "\n  ".join(gate_report.failures()),
+                pytrace=False,
+            )
+    schedule, source = comparison_schedule(
+        harness_options.comparison_schedule, (evidence_bundle.result.get("backend") or {}).get("kind")
+    )
+    # On a resume the feasibility block is not in this session's result yet: the guard then starts
+    # from the finalize reserve alone and projects from the steps it measures.
+    guard = wall_guard_from_feasibility(
+        evidence_bundle.remaining_seconds,
+        PilotFigures.from_block(evidence_bundle.result.get("feasibility")),
+        arms=len(plan.run.arms) if plan.run else 0,
+        eval_items=plan.run.eval_items if plan.run else 0,
+    )
+    service_waiter.budget_left = evidence_bundle.remaining_seconds  # no wait in a step outlasts the budget
+    try:
+        run = run_comparison(
+            service_client,
+            plan,
+            evidence_bundle,
+            restoration,
+            backend=service_backend.kind,
+            state_root=harness_options.evidence_dir / STATE_ROOT,
+            resume_run_id=harness_options.resume,
+            schedule=schedule,
+            schedule_source=source,
+            guard=guard,
+            save_every=harness_options.save_every,
+            registry=client_registry,
+            capacity_policy=service_waiter.policy,  # the session's windows (scaled down on local)
+            progress=harness_progress,
+            base_model=client_base_model,
+        )
+    except ComparisonError as exc:  # a refused resume or configuration: its one line
+        line = str(exc)
+    else:
+        propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
+        if (
+            run.stopped is not None
+        ):  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
+            evidence_bundle.update_result(**run.final)
+        return run
+    finally:
+        service_waiter.budget_left = None
+    pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
+
+
+@pytest.fixture(scope="session")
+@stops_stage
+def diagnostic_run(
+    request: pytest.FixtureRequest,
+    service_client: tinker.ServiceClient,
+    service_backend: ServiceBackend,
+    plan: Plan,
+    evidence_bundle: EvidenceBundle,
+    restoration: RestorationResult,
+    harness_progress: Callable[[str], None],
+) -> DiagnosticResult:
+    """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
+    (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
+    preflight's loaded client of the trained arm (no third client)."""
+    from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic  # lazy: see the module docstring
+
+    run = run_bounded_diagnostic(
+        service_client,
+        plan,
+        evidence_bundle,
+        restoration.initial_checkpoint,
+        backend=service_backend.kind,
+        stage_start=time.monotonic() - evidence_bundle.elapsed_seconds(),
+        spec=plan.original.experiment,
+        progress=harness_progress,
+        prior_service_work=restoration.preflight_service_work(),
+        init_reference=restoration,
+        restored=restoration.loaded.get(plan.diagnostic.fixed_settings.treatment.arm),
+    )
+    propose_outcome(request.config, **run.result_fields["final"])
+    return run
