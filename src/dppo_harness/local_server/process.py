@@ -420,7 +420,7 @@ class InProcessServer:
     async def _setup(self) -> None:
         # The server's stack (aiohttp, the SDK's types and protobufs, the engine's modules) loads for
         # an in-process server only: the pytest plugin imports this module at start-up.
-        from dppo_harness.local_server.serve import ServerState, listening_socket, start_site
+        from dppo_harness.local_server.http.app import ServerState, listening_socket, start_site
 
         self.state = ServerState(
             self.engine,
