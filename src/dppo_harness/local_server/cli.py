@@ -59,11 +59,11 @@ USAGE_EXIT_CODE = 2
 PARENT_GONE_EXIT = 75
 PROG = "python -m dppo_harness.local_server"
 
-# The repeatable `KIND:...` fault options: (FaultConfig field, option, METAVAR, parser, help).
+# The repeatable `KIND:...` fault options: (option, METAVAR, parser, help); each fills the FaultConfig
+# field named after it.
 # `--fault-model-lost` is Spindle's (refused on the default profile).
-_REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...] = (
+_REPEATED_FAULTS: tuple[tuple[str, str, Callable[[str], object], str], ...] = (
     (
-        "reject_first",
         "--fault-reject-first",
         "KIND:STATUS:N",
         parse_reject_first,
@@ -71,7 +71,6 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "Spindle's shape (429: {error: saturated, message: 'engine refused work: operation buffer full'})",
     ),
     (
-        "reject_for",
         "--fault-reject-for",
         "KIND:STATUS:SECONDS",
         parse_reject_for,
@@ -79,7 +78,6 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "is a sample submit the SDK retries without limit)",
     ),
     (
-        "queue_pause",
         "--fault-queue-pause",
         "KIND:N:SECONDS[:STATE][:moving]",
         parse_queue_pause,
@@ -89,14 +87,12 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "sends a paused state); 'moving': the reason names a queue position that changes at every poll",
     ),
     (
-        "never_complete",
         "--fault-never-complete",
         "KIND:N",
         parse_never_complete,
         "accept the N-th request of KIND and never complete it (its polls say queue_state active)",
     ),
     (
-        "capacity_fail",
         "--fault-capacity-fail",
         "KIND:N1[,N2...]",
         parse_capacity_fail,
@@ -104,14 +100,12 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "capacity exhausted' before it runs",
     ),
     (
-        "latency_ms",
         "--fault-latency-ms",
         "KIND:MS",
         parse_latency,
         "add MS milliseconds (non-blocking) before handling each request of KIND",
     ),
     (
-        "omit_fields",
         "--fault-omit-field",
         "KIND.FIELD[:N1,N2...]",
         parse_omit_field,
@@ -119,7 +113,6 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "e.g. load_weights.path or get_info.model_data.model_name",
     ),
     (
-        "model_lost",
         "--fault-model-lost",
         "KIND:N",
         parse_model_lost,
@@ -189,7 +182,7 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
         "capacity exhausted' (category server), as Spindle at its autoscaling maximum",
     )
     g = p.add_argument_group("fault injection (counted; see GET /_harness/stats)")
-    for _, option, metavar, _, text in _REPEATED_FAULTS:
+    for option, metavar, _, text in _REPEATED_FAULTS:
         g.add_argument(option, action="append", default=[], metavar=metavar, help=text)
     g.add_argument(
         "--fault-capacity-exhausted",
@@ -212,10 +205,10 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
 
 
 def fault_config(args: argparse.Namespace) -> FaultConfig:
-    repeated = {
-        name: tuple(parse(spec) for spec in getattr(args, option[2:].replace("-", "_")))
-        for name, option, _, parse, _ in _REPEATED_FAULTS
-    }
+    repeated = {}
+    for option, _, parse, _ in _REPEATED_FAULTS:
+        name = option.removeprefix("--fault-").replace("-", "_").replace("omit_field", "omit_fields")
+        repeated[name] = tuple(parse(spec) for spec in getattr(args, option[2:].replace("-", "_")))
     return FaultConfig(
         **repeated,  # type: ignore[arg-type]
         capacity_exhausted=args.fault_capacity_exhausted,

@@ -1,26 +1,13 @@
-"""Deterministic warm start of the tiny model: a short supervised pass on GSM8K train solutions.
+"""Deterministic warm start of the tiny model: a short supervised pass on GSM8K train solutions
+(docs/local-server.md "Warm start"; RECIPE is hashed into the cache key).
 
-Recipe (RECIPE below is hashed into the cache key):
-- data: vendored GSM8K train (``src/dppo_harness/data/gsm8k/train.jsonl``, sha256 checked);
-- example: the cookbook math_rl conversation (one-shot strawberry prefix, question + " Write your
-  answer in \\boxed{} format.") with the assistant reply ``vocab.solution_reply`` (rationale
-  without ``<<calc>>`` annotations, then "The answer is \\boxed{N}."), rendered with the cookbook
-  ``qwen3_5`` renderer's ``build_supervised_example`` (its weights: loss on the assistant turn,
-  which includes the closing ``</think>`` and the ``<|im_end|>`` stop token);
-- model: ``model.build_base_model(config, vocab, seed)``, full-parameter training;
-- order: one permutation of the train rows from ``torch.Generator().manual_seed(seed)``;
-- optimizer: torch AdamW (betas 0.9/0.98, eps 1e-8, weight decay 0.01), peak lr 3e-3, 15 linear
-  warmup steps, then a cosine decay laid out over ``schedule_steps`` (300) of which only ``steps``
-  (60) run (enough for groups with non-constant reward, ``signal_rate``); ``batch_size`` 8 examples per
-  step, loss = weighted mean over assistant tokens, the unembedding applied only at loss positions;
-  grad-norm clip 1.0; 2 torch threads.
 Same config and seed -> same weights sha256 only on the same torch build and CPU kernels: 60
 float32 steps amplify another CPU's summation order into another model, and the tests that pilot
-it (the activation gate's masked fraction) then measure a different stand-in. So the default
-preset's result ships with the package (``assets/warmstart-<version>.pt`` beside its ``.json``
-key and sha256) and is loaded wherever its key, torch version aside, is the one asked for; any
-other config is built and cached under ``${DPPO_HARNESS_CACHE:-~/.cache/dppo_harness}/models/<config-hash>/``
-(atomic write, sha256 verified on every load).
+it then measure a different stand-in. So the default preset's result ships with the package
+(``assets/warmstart-<version>.pt`` beside its ``.json`` key and sha256) and is loaded wherever its
+key, torch version aside, is the one asked for; any other config is built and cached under
+``${DPPO_HARNESS_CACHE:-~/.cache/dppo_harness}/models/<config-hash>/`` (atomic write, sha256
+verified on every load).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """aiohttp app speaking the Tinker SDK 0.25 wire protocol over a local `Engine`, and the socket
 that serves it (`run_server` is the CLI's whole server; `start_site` serves the in-process one).
 
-Protocol (read from the SDK source, see docs/local-server.md "HTTP side"):
-- JSON requests are validated into the SDK's own pydantic request types (`tinker.types`) and
-  answers are built from its response types, so the server cannot drift from the pinned SDK; a
-  request that does not validate gets HTTP 400 naming the field.
-- Work endpoints answer at once with an `UntypedAPIFuture` (`{"request_id": ...}`); the SDK then
-  long-polls `POST /api/v1/retrieve_future` (tinker/lib/api_future_impl.py). Pending -> HTTP 408
-  `{"type": "try_again", ...}` (the SDK re-polls at once); failure -> 200
-  `{"error": ..., "category": "user"|"server"}` (the SDK raises `RequestFailedError`); success ->
-  JSON, or protobuf for `ForwardBackwardOutput` and `SampleResponse` (SDK 0.25 refuses JSON for
-  those two, tinker/proto/response_conv.py PROTO_SUPPORTED_TYPES; the SDK ships no encoder).
-- `forward_backward` requests arrive as protobuf (`forward_only` distinguishes `forward`),
-  zstd-compressed (`Content-Encoding: zstd`) when client/config says `proto_compress_fwdbwd`.
-- Requests on one training model run strictly in `seq_id` order on that model's own worker
-  thread; sampling runs on a shared thread pool so concurrent samples overlap.
-- Every response carries the embedded-server marker header; one log line per request.
-- The `spindle` profile (docs/local-server.md "Spindle profile"): the research exchange's front
-  door checks Modal-Key / Modal-Secret on every request (401 naming the header, never a value);
-  then, on a route Spindle has, Spindle's own X-API-Key check (401 `{"error": "unauthorized",
-  "message": "unauthorized"}`, src/spindle/control_plane/http.py `authorize`); routes Spindle lacks
-  are not registered and answer FastAPI's 404 `{"detail": "Not Found"}`; errors are in Spindle's
-  `{"error": <code>, "message": <text>}` shape (http/spindle.py).
+The protocol as read from the SDK source, the routes and the marker: docs/local-server.md "HTTP
+protocol". JSON requests validate into the SDK's own request types and answers are built from its
+response types, so the server cannot drift from the pinned SDK. The `spindle` profile puts the
+exchange's front door (Modal-Key / Modal-Secret) and Spindle's own X-API-Key check in front of the
+routes Spindle has (docs/local-server.md "Spindle profile"; http/spindle.py).
 """
 
 from __future__ import annotations
