@@ -1,16 +1,38 @@
-"""The embedded server's command line: its argument parser and the checks of its values that need
-no heavy import.
+"""CLI: `python -m dppo_harness.local_server --host 127.0.0.1 --port PORT [options]`.
 
-Nothing here imports torch, aiohttp or the engine: the CLI refuses a bad argument in a blink, and
-torch loads only after `__main__.main` set its OpenMP settings.
+Prints exactly one line `listening on http://127.0.0.1:PORT` on stdout once the engine is
+loaded and the socket accepts connections; logs go to stderr (one line per request: method, path,
+status, milliseconds). SIGTERM/SIGINT shut it down.
+
+`--profile spindle` behaves like Spindle, Modal's Tinker-compatible service, as its source shows it
+(modal-projects/spindle; docs/local-server.md "Spindle profile"): it reads TINKER_API_KEY,
+MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET from its own environment (exit code 2, naming
+the variable, if one is unset); Spindle checks X-API-Key, the research exchange's front door in
+front of it checks Modal-Key / Modal-Secret.
+
+The fault options rehearse what a shared service does and the SDK knows (docs/service.md): capacity
+pauses as `paused_capacity` try_again polls (`--fault-queue-pause`, default profile; Spindle only
+ever says `active`), a request that never completes (`--fault-never-complete`), a 429 at sample
+submit for a while (`--fault-reject-for asample:429:S`), a trainer that dies (`--fault-model-lost`,
+spindle profile).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
+# Nothing here imports torch, aiohttp or the engine at module level: the CLI refuses a bad argument
+# in a blink, and torch loads only after `main` set its OpenMP settings.
 from dppo_harness.local_server.faults import (
     DEFAULT_VALUE_HEADERS,
     FaultConfig,
@@ -28,16 +50,20 @@ from dppo_harness.local_server.profiles import (
     DEFAULT_SWEEP_INTERVAL_S,
     DEFAULT_TRAINER_SLOTS,
     PROFILES,
+    MissingCredential,
     SpindleSettings,
+    make_profile,
 )
 
+USAGE_EXIT_CODE = 2
+PARENT_GONE_EXIT = 75
 PROG = "python -m dppo_harness.local_server"
 
-# The repeatable `KIND:...` fault options: (FaultConfig field, option, METAVAR, parser, help).
+# The repeatable `KIND:...` fault options: (option, METAVAR, parser, help); each fills the FaultConfig
+# field named after it.
 # `--fault-model-lost` is Spindle's (refused on the default profile).
-_REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...] = (
+_REPEATED_FAULTS: tuple[tuple[str, str, Callable[[str], object], str], ...] = (
     (
-        "reject_first",
         "--fault-reject-first",
         "KIND:STATUS:N",
         parse_reject_first,
@@ -45,7 +71,6 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "Spindle's shape (429: {error: saturated, message: 'engine refused work: operation buffer full'})",
     ),
     (
-        "reject_for",
         "--fault-reject-for",
         "KIND:STATUS:SECONDS",
         parse_reject_for,
@@ -53,7 +78,6 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "is a sample submit the SDK retries without limit)",
     ),
     (
-        "queue_pause",
         "--fault-queue-pause",
         "KIND:N:SECONDS[:STATE][:moving]",
         parse_queue_pause,
@@ -63,14 +87,12 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "sends a paused state); 'moving': the reason names a queue position that changes at every poll",
     ),
     (
-        "never_complete",
         "--fault-never-complete",
         "KIND:N",
         parse_never_complete,
         "accept the N-th request of KIND and never complete it (its polls say queue_state active)",
     ),
     (
-        "capacity_fail",
         "--fault-capacity-fail",
         "KIND:N1[,N2...]",
         parse_capacity_fail,
@@ -78,14 +100,12 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "capacity exhausted' before it runs",
     ),
     (
-        "latency_ms",
         "--fault-latency-ms",
         "KIND:MS",
         parse_latency,
         "add MS milliseconds (non-blocking) before handling each request of KIND",
     ),
     (
-        "omit_fields",
         "--fault-omit-field",
         "KIND.FIELD[:N1,N2...]",
         parse_omit_field,
@@ -93,7 +113,6 @@ _REPEATED_FAULTS: tuple[tuple[str, str, str, Callable[[str], object], str], ...]
         "e.g. load_weights.path or get_info.model_data.model_name",
     ),
     (
-        "model_lost",
         "--fault-model-lost",
         "KIND:N",
         parse_model_lost,
@@ -111,7 +130,7 @@ SPINDLE_ONLY_OPTIONS = (
 )
 
 
-def build_parser(description: str | None) -> argparse.ArgumentParser:
+def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=description)
     p.add_argument("--host", default="127.0.0.1", help="loopback address only (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
@@ -163,7 +182,7 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         "capacity exhausted' (category server), as Spindle at its autoscaling maximum",
     )
     g = p.add_argument_group("fault injection (counted; see GET /_harness/stats)")
-    for _, option, metavar, _, text in _REPEATED_FAULTS:
+    for option, metavar, _, text in _REPEATED_FAULTS:
         g.add_argument(option, action="append", default=[], metavar=metavar, help=text)
     g.add_argument(
         "--fault-capacity-exhausted",
@@ -186,10 +205,10 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
 
 
 def fault_config(args: argparse.Namespace) -> FaultConfig:
-    repeated = {
-        name: tuple(parse(spec) for spec in getattr(args, option[2:].replace("-", "_")))
-        for name, option, _, parse, _ in _REPEATED_FAULTS
-    }
+    repeated = {}
+    for option, _, parse, _ in _REPEATED_FAULTS:
+        name = option.removeprefix("--fault-").replace("-", "_").replace("omit_field", "omit_fields")
+        repeated[name] = tuple(parse(spec) for spec in getattr(args, option[2:].replace("-", "_")))
     return FaultConfig(
         **repeated,  # type: ignore[arg-type]
         capacity_exhausted=args.fault_capacity_exhausted,
@@ -255,3 +274,47 @@ def loopback_host(host: str) -> str:
     if not addr.is_loopback:
         raise SystemExit(f"--host {host!r}: not a loopback address; the local server binds loopback only")
     return str(addr)
+
+
+def exit_with_parent(pid: int, every_s: float = 0.5) -> threading.Thread:
+    """A daemon thread that ends the process once `pid` is no longer its parent (reparented: the
+    parent died). Started before the engine builds, so a harness killed during the build leaves no server."""
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(every_s)
+        print(f"local server: parent process {pid} is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(PARENT_GONE_EXIT)
+
+    t = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    t.start()
+    return t
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning at
+    # every barrier, which on a machine shared with the harness or other jobs burns the CPU time the
+    # other thread is waiting for (docs/benchmarks.md: several times the CPU per update under load).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    args = build_parser().parse_args(argv)
+    if args.exit_with_parent is not None:
+        exit_with_parent(args.exit_with_parent)
+    args.host, faults, settings = checked(args)
+    try:
+        profile = make_profile(args.profile, os.environ, settings)
+    except MissingCredential as exc:
+        print(f"local server: {exc}", file=sys.stderr, flush=True)
+        sys.exit(USAGE_EXIT_CODE)
+    # The server's stack (torch, aiohttp, the engine, the app) loads once, here.
+    from dppo_harness.local_server.http import app
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("dppo_harness.local_server").info(
+        "starting (pid %d, %d engine threads)", os.getpid(), args.threads
+    )
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="dppo-local-server-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    asyncio.run(app.run_server(args, faults, run_dir, profile))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # engine worker threads cannot be interrupted mid-call; do not wait for them at exit

@@ -25,51 +25,20 @@ QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]  # the SD
 # STATE values `--fault-queue-pause` takes: the paused ones (with a reason), or `active` (a hold
 # whose polls look like any pending request: queue_state active, no reason; what Spindle sends).
 HOLD_STATES: tuple[QueueState, ...] = ("paused_capacity", "paused_rate_limit", "active")
-FOREVER = ("forever", "inf")
 ANY_KIND = "*"
 # Values of these headers are never recorded, whatever the whitelist says.
 SECRET_HEADERS = frozenset(
-    {
-        "authorization",
-        "x-api-key",
-        "modal-secret",
-        "modal-key",
-        "cookie",
-        "proxy-authorization",
-        "cf-access-client-secret",
-        "cf-access-client-id",
-    }
+    {"authorization", "x-api-key", "modal-secret", "modal-key", "cookie", "proxy-authorization"}
+    | {"cf-access-client-secret", "cf-access-client-id"}
 )
 DEFAULT_VALUE_HEADERS = ("x-harness-probe",)
-
-
-class FaultSpecError(ValueError):
-    """A fault option that cannot be parsed; the message names the option and the problem."""
-
-
-@dataclass(frozen=True)
-class RejectFirst:
-    kind: str
-    status: int
-    count: int
-
-
-@dataclass(frozen=True)
-class CapacityFail:
-    """The listed requests of `kind` (1-based, counted per kind when they execute) fail their
-    future with CAPACITY_EXHAUSTED_TEXT before the engine runs them (nothing is applied)."""
-
-    kind: str
-    numbers: frozenset[int]
-
-
 # Fields the SDK's response types (tinker 0.25.0 `tinker/types/*`) declare optional, per request
 # kind, that `--fault-omit-field KIND.FIELD` may leave out. Dotted paths go into nested objects
 # and through lists. `asample.logprobs` is per sampled sequence (protobuf); `forward.logprobs` /
 # `forward_backward.logprobs` is the loss output key every datum carries (protobuf).
 OPTIONAL_RESPONSE_FIELDS: dict[str, frozenset[str]] = {
     "load_weights": frozenset({"path", "model_id", "type"}),  # LoadWeightsResponse
-    "get_info": frozenset(
+    "get_info": frozenset(  # GetInfoResponse
         {
             "type",
             "model_data.arch",
@@ -79,20 +48,53 @@ OPTIONAL_RESPONSE_FIELDS: dict[str, frozenset[str]] = {
             "lora_rank",
             "model_name",
         }
-    ),  # GetInfoResponse
+    ),
     "optim_step": frozenset({"metrics"}),  # OptimStepResponse
     "save_weights": frozenset({"type"}),  # SaveWeightsResponse (path is required)
     "save_weights_for_sampler": frozenset({"path", "sampling_session_id", "type"}),  # ...ResponseInternal
-    "get_server_capabilities": frozenset(
-        {
-            "supported_models.model_name",
-            "supported_models.max_context_length",
-        }
-    ),
+    "get_server_capabilities": frozenset({"supported_models.model_name", "supported_models.max_context_length"}),
     "asample": frozenset({"logprobs"}),  # SampledSequence.logprobs
     "forward": frozenset({"logprobs", "metrics"}),  # LossFnOutput keys; ForwardBackwardOutput.metrics
     "forward_backward": frozenset({"logprobs", "metrics"}),
 }
+
+
+class FaultSpecError(ValueError):
+    """A fault option that cannot be parsed; the message names the option and the problem."""
+
+
+@dataclass(frozen=True)
+class Reject:
+    """`reject_first`: the first `amount` requests of `kind` answer HTTP `status`; `reject_for`:
+    every one does for `amount` seconds from the first."""
+
+    kind: str
+    status: int
+    amount: float
+
+
+@dataclass(frozen=True)
+class Nth:
+    """The `number`-th request of `kind` (1-based): `never_complete` accepts it and never completes
+    it (its queue stays active); `model_lost` (spindle, counted over every model as submits arrive)
+    finds the trainer of the model it was sent to gone: that submit and every later one on the
+    model answer HTTP 410 model_lost, and its pending futures fail."""
+
+    kind: str
+    number: int
+
+
+ModelLost = NeverComplete = Nth
+RejectFirst = RejectFor = Reject
+
+
+@dataclass(frozen=True)
+class CapacityFail:
+    """The listed requests of `kind` (1-based, counted per kind when they execute) fail their
+    future with CAPACITY_EXHAUSTED_TEXT before the engine runs them (nothing is applied)."""
+
+    kind: str
+    numbers: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -119,36 +121,8 @@ class QueuePause:
 
 
 @dataclass(frozen=True)
-class ModelLost:
-    """At the `number`-th request of `kind` the server receives (1-based, counted over every model
-    as submits arrive), the trainer of the model it was sent to is gone: that submit and every
-    later one on the model answer HTTP 410 model_lost, and its pending futures fail (spindle
-    profile only)."""
-
-    kind: str
-    number: int
-
-
-@dataclass(frozen=True)
-class NeverComplete:
-    """The `number`-th request of `kind` is accepted and never completes (its queue stays active)."""
-
-    kind: str
-    number: int
-
-
-@dataclass(frozen=True)
-class RejectFor:
-    """Every request of `kind` is answered with HTTP `status` for `seconds` from the first one."""
-
-    kind: str
-    status: int
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Hold:
-    """What keeps one queued request from running (see QueuePause, NeverComplete)."""
+    """What keeps one queued request from running (see QueuePause, never_complete)."""
 
     queue_state: QueueState  # what its polls report: paused_capacity, paused_rate_limit, or active (a hang)
     reason: str | None
@@ -167,17 +141,17 @@ class Hold:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    reject_first: tuple[RejectFirst, ...] = ()
+    reject_first: tuple[Reject, ...] = ()
     capacity_exhausted: int = 0  # first N create_model requests fail their future with CAPACITY_EXHAUSTED_TEXT
     capacity_fail: tuple[CapacityFail, ...] = ()  # ordered training calls whose future fails with capacity
     latency_ms: tuple[tuple[str, float], ...] = ()  # (kind, ms) added before handling
     queue_pause: tuple[QueuePause, ...] = ()  # k-th request of a kind paused (try_again polls)
-    never_complete: tuple[NeverComplete, ...] = ()  # k-th request of a kind never answers
-    reject_for: tuple[RejectFor, ...] = ()  # every request of a kind refused for a while
+    never_complete: tuple[Nth, ...] = ()  # k-th request of a kind never answers
+    reject_for: tuple[Reject, ...] = ()  # every request of a kind refused for a while
     die_after: int | None = None  # exit the process when API request K+1 arrives
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
     omit_fields: tuple[OmitField, ...] = ()  # optional response fields left out
-    model_lost: tuple[ModelLost, ...] = ()  # a model's trainer dies (spindle profile)
+    model_lost: tuple[Nth, ...] = ()  # a model's trainer dies (spindle profile)
     trainer_full_refuse: bool = False  # a creation waiting for a slot fails instead (spindle profile)
     record_header_values: tuple[str, ...] = DEFAULT_VALUE_HEADERS
 
@@ -198,26 +172,25 @@ def _split(spec: str, option: str, parts: int) -> list[str]:
     return fields
 
 
-def _int(value: str, option: str, what: str = "N") -> int:
+def _num(value: str, option: str, what: str, kind: type = int, least: float = 0, forever: bool = False) -> float:
+    """An integer (or a number; SECONDS finite) >= `least`, or FaultSpecError naming `what`."""
     try:
-        return int(value)
+        n = kind(value)
     except ValueError:
-        raise FaultSpecError(f"{option}: {what} must be an integer, got {value!r}") from None
+        must = "an integer" if kind is int else "a number" + (" or forever" if forever else "")
+        raise FaultSpecError(f"{option}: {what} must be {must}, got {value!r}") from None
+    if what == "SECONDS" and (not n >= 0 or n == float("inf")):
+        raise FaultSpecError(f"{option}: SECONDS must be >= 0, got {value!r}")
+    if n < least:
+        raise FaultSpecError(f"{option}: {what} {'counts requests from 1' if least else 'must be >= 0'}, got {n}")
+    return n
 
 
 def _status(value: str, option: str) -> int:
-    status = _int(value, option, "status")
+    status = int(_num(value, option, "status"))
     if status not in REJECT_STATUSES:
         raise FaultSpecError(f"{option}: status must be one of {REJECT_STATUSES}, got {status}")
     return status
-
-
-def _number(value: str, option: str) -> int:
-    """The N of `KIND:N`: the N-th request of its kind, counted from 1."""
-    n = _int(value, option)
-    if n < 1:
-        raise FaultSpecError(f"{option}: N counts requests from 1, got {n}")
-    return n
 
 
 def _numbers(numbers: str, option: str, what: str) -> frozenset[int]:
@@ -231,34 +204,16 @@ def _numbers(numbers: str, option: str, what: str) -> frozenset[int]:
     return ns
 
 
-def _seconds(value: str, option: str, *, forever: bool = False) -> float:
-    """A finite SECONDS >= 0 (`forever`: the option also takes forever, for the message)."""
-    try:
-        secs = float(value)
-    except ValueError:
-        raise FaultSpecError(
-            f"{option}: SECONDS must be a number{' or forever' if forever else ''}, got {value!r}"
-        ) from None
-    if not secs >= 0 or secs == float("inf"):
-        raise FaultSpecError(f"{option}: SECONDS must be >= 0, got {value!r}")
-    return secs
-
-
-def parse_reject_first(spec: str) -> RejectFirst:
+def parse_reject_first(spec: str) -> Reject:
     """`KIND:STATUS:N`, e.g. `forward_backward:429:2`."""
-    option = "--fault-reject-first"
-    kind, status, count = _split(spec, option, 3)
-    n = _int(count, option)
-    if n < 0:
-        raise FaultSpecError(f"{option}: N must be >= 0, got {n}")
-    return RejectFirst(kind, _status(status, option), n)
+    kind, status, count = _split(spec, "--fault-reject-first", 3)
+    return Reject(kind, _status(status, "--fault-reject-first"), int(_num(count, "--fault-reject-first", "N")))
 
 
-def parse_reject_for(spec: str) -> RejectFor:
+def parse_reject_for(spec: str) -> Reject:
     """`KIND:STATUS:SECONDS`, e.g. `asample:429:20`: every sample submit refused for 20 s."""
-    option = "--fault-reject-for"
-    kind, status, secs = _split(spec, option, 3)
-    return RejectFor(kind, _status(status, option), _seconds(secs, option))
+    kind, status, secs = _split(spec, "--fault-reject-for", 3)
+    return Reject(kind, _status(status, "--fault-reject-for"), _num(secs, "--fault-reject-for", "SECONDS", float))
 
 
 def parse_capacity_fail(spec: str) -> CapacityFail:
@@ -267,28 +222,25 @@ def parse_capacity_fail(spec: str) -> CapacityFail:
     return CapacityFail(kind, _numbers(numbers, "--fault-capacity-fail", "request"))
 
 
-def parse_model_lost(spec: str) -> ModelLost:
+def _parse_nth(spec: str, option: str) -> Nth:
+    kind, n = _split(spec, option, 2)
+    return Nth(kind, int(_num(n, option, "N", least=1)))
+
+
+def parse_model_lost(spec: str) -> Nth:
     """`KIND:N`, e.g. `forward_backward:6`: a model's 6th forward_backward finds its trainer gone."""
-    kind, n = _split(spec, "--fault-model-lost", 2)
-    return ModelLost(kind, _number(n, "--fault-model-lost"))
+    return _parse_nth(spec, "--fault-model-lost")
 
 
-def parse_never_complete(spec: str) -> NeverComplete:
+def parse_never_complete(spec: str) -> Nth:
     """`KIND:N`, e.g. `save_weights:1`: the first save never completes."""
-    kind, n = _split(spec, "--fault-never-complete", 2)
-    return NeverComplete(kind, _number(n, "--fault-never-complete"))
+    return _parse_nth(spec, "--fault-never-complete")
 
 
 def parse_latency(spec: str) -> tuple[str, float]:
     """`KIND:MS`, e.g. `asample:200`."""
     kind, ms = _split(spec, "--fault-latency-ms", 2)
-    try:
-        value = float(ms)
-    except ValueError:
-        raise FaultSpecError(f"--fault-latency-ms: MS must be a number, got {ms!r}") from None
-    if value < 0:
-        raise FaultSpecError(f"--fault-latency-ms: MS must be >= 0, got {value}")
-    return kind, value
+    return kind, _num(ms, "--fault-latency-ms", "MS", float)
 
 
 def parse_queue_pause(spec: str) -> QueuePause:
@@ -307,8 +259,10 @@ def parse_queue_pause(spec: str) -> QueuePause:
         raise FaultSpecError(f"{option}: STATE must be one of {HOLD_STATES}, got {name!r}")
     if moving and state == "active":
         raise FaultSpecError(f"{option}: 'moving' needs a paused STATE (an active hold has no reason), got {spec!r}")
-    seconds = None if fields[2].lower() in FOREVER else _seconds(fields[2], option, forever=True)
-    return QueuePause(fields[0], _number(fields[1], option), seconds, state, moving)
+    seconds = (
+        None if fields[2].lower() in ("forever", "inf") else _num(fields[2], option, "SECONDS", float, forever=True)
+    )
+    return QueuePause(fields[0], int(_num(fields[1], option, "N", least=1)), seconds, state, moving)
 
 
 def parse_omit_field(spec: str) -> OmitField:
@@ -325,8 +279,7 @@ def parse_omit_field(spec: str) -> OmitField:
         )
     if field_path not in allowed:
         raise FaultSpecError(
-            f"{option}: {field_path!r} is not an optional field of the SDK's {kind} response; "
-            f"optional: {sorted(allowed)}"
+            f"{option}: {field_path!r} is not an optional field of the SDK's {kind} response; optional: {sorted(allowed)}"
         )
     return OmitField(kind, field_path, _numbers(numbers, option, "response") if numbers else None)
 
@@ -353,6 +306,10 @@ class Decision:
     reject_reason: str = ""
     latency_s: float = 0.0
     die: bool = False
+
+
+def _names(rule_kind: str, kind: str) -> bool:
+    return rule_kind in (kind, ANY_KIND)
 
 
 @dataclass
@@ -383,23 +340,22 @@ class FaultInjector:
                 if cfg.die_after is not None and self.api_requests > cfg.die_after:
                     self.injected["*:die"] += 1
                     return Decision(die=True)
-            latency = sum(ms for k, ms in cfg.latency_ms if k in (kind, ANY_KIND)) / 1000.0
+            latency = sum(ms for k, ms in cfg.latency_ms if _names(k, kind)) / 1000.0
             if latency:
                 self.injected[f"{kind}:latency"] += 1
             for rule in cfg.reject_first:
-                if rule.kind in (kind, ANY_KIND) and seen <= rule.count:
+                if _names(rule.kind, kind) and seen <= rule.amount:
                     self.injected[f"{kind}:{rule.status}"] += 1
-                    return Decision(rule.status, f"injected {rule.status} (first {rule.count} {rule.kind})", latency)
+                    return Decision(rule.status, f"injected {rule.status} (first {rule.amount} {rule.kind})", latency)
             for window in cfg.reject_for:
-                if window.kind in (kind, ANY_KIND):
+                if _names(window.kind, kind):
                     start = self._reject_since.setdefault(window.kind, time.monotonic())
-                    if time.monotonic() - start < window.seconds:
+                    if time.monotonic() - start < window.amount:
                         self.injected[f"{kind}:{window.status}"] += 1
-                        return Decision(
-                            window.status,
-                            f"injected {window.status}: {kind} refused for {window.seconds:g} s from the first request",
-                            latency,
+                        reason = (
+                            f"injected {window.status}: {kind} refused for {window.amount:g} s from the first request"
                         )
+                        return Decision(window.status, reason, latency)
             return Decision(latency_s=latency)
 
     def take_capacity_failure(self) -> bool:
@@ -415,8 +371,7 @@ class FaultInjector:
         """For an ordered call about to execute: True if this one (by its number) must fail."""
         with self._lock:
             self.executed[kind] += 1
-            n = self.executed[kind]
-            if any(rule.kind in (kind, ANY_KIND) and n in rule.numbers for rule in self.config.capacity_fail):
+            if any(_names(r.kind, kind) and self.executed[kind] in r.numbers for r in self.config.capacity_fail):
                 self.injected[f"{kind}:capacity_exhausted"] += 1
                 return True
             return False
@@ -428,7 +383,7 @@ class FaultInjector:
             self._submits_seen[kind] += 1
             self._submits_seen[ANY_KIND] += 1
             for rule in self.config.model_lost:
-                if rule.kind in (kind, ANY_KIND) and self._submits_seen[rule.kind] == rule.number:
+                if _names(rule.kind, kind) and self._submits_seen[rule.kind] == rule.number:
                     self.injected[f"{kind}:model_lost"] += 1
                     return True
         return False
@@ -440,8 +395,7 @@ class FaultInjector:
             return frozenset()
         with self._lock:
             self.answered[kind] += 1
-            n = self.answered[kind]
-            out = frozenset(r.field for r in rules if r.numbers is None or n in r.numbers)
+            out = frozenset(r.field for r in rules if r.numbers is None or self.answered[kind] in r.numbers)
             for f in out:
                 self.injected[f"{kind}:omit:{f}"] += 1
             return out
@@ -457,21 +411,17 @@ class FaultInjector:
         with self._lock:
             self.queued[kind] += 1
             n = self.queued[kind]
-            for never in self.config.never_complete:
-                if never.kind in (kind, ANY_KIND) and never.number == n:
-                    self.injected[f"{kind}:never_complete"] += 1
-                    return Hold("active", None, None)
+            if any(_names(never.kind, kind) and never.number == n for never in self.config.never_complete):
+                self.injected[f"{kind}:never_complete"] += 1
+                return Hold("active", None, None)
             for pause in self.config.queue_pause:
-                if pause.kind in (kind, ANY_KIND) and pause.number == n:
+                if _names(pause.kind, kind) and pause.number == n:
                     self.injected[f"{kind}:queue_pause"] += 1
                     how_long = "until further notice" if pause.seconds is None else f"for {pause.seconds:g} s"
-                    reason = (
-                        None
-                        if pause.queue_state == "active"
-                        else f"embedded server fault: no capacity for {kind} request {n}; paused {how_long}"
-                    )
+                    reason = f"embedded server fault: no capacity for {kind} request {n}; paused {how_long}"
                     until = None if pause.seconds is None else time.monotonic() + pause.seconds
-                    return Hold(pause.queue_state, reason, until, itertools.count(10_000, -1) if pause.moving else None)
+                    positions = itertools.count(10_000, -1) if pause.moving else None
+                    return Hold(pause.queue_state, None if pause.queue_state == "active" else reason, until, positions)
             return None
 
     def snapshot(self) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
+import contextlib
 import json
 import os
 import queue
@@ -50,7 +50,6 @@ class PendingResult(Protocol[T_co]):
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
-LOG_NAME = "server.log"
 _live: weakref.WeakSet[LocalServerProcess] = weakref.WeakSet()
 
 
@@ -109,11 +108,9 @@ class LocalServerProcess:
         self,
         run_dir: Path | str | None = None,
         *,
-        port: int = 0,
         model: str | None = None,
         profile: str = "default",
         fault_args: Sequence[str] = (),
-        extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         startup_timeout: float = 900.0,
         python: str = sys.executable,
@@ -121,27 +118,10 @@ class LocalServerProcess:
         heartbeat_s: float = 10.0,
     ) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="dppo-local-server-"))
-        self.port = port
         self.startup_timeout = startup_timeout
-        self.cmd = [
-            python,
-            "-m",
-            "dppo_harness.local_server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--run-dir",
-            str(self.run_dir),
-            "--exit-with-parent",
-            str(os.getpid()),
-        ]
-        if model:
-            self.cmd += ["--model", model]
-        self.profile = profile
-        if profile != "default":
-            self.cmd += ["--profile", profile]
-        self.cmd += list(fault_args) + list(extra_args)
+        self.cmd = [python, "-m", "dppo_harness.local_server", "--host", "127.0.0.1", "--port", "0"]
+        self.cmd += ["--run-dir", str(self.run_dir), "--exit-with-parent", str(os.getpid()), "--profile", profile]
+        self.cmd += (["--model", model] if model else []) + list(fault_args)
         self.env = server_environment(os.environ if env is None else env, profile)
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_root(), self.env.get("PYTHONPATH")) if p)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
@@ -151,7 +131,6 @@ class LocalServerProcess:
         self.base_url: str = ""
         self.start_seconds: float | None = None
         self._stdout: queue.Queue[str | None] = queue.Queue()
-        self._stdout_tail: collections.deque[str] = collections.deque(maxlen=50)
         # While waiting for readiness: the server's progress lines (its log) go to `progress`, and
         # a line at least every `heartbeat_s` says it is still starting.
         self.progress = progress
@@ -161,10 +140,9 @@ class LocalServerProcess:
         self.on_death: Callable[[LocalServerProcess], None] | None = None
         self._stopping = False
 
-    # -- lifecycle
     @property
     def log_path(self) -> Path:
-        return self.run_dir / LOG_NAME
+        return self.run_dir / "server.log"
 
     @property
     def pid(self) -> int | None:
@@ -218,9 +196,7 @@ class LocalServerProcess:
     def _pump_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self._stdout_tail.append(line)
-            self._stdout.put(line)
+            self._stdout.put(line.rstrip("\n"))
         self._stdout.put(None)
 
     def _forward_progress(self, t0: float, said_at: float) -> float:
@@ -278,7 +254,8 @@ class LocalServerProcess:
                     return
             except (urllib.error.URLError, OSError, ValueError):
                 pass
-            self.check_alive()
+            if not self.alive():
+                raise LocalServerDied(self._describe("is not running"))
             if time.perf_counter() - t0 > self.startup_timeout:
                 raise LocalServerDied(self._describe("healthz never answered ok"))
             time.sleep(0.1)
@@ -304,10 +281,6 @@ class LocalServerProcess:
             f"local server (pid {self.pid}, {status}) {what}; command: {' '.join(self.cmd)}\n"
             f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
         )
-
-    def check_alive(self) -> None:
-        if not self.alive():
-            raise LocalServerDied(self._describe("is not running"))
 
     def stats(self) -> dict[str, Any]:
         """GET /_harness/stats while running; after exit, the stats file the server left behind."""
@@ -374,12 +347,7 @@ class InProcessServer:
     (`engine.get_parameter_grads(server.state.engine_model_id(training_client.model_id))`).
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        faults: FaultConfig | None = None,
-        profile: Profile | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine, faults: FaultConfig | None = None, profile: Profile | None = None) -> None:
         self.engine = engine
         self._faults = faults or FaultConfig()
         self._profile = profile or Profile()
@@ -391,36 +359,16 @@ class InProcessServer:
         self.died: str | None = None
 
     def start(self) -> InProcessServer:
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(self._setup())
-            except BaseException as exc:
-                errors.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            if self._runner is not None:  # set by _setup
-                loop.run_until_complete(self._runner.cleanup())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="local-server-inprocess", daemon=True)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="local-server-inprocess", daemon=True)
         self._thread.start()
-        ready.wait()
-        if errors:
-            raise errors[0]
+        asyncio.run_coroutine_threadsafe(self._setup(), self._loop).result()
         return self
 
     async def _setup(self) -> None:
         # The server's stack (aiohttp, the SDK's types and protobufs, the engine's modules) loads for
         # an in-process server only: the pytest plugin imports this module at start-up.
-        from dppo_harness.local_server.serve import ServerState, listening_socket, start_site
+        from dppo_harness.local_server.http.app import ServerState, listening_socket, start_site
 
         self.state = ServerState(
             self.engine,
@@ -433,13 +381,18 @@ class InProcessServer:
         self._runner = await start_site(self.state, sock)
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
 
-    def _on_die(self, message: str) -> None:
+    def _on_die(self, message: str) -> None:  # the fault that would exit a server process
         self.died = message
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            if self._runner is not None:
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self._loop.close()
         if self.state is not None:
             self.state.shutdown()
 

@@ -15,6 +15,7 @@ Expected credential values come from the server's own environment at start and l
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import math
 from collections.abc import Mapping
@@ -95,13 +96,7 @@ class Deployment:
     max_context_length: int | None
 
     def listing(self) -> JsonObject:
-        return {
-            "name": self.name,
-            "definition_id": self.definition_id,
-            "base_model": self.base_model,
-            "parameterization": self.parameterization,
-            "max_context_length": self.max_context_length,
-        }
+        return dataclasses.asdict(self)
 
 
 def spindle_deployments(max_context_length: int | None) -> tuple[Deployment, ...]:

@@ -22,10 +22,10 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -58,24 +58,19 @@ def get_renderer() -> Renderer:
     return renderers.get_renderer(RENDERER_NAME, tokenizer=get_tokenizer())  # type: ignore[arg-type]
 
 
-class _CookbookMath(NamedTuple):
-    """What this module takes from the cookbook's math env."""
-
-    env: type[MathEnv]  # its one-shot prefix and question suffix
-    final_answer: Callable[[str], str]  # extract_gsm8k_final_answer
-
-
 @lru_cache(maxsize=1)
-def _cookbook_math() -> _CookbookMath:
+def _math_env() -> type[MathEnv]:
     # the cookbook's math env imports its RL stack (seconds): only the warm start and the vocabulary rebuild need it
-    from tinker_cookbook.recipes.math_rl.math_env import MathEnv, extract_gsm8k_final_answer
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
 
-    return _CookbookMath(MathEnv, extract_gsm8k_final_answer)
+    return MathEnv
 
 
 def gsm8k_final_answer(answer: str) -> str:
     """Ground truth of a GSM8K answer field: the cookbook's ``extract_gsm8k_final_answer``."""
-    return _cookbook_math().final_answer(answer)
+    from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer  # deferred, as in _math_env
+
+    return extract_gsm8k_final_answer(answer)
 
 
 _CALC_RE = re.compile(r"<<[^>]*>>")
@@ -92,7 +87,7 @@ def solution_reply(answer: str) -> str:
 def prompt_messages(question: str) -> list[Message]:
     """The cookbook math_rl GSM8K conversation: ``MathEnv``'s one-shot prefix, then the question
     with ``MathEnv.question_suffix()`` (the same messages MathEnv renders)."""
-    env = _cookbook_math().env
+    env = _math_env()
     return [*env.standard_fewshot_prefix(), {"role": "user", "content": question + env.question_suffix()}]
 
 
@@ -163,34 +158,20 @@ def load_vocab(path: Path = ASSET_PATH) -> Vocab:
     return vocab
 
 
-class VocabAsset(TypedDict):
-    """The restricted vocabulary's asset file (ASSET_PATH), in its key order."""
-
-    tokenizer: str
-    recipe: str
-    size: int
-    sha256: str
-    real_ids: list[int]
-
-
-def asset_payload(ids: Sequence[int]) -> VocabAsset:
-    vocab = Vocab(ids)
-    return {
-        "tokenizer": TOKENIZER_NAME,
-        "recipe": "dppo_harness.local_server.vocab.build_vocab_ids",
-        "size": vocab.size,
-        "sha256": vocab.sha256,
-        "real_ids": [int(i) for i in ids],
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Rebuild the restricted vocabulary asset.")
     ap.add_argument("--data", type=Path, default=DATA_DIR, help="GSM8K dir with train/test.jsonl (default: vendored)")
     ap.add_argument("--out", type=Path, default=None, help="write the rebuilt asset here")
     ap.add_argument("--check", action="store_true", help="compare the rebuild with the shipped asset's sha256")
     args = ap.parse_args(argv)
-    payload = asset_payload(build_vocab_ids(args.data))
+    ids = build_vocab_ids(args.data)
+    payload = {
+        "tokenizer": TOKENIZER_NAME,
+        "recipe": "dppo_harness.local_server.vocab.build_vocab_ids",
+        "size": len(ids),
+        "sha256": Vocab(ids).sha256,
+        "real_ids": ids,
+    }
     print(f"rebuilt {payload['size']} ids, sha256 {payload['sha256']}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Model side of the embedded Tinker-protocol server: training models, optimizer, sampling.
+"""Model side of the embedded Tinker-protocol server: training models, optimizer, checkpoints,
+sampling.
 
 ``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``. Token ids are real
 Qwen3.5 ids; prompt_logprobs (when requested) is on every returned sequence, first element None.
@@ -8,6 +9,8 @@ exactly the sampling distribution.
 
 The base model is one of the tiny presets (`PRESETS`: a small Qwen3 over a restricted
 vocabulary, on CPU); every sample goes through the batched decode loop of `sampling.py`.
+Checkpoints live under `run_dir` (`checkpoint_files`), written atomically, verified by sha256 and
+by the base model's hash on load.
 """
 
 from __future__ import annotations
@@ -15,32 +18,50 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import math
+import os
+import re
 import secrets
+import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypedDict
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import transformers
 
 from dppo_harness.constants import BASE_MODEL
+from dppo_harness.data.tokenizer import TmlQwen35Tokenizer
+from dppo_harness.local_server.checkpoint_files import ADAPTER_FILE, CHECKPOINT_PATH_RE, checkpoint_dir
 from dppo_harness.local_server.engine import model, sampling, warmstart
-from dppo_harness.local_server.engine.checkpoints import CheckpointsMixin
-from dppo_harness.local_server.engine.trainer import (
-    TOKEN_BUDGET,
-    RetainedForward,
-    TrainerMixin,
-    TrainModel,
-    make_optimizer,
-)
+from dppo_harness.local_server.engine.logprobs import head_target_logprobs, lora_head_parts
+from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import UserError
-from dppo_harness.local_server.vocab import Vocab, get_tokenizer, load_vocab
+from dppo_harness.local_server.vocab import get_tokenizer, load_vocab
+
+if TYPE_CHECKING:
+    import peft
+
+DatumIn = tuple[Sequence[int], dict[str, np.ndarray]]
+FwdBwdOut = tuple[list[dict[str, np.ndarray]], dict[str, float]]
+LossConfigIn = Mapping[str, float | str] | None  # a request's loss_fn_config
+Items = list[tuple[torch.Tensor, dict[str, torch.Tensor]]]  # validated datums: local tokens, tensor inputs
+
+ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memory)
+# Retained first passes (see Engine._run), engine-wide: their kept float32 logits and their number
+# (a forward_backward_custom the SDK splits into chunks sends one forward per chunk).
+RETAINED_LOGIT_BYTES = 1 << 30
+MAX_RETAINED = 4
+SAMPLER_CACHE_SIZE = 4  # sampler models (base, saved weights) kept merged at once
+_NAME_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
 
 
 @dataclass
@@ -49,41 +70,6 @@ class SampledSeq:
     logprobs: list[float]
     stop_reason: str  # "stop" | "length"
     prompt_logprobs: list[float | None] | None = None
-
-
-class TextDecoder(Protocol):
-    """A tokenizer's decode, as the stop-string checks use it (a Hugging Face tokenizer declares a
-    list of texts for a batch of sequences; one sequence decodes to one text)."""
-
-    def decode(self, token_ids: list[int], /) -> str | list[str]: ...
-
-
-def decoded_text(tokenizer: TextDecoder, ids: list[int]) -> str:
-    text = tokenizer.decode(ids)
-    if not isinstance(text, str):
-        raise TypeError(f"decoding one sequence gave {type(text).__name__}, not text")
-    return text
-
-
-class ModelDataInfo(TypedDict):
-    arch: str  # the class of the model really computing
-    model_name: str  # the served stand-in name
-    tokenizer_id: str
-
-
-class ModelInfo(TypedDict):
-    """`Engine.get_info`: one training model, as the HTTP get_info answer reads it."""
-
-    model_name: str  # the served stand-in name
-    model_id: str
-    is_lora: bool
-    lora_rank: int
-    optimizer_config: dict[str, str]
-    model_data: ModelDataInfo
-    requested_base_model: str
-
-
-SAMPLER_CACHE_SIZE = 4  # sampler models (base, saved weights) kept merged at once
 
 
 @dataclass(frozen=True)
@@ -112,15 +98,62 @@ PRESETS = {
 }
 
 
-class Engine(TrainerMixin, CheckpointsMixin):
-    model_name: str
-    served_model_name: str
-    served_models: list[str]
-    sampler_dtype: torch.dtype
-    base_model: transformers.PreTrainedModel
-    base_sha256: str
-    preset: ModelPreset
+@dataclass
+class TrainModel:
+    model_id: str
+    requested_base_model: str
+    lora_rank: int
+    seed: int
+    net: peft.PeftModel
+    params: list[tuple[str, torch.nn.Parameter]]
+    optimizer: torch.optim.AdamW
+    targets: tuple[str, ...]
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    steps: int = 0
 
+
+@dataclass
+class RetainedForward:
+    """A grad-mode forward of one request: its validated inputs and each micro-batch's logprobs
+    (still attached to the graph), so a forward_backward on exactly these inputs runs only the
+    backward. The logprobs are what a fresh grad-mode forward computes, bit for bit."""
+
+    model_id: str
+    items: Items
+    microbatches: list[tuple[list[int], list[torch.Tensor]]]
+    logit_bytes: int
+
+    def matches(self, items: Items) -> bool:
+        return len(items) == len(self.items) and all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1]["target_tokens"], b[1]["target_tokens"])
+            for a, b in zip(items, self.items)
+        )
+
+
+def make_optimizer(params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.AdamW:
+    betas = (ADAM_DEFAULTS["beta1"], ADAM_DEFAULTS["beta2"])
+    return torch.optim.AdamW([p for _, p in params], lr=0.0, betas=betas, eps=ADAM_DEFAULTS["eps"], weight_decay=0.0)
+
+
+def _atomic_dir_write(final: Path, files: dict[str, bytes], overwrite: bool) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    for fname, data in files.items():
+        (tmp / fname).write_bytes(data)
+    if final.exists():
+        if not overwrite:
+            shutil.rmtree(tmp)
+            raise UserError(f"checkpoint {final.name!r} already exists; pass overwrite=True to replace it")
+        old = final.parent / f".old-{final.name}-{secrets.token_hex(4)}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+
+
+class Engine:
     def __init__(
         self,
         run_dir: Path,
@@ -128,7 +161,6 @@ class Engine(TrainerMixin, CheckpointsMixin):
         sampler_dtype: str | None = None,
         seed: int = 0,
         *,
-        cache_dir: Path | None = None,
         batch_window_s: float = 0.05,
         num_threads: int = 2,
         token_budget: int | None = None,
@@ -142,15 +174,19 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.seed = int(seed)
-        self.base_info: dict = {}
         self.model_name = model_name
         self.preset = PRESETS[model_name]
         self.served_model_name = self.preset.served_name
         self.served_models = [BASE_MODEL, self.served_model_name]
-        self.sampler_dtype = getattr(torch, sampler_dtype or "float32")
+        self.sampler_dtype: torch.dtype = getattr(torch, sampler_dtype or "float32")
         self.vocab = load_vocab()
         self.config = self.preset.config
-        self.base_model = self._load_base(cache_dir, self.vocab)
+        self.base_info: dict[str, Any]
+        if self.preset.warm_start:
+            self.base_model, self.base_info = warmstart.load_or_build(self.config, self.vocab, seed=self.seed)
+        else:
+            self.base_model = model.build_base_model(self.config, self.vocab.num_embeddings, self.seed)
+            self.base_info = {"warm_start": None, "init_seed": self.seed}
         self.base_sha256 = model.state_sha256(self.base_model.state_dict())
         self.token_budget = int(token_budget or TOKEN_BUDGET)
         # Keep a zero-weight cross-entropy forward's graph for the forward_backward that follows on
@@ -171,29 +207,13 @@ class Engine(TrainerMixin, CheckpointsMixin):
         self._sampler_thread = threading.Thread(target=self._sampler_loop, name="engine-sampler", daemon=True)
         self._sampler_thread.start()
 
-    # ----- base model -----------------------------------------------------------------------
     @functools.cached_property
-    def tokenizer(self) -> TextDecoder:
+    def tokenizer(self) -> TmlQwen35Tokenizer:
         """The harness's offline Qwen3.5 tokenizer, built on first use (stop strings): it takes
         seconds to build and most runs stop on token ids alone, so the server starts without it."""
         return get_tokenizer()
 
-    def _load_base(self, cache_dir: Path | None, vocab: Vocab) -> transformers.PreTrainedModel:
-        if self.preset.warm_start:
-            net, info = warmstart.load_or_build(self.preset.config, vocab, seed=self.seed, cache_dir=cache_dir)
-            self.base_info = info
-            return net
-        net = model.build_base_model(self.preset.config, vocab.num_embeddings, self.seed)
-        self.base_info = {"warm_start": None, "init_seed": self.seed}
-        return net
-
     # ----- model lifecycle ------------------------------------------------------------------
-    def _check_base(self, base_model: str) -> None:
-        if base_model not in self.served_models:
-            raise UserError(
-                f"base model {base_model!r} is not served by this local server; served: {self.served_models}"
-            )
-
     def create_model(
         self,
         base_model: str,
@@ -215,7 +235,10 @@ class Engine(TrainerMixin, CheckpointsMixin):
     def _create_model(
         self, base_model: str, lora_rank: int, seed: int | None, targets: tuple[str, ...], model_id: str | None
     ) -> str:
-        self._check_base(base_model)
+        if base_model not in self.served_models:
+            raise UserError(
+                f"base model {base_model!r} is not served by this local server; served: {self.served_models}"
+            )
         if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 1 or lora_rank > 512:
             raise UserError(f"lora_rank must be an integer in [1, 512], got {lora_rank!r}")
         with self._models_lock:
@@ -246,7 +269,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
         if tm is not None:
             self._drop_retained(model_id)
 
-    def get_info(self, model_id: str) -> ModelInfo:
+    def get_info(self, model_id: str) -> dict[str, Any]:
         tm = self._get(model_id)
         return {
             "model_name": self.served_model_name,
@@ -262,8 +285,355 @@ class Engine(TrainerMixin, CheckpointsMixin):
             "requested_base_model": tm.requested_base_model,
         }
 
-    # ----- trainer --------------------------------------------------------------------------
-    # ----- sampling -------------------------------------------------------------------------
+    # ----- trainer: validated datums, length-sorted micro-batches, target logprobs (the presets'
+    # fused head), the registered losses, retained first passes, AdamW steps, parameter reads -----
+    def _validate(self, data: Sequence[DatumIn], loss_fn: str) -> Items:
+        required_inputs = server_loss(loss_fn).inputs  # UserError naming the supported losses
+        if len(data) == 0:
+            raise UserError("data is empty")
+        out = []
+        for i, (tokens, inputs) in enumerate(data):
+            toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+            T = int(toks.size)
+            if T == 0:
+                raise UserError(f"datum {i}: empty model_input")
+            if self.config.max_position_embeddings < T:
+                raise UserError(f"datum {i}: {T} tokens exceed the model's {self.config.max_position_embeddings}")
+            conv: dict[str, torch.Tensor] = {}
+            for key in required_inputs:
+                if key not in inputs or inputs[key] is None:
+                    raise UserError(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]")
+                arr = np.asarray(inputs[key]).reshape(-1)
+                if arr.size != T:
+                    raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has length {arr.size}, model_input has {T}")
+                if key == "target_tokens":
+                    conv[key] = self.vocab.to_local(arr.astype(np.int64))  # unknown ids: the unk row
+                else:
+                    t = torch.from_numpy(arr.astype(np.float32))
+                    if not bool(torch.isfinite(t).all()):
+                        raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has non-finite values")
+                    conv[key] = t
+            out.append((self.vocab.to_local(toks), conv))
+        return out
+
+    def _microbatches(self, items: Items) -> list[list[int]]:
+        """Datum indices grouped into micro-batches of <= token_budget padded tokens; datums are
+        visited in (stable) length order so padding stays small."""
+        lengths = [int(it[0].numel()) for it in items]
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        cur_max = 0
+        for i in sorted(range(len(lengths)), key=lambda k: lengths[k]):
+            new_max = max(cur_max, lengths[i])
+            if cur and new_max * (len(cur) + 1) > self.token_budget:
+                batches.append(cur)
+                cur, new_max = [], lengths[i]
+            cur.append(i)
+            cur_max = new_max
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _logprobs_mb(self, net: peft.PeftModel, items: Items, idx: list[int]) -> list[torch.Tensor]:
+        lens = [int(items[i][0].numel()) for i in idx]
+        Tm = max(lens)
+        ids_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
+        tgt_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
+        mask_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
+        for b, i in enumerate(idx):
+            L = lens[b]
+            ids_BT[b, :L] = items[i][0]
+            tgt_BT[b, :L] = items[i][1]["target_tokens"]
+            mask_BT[b, :L] = 1
+        kw = {"attention_mask": mask_BT} if min(lens) != Tm else {}
+        causal = net.get_base_model()
+        assert isinstance(causal, transformers.PreTrainedModel)  # the Qwen3 causal LM under the peft wrapper
+        head = causal.get_output_embeddings()
+        if lora_head_parts(head) is None:
+            logits_BTV = net(input_ids=ids_BT, use_cache=False, **kw).logits
+            lp_BT = model.token_logprobs(logits_BTV, tgt_BT, self.vocab.size)
+            return [lp_BT[b, : lens[b]] for b in range(len(idx))]
+        # The output head is most of the compute: run it fused, in row chunks, on the real
+        # (unpadded) positions only; same values as the logits path above.
+        hidden_BTH = causal.get_decoder()(input_ids=ids_BT, use_cache=False, **kw).last_hidden_state
+        real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
+        lp_N = head_target_logprobs(
+            hidden_BTH[real_BT], tgt_BT[real_BT], head, self.vocab.size, oov_logprob=model.OOV_TARGET_LOGPROB
+        )
+        return list(lp_N.split(lens))
+
+    def _run(
+        self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn, backward: bool
+    ) -> FwdBwdOut:
+        tm = self._get(model_id)
+        loss = server_loss(loss_fn)
+        cfg = loss.config(loss_fn_config)
+        items = self._validate(data, loss_fn)
+        outputs: list[dict[str, np.ndarray] | None] = [None] * len(items)
+        total = 0.0
+        with tm.lock:
+            reuse = self._take_retained(model_id, items) if backward and loss_fn == "cross_entropy" else None
+            retain = not backward and self._retainable(items, loss_fn)
+            kept: list[tuple[list[int], list[torch.Tensor]]] = []
+            with torch.set_grad_enabled(backward or retain):
+                plan = reuse.microbatches if reuse is not None else [(idx, None) for idx in self._microbatches(items)]
+                for idx, lps in plan:
+                    if lps is None:
+                        lps = self._logprobs_mb(tm.net, items, idx)
+                    if retain:
+                        kept.append((idx, lps))
+                    losses = [
+                        loss.fn(lp, {k: v.to(lp.device) for k, v in items[i][1].items()}, cfg)
+                        for lp, i in zip(lps, idx)
+                    ]
+                    mb_loss = torch.stack([loss_T.sum() for loss_T in losses]).sum()
+                    if backward:
+                        mb_loss.backward()
+                    total += float(mb_loss.detach())
+                    for lp, loss_T, i in zip(lps, losses, idx):
+                        outputs[i] = {
+                            "logprobs": lp.detach().float().cpu().numpy().copy(),
+                            "elementwise_loss": loss_T.detach().float().cpu().numpy().copy(),
+                        }
+            if retain:
+                self._keep_retained(RetainedForward(model_id, items, kept, self._logit_bytes(items)))
+        return [o for o in outputs if o is not None], {"loss:sum": total}
+
+    def _logit_bytes(self, items: Items) -> int:
+        return 4 * self.vocab.size * sum(int(it[0].numel()) for it in items)
+
+    def _retainable(self, items: Items, loss_fn: str) -> bool:
+        """The SDK's first pass of forward_backward_custom: a cross-entropy forward with every
+        weight zero (a forward with weights is never kept), small enough to keep."""
+        return (
+            self.retain_forward
+            and loss_fn == "cross_entropy"
+            and all(not bool(it[1]["weights"].any()) for it in items)
+            and self._logit_bytes(items) <= RETAINED_LOGIT_BYTES
+        )
+
+    def _keep_retained(self, entry: RetainedForward) -> None:
+        with self._retained_lock:
+            self._retained.append(entry)
+            self.retained_stats["retained"] += 1
+            while (
+                len(self._retained) > MAX_RETAINED or sum(e.logit_bytes for e in self._retained) > RETAINED_LOGIT_BYTES
+            ):
+                self._retained.pop(0)  # the oldest first
+                self.retained_stats["dropped"] += 1
+
+    def _take_retained(self, model_id: str, items: Items) -> RetainedForward | None:
+        with self._retained_lock:
+            for k, entry in enumerate(self._retained):
+                if entry.model_id == model_id and entry.matches(items):
+                    self.retained_stats["reused"] += 1
+                    return self._retained.pop(k)
+        return None
+
+    def _drop_retained(self, model_id: str) -> None:
+        """The model's weights change (or it goes): a kept graph no longer describes them."""
+        with self._retained_lock:
+            kept = [e for e in self._retained if e.model_id != model_id]
+            self.retained_stats["dropped"] += len(self._retained) - len(kept)
+            self._retained = kept
+
+    def forward(
+        self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn = None
+    ) -> FwdBwdOut:
+        return self._run(model_id, data, loss_fn, loss_fn_config, backward=False)
+
+    def forward_backward(
+        self, model_id: str, data: Sequence[DatumIn], loss_fn: str, loss_fn_config: LossConfigIn = None
+    ) -> FwdBwdOut:
+        """Forward + backward; LoRA gradients accumulate until ``optim_step``."""
+        return self._run(model_id, data, loss_fn, loss_fn_config, backward=True)
+
+    def compute_logprobs(self, model_id: str, data: Sequence[DatumIn], *, grad: bool = False) -> list[torch.Tensor]:
+        """Per-datum target logprobs exactly as ``forward`` computes them (graph kept if grad)."""
+        tm = self._get(model_id)
+        only_targets = [
+            (t, {"target_tokens": inp["target_tokens"], "weights": np.zeros(len(t), np.float32)})
+            if "target_tokens" in inp
+            else (t, inp)
+            for t, inp in data
+        ]
+        items = self._validate(only_targets, "cross_entropy")
+        out: list[torch.Tensor | None] = [None] * len(items)
+        with tm.lock, torch.set_grad_enabled(grad):
+            for idx in self._microbatches(items):
+                for lp, i in zip(self._logprobs_mb(tm.net, items, idx), idx):
+                    out[i] = lp
+        return [o for o in out if o is not None]
+
+    def optim_step(self, model_id: str, adam: Mapping[str, float | None]) -> dict[str, float]:
+        tm = self._get(model_id)
+        if "learning_rate" not in adam:
+            raise UserError("optim_step needs adam_params.learning_rate")
+        p = {**ADAM_DEFAULTS, **{k: v for k, v in adam.items() if v is not None}}
+        unknown = set(p) - set(ADAM_DEFAULTS) - {"learning_rate"}
+        if unknown:
+            raise UserError(f"unknown adam_params fields {sorted(unknown)}")
+        lr, b1, b2, eps, wd, clip = (
+            float(p[k]) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+        )
+        checks = [
+            (lr >= 0 and math.isfinite(lr), "learning_rate >= 0"),
+            (0 <= b1 < 1, "0 <= beta1 < 1"),
+            (0 <= b2 < 1, "0 <= beta2 < 1"),
+            (eps > 0, "eps > 0"),
+            (wd >= 0, "weight_decay >= 0"),
+            (clip >= 0, "grad_clip_norm >= 0 (0 = off)"),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise UserError(f"invalid adam_params: need {what}, got {adam}")
+        with tm.lock:
+            self._drop_retained(model_id)
+            grads = [q.grad for _, q in tm.params if q.grad is not None]
+            grad_norm = (
+                float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                if grads
+                else 0.0
+            )
+            if clip > 0 and grads:
+                torch.nn.utils.clip_grad_norm_([q for _, q in tm.params if q.grad is not None], clip)
+            for g in tm.optimizer.param_groups:
+                g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+            tm.optimizer.step()
+            tm.optimizer.zero_grad(set_to_none=True)
+            tm.steps += 1
+        return {
+            "optim/learning_rate": lr,
+            "optim/beta1": b1,
+            "optim/beta2": b2,
+            "optim/eps": eps,
+            "optim/weight_decay": wd,
+            "optim/grad_clip_norm": clip,
+            "optim/grad_norm": grad_norm,
+            "optim/step": float(tm.steps),
+        }
+
+    def direct_loss_grads(
+        self, model_id: str, data: Sequence[DatumIn], loss_of_logprobs: Callable[[list[torch.Tensor]], torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Gradient of ``loss_of_logprobs(per-datum target logprobs)`` w.r.t. the LoRA parameters by
+        plain autograd through the model (no accumulation into ``.grad``): the reference the
+        two-pass ``forward_backward_custom`` path must reproduce."""
+        tm = self._get(model_id)
+        with tm.lock:
+            loss = loss_of_logprobs(self.compute_logprobs(model_id, data, grad=True))
+            grads = torch.autograd.grad(loss, [q for _, q in tm.params], allow_unused=True)
+        return {n: (g if g is not None else torch.zeros_like(q)).detach() for (n, q), g in zip(tm.params, grads)}
+
+    def get_parameter_grads(self, model_id: str) -> dict[str, torch.Tensor]:
+        tm = self._get(model_id)
+        with tm.lock:
+            return {n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q)) for n, q in tm.params}
+
+    def get_parameters(self, model_id: str) -> dict[str, torch.Tensor]:
+        tm = self._get(model_id)
+        with tm.lock:
+            return {n: q.detach().clone() for n, q in tm.params}
+
+    # ----- checkpoints ------------------------------------------------------------------------
+    def _save(self, model_id: str, kind: str, name: str, overwrite: bool, with_optimizer: bool) -> str:
+        tm = self._get(model_id)
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            what = "checkpoint name" if kind == "weights" else "sampler weights name"
+            raise UserError(f"{what} {name!r} must match {_NAME_RE.pattern}")
+        with tm.lock:
+            adapter = {n: q.detach().to("cpu", copy=True) for n, q in tm.params}
+            files = {ADAPTER_FILE: model.tensor_bytes(adapter)}
+            if with_optimizer:
+                files["optimizer.pt"] = model.tensor_bytes(tm.optimizer.state_dict())
+            meta = {
+                "kind": kind,
+                "name": name,
+                "model_id": tm.model_id,
+                "requested_base_model": tm.requested_base_model,
+                "served_model": self.served_model_name,
+                "lora_rank": tm.lora_rank,
+                "lora_seed": tm.seed,
+                "optimizer_steps": tm.steps,
+                "lora_targets": list(tm.targets),
+                "base_sha256": self.base_sha256,
+                "created_unix": time.time(),
+                "adapter_sha256": model.state_sha256(adapter),
+            }
+        files["meta.json"] = json.dumps(meta, indent=1).encode()
+        _atomic_dir_write(checkpoint_dir(self.run_dir, model_id, kind, name), files, overwrite)
+        path = f"tinker://{model_id}/{kind}/{name}"
+        with self._sampler_cache_lock:  # a cached sampler built from `path` is stale now
+            for k in [k for k in self._sampler_cache if k[0] == path]:
+                del self._sampler_cache[k]
+        return path
+
+    def save_state(self, model_id: str, name: str, overwrite: bool = False) -> str:
+        return self._save(model_id, "weights", name, overwrite, with_optimizer=True)
+
+    def save_for_sampler(self, model_id: str, name: str | None = None, *, overwrite: bool = False) -> str:
+        if name is None:
+            name = f"sampler-{self._get(model_id).steps}-{secrets.token_hex(4)}"
+        return self._save(model_id, "sampler_weights", name, overwrite, with_optimizer=False)
+
+    def _read_ckpt(self, path: str) -> tuple[Path, dict]:
+        m = CHECKPOINT_PATH_RE.match(path or "")
+        if not m:
+            raise UserError(f"malformed checkpoint path {path!r}; expected tinker://<model_id>/weights/<name>")
+        d = checkpoint_dir(self.run_dir, m.group(1), m.group(2), m.group(3))
+        if not (d / "meta.json").exists():
+            raise UserError(f"checkpoint {path!r} not found")
+        meta = json.loads((d / "meta.json").read_text())
+        if meta.get("base_sha256") != self.base_sha256:
+            raise UserError(f"checkpoint {path!r} was saved on a different base model (base weights hash differs)")
+        return d, meta
+
+    def checkpoint_meta(self, path: str) -> dict:
+        """What a checkpoint on disk says about itself (a restarted server still knows it)."""
+        return self._read_ckpt(path)[1]
+
+    def _load_adapter(self, d: Path, meta: dict) -> dict[str, torch.Tensor]:
+        adapter = torch.load(d / ADAPTER_FILE, map_location="cpu", weights_only=True)
+        if model.state_sha256(adapter) != meta.get("adapter_sha256"):
+            raise UserError(f"checkpoint {d} fails its adapter sha256 check")
+        return adapter
+
+    def load_state(self, model_id: str, path: str, with_optimizer: bool) -> None:
+        tm = self._get(model_id)
+        d, meta = self._read_ckpt(path)
+        if meta["kind"] != "weights" and with_optimizer:
+            raise UserError(f"{path!r} is sampler weights: it has no optimizer state")
+        if int(meta["lora_rank"]) != tm.lora_rank:
+            raise UserError(f"checkpoint rank {meta['lora_rank']} != model rank {tm.lora_rank}")
+        adapter = self._load_adapter(d, meta)
+        with tm.lock:
+            self._drop_retained(model_id)
+            if sorted(adapter) != sorted(n for n, _ in tm.params):
+                raise UserError(f"checkpoint {path!r} parameter names do not match the model")
+            with torch.no_grad():
+                for n, q in tm.params:
+                    q.copy_(adapter[n])
+                    q.grad = None
+            tm.optimizer = make_optimizer(tm.params)
+            tm.steps = 0
+            if with_optimizer:
+                tm.optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
+                tm.steps = int(meta.get("optimizer_steps", 0))
+
+    def create_model_from_state(self, path: str, with_optimizer: bool, *, model_id: str | None = None) -> str:
+        _, meta = self._read_ckpt(path)
+        targets = tuple(meta.get("lora_targets") or model.LORA_TARGETS)
+        mid = self._create_model(
+            meta["requested_base_model"], int(meta["lora_rank"]), int(meta["lora_seed"]), targets, model_id
+        )
+        try:
+            self.load_state(mid, path, with_optimizer)
+        except Exception:
+            self.unload_model(mid)
+            raise
+        return mid
+
+    # ----- sampling ---------------------------------------------------------------------------
     def _sampler_net(self, key: str) -> transformers.PreTrainedModel:
         dkey = (key, str(self.sampler_dtype))
         with self._sampler_cache_lock:
@@ -310,7 +680,7 @@ class Engine(TrainerMixin, CheckpointsMixin):
         """Blocking; concurrent calls are batched together by the sampler thread."""
         if sampler_path_or_base in self.served_models:
             key = "base"
-        elif isinstance(sampler_path_or_base, str) and sampler_path_or_base.startswith("tinker://"):
+        elif sampler_path_or_base.startswith("tinker://"):
             self._read_ckpt(sampler_path_or_base)  # validates now, with a clear error
             key = sampler_path_or_base
         else:
@@ -333,8 +703,6 @@ class Engine(TrainerMixin, CheckpointsMixin):
             raise UserError(f"top_k must be -1 (off) or >= 1, got {top_k!r}")
         if top_p is None or not (0 < top_p <= 1):
             raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
-        if seed is None:
-            seed = secrets.randbits(63)
         job = _SampleJob(
             key=key,
             prompt=prompt,
@@ -343,9 +711,9 @@ class Engine(TrainerMixin, CheckpointsMixin):
             temperature=float(temperature),
             top_k=int(top_k),
             top_p=float(top_p),
-            stop_ids=[int(s) for s in (stop_token_ids or ())],
-            stop_strings=[s for s in (stop_strings or ()) if s],
-            seed=int(seed),
+            stop_ids=[int(s) for s in stop_token_ids],
+            stop_strings=[s for s in stop_strings if s],
+            seed=int(secrets.randbits(63) if seed is None else seed),
             want_prompt_lp=bool(prompt_logprobs),
         )
         with self._queue_cv:
@@ -380,14 +748,12 @@ class Engine(TrainerMixin, CheckpointsMixin):
         """Every sample of `jobs` (one sampler) decoded together by the one decode loop
         (`sampling.generate`), the restricted vocabulary mapped in and out here."""
         V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
-        reqs = [
-            self._request(
-                j,
-                self.vocab.to_local(j.prompt).tolist(),
-                [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else [],
-            )
-            for j in jobs
-        ]
+        reqs = []
+        for j in jobs:
+            fields = {f.name: getattr(j, f.name) for f in dataclasses.fields(sampling.DecodeRequest)}
+            prompt = self.vocab.to_local(j.prompt).tolist()
+            stop_ids = [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else []
+            reqs.append(sampling.DecodeRequest(**{**fields, "prompt": prompt, "stop_ids": stop_ids}))
         with torch.no_grad():
             out = sampling.generate(net, reqs, self._preset_text, V)
         return [
@@ -395,13 +761,8 @@ class Engine(TrainerMixin, CheckpointsMixin):
             for seqs in out
         ]
 
-    @staticmethod
-    def _request(job: _SampleJob, prompt: list[int], stop_ids: list[int]) -> sampling.DecodeRequest:
-        fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(sampling.DecodeRequest)}
-        return sampling.DecodeRequest(**{**fields, "prompt": prompt, "stop_ids": stop_ids})
-
     def _preset_text(self, local_ids: list[int]) -> str:
-        return decoded_text(self.tokenizer, self.vocab.to_real(local_ids))
+        return self.tokenizer.decode(self.vocab.to_real(local_ids))
 
     def close(self) -> None:
         with self._queue_cv:

@@ -145,16 +145,6 @@ def _prefill(
     return _Prefill(Cache(layers=layers), torch.stack(last), mask_JL, prompt_lps)
 
 
-@dataclass
-class _DecodedRows:
-    """What the decode loop produced, one entry per sample row (rows of one request contiguous)."""
-
-    toks: list[list[int]]
-    lps: list[list[float]]
-    reason: list[str | None]  # "stop", "length"; None: never finished (counted as "length")
-    steps: int
-
-
 def generate(
     net: transformers.PreTrainedModel,
     reqs: Sequence[DecodeRequest],
@@ -164,7 +154,7 @@ def generate(
     """All samples of all `reqs` (token ids are the model's rows) through the one batched decode
     loop (module docstring). Only the first `vocab_size` logits columns can be drawn (the presets'
     input-only unk row is never drawn). `decode_text` turns model ids into text for stop strings."""
-    row_req = [j for j, r in enumerate(reqs) for _ in range(r.n)]
+    row_req = [j for j, r in enumerate(reqs) for _ in range(r.n)]  # rows of one request are contiguous
     R = len(row_req)
     Lp = max(len(r.prompt) for r in reqs)
     cap = Lp + max(r.max_tokens for r in reqs)
@@ -173,39 +163,42 @@ def generate(
     attn_RC = torch.zeros((R, cap), dtype=torch.int64)
     attn_RC[:, :Lp] = pre.mask_JL[rows_idx]
     pos_R = torch.tensor([len(reqs[j].prompt) for j in row_req], dtype=torch.int64)
-    rows = _decode_rows(
-        net, reqs, decode_text, vocab_size, row_req, Lp, pre.cache_R, attn_RC, pos_R, pre.last_logits_JV[rows_idx]
-    )
-    return _decoded_by_request(reqs, rows, pre.prompt_lps)
-
-
-def _decode_rows(
-    net: transformers.PreTrainedModel,
-    reqs: Sequence[DecodeRequest],
-    decode_text: Callable[[list[int]], str],
-    V: int,
-    row_req: list[int],
-    Lp: int,
-    cache: Cache,
-    attn_RC: torch.Tensor,
-    pos_R: torch.Tensor,
-    logits_BV: torch.Tensor,
-) -> _DecodedRows:
-    """The decode loop over every row from the prefill's last logits until every row finished."""
     decoder, head = net.get_decoder(), net.get_output_embeddings()
-    R = len(row_req)
     gens = [torch.Generator().manual_seed(r.seed) for r in reqs]
     stops = [set(r.stop_ids) for r in reqs]
-    rows = _DecodedRows([[] for _ in range(R)], [[] for _ in range(R)], [None] * R, steps=0)
-    batch_rows = list(range(R))  # original row of each batch position
+    toks: list[list[int]] = [[] for _ in range(R)]
+    lps: list[list[float]] = [[] for _ in range(R)]
+    reason: list[str | None] = [None] * R  # "stop", "length"; None: never finished (counted as "length")
+    logits_BV, cache = pre.last_logits_JV[rows_idx], pre.cache_R
+    batch_rows = list(range(R))  # original row of each batch position; all running (finished ones are dropped)
+    steps = 0
     while True:
-        nxt_B = _draw_tokens(logits_BV, batch_rows, row_req, rows.reason, reqs, gens)
-        _record_tokens(rows, batch_rows, nxt_B, logits_BV, reqs, row_req, stops, decode_text)
-        rows.steps += 1
-        live_k = [k for k, row in enumerate(batch_rows) if rows.reason[row] is None]
+        # one token per batch position: each request's rows drawn together from its own generator
+        nxt_B = torch.zeros(len(batch_rows), dtype=torch.int64)
+        b = 0
+        while b < len(batch_rows):
+            j, e = row_req[batch_rows[b]], b
+            while e < len(batch_rows) and row_req[batch_rows[e]] == j:
+                e += 1
+            nxt_B[b:e] = draw(logits_BV[b:e], reqs[j], gens[j])
+            b = e
+        lp_B = torch.log_softmax(logits_BV, dim=-1).gather(-1, nxt_B.unsqueeze(-1)).squeeze(-1)
+        nxt_list, lp_list = nxt_B.tolist(), lp_B.tolist()  # the step's one host sync
+        for k, row in enumerate(batch_rows):  # a stop token or string, or the token budget, finishes a row
+            r = reqs[row_req[row]]
+            toks[row].append(nxt_list[k])
+            lps[row].append(lp_list[k])
+            if nxt_list[k] in stops[row_req[row]] or (
+                r.stop_strings and _hits_stop_string(decode_text, toks[row], r.stop_strings)
+            ):
+                reason[row] = "stop"
+            elif len(toks[row]) >= r.max_tokens:
+                reason[row] = "length"
+        steps += 1
+        live_k = [k for k, row in enumerate(batch_rows) if reason[row] is None]
         if not live_k:
             break
-        cur = Lp + rows.steps
+        cur = Lp + steps
         if len(live_k) < len(batch_rows):
             kidx = torch.tensor(live_k, dtype=torch.int64)
             # transformers annotates the index with the legacy torch.LongTensor class; an int64 tensor is what it takes.
@@ -220,76 +213,14 @@ def _decode_rows(
             past_key_values=cache,
             use_cache=True,
         )
-        logits_BV, cache = head(out.last_hidden_state[:, -1])[:, :V].float(), out.past_key_values
+        logits_BV, cache = head(out.last_hidden_state[:, -1])[:, :vocab_size].float(), out.past_key_values
         pos_R = pos_R + 1
-    return rows
-
-
-def _draw_tokens(
-    logits_BV: torch.Tensor,
-    batch_rows: list[int],
-    row_req: list[int],
-    reason: list[str | None],
-    reqs: Sequence[DecodeRequest],
-    gens: list[torch.Generator],
-) -> torch.Tensor:
-    """One token per batch position [B]: each request's live rows drawn together from its own
-    generator; finished rows feed 0."""
-    nxt_B = torch.zeros(len(batch_rows), dtype=torch.int64)
-    b = 0
-    while b < len(batch_rows):  # rows of one request are contiguous
-        j = row_req[batch_rows[b]]
-        e = b
-        while e < len(batch_rows) and row_req[batch_rows[e]] == j:
-            e += 1
-        live = [k for k in range(b, e) if reason[batch_rows[k]] is None]
-        if live:
-            sel = torch.tensor(live, dtype=torch.int64) if len(live) < e - b else slice(b, e)
-            nxt_B[sel] = draw(logits_BV[sel], reqs[j], gens[j])
-        b = e
-    return nxt_B
-
-
-def _record_tokens(
-    rows: _DecodedRows,
-    batch_rows: list[int],
-    nxt_B: torch.Tensor,
-    logits_BV: torch.Tensor,
-    reqs: Sequence[DecodeRequest],
-    row_req: list[int],
-    stops: list[set[int]],
-    decode_text: Callable[[list[int]], str],
-) -> None:
-    """Append each live row's drawn token and its logprob; a stop token or string, or the token
-    budget, finishes the row."""
-    lp_B = torch.log_softmax(logits_BV, dim=-1).gather(-1, nxt_B.unsqueeze(-1)).squeeze(-1)
-    nxt_list, lp_list = nxt_B.tolist(), lp_B.tolist()  # the step's one host sync
-    for k, row in enumerate(batch_rows):
-        if rows.reason[row] is not None:
-            continue
-        r = reqs[row_req[row]]
-        toks = rows.toks[row]
-        toks.append(nxt_list[k])
-        rows.lps[row].append(lp_list[k])
-        if nxt_list[k] in stops[row_req[row]] or (
-            r.stop_strings and _hits_stop_string(decode_text, toks, r.stop_strings)
-        ):
-            rows.reason[row] = "stop"
-        elif len(toks) >= r.max_tokens:
-            rows.reason[row] = "length"
-
-
-def _decoded_by_request(
-    reqs: Sequence[DecodeRequest], rows: _DecodedRows, prompt_lps: list[list[float | None] | None]
-) -> list[list[Decoded]]:
-    results: list[list[Decoded]] = []
-    row = 0
+    results, row = [], 0
     for j, r in enumerate(reqs):
-        seqs = []
-        for _ in range(r.n):
-            seqs.append(Decoded(rows.toks[row], rows.lps[row], rows.reason[row] or "length", prompt_lps[j]))
-            row += 1
-        results.append(seqs)
+        results.append(
+            [Decoded(toks[row + i], lps[row + i], reason[row + i] or "length", pre.prompt_lps[j]) for i in range(r.n)]
+        )
+        row += r.n
     return results
 
 

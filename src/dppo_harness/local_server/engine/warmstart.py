@@ -1,31 +1,19 @@
-"""Deterministic warm start of the tiny model: a short supervised pass on GSM8K train solutions.
+"""Deterministic warm start of the tiny model: a short supervised pass on GSM8K train solutions
+(docs/local-server.md "Warm start"; RECIPE is hashed into the cache key).
 
-Recipe (RECIPE below is hashed into the cache key):
-- data: vendored GSM8K train (``src/dppo_harness/data/gsm8k/train.jsonl``, sha256 checked);
-- example: the cookbook math_rl conversation (one-shot strawberry prefix, question + " Write your
-  answer in \\boxed{} format.") with the assistant reply ``vocab.solution_reply`` (rationale
-  without ``<<calc>>`` annotations, then "The answer is \\boxed{N}."), rendered with the cookbook
-  ``qwen3_5`` renderer's ``build_supervised_example`` (its weights: loss on the assistant turn,
-  which includes the closing ``</think>`` and the ``<|im_end|>`` stop token);
-- model: ``model.build_base_model(config, vocab, seed)``, full-parameter training;
-- order: one permutation of the train rows from ``torch.Generator().manual_seed(seed)``;
-- optimizer: torch AdamW (betas 0.9/0.98, eps 1e-8, weight decay 0.01), peak lr 3e-3, 15 linear
-  warmup steps, then a cosine decay laid out over ``schedule_steps`` (300) of which only ``steps``
-  (60) run (enough for groups with non-constant reward, ``signal_rate``); ``batch_size`` 8 examples per
-  step, loss = weighted mean over assistant tokens, the unembedding applied only at loss positions;
-  grad-norm clip 1.0; 2 torch threads.
 Same config and seed -> same weights sha256 only on the same torch build and CPU kernels: 60
 float32 steps amplify another CPU's summation order into another model, and the tests that pilot
-it (the activation gate's masked fraction) then measure a different stand-in. So the default
-preset's result ships with the package (``assets/warmstart-<version>.pt`` beside its ``.json``
-key and sha256) and is loaded wherever its key, torch version aside, is the one asked for; any
-other config is built and cached under ``${DPPO_HARNESS_CACHE:-~/.cache/dppo_harness}/models/<config-hash>/``
-(atomic write, sha256 verified on every load).
+it then measure a different stand-in. So the default preset's result ships with the package
+(``assets/warmstart-<version>.pt`` beside its ``.json`` key and sha256) and is loaded wherever its
+key, torch version aside, is the one asked for; any other config is built and cached under
+``${DPPO_HARNESS_CACHE:-~/.cache/dppo_harness}/models/<config-hash>/`` (atomic write, sha256
+verified on every load).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -292,7 +280,45 @@ def load_or_build(
         except BlockingIOError:
             _progress(f"warm start: another process is building the cached model {chash[:12]}; waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        return _load_or_build_locked(config, vocab, seed, recipe, ddir, key, chash, final, log_every)
+        wfile, mfile = final / "weights.pt", final / "meta.json"
+        if wfile.exists() and mfile.exists():
+            meta = json.loads(mfile.read_text())
+            refusal = f"cached warm start {wfile} fails its sha256 check; delete {final} to rebuild"
+            return _load_verified(wfile, meta, config, vocab, seed, refusal), meta | {
+                "cache_hit": True,
+                "cache_dir": str(final),
+            }
+        t0 = time.time()
+        _progress(
+            f"warm start: no cached stand-in model at {final}; building it once (deterministic, cached afterwards)"
+        )
+        net, info = train(config, vocab, seed, recipe, ddir, log_every=log_every)
+        state = net.state_dict()
+        meta = {"config_hash": chash, "key": key, "weights_sha256": model.state_sha256(state)}
+        meta |= {"build_seconds": time.time() - t0, **info}
+        tmp = final.parent / f".tmp-{chash}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        torch.save(state, tmp / "weights.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first: keep theirs (same recipe, same bytes)
+            shutil.rmtree(tmp, ignore_errors=True)
+        _progress(f"warm start: built in {time.time() - t0:.0f}s and cached at {final}")
+        return net, meta | {"cache_hit": False, "cache_dir": str(final)}
+
+
+def _load_verified(
+    wfile: Path, meta: dict, config: model.TinyConfig, vocab: Vocab, seed: int, refusal: str
+) -> transformers.Qwen3ForCausalLM:
+    """The base model with the weights of `wfile`, whose sha256 must be the one `meta` records."""
+    state = torch.load(wfile, map_location="cpu", weights_only=True)
+    if model.state_sha256(state) != meta.get("weights_sha256"):
+        raise ValueError(refusal)
+    net = model.build_base_model(config, vocab.num_embeddings, seed)
+    net.load_state_dict(state)
+    net.eval()
+    return net
 
 
 def load_shipped(
@@ -305,14 +331,8 @@ def load_shipped(
     meta = json.loads(mfile.read_text())
     if meta.get("key") != shipped_key(key):
         return None
-    state = torch.load(wfile, map_location="cpu", weights_only=True)
-    if model.state_sha256(state) != meta.get("weights_sha256"):
-        raise ValueError(
-            f"shipped warm start {wfile} fails its sha256 check {meta.get('weights_sha256')}; reinstall the package"
-        )
-    net = model.build_base_model(config, vocab.num_embeddings, seed)
-    net.load_state_dict(state)
-    net.eval()
+    refusal = f"shipped warm start {wfile} fails its sha256 check {meta.get('weights_sha256')}; reinstall the package"
+    net = _load_verified(wfile, meta, config, vocab, seed, refusal)
     return net, meta | {"cache_hit": True, "source": "shipped", "asset": wfile.name}
 
 
@@ -336,51 +356,6 @@ def _progress(text: str) -> None:
     log.info("%s%s", PROGRESS_MARKER, text)
 
 
-def _load_or_build_locked(
-    config: model.TinyConfig,
-    vocab: Vocab,
-    seed: int,
-    recipe: dict,
-    ddir: Path,
-    key: dict,
-    chash: str,
-    final: Path,
-    log_every: int,
-) -> tuple[transformers.Qwen3ForCausalLM, dict]:
-    wfile, mfile = final / "weights.pt", final / "meta.json"
-    if wfile.exists() and mfile.exists():
-        meta = json.loads(mfile.read_text())
-        state = torch.load(wfile, map_location="cpu", weights_only=True)
-        if model.state_sha256(state) != meta.get("weights_sha256"):
-            raise ValueError(f"cached warm start {wfile} fails its sha256 check; delete {final} to rebuild")
-        net = model.build_base_model(config, vocab.num_embeddings, seed)
-        net.load_state_dict(state)
-        net.eval()
-        return net, meta | {"cache_hit": True, "cache_dir": str(final)}
-    t0 = time.time()
-    _progress(f"warm start: no cached stand-in model at {final}; building it once (deterministic, cached afterwards)")
-    net, info = train(config, vocab, seed, recipe, ddir, log_every=log_every)
-    state = net.state_dict()
-    meta = {
-        "config_hash": chash,
-        "key": key,
-        "weights_sha256": model.state_sha256(state),
-        "build_seconds": time.time() - t0,
-        **info,
-    }
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{chash}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    torch.save(state, tmp / "weights.pt")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another process finished first: keep theirs (same recipe, same bytes)
-        shutil.rmtree(tmp, ignore_errors=True)
-    _progress(f"warm start: built in {time.time() - t0:.0f}s and cached at {final}")
-    return net, meta | {"cache_hit": False, "cache_dir": str(final)}
-
-
 def signal_rate(
     engine: Engine,
     n_groups: int = 32,
@@ -400,21 +375,9 @@ def signal_rate(
     prompts = [gsm8k.build_prompt(it, renderer)[0].to_ints() for it in items]
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=n_groups) as pool:
+        sample = functools.partial(engine.sample, temperature=temperature, stop_token_ids=[STOP_TOKEN_ID])
         futs = [
-            pool.submit(
-                engine.sample,
-                BASE_MODEL,
-                p,
-                group_size,
-                max_tokens,
-                temperature,
-                -1,
-                1.0,
-                [STOP_TOKEN_ID],
-                [],
-                sample_seed + g,
-                False,
-            )
+            pool.submit(sample, BASE_MODEL, p, group_size, max_tokens, seed=sample_seed + g)
             for g, p in enumerate(prompts)
         ]
         groups = [f.result() for f in futs]

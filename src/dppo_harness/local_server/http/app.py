@@ -1,88 +1,53 @@
-"""aiohttp app speaking the Tinker SDK 0.25 wire protocol over a local `Engine`.
+"""aiohttp app speaking the Tinker SDK 0.25 wire protocol over a local `Engine`, and the socket
+that serves it (`run_server` is the CLI's whole server; `start_site` serves the in-process one).
 
-Protocol (read from the SDK source, see docs/local-server.md "HTTP side"):
-- JSON requests are validated into the SDK's own pydantic request types (`tinker.types`) and
-  answers are built from its response types, so the server cannot drift from the pinned SDK; a
-  request that does not validate gets HTTP 400 naming the field.
-- Work endpoints answer at once with an `UntypedAPIFuture` (`{"request_id": ...}`); the SDK then
-  long-polls `POST /api/v1/retrieve_future` (tinker/lib/api_future_impl.py). Pending -> HTTP 408
-  `{"type": "try_again", ...}` (the SDK re-polls at once); failure -> 200
-  `{"error": ..., "category": "user"|"server"}` (the SDK raises `RequestFailedError`); success ->
-  JSON, or protobuf for `ForwardBackwardOutput` and `SampleResponse` (SDK 0.25 refuses JSON for
-  those two, tinker/proto/response_conv.py PROTO_SUPPORTED_TYPES; the SDK ships no encoder).
-- `forward_backward` requests arrive as protobuf (`forward_only` distinguishes `forward`),
-  zstd-compressed (`Content-Encoding: zstd`) when client/config says `proto_compress_fwdbwd`.
-- Requests on one training model run strictly in `seq_id` order on that model's own worker
-  thread; sampling runs on a shared thread pool so concurrent samples overlap.
-- Every response carries the embedded-server marker header; one log line per request.
-- The `spindle` profile (docs/local-server.md "Spindle profile"): the research exchange's front
-  door checks Modal-Key / Modal-Secret on every request (401 naming the header, never a value);
-  then, on a route Spindle has, Spindle's own X-API-Key check (401 `{"error": "unauthorized",
-  "message": "unauthorized"}`, src/spindle/control_plane/http.py `authorize`); routes Spindle lacks
-  are not registered and answer FastAPI's 404 `{"detail": "Not Found"}`; errors are in Spindle's
-  `{"error": <code>, "message": <text>}` shape (http/spindle.py).
+The protocol as read from the SDK source, the routes and the marker: docs/local-server.md "HTTP
+protocol". JSON requests validate into the SDK's own request types and answers are built from its
+response types, so the server cannot drift from the pinned SDK. The `spindle` profile puts the
+exchange's front door (Modal-Key / Modal-Secret) and Spindle's own X-API-Key check in front of the
+routes Spindle has (docs/local-server.md "Spindle profile"; http/spindle.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import time
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from tinker import types
 
 from dppo_harness import constants
+from dppo_harness.local_server.engine.engine import DEFAULT_PRESET, Engine
 from dppo_harness.local_server.errors import SpindleError, UserError
-from dppo_harness.local_server.http import spindle
+from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
+from dppo_harness.local_server.http import handlers, spindle
 from dppo_harness.local_server.http.codecs import API, ProtocolError, dump, kind_of
-from dppo_harness.local_server.http.handlers_futures import cancel_future, retrieve_future
-from dppo_harness.local_server.http.handlers_rest import (
-    checkpoint_archive,
-    get_training_run,
-    list_checkpoints,
-    list_training_runs,
-    list_user_checkpoints,
-    weights_info,
-)
-from dppo_harness.local_server.http.handlers_sampling import asample, create_sampling_session, get_sampler
-from dppo_harness.local_server.http.handlers_service import (
-    capabilities,
-    client_config,
-    client_dynamic_config,
-    create_session,
-    deployments,
-    get_session,
-    healthz,
-    session_heartbeat,
-    stats,
-    telemetry,
-)
-from dppo_harness.local_server.http.handlers_training import (
-    create_model,
-    forward_backward,
-    get_info,
-    load_weights,
-    optim_step,
-    save_weights,
-    save_weights_for_sampler,
-    unload_model,
-)
-from dppo_harness.local_server.http.state import STATE_KEY, ServerState, state_of
-from dppo_harness.local_server.http.work import error_json
+from dppo_harness.local_server.http.state import STATE_KEY, ServerState, error_json, log
+from dppo_harness.local_server.profiles import Profile
 
 request_log = logging.getLogger("dppo_harness.local_server.requests")
 
 FAULT_EXIT_CODE = 75
+STATS_FILE = "server_stats.json"
 # On shutdown, in-flight handlers get this long before they are cancelled (aiohttp's default is
 # 60 s). The only ones left are long polls of retrieve_future (up to 20 s each) whose clients are
 # gone; engine work runs in its own threads and is not waited on here either way.
 SHUTDOWN_GRACE_S = 1.0
+POSTS = (
+    "create_session session_heartbeat telemetry create_model get_info unload_model forward_backward optim_step "
+    "save_weights load_weights save_weights_for_sampler create_sampling_session asample retrieve_future weights_info"
+)
+SWEEP_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("sweep", asyncio.Task)
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -96,41 +61,27 @@ def build_app(state: ServerState) -> web.Application:
     if is_spindle:
         app.on_startup.append(_start_sweep)
         app.on_cleanup.append(_stop_sweep)
-    r = app.router
-    r.add_get(f"{API}/healthz", healthz)
-    r.add_get(f"{API}/get_server_capabilities", capabilities)
-    r.add_post(f"{API}/client/config", client_config)
-    r.add_post(f"{API}/client/dynamic_config", client_dynamic_config)
-    r.add_post(f"{API}/create_session", create_session)
-    r.add_post(f"{API}/session_heartbeat", session_heartbeat)
-    r.add_post(f"{API}/telemetry", telemetry)
-    if not is_spindle:  # Spindle has no session read (nor a session finish)
-        r.add_get(f"{API}/sessions/{{session_id}}", get_session)
-    r.add_post(f"{API}/create_model", create_model)
-    r.add_post(f"{API}/get_info", get_info)
-    r.add_post(f"{API}/unload_model", unload_model)
-    r.add_post(f"{API}/forward_backward", forward_backward)
-    r.add_post(f"{API}/optim_step", optim_step)
-    r.add_post(f"{API}/save_weights", save_weights)
-    r.add_post(f"{API}/load_weights", load_weights)
-    r.add_post(f"{API}/save_weights_for_sampler", save_weights_for_sampler)
-    r.add_post(f"{API}/create_sampling_session", create_sampling_session)
-    r.add_get(f"{API}/samplers/{{sampler_id}}", get_sampler)
-    r.add_post(f"{API}/asample", asample)
-    r.add_post(f"{API}/retrieve_future", retrieve_future)
-    if not is_spindle:  # Spindle cannot cancel a request
-        r.add_post(f"{API}/cancel_future", cancel_future)
-    # REST reads (RestClient; the cookbook's checkpoint_utils)
-    r.add_get(f"{API}/training_runs", list_training_runs)
-    r.add_get(f"{API}/training_runs/{{model_id}}", get_training_run)
-    r.add_get(f"{API}/training_runs/{{model_id}}/checkpoints", list_checkpoints)
-    if not is_spindle:  # Spindle lists checkpoints per training run only
-        r.add_get(f"{API}/checkpoints", list_user_checkpoints)
-    r.add_post(f"{API}/weights_info", weights_info)
-    if is_spindle:
-        r.add_get(f"{API}/spindle/deployments", deployments)
-        r.add_get(f"{API}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:.+}}/archive", checkpoint_archive)
-    r.add_get("/_harness/stats", stats)
+    for name in POSTS.split():  # each named for its route
+        app.router.add_post(f"{API}/{name}", getattr(handlers, name))
+    app.router.add_post(f"{API}/client/config", handlers.client_config)
+    app.router.add_post(f"{API}/client/dynamic_config", handlers.client_dynamic_config)
+    gets = {
+        "healthz": handlers.healthz,
+        "get_server_capabilities": handlers.get_server_capabilities,
+        "samplers/{sampler_id}": handlers.get_sampler,
+        "training_runs": handlers.list_training_runs,
+        "training_runs/{model_id}": handlers.get_training_run,
+        "training_runs/{model_id}/checkpoints": handlers.list_checkpoints,
+    }
+    if is_spindle:  # Spindle's own routes
+        gets["spindle/deployments"] = handlers.deployments
+        gets["training_runs/{model_id}/checkpoints/{checkpoint_id:.+}/archive"] = handlers.checkpoint_archive
+    else:  # routes Spindle lacks: no session read, no cancel, no user-wide checkpoint list
+        gets |= {"sessions/{session_id}": handlers.get_session, "checkpoints": handlers.list_user_checkpoints}
+        app.router.add_post(f"{API}/cancel_future", handlers.cancel_future)
+    for path, handler in gets.items():
+        app.router.add_get(f"{API}/{path}", handler)
+    app.router.add_get("/_harness/stats", handlers.stats)
     return app
 
 
@@ -154,26 +105,21 @@ async def _log_requests(request: web.Request, handler: Handler) -> web.StreamRes
         request_log.info("%s %s %d %.1fms", request.method, request.path, status, (time.perf_counter() - t0) * 1e3)
 
 
-SWEEP_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("sweep", asyncio.Task)
-
-
 async def _start_sweep(app: web.Application) -> None:
     app[SWEEP_KEY] = asyncio.get_running_loop().create_task(spindle.sweep_forever(app[STATE_KEY]))
 
 
 async def _stop_sweep(app: web.Application) -> None:
-    task = app.get(SWEEP_KEY)
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    app[SWEEP_KEY].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await app[SWEEP_KEY]
 
 
 @web.middleware
 async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The research exchange's front door in front of Spindle (spindle profile): Modal-Key and
     Modal-Secret on every request, before any route is looked at. Not Spindle's own check."""
-    problem = state_of(request).profile.auth_error(request.headers)
+    problem = request.app[STATE_KEY].profile.auth_error(request.headers)
     if problem is not None:
         return error_json(problem, 401)
     return await handler(request)
@@ -183,35 +129,30 @@ async def _authenticate(request: web.Request, handler: Handler) -> web.StreamRes
 async def _spindle_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Spindle itself (spindle profile): a route it lacks answers FastAPI's 404 before any key check;
     then X-API-Key must equal TINKER_API_KEY (src/spindle/control_plane/http.py, `authorize`)."""
-    state = state_of(request)
-    if not state.profile.is_spindle:
+    profile = request.app[STATE_KEY].profile
+    if not profile.is_spindle:
         return await handler(request)
     unmatched = request.match_info.http_exception
     if unmatched is not None:
         if unmatched.status == 405:
-            allowed = getattr(unmatched, "allowed_methods", ())
-            return web.json_response(
-                spindle.METHOD_NOT_ALLOWED_BODY, status=405, headers={"Allow": ", ".join(sorted(allowed))}
-            )
+            allowed = ", ".join(sorted(getattr(unmatched, "allowed_methods", ())))
+            return web.json_response(spindle.METHOD_NOT_ALLOWED_BODY, status=405, headers={"Allow": allowed})
         return web.json_response(spindle.NOT_FOUND_BODY, status=unmatched.status)
-    if not state.profile.api_key_ok(request.headers):
+    if not profile.api_key_ok(request.headers):
         return spindle.error_json(401, "unauthorized", "unauthorized")
     return await handler(request)
 
 
 @web.middleware
 async def _faults_and_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    state = state_of(request)
+    state = request.app[STATE_KEY]
     if request.path.startswith("/_harness/"):
         return await handler(request)
     kind = kind_of(request.path)
     state.headers.record(request.headers)
     decision = state.faults.decide(kind, counts_toward_death=kind != "healthz")
     if decision.die:
-        message = (
-            f"local server: fault injection: exiting after "
-            f"{state.faults.config.die_after} API requests (request {kind})"
-        )
+        message = f"local server: fault injection: exiting after {state.faults.config.die_after} API requests (request {kind})"
         if state.on_die is not None:
             state.on_die(message)
             raise web.HTTPServiceUnavailable(text=message)
@@ -223,17 +164,16 @@ async def _faults_and_errors(request: web.Request, handler: Handler) -> web.Stre
     if decision.latency_s:
         await asyncio.sleep(decision.latency_s)  # non-blocking: concurrent requests overlap
     if decision.reject_status is not None:
-        headers = {}
-        if state.faults.config.retry_after_ms is not None:
-            headers["retry-after-ms"] = str(state.faults.config.retry_after_ms)
+        retry_ms = state.faults.config.retry_after_ms
+        headers = {} if retry_ms is None else {"retry-after-ms": str(retry_ms)}
         if state.profile.is_spindle:
             response = spindle.injected_rejection(decision.reject_status, decision.reject_reason)
             response.headers.update(headers)
             return response
-        rejection = dump(
-            types.RequestFailedResponse(error=decision.reject_reason, category=types.RequestErrorCategory.Server)
+        rejection = types.RequestFailedResponse(
+            error=decision.reject_reason, category=types.RequestErrorCategory.Server
         )
-        return web.json_response(rejection, status=decision.reject_status, headers=headers)
+        return web.json_response(dump(rejection), status=decision.reject_status, headers=headers)
     try:
         return await handler(request)
     except SpindleError as exc:
@@ -242,3 +182,65 @@ async def _faults_and_errors(request: web.Request, handler: Handler) -> web.Stre
         if state.profile.is_spindle:  # Spindle's ValueError / RequestValidationError: 400 invalid_request
             return spindle.error_json(400, "invalid_request", f"{kind}: {exc}")
         return error_json(f"{kind}: {exc}", 400)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port` (port 0: a free one) and listening."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    return sock
+
+
+async def start_site(state: ServerState, sock: socket.socket) -> web.AppRunner:
+    """The app over `state`, serving on the listening `sock`; the runner's cleanup stops it."""
+    # auto_decompress=False: request bodies reach the handlers as sent. aiohttp's own parser would
+    # inflate a `Content-Encoding: zstd` body only with backports.zstd installed (400 otherwise);
+    # forward_backward inflates SDK 0.25's zstd bodies itself (codecs.decode_fwdbwd_request).
+    runner = web.AppRunner(
+        build_app(state),
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        auto_decompress=False,
+    )
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner
+
+
+async def run_server(args: argparse.Namespace, faults: FaultConfig, run_dir: Path, profile: Profile) -> None:
+    """Build the engine, serve it until SIGTERM/SIGINT, then write the stats file and shut down.
+    The ready line goes to stdout once the socket accepts connections."""
+    t0 = time.perf_counter()
+    try:
+        engine = await asyncio.to_thread(Engine, run_dir, args.model or DEFAULT_PRESET, num_threads=args.threads)
+    except UserError as exc:  # an unknown --model
+        raise SystemExit(str(exc)) from None
+    state = ServerState(
+        engine,
+        FaultInjector(faults),
+        HeaderRecorder(faults.record_header_values),
+        profile=profile,
+        stats_path=run_dir / STATS_FILE,
+    )
+    sock = listening_socket(args.host, args.port)
+    runner = await start_site(state, sock)
+    host = f"[{args.host}]" if sock.family == socket.AF_INET6 else args.host
+    log.info(
+        "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
+        engine.model_name,
+        time.perf_counter() - t0,
+        engine.base_info.get("cache_hit"),
+        profile.name,
+        run_dir,
+    )
+    print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    (run_dir / STATS_FILE).write_text(json.dumps(state.stats(), indent=1))
+    await runner.cleanup()
+    state.shutdown()

@@ -26,11 +26,8 @@ MAX_INFLATED_BODY = 1024 * 1024 * 1024
 
 RequestT = TypeVar("RequestT", bound=pydantic.BaseModel)
 
-_PB_TO_NP = {
-    pb.DTYPE_FLOAT32: np.float32,
-    pb.DTYPE_INT64: np.int64,
-    pb.DTYPE_INT32: np.int32,
-}
+# SDK 0.25 encodes float32 and int64 tensors only (tinker/proto/request_conv.py).
+_PB_TO_NP = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64}
 
 
 class ProtocolError(Exception):
@@ -56,14 +53,9 @@ def kind_of(path: str) -> str:
 
 
 def decode_tensor(msg: pb.Tensor) -> np.ndarray:
-    if msg.dtype == pb.DTYPE_BFLOAT16:
-        raw = msg.sparse_csr.values if msg.HasField("sparse_csr") else msg.dense
-        values = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    elif msg.dtype in _PB_TO_NP:
-        raw = msg.sparse_csr.values if msg.HasField("sparse_csr") else msg.dense
-        values = np.frombuffer(raw, dtype=_PB_TO_NP[msg.dtype])
-    else:
+    if msg.dtype not in _PB_TO_NP:
         raise ProtocolError(f"unsupported tensor dtype enum {msg.dtype}")
+    values = np.frombuffer(msg.sparse_csr.values if msg.HasField("sparse_csr") else msg.dense, _PB_TO_NP[msg.dtype])
     shape = list(msg.shape)
     if msg.HasField("sparse_csr"):
         if len(shape) != 2:
@@ -139,55 +131,22 @@ def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> FwdBwdRe
         data.append((tokens, inputs))
     # SDK 0.25's protobuf carries float-only loss_fn_config (tinker/proto/request_conv.py).
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
-    return FwdBwdRequest(
-        model_id=msg.model_id,
-        seq_id=msg.seq_id,
-        data=data,
-        loss_fn=msg.loss_fn,
-        loss_fn_config=config or None,
-        forward_only=msg.forward_only,
-    )
-
-
-def _pb_dtype(arr: np.ndarray) -> tuple[int, np.dtype]:
-    if np.issubdtype(arr.dtype, np.floating):
-        return pb.DTYPE_FLOAT32, np.dtype(np.float32)
-    if np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
-        return pb.DTYPE_INT64, np.dtype(np.int64)
-    raise ValueError(f"cannot encode output dtype {arr.dtype}")
-
-
-def check_metric_names(metrics: dict[str, float]) -> dict[str, float]:
-    """The SDK splits each key on ':' into name and reduction; refuse keys it would crash on."""
-    for key in metrics:
-        if key.count(":") != 1:
-            raise ValueError(f"metric key {key!r} must look like 'name:reduction'")
-    return {k: float(v) for k, v in metrics.items()}
+    return FwdBwdRequest(msg.model_id, msg.seq_id, data, msg.loss_fn, config or None, msg.forward_only)
 
 
 def encode_fwdbwd_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
+    """The engine's per-datum float32 vectors (the same keys in every datum) as one ArrayRecord."""
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-    for key, value in check_metric_names(metrics).items():
-        msg.metrics[key] = value
+    for key, value in metrics.items():
+        msg.metrics[key] = float(value)
     record = msg.loss_fn_outputs.add()
     record.num_datums = len(outputs)
-    names = list(outputs[0].keys()) if outputs else []
-    for i, out in enumerate(outputs):
-        if list(out.keys()) != names:
-            raise ValueError(f"output {i} has fields {list(out)}, output 0 has {names}")
-    for name in names:
-        arrays = [np.asarray(out[name]) for out in outputs]
-        dtype_enum, np_dtype = _pb_dtype(arrays[0])
-        arrays = [a.astype(np_dtype, copy=False) for a in arrays]
-        trailing = arrays[0].shape[1:]
-        if any(a.ndim == 0 or a.shape[1:] != trailing for a in arrays):
-            raise ValueError(f"output field {name!r}: per-datum arrays need equal trailing shapes")
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+    for name in outputs[0] if outputs else ():
+        arrays = [np.asarray(out[name], dtype=np.float32) for out in outputs]
         field_msg = record.fields[name]
         field_msg.data = b"".join(a.tobytes() for a in arrays)
-        field_msg.offsets = offsets.tobytes()
-        field_msg.dtype = dtype_enum
-        field_msg.trailing_shape.extend(trailing)
+        field_msg.offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64).tobytes()
+        field_msg.dtype = pb.DTYPE_FLOAT32
     return msg.SerializeToString()
 
 
@@ -198,17 +157,10 @@ def encode_sample_response(
     msg = pb.SampleResponse()
     for seq in seqs:
         out = msg.sequences.add()
-        reason = seq.stop_reason
-        if reason not in ("stop", "length"):
-            raise ValueError(f"stop_reason must be 'stop' or 'length', got {reason!r}")
-        out.stop_reason = pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH
-        tokens = np.asarray(seq.tokens, dtype=np.int32)
-        logprobs = np.asarray(seq.logprobs, dtype=np.float32)
-        if logprobs.shape != tokens.shape:
-            raise ValueError(f"{tokens.size} sampled tokens but {logprobs.size} logprobs")
-        out.tokens = tokens.tobytes()
+        out.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+        out.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         if not omit_logprobs:
-            out.logprobs = logprobs.tobytes()
+            out.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
     if prompt_logprobs is not None:
         values = [math.nan if v is None else float(v) for v in prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()

@@ -8,16 +8,14 @@
   / `_place_claimed`; engine/server.py `accept_model` answers False when full);
 - Miles multi-LoRA's refusals at model acceptance (backends/miles_lora.py `_validate_job`, wrapped
   as "accept model: ..." by engine/server.py `_run_accept`; a failed future, category user);
-- a trainer that dies (control_plane/service.py `engine_for` / `retrieve`): submits answer 410
-  model_lost, pending futures fail "engine terminated before producing a result";
-- the idle-session sweep (control_plane/service.py `sweep_idle_sessions`).
+- a trainer that dies (`ServerState.check_lost`); the idle-session sweep (control_plane/service.py
+  `sweep_idle_sessions`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
 
@@ -25,18 +23,14 @@ from aiohttp import web
 from tinker import types
 
 from dppo_harness.local_server.errors import SpindleError
-from dppo_harness.local_server.http.state import ModelEntry, Outcome, ServerState
+from dppo_harness.local_server.http.state import Outcome, ServerState, log
 from dppo_harness.local_server.profiles import LORA_TARGETS, MAX_LORA_RANK, spindle_deployments
 
-log = logging.getLogger("dppo_harness.local_server")
-
-# FastAPI's own answers for a route it does not have / a method a route does not take.
-NOT_FOUND_BODY = {"detail": "Not Found"}
-METHOD_NOT_ALLOWED_BODY = {"detail": "Method Not Allowed"}
+NOT_FOUND_BODY = {"detail": "Not Found"}  # FastAPI's own answers for a route it does not have
+METHOD_NOT_ALLOWED_BODY = {"detail": "Method Not Allowed"}  # / a method a route does not take
 # Texts Spindle sends (src/spindle/errors.py, control_plane/service.py).
 CAPACITY_REFUSED = "engine refused work: trainer capacity exhausted"  # EngineSaturated("trainer capacity exhausted")
 BUFFER_FULL = "engine refused work: operation buffer full"  # EngineSaturated("operation buffer full")
-ENGINE_TERMINATED = "engine terminated before producing a result"
 SESSION_CLOSED = "session closed before producing a result"
 # A creation's polls are answered at once by Spindle (it re-checks placement per poll); the SDK
 # re-polls a 408 at once, so these polls are held this long to keep the client from spinning.
@@ -57,16 +51,7 @@ def injected_rejection(status: int, reason: str) -> web.Response:
         return error_json(429, "saturated", BUFFER_FULL)
     if status == 401:
         return error_json(401, "unauthorized", "unauthorized")
-    if status == 503:
-        return error_json(503, "engine_unreachable", reason)
-    return error_json(status, "internal", reason)
-
-
-def model_not_found(model_id: str | None) -> SpindleError:
-    return SpindleError(404, "not_found", f"model not found: {model_id}")  # RecordNotFound("model", ...)
-
-
-# ---- model acceptance (Miles multi-LoRA) --------------------------------------------------------
+    return error_json(status, "engine_unreachable" if status == 503 else "internal", reason)
 
 
 def lora_refusal(rank: int, seed: int | None, switches: tuple[bool, bool, bool]) -> str | None:
@@ -76,8 +61,7 @@ def lora_refusal(rank: int, seed: int | None, switches: tuple[bool, bool, bool])
         return f"accept model: LoRA rank must be between 1 and {MAX_LORA_RANK}"
     if seed is not None:
         return "accept model: Miles multi-LoRA does not support per-model seeds"
-    train_mlp, train_attn, train_unembed = switches
-    if (train_attn, train_mlp, train_unembed) != LORA_TARGETS:
+    if (switches[1], switches[0], switches[2]) != LORA_TARGETS:
         return (
             "accept model: Miles uses deployment-wide LoRA targets; model train_attn, train_mlp, "
             "and train_unembed must match the deployment"
@@ -85,12 +69,9 @@ def lora_refusal(rank: int, seed: int | None, switches: tuple[bool, bool, bool])
     return None
 
 
-# ---- the trainer: cold start and LoRA slots -----------------------------------------------------
-
-
 def check_creation(req: types.CreateModelRequest) -> None:
-    """Spindle's refusals at the create_model POST (src/spindle/control_plane/http.py, create_model):
-    an undeployed base model, no lora_config (SDK 0.25 can ask for no other parameterization), and
+    """Spindle's refusals at the create_model POST (control_plane/http.py, create_model): an
+    undeployed base model, no lora_config (SDK 0.25 can ask for no other parameterization), and
     LoRA asked of a full-fine-tune-only definition."""
     deployed = spindle_deployments(None)
     if not any(d.base_model == req.base_model for d in deployed):
@@ -125,61 +106,10 @@ async def admit_creation(
             finally:
                 state.waiting_creations -= 1
             state.slots.add(model_id)
-    if session_id not in state.sessions:
-        await release_slot(state, model_id)
-        return Outcome("error", SESSION_CLOSED, "server")
-    if refusal is not None:
-        await release_slot(state, model_id)
-        return Outcome("error", refusal, "user")
+    if session_id not in state.sessions or refusal is not None:
+        await state.release_slot(model_id)
+        return Outcome("error", SESSION_CLOSED, "server") if refusal is None else Outcome("error", refusal, "user")
     return None
-
-
-async def release_slot(state: ServerState, model_id: str) -> None:
-    async with state.slot_cond:
-        state.slots.discard(model_id)
-        state.slot_cond.notify_all()
-
-
-def release_slot_soon(state: ServerState, model_id: str) -> None:
-    task = asyncio.get_running_loop().create_task(release_slot(state, model_id))
-    state.tasks.add(task)
-    task.add_done_callback(state.tasks.discard)
-
-
-# ---- a trainer that dies ------------------------------------------------------------------------
-
-
-def _fail_pending(state: ServerState, entry: ModelEntry, message: str) -> int:
-    failed = 0
-    for request_id in entry.requests_by_seq.values():
-        fut = state.results.get(request_id)
-        if fut is not None and not fut.done():
-            state.holds.pop(fut, None)
-            fut.set_result(Outcome("error", message, "server"))
-            failed += 1
-    return failed
-
-
-def check_submit(state: ServerState, entry: ModelEntry, label: str) -> None:
-    """Before a submit on `entry` is accepted: 410 model_lost once the model's trainer is gone
-    (--fault-model-lost decides when; control_plane/service.py `engine_for` raises ModelLost)."""
-    if not entry.lost and state.faults.model_lost_now(label):
-        entry.lost = True
-        failed = _fail_pending(state, entry, ENGINE_TERMINATED)
-        release_slot_soon(state, entry.model_id)
-        log.info("fault: trainer of model %s lost at %s (%d pending futures failed)", entry.model_id, label, failed)
-    if entry.lost:
-        raise SpindleError(410, "model_lost", f"engine owning model {entry.model_id} terminated")
-
-
-# ---- the idle-session sweep ---------------------------------------------------------------------
-
-
-def touch_session(state: ServerState, session_id: str) -> None:
-    """Spindle counts any request on a session's models as the session being seen (`_touch_session`)."""
-    session = state.sessions.get(session_id)
-    if session is not None:
-        session.last_heartbeat = time.time()
 
 
 async def reclaim_session(state: ServerState, session_id: str) -> list[str]:
@@ -194,8 +124,8 @@ async def reclaim_session(state: ServerState, session_id: str) -> list[str]:
     reclaimed = []
     for entry in [e for e in state.models.values() if e.session_id == session_id]:
         state.models.pop(entry.model_id, None)
-        _fail_pending(state, entry, SESSION_CLOSED)
-        await release_slot(state, entry.model_id)
+        state.fail_pending(entry, SESSION_CLOSED)
+        await state.release_slot(entry.model_id)
         with contextlib.suppress(Exception):
             await asyncio.get_running_loop().run_in_executor(entry.executor, state.engine.unload_model, entry.engine_id)
         entry.executor.shutdown(wait=False, cancel_futures=True)
