@@ -503,7 +503,7 @@ def run_arm_step(
         kl=kl_sample_train(records),
         cookbook_env=trajectory_metrics(sampled.batch),
         rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds,
-    ).as_row()
+    )
 
 
 def _step_start_state(state: RunState, arm: ArmState) -> str | None:
