@@ -28,7 +28,7 @@ from dppo_harness.stages.diagnostic.classification import (
 from dppo_harness.stages.diagnostic.conclusion import compose_summary, for_planned_model, next_action
 from dppo_harness.stages.diagnostic.config import FIXES, LOOP_LABEL, DiagnosticConfig
 from dppo_harness.stages.diagnostic.criteria import CriterionResult, evaluate_criteria
-from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, SelftestReport, SentinelSummary
+from dppo_harness.stages.diagnostic.run_state import DiagnosticResultFields, SelftestReport, SentinelSummary
 
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan

@@ -15,7 +15,7 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.stages.diagnostic.config import DiagnosticConfig
 from dppo_harness.stages.diagnostic.criteria import CriterionResult
-from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelPoint, SentinelSummary
+from dppo_harness.stages.diagnostic.run_state import SelftestReport, SentinelPoint, SentinelSummary
 
 CAUSES = (
     "code_or_instrumentation_defect",

@@ -7,8 +7,8 @@ references, the original gate report's status, self-test); during the run the fr
 the run the analysis, sentinels, next action, the trained client's provenance, the service-work
 ledger against the plan's declaration, the feasibility block from the diagnostic's OWN measured
 setup (no extra pilot), the replay output, the report and the result fields. The update records'
-archives (`update_archive`) and the progress snapshots (`epochs`) are written as the run goes, so
-a kill leaves a valid bundle; their file names come from here.
+archives (`UpdateArchive`) and the progress snapshots (`post_progress`) are written as the run goes,
+so a kill leaves a valid bundle.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import contextlib
 import io
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
 
 from dppo_harness.evidence import budget, report
+from dppo_harness.evidence.files import MAX_FILE_BYTES
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
@@ -32,8 +33,7 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult, analyse
 from dppo_harness.stages.diagnostic.config import BASIS_FOR_REFERENCES, FINALIZE_RESERVE_S, LOOP_LABEL, DiagnosticConfig
-from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, SelftestReport, SentinelSummary
-from dppo_harness.stages.diagnostic.run_state import RunState
+from dppo_harness.stages.diagnostic.run_state import DiagnosticResultFields, RunState, SelftestReport, SentinelSummary
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 from dppo_harness.train.clients import dump_response
 from dppo_harness.train.optimizer_checks import OptimizerCheck, echoed_config, optimizer_check, own_response_only
@@ -80,13 +80,6 @@ def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: Ru
     state.files.append(REVISED_SPEC_FILE)
     for dev in plan.diagnostic.deviations:
         bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
-    for red in cfg.reductions:
-        bundle.add_deviation(
-            "steps" if red["field"] in ("max_updates", "max_wall_seconds") else "effective_batch",
-            f"{red['field']}={red['original']}",
-            f"{red['field']}={red['effective']}",
-            "size reduction for a small test plan (not the requester's settings)",
-        )
     register_json(
         bundle,
         state,
@@ -545,3 +538,50 @@ def trained_client_entry(
             ),
         },
     }
+
+
+@dataclass
+class UpdateArchive:
+    """The update records, `per_file` per evidence file, so the run's file count does not grow with
+    its updates (`diagnostic-updates-01-08.npz` holds updates 1 to 8).
+
+    Each record is persisted before the optimizer step it feeds: the open archive's records are
+    rewritten, atomically, to the staging file beside the bundle (scanned for secrets like every
+    sidecar) and registered, with its sha256, once the archive is full or the run stops. An archive
+    whose bytes would pass the per-file limit is split; a single record that does not fit one file is
+    refused (LimitError), never truncated."""
+
+    bundle: EvidenceBundle
+    per_file: int
+    pending: list[ins.LossCallRecord] = field(default_factory=list)
+    registered: list[str] = field(default_factory=list)
+
+    @property
+    def staging_path(self) -> Path:
+        return self.bundle.dir / STAGING_FILE
+
+    def add(self, record: ins.LossCallRecord) -> None:
+        """Persist `record` (durable before this returns); register the archive once it is full."""
+        self.pending.append(record)
+        self.bundle.write_beside(STAGING_FILE, ins.records_to_npz(self.pending))
+        if len(self.pending) >= max(1, self.per_file):
+            self.flush()
+
+    def flush(self) -> list[str]:
+        """Register the pending records as archive file(s); returns the names registered now."""
+        names: list[str] = []
+        while self.pending:
+            take = len(self.pending)
+            data = ins.records_to_npz(self.pending[:take])
+            while len(data) > MAX_FILE_BYTES and take > 1:  # split: fewer records per file
+                take -= 1
+                data = ins.records_to_npz(self.pending[:take])
+            first, last = (int(r.context["update_index"]) for r in (self.pending[0], self.pending[take - 1]))
+            name = update_archive_name(first, last)
+            self.bundle.register_bytes(name, "tensors", data)
+            names.append(name)
+            del self.pending[:take]
+        self.registered += names
+        if self.staging_path.exists():
+            self.staging_path.unlink()
+        return names
