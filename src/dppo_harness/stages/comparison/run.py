@@ -151,8 +151,8 @@ def run_comparison(
         rehearsal = is_rehearsal(plan, backend, bundle.result)
         evaluator = _frozen_evaluator(run, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
         state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
-        if state.resumed:
-            _post_reused_setup(bundle, state)
+        if state.resumed:  # the preflight and gate of the run, hash-verified, and where this session starts
+            reuse_setup(bundle, state)
         spath = state_path(state_root, state.run_id)
         _register_run_manifest(bundle, plan, state, spath, save_every, schedule, schedule_source, rehearsal, evaluator)
         progress(f"[comparison] schedule {schedule} ({schedule_source})")
@@ -692,23 +692,6 @@ def _setup_provenance(restoration: RestorationResult, run: RunConfig) -> JsonObj
         a.name: {k: as_value(restoration.provenance["arms"][a.name][k]) for k in ("restore_count", "optimizer_checks")}
         for a in run.arms
     }
-
-
-def _post_reused_setup(bundle: EvidenceBundle, state: RunState) -> None:
-    """A resume: the preflight and gate of the run, hash-verified, and where this session starts."""
-    reused = reuse_setup(bundle, state)
-    bundle.update_result(**reused.blocks)
-    bundle.update_result(
-        initialization_provenance={
-            "resume": {
-                "comparison_run": state.run_id,
-                "resumed_times": state.resumed,
-                "from_step": state.resumes[-1]["from_step"],
-                "continues_session": reused.continued,
-                "evidence_ref": reused.manifest,
-            }
-        }
-    )
 
 
 # ---- evidence files -----------------------------------------------------------------------------
