@@ -53,7 +53,7 @@ class HarnessOptions:
     # -- comparison stage
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
     comparison_schedule: Literal["interleaved", "concurrent"] | None = (
-        None  # None: the default for the service (comparison.default_schedule)
+        None  # None: the default for the service (comparison.config.comparison_schedule)
     )
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
     # -- the service wait policy (service.wait.policy.WaitPolicy); None: the default (capacity defaults

@@ -437,7 +437,7 @@ class Arms:
     def _take_restore_slot(self, what: str) -> None:
         """One evidence slot for the run state of a restore in the run (kept per arm in the budget)."""
         reserved = self.restore_slots_left()
-        if reserved == 0 and self.bundle.free_slots() - 1 < _kept_slots(self.run, 0):
+        if reserved == 0 and self.bundle.free_slots() - 1 < budget.comparison_reserve(len(self.run.arms), 0):
             raise ComparisonError(
                 f"{what}: no evidence file slot left for the run state of another restore "
                 f"({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
@@ -598,7 +598,7 @@ def _commit_row(arms: Arms, name: str, row: StepRowJson, tracker: CapacityTracke
     done = arm.steps_done
     if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
         # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
-        kept = _kept_slots(run, arms.restore_slots_left())
+        kept = budget.comparison_reserve(len(run.arms), arms.restore_slots_left())
         _register_saved_state(bundle, state, done, kept)
         post_snapshot(bundle, f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
     arm_rows = [r for r in state.rows if r["arm"] == name]
@@ -773,11 +773,6 @@ def _register_run_manifest(
                 f"model ({plan.run.base_model}); declared differences from the spec are recorded as deviations"
             ),
         )
-
-
-def _kept_slots(run: RunConfig, restores_left: int) -> int:
-    """File slots the comparison keeps free beyond the closing records' (budget.comparison_reserve)."""
-    return budget.comparison_reserve(len(run.arms), restores_left)
 
 
 def _register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, kept: int) -> str | None:

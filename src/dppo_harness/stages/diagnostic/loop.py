@@ -38,7 +38,6 @@ from dppo_harness.stages.diagnostic.write import (
     own_optimizer_check,
     post_progress,
     register_frozen_batch,
-    register_update_archives,
     write_evidence,
 )
 from dppo_harness.stages.restoration.records import load_ref
@@ -228,13 +227,8 @@ def run_bounded_diagnostic(
     def elapsed() -> float:
         return clock() - t0
 
-    state = RunState()
-    state.archive = UpdateArchive(
-        bundle,
-        budget.updates_per_archive(
-            budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
-        ),
-    )
+    size = budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
+    state = RunState(UpdateArchive(bundle, budget.updates_per_archive(size)))
     selftest = declare(bundle, plan, cfg, state)
     cap_s = cfg.max_wall_seconds
     try:
@@ -265,7 +259,11 @@ def run_bounded_diagnostic(
         state.errors.append(f"{type(exc).__name__}: {exc}")
         state.stop_reason = f"error: {type(exc).__name__}"
         state.setup_seconds = state.setup_seconds or elapsed()
-    register_update_archives(state)
+    try:  # the update records not yet in an archive file (a stop mid-archive)
+        state.archive.flush()
+    except Exception as exc:  # recorded: the analysis then says which records are missing
+        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
+    state.files += state.archive.registered
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
     if served is None:  # the served model as the trained client's own get_info names it (else the plan's)
@@ -334,7 +332,7 @@ def _train_epochs(
 
         def persist(rec: ins.LossCallRecord, anchor: np.ndarray = anchor) -> None:
             # Persisted before the optimizer step it feeds (staged, then registered in its archive).
-            state.update_archive().add(rec)
+            state.archive.add(rec)
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 

@@ -196,6 +196,7 @@ def _without_logprobs(p: SentinelPoint) -> SentinelPoint:
 class RunState:
     """What the run measured so far; kept when it stops early, read once into the result."""
 
+    archive: UpdateArchive  # the update records' archive files, open before the first update
     files: list[str] = field(default_factory=list)
     records: list[ins.LossCallRecord] = field(default_factory=list)
     frozen_by_call: list[np.ndarray] = field(default_factory=list)
@@ -218,11 +219,4 @@ class RunState:
     first_optim: tinker.OptimStepResponse | None = None  # the trained client's own first optim_step response
     initial_output: JsonObject | None = None
     preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
-    archive: UpdateArchive | None = None  # the update records' archive files
     rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
-
-    def update_archive(self) -> UpdateArchive:
-        """The run's update archive (the run opens it before its first update)."""
-        if self.archive is None:
-            raise RuntimeError("the diagnostic run has no update archive open")
-        return self.archive

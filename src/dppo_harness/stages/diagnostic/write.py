@@ -139,15 +139,6 @@ def post_progress(
         state.snapshots.append(name)
 
 
-def register_update_archives(state: RunState) -> None:
-    """The update records not yet in an archive file (a stop mid-archive), registered now."""
-    try:
-        state.update_archive().flush()
-    except Exception as exc:  # recorded: the analysis then says which records are missing
-        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    state.files += state.update_archive().registered
-
-
 def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> OptimizerCheck | None:
     """The optimizer check from the trained client's OWN first optim_step response (its metrics
     are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
