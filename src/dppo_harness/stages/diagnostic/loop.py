@@ -68,27 +68,6 @@ def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonOb
     }
 
 
-def _save_final_checkpoint(
-    tc: tinker.TrainingClient,
-    cfg: DiagnosticConfig,
-    bundle: EvidenceBundle,
-    state: RunState,
-    tag: str,
-    say: Callable[[str], None],
-) -> None:
-    """The trained client's final state, saved and its URI recorded (a claim cites the checkpoint)."""
-    if state.updates_done == 0:
-        return
-    try:
-        uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
-    except Exception as exc:  # recorded: no claim without the checkpoint
-        state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
-        return
-    state.final_checkpoint = uri
-    bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
-    say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
-
-
 class _Stop(Exception):
     """Planned stop (wall cap) before training could start."""
 
@@ -110,45 +89,6 @@ def _restore_record(restored: Restore, initial_checkpoint: str, *, preloaded: bo
         "source": "the restoration preflight's client for this arm, loaded from the initial checkpoint "
         "with optimizer and never updated before this stage (no second restore)",
     }
-
-
-def _effective_cap(
-    bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: float, say: Callable[[str], None], tag: str
-) -> float:
-    """The plan's wall cap, shortened to the run budget's end when that comes first."""
-    cap_s = cfg.max_wall_seconds
-    remaining = bundle.remaining_seconds()
-    if remaining is not None and elapsed_s + remaining < cap_s:
-        cap_s = max(0.0, elapsed_s + float(remaining))
-        if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
-            say(
-                f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
-                f"{cfg.max_wall_seconds:.0f}s cap: stopping there"
-            )
-    return cap_s
-
-
-def _take_client(
-    service_client: tinker.ServiceClient,
-    initial_checkpoint: str,
-    state: RunState,
-    *,
-    restored: Restore | None,
-    init_reference: RestorationResult | None,
-    clock: Callable[[], float],
-) -> tinker.TrainingClient:
-    """The trained client: the preflight's loaded one when given, else a fresh restore; its
-    restore record, get_info, initial output and restore seconds go into `state`."""
-    r0 = clock()
-    state.preloaded = restored is not None
-    if restored is None:
-        restored = restore(service_client, initial_checkpoint, "diagnostic DPPO client")
-    state.restore = _restore_record(restored, initial_checkpoint, preloaded=state.preloaded)
-    tc, state.info = restored.client, restored.info
-    if init_reference is not None:  # the trained client's own initial output, before any update
-        state.initial_output = _initial_output(tc, init_reference)
-    state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (clock() - r0)
-    return tc
 
 
 def _freeze_and_split(
@@ -232,15 +172,30 @@ def run_bounded_diagnostic(
     selftest = declare(bundle, plan, cfg, state)
     cap_s = cfg.max_wall_seconds
     try:
-        # Remaining run budget first (the ledger's, when one is set): never start what cannot fit.
-        cap_s = _effective_cap(bundle, cfg, elapsed(), say, tag)
+        # Remaining run budget first (the ledger's, when one is set): never start what cannot fit. The
+        # plan's wall cap is shortened to the run budget's end when that comes first.
+        remaining = bundle.remaining_seconds()
+        if remaining is not None and elapsed() + remaining < cap_s:
+            cap_s = max(0.0, elapsed() + float(remaining))
+            if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
+                say(
+                    f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
+                    f"{cfg.max_wall_seconds:.0f}s cap: stopping there"
+                )
         if elapsed() >= cap_s:
             raise _Stop("wall cap exhausted before service work")
-        tc = _take_client(
-            service_client, initial_checkpoint, state, restored=restored, init_reference=init_reference, clock=clock
-        )
+        # The trained client: the preflight's loaded one when given, else a fresh restore.
+        r0 = clock()
+        state.preloaded = restored is not None
+        if restored is None:
+            restored = restore(service_client, initial_checkpoint, "diagnostic DPPO client")
+        state.restore = _restore_record(restored, initial_checkpoint, preloaded=state.preloaded)
+        tc, state.info = restored.client, restored.info
+        if init_reference is not None:  # the trained client's own initial output, before any update
+            state.initial_output = _initial_output(tc, init_reference)
+        state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (clock() - r0)
         say(
-            f"[{tag}] {'training the preflight client loaded from' if restored is not None else 'restored'} "
+            f"[{tag}] {'training the preflight client loaded from' if state.preloaded else 'restored'} "
             f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)"
         )
         if elapsed() >= cap_s:
@@ -251,7 +206,15 @@ def run_bounded_diagnostic(
         state.stop_reason = _train_epochs(
             tc, cfg, plan, frozen, mbs, sentinels, sampler_path, bundle, state, elapsed, clock, cap_s, say, tag
         )
-        _save_final_checkpoint(tc, cfg, bundle, state, tag, say)
+        if state.updates_done:  # the final state saved and its URI recorded (a claim cites the checkpoint)
+            try:
+                uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
+            except Exception as exc:  # recorded: no claim without the checkpoint
+                state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
+            else:
+                state.final_checkpoint = uri
+                bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
+                say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
     except _Stop as stop:
         state.stop_reason = str(stop)
         state.setup_seconds = state.setup_seconds or elapsed()
