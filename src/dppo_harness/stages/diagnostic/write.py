@@ -1,15 +1,8 @@
 """The bounded diagnostic's one evidence writer: the only diagnostic code that knows its file names
 and the result.json fields it sets (the names replay and the session also read live in
-`instrument.pooled`, which must not import the diagnostic).
-
-Before any service work it registers the declarations (revised spec, deviations, unavailable
-references, the original gate report's status, self-test); during the run the frozen batch; after
-the run the analysis, sentinels, next action, the trained client's provenance, the service-work
-ledger against the plan's declaration, the feasibility block from the diagnostic's OWN measured
-setup (no extra pilot), the replay output, the report and the result fields. The update records'
-archives (`UpdateArchive`) and the progress snapshots (`post_progress`) are written as the run goes,
-so a kill leaves a valid bundle.
-"""
+`instrument.pooled`, which must not import the diagnostic). Declarations before any service work
+(`declare`), the frozen batch, update archives and progress snapshots as the run goes (a kill leaves
+a valid bundle), and everything else after it (`write_evidence`)."""
 
 from __future__ import annotations
 
