@@ -241,18 +241,6 @@ def test_resume_rewinds_every_arm_to_the_last_step_all_of_them_saved(tmp_path):
     st.arms["dppo_seed0"].state_path = None
     assert rewind_to_common_save(st, steps=9) == 0
     assert all(s.state_path is None and s.steps_done == 0 for s in st.arms.values()) and st.rows == []
-    # a state written before saves were kept: its one state counts
-    old = RunState.from_json(
-        {
-            **st.to_json(),
-            "arms": {
-                a: {k: v for k, v in d.items() if k != "saves"}
-                | {"steps_done": 2, "state_step": 2, "state_path": f"tinker://{a}/2"}
-                for a, d in st.to_json()["arms"].items()
-            },
-        }
-    )
-    assert rewind_to_common_save(old, steps=9) == 2
 
 
 def test_code_revision_changes_with_the_sources(tmp_path):

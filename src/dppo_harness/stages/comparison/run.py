@@ -676,8 +676,6 @@ def _run_state(
     problems += checkpoint_problems(state)  # before the rewind picks a checkpoint to reuse
     if problems:
         raise ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))
-    if not state.setup_provenance and restoration is not None:  # a state saved before it was kept
-        state.setup_provenance = _setup_provenance(restoration, run)
     continued = state.sessions[-1]["run_id"] if state.sessions else state.run_id
     from_step = rewind_to_common_save(state, run.rollout_steps)
     state.resumed += 1
