@@ -20,7 +20,7 @@ from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response
-from dppo_harness.stages.comparison import restore as comparison_restore
+from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.run import StopRequested, run_comparison
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard
 
@@ -111,12 +111,12 @@ def test_a_resume_whose_restored_optimizer_mismatches_stops_the_run(engine, tmp_
     first, _ = _run(engine, tmp_path, "first", schedule="interleaved", stop_after=stop_after_1)
     assert first.steps_completed == 1
 
-    real = comparison_restore.server_info
+    real = comparison_run.server_info
 
     def another_optimizer(sc, client):  # get_info as sent, naming an optimizer 0.25's type would drop
         return {**real(sc, client), "optimizer_config": {"type": "dimuon"}}
 
-    monkeypatch.setattr(comparison_restore, "server_info", another_optimizer)
+    monkeypatch.setattr(comparison_run, "server_info", another_optimizer)
     run, bundle = _run(engine, tmp_path, "resumed", schedule="interleaved", resume_run_id=first.run_id)
     assert run.stopped.startswith("OptimizerMismatch: ") and "optimizer mismatch after restore 2" in run.stopped
     assert "server 'dimuon'" in run.stopped

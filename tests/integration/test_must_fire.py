@@ -7,6 +7,7 @@ silent, and the diagnostic must call that an inactive regime, not a defect.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -18,22 +19,26 @@ from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE
-from dppo_harness.plans import load_plan
+from dppo_harness.plans import Plan, load_plan
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
-# Small plan: 8 groups x 4, one minibatch of all 8 complete groups, 2 epochs = 2 updates; the
-# second-epoch loss call sees the policy after one update.
-SMALL = dict(
-    groups_per_batch=8,
-    group_size=4,
-    max_tokens=64,
-    minibatches_per_epoch=1,
-    groups_per_minibatch=8,
-    max_updates=2,
-    sentinels_per_sign=1,
-)
+TINY = Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json"
+
+
+def small_plan(tmp_path: Path, learning_rate: float, max_wall_minutes: float = 12.0) -> Plan:
+    """The tiny CI plan grown to 8 groups x 4 in one minibatch of all 8 complete groups, 64 tokens:
+    2 epochs = 2 updates, the second-epoch loss call sees the policy after one update."""
+    d = json.loads(TINY.read_text())
+    d["schedule"].update(groups_per_batch=8, groups_per_minibatch=8)
+    d["fixed_settings"]["sampling"]["max_tokens"] = 64
+    d["fixed_settings"]["optimizer"]["learning_rate"] = learning_rate
+    d["caps"]["max_wall_minutes"] = max_wall_minutes
+    path = tmp_path / "diagnostic-must-fire.json"
+    path.write_text(json.dumps(d))
+    return load_plan(path)
+
+
 HIGH_LR = 1e-2  # 500x the plan's 2e-5: deliberately far off-policy after one update
 
 
@@ -51,9 +56,9 @@ def engine(shared_server):
 def _run(engine, tmp_path, lr):
     sc, init = engine
     bundle = EvidenceBundle.create(tmp_path / "evidence")
-    res = run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", learning_rate=lr, **SMALL)
+    res = run_bounded_diagnostic(sc, small_plan(tmp_path, lr), bundle, init, backend="local")
     assert not res.errors, res.errors
-    assert res.updates_done == SMALL["max_updates"]
+    assert res.updates_done == 2
     # Sentinel forwards after updates 1 and 2 are deferred (issue 10 section 5); all are collected.
     assert [pt["after_update"] for pt in res.sentinels["points"]] == [0, 1, 2]
     assert verify_bundle(bundle.dir) == []
@@ -87,7 +92,8 @@ def test_zero_lr_stays_silent_and_is_an_inactive_regime(engine, tmp_path):
 def test_wall_cap_exhausted_in_setup_persists_evidence_and_stops(engine, tmp_path):
     sc, init = engine
     bundle = EvidenceBundle.create(tmp_path / "evidence")
-    res = run_bounded_diagnostic(sc, PLAN, bundle, init, backend="local", max_wall_seconds=0.5, **SMALL)
+    plan = small_plan(tmp_path, 2e-5, max_wall_minutes=0.5 / 60)
+    res = run_bounded_diagnostic(sc, plan, bundle, init, backend="local")
     assert res.updates_done == 0 and "wall cap" in res.stop_reason
     assert res.classification.cause == "missing_evidence"
     assert bundle.entry(ANALYSIS_FILE) and bundle.entry("report.md")

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 ROOT = Path(__file__).parents[2]
 SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
-DIAG = load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
+DIAG = load_plan(ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-tiny.json")
 CMP_PLAN = load_plan(ROOT / "tests" / "fixtures" / "plans" / "comparison-ci-small.json")
 ARM_NAMES = [a.name for a in CMP_PLAN.run.arms]
 
@@ -153,20 +153,7 @@ def test_the_diagnostic_without_sampler_logprobs_stops_with_evidence(served, tmp
     tc = s.sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)
     init = tc.save_state("omit-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
-    res = run_bounded_diagnostic(
-        s.sc,
-        DIAG,
-        bundle,
-        init,
-        backend="local",
-        groups_per_batch=2,
-        group_size=4,
-        max_tokens=16,
-        minibatches_per_epoch=1,
-        groups_per_minibatch=2,
-        max_updates=2,
-        sentinels_per_sign=1,
-    )
+    res = run_bounded_diagnostic(s.sc, DIAG, bundle, init, backend="local")
     assert res.updates_done == 0 and res.frozen_batch_sha256 is None
     (err,) = res.errors
     assert "RolloutError" in err and "SampledSequence.logprobs" in err

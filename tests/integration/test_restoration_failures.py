@@ -148,7 +148,7 @@ def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_
     (its observed load is the run's restore, restore_count stays 1)."""
     from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 
-    diag_plan = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
+    diag_plan = load_plan(Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json")
     sc = _client(server)
     try:
         result, bundle = _run(
@@ -164,13 +164,6 @@ def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_
             backend="local",
             init_reference=result,
             restored=result.loaded["dppo_seed0"],
-            groups_per_batch=2,
-            group_size=4,
-            max_tokens=32,
-            minibatches_per_epoch=1,
-            groups_per_minibatch=2,
-            max_updates=2,
-            sentinels_per_sign=1,
         )
         assert not res.errors, res.errors
         assert _models(server) == before  # no training client created by the diagnostic

@@ -33,7 +33,7 @@ def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_c
     restores = budget.MID_STEP_RESTORES_PER_ARM * 3
     registered = []
     for step in range(1, 51):
-        kept = comparison_run._kept_slots(run, restores)
+        kept = budget.comparison_reserve(len(run.arms), restores)
         name = comparison_run._register_saved_state(bundle, state, step, kept)
         post_snapshot(bundle, f"comparison step {step} saved", reserve=kept + len(budget.CLOSING_RECORDS))
         if name is None:
@@ -78,7 +78,7 @@ def test_a_mid_step_restore_uses_its_kept_slot_and_past_it_stops_in_one_line(tmp
     bundle = EvidenceBundle.create(tmp_path, "run")
     bundle.reserve_closing()
     arms = _arms(bundle, 3, monkeypatch)
-    while bundle.free_slots() > comparison_run._kept_slots(arms.run, 3):  # saves took every slot they could
+    while bundle.free_slots() > budget.comparison_reserve(len(arms.run.arms), 3):  # saves took every slot they could
         bundle.register_bytes(f"saved-{len(bundle.files()):02d}.json", "manifest", b"%d" % len(bundle.files()))
     restored = []
     monkeypatch.setattr(
@@ -87,7 +87,7 @@ def test_a_mid_step_restore_uses_its_kept_slot_and_past_it_stops_in_one_line(tmp
     failure = {"step": 8, "attempt": 1, "updates_sent_before_failure": 1, "error": "refused"}
     for attempt in range(1, 4):  # one kept slot per arm: three restores register their state
         arms.restore_mid_step("arm0", "tinker://x/state", dict(failure, attempt=attempt))
-    assert len(restored) == 3 and bundle.free_slots() == comparison_run._kept_slots(arms.run, 0)
+    assert len(restored) == 3 and bundle.free_slots() == budget.comparison_reserve(len(arms.run.arms), 0)
     with pytest.raises(ComparisonError, match="no evidence file slot left") as exc:
         arms.restore_mid_step("arm0", "tinker://x/state", dict(failure, attempt=4))
     assert "\n" not in str(exc.value) and len(restored) == 3  # refused before any restore was sent

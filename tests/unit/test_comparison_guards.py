@@ -9,7 +9,7 @@ from comparison_fakes import PLAN, row, run_fake
 from tinker import types
 
 from dppo_harness.service.rest import RawResponse
-from dppo_harness.stages.comparison import restore as comparison_restore
+from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError, OptimizerMismatch, comparison_schedule
 from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard, wall_guard_from_feasibility
@@ -112,7 +112,7 @@ def _restore(monkeypatch, info, path="tinker://m/weights/step2"):
     prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
     state.setup_provenance = {a.name: prior for a in RUN.arms}
     session = None if isinstance(info, types.GetInfoResponse) else _Session(info)
-    return state, lambda: comparison_restore.restore_arm(
+    return state, lambda: comparison_run.restore_arm(
         session, state, RUN, "dppo_seed0", path, "comparison-state-r1-open.json"
     )
 
@@ -163,7 +163,7 @@ def test_a_restore_that_did_not_load_the_path_asked_for_stops_the_run(monkeypatc
     )
     state = RunState("r", "p", "e", "c", "i", {a.name: ArmState(a.name) for a in RUN.arms})
     with pytest.raises(ComparisonError, match=line):
-        comparison_restore.restore_arm(None, state, RUN, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
+        comparison_run.restore_arm(None, state, RUN, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
     assert state.arms["dppo_seed0"].restore_count == 0 and not state.arms["dppo_seed0"].optimizer_checks
 
 

@@ -65,7 +65,7 @@ def test_a_step_row_carries_the_cookbooks_metrics_under_its_names():
         kl=kl,
         cookbook_env=env,
         rollout_seconds=0.5,
-    ).as_row()
+    )
     assert row["cookbook_env"] == env and row["rollout_seconds"] == 0.5
     assert (row["kl_sample_train_v1"], row["kl_sample_train_v2"], row["entropy"]) == (
         kl["optim/kl_sample_train_v1"],

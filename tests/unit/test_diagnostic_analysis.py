@@ -18,6 +18,7 @@ from dppo_harness.stages.diagnostic.criteria import evaluate_criteria
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 
 PLANS = Path(__file__).parents[2] / "plans"
+TINY_PLAN = Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
 SPEC_PLAN = load_plan(PLANS / "exp_e6b0965af3.json")
 SPEC = SPEC_PLAN.experiment
@@ -39,17 +40,9 @@ def test_config_is_the_plan_as_written():
     }
     delta = PLAN.raw["fixed_settings"]["treatment"]["delta"]
     assert (c.delta, c.ratio_cap, c.ppo_eps, c.normalization) == (delta, 10.0, 0.2, "token_mean")
-    assert c.sentinel_after_updates == (0, 1, 2, 4, 8, 16) and c.reductions == ()
-    small = diagnostic_config(PLAN, groups_per_batch=4, minibatches_per_epoch=2, groups_per_minibatch=2)
-    assert {r["field"] for r in small.reductions} == {
-        "groups_per_batch",
-        "minibatches_per_epoch",
-        "groups_per_minibatch",
-    }
-    with pytest.raises(DiagnosticError, match="unknown diagnostic overrides"):
-        diagnostic_config(PLAN, delta=0.05)
-    with pytest.raises(DiagnosticError, match="groups_per_batch must equal"):
-        diagnostic_config(PLAN, groups_per_batch=5)
+    assert c.sentinel_after_updates == (0, 1, 2, 4, 8, 16)
+    tiny = diagnostic_config(load_plan(TINY_PLAN))  # a smaller run is a smaller plan file
+    assert (tiny.groups_per_batch, tiny.group_size, tiny.max_updates, tiny.max_tokens) == (2, 4, 2, 32)
     with pytest.raises(DiagnosticError, match="bounded_diagnostic"):
         diagnostic_config(SPEC_PLAN)
     assert pinned_variant_problems(CFG) == []

@@ -17,9 +17,8 @@ from dppo_harness.evidence.files import sha256_bytes
 from dppo_harness.evidence.verify import verify_bundle
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.stages.diagnostic import update_archive
-from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
-from dppo_harness.stages.diagnostic.write import STAGING_FILE
+from dppo_harness.stages.diagnostic import write as update_archive
+from dppo_harness.stages.diagnostic.write import STAGING_FILE, UpdateArchive
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Session state of the harness plugin: options, stage bookkeeping, client-release records and the
-helpers fixtures use to talk to the session (progress lines, stops, proposed outcomes)."""
+helpers fixtures use to talk to the session (progress lines, stops, proposed outcomes).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dppo_harness.service.wait.policy import ServiceStopped
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.service.connectivity import ConnectivityReport  # noqa: F401 (CONNECTIVITY_KEY's type)
+    from dppo_harness.service.connectivity import ConnectivityReport
     from dppo_harness.service.release import ClientRegistry
 
 # One session's release record as ClientRegistry.records()/release_stage() return it (service.release
@@ -29,9 +30,18 @@ ReleaseRecord = dict[str, Any]
 
 
 STAGE_KEY = pytest.StashKey[str]()
+
+
 STATE_KEY = pytest.StashKey["StageState"]()
+
+
 PLAN_KEY = pytest.StashKey[Plan]()
-CONNECTIVITY_KEY = pytest.StashKey["ConnectivityReport"]()  # the launch-scope check's, reused by `connectivity`
+
+
+ITEMS_KEY = pytest.StashKey[list[pytest.Item]]()
+
+
+CONNECTIVITY_KEY = pytest.StashKey["ConnectivityReport"]()
 
 
 @dataclass(frozen=True)
@@ -42,8 +52,9 @@ class HarnessOptions:
     selected_stages: tuple[str, ...]  # the stages this session runs, in order
     # -- comparison stage
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
-    # None: the default for the service (comparison.default_schedule)
-    comparison_schedule: Literal["interleaved", "concurrent"] | None = None
+    comparison_schedule: Literal["interleaved", "concurrent"] | None = (
+        None  # None: the default for the service (comparison.config.comparison_schedule)
+    )
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
     # -- the service wait policy (service.wait.policy.WaitPolicy); None: the default (capacity defaults
     # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
@@ -85,6 +96,11 @@ class StageState:
     budget_checked: set[str] = field(default_factory=set)  # stages whose entry budget check ran
     releases: list[ReleaseRecord] = field(default_factory=list)  # client releases, when (client-releases.json)
     outcomes: dict[str, StageOutcomes] = field(default_factory=dict)  # stage -> test outcome counts
+
+
+def early_connectivity(config: pytest.Config) -> ConnectivityReport | None:
+    """The connectivity report the launch-scope check read before the first test, else None."""
+    return config.stash.get(CONNECTIVITY_KEY, None)
 
 
 def selected_for_run(config: pytest.Config, state: StageState, item: pytest.Item) -> bool:
@@ -133,14 +149,20 @@ def close_stage(state: StageState, stage: str) -> None:
         bundle.update_result(metrics={f"clients/training_created/{stage}": float(created)})
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
-    # An immutable result snapshot at each service stage's end (a killed run keeps each finished stage's result).
-    if stage != "unit":
+    if (
+        stage != "unit"
+    ):  # an immutable result snapshot at each service stage's end (a killed run keeps each finished stage's result)
         post_snapshot(bundle, f"stage {stage} end", reserve=4, stage_end=True)
 
 
 def note_releases(state: StageState, records: list[ReleaseRecord]) -> None:
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     state.releases += [dict(r, released_at=at) for r in records]
+
+
+def record_client_releases(config: pytest.Config, records: list[ReleaseRecord]) -> None:
+    """Release records of clients a fixture released itself (kept for client-releases.json)."""
+    note_releases(config.stash[STATE_KEY], records)
 
 
 _SAY_LOCK = threading.Lock()  # progress.Watchdog writes from a background thread too
@@ -156,11 +178,12 @@ def progress_printer(config: pytest.Config) -> Callable[[str], None]:
         with _SAY_LOCK:
             if reporter is None:
                 print(msg, flush=True)
-            elif capture is None:
-                reporter.write_line(msg)
-            else:
+                return
+            if capture is not None:
                 with capture.global_and_fixture_disabled():
                     reporter.write_line(msg)
+            else:
+                reporter.write_line(msg)
 
     return say
 
@@ -178,11 +201,19 @@ def stops_stage(fixture: Callable[_P, _T]) -> Callable[_P, _T]:
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         try:
             return fixture(*args, **kwargs)
-        except ServiceStopped as exc:
-            line = exc.line
+        except BaseException as exc:
+            stop = service_stop(exc)
+            if stop is None:
+                raise
+            line = stop.line
         pytest.fail(line, pytrace=False)  # outside the except: the line, without a chained traceback
 
     return run
+
+
+def service_stop(exc: BaseException | None) -> ServiceStopped | None:
+    """The ServiceStopped behind a failure, if any."""
+    return exc if isinstance(exc, ServiceStopped) else None
 
 
 def unwritable_evidence(exc: BaseException | None) -> str | None:
@@ -206,18 +237,13 @@ def release_remaining(state: StageState) -> None:
         return
     state.registry.release_all()
     now = {(r["label"], r["stage"]): r for r in state.registry.records()}
-    done = [now[(r["label"], r["stage"])] for r in pending]
-    note_releases(state, [dict(r, released=d["released"], error=d["error"]) for r, d in zip(pending, done)])
-
-
-CLIENT_RELEASE_NOTE = (
-    "tinker 0.25.0 has no session finish and no close: a model stays loaded until it is unloaded or the "
-    "service's idle sweep reclaims it. Each session below lists the training clients it created (stage, SDK "
-    "method, role) and, per model, how it was released: `unload_model` (POST /api/v1/unload_model, the "
-    "SDK's UnloadModelRequest), whether the service answered it and what it said. A session counts as "
-    "released only when every unload was answered; `events` says, at each release, which sessions it "
-    "released and which stayed open."
-)
+    note_releases(
+        state,
+        [
+            dict(r, released=now[(r["label"], r["stage"])]["released"], error=now[(r["label"], r["stage"])]["error"])
+            for r in pending
+        ],
+    )
 
 
 def write_session_records(state: StageState) -> None:
@@ -228,21 +254,7 @@ def write_session_records(state: StageState) -> None:
     if bundle is None:  # pytest_sessionfinish writes the records only once a bundle exists
         return
     if bundle.entry("client-releases.json") is None:
-        # Every session (ServiceClient) with its training clients, when each was closed, what stayed
-        # open at each release, and training clients created per stage.
-        reg = state.registry
-        by_stage = reg.training_clients_by_stage() if reg is not None else {}
-        record = {
-            "kind": "client_releases",
-            "all_released": all(r["released"] for r in state.releases),
-            "sessions": reg.records() if reg is not None else [],
-            "events": list(reg.events) if reg is not None else [],
-            "training_clients_by_stage": by_stage,
-            "training_clients_total": sum(by_stage.values()),
-            "releases": state.releases,
-            "note": CLIENT_RELEASE_NOTE,
-        }
-        bundle.register_json("client-releases.json", "log", record)
+        bundle.register_json("client-releases.json", "log", client_release_record(state))
     unit = state.outcomes.get("unit")
     if unit is not None and bundle.entry("unit-parity-summary.json") is None:
         bundle.register_json(
@@ -260,6 +272,47 @@ def write_session_records(state: StageState) -> None:
                 },
             },
         )
+
+
+CLIENT_RELEASE_NOTE = (
+    "tinker 0.25.0 has no session finish and no close: a model stays loaded until it is unloaded or the "
+    "service's idle sweep reclaims it. Each session below lists the training clients it created (stage, SDK "
+    "method, role) and, per model, how it was released: `unload_model` (POST /api/v1/unload_model, the "
+    "SDK's UnloadModelRequest), whether the service answered it and what it said. A session counts as "
+    "released only when every unload was answered; `events` says, at each release, which sessions it "
+    "released and which stayed open."
+)
+
+
+class ClientReleaseRecord(TypedDict):
+    """client-releases.json, in this key order."""
+
+    kind: Literal["client_releases"]
+    all_released: bool
+    sessions: list[dict[str, Any]]  # ClientRegistry.records(): one per ServiceClient session
+    events: list[dict[str, Any]]  # ClientRegistry.events: what each release closed and what stayed open
+    training_clients_by_stage: dict[str, int]
+    training_clients_total: int
+    releases: list[ReleaseRecord]
+    note: str
+
+
+def client_release_record(state: StageState) -> ClientReleaseRecord:
+    """client-releases.json: every session (ServiceClient) with its training clients, when each was
+    closed, what stayed open at each release, and training clients created per stage."""
+    reg = state.registry
+    sessions = reg.records() if reg is not None else []
+    by_stage = reg.training_clients_by_stage() if reg is not None else {}
+    return {
+        "kind": "client_releases",
+        "all_released": all(r["released"] for r in state.releases),
+        "sessions": sessions,
+        "events": list(reg.events) if reg is not None else [],
+        "training_clients_by_stage": by_stage,
+        "training_clients_total": sum(by_stage.values()),
+        "releases": state.releases,
+        "note": CLIENT_RELEASE_NOTE,
+    }
 
 
 def unit_parity_passed(config: pytest.Config) -> bool:

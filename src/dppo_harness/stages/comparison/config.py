@@ -37,20 +37,13 @@ class OptimizerMismatch(ComparisonError):
         self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file
 
 
-def default_schedule(embedded: bool) -> ArmOrder:
-    """How the arms advance unless asked: arm after arm, on any service. It is the schedule the
-    feasibility pilot times (its projection adds the arms' steps), and on Spindle two arms'
-    concurrent forward_backward requests on the one shared trainer are packed into one batch
-    (a failed batch fails both; numerics vary with packing: docs/multi-lora.md), which would tie
-    one arm's step to the other's. `--comparison-schedule concurrent` overlaps them on request
-    (benchmarks/comparison_schedule.py measures the overlap)."""
-    del embedded  # the same default on the embedded server (2 CPU cores gain nothing from overlap)
-    return "interleaved"
-
-
 def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[ArmOrder, str]:
-    """(arm order, why): --comparison-schedule when given, else arm after arm (`default_schedule`),
-    the source saying which service it defaulted on."""
+    """(arm order, why): --comparison-schedule when given, else arm after arm on any service. That is
+    the schedule the feasibility pilot times (its projection adds the arms' steps), and on Spindle two
+    arms' concurrent forward_backward requests on the one shared trainer are packed into one batch
+    (a failed batch fails both; numerics vary with packing: docs/multi-lora.md), which would tie one
+    arm's step to the other's; on the embedded server 2 CPU cores gain nothing from overlap.
+    `concurrent` overlaps them on request (benchmarks/comparison_schedule.py measures the overlap)."""
     if option:
         if option not in ("interleaved", "concurrent"):
             raise ComparisonError(f"--comparison-schedule: {option!r} is not interleaved or concurrent")
@@ -58,7 +51,7 @@ def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[A
             return "concurrent", "--comparison-schedule (the feasibility projection timed the arms one after the other)"
         return "interleaved", "--comparison-schedule"
     embedded = backend_kind == "local"
-    return default_schedule(embedded), (
+    return "interleaved", (
         "default on the embedded server (arm after arm, as the feasibility pilot timed)"
         if embedded
         else "default on a real service (arm after arm, as the feasibility pilot timed; concurrent arms' "

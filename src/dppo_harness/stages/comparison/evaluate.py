@@ -1,17 +1,12 @@
-"""Evaluation of the paired comparison, then its decision.
-
-One frozen evaluator (frozen before training, `evaluation.freeze_evaluator`) scores the base
-model and each arm's final checkpoint, greedy, on the plan's test items. Each scored model gets
-its own predictions file; the two arms' rows form `scored-observations.jsonl`, and the decision
-(`decision`) is computed on them and posted with its metrics.
-"""
+"""Evaluation of the paired comparison, then its decision: one frozen evaluator (frozen before
+training) scores the base model and each arm's final checkpoint; the arms' rows form
+`scored-observations.jsonl`, on which the decision (`decision`) is computed and posted."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dppo_harness.data import dataset, tokenizer
@@ -40,17 +35,6 @@ def freeze_for(run: RunConfig, reason: str) -> evaluation.FrozenEvaluator:
     return evaluation.freeze_evaluator(
         items, tokenizer.make_renderer(), max_tokens=int(run.max_tokens.value), deviation=deviation
     )
-
-
-def predictions_name(arm: str, res: evaluation.EvalResult) -> str:
-    return f"predictions-{arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
-
-
-def register_predictions(bundle: EvidenceBundle, res: evaluation.EvalResult) -> JsonObject:
-    """One scored model's predictions (item_id, arm, prediction, reference on every row); returns its score."""
-    name = predictions_name(res.arm, res)
-    bundle.register_bytes(name, "predictions", res.predictions_jsonl())
-    return res.score(name)
 
 
 def items_progress(
@@ -88,18 +72,44 @@ def evaluate_and_decide(
     progress: Callable[[str], None],
     base_model: str,
 ) -> tuple[list[JsonObject], JsonObject, list[str]]:
-    """Base model first (posted at once), then each arm's final checkpoint, one frozen evaluator."""
-    evaluator_file = register_evaluator(bundle, evaluator)
-    seed = run.seed
+    """The served model the arms were created on (the "base" arm), then each arm's final sampler
+    checkpoint, greedy, one frozen evaluator. After each: its predictions file, the evaluation block
+    and accuracy metrics so far, its own metrics under its arm's key, its terminal line. Then the
+    decision on the arms' scored observations. Returns (scores, decision block, files written)."""
+    files = [register_evaluator(bundle, evaluator)]
     comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in run.criteria]
-    scored = ScoredModels(bundle, evaluator, comparisons, int(run.max_tokens.value), progress, time.perf_counter())
-    scored.add(evaluate_base(service_client, evaluator, base_model, seed, progress))
-    results: dict[str, evaluation.EvalResult] = {}
-    for a in run.arms:
-        results[a.name] = evaluate_arm(service_client, evaluator, a.name, state, seed, progress)
-        scored.add(results[a.name])
-    decision, decision_files = register_decision(bundle, run, [results[a.name] for a in run.arms], rehearsal, scored.t0)
-    return scored.scores, decision, [evaluator_file, *scored.files, *decision_files]
+    max_tokens, n = int(run.max_tokens.value), len(evaluator.items)
+    scores: list[JsonObject] = []
+    arm_results: list[evaluation.EvalResult] = []
+    t0 = time.perf_counter()
+    for arm in [BASE_ARM, *(a.name for a in run.arms)]:
+        if arm == BASE_ARM:
+            client = service_client.create_sampling_client(base_model=base_model)
+            checkpoint, what = f"base:{base_model}", "the base model"
+            progress(f"[comparison] evaluating the base model on {n} test items (greedy)")
+        else:
+            path = state.arms[arm].final_sampler  # evaluation runs once every arm saved its final sampler
+            if path is None:
+                raise ComparisonError(f"{arm}: no final sampler checkpoint to evaluate")
+            client, checkpoint, what = service_client.create_sampling_client(model_path=path), path, arm
+            progress(f"[comparison] evaluating {arm} (final checkpoint) on {n} test items")
+        res = evaluation.evaluate(
+            client, evaluator, arm=arm, seed=run.seed, checkpoint=checkpoint, on_item=items_progress(progress, what, n)
+        )
+        name = f"predictions-{arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
+        bundle.register_bytes(name, "predictions", res.predictions_jsonl())
+        scores.append(res.score(name))
+        files.append(name)
+        bundle.update_result(
+            evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
+            metrics={f"eval/accuracy/{s['arm']}": float(num(s["value"])) for s in scores},
+        )
+        bundle.post_arm_metrics(arm, res.arm_metrics(max_tokens))
+        progress(eval_line(res, max_tokens, time.perf_counter() - t0))
+        if arm != BASE_ARM:
+            arm_results.append(res)
+    decision, decision_files = register_decision(bundle, run, arm_results, rehearsal, t0)
+    return scores, decision, [*files, *decision_files]
 
 
 def register_evaluator(bundle: EvidenceBundle, evaluator: evaluation.FrozenEvaluator) -> str:
@@ -116,79 +126,6 @@ def register_evaluator(bundle: EvidenceBundle, evaluator: evaluation.FrozenEvalu
         },
     )
     return name
-
-
-@dataclass
-class ScoredModels:
-    """The scored models so far, the evaluation block re-posted after each: their scores (in
-    order), the predictions files they wrote, and the clock the terminal lines count from."""
-
-    bundle: EvidenceBundle
-    evaluator: evaluation.FrozenEvaluator
-    comparisons: list[JsonObject]
-    max_tokens: int
-    progress: Callable[[str], None]
-    t0: float
-    scores: list[JsonObject] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)
-
-    def add(self, res: evaluation.EvalResult) -> None:
-        """One scored model: its predictions file, the evaluation block and accuracy metrics so far,
-        its own metrics under its arm's key (the base model's is "base"), and its terminal line."""
-        self.scores.append(register_predictions(self.bundle, res))
-        self.files.append(predictions_name(res.arm, res))
-        self.bundle.update_result(
-            evaluation=evaluation.evaluation_object([self.evaluator], self.scores, self.comparisons),
-            metrics={f"eval/accuracy/{s['arm']}": float(num(s["value"])) for s in self.scores},
-        )
-        self.bundle.post_arm_metrics(res.arm, res.arm_metrics(self.max_tokens))
-        self.progress(eval_line(res, self.max_tokens, time.perf_counter() - self.t0))
-
-
-def evaluate_base(
-    service_client: tinker.ServiceClient,
-    evaluator: evaluation.FrozenEvaluator,
-    base_model: str,
-    seed: int,
-    progress: Callable[[str], None],
-) -> evaluation.EvalResult:
-    """The served model the arms were created on (the connectivity preflight's choice), scored as
-    the "base" arm."""
-    client = service_client.create_sampling_client(base_model=base_model)
-    progress(f"[comparison] evaluating the base model on {len(evaluator.items)} test items (greedy)")
-    return evaluation.evaluate(
-        client,
-        evaluator,
-        arm=BASE_ARM,
-        seed=seed,
-        checkpoint=f"base:{base_model}",
-        on_item=items_progress(progress, "the base model", len(evaluator.items)),
-    )
-
-
-def evaluate_arm(
-    service_client: tinker.ServiceClient,
-    evaluator: evaluation.FrozenEvaluator,
-    arm: str,
-    state: RunState,
-    seed: int,
-    progress: Callable[[str], None],
-) -> evaluation.EvalResult:
-    """One arm's final sampler checkpoint scored (evaluation runs once every arm finished, each
-    with its final sampler saved)."""
-    path = state.arms[arm].final_sampler
-    if path is None:
-        raise ComparisonError(f"{arm}: no final sampler checkpoint to evaluate")
-    sampler = service_client.create_sampling_client(model_path=path)
-    progress(f"[comparison] evaluating {arm} (final checkpoint) on {len(evaluator.items)} test items")
-    return evaluation.evaluate(
-        sampler,
-        evaluator,
-        arm=arm,
-        seed=seed,
-        checkpoint=path,
-        on_item=items_progress(progress, arm, len(evaluator.items)),
-    )
 
 
 def register_decision(

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.snapshots import snapshot_names
@@ -35,16 +34,6 @@ if TYPE_CHECKING:
 SETUP_BLOCKS = ("correctness_preflight", "initialization_provenance", "activation_calibration", "feasibility")
 
 
-@dataclass(frozen=True)
-class ReusedSetup:
-    """What the resumed session took over (all of it hash-verified)."""
-
-    blocks: JsonObject  # the setup result blocks, as the snapshot holds them
-    files: tuple[dict[str, Any], ...]  # {name, kind, sha256, size} registered again in this bundle
-    manifest: str  # the resumed-from manifest's name in this bundle
-    continued: dict[str, Any]  # the session continued: run_id, last snapshot name + sha256
-
-
 def latest_snapshot(bundle: EvidenceBundle) -> dict[str, str] | None:
     """The bundle's newest result snapshot: {run_id, name, sha256}, or None if it posted none."""
     names = snapshot_names(bundle)
@@ -54,16 +43,7 @@ def latest_snapshot(bundle: EvidenceBundle) -> dict[str, str] | None:
     return {"run_id": bundle.run_id, "name": names[-1], "sha256": entry["sha256"] if entry else ""}
 
 
-class RegisteredFile(TypedDict, total=False):
-    """One entry of a bundle's file registry (result.json `evidence.files`), as read back from disk."""
-
-    name: str
-    kind: str
-    sha256: str
-    size: int
-
-
-def _registry(run_dir: Path) -> dict[str, RegisteredFile]:
+def _registry(run_dir: Path) -> dict[str, dict[str, Any]]:
     result = json.loads((run_dir / RESULT_FILE).read_text())
     return {f["name"]: f for f in result["evidence"]["files"]}
 
@@ -153,9 +133,10 @@ def verified_dirs(state: RunState) -> list[Path]:
     return dirs
 
 
-def reuse_setup(bundle: EvidenceBundle, state: RunState) -> ReusedSetup:
-    """Verify the run's earlier bundles, take over the setup evidence, and register the
-    resumed-from manifest (see the module docstring). Call after the state names this session."""
+def reuse_setup(bundle: EvidenceBundle, state: RunState) -> None:
+    """Verify the run's earlier bundles, take over the setup evidence, register the resumed-from
+    manifest (see the module docstring) and post where this session starts. Call after the state
+    names this session."""
     dirs = verified_dirs(state)
     if not dirs:
         raise _refuse(state.run_id, "the saved state names no earlier session to continue")
@@ -218,4 +199,15 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> ReusedSetup:
             "after every earlier bundle verified by sha256",
         },
     )
-    return ReusedSetup(blocks, tuple(files), name, continued)
+    bundle.update_result(**blocks)
+    bundle.update_result(
+        initialization_provenance={
+            "resume": {
+                "comparison_run": state.run_id,
+                "resumed_times": state.resumed,
+                "from_step": resume["from_step"],
+                "continues_session": continued,
+                "evidence_ref": name,
+            }
+        }
+    )

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -48,7 +49,6 @@ from dppo_harness.stages.comparison.config import (
     step_seed,
 )
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
-from dppo_harness.stages.comparison.restore import open_arms, restore_arm
 from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
@@ -73,6 +73,9 @@ from dppo_harness.stages.comparison.step_rows import (
     trajectory_metrics,
 )
 from dppo_harness.stages.comparison.wall_guard import WallGuard
+from dppo_harness.train.clients import dump_response, server_info
+from dppo_harness.train.optimizer_checks import optimizer_check
+from dppo_harness.train.restore import restore
 
 if TYPE_CHECKING:
     from tinker_cookbook import renderers
@@ -148,8 +151,8 @@ def run_comparison(
         rehearsal = is_rehearsal(plan, backend, bundle.result)
         evaluator = _frozen_evaluator(run, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
         state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
-        if state.resumed:
-            _post_reused_setup(bundle, state)
+        if state.resumed:  # the preflight and gate of the run, hash-verified, and where this session starts
+            reuse_setup(bundle, state)
         spath = state_path(state_root, state.run_id)
         _register_run_manifest(bundle, plan, state, spath, save_every, schedule, schedule_source, rehearsal, evaluator)
         progress(f"[comparison] schedule {schedule} ({schedule_source})")
@@ -176,7 +179,17 @@ def run_comparison(
         t0 = time.perf_counter()
         train_seconds = 0.0  # a stop by an error counts none
         try:
-            arms.clients.update(open_arms(service_client, state, run, restoration, bundle, call))
+            if not state.resumed:  # the arms' clients the preflight loaded from the shared initial checkpoint
+                assert restoration is not None
+                arms.clients.update({a.name: restoration.clients[a.name] for a in run.arms})
+            else:  # each arm from the state every arm saved last (step 0: the shared initial checkpoint)
+                ref, prov_arms = state_file_name(state, "open"), {}
+                for a in run.arms:
+                    path = state.arms[a.name].state_path or state.initial_checkpoint
+                    restore_one = partial(restore_arm, service_client, state, run, a.name, path, ref)
+                    arms.clients[a.name], prov_arms[a.name] = call(restore_one)
+                bundle.register_json(ref, "manifest", state.to_json())  # before the result names it
+                bundle.update_result(initialization_provenance={"arms": prov_arms})
             state.save(spath)
             if waiter is not None:  # a lost arm is replaced once from its last save, not the end of the run
                 waiter.replaces_lost = lambda lost: arms.arm_of(lost) is not None
@@ -424,7 +437,7 @@ class Arms:
     def _take_restore_slot(self, what: str) -> None:
         """One evidence slot for the run state of a restore in the run (kept per arm in the budget)."""
         reserved = self.restore_slots_left()
-        if reserved == 0 and self.bundle.free_slots() - 1 < _kept_slots(self.run, 0):
+        if reserved == 0 and self.bundle.free_slots() - 1 < budget.comparison_reserve(len(self.run.arms), 0):
             raise ComparisonError(
                 f"{what}: no evidence file slot left for the run state of another restore "
                 f"({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
@@ -436,6 +449,62 @@ class Arms:
         if self.restores_left < 0:
             self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.run.arms)
         return self.restores_left
+
+
+def restore_arm(
+    service_client: tinker.ServiceClient, state: RunState, run: RunConfig, name: str, path: str, state_file: str
+) -> tuple[tinker.TrainingClient, JsonObject]:
+    """A new training client for arm `name` from its saved state `path` (`train.restore.restore`,
+    weights + optimizer, the load observed), counted: one more restore_count and optimizer check on
+    top of the preflight's, its get_info kept in the run state registered as `state_file`. Returns
+    (client, provenance entry). A check that finds the server's optimizer differs from the request
+    stops the run (OptimizerMismatch, after the check is recorded in the state)."""
+    arm = state.arms[name]
+    restored = restore(service_client, path, name)
+    mismatch = restored.mismatch()
+    if mismatch is not None:
+        raise ComparisonError(f"{name}: {mismatch}")
+    client, loaded = restored.client, restored.loaded_path
+    arm.restore_count += 1
+    prior = state.setup_provenance.get(name)
+    if prior is None:
+        raise ComparisonError(f"{name}: the run state holds no preflight provenance to count restores on")
+    check = optimizer_check(
+        after_restore=prior["restore_count"] + arm.restore_count,
+        requested_optimizer="adam",
+        requested_config=run.arm(name).adam_config_requested(),
+        # raw: tinker 0.25's parsed get_info (`restored.info`) drops the server's optimizer_config
+        info=server_info(service_client, client),
+        info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
+        echoed=None,
+        echo_ref=None,
+        echo_observed_on=None,
+    )
+    arm.optimizer_checks.append(
+        {
+            **check,
+            "loaded_checkpoint_uri": loaded,
+            "at_step": arm.steps_done,
+            "load_response": dump_response(restored.response),
+        }
+    )
+    prov: JsonObject = {
+        "restore_count": prior["restore_count"] + arm.restore_count,
+        # The checkpoint this session's arm actually loaded (the server's own load response).
+        "loaded_checkpoint_uri": loaded,
+        "loaded_at_step": arm.steps_done,
+        "optimizer_checks": list(prior["optimizer_checks"])
+        + [{k: v for k, v in c.items() if k != "load_response"} for c in arm.optimizer_checks],
+    }
+    if check["mismatches"]:  # a restored optimizer that differs from the request stops the run
+        raise OptimizerMismatch(
+            f"{name}: optimizer mismatch after restore {check['after_restore']} "
+            f"({path}): " + "; ".join(check["mismatches"]),
+            name,
+            prov,
+            state_file,
+        )
+    return client, prov
 
 
 def make_loss(arm: ArmConfig, run: RunConfig) -> tuple[losses.CustomLossFn, ins.LossCallRecorder]:
@@ -503,7 +572,7 @@ def run_arm_step(
         kl=kl_sample_train(records),
         cookbook_env=trajectory_metrics(sampled.batch),
         rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds,
-    ).as_row()
+    )
 
 
 def _step_start_state(state: RunState, arm: ArmState) -> str | None:
@@ -529,7 +598,7 @@ def _commit_row(arms: Arms, name: str, row: StepRowJson, tracker: CapacityTracke
     done = arm.steps_done
     if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
         # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
-        kept = _kept_slots(run, arms.restore_slots_left())
+        kept = budget.comparison_reserve(len(run.arms), arms.restore_slots_left())
         _register_saved_state(bundle, state, done, kept)
         post_snapshot(bundle, f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
     arm_rows = [r for r in state.rows if r["arm"] == name]
@@ -607,8 +676,6 @@ def _run_state(
     problems += checkpoint_problems(state)  # before the rewind picks a checkpoint to reuse
     if problems:
         raise ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))
-    if not state.setup_provenance and restoration is not None:  # a state saved before it was kept
-        state.setup_provenance = _setup_provenance(restoration, run)
     continued = state.sessions[-1]["run_id"] if state.sessions else state.run_id
     from_step = rewind_to_common_save(state, run.rollout_steps)
     state.resumed += 1
@@ -623,23 +690,6 @@ def _setup_provenance(restoration: RestorationResult, run: RunConfig) -> JsonObj
         a.name: {k: as_value(restoration.provenance["arms"][a.name][k]) for k in ("restore_count", "optimizer_checks")}
         for a in run.arms
     }
-
-
-def _post_reused_setup(bundle: EvidenceBundle, state: RunState) -> None:
-    """A resume: the preflight and gate of the run, hash-verified, and where this session starts."""
-    reused = reuse_setup(bundle, state)
-    bundle.update_result(**reused.blocks)
-    bundle.update_result(
-        initialization_provenance={
-            "resume": {
-                "comparison_run": state.run_id,
-                "resumed_times": state.resumed,
-                "from_step": state.resumes[-1]["from_step"],
-                "continues_session": reused.continued,
-                "evidence_ref": reused.manifest,
-            }
-        }
-    )
 
 
 # ---- evidence files -----------------------------------------------------------------------------
@@ -721,11 +771,6 @@ def _register_run_manifest(
                 f"model ({plan.run.base_model}); declared differences from the spec are recorded as deviations"
             ),
         )
-
-
-def _kept_slots(run: RunConfig, restores_left: int) -> int:
-    """File slots the comparison keeps free beyond the closing records' (budget.comparison_reserve)."""
-    return budget.comparison_reserve(len(run.arms), restores_left)
 
 
 def _register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, kept: int) -> str | None:

@@ -158,9 +158,6 @@ def rewind_to_common_save(state: RunState, steps: int) -> int:
     """Before a resume: every arm back to the last step that all arms saved (0: the shared initial
     checkpoint, `state.initial_checkpoint`), so the arms continue paired; the rows and saves after
     it are dropped and recomputed (same prompts and seeds). Returns that step."""
-    for a in state.arms.values():
-        if a.state_path is not None and not a.saves:  # a state written before saves were kept
-            a.saves[str(a.state_step)] = a.state_path
     step = max(set.intersection(*({int(k) for k in a.saves} | {0} for a in state.arms.values())))
     for a in state.arms.values():
         a.steps_done = a.state_step = step

@@ -1,16 +1,13 @@
-"""One row per arm-step: the `StepRow` record (the batch's reward and format, the loss-rule
-fractions of the step's updates, each a `RuleFraction` whose `counterfactual` says the arm does not
-train with that rule (`instrument.rule_fraction`), drift tails, timings) and its JSONL form
-`StepRowJson`, with the cookbook's KL(sample||train), entropy and `env/all/*` metrics of the
-step under its names; what a resumed run must reproduce of a row; the per-arm summary
+"""One row per arm-step, `StepRowJson` (the batch's reward and format, the loss-rule fractions of
+the step's updates, labelled `counterfactual_` when the arm does not train with that rule, drift
+tails, timings, the cookbook's KL(sample||train), entropy and `env/all/*` metrics); what a resumed run must reproduce of a row; the per-arm summary
 `metrics.arms` posts; the terminal line of a committed step; the rows as JSONL."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Required, TypedDict
+from typing import Any, Required, TypedDict, cast
 
 import numpy as np
 import tinker
@@ -19,7 +16,7 @@ from tinker_cookbook.rl.metric_util import compute_trajectory_metrics
 from tinker_cookbook.rl.metrics import compute_kl_sample_train
 
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.instrument.rule_fraction import RuleFraction, fraction, fraction_label
+from dppo_harness.instrument.rule_fraction import fraction, fraction_label
 from dppo_harness.loss import loss_registry
 from dppo_harness.rollout import rollouts
 
@@ -83,99 +80,8 @@ def fraction_names(loss: str) -> dict[str, str]:
     return {base: fraction_label(base, trained=source in own) for base, source in FRACTION_SOURCES.items()}
 
 
-@dataclass(frozen=True)
-class StepRow:
-    """One arm-step (`step_metrics`): the batch's reward, format and yield, the loss-rule fractions of
-    its updates, the drift tails of its last update, its sizes and timings. `as_row` is the JSONL
-    object: key order and labels as the comparison has always written them."""
-
-    arm: str
-    step: int
-    loss: str  # the arm's registered loss name
-    reward_mean: float
-    format_rate: float
-    correct_rate: float
-    truncated_frac: float
-    no_answer_frac: float
-    mean_response_tokens: float
-    responses: int
-    max_tokens: int
-    dppo_masked_frac: RuleFraction  # pooled over the step's updates by loss tokens
-    ppo_clip_frac: RuleFraction
-    last_update_masked_frac: RuleFraction
-    last_update_clip_frac: RuleFraction
-    drift_abs_p90: float
-    drift_abs_p99: float
-    drift_abs_max: float
-    loss_tokens: int
-    response_tokens: int
-    updates: int
-    seconds: float
-    sample_seconds: float
-    sampler_checkpoint: str
-    kl: dict[str, float] = field(default_factory=dict)  # row key (ROW_KL_KEYS values) -> value
-    rollout_seconds: float | None = None
-    cookbook_env: dict[str, float] | None = None
-
-    def as_row(self) -> StepRowJson:
-        row: StepRowJson = {
-            "arm": self.arm,
-            "step": self.step,
-            "loss": self.loss,
-            "reward_mean": self.reward_mean,
-            "format_rate": self.format_rate,
-            "correct_rate": self.correct_rate,
-            "truncated_frac": self.truncated_frac,
-            "no_answer_frac": self.no_answer_frac,
-            "mean_response_tokens": self.mean_response_tokens,
-            "responses": self.responses,
-            "max_tokens": self.max_tokens,
-        }
-        if self.dppo_masked_frac.counterfactual:
-            row["counterfactual_dppo_masked_frac"] = self.dppo_masked_frac.value
-        else:
-            row["dppo_masked_frac"] = self.dppo_masked_frac.value
-        if self.ppo_clip_frac.counterfactual:
-            row["counterfactual_ppo_clip_frac"] = self.ppo_clip_frac.value
-        else:
-            row["ppo_clip_frac"] = self.ppo_clip_frac.value
-        if self.last_update_masked_frac.counterfactual:
-            row["counterfactual_last_update_masked_frac"] = self.last_update_masked_frac.value
-        else:
-            row["last_update_masked_frac"] = self.last_update_masked_frac.value
-        if self.last_update_clip_frac.counterfactual:
-            row["counterfactual_last_update_clip_frac"] = self.last_update_clip_frac.value
-        else:
-            row["last_update_clip_frac"] = self.last_update_clip_frac.value
-        row.update(
-            {
-                "drift_abs_p90": self.drift_abs_p90,
-                "drift_abs_p99": self.drift_abs_p99,
-                "drift_abs_max": self.drift_abs_max,
-                "loss_tokens": self.loss_tokens,
-                "response_tokens": self.response_tokens,
-                "updates": self.updates,
-                "seconds": self.seconds,
-                "sample_seconds": self.sample_seconds,
-                "sampler_checkpoint": self.sampler_checkpoint,
-            }
-        )
-        for key, value in self.kl.items():  # in the order the step's KL metrics came
-            if key == "kl_sample_train_v1":
-                row["kl_sample_train_v1"] = value
-            elif key == "kl_sample_train_v2":
-                row["kl_sample_train_v2"] = value
-            elif key == "entropy":
-                row["entropy"] = value
-        if self.rollout_seconds is not None:
-            row["rollout_seconds"] = self.rollout_seconds
-        if self.cookbook_env is not None:
-            row["cookbook_env"] = dict(self.cookbook_env)
-        return row
-
-
 class StepRowJson(TypedDict, total=False):
-    """A step row as the JSONL and the run state hold it (`StepRow.as_row`, plus `retries` once
+    """A step row as the JSONL and the run state hold it (`step_metrics`, plus `retries` once
     committed; a resumed run reads its rows back from the state file in this form). Each loss-rule
     fraction is under its plain or its `counterfactual_` key (`fraction` decodes it)."""
 
@@ -228,51 +134,54 @@ def step_metrics(
     kl: Mapping[str, float] | None = None,
     cookbook_env: Mapping[str, float] | None = None,
     rollout_seconds: float | None = None,
-) -> StepRow:
+) -> StepRowJson:
     """One arm-step row: reward/format/truncation from the batch, loss metrics of the step's minibatch
     updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate).
 
     `loss` is the arm's registered loss name. A rule the loss does not train with (the GRPO arm's
-    DPPO mask, the DPPO arm's PPO clip) is a counterfactual count on the same tensors
-    (`RuleFraction.counterfactual`; its JSONL key starts with `counterfactual_`). `kl` is the
-    cookbook's `compute_kl_sample_train` of the step (`kl_sample_train`)."""
+    DPPO mask, the DPPO arm's PPO clip) is a counterfactual count on the same tensors: its key
+    starts with `counterfactual_` (`fraction_names`). `kl` is the cookbook's
+    `compute_kl_sample_train` of the step (`kl_sample_train`). Keys in the order the JSONL has
+    always had them."""
     sums = {k: int(sum(r.stats[k] for r in records)) for k in ("tokens/loss", "dppo/removed", "ppo/clipped")}
     last = records[-1].stats if records else {}
     den = sums["tokens/loss"]
-    own = set(loss_registry.get_loss(loss).metric_names)
-
-    def rule(base: str, value: float) -> RuleFraction:
-        return RuleFraction(value, FRACTION_SOURCES[base] not in own)
-
-    return StepRow(
-        arm=arm,
-        step=step,
-        loss=loss,
-        reward_mean=float(summary["mean_reward"]),
-        format_rate=float(summary["frac_format"]),
-        correct_rate=float(summary["frac_correct"]),
-        truncated_frac=float(summary["frac_truncated"]),
-        no_answer_frac=float(summary["frac_no_answer"]),
-        mean_response_tokens=float(summary["mean_response_tokens"]),
-        responses=int(summary["n_sequences"]),
-        max_tokens=int(summary["config"]["max_tokens"]),
-        dppo_masked_frac=rule("dppo_masked_frac", sums["dppo/removed"] / den if den else 0.0),
-        ppo_clip_frac=rule("ppo_clip_frac", sums["ppo/clipped"] / den if den else 0.0),
-        last_update_masked_frac=rule("last_update_masked_frac", float(last.get("dppo/masked_frac_loss_tokens", 0.0))),
-        last_update_clip_frac=rule("last_update_clip_frac", float(last.get("ppo/clip_frac_loss_tokens", 0.0))),
-        drift_abs_p90=float(last.get("drift/abs_p90", 0.0)),
-        drift_abs_p99=float(last.get("drift/abs_p99", 0.0)),
-        drift_abs_max=float(last.get("drift/abs_max", 0.0)),
-        loss_tokens=den,
-        response_tokens=int(summary["response_tokens"]),
-        updates=len(records),
-        seconds=float(seconds),
-        sample_seconds=float(sample_seconds),
-        sampler_checkpoint=sampler_checkpoint,
-        kl={ROW_KL_KEYS[k]: float(v) for k, v in (kl or {}).items() if k in ROW_KL_KEYS},
-        rollout_seconds=float(rollout_seconds) if rollout_seconds is not None else None,
-        cookbook_env={k: float(v) for k, v in cookbook_env.items()} if cookbook_env is not None else None,
-    )
+    names = fraction_names(loss)
+    fractions = {
+        "dppo_masked_frac": sums["dppo/removed"] / den if den else 0.0,
+        "ppo_clip_frac": sums["ppo/clipped"] / den if den else 0.0,
+        "last_update_masked_frac": float(last.get("dppo/masked_frac_loss_tokens", 0.0)),
+        "last_update_clip_frac": float(last.get("ppo/clip_frac_loss_tokens", 0.0)),
+    }
+    row: dict[str, Any] = {
+        "arm": arm,
+        "step": step,
+        "loss": loss,
+        "reward_mean": float(summary["mean_reward"]),
+        "format_rate": float(summary["frac_format"]),
+        "correct_rate": float(summary["frac_correct"]),
+        "truncated_frac": float(summary["frac_truncated"]),
+        "no_answer_frac": float(summary["frac_no_answer"]),
+        "mean_response_tokens": float(summary["mean_response_tokens"]),
+        "responses": int(summary["n_sequences"]),
+        "max_tokens": int(summary["config"]["max_tokens"]),
+        **{names[base]: value for base, value in fractions.items()},
+        "drift_abs_p90": float(last.get("drift/abs_p90", 0.0)),
+        "drift_abs_p99": float(last.get("drift/abs_p99", 0.0)),
+        "drift_abs_max": float(last.get("drift/abs_max", 0.0)),
+        "loss_tokens": den,
+        "response_tokens": int(summary["response_tokens"]),
+        "updates": len(records),
+        "seconds": float(seconds),
+        "sample_seconds": float(sample_seconds),
+        "sampler_checkpoint": sampler_checkpoint,
+        **{ROW_KL_KEYS[k]: float(v) for k, v in (kl or {}).items() if k in ROW_KL_KEYS},
+    }
+    if rollout_seconds is not None:
+        row["rollout_seconds"] = float(rollout_seconds)
+    if cookbook_env is not None:
+        row["cookbook_env"] = {k: float(v) for k, v in cookbook_env.items()}
+    return cast(StepRowJson, row)
 
 
 TIMING_KEYS = ("seconds", "sample_seconds", "rollout_seconds", "sampler_checkpoint", "retries")
@@ -290,13 +199,7 @@ def number(row: StepRowJson, key: str) -> float:
 def comparable(row: StepRowJson) -> StepRowJson:
     """A step row without wall times and paths (what must match between a resumed and an
     uninterrupted run): `TIMING_KEYS` left out."""
-    out = row.copy()
-    out.pop("seconds", None)  # each of TIMING_KEYS, by name
-    out.pop("sample_seconds", None)
-    out.pop("rollout_seconds", None)
-    out.pop("sampler_checkpoint", None)
-    out.pop("retries", None)
-    return out
+    return cast(StepRowJson, {k: v for k, v in row.items() if k not in TIMING_KEYS})
 
 
 # What the sampled tokens decide must match exactly between a resumed and an uninterrupted run;

@@ -7,29 +7,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypedDict
 
+from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.feasibility_projection import PilotFigures
 
 FINALIZE_RESERVE_S = 30.0  # final sampler weights + state per arm, evidence files
-
-
-class WallCheck(TypedDict):
-    """The guard's last check before a step, as the end state's `wall_guard` block writes it."""
-
-    step: int
-    seconds_left: float | None
-    projected_step_seconds: float | None
-    projection_source: str
-    reserve_seconds: float
-
-
-class WallGuardJson(TypedDict):
-    reserve_seconds: float
-    first_step_estimate_seconds: float | None
-    basis: str
-    step_seconds: list[float]
-    last_check: WallCheck | dict[str, float]  # {} before the first check
 
 
 @dataclass
@@ -48,7 +30,7 @@ class WallGuard:
     basis: str = ""
     clock: Callable[[], float] = time.perf_counter  # times each step
     step_seconds: list[float] = field(default_factory=list)
-    last_check: WallCheck | None = None
+    last_check: JsonObject | None = None  # the last check before a step, as the end state writes it
 
     def check(self, step: int) -> str | None:
         """None if step `step` (0-based) may start, else the one-line stop reason."""
@@ -76,7 +58,7 @@ class WallGuard:
             )
         return None
 
-    def as_dict(self) -> WallGuardJson:
+    def as_dict(self) -> JsonObject:
         return {
             "reserve_seconds": self.reserve_s,
             "first_step_estimate_seconds": self.first_step_estimate_s,

@@ -6,10 +6,9 @@ sampling, no old-logprob refresh), recording every loss call and fixed sentinel 
 the update cap or the wall cap, whichever comes first. Then pool all second-epoch loss calls by
 loss-token counts, evaluate the plan's criteria, and classify the outcome.
 
-Parts, in the order a run uses them: `config` (the plan's settings), `records` (the typed JSON
-blocks the steps hand each other: self-test report, sentinel summary, result fields), `selftest`
-(must-fire / must-not-fire cases), `sentinels`, `run_state`, `update_archive` (the update records'
-evidence files), `loop` (the run), `criteria`, `classification`, `conclusion` (the answer for the
-planned model and the next action), `analysis`, and `write` (the one evidence writer: every file
-name and result.json field the diagnostic sets).
+Parts, in the order a run uses them: `config` (the plan's settings), `run_state` (what the run
+measured, its sentinels, and the typed JSON blocks the steps hand each other), `selftest`
+(must-fire / must-not-fire cases), `loop` (the run), `criteria`, `classification`, `conclusion`
+(the answer for the planned model and the next action), `analysis`, and `write` (the one evidence
+writer: every file name and result.json field the diagnostic sets, the update records' archives).
 """

@@ -15,7 +15,6 @@ from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, pool_calls
 from dppo_harness.json_types import JsonObject, as_value
-from dppo_harness.loss.losses import LossConfig
 from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import (
@@ -28,11 +27,10 @@ from dppo_harness.stages.diagnostic.classification import (
 from dppo_harness.stages.diagnostic.conclusion import compose_summary, for_planned_model, next_action
 from dppo_harness.stages.diagnostic.config import FIXES, LOOP_LABEL, DiagnosticConfig
 from dppo_harness.stages.diagnostic.criteria import CriterionResult, evaluate_criteria
-from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, SelftestReport, SentinelSummary
+from dppo_harness.stages.diagnostic.run_state import DiagnosticResultFields, SelftestReport, SentinelSummary
 
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
-    from dppo_harness.plans.models import AnalysisCriterion
 
 
 @dataclass(frozen=True)
@@ -116,8 +114,24 @@ def analyse(
     pooled = (
         pool_calls(second_epoch, [ins.record_prob_diff(r, loss_cfg) for r in second_epoch]) if second_epoch else None
     )
-    criteria = _second_epoch_criteria(plan.diagnostic.analysis.criteria, pooled)
-    integrity = _independent_recheck(records, loss_cfg)
+    planned = plan.diagnostic.analysis.criteria
+    # Without a second-epoch loss call each criterion is reported missing (and failing), not left out.
+    criteria = (
+        evaluate_criteria(planned, pooled)
+        if pooled
+        else [
+            CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {})
+            for c in planned
+        ]
+    )
+    # Every recorded call recomputed by the independent padded implementation (as replay does).
+    integrity = [
+        problem
+        for r in records
+        for problem in replay.check_record(
+            r, loss_cfg.normalization, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps
+        ).problems
+    ]
     variant = pinned_variant_problems(cfg) + anchor_problems(records, frozen_by_call, trainer_moved(sentinels))
     classification = classify(
         criteria=criteria,
@@ -136,9 +150,13 @@ def analyse(
     )
     if served is not None:
         classification = for_planned_model(classification, served)
-    action = next_action(
-        classification, cfg, spec, plan.diagnostic.plan_id, served, _measured(classification, updates_done)
-    )
+    measured: JsonObject = {  # what the run measured, as the next action cites it
+        "state": classification.state,
+        "measured_cause": classification.measured_cause,
+        "mask_fired": classification.mask_fired,
+        "updates_done": updates_done,
+    }
+    action = next_action(classification, cfg, spec, plan.diagnostic.plan_id, served, measured)
     return DiagnosticResult(
         config=cfg,
         records=list(records),
@@ -159,36 +177,6 @@ def analyse(
         effective_cap_seconds=effective_cap_seconds,
         served=served,
     )
-
-
-def _second_epoch_criteria(planned: Sequence[AnalysisCriterion], pooled: JsonObject | None) -> list[CriterionResult]:
-    """The plan's criteria on the pooled second epoch; without a second-epoch loss call each one
-    is reported missing (and failing) rather than left out."""
-    if pooled:
-        return evaluate_criteria(planned, pooled)
-    return [
-        CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {}) for c in planned
-    ]
-
-
-def _measured(classification: Classification, updates_done: int) -> JsonObject:
-    """What the run measured, as the next action cites it."""
-    return {
-        "state": classification.state,
-        "measured_cause": classification.measured_cause,
-        "mask_fired": classification.mask_fired,
-        "updates_done": updates_done,
-    }
-
-
-def _independent_recheck(records: Sequence[ins.LossCallRecord], loss_cfg: LossConfig) -> list[str]:
-    """Recompute every recorded call with the independent padded implementation (as replay does)."""
-    problems = []
-    for r in records:
-        problems += replay.check_record(
-            r, loss_cfg.normalization, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps
-        ).problems
-    return problems
 
 
 def result_fields(res: DiagnosticResult) -> DiagnosticResultFields:

@@ -15,7 +15,7 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.stages.diagnostic.config import DiagnosticConfig
 from dppo_harness.stages.diagnostic.criteria import CriterionResult
-from dppo_harness.stages.diagnostic.records import SelftestReport, SentinelPoint, SentinelSummary
+from dppo_harness.stages.diagnostic.run_state import SelftestReport, SentinelPoint, SentinelSummary
 
 CAUSES = (
     "code_or_instrumentation_defect",
@@ -146,83 +146,6 @@ def _sentinel_line(init: Mapping[str, Any], last: SentinelPoint | None) -> str:
     )
 
 
-def _measured_lines(
-    pooled: Mapping[str, JsonValue] | None,
-    sentinels: SentinelSummary,
-    *,
-    delta: float,
-    second_epoch_calls: int,
-    stop_reason: str,
-    updates_planned: int,
-    minibatches_per_epoch: int,
-) -> list[str]:
-    """What was measured: pooled values, a short second epoch, and the sentinels."""
-    lines: list[str] = []
-    if pooled:
-        lines.append(_pooled_line(pooled, delta))
-    planned_second = (
-        max(0, min(updates_planned, 2 * minibatches_per_epoch) - minibatches_per_epoch) if updates_planned else 0
-    )
-    if pooled and planned_second and second_epoch_calls < planned_second:
-        lines.append(
-            f"Only {second_epoch_calls} of {planned_second} planned second-epoch loss calls ran "
-            f"(stopped: {stop_reason}); the pooled values cover those calls only."
-        )
-    init, last = sentinels.get("at_init"), sentinels.get("last")
-    if init:
-        lines.append(_sentinel_line(init, last))
-    return lines
-
-
-def _inactive_cause(
-    lines: list[str],
-    *,
-    criteria: Sequence[CriterionResult],
-    pooled: Mapping[str, JsonValue] | None,
-    selftest: SelftestReport,
-    integrity_problems: Sequence[str],
-    variant_problems: Sequence[str],
-    updates_done: int,
-    second_epoch_calls: int,
-    stop_reason: str,
-    evidence_against_defect: str,
-) -> str:
-    """The cause of a run that is not active (first that applies), its reason appended to `lines`."""
-    if second_epoch_calls == 0:
-        lines.insert(
-            0,
-            f"No second-epoch loss call was recorded ({updates_done} updates done; stopped: {stop_reason}), "
-            "so the fixed analysis has nothing to pool.",
-        )
-        return "missing_evidence"
-    if integrity_problems or not selftest.get("passed"):
-        lines.append("Integrity problems: " + "; ".join(list(integrity_problems)[:5] or ["self-test failed"]))
-        return "code_or_instrumentation_defect"
-    if variant_problems:
-        lines.append("Variant/anchor problems: " + "; ".join(variant_problems[:5]))
-        return "wrong_reference_or_variant"
-    if any(c.applies and c.reason.startswith("missing") for c in criteria):
-        lines.append(
-            "A criterion could not be measured: " + ", ".join(c.id for c in criteria if c.reason.startswith("missing"))
-        )
-        return "missing_evidence"
-    if pooled and pooled.get("tokens/nonzero_adv", 0) == 0:
-        lines.append(
-            "No second-epoch loss token has a nonzero advantage (every group's rewards were constant), "
-            "so there is no policy-gradient signal to move the policy and nothing the mask could remove."
-        )
-    failing = [f"{c.id} ({c.reason})" for c in criteria if c.applies and not c.passed]
-    lines.append(
-        "The recorded decisions agree with the pinned rule on every token "
-        f"({evidence_against_defect}; every recorded decision and returned metric recomputed from the stored tensors "
-        "by the independent replay), the anchor is the frozen "
-        "sampler logprobs, and the variant is the pinned one; the criteria fail on the measured drift itself: "
-        + "; ".join(failing)
-        + "."
-    )
-    return "legitimate_inactive_regime"
-
-
 def classify(
     *,
     criteria: Sequence[CriterionResult],
@@ -247,31 +170,59 @@ def classify(
     removed = pooled.get("dppo/removed", 0) if pooled else 0
     fired = bool(pooled) and isinstance(removed, (int, float)) and removed > 0
     state = "active" if active else ("partially_active" if fired else "inactive")
-    lines = _measured_lines(
-        pooled,
-        sentinels,
-        delta=delta,
-        second_epoch_calls=second_epoch_calls,
-        stop_reason=stop_reason,
-        updates_planned=updates_planned,
-        minibatches_per_epoch=minibatches_per_epoch,
+    # What was measured: pooled values, a short second epoch, and the sentinels.
+    lines: list[str] = []
+    if pooled:
+        lines.append(_pooled_line(pooled, delta))
+    planned_second = (
+        max(0, min(updates_planned, 2 * minibatches_per_epoch) - minibatches_per_epoch) if updates_planned else 0
     )
+    if pooled and planned_second and second_epoch_calls < planned_second:
+        lines.append(
+            f"Only {second_epoch_calls} of {planned_second} planned second-epoch loss calls ran "
+            f"(stopped: {stop_reason}); the pooled values cover those calls only."
+        )
+    init, last = sentinels.get("at_init"), sentinels.get("last")
+    if init:
+        lines.append(_sentinel_line(init, last))
+    # The cause of a run that is not active: the first that applies.
     cause: str | None = None
     if active:
         lines.append("Every applicable criterion is met: the mask engages in this regime.")
-    else:
-        cause = _inactive_cause(
-            lines,
-            criteria=criteria,
-            pooled=pooled,
-            selftest=selftest,
-            integrity_problems=integrity_problems,
-            variant_problems=variant_problems,
-            updates_done=updates_done,
-            second_epoch_calls=second_epoch_calls,
-            stop_reason=stop_reason,
-            evidence_against_defect=evidence_against_defect,
+    elif second_epoch_calls == 0:
+        lines.insert(
+            0,
+            f"No second-epoch loss call was recorded ({updates_done} updates done; stopped: {stop_reason}), "
+            "so the fixed analysis has nothing to pool.",
         )
+        cause = "missing_evidence"
+    elif integrity_problems or not selftest.get("passed"):
+        lines.append("Integrity problems: " + "; ".join(list(integrity_problems)[:5] or ["self-test failed"]))
+        cause = "code_or_instrumentation_defect"
+    elif variant_problems:
+        lines.append("Variant/anchor problems: " + "; ".join(variant_problems[:5]))
+        cause = "wrong_reference_or_variant"
+    elif any(c.applies and c.reason.startswith("missing") for c in criteria):
+        lines.append(
+            "A criterion could not be measured: " + ", ".join(c.id for c in criteria if c.reason.startswith("missing"))
+        )
+        cause = "missing_evidence"
+    else:
+        if pooled and pooled.get("tokens/nonzero_adv", 0) == 0:
+            lines.append(
+                "No second-epoch loss token has a nonzero advantage (every group's rewards were constant), "
+                "so there is no policy-gradient signal to move the policy and nothing the mask could remove."
+            )
+        failing = [f"{c.id} ({c.reason})" for c in criteria if c.applies and not c.passed]
+        lines.append(
+            "The recorded decisions agree with the pinned rule on every token "
+            f"({evidence_against_defect}; every recorded decision and returned metric recomputed from the stored "
+            "tensors by the independent replay), the anchor is the frozen "
+            "sampler logprobs, and the variant is the pinned one; the criteria fail on the measured drift itself: "
+            + "; ".join(failing)
+            + "."
+        )
+        cause = "legitimate_inactive_regime"
     explanation = " ".join(lines)
     if errors and not active and cause != "code_or_instrumentation_defect":
         cause = "missing_evidence"

@@ -1,5 +1,5 @@
-"""The bounded diagnostic's configuration: the plan's fixed settings and schedule (validated),
-test-only size reductions recorded as such, and the fixed texts that say what this loop is.
+"""The bounded diagnostic's configuration: the plan's fixed settings and schedule (validated), and
+the fixed texts that say what this loop is.
 
 This loop is a REPLACEMENT written for this harness, not the earlier run's audited code: that
 code and its diagnosis could not be fetched from here (recorded as unavailable evidence).
@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from dppo_harness.plans import Plan
 
 # Seconds kept free at the end of the cap for analysis, replay re-check, report and evidence.
-
 FINALIZE_RESERVE_S = 30.0
 LOOP_LABEL = (
     "replacement loop written for this harness (dppo_harness.stages.diagnostic); NOT the earlier run's "
@@ -38,6 +37,9 @@ BASIS_FOR_REFERENCES = (
     "Prior code/diagnosis references were not fetched: this machine has no network beyond package "
     "registries and no session access to the research exchange."
 )
+
+
+ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 
 class DiagnosticError(RuntimeError):
@@ -68,7 +70,6 @@ class DiagnosticConfig:
     sentinel_after_updates: tuple[int, ...]
     sentinels_per_sign: int = 4
     data_step: int = 0  # which train batch of the cookbook order is sampled
-    reductions: tuple[dict[str, str | float], ...] = ()  # {"field", "original", "effective"} per override
 
     def loss_config(self) -> LossConfig:
         # The plan kind pins DPPO Binary-TV (fixed_settings.treatment.loss); its thresholds are the plan's.
@@ -81,81 +82,33 @@ class DiagnosticConfig:
         )
 
 
-_OVERRIDABLE = (
-    "groups_per_batch",
-    "group_size",
-    "max_tokens",
-    "minibatches_per_epoch",
-    "groups_per_minibatch",
-    "max_updates",
-    "max_wall_seconds",
-    "learning_rate",
-    "sentinels_per_sign",
-)
-
-
-def diagnostic_config(plan: Plan, **overrides: float) -> DiagnosticConfig:
-    """The fixed settings and schedule of a bounded-diagnostic plan (its validated model).
-    Overrides (tests' small plans only) are recorded as reductions; the stage test passes none."""
+def diagnostic_config(plan: Plan) -> DiagnosticConfig:
+    """The fixed settings and schedule of a bounded-diagnostic plan (its model validated the schedule:
+    one sampled batch, never refreshed, complete-group minibatches); a smaller run is a smaller plan file."""
     if plan.kind != "bounded_diagnostic":
         raise DiagnosticError(f"plan kind {plan.kind!r}: the diagnostic runs a bounded_diagnostic plan")
     d = plan.diagnostic
-    fs, sch, caps = d.fixed_settings, d.schedule, d.caps
+    fs, sch = d.fixed_settings, d.schedule
     opt, tr, samp = fs.optimizer, fs.treatment, fs.sampling
-    if sch.groups_per_batch != sch.minibatches_per_epoch * sch.groups_per_minibatch:
-        raise DiagnosticError("schedule: groups_per_batch != minibatches_per_epoch * groups_per_minibatch")
-    if sch.new_sampling_after_batch or sch.old_logprob_refresh or sch.sampling_batches != 1:
-        raise DiagnosticError("schedule: the diagnostic samples exactly one batch and never refreshes old logprobs")
-    values: dict[str, float] = {
-        "groups_per_batch": sch.groups_per_batch,
-        "group_size": sch.group_size,
-        "max_tokens": samp.max_tokens,
-        "minibatches_per_epoch": sch.minibatches_per_epoch,
-        "groups_per_minibatch": sch.groups_per_minibatch,
-        "max_updates": sch.max_optimizer_updates,
-        "max_wall_seconds": float(caps.max_wall_minutes) * 60.0,
-        "learning_rate": float(opt.learning_rate),
-        "sentinels_per_sign": 4,
-    }
-    unknown = set(overrides) - set(_OVERRIDABLE)
-    if unknown:
-        raise DiagnosticError(f"unknown diagnostic overrides {sorted(unknown)}")
-    reductions: list[dict[str, str | float]] = []
-    for k, v in overrides.items():
-        if v != values[k]:
-            reductions.append({"field": k, "original": values[k], "effective": v})
-        values[k] = v
-    if values["groups_per_batch"] != values["minibatches_per_epoch"] * values["groups_per_minibatch"]:
-        raise DiagnosticError("overrides: groups_per_batch must equal minibatches_per_epoch * groups_per_minibatch")
-    adam = {
-        "learning_rate": float(values["learning_rate"]),
-        "beta1": float(opt.beta1),
-        "beta2": float(opt.beta2),
-        "eps": float(opt.eps),
-        "weight_decay": float(opt.weight_decay),
-        "grad_clip_norm": float(opt.grad_clip_norm),
-    }
     return DiagnosticConfig(
         arm=tr.arm,
         dataset=samp.dataset,
         base_model=fs.base_model,
         lora_rank=fs.lora_rank,
         seed=fs.seed,
-        groups_per_batch=int(values["groups_per_batch"]),
-        group_size=int(values["group_size"]),
+        groups_per_batch=sch.groups_per_batch,
+        group_size=sch.group_size,
         temperature=float(samp.temperature),
-        max_tokens=int(values["max_tokens"]),
-        minibatches_per_epoch=int(values["minibatches_per_epoch"]),
-        groups_per_minibatch=int(values["groups_per_minibatch"]),
+        max_tokens=samp.max_tokens,
+        minibatches_per_epoch=sch.minibatches_per_epoch,
+        groups_per_minibatch=sch.groups_per_minibatch,
         epochs=sch.epochs,
-        max_updates=int(values["max_updates"]),
-        max_wall_seconds=float(values["max_wall_seconds"]),
-        adam=adam,
+        max_updates=sch.max_optimizer_updates,
+        max_wall_seconds=float(d.caps.max_wall_minutes) * 60.0,
+        adam={k: float(getattr(opt, k)) for k in ADAM_KEYS},
         normalization=fs.loss_normalization.mode,
         delta=float(tr.delta),
         ratio_cap=float(tr.ratio_cap),
         ppo_eps=float(fs.counterfactual_baseline.ppo_eps),
         sentinel_after_updates=tuple(d.recording.sentinels.after_updates),
-        sentinels_per_sign=int(values["sentinels_per_sign"]),
-        reductions=tuple(reductions),
     )

@@ -7,33 +7,41 @@ evidence. Every loss call is persisted before the optimizer step it feeds.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import tinker
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
+from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import ANALYSIS_FILE
 from dppo_harness.json_types import JsonObject
+from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig, DiagnosticError, diagnostic_config
-from dppo_harness.stages.diagnostic.epochs import train_epochs
-from dppo_harness.stages.diagnostic.run_state import RunState
-from dppo_harness.stages.diagnostic.sentinels import SentinelTracker
-from dppo_harness.stages.diagnostic.update_archive import UpdateArchive
+from dppo_harness.stages.diagnostic.config import (
+    FINALIZE_RESERVE_S,
+    DiagnosticConfig,
+    DiagnosticError,
+    diagnostic_config,
+)
+from dppo_harness.stages.diagnostic.run_state import RunState, SentinelTracker
 from dppo_harness.stages.diagnostic.write import (
+    UpdateArchive,
     declare,
     own_optimizer_check,
+    post_progress,
     register_frozen_batch,
-    register_update_archives,
     write_evidence,
 )
 from dppo_harness.stages.restoration.records import load_ref
+from dppo_harness.train import train_step
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
 from dppo_harness.train.restore import Restore, restore
@@ -60,27 +68,6 @@ def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonOb
     }
 
 
-def _save_final_checkpoint(
-    tc: tinker.TrainingClient,
-    cfg: DiagnosticConfig,
-    bundle: EvidenceBundle,
-    state: RunState,
-    tag: str,
-    say: Callable[[str], None],
-) -> None:
-    """The trained client's final state, saved and its URI recorded (a claim cites the checkpoint)."""
-    if state.updates_done == 0:
-        return
-    try:
-        uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
-    except Exception as exc:  # recorded: no claim without the checkpoint
-        state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
-        return
-    state.final_checkpoint = uri
-    bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
-    say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
-
-
 class _Stop(Exception):
     """Planned stop (wall cap) before training could start."""
 
@@ -104,65 +91,6 @@ def _restore_record(restored: Restore, initial_checkpoint: str, *, preloaded: bo
     }
 
 
-def _sample_and_freeze(
-    tc: tinker.TrainingClient, cfg: DiagnosticConfig, bundle: EvidenceBundle, state: RunState, tag: str
-) -> tuple[str, FrozenBatch, dict[str, Any]]:
-    """ONE batch from the restored weights, frozen and persisted; returns (sampler path, batch, summary)."""
-    tok = tokenizer.make_renderer()
-    train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
-    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
-    sampled = rollouts.sample_rollout_batch(
-        tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer, rcfg, sampler_name=f"{tag}-sampler-initial"
-    )
-    load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
-    frozen = rollouts.freeze(
-        sampled.batch, sampler_version=sampled.sampler_path, extra_metadata={"load": load, "tokenizer": tok.provenance}
-    )
-    register_frozen_batch(bundle, state, frozen)
-    bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
-    state.rollout_yield = sampled.batch.response_yield().as_dict()
-    return sampled.sampler_path, frozen, sampled.batch.summary()
-
-
-def _effective_cap(
-    bundle: EvidenceBundle, cfg: DiagnosticConfig, elapsed_s: float, say: Callable[[str], None], tag: str
-) -> float:
-    """The plan's wall cap, shortened to the run budget's end when that comes first."""
-    cap_s = cfg.max_wall_seconds
-    remaining = bundle.remaining_seconds()
-    if remaining is not None and elapsed_s + remaining < cap_s:
-        cap_s = max(0.0, elapsed_s + float(remaining))
-        if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
-            say(
-                f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
-                f"{cfg.max_wall_seconds:.0f}s cap: stopping there"
-            )
-    return cap_s
-
-
-def _take_client(
-    service_client: tinker.ServiceClient,
-    initial_checkpoint: str,
-    state: RunState,
-    *,
-    restored: Restore | None,
-    init_reference: RestorationResult | None,
-    clock: Callable[[], float],
-) -> tinker.TrainingClient:
-    """The trained client: the preflight's loaded one when given, else a fresh restore; its
-    restore record, get_info, initial output and restore seconds go into `state`."""
-    r0 = clock()
-    state.preloaded = restored is not None
-    if restored is None:
-        restored = restore(service_client, initial_checkpoint, "diagnostic DPPO client")
-    state.restore = _restore_record(restored, initial_checkpoint, preloaded=state.preloaded)
-    tc, state.info = restored.client, restored.info
-    if init_reference is not None:  # the trained client's own initial output, before any update
-        state.initial_output = _initial_output(tc, init_reference)
-    state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (clock() - r0)
-    return tc
-
-
 def _freeze_and_split(
     tc: tinker.TrainingClient,
     cfg: DiagnosticConfig,
@@ -173,43 +101,42 @@ def _freeze_and_split(
     cap_s: float,
     say: Callable[[str], None],
     tag: str,
-) -> tuple[str, list[Minibatch]]:
-    """Sample and freeze the one batch, split it into complete-group minibatches, choose the
-    sentinels and measure them at initialization; returns (sampler path, minibatches)."""
-    sampler_path, state.frozen, summary = _sample_and_freeze(tc, cfg, bundle, state, tag)
+) -> tuple[str, FrozenBatch, list[Minibatch], SentinelTracker]:
+    """Sample ONE batch from the restored weights, freeze and persist it, split it into
+    complete-group minibatches, choose the sentinels and measure them at initialization."""
+    tok = tokenizer.make_renderer()
+    train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
+    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
+    sampled = rollouts.sample_rollout_batch(
+        tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer, rcfg, sampler_name=f"{tag}-sampler-initial"
+    )
+    load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
+    frozen = state.frozen = rollouts.freeze(
+        sampled.batch, sampler_version=sampled.sampler_path, extra_metadata={"load": load, "tokenizer": tok.provenance}
+    )
+    register_frozen_batch(bundle, state, frozen)
+    bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
+    state.rollout_yield = sampled.batch.response_yield().as_dict()
+    summary: dict[str, Any] = sampled.batch.summary()
     state.sampling_seconds = float(summary["sampling_seconds"])
-    state.sampled_sequences = int(state.frozen.n_sequences)
+    state.sampled_sequences = int(frozen.n_sequences)
     say(
-        f"[{tag}] sampled and froze {state.frozen.n_sequences} sequences ({summary['response_tokens']} response "
+        f"[{tag}] sampled and froze {frozen.n_sequences} sequences ({summary['response_tokens']} response "
         f"tokens, {summary['nonconstant_reward_groups']} groups with signal, {summary['frac_truncated']:.1%} "
         f"truncated at max_tokens {cfg.max_tokens}, {summary['frac_no_answer']:.1%} without an answer) in "
         f"{summary['sampling_seconds']:.0f}s; elapsed {elapsed():.0f}s / {cap_s:.0f}s"
     )
-    mbs = state.frozen.split_minibatches(cfg.minibatches_per_epoch)
+    mbs = list(frozen.split_minibatches(cfg.minibatches_per_epoch))
     state.minibatches = [mb.record() for mb in mbs]
-    state.sentinels = SentinelTracker(state.frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
-    state.sentinels.maybe_measure(tc, 0, elapsed())
+    sentinels = state.sentinels = SentinelTracker(frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
+    if sentinels.due(0):
+        sentinels.measure(tc, 0, elapsed())
     state.setup_seconds = elapsed()
     say(
         f"[{tag}] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
         f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)"
     )
-    return sampler_path, list(mbs)
-
-
-def _stop_on_optimizer_mismatch(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> Callable[[int], str | None]:
-    """The after-update hook: the trained client's own optimizer echo, checked before update 2;
-    a mismatch is recorded as an error and names the stop."""
-
-    def stop_on_mismatch(update_index: int) -> str | None:
-        check = own_optimizer_check(cfg, plan, state) if update_index == 1 else None
-        if check and check["mismatches"]:
-            reason = "optimizer mismatch after update 1: " + "; ".join(check["mismatches"])
-            state.errors.append(reason)
-            return reason
-        return None
-
-    return stop_on_mismatch
+    return sampled.sampler_path, frozen, mbs, sentinels
 
 
 def run_bounded_diagnostic(
@@ -228,41 +155,85 @@ def run_bounded_diagnostic(
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
     init_reference: RestorationResult | None = None,
     restored: Restore | None = None,
-    **overrides: float,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
 
-    Named steps: declare -> restore -> sample and freeze -> sentinels -> train epochs -> analyse
-    -> write evidence. `stage_start` (a `clock()` reading) is when the stage began: the wall cap
-    counts from it. `restored` (a `train.restore.Restore`): the preflight's loaded client of the
-    trained arm, trained here instead of restoring a new one.
-    """
+    `stage_start` (a `clock()` reading) is when the stage began: the wall cap counts from it.
+    `restored`: the preflight's loaded client of the trained arm, trained here instead of
+    restoring a new one. A planned stop or an error ends the service work early and is recorded in
+    the run state (stop reason, errors), so the evidence keeps what was measured."""
     t0 = clock() if stage_start is None else stage_start
-    cfg = diagnostic_config(plan, **overrides)
+    cfg = diagnostic_config(plan)
     say = progress or (lambda _m: None)
 
     def elapsed() -> float:
         return clock() - t0
 
-    state = _open_run_state(bundle, cfg)
+    size = budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
+    state = RunState(UpdateArchive(bundle, budget.updates_per_archive(size)))
     selftest = declare(bundle, plan, cfg, state)
-    cap_s = _service_work(
-        service_client,
-        plan,
-        bundle,
-        initial_checkpoint,
-        cfg,
-        state,
-        restored=restored,
-        init_reference=init_reference,
-        elapsed=elapsed,
-        clock=clock,
-        say=say,
-        tag=tag,
-    )
-    register_update_archives(state)
+    cap_s = cfg.max_wall_seconds
+    try:
+        # Remaining run budget first (the ledger's, when one is set): never start what cannot fit. The
+        # plan's wall cap is shortened to the run budget's end when that comes first.
+        remaining = bundle.remaining_seconds()
+        if remaining is not None and elapsed() + remaining < cap_s:
+            cap_s = max(0.0, elapsed() + float(remaining))
+            if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
+                say(
+                    f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
+                    f"{cfg.max_wall_seconds:.0f}s cap: stopping there"
+                )
+        if elapsed() >= cap_s:
+            raise _Stop("wall cap exhausted before service work")
+        # The trained client: the preflight's loaded one when given, else a fresh restore.
+        r0 = clock()
+        state.preloaded = restored is not None
+        if restored is None:
+            restored = restore(service_client, initial_checkpoint, "diagnostic DPPO client")
+        state.restore = _restore_record(restored, initial_checkpoint, preloaded=state.preloaded)
+        tc, state.info = restored.client, restored.info
+        if init_reference is not None:  # the trained client's own initial output, before any update
+            state.initial_output = _initial_output(tc, init_reference)
+        state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (clock() - r0)
+        say(
+            f"[{tag}] {'training the preflight client loaded from' if state.preloaded else 'restored'} "
+            f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)"
+        )
+        if elapsed() >= cap_s:
+            raise _Stop("wall cap exhausted during setup (after restore)")
+        sampler_path, frozen, mbs, sentinels = _freeze_and_split(
+            tc, cfg, bundle, state, elapsed=elapsed, cap_s=cap_s, say=say, tag=tag
+        )
+        state.stop_reason = _train_epochs(
+            tc, cfg, plan, frozen, mbs, sentinels, sampler_path, bundle, state, elapsed, clock, cap_s, say, tag
+        )
+        if state.updates_done:  # the final state saved and its URI recorded (a claim cites the checkpoint)
+            try:
+                uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
+            except Exception as exc:  # recorded: no claim without the checkpoint
+                state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
+            else:
+                state.final_checkpoint = uri
+                bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
+                say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
+    except _Stop as stop:
+        state.stop_reason = str(stop)
+        state.setup_seconds = state.setup_seconds or elapsed()
+    except Exception as exc:  # persist what was measured; the classification says evidence is missing
+        state.errors.append(f"{type(exc).__name__}: {exc}")
+        state.stop_reason = f"error: {type(exc).__name__}"
+        state.setup_seconds = state.setup_seconds or elapsed()
+    try:  # the update records not yet in an archive file (a stop mid-archive)
+        state.archive.flush()
+    except Exception as exc:  # recorded: the analysis then says which records are missing
+        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
+    state.files += state.archive.registered
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
+    if served is None:  # the served model as the trained client's own get_info names it (else the plan's)
+        info = state.restore.get("get_info")
+        served = served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
     return write_evidence(
         bundle,
         plan,
@@ -273,86 +244,109 @@ def run_bounded_diagnostic(
         cap_s=cap_s,
         backend=backend,
         spec=spec,
-        served=served if served is not None else _served_model(state, cfg, backend),
+        served=served,
         prior_service_work=prior_service_work,
     )
 
 
-def _open_run_state(bundle: EvidenceBundle, cfg: DiagnosticConfig) -> RunState:
-    """A fresh run state with its update archive open, sized so the run's file count stays bounded."""
-    state = RunState()
-    state.archive = UpdateArchive(
-        bundle,
-        budget.updates_per_archive(
-            budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
-        ),
-    )
-    return state
-
-
-def _service_work(
-    service_client: tinker.ServiceClient,
-    plan: Plan,
-    bundle: EvidenceBundle,
-    initial_checkpoint: str,
+def _train_epochs(
+    tc: tinker.TrainingClient,
     cfg: DiagnosticConfig,
+    plan: Plan,
+    frozen: FrozenBatch,
+    mbs: Sequence[Minibatch],
+    sentinels: SentinelTracker,
+    sampler_path: str,
+    bundle: EvidenceBundle,
     state: RunState,
-    *,
-    restored: Restore | None,
-    init_reference: RestorationResult | None,
     elapsed: Callable[[], float],
     clock: Callable[[], float],
+    cap_s: float,
     say: Callable[[str], None],
     tag: str,
-) -> float:
-    """Restore -> sample and freeze -> sentinels -> train epochs -> save the final checkpoint, within
-    the wall cap; returns that cap. A planned stop or an error ends it early and is recorded in
-    `state` (stop reason, errors), so the evidence keeps what was measured."""
-    cap_s = cfg.max_wall_seconds
-    try:
-        # Remaining run budget first (the ledger's, when one is set): never start what cannot fit.
-        cap_s = _effective_cap(bundle, cfg, elapsed(), say, tag)
-        if elapsed() >= cap_s:
-            raise _Stop("wall cap exhausted before service work")
-        tc = _take_client(
-            service_client, initial_checkpoint, state, restored=restored, init_reference=init_reference, clock=clock
-        )
+) -> str:
+    """Epochs over the same frozen batch (no sampling, no anchor refresh), one recorded update per
+    minibatch, until the update cap, the wall cap, the schedule's end or an optimizer mismatch;
+    returns the stop reason."""
+    loss_cfg = cfg.loss_config()
+    loss_fn, recorder, adam = (
+        losses.make_loss_fn(loss_cfg),
+        ins.LossCallRecorder(loss_cfg),
+        tinker.AdamParams(**cfg.adam),
+    )
+    last_update_s = 0.0
+    tokens_seen = 0
+    stop = None
+    for epoch, mb in [(e, mb) for e in range(1, cfg.epochs + 1) for mb in mbs]:
+        # The update cap, or the wall cap when one more update (as long as the last) and writing
+        # the analysis would pass it.
+        if state.updates_done >= cfg.max_updates:
+            stop = "update cap reached"
+            break
+        if elapsed() + last_update_s + FINALIZE_RESERVE_S > cap_s:
+            stop = (
+                f"wall cap: {elapsed():.0f}s elapsed + {last_update_s:.0f}s per update + "
+                f"{FINALIZE_RESERVE_S:.0f}s to write the analysis would exceed {cap_s:.0f}s"
+            )
+            break
+        u0 = clock()
+        update_index = state.updates_done + 1
+        frozen.assert_intact()  # before every reuse (to_datums checks again)
+        datums = frozen.to_datums(mb.sequence_indices)
+        anchor = np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices])
+
+        def persist(rec: ins.LossCallRecord, anchor: np.ndarray = anchor) -> None:
+            # Persisted before the optimizer step it feeds (staged, then registered in its archive).
+            state.archive.add(rec)
+            state.records.append(rec)
+            state.frozen_by_call.append(anchor)
+
+        due = sentinels.due(update_index)
+        context: JsonObject = {
+            "update_index": update_index,
+            "epoch": epoch,
+            "minibatch": mb.index,
+            "group_ids": list(mb.group_ids),
+            "sequence_indices": list(mb.sequence_indices),
+            "sampler_checkpoint": sampler_path,
+            "frozen_batch_sha256": frozen.sha256,
+        }
+        # A due sentinel forward is submitted right behind the optimizer step (it reads the updated
+        # weights) and awaited after the next update's submission (one round trip less per update).
+        rec, upd = train_step.train_step(
+            tc, datums, loss_fn, adam, recorder, context, persist=persist,
+            submit_behind=partial(sentinels.submit, tc) if due else None,
+        )  # fmt: skip
+        t_collect = clock()
+        sentinels.collect()  # the previous update's sentinel: long done by now
+        phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
+        if due and upd.behind is not None:
+            sentinels.defer(upd.behind, update_index, elapsed())
+        if state.first_optim is None:
+            state.first_optim = upd.optim
+        state.updates_done = update_index
+        # The trained client's own optimizer echo, checked before update 2: a mismatch stops the run.
+        check = own_optimizer_check(cfg, plan, state) if update_index == 1 else None
+        if check and check["mismatches"]:
+            stop = "optimizer mismatch after update 1: " + "; ".join(check["mismatches"])
+            state.errors.append(stop)
+        tokens_seen += rec.stats["tokens/loss"]
+        last_update_s = clock() - u0
+        state.update_seconds.append(last_update_s)
+        t_snapshot = clock()
+        post_progress(bundle, cfg, state, update_index, elapsed=elapsed, tag=tag)
+        state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
+        s = rec.stats
         say(
-            f"[{tag}] {'training the preflight client loaded from' if restored is not None else 'restored'} "
-            f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)"
+            f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
+            f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
+            f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
+            f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
+            f"elapsed {elapsed():.0f}s / {cap_s:.0f}s"
         )
-        if elapsed() >= cap_s:
-            raise _Stop("wall cap exhausted during setup (after restore)")
-        sampler_path, mbs = _freeze_and_split(tc, cfg, bundle, state, elapsed=elapsed, cap_s=cap_s, say=say, tag=tag)
-        frozen = state.frozen
-        assert frozen is not None  # _freeze_and_split froze the batch
-        state.stop_reason = train_epochs(
-            tc,
-            cfg,
-            frozen,
-            mbs,
-            sampler_path,
-            bundle,
-            state,
-            elapsed=elapsed,
-            clock=clock,
-            cap_s=cap_s,
-            say=say,
-            tag=tag,
-            after_update=_stop_on_optimizer_mismatch(cfg, plan, state),
-        )
-        _save_final_checkpoint(tc, cfg, bundle, state, tag, say)
-    except _Stop as stop:
-        state.stop_reason = str(stop)
-        state.setup_seconds = state.setup_seconds or elapsed()
-    except Exception as exc:  # persist what was measured; the classification says evidence is missing
-        state.errors.append(f"{type(exc).__name__}: {exc}")
-        state.stop_reason = f"error: {type(exc).__name__}"
-        state.setup_seconds = state.setup_seconds or elapsed()
-    return cap_s
-
-
-def _served_model(state: RunState, cfg: DiagnosticConfig, backend: str) -> ServedModel:
-    """The served model as the trained client's own get_info names it (the plan's when it does not)."""
-    info = state.restore.get("get_info")
-    return served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
+        if stop is not None:
+            break
+    sentinels.collect()
+    if stop is not None:
+        return stop
+    return "schedule complete" if state.updates_done < cfg.max_updates else "update cap reached"

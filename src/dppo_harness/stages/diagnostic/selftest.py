@@ -15,7 +15,7 @@ from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.loss.loss_registry import DPPO_LOSS
 from dppo_harness.stages.diagnostic.config import DiagnosticError
-from dppo_harness.stages.diagnostic.records import SelftestCase, SelftestReport
+from dppo_harness.stages.diagnostic.run_state import SelftestCase, SelftestReport
 
 
 def _case_datums(rows: Sequence[tuple[float, ...]]) -> tuple[list[tinker.Datum], list[torch.Tensor]]:

@@ -1,15 +1,8 @@
 """The bounded diagnostic's one evidence writer: the only diagnostic code that knows its file names
 and the result.json fields it sets (the names replay and the session also read live in
-`instrument.pooled`, which must not import the diagnostic).
-
-Before any service work it registers the declarations (revised spec, deviations, unavailable
-references, the original gate report's status, self-test); during the run the frozen batch; after
-the run the analysis, sentinels, next action, the trained client's provenance, the service-work
-ledger against the plan's declaration, the feasibility block from the diagnostic's OWN measured
-setup (no extra pilot), the replay output, the report and the result fields. The update records'
-archives (`update_archive`) and the progress snapshots (`epochs`) are written as the run goes, so
-a kill leaves a valid bundle; their file names come from here.
-"""
+`instrument.pooled`, which must not import the diagnostic). Declarations before any service work
+(`declare`), the frozen batch, update archives and progress snapshots as the run goes (a kill leaves
+a valid bundle), and everything else after it (`write_evidence`)."""
 
 from __future__ import annotations
 
@@ -17,13 +10,14 @@ import contextlib
 import io
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
 
 from dppo_harness.evidence import budget, report
+from dppo_harness.evidence.files import MAX_FILE_BYTES
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
@@ -32,8 +26,7 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult, analyse
 from dppo_harness.stages.diagnostic.config import BASIS_FOR_REFERENCES, FINALIZE_RESERVE_S, LOOP_LABEL, DiagnosticConfig
-from dppo_harness.stages.diagnostic.records import DiagnosticResultFields, SelftestReport, SentinelSummary
-from dppo_harness.stages.diagnostic.run_state import RunState
+from dppo_harness.stages.diagnostic.run_state import RunState, SelftestReport, SentinelSummary
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 from dppo_harness.train.clients import dump_response
 from dppo_harness.train.optimizer_checks import OptimizerCheck, echoed_config, optimizer_check, own_response_only
@@ -53,6 +46,7 @@ ORIGINAL_GATE_REPORT_FILE = "original-gate-report.json"
 SERVICE_WORK_FILE = "service-work-ledger.json"
 REPLAY_OUTPUT_FILE = "diagnostic-replay.txt"
 FEASIBILITY_SOURCE = "diagnostic-analysis.json#timings"
+NO_GPU: JsonObject = {"gpu_count": None, "allocation_source": None}  # the service allocates, not this run
 # The open update archive's records, rewritten beside the bundle before each optimizer step.
 STAGING_FILE = ".diagnostic-updates.staged.npz"
 
@@ -80,13 +74,6 @@ def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: Ru
     state.files.append(REVISED_SPEC_FILE)
     for dev in plan.diagnostic.deviations:
         bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
-    for red in cfg.reductions:
-        bundle.add_deviation(
-            "steps" if red["field"] in ("max_updates", "max_wall_seconds") else "effective_batch",
-            f"{red['field']}={red['original']}",
-            f"{red['field']}={red['effective']}",
-            "size reduction for a small test plan (not the requester's settings)",
-        )
     register_json(
         bundle,
         state,
@@ -145,15 +132,6 @@ def post_progress(
         state.snapshots.append(name)
 
 
-def register_update_archives(state: RunState) -> None:
-    """The update records not yet in an archive file (a stop mid-archive), registered now."""
-    try:
-        state.update_archive().flush()
-    except Exception as exc:  # recorded: the analysis then says which records are missing
-        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    state.files += state.update_archive().registered
-
-
 def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> OptimizerCheck | None:
     """The optimizer check from the trained client's OWN first optim_step response (its metrics
     are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
@@ -174,23 +152,6 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> O
     )
 
 
-def _trained_client_provenance(bundle: EvidenceBundle, cfg: DiagnosticConfig, plan: Plan, state: RunState) -> None:
-    """Post the trained arm's provenance: the optimizer check from ITS OWN first optim_step
-    response, its own initial output, and one more restore when the diagnostic restored it itself."""
-    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
-    if not prior or state.initial_output is None:
-        return
-    entry = trained_client_entry(
-        prior,
-        restore=state.restore,
-        initial_output=state.initial_output,
-        own_check=own_optimizer_check(cfg, plan, state),
-        restore_ref=f"{ANALYSIS_FILE}#restore",
-        new_restore=not state.preloaded,
-    )
-    bundle.update_result(initialization_provenance={"arms": {cfg.arm: entry}})
-
-
 def write_evidence(
     bundle: EvidenceBundle,
     plan: Plan,
@@ -205,50 +166,16 @@ def write_evidence(
     served: ServedModel | None = None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
 ) -> DiagnosticResult:
-    """Analyse, then write sentinels, analysis, next action, report and result fields."""
-    result = _analyse_run(plan, cfg, state, selftest, wall=wall, cap_s=cap_s, spec=spec, served=served)
-    if state.sentinels is not None and state.sentinels.points:
-        register_json(bundle, state, SENTINEL_FILE, "metrics", state.sentinels.evidence())
-    analysis = _analysis_record(bundle, result, state, wall)
-    register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
-    register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
-    _trained_client_provenance(bundle, cfg, plan, state)
-    _register_service_work(bundle, plan, state, prior_service_work)
-    # Feasibility from the diagnostic's own measured setup: the plan forbids an extra pilot.
-    if state.update_seconds:
-        _record_feasibility(bundle, cfg, state, spec)
-    # The replay output itself, as evidence: a reviewer reads it without rerunning replay.
-    if state.records:
-        _register_replay_output(bundle, state)
-    state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
-    result = replace(result, files=tuple(state.files))
-    _post_result_fields(bundle, state, result.result_fields)
-    post_snapshot(bundle, "diagnostic stage end", reserve=4)
-    return result
-
-
-def _analyse_run(
-    plan: Plan,
-    cfg: DiagnosticConfig,
-    state: RunState,
-    selftest: SelftestReport,
-    *,
-    wall: float,
-    cap_s: float,
-    spec: ExperimentSpec | None,
-    served: ServedModel | None,
-) -> DiagnosticResult:
-    """The fixed analysis of what the run measured (`state`), however early it stopped."""
-    tracker = state.sentinels
-    sentinels: SentinelSummary = (
-        tracker.summary() if tracker is not None else {"points": [], "at_init": None, "last": None}
-    )
-    return analyse(
+    """The fixed analysis of what the run measured (however early it stopped), then the sentinels,
+    analysis, next action, the trained arm's provenance, the service-work ledger, feasibility,
+    the replay output, the report and the result fields."""
+    no_sentinels: SentinelSummary = {"points": [], "at_init": None, "last": None}
+    result = analyse(
         cfg,
         plan,
         state.records,
         selftest=selftest,
-        sentinels=sentinels,
+        sentinels=state.sentinels.summary() if state.sentinels is not None else no_sentinels,
         frozen_by_call=state.frozen_by_call or None,
         updates_done=state.updates_done,
         stop_reason=state.stop_reason,
@@ -262,11 +189,15 @@ def _analyse_run(
         effective_cap_seconds=cap_s,
         served=served,
     )
-
-
-def _timings(state: RunState, wall: float) -> JsonObject:
-    """Where the stage's seconds went, on the budget ledger's clock."""
-    return {
+    if state.sentinels is not None and state.sentinels.points:
+        register_json(bundle, state, SENTINEL_FILE, "metrics", state.sentinels.evidence())
+    effective = (
+        json.loads(bundle.file_path("effective-config.json").read_text())
+        if bundle.entry("effective-config.json") is not None
+        else {}
+    )
+    analysis = result.analysis_json()
+    analysis["timings"] = {  # where the stage's seconds went, on the budget ledger's clock
         "restore_seconds": state.restore_seconds,
         "sampling_seconds": state.sampling_seconds,
         "sampled_sequences": state.sampled_sequences,
@@ -276,48 +207,40 @@ def _timings(state: RunState, wall: float) -> JsonObject:
         "wall_seconds": wall,
         "wall_counted_from": "session start (the budget ledger's clock)",
     }
-
-
-def _analysis_record(bundle: EvidenceBundle, result: DiagnosticResult, state: RunState, wall: float) -> JsonObject:
-    """The analysis file's content: the analysis, then the run's timings, checkpoint, the trained
-    client's own first outputs, snapshots, rollout yield and what effective-config.json declares."""
-    analysis = result.analysis_json()
-    analysis["timings"] = _timings(state, wall)
     analysis["final_checkpoint"] = state.final_checkpoint
     analysis["trained_client_initial_output"] = state.initial_output
     analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
     analysis["snapshots"] = [*state.snapshots]
     analysis["rollout_yield"] = state.rollout_yield
-    analysis["declared"] = _declared(bundle)
-    return analysis
-
-
-def _register_service_work(
-    bundle: EvidenceBundle, plan: Plan, state: RunState, prior_service_work: Mapping[str, Mapping[str, int]] | None
-) -> None:
-    """Declared vs executed service work: the requester allowed only the declared updates and batches."""
+    # what effective-config.json declares (the report cites it)
+    analysis["declared"] = {k: effective[k] for k in ("renderer", "loss_normalization") if k in effective}
+    register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
+    register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    # The trained arm's provenance: the optimizer check from ITS OWN first optim_step response, its
+    # own initial output, and one more restore when the diagnostic restored it itself.
+    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
+    if prior and state.initial_output is not None:
+        entry = trained_client_entry(
+            prior,
+            restore=state.restore,
+            initial_output=state.initial_output,
+            own_check=own_optimizer_check(cfg, plan, state),
+            restore_ref=f"{ANALYSIS_FILE}#restore",
+            new_restore=not state.preloaded,
+        )
+        bundle.update_result(initialization_provenance={"arms": {cfg.arm: entry}})
+    # Declared vs executed service work: the requester allowed only the declared updates and batches.
     executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
     executed["bounded_diagnostic"] = {
         "optimizer_updates": state.updates_done,
         "sampling_batches": 1 if state.frozen is not None else 0,
     }
-    register_json(
-        bundle,
-        state,
-        SERVICE_WORK_FILE,
-        "report",
-        service_work_ledger(plan.diagnostic.service_work, executed),
-    )
-
-
-def _record_feasibility(
-    bundle: EvidenceBundle, cfg: DiagnosticConfig, state: RunState, spec: ExperimentSpec | None
-) -> None:
-    """The result's feasibility block, from the run's measured restore, sampling and update seconds."""
-    bundle.update_result(
-        feasibility=diagnostic_feasibility(
+    ledger = service_work_ledger(plan.diagnostic.service_work, executed)
+    register_json(bundle, state, SERVICE_WORK_FILE, "report", ledger)
+    if state.update_seconds:  # feasibility from the diagnostic's own measured setup: the plan forbids a pilot
+        feasibility = diagnostic_feasibility(
             config=asdict(cfg),
-            effective_config=_effective_config(bundle),
+            effective_config=effective,
             primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
             setup_seconds=state.restore_seconds,
             sampling_seconds=state.sampling_seconds,
@@ -327,50 +250,32 @@ def _record_feasibility(
             planned_updates=cfg.max_updates,
             recovery_seconds=FINALIZE_RESERVE_S,
         )
-    )
-
-
-def _register_replay_output(bundle: EvidenceBundle, state: RunState) -> None:
-    """The offline replay of the bundle's recorded loss calls: its output and exit code, registered."""
-    code, text = replay_output(bundle.dir)
-    bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
-    state.files.append(REPLAY_OUTPUT_FILE)
-    bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
-
-
-def _post_result_fields(bundle: EvidenceBundle, state: RunState, fields_: DiagnosticResultFields) -> None:
-    """The rollout yield's metrics, then the stage's result fields; an activation calibration an
-    earlier stage already set is kept."""
+        bundle.update_result(feasibility=feasibility)
+    if state.records:  # the replay output itself: a reviewer reads it without rerunning replay
+        code, text = replay_output(bundle.dir)
+        bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
+        state.files.append(REPLAY_OUTPUT_FILE)
+        bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
+    state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
+    result = replace(result, files=tuple(state.files))
     if state.rollout_yield:
+        y = state.rollout_yield
         bundle.update_result(
             metrics={
-                "diagnostic/rollout_truncated_frac": state.rollout_yield["truncated_frac"],
-                "diagnostic/rollout_no_answer_frac": state.rollout_yield["no_answer_frac"],
-                "diagnostic/rollout_mean_response_tokens": state.rollout_yield["mean_response_tokens"],
+                "diagnostic/rollout_truncated_frac": y["truncated_frac"],
+                "diagnostic/rollout_no_answer_frac": y["no_answer_frac"],
+                "diagnostic/rollout_mean_response_tokens": y["mean_response_tokens"],
             }
         )
-    bundle.update_result(
-        **{
-            k: v
-            for k, v in fields_.items()
-            if k in ("metrics", "summary", "activation_calibration")
-            and not (k == "activation_calibration" and bundle.result.get("activation_calibration"))
-        }
+    fields_ = result.result_fields  # an activation calibration an earlier stage already set is kept
+    keep = (
+        ("metrics", "summary")
+        if bundle.result.get("activation_calibration")
+        else ("metrics", "summary", "activation_calibration")
     )
-
-
-def _effective_config(bundle: EvidenceBundle) -> JsonObject:
-    """effective-config.json as the session registered it ({} when it registered none)."""
-    if bundle.entry("effective-config.json") is None:
-        return {}
-    eff: JsonObject = json.loads(bundle.file_path("effective-config.json").read_text())
-    return eff
-
-
-def _declared(bundle: EvidenceBundle) -> JsonObject:
-    """The renderer and loss normalization effective-config.json declares (what the report cites)."""
-    eff = _effective_config(bundle)
-    return {k: eff[k] for k in ("renderer", "loss_normalization") if k in eff}
+    bundle.update_result(**{k: v for k, v in fields_.items() if k in keep})
+    post_snapshot(bundle, "diagnostic stage end", reserve=4)
+    return result
 
 
 def original_gate_report(plan: BoundedDiagnostic, gate_report_in_bundle: str | None = None) -> JsonObject:
@@ -463,40 +368,23 @@ def diagnostic_feasibility(
 ) -> JsonObject:
     """result.json's feasibility block from the diagnostic's own measured schedule: setup (restore),
     training (the one sampling batch + every update), no evaluation (forbidden in this launch)."""
-    train_s = float(sampling_seconds + sum(update_seconds))
+
+    def phase(seconds: float, units: int, planned: int, samples: int) -> JsonObject:
+        return {"seconds": float(seconds), "units": units, "planned_units": planned, "samples": samples} | NO_GPU
+
+    trained = int(sampled_sequences + sequences_per_update * len(update_seconds))
     return {
         "config": dict(config),
         "effective_config": dict(effective_config),
         "primary_endpoint": primary_endpoint,
         "source": FEASIBILITY_SOURCE,
         "measurements": {
-            "setup": {
-                "seconds": float(setup_seconds),
-                "units": 1,
-                "planned_units": 1,
-                "samples": 0,
-                "gpu_count": None,
-                "allocation_source": None,
-            },
-            "training": {
-                "seconds": train_s,
-                "units": len(update_seconds),
-                "planned_units": int(planned_updates),
-                "samples": int(sampled_sequences + sequences_per_update * len(update_seconds)),
-                "gpu_count": None,
-                "allocation_source": None,
-            },
-            "evaluation": {
-                "seconds": 0.0,
-                "units": 0,
-                "planned_units": 0,
-                "samples": 0,
-                "gpu_count": None,
-                "allocation_source": None,
-            },
+            "setup": phase(setup_seconds, 1, 1, 0),
+            "training": phase(sampling_seconds + sum(update_seconds), len(update_seconds), planned_updates, trained),
+            "evaluation": phase(0.0, 0, 0, 0),
         },
         "generation": None,
-        "recovery": {"seconds": float(recovery_seconds), "gpu_count": None, "allocation_source": None},
+        "recovery": {"seconds": float(recovery_seconds), **NO_GPU},
     }
 
 
@@ -545,3 +433,50 @@ def trained_client_entry(
             ),
         },
     }
+
+
+@dataclass
+class UpdateArchive:
+    """The update records, `per_file` per evidence file, so the run's file count does not grow with
+    its updates (`diagnostic-updates-01-08.npz` holds updates 1 to 8).
+
+    Each record is persisted before the optimizer step it feeds: the open archive's records are
+    rewritten, atomically, to the staging file beside the bundle (scanned for secrets like every
+    sidecar) and registered, with its sha256, once the archive is full or the run stops. An archive
+    whose bytes would pass the per-file limit is split; a single record that does not fit one file is
+    refused (LimitError), never truncated."""
+
+    bundle: EvidenceBundle
+    per_file: int
+    pending: list[ins.LossCallRecord] = field(default_factory=list)
+    registered: list[str] = field(default_factory=list)
+
+    @property
+    def staging_path(self) -> Path:
+        return self.bundle.dir / STAGING_FILE
+
+    def add(self, record: ins.LossCallRecord) -> None:
+        """Persist `record` (durable before this returns); register the archive once it is full."""
+        self.pending.append(record)
+        self.bundle.write_beside(STAGING_FILE, ins.records_to_npz(self.pending))
+        if len(self.pending) >= max(1, self.per_file):
+            self.flush()
+
+    def flush(self) -> list[str]:
+        """Register the pending records as archive file(s); returns the names registered now."""
+        names: list[str] = []
+        while self.pending:
+            take = len(self.pending)
+            data = ins.records_to_npz(self.pending[:take])
+            while len(data) > MAX_FILE_BYTES and take > 1:  # split: fewer records per file
+                take -= 1
+                data = ins.records_to_npz(self.pending[:take])
+            first, last = (int(r.context["update_index"]) for r in (self.pending[0], self.pending[take - 1]))
+            name = update_archive_name(first, last)
+            self.bundle.register_bytes(name, "tensors", data)
+            names.append(name)
+            del self.pending[:take]
+        self.registered += names
+        if self.staging_path.exists():
+            self.staging_path.unlink()
+        return names
