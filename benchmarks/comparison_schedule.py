@@ -25,7 +25,7 @@ from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.stages.comparison.run import make_loss, run_arm_step
-from dppo_harness.train.clients import create_from_state_observed
+from dppo_harness.train.restore import restore
 
 ROOT = Path(__file__).parents[1]
 
@@ -53,7 +53,7 @@ def main() -> None:
         )
         rows = {}
         for schedule in ("interleaved", "concurrent", "interleaved", "concurrent"):
-            clients = {a.name: create_from_state_observed(sc, init)[0] for a in run.arms}
+            clients = {a.name: restore(sc, init, a.name).client for a in run.arms}
             arm_losses = {a.name: make_loss(a, run) for a in run.arms}
             tag = f"b{time.time_ns()}"
             t0 = time.perf_counter()

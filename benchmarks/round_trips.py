@@ -42,8 +42,8 @@ from dppo_harness import constants
 from dppo_harness.instrument import instrumentation
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.loss import losses
-from dppo_harness.stages.restoration import make_datum
 from dppo_harness.train import train_step
+from dppo_harness.train.clients import make_datum
 
 REQUEST_LINE = re.compile(r"dppo_harness\.local_server\.requests (\w+) (\S+) (\d+) ([\d.]+)ms")
 
