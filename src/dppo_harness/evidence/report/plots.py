@@ -211,7 +211,9 @@ def plot_accuracy_difference(scores: Sequence[JsonMap], decision: JsonMap) -> by
     ax1.bar([str(s["arm"]) for s in scores], [num(s["value"]) for s in scores])
     ax1.set_ylim(0, 1), ax1.set_ylabel("greedy accuracy"), ax1.set_title("accuracy per scored model")
     # Each criterion's Hoeffding interval (the rule) with its margin, then the informational interval.
-    intervals = [(str(c["id"]), c, "o", None, "Hoeffding (rule)") for c in objs(decision.get("criteria", []))]
+    intervals: list[tuple[str, JsonMap, str, str | None, str]] = [
+        (str(c["id"]), c, "o", None, "Hoeffding (rule)") for c in objs(decision.get("criteria", []))
+    ]
     if decision.get("informational"):
         intervals.append(("informational", obj(decision["informational"]), "s", "tab:gray", "Newcombe (informational)"))
     for i, (_, c, marker, color, label) in enumerate(intervals):
