@@ -1,9 +1,7 @@
-"""EvidenceBundle: one run's evidence directory.
-
-Its parts: the immutable `files/<name>` within the limits (`files`), result.json with its shape
-and merge rules (`result`), and the budget ledger, the run budget and stage times (`ledger.json`).
-The bundle holds the one lock, scans every byte for live secrets before it leaves memory, and
-writes every file atomically. On any error nothing changes, on disk or in memory.
+"""EvidenceBundle: one run's evidence directory: the immutable `files/<name>` within the limits
+(`files`), result.json with its shape and merge rules (`result`), and the budget ledger (`ledger.json`).
+It holds the one lock, scans every byte for live secrets before it leaves memory and writes every
+file atomically. On any error nothing changes, on disk or in memory.
 """
 
 from __future__ import annotations

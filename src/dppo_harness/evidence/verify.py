@@ -1,9 +1,6 @@
-"""`python -m dppo_harness.evidence verify DIR`: re-check a bundle from disk alone.
-
-Every registered file's sha256 and size, the limits, the secret scan, the result shape, and every
-reference (`*_ref`, `observations_file`, ...) in result.json pointing at a registered file. What the
-run wrote outside its registered files (its sidecars, its comparison state and metrics logs, the
-embedded server's log) is scanned for secrets too: it lies beside the bundle and is shared with it.
+"""`python -m dppo_harness.evidence verify DIR`: re-check a bundle from disk alone: every registered
+file's sha256 and size, the limits, the result shape, every reference in result.json, and the secret
+scan, over what the run wrote beside its registered files too (it is shared with the bundle).
 """
 
 from __future__ import annotations

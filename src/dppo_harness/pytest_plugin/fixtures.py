@@ -1,16 +1,8 @@
-"""Session fixtures of the harness plugin (registered by `hooks.pytest_configure`): options,
-backend (the embedded server when local), client registry, the one wait policy, the session's
-ServiceClient, the plan, the evidence bundle, connectivity, and one fixture per stage's run.
-
-The stage fixtures are thin adapters: they call the stage's library function with the session's
-service client, plan, evidence bundle and the preflight's restored arms, show progress lines on
-the terminal (pytest captures ordinary output) and propose the stage's final outcome. Setup, probe
-and pilot clients live on their own ServiceClient session, released as soon as their work ends;
-the arms' clients stay on the session's ServiceClient for later stages.
-
-The stages, the service modules and the embedded server load the tinker SDK, torch or httpx
-(seconds): each fixture imports them when a test first asks for it, so that pytest start-up and
-unit-only sessions never pay.
+"""Session fixtures of the harness plugin (registered by `hooks.pytest_configure`): the session's
+backend, clients, plan and evidence (one `Harness` record), and one fixture per stage's run, a thin
+adapter calling the stage's library function. The stages, the service modules and the embedded
+server load the tinker SDK, torch or httpx (seconds): each fixture imports them when a test first
+asks for it, so that pytest start-up and unit-only sessions never pay.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Pytest hooks of the harness plugin: options, stage selection and order, fail-fast, launch scope,
-and the session's closing records. Session state is in `session`, option resolution in `options`,
-fixtures in `fixtures`, stage rules in `stages`.
-
-Registered through the `pytest11` entry point named after this module (pyproject.toml), so `--plan`
-and friends are known wherever pytest runs; the project's conftest.py names the same module, which
-pytest then skips as already registered. The plan is validated in pytest_configure, so a malformed
-plan is a one-line usage error before anything is collected.
+and the session's closing records. Registered through the `pytest11` entry point named after this
+module, so `--plan` and friends are known wherever pytest runs (the project's conftest.py names it
+too; pytest then skips it as registered). A malformed plan is a usage error at configure time.
 """
 
 from __future__ import annotations
