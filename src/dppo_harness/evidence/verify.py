@@ -29,11 +29,11 @@ from dppo_harness.evidence.result import fmt_path, validate_result
 from dppo_harness.json_types import JsonMap
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
-_REF_KEYS = ("evidence_ref", "predictions_ref", "manifest_ref", "dataset_file", "evaluation_file", "audit_file")
+_REF_KEYS = ("observations_file", "dataset_file", "evaluation_file", "audit_file")  # and every `*_ref`
 
 
 def _is_ref(path: tuple[str | int, ...], key: object, value: object) -> bool:
-    if isinstance(key, str) and (key in _REF_KEYS or key.endswith("_ref") or key == "observations_file"):
+    if isinstance(key, str) and (key in _REF_KEYS or key.endswith("_ref")):
         return True
     # feasibility.source names a file when it is one word
     return path == ("feasibility",) and key == "source" and isinstance(value, str) and bool(value) and " " not in value

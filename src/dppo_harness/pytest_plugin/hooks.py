@@ -193,15 +193,14 @@ def pytest_runtest_makereport(
     if refused is not None:  # nothing more can be recorded: its one line, and no later test runs
         report.longrepr = refused
         item.session.shouldstop = refused
+    state, stage = item.config.stash[STATE_KEY], item.stash.get(STAGE_KEY, "unit")
     if report.when == "call" or report.outcome != "passed":
-        counts = item.config.stash[STATE_KEY].outcomes.setdefault(
-            item.stash.get(STAGE_KEY, "unit"), new_stage_outcomes()
-        )
+        counts = state.outcomes.setdefault(stage, new_stage_outcomes())
         counts[report.outcome] += 1
         if report.failed:
             counts["failed_tests"].append(f"{item.nodeid} ({report.when})")
     if report.failed:
-        item.config.stash[STATE_KEY].first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
+        state.first_failure.setdefault(stage, item.nodeid)
     return report
 
 
