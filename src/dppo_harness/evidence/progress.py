@@ -49,13 +49,8 @@ class Ticker:
 
 
 class Watchdog:
-    """`say` through this object: each line names the current step; while a step blocks, a line
-    `<step>: still working (Ns in this step)` comes every `every_s` seconds of silence.
-
-        with Watchdog(say, every_s=10) as w:
-            w.say("[x] 1/3: creating the client")
-            slow_call()
-    """
+    """`say` through this object (`with Watchdog(say) as w: w.say(step)`): while a step blocks, a line
+    `<step>: still working (Ns in this step)` comes every `every_s` seconds of silence."""
 
     def __init__(self, say: Say, every_s: float = 10.0, poll_s: float = 0.5) -> None:
         self._say, self.every_s, self.poll_s = say, every_s, poll_s
