@@ -11,6 +11,7 @@ import pytest
 from dppo_harness import constants
 from dppo_harness.evaluation import stats
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
+from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
 from dppo_harness.loss import loss_registry
 from dppo_harness.plans import HARNESS_NORMALIZATION, BackendInfo, CriterionConfig, effective_config, load_plan
 from dppo_harness.stages.comparison.decision import decide_criteria, decision_block, informational_interval, verdict
@@ -92,7 +93,7 @@ def test_comparison_report_shows_labels_truncation_plot_and_informational_interv
     eff = effective_config(
         load_plan(PLANS / "rehearsal/comparison-local.json"), BackendInfo("local", constants.BASE_MODEL, "tiny")
     )
-    bundle.register_effective_config(eff)
+    bundle.register_json(EFFECTIVE_CONFIG_FILE, "effective_config", eff)
     eval_m = {
         "accuracy": 0.4,
         "eval_n": 41.0,

@@ -1,14 +1,8 @@
-"""One hashed archive of all the code a session executed, so a reviewer can rerun exactly it.
-
-The library (`src/dppo_harness/**`: loop, losses, instrumentation, the embedded server, the vendored
-data it reads), the tests, the plans and the packaging metadata, as ONE deterministic zip of kind
-`script` (sorted members, fixed timestamps, so equal trees give equal bytes) with a member
-manifest (`ARCHIVE-MANIFEST.json`: path, sha256, size of every member, and the commit). One file
-keeps the bundle far under the 64-file limit; with it the run is auditable without the repository.
-
-Binary weight assets (`*.pt`, e.g. the shipped warm start) are not code and would push the one file
-past the per-file limit: the manifest lists them under `referenced` (path, sha256, size) so a reviewer
-can check the bytes the run loaded against the ones its recipe rebuilds.
+"""One hashed archive of all the code a session executed, so a reviewer can rerun exactly it: ONE
+deterministic zip of kind `script` (sorted members, fixed timestamps: equal trees give equal bytes)
+with a member manifest (`ARCHIVE-MANIFEST.json`), keeping the bundle far under its file limit.
+Binary weight assets (`*.pt`) would push the one file past the per-file limit: the manifest lists
+them under `referenced` (path, sha256, size) instead.
 """
 
 from __future__ import annotations

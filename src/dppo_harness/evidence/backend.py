@@ -90,13 +90,9 @@ def served_model(
     seen: EmbeddedServer | None = None,
     local: bool = False,
 ) -> ServedName:
-    """The model that computes.
-
-    On the embedded server (its marker in model_data, `seen` now, recorded earlier in the backend
-    block, or `local` when the caller already knows) it is the stand-in, never the name the server
-    answers to: `model_data.arch`, else the marker's stand-in or the block's served model. On a
-    real service it is `model_data.model_name`, the service's word.
-    """
+    """The model that computes. On the embedded server (its marker in model_data, `seen` now, in the
+    backend block, or `local`) the stand-in, never the name the server answers to: `model_data.arch`,
+    else the marker's stand-in or the block's served model. On a real service `model_data.model_name`."""
     md = model_data or {}
     reported = None if md.get("model_name") is None else str(md["model_name"])
     embedded = seen or (backend.embedded_server if backend is not None else None)

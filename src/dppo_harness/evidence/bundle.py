@@ -1,9 +1,7 @@
-"""EvidenceBundle: one run's evidence directory.
-
-Its parts: the immutable `files/<name>` within the limits (`files`), result.json with its shape
-and merge rules (`result`), and the budget ledger, the run budget and stage times (`ledger.json`).
-The bundle holds the one lock, scans every byte for live secrets before it leaves memory, and
-writes every file atomically. On any error nothing changes, on disk or in memory.
+"""EvidenceBundle: one run's evidence directory: the immutable `files/<name>` within the limits
+(`files`), result.json with its shape and merge rules (`result`), and the budget ledger (`ledger.json`).
+It holds the one lock, scans every byte for live secrets before it leaves memory and writes every
+file atomically. On any error nothing changes, on disk or in memory.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, STAGE_END_SLOTS, record
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
-    EFFECTIVE_CONFIG_FILE,
     FILES_DIR,
     LATEST_FILE,
     LEDGER_FILE,
@@ -47,9 +44,9 @@ from dppo_harness.evidence.result import (
     stopped_state,
     validate_result,
 )
-from dppo_harness.json_types import JsonMap, JsonObject
+from dppo_harness.json_types import JsonObject
 from dppo_harness.plans.models import DEVIATION_FIELDS
-from dppo_harness.service.secrets_scan import SecretLeakError, SecretScanner, scanner_for
+from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
 if TYPE_CHECKING:
     from dppo_harness.plans import Plan
@@ -130,12 +127,9 @@ class EvidenceBundle:
 
     # -- secret scanning and refused writes
 
-    def _scanner(self) -> SecretScanner:
-        return scanner_for(self._env)
-
     def _scan(self, data: bytes, what: str) -> None:
         try:
-            self._scanner().check(data, what)
+            scanner_for(self._env).check(data, what)
         except SecretLeakError as exc:
             self._stop(f"Run stopped by the evidence secret scanner ({exc}).")  # the message names variables only
             raise
@@ -143,7 +137,7 @@ class EvidenceBundle:
     def _sidecar_leak(self) -> str | None:
         """The scanner's line for the first file beside the bundle (state, metrics logs, server log)
         holding a secret, else None."""
-        scanner = self._scanner()
+        scanner = scanner_for(self._env)
         for fp in sidecar_files(self.dir):
             try:
                 scanner.check(fp.read_bytes(), f"{fp.relative_to(self.dir.parent)} (beside the bundle)")
@@ -160,7 +154,7 @@ class EvidenceBundle:
         try:
             validate_result(state)
             data = dump_json(state)
-            self._scanner().check(data, RESULT_FILE)
+            scanner_for(self._env).check(data, RESULT_FILE)
             atomic_write(self.dir / RESULT_FILE, data)
         except (OSError, SecretLeakError, ResultShapeError, ValueError):
             return
@@ -206,7 +200,7 @@ class EvidenceBundle:
         return self.register_bytes(name, kind, json_file_bytes(name, obj), stage_end=stage_end)
 
     def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
-        return self.register_bytes(name, kind, files.read_source(name, Path(path)))
+        return self.register_bytes(name, kind, Path(path).read_bytes())
 
     def write_beside(self, name: str, data: bytes) -> Path:
         """Write a sidecar beside the bundle (not registered; scanned at finish and by verify) through
@@ -252,9 +246,6 @@ class EvidenceBundle:
         if entry["sha256"] != sha256:
             raise EvidenceError(f"{what}: registered sha256 differs from the file read")
         return entry
-
-    def register_effective_config(self, config: JsonMap) -> FileEntry:
-        return self.register_json(EFFECTIVE_CONFIG_FILE, "effective_config", config)
 
     def register_code_revision(self, repo_root: Path) -> list[FileEntry]:
         """code-revision.json, and code.patch when the checkout has uncommitted changes."""
@@ -343,10 +334,7 @@ class EvidenceBundle:
         """Final result first, so nothing after it can lose it; then the budget ledger as a file,
         or, when the bundle has no slot left for it, a note in ledger.json saying so."""
         final = dict(fields, status=status, verdict=verdict)
-        if outcome_reason is not None:
-            final["outcome_reason"] = outcome_reason
-        if summary is not None:
-            final["summary"] = summary
+        final |= {k: v for k, v in (("outcome_reason", outcome_reason), ("summary", summary)) if v is not None}
         leak = self._sidecar_leak()
         with self._lock:
             if leak is None:
@@ -376,22 +364,16 @@ class EvidenceBundle:
             }
             self._post_ledger({"budget/max_wall_seconds": float(max_wall_seconds)})
 
-    def budget_allows(self, stage: str, projected_seconds: float, projected_gpu_hours: float | None = None) -> bool:
+    def budget_allows(self, stage: str, projected_seconds: float) -> bool:
         """False (and the stage recorded as blocked_by_budget) if the projection exceeds what remains."""
         with self._lock:
-            b = self._ledger["budget"]
-            if b is None:
+            remaining = self.remaining_seconds()
+            if remaining is None:
                 raise EvidenceError("budget_allows: no budget set (call set_budget first)")
-            remaining = b["max_wall_seconds"] - self.elapsed_seconds()
-            reasons = []
-            if projected_seconds > remaining:
-                reasons.append(f"projected {projected_seconds:.1f}s > remaining {remaining:.1f}s of wall budget")
-            cap = b["gpu_hours"]
-            if projected_gpu_hours is not None and cap is not None and projected_gpu_hours > cap:
-                reasons.append(f"projected {projected_gpu_hours:.3f} GPU-h > cap {cap:.3f}")
-            if not reasons:
+            if projected_seconds <= remaining:
                 return True
             projected, remaining = float(projected_seconds), float(remaining)
+            reason = f"projected {projected:.1f}s > remaining {remaining:.1f}s of wall budget"
             self._ledger["stages"].append(
                 {
                     "stage": stage,
@@ -399,7 +381,7 @@ class EvidenceBundle:
                     "status": "blocked_by_budget",
                     "projected_seconds": projected,
                     "remaining_seconds": remaining,
-                    "reason": "; ".join(reasons),
+                    "reason": reason,
                 }
             )
             self._post_ledger(

@@ -141,14 +141,12 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
         try:  # the rename itself durable; a platform without directory handles gets what it can
             fd = os.open(path.parent, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         except OSError:
             pass
-        finally:
-            os.close(fd)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -195,12 +193,8 @@ def admit(name: str, kind: str, data: bytes, entries: Sequence[FileEntry]) -> tu
 
 def check_limits(entry: FileEntry, entries: Sequence[FileEntry], slots: int = 0, nbytes: int = 0) -> None:
     """The bundle's limits, the last `slots` files and `nbytes` bytes kept for the closing records."""
-    name, size, n, total = (
-        entry["name"],
-        entry["size"],
-        len(entries) + 1,
-        sum(f["size"] for f in entries) + entry["size"],
-    )
+    name, size, n = entry["name"], entry["size"], len(entries) + 1
+    total = sum(f["size"] for f in entries) + size
     if size > MAX_FILE_BYTES:
         raise LimitError(
             f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file; {written(entries)}"
@@ -222,13 +216,3 @@ def check_limits(entry: FileEntry, entries: Sequence[FileEntry], slots: int = 0,
             f"file {name!r} would bring the run to {total} bytes; the last {nbytes} of {MAX_TOTAL_BYTES} bytes "
             f"are reserved for the closing records; {written(entries)}"
         )
-
-
-def read_source(name: str, path: Path) -> bytes:
-    """Bytes of a file on disk to register, refusing a missing or oversized source early."""
-    if not path.is_file():
-        raise EvidenceError(f"file {name!r}: source {path} does not exist or is not a file")
-    size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise LimitError(f"file {name!r} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes (10 MiB) per file")
-    return path.read_bytes()

@@ -1,13 +1,5 @@
-"""Progress lines for long phases: which step, how far along, never a long silence.
-
-`Ticker` turns a loop's per-item calls into terminal lines at most every `every_s` seconds (and
-always at the first and the last item), so a phase of many small steps says where it is without
-flooding the terminal. `Watchdog` covers the other case, one step that blocks for long (a service
-call on a loaded machine): when nothing was said for `every_s` seconds it repeats the current step
-with its elapsed time, from a background thread. The `say` callable is whatever writes a line (the
-pytest terminal writer of `fixtures.harness_progress`, which serializes writers, `print`, or a
-logger).
-"""
+"""Progress lines for long phases: `Ticker` for a loop of many small steps (a line at most every
+`every_s` seconds), `Watchdog` for one step that blocks long (its line repeated while it blocks)."""
 
 from __future__ import annotations
 
@@ -57,13 +49,8 @@ class Ticker:
 
 
 class Watchdog:
-    """`say` through this object: each line names the current step; while a step blocks, a line
-    `<step>: still working (Ns in this step)` comes every `every_s` seconds of silence.
-
-        with Watchdog(say, every_s=10) as w:
-            w.say("[x] 1/3: creating the client")
-            slow_call()
-    """
+    """`say` through this object (`with Watchdog(say) as w: w.say(step)`): while a step blocks, a line
+    `<step>: still working (Ns in this step)` comes every `every_s` seconds of silence."""
 
     def __init__(self, say: Say, every_s: float = 10.0, poll_s: float = 0.5) -> None:
         self._say, self.every_s, self.poll_s = say, every_s, poll_s

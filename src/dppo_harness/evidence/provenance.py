@@ -37,14 +37,8 @@ def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[JsonObject,
     info: JsonObject = {"repo": root.name, "source_sha256": package_files_sha256(pkg, "*.py") if pkg.is_dir() else None}
     head = _git(root, "rev-parse", "HEAD") if (root / ".git").exists() else None
     if head is None or head.returncode != 0:
-        info.update(
-            {
-                "commit": None,
-                "available": False,
-                "reason": "not a git checkout (or no commit); source_sha256 identifies the package source",
-            }
-        )
-        return info, b""
+        reason = "not a git checkout (or no commit); source_sha256 identifies the package source"
+        return {**info, "commit": None, "available": False, "reason": reason}, b""
     info.update({"commit": head.stdout.decode().strip(), "available": True})
     patch = _git(root, "diff", "HEAD", "--binary").stdout
     excl = [Path(e).resolve() for e in exclude]

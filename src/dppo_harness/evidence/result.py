@@ -116,13 +116,12 @@ class ResultModel(Block):
         if final and self.verdict is None:
             raise rule_error("verdict", f"a finished result (status {self.status}) must include a verdict")
         if "outcome_reason" in given:
-            reason = self.outcome_reason
             if not final:
                 raise rule_error("outcome_reason", "report it only with a final result")
-            if reason in ("supported", "refuted") and self.verdict != reason:
-                raise rule_error("outcome_reason", f"{reason!r} requires verdict {reason!r}")
-            if reason not in ("supported", "refuted") and self.verdict != "inconclusive":
-                raise rule_error("outcome_reason", f"{reason!r} requires verdict 'inconclusive'")
+            reason = self.outcome_reason
+            want = reason if reason in ("supported", "refuted") else "inconclusive"
+            if self.verdict != want:
+                raise rule_error("outcome_reason", f"{reason!r} requires verdict {want!r}")
         if "capacity_block" in given and self.status != "failed":
             raise rule_error("capacity_block", "only a failed run stopped by capacity carries it")
         if self.original_hypothesis_tested is None and final:

@@ -1,10 +1,5 @@
-"""The closing block of a harness session: what ran, how it ended, where its evidence is.
-
-Composed from the bundle's `result.json` only (plus the stages the plugin saw fail), so the
-terminal says what the evidence says: run id, status and verdict, or the stage that stopped the
-run and why; the evidence and `report.md` paths; one line per arm (steps, final reward, accuracy)
-and the base model's accuracy. `pytest_plugin.pytest_terminal_summary` prints it.
-"""
+"""The closing block of a harness session (`hooks.pytest_terminal_summary` prints it), from the
+bundle's result.json only, plus the stages the plugin saw fail: the terminal says what the evidence says."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.bundle import EvidenceBundle
 from dppo_harness.evidence.errors import EvidenceError
-from dppo_harness.evidence.files import LATEST_FILE, RESULT_FILE, sha256_bytes
+from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE, LATEST_FILE, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonMap
 from dppo_harness.plans import BackendKind
@@ -33,7 +33,7 @@ def record_plan(
         bundle.mark_rehearsal_plan()
     bundle.register_plan(plan, plan_name)
     bundle.register_resolution(plan)
-    bundle.register_effective_config(effective_config)
+    bundle.register_json(EFFECTIVE_CONFIG_FILE, "effective_config", effective_config)
     for d in effective_config.get("deviations", []):
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     fields: dict[str, Any] = {"generation_audit": dict(effective_config["generation_audit"])}

@@ -34,14 +34,8 @@ def post_snapshot(
     # `reserve` counts the closing records; the slot kept for the last stage-end snapshot comes on top.
     kept = reserve + (0 if stage_end else STAGE_END_SLOTS)
     if len(bundle.files()) + 1 > MAX_FILES - kept or bundle.free_slots(stage_end=stage_end) < 1:
-        log.append(
-            {
-                "label": label,
-                "name": None,
-                "skipped": f"file limit: {len(bundle.files())} of {MAX_FILES} "
-                f"files used, {kept} kept for later evidence",
-            }
-        )
+        skipped = f"file limit: {len(bundle.files())} of {MAX_FILES} files used, {kept} kept for later evidence"
+        log.append({"label": label, "name": None, "skipped": skipped})
         bundle.note_ledger(snapshots=log)
         return None
     last = SNAPSHOT_RE.match(names[-1]) if names else None  # every name matches: snapshot_names filters by it

@@ -1,9 +1,6 @@
-"""`python -m dppo_harness.evidence verify DIR`: re-check a bundle from disk alone.
-
-Every registered file's sha256 and size, the limits, the secret scan, the result shape, and every
-reference (`*_ref`, `observations_file`, ...) in result.json pointing at a registered file. What the
-run wrote outside its registered files (its sidecars, its comparison state and metrics logs, the
-embedded server's log) is scanned for secrets too: it lies beside the bundle and is shared with it.
+"""`python -m dppo_harness.evidence verify DIR`: re-check a bundle from disk alone: every registered
+file's sha256 and size, the limits, the result shape, every reference in result.json, and the secret
+scan, over what the run wrote beside its registered files too (it is shared with the bundle).
 """
 
 from __future__ import annotations
@@ -32,11 +29,11 @@ from dppo_harness.evidence.result import fmt_path, validate_result
 from dppo_harness.json_types import JsonMap
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
-_REF_KEYS = ("evidence_ref", "predictions_ref", "manifest_ref", "dataset_file", "evaluation_file", "audit_file")
+_REF_KEYS = ("observations_file", "dataset_file", "evaluation_file", "audit_file")  # and every `*_ref`
 
 
 def _is_ref(path: tuple[str | int, ...], key: object, value: object) -> bool:
-    if isinstance(key, str) and (key in _REF_KEYS or key.endswith("_ref") or key == "observations_file"):
+    if isinstance(key, str) and (key in _REF_KEYS or key.endswith("_ref")):
         return True
     # feasibility.source names a file when it is one word
     return path == ("feasibility",) and key == "source" and isinstance(value, str) and bool(value) and " " not in value

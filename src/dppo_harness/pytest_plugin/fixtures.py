@@ -1,20 +1,13 @@
-"""Session fixtures of the harness plugin (registered by `hooks.pytest_configure`): options,
-backend (the embedded server when local), client registry, the one wait policy, the session's
-ServiceClient, the plan, the evidence bundle, connectivity, and one fixture per stage's run.
-
-The stage fixtures are thin adapters: they call the stage's library function with the session's
-service client, plan, evidence bundle and the preflight's restored arms, show progress lines on
-the terminal (pytest captures ordinary output) and propose the stage's final outcome. Setup, probe
-and pilot clients live on their own ServiceClient session, released as soon as their work ends;
-the arms' clients stay on the session's ServiceClient for later stages.
-
-The stages, the service modules and the embedded server load the tinker SDK, torch or httpx
-(seconds): each fixture imports them when a test first asks for it, so that pytest start-up and
-unit-only sessions never pay.
+"""Session fixtures of the harness plugin (registered by `hooks.pytest_configure`): the session's
+backend, clients, plan and evidence (one `Harness` record), and one fixture per stage's run, a thin
+adapter calling the stage's library function. The stages, the service modules and the embedded
+server load the tinker SDK, torch or httpx (seconds): each fixture imports them when a test first
+asks for it, so that pytest start-up and unit-only sessions never pay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -121,18 +114,65 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     registry.release_all()
 
 
+@dataclass(frozen=True)
+class Harness:
+    """The session's record every stage fixture reads: options, backend, plan, evidence, client
+    registry, the one wait policy, the training clients' identity recorder and the progress writer."""
+
+    config: pytest.Config
+    options: HarnessOptions
+    backend: ServiceBackend
+    plan: Plan
+    bundle: EvidenceBundle
+    registry: ClientRegistry
+    waiter: ServiceWaiter
+    observer: TrainingClientRecorder
+    say: Callable[[str], None]
+
+    def open_session(self, stage: str, label: str) -> tinker.ServiceClient:
+        """A stage's own ServiceClient session: observed, waited and registered before its first
+        call, so a stop on the way releases it with the rest (stage "session": the session's own)."""
+        from dppo_harness.service.observed import make_service_client  # lazy: see the module docstring
+
+        return make_service_client(
+            self.backend.kind,
+            self.backend.base_url,
+            observer=self.observer,
+            registry=self.registry,
+            stage=stage,
+            label=label,
+            waiter=self.waiter,
+            proxy_tokens=self.options.proxy_credentials,
+            sdk_telemetry=self.options.sdk_telemetry,
+        )
+
+    @contextlib.contextmanager
+    def stage_session(self, stage: str, label: str) -> Iterator[tinker.ServiceClient]:
+        """open_session, released (and the release recorded) when its work ends, before any arm trains."""
+        client = self.open_session(stage, label)
+        try:
+            yield client
+        finally:
+            note_releases(self.config.stash[STATE_KEY], self.registry.release_stage(stage))
+
+
 @pytest.fixture(scope="session")
-def service_waiter(
-    harness_progress: Callable[[str], None],
+def harness(
+    pytestconfig: pytest.Config,
     harness_options: HarnessOptions,
+    harness_progress: Callable[[str], None],
     service_backend: ServiceBackend,
-    evidence_bundle: EvidenceBundle,
     client_registry: ClientRegistry,
-) -> ServiceWaiter:
-    """The session's one wait policy: every client of every ServiceClient the harness makes waits
-    under it; long waits are posted to the evidence, a stop releases the clients and records why."""
+    evidence_bundle: EvidenceBundle,
+    plan: Plan,
+) -> Iterator[Harness]:
+    """Every client of every ServiceClient the harness makes waits under the session's one policy:
+    long waits are posted to the evidence, a stop releases the clients and records why. Every
+    training client's served identity is recorded, flushed in one file at the end (the file limit)."""
+    from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
     from dppo_harness.service.wait.evidence import bundle_waiter  # lazy: see the module docstring
 
+    observer = TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
     policy = WaitPolicy.from_options(
         capacity_patience_s=harness_options.capacity_patience_s,
         capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
@@ -149,44 +189,26 @@ def service_waiter(
             waiter.service_died(ServiceDied(f"the embedded server (pid {srv.pid})", code, tail))
 
         server.on_death = died
-    return waiter
+    yield Harness(
+        pytestconfig,
+        harness_options,
+        service_backend,
+        plan,
+        evidence_bundle,
+        client_registry,
+        waiter,
+        observer,
+        harness_progress,
+    )
+    observer.flush()
 
 
 @pytest.fixture(scope="session")
-def service_client(stage_session_client: Callable[[str, str], tinker.ServiceClient]) -> tinker.ServiceClient:
+def service_client(harness: Harness) -> tinker.ServiceClient:
     """The session's client: the restored arms live on it across stages; released on exit."""
-    return stage_session_client(
+    return harness.open_session(
         "session", "session: the arms' training clients and evaluation samplers (open until the session ends)"
     )
-
-
-@pytest.fixture(scope="session")
-def stage_session_client(
-    service_backend: ServiceBackend,
-    client_registry: ClientRegistry,
-    training_client_observer: TrainingClientRecorder,
-    service_waiter: ServiceWaiter,
-    harness_options: HarnessOptions,
-) -> Callable[[str, str], tinker.ServiceClient]:
-    """A factory of a stage's own ServiceClient session (`stage`, `label`): observed, waited and
-    registered before its first call, so a stop on the way releases it with the rest; the stage
-    closes it when its work ends, before any arm trains (stage "session": the session's own)."""
-    from dppo_harness.service.observed import make_service_client  # lazy: see the module docstring
-
-    def open_session(stage: str, label: str) -> tinker.ServiceClient:
-        return make_service_client(
-            service_backend.kind,
-            service_backend.base_url,
-            observer=training_client_observer,
-            registry=client_registry,
-            stage=stage,
-            label=label,
-            waiter=service_waiter,
-            proxy_tokens=harness_options.proxy_credentials,
-            sdk_telemetry=harness_options.sdk_telemetry,
-        )
-
-    return open_session
 
 
 @pytest.fixture(scope="session")
@@ -259,16 +281,6 @@ def client_base_model(connectivity: ConnectivityReport, plan: Plan) -> str:
     return connectivity.client_base_model(plan.base_model)
 
 
-@pytest.fixture(scope="session")
-def training_client_observer(evidence_bundle: EvidenceBundle) -> Iterator[TrainingClientRecorder]:
-    """Records every training client's served identity into evidence."""
-    from dppo_harness.service import identity  # lazy: see the module docstring
-
-    recorder = identity.TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
-    yield recorder
-    recorder.flush()  # every client's get_info, in one file (keeps the bundle under its file limit)
-
-
 def backend_info(
     service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient, backend_block: Backend | None = None
 ) -> plans.BackendInfo:
@@ -294,56 +306,39 @@ def backend_info(
 
 @pytest.fixture(scope="session")
 @stops_stage
-def restoration(
-    request: pytest.FixtureRequest,
-    service_client: tinker.ServiceClient,
-    service_backend: ServiceBackend,
-    plan: Plan,
-    evidence_bundle: EvidenceBundle,
-    client_registry: ClientRegistry,
-    client_base_model: str,
-    service_waiter: ServiceWaiter,
-    stage_session_client: Callable[[str, str], tinker.ServiceClient],
-    harness_progress: Callable[[str], None],
-) -> RestorationResult:
+def restoration(service_client: tinker.ServiceClient, harness: Harness, client_base_model: str) -> RestorationResult:
     """The restoration preflight for the initialization group of the plan's spec (a diagnostic's
     original plan), run once. Later stages reuse its shared initial checkpoint, the arms' restored
     clients (never updated here) and the fixed batch."""
     from dppo_harness.stages import restoration as restoration_module  # lazy: see the module docstring
 
-    # Its own session, registered before its first call: a stop on the way (capacity, hang)
-    # releases it with the rest.
-    probe_sc = stage_session_client(
+    h, server = harness, harness.backend.server
+    # Its own session, registered before its first call: a stop on the way (capacity, hang) releases it with the rest.
+    with h.stage_session(
         "preflight-probes", "preflight setup and probe clients (closed when the preflight ends)"
-    )
-    server = service_backend.server if service_backend.kind == "local" else None
-    try:
-        reader, update_norm = restoration_module.backend_update_norm(
-            server.run_dir if server is not None else None, probe_sc
-        )
-        # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
-        with Watchdog(harness_progress, every_s=10.0) as watch:
-            return restoration_module.run_restoration_preflight(
-                service_client,
-                plan,
-                evidence_bundle,
-                checkpoint_reader=reader,
-                update_norm=update_norm,
-                probe_service_client=probe_sc,
-                base_model=client_base_model,  # the served substitute
-                capacity=service_waiter.policy,  # the session's windows for refused creations
-                registry=client_registry,
-                trained_arms=trained_arms(plan),
-                progress=watch.say,
-            )
-    except restoration_module.RestorationError as exc:  # a response without a field the proof needs
-        line = f"restoration preflight: {exc}"
-    except CapacityExhausted as exc:  # the run ends with its capacity_block
-        record_capacity_stop_before_training(evidence_bundle, exc.block)
-        raise  # a ServiceStopped: stops_stage fails the test with its one line
-    finally:
-        # Release the setup/probe session before anything trains, and record it.
-        note_releases(request.config.stash[STATE_KEY], client_registry.release_stage("preflight-probes"))
+    ) as sc:
+        try:
+            reader, update_norm = restoration_module.backend_update_norm(server.run_dir if server else None, sc)
+            # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
+            with Watchdog(h.say, every_s=10.0) as watch:
+                return restoration_module.run_restoration_preflight(
+                    service_client,
+                    h.plan,
+                    h.bundle,
+                    checkpoint_reader=reader,
+                    update_norm=update_norm,
+                    probe_service_client=sc,
+                    base_model=client_base_model,  # the served substitute
+                    capacity=h.waiter.policy,  # the session's windows for refused creations
+                    registry=h.registry,
+                    trained_arms=trained_arms(h.plan),
+                    progress=watch.say,
+                )
+        except restoration_module.RestorationError as exc:  # a response without a field the proof needs
+            line = f"restoration preflight: {exc}"
+        except CapacityExhausted as exc:  # the run ends with its capacity_block
+            record_capacity_stop_before_training(h.bundle, exc.block)
+            raise  # a ServiceStopped: stops_stage fails the test with its one line
     pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
 
@@ -358,88 +353,53 @@ def verified_restoration(restoration: RestorationResult) -> RestorationResult:
 @pytest.fixture(scope="session")
 @stops_stage
 def feasibility(
-    request: pytest.FixtureRequest,
-    service_backend: ServiceBackend,
-    plan: Plan,
-    evidence_bundle: EvidenceBundle,
-    verified_restoration: RestorationResult,
-    client_registry: ClientRegistry,
-    stage_session_client: Callable[[str, str], tinker.ServiceClient],
-    harness_progress: Callable[[str], None],
-    connectivity: ConnectivityReport,
+    harness: Harness, verified_restoration: RestorationResult, connectivity: ConnectivityReport
 ) -> FeasibilityResult:
     """The timing pilot + projection of the selected plan on this backend (runs once)."""
-    if not runs_feasibility_pilot(plan):
+    h = harness
+    if not runs_feasibility_pilot(h.plan):
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written. Time
     # already spent in this session is the budget ledger's business (evidence.budget_allows per stage).
-    eff = plans.effective_config(
-        plan, backend_info(service_backend, plan, arm_client, backend_of(evidence_bundle.result))
-    )
+    eff = plans.effective_config(h.plan, backend_info(h.backend, h.plan, arm_client, backend_of(h.bundle.result)))
     from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
 
-    pilot_sc = stage_session_client("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)")
-    try:
-        with Watchdog(harness_progress, every_s=10.0) as watch:
-            return feasibility_module.run_feasibility(
-                pilot_sc,
-                plan,
-                evidence_bundle,
-                initial_checkpoint=verified_restoration.initial_checkpoint,
-                backend_kind=service_backend.kind,
-                effective_config=eff,
-                measured_setup={"restoration_preflight": verified_restoration.wall_seconds},
-                progress=watch.say,
-                embedded_server=connectivity.embedded,
-            )
-    finally:
-        note_releases(request.config.stash[STATE_KEY], client_registry.release_stage("feasibility-pilot"))
+    with (
+        h.stage_session("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)") as pilot_sc,
+        Watchdog(h.say, every_s=10.0) as watch,
+    ):
+        return feasibility_module.run_feasibility(
+            pilot_sc,
+            h.plan,
+            h.bundle,
+            initial_checkpoint=verified_restoration.initial_checkpoint,
+            backend_kind=h.backend.kind,
+            effective_config=eff,
+            measured_setup={"restoration_preflight": verified_restoration.wall_seconds},
+            progress=watch.say,
+            embedded_server=connectivity.embedded,
+        )
 
 
 @pytest.fixture(scope="session")
 @stops_stage
-def gate_report(
-    request: pytest.FixtureRequest,
-    service_backend: ServiceBackend,
-    plan: Plan,
-    evidence_bundle: EvidenceBundle,
-    restoration: RestorationResult,
-    client_registry: ClientRegistry,
-    stage_session_client: Callable[[str, str], tinker.ServiceClient],
-    harness_progress: Callable[[str], None],
-) -> GateReport:
+def gate_report(harness: Harness, restoration: RestorationResult) -> GateReport:
     """The plan's activation-gate pilot of its treatment arm, run once per session. The pilot's
     client lives in its own session, closed as soon as the pilot ends (before any arm trains)."""
     from dppo_harness.stages.gate import run_activation_gate  # lazy: see the module docstring
 
-    pilot_sc = stage_session_client("gate-pilot", "activation-gate pilot (closed when the pilot ends)")
-    try:
+    h = harness
+    with h.stage_session("gate-pilot", "activation-gate pilot (closed when the pilot ends)") as pilot_sc:
         return run_activation_gate(
-            pilot_sc,
-            plan,
-            evidence_bundle,
-            restoration.initial_checkpoint,
-            backend=service_backend.kind,
-            progress=harness_progress,
+            pilot_sc, h.plan, h.bundle, restoration.initial_checkpoint, backend=h.backend.kind, progress=h.say
         )
-    finally:
-        note_releases(request.config.stash[STATE_KEY], client_registry.release_stage("gate-pilot"))
 
 
 @pytest.fixture(scope="session")
 @stops_stage
 def comparison_run(
-    request: pytest.FixtureRequest,
-    service_client: tinker.ServiceClient,
-    service_backend: ServiceBackend,
-    plan: Plan,
-    harness_options: HarnessOptions,
-    evidence_bundle: EvidenceBundle,
-    client_registry: ClientRegistry,
-    client_base_model: str,
-    service_waiter: ServiceWaiter,
-    harness_progress: Callable[[str], None],
+    request: pytest.FixtureRequest, service_client: tinker.ServiceClient, harness: Harness, client_base_model: str
 ) -> ComparisonResult:
     """The paired comparison (or its continuation with --resume RUN_ID), run once per session.
 
@@ -447,10 +407,11 @@ def comparison_run(
     run reuses their saved evidence once it verifies by hash, see comparison_resume)."""
     from dppo_harness.stages.comparison.run import run_comparison  # lazy: see the module docstring
 
+    h, bundle = harness, harness.bundle
     if not unit_parity_passed(request.config):
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
     restoration = None
-    if harness_options.resume is None:
+    if h.options.resume is None:
         restoration = request.getfixturevalue("verified_restoration")
         gate_report = request.getfixturevalue("gate_report")
         if not gate_report.passed:
@@ -459,33 +420,33 @@ def comparison_run(
                 pytrace=False,
             )
     schedule, source = comparison_schedule(
-        harness_options.comparison_schedule, (evidence_bundle.result.get("backend") or {}).get("kind")
+        h.options.comparison_schedule, (bundle.result.get("backend") or {}).get("kind")
     )
     # On a resume the feasibility block is not in this session's result yet: the guard then starts
     # from the finalize reserve alone and projects from the steps it measures.
     guard = wall_guard_from_feasibility(
-        evidence_bundle.remaining_seconds,
-        PilotFigures.from_block(evidence_bundle.result.get("feasibility")),
-        arms=len(plan.run.arms) if plan.run else 0,
-        eval_items=plan.run.eval_items if plan.run else 0,
+        bundle.remaining_seconds,
+        PilotFigures.from_block(bundle.result.get("feasibility")),
+        arms=len(h.plan.run.arms) if h.plan.run else 0,
+        eval_items=h.plan.run.eval_items if h.plan.run else 0,
     )
-    service_waiter.budget_left = evidence_bundle.remaining_seconds  # no wait in a step outlasts the budget
+    h.waiter.budget_left = bundle.remaining_seconds  # no wait in a step outlasts the budget
     try:
         run = run_comparison(
             service_client,
-            plan,
-            evidence_bundle,
+            h.plan,
+            bundle,
             restoration,
-            backend=service_backend.kind,
-            state_root=harness_options.evidence_dir / STATE_ROOT,
-            resume_run_id=harness_options.resume,
+            backend=h.backend.kind,
+            state_root=h.options.evidence_dir / STATE_ROOT,
+            resume_run_id=h.options.resume,
             schedule=schedule,
             schedule_source=source,
             guard=guard,
-            save_every=harness_options.save_every,
-            registry=client_registry,
-            capacity_policy=service_waiter.policy,  # the session's windows (scaled down on local)
-            progress=harness_progress,
+            save_every=h.options.save_every,
+            registry=h.registry,
+            capacity_policy=h.waiter.policy,  # the session's windows (scaled down on local)
+            progress=h.say,
             base_model=client_base_model,
         )
     except ComparisonError as exc:  # a refused resume or configuration: its one line
@@ -495,41 +456,36 @@ def comparison_run(
         if (
             run.stopped is not None
         ):  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
-            evidence_bundle.update_result(**run.final)
+            bundle.update_result(**run.final)
         return run
     finally:
-        service_waiter.budget_left = None
+        h.waiter.budget_left = None
     pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
 
 @pytest.fixture(scope="session")
 @stops_stage
 def diagnostic_run(
-    request: pytest.FixtureRequest,
-    service_client: tinker.ServiceClient,
-    service_backend: ServiceBackend,
-    plan: Plan,
-    evidence_bundle: EvidenceBundle,
-    restoration: RestorationResult,
-    harness_progress: Callable[[str], None],
+    service_client: tinker.ServiceClient, harness: Harness, restoration: RestorationResult
 ) -> DiagnosticResult:
     """The requester's bounded diagnostic, run once; the wall cap counts from the SESSION start
     (the bundle's ledger clock): the 12 minutes include setup and earlier stages. It trains the
     preflight's loaded client of the trained arm (no third client)."""
     from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic  # lazy: see the module docstring
 
+    h = harness
     run = run_bounded_diagnostic(
         service_client,
-        plan,
-        evidence_bundle,
+        h.plan,
+        h.bundle,
         restoration.initial_checkpoint,
-        backend=service_backend.kind,
-        stage_start=time.monotonic() - evidence_bundle.elapsed_seconds(),
-        spec=plan.original.experiment,
-        progress=harness_progress,
+        backend=h.backend.kind,
+        stage_start=time.monotonic() - h.bundle.elapsed_seconds(),
+        spec=h.plan.original.experiment,
+        progress=h.say,
         prior_service_work=restoration.preflight_service_work(),
         init_reference=restoration,
-        restored=restoration.loaded.get(plan.diagnostic.fixed_settings.treatment.arm),
+        restored=restoration.loaded.get(h.plan.diagnostic.fixed_settings.treatment.arm),
     )
-    propose_outcome(request.config, **run.result_fields["final"])
+    propose_outcome(h.config, **run.result_fields["final"])
     return run

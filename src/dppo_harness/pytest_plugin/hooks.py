@@ -1,11 +1,7 @@
 """Pytest hooks of the harness plugin: options, stage selection and order, fail-fast, launch scope,
-and the session's closing records. Session state is in `session`, option resolution in `options`,
-fixtures in `fixtures`, stage rules in `stages`.
-
-Registered through the `pytest11` entry point named after this module (pyproject.toml), so `--plan`
-and friends are known wherever pytest runs; the project's conftest.py names the same module, which
-pytest then skips as already registered. The plan is validated in pytest_configure, so a malformed
-plan is a one-line usage error before anything is collected.
+and the session's closing records. Registered through the `pytest11` entry point named after this
+module, so `--plan` and friends are known wherever pytest runs (the project's conftest.py names it
+too; pytest then skips it as registered). A malformed plan is a usage error at configure time.
 """
 
 from __future__ import annotations
@@ -47,68 +43,22 @@ from dppo_harness.service.wait.policy import ServiceStopped
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("dppo_harness", "DPPO experiment harness")
-    group.addoption(
-        "--backend",
-        choices=("local", "tinker"),
-        default=None,
-        help="training backend: 'tinker' when TINKER_BASE_URL is set, else 'local' (embedded server)",
-    )
-    group.addoption("--plan", default=None, help="plan JSON (default: chosen by the selected stage)")
-    group.addoption("--evidence-dir", default=None, help="evidence root (default: the project's evidence/)")
-    # -- comparison stage
-    group.addoption(
-        "--resume",
-        default=None,
-        metavar="RUN_ID",
-        help="continue a stopped comparison from its arms' last saved state, reusing that run's "
-        "preflight and gate evidence after re-verifying its hashes (refused if the plan, "
-        "evaluator or code changed)",
-    )
-    group.addoption(
-        "--save-every",
-        type=int,
-        default=5,
-        metavar="N",
-        help="comparison: save each arm's state (weights + optimizer) every N rollout steps and at the "
-        "end; 1 <= N <= 10 (a run saves each arm at least every 10 steps); a resume restarts "
-        "from the last step every arm saved",
-    )
-    group.addoption(
-        "--comparison-schedule",
-        choices=("interleaved", "concurrent"),
-        default=None,
-        help="how the two arms advance step by step (default: interleaved, arm after arm, the schedule the "
-        "feasibility pilot times; concurrent overlaps them: see benchmarks/comparison_schedule.py)",
-    )
-    # -- service waits (docs/service.md)
+    """The harness's options; docs/service.md and docs/evidence.md say more of each."""
+    add = parser.getgroup("dppo_harness", "DPPO experiment harness").addoption
+    add("--backend", choices=("local", "tinker"), help="'tinker' when TINKER_BASE_URL is set, else 'local' (embedded)")
+    add("--plan", help="plan JSON (default: chosen by the selected stage)")
+    add("--evidence-dir", help="evidence root (default: the project's evidence/)")
+    add("--resume", metavar="RUN_ID", help="continue a stopped comparison from its arms' last saved state")
+    add("--save-every", type=int, default=5, metavar="N", help="comparison: save each arm every N steps (1..10)")
+    add("--comparison-schedule", choices=("interleaved", "concurrent"), help="how the arms advance (interleaved)")
     for name, help_text in (
-        (
-            "--capacity-patience-s",
-            "give up after the service paused or refused work for S seconds before any comparison "
-            "step completed (default 600)",
-        ),
-        ("--capacity-patience-after-steps-s", "the same window once a comparison step completed (default 1800)"),
-        (
-            "--service-timeout-s",
-            "stop the stage when a request whose queue is active gives no answer for S seconds (default 900)",
-        ),
+        ("--capacity-patience-s", "give up after the service paused for S seconds, no step done (600)"),
+        ("--capacity-patience-after-steps-s", "the same once a comparison step completed (1800)"),
+        ("--service-timeout-s", "stop the stage when an active request gives no answer for S seconds (900)"),
     ):
-        group.addoption(name, type=float, default=None, metavar="S", help=help_text)
-    group.addoption(
-        "--proxy-credentials",
-        choices=("modal", "runs"),
-        default="modal",
-        help="Modal-Key/Modal-Secret from MODAL_PROXY_TOKEN_* (shared Spindle, default) or "
-        "RUNS_PROXY_TOKEN_* (a forked deployment's proxy)",
-    )
-    group.addoption(
-        "--sdk-telemetry",
-        action="store_true",
-        default=False,
-        help="let the tinker SDK post its telemetry to the service (off by default: on auth "
-        "errors its events carry the request headers, credentials included)",
-    )
+        add(name, type=float, metavar="S", help=help_text)
+    add("--proxy-credentials", choices=("modal", "runs"), default="modal", help="proxy tokens: MODAL_* or RUNS_*")
+    add("--sdk-telemetry", action="store_true", help="let the tinker SDK post its telemetry (off: it may hold headers)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -243,15 +193,14 @@ def pytest_runtest_makereport(
     if refused is not None:  # nothing more can be recorded: its one line, and no later test runs
         report.longrepr = refused
         item.session.shouldstop = refused
+    state, stage = item.config.stash[STATE_KEY], item.stash.get(STAGE_KEY, "unit")
     if report.when == "call" or report.outcome != "passed":
-        counts = item.config.stash[STATE_KEY].outcomes.setdefault(
-            item.stash.get(STAGE_KEY, "unit"), new_stage_outcomes()
-        )
+        counts = state.outcomes.setdefault(stage, new_stage_outcomes())
         counts[report.outcome] += 1
         if report.failed:
             counts["failed_tests"].append(f"{item.nodeid} ({report.when})")
     if report.failed:
-        item.config.stash[STATE_KEY].first_failure.setdefault(item.stash.get(STAGE_KEY, "unit"), item.nodeid)
+        state.first_failure.setdefault(stage, item.nodeid)
     return report
 
 

@@ -93,28 +93,6 @@ def truncation_warnings(
     return out
 
 
-def render_comparison_markdown(
-    rows: Sequence[JsonMap],
-    scores: Sequence[JsonMap],
-    decision: JsonMap,
-    plot_files: Mapping[str, str],
-    backend: str,
-    eval_metrics: Mapping[str, JsonMap] | None = None,
-    declared: JsonMap | None = None,
-    max_tokens: int | None = None,
-    resume: JsonMap | None = None,
-) -> str:
-    """The report, section by section: title (rehearsal and resume notes), setup, per step and
-    arm, evaluation, decision."""
-    eval_metrics = eval_metrics or {}
-    lines = _title_lines(decision, backend, resume)
-    lines += ["## Setup", ""] + declared_lines(declared or {}, _measured_yields(rows, scores, eval_metrics, max_tokens))
-    lines += [""] + _per_step_lines(rows, plot_files)
-    lines += _evaluation_lines(scores, eval_metrics, max_tokens)
-    lines += _decision_lines(decision, plot_files)
-    return "\n".join(lines)
-
-
 def _title_lines(decision: JsonMap, backend: str, resume: JsonMap | None) -> list[str]:
     """The compared pairs as the title, the rehearsal warning when it is one, and the resume account."""
     pairs = "; ".join(dict.fromkeys(f"{c['treatment']} vs {c['baseline']}" for c in objs(decision.get("criteria", []))))
@@ -259,8 +237,11 @@ def write_comparison_report(
     }
     for key, data in plots.items():
         bundle.register_bytes(COMPARISON_PLOTS[key], "plot", data)
-    text = render_comparison_markdown(
-        rows, scores, decision, COMPARISON_PLOTS, backend, eval_metrics, declared, max_tokens, resume
-    )
-    bundle.register_bytes(REPORT_FILE, "report", text.encode())
+    # Section by section: title (rehearsal and resume notes), setup, per step and arm, evaluation, decision.
+    lines = _title_lines(decision, backend, resume)
+    lines += ["## Setup", ""] + declared_lines(declared, _measured_yields(rows, scores, eval_metrics, max_tokens))
+    lines += [""] + _per_step_lines(rows, COMPARISON_PLOTS)
+    lines += _evaluation_lines(scores, eval_metrics, max_tokens)
+    lines += _decision_lines(decision, COMPARISON_PLOTS)
+    bundle.register_bytes(REPORT_FILE, "report", "\n".join(lines).encode())
     return {**COMPARISON_PLOTS, "report": REPORT_FILE}

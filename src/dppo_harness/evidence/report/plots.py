@@ -40,23 +40,17 @@ def _xs(rows: Sequence[JsonMap]) -> list[float]:
 def plot_drift_tails(rows: Sequence[JsonMap], delta: float) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = _xs(rows)
-    for key, style in (
-        ("drift/signed_max", "-^"),
-        ("drift/signed_p99", "-o"),
-        ("drift/signed_p90", "-."),
-        ("drift/signed_min", "-v"),
-        ("drift/abs_p90", "--s"),
-        ("drift/abs_p99", "--D"),
-    ):
+    for stat, style in zip(("signed_max", "signed_p99", "signed_p90", "signed_min", "abs_p90", "abs_p99"), "^o.vsD"):
+        key = f"drift/{stat}"
+        line = ("--" if stat.startswith("abs") else "-") + style
         ax.plot(
-            x, [float(num(v)) if (v := r.get(key)) is not None else float("nan") for r in rows], style, label=key, ms=4
+            x, [float(num(v)) if (v := r.get(key)) is not None else float("nan") for r in rows], line, label=key, ms=4
         )
     for y in (delta, -delta):
         ax.axhline(y, color="red", lw=1, ls=":")
     ax.text(x[0] if x else 0, delta, f" +delta {delta}", color="red", va="bottom", fontsize=8)
     ax.text(x[0] if x else 0, -delta, f" -delta {-delta}", color="red", va="top", fontsize=8)
-    ax.set_xlabel("optimizer update (loss call before it)")
-    ax.set_ylabel("p - q over loss tokens")
+    ax.set(xlabel="optimizer update (loss call before it)", ylabel="p - q over loss tokens")
     ax.set_title("Drift tails per update (p current, q sampler)")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
@@ -85,30 +79,20 @@ def plot_histograms(hist: JsonMap, delta: float, scope: str) -> bytes:
 def plot_fractions(rows: Sequence[JsonMap], criteria: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = _xs(rows)
-    for key, style in (
-        ("dppo/masked_frac_loss_tokens", "-o"),
-        ("dppo/masked_frac_nonzero_adv", "--o"),
-        ("ppo/clip_frac_loss_tokens", "-s"),
-        ("ppo/clip_frac_nonzero_adv", "--s"),
-    ):
-        ax.plot(x, [num(r[key]) for r in rows], style, label=key, ms=4)
+    for rule, marker in (("dppo/masked_frac", "o"), ("ppo/clip_frac", "s")):
+        for over, ls in (("loss_tokens", "-"), ("nonzero_adv", "--")):
+            key = f"{rule}_{over}"
+            ax.plot(x, [num(r[key]) for r in rows], ls + marker, label=key, ms=4)
     for c in criteria:
         if c["metric"] in ("dppo/masked_frac_loss_tokens", "ppo/clip_frac_loss_tokens"):
             bounds = obj(c["bounds"])
             for bound in ("min", "max"):
                 if bound in bounds:
                     ax.axhline(num(bounds[bound]), ls=":", lw=1, color="gray")
-                    ax.text(
-                        x[-1] if x else 0,
-                        num(bounds[bound]),
-                        f"{c['id']} {bound}",
-                        fontsize=7,
-                        ha="right",
-                        color="gray",
-                    )
+                    y, label = num(bounds[bound]), f"{c['id']} {bound}"
+                    ax.text(x[-1] if x else 0, y, label, fontsize=7, ha="right", color="gray")
     ax.set_yscale("symlog", linthresh=1e-4)
-    ax.set_xlabel("optimizer update")
-    ax.set_ylabel("fraction")
+    ax.set(xlabel="optimizer update", ylabel="fraction")
     ax.set_title("DPPO masked fraction and counterfactual PPO clip fraction per update")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -119,12 +103,14 @@ def plot_sentinels(points: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = [num(p["after_update"]) for p in points]
     s = [obj(p["summary"]) for p in points]
-    ax.plot(x, [num(obj(v["p_minus_q"])["abs_p90"]) for v in s], "-o", label="|p - q_sampler| q90")
-    ax.plot(x, [num(obj(v["p_minus_q"])["abs_max"]) for v in s], "--o", label="|p - q_sampler| max")
-    ax.plot(x, [num(obj(v["p_minus_p_init"])["abs_p90"]) for v in s], "-s", label="|p - p_init| q90 (optimizer drift)")
-    ax.plot(x, [num(obj(v["p_minus_p_init"])["abs_max"]) for v in s], "--s", label="|p - p_init| max")
-    ax.set_xlabel("after optimizer update")
-    ax.set_ylabel("probability difference")
+    for key, stat, style, label in (
+        ("p_minus_q", "abs_p90", "-o", "|p - q_sampler| q90"),
+        ("p_minus_q", "abs_max", "--o", "|p - q_sampler| max"),
+        ("p_minus_p_init", "abs_p90", "-s", "|p - p_init| q90 (optimizer drift)"),
+        ("p_minus_p_init", "abs_max", "--s", "|p - p_init| max"),
+    ):
+        ax.plot(x, [num(obj(v[key])[stat]) for v in s], style, label=label)
+    ax.set(xlabel="after optimizer update", ylabel="probability difference")
     ax.set_title("Sentinel tokens: initial trainer/sampler mismatch vs optimizer drift")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -193,32 +179,26 @@ def plot_truncation(rows: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [2, 1]})
     for arm, rs in rows_by_arm(rows).items():
         xs = [num(r["step"]) + 1 for r in rs]
-        ax1.plot(xs, [num(r.get("truncated_frac", float("nan"))) for r in rs], marker="o", label=f"{arm}: truncated")
-        ax1.plot(
-            xs,
-            [num(r.get("no_answer_frac", float("nan"))) for r in rs],
-            marker="x",
-            linestyle="--",
-            label=f"{arm}: no parseable answer",
-        )
+        for key, marker, ls, what in (
+            ("truncated", "o", "-", "truncated"),
+            ("no_answer", "x", "--", "no parseable answer"),
+        ):
+            ax1.plot(
+                xs,
+                [num(r.get(f"{key}_frac", float("nan"))) for r in rs],
+                marker=marker,
+                linestyle=ls,
+                label=f"{arm}: {what}",
+            )
     ax1.set_ylim(-0.02, 1.02), ax1.set_xlabel("rollout step"), ax1.set_ylabel("fraction of the step's responses")
     ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax1.set_title(f"rollouts (T=1): stopped at max_tokens {max_tokens or ''} / no \\boxed{{}} answer", fontsize=9)
     ax1.legend(fontsize=7)
     models = [m for m in eval_metrics if "eval_truncated_frac" in eval_metrics[m]]
     model_xs = range(len(models))
-    ax2.bar(
-        [x - 0.2 for x in model_xs],
-        [num(eval_metrics[m]["eval_truncated_frac"]) for m in models],
-        width=0.4,
-        label="truncated",
-    )
-    ax2.bar(
-        [x + 0.2 for x in model_xs],
-        [num(eval_metrics[m]["eval_no_answer_frac"]) for m in models],
-        width=0.4,
-        label="no parseable answer",
-    )
+    for shift, key, label in ((-0.2, "truncated", "truncated"), (0.2, "no_answer", "no parseable answer")):
+        fracs = [num(eval_metrics[m][f"eval_{key}_frac"]) for m in models]
+        ax2.bar([x + shift for x in model_xs], fracs, width=0.4, label=label)
     ax2.set_xticks(list(model_xs), models, fontsize=7), ax2.set_ylim(0, 1.3)
     ax2.legend(fontsize=7, loc="upper center", ncol=2)
     ax2.set_title("greedy evaluation, per scored model", fontsize=9)
@@ -230,28 +210,19 @@ def plot_accuracy_difference(scores: Sequence[JsonMap], decision: JsonMap) -> by
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     ax1.bar([str(s["arm"]) for s in scores], [num(s["value"]) for s in scores])
     ax1.set_ylim(0, 1), ax1.set_ylabel("greedy accuracy"), ax1.set_title("accuracy per scored model")
-    labels = []
-    for i, c in enumerate(objs(decision.get("criteria", []))):
+    # Each criterion's Hoeffding interval (the rule) with its margin, then the informational interval.
+    intervals: list[tuple[str, JsonMap, str, str | None, str]] = [
+        (str(c["id"]), c, "o", None, "Hoeffding (rule)") for c in objs(decision.get("criteria", []))
+    ]
+    if decision.get("informational"):
+        intervals.append(("informational", obj(decision["informational"]), "s", "tab:gray", "Newcombe (informational)"))
+    for i, (_, c, marker, color, label) in enumerate(intervals):
         d = num(c["mean_difference"])
-        ax2.errorbar(
-            [i], [d], yerr=[[d - num(c["lower"])], [num(c["upper"]) - d]], fmt="o", capsize=6, label="Hoeffding (rule)"
-        )
-        ax2.axhline(num(c["margin"]), color="grey", linestyle=":")
-        labels.append(str(c["id"]))
-    info = obj(decision["informational"]) if decision.get("informational") else None
-    if info:
-        d = num(info["mean_difference"])
-        x = len(labels)
-        ax2.errorbar(
-            [x],
-            [d],
-            yerr=[[d - num(info["lower"])], [num(info["upper"]) - d]],
-            fmt="s",
-            capsize=6,
-            color="tab:gray",
-            label="Newcombe (informational)",
-        )
-        labels.append("informational")
+        yerr = [[d - num(c["lower"])], [num(c["upper"]) - d]]
+        ax2.errorbar([i], [d], yerr=yerr, fmt=marker, capsize=6, color=color, label=label)
+        if color is None:
+            ax2.axhline(num(c["margin"]), color="grey", linestyle=":")
+    labels = [iv[0] for iv in intervals]
     ax2.set_xticks(range(len(labels)), labels)
     ax2.set_ylabel("treatment - baseline"), ax2.set_title("paired difference: rule CI and informational CI")
     ax2.legend(fontsize=7)
