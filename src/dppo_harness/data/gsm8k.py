@@ -191,14 +191,13 @@ def grade_response(item: Gsm8kItem, renderer: renderers.Renderer, response_token
         correct=bool(result.metrics["correct"]),
         content=content,
         stop_sequence=bool(termination.is_stop_sequence),
-        answer_found=has_boxed_answer(content),
+        answer_found=boxed_answer(content) is not None,
     )
 
 
-def has_boxed_answer(content: str) -> bool:
-    """Whether the grader finds an answer at all: the cookbook's `extract_boxed` on the parsed text."""
+def boxed_answer(content: str) -> str | None:
+    """The answer the grader reads (the cookbook's `extract_boxed`: the last \\boxed{}), None when there is none."""
     try:
-        math_grading.extract_boxed(content)
+        return math_grading.extract_boxed(content)
     except ValueError:
-        return False
-    return True
+        return None

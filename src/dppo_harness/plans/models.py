@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal, NoReturn
+from typing import Annotated, ClassVar, Literal, NoReturn, get_args
 
 from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
@@ -25,7 +25,8 @@ from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error, ty
 
 PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
 # A deviation's `field` is one of these (the structured output's deviation fields; no other is reported).
-DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
+DeviationField = Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
+DEVIATION_FIELDS: tuple[str, ...] = get_args(DeviationField)
 
 
 class PlanError(ValueError):
@@ -388,7 +389,8 @@ class OriginalPlanRef(StrictModel):
 # Stages that train beyond setup: on a service that is not the embedded server each needs the
 # plan's launch block to authorize it. The preflight (connectivity, restoration probes, timing
 # pilot) is the setup every authorized stage needs, so it is never refused.
-AUTHORIZABLE_STAGES = ("gate", "diagnostic", "comparison")
+AuthorizableStage = Literal["gate", "diagnostic", "comparison"]
+AUTHORIZABLE_STAGES: tuple[str, ...] = get_args(AuthorizableStage)
 
 
 class Launch(StrictModel):
@@ -399,7 +401,7 @@ class Launch(StrictModel):
     launch_mode: str
     scope: NonEmptyStr
     only_authorized_run: bool
-    authorized_stages: list[Literal["gate", "diagnostic", "comparison"]]
+    authorized_stages: list[AuthorizableStage]
 
     @model_validator(mode="after")
     def _unique(self) -> Launch:
@@ -434,7 +436,7 @@ class Analysis(StrictModel):
 
 
 class PlanDeviation(StrictModel):
-    field: Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
+    field: DeviationField
     original: str
     effective: str
     reason: str
@@ -568,15 +570,14 @@ MODELS: dict[PlanKind, type[PlanModel]] = {
 def detect_kind(raw: JsonValue) -> PlanKind:
     if not isinstance(raw, dict):
         raise _fail("", f"expected object, got {type_name(raw)}")
-    if "kind" in raw:
-        kind = raw["kind"]
-        if kind == "bounded_diagnostic" or kind == "rehearsal":
-            return "bounded_diagnostic" if kind == "bounded_diagnostic" else "rehearsal"
-        raise _fail(
-            "kind",
-            f"expected one of ['bounded_diagnostic', 'rehearsal'] (a saved experiment spec has no kind), got {kind!r}",
-        )
-    return "experiment_spec"
+    if "kind" not in raw:
+        return "experiment_spec"
+    if raw["kind"] == "bounded_diagnostic" or raw["kind"] == "rehearsal":
+        return "bounded_diagnostic" if raw["kind"] == "bounded_diagnostic" else "rehearsal"
+    raise _fail(
+        "kind",
+        f"expected one of ['bounded_diagnostic', 'rehearsal'] (a saved experiment spec has no kind), got {raw['kind']!r}",
+    )
 
 
 def validate_model(raw: JsonValue) -> tuple[PlanKind, PlanModel]:

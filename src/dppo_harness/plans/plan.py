@@ -343,29 +343,22 @@ def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
 
 def generation_audit_applicability(plan: Plan) -> JsonObject:
     """Whether the generation audit applies (the effective config's `generation_audit`: applicable,
-    status "required" or "not_applicable", reason), from the plan's experiment_features.
-
-    generated_training_data=true requires it (overriding a legacy required=false); false makes it
-    not applicable unless an explicit contract (generation_audit.required=true) asks for it.
-    """
+    status "required" or "not_applicable", reason): generated_training_data=true requires it
+    (overriding a legacy required=false); false makes it not applicable unless an explicit contract
+    (generation_audit.required=true) asks for it."""
     src = plan.diagnostic if plan.kind == "bounded_diagnostic" else plan.experiment
-    gen = src.experiment_features.generated_training_data
-    explicit = plan.experiment.generation_audit.required if plan.kind != "bounded_diagnostic" else None
-    if gen is True:
+    if src.experiment_features.generated_training_data:
+        reason = "experiment_features.generated_training_data is true"
+    elif isinstance(src, ExperimentSpec) and src.generation_audit.required:
+        reason = "generation_audit.required is true"
+    else:
         return {
-            "applicable": True,
-            "status": "required",
-            "reason": "experiment_features.generated_training_data is true",
+            "applicable": False,
+            "status": "not_applicable",
+            "reason": "experiment_features.generated_training_data is false: no generated training data is used "
+            "(GSM8K train items only), and no explicit contract requires the audit",
         }
-    if explicit is True:
-        return {"applicable": True, "status": "required", "reason": "generation_audit.required is true"}
-    # The schema requires every feature, so generated_training_data is false here.
-    return {
-        "applicable": False,
-        "status": "not_applicable",
-        "reason": "experiment_features.generated_training_data is false: no generated training data is used "
-        "(GSM8K train items only), and no explicit contract requires the audit",
-    }
+    return {"applicable": True, "status": "required", "reason": reason}
 
 
 def _dump(m: BaseModel) -> JsonObject:
@@ -376,14 +369,7 @@ def _dump(m: BaseModel) -> JsonObject:
 def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
     """The configuration that will actually run (the feasibility record's `effective_config`),
     with every value the spec states only in prose and the sentence the resolution file quotes."""
-    out = plan_config(plan)
-    out["backend"] = {
-        "backend": info.backend,
-        "requested_model": info.requested_model,
-        "served_model": info.served_model,
-        "sdk_versions": dict(info.sdk_versions),
-    }
-    out["deviations"] = [as_object(d) for d in (*plan.deviations, *backend_deviations(plan, info))]
+    base = plan_config(plan)
     # Deferred: the tokenizer pulls in tinker_cookbook and the loss path torch; loading a plan stays light.
     from dppo_harness.data import tokenizer
     from dppo_harness.loss import losses as loss_path  # torch (see above)
@@ -395,20 +381,19 @@ def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
         if plan.kind == "bounded_diagnostic"
         else plan.spec_run.normalization
     )
-    out["renderer"] = tokenizer.default_renderer_declaration()
-    out["loss_normalization"] = as_object(loss_path.normalization_declaration(mode))
-    keys = (
-        "plan",
-        "backend",
-        "pinned",
-        "budget",
-        "generation_audit",
-        "config",
-        "renderer",
-        "loss_normalization",
-        "deviations",
-    )
-    return {k: out[k] for k in keys}
+    return {
+        "plan": base["plan"],
+        "backend": {
+            "backend": info.backend,
+            "requested_model": info.requested_model,
+            "served_model": info.served_model,
+            "sdk_versions": dict(info.sdk_versions),
+        },
+        **{k: base[k] for k in ("pinned", "budget", "generation_audit", "config")},
+        "renderer": tokenizer.default_renderer_declaration(),
+        "loss_normalization": as_object(loss_path.normalization_declaration(mode)),
+        "deviations": [as_object(d) for d in (*plan.deviations, *backend_deviations(plan, info))],
+    }
 
 
 def plan_config(plan: Plan) -> JsonObject:
