@@ -29,7 +29,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
-from typing import TypedDict
 
 from dppo_harness.json_types import JsonObject, JsonValue
 
@@ -253,23 +252,9 @@ def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float,
     return max(0.0, (centre - half) / den), min(1.0, (centre + half) / den)
 
 
-class NewcombeInterval(TypedDict):
-    """Newcombe's paired interval for p1 - p2, as ``newcombe_paired_interval`` returns it."""
-
-    n: int
-    p1: float
-    p2: float
-    difference: float
-    lower: float
-    upper: float
-    phi: float
-    wilson_p1: list[float]
-    wilson_p2: list[float]
-    alpha: float
-
-
-def newcombe_paired_interval(a: int, b: int, c: int, d: int, alpha: float = 0.05) -> NewcombeInterval:
-    """Newcombe's (1998) method 10 for p1 - p2 of paired binary outcomes.
+def newcombe_paired_interval(a: int, b: int, c: int, d: int, alpha: float = 0.05) -> JsonObject:
+    """Newcombe's (1998) method 10 for p1 - p2 of paired binary outcomes: n, p1, p2, difference,
+    lower, upper, phi, wilson_p1, wilson_p2, alpha.
 
     Table: a = both successes, b = first only, c = second only, d = neither; n = a + b + c + d,
     p1 = (a + b)/n, p2 = (a + c)/n, theta = p1 - p2 = (b - c)/n. With Wilson limits (l1, u1) of p1

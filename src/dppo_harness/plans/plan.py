@@ -390,7 +390,7 @@ def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
             "sdk_versions": dict(info.sdk_versions),
         },
         **{k: base[k] for k in ("pinned", "budget", "generation_audit", "config")},
-        "renderer": tokenizer.default_renderer_declaration(),
+        "renderer": tokenizer.renderer_declaration(),
         "loss_normalization": as_object(loss_path.normalization_declaration(mode)),
         "deviations": [as_object(d) for d in (*plan.deviations, *backend_deviations(plan, info))],
     }
