@@ -109,12 +109,6 @@ class Plan:
         return self.model
 
     @property
-    def rehearsal(self) -> RehearsalPlan:
-        if not isinstance(self.model, RehearsalPlan):
-            raise PlanError(f"kind: {self.kind} is not a rehearsal plan")
-        return self.model
-
-    @property
     def launch(self) -> Launch | None:
         """The plan's own launch block, else its resolution file's (a verbatim spec holds none)."""
         own = getattr(self.model, "launch", None)
@@ -129,8 +123,17 @@ class Plan:
 
     @cached_property
     def original(self) -> Plan:
-        """A bounded diagnostic's original plan (sha256 checked)."""
-        return check_original_plan(self)
+        """A bounded diagnostic's original plan, its sha256 the recorded one."""
+        ref = self.diagnostic.original_plan
+        path = project_plans() / ref.file
+        if self.path is not None and (self.path.parent / ref.file).is_file():
+            path = self.path.parent / ref.file  # else a diagnostic plan kept elsewhere names a project plan
+        original = load_plan(path)
+        if original.kind != "experiment_spec":
+            raise PlanError(f"original_plan.file: {ref.file} is a {original.kind} plan, not an experiment spec")
+        if original.sha256 != ref.sha256:
+            raise PlanError(f"original_plan.sha256: recorded {ref.sha256} but {ref.file} hashes to {original.sha256}")
+        return original
 
     @property
     def spec_plan(self) -> Plan:
@@ -148,8 +151,8 @@ class Plan:
     def planned_model(self) -> str:
         """The model the experiment is about: a rehearsal's derived-from spec names it (its own
         base_model is the declared stand-in), every other plan its base_model."""
-        if self.kind == "rehearsal":
-            for d in self.rehearsal.differences:
+        if isinstance(self.model, RehearsalPlan):
+            for d in self.model.differences:
                 if d.field == "base_model":
                     return str(d.spec)
         return self.base_model
@@ -167,8 +170,8 @@ class Plan:
     def deviations(self) -> list[dict[str, str]]:
         """Deviations the plan itself declares (a rehearsal's differences, as {field, original,
         effective, reason} with a DEVIATION_FIELDS field)."""
-        if self.kind == "rehearsal":
-            return [rehearsal_deviation(d) for d in self.rehearsal.differences]
+        if isinstance(self.model, RehearsalPlan):
+            return [rehearsal_deviation(d) for d in self.model.differences]
         if self.kind == "bounded_diagnostic":
             return [d.model_dump() for d in self.diagnostic.deviations]
         return []
@@ -267,27 +270,6 @@ def load_plan(path: str | Path, *, repo_root: Path | None = None) -> Plan:
     except OSError as exc:
         raise PlanError(f"{path}: cannot read plan file ({exc.strerror})") from None
     return parse_plan(data, path, repo_root=repo_root)
-
-
-def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan:
-    """Load the original plan a diagnostic names, and require its sha256 to match the recorded one."""
-    if diagnostic.kind != "bounded_diagnostic":
-        raise PlanError("kind: check_original_plan needs a bounded_diagnostic plan")
-    ref = diagnostic.diagnostic.original_plan
-    if plans_dir is not None:
-        path = plans_dir / ref.file
-    elif diagnostic.path is None:
-        path = project_plans() / ref.file
-    else:
-        path = diagnostic.path.parent / ref.file
-        if not path.is_file():  # a diagnostic plan kept elsewhere names a project plan
-            path = project_plans() / ref.file
-    original = load_plan(path)
-    if original.kind != "experiment_spec":
-        raise PlanError(f"original_plan.file: {ref.file} is a {original.kind} plan, not an experiment spec")
-    if original.sha256 != ref.sha256:
-        raise PlanError(f"original_plan.sha256: recorded {ref.sha256} but {ref.file} hashes to {original.sha256}")
-    return original
 
 
 # ----------------------------------------------------------------------------- backend + effective config
@@ -440,8 +422,8 @@ def plan_config(plan: Plan) -> JsonObject:
             "analysis_criteria": [_dump(c) for c in d.analysis.criteria],
         }
     plan_block: JsonObject = {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}
-    if plan.kind == "rehearsal":
-        plan_block.update(label="rehearsal", derived_from=_dump(plan.rehearsal.derived_from))
+    if isinstance(plan.model, RehearsalPlan):
+        plan_block.update(label="rehearsal", derived_from=_dump(plan.model.derived_from))
     if plan.launch is not None:
         plan_block["launch"] = _dump(plan.launch)
     if plan.resolution is not None:
