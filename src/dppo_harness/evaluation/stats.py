@@ -10,13 +10,7 @@ Verdict (supported or refuted only when the interval settles the margin):
 
 Beside it, never used for the verdict: an informational paired interval for two proportions
 (Newcombe 1998, method 10) with the discordant-pair counts and the exact McNemar test
-(`paired_binary_informational`).
-
-CLI::
-
-    python -m dppo_harness.evaluation.stats paired-hoeffding OBSERVATIONS.jsonl --treatment ARM --baseline ARM \\
-        [--alpha 0.05] [--margin 0] [--metric accuracy] [--bounds 0 1]
-    python -m dppo_harness.evaluation.stats paired-informational OBSERVATIONS.jsonl --treatment ARM --baseline ARM
+(`paired_binary_informational`). CLI: `python -m dppo_harness.evaluation.stats --help`.
 """
 
 from __future__ import annotations

@@ -6,16 +6,13 @@ Three plan kinds live in `plans/`:
 - `rehearsal`: a complete experiment spec at rehearsal size, derived from a saved spec (by path
   and sha256) with every difference declared (`"kind": "rehearsal"`, `plans/rehearsal/`).
 
-Each kind is a strict pydantic model (no unknown keys, no coercion, no NaN/inf). An invalid plan
-raises `PlanError` whose message starts with the field path, e.g.
-`activation_gate.checks[2].min: expected number, got str`. Any kind may carry a `launch` block:
-what this launch authorizes on a service that is not the embedded server (`plans.launch`).
+An invalid plan raises `PlanError` whose message starts with the field path, e.g.
+`activation_gate.checks[2].min: expected number, got str`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, NoReturn, get_args
 
@@ -63,13 +60,19 @@ def _fail(path: str, msg: str) -> PlanError:
     return PlanError(f"{path or '<root>'}: {msg}")
 
 
-def _needs_bound(check: BaseModel, keys: Sequence[str]) -> None:
-    given = [k for k in keys if getattr(check, k, None) is not None]
-    if not given:
-        raise rule_error("", f"expected at least one of {', '.join(keys)}")
-    lo, hi = getattr(check, "min", None), getattr(check, "max", None)
-    if lo is not None and hi is not None and lo > hi:
-        raise rule_error("max", f"max {hi!r} is below min {lo!r}")
+class _Bounded(StrictModel):
+    """A check that states at least one bound, its min not above its max (the fields are the
+    subclass's, so that they keep their place in its field order)."""
+
+    @model_validator(mode="after")
+    def _bounded(self) -> _Bounded:
+        keys = ("min", "max", "one_of", "min_exclusive")
+        if all(getattr(self, k, None) is None for k in keys):
+            raise rule_error("", f"expected at least one of {', '.join(keys)}")
+        lo, hi = getattr(self, "min", None), getattr(self, "max", None)
+        if lo is not None and hi is not None and lo > hi:
+            raise rule_error("max", f"max {hi!r} is below min {lo!r}")
+        return self
 
 
 # ----------------------------------------------------------------------------- experiment_spec
@@ -103,17 +106,12 @@ class OptimizerConfig(StrictModel):
     grad_clip_norm: NonNeg | None = None
 
 
-class GateCheck(StrictModel):
+class GateCheck(_Bounded):
     metric: str
     measures: str
     min: float | None = None
     max: float | None = None
     one_of: Annotated[list[str], Field(min_length=1)] | None = None
-
-    @model_validator(mode="after")
-    def _bounded(self) -> GateCheck:
-        _needs_bound(self, ("min", "max", "one_of", "min_exclusive"))
-        return self
 
 
 class SpecDataset(StrictModel):
@@ -410,7 +408,7 @@ class Launch(StrictModel):
         return self
 
 
-class AnalysisCriterion(StrictModel):
+class AnalysisCriterion(_Bounded):
     id: str
     metric: str
     measures: str
@@ -419,11 +417,6 @@ class AnalysisCriterion(StrictModel):
     max: float | None = None
     min_exclusive: float | None = None
     applies_when: str | None = None
-
-    @model_validator(mode="after")
-    def _bounded(self) -> AnalysisCriterion:
-        _needs_bound(self, ("min", "max", "one_of", "min_exclusive"))
-        return self
 
 
 class Analysis(StrictModel):

@@ -1,10 +1,5 @@
-"""The loaded plan: exact bytes, sha256, its validated model and typed run config, loading,
-the backend's deviations and the effective config.
-
-`parse_plan` validates the kind's model, checks a rehearsal against the spec it derives from,
-builds the `RunConfig` of every experiment spec (`run_config`: the values its resolution file
-states with the sentences they quote, cross-field rules, registered losses and dataset, roles)
-and resolves a diagnostic's original plan. Stages read `Plan.run`, `Plan.experiment`,
+"""The loaded plan (exact bytes, sha256, validated model, typed run config), the backend's
+deviations and the effective config. Stages read `Plan.run`, `Plan.experiment`,
 `Plan.diagnostic` and `Plan.launch`, never the raw JSON.
 """
 
