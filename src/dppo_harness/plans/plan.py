@@ -107,12 +107,12 @@ class Plan:
     def launch(self) -> Launch | None:
         """The plan's own launch block, else its resolution file's (a verbatim spec holds none)."""
         own = getattr(self.model, "launch", None)
-        return own if own is not None or self.resolution is None else self.resolution.launch
+        return own if own is not None or self.resolution is None else self.resolution.model.launch
 
     @property
     def launch_stated_in(self) -> str | None:
         """The resolution file's name when the launch comes from it, else None (the plan's own, or none)."""
-        if getattr(self.model, "launch", None) is None and self.resolution is not None and self.resolution.launch:
+        if getattr(self.model, "launch", None) is None and self.resolution is not None and self.resolution.model.launch:
             return self.resolution.file
         return None
 
@@ -187,7 +187,7 @@ def _check_resolution(model: PlanModel, resolution: Resolution | None) -> None:
     schedule in its own fields."""
     if resolution is None:
         return
-    if resolution.launch is not None and getattr(model, "launch", None) is not None:
+    if resolution.model.launch is not None and getattr(model, "launch", None) is not None:
         raise PlanError(f"{resolution.file}: launch: the plan states its own launch block; state it in one place")
     if (resolution.model.values or resolution.model.baseline_arm) and isinstance(model, BoundedDiagnostic):
         raise PlanError(
