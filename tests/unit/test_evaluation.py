@@ -220,7 +220,7 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
     assert at == [8.0, 24.0, 32.0], lines
 
 
-def test_prediction_json_keeps_the_row_keys_and_order():
+def test_predictions_file_keeps_every_row_key():
     row = {
         "item_id": "gsm8k-test-0000",
         "arm": "grpo_seed0",
@@ -236,5 +236,5 @@ def test_prediction_json_keeps_the_row_keys_and_order():
         "n_tokens": 512,
         "evaluator_id": "e" * 64,
     }
-    out = evaluation.prediction_json(row)
-    assert out == row and list(out) == list(row)
+    out = evaluation.EvalResult("grpo_seed0", 0, "tinker://x", "e" * 64, (row,), 0.0).predictions_jsonl()
+    assert [json.loads(line) for line in out.decode().splitlines()] == [row]

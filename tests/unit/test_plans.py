@@ -12,7 +12,6 @@ from dppo_harness.plans import (
     BackendInfo,
     PlanError,
     backend_deviations,
-    check_original_plan,
     effective_config,
     generation_audit_applicability,
     load_plan,
@@ -85,7 +84,7 @@ def test_diagnostic_plan_validates_and_pins_its_settings():
     assert crit["pooled_abs_drift_q90"]["min"] == 0.005
     fields = {d["field"] for d in plan.deviations}
     assert {"steps", "effective_batch", "endpoint", "evaluator"} <= fields
-    assert check_original_plan(plan).sha256 == SPEC_SHA256
+    assert plan.original.sha256 == SPEC_SHA256
 
 
 def _spec_raw():
@@ -175,9 +174,9 @@ def test_original_plan_hash_mismatch_is_refused(tmp_path):
     (tmp_path / "exp_e6b0965af3.json").write_bytes(SPEC.read_bytes().replace(b'"gpu_hours": 2.0', b'"gpu_hours": 2.5'))
     resolution = SPEC.name + ".resolution.json"
     (tmp_path / resolution).write_bytes((PLANS / resolution).read_bytes())
-    diag = load_plan(DIAG)
+    (tmp_path / DIAG.name).write_bytes(DIAG.read_bytes())  # its original is the one beside it
     with pytest.raises(PlanError, match="original_plan.sha256: recorded"):
-        check_original_plan(diag, tmp_path)
+        load_plan(tmp_path / DIAG.name)
 
 
 def test_backend_deviations_local_and_tinker():

@@ -15,19 +15,20 @@ import json
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, NotRequired, TypedDict, TypeVar
+from typing import Literal, NotRequired, TypedDict, TypeVar, get_args
 
 import tinker
 from tinker_cookbook import renderers
 from tinker_cookbook.recipes.math_rl import math_grading
 from tinker_cookbook.recipes.math_rl.math_env import MathEnv, extract_gsm8k_final_answer
 
+from dppo_harness.data.dataset import DATASETS
 from dppo_harness.data.sha256sums import DATA_DIR, DataIntegrityError, pinned_sha256
 from dppo_harness.json_types import JsonObject
 
 Split = Literal["train", "test"]
-SPLITS: tuple[Split, ...] = ("train", "test")
-EXPECTED_ROWS = {"train": 7473, "test": 1319}
+SPLITS: tuple[Split, ...] = get_args(Split)
+EXPECTED_ROWS = DATASETS["gsm8k"].split_sizes  # the rows of the upstream release, as registered
 
 
 class Gsm8kRow(TypedDict):
@@ -191,14 +192,13 @@ def grade_response(item: Gsm8kItem, renderer: renderers.Renderer, response_token
         correct=bool(result.metrics["correct"]),
         content=content,
         stop_sequence=bool(termination.is_stop_sequence),
-        answer_found=has_boxed_answer(content),
+        answer_found=boxed_answer(content) is not None,
     )
 
 
-def has_boxed_answer(content: str) -> bool:
-    """Whether the grader finds an answer at all: the cookbook's `extract_boxed` on the parsed text."""
+def boxed_answer(content: str) -> str | None:
+    """The answer the grader reads (the cookbook's `extract_boxed`: the last \\boxed{}), None when there is none."""
     try:
-        math_grading.extract_boxed(content)
+        return math_grading.extract_boxed(content)
     except ValueError:
-        return False
-    return True
+        return None

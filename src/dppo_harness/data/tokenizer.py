@@ -171,20 +171,16 @@ def make_renderer(choice: str = TML_QWEN35, renderer_name: str = constants.RENDE
 THINK_PREFILL = "<think>\n"
 
 
-def default_renderer_declaration() -> JsonObject:
-    """`renderer_declaration()` of the default tokenizer and renderer (deterministic, so computed once)."""
-    return dict(_default_declaration())
+def renderer_declaration() -> JsonObject:
+    """The default renderer and its thinking mode, read off a rendered generation prompt (not
+    assumed): what `effective-config.json` declares and the reports state next to the measured
+    truncation. A copy of the once-computed declaration (it is deterministic)."""
+    return dict(_renderer_declaration())
 
 
 @functools.cache
-def _default_declaration() -> JsonObject:
-    return renderer_declaration()
-
-
-def renderer_declaration(bundle: TokenizerBundle | None = None) -> JsonObject:
-    """The renderer and its thinking mode, read off a rendered generation prompt (not assumed):
-    what `effective-config.json` declares and the reports state next to the measured truncation."""
-    b = bundle or make_renderer()
+def _renderer_declaration() -> JsonObject:
+    b = make_renderer()
     ob = b.renderer.build_generation_prompt([renderers.Message(role="user", content="{question}")])
     decoded = b.tokenizer.decode(ob.to_ints())
     text = decoded if isinstance(decoded, str) else "".join(decoded)

@@ -70,11 +70,6 @@ class PredictionRow(TypedDict):
     evaluator_id: str
 
 
-def prediction_json(row: PredictionRow) -> JsonObject:
-    """The row as the JSON object written to the predictions file (same keys, same order)."""
-    return as_object(row)
-
-
 def evaluator_id(provenance: JsonObject) -> str:
     """``sha256(json.dumps(provenance, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
     allow_nan=False))``: the identity of everything that decides a score."""
@@ -136,24 +131,20 @@ def prompt_template(bundle: TokenizerBundle, item_type: type, dataset_name: str)
     )
 
 
-def decoding(max_tokens: int, stop: Sequence[int] | Sequence[str]) -> JsonObject:
-    return {
-        "temperature": 0.0,
-        "max_tokens": int(max_tokens),
-        "stop": list(stop_list(stop)),  # as sent in SamplingParams
-        "top_k": -1,
-        "top_p": 1.0,
-        "num_samples": 1,
-    }
-
-
 def build_provenance(items: Sequence[Gsm8kItem], bundle: TokenizerBundle, max_tokens: int) -> JsonObject:
     name = dataset_of(items)
     manifest = code_manifest(name)
     return {
         "code_sha256": hashlib.sha256(canonical_json(manifest).encode()).hexdigest(),
         "prompt_template": prompt_template(bundle, type(items[0]), name),
-        "decoding": decoding(max_tokens, bundle.renderer.get_stop_sequences()),
+        "decoding": {
+            "temperature": 0.0,
+            "max_tokens": int(max_tokens),
+            "stop": list(stop_list(bundle.renderer.get_stop_sequences())),  # as sent in SamplingParams
+            "top_k": -1,
+            "top_p": 1.0,
+            "num_samples": 1,
+        },
         "parser": PARSER_DESCRIPTION,
         "items": {"ids": [it.item_id for it in items]},
     }
@@ -275,7 +266,7 @@ class EvalResult:
         }
 
     def predictions_jsonl(self) -> bytes:
-        return "".join(canonical_json(prediction_json(r)) + "\n" for r in self.rows).encode("utf-8")
+        return "".join(canonical_json(as_object(r)) + "\n" for r in self.rows).encode("utf-8")
 
     def observations(self) -> list[JsonObject]:
         return [
@@ -350,10 +341,7 @@ def evaluate(
         seq = res.sequences[0]
         tokens = [int(t) for t in seq.tokens]
         graded = data.grade_response(item, renderer, tokens)
-        try:
-            prediction = math_grading.extract_boxed(graded.content)
-        except ValueError:
-            prediction = None
+        prediction = gsm8k.boxed_answer(graded.content)
         rows.append(
             {
                 "item_id": item.item_id,

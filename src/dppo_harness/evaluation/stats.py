@@ -10,13 +10,7 @@ Verdict (supported or refuted only when the interval settles the margin):
 
 Beside it, never used for the verdict: an informational paired interval for two proportions
 (Newcombe 1998, method 10) with the discordant-pair counts and the exact McNemar test
-(`paired_binary_informational`).
-
-CLI::
-
-    python -m dppo_harness.evaluation.stats paired-hoeffding OBSERVATIONS.jsonl --treatment ARM --baseline ARM \\
-        [--alpha 0.05] [--margin 0] [--metric accuracy] [--bounds 0 1]
-    python -m dppo_harness.evaluation.stats paired-informational OBSERVATIONS.jsonl --treatment ARM --baseline ARM
+(`paired_binary_informational`). CLI: `python -m dppo_harness.evaluation.stats --help`.
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
-from typing import TypedDict
 
 from dppo_harness.json_types import JsonObject, JsonValue
 
@@ -253,23 +246,9 @@ def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float,
     return max(0.0, (centre - half) / den), min(1.0, (centre + half) / den)
 
 
-class NewcombeInterval(TypedDict):
-    """Newcombe's paired interval for p1 - p2, as ``newcombe_paired_interval`` returns it."""
-
-    n: int
-    p1: float
-    p2: float
-    difference: float
-    lower: float
-    upper: float
-    phi: float
-    wilson_p1: list[float]
-    wilson_p2: list[float]
-    alpha: float
-
-
-def newcombe_paired_interval(a: int, b: int, c: int, d: int, alpha: float = 0.05) -> NewcombeInterval:
-    """Newcombe's (1998) method 10 for p1 - p2 of paired binary outcomes.
+def newcombe_paired_interval(a: int, b: int, c: int, d: int, alpha: float = 0.05) -> JsonObject:
+    """Newcombe's (1998) method 10 for p1 - p2 of paired binary outcomes: n, p1, p2, difference,
+    lower, upper, phi, wilson_p1, wilson_p2, alpha.
 
     Table: a = both successes, b = first only, c = second only, d = neither; n = a + b + c + d,
     p1 = (a + b)/n, p2 = (a + c)/n, theta = p1 - p2 = (b - c)/n. With Wilson limits (l1, u1) of p1

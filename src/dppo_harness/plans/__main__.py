@@ -18,21 +18,23 @@ from pathlib import Path
 from dppo_harness.evaluation.stats import hoeffding_half_width
 from dppo_harness.plans.plan import Plan, load_plan, plan_config, plan_errors
 from dppo_harness.plans.resolution import KEYS
-from dppo_harness.plans.run_config import RunConfig
 
 
-def value_lines(run: RunConfig) -> list[str]:
-    """One line per schedule value, with where it came from."""
-    out = []
+def reading_lines(plan: Plan) -> list[str]:
+    """The information lines `validate` prints on stderr (none for a plan without a run config): each
+    schedule value with where it came from; per criterion, the paired Hoeffding half-width at the
+    planned test items next to its margin."""
+    run = plan.run
+    if run is None:
+        return []
+    out = [
+        f"{plan.name}: values the spec states only in prose (config.run.stated_in_prose), each with the "
+        "sentence its resolution file quotes:"
+    ]
     for name, s in run.schedule_values().items():
         origin = f"default ({s.field}): {s.source}" if s.default else f"from {s.field}: {s.source!r}"
         out.append(f"  {name} = {s.value} ({KEYS[name].what}) {origin}")
-    return out
-
-
-def decision_lines(run: RunConfig) -> list[str]:
-    """Per criterion: the paired Hoeffding half-width at the planned test items next to its margin."""
-    out = []
+    out.append(f"{plan.name}: decision at the planned size (information, not a check):")
     for c in run.criteria:
         lo, hi = c.bounds
         span = hi - lo  # the difference lies in [-span, span]
@@ -45,19 +47,6 @@ def decision_lines(run: RunConfig) -> list[str]:
             f", refuted one below {down:.4g}{' (unreachable)' if down <= -span else ''}"
         )
     return out
-
-
-def reading_lines(plan: Plan) -> list[str]:
-    """The information lines `validate` prints on stderr (none for a plan without a run config)."""
-    if plan.run is None:
-        return []
-    return [
-        f"{plan.name}: values the spec states only in prose (config.run.stated_in_prose), each with the "
-        "sentence its resolution file quotes:",
-        *value_lines(plan.run),
-        f"{plan.name}: decision at the planned size (information, not a check):",
-        *decision_lines(plan.run),
-    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,8 +6,7 @@ edit. On a real service every selected stage that trains beyond setup (`AUTHORIZ
 the gate's fresh pilot, the diagnostic, the comparison) must be listed in the plan's
 `launch.authorized_stages`; otherwise the session is refused at the connectivity preflight,
 before any client exists, with one line saying what would authorize it. The embedded server
-(marker seen) is a rehearsal and is never refused. A verbatim spec cannot hold a launch block, so its
-launch is stated in its resolution file beside it (`plans.resolution`); `Plan.launch` reads either.
+(marker seen) is a rehearsal and is never refused.
 """
 
 from __future__ import annotations

@@ -6,18 +6,15 @@ Three plan kinds live in `plans/`:
 - `rehearsal`: a complete experiment spec at rehearsal size, derived from a saved spec (by path
   and sha256) with every difference declared (`"kind": "rehearsal"`, `plans/rehearsal/`).
 
-Each kind is a strict pydantic model (no unknown keys, no coercion, no NaN/inf). An invalid plan
-raises `PlanError` whose message starts with the field path, e.g.
-`activation_gate.checks[2].min: expected number, got str`. Any kind may carry a `launch` block:
-what this launch authorizes on a service that is not the embedded server (`plans.launch`).
+An invalid plan raises `PlanError` whose message starts with the field path, e.g.
+`activation_gate.checks[2].min: expected number, got str`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal, NoReturn
+from typing import Annotated, ClassVar, Literal, NoReturn, get_args
 
 from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
@@ -25,7 +22,8 @@ from dppo_harness.plans.schema_errors import STRICT, first_error, rule_error, ty
 
 PlanKind = Literal["experiment_spec", "bounded_diagnostic", "rehearsal"]
 # A deviation's `field` is one of these (the structured output's deviation fields; no other is reported).
-DEVIATION_FIELDS = ("model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint")
+DeviationField = Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
+DEVIATION_FIELDS: tuple[str, ...] = get_args(DeviationField)
 
 
 class PlanError(ValueError):
@@ -62,13 +60,19 @@ def _fail(path: str, msg: str) -> PlanError:
     return PlanError(f"{path or '<root>'}: {msg}")
 
 
-def _needs_bound(check: BaseModel, keys: Sequence[str]) -> None:
-    given = [k for k in keys if getattr(check, k, None) is not None]
-    if not given:
-        raise rule_error("", f"expected at least one of {', '.join(keys)}")
-    lo, hi = getattr(check, "min", None), getattr(check, "max", None)
-    if lo is not None and hi is not None and lo > hi:
-        raise rule_error("max", f"max {hi!r} is below min {lo!r}")
+class _Bounded(StrictModel):
+    """A check that states at least one bound, its min not above its max (the fields are the
+    subclass's, so that they keep their place in its field order)."""
+
+    @model_validator(mode="after")
+    def _bounded(self) -> _Bounded:
+        keys = ("min", "max", "one_of", "min_exclusive")
+        if all(getattr(self, k, None) is None for k in keys):
+            raise rule_error("", f"expected at least one of {', '.join(keys)}")
+        lo, hi = getattr(self, "min", None), getattr(self, "max", None)
+        if lo is not None and hi is not None and lo > hi:
+            raise rule_error("max", f"max {hi!r} is below min {lo!r}")
+        return self
 
 
 # ----------------------------------------------------------------------------- experiment_spec
@@ -102,17 +106,12 @@ class OptimizerConfig(StrictModel):
     grad_clip_norm: NonNeg | None = None
 
 
-class GateCheck(StrictModel):
+class GateCheck(_Bounded):
     metric: str
     measures: str
     min: float | None = None
     max: float | None = None
     one_of: Annotated[list[str], Field(min_length=1)] | None = None
-
-    @model_validator(mode="after")
-    def _bounded(self) -> GateCheck:
-        _needs_bound(self, ("min", "max", "one_of", "min_exclusive"))
-        return self
 
 
 class SpecDataset(StrictModel):
@@ -388,7 +387,8 @@ class OriginalPlanRef(StrictModel):
 # Stages that train beyond setup: on a service that is not the embedded server each needs the
 # plan's launch block to authorize it. The preflight (connectivity, restoration probes, timing
 # pilot) is the setup every authorized stage needs, so it is never refused.
-AUTHORIZABLE_STAGES = ("gate", "diagnostic", "comparison")
+AuthorizableStage = Literal["gate", "diagnostic", "comparison"]
+AUTHORIZABLE_STAGES: tuple[str, ...] = get_args(AuthorizableStage)
 
 
 class Launch(StrictModel):
@@ -399,7 +399,7 @@ class Launch(StrictModel):
     launch_mode: str
     scope: NonEmptyStr
     only_authorized_run: bool
-    authorized_stages: list[Literal["gate", "diagnostic", "comparison"]]
+    authorized_stages: list[AuthorizableStage]
 
     @model_validator(mode="after")
     def _unique(self) -> Launch:
@@ -408,7 +408,7 @@ class Launch(StrictModel):
         return self
 
 
-class AnalysisCriterion(StrictModel):
+class AnalysisCriterion(_Bounded):
     id: str
     metric: str
     measures: str
@@ -417,11 +417,6 @@ class AnalysisCriterion(StrictModel):
     max: float | None = None
     min_exclusive: float | None = None
     applies_when: str | None = None
-
-    @model_validator(mode="after")
-    def _bounded(self) -> AnalysisCriterion:
-        _needs_bound(self, ("min", "max", "one_of", "min_exclusive"))
-        return self
 
 
 class Analysis(StrictModel):
@@ -434,7 +429,7 @@ class Analysis(StrictModel):
 
 
 class PlanDeviation(StrictModel):
-    field: Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
+    field: DeviationField
     original: str
     effective: str
     reason: str
@@ -568,15 +563,14 @@ MODELS: dict[PlanKind, type[PlanModel]] = {
 def detect_kind(raw: JsonValue) -> PlanKind:
     if not isinstance(raw, dict):
         raise _fail("", f"expected object, got {type_name(raw)}")
-    if "kind" in raw:
-        kind = raw["kind"]
-        if kind == "bounded_diagnostic" or kind == "rehearsal":
-            return "bounded_diagnostic" if kind == "bounded_diagnostic" else "rehearsal"
-        raise _fail(
-            "kind",
-            f"expected one of ['bounded_diagnostic', 'rehearsal'] (a saved experiment spec has no kind), got {kind!r}",
-        )
-    return "experiment_spec"
+    if "kind" not in raw:
+        return "experiment_spec"
+    if raw["kind"] == "bounded_diagnostic" or raw["kind"] == "rehearsal":
+        return "bounded_diagnostic" if raw["kind"] == "bounded_diagnostic" else "rehearsal"
+    raise _fail(
+        "kind",
+        f"expected one of ['bounded_diagnostic', 'rehearsal'] (a saved experiment spec has no kind), got {raw['kind']!r}",
+    )
 
 
 def validate_model(raw: JsonValue) -> tuple[PlanKind, PlanModel]:

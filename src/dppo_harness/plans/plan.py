@@ -1,10 +1,5 @@
-"""The loaded plan: exact bytes, sha256, its validated model and typed run config, loading,
-the backend's deviations and the effective config.
-
-`parse_plan` validates the kind's model, checks a rehearsal against the spec it derives from,
-builds the `RunConfig` of every experiment spec (`run_config`: the values its resolution file
-states with the sentences they quote, cross-field rules, registered losses and dataset, roles)
-and resolves a diagnostic's original plan. Stages read `Plan.run`, `Plan.experiment`,
+"""The loaded plan (exact bytes, sha256, validated model, typed run config), the backend's
+deviations and the effective config. Stages read `Plan.run`, `Plan.experiment`,
 `Plan.diagnostic` and `Plan.launch`, never the raw JSON.
 """
 
@@ -109,28 +104,31 @@ class Plan:
         return self.model
 
     @property
-    def rehearsal(self) -> RehearsalPlan:
-        if not isinstance(self.model, RehearsalPlan):
-            raise PlanError(f"kind: {self.kind} is not a rehearsal plan")
-        return self.model
-
-    @property
     def launch(self) -> Launch | None:
         """The plan's own launch block, else its resolution file's (a verbatim spec holds none)."""
         own = getattr(self.model, "launch", None)
-        return own if own is not None or self.resolution is None else self.resolution.launch
+        return own if own is not None or self.resolution is None else self.resolution.model.launch
 
     @property
     def launch_stated_in(self) -> str | None:
         """The resolution file's name when the launch comes from it, else None (the plan's own, or none)."""
-        if getattr(self.model, "launch", None) is None and self.resolution is not None and self.resolution.launch:
+        if getattr(self.model, "launch", None) is None and self.resolution is not None and self.resolution.model.launch:
             return self.resolution.file
         return None
 
     @cached_property
     def original(self) -> Plan:
-        """A bounded diagnostic's original plan (sha256 checked)."""
-        return check_original_plan(self)
+        """A bounded diagnostic's original plan, its sha256 the recorded one."""
+        ref = self.diagnostic.original_plan
+        path = project_plans() / ref.file
+        if self.path is not None and (self.path.parent / ref.file).is_file():
+            path = self.path.parent / ref.file  # else a diagnostic plan kept elsewhere names a project plan
+        original = load_plan(path)
+        if original.kind != "experiment_spec":
+            raise PlanError(f"original_plan.file: {ref.file} is a {original.kind} plan, not an experiment spec")
+        if original.sha256 != ref.sha256:
+            raise PlanError(f"original_plan.sha256: recorded {ref.sha256} but {ref.file} hashes to {original.sha256}")
+        return original
 
     @property
     def spec_plan(self) -> Plan:
@@ -148,8 +146,8 @@ class Plan:
     def planned_model(self) -> str:
         """The model the experiment is about: a rehearsal's derived-from spec names it (its own
         base_model is the declared stand-in), every other plan its base_model."""
-        if self.kind == "rehearsal":
-            for d in self.rehearsal.differences:
+        if isinstance(self.model, RehearsalPlan):
+            for d in self.model.differences:
                 if d.field == "base_model":
                     return str(d.spec)
         return self.base_model
@@ -167,8 +165,8 @@ class Plan:
     def deviations(self) -> list[dict[str, str]]:
         """Deviations the plan itself declares (a rehearsal's differences, as {field, original,
         effective, reason} with a DEVIATION_FIELDS field)."""
-        if self.kind == "rehearsal":
-            return [rehearsal_deviation(d) for d in self.rehearsal.differences]
+        if isinstance(self.model, RehearsalPlan):
+            return [rehearsal_deviation(d) for d in self.model.differences]
         if self.kind == "bounded_diagnostic":
             return [d.model_dump() for d in self.diagnostic.deviations]
         return []
@@ -189,7 +187,7 @@ def _check_resolution(model: PlanModel, resolution: Resolution | None) -> None:
     schedule in its own fields."""
     if resolution is None:
         return
-    if resolution.launch is not None and getattr(model, "launch", None) is not None:
+    if resolution.model.launch is not None and getattr(model, "launch", None) is not None:
         raise PlanError(f"{resolution.file}: launch: the plan states its own launch block; state it in one place")
     if (resolution.model.values or resolution.model.baseline_arm) and isinstance(model, BoundedDiagnostic):
         raise PlanError(
@@ -269,27 +267,6 @@ def load_plan(path: str | Path, *, repo_root: Path | None = None) -> Plan:
     return parse_plan(data, path, repo_root=repo_root)
 
 
-def check_original_plan(diagnostic: Plan, plans_dir: Path | None = None) -> Plan:
-    """Load the original plan a diagnostic names, and require its sha256 to match the recorded one."""
-    if diagnostic.kind != "bounded_diagnostic":
-        raise PlanError("kind: check_original_plan needs a bounded_diagnostic plan")
-    ref = diagnostic.diagnostic.original_plan
-    if plans_dir is not None:
-        path = plans_dir / ref.file
-    elif diagnostic.path is None:
-        path = project_plans() / ref.file
-    else:
-        path = diagnostic.path.parent / ref.file
-        if not path.is_file():  # a diagnostic plan kept elsewhere names a project plan
-            path = project_plans() / ref.file
-    original = load_plan(path)
-    if original.kind != "experiment_spec":
-        raise PlanError(f"original_plan.file: {ref.file} is a {original.kind} plan, not an experiment spec")
-    if original.sha256 != ref.sha256:
-        raise PlanError(f"original_plan.sha256: recorded {ref.sha256} but {ref.file} hashes to {original.sha256}")
-    return original
-
-
 # ----------------------------------------------------------------------------- backend + effective config
 
 
@@ -343,29 +320,22 @@ def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
 
 def generation_audit_applicability(plan: Plan) -> JsonObject:
     """Whether the generation audit applies (the effective config's `generation_audit`: applicable,
-    status "required" or "not_applicable", reason), from the plan's experiment_features.
-
-    generated_training_data=true requires it (overriding a legacy required=false); false makes it
-    not applicable unless an explicit contract (generation_audit.required=true) asks for it.
-    """
+    status "required" or "not_applicable", reason): generated_training_data=true requires it
+    (overriding a legacy required=false); false makes it not applicable unless an explicit contract
+    (generation_audit.required=true) asks for it."""
     src = plan.diagnostic if plan.kind == "bounded_diagnostic" else plan.experiment
-    gen = src.experiment_features.generated_training_data
-    explicit = plan.experiment.generation_audit.required if plan.kind != "bounded_diagnostic" else None
-    if gen is True:
+    if src.experiment_features.generated_training_data:
+        reason = "experiment_features.generated_training_data is true"
+    elif isinstance(src, ExperimentSpec) and src.generation_audit.required:
+        reason = "generation_audit.required is true"
+    else:
         return {
-            "applicable": True,
-            "status": "required",
-            "reason": "experiment_features.generated_training_data is true",
+            "applicable": False,
+            "status": "not_applicable",
+            "reason": "experiment_features.generated_training_data is false: no generated training data is used "
+            "(GSM8K train items only), and no explicit contract requires the audit",
         }
-    if explicit is True:
-        return {"applicable": True, "status": "required", "reason": "generation_audit.required is true"}
-    # The schema requires every feature, so generated_training_data is false here.
-    return {
-        "applicable": False,
-        "status": "not_applicable",
-        "reason": "experiment_features.generated_training_data is false: no generated training data is used "
-        "(GSM8K train items only), and no explicit contract requires the audit",
-    }
+    return {"applicable": True, "status": "required", "reason": reason}
 
 
 def _dump(m: BaseModel) -> JsonObject:
@@ -376,14 +346,7 @@ def _dump(m: BaseModel) -> JsonObject:
 def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
     """The configuration that will actually run (the feasibility record's `effective_config`),
     with every value the spec states only in prose and the sentence the resolution file quotes."""
-    out = plan_config(plan)
-    out["backend"] = {
-        "backend": info.backend,
-        "requested_model": info.requested_model,
-        "served_model": info.served_model,
-        "sdk_versions": dict(info.sdk_versions),
-    }
-    out["deviations"] = [as_object(d) for d in (*plan.deviations, *backend_deviations(plan, info))]
+    base = plan_config(plan)
     # Deferred: the tokenizer pulls in tinker_cookbook and the loss path torch; loading a plan stays light.
     from dppo_harness.data import tokenizer
     from dppo_harness.loss import losses as loss_path  # torch (see above)
@@ -395,20 +358,19 @@ def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
         if plan.kind == "bounded_diagnostic"
         else plan.spec_run.normalization
     )
-    out["renderer"] = tokenizer.default_renderer_declaration()
-    out["loss_normalization"] = as_object(loss_path.normalization_declaration(mode))
-    keys = (
-        "plan",
-        "backend",
-        "pinned",
-        "budget",
-        "generation_audit",
-        "config",
-        "renderer",
-        "loss_normalization",
-        "deviations",
-    )
-    return {k: out[k] for k in keys}
+    return {
+        "plan": base["plan"],
+        "backend": {
+            "backend": info.backend,
+            "requested_model": info.requested_model,
+            "served_model": info.served_model,
+            "sdk_versions": dict(info.sdk_versions),
+        },
+        **{k: base[k] for k in ("pinned", "budget", "generation_audit", "config")},
+        "renderer": tokenizer.renderer_declaration(),
+        "loss_normalization": as_object(loss_path.normalization_declaration(mode)),
+        "deviations": [as_object(d) for d in (*plan.deviations, *backend_deviations(plan, info))],
+    }
 
 
 def plan_config(plan: Plan) -> JsonObject:
@@ -455,8 +417,8 @@ def plan_config(plan: Plan) -> JsonObject:
             "analysis_criteria": [_dump(c) for c in d.analysis.criteria],
         }
     plan_block: JsonObject = {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256}
-    if plan.kind == "rehearsal":
-        plan_block.update(label="rehearsal", derived_from=_dump(plan.rehearsal.derived_from))
+    if isinstance(plan.model, RehearsalPlan):
+        plan_block.update(label="rehearsal", derived_from=_dump(plan.model.derived_from))
     if plan.launch is not None:
         plan_block["launch"] = _dump(plan.launch)
     if plan.resolution is not None:

@@ -98,10 +98,6 @@ class Resolution:
     model: ResolutionFile
     data: bytes = field(default=b"", repr=False)  # the exact bytes, registered in the evidence beside the plan
 
-    @property
-    def launch(self) -> Launch | None:
-        return self.model.launch
-
     def as_json(self) -> JsonObject:
         """The effective config's record of the file (its values are under config.run)."""
         return {

@@ -252,19 +252,7 @@ class RunConfig:
             "dataset": self.dataset,
             "train_items": self.train_items,
             "max_seq_len": self.max_seq_len,
-            "arms": [
-                {
-                    "name": a.name,
-                    "loss": a.loss,
-                    "role": a.role,
-                    "seed": a.seed,
-                    "lr": a.lr,
-                    "updates_per_batch": a.updates_per_batch,
-                    "optimizer": a.optimizer,
-                    "adam": dict(a.adam.items()),
-                }
-                for a in self.arms
-            ],
+            "arms": [{**{k: getattr(a, k) for k in _ARM_KEYS}, "adam": dict(a.adam.items())} for a in self.arms],
             "baseline_source": self.baseline_source,
             "rollout_steps": self.rollout_steps,
             "optimizer_steps": self.optimizer_steps,
@@ -277,20 +265,17 @@ class RunConfig:
                 "method": self.decision_method,
                 "alpha": self.alpha,
                 "criteria": [
-                    {
-                        "id": c.id,
-                        "metric": c.metric,
-                        "treatment": c.treatment,
-                        "baseline": c.baseline,
-                        "margin": c.margin,
-                        "bounds": list(c.bounds),
-                    }
-                    for c in self.criteria
+                    {**{k: getattr(c, k) for k in _CRITERION_KEYS}, "bounds": list(c.bounds)} for c in self.criteria
                 ],
             },
             "gate_checks": [c.model_dump(exclude_none=True) for c in self.gate_checks],
             "stated_in_prose": {k: v.as_json() for k, v in self.schedule_values().items()},
         }
+
+
+# The record of an arm and of a criterion in `RunConfig.as_json`, in this order.
+_ARM_KEYS = ("name", "loss", "role", "seed", "lr", "updates_per_batch", "optimizer")
+_CRITERION_KEYS = ("id", "metric", "treatment", "baseline", "margin")
 
 
 def _quote(s: Stated) -> str:

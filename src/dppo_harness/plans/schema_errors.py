@@ -24,15 +24,7 @@ def rule_error(at: str, message: str) -> PydanticCustomError:
 
 
 def type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, dict):
-        return "object"
-    if isinstance(value, list):
-        return "list"
-    return type(value).__name__
+    return {type(None): "null", dict: "object"}.get(type(value), type(value).__name__)
 
 
 def format_path(loc: Sequence[str | int]) -> str:
@@ -51,6 +43,12 @@ _EXPECTED = {
     "dict_type": "object",
     "model_type": "object",
     "model_attributes_type": "object",
+}
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"),
+    "less_than_equal": ("<=", "le"),
+    "greater_than": (">", "gt"),
+    "less_than": ("<", "lt"),
 }
 
 
@@ -75,13 +73,8 @@ def describe(err: ErrorDetails) -> str:
         msg = f"expected one of [{ctx['expected']}], got {value!r}"
     elif kind == "string_pattern_mismatch":
         msg = f"expected a string matching {ctx['pattern']!r}, got {value!r}"
-    elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        op, bound = {
-            "greater_than_equal": (">=", "ge"),
-            "less_than_equal": ("<=", "le"),
-            "greater_than": (">", "gt"),
-            "less_than": ("<", "lt"),
-        }[kind]
+    elif kind in _BOUNDS:
+        op, bound = _BOUNDS[kind]
         msg = f"expected a number {op} {ctx[bound]}, got {value!r}"
     elif kind == "too_short":
         msg = f"expected at least {ctx['min_length']} items, got {ctx['actual_length']}"

@@ -1,10 +1,5 @@
-"""Training-client helpers shared by every stage that drives a Tinker training client.
-
-The contract: datums for `forward`/`forward_backward` with `cross_entropy` (shifted tokens, a
-per-target weight), forward-only per-token logprob reads, a JSON-able dump of any SDK response for
-evidence. A response that lacks what a caller needs raises
-`RestorationError` with one line naming the missing field.
-"""
+"""Training-client helpers shared by every stage that drives a Tinker training client. A response
+that lacks what a caller needs raises `RestorationError` with one line naming the missing field."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Fingerprints of what a training client was given and what it returned.
-
-The contract: `batch_sha256` over a fixed batch's input ids, target ids and mask, `logprobs_sha256`
-over per-token logprobs at the precision the server returned, and `compare_logprobs` (bitwise
-equality, max |a-b|, within `LOGPROB_ATOL`). Hashes are length-prefixed, so different splits of
-the same bytes never collide; a shape mismatch never passes a comparison.
-"""
+"""Fingerprints of what a training client was given and what it returned. Hashes are
+length-prefixed, so different splits of the same bytes never collide; a shape mismatch never
+passes a comparison."""
 
 from __future__ import annotations
 

@@ -128,25 +128,23 @@ def optimizer_check(
     if not config_complete:
         missing = sorted(set(requested_config) - set(actual_cfg or {}))
         unverified.append(f"config keys not exposed by any server response: {missing}")
-    return OptimizerCheck(
-        {
-            "after_restore": after_restore,
-            "before_next_update": True,
-            "requested_optimizer": requested_optimizer,
-            "requested_config": dict(requested_config),
-            "actual_optimizer": family,
-            "actual_optimizer_source": "server_response" if family is not None else "declared",
-            "actual_config": actual_cfg,
-            "actual_config_source": "server_response" if actual_cfg else "declared",
-            "actual_config_observed_on": echo_observed_on if actual_cfg else None,
-            "source": "server_response" if (family is not None or actual_cfg) else "declared",
-            "evidence_ref": info_ref if not actual_cfg else f"{info_ref}; {echo_ref}",
-            "matches": not mismatches,
-            "mismatches": mismatches,
-            "verified": bool(family is not None and config_complete and not mismatches),
-            "unverified_reasons": unverified,
-        }
-    )
+    return {
+        "after_restore": after_restore,
+        "before_next_update": True,
+        "requested_optimizer": requested_optimizer,
+        "requested_config": dict(requested_config),
+        "actual_optimizer": family,
+        "actual_optimizer_source": "server_response" if family is not None else "declared",
+        "actual_config": actual_cfg,
+        "actual_config_source": "server_response" if actual_cfg else "declared",
+        "actual_config_observed_on": echo_observed_on if actual_cfg else None,
+        "source": "server_response" if (family is not None or actual_cfg) else "declared",
+        "evidence_ref": info_ref if not actual_cfg else f"{info_ref}; {echo_ref}",
+        "matches": not mismatches,
+        "mismatches": mismatches,
+        "verified": bool(family is not None and config_complete and not mismatches),
+        "unverified_reasons": unverified,
+    }
 
 
 PROBE_ECHO_REASON = (

@@ -25,12 +25,6 @@ import tinker
 import torch
 from safetensors.torch import load as load_safetensors
 
-DESCRIPTION = (
-    "tinker backend: ||theta_after - theta_before|| over all tensors of the sampler weights "
-    "(TrainingClient.save_weights_for_sampler before and after the update, archives fetched from "
-    "RestClient.get_checkpoint_archive_url_from_tinker_path, their .safetensors members read with safetensors)"
-)
-
 
 def update_norm_from_tensors(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
     """L2 norm of the parameter change over the union of tensor names (float64)."""
@@ -54,7 +48,11 @@ class ArchiveUrls(Protocol):
 class ExternalWeightsUpdateNorm:
     """`restoration.probe.UpdateNormMeasure` through saved sampler weights and their archive URLs."""
 
-    description = DESCRIPTION
+    description = (
+        "tinker backend: ||theta_after - theta_before|| over all tensors of the sampler weights "
+        "(TrainingClient.save_weights_for_sampler before and after the update, archives fetched from "
+        "RestClient.get_checkpoint_archive_url_from_tinker_path, their .safetensors members read with safetensors)"
+    )
 
     def __init__(
         self,
