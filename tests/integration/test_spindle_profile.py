@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from harness_paths import LOSS_PARITY
 from run_env import harness_env
-from spindle_in_process import SpindleInProcess
+from server_in_process import ServerInProcess
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
@@ -57,10 +57,10 @@ README_URL = "http://127.0.0.1:8123"
 POOLED_ATOL = 1e-4
 
 
-def _spindle(run_dir: Path, *fault_args: str) -> SpindleInProcess:
-    """Spindle in this process (tests/support/spindle_in_process.py): these tests run the harness as
+def _spindle(run_dir: Path, *fault_args: str) -> ServerInProcess:
+    """Spindle in this process (tests/support/server_in_process.py): these tests run the harness as
     a user runs it against the service; none is about the server's own process."""
-    return SpindleInProcess(run_dir, PLANTED, *fault_args).start()
+    return ServerInProcess(run_dir, "--profile", "spindle", *fault_args, credentials=PLANTED).start()
 
 
 def _harness_env(base_url: str | None, **overrides: str | None) -> dict[str, str]:
