@@ -16,15 +16,21 @@ from run_env import harness_env, is_run_variable
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-# The files that take minutes (each a harness run or several, in subprocesses), longest first.
-# `.ci/run` hands whole files to two workers in collection order (`--dist loadfile
-# --no-loadscope-reorder`); started first, none of them is left to run alone at the end.
+# The files that take minutes, longest first (CPU seconds each, measured alone:
+# docs/benchmarks.md). `.ci/run` hands whole files to two workers in collection order (`--dist
+# loadfile --no-loadscope-reorder`), each worker holding one file ahead; started first, none of
+# them is left to run alone at the end.
 LONGEST_FIRST = (
     "test_spindle_profile.py",
-    "test_comparison_kill_resume.py",
     "test_real_looking_service.py",
-    "test_local_server_sdk.py",
+    "test_comparison_kill_resume.py",
     "test_comparison_resume.py",
+    "test_launch_scope.py",
+    "test_engine_parity.py",
+    "test_diagnostic_overflow.py",
+    "test_comparison_lost_arm.py",
+    "test_comparison_stops_local.py",
+    "test_local_server_sdk.py",
 )
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from server_in_process import ServerInProcess
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
-from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.stages.comparison.run import run_comparison
@@ -42,8 +42,9 @@ PLANTED = {
 def _run(tmp_path: Path, *lost_at: int):
     env = {**os.environ, **PLANTED}
     fault_args = [a for n in lost_at for a in ("--fault-model-lost", f"forward_backward:{n}")]
-    srv = LocalServerProcess(
-        run_dir=tmp_path / "srv", model="tiny-qwen3-random", profile="spindle", env=env, fault_args=fault_args
+    # In this process: the test reads what the comparison did with the lost models, not the server's process.
+    srv = ServerInProcess(
+        tmp_path / "srv", "--profile", "spindle", "--model", "tiny-qwen3-random", *fault_args, credentials=PLANTED
     ).start()
     try:
         sc = make_service_client("tinker", srv.base_url, env)

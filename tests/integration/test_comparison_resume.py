@@ -16,9 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from server_in_process import ServerInProcess
 
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
-from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.service.release import ClientRegistry
@@ -89,9 +89,8 @@ CAPACITY_FAIL = "optim_step:6,16"
 
 @pytest.fixture(scope="module")
 def faulty_engine(tmp_path_factory, registry):
-    srv = LocalServerProcess(
-        run_dir=tmp_path_factory.mktemp("capacity-server"), fault_args=["--fault-capacity-fail", CAPACITY_FAIL]
-    ).start()
+    # In this process: the test reads the refusal's retry and the server's saved states, not its process.
+    srv = ServerInProcess(tmp_path_factory.mktemp("capacity-server"), "--fault-capacity-fail", CAPACITY_FAIL).start()
     try:
         yield (*_server_and_initial_state(srv, registry, "capacity"), srv)
         assert all(r["released"] for r in registry.release_stage("capacity"))

@@ -17,7 +17,8 @@ from sdk_session import end_session
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
-from dppo_harness.local_server.process import LocalServerProcess
+from dppo_harness.local_server.engine.engine import Engine
+from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response
 from dppo_harness.stages.comparison import run as comparison_run
@@ -32,7 +33,10 @@ ARM_NAMES = [a.name for a in PLAN.run.arms]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    srv = LocalServerProcess(run_dir=tmp_path_factory.mktemp("stops-server"), model="tiny-qwen3-random").start()
+    # In this process: every stop here is the harness's own (wall guard, optimizer mismatch, a hang
+    # raised by the test); none is about the server's process.
+    run_dir = tmp_path_factory.mktemp("stops-server")
+    srv = InProcessServer(Engine(run_dir, model_name="tiny-qwen3-random")).start()
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
     try:
         tc = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32, seed=0)

@@ -167,14 +167,18 @@ def _refusal_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if "launch scope:" in line]
 
 
-@pytest.mark.parametrize("selection", [["-m", "comparison"], ["tests/gates"]], ids=["-m comparison", "tests/gates"])
+# A stage selected by marker with the plan given, and by path alone with no plan: the default plan
+# (the saved spec, whose launch its resolution file states) is the one the stage would load, so
+# the gate is refused before the first test all the same.
+@pytest.mark.parametrize(
+    "selection",
+    [["-m", "comparison", f"--plan={ROOT / 'plans' / 'exp_e6b0965af3.json'}"], ["tests/gates"]],
+    ids=["-m comparison --plan", "tests/gates, no plan"],
+)
 def test_unauthorized_stage_is_refused_before_any_client(service, selection, tmp_path):
     srv, proxy = service
     before = len(proxy.requests)
-    proc, secs = _harness(
-        [*selection, f"--plan={ROOT / 'plans' / 'exp_e6b0965af3.json'}", f"--evidence-dir={tmp_path / 'evidence'}"],
-        proxy.url,
-    )
+    proc, secs = _harness([*selection, f"--evidence-dir={tmp_path / 'evidence'}"], proxy.url)
     out = proc.stdout + proc.stderr
     print(f"refused in {secs:.1f} s (pytest start-up and collection included)")
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
@@ -192,21 +196,6 @@ def test_unauthorized_stage_is_refused_before_any_client(service, selection, tmp
     assert f"GET {CAPABILITIES}" in sent and {r.split(" ", 1)[1] for r in sent} <= CONNECTIVITY_READS, sent
     stats = srv.stats()
     assert stats["sessions"] == 0 and stats["models"] == {}, stats
-
-
-def test_stages_selected_by_path_alone_are_checked_against_the_plan_that_will_run(service, tmp_path):
-    """`pytest tests/gates` with no -m and no --plan: the default plan (the saved spec, whose launch
-    its resolution file states) is the one the stage would load, so the gate is refused before the first test."""
-    srv, _proxy = service
-    proc, _secs = _harness(["tests/gates", f"--evidence-dir={tmp_path / 'evidence'}"], _proxy.url)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
-    (line,) = _refusal_lines(out)
-    assert (
-        "stage gate is not authorized" in line
-        and "launch (stated in exp_e6b0965af3.json.resolution.json) authorizes no training stage" in line
-    ), line
-    assert srv.stats()["sessions"] == 0
 
 
 def test_a_connectivity_error_at_the_launch_check_refuses_instead_of_skipping_it(service, tmp_path):

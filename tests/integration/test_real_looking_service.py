@@ -32,8 +32,7 @@ import pytest
 from harness_paths import LOSS_PARITY
 from marker_hiding_proxy import MarkerHidingProxy, marker_hiding_proxy
 from run_env import harness_env
-
-from dppo_harness.local_server.process import LocalServerProcess
+from server_in_process import ServerInProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "plans"
@@ -61,9 +60,9 @@ BLOCK_PATIENCE_S = 15
 
 @contextmanager
 def _spindle(run_dir: Path, *server_args: str) -> Iterator[MarkerHidingProxy]:
-    srv = LocalServerProcess(
-        run_dir=run_dir, profile="spindle", env=harness_env(**PLANTED), fault_args=list(server_args)
-    ).start()
+    """Spindle in this process (tests/support/server_in_process.py): these tests run the harness as
+    a user runs it against the service; none is about the server's own process."""
+    srv = ServerInProcess(run_dir, "--profile", "spindle", *server_args, credentials=PLANTED).start()
     try:
         with marker_hiding_proxy(srv.base_url) as proxy:
             yield proxy

@@ -1,5 +1,6 @@
-"""The harness's `tinker` branch in CI: the embedded server with `--profile spindle` as a separate
-process, planted credentials, and the harness run as a user runs it (`pytest -m diagnostic`).
+"""The harness's `tinker` branch in CI: the embedded server with `--profile spindle` in the test
+process (the harness runs as its own process against it), planted credentials, and the harness run
+as a user runs it (`pytest -m diagnostic`).
 
 - the main run: unit parity (the loss-parity file) -> preflight -> a shortened diagnostic (test plan: 4 groups x 4,
   2 minibatches x 2 epochs) through a capacity storm shorter than the backoff window;
@@ -31,6 +32,7 @@ from pathlib import Path
 import pytest
 from harness_paths import LOSS_PARITY
 from run_env import harness_env
+from server_in_process import ServerInProcess
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
@@ -55,9 +57,10 @@ README_URL = "http://127.0.0.1:8123"
 POOLED_ATOL = 1e-4
 
 
-def _spindle(run_dir: Path, *fault_args: str) -> LocalServerProcess:
-    env = {**os.environ, **PLANTED, "TINKER_TELEMETRY": "0"}
-    return LocalServerProcess(run_dir=run_dir, profile="spindle", env=env, fault_args=list(fault_args)).start()
+def _spindle(run_dir: Path, *fault_args: str) -> ServerInProcess:
+    """Spindle in this process (tests/support/server_in_process.py): these tests run the harness as
+    a user runs it against the service; none is about the server's own process."""
+    return ServerInProcess(run_dir, "--profile", "spindle", *fault_args, credentials=PLANTED).start()
 
 
 def _harness_env(base_url: str | None, **overrides: str | None) -> dict[str, str]:
