@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import tinker
 import torch
+from pydantic import JsonValue
 
 from dppo_harness.evidence.progress import Ticker, quiet
 from dppo_harness.json_types import JsonObject
@@ -62,7 +63,8 @@ def file_sha256(path: Path) -> str:
 
 def _value(case: JsonObject, dotted: str, shape: tuple[int, int] | None = None) -> np.ndarray:
     """A case's field (`a.b`: nested) as a float64 array of `shape`, or a finite number without one."""
-    name, obj = case.get("name", "?"), case
+    name = case.get("name", "?")
+    obj: JsonValue = case
     for k in dotted.split("."):
         if not isinstance(obj, dict) or k not in obj:
             raise GoldenError(f"case {name!r}: missing {dotted}")
@@ -70,7 +72,7 @@ def _value(case: JsonObject, dotted: str, shape: tuple[int, int] | None = None) 
     if shape is None:
         if not isinstance(obj, (int, float)) or isinstance(obj, bool) or not math.isfinite(obj):
             raise GoldenError(f"case {name!r}: {dotted} must be a finite number, got {obj!r}")
-        return np.float64(obj)
+        return np.asarray(obj, dtype=np.float64)
     try:
         arr = np.asarray(obj, dtype=np.float64)
     except (TypeError, ValueError) as exc:
