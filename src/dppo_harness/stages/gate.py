@@ -152,21 +152,10 @@ def with_rollout_yield(
 ) -> list[PilotStepRow]:
     """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
     length (a step that sampled nothing gets none)."""
-    out = []
-    for row in rows:
-        y = yields[int(row["step"])] if int(row["step"]) < len(yields) else None
-        if y is None:
-            out.append({**row})
-            continue
-        out.append(
-            {
-                **row,
-                "truncated_frac": y.truncated_frac,
-                "no_answer_frac": y.no_answer_frac,
-                "mean_response_tokens": y.mean_response_tokens,
-                "responses": y.n,
-            }
-        )
+    out = [{**row} for row in rows]
+    for row, y in zip(out, yields):  # rows are the pilot steps in order, from step 0
+        row.update(truncated_frac=y.truncated_frac, no_answer_frac=y.no_answer_frac)
+        row.update(mean_response_tokens=y.mean_response_tokens, responses=y.n)
     return out
 
 
@@ -194,10 +183,8 @@ def executed_model(info: tinker.types.GetInfoResponse, backend: str, bundle: Evi
     model is `model_data.arch`, where the embedded server puts it (else the backend block's
     `served_model`). Using the requested name would make this check pass on a stand-in.
     """
-    md = getattr(info, "model_data", None)
-    names = {"model_name": getattr(md, "model_name", None), "arch": getattr(md, "arch", None)}
-    block = backend_of(bundle.result)
-    served = served_model(names, block, local=backend == "local")
+    names = {"model_name": info.model_data.model_name, "arch": info.model_data.arch}
+    served = served_model(names, backend_of(bundle.result), local=backend == "local")
     name = served.reported if served.origin == "model_name" else served.name  # the service's word, even ""
     return name, _GATE_SOURCES[served.origin].format(reported=served.reported)
 

@@ -17,20 +17,13 @@ Flow (`run_restoration_preflight`):
 Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
 The probes are in `probe`, what is recorded and written in `records`.
 
-Options of `run_restoration_preflight`:
-- `trained_arms`: the arms that train in this session (None: all). Only they get a client and an
-  `initialization_provenance` entry; the others are listed under `excluded_arms` with the reason.
-  A single trained arm's initial output is compared with the setup client's.
-- `checkpoint_reader` (local backend): adapter_sha256 of each arm as loaded and the LR-scaling
-  update norms from server-written checkpoints; without it (and without `update_norm`) the LR probe
-  is recorded unavailable with the reason.
-- `probe_service_client`: where the setup and probe clients live, so the caller can release them
-  before the arms train; the arms live on `service_client`.
-- `arm_seed_overrides`, `probe_restore_with_optimizer=False`: failure-path tests (a mismatched
-  initial state for one arm; a probe restore that drops the Adam moments).
-- `capacity`, `registry`: every client-creating call is retried on a capacity refusal within the
-  policy's windows (`service.capacity.call_with_capacity_retry`).
-- `progress`: one line at every step, so the preflight is never silent.
+Options of `run_restoration_preflight`: `trained_arms` (None: all) get a client and a provenance
+entry, the others are listed under `excluded_arms` (a single trained arm is compared with the
+setup client); `checkpoint_reader` (local backend) measures adapter_sha256 and the LR-scaling norms,
+without it or `update_norm` the LR probe is recorded unavailable; `probe_service_client` holds the
+setup and probe clients, so the caller can release them; `arm_seed_overrides` and
+`probe_restore_with_optimizer=False` are for failure-path tests; `capacity`/`registry` retry every
+client-creating call on a capacity refusal; `progress` gets a line at every step.
 """
 
 from __future__ import annotations

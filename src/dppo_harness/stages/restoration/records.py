@@ -96,13 +96,8 @@ class LrScalingUnavailable:
 
     def to_json(self) -> JsonObject:
         """lr-scaling-probe.json when unmeasured."""
-        return {
-            "available": False,
-            "reason": self.reason,
-            "learning_rates": list(self.learning_rates),
-            "lr_scaling": [],
-            "passed": None,
-        }
+        rates = [*self.learning_rates]
+        return {"available": False, "reason": self.reason, "learning_rates": rates, "lr_scaling": [], "passed": None}
 
 
 @dataclass(frozen=True, kw_only=True)
