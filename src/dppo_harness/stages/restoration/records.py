@@ -96,7 +96,7 @@ class LrScalingUnavailable:
 
     def to_json(self) -> JsonObject:
         """lr-scaling-probe.json when unmeasured."""
-        rates = [*self.learning_rates]
+        rates: list[JsonValue] = [*self.learning_rates]
         return {"available": False, "reason": self.reason, "learning_rates": rates, "lr_scaling": [], "passed": None}
 
 
