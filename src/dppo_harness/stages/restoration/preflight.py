@@ -15,7 +15,7 @@ Flow (`run_restoration_preflight`):
    LR, one client from the initial checkpoint per other LR), the same fixed gradient, norm / LR.
 
 Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
-The probes are in `probe`, what is recorded and written in `records`.
+The probes are in `probe`, the records in `records`.
 
 Options of `run_restoration_preflight`: `trained_arms` (None: all) get a client and a provenance
 entry, the others are listed under `excluded_arms` (a single trained arm is compared with the
