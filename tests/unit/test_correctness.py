@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dppo_harness.json_types import as_object
 from dppo_harness.loss import correctness as cx
 from dppo_harness.loss import correctness_golden, correctness_measures, references
 from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
@@ -100,7 +101,7 @@ def test_measures_json_is_parity_errors_as_written():
     """The preflight block writes each ErrorMeasures record with the same keys, order and values."""
     for got, want in (([1.0, 2.0], [1.0, 2.5]), ([0.0], [0.0])):
         e = correctness_measures.parity_errors(got, want)
-        assert list(correctness_measures.measures_json(e).items()) == list(e.items())
+        assert list(as_object(e).items()) == list(e.items())
 
 
 def test_validate_tolerances_are_numbers():

@@ -126,18 +126,15 @@ def check_record(
         if diff.any():
             idx = np.flatnonzero(diff)
             check.problems.append(f"{where}: {name} differs on {idx.size} tokens (first packed index {int(idx[0])})")
-    # p - q tails do not depend on any decision: always cross-checked, ties or not.
-    for key in LossStats.names("drift"):
-        if not _close(record.stats[key], stats[key]):
+    # p - q tails do not depend on any decision: always cross-checked; a tie moves counts, so the
+    # decision statistics are compared only when the decisions agree exactly.
+    counts = () if check.ties else LossStats.names("count")
+    for key in LossStats.names("drift") + counts + (() if check.ties else LossStats.names("float")):
+        same = record.stats[key] == stats[key] if key in counts else _close(record.stats[key], stats[key])
+        if not same:
             check.problems.append(f"{where}: logged {key}={record.stats[key]}, replay {stats[key]}")
-    if check.ties:  # a tie moves counts; compare decision statistics only when decisions agree exactly
+    if check.ties:
         return check
-    for key in LossStats.names("count"):
-        if record.stats[key] != stats[key]:
-            check.problems.append(f"{where}: logged {key}={record.stats[key]}, replay {stats[key]}")
-    for key in LossStats.names("float"):
-        if not _close(record.stats[key], stats[key]):
-            check.problems.append(f"{where}: logged {key}={record.stats[key]}, replay {stats[key]}")
     for sign in HIST_SIGNS:
         if record.stats["hist"][sign] != stats["hist"][sign] or record.stats.hist.edges != stats.hist.edges:
             check.problems.append(f"{where}: logged p-q histogram (A {sign}) differs from replay")

@@ -24,7 +24,7 @@ from pathlib import Path
 from pydantic import JsonValue
 
 from dppo_harness.constants import BASELINE_REVISION, REFERENCE_REVISION
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.loss.correctness_measures import (
     CHECK_NAMES,
     DEFAULT_TOLERANCES,
@@ -35,7 +35,6 @@ from dppo_harness.loss.correctness_measures import (
     GoldenReport,
     Tolerances,
     errors_pass,
-    measures_json,
 )
 from dppo_harness.loss.loss_registry import PATH_ID, implemented_list
 from dppo_harness.service.secrets_scan import without_credentials
@@ -139,7 +138,7 @@ def _path_block(report: GoldenReport, path_id: str, tol: Tolerances) -> JsonObje
     errors: JsonObject = {}
     for key in CHECK_NAMES:
         if collected[key]:
-            errors[key] = measures_json(_worst(collected[key], tol.get(key, DEFAULT_TOLERANCES[key])))
+            errors[key] = as_object(_worst(collected[key], tol.get(key, DEFAULT_TOLERANCES[key])))
     modes = sorted({r.mode for r in report.results})
     flips = sum(1 for r in report.results for s in r.subchecks if "flips=" in s.detail)
     return {

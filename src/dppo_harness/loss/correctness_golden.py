@@ -31,7 +31,6 @@ import tinker
 import torch
 from pydantic import JsonValue
 
-from dppo_harness.constants import LOG_RATIO_CLAMP_MAX
 from dppo_harness.evidence.progress import Ticker, quiet
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
@@ -47,14 +46,11 @@ from dppo_harness.loss.correctness_measures import (
     errors_pass,
     parity_errors,
 )
-from dppo_harness.loss.golden import case_inputs
+from dppo_harness.loss.golden import REGISTRY_TOLERANCE, case_inputs
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, Normalization, get_loss
-from dppo_harness.loss.references import ref_dppo, ref_ppo, token_count
+from dppo_harness.loss.references import RefResult, ref_dppo, ref_ppo, token_count
 
 _REQUIRED_CASE_KEYS = ("name", "shape", "log_prob", "rollout_log_prob", "advantages", "response_mask", "dppo")
-# verl's vanilla PPO (the golden grpo_no_dual_clip entry) keeps a dual clip at c=1e4 and clamps the
-# log-ratio to +-20; Tinker's ppo has neither. Used only to reproduce the golden values.
-VERL_NO_DUAL_CLIP_C = 10000.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,30 +61,25 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _field(case: JsonObject, keys: Sequence[str]) -> JsonValue:
+def _value(case: JsonObject, dotted: str, shape: tuple[int, int] | None = None) -> np.ndarray:
+    """A case's field (`a.b`: nested) as a float64 array of `shape`, or a finite number without one."""
+    name = case.get("name", "?")
     obj: JsonValue = case
-    for k in keys:
+    for k in dotted.split("."):
         if not isinstance(obj, dict) or k not in obj:
-            raise GoldenError(f"case {case.get('name', '?')!r}: missing {'.'.join(keys)}")
+            raise GoldenError(f"case {name!r}: missing {dotted}")
         obj = obj[k]
-    return obj
-
-
-def _array(case: JsonObject, keys: Sequence[str], shape: tuple[int, int]) -> np.ndarray:
+    if shape is None:
+        if not isinstance(obj, (int, float)) or isinstance(obj, bool) or not math.isfinite(obj):
+            raise GoldenError(f"case {name!r}: {dotted} must be a finite number, got {obj!r}")
+        return np.asarray(obj, dtype=np.float64)
     try:
-        arr = np.asarray(_field(case, keys), dtype=np.float64)
+        arr = np.asarray(obj, dtype=np.float64)
     except (TypeError, ValueError) as exc:
-        raise GoldenError(f"case {case.get('name', '?')!r}: {'.'.join(keys)} is not numeric: {exc}") from exc
+        raise GoldenError(f"case {name!r}: {dotted} is not numeric: {exc}") from exc
     if arr.shape != shape:
-        raise GoldenError(f"case {case.get('name', '?')!r}: {'.'.join(keys)} has shape {arr.shape}, expected {shape}")
+        raise GoldenError(f"case {name!r}: {dotted} has shape {arr.shape}, expected {shape}")
     return arr
-
-
-def _scalar(case: JsonObject, keys: Sequence[str]) -> float:
-    obj = _field(case, keys)
-    if not isinstance(obj, (int, float)) or isinstance(obj, bool) or not math.isfinite(obj):
-        raise GoldenError(f"case {case.get('name', '?')!r}: {'.'.join(keys)} must be a finite number, got {obj!r}")
-    return float(obj)
 
 
 @dataclass(frozen=True)
@@ -132,7 +123,7 @@ def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
         if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(s, int) and s >= 0 for s in shape)):
             raise GoldenError(f"{path}: cases[{i}].shape must be [B, T], got {shape!r}")
         shp = (shape[0], shape[1])
-        mask = _array(c, ["response_mask"], shp)
+        mask = _value(c, "response_mask", shp)
         if not np.isin(mask, (0.0, 1.0)).all():
             raise GoldenError(f"case {c['name']!r}: response_mask must be 0/1")
         grpo = c.get("grpo_no_dual_clip")
@@ -140,16 +131,16 @@ def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
         cases.append(
             GoldenCase(
                 name=str(c["name"]),
-                lp_BT=_array(c, ["log_prob"], shp),
-                mu_BT=_array(c, ["rollout_log_prob"], shp),
-                adv_BT=_array(c, ["advantages"], shp),
+                lp_BT=_value(c, "log_prob", shp),
+                mu_BT=_value(c, "rollout_log_prob", shp),
+                adv_BT=_value(c, "advantages", shp),
                 mask_BT=mask,
-                dppo_mask_BT=_array(c, ["dppo", "mask"], shp),
-                dppo_loss=_scalar(c, ["dppo", "loss"]),
-                dppo_grad_BT=_array(c, ["dppo", "grad_log_prob"], shp),
-                grpo_loss=_scalar(c, ["grpo_no_dual_clip", "loss"]) if grpo is not None else None,
-                grpo_grad_BT=_array(c, ["grpo_no_dual_clip", "grad_log_prob"], shp) if grpo is not None else None,
-                grpo_clipfrac=_scalar(c, ["grpo_no_dual_clip", "clipfrac"])
+                dppo_mask_BT=_value(c, "dppo.mask", shp),
+                dppo_loss=float(_value(c, "dppo.loss")),
+                dppo_grad_BT=_value(c, "dppo.grad_log_prob", shp),
+                grpo_loss=float(_value(c, "grpo_no_dual_clip.loss")) if grpo is not None else None,
+                grpo_grad_BT=_value(c, "grpo_no_dual_clip.grad_log_prob", shp) if grpo is not None else None,
+                grpo_clipfrac=float(_value(c, "grpo_no_dual_clip.clipfrac"))
                 if grpo is not None and "clipfrac" in grpo
                 else None,
                 dppo_removed=int(removed)
@@ -281,9 +272,6 @@ def run_packed(case: GoldenCase, packed: PackedCase, arm: str, normalization: No
 # ---------------------------------------------------------------------------------------------
 # Registry parity: every registered loss against its own reference and golden cases
 
-# float64 on both sides: only summation order differs.
-REGISTRY_TOLERANCE = {"atol": 1e-12, "rtol": 1e-9}
-
 
 @dataclass(frozen=True)
 class LossParity:
@@ -350,9 +338,11 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
 # Per-case checks
 
 
-def _dppo_params() -> Mapping[str, float]:
-    """The registered DPPO rule's parameters (its delta is the plan's)."""
-    return get_loss(DPPO_LOSS).params
+def _golden_ref(name: str, case: GoldenCase) -> RefResult:
+    """A registered loss's reference at its golden rule variant (what the golden values are)."""
+    e = get_loss(name)
+    inputs = (case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, e.golden.normalization)
+    return e.reference(*inputs, **e.params, **e.golden.reference_params)
 
 
 _REF, _BASE = ("reference_loss", "reference_gradient"), ("baseline_loss", "baseline_gradient")
@@ -393,16 +383,12 @@ def check_case(case: GoldenCase, mode: str, tolerances: Tolerances | None = None
 
 def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
     """The independent implementation must itself reproduce the golden file (exact masks)."""
-    rd = ref_dppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", **_dppo_params())
+    rd = _golden_ref(DPPO_LOSS, case)
     fails = [] if np.array_equal(rd.decision_BT, case.dppo_mask_BT > 0) else ["mask differs"]
     want = (case.dppo_loss, case.dppo_grad_BT)
     subs = [_loss_grad_check("ref_dppo_vs_golden", (rd.loss, rd.grad_BT), want, tol, _REF, fails)]
     if case.grpo_loss is not None and case.grpo_grad_BT is not None:  # both or neither (the golden's GRPO entry)
-        clamp, dual = LOG_RATIO_CLAMP_MAX, VERL_NO_DUAL_CLIP_C
-        rv = ref_ppo(
-            case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean", log_ratio_clamp=clamp, dual_clip_c=dual
-        )
-        n = token_count(case.mask_BT)
+        rv, n = _golden_ref(GRPO_LOSS, case), token_count(case.mask_BT)
         fails = []
         if case.grpo_clipfrac is not None and int(rv.decision_BT.sum()) != round(case.grpo_clipfrac * (n + 1e-8)):
             fails.append("clip count differs")
@@ -414,7 +400,9 @@ def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
 def _dppo_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> SubCheck:
     """Treatment (reference parity): DPPO, token_mean."""
     run = run_packed(case, packed, "dppo", "token_mean", mode)
-    r_used = ref_dppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean", **_dppo_params())
+    r_used = ref_dppo(
+        run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean", **get_loss(DPPO_LOSS).params
+    )
     flips = int((r_used.decision_BT != (case.dppo_mask_BT > 0)).sum())
     if flips == 0:
         exp_loss, exp_grad, exp_mask, note = case.dppo_loss, case.dppo_grad_BT, case.dppo_mask_BT > 0, "vs golden"
@@ -450,10 +438,12 @@ def _baseline_checks(case: GoldenCase, packed: PackedCase, mode: str, tol: Toler
 
 def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> SubCheck:
     """GRPO path (token_mean) vs the golden grpo_no_dual_clip, on the domain where verl == Tinker ppo."""
-    on = case.mask_BT > 0
+    on, verl = case.mask_BT > 0, get_loss(GRPO_LOSS).golden.reference_params
     with np.errstate(over="ignore"):
         lr = np.where(on, case.lp_BT - case.mu_BT, 0.0)
-        outside = on & ((np.abs(lr) > LOG_RATIO_CLAMP_MAX) | ((case.adv_BT < 0) & (np.exp(lr) > VERL_NO_DUAL_CLIP_C)))
+        outside = on & (
+            (np.abs(lr) > verl["log_ratio_clamp"]) | ((case.adv_BT < 0) & (np.exp(lr) > verl["dual_clip_c"]))
+        )
     if outside.any():
         return SubCheck(
             "grpo_golden",

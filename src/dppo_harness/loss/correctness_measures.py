@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TypedDict
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import JsonValue
 
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, as_object
 
 GOLDEN_SCHEMA = "dppo_golden_v1"
 MODES = ("float64", "float32", "float64-datum")  # the packed path's modes (`correctness_golden`)
@@ -68,10 +68,6 @@ def parity_errors(actual: npt.ArrayLike, reference: npt.ArrayLike) -> ErrorMeasu
     }
 
 
-def measures_json(e: ErrorMeasures) -> JsonObject:
-    return {k: e[k] for k in ("max_abs_error", "reference_max_abs", "relative_l2_error", "cosine_similarity")}
-
-
 def errors_pass(errors: Mapping[str, object], tol: Mapping[str, float]) -> tuple[bool, str]:
     """The acceptance rule: max_abs_error <= atol + rtol * reference_max_abs (both finite and
     non-negative) and, where `tol` sets min_cosine, cosine_similarity >= it (missing only for an
@@ -119,16 +115,8 @@ class CaseResult:
         return f"{'PASS' if self.passed else 'FAIL'} {self.case} [{self.mode}] " + " ".join(parts)
 
     def to_json(self) -> JsonObject:
-        subchecks: list[JsonValue] = [
-            {
-                "name": s.name,
-                "passed": s.passed,
-                "detail": s.detail,
-                "errors": {k: measures_json(e) for k, e in s.errors.items()},
-            }
-            for s in self.subchecks
-        ]
-        return {"case": self.case, "mode": self.mode, "passed": self.passed, "subchecks": subchecks}
+        subchecks = [as_object(asdict(s)) for s in self.subchecks]  # ErrorMeasures as written
+        return {"case": self.case, "mode": self.mode, "passed": self.passed, "subchecks": [*subchecks]}
 
 
 @dataclass

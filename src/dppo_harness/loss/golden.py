@@ -39,8 +39,8 @@ from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss.loss_registry import DPPO_LOSS, LOSSES, LossEntry, get_loss
 from dppo_harness.project import project_root
 
-# float64 on both sides: only summation order differs (as `correctness_golden.REGISTRY_TOLERANCE`).
-_ATOL, _RTOL = 1e-12, 1e-9
+# float64 on both sides: only summation order differs (also the registry parity's tolerance).
+REGISTRY_TOLERANCE = {"atol": 1e-12, "rtol": 1e-9}
 _VERL_EPS = 1e-8  # verl's masked_mean adds it to the token count: its clipfrac is n_clipped / (n + 1e-8)
 # Where `params.dppo` writes the registered DPPO loss's parameters.
 _DPPO_PARAMS = {
@@ -58,7 +58,11 @@ def _kept(stored: JsonValue, fresh: np.ndarray | float) -> JsonValue:
         got = np.asarray(stored, dtype=np.float64)
     except (TypeError, ValueError):
         got = None
-    if got is not None and got.shape == want.shape and np.allclose(got, want, atol=_ATOL, rtol=_RTOL):
+    if (
+        got is not None
+        and got.shape == want.shape
+        and np.allclose(got, want, REGISTRY_TOLERANCE["rtol"], REGISTRY_TOLERANCE["atol"])
+    ):
         return stored
     value: JsonValue = want.tolist()
     return value

@@ -203,9 +203,8 @@ def packed_loss(
 
 
 def normalization_declaration(mode: Normalization) -> dict[str, str]:
-    """What `effective-config.json` and the reports declare about the loss normalization."""
-    if mode not in _NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {_NORMALIZATIONS}, got {mode!r}")
+    """What `effective-config.json` and the reports declare about the loss normalization (a plan's:
+    validated at load)."""
     ours = (
         "the summed token losses of one forward_backward_custom call (one minibatch) divided by the number "
         "of loss tokens (mask 1) in that call, zero-advantage tokens included"

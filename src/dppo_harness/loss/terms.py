@@ -148,11 +148,6 @@ class LossStats(Mapping[str, Any]):
         )
 
     @classmethod
-    def kind(cls, name: str) -> Kind:
-        kind: Kind = _FIELDS[name].metadata["kind"]
-        return kind
-
-    @classmethod
     def scalar_names(cls) -> tuple[str, ...]:
         """The scalar statistics (no histogram, no dtype): counts first, then fractions and tails."""
         return cls.names("count") + cls.names("float", "drift")

@@ -45,10 +45,8 @@ class Bounds:
 
     def as_json(self) -> BoundsJson:
         """The declared bounds, in the order the reports write them (absent bounds left out)."""
-        out: BoundsJson = {}
-        for key, bound in (("min", self.min), ("max", self.max), ("min_exclusive", self.min_exclusive)):
-            if bound is not None:
-                out[key] = bound
+        numeric = (("min", self.min), ("max", self.max), ("min_exclusive", self.min_exclusive))
+        out: BoundsJson = {key: bound for key, bound in numeric if bound is not None}
         if self.one_of is not None:
             out["one_of"] = list(self.one_of)
         return out

@@ -22,11 +22,12 @@ from dppo_harness.loss.correctness_golden import (
     registered_loss_parity,
 )
 from dppo_harness.loss.correctness_measures import MODES
+from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 from dppo_harness.stages.restoration.probe import attach_lr_scaling
 from dppo_harness.stages.restoration.records import LrScalingBlock
 
-# The golden file the preflight checks, relative to the project root.
-GOLDEN_FIXTURE = Path("tests") / "fixtures" / "dppo_golden_v1.json"
+# The golden file the preflight checks, relative to the project root: the registered losses' own.
+GOLDEN_FIXTURE = Path(get_loss(DPPO_LOSS).golden.file)
 
 
 @dataclass(frozen=True)

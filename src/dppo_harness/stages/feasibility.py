@@ -270,13 +270,8 @@ def run_feasibility(
 
 
 def gpu_allocation(backend_kind: str) -> tuple[int | None, str | None]:
-    """GPU count only from explicit evidence: the local server runs on this host's CPU."""
-    if backend_kind != "local":
-        return None, None  # shared service: allocation unknown
-    try:
-        n = torch.cuda.device_count()
-    except Exception:
+    """GPU count only from explicit evidence: the local server runs on this host's CPU (a shared
+    service's allocation is unknown; so is the CPU server's use of a GPU this host has)."""
+    if backend_kind != "local" or torch.cuda.device_count() != 0:  # reports 0 when CUDA is unusable
         return None, None
-    if n == 0:
-        return 0, "local embedded server on this host: torch.cuda.device_count() == 0 (CPU only)"
-    return None, None  # a GPU exists but the CPU server's use of it is not evidenced
+    return 0, "local embedded server on this host: torch.cuda.device_count() == 0 (CPU only)"

@@ -152,21 +152,10 @@ def with_rollout_yield(
 ) -> list[PilotStepRow]:
     """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
     length (a step that sampled nothing gets none)."""
-    out = []
-    for row in rows:
-        y = yields[int(row["step"])] if int(row["step"]) < len(yields) else None
-        if y is None:
-            out.append({**row})
-            continue
-        out.append(
-            {
-                **row,
-                "truncated_frac": y.truncated_frac,
-                "no_answer_frac": y.no_answer_frac,
-                "mean_response_tokens": y.mean_response_tokens,
-                "responses": y.n,
-            }
-        )
+    out = [{**row} for row in rows]
+    for row, y in zip(out, yields):  # rows are the pilot steps in order, from step 0
+        row.update(truncated_frac=y.truncated_frac, no_answer_frac=y.no_answer_frac)
+        row.update(mean_response_tokens=y.mean_response_tokens, responses=y.n)
     return out
 
 
@@ -194,10 +183,8 @@ def executed_model(info: tinker.types.GetInfoResponse, backend: str, bundle: Evi
     model is `model_data.arch`, where the embedded server puts it (else the backend block's
     `served_model`). Using the requested name would make this check pass on a stand-in.
     """
-    md = getattr(info, "model_data", None)
-    names = {"model_name": getattr(md, "model_name", None), "arch": getattr(md, "arch", None)}
-    block = backend_of(bundle.result)
-    served = served_model(names, block, local=backend == "local")
+    names = {"model_name": info.model_data.model_name, "arch": info.model_data.arch}
+    served = served_model(names, backend_of(bundle.result), local=backend == "local")
     name = served.reported if served.origin == "model_name" else served.name  # the service's word, even ""
     return name, _GATE_SOURCES[served.origin].format(reported=served.reported)
 
@@ -265,19 +252,6 @@ class GateReport:
         return {"values": values, "note": note}
 
 
-@dataclass
-class _Pilot:
-    """What the pilot measured so far (kept when it stops early)."""
-
-    recorder: ins.LossCallRecorder
-    optim_counts: list[int] = field(default_factory=list)
-    samplers: list[str] = field(default_factory=list)
-    base_model: str | None = None
-    base_model_source: str = "not measured"
-    loaded_checkpoint: str | None = None
-    yields: list[answer_yield.ResponseYield] = field(default_factory=list)  # of each step's batch
-
-
 def run_activation_gate(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -308,26 +282,28 @@ def run_activation_gate(
         max_seq_len=run.max_seq_len,
     )
     loss_cfg = losses.LossConfig.for_loss(treatment.loss, run.normalization)
-    pilot = _Pilot(ins.LossCallRecorder(loss_cfg))
+    recorder = ins.LossCallRecorder(loss_cfg)  # what the pilot measured is kept when it stops early
+    optim_counts: list[int] = []
+    samplers: list[str] = []
+    yields: list[answer_yield.ResponseYield] = []  # of each step's batch
+    base_model, base_model_source, loaded_checkpoint = None, "not measured", None
     errors: list[str] = []
     try:
         restored = restore(service_client, initial_checkpoint, "gate pilot client")
-        pilot.loaded_checkpoint = restored.loaded_path
+        loaded_checkpoint = restored.loaded_path
         problem = restored.mismatch()
         if problem is not None:  # the pilot must train the shared initial state, shown loaded
             errors.append(f"pilot client: {problem}")
-        pilot.base_model, pilot.base_model_source = executed_model(restored.info, backend, bundle)
-        if pilot.base_model is None:  # model_name is optional in the SDK's ModelData: never the requested name
+        base_model, base_model_source = executed_model(restored.info, backend, bundle)
+        if base_model is None:  # model_name is optional in the SDK's ModelData: never the requested name
             errors.append(
                 f"executed_base_model unavailable: the service's get_info response names no model "
-                f"(read from {pilot.base_model_source})"
+                f"(read from {base_model_source})"
             )
         renderer = tokenizer.make_renderer().renderer
         train = dataset.get(run.dataset).load_split("train", seed=treatment.seed)
         adam = tinker.AdamParams(**treatment.adam)
-        arm = ArmStepRun(
-            restored.client, losses.make_loss_fn(loss_cfg), adam, pilot.recorder, treatment.updates_per_batch
-        )
+        arm = ArmStepRun(restored.client, losses.make_loss_fn(loss_cfg), adam, recorder, treatment.updates_per_batch)
         for step in range(steps):  # the comparison's arm-step: sample from the current weights, then the updates
 
             def context(u: int, sampler_path: str, idx: list[int], step: int = step) -> dict[str, int | str]:
@@ -353,24 +329,24 @@ def run_activation_gate(
                 )
             finally:  # what the step reached is kept when it stops part-way
                 if done.sampled is not None:
-                    pilot.samplers.append(done.sampled.sampler_path)
-                    pilot.yields.append(done.sampled.batch.response_yield())
+                    samplers.append(done.sampled.sampler_path)
+                    yields.append(done.sampled.batch.response_yield())
                 if done.minibatches is not None:
-                    pilot.optim_counts.append(done.updates_done)
+                    optim_counts.append(done.updates_done)
             bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
             last = done.records[-1].stats if done.records else {}
             say(
-                f"[gate] step {step + 1}/{steps}: {pilot.optim_counts[step]} updates, "
+                f"[gate] step {step + 1}/{steps}: {optim_counts[step]} updates, "
                 f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
                 f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
-                f"truncated {pilot.yields[step].truncated_frac:.2f}, no answer {pilot.yields[step].no_answer_frac:.2f}, "
+                f"truncated {yields[step].truncated_frac:.2f}, no answer {yields[step].no_answer_frac:.2f}, "
                 f"elapsed {time.monotonic() - t0:.0f}s"
             )
     except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
         errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
-    records = pilot.recorder.records
+    records = recorder.records
     values, per_step = gate_values(
-        records, pilot.optim_counts, pilot.base_model, steps, updates_per_batch=treatment.updates_per_batch
+        records, optim_counts, base_model, steps, updates_per_batch=treatment.updates_per_batch
     )
     results = evaluate_gate(run.gate_checks, values)
     pilot_block = {  # the schedule run (the plan's), what was loaded and sampled, where the model name came from
@@ -386,20 +362,20 @@ def run_activation_gate(
         "normalization": run.normalization,
         "seed": treatment.seed,
         "max_seq_len": run.max_seq_len,
-        "steps_completed": sum(1 for c in pilot.optim_counts if c == treatment.updates_per_batch),
-        "sampler_checkpoints": as_value(pilot.samplers),
+        "steps_completed": sum(1 for c in optim_counts if c == treatment.updates_per_batch),
+        "sampler_checkpoints": as_value(samplers),
         "initial_checkpoint": initial_checkpoint,
-        "loaded_checkpoint": pilot.loaded_checkpoint,
+        "loaded_checkpoint": loaded_checkpoint,
         "backend": backend,
         "loss_calls": len(records),
-        "executed_base_model_source": pilot.base_model_source,
-        "rollout_yield": answer_yield.pooled(pilot.yields).as_dict() if pilot.yields else None,
+        "executed_base_model_source": base_model_source,
+        "rollout_yield": answer_yield.pooled(yields).as_dict() if yields else None,
     }
     report = GateReport(
         passed=all(r.passed for r in results) and not errors,
         checks=results,
         values=values,
-        per_step=with_rollout_yield(per_step, pilot.yields),
+        per_step=with_rollout_yield(per_step, yields),
         pilot=pilot_block,
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,

@@ -1,7 +1,7 @@
 """The restoration preflight: one shared immutable initial state for both arms, proved, not assumed.
 
-`preflight` runs it (`run_restoration_preflight`, the six steps in order), `probe` holds the
-restore and LR-scaling probes, `records` what it records and the evidence files it writes.
+`preflight` runs it (`run_restoration_preflight`, the six steps in order, and writes its evidence),
+`probe` holds the restore and LR-scaling probes, `records` what it records.
 """
 
 from dppo_harness.stages.restoration.preflight import (

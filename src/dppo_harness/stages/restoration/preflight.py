@@ -15,22 +15,15 @@ Flow (`run_restoration_preflight`):
    LR, one client from the initial checkpoint per other LR), the same fixed gradient, norm / LR.
 
 Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
-The probes are in `probe`, what is recorded and written in `records`.
+The probes are in `probe`, the records in `records`.
 
-Options of `run_restoration_preflight`:
-- `trained_arms`: the arms that train in this session (None: all). Only they get a client and an
-  `initialization_provenance` entry; the others are listed under `excluded_arms` with the reason.
-  A single trained arm's initial output is compared with the setup client's.
-- `checkpoint_reader` (local backend): adapter_sha256 of each arm as loaded and the LR-scaling
-  update norms from server-written checkpoints; without it (and without `update_norm`) the LR probe
-  is recorded unavailable with the reason.
-- `probe_service_client`: where the setup and probe clients live, so the caller can release them
-  before the arms train; the arms live on `service_client`.
-- `arm_seed_overrides`, `probe_restore_with_optimizer=False`: failure-path tests (a mismatched
-  initial state for one arm; a probe restore that drops the Adam moments).
-- `capacity`, `registry`: every client-creating call is retried on a capacity refusal within the
-  policy's windows (`service.capacity.call_with_capacity_retry`).
-- `progress`: one line at every step, so the preflight is never silent.
+Options of `run_restoration_preflight`: `trained_arms` (None: all) get a client and a provenance
+entry, the others are listed under `excluded_arms` (a single trained arm is compared with the
+setup client); `checkpoint_reader` (local backend) measures adapter_sha256 and the LR-scaling norms,
+without it or `update_norm` the LR probe is recorded unavailable; `probe_service_client` holds the
+setup and probe clients, so the caller can release them; `arm_seed_overrides` and
+`probe_restore_with_optimizer=False` are for failure-path tests; `capacity`/`registry` retry every
+client-creating call on a capacity refusal; `progress` gets a line at every step.
 """
 
 from __future__ import annotations
@@ -68,19 +61,22 @@ from dppo_harness.stages.restoration.probe import (
 from dppo_harness.stages.restoration.records import (
     FIXED_BATCH_FILE,
     INITIAL_OUTPUT_FILE,
+    LR_SCALING_FILE,
+    PROBE_FILE,
+    PROVENANCE_FILE,
     RESPONSES_FILE,
     ArmProvenance,
+    InitializationProvenance,
     LrScalingMeasured,
     Recorder,
     RestorationResult,
     check_provenance,
     initialization_entry,
     load_ref,
-    record_evidence,
 )
 from dppo_harness.train.clients import RestorationError, datum_arrays, full_logprobs
 from dppo_harness.train.fingerprints import LOGPROB_ATOL, batch_sha256, compare_logprobs, logprobs_sha256
-from dppo_harness.train.optimizer_checks import optimizer_check
+from dppo_harness.train.optimizer_checks import optimizer_check, own_response_only
 from dppo_harness.train.restore import Restore, restore
 from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
 
@@ -531,16 +527,35 @@ def run_restoration_preflight(
     if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
         failures.append(f"LR scaling: {lr_block.problem}")
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
-    group_block: JsonObject = {
+    # The evidence files; the result's initialization_provenance has `version` and `arms`, and when
+    # some arm does not train also `excluded_arms`, each posted check keeping only what the arm's
+    # OWN responses exposed.
+    provenance: InitializationProvenance = {"version": 1, "arms": arms}
+    posted: InitializationProvenance = {"version": 1, "arms": arms}
+    excluded = {a: EXCLUDED_REASON for a in group.all_arm_names if a not in names}
+    if excluded:
+        provenance["excluded_arms"] = dict(excluded)
+    provenance["group"] = {
         "arms": list(names),
         "initial_checkpoint": shared.path,
         "initial_output_comparison": comparison,
         "adapter_sha256_method": adapter_method,
+        "restore_probe": PROBE_FILE,
+        "server_responses": RESPONSES_FILE,
     }
-    excluded = {a: EXCLUDED_REASON for a in group.all_arm_names if a not in names}
-    provenance, wall = record_evidence(
-        bundle, rec, probe, lr_block, arms, excluded, group_block, failures, trained_arms is not None, t0
-    )
+    provenance["passed"], provenance["failures"] = not failures, list(failures)
+    if trained_arms is not None:
+        mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
+        posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
+        posted["excluded_arms"] = dict(excluded)
+    bundle.register_json(RESPONSES_FILE, "log", rec.responses)
+    bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
+    bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
+    bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
+    wall = time.monotonic() - t0
+    passed = 1.0 if not failures else 0.0
+    metrics = {"preflight/restoration_wall_seconds": wall, "preflight/restoration_passed": passed}
+    bundle.update_result(initialization_provenance=posted, metrics=metrics)
     return RestorationResult(
         initial_checkpoint=shared.path,
         loaded_paths={a: arm.loaded_path for a, arm in loaded.items() if arm.loaded_path},

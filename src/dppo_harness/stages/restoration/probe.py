@@ -304,13 +304,13 @@ def lr_scaling_probe(
     errors = lr_scaling_error(probes)
     worst = max(errors)
     passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= LR_SCALING_RTOL)
-    problem = None
-    if not passed:
-        problem = (
-            f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {LR_SCALING_RTOL})"
-            if worst > LR_SCALING_RTOL
-            else "an update norm is zero: the update did not move parameters"
-        )
+    problem = (
+        None
+        if passed
+        else f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {LR_SCALING_RTOL})"
+        if worst > LR_SCALING_RTOL
+        else "an update norm is zero: the update did not move parameters"
+    )
     reset = (
         "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
         "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "

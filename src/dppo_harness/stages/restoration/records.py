@@ -1,11 +1,9 @@
-"""What the restoration preflight records (the server responses it keeps, each arm's initialization
-provenance and the group's proof, the probes' results, `RestorationResult`) and the one writer of
-its evidence files (`record_evidence`), so every run writes the same set.
+"""What the restoration preflight records: the server responses it keeps, each arm's initialization
+provenance and the group's proof, the probes' results, `RestorationResult`, its evidence file names.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
@@ -15,10 +13,8 @@ from pydantic import JsonValue
 
 from dppo_harness.json_types import JsonObject, as_object, items, num
 from dppo_harness.train.clients import dump_response
-from dppo_harness.train.optimizer_checks import own_response_only
 
 if TYPE_CHECKING:
-    from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.train.restore import Restore
 
 RESPONSES_FILE = "restoration-server-responses.json"
@@ -96,13 +92,8 @@ class LrScalingUnavailable:
 
     def to_json(self) -> JsonObject:
         """lr-scaling-probe.json when unmeasured."""
-        return {
-            "available": False,
-            "reason": self.reason,
-            "learning_rates": list(self.learning_rates),
-            "lr_scaling": [],
-            "passed": None,
-        }
+        rates: list[JsonValue] = [*self.learning_rates]
+        return {"available": False, "reason": self.reason, "learning_rates": rates, "lr_scaling": [], "passed": None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,48 +272,3 @@ def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) 
     if len(batches) > 1:
         failures.append(f"arms' fixed batches differ: {sorted(map(str, batches))}")
     return failures
-
-
-def record_evidence(
-    bundle: EvidenceBundle,
-    rec: Recorder,
-    probe: RestoreProbeResult,
-    lr_block: LrScalingBlock,
-    arms: dict[str, ArmProvenance],
-    excluded: Mapping[str, str],
-    group: JsonObject,
-    failures: Sequence[str],
-    posted_own_only: bool,
-    t0: float,
-) -> tuple[InitializationProvenance, float]:
-    """The preflight's evidence files and result fields; returns initialization-provenance.json (the
-    arms' entries, the arms left out, where the group's proof lives, the verdict) and the wall seconds.
-
-    The result's initialization_provenance has `version` and `arms`; with `posted_own_only` (some
-    arm does not train) also `excluded_arms`, and each posted check keeps only what the arm's OWN
-    responses exposed."""
-    provenance: InitializationProvenance = {"version": 1, "arms": arms}
-    if excluded:
-        provenance["excluded_arms"] = dict(excluded)
-    provenance["group"] = {**group, "restore_probe": PROBE_FILE, "server_responses": RESPONSES_FILE}
-    provenance["passed"], provenance["failures"] = not failures, list(failures)
-    posted: InitializationProvenance = {"version": 1, "arms": arms}
-    if posted_own_only:
-        posted["arms"] = {
-            a: {**e, "optimizer_checks": [as_object(own_response_only(c)) for c in e["optimizer_checks"]]}
-            for a, e in arms.items()
-        }
-        posted["excluded_arms"] = dict(excluded)
-    bundle.register_json(RESPONSES_FILE, "log", rec.responses)
-    bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
-    bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
-    bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
-    wall = time.monotonic() - t0
-    bundle.update_result(
-        initialization_provenance=posted,
-        metrics={
-            "preflight/restoration_wall_seconds": wall,
-            "preflight/restoration_passed": 1.0 if provenance["passed"] else 0.0,
-        },
-    )
-    return provenance, wall
