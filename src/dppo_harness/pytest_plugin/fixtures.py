@@ -131,7 +131,8 @@ def service_waiter(
 ) -> ServiceWaiter:
     """The session's one wait policy: every client of every ServiceClient the harness makes waits
     under it; long waits are posted to the evidence, a stop releases the clients and records why."""
-    from dppo_harness.service.wait.evidence import bundle_waiter  # lazy: see the module docstring
+    from dppo_harness.service.wait.evidence import BundlePoster  # lazy: see the module docstring
+    from dppo_harness.service.wait.waiter import ServiceWaiter
 
     policy = WaitPolicy.from_options(
         capacity_patience_s=harness_options.capacity_patience_s,
@@ -139,7 +140,8 @@ def service_waiter(
         service_timeout_s=harness_options.service_timeout_s,
         scale=capacity_scale(service_backend.kind, os.environ),
     )
-    waiter = bundle_waiter(policy, evidence_bundle, client_registry, harness_progress)
+    poster = BundlePoster(evidence_bundle, client_registry)
+    waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=harness_progress)
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
 

@@ -15,7 +15,7 @@ from dppo_harness.evidence import budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
-from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped, WaitPolicy
+from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
 from dppo_harness.service.wait.waiter import ServiceWaiter, WaitStatus
 
 if TYPE_CHECKING:
@@ -88,12 +88,3 @@ class BundlePoster:
             fields["summary"] = f"Stopped waiting on the service: {stop.line}."
         self.bundle.update_result(**fields)
         post_snapshot(self.bundle, f"service stop ({stop.kind})", reserve=4)
-
-
-def bundle_waiter(
-    policy: WaitPolicy, bundle: EvidenceBundle, registry: ClientRegistry, say: Callable[[str], None] | None
-) -> ServiceWaiter:
-    """A session's waiter under `policy`: its long waits are posted to `bundle`, and a stop releases
-    `registry`'s clients and records why (`BundlePoster`)."""
-    poster = BundlePoster(bundle, registry)
-    return ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=say)

@@ -241,6 +241,11 @@ class ServiceWaiter:
             wait_id = self.waits
         rep: QueueReport | None = None
         outcome = "failed"
+
+        def status(outcome: str) -> WaitStatus:
+            state, reason = (rep.state, rep.reason) if rep else (None, None)
+            return WaitStatus(call, client, since, clock.last - t0, state, reason, clock.paused_s, wait_id, outcome)
+
         try:
             while True:
                 step = p.poll_s if deadline is None else max(0.0, min(p.poll_s, deadline - self.clock()))
@@ -267,17 +272,14 @@ class ServiceWaiter:
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
                 if clock.paused_s >= window:
-                    for pause in seen.values():
-                        if pause.outcome == "waiting":
-                            pause.outcome = "gave_up"
-                            pause.seconds = max(pause.seconds, now - pause.began)  # current until the give-up
+                    self._end_pauses(seen, now, "gave_up")
                     last_pause = rep or self._last_pause(watch, t0)
                     self.stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s:
                     self.stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None))
                 if now >= next_post:
                     next_post = now + p.post_every_s
-                    self._post(self._status(wait_id, call, client, since, clock, rep, "waiting"))
+                    self._post(status("waiting"))
         except ServiceStopped:
             outcome = "stopped"
             raise
@@ -286,16 +288,13 @@ class ServiceWaiter:
             with self._lock:
                 self.longest_wait_s = max(self.longest_wait_s, now - t0)
             self._note_pauses(watch, t0, now, call, client, seen)
-            for pause in seen.values():  # the wait is over: a pause the watch still lists ended with it
-                if pause.outcome == "waiting":
-                    pause.outcome = "resumed" if outcome == "answered" else "call_ended"
-                    pause.seconds = max(pause.seconds, now - pause.began)  # it lasted until the call ended
-                    self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
+            # the wait is over: a pause the watch still lists ended with it
+            self._end_pauses(seen, now, "resumed" if outcome == "answered" else "call_ended")
             with self._lock:
                 was_posted = wait_id in self.posted
             if was_posted or seen:  # settle what was posted: every pause reaches the block, no wait stays "waiting"
                 clock.advance(now, rep.since if rep is not None else None)
-                self._post(self._status(wait_id, call, client, since, clock, rep, outcome) if was_posted else None)
+                self._post(status(outcome) if was_posted else None)
 
     @staticmethod
     def _report(watch: QueueSource | None, t0: float, now: float) -> QueueReport | None:
@@ -328,21 +327,6 @@ class ServiceWaiter:
         ep = max(episodes, key=lambda e: e.seen)
         return QueueReport(ep.state, ep.reason, ep.began, ep.seen)
 
-    def _status(
-        self, wait_id: int, call: str, client: str, since: str, clock: _CallClock, rep: QueueReport | None, outcome: str
-    ) -> WaitStatus:
-        return WaitStatus(
-            call,
-            client,
-            since,
-            clock.last - clock.t0,
-            rep.state if rep else None,
-            rep.reason if rep else None,
-            clock.paused_s,
-            wait_id,
-            outcome,
-        )
-
     def _note_pauses(
         self, watch: QueueSource | None, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]
     ) -> None:
@@ -371,9 +355,17 @@ class ServiceWaiter:
             pause.queue_state_reason, pause.reason_changes = ep.reason, ep.reason_changes
             # what the signs show: from the first to the latest (never more, so a posted number only grows)
             pause.seconds = max(pause.seconds, (ep.ended if ep.ended is not None else ep.seen) - ep.began)
-            if ep.ended is not None and pause.outcome == "waiting":
-                pause.outcome = "resumed"
-                self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
+            if ep.ended is not None:
+                self._end_pauses({ep.id: pause}, ep.ended, "resumed")
+
+    def _end_pauses(self, pauses: dict[int, Pause], now: float, outcome: str) -> None:
+        """End the pauses still waiting with `outcome`; each lasted at least until `now`."""
+        for pause in pauses.values():
+            if pause.outcome == "waiting":
+                pause.outcome = outcome
+                pause.seconds = max(pause.seconds, now - pause.began)
+                if outcome != "gave_up":  # a give-up says so in the stop line
+                    self._say(f"service: {pause.call} on {pause.client}: pause ended after {pause.seconds:.0f} s")
 
     def _capacity_stop(
         self, call: str, client: str, rep: QueueReport, paused_s: float, window: float
