@@ -15,7 +15,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from pydantic import JsonValue
@@ -107,12 +107,11 @@ def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, ba
     # the marker key, the local backend or a `local/` arch: the embedded server computed
     embedded = bool(md.get(EMBEDDED_KEY)) or backend == "local" or str(md.get("arch") or "").startswith("local/")
     found = served_model(md, None, local=embedded)
-    if found.origin == "arch" and found.name is not None and found.name != requested:
-        return ServedModel(requested, found.name, found.name, "get_info model_data.arch")
+    arch = found.name if found.origin == "arch" else None
+    if arch is not None and arch != requested:
+        return ServedModel(requested, arch, arch, "get_info model_data.arch")
     if backend == "local":
-        stand_in = (
-            found.name if found.origin == "arch" and found.name else "embedded server stand-in (identity not reported)"
-        )
+        stand_in = arch or "embedded server stand-in (identity not reported)"
         return ServedModel(requested, stand_in, stand_in, "backend=local")
     if not found.reported:  # optional in the SDK's ModelData: unavailable, never the requested name
         return ServedModel(
@@ -221,16 +220,10 @@ class ClientIdentity:
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> JsonObject:
-        return {
-            "label": self.label,
-            "model_id": self.model_id,
-            "get_info": self.get_info,
-            "get_server_capabilities": self.capabilities,
-            "embedded_server": self.marker.as_dict() if self.marker else None,
-            "served_model": self.served_model,
-            "served_model_source": self.served_model_source,
-            "errors": list(self.errors),
-        }
+        out: JsonObject = {**asdict(self), "embedded_server": self.marker.as_dict() if self.marker else None}
+        out["get_server_capabilities"] = out.pop("capabilities")
+        del out["marker"]
+        return out
 
 
 # ----------------------------------------------------------------------------- evidence
@@ -250,14 +243,14 @@ class TrainingClientRecorder:
         self._written: dict[str, str] = {}  # identity key -> file holding it
         self._flushed = False
 
-    def __call__(self, client: tinker.TrainingClient, label: str, rest: ServiceRest | None = None) -> ClientIdentity:
+    def __call__(self, client: tinker.TrainingClient, label: str, rest: ServiceRest) -> ClientIdentity:
         sdk_info = client.get_info()
         model_id = str(sdk_info.model_id)
         errors: list[str] = []
         info_json: JsonValue = sdk_info.model_dump(mode="json")
         marker_headers: dict[str, str] = {}
-        try:  # rest None (a client made outside an observed session): nothing to read through
-            raw = rest.get_info(model_id, self.timeout_s)  # type: ignore[union-attr]
+        try:
+            raw = rest.get_info(model_id, self.timeout_s)
             if raw.status == 200 and isinstance(raw.json, dict):
                 info_json = raw.json
             else:
@@ -268,7 +261,7 @@ class TrainingClientRecorder:
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
         caps: JsonValue = None
         try:
-            cr = rest.get(CAPABILITIES_PATH, self.timeout_s)  # type: ignore[union-attr]
+            cr = rest.get(CAPABILITIES_PATH, self.timeout_s)
             caps = cr.json if cr.status == 200 else {"http_status": cr.status}
             if cr.marker_header:
                 marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header
@@ -277,12 +270,9 @@ class TrainingClientRecorder:
         model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
         model_data = model_data if isinstance(model_data, dict) else None
         marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
-        backend_block = backend_of(self.bundle.result) if hasattr(self.bundle, "result") else None
-        served = served_model(
-            model_data, backend_block, seen=None if marker is None else EmbeddedServer.model_validate(marker.as_dict())
-        )
-        name, source = served.name, served.source
-        rec = ClientIdentity(label, model_id, info_json, caps, marker, name, source, errors)
+        seen = None if marker is None else EmbeddedServer.model_validate(marker.as_dict())
+        served = served_model(model_data, backend_of(self.bundle.result), seen=seen)
+        rec = ClientIdentity(label, model_id, info_json, caps, marker, served.name, served.source, errors)
         self.records.append(rec)
         # A file now for the first client and for any client whose identity differs from all earlier
         # ones; the rest (same identity, other model_id) go into the index written by flush().
@@ -324,8 +314,7 @@ def record_session_identity(
     substitution deviation and the stand-in's name in summary/tested_instead."""
     bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
     if report.substitution:
-        d = report.substitution
-        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+        bundle.add_deviation(**report.substitution)
     marker = report.marker
     if marker is None:
         return
@@ -348,8 +337,7 @@ def record_session_identity(
             kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
         )
     )
-    d = substitution_deviation(planned, marker, report.base_url, report.model)
-    bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    bundle.add_deviation(**substitution_deviation(planned, marker, report.base_url, report.model))
     finalize_labels(bundle)
 
 

@@ -18,7 +18,7 @@ from dppo_harness.service import sdk_internals
 from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client_kwargs
 from dppo_harness.service.rest import ServiceRest, UnloadOutcome
 from dppo_harness.service.wait.clients import WaitedFuture, name_client, run_beside
-from dppo_harness.service.wait.waiter import ServiceWaiter
+from dppo_harness.service.wait.waiter import ServiceWaiter, now_iso
 from dppo_harness.service.wait.watch import LogWatch, creation_watch
 
 if TYPE_CHECKING:
@@ -73,10 +73,6 @@ class CreatedClient:
     created_at: str
     role: str | None = None
     release: UnloadOutcome | None = field(default=None, repr=False)
-
-
-def now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class ObservedServiceClient(tinker.ServiceClient):

@@ -16,7 +16,8 @@ import threading
 from dataclasses import asdict, dataclass
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.service.observed import CreatedClient, ObservedServiceClient, now_iso
+from dppo_harness.service.observed import CreatedClient, ObservedServiceClient
+from dppo_harness.service.wait.waiter import now_iso
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +32,6 @@ class _Entry:
     released_at: str | None = None
 
 
-def training_clients_of(service_client: object) -> list[CreatedClient]:
-    """The training clients an ObservedServiceClient created (none for any other client)."""
-    return list(getattr(service_client, "created", None) or [])
-
-
 def _created_record(c: CreatedClient) -> JsonObject:
     out: JsonObject = {k: v for k, v in asdict(c).items() if k != "release"}
     r = c.release
@@ -45,6 +41,11 @@ def _created_record(c: CreatedClient) -> JsonObject:
         else {"how": "unload_model", "answered": r.answered, "service_said": r.text, "seconds": r.seconds}
     )
     return out
+
+
+def training_clients_of(service_client: object) -> list[CreatedClient]:
+    """The training clients an ObservedServiceClient created (none for any other client)."""
+    return list(getattr(service_client, "created", None) or [])
 
 
 class ClientRegistry:

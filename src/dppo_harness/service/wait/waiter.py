@@ -18,7 +18,6 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 from tinker import APIFuture, SamplingClient, TrainingClient
@@ -59,8 +58,9 @@ class Pending(Protocol[V_co]):
     def result(self, timeout: float | None = None) -> V_co: ...
 
 
-def _utc(ts: float | None = None) -> str:
-    return datetime.fromtimestamp(time.time() if ts is None else ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def now_iso(ts: float | None = None) -> str:
+    """UTC, to the second, of `ts` (time.time(); default now)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
 @dataclass
@@ -102,7 +102,7 @@ class WaitStatus:
     def as_dict(self) -> JsonObject:
         out: JsonObject = {**asdict(self), "waited_s": round(self.waited_s, 3), "paused_s": round(self.paused_s, 3)}
         del out["id"]
-        return {**out, "updated_at": _utc()}
+        return {**out, "updated_at": now_iso()}
 
 
 @dataclass
@@ -232,7 +232,7 @@ class ServiceWaiter:
         p = self.policy
         t0 = self.clock()
         clock = _CallClock(t0, t0)
-        since = _utc()
+        since = now_iso()
         deadline = None if timeout is None else t0 + timeout
         next_post = t0 + p.post_after_s
         seen: dict[int, Pause] = {}  # this wait's pauses, by the watch's episode id
@@ -340,7 +340,7 @@ class ServiceWaiter:
                     client,
                     ep.state,
                     ep.reason,
-                    _utc(time.time() - (now - ep.began)),
+                    now_iso(time.time() - (now - ep.began)),
                     began=ep.began,
                 )
                 with self._lock:

@@ -226,12 +226,6 @@ class SubmitRefusedWatch:
         self._episodes: list[Episode] = []
         self._last_until: float | None = backoff_until()  # a backoff before this watch is not its
 
-    @classmethod
-    def of(cls, sampling_client: tinker.SamplingClient) -> SubmitRefusedWatch:
-        from dppo_harness.service import sdk_internals  # the one reach into the SDK's internals
-
-        return cls(lambda: sdk_internals.sample_backoff_until(sampling_client))
-
     def _refresh(self) -> None:
         now, until = self._clock(), self._backoff_until()
         with self._lock:
@@ -284,4 +278,7 @@ def training_watch(model_id: str) -> LogWatch:
 
 
 def sampling_watch(sampling_client: tinker.SamplingClient) -> Watches:
-    return Watches(LogWatch("sampling", None, 0.0), SubmitRefusedWatch.of(sampling_client))
+    from dppo_harness.service import sdk_internals  # the one reach into the SDK's internals
+
+    refused = SubmitRefusedWatch(lambda: sdk_internals.sample_backoff_until(sampling_client))
+    return Watches(LogWatch("sampling", None, 0.0), refused)
