@@ -81,12 +81,9 @@ class ConnectivityReport:
         return self.marker is not None
 
     def client_base_model(self, requested_model: str) -> str:
-        """The base model every stage creates clients with: the preflight's choice for this requested
-        model (a served model of the same family when the requested one is not served, recorded as a
-        deviation), else the requested model itself. The only place that resolves it."""
-        if requested_model == self.requested_model:
-            return self.model
-        return requested_model  # not the model the preflight checked: nothing to substitute
+        """The base model every stage creates clients with: the preflight's choice (possibly a recorded
+        substitute) for the model it checked, any other model as it is. The only place that resolves it."""
+        return self.model if requested_model == self.requested_model else requested_model
 
     def as_evidence(self) -> JsonObject:
         """connectivity-preflight.json."""
@@ -345,16 +342,7 @@ def check_connectivity(
         headers={EMBEDDED_SERVER_HEADER: caps.marker_header} if caps.marker_header else None,
         capabilities=caps.json if isinstance(caps.json, dict) else None,
     )
+    seconds = time.monotonic() - t0
     return ConnectivityReport(
-        backend,
-        target.shown,
-        requested_model,
-        model,
-        served,
-        substitution,
-        marker,
-        caps.json,
-        contact,
-        checks,
-        time.monotonic() - t0,
+        backend, target.shown, requested_model, model, served, substitution, marker, caps.json, contact, checks, seconds
     )

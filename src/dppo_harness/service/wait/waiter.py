@@ -140,14 +140,13 @@ class ServiceWaiter:
         self,
         policy: WaitPolicy | None = None,
         *,
-        tracker: CapacityTracker | None = None,
         on_post: Callable[[ServiceWaiter, WaitStatus | None], None] | None = None,
         on_stop: Callable[[ServiceWaiter, ServiceStopped], None] | None = None,
         say: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.policy = policy or WaitPolicy.from_options()
-        self.tracker = tracker or CapacityTracker()
+        self.tracker = CapacityTracker()
         self.on_post, self.on_stop, self.say, self.clock = on_post, on_stop, say, clock
         self._lock = threading.Lock()
         self.pauses: list[Pause] = []
@@ -335,23 +334,15 @@ class ServiceWaiter:
         for ep in episodes:
             pause = seen.get(ep.id)
             if pause is None:
-                pause = seen[ep.id] = Pause(
-                    call,
-                    client,
-                    ep.state,
-                    ep.reason,
-                    now_iso(time.time() - (now - ep.began)),
-                    began=ep.began,
-                )
+                began_at = now_iso(time.time() - (now - ep.began))
+                pause = seen[ep.id] = Pause(call, client, ep.state, ep.reason, began_at, began=ep.began)
                 with self._lock:
                     if len(self.pauses) < self.MAX_PAUSES_LISTED:
                         self.pauses.append(pause)
                     else:
                         self.pauses_not_listed += 1
-                self._say(
-                    f"service: {call} on {client} paused by the service ({ep.state}: "
-                    f"{ep.reason if ep.reason is not None else 'no reason sent'})"
-                )
+                said = ep.reason if ep.reason is not None else "no reason sent"
+                self._say(f"service: {call} on {client} paused by the service ({ep.state}: {said})")
             pause.queue_state_reason, pause.reason_changes = ep.reason, ep.reason_changes
             # what the signs show: from the first to the latest (never more, so a posted number only grows)
             pause.seconds = max(pause.seconds, (ep.ended if ep.ended is not None else ep.seen) - ep.began)
