@@ -115,8 +115,6 @@ def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -
     """
     if proxy_tokens == "none":
         return {}
-    if proxy_tokens not in _PROXY_VARS:
-        raise ServiceConfigError(f"unknown proxy_tokens option {proxy_tokens!r}: expected modal, runs or none")
     id_var, secret_var = _PROXY_VARS[proxy_tokens]
     if proxy_tokens == "modal" and not env.get(id_var) and not env.get(secret_var):
         return {}
@@ -149,20 +147,12 @@ def describe_service(
     env: Mapping[str, str] | None = None,
 ) -> ServiceDescription:
     """Evidence-safe description of the connection (no values of credentials)."""
-    env = os.environ if env is None else env
-    sent = (
-        backend != "local"
-        and proxy_tokens != "none"
-        and (proxy_tokens != "modal" or any(env.get(v) for v in _PROXY_VARS["modal"]))
-    )
+    sent = backend != "local" and bool(proxy_headers(os.environ if env is None else env, proxy_tokens))
     return {
         "backend": backend,
         "base_url": redact_url(base_url),
         "auth": "constants.LOCAL_API_KEY (not a secret)" if backend == "local" else "TINKER_API_KEY from environment",
-        "proxy_headers": [
-            f"Modal-Key from {_PROXY_VARS[proxy_tokens][0]}",
-            f"Modal-Secret from {_PROXY_VARS[proxy_tokens][1]}",
-        ]
+        "proxy_headers": [f"{h} from {v}" for h, v in zip(("Modal-Key", "Modal-Secret"), _PROXY_VARS[proxy_tokens])]
         if sent
         else [],
     }
