@@ -42,10 +42,8 @@ def make_service_client(
     waiter: ServiceWaiter | None = None,
     sdk_telemetry: bool = False,
 ) -> ObservedServiceClient:
-    """A ServiceClient for `backend` (arguments from `config.client_kwargs`) whose clients all wait
-    under `waiter`'s policy; no network until its first call. `observer` sees each training client
-    it creates; `registry` lists it under `stage` (released at that stage's end, always on exit)
-    with `label` saying what its session is for. `sdk_telemetry` False sets TINKER_TELEMETRY=0."""
+    """A ServiceClient for `backend` whose clients all wait under `waiter`'s policy (no network until
+    its first call); `registry` lists it under `stage` (released at the stage's end, always on exit)."""
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     apply_sdk_telemetry(sdk_telemetry)
     client = ObservedServiceClient(
@@ -77,13 +75,11 @@ class CreatedClient:
 
 class ObservedServiceClient(tinker.ServiceClient):
     """A ServiceClient whose every client waits under one ServiceWaiter, and which lists every
-    training client it creates and reports each one, before the caller uses it, to `observer`.
+    training client it creates and shows it to `observer` before the caller uses it.
 
-    tinker 0.25's creation methods block their caller (the session is set up inside the first
-    one: client/config, create_session, each under the SDK's own minutes of retries), so each runs
-    on its own thread, waited under the policy, and returns a WaitedClient. The observer's errors
-    are logged, never raised: observing must not change the run. `stage_of` names the stage
-    running now (kept with each created client); `rest` reads what the SDK's types drop.
+    tinker 0.25's creation methods block their caller (the first sets the session up under the SDK's
+    own minutes of retries), so each runs on its own thread, waited under the policy. The observer's
+    errors are logged, never raised: observing must not change the run.
     """
 
     def __init__(
@@ -150,9 +146,8 @@ class ObservedServiceClient(tinker.ServiceClient):
         then: Callable[[T], T],
         watch: LogWatch | None = None,
     ) -> T:
-        """The SDK's creation on its own thread, waited under the policy, and what `then` makes of
-        it. The SDK's own calls back into these methods (0.25's create-from-state calls
-        create_rest_client and create_lora_training_client) are steps of the one call waited on."""
+        """The SDK's creation on its own thread, waited under the policy, and what `then` makes of it
+        (on the creation's thread, `make` runs as it is: see `_sdk_call`)."""
         if getattr(self._sdk_call, "active", False):
             return make()
 

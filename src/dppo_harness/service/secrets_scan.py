@@ -124,11 +124,6 @@ def _pieces(variants: Mapping[str, bytes]) -> dict[str, bytes]:
 _LINE_BREAKS = re.compile(rb"\r|\n|\\r|\\n")
 
 
-def _unwrapped(data: bytes) -> bytes | None:
-    joined = _LINE_BREAKS.sub(b"", data)
-    return joined if len(joined) != len(data) else None
-
-
 def encoded_variants(value: str) -> dict[str, bytes]:
     """encoding name -> byte pattern, for one secret value."""
     raw = value.encode("utf-8")
@@ -167,11 +162,11 @@ class SecretScanner:
 
     def find(self, data: bytes) -> list[SecretMatch]:
         found: list[SecretMatch] = []
-        joined = _unwrapped(data)
+        joined = _LINE_BREAKS.sub(b"", data)
         for label, enc, pat in self._patterns:
             if pat in data:
                 found.append(SecretMatch(label, enc))
-            elif joined is not None and enc.startswith("base64") and pat in joined:
+            elif len(joined) != len(data) and enc.startswith("base64") and pat in joined:
                 found.append(SecretMatch(label, f"{enc} (wrapped)"))
         return found
 

@@ -185,8 +185,3 @@ def name_client(client: C, name: str) -> C:
     if isinstance(client, WaitedClient):
         client.label = name
     return client
-
-
-def sdk_client(client: object) -> object:
-    """The SDK's own client inside a waited one (for SDK code that needs the real instance)."""
-    return client.sdk_client if isinstance(client, WaitedClient) else client
