@@ -26,6 +26,7 @@ import tinker
 from pydantic import JsonValue, ValidationError
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
+from dppo_harness.evidence.backend import EmbeddedServer
 from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import identity
@@ -37,7 +38,7 @@ from dppo_harness.service.config import (
     describe_service,
     redact_url,
 )
-from dppo_harness.service.identity import EmbeddedMarker, Substitution
+from dppo_harness.service.identity import Substitution
 from dppo_harness.service.rest import (
     CAPABILITIES_PATH,
     CLIENT_CONFIG_PATH,
@@ -70,7 +71,7 @@ class ConnectivityReport:
     model: str  # the model the run will use
     served_models: list[str]
     substitution: Substitution | None  # a model deviation when model != requested_model
-    marker: EmbeddedMarker | None
+    marker: EmbeddedServer | None
     capabilities: JsonValue  # the raw capabilities JSON
     first_contact: JsonObject = field(default_factory=dict)  # client/config, dynamic_config, deployments as sent
     checks: list[JsonValue] = field(default_factory=list)  # each check that passed: check, passed, detail
@@ -90,7 +91,7 @@ class ConnectivityReport:
         head = ("backend", "base_url", "requested_model", "model", "served_models", "substitution")
         return {
             **{k: getattr(self, k) for k in head},
-            "embedded_server": self.marker.as_dict() if self.marker else None,
+            "embedded_server": self.marker.model_dump() if self.marker else None,
             "get_server_capabilities": self.capabilities,
             "first_contact": self.first_contact,
             "checks": list(self.checks),

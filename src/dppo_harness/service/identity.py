@@ -40,29 +40,13 @@ if TYPE_CHECKING:
     from dppo_harness.service.connectivity import ConnectivityReport  # connectivity reads the marker here
 
 
-@dataclass(frozen=True)
-class EmbeddedMarker:
-    """The embedded server's self-identification, and where it was seen."""
-
-    stand_in: str | None  # the model that really computes, e.g. local/tiny-qwen3-gsm8k
-    profile: str | None  # "default" or "spindle"
-    sources: tuple[str, ...]  # "header", "capabilities", "model_data"
-
-    def as_dict(self) -> JsonObject:
-        return {
-            "marker": EMBEDDED_SERVER_MARKER,
-            "stand_in": self.stand_in,
-            "profile": self.profile,
-            "sources": list(self.sources),
-        }
-
-
 def detect_marker(
     headers: Mapping[str, str] | None = None,
     capabilities: Mapping[str, JsonValue] | None = None,
     model_data: Mapping[str, JsonValue] | None = None,
-) -> EmbeddedMarker | None:
-    """The embedded-server marker from any of its three places, or None (a real service)."""
+) -> EmbeddedServer | None:
+    """The embedded-server marker from any of its three places (the evidence's record of it), or None
+    (a real service)."""
     sources: list[str] = []
     stand_in = profile = None
     if headers is not None and header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
@@ -74,7 +58,9 @@ def detect_marker(
     if model_data is not None and model_data.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER:
         sources.append("model_data")
         stand_in = stand_in or _text(model_data.get("arch"))
-    return EmbeddedMarker(stand_in, profile, tuple(sources)) if sources else None
+    if not sources:
+        return None
+    return EmbeddedServer(marker=EMBEDDED_SERVER_MARKER, stand_in=stand_in, profile=profile, sources=sources)
 
 
 def _text(value: JsonValue) -> str | None:
@@ -133,10 +119,10 @@ class Substitution(TypedDict):
 
 
 def substitution_deviation(
-    requested_model: str, marker: EmbeddedMarker, base_url: str | None, answers_to: str | None
+    requested_model: str, marker: EmbeddedServer, base_url: str | None, answers_to: str | None
 ) -> Substitution:
     """The model deviation a run on the embedded server records before any training."""
-    where = ", ".join(marker.sources)
+    where = ", ".join(marker.sources or [])
     return {
         "field": "model",
         "original": requested_model,
@@ -214,13 +200,13 @@ class ClientIdentity:
     model_id: str
     get_info: JsonValue  # raw JSON of get_info (complete model_data), or the SDK's dump if raw failed
     capabilities: JsonValue  # raw JSON of get_server_capabilities
-    marker: EmbeddedMarker | None
+    marker: EmbeddedServer | None
     served_model: str | None
     served_model_source: str
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> JsonObject:
-        out: JsonObject = {**asdict(self), "embedded_server": self.marker.as_dict() if self.marker else None}
+        out: JsonObject = {**asdict(self), "embedded_server": self.marker.model_dump() if self.marker else None}
         out["get_server_capabilities"] = out.pop("capabilities")
         del out["marker"]
         return out
@@ -270,8 +256,7 @@ class TrainingClientRecorder:
         model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
         model_data = model_data if isinstance(model_data, dict) else None
         marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
-        seen = None if marker is None else EmbeddedServer.model_validate(marker.as_dict())
-        served = served_model(model_data, backend_of(self.bundle.result), seen=seen)
+        served = served_model(model_data, backend_of(self.bundle.result), seen=marker)
         rec = ClientIdentity(label, model_id, info_json, caps, marker, served.name, served.source, errors)
         self.records.append(rec)
         # A file now for the first client and for any client whose identity differs from all earlier
@@ -333,7 +318,7 @@ def record_session_identity(
             base_url=report.base_url,
             requested_backend=option_backend,
             answers_to=report.model,
-            embedded_server=EmbeddedServer.model_validate(marker.as_dict()),
+            embedded_server=marker,
             kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
         )
     )
@@ -353,7 +338,7 @@ def _identity_key(rec: ClientIdentity) -> str:
     info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
     info.pop("model_id", None)
     blob = json.dumps(
-        [info, rec.capabilities, rec.marker.as_dict() if rec.marker else None, rec.served_model],
+        [info, rec.capabilities, rec.marker.model_dump() if rec.marker else None, rec.served_model],
         sort_keys=True,
         default=str,
     )
