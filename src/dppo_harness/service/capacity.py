@@ -108,11 +108,10 @@ def call_with_capacity_retry(
         except Exception as exc:
             if not is_capacity_error(exc):
                 raise
-            now = clock()
             # The window opens when the first refused attempt began: time the SDK already spent
             # retrying 429/503 internally before raising counts as waiting on the service.
             started = attempt_start if started is None else started
-            elapsed = now - started
+            elapsed = clock() - started
             steps = steps_completed() if callable(steps_completed) else steps_completed
             window = policy.capacity_window(steps)
             if elapsed >= window:
@@ -121,13 +120,7 @@ def call_with_capacity_retry(
                 raise CapacityExhausted(block, elapsed, attempt + 1) from exc
             wait = min(policy.backoff(attempt), window - elapsed)
             event = CapacityEvent(attempt + 1, elapsed, wait, error_text(exc))
-            logger.warning(
-                "capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s",
-                event.attempt,
-                elapsed,
-                wait,
-                event.error,
-            )
+            logger.warning("capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s", *vars(event).values())
             if on_retry is not None:
                 on_retry(event)
             sleep(wait)
