@@ -132,7 +132,7 @@ def service_waiter(
     """The session's one wait policy: every client of every ServiceClient the harness makes waits
     under it; long waits are posted to the evidence, a stop releases the clients and records why."""
     from dppo_harness.service.wait.evidence import BundlePoster  # lazy: see the module docstring
-    from dppo_harness.service.wait.waiter import ServiceWaiter
+    from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
 
     policy = WaitPolicy.from_options(
         capacity_patience_s=harness_options.capacity_patience_s,
