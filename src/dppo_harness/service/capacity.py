@@ -90,14 +90,9 @@ def call_with_capacity_retry(
     sleep: Callable[[float], None] = time.sleep,
     on_retry: Callable[[CapacityEvent], None] | None = None,
 ) -> T:
-    """Call fn; on a capacity refusal, back off and retry until the policy's window closes.
-
-    The window runs from the start of the first refused attempt and is ~10 min if no comparison step has
-    run, 30 min otherwise (re-read on every refusal). On give-up the registry's clients are
-    released and CapacityExhausted carries the CapacityBlock. Other errors propagate at once.
-    `fn` should bound its own wait (e.g. `future.result(timeout=...)`) since the SDK itself
-    retries 429/5xx internally for several minutes before surfacing an error.
-    """
+    """Call fn; on a capacity refusal, back off and retry until the policy's window (re-read on every
+    refusal) closes; then release the registry's clients and raise CapacityExhausted. Other errors
+    propagate at once. `fn` should bound its own wait: the SDK retries 429/5xx for minutes itself."""
     policy = policy or WaitPolicy()
     started: float | None = None
     attempt = 0

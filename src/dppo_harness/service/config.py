@@ -1,8 +1,6 @@
-"""Service configuration: the ServiceClient's keyword arguments from the environment, the proxy
-headers, the SDK's telemetry switch, and the evidence-safe description of a connection.
-
-Credentials come from the environment only and are never logged: errors name variables, not
-values. The local backend talks to the embedded server on loopback with a non-secret key.
+"""Service configuration: the ServiceClient's arguments from the environment, the proxy headers,
+the SDK's telemetry switch, and the evidence-safe description of a connection. Credentials come from
+the environment only and are never logged: errors name variables, not values.
 """
 
 from __future__ import annotations
@@ -107,12 +105,9 @@ def client_kwargs(
 
 
 def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -> dict[str, str]:
-    """Modal-Key/Modal-Secret for a service behind Spindle's Modal proxy (holds secrets).
-
-    "modal": sent only when MODAL_PROXY_TOKEN_ID/SECRET are set (a stock Tinker deployment or the
-    embedded server needs none); one of the pair without the other is an error. "runs": the fork's
-    RUNS_PROXY_TOKEN_ID/SECRET, asked for explicitly, so both are required. "none": no headers.
-    """
+    """Modal-Key/Modal-Secret for a service behind Spindle's Modal proxy (holds secrets). "modal": only
+    when MODAL_PROXY_TOKEN_ID/SECRET are set, one without the other an error; "runs": the fork's pair,
+    asked for, so required; "none": no headers."""
     if proxy_tokens == "none":
         return {}
     id_var, secret_var = _PROXY_VARS[proxy_tokens]
@@ -127,16 +122,11 @@ def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -
 TELEMETRY_VAR = "TINKER_TELEMETRY"
 
 
-def apply_sdk_telemetry(enabled: bool, env: dict[str, str] | None = None) -> None:
-    """Turn the SDK's telemetry on or off for every client this process creates.
-
-    The SDK reads TINKER_TELEMETRY when a client's holder starts; on fatal transport errors (a
-    401, say) its events carry the request headers unredacted (X-API-Key, Modal-Key,
-    Modal-Secret) and are posted to the service. So the harness sends none unless asked
-    (`--sdk-telemetry`).
-    """
-    target = os.environ if env is None else env
-    target[TELEMETRY_VAR] = "1" if enabled else "0"
+def apply_sdk_telemetry(enabled: bool) -> None:
+    """Turn the SDK's telemetry on or off for every client this process creates: on fatal transport
+    errors (a 401, say) its events carry the request headers unredacted (X-API-Key, Modal-Key,
+    Modal-Secret) to the service, so the harness sends none unless asked (`--sdk-telemetry`)."""
+    os.environ[TELEMETRY_VAR] = "1" if enabled else "0"
 
 
 def describe_service(

@@ -2,15 +2,11 @@
 
 In order: the variables are set, the URL is reachable, authentication is accepted, the service can
 serve the installed SDK, and the plan's base model is served with LoRA (or the closest served LoRA
-model of its family is chosen, a recorded deviation). Each failure is one actionable line that
-names the variable, header or URL and never a secret value.
-
-First contact is what the SDK itself asks first, and what tinker's public API does not hand back,
-read raw with the run's own headers (`service.rest`), one attempt each: `client/config` (the SDK's
-first request; its flags say which features the service turns on), `client/dynamic_config` (404 on
-services without it), `get_server_capabilities` (raw, so the embedded server's marker, which the
-SDK's type drops, is kept) and `spindle/deployments` when the service has it (which definitions
-train LoRA and which only full fine-tunes: capabilities do not say). All are recorded as sent.
+model of its family is chosen, a recorded deviation). Each failure is one line naming the variable,
+header or URL, never a secret value. First contact is read raw (`service.rest`), one attempt each,
+and recorded as sent: `client/config` (the SDK's first request), `client/dynamic_config`,
+`get_server_capabilities` (raw keeps the embedded server's marker, which the SDK's type drops) and
+`spindle/deployments` where served (which models train LoRA: capabilities do not say).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Served-model identity: who really computes, whatever `--backend` says.
 
 The embedded server answers to the planned model's name (so the SDK accepts it) while a small
-stand-in computes. It marks itself on every response (header `X-Embedded-Tinker-Server`), in its
-capabilities (`embedded_server` key) and in `get_info().model_data` (`embedded_server` key). The
-SDK's response types drop unknown keys, so the raw JSON is read here with the session's own
-headers (`service.rest`), keeping the body and headers. A run that meets the marker is a rehearsal, and every
-place that names the model names the stand-in.
+stand-in computes; it marks itself in a response header, its capabilities and `get_info().model_data`.
+The SDK's types drop unknown keys, so the raw JSON is read (`service.rest`). A run that meets the
+marker is a rehearsal, and every place that names the model names the stand-in.
 """
 
 from __future__ import annotations
@@ -216,12 +214,8 @@ class ClientIdentity:
 
 
 class TrainingClientRecorder:
-    """Records each training client's complete get_info and the capabilities read beside it.
-
-    Called by service.ObservedServiceClient right after a client exists (before it trains). A
-    failed raw read is recorded with its error and the SDK's own get_info dump, never raised: the
-    record must not break the run it describes.
-    """
+    """Records each training client's complete get_info and capabilities before it trains. A failed
+    raw read is recorded with the SDK's own get_info dump, never raised: the record must not break the run."""
 
     def __init__(self, bundle: EvidenceBundle, timeout_s: float = 10.0):
         self.bundle, self.timeout_s = bundle, timeout_s

@@ -200,11 +200,9 @@ def create_from_state_with_response(
 ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse]:
     """A fresh client with `path` (weights and optimizer) loaded, keeping the service's load response.
 
-    tinker 0.25's `create_training_client_from_state_with_optimizer` awaits the load response and
-    drops it (and with `create_model_via_load_weights` the service's answer to the creating load
-    carries no path), yet that response is the proof of what was loaded. So this does what the SDK's
-    method does without that flag, through public calls only: the checkpoint's LoRA settings from
-    `weights_info`, a fresh LoRA client with them (no seed: the load replaces the weights), then
+    tinker 0.25's `create_training_client_from_state_with_optimizer` drops that response, the proof of
+    what was loaded, so this does what it does through public calls: the checkpoint's LoRA settings
+    from `weights_info`, a fresh LoRA client with them (no seed: the load replaces the weights), then
     `load_state_with_optimizer(path)`, whose response is returned.
     """
     rest_client = service_client.create_rest_client()

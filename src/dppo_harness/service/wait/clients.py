@@ -1,8 +1,5 @@
-"""Waited clients and futures: every client the harness hands out, and every future it returns.
-
-A `WaitedClient` wraps a training, sampling or REST client so that each future a method returns
-is a `WaitedFuture`, whose `result()` is `ServiceWaiter.wait` under the session's policy, and
-each client a method returns is waited too. Everything else is the wrapped client's.
+"""Waited clients and futures: every client the harness hands out (`WaitedClient`), and every future
+it returns (`WaitedFuture`, whose `result()` is `ServiceWaiter.wait` under the session's policy).
 """
 
 from __future__ import annotations

@@ -31,11 +31,9 @@ WAIT_SNAPSHOT_RESERVE = MAX_FILES // 2
 
 
 class BundlePoster:
-    """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block (what is
-    waited on, since when, queue state and reason) into result.json and, at most every
-    `snapshot_every_s`, a result snapshot (at most MAX_WAIT_SNAPSHOTS, under half the file limit); `stop`
-    releases every registered client and writes the stopped run's result (status failed, verdict
-    inconclusive, incomplete_execution, and the capacity_block or the hang), then a snapshot."""
+    """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block into
+    result.json and, at most every `snapshot_every_s`, a snapshot; `stop` releases every registered
+    client and writes the stopped run's result, then a snapshot."""
 
     def __init__(
         self,

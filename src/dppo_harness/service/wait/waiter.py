@@ -126,12 +126,8 @@ class _CallClock:
 
 
 class ServiceWaiter:
-    """Waits on service futures under one WaitPolicy; see the module docstring.
-
-    `on_post(waiter, status)` is called while a long wait lasts; `on_stop(waiter, stop)` once when
-    the policy stops the stage, before the stop is raised (it releases clients and writes the
-    evidence; its errors are logged, never raised). `say` prints progress lines.
-    """
+    """Waits on service futures under one WaitPolicy. `on_post(waiter, status)` is called while a long
+    wait lasts; `on_stop(waiter, stop)` once before a stop is raised (its errors are logged, never raised)."""
 
     MAX_PAUSES_LISTED = 200
     MAX_WAITS_LISTED = 20  # posted waits kept in the block (each stays once posted: numbers are never dropped)
