@@ -157,26 +157,24 @@ class ObservedServiceClient(tinker.ServiceClient):
 
         return WaitedFuture(run_beside(marked, f"{call}: {what}"), self.waiter, call, what, watch, then=then).result()
 
-    def _training(self, call: str, what: str, make: Callable[[], tinker.TrainingClient]) -> tinker.TrainingClient:
+    def _training(self, call: str, args: tuple[object, ...], kwargs: dict[str, object]) -> tinker.TrainingClient:
+        """The SDK's `call(*args, **kwargs)`, waited as a creation; its client listed and observed."""
+        make = getattr(super(), call)
+        lora = call == "create_lora_training_client"
+        named = kwargs.get("base_model" if lora else "path", args[0] if args else None)
+        what = f"a new LoRA client on {named}" if lora else f"a client from {named}"
         watch = creation_watch(placing=lambda: sdk_internals.session_ready(self))
-        return self._created(make, call, what, lambda c: self.adopt(c, call), watch)
+        return self._created(lambda: make(*args, **kwargs), call, what, lambda c: self.adopt(c, call), watch)
 
     # The SDK's own parameters, passed on as given; like the SDK's, each returns the client it made.
     def create_lora_training_client(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
-        what = f"a new LoRA client on {kwargs.get('base_model', args[0] if args else None)}"
-        make = super().create_lora_training_client
-        return self._training("create_lora_training_client", what, lambda: make(*args, **kwargs))
+        return self._training("create_lora_training_client", args, kwargs)
 
     def create_training_client_from_state(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
-        what = f"a client from {kwargs.get('path', args[0] if args else None)}"
-        make = super().create_training_client_from_state
-        return self._training("create_training_client_from_state", what, lambda: make(*args, **kwargs))
+        return self._training("create_training_client_from_state", args, kwargs)
 
     def create_training_client_from_state_with_optimizer(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
-        what = f"a client from {kwargs.get('path', args[0] if args else None)}"
-        make = super().create_training_client_from_state_with_optimizer
-        call = "create_training_client_from_state_with_optimizer"
-        return self._training(call, what, lambda: make(*args, **kwargs))
+        return self._training("create_training_client_from_state_with_optimizer", args, kwargs)
 
     def create_sampling_client(self, *args: Any, **kwargs: Any) -> tinker.SamplingClient:
         named = kwargs.get("model_path", args[0] if args else None) or kwargs.get(

@@ -150,15 +150,7 @@ def encoded_variants(value: str) -> dict[str, bytes]:
 
 class SecretScanner:
     def __init__(self, items: Iterable[tuple[str, str]]):
-        self._patterns: list[tuple[str, str, bytes]] = []
-        for label, value in items:
-            if not value:
-                continue
-            for enc, pat in encoded_variants(value).items():
-                self._patterns.append((label, enc, pat))
-
-    def __len__(self) -> int:
-        return len(self._patterns)
+        self._patterns = [(label, enc, pat) for label, v in items if v for enc, pat in encoded_variants(v).items()]
 
     def find(self, data: bytes) -> list[SecretMatch]:
         found: list[SecretMatch] = []
