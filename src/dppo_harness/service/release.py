@@ -32,14 +32,10 @@ class _Entry:
 
 
 def _created_record(c: CreatedClient) -> JsonObject:
-    out: JsonObject = {k: v for k, v in asdict(c).items() if k != "release"}
-    r = c.release
-    out["release"] = (
-        None
-        if r is None
-        else {"how": "unload_model", "answered": r.answered, "service_said": r.text, "seconds": r.seconds}
-    )
-    return out
+    r, done = c.release, None
+    if r is not None:
+        done = {"how": "unload_model", "answered": r.answered, "service_said": r.text, "seconds": r.seconds}
+    return {**asdict(c), "release": done}
 
 
 def training_clients_of(service_client: object) -> list[CreatedClient]:
