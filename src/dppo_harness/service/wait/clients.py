@@ -136,19 +136,17 @@ class WaitedClient:
     """A training, sampling or REST client whose every returned future is a WaitedFuture (and
     whose every returned client is waited too). Everything else is the wrapped client's."""
 
+    queue_watch: QueueSource | None
+
     def __init__(self, inner: object, waiter: ServiceWaiter, label: str, watch: QueueSource | None):
         object.__setattr__(self, "_w_inner", inner)
         object.__setattr__(self, "_w_waiter", waiter)
         object.__setattr__(self, "label", label)
-        object.__setattr__(self, "_w_watch", watch)
+        object.__setattr__(self, "queue_watch", watch)
 
     @property
     def sdk_client(self) -> object:
         return self._w_inner
-
-    @property
-    def queue_watch(self) -> QueueSource | None:
-        return self._w_watch
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._w_inner, name)
@@ -158,7 +156,7 @@ class WaitedClient:
         def call(*args: object, **kwargs: object) -> object:
             if name in BLOCKING_METHODS:
                 made = run_beside(lambda: attr(*args, **kwargs), f"{name} on {self.label}")
-                value = self._w_waiter.wait(made, call=name, client=self.label, watch=self._w_watch)
+                value = self._w_waiter.wait(made, call=name, client=self.label, watch=self.queue_watch)
             else:
                 value = attr(*args, **kwargs)
             return self._w_waiter.wrap(value, call=name, parent=self)
