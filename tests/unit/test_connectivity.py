@@ -267,7 +267,7 @@ def test_marker_is_detected_on_the_tinker_backend(stub_factory):
     s = stub_factory(marker=True)
     rep = check_connectivity("tinker", None, QWEN, env=dict(ENV, TINKER_BASE_URL=s.url))
     assert rep.embedded and rep.marker.stand_in == "local/tiny-qwen3-gsm8k"
-    assert rep.marker.sources == ("header", "capabilities") and rep.marker.profile == "spindle"
+    assert rep.marker.sources == ["header", "capabilities"] and rep.marker.profile == "spindle"
 
 
 def test_local_backend_needs_no_credentials(stub_factory):

@@ -30,14 +30,14 @@ CAPS = {
 
 def test_marker_from_each_place_and_none_on_a_real_service():
     assert identity.detect_marker() is None
-    assert identity.detect_marker({"x-embedded-tinker-server": "dppo-harness"}).sources == ("header",)
+    assert identity.detect_marker({"x-embedded-tinker-server": "dppo-harness"}).sources == ["header"]
     assert identity.detect_marker({EMBEDDED_SERVER_HEADER: "something-else"}) is None
     m = identity.detect_marker(capabilities=CAPS)
-    assert (m.stand_in, m.profile, m.sources) == (STAND_IN, "spindle", ("capabilities",))
+    assert (m.stand_in, m.profile, m.sources) == (STAND_IN, "spindle", ["capabilities"])
     m = identity.detect_marker(
         model_data={"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B", "embedded_server": EMBEDDED_SERVER_MARKER}
     )
-    assert m.stand_in == STAND_IN and m.sources == ("model_data",)
+    assert m.stand_in == STAND_IN and m.sources == ["model_data"]
     assert identity.detect_marker(capabilities={"supported_models": [], "embedded_server": {"marker": "x"}}) is None
 
 
@@ -147,7 +147,7 @@ def test_recorder_keeps_the_complete_model_data(tmp_path):
     info = SimpleNamespace(model_id="m1", model_dump=lambda mode: {"model_id": "m1"})
     rec = identity.TrainingClientRecorder(b)
     out = rec(SimpleNamespace(get_info=lambda: info), "create_lora_training_client", rest)
-    assert out.served_model == STAND_IN and out.marker.sources == ("header", "capabilities", "model_data")
+    assert out.served_model == STAND_IN and out.marker.sources == ["header", "capabilities", "model_data"]
     saved = json.loads(b.file_path("client-identity-01-create_lora_training_client.json").read_bytes())
     assert saved["get_info"]["model_data"]["embedded_server"] == EMBEDDED_SERVER_MARKER
     assert saved["get_server_capabilities"]["embedded_server"]["stand_in"] == STAND_IN

@@ -170,7 +170,8 @@ def harness(
     long waits are posted to the evidence, a stop releases the clients and records why. Every
     training client's served identity is recorded, flushed in one file at the end (the file limit)."""
     from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
-    from dppo_harness.service.wait.evidence import bundle_waiter  # lazy: see the module docstring
+    from dppo_harness.service.wait.evidence import BundlePoster  # lazy: see the module docstring
+    from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
 
     observer = TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
     policy = WaitPolicy.from_options(
@@ -179,7 +180,8 @@ def harness(
         service_timeout_s=harness_options.service_timeout_s,
         scale=capacity_scale(service_backend.kind, os.environ),
     )
-    waiter = bundle_waiter(policy, evidence_bundle, client_registry, harness_progress)
+    poster = BundlePoster(evidence_bundle, client_registry)
+    waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=harness_progress)
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
 

@@ -90,14 +90,9 @@ def call_with_capacity_retry(
     sleep: Callable[[float], None] = time.sleep,
     on_retry: Callable[[CapacityEvent], None] | None = None,
 ) -> T:
-    """Call fn; on a capacity refusal, back off and retry until the policy's window closes.
-
-    The window runs from the start of the first refused attempt and is ~10 min if no comparison step has
-    run, 30 min otherwise (re-read on every refusal). On give-up the registry's clients are
-    released and CapacityExhausted carries the CapacityBlock. Other errors propagate at once.
-    `fn` should bound its own wait (e.g. `future.result(timeout=...)`) since the SDK itself
-    retries 429/5xx internally for several minutes before surfacing an error.
-    """
+    """Call fn; on a capacity refusal, back off and retry until the policy's window (re-read on every
+    refusal) closes; then release the registry's clients and raise CapacityExhausted. Other errors
+    propagate at once. `fn` should bound its own wait: the SDK retries 429/5xx for minutes itself."""
     policy = policy or WaitPolicy()
     started: float | None = None
     attempt = 0
@@ -108,11 +103,10 @@ def call_with_capacity_retry(
         except Exception as exc:
             if not is_capacity_error(exc):
                 raise
-            now = clock()
             # The window opens when the first refused attempt began: time the SDK already spent
             # retrying 429/503 internally before raising counts as waiting on the service.
             started = attempt_start if started is None else started
-            elapsed = now - started
+            elapsed = clock() - started
             steps = steps_completed() if callable(steps_completed) else steps_completed
             window = policy.capacity_window(steps)
             if elapsed >= window:
@@ -121,13 +115,7 @@ def call_with_capacity_retry(
                 raise CapacityExhausted(block, elapsed, attempt + 1) from exc
             wait = min(policy.backoff(attempt), window - elapsed)
             event = CapacityEvent(attempt + 1, elapsed, wait, error_text(exc))
-            logger.warning(
-                "capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s",
-                event.attempt,
-                elapsed,
-                wait,
-                event.error,
-            )
+            logger.warning("capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s", *vars(event).values())
             if on_retry is not None:
                 on_retry(event)
             sleep(wait)

@@ -1,8 +1,6 @@
-"""Service configuration: the ServiceClient's keyword arguments from the environment, the proxy
-headers, the SDK's telemetry switch, and the evidence-safe description of a connection.
-
-Credentials come from the environment only and are never logged: errors name variables, not
-values. The local backend talks to the embedded server on loopback with a non-secret key.
+"""Service configuration: the ServiceClient's arguments from the environment, the proxy headers,
+the SDK's telemetry switch, and the evidence-safe description of a connection. Credentials come from
+the environment only and are never logged: errors name variables, not values.
 """
 
 from __future__ import annotations
@@ -107,16 +105,11 @@ def client_kwargs(
 
 
 def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -> dict[str, str]:
-    """Modal-Key/Modal-Secret for a service behind Spindle's Modal proxy (holds secrets).
-
-    "modal": sent only when MODAL_PROXY_TOKEN_ID/SECRET are set (a stock Tinker deployment or the
-    embedded server needs none); one of the pair without the other is an error. "runs": the fork's
-    RUNS_PROXY_TOKEN_ID/SECRET, asked for explicitly, so both are required. "none": no headers.
-    """
+    """Modal-Key/Modal-Secret for a service behind Spindle's Modal proxy (holds secrets). "modal": only
+    when MODAL_PROXY_TOKEN_ID/SECRET are set, one without the other an error; "runs": the fork's pair,
+    asked for, so required; "none": no headers."""
     if proxy_tokens == "none":
         return {}
-    if proxy_tokens not in _PROXY_VARS:
-        raise ServiceConfigError(f"unknown proxy_tokens option {proxy_tokens!r}: expected modal, runs or none")
     id_var, secret_var = _PROXY_VARS[proxy_tokens]
     if proxy_tokens == "modal" and not env.get(id_var) and not env.get(secret_var):
         return {}
@@ -129,16 +122,11 @@ def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -
 TELEMETRY_VAR = "TINKER_TELEMETRY"
 
 
-def apply_sdk_telemetry(enabled: bool, env: dict[str, str] | None = None) -> None:
-    """Turn the SDK's telemetry on or off for every client this process creates.
-
-    The SDK reads TINKER_TELEMETRY when a client's holder starts; on fatal transport errors (a
-    401, say) its events carry the request headers unredacted (X-API-Key, Modal-Key,
-    Modal-Secret) and are posted to the service. So the harness sends none unless asked
-    (`--sdk-telemetry`).
-    """
-    target = os.environ if env is None else env
-    target[TELEMETRY_VAR] = "1" if enabled else "0"
+def apply_sdk_telemetry(enabled: bool) -> None:
+    """Turn the SDK's telemetry on or off for every client this process creates: on fatal transport
+    errors (a 401, say) its events carry the request headers unredacted (X-API-Key, Modal-Key,
+    Modal-Secret) to the service, so the harness sends none unless asked (`--sdk-telemetry`)."""
+    os.environ[TELEMETRY_VAR] = "1" if enabled else "0"
 
 
 def describe_service(
@@ -149,20 +137,12 @@ def describe_service(
     env: Mapping[str, str] | None = None,
 ) -> ServiceDescription:
     """Evidence-safe description of the connection (no values of credentials)."""
-    env = os.environ if env is None else env
-    sent = (
-        backend != "local"
-        and proxy_tokens != "none"
-        and (proxy_tokens != "modal" or any(env.get(v) for v in _PROXY_VARS["modal"]))
-    )
+    sent = backend != "local" and bool(proxy_headers(os.environ if env is None else env, proxy_tokens))
     return {
         "backend": backend,
         "base_url": redact_url(base_url),
         "auth": "constants.LOCAL_API_KEY (not a secret)" if backend == "local" else "TINKER_API_KEY from environment",
-        "proxy_headers": [
-            f"Modal-Key from {_PROXY_VARS[proxy_tokens][0]}",
-            f"Modal-Secret from {_PROXY_VARS[proxy_tokens][1]}",
-        ]
+        "proxy_headers": [f"{h} from {v}" for h, v in zip(("Modal-Key", "Modal-Secret"), _PROXY_VARS[proxy_tokens])]
         if sent
         else [],
     }

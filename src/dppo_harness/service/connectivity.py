@@ -2,15 +2,11 @@
 
 In order: the variables are set, the URL is reachable, authentication is accepted, the service can
 serve the installed SDK, and the plan's base model is served with LoRA (or the closest served LoRA
-model of its family is chosen, a recorded deviation). Each failure is one actionable line that
-names the variable, header or URL and never a secret value.
-
-First contact is what the SDK itself asks first, and what tinker's public API does not hand back,
-read raw with the run's own headers (`service.rest`), one attempt each: `client/config` (the SDK's
-first request; its flags say which features the service turns on), `client/dynamic_config` (404 on
-services without it), `get_server_capabilities` (raw, so the embedded server's marker, which the
-SDK's type drops, is kept) and `spindle/deployments` when the service has it (which definitions
-train LoRA and which only full fine-tunes: capabilities do not say). All are recorded as sent.
+model of its family is chosen, a recorded deviation). Each failure is one line naming the variable,
+header or URL, never a secret value. First contact is read raw (`service.rest`), one attempt each,
+and recorded as sent: `client/config` (the SDK's first request), `client/dynamic_config`,
+`get_server_capabilities` (raw keeps the embedded server's marker, which the SDK's type drops) and
+`spindle/deployments` where served (which models train LoRA: capabilities do not say).
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ import tinker
 from pydantic import JsonValue, ValidationError
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
+from dppo_harness.evidence.backend import EmbeddedServer
 from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import identity
@@ -37,7 +34,7 @@ from dppo_harness.service.config import (
     describe_service,
     redact_url,
 )
-from dppo_harness.service.identity import EmbeddedMarker, Substitution
+from dppo_harness.service.identity import Substitution
 from dppo_harness.service.rest import (
     CAPABILITIES_PATH,
     CLIENT_CONFIG_PATH,
@@ -70,7 +67,7 @@ class ConnectivityReport:
     model: str  # the model the run will use
     served_models: list[str]
     substitution: Substitution | None  # a model deviation when model != requested_model
-    marker: EmbeddedMarker | None
+    marker: EmbeddedServer | None
     capabilities: JsonValue  # the raw capabilities JSON
     first_contact: JsonObject = field(default_factory=dict)  # client/config, dynamic_config, deployments as sent
     checks: list[JsonValue] = field(default_factory=list)  # each check that passed: check, passed, detail
@@ -81,19 +78,16 @@ class ConnectivityReport:
         return self.marker is not None
 
     def client_base_model(self, requested_model: str) -> str:
-        """The base model every stage creates clients with: the preflight's choice for this requested
-        model (a served model of the same family when the requested one is not served, recorded as a
-        deviation), else the requested model itself. The only place that resolves it."""
-        if requested_model == self.requested_model:
-            return self.model
-        return requested_model  # not the model the preflight checked: nothing to substitute
+        """The base model every stage creates clients with: the preflight's choice (possibly a recorded
+        substitute) for the model it checked, any other model as it is. The only place that resolves it."""
+        return self.model if requested_model == self.requested_model else requested_model
 
     def as_evidence(self) -> JsonObject:
         """connectivity-preflight.json."""
         head = ("backend", "base_url", "requested_model", "model", "served_models", "substitution")
         return {
             **{k: getattr(self, k) for k in head},
-            "embedded_server": self.marker.as_dict() if self.marker else None,
+            "embedded_server": self.marker.model_dump() if self.marker else None,
             "get_server_capabilities": self.capabilities,
             "first_contact": self.first_contact,
             "checks": list(self.checks),
@@ -345,16 +339,7 @@ def check_connectivity(
         headers={EMBEDDED_SERVER_HEADER: caps.marker_header} if caps.marker_header else None,
         capabilities=caps.json if isinstance(caps.json, dict) else None,
     )
+    seconds = time.monotonic() - t0
     return ConnectivityReport(
-        backend,
-        target.shown,
-        requested_model,
-        model,
-        served,
-        substitution,
-        marker,
-        caps.json,
-        contact,
-        checks,
-        time.monotonic() - t0,
+        backend, target.shown, requested_model, model, served, substitution, marker, caps.json, contact, checks, seconds
     )

@@ -1,11 +1,9 @@
 """Served-model identity: who really computes, whatever `--backend` says.
 
 The embedded server answers to the planned model's name (so the SDK accepts it) while a small
-stand-in computes. It marks itself on every response (header `X-Embedded-Tinker-Server`), in its
-capabilities (`embedded_server` key) and in `get_info().model_data` (`embedded_server` key). The
-SDK's response types drop unknown keys, so the raw JSON is read here with the session's own
-headers (`service.rest`), keeping the body and headers. A run that meets the marker is a rehearsal, and every
-place that names the model names the stand-in.
+stand-in computes; it marks itself in a response header, its capabilities and `get_info().model_data`.
+The SDK's types drop unknown keys, so the raw JSON is read (`service.rest`). A run that meets the
+marker is a rehearsal, and every place that names the model names the stand-in.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from pydantic import JsonValue
@@ -40,29 +38,13 @@ if TYPE_CHECKING:
     from dppo_harness.service.connectivity import ConnectivityReport  # connectivity reads the marker here
 
 
-@dataclass(frozen=True)
-class EmbeddedMarker:
-    """The embedded server's self-identification, and where it was seen."""
-
-    stand_in: str | None  # the model that really computes, e.g. local/tiny-qwen3-gsm8k
-    profile: str | None  # "default" or "spindle"
-    sources: tuple[str, ...]  # "header", "capabilities", "model_data"
-
-    def as_dict(self) -> JsonObject:
-        return {
-            "marker": EMBEDDED_SERVER_MARKER,
-            "stand_in": self.stand_in,
-            "profile": self.profile,
-            "sources": list(self.sources),
-        }
-
-
 def detect_marker(
     headers: Mapping[str, str] | None = None,
     capabilities: Mapping[str, JsonValue] | None = None,
     model_data: Mapping[str, JsonValue] | None = None,
-) -> EmbeddedMarker | None:
-    """The embedded-server marker from any of its three places, or None (a real service)."""
+) -> EmbeddedServer | None:
+    """The embedded-server marker from any of its three places (the evidence's record of it), or None
+    (a real service)."""
     sources: list[str] = []
     stand_in = profile = None
     if headers is not None and header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
@@ -74,7 +56,9 @@ def detect_marker(
     if model_data is not None and model_data.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER:
         sources.append("model_data")
         stand_in = stand_in or _text(model_data.get("arch"))
-    return EmbeddedMarker(stand_in, profile, tuple(sources)) if sources else None
+    if not sources:
+        return None
+    return EmbeddedServer(marker=EMBEDDED_SERVER_MARKER, stand_in=stand_in, profile=profile, sources=sources)
 
 
 def _text(value: JsonValue) -> str | None:
@@ -107,12 +91,11 @@ def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, ba
     # the marker key, the local backend or a `local/` arch: the embedded server computed
     embedded = bool(md.get(EMBEDDED_KEY)) or backend == "local" or str(md.get("arch") or "").startswith("local/")
     found = served_model(md, None, local=embedded)
-    if found.origin == "arch" and found.name is not None and found.name != requested:
-        return ServedModel(requested, found.name, found.name, "get_info model_data.arch")
+    arch = found.name if found.origin == "arch" else None
+    if arch is not None and arch != requested:
+        return ServedModel(requested, arch, arch, "get_info model_data.arch")
     if backend == "local":
-        stand_in = (
-            found.name if found.origin == "arch" and found.name else "embedded server stand-in (identity not reported)"
-        )
+        stand_in = arch or "embedded server stand-in (identity not reported)"
         return ServedModel(requested, stand_in, stand_in, "backend=local")
     if not found.reported:  # optional in the SDK's ModelData: unavailable, never the requested name
         return ServedModel(
@@ -134,10 +117,10 @@ class Substitution(TypedDict):
 
 
 def substitution_deviation(
-    requested_model: str, marker: EmbeddedMarker, base_url: str | None, answers_to: str | None
+    requested_model: str, marker: EmbeddedServer, base_url: str | None, answers_to: str | None
 ) -> Substitution:
     """The model deviation a run on the embedded server records before any training."""
-    where = ", ".join(marker.sources)
+    where = ", ".join(marker.sources or [])
     return {
         "field": "model",
         "original": requested_model,
@@ -215,34 +198,24 @@ class ClientIdentity:
     model_id: str
     get_info: JsonValue  # raw JSON of get_info (complete model_data), or the SDK's dump if raw failed
     capabilities: JsonValue  # raw JSON of get_server_capabilities
-    marker: EmbeddedMarker | None
+    marker: EmbeddedServer | None
     served_model: str | None
     served_model_source: str
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> JsonObject:
-        return {
-            "label": self.label,
-            "model_id": self.model_id,
-            "get_info": self.get_info,
-            "get_server_capabilities": self.capabilities,
-            "embedded_server": self.marker.as_dict() if self.marker else None,
-            "served_model": self.served_model,
-            "served_model_source": self.served_model_source,
-            "errors": list(self.errors),
-        }
+        out: JsonObject = {**asdict(self), "embedded_server": self.marker.model_dump() if self.marker else None}
+        out["get_server_capabilities"] = out.pop("capabilities")
+        del out["marker"]
+        return out
 
 
 # ----------------------------------------------------------------------------- evidence
 
 
 class TrainingClientRecorder:
-    """Records each training client's complete get_info and the capabilities read beside it.
-
-    Called by service.ObservedServiceClient right after a client exists (before it trains). A
-    failed raw read is recorded with its error and the SDK's own get_info dump, never raised: the
-    record must not break the run it describes.
-    """
+    """Records each training client's complete get_info and capabilities before it trains. A failed
+    raw read is recorded with the SDK's own get_info dump, never raised: the record must not break the run."""
 
     def __init__(self, bundle: EvidenceBundle, timeout_s: float = 10.0):
         self.bundle, self.timeout_s = bundle, timeout_s
@@ -250,14 +223,14 @@ class TrainingClientRecorder:
         self._written: dict[str, str] = {}  # identity key -> file holding it
         self._flushed = False
 
-    def __call__(self, client: tinker.TrainingClient, label: str, rest: ServiceRest | None = None) -> ClientIdentity:
+    def __call__(self, client: tinker.TrainingClient, label: str, rest: ServiceRest) -> ClientIdentity:
         sdk_info = client.get_info()
         model_id = str(sdk_info.model_id)
         errors: list[str] = []
         info_json: JsonValue = sdk_info.model_dump(mode="json")
         marker_headers: dict[str, str] = {}
-        try:  # rest None (a client made outside an observed session): nothing to read through
-            raw = rest.get_info(model_id, self.timeout_s)  # type: ignore[union-attr]
+        try:
+            raw = rest.get_info(model_id, self.timeout_s)
             if raw.status == 200 and isinstance(raw.json, dict):
                 info_json = raw.json
             else:
@@ -268,7 +241,7 @@ class TrainingClientRecorder:
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
         caps: JsonValue = None
         try:
-            cr = rest.get(CAPABILITIES_PATH, self.timeout_s)  # type: ignore[union-attr]
+            cr = rest.get(CAPABILITIES_PATH, self.timeout_s)
             caps = cr.json if cr.status == 200 else {"http_status": cr.status}
             if cr.marker_header:
                 marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header
@@ -277,12 +250,8 @@ class TrainingClientRecorder:
         model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
         model_data = model_data if isinstance(model_data, dict) else None
         marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
-        backend_block = backend_of(self.bundle.result) if hasattr(self.bundle, "result") else None
-        served = served_model(
-            model_data, backend_block, seen=None if marker is None else EmbeddedServer.model_validate(marker.as_dict())
-        )
-        name, source = served.name, served.source
-        rec = ClientIdentity(label, model_id, info_json, caps, marker, name, source, errors)
+        served = served_model(model_data, backend_of(self.bundle.result), seen=marker)
+        rec = ClientIdentity(label, model_id, info_json, caps, marker, served.name, served.source, errors)
         self.records.append(rec)
         # A file now for the first client and for any client whose identity differs from all earlier
         # ones; the rest (same identity, other model_id) go into the index written by flush().
@@ -324,8 +293,7 @@ def record_session_identity(
     substitution deviation and the stand-in's name in summary/tested_instead."""
     bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
     if report.substitution:
-        d = report.substitution
-        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+        bundle.add_deviation(**report.substitution)
     marker = report.marker
     if marker is None:
         return
@@ -344,12 +312,11 @@ def record_session_identity(
             base_url=report.base_url,
             requested_backend=option_backend,
             answers_to=report.model,
-            embedded_server=EmbeddedServer.model_validate(marker.as_dict()),
+            embedded_server=marker,
             kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
         )
     )
-    d = substitution_deviation(planned, marker, report.base_url, report.model)
-    bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    bundle.add_deviation(**substitution_deviation(planned, marker, report.base_url, report.model))
     finalize_labels(bundle)
 
 
@@ -365,7 +332,7 @@ def _identity_key(rec: ClientIdentity) -> str:
     info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
     info.pop("model_id", None)
     blob = json.dumps(
-        [info, rec.capabilities, rec.marker.as_dict() if rec.marker else None, rec.served_model],
+        [info, rec.capabilities, rec.marker.model_dump() if rec.marker else None, rec.served_model],
         sort_keys=True,
         default=str,
     )

@@ -18,7 +18,7 @@ from dppo_harness.service import sdk_internals
 from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client_kwargs
 from dppo_harness.service.rest import ServiceRest, UnloadOutcome
 from dppo_harness.service.wait.clients import WaitedFuture, name_client, run_beside
-from dppo_harness.service.wait.waiter import ServiceWaiter
+from dppo_harness.service.wait.waiter import ServiceWaiter, now_iso
 from dppo_harness.service.wait.watch import LogWatch, creation_watch
 
 if TYPE_CHECKING:
@@ -42,10 +42,8 @@ def make_service_client(
     waiter: ServiceWaiter | None = None,
     sdk_telemetry: bool = False,
 ) -> ObservedServiceClient:
-    """A ServiceClient for `backend` (arguments from `config.client_kwargs`) whose clients all wait
-    under `waiter`'s policy; no network until its first call. `observer` sees each training client
-    it creates; `registry` lists it under `stage` (released at that stage's end, always on exit)
-    with `label` saying what its session is for. `sdk_telemetry` False sets TINKER_TELEMETRY=0."""
+    """A ServiceClient for `backend` whose clients all wait under `waiter`'s policy (no network until
+    its first call); `registry` lists it under `stage` (released at the stage's end, always on exit)."""
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     apply_sdk_telemetry(sdk_telemetry)
     client = ObservedServiceClient(
@@ -75,19 +73,13 @@ class CreatedClient:
     release: UnloadOutcome | None = field(default=None, repr=False)
 
 
-def now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 class ObservedServiceClient(tinker.ServiceClient):
     """A ServiceClient whose every client waits under one ServiceWaiter, and which lists every
-    training client it creates and reports each one, before the caller uses it, to `observer`.
+    training client it creates and shows it to `observer` before the caller uses it.
 
-    tinker 0.25's creation methods block their caller (the session is set up inside the first
-    one: client/config, create_session, each under the SDK's own minutes of retries), so each runs
-    on its own thread, waited under the policy, and returns a WaitedClient. The observer's errors
-    are logged, never raised: observing must not change the run. `stage_of` names the stage
-    running now (kept with each created client); `rest` reads what the SDK's types drop.
+    tinker 0.25's creation methods block their caller (the first sets the session up under the SDK's
+    own minutes of retries), so each runs on its own thread, waited under the policy. The observer's
+    errors are logged, never raised: observing must not change the run.
     """
 
     def __init__(
@@ -154,9 +146,8 @@ class ObservedServiceClient(tinker.ServiceClient):
         then: Callable[[T], T],
         watch: LogWatch | None = None,
     ) -> T:
-        """The SDK's creation on its own thread, waited under the policy, and what `then` makes of
-        it. The SDK's own calls back into these methods (0.25's create-from-state calls
-        create_rest_client and create_lora_training_client) are steps of the one call waited on."""
+        """The SDK's creation on its own thread, waited under the policy, and what `then` makes of it
+        (on the creation's thread, `make` runs as it is: see `_sdk_call`)."""
         if getattr(self._sdk_call, "active", False):
             return make()
 
@@ -166,26 +157,24 @@ class ObservedServiceClient(tinker.ServiceClient):
 
         return WaitedFuture(run_beside(marked, f"{call}: {what}"), self.waiter, call, what, watch, then=then).result()
 
-    def _training(self, call: str, what: str, make: Callable[[], tinker.TrainingClient]) -> tinker.TrainingClient:
+    def _training(self, call: str, args: tuple[object, ...], kwargs: dict[str, object]) -> tinker.TrainingClient:
+        """The SDK's `call(*args, **kwargs)`, waited as a creation; its client listed and observed."""
+        make = getattr(super(), call)
+        lora = call == "create_lora_training_client"
+        named = kwargs.get("base_model" if lora else "path", args[0] if args else None)
+        what = f"a new LoRA client on {named}" if lora else f"a client from {named}"
         watch = creation_watch(placing=lambda: sdk_internals.session_ready(self))
-        return self._created(make, call, what, lambda c: self.adopt(c, call), watch)
+        return self._created(lambda: make(*args, **kwargs), call, what, lambda c: self.adopt(c, call), watch)
 
     # The SDK's own parameters, passed on as given; like the SDK's, each returns the client it made.
     def create_lora_training_client(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
-        what = f"a new LoRA client on {kwargs.get('base_model', args[0] if args else None)}"
-        make = super().create_lora_training_client
-        return self._training("create_lora_training_client", what, lambda: make(*args, **kwargs))
+        return self._training("create_lora_training_client", args, kwargs)
 
     def create_training_client_from_state(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
-        what = f"a client from {kwargs.get('path', args[0] if args else None)}"
-        make = super().create_training_client_from_state
-        return self._training("create_training_client_from_state", what, lambda: make(*args, **kwargs))
+        return self._training("create_training_client_from_state", args, kwargs)
 
     def create_training_client_from_state_with_optimizer(self, *args: Any, **kwargs: Any) -> tinker.TrainingClient:
-        what = f"a client from {kwargs.get('path', args[0] if args else None)}"
-        make = super().create_training_client_from_state_with_optimizer
-        call = "create_training_client_from_state_with_optimizer"
-        return self._training(call, what, lambda: make(*args, **kwargs))
+        return self._training("create_training_client_from_state_with_optimizer", args, kwargs)
 
     def create_sampling_client(self, *args: Any, **kwargs: Any) -> tinker.SamplingClient:
         named = kwargs.get("model_path", args[0] if args else None) or kwargs.get(
@@ -209,11 +198,9 @@ def create_from_state_with_response(
 ) -> tuple[tinker.TrainingClient, tinker.types.LoadWeightsResponse]:
     """A fresh client with `path` (weights and optimizer) loaded, keeping the service's load response.
 
-    tinker 0.25's `create_training_client_from_state_with_optimizer` awaits the load response and
-    drops it (and with `create_model_via_load_weights` the service's answer to the creating load
-    carries no path), yet that response is the proof of what was loaded. So this does what the SDK's
-    method does without that flag, through public calls only: the checkpoint's LoRA settings from
-    `weights_info`, a fresh LoRA client with them (no seed: the load replaces the weights), then
+    tinker 0.25's `create_training_client_from_state_with_optimizer` drops that response, the proof of
+    what was loaded, so this does what it does through public calls: the checkpoint's LoRA settings
+    from `weights_info`, a fresh LoRA client with them (no seed: the load replaces the weights), then
     `load_state_with_optimizer(path)`, whose response is returned.
     """
     rest_client = service_client.create_rest_client()

@@ -1,10 +1,9 @@
 """Client release: every model the harness's sessions created, unloaded per stage and always on exit,
 each release kept as an event (client-releases.json).
 
-tinker 0.25 has no session finish and no close: a model stays loaded (on a shared trainer, holding
-its slot) until the service's idle sweep, unless it is unloaded. So a session's release is the
-`unload_model` of each training model it created (`ObservedServiceClient.release`), and a session
-counts as released only when the service answered every one of them.
+tinker 0.25 has no session close: a model holds its trainer slot until the service's idle sweep
+unless unloaded. So a session's release is the `unload_model` of each model it created, released
+only when the service answered every one.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ import threading
 from dataclasses import asdict, dataclass
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.service.observed import CreatedClient, ObservedServiceClient, now_iso
+from dppo_harness.service.observed import CreatedClient, ObservedServiceClient
+from dppo_harness.service.wait.waiter import now_iso
 
 logger = logging.getLogger(__name__)
 
@@ -31,28 +31,21 @@ class _Entry:
     released_at: str | None = None
 
 
+def _created_record(c: CreatedClient) -> JsonObject:
+    r, done = c.release, None
+    if r is not None:
+        done = {"how": "unload_model", "answered": r.answered, "service_said": r.text, "seconds": r.seconds}
+    return {**asdict(c), "release": done}
+
+
 def training_clients_of(service_client: object) -> list[CreatedClient]:
     """The training clients an ObservedServiceClient created (none for any other client)."""
     return list(getattr(service_client, "created", None) or [])
 
 
-def _created_record(c: CreatedClient) -> JsonObject:
-    out: JsonObject = {k: v for k, v in asdict(c).items() if k != "release"}
-    r = c.release
-    out["release"] = (
-        None
-        if r is None
-        else {"how": "unload_model", "answered": r.answered, "service_said": r.text, "seconds": r.seconds}
-    )
-    return out
-
-
 class ClientRegistry:
-    """The harness's ServiceClients, their models unloaded per stage and always on exit.
-
-    Each release is kept as an event naming the sessions it released and the ones still holding
-    a model the service did not confirm unloaded.
-    """
+    """The harness's ServiceClients, their models unloaded per stage and always on exit; each release
+    is an event naming the sessions it released and those still holding a model."""
 
     def __init__(self, release_timeout_s: float = 60.0):
         self._entries: list[_Entry] = []

@@ -1,15 +1,11 @@
 """Raw requests to the service beside the SDK: what the SDK's public API does not hand back.
 
-The SDK's response types drop keys they do not declare (the embedded server's marker, Spindle's
-deployment list), tinker 0.25 has no public call for a service's client config, its deployments,
-or a model's release, and its first request retries for minutes. So the harness reads those with
-plain HTTP, to the service's own URL only, with the run's own headers (the API key as `X-API-Key`
-and the proxy headers: exactly what the SDK sends), one attempt each, bounded: `ServiceRest`.
-
-Bodies are built from the SDK's own request types where it has one (`UnloadModelRequest`), so the
-service sees what the SDK's REST resource would send. A future the service returns (unload) is
-polled at `retrieve_future` for at most the caller's timeout; a 408 `try_again` is the service
-still working, anything else is its answer.
+The SDK's response types drop undeclared keys (the embedded server's marker, Spindle's deployment
+list), tinker 0.25 has no public call for the client config, deployments or a model's release, and
+its first request retries for minutes. So `ServiceRest` reads those with plain HTTP to the service's
+own URL with the run's own headers (what the SDK sends), one bounded attempt each. The unload body
+is the SDK's own `UnloadModelRequest`; its future is polled at `retrieve_future` within the caller's
+timeout, a 408 `try_again` meaning the service is still working.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
-"""The one module that reaches SDK internals, for what the brief requires and tinker's public API
-does not offer: that the SDK is holding sample submits back because the service refused them,
-whether a ServiceClient's session is set up (a creation still waiting after that waits on its
-model: Spindle places it), and ending a released session's heartbeat.
+"""The one module that reaches SDK internals (never patching them), for what tinker 0.25's public API lacks.
 
-tinker 0.25 swallows a refused sample submit (HTTP 429, or a billing pause) inside the sampling
-client and resubmits it after a backoff, without limit and without a log line or an observer call
-(`lib/public_interfaces/sampling_client.py`, `_send_asample_request` / `_sample_async_impl`). The
-only trace is the session holder's `_sample_backoff_until`, set to `time.monotonic()` + 1 s (5 s
-for large prompts) at each refusal. Reading it (never writing it) lets a wait name a refused submit
-as such instead of a silent hang; the service's own text of the refusal is not kept by the SDK.
+- A refused sample submit (HTTP 429 or a billing pause) is retried inside the sampling client without
+  limit, log line or observer call (`lib/public_interfaces/sampling_client.py`, `_send_asample_request`);
+  its only trace is the holder's `_sample_backoff_until` (now + 1 s, 5 s for large prompts), so a wait
+  can name a refused submit instead of a silent hang (the service's text of it is not kept).
+- Whether a ServiceClient's session is set up: a creation still waiting after that waits on its model.
+- The ServiceClient has no close: its holder heartbeats until garbage-collected, keeping the session
+  alive on a service that sweeps idle ones (`lib/internal_client_holder.py`), so a released session's
+  heartbeat is ended with the holder's own `close()`, as its `__del__` would.
 
-tinker 0.25's ServiceClient has no close: its session holder sends a heartbeat every few seconds
-until it is garbage-collected (`lib/internal_client_holder.py`, `close`, `__del__`), which keeps
-the session alive on a service that sweeps idle ones. Once every model of a session is unloaded,
-`end_session_heartbeat` calls that holder's own `close()`, as its `__del__` would.
-
-Nothing here replaces or patches the SDK. The layout is the pinned version's, so importing this
-module on any other version refuses with one line (`SdkVersionRefused`).
+The layout is the pinned version's: on any other version importing this refuses (`SdkVersionRefused`).
 """
 
 from __future__ import annotations
@@ -40,23 +33,20 @@ if tinker.__version__ != PINNED_SDK:
 
 
 def sample_backoff_until(sampling_client: tinker.SamplingClient) -> float | None:
-    """When (time.monotonic()) the SDK's latest sample-submit backoff ends, or None if no sample
-    submit of this client's session was refused yet."""
+    """When (time.monotonic()) the latest sample-submit backoff ends; None before any refusal."""
     holder = getattr(sampling_client, "holder", None)
     value = getattr(holder, "_sample_backoff_until", None)
     return float(value) if isinstance(value, int | float) else None
 
 
 def session_ready(service_client: tinker.ServiceClient) -> bool:
-    """Whether `service_client` has its session: the SDK keeps the session holder only once
-    client/config, dynamic_config and create_session were answered (service_client.py
-    `_get_session_holder`), so a creation still waiting after that waits on its model."""
+    """Whether client/config, dynamic_config and create_session were answered: the SDK keeps the
+    session holder only then (service_client.py `_get_session_holder`)."""
     return getattr(service_client, "_session_holder", None) is not None
 
 
 def end_session_heartbeat(service_client: tinker.ServiceClient) -> bool:
-    """Close the session holder of `service_client` if it made one (its heartbeat and config
-    refresh stop); False when it never opened a session."""
+    """Close the session holder (heartbeat, config refresh); False when no session was opened."""
     holder = getattr(service_client, "_session_holder", None)
     if holder is None:
         return False

@@ -124,11 +124,6 @@ def _pieces(variants: Mapping[str, bytes]) -> dict[str, bytes]:
 _LINE_BREAKS = re.compile(rb"\r|\n|\\r|\\n")
 
 
-def _unwrapped(data: bytes) -> bytes | None:
-    joined = _LINE_BREAKS.sub(b"", data)
-    return joined if len(joined) != len(data) else None
-
-
 def encoded_variants(value: str) -> dict[str, bytes]:
     """encoding name -> byte pattern, for one secret value."""
     raw = value.encode("utf-8")
@@ -155,23 +150,15 @@ def encoded_variants(value: str) -> dict[str, bytes]:
 
 class SecretScanner:
     def __init__(self, items: Iterable[tuple[str, str]]):
-        self._patterns: list[tuple[str, str, bytes]] = []
-        for label, value in items:
-            if not value:
-                continue
-            for enc, pat in encoded_variants(value).items():
-                self._patterns.append((label, enc, pat))
-
-    def __len__(self) -> int:
-        return len(self._patterns)
+        self._patterns = [(label, enc, pat) for label, v in items if v for enc, pat in encoded_variants(v).items()]
 
     def find(self, data: bytes) -> list[SecretMatch]:
         found: list[SecretMatch] = []
-        joined = _unwrapped(data)
+        joined = _LINE_BREAKS.sub(b"", data)
         for label, enc, pat in self._patterns:
             if pat in data:
                 found.append(SecretMatch(label, enc))
-            elif joined is not None and enc.startswith("base64") and pat in joined:
+            elif len(joined) != len(data) and enc.startswith("base64") and pat in joined:
                 found.append(SecretMatch(label, f"{enc} (wrapped)"))
         return found
 
@@ -183,10 +170,8 @@ class SecretScanner:
             raise SecretLeakError(f"{what} blocked: it contains the live value of {desc}")
 
 
-def scanner_for(env: Mapping[str, str] | None = None, extra: Iterable[str] = ()) -> SecretScanner:
-    items = live_secret_items(env)
-    items += [(f"explicit_secret[{i}]", v) for i, v in enumerate(extra) if v]
-    return SecretScanner(items)
+def scanner_for(env: Mapping[str, str] | None = None) -> SecretScanner:
+    return SecretScanner(live_secret_items(env))
 
 
 @dataclass(frozen=True)
@@ -201,51 +186,32 @@ class UnsafeCredential:
 
 
 def unsafe_credentials(
-    env: Mapping[str, str] | None,
-    files: Iterable[Path],
-    *,
-    root: Path | None = None,
-    min_length: int = MIN_SECRET_LENGTH,
+    env: Mapping[str, str] | None, files: Iterable[Path], *, root: Path | None = None
 ) -> list[UnsafeCredential]:
     """Credential values that would make the evidence scan fail or mean nothing: shorter than
-    `min_length`, or present (in any encoding the scan looks for) in one of `files`, the
+    MIN_SECRET_LENGTH, or present (in any encoding the scan looks for) in one of `files`, the
     harness's own files, which reach the evidence as plans, patches, copies and the code archive.
     Each file is read once; `root` shortens the file named in the reason."""
     out, long_enough = [], []
     for name, value in held_secret_items(env):
-        if len(value.strip()) < min_length:
-            out.append(
-                UnsafeCredential(
-                    name,
-                    f"shorter than {min_length} characters, too short to scan the evidence "
-                    "for (set the real credential)",
-                )
-            )
+        if len(value.strip()) < MIN_SECRET_LENGTH:
+            why = f"shorter than {MIN_SECRET_LENGTH} characters, too short to scan the evidence for"
+            out.append(UnsafeCredential(name, f"{why} (set the real credential)"))
         else:
             long_enough.append((name, value))
     scanner = SecretScanner(long_enough)
     found: dict[str, str] = {}
-    if len(scanner):
-        for path in files:
-            try:
-                data = Path(path).read_bytes()
-            except OSError:
-                continue
-            for m in scanner.find(data):
-                if m.label not in found:
-                    shown = (
-                        Path(path).relative_to(root) if root and Path(root) in Path(path).parents else Path(path).name
-                    )
-                    found[m.label] = str(shown)
-            if len(found) == len(long_enough):
-                break
-    for name, _ in long_enough:
-        if name in found:
-            out.append(
-                UnsafeCredential(
-                    name,
-                    f"its value occurs in the harness's own files ({found[name]}), so the "
-                    "evidence scan would block them (a placeholder? set the real credential)",
-                )
-            )
+    for path in map(Path, files if long_enough else ()):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        shown = path.relative_to(root) if root and Path(root) in path.parents else path.name
+        for m in scanner.find(data):
+            found.setdefault(m.label, str(shown))
+        if len(found) == len(long_enough):
+            break
+    for name, where in found.items():
+        why = f"its value occurs in the harness's own files ({where}), so the evidence scan would block them"
+        out.append(UnsafeCredential(name, f"{why} (a placeholder? set the real credential)"))
     return sorted(out, key=lambda u: SECRET_ENV_VARS.index(u.variable))

@@ -1,8 +1,5 @@
-"""Waited clients and futures: every client the harness hands out, and every future it returns.
-
-A `WaitedClient` wraps a training, sampling or REST client so that each future a method returns
-is a `WaitedFuture`, whose `result()` is `ServiceWaiter.wait` under the session's policy, and
-each client a method returns is waited too. Everything else is the wrapped client's.
+"""Waited clients and futures: every client the harness hands out (`WaitedClient`), and every future
+it returns (`WaitedFuture`, whose `result()` is `ServiceWaiter.wait` under the session's policy).
 """
 
 from __future__ import annotations
@@ -139,19 +136,17 @@ class WaitedClient:
     """A training, sampling or REST client whose every returned future is a WaitedFuture (and
     whose every returned client is waited too). Everything else is the wrapped client's."""
 
+    queue_watch: QueueSource | None
+
     def __init__(self, inner: object, waiter: ServiceWaiter, label: str, watch: QueueSource | None):
         object.__setattr__(self, "_w_inner", inner)
         object.__setattr__(self, "_w_waiter", waiter)
         object.__setattr__(self, "label", label)
-        object.__setattr__(self, "_w_watch", watch)
+        object.__setattr__(self, "queue_watch", watch)
 
     @property
     def sdk_client(self) -> object:
         return self._w_inner
-
-    @property
-    def queue_watch(self) -> QueueSource | None:
-        return self._w_watch
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._w_inner, name)
@@ -161,7 +156,7 @@ class WaitedClient:
         def call(*args: object, **kwargs: object) -> object:
             if name in BLOCKING_METHODS:
                 made = run_beside(lambda: attr(*args, **kwargs), f"{name} on {self.label}")
-                value = self._w_waiter.wait(made, call=name, client=self.label, watch=self._w_watch)
+                value = self._w_waiter.wait(made, call=name, client=self.label, watch=self.queue_watch)
             else:
                 value = attr(*args, **kwargs)
             return self._w_waiter.wrap(value, call=name, parent=self)
@@ -185,8 +180,3 @@ def name_client(client: C, name: str) -> C:
     if isinstance(client, WaitedClient):
         client.label = name
     return client
-
-
-def sdk_client(client: object) -> object:
-    """The SDK's own client inside a waited one (for SDK code that needs the real instance)."""
-    return client.sdk_client if isinstance(client, WaitedClient) else client

@@ -15,7 +15,7 @@ from dppo_harness.evidence import budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.evidence.snapshots import post_snapshot
-from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped, WaitPolicy
+from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
 from dppo_harness.service.wait.waiter import ServiceWaiter, WaitStatus
 
 if TYPE_CHECKING:
@@ -31,11 +31,9 @@ WAIT_SNAPSHOT_RESERVE = MAX_FILES // 2
 
 
 class BundlePoster:
-    """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block (what is
-    waited on, since when, queue state and reason) into result.json and, at most every
-    `snapshot_every_s`, a result snapshot (at most MAX_WAIT_SNAPSHOTS, under half the file limit); `stop`
-    releases every registered client and writes the stopped run's result (status failed, verdict
-    inconclusive, incomplete_execution, and the capacity_block or the hang), then a snapshot."""
+    """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block into
+    result.json and, at most every `snapshot_every_s`, a snapshot; `stop` releases every registered
+    client and writes the stopped run's result, then a snapshot."""
 
     def __init__(
         self,
@@ -88,12 +86,3 @@ class BundlePoster:
             fields["summary"] = f"Stopped waiting on the service: {stop.line}."
         self.bundle.update_result(**fields)
         post_snapshot(self.bundle, f"service stop ({stop.kind})", reserve=4)
-
-
-def bundle_waiter(
-    policy: WaitPolicy, bundle: EvidenceBundle, registry: ClientRegistry, say: Callable[[str], None] | None
-) -> ServiceWaiter:
-    """A session's waiter under `policy`: its long waits are posted to `bundle`, and a stop releases
-    `registry`'s clients and records why (`BundlePoster`)."""
-    poster = BundlePoster(bundle, registry)
-    return ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=say)

@@ -1,10 +1,7 @@
 """The service wait policy's settings and its stops (see `waiter` for how waits apply them).
 
-`WaitPolicy` says how long every service call may wait (capacity patience before and after the
-first comparison step, the no-answer timeout, the posting grain) and the backoff for retrying
-refused calls; `CapacityTracker` counts completed comparison steps, which switch the capacity
-window. The stops derive from `ServiceStopped`, a BaseException like KeyboardInterrupt, so that a
-stage's own `except Exception` bookkeeping cannot turn a stopped service into a finished stage.
+The stops derive from `ServiceStopped`, a BaseException like KeyboardInterrupt, so that a stage's
+own `except Exception` bookkeeping cannot turn a stopped service into a finished stage.
 """
 
 from __future__ import annotations
@@ -40,15 +37,10 @@ def capacity_scale(env: Mapping[str, str] | None = None) -> float:
 
 @dataclass(frozen=True)
 class WaitPolicy:
-    """How long the harness waits on the service, for every call of every stage.
-
-    `capacity_patience_s` / `capacity_patience_after_steps_s`: how long a pause may last before
-    the run gives up (before / after the first completed comparison step); `service_timeout_s`:
-    how long a request whose queue is active may give no answer; `backoff_s`: the waits before
-    retrying a refused call. `poll_s` is how often a waiting call looks at its queue state; a wait
-    longer than `post_after_s` is posted every `post_every_s` (result.json) and at most every
-    `snapshot_every_s` as a snapshot file.
-    """
+    """How long the harness waits on the service, for every call of every stage: a pause may last
+    the capacity patience (before / after the first completed comparison step), a call with no pause
+    seen the service timeout. A wait longer than `post_after_s` is posted every `post_every_s` and
+    at most every `snapshot_every_s` as a snapshot file."""
 
     capacity_patience_s: float = 600.0
     capacity_patience_after_steps_s: float = 1800.0

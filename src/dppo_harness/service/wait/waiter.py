@@ -18,7 +18,6 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 from tinker import APIFuture, SamplingClient, TrainingClient
@@ -59,8 +58,9 @@ class Pending(Protocol[V_co]):
     def result(self, timeout: float | None = None) -> V_co: ...
 
 
-def _utc(ts: float | None = None) -> str:
-    return datetime.fromtimestamp(time.time() if ts is None else ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def now_iso(ts: float | None = None) -> str:
+    """UTC, to the second, of `ts` (time.time(); default now)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
 @dataclass
@@ -102,7 +102,7 @@ class WaitStatus:
     def as_dict(self) -> JsonObject:
         out: JsonObject = {**asdict(self), "waited_s": round(self.waited_s, 3), "paused_s": round(self.paused_s, 3)}
         del out["id"]
-        return {**out, "updated_at": _utc()}
+        return {**out, "updated_at": now_iso()}
 
 
 @dataclass
@@ -126,12 +126,8 @@ class _CallClock:
 
 
 class ServiceWaiter:
-    """Waits on service futures under one WaitPolicy; see the module docstring.
-
-    `on_post(waiter, status)` is called while a long wait lasts; `on_stop(waiter, stop)` once when
-    the policy stops the stage, before the stop is raised (it releases clients and writes the
-    evidence; its errors are logged, never raised). `say` prints progress lines.
-    """
+    """Waits on service futures under one WaitPolicy. `on_post(waiter, status)` is called while a long
+    wait lasts; `on_stop(waiter, stop)` once before a stop is raised (its errors are logged, never raised)."""
 
     MAX_PAUSES_LISTED = 200
     MAX_WAITS_LISTED = 20  # posted waits kept in the block (each stays once posted: numbers are never dropped)
@@ -140,14 +136,13 @@ class ServiceWaiter:
         self,
         policy: WaitPolicy | None = None,
         *,
-        tracker: CapacityTracker | None = None,
         on_post: Callable[[ServiceWaiter, WaitStatus | None], None] | None = None,
         on_stop: Callable[[ServiceWaiter, ServiceStopped], None] | None = None,
         say: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.policy = policy or WaitPolicy.from_options()
-        self.tracker = tracker or CapacityTracker()
+        self.tracker = CapacityTracker()
         self.on_post, self.on_stop, self.say, self.clock = on_post, on_stop, say, clock
         self._lock = threading.Lock()
         self.pauses: list[Pause] = []
@@ -232,7 +227,7 @@ class ServiceWaiter:
         p = self.policy
         t0 = self.clock()
         clock = _CallClock(t0, t0)
-        since = _utc()
+        since = now_iso()
         deadline = None if timeout is None else t0 + timeout
         next_post = t0 + p.post_after_s
         seen: dict[int, Pause] = {}  # this wait's pauses, by the watch's episode id
@@ -241,6 +236,11 @@ class ServiceWaiter:
             wait_id = self.waits
         rep: QueueReport | None = None
         outcome = "failed"
+
+        def status(outcome: str) -> WaitStatus:
+            state, reason = (rep.state, rep.reason) if rep else (None, None)
+            return WaitStatus(call, client, since, clock.last - t0, state, reason, clock.paused_s, wait_id, outcome)
+
         try:
             while True:
                 step = p.poll_s if deadline is None else max(0.0, min(p.poll_s, deadline - self.clock()))
@@ -267,17 +267,14 @@ class ServiceWaiter:
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
                 if clock.paused_s >= window:
-                    for pause in seen.values():
-                        if pause.outcome == "waiting":
-                            pause.outcome = "gave_up"
-                            pause.seconds = max(pause.seconds, now - pause.began)  # current until the give-up
+                    self._end_pauses(seen, now, "gave_up")
                     last_pause = rep or self._last_pause(watch, t0)
                     self.stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s:
                     self.stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None))
                 if now >= next_post:
                     next_post = now + p.post_every_s
-                    self._post(self._status(wait_id, call, client, since, clock, rep, "waiting"))
+                    self._post(status("waiting"))
         except ServiceStopped:
             outcome = "stopped"
             raise
@@ -286,16 +283,13 @@ class ServiceWaiter:
             with self._lock:
                 self.longest_wait_s = max(self.longest_wait_s, now - t0)
             self._note_pauses(watch, t0, now, call, client, seen)
-            for pause in seen.values():  # the wait is over: a pause the watch still lists ended with it
-                if pause.outcome == "waiting":
-                    pause.outcome = "resumed" if outcome == "answered" else "call_ended"
-                    pause.seconds = max(pause.seconds, now - pause.began)  # it lasted until the call ended
-                    self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
+            # the wait is over: a pause the watch still lists ended with it
+            self._end_pauses(seen, now, "resumed" if outcome == "answered" else "call_ended")
             with self._lock:
                 was_posted = wait_id in self.posted
             if was_posted or seen:  # settle what was posted: every pause reaches the block, no wait stays "waiting"
                 clock.advance(now, rep.since if rep is not None else None)
-                self._post(self._status(wait_id, call, client, since, clock, rep, outcome) if was_posted else None)
+                self._post(status(outcome) if was_posted else None)
 
     @staticmethod
     def _report(watch: QueueSource | None, t0: float, now: float) -> QueueReport | None:
@@ -328,21 +322,6 @@ class ServiceWaiter:
         ep = max(episodes, key=lambda e: e.seen)
         return QueueReport(ep.state, ep.reason, ep.began, ep.seen)
 
-    def _status(
-        self, wait_id: int, call: str, client: str, since: str, clock: _CallClock, rep: QueueReport | None, outcome: str
-    ) -> WaitStatus:
-        return WaitStatus(
-            call,
-            client,
-            since,
-            clock.last - clock.t0,
-            rep.state if rep else None,
-            rep.reason if rep else None,
-            clock.paused_s,
-            wait_id,
-            outcome,
-        )
-
     def _note_pauses(
         self, watch: QueueSource | None, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]
     ) -> None:
@@ -351,29 +330,29 @@ class ServiceWaiter:
         for ep in episodes:
             pause = seen.get(ep.id)
             if pause is None:
-                pause = seen[ep.id] = Pause(
-                    call,
-                    client,
-                    ep.state,
-                    ep.reason,
-                    _utc(time.time() - (now - ep.began)),
-                    began=ep.began,
-                )
+                began_at = now_iso(time.time() - (now - ep.began))
+                pause = seen[ep.id] = Pause(call, client, ep.state, ep.reason, began_at, began=ep.began)
                 with self._lock:
                     if len(self.pauses) < self.MAX_PAUSES_LISTED:
                         self.pauses.append(pause)
                     else:
                         self.pauses_not_listed += 1
-                self._say(
-                    f"service: {call} on {client} paused by the service ({ep.state}: "
-                    f"{ep.reason if ep.reason is not None else 'no reason sent'})"
-                )
+                said = ep.reason if ep.reason is not None else "no reason sent"
+                self._say(f"service: {call} on {client} paused by the service ({ep.state}: {said})")
             pause.queue_state_reason, pause.reason_changes = ep.reason, ep.reason_changes
             # what the signs show: from the first to the latest (never more, so a posted number only grows)
             pause.seconds = max(pause.seconds, (ep.ended if ep.ended is not None else ep.seen) - ep.began)
-            if ep.ended is not None and pause.outcome == "waiting":
-                pause.outcome = "resumed"
-                self._say(f"service: {call} on {client}: pause ended after {pause.seconds:.0f} s")
+            if ep.ended is not None:
+                self._end_pauses({ep.id: pause}, ep.ended, "resumed")
+
+    def _end_pauses(self, pauses: dict[int, Pause], now: float, outcome: str) -> None:
+        """End the pauses still waiting with `outcome`; each lasted at least until `now`."""
+        for pause in pauses.values():
+            if pause.outcome == "waiting":
+                pause.outcome = outcome
+                pause.seconds = max(pause.seconds, now - pause.began)
+                if outcome != "gave_up":  # a give-up says so in the stop line
+                    self._say(f"service: {pause.call} on {pause.client}: pause ended after {pause.seconds:.0f} s")
 
     def _capacity_stop(
         self, call: str, client: str, rep: QueueReport, paused_s: float, window: float

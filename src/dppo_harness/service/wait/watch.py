@@ -1,20 +1,16 @@
 """Queue watches: what the service said about a call's queue, as far as tinker 0.25 lets anyone see it.
 
-A shared service says "wait" in 408 `try_again` polls carrying `queue_state` and
-`queue_state_reason`; tinker 0.25 hands them to a `QueueStateObserver` that the caller cannot
-attach through the public API. What the SDK does show is its own log: its observers log each
-pause as a warning on the `tinker` logger, at once and then at most every 60 s while the pause
-lasts, never an active state (`lib/queue_state_logger.py`, `QueueStateLogger`, for creations as
-"Model creation for <base model or model id> is paused. Reason: <reason>." and for a training
-client's calls as "Training for <model id> ..."; `lib/public_interfaces/sampling_client.py`,
-`on_queue_state_change`, as "Sampling is paused for sampler <id>. Reason: <reason>"). When the
-service sends no reason the SDK writes its own default text there, and it never names the state.
+The service's 408 `try_again` polls carry `queue_state` and its reason to a `QueueStateObserver` the
+public API cannot attach. What shows is the SDK's log: each pause is a warning on the `tinker` logger,
+at once and at most every 60 s while it lasts, never an active state (`lib/queue_state_logger.py`:
+"Model creation for <base model or id> is paused. Reason: <reason>.", "Training for <model id> ...";
+`lib/public_interfaces/sampling_client.py`, `on_queue_state_change`: "Sampling is paused for sampler
+<id>. Reason: <reason>"); with no reason sent the SDK writes its own default, and never the state.
 
-So `SdkPauseLog`, a logging handler on the `tinker` logger, keeps those lines, and a `LogWatch`
-reads the ones of one call: a pause is the run of lines no more than `PAUSE_LOG_FRESH_S` apart, and
-has ended once no line came for that long. A refused sample submit, which the SDK retries without
-a word, is seen through `sdk_internals` (`SubmitRefusedWatch`). Services that only ever send
-`active` (Spindle) leave no line: their waits are told apart by time alone (the waiter).
+`SdkPauseLog` keeps those lines; a `LogWatch` reads one call's: a pause is a run of lines at most
+`PAUSE_LOG_FRESH_S` apart, ended once none came for that long. A refused sample submit, retried
+without a word, is seen through `sdk_internals` (`SubmitRefusedWatch`). Services that only send
+`active` (Spindle) leave no line: the waiter tells their waits apart by time alone.
 """
 
 from __future__ import annotations
@@ -82,8 +78,6 @@ class Episode:
 
 
 class QueueSource(Protocol):
-    """What a wait reads of a call's queue: the current pause, and the pauses seen since a time."""
-
     def latest(self) -> QueueReport | None: ...
 
     def episodes_since(self, t0: float) -> list[Episode]: ...
@@ -99,7 +93,7 @@ class PauseLine:
 
 
 def parse_pause_line(message: str) -> tuple[CallKind, str, str] | None:
-    """(kind, identifier, reason) of one of the SDK's pause warnings; None for any other line."""
+    """(kind, identifier, reason) of an SDK pause warning; None for any other line."""
     m = _SAMPLING_RE.match(message)
     if m:
         return "sampling", m["ident"], m["reason"]
@@ -175,8 +169,7 @@ def _episodes(lines: list[PauseLine], now: float, fresh_s: float) -> list[Episod
 
 
 class LogWatch:
-    """The pauses the SDK logged for one kind of call (and one client, when `ident` is given),
-    from `t0` on."""
+    """The pauses the SDK logged for one kind of call (one client, when `ident` is given) from `t0` on."""
 
     def __init__(
         self,
@@ -195,8 +188,7 @@ class LogWatch:
         self._placing_since: float | None = None
 
     def placing_since(self, now: float) -> float | None:
-        """For a creation: when it began waiting on its model (first seen with the session set up);
-        None before that, and for any other call."""
+        """For a creation: when it was first seen with its session set up (waiting on its model), else None."""
         if self._placing_since is None and self._placing is not None and self._placing():
             self._placing_since = now
         return self._placing_since
@@ -225,12 +217,6 @@ class SubmitRefusedWatch:
         self._lock = threading.Lock()
         self._episodes: list[Episode] = []
         self._last_until: float | None = backoff_until()  # a backoff before this watch is not its
-
-    @classmethod
-    def of(cls, sampling_client: tinker.SamplingClient) -> SubmitRefusedWatch:
-        from dppo_harness.service import sdk_internals  # the one reach into the SDK's internals
-
-        return cls(lambda: sdk_internals.sample_backoff_until(sampling_client))
 
     def _refresh(self) -> None:
         now, until = self._clock(), self._backoff_until()
@@ -274,8 +260,7 @@ class Watches:
 
 
 def creation_watch(t0: float | None = None, placing: Callable[[], bool] | None = None) -> LogWatch:
-    """The pauses of client creations started at or after `t0` (the SDK logs them per creation);
-    `placing`: whether the session is set up, so that a creation still waiting waits on its model."""
+    """The pauses of client creations from `t0` on; `placing`: whether the session is set up."""
     return LogWatch("creation", None, t0, placing=placing)
 
 
@@ -284,4 +269,7 @@ def training_watch(model_id: str) -> LogWatch:
 
 
 def sampling_watch(sampling_client: tinker.SamplingClient) -> Watches:
-    return Watches(LogWatch("sampling", None, 0.0), SubmitRefusedWatch.of(sampling_client))
+    from dppo_harness.service import sdk_internals  # the one reach into the SDK's internals
+
+    refused = SubmitRefusedWatch(lambda: sdk_internals.sample_backoff_until(sampling_client))
+    return Watches(LogWatch("sampling", None, 0.0), refused)
