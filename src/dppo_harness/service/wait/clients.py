@@ -123,10 +123,14 @@ def run_beside(fn: Callable[[], U], what: str) -> concurrent.futures.Future[U]:
     box: concurrent.futures.Future[U] = concurrent.futures.Future()
 
     def run() -> None:
-        try:
-            box.set_result(fn())
-        except BaseException as exc:  # the waiting caller gets it
-            box.set_exception(exc)
+        # A stopped wait may have cancelled `box` already: nobody reads the outcome then.
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            try:
+                result = fn()
+            except BaseException as exc:  # the waiting caller gets it
+                box.set_exception(exc)
+            else:
+                box.set_result(result)
 
     threading.Thread(target=run, name=f"sdk call: {what}", daemon=True).start()
     return box
