@@ -72,8 +72,6 @@ def _run_lines(analysis: JsonMap) -> list[str]:
     declared = obj(analysis["declared"]) if analysis.get("declared") else {}
     rollout_yield = obj(analysis["rollout_yield"]) if analysis.get("rollout_yield") else None
     lines += declared_lines(declared, [("frozen batch rollouts", rollout_yield)])
-    if cfg.get("reductions"):
-        lines.append(f"- size reductions (test plan): {cfg['reductions']}")
     if analysis.get("errors"):
         lines.append(f"- errors: {analysis['errors']}")
     return lines
