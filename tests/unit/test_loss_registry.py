@@ -197,3 +197,27 @@ def test_the_golden_generator_replaces_what_the_references_do_not_reproduce(monk
     lp, mu = np.asarray(case["log_prob"]), np.asarray(case["rollout_log_prob"])
     assert (np.exp(lp) - np.exp(mu))[0, [0, 3]].tolist() == [0.3, -0.3]
     assert case["dppo"]["metrics"]["n_invalid_tr_tokens"] == 2 and case["dppo"]["mask"][0] == [1, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ("{not json", "no readable fixed_settings.treatment.delta"),
+        ('{"fixed_settings": {"treatment": {}}}', "no readable fixed_settings.treatment.delta"),
+        ('{"fixed_settings": {"treatment": {"delta": "0.15"}}}', "must be a number in \\(0, 1\\), got '0.15'"),
+        ('{"fixed_settings": {"treatment": {"delta": 1.5}}}', "must be a number in \\(0, 1\\), got 1.5"),
+        ('{"fixed_settings": {"treatment": {"delta": true}}}', "got True"),
+    ],
+)
+def test_a_plan_without_a_usable_delta_is_refused_naming_the_field(tmp_path, body, match):
+    plan = tmp_path / "plan.json"
+    plan.write_text(body)
+    with pytest.raises(registry.PinnedDeltaError, match=match):
+        registry.read_pinned_delta(plan)
+    with pytest.raises(registry.PinnedDeltaError, match="no readable"):
+        registry.read_pinned_delta(tmp_path / "missing.json")
+
+
+def test_the_registered_delta_is_the_pinned_plans():
+    plan = registry.project_root() / registry.DELTA_PLAN
+    assert registry.read_pinned_delta(plan) == registry.DPPO_DELTA

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
@@ -31,7 +32,27 @@ GRPO_LOSS = "grpo_clip_eps0.2"
 # Every loss config, the golden cases (`python -m dppo_harness.loss.golden`) and the self-test read it
 # from the registered entry. Read as JSON: the plans package imports this registry.
 DELTA_PLAN = "plans/exp_e6b0965af3-diagnostic-r1.json"
-DPPO_DELTA = float(json.loads((project_root() / DELTA_PLAN).read_text())["fixed_settings"]["treatment"]["delta"])
+
+
+class PinnedDeltaError(ValueError):
+    """The plan that pins delta is unreadable or states no usable delta."""
+
+
+def read_pinned_delta(path: Path) -> float:
+    """`fixed_settings.treatment.delta` of the plan at `path`: a number in (0, 1), else one line naming
+    the file and what it holds (no default: every loss, golden case and self-test row depends on it)."""
+    try:
+        value = json.loads(path.read_text())["fixed_settings"]["treatment"]["delta"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PinnedDeltaError(
+            f"{path}: no readable fixed_settings.treatment.delta ({type(exc).__name__}: {exc})"
+        ) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise PinnedDeltaError(f"{path}: fixed_settings.treatment.delta must be a number in (0, 1), got {value!r}")
+    return float(value)
+
+
+DPPO_DELTA = read_pinned_delta(project_root() / DELTA_PLAN)
 
 # Activation-gate metrics the harness measures itself, whatever the losses.
 HARNESS_GATE_METRICS = ("executed_updates_per_batch", "executed_base_model")
