@@ -71,7 +71,7 @@ def run_fake(tmp_path: Path, monkeypatch: Any, steps: int, arm_step: Any = updat
     clients = clients or {a.name: FakeClient(a.name) for a in plan.run.arms}
     monkeypatch.setattr(comparison_run, "run_arm_step", arm_step)
     monkeypatch.setattr(
-        comparison_run, "_frozen_evaluator", lambda *a, **k: SimpleNamespace(evaluator_id="e", deviation=None)
+        comparison_run, "frozen_evaluator", lambda *a, **k: SimpleNamespace(evaluator_id="e", deviation=None)
     )
     monkeypatch.setattr(
         comparison_run.dataset,

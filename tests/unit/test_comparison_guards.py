@@ -13,7 +13,6 @@ from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError, OptimizerMismatch, comparison_schedule
 from dppo_harness.stages.comparison.state import ArmState, RunState
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard, wall_guard_from_feasibility
-from dppo_harness.stages.feasibility_projection import PilotFigures
 from dppo_harness.train import restore as train_restore
 
 RUN = PLAN.run
@@ -50,13 +49,13 @@ def test_the_wall_guard_stops_before_the_step_that_would_pass_the_budget(tmp_pat
 def test_the_first_step_is_projected_from_the_feasibility_pilot(tmp_path, monkeypatch):
     feas = {"measurements": {"training": {"seconds": 30.0, "units": 2.0}, "evaluation": {"seconds": 4.0, "units": 8}}}
     clock = _Clock()
-    guard = wall_guard_from_feasibility(lambda: 40.0 - clock.t, PilotFigures.from_block(feas), arms=2, eval_items=10)
+    guard = wall_guard_from_feasibility(lambda: 40.0 - clock.t, feas, arms=2, eval_items=10)
     assert guard.first_step_estimate_s == 30.0  # 15 s per arm-step x 2 arms, no overlap assumed
     assert guard.reserve_s == pytest.approx(FINALIZE_RESERVE_S + 0.5 * 10 * 3)
     guard.clock = clock
     out = _train(tmp_path, monkeypatch, 3, guard, clock)
     assert out.steps_completed == 0 and out.stopped.startswith("wall clock: step 1")
-    plain = wall_guard_from_feasibility(lambda: 1e9, PilotFigures.from_block(None), arms=2, eval_items=10)
+    plain = wall_guard_from_feasibility(lambda: 1e9, None, arms=2, eval_items=10)
     assert plain.first_step_estimate_s is None and plain.reserve_s == FINALIZE_RESERVE_S
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages import feasibility as feasibility_module
-from dppo_harness.stages import feasibility_projection as projection
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -25,7 +24,7 @@ def small():
     return load_plan(PLANS.parent / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json")
 
 
-def _timings(**kw) -> projection.PilotTimings:
+def _timings(**kw) -> feasibility_module.PilotTimings:
     # 2 s per group, 4 s per update (mean of 3 and 5), 0.5 s per eval item, 10 s setup.
     args = dict(
         setup_seconds=10.0,
@@ -38,19 +37,19 @@ def _timings(**kw) -> projection.PilotTimings:
         eval_items=4,
     )
     args.update(kw)
-    return projection.PilotTimings(**args)
+    return feasibility_module.PilotTimings(**args)
 
 
 def test_spec_schedule(spec):
-    s = projection.schedule_json(spec.kind, spec.run)
+    s = feasibility_module.schedule_json(spec.kind, spec.run)
     assert (s["trained_arms"], s["batches_per_arm"], s["updates_per_batch"]) == (2, 50, 2)
     assert (s["groups_per_batch"], s["group_size"], s["sequences_per_update"]) == (32, 8, 128)
     assert (s["max_tokens"], s["eval_items"], s["temperature"]) == (512, 2 * 1319, 1.0)
-    assert projection.arm_steps(spec.run) == 100
+    assert feasibility_module.arm_steps(spec.run) == 100
 
 
 def test_spec_projection_that_must_not_fit(spec):
-    p = projection.project(spec.run, _timings(), spec.budget, gpu_count=0)
+    p = feasibility_module.project(spec.run, _timings(), spec.budget, gpu_count=0)
     assert p.arm_step_seconds == pytest.approx(2.0 * 32 + 2 * 4.0)  # 72
     assert p.training_seconds == pytest.approx(100 * 72.0)
     assert p.evaluation_seconds == pytest.approx(2638 * 0.5)
@@ -64,7 +63,7 @@ def test_spec_projection_that_must_not_fit(spec):
 
 
 def test_small_projection_fits(small):
-    p = projection.project(small.run, _timings(), small.budget, gpu_count=0)
+    p = feasibility_module.project(small.run, _timings(), small.budget, gpu_count=0)
     assert p.arm_step_seconds == pytest.approx(2.0 * 2 + 2 * 4.0)  # 12
     assert p.total_seconds == pytest.approx((10.0 + 4 * 12.0 + 8 * 0.5) * 1.25)
     assert p.fits and p.problems == ()
@@ -73,26 +72,26 @@ def test_small_projection_fits(small):
 def test_gpu_hours(small):
     s = small.run
     t = _timings()
-    unknown = projection.project(s, t, small.budget, gpu_count=None)
+    unknown = feasibility_module.project(s, t, small.budget, gpu_count=None)
     assert unknown.gpu_hours is None and unknown.fits  # wall fits; GPU-hours stay unknown
     assert any("GPU-hours not projected" in p for p in unknown.problems)
     # 8 GPUs for ~1.2 h of wall time exceed 2 GPU-hours even where the wall budget would allow it.
     slow = _timings(sampling_seconds=2 * 40.0, update_seconds=(60.0,))
-    over = projection.project(s, slow, {"gpu_hours": 2.0, "max_wall_minutes": 600}, gpu_count=8)
+    over = feasibility_module.project(s, slow, {"gpu_hours": 2.0, "max_wall_minutes": 600}, gpu_count=8)
     assert over.gpu_hours == pytest.approx(over.total_seconds / 3600 * 8)
     assert not over.fits and "GPU-hours exceeds" in over.problems[-1]
 
 
 def test_bad_inputs_raise_clear_errors(spec):
     s = spec.run
-    with pytest.raises(projection.FeasibilityError, match="update timings"):
-        projection.project(s, _timings(update_seconds=()), spec.budget, gpu_count=0)
-    with pytest.raises(projection.FeasibilityError, match="sampled no groups"):
-        projection.project(s, _timings(sampled_groups=0), spec.budget, gpu_count=0)
-    with pytest.raises(projection.FeasibilityError, match="timed no evaluation"):
-        projection.project(s, _timings(eval_items=0, eval_seconds=0.0), spec.budget, gpu_count=0)
-    with pytest.raises(projection.FeasibilityError, match="setup_seconds"):
-        projection.project(s, _timings(setup_seconds=float("nan")), spec.budget, gpu_count=0)
+    with pytest.raises(feasibility_module.FeasibilityError, match="update timings"):
+        feasibility_module.project(s, _timings(update_seconds=()), spec.budget, gpu_count=0)
+    with pytest.raises(feasibility_module.FeasibilityError, match="sampled no groups"):
+        feasibility_module.project(s, _timings(sampled_groups=0), spec.budget, gpu_count=0)
+    with pytest.raises(feasibility_module.FeasibilityError, match="timed no evaluation"):
+        feasibility_module.project(s, _timings(eval_items=0, eval_seconds=0.0), spec.budget, gpu_count=0)
+    with pytest.raises(feasibility_module.FeasibilityError, match="setup_seconds"):
+        feasibility_module.project(s, _timings(setup_seconds=float("nan")), spec.budget, gpu_count=0)
 
 
 def test_schedule_needs_stated_group_sizes(spec):
@@ -105,8 +104,8 @@ def test_schedule_needs_stated_group_sizes(spec):
 
 def test_feasibility_block_shape_and_consistency(spec):
     t = _timings()
-    p = projection.project(spec.run, t, spec.budget, gpu_count=0)
-    block = projection.feasibility_block(
+    p = feasibility_module.project(spec.run, t, spec.budget, gpu_count=0)
+    block = feasibility_module.feasibility_block(
         spec.run,
         t,
         p,
@@ -144,14 +143,14 @@ def test_feasibility_block_shape_and_consistency(spec):
     assert m["evaluation"]["planned_units"] == 2638 and m["evaluation"]["units"] == 4
     assert block["generation"] is None
     assert block["recovery"] == {"seconds": p.recovery_seconds, "gpu_count": 0, "allocation_source": "cpu"}
-    check = projection.feasibility_check(p, known_gpu_hours=0.0)
+    check = feasibility_module.feasibility_check(p, known_gpu_hours=0.0)
     assert check["status"] == "exceeds_budget" and check["wall_seconds"] == p.total_seconds
 
 
 def test_unknown_gpu_count_nulls_allocation_source(small):
     t = _timings()
-    p = projection.project(small.run, t, small.budget, gpu_count=None)
-    block = projection.feasibility_block(
+    p = feasibility_module.project(small.run, t, small.budget, gpu_count=None)
+    block = feasibility_module.feasibility_block(
         small.run, t, p, pilot_config={}, effective_config={}, primary_endpoint="x", allocation_source="ignored"
     )
     assert block["measurements"]["setup"]["gpu_count"] is None
@@ -177,7 +176,7 @@ def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
     res = feasibility_module.run_feasibility(
         None, small, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local", timings=_timings()
     )
-    assert res.run.rollout_steps == 2 and projection.planned_eval_items(res.run) == 8
+    assert feasibility_module.planned_eval_items(small.run) == 8
     assert ev.files[feasibility_module.PILOT_FILE][1]["schedule"]["eval_items"] == 8
     # arm-step: 2 groups x 2 s + 2 updates x 4 s = 12; 10 + 4 arm-steps x 12 + 8 x 0.5 = 62; x1.25
     assert res.projection.total_seconds == pytest.approx(62 * 1.25) and res.passed
@@ -191,14 +190,14 @@ def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
 
 
 def test_stage_projections(spec):
-    out = projection.stage_projections(spec.run, _timings())
+    out = feasibility_module.stage_projections(spec.run, _timings())
     assert out["gate"] == pytest.approx(10.0 + 5 * 72.0)  # the plan's 5-step gate pilot
     assert out["plan"] == pytest.approx(10.0 + 100 * 72.0 + 2638 * 0.5)
 
 
 def test_a_diagnostic_plan_is_not_piloted():
     diagnostic = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    with pytest.raises(projection.FeasibilityError, match="not piloted"):
+    with pytest.raises(feasibility_module.FeasibilityError, match="not piloted"):
         feasibility_module.run_feasibility(
             None, diagnostic, _FakeEvidence(), initial_checkpoint="i", backend_kind="local", timings=_timings()
         )
@@ -221,7 +220,7 @@ def test_measured_setup_parts_add_up(small):
         "create_client_from_initial_checkpoint": 10.0,
         "restoration_preflight": 30.0,
     }
-    with pytest.raises(projection.FeasibilityError, match="measured_setup"):
+    with pytest.raises(feasibility_module.FeasibilityError, match="measured_setup"):
         feasibility_module.run_feasibility(
             None,
             small,

@@ -40,7 +40,6 @@ from dppo_harness.service.config import redact_url, sdk_versions
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, WaitPolicy
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
-from dppo_harness.stages.feasibility_projection import PilotFigures
 from dppo_harness.stages.session_rules import (
     capacity_scale,
     record_capacity_stop_before_training,
@@ -428,7 +427,7 @@ def comparison_run(
     # from the finalize reserve alone and projects from the steps it measures.
     guard = wall_guard_from_feasibility(
         bundle.remaining_seconds,
-        PilotFigures.from_block(bundle.result.get("feasibility")),
+        bundle.result.get("feasibility"),
         arms=len(h.plan.run.arms) if h.plan.run else 0,
         eval_items=h.plan.run.eval_items if h.plan.run else 0,
     )

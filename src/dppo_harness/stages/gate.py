@@ -24,8 +24,7 @@ from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss import loss_registry, losses
 from dppo_harness.loss.terms import LossStats
-from dppo_harness.rollout import rollouts
-from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_step
+from dppo_harness.stages.arm_step import ArmStepProgress, make_loss, rollout_config, run_arm_step
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured
 from dppo_harness.train.restore import restore
 
@@ -273,16 +272,9 @@ def run_activation_gate(
         raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
     treatment = pilot_arm(plan.name, run)
     steps = int(run.gate_pilot_steps.value)
-    rollout_cfg = rollouts.RolloutConfig(
-        int(run.groups_per_batch.value),
-        int(run.group_size.value),
-        float(run.temperature.value),
-        int(run.max_tokens.value),
-        seed=treatment.seed,
-        max_seq_len=run.max_seq_len,
-    )
-    loss_cfg = losses.LossConfig.for_loss(treatment.loss, run.normalization)
-    recorder = ins.LossCallRecorder(loss_cfg)  # what the pilot measured is kept when it stops early
+    rollout_cfg = rollout_config(run, treatment.seed)  # every pilot step samples from the arm's seed
+    loss = make_loss(treatment, run)
+    recorder = loss[1]  # what the pilot measured is kept when it stops early
     optim_counts: list[int] = []
     samplers: list[str] = []
     yields: list[answer_yield.ResponseYield] = []  # of each step's batch
@@ -302,29 +294,20 @@ def run_activation_gate(
             )
         renderer = tokenizer.make_renderer().renderer
         train = dataset.get(run.dataset).load_split("train", seed=treatment.seed)
-        adam = tinker.AdamParams(**treatment.adam)
-        arm = ArmStepRun(restored.client, losses.make_loss_fn(loss_cfg), adam, recorder, treatment.updates_per_batch)
         for step in range(steps):  # the comparison's arm-step: sample from the current weights, then the updates
-
-            def context(u: int, sampler_path: str, idx: list[int], step: int = step) -> dict[str, int | str]:
-                return {
-                    "step": step,
-                    "update_in_batch": u,
-                    "update_index": step * treatment.updates_per_batch + u,
-                    "sampler_checkpoint": sampler_path,
-                    "n_sequences": len(idx),
-                }
-
             done = ArmStepProgress()
             items = train.batch(step, rollout_cfg.groups_per_batch)
             try:
                 run_arm_step(
-                    arm,
+                    restored.client,
+                    treatment,
+                    run,
+                    loss,
+                    step,
                     items,
                     renderer,
-                    rollout_cfg,
+                    seed=treatment.seed,
                     sampler_name=f"{tag}-sampler-s{step}",
-                    context=context,
                     progress=done,
                 )
             finally:  # what the step reached is kept when it stops part-way

@@ -21,20 +21,44 @@ if TYPE_CHECKING:
     import tinker
 
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import RunConfig
+    from dppo_harness.plans import Plan, RunConfig
 
 BASE_ARM = "base"
+EVAL_SUBSET_REASON = (
+    "declared rehearsal size: the plan evaluates its first {n} {dataset} test items (see the plan's differences)"
+)
+EVAL_SUBSET_EMBEDDED = ", a size the embedded server's stand-in evaluates on this host's CPU"
+# A spec (not a rehearsal plan) that itself asks for fewer items: its own words, no rehearsal claimed.
+EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} {dataset} test items are evaluated"
 
 
-def freeze_for(run: RunConfig, reason: str) -> evaluation.FrozenEvaluator:
-    """The comparison's frozen evaluator: the first `run.eval_items` test items (all 1319 for the
-    spec), greedy, max_tokens as sampled in training."""
+def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
+    """Why the evaluator scores a subset, in words that fit the run: a rehearsal plan's declared
+    size (the CPU named only when the embedded server computes), else the spec's own n_examples."""
+    if plan.run is None:
+        raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
+    if plan.kind != "rehearsal":
+        return EVAL_STATED_REASON.format(n=n, dataset=plan.run.dataset)
+    return EVAL_SUBSET_REASON.format(n=n, dataset=plan.run.dataset) + (EVAL_SUBSET_EMBEDDED if embedded else "")
+
+
+def frozen_evaluator(plan: Plan, bundle: EvidenceBundle, *, embedded: bool) -> evaluation.FrozenEvaluator:
+    """The comparison's evaluator, frozen before training: the first `run.eval_items` test items
+    (all 1319 for the spec), greedy, max_tokens as sampled in training. A subset is a deviation,
+    with the reason the plan gives (`eval_subset_reason`)."""
+    assert plan.run is not None
+    run = plan.run
     test = dataset.get(run.dataset).load_split("test")
     n = None if run.eval_items == len(test) else run.eval_items
-    items, deviation = evaluation.select_items(test, n, reason if n else None)
-    return evaluation.freeze_evaluator(
+    reason = eval_subset_reason(plan, embedded=embedded, n=run.eval_items) if n else None
+    items, deviation = evaluation.select_items(test, n, reason)
+    evaluator = evaluation.freeze_evaluator(
         items, tokenizer.make_renderer(), max_tokens=int(run.max_tokens.value), deviation=deviation
     )
+    if evaluator.deviation:
+        d = evaluator.deviation
+        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
+    return evaluator
 
 
 def items_progress(

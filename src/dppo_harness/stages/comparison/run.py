@@ -22,7 +22,6 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import backend_of
 from dppo_harness.evidence.progress import Watchdog
@@ -30,7 +29,6 @@ from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss import losses
-from dppo_harness.rollout import rollouts
 from dppo_harness.service.capacity import call_with_capacity_retry, error_text
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import (
@@ -41,14 +39,14 @@ from dppo_harness.service.wait.policy import (
     WaitPolicy,
 )
 from dppo_harness.stages import arm_step
-from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun
+from dppo_harness.stages.arm_step import ArmStepProgress, make_loss
 from dppo_harness.stages.comparison.config import (
     ArmOrder,
     ComparisonError,
     OptimizerMismatch,
     step_seed,
 )
-from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, freeze_for
+from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, frozen_evaluator
 from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
@@ -88,12 +86,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 PROGRESS_EVERY_S = 15.0  # a line at least this often in every phase: arm steps and evaluation take minutes
-EVAL_SUBSET_REASON = (
-    "declared rehearsal size: the plan evaluates its first {n} {dataset} test items (see the plan's differences)"
-)
-EVAL_SUBSET_EMBEDDED = ", a size the embedded server's stand-in evaluates on this host's CPU"
-# A spec (not a rehearsal plan) that itself asks for fewer items: its own words, no rehearsal claimed.
-EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} {dataset} test items are evaluated"
 
 
 class StopRequested(Exception):
@@ -149,12 +141,38 @@ def run_comparison(
     with Watchdog(progress, every_s=PROGRESS_EVERY_S) as dog:  # no phase is silent for longer
         progress = dog.say
         rehearsal = is_rehearsal(plan, backend, bundle.result)
-        evaluator = _frozen_evaluator(run, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
+        evaluator = frozen_evaluator(plan, bundle, embedded=served_by_embedded_server(backend, bundle.result))
         state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
         if state.resumed:  # the preflight and gate of the run, hash-verified, and where this session starts
             reuse_setup(bundle, state)
         spath = state_path(state_root, state.run_id)
-        _register_run_manifest(bundle, plan, state, spath, save_every, schedule, schedule_source, rehearsal, evaluator)
+        bundle.register_json(
+            f"comparison-run-{state.resumed}.json",
+            "manifest",
+            {
+                "run_id": state.run_id,
+                "resumed_sessions": state.resumed,
+                "sessions": state.sessions,
+                "resumes": state.resumes,
+                "save_every": save_every,
+                "schedule": schedule,
+                "schedule_source": schedule_source,
+                "rehearsal": rehearsal,
+                "state_file": str(spath),
+                "evaluator_id": evaluator.evaluator_id,
+                "code_revision": state.code_revision,
+                "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256},
+                "config": {**run.as_json(), "save_every": save_every},
+            },
+        )
+        if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
+            bundle.update_result(
+                original_hypothesis_tested=False,
+                tested_instead=(
+                    f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's "
+                    f"stand-in model ({run.base_model}); declared differences from the spec are recorded as deviations"
+                ),
+            )
         progress(f"[comparison] schedule {schedule} ({schedule_source})")
 
         waiter = getattr(service_client, "waiter", None)
@@ -179,17 +197,7 @@ def run_comparison(
         t0 = time.perf_counter()
         train_seconds = 0.0  # a stop by an error counts none
         try:
-            if not state.resumed:  # the arms' clients the preflight loaded from the shared initial checkpoint
-                assert restoration is not None
-                arms.clients.update({a.name: restoration.clients[a.name] for a in run.arms})
-            else:  # each arm from the state every arm saved last (step 0: the shared initial checkpoint)
-                ref, prov_arms = state_file_name(state, "open"), {}
-                for a in run.arms:
-                    path = state.arms[a.name].state_path or state.initial_checkpoint
-                    restore_one = partial(restore_arm, service_client, state, run, a.name, path, ref)
-                    arms.clients[a.name], prov_arms[a.name] = call(restore_one)
-                bundle.register_json(ref, "manifest", state.to_json())  # before the result names it
-                bundle.update_result(initialization_provenance={"arms": prov_arms})
+            arms.open(restoration, call)
             state.save(spath)
             if waiter is not None:  # a lost arm is replaced once from its last save, not the end of the run
                 waiter.replaces_lost = lambda lost: arms.arm_of(lost) is not None
@@ -207,11 +215,11 @@ def run_comparison(
                     items = train.batch(step, int(run.groups_per_batch.value))
                     if pool is None:  # arm after arm, each committed before the next starts
                         for name in arms.pending(step):
-                            _commit_row(arms, name, arms.step_with_retry(name, step, items, renderer, call), tracker)
+                            arms.commit(name, arms.step_with_retry(name, step, items, renderer, call), tracker)
                     else:  # at once on their own clients, joined before any commit
                         rows, failure = arms.step_concurrently(step, items, renderer, call, pool)
                         for name, row in rows:
-                            _commit_row(arms, name, row, tracker, save=failure is None)
+                            arms.commit(name, row, tracker, save=failure is None)
                         if failure is not None:
                             raise failure
                     if guard is not None:
@@ -237,7 +245,12 @@ def run_comparison(
             progress(f"[comparison] stopped: {exc.line}")
             stopped = f"{exc.kind}: {exc.line}"
         except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
-            stopped = _stopped_by(bundle, state, exc, progress)
+            if isinstance(exc, OptimizerMismatch) and exc.provenance:  # the check that stopped it, posted
+                if exc.state_file and bundle.entry(exc.state_file) is None:  # with the state it references
+                    bundle.register_json(exc.state_file, "manifest", state.to_json())
+                bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
+            stopped = f"{type(exc).__name__}: {error_text(exc)}"[:500]
+            progress(f"[comparison] stopped: {stopped}")
         finally:
             if waiter is not None:
                 waiter.replaces_lost = None
@@ -246,13 +259,21 @@ def run_comparison(
         steps_completed = min(s.steps_done for s in state.arms.values())
 
         state.save(spath)
-        files = [
-            _register_steps(bundle, state),
-            _register_end_state(bundle, state, schedule, schedule_source, stopped, steps_completed, guard),
-        ]
+        steps_name = f"{STEPS_FILE.removesuffix('.jsonl')}-{state.resumed}.jsonl" if state.resumed else STEPS_FILE
+        bundle.register_bytes(steps_name, "metrics", jsonl(state.rows))
+        end_name = state_file_name(state, "end")  # the run state after training, stopped or not
+        training: JsonObject = {
+            "schedule": schedule,
+            "schedule_source": schedule_source,
+            "stopped": stopped,
+            "steps_completed": steps_completed,
+            "wall_guard": guard.as_dict() if guard is not None else None,
+        }
+        bundle.register_json(end_name, "manifest", {**state.to_json(), "training": training})
+        files = [steps_name, end_name]
         trained = (state.run_id, tuple(state.rows), steps_completed, train_seconds, schedule)
         if stopped is not None:
-            final = _stopped_final(plan, bundle, run, steps_completed, stopped, capacity_block)
+            final = _final(plan, bundle, steps_completed, stopped=stopped, capacity_block=capacity_block)
             return ComparisonResult(*trained, stopped, capacity_block, final=final, files=tuple(files))
 
         scores, decision, eval_files = evaluate_and_decide(
@@ -268,7 +289,7 @@ def run_comparison(
             max_tokens=int(run.max_tokens.value),
             resume=resume,
         ).values()
-        final = _succeeded_final(plan, bundle, run, steps_completed, scores, decision, rehearsal=rehearsal)
+        final = _final(plan, bundle, steps_completed, scores=scores, decision=decision, rehearsal=rehearsal)
         return ComparisonResult(
             *trained, None, None, tuple(scores), decision, final, (*files, *eval_files, *report_files)
         )
@@ -291,10 +312,27 @@ class Arms:
     tag: str  # the names this run gives its saves on the service (immutable there)
     progress: Callable[[str], None]
     clients: dict[str, tinker.TrainingClient] = field(default_factory=dict)
-    restores_left: int = -1  # restore states the budget keeps slots for (-1: per arm, set on first use)
 
     def __post_init__(self) -> None:
         self.losses = {a.name: make_loss(a, self.run) for a in self.run.arms}
+        self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.run.arms)  # slots the budget keeps
+
+    def open(self, restoration: RestorationResult | None, call: Callable[[Callable[[], Any]], Any]) -> None:
+        """The arms' clients: the preflight's, loaded from the shared initial checkpoint, or on a
+        resume each arm's from the state every arm saved last (step 0: the initial checkpoint)."""
+        state = self.state
+        if not state.resumed:
+            assert restoration is not None
+            self.clients.update({a.name: restoration.clients[a.name] for a in self.run.arms})
+        else:
+            ref, prov_arms = state_file_name(state, "open"), {}
+            for a in self.run.arms:
+                path = state.arms[a.name].state_path or state.initial_checkpoint
+                restore_one = partial(restore_arm, self.service_client, state, self.run, a.name, path, ref)
+                self.clients[a.name], prov_arms[a.name] = call(restore_one)
+            self.bundle.register_json(ref, "manifest", state.to_json())  # before the result names it
+            self.bundle.update_result(initialization_provenance={"arms": prov_arms})
+        state.save(self.spath)
 
     @property
     def names(self) -> list[str]:
@@ -341,7 +379,11 @@ class Arms:
         same seeds and applies exactly `updates_per_batch` updates. An attempt refused before any
         update is retried as is. Every refused attempt is kept in the arm's `step_retries`."""
         arm = self.state.arms[name]
-        start_state = _step_start_state(self.state, arm)
+        start_state = (  # the tinker:// state the step starts from (None: none saved there)
+            arm.state_path
+            if arm.state_path is not None and arm.state_step == arm.steps_done
+            else (self.state.initial_checkpoint if arm.steps_done == 0 else None)
+        )
         failures: list[StepRetry] = []
 
         def attempt() -> StepRowJson:
@@ -436,19 +478,48 @@ class Arms:
 
     def _take_restore_slot(self, what: str) -> None:
         """One evidence slot for the run state of a restore in the run (kept per arm in the budget)."""
-        reserved = self.restore_slots_left()
-        if reserved == 0 and self.bundle.free_slots() - 1 < budget.comparison_reserve(len(self.run.arms), 0):
+        if self.restores_left == 0 and self.bundle.free_slots() - 1 < budget.comparison_reserve(len(self.run.arms), 0):
             raise ComparisonError(
                 f"{what}: no evidence file slot left for the run state of another restore "
                 f"({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
                 "resume the run (--resume) to continue from its last save"
             )
-        self.restores_left = max(0, reserved - 1)
+        self.restores_left = max(0, self.restores_left - 1)
 
-    def restore_slots_left(self) -> int:
-        if self.restores_left < 0:
-            self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.run.arms)
-        return self.restores_left
+    def commit(self, name: str, row: StepRowJson, tracker: CapacityTracker, *, save: bool = True) -> None:
+        """A finished arm-step: steps done, the state saved at a save step (`save`: not after a
+        concurrent step another arm failed, its clients may be gone), the row kept and posted; a save
+        every arm made registered with a snapshot; the capacity window widened once per step; the arm
+        finalized after its last step (final sampler weights + state, checkpoint URIs, metrics)."""
+        state, run, bundle = self.state, self.run, self.bundle
+        arm = state.arms[name]
+        arm.steps_done = row["step"] + 1
+        if save and (arm.steps_done % self.save_every == 0 or arm.steps_done == run.rollout_steps):
+            saved = self.clients[name].save_state(
+                f"{self.tag}-{state.run_id}-{name}-step{arm.steps_done}-r{state.resumed}"
+            )
+            arm.record_save(state.run_id, arm.steps_done, saved.result().path)
+        state.rows.append(row)
+        state.save(self.spath)
+        done = arm.steps_done
+        if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
+            # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
+            kept = budget.comparison_reserve(len(run.arms), self.restores_left)
+            _register_saved_state(bundle, state, done, kept)
+            post_snapshot(bundle, f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
+        arm_rows = [r for r in state.rows if r["arm"] == name]
+        bundle.post_arm_metrics(name, arm_summary(arm_rows))
+        if all(s.steps_done > row["step"] for s in state.arms.values()) and tracker() <= row["step"]:
+            tracker.step_done()  # once per step, a step an arm trained again included
+        if arm.steps_done == run.rollout_steps:
+            sampler = self.clients[name].save_weights_for_sampler(f"{self.tag}-{state.run_id}-{name}-final")
+            arm.final_sampler, arm.final_state = sampler.result().path, arm.state_path
+            if arm.final_state:
+                bundle.add_checkpoint(name, arm.steps_done, arm.final_state)
+            bundle.add_checkpoint(name, arm.steps_done, arm.final_sampler)
+            bundle.post_arm_metrics(name, arm_summary(arm_rows), completed=True)
+            state.save(self.spath)
+        self.progress(step_line(row, run.rollout_steps))
 
 
 def restore_arm(
@@ -507,12 +578,6 @@ def restore_arm(
     return client, prov
 
 
-def make_loss(arm: ArmConfig, run: RunConfig) -> tuple[losses.CustomLossFn, ins.LossCallRecorder]:
-    """An arm's loss function and the recorder every one of its loss calls goes through."""
-    lc = losses.LossConfig.for_loss(arm.loss, run.normalization)
-    return losses.make_loss_fn(lc), ins.LossCallRecorder(lc)
-
-
 def run_arm_step(
     client: tinker.TrainingClient,
     arm: ArmConfig,
@@ -526,37 +591,21 @@ def run_arm_step(
     attempt: int = 0,
     progress: ArmStepProgress | None = None,
 ) -> StepRowJson:
-    """One rollout step of one arm (`arm_step.run_arm_step`, the gate pilot's too): sample from its
-    current weights, then its minibatch updates; its step row. `progress.updates_submitted` counts
-    updates sent (so a failed attempt says whether it moved the arm)."""
+    """One rollout step of one arm (`arm_step.run_arm_step`, the gate pilot's too) from the step's
+    seed, and its row. `progress.updates_submitted` counts updates sent (so a failed attempt says
+    whether it moved the arm)."""
     t0 = time.perf_counter()
-    rcfg = rollouts.RolloutConfig(
-        int(run.groups_per_batch.value),
-        int(run.group_size.value),
-        float(run.temperature.value),
-        int(run.max_tokens.value),
-        seed=step_seed(run, step),
-        max_seq_len=run.max_seq_len,
-    )
     retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
-
-    def context(u: int, sampler_path: str, _idx: list[int]) -> dict[str, int | str]:
-        return {
-            "arm": arm.name,
-            "step": step,
-            "update_in_batch": u,
-            "update_index": step * arm.updates_per_batch + u,
-            "sampler_checkpoint": sampler_path,
-        }
-
-    loss_fn, recorder = loss
     done = arm_step.run_arm_step(
-        ArmStepRun(client, loss_fn, tinker.AdamParams(**arm.adam), recorder, arm.updates_per_batch),
+        client,
+        arm,
+        run,
+        loss,
+        step,
         items,
         renderer,
-        rcfg,
+        seed=step_seed(run, step),
         sampler_name=f"{tag}-{arm.name}-s{step}{retry}",
-        context=context,
         progress=progress,
     )
     sampled, records = done.sampled, done.records
@@ -573,67 +622,6 @@ def run_arm_step(
         cookbook_env=trajectory_metrics(sampled.batch),
         rollout_seconds=sampled.batch.sampling_seconds + sampled.batch.grading_seconds,
     )
-
-
-def _step_start_state(state: RunState, arm: ArmState) -> str | None:
-    """The tinker:// state an arm's next step starts from (None: none saved there)."""
-    if arm.state_path is not None and arm.state_step == arm.steps_done:
-        return arm.state_path
-    return state.initial_checkpoint if arm.steps_done == 0 else None
-
-
-def _commit_row(arms: Arms, name: str, row: StepRowJson, tracker: CapacityTracker, *, save: bool = True) -> None:
-    """A finished arm-step: steps done, the state saved at a save step (`save`: not after a
-    concurrent step another arm failed, its clients may be gone), the row kept and posted; a save
-    every arm made registered with a snapshot; the capacity window widened once per step; the arm
-    finalized after its last step."""
-    state, run, bundle = arms.state, arms.run, arms.bundle
-    arm = state.arms[name]
-    arm.steps_done = row["step"] + 1
-    if save and (arm.steps_done % arms.save_every == 0 or arm.steps_done == run.rollout_steps):
-        saved = arms.clients[name].save_state(f"{arms.tag}-{state.run_id}-{name}-step{arm.steps_done}-r{state.resumed}")
-        arm.record_save(state.run_id, arm.steps_done, saved.result().path)
-    state.rows.append(row)
-    state.save(arms.spath)
-    done = arm.steps_done
-    if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
-        # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
-        kept = budget.comparison_reserve(len(run.arms), arms.restore_slots_left())
-        _register_saved_state(bundle, state, done, kept)
-        post_snapshot(bundle, f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
-    arm_rows = [r for r in state.rows if r["arm"] == name]
-    bundle.post_arm_metrics(name, arm_summary(arm_rows))
-    if all(s.steps_done > row["step"] for s in state.arms.values()) and tracker() <= row["step"]:
-        tracker.step_done()  # once per step, a step an arm trained again included
-    if arm.steps_done == run.rollout_steps:
-        _finalize_arm(arms.clients[name], name, state, bundle, arm_rows, arms.tag)
-        state.save(arms.spath)
-    arms.progress(step_line(row, run.rollout_steps))
-
-
-def _finalize_arm(
-    client: tinker.TrainingClient, name: str, state: RunState, bundle: EvidenceBundle, rows: list[StepRowJson], tag: str
-) -> None:
-    """After an arm's last step: final sampler weights + state, checkpoint URI, completed_arms, metrics."""
-    s = state.arms[name]
-    s.final_sampler = client.save_weights_for_sampler(f"{tag}-{state.run_id}-{name}-final").result().path
-    s.final_state = s.state_path
-    if s.final_state:
-        bundle.add_checkpoint(name, s.steps_done, s.final_state)
-    bundle.add_checkpoint(name, s.steps_done, s.final_sampler)
-    bundle.post_arm_metrics(name, arm_summary(rows), completed=True)
-
-
-def _stopped_by(bundle: EvidenceBundle, state: RunState, exc: Exception, progress: Callable[[str], None]) -> str:
-    """The stop's reason, with the check that stopped it posted when it is an optimizer mismatch
-    (and the run state its check references registered)."""
-    if isinstance(exc, OptimizerMismatch) and exc.provenance:
-        if exc.state_file and bundle.entry(exc.state_file) is None:
-            bundle.register_json(exc.state_file, "manifest", state.to_json())
-        bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
-    reason = f"{type(exc).__name__}: {error_text(exc)}"[:500]
-    progress(f"[comparison] stopped: {reason}")
-    return reason
 
 
 # ---- the run state, new or resumed --------------------------------------------------------------
@@ -692,29 +680,7 @@ def _setup_provenance(restoration: RestorationResult, run: RunConfig) -> JsonObj
     }
 
 
-# ---- evidence files -----------------------------------------------------------------------------
-
-
-def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
-    """Why the evaluator scores a subset, in words that fit the run: a rehearsal plan's declared
-    size (the CPU named only when the embedded server computes), else the spec's own n_examples."""
-    if plan.run is None:
-        raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
-    if plan.kind != "rehearsal":
-        return EVAL_STATED_REASON.format(n=n, dataset=plan.run.dataset)
-    return EVAL_SUBSET_REASON.format(n=n, dataset=plan.run.dataset) + (EVAL_SUBSET_EMBEDDED if embedded else "")
-
-
-def _frozen_evaluator(
-    run: RunConfig, bundle: EvidenceBundle, plan: Plan, *, embedded: bool
-) -> evaluation.FrozenEvaluator:
-    """The run's evaluator, frozen before training; its subset is a deviation, with the reason the
-    plan gives (a rehearsal plan's declared size, or the spec's own n_examples)."""
-    evaluator = freeze_for(run, eval_subset_reason(plan, embedded=embedded, n=run.eval_items))
-    if evaluator.deviation:
-        d = evaluator.deviation
-        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
-    return evaluator
+# ---- evidence ----------------------------------------------------------------------------------
 
 
 def served_by_embedded_server(backend: str, result: Mapping[str, Any]) -> bool:
@@ -728,49 +694,6 @@ def is_rehearsal(plan: Plan, backend: str, result: Mapping[str, Any]) -> bool:
     """A rehearsal by what served the run, not by the flag that chose the client: a rehearsal plan,
     the local backend, or the embedded server's marker seen behind `--backend tinker`."""
     return plan.kind == "rehearsal" or served_by_embedded_server(backend, result)
-
-
-def _register_run_manifest(
-    bundle: EvidenceBundle,
-    plan: Plan,
-    state: RunState,
-    spath: Path,
-    save_every: int,
-    schedule: ArmOrder,
-    schedule_source: str,
-    rehearsal: bool,
-    evaluator: evaluation.FrozenEvaluator,
-) -> None:
-    """`comparison-run-N.json`: the run, its sessions and resumes, schedule, state file, evaluator,
-    code revision, plan and run config; a rehearsal says what it tests."""
-    assert plan.run is not None
-    bundle.register_json(
-        f"comparison-run-{state.resumed}.json",
-        "manifest",
-        {
-            "run_id": state.run_id,
-            "resumed_sessions": state.resumed,
-            "sessions": state.sessions,
-            "resumes": state.resumes,
-            "save_every": save_every,
-            "schedule": schedule,
-            "schedule_source": schedule_source,
-            "rehearsal": rehearsal,
-            "state_file": str(spath),
-            "evaluator_id": evaluator.evaluator_id,
-            "code_revision": state.code_revision,
-            "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256},
-            "config": {**plan.run.as_json(), "save_every": save_every},
-        },
-    )
-    if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
-        bundle.update_result(
-            original_hypothesis_tested=False,
-            tested_instead=(
-                f"offline rehearsal of the paired-comparison pipeline under {plan.name} on the embedded server's stand-in "
-                f"model ({plan.run.base_model}); declared differences from the spec are recorded as deviations"
-            ),
-        )
 
 
 def _register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, kept: int) -> str | None:
@@ -794,76 +717,41 @@ def _register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, ke
     return name
 
 
-def _register_steps(bundle: EvidenceBundle, state: RunState) -> str:
-    name = f"{STEPS_FILE.removesuffix('.jsonl')}-{state.resumed}.jsonl" if state.resumed else STEPS_FILE
-    bundle.register_bytes(name, "metrics", jsonl(state.rows))
-    return name
-
-
-def _register_end_state(
-    bundle: EvidenceBundle,
-    state: RunState,
-    schedule: ArmOrder,
-    schedule_source: str,
-    stopped: str | None,
-    steps_completed: int,
-    guard: WallGuard | None,
-) -> str:
-    """The run state after training, stopped or not, with the training's schedule, stop and wall guard."""
-    name = state_file_name(state, "end")
-    training = {
-        "schedule": schedule,
-        "schedule_source": schedule_source,
-        "stopped": stopped,
-        "steps_completed": steps_completed,
-        "wall_guard": guard.as_dict() if guard is not None else None,
-    }
-    bundle.register_json(name, "manifest", {**state.to_json(), "training": training})
-    return name
-
-
-def _stopped_final(
+def _final(
     plan: Plan,
     bundle: EvidenceBundle,
-    run: RunConfig,
     steps_completed: int,
-    stopped: str,
-    capacity_block: JsonObject | None,
-) -> JsonObject:
-    """The final of a run that stopped before every arm finished: failed, nothing compared."""
-    final: JsonObject = {
-        "status": "failed",
-        "verdict": "inconclusive",
-        "outcome_reason": "incomplete_execution",
-        "summary": (
-            f"The paired comparison under {plan.name} stopped after {steps_completed} of "
-            f"{run.rollout_steps} rollout steps per arm, before evaluation, so nothing was compared: "
-            + stopped.replace(". ", "; ").rstrip(".")
-            + "."
-        ),
-    }
-    if bundle.result.get("original_hypothesis_tested") is None:
-        final.update(
-            original_hypothesis_tested=False,
-            tested_instead="nothing: the paired comparison stopped before any evaluation",
-        )
-    if capacity_block is not None:
-        final["capacity_block"] = capacity_block
-    return final
-
-
-def _succeeded_final(
-    plan: Plan,
-    bundle: EvidenceBundle,
-    run: RunConfig,
-    steps_completed: int,
-    scores: list[JsonObject],
-    decision: Mapping[str, Any],
     *,
-    rehearsal: bool,
+    stopped: str | None = None,
+    capacity_block: JsonObject | None = None,
+    scores: Sequence[JsonObject] = (),
+    decision: Mapping[str, Any] | None = None,
+    rehearsal: bool = False,
 ) -> JsonObject:
-    """The final of a finished run: at most two plain sentences (the result's `final` shape); the
-    details are in report.md."""
+    """The result's `final`, at most two plain sentences (the details are in report.md): a run that
+    stopped before every arm finished failed with nothing compared; a finished one has the verdict."""
+    assert plan.run is not None
+    run = plan.run
+    if stopped is not None or decision is None:
+        final: JsonObject = {
+            "status": "failed",
+            "verdict": "inconclusive",
+            "outcome_reason": "incomplete_execution",
+            "summary": (
+                f"The paired comparison under {plan.name} stopped after {steps_completed} of "
+                f"{run.rollout_steps} rollout steps per arm, before evaluation, so nothing was compared: "
+                + str(stopped).replace(". ", "; ").rstrip(".")
+                + "."
+            ),
+        }
+        if bundle.result.get("original_hypothesis_tested") is None:
+            final.update(
+                original_hypothesis_tested=False,
+                tested_instead="nothing: the paired comparison stopped before any evaluation",
+            )
+        if capacity_block is not None:
+            final["capacity_block"] = capacity_block
+        return final
     acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
     diffs = "; ".join(
         f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "

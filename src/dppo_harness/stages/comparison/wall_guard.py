@@ -4,14 +4,29 @@ from the longest measured step, else from the feasibility pilot's figures."""
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from pydantic import JsonValue
+
 from dppo_harness.json_types import JsonObject
-from dppo_harness.stages.feasibility_projection import PilotFigures
 
 FINALIZE_RESERVE_S = 30.0  # final sampler weights + state per arm, evidence files
+
+
+def per_unit_seconds(block: Mapping[str, JsonValue] | None, phase_name: str) -> float | None:
+    """Seconds per unit of one phase of a result's `feasibility` block (`training`: an arm-step,
+    `evaluation`: an item); None when the block, the phase or a finite positive figure is missing."""
+    phases = (block or {}).get("measurements")
+    phase = phases.get(phase_name) if isinstance(phases, dict) else None
+    if not isinstance(phase, dict):
+        return None
+    secs, units = phase.get("seconds"), phase.get("units")
+    if isinstance(secs, (int, float)) and isinstance(units, (int, float)) and units > 0 and math.isfinite(secs):
+        return float(secs) / float(units)
+    return None
 
 
 @dataclass
@@ -69,12 +84,12 @@ class WallGuard:
 
 
 def wall_guard_from_feasibility(
-    remaining: Callable[[], float | None], figures: PilotFigures, *, arms: int, eval_items: int
+    remaining: Callable[[], float | None], feasibility: Mapping[str, JsonValue] | None, *, arms: int, eval_items: int
 ) -> WallGuard:
     """A WallGuard whose first-step estimate and evaluation reserve come from the feasibility
     pilot's measured figures (an arm-step's seconds x arms, never assuming overlap is free; seconds
     per evaluation item x items x (arms + base model)); without them, only the finalize reserve."""
-    arm_step, per_item = figures.arm_step_seconds, figures.eval_item_seconds
+    arm_step, per_item = per_unit_seconds(feasibility, "training"), per_unit_seconds(feasibility, "evaluation")
     reserve = FINALIZE_RESERVE_S + (per_item * eval_items * (arms + 1) if per_item is not None else 0.0)
     basis = (
         "feasibility pilot: "
