@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
+from comparison_rows import TOKEN_FIELDS, comparable, row_differences
 from harness_paths import LOSS_PARITY
 
 from dppo_harness.data import gsm8k, tokenizer
@@ -41,7 +42,6 @@ from dppo_harness.service.observed import create_from_state_with_response, make_
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.stages.comparison.run import make_loss, run_arm_step
 from dppo_harness.stages.comparison.state import state_path
-from dppo_harness.stages.comparison.step_rows import TOKEN_FIELDS, comparable, row_differences
 
 pytestmark = pytest.mark.timeout(3000)
 

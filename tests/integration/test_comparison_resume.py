@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from comparison_rows import comparable, row_differences
 from server_in_process import ServerInProcess
 
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
@@ -26,7 +27,6 @@ from dppo_harness.service.wait.policy import WaitPolicy
 from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import state_path
-from dppo_harness.stages.comparison.step_rows import comparable, row_differences
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 PLAN = load_plan(Path(__file__).parents[2] / "tests" / "fixtures" / "plans" / "comparison-ci-small.json")

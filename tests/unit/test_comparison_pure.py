@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from comparison_rows import comparable
 
 from dppo_harness import plans
 from dppo_harness.evaluation import stats
@@ -20,16 +21,15 @@ from dppo_harness.stages.comparison.decision import (
     recompute_from_file,
     verdict,
 )
+from dppo_harness.stages.comparison.resume import resume_problems, rewind_to_common_save
 from dppo_harness.stages.comparison.state import (
     STATE_FILE,
     ArmState,
     RunState,
     code_revision,
-    resume_problems,
-    rewind_to_common_save,
     state_path,
 )
-from dppo_harness.stages.comparison.step_rows import arm_summary, comparable, step_line, step_metrics
+from dppo_harness.stages.comparison.step_rows import arm_summary, step_line, step_metrics
 
 ROOT = Path(__file__).parents[2]
 SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
@@ -406,7 +406,8 @@ def test_one_writer_per_run_a_second_is_refused_in_one_line(tmp_path):
     from run_env import harness_env
 
     from dppo_harness.stages.comparison.config import ComparisonError
-    from dppo_harness.stages.comparison.state import hold_run_lock, load_owned_state
+    from dppo_harness.stages.comparison.resume import load_owned_state
+    from dppo_harness.stages.comparison.state import hold_run_lock
 
     hold_run_lock(tmp_path, "20261203T000000Z-abc123", what="comparison run 20261203T000000Z-abc123")
     hold_run_lock(tmp_path, "20261203T000000Z-abc123", what="again")  # the holder itself: idempotent

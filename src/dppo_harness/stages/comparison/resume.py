@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
-from dppo_harness.evidence.snapshots import snapshot_names
+from dppo_harness.evidence.snapshots import SNAPSHOT_RE
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError
-from dppo_harness.stages.comparison.state import RunState, checkpoint_record_problems
+from dppo_harness.stages.comparison.state import RunState, checkpoint_record_sha256, hold_run_lock, state_path
 from dppo_harness.stages.gate import is_report_file
 
 if TYPE_CHECKING:
@@ -36,11 +36,7 @@ SETUP_BLOCKS = ("correctness_preflight", "initialization_provenance", "activatio
 
 def latest_snapshot(bundle: EvidenceBundle) -> dict[str, str] | None:
     """The bundle's newest result snapshot: {run_id, name, sha256}, or None if it posted none."""
-    names = snapshot_names(bundle)
-    if not names:
-        return None
-    entry = bundle.entry(names[-1])
-    return {"run_id": bundle.run_id, "name": names[-1], "sha256": entry["sha256"] if entry else ""}
+    return _newest_snapshot(bundle.run_id, {e["name"]: e for e in bundle.files()})
 
 
 def _registry(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -48,10 +44,9 @@ def _registry(run_dir: Path) -> dict[str, dict[str, Any]]:
     return {f["name"]: f for f in result["evidence"]["files"]}
 
 
-def _last_snapshot_on_disk(run_dir: Path) -> dict[str, str] | None:
-    reg = _registry(run_dir)
-    names = sorted(n for n in reg if n.startswith("result-") and n[7:11].isdigit())
-    return {"run_id": run_dir.name, "name": names[-1], "sha256": reg[names[-1]]["sha256"]} if names else None
+def _newest_snapshot(run_id: str, files: Mapping[str, Mapping[str, Any]]) -> dict[str, str] | None:
+    names = sorted(n for n in files if SNAPSHOT_RE.match(n))
+    return {"run_id": run_id, "name": names[-1], "sha256": files[names[-1]]["sha256"]} if names else None
 
 
 def _referenced_files(blocks: JsonObject) -> Iterator[str]:
@@ -87,10 +82,23 @@ def _registered_state_copies(run_dir: Path) -> Iterator[tuple[str, dict[str, Any
 
 def checkpoint_problems(state: RunState) -> list[str]:
     """Why the checkpoints a resume would reuse cannot be trusted: each save's record must hash to
-    what was recorded when it was saved, and agree with every copy of the run state registered
-    (hashed) in the run's earlier bundles, up to the step a later session resumed from (the steps
-    after it were trained and saved again)."""
-    out = checkpoint_record_problems(state)
+    what was recorded when it was saved (not edited, not copied from another run or arm), the
+    current state must be one of the hashed saves, and every save must agree with every copy of the
+    run state registered (hashed) in the run's earlier bundles, up to the step a later session
+    resumed from (the steps after it were trained and saved again)."""
+    out = []
+    for arm in state.arms.values():
+        for step, path in sorted(arm.saves.items(), key=lambda kv: int(kv[0])):
+            want = arm.save_hashes.get(step)
+            if want is None:
+                out.append(f"arm {arm.name}'s checkpoint at step {step} has no hash recorded when it was saved")
+            elif want != checkpoint_record_sha256(state.run_id, arm.name, int(step), path):
+                out.append(
+                    f"arm {arm.name}'s checkpoint record at step {step} ({path}) does not match the sha256 "
+                    "recorded when it was saved"
+                )
+        if arm.state_path is not None and arm.saves.get(str(arm.state_step)) != arm.state_path:
+            out.append(f"arm {arm.name}'s current state {arm.state_path} is not one of its hashed saves")
     for i, session in enumerate(state.sessions):
         run_dir = Path(session["dir"])
         if not (run_dir / RESULT_FILE).is_file():
@@ -113,6 +121,78 @@ def checkpoint_problems(state: RunState) -> list[str]:
                             f"{session['run_id']}/{name}"
                         )
     return out
+
+
+def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, code_rev: str) -> list[str]:
+    """Why a saved run may not be continued: plan, evaluator, code or carried data changed."""
+    out = []
+    for what, saved, now in (
+        ("plan sha256", state.plan_sha256, plan_sha256),
+        ("evaluator id", state.evaluator_id, evaluator_id),
+        ("code and data revision", state.code_revision, code_rev),
+    ):
+        if saved != now:
+            out.append(f"{what} changed since run {state.run_id}: saved {saved[:16]}, now {now[:16]}")
+    steps = [s.steps_done for s in state.arms.values()]
+    if steps and max(steps) - min(steps) > 1:
+        out.append(f"arms are {max(steps) - min(steps)} steps apart ({steps}): not a paired step boundary")
+    return out
+
+
+def rewind_to_common_save(state: RunState, steps: int) -> int:
+    """Before a resume: every arm back to the last step that all arms saved (0: the shared initial
+    checkpoint, `state.initial_checkpoint`), so the arms continue paired; the rows and saves after
+    it are dropped and recomputed (same prompts and seeds). Returns that step."""
+    step = max(set.intersection(*({int(k) for k in a.saves} | {0} for a in state.arms.values())))
+    for a in state.arms.values():
+        a.steps_done = a.state_step = step
+        a.state_path = a.saves.get(str(step)) if step else None
+        # the saves after it are trained and saved again: dropped, so no record holds two paths for a step
+        a.saves = {k: v for k, v in a.saves.items() if int(k) <= step}
+        a.save_hashes = {k: v for k, v in a.save_hashes.items() if int(k) <= step}
+        if step < steps:
+            a.final_sampler = a.final_state = None
+    state.rows = [r for r in state.rows if r["step"] < step]
+    return step
+
+
+def load_owned_state(state_root: Path, run_id: str) -> RunState:
+    """Run `run_id`'s saved state, refused when it names another run (copied or moved there)."""
+    path = state_path(state_root, run_id)
+    state = RunState.load(path)
+    if state.run_id != run_id:
+        raise ComparisonError(f"--resume {run_id} refused: the state at {path} belongs to run {state.run_id}")
+    return state
+
+
+def open_resumed(
+    state_root: Path,
+    run_id: str,
+    *,
+    plan_sha256: str,
+    evaluator_id: str,
+    code_rev: str,
+    steps: int,
+    session: dict[str, str],
+) -> RunState:
+    """Run `run_id`'s saved state, locked to this process, checked (else refused in one line, before
+    the rewind picks a checkpoint to reuse), rewound to the last step every arm saved, with this
+    `session` appended."""
+    path = state_path(state_root, run_id)
+    if not path.is_file():
+        raise ComparisonError(f"--resume {run_id}: no saved comparison state at {path}")
+    hold_run_lock(state_root, run_id, what=f"--resume {run_id}")
+    state = load_owned_state(state_root, run_id)
+    problems = resume_problems(state, plan_sha256=plan_sha256, evaluator_id=evaluator_id, code_rev=code_rev)
+    problems += checkpoint_problems(state)
+    if problems:
+        raise _refuse(run_id, "; ".join(problems))
+    continued = state.sessions[-1]["run_id"] if state.sessions else state.run_id
+    from_step = rewind_to_common_save(state, steps)
+    state.resumed += 1
+    state.resumes.append({"session": session["run_id"], "continues_session": continued, "from_step": from_step})
+    state.sessions.append(session)
+    return state
 
 
 def verified_dirs(state: RunState) -> list[Path]:
@@ -175,7 +255,7 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> None:
         for name in gate_reports:
             if not json.loads((setup_dir / FILES_DIR / name).read_bytes())["passed"]:
                 raise _refuse(state.run_id, f"the activation gate of session {snap['run_id']} did not pass ({name})")
-    last = _last_snapshot_on_disk(dirs[-1])
+    last = _newest_snapshot(dirs[-1].name, _registry(dirs[-1]))
     resume = state.resumes[-1]
     continued = {
         "run_id": dirs[-1].name,

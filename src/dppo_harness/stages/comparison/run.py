@@ -47,7 +47,7 @@ from dppo_harness.stages.comparison.config import (
     step_seed,
 )
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, frozen_evaluator
-from dppo_harness.stages.comparison.resume import checkpoint_problems, latest_snapshot, reuse_setup
+from dppo_harness.stages.comparison.resume import latest_snapshot, open_resumed, reuse_setup
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
     ArmState,
@@ -55,9 +55,6 @@ from dppo_harness.stages.comparison.state import (
     StepRetry,
     code_revision,
     hold_run_lock,
-    load_owned_state,
-    resume_problems,
-    rewind_to_common_save,
     state_file_name,
     state_path,
 )
@@ -640,44 +637,33 @@ def _run_state(
     assert plan.run is not None
     run, code_rev = plan.run, code_revision()
     session = {"run_id": bundle.run_id, "dir": str(bundle.dir.resolve())}
-    if resume_run_id is None:
-        if restoration is None:
-            raise ComparisonError("a new comparison starts from the restoration preflight's result (none given)")
-        hold_run_lock(state_root, bundle.run_id, what=f"comparison run {bundle.run_id}")
-        return RunState(
-            run_id=bundle.run_id,
+    if resume_run_id is not None:
+        return open_resumed(
+            state_root,
+            resume_run_id,
             plan_sha256=plan.sha256,
             evaluator_id=evaluator_id,
-            code_revision=code_rev,
-            initial_checkpoint=restoration.initial_checkpoint,
-            arms={a.name: ArmState(a.name) for a in run.arms},
-            sessions=[session],
-            setup_snapshot=latest_snapshot(bundle),
-            setup_provenance=_setup_provenance(restoration, run),
+            code_rev=code_rev,
+            steps=run.rollout_steps,
+            session=session,
         )
-    path = state_path(state_root, resume_run_id)
-    if not path.is_file():
-        raise ComparisonError(f"--resume {resume_run_id}: no saved comparison state at {path}")
-    hold_run_lock(state_root, resume_run_id, what=f"--resume {resume_run_id}")
-    state = load_owned_state(state_root, resume_run_id)
-    problems = resume_problems(state, plan_sha256=plan.sha256, evaluator_id=evaluator_id, code_rev=code_rev)
-    problems += checkpoint_problems(state)  # before the rewind picks a checkpoint to reuse
-    if problems:
-        raise ComparisonError(f"--resume {resume_run_id} refused: " + "; ".join(problems))
-    continued = state.sessions[-1]["run_id"] if state.sessions else state.run_id
-    from_step = rewind_to_common_save(state, run.rollout_steps)
-    state.resumed += 1
-    state.resumes.append({"session": bundle.run_id, "continues_session": continued, "from_step": from_step})
-    state.sessions.append(session)
-    return state
-
-
-def _setup_provenance(restoration: RestorationResult, run: RunConfig) -> JsonObject:
-    """Per arm, what the preflight's load counted (later restores count on from it)."""
-    return {
-        a.name: {k: as_value(restoration.provenance["arms"][a.name][k]) for k in ("restore_count", "optimizer_checks")}
-        for a in run.arms
-    }
+    if restoration is None:
+        raise ComparisonError("a new comparison starts from the restoration preflight's result (none given)")
+    hold_run_lock(state_root, bundle.run_id, what=f"comparison run {bundle.run_id}")
+    prov = restoration.provenance["arms"]  # what the preflight's load counted (later restores count on from it)
+    return RunState(
+        run_id=bundle.run_id,
+        plan_sha256=plan.sha256,
+        evaluator_id=evaluator_id,
+        code_revision=code_rev,
+        initial_checkpoint=restoration.initial_checkpoint,
+        arms={a.name: ArmState(a.name) for a in run.arms},
+        sessions=[session],
+        setup_snapshot=latest_snapshot(bundle),
+        setup_provenance={
+            a.name: {k: as_value(prov[a.name][k]) for k in ("restore_count", "optimizer_checks")} for a in run.arms
+        },
+    )
 
 
 # ---- evidence ----------------------------------------------------------------------------------

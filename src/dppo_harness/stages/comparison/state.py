@@ -1,6 +1,6 @@
-"""The comparison's resumable state: each arm's position at a step boundary (its saved states,
-restores and optimizer checks), the run's rows and sessions, the checks a resume must pass
-(plan, evaluator and code unchanged, arms paired) and the rewind to the last common save."""
+"""The comparison's resumable state: each arm's position at a step boundary (its saved states, each
+hashed as it is recorded, restores and optimizer checks), the run's rows and sessions, written
+atomically, and the lock that keeps one writer per run. What a resume checks is `resume`'s."""
 
 from __future__ import annotations
 
@@ -73,26 +73,6 @@ def checkpoint_record_sha256(run_id: str, arm: str, step: int, path: str) -> str
     return hashlib.sha256(record.encode()).hexdigest()
 
 
-def checkpoint_record_problems(state: RunState) -> list[str]:
-    """Why the state's own checkpoint records cannot be reused: a save whose record does not hash to
-    what was recorded when it was saved (edited, or copied from another run or arm), or a current
-    state that is not one of the hashed saves."""
-    out = []
-    for arm in state.arms.values():
-        for step, path in sorted(arm.saves.items(), key=lambda kv: int(kv[0])):
-            want = arm.save_hashes.get(step)
-            if want is None:
-                out.append(f"arm {arm.name}'s checkpoint at step {step} has no hash recorded when it was saved")
-            elif want != checkpoint_record_sha256(state.run_id, arm.name, int(step), path):
-                out.append(
-                    f"arm {arm.name}'s checkpoint record at step {step} ({path}) does not match the sha256 "
-                    "recorded when it was saved"
-                )
-        if arm.state_path is not None and arm.saves.get(str(arm.state_step)) != arm.state_path:
-            out.append(f"arm {arm.name}'s current state {arm.state_path} is not one of its hashed saves")
-    return out
-
-
 @dataclass
 class RunState:
     run_id: str
@@ -138,50 +118,8 @@ class RunState:
             raise ComparisonError(f"resume state {path}: unreadable ({exc})") from None
 
 
-def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, code_rev: str) -> list[str]:
-    """Why a saved run may not be continued: plan, evaluator, code or carried data changed."""
-    out = []
-    for what, saved, now in (
-        ("plan sha256", state.plan_sha256, plan_sha256),
-        ("evaluator id", state.evaluator_id, evaluator_id),
-        ("code and data revision", state.code_revision, code_rev),
-    ):
-        if saved != now:
-            out.append(f"{what} changed since run {state.run_id}: saved {saved[:16]}, now {now[:16]}")
-    steps = [s.steps_done for s in state.arms.values()]
-    if steps and max(steps) - min(steps) > 1:
-        out.append(f"arms are {max(steps) - min(steps)} steps apart ({steps}): not a paired step boundary")
-    return out
-
-
-def rewind_to_common_save(state: RunState, steps: int) -> int:
-    """Before a resume: every arm back to the last step that all arms saved (0: the shared initial
-    checkpoint, `state.initial_checkpoint`), so the arms continue paired; the rows and saves after
-    it are dropped and recomputed (same prompts and seeds). Returns that step."""
-    step = max(set.intersection(*({int(k) for k in a.saves} | {0} for a in state.arms.values())))
-    for a in state.arms.values():
-        a.steps_done = a.state_step = step
-        a.state_path = a.saves.get(str(step)) if step else None
-        # the saves after it are trained and saved again: dropped, so no record holds two paths for a step
-        a.saves = {k: v for k, v in a.saves.items() if int(k) <= step}
-        a.save_hashes = {k: v for k, v in a.save_hashes.items() if int(k) <= step}
-        if step < steps:
-            a.final_sampler = a.final_state = None
-    state.rows = [r for r in state.rows if r["step"] < step]
-    return step
-
-
 def state_path(state_root: Path, run_id: str) -> Path:
     return Path(state_root) / run_id / STATE_FILE
-
-
-def load_owned_state(state_root: Path, run_id: str) -> RunState:
-    """Run `run_id`'s saved state, refused when it names another run (copied or moved there)."""
-    path = state_path(state_root, run_id)
-    state = RunState.load(path)
-    if state.run_id != run_id:
-        raise ComparisonError(f"--resume {run_id} refused: the state at {path} belongs to run {state.run_id}")
-    return state
 
 
 LOCK_FILE = "run.lock"
