@@ -5,6 +5,7 @@ tails, timings, the cookbook's KL(sample||train), entropy and `env/all/*` metric
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Required, TypedDict, cast
@@ -37,33 +38,23 @@ ROW_KL_KEYS = {
 
 
 def kl_sample_train(records: Sequence[ins.LossCallRecord]) -> dict[str, float]:
-    """The cookbook's `compute_kl_sample_train` over every datum of the step's loss calls (rebuilt
-    from the records) and the trainer logprobs each loss call received, as `rl/train.py` passes
-    them; {} when no loss token."""
+    """The cookbook's `compute_kl_sample_train` over every datum of the step's loss calls and the
+    trainer logprobs each loss call received, as `rl/train.py` passes them (the datums rebuilt from
+    the records with the two inputs it reads, `logprobs` and `mask`); {} when no loss token."""
+    if not any(float(np.sum(rec.tensors["mask_N"])) > 0 for rec in records):
+        return {}
     data_D, train_lp_D = [], []
     for rec in records:
         t = rec.tensors
-        lengths = [int(n) for n in t["lengths_S"]]
-        starts = np.cumsum([0, *lengths])
-        for s, n in enumerate(lengths):
-            sl = slice(int(starts[s]), int(starts[s]) + n)
-            targets = [int(x) for x in t["target_tokens_N"][sl]]
-            data_D.append(
-                tinker.Datum(
-                    model_input=tinker.ModelInput.from_ints([int(t["first_token_S"][s]), *targets[:-1]]),
-                    loss_fn_inputs={
-                        "target_tokens": tinker.TensorData.from_numpy(np.asarray(targets, dtype=np.int64)),
-                        "logprobs": tinker.TensorData.from_numpy(
-                            np.asarray(t["sampler_logprobs_N"][sl], dtype=np.float32)
-                        ),
-                        "mask": tinker.TensorData.from_numpy(np.asarray(t["mask_N"][sl], dtype=np.float32)),
-                    },
-                )
-            )
+        starts = np.cumsum([0, *(int(n) for n in t["lengths_S"])])
+        for sl in (slice(int(a), int(b)) for a, b in itertools.pairwise(starts)):
+            inputs = {k: tinker.TensorData.from_numpy(np.asarray(t[n][sl], dtype=np.float32)) for k, n in _KL_INPUTS}
+            data_D.append(tinker.Datum(model_input=tinker.ModelInput.from_ints([]), loss_fn_inputs=inputs))
             train_lp_D.append(torch.as_tensor(np.asarray(t["logprobs_N"][sl], dtype=np.float32)))
-    if not any(float(d.loss_fn_inputs["mask"].to_torch().sum()) > 0 for d in data_D):
-        return {}
     return {k: float(v) for k, v in compute_kl_sample_train(data_D, train_lp_D).items()}
+
+
+_KL_INPUTS = (("logprobs", "sampler_logprobs_N"), ("mask", "mask_N"))
 
 
 def trajectory_metrics(batch: rollouts.RolloutBatch) -> dict[str, float]:
