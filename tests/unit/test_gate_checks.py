@@ -99,7 +99,6 @@ def test_the_gate_pilots_the_plans_treatment_at_the_plans_schedule():
     assert (arm.name, arm.loss, arm.role) == ("dppo_seed0", "dppo_divergence_mask", "treatment")
     assert int(run.gate_pilot_steps.value) == 5 and "5-step pilot" in run.gate_pilot_steps.source
     assert arm.updates_per_batch == 2 and arm.adam["learning_rate"] == 2e-5 and arm.adam["eps"] == 1e-8
-    assert gate.is_report_file(gate.GATE_REPORT_FILE) and not gate.is_report_file("activation-gate-report.md")
 
 
 def test_executed_model_is_the_model_that_computes_not_the_requested_name():

@@ -158,11 +158,6 @@ def with_rollout_yield(
     return out
 
 
-def is_report_file(name: str) -> bool:
-    """Whether an evidence name is the gate report."""
-    return name == GATE_REPORT_FILE
-
-
 def pilot_arm(plan_name: str, run: RunConfig) -> ArmConfig:
     """The treatment arm the gate pilots: the plan's one treatment (no plan has more, and a gate
     that decides for several treatments is not built)."""
@@ -207,7 +202,6 @@ class GateReport:
     plan: dict[str, Any]
     wall_seconds: float
     errors: list[str] = field(default_factory=list)
-    records: list[ins.LossCallRecord] = field(default_factory=list, repr=False)
 
     def failures(self) -> list[str]:
         return [
@@ -363,7 +357,6 @@ def run_activation_gate(
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,
         errors=errors,
-        records=list(records),
     )
     bundle.register_json(GATE_REPORT_FILE, "report", report.to_json())
     bundle.update_result(activation_calibration=report.calibration())

@@ -26,7 +26,7 @@ from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import RunState, checkpoint_record_sha256, hold_run_lock, state_path
-from dppo_harness.stages.gate import is_report_file
+from dppo_harness.stages.gate import GATE_REPORT_FILE
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -66,20 +66,6 @@ def _refuse(run_id: str, why: str) -> ComparisonError:
 STATE_COPY_PREFIX = "comparison-state-"
 
 
-def _registered_state_copies(run_dir: Path) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    """(name, content) of each run state registered in a bundle; content None when its bytes no
-    longer hash to the registered sha256."""
-    for name, entry in sorted(_registry(run_dir).items()):
-        if not (name.startswith(STATE_COPY_PREFIX) and name.endswith(".json")):
-            continue
-        try:
-            raw = (run_dir / FILES_DIR / name).read_bytes()
-        except OSError:
-            yield name, None
-            continue
-        yield name, json.loads(raw) if sha256_bytes(raw) == entry["sha256"] else None
-
-
 def checkpoint_problems(state: RunState) -> list[str]:
     """Why the checkpoints a resume would reuse cannot be trusted: each save's record must hash to
     what was recorded when it was saved (not edited, not copied from another run or arm), the
@@ -105,11 +91,17 @@ def checkpoint_problems(state: RunState) -> list[str]:
             continue  # a missing bundle is refused by verified_dirs, naming it
         later = [int(r["from_step"]) for r in state.resumes[i:]]
         limit = min(later) if later else None
-        for name, copy in _registered_state_copies(run_dir):
-            if copy is None:
+        for name, entry in sorted(_registry(run_dir).items()):  # each run state registered there
+            if not (name.startswith(STATE_COPY_PREFIX) and name.endswith(".json")):
+                continue
+            try:
+                raw = (run_dir / FILES_DIR / name).read_bytes()
+            except OSError:
+                raw = b""
+            if sha256_bytes(raw) != entry["sha256"]:
                 out.append(f"{session['run_id']}/{name} does not match the sha256 its bundle registered")
                 continue
-            for arm_name, arm in copy.get("arms", {}).items():
+            for arm_name, arm in json.loads(raw).get("arms", {}).items():
                 here = state.arms.get(arm_name)
                 for step, path in arm.get("saves", {}).items():
                     if limit is not None and int(step) > limit:
@@ -239,7 +231,7 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> None:
             )
         setup = json.loads(data)
         blocks = {k: setup[k] for k in SETUP_BLOCKS if setup.get(k) is not None}
-        gate_reports = sorted(n for n in reg if is_report_file(n))  # one per piloted treatment arm
+        gate_reports = [GATE_REPORT_FILE] if GATE_REPORT_FILE in reg else []
         for name in sorted(set(_referenced_files(blocks)) | set(gate_reports)):
             raw = (setup_dir / FILES_DIR / name).read_bytes()
             entry = bundle.register_bytes(name, reg[name]["kind"], raw)

@@ -94,7 +94,6 @@ class ComparisonResult:
     run_id: str  # the run whose state this continues (== this bundle's run id unless resumed)
     rows: tuple[StepRowJson, ...]
     steps_completed: int  # min over arms
-    training_seconds: float
     schedule: str
     stopped: str | None  # None when every arm finished
     capacity_block: JsonObject | None
@@ -191,8 +190,6 @@ def run_comparison(
         pool = ThreadPoolExecutor(max_workers=len(run.arms)) if schedule == "concurrent" else None
         stopped: str | None = None
         capacity_block: JsonObject | None = None
-        t0 = time.perf_counter()
-        train_seconds = 0.0  # a stop by an error counts none
         try:
             arms.open(restoration, call)
             state.save(spath)
@@ -207,7 +204,7 @@ def run_comparison(
                         break
                     t_step = guard.clock() if guard is not None else 0.0
                     progress(
-                        f"[comparison] training rollout step {step + 1} of {run.rollout_steps} ({', '.join(arms.names)})"
+                        f"[comparison] training rollout step {step + 1} of {run.rollout_steps} ({', '.join(a.name for a in run.arms)})"
                     )
                     items = train.batch(step, int(run.groups_per_batch.value))
                     if pool is None:  # arm after arm, each committed before the next starts
@@ -231,10 +228,8 @@ def run_comparison(
                         raise
                     arms.replace_lost(lost)
                     step = min(s.steps_done for s in state.arms.values())
-            train_seconds = time.perf_counter() - t0
         except StopRequested as stop:
             stopped = str(stop) or "stop requested"
-            train_seconds = time.perf_counter() - t0
         except CapacityExhausted as exc:
             capacity_block = exc.block.as_dict()
             stopped = f"capacity: {exc}"
@@ -268,7 +263,7 @@ def run_comparison(
         }
         bundle.register_json(end_name, "manifest", {**state.to_json(), "training": training})
         files = [steps_name, end_name]
-        trained = (state.run_id, tuple(state.rows), steps_completed, train_seconds, schedule)
+        trained = (state.run_id, tuple(state.rows), steps_completed, schedule)
         if stopped is not None:
             final = _final(plan, bundle, steps_completed, stopped=stopped, capacity_block=capacity_block)
             return ComparisonResult(*trained, stopped, capacity_block, final=final, files=tuple(files))
@@ -329,19 +324,10 @@ class Arms:
                 self.clients[a.name], prov_arms[a.name] = call(restore_one)
             self.bundle.register_json(ref, "manifest", state.to_json())  # before the result names it
             self.bundle.update_result(initialization_provenance={"arms": prov_arms})
-        state.save(self.spath)
-
-    @property
-    def names(self) -> list[str]:
-        return [a.name for a in self.run.arms]
-
-    @property
-    def sampler_tag(self) -> str:
-        return f"{self.tag}-{self.state.run_id}-r{self.state.resumed}"
 
     def pending(self, step: int) -> list[str]:
         """The arms that have not done step `step` (after a stop, one arm may be a step ahead)."""
-        return [n for n in self.names if self.state.arms[n].steps_done <= step]
+        return [a.name for a in self.run.arms if self.state.arms[a.name].steps_done <= step]
 
     def step_concurrently(
         self,
@@ -404,7 +390,7 @@ class Arms:
                     items,
                     renderer,
                     loss,
-                    self.sampler_tag,
+                    f"{self.tag}-{self.state.run_id}-r{self.state.resumed}",  # the names of its samplers
                     attempt=len(failures),
                     progress=sent,
                 )
