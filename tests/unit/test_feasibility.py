@@ -190,9 +190,11 @@ def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
 
 
 def test_stage_projections(spec):
-    out = feasibility_module.stage_projections(spec.run, _timings())
-    assert out["gate"] == pytest.approx(10.0 + 5 * 72.0)  # the plan's 5-step gate pilot
-    assert out["plan"] == pytest.approx(10.0 + 100 * 72.0 + 2638 * 0.5)
+    ev = _FakeEvidence()
+    feasibility_module.run_feasibility(None, spec, ev, initial_checkpoint="i", backend_kind="local", timings=_timings())
+    out = ev.files[feasibility_module.PILOT_FILE][1]["stage_projections_with_reserve"]
+    assert out["gate"] == pytest.approx((10.0 + 5 * 72.0) * 1.25)  # the plan's 5-step gate pilot
+    assert out["plan"] == pytest.approx((10.0 + 100 * 72.0 + 2638 * 0.5) * 1.25)
 
 
 def test_a_diagnostic_plan_is_not_piloted():

@@ -246,18 +246,6 @@ def feasibility_check(projection: Projection, known_gpu_hours: float | None) -> 
     }
 
 
-def stage_projections(run: RunConfig, timings: PilotTimings) -> dict[str, float]:
-    """Projected seconds of later stages (before the reserve), for the budget ledger: "plan" (the
-    whole plan) and "gate" (the gate's pilot: its steps of sampling + updates_per_batch updates)."""
-    step_s = timings.arm_step_seconds(run)
-    return {
-        "plan": timings.setup_seconds
-        + arm_steps(run) * step_s
-        + planned_eval_items(run) * (timings.seconds_per_eval_item or 0.0),
-        "gate": timings.setup_seconds + int(run.gate_pilot_steps.value) * step_s,
-    }
-
-
 @dataclass
 class FeasibilityResult:
     timings: PilotTimings
@@ -446,7 +434,10 @@ def run_feasibility(
     )
     check = feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None)
     failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
-    stages = {k: v * (1.0 + RESERVE_FRACTION) for k, v in stage_projections(run, timings).items()}
+    # For the budget ledger's per-stage check: the whole plan and the gate's pilot (its steps of
+    # sampling + updates_per_batch updates), with the reserve.
+    gate_s = (timings.setup_seconds + int(run.gate_pilot_steps.value) * proj.arm_step_seconds) * (1 + RESERVE_FRACTION)
+    stages = {"plan": proj.total_seconds, "gate": gate_s}
     result = FeasibilityResult(timings, proj, block, proj.fits, failures, embedded_server)
     record = {
         "schedule": schedule,

@@ -5,6 +5,7 @@ the decision object that references the observations file by sha256."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from dppo_harness.evaluation import stats
 from dppo_harness.json_types import JsonObject, num
 
 if TYPE_CHECKING:
-    from dppo_harness.plans import CriterionConfig
+    from dppo_harness.plans import CriterionConfig, RunConfig
 
 # One scored observation (a line of the observations file: item, arm, metric values), as JSON.
 Observation = dict[str, JsonValue]
@@ -157,6 +158,34 @@ def decision_block(
     if informational is not None:
         block["informational"] = dict(informational)
     return block
+
+
+def decide(
+    observations: bytes, run: RunConfig, *, rehearsal: bool, eval_seconds: float
+) -> tuple[JsonObject, dict[str, float]]:
+    """The decision block on the arms' scored observations (every criterion of `run`, the verdict,
+    the informational interval) and its result.json `metrics`: the first criterion's difference and
+    interval unqualified, the informational interval, and each criterion under its id when there
+    are several."""
+    rows = [json.loads(line) for line in observations.decode().splitlines()]
+    criteria = decide_criteria(rows, run.criteria, alpha=run.alpha)
+    # Beside the decision, never deciding: the first criterion's pair (the metrics keys are unqualified).
+    info = informational_interval(rows, run.criteria[0], alpha=run.alpha)
+    block = decision_block(
+        observations, criteria, verdict(criteria, rehearsal=rehearsal), rehearsal=rehearsal, informational=info
+    )
+    metrics = {
+        "comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
+        "comparison/ci_lower": criteria[0].lower,
+        "comparison/ci_upper": criteria[0].upper,
+        "comparison/eval_seconds": eval_seconds,
+        **informational_metrics(info),
+    }
+    if len(criteria) > 1:  # every criterion is decided on its own
+        for c in criteria:
+            metrics[f"comparison/{c.id}/difference"] = float(c.interval["mean_difference"])
+            metrics[f"comparison/{c.id}/ci_lower"], metrics[f"comparison/{c.id}/ci_upper"] = c.lower, c.upper
+    return block, metrics
 
 
 def recompute_from_file(path: Path, criteria: Sequence[CriterionConfig], *, alpha: float) -> list[JsonObject]:

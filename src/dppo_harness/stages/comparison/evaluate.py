@@ -4,9 +4,8 @@ training) scores the base model and each arm's final checkpoint; the arms' rows 
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dppo_harness.data import dataset, tokenizer
@@ -100,7 +99,17 @@ def evaluate_and_decide(
     checkpoint, greedy, one frozen evaluator. After each: its predictions file, the evaluation block
     and accuracy metrics so far, its own metrics under its arm's key, its terminal line. Then the
     decision on the arms' scored observations. Returns (scores, decision block, files written)."""
-    files = [register_evaluator(bundle, evaluator)]
+    files = [f"evaluator-{evaluator.evaluator_id[:16]}.json"]  # its identity, provenance and deviation
+    bundle.register_json(
+        files[0],
+        "manifest",
+        {
+            "evaluator_id": evaluator.evaluator_id,
+            "provenance": evaluator.provenance,
+            "code_manifest": evaluator.code_manifest,
+            "deviation": evaluator.deviation,
+        },
+    )
     comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in run.criteria]
     max_tokens, n = int(run.max_tokens.value), len(evaluator.items)
     scores: list[JsonObject] = []
@@ -132,73 +141,9 @@ def evaluate_and_decide(
         progress(eval_line(res, max_tokens, time.perf_counter() - t0))
         if arm != BASE_ARM:
             arm_results.append(res)
-    decision, decision_files = register_decision(bundle, run, arm_results, rehearsal, t0)
-    return scores, decision, [*files, *decision_files]
-
-
-def register_evaluator(bundle: EvidenceBundle, evaluator: evaluation.FrozenEvaluator) -> str:
-    """The frozen evaluator's identity, provenance and deviation as a manifest; returns its name."""
-    name = f"evaluator-{evaluator.evaluator_id[:16]}.json"
-    bundle.register_json(
-        name,
-        "manifest",
-        {
-            "evaluator_id": evaluator.evaluator_id,
-            "provenance": evaluator.provenance,
-            "code_manifest": evaluator.code_manifest,
-            "deviation": evaluator.deviation,
-        },
-    )
-    return name
-
-
-def register_decision(
-    bundle: EvidenceBundle,
-    run: RunConfig,
-    arm_results: Sequence[evaluation.EvalResult],
-    rehearsal: bool,
-    t0: float,
-) -> tuple[JsonObject, list[str]]:
-    """The arms' scored observations, every criterion decided on them, the decision block and its
-    metrics posted (evaluation seconds counted from `t0`); returns the block and the files written."""
     obs = evaluation.observations_jsonl(arm_results)
     bundle.register_bytes(comparison_decision.OBSERVATIONS_FILE, "metrics", obs)
-    rows = [json.loads(line) for line in obs.decode().splitlines()]
-    criteria = comparison_decision.decide_criteria(rows, run.criteria, alpha=run.alpha)
-    # Beside the decision, never deciding: the first criterion's pair (the metrics keys are unqualified).
-    informational = comparison_decision.informational_interval(rows, run.criteria[0], alpha=run.alpha)
-    decision = comparison_decision.decision_block(
-        obs,
-        criteria,
-        comparison_decision.verdict(criteria, rehearsal=rehearsal),
-        rehearsal=rehearsal,
-        informational=informational,
-    )
+    decision, metrics = comparison_decision.decide(obs, run, rehearsal=rehearsal, eval_seconds=time.perf_counter() - t0)
     bundle.register_json(comparison_decision.DECISION_FILE, "metrics", decision)
-    metrics = decision_metrics(criteria, informational, time.perf_counter() - t0)
     bundle.update_result(decision=decision, metrics=metrics)
-    return decision, [comparison_decision.OBSERVATIONS_FILE, comparison_decision.DECISION_FILE]
-
-
-def decision_metrics(
-    criteria: Sequence[comparison_decision.CriterionDecision], informational: JsonObject, eval_seconds: float
-) -> dict[str, float]:
-    """result.json `metrics` of the decision: the first criterion's difference and interval
-    unqualified, the informational interval, and each criterion under its id when there are several."""
-    metrics = {
-        "comparison/accuracy_difference": float(criteria[0].interval["mean_difference"]),
-        "comparison/ci_lower": criteria[0].lower,
-        "comparison/ci_upper": criteria[0].upper,
-        "comparison/eval_seconds": eval_seconds,
-        **comparison_decision.informational_metrics(informational),
-    }
-    if len(criteria) > 1:  # every criterion is decided on its own
-        for c in criteria:
-            metrics.update(
-                {
-                    f"comparison/{c.id}/difference": float(c.interval["mean_difference"]),
-                    f"comparison/{c.id}/ci_lower": c.lower,
-                    f"comparison/{c.id}/ci_upper": c.upper,
-                }
-            )
-    return metrics
+    return scores, decision, [*files, comparison_decision.OBSERVATIONS_FILE, comparison_decision.DECISION_FILE]
