@@ -23,10 +23,12 @@ from dppo_harness.rollout import rollouts
 
 # A row's loss-rule fractions -> the loss-call statistic each is computed from (every loss call
 # counts both rules on its tensors, whichever loss it trains with).
+# A pooled fraction is its count over the step's loss tokens; a `last_update_` one is the last
+# update's own fraction.
 FRACTION_SOURCES = {
     "dppo_masked_frac": "dppo/removed",
-    "last_update_masked_frac": "dppo/masked_frac_loss_tokens",
     "ppo_clip_frac": "ppo/clipped",
+    "last_update_masked_frac": "dppo/masked_frac_loss_tokens",
     "last_update_clip_frac": "ppo/clip_frac_loss_tokens",
 }
 # The cookbook's `compute_kl_sample_train` names -> the row keys they are kept under.
@@ -134,16 +136,15 @@ def step_metrics(
     starts with `counterfactual_` (`fraction_names`). `kl` is the cookbook's
     `compute_kl_sample_train` of the step (`kl_sample_train`). Keys in the order the JSONL has
     always had them."""
-    sums = {k: int(sum(r.stats[k] for r in records)) for k in ("tokens/loss", "dppo/removed", "ppo/clipped")}
+    den = int(sum(r.stats["tokens/loss"] for r in records))
     last = records[-1].stats if records else {}
-    den = sums["tokens/loss"]
+
+    def pooled(base: str, stat: str) -> float:
+        if base.startswith("last_update_"):
+            return float(last.get(stat, 0.0))
+        return int(sum(r.stats[stat] for r in records)) / den if den else 0.0
+
     names = fraction_names(loss)
-    fractions = {
-        "dppo_masked_frac": sums["dppo/removed"] / den if den else 0.0,
-        "ppo_clip_frac": sums["ppo/clipped"] / den if den else 0.0,
-        "last_update_masked_frac": float(last.get("dppo/masked_frac_loss_tokens", 0.0)),
-        "last_update_clip_frac": float(last.get("ppo/clip_frac_loss_tokens", 0.0)),
-    }
     row: dict[str, Any] = {
         "arm": arm,
         "step": step,
@@ -156,10 +157,8 @@ def step_metrics(
         "mean_response_tokens": float(summary["mean_response_tokens"]),
         "responses": int(summary["n_sequences"]),
         "max_tokens": int(summary["config"]["max_tokens"]),
-        **{names[base]: value for base, value in fractions.items()},
-        "drift_abs_p90": float(last.get("drift/abs_p90", 0.0)),
-        "drift_abs_p99": float(last.get("drift/abs_p99", 0.0)),
-        "drift_abs_max": float(last.get("drift/abs_max", 0.0)),
+        **{names[base]: pooled(base, stat) for base, stat in FRACTION_SOURCES.items()},
+        **{f"drift_abs_{q}": float(last.get(f"drift/abs_{q}", 0.0)) for q in ("p90", "p99", "max")},
         "loss_tokens": den,
         "response_tokens": int(summary["response_tokens"]),
         "updates": len(records),
