@@ -26,7 +26,7 @@ STATE_FILE = "comparison-state.json"
 
 
 class StepRetry(TypedDict):
-    """One refused attempt at an arm-step (`arms.GuardedArmStep`), as the arm's `step_retries` keeps it."""
+    """One refused attempt at an arm-step (`run.Arms.step_with_retry`), as the arm's `step_retries` keeps it."""
 
     step: int
     attempt: int
@@ -54,7 +54,7 @@ class ArmState:
     optimizer_checks: list[dict[str, Any]] = field(default_factory=list)
     final_sampler: str | None = None
     final_state: str | None = None
-    step_retries: list[StepRetry] = field(default_factory=list)  # refused attempts, see GuardedArmStep
+    step_retries: list[StepRetry] = field(default_factory=list)  # refused attempts, see Arms.step_with_retry
     # str(steps_done) -> checkpoint_record_sha256 of that save, taken when it was saved
     save_hashes: dict[str, str] = field(default_factory=dict)
     # models the service lost under this arm, each replaced from the arm's last save (at most once a run)
