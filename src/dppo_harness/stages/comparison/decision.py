@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 Observation = dict[str, JsonValue]
 OBSERVATIONS_FILE = "scored-observations.jsonl"
 DECISION_FILE = "comparison-decision.json"
+# What a criterion's entry in the decision object carries of its interval.
+INTERVAL_KEYS = (
+    "n",
+    "alpha",
+    "margin",
+    "mean_treatment",
+    "mean_baseline",
+    "mean_difference",
+    "half_width",
+    "lower",
+    "upper",
+)
 
 
 @dataclass(frozen=True)
@@ -131,26 +143,8 @@ def decision_block(
     block: JsonObject = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
     block["method"] = "paired_hoeffding"
     block["criteria"] = [
-        {
-            "id": c.id,
-            "metric": c.metric,
-            "treatment": c.treatment,
-            "baseline": c.baseline,
-            **{
-                k: c.interval[k]
-                for k in (
-                    "n",
-                    "alpha",
-                    "margin",
-                    "mean_treatment",
-                    "mean_baseline",
-                    "mean_difference",
-                    "half_width",
-                    "lower",
-                    "upper",
-                )
-            },
-        }
+        {"id": c.id, "metric": c.metric, "treatment": c.treatment, "baseline": c.baseline}
+        | {k: c.interval[k] for k in INTERVAL_KEYS}
         for c in criteria
     ]
     block["verdict"], block["outcome_reason"], block["explanation"] = rule_verdict

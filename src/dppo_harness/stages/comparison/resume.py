@@ -236,13 +236,7 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> None:
             raw = (setup_dir / FILES_DIR / name).read_bytes()
             entry = bundle.register_bytes(name, reg[name]["kind"], raw)
             files.append(
-                {
-                    "name": name,
-                    "kind": entry["kind"],
-                    "sha256": entry["sha256"],
-                    "size": entry["size"],
-                    "from_run": snap["run_id"],
-                }
+                {"name": name, **{k: entry[k] for k in ("kind", "sha256", "size")}, "from_run": snap["run_id"]}
             )
         for name in gate_reports:
             if not json.loads((setup_dir / FILES_DIR / name).read_bytes())["passed"]:
