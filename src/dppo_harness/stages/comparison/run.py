@@ -673,17 +673,12 @@ def _register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, ke
     for the evaluation, report and restores are left (then the ledger says so; the state file itself is kept)."""
     name = state_file_name(state, f"s{step}")
     if bundle.free_slots() - 1 < kept:
-        skipped = list(bundle.ledger().get("comparison_states_not_registered", []))
-        bundle.note_ledger(
-            comparison_states_not_registered=[
-                *skipped,
-                {
-                    "name": name,
-                    "reason": f"file limit: {len(bundle.files())} files used, {bundle.free_slots()} free, "
-                    f"{kept} kept for the evaluation, report and restores",
-                },
-            ]
+        reason = (
+            f"file limit: {len(bundle.files())} files used, {bundle.free_slots()} free, "
+            f"{kept} kept for the evaluation, report and restores"
         )
+        skipped = [*bundle.ledger().get("comparison_states_not_registered", []), {"name": name, "reason": reason}]
+        bundle.note_ledger(comparison_states_not_registered=skipped)
         return None
     bundle.register_json(name, "manifest", state.to_json())
     return name
