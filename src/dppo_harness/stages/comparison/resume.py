@@ -1,16 +1,13 @@
-"""What a resumed comparison takes over from the sessions before it, re-verified by hash.
+"""What a resume checks and takes over from the sessions before it, re-verified by hash.
 
-A resume (`--resume RUN_ID`) does not rerun the preflight and the gate. Their results are in the
-hashed result snapshot the run started from (`RunState.setup_snapshot`, in the first session's
-bundle). Before anything is reused, every bundle of the run so far is verified from disk
-(`evidence verify`: every registered file's sha256 and size, every reference) and the snapshot's
-sha256 is checked against the one recorded when the run started. Then the setup blocks
-(correctness_preflight, initialization_provenance, activation_calibration, feasibility) are
-posted in the new bundle, each file they reference registered again with the same bytes, and a
-`resumed-from-N.json` manifest names the run, the session it continues, that session's last
-snapshot and every reused file with its sha256. Any mismatch refuses the resume with one line.
-The run's state exists only because its first session's preflight and gate passed (a failed
-stage blocks the comparison); the gate report's own `passed` is checked again.
+A resume (`--resume RUN_ID`) continues the saved state only when plan, evaluator and code are
+unchanged and every checkpoint record hashes as recorded and agrees with the run's registered state
+copies; it rewinds to the last step every arm saved. It does not rerun the preflight and the gate:
+every earlier bundle is verified from disk (`evidence verify`), the setup snapshot's sha256 checked
+against the one recorded when the run started, then the setup blocks (SETUP_BLOCKS) are posted in the
+new bundle with each file they reference registered again with the same bytes, and a
+`resumed-from-N.json` manifest names the run, the session it continues and every reused file with its
+sha256. The gate report's own `passed` is checked again. Any mismatch refuses the resume in one line.
 """
 
 from __future__ import annotations

@@ -130,12 +130,8 @@ def step_metrics(
 ) -> StepRowJson:
     """One arm-step row: reward/format/truncation from the batch, loss metrics of the step's minibatch
     updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate).
-
-    `loss` is the arm's registered loss name. A rule the loss does not train with (the GRPO arm's
-    DPPO mask, the DPPO arm's PPO clip) is a counterfactual count on the same tensors: its key
-    starts with `counterfactual_` (`fraction_names`). `kl` is the cookbook's
-    `compute_kl_sample_train` of the step (`kl_sample_train`). Keys in the order the JSONL has
-    always had them."""
+    A rule the arm's registered `loss` does not train with (the GRPO arm's DPPO mask, the DPPO arm's
+    PPO clip) is a counterfactual count on the same tensors, keyed `counterfactual_` (`fraction_names`)."""
     den = int(sum(r.stats["tokens/loss"] for r in records))
     last = records[-1].stats if records else {}
 
