@@ -1,9 +1,9 @@
-"""Served-model identity: who really computes, whatever `--backend` says.
+"""Served-model identity: the embedded server's marker, each training client's record, the session's label.
 
-The embedded server answers to the planned model's name (so the SDK accepts it) while a small
-stand-in computes; it marks itself in a response header, its capabilities and `get_info().model_data`.
-The SDK's types drop unknown keys, so the raw JSON is read (`service.rest`). A run that meets the
-marker is a rehearsal, and every place that names the model names the stand-in.
+Which model computed is what get_info says (`evidence.backend.served_model`); the embedded server
+reports its own stand-in's name there. Its marker (a response header and a capabilities key) is
+read before any client exists, so the launch scope and the evidence's backend block can say which
+server and profile ran. The SDK's types drop unknown keys, so the raw JSON is read (`service.rest`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from dppo_harness.evidence.backend import (
     Backend,
     EmbeddedServer,
     backend_of,
-    served_model,
-    stand_in_note,
+    served_name,
 )
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonObject
@@ -39,12 +38,10 @@ if TYPE_CHECKING:
 
 
 def detect_marker(
-    headers: Mapping[str, str] | None = None,
-    capabilities: Mapping[str, JsonValue] | None = None,
-    model_data: Mapping[str, JsonValue] | None = None,
+    headers: Mapping[str, str] | None = None, capabilities: Mapping[str, JsonValue] | None = None
 ) -> EmbeddedServer | None:
-    """The embedded-server marker from any of its three places (the evidence's record of it), or None
-    (a real service)."""
+    """The embedded-server marker from its header or capabilities (the evidence's record of it), or
+    None (a real service)."""
     sources: list[str] = []
     stand_in = profile = None
     if headers is not None and header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
@@ -53,9 +50,6 @@ def detect_marker(
     if isinstance(caps, Mapping) and caps.get("marker") == EMBEDDED_SERVER_MARKER:
         sources.append("capabilities")
         stand_in, profile = _text(caps.get("stand_in")), _text(caps.get("profile"))
-    if model_data is not None and model_data.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER:
-        sources.append("model_data")
-        stand_in = stand_in or _text(model_data.get("arch"))
     if not sources:
         return None
     return EmbeddedServer(marker=EMBEDDED_SERVER_MARKER, stand_in=stand_in, profile=profile, sources=sources)
@@ -64,47 +58,6 @@ def detect_marker(
 def _text(value: JsonValue) -> str | None:
     """A name the embedded server sent (a non-empty string), else None."""
     return value if isinstance(value, str) and value else None
-
-
-# ----------------------------------------------------------------------------- the served model
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """Which model computed. `stand_in` is the substitute's identity when one served, else None."""
-
-    requested: str
-    served: str
-    stand_in: str | None
-    source: str  # where the identity was read (e.g. "get_info model_data.arch")
-
-    @property
-    def is_stand_in(self) -> bool:
-        return self.stand_in is not None
-
-
-def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, backend: str) -> ServedModel:
-    """Identity from a dumped get_info response: `model_data.arch` names what really computes
-    (the embedded server answers to the requested name but its arch is the stand-in). The local
-    backend is always a stand-in, even when the response lacks the arch."""
-    md = (info or {}).get("model_data") or {}
-    # the marker key, the local backend or a `local/` arch: the embedded server computed
-    embedded = bool(md.get(EMBEDDED_KEY)) or backend == "local" or str(md.get("arch") or "").startswith("local/")
-    found = served_model(md, None, local=embedded)
-    arch = found.name if found.origin == "arch" else None
-    if arch is not None and arch != requested:
-        return ServedModel(requested, arch, arch, "get_info model_data.arch")
-    if backend == "local":
-        stand_in = arch or "embedded server stand-in (identity not reported)"
-        return ServedModel(requested, stand_in, stand_in, "backend=local")
-    if not found.reported:  # optional in the SDK's ModelData: unavailable, never the requested name
-        return ServedModel(
-            requested,
-            f"a model the service did not name (requested {requested})",
-            None,
-            "unavailable: the get_info response has no model_data.model_name",
-        )
-    return ServedModel(requested, found.reported, None, "get_info model_data.model_name")
 
 
 class Substitution(TypedDict):
@@ -130,6 +83,13 @@ def substitution_deviation(
         f"(marker in: {where}); a small stand-in model computes, so results are a rehearsal, not "
         f"measurements of {requested_model}",
     }
+
+
+def stand_in_note(stand_in: str | None, requested_model: str) -> str:
+    return (
+        f"computed by the embedded server's stand-in model {stand_in or '(unnamed)'}, not {requested_model}; "
+        "a rehearsal, not a scientific result"
+    )
 
 
 def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
@@ -212,6 +172,8 @@ class ClientIdentity:
 
 # ----------------------------------------------------------------------------- evidence
 
+SERVED_SOURCE = "get_info().model_data.model_name"
+
 
 class TrainingClientRecorder:
     """Records each training client's complete get_info and capabilities before it trains. A failed
@@ -247,11 +209,13 @@ class TrainingClientRecorder:
                 marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header
         except Exception as exc:
             errors.append(f"raw get_server_capabilities failed ({type(exc).__name__})")
-        model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
-        model_data = model_data if isinstance(model_data, dict) else None
-        marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
-        served = served_model(model_data, backend_of(self.bundle.result), seen=marker)
-        rec = ClientIdentity(label, model_id, info_json, caps, marker, served.name, served.source, errors)
+        marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None)
+        served = served_name(info_json if isinstance(info_json, Mapping) else None)
+        rec = ClientIdentity(label, model_id, info_json, caps, marker, served, SERVED_SOURCE, errors)
+        block = backend_of(self.bundle.result)
+        if block is not None and served is not None and block.served_model != served:
+            # the session's served model is what the service said at client creation
+            self.bundle.set_backend(block.model_copy(update={"served_model": served}))
         self.records.append(rec)
         # A file now for the first client and for any client whose identity differs from all earlier
         # ones; the rest (same identity, other model_id) go into the index written by flush().
