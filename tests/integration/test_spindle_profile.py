@@ -175,10 +175,14 @@ def test_rehearsal_label_and_stand_in_everywhere(spindle_run):
     assert clients, "no training client's identity was recorded"
     for f in clients:
         rec = json.loads(f.read_text())
-        assert rec["served_model"] == stand_in and rec["embedded_server"]["stand_in"] == stand_in
-        # get_info as Spindle sends it (no marker there): the marker is the header and the capabilities'
+        assert rec["served_model"] == stand_in == rec["get_info"]["model_data"]["model_name"]
+        # get_info as Spindle sends it, naming the model that computes; the marker is in the capabilities
         assert rec["get_info"]["parameterization"] == {"type": "lora"} and "optimizer_config" not in rec["get_info"]
-        assert rec["get_server_capabilities"]["embedded_server"]["profile"] == "spindle"
+        assert rec["get_server_capabilities"]["embedded_server"] == {
+            "marker": "dppo-harness",
+            "stand_in": stand_in,
+            "profile": "spindle",
+        }
     index = json.loads((bundle / "files" / "client-identities.json").read_text())["clients"]
     assert len(index) >= 3 and len({c["model_id"] for c in index}) == len(index)  # every training client
     assert all(c["served_model"] == stand_in for c in index)

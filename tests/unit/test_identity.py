@@ -1,4 +1,4 @@
-"""Served-model identity: marker detection, the executed model, the rehearsal label on any backend."""
+"""Served-model identity: marker detection, each client's record, the rehearsal label on any backend."""
 
 from __future__ import annotations
 
@@ -81,9 +81,7 @@ def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training
     assert r["backend"]["served_model"] == STAND_IN and r["backend"]["answers_to"] == "Qwen/Qwen3.5-2B"
     assert r["summary"].startswith(REHEARSAL_PREFIX) and STAND_IN in r["summary"]
     assert STAND_IN in r["tested_instead"]
-    assert any(
-        d["field"] == "model" and STAND_IN in d["effective"] and "marker" in d["reason"] for d in r["deviations"]
-    )
+    assert [d["effective"] for d in r["deviations"] if d["field"] == "model"] == [STAND_IN]  # once
     eff = json.loads(b.file_path("effective-config.json").read_bytes())
     assert eff["backend"]["served_model"] == STAND_IN
     # a later stage overwrites summary and tested_instead: the label stays, the stand-in is named again
@@ -123,7 +121,7 @@ def test_recorder_keeps_the_complete_model_data(tmp_path):
     info = SimpleNamespace(model_id="m1", model_dump=lambda mode: {"model_id": "m1"})
     rec = identity.TrainingClientRecorder(b)
     out = rec(SimpleNamespace(get_info=lambda: info), "create_lora_training_client", rest)
-    assert out.served_model == STAND_IN and out.marker.sources == ["header", "capabilities"]
+    assert out.served_model == STAND_IN and out.served_model_source == "get_info().model_data.model_name"
     saved = json.loads(b.file_path("client-identity-01-create_lora_training_client.json").read_bytes())
     assert saved["get_info"]["model_data"]["model_name"] == STAND_IN and saved["served_model"] == STAND_IN
     assert saved["get_server_capabilities"]["embedded_server"]["stand_in"] == STAND_IN
@@ -152,7 +150,7 @@ def test_the_first_client_names_the_sessions_served_model_on_a_real_service(tmp_
     )
     sdk = SimpleNamespace(model_id="m1", model_dump=lambda mode: info)
     out = identity.TrainingClientRecorder(b)(SimpleNamespace(get_info=lambda: sdk), "create_lora_training_client", rest)
-    assert out.marker is None and b.result["backend"]["served_model"] == "Qwen/Qwen3.5-2B"
+    assert out.served_model == b.result["backend"]["served_model"] == "Qwen/Qwen3.5-2B"
     assert b.result["backend"]["kind"] == "tinker" and not b.result["summary"].startswith(REHEARSAL_PREFIX)
 
 

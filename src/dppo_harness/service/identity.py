@@ -69,29 +69,6 @@ class Substitution(TypedDict):
     reason: str
 
 
-def substitution_deviation(
-    requested_model: str, marker: EmbeddedServer, base_url: str | None, answers_to: str | None
-) -> Substitution:
-    """The model deviation a run on the embedded server records before any training."""
-    where = ", ".join(marker.sources or [])
-    return {
-        "field": "model",
-        "original": requested_model,
-        "effective": f"{marker.stand_in or 'an unnamed stand-in'} (embedded dppo-harness server"
-        f"{f', profile {marker.profile}' if marker.profile else ''}, answering to the name {answers_to or requested_model})",
-        "reason": f"the service at {base_url or 'the configured URL'} identified itself as the embedded rehearsal server "
-        f"(marker in: {where}); a small stand-in model computes, so results are a rehearsal, not "
-        f"measurements of {requested_model}",
-    }
-
-
-def stand_in_note(stand_in: str | None, requested_model: str) -> str:
-    return (
-        f"computed by the embedded server's stand-in model {stand_in or '(unnamed)'}, not {requested_model}; "
-        "a rehearsal, not a scientific result"
-    )
-
-
 def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
     """result fields (summary, tested_instead) that must still name the stand-in, with the text to use.
 
@@ -102,7 +79,10 @@ def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
     if block is None or embedded is None:
         return {}
     stand_in = embedded.stand_in or block.served_model
-    note = stand_in_note(stand_in, str(block.requested_model or "the planned model"))
+    note = (
+        f"computed by the embedded server's stand-in model {stand_in or '(unnamed)'}, not "
+        f"{block.requested_model or 'the planned model'}; a rehearsal, not a scientific result"
+    )
     out: dict[str, str] = {}
     summary = str(result.get("summary") or "")
     if not stand_in or stand_in not in summary:  # the rehearsal labels stay in front
@@ -157,16 +137,14 @@ class ClientIdentity:
     label: str
     model_id: str
     get_info: JsonValue  # raw JSON of get_info (complete model_data), or the SDK's dump if raw failed
-    capabilities: JsonValue  # raw JSON of get_server_capabilities
-    marker: EmbeddedServer | None
+    capabilities: JsonValue  # raw JSON of get_server_capabilities (the embedded server's marker is in it)
     served_model: str | None
     served_model_source: str
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> JsonObject:
-        out: JsonObject = {**asdict(self), "embedded_server": self.marker.model_dump() if self.marker else None}
+        out: JsonObject = asdict(self)
         out["get_server_capabilities"] = out.pop("capabilities")
-        del out["marker"]
         return out
 
 
@@ -190,28 +168,22 @@ class TrainingClientRecorder:
         model_id = str(sdk_info.model_id)
         errors: list[str] = []
         info_json: JsonValue = sdk_info.model_dump(mode="json")
-        marker_headers: dict[str, str] = {}
         try:
             raw = rest.get_info(model_id, self.timeout_s)
             if raw.status == 200 and isinstance(raw.json, dict):
                 info_json = raw.json
             else:
                 errors.append(f"raw get_info answered HTTP {raw.status}; the SDK's parsed get_info is recorded")
-            if raw.marker_header:
-                marker_headers[EMBEDDED_SERVER_HEADER] = raw.marker_header
         except Exception as exc:  # a record must not break the run it describes
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
         caps: JsonValue = None
         try:
             cr = rest.get(CAPABILITIES_PATH, self.timeout_s)
             caps = cr.json if cr.status == 200 else {"http_status": cr.status}
-            if cr.marker_header:
-                marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header
         except Exception as exc:
             errors.append(f"raw get_server_capabilities failed ({type(exc).__name__})")
-        marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None)
         served = served_name(info_json if isinstance(info_json, Mapping) else None)
-        rec = ClientIdentity(label, model_id, info_json, caps, marker, served, SERVED_SOURCE, errors)
+        rec = ClientIdentity(label, model_id, info_json, caps, served, SERVED_SOURCE, errors)
         block = backend_of(self.bundle.result)
         if block is not None and served is not None and block.served_model != served:
             # the session's served model is what the service said at client creation
@@ -244,7 +216,7 @@ class TrainingClientRecorder:
                     for r in self.records
                 ],
                 "note": "get_server_capabilities of each client is in the named file (identical for all clients "
-                "sharing it: the file is written per distinct model_data + capabilities + marker)",
+                "sharing it: the file is written per distinct get_info + capabilities)",
             },
         )
 
@@ -280,7 +252,6 @@ def record_session_identity(
             kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
         )
     )
-    bundle.add_deviation(**substitution_deviation(planned, marker, report.base_url, report.model))
     finalize_labels(bundle)
 
 
@@ -296,7 +267,7 @@ def _identity_key(rec: ClientIdentity) -> str:
     info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
     info.pop("model_id", None)
     blob = json.dumps(
-        [info, rec.capabilities, rec.marker.model_dump() if rec.marker else None, rec.served_model],
+        [info, rec.capabilities, rec.served_model],
         sort_keys=True,
         default=str,
     )
