@@ -164,8 +164,7 @@ def test_rehearsal_label_and_stand_in_everywhere(spindle_run):
     assert stand_in and stand_in != "Qwen/Qwen3.5-2B"
     assert block["kind"] == "local" and block["requested_backend"] == "tinker" and block["served_model"] == stand_in
     assert block["embedded_server"]["profile"] == "spindle"
-    assert r["summary"].startswith(REHEARSAL_PREFIX) and stand_in in r["summary"]
-    assert stand_in in r["tested_instead"]
+    assert r["summary"].startswith(REHEARSAL_PREFIX)
     assert any(d["field"] == "model" and stand_in in d["effective"] for d in r["deviations"])
     bundle = _bundle_dir(evidence)
     eff = json.loads((bundle / "files" / "effective-config.json").read_text())

@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from pydantic import JsonValue
 
@@ -26,7 +26,6 @@ from dppo_harness.evidence.backend import (
     backend_of,
     served_name,
 )
-from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonObject
 from dppo_harness.service.rest import CAPABILITIES_PATH, ServiceRest, header
 
@@ -67,36 +66,6 @@ class Substitution(TypedDict):
     original: str
     effective: str
     reason: str
-
-
-def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
-    """result fields (summary, tested_instead) that must still name the stand-in, with the text to use.
-
-    Empty when the backend block carries no embedded marker or both already name it.
-    """
-    block = backend_of(result)
-    embedded = block.embedded_server if block is not None else None
-    if block is None or embedded is None:
-        return {}
-    stand_in = embedded.stand_in or block.served_model
-    note = (
-        f"computed by the embedded server's stand-in model {stand_in or '(unnamed)'}, not "
-        f"{block.requested_model or 'the planned model'}; a rehearsal, not a scientific result"
-    )
-    out: dict[str, str] = {}
-    summary = str(result.get("summary") or "")
-    if not stand_in or stand_in not in summary:  # the rehearsal labels stay in front
-        body = summary.removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX)
-        text = body.strip()
-        out["summary"] = (
-            summary[: len(summary) - len(body)]
-            + (f"{text if text.endswith('.') else text + '.'} " if text else "")
-            + f"{SERVED_NOTE}{note}."
-        )
-    tested = result.get("tested_instead")
-    if isinstance(tested, str) and tested.strip() and (not stand_in or stand_in not in tested):
-        out["tested_instead"] = tested.rstrip().rstrip(".") + f" ({note})"
-    return out
 
 
 # ----------------------------------------------------------------------------- model choice
@@ -225,8 +194,8 @@ def record_session_identity(
     bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str, sdk_versions: Mapping[str, str]
 ) -> None:
     """Before any training client: the connectivity report, a model choice, and on the embedded
-    server the rehearsal label (evidence backend kind `local`, whatever `--backend` said), the
-    substitution deviation and the stand-in's name in summary/tested_instead."""
+    server (its marker) the backend block of kind `local`, whatever `--backend` said, which labels
+    every summary a rehearsal and says which server and profile ran."""
     bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
     if report.substitution:
         bundle.add_deviation(**report.substitution)
@@ -238,7 +207,6 @@ def record_session_identity(
     # The model the experiment is about (a rehearsal plan's derived-from spec names it), as the
     # session recorded it; the connectivity check asked for the plan's own base_model.
     planned = str((block.requested_model if block is not None else None) or report.requested_model)
-    # Kind `local` = the embedded server computed this run; the bundle then labels every summary.
     bundle.set_backend(
         Backend(
             kind="local",
@@ -252,14 +220,6 @@ def record_session_identity(
             kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
         )
     )
-    finalize_labels(bundle)
-
-
-def finalize_labels(bundle: EvidenceBundle) -> None:
-    """Make summary and tested_instead name the stand-in (no-op on a real service)."""
-    missing = labels_missing_stand_in(bundle.result)
-    if missing:
-        bundle.update_result(**missing)
 
 
 def _identity_key(rec: ClientIdentity) -> str:
