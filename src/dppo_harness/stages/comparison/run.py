@@ -148,8 +148,12 @@ def run_comparison(
     run, state_root = plan.run, Path(state_root)
     with Watchdog(progress, every_s=PROGRESS_EVERY_S) as dog:  # no phase is silent for longer
         progress = dog.say
-        rehearsal = session_served(bundle.result, plan.planned_model).rehearsal
-        evaluator = _frozen_evaluator(run, bundle, plan, embedded=served_by_embedded_server(backend, bundle.result))
+        # a rehearsal plan, or a served model that is not the plan's (evidence.backend.ServedModel)
+        rehearsal = plan.kind == "rehearsal" or session_served(bundle.result, plan.planned_model).rehearsal
+        block = backend_of(bundle.result)  # kind `local`: the embedded server answered, whatever --backend said
+        evaluator = _frozen_evaluator(
+            run, bundle, plan, embedded=backend == "local" or getattr(block, "kind", "") == "local"
+        )
         state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
         if state.resumed:  # the preflight and gate of the run, hash-verified, and where this session starts
             reuse_setup(bundle, state)
@@ -715,13 +719,6 @@ def _frozen_evaluator(
         d = evaluator.deviation
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     return evaluator
-
-
-def served_by_embedded_server(backend: str, result: Mapping[str, Any]) -> bool:
-    """The embedded server computed this run: the local backend, or its marker seen behind
-    `--backend tinker`."""
-    block = backend_of(result)
-    return backend == "local" or (block is not None and block.embedded_server is not None)
 
 
 def _register_run_manifest(

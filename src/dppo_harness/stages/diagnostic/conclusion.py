@@ -26,12 +26,6 @@ from dppo_harness.stages.diagnostic.config import DiagnosticConfig
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec
 
-RERUN_ON_SERVICE = (
-    "run this same frozen plan unchanged on the real service (Spindle, {model}): the stand-in's result says "
-    "nothing about {model}; more epochs become a candidate only after a real-model run shows the regime is "
-    "inactive there"
-)
-
 
 def cause_for_question(measured_cause: str | None, active: bool, served: ServedModel) -> str | None:
     """The cause for the question asked (does the mask engage on the PLANNED model?). On a stand-in
@@ -42,23 +36,6 @@ def cause_for_question(measured_cause: str | None, active: bool, served: ServedM
     if measured_cause == "code_or_instrumentation_defect":
         return measured_cause
     return "missing_evidence"
-
-
-def stand_in_next_action(served: ServedModel, plan_id: str, measured: Mapping[str, JsonValue]) -> JsonObject:
-    """The cheapest next action after a stand-in run: the same frozen plan, unchanged, on the real service."""
-    return {
-        "kind": "cheapest_next_action",
-        "executed": False,
-        "cause": "missing_evidence",
-        "action": RERUN_ON_SERVICE.format(model=served.planned),
-        "plan_id": plan_id,
-        "plan_changes": [],
-        "served_model": served.served,
-        "measured_on_stand_in": dict(measured),
-        "not_yet_candidates": [
-            "more epochs over the frozen batch (only after a real-model run shows an inactive regime)"
-        ],
-    }
 
 
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
@@ -143,11 +120,23 @@ def next_action(
     """Stand-in: the same frozen plan unchanged on the real service. Active: the frozen revised
     comparison spec (not executed). Otherwise: the cheapest next step."""
     if served is not None and served.rehearsal and classification.cause != "code_or_instrumentation_defect":
-        return stand_in_next_action(
-            served,
-            plan_id,
-            measured or {"state": classification.state, "measured_cause": classification.measured_cause},
-        )
+        return {  # the same frozen plan, unchanged, on the real service
+            "kind": "cheapest_next_action",
+            "executed": False,
+            "cause": "missing_evidence",
+            "action": f"run this same frozen plan unchanged on the real service (Spindle, {served.planned}): the "
+            f"stand-in's result says nothing about {served.planned}; more epochs become a candidate only after a "
+            "real-model run shows the regime is inactive there",
+            "plan_id": plan_id,
+            "plan_changes": [],
+            "served_model": served.served,
+            "measured_on_stand_in": dict(
+                measured or {"state": classification.state, "measured_cause": classification.measured_cause}
+            ),
+            "not_yet_candidates": [
+                "more epochs over the frozen batch (only after a real-model run shows an inactive regime)"
+            ],
+        }
     if classification.active and spec is not None:
         revised = spec.model_dump(mode="json", exclude_unset=True)
         revised["title"] = spec.title + " (revised schedule r2, proposed)"
