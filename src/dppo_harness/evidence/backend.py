@@ -30,7 +30,7 @@ class EmbeddedServer(Block):
     """The embedded server's self-identification: its marker, stand-in, profile and where it was seen."""
 
     marker: str | None = None
-    stand_in: str | None = None  # the model that really computes, e.g. local/tiny-qwen3-gsm8k
+    stand_in: str | None = None  # the model it computes with, as get_info names it: e.g. local/tiny-qwen3-gsm8k
     profile: str | None = None  # "default" or "spindle"
     sources: list[str] | None = None  # "header", "capabilities"
 
@@ -44,7 +44,7 @@ class Backend(Block):
     sdk_versions: dict[str, str] | None = None
     base_url: str | None = None
     requested_backend: str | None = None  # the --backend option, when the marker made the kind `local`
-    answers_to: str | None = None  # the name the embedded server answers to
+    answers_to: str | None = None  # the model name the session asked for (the embedded server takes it as an alias)
     embedded_server: EmbeddedServer | None = None
     kind_reason: str | None = None
 

@@ -1,6 +1,6 @@
 """Served-model identity: the embedded server's marker, each training client's record, the session's label.
 
-Which model computed is what get_info says (`evidence.backend.served_model`); the embedded server
+Which model computed is what get_info says (`evidence.backend.ServedModel`); the embedded server
 reports its own stand-in's name there. Its marker (a response header and a capabilities key) is
 read before any client exists, so the launch scope and the evidence's backend block can say which
 server and profile ran. The SDK's types drop unknown keys, so the raw JSON is read (`service.rest`).
