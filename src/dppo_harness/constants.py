@@ -19,7 +19,7 @@ MAX_SAVE_EVERY = 10
 # Not a secret: the embedded server ignores API keys, but the SDK insists on the tml- prefix.
 LOCAL_API_KEY = "tml-local-rehearsal"
 
-# Marker of the embedded stand-in server, so no run on it can pass as a real one: a response header on every answer, and the
-# value found in `get_server_capabilities()["embedded_server"]` and `model_data["embedded_server"]`.
+# Marker of the embedded server, read before any client exists (launch scope, the evidence's backend block): a response
+# header on every answer and `get_server_capabilities()["embedded_server"]`. Which model computed is get_info's model_name.
 EMBEDDED_SERVER_HEADER = "X-Embedded-Tinker-Server"
 EMBEDDED_SERVER_MARKER = "dppo-harness"

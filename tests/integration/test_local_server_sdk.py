@@ -188,9 +188,8 @@ def perturbed(lps: list[list[float]], seed: int) -> list[list[float]]:
 def test_create_client_reports_model_and_lora(client):
     tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=3)
     info = tc.get_info()
-    assert info.model_data.model_name == BASE
-    # The stand-in identity: the preset's served name.
-    assert info.model_data.arch == f"local/{TEST_MODEL}"
+    # The model that computes, by its own name (the requested name is an alias).
+    assert info.model_data.model_name == f"local/{TEST_MODEL}" and info.model_data.tokenizer_id == BASE
     assert info.model_id == tc.model_id and info.is_lora is True and info.lora_rank == 8
 
 

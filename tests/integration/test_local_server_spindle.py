@@ -371,14 +371,14 @@ def test_get_info_and_optim_step_answer_spindles_fields(spindle):
     assert raw == {
         "type": "get_info",
         "model_id": training.model_id,
-        "model_data": {"model_name": constants.BASE_MODEL},
-        "model_name": constants.BASE_MODEL,
+        "model_data": {"model_name": STAND_IN},  # the model that computes, not the deployment's name
+        "model_name": STAND_IN,
         "is_lora": True,
         "lora_rank": 8,
         "parameterization": {"type": "lora"},
     }
     info = training.get_info()
-    assert info.model_name == constants.BASE_MODEL and info.model_data.model_name == constants.BASE_MODEL
+    assert info.model_name == STAND_IN and info.model_data.model_name == STAND_IN
     training.forward_backward([_datum()], "cross_entropy").result()
     metrics = training.optim_step(types.AdamParams(learning_rate=1e-3, eps=1e-8)).result().metrics or {}
     assert not set(metrics) & OPTIMIZER_ECHO_KEYS

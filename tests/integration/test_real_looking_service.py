@@ -11,9 +11,9 @@ that service.
   tests/fixtures/plans/diagnostic-ci-short.json): passes, no stage refused, the bundle verifies;
 - `-m comparison --backend tinker` under a CI-size rehearsal plan whose launch authorizes the gate
   and the comparison (tests/fixtures/plans/comparison-ci-launch.json, max_tokens 64): neither stage
-  refused, the gate pilot trains; the stand-in's measured numbers decide the gate (at this size it
-  passes, masked fraction 0.01-0.14 per pilot step), and the run ends with a bundle that verifies,
-  through the comparison's decision when the gate passes, failed at the gate when it does not.
+  refused, the gate pilot trains; get_info names the stand-in, so the spec's executed_base_model
+  check fails the gate, and the run ends with a bundle that verifies, failed at the gate (through
+  the comparison's decision were the gate to pass).
 """
 
 from __future__ import annotations

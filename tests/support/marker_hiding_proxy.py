@@ -2,9 +2,9 @@
 
 It forwards every request to the embedded server unchanged and hides the server's marker on the
 way back: the `X-Embedded-Tinker-Server` header and every `embedded_server` key of a JSON answer
-(the capabilities and `get_info().model_data` carry one). The harness behind it cannot tell it is
-talking to a stand-in, so the launch scope, the rehearsal label and every other "real service"
-path run as they would on Spindle.
+(the capabilities carry one). The harness behind it cannot tell it is talking to the embedded
+server, so the launch scope and every other "real service" path run as they would on Spindle;
+get_info still names the stand-in that computes, so the run is a rehearsal all the same.
 
 It lives in the tests on purpose: no server option a user can pass hides the marker, so no
 user-facing path can present a stand-in as the real model. Run by hand:

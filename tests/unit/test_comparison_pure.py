@@ -381,23 +381,6 @@ def test_rehearsal_plan_violations_are_refused_naming_the_field(mutate, match):
         _reparse(mutate)
 
 
-def test_a_comparison_served_by_the_embedded_server_is_a_rehearsal_whatever_the_flag():
-    from dppo_harness.plans import load_plan
-    from dppo_harness.stages.comparison.run import is_rehearsal
-
-    spec = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3.json")
-    marker_seen = {
-        "backend": {
-            "kind": "local",
-            "requested_backend": "tinker",
-            "embedded_server": {"stand_in": "local/tiny-qwen3-gsm8k"},
-        }
-    }
-    assert is_rehearsal(spec, "tinker", marker_seen)  # --backend tinker, but the embedded server answered
-    assert is_rehearsal(spec, "local", {"backend": {"kind": "local"}})
-    assert not is_rehearsal(spec, "tinker", {"backend": {"kind": "tinker", "served_model": "Qwen/Qwen3.5-2B"}})
-
-
 def test_one_writer_per_run_a_second_is_refused_in_one_line(tmp_path):
     import subprocess
     import sys

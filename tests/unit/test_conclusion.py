@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from diagnostic_rehearsal import simulate_records
 
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.plans import load_plan
-from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.analysis import analyse
 from dppo_harness.stages.diagnostic.conclusion import cause_for_question, count_sentences
 from dppo_harness.stages.diagnostic.config import diagnostic_config
@@ -17,8 +17,8 @@ from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
 CFG = diagnostic_config(PLAN)
-STAND_IN = ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k", "local/tiny-qwen3-gsm8k", "get_info")
-REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B", None, "get_info")
+STAND_IN = ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k")
+REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")
 
 
 def _result(served, drift=0.0):
@@ -76,29 +76,10 @@ def test_summary_is_at_most_two_plain_sentences_and_names_the_stand_in(served):
     s = _result(served).result_fields["summary"]
     assert count_sentences(s) <= 2, s
     assert len(s) < 500, len(s)
-    if served.is_stand_in:
+    if served.rehearsal:
         assert "local/tiny-qwen3-gsm8k" in s and "missing_evidence" in s
     else:
         assert "stand-in" not in s
-
-
-def test_served_model_from_get_info():
-    info = {
-        "model_data": {
-            "arch": "local/tiny-qwen3-gsm8k",
-            "model_name": "Qwen/Qwen3.5-2B",
-            "embedded_server": "dppo-harness",
-        }
-    }
-    # Through TINKER_BASE_URL (backend tinker) the embedded server is still a stand-in.
-    assert served_model_from_info(info, "Qwen/Qwen3.5-2B", backend="tinker").stand_in == "local/tiny-qwen3-gsm8k"
-    assert (
-        served_model_from_info(
-            {"model_data": {"arch": "Qwen/Qwen3.5-2B"}}, "Qwen/Qwen3.5-2B", backend="tinker"
-        ).stand_in
-        is None
-    )
-    assert served_model_from_info(None, "Qwen/Qwen3.5-2B", backend="local").is_stand_in
 
 
 def test_report_labels_the_cause_and_the_stand_in_limitation_on_any_backend():

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from dppo_harness.constants import EMBEDDED_SERVER_MARKER
-from dppo_harness.evidence.backend import Backend, EmbeddedServer, backend_of, served_model
+from dppo_harness.evidence.backend import Backend, EmbeddedServer, ServedModel, backend_of, served_name, session_served
 
 VERSIONS = {"tinker": "0.38.0", "torch": "2.13.0+cpu"}
 MARKER = {
@@ -69,12 +69,11 @@ def test_a_block_reads_back_or_is_refused():
         backend_of({"backend": {"kind": "local", "modle": "typo"}})
 
 
-def test_the_served_model_is_the_stand_in_on_the_embedded_server():
-    md = {"model_name": "Qwen/Qwen3.5-2B"}
-    assert served_model(md, None).name == "Qwen/Qwen3.5-2B"
-    assert served_model(md, None, local=True).origin == "unnamed"
-    seen = EmbeddedServer.model_validate(MARKER)
-    assert served_model(md, None, seen=seen).name == "local/tiny-qwen3-gsm8k"
-    assert served_model({**md, "arch": "local/x"}, Backend(kind="local")).source == (
-        "get_info().model_data.arch (embedded server's stand-in; model_name reports 'Qwen/Qwen3.5-2B')"
-    )
+def test_the_served_model_is_what_get_info_names_and_a_rehearsal_when_it_is_not_the_plans():
+    assert served_name({"model_data": {"model_name": "local/tiny-qwen3-gsm8k"}}) == "local/tiny-qwen3-gsm8k"
+    assert served_name({"model_data": {"model_name": None}}) is None and served_name(None) is None
+    assert ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k").rehearsal
+    assert not ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B").rehearsal
+    assert ServedModel("Qwen/Qwen3.5-2B", None).rehearsal  # nothing shows the planned model computed
+    block = {"backend": {"kind": "tinker", "served_model": "Qwen/Qwen3.5-2B"}}
+    assert not session_served(block, "Qwen/Qwen3.5-2B").rehearsal and session_served({}, "Qwen/Qwen3.5-2B").rehearsal

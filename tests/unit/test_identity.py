@@ -1,4 +1,4 @@
-"""Served-model identity: marker detection, the executed model, the rehearsal label on any backend."""
+"""Served-model identity: marker detection, each client's record, the rehearsal label on any backend."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
-from dppo_harness.evidence.backend import Backend, EmbeddedServer, backend_of, report_lines, served_model
 from dppo_harness.evidence.result import label_summary
 from dppo_harness.evidence.session import closing_fields, start_session
 from dppo_harness.plans import load_plan
@@ -34,26 +33,7 @@ def test_marker_from_each_place_and_none_on_a_real_service():
     assert identity.detect_marker({EMBEDDED_SERVER_HEADER: "something-else"}) is None
     m = identity.detect_marker(capabilities=CAPS)
     assert (m.stand_in, m.profile, m.sources) == (STAND_IN, "spindle", ["capabilities"])
-    m = identity.detect_marker(
-        model_data={"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B", "embedded_server": EMBEDDED_SERVER_MARKER}
-    )
-    assert m.stand_in == STAND_IN and m.sources == ["model_data"]
     assert identity.detect_marker(capabilities={"supported_models": [], "embedded_server": {"marker": "x"}}) is None
-
-
-def test_served_model_is_the_stand_in_on_the_embedded_server_and_model_name_elsewhere():
-    md = {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B", "embedded_server": EMBEDDED_SERVER_MARKER}
-    assert served_model(md, Backend(kind="tinker")).name == STAND_IN
-    # marker key dropped by the SDK's type: the evidence block still says embedded
-    md_sdk = {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B"}
-    block = Backend(kind="local", embedded_server=EmbeddedServer(stand_in=STAND_IN))
-    assert served_model(md_sdk, block).name == STAND_IN
-    assert (
-        served_model({"model_name": "Qwen/Qwen3.5-2B"}, Backend(kind="local", served_model=STAND_IN)).name == STAND_IN
-    )
-    # a real service: its own word, even when arch is something else
-    real = served_model({"arch": "Qwen3_5ForCausalLM", "model_name": "Qwen/Qwen3.5-2B"}, Backend(kind="tinker"))
-    assert (real.name, real.source) == ("Qwen/Qwen3.5-2B", "get_info().model_data.model_name")
 
 
 @pytest.mark.parametrize(
@@ -99,19 +79,13 @@ def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training
     r = b.result
     assert r["backend"]["kind"] == "local" and r["backend"]["requested_backend"] == "tinker"
     assert r["backend"]["served_model"] == STAND_IN and r["backend"]["answers_to"] == "Qwen/Qwen3.5-2B"
-    assert r["summary"].startswith(REHEARSAL_PREFIX) and STAND_IN in r["summary"]
-    assert STAND_IN in r["tested_instead"]
-    assert any(
-        d["field"] == "model" and STAND_IN in d["effective"] and "marker" in d["reason"] for d in r["deviations"]
-    )
+    assert r["summary"].startswith(REHEARSAL_PREFIX)
+    assert [d["effective"] for d in r["deviations"] if d["field"] == "model"] == [STAND_IN]  # once
     eff = json.loads(b.file_path("effective-config.json").read_bytes())
     assert eff["backend"]["served_model"] == STAND_IN
-    # a later stage overwrites summary and tested_instead: the label stays, the stand-in is named again
+    # a later stage overwrites the summary: the label stays
     b.update_result(summary="Diagnostic done.", tested_instead="the bounded diagnostic")
     assert b.result["summary"].startswith(REHEARSAL_PREFIX)
-    identity.finalize_labels(b)
-    assert STAND_IN in b.result["summary"] and STAND_IN in b.result["tested_instead"]
-    assert any(line.startswith("- REHEARSAL") and STAND_IN in line for line in report_lines(backend_of(b.result)))
 
 
 def test_real_service_is_not_relabelled(tmp_path):
@@ -121,7 +95,6 @@ def test_real_service_is_not_relabelled(tmp_path):
     r = b.result
     assert r["backend"]["kind"] == "tinker" and not r["summary"].startswith(REHEARSAL_PREFIX)
     assert sub in r["deviations"]
-    assert identity.labels_missing_stand_in(r) == {} and report_lines(backend_of(r)) == []
     assert b.entry("connectivity-preflight.json") is not None
 
 
@@ -138,18 +111,15 @@ def test_creation_future_reports_the_client_once():
 def test_recorder_keeps_the_complete_model_data(tmp_path):
     b, _ = _bundle(tmp_path, served=STAND_IN)
     identity.record_session_identity(b, _report(), "tinker", {})
-    full = {
-        "model_id": "m1",
-        "model_data": {"arch": STAND_IN, "model_name": "Qwen/Qwen3.5-2B", "embedded_server": EMBEDDED_SERVER_MARKER},
-    }
+    full = {"model_id": "m1", "model_data": {"model_name": STAND_IN, "tokenizer_id": "Qwen/Qwen3.5-2B"}}
     answers = {"get_info": RawResponse(200, full, EMBEDDED_SERVER_MARKER), "caps": RawResponse(200, CAPS, None)}
     rest = SimpleNamespace(get_info=lambda *a: answers["get_info"], get=lambda *a: answers["caps"])
     info = SimpleNamespace(model_id="m1", model_dump=lambda mode: {"model_id": "m1"})
     rec = identity.TrainingClientRecorder(b)
     out = rec(SimpleNamespace(get_info=lambda: info), "create_lora_training_client", rest)
-    assert out.served_model == STAND_IN and out.marker.sources == ["header", "capabilities", "model_data"]
+    assert out.served_model == STAND_IN and out.served_model_source == "get_info().model_data.model_name"
     saved = json.loads(b.file_path("client-identity-01-create_lora_training_client.json").read_bytes())
-    assert saved["get_info"]["model_data"]["embedded_server"] == EMBEDDED_SERVER_MARKER
+    assert saved["get_info"]["model_data"]["model_name"] == STAND_IN and saved["served_model"] == STAND_IN
     assert saved["get_server_capabilities"]["embedded_server"]["stand_in"] == STAND_IN
 
     # a second client with the same identity: no new file now, one index entry at flush
@@ -162,12 +132,25 @@ def test_recorder_keeps_the_complete_model_data(tmp_path):
     rec.flush()  # once only
     index = json.loads(b.file_path("client-identities.json").read_bytes())
     assert [c["model_id"] for c in index["clients"]] == ["m1", "m2"]
-    assert index["clients"][1]["get_info"]["model_data"]["embedded_server"] == EMBEDDED_SERVER_MARKER
+    assert index["clients"][1]["get_info"]["model_data"]["model_name"] == STAND_IN
+    assert b.result["backend"]["served_model"] == STAND_IN
 
 
-def test_a_session_that_only_named_the_stand_in_closes_with_one_label_and_what_ran():
-    """At start the summary names the stand-in behind the rehearsal label; the close still says what
-    ran, the label stays single, and the stand-in is named again after it."""
+def test_the_first_client_names_the_sessions_served_model_on_a_real_service(tmp_path):
+    b, _ = _bundle(tmp_path)
+    assert b.result["backend"]["served_model"].startswith("reported at client creation")
+    info = {"model_id": "m1", "model_data": {"model_name": "Qwen/Qwen3.5-2B"}}
+    rest = SimpleNamespace(
+        get_info=lambda *a: RawResponse(200, info, None),
+        get=lambda *a: RawResponse(200, {"supported_models": []}, None),
+    )
+    sdk = SimpleNamespace(model_id="m1", model_dump=lambda mode: info)
+    out = identity.TrainingClientRecorder(b)(SimpleNamespace(get_info=lambda: sdk), "create_lora_training_client", rest)
+    assert out.served_model == b.result["backend"]["served_model"] == "Qwen/Qwen3.5-2B"
+    assert b.result["backend"]["kind"] == "tinker" and not b.result["summary"].startswith(REHEARSAL_PREFIX)
+
+
+def test_a_session_that_only_labelled_the_rehearsal_closes_with_one_label_and_what_ran():
     r = {
         "summary": REHEARSAL_PREFIX,
         "status": "running",
@@ -175,9 +158,6 @@ def test_a_session_that_only_named_the_stand_in_closes_with_one_label_and_what_r
         "tested_instead": None,
         "backend": {"kind": "local", "embedded_server": {"stand_in": STAND_IN}, "requested_model": "Qwen/Qwen3.5-2B"},
     }
-    r["summary"] = identity.labels_missing_stand_in(r)["summary"]
-    assert r["summary"].count("not Spindle") == 1 and STAND_IN in r["summary"]
     r["summary"] = label_summary(r, closing_fields(r, ["unit", "preflight"], {})["summary"])
-    r["summary"] = identity.labels_missing_stand_in(r)["summary"]
     assert r["summary"].startswith(REHEARSAL_PREFIX + "Stages run: unit, preflight. All selected stages passed")
-    assert r["summary"].count("not Spindle") == 1 and r["summary"].endswith("a rehearsal, not a scientific result.")
+    assert r["summary"].count("not Spindle") == 1

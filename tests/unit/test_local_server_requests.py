@@ -219,8 +219,8 @@ def test_spindle_profile_needs_every_variable_and_hides_values():
 
 def test_spindle_profile_serves_the_base_model_and_drops_optimizer_echo():
     profile = make_profile("spindle", ENV)
-    assert profile.served_models([constants.BASE_MODEL, "local/x"], "local/x") == [constants.BASE_MODEL]
-    assert Profile().served_models([constants.BASE_MODEL, "local/x"], "local/x") == [constants.BASE_MODEL, "local/x"]
+    assert profile.served_models([constants.BASE_MODEL, "local/x"]) == [constants.BASE_MODEL]
+    assert Profile().served_models([constants.BASE_MODEL, "local/x"]) == [constants.BASE_MODEL, "local/x"]
     metrics = dict.fromkeys(OPTIMIZER_ECHO_KEYS, 1.0) | {"optim/grad_norm": 2.0, "optim/step": 3.0}
     # Spindle's Miles metrics (backends/miles_lora.py optim_step): no optimizer echo
     assert profile.optim_metrics(metrics, 0.5) == {

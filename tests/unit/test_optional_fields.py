@@ -12,6 +12,7 @@ import tinker
 from tinker import types
 
 from dppo_harness import plans
+from dppo_harness.evidence.backend import ServedModel, served_name
 from dppo_harness.local_server.faults import (
     OPTIONAL_RESPONSE_FIELDS,
     FaultConfig,
@@ -20,7 +21,6 @@ from dppo_harness.local_server.faults import (
     drop_path,
     parse_omit_field,
 )
-from dppo_harness.service.identity import served_model_from_info
 from dppo_harness.stages import restoration
 from dppo_harness.stages.restoration import preflight as checkpoint
 from dppo_harness.stages.restoration.records import check_provenance, initialization_entry
@@ -199,13 +199,9 @@ def test_a_missing_load_path_fails_the_proof_naming_it():
 
 
 def test_served_model_without_a_model_name_is_unavailable_not_the_requested_one():
-    s = served_model_from_info({"model_data": {}}, "Qwen/Qwen3.5-2B", backend="tinker")
-    assert s.served != "Qwen/Qwen3.5-2B" and "did not name" in s.served
-    assert s.source.startswith("unavailable") and "model_data.model_name" in s.source
-    named = served_model_from_info(
-        {"model_data": {"model_name": "Qwen/Qwen3.5-4B"}}, "Qwen/Qwen3.5-2B", backend="tinker"
-    )
-    assert named.served == "Qwen/Qwen3.5-4B"
+    s = ServedModel("Qwen/Qwen3.5-2B", served_name({"model_data": {}}))
+    assert s.served is None and s.rehearsal  # never the requested name: nothing shows it computed
+    assert served_name({"model_data": {"model_name": "Qwen/Qwen3.5-4B"}}) == "Qwen/Qwen3.5-4B"
 
 
 def test_backend_info_without_model_names_is_unavailable_and_no_deviation(pytestconfig):

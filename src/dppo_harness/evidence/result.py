@@ -23,7 +23,6 @@ from dppo_harness.plans.schema_errors import first_error, rule_error
 REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
 # A run under a rehearsal plan (plans/rehearsal/) on a real service is a rehearsal as well.
 REHEARSAL_PLAN_PREFIX = "Rehearsal plan, not the saved experiment spec: "
-SERVED_NOTE = "Served model: "  # how a summary names the stand-in that computed (service.identity)
 
 Status = Literal["running", "succeeded", "failed"]
 Verdict = Literal["supported", "refuted", "inconclusive"]

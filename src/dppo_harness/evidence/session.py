@@ -14,7 +14,7 @@ from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.bundle import EvidenceBundle
 from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE, LATEST_FILE, RESULT_FILE, sha256_bytes
-from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
+from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.json_types import JsonMap
 from dppo_harness.plans import BackendKind
 from dppo_harness.pytest_plugin.stages import STAGE_TEST_FOLDERS
@@ -147,7 +147,7 @@ def closing_fields(
     if "outcome_reason" not in result and fields["verdict"] == "inconclusive":
         fields["outcome_reason"] = "incomplete_execution"
     body = str(result["summary"]).removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX).strip()
-    if not body or body.startswith(SERVED_NOTE):  # no stage said what ran (the stand-in is named again after)
+    if not body:  # no stage said what ran
         ran = ", ".join(stages_selected) or "no stage"
         if failures:
             tail = "Failed: " + "; ".join(f"{s} ({n})" for s, n in failures.items()) + "."

@@ -177,11 +177,9 @@ class Profile:
         """Spindle's own check: X-API-Key equals TINKER_API_KEY (always true on the default profile)."""
         return self.api_key is None or _matches(headers.get(API_KEY_CREDENTIAL[0]), self.api_key)
 
-    def served_models(self, engine_models: list[str], stand_in: str) -> list[str]:
+    def served_models(self, engine_models: list[str]) -> list[str]:
         """Model names the engine computes for: Spindle serves the plan's base model by name only."""
-        if self.is_spindle:
-            return [constants.BASE_MODEL]
-        return list(engine_models) or [constants.BASE_MODEL, stand_in]
+        return [constants.BASE_MODEL] if self.is_spindle else list(engine_models)
 
     def client_config(self) -> JsonObject:
         """The body of `POST client/config` for this profile."""

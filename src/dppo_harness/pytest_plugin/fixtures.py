@@ -18,7 +18,6 @@ import pytest
 
 from dppo_harness import plans, project
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.evidence.backend import Backend, backend_of, served_model
 from dppo_harness.evidence.files import SERVER_DIR, STATE_ROOT
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.evidence.session import start_session
@@ -282,18 +281,10 @@ def client_base_model(connectivity: ConnectivityReport, plan: Plan) -> str:
     return connectivity.client_base_model(plan.base_model)
 
 
-def backend_info(
-    service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient, backend_block: Backend | None = None
-) -> plans.BackendInfo:
+def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient) -> plans.BackendInfo:
     """plans.BackendInfo from what the server reported at client creation."""
     info = client.get_info()
-    served = (
-        info.model_data.arch
-        if service_backend.kind == "local" and info.model_data.arch
-        else (info.model_data.model_name or info.model_name)
-    )
-    if backend_block:  # on the embedded server (marker seen) the stand-in computes
-        served = served_model(info.model_data.model_dump(), backend_block).name or served
+    served = info.model_data.model_name or info.model_name  # the embedded server names its stand-in
     if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
         served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
     return plans.BackendInfo(
@@ -363,7 +354,7 @@ def feasibility(
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written. Time
     # already spent in this session is the budget ledger's business (evidence.budget_allows per stage).
-    eff = plans.effective_config(h.plan, backend_info(h.backend, h.plan, arm_client, backend_of(h.bundle.result)))
+    eff = plans.effective_config(h.plan, backend_info(h.backend, h.plan, arm_client))
     from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
 
     with (

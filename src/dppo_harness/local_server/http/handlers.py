@@ -196,12 +196,12 @@ async def get_info(request: web.Request) -> web.Response:
     entry = state.model(req.model_id)
     if state.profile.is_spindle:
         # Spindle's fields exactly: no architecture, tokenizer id or optimizer config
-        # (src/spindle/control_plane/http.py, get_info).
+        # (src/spindle/control_plane/http.py, get_info); the model is the one that computes.
         info: JsonObject = {
             "type": "get_info",
             "model_id": entry.model_id,
-            "model_data": {"model_name": entry.base_model},
-            "model_name": entry.base_model,
+            "model_data": {"model_name": state.stand_in},
+            "model_name": state.stand_in,
             "is_lora": True,
             "lora_rank": entry.lora_rank,
             "parameterization": {"type": "lora"},
@@ -210,16 +210,14 @@ async def get_info(request: web.Request) -> web.Response:
         rank = state.engine.get_info(entry.engine_id)["lora_rank"]
         response = types.GetInfoResponse(
             type="get_info",
-            model_data=types.ModelData(),
+            # its own model's name, as a service names what computes (the requested name is an alias)
+            model_data=types.ModelData(model_name=state.stand_in, tokenizer_id=entry.base_model),
             model_id=entry.model_id,
             is_lora=True,
             lora_rank=rank,
-            model_name=entry.base_model,
+            model_name=state.stand_in,
         )
-        # The SDK reuses model_data.model_name as the base model of its sampling sessions, so it is the
-        # requested name; `arch` names the stand-in really computing, plus the marker (extra key).
-        data = types.ModelData(arch=state.stand_in, model_name=entry.base_model, tokenizer_id=entry.base_model)
-        info = dump(response) | {"model_data": dump(data) | {"embedded_server": constants.EMBEDDED_SERVER_MARKER}}
+        info = dump(response)
     return ok(state.faults.omit_json("get_info", info))
 
 

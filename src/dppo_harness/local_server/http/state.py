@@ -165,7 +165,7 @@ class ServerState:
         return self.engine.served_model_name
 
     def served_models(self) -> list[str]:
-        return self.profile.served_models(self.engine.served_models, self.stand_in)
+        return self.profile.served_models(self.engine.served_models)
 
     def marker(self) -> JsonObject:
         return {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile.name}

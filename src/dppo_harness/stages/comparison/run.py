@@ -23,7 +23,7 @@ import tinker
 from dppo_harness import constants
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget, report
-from dppo_harness.evidence.backend import backend_of
+from dppo_harness.evidence.backend import backend_of, session_served
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
@@ -136,8 +136,10 @@ def run_comparison(
     run, state_root = plan.run, Path(state_root)
     with Watchdog(progress, every_s=PROGRESS_EVERY_S) as dog:  # no phase is silent for longer
         progress = dog.say
-        rehearsal = is_rehearsal(plan, backend, bundle.result)
-        evaluator = frozen_evaluator(plan, bundle, embedded=served_by_embedded_server(backend, bundle.result))
+        # a rehearsal plan, or a served model that is not the plan's (evidence.backend.ServedModel)
+        rehearsal = plan.kind == "rehearsal" or session_served(bundle.result, plan.planned_model).rehearsal
+        block = backend_of(bundle.result)  # kind `local`: the embedded server answered, whatever --backend said
+        evaluator = frozen_evaluator(plan, bundle, embedded=backend == "local" or getattr(block, "kind", "") == "local")
         state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
         if state.resumed:  # the preflight and gate of the run, hash-verified, and where this session starts
             reuse_setup(bundle, state)
@@ -653,19 +655,6 @@ def _run_state(
 
 
 # ---- evidence ----------------------------------------------------------------------------------
-
-
-def served_by_embedded_server(backend: str, result: Mapping[str, Any]) -> bool:
-    """The embedded server computed this run: the local backend, or its marker seen behind
-    `--backend tinker`."""
-    block = backend_of(result)
-    return backend == "local" or (block is not None and block.embedded_server is not None)
-
-
-def is_rehearsal(plan: Plan, backend: str, result: Mapping[str, Any]) -> bool:
-    """A rehearsal by what served the run, not by the flag that chose the client: a rehearsal plan,
-    the local backend, or the embedded server's marker seen behind `--backend tinker`."""
-    return plan.kind == "rehearsal" or served_by_embedded_server(backend, result)
 
 
 def _register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, kept: int) -> str | None:

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, pool_calls
 from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
-from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import (
     Classification,
     anchor_problems,
@@ -211,7 +211,7 @@ def result_fields(res: DiagnosticResult) -> DiagnosticResultFields:
             v = res.pooled.get(k)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 metrics[f"diagnostic/epoch2_pooled/{k}"] = float(v)
-    served = res.served or ServedModel(res.config.base_model, res.config.base_model, None, "plan")
+    served = res.served or ServedModel(res.config.base_model, res.config.base_model)
     summary = compose_summary(
         served=served,
         updates_done=res.updates_done,

@@ -2,7 +2,7 @@
 planned model, the next action (the frozen revised comparison spec when active, else the
 cheapest step), and the <= 2-sentence summary.
 
-Pure functions. The served-model identity (`service.identity.ServedModel`) is an INPUT, so the
+Pure functions. The served model (`evidence.backend.ServedModel`) is an INPUT, so the
 summary never has to guess which model computed.
 """
 
@@ -17,48 +17,25 @@ from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
 
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
-from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.classification import Classification
 from dppo_harness.stages.diagnostic.config import DiagnosticConfig
 
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec
 
-RERUN_ON_SERVICE = (
-    "run this same frozen plan unchanged on the real service (Spindle, {model}): the stand-in's result says "
-    "nothing about {model}; more epochs become a candidate only after a real-model run shows the regime is "
-    "inactive there"
-)
-
 
 def cause_for_question(measured_cause: str | None, active: bool, served: ServedModel) -> str | None:
     """The cause for the question asked (does the mask engage on the PLANNED model?). On a stand-in
     nothing measured is evidence about the planned model: missing_evidence, whatever the stand-in
     did. A code defect found on the stand-in stays a defect (the code is the same)."""
-    if not served.is_stand_in:
+    if not served.rehearsal:
         return measured_cause
     if measured_cause == "code_or_instrumentation_defect":
         return measured_cause
     return "missing_evidence"
-
-
-def stand_in_next_action(served: ServedModel, plan_id: str, measured: Mapping[str, JsonValue]) -> JsonObject:
-    """The cheapest next action after a stand-in run: the same frozen plan, unchanged, on the real service."""
-    return {
-        "kind": "cheapest_next_action",
-        "executed": False,
-        "cause": "missing_evidence",
-        "action": RERUN_ON_SERVICE.format(model=served.requested),
-        "plan_id": plan_id,
-        "plan_changes": [],
-        "served_model": served.served,
-        "measured_on_stand_in": dict(measured),
-        "not_yet_candidates": [
-            "more epochs over the frozen batch (only after a real-model run shows an inactive regime)"
-        ],
-    }
 
 
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
@@ -89,15 +66,16 @@ def compose_summary(
 ) -> str:
     """Two plain sentences: what ran (naming the stand-in when one served) and what it showed,
     with the next action. Details live in report.md."""
-    model = f"the stand-in {served.stand_in} (not {served.requested})" if served.is_stand_in else served.served
+    name = served.served or "a model the service did not name"
+    model = f"the stand-in {name} (not {served.planned})" if served.rehearsal else name
     first = (
         f"A bounded DPPO diagnostic trained {model} for {updates_done} of {max_updates} updates on one "
         f"frozen {groups}x{group_size} GSM8K batch in {wall_seconds:.0f} s"
     )
     shown = "the mask engaged" if active else f"the measured state was {state}"
-    if served.is_stand_in:
+    if served.rehearsal:
         second = (
-            f"On the stand-in {shown}, so for {served.requested} the cause is {cause or 'none'} "
+            f"On the stand-in {shown}, so for {served.planned} the cause is {cause or 'none'} "
             f"and the next action is to {next_action.split(':')[0]}"
         )
     else:
@@ -115,11 +93,11 @@ def for_planned_model(c: Classification, served: ServedModel) -> Classification:
     cause (`measured_cause`) but the cause for the planned model is missing_evidence."""
     cause = cause_for_question(c.cause, c.active, served)
     extra = ""
-    if served.is_stand_in:
+    if served.rehearsal:
         extra = (
-            f" These measurements come from the stand-in {served.stand_in}, not {served.requested}: the measured "
+            f" These measurements come from the stand-in {served.served}, not {served.planned}: the measured "
             f"state ({c.state}, measured cause {c.cause or 'none'}) is a fact about the stand-in only, so for "
-            f"{served.requested} the evidence is missing."
+            f"{served.planned} the evidence is missing."
         )
     return replace(
         c,
@@ -127,7 +105,7 @@ def for_planned_model(c: Classification, served: ServedModel) -> Classification:
         explanation=c.explanation + extra,
         measured_cause=c.cause,
         served_model=served.served,
-        stand_in=served.is_stand_in,
+        stand_in=served.rehearsal,
     )
 
 
@@ -141,12 +119,24 @@ def next_action(
 ) -> JsonObject:
     """Stand-in: the same frozen plan unchanged on the real service. Active: the frozen revised
     comparison spec (not executed). Otherwise: the cheapest next step."""
-    if served is not None and served.is_stand_in and classification.cause != "code_or_instrumentation_defect":
-        return stand_in_next_action(
-            served,
-            plan_id,
-            measured or {"state": classification.state, "measured_cause": classification.measured_cause},
-        )
+    if served is not None and served.rehearsal and classification.cause != "code_or_instrumentation_defect":
+        return {  # the same frozen plan, unchanged, on the real service
+            "kind": "cheapest_next_action",
+            "executed": False,
+            "cause": "missing_evidence",
+            "action": f"run this same frozen plan unchanged on the real service (Spindle, {served.planned}): the "
+            f"stand-in's result says nothing about {served.planned}; more epochs become a candidate only after a "
+            "real-model run shows the regime is inactive there",
+            "plan_id": plan_id,
+            "plan_changes": [],
+            "served_model": served.served,
+            "measured_on_stand_in": dict(
+                measured or {"state": classification.state, "measured_cause": classification.measured_cause}
+            ),
+            "not_yet_candidates": [
+                "more epochs over the frozen batch (only after a real-model run shows an inactive regime)"
+            ],
+        }
     if classification.active and spec is not None:
         revised = spec.model_dump(mode="json", exclude_unset=True)
         revised["title"] = spec.title + " (revised schedule r2, proposed)"

@@ -17,13 +17,13 @@ from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
+from dppo_harness.evidence.backend import ServedModel, served_name
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import ANALYSIS_FILE
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
-from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult
 from dppo_harness.stages.diagnostic.config import (
     FINALIZE_RESERVE_S,
@@ -231,9 +231,9 @@ def run_bounded_diagnostic(
     state.files += state.archive.registered
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
-    if served is None:  # the served model as the trained client's own get_info names it (else the plan's)
+    if served is None:  # the served model as the trained client's own get_info names it
         info = state.restore.get("get_info")
-        served = served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
+        served = ServedModel(plan.planned_model, served_name(info if isinstance(info, dict) else None))
     return write_evidence(
         bundle,
         plan,

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 from pydantic import JsonValue
 
 from dppo_harness.evidence import budget, report
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.evidence.files import MAX_FILE_BYTES
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE
 from dppo_harness.json_types import JsonObject
-from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult, analyse
 from dppo_harness.stages.diagnostic.config import BASIS_FOR_REFERENCES, FINALIZE_RESERVE_S, LOOP_LABEL, DiagnosticConfig
 from dppo_harness.stages.diagnostic.run_state import RunState, SelftestReport, SentinelSummary
