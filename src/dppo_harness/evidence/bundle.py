@@ -33,7 +33,6 @@ from dppo_harness.evidence.files import (
     sidecar_files,
     unwritable_line,
 )
-from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
     as_text,
     check_rehearsal_plan_result,
@@ -246,14 +245,6 @@ class EvidenceBundle:
         if entry["sha256"] != sha256:
             raise EvidenceError(f"{what}: registered sha256 differs from the file read")
         return entry
-
-    def register_code_revision(self, repo_root: Path) -> list[FileEntry]:
-        """code-revision.json, and code.patch when the checkout has uncommitted changes."""
-        info, patch = code_revision(Path(repo_root), exclude=[self.dir])
-        entries = [self.register_json("code-revision.json", "code_revision", info)]
-        if patch:
-            entries.append(self.register_bytes("code.patch", "code_patch", patch))
-        return entries
 
     # -- result.json
 

@@ -18,7 +18,8 @@ from dppo_harness.evidence.backend import Backend, Block, backend_of
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
 from dppo_harness.evidence.files import FileKind
 from dppo_harness.json_types import JsonObject, JsonValue
-from dppo_harness.plans.schema_errors import first_error, rule_error
+from dppo_harness.plans.models import DeviationField
+from dppo_harness.plans.schema_errors import first_error, format_path, rule_error
 
 REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
 # A run under a rehearsal plan (plans/rehearsal/) on a real service is a rehearsal as well.
@@ -30,7 +31,6 @@ Verdict = Literal["supported", "refuted", "inconclusive"]
 OutcomeReason = Literal[
     "supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence", "incomplete_execution"
 ]
-DeviationField = Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
 NumberMap = dict[str, float]  # strict float: ints pass, bools and strings do not; finite only
 # Keys update_result may not touch; dedicated bundle methods keep their invariants.
 PROTECTED = frozenset(
@@ -215,13 +215,6 @@ def deep_merge(old: Mapping[str, JsonValue], new: Mapping[str, JsonValue]) -> Js
     return out
 
 
-def fmt_path(path: tuple[str | int, ...]) -> str:
-    s = ""
-    for p in path:
-        s += f"[{p}]" if isinstance(p, int) else (f".{p}" if s else str(p))
-    return s
-
-
 def check_update_keys(fields: Mapping[str, JsonValue]) -> None:
     """update_result may not touch the blocks that dedicated bundle methods manage."""
     for key, value in fields.items():
@@ -250,7 +243,7 @@ def merged_result(old: JsonObject, fields: Mapping[str, JsonValue]) -> JsonObjec
         arms += [a for a in posted if a not in arms]
         new["completed_arms"] = arms
     if (path := _dropped_number(old, new)) is not None:
-        raise EvidenceError(f"{fmt_path(path)}: an earlier posted number would be dropped")
+        raise EvidenceError(f"{format_path(path)}: an earlier posted number would be dropped")
     return new
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from dppo_harness import plans
-from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.bundle import EvidenceBundle
 from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE, LATEST_FILE, RESULT_FILE, sha256_bytes
+from dppo_harness.evidence.provenance import ARCHIVE_NAME, register_code
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX, SERVED_NOTE
 from dppo_harness.json_types import JsonMap
 from dppo_harness.plans import BackendKind
@@ -71,9 +71,7 @@ def start_session(
             sdk_versions=versions,
         )
     )
-    bundle.register_code_revision(root)
-    commit = json.loads(bundle.file_path("code-revision.json").read_text()).get("commit")
-    register_code_archive(bundle, root, commit=commit)
+    register_code(bundle, root)
     _register_test_manifest(bundle, root, test_files)
     # The served model, when not known yet, is named for where it will be reported.
     served = served_model or (

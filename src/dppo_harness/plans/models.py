@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal, NoReturn, get_args
+from typing import Annotated, ClassVar, Literal, NoReturn, cast, get_args
 
 from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
@@ -565,8 +565,8 @@ def detect_kind(raw: JsonValue) -> PlanKind:
         raise _fail("", f"expected object, got {type_name(raw)}")
     if "kind" not in raw:
         return "experiment_spec"
-    if raw["kind"] == "bounded_diagnostic" or raw["kind"] == "rehearsal":
-        return "bounded_diagnostic" if raw["kind"] == "bounded_diagnostic" else "rehearsal"
+    if raw["kind"] in ("bounded_diagnostic", "rehearsal"):
+        return cast(PlanKind, raw["kind"])
     raise _fail(
         "kind",
         f"expected one of ['bounded_diagnostic', 'rehearsal'] (a saved experiment spec has no kind), got {raw['kind']!r}",

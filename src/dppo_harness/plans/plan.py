@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -20,7 +20,6 @@ from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import (
-    DEVIATION_FIELDS,
     MODELS,
     BoundedDiagnostic,
     ExperimentSpec,
@@ -282,8 +281,6 @@ class BackendInfo:
     served_model: str
     base_url: str | None = None
     sdk_versions: Mapping[str, str] = field(default_factory=dict)
-    # Explicit size reductions of the run, each {field, original, effective, reason}.
-    size_reductions: Sequence[Mapping[str, str]] = ()
 
 
 def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
@@ -310,11 +307,6 @@ def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
                 "reason": "the service reported a different model at client creation",
             }
         )
-    for red in info.size_reductions:
-        d = {k: str(red[k]) for k in ("field", "original", "effective", "reason")}
-        if d["field"] not in DEVIATION_FIELDS:
-            raise PlanError(f"size_reductions.field: expected one of {list(DEVIATION_FIELDS)}, got {d['field']!r}")
-        out.append(d)
     return out
 
 
