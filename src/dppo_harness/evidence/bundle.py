@@ -232,19 +232,14 @@ class EvidenceBundle:
             return MAX_FILES - len(entries) - self._closing_left(entries, stage_end)[0]
 
     def register_plan(self, plan: Plan, name: str | None = None) -> FileEntry:
-        """Register a plans.Plan's exact file bytes; the recorded sha256 must equal Plan.sha256."""
-        return self._register_read(name or plan.name, plan.data, plan.sha256, f"plan {plan.name}")
+        """A plans.Plan's exact file bytes (so the entry's sha256 is Plan.sha256)."""
+        return self.register_bytes(name or plan.name, "plan", plan.data)
 
     def register_resolution(self, plan: Plan) -> FileEntry | None:
         """The resolution file read beside the plan, by its exact bytes; None when the plan has none."""
-        res = plan.resolution
-        return None if res is None else self._register_read(res.file, res.data, res.sha256, res.file)
-
-    def _register_read(self, name: str, data: bytes, sha256: str, what: str) -> FileEntry:
-        entry = self.register_bytes(name, "plan", data)
-        if entry["sha256"] != sha256:
-            raise EvidenceError(f"{what}: registered sha256 differs from the file read")
-        return entry
+        return (
+            None if plan.resolution is None else self.register_bytes(plan.resolution.file, "plan", plan.resolution.data)
+        )
 
     # -- result.json
 

@@ -101,22 +101,18 @@ def _register_test_manifest(bundle: EvidenceBundle, root: Path, test_files: Sequ
     test files and the root conftest flagged) with their hashes, so the 64-file limit is spent on
     measurements, not copies."""
     root = root.resolve()
-    stage_files: list[Path] = []
-    other_files: list[Path] = []
-    for f in sorted({Path(p).resolve() for p in test_files}):
-        parts = f.relative_to(root).parts if root in f.parents else ()
-        is_stage = len(parts) > 1 and parts[0] == "tests" and parts[1] in STAGE_TEST_FOLDERS
-        (stage_files if is_stage else other_files).append(f)
+    files = sorted({Path(p).resolve() for p in test_files})
+    folders = {("tests", d) for d in STAGE_TEST_FOLDERS}
     conftest = root / "conftest.py"
-    hooks = [conftest.resolve()] if conftest.is_file() else []
-    executed = [*stage_files, *hooks, *other_files]
+    stage = [f for f in files if root in f.parents and f.relative_to(root).parts[:2] in folders]
+    stage += [conftest.resolve()] if conftest.is_file() else []
+    executed = stage + [f for f in files if f not in stage]
     if not executed:
         return
-    stage_set = {*stage_files, *hooks}
     listed = [
         {
             "path": str(f.relative_to(root)) if root in f.parents else str(f),
-            "stage_test": f in stage_set,
+            "stage_test": f in stage,
             "sha256": sha256_bytes(f.read_bytes()),
             "size": f.stat().st_size,
         }
