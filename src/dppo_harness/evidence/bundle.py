@@ -198,9 +198,6 @@ class EvidenceBundle:
     def register_json(self, name: str, kind: str, obj: object, *, stage_end: bool = False) -> FileEntry:
         return self.register_bytes(name, kind, json_file_bytes(name, obj), stage_end=stage_end)
 
-    def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
-        return self.register_bytes(name, kind, Path(path).read_bytes())
-
     def write_beside(self, name: str, data: bytes) -> Path:
         """Write a sidecar beside the bundle (not registered; scanned at finish and by verify) through
         the same refusal as every evidence write: disk full or read-only is one line and fails the run."""
@@ -209,12 +206,12 @@ class EvidenceBundle:
             self._write(path, bytes(data))
         return path
 
-    def reserve_closing(self, names: Sequence[str] = CLOSING_RECORDS, nbytes: int = CLOSING_BYTES) -> None:
-        """Keep a file slot for each of `names`, one for the last stage-end snapshot, and `nbytes` in
-        total until they are registered: any other file that would take them is refused
-        (LimitError), so the close always fits. The ledger records the limits and the reserve."""
+    def reserve_closing(self) -> None:
+        """Keep a file slot for each closing record, one for the last stage-end snapshot, and
+        CLOSING_BYTES in total until they are registered: any other file that would take them is
+        refused (LimitError), so the close always fits. The ledger records the limits and the reserve."""
         with self._lock:
-            self._closing, self._closing_bytes = frozenset(names), int(nbytes)
+            self._closing, self._closing_bytes = frozenset(CLOSING_RECORDS), CLOSING_BYTES
             self._stage_end_slots = STAGE_END_SLOTS
         self.note_ledger(evidence_budget=record())
 

@@ -151,23 +151,10 @@ def validate_result(r: object) -> None:
 
 
 def initial_result() -> JsonObject:
-    return {
-        "status": "running",
-        "summary": "",
-        "metrics": {"arms": {}},
-        "completed_arms": [],
-        "deviations": [],
-        "original_hypothesis_tested": None,
-        "tested_instead": None,
-        "correctness_preflight": None,
-        "initialization_provenance": None,
-        "activation_calibration": None,
-        "feasibility": None,
-        "evaluation": None,
-        "decision": None,
-        "evidence": {"version": 1, "files": [], "checkpoints": [], "per_arm_metrics": {}},
-        "backend": None,
-    }
+    """Every required key of ResultModel, in its order: a running result with nothing posted yet."""
+    start: JsonObject = dict(status="running", summary="", metrics={"arms": {}}, completed_arms=[], deviations=[])
+    start["evidence"] = {"version": 1, "files": [], "checkpoints": [], "per_arm_metrics": {}}
+    return {k: copy.deepcopy(start.get(k)) for k, f in ResultModel.model_fields.items() if f.is_required()}
 
 
 def label_summary(state: Mapping[str, JsonValue], summary: str, rehearsal_plan: bool = False) -> str:

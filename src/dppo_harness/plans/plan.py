@@ -74,11 +74,6 @@ class Plan:
             return self.data
         return json.dumps(self.spec).encode()
 
-    def spec_json(self) -> JsonObject:
-        """A copy of the executed spec's JSON (for validators of the exchanged spec format)."""
-        copy: JsonObject = json.loads(json.dumps(self.spec_plan.spec))
-        return copy
-
     @property
     def spec_run(self) -> RunConfig:
         """The typed run config of a spec-kind plan (built at load); PlanError for a bounded

@@ -18,7 +18,7 @@ from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.loss.loss_registry import IMPLEMENTED_PATHS, implemented_list
-from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError, _fail
+from dppo_harness.plans.models import ExperimentSpec, GateCheck, OptimizerConfig, PlanError, _fail
 from dppo_harness.plans.resolution import Stated
 
 Role = Literal["baseline", "treatment"]
@@ -212,7 +212,6 @@ class RunConfig:
     alpha: float
     criteria: tuple[CriterionConfig, ...]
     gate_checks: tuple[GateCheck, ...]
-    budget: Budget
     normalization: losses.Normalization = NORMALIZATION
 
     def arm(self, name: str) -> ArmConfig:
@@ -327,7 +326,6 @@ def build_run_config(
         alpha=spec.decision_rule.alpha,
         criteria=criteria,
         gate_checks=tuple(spec.activation_gate.checks),
-        budget=spec.budget,
     )
 
 

@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from dppo_harness.evaluation.answer_yield import ResponseYield, pooled
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
 from dppo_harness.evidence.report.plots import (
     COMPARISON_PLOTS,
@@ -47,30 +48,13 @@ def resume_lines(resume: JsonMap | None) -> list[str]:
     ]
 
 
-def _yield(
-    n: int, truncated_frac: float, no_answer_frac: float, mean_tokens: float, max_tokens: JsonValue
-) -> JsonObject:
-    """Truncation and answer yield over `n` responses, as `text.yield_text` reads it."""
-    return {
-        "n": n,
-        "truncated": round(truncated_frac * n),
-        "truncated_frac": truncated_frac,
-        "no_answer": round(no_answer_frac * n),
-        "no_answer_frac": no_answer_frac,
-        "mean_response_tokens": mean_tokens,
-        "max_tokens": max_tokens,
-    }
-
-
-def _pooled_rollout_yield(rs: list[JsonMap]) -> JsonObject | None:
-    """An arm's rollouts over all its steps (every step samples the same number of responses)."""
-    if not rs or not all("truncated_frac" in r and "responses" in r for r in rs):
-        return None
-    n = sum(int(num(r["responses"])) for r in rs)
-    trunc = sum(round(num(r["truncated_frac"]) * num(r["responses"])) for r in rs)
-    none = sum(round(num(r["no_answer_frac"]) * num(r["responses"])) for r in rs)
-    mean = sum(num(r["mean_response_tokens"]) * num(r["responses"]) for r in rs) / n
-    return _yield(n, trunc / n, none / n, mean, rs[0].get("max_tokens"))
+def _counted(m: JsonMap, n: JsonValue, prefix: str, max_tokens: JsonValue) -> ResponseYield:
+    """The counts behind the recorded fractions and mean length (`<prefix>truncated_frac`, ...) of `n` responses."""
+    k = int(num(n))
+    t, a, tok = (
+        round(num(m[f"{prefix}{f}"]) * k) for f in ("truncated_frac", "no_answer_frac", "mean_response_tokens")
+    )
+    return ResponseYield(k, t, a, tok, None if max_tokens is None else int(num(max_tokens)))
 
 
 TRUNCATION_WARN_FRAC = 0.5  # from here on, a scored model's accuracy mostly measures truncation
@@ -111,14 +95,15 @@ def _measured_yields(
 ) -> list[tuple[str, JsonMap | None]]:
     """Truncation and answer yield as measured: each arm's rollouts over all its steps, then each
     scored model's greedy evaluation."""
-    measured: list[tuple[str, JsonMap | None]] = [
-        (f"{arm} rollouts, all steps", _pooled_rollout_yield(rs)) for arm, rs in rows_by_arm(rows).items()
-    ]
+    measured: list[tuple[str, JsonMap | None]] = []
+    for arm, rs in rows_by_arm(rows).items():
+        ok = rs and all("truncated_frac" in r and "responses" in r for r in rs)
+        y = pooled([_counted(r, r["responses"], "", r.get("max_tokens")) for r in rs]).as_dict() if ok else None
+        measured.append((f"{arm} rollouts, all steps", y))
     for s in scores:
         m = eval_metrics.get(str(s["arm"])) or {}
         if "eval_truncated_frac" in m:
-            fracs = num(m["eval_truncated_frac"]), num(m["eval_no_answer_frac"]), num(m["eval_mean_response_tokens"])
-            measured.append((f"{s['arm']} greedy evaluation", _yield(int(num(m["eval_n"])), *fracs, max_tokens)))
+            measured.append((f"{s['arm']} greedy evaluation", _counted(m, m["eval_n"], "eval_", max_tokens).as_dict()))
     return measured
 
 
