@@ -78,11 +78,7 @@ def _decision():
         for i, (tv, bv) in enumerate(zip(t, b))
         for arm, v in (("dppo_seed0", tv), ("grpo_seed0", bv))
     ]
-    rule = [
-        CriterionConfig(
-            "primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0), {"treatment": 1, "baseline": -1}
-        )
-    ]
+    rule = [CriterionConfig("primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0))]
     crit = decide_criteria(obs, rule, alpha=0.05)
     info = informational_interval(obs, rule[0], alpha=0.05)
     return decision_block(b"x\n", crit, verdict(crit, rehearsal=True), rehearsal=True, informational=info)

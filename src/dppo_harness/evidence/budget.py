@@ -1,9 +1,6 @@
-"""The evidence budget: the bundle's limits (64 files, 10 MiB a file, 40 MiB in all) are checked at
-every registration (`EvidenceBundle.register_bytes`), nothing is counted ahead from the plan. One
-reserve, set before any other file (`EvidenceBundle.reserve_closing`), keeps a slot for each closing
-record and for the last stage-end snapshot, and CLOSING_BYTES, so no stage can starve the close;
-optional files ask `free_slots()` first and are skipped, the ledger saying so. The rest sizes single
-files, or keeps slots for writes a running stage knows are still to come.
+"""The evidence budget: the bundle's limits are checked at every registration, nothing is counted
+ahead from the plan. One reserve, set before any other file, keeps the close from being starved;
+the rest sizes single files, or keeps slots for writes a running stage knows are still to come.
 """
 
 from __future__ import annotations

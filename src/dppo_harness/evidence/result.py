@@ -32,10 +32,9 @@ OutcomeReason = Literal[
     "supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence", "incomplete_execution"
 ]
 NumberMap = dict[str, float]  # strict float: ints pass, bools and strings do not; finite only
-# Keys update_result may not touch; dedicated bundle methods keep their invariants.
-PROTECTED = frozenset(
-    {("deviations",), ("evidence", "files"), ("evidence", "checkpoints"), ("evidence", "version"), ("backend",)}
-)
+# Blocks update_result may not touch (top level, and under evidence); dedicated bundle methods keep their invariants.
+PROTECTED = frozenset({"deviations", "backend"})
+PROTECTED_EVIDENCE = frozenset({"files", "checkpoints", "version"})
 
 
 class Metrics(BaseModel):
@@ -205,12 +204,11 @@ def deep_merge(old: Mapping[str, JsonValue], new: Mapping[str, JsonValue]) -> Js
 def check_update_keys(fields: Mapping[str, JsonValue]) -> None:
     """update_result may not touch the blocks that dedicated bundle methods manage."""
     for key, value in fields.items():
-        if (key,) in PROTECTED:
+        if key in PROTECTED:
             raise EvidenceError(f"{key}: use the dedicated bundle method, not update_result")
-        if key == "evidence" and isinstance(value, dict):
-            for sub in value:
-                if ("evidence", sub) in PROTECTED:
-                    raise EvidenceError(f"evidence.{sub}: managed by the bundle (register_*/add_checkpoint)")
+        managed = [k for k in value if k in PROTECTED_EVIDENCE] if key == "evidence" and isinstance(value, dict) else []
+        if managed:
+            raise EvidenceError(f"evidence.{managed[0]}: managed by the bundle (register_*/add_checkpoint)")
 
 
 # A failed run stays failed: a later, more hopeful close (a stage's "succeeded" after a swallowed

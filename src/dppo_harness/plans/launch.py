@@ -1,12 +1,7 @@
-"""Launch scope: which stages this launch authorizes on a service that is not the embedded server.
-
-A launch authorizes work in the requester's words ("Only this single diagnostic is authorized in
-this launch"), so the scope is data in the plan (`launch` block, `models.Launch`), never a code
-edit. On a real service every selected stage that trains beyond setup (`AUTHORIZABLE_STAGES`:
-the gate's fresh pilot, the diagnostic, the comparison) must be listed in the plan's
-`launch.authorized_stages`; otherwise the session is refused at the connectivity preflight,
-before any client exists, with one line saying what would authorize it. The embedded server
-(marker seen) is a rehearsal and is never refused.
+"""Launch scope: a launch authorizes work in the requester's words, so the scope is data in the
+plan (`launch.authorized_stages`), never a code edit. On a service that is not the embedded server
+(a rehearsal, never refused), a selected stage that trains beyond setup and is not listed is
+refused before any client exists, in one line saying what would authorize it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Plan file models: strict pydantic models per plan kind, JSON decoding, kind detection.
-
-Three plan kinds live in `plans/`:
-- `experiment_spec`: the saved experiment spec, verbatim as exchanged (it has no `kind` key);
-- `bounded_diagnostic`: the requester's revised diagnostic (`"kind": "bounded_diagnostic"`);
-- `rehearsal`: a complete experiment spec at rehearsal size, derived from a saved spec (by path
-  and sha256) with every difference declared (`"kind": "rehearsal"`, `plans/rehearsal/`).
-
-An invalid plan raises `PlanError` whose message starts with the field path, e.g.
-`activation_gate.checks[2].min: expected number, got str`.
+"""Strict pydantic models of the three plan kinds (docs/plans.md): the saved experiment spec,
+verbatim as exchanged (no `kind` key), the requester's `bounded_diagnostic`, and a `rehearsal` (a
+complete spec at rehearsal size with every difference from its saved spec declared). An invalid
+plan raises `PlanError` whose message starts with the field path.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Rehearsal plans: the rules a declared rehearsal obeys against its spec.
-
-A rehearsal is a complete experiment spec at rehearsal size. It names the spec it derives from
-by repository path and sha256, declares every leaf where it differs (with the reason), and keeps
-the spec's gates and thresholds as written (`activation_gate`, `decision_rule`,
-`success_criterion`, `correctness_preflight`, `arms[*].loss`, `arms[*].updates_per_batch`,
-`restoration_preflight`; only the executed-model check's `one_of` follows `base_model` and the
-restoration learning rates follow the arms' lr).
+"""The rules a rehearsal plan obeys against the spec it derives from (by repository path and
+sha256): every leaf where it differs is declared with its reason, and the spec's gates and
+thresholds stay as written (`_FROZEN`), but for the executed-model check's `one_of`, which follows
+`base_model`, and the restoration learning rates, which follow the arms' lr.
 """
 
 from __future__ import annotations

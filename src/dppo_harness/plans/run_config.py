@@ -1,11 +1,6 @@
-"""The typed run configuration of an experiment spec, built once at plan load.
-
-`build_run_config` turns a validated `ExperimentSpec` into the `RunConfig` every stage reads (arms
-with their roles, losses and optimizers; the sampling schedule the resolution file states, each
-value with the sentence it quotes; sizes; gate checks; criteria resolved to arms), or refuses, in
-one line naming the field, a spec the harness cannot run as written. The baseline is the arm the
-resolution file names, every other arm a treatment; a criterion's +1/-1 weights name arms or the
-roles `treatment`/`baseline` (a role must name one arm).
+"""The `RunConfig` every stage reads, built once at plan load from a validated spec and its
+resolution file, or a one-line refusal naming the field of a spec the harness cannot run as
+written. The baseline is the arm the resolution file names, every other arm a treatment.
 """
 
 from __future__ import annotations
@@ -67,7 +62,6 @@ class CriterionConfig:
     baseline: str  # arm with weight -1
     margin: float
     bounds: tuple[float, float]
-    weights: Mapping[str, float]  # as the spec writes them (role or arm names)
 
 
 def resolve_arms(spec: ExperimentSpec, base: str) -> tuple[ArmConfig, ...]:
@@ -164,8 +158,6 @@ def resolve_criteria(spec: ExperimentSpec, arms: tuple[ArmConfig, ...]) -> tuple
         if pos == neg:
             raise _fail(at, f"both weights resolve to arm {pos!r}")
         lo, hi = c.bounds
-        if not lo < hi:
-            raise _fail(f"decision_rule.criteria[{i}].bounds", f"{c.bounds}: lower bound must be below upper")
         if (lo, hi) != METRIC_RANGES[c.metric]:
             raise _fail(
                 f"decision_rule.criteria[{i}].bounds",
@@ -176,7 +168,7 @@ def resolve_criteria(spec: ExperimentSpec, arms: tuple[ArmConfig, ...]) -> tuple
                 f"decision_rule.criteria[{i}].margin",
                 f"{c.margin} is outside the difference's range ({lo - hi}, {hi - lo}) of {c.metric}",
             )
-        out.append(CriterionConfig(c.id, c.metric, pos, neg, c.margin, (lo, hi), dict(c.weights)))
+        out.append(CriterionConfig(c.id, c.metric, pos, neg, c.margin, (lo, hi)))
     if len({c.id for c in out}) != len(out):
         raise _fail("decision_rule.criteria", "criterion ids must be unique")
     return tuple(out)
@@ -293,7 +285,12 @@ def build_run_config(
         raise _fail("steps", f"{spec.steps} optimizer steps is not a multiple of updates_per_batch {upb}")
     rollout_steps = spec.steps // upb
     minibatches = _minibatch_split(spec, values, upb)
-    _check_room_for_prompt(spec, values["max_tokens"])
+    if int(values["max_tokens"].value) >= spec.max_seq_len:  # max_seq_len bounds prompt + sampled tokens
+        raise _fail(
+            "max_seq_len",
+            f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={int(values['max_tokens'].value)} "
+            f"({_quote(values['max_tokens'])})",
+        )
     data = _check_dataset(spec, rollout_steps, gpb)
     arms = resolve_arms(spec, baseline)
     criteria = resolve_criteria(spec, arms)
@@ -355,19 +352,9 @@ def _minibatch_split(spec: ExperimentSpec, values: Mapping[str, Stated], upb: in
     return minibatches
 
 
-def _check_room_for_prompt(spec: ExperimentSpec, max_tokens: Stated) -> None:
-    """max_seq_len bounds prompt + sampled tokens, so it must exceed max_tokens."""
-    if int(max_tokens.value) >= spec.max_seq_len:
-        raise _fail(
-            "max_seq_len",
-            f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={int(max_tokens.value)} "
-            f"({_quote(max_tokens)})",
-        )
-
-
-def check_correctness_paths(spec: ExperimentSpec) -> tuple[str, ...]:
-    """The spec's correctness path ids, each one the harness implements with the kind the spec
-    gives it, each named once, at least one when the preflight is required; else PlanError."""
+def check_correctness_paths(spec: ExperimentSpec) -> None:
+    """Each correctness path the spec names is one the harness implements, with the kind the spec
+    gives it, named once; at least one when the preflight is required."""
     block = spec.correctness_preflight
     if block.required and not block.paths:
         raise PlanError(
@@ -388,7 +375,6 @@ def check_correctness_paths(spec: ExperimentSpec) -> tuple[str, ...]:
         if path.id in seen:
             raise PlanError(f"{at}.id: {path.id!r} is named twice")
         seen.add(path.id)
-    return tuple(p.id for p in block.paths)
 
 
 def _check_arms(spec: ExperimentSpec) -> int:
