@@ -7,7 +7,6 @@ file atomically. On any error nothing changes, on disk or in memory.
 from __future__ import annotations
 
 import copy
-import json
 import secrets
 import threading
 import time
@@ -54,23 +53,15 @@ if TYPE_CHECKING:
 class EvidenceBundle:
     """One run's evidence directory (`<root>/<run_id>/`). Thread-safe; every write is atomic."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        result: dict[str, Any],
-        env: Mapping[str, str] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, run_dir: Path, env: Mapping[str, str] | None, clock: Callable[[], float]):
+        """A new, empty run (see `create`)."""
         self.dir = run_dir
         self.run_id = run_dir.name
-        self._result = result
+        self._result: dict[str, Any] = initial_result()
         self._env = env  # None = os.environ, read at every scan so late-set secrets count too
         self._lock = threading.RLock()
         self._clock, self._t0 = clock, clock()
-        ledger = run_dir / LEDGER_FILE
-        self._ledger: dict[str, Any] = (
-            json.loads(ledger.read_text()) if ledger.exists() else {"budget": None, "stages": []}
-        )
+        self._ledger: dict[str, Any] = {"budget": None, "stages": []}
         self._rehearsal_plan = False  # set by record_plan for a plan of kind "rehearsal"
         self.unwritable: str | None = None  # the first refused write's line; the run fails with it
         self._closing: frozenset[str] = frozenset()  # names reserved for the close (reserve_closing)
@@ -97,7 +88,7 @@ class EvidenceBundle:
             (run_dir / FILES_DIR).mkdir(parents=True)
         except OSError as exc:
             raise UnwritableEvidenceError(unwritable_line(run_dir, exc)) from None
-        bundle = cls(run_dir, initial_result(), env, clock)
+        bundle = cls(run_dir, env, clock)
         bundle._write_result(bundle._result)
         bundle._write(root / LATEST_FILE, (run_id + "\n").encode())  # last: it never names a run without result.json
         return bundle
@@ -271,11 +262,8 @@ class EvidenceBundle:
                 self._commit(new)
 
     def update_result(self, **fields: Any) -> None:
-        """Deep-merge fields into result.json and rewrite it atomically.
-
-        Every number posted earlier must still be there afterwards (values may be updated, never
-        dropped); completed_arms only grows. On any error nothing changes, on disk or in memory.
-        """
+        """Deep-merge fields into result.json (`result.merged_result`: no posted number is dropped,
+        completed_arms only grows); on any error nothing changes, on disk or in memory."""
         check_update_keys(fields)
         with self._lock:
             self._commit(merged_result(self._result, fields))

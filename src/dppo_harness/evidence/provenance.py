@@ -43,11 +43,9 @@ def package_files_sha256(package_dir: Path, pattern: str = "*") -> str:
 
 
 def code_revision(root: Path, exclude: Iterable[Path] = ()) -> tuple[JsonObject, bytes]:
-    """(revision info, patch bytes): the git commit plus the diff of tracked files.
-
-    Untracked files are listed with their path, size and sha256 but never inlined: a `.env` or a
-    notes file with a token in it is the user's, not the run's code. Read-only (no index change).
-    """
+    """(revision info, patch bytes): the git commit plus the diff of tracked files. Untracked files
+    are listed by path, size and sha256, never inlined: a `.env` or a notes file with a token in it
+    is the user's, not the run's code. Read-only (no index change)."""
     pkg = root / "src" / "dppo_harness"
     info: JsonObject = {"repo": root.name, "source_sha256": package_files_sha256(pkg, "*.py") if pkg.is_dir() else None}
     head = _git(root, "rev-parse", "HEAD") if (root / ".git").exists() else None

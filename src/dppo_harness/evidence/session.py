@@ -24,9 +24,8 @@ from dppo_harness.service.config import sdk_versions
 def record_plan(
     bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None
 ) -> None:
-    """Before any training call: the plan's exact bytes, the effective config
-    (plans.effective_config(plan, backend_info)), every deviation it declares (plan + backend), the
-    hypothesis scope and generation_audit applicability."""
+    """Before any training call: the plan's exact bytes, the effective config with every deviation
+    it declares, the hypothesis scope and generation_audit applicability."""
     if effective_config.get("plan", {}).get("sha256") != plan.sha256:
         raise EvidenceError("effective config was not built from this plan (sha256 differs)")
     if plan.kind == "rehearsal":
@@ -56,10 +55,7 @@ def start_session(
     test_files: Sequence[str | Path] = (),
     served_model: str | None = None,
 ) -> None:
-    """Everything that must be in evidence before any service call of the session: backend block,
-    code revision (+ patch), one hashed archive of all executed code (`code-archive.zip`), a
-    manifest of the executed test files, the plan's bytes, the effective config, its deviations,
-    and the run budget."""
+    """Everything that must be in evidence before any service call of the session."""
     root = Path(project_root)
     bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)
     versions = sdk_versions()

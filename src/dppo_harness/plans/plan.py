@@ -306,10 +306,8 @@ def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
 
 
 def generation_audit_applicability(plan: Plan) -> JsonObject:
-    """Whether the generation audit applies (the effective config's `generation_audit`: applicable,
-    status "required" or "not_applicable", reason): generated_training_data=true requires it
-    (overriding a legacy required=false); false makes it not applicable unless an explicit contract
-    (generation_audit.required=true) asks for it."""
+    """The effective config's `generation_audit`: generated training data requires the audit
+    (overriding a legacy required=false); without it, only an explicit contract does."""
     src = plan.diagnostic if plan.kind == "bounded_diagnostic" else plan.experiment
     if src.experiment_features.generated_training_data:
         reason = "experiment_features.generated_training_data is true"

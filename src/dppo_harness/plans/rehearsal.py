@@ -132,10 +132,8 @@ def _derived_from_file(rel: str, plan_path: Path | None, repo_root: Path | None)
 
 
 def check_rehearsal(plan: RehearsalPlan, raw: JsonObject, derived_path: Path) -> None:
-    """The rules a rehearsal plan (validated `plan`, decoded `raw`) obeys against the spec it
-    derives from (PlanError naming the field): the derived-from file's sha256 matches; the frozen
-    subtrees are unchanged; every leaf that differs is declared in `differences` with matching
-    values, and every declared difference really differs."""
+    """PlanError naming the field unless the derived-from file's sha256 matches, the frozen subtrees
+    are unchanged, and the leaves that differ are exactly the declared differences, values matching."""
     ref = plan.derived_from
     try:
         data = derived_path.read_bytes()

@@ -126,10 +126,8 @@ def _missing(file: str, what: str) -> PlanError:
 
 
 def quoted_values(spec: ExperimentSpec, resolution: Resolution | None, file: str) -> tuple[dict[str, Stated], str]:
-    """(each value the resolution file `file` states, the baseline arm it names), or PlanError (one
-    line naming the field and the sentence) when the file or a required entry is missing, a
-    sentence is not verbatim in the spec field it quotes, or the sentence does not contain the
-    number, or the baseline is not an arm of the spec."""
+    """(each value the resolution file `file` states, the baseline arm it names), or PlanError in one
+    line naming the field and the sentence."""
     if resolution is None:
         required = [k for k, v in KEYS.items() if v.required]
         raise PlanError(
