@@ -19,7 +19,8 @@ from dppo_harness.evidence.report.plots import (
     plot_comparison_reward,
     plot_truncation,
 )
-from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct, rows_by_arm, rule_fraction
+from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct, rows_by_arm
+from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, JsonObject, JsonValue, num, obj, objs
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def _measured_yields(
     return measured
 
 
-def _per_step_lines(rows: Sequence[JsonMap], plot_files: Mapping[str, str]) -> list[str]:
+def _per_step_lines(rows: Sequence[JsonMap]) -> list[str]:
     """One table row per step and arm (counterfactual fractions marked), its note, and the per-step plots."""
     lines = [
         "## Per step and arm",
@@ -119,26 +120,23 @@ def _per_step_lines(rows: Sequence[JsonMap], plot_files: Mapping[str, str]) -> l
     for r in rows:
         cells = []
         for base in ("dppo_masked_frac", "ppo_clip_frac"):
-            cf, v = rule_fraction(r, base)
-            cells.append(f"{'cf ' if cf else ''}{fmt(v)}")
+            f = fraction(r, base)
+            cells.append(f"{'cf ' if f.counterfactual else ''}{fmt(f.value)}")
         lines.append(
             f"| {r['arm']} | {num(r['step']) + 1} | {fmt(r['reward_mean'])} | {fmt(r['format_rate'])} | "
             f"{cells[0]} | {cells[1]} | {fmt(r['drift_abs_p90'])} | {fmt(r.get('kl_sample_train_v1'))} | "
             f"{fmt(r.get('entropy'))} | {fmt(r.get('truncated_frac'), '.3f')} | {fmt(r.get('no_answer_frac'), '.3f')} | "
             f"{fmt(r.get('mean_response_tokens'), '.0f')} | {r['loss_tokens']} | {fmt(r['seconds'], '.1f')} |"
         )
-    return lines + [
+    lines += [
         "",
         CF_NOTE + ". KL(s|t) and entropy: tinker-cookbook `compute_kl_sample_train` (sampler vs trainer "
         "logprobs over the step's loss tokens).",
         "",
-        f"![reward]({plot_files['reward']})",
-        "",
-        f"![fractions]({plot_files['fractions']})",
-        "",
-        f"![truncation and answer yield]({plot_files['truncation']})",
-        "",
     ]
+    for key, alt in (("reward", "reward"), ("fractions", "fractions"), ("truncation", "truncation and answer yield")):
+        lines += [f"![{alt}]({COMPARISON_PLOTS[key]})", ""]
+    return lines
 
 
 def _evaluation_lines(
@@ -161,7 +159,7 @@ def _evaluation_lines(
     return lines + truncation_warnings(scores, eval_metrics, max_tokens)
 
 
-def _decision_lines(decision: JsonMap, plot_files: Mapping[str, str]) -> list[str]:
+def _decision_lines(decision: JsonMap) -> list[str]:
     """Each criterion's paired Hoeffding interval, the verdict, the observations file, the
     informational interval when there is one, and the difference plot."""
     lines = ["", "## Decision (paired Hoeffding)", ""]
@@ -177,7 +175,7 @@ def _decision_lines(decision: JsonMap, plot_files: Mapping[str, str]) -> list[st
     ]
     if decision.get("informational"):
         lines += _informational_lines(obj(decision["informational"]))
-    return lines + ["", f"![difference]({plot_files['difference']})", ""]
+    return lines + ["", f"![difference]({COMPARISON_PLOTS['difference']})", ""]
 
 
 def _informational_lines(info: JsonMap) -> list[str]:
@@ -225,8 +223,8 @@ def write_comparison_report(
     # Section by section: title (rehearsal and resume notes), setup, per step and arm, evaluation, decision.
     lines = _title_lines(decision, backend, resume)
     lines += ["## Setup", ""] + declared_lines(declared, _measured_yields(rows, scores, eval_metrics, max_tokens))
-    lines += [""] + _per_step_lines(rows, COMPARISON_PLOTS)
+    lines += [""] + _per_step_lines(rows)
     lines += _evaluation_lines(scores, eval_metrics, max_tokens)
-    lines += _decision_lines(decision, COMPARISON_PLOTS)
+    lines += _decision_lines(decision)
     bundle.register_bytes(REPORT_FILE, "report", "\n".join(lines).encode())
     return {**COMPARISON_PLOTS, "report": REPORT_FILE}
