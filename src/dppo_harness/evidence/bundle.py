@@ -274,13 +274,10 @@ class EvidenceBundle:
             self._commit({**copy.deepcopy(self._result), "backend": backend.to_json()})
 
     def post_arm_metrics(self, arm: str, metrics: Mapping[str, float], *, completed: bool = False) -> None:
-        fields: dict[str, Any] = {
-            "metrics": {"arms": {arm: dict(metrics)}},
-            "evidence": {"per_arm_metrics": {arm: dict(metrics)}},
-        }
-        if completed:
-            fields["completed_arms"] = [arm]
-        self.update_result(**fields)
+        done = {"completed_arms": [arm]} if completed else {}
+        self.update_result(
+            metrics={"arms": {arm: dict(metrics)}}, evidence={"per_arm_metrics": {arm: dict(metrics)}}, **done
+        )
 
     def add_deviation(self, field: str, original: object, effective: object, reason: str) -> None:
         if field not in DEVIATION_FIELDS:

@@ -224,9 +224,7 @@ def merged_result(old: JsonObject, fields: Mapping[str, JsonValue]) -> JsonObjec
     new = deep_merge(old, fields)
     posted, done = fields.get("completed_arms"), old["completed_arms"]
     if isinstance(posted, list) and isinstance(done, list):  # the shape validate_result checks on both
-        arms = list(done)
-        arms += [a for a in posted if a not in arms]
-        new["completed_arms"] = arms
+        new["completed_arms"] = [*done, *(a for a in posted if a not in done)]
     if (path := _dropped_number(old, new)) is not None:
         raise EvidenceError(f"{format_path(path)}: an earlier posted number would be dropped")
     return new

@@ -87,18 +87,8 @@ def resolve_arms(spec: ExperimentSpec, base: str) -> tuple[ArmConfig, ...]:
                 f"arms[{i}].lr",
                 f"{a.lr} != restoration_preflight optimizer_config.learning_rate {cfg.learning_rate} of arm {a.name!r}",
             )
-        out.append(
-            ArmConfig(
-                a.name,
-                a.loss,
-                "baseline" if a.name == base else "treatment",
-                a.seed,
-                a.lr,
-                a.updates_per_batch,
-                family,
-                cfg,
-            )
-        )
+        role: Role = "baseline" if a.name == base else "treatment"
+        out.append(ArmConfig(a.name, a.loss, role, a.seed, a.lr, a.updates_per_batch, family, cfg))
     if len(out) < 2:
         raise _fail("arms", "a paired comparison needs a baseline and at least one treatment arm")
     return tuple(sorted(out, key=lambda x: x.role))  # stable: baseline first, treatments in spec order
