@@ -16,7 +16,6 @@ from typing import Literal
 from pydantic import BaseModel, ValidationError
 
 from dppo_harness import constants
-from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import (
@@ -34,7 +33,7 @@ from dppo_harness.plans.models import (
 )
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
 from dppo_harness.plans.resolution import Resolution, load_resolution, quoted_values, resolution_path
-from dppo_harness.plans.run_config import RunConfig, build_run_config
+from dppo_harness.plans.run_config import RunConfig, build_run_config, registered_dataset
 from dppo_harness.plans.schema_errors import describe
 from dppo_harness.project import plans_dir as project_plans
 
@@ -206,23 +205,11 @@ def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None 
             run = _run_config(model.spec, "spec.", path, resolution)
         elif isinstance(model, ExperimentSpec):
             run = _run_config(model, "", path, resolution)
+        plan = Plan(raw, hashlib.sha256(data).hexdigest(), kind, path, data, model, run, resolution)
+        if isinstance(model, BoundedDiagnostic):
+            _check_diagnostic(plan, resolve_original=path is not None)
     except PlanError as exc:
         raise PlanError(f"{where}{exc}") from None
-    plan = Plan(
-        raw=raw,
-        sha256=hashlib.sha256(data).hexdigest(),
-        kind=kind,
-        path=path,
-        data=data,
-        model=model,
-        run=run,
-        resolution=resolution,
-    )
-    if isinstance(model, BoundedDiagnostic):
-        try:
-            _check_diagnostic(plan, resolve_original=path is not None)
-        except PlanError as exc:
-            raise PlanError(f"{where}{exc}") from None
     return plan
 
 
@@ -230,10 +217,7 @@ def _check_diagnostic(plan: Plan, *, resolve_original: bool) -> None:
     """A diagnostic samples a registered dataset and trains one arm of its original spec, whose
     loss is the DPPO Binary-TV rule the plan kind pins."""
     fs = plan.diagnostic.fixed_settings
-    try:
-        dataset.entry(fs.sampling.dataset)
-    except dataset.UnknownDatasetError as exc:
-        raise PlanError(f"fixed_settings.sampling.dataset: {exc}") from None
+    registered_dataset(fs.sampling.dataset, "fixed_settings.sampling.dataset")
     if not resolve_original:
         return
     original = plan.original

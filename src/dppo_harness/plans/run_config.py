@@ -389,11 +389,8 @@ def _check_arms(spec: ExperimentSpec) -> int:
 
 
 def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: int) -> dataset.DatasetEntry:
-    """The registered dataset the spec names (the one dataset seam), large enough for the run."""
-    try:
-        data = dataset.entry(spec.dataset.name)
-    except dataset.UnknownDatasetError as exc:
-        raise _fail("dataset.name", str(exc)) from None
+    """The registered dataset the spec names, large enough for the run."""
+    data = registered_dataset(spec.dataset.name, "dataset.name")
     if spec.dataset.hf_path != data.hf_path:
         raise _fail(
             "dataset.hf_path",
@@ -413,6 +410,14 @@ def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: i
         if n > data.split_sizes[split]:
             raise _fail(at, f"{n} exceeds the {data.split_sizes[split]} items of {data.name} {split}")
     return data
+
+
+def registered_dataset(name: str, at: str) -> dataset.DatasetEntry:
+    """The dataset registered under `name` (the one dataset seam), or PlanError at field `at`."""
+    try:
+        return dataset.entry(name)
+    except dataset.UnknownDatasetError as exc:
+        raise _fail(at, str(exc)) from None
 
 
 def _check_gate_metrics(spec: ExperimentSpec) -> None:
