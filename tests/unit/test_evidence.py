@@ -326,7 +326,7 @@ def test_deviations_and_checkpoints(bundle):
     assert bundle.result["deviations"] == [
         {"field": "steps", "original": "100", "effective": "16", "reason": "bounded diagnostic"}
     ]
-    with pytest.raises(EvidenceError, match="deviation field"):
+    with pytest.raises(EvidenceError, match=r"deviations\[1\]\.field: expected one of"):
         bundle.add_deviation("schedule", "a", "b", "c")
     bundle.add_checkpoint("dppo_seed0", 16, "tinker://sess:train:0/weights/step-16")
     assert bundle.result["evidence"]["checkpoints"] == [

@@ -28,12 +28,9 @@ def refusal(
 ) -> str | None:
     """The one-line refusal for running `stages` under this launch, or None when allowed.
     `stated_in`: the resolution file the launch comes from, when the plan (a verbatim spec) holds none."""
-    if embedded:
+    what = ", ".join(unauthorized_stages(launch, stages))
+    if embedded or not what:
         return None
-    denied = unauthorized_stages(launch, stages)
-    if not denied:
-        return None
-    what = ", ".join(denied)
     if launch is None:
         has = f"plan {plan_name} carries no launch block"
     else:
@@ -54,10 +51,9 @@ def undecided_refusal(
     """The one-line refusal when the stages need this launch's authorization unless `service` is the
     embedded server, and the check could not tell (`seen`: what the connectivity preflight saw).
     None when nothing selected needs authorization."""
-    denied = unauthorized_stages(launch, stages)
-    if not denied:
+    what = ", ".join(unauthorized_stages(launch, stages))
+    if not what:
         return None
-    what = ", ".join(denied)
     return (
         f"launch scope: stage {what} is authorized only on the embedded server by plan {plan_name}, and whether "
         f"{service} is that server could not be told ({seen}); run again when the service answers, or with a plan "
