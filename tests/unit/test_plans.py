@@ -13,10 +13,10 @@ from dppo_harness.plans import (
     PlanError,
     backend_deviations,
     effective_config,
-    generation_audit_applicability,
     load_plan,
     parse_plan,
 )
+from dppo_harness.plans.plan import generation_audit_applicability
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 SPEC = PLANS / "exp_e6b0965af3.json"

@@ -13,7 +13,8 @@ from dppo_harness.evaluation import stats
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
 from dppo_harness.loss import loss_registry
-from dppo_harness.plans import HARNESS_NORMALIZATION, BackendInfo, CriterionConfig, effective_config, load_plan
+from dppo_harness.plans import BackendInfo, CriterionConfig, effective_config, load_plan
+from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
 from dppo_harness.stages.comparison.decision import decide_criteria, decision_block, informational_interval, verdict
 from dppo_harness.stages.comparison.step_rows import fraction_names
 

@@ -177,7 +177,7 @@ class DecisionRule(StrictModel):
     estimand: str
     unit: str
     seeds: list[int]
-    alpha: Unit
+    alpha: Annotated[float, Field(gt=0, lt=1)]
     method: str
     criteria: Annotated[list[DecisionCriterion], Field(min_length=1)]
 

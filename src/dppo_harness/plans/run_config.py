@@ -113,8 +113,6 @@ def resolve_criteria(spec: ExperimentSpec, arms: tuple[ArmConfig, ...]) -> tuple
             f"{rule.seeds} schedules seed {unrun}, which no arm runs (the arms run "
             f"{seeds}); every scheduled seed needs every arm",
         )
-    if not 0 < rule.alpha < 1:
-        raise _fail("decision_rule.alpha", f"{rule.alpha} must be in (0, 1)")
     treatments = [a.name for a in arms if a.role == "treatment"]
     names = {a.name for a in arms}
 
