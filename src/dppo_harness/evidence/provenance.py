@@ -151,9 +151,8 @@ def build_archive(
                 continue
             members.append(entry)
             info = zipfile.ZipInfo(rel, date_time=_FIXED_TIME)
-            info.compress_type = zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
-            zf.writestr(info, data)
+            zf.writestr(info, data, zipfile.ZIP_DEFLATED)
         manifest = {
             "kind": "code_archive",
             "version": 1,
@@ -163,9 +162,8 @@ def build_archive(
             "n_members": len(members),
             "referenced": referenced,
         }
-        info = zipfile.ZipInfo(MANIFEST_MEMBER, date_time=_FIXED_TIME)
-        info.compress_type = zipfile.ZIP_DEFLATED
-        zf.writestr(info, json.dumps(manifest, indent=1, sort_keys=True))
+        manifest_info = zipfile.ZipInfo(MANIFEST_MEMBER, date_time=_FIXED_TIME)
+        zf.writestr(manifest_info, json.dumps(manifest, indent=1, sort_keys=True), zipfile.ZIP_DEFLATED)
     return buf.getvalue(), manifest
 
 
