@@ -104,10 +104,8 @@ def _same(a: JsonValue | _Missing, b: JsonValue | _Missing) -> bool:
 
 
 def _changed_leaves(a: JsonValue, b: JsonValue) -> list[JsonPath]:
-    return sorted(
-        {p for p, v in _leaves(b) if not _same(_get(a, p), v)} | {p for p, v in _leaves(a) if not _same(_get(b, p), v)},
-        key=str,
-    )
+    la, lb = dict(_leaves(a)), dict(_leaves(b))
+    return sorted((p for p in la.keys() | lb.keys() if not _same(la.get(p, _MISSING), lb.get(p, _MISSING))), key=str)
 
 
 def leaf_differences(a: JsonValue, b: JsonValue) -> dict[str, tuple[JsonValue, JsonValue]]:

@@ -14,7 +14,7 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.loss.loss_registry import IMPLEMENTED_PATHS, implemented_list
 from dppo_harness.plans.models import ExperimentSpec, GateCheck, OptimizerConfig, PlanError, _fail
-from dppo_harness.plans.resolution import Stated
+from dppo_harness.plans.resolution import KEYS, Stated
 
 Role = Literal["baseline", "treatment"]
 # What the frozen evaluator scores per item (evaluation.METRIC): the only criterion metric.
@@ -213,14 +213,8 @@ class RunConfig:
         return self.arms[0].seed
 
     def schedule_values(self) -> dict[str, Stated]:
-        return {
-            "groups_per_batch": self.groups_per_batch,
-            "group_size": self.group_size,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "minibatches_per_batch": self.minibatches_per_batch,
-            "gate_pilot_steps": self.gate_pilot_steps,
-        }
+        """The values a resolution file states (or their defaults), in the order of its KEYS."""
+        return {k: getattr(self, k) for k in KEYS}
 
     def as_json(self) -> JsonObject:
         """The effective config's view: plain values, and each value the spec states only in prose
