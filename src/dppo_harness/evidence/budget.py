@@ -35,16 +35,15 @@ COMPARISON_END_FIXED = 10
 MID_STEP_RESTORES_PER_ARM = 1  # slots kept for a state registered by a restore inside a step
 
 
-def record() -> JsonObject:
-    """What ledger.json keeps under `evidence_budget`: the limits and the closing reserve."""
-    return {
-        "limit_files": MAX_FILES,
-        "limit_file_bytes": MAX_FILE_BYTES,
-        "limit_bytes": MAX_TOTAL_BYTES,
-        "checked": "at each registration",
-        "closing_records": [*CLOSING_RECORDS, "the last stage-end snapshot"],
-        "closing_bytes": CLOSING_BYTES,
-    }
+# What ledger.json keeps under `evidence_budget`: the limits and the closing reserve.
+RECORD: JsonObject = {
+    "limit_files": MAX_FILES,
+    "limit_file_bytes": MAX_FILE_BYTES,
+    "limit_bytes": MAX_TOTAL_BYTES,
+    "checked": "at each registration",
+    "closing_records": [*CLOSING_RECORDS, "the last stage-end snapshot"],
+    "closing_bytes": CLOSING_BYTES,
+}
 
 
 def record_bytes_bound(sequences_per_update: int, max_tokens: int) -> int:

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from dppo_harness.evidence import files
 from dppo_harness.evidence.backend import Backend
-from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, STAGE_END_SLOTS, record
+from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, RECORD, STAGE_END_SLOTS
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
     FILES_DIR,
@@ -200,7 +200,7 @@ class EvidenceBundle:
         with self._lock:
             self._closing, self._closing_bytes = frozenset(CLOSING_RECORDS), CLOSING_BYTES
             self._stage_end_slots = STAGE_END_SLOTS
-        self.note_ledger(evidence_budget=record())
+        self.note_ledger(evidence_budget=RECORD)  # note_ledger keeps a copy
 
     def _closing_left(self, entries: Sequence[FileEntry], stage_end: bool = False) -> tuple[int, int]:
         """(file slots, bytes) still reserved for closing records not yet registered; a stage-end

@@ -36,11 +36,10 @@ def record_plan(
     for d in effective_config.get("deviations", []):
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     fields: dict[str, Any] = {"generation_audit": dict(effective_config["generation_audit"])}
-    current = bundle.result
     if plan.kind == "bounded_diagnostic":
         fields["original_hypothesis_tested"] = plan.diagnostic.original_hypothesis_tested
         fields["tested_instead"] = plan.diagnostic.tested_instead
-    elif current["original_hypothesis_tested"] is None and not current["deviations"]:
+    elif (current := bundle.result)["original_hypothesis_tested"] is None and not current["deviations"]:
         fields["original_hypothesis_tested"] = True
     bundle.update_result(**fields)
 

@@ -105,9 +105,8 @@ class Plan:
     @property
     def launch_stated_in(self) -> str | None:
         """The resolution file's name when the launch comes from it, else None (the plan's own, or none)."""
-        if getattr(self.model, "launch", None) is None and self.resolution is not None and self.resolution.model.launch:
-            return self.resolution.file
-        return None
+        own = getattr(self.model, "launch", None)
+        return self.resolution.file if own is None and self.resolution and self.resolution.model.launch else None
 
     @cached_property
     def original(self) -> Plan:
