@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_correctness_preflight_passes_and_is_recorded(restoration, plan, evidence_bundle, harness_progress):
     trained = {arm.loss for arm in plan.spec_plan.run.arms}
     with Watchdog(harness_progress, every_s=10.0) as watch:
-        outcome = run_correctness_preflight(plan.spec_json(), restoration.lr_scaling, trained, ROOT, progress=watch.say)
-    evidence_bundle.register_file(outcome.golden.name, "tensors", outcome.golden)
+        outcome = run_correctness_preflight(
+            plan.spec_plan.spec, restoration.lr_scaling, trained, ROOT, progress=watch.say
+        )
+    evidence_bundle.register_bytes(outcome.golden.name, "tensors", outcome.golden.read_bytes())
     evidence_bundle.register_json("correctness-golden-report.json", "metrics", outcome.golden_report_json())
     evidence_bundle.register_json("correctness-preflight.json", "metrics", outcome.preflight_json())
     evidence_bundle.update_result(correctness_preflight=outcome.block)

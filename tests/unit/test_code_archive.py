@@ -7,11 +7,11 @@ import zipfile
 from pathlib import Path
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.evidence.archive import (
+from dppo_harness.evidence.provenance import (
     ARCHIVE_NAME,
     MANIFEST_MEMBER,
     build_archive,
-    register_code_archive,
+    register_code,
     verify_archive,
 )
 
@@ -43,9 +43,9 @@ def test_archive_holds_the_library_the_server_and_the_tests_deterministically():
 
 def test_archive_is_one_script_file_in_the_bundle(tmp_path):
     b = EvidenceBundle.create(tmp_path)
-    entry = register_code_archive(b, ROOT, commit="abc")
+    entry = register_code(b, ROOT)[-1]
     files = [f for f in b.result["evidence"]["files"] if f["kind"] == "script" and f["name"] == ARCHIVE_NAME]
-    assert len(files) == 1 and len(entry["sha256"]) == 64
+    assert len(files) == 1 and files[0] == entry
 
 
 def test_tampered_archive_is_detected():

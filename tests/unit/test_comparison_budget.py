@@ -45,7 +45,7 @@ def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_c
     assert "kept for the evaluation, report and restores" in skipped[0]["reason"]
     for i in range(restores):  # each arm restores once mid-step
         bundle.register_json(f"comparison-state-r0-arm{i}-s9-a1.json", "manifest", {"restore": i})
-    for i in range(budget.comparison_end_files(3)):  # steps, end state, evaluator, predictions, report...
+    for i in range(budget.comparison_reserve(3)):  # steps, end state, evaluator, predictions, report...
         bundle.register_bytes(f"end-{i:02d}.json", "metrics", b"[%d]" % i)
     assert (
         post_snapshot(bundle, "stage comparison end", reserve=len(budget.CLOSING_RECORDS), stage_end=True) is not None

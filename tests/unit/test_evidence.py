@@ -27,6 +27,7 @@ from dppo_harness.evidence import (
 )
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.files import sha256_bytes
+from dppo_harness.evidence.provenance import register_code
 from dppo_harness.evidence.result import initial_result, validate_result
 from dppo_harness.plans import load_plan
 
@@ -325,7 +326,7 @@ def test_deviations_and_checkpoints(bundle):
     assert bundle.result["deviations"] == [
         {"field": "steps", "original": "100", "effective": "16", "reason": "bounded diagnostic"}
     ]
-    with pytest.raises(EvidenceError, match="deviation field"):
+    with pytest.raises(EvidenceError, match=r"deviations\[1\]\.field: expected one of"):
         bundle.add_deviation("schedule", "a", "b", "c")
     bundle.add_checkpoint("dppo_seed0", 16, "tinker://sess:train:0/weights/step-16")
     assert bundle.result["evidence"]["checkpoints"] == [
@@ -375,8 +376,8 @@ def test_provenance_plan_and_code_revision(tmp_path, bundle):
     (repo / "new_file.py").write_text("y = 3\n")
     (repo / ".env").write_text("HF_TOKEN=hf_planted_in_an_untracked_dotenv_file\n")  # no .gitignore rule here
     status_before = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True).stdout
-    entries = bundle.register_code_revision(repo)
-    assert [e["kind"] for e in entries] == ["code_revision", "code_patch"]
+    entries = register_code(bundle, repo)
+    assert [e["kind"] for e in entries] == ["code_revision", "code_patch", "script"]
     info = json.loads(bundle.file_path("code-revision.json").read_text())
     assert len(info["commit"]) == 40 and info["dirty"] and info["untracked_files"] == [".env", "new_file.py"]
     assert [u["path"] for u in info["untracked_not_in_patch"]] == [".env", "new_file.py"]  # by hash only

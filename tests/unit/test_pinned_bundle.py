@@ -58,7 +58,6 @@ def test_the_decision_rebuilds_from_the_pinned_observations():
             baseline=c["baseline"],
             margin=c["margin"],
             bounds=(0.0, 1.0),
-            weights={c["treatment"]: 1.0, c["baseline"]: -1.0},
         )
         for c in want["criteria"]
     ]

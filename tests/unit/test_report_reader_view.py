@@ -13,7 +13,8 @@ from dppo_harness.evaluation import stats
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
 from dppo_harness.loss import loss_registry
-from dppo_harness.plans import HARNESS_NORMALIZATION, BackendInfo, CriterionConfig, effective_config, load_plan
+from dppo_harness.plans import BackendInfo, CriterionConfig, effective_config, load_plan
+from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
 from dppo_harness.stages.comparison.decision import decide_criteria, decision_block, informational_interval, verdict
 from dppo_harness.stages.comparison.step_rows import fraction_names
 
@@ -78,11 +79,7 @@ def _decision():
         for i, (tv, bv) in enumerate(zip(t, b))
         for arm, v in (("dppo_seed0", tv), ("grpo_seed0", bv))
     ]
-    rule = [
-        CriterionConfig(
-            "primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0), {"treatment": 1, "baseline": -1}
-        )
-    ]
+    rule = [CriterionConfig("primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0))]
     crit = decide_criteria(obs, rule, alpha=0.05)
     info = informational_interval(obs, rule[0], alpha=0.05)
     return decision_block(b"x\n", crit, verdict(crit, rehearsal=True), rehearsal=True, informational=info)

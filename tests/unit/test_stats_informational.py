@@ -120,7 +120,7 @@ def test_the_informational_interval_never_decides():
     t = [1] * 19 + [0] * 22
     b = [1] * 14 + [0] * 27
     rows = _rows(t, b)
-    rule = [CriterionConfig("primary", "accuracy", "dppo", "grpo", 0.0, (0.0, 1.0), {"treatment": 1, "baseline": -1})]
+    rule = [CriterionConfig("primary", "accuracy", "dppo", "grpo", 0.0, (0.0, 1.0))]
     criteria = comparison_decision.decide_criteria(rows, rule, alpha=0.05)
     info = comparison_decision.informational_interval(rows, rule[0], alpha=0.05)
     assert info["lower"] > 0 and criteria[0].lower < 0

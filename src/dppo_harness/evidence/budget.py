@@ -1,14 +1,9 @@
-"""The evidence budget: the bundle's limits (64 files, 10 MiB a file, 40 MiB in all) are checked at
-every registration (`EvidenceBundle.register_bytes`), nothing is counted ahead from the plan. One
-reserve, set before any other file (`EvidenceBundle.reserve_closing`), keeps a slot for each closing
-record and for the last stage-end snapshot, and CLOSING_BYTES, so no stage can starve the close;
-optional files ask `free_slots()` first and are skipped, the ledger saying so. The rest sizes single
-files, or keeps slots for writes a running stage knows are still to come.
+"""The evidence budget: the bundle's limits are checked at every registration, nothing is counted
+ahead from the plan. One reserve, set before any other file, keeps the close from being starved;
+the rest sizes single files, or keeps slots for writes a running stage knows are still to come.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from dppo_harness.evidence.files import MAX_FILE_BYTES, MAX_FILES, MAX_TOTAL_BYTES
 from dppo_harness.json_types import JsonObject
@@ -34,53 +29,36 @@ RECORD_OVERHEAD_BYTES = 64 * 1024  # the JSON meta (context, stats, histograms) 
 # template adds tens.
 PROMPT_TOKENS_BOUND = 384
 
-# The comparison's files after its last step: steps JSONL, end state, evaluator, observations,
-# decision, report.md and its 4 plots; per arm its predictions (plus the base model's).
+# The comparison's files after its last step besides the predictions: steps JSONL, end state,
+# evaluator, observations, decision, report.md and its 4 plots.
 COMPARISON_END_FIXED = 10
-COMPARISON_END_PER_ARM = 1
 MID_STEP_RESTORES_PER_ARM = 1  # slots kept for a state registered by a restore inside a step
 
 
-def record() -> JsonObject:
-    """What ledger.json keeps under `evidence_budget`: the limits and the closing reserve."""
-    return {
-        "limit_files": MAX_FILES,
-        "limit_file_bytes": MAX_FILE_BYTES,
-        "limit_bytes": MAX_TOTAL_BYTES,
-        "checked": "at each registration",
-        "closing_records": [*CLOSING_RECORDS, "the last stage-end snapshot"],
-        "closing_bytes": CLOSING_BYTES,
-    }
+# What ledger.json keeps under `evidence_budget`: the limits and the closing reserve.
+RECORD: JsonObject = {
+    "limit_files": MAX_FILES,
+    "limit_file_bytes": MAX_FILE_BYTES,
+    "limit_bytes": MAX_TOTAL_BYTES,
+    "checked": "at each registration",
+    "closing_records": [*CLOSING_RECORDS, "the last stage-end snapshot"],
+    "closing_bytes": CLOSING_BYTES,
+}
 
 
-@dataclass(frozen=True)
-class DiagnosticSize:
-    """The figures of a bounded diagnostic that bound one update record's bytes."""
-
-    max_updates: int
-    groups_per_minibatch: int
-    group_size: int
-    max_tokens: int
-
-
-def record_bytes_bound(size: DiagnosticSize) -> int:
+def record_bytes_bound(sequences_per_update: int, max_tokens: int) -> int:
     """The most bytes one update's record can take before compression."""
-    tokens = size.groups_per_minibatch * size.group_size * (size.max_tokens + PROMPT_TOKENS_BOUND)
-    return tokens * RECORD_BYTES_PER_TOKEN + RECORD_OVERHEAD_BYTES
+    return sequences_per_update * (max_tokens + PROMPT_TOKENS_BOUND) * RECORD_BYTES_PER_TOKEN + RECORD_OVERHEAD_BYTES
 
 
-def updates_per_archive(size: DiagnosticSize) -> int:
+def updates_per_archive(sequences_per_update: int, max_tokens: int) -> int:
     """Update records per archive file: UPDATES_PER_ARCHIVE, fewer when their bound would pass the
     per-file limit; 0 when even one record cannot fit a file."""
-    return min(UPDATES_PER_ARCHIVE, MAX_FILE_BYTES // record_bytes_bound(size))
+    return min(UPDATES_PER_ARCHIVE, MAX_FILE_BYTES // record_bytes_bound(sequences_per_update, max_tokens))
 
 
-def comparison_end_files(arms: int) -> int:
-    """Files the comparison registers after its last step (steps, end state, evaluation, report)."""
-    return COMPARISON_END_FIXED + COMPARISON_END_PER_ARM * arms + 1  # + the base model's predictions
-
-
-def comparison_reserve(arms: int, mid_step_restores_left: int) -> int:
+def comparison_reserve(arms: int, mid_step_restores_left: int = 0) -> int:
     """File slots a running comparison keeps free beyond the bundle's closing reserve (which holds
-    its stage-end snapshot's): its end files and the mid-step restores it may still register."""
-    return comparison_end_files(arms) + mid_step_restores_left
+    its stage-end snapshot's): the files it registers after its last step, per arm its predictions
+    plus the base model's, and the mid-step restores it may still register."""
+    return COMPARISON_END_FIXED + arms + 1 + mid_step_restores_left

@@ -7,7 +7,6 @@ file atomically. On any error nothing changes, on disk or in memory.
 from __future__ import annotations
 
 import copy
-import json
 import secrets
 import threading
 import time
@@ -18,7 +17,7 @@ from urllib.parse import urlsplit
 
 from dppo_harness.evidence import files
 from dppo_harness.evidence.backend import Backend
-from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, STAGE_END_SLOTS, record
+from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, RECORD, STAGE_END_SLOTS
 from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
     FILES_DIR,
@@ -33,7 +32,6 @@ from dppo_harness.evidence.files import (
     sidecar_files,
     unwritable_line,
 )
-from dppo_harness.evidence.provenance import code_revision
 from dppo_harness.evidence.result import (
     as_text,
     check_rehearsal_plan_result,
@@ -45,7 +43,6 @@ from dppo_harness.evidence.result import (
     validate_result,
 )
 from dppo_harness.json_types import JsonObject
-from dppo_harness.plans.models import DEVIATION_FIELDS
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
 if TYPE_CHECKING:
@@ -55,23 +52,15 @@ if TYPE_CHECKING:
 class EvidenceBundle:
     """One run's evidence directory (`<root>/<run_id>/`). Thread-safe; every write is atomic."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        result: dict[str, Any],
-        env: Mapping[str, str] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, run_dir: Path, env: Mapping[str, str] | None, clock: Callable[[], float]):
+        """A new, empty run (see `create`)."""
         self.dir = run_dir
         self.run_id = run_dir.name
-        self._result = result
+        self._result: dict[str, Any] = initial_result()
         self._env = env  # None = os.environ, read at every scan so late-set secrets count too
         self._lock = threading.RLock()
         self._clock, self._t0 = clock, clock()
-        ledger = run_dir / LEDGER_FILE
-        self._ledger: dict[str, Any] = (
-            json.loads(ledger.read_text()) if ledger.exists() else {"budget": None, "stages": []}
-        )
+        self._ledger: dict[str, Any] = {"budget": None, "stages": []}
         self._rehearsal_plan = False  # set by record_plan for a plan of kind "rehearsal"
         self.unwritable: str | None = None  # the first refused write's line; the run fails with it
         self._closing: frozenset[str] = frozenset()  # names reserved for the close (reserve_closing)
@@ -98,7 +87,7 @@ class EvidenceBundle:
             (run_dir / FILES_DIR).mkdir(parents=True)
         except OSError as exc:
             raise UnwritableEvidenceError(unwritable_line(run_dir, exc)) from None
-        bundle = cls(run_dir, initial_result(), env, clock)
+        bundle = cls(run_dir, env, clock)
         bundle._write_result(bundle._result)
         bundle._write(root / LATEST_FILE, (run_id + "\n").encode())  # last: it never names a run without result.json
         return bundle
@@ -118,8 +107,7 @@ class EvidenceBundle:
             return [FileEntry(**f) for f in self._entries()]
 
     def entry(self, name: str) -> FileEntry | None:
-        with self._lock:
-            return next((FileEntry(**f) for f in self._entries() if f["name"] == name), None)
+        return next((f for f in self.files() if f["name"] == name), None)
 
     def _entries(self) -> list[FileEntry]:
         entries: list[FileEntry] = self._result["evidence"]["files"]
@@ -179,8 +167,6 @@ class EvidenceBundle:
         """Register immutable bytes under `name`. Same bytes again is a no-op; different bytes fail.
         Every limit is checked here, the closing reserve with them (`stage_end`: a stage-end
         snapshot, which may take the slot kept for the last one)."""
-        if not isinstance(data, (bytes, bytearray)):
-            raise EvidenceError(f"file {name!r}: expected bytes, got {type(data).__name__}")
         data = bytes(data)
         with self._lock:
             entries = self._entries()
@@ -199,9 +185,6 @@ class EvidenceBundle:
     def register_json(self, name: str, kind: str, obj: object, *, stage_end: bool = False) -> FileEntry:
         return self.register_bytes(name, kind, json_file_bytes(name, obj), stage_end=stage_end)
 
-    def register_file(self, name: str, kind: str, path: Path) -> FileEntry:
-        return self.register_bytes(name, kind, Path(path).read_bytes())
-
     def write_beside(self, name: str, data: bytes) -> Path:
         """Write a sidecar beside the bundle (not registered; scanned at finish and by verify) through
         the same refusal as every evidence write: disk full or read-only is one line and fails the run."""
@@ -210,14 +193,14 @@ class EvidenceBundle:
             self._write(path, bytes(data))
         return path
 
-    def reserve_closing(self, names: Sequence[str] = CLOSING_RECORDS, nbytes: int = CLOSING_BYTES) -> None:
-        """Keep a file slot for each of `names`, one for the last stage-end snapshot, and `nbytes` in
-        total until they are registered: any other file that would take them is refused
-        (LimitError), so the close always fits. The ledger records the limits and the reserve."""
+    def reserve_closing(self) -> None:
+        """Keep a file slot for each closing record, one for the last stage-end snapshot, and
+        CLOSING_BYTES in total until they are registered: any other file that would take them is
+        refused (LimitError), so the close always fits. The ledger records the limits and the reserve."""
         with self._lock:
-            self._closing, self._closing_bytes = frozenset(names), int(nbytes)
+            self._closing, self._closing_bytes = frozenset(CLOSING_RECORDS), CLOSING_BYTES
             self._stage_end_slots = STAGE_END_SLOTS
-        self.note_ledger(evidence_budget=record())
+        self.note_ledger(evidence_budget=RECORD)  # note_ledger keeps a copy
 
     def _closing_left(self, entries: Sequence[FileEntry], stage_end: bool = False) -> tuple[int, int]:
         """(file slots, bytes) still reserved for closing records not yet registered; a stage-end
@@ -233,27 +216,14 @@ class EvidenceBundle:
             return MAX_FILES - len(entries) - self._closing_left(entries, stage_end)[0]
 
     def register_plan(self, plan: Plan, name: str | None = None) -> FileEntry:
-        """Register a plans.Plan's exact file bytes; the recorded sha256 must equal Plan.sha256."""
-        return self._register_read(name or plan.name, plan.data, plan.sha256, f"plan {plan.name}")
+        """A plans.Plan's exact file bytes (so the entry's sha256 is Plan.sha256)."""
+        return self.register_bytes(name or plan.name, "plan", plan.data)
 
     def register_resolution(self, plan: Plan) -> FileEntry | None:
         """The resolution file read beside the plan, by its exact bytes; None when the plan has none."""
-        res = plan.resolution
-        return None if res is None else self._register_read(res.file, res.data, res.sha256, res.file)
-
-    def _register_read(self, name: str, data: bytes, sha256: str, what: str) -> FileEntry:
-        entry = self.register_bytes(name, "plan", data)
-        if entry["sha256"] != sha256:
-            raise EvidenceError(f"{what}: registered sha256 differs from the file read")
-        return entry
-
-    def register_code_revision(self, repo_root: Path) -> list[FileEntry]:
-        """code-revision.json, and code.patch when the checkout has uncommitted changes."""
-        info, patch = code_revision(Path(repo_root), exclude=[self.dir])
-        entries = [self.register_json("code-revision.json", "code_revision", info)]
-        if patch:
-            entries.append(self.register_bytes("code.patch", "code_patch", patch))
-        return entries
+        return (
+            None if plan.resolution is None else self.register_bytes(plan.resolution.file, "plan", plan.resolution.data)
+        )
 
     # -- result.json
 
@@ -288,11 +258,8 @@ class EvidenceBundle:
                 self._commit(new)
 
     def update_result(self, **fields: Any) -> None:
-        """Deep-merge fields into result.json and rewrite it atomically.
-
-        Every number posted earlier must still be there afterwards (values may be updated, never
-        dropped); completed_arms only grows. On any error nothing changes, on disk or in memory.
-        """
+        """Deep-merge fields into result.json (`result.merged_result`: no posted number is dropped,
+        completed_arms only grows); on any error nothing changes, on disk or in memory."""
         check_update_keys(fields)
         with self._lock:
             self._commit(merged_result(self._result, fields))
@@ -303,23 +270,17 @@ class EvidenceBundle:
             self._commit({**copy.deepcopy(self._result), "backend": backend.to_json()})
 
     def post_arm_metrics(self, arm: str, metrics: Mapping[str, float], *, completed: bool = False) -> None:
-        fields: dict[str, Any] = {
-            "metrics": {"arms": {arm: dict(metrics)}},
-            "evidence": {"per_arm_metrics": {arm: dict(metrics)}},
-        }
-        if completed:
-            fields["completed_arms"] = [arm]
-        self.update_result(**fields)
+        done = {"completed_arms": [arm]} if completed else {}
+        self.update_result(
+            metrics={"arms": {arm: dict(metrics)}}, evidence={"per_arm_metrics": {arm: dict(metrics)}}, **done
+        )
 
     def add_deviation(self, field: str, original: object, effective: object, reason: str) -> None:
-        if field not in DEVIATION_FIELDS:
-            raise EvidenceError(f"deviation field {field!r}: expected one of {list(DEVIATION_FIELDS)}")
+        """A deviation once (the result's shape refuses a field outside DEVIATION_FIELDS)."""
         dev = {"field": field, "original": as_text(original), "effective": as_text(effective), "reason": str(reason)}
         self._append(("deviations",), dev)
 
     def add_checkpoint(self, arm: str, step: int, uri: str) -> None:
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise EvidenceError(f"checkpoint step: expected int, got {type(step).__name__}")
         parts = urlsplit(uri)
         if not parts.scheme or parts.query or parts.fragment or "@" in parts.netloc:
             raise EvidenceError(

@@ -170,9 +170,8 @@ def written(entries: Sequence[FileEntry]) -> str:
 
 
 def admit(name: str, kind: str, data: bytes, entries: Sequence[FileEntry]) -> tuple[FileEntry, bool]:
-    """(entry, is_new). Same name, bytes and kind again is a no-op (is_new False).
-
-    Raises EvidenceError for a bad name/kind, ImmutableNameError for a changed file."""
+    """(entry, is_new): the same name, bytes and kind again is a no-op; EvidenceError for a bad
+    name or kind, ImmutableNameError for a changed file."""
     if not (isinstance(name, str) and NAME_RE.match(name) and name not in RESERVED_NAMES):
         raise EvidenceError(f"file name {name!r}: use 1-128 of letters, digits, '.', '_', '-' (not a reserved name)")
     if kind not in KINDS:

@@ -44,9 +44,6 @@ class Ticker:
             of = f"{done}/{self.total} ({100 * done / self.total:.0f}%)" if self.total else f"{done}"
             self._emit(f"{of}{f', {detail}' if detail else ''}")
 
-    def finish(self, detail: str = "done") -> None:
-        self._emit(detail)
-
 
 class Watchdog:
     """`say` through this object (`with Watchdog(say) as w: w.say(step)`): while a step blocks, a line

@@ -18,7 +18,8 @@ from dppo_harness.evidence.backend import Backend, Block, backend_of
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
 from dppo_harness.evidence.files import FileKind
 from dppo_harness.json_types import JsonObject, JsonValue
-from dppo_harness.plans.schema_errors import first_error, rule_error
+from dppo_harness.plans.models import DeviationField
+from dppo_harness.plans.schema_errors import first_error, format_path, rule_error
 
 REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
 # A run under a rehearsal plan (plans/rehearsal/) on a real service is a rehearsal as well.
@@ -29,12 +30,10 @@ Verdict = Literal["supported", "refuted", "inconclusive"]
 OutcomeReason = Literal[
     "supported", "refuted", "tie", "mixed_criteria", "insufficient_evidence", "incomplete_execution"
 ]
-DeviationField = Literal["model", "objective", "effective_batch", "steps", "dataset", "evaluator", "endpoint"]
 NumberMap = dict[str, float]  # strict float: ints pass, bools and strings do not; finite only
-# Keys update_result may not touch; dedicated bundle methods keep their invariants.
-PROTECTED = frozenset(
-    {("deviations",), ("evidence", "files"), ("evidence", "checkpoints"), ("evidence", "version"), ("backend",)}
-)
+# Blocks update_result may not touch (top level, and under evidence); dedicated bundle methods keep their invariants.
+PROTECTED = frozenset({"deviations", "backend"})
+PROTECTED_EVIDENCE = frozenset({"files", "checkpoints", "version"})
 
 
 class Metrics(BaseModel):
@@ -150,23 +149,10 @@ def validate_result(r: object) -> None:
 
 
 def initial_result() -> JsonObject:
-    return {
-        "status": "running",
-        "summary": "",
-        "metrics": {"arms": {}},
-        "completed_arms": [],
-        "deviations": [],
-        "original_hypothesis_tested": None,
-        "tested_instead": None,
-        "correctness_preflight": None,
-        "initialization_provenance": None,
-        "activation_calibration": None,
-        "feasibility": None,
-        "evaluation": None,
-        "decision": None,
-        "evidence": {"version": 1, "files": [], "checkpoints": [], "per_arm_metrics": {}},
-        "backend": None,
-    }
+    """Every required key of ResultModel, in its order: a running result with nothing posted yet."""
+    start: JsonObject = dict(status="running", summary="", metrics={"arms": {}}, completed_arms=[], deviations=[])
+    start["evidence"] = {"version": 1, "files": [], "checkpoints": [], "per_arm_metrics": {}}
+    return {k: copy.deepcopy(start.get(k)) for k, f in ResultModel.model_fields.items() if f.is_required()}
 
 
 def label_summary(state: Mapping[str, JsonValue], summary: str, rehearsal_plan: bool = False) -> str:
@@ -214,22 +200,14 @@ def deep_merge(old: Mapping[str, JsonValue], new: Mapping[str, JsonValue]) -> Js
     return out
 
 
-def fmt_path(path: tuple[str | int, ...]) -> str:
-    s = ""
-    for p in path:
-        s += f"[{p}]" if isinstance(p, int) else (f".{p}" if s else str(p))
-    return s
-
-
 def check_update_keys(fields: Mapping[str, JsonValue]) -> None:
     """update_result may not touch the blocks that dedicated bundle methods manage."""
     for key, value in fields.items():
-        if (key,) in PROTECTED:
+        if key in PROTECTED:
             raise EvidenceError(f"{key}: use the dedicated bundle method, not update_result")
-        if key == "evidence" and isinstance(value, dict):
-            for sub in value:
-                if ("evidence", sub) in PROTECTED:
-                    raise EvidenceError(f"evidence.{sub}: managed by the bundle (register_*/add_checkpoint)")
+        managed = [k for k in value if k in PROTECTED_EVIDENCE] if key == "evidence" and isinstance(value, dict) else []
+        if managed:
+            raise EvidenceError(f"evidence.{managed[0]}: managed by the bundle (register_*/add_checkpoint)")
 
 
 # A failed run stays failed: a later, more hopeful close (a stage's "succeeded" after a swallowed
@@ -245,11 +223,9 @@ def merged_result(old: JsonObject, fields: Mapping[str, JsonValue]) -> JsonObjec
     new = deep_merge(old, fields)
     posted, done = fields.get("completed_arms"), old["completed_arms"]
     if isinstance(posted, list) and isinstance(done, list):  # the shape validate_result checks on both
-        arms = list(done)
-        arms += [a for a in posted if a not in arms]
-        new["completed_arms"] = arms
+        new["completed_arms"] = [*done, *(a for a in posted if a not in done)]
     if (path := _dropped_number(old, new)) is not None:
-        raise EvidenceError(f"{fmt_path(path)}: an earlier posted number would be dropped")
+        raise EvidenceError(f"{format_path(path)}: an earlier posted number would be dropped")
     return new
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from dppo_harness import plans
-from dppo_harness.evidence.archive import ARCHIVE_NAME, register_code_archive
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.bundle import EvidenceBundle
 from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE, LATEST_FILE, RESULT_FILE, sha256_bytes
+from dppo_harness.evidence.provenance import ARCHIVE_NAME, register_code
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.json_types import JsonMap
 from dppo_harness.plans import BackendKind
@@ -24,9 +24,8 @@ from dppo_harness.service.config import sdk_versions
 def record_plan(
     bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None
 ) -> None:
-    """Before any training call: the plan's exact bytes, the effective config
-    (plans.effective_config(plan, backend_info)), every deviation it declares (plan + backend), the
-    hypothesis scope and generation_audit applicability."""
+    """Before any training call: the plan's exact bytes, the effective config with every deviation
+    it declares, the hypothesis scope and generation_audit applicability."""
     if effective_config.get("plan", {}).get("sha256") != plan.sha256:
         raise EvidenceError("effective config was not built from this plan (sha256 differs)")
     if plan.kind == "rehearsal":
@@ -37,11 +36,10 @@ def record_plan(
     for d in effective_config.get("deviations", []):
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     fields: dict[str, Any] = {"generation_audit": dict(effective_config["generation_audit"])}
-    current = bundle.result
     if plan.kind == "bounded_diagnostic":
         fields["original_hypothesis_tested"] = plan.diagnostic.original_hypothesis_tested
         fields["tested_instead"] = plan.diagnostic.tested_instead
-    elif current["original_hypothesis_tested"] is None and not current["deviations"]:
+    elif (current := bundle.result)["original_hypothesis_tested"] is None and not current["deviations"]:
         fields["original_hypothesis_tested"] = True
     bundle.update_result(**fields)
 
@@ -56,10 +54,7 @@ def start_session(
     test_files: Sequence[str | Path] = (),
     served_model: str | None = None,
 ) -> None:
-    """Everything that must be in evidence before any service call of the session: backend block,
-    code revision (+ patch), one hashed archive of all executed code (`code-archive.zip`), a
-    manifest of the executed test files, the plan's bytes, the effective config, its deviations,
-    and the run budget."""
+    """Everything that must be in evidence before any service call of the session."""
     root = Path(project_root)
     bundle.reserve_closing()  # before any other file: the close can never be starved (evidence.budget)
     versions = sdk_versions()
@@ -71,9 +66,7 @@ def start_session(
             sdk_versions=versions,
         )
     )
-    bundle.register_code_revision(root)
-    commit = json.loads(bundle.file_path("code-revision.json").read_text()).get("commit")
-    register_code_archive(bundle, root, commit=commit)
+    register_code(bundle, root)
     _register_test_manifest(bundle, root, test_files)
     # The served model, when not known yet, is named for where it will be reported.
     served = served_model or (
@@ -103,22 +96,18 @@ def _register_test_manifest(bundle: EvidenceBundle, root: Path, test_files: Sequ
     test files and the root conftest flagged) with their hashes, so the 64-file limit is spent on
     measurements, not copies."""
     root = root.resolve()
-    stage_files: list[Path] = []
-    other_files: list[Path] = []
-    for f in sorted({Path(p).resolve() for p in test_files}):
-        parts = f.relative_to(root).parts if root in f.parents else ()
-        is_stage = len(parts) > 1 and parts[0] == "tests" and parts[1] in STAGE_TEST_FOLDERS
-        (stage_files if is_stage else other_files).append(f)
+    files = sorted({Path(p).resolve() for p in test_files})
+    folders = {("tests", d) for d in STAGE_TEST_FOLDERS}
     conftest = root / "conftest.py"
-    hooks = [conftest.resolve()] if conftest.is_file() else []
-    executed = [*stage_files, *hooks, *other_files]
+    stage = [f for f in files if root in f.parents and f.relative_to(root).parts[:2] in folders]
+    stage += [conftest.resolve()] if conftest.is_file() else []
+    executed = stage + [f for f in files if f not in stage]
     if not executed:
         return
-    stage_set = {*stage_files, *hooks}
     listed = [
         {
             "path": str(f.relative_to(root)) if root in f.parents else str(f),
-            "stage_test": f in stage_set,
+            "stage_test": f in stage,
             "sha256": sha256_bytes(f.read_bytes()),
             "size": f.stat().st_size,
         }

@@ -25,8 +25,9 @@ from dppo_harness.evidence.files import (
     sha256_bytes,
     sidecar_files,
 )
-from dppo_harness.evidence.result import fmt_path, validate_result
+from dppo_harness.evidence.result import validate_result
 from dppo_harness.json_types import JsonMap
+from dppo_harness.plans.schema_errors import format_path
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
 _REF_KEYS = ("observations_file", "dataset_file", "evaluation_file", "audit_file")  # and every `*_ref`
@@ -44,7 +45,7 @@ def iter_refs(obj: object, path: tuple[str | int, ...] = ()) -> Iterator[tuple[s
         for k, v in obj.items():
             p = (*path, k)
             if _is_ref(path, k, v):
-                yield fmt_path(p), v
+                yield format_path(p), v
             else:
                 yield from iter_refs(v, p)
     elif isinstance(obj, list):

@@ -14,18 +14,15 @@ from dppo_harness.plans.plan import (
     Plan,
     backend_deviations,
     effective_config,
-    generation_audit_applicability,
     load_plan,
     parse_plan,
     plan_config,
 )
 from dppo_harness.plans.rehearsal import leaf_differences
-from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
 from dppo_harness.plans.run_config import ArmConfig, CriterionConfig, RunConfig
 
 __all__ = [
     "DEVIATION_FIELDS",
-    "HARNESS_NORMALIZATION",
     "SERVED_MODEL_UNAVAILABLE",
     "ArmConfig",
     "BackendInfo",
@@ -37,7 +34,6 @@ __all__ = [
     "RunConfig",
     "backend_deviations",
     "effective_config",
-    "generation_audit_applicability",
     "launch_refusal",
     "launch_undecided_refusal",
     "leaf_differences",

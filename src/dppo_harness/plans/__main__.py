@@ -1,10 +1,5 @@
-"""`python -m dppo_harness.plans validate PLAN.json`: check a plan.
-
-Prints the plan's effective config (JSON) on stdout, and on stderr each value the spec states
-only in prose with the sentence its resolution file quotes (or the default that set it) and, as
-information, the decision's half-width at the planned item count next to each criterion's margin;
-or one line per error (exit 1). A usage or plan problem is one line on stderr and exit code 1 (2
-for usage), never a traceback.
+"""`python -m dppo_harness.plans validate PLAN.json`: the plan's effective config (JSON) on stdout
+and its reading lines on stderr, or one line per error (exit 1; 2 for usage), never a traceback.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Launch scope: which stages this launch authorizes on a service that is not the embedded server.
-
-A launch authorizes work in the requester's words ("Only this single diagnostic is authorized in
-this launch"), so the scope is data in the plan (`launch` block, `models.Launch`), never a code
-edit. On a real service every selected stage that trains beyond setup (`AUTHORIZABLE_STAGES`:
-the gate's fresh pilot, the diagnostic, the comparison) must be listed in the plan's
-`launch.authorized_stages`; otherwise the session is refused at the connectivity preflight,
-before any client exists, with one line saying what would authorize it. The embedded server
-(marker seen) is a rehearsal and is never refused.
+"""Launch scope: a launch authorizes work in the requester's words, so the scope is data in the
+plan (`launch.authorized_stages`), never a code edit. On a service that is not the embedded server
+(a rehearsal, never refused), a selected stage that trains beyond setup and is not listed is
+refused before any client exists, in one line saying what would authorize it.
 """
 
 from __future__ import annotations
@@ -33,12 +28,9 @@ def refusal(
 ) -> str | None:
     """The one-line refusal for running `stages` under this launch, or None when allowed.
     `stated_in`: the resolution file the launch comes from, when the plan (a verbatim spec) holds none."""
-    if embedded:
+    what = ", ".join(unauthorized_stages(launch, stages))
+    if embedded or not what:
         return None
-    denied = unauthorized_stages(launch, stages)
-    if not denied:
-        return None
-    what = ", ".join(denied)
     if launch is None:
         has = f"plan {plan_name} carries no launch block"
     else:
@@ -59,10 +51,9 @@ def undecided_refusal(
     """The one-line refusal when the stages need this launch's authorization unless `service` is the
     embedded server, and the check could not tell (`seen`: what the connectivity preflight saw).
     None when nothing selected needs authorization."""
-    denied = unauthorized_stages(launch, stages)
-    if not denied:
+    what = ", ".join(unauthorized_stages(launch, stages))
+    if not what:
         return None
-    what = ", ".join(denied)
     return (
         f"launch scope: stage {what} is authorized only on the embedded server by plan {plan_name}, and whether "
         f"{service} is that server could not be told ({seen}); run again when the service answers, or with a plan "

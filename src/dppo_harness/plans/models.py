@@ -1,20 +1,14 @@
-"""Plan file models: strict pydantic models per plan kind, JSON decoding, kind detection.
-
-Three plan kinds live in `plans/`:
-- `experiment_spec`: the saved experiment spec, verbatim as exchanged (it has no `kind` key);
-- `bounded_diagnostic`: the requester's revised diagnostic (`"kind": "bounded_diagnostic"`);
-- `rehearsal`: a complete experiment spec at rehearsal size, derived from a saved spec (by path
-  and sha256) with every difference declared (`"kind": "rehearsal"`, `plans/rehearsal/`).
-
-An invalid plan raises `PlanError` whose message starts with the field path, e.g.
-`activation_gate.checks[2].min: expected number, got str`.
+"""Strict pydantic models of the three plan kinds (docs/plans.md): the saved experiment spec,
+verbatim as exchanged (no `kind` key), the requester's `bounded_diagnostic`, and a `rehearsal` (a
+complete spec at rehearsal size with every difference from its saved spec declared). An invalid
+plan raises `PlanError` whose message starts with the field path.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal, NoReturn, get_args
+from typing import Annotated, ClassVar, Literal, NoReturn, cast, get_args
 
 from pydantic import BaseModel, Field, JsonValue, ValidationError, model_validator
 
@@ -183,7 +177,7 @@ class DecisionRule(StrictModel):
     estimand: str
     unit: str
     seeds: list[int]
-    alpha: Unit
+    alpha: Annotated[float, Field(gt=0, lt=1)]
     method: str
     criteria: Annotated[list[DecisionCriterion], Field(min_length=1)]
 
@@ -565,8 +559,8 @@ def detect_kind(raw: JsonValue) -> PlanKind:
         raise _fail("", f"expected object, got {type_name(raw)}")
     if "kind" not in raw:
         return "experiment_spec"
-    if raw["kind"] == "bounded_diagnostic" or raw["kind"] == "rehearsal":
-        return "bounded_diagnostic" if raw["kind"] == "bounded_diagnostic" else "rehearsal"
+    if raw["kind"] in ("bounded_diagnostic", "rehearsal"):
+        return cast(PlanKind, raw["kind"])
     raise _fail(
         "kind",
         f"expected one of ['bounded_diagnostic', 'rehearsal'] (a saved experiment spec has no kind), got {raw['kind']!r}",

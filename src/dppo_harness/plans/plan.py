@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -16,11 +16,9 @@ from typing import Literal
 from pydantic import BaseModel, ValidationError
 
 from dppo_harness import constants
-from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.plans.models import (
-    DEVIATION_FIELDS,
     MODELS,
     BoundedDiagnostic,
     ExperimentSpec,
@@ -35,7 +33,7 @@ from dppo_harness.plans.models import (
 )
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
 from dppo_harness.plans.resolution import Resolution, load_resolution, quoted_values, resolution_path
-from dppo_harness.plans.run_config import RunConfig, build_run_config
+from dppo_harness.plans.run_config import RunConfig, build_run_config, registered_dataset
 from dppo_harness.plans.schema_errors import describe
 from dppo_harness.project import plans_dir as project_plans
 
@@ -75,11 +73,6 @@ class Plan:
             return self.data
         return json.dumps(self.spec).encode()
 
-    def spec_json(self) -> JsonObject:
-        """A copy of the executed spec's JSON (for validators of the exchanged spec format)."""
-        copy: JsonObject = json.loads(json.dumps(self.spec_plan.spec))
-        return copy
-
     @property
     def spec_run(self) -> RunConfig:
         """The typed run config of a spec-kind plan (built at load); PlanError for a bounded
@@ -112,9 +105,8 @@ class Plan:
     @property
     def launch_stated_in(self) -> str | None:
         """The resolution file's name when the launch comes from it, else None (the plan's own, or none)."""
-        if getattr(self.model, "launch", None) is None and self.resolution is not None and self.resolution.model.launch:
-            return self.resolution.file
-        return None
+        own = getattr(self.model, "launch", None)
+        return self.resolution.file if own is None and self.resolution and self.resolution.model.launch else None
 
     @cached_property
     def original(self) -> Plan:
@@ -212,23 +204,11 @@ def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None 
             run = _run_config(model.spec, "spec.", path, resolution)
         elif isinstance(model, ExperimentSpec):
             run = _run_config(model, "", path, resolution)
+        plan = Plan(raw, hashlib.sha256(data).hexdigest(), kind, path, data, model, run, resolution)
+        if isinstance(model, BoundedDiagnostic):
+            _check_diagnostic(plan, resolve_original=path is not None)
     except PlanError as exc:
         raise PlanError(f"{where}{exc}") from None
-    plan = Plan(
-        raw=raw,
-        sha256=hashlib.sha256(data).hexdigest(),
-        kind=kind,
-        path=path,
-        data=data,
-        model=model,
-        run=run,
-        resolution=resolution,
-    )
-    if isinstance(model, BoundedDiagnostic):
-        try:
-            _check_diagnostic(plan, resolve_original=path is not None)
-        except PlanError as exc:
-            raise PlanError(f"{where}{exc}") from None
     return plan
 
 
@@ -236,10 +216,7 @@ def _check_diagnostic(plan: Plan, *, resolve_original: bool) -> None:
     """A diagnostic samples a registered dataset and trains one arm of its original spec, whose
     loss is the DPPO Binary-TV rule the plan kind pins."""
     fs = plan.diagnostic.fixed_settings
-    try:
-        dataset.entry(fs.sampling.dataset)
-    except dataset.UnknownDatasetError as exc:
-        raise PlanError(f"fixed_settings.sampling.dataset: {exc}") from None
+    registered_dataset(fs.sampling.dataset, "fixed_settings.sampling.dataset")
     if not resolve_original:
         return
     original = plan.original
@@ -282,8 +259,6 @@ class BackendInfo:
     served_model: str
     base_url: str | None = None
     sdk_versions: Mapping[str, str] = field(default_factory=dict)
-    # Explicit size reductions of the run, each {field, original, effective, reason}.
-    size_reductions: Sequence[Mapping[str, str]] = ()
 
 
 def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
@@ -310,19 +285,12 @@ def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
                 "reason": "the service reported a different model at client creation",
             }
         )
-    for red in info.size_reductions:
-        d = {k: str(red[k]) for k in ("field", "original", "effective", "reason")}
-        if d["field"] not in DEVIATION_FIELDS:
-            raise PlanError(f"size_reductions.field: expected one of {list(DEVIATION_FIELDS)}, got {d['field']!r}")
-        out.append(d)
     return out
 
 
 def generation_audit_applicability(plan: Plan) -> JsonObject:
-    """Whether the generation audit applies (the effective config's `generation_audit`: applicable,
-    status "required" or "not_applicable", reason): generated_training_data=true requires it
-    (overriding a legacy required=false); false makes it not applicable unless an explicit contract
-    (generation_audit.required=true) asks for it."""
+    """The effective config's `generation_audit`: generated training data requires the audit
+    (overriding a legacy required=false); without it, only an explicit contract does."""
     src = plan.diagnostic if plan.kind == "bounded_diagnostic" else plan.experiment
     if src.experiment_features.generated_training_data:
         reason = "experiment_features.generated_training_data is true"

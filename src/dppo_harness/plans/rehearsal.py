@@ -1,11 +1,7 @@
-"""Rehearsal plans: the rules a declared rehearsal obeys against its spec.
-
-A rehearsal is a complete experiment spec at rehearsal size. It names the spec it derives from
-by repository path and sha256, declares every leaf where it differs (with the reason), and keeps
-the spec's gates and thresholds as written (`activation_gate`, `decision_rule`,
-`success_criterion`, `correctness_preflight`, `arms[*].loss`, `arms[*].updates_per_batch`,
-`restoration_preflight`; only the executed-model check's `one_of` follows `base_model` and the
-restoration learning rates follow the arms' lr).
+"""The rules a rehearsal plan obeys against the spec it derives from (by repository path and
+sha256): every leaf where it differs is declared with its reason, and the spec's gates and
+thresholds stay as written (`_FROZEN`), but for the executed-model check's `one_of`, which follows
+`base_model`, and the restoration learning rates, which follow the arms' lr.
 """
 
 from __future__ import annotations
@@ -108,10 +104,8 @@ def _same(a: JsonValue | _Missing, b: JsonValue | _Missing) -> bool:
 
 
 def _changed_leaves(a: JsonValue, b: JsonValue) -> list[JsonPath]:
-    return sorted(
-        {p for p, v in _leaves(b) if not _same(_get(a, p), v)} | {p for p, v in _leaves(a) if not _same(_get(b, p), v)},
-        key=str,
-    )
+    la, lb = dict(_leaves(a)), dict(_leaves(b))
+    return sorted((p for p in la.keys() | lb.keys() if not _same(la.get(p, _MISSING), lb.get(p, _MISSING))), key=str)
 
 
 def leaf_differences(a: JsonValue, b: JsonValue) -> dict[str, tuple[JsonValue, JsonValue]]:
@@ -136,10 +130,8 @@ def _derived_from_file(rel: str, plan_path: Path | None, repo_root: Path | None)
 
 
 def check_rehearsal(plan: RehearsalPlan, raw: JsonObject, derived_path: Path) -> None:
-    """The rules a rehearsal plan (validated `plan`, decoded `raw`) obeys against the spec it
-    derives from (PlanError naming the field): the derived-from file's sha256 matches; the frozen
-    subtrees are unchanged; every leaf that differs is declared in `differences` with matching
-    values, and every declared difference really differs."""
+    """PlanError naming the field unless the derived-from file's sha256 matches, the frozen subtrees
+    are unchanged, and the leaves that differ are exactly the declared differences, values matching."""
     ref = plan.derived_from
     try:
         data = derived_path.read_bytes()

@@ -1,20 +1,8 @@
-"""The resolution file beside a spec: what the harness needs that the spec format has no field for,
-each value beside the sentence of the spec that states it.
-
-A spec is an exchange document kept verbatim (its sha256 is the plan's identity). It states the
-sampling schedule only in its `method` prose, and its baseline only as free text, so the plan's
-author writes them beside it in `<plan file>.resolution.json`:
-
-    {"values": {"groups_per_batch": {"value": 32, "sentence": "<a sentence of spec.method, verbatim>"},
-                "group_size": {...}, "temperature": {...}, "max_tokens": {...}},
-     "baseline_arm": "grpo_seed0",
-     "launch": {...}}
-
-`quoted_values` checks at load that each quoted sentence occurs verbatim in the spec field it
-quotes (`method`, or `activation_gate.reason` for the gate's pilot length) and that the sentence
-contains the value as a number; it does not tell which of the sentence's numbers is meant. The
-optional `launch` block states the launch of a plan kind that cannot hold one itself (a verbatim
-spec). The file is hashed; the effective config records it (`plan.resolution`).
+"""The resolution file beside a spec (`<plan file>.resolution.json`, docs/plans.md): what the
+harness needs that the spec format has no field for. A spec is an exchange document kept verbatim
+(its sha256 is the plan's identity) and states the sampling schedule only in its `method` prose and
+its baseline only as free text, so each value is written here beside the spec sentence it quotes.
+A check cannot tell which of a sentence's numbers is meant, only that it holds the value.
 """
 
 from __future__ import annotations
@@ -138,10 +126,8 @@ def _missing(file: str, what: str) -> PlanError:
 
 
 def quoted_values(spec: ExperimentSpec, resolution: Resolution | None, file: str) -> tuple[dict[str, Stated], str]:
-    """(each value the resolution file `file` states, the baseline arm it names), or PlanError (one
-    line naming the field and the sentence) when the file or a required entry is missing, a
-    sentence is not verbatim in the spec field it quotes, or the sentence does not contain the
-    number, or the baseline is not an arm of the spec."""
+    """(each value the resolution file `file` states, the baseline arm it names), or PlanError in one
+    line naming the field and the sentence."""
     if resolution is None:
         required = [k for k, v in KEYS.items() if v.required]
         raise PlanError(

@@ -1,11 +1,6 @@
-"""The typed run configuration of an experiment spec, built once at plan load.
-
-`build_run_config` turns a validated `ExperimentSpec` into the `RunConfig` every stage reads (arms
-with their roles, losses and optimizers; the sampling schedule the resolution file states, each
-value with the sentence it quotes; sizes; gate checks; criteria resolved to arms), or refuses, in
-one line naming the field, a spec the harness cannot run as written. The baseline is the arm the
-resolution file names, every other arm a treatment; a criterion's +1/-1 weights name arms or the
-roles `treatment`/`baseline` (a role must name one arm).
+"""The `RunConfig` every stage reads, built once at plan load from a validated spec and its
+resolution file, or a one-line refusal naming the field of a spec the harness cannot run as
+written. The baseline is the arm the resolution file names, every other arm a treatment.
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.loss.loss_registry import IMPLEMENTED_PATHS, implemented_list
-from dppo_harness.plans.models import Budget, ExperimentSpec, GateCheck, OptimizerConfig, PlanError, _fail
-from dppo_harness.plans.resolution import Stated
+from dppo_harness.plans.models import ExperimentSpec, GateCheck, OptimizerConfig, PlanError, _fail
+from dppo_harness.plans.resolution import KEYS, Stated
 
 Role = Literal["baseline", "treatment"]
 # What the frozen evaluator scores per item (evaluation.METRIC): the only criterion metric.
@@ -67,7 +62,6 @@ class CriterionConfig:
     baseline: str  # arm with weight -1
     margin: float
     bounds: tuple[float, float]
-    weights: Mapping[str, float]  # as the spec writes them (role or arm names)
 
 
 def resolve_arms(spec: ExperimentSpec, base: str) -> tuple[ArmConfig, ...]:
@@ -93,18 +87,8 @@ def resolve_arms(spec: ExperimentSpec, base: str) -> tuple[ArmConfig, ...]:
                 f"arms[{i}].lr",
                 f"{a.lr} != restoration_preflight optimizer_config.learning_rate {cfg.learning_rate} of arm {a.name!r}",
             )
-        out.append(
-            ArmConfig(
-                a.name,
-                a.loss,
-                "baseline" if a.name == base else "treatment",
-                a.seed,
-                a.lr,
-                a.updates_per_batch,
-                family,
-                cfg,
-            )
-        )
+        role: Role = "baseline" if a.name == base else "treatment"
+        out.append(ArmConfig(a.name, a.loss, role, a.seed, a.lr, a.updates_per_batch, family, cfg))
     if len(out) < 2:
         raise _fail("arms", "a paired comparison needs a baseline and at least one treatment arm")
     return tuple(sorted(out, key=lambda x: x.role))  # stable: baseline first, treatments in spec order
@@ -129,8 +113,6 @@ def resolve_criteria(spec: ExperimentSpec, arms: tuple[ArmConfig, ...]) -> tuple
             f"{rule.seeds} schedules seed {unrun}, which no arm runs (the arms run "
             f"{seeds}); every scheduled seed needs every arm",
         )
-    if not 0 < rule.alpha < 1:
-        raise _fail("decision_rule.alpha", f"{rule.alpha} must be in (0, 1)")
     treatments = [a.name for a in arms if a.role == "treatment"]
     names = {a.name for a in arms}
 
@@ -164,8 +146,6 @@ def resolve_criteria(spec: ExperimentSpec, arms: tuple[ArmConfig, ...]) -> tuple
         if pos == neg:
             raise _fail(at, f"both weights resolve to arm {pos!r}")
         lo, hi = c.bounds
-        if not lo < hi:
-            raise _fail(f"decision_rule.criteria[{i}].bounds", f"{c.bounds}: lower bound must be below upper")
         if (lo, hi) != METRIC_RANGES[c.metric]:
             raise _fail(
                 f"decision_rule.criteria[{i}].bounds",
@@ -176,7 +156,7 @@ def resolve_criteria(spec: ExperimentSpec, arms: tuple[ArmConfig, ...]) -> tuple
                 f"decision_rule.criteria[{i}].margin",
                 f"{c.margin} is outside the difference's range ({lo - hi}, {hi - lo}) of {c.metric}",
             )
-        out.append(CriterionConfig(c.id, c.metric, pos, neg, c.margin, (lo, hi), dict(c.weights)))
+        out.append(CriterionConfig(c.id, c.metric, pos, neg, c.margin, (lo, hi)))
     if len({c.id for c in out}) != len(out):
         raise _fail("decision_rule.criteria", "criterion ids must be unique")
     return tuple(out)
@@ -212,7 +192,6 @@ class RunConfig:
     alpha: float
     criteria: tuple[CriterionConfig, ...]
     gate_checks: tuple[GateCheck, ...]
-    budget: Budget
     normalization: losses.Normalization = NORMALIZATION
 
     def arm(self, name: str) -> ArmConfig:
@@ -234,14 +213,8 @@ class RunConfig:
         return self.arms[0].seed
 
     def schedule_values(self) -> dict[str, Stated]:
-        return {
-            "groups_per_batch": self.groups_per_batch,
-            "group_size": self.group_size,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "minibatches_per_batch": self.minibatches_per_batch,
-            "gate_pilot_steps": self.gate_pilot_steps,
-        }
+        """The values a resolution file states (or their defaults), in the order of its KEYS."""
+        return {k: getattr(self, k) for k in KEYS}
 
     def as_json(self) -> JsonObject:
         """The effective config's view: plain values, and each value the spec states only in prose
@@ -294,7 +267,12 @@ def build_run_config(
         raise _fail("steps", f"{spec.steps} optimizer steps is not a multiple of updates_per_batch {upb}")
     rollout_steps = spec.steps // upb
     minibatches = _minibatch_split(spec, values, upb)
-    _check_room_for_prompt(spec, values["max_tokens"])
+    if int(values["max_tokens"].value) >= spec.max_seq_len:  # max_seq_len bounds prompt + sampled tokens
+        raise _fail(
+            "max_seq_len",
+            f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={int(values['max_tokens'].value)} "
+            f"({_quote(values['max_tokens'])})",
+        )
     data = _check_dataset(spec, rollout_steps, gpb)
     arms = resolve_arms(spec, baseline)
     criteria = resolve_criteria(spec, arms)
@@ -327,7 +305,6 @@ def build_run_config(
         alpha=spec.decision_rule.alpha,
         criteria=criteria,
         gate_checks=tuple(spec.activation_gate.checks),
-        budget=spec.budget,
     )
 
 
@@ -357,19 +334,9 @@ def _minibatch_split(spec: ExperimentSpec, values: Mapping[str, Stated], upb: in
     return minibatches
 
 
-def _check_room_for_prompt(spec: ExperimentSpec, max_tokens: Stated) -> None:
-    """max_seq_len bounds prompt + sampled tokens, so it must exceed max_tokens."""
-    if int(max_tokens.value) >= spec.max_seq_len:
-        raise _fail(
-            "max_seq_len",
-            f"{spec.max_seq_len} leaves no room for a prompt before max_tokens={int(max_tokens.value)} "
-            f"({_quote(max_tokens)})",
-        )
-
-
-def check_correctness_paths(spec: ExperimentSpec) -> tuple[str, ...]:
-    """The spec's correctness path ids, each one the harness implements with the kind the spec
-    gives it, each named once, at least one when the preflight is required; else PlanError."""
+def check_correctness_paths(spec: ExperimentSpec) -> None:
+    """Each correctness path the spec names is one the harness implements, with the kind the spec
+    gives it, named once; at least one when the preflight is required."""
     block = spec.correctness_preflight
     if block.required and not block.paths:
         raise PlanError(
@@ -390,7 +357,6 @@ def check_correctness_paths(spec: ExperimentSpec) -> tuple[str, ...]:
         if path.id in seen:
             raise PlanError(f"{at}.id: {path.id!r} is named twice")
         seen.add(path.id)
-    return tuple(p.id for p in block.paths)
 
 
 def _check_arms(spec: ExperimentSpec) -> int:
@@ -415,11 +381,8 @@ def _check_arms(spec: ExperimentSpec) -> int:
 
 
 def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: int) -> dataset.DatasetEntry:
-    """The registered dataset the spec names (the one dataset seam), large enough for the run."""
-    try:
-        data = dataset.entry(spec.dataset.name)
-    except dataset.UnknownDatasetError as exc:
-        raise _fail("dataset.name", str(exc)) from None
+    """The registered dataset the spec names, large enough for the run."""
+    data = registered_dataset(spec.dataset.name, "dataset.name")
     if spec.dataset.hf_path != data.hf_path:
         raise _fail(
             "dataset.hf_path",
@@ -439,6 +402,14 @@ def _check_dataset(spec: ExperimentSpec, rollout_steps: int, groups_per_batch: i
         if n > data.split_sizes[split]:
             raise _fail(at, f"{n} exceeds the {data.split_sizes[split]} items of {data.name} {split}")
     return data
+
+
+def registered_dataset(name: str, at: str) -> dataset.DatasetEntry:
+    """The dataset registered under `name` (the one dataset seam), or PlanError at field `at`."""
+    try:
+        return dataset.entry(name)
+    except dataset.UnknownDatasetError as exc:
+        raise _fail(at, str(exc)) from None
 
 
 def _check_gate_metrics(spec: ExperimentSpec) -> None:

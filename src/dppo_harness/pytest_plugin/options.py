@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dppo_harness import constants, project
-from dppo_harness.evidence.archive import ARCHIVED, archived_paths
 from dppo_harness.evidence.files import unwritable_reason
+from dppo_harness.evidence.provenance import ARCHIVED, archived_paths
 from dppo_harness.plans import BackendKind, Plan, PlanError, load_plan
 from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.session import HarnessOptions, StageState

@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from dppo_harness.evaluation.answer_yield import ResponseYield, pooled
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
 from dppo_harness.evidence.report.plots import (
     COMPARISON_PLOTS,
@@ -18,7 +19,8 @@ from dppo_harness.evidence.report.plots import (
     plot_comparison_reward,
     plot_truncation,
 )
-from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct, rows_by_arm, rule_fraction
+from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct, rows_by_arm
+from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, JsonObject, JsonValue, num, obj, objs
 
 if TYPE_CHECKING:
@@ -47,30 +49,13 @@ def resume_lines(resume: JsonMap | None) -> list[str]:
     ]
 
 
-def _yield(
-    n: int, truncated_frac: float, no_answer_frac: float, mean_tokens: float, max_tokens: JsonValue
-) -> JsonObject:
-    """Truncation and answer yield over `n` responses, as `text.yield_text` reads it."""
-    return {
-        "n": n,
-        "truncated": round(truncated_frac * n),
-        "truncated_frac": truncated_frac,
-        "no_answer": round(no_answer_frac * n),
-        "no_answer_frac": no_answer_frac,
-        "mean_response_tokens": mean_tokens,
-        "max_tokens": max_tokens,
-    }
-
-
-def _pooled_rollout_yield(rs: list[JsonMap]) -> JsonObject | None:
-    """An arm's rollouts over all its steps (every step samples the same number of responses)."""
-    if not rs or not all("truncated_frac" in r and "responses" in r for r in rs):
-        return None
-    n = sum(int(num(r["responses"])) for r in rs)
-    trunc = sum(round(num(r["truncated_frac"]) * num(r["responses"])) for r in rs)
-    none = sum(round(num(r["no_answer_frac"]) * num(r["responses"])) for r in rs)
-    mean = sum(num(r["mean_response_tokens"]) * num(r["responses"]) for r in rs) / n
-    return _yield(n, trunc / n, none / n, mean, rs[0].get("max_tokens"))
+def _counted(m: JsonMap, n: JsonValue, prefix: str, max_tokens: JsonValue) -> ResponseYield:
+    """The counts behind the recorded fractions and mean length (`<prefix>truncated_frac`, ...) of `n` responses."""
+    k = int(num(n))
+    t, a, tok = (
+        round(num(m[f"{prefix}{f}"]) * k) for f in ("truncated_frac", "no_answer_frac", "mean_response_tokens")
+    )
+    return ResponseYield(k, t, a, tok, None if max_tokens is None else int(num(max_tokens)))
 
 
 TRUNCATION_WARN_FRAC = 0.5  # from here on, a scored model's accuracy mostly measures truncation
@@ -111,18 +96,19 @@ def _measured_yields(
 ) -> list[tuple[str, JsonMap | None]]:
     """Truncation and answer yield as measured: each arm's rollouts over all its steps, then each
     scored model's greedy evaluation."""
-    measured: list[tuple[str, JsonMap | None]] = [
-        (f"{arm} rollouts, all steps", _pooled_rollout_yield(rs)) for arm, rs in rows_by_arm(rows).items()
-    ]
+    measured: list[tuple[str, JsonMap | None]] = []
+    for arm, rs in rows_by_arm(rows).items():
+        ok = rs and all("truncated_frac" in r and "responses" in r for r in rs)
+        y = pooled([_counted(r, r["responses"], "", r.get("max_tokens")) for r in rs]).as_dict() if ok else None
+        measured.append((f"{arm} rollouts, all steps", y))
     for s in scores:
         m = eval_metrics.get(str(s["arm"])) or {}
         if "eval_truncated_frac" in m:
-            fracs = num(m["eval_truncated_frac"]), num(m["eval_no_answer_frac"]), num(m["eval_mean_response_tokens"])
-            measured.append((f"{s['arm']} greedy evaluation", _yield(int(num(m["eval_n"])), *fracs, max_tokens)))
+            measured.append((f"{s['arm']} greedy evaluation", _counted(m, m["eval_n"], "eval_", max_tokens).as_dict()))
     return measured
 
 
-def _per_step_lines(rows: Sequence[JsonMap], plot_files: Mapping[str, str]) -> list[str]:
+def _per_step_lines(rows: Sequence[JsonMap]) -> list[str]:
     """One table row per step and arm (counterfactual fractions marked), its note, and the per-step plots."""
     lines = [
         "## Per step and arm",
@@ -134,26 +120,23 @@ def _per_step_lines(rows: Sequence[JsonMap], plot_files: Mapping[str, str]) -> l
     for r in rows:
         cells = []
         for base in ("dppo_masked_frac", "ppo_clip_frac"):
-            cf, v = rule_fraction(r, base)
-            cells.append(f"{'cf ' if cf else ''}{fmt(v)}")
+            f = fraction(r, base)
+            cells.append(f"{'cf ' if f.counterfactual else ''}{fmt(f.value)}")
         lines.append(
             f"| {r['arm']} | {num(r['step']) + 1} | {fmt(r['reward_mean'])} | {fmt(r['format_rate'])} | "
             f"{cells[0]} | {cells[1]} | {fmt(r['drift_abs_p90'])} | {fmt(r.get('kl_sample_train_v1'))} | "
             f"{fmt(r.get('entropy'))} | {fmt(r.get('truncated_frac'), '.3f')} | {fmt(r.get('no_answer_frac'), '.3f')} | "
             f"{fmt(r.get('mean_response_tokens'), '.0f')} | {r['loss_tokens']} | {fmt(r['seconds'], '.1f')} |"
         )
-    return lines + [
+    lines += [
         "",
         CF_NOTE + ". KL(s|t) and entropy: tinker-cookbook `compute_kl_sample_train` (sampler vs trainer "
         "logprobs over the step's loss tokens).",
         "",
-        f"![reward]({plot_files['reward']})",
-        "",
-        f"![fractions]({plot_files['fractions']})",
-        "",
-        f"![truncation and answer yield]({plot_files['truncation']})",
-        "",
     ]
+    for key, alt in (("reward", "reward"), ("fractions", "fractions"), ("truncation", "truncation and answer yield")):
+        lines += [f"![{alt}]({COMPARISON_PLOTS[key]})", ""]
+    return lines
 
 
 def _evaluation_lines(
@@ -176,7 +159,7 @@ def _evaluation_lines(
     return lines + truncation_warnings(scores, eval_metrics, max_tokens)
 
 
-def _decision_lines(decision: JsonMap, plot_files: Mapping[str, str]) -> list[str]:
+def _decision_lines(decision: JsonMap) -> list[str]:
     """Each criterion's paired Hoeffding interval, the verdict, the observations file, the
     informational interval when there is one, and the difference plot."""
     lines = ["", "## Decision (paired Hoeffding)", ""]
@@ -192,7 +175,7 @@ def _decision_lines(decision: JsonMap, plot_files: Mapping[str, str]) -> list[st
     ]
     if decision.get("informational"):
         lines += _informational_lines(obj(decision["informational"]))
-    return lines + ["", f"![difference]({plot_files['difference']})", ""]
+    return lines + ["", f"![difference]({COMPARISON_PLOTS['difference']})", ""]
 
 
 def _informational_lines(info: JsonMap) -> list[str]:
@@ -240,8 +223,8 @@ def write_comparison_report(
     # Section by section: title (rehearsal and resume notes), setup, per step and arm, evaluation, decision.
     lines = _title_lines(decision, backend, resume)
     lines += ["## Setup", ""] + declared_lines(declared, _measured_yields(rows, scores, eval_metrics, max_tokens))
-    lines += [""] + _per_step_lines(rows, COMPARISON_PLOTS)
+    lines += [""] + _per_step_lines(rows)
     lines += _evaluation_lines(scores, eval_metrics, max_tokens)
-    lines += _decision_lines(decision, COMPARISON_PLOTS)
+    lines += _decision_lines(decision)
     bundle.register_bytes(REPORT_FILE, "report", "\n".join(lines).encode())
     return {**COMPARISON_PLOTS, "report": REPORT_FILE}

@@ -14,7 +14,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dppo_harness.evidence.report.text import rows_by_arm, rule_fraction
+from dppo_harness.evidence.report.text import rows_by_arm
+from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, items, num, obj, objs
 from dppo_harness.loss.terms import delta_bins, hist_bin_labels, magnitude_edges
 
@@ -160,10 +161,10 @@ def plot_comparison_fractions(rows: Sequence[JsonMap]) -> bytes:
             ("dppo_masked_frac", "DPPO masked fraction", "o", "-"),
             ("ppo_clip_frac", "PPO clip fraction", "x", "--"),
         ):
-            cf = rule_fraction(rs[0], base)[0]
+            cf = fraction(rs[0], base).counterfactual
             ax.plot(
                 xs,
-                [rule_fraction(r, base)[1] for r in rs],
+                [fraction(r, base).value for r in rs],
                 marker=marker,
                 linestyle=":" if cf else ls,
                 label=f"{arm}: {title}{' (counterfactual)' if cf else ''}",

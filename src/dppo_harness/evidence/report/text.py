@@ -1,12 +1,11 @@
 """Helpers shared by the diagnostic and the comparison report: numbers as the report prints them,
 the declared renderer / loss normalization with the measured truncation under them, and the
-comparison's step rows per arm with their loss-rule fractions."""
+comparison's step rows per arm."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, JsonValue, num, obj
 
 REPORT_FILE = "report.md"
@@ -60,9 +59,3 @@ def rows_by_arm(rows: Sequence[JsonMap]) -> dict[str, list[JsonMap]]:
     for r in rows:
         out.setdefault(str(r["arm"]), []).append(r)
     return {a: sorted(rs, key=lambda r: num(r["step"])) for a, rs in out.items()}
-
-
-def rule_fraction(row: JsonMap, base: str) -> tuple[bool, float]:
-    """(counterfactual?, value) of a loss-rule fraction in a step row (`instrument.rule_fraction`)."""
-    f = fraction(row, base)
-    return f.counterfactual, f.value

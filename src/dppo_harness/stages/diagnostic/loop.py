@@ -169,8 +169,9 @@ def run_bounded_diagnostic(
     def elapsed() -> float:
         return clock() - t0
 
-    size = budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
-    state = RunState(UpdateArchive(bundle, budget.updates_per_archive(size)))
+    state = RunState(
+        UpdateArchive(bundle, budget.updates_per_archive(cfg.groups_per_minibatch * cfg.group_size, cfg.max_tokens))
+    )
     selftest = declare(bundle, plan, cfg, state)
     cap_s = cfg.max_wall_seconds
     try:
