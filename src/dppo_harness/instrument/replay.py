@@ -26,7 +26,6 @@ import torch
 
 from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.instrument import pooled as pooled_mod
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import references
 from dppo_harness.loss import terms as loss_terms
@@ -178,7 +177,7 @@ def load_records(files_dir: Path) -> tuple[list[str], list[ins.LossCallRecord]]:
 
 def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecord]) -> list[str]:
     """Each call's anchor, advantages, mask and tokens must be the frozen batch's, bit for bit."""
-    stem = pooled_mod.FROZEN_BATCH_STEM
+    stem = ins.FROZEN_BATCH_STEM
     npz, man = files_dir / f"{stem}.npz", files_dir / f"{stem}.manifest.json"
     if not (npz.exists() and man.exists()):
         return []
@@ -215,13 +214,13 @@ def _pooled_problems(
     if not second:
         return [], None
     tvs = [recompute(r, normalization, delta, cap, eps)[0]["prob_diff_N"] for r in second]
-    pooled = pooled_mod.pool_calls(second, tvs)
-    path = files_dir / pooled_mod.ANALYSIS_FILE
+    pooled = ins.pool_calls(second, tvs)
+    path = files_dir / ins.ANALYSIS_FILE
     if not path.exists():
         return [], pooled
     logged = json.loads(path.read_text()).get("pooled_second_epoch") or {}
     problems = []
-    for key in LossStats.names("count") + tuple(pooled_mod.RATIO_PARTS) + tuple(pooled_mod.POOLED_QUANTILES):
+    for key in LossStats.names("count") + tuple(ins.RATIO_PARTS) + tuple(ins.POOLED_QUANTILES):
         if key in logged and not _close(logged[key], pooled[key]):
             problems.append(f"pooled second epoch: logged {key}={logged[key]}, replay {pooled[key]}")
     return problems, pooled
@@ -230,7 +229,7 @@ def _pooled_problems(
 def replay_bundle(path: Path) -> ReplayReport:
     files_dir = _files_dir(path)
     names, records = load_records(files_dir)
-    analysis = files_dir / pooled_mod.ANALYSIS_FILE
+    analysis = files_dir / ins.ANALYSIS_FILE
     normalization, delta, cap, eps = "token_mean", DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
     if analysis.exists():
         cfg = json.loads(analysis.read_text()).get("config", {})

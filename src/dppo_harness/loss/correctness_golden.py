@@ -4,7 +4,7 @@ golden values, and every registered loss against its own reference and golden ca
 The golden file (``dppo_golden_v1``: rows of the pinned Stable-RL functions' inputs and outputs,
 padded with a response mask) is read and validated here (``load_golden``); each case is laid out
 as datums after junk prompt positions (``pack_case``), run through the packed path
-(``run_packed``) and scattered back, so like is compared with like. Modes (``correctness.MODES``):
+(``run_packed``) and scattered back, so like is compared with like. Modes (``correctness_measures.MODES``):
 - ``float64``: flat float64 tensors through ``losses.packed_loss_call`` (tinker.Datum stores only
   float32, so this is the one mode that sees the golden inputs bit-exactly);
 - ``float32``: real Datums + ``losses.make_loss_fn`` with float32 current logprobs (what the SDK
@@ -13,7 +13,7 @@ as datums after junk prompt positions (``pack_case``), run through the packed pa
 In Datum modes the sampler logprobs are float32-rounded; where that moves a token across a
 decision boundary (only the exact-boundary cases do), the expectation is the independent padded
 implementation (``references``) on the rounded inputs, and the line says so (``flips=k``).
-The error measures and records are ``correctness``' (numpy only).
+The error measures and records are ``correctness_measures``' (numpy only).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pydantic import JsonValue
 from dppo_harness.evidence.progress import Ticker, quiet
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
-from dppo_harness.loss.correctness import (
+from dppo_harness.loss.correctness_measures import (
     DEFAULT_TOLERANCES,
     GOLDEN_SCHEMA,
     MODES,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.loss.correctness import MODES, build_preflight_block, spec_tolerances, validate_preflight
+from dppo_harness.loss.correctness import build_preflight_block, spec_tolerances, validate_preflight
 from dppo_harness.loss.correctness_golden import (
     REGISTRY_TOLERANCE,
     GoldenReport,
@@ -21,6 +21,7 @@ from dppo_harness.loss.correctness_golden import (
     check_golden,
     registered_loss_parity,
 )
+from dppo_harness.loss.correctness_measures import MODES
 from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 from dppo_harness.stages.restoration.probe import attach_lr_scaling
 from dppo_harness.stages.restoration.records import LrScalingBlock

@@ -13,7 +13,7 @@ import numpy as np
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.instrument.pooled import ANALYSIS_FILE, pool_calls
+from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, pool_calls
 from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
 from dppo_harness.service.identity import ServedModel
@@ -38,7 +38,7 @@ class DiagnosticResult:
     config: DiagnosticConfig
     records: list[ins.LossCallRecord]
     sentinels: SentinelSummary
-    pooled: dict[str, Any] | None  # instrument.pooled.pool_calls of the second-epoch calls
+    pooled: dict[str, Any] | None  # instrumentation.pool_calls of the second-epoch calls
     criteria: list[CriterionResult]
     classification: Classification
     selftest: SelftestReport
