@@ -183,20 +183,20 @@ def pack_case(case: GoldenCase, seed: int = 0) -> PackedCase:
 
 
 def to_datums(packed: PackedCase) -> list[tinker.Datum]:
-    datums: list[tinker.Datum] = []
-    for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T):
-        datums.append(
-            tinker.Datum(
-                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
-                    "logprobs": tinker.TensorData.from_numpy(mu.astype(np.float32)),
-                    "advantages": tinker.TensorData.from_numpy(adv.astype(np.float32)),
-                    "mask": tinker.TensorData.from_numpy(mask.astype(np.float32)),
-                },
-            )
+    """The case's rows as the SDK stores them (float32)."""
+    f32, td = np.float32, tinker.TensorData.from_numpy
+    return [
+        tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": td(np.asarray(tokens[1:], dtype=np.int64)),
+                "logprobs": td(mu.astype(f32)),
+                "advantages": td(adv.astype(f32)),
+                "mask": td(mask.astype(f32)),
+            },
         )
-    return datums
+        for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T)
+    ]
 
 
 @dataclass
