@@ -199,11 +199,6 @@ def regenerate(doc: JsonObject, file: str) -> JsonObject:
     return out
 
 
-def dumps(doc: JsonObject) -> str:
-    """The golden file's layout."""
-    return json.dumps(doc, indent=1)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dppo_harness.loss.golden", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", nargs="?", default=get_loss(DPPO_LOSS).golden.file, help="relative to the project root")
@@ -211,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = project_root() / args.file
     text = path.read_text()
-    fresh = dumps(regenerate(json.loads(text), args.file))
+    fresh = json.dumps(regenerate(json.loads(text), args.file), indent=1)  # the golden file's layout
     if not args.check:
         if fresh != text:
             path.write_text(fresh)
