@@ -58,12 +58,6 @@ def _limits(tol: JsonValue) -> dict[str, float]:
     return out
 
 
-def _paths(block: JsonValue) -> list[JsonObject]:
-    """The object entries of a block's `paths` list (absent or null: none)."""
-    paths = _object(block).get("paths") or []
-    return [p for p in paths if isinstance(p, dict)] if isinstance(paths, list) else []
-
-
 # ---------------------------------------------------------------------------------------------
 # correctness_preflight block
 
@@ -71,8 +65,9 @@ def _paths(block: JsonValue) -> list[JsonObject]:
 def spec_tolerances(spec: JsonObject) -> dict[str, dict[str, float]]:
     """The tolerances of the spec's path `PATH_ID`: the one path a loaded plan can name (the plan
     loader refuses any other id, kind or a second path)."""
-    for p in _paths(spec.get("correctness_preflight", spec)):
-        if p.get("id") == PATH_ID:
+    paths = _object(spec.get("correctness_preflight", spec)).get("paths")
+    for p in paths if isinstance(paths, list) else []:
+        if isinstance(p, dict) and p.get("id") == PATH_ID:
             tol = p.get("tolerances")
             if not isinstance(tol, dict) or not tol:
                 raise ValueError(f"spec path {PATH_ID!r} has no tolerances")
