@@ -128,9 +128,7 @@ def analyse(
     integrity = [
         problem
         for r in records
-        for problem in replay.check_record(
-            r, loss_cfg.normalization, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps
-        ).problems
+        for problem in replay.check_record(r, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps).problems
     ]
     variant = pinned_variant_problems(cfg) + anchor_problems(records, frozen_by_call, trainer_moved(sentinels))
     classification = classify(
