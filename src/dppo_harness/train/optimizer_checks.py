@@ -94,11 +94,7 @@ def optimizer_check(
     echo_observed_on: str | None,
     rtol: float = 1e-9,
 ) -> OptimizerCheck:
-    """One optimizer check: requested family/config against what server responses expose.
-
-    `verified` is true only when the family AND every requested config value came from a server
-    response and match. Anything not exposed stays `source: declared, actual: null`.
-    """
+    """One optimizer check (the module's contract: `verified` only from server responses that match)."""
     family = server_optimizer_family(info)
     want_family = normalize_family(requested_optimizer)
     mismatches: list[str] = []
