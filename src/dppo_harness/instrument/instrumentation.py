@@ -17,7 +17,7 @@ import io
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -110,12 +110,11 @@ def record_from_call(
 
 
 class LossCallRecorder:
-    """Wraps the packed loss so every call is recorded from the loss's own evaluation; `on_record`
-    (e.g. a persisting sink) runs once the loss returned, with its metrics attached."""
+    """Wraps the packed loss so every call is recorded from the loss's own evaluation (persisting a
+    record is the caller's: `train_step`'s `persist`, before the optimizer step)."""
 
-    def __init__(self, loss_cfg: losses.LossConfig, on_record: Callable[[LossCallRecord], None] | None = None):
+    def __init__(self, loss_cfg: losses.LossConfig):
         self.loss_cfg = loss_cfg
-        self.on_record = on_record
         self.records: list[LossCallRecord] = []
 
     def wrap(self, loss_fn: CustomLossFn, **context: JsonValue) -> CustomLossFn:
@@ -132,8 +131,6 @@ class LossCallRecorder:
             record.started_unix, record.loss_seconds = started, seconds
             record.loss_metrics = packed.metrics(call.stats)
             self.records.append(record)
-            if self.on_record is not None:
-                self.on_record(record)
             return call.loss, record.loss_metrics
 
         return recorded_loss_fn
