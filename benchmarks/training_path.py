@@ -59,7 +59,7 @@ def main() -> None:
     npz, manifest = files / "diagnostic-frozen-batch.npz", files / "diagnostic-frozen-batch.manifest.json"
     if not npz.is_file() or not manifest.is_file():
         sys.exit(f"{args.run_dir}: no diagnostic-frozen-batch.npz + manifest (give a diagnostic evidence run dir)")
-    frozen = FrozenBatch.load(npz, manifest)
+    frozen = FrozenBatch.from_bytes(npz.read_bytes(), manifest.read_bytes())
     minibatches = frozen.split_minibatches(8)
     kwargs = {"retain_forward": False} if args.no_retain else {}
     try:

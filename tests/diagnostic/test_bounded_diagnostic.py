@@ -6,7 +6,7 @@ The run itself happens once, in the session fixture `diagnostic_run` (dppo_harne
 import subprocess
 import sys
 
-from dppo_harness.instrument.pooled import ANALYSIS_FILE
+from dppo_harness.instrument.instrumentation import ANALYSIS_FILE
 from dppo_harness.stages.diagnostic.classification import CAUSES
 from dppo_harness.stages.diagnostic.write import NEXT_ACTION_FILE, REFERENCES_FILE
 

@@ -18,7 +18,7 @@ from sdk_session import end_session
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.instrument import replay
-from dppo_harness.instrument.pooled import ANALYSIS_FILE
+from dppo_harness.instrument.instrumentation import ANALYSIS_FILE
 from dppo_harness.plans import Plan, load_plan
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 

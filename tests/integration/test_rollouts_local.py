@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tinker
 from sdk_session import end_session
+from tinker_cookbook.rl import data_processing
 
 from dppo_harness import constants
 from dppo_harness.data import gsm8k
@@ -66,7 +67,7 @@ def test_rollout_batch_datums_align_with_trainer_logprobs(server, renderer, trai
     assert rb.sampler_checkpoint == path and path.startswith("tinker://") and rb.base_model == constants.BASE_MODEL
     assert len(rb.groups) == 8 and all(len(g.responses) == 4 for g in rb.groups)
     assert all(0 < len(r) <= 16 for g in rb.groups for r in g.responses)
-    advantages = rollouts.group_advantages(rb)
+    advantages = data_processing.compute_advantages(rollouts.to_trajectory_groups(rb))
     for grp in rb.groups:
         adv = advantages[grp.group_id]
         np.testing.assert_allclose(adv, np.array(grp.rewards_G) - np.mean(grp.rewards_G), atol=1e-6)

@@ -105,7 +105,8 @@ def test_measures_json_is_parity_errors_as_written():
 
 
 def test_validate_tolerances_are_numbers():
-    spec = {"correctness_preflight": {"required": True, "paths": [{"id": "p", "tolerances": {"loss": {"atol": 1}}}]}}
+    path = {"id": "grpo_dppo_custom_loss", "tolerances": {"loss": {"atol": 1}}}
+    spec = {"correctness_preflight": {"required": True, "paths": [path]}}
     assert cx.spec_tolerances(spec) == {"loss": {"atol": 1}}
     spec["correctness_preflight"]["paths"][0]["tolerances"]["loss"]["atol"] = "1e-5"
     with pytest.raises(ValueError, match="tolerance atol: expected a number"):

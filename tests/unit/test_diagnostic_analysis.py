@@ -7,7 +7,7 @@ import pytest
 from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.instrument.pooled import pool_calls
+from dppo_harness.instrument.instrumentation import pool_calls
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
 from dppo_harness.plans import load_plan
 from dppo_harness.plans.models import AnalysisCriterion

@@ -69,7 +69,7 @@ def _entry(**overrides) -> registry.LossEntry:
 def registered():
     entry = registry.register_loss(_entry())
     yield entry
-    registry.unregister_loss(NAME)
+    registry.LOSSES.pop(NAME, None)
 
 
 def _spec_with_test_loss() -> dict:
@@ -134,11 +134,11 @@ def test_a_registered_test_loss_runs_with_no_other_change(registered):
 
 
 def test_registry_parity_fails_on_a_wrong_rule_reference_or_golden(registered, tmp_path):
-    registry.unregister_loss(NAME)
+    registry.LOSSES.pop(NAME, None)
     registry.register_loss(_entry(token_loss=lambda lp, mu, adv, terms: -lp * adv))  # REINFORCE, not -A * r
     bad = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert not bad.passed and any("packed gradient vs reference" in f for f in bad.failures)
-    registry.unregister_loss(NAME)
+    registry.LOSSES.pop(NAME, None)
     registry.register_loss(_entry(reference=lambda *a, **k: references.RefResult(0.0, np.zeros(a[0].shape), a[3] > 0)))
     bad = correctness_golden.registered_loss_parity(NAME, ROOT)
     assert any("reference loss vs golden" in f for f in bad.failures)
@@ -163,7 +163,7 @@ def test_gate_metrics_come_from_the_registry(registered):
         sources["pg_ratio_drift_q99"] == "drift/abs_p99"
         and sources["grpo_clip_fraction"] == "ppo/clip_frac_loss_tokens"
     )
-    registry.unregister_loss(NAME)
+    registry.LOSSES.pop(NAME, None)
     raw = _spec_with_test_loss()
     raw["arms"][1]["loss"] = registry.DPPO_LOSS  # a registered loss, but no registered loss provides the check
     with pytest.raises(

@@ -5,6 +5,7 @@ import concurrent.futures
 import numpy as np
 import pytest
 from tinker.types import SampledSequence, SampleResponse
+from tinker_cookbook.rl import data_processing
 
 from dppo_harness import constants
 from dppo_harness.data import gsm8k
@@ -99,7 +100,7 @@ def test_rewards_and_group_centred_advantages(batch):
     _, b = batch
     for grp in b.groups:
         assert grp.rewards_G == [1.0, 0.0, 1.0, 0.0]
-    adv = rollouts.group_advantages(b)
+    adv = data_processing.compute_advantages(rollouts.to_trajectory_groups(b))
     # mean 0.5, no std division: +-0.5 (a std-normalised GRPO would give +-1)
     for a in adv:
         np.testing.assert_allclose(a, [0.5, -0.5, 0.5, -0.5])

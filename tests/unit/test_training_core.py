@@ -10,7 +10,7 @@ import pytest
 import tinker
 import torch
 
-from dppo_harness.instrument import instrumentation, pooled, replay
+from dppo_harness.instrument import instrumentation, replay
 from dppo_harness.loss import correctness, losses
 from dppo_harness.stages import gate
 from dppo_harness.stages.diagnostic import analysis
@@ -178,10 +178,10 @@ def _imports(module) -> set[str]:
     return out
 
 
-def test_module_graph_replay_and_pooled_do_not_import_the_diagnostic():
+def test_module_graph_replay_and_pooling_do_not_import_the_diagnostic():
     assert not any("diagnostic" in m for m in _imports(replay)), "replay must not import diagnostic (cycle)"
-    assert not any("diagnostic" in m for m in _imports(pooled))
-    assert analysis.pool_calls is pooled.pool_calls and analysis.ANALYSIS_FILE == pooled.ANALYSIS_FILE
+    assert not any("diagnostic" in m for m in _imports(instrumentation))
+    assert analysis.pool_calls is instrumentation.pool_calls and analysis.ANALYSIS_FILE == instrumentation.ANALYSIS_FILE
 
 
 def test_no_training_loop_outside_the_core():

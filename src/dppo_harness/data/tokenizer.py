@@ -104,7 +104,6 @@ def package_version(name: str) -> str | None:
 
 @dataclass(frozen=True)
 class TokenizerBundle:
-    choice: str
     tokenizer: Tokenizer
     renderer: renderers.Renderer
     renderer_name: str
@@ -165,7 +164,7 @@ def make_renderer(choice: str = TML_QWEN35, renderer_name: str = constants.RENDE
         "stop_sequences": list(stop),
         "tinker_cookbook_version": package_version("tinker-cookbook"),
     }
-    return TokenizerBundle(choice, tokenizer, renderer, renderer_name, provenance)
+    return TokenizerBundle(tokenizer, renderer, renderer_name, provenance)
 
 
 THINK_PREFILL = "<think>\n"

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,11 +315,8 @@ def paired_binary_informational(
                 raise ObservationError(
                     f"{arm} item {k[0]!r}: value {v!r} is not 0 or 1 (a paired proportion needs binary scores)"
                 )
-    pairs = list(zip(paired.treatment, paired.baseline))
-    a = sum(1 for t, b_ in pairs if t == 1 and b_ == 1)
-    b = sum(1 for t, b_ in pairs if t == 1 and b_ == 0)
-    c = sum(1 for t, b_ in pairs if t == 0 and b_ == 1)
-    d = len(pairs) - a - b - c
+    table = Counter(zip(paired.treatment, paired.baseline))  # values are 0/1: four cells
+    a, b, c, d = table[1, 1], table[1, 0], table[0, 1], table[0, 0]
     ci = newcombe_paired_interval(a, b, c, d, alpha)
     return {
         "label": INFORMATIONAL_LABEL,
@@ -328,7 +326,7 @@ def paired_binary_informational(
         "baseline": baseline,
         "metric": metric,
         "evaluator_id": paired.evaluator_id,
-        "n": len(pairs),
+        "n": len(paired.keys),
         "alpha": alpha,
         "both_correct": a,
         "treatment_only_correct": b,

@@ -79,8 +79,8 @@ def start_session(
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
         # update of the session (the preflight's probes included), so the evidence shows what was planned before it ran.
-        # instrument.pooled loads numpy and torch (its instrumentation); the bundle, imported by every stage, stays light
-        from dppo_harness.instrument.pooled import REVISED_SPEC_FILE
+        # instrument.instrumentation loads numpy and torch; the bundle, imported by every stage, stays light
+        from dppo_harness.instrument.instrumentation import REVISED_SPEC_FILE
 
         bundle.register_plan(plan, REVISED_SPEC_FILE)
     # The ledger's budget is the executed plan's own, counted from the session start (the ledger's

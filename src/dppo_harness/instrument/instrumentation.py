@@ -5,7 +5,9 @@ the loss received (the current logprobs of that very call: no extra server pass)
 terms and statistics of its own evaluation (`PackedLoss.evaluate`, computed once per call). One
 record = one loss call = one optimizer update; records are saved as compressed npz files with a
 JSON meta entry (`records_to_npz` / `records_from_npz`), so a file is self-describing and
-`replay.py` needs nothing else to recompute the decisions independently.
+`replay.py` needs nothing else to recompute the decisions independently. Pooled statistics of
+several calls (`pool_calls`) and the diagnostic evidence file names that replay and the session
+read live here too: the diagnostic pools the calls it trained, replay its independent recompute.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import io
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -25,7 +27,7 @@ import torch
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import losses
 from dppo_harness.loss.losses import CustomLossFn, LossCall, PackedInputs
-from dppo_harness.loss.terms import LossStats
+from dppo_harness.loss.terms import HIST_SIGNS, LossStats
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
 META_KEY = "__record_meta__"
@@ -108,12 +110,11 @@ def record_from_call(
 
 
 class LossCallRecorder:
-    """Wraps the packed loss so every call is recorded from the loss's own evaluation; `on_record`
-    (e.g. a persisting sink) runs once the loss returned, with its metrics attached."""
+    """Wraps the packed loss so every call is recorded from the loss's own evaluation (persisting a
+    record is the caller's: `train_step`'s `persist`, before the optimizer step)."""
 
-    def __init__(self, loss_cfg: losses.LossConfig, on_record: Callable[[LossCallRecord], None] | None = None):
+    def __init__(self, loss_cfg: losses.LossConfig):
         self.loss_cfg = loss_cfg
-        self.on_record = on_record
         self.records: list[LossCallRecord] = []
 
     def wrap(self, loss_fn: CustomLossFn, **context: JsonValue) -> CustomLossFn:
@@ -130,8 +131,6 @@ class LossCallRecorder:
             record.started_unix, record.loss_seconds = started, seconds
             record.loss_metrics = packed.metrics(call.stats)
             self.records.append(record)
-            if self.on_record is not None:
-                self.on_record(record)
             return call.loss, record.loss_metrics
 
         return recorded_loss_fn
@@ -290,3 +289,58 @@ def record_prob_diff(record: LossCallRecord, loss_cfg: losses.LossConfig) -> np.
             torch.from_numpy(t["logprobs_N"]), mu, adv, mask, loss_cfg
         ).prob_diff_N.numpy()
     return record.prob_diff_N
+
+
+# ---- pooled statistics and the diagnostic's shared file names (its others: `stages.diagnostic.write`) ----
+
+ANALYSIS_FILE = "diagnostic-analysis.json"
+REVISED_SPEC_FILE = "revised-diagnostic-spec.json"
+FROZEN_BATCH_STEM = "diagnostic-frozen-batch"
+
+
+# Token-weighted ratios: summed numerator over summed denominator across pooled calls.
+RATIO_PARTS = {
+    "dppo/masked_frac_loss_tokens": ("dppo/removed", "tokens/loss"),
+    "dppo/masked_frac_nonzero_adv": ("dppo/removed", "tokens/nonzero_adv"),
+    "ppo/clip_frac_loss_tokens": ("ppo/clipped", "tokens/loss"),
+    "ppo/clip_frac_nonzero_adv": ("ppo/clipped", "tokens/nonzero_adv"),
+}
+POOLED_QUANTILES = {
+    "drift/abs_p90": (True, 0.9),
+    "drift/abs_p99": (True, 0.99),
+    "drift/signed_p90": (False, 0.9),
+    "drift/signed_p99": (False, 0.99),
+}
+
+
+def pool_calls(records: Sequence[LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> JsonObject:
+    """Pooled statistics of the given loss calls, weighted by their loss-token counts."""
+    sums = {k: int(sum(r.stats[k] for r in records)) for k in LossStats.names("count")}
+    pooled: JsonObject = {"calls": len(records), **sums}
+    for metric, (num, den) in RATIO_PARTS.items():
+        pooled[metric] = sums[num] / sums[den] if sums[den] else 0.0
+    loss_d = [d[r.tensors["mask_N"] != 0] for r, d in zip(records, prob_diffs, strict=True)]
+    d = np.concatenate(loss_d) if loss_d else np.zeros(0)
+    adv = (
+        np.concatenate([r.tensors["advantages_N"][r.tensors["mask_N"] != 0] for r in records])
+        if records
+        else np.zeros(0)
+    )
+    for metric, (absolute, q) in POOLED_QUANTILES.items():
+        x = np.abs(d) if absolute else d
+        pooled[metric] = float(np.quantile(x, q)) if x.size else None
+    pooled["drift/abs_max"] = float(np.abs(d).max()) if d.size else None
+    pooled["drift/signed_max"] = float(d.max()) if d.size else None
+    pooled["drift/signed_min"] = float(d.min()) if d.size else None
+    pooled["drift/max_on_pos_adv"] = float(d[adv > 0].max()) if (adv > 0).any() else None
+    pooled["drift/min_on_neg_adv"] = float(d[adv < 0].min()) if (adv < 0).any() else None
+    edges = {r.stats.hist.edges for r in records}
+    if len(edges) > 1:
+        raise ValueError(f"pooled loss calls were binned at different p - q edges: {sorted(edges)}")
+    n_bins = 2 * len(edges.pop()) - 1 if edges else 0
+    hist = {s: np.zeros(n_bins, dtype=np.int64) for s in HIST_SIGNS}
+    for r in records:
+        for s in HIST_SIGNS:
+            hist[s] += np.asarray(getattr(r.stats.hist, s), dtype=np.int64)
+    pooled["hist"] = {s: [*h.tolist()] for s, h in hist.items()}
+    return pooled

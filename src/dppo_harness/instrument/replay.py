@@ -26,7 +26,6 @@ import torch
 
 from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.instrument import pooled as pooled_mod
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import references
 from dppo_harness.loss import terms as loss_terms
@@ -67,18 +66,18 @@ class RecordCheck:
 
 def recompute(
     record: ins.LossCallRecord,
-    normalization: str = "token_mean",
     delta: float = DPPO_DELTA,
     cap: float = DPPO_RATIO_CAP,
     eps: float = PPO_EPS,
 ) -> tuple[dict[str, np.ndarray], LossStats]:
-    """Decisions (packed) and statistics of one record from the padded reference path."""
+    """Decisions (packed) and statistics of one record from the padded reference path (the
+    references' loss values, the only thing the normalization changes, are not compared)."""
     t, lengths = record.tensors, np.asarray(record.tensors["lengths_S"])
     keys = ("logprobs_N", "sampler_logprobs_N", "advantages_N", "mask_N")
     lp, mu, adv, mask = (to_padded(t[k].astype(np.float64), lengths) for k in keys)
     on = mask > 0
-    dppo = references.ref_dppo(lp, mu, adv, mask, normalization, delta, cap, LOG_RATIO_CLAMP_MAX)
-    ppo = references.ref_ppo(lp, mu, adv, mask, normalization, ppo_eps=eps)
+    dppo = references.ref_dppo(lp, mu, adv, mask, "sum", delta, cap, LOG_RATIO_CLAMP_MAX)
+    ppo = references.ref_ppo(lp, mu, adv, mask, "sum", ppo_eps=eps)
     with np.errstate(over="ignore", invalid="ignore"):
         ratio = np.where(on, np.exp(np.where(on, lp - mu, 0.0)), 1.0)
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
@@ -101,7 +100,6 @@ def _close(a: Any, b: Any) -> bool:
 
 def check_record(
     record: ins.LossCallRecord,
-    normalization: str = "token_mean",
     delta: float = DPPO_DELTA,
     cap: float = DPPO_RATIO_CAP,
     eps: float = PPO_EPS,
@@ -109,7 +107,7 @@ def check_record(
     """Every logged decision and statistic of one loss call against the independent recompute."""
     where = f"update {record.context.get('update_index', record.call_index)}"
     check = RecordCheck(record.context.get("update_index", record.call_index))
-    decisions, stats = recompute(record, normalization, delta, cap, eps)
+    decisions, stats = recompute(record, delta, cap, eps)
     check.recomputed = stats
     near = np.abs(np.abs(decisions["prob_diff_N"]) - delta) <= BOUNDARY_TIE
     for name in ins.DECISION_FIELDS:
@@ -178,7 +176,7 @@ def load_records(files_dir: Path) -> tuple[list[str], list[ins.LossCallRecord]]:
 
 def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecord]) -> list[str]:
     """Each call's anchor, advantages, mask and tokens must be the frozen batch's, bit for bit."""
-    stem = pooled_mod.FROZEN_BATCH_STEM
+    stem = ins.FROZEN_BATCH_STEM
     npz, man = files_dir / f"{stem}.npz", files_dir / f"{stem}.manifest.json"
     if not (npz.exists() and man.exists()):
         return []
@@ -208,20 +206,20 @@ def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecor
 
 
 def _pooled_problems(
-    files_dir: Path, records: Sequence[ins.LossCallRecord], normalization: str, delta: float, cap: float, eps: float
+    files_dir: Path, records: Sequence[ins.LossCallRecord], delta: float, cap: float, eps: float
 ) -> tuple[list[str], JsonObject | None]:
     """The logged pooled second-epoch analysis against a pooled recompute from the padded path."""
     second = [r for r in records if r.context.get("epoch") == 2]
     if not second:
         return [], None
-    tvs = [recompute(r, normalization, delta, cap, eps)[0]["prob_diff_N"] for r in second]
-    pooled = pooled_mod.pool_calls(second, tvs)
-    path = files_dir / pooled_mod.ANALYSIS_FILE
+    tvs = [recompute(r, delta, cap, eps)[0]["prob_diff_N"] for r in second]
+    pooled = ins.pool_calls(second, tvs)
+    path = files_dir / ins.ANALYSIS_FILE
     if not path.exists():
         return [], pooled
     logged = json.loads(path.read_text()).get("pooled_second_epoch") or {}
     problems = []
-    for key in LossStats.names("count") + tuple(pooled_mod.RATIO_PARTS) + tuple(pooled_mod.POOLED_QUANTILES):
+    for key in LossStats.names("count") + tuple(ins.RATIO_PARTS) + tuple(ins.POOLED_QUANTILES):
         if key in logged and not _close(logged[key], pooled[key]):
             problems.append(f"pooled second epoch: logged {key}={logged[key]}, replay {pooled[key]}")
     return problems, pooled
@@ -230,16 +228,15 @@ def _pooled_problems(
 def replay_bundle(path: Path) -> ReplayReport:
     files_dir = _files_dir(path)
     names, records = load_records(files_dir)
-    analysis = files_dir / pooled_mod.ANALYSIS_FILE
-    normalization, delta, cap, eps = "token_mean", DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
+    analysis = files_dir / ins.ANALYSIS_FILE
+    delta, cap, eps = DPPO_DELTA, DPPO_RATIO_CAP, PPO_EPS
     if analysis.exists():
         cfg = json.loads(analysis.read_text()).get("config", {})
-        normalization = cfg.get("normalization", normalization)
         delta, cap, eps = cfg.get("delta", delta), cfg.get("ratio_cap", cap), cfg.get("ppo_eps", eps)
-    checks = [check_record(r, normalization, delta, cap, eps) for r in records]
+    checks = [check_record(r, delta, cap, eps) for r in records]
     problems = [p for c in checks for p in c.problems]
     problems += _frozen_anchor_problems(files_dir, records)
-    pooled_problems, pooled = _pooled_problems(files_dir, records, normalization, delta, cap, eps)
+    pooled_problems, pooled = _pooled_problems(files_dir, records, delta, cap, eps)
     problems += pooled_problems
     if not records:
         problems.append(f"no loss-call record files found in {files_dir}")

@@ -33,7 +33,6 @@ from dppo_harness.loss.correctness_measures import (
     ErrorMeasures,
     GoldenError,
     GoldenReport,
-    Tolerances,
     errors_pass,
 )
 from dppo_harness.loss.loss_registry import PATH_ID, implemented_list
@@ -59,41 +58,21 @@ def _limits(tol: JsonValue) -> dict[str, float]:
     return out
 
 
-def _paths(block: JsonValue) -> list[JsonObject]:
-    """The object entries of a block's `paths` list (absent or null: none)."""
-    paths = _object(block).get("paths") or []
-    return [p for p in paths if isinstance(p, dict)] if isinstance(paths, list) else []
-
-
 # ---------------------------------------------------------------------------------------------
 # correctness_preflight block
 
 
-def spec_path_ids(spec: JsonObject | None) -> tuple[str, ...]:
-    """The path ids the spec's correctness preflight names, in its order (the plan loader refuses
-    an id the harness does not implement); without a spec, the harness's own path."""
-    if spec is None:
-        return (PATH_ID,)
-    return tuple(str(p.get("id")) for p in _paths(spec.get("correctness_preflight", spec)))
-
-
-def spec_tolerances(spec: JsonObject, path_id: str | None = None) -> dict[str, dict[str, float]]:
-    """The tolerances of the spec's path `path_id` (default: the one path the spec names)."""
-    if path_id is None:
-        ids = spec_path_ids(spec)
-        if len(ids) != 1:
-            raise ValueError(
-                f"spec names {len(ids)} correctness_preflight paths {list(ids)}, not one "
-                f"(implemented: {implemented_list()})"
-            )
-        path_id = ids[0]
-    for p in _paths(spec.get("correctness_preflight", spec)):
-        if p.get("id") == path_id:
+def spec_tolerances(spec: JsonObject) -> dict[str, dict[str, float]]:
+    """The tolerances of the spec's path `PATH_ID`: the one path a loaded plan can name (the plan
+    loader refuses any other id, kind or a second path)."""
+    paths = _object(spec.get("correctness_preflight", spec)).get("paths")
+    for p in paths if isinstance(paths, list) else []:
+        if isinstance(p, dict) and p.get("id") == PATH_ID:
             tol = p.get("tolerances")
             if not isinstance(tol, dict) or not tol:
-                raise ValueError(f"spec path {path_id!r} has no tolerances")
+                raise ValueError(f"spec path {PATH_ID!r} has no tolerances")
             return {check: _limits(limits) for check, limits in tol.items()}
-    raise ValueError(f"spec has no correctness_preflight path {path_id!r}")
+    raise ValueError(f"spec has no correctness_preflight path {PATH_ID!r} (implemented: {implemented_list()})")
 
 
 def implementation_revision() -> str:
@@ -115,19 +94,9 @@ def _worst(entries: list[ErrorMeasures], tol: Mapping[str, float]) -> ErrorMeasu
 
 
 def build_preflight_block(report: GoldenReport, spec: JsonObject | None = None) -> JsonObject:
-    """The spec's ``correctness_preflight`` object, one path per id the spec names (each with its
-    own tolerances); errors are the worst case over every case and mode."""
-    return {
-        "required": True,
-        "paths": [
-            _path_block(report, pid, spec_tolerances(spec, pid) if spec is not None else DEFAULT_TOLERANCES)
-            for pid in spec_path_ids(spec)
-        ],
-    }
-
-
-def _path_block(report: GoldenReport, path_id: str, tol: Tolerances) -> JsonObject:
-    """One path of the block: the golden report judged against that path's tolerances."""
+    """The spec's ``correctness_preflight`` object: the golden report judged against the spec's
+    tolerances (the built-in ones without a spec); errors are the worst case over every case and mode."""
+    tol = spec_tolerances(spec) if spec is not None else DEFAULT_TOLERANCES
     collected: dict[str, list[ErrorMeasures]] = {k: [] for k in CHECK_NAMES}
     for res in report.results:
         for sub in res.subchecks:
@@ -141,8 +110,8 @@ def _path_block(report: GoldenReport, path_id: str, tol: Tolerances) -> JsonObje
             errors[key] = as_object(_worst(collected[key], tol.get(key, DEFAULT_TOLERANCES[key])))
     modes = sorted({r.mode for r in report.results})
     flips = sum(1 for r in report.results for s in r.subchecks if "flips=" in s.detail)
-    return {
-        "id": path_id,
+    path: JsonObject = {
+        "id": PATH_ID,
         "fixed_input": {
             "sha256": report.sha256,
             "description": (
@@ -172,6 +141,7 @@ def _path_block(report: GoldenReport, path_id: str, tol: Tolerances) -> JsonObje
         "errors": errors,
         "lr_scaling": [],
     }
+    return {"required": True, "paths": [path]}
 
 
 # ---------------------------------------------------------------------------------------------

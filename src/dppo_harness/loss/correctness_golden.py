@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +47,7 @@ from dppo_harness.loss.correctness_measures import (
 )
 from dppo_harness.loss.golden import REGISTRY_TOLERANCE, case_inputs
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, Normalization, get_loss
-from dppo_harness.loss.references import RefResult, ref_dppo, ref_ppo, token_count
-
-_REQUIRED_CASE_KEYS = ("name", "shape", "log_prob", "rollout_log_prob", "advantages", "response_mask", "dppo")
-
+from dppo_harness.loss.references import RefResult, ref_dppo, ref_ppo
 
 # ---------------------------------------------------------------------------------------------
 # The golden file
@@ -63,22 +59,20 @@ def file_sha256(path: Path) -> str:
 
 def _value(case: JsonObject, dotted: str, shape: tuple[int, int] | None = None) -> np.ndarray:
     """A case's field (`a.b`: nested) as a float64 array of `shape`, or a finite number without one."""
-    name = case.get("name", "?")
+    where = f"case {case.get('name', '?')!r}: {dotted}"
     obj: JsonValue = case
     for k in dotted.split("."):
-        if not isinstance(obj, dict) or k not in obj:
-            raise GoldenError(f"case {name!r}: missing {dotted}")
-        obj = obj[k]
-    if shape is None:
-        if not isinstance(obj, (int, float)) or isinstance(obj, bool) or not math.isfinite(obj):
-            raise GoldenError(f"case {name!r}: {dotted} must be a finite number, got {obj!r}")
-        return np.asarray(obj, dtype=np.float64)
+        obj = obj.get(k) if isinstance(obj, dict) else None
+    if obj is None:
+        raise GoldenError(f"{where} missing")
     try:
         arr = np.asarray(obj, dtype=np.float64)
     except (TypeError, ValueError) as exc:
-        raise GoldenError(f"case {name!r}: {dotted} is not numeric: {exc}") from exc
-    if arr.shape != shape:
-        raise GoldenError(f"case {name!r}: {dotted} has shape {arr.shape}, expected {shape}")
+        raise GoldenError(f"{where} is not numeric: {exc}") from None
+    if shape is None and (isinstance(obj, bool) or arr.shape != () or not np.isfinite(arr)):
+        raise GoldenError(f"{where} must be a finite number, got {obj!r}")
+    if shape is not None and arr.shape != shape:
+        raise GoldenError(f"{where} has shape {arr.shape}, expected {shape}")
     return arr
 
 
@@ -98,6 +92,40 @@ class GoldenCase:
     dppo_removed: int | None  # n_invalid_tr_tokens, when recorded
 
 
+def _case(c: JsonValue, where: str) -> GoldenCase:
+    """One validated case (`where`: its place in the file, for the error line)."""
+    if not isinstance(c, dict):
+        raise GoldenError(f"{where} is not an object")
+    shape = c.get("shape")
+    dims = [n for n in shape if isinstance(n, int) and n >= 0] if isinstance(shape, list) else []
+    if not (isinstance(shape, list) and len(dims) == len(shape) == 2):
+        raise GoldenError(f"{where}.shape must be [B, T], got {shape!r}")
+    shp = (dims[0], dims[1])
+    mask = _value(c, "response_mask", shp)
+    if not np.isin(mask, (0.0, 1.0)).all():
+        raise GoldenError(f"case {c.get('name')!r}: response_mask must be 0/1")
+    grpo, dppo = c.get("grpo_no_dual_clip"), c.get("dppo")
+    has_grpo = isinstance(grpo, dict)
+    metrics = dppo.get("metrics") if isinstance(dppo, dict) else None
+    removed = metrics.get("n_invalid_tr_tokens") if isinstance(metrics, dict) else None
+    return GoldenCase(
+        name=str(c.get("name")),
+        lp_BT=_value(c, "log_prob", shp),
+        mu_BT=_value(c, "rollout_log_prob", shp),
+        adv_BT=_value(c, "advantages", shp),
+        mask_BT=mask,
+        dppo_mask_BT=_value(c, "dppo.mask", shp),
+        dppo_loss=float(_value(c, "dppo.loss")),
+        dppo_grad_BT=_value(c, "dppo.grad_log_prob", shp),
+        grpo_loss=float(_value(c, "grpo_no_dual_clip.loss")) if has_grpo else None,
+        grpo_grad_BT=_value(c, "grpo_no_dual_clip.grad_log_prob", shp) if has_grpo else None,
+        grpo_clipfrac=float(_value(c, "grpo_no_dual_clip.clipfrac"))
+        if isinstance(grpo, dict) and "clipfrac" in grpo
+        else None,
+        dppo_removed=int(removed) if isinstance(removed, (int, float)) and not isinstance(removed, bool) else None,
+    )
+
+
 def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
     """Read and validate a ``dppo_golden_v1`` file."""
     path = Path(path)
@@ -105,50 +133,13 @@ def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise GoldenError(f"cannot read golden file {path}: {exc}") from exc
-    if not isinstance(raw, dict) or raw.get("schema") != GOLDEN_SCHEMA:
-        raise GoldenError(
-            f"{path}: schema must be {GOLDEN_SCHEMA!r}, got {raw.get('schema') if isinstance(raw, dict) else type(raw).__name__!r}"
-        )
-    cases_raw = raw.get("cases")
-    if not isinstance(cases_raw, list) or not cases_raw:
+    schema = raw.get("schema") if isinstance(raw, dict) else type(raw).__name__
+    if schema != GOLDEN_SCHEMA:
+        raise GoldenError(f"{path}: schema must be {GOLDEN_SCHEMA!r}, got {schema!r}")
+    cases = raw.get("cases")
+    if not isinstance(cases, list) or not cases:
         raise GoldenError(f"{path}: 'cases' must be a non-empty list")
-    cases = []
-    for i, c in enumerate(cases_raw):
-        if not isinstance(c, dict):
-            raise GoldenError(f"{path}: cases[{i}] is not an object")
-        missing = [k for k in _REQUIRED_CASE_KEYS if k not in c]
-        if missing:
-            raise GoldenError(f"{path}: cases[{i}] ({c.get('name', '?')!r}) lacks {missing}")
-        shape = c["shape"]
-        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise GoldenError(f"{path}: cases[{i}].shape must be [B, T], got {shape!r}")
-        shp = (shape[0], shape[1])
-        mask = _value(c, "response_mask", shp)
-        if not np.isin(mask, (0.0, 1.0)).all():
-            raise GoldenError(f"case {c['name']!r}: response_mask must be 0/1")
-        grpo = c.get("grpo_no_dual_clip")
-        removed = c["dppo"].get("metrics", {}).get("n_invalid_tr_tokens")
-        cases.append(
-            GoldenCase(
-                name=str(c["name"]),
-                lp_BT=_value(c, "log_prob", shp),
-                mu_BT=_value(c, "rollout_log_prob", shp),
-                adv_BT=_value(c, "advantages", shp),
-                mask_BT=mask,
-                dppo_mask_BT=_value(c, "dppo.mask", shp),
-                dppo_loss=float(_value(c, "dppo.loss")),
-                dppo_grad_BT=_value(c, "dppo.grad_log_prob", shp),
-                grpo_loss=float(_value(c, "grpo_no_dual_clip.loss")) if grpo is not None else None,
-                grpo_grad_BT=_value(c, "grpo_no_dual_clip.grad_log_prob", shp) if grpo is not None else None,
-                grpo_clipfrac=float(_value(c, "grpo_no_dual_clip.clipfrac"))
-                if grpo is not None and "clipfrac" in grpo
-                else None,
-                dppo_removed=int(removed)
-                if isinstance(removed, (int, float)) and not isinstance(removed, bool)
-                else None,
-            )
-        )
-    return raw, cases
+    return raw, [_case(c, f"{path}: cases[{i}]") for i, c in enumerate(cases)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,20 +183,20 @@ def pack_case(case: GoldenCase, seed: int = 0) -> PackedCase:
 
 
 def to_datums(packed: PackedCase) -> list[tinker.Datum]:
-    datums: list[tinker.Datum] = []
-    for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T):
-        datums.append(
-            tinker.Datum(
-                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
-                    "logprobs": tinker.TensorData.from_numpy(mu.astype(np.float32)),
-                    "advantages": tinker.TensorData.from_numpy(adv.astype(np.float32)),
-                    "mask": tinker.TensorData.from_numpy(mask.astype(np.float32)),
-                },
-            )
+    """The case's rows as the SDK stores them (float32)."""
+    f32, td = np.float32, tinker.TensorData.from_numpy
+    return [
+        tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": td(np.asarray(tokens[1:], dtype=np.int64)),
+                "logprobs": td(mu.astype(f32)),
+                "advantages": td(adv.astype(f32)),
+                "mask": td(mask.astype(f32)),
+            },
         )
-    return datums
+        for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T)
+    ]
 
 
 @dataclass
@@ -388,7 +379,7 @@ def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
     want = (case.dppo_loss, case.dppo_grad_BT)
     subs = [_loss_grad_check("ref_dppo_vs_golden", (rd.loss, rd.grad_BT), want, tol, _REF, fails)]
     if case.grpo_loss is not None and case.grpo_grad_BT is not None:  # both or neither (the golden's GRPO entry)
-        rv, n = _golden_ref(GRPO_LOSS, case), token_count(case.mask_BT)
+        rv, n = _golden_ref(GRPO_LOSS, case), float(case.mask_BT.sum())
         fails = []
         if case.grpo_clipfrac is not None and int(rv.decision_BT.sum()) != round(case.grpo_clipfrac * (n + 1e-8)):
             fails.append("clip count differs")
@@ -460,7 +451,7 @@ def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tol
         exp_loss, exp_grad, note = rv.loss, rv.grad_BT, f"flips={cflips} vs independent ref on rounded inputs"
     fails = _common_failures(run)
     if case.grpo_clipfrac is not None and cflips == 0:
-        n = token_count(case.mask_BT)
+        n = float(case.mask_BT.sum())
         if run.metrics["ppo/clipped"] != round(case.grpo_clipfrac * (n + 1e-8)):
             fails.append("ppo/clipped differs from golden clipfrac")
     return _loss_grad_check("grpo_golden", (run.loss, run.grad_BT), (exp_loss, exp_grad), tol, _REF, fails, note)

@@ -3,25 +3,16 @@
     python -m dppo_harness.loss.golden [--check] [FILE]
 
 For every case of FILE (default: the registered losses' golden file) and every registered loss
-whose golden cases live in it, the values the harness reads are recomputed with the loss's
-reference (`LossEntry.reference` at its `params` and `GoldenCases.reference_params`, normalized as
-`GoldenCases.normalization`): `loss` and `grad_log_prob` under the entry's key, and what the case
-holds of the rule's decisions (`mask`: the DPPO keep mask; `metrics.n_invalid_tr_tokens` and
-`metrics.actor/pg_clipfrac`: the nonzero-advantage tokens it removes, counted and as a fraction;
-`clipfrac`: the clipped fraction as verl counts it). The DPPO
-thresholds in `params.dppo` follow the registered DPPO loss.
-
-A stored value that the reference reproduces within the registry's parity tolerance (float64
-summation order) is kept as it is: the shipped values were computed by the implementation the
-file's `reference` names, and stay its. Any other value (after a change of delta, or for a newly
-registered loss) is replaced by the reference's. The other entries of a case (that implementation's
-other aggregation modes and metrics) are not read by the harness and are left as they are.
-
-The inputs of the `boundary_exact` case's first two rows sit at the registered delta: p - q is
-exactly +-delta, just beyond and just inside it (float64, numpy's and torch's exp alike). Stored
-rows that already do are kept; otherwise they are rebuilt at the current delta, and the entries no
-reference here reproduces (other implementations' values) are dropped from that case.
-
+whose golden cases live in it, what the harness reads (`loss`, `grad_log_prob` and the decisions'
+`mask`, `n_invalid_tr_tokens`, `actor/pg_clipfrac` and `clipfrac` where the case holds them) is
+recomputed with the loss's reference (`LossEntry.reference` at its `params` and
+`GoldenCases.reference_params`). A stored value the reference reproduces within the registry's
+parity tolerance (float64 summation order) is kept as the implementation the file's `reference`
+names computed it; any other is replaced; entries the harness does not read are left as they are,
+and `params.dppo` follows the registered DPPO loss. The `boundary_exact` case's first two rows are
+rebuilt at the registered delta unless they already sit on it (p - q exactly +-delta, just beyond
+and just inside, in numpy's and torch's exp alike); a rebuilt case drops the entries no reference
+here reproduces.
 `--check` exits 1, naming the differing cases, when FILE is not the generator's fixed point.
 """
 
@@ -199,11 +190,6 @@ def regenerate(doc: JsonObject, file: str) -> JsonObject:
     return out
 
 
-def dumps(doc: JsonObject) -> str:
-    """The golden file's layout."""
-    return json.dumps(doc, indent=1)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dppo_harness.loss.golden", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", nargs="?", default=get_loss(DPPO_LOSS).golden.file, help="relative to the project root")
@@ -211,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = project_root() / args.file
     text = path.read_text()
-    fresh = dumps(regenerate(json.loads(text), args.file))
+    fresh = json.dumps(regenerate(json.loads(text), args.file), indent=1)  # the golden file's layout
     if not args.check:
         if fresh != text:
             path.write_text(fresh)

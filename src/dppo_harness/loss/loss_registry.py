@@ -115,11 +115,6 @@ def register_loss(entry: LossEntry) -> LossEntry:
     return entry
 
 
-def unregister_loss(name: str) -> None:
-    """Remove a registered loss (tests that register their own)."""
-    LOSSES.pop(name, None)
-
-
 def loss_names() -> tuple[str, ...]:
     return tuple(sorted(LOSSES))
 

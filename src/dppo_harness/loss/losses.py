@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-import numpy.typing as npt
 import tinker
 import torch
 
@@ -57,17 +56,6 @@ class LossConfig:
             raise ValueError(f"LossConfig.ppo_eps must be < 1, got {self.ppo_eps!r}")
 
 
-def _as_numpy_1d(value: tinker.TensorData | torch.Tensor | npt.ArrayLike, key: str, index: int) -> np.ndarray:
-    """One loss_fn_inputs entry as numpy, whether TensorData (dense or sparse), torch or a list."""
-    if isinstance(value, tinker.TensorData):
-        arr = np.asarray(value.to_numpy())
-    else:
-        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-    if arr.ndim != 1:
-        raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] must be 1-D, got shape {arr.shape}")
-    return arr
-
-
 @dataclass(frozen=True)
 class PackedInputs:
     """The datums' loss inputs packed over N target positions (S sequences), in the dtypes the
@@ -98,7 +86,11 @@ def unpack_datums(data: Sequence[tinker.Datum]) -> PackedInputs:
         missing = [k for k in _INPUT_KEYS if k not in inputs]
         if missing:
             raise ValueError(f"datum {i}: loss_fn_inputs lacks {missing} (needs {list(_INPUT_KEYS)})")
-        arrays = {k: _as_numpy_1d(inputs[k], k, i) for k in _INPUT_KEYS}
+        # tinker.Datum holds every loss input as TensorData (its __post_init__ converts them).
+        arrays = {k: np.asarray(inputs[k].to_numpy()) for k in _INPUT_KEYS}
+        bad_dims = [k for k, arr in arrays.items() if arr.ndim != 1]
+        if bad_dims:
+            raise ValueError(f"datum {i}: loss_fn_inputs {bad_dims} must be 1-D")
         length = arrays["target_tokens"].shape[0]
         for k, arr in arrays.items():
             if arr.shape[0] != length:

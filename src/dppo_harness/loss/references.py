@@ -21,10 +21,6 @@ class RefResult:
     decision_BT: np.ndarray  # dppo: kept (recorded mask); ppo: clipped
 
 
-def token_count(mask_BT: np.ndarray) -> float:
-    return float(mask_BT.sum())
-
-
 def ref_dppo(
     lp_BT: np.ndarray,
     mu_BT: np.ndarray,
@@ -54,7 +50,7 @@ def _normalize(loss: float, grad_BT: np.ndarray, mask_BT: np.ndarray, normalizat
         return loss, grad_BT
     if normalization != "token_mean":
         raise ValueError(f"unknown normalization {normalization!r}")
-    n = token_count(mask_BT)
+    n = float(mask_BT.sum())
     scale = 1.0 / n if n > 0 else 0.0
     return loss * scale, grad_BT * scale
 

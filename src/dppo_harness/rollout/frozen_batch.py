@@ -14,7 +14,6 @@ import io
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypedDict
 
 import numpy as np
@@ -104,7 +103,7 @@ class Minibatch:
 
 
 class FrozenBatch:
-    """Immutable rollout batch. Build with :meth:`from_datums` (`rollouts.freeze`) or :meth:`load`."""
+    """Immutable rollout batch. Build with :meth:`from_datums` (`rollouts.freeze`) or :meth:`from_bytes`."""
 
     __slots__ = ("_arrays", "_field_hashes", "_metadata_json", "_offsets_K", "_offsets_N", "_sha256")
     _arrays: dict[str, np.ndarray]
@@ -216,10 +215,6 @@ class FrozenBatch:
     @property
     def sha256(self) -> str:
         return self._sha256
-
-    @property
-    def field_sha256(self) -> dict[str, str]:
-        return dict(self._field_hashes)
 
     @property
     def n_sequences(self) -> int:
@@ -338,10 +333,6 @@ class FrozenBatch:
         if bad or fb.sha256 != manifest["sha256"]:
             raise FrozenBatchError(f"loaded frozen batch differs from its manifest: fields {bad or ['<metadata>']}")
         return fb
-
-    @classmethod
-    def load(cls, npz_path: Path, manifest_path: Path) -> FrozenBatch:
-        return cls.from_bytes(Path(npz_path).read_bytes(), Path(manifest_path).read_bytes())
 
 
 def _validate(a: Mapping[str, np.ndarray]) -> None:

@@ -276,11 +276,6 @@ def to_trajectory_groups(batch: RolloutBatch) -> list[TrajectoryGroup]:
     return out
 
 
-def group_advantages(batch: RolloutBatch) -> list[np.ndarray]:
-    """Per-group advantages_G: reward minus group mean, no std division (cookbook semantics)."""
-    return [a.numpy() for a in data_processing.compute_advantages(to_trajectory_groups(batch))]
-
-
 def batch_to_datums(batch: RolloutBatch) -> tuple[list[tinker.Datum], list[dict[str, int]]]:
     """Datums exactly as the cookbook builds them, plus ``{group_idx, traj_idx}`` per datum."""
     groups = to_trajectory_groups(batch)

@@ -46,22 +46,11 @@ def normalize_family(name: str | None) -> str | None:
 
 
 def server_optimizer_family(info: tinker.types.GetInfoResponse | Mapping[str, Any] | None) -> str | None:
-    """Optimizer family from a get_info answer, only if the server actually sent it.
-
-    tinker 0.25's GetInfoResponse has no `optimizer_config` field (it drops the key), so only a
-    raw get_info (JSON as sent) can carry it; from an SDK response the family is taken only when
-    its type declares the field and the field came over the wire (`model_fields_set`), never from
-    a default.
-    """
-    if isinstance(info, Mapping):
-        cfg = info.get("optimizer_config")
-        family = cfg.get("type") if isinstance(cfg, Mapping) else None
-        return str(family) if family else None
-    fields_set = getattr(info, "model_fields_set", None)
-    if fields_set is None or "optimizer_config" not in fields_set:
-        return None
-    cfg = getattr(info, "optimizer_config", None)
-    family = getattr(cfg, "type", None)
+    """Optimizer family from a get_info answer, only if the server actually sent it: from a raw
+    get_info (JSON as sent) only. tinker 0.25's GetInfoResponse has no `optimizer_config` field
+    (it drops the key; `sdk_internals` refuses another SDK version), so an SDK response carries none."""
+    cfg = info.get("optimizer_config") if isinstance(info, Mapping) else None
+    family = cfg.get("type") if isinstance(cfg, Mapping) else None
     return str(family) if family else None
 
 
@@ -105,11 +94,7 @@ def optimizer_check(
     echo_observed_on: str | None,
     rtol: float = 1e-9,
 ) -> OptimizerCheck:
-    """One optimizer check: requested family/config against what server responses expose.
-
-    `verified` is true only when the family AND every requested config value came from a server
-    response and match. Anything not exposed stays `source: declared, actual: null`.
-    """
+    """One optimizer check (the module's contract: `verified` only from server responses that match)."""
     family = server_optimizer_family(info)
     want_family = normalize_family(requested_optimizer)
     mismatches: list[str] = []

@@ -14,7 +14,7 @@ import numpy as np
 from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.instrument.pooled import ANALYSIS_FILE, pool_calls
+from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, pool_calls
 from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
 from dppo_harness.stages.diagnostic.classification import (
@@ -38,7 +38,7 @@ class DiagnosticResult:
     config: DiagnosticConfig
     records: list[ins.LossCallRecord]
     sentinels: SentinelSummary
-    pooled: dict[str, Any] | None  # instrument.pooled.pool_calls of the second-epoch calls
+    pooled: dict[str, Any] | None  # instrumentation.pool_calls of the second-epoch calls
     criteria: list[CriterionResult]
     classification: Classification
     selftest: SelftestReport
@@ -128,9 +128,7 @@ def analyse(
     integrity = [
         problem
         for r in records
-        for problem in replay.check_record(
-            r, loss_cfg.normalization, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps
-        ).problems
+        for problem in replay.check_record(r, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps).problems
     ]
     variant = pinned_variant_problems(cfg) + anchor_problems(records, frozen_by_call, trainer_moved(sentinels))
     classification = classify(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dppo_harness.instrument.pooled import POOLED_QUANTILES, RATIO_PARTS
+from dppo_harness.instrument.instrumentation import POOLED_QUANTILES, RATIO_PARTS
 from dppo_harness.json_types import JsonMap, JsonValue, num
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured, is_number

@@ -19,7 +19,7 @@ from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
 from dppo_harness.evidence.backend import ServedModel, served_name
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.instrument.pooled import ANALYSIS_FILE
+from dppo_harness.instrument.instrumentation import ANALYSIS_FILE
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts

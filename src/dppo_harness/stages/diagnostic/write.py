@@ -1,6 +1,6 @@
 """The bounded diagnostic's one evidence writer: the only diagnostic code that knows its file names
 and the result.json fields it sets (the names replay and the session also read live in
-`instrument.pooled`, which must not import the diagnostic). Declarations before any service work
+`instrument.instrumentation`, which must not import the diagnostic). Declarations before any service work
 (`declare`), the frozen batch, update archives and progress snapshots as the run goes (a kill leaves
 a valid bundle), and everything else after it (`write_evidence`)."""
 
@@ -22,7 +22,7 @@ from dppo_harness.evidence.files import MAX_FILE_BYTES
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE
+from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult, analyse
 from dppo_harness.stages.diagnostic.config import BASIS_FOR_REFERENCES, FINALIZE_RESERVE_S, LOOP_LABEL, DiagnosticConfig
