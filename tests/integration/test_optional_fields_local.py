@@ -34,8 +34,7 @@ from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
-from dppo_harness.stages.restoration.preflight import build_fixed_batch
-from dppo_harness.stages.restoration.probe import LocalCheckpointReader
+from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
 from dppo_harness.train.clients import RestorationError
 
 pytestmark = pytest.mark.timeout(900)

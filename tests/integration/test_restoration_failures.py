@@ -15,10 +15,10 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration.preflight import build_fixed_batch
-from dppo_harness.stages.restoration.probe import LocalCheckpointReader
+from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import logprobs_sha256
+from dppo_harness.train.restore import Restore
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -108,8 +108,17 @@ def test_different_seed_for_one_arm_fails(server, spec, fixed_batch, tmp_path):
     assert verify_bundle(bundle.dir) == []
 
 
-def test_restore_without_optimizer_state_fails_the_probe(server, spec, fixed_batch, tmp_path):
-    result, _ = _run(server, spec, fixed_batch, tmp_path, probe_restore_with_optimizer=False, lr_multipliers=(1.0, 2.0))
+def test_restore_without_optimizer_state_fails_the_probe(server, spec, fixed_batch, tmp_path, monkeypatch):
+    real = restoration.restore
+
+    def weights_only_probe(sc, path, name):  # the probe's restore drops the Adam moments
+        if not name.startswith("restore probe"):
+            return real(sc, path, name)
+        client = sc.create_training_client_from_state(path)
+        return Restore(name, client, path, tinker.types.LoadWeightsResponse(path=path), client.get_info(), 0.0)
+
+    monkeypatch.setattr(restoration, "restore", weights_only_probe)
+    result, _ = _run(server, spec, fixed_batch, tmp_path, lr_multipliers=(1.0, 2.0))
     assert not result.passed
     assert any("restored probe update differs from uninterrupted" in f for f in result.failures), result.failures
 

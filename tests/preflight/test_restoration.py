@@ -4,8 +4,7 @@ library's measured result; `restoration` runs once and later stages reuse its cl
 from __future__ import annotations
 
 from dppo_harness.stages import restoration as restoration_module
-from dppo_harness.stages.restoration.probe import DEFAULT_LR_MULTIPLIERS
-from dppo_harness.stages.restoration.records import FIXED_BATCH_FILE
+from dppo_harness.stages.restoration import DEFAULT_LR_MULTIPLIERS, FIXED_BATCH_FILE
 from dppo_harness.train.fingerprints import batch_sha256
 from dppo_harness.train.optimizer_checks import own_response_only
 

@@ -12,7 +12,7 @@ import tinker
 
 from dppo_harness.pytest_plugin import fixtures
 from dppo_harness.service.connectivity import ConnectivityReport
-from dppo_harness.stages.restoration import preflight as checkpoint
+from dppo_harness.stages import restoration as checkpoint
 
 PLANNED = "Qwen/Qwen3.5-2B"
 SUBSTITUTE = "Qwen/Qwen3.5-4B"

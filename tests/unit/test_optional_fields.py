@@ -22,8 +22,8 @@ from dppo_harness.local_server.faults import (
 )
 from dppo_harness.service.identity import served_model_from_info
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration import preflight as checkpoint
-from dppo_harness.stages.restoration.records import check_provenance, initialization_entry
+from dppo_harness.stages import restoration as checkpoint
+from dppo_harness.stages.restoration import check_provenance, initialization_entry
 from dppo_harness.train.optimizer_checks import optimizer_check
 
 USER = types.RequestErrorCategory.User

@@ -13,8 +13,8 @@ import torch
 from dppo_harness.instrument import instrumentation, pooled, replay
 from dppo_harness.loss import correctness, losses
 from dppo_harness.stages import gate
+from dppo_harness.stages import restoration as restoration_lr_probe
 from dppo_harness.stages.diagnostic import analysis
-from dppo_harness.stages.restoration import probe as restoration_lr_probe
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import make_datum
 
@@ -195,7 +195,7 @@ def test_no_training_loop_outside_the_core():
             if needle in text:
                 offenders.append(f"{path.name}: {needle}")
     # restoration's fixed-gradient probe (cross_entropy, not the RL loss) is the only other optim_step.
-    assert offenders == ["probe.py: .optim_step("], offenders
+    assert offenders == ["restoration.py: .optim_step("], offenders
 
 
 class _LoggedFuture:

@@ -40,7 +40,7 @@ from dppo_harness.stages.diagnostic.write import (
     register_frozen_batch,
     write_evidence,
 )
-from dppo_harness.stages.restoration.records import load_ref
+from dppo_harness.stages.restoration import load_ref
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256

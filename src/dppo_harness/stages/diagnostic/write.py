@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.plans.models import BoundedDiagnostic, ServiceWork
     from dppo_harness.rollout.frozen_batch import FrozenBatch
-    from dppo_harness.stages.restoration.records import ArmProvenance
+    from dppo_harness.stages.restoration import ArmProvenance
 
 SELFTEST_FILE = "diagnostic-selftest.json"
 SENTINEL_FILE = "diagnostic-sentinels.json"
