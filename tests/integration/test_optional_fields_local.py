@@ -153,8 +153,8 @@ def test_the_diagnostic_without_sampler_logprobs_stops_with_evidence(served, tmp
     init = tc.save_state("omit-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
     res = run_bounded_diagnostic(s.sc, DIAG, bundle, init, backend="local")
-    assert res.updates_done == 0 and res.frozen_batch_sha256 is None
-    (err,) = res.errors
+    assert res.state.updates_done == 0 and res.state.frozen is None
+    (err,) = res.state.errors
     assert "RolloutError" in err and "SampledSequence.logprobs" in err
     assert res.result_fields["final"]["status"] == "failed"
     assert verify_bundle(bundle.dir) == []

@@ -174,9 +174,9 @@ def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_
             init_reference=result,
             restored=result.loaded["dppo_seed0"],
         )
-        assert not res.errors, res.errors
+        assert not res.state.errors, res.state.errors
         assert _models(server) == before  # no training client created by the diagnostic
-        assert res.updates_done == 2
+        assert res.state.updates_done == 2
         entry = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]
         assert entry["restore_count"] == 1
         assert [c["after_restore"] for c in entry["optimizer_checks"]] == [0, 1]

@@ -12,6 +12,7 @@ from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.analysis import analyse
 from dppo_harness.stages.diagnostic.conclusion import cause_for_question, count_sentences
 from dppo_harness.stages.diagnostic.config import diagnostic_config
+from dppo_harness.stages.diagnostic.run_state import RunState
 from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 
 PLANS = Path(__file__).parents[2] / "plans"
@@ -23,23 +24,8 @@ REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B", None, "get_info")
 
 def _result(served, drift=0.0):
     records = simulate_records(seed=1, drift_per_update=drift)
-    return analyse(
-        CFG,
-        PLAN,
-        records,
-        selftest=deterministic_selftest(),
-        sentinels={},
-        frozen_by_call=None,
-        updates_done=len(records),
-        stop_reason="update cap reached",
-        wall_seconds=579.4,
-        setup_seconds=40.0,
-        frozen_sha256="0" * 64,
-        minibatches=[],
-        errors=[],
-        spec=None,
-        served=served,
-    )
+    state = RunState(None, records=records, updates_done=len(records), setup_seconds=40.0)
+    return analyse(CFG, PLAN, state, deterministic_selftest(), {}, wall_seconds=579.4, spec=None, served=served)
 
 
 def test_count_sentences():

@@ -7,8 +7,8 @@ the update cap or the wall cap, whichever comes first. Then pool all second-epoc
 loss-token counts, evaluate the plan's criteria, and classify the outcome.
 
 Parts, in the order a run uses them: `config` (the plan's settings), `run_state` (what the run
-measured, its sentinels, and the typed JSON blocks the steps hand each other), `selftest`
-(must-fire / must-not-fire cases), `loop` (the run), `criteria`, `classification`, `conclusion`
-(the answer for the planned model and the next action), `analysis`, and `write` (the one evidence
-writer: every file name and result.json field the diagnostic sets, the update records' archives).
+measured and its sentinels), `selftest` (must-fire / must-not-fire cases), `loop` (the run),
+`classification` (the plan's criteria and the verdict), `conclusion` (the answer for the planned
+model and the next action), `analysis`, and `write` (the one evidence writer: every file name and
+result.json field the diagnostic sets, the update records' archives).
 """

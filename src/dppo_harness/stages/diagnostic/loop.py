@@ -114,7 +114,7 @@ def _freeze_and_split(
     frozen = state.frozen = rollouts.freeze(
         sampled.batch, sampler_version=sampled.sampler_path, extra_metadata={"load": load, "tokenizer": tok.provenance}
     )
-    register_frozen_batch(bundle, state, frozen)
+    register_frozen_batch(bundle, frozen)
     bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
     summary: dict[str, Any] = sampled.batch.summary()
@@ -171,7 +171,7 @@ def run_bounded_diagnostic(
 
     size = budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
     state = RunState(UpdateArchive(bundle, budget.updates_per_archive(size)))
-    selftest = declare(bundle, plan, cfg, state)
+    selftest = declare(bundle, plan, cfg)
     cap_s = cfg.max_wall_seconds
     try:
         # Remaining run budget first (the ledger's, when one is set): never start what cannot fit. The
@@ -228,7 +228,6 @@ def run_bounded_diagnostic(
         state.archive.flush()
     except Exception as exc:  # recorded: the analysis then says which records are missing
         state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    state.files += state.archive.registered
     wall = elapsed()
     say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
     if served is None:  # the served model as the trained client's own get_info names it (else the plan's)

@@ -21,27 +21,6 @@ if TYPE_CHECKING:
     from dppo_harness.stages.diagnostic.write import UpdateArchive
 
 
-class SelftestCase(TypedDict):
-    """One must-fire / must-not-fire case through the real packed loss."""
-
-    expected: list[int]
-    recorded: list[int]
-    loss_reported: list[int]
-    expected_counts: dict[str, int]
-    grads: list[float]
-    passed: bool
-    problems: list[str]
-
-
-class SelftestReport(TypedDict):
-    """diagnostic-selftest.json: every case, and whether all passed."""
-
-    passed: bool
-    loss_config: dict[str, Any]  # dataclasses.asdict of the loss's LossConfig
-    cases: dict[str, SelftestCase]
-    note: str
-
-
 class SentinelPoint(TypedDict):
     """The sentinels measured once: after which update, when, and the drift summary."""
 
@@ -70,23 +49,6 @@ class SentinelEvidence(SentinelSummary):
 
     sampler_logprobs: list[float]
     mask: list[float]
-
-
-class DiagnosticFinal(TypedDict):
-    """The outcome the diagnostic proposes for result.json's `final` block."""
-
-    status: str
-    verdict: str
-    outcome_reason: str
-
-
-class DiagnosticResultFields(TypedDict):
-    """What the diagnostic contributes to result.json (numbers only under `metrics`)."""
-
-    metrics: dict[str, float]
-    summary: str
-    activation_calibration: dict[str, Any]  # {"values", "note", "evidence_ref"}
-    final: DiagnosticFinal
 
 
 class SentinelTracker:
@@ -197,7 +159,6 @@ class RunState:
     """What the run measured so far; kept when it stops early, read once into the result."""
 
     archive: UpdateArchive  # the update records' archive files, open before the first update
-    files: list[str] = field(default_factory=list)
     records: list[ins.LossCallRecord] = field(default_factory=list)
     frozen_by_call: list[np.ndarray] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)

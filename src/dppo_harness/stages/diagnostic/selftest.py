@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from typing import Any, TypedDict
 
 import numpy as np
 import tinker
@@ -15,7 +16,27 @@ from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.loss import losses
 from dppo_harness.loss.loss_registry import DPPO_LOSS
 from dppo_harness.stages.diagnostic.config import DiagnosticError
-from dppo_harness.stages.diagnostic.run_state import SelftestCase, SelftestReport
+
+
+class SelftestCase(TypedDict):
+    """One must-fire / must-not-fire case through the real packed loss."""
+
+    expected: list[int]
+    recorded: list[int]
+    loss_reported: list[int]
+    expected_counts: dict[str, int]
+    grads: list[float]
+    passed: bool
+    problems: list[str]
+
+
+class SelftestReport(TypedDict):
+    """diagnostic-selftest.json: every case, and whether all passed."""
+
+    passed: bool
+    loss_config: dict[str, Any]  # dataclasses.asdict of the loss's LossConfig
+    cases: dict[str, SelftestCase]
+    note: str
 
 
 def _case_datums(rows: Sequence[tuple[float, ...]]) -> tuple[list[tinker.Datum], list[torch.Tensor]]:

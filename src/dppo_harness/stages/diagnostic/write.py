@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,13 +22,12 @@ from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.service.identity import ServedModel
 from dppo_harness.stages.diagnostic.analysis import DiagnosticResult, analyse
 from dppo_harness.stages.diagnostic.config import BASIS_FOR_REFERENCES, FINALIZE_RESERVE_S, LOOP_LABEL, DiagnosticConfig
-from dppo_harness.stages.diagnostic.run_state import RunState, SelftestReport, SentinelSummary
-from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
-from dppo_harness.train.clients import dump_response
+from dppo_harness.stages.diagnostic.run_state import RunState, SentinelSummary
+from dppo_harness.stages.diagnostic.selftest import SelftestReport, deterministic_selftest
 from dppo_harness.train.optimizer_checks import OptimizerCheck, echoed_config, optimizer_check, own_response_only
 
 if TYPE_CHECKING:
@@ -51,63 +50,37 @@ NO_GPU: JsonObject = {"gpu_count": None, "allocation_source": None}  # the servi
 STAGING_FILE = ".diagnostic-updates.staged.npz"
 
 
-def update_record_name(update_index: int) -> str:
-    """A file holding update `update_index`'s recorded loss call alone (replay reads any record
-    file; the diagnostic registers its records in archives, `update_archive_name`)."""
-    return f"diagnostic-update-{update_index:02d}.npz"
-
-
-def update_archive_name(first: int, last: int) -> str:
-    """The file holding the recorded loss calls of updates `first` to `last` (one archive)."""
-    return f"diagnostic-updates-{first:02d}-{last:02d}.npz"
-
-
-def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: object) -> None:
-    bundle.register_json(name, kind, ins.nan_free(obj))
-    state.files.append(name)
-
-
-def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState) -> SelftestReport:
+def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig) -> SelftestReport:
     """Before any service work: revised spec, deviations, unavailable references, self-test."""
     if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
         bundle.register_plan(plan, REVISED_SPEC_FILE)
-    state.files.append(REVISED_SPEC_FILE)
     for dev in plan.diagnostic.deviations:
         bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
-    register_json(
-        bundle,
-        state,
+    references = [dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references]
+    bundle.register_json(
         REFERENCES_FILE,
         "report",
         {
             "loop": LOOP_LABEL,
-            "unavailable_references": [
-                dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references
-            ],
+            "unavailable_references": references,
             "reason": BASIS_FOR_REFERENCES,
             "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
         },
     )
     # What the deviations' "kept separately" points at: the original gate report's status.
-    register_json(
-        bundle,
-        state,
-        ORIGINAL_GATE_REPORT_FILE,
-        "report",
-        original_gate_report(plan.diagnostic, "gate-report.json" if bundle.entry("gate-report.json") else None),
-    )
+    gate_report = "gate-report.json" if bundle.entry("gate-report.json") else None
+    bundle.register_json(ORIGINAL_GATE_REPORT_FILE, "report", original_gate_report(plan.diagnostic, gate_report))
     bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.diagnostic.tested_instead)
     selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
-    register_json(bundle, state, SELFTEST_FILE, "report", selftest)
+    bundle.register_json(SELFTEST_FILE, "report", ins.nan_free(selftest))
     return selftest
 
 
-def register_frozen_batch(bundle: EvidenceBundle, state: RunState, frozen: FrozenBatch) -> None:
+def register_frozen_batch(bundle: EvidenceBundle, frozen: FrozenBatch) -> None:
     """The frozen batch, registered before any update trains on it (replay re-derives from it)."""
     npz, manifest = frozen.to_bytes()
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
-    state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
 
 
 def post_progress(
@@ -170,52 +143,22 @@ def write_evidence(
     analysis, next action, the trained arm's provenance, the service-work ledger, feasibility,
     the replay output, the report and the result fields."""
     no_sentinels: SentinelSummary = {"points": [], "at_init": None, "last": None}
+    sentinels = state.sentinels.summary() if state.sentinels is not None else no_sentinels
     result = analyse(
-        cfg,
-        plan,
-        state.records,
-        selftest=selftest,
-        sentinels=state.sentinels.summary() if state.sentinels is not None else no_sentinels,
-        frozen_by_call=state.frozen_by_call or None,
-        updates_done=state.updates_done,
-        stop_reason=state.stop_reason,
-        wall_seconds=wall,
-        setup_seconds=state.setup_seconds,
-        frozen_sha256=state.frozen.sha256 if state.frozen else None,
-        minibatches=state.minibatches,
-        errors=state.errors,
-        spec=spec,
-        restore=state.restore,
-        effective_cap_seconds=cap_s,
-        served=served,
+        cfg, plan, state, selftest, sentinels, wall_seconds=wall, spec=spec, effective_cap_seconds=cap_s, served=served
     )
     if state.sentinels is not None and state.sentinels.points:
-        register_json(bundle, state, SENTINEL_FILE, "metrics", state.sentinels.evidence())
+        bundle.register_json(SENTINEL_FILE, "metrics", ins.nan_free(state.sentinels.evidence()))
     effective = (
         json.loads(bundle.file_path("effective-config.json").read_text())
         if bundle.entry("effective-config.json") is not None
         else {}
     )
     analysis = result.analysis_json()
-    analysis["timings"] = {  # where the stage's seconds went, on the budget ledger's clock
-        "restore_seconds": state.restore_seconds,
-        "sampling_seconds": state.sampling_seconds,
-        "sampled_sequences": state.sampled_sequences,
-        "update_seconds": [*state.update_seconds],
-        "update_phases": [dict[str, JsonValue](p) for p in state.update_phases],
-        "setup_seconds": state.setup_seconds,
-        "wall_seconds": wall,
-        "wall_counted_from": "session start (the budget ledger's clock)",
-    }
-    analysis["final_checkpoint"] = state.final_checkpoint
-    analysis["trained_client_initial_output"] = state.initial_output
-    analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
-    analysis["snapshots"] = [*state.snapshots]
-    analysis["rollout_yield"] = state.rollout_yield
     # what effective-config.json declares (the report cites it)
     analysis["declared"] = {k: effective[k] for k in ("renderer", "loss_normalization") if k in effective}
-    register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
-    register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    bundle.register_json(ANALYSIS_FILE, "metrics", analysis)
+    bundle.register_json(NEXT_ACTION_FILE, "report", ins.nan_free(result.next_action))
     # The trained arm's provenance: the optimizer check from ITS OWN first optim_step response, its
     # own initial output, and one more restore when the diagnostic restored it itself.
     prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
@@ -236,37 +179,15 @@ def write_evidence(
         "sampling_batches": 1 if state.frozen is not None else 0,
     }
     ledger = service_work_ledger(plan.diagnostic.service_work, executed)
-    register_json(bundle, state, SERVICE_WORK_FILE, "report", ledger)
+    bundle.register_json(SERVICE_WORK_FILE, "report", ledger)
     if state.update_seconds:  # feasibility from the diagnostic's own measured setup: the plan forbids a pilot
-        feasibility = diagnostic_feasibility(
-            config=asdict(cfg),
-            effective_config=effective,
-            primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
-            setup_seconds=state.restore_seconds,
-            sampling_seconds=state.sampling_seconds,
-            sampled_sequences=state.sampled_sequences,
-            update_seconds=state.update_seconds,
-            sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
-            planned_updates=cfg.max_updates,
-            recovery_seconds=FINALIZE_RESERVE_S,
-        )
-        bundle.update_result(feasibility=feasibility)
+        endpoint = spec.primary_endpoint if spec is not None else "none in this diagnostic"
+        bundle.update_result(feasibility=diagnostic_feasibility(cfg, state, effective, endpoint))
     if state.records:  # the replay output itself: a reviewer reads it without rerunning replay
         code, text = replay_output(bundle.dir)
         bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
-        state.files.append(REPLAY_OUTPUT_FILE)
         bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
-    state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
-    result = replace(result, files=tuple(state.files))
-    if state.rollout_yield:
-        y = state.rollout_yield
-        bundle.update_result(
-            metrics={
-                "diagnostic/rollout_truncated_frac": y["truncated_frac"],
-                "diagnostic/rollout_no_answer_frac": y["no_answer_frac"],
-                "diagnostic/rollout_mean_response_tokens": y["mean_response_tokens"],
-            }
-        )
+    report.write_report(bundle, analysis, backend, result.next_action)
     fields_ = result.result_fields  # an activation calibration an earlier stage already set is kept
     keep = (
         ("metrics", "summary")
@@ -354,17 +275,7 @@ def service_work_ledger(sw: ServiceWork | None, executed: Mapping[str, Mapping[s
 
 
 def diagnostic_feasibility(
-    *,
-    config: Mapping[str, JsonValue],
-    effective_config: Mapping[str, JsonValue],
-    primary_endpoint: str,
-    setup_seconds: float,
-    sampling_seconds: float,
-    sampled_sequences: int,
-    update_seconds: Sequence[float],
-    sequences_per_update: float,
-    planned_updates: int,
-    recovery_seconds: float,
+    cfg: DiagnosticConfig, state: RunState, effective_config: Mapping[str, JsonValue], primary_endpoint: str
 ) -> JsonObject:
     """result.json's feasibility block from the diagnostic's own measured schedule: setup (restore),
     training (the one sampling batch + every update), no evaluation (forbidden in this launch)."""
@@ -372,19 +283,22 @@ def diagnostic_feasibility(
     def phase(seconds: float, units: int, planned: int, samples: int) -> JsonObject:
         return {"seconds": float(seconds), "units": units, "planned_units": planned, "samples": samples} | NO_GPU
 
-    trained = int(sampled_sequences + sequences_per_update * len(update_seconds))
+    updates = state.update_seconds
+    per_update = state.sampled_sequences / max(1, cfg.minibatches_per_epoch)
+    trained = int(state.sampled_sequences + per_update * len(updates))
+    training = phase(state.sampling_seconds + sum(updates), len(updates), cfg.max_updates, trained)
     return {
-        "config": dict(config),
+        "config": as_object(asdict(cfg)),
         "effective_config": dict(effective_config),
         "primary_endpoint": primary_endpoint,
         "source": FEASIBILITY_SOURCE,
         "measurements": {
-            "setup": phase(setup_seconds, 1, 1, 0),
-            "training": phase(sampling_seconds + sum(update_seconds), len(update_seconds), planned_updates, trained),
+            "setup": phase(state.restore_seconds, 1, 1, 0),
+            "training": training,
             "evaluation": phase(0.0, 0, 0, 0),
         },
         "generation": None,
-        "recovery": {"seconds": float(recovery_seconds), **NO_GPU},
+        "recovery": {"seconds": float(FINALIZE_RESERVE_S), **NO_GPU},
     }
 
 
@@ -449,7 +363,6 @@ class UpdateArchive:
     bundle: EvidenceBundle
     per_file: int
     pending: list[ins.LossCallRecord] = field(default_factory=list)
-    registered: list[str] = field(default_factory=list)
 
     @property
     def staging_path(self) -> Path:
@@ -472,11 +385,10 @@ class UpdateArchive:
                 take -= 1
                 data = ins.records_to_npz(self.pending[:take])
             first, last = (int(r.context["update_index"]) for r in (self.pending[0], self.pending[take - 1]))
-            name = update_archive_name(first, last)
+            name = f"diagnostic-updates-{first:02d}-{last:02d}.npz"
             self.bundle.register_bytes(name, "tensors", data)
             names.append(name)
             del self.pending[:take]
-        self.registered += names
         if self.staging_path.exists():
             self.staging_path.unlink()
         return names
