@@ -13,7 +13,7 @@ from dppo_harness.loss import correctness, correctness_golden
 from dppo_harness.plans import PlanError, load_plan
 from dppo_harness.stages.diagnostic import write
 from dppo_harness.stages.diagnostic.config import diagnostic_config
-from dppo_harness.stages.diagnostic.run_state import RunState
+from dppo_harness.stages.diagnostic.loop import RunState
 from dppo_harness.stages.diagnostic.write import FEASIBILITY_SOURCE, ORIGINAL_GATE_REPORT_FILE
 
 ROOT = Path(__file__).parents[2]

@@ -14,7 +14,7 @@ from dppo_harness.instrument import instrumentation, pooled, replay
 from dppo_harness.loss import correctness, losses
 from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_lr_probe
-from dppo_harness.stages.diagnostic import analysis
+from dppo_harness.stages.diagnostic import write
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import make_datum
 
@@ -181,7 +181,7 @@ def _imports(module) -> set[str]:
 def test_module_graph_replay_and_pooled_do_not_import_the_diagnostic():
     assert not any("diagnostic" in m for m in _imports(replay)), "replay must not import diagnostic (cycle)"
     assert not any("diagnostic" in m for m in _imports(pooled))
-    assert analysis.pool_calls is pooled.pool_calls and analysis.ANALYSIS_FILE == pooled.ANALYSIS_FILE
+    assert write.pool_calls is pooled.pool_calls and write.ANALYSIS_FILE == pooled.ANALYSIS_FILE
 
 
 def test_no_training_loop_outside_the_core():

@@ -19,10 +19,10 @@ from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured, is_number
 from dppo_harness.stages.diagnostic.config import DiagnosticConfig, DiagnosticError
-from dppo_harness.stages.diagnostic.run_state import SentinelPoint, SentinelSummary
 
 if TYPE_CHECKING:
     from dppo_harness.plans.models import AnalysisCriterion
+    from dppo_harness.stages.diagnostic.loop import SentinelPoint, SentinelSummary
     from dppo_harness.stages.diagnostic.selftest import SelftestReport
 
 CAUSES = (
