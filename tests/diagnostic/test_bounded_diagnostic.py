@@ -25,7 +25,7 @@ def test_diagnostic_ran_as_planned_within_its_caps(diagnostic_run):
     assert not run.state.errors, run.state.errors
     assert run.state.frozen.sha256, "no frozen batch: the diagnostic never sampled"
     assert 1 <= run.state.updates_done <= run.config.max_updates
-    assert run.wall_seconds <= run.config.max_wall_seconds, f"{run.wall_seconds:.0f}s > cap"
+    assert run.state.wall_seconds <= run.config.max_wall_seconds, f"{run.state.wall_seconds:.0f}s > cap"
     assert [r.context["update_index"] for r in run.state.records] == list(range(1, run.state.updates_done + 1))
     assert all(r.context["frozen_batch_sha256"] == run.state.frozen.sha256 for r in run.state.records)
     assert run.selftest["passed"], run.selftest

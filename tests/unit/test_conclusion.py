@@ -24,8 +24,8 @@ REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B", None, "get_info")
 
 def _result(served, drift=0.0):
     records = simulate_records(seed=1, drift_per_update=drift)
-    state = RunState(None, records=records, updates_done=len(records), setup_seconds=40.0)
-    return analyse(CFG, PLAN, state, deterministic_selftest(), {}, wall_seconds=579.4, spec=None, served=served)
+    state = RunState(None, records=records, updates_done=len(records), setup_seconds=40.0, wall_seconds=579.4)
+    return analyse(CFG, PLAN, state, deterministic_selftest(), {}, served=served)
 
 
 def test_count_sentences():

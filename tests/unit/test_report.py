@@ -43,8 +43,8 @@ def _analysis(drift: float):
         "at_init": points[0]["summary"],
         "last": points[-1],
     }
-    state = RunState(None, records=records, updates_done=16, setup_seconds=20.0)
-    res = analyse(CFG, PLAN, state, deterministic_selftest(), sentinels, wall_seconds=100.0, spec=None)
+    state = RunState(None, records=records, updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
+    res = analyse(CFG, PLAN, state, deterministic_selftest(), sentinels)
     return res.analysis_json(), res.next_action
 
 

@@ -150,8 +150,8 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
     cfg = diagnostic_config(plan)
-    state = RunState(None, records=simulate_records(seed=1), updates_done=16, setup_seconds=20.0)
-    res = analyse(cfg, plan, state, deterministic_selftest(), {"points": []}, wall_seconds=100.0, spec=None)
+    state = RunState(None, records=simulate_records(seed=1), updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
+    res = analyse(cfg, plan, state, deterministic_selftest(), {"points": []})
     analysis = res.analysis_json()
     eff = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))
     analysis["declared"] = {k: eff[k] for k in ("renderer", "loss_normalization")}

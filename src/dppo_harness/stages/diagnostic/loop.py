@@ -8,6 +8,7 @@ tokens it measures (`SentinelTracker`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,6 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
-from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.config import (
     FINALIZE_RESERVE_S,
     DiagnosticConfig,
@@ -192,6 +192,9 @@ class RunState:
     """What the run measured so far; kept when it stops early, read once into the result."""
 
     archive: UpdateArchive  # the update records' archive files, open before the first update
+    t0: float = 0.0  # time.monotonic() when the stage began: the wall cap counts from it
+    cap_seconds: float = math.inf  # the wall cap in effect (the plan's, or the run budget's end when earlier)
+    wall_seconds: float = 0.0  # when the service work stopped, from t0
     records: list[ins.LossCallRecord] = field(default_factory=list)
     frozen_by_call: list[np.ndarray] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -214,6 +217,9 @@ class RunState:
     initial_output: JsonObject | None = None
     preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
     rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
 
 
 def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonObject:
@@ -260,11 +266,7 @@ def _freeze_and_split(
     cfg: DiagnosticConfig,
     bundle: EvidenceBundle,
     state: RunState,
-    *,
-    elapsed: Callable[[], float],
-    cap_s: float,
     say: Callable[[str], None],
-    tag: str,
 ) -> tuple[str, FrozenBatch, list[Minibatch], SentinelTracker]:
     """Sample ONE batch from the restored weights, freeze and persist it, split it into
     complete-group minibatches, choose the sentinels and measure them at initialization."""
@@ -272,7 +274,11 @@ def _freeze_and_split(
     train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
     sampled = rollouts.sample_rollout_batch(
-        tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer, rcfg, sampler_name=f"{tag}-sampler-initial"
+        tc,
+        train.batch(cfg.data_step, cfg.groups_per_batch),
+        tok.renderer,
+        rcfg,
+        sampler_name="diagnostic-sampler-initial",
     )
     load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
     frozen = state.frozen = rollouts.freeze(
@@ -285,20 +291,20 @@ def _freeze_and_split(
     state.sampling_seconds = float(summary["sampling_seconds"])
     state.sampled_sequences = int(frozen.n_sequences)
     say(
-        f"[{tag}] sampled and froze {frozen.n_sequences} sequences ({summary['response_tokens']} response "
+        f"[diagnostic] sampled and froze {frozen.n_sequences} sequences ({summary['response_tokens']} response "
         f"tokens, {summary['nonconstant_reward_groups']} groups with signal, {summary['frac_truncated']:.1%} "
         f"truncated at max_tokens {cfg.max_tokens}, {summary['frac_no_answer']:.1%} without an answer) in "
-        f"{summary['sampling_seconds']:.0f}s; elapsed {elapsed():.0f}s / {cap_s:.0f}s"
+        f"{summary['sampling_seconds']:.0f}s; elapsed {state.elapsed():.0f}s / {state.cap_seconds:.0f}s"
     )
     mbs = list(frozen.split_minibatches(cfg.minibatches_per_epoch))
     state.minibatches = [mb.record() for mb in mbs]
     sentinels = state.sentinels = SentinelTracker(frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
     if sentinels.due(0):
-        sentinels.measure(tc, 0, elapsed())
-    state.setup_seconds = elapsed()
+        sentinels.measure(tc, 0, state.elapsed())
+    state.setup_seconds = state.elapsed()
     say(
-        f"[{tag}] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
-        f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)"
+        f"[diagnostic] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
+        f"(cap {cfg.max_updates} updates / {state.cap_seconds:.0f}s)"
     )
     return sampled.sampler_path, frozen, mbs, sentinels
 
@@ -313,45 +319,38 @@ def run_bounded_diagnostic(
     stage_start: float | None = None,
     spec: ExperimentSpec | None = None,
     progress: Callable[[str], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    tag: str = "diagnostic",
-    served: ServedModel | None = None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
     init_reference: RestorationResult | None = None,
     restored: Restore | None = None,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
 
-    `stage_start` (a `clock()` reading) is when the stage began: the wall cap counts from it.
+    `stage_start` (a `time.monotonic()` reading) is when the stage began: the wall cap counts from it.
     `restored`: the preflight's loaded client of the trained arm, trained here instead of
     restoring a new one. A planned stop or an error ends the service work early and is recorded in
     the run state (stop reason, errors), so the evidence keeps what was measured."""
-    t0 = clock() if stage_start is None else stage_start
+    t0 = time.monotonic() if stage_start is None else stage_start
     cfg = diagnostic_config(plan)
     say = progress or (lambda _m: None)
-
-    def elapsed() -> float:
-        return clock() - t0
-
     size = budget.DiagnosticSize(cfg.max_updates, cfg.groups_per_minibatch, cfg.group_size, cfg.max_tokens)
-    state = RunState(UpdateArchive(bundle, budget.updates_per_archive(size)))
+    state = RunState(UpdateArchive(bundle, budget.updates_per_archive(size)), t0, cfg.max_wall_seconds)
+    elapsed = state.elapsed
     selftest = declare(bundle, plan, cfg)
-    cap_s = cfg.max_wall_seconds
     try:
         # Remaining run budget first (the ledger's, when one is set): never start what cannot fit. The
         # plan's wall cap is shortened to the run budget's end when that comes first.
         remaining = bundle.remaining_seconds()
-        if remaining is not None and elapsed() + remaining < cap_s:
-            cap_s = max(0.0, elapsed() + float(remaining))
+        if remaining is not None and elapsed() + remaining < cfg.max_wall_seconds:
+            cap_s = state.cap_seconds = max(0.0, elapsed() + float(remaining))
             if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
                 say(
-                    f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
+                    f"[diagnostic] the run budget ends {cap_s:.0f}s after the session start, before the "
                     f"{cfg.max_wall_seconds:.0f}s cap: stopping there"
                 )
-        if elapsed() >= cap_s:
+        if elapsed() >= state.cap_seconds:
             raise _Stop("wall cap exhausted before service work")
         # The trained client: the preflight's loaded one when given, else a fresh restore.
-        r0 = clock()
+        r0 = time.monotonic()
         state.preloaded = restored is not None
         if restored is None:
             restored = restore(service_client, initial_checkpoint, "diagnostic DPPO client")
@@ -359,28 +358,24 @@ def run_bounded_diagnostic(
         tc, state.info = restored.client, restored.info
         if init_reference is not None:  # the trained client's own initial output, before any update
             state.initial_output = _initial_output(tc, init_reference)
-        state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (clock() - r0)
+        state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (time.monotonic() - r0)
         say(
-            f"[{tag}] {'training the preflight client loaded from' if state.preloaded else 'restored'} "
-            f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)"
+            f"[diagnostic] {'training the preflight client loaded from' if state.preloaded else 'restored'} "
+            f"{initial_checkpoint} ({elapsed():.0f}s / {state.cap_seconds:.0f}s)"
         )
-        if elapsed() >= cap_s:
+        if elapsed() >= state.cap_seconds:
             raise _Stop("wall cap exhausted during setup (after restore)")
-        sampler_path, frozen, mbs, sentinels = _freeze_and_split(
-            tc, cfg, bundle, state, elapsed=elapsed, cap_s=cap_s, say=say, tag=tag
-        )
-        state.stop_reason = _train_epochs(
-            tc, cfg, plan, frozen, mbs, sentinels, sampler_path, bundle, state, elapsed, clock, cap_s, say, tag
-        )
+        sampler_path, frozen, mbs, sentinels = _freeze_and_split(tc, cfg, bundle, state, say)
+        state.stop_reason = _train_epochs(tc, cfg, plan, frozen, mbs, sentinels, sampler_path, bundle, state, say)
         if state.updates_done:  # the final state saved and its URI recorded (a claim cites the checkpoint)
             try:
-                uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
+                uri = tc.save_state(f"diagnostic-final-u{state.updates_done:02d}").result().path
             except Exception as exc:  # recorded: no claim without the checkpoint
                 state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
             else:
                 state.final_checkpoint = uri
                 bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
-                say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
+                say(f"[diagnostic] final checkpoint after update {state.updates_done}: {uri}")
     except _Stop as stop:
         state.stop_reason = str(stop)
         state.setup_seconds = state.setup_seconds or elapsed()
@@ -392,24 +387,9 @@ def run_bounded_diagnostic(
         state.archive.flush()
     except Exception as exc:  # recorded: the analysis then says which records are missing
         state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    wall = elapsed()
-    say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
-    if served is None:  # the served model as the trained client's own get_info names it (else the plan's)
-        info = state.restore.get("get_info")
-        served = served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
-    return write_evidence(
-        bundle,
-        plan,
-        cfg,
-        state,
-        selftest,
-        wall=wall,
-        cap_s=cap_s,
-        backend=backend,
-        spec=spec,
-        served=served,
-        prior_service_work=prior_service_work,
-    )
+    state.wall_seconds = elapsed()
+    say(f"[diagnostic] stopped: {state.stop_reason}; {state.updates_done} updates in {state.wall_seconds:.0f}s")
+    return write_evidence(bundle, plan, cfg, state, selftest, backend, spec, prior_service_work)
 
 
 def _train_epochs(
@@ -422,11 +402,7 @@ def _train_epochs(
     sampler_path: str,
     bundle: EvidenceBundle,
     state: RunState,
-    elapsed: Callable[[], float],
-    clock: Callable[[], float],
-    cap_s: float,
     say: Callable[[str], None],
-    tag: str,
 ) -> str:
     """Epochs over the same frozen batch (no sampling, no anchor refresh), one recorded update per
     minibatch, until the update cap, the wall cap, the schedule's end or an optimizer mismatch;
@@ -437,6 +413,7 @@ def _train_epochs(
         ins.LossCallRecorder(loss_cfg),
         tinker.AdamParams(**cfg.adam),
     )
+    elapsed, cap_s, clock = state.elapsed, state.cap_seconds, time.monotonic
     last_update_s = 0.0
     tokens_seen = 0
     stop = None
@@ -497,11 +474,11 @@ def _train_epochs(
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
         t_snapshot = clock()
-        post_progress(bundle, cfg, state, update_index, elapsed=elapsed, tag=tag)
+        post_progress(bundle, cfg, state)
         state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
         s = rec.stats
         say(
-            f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
+            f"[diagnostic] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
             f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
             f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
             f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "

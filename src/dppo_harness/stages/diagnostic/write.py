@@ -12,7 +12,7 @@ import contextlib
 import io
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -27,7 +27,7 @@ from dppo_harness.instrument import replay
 from dppo_harness.instrument.pooled import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE, pool_calls
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
-from dppo_harness.service.identity import ServedModel
+from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.classification import (
     Classification,
     CriterionResult,
@@ -96,9 +96,7 @@ class DiagnosticResult:
     criteria: list[CriterionResult]
     classification: Classification
     selftest: SelftestReport
-    wall_seconds: float
     next_action: JsonObject
-    effective_cap_seconds: float | None = None
     served: ServedModel | None = None
 
     @property
@@ -107,7 +105,7 @@ class DiagnosticResult:
         c = self.classification
         metrics: dict[str, float] = {
             "diagnostic/updates_done": float(self.state.updates_done),
-            "diagnostic/wall_seconds": float(self.wall_seconds),
+            "diagnostic/wall_seconds": float(self.state.wall_seconds),
             "diagnostic/setup_seconds": float(self.state.setup_seconds),
             "diagnostic/mask_fired": 1.0 if c.mask_fired else 0.0,
             "diagnostic/active": 1.0 if c.active else 0.0,
@@ -144,7 +142,7 @@ class DiagnosticResult:
             max_updates=self.config.max_updates,
             groups=self.config.groups_per_batch,
             group_size=self.config.group_size,
-            wall_seconds=self.wall_seconds,
+            wall_seconds=self.state.wall_seconds,
             state=c.state,
             cause=c.cause,
             active=c.active,
@@ -180,8 +178,8 @@ class DiagnosticResult:
                 "config": asdict(self.config),
                 "updates_done": st.updates_done,
                 "stop_reason": st.stop_reason,
-                "wall_seconds": self.wall_seconds,
-                "effective_cap_seconds": self.effective_cap_seconds,
+                "wall_seconds": self.state.wall_seconds,
+                "effective_cap_seconds": st.cap_seconds,
                 "restore": st.restore,
                 "setup_seconds": st.setup_seconds,
                 "frozen_batch_sha256": st.frozen.sha256 if st.frozen else None,
@@ -202,7 +200,7 @@ class DiagnosticResult:
                     "update_seconds": st.update_seconds,
                     "update_phases": st.update_phases,
                     "setup_seconds": st.setup_seconds,
-                    "wall_seconds": self.wall_seconds,
+                    "wall_seconds": self.state.wall_seconds,
                     "wall_counted_from": "session start (the budget ledger's clock)",
                 },
                 "final_checkpoint": st.final_checkpoint,
@@ -220,10 +218,7 @@ def analyse(
     state: RunState,
     selftest: SelftestReport,
     sentinels: SentinelSummary,
-    *,
-    wall_seconds: float,
-    spec: ExperimentSpec | None,
-    effective_cap_seconds: float | None = None,
+    spec: ExperimentSpec | None = None,
     served: ServedModel | None = None,
 ) -> DiagnosticResult:
     """The fixed analysis: ALL second-epoch loss calls pooled by loss tokens (no selection),
@@ -276,19 +271,7 @@ def analyse(
         "updates_done": state.updates_done,
     }
     action = next_action(classification, cfg, spec, plan.diagnostic.plan_id, served, measured)
-    return DiagnosticResult(
-        cfg,
-        state,
-        sentinels,
-        pooled,
-        criteria,
-        classification,
-        selftest,
-        wall_seconds,
-        action,
-        effective_cap_seconds,
-        served,
-    )
+    return DiagnosticResult(cfg, state, sentinels, pooled, criteria, classification, selftest, action, served)
 
 
 def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig) -> SelftestReport:
@@ -324,24 +307,15 @@ def register_frozen_batch(bundle: EvidenceBundle, frozen: FrozenBatch) -> None:
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
 
 
-def post_progress(
-    bundle: EvidenceBundle,
-    cfg: DiagnosticConfig,
-    state: RunState,
-    update_index: int,
-    *,
-    elapsed: Callable[[], float],
-    tag: str,
-) -> None:
+def post_progress(bundle: EvidenceBundle, cfg: DiagnosticConfig, state: RunState) -> None:
     """Every SNAPSHOT_EVERY_UPDATES updates, the counts posted while running (a killed run keeps
     its numbers) and a snapshot of the bundle."""
-    if update_index % budget.SNAPSHOT_EVERY_UPDATES != 0:
+    n = state.updates_done
+    if n % budget.SNAPSHOT_EVERY_UPDATES != 0:
         return
-    bundle.update_result(
-        metrics={"diagnostic/updates_done": float(update_index), "diagnostic/elapsed_seconds": float(elapsed())}
-    )
+    bundle.update_result(metrics={"diagnostic/updates_done": float(n), "diagnostic/elapsed_seconds": state.elapsed()})
     # the last planned update's snapshot is the stage-end one, posted after the analysis
-    name = post_snapshot(bundle, f"{tag} after update {update_index}") if update_index < cfg.max_updates else None
+    name = post_snapshot(bundle, f"diagnostic after update {n}") if n < cfg.max_updates else None
     if name:
         state.snapshots.append(name)
 
@@ -352,7 +326,6 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> O
     before update 1."""
     if state.first_optim is None:
         return None
-    metrics = getattr(state.first_optim, "metrics", None) or {}
     requested = dict(cfg.adam)
     return optimizer_check(
         after_restore=0,
@@ -360,7 +333,7 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> O
         requested_config=requested,
         info=state.info,
         info_ref=f"{ANALYSIS_FILE}#restore.get_info",
-        echoed=echoed_config(metrics, list(requested)),
+        echoed=echoed_config(state.first_optim.metrics, list(requested)),
         echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
         echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)",
     )
@@ -372,22 +345,18 @@ def write_evidence(
     cfg: DiagnosticConfig,
     state: RunState,
     selftest: SelftestReport,
-    *,
-    wall: float,
-    cap_s: float,
     backend: str,
     spec: ExperimentSpec | None,
-    served: ServedModel | None = None,
-    prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
+    prior_service_work: Mapping[str, Mapping[str, int]] | None,
 ) -> DiagnosticResult:
     """The fixed analysis of what the run measured (however early it stopped), then the sentinels,
     analysis, next action, the trained arm's provenance, the service-work ledger, feasibility,
     the replay output, the report and the result fields."""
     no_sentinels: SentinelSummary = {"points": [], "at_init": None, "last": None}
     sentinels = state.sentinels.summary() if state.sentinels is not None else no_sentinels
-    result = analyse(
-        cfg, plan, state, selftest, sentinels, wall_seconds=wall, spec=spec, effective_cap_seconds=cap_s, served=served
-    )
+    info = state.restore.get("get_info")  # the served model as the trained client's get_info names it, else the plan's
+    served = served_model_from_info(info if isinstance(info, dict) else None, cfg.base_model, backend=backend)
+    result = analyse(cfg, plan, state, selftest, sentinels, spec, served)
     if state.sentinels is not None and state.sentinels.points:
         bundle.register_json(SENTINEL_FILE, "metrics", ins.nan_free(state.sentinels.evidence()))
     effective = (
