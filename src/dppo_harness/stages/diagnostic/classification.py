@@ -6,7 +6,7 @@ explained from the measured numbers."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +14,7 @@ from pydantic import JsonValue
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.pooled import POOLED_QUANTILES, RATIO_PARTS
-from dppo_harness.json_types import JsonMap, JsonObject, num
+from dppo_harness.json_types import JsonMap, num
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured, is_number
@@ -109,11 +109,6 @@ class Classification:
     measured_cause: str | None = None
     served_model: str | None = None
     stand_in: bool = False
-
-    def as_dict(self) -> JsonObject:
-        d: JsonObject = asdict(self)
-        d["integrity_problems"], d["variant_problems"] = list(self.integrity_problems), list(self.variant_problems)
-        return d
 
 
 def _selftest_line(selftest: SelftestReport) -> str:

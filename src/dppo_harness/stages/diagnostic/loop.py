@@ -107,28 +107,18 @@ class SentinelTracker:
         self.selection_rule: str = chosen.selection_rule
         self.points: list[SentinelPoint] = []
         self._init: np.ndarray | None = None
-        self._pending: list[
-            tuple[tinker.APIFuture[tinker.ForwardBackwardOutput], int, float]
-        ] = []  # (forward future, after_update, elapsed_s)
-
-    def due(self, after_update: int) -> bool:
-        return after_update in self.after_updates
+        # Submitted sentinel forwards `collect()` awaits (one wait less per update): (future, after_update, elapsed_s).
+        self.pending: list[tuple[tinker.APIFuture[tinker.ForwardBackwardOutput], int, float]] = []
 
     def submit(self, tc: tinker.TrainingClient) -> tinker.APIFuture[tinker.ForwardBackwardOutput]:
         """The sentinel forward, submitted (not awaited): queued behind whatever the client has in
         flight, so it reads the weights after those requests."""
         return tc.forward(list(self.datums), "cross_entropy")
 
-    def defer(
-        self, future: tinker.APIFuture[tinker.ForwardBackwardOutput], after_update: int, elapsed_s: float
-    ) -> None:
-        """Keep a submitted sentinel forward; `collect()` awaits it (one wait less per update)."""
-        self._pending.append((future, after_update, elapsed_s))
-
     def collect(self) -> None:
         """Await the deferred sentinel forwards, in submission order, and record their points."""
-        while self._pending:
-            future, after_update, elapsed_s = self._pending.pop(0)
+        while self.pending:
+            future, after_update, elapsed_s = self.pending.pop(0)
             out = future.result()
             if len(out.loss_fn_outputs) != len(self.datums):
                 raise RuntimeError(
@@ -158,11 +148,11 @@ class SentinelTracker:
     def summary(self) -> SentinelSummary:
         """Points without the raw logprobs, plus the first and last (for the analysis). A deferred
         forward still pending after a training error is dropped, not waited on twice."""
-        if self._pending:
+        if self.pending:
             try:
                 self.collect()
             except Exception:  # the run's error is already recorded; the point is missing evidence
-                self._pending.clear()
+                self.pending.clear()
         return {
             "sequence_indices": list(self.sequence_indices),
             "selection_rule": self.selection_rule,
@@ -299,7 +289,7 @@ def _freeze_and_split(
     mbs = list(frozen.split_minibatches(cfg.minibatches_per_epoch))
     state.minibatches = [mb.record() for mb in mbs]
     sentinels = state.sentinels = SentinelTracker(frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
-    if sentinels.due(0):
+    if 0 in sentinels.after_updates:
         sentinels.measure(tc, 0, state.elapsed())
     state.setup_seconds = state.elapsed()
     say(
@@ -441,7 +431,7 @@ def _train_epochs(
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 
-        due = sentinels.due(update_index)
+        due = update_index in sentinels.after_updates
         context: JsonObject = {
             "update_index": update_index,
             "epoch": epoch,
@@ -461,7 +451,7 @@ def _train_epochs(
         sentinels.collect()  # the previous update's sentinel: long done by now
         phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
         if due and upd.behind is not None:
-            sentinels.defer(upd.behind, update_index, elapsed())
+            sentinels.pending.append((upd.behind, update_index, elapsed()))
         if state.first_optim is None:
             state.first_optim = upd.optim
         state.updates_done = update_index

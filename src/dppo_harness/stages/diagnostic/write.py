@@ -65,6 +65,7 @@ ORIGINAL_GATE_REPORT_FILE = "original-gate-report.json"
 SERVICE_WORK_FILE = "service-work-ledger.json"
 REPLAY_OUTPUT_FILE = "diagnostic-replay.txt"
 FEASIBILITY_SOURCE = "diagnostic-analysis.json#timings"
+SERVICE_WORK = ("optimizer_updates", "sampling_batches")  # what the plan declares per item and in total
 NO_GPU: JsonObject = {"gpu_count": None, "allocation_source": None}  # the service allocates, not this run
 # The open update archive's records, rewritten beside the bundle before each optimizer step.
 STAGING_FILE = ".diagnostic-updates.staged.npz"
@@ -187,7 +188,7 @@ class DiagnosticResult:
                 "per_update": [ins.summary_row(r) | {"loss_seconds": r.loss_seconds} for r in st.records],
                 "pooled_second_epoch": self.pooled,
                 "criteria": [asdict(c) for c in self.criteria],
-                "classification": self.classification.as_dict(),
+                "classification": asdict(self.classification),
                 "selftest_passed": self.selftest.get("passed"),
                 "fixes": list(FIXES),
                 "sentinels": self.sentinels,
@@ -445,40 +446,24 @@ def service_work_ledger(sw: ServiceWork | None, executed: Mapping[str, Mapping[s
     declared = {i.id: i for i in sw.items}
     rows: list[JsonValue] = []
     problems: list[str] = []
-    totals = {"optimizer_updates": 0, "sampling_batches": 0}
+    totals = dict.fromkeys(SERVICE_WORK, 0)
     for item_id in list(declared) + [k for k in executed if k not in declared]:
-        d, e = declared.get(item_id), dict(executed.get(item_id, {}))
-        done = {
-            "optimizer_updates": int(e.get("optimizer_updates", 0)),
-            "sampling_batches": int(e.get("sampling_batches", 0)),
-        }
+        d, done = declared.get(item_id), {k: int(executed.get(item_id, {}).get(k, 0)) for k in SERVICE_WORK}
         if d is None:
             problems.append(f"{item_id}: executed but not declared in the plan")
-        else:
-            for k, want in (("optimizer_updates", d.optimizer_updates), ("sampling_batches", d.sampling_batches)):
-                if done[k] > want:
-                    problems.append(f"{item_id}: {done[k]} {k} executed > {want} declared")
-        rows.append(
-            {
-                "id": item_id,
-                "declared": None if d is None else d.model_dump(mode="json", exclude_none=True),
-                "executed": dict(done),
-            }
-        )
+        over = [(k, getattr(d, k)) for k in SERVICE_WORK if d is not None and done[k] > getattr(d, k)]
+        problems += [f"{item_id}: {done[k]} {k} executed > {want} declared" for k, want in over]
+        dumped = None if d is None else d.model_dump(mode="json", exclude_none=True)
+        rows.append({"id": item_id, "declared": dumped, "executed": dict(done)})
         totals = {k: totals[k] + done[k] for k in totals}
-    if totals["optimizer_updates"] > sw.max_total_optimizer_updates:
-        problems.append(f"{totals['optimizer_updates']} optimizer updates > {sw.max_total_optimizer_updates} declared")
-    if totals["sampling_batches"] > sw.max_total_sampling_batches:
-        problems.append(f"{totals['sampling_batches']} sampling batches > {sw.max_total_sampling_batches} declared")
+    caps = {k: getattr(sw, f"max_total_{k}") for k in SERVICE_WORK}
+    problems += [f"{totals[k]} {k.replace('_', ' ')} > {caps[k]} declared" for k in SERVICE_WORK if totals[k] > caps[k]]
     return {
         "kind": "service_work_ledger",
         "declared_before_execution": bool(sw.declared_before_execution),
         "items": rows,
         "executed_totals": dict(totals),
-        "declared_totals": {
-            "optimizer_updates": sw.max_total_optimizer_updates,
-            "sampling_batches": sw.max_total_sampling_batches,
-        },
+        "declared_totals": dict(caps),
         "problems": list(problems),
         "within_declaration": not problems,
     }
