@@ -91,20 +91,27 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
         end_session(sc)
 
 
-def test_different_seed_for_one_arm_fails(server, spec, fixed_batch, tmp_path):
-    result, bundle = _run(server, spec, fixed_batch, tmp_path, arm_seed_overrides={"dppo_seed0": 1})
+def test_an_arm_loaded_from_another_initial_state_fails(server, spec, fixed_batch, tmp_path, monkeypatch):
+    real = restoration.restore
+
+    def other_init_for_dppo(sc, path, name):  # the DPPO arm loads a second fresh client's save instead
+        if name == "dppo_seed0":
+            other = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32)
+            path = other.save_state("other-initial").result().path
+        return real(sc, path, name)
+
+    monkeypatch.setattr(restoration, "restore", other_init_for_dppo)
+    result, bundle = _run(server, spec, fixed_batch, tmp_path)
     assert not result.passed
     text = "\n".join(result.failures)
-    assert "do not share one initial checkpoint" in text
+    assert "do not share one loaded checkpoint" in text
     assert "adapter_sha256 differ" in text
     # LoRA B starts at zero, so outputs agree: matching logprobs alone do not prove matched init.
     cmp = result.provenance["group"]["initial_output_comparison"]
     assert all(c["within_tolerance"] for c in cmp.values())
     # The failed proof is still written, whole and verifiable.
-    assert (
-        bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]["checkpoint_uri"]
-        != result.initial_checkpoint
-    )
+    init = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]
+    assert init["loaded_checkpoint_uri"] != result.initial_checkpoint
     assert verify_bundle(bundle.dir) == []
 
 

@@ -77,7 +77,7 @@ def test_the_resolved_model_is_the_one_passed_to_client_creation(report, want):
     model = report.client_base_model(PLANNED)
     assert model == want
     sc = _ServiceClient()
-    initial = checkpoint.fresh_checkpoint(sc, model, 8, "shared", 0, "t", checkpoint.Recorder(), lambda fn: fn())
+    initial = checkpoint.fresh_checkpoint(sc, model, 8, 0, "t", checkpoint.Recorder(), lambda fn: fn())
     assert sc.created == [want] and initial.immutable
 
 

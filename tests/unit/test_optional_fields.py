@@ -140,7 +140,7 @@ class _ServiceClient:
 def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, want):
     rec = checkpoint.Recorder()
     initial = checkpoint.fresh_checkpoint(
-        _ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, "shared", 0, "t", rec, lambda fn: fn()
+        _ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, 0, "t", rec, lambda fn: fn()
     )
     assert initial.immutable is want and initial.immutable_reason
     kept = [k for k in rec.responses if k.startswith("save_shared_again")]

@@ -22,9 +22,8 @@ Options of `run_restoration_preflight`: `trained_arms` (None: all) get a client 
 entry, the others are listed under `excluded_arms` (a single trained arm is compared with the
 setup client); `checkpoint_reader` (local backend) measures adapter_sha256 and the LR-scaling norms,
 without it or `update_norm` the LR probe is recorded unavailable; `probe_service_client` holds the
-setup and probe clients, so the caller can release them; `arm_seed_overrides` is for a
-failure-path test; `capacity`/`registry` retry every client-creating call on a capacity refusal;
-`progress` gets a line at every step.
+setup and probe clients, so the caller can release them; `capacity`/`registry` retry every
+client-creating call on a capacity refusal; `progress` gets a line at every step.
 """
 
 from __future__ import annotations
@@ -821,7 +820,6 @@ def fresh_checkpoint(
     probe_sc: tinker.ServiceClient,
     base_model: str,
     rank: int,
-    label: str,
     seed: int,
     tag: str,
     rec: Recorder,
@@ -832,33 +830,33 @@ def fresh_checkpoint(
     No per-model seed is sent: Spindle's multi-LoRA backend refuses one (the creation future fails,
     "Miles multi-LoRA does not support per-model seeds"), and a seed would prove nothing anyway;
     every arm is proved to start from this one saved state by its observed load. `seed` is the
-    plan's initialization group (arms with their own group get their own setup client)."""
+    plan's initialization group's."""
     # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
     client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank))
-    name_client(client, f"setup client ({label})")
+    name_client(client, "setup client (shared)")
     describe_client(
         probe_sc,
         client,
-        f"setup ({label}, initialization group of seed {seed}): saves the initial checkpoint"
-        + ("; then the uninterrupted restore probe and the base-LR scaling probe" if label == "shared" else ""),
+        f"setup (shared, initialization group of seed {seed}): saves the initial checkpoint; then the "
+        "uninterrupted restore probe and the base-LR scaling probe",
     )
     info = client.get_info()
-    rec.keep(f"create_{label}.get_info", info)
-    name = f"{tag}-initial-{label}"
+    rec.keep("create_shared.get_info", info)
+    name = f"{tag}-initial-shared"
     saved = client.save_state(name).result()
-    rec.keep(f"save_{label}", saved)
+    rec.keep("save_shared", saved)
     # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
     try:
         again = client.save_state(name).result()
     except Exception as exc:
         immutable, reason = duplicate_save_outcome(exc, name)
         rec.keep(
-            f"save_{label}_again_refused" if immutable else f"save_{label}_again_failed",
+            "save_shared_again_refused" if immutable else "save_shared_again_failed",
             {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason},
         )
     else:
         immutable, reason = duplicate_save_outcome(None, name)
-        rec.keep(f"save_{label}_again", again)
+        rec.keep("save_shared_again", again)
     return InitialCheckpoint(client, saved.path, immutable, reason, info)
 
 
@@ -949,7 +947,6 @@ def run_restoration_preflight(
     checkpoint_reader: LocalCheckpointReader | None = None,
     update_norm: UpdateNormMeasure | None = None,
     probe_service_client: tinker.ServiceClient | None = None,
-    arm_seed_overrides: Mapping[str, int] | None = None,
     capacity: WaitPolicy | None = None,
     registry: ClientRegistry | None = None,
     trained_arms: Sequence[str] | None = None,
@@ -981,22 +978,15 @@ def run_restoration_preflight(
     prun = ProbeRun(probe_sc, batch, rec, call, say)
 
     say(f"1/6: fresh LoRA rank-{group.rank} client on {base_model} and the shared initial checkpoint")
-    arm_seed = {a: (arm_seed_overrides or {}).get(a, group.seed) for a in names}
-    fresh = partial(fresh_checkpoint, probe_sc, base_model, group.rank)
-    by_seed = {group.seed: fresh("shared", group.seed, group.tag, rec, call)}
-    for a, s in arm_seed.items():
-        if s not in by_seed:
-            by_seed[s] = fresh(a, s, group.tag, rec, call)
-    shared = by_seed[group.seed]
+    shared = fresh_checkpoint(probe_sc, base_model, group.rank, group.seed, group.tag, rec, call)
     bundle.add_checkpoint("initial", 0, shared.path)
     # The setup client's own output, before its first update: what one loaded arm is compared with.
-    source_lp = full_logprobs(shared.client, batch) if len(names) == 1 and arm_seed[names[0]] == group.seed else None
+    source_lp = full_logprobs(shared.client, batch) if len(names) == 1 else None
 
     loaded: dict[str, Restore] = {}
     for i, a in enumerate(names, start=1):
-        path = by_seed[arm_seed[a]].path
-        say(f"2/6: loading arm {a} ({i}/{len(names)}) from {path} with optimizer")
-        loaded[a] = call(partial(restore, service_client, path, a))
+        say(f"2/6: loading arm {a} ({i}/{len(names)}) from {shared.path} with optimizer")
+        loaded[a] = call(partial(restore, service_client, shared.path, a))
         describe_client(service_client, loaded[a].client, f"arm {a}: loaded from the initial checkpoint with optimizer")
         rec.keep(f"load_{a}", loaded[a].response)
         rec.keep(f"load_{a}.get_info", loaded[a].info)
@@ -1035,30 +1025,26 @@ def run_restoration_preflight(
     say("5/6: optimizer checks and initialization provenance")
     arms: dict[str, ArmProvenance] = {}
     for arm in group.arms:  # optimizer checks at creation (0) and restore (1), against its own config's echo
-        a, source, label = (
-            arm.name,
-            by_seed[arm_seed[arm.name]],
-            "shared" if arm_seed[arm.name] == group.seed else arm.name,
-        )
+        a = arm.name
         check = partial(
             optimizer_check,
             requested_optimizer=arm.optimizer,
-            requested_config=arm.optimizer_config.model_dump(exclude_none=True),
+            requested_config=group.optimizer_config(a),
             echoed=probes[a].echoed_config or None,
             echo_ref=probes[a].echo_ref,
             echo_observed_on=probes[a].echo_observed_on,
         )
         arms[a] = initialization_entry(
             base_checkpoint=base_model,
-            checkpoint_uri=source.path,
-            checkpoint_immutable=source.immutable,
-            checkpoint_immutable_reason=source.immutable_reason or None,
+            checkpoint_uri=shared.path,
+            checkpoint_immutable=shared.immutable,
+            checkpoint_immutable_reason=shared.immutable_reason or None,
             loaded_checkpoint_uri=loaded[a].loaded_path,
             load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
             evidence_ref=load_ref(a),
             restore_count=1,
             optimizer_checks=[
-                check(after_restore=0, info=source.info, info_ref=f"{RESPONSES_FILE}#create_{label}.get_info"),
+                check(after_restore=0, info=shared.info, info_ref=f"{RESPONSES_FILE}#create_shared.get_info"),
                 check(after_restore=1, info=loaded[a].info, info_ref=f"{load_ref(a)}.get_info"),
             ],
             initial_output={
