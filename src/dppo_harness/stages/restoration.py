@@ -666,42 +666,6 @@ def restoration_arms(spec: ExperimentSpec) -> list[RestorationArm]:
     return list(arms)
 
 
-@dataclass(frozen=True)
-class RestorationGroup:
-    """The initialization group as this session runs it: its arms, the trained ones, one seed."""
-
-    all_arm_names: list[str]
-    arms: list[RestorationArm]  # the trained arms, in the group's order
-    rank: int
-    seed: int
-    tag: str  # names the checkpoints this run saves
-    dataset: str
-
-    @property
-    def arm_names(self) -> list[str]:
-        return [a.name for a in self.arms]
-
-    def optimizer_config(self, arm: str) -> dict[str, float]:
-        """The arm's optimizer_config as the spec gives it (unset keys left out)."""
-        return next(a for a in self.arms if a.name == arm).optimizer_config.model_dump(exclude_none=True)
-
-
-def resolve_group(plan: Plan, bundle: EvidenceBundle, trained_arms: Sequence[str] | None) -> RestorationGroup:
-    """The group's arms, the trained ones among them, their one seed, and the run's checkpoint tag."""
-    run = plan.spec_plan.run
-    assert run is not None  # every experiment spec has its RunConfig from load
-    arms = restoration_arms(plan.spec_plan.experiment)
-    names = [a.name for a in arms]
-    if trained_arms is not None and (not trained_arms or set(trained_arms) - set(names)):
-        raise RestorationError(f"trained_arms {list(trained_arms)}: not arms of the initialization group {names}")
-    trained = [a for a in arms if trained_arms is None or a.name in set(trained_arms)]
-    seeds = {a.name: a.seed for a in run.arms}
-    if len({seeds.get(a.name) for a in trained}) > 1:
-        raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
-    tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(bundle.run_id or uuid.uuid4().hex[:12]))[:64]
-    return RestorationGroup(names, trained, run.lora_rank, seeds.get(trained[0].name, 0), tag, run.dataset)
-
-
 def reference_completion(solution: str, reference: str) -> str:
     """A GSM8K worked solution as an assistant answer: calculator annotations dropped, the
     '#### N' line replaced by the boxed answer the cookbook's grader reads."""
@@ -960,10 +924,23 @@ def run_restoration_preflight(
         if progress is not None:
             progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
 
-    group = resolve_group(plan, bundle, trained_arms)
-    names = group.arm_names
+    # The group's arms, the trained ones among them (in the group's order), their one seed, the run's checkpoint tag.
+    run = plan.spec_plan.run
+    assert run is not None  # every experiment spec has its RunConfig from load
+    group = restoration_arms(plan.spec_plan.experiment)
+    if trained_arms is not None and (not trained_arms or set(trained_arms) - {a.name for a in group}):
+        raise RestorationError(
+            f"trained_arms {list(trained_arms)}: not arms of the initialization group {[a.name for a in group]}"
+        )
+    trained = [a for a in group if trained_arms is None or a.name in set(trained_arms)]
+    names, cfgs = [a.name for a in trained], {a.name: a.optimizer_config.model_dump(exclude_none=True) for a in trained}
+    seeds = {a.name: a.seed for a in run.arms}
+    if len({seeds.get(a) for a in names}) > 1:
+        raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
+    seed = seeds.get(names[0], 0)
+    tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(bundle.run_id or uuid.uuid4().hex[:12]))[:64]  # names its saves
     if fixed_batch is None:
-        fixed_batch, fixed_batch_description = build_fixed_batch(seed=group.seed, dataset_name=group.dataset)
+        fixed_batch, fixed_batch_description = build_fixed_batch(seed=seed, dataset_name=run.dataset)
     batch = list(fixed_batch)
     if len(batch) < 2:
         raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")
@@ -977,8 +954,8 @@ def run_restoration_preflight(
     probe_sc = probe_service_client or service_client
     prun = ProbeRun(probe_sc, batch, rec, call, say)
 
-    say(f"1/6: fresh LoRA rank-{group.rank} client on {base_model} and the shared initial checkpoint")
-    shared = fresh_checkpoint(probe_sc, base_model, group.rank, group.seed, group.tag, rec, call)
+    say(f"1/6: fresh LoRA rank-{run.lora_rank} client on {base_model} and the shared initial checkpoint")
+    shared = fresh_checkpoint(probe_sc, base_model, run.lora_rank, seed, tag, rec, call)
     bundle.add_checkpoint("initial", 0, shared.path)
     # The setup client's own output, before its first update: what one loaded arm is compared with.
     source_lp = full_logprobs(shared.client, batch) if len(names) == 1 else None
@@ -990,7 +967,7 @@ def run_restoration_preflight(
         describe_client(service_client, loaded[a].client, f"arm {a}: loaded from the initial checkpoint with optimizer")
         rec.keep(f"load_{a}", loaded[a].response)
         rec.keep(f"load_{a}.get_info", loaded[a].info)
-    adapters, adapter_method, failures = adapter_hashes(checkpoint_reader, loaded, group.tag, rec)
+    adapters, adapter_method, failures = adapter_hashes(checkpoint_reader, loaded, tag, rec)
     say(f"3/6: initial logprobs of {len(names)} arms on the fixed batch ({len(batch)} datums)")
     out_sha, comparison, output_failures = initial_outputs(bundle, loaded, batch, b_sha, source=source_lp)
     failures += output_failures
@@ -998,16 +975,16 @@ def run_restoration_preflight(
     # Step 4: the setup client (uninterrupted) vs a create-save-restore client on the first trained
     # arm's config; update 1 is also the LR probe at the planned LR. Each other optimizer config
     # gets its own probe from a fresh client, so every arm's checks compare with its OWN echo.
-    opt_cfg = group.optimizer_config(names[0])
+    opt_cfg = cfgs[names[0]]
     if update_norm is None and checkpoint_reader is not None:
-        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{group.tag}-lr")
+        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
     in_plan = update_norm if planned_lr_on_setup_client(update_norm, lr_multipliers) else None
     say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
-    probe = restore_probe(prun, shared.client, shared.path, opt_cfg, group.tag, update_norm=in_plan)
+    probe = restore_probe(prun, shared.client, shared.path, opt_cfg, tag, update_norm=in_plan)
     probes = {names[0]: probe}
     for a in names[1:]:
-        cfg = group.optimizer_config(a)
-        same = next((p for b, p in probes.items() if group.optimizer_config(b) == cfg), None)
+        cfg = cfgs[a]
+        same = next((p for b, p in probes.items() if cfgs[b] == cfg), None)
         if same is not None:
             probes[a] = same
             continue
@@ -1015,7 +992,7 @@ def run_restoration_preflight(
         client, _ = call(partial(create_from_state_with_response, probe_sc, shared.path, f"probe-{a}"))
         describe_client(probe_sc, client, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
         own = ProbeRun(probe_sc, batch, rec.prefixed(f"{a}:"), call, say)
-        probes[a] = restore_probe(own, client, shared.path, cfg, f"{group.tag}-{a}")
+        probes[a] = restore_probe(own, client, shared.path, cfg, f"{tag}-{a}")
         probes[a].echo_observed_on = probes[a].uninterrupted_client = (
             f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
         )
@@ -1024,12 +1001,12 @@ def run_restoration_preflight(
 
     say("5/6: optimizer checks and initialization provenance")
     arms: dict[str, ArmProvenance] = {}
-    for arm in group.arms:  # optimizer checks at creation (0) and restore (1), against its own config's echo
+    for arm in trained:  # optimizer checks at creation (0) and restore (1), against its own config's echo
         a = arm.name
         check = partial(
             optimizer_check,
             requested_optimizer=arm.optimizer,
-            requested_config=group.optimizer_config(a),
+            requested_config=cfgs[a],
             echoed=probes[a].echoed_config or None,
             echo_ref=probes[a].echo_ref,
             echo_observed_on=probes[a].echo_observed_on,
@@ -1072,7 +1049,7 @@ def run_restoration_preflight(
     # OWN responses exposed.
     provenance: InitializationProvenance = {"version": 1, "arms": arms}
     posted: InitializationProvenance = {"version": 1, "arms": arms}
-    excluded = {a: EXCLUDED_REASON for a in group.all_arm_names if a not in names}
+    excluded = {a.name: EXCLUDED_REASON for a in group if a.name not in names}
     if excluded:
         provenance["excluded_arms"] = dict(excluded)
     provenance["group"] = {
