@@ -273,12 +273,6 @@ _POOLING_OK = {
 }
 
 
-def _measured(x: JsonValue) -> Measured:
-    """A pooled value as a criterion records it: the pooled metrics criteria may name are numbers;
-    anything else is recorded as not measured."""
-    return x if x is None or isinstance(x, (int, float, str)) else None
-
-
 def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: JsonMap) -> list[CriterionResult]:
     """The plan's fixed criteria on pooled values (the rule shared with the gate's checks,
     `checks.Bounds`); nothing is tuned, relaxed or selected here."""
@@ -289,7 +283,8 @@ def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: JsonMap) ->
                 f"analysis.criteria[{c.id}]: pooling {c.pooling!r} of {c.metric!r} is not implemented"
             )
         bounds = Bounds.of(c)
-        declared, value = bounds.as_json(), _measured(pooled.get(c.metric))
+        x = pooled.get(c.metric)  # the pooled metrics criteria may name are numbers; anything else is not measured
+        declared, value = bounds.as_json(), (x if x is None or isinstance(x, (int, float, str)) else None)
         if not _applies(c, pooled):
             out.append(
                 CriterionResult(

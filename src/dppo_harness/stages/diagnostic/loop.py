@@ -77,13 +77,6 @@ class SentinelSummary(TypedDict):
     last: SentinelPoint | None
 
 
-class SentinelEvidence(SentinelSummary):
-    """diagnostic-sentinels.json: the summary with every point's raw logprobs, the sampler's and the mask."""
-
-    sampler_logprobs: list[float]
-    mask: list[float]
-
-
 class SentinelTracker:
     """Fixed sentinel sequences of the frozen batch, chosen before training: the trainer's
     logprobs on them at initialization and after the planned updates (forward only)."""
@@ -158,12 +151,15 @@ class SentinelTracker:
             "selection_rule": self.selection_rule,
             "tokens": int(self.mask.sum()),
             "after_updates": list(self.after_updates),
-            "points": [_without_logprobs(p) for p in self.points],
+            "points": [
+                {"after_update": p["after_update"], "elapsed_s": p["elapsed_s"], "summary": p["summary"]}
+                for p in self.points
+            ],
             "at_init": self.points[0]["summary"] if self.points else None,
             "last": self.points[-1] if len(self.points) > 1 else None,
         }
 
-    def evidence(self) -> SentinelEvidence:
+    def evidence(self) -> dict[str, object]:
         """diagnostic-sentinels.json: the summary with every point's raw logprobs, the sampler's and the mask."""
         return {
             **self.summary(),
@@ -171,10 +167,6 @@ class SentinelTracker:
             "sampler_logprobs": self.sampler_logprobs.tolist(),
             "mask": self.mask.tolist(),
         }
-
-
-def _without_logprobs(p: SentinelPoint) -> SentinelPoint:
-    return {"after_update": p["after_update"], "elapsed_s": p["elapsed_s"], "summary": p["summary"]}
 
 
 @dataclass

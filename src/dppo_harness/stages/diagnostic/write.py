@@ -395,8 +395,10 @@ def write_evidence(
         endpoint = spec.primary_endpoint if spec is not None else "none in this diagnostic"
         bundle.update_result(feasibility=diagnostic_feasibility(cfg, state, effective, endpoint))
     if state.records:  # the replay output itself: a reviewer reads it without rerunning replay
-        code, text = replay_output(bundle.dir)
-        bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
+        buf = io.StringIO()  # `python -m dppo_harness.instrument.replay` on the bundle, run in-process
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            code = replay.main([str(bundle.dir)])
+        bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (buf.getvalue() + f"exit code {code}\n").encode())
         bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
     report.write_report(bundle, analysis, backend, result.next_action)
     fields_ = result.result_fields  # an activation calibration an earlier stage already set is kept
@@ -495,14 +497,6 @@ def diagnostic_feasibility(
         "generation": None,
         "recovery": {"seconds": float(FINALIZE_RESERVE_S), **NO_GPU},
     }
-
-
-def replay_output(bundle_dir: Path) -> tuple[int, str]:
-    """(exit code, printed lines) of `python -m dppo_harness.instrument.replay` on the bundle, run in-process."""
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        code = replay.main([str(bundle_dir)])
-    return code, buf.getvalue()
 
 
 def trained_client_entry(
