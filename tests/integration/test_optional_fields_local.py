@@ -110,7 +110,9 @@ def test_load_responses_without_path_fail_the_proof_naming_it(served, fixed_batc
     assert any(f.startswith("probe restore: server load response path None") for f in result.failures)
     init = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]
     assert init["loaded_checkpoint_uri"] is None  # never the path that was asked for
-    assert init["checkpoint_uri"] == result.initial_checkpoint and result.loaded_paths == {}
+    assert init["checkpoint_uri"] == result.initial_checkpoint and all(
+        r.loaded_path is None for r in result.loaded.values()
+    )
     assert s.injected()["load_weights:omit:path"] >= 2
     assert verify_bundle(bundle.dir) == []
 

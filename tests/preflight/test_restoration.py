@@ -18,7 +18,9 @@ def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
     if plan.kind == "bounded_diagnostic":  # only the arm that trains gets a client
         arms = [plan.diagnostic.fixed_settings.treatment.arm]
     assert sorted(restoration.clients) == sorted(arms)
-    assert restoration.loaded_paths == dict.fromkeys(arms, restoration.initial_checkpoint)
+    assert {a: r.loaded_path for a, r in restoration.loaded.items()} == dict.fromkeys(
+        arms, restoration.initial_checkpoint
+    )
     entries = restoration.provenance["arms"]
     for a in arms:
         init = entries[a]["initialization"]

@@ -170,8 +170,6 @@ LrScalingBlock = LrScalingUnavailable | LrScalingMeasured
 @dataclass
 class RestorationResult:
     initial_checkpoint: str
-    loaded_paths: dict[str, str]
-    clients: dict[str, tinker.TrainingClient]
     fixed_batch: list[tinker.Datum]
     batch_sha256: str
     output_sha256: dict[str, str]
@@ -182,6 +180,10 @@ class RestorationResult:
     probe: RestoreProbeResult
     wall_seconds: float
     loaded: dict[str, Restore]  # each loaded arm: client, load response, get_info
+
+    @property
+    def clients(self) -> dict[str, tinker.TrainingClient]:
+        return {a: r.client for a, r in self.loaded.items()}
 
     def failure_message(self) -> str:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
@@ -1075,8 +1077,6 @@ def run_restoration_preflight(
     bundle.update_result(initialization_provenance=posted, metrics=metrics)
     return RestorationResult(
         initial_checkpoint=shared.path,
-        loaded_paths={a: arm.loaded_path for a, arm in loaded.items() if arm.loaded_path},
-        clients={a: arm.client for a, arm in loaded.items()},
         loaded=loaded,
         fixed_batch=batch,
         batch_sha256=b_sha,

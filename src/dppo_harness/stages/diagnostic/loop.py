@@ -45,7 +45,7 @@ from dppo_harness.stages.diagnostic.write import (
 from dppo_harness.stages.restoration import load_ref
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import full_logprobs, make_datum
-from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
+from dppo_harness.train.fingerprints import logprobs_sha256
 from dppo_harness.train.restore import Restore, restore
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonOb
     group: dict[str, JsonValue] = dict(ref.output_sha256)
     return {
         "available": True,
-        "batch_sha256": batch_sha256(ref.fixed_batch),
+        "batch_sha256": ref.batch_sha256,
         "output_sha256": out_sha,
         "evidence_ref": f"{ANALYSIS_FILE}#trained_client_initial_output",
         "before_first_update": True,
