@@ -9,10 +9,10 @@ from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.plans import load_plan
 from dppo_harness.service.identity import ServedModel, served_model_from_info
+from dppo_harness.stages.diagnostic.classification import deterministic_selftest
 from dppo_harness.stages.diagnostic.conclusion import cause_for_question, count_sentences
 from dppo_harness.stages.diagnostic.config import diagnostic_config
 from dppo_harness.stages.diagnostic.loop import RunState
-from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 from dppo_harness.stages.diagnostic.write import analyse
 
 PLANS = Path(__file__).parents[2] / "plans"

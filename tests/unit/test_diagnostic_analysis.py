@@ -14,12 +14,12 @@ from dppo_harness.plans.models import AnalysisCriterion
 from dppo_harness.stages.diagnostic.classification import (
     anchor_problems,
     classify,
+    deterministic_selftest,
     evaluate_criteria,
     pinned_variant_problems,
 )
 from dppo_harness.stages.diagnostic.conclusion import next_action
 from dppo_harness.stages.diagnostic.config import DiagnosticError, diagnostic_config
-from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 
 PLANS = Path(__file__).parents[2] / "plans"
 TINY_PLAN = Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json"

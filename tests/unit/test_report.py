@@ -9,9 +9,9 @@ from diagnostic_rehearsal import simulate_records
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.plans import load_plan
+from dppo_harness.stages.diagnostic.classification import deterministic_selftest
 from dppo_harness.stages.diagnostic.config import diagnostic_config
 from dppo_harness.stages.diagnostic.loop import RunState
-from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 from dppo_harness.stages.diagnostic.write import analyse
 
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")

@@ -143,9 +143,9 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
     from diagnostic_rehearsal import simulate_records
 
     from dppo_harness.evaluation import answer_yield
+    from dppo_harness.stages.diagnostic.classification import deterministic_selftest
     from dppo_harness.stages.diagnostic.config import diagnostic_config
     from dppo_harness.stages.diagnostic.loop import RunState
-    from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
     from dppo_harness.stages.diagnostic.write import analyse
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")

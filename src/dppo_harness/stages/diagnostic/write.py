@@ -31,8 +31,10 @@ from dppo_harness.service.identity import ServedModel, served_model_from_info
 from dppo_harness.stages.diagnostic.classification import (
     Classification,
     CriterionResult,
+    SelftestReport,
     anchor_problems,
     classify,
+    deterministic_selftest,
     evaluate_criteria,
     pinned_variant_problems,
     trainer_moved,
@@ -45,7 +47,6 @@ from dppo_harness.stages.diagnostic.config import (
     LOOP_LABEL,
     DiagnosticConfig,
 )
-from dppo_harness.stages.diagnostic.selftest import SelftestReport, deterministic_selftest
 from dppo_harness.train.clients import dump_response
 from dppo_harness.train.optimizer_checks import OptimizerCheck, echoed_config, optimizer_check, own_response_only
 
