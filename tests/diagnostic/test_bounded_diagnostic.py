@@ -22,12 +22,12 @@ def _cli(module: str, path) -> subprocess.CompletedProcess:
 
 def test_diagnostic_ran_as_planned_within_its_caps(diagnostic_run):
     run = diagnostic_run
-    assert not run.errors, run.errors
-    assert run.frozen_batch_sha256, "no frozen batch: the diagnostic never sampled"
-    assert 1 <= run.updates_done <= run.config.max_updates
-    assert run.wall_seconds <= run.config.max_wall_seconds, f"{run.wall_seconds:.0f}s > cap"
-    assert [r.context["update_index"] for r in run.records] == list(range(1, run.updates_done + 1))
-    assert all(r.context["frozen_batch_sha256"] == run.frozen_batch_sha256 for r in run.records)
+    assert not run.state.errors, run.state.errors
+    assert run.state.frozen.sha256, "no frozen batch: the diagnostic never sampled"
+    assert 1 <= run.state.updates_done <= run.config.max_updates
+    assert run.state.wall_seconds <= run.config.max_wall_seconds, f"{run.state.wall_seconds:.0f}s > cap"
+    assert [r.context["update_index"] for r in run.state.records] == list(range(1, run.state.updates_done + 1))
+    assert all(r.context["frozen_batch_sha256"] == run.state.frozen.sha256 for r in run.state.records)
     assert run.selftest["passed"], run.selftest
 
 
@@ -38,7 +38,7 @@ def test_conclusion_is_classified_and_not_a_defect(diagnostic_run, evidence_bund
     assert not c.integrity_problems, c.integrity_problems
     result = evidence_bundle.result
     assert result["original_hypothesis_tested"] is False and result["tested_instead"]
-    assert result["metrics"]["diagnostic/updates_done"] == diagnostic_run.updates_done
+    assert result["metrics"]["diagnostic/updates_done"] == diagnostic_run.state.updates_done
     for name in (ANALYSIS_FILE, REFERENCES_FILE, NEXT_ACTION_FILE, "report.md"):
         assert evidence_bundle.entry(name), f"{name} not registered"
 
@@ -51,13 +51,13 @@ def test_evidence_verify_and_offline_replay_pass(diagnostic_run, evidence_bundle
     assert ("verify: INCOMPLETE" if running else "verify: OK") in verify.stdout
     replay = _cli("dppo_harness.instrument.replay", evidence_bundle.dir)
     assert replay.returncode == 0, replay.stdout + replay.stderr
-    assert f"{diagnostic_run.updates_done} loss calls" in replay.stdout
+    assert f"{diagnostic_run.state.updates_done} loss calls" in replay.stdout
 
 
 def test_the_diagnostic_trained_the_preflights_client(diagnostic_run, client_registry, evidence_bundle):
     """No third DPPO client: no training client is created in the diagnostic stage."""
     assert client_registry.training_clients_by_stage().get("diagnostic", 0) == 0
-    assert diagnostic_run.restore.get("source", "").startswith("the restoration preflight's client")
+    assert diagnostic_run.state.restore.get("source", "").startswith("the restoration preflight's client")
     entry = evidence_bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]
     assert entry["restore_count"] == 1 and [c["after_restore"] for c in entry["optimizer_checks"]] == [0, 1]
 

@@ -57,8 +57,8 @@ def _run(engine, tmp_path, lr):
     sc, init = engine
     bundle = EvidenceBundle.create(tmp_path / "evidence")
     res = run_bounded_diagnostic(sc, small_plan(tmp_path, lr), bundle, init, backend="local")
-    assert not res.errors, res.errors
-    assert res.updates_done == 2
+    assert not res.state.errors, res.state.errors
+    assert res.state.updates_done == 2
     # Sentinel forwards after updates 1 and 2 are deferred (issue 10 section 5); all are collected.
     assert [pt["after_update"] for pt in res.sentinels["points"]] == [0, 1, 2]
     assert verify_bundle(bundle.dir) == []
@@ -79,7 +79,7 @@ def test_high_lr_fires_on_both_sides_with_removed_gradients(engine, tmp_path):
 
 def test_zero_lr_stays_silent_and_is_an_inactive_regime(engine, tmp_path):
     res = _run(engine, tmp_path, 0.0)
-    assert all(r.stats["dppo/removed"] == 0 for r in res.records)
+    assert all(r.stats["dppo/removed"] == 0 for r in res.state.records)
     assert res.pooled["tokens/nonzero_adv"] > 0  # silent with signal present, not for lack of it
     c = res.classification
     # Measured on the stand-in: the state is kept, but for the planned model it is missing evidence
@@ -94,7 +94,7 @@ def test_wall_cap_exhausted_in_setup_persists_evidence_and_stops(engine, tmp_pat
     bundle = EvidenceBundle.create(tmp_path / "evidence")
     plan = small_plan(tmp_path, 2e-5, max_wall_minutes=0.5 / 60)
     res = run_bounded_diagnostic(sc, plan, bundle, init, backend="local")
-    assert res.updates_done == 0 and "wall cap" in res.stop_reason
+    assert res.state.updates_done == 0 and "wall cap" in res.state.stop_reason
     assert res.classification.cause == "missing_evidence"
     assert bundle.entry(ANALYSIS_FILE) and bundle.entry("report.md")
     assert verify_bundle(bundle.dir) == []

@@ -34,8 +34,7 @@ from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
-from dppo_harness.stages.restoration.preflight import build_fixed_batch
-from dppo_harness.stages.restoration.probe import LocalCheckpointReader
+from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
 from dppo_harness.train.clients import RestorationError
 
 pytestmark = pytest.mark.timeout(900)
@@ -111,7 +110,9 @@ def test_load_responses_without_path_fail_the_proof_naming_it(served, fixed_batc
     assert any(f.startswith("probe restore: server load response path None") for f in result.failures)
     init = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]
     assert init["loaded_checkpoint_uri"] is None  # never the path that was asked for
-    assert init["checkpoint_uri"] == result.initial_checkpoint and result.loaded_paths == {}
+    assert init["checkpoint_uri"] == result.initial_checkpoint and all(
+        r.loaded_path is None for r in result.loaded.values()
+    )
     assert s.injected()["load_weights:omit:path"] >= 2
     assert verify_bundle(bundle.dir) == []
 
@@ -154,8 +155,8 @@ def test_the_diagnostic_without_sampler_logprobs_stops_with_evidence(served, tmp
     init = tc.save_state("omit-initial").result().path
     bundle = EvidenceBundle.create(tmp_path / "ev")
     res = run_bounded_diagnostic(s.sc, DIAG, bundle, init, backend="local")
-    assert res.updates_done == 0 and res.frozen_batch_sha256 is None
-    (err,) = res.errors
+    assert res.state.updates_done == 0 and res.state.frozen is None
+    (err,) = res.state.errors
     assert "RolloutError" in err and "SampledSequence.logprobs" in err
     assert res.result_fields["final"]["status"] == "failed"
     assert verify_bundle(bundle.dir) == []

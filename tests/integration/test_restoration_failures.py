@@ -15,10 +15,10 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration.preflight import build_fixed_batch
-from dppo_harness.stages.restoration.probe import LocalCheckpointReader
+from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import logprobs_sha256
+from dppo_harness.train.restore import Restore
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -91,25 +91,41 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
         end_session(sc)
 
 
-def test_different_seed_for_one_arm_fails(server, spec, fixed_batch, tmp_path):
-    result, bundle = _run(server, spec, fixed_batch, tmp_path, arm_seed_overrides={"dppo_seed0": 1})
+def test_an_arm_loaded_from_another_initial_state_fails(server, spec, fixed_batch, tmp_path, monkeypatch):
+    real = restoration.restore
+
+    def other_init_for_dppo(sc, path, name):  # the DPPO arm loads a second fresh client's save instead
+        if name == "dppo_seed0":
+            other = sc.create_lora_training_client(base_model=constants.BASE_MODEL, rank=32)
+            path = other.save_state("other-initial").result().path
+        return real(sc, path, name)
+
+    monkeypatch.setattr(restoration, "restore", other_init_for_dppo)
+    result, bundle = _run(server, spec, fixed_batch, tmp_path)
     assert not result.passed
     text = "\n".join(result.failures)
-    assert "do not share one initial checkpoint" in text
+    assert "do not share one loaded checkpoint" in text
     assert "adapter_sha256 differ" in text
     # LoRA B starts at zero, so outputs agree: matching logprobs alone do not prove matched init.
     cmp = result.provenance["group"]["initial_output_comparison"]
     assert all(c["within_tolerance"] for c in cmp.values())
     # The failed proof is still written, whole and verifiable.
-    assert (
-        bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]["checkpoint_uri"]
-        != result.initial_checkpoint
-    )
+    init = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]["initialization"]
+    assert init["loaded_checkpoint_uri"] != result.initial_checkpoint
     assert verify_bundle(bundle.dir) == []
 
 
-def test_restore_without_optimizer_state_fails_the_probe(server, spec, fixed_batch, tmp_path):
-    result, _ = _run(server, spec, fixed_batch, tmp_path, probe_restore_with_optimizer=False, lr_multipliers=(1.0, 2.0))
+def test_restore_without_optimizer_state_fails_the_probe(server, spec, fixed_batch, tmp_path, monkeypatch):
+    real = restoration.restore
+
+    def weights_only_probe(sc, path, name):  # the probe's restore drops the Adam moments
+        if not name.startswith("restore probe"):
+            return real(sc, path, name)
+        client = sc.create_training_client_from_state(path)
+        return Restore(name, client, path, tinker.types.LoadWeightsResponse(path=path), client.get_info(), 0.0)
+
+    monkeypatch.setattr(restoration, "restore", weights_only_probe)
+    result, _ = _run(server, spec, fixed_batch, tmp_path, lr_multipliers=(1.0, 2.0))
     assert not result.passed
     assert any("restored probe update differs from uninterrupted" in f for f in result.failures), result.failures
 
@@ -165,9 +181,9 @@ def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_
             init_reference=result,
             restored=result.loaded["dppo_seed0"],
         )
-        assert not res.errors, res.errors
+        assert not res.state.errors, res.state.errors
         assert _models(server) == before  # no training client created by the diagnostic
-        assert res.updates_done == 2
+        assert res.state.updates_done == 2
         entry = bundle.result["initialization_provenance"]["arms"]["dppo_seed0"]
         assert entry["restore_count"] == 1
         assert [c["after_restore"] for c in entry["optimizer_checks"]] == [0, 1]

@@ -16,8 +16,7 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.plans import parse_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration.preflight import build_fixed_batch
-from dppo_harness.stages.restoration.probe import LocalCheckpointReader
+from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
 
 pytestmark = pytest.mark.timeout(900)
 

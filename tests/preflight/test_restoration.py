@@ -4,8 +4,7 @@ library's measured result; `restoration` runs once and later stages reuse its cl
 from __future__ import annotations
 
 from dppo_harness.stages import restoration as restoration_module
-from dppo_harness.stages.restoration.probe import DEFAULT_LR_MULTIPLIERS
-from dppo_harness.stages.restoration.records import FIXED_BATCH_FILE
+from dppo_harness.stages.restoration import DEFAULT_LR_MULTIPLIERS, FIXED_BATCH_FILE
 from dppo_harness.train.fingerprints import batch_sha256
 from dppo_harness.train.optimizer_checks import own_response_only
 
@@ -19,7 +18,9 @@ def test_both_arms_loaded_the_one_initial_checkpoint(restoration, plan):
     if plan.kind == "bounded_diagnostic":  # only the arm that trains gets a client
         arms = [plan.diagnostic.fixed_settings.treatment.arm]
     assert sorted(restoration.clients) == sorted(arms)
-    assert restoration.loaded_paths == dict.fromkeys(arms, restoration.initial_checkpoint)
+    assert {a: r.loaded_path for a, r in restoration.loaded.items()} == dict.fromkeys(
+        arms, restoration.initial_checkpoint
+    )
     entries = restoration.provenance["arms"]
     for a in arms:
         init = entries[a]["initialization"]

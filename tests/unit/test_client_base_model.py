@@ -12,7 +12,7 @@ import tinker
 
 from dppo_harness.pytest_plugin import fixtures
 from dppo_harness.service.connectivity import ConnectivityReport
-from dppo_harness.stages.restoration import preflight as checkpoint
+from dppo_harness.stages import restoration as checkpoint
 
 PLANNED = "Qwen/Qwen3.5-2B"
 SUBSTITUTE = "Qwen/Qwen3.5-4B"
@@ -77,7 +77,7 @@ def test_the_resolved_model_is_the_one_passed_to_client_creation(report, want):
     model = report.client_base_model(PLANNED)
     assert model == want
     sc = _ServiceClient()
-    initial = checkpoint.fresh_checkpoint(sc, model, 8, "shared", 0, "t", checkpoint.Recorder(), lambda fn: fn())
+    initial = checkpoint.fresh_checkpoint(sc, model, 8, 0, "t", checkpoint.Recorder(), lambda fn: fn())
     assert sc.created == [want] and initial.immutable
 
 

@@ -9,10 +9,11 @@ from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.plans import load_plan
-from dppo_harness.stages.diagnostic.analysis import analyse
+from dppo_harness.stages.diagnostic.classification import deterministic_selftest
 from dppo_harness.stages.diagnostic.conclusion import cause_for_question, count_sentences
 from dppo_harness.stages.diagnostic.config import diagnostic_config
-from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
+from dppo_harness.stages.diagnostic.loop import RunState
+from dppo_harness.stages.diagnostic.write import analyse
 
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
@@ -23,23 +24,8 @@ REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")
 
 def _result(served, drift=0.0):
     records = simulate_records(seed=1, drift_per_update=drift)
-    return analyse(
-        CFG,
-        PLAN,
-        records,
-        selftest=deterministic_selftest(),
-        sentinels={},
-        frozen_by_call=None,
-        updates_done=len(records),
-        stop_reason="update cap reached",
-        wall_seconds=579.4,
-        setup_seconds=40.0,
-        frozen_sha256="0" * 64,
-        minibatches=[],
-        errors=[],
-        spec=None,
-        served=served,
-    )
+    state = RunState(None, records=records, updates_done=len(records), setup_seconds=40.0, wall_seconds=579.4)
+    return analyse(CFG, PLAN, state, deterministic_selftest(), {}, served=served)
 
 
 def test_count_sentences():

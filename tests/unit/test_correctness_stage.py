@@ -13,8 +13,7 @@ import pytest
 
 from dppo_harness.loss import correctness, correctness_golden, loss_registry, losses
 from dppo_harness.stages.correctness_preflight import GOLDEN_FIXTURE, run_correctness_preflight
-from dppo_harness.stages.restoration.probe import attach_lr_scaling
-from dppo_harness.stages.restoration.records import LrScalingMeasured, LrScalingUnavailable
+from dppo_harness.stages.restoration import LrScalingMeasured, LrScalingUnavailable, attach_lr_scaling
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / GOLDEN_FIXTURE

@@ -11,11 +11,15 @@ from dppo_harness.instrument.instrumentation import pool_calls
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
 from dppo_harness.plans import load_plan
 from dppo_harness.plans.models import AnalysisCriterion
-from dppo_harness.stages.diagnostic.classification import anchor_problems, classify, pinned_variant_problems
+from dppo_harness.stages.diagnostic.classification import (
+    anchor_problems,
+    classify,
+    deterministic_selftest,
+    evaluate_criteria,
+    pinned_variant_problems,
+)
 from dppo_harness.stages.diagnostic.conclusion import next_action
 from dppo_harness.stages.diagnostic.config import DiagnosticError, diagnostic_config
-from dppo_harness.stages.diagnostic.criteria import evaluate_criteria
-from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
 
 PLANS = Path(__file__).parents[2] / "plans"
 TINY_PLAN = Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json"

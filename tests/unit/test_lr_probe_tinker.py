@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from dppo_harness.loss import correctness, correctness_golden
-from dppo_harness.stages.restoration.probe import (
+from dppo_harness.stages.restoration import (
     CheckpointUpdateNorm,
     LocalCheckpointReader,
+    LrScalingUnavailable,
     attach_lr_scaling,
     planned_lr_on_setup_client,
 )
-from dppo_harness.stages.restoration.records import LrScalingUnavailable
 from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
 
 ROOT = Path(__file__).parents[2]

@@ -22,8 +22,8 @@ from dppo_harness.local_server.faults import (
     parse_omit_field,
 )
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration import preflight as checkpoint
-from dppo_harness.stages.restoration.records import check_provenance, initialization_entry
+from dppo_harness.stages import restoration as checkpoint
+from dppo_harness.stages.restoration import check_provenance, initialization_entry
 from dppo_harness.train.optimizer_checks import optimizer_check
 
 USER = types.RequestErrorCategory.User
@@ -140,7 +140,7 @@ class _ServiceClient:
 def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, want):
     rec = checkpoint.Recorder()
     initial = checkpoint.fresh_checkpoint(
-        _ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, "shared", 0, "t", rec, lambda fn: fn()
+        _ServiceClient(_SetupClient(duplicate)), "Qwen/Qwen3.5-2B", 8, 0, "t", rec, lambda fn: fn()
     )
     assert initial.immutable is want and initial.immutable_reason
     kept = [k for k in rec.responses if k.startswith("save_shared_again")]

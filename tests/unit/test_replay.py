@@ -12,7 +12,11 @@ from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.stages.diagnostic.write import update_record_name
+
+
+def update_record_name(update_index: int) -> str:
+    """A file holding one update's recorded loss call alone (replay reads any record file)."""
+    return f"diagnostic-update-{update_index:02d}.npz"
 
 
 def _write_bundle(tmp_path: Path, records) -> Path:

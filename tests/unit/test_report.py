@@ -9,9 +9,10 @@ from diagnostic_rehearsal import simulate_records
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.plans import load_plan
-from dppo_harness.stages.diagnostic.analysis import analyse
+from dppo_harness.stages.diagnostic.classification import deterministic_selftest
 from dppo_harness.stages.diagnostic.config import diagnostic_config
-from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
+from dppo_harness.stages.diagnostic.loop import RunState
+from dppo_harness.stages.diagnostic.write import analyse
 
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
 CFG = diagnostic_config(PLAN)
@@ -42,22 +43,8 @@ def _analysis(drift: float):
         "at_init": points[0]["summary"],
         "last": points[-1],
     }
-    res = analyse(
-        CFG,
-        PLAN,
-        records,
-        selftest=deterministic_selftest(),
-        sentinels=sentinels,
-        frozen_by_call=None,
-        updates_done=16,
-        stop_reason="update cap reached",
-        wall_seconds=100.0,
-        setup_seconds=20.0,
-        frozen_sha256="0" * 64,
-        minibatches=[],
-        errors=[],
-        spec=None,
-    )
+    state = RunState(None, records=records, updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
+    res = analyse(CFG, PLAN, state, deterministic_selftest(), sentinels)
     return res.analysis_json(), res.next_action
 
 

@@ -140,28 +140,15 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
     from diagnostic_rehearsal import simulate_records
 
     from dppo_harness.evaluation import answer_yield
-    from dppo_harness.stages.diagnostic.analysis import analyse
+    from dppo_harness.stages.diagnostic.classification import deterministic_selftest
     from dppo_harness.stages.diagnostic.config import diagnostic_config
-    from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
+    from dppo_harness.stages.diagnostic.loop import RunState
+    from dppo_harness.stages.diagnostic.write import analyse
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
     cfg = diagnostic_config(plan)
-    res = analyse(
-        cfg,
-        plan,
-        simulate_records(seed=1),
-        selftest=deterministic_selftest(),
-        sentinels={"points": []},
-        frozen_by_call=None,
-        updates_done=16,
-        stop_reason="update cap reached",
-        wall_seconds=100.0,
-        setup_seconds=20.0,
-        frozen_sha256="0" * 64,
-        minibatches=[],
-        errors=[],
-        spec=None,
-    )
+    state = RunState(None, records=simulate_records(seed=1), updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
+    res = analyse(cfg, plan, state, deterministic_selftest(), {"points": []})
     analysis = res.analysis_json()
     eff = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))
     analysis["declared"] = {k: eff[k] for k in ("renderer", "loss_normalization")}

@@ -12,14 +12,15 @@ import tinker
 from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration.preflight import reference_completion
-from dppo_harness.stages.restoration.probe import attach_lr_scaling, reweighted
-from dppo_harness.stages.restoration.records import (
+from dppo_harness.stages.restoration import (
     LR_SCALING_FILE,
     LrScalingMeasured,
     LrScalingUnavailable,
+    attach_lr_scaling,
     check_provenance,
     initialization_entry,
+    reference_completion,
+    reweighted,
 )
 from dppo_harness.train.clients import RestorationError, datum_arrays, make_datum
 from dppo_harness.train.fingerprints import batch_sha256, compare_logprobs, logprobs_sha256
@@ -375,7 +376,7 @@ def test_attach_lr_scaling_fills_or_explains():
 def test_probe_and_lr_records_write_the_evidence_dicts_key_for_key():
     import dataclasses
 
-    from dppo_harness.stages.restoration.records import RestoreProbeResult
+    from dppo_harness.stages.restoration import RestoreProbeResult
 
     cmp = {"bitwise_equal": True, "max_abs_diff": 0.0, "within_tolerance": True, "atol": 1e-4}
     probe = RestoreProbeResult(

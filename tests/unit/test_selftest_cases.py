@@ -11,7 +11,7 @@ from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.instrument import replay
 from dppo_harness.loss import losses
-from dppo_harness.stages.diagnostic import selftest
+from dppo_harness.stages.diagnostic import classification as selftest
 
 REQUIRED = (
     "boundary_exact_plus_delta_kept",

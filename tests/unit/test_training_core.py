@@ -13,8 +13,8 @@ import torch
 from dppo_harness.instrument import instrumentation, replay
 from dppo_harness.loss import correctness, losses
 from dppo_harness.stages import gate
-from dppo_harness.stages.diagnostic import analysis
-from dppo_harness.stages.restoration import probe as restoration_lr_probe
+from dppo_harness.stages import restoration as restoration_lr_probe
+from dppo_harness.stages.diagnostic import write
 from dppo_harness.train import train_step
 from dppo_harness.train.clients import make_datum
 
@@ -181,7 +181,7 @@ def _imports(module) -> set[str]:
 def test_module_graph_replay_and_pooling_do_not_import_the_diagnostic():
     assert not any("diagnostic" in m for m in _imports(replay)), "replay must not import diagnostic (cycle)"
     assert not any("diagnostic" in m for m in _imports(instrumentation))
-    assert analysis.pool_calls is instrumentation.pool_calls and analysis.ANALYSIS_FILE == instrumentation.ANALYSIS_FILE
+    assert write.pool_calls is instrumentation.pool_calls and write.ANALYSIS_FILE == instrumentation.ANALYSIS_FILE
 
 
 def test_no_training_loop_outside_the_core():
@@ -195,7 +195,7 @@ def test_no_training_loop_outside_the_core():
             if needle in text:
                 offenders.append(f"{path.name}: {needle}")
     # restoration's fixed-gradient probe (cross_entropy, not the RL loss) is the only other optim_step.
-    assert offenders == ["probe.py: .optim_step("], offenders
+    assert offenders == ["restoration.py: .optim_step("], offenders
 
 
 class _LoggedFuture:

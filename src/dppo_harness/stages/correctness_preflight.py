@@ -23,8 +23,7 @@ from dppo_harness.loss.correctness_golden import (
 )
 from dppo_harness.loss.correctness_measures import MODES
 from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
-from dppo_harness.stages.restoration.probe import attach_lr_scaling
-from dppo_harness.stages.restoration.records import LrScalingBlock
+from dppo_harness.stages.restoration import LrScalingBlock, attach_lr_scaling
 
 # The golden file the preflight checks, relative to the project root: the registered losses' own.
 GOLDEN_FIXTURE = Path(get_loss(DPPO_LOSS).golden.file)

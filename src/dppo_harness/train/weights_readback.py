@@ -46,7 +46,7 @@ class ArchiveUrls(Protocol):
 
 
 class ExternalWeightsUpdateNorm:
-    """`restoration.probe.UpdateNormMeasure` through saved sampler weights and their archive URLs."""
+    """`stages.restoration.UpdateNormMeasure` through saved sampler weights and their archive URLs."""
 
     description = (
         "tinker backend: ||theta_after - theta_before|| over all tensors of the sampler weights "

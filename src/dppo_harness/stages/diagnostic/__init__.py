@@ -6,9 +6,8 @@ sampling, no old-logprob refresh), recording every loss call and fixed sentinel 
 the update cap or the wall cap, whichever comes first. Then pool all second-epoch loss calls by
 loss-token counts, evaluate the plan's criteria, and classify the outcome.
 
-Parts, in the order a run uses them: `config` (the plan's settings), `run_state` (what the run
-measured, its sentinels, and the typed JSON blocks the steps hand each other), `selftest`
-(must-fire / must-not-fire cases), `loop` (the run), `criteria`, `classification`, `conclusion`
-(the answer for the planned model and the next action), `analysis`, and `write` (the one evidence
-writer: every file name and result.json field the diagnostic sets, the update records' archives).
+Parts: `config` (the plan's settings), `loop` (the run and what it measured), `classification`
+(the plan's criteria, the must-fire / must-not-fire self-test and the verdict), `conclusion`
+(the answer for the planned model and the next action), and `write` (the analysis and the one
+evidence writer: every file name and result.json field the diagnostic sets).
 """

@@ -1,15 +1,19 @@
 """The diagnostic run: declare -> restore (or take the preflight's loaded client) -> sample and
 freeze ONE batch -> sentinels -> epochs over that frozen batch (no sampling, no anchor refresh)
 until the update cap or the wall cap (counted from the stage's start) -> analyse -> write
-evidence. Every loss call is persisted before the optimizer step it feeds.
+evidence. Every loss call is persisted before the optimizer step it feeds. What the run measured
+so far is its `RunState` (kept when it stops early, read once into the result), with the sentinel
+tokens it measures (`SentinelTracker`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import numpy as np
 import tinker
@@ -17,22 +21,20 @@ from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget
-from dppo_harness.evidence.backend import ServedModel, served_name
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import ANALYSIS_FILE
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
-from dppo_harness.stages.diagnostic.analysis import DiagnosticResult
 from dppo_harness.stages.diagnostic.config import (
     FINALIZE_RESERVE_S,
     DiagnosticConfig,
     DiagnosticError,
     diagnostic_config,
 )
-from dppo_harness.stages.diagnostic.run_state import RunState, SentinelTracker
 from dppo_harness.stages.diagnostic.write import (
+    DiagnosticResult,
     UpdateArchive,
     declare,
     own_optimizer_check,
@@ -40,16 +42,166 @@ from dppo_harness.stages.diagnostic.write import (
     register_frozen_batch,
     write_evidence,
 )
-from dppo_harness.stages.restoration.records import load_ref
+from dppo_harness.stages.restoration import load_ref
 from dppo_harness.train import train_step
-from dppo_harness.train.clients import full_logprobs
-from dppo_harness.train.fingerprints import batch_sha256, logprobs_sha256
+from dppo_harness.train.clients import full_logprobs, make_datum
+from dppo_harness.train.fingerprints import logprobs_sha256
 from dppo_harness.train.restore import Restore, restore
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.stages.restoration import RestorationResult
+
+
+class SentinelPoint(TypedDict):
+    """The sentinels measured once: after which update, when, and the drift summary."""
+
+    after_update: int
+    elapsed_s: float
+    summary: dict[str, Any]  # instrumentation.sentinel_summary
+    logprobs: NotRequired[list[float]]  # in the evidence file only
+
+
+class SentinelSummary(TypedDict):
+    """The sentinels as the analysis reads them (no raw logprobs); `at_init` is the first point's
+    summary, `last` the last point when there are two or more. A run that never chose sentinels
+    has only `points`, `at_init` and `last`."""
+
+    sequence_indices: NotRequired[list[int]]
+    selection_rule: NotRequired[str]
+    tokens: NotRequired[int]
+    after_updates: NotRequired[list[int]]
+    points: list[SentinelPoint]
+    at_init: dict[str, Any] | None
+    last: SentinelPoint | None
+
+
+class SentinelTracker:
+    """Fixed sentinel sequences of the frozen batch, chosen before training: the trainer's
+    logprobs on them at initialization and after the planned updates (forward only)."""
+
+    def __init__(self, frozen: FrozenBatch, per_sign: int, after_updates: Sequence[int]):
+        adv_S = [
+            float(frozen.sequence(s)["advantages"][frozen.sequence(s)["mask"] > 0][:1].sum())
+            for s in range(frozen.n_sequences)
+        ]
+        chosen = ins.choose_sentinel_sequences(adv_S, per_sign)
+        seqs = [frozen.sequence(s) for s in chosen.sequence_indices]
+        # Forward-only cross-entropy datums: the whole sequence, weight 0 everywhere.
+        self.datums = [
+            make_datum(q["tokens"][:1].tolist(), q["tokens"][1:].tolist(), completion_weight=0.0) for q in seqs
+        ]
+        self.sampler_logprobs = np.concatenate([q["logprobs"] for q in seqs])
+        self.mask = np.concatenate([q["mask"] for q in seqs])
+        self.advantages = np.concatenate([q["advantages"] for q in seqs])
+        self.after_updates = tuple(after_updates)
+        self.sequence_indices = list(chosen.sequence_indices)
+        self.selection_rule: str = chosen.selection_rule
+        self.points: list[SentinelPoint] = []
+        self._init: np.ndarray | None = None
+        # Submitted sentinel forwards `collect()` awaits (one wait less per update): (future, after_update, elapsed_s).
+        self.pending: list[tuple[tinker.APIFuture[tinker.ForwardBackwardOutput], int, float]] = []
+
+    def submit(self, tc: tinker.TrainingClient) -> tinker.APIFuture[tinker.ForwardBackwardOutput]:
+        """The sentinel forward, submitted (not awaited): queued behind whatever the client has in
+        flight, so it reads the weights after those requests."""
+        return tc.forward(list(self.datums), "cross_entropy")
+
+    def collect(self) -> None:
+        """Await the deferred sentinel forwards, in submission order, and record their points."""
+        while self.pending:
+            future, after_update, elapsed_s = self.pending.pop(0)
+            out = future.result()
+            if len(out.loss_fn_outputs) != len(self.datums):
+                raise RuntimeError(
+                    f"sentinel forward returned {len(out.loss_fn_outputs)} outputs for {len(self.datums)} datums"
+                )
+            self._add(
+                after_update, elapsed_s, [np.asarray(o["logprobs"].to_numpy()).reshape(-1) for o in out.loss_fn_outputs]
+            )
+
+    def measure(self, tc: tinker.TrainingClient, after_update: int, elapsed_s: float) -> None:
+        self.collect()
+        self._add(after_update, elapsed_s, full_logprobs(tc, self.datums))
+
+    def _add(self, after_update: int, elapsed_s: float, logprobs: Sequence[np.ndarray]) -> None:
+        lp = np.concatenate([x.astype(np.float32).reshape(-1) for x in logprobs])
+        if self._init is None:
+            self._init = lp
+        self.points.append(
+            {
+                "after_update": after_update,
+                "elapsed_s": elapsed_s,
+                "summary": ins.sentinel_summary(lp, self.sampler_logprobs, self._init, self.mask, self.advantages),
+                "logprobs": lp.tolist(),
+            }
+        )
+
+    def summary(self) -> SentinelSummary:
+        """Points without the raw logprobs, plus the first and last (for the analysis). A deferred
+        forward still pending after a training error is dropped, not waited on twice."""
+        if self.pending:
+            try:
+                self.collect()
+            except Exception:  # the run's error is already recorded; the point is missing evidence
+                self.pending.clear()
+        return {
+            "sequence_indices": list(self.sequence_indices),
+            "selection_rule": self.selection_rule,
+            "tokens": int(self.mask.sum()),
+            "after_updates": list(self.after_updates),
+            "points": [
+                {"after_update": p["after_update"], "elapsed_s": p["elapsed_s"], "summary": p["summary"]}
+                for p in self.points
+            ],
+            "at_init": self.points[0]["summary"] if self.points else None,
+            "last": self.points[-1] if len(self.points) > 1 else None,
+        }
+
+    def evidence(self) -> dict[str, object]:
+        """diagnostic-sentinels.json: the summary with every point's raw logprobs, the sampler's and the mask."""
+        return {
+            **self.summary(),
+            "points": self.points,
+            "sampler_logprobs": self.sampler_logprobs.tolist(),
+            "mask": self.mask.tolist(),
+        }
+
+
+@dataclass
+class RunState:
+    """What the run measured so far; kept when it stops early, read once into the result."""
+
+    archive: UpdateArchive  # the update records' archive files, open before the first update
+    t0: float = 0.0  # time.monotonic() when the stage began: the wall cap counts from it
+    cap_seconds: float = math.inf  # the wall cap in effect (the plan's, or the run budget's end when earlier)
+    wall_seconds: float = 0.0  # when the service work stopped, from t0
+    records: list[ins.LossCallRecord] = field(default_factory=list)
+    frozen_by_call: list[np.ndarray] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    restore: JsonObject = field(default_factory=dict)
+    frozen: FrozenBatch | None = None
+    minibatches: list[JsonObject] = field(default_factory=list)
+    sentinels: SentinelTracker | None = None
+    updates_done: int = 0
+    stop_reason: str = "update cap reached"
+    setup_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    sampling_seconds: float = 0.0
+    sampled_sequences: int = 0
+    update_seconds: list[float] = field(default_factory=list)
+    update_phases: list[dict[str, float]] = field(default_factory=list)  # where each update's seconds went
+    final_checkpoint: str | None = None
+    snapshots: list[str] = field(default_factory=list)
+    info: tinker.types.GetInfoResponse | None = None  # the trained client's get_info response
+    first_optim: tinker.OptimStepResponse | None = None  # the trained client's own first optim_step response
+    initial_output: JsonObject | None = None
+    preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
+    rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
 
 
 def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonObject:
@@ -59,7 +211,7 @@ def _initial_output(tc: tinker.TrainingClient, ref: RestorationResult) -> JsonOb
     group: dict[str, JsonValue] = dict(ref.output_sha256)
     return {
         "available": True,
-        "batch_sha256": batch_sha256(ref.fixed_batch),
+        "batch_sha256": ref.batch_sha256,
         "output_sha256": out_sha,
         "evidence_ref": f"{ANALYSIS_FILE}#trained_client_initial_output",
         "before_first_update": True,
@@ -96,11 +248,7 @@ def _freeze_and_split(
     cfg: DiagnosticConfig,
     bundle: EvidenceBundle,
     state: RunState,
-    *,
-    elapsed: Callable[[], float],
-    cap_s: float,
     say: Callable[[str], None],
-    tag: str,
 ) -> tuple[str, FrozenBatch, list[Minibatch], SentinelTracker]:
     """Sample ONE batch from the restored weights, freeze and persist it, split it into
     complete-group minibatches, choose the sentinels and measure them at initialization."""
@@ -108,33 +256,37 @@ def _freeze_and_split(
     train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
     rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
     sampled = rollouts.sample_rollout_batch(
-        tc, train.batch(cfg.data_step, cfg.groups_per_batch), tok.renderer, rcfg, sampler_name=f"{tag}-sampler-initial"
+        tc,
+        train.batch(cfg.data_step, cfg.groups_per_batch),
+        tok.renderer,
+        rcfg,
+        sampler_name="diagnostic-sampler-initial",
     )
     load = {k: state.restore[k] for k in ("initial_checkpoint", "loaded_checkpoint_uri")}
     frozen = state.frozen = rollouts.freeze(
         sampled.batch, sampler_version=sampled.sampler_path, extra_metadata={"load": load, "tokenizer": tok.provenance}
     )
-    register_frozen_batch(bundle, state, frozen)
+    register_frozen_batch(bundle, frozen)
     bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
     summary: dict[str, Any] = sampled.batch.summary()
     state.sampling_seconds = float(summary["sampling_seconds"])
     state.sampled_sequences = int(frozen.n_sequences)
     say(
-        f"[{tag}] sampled and froze {frozen.n_sequences} sequences ({summary['response_tokens']} response "
+        f"[diagnostic] sampled and froze {frozen.n_sequences} sequences ({summary['response_tokens']} response "
         f"tokens, {summary['nonconstant_reward_groups']} groups with signal, {summary['frac_truncated']:.1%} "
         f"truncated at max_tokens {cfg.max_tokens}, {summary['frac_no_answer']:.1%} without an answer) in "
-        f"{summary['sampling_seconds']:.0f}s; elapsed {elapsed():.0f}s / {cap_s:.0f}s"
+        f"{summary['sampling_seconds']:.0f}s; elapsed {state.elapsed():.0f}s / {state.cap_seconds:.0f}s"
     )
     mbs = list(frozen.split_minibatches(cfg.minibatches_per_epoch))
     state.minibatches = [mb.record() for mb in mbs]
     sentinels = state.sentinels = SentinelTracker(frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
-    if sentinels.due(0):
-        sentinels.measure(tc, 0, elapsed())
-    state.setup_seconds = elapsed()
+    if 0 in sentinels.after_updates:
+        sentinels.measure(tc, 0, state.elapsed())
+    state.setup_seconds = state.elapsed()
     say(
-        f"[{tag}] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
-        f"(cap {cfg.max_updates} updates / {cap_s:.0f}s)"
+        f"[diagnostic] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
+        f"(cap {cfg.max_updates} updates / {state.cap_seconds:.0f}s)"
     )
     return sampled.sampler_path, frozen, mbs, sentinels
 
@@ -149,46 +301,38 @@ def run_bounded_diagnostic(
     stage_start: float | None = None,
     spec: ExperimentSpec | None = None,
     progress: Callable[[str], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    tag: str = "diagnostic",
-    served: ServedModel | None = None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
     init_reference: RestorationResult | None = None,
     restored: Restore | None = None,
 ) -> DiagnosticResult:
     """Run the plan's bounded diagnostic and write its evidence; see the module docstring.
 
-    `stage_start` (a `clock()` reading) is when the stage began: the wall cap counts from it.
+    `stage_start` (a `time.monotonic()` reading) is when the stage began: the wall cap counts from it.
     `restored`: the preflight's loaded client of the trained arm, trained here instead of
     restoring a new one. A planned stop or an error ends the service work early and is recorded in
     the run state (stop reason, errors), so the evidence keeps what was measured."""
-    t0 = clock() if stage_start is None else stage_start
+    t0 = time.monotonic() if stage_start is None else stage_start
     cfg = diagnostic_config(plan)
     say = progress or (lambda _m: None)
-
-    def elapsed() -> float:
-        return clock() - t0
-
-    state = RunState(
-        UpdateArchive(bundle, budget.updates_per_archive(cfg.groups_per_minibatch * cfg.group_size, cfg.max_tokens))
-    )
-    selftest = declare(bundle, plan, cfg, state)
-    cap_s = cfg.max_wall_seconds
+    per_archive = budget.updates_per_archive(cfg.groups_per_minibatch * cfg.group_size, cfg.max_tokens)
+    state = RunState(UpdateArchive(bundle, per_archive), t0, cfg.max_wall_seconds)
+    elapsed = state.elapsed
+    selftest = declare(bundle, plan, cfg)
     try:
         # Remaining run budget first (the ledger's, when one is set): never start what cannot fit. The
         # plan's wall cap is shortened to the run budget's end when that comes first.
         remaining = bundle.remaining_seconds()
-        if remaining is not None and elapsed() + remaining < cap_s:
-            cap_s = max(0.0, elapsed() + float(remaining))
+        if remaining is not None and elapsed() + remaining < cfg.max_wall_seconds:
+            cap_s = state.cap_seconds = max(0.0, elapsed() + float(remaining))
             if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
                 say(
-                    f"[{tag}] the run budget ends {cap_s:.0f}s after the session start, before the "
+                    f"[diagnostic] the run budget ends {cap_s:.0f}s after the session start, before the "
                     f"{cfg.max_wall_seconds:.0f}s cap: stopping there"
                 )
-        if elapsed() >= cap_s:
+        if elapsed() >= state.cap_seconds:
             raise _Stop("wall cap exhausted before service work")
         # The trained client: the preflight's loaded one when given, else a fresh restore.
-        r0 = clock()
+        r0 = time.monotonic()
         state.preloaded = restored is not None
         if restored is None:
             restored = restore(service_client, initial_checkpoint, "diagnostic DPPO client")
@@ -196,28 +340,24 @@ def run_bounded_diagnostic(
         tc, state.info = restored.client, restored.info
         if init_reference is not None:  # the trained client's own initial output, before any update
             state.initial_output = _initial_output(tc, init_reference)
-        state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (clock() - r0)
+        state.restore_seconds = (restored.seconds if state.preloaded else 0.0) + (time.monotonic() - r0)
         say(
-            f"[{tag}] {'training the preflight client loaded from' if state.preloaded else 'restored'} "
-            f"{initial_checkpoint} ({elapsed():.0f}s / {cap_s:.0f}s)"
+            f"[diagnostic] {'training the preflight client loaded from' if state.preloaded else 'restored'} "
+            f"{initial_checkpoint} ({elapsed():.0f}s / {state.cap_seconds:.0f}s)"
         )
-        if elapsed() >= cap_s:
+        if elapsed() >= state.cap_seconds:
             raise _Stop("wall cap exhausted during setup (after restore)")
-        sampler_path, frozen, mbs, sentinels = _freeze_and_split(
-            tc, cfg, bundle, state, elapsed=elapsed, cap_s=cap_s, say=say, tag=tag
-        )
-        state.stop_reason = _train_epochs(
-            tc, cfg, plan, frozen, mbs, sentinels, sampler_path, bundle, state, elapsed, clock, cap_s, say, tag
-        )
+        sampler_path, frozen, mbs, sentinels = _freeze_and_split(tc, cfg, bundle, state, say)
+        state.stop_reason = _train_epochs(tc, cfg, plan, frozen, mbs, sentinels, sampler_path, bundle, state, say)
         if state.updates_done:  # the final state saved and its URI recorded (a claim cites the checkpoint)
             try:
-                uri = tc.save_state(f"{tag}-final-u{state.updates_done:02d}").result().path
+                uri = tc.save_state(f"diagnostic-final-u{state.updates_done:02d}").result().path
             except Exception as exc:  # recorded: no claim without the checkpoint
                 state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
             else:
                 state.final_checkpoint = uri
                 bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
-                say(f"[{tag}] final checkpoint after update {state.updates_done}: {uri}")
+                say(f"[diagnostic] final checkpoint after update {state.updates_done}: {uri}")
     except _Stop as stop:
         state.stop_reason = str(stop)
         state.setup_seconds = state.setup_seconds or elapsed()
@@ -229,25 +369,9 @@ def run_bounded_diagnostic(
         state.archive.flush()
     except Exception as exc:  # recorded: the analysis then says which records are missing
         state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
-    state.files += state.archive.registered
-    wall = elapsed()
-    say(f"[{tag}] stopped: {state.stop_reason}; {state.updates_done} updates in {wall:.0f}s")
-    if served is None:  # the served model as the trained client's own get_info names it
-        info = state.restore.get("get_info")
-        served = ServedModel(plan.planned_model, served_name(info if isinstance(info, dict) else None))
-    return write_evidence(
-        bundle,
-        plan,
-        cfg,
-        state,
-        selftest,
-        wall=wall,
-        cap_s=cap_s,
-        backend=backend,
-        spec=spec,
-        served=served,
-        prior_service_work=prior_service_work,
-    )
+    state.wall_seconds = elapsed()
+    say(f"[diagnostic] stopped: {state.stop_reason}; {state.updates_done} updates in {state.wall_seconds:.0f}s")
+    return write_evidence(bundle, plan, cfg, state, selftest, backend, spec, prior_service_work)
 
 
 def _train_epochs(
@@ -260,11 +384,7 @@ def _train_epochs(
     sampler_path: str,
     bundle: EvidenceBundle,
     state: RunState,
-    elapsed: Callable[[], float],
-    clock: Callable[[], float],
-    cap_s: float,
     say: Callable[[str], None],
-    tag: str,
 ) -> str:
     """Epochs over the same frozen batch (no sampling, no anchor refresh), one recorded update per
     minibatch, until the update cap, the wall cap, the schedule's end or an optimizer mismatch;
@@ -275,6 +395,7 @@ def _train_epochs(
         ins.LossCallRecorder(loss_cfg),
         tinker.AdamParams(**cfg.adam),
     )
+    elapsed, cap_s, clock = state.elapsed, state.cap_seconds, time.monotonic
     last_update_s = 0.0
     tokens_seen = 0
     stop = None
@@ -302,7 +423,7 @@ def _train_epochs(
             state.records.append(rec)
             state.frozen_by_call.append(anchor)
 
-        due = sentinels.due(update_index)
+        due = update_index in sentinels.after_updates
         context: JsonObject = {
             "update_index": update_index,
             "epoch": epoch,
@@ -322,7 +443,7 @@ def _train_epochs(
         sentinels.collect()  # the previous update's sentinel: long done by now
         phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
         if due and upd.behind is not None:
-            sentinels.defer(upd.behind, update_index, elapsed())
+            sentinels.pending.append((upd.behind, update_index, elapsed()))
         if state.first_optim is None:
             state.first_optim = upd.optim
         state.updates_done = update_index
@@ -335,11 +456,11 @@ def _train_epochs(
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
         t_snapshot = clock()
-        post_progress(bundle, cfg, state, update_index, elapsed=elapsed, tag=tag)
+        post_progress(bundle, cfg, state)
         state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
         s = rec.stats
         say(
-            f"[{tag}] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
+            f"[diagnostic] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
             f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
             f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
             f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "

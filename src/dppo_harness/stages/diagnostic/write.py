@@ -1,33 +1,52 @@
-"""The bounded diagnostic's one evidence writer: the only diagnostic code that knows its file names
-and the result.json fields it sets (the names replay and the session also read live in
-`instrument.instrumentation`, which must not import the diagnostic). Declarations before any service work
-(`declare`), the frozen batch, update archives and progress snapshots as the run goes (a kill leaves
-a valid bundle), and everything else after it (`write_evidence`)."""
+"""The bounded diagnostic's fixed analysis and its one evidence writer: the only diagnostic code that
+knows its file names and the result.json fields it sets (the names replay and the session also read
+live in `instrument.instrumentation`, which must not import the diagnostic). Declarations before any service
+work (`declare`), the frozen batch, update archives and progress snapshots as the run goes (a kill
+leaves a valid bundle), and after it the analysis (`analyse`: all second-epoch loss calls pooled by
+loss tokens, no selection; the plan's criteria; integrity re-checks; the classification for the
+planned model; the next action) and everything it writes (`write_evidence`)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from pydantic import JsonValue
 
 from dppo_harness.evidence import budget, report
-from dppo_harness.evidence.backend import ServedModel
+from dppo_harness.evidence.backend import ServedModel, served_name
 from dppo_harness.evidence.files import MAX_FILE_BYTES
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE
-from dppo_harness.json_types import JsonObject
-from dppo_harness.stages.diagnostic.analysis import DiagnosticResult, analyse
-from dppo_harness.stages.diagnostic.config import BASIS_FOR_REFERENCES, FINALIZE_RESERVE_S, LOOP_LABEL, DiagnosticConfig
-from dppo_harness.stages.diagnostic.run_state import RunState, SelftestReport, SentinelSummary
-from dppo_harness.stages.diagnostic.selftest import deterministic_selftest
+from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE, pool_calls
+from dppo_harness.json_types import JsonObject, as_object, as_value
+from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
+from dppo_harness.stages.diagnostic.classification import (
+    Classification,
+    CriterionResult,
+    SelftestReport,
+    anchor_problems,
+    classify,
+    deterministic_selftest,
+    evaluate_criteria,
+    pinned_variant_problems,
+    trainer_moved,
+)
+from dppo_harness.stages.diagnostic.conclusion import compose_summary, for_planned_model, next_action
+from dppo_harness.stages.diagnostic.config import (
+    BASIS_FOR_REFERENCES,
+    FINALIZE_RESERVE_S,
+    FIXES,
+    LOOP_LABEL,
+    DiagnosticConfig,
+)
 from dppo_harness.train.clients import dump_response
 from dppo_harness.train.optimizer_checks import OptimizerCheck, echoed_config, optimizer_check, own_response_only
 
@@ -36,7 +55,8 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.plans.models import BoundedDiagnostic, ServiceWork
     from dppo_harness.rollout.frozen_batch import FrozenBatch
-    from dppo_harness.stages.restoration.records import ArmProvenance
+    from dppo_harness.stages.diagnostic.loop import RunState, SentinelSummary
+    from dppo_harness.stages.restoration import ArmProvenance
 
 SELFTEST_FILE = "diagnostic-selftest.json"
 SENTINEL_FILE = "diagnostic-sentinels.json"
@@ -46,88 +66,256 @@ ORIGINAL_GATE_REPORT_FILE = "original-gate-report.json"
 SERVICE_WORK_FILE = "service-work-ledger.json"
 REPLAY_OUTPUT_FILE = "diagnostic-replay.txt"
 FEASIBILITY_SOURCE = "diagnostic-analysis.json#timings"
+SERVICE_WORK = ("optimizer_updates", "sampling_batches")  # what the plan declares per item and in total
 NO_GPU: JsonObject = {"gpu_count": None, "allocation_source": None}  # the service allocates, not this run
 # The open update archive's records, rewritten beside the bundle before each optimizer step.
 STAGING_FILE = ".diagnostic-updates.staged.npz"
 
 
-def update_record_name(update_index: int) -> str:
-    """A file holding update `update_index`'s recorded loss call alone (replay reads any record
-    file; the diagnostic registers its records in archives, `update_archive_name`)."""
-    return f"diagnostic-update-{update_index:02d}.npz"
+class DiagnosticFinal(TypedDict):
+    """The outcome the diagnostic proposes for result.json's `final` block."""
+
+    status: str
+    verdict: str
+    outcome_reason: str
 
 
-def update_archive_name(first: int, last: int) -> str:
-    """The file holding the recorded loss calls of updates `first` to `last` (one archive)."""
-    return f"diagnostic-updates-{first:02d}-{last:02d}.npz"
+class DiagnosticResultFields(TypedDict):
+    """What the diagnostic contributes to result.json (numbers only under `metrics`)."""
+
+    metrics: dict[str, float]
+    summary: str
+    activation_calibration: dict[str, Any]  # {"values", "note", "evidence_ref"}
+    final: DiagnosticFinal
 
 
-def register_json(bundle: EvidenceBundle, state: RunState, name: str, kind: str, obj: object) -> None:
-    bundle.register_json(name, kind, ins.nan_free(obj))
-    state.files.append(name)
+@dataclass(frozen=True)
+class DiagnosticResult:
+    config: DiagnosticConfig
+    state: RunState  # what the run measured, however early it stopped
+    sentinels: SentinelSummary
+    pooled: dict[str, Any] | None  # instrumentation.pool_calls of the second-epoch calls
+    criteria: list[CriterionResult]
+    classification: Classification
+    selftest: SelftestReport
+    next_action: JsonObject
+    served: ServedModel | None = None
+
+    @property
+    def result_fields(self) -> DiagnosticResultFields:
+        """What this stage contributes to result.json (numbers only under metrics)."""
+        c = self.classification
+        metrics: dict[str, float] = {
+            "diagnostic/updates_done": float(self.state.updates_done),
+            "diagnostic/wall_seconds": float(self.state.wall_seconds),
+            "diagnostic/setup_seconds": float(self.state.setup_seconds),
+            "diagnostic/mask_fired": 1.0 if c.mask_fired else 0.0,
+            "diagnostic/active": 1.0 if c.active else 0.0,
+            "diagnostic/selftest_passed": 1.0 if self.selftest.get("passed") else 0.0,
+        }
+        if self.pooled:
+            for k in (
+                "dppo/masked_frac_loss_tokens",
+                "dppo/masked_frac_nonzero_adv",
+                "ppo/clip_frac_loss_tokens",
+                "drift/abs_p90",
+                "drift/abs_p99",
+                "drift/abs_max",
+                "tokens/loss",
+                "tokens/nonzero_adv",
+                "dppo/removed",
+                "dppo/removed_pos_adv",
+                "dppo/removed_neg_adv",
+                "dppo/exceed_pos",
+                "dppo/exceed_neg",
+                "dppo/ratio_cap_hits",
+                "ppo/clipped",
+            ):
+                v = self.pooled.get(k)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    metrics[f"diagnostic/epoch2_pooled/{k}"] = float(v)
+        if y := self.state.rollout_yield:  # the frozen batch's truncation and answer yield
+            metrics |= {f"diagnostic/rollout_{k}": float(y[k]) for k in ("truncated_frac", "no_answer_frac")}
+            metrics["diagnostic/rollout_mean_response_tokens"] = float(y["mean_response_tokens"])
+        served = self.served or ServedModel(self.config.base_model, self.config.base_model)
+        summary = compose_summary(
+            served=served,
+            updates_done=self.state.updates_done,
+            max_updates=self.config.max_updates,
+            groups=self.config.groups_per_batch,
+            group_size=self.config.group_size,
+            wall_seconds=self.state.wall_seconds,
+            state=c.state,
+            cause=c.cause,
+            active=c.active,
+            next_action=str(self.next_action.get("action", "review the frozen revised comparison spec (not executed)")),
+        )
+        calibration: JsonObject = {
+            "values": {cr.id: (as_value(cr.value) if cr.value is not None else "missing") for cr in self.criteria},
+            "note": (
+                f"bounded diagnostic, not the original gate: {self.state.updates_done} updates over one frozen batch "
+                f"({self.config.epochs} epochs x {self.config.minibatches_per_epoch} minibatches of "
+                f"{self.config.groups_per_minibatch} groups), values pooled over all second-epoch loss calls by "
+                f"loss-token counts; state {c.state}"
+            ),
+            "evidence_ref": ANALYSIS_FILE,
+        }
+        return {
+            "metrics": metrics,
+            "summary": summary,
+            "activation_calibration": calibration,
+            "final": {
+                "status": "succeeded" if not self.state.errors else "failed",
+                "verdict": "inconclusive",
+                "outcome_reason": "insufficient_evidence" if not self.state.errors else "incomplete_execution",
+            },
+        }
+
+    def analysis_json(self) -> JsonObject:
+        st = self.state
+        return ins.nan_free(
+            {
+                "kind": "bounded_diagnostic_analysis",
+                "loop": LOOP_LABEL,
+                "config": asdict(self.config),
+                "updates_done": st.updates_done,
+                "stop_reason": st.stop_reason,
+                "wall_seconds": self.state.wall_seconds,
+                "effective_cap_seconds": st.cap_seconds,
+                "restore": st.restore,
+                "setup_seconds": st.setup_seconds,
+                "frozen_batch_sha256": st.frozen.sha256 if st.frozen else None,
+                "minibatches": st.minibatches,
+                "per_update": [ins.summary_row(r) | {"loss_seconds": r.loss_seconds} for r in st.records],
+                "pooled_second_epoch": self.pooled,
+                "criteria": [asdict(c) for c in self.criteria],
+                "classification": asdict(self.classification),
+                "selftest_passed": self.selftest.get("passed"),
+                "fixes": list(FIXES),
+                "sentinels": self.sentinels,
+                "errors": st.errors,
+                "hist_bins": hist_bin_labels(magnitude_edges(self.config.delta)),
+                "timings": {  # where the stage's seconds went, on the budget ledger's clock
+                    "restore_seconds": st.restore_seconds,
+                    "sampling_seconds": st.sampling_seconds,
+                    "sampled_sequences": st.sampled_sequences,
+                    "update_seconds": st.update_seconds,
+                    "update_phases": st.update_phases,
+                    "setup_seconds": st.setup_seconds,
+                    "wall_seconds": self.state.wall_seconds,
+                    "wall_counted_from": "session start (the budget ledger's clock)",
+                },
+                "final_checkpoint": st.final_checkpoint,
+                "trained_client_initial_output": st.initial_output,
+                "trained_client_first_optim_step": dump_response(st.first_optim) if st.first_optim else None,
+                "snapshots": st.snapshots,
+                "rollout_yield": st.rollout_yield,
+            }
+        )
 
 
-def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig, state: RunState) -> SelftestReport:
+def analyse(
+    cfg: DiagnosticConfig,
+    plan: Plan,
+    state: RunState,
+    selftest: SelftestReport,
+    sentinels: SentinelSummary,
+    spec: ExperimentSpec | None = None,
+    served: ServedModel | None = None,
+) -> DiagnosticResult:
+    """The fixed analysis: ALL second-epoch loss calls pooled by loss tokens (no selection),
+    the plan's criteria, integrity re-checks, and the classification."""
+    loss_cfg, records = cfg.loss_config(), state.records
+    second_epoch = [r for r in records if r.context.get("epoch") == 2]
+    pooled = (
+        pool_calls(second_epoch, [ins.record_prob_diff(r, loss_cfg) for r in second_epoch]) if second_epoch else None
+    )
+    planned = plan.diagnostic.analysis.criteria
+    # Without a second-epoch loss call each criterion is reported missing (and failing), not left out.
+    criteria = (
+        evaluate_criteria(planned, pooled)
+        if pooled
+        else [
+            CriterionResult(c.id, c.metric, None, True, False, "missing: no second-epoch loss call", {})
+            for c in planned
+        ]
+    )
+    # Every recorded call recomputed by the independent padded implementation (as replay does).
+    integrity = [
+        problem
+        for r in records
+        for problem in replay.check_record(r, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps).problems
+    ]
+    variant = pinned_variant_problems(cfg) + anchor_problems(records, state.frozen_by_call, trainer_moved(sentinels))
+    classification = classify(
+        criteria=criteria,
+        pooled=pooled,
+        selftest=selftest,
+        integrity_problems=integrity,
+        variant_problems=variant,
+        sentinels=sentinels,
+        updates_done=state.updates_done,
+        second_epoch_calls=len(second_epoch),
+        stop_reason=state.stop_reason,
+        delta=cfg.delta,
+        updates_planned=cfg.max_updates,
+        minibatches_per_epoch=cfg.minibatches_per_epoch,
+        errors=state.errors,
+    )
+    if served is not None:
+        classification = for_planned_model(classification, served)
+    measured: JsonObject = {  # what the run measured, as the next action cites it
+        "state": classification.state,
+        "measured_cause": classification.measured_cause,
+        "mask_fired": classification.mask_fired,
+        "updates_done": state.updates_done,
+    }
+    action = next_action(classification, cfg, spec, plan.diagnostic.plan_id, served, measured)
+    return DiagnosticResult(cfg, state, sentinels, pooled, criteria, classification, selftest, action, served)
+
+
+def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig) -> SelftestReport:
     """Before any service work: revised spec, deviations, unavailable references, self-test."""
     if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
         bundle.register_plan(plan, REVISED_SPEC_FILE)
-    state.files.append(REVISED_SPEC_FILE)
     for dev in plan.diagnostic.deviations:
         bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
-    register_json(
-        bundle,
-        state,
+    references = [dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references]
+    bundle.register_json(
         REFERENCES_FILE,
         "report",
         {
             "loop": LOOP_LABEL,
-            "unavailable_references": [
-                dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references
-            ],
+            "unavailable_references": references,
             "reason": BASIS_FOR_REFERENCES,
             "consequence": "the old code path cannot be audited; this run tests the replacement loop and the pinned rule",
         },
     )
     # What the deviations' "kept separately" points at: the original gate report's status.
-    register_json(
-        bundle,
-        state,
-        ORIGINAL_GATE_REPORT_FILE,
-        "report",
-        original_gate_report(plan.diagnostic, "gate-report.json" if bundle.entry("gate-report.json") else None),
-    )
+    gate_report = "gate-report.json" if bundle.entry("gate-report.json") else None
+    bundle.register_json(ORIGINAL_GATE_REPORT_FILE, "report", original_gate_report(plan.diagnostic, gate_report))
     bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.diagnostic.tested_instead)
     selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
-    register_json(bundle, state, SELFTEST_FILE, "report", selftest)
+    bundle.register_json(SELFTEST_FILE, "report", ins.nan_free(selftest))
     return selftest
 
 
-def register_frozen_batch(bundle: EvidenceBundle, state: RunState, frozen: FrozenBatch) -> None:
+def register_frozen_batch(bundle: EvidenceBundle, frozen: FrozenBatch) -> None:
     """The frozen batch, registered before any update trains on it (replay re-derives from it)."""
     npz, manifest = frozen.to_bytes()
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
-    state.files += [f"{FROZEN_BATCH_STEM}.npz", f"{FROZEN_BATCH_STEM}.manifest.json"]
 
 
-def post_progress(
-    bundle: EvidenceBundle,
-    cfg: DiagnosticConfig,
-    state: RunState,
-    update_index: int,
-    *,
-    elapsed: Callable[[], float],
-    tag: str,
-) -> None:
+def post_progress(bundle: EvidenceBundle, cfg: DiagnosticConfig, state: RunState) -> None:
     """Every SNAPSHOT_EVERY_UPDATES updates, the counts posted while running (a killed run keeps
     its numbers) and a snapshot of the bundle."""
-    if update_index % budget.SNAPSHOT_EVERY_UPDATES != 0:
+    n = state.updates_done
+    if n % budget.SNAPSHOT_EVERY_UPDATES != 0:
         return
-    bundle.update_result(
-        metrics={"diagnostic/updates_done": float(update_index), "diagnostic/elapsed_seconds": float(elapsed())}
-    )
+    bundle.update_result(metrics={"diagnostic/updates_done": float(n), "diagnostic/elapsed_seconds": state.elapsed()})
     # the last planned update's snapshot is the stage-end one, posted after the analysis
-    name = post_snapshot(bundle, f"{tag} after update {update_index}") if update_index < cfg.max_updates else None
+    name = post_snapshot(bundle, f"diagnostic after update {n}") if n < cfg.max_updates else None
     if name:
         state.snapshots.append(name)
 
@@ -138,7 +326,6 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> O
     before update 1."""
     if state.first_optim is None:
         return None
-    metrics = getattr(state.first_optim, "metrics", None) or {}
     requested = dict(cfg.adam)
     return optimizer_check(
         after_restore=0,
@@ -146,7 +333,7 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> O
         requested_config=requested,
         info=state.info,
         info_ref=f"{ANALYSIS_FILE}#restore.get_info",
-        echoed=echoed_config(metrics, list(requested)),
+        echoed=echoed_config(state.first_optim.metrics, list(requested)),
         echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
         echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)",
     )
@@ -158,64 +345,30 @@ def write_evidence(
     cfg: DiagnosticConfig,
     state: RunState,
     selftest: SelftestReport,
-    *,
-    wall: float,
-    cap_s: float,
     backend: str,
     spec: ExperimentSpec | None,
-    served: ServedModel | None = None,
-    prior_service_work: Mapping[str, Mapping[str, int]] | None = None,
+    prior_service_work: Mapping[str, Mapping[str, int]] | None,
 ) -> DiagnosticResult:
     """The fixed analysis of what the run measured (however early it stopped), then the sentinels,
     analysis, next action, the trained arm's provenance, the service-work ledger, feasibility,
     the replay output, the report and the result fields."""
     no_sentinels: SentinelSummary = {"points": [], "at_init": None, "last": None}
-    result = analyse(
-        cfg,
-        plan,
-        state.records,
-        selftest=selftest,
-        sentinels=state.sentinels.summary() if state.sentinels is not None else no_sentinels,
-        frozen_by_call=state.frozen_by_call or None,
-        updates_done=state.updates_done,
-        stop_reason=state.stop_reason,
-        wall_seconds=wall,
-        setup_seconds=state.setup_seconds,
-        frozen_sha256=state.frozen.sha256 if state.frozen else None,
-        minibatches=state.minibatches,
-        errors=state.errors,
-        spec=spec,
-        restore=state.restore,
-        effective_cap_seconds=cap_s,
-        served=served,
-    )
+    sentinels = state.sentinels.summary() if state.sentinels is not None else no_sentinels
+    info = state.restore.get("get_info")  # the served model as the trained client's own get_info names it
+    served = ServedModel(plan.planned_model, served_name(info if isinstance(info, dict) else None))
+    result = analyse(cfg, plan, state, selftest, sentinels, spec, served)
     if state.sentinels is not None and state.sentinels.points:
-        register_json(bundle, state, SENTINEL_FILE, "metrics", state.sentinels.evidence())
+        bundle.register_json(SENTINEL_FILE, "metrics", ins.nan_free(state.sentinels.evidence()))
     effective = (
         json.loads(bundle.file_path("effective-config.json").read_text())
         if bundle.entry("effective-config.json") is not None
         else {}
     )
     analysis = result.analysis_json()
-    analysis["timings"] = {  # where the stage's seconds went, on the budget ledger's clock
-        "restore_seconds": state.restore_seconds,
-        "sampling_seconds": state.sampling_seconds,
-        "sampled_sequences": state.sampled_sequences,
-        "update_seconds": [*state.update_seconds],
-        "update_phases": [dict[str, JsonValue](p) for p in state.update_phases],
-        "setup_seconds": state.setup_seconds,
-        "wall_seconds": wall,
-        "wall_counted_from": "session start (the budget ledger's clock)",
-    }
-    analysis["final_checkpoint"] = state.final_checkpoint
-    analysis["trained_client_initial_output"] = state.initial_output
-    analysis["trained_client_first_optim_step"] = dump_response(state.first_optim) if state.first_optim else None
-    analysis["snapshots"] = [*state.snapshots]
-    analysis["rollout_yield"] = state.rollout_yield
     # what effective-config.json declares (the report cites it)
     analysis["declared"] = {k: effective[k] for k in ("renderer", "loss_normalization") if k in effective}
-    register_json(bundle, state, ANALYSIS_FILE, "metrics", analysis)
-    register_json(bundle, state, NEXT_ACTION_FILE, "report", result.next_action)
+    bundle.register_json(ANALYSIS_FILE, "metrics", analysis)
+    bundle.register_json(NEXT_ACTION_FILE, "report", ins.nan_free(result.next_action))
     # The trained arm's provenance: the optimizer check from ITS OWN first optim_step response, its
     # own initial output, and one more restore when the diagnostic restored it itself.
     prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
@@ -236,37 +389,17 @@ def write_evidence(
         "sampling_batches": 1 if state.frozen is not None else 0,
     }
     ledger = service_work_ledger(plan.diagnostic.service_work, executed)
-    register_json(bundle, state, SERVICE_WORK_FILE, "report", ledger)
+    bundle.register_json(SERVICE_WORK_FILE, "report", ledger)
     if state.update_seconds:  # feasibility from the diagnostic's own measured setup: the plan forbids a pilot
-        feasibility = diagnostic_feasibility(
-            config=asdict(cfg),
-            effective_config=effective,
-            primary_endpoint=spec.primary_endpoint if spec is not None else "none in this diagnostic",
-            setup_seconds=state.restore_seconds,
-            sampling_seconds=state.sampling_seconds,
-            sampled_sequences=state.sampled_sequences,
-            update_seconds=state.update_seconds,
-            sequences_per_update=state.sampled_sequences / max(1, cfg.minibatches_per_epoch),
-            planned_updates=cfg.max_updates,
-            recovery_seconds=FINALIZE_RESERVE_S,
-        )
-        bundle.update_result(feasibility=feasibility)
+        endpoint = spec.primary_endpoint if spec is not None else "none in this diagnostic"
+        bundle.update_result(feasibility=diagnostic_feasibility(cfg, state, effective, endpoint))
     if state.records:  # the replay output itself: a reviewer reads it without rerunning replay
-        code, text = replay_output(bundle.dir)
-        bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (text + f"exit code {code}\n").encode())
-        state.files.append(REPLAY_OUTPUT_FILE)
+        buf = io.StringIO()  # `python -m dppo_harness.instrument.replay` on the bundle, run in-process
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            code = replay.main([str(bundle.dir)])
+        bundle.register_bytes(REPLAY_OUTPUT_FILE, "log", (buf.getvalue() + f"exit code {code}\n").encode())
         bundle.update_result(metrics={"diagnostic/replay_exit_code": float(code)})
-    state.files += list(report.write_report(bundle, analysis, backend, result.next_action).values())
-    result = replace(result, files=tuple(state.files))
-    if state.rollout_yield:
-        y = state.rollout_yield
-        bundle.update_result(
-            metrics={
-                "diagnostic/rollout_truncated_frac": y["truncated_frac"],
-                "diagnostic/rollout_no_answer_frac": y["no_answer_frac"],
-                "diagnostic/rollout_mean_response_tokens": y["mean_response_tokens"],
-            }
-        )
+    report.write_report(bundle, analysis, backend, result.next_action)
     fields_ = result.result_fields  # an activation calibration an earlier stage already set is kept
     keep = (
         ("metrics", "summary")
@@ -314,57 +447,31 @@ def service_work_ledger(sw: ServiceWork | None, executed: Mapping[str, Mapping[s
     declared = {i.id: i for i in sw.items}
     rows: list[JsonValue] = []
     problems: list[str] = []
-    totals = {"optimizer_updates": 0, "sampling_batches": 0}
+    totals = dict.fromkeys(SERVICE_WORK, 0)
     for item_id in list(declared) + [k for k in executed if k not in declared]:
-        d, e = declared.get(item_id), dict(executed.get(item_id, {}))
-        done = {
-            "optimizer_updates": int(e.get("optimizer_updates", 0)),
-            "sampling_batches": int(e.get("sampling_batches", 0)),
-        }
+        d, done = declared.get(item_id), {k: int(executed.get(item_id, {}).get(k, 0)) for k in SERVICE_WORK}
         if d is None:
             problems.append(f"{item_id}: executed but not declared in the plan")
-        else:
-            for k, want in (("optimizer_updates", d.optimizer_updates), ("sampling_batches", d.sampling_batches)):
-                if done[k] > want:
-                    problems.append(f"{item_id}: {done[k]} {k} executed > {want} declared")
-        rows.append(
-            {
-                "id": item_id,
-                "declared": None if d is None else d.model_dump(mode="json", exclude_none=True),
-                "executed": dict(done),
-            }
-        )
+        over = [(k, getattr(d, k)) for k in SERVICE_WORK if d is not None and done[k] > getattr(d, k)]
+        problems += [f"{item_id}: {done[k]} {k} executed > {want} declared" for k, want in over]
+        dumped = None if d is None else d.model_dump(mode="json", exclude_none=True)
+        rows.append({"id": item_id, "declared": dumped, "executed": dict(done)})
         totals = {k: totals[k] + done[k] for k in totals}
-    if totals["optimizer_updates"] > sw.max_total_optimizer_updates:
-        problems.append(f"{totals['optimizer_updates']} optimizer updates > {sw.max_total_optimizer_updates} declared")
-    if totals["sampling_batches"] > sw.max_total_sampling_batches:
-        problems.append(f"{totals['sampling_batches']} sampling batches > {sw.max_total_sampling_batches} declared")
+    caps = {k: getattr(sw, f"max_total_{k}") for k in SERVICE_WORK}
+    problems += [f"{totals[k]} {k.replace('_', ' ')} > {caps[k]} declared" for k in SERVICE_WORK if totals[k] > caps[k]]
     return {
         "kind": "service_work_ledger",
         "declared_before_execution": bool(sw.declared_before_execution),
         "items": rows,
         "executed_totals": dict(totals),
-        "declared_totals": {
-            "optimizer_updates": sw.max_total_optimizer_updates,
-            "sampling_batches": sw.max_total_sampling_batches,
-        },
+        "declared_totals": dict(caps),
         "problems": list(problems),
         "within_declaration": not problems,
     }
 
 
 def diagnostic_feasibility(
-    *,
-    config: Mapping[str, JsonValue],
-    effective_config: Mapping[str, JsonValue],
-    primary_endpoint: str,
-    setup_seconds: float,
-    sampling_seconds: float,
-    sampled_sequences: int,
-    update_seconds: Sequence[float],
-    sequences_per_update: float,
-    planned_updates: int,
-    recovery_seconds: float,
+    cfg: DiagnosticConfig, state: RunState, effective_config: Mapping[str, JsonValue], primary_endpoint: str
 ) -> JsonObject:
     """result.json's feasibility block from the diagnostic's own measured schedule: setup (restore),
     training (the one sampling batch + every update), no evaluation (forbidden in this launch)."""
@@ -372,28 +479,23 @@ def diagnostic_feasibility(
     def phase(seconds: float, units: int, planned: int, samples: int) -> JsonObject:
         return {"seconds": float(seconds), "units": units, "planned_units": planned, "samples": samples} | NO_GPU
 
-    trained = int(sampled_sequences + sequences_per_update * len(update_seconds))
+    updates = state.update_seconds
+    per_update = state.sampled_sequences / max(1, cfg.minibatches_per_epoch)
+    trained = int(state.sampled_sequences + per_update * len(updates))
+    training = phase(state.sampling_seconds + sum(updates), len(updates), cfg.max_updates, trained)
     return {
-        "config": dict(config),
+        "config": as_object(asdict(cfg)),
         "effective_config": dict(effective_config),
         "primary_endpoint": primary_endpoint,
         "source": FEASIBILITY_SOURCE,
         "measurements": {
-            "setup": phase(setup_seconds, 1, 1, 0),
-            "training": phase(sampling_seconds + sum(update_seconds), len(update_seconds), planned_updates, trained),
+            "setup": phase(state.restore_seconds, 1, 1, 0),
+            "training": training,
             "evaluation": phase(0.0, 0, 0, 0),
         },
         "generation": None,
-        "recovery": {"seconds": float(recovery_seconds), **NO_GPU},
+        "recovery": {"seconds": float(FINALIZE_RESERVE_S), **NO_GPU},
     }
-
-
-def replay_output(bundle_dir: Path) -> tuple[int, str]:
-    """(exit code, printed lines) of `python -m dppo_harness.instrument.replay` on the bundle, run in-process."""
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        code = replay.main([str(bundle_dir)])
-    return code, buf.getvalue()
 
 
 def trained_client_entry(
@@ -449,7 +551,6 @@ class UpdateArchive:
     bundle: EvidenceBundle
     per_file: int
     pending: list[ins.LossCallRecord] = field(default_factory=list)
-    registered: list[str] = field(default_factory=list)
 
     @property
     def staging_path(self) -> Path:
@@ -472,11 +573,10 @@ class UpdateArchive:
                 take -= 1
                 data = ins.records_to_npz(self.pending[:take])
             first, last = (int(r.context["update_index"]) for r in (self.pending[0], self.pending[take - 1]))
-            name = update_archive_name(first, last)
+            name = f"diagnostic-updates-{first:02d}-{last:02d}.npz"
             self.bundle.register_bytes(name, "tensors", data)
             names.append(name)
             del self.pending[:take]
-        self.registered += names
         if self.staging_path.exists():
             self.staging_path.unlink()
         return names

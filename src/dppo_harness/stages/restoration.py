@@ -1,0 +1,1090 @@
+"""The restoration preflight, six steps in order: one shared immutable initial state for both arms, proved.
+
+Flow (`run_restoration_preflight`):
+1. One fresh LoRA client (plan rank) saves its state as the initial checkpoint; a second save
+   under the same name must be refused explicitly for the checkpoint to count as immutable.
+2. Each trained arm's client is restored from that checkpoint with optimizer state
+   (`train.restore`); the load response's path is the proof of what was loaded.
+3. Full per-token logprobs on a fixed tokenized GSM8K batch, on the arms (one arm: against the
+   setup client), before any update: bitwise equal or within `LOGPROB_ATOL`.
+4. Probe (`restore_probe`): the setup client (nothing applied since it saved) is the uninterrupted
+   client; a create-save-restore client applies the same fixed-gradient update and must agree. An
+   arm whose optimizer config differs gets its own probe. The arms' clients are never updated here.
+5. Optimizer checks at creation and at every restore, from what server responses expose.
+6. LR-scaling probe (`lr_scaling_probe`): a fresh state per learning rate (the setup client's
+   update 1 at the planned LR, one client from the initial checkpoint per other LR), the same fixed
+   gradient, norm / LR. Update norms come from an `UpdateNormMeasure` (local backend:
+   `CheckpointUpdateNorm` through `LocalCheckpointReader`; the Tinker API exposes no parameters).
+
+Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
+
+Options of `run_restoration_preflight`: `trained_arms` (None: all) get a client and a provenance
+entry, the others are listed under `excluded_arms` (a single trained arm is compared with the
+setup client); `checkpoint_reader` (local backend) measures adapter_sha256 and the LR-scaling norms,
+without it or `update_norm` the LR probe is recorded unavailable; `probe_service_client` holds the
+setup and probe clients, so the caller can release them; `capacity`/`registry` retry every
+client-creating call on a capacity refusal; `progress` gets a line at every step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, Protocol, TypedDict
+
+import numpy as np
+import tinker
+from pydantic import JsonValue
+
+from dppo_harness import constants
+from dppo_harness.data import dataset, tokenizer
+from dppo_harness.json_types import JsonObject, as_object, items, num
+from dppo_harness.loss.correctness import lr_scaling_error
+from dppo_harness.service.capacity import call_with_capacity_retry, error_text, is_capacity_error
+from dppo_harness.service.observed import create_from_state_with_response, describe_client
+from dppo_harness.service.wait.clients import name_client
+from dppo_harness.train.clients import RestorationError, datum_arrays, dump_response, full_logprobs
+from dppo_harness.train.fingerprints import LOGPROB_ATOL, batch_sha256, compare_logprobs, logprobs_sha256
+from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, own_response_only
+from dppo_harness.train.restore import Restore, restore
+from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
+
+if TYPE_CHECKING:
+    import torch
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.plans import ExperimentSpec, Plan
+    from dppo_harness.plans.models import RestorationArm
+    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.wait.policy import WaitPolicy
+
+RESPONSES_FILE = "restoration-server-responses.json"
+PROBE_FILE = "restoration-probe.json"
+PROVENANCE_FILE = "initialization-provenance.json"
+LR_SCALING_FILE = "lr-scaling-probe.json"
+INITIAL_OUTPUT_FILE = "restoration-initial-logprobs.json"
+FIXED_BATCH_FILE = "restoration-fixed-batch.json"
+
+
+@dataclass
+class Recorder:
+    """Server responses kept for evidence, each under a stable reference id; `prefixed` keeps one
+    more probe's responses in the same file without clashing with the first's."""
+
+    responses: dict[str, JsonValue] = field(default_factory=dict)
+    prefix: str = ""
+
+    def keep(self, ref: str, obj: object) -> str:
+        self.responses[f"{self.prefix}{ref}"] = dump_response(obj)
+        return f"{RESPONSES_FILE}#{self.prefix}{ref}"
+
+    def prefixed(self, prefix: str) -> Recorder:
+        return Recorder(self.responses, self.prefix + prefix)
+
+
+def load_ref(arm: str) -> str:
+    """Where the evidence keeps an arm's load response."""
+    return f"{RESPONSES_FILE}#load_{arm}"
+
+
+PROBE_UPDATES = ["cross_entropy on even datums + optim_step", "cross_entropy on odd datums + optim_step"]
+SETUP_CLIENT_ECHO = (
+    "probe client (the setup client that saved the initial checkpoint, nothing applied "
+    "since) (optim_step response metrics)"
+)
+SETUP_CLIENT = "the setup client that saved the initial checkpoint (no update before update 1)"
+
+
+@dataclass(kw_only=True)
+class RestoreProbeResult:
+    """One create-save-restore probe (`restore_probe`): what it loaded, compared and measured; its
+    fields in the order restoration-probe.json writes them."""
+
+    initial_checkpoint: str
+    mid_checkpoint: str
+    loaded_checkpoint_uri: str | None
+    adam_params: JsonObject
+    restored_vs_uninterrupted: JsonObject  # compare_logprobs of the two clients after update 2
+    second_update_effect: JsonObject  # compare_logprobs of the uninterrupted client before / after update 2
+    optim_metrics: dict[str, dict[str, float]]  # update1, update2_uninterrupted, update2_restored
+    echoed_config: dict[str, float]
+    echo_ref: str
+    echo_observed_on: str = SETUP_CLIENT_ECHO
+    uninterrupted_client: str = SETUP_CLIENT
+    base_lr_update_norm: float | None
+    failures: list[str]
+    own_config_probes: dict[str, RestoreProbeResult] = field(default_factory=dict)  # other trained arms' configs
+
+    def to_json(self) -> JsonObject:
+        """restoration-probe.json (`own_config_probes` only when another arm's config was probed)."""
+        out = as_object(asdict(self))
+        if not self.own_config_probes:
+            del out["own_config_probes"]
+        return {**{k: out.pop(k) for k in list(out)[:3]}, "updates": list(PROBE_UPDATES), **out}
+
+
+@dataclass(frozen=True)
+class LrScalingUnavailable:
+    """The LR-scaling probe could not measure update norms on this backend, and why."""
+
+    reason: str
+    learning_rates: list[float] = field(default_factory=list)
+    available: Literal[False] = False
+
+    def to_json(self) -> JsonObject:
+        """lr-scaling-probe.json when unmeasured."""
+        rates: list[JsonValue] = [*self.learning_rates]
+        return {"available": False, "reason": self.reason, "learning_rates": rates, "lr_scaling": [], "passed": None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrScalingMeasured:
+    """Update norms from a fresh state per learning rate, and whether norm / LR stayed constant;
+    its fields in the order lr-scaling-probe.json writes them."""
+
+    available: Literal[True] = True
+    measure: str | None = None
+    reset: str | None = None
+    gradient: str | None = None
+    lr_scaling: list[dict[str, float]]  # {"learning_rate", "update_norm"} per probe, in LR order
+    relative_error: list[float | None] | None = None
+    rtol: float | None = None
+    passed: bool | None = None
+    problem: str | None = None
+
+    def to_json(self) -> JsonObject:
+        """lr-scaling-probe.json when measured."""
+        return as_object(asdict(self))
+
+
+LrScalingBlock = LrScalingUnavailable | LrScalingMeasured
+
+
+@dataclass
+class RestorationResult:
+    initial_checkpoint: str
+    fixed_batch: list[tinker.Datum]
+    batch_sha256: str
+    output_sha256: dict[str, str]
+    provenance: InitializationProvenance  # initialization-provenance.json
+    passed: bool
+    failures: list[str]
+    lr_scaling: LrScalingBlock
+    probe: RestoreProbeResult
+    wall_seconds: float
+    loaded: dict[str, Restore]  # each loaded arm: client, load response, get_info
+
+    @property
+    def clients(self) -> dict[str, tinker.TrainingClient]:
+        return {a: r.client for a, r in self.loaded.items()}
+
+    def failure_message(self) -> str:
+        return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
+
+    def preflight_service_work(self) -> dict[str, dict[str, int]]:
+        """Optimizer updates the preflight issued on its throwaway probe clients, from its own records:
+        the restore-continuity probe (one update on the uninterrupted client, then one on each of the
+        uninterrupted and the restored client) and one update per measured LR probe, less the one at
+        the planned LR, which is the continuity probe's first update. No sampling."""
+        lr, shared = self.lr_scaling, int(self.probe.base_lr_update_norm is not None)
+        lr_updates = max(0, len(lr.lr_scaling) - shared) if isinstance(lr, LrScalingMeasured) else 0
+        return {
+            "restore_continuity_probe": {"optimizer_updates": 3, "sampling_batches": 0},
+            "lr_scaling_probe": {"optimizer_updates": lr_updates, "sampling_batches": 0},
+            "feasibility_pilot": {"optimizer_updates": 0, "sampling_batches": 0},
+        }
+
+
+class ArmProvenance(TypedDict):
+    """One arm's `initialization_provenance` entry (version 1)."""
+
+    initialization: JsonObject
+    restore_count: int
+    optimizer_checks: list[JsonObject]  # train.optimizer_checks.OptimizerCheck entries, as JSON
+    initial_output: JsonObject
+
+
+class InitializationProvenance(TypedDict):
+    """initialization-provenance.json; the result's `initialization_provenance` has `version`,
+    `arms` and (when some arm does not train) `excluded_arms`."""
+
+    version: int
+    arms: dict[str, ArmProvenance]
+    excluded_arms: NotRequired[dict[str, str]]
+    group: NotRequired[JsonObject]
+    passed: NotRequired[bool]
+    failures: NotRequired[list[str]]
+
+
+def initialization_entry(
+    *,
+    base_checkpoint: str,
+    checkpoint_uri: str,
+    checkpoint_immutable: bool | None,
+    loaded_checkpoint_uri: str | None,
+    load_succeeded: bool,
+    evidence_ref: str,
+    restore_count: int,
+    optimizer_checks: Sequence[Mapping[str, object]],
+    initial_output: JsonObject,
+    adapter_sha256: str | None = None,
+    checkpoint_immutable_reason: str | None = None,
+) -> ArmProvenance:
+    """One arm's `initialization_provenance` entry (version 1).
+
+    `checkpoint_immutable` is None when the duplicate save proved nothing (no explicit refusal);
+    `checkpoint_immutable_reason` says what the duplicate save got either way."""
+    init: JsonObject = {
+        "base_checkpoint": base_checkpoint,
+        "checkpoint_uri": checkpoint_uri,
+        "checkpoint_immutable": checkpoint_immutable,
+        "checkpoint_scope": "full_initialization",
+        "loaded_checkpoint_uri": loaded_checkpoint_uri,
+        "load_succeeded": load_succeeded,
+        "source": "server_response",
+        "evidence_ref": evidence_ref,
+        "before_first_update": True,
+    }
+    if checkpoint_immutable_reason is not None:
+        init["checkpoint_immutable_reason"] = checkpoint_immutable_reason
+    if adapter_sha256 is not None:
+        init["adapter_sha256"] = adapter_sha256
+    return {
+        "initialization": init,
+        "restore_count": restore_count,
+        "optimizer_checks": [as_object(c) for c in optimizer_checks],
+        "initial_output": initial_output,
+    }
+
+
+def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) -> list[str]:
+    """Every failure of the group's initialization proof; empty means the group is proved."""
+    failures: list[str] = []
+    entries = provenance.get("arms", {})
+    for arm in arms:
+        if arm not in entries:
+            failures.append(f"{arm}: no initialization_provenance entry")
+    present = [a for a in arms if a in entries]
+    for arm in present:
+        e = entries[arm]
+        init = e["initialization"]
+        if not init.get("load_succeeded"):
+            failures.append(f"{arm}: checkpoint load did not succeed")
+        immutable = init.get("checkpoint_immutable")
+        if immutable is None:
+            failures.append(
+                f"{arm}: checkpoint_immutable unverified: "
+                + str(init.get("checkpoint_immutable_reason") or "no explicit refusal to overwrite")
+            )
+        elif not immutable:
+            failures.append(
+                f"{arm}: initial checkpoint not shown immutable"
+                + (f": {init['checkpoint_immutable_reason']}" if init.get("checkpoint_immutable_reason") else "")
+            )
+        if init.get("loaded_checkpoint_uri") is None:
+            failures.append(f"{arm}: no loaded checkpoint URI in the server's load response")
+        elif init["loaded_checkpoint_uri"] != init["checkpoint_uri"]:
+            failures.append(
+                f"{arm}: server loaded {init['loaded_checkpoint_uri']!r}, expected {init['checkpoint_uri']!r}"
+            )
+        checks = e.get("optimizer_checks", [])
+        covered = sorted(int(num(c["after_restore"])) for c in checks)
+        if covered != list(range(e["restore_count"] + 1)):
+            failures.append(f"{arm}: optimizer checks cover restores {covered}, need 0..{e['restore_count']}")
+        for c in checks:
+            if c["mismatches"]:
+                failures.append(
+                    f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
+                    + "; ".join(str(m) for m in items(c["mismatches"]))
+                )
+        if not e["initial_output"].get("available"):
+            failures.append(f"{arm}: initial output unavailable")
+    # Shared identity: one checkpoint, one loaded URI, one batch, same outputs.
+    for key, label in (
+        ("checkpoint_uri", "initial checkpoint"),
+        ("loaded_checkpoint_uri", "loaded checkpoint"),
+        ("base_checkpoint", "base checkpoint"),
+    ):
+        values = {entries[a]["initialization"].get(key) for a in present}
+        if len(values) > 1:
+            failures.append(f"arms do not share one {label}: {sorted(map(str, values))}")
+    hashes = {str(h) for a in present if (h := entries[a]["initialization"].get("adapter_sha256")) is not None}
+    if len(hashes) > 1:
+        failures.append(f"arms' adapter_sha256 differ: {sorted(hashes)}")
+    batches = {entries[a]["initial_output"].get("batch_sha256") for a in present}
+    if len(batches) > 1:
+        failures.append(f"arms' fixed batches differ: {sorted(map(str, batches))}")
+    return failures
+
+
+CallWrapper = Callable[[Callable[[], Any]], Any]  # wraps every client-creating call (e.g. a capacity retry)
+LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
+DEFAULT_LR_MULTIPLIERS = (0.5, 1.0, 2.0)
+NO_UPDATE_NORM = (
+    "the Tinker API exposes neither parameters nor an update-norm metric (optim_step reports "
+    "the gradient norm only), so update norms cannot be measured on this backend"
+)
+
+
+class UpdateNormMeasure(Protocol):
+    """Measures ||theta_after - theta_before|| around `apply_update()` on `client`, or None.
+
+    A measure whose own requests can be refused (e.g. a service without external weights) must
+    not run on a client that has more work to do: the SDK numbers each client's requests, and one
+    refused at submit leaves a gap the server waits on before running that client's next request.
+    `safe_on_a_working_client` says the measure's requests cannot be refused that way."""
+
+    description: str
+
+    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None: ...
+
+
+class LocalCheckpointReader:
+    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir: their hash and
+    the distance between two. Local backend only (the Tinker API exposes no parameters); torch and
+    the embedded server's model module load on the first read, so another backend loads neither."""
+
+    description = (
+        "local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
+        "save_state checkpoints the embedded server wrote under its run_dir"
+    )
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+
+    def adapter(self, path: str) -> dict[str, torch.Tensor]:
+        """The checkpoint's LoRA tensors by name (`checkpoint_files.adapter_file` says where they are)."""
+        import torch  # local backend only: loaded on the first read (see the class docstring)
+
+        from dppo_harness.local_server.checkpoint_files import adapter_file  # local backend only
+
+        f = adapter_file(self.run_dir, path)
+        if f is None:
+            raise RestorationError(f"not a checkpoint path: {path!r}")
+        if not f.is_file():
+            raise RestorationError(f"checkpoint {path!r} has no adapter file at {f}")
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+    def adapter_sha256(self, path: str) -> str:
+        """sha256 over names, dtypes, shapes and raw bytes of the adapter, sorted by name."""
+        from dppo_harness.local_server.engine.model import state_sha256  # local backend only
+
+        return state_sha256(self.adapter(path))
+
+    def update_norm(self, before: str, after: str) -> float:
+        """||theta_after - theta_before|| over all LoRA parameters, in float64."""
+        a, b = self.adapter(before), self.adapter(after)
+        if sorted(a) != sorted(b):
+            raise RestorationError("checkpoints have different parameter names")
+        return math.sqrt(sum(float(((b[k].double() - a[k].double()) ** 2).sum()) for k in a))
+
+
+class CheckpointUpdateNorm:
+    """UpdateNormMeasure via save_state before and after the update (local backend)."""
+
+    safe_on_a_working_client = True  # save_state only: a request every backend serves
+
+    def __init__(self, reader: LocalCheckpointReader, tag: str):
+        self.reader, self.tag, self.description = reader, tag, reader.description
+        self._n = 0
+
+    def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None:
+        self._n += 1
+        before = client.save_state(f"{self.tag}-norm{self._n}-before").result().path
+        apply_update()
+        after = client.save_state(f"{self.tag}-norm{self._n}-after").result().path
+        return self.reader.update_norm(before, after)
+
+
+def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multipliers: Sequence[float]) -> bool:
+    """Whether the planned LR's scaling probe is the setup client's update 1 (no client of its own):
+    only with a measure that cannot leave that client waiting on a refused request (it still has
+    the restore probe to run); otherwise every LR gets its own client."""
+    return (
+        update_norm is not None
+        and any(float(m) == 1.0 for m in multipliers)
+        and bool(getattr(update_norm, "safe_on_a_working_client", False))
+    )
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    """What every probe of one preflight shares: the ServiceClient its clients live on, the fixed
+    batch, the kept responses, the tolerance, how client-creating calls are made, the progress line."""
+
+    sc: tinker.ServiceClient
+    batch: list[tinker.Datum]
+    rec: Recorder
+    call: CallWrapper
+    say: Callable[[str], None] = lambda _m: None
+
+
+def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.AdamParams:
+    """AdamParams from an arm's optimizer_config (keys AdamParams has), at `lr` if given."""
+    kw = {k: float(v) for k, v in cfg.items() if k in tinker.AdamParams.model_fields}
+    if lr is not None:
+        kw["learning_rate"] = float(lr)
+    return tinker.AdamParams(**kw)
+
+
+def fixed_gradient_step(
+    client: tinker.TrainingClient, batch: Sequence[tinker.Datum], adam: tinker.AdamParams
+) -> tinker.OptimStepResponse:
+    """One fixed-gradient update: cross-entropy on fixed weights, then optim_step."""
+    fb = client.forward_backward(list(batch), "cross_entropy")
+    opt = client.optim_step(adam)
+    fb.result()
+    return opt.result()
+
+
+def reweighted(batch: Sequence[tinker.Datum], scale: float, keep: Callable[[int], bool]) -> list[tinker.Datum]:
+    """The batch with weights scaled on kept datums and zeroed elsewhere (a fixed gradient)."""
+    out = []
+    for i, d in enumerate(batch):
+        _, targets_T, mask_T = datum_arrays(d)
+        w_T = (mask_T * np.float32(scale)) if keep(i) else np.zeros_like(mask_T)
+        out.append(
+            tinker.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(targets_T),
+                    "weights": tinker.TensorData.from_numpy(w_T.astype(np.float32)),
+                },
+            )
+        )
+    return out
+
+
+def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
+    """The fixed gradient of the restore probe's update 1 and of every LR-scaling probe."""
+    return reweighted(batch, 1.0, lambda i: i % 2 == 0)
+
+
+def restore_probe(
+    run: ProbeRun,
+    uninterrupted: tinker.TrainingClient,
+    initial_checkpoint: str,
+    opt_cfg: Mapping[str, float],
+    tag: str,
+    update_norm: UpdateNormMeasure | None = None,
+) -> RestoreProbeResult:
+    """Uninterrupted vs create-save-restore probe clients must agree after the same update.
+
+    `uninterrupted` is a client in the initial state with nothing applied (the setup client that
+    saved the initial checkpoint, or a fresh client from it). Two different fixed gradients (even /
+    odd datums) are used so that a restore that dropped the Adam moments would give a different
+    second update (with one repeated gradient a fresh Adam and a continued one take the same
+    bias-corrected step, and the check could not fail). With `update_norm`, update 1 is also the
+    LR-scaling probe at the planned LR (`base_lr_update_norm`).
+    """
+    adam, batch, rec, atol = adam_params(opt_cfg), run.batch, run.rec, LOGPROB_ATOL
+    g1, g2 = probe_gradient(batch), reweighted(batch, 1.0, lambda i: i % 2 == 1)
+    run.say("4/6: probe update 1 on the uninterrupted client")
+    norm1 = None
+    if update_norm is None:
+        opt1 = fixed_gradient_step(uninterrupted, g1, adam)
+    else:
+        done: dict[str, tinker.OptimStepResponse] = {}
+        norm1 = update_norm(uninterrupted, lambda: done.setdefault("opt", fixed_gradient_step(uninterrupted, g1, adam)))
+        # a measure that never applied the update leaves it to be applied here, unmeasured
+        opt1 = done["opt"] if "opt" in done else fixed_gradient_step(uninterrupted, g1, adam)
+    echo_ref = rec.keep("probe_optim_step_1", opt1)
+    mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
+    rec.keep("probe_save_mid", mid)
+    r = run.call(lambda: restore(run.sc, mid.path, f"restore probe ({tag})"))
+    restored, resp = r.client, r.response
+    describe_client(run.sc, restored, "restore probe: created from the uninterrupted probe's mid save")
+    rec.keep("probe_load_mid", resp)
+    rec.keep("probe_load_mid.get_info", r.info)
+    run.say("4/6: probe update 2 on both clients, then logprobs compared")
+    before = full_logprobs(uninterrupted, batch)
+    opt2_u = fixed_gradient_step(uninterrupted, g2, adam)
+    opt2_r = fixed_gradient_step(restored, g2, adam)
+    rec.keep("probe_optim_step_2_uninterrupted", opt2_u)
+    rec.keep("probe_optim_step_2_restored", opt2_r)
+    after_u = full_logprobs(uninterrupted, batch)
+    cmp = compare_logprobs(after_u, full_logprobs(restored, batch), atol)
+    effect = compare_logprobs(before, after_u, atol)
+    failures: list[str] = []
+    if resp.path != mid.path:
+        failures.append(f"probe restore: server load response path {resp.path!r} != saved {mid.path!r}")
+    if not cmp["within_tolerance"]:
+        failures.append(f"restored probe update differs from uninterrupted: max |diff| {cmp['max_abs_diff']} > {atol}")
+    if effect["within_tolerance"]:  # too small to tell a lost update from a matching one
+        failures.append(
+            f"probe update changed logprobs by only {effect['max_abs_diff']} <= {atol}: "
+            "the restore comparison cannot tell a lost update from a matching one"
+        )
+    return RestoreProbeResult(
+        initial_checkpoint=initial_checkpoint,
+        mid_checkpoint=mid.path,
+        loaded_checkpoint_uri=resp.path,
+        adam_params=adam.model_dump(),
+        restored_vs_uninterrupted=as_object(cmp),
+        second_update_effect=as_object(effect),
+        optim_metrics={
+            "update1": dict(opt1.metrics or {}),
+            "update2_uninterrupted": dict(opt2_u.metrics or {}),
+            "update2_restored": dict(opt2_r.metrics or {}),
+        },
+        echoed_config=echoed_config(opt1.metrics, list(opt_cfg)),
+        echo_ref=echo_ref,
+        base_lr_update_norm=norm1,
+        failures=failures,
+    )
+
+
+def lr_scaling_probe(
+    run: ProbeRun,
+    initial_checkpoint: str,
+    opt_cfg: Mapping[str, float],
+    multipliers: Sequence[float],
+    update_norm: UpdateNormMeasure | None,
+    measured: Mapping[float, float | None] | None = None,
+) -> LrScalingBlock:
+    """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
+
+    `measured`: LRs already probed from a fresh state (the restore probe's update 1 on the setup
+    client, at the planned LR); None there means that measure failed, and no further client is
+    created. Every other LR gets its own client created from the initial checkpoint with optimizer.
+    Adam's first step is lr * m_hat / (sqrt(v_hat) + eps) ~ lr * sign(g), so update_norm / lr
+    should be the same at every LR; the relative change against the first probe is checked.
+    """
+    base_lr = float(opt_cfg["learning_rate"])
+    lrs = [base_lr * float(m) for m in multipliers]
+    if update_norm is None:
+        return LrScalingUnavailable(NO_UPDATE_NORM, lrs)
+
+    def unavailable() -> LrScalingUnavailable:  # why: the measure's last error, read when it failed
+        return LrScalingUnavailable(
+            f"{update_norm.description}: {getattr(update_norm, 'last_error', None) or 'no measurement'}", lrs
+        )
+
+    if any(v is None for v in (measured or {}).values()):
+        return unavailable()
+    g = probe_gradient(run.batch)
+    norms: dict[float, float] = {lr: float(v) for lr, v in (measured or {}).items() if v is not None}
+    for i, lr in enumerate(lrs, start=1):
+        if lr in norms:
+            run.say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
+            continue
+        run.say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
+        client, _ = run.call(lambda: create_from_state_with_response(run.sc, initial_checkpoint))
+        describe_client(run.sc, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
+        norm = update_norm(client, partial(fixed_gradient_step, client, g, adam_params(opt_cfg, lr)))
+        if norm is None:
+            return unavailable()
+        norms[lr] = float(norm)
+    probes: list[dict[str, float]] = [{"learning_rate": lr, "update_norm": norms[lr]} for lr in lrs]
+    errors = lr_scaling_error(probes)
+    worst = max(errors)
+    passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= LR_SCALING_RTOL)
+    problem = (
+        None
+        if passed
+        else f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {LR_SCALING_RTOL})"
+        if worst > LR_SCALING_RTOL
+        else "an update norm is zero: the update did not move parameters"
+    )
+    reset = (
+        "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
+        "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
+        "every other LR"
+        if measured
+        else "a client created from the initial checkpoint with optimizer per probe"
+    )
+    return LrScalingMeasured(
+        measure=update_norm.description,
+        reset=reset,
+        gradient="cross_entropy on the even fixed-batch datums (the restore probe's update 1)",
+        lr_scaling=probes,
+        relative_error=[e if math.isfinite(e) else None for e in errors],
+        rtol=LR_SCALING_RTOL,
+        passed=passed,
+        problem=problem,
+    )
+
+
+def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -> JsonObject:
+    """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe.
+
+    Where the backend could not measure update norms, each planned LR gets an entry with
+    `update_norm: null`, `available: false` and the reason (never invented, never an empty list),
+    and `lr_scaling_status` says why.
+    """
+    out = json.loads(json.dumps(correctness_block))
+    status: JsonObject = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE}
+    if isinstance(lr_block, LrScalingMeasured):
+        status.update(
+            passed=lr_block.passed,
+            rtol=lr_block.rtol,
+            relative_error=None if lr_block.relative_error is None else list(lr_block.relative_error),
+            measure=lr_block.measure,
+            reset=lr_block.reset,
+        )
+        entries: list[JsonObject] = [dict(p) for p in lr_block.lr_scaling]
+    else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
+        reason = lr_block.reason or "not measured"
+        entries = [
+            {"learning_rate": float(lr), "update_norm": None, "available": False, "reason": reason}
+            for lr in lr_block.learning_rates
+        ] or [{"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
+        status["reason"] = lr_block.reason
+    for path in out.get("paths", []):
+        path["lr_scaling"] = json.loads(json.dumps(entries))
+        path["lr_scaling_status"] = status
+    return out
+
+
+EXCLUDED_REASON = (
+    "never trains in this session: no client created for it, excluded from the optimizer-restoration groups"
+)
+SOURCE_OUTPUT_KEY = "initial_checkpoint_source"
+ADAPTERS_UNMEASURED = "not measurable over the Tinker API on this backend"
+ADAPTERS_MEASURED = (
+    "local_hash: sha256 of the LoRA tensors in a save_state of each arm taken right "
+    "after its load, read from the embedded server's run_dir"
+)
+FIXED_BATCH_ITEMS = 4
+
+
+def restoration_arms(spec: ExperimentSpec) -> list[RestorationArm]:
+    """The (single) initialization group's arms with optimizer and config, from the validated spec."""
+    rp = spec.restoration_preflight
+    if not rp.applicable:
+        raise RestorationError("plan has no applicable restoration_preflight")
+    if len(rp.groups) != 1:
+        raise RestorationError(f"restoration_preflight needs exactly one group, got {len(rp.groups)}")
+    arms = rp.groups[0].arms
+    if len(arms) < 2:
+        raise RestorationError("restoration_preflight group needs at least two arms")
+    return list(arms)
+
+
+def reference_completion(solution: str, reference: str) -> str:
+    """A GSM8K worked solution as an assistant answer: calculator annotations dropped, the
+    '#### N' line replaced by the boxed answer the cookbook's grader reads."""
+    body = solution.split("####")[0]
+    body = re.sub(r"<<[^>]*>>", "", body).strip()
+    return f"{body} \\boxed{{{reference}}}"
+
+
+def build_fixed_batch(
+    n_items: int = FIXED_BATCH_ITEMS, seed: int = 0, dataset_name: str = "gsm8k"
+) -> tuple[list[tinker.Datum], JsonObject]:
+    """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered
+    with the qwen3_5 renderer (one-shot prefix, cookbook prompt), reference solutions as the
+    assistant targets; weights 1 on the answer's tokens, 0 on the prompt. Returns the datums and a
+    description (item ids, lengths) for evidence."""
+    data = dataset.get(dataset_name)
+    bundle = tokenizer.make_renderer()
+    items = data.load_split("train", seed=seed).items[:n_items]
+    if len(items) < n_items:
+        raise RestorationError(f"fixed batch needs {n_items} GSM8K train items, got {len(items)}")
+    batch: list[tinker.Datum] = []
+    described: list[JsonValue] = []
+    for item in items:
+        messages = data.prompt_messages(item) + [
+            {"role": "assistant", "content": reference_completion(item.solution, item.reference)}
+        ]
+        model_input, weights = bundle.renderer.build_supervised_example(messages)
+        tokens = model_input.to_ints()
+        w = np.asarray(weights, dtype=np.float32).reshape(-1)
+        if len(w) != len(tokens) or w.sum() == 0:
+            raise RestorationError(f"{item.item_id}: renderer gave {len(w)} weights for {len(tokens)} tokens")
+        batch.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": tinker.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+                    "weights": tinker.TensorData.from_numpy(w[1:].copy()),
+                },
+            )
+        )
+        described.append({"item_id": item.item_id, "tokens": len(tokens), "weighted_targets": int(w[1:].sum())})
+    return batch, {"items": described, "renderer": bundle.provenance, "seed": seed}
+
+
+def register_fixed_batch(
+    bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: JsonObject | None
+) -> str:
+    """The fixed batch as evidence; returns its sha256."""
+    b_sha = batch_sha256(fixed_batch)
+    rows: list[JsonValue] = []
+    for d in fixed_batch:
+        tokens_T, targets_T, mask_T = datum_arrays(d)
+        rows.append({"input_tokens": tokens_T.tolist(), "target_tokens": targets_T.tolist(), "mask": mask_T.tolist()})
+    bundle.register_json(
+        FIXED_BATCH_FILE,
+        "tensors",
+        {
+            "batch_sha256": b_sha,
+            "hash": "sha256 over each datum's int64 input ids, int64 target ids and float32 mask (weights), "
+            "length-prefixed; see restoration.batch_sha256",
+            "description": description,
+            "datums": rows,
+        },
+    )
+    return b_sha
+
+
+# A refusal to overwrite names the existing checkpoint; other failures of the duplicate save
+# (timeouts, 5xx, capacity, connection errors) say nothing about immutability.
+OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable", re.IGNORECASE)
+
+
+def duplicate_save_outcome(exc: BaseException | None, name: str = "") -> tuple[bool | None, str]:
+    """(checkpoint_immutable, reason) from the second save_state of `name` under the same name.
+
+    True only on the service's explicit refusal to overwrite: HTTP 409, or a failed request / 400
+    whose text says the checkpoint exists or may not be overwritten. A failed request of category
+    server counts only when its text also names the checkpoint: Spindle refuses a duplicate name as
+    a server-category `checkpoint already exists: /checkpoints/<name>/<model_id>` (a plain
+    FileExistsError), while a server failure that merely mentions a file proves nothing. A second
+    save that succeeded is False (the name is not immutable). Anything else (timeout, 5xx,
+    capacity, connection, other errors) is None: unverified, with the reason. The reason keeps the
+    category and text as sent.
+    """
+    if exc is None:
+        return False, "the service accepted a second save_state under the same name without overwrite"
+    text = error_text(exc)
+    what = f"{type(exc).__name__}: {text}"[:300]
+    says_refused = bool(OVERWRITE_REFUSAL_RE.search(text))
+    if isinstance(exc, tinker.ConflictError):
+        refused = True
+    elif is_capacity_error(exc):
+        refused = False
+    elif isinstance(exc, tinker.RequestFailedError) and exc.category == tinker.types.RequestErrorCategory.Server:
+        refused, what = says_refused and bool(name) and name in text, f"{what} (category server)"
+    else:
+        failed = (tinker.RequestFailedError, tinker.BadRequestError, tinker.UnprocessableEntityError)
+        refused = says_refused and isinstance(exc, failed)
+    if refused:
+        return True, f"the service refused to overwrite the saved name ({what})"
+    return None, (
+        f"the duplicate save_state ended in {what}, not an explicit refusal to overwrite: immutability unverified"
+    )
+
+
+@dataclass(frozen=True)
+class InitialCheckpoint:
+    client: tinker.TrainingClient  # the fresh setup client that saved it (released with its ServiceClient)
+    path: str
+    immutable: bool | None  # None: the duplicate save proved nothing either way
+    immutable_reason: str = ""
+    info: tinker.types.GetInfoResponse | None = None  # the setup client's get_info at creation, before any update
+
+
+def fresh_checkpoint(
+    probe_sc: tinker.ServiceClient,
+    base_model: str,
+    rank: int,
+    seed: int,
+    tag: str,
+    rec: Recorder,
+    call: CallWrapper,
+) -> InitialCheckpoint:
+    """Step 1: a fresh LoRA client saves the immutable initial checkpoint.
+
+    No per-model seed is sent: Spindle's multi-LoRA backend refuses one (the creation future fails,
+    "Miles multi-LoRA does not support per-model seeds"), and a seed would prove nothing anyway;
+    every arm is proved to start from this one saved state by its observed load. `seed` is the
+    plan's initialization group's."""
+    # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
+    client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank))
+    name_client(client, "setup client (shared)")
+    describe_client(
+        probe_sc,
+        client,
+        f"setup (shared, initialization group of seed {seed}): saves the initial checkpoint; then the "
+        "uninterrupted restore probe and the base-LR scaling probe",
+    )
+    info = client.get_info()
+    rec.keep("create_shared.get_info", info)
+    name = f"{tag}-initial-shared"
+    saved = client.save_state(name).result()
+    rec.keep("save_shared", saved)
+    # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
+    try:
+        again = client.save_state(name).result()
+    except Exception as exc:
+        immutable, reason = duplicate_save_outcome(exc, name)
+        rec.keep(
+            "save_shared_again_refused" if immutable else "save_shared_again_failed",
+            {"error": f"{type(exc).__name__}: {exc}", "checkpoint_immutable": immutable, "reason": reason},
+        )
+    else:
+        immutable, reason = duplicate_save_outcome(None, name)
+        rec.keep("save_shared_again", again)
+    return InitialCheckpoint(client, saved.path, immutable, reason, info)
+
+
+def adapter_hashes(
+    reader: LocalCheckpointReader | None, arms: Mapping[str, Restore], tag: str, rec: Recorder
+) -> tuple[dict[str, str | None], str, list[str]]:
+    """Each arm's adapter sha256 as loaded (local backend: read back from a save of each arm; not an
+    update; None where unmeasurable), how it was measured, and every arm whose adapter differs from
+    its checkpoint's."""
+    hashes: dict[str, str | None] = dict.fromkeys(arms)
+    if reader is None:
+        return hashes, ADAPTERS_UNMEASURED, []
+    failures = []
+    for a, arm in arms.items():
+        snap = arm.client.save_state(f"{tag}-{a}-as-loaded").result()
+        rec.keep(f"save_{a}_as_loaded", snap)
+        hashes[a] = as_loaded = reader.adapter_sha256(snap.path)
+        src_sha = reader.adapter_sha256(arm.source_path)
+        if as_loaded != src_sha:
+            failures.append(f"{a}: adapter as loaded ({as_loaded[:12]}) differs from its checkpoint's ({src_sha[:12]})")
+    return hashes, ADAPTERS_MEASURED, failures
+
+
+def initial_outputs(
+    bundle: EvidenceBundle,
+    arms: Mapping[str, Restore],
+    fixed_batch: Sequence[tinker.Datum],
+    b_sha: str,
+    source: Sequence[np.ndarray] | None = None,
+) -> tuple[dict[str, str], JsonObject, list[str]]:
+    """Step 3: full logprobs of every arm on the fixed batch before any update, compared: each arm's
+    output sha256, the comparisons (by `first_vs_other`) and every pair outside the tolerance. With
+    a single arm, `source` (the setup client's logprobs, taken before its first update) is what it
+    is compared with, so the check can still fail."""
+    names = list(arms)
+    logprobs = {a: full_logprobs(arms[a].client, fixed_batch) for a in names}
+    out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
+    stored = dict(logprobs)
+    pairs: list[tuple[str, str, Sequence[np.ndarray]]] = [(names[0], other, logprobs[other]) for other in names[1:]]
+    if len(names) == 1 and source is not None:
+        pairs = [(names[0], SOURCE_OUTPUT_KEY, source)]
+        stored[SOURCE_OUTPUT_KEY] = list(source)
+    cmp: JsonObject = {}
+    failures: list[str] = []
+    for first, other, lp in pairs:
+        c = compare_logprobs(logprobs[first], lp, LOGPROB_ATOL)
+        cmp[f"{first}_vs_{other}"] = as_object(c)
+        if not c["within_tolerance"]:
+            failures.append(
+                f"initial logprobs differ between {first} and {other}: max |diff| "
+                f"{c['max_abs_diff']} > {LOGPROB_ATOL}" + (f" ({c['problem']})" if "problem" in c else "")
+            )
+    bundle.register_json(
+        INITIAL_OUTPUT_FILE,
+        "tensors",
+        {
+            "batch_sha256": b_sha,
+            "dtype": {a: str(lp[0].dtype) for a, lp in stored.items()},
+            "output_sha256": out_sha,
+            "comparison": cmp,
+            "hash": "sha256 over every datum's per-token logprobs at the returned precision; see "
+            "restoration.logprobs_sha256",
+            "logprobs": {a: [x.tolist() for x in lp] for a, lp in stored.items()},
+        },
+    )
+    return out_sha, cmp, failures
+
+
+def backend_update_norm(
+    local_run_dir: Path | None, probe_service_client: tinker.ServiceClient
+) -> tuple[LocalCheckpointReader | None, UpdateNormMeasure | None]:
+    """(checkpoint reader, update-norm measure) a backend allows: the embedded server's checkpoints
+    on disk under `local_run_dir`, else the trained weights read back through the SDK."""
+    if local_run_dir is not None:
+        return LocalCheckpointReader(local_run_dir), None
+    return None, ExternalWeightsUpdateNorm(probe_service_client.create_rest_client)
+
+
+def run_restoration_preflight(
+    service_client: tinker.ServiceClient,
+    plan: Plan,
+    bundle: EvidenceBundle,
+    *,
+    base_model: str = constants.BASE_MODEL,
+    fixed_batch: Sequence[tinker.Datum] | None = None,
+    fixed_batch_description: JsonObject | None = None,
+    lr_multipliers: Sequence[float] = DEFAULT_LR_MULTIPLIERS,
+    checkpoint_reader: LocalCheckpointReader | None = None,
+    update_norm: UpdateNormMeasure | None = None,
+    probe_service_client: tinker.ServiceClient | None = None,
+    capacity: WaitPolicy | None = None,
+    registry: ClientRegistry | None = None,
+    trained_arms: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> RestorationResult:
+    """Run the restoration preflight for the initialization group of the plan's spec (a
+    diagnostic's: its original plan's); the six steps and every option are in the module docstring."""
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
+
+    # The group's arms, the trained ones among them (in the group's order), their one seed, the run's checkpoint tag.
+    run = plan.spec_plan.run
+    assert run is not None  # every experiment spec has its RunConfig from load
+    group = restoration_arms(plan.spec_plan.experiment)
+    if trained_arms is not None and (not trained_arms or set(trained_arms) - {a.name for a in group}):
+        raise RestorationError(
+            f"trained_arms {list(trained_arms)}: not arms of the initialization group {[a.name for a in group]}"
+        )
+    trained = [a for a in group if trained_arms is None or a.name in set(trained_arms)]
+    names, cfgs = [a.name for a in trained], {a.name: a.optimizer_config.model_dump(exclude_none=True) for a in trained}
+    seeds = {a.name: a.seed for a in run.arms}
+    if len({seeds.get(a) for a in names}) > 1:
+        raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
+    seed = seeds.get(names[0], 0)
+    tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(bundle.run_id or uuid.uuid4().hex[:12]))[:64]  # names its saves
+    if fixed_batch is None:
+        fixed_batch, fixed_batch_description = build_fixed_batch(seed=seed, dataset_name=run.dataset)
+    batch = list(fixed_batch)
+    if len(batch) < 2:
+        raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")
+    b_sha = register_fixed_batch(bundle, batch, fixed_batch_description)
+    call: CallWrapper = (
+        (lambda fn: fn())
+        if capacity is None
+        else (lambda fn: call_with_capacity_retry(fn, policy=capacity, registry=registry))
+    )
+    rec = Recorder()
+    probe_sc = probe_service_client or service_client
+    prun = ProbeRun(probe_sc, batch, rec, call, say)
+
+    say(f"1/6: fresh LoRA rank-{run.lora_rank} client on {base_model} and the shared initial checkpoint")
+    shared = fresh_checkpoint(probe_sc, base_model, run.lora_rank, seed, tag, rec, call)
+    bundle.add_checkpoint("initial", 0, shared.path)
+    # The setup client's own output, before its first update: what one loaded arm is compared with.
+    source_lp = full_logprobs(shared.client, batch) if len(names) == 1 else None
+
+    loaded: dict[str, Restore] = {}
+    for i, a in enumerate(names, start=1):
+        say(f"2/6: loading arm {a} ({i}/{len(names)}) from {shared.path} with optimizer")
+        loaded[a] = call(partial(restore, service_client, shared.path, a))
+        describe_client(service_client, loaded[a].client, f"arm {a}: loaded from the initial checkpoint with optimizer")
+        rec.keep(f"load_{a}", loaded[a].response)
+        rec.keep(f"load_{a}.get_info", loaded[a].info)
+    adapters, adapter_method, failures = adapter_hashes(checkpoint_reader, loaded, tag, rec)
+    say(f"3/6: initial logprobs of {len(names)} arms on the fixed batch ({len(batch)} datums)")
+    out_sha, comparison, output_failures = initial_outputs(bundle, loaded, batch, b_sha, source=source_lp)
+    failures += output_failures
+
+    # Step 4: the setup client (uninterrupted) vs a create-save-restore client on the first trained
+    # arm's config; update 1 is also the LR probe at the planned LR. Each other optimizer config
+    # gets its own probe from a fresh client, so every arm's checks compare with its OWN echo.
+    opt_cfg = cfgs[names[0]]
+    if update_norm is None and checkpoint_reader is not None:
+        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
+    in_plan = update_norm if planned_lr_on_setup_client(update_norm, lr_multipliers) else None
+    say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
+    probe = restore_probe(prun, shared.client, shared.path, opt_cfg, tag, update_norm=in_plan)
+    probes = {names[0]: probe}
+    for a in names[1:]:
+        cfg = cfgs[a]
+        same = next((p for b, p in probes.items() if cfgs[b] == cfg), None)
+        if same is not None:
+            probes[a] = same
+            continue
+        say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
+        client, _ = call(partial(create_from_state_with_response, probe_sc, shared.path, f"probe-{a}"))
+        describe_client(probe_sc, client, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
+        own = ProbeRun(probe_sc, batch, rec.prefixed(f"{a}:"), call, say)
+        probes[a] = restore_probe(own, client, shared.path, cfg, f"{tag}-{a}")
+        probes[a].echo_observed_on = probes[a].uninterrupted_client = (
+            f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
+        )
+        probe.own_config_probes[a] = probes[a]  # written with the step-4 probe (PROBE_FILE)
+    failures += probe.failures + [f"{a}: {m}" for a, r in probe.own_config_probes.items() for m in r.failures]
+
+    say("5/6: optimizer checks and initialization provenance")
+    arms: dict[str, ArmProvenance] = {}
+    for arm in trained:  # optimizer checks at creation (0) and restore (1), against its own config's echo
+        a = arm.name
+        check = partial(
+            optimizer_check,
+            requested_optimizer=arm.optimizer,
+            requested_config=cfgs[a],
+            echoed=probes[a].echoed_config or None,
+            echo_ref=probes[a].echo_ref,
+            echo_observed_on=probes[a].echo_observed_on,
+        )
+        arms[a] = initialization_entry(
+            base_checkpoint=base_model,
+            checkpoint_uri=shared.path,
+            checkpoint_immutable=shared.immutable,
+            checkpoint_immutable_reason=shared.immutable_reason or None,
+            loaded_checkpoint_uri=loaded[a].loaded_path,
+            load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
+            evidence_ref=load_ref(a),
+            restore_count=1,
+            optimizer_checks=[
+                check(after_restore=0, info=shared.info, info_ref=f"{RESPONSES_FILE}#create_shared.get_info"),
+                check(after_restore=1, info=loaded[a].info, info_ref=f"{load_ref(a)}.get_info"),
+            ],
+            initial_output={
+                "available": True,
+                "batch_sha256": b_sha,
+                "output_sha256": out_sha[a],
+                "evidence_ref": INITIAL_OUTPUT_FILE,
+                "before_first_update": True,
+            },
+            adapter_sha256=adapters[a],
+        )
+    failures += check_provenance({"version": 1, "arms": arms}, names)
+
+    say(
+        f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
+        + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
+    )
+    measured = {float(opt_cfg["learning_rate"]): probe.base_lr_update_norm} if in_plan else None
+    lr_block = lr_scaling_probe(prun, shared.path, opt_cfg, lr_multipliers, update_norm, measured)
+    if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
+        failures.append(f"LR scaling: {lr_block.problem}")
+    say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
+    # The evidence files; the result's initialization_provenance has `version` and `arms`, and when
+    # some arm does not train also `excluded_arms`, each posted check keeping only what the arm's
+    # OWN responses exposed.
+    provenance: InitializationProvenance = {"version": 1, "arms": arms}
+    posted: InitializationProvenance = {"version": 1, "arms": arms}
+    excluded = {a.name: EXCLUDED_REASON for a in group if a.name not in names}
+    if excluded:
+        provenance["excluded_arms"] = dict(excluded)
+    provenance["group"] = {
+        "arms": list(names),
+        "initial_checkpoint": shared.path,
+        "initial_output_comparison": comparison,
+        "adapter_sha256_method": adapter_method,
+        "restore_probe": PROBE_FILE,
+        "server_responses": RESPONSES_FILE,
+    }
+    provenance["passed"], provenance["failures"] = not failures, list(failures)
+    if trained_arms is not None:
+        mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
+        posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
+        posted["excluded_arms"] = dict(excluded)
+    bundle.register_json(RESPONSES_FILE, "log", rec.responses)
+    bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
+    bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
+    bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
+    wall = time.monotonic() - t0
+    passed = 1.0 if not failures else 0.0
+    metrics = {"preflight/restoration_wall_seconds": wall, "preflight/restoration_passed": passed}
+    bundle.update_result(initialization_provenance=posted, metrics=metrics)
+    return RestorationResult(
+        initial_checkpoint=shared.path,
+        loaded=loaded,
+        fixed_batch=batch,
+        batch_sha256=b_sha,
+        output_sha256=out_sha,
+        provenance=provenance,
+        passed=not failures,
+        failures=failures,
+        lr_scaling=lr_block,
+        probe=probe,
+        wall_seconds=wall,
+    )
