@@ -18,7 +18,7 @@ import torch
 from pydantic import JsonValue
 
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.instrument.pooled import POOLED_QUANTILES, RATIO_PARTS
+from dppo_harness.instrument.instrumentation import POOLED_QUANTILES, RATIO_PARTS
 from dppo_harness.json_types import JsonMap, num
 from dppo_harness.loss import losses
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
