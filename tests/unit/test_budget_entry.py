@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin import session as plugin_session
+from dppo_harness.pytest_plugin import hooks as plugin_session
 
 
 class _Clock:

@@ -9,7 +9,7 @@ import json
 import tinker
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin import session as plugin_session
+from dppo_harness.pytest_plugin import hooks as plugin_session
 from dppo_harness.service.observed import describe_client, make_service_client
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.rest import ServiceRest, UnloadOutcome

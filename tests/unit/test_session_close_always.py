@@ -13,7 +13,7 @@ from dppo_harness.evidence import EvidenceBundle, budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.verify import verify_bundle
 from dppo_harness.pytest_plugin import hooks
-from dppo_harness.pytest_plugin.session import STATE_KEY, StageState
+from dppo_harness.pytest_plugin.hooks import STATE_KEY, StageState
 
 
 class _DeadRegistry:
