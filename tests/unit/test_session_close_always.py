@@ -25,7 +25,7 @@ class _DeadRegistry:
     def records(self) -> list[dict[str, Any]]:
         return [{"label": "diagnostic", "stage": "diagnostic", "released": False, "error": None}]
 
-    def release_all(self) -> None:
+    def release_remaining(self) -> None:
         raise RuntimeError("connection refused: the server is gone")
 
     def release_stage(self, stage: str) -> list[dict[str, Any]]:

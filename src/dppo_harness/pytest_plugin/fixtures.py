@@ -31,8 +31,6 @@ from dppo_harness.pytest_plugin.hooks import (
     PLAN_KEY,
     STATE_KEY,
     HarnessOptions,
-    note_releases,
-    release_remaining,
 )
 from dppo_harness.service.config import redact_url, sdk_versions
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped, WaitPolicy
@@ -146,7 +144,7 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     state.registry = registry
     registry.current_stage = state.current
     yield registry
-    release_remaining(state)  # recorded for client-releases.json
+    registry.release_remaining()  # recorded for client-releases.json
     registry.release_all()
 
 
@@ -189,7 +187,7 @@ class Harness:
         try:
             yield client
         finally:
-            note_releases(self.config.stash[STATE_KEY], self.registry.release_stage(stage))
+            self.registry.release_stage(stage)
 
 
 @pytest.fixture(scope="session")

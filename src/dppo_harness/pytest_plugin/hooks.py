@@ -43,10 +43,6 @@ if TYPE_CHECKING:
     from dppo_harness.service.connectivity import ConnectivityReport
     from dppo_harness.service.release import ClientRegistry
 
-# One session's release record as ClientRegistry.records()/release_stage() return it, plus
-# `released_at` once noted here; written to client-releases.json.
-ReleaseRecord = dict[str, Any]
-
 STAGE_KEY = pytest.StashKey[str]()
 STATE_KEY = pytest.StashKey["StageState"]()
 PLAN_KEY = pytest.StashKey[Plan]()
@@ -98,7 +94,6 @@ class StageState:
     # keywords), applied if nothing failed.
     outcome: dict[str, Any] | None = None
     budget_checked: set[str] = field(default_factory=set)  # stages whose entry budget check ran
-    releases: list[ReleaseRecord] = field(default_factory=list)  # client releases, when (client-releases.json)
     outcomes: dict[str, StageOutcomes] = field(default_factory=dict)  # stage -> test outcome counts
 
 
@@ -379,7 +374,7 @@ def check_budget_on_entry(state: StageState, stage: str) -> None:
 def close_stage(state: StageState, stage: str) -> None:
     state.finished[stage] = time.monotonic()
     if state.registry is not None:
-        note_releases(state, state.registry.release_stage(stage))
+        state.registry.release_stage(stage)
     bundle = state.bundle
     if bundle is None:
         return
@@ -390,11 +385,6 @@ def close_stage(state: StageState, stage: str) -> None:
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
     if stage != "unit":  # an immutable result snapshot at each service stage's end (a killed run keeps it)
         post_snapshot(bundle, f"stage {stage} end", reserve=4, stage_end=True)
-
-
-def note_releases(state: StageState, records: list[ReleaseRecord]) -> None:
-    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    state.releases += [dict(r, released_at=at) for r in records]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -501,28 +491,22 @@ def _unwritable_evidence(exc: BaseException | None) -> str | None:
     return None
 
 
-def release_remaining(state: StageState) -> None:
-    """Release every client not yet released and note when (the session fixture's teardown may
-    run before pytest_sessionfinish, so both call this; the second call finds nothing pending)."""
-    if state.registry is None:
-        return
-    pending = [r for r in state.registry.records() if not r["released"]]
-    if not pending:
-        return
-    state.registry.release_all()
-    now = {(r["label"], r["stage"]): r for r in state.registry.records()}
-    note_releases(state, [now[(r["label"], r["stage"])] for r in pending])
-
-
 def write_session_records(state: StageState) -> None:
     """Unit-parity summary and client-release records as evidence files (what a reviewer checks ran). The
     session's own clients are released here, before the result is closed, so the record is true."""
     bundle = state.bundle
-    release_remaining(state)
+    if state.registry is not None:
+        state.registry.release_remaining()
     if bundle is None:  # pytest_sessionfinish writes the records only once a bundle exists
         return
     if bundle.entry("client-releases.json") is None:
-        bundle.register_json("client-releases.json", "log", client_release_record(state))
+        if state.registry is None:
+            from dppo_harness.service.release import ClientRegistry  # the SDK: only a session with a bundle
+
+            record = ClientRegistry().evidence()  # no session was opened: the empty record
+        else:
+            record = state.registry.evidence()
+        bundle.register_json("client-releases.json", "log", record)
     unit = state.outcomes.get("unit")
     if unit is not None and bundle.entry("unit-parity-summary.json") is None:
         bundle.register_json(
@@ -540,44 +524,3 @@ def write_session_records(state: StageState) -> None:
                 },
             },
         )
-
-
-CLIENT_RELEASE_NOTE = (
-    "tinker 0.25.0 has no session finish and no close: a model stays loaded until it is unloaded or the "
-    "service's idle sweep reclaims it. Each session below lists the training clients it created (stage, SDK "
-    "method, role) and, per model, how it was released: `unload_model` (POST /api/v1/unload_model, the "
-    "SDK's UnloadModelRequest), whether the service answered it and what it said. A session counts as "
-    "released only when every unload was answered; `events` says, at each release, which sessions it "
-    "released and which stayed open."
-)
-
-
-class ClientReleaseRecord(TypedDict):
-    """client-releases.json, in this key order."""
-
-    kind: Literal["client_releases"]
-    all_released: bool
-    sessions: list[dict[str, Any]]  # ClientRegistry.records(): one per ServiceClient session
-    events: list[dict[str, Any]]  # ClientRegistry.events: what each release closed and what stayed open
-    training_clients_by_stage: dict[str, int]
-    training_clients_total: int
-    releases: list[ReleaseRecord]
-    note: str
-
-
-def client_release_record(state: StageState) -> ClientReleaseRecord:
-    """client-releases.json: every session (ServiceClient) with its training clients, when each was
-    closed, what stayed open at each release, and training clients created per stage."""
-    reg = state.registry
-    sessions = reg.records() if reg is not None else []
-    by_stage = reg.training_clients_by_stage() if reg is not None else {}
-    return {
-        "kind": "client_releases",
-        "all_released": all(r["released"] for r in state.releases),
-        "sessions": sessions,
-        "events": list(reg.events) if reg is not None else [],
-        "training_clients_by_stage": by_stage,
-        "training_clients_total": sum(by_stage.values()),
-        "releases": state.releases,
-        "note": CLIENT_RELEASE_NOTE,
-    }

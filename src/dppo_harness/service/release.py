@@ -54,6 +54,7 @@ class ClientRegistry:
         self._atexit = False
         self.current_stage: str | None = None  # set by the plugin as stages begin
         self.events: list[JsonObject] = []  # client-releases.json's events
+        self.releases: list[JsonObject] = []  # the plugin's releases, each session's record with when
         self._gone: str | None = None  # why the service can release nothing any more
 
     def service_gone(self, why: str) -> None:
@@ -97,10 +98,26 @@ class ClientRegistry:
         entry.released, entry.error, entry.released_at = True, None, now_iso()
 
     def release_stage(self, stage: str) -> list[JsonObject]:
+        """Release the sessions registered under `stage`; their records, kept in `releases`."""
         with self._lock:
             entries = [e for e in self._entries if e.stage == stage]
         self._release_and_note(entries, f"release of stage {stage!r}")
-        return [self._record(e) for e in entries]
+        return self._noted(entries)
+
+    def release_remaining(self) -> None:
+        """Release every session not yet released, kept in `releases` (the session fixture's teardown
+        may run before pytest_sessionfinish, so both call this; the second finds nothing pending)."""
+        with self._lock:
+            pending = [e for e in self._entries if not e.released]
+        if pending:
+            self.release_all()
+            self._noted(pending)
+
+    def _noted(self, entries: list[_Entry]) -> list[JsonObject]:
+        at = now_iso()
+        records = [self._record(e) for e in entries]
+        self.releases += [{**r, "released_at": at} for r in records]
+        return records
 
     def release_all(self, status: str = "success") -> bool:
         """Release every registered client; True iff all of them are released (vacuously with none).
@@ -169,3 +186,28 @@ class ClientRegistry:
     def all_released(self) -> bool:
         with self._lock:
             return all(e.released for e in self._entries)
+
+    def evidence(self) -> JsonObject:
+        """client-releases.json: every session (ServiceClient) with its training clients, when each
+        was released, what stayed open at each release, and training clients created per stage."""
+        by_stage = self.training_clients_by_stage()
+        return {
+            "kind": "client_releases",
+            "all_released": all(r["released"] for r in self.releases),
+            "sessions": list(self.records()),
+            "events": list(self.events),
+            "training_clients_by_stage": dict(by_stage),
+            "training_clients_total": sum(by_stage.values()),
+            "releases": list(self.releases),
+            "note": CLIENT_RELEASE_NOTE,
+        }
+
+
+CLIENT_RELEASE_NOTE = (
+    "tinker 0.25.0 has no session finish and no close: a model stays loaded until it is unloaded or the "
+    "service's idle sweep reclaims it. Each session below lists the training clients it created (stage, SDK "
+    "method, role) and, per model, how it was released: `unload_model` (POST /api/v1/unload_model, the "
+    "SDK's UnloadModelRequest), whether the service answered it and what it said. A session counts as "
+    "released only when every unload was answered; `events` says, at each release, which sessions it "
+    "released and which stayed open."
+)
