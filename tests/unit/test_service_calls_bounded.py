@@ -20,7 +20,6 @@ SERVICE_LAYER = {
     "service/observed.py",
     "service/release.py",
     "service/wait/waiter.py",
-    "service/wait/clients.py",
     "service/wait/watch.py",
     "service/connectivity.py",
     "service/identity.py",

@@ -44,8 +44,8 @@ from dppo_harness.service.rest import (
     ServiceRest,
     raw_response,
 )
-from dppo_harness.service.wait.clients import run_beside
 from dppo_harness.service.wait.policy import ServiceConfigError
+from dppo_harness.service.wait.waiter import run_beside
 
 logger = logging.getLogger(__name__)
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)

@@ -17,8 +17,7 @@ from dppo_harness.plans import BackendKind
 from dppo_harness.service import sdk_internals
 from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client_kwargs
 from dppo_harness.service.rest import ServiceRest, UnloadOutcome
-from dppo_harness.service.wait.clients import WaitedFuture, name_client, run_beside
-from dppo_harness.service.wait.waiter import ServiceWaiter, now_iso
+from dppo_harness.service.wait.waiter import ServiceWaiter, WaitedFuture, name_client, now_iso, run_beside
 from dppo_harness.service.wait.watch import LogWatch, creation_watch
 
 if TYPE_CHECKING:
