@@ -4,7 +4,6 @@ dicts they replace did (same keys, same order, same null-vs-absent)."""
 import json
 
 from dppo_harness.evidence.backend import EmbeddedServer
-from dppo_harness.service.config import describe_service
 from dppo_harness.service.connectivity import ConnectivityReport
 from dppo_harness.service.identity import substitution_deviation
 from dppo_harness.train.fingerprints import compare_logprobs
@@ -42,15 +41,9 @@ def test_connectivity_evidence_keeps_its_keys_in_order():
     )
 
 
-def test_substitution_and_service_description_keep_their_keys():
+def test_substitution_keeps_its_keys():
     d = substitution_deviation("Qwen/Qwen3.5-2B", EmbeddedServer(stand_in="local/tiny", sources=["header"]), None, None)
     assert list(d) == ["field", "original", "effective", "reason"]
-    assert list(describe_service("local", "http://127.0.0.1:1/x?k=v")) == [
-        "backend",
-        "base_url",
-        "auth",
-        "proxy_headers",
-    ]
 
 
 def test_optimizer_check_keeps_its_keys_in_order_and_probe_reduction_appends_nothing():

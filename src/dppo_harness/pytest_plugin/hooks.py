@@ -136,7 +136,7 @@ def pytest_configure(config: pytest.Config) -> None:
     selected = stages.parse_stage_selection(config.option.markexpr)
     if selected is not None:
         # We select by stage ourselves so that prerequisites run too.
-        state.run, _ = stages.expand_selection(selected)
+        state.run = stages.expand_selection(selected)
         config.option.markexpr = ""
     config.stash[STATE_KEY] = state
     if config.getoption("--resume") is not None:

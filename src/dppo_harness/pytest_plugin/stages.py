@@ -98,15 +98,14 @@ def parse_stage_selection(markexpr: str) -> tuple[str, ...] | None:
     return tuple(sorted(set(names), key=stage_index))
 
 
-def expand_selection(selected: Sequence[str]) -> tuple[dict[str, bool], tuple[str, ...]]:
-    """Stages to run, each flagged True when it was selected itself (False: only a prerequisite)."""
+def expand_selection(selected: Sequence[str]) -> dict[str, bool]:
+    """Stages to run in run order, each flagged True when it was selected itself (False: only a prerequisite)."""
     run: dict[str, bool] = {}
     for stage in selected:
         for pre in PREREQUISITES[stage]:
             run.setdefault(pre, False)
         run[stage] = True
-    order = tuple(sorted(run, key=stage_index))
-    return run, order
+    return {s: run[s] for s in sorted(run, key=stage_index)}
 
 
 def default_plan_name(stages: Iterable[str], backend: str = "tinker") -> str:

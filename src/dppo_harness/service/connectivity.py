@@ -27,11 +27,11 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import identity
 from dppo_harness.service.config import (
+    PROXY_VARS,
     ClientKwargs,
     ProxyTokens,
     apply_sdk_telemetry,
     client_kwargs,
-    describe_service,
     redact_url,
 )
 from dppo_harness.service.identity import Substitution
@@ -155,7 +155,12 @@ def _check_variables(
         raise ConnectivityError("variables", str(exc)) from None
     url = str(kwargs["base_url"])
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
-    proxy = ", ".join(describe_service(backend, url, proxy_tokens=proxy_tokens, env=env)["proxy_headers"])
+    sent = [
+        (h, v)
+        for h, v in zip(("Modal-Key", "Modal-Secret"), PROXY_VARS.get(proxy_tokens, ()))
+        if h in kwargs["default_headers"]
+    ]
+    proxy = ", ".join(f"{h} from {v}" for h, v in sent)
     ok(
         "variables",
         f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: {proxy or 'none (no proxy-token variables set)'}"

@@ -46,7 +46,7 @@ def make_service_client(
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     apply_sdk_telemetry(sdk_telemetry)
     client = ObservedServiceClient(
-        observer=observer, waiter=waiter, stage_of=registry.stage_now if registry else None, **kwargs
+        observer=observer, waiter=waiter, stage_of=(lambda: registry.current_stage) if registry else None, **kwargs
     )
     if registry is not None:
         registry.register(client, stage=stage, label=label or f"{backend}-service-client")

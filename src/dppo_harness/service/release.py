@@ -62,9 +62,6 @@ class ClientRegistry:
         wait out `release_timeout_s`; every later release records `why` instead."""
         self._gone = why
 
-    def stage_now(self) -> str | None:
-        return self.current_stage
-
     def register(
         self, client: ObservedServiceClient, *, stage: str, label: str = "service-client"
     ) -> ObservedServiceClient:

@@ -9,13 +9,9 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
 
 from dppo_harness.json_types import JsonObject
-
-if TYPE_CHECKING:
-    from dppo_harness.service.capacity import CapacityEvent  # capacity retries under this policy
 
 CAPACITY_SCALE_VAR = "DPPO_HARNESS_CAPACITY_SCALE"
 
@@ -223,11 +219,9 @@ class ServiceHang(ServiceStopped):
 
 @dataclass
 class CapacityTracker:
-    """Completed comparison steps (the capacity window switches from 10 to 30 minutes after the
-    first) and the refusals retried on the way."""
+    """Completed comparison steps (the capacity window switches from 10 to 30 minutes after the first)."""
 
     comparison_steps_completed: int = 0
-    events: list[CapacityEvent] = field(default_factory=list)
 
     def step_done(self) -> None:
         self.comparison_steps_completed += 1

@@ -167,7 +167,6 @@ def run_comparison(
                 policy=capacity_policy or WaitPolicy(),
                 steps_completed=tracker,
                 registry=registry,
-                on_retry=tracker.events.append,
             )
 
         arms = Arms(service_client, bundle, run, state, spath, save_every, tag, progress)
