@@ -6,12 +6,18 @@ import tinker
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.service.capacity import call_with_capacity_retry, is_capacity_error
 from dppo_harness.service.config import client_kwargs
 from dppo_harness.service.observed import make_service_client
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.secrets_scan import live_secret_items
-from dppo_harness.service.wait.policy import CapacityExhausted, CapacityTracker, ServiceConfigError, WaitPolicy
+from dppo_harness.service.wait.policy import (
+    CapacityExhausted,
+    CapacityTracker,
+    ServiceConfigError,
+    WaitPolicy,
+    call_with_capacity_retry,
+    is_capacity_error,
+)
 
 FAKE_ENV = {
     "TINKER_BASE_URL": "https://spindle.example.invalid/api",

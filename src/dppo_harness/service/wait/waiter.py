@@ -27,7 +27,6 @@ from tinker import APIFuture, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.rest_client import RestClient
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.service.capacity import model_lost_error
 from dppo_harness.service.wait.policy import (
     CapacityBlock,
     CapacityExhausted,
@@ -37,6 +36,7 @@ from dppo_harness.service.wait.policy import (
     ServiceStopped,
     WaitPolicy,
     WallBudgetSpent,
+    model_lost_error,
 )
 from dppo_harness.service.wait.watch import (
     PAUSED,

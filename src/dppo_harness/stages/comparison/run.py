@@ -31,7 +31,6 @@ from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
-from dppo_harness.service.capacity import call_with_capacity_retry, error_text
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import (
     CapacityExhausted,
@@ -39,6 +38,8 @@ from dppo_harness.service.wait.policy import (
     ModelLost,
     ServiceStopped,
     WaitPolicy,
+    call_with_capacity_retry,
+    error_text,
 )
 from dppo_harness.stages import arm_step
 from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun

@@ -44,8 +44,8 @@ from pydantic import JsonValue
 from dppo_harness import constants
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.json_types import JsonObject, as_object
-from dppo_harness.service.capacity import call_with_capacity_retry, error_text, is_capacity_error
 from dppo_harness.service.observed import create_from_state_with_response, describe_client
+from dppo_harness.service.wait.policy import call_with_capacity_retry, error_text, is_capacity_error
 from dppo_harness.service.wait.waiter import name_client
 from dppo_harness.stages.restoration.probe import (
     DEFAULT_LR_MULTIPLIERS,
