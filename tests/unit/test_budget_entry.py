@@ -60,7 +60,7 @@ class _Client:
 
 def test_session_client_release_is_recorded_even_when_the_fixture_releases_it(tmp_path):
     """Issue 11 point 8: client-releases.json lists every client, with its release time."""
-    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.observed import ClientRegistry
 
     clock = _Clock()
     b = _bundle(tmp_path, clock)

@@ -10,8 +10,7 @@ import tinker
 
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.pytest_plugin import hooks as plugin_session
-from dppo_harness.service.observed import describe_client, make_service_client
-from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.observed import ClientRegistry, describe_client, make_service_client
 from dppo_harness.service.rest import ServiceRest, UnloadOutcome
 
 FAKE_ENV = {

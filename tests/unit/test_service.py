@@ -7,8 +7,7 @@ import tinker
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.service.config import client_kwargs
-from dppo_harness.service.observed import make_service_client
-from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.observed import ClientRegistry, make_service_client
 from dppo_harness.service.secrets_scan import live_secret_items
 from dppo_harness.service.wait.policy import (
     CapacityExhausted,

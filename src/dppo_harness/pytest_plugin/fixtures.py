@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from dppo_harness.local_server.process import LocalServerProcess  # lazy: see the module docstring
     from dppo_harness.service.connectivity import ConnectivityReport  # lazy: see the module docstring
     from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
-    from dppo_harness.service.release import ClientRegistry  # lazy: see the module docstring
+    from dppo_harness.service.observed import ClientRegistry  # lazy: see the module docstring
     from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
     from dppo_harness.stages.comparison.run import ComparisonResult  # lazy: see the module docstring
     from dppo_harness.stages.diagnostic.loop import DiagnosticResult  # lazy: see the module docstring
@@ -136,7 +136,7 @@ def service_backend(
 @pytest.fixture(scope="session")
 def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     """Every service client the harness creates; stage-scoped ones are released at stage end."""
-    from dppo_harness.service.release import ClientRegistry  # lazy: see the module docstring
+    from dppo_harness.service.observed import ClientRegistry  # lazy: see the module docstring
 
     registry = ClientRegistry()
     registry.install_atexit()

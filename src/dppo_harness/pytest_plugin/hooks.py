@@ -41,7 +41,7 @@ from dppo_harness.service.wait.policy import ServiceStopped
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.service.connectivity import ConnectivityReport
-    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.observed import ClientRegistry
 
 STAGE_KEY = pytest.StashKey[str]()
 STATE_KEY = pytest.StashKey["StageState"]()
@@ -501,7 +501,7 @@ def write_session_records(state: StageState) -> None:
         return
     if bundle.entry("client-releases.json") is None:
         if state.registry is None:
-            from dppo_harness.service.release import ClientRegistry  # the SDK: only a session with a bundle
+            from dppo_harness.service.observed import ClientRegistry  # the SDK: only a session with a bundle
 
             record = ClientRegistry().evidence()  # no session was opened: the empty record
         else:

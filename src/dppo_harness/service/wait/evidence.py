@@ -20,7 +20,7 @@ from dppo_harness.service.wait.waiter import ServiceWaiter, WaitStatus
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
-    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.observed import ClientRegistry
 
 # Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS (the evidence budget's share,
 # evidence.budget.WAIT_SNAPSHOTS), and only while the run uses under half its file slots, so that

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 from dppo_harness.json_types import JsonObject
 
 if TYPE_CHECKING:
-    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.observed import ClientRegistry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

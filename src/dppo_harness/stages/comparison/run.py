@@ -31,7 +31,7 @@ from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
-from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.observed import ClientRegistry
 from dppo_harness.service.wait.policy import (
     CapacityExhausted,
     CapacityTracker,

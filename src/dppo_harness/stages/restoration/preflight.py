@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.plans.models import RestorationArm
-    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.observed import ClientRegistry
     from dppo_harness.service.wait.policy import WaitPolicy
 
 EXCLUDED_REASON = (
