@@ -8,17 +8,17 @@ ROOT = PurePath("/p/tests")
 
 
 def test_stage_from_folder():
-    assert stages.stage_of([], ROOT / "unit" / "test_a.py", ROOT) == "unit"
-    assert stages.stage_of([], ROOT / "integration" / "test_a.py", ROOT) == "unit"
-    assert stages.stage_of([], ROOT / "preflight" / "test_a.py", ROOT) == "preflight"
-    assert stages.stage_of([], ROOT / "gates" / "test_a.py", ROOT) == "gate"
-    assert stages.stage_of([], ROOT / "diagnostic" / "test_a.py", ROOT) == "diagnostic"
+    assert stages.stage_of([], ROOT / "unit" / "test_a.py") == "unit"
+    assert stages.stage_of([], ROOT / "integration" / "test_a.py") == "unit"
+    assert stages.stage_of([], ROOT / "preflight" / "test_a.py") == "preflight"
+    assert stages.stage_of([], ROOT / "gates" / "test_a.py") == "gate"
+    assert stages.stage_of([], ROOT / "diagnostic" / "test_a.py") == "diagnostic"
 
 
 def test_marker_overrides_folder_and_conflicting_markers_fail():
-    assert stages.stage_of(["gate", "parametrize"], ROOT / "unit" / "t.py", ROOT) == "gate"
+    assert stages.stage_of(["gate", "parametrize"], ROOT / "unit" / "t.py") == "gate"
     with pytest.raises(ValueError, match="one stage marker"):
-        stages.stage_of(["gate", "preflight"], ROOT / "unit" / "t.py", ROOT)
+        stages.stage_of(["gate", "preflight"], ROOT / "unit" / "t.py")
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_stage_folder_is_found_from_the_file_path_alone():
     """No rootdir needed: the innermost `tests/<stage folder>/` on the file's own path decides."""
     assert stages.stage_of([], PurePath("/a/tests/x/proj/tests/gates/test_g.py")) == "gate"
     assert stages.stage_of([], PurePath("/tmp/pytest-1/test_x0/tests/comparison/sub/test_c.py")) == "comparison"
-    assert stages.tests_root_of(PurePath("/p/tests/preflight/test_a.py")) == PurePath("/p/tests")
+    assert stages.stage_from_path(PurePath("/p/tests/preflight/test_a.py")) == "preflight"
     assert stages.stage_from_path(PurePath("/p/tests/test_top.py")) is None  # not inside a stage folder
     assert stages.stage_from_path(PurePath("/p/other/preflight/test_a.py")) is None
     assert stages.stage_of([], PurePath("/p/src/test_x.py")) == "unit"

@@ -204,8 +204,7 @@ def harness(
     long waits are posted to the evidence, a stop releases the clients and records why. Every
     training client's served identity is recorded, flushed in one file at the end (the file limit)."""
     from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
-    from dppo_harness.service.wait.evidence import BundlePoster  # lazy: see the module docstring
-    from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
+    from dppo_harness.service.wait.waiter import BundlePoster, ServiceWaiter  # lazy: see the module docstring
 
     observer = TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
     policy = WaitPolicy.from_options(
