@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from tinker import APIFuture, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.rest_client import RestClient
@@ -62,13 +62,6 @@ logger = logging.getLogger(__name__)
 V = TypeVar("V")  # what the caller gets
 U = TypeVar("U")  # what the SDK's future resolves to
 C = TypeVar("C")
-V_co = TypeVar("V_co", covariant=True)
-
-
-class Pending(Protocol[V_co]):
-    """A future the waiter can wait on: the SDK's futures and concurrent futures alike."""
-
-    def result(self, timeout: float | None = None) -> V_co: ...
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -180,11 +173,6 @@ class ServiceWaiter:
         with self._lock:
             self._dead = self._dead or stop
         self._say(f"service: {stop.line}")
-
-    def track(self, future: WaitedFuture[Any, Any]) -> None:
-        """Keep a handed-out future, so that a stop can cancel it if it is still pending."""
-        with self._lock:
-            self._issued.add(future)
 
     def abandon_pending(self) -> None:
         """Cancel every handed-out future still pending (after a stop), counting them."""
@@ -453,7 +441,7 @@ class WaitedFuture(Generic[U, V]):
 
     def __init__(
         self,
-        inner: Pending[U],
+        inner: APIFuture[U] | concurrent.futures.Future[U],
         waiter: ServiceWaiter,
         call: str,
         client: str,
@@ -465,7 +453,8 @@ class WaitedFuture(Generic[U, V]):
         self._value: list[V] = []  # what `then` made, once
         self._lock = threading.Lock()
         self._box: concurrent.futures.Future[U] | None = None
-        waiter.track(self)
+        with waiter._lock:  # kept, so that a stop can cancel it if it is still pending
+            waiter._issued.add(self)
 
     def _settled(self) -> concurrent.futures.Future[U]:
         """The SDK future's outcome as a concurrent future a wait can poll without harm. tinker 0.25's
