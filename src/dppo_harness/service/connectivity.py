@@ -100,21 +100,17 @@ def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: P
     text = str(payload.get("error", "")) if isinstance(payload, Mapping) else ""
     m = _HEADER_IN_ERROR.search(text)
     header = m.group(1) if m else None
-    prefix = "RUNS" if proxy_tokens == "runs" else "MODAL"
-    header_vars = {"x-api-key": "TINKER_API_KEY", "modal-key": f"{prefix}_PROXY_TOKEN_ID"}
-    var = {**header_vars, "modal-secret": f"{prefix}_PROXY_TOKEN_SECRET"}.get(header.lower()) if header else None
-    what = ("missing" if "missing" in text.lower() else "rejected") if header else "rejected"
+    id_var, secret_var = PROXY_VARS["runs" if proxy_tokens == "runs" else "modal"]
+    var = {"x-api-key": "TINKER_API_KEY", "modal-key": id_var, "modal-secret": secret_var}.get((header or "").lower())
+    what = "missing" if header and "missing" in text.lower() else "rejected"
     if var == "TINKER_API_KEY":
         hint = "check TINKER_API_KEY (sent as X-API-Key)"
     elif var and what == "missing":  # Modal headers are sent only when both variables are set
-        hint = (
-            f"the service requires the Modal proxy headers Modal-Key/Modal-Secret; set {prefix}_PROXY_TOKEN_ID and "
-            f"{prefix}_PROXY_TOKEN_SECRET"
-        )
+        hint = f"the service requires the Modal proxy headers Modal-Key/Modal-Secret; set {id_var} and {secret_var}"
     elif var:
-        hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET ({var} is sent as {header})"
+        hint = f"check {id_var}/SECRET ({var} is sent as {header})"
     else:
-        hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET (Modal-Key/Modal-Secret headers) and TINKER_API_KEY"
+        hint = f"check {id_var}/SECRET (Modal-Key/Modal-Secret headers) and TINKER_API_KEY"
     return f"authentication {what} by {url} (HTTP {status}{f', header {header}' if header else ''}): {hint}"
 
 

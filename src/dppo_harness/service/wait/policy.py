@@ -160,7 +160,7 @@ class CapacityExhausted(ServiceStopped):
                 f"clients released: {block.released_clients}): {block.error}"
             )
         )
-        self.block, self.waited_s, self.attempts = block, waited_s, attempts
+        self.block = block
 
     def result_fields(self) -> JsonObject:
         return self.block.result_fields()
@@ -176,7 +176,6 @@ class WallBudgetSpent(ServiceStopped):
         super().__init__(
             f"{call} on {client}: the plan's wall budget ran out after {int(waited_s)} s of waiting on the service"
         )
-        self.waited_s = waited_s
 
 
 class ServiceDied(ServiceStopped):
@@ -226,7 +225,6 @@ class ServiceHang(ServiceStopped):
             f"{call} on {client}: no answer for {int(waited_s)} s"
             f" (queue state {queue_state or 'never reported'}; --service-timeout-s)"
         )
-        self.waited_s = waited_s
 
 
 @dataclass
