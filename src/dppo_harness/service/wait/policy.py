@@ -160,7 +160,7 @@ class CapacityExhausted(ServiceStopped):
                 f"clients released: {block.released_clients}): {block.error}"
             )
         )
-        self.block = block
+        self.block, self.waited_s, self.attempts = block, waited_s, attempts
 
     def result_fields(self) -> JsonObject:
         return self.block.result_fields()
