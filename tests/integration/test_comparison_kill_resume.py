@@ -38,8 +38,7 @@ from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.evidence import verify_bundle
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
-from dppo_harness.service.observed import create_from_state_with_response, make_service_client
-from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.observed import ClientRegistry, create_from_state_with_response, make_service_client
 from dppo_harness.stages.comparison.run import make_loss, run_arm_step
 from dppo_harness.stages.comparison.state import state_path
 

@@ -21,8 +21,7 @@ from server_in_process import ServerInProcess
 
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
-from dppo_harness.service.observed import create_from_state_with_response, make_service_client
-from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.observed import ClientRegistry, create_from_state_with_response, make_service_client
 from dppo_harness.service.wait.policy import WaitPolicy
 from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError

@@ -114,7 +114,7 @@ def test_sdk_retries_injected_429_and_503_and_succeeds(faulty_server):
 
 
 def test_capacity_exhausted_surfaces_to_sdk_and_harness_retry(tmp_path_factory):
-    from dppo_harness.service.capacity import call_with_capacity_retry, is_capacity_error
+    from dppo_harness.service.wait.policy import call_with_capacity_retry, is_capacity_error
 
     server = _server(tmp_path_factory, "capacity", ["--fault-capacity-exhausted", "2"])
     try:

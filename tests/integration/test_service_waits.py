@@ -26,9 +26,8 @@ from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.local_server.profiles import make_profile
 from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.service.secrets_scan import SecretScanner, live_secret_items
-from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceHang, ServiceStopped, WaitPolicy
-from dppo_harness.service.wait.waiter import ServiceWaiter
+from dppo_harness.service.wait.waiter import ServiceWaiter, WaitedClient, WaitedFuture
 from dppo_harness.service.wait.watch import SUBMIT_REFUSED_REASON
 
 MODEL = "tiny-qwen3-random"  # protocol paths only: the random preset starts in seconds

@@ -16,8 +16,7 @@ import pytest
 import tinker
 
 from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
-from dppo_harness.service.observed import make_service_client
-from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.observed import ClientRegistry, make_service_client
 from dppo_harness.service.wait.policy import ServiceHang, WaitPolicy
 from dppo_harness.service.wait.waiter import ServiceWaiter
 

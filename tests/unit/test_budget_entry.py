@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin import session as plugin_session
+from dppo_harness.pytest_plugin import hooks as plugin_session
 
 
 class _Clock:
@@ -60,7 +60,7 @@ class _Client:
 
 def test_session_client_release_is_recorded_even_when_the_fixture_releases_it(tmp_path):
     """Issue 11 point 8: client-releases.json lists every client, with its release time."""
-    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.observed import ClientRegistry
 
     clock = _Clock()
     b = _bundle(tmp_path, clock)
@@ -69,8 +69,8 @@ def test_session_client_release_is_recorded_even_when_the_fixture_releases_it(tm
     reg.register(c1, stage="preflight-probes", label="probes")
     reg.register(c2, stage="session", label="session client")
     state = plugin_session.StageState(bundle=b, registry=reg)
-    plugin_session.note_releases(state, reg.release_stage("preflight-probes"))
-    plugin_session.release_remaining(state)  # the fixture teardown
+    reg.release_stage("preflight-probes")
+    reg.release_remaining()  # the fixture teardown
     plugin_session.write_session_records(state)  # pytest_sessionfinish: nothing pending any more
     rel = json.loads(b.file_path("client-releases.json").read_text())
     assert [(r["label"], r["released"]) for r in rel["releases"]] == [("probes", True), ("session client", True)]

@@ -9,9 +9,8 @@ import json
 import tinker
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin import session as plugin_session
-from dppo_harness.service.observed import describe_client, make_service_client
-from dppo_harness.service.release import ClientRegistry
+from dppo_harness.pytest_plugin import hooks as plugin_session
+from dppo_harness.service.observed import ClientRegistry, describe_client, make_service_client
 from dppo_harness.service.rest import ServiceRest, UnloadOutcome
 
 FAKE_ENV = {
@@ -75,9 +74,9 @@ def test_each_release_says_what_it_closed_and_what_stays_open(monkeypatch, tmp_p
     probes.create_lora_training_client(base_model="m")
     session.create_training_client_from_state_with_optimizer("p")
     state = plugin_session.StageState(registry=reg, bundle=EvidenceBundle.create(tmp_path, "b", env={}))
-    plugin_session.note_releases(state, reg.release_stage("preflight-probes"))  # before the arms train
+    reg.release_stage("preflight-probes")  # before the arms train
     reg.current_stage = "diagnostic"
-    plugin_session.release_remaining(state)  # session end
+    reg.release_remaining()  # session end
     plugin_session.write_session_records(state)
     rel = json.loads(state.bundle.file_path("client-releases.json").read_text())
     first, last = rel["events"]

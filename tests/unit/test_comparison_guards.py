@@ -184,7 +184,7 @@ def test_arms_run_one_after_the_other_unless_asked(option, backend, want):
 
 
 def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):
-    from dppo_harness.pytest_plugin.session import HarnessOptions
+    from dppo_harness.pytest_plugin.hooks import HarnessOptions
 
     assert HarnessOptions.__dataclass_fields__["comparison_schedule"].default is None
     assert pytestconfig.getoption("--comparison-schedule") is None

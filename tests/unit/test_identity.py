@@ -16,8 +16,7 @@ from dppo_harness.plans import load_plan
 from dppo_harness.service import identity
 from dppo_harness.service.connectivity import ConnectivityReport
 from dppo_harness.service.rest import RawResponse
-from dppo_harness.service.wait.clients import WaitedFuture
-from dppo_harness.service.wait.waiter import ServiceWaiter
+from dppo_harness.service.wait.waiter import ServiceWaiter, WaitedFuture
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "local/tiny-qwen3-gsm8k"

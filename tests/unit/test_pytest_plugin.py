@@ -340,7 +340,7 @@ def test_a_service_stop_in_a_stage_fixture_is_one_line_for_every_test(project):
         textwrap.dedent(
             """
         import pytest
-        from dppo_harness.pytest_plugin.session import stops_stage
+        from dppo_harness.pytest_plugin.fixtures import stops_stage
         from dppo_harness.service.wait.policy import ServiceHang
 
         @pytest.fixture(scope="session")

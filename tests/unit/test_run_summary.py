@@ -107,7 +107,7 @@ def test_diagnostic_and_capacity_blocks(tmp_path):
 
 INNER = """
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.pytest_plugin.session import STATE_KEY
+from dppo_harness.pytest_plugin.hooks import STATE_KEY
 
 
 def test_parity(pytestconfig, tmp_path_factory):

@@ -18,9 +18,7 @@ PKG = Path(dppo_harness.__file__).resolve().parent
 # The service layer: where raw SDK futures are made and waited on under the policy (or a fixed bound).
 SERVICE_LAYER = {
     "service/observed.py",
-    "service/release.py",
     "service/wait/waiter.py",
-    "service/wait/clients.py",
     "service/wait/watch.py",
     "service/connectivity.py",
     "service/identity.py",

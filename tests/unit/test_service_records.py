@@ -3,7 +3,6 @@ dicts they replace did (same keys, same order, same null-vs-absent)."""
 
 import json
 
-from dppo_harness.service.config import describe_service
 from dppo_harness.service.connectivity import ConnectivityReport
 from dppo_harness.train.fingerprints import compare_logprobs
 from dppo_harness.train.optimizer_checks import OptimizerCheck, optimizer_check, own_response_only
@@ -38,15 +37,6 @@ def test_connectivity_evidence_keeps_its_keys_in_order():
             "seconds": 1.235,
         }
     )
-
-
-def test_the_service_description_keeps_its_keys():
-    assert list(describe_service("local", "http://127.0.0.1:1/x?k=v")) == [
-        "backend",
-        "base_url",
-        "auth",
-        "proxy_headers",
-    ]
 
 
 def test_optimizer_check_keeps_its_keys_in_order_and_probe_reduction_appends_nothing():

@@ -16,8 +16,6 @@ from tinker.lib.api_future_impl import QueueState
 from dppo_harness.evidence import MAX_FILES, EvidenceBundle
 from dppo_harness.evidence.session import start_session
 from dppo_harness.plans import load_plan
-from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
-from dppo_harness.service.wait.evidence import MAX_WAIT_SNAPSHOTS, BundlePoster
 from dppo_harness.service.wait.policy import (
     CapacityExhausted,
     ModelLost,
@@ -26,7 +24,7 @@ from dppo_harness.service.wait.policy import (
     ServiceStopped,
     WaitPolicy,
 )
-from dppo_harness.service.wait.waiter import ServiceWaiter
+from dppo_harness.service.wait.waiter import MAX_WAIT_SNAPSHOTS, BundlePoster, ServiceWaiter, WaitedClient, WaitedFuture
 from dppo_harness.service.wait.watch import LogWatch, SdkPauseLog
 
 ROOT = Path(__file__).resolve().parents[2]

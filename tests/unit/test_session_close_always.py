@@ -13,7 +13,7 @@ from dppo_harness.evidence import EvidenceBundle, budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.verify import verify_bundle
 from dppo_harness.pytest_plugin import hooks
-from dppo_harness.pytest_plugin.session import STATE_KEY, StageState
+from dppo_harness.pytest_plugin.hooks import STATE_KEY, StageState
 
 
 class _DeadRegistry:
@@ -25,7 +25,7 @@ class _DeadRegistry:
     def records(self) -> list[dict[str, Any]]:
         return [{"label": "diagnostic", "stage": "diagnostic", "released": False, "error": None}]
 
-    def release_all(self) -> None:
+    def release_remaining(self) -> None:
         raise RuntimeError("connection refused: the server is gone")
 
     def release_stage(self, stage: str) -> list[dict[str, Any]]:

@@ -8,17 +8,17 @@ ROOT = PurePath("/p/tests")
 
 
 def test_stage_from_folder():
-    assert stages.stage_of([], ROOT / "unit" / "test_a.py", ROOT) == "unit"
-    assert stages.stage_of([], ROOT / "integration" / "test_a.py", ROOT) == "unit"
-    assert stages.stage_of([], ROOT / "preflight" / "test_a.py", ROOT) == "preflight"
-    assert stages.stage_of([], ROOT / "gates" / "test_a.py", ROOT) == "gate"
-    assert stages.stage_of([], ROOT / "diagnostic" / "test_a.py", ROOT) == "diagnostic"
+    assert stages.stage_of([], ROOT / "unit" / "test_a.py") == "unit"
+    assert stages.stage_of([], ROOT / "integration" / "test_a.py") == "unit"
+    assert stages.stage_of([], ROOT / "preflight" / "test_a.py") == "preflight"
+    assert stages.stage_of([], ROOT / "gates" / "test_a.py") == "gate"
+    assert stages.stage_of([], ROOT / "diagnostic" / "test_a.py") == "diagnostic"
 
 
 def test_marker_overrides_folder_and_conflicting_markers_fail():
-    assert stages.stage_of(["gate", "parametrize"], ROOT / "unit" / "t.py", ROOT) == "gate"
+    assert stages.stage_of(["gate", "parametrize"], ROOT / "unit" / "t.py") == "gate"
     with pytest.raises(ValueError, match="one stage marker"):
-        stages.stage_of(["gate", "preflight"], ROOT / "unit" / "t.py", ROOT)
+        stages.stage_of(["gate", "preflight"], ROOT / "unit" / "t.py")
 
 
 @pytest.mark.parametrize(
@@ -37,13 +37,11 @@ def test_parse_stage_selection(expr, expected):
 
 
 def test_prerequisites_expand_in_order():
-    run, order = stages.expand_selection(["diagnostic"])
-    assert order == ("unit", "preflight", "diagnostic")
+    run = stages.expand_selection(["diagnostic"])
     assert run == {"unit": False, "preflight": False, "diagnostic": True}
-    _, order = stages.expand_selection(["comparison"])
-    assert order == ("unit", "preflight", "gate", "comparison")
-    _, order = stages.expand_selection(["preflight"])
-    assert order == ("unit", "preflight")
+    assert tuple(stages.expand_selection(["comparison"])) == ("unit", "preflight", "gate", "comparison")
+    assert tuple(stages.expand_selection(["preflight"])) == ("unit", "preflight")
+    assert tuple(stages.expand_selection(["diagnostic", "comparison"])) == stages.STAGES
 
 
 def test_default_plan_follows_stage():
@@ -59,7 +57,7 @@ def test_stage_folder_is_found_from_the_file_path_alone():
     """No rootdir needed: the innermost `tests/<stage folder>/` on the file's own path decides."""
     assert stages.stage_of([], PurePath("/a/tests/x/proj/tests/gates/test_g.py")) == "gate"
     assert stages.stage_of([], PurePath("/tmp/pytest-1/test_x0/tests/comparison/sub/test_c.py")) == "comparison"
-    assert stages.tests_root_of(PurePath("/p/tests/preflight/test_a.py")) == PurePath("/p/tests")
+    assert stages.stage_from_path(PurePath("/p/tests/preflight/test_a.py")) == "preflight"
     assert stages.stage_from_path(PurePath("/p/tests/test_top.py")) is None  # not inside a stage folder
     assert stages.stage_from_path(PurePath("/p/other/preflight/test_a.py")) is None
     assert stages.stage_of([], PurePath("/p/src/test_x.py")) == "unit"

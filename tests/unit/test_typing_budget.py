@@ -114,7 +114,6 @@ def test_the_plugin_starts_without_the_heavy_stack():
     # stages' SDK and torch load when a fixture first runs, never at start-up.
     plugin = [
         "dppo_harness.pytest_plugin.hooks",
-        "dppo_harness.pytest_plugin.options",
         "dppo_harness.pytest_plugin.fixtures",
     ]
     assert heavy_modules_loaded(plugin) == []

@@ -16,7 +16,7 @@ CLOSING_RECORDS = ("client-identities.json", "client-releases.json", "unit-parit
 STAGE_END_SLOTS = 1
 CLOSING_BYTES = 2 * MIB
 
-# Result snapshots while a call waits on the service, at most (service.wait.evidence).
+# Result snapshots while a call waits on the service, at most (service.wait.waiter.BundlePoster).
 WAIT_SNAPSHOTS = 2
 # The diagnostic posts a result snapshot every this many updates.
 SNAPSHOT_EVERY_UPDATES = 4

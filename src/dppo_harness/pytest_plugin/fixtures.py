@@ -8,11 +8,13 @@ asks for it, so that pytest start-up and unit-only sessions never pay.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import pytest
 
@@ -22,21 +24,15 @@ from dppo_harness.evidence.files import SERVER_DIR, STATE_ROOT
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.evidence.session import start_session
 from dppo_harness.plans import BackendKind, Plan, load_plan
-from dppo_harness.pytest_plugin.session import (
+from dppo_harness.pytest_plugin.hooks import (
     CONNECTIVITY_KEY,
     OPTIONS_KEY,
     PLAN_KEY,
     STATE_KEY,
     HarnessOptions,
-    note_releases,
-    progress_printer,
-    propose_outcome,
-    release_remaining,
-    stops_stage,
-    unit_parity_passed,
 )
 from dppo_harness.service.config import redact_url, sdk_versions
-from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, WaitPolicy
+from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped, WaitPolicy
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
 from dppo_harness.stages.session_rules import (
@@ -52,13 +48,39 @@ if TYPE_CHECKING:
     from dppo_harness.local_server.process import LocalServerProcess  # lazy: see the module docstring
     from dppo_harness.service.connectivity import ConnectivityReport  # lazy: see the module docstring
     from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
-    from dppo_harness.service.release import ClientRegistry  # lazy: see the module docstring
+    from dppo_harness.service.observed import ClientRegistry  # lazy: see the module docstring
     from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
     from dppo_harness.stages.comparison.run import ComparisonResult  # lazy: see the module docstring
     from dppo_harness.stages.diagnostic.loop import DiagnosticResult  # lazy: see the module docstring
     from dppo_harness.stages.feasibility import FeasibilityResult  # lazy: see the module docstring
     from dppo_harness.stages.gate import GateReport  # lazy: see the module docstring
     from dppo_harness.stages.restoration import RestorationResult  # lazy: see the module docstring
+
+
+_SAY_LOCK = threading.Lock()  # progress.Watchdog writes from a background thread too
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def stops_stage(fixture: Callable[_P, _T]) -> Callable[_P, _T]:
+    """For a stage's session fixture: a stop by the service wait policy (ServiceStopped, a
+    BaseException so that stage code cannot swallow it) fails the requesting test with its one
+    line, cached like any fixture failure, so every later test of the stage gets the same line."""
+
+    @functools.wraps(fixture)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return fixture(*args, **kwargs)
+        except ServiceStopped as exc:
+            line = exc.line
+        pytest.fail(line, pytrace=False)  # outside the except: the line, without a chained traceback
+
+    return run
+
+
+def propose_outcome(config: pytest.Config, **fields: object) -> None:
+    """A stage's final status/verdict/outcome_reason, written at session end only if no test failed."""
+    config.stash[STATE_KEY].outcome = dict(fields)
 
 
 @pytest.fixture(scope="session")
@@ -68,8 +90,20 @@ def harness_options(pytestconfig: pytest.Config) -> HarnessOptions:
 
 @pytest.fixture(scope="session")
 def harness_progress(pytestconfig: pytest.Config) -> Callable[[str], None]:
-    """The session's progress writer: terminal lines under pytest's capture (every long phase uses it)."""
-    return progress_printer(pytestconfig)
+    """The session's progress writer: one terminal line past pytest's output capture (every long
+    phase uses it); writers on several threads take turns."""
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+
+    def say(msg: str) -> None:
+        with _SAY_LOCK:
+            if reporter is None:
+                print(msg, flush=True)
+                return
+            with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+                reporter.write_line(msg)
+
+    return say
 
 
 @dataclass(frozen=True)
@@ -100,7 +134,7 @@ def service_backend(
 @pytest.fixture(scope="session")
 def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     """Every service client the harness creates; stage-scoped ones are released at stage end."""
-    from dppo_harness.service.release import ClientRegistry  # lazy: see the module docstring
+    from dppo_harness.service.observed import ClientRegistry  # lazy: see the module docstring
 
     registry = ClientRegistry()
     registry.install_atexit()
@@ -108,7 +142,7 @@ def client_registry(pytestconfig: pytest.Config) -> Iterator[ClientRegistry]:
     state.registry = registry
     registry.current_stage = state.current
     yield registry
-    release_remaining(state)  # recorded for client-releases.json
+    registry.release_remaining()  # recorded for client-releases.json
     registry.release_all()
 
 
@@ -151,7 +185,7 @@ class Harness:
         try:
             yield client
         finally:
-            note_releases(self.config.stash[STATE_KEY], self.registry.release_stage(stage))
+            self.registry.release_stage(stage)
 
 
 @pytest.fixture(scope="session")
@@ -168,8 +202,7 @@ def harness(
     long waits are posted to the evidence, a stop releases the clients and records why. Every
     training client's served identity is recorded, flushed in one file at the end (the file limit)."""
     from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
-    from dppo_harness.service.wait.evidence import BundlePoster  # lazy: see the module docstring
-    from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
+    from dppo_harness.service.wait.waiter import BundlePoster, ServiceWaiter  # lazy: see the module docstring
 
     observer = TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
     policy = WaitPolicy.from_options(
@@ -400,7 +433,9 @@ def comparison_run(
     from dppo_harness.stages.comparison.run import run_comparison  # lazy: see the module docstring
 
     h, bundle = harness, harness.bundle
-    if not unit_parity_passed(request.config):
+    state = request.config.stash[STATE_KEY]
+    unit = state.outcomes.get("unit")  # stage unit ran in this session (on this code) and passed
+    if not unit or not unit["passed"] or unit["failed"] or "unit" in state.first_failure:
         pytest.fail("unit parity did not run and pass in this session: the comparison does not start", pytrace=False)
     restoration = None
     if h.options.resume is None:

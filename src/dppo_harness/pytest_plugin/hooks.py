@@ -1,45 +1,100 @@
 """Pytest hooks of the harness plugin: options, stage selection and order, fail-fast, launch scope,
 and the session's closing records. Registered through the `pytest11` entry point named after this
 module, so `--plan` and friends are known wherever pytest runs (the project's conftest.py names it
-too; pytest then skips it as registered). A malformed plan is a usage error at configure time.
+too; pytest then skips it as registered). Options are resolved once at configure time: a bad value,
+a malformed plan or an unsafe credential is one usage error, before anything is collected.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import pytest
 
+from dppo_harness import constants, project
 from dppo_harness.evidence import UnwritableEvidenceError
+from dppo_harness.evidence.files import unwritable_reason
+from dppo_harness.evidence.provenance import ARCHIVED, archived_paths
 from dppo_harness.evidence.run_summary import TITLE, summary_lines
 from dppo_harness.evidence.session import finish_session, unclosed_line
-from dppo_harness.plans import PlanError, launch_refusal, launch_undecided_refusal, load_plan, unauthorized_stages
+from dppo_harness.evidence.snapshots import post_snapshot
+from dppo_harness.plans import (
+    BackendKind,
+    Plan,
+    PlanError,
+    launch_refusal,
+    launch_undecided_refusal,
+    load_plan,
+    unauthorized_stages,
+)
 from dppo_harness.pytest_plugin import stages
-from dppo_harness.pytest_plugin.options import (
-    refuse_unsafe_credentials,
-    resolve_options,
-    skip_setup_stages_on_resume,
-    validated_plan,
-)
 from dppo_harness.pytest_plugin.rootdir import reroot
-from dppo_harness.pytest_plugin.session import (
-    CONNECTIVITY_KEY,
-    OPTIONS_KEY,
-    PLAN_KEY,
-    STAGE_KEY,
-    STATE_KEY,
-    StageState,
-    check_budget_on_entry,
-    close_stage,
-    enter_stage,
-    new_stage_outcomes,
-    selected_for_run,
-    unwritable_evidence,
-    write_session_records,
-)
 from dppo_harness.service.config import redact_url
+from dppo_harness.service.secrets_scan import live_secret_items, unsafe_credentials
 from dppo_harness.service.wait.policy import ServiceStopped
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.service.connectivity import ConnectivityReport
+    from dppo_harness.service.observed import ClientRegistry
+
+STAGE_KEY = pytest.StashKey[str]()
+STATE_KEY = pytest.StashKey["StageState"]()
+PLAN_KEY = pytest.StashKey[Plan]()
+CONNECTIVITY_KEY: pytest.StashKey[ConnectivityReport] = pytest.StashKey()
+
+
+@dataclass(frozen=True)
+class HarnessOptions:
+    backend: BackendKind  # "local": embedded server; "tinker": TINKER_BASE_URL
+    plan_path: Path
+    evidence_dir: Path
+    selected_stages: tuple[str, ...]  # the stages this session runs, in order
+    # -- comparison stage
+    resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
+    # None: the default for the service (comparison.config.comparison_schedule)
+    comparison_schedule: Literal["interleaved", "concurrent"] | None = None
+    save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
+    # -- the service wait policy (service.wait.policy.WaitPolicy); None: the default (capacity defaults
+    # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
+    capacity_patience_s: float | None = None
+    capacity_patience_after_steps_s: float | None = None
+    service_timeout_s: float | None = None
+    proxy_credentials: Literal["modal", "runs"] = "modal"  # which proxy tokens feed Modal-Key/Modal-Secret
+    sdk_telemetry: bool = False  # let the SDK post its telemetry (off: TINKER_TELEMETRY=0)
+
+
+OPTIONS_KEY = pytest.StashKey[HarnessOptions]()
+
+
+class StageOutcomes(TypedDict):
+    """Test outcome counts of one stage (unit-parity-summary.json, in this key order)."""
+
+    passed: int
+    failed: int
+    skipped: int
+    failed_tests: list[str]  # "<nodeid> (<phase>)" of each failed test
+
+
+@dataclass
+class StageState:
+    run: dict[str, bool] | None = None  # stage -> selected itself (None: no stage selection)
+    first_failure: dict[str, str] = field(default_factory=dict)  # stage -> failing nodeid
+    started: dict[str, float] = field(default_factory=dict)
+    finished: dict[str, float] = field(default_factory=dict)
+    current: str | None = None
+    bundle: EvidenceBundle | None = None  # the session's bundle, once a test asked for it
+    registry: ClientRegistry | None = None  # the session's client registry, once a test asked for it
+    # Final result fields a stage proposed (status, verdict, outcome_reason...: EvidenceBundle.finish's
+    # keywords), applied if nothing failed.
+    outcome: dict[str, Any] | None = None
+    budget_checked: set[str] = field(default_factory=set)  # stages whose entry budget check ran
+    outcomes: dict[str, StageOutcomes] = field(default_factory=dict)  # stage -> test outcome counts
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -81,17 +136,118 @@ def pytest_configure(config: pytest.Config) -> None:
     selected = stages.parse_stage_selection(config.option.markexpr)
     if selected is not None:
         # We select by stage ourselves so that prerequisites run too.
-        state.run, _ = stages.expand_selection(selected)
+        state.run = stages.expand_selection(selected)
         config.option.markexpr = ""
     config.stash[STATE_KEY] = state
-    skip_setup_stages_on_resume(config, state)
-    options = resolve_options(config, state)
+    if config.getoption("--resume") is not None:
+        # --resume continues a comparison: its preflight and gate are not run again (the comparison
+        # reuses and re-verifies their saved evidence); unit parity still runs first.
+        if state.run is None or "comparison" not in state.run:
+            raise pytest.UsageError("--resume RUN_ID continues a comparison: select it with -m comparison")
+        for stage in ("preflight", "gate"):
+            if not state.run.get(stage, True):  # a prerequisite only, not selected itself
+                del state.run[stage]
+    options = config.stash[OPTIONS_KEY] = _resolve_options(config, state)
     if not config.option.help:
-        refuse_unsafe_credentials()
-    config.stash[OPTIONS_KEY] = options
-    if (plan := validated_plan(config, options)) is not None:
-        config.stash[PLAN_KEY] = plan
+        _refuse_unsafe_credentials()
+    # The plan is loaded now: an explicit --plan always, the default plan when a stage that uses it
+    # is selected. A malformed plan is a usage error naming the field.
+    explicit = config.getoption("--plan") is not None
+    if explicit or not set(options.selected_stages) <= {"unit"}:
+        try:
+            config.stash[PLAN_KEY] = load_plan(options.plan_path)
+        except PlanError as exc:
+            raise pytest.UsageError(f"{'--plan' if explicit else 'default plan'}: {exc}") from None
     config.pluginmanager.import_plugin("dppo_harness.pytest_plugin.fixtures")
+
+
+def _user_path(config: pytest.Config, value: str) -> Path:
+    """A path the user wrote on the command line, relative to where pytest was invoked."""
+    return (config.invocation_params.dir / Path(value).expanduser()).resolve()
+
+
+# Where a credential value must not occur: everything the code archive holds (library, embedded
+# server, vendored data, tests, plans), and the docs a placeholder could be copied from.
+HARNESS_FILES = ("README.md", "docs")
+
+
+def _refuse_unsafe_credentials() -> None:
+    """A credential the evidence scan cannot guard (too short, or found in the harness's own files)
+    is one usage error naming the variable."""
+    if not live_secret_items():
+        return
+    try:
+        root = project.project_root()
+        files = archived_paths(root, (*ARCHIVED, *HARNESS_FILES))
+    except project.ProjectNotFound:
+        root = project.PACKAGE_DIR.parent
+        files = archived_paths(root, (project.PACKAGE_DIR.name,))
+    problems = unsafe_credentials(None, files, root=root)
+    if problems:
+        raise pytest.UsageError("; ".join(p.line() for p in problems))
+
+
+def _resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:
+    backend_opt = config.getoption("--backend")
+    backend: BackendKind = backend_opt or ("tinker" if os.environ.get("TINKER_BASE_URL") else "local")
+    if backend == "tinker" and not os.environ.get("TINKER_BASE_URL"):
+        raise pytest.UsageError("--backend tinker needs the environment variable TINKER_BASE_URL")
+    run_stages = tuple(state.run) if state.run else ("unit",)
+    plan_opt = config.getoption("--plan")
+    try:  # the default plan comes from the project the package came from (never the cwd)
+        plan_path = (
+            _user_path(config, plan_opt)
+            if plan_opt
+            else project.plan_file(stages.default_plan_name(run_stages, backend))
+        )
+    except project.ProjectNotFound as exc:
+        raise pytest.UsageError(f"default plan: {exc}") from None
+    if plan_opt and not plan_path.is_file():
+        raise pytest.UsageError(f"--plan: no such plan file: {plan_path}")
+    evidence_opt = config.getoption("--evidence-dir")
+    try:
+        evidence_dir = _user_path(config, evidence_opt) if evidence_opt else project.default_evidence_dir()
+    except project.ProjectNotFound as exc:
+        raise pytest.UsageError(f"--evidence-dir not given and no default: {exc}") from None
+    if evidence_dir.exists() and not evidence_dir.is_dir():
+        raise pytest.UsageError(f"--evidence-dir: not a directory: {evidence_dir}")
+    if run_stages != ("unit",) and (problem := unwritable_reason(evidence_dir)) is not None:
+        raise pytest.UsageError(
+            f"--evidence-dir {evidence_dir}: {problem}; nothing was run (give a writable directory with room)"
+        )
+    save_every = config.getoption("--save-every")
+    if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
+        raise pytest.UsageError(
+            f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (each arm's "
+            f"state is saved at least every {constants.MAX_SAVE_EVERY} steps)"
+        )
+    waits: dict[str, float | None] = {}
+    for name in ("capacity_patience_s", "capacity_patience_after_steps_s", "service_timeout_s"):
+        opt = "--" + name.replace("_", "-")
+        value = waits[name] = config.getoption(opt)  # None: the policy's default
+        if value is not None and not (value > 0 and value != float("inf")):
+            raise pytest.UsageError(f"{opt}: expected a positive number of seconds, got {value}")
+    resume: str | None = config.getoption("--resume")
+    if resume is not None and "/" in resume:  # a run id, or the path of that run's bundle under the evidence dir
+        path = _user_path(config, resume)
+        if path.parent != evidence_dir:
+            raise pytest.UsageError(
+                f"--resume: {resume} is not a run under the evidence dir {evidence_dir}; give its run "
+                f"id, or --evidence-dir {path.parent}"
+            )
+        resume = path.name
+    return HarnessOptions(
+        backend,
+        plan_path,
+        evidence_dir,
+        run_stages,
+        resume=resume,
+        comparison_schedule=config.getoption("--comparison-schedule"),
+        save_every=save_every,
+        proxy_credentials=config.getoption("--proxy-credentials"),
+        sdk_telemetry=config.getoption("--sdk-telemetry"),
+        **waits,
+    )
 
 
 @pytest.hookimpl(trylast=True)
@@ -105,7 +261,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         in_tests = stages.stage_from_path(item.path) is not None or stage != "unit"
         if in_tests and item.path.parent.name == stages.INTEGRATION_FOLDER:
             item.add_marker("integration")
-    selected = [selected_for_run(config, state, item) for item in items]
+    selected = [_selected_for_run(config, state, item) for item in items]
     keep = [item for item, chosen in zip(items, selected) if chosen]
     drop = [item for item, chosen in zip(items, selected) if not chosen]
     if drop:
@@ -113,6 +269,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Stable sort: collection order inside a stage, stage order across stages.
     keep.sort(key=lambda it: stages.stage_index(it.stash[STAGE_KEY]))
     items[:] = keep
+
+
+def _selected_for_run(config: pytest.Config, state: StageState, item: pytest.Item) -> bool:
+    stage = item.stash[STAGE_KEY]
+    if state.run is not None:
+        if stage not in state.run:
+            return False
+        # As a mere prerequisite, stage "unit" means unit parity: tests/unit without the integration-marked tests.
+        return state.run[stage] or item.get_closest_marker("integration") is None
+    # Without a stage selection: explicit paths run as given; the default run is unit + integration.
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return True
+    return stage == "unit"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -181,6 +350,43 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"blocked: stage '{failed_stage}' failed ({nodeid})")
 
 
+def enter_stage(state: StageState, stage: str) -> None:
+    if state.current == stage:
+        return
+    if state.current is not None:
+        close_stage(state, state.current)
+    state.current = stage
+    state.started.setdefault(stage, time.monotonic())
+    if state.registry is not None:  # training clients are counted per stage they were created in
+        state.registry.current_stage = stage
+
+
+def check_budget_on_entry(state: StageState, stage: str) -> None:
+    """Once per service stage, before its first test: a spent run budget blocks the stage (recorded
+    as blocked_by_budget in the ledger; evidence so far stays persisted) and fails it."""
+    if stage == "unit" or state.bundle is None or stage in state.budget_checked:
+        return
+    state.budget_checked.add(stage)
+    if state.bundle.remaining_seconds() is not None and not state.bundle.budget_allows(stage, 0.0):
+        state.first_failure.setdefault(stage, f"blocked_by_budget before {stage}")
+
+
+def close_stage(state: StageState, stage: str) -> None:
+    state.finished[stage] = time.monotonic()
+    if state.registry is not None:
+        state.registry.release_stage(stage)
+    bundle = state.bundle
+    if bundle is None:
+        return
+    if state.registry is not None and stage != "unit":
+        created = state.registry.training_clients_by_stage().get(stage, 0)
+        bundle.update_result(metrics={f"clients/training_created/{stage}": float(created)})
+    status = "failed" if stage in state.first_failure else "passed"
+    bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
+    if stage != "unit":  # an immutable result snapshot at each service stage's end (a killed run keeps it)
+        post_snapshot(bundle, f"stage {stage} end", reserve=4, stage_end=True)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
@@ -189,13 +395,13 @@ def pytest_runtest_makereport(
     exc = call.excinfo.value if call.excinfo is not None else None
     if isinstance(exc, ServiceStopped):  # the wait policy stopped the stage: its one line, not a traceback
         report.longrepr = exc.line
-    refused = unwritable_evidence(exc)
+    refused = _unwritable_evidence(exc)
     if refused is not None:  # nothing more can be recorded: its one line, and no later test runs
         report.longrepr = refused
         item.session.shouldstop = refused
     state, stage = item.config.stash[STATE_KEY], item.stash.get(STAGE_KEY, "unit")
     if report.when == "call" or report.outcome != "passed":
-        counts = state.outcomes.setdefault(stage, new_stage_outcomes())
+        counts = state.outcomes.setdefault(stage, {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []})
         counts[report.outcome] += 1
         if report.failed:
             counts["failed_tests"].append(f"{item.nodeid} ({report.when})")
@@ -268,3 +474,49 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         stage_order=stages.STAGES,
     ):
         terminalreporter.write_line(line)
+
+
+def _unwritable_evidence(exc: BaseException | None) -> str | None:
+    """The one line of a refused evidence write behind a failure (disk full, read-only, permission),
+    if any: the write itself, or what the stage raised while it handled it."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, UnwritableEvidenceError):
+            return str(exc)
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def write_session_records(state: StageState) -> None:
+    """Unit-parity summary and client-release records as evidence files (what a reviewer checks ran). The
+    session's own clients are released here, before the result is closed, so the record is true."""
+    bundle = state.bundle
+    if state.registry is not None:
+        state.registry.release_remaining()
+    if bundle is None:  # pytest_sessionfinish writes the records only once a bundle exists
+        return
+    if bundle.entry("client-releases.json") is None:
+        if state.registry is None:
+            from dppo_harness.service.observed import ClientRegistry  # the SDK: only a session with a bundle
+
+            record = ClientRegistry().evidence()  # no session was opened: the empty record
+        else:
+            record = state.registry.evidence()
+        bundle.register_json("client-releases.json", "log", record)
+    unit = state.outcomes.get("unit")
+    if unit is not None and bundle.entry("unit-parity-summary.json") is None:
+        bundle.register_json(
+            "unit-parity-summary.json",
+            "report",
+            {
+                "kind": "unit_parity_summary",
+                "stage": "unit",
+                **unit,
+                # Which run this is: this pytest session (the bundle's), before any service stage.
+                "selection": "tests/unit without the tests marked integration, in this pytest session",
+                "seconds": (state.finished["unit"] - state.started["unit"]) if "unit" in state.finished else None,
+                "all_stages": {
+                    k: {kk: vv for kk, vv in v.items() if kk != "failed_tests"} for k, v in state.outcomes.items()
+                },
+            },
+        )

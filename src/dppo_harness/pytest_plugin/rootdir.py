@@ -1,19 +1,10 @@
 """Give back pytest the rootdir it would have chosen had it known the harness's path options.
 
-pytest picks its rootdir and config file from the command-line arguments that exist as paths
-*before* any plugin option is known. `--evidence-dir DIR` (written with a space) therefore counts
-DIR as a test path once DIR exists: outside any project pytest then roots the session at DIR with
-no config file (no `testpaths`, no `addopts`, so no `--import-mode=importlib`), and a second run
-of the same command breaks. The `--opt=DIR` form never has the problem.
-
-`reroot` runs from the harness plugin's `pytest_load_initial_conftests` (tryfirst), the first
-hook after the plugin's options are registered and before any conftest loads. Only when a value
-of one of the harness's own path options was taken for a test path, and the setup pytest derives
-from the arguments without it differs from the one it chose, it redoes the part of pytest's own
-`Config.parse` that depends on the rootdir: rootdir, config file, ini values, the config file's
-`addopts` and `pythonpath`, the early option namespace and the conftest cut-off directory. These are pytest
-internals (checked against pytest 9.2); if they are not as expected the session stops with one
-line asking for the `--opt=VALUE` form instead of running rooted in the wrong place.
+pytest picks its rootdir and config file from the arguments that exist as paths before any plugin
+option is known, so `--evidence-dir DIR` (space form) with an existing DIR outside a project roots
+the session at DIR without the project's config (no `addopts`, no `pythonpath`). `reroot` redoes the
+rootdir-dependent part of pytest's `Config.parse` (pytest internals, checked against pytest 9.2); if
+they are not as expected the session stops with one line asking for the `--opt=VALUE` form.
 """
 
 from __future__ import annotations

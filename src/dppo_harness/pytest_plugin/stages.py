@@ -54,38 +54,23 @@ def stage_index(stage: str) -> int:
 TESTS_FOLDER = "tests"
 
 
-def tests_root_of(path: PurePath) -> PurePath | None:
-    """The `tests/` folder a test file sits in: the innermost ancestor named `tests` whose child on
-    the way to the file is a stage folder. Read from the file's own path, so it does not depend on
-    pytest's rootdir or the current directory."""
+def stage_from_path(path: PurePath) -> str | None:
+    """The stage of a test file from its folder below the innermost `tests/` whose child on the way
+    to the file is a stage folder; None outside one. Read from the file's own path, so it does not
+    depend on pytest's rootdir or the current directory."""
     parts = path.parts
     for i in range(len(parts) - 3, -1, -1):
         if parts[i] == TESTS_FOLDER and parts[i + 1] in FOLDER_STAGE:
-            return PurePath(*parts[: i + 1])
+            return FOLDER_STAGE[parts[i + 1]]
     return None
 
 
-def stage_from_path(path: PurePath, tests_root: PurePath | None = None) -> str | None:
-    """The stage of a test file from its first folder below `tests/` (`tests_root`, else the one
-    `tests_root_of` finds), or None outside it."""
-    root = tests_root if tests_root is not None else tests_root_of(path)
-    if root is None:
-        return None
-    try:
-        parts = path.relative_to(root).parts
-    except ValueError:
-        return None
-    return FOLDER_STAGE.get(parts[0]) if len(parts) > 1 else None
-
-
-def stage_of(marker_names: Iterable[str], path: PurePath, tests_root: PurePath | None = None) -> str:
+def stage_of(marker_names: Iterable[str], path: PurePath) -> str:
     """An explicit stage marker wins; else the folder decides; else the test is a unit test."""
-    marked = [m for m in marker_names if m in STAGES]
-    if len(set(marked)) > 1:
-        raise ValueError(f"{path}: a test may carry one stage marker, got {sorted(set(marked))}")
-    if marked:
-        return marked[0]
-    return stage_from_path(path, tests_root) or "unit"
+    marked = {m for m in marker_names if m in STAGES}
+    if len(marked) > 1:
+        raise ValueError(f"{path}: a test may carry one stage marker, got {sorted(marked)}")
+    return marked.pop() if marked else stage_from_path(path) or "unit"
 
 
 def parse_stage_selection(markexpr: str) -> tuple[str, ...] | None:
@@ -98,15 +83,14 @@ def parse_stage_selection(markexpr: str) -> tuple[str, ...] | None:
     return tuple(sorted(set(names), key=stage_index))
 
 
-def expand_selection(selected: Sequence[str]) -> tuple[dict[str, bool], tuple[str, ...]]:
-    """Stages to run, each flagged True when it was selected itself (False: only a prerequisite)."""
+def expand_selection(selected: Sequence[str]) -> dict[str, bool]:
+    """Stages to run in run order, each flagged True when it was selected itself (False: only a prerequisite)."""
     run: dict[str, bool] = {}
     for stage in selected:
         for pre in PREREQUISITES[stage]:
             run.setdefault(pre, False)
         run[stage] = True
-    order = tuple(sorted(run, key=stage_index))
-    return run, order
+    return {s: run[s] for s in sorted(run, key=stage_index)}
 
 
 def default_plan_name(stages: Iterable[str], backend: str = "tinker") -> str:

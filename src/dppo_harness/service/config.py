@@ -1,6 +1,6 @@
-"""Service configuration: the ServiceClient's arguments from the environment, the proxy headers,
-the SDK's telemetry switch, and the evidence-safe description of a connection. Credentials come from
-the environment only and are never logged: errors name variables, not values.
+"""Service configuration: the ServiceClient's arguments from the environment, the proxy headers and
+the SDK's telemetry switch. Credentials come from the environment only and are never logged: errors
+name variables, not values.
 """
 
 from __future__ import annotations
@@ -30,16 +30,7 @@ class ClientKwargs(TypedDict, total=False):
     default_headers: dict[str, str]
 
 
-class ServiceDescription(TypedDict):
-    """Evidence-safe description of the connection (no values of credentials)."""
-
-    backend: BackendKind
-    base_url: str | None
-    auth: str
-    proxy_headers: list[str]
-
-
-_PROXY_VARS: dict[str, tuple[str, str]] = {
+PROXY_VARS: dict[str, tuple[str, str]] = {
     "modal": ("MODAL_PROXY_TOKEN_ID", "MODAL_PROXY_TOKEN_SECRET"),  # shared Spindle
     "runs": ("RUNS_PROXY_TOKEN_ID", "RUNS_PROXY_TOKEN_SECRET"),  # a Spindle fork in research-exchange-runs
 }
@@ -50,16 +41,6 @@ def _require(env: Mapping[str, str], name: str, why: str) -> str:
     if not value:
         raise ServiceConfigError(f"environment variable {name} is not set (needed {why})")
     return value
-
-
-def is_loopback_url(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def redact_url(url: str | None) -> str | None:
@@ -84,10 +65,13 @@ def client_kwargs(
     if backend == "local":
         if not base_url:
             raise ServiceConfigError("the local backend needs the embedded server's base_url (got none)")
-        if not is_loopback_url(base_url):
-            raise ServiceConfigError(
-                f"the local backend must use a loopback base_url, got host {urlsplit(base_url).hostname!r}"
-            )
+        host = urlsplit(base_url).hostname or ""
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ServiceConfigError(f"the local backend must use a loopback base_url, got host {host!r}")
         return {
             "base_url": base_url,
             "api_key": constants.LOCAL_API_KEY,
@@ -110,7 +94,7 @@ def proxy_headers(env: Mapping[str, str], proxy_tokens: ProxyTokens = "modal") -
     asked for, so required; "none": no headers."""
     if proxy_tokens == "none":
         return {}
-    id_var, secret_var = _PROXY_VARS[proxy_tokens]
+    id_var, secret_var = PROXY_VARS[proxy_tokens]
     if proxy_tokens == "modal" and not env.get(id_var) and not env.get(secret_var):
         return {}
     return {
@@ -127,25 +111,6 @@ def apply_sdk_telemetry(enabled: bool) -> None:
     errors (a 401, say) its events carry the request headers unredacted (X-API-Key, Modal-Key,
     Modal-Secret) to the service, so the harness sends none unless asked (`--sdk-telemetry`)."""
     os.environ[TELEMETRY_VAR] = "1" if enabled else "0"
-
-
-def describe_service(
-    backend: BackendKind,
-    base_url: str | None,
-    *,
-    proxy_tokens: ProxyTokens = "modal",
-    env: Mapping[str, str] | None = None,
-) -> ServiceDescription:
-    """Evidence-safe description of the connection (no values of credentials)."""
-    sent = backend != "local" and bool(proxy_headers(os.environ if env is None else env, proxy_tokens))
-    return {
-        "backend": backend,
-        "base_url": redact_url(base_url),
-        "auth": "constants.LOCAL_API_KEY (not a secret)" if backend == "local" else "TINKER_API_KEY from environment",
-        "proxy_headers": [f"{h} from {v}" for h, v in zip(("Modal-Key", "Modal-Secret"), _PROXY_VARS[proxy_tokens])]
-        if sent
-        else [],
-    }
 
 
 def sdk_versions() -> dict[str, str]:

@@ -27,11 +27,11 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import identity
 from dppo_harness.service.config import (
+    PROXY_VARS,
     ClientKwargs,
     ProxyTokens,
     apply_sdk_telemetry,
     client_kwargs,
-    describe_service,
     redact_url,
 )
 from dppo_harness.service.identity import Substitution
@@ -44,8 +44,8 @@ from dppo_harness.service.rest import (
     ServiceRest,
     raw_response,
 )
-from dppo_harness.service.wait.clients import run_beside
 from dppo_harness.service.wait.policy import ServiceConfigError
+from dppo_harness.service.wait.waiter import run_beside
 
 logger = logging.getLogger(__name__)
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
@@ -100,21 +100,17 @@ def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: P
     text = str(payload.get("error", "")) if isinstance(payload, Mapping) else ""
     m = _HEADER_IN_ERROR.search(text)
     header = m.group(1) if m else None
-    prefix = "RUNS" if proxy_tokens == "runs" else "MODAL"
-    header_vars = {"x-api-key": "TINKER_API_KEY", "modal-key": f"{prefix}_PROXY_TOKEN_ID"}
-    var = {**header_vars, "modal-secret": f"{prefix}_PROXY_TOKEN_SECRET"}.get(header.lower()) if header else None
-    what = ("missing" if "missing" in text.lower() else "rejected") if header else "rejected"
+    id_var, secret_var = PROXY_VARS["runs" if proxy_tokens == "runs" else "modal"]
+    var = {"x-api-key": "TINKER_API_KEY", "modal-key": id_var, "modal-secret": secret_var}.get((header or "").lower())
+    what = "missing" if header and "missing" in text.lower() else "rejected"
     if var == "TINKER_API_KEY":
         hint = "check TINKER_API_KEY (sent as X-API-Key)"
     elif var and what == "missing":  # Modal headers are sent only when both variables are set
-        hint = (
-            f"the service requires the Modal proxy headers Modal-Key/Modal-Secret; set {prefix}_PROXY_TOKEN_ID and "
-            f"{prefix}_PROXY_TOKEN_SECRET"
-        )
+        hint = f"the service requires the Modal proxy headers Modal-Key/Modal-Secret; set {id_var} and {secret_var}"
     elif var:
-        hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET ({var} is sent as {header})"
+        hint = f"check {id_var}/SECRET ({var} is sent as {header})"
     else:
-        hint = f"check {prefix}_PROXY_TOKEN_ID/SECRET (Modal-Key/Modal-Secret headers) and TINKER_API_KEY"
+        hint = f"check {id_var}/SECRET (Modal-Key/Modal-Secret headers) and TINKER_API_KEY"
     return f"authentication {what} by {url} (HTTP {status}{f', header {header}' if header else ''}): {hint}"
 
 
@@ -155,7 +151,12 @@ def _check_variables(
         raise ConnectivityError("variables", str(exc)) from None
     url = str(kwargs["base_url"])
     var = "TINKER_BASE_URL" if backend == "tinker" else "the embedded server's URL"
-    proxy = ", ".join(describe_service(backend, url, proxy_tokens=proxy_tokens, env=env)["proxy_headers"])
+    sent = [
+        (h, v)
+        for h, v in zip(("Modal-Key", "Modal-Secret"), PROXY_VARS.get(proxy_tokens, ()))
+        if h in kwargs["default_headers"]
+    ]
+    proxy = ", ".join(f"{h} from {v}" for h, v in sent)
     ok(
         "variables",
         f"TINKER_BASE_URL and TINKER_API_KEY are set; proxy headers: {proxy or 'none (no proxy-token variables set)'}"

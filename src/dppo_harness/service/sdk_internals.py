@@ -40,15 +40,12 @@ def sample_backoff_until(sampling_client: tinker.SamplingClient) -> float | None
 
 
 def session_ready(service_client: tinker.ServiceClient) -> bool:
-    """Whether client/config, dynamic_config and create_session were answered: the SDK keeps the
-    session holder only then (service_client.py `_get_session_holder`)."""
+    """Whether the session is set up: the SDK keeps its holder only then (`_get_session_holder`)."""
     return getattr(service_client, "_session_holder", None) is not None
 
 
-def end_session_heartbeat(service_client: tinker.ServiceClient) -> bool:
-    """Close the session holder (heartbeat, config refresh); False when no session was opened."""
+def end_session_heartbeat(service_client: tinker.ServiceClient) -> None:
+    """Close the session holder (heartbeat, config refresh), if a session was opened."""
     holder = getattr(service_client, "_session_holder", None)
-    if holder is None:
-        return False
-    holder.close()
-    return True
+    if holder is not None:
+        holder.close()

@@ -47,9 +47,9 @@ from dppo_harness import constants
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.json_types import JsonObject, as_object, items, num
 from dppo_harness.loss.correctness import lr_scaling_error
-from dppo_harness.service.capacity import call_with_capacity_retry, error_text, is_capacity_error
 from dppo_harness.service.observed import create_from_state_with_response, describe_client
-from dppo_harness.service.wait.clients import name_client
+from dppo_harness.service.wait.policy import call_with_capacity_retry, error_text, is_capacity_error
+from dppo_harness.service.wait.waiter import name_client
 from dppo_harness.train.clients import RestorationError, datum_arrays, dump_response, full_logprobs
 from dppo_harness.train.fingerprints import LOGPROB_ATOL, batch_sha256, compare_logprobs, logprobs_sha256
 from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, own_response_only
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.plans.models import RestorationArm
-    from dppo_harness.service.release import ClientRegistry
+    from dppo_harness.service.observed import ClientRegistry
     from dppo_harness.service.wait.policy import WaitPolicy
 
 RESPONSES_FILE = "restoration-server-responses.json"

@@ -5,57 +5,63 @@ limit, `retrieve_future` re-polls 408, 5xx and 429 without limit, and a capacity
 408 `try_again` polls whose queue state only the SDK's own observers see. What reaches the caller
 is a future that does not resolve, so each wait polls it under the policy: a pause that lasts the
 capacity window stops the stage (`CapacityExhausted`), a call with no pause seen and no answer for
-`--service-timeout-s` too (`ServiceHang`), and a long wait is posted (`on_post`).
+`--service-timeout-s` too (`ServiceHang`), and a long wait is posted (`on_post`). Every client
+the harness hands out is a `WaitedClient`, every future it returns a `WaitedFuture` whose
+`result()` is `ServiceWaiter.wait`. `BundlePoster` writes the wait's evidence: result.json's
+`service_wait` block, rate-limited snapshots, and the stopped run's result.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Generator
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from tinker import APIFuture, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.rest_client import RestClient
 
+from dppo_harness.evidence import budget
+from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
+from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.json_types import JsonObject
-from dppo_harness.service.capacity import model_lost_error
-from dppo_harness.service.wait.clients import WaitedClient, WaitedFuture
 from dppo_harness.service.wait.policy import (
     CapacityBlock,
     CapacityExhausted,
     CapacityTracker,
     ModelLost,
+    ServiceDied,
     ServiceHang,
     ServiceStopped,
     WaitPolicy,
     WallBudgetSpent,
+    model_lost_error,
 )
 from dppo_harness.service.wait.watch import (
     PAUSED,
     PLACING,
     PLACING_REASON,
-    QueueReport,
+    Episode,
     QueueSource,
     sampling_watch,
     training_watch,
 )
 
+if TYPE_CHECKING:
+    from dppo_harness.evidence.bundle import EvidenceBundle
+    from dppo_harness.service.observed import ClientRegistry
+
 logger = logging.getLogger(__name__)
-V = TypeVar("V")
+V = TypeVar("V")  # what the caller gets
+U = TypeVar("U")  # what the SDK's future resolves to
 C = TypeVar("C")
-V_co = TypeVar("V_co", covariant=True)
-
-
-class Pending(Protocol[V_co]):
-    """A future the waiter can wait on: the SDK's futures and concurrent futures alike."""
-
-    def result(self, timeout: float | None = None) -> V_co: ...
 
 
 def now_iso(ts: float | None = None) -> str:
@@ -168,11 +174,6 @@ class ServiceWaiter:
             self._dead = self._dead or stop
         self._say(f"service: {stop.line}")
 
-    def track(self, future: WaitedFuture[Any, Any]) -> None:
-        """Keep a handed-out future, so that a stop can cancel it if it is still pending."""
-        with self._lock:
-            self._issued.add(future)
-
     def abandon_pending(self) -> None:
         """Cancel every handed-out future still pending (after a stop), counting them."""
         with self._lock:
@@ -234,7 +235,7 @@ class ServiceWaiter:
         with self._lock:
             self.waits += 1
             wait_id = self.waits
-        rep: QueueReport | None = None
+        rep: Episode | None = None
         outcome = "failed"
 
         def status(outcome: str) -> WaitStatus:
@@ -263,7 +264,7 @@ class ServiceWaiter:
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
                 rep = self._report(watch, t0, now)
-                clock.advance(now, rep.since if rep is not None else None)
+                clock.advance(now, rep.began if rep is not None else None)
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
                 if clock.paused_s >= window:
@@ -288,19 +289,19 @@ class ServiceWaiter:
             with self._lock:
                 was_posted = wait_id in self.posted
             if was_posted or seen:  # settle what was posted: every pause reaches the block, no wait stays "waiting"
-                clock.advance(now, rep.since if rep is not None else None)
+                clock.advance(now, rep.began if rep is not None else None)
                 self._post(status(outcome) if was_posted else None)
 
     @staticmethod
-    def _report(watch: QueueSource | None, t0: float, now: float) -> QueueReport | None:
+    def _report(watch: QueueSource | None, t0: float, now: float) -> Episode | None:
         """What the watch reported during this call; for a creation with no report, its placement
         (from when its session was set up: the time before is the session's, under the hang window)."""
         latest = watch.latest() if watch is not None else None
-        if latest is not None and latest.at >= t0:
+        if latest is not None and latest.seen >= t0:
             return latest
         placing = getattr(watch, "placing_since", None)
         since = placing(now) if placing is not None else None
-        return QueueReport(PLACING, None, max(since, t0), now) if since is not None else None
+        return Episode(0, PLACING, None, max(since, t0), seen=now) if since is not None else None
 
     def _stop_if_lost(self, exc: Exception, call: str, client: str, watch: QueueSource | None) -> None:
         """Stop when the call failed because the service lost the model (a training watch names it)."""
@@ -314,13 +315,10 @@ class ServiceWaiter:
         self.stop(stop)
 
     @staticmethod
-    def _last_pause(watch: QueueSource | None, t0: float) -> QueueReport:
+    def _last_pause(watch: QueueSource | None, t0: float) -> Episode:
         """The latest pause reported during a wait (for a give-up reached while the state alternates)."""
         episodes = watch.episodes_since(t0) if watch is not None else []
-        if not episodes:
-            return QueueReport(PAUSED, None, t0, t0)
-        ep = max(episodes, key=lambda e: e.seen)
-        return QueueReport(ep.state, ep.reason, ep.began, ep.seen)
+        return max(episodes, key=lambda e: e.seen, default=Episode(0, PAUSED, None, t0, seen=t0))
 
     def _note_pauses(
         self, watch: QueueSource | None, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]
@@ -354,9 +352,7 @@ class ServiceWaiter:
                 if outcome != "gave_up":  # a give-up says so in the stop line
                     self._say(f"service: {pause.call} on {pause.client}: pause ended after {pause.seconds:.0f} s")
 
-    def _capacity_stop(
-        self, call: str, client: str, rep: QueueReport, paused_s: float, window: float
-    ) -> ServiceStopped:
+    def _capacity_stop(self, call: str, client: str, rep: Episode, paused_s: float, window: float) -> ServiceStopped:
         steps = int(self.tracker())
         option = "--capacity-patience-after-steps-s" if steps > 0 else "--capacity-patience-s"
         if rep.state == PLACING:
@@ -437,3 +433,235 @@ class ServiceWaiter:
                     "futures_cancelled": self.abandoned,
                 }
         return out
+
+
+class WaitedFuture(Generic[U, V]):
+    """An SDK future whose result() waits under the policy; `then` turns the value into what the
+    caller gets (e.g. a new client, observed and wrapped)."""
+
+    def __init__(
+        self,
+        inner: APIFuture[U] | concurrent.futures.Future[U],
+        waiter: ServiceWaiter,
+        call: str,
+        client: str,
+        watch: QueueSource | None = None,
+        then: Callable[[U], V] | None = None,
+    ):
+        self._inner, self._waiter, self._call, self._client, self._watch = inner, waiter, call, client, watch
+        self._then = then
+        self._value: list[V] = []  # what `then` made, once
+        self._lock = threading.Lock()
+        self._box: concurrent.futures.Future[U] | None = None
+        with waiter._lock:  # kept, so that a stop can cancel it if it is still pending
+            waiter._issued.add(self)
+
+    def _settled(self) -> concurrent.futures.Future[U]:
+        """The SDK future's outcome as a concurrent future a wait can poll without harm. tinker 0.25's
+        `result(timeout=...)` cancels the request when the timeout passes on a future it combines
+        from several (`lib/api_future_impl.py`, `_CombinedAPIFuture.result_async`: forward_backward
+        in chunks, forward_backward_custom), so an SDK future is waited once, without a timeout, on
+        its own thread, and the wait polls that thread's future."""
+        with self._lock:
+            if self._box is None:
+                inner = self._inner
+                if isinstance(inner, concurrent.futures.Future):
+                    self._box = inner
+                else:
+                    self._box = run_beside(inner.result, f"{self._call} on {self._client}")
+            return self._box
+
+    def result(self, timeout: float | None = None) -> V:
+        value = self._waiter.wait(
+            self._settled(), call=self._call, client=self._client, watch=self._watch, timeout=timeout
+        )
+        if self._then is None:
+            return value  # type: ignore[return-value]  # without `then` the caller gets the SDK's value
+        with self._lock:
+            if not self._value:
+                self._value.append(self._then(value))
+            return self._value[0]
+
+    async def result_async(self, timeout: float | None = None) -> V:
+        return await asyncio.to_thread(self.result, timeout)
+
+    def __await__(self) -> Generator[object, None, V]:
+        return self.result_async().__await__()
+
+    def future(self) -> concurrent.futures.Future[U]:
+        """A concurrent future that completes with the SDK's (a sample's is one already)."""
+        return self._settled()
+
+    def abandon(self) -> bool:
+        """Stop the SDK's polling for this result (a stop ended the run). The service is not told
+        (tinker 0.25 has no cancel; Spindle no cancel_future route), so work it began runs on
+        there. True if it was still pending."""
+        inner: Any = self._inner
+        try:
+            if isinstance(inner, concurrent.futures.Future):
+                return not inner.done() and inner.cancel()
+            own = getattr(inner, "future", None)
+            if callable(own):  # an AwaitableConcurrentFuture: its concurrent future cancels its task
+                pending = own()
+                return bool(not pending.done() and pending.cancel())
+            if self._box is not None and self._box.done():
+                return False
+            # Any other SDK future is cancelled by the SDK itself when its result_async times out.
+            timed_out = inner.holder.run_coroutine_threadsafe(inner.result_async(0))
+            with contextlib.suppress(Exception):
+                timed_out.result(5)
+            return True
+        except Exception:  # cancelling is best effort: the stop is what matters
+            return False
+
+    def __repr__(self) -> str:
+        return f"WaitedFuture({self._call} on {self._client})"
+
+
+# The SDK's public methods that block their caller on the service (no future handed back): each
+# runs on its own thread, waited under the policy like a future (tinker 0.25, public_interfaces/).
+# forward_backward_custom blocks until its first (forward) pass is answered, then hands out the second's future.
+BLOCKING_METHODS = frozenset(
+    {
+        "get_info",
+        "save_weights_and_get_sampling_client",
+        "create_sampling_client",
+        "get_tokenizer",
+        "forward_backward_custom",
+    }
+)
+
+
+def run_beside(fn: Callable[[], U], what: str) -> concurrent.futures.Future[U]:
+    """fn() on a daemon thread, as a future a wait can bound. A stopped wait leaves the thread to
+    the SDK (its public API has no way to cancel a blocking call); it holds no harness lock."""
+    box: concurrent.futures.Future[U] = concurrent.futures.Future()
+
+    def run() -> None:
+        # A stopped wait may have cancelled `box` already: nobody reads the outcome then.
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            try:
+                result = fn()
+            except BaseException as exc:  # the waiting caller gets it
+                box.set_exception(exc)
+            else:
+                box.set_result(result)
+
+    threading.Thread(target=run, name=f"sdk call: {what}", daemon=True).start()
+    return box
+
+
+class WaitedClient:
+    """A training, sampling or REST client whose every returned future is a WaitedFuture (and
+    whose every returned client is waited too). Everything else is the wrapped client's."""
+
+    queue_watch: QueueSource | None
+
+    def __init__(self, inner: object, waiter: ServiceWaiter, label: str, watch: QueueSource | None):
+        object.__setattr__(self, "_w_inner", inner)
+        object.__setattr__(self, "_w_waiter", waiter)
+        object.__setattr__(self, "label", label)
+        object.__setattr__(self, "queue_watch", watch)
+
+    @property
+    def sdk_client(self) -> object:
+        return self._w_inner
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._w_inner, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def call(*args: object, **kwargs: object) -> object:
+            if name in BLOCKING_METHODS:
+                made = run_beside(lambda: attr(*args, **kwargs), f"{name} on {self.label}")
+                value = self._w_waiter.wait(made, call=name, client=self.label, watch=self.queue_watch)
+            else:
+                value = attr(*args, **kwargs)
+            return self._w_waiter.wrap(value, call=name, parent=self)
+
+        call.__name__ = name
+        call.__doc__ = getattr(attr, "__doc__", None)
+        return call
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "label":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._w_inner, name, value)
+
+    def __repr__(self) -> str:
+        return f"WaitedClient({self.label}: {self._w_inner!r})"
+
+
+def name_client(client: C, name: str) -> C:
+    """Give a waited client the name its stop lines and pauses use (e.g. the arm, `dppo_seed0`)."""
+    if isinstance(client, WaitedClient):
+        client.label = name
+    return client
+
+
+# Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS (the evidence budget's share,
+# evidence.budget.WAIT_SNAPSHOTS), and only while the run uses under half its file slots, so that
+# snapshots never crowd out the stages' own evidence (on the embedded server, whose windows are
+# scaled down, nearly every call counts as a wait). result.json itself is still updated at every post.
+MAX_WAIT_SNAPSHOTS = budget.WAIT_SNAPSHOTS
+WAIT_SNAPSHOT_RESERVE = MAX_FILES // 2
+
+
+class BundlePoster:
+    """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block into
+    result.json and, at most every `snapshot_every_s`, a snapshot; `stop` releases every registered
+    client and writes the stopped run's result, then a snapshot."""
+
+    def __init__(
+        self,
+        bundle: EvidenceBundle,
+        registry: ClientRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.bundle, self.registry, self.clock = bundle, registry, clock
+        self._lock = threading.Lock()  # concurrent waits (the arms') post at once
+        self._last_snapshot: float | None = None
+        self.posts = 0
+        self.snapshots = 0
+
+    def post(self, waiter: ServiceWaiter, status: WaitStatus | None) -> None:
+        """The block as it stands; `status` None or settled (the wait ended): no snapshot."""
+        with self._lock:
+            self.posts += 1
+            self.bundle.update_result(service_wait=waiter.evidence())
+            if status is None or status.outcome != "waiting":
+                return
+            now = self.clock()
+            due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
+            if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
+                self._last_snapshot = now
+                self.snapshots += (
+                    post_snapshot(
+                        self.bundle, f"waiting: {status.call} on {status.client}", reserve=WAIT_SNAPSHOT_RESERVE
+                    )
+                    is not None
+                )
+
+    def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
+        # A dead server holds no session to finish, and each close would wait out its timeout.
+        dead = isinstance(stop, ServiceDied)
+        released = bool(self.registry.release_all("errored")) if self.registry is not None and not dead else False
+        if isinstance(stop, CapacityExhausted):
+            stop.block = replace(stop.block, released_clients=released)
+        fields: dict[str, Any] = {
+            **stop.result_fields(),
+            "service_wait": {**waiter.evidence(), "released_clients": released},
+        }
+        result = self.bundle.result
+        if result.get("original_hypothesis_tested") is None:
+            fields.update(
+                original_hypothesis_tested=False,
+                tested_instead=f"nothing to completion: the run stopped waiting on the service ({stop.kind})",
+            )
+        body = str(result.get("summary") or "").removeprefix(REHEARSAL_PREFIX).removeprefix(REHEARSAL_PLAN_PREFIX)
+        if not body.strip():
+            fields["summary"] = f"Stopped waiting on the service: {stop.line}."
+        self.bundle.update_result(**fields)
+        post_snapshot(self.bundle, f"service stop ({stop.kind})", reserve=4)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import re
 import threading
 import time
@@ -56,29 +57,21 @@ _PREFIX_KIND: dict[str, CallKind] = {"Model creation": "creation", "Training": "
 _refusal_ids = itertools.count(1 << 40)  # apart from the log lines' numbers, which name their pauses
 
 
-@dataclass(frozen=True)
-class QueueReport:
-    state: str  # paused | submit_refused | placing
-    reason: str | None  # as the SDK logged it (the service's words, or the SDK's default when none was sent)
-    since: float  # time.monotonic() when this pause began
-    at: float  # time.monotonic() of the latest sign of it
-
-
 @dataclass
 class Episode:
     """One pause, from its first sign to its last (ended: None while it lasts)."""
 
     id: int
-    state: str
-    reason: str | None
-    began: float
+    state: str  # paused | submit_refused | placing
+    reason: str | None  # as the SDK logged it (the service's words, or the SDK's default when none was sent)
+    began: float  # time.monotonic()
     ended: float | None = None
     seen: float = 0.0  # time.monotonic() of the latest sign
     reason_changes: int = 0  # how often the reason's text changed (a queue position, say)
 
 
 class QueueSource(Protocol):
-    def latest(self) -> QueueReport | None: ...
+    def latest(self) -> Episode | None: ...
 
     def episodes_since(self, t0: float) -> list[Episode]: ...
 
@@ -197,12 +190,10 @@ class LogWatch:
         lines = self._log.lines(self.kind, self.ident, max(t0, self.t0))
         return _episodes(lines, self._clock(), PAUSE_LOG_FRESH_S)
 
-    def latest(self) -> QueueReport | None:
+    def latest(self) -> Episode | None:
+        """The pause still lasting, if any."""
         eps = self.episodes_since(self.t0)
-        if not eps or eps[-1].ended is not None:
-            return None
-        ep = eps[-1]
-        return QueueReport(PAUSED, ep.reason, ep.began, ep.seen)
+        return eps[-1] if eps and eps[-1].ended is None else None
 
 
 class SubmitRefusedWatch:
@@ -233,11 +224,9 @@ class SubmitRefusedWatch:
             elif cur is not None and (until is None or now - until > REFUSAL_FRESH_S):
                 cur.ended = cur.seen
 
-    def latest(self) -> QueueReport | None:
-        self._refresh()
-        with self._lock:
-            cur = self._episodes[-1] if self._episodes and self._episodes[-1].ended is None else None
-            return None if cur is None else QueueReport(SUBMIT_REFUSED, cur.reason, cur.began, cur.seen)
+    def latest(self) -> Episode | None:
+        eps = self.episodes_since(-math.inf)
+        return eps[-1] if eps and eps[-1].ended is None else None
 
     def episodes_since(self, t0: float) -> list[Episode]:
         self._refresh()
@@ -251,9 +240,9 @@ class Watches:
     def __init__(self, *sources: QueueSource):
         self.sources = sources
 
-    def latest(self) -> QueueReport | None:
+    def latest(self) -> Episode | None:
         reports = [r for s in self.sources if (r := s.latest()) is not None]
-        return max(reports, key=lambda r: r.at) if reports else None
+        return max(reports, key=lambda r: r.seen) if reports else None
 
     def episodes_since(self, t0: float) -> list[Episode]:
         return [e for s in self.sources for e in s.episodes_since(t0)]

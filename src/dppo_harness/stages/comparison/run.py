@@ -29,14 +29,15 @@ from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss import losses
-from dppo_harness.service.capacity import call_with_capacity_retry, error_text
-from dppo_harness.service.release import ClientRegistry
+from dppo_harness.service.observed import ClientRegistry
 from dppo_harness.service.wait.policy import (
     CapacityExhausted,
     CapacityTracker,
     ModelLost,
     ServiceStopped,
     WaitPolicy,
+    call_with_capacity_retry,
+    error_text,
 )
 from dppo_harness.stages import arm_step
 from dppo_harness.stages.arm_step import ArmStepProgress, make_loss
@@ -183,7 +184,6 @@ def run_comparison(
                 policy=capacity_policy or WaitPolicy(),
                 steps_completed=tracker,
                 registry=registry,
-                on_retry=tracker.events.append,
             )
 
         arms = Arms(service_client, bundle, run, state, spath, save_every, tag, progress)
