@@ -414,20 +414,20 @@ def test_cold_start_and_slots_keep_creations_pending_as_active(engine):
         assert srv.state.slots == {second["model_id"]}
 
 
-def test_zero_slots_pend_forever_and_full_refuse_fails_as_server(engine):
+def test_zero_slots_pend_forever_and_a_refused_creation_fails_as_server(engine):
     with _server(engine, trainer_slots=0) as srv:
         created = _create(srv, _session(srv)).json()
         t0 = time.monotonic()
         while time.monotonic() - t0 < 3:
             resp = _poll(srv, created["request_id"])
             assert resp.status_code == 408 and resp.json()["queue_state"] == "active"
-    with _server(engine, FaultConfig(trainer_full_refuse=True), trainer_slots=1) as srv:
+    with _server(engine, FaultConfig(capacity_exhausted=1)) as srv:
         client = _sdk(srv)
-        client.create_lora_training_client(constants.BASE_MODEL, rank=4)
         with pytest.raises(tinker.RequestFailedError) as info:
             client.create_lora_training_client(constants.BASE_MODEL, rank=4)
         assert "engine refused work: trainer capacity exhausted" in str(info.value)
         assert info.value.category == types.RequestErrorCategory.Server
+        client.create_lora_training_client(constants.BASE_MODEL, rank=4)  # the storm is over: placed
 
 
 def _cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -79,9 +79,9 @@ def test_spindle_options_defaults_and_refusals():
     assert "never sends queue_state paused_rate_limit" in (check_profile_options(args, faults) or "")
     args, faults = _args("--profile", "spindle", "--fault-queue-pause", "optim_step:2:30:active")
     assert check_profile_options(args, faults) is None
-    args, faults = _args("--trainer-slots", "2", "--fault-trainer-full-refuse")
+    args, faults = _args("--trainer-slots", "2", "--fault-model-lost", "optim_step:1")
     assert check_profile_options(args, faults) == (
-        "--trainer-slots, --fault-trainer-full-refuse: only with --profile spindle "
+        "--trainer-slots, --fault-model-lost: only with --profile spindle "
         "(Spindle's capacity, sweep and trainer faults)"
     )
     args, faults = _args("--fault-queue-pause", "optim_step:2:30")  # the default profile keeps paused holds

@@ -175,12 +175,6 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
         help=f"how often the idle sweep runs: a session not seen for {DEFAULT_SESSION_IDLE_TIMEOUT_S:g} s is "
         f"reclaimed with its models (default {DEFAULT_SWEEP_INTERVAL_S:g})",
     )
-    g.add_argument(
-        "--fault-trainer-full-refuse",
-        action="store_true",
-        help="a creation that would wait for a free slot fails with 'engine refused work: trainer "
-        "capacity exhausted' (category server), as Spindle at its autoscaling maximum",
-    )
     g = p.add_argument_group("fault injection (counted; see GET /_harness/stats)")
     for option, metavar, _, text in _REPEATED_FAULTS:
         g.add_argument(option, action="append", default=[], metavar=metavar, help=text)
@@ -189,7 +183,8 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="fail the first N create_model futures with 'trainer capacity exhausted' (category server)",
+        help="fail the first N create_model futures with Spindle's 'engine refused work: trainer capacity "
+        "exhausted' (category server), as every trainer full at its autoscaling maximum",
     )
     g.add_argument("--fault-die-after", type=int, default=None, metavar="K", help="exit (code 75) at API request K+1")
     g.add_argument(
@@ -214,7 +209,6 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         capacity_exhausted=args.fault_capacity_exhausted,
         die_after=args.fault_die_after,
         retry_after_ms=args.fault_retry_after_ms,
-        trainer_full_refuse=args.fault_trainer_full_refuse,
         record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
     )
 
@@ -241,8 +235,6 @@ def check_profile_options(args: argparse.Namespace, faults: FaultConfig) -> str 
     used = [flag for name, flag in SPINDLE_ONLY_OPTIONS if getattr(args, name) is not None]
     if args.fault_model_lost:
         used.append("--fault-model-lost")
-    if args.fault_trainer_full_refuse:
-        used.append("--fault-trainer-full-refuse")
     if used:
         return f"{', '.join(used)}: only with --profile spindle (Spindle's capacity, sweep and trainer faults)"
     return None

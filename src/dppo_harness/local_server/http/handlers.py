@@ -19,7 +19,7 @@ from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
 from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import SpindleError, UserError
-from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
+from dppo_harness.local_server.faults import CAPACITY_REFUSED
 from dppo_harness.local_server.http import spindle
 from dppo_harness.local_server.http.codecs import (
     ProtocolError,
@@ -163,7 +163,7 @@ async def create_model(request: web.Request) -> web.Response:
         assert lora is not None  # refused above
         if state.faults.take_capacity_failure():
             state.model_requests.pop((req.session_id, req.model_seq_id), None)  # a retry is a new creation attempt
-            return Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {req.base_model}", "server")
+            return Outcome("error", CAPACITY_REFUSED, "server")
         state.check_served(req.base_model)
         switches = (lora.train_mlp, lora.train_attn, lora.train_unembed)
         if state.profile.is_spindle:  # the trainer's cold start, a LoRA slot, then Miles' checks
