@@ -76,9 +76,8 @@ def build_app(state: ServerState) -> web.Application:
     if is_spindle:  # Spindle's own routes
         gets["spindle/deployments"] = handlers.deployments
         gets["training_runs/{model_id}/checkpoints/{checkpoint_id:.+}/archive"] = handlers.checkpoint_archive
-    else:  # routes Spindle lacks: no session read, no cancel, no user-wide checkpoint list
+    else:  # the SDK's REST reads Spindle lacks: the session read, the user-wide checkpoint list
         gets |= {"sessions/{session_id}": handlers.get_session, "checkpoints": handlers.list_user_checkpoints}
-        app.router.add_post(f"{API}/cancel_future", handlers.cancel_future)
     for path, handler in gets.items():
         app.router.add_get(f"{API}/{path}", handler)
     app.router.add_get("/_harness/stats", handlers.stats)

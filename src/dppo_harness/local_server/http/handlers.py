@@ -485,18 +485,6 @@ async def retrieve_future(request: web.Request) -> web.Response:
     return web.json_response(outcome.payload)
 
 
-async def cancel_future(request: web.Request) -> web.Response:
-    # Same body shape as retrieve_future ({"request_id"}). A running engine call cannot be
-    # interrupted (its result is never fetched); a request a fault still holds ends as cancelled.
-    state = request.app[STATE_KEY]
-    req = await parse_body(request, types.FutureRetrieveRequest)
-    state.cancelled_requests += 1
-    fut = state.results.get(req.request_id)
-    if fut is not None and not fut.done() and state.holds.pop(fut, None) is not None:
-        fut.set_result(Outcome("error", f"request {req.request_id} cancelled by the client", "user"))
-    return ok({})
-
-
 # ---- REST reads (the SDK's RestClient, the cookbook's checkpoint_utils) ---------------------------
 
 

@@ -134,7 +134,6 @@ class ServerState:
         self.telemetry_bodies: list[bytes] = []
         self.tasks: set[asyncio.Task] = set()  # the loop keeps only weak references
         self.holds: dict[asyncio.Future[Outcome], Hold] = {}  # queued requests a fault holds
-        self.cancelled_requests = 0
         # spindle: the one trainer's LoRA slots (model ids holding one), its cold start, and the
         # creations waiting for either (http/spindle.py)
         self.slots: set[str] = set()
@@ -211,7 +210,6 @@ class ServerState:
             "faults": self.faults.snapshot(),
             "headers": self.headers.snapshot(),
             "sessions": len(self.sessions),
-            "cancelled_requests": self.cancelled_requests,
             "trainer_slots_held": len(self.slots),
             "waiting_creations": self.waiting_creations,
             "reclaimed_sessions": self.reclaimed_sessions,
