@@ -325,22 +325,6 @@ def test_out_of_vocab_ids(engine, prompt):
     assert all(t in vocab for s in seqs for t in s.tokens)
 
 
-def test_sampler_bfloat16_option(tmp_path, prompt):
-    eng = Engine(tmp_path, model_name=PRESET, sampler_dtype="bfloat16", batch_window_s=0.0)
-    try:
-        mid = eng.create_model(BASE_MODEL, 4, 0)
-        s = eng.sample(BASE_MODEL, prompt, 1, 16, 1.0, -1, 1.0, [], [], 3, False)[0]
-        toks = prompt + s.tokens
-        lp = eng.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1 :]
-        diff = np.abs(lp.numpy() - np.asarray(s.logprobs))
-        assert diff.max() > 1e-4  # bf16 sampler really differs from the fp32 trainer
-        assert diff.max() < 0.5
-    finally:
-        eng.close()
-    with pytest.raises(UserError, match="sampler_dtype"):
-        Engine(tmp_path, model_name=PRESET, sampler_dtype="float16")
-
-
 def test_sampling_from_saved_weights(engine, batch, prompt):
     mid = engine.create_model(BASE_MODEL, 4, 8)
     for _ in range(3):

@@ -158,7 +158,6 @@ class Engine:
         self,
         run_dir: Path,
         model_name: str = DEFAULT_PRESET,
-        sampler_dtype: str | None = None,
         seed: int = 0,
         *,
         batch_window_s: float = 0.05,
@@ -168,8 +167,6 @@ class Engine:
     ):
         if model_name not in PRESETS:
             raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
-        if sampler_dtype not in (None, "float32", "bfloat16"):
-            raise UserError(f"sampler_dtype must be 'float32' or 'bfloat16', got {sampler_dtype!r}")
         torch.set_num_threads(int(num_threads))
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +175,6 @@ class Engine:
         self.preset = PRESETS[model_name]
         self.served_model_name = self.preset.served_name
         self.served_models = [BASE_MODEL, self.served_model_name]
-        self.sampler_dtype: torch.dtype = getattr(torch, sampler_dtype or "float32")
         self.vocab = load_vocab()
         self.config = self.preset.config
         self.base_info: dict[str, Any]
@@ -198,7 +194,7 @@ class Engine:
         self._models: dict[str, TrainModel] = {}
         self._models_lock = threading.Lock()
         self._counter = 0
-        self._sampler_cache: OrderedDict[tuple[str, str], transformers.PreTrainedModel] = OrderedDict()
+        self._sampler_cache: OrderedDict[str, transformers.PreTrainedModel] = OrderedDict()
         self._sampler_cache_lock = threading.Lock()
         self._batch_window_s = float(batch_window_s)
         self._queue: list[_SampleJob] = []
@@ -564,8 +560,7 @@ class Engine:
         _atomic_dir_write(checkpoint_dir(self.run_dir, model_id, kind, name), files, overwrite)
         path = f"tinker://{model_id}/{kind}/{name}"
         with self._sampler_cache_lock:  # a cached sampler built from `path` is stale now
-            for k in [k for k in self._sampler_cache if k[0] == path]:
-                del self._sampler_cache[k]
+            self._sampler_cache.pop(path, None)
         return path
 
     def save_state(self, model_id: str, name: str, overwrite: bool = False) -> str:
@@ -635,11 +630,10 @@ class Engine:
 
     # ----- sampling ---------------------------------------------------------------------------
     def _sampler_net(self, key: str) -> transformers.PreTrainedModel:
-        dkey = (key, str(self.sampler_dtype))
         with self._sampler_cache_lock:
-            if dkey in self._sampler_cache:
-                self._sampler_cache.move_to_end(dkey)
-                return self._sampler_cache[dkey]
+            if key in self._sampler_cache:
+                self._sampler_cache.move_to_end(key)
+                return self._sampler_cache[key]
         if key == "base":
             net = copy.deepcopy(self.base_model)
         else:
@@ -652,13 +646,11 @@ class Engine:
                 for n, q in model.lora_named_parameters(pm):
                     q.copy_(adapter[n])
             net = pm.merge_and_unload()
-        # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to): mypy reads it as
-        # an unbound function that wants the model as its first argument.
-        net = net.to(self.sampler_dtype).eval()  # type: ignore[arg-type]
+        net.eval()
         for q in net.parameters():
             q.requires_grad_(False)
         with self._sampler_cache_lock:
-            self._sampler_cache[dkey] = net
+            self._sampler_cache[key] = net
             while len(self._sampler_cache) > SAMPLER_CACHE_SIZE:
                 self._sampler_cache.popitem(last=False)
         return net
