@@ -24,9 +24,8 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import dppo_harness
 from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
@@ -38,15 +37,6 @@ if TYPE_CHECKING:
 
     from dppo_harness.local_server.engine.engine import Engine
     from dppo_harness.local_server.http.state import ServerState
-
-T_co = TypeVar("T_co", covariant=True)
-
-
-class PendingResult(Protocol[T_co]):
-    """A future the SDK returns (or a concurrent.futures.Future)."""
-
-    def result(self, timeout: float | None = None) -> T_co: ...
-
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
@@ -290,22 +280,6 @@ class LocalServerProcess:
         if path.is_file():
             return json.loads(path.read_text())
         raise LocalServerDied(self._describe("is not running and left no stats file"))
-
-    def wait_result(self, future: PendingResult[T_co], timeout: float = 600.0, poll: float = 0.5) -> T_co:
-        """`future.result()` that fails fast with LocalServerDied when the server exits meanwhile.
-
-        The stock SDK retries a vanished server for minutes; this names the real cause at once.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return future.result(timeout=poll)
-            except (TimeoutError, FutureTimeoutError):
-                pass
-            if not self.alive():
-                raise LocalServerDied(self._describe("died while a request was pending"))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no result after {timeout:.0f}s from a live local server (pid {self.pid})")
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL; returns the exit code. Idempotent."""

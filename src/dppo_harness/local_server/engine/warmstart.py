@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,13 +105,7 @@ def build_example(vocab: Vocab, renderer: Renderer, row: Mapping[str, str]) -> t
 
 
 def train(
-    config: model.TinyConfig,
-    vocab: Vocab,
-    seed: int,
-    recipe: dict,
-    ddir: Path,
-    log_every: int = 0,
-    on_step: Callable[[int, torch.nn.Module], object] | None = None,
+    config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path
 ) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(int(recipe["num_threads"]))
@@ -141,9 +135,12 @@ def train(
             torch.nn.utils.clip_grad_norm_(net.parameters(), recipe["grad_clip_norm"])
             opt.step()
             losses.append(float(loss.detach()))
-            if on_step is not None:
-                on_step(step, net)
-            last_said = _report_step(step, steps, losses[-1], lr, t0, last_said, log_every)
+            if time.time() - last_said >= PROGRESS_EVERY_S or step == steps - 1:
+                last_said = time.time()
+                _progress(
+                    f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
+                    f"{losses[-1]:.3f} ({last_said - t0:.0f}s)"
+                )
         net.eval()
         info = {
             "data_seconds": t_data,
@@ -220,26 +217,8 @@ def _batch_loss(net: transformers.Qwen3ForCausalLM, batch: _PaddedBatch, vocab_s
     return -(lp * batch.wts_BT[sel]).sum() / batch.wts_BT[sel].sum()
 
 
-def _report_step(step: int, steps: int, loss: float, lr: float, t0: float, last_said: float, log_every: int) -> float:
-    """A progress line every `PROGRESS_EVERY_S` and at the last step, a stdout line every
-    `log_every` steps (0: none); returns when progress was last said."""
-    if time.time() - last_said >= PROGRESS_EVERY_S or step == steps - 1:
-        last_said = time.time()
-        _progress(
-            f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
-            f"{loss:.3f} ({last_said - t0:.0f}s)"
-        )
-    if log_every and (step % log_every == 0 or step == steps - 1):
-        print(
-            f"warmstart step {step} loss {loss:.4f} lr {lr:.2e} t {time.time() - t0:.1f}s "
-            f"cpu {time.process_time():.1f}s",
-            flush=True,
-        )
-    return last_said
-
-
 def load_or_build(
-    config: model.TinyConfig, vocab: Vocab, seed: int = 0, recipe: dict | None = None, log_every: int = 0
+    config: model.TinyConfig, vocab: Vocab, seed: int = 0, recipe: dict | None = None
 ) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     """The warm-started base model (eval mode) and its provenance: the shipped one when its key is
     asked for, else built here (every preset the server starts, at its seed 0, is the shipped one;
@@ -254,7 +233,7 @@ def load_or_build(
         return shipped
     t0 = time.time()
     _progress("warm start: no shipped stand-in model for this config; building it (deterministic)")
-    net, info = train(config, vocab, seed, recipe, ddir, log_every=log_every)
+    net, info = train(config, vocab, seed, recipe, ddir)
     _progress(f"warm start: built in {time.time() - t0:.0f}s")
     meta = {"key": key, "weights_sha256": model.state_sha256(net.state_dict()), "build_seconds": time.time() - t0}
     return net, meta | info | {"cache_hit": False}

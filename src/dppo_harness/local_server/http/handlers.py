@@ -17,7 +17,6 @@ from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
-from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import SpindleError, UserError
 from dppo_harness.local_server.faults import CAPACITY_REFUSED
 from dppo_harness.local_server.http import spindle
@@ -228,9 +227,6 @@ async def forward_backward(request: web.Request) -> web.Response:
     req = decode_fwdbwd_request(await request.read(), request.headers.get("Content-Encoding"))
     entry = state.model(req.model_id or None)
     label = "forward" if req.forward_only else "forward_backward"
-    server_loss(req.loss_fn)  # UserError naming the supported losses
-    if not req.data:
-        raise UserError(f"{label} without data")
     engine_call = state.engine.forward if req.forward_only else state.engine.forward_backward
 
     def fn() -> Outcome:
@@ -414,10 +410,6 @@ async def asample(request: web.Request) -> web.Response:
         if req.model_path is None:
             state.check_served(target)
     prompt = prompt_tokens_of(req.prompt)
-    if not prompt:
-        raise UserError("asample: empty prompt")
-    if req.num_samples < 1:
-        raise UserError(f"asample: num_samples must be >= 1, got {req.num_samples}")
     params = req.sampling_params
     max_tokens = params.max_tokens
     if max_tokens is None or max_tokens < 1:
