@@ -87,10 +87,6 @@ class Nth:
     number: int
 
 
-ModelLost = NeverComplete = Nth
-RejectFirst = RejectFor = Reject
-
-
 @dataclass(frozen=True)
 class CapacityFail:
     """The listed requests of `kind` (1-based, counted per kind when they execute) fail their

@@ -109,16 +109,10 @@ def spindle_deployments(max_context_length: int | None) -> tuple[Deployment, ...
 
 
 def capabilities_of(deployments: tuple[Deployment, ...]) -> list[JsonObject]:
-    """`get_server_capabilities` entries: one per base model (the smallest context of its
-    definitions), no parameterization (src/spindle/control_plane/deployments.py, `capabilities`)."""
-    contexts: dict[str, int | None] = {}
-    for d in deployments:
-        if d.base_model not in contexts:
-            contexts[d.base_model] = d.max_context_length
-        elif d.max_context_length is not None:
-            known = contexts[d.base_model]
-            contexts[d.base_model] = d.max_context_length if known is None else min(known, d.max_context_length)
-    return [{"model_name": m, "max_context_length": c} for m, c in contexts.items()]
+    """`get_server_capabilities` entries: one per base model, no parameterization
+    (src/spindle/control_plane/deployments.py, `capabilities`, which takes the smallest context of a
+    base model's definitions; each base model here has one)."""
+    return [{"model_name": d.base_model, "max_context_length": d.max_context_length} for d in deployments]
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ SWEEP_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("sweep", asyncio.Task)
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[_log_requests, _authenticate, _spindle_gate, _faults_and_errors],
+        middlewares=[_log_requests, _spindle_gate, _faults_and_errors],
         client_max_size=512 * 1024 * 1024,
     )
     app[STATE_KEY] = state
@@ -115,22 +115,17 @@ async def _stop_sweep(app: web.Application) -> None:
 
 
 @web.middleware
-async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The research exchange's front door in front of Spindle (spindle profile): Modal-Key and
-    Modal-Secret on every request, before any route is looked at. Not Spindle's own check."""
-    problem = request.app[STATE_KEY].profile.auth_error(request.headers)
-    if problem is not None:
-        return error_json(problem, 401)
-    return await handler(request)
-
-
-@web.middleware
 async def _spindle_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Spindle itself (spindle profile): a route it lacks answers FastAPI's 404 before any key check;
-    then X-API-Key must equal TINKER_API_KEY (src/spindle/control_plane/http.py, `authorize`)."""
+    """The spindle profile: first the research exchange's front door (Modal-Key and Modal-Secret on
+    every request, before any route is looked at; not Spindle's own check), then Spindle itself: a
+    route it lacks answers FastAPI's 404 before any key check; then X-API-Key must equal
+    TINKER_API_KEY (src/spindle/control_plane/http.py, `authorize`)."""
     profile = request.app[STATE_KEY].profile
     if not profile.is_spindle:
         return await handler(request)
+    problem = profile.auth_error(request.headers)
+    if problem is not None:
+        return error_json(problem, 401)
     unmatched = request.match_info.http_exception
     if unmatched is not None:
         if unmatched.status == 405:
