@@ -425,14 +425,10 @@ class FaultInjector:
     def snapshot(self) -> dict:
         with self._lock:
             return {
-                "queued": dict(self.queued),
                 "executed": dict(self.executed),
                 "requests": dict(self.requests),
                 "injected": dict(self.injected),
                 "api_requests": self.api_requests,
-                "die_after": self.config.die_after,
-                "capacity_exhausted_left": self._capacity_left,
-                "omit_fields": [f"{r.kind}.{r.field}" for r in self.config.omit_fields],
             }
 
 
