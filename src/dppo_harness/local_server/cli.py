@@ -1,20 +1,9 @@
-"""CLI: `python -m dppo_harness.local_server --host 127.0.0.1 --port PORT [options]`.
+"""CLI: `python -m dppo_harness.local_server --host 127.0.0.1 --port PORT [options]` (docs/local-server.md).
 
-Prints exactly one line `listening on http://127.0.0.1:PORT` on stdout once the engine is
-loaded and the socket accepts connections; logs go to stderr (one line per request: method, path,
-status, milliseconds). SIGTERM/SIGINT shut it down.
-
-`--profile spindle` behaves like Spindle, Modal's Tinker-compatible service, as its source shows it
-(modal-projects/spindle; docs/local-server.md "Spindle profile"): it reads TINKER_API_KEY,
-MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET from its own environment (exit code 2, naming
-the variable, if one is unset); Spindle checks X-API-Key, the research exchange's front door in
-front of it checks Modal-Key / Modal-Secret.
-
-The fault options rehearse what a shared service does and the SDK knows (docs/service.md): capacity
-pauses as `paused_capacity` try_again polls (`--fault-queue-pause`, default profile; Spindle only
-ever says `active`), a request that never completes (`--fault-never-complete`), a 429 at sample
-submit for a while (`--fault-reject-for asample:429:S`), a trainer that dies (`--fault-model-lost`,
-spindle profile).
+One stdout line `listening on http://127.0.0.1:PORT` once the engine is loaded and the socket
+accepts connections; logs on stderr; SIGTERM/SIGINT shut it down. `--profile spindle` reads
+TINKER_API_KEY, MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET from its environment (exit code
+2, naming the variable, if one is unset).
 """
 
 from __future__ import annotations

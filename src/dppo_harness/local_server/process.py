@@ -81,17 +81,9 @@ def server_environment(env: Mapping[str, str], profile: str) -> dict[str, str]:
 
 
 class LocalServerProcess:
-    """`python -m dppo_harness.local_server` as a child process.
-
-    with LocalServerProcess(run_dir=tmp, fault_args=["--fault-reject-first", "asample:429:2"]) as srv:
-        client = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
-        ...
-        srv.stats()  # GET /_harness/stats: fault counters, header names, whitelisted values
-
-    `profile="spindle"` starts `--profile spindle`; its expected credentials are read from `env`
-    (TINKER_API_KEY, MODAL_PROXY_TOKEN_ID, MODAL_PROXY_TOKEN_SECRET), and this helper's own probes
-    (healthz, stats) send them. `env=None` inherits this process's environment; a given `env` is
-    the child's whole environment (PYTHONPATH is added).
+    """`python -m dppo_harness.local_server` as a child process (docs/local-server.md "Python API").
+    `env=None` inherits this process's environment; a given `env` is the child's whole environment
+    (PYTHONPATH is added); with `profile="spindle"` this helper's own probes send its credentials.
     """
 
     def __init__(
@@ -324,13 +316,14 @@ class InProcessServer:
     def __init__(self, engine: Engine, faults: FaultConfig | None = None, profile: Profile | None = None) -> None:
         self.engine = engine
         self._faults = faults or FaultConfig()
+        if self._faults.die_after is not None:  # it would end this process
+            raise ValueError("--fault-die-after needs a server process (LocalServerProcess)")
         self._profile = profile or Profile()
         self.state: ServerState | None = None
         self.base_url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
-        self.died: str | None = None
 
     def start(self) -> InProcessServer:
         self._loop = asyncio.new_event_loop()
@@ -349,14 +342,10 @@ class InProcessServer:
             FaultInjector(self._faults),
             HeaderRecorder(self._faults.record_header_values),
             profile=self._profile,
-            on_die=self._on_die,
         )
         sock = listening_socket("127.0.0.1", 0)
         self._runner = await start_site(self.state, sock)
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    def _on_die(self, message: str) -> None:  # the fault that would exit a server process
-        self.died = message
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():

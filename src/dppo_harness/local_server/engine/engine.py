@@ -1,16 +1,8 @@
-"""Model side of the embedded Tinker-protocol server: training models, optimizer, checkpoints,
-sampling.
+"""Model side of the embedded Tinker-protocol server: training models, optimizer, checkpoints and
+sampling on a tiny preset (docs/local-server.md "Model" to "Checkpoints").
 
-``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``. Token ids are real
-Qwen3.5 ids; prompt_logprobs (when requested) is on every returned sequence, first element None.
-Sampled-token logprobs are the model's untempered log-softmax (the trainer's distribution),
-whatever temperature/top_k/top_p shaped the draw; at temperature 1 without truncation they are
-exactly the sampling distribution.
-
-The base model is one of the tiny presets (`PRESETS`: a small Qwen3 over a restricted
-vocabulary, on CPU); every sample goes through the batched decode loop of `sampling.py`.
-Checkpoints live under `run_dir` (`checkpoint_files`), written atomically, verified by sha256 and
-by the base model's hash on load.
+``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``; token ids are real
+Qwen3.5 ids. Sampled-token logprobs are the untempered log-softmax (the trainer's distribution).
 """
 
 from __future__ import annotations

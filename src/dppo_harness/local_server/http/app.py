@@ -147,9 +147,6 @@ async def _faults_and_errors(request: web.Request, handler: Handler) -> web.Stre
     decision = state.faults.decide(kind, counts_toward_death=kind != "healthz")
     if decision.die:
         message = f"local server: fault injection: exiting after {state.faults.config.die_after} API requests (request {kind})"
-        if state.on_die is not None:
-            state.on_die(message)
-            raise web.HTTPServiceUnavailable(text=message)
         print(message, file=sys.stderr, flush=True)
         if state.stats_path is not None:
             with contextlib.suppress(OSError):

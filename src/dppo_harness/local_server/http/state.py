@@ -110,7 +110,6 @@ class ServerState:
     faults: FaultInjector
     headers: HeaderRecorder
     profile: Profile = field(default_factory=Profile)
-    on_die: Callable[[str], None] | None = None  # called instead of os._exit in-process
     stats_path: Path | None = None  # written when the process exits on purpose (fault die, SIGTERM)
 
     def __post_init__(self) -> None:
