@@ -15,11 +15,12 @@ import uuid
 
 import pytest
 import tinker
+from child_pids import live_child_pids
 from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.local_server.faults import FaultSpecError, parse_reject_first
-from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
+from dppo_harness.local_server.process import LocalServerProcess
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 

@@ -30,12 +30,13 @@ import time
 from pathlib import Path
 
 import pytest
+from child_pids import live_child_pids
 from harness_paths import LOSS_PARITY
 from run_env import harness_env
 from server_in_process import ServerInProcess
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
-from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
+from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.service.secrets_scan import SECRET_ENV_VARS, SecretScanner
 from dppo_harness.service.wait.watch import SUBMIT_REFUSED_REASON
 

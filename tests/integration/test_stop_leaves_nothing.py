@@ -14,8 +14,9 @@ import time
 
 import pytest
 import tinker
+from child_pids import live_child_pids
 
-from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
+from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.service.observed import make_service_client
 from dppo_harness.service.release import ClientRegistry
 from dppo_harness.service.wait.policy import ServiceHang, WaitPolicy

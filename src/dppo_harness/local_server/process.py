@@ -43,23 +43,6 @@ PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines 
 _live: weakref.WeakSet[LocalServerProcess] = weakref.WeakSet()
 
 
-def live_child_pids() -> set[int]:
-    """PIDs of this process's live (non-zombie) children, from /proc: how tests prove a server
-    or a harness run left nothing running."""
-    me, found = os.getpid(), set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
-
-
 class LocalServerDied(RuntimeError):
     """The server process exited (or never became ready); the message carries its log tail."""
 
