@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
+from engine_reads import compute_logprobs, direct_loss_grads
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
 from dppo_harness.local_server.engine import model, warmstart
@@ -84,10 +85,10 @@ def test_custom_loss_gradient_parity(engine, arm):
         engine.forward_backward(mid, ce, "cross_entropy")
         engine.optim_step(mid, {"learning_rate": 3e-2})
     loss_fn = make_loss_fn(LossConfig(loss=arm, normalization="sum"))
-    _, metrics = loss_fn(data, engine.compute_logprobs(mid, [_engine_datum(d, np.zeros(1)) for d in data]))
+    _, metrics = loss_fn(data, compute_logprobs(engine, mid, [_engine_datum(d, np.zeros(1)) for d in data]))
     two_pass = _two_pass_grads(engine, mid, data, loss_fn)
-    direct = engine.direct_loss_grads(
-        mid, [_engine_datum(d, np.zeros(1)) for d in data], lambda lps: loss_fn(data, lps)[0]
+    direct = direct_loss_grads(
+        engine, mid, [_engine_datum(d, np.zeros(1)) for d in data], lambda lps: loss_fn(data, lps)[0]
     )
     flat_two = torch.cat([two_pass[n].flatten() for n in sorted(direct)])
     flat_dir = torch.cat([direct[n].flatten() for n in sorted(direct)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_reads import compute_logprobs
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
 from dppo_harness.local_server.engine import model
@@ -289,7 +290,7 @@ def test_greedy_is_argmax_and_stops(engine, prompt):
     assert g1[0].tokens == g1[1].tokens == g2[0].tokens and g1[0].stop_reason == "length"
     # each greedy token is the argmax of the trainer's distribution at its position
     toks = prompt + g1[0].tokens
-    lp_full = engine.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0]
+    lp_full = compute_logprobs(engine, mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0]
     np.testing.assert_allclose(lp_full[len(prompt) - 1 :].numpy(), g1[0].logprobs, atol=1e-4)
     stop_tok = g1[0].tokens[4]
     first = g1[0].tokens.index(stop_tok)
@@ -334,7 +335,7 @@ def test_sampling_from_saved_weights(engine, batch, prompt):
     assert sp == f"tinker://{mid}/sampler_weights/trained"
     s = engine.sample(sp, prompt, 1, 10, 1.0, -1, 1.0, [], [], 4, False)[0]
     toks = prompt + s.tokens
-    lp = engine.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1 :]
+    lp = compute_logprobs(engine, mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1 :]
     np.testing.assert_allclose(lp.numpy(), s.logprobs, atol=1e-4)  # sampler == trained weights
     base = engine.sample(BASE_MODEL, prompt, 1, 10, 1.0, -1, 1.0, [], [], 4, False)[0]
     assert base.logprobs != s.logprobs

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
+from engine_reads import compute_logprobs
 from tinker import types
 
 from dppo_harness import constants
@@ -372,7 +373,7 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
     out = custom_forward_backward(tc, data, loss_fn).result(timeout=300)
     g_http = engine.get_parameter_grads(mid)
     # Reference: the same loss differentiated straight through the server's model (accumulates).
-    lps = engine.compute_logprobs(mid, _datum_inputs(data), grad=True)
+    lps = compute_logprobs(engine, mid, _datum_inputs(data), grad=True)
     ref_loss, _ = loss_fn(data, [lp.float() for lp in lps])
     ref_loss.backward()
     g_ref = _minus(engine.get_parameter_grads(mid), g_http)

@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -436,23 +436,6 @@ class Engine:
         """Forward + backward; LoRA gradients accumulate until ``optim_step``."""
         return self._run(model_id, data, loss_fn, loss_fn_config, backward=True)
 
-    def compute_logprobs(self, model_id: str, data: Sequence[DatumIn], *, grad: bool = False) -> list[torch.Tensor]:
-        """Per-datum target logprobs exactly as ``forward`` computes them (graph kept if grad)."""
-        tm = self._get(model_id)
-        only_targets = [
-            (t, {"target_tokens": inp["target_tokens"], "weights": np.zeros(len(t), np.float32)})
-            if "target_tokens" in inp
-            else (t, inp)
-            for t, inp in data
-        ]
-        items = self._validate(only_targets, "cross_entropy")
-        out: list[torch.Tensor | None] = [None] * len(items)
-        with tm.lock, torch.set_grad_enabled(grad):
-            for idx in self._microbatches(items):
-                for lp, i in zip(self._logprobs_mb(tm.net, items, idx), idx):
-                    out[i] = lp
-        return [o for o in out if o is not None]
-
     def optim_step(self, model_id: str, adam: Mapping[str, float | None]) -> dict[str, float]:
         tm = self._get(model_id)
         if "learning_rate" not in adam:
@@ -500,18 +483,6 @@ class Engine:
             "optim/grad_norm": grad_norm,
             "optim/step": float(tm.steps),
         }
-
-    def direct_loss_grads(
-        self, model_id: str, data: Sequence[DatumIn], loss_of_logprobs: Callable[[list[torch.Tensor]], torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """Gradient of ``loss_of_logprobs(per-datum target logprobs)`` w.r.t. the LoRA parameters by
-        plain autograd through the model (no accumulation into ``.grad``): the reference the
-        two-pass ``forward_backward_custom`` path must reproduce."""
-        tm = self._get(model_id)
-        with tm.lock:
-            loss = loss_of_logprobs(self.compute_logprobs(model_id, data, grad=True))
-            grads = torch.autograd.grad(loss, [q for _, q in tm.params], allow_unused=True)
-        return {n: (g if g is not None else torch.zeros_like(q)).detach() for (n, q), g in zip(tm.params, grads)}
 
     def get_parameter_grads(self, model_id: str) -> dict[str, torch.Tensor]:
         tm = self._get(model_id)
