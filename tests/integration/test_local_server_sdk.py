@@ -71,8 +71,9 @@ def client(server):
 @pytest.fixture(scope="module")
 def inproc(tmp_path_factory):
     """Engine + app in this process; tests read gradients and parameters from `engine`."""
+    from server_in_process import InProcessServer
+
     from dppo_harness.local_server.engine.engine import Engine
-    from dppo_harness.local_server.process import InProcessServer
 
     engine = Engine(tmp_path_factory.mktemp("inproc-run"), model_name=TEST_MODEL)
     srv = InProcessServer(engine).start()

@@ -22,12 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
+from server_in_process import InProcessServer
 from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.faults import FaultConfig, parse_model_lost, parse_queue_pause, parse_reject_first
-from dppo_harness.local_server.process import InProcessServer, LocalServerDied, LocalServerProcess
+from dppo_harness.local_server.process import LocalServerDied, LocalServerProcess
 from dppo_harness.local_server.profiles import (
     OPTIMIZER_ECHO_KEYS,
     SPINDLE_CLIENT_CONFIG,

@@ -1,15 +1,12 @@
-"""Start and stop the embedded server: as a subprocess (`LocalServerProcess`, used by the pytest
-plugin and the integration tests) or in this process on a background thread (`InProcessServer`,
-for tests that must read the engine's tensors directly).
-
-Both bind 127.0.0.1 only and leave nothing running after `stop()` / the `with` block.
+"""Start and stop the embedded server as a subprocess (`LocalServerProcess`, used by the pytest
+plugin and the integration tests): it binds 127.0.0.1 only and leaves nothing running after
+`stop()` / the `with` block. Tests start it in their own process with
+tests/support/server_in_process.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import contextlib
 import json
 import os
 import queue
@@ -25,18 +22,11 @@ import urllib.request
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dppo_harness
-from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
-from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS, Profile, client_auth_headers
+from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS, client_auth_headers
 from dppo_harness.service.secrets_scan import without_credentials
-
-if TYPE_CHECKING:
-    from aiohttp import web
-
-    from dppo_harness.local_server.engine.engine import Engine
-    from dppo_harness.local_server.http.state import ServerState
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
@@ -287,63 +277,3 @@ class LocalServerProcess:
 def _stop_leftovers() -> None:
     for server in list(_live):
         server.stop(timeout=5.0)
-
-
-class InProcessServer:
-    """The same app on a background event loop in this process, sharing `engine` with the caller.
-
-    Tests use it to compare what crossed HTTP with the engine's own tensors
-    (`engine.get_parameter_grads(server.state.engine_model_id(training_client.model_id))`).
-    """
-
-    def __init__(self, engine: Engine, faults: FaultConfig | None = None, profile: Profile | None = None) -> None:
-        self.engine = engine
-        self._faults = faults or FaultConfig()
-        if self._faults.die_after is not None:  # it would end this process
-            raise ValueError("--fault-die-after needs a server process (LocalServerProcess)")
-        self._profile = profile or Profile()
-        self.state: ServerState | None = None
-        self.base_url = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
-
-    def start(self) -> InProcessServer:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="local-server-inprocess", daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._setup(), self._loop).result()
-        return self
-
-    async def _setup(self) -> None:
-        # The server's stack (aiohttp, the SDK's types and protobufs, the engine's modules) loads for
-        # an in-process server only: the pytest plugin imports this module at start-up.
-        from dppo_harness.local_server.http.app import ServerState, listening_socket, start_site
-
-        self.state = ServerState(
-            self.engine,
-            FaultInjector(self._faults),
-            HeaderRecorder(self._faults.record_header_values),
-            profile=self._profile,
-        )
-        sock = listening_socket("127.0.0.1", 0)
-        self._runner = await start_site(self.state, sock)
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    def stop(self) -> None:
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            if self._runner is not None:
-                with contextlib.suppress(Exception):
-                    asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-            if not self._thread.is_alive():
-                self._loop.close()
-        if self.state is not None:
-            self.state.shutdown()
-
-    def __enter__(self) -> InProcessServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
