@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
@@ -47,7 +48,6 @@ POSTS = (
     "create_session session_heartbeat telemetry create_model get_info unload_model forward_backward optim_step "
     "save_weights load_weights save_weights_for_sampler create_sampling_session asample retrieve_future weights_info"
 )
-SWEEP_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("sweep", asyncio.Task)
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -59,8 +59,7 @@ def build_app(state: ServerState) -> web.Application:
     app.on_response_prepare.append(_add_marker)
     is_spindle = state.profile.is_spindle
     if is_spindle:
-        app.on_startup.append(_start_sweep)
-        app.on_cleanup.append(_stop_sweep)
+        app.cleanup_ctx.append(_idle_sweep)
     for name in POSTS.split():  # each named for its route
         app.router.add_post(f"{API}/{name}", getattr(handlers, name))
     app.router.add_post(f"{API}/client/config", handlers.client_config)
@@ -104,14 +103,12 @@ async def _log_requests(request: web.Request, handler: Handler) -> web.StreamRes
         request_log.info("%s %s %d %.1fms", request.method, request.path, status, (time.perf_counter() - t0) * 1e3)
 
 
-async def _start_sweep(app: web.Application) -> None:
-    app[SWEEP_KEY] = asyncio.get_running_loop().create_task(spindle.sweep_forever(app[STATE_KEY]))
-
-
-async def _stop_sweep(app: web.Application) -> None:
-    app[SWEEP_KEY].cancel()
+async def _idle_sweep(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.get_running_loop().create_task(spindle.sweep_forever(app[STATE_KEY]))
+    yield
+    task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        await app[SWEEP_KEY]
+        await task
 
 
 @web.middleware
