@@ -1,16 +1,7 @@
-"""Server profiles: `default` (the open local stand-in) and `spindle` (behaves like Spindle, Modal's
-Tinker-compatible service, as its source shows it: repository `modal-projects/spindle`; the facts
-are collected in docs/local-server.md "Spindle profile").
-
-The spindle profile has two checks in front of its handlers:
-- the research exchange's front door (a proxy in front of Spindle, not Spindle itself): every
-  request must carry `Modal-Key` / `Modal-Secret` (MODAL_PROXY_TOKEN_ID / _SECRET);
-- Spindle's own check (src/spindle/control_plane/http.py, `authorize`): `X-API-Key` must equal its
-  TINKER_API_KEY, else 401 `{"error": "unauthorized", "message": "unauthorized"}`; it runs after
-  routing, so an unknown route answers 404 first.
-
-Expected credential values come from the server's own environment at start and live only in a
-`Profile` (excluded from its repr); errors name the header or variable, never a value.
+"""Server profiles: `default` (the open local stand-in) and `spindle` (Spindle, Modal's
+Tinker-compatible service, as its source `modal-projects/spindle` shows it: docs/local-server.md
+"Spindle profile"). Expected credential values come from the server's own environment at start and
+live only in a `Profile` (excluded from its repr); errors name the header or variable, never a value.
 """
 
 from __future__ import annotations

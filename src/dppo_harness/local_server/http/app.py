@@ -1,11 +1,7 @@
-"""aiohttp app speaking the Tinker SDK 0.25 wire protocol over a local `Engine`, and the socket
-that serves it (`run_server` is the CLI's whole server; `start_site` serves the in-process one).
-
-The protocol as read from the SDK source, the routes and the marker: docs/local-server.md "HTTP
-protocol". JSON requests validate into the SDK's own request types and answers are built from its
-response types, so the server cannot drift from the pinned SDK. The `spindle` profile puts the
-exchange's front door (Modal-Key / Modal-Secret) and Spindle's own X-API-Key check in front of the
-routes Spindle has (docs/local-server.md "Spindle profile"; http/spindle.py).
+"""aiohttp app speaking the Tinker SDK 0.25 wire protocol over a local `Engine` (docs/local-server.md
+"HTTP protocol"), and the socket that serves it (`run_server` is the CLI's whole server;
+`start_site` serves one in the test process). JSON requests validate into the SDK's own request
+types and answers are built from its response types, so the server cannot drift from the pinned SDK.
 """
 
 from __future__ import annotations
