@@ -11,6 +11,7 @@ import pytest
 import tinker
 import torch
 from engine_reads import compute_logprobs, direct_loss_grads
+from warm_start_signal import signal_rate
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
 from dppo_harness.local_server.engine import model, warmstart
@@ -120,7 +121,7 @@ def test_warm_start_rollouts_carry_signal(tmp_path):
     32 needed (8). Measured: all 32 of 32 groups at full size, 254 of 256 samples stopped, 36 CPU-s."""
     eng = Engine(tmp_path, batch_window_s=0.2)
     try:
-        res = warmstart.signal_rate(eng, n_groups=8, group_size=8, max_tokens=512)
+        res = signal_rate(eng, n_groups=8, group_size=8, max_tokens=512)
     finally:
         eng.close()
     print(json.dumps({k: v for k, v in res.items() if k != "rewards"}))
