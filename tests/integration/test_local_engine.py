@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_reads import compute_logprobs
+from engine_reads import compute_logprobs, get_parameters
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
 from dppo_harness.local_server.engine import model
@@ -90,7 +90,7 @@ def test_lora_seed_controls_init(engine):
     m1 = engine.create_model(BASE_MODEL, 4, 11)
     m2 = engine.create_model(BASE_MODEL, 4, 11)
     m3 = engine.create_model(BASE_MODEL, 4, 12)
-    p1, p2, p3 = (engine.get_parameters(m) for m in (m1, m2, m3))
+    p1, p2, p3 = (get_parameters(engine, m) for m in (m1, m2, m3))
     assert model.state_sha256(p1) == model.state_sha256(p2)
     assert model.state_sha256(p1) != model.state_sha256(p3)
     assert any("lm_head" in n for n in p1) and any("down_proj" in n for n in p1)  # all linear layers
@@ -175,7 +175,7 @@ def test_optim_step_equals_torch_adamw(engine, batch, adam):
     refs = None
     for _step in range(2):  # two steps: moments carry over
         engine.forward_backward(mid, _ce(batch), "cross_entropy")
-        params, grads = engine.get_parameters(mid), engine.get_parameter_grads(mid)
+        params, grads = get_parameters(engine, mid), engine.get_parameter_grads(mid)
         if refs is None:
             refs = {n: p.clone().requires_grad_(True) for n, p in params.items()}
             ref_opt = torch.optim.AdamW(
@@ -195,7 +195,7 @@ def test_optim_step_equals_torch_adamw(engine, batch, adam):
         metrics = engine.optim_step(mid, adam)
         for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
             assert metrics[f"optim/{k}"] == adam[k]
-        after = engine.get_parameters(mid)
+        after = get_parameters(engine, mid)
         for n in refs:
             assert torch.equal(after[n], refs[n].detach()), n
     # The comparison can fail: a different weight decay gives different parameters.
@@ -206,7 +206,7 @@ def test_optim_step_equals_torch_adamw(engine, batch, adam):
     mid3 = engine.create_model(BASE_MODEL, 4, 3)
     engine.forward_backward(mid3, _ce(batch), "cross_entropy")
     engine.optim_step(mid3, adam)
-    a, b = engine.get_parameters(mid2), engine.get_parameters(mid3)
+    a, b = get_parameters(engine, mid2), get_parameters(engine, mid3)
     assert any(not torch.equal(a[n], b[n]) for n in a)
 
 

@@ -1,5 +1,6 @@
-"""Reads of an in-process `Engine` that only tests make: target logprobs with their graph, and the
-plain-autograd gradient the two-pass `forward_backward_custom` path must reproduce."""
+"""Reads of an in-process `Engine` that only tests make: its LoRA parameters, target logprobs with
+their graph, and the plain-autograd gradient the two-pass `forward_backward_custom` path must
+reproduce."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import numpy as np
 import torch
 
 from dppo_harness.local_server.engine.engine import DatumIn, Engine
+
+
+def get_parameters(engine: Engine, model_id: str) -> dict[str, torch.Tensor]:
+    tm = engine._get(model_id)
+    with tm.lock:
+        return {n: q.detach().clone() for n, q in tm.params}
 
 
 def compute_logprobs(

@@ -148,10 +148,6 @@ class ServerState:
             self.results.pop(old_id)
         return request_id, fut
 
-    def engine_model_id(self, model_id: str) -> str:
-        """The engine's id for an SDK model id (tests read gradients through it)."""
-        return self.models[model_id].engine_id
-
     @property
     def stand_in(self) -> str:
         """The identity of the model really computing (e.g. `local/tiny-qwen3-gsm8k`)."""
