@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dppo_harness.local_server.engine import warmstart
 from dppo_harness.local_server.engine.engine import Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from warm_start_signal import signal_rate
 
 
 def main() -> None:
@@ -45,7 +48,7 @@ def main() -> None:
     )
     try:
         c0 = time.process_time()
-        res = warmstart.signal_rate(eng, n_groups=args.groups, group_size=8, max_tokens=512)
+        res = signal_rate(eng, n_groups=args.groups, group_size=8, max_tokens=512)
         res["sample_process_cpu_seconds"] = time.process_time() - c0
         rewards = res.pop("rewards")
         print(json.dumps({"sampling": res}))

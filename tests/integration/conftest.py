@@ -11,9 +11,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from child_pids import live_child_pids
 from run_env import harness_env, is_run_variable
 
-from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
+from dppo_harness.local_server.process import LocalServerProcess
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # The files that take minutes, longest first (CPU seconds each, measured alone:

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import tinker
 from sdk_session import end_session
+from server_in_process import InProcessServer
 
 from dppo_harness import constants
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.local_server.engine.engine import Engine
-from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response
 from dppo_harness.stages.comparison import run as comparison_run

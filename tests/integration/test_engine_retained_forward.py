@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_reads import get_parameters
 
 from dppo_harness.constants import BASE_MODEL
 from dppo_harness.local_server.engine.engine import Engine
@@ -65,7 +66,7 @@ def _step(eng: Engine, mid: str, fwd_data, bwd_data) -> dict:
         "loss": metrics["loss:sum"],
         "grads": grads,
         "optim": optim,
-        "params": eng.get_parameters(mid),
+        "params": get_parameters(eng, mid),
     }
 
 

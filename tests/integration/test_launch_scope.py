@@ -31,10 +31,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_in_process import InProcessServer
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER
 from dppo_harness.local_server.engine.engine import Engine
-from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.local_server.profiles import make_profile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_reads import compute_logprobs, get_parameters
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
 from dppo_harness.local_server.engine import model
@@ -89,7 +90,7 @@ def test_lora_seed_controls_init(engine):
     m1 = engine.create_model(BASE_MODEL, 4, 11)
     m2 = engine.create_model(BASE_MODEL, 4, 11)
     m3 = engine.create_model(BASE_MODEL, 4, 12)
-    p1, p2, p3 = (engine.get_parameters(m) for m in (m1, m2, m3))
+    p1, p2, p3 = (get_parameters(engine, m) for m in (m1, m2, m3))
     assert model.state_sha256(p1) == model.state_sha256(p2)
     assert model.state_sha256(p1) != model.state_sha256(p3)
     assert any("lm_head" in n for n in p1) and any("down_proj" in n for n in p1)  # all linear layers
@@ -174,7 +175,7 @@ def test_optim_step_equals_torch_adamw(engine, batch, adam):
     refs = None
     for _step in range(2):  # two steps: moments carry over
         engine.forward_backward(mid, _ce(batch), "cross_entropy")
-        params, grads = engine.get_parameters(mid), engine.get_parameter_grads(mid)
+        params, grads = get_parameters(engine, mid), engine.get_parameter_grads(mid)
         if refs is None:
             refs = {n: p.clone().requires_grad_(True) for n, p in params.items()}
             ref_opt = torch.optim.AdamW(
@@ -194,7 +195,7 @@ def test_optim_step_equals_torch_adamw(engine, batch, adam):
         metrics = engine.optim_step(mid, adam)
         for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
             assert metrics[f"optim/{k}"] == adam[k]
-        after = engine.get_parameters(mid)
+        after = get_parameters(engine, mid)
         for n in refs:
             assert torch.equal(after[n], refs[n].detach()), n
     # The comparison can fail: a different weight decay gives different parameters.
@@ -205,7 +206,7 @@ def test_optim_step_equals_torch_adamw(engine, batch, adam):
     mid3 = engine.create_model(BASE_MODEL, 4, 3)
     engine.forward_backward(mid3, _ce(batch), "cross_entropy")
     engine.optim_step(mid3, adam)
-    a, b = engine.get_parameters(mid2), engine.get_parameters(mid3)
+    a, b = get_parameters(engine, mid2), get_parameters(engine, mid3)
     assert any(not torch.equal(a[n], b[n]) for n in a)
 
 
@@ -289,7 +290,7 @@ def test_greedy_is_argmax_and_stops(engine, prompt):
     assert g1[0].tokens == g1[1].tokens == g2[0].tokens and g1[0].stop_reason == "length"
     # each greedy token is the argmax of the trainer's distribution at its position
     toks = prompt + g1[0].tokens
-    lp_full = engine.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0]
+    lp_full = compute_logprobs(engine, mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0]
     np.testing.assert_allclose(lp_full[len(prompt) - 1 :].numpy(), g1[0].logprobs, atol=1e-4)
     stop_tok = g1[0].tokens[4]
     first = g1[0].tokens.index(stop_tok)
@@ -325,22 +326,6 @@ def test_out_of_vocab_ids(engine, prompt):
     assert all(t in vocab for s in seqs for t in s.tokens)
 
 
-def test_sampler_bfloat16_option(tmp_path, prompt):
-    eng = Engine(tmp_path, model_name=PRESET, sampler_dtype="bfloat16", batch_window_s=0.0)
-    try:
-        mid = eng.create_model(BASE_MODEL, 4, 0)
-        s = eng.sample(BASE_MODEL, prompt, 1, 16, 1.0, -1, 1.0, [], [], 3, False)[0]
-        toks = prompt + s.tokens
-        lp = eng.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1 :]
-        diff = np.abs(lp.numpy() - np.asarray(s.logprobs))
-        assert diff.max() > 1e-4  # bf16 sampler really differs from the fp32 trainer
-        assert diff.max() < 0.5
-    finally:
-        eng.close()
-    with pytest.raises(UserError, match="sampler_dtype"):
-        Engine(tmp_path, model_name=PRESET, sampler_dtype="float16")
-
-
 def test_sampling_from_saved_weights(engine, batch, prompt):
     mid = engine.create_model(BASE_MODEL, 4, 8)
     for _ in range(3):
@@ -350,7 +335,7 @@ def test_sampling_from_saved_weights(engine, batch, prompt):
     assert sp == f"tinker://{mid}/sampler_weights/trained"
     s = engine.sample(sp, prompt, 1, 10, 1.0, -1, 1.0, [], [], 4, False)[0]
     toks = prompt + s.tokens
-    lp = engine.compute_logprobs(mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1 :]
+    lp = compute_logprobs(engine, mid, [(toks[:-1], {"target_tokens": np.asarray(toks[1:])})])[0][len(prompt) - 1 :]
     np.testing.assert_allclose(lp.numpy(), s.logprobs, atol=1e-4)  # sampler == trained weights
     base = engine.sample(BASE_MODEL, prompt, 1, 10, 1.0, -1, 1.0, [], [], 4, False)[0]
     assert base.logprobs != s.logprobs

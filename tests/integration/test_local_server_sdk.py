@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
+from engine_reads import compute_logprobs, get_parameters
 from tinker import types
 
 from dppo_harness import constants
@@ -70,8 +71,9 @@ def client(server):
 @pytest.fixture(scope="module")
 def inproc(tmp_path_factory):
     """Engine + app in this process; tests read gradients and parameters from `engine`."""
+    from server_in_process import InProcessServer
+
     from dppo_harness.local_server.engine.engine import Engine
-    from dppo_harness.local_server.process import InProcessServer
 
     engine = Engine(tmp_path_factory.mktemp("inproc-run"), model_name=TEST_MODEL)
     srv = InProcessServer(engine).start()
@@ -358,7 +360,7 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
         return tc
 
     tc = trained_model(21)
-    mid = srv.state.engine_model_id(tc.model_id)
+    mid = srv.state.models[tc.model_id].engine_id
     sampler = tc.save_weights_and_get_sampling_client()
     res = sample_group(sampler, prompt, 4, seed=13)
     data = rl_datums(
@@ -371,7 +373,7 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
     out = custom_forward_backward(tc, data, loss_fn).result(timeout=300)
     g_http = engine.get_parameter_grads(mid)
     # Reference: the same loss differentiated straight through the server's model (accumulates).
-    lps = engine.compute_logprobs(mid, _datum_inputs(data), grad=True)
+    lps = compute_logprobs(engine, mid, _datum_inputs(data), grad=True)
     ref_loss, _ = loss_fn(data, [lp.float() for lp in lps])
     ref_loss.backward()
     g_ref = _minus(engine.get_parameter_grads(mid), g_http)
@@ -385,7 +387,7 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
     # The same check on a sign-flipped loss must fail (and the HTTP gradient is exactly -g_ref).
     tc2 = trained_model(21)
     custom_forward_backward(tc2, data, flipped).result(timeout=300)
-    g_flip = engine.get_parameter_grads(srv.state.engine_model_id(tc2.model_id))
+    g_flip = engine.get_parameter_grads(srv.state.models[tc2.model_id].engine_id)
     ok_flip, rel_flip = _grads_match(g_flip, g_ref)
     assert not ok_flip and rel_flip == pytest.approx(2.0, rel=1e-3)
     assert _grads_match({k: -v for k, v in g_flip.items()}, g_ref)[0]
@@ -395,9 +397,9 @@ def test_optim_step_equals_torch_adamw_on_the_same_gradient(inproc, prompt, answ
     srv, sc = inproc
     engine = srv.engine
     tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=31)
-    mid = srv.state.engine_model_id(tc.model_id)
+    mid = srv.state.models[tc.model_id].engine_id
     batches = [[sft_datum(prompt + answer, len(prompt))], [sft_datum(prompt + answer[:20], len(prompt))]]
-    p0 = engine.get_parameters(mid)
+    p0 = get_parameters(engine, mid)
     ref = {k: torch.nn.Parameter(v.clone()) for k, v in p0.items()}
     names = sorted(ref)
     hyper = dict(lr=3e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
@@ -421,9 +423,9 @@ def test_optim_step_equals_torch_adamw_on_the_same_gradient(inproc, prompt, answ
             ref[k].grad = grads[k].clone() * scale
         opt.step()
         opt.zero_grad(set_to_none=True)
-        got = engine.get_parameters(mid)
+        got = get_parameters(engine, mid)
         for k in names:
             torch.testing.assert_close(got[k], ref[k].detach(), rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
         assert applied["optim/grad_norm"] == pytest.approx(norm, rel=1e-4)
         assert applied["optim/grad_clip_norm"] == pytest.approx(clip)
-    assert any(float((engine.get_parameters(mid)[k] - p0[k]).abs().max()) > 0 for k in names if "lora_A" in k)
+    assert any(float((get_parameters(engine, mid)[k] - p0[k]).abs().max()) > 0 for k in names if "lora_A" in k)

@@ -22,12 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
+from server_in_process import InProcessServer
 from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.faults import FaultConfig, parse_model_lost, parse_queue_pause, parse_reject_first
-from dppo_harness.local_server.process import InProcessServer, LocalServerDied, LocalServerProcess
+from dppo_harness.local_server.process import LocalServerDied, LocalServerProcess
 from dppo_harness.local_server.profiles import (
     OPTIMIZER_ECHO_KEYS,
     SPINDLE_CLIENT_CONFIG,
@@ -322,7 +323,7 @@ def test_default_profile_keeps_its_routes_and_has_no_deployments(engine):
     with InProcessServer(engine) as srv:
         assert httpx.get(srv.base_url + f"{API}/spindle/deployments").status_code == 404
         assert httpx.get(srv.base_url + f"{API}/checkpoints").status_code == 200
-        assert httpx.post(srv.base_url + f"{API}/cancel_future", json={"request_id": "x"}).status_code == 200
+        assert httpx.post(srv.base_url + f"{API}/cancel_future", json={"request_id": "x"}).status_code == 404
         caps = httpx.get(srv.base_url + f"{API}/get_server_capabilities").json()
         assert [m["model_name"] for m in caps["supported_models"]] == [constants.BASE_MODEL, STAND_IN]
 
@@ -414,20 +415,20 @@ def test_cold_start_and_slots_keep_creations_pending_as_active(engine):
         assert srv.state.slots == {second["model_id"]}
 
 
-def test_zero_slots_pend_forever_and_full_refuse_fails_as_server(engine):
+def test_zero_slots_pend_forever_and_a_refused_creation_fails_as_server(engine):
     with _server(engine, trainer_slots=0) as srv:
         created = _create(srv, _session(srv)).json()
         t0 = time.monotonic()
         while time.monotonic() - t0 < 3:
             resp = _poll(srv, created["request_id"])
             assert resp.status_code == 408 and resp.json()["queue_state"] == "active"
-    with _server(engine, FaultConfig(trainer_full_refuse=True), trainer_slots=1) as srv:
+    with _server(engine, FaultConfig(capacity_exhausted=1)) as srv:
         client = _sdk(srv)
-        client.create_lora_training_client(constants.BASE_MODEL, rank=4)
         with pytest.raises(tinker.RequestFailedError) as info:
             client.create_lora_training_client(constants.BASE_MODEL, rank=4)
         assert "engine refused work: trainer capacity exhausted" in str(info.value)
         assert info.value.category == types.RequestErrorCategory.Server
+        client.create_lora_training_client(constants.BASE_MODEL, rank=4)  # the storm is over: placed
 
 
 def _cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 import tinker
+from server_in_process import InProcessServer
 
 from dppo_harness.instrument import instrumentation
 from dppo_harness.local_server.engine.engine import Engine
-from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.loss import losses
 from dppo_harness.service.observed import make_service_client
 from dppo_harness.service.wait.policy import WaitPolicy

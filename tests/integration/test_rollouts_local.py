@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tinker
 from sdk_session import end_session
+from server_in_process import InProcessServer
 from tinker_cookbook.rl import data_processing
 
 from dppo_harness import constants
@@ -13,7 +14,6 @@ from dppo_harness.data import gsm8k
 from dppo_harness.data.tokenizer import make_renderer
 from dppo_harness.local_server.cli import build_parser, fault_config
 from dppo_harness.local_server.engine.engine import Engine
-from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 

@@ -37,8 +37,9 @@ MODEL = os.environ.get("DPPO_HARNESS_TEST_MODEL", "tiny-qwen3-random")
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    from server_in_process import InProcessServer
+
     from dppo_harness.local_server.engine.engine import Engine
-    from dppo_harness.local_server.process import InProcessServer
 
     srv = InProcessServer(Engine(tmp_path_factory.mktemp("rt-run"), model_name=MODEL)).start()
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)

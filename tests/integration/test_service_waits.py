@@ -13,6 +13,7 @@ import time
 
 import pytest
 import tinker
+from server_in_process import InProcessServer
 
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.faults import (
@@ -22,7 +23,6 @@ from dppo_harness.local_server.faults import (
     parse_reject_first,
     parse_reject_for,
 )
-from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.local_server.profiles import make_profile
 from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.service.secrets_scan import SecretScanner, live_secret_items

@@ -10,10 +10,10 @@ import threading
 import time
 
 import pytest
+from server_in_process import InProcessServer
 
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.faults import FaultConfig, parse_latency, parse_reject_first
-from dppo_harness.local_server.process import InProcessServer
 from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
 from dppo_harness.service.observed import make_service_client
 from dppo_harness.service.wait.policy import ServiceHang, WaitPolicy

@@ -13,9 +13,9 @@ as a user runs it (`pytest -m diagnostic`).
 - a storm longer than the window ends in a correct capacity_block;
 - bad credentials and a wrong URL: one line within 30 s, nothing left running.
 
-The storms are the server's seeded `trainer capacity exhausted` refusals at model creation, the
-refusal the harness's own backoff handles (an HTTP 429 is retried inside the SDK first). The
-harness's backoff is shrunk with DPPO_HARNESS_CAPACITY_SCALE so that both cases take seconds.
+The storms are the server's seeded refusals at model creation (Spindle's `engine refused work:
+trainer capacity exhausted`), the refusal the harness's own backoff handles (an HTTP 429 is
+retried inside the SDK first). The harness's backoff is shrunk with DPPO_HARNESS_CAPACITY_SCALE so that both cases take seconds.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ import time
 from pathlib import Path
 
 import pytest
+from child_pids import live_child_pids
 from harness_paths import LOSS_PARITY
 from run_env import harness_env
 from server_in_process import ServerInProcess
 
 from dppo_harness.evidence import REHEARSAL_PREFIX
-from dppo_harness.local_server.process import LocalServerProcess, live_child_pids
+from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.service.secrets_scan import SECRET_ENV_VARS, SecretScanner
 from dppo_harness.service.wait.watch import SUBMIT_REFUSED_REASON
 
@@ -309,7 +310,7 @@ def test_long_storm_ends_in_a_correct_capacity_block(plan_file, tmp_path):
         assert r["status"] == "failed" and r["verdict"] == "inconclusive"
         assert r["outcome_reason"] == "incomplete_execution"
         cb = r["capacity_block"]
-        assert cb["error"].startswith("trainer capacity exhausted"), cb
+        assert cb["error"].startswith("engine refused work: trainer capacity exhausted"), cb
         assert cb["comparison_steps_completed"] == 0 and cb["released_clients"] is True
         assert srv.stats()["sessions"] >= 1  # it did reach the service
     finally:

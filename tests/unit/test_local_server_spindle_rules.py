@@ -8,7 +8,7 @@ import pytest
 
 from dppo_harness import constants
 from dppo_harness.local_server.cli import build_parser, check_profile_options, fault_config, spindle_settings
-from dppo_harness.local_server.faults import FaultSpecError, ModelLost, parse_model_lost, parse_queue_pause
+from dppo_harness.local_server.faults import FaultSpecError, Nth, parse_model_lost, parse_queue_pause
 from dppo_harness.local_server.http.spindle import lora_refusal
 from dppo_harness.local_server.profiles import (
     DEFAULT_SESSION_IDLE_TIMEOUT_S,
@@ -51,7 +51,7 @@ def test_deployments_and_capabilities_listings():
 
 
 def test_fault_specs_for_spindle():
-    assert parse_model_lost("forward_backward:6") == ModelLost("forward_backward", 6)
+    assert parse_model_lost("forward_backward:6") == Nth("forward_backward", 6)
     with pytest.raises(FaultSpecError, match="--fault-model-lost"):
         parse_model_lost("forward_backward:0")
     assert parse_queue_pause("create_model:1:forever:active").queue_state == "active"
@@ -79,9 +79,9 @@ def test_spindle_options_defaults_and_refusals():
     assert "never sends queue_state paused_rate_limit" in (check_profile_options(args, faults) or "")
     args, faults = _args("--profile", "spindle", "--fault-queue-pause", "optim_step:2:30:active")
     assert check_profile_options(args, faults) is None
-    args, faults = _args("--trainer-slots", "2", "--fault-trainer-full-refuse")
+    args, faults = _args("--trainer-slots", "2", "--fault-model-lost", "optim_step:1")
     assert check_profile_options(args, faults) == (
-        "--trainer-slots, --fault-trainer-full-refuse: only with --profile spindle "
+        "--trainer-slots, --fault-model-lost: only with --profile spindle "
         "(Spindle's capacity, sweep and trainer faults)"
     )
     args, faults = _args("--fault-queue-pause", "optim_step:2:30")  # the default profile keeps paused holds

@@ -1,20 +1,9 @@
-"""CLI: `python -m dppo_harness.local_server --host 127.0.0.1 --port PORT [options]`.
+"""CLI: `python -m dppo_harness.local_server --host 127.0.0.1 --port PORT [options]` (docs/local-server.md).
 
-Prints exactly one line `listening on http://127.0.0.1:PORT` on stdout once the engine is
-loaded and the socket accepts connections; logs go to stderr (one line per request: method, path,
-status, milliseconds). SIGTERM/SIGINT shut it down.
-
-`--profile spindle` behaves like Spindle, Modal's Tinker-compatible service, as its source shows it
-(modal-projects/spindle; docs/local-server.md "Spindle profile"): it reads TINKER_API_KEY,
-MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET from its own environment (exit code 2, naming
-the variable, if one is unset); Spindle checks X-API-Key, the research exchange's front door in
-front of it checks Modal-Key / Modal-Secret.
-
-The fault options rehearse what a shared service does and the SDK knows (docs/service.md): capacity
-pauses as `paused_capacity` try_again polls (`--fault-queue-pause`, default profile; Spindle only
-ever says `active`), a request that never completes (`--fault-never-complete`), a 429 at sample
-submit for a while (`--fault-reject-for asample:429:S`), a trainer that dies (`--fault-model-lost`,
-spindle profile).
+One stdout line `listening on http://127.0.0.1:PORT` once the engine is loaded and the socket
+accepts connections; logs on stderr; SIGTERM/SIGINT shut it down. `--profile spindle` reads
+TINKER_API_KEY, MODAL_PROXY_TOKEN_ID and MODAL_PROXY_TOKEN_SECRET from its environment (exit code
+2, naming the variable, if one is unset).
 """
 
 from __future__ import annotations
@@ -59,66 +48,37 @@ USAGE_EXIT_CODE = 2
 PARENT_GONE_EXIT = 75
 PROG = "python -m dppo_harness.local_server"
 
-# The repeatable `KIND:...` fault options: (option, METAVAR, parser, help); each fills the FaultConfig
-# field named after it.
-# `--fault-model-lost` is Spindle's (refused on the default profile).
+# The repeatable `KIND:...` fault options (docs/local-server.md "Faults"): (option, METAVAR, parser,
+# help); each fills the FaultConfig field named after it. `--fault-model-lost` is Spindle's.
 _REPEATED_FAULTS: tuple[tuple[str, str, Callable[[str], object], str], ...] = (
-    (
-        "--fault-reject-first",
-        "KIND:STATUS:N",
-        parse_reject_first,
-        "answer the first N requests of KIND ('*' = any) with HTTP STATUS; under --profile spindle in "
-        "Spindle's shape (429: {error: saturated, message: 'engine refused work: operation buffer full'})",
-    ),
-    (
-        "--fault-reject-for",
-        "KIND:STATUS:SECONDS",
-        parse_reject_for,
-        "answer every request of KIND with HTTP STATUS for SECONDS from the first one (asample:429:S "
-        "is a sample submit the SDK retries without limit)",
-    ),
+    ("--fault-reject-first", "KIND:STATUS:N", parse_reject_first, "the first N requests of KIND ('*': any) get STATUS"),
+    ("--fault-reject-for", "KIND:STATUS:SECONDS", parse_reject_for, "every request of KIND gets STATUS for SECONDS"),
     (
         "--fault-queue-pause",
         "KIND:N:SECONDS[:STATE][:moving]",
         parse_queue_pause,
-        "hold the N-th request of KIND for SECONDS ('forever': never) before it runs; its polls answer "
-        "408 try_again with queue_state STATE (paused_capacity, default, or paused_rate_limit) and a "
-        "reason, or STATE active with no reason (the only form --profile spindle takes: Spindle never "
-        "sends a paused state); 'moving': the reason names a queue position that changes at every poll",
+        "hold the N-th request of KIND for SECONDS ('forever'); its polls say queue_state STATE "
+        "(paused_capacity, paused_rate_limit, or active: the only one Spindle sends)",
     ),
-    (
-        "--fault-never-complete",
-        "KIND:N",
-        parse_never_complete,
-        "accept the N-th request of KIND and never complete it (its polls say queue_state active)",
-    ),
+    ("--fault-never-complete", "KIND:N", parse_never_complete, "accept the N-th request of KIND, never complete it"),
     (
         "--fault-capacity-fail",
         "KIND:N1[,N2...]",
         parse_capacity_fail,
-        "fail the N-th ordered training request of KIND (counted when it executes) with 'trainer "
-        "capacity exhausted' before it runs",
+        "fail those ordered training requests of KIND (counted at execution) with 'trainer capacity exhausted'",
     ),
-    (
-        "--fault-latency-ms",
-        "KIND:MS",
-        parse_latency,
-        "add MS milliseconds (non-blocking) before handling each request of KIND",
-    ),
+    ("--fault-latency-ms", "KIND:MS", parse_latency, "add MS milliseconds (non-blocking) before each request of KIND"),
     (
         "--fault-omit-field",
         "KIND.FIELD[:N1,N2...]",
         parse_omit_field,
-        "leave an optional response field out (every response of KIND, or the N-th ones), "
-        "e.g. load_weights.path or get_info.model_data.model_name",
+        "leave an optional response field out of every (or the N-th) response of KIND",
     ),
     (
         "--fault-model-lost",
         "KIND:N",
         parse_model_lost,
-        "spindle only: at the N-th request of KIND this server receives, the trainer of the model it "
-        "was sent to is gone: every submit on that model answers 410 model_lost and its pending futures "
-        "fail with 'engine terminated before producing a result'",
+        "spindle only: at the N-th request of KIND, the trainer of its model is gone (410 model_lost)",
     ),
 )
 # Spindle's capacity and sweep options (control_plane/service.py); None by default so that a use
@@ -134,52 +94,25 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=description)
     p.add_argument("--host", default="127.0.0.1", help="loopback address only (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
-    p.add_argument(
-        "--profile",
-        choices=PROFILES,
-        default="default",
-        help="spindle: behave like Spindle, Modal's Tinker-compatible service, as its source shows it "
-        "(docs/local-server.md)",
-    )
+    p.add_argument("--profile", choices=PROFILES, default="default", help="spindle: answer as Spindle does")
     p.add_argument("--model", default=None, help="tiny preset to serve (default: the engine's default)")
     p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
-    p.add_argument(
-        "--exit-with-parent",
-        type=int,
-        default=None,
-        metavar="PID",
-        help="exit as soon as this process is no longer the server's parent: no orphan server",
-    )
+    p.add_argument("--exit-with-parent", type=int, metavar="PID", help="exit once PID is no longer the parent")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the engine (default 2)")
     g = p.add_argument_group("Spindle's capacity and sweep (--profile spindle only)")
-    g.add_argument(
-        "--cold-start-s",
-        type=float,
-        default=None,
-        metavar="N",
-        help="the first model creation stays pending N seconds, like a trainer starting cold (default 0)",
-    )
+    g.add_argument("--cold-start-s", type=float, metavar="N", help="the first creation pends N s (default 0)")
     g.add_argument(
         "--trainer-slots",
         type=int,
-        default=None,
         metavar="K",
-        help=f"LoRA slots of the one trainer (default {DEFAULT_TRAINER_SLOTS}): a creation stays pending while "
-        "K models hold slots; unload_model or the idle sweep frees one; 0: every creation waits forever",
+        help=f"LoRA slots of the trainer (default {DEFAULT_TRAINER_SLOTS}; 0: every creation waits forever)",
     )
     g.add_argument(
         "--sweep-interval-s",
         type=float,
-        default=None,
         metavar="S",
-        help=f"how often the idle sweep runs: a session not seen for {DEFAULT_SESSION_IDLE_TIMEOUT_S:g} s is "
-        f"reclaimed with its models (default {DEFAULT_SWEEP_INTERVAL_S:g})",
-    )
-    g.add_argument(
-        "--fault-trainer-full-refuse",
-        action="store_true",
-        help="a creation that would wait for a free slot fails with 'engine refused work: trainer "
-        "capacity exhausted' (category server), as Spindle at its autoscaling maximum",
+        help=f"idle-session sweep interval (default {DEFAULT_SWEEP_INTERVAL_S:g}; idle after "
+        f"{DEFAULT_SESSION_IDLE_TIMEOUT_S:g} s)",
     )
     g = p.add_argument_group("fault injection (counted; see GET /_harness/stats)")
     for option, metavar, _, text in _REPEATED_FAULTS:
@@ -189,7 +122,7 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="fail the first N create_model futures with 'trainer capacity exhausted' (category server)",
+        help="the first N creations fail: 'engine refused work: trainer capacity exhausted'",
     )
     g.add_argument("--fault-die-after", type=int, default=None, metavar="K", help="exit (code 75) at API request K+1")
     g.add_argument(
@@ -214,7 +147,6 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         capacity_exhausted=args.fault_capacity_exhausted,
         die_after=args.fault_die_after,
         retry_after_ms=args.fault_retry_after_ms,
-        trainer_full_refuse=args.fault_trainer_full_refuse,
         record_header_values=tuple(n.strip() for n in args.record_header_values.split(",") if n.strip()),
     )
 
@@ -241,8 +173,6 @@ def check_profile_options(args: argparse.Namespace, faults: FaultConfig) -> str 
     used = [flag for name, flag in SPINDLE_ONLY_OPTIONS if getattr(args, name) is not None]
     if args.fault_model_lost:
         used.append("--fault-model-lost")
-    if args.fault_trainer_full_refuse:
-        used.append("--fault-trainer-full-refuse")
     if used:
         return f"{', '.join(used)}: only with --profile spindle (Spindle's capacity, sweep and trainer faults)"
     return None

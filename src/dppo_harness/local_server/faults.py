@@ -19,6 +19,9 @@ from typing import Literal
 from pydantic import JsonValue
 
 CAPACITY_EXHAUSTED_TEXT = "trainer capacity exhausted"
+# Spindle's only capacity refusal of a creation: EngineSaturated("trainer capacity exhausted") when
+# every trainer is full at its autoscaling maximum (control_plane/service.py `_place_claimed`, errors.py).
+CAPACITY_REFUSED = f"engine refused work: {CAPACITY_EXHAUSTED_TEXT}"
 # 401: a credential the service stops accepting mid-run; 402: payment or credits (the SDK pauses up to an hour)
 REJECT_STATUSES = (401, 402, 429, 500, 502, 503)
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]  # the SDK's TryAgainResponse.queue_state
@@ -84,10 +87,6 @@ class Nth:
     number: int
 
 
-ModelLost = NeverComplete = Nth
-RejectFirst = RejectFor = Reject
-
-
 @dataclass(frozen=True)
 class CapacityFail:
     """The listed requests of `kind` (1-based, counted per kind when they execute) fail their
@@ -142,7 +141,7 @@ class Hold:
 @dataclass(frozen=True)
 class FaultConfig:
     reject_first: tuple[Reject, ...] = ()
-    capacity_exhausted: int = 0  # first N create_model requests fail their future with CAPACITY_EXHAUSTED_TEXT
+    capacity_exhausted: int = 0  # first N create_model requests fail their future with CAPACITY_REFUSED
     capacity_fail: tuple[CapacityFail, ...] = ()  # ordered training calls whose future fails with capacity
     latency_ms: tuple[tuple[str, float], ...] = ()  # (kind, ms) added before handling
     queue_pause: tuple[QueuePause, ...] = ()  # k-th request of a kind paused (try_again polls)
@@ -152,7 +151,6 @@ class FaultConfig:
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
     omit_fields: tuple[OmitField, ...] = ()  # optional response fields left out
     model_lost: tuple[Nth, ...] = ()  # a model's trainer dies (spindle profile)
-    trainer_full_refuse: bool = False  # a creation waiting for a slot fails instead (spindle profile)
     record_header_values: tuple[str, ...] = DEFAULT_VALUE_HEADERS
 
     def __post_init__(self) -> None:
@@ -427,14 +425,10 @@ class FaultInjector:
     def snapshot(self) -> dict:
         with self._lock:
             return {
-                "queued": dict(self.queued),
                 "executed": dict(self.executed),
                 "requests": dict(self.requests),
                 "injected": dict(self.injected),
                 "api_requests": self.api_requests,
-                "die_after": self.config.die_after,
-                "capacity_exhausted_left": self._capacity_left,
-                "omit_fields": [f"{r.kind}.{r.field}" for r in self.config.omit_fields],
             }
 
 

@@ -1,15 +1,12 @@
-"""Start and stop the embedded server: as a subprocess (`LocalServerProcess`, used by the pytest
-plugin and the integration tests) or in this process on a background thread (`InProcessServer`,
-for tests that must read the engine's tensors directly).
-
-Both bind 127.0.0.1 only and leave nothing running after `stop()` / the `with` block.
+"""Start and stop the embedded server as a subprocess (`LocalServerProcess`, used by the pytest
+plugin and the integration tests): it binds 127.0.0.1 only and leaves nothing running after
+`stop()` / the `with` block. Tests start it in their own process with
+tests/support/server_in_process.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import contextlib
 import json
 import os
 import queue
@@ -24,50 +21,16 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any
 
 import dppo_harness
-from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
-from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS, Profile, client_auth_headers
+from dppo_harness.local_server.profiles import SPINDLE_CREDENTIALS, client_auth_headers
 from dppo_harness.service.secrets_scan import without_credentials
-
-if TYPE_CHECKING:
-    from aiohttp import web
-
-    from dppo_harness.local_server.engine.engine import Engine
-    from dppo_harness.local_server.http.state import ServerState
-
-T_co = TypeVar("T_co", covariant=True)
-
-
-class PendingResult(Protocol[T_co]):
-    """A future the SDK returns (or a concurrent.futures.Future)."""
-
-    def result(self, timeout: float | None = None) -> T_co: ...
-
 
 READY_RE = re.compile(r"^listening on (http://127\.0\.0\.1:(\d+))$")
 PROGRESS_RE = re.compile(r"progress: (.*)$")  # warmstart.PROGRESS_MARKER lines in the server's log
 _live: weakref.WeakSet[LocalServerProcess] = weakref.WeakSet()
-
-
-def live_child_pids() -> set[int]:
-    """PIDs of this process's live (non-zombie) children, from /proc: how tests prove a server
-    or a harness run left nothing running."""
-    me, found = os.getpid(), set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
 
 
 class LocalServerDied(RuntimeError):
@@ -91,17 +54,9 @@ def server_environment(env: Mapping[str, str], profile: str) -> dict[str, str]:
 
 
 class LocalServerProcess:
-    """`python -m dppo_harness.local_server` as a child process.
-
-    with LocalServerProcess(run_dir=tmp, fault_args=["--fault-reject-first", "asample:429:2"]) as srv:
-        client = tinker.ServiceClient(base_url=srv.base_url, api_key=constants.LOCAL_API_KEY)
-        ...
-        srv.stats()  # GET /_harness/stats: fault counters, header names, whitelisted values
-
-    `profile="spindle"` starts `--profile spindle`; its expected credentials are read from `env`
-    (TINKER_API_KEY, MODAL_PROXY_TOKEN_ID, MODAL_PROXY_TOKEN_SECRET), and this helper's own probes
-    (healthz, stats) send them. `env=None` inherits this process's environment; a given `env` is
-    the child's whole environment (PYTHONPATH is added).
+    """`python -m dppo_harness.local_server` as a child process (docs/local-server.md "Python API").
+    `env=None` inherits this process's environment; a given `env` is the child's whole environment
+    (PYTHONPATH is added); with `profile="spindle"` this helper's own probes send its credentials.
     """
 
     def __init__(
@@ -291,22 +246,6 @@ class LocalServerProcess:
             return json.loads(path.read_text())
         raise LocalServerDied(self._describe("is not running and left no stats file"))
 
-    def wait_result(self, future: PendingResult[T_co], timeout: float = 600.0, poll: float = 0.5) -> T_co:
-        """`future.result()` that fails fast with LocalServerDied when the server exits meanwhile.
-
-        The stock SDK retries a vanished server for minutes; this names the real cause at once.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return future.result(timeout=poll)
-            except (TimeoutError, FutureTimeoutError):
-                pass
-            if not self.alive():
-                raise LocalServerDied(self._describe("died while a request was pending"))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no result after {timeout:.0f}s from a live local server (pid {self.pid})")
-
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL; returns the exit code. Idempotent."""
         proc = self.proc
@@ -338,66 +277,3 @@ class LocalServerProcess:
 def _stop_leftovers() -> None:
     for server in list(_live):
         server.stop(timeout=5.0)
-
-
-class InProcessServer:
-    """The same app on a background event loop in this process, sharing `engine` with the caller.
-
-    Tests use it to compare what crossed HTTP with the engine's own tensors
-    (`engine.get_parameter_grads(server.state.engine_model_id(training_client.model_id))`).
-    """
-
-    def __init__(self, engine: Engine, faults: FaultConfig | None = None, profile: Profile | None = None) -> None:
-        self.engine = engine
-        self._faults = faults or FaultConfig()
-        self._profile = profile or Profile()
-        self.state: ServerState | None = None
-        self.base_url = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
-        self.died: str | None = None
-
-    def start(self) -> InProcessServer:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="local-server-inprocess", daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._setup(), self._loop).result()
-        return self
-
-    async def _setup(self) -> None:
-        # The server's stack (aiohttp, the SDK's types and protobufs, the engine's modules) loads for
-        # an in-process server only: the pytest plugin imports this module at start-up.
-        from dppo_harness.local_server.http.app import ServerState, listening_socket, start_site
-
-        self.state = ServerState(
-            self.engine,
-            FaultInjector(self._faults),
-            HeaderRecorder(self._faults.record_header_values),
-            profile=self._profile,
-            on_die=self._on_die,
-        )
-        sock = listening_socket("127.0.0.1", 0)
-        self._runner = await start_site(self.state, sock)
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    def _on_die(self, message: str) -> None:  # the fault that would exit a server process
-        self.died = message
-
-    def stop(self) -> None:
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            if self._runner is not None:
-                with contextlib.suppress(Exception):
-                    asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-            if not self._thread.is_alive():
-                self._loop.close()
-        if self.state is not None:
-            self.state.shutdown()
-
-    def __enter__(self) -> InProcessServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -1,16 +1,7 @@
-"""Server profiles: `default` (the open local stand-in) and `spindle` (behaves like Spindle, Modal's
-Tinker-compatible service, as its source shows it: repository `modal-projects/spindle`; the facts
-are collected in docs/local-server.md "Spindle profile").
-
-The spindle profile has two checks in front of its handlers:
-- the research exchange's front door (a proxy in front of Spindle, not Spindle itself): every
-  request must carry `Modal-Key` / `Modal-Secret` (MODAL_PROXY_TOKEN_ID / _SECRET);
-- Spindle's own check (src/spindle/control_plane/http.py, `authorize`): `X-API-Key` must equal its
-  TINKER_API_KEY, else 401 `{"error": "unauthorized", "message": "unauthorized"}`; it runs after
-  routing, so an unknown route answers 404 first.
-
-Expected credential values come from the server's own environment at start and live only in a
-`Profile` (excluded from its repr); errors name the header or variable, never a value.
+"""Server profiles: `default` (the open local stand-in) and `spindle` (Spindle, Modal's
+Tinker-compatible service, as its source `modal-projects/spindle` shows it: docs/local-server.md
+"Spindle profile"). Expected credential values come from the server's own environment at start and
+live only in a `Profile` (excluded from its repr); errors name the header or variable, never a value.
 """
 
 from __future__ import annotations
@@ -109,16 +100,10 @@ def spindle_deployments(max_context_length: int | None) -> tuple[Deployment, ...
 
 
 def capabilities_of(deployments: tuple[Deployment, ...]) -> list[JsonObject]:
-    """`get_server_capabilities` entries: one per base model (the smallest context of its
-    definitions), no parameterization (src/spindle/control_plane/deployments.py, `capabilities`)."""
-    contexts: dict[str, int | None] = {}
-    for d in deployments:
-        if d.base_model not in contexts:
-            contexts[d.base_model] = d.max_context_length
-        elif d.max_context_length is not None:
-            known = contexts[d.base_model]
-            contexts[d.base_model] = d.max_context_length if known is None else min(known, d.max_context_length)
-    return [{"model_name": m, "max_context_length": c} for m, c in contexts.items()]
+    """`get_server_capabilities` entries: one per base model, no parameterization
+    (src/spindle/control_plane/deployments.py, `capabilities`, which takes the smallest context of a
+    base model's definitions; each base model here has one)."""
+    return [{"model_name": d.base_model, "max_context_length": d.max_context_length} for d in deployments]
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,10 @@
-"""Restricted vocabulary of the local stand-in model: real Qwen3.5 ids <-> local indices.
-
-The stand-in model only has embedding/unembedding rows for the Qwen3.5 token ids that GSM8K
-(train + test, questions and answers, as raw text and as the rendered cookbook math_rl prompt
-and warm-start reply) and the qwen3_5 chat template use, plus every special token and every
-single printable ASCII character. The prompt is the cookbook's own (``MathEnv``'s one-shot
-prefix and question suffix) and the final answer its ``extract_gsm8k_final_answer``, imported,
-not copied. The id list ships as ``assets/vocab_qwen35_gsm8k.json``; ``build_vocab_ids``
-rebuilds it deterministically::
-
-    python -m dppo_harness.local_server.vocab --out /tmp/vocab.json   # --check: compare with the asset
+"""Restricted vocabulary of the local stand-in model: real Qwen3.5 ids <-> local indices
+(docs/local-server.md "Restricted vocabulary"). The cookbook's prompt and final-answer extraction
+are imported, not copied. Rebuild the shipped id list with
+``python -m dppo_harness.local_server.vocab --out FILE`` (``--check``: compare with the asset).
 
 Local index layout: ``0..V-1`` are the sorted real ids; index ``V`` (``unk_index``) is the
-input-only "unknown" row. Out-of-vocabulary input ids map to ``unk_index``; the output head
-never predicts it, so sampling only emits in-vocabulary real ids.
+input-only "unknown" row, which the output head never predicts.
 """
 
 from __future__ import annotations

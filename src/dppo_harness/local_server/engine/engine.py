@@ -1,16 +1,8 @@
-"""Model side of the embedded Tinker-protocol server: training models, optimizer, checkpoints,
-sampling.
+"""Model side of the embedded Tinker-protocol server: training models, optimizer, checkpoints and
+sampling on a tiny preset (docs/local-server.md "Model" to "Checkpoints").
 
-``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``. Token ids are real
-Qwen3.5 ids; prompt_logprobs (when requested) is on every returned sequence, first element None.
-Sampled-token logprobs are the model's untempered log-softmax (the trainer's distribution),
-whatever temperature/top_k/top_p shaped the draw; at temperature 1 without truncation they are
-exactly the sampling distribution.
-
-The base model is one of the tiny presets (`PRESETS`: a small Qwen3 over a restricted
-vocabulary, on CPU); every sample goes through the batched decode loop of `sampling.py`.
-Checkpoints live under `run_dir` (`checkpoint_files`), written atomically, verified by sha256 and
-by the base model's hash on load.
+``data`` is ``list[(input_tokens, loss_fn_inputs: dict[str, np.ndarray])]``; token ids are real
+Qwen3.5 ids. Sampled-token logprobs are the untempered log-softmax (the trainer's distribution).
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,7 +150,6 @@ class Engine:
         self,
         run_dir: Path,
         model_name: str = DEFAULT_PRESET,
-        sampler_dtype: str | None = None,
         seed: int = 0,
         *,
         batch_window_s: float = 0.05,
@@ -168,8 +159,6 @@ class Engine:
     ):
         if model_name not in PRESETS:
             raise UserError(f"unknown local model {model_name!r}; choose one of {sorted(PRESETS)}")
-        if sampler_dtype not in (None, "float32", "bfloat16"):
-            raise UserError(f"sampler_dtype must be 'float32' or 'bfloat16', got {sampler_dtype!r}")
         torch.set_num_threads(int(num_threads))
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +167,6 @@ class Engine:
         self.preset = PRESETS[model_name]
         self.served_model_name = self.preset.served_name
         self.served_models = [BASE_MODEL, self.served_model_name]
-        self.sampler_dtype: torch.dtype = getattr(torch, sampler_dtype or "float32")
         self.vocab = load_vocab()
         self.config = self.preset.config
         self.base_info: dict[str, Any]
@@ -198,7 +186,7 @@ class Engine:
         self._models: dict[str, TrainModel] = {}
         self._models_lock = threading.Lock()
         self._counter = 0
-        self._sampler_cache: OrderedDict[tuple[str, str], transformers.PreTrainedModel] = OrderedDict()
+        self._sampler_cache: OrderedDict[str, transformers.PreTrainedModel] = OrderedDict()
         self._sampler_cache_lock = threading.Lock()
         self._batch_window_s = float(batch_window_s)
         self._queue: list[_SampleJob] = []
@@ -448,23 +436,6 @@ class Engine:
         """Forward + backward; LoRA gradients accumulate until ``optim_step``."""
         return self._run(model_id, data, loss_fn, loss_fn_config, backward=True)
 
-    def compute_logprobs(self, model_id: str, data: Sequence[DatumIn], *, grad: bool = False) -> list[torch.Tensor]:
-        """Per-datum target logprobs exactly as ``forward`` computes them (graph kept if grad)."""
-        tm = self._get(model_id)
-        only_targets = [
-            (t, {"target_tokens": inp["target_tokens"], "weights": np.zeros(len(t), np.float32)})
-            if "target_tokens" in inp
-            else (t, inp)
-            for t, inp in data
-        ]
-        items = self._validate(only_targets, "cross_entropy")
-        out: list[torch.Tensor | None] = [None] * len(items)
-        with tm.lock, torch.set_grad_enabled(grad):
-            for idx in self._microbatches(items):
-                for lp, i in zip(self._logprobs_mb(tm.net, items, idx), idx):
-                    out[i] = lp
-        return [o for o in out if o is not None]
-
     def optim_step(self, model_id: str, adam: Mapping[str, float | None]) -> dict[str, float]:
         tm = self._get(model_id)
         if "learning_rate" not in adam:
@@ -513,27 +484,10 @@ class Engine:
             "optim/step": float(tm.steps),
         }
 
-    def direct_loss_grads(
-        self, model_id: str, data: Sequence[DatumIn], loss_of_logprobs: Callable[[list[torch.Tensor]], torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """Gradient of ``loss_of_logprobs(per-datum target logprobs)`` w.r.t. the LoRA parameters by
-        plain autograd through the model (no accumulation into ``.grad``): the reference the
-        two-pass ``forward_backward_custom`` path must reproduce."""
-        tm = self._get(model_id)
-        with tm.lock:
-            loss = loss_of_logprobs(self.compute_logprobs(model_id, data, grad=True))
-            grads = torch.autograd.grad(loss, [q for _, q in tm.params], allow_unused=True)
-        return {n: (g if g is not None else torch.zeros_like(q)).detach() for (n, q), g in zip(tm.params, grads)}
-
     def get_parameter_grads(self, model_id: str) -> dict[str, torch.Tensor]:
         tm = self._get(model_id)
         with tm.lock:
             return {n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q)) for n, q in tm.params}
-
-    def get_parameters(self, model_id: str) -> dict[str, torch.Tensor]:
-        tm = self._get(model_id)
-        with tm.lock:
-            return {n: q.detach().clone() for n, q in tm.params}
 
     # ----- checkpoints ------------------------------------------------------------------------
     def _save(self, model_id: str, kind: str, name: str, overwrite: bool, with_optimizer: bool) -> str:
@@ -564,8 +518,7 @@ class Engine:
         _atomic_dir_write(checkpoint_dir(self.run_dir, model_id, kind, name), files, overwrite)
         path = f"tinker://{model_id}/{kind}/{name}"
         with self._sampler_cache_lock:  # a cached sampler built from `path` is stale now
-            for k in [k for k in self._sampler_cache if k[0] == path]:
-                del self._sampler_cache[k]
+            self._sampler_cache.pop(path, None)
         return path
 
     def save_state(self, model_id: str, name: str, overwrite: bool = False) -> str:
@@ -635,11 +588,10 @@ class Engine:
 
     # ----- sampling ---------------------------------------------------------------------------
     def _sampler_net(self, key: str) -> transformers.PreTrainedModel:
-        dkey = (key, str(self.sampler_dtype))
         with self._sampler_cache_lock:
-            if dkey in self._sampler_cache:
-                self._sampler_cache.move_to_end(dkey)
-                return self._sampler_cache[dkey]
+            if key in self._sampler_cache:
+                self._sampler_cache.move_to_end(key)
+                return self._sampler_cache[key]
         if key == "base":
             net = copy.deepcopy(self.base_model)
         else:
@@ -652,13 +604,11 @@ class Engine:
                 for n, q in model.lora_named_parameters(pm):
                     q.copy_(adapter[n])
             net = pm.merge_and_unload()
-        # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to): mypy reads it as
-        # an unbound function that wants the model as its first argument.
-        net = net.to(self.sampler_dtype).eval()  # type: ignore[arg-type]
+        net.eval()
         for q in net.parameters():
             q.requires_grad_(False)
         with self._sampler_cache_lock:
-            self._sampler_cache[dkey] = net
+            self._sampler_cache[key] = net
             while len(self._sampler_cache) > SAMPLER_CACHE_SIZE:
                 self._sampler_cache.popitem(last=False)
         return net

@@ -6,8 +6,8 @@ per-token loss (summed by the engine), with one signature:
     fn(lp_T, inputs: dict[str, Tensor], config: dict[str, float]) -> elementwise_loss_T
 
 `register_server_loss(name, inputs=..., config=...)` records the inputs the loss needs and its
-`loss_fn_config` keys with defaults; the engine validates against them and the HTTP app refuses
-unknown names with the same list. Semantics are the SDK's documented server losses (0.25's LossFnType).
+`loss_fn_config` keys with defaults; the engine validates against them and refuses unknown names
+with the registry's list. Semantics are the SDK's documented server losses (0.25's LossFnType).
 """
 
 from __future__ import annotations

@@ -1,29 +1,22 @@
 """Deterministic warm start of the tiny model: a short supervised pass on GSM8K train solutions
-(docs/local-server.md "Warm start"; RECIPE is hashed into the cache key).
+(docs/local-server.md "Warm start"; RECIPE is part of the shipped asset's key).
 
 Same config and seed -> same weights sha256 only on the same torch build and CPU kernels: 60
 float32 steps amplify another CPU's summation order into another model, and the tests that pilot
 it then measure a different stand-in. So the default preset's result ships with the package
 (``assets/warmstart-<version>.pt`` beside its ``.json`` key and sha256) and is loaded wherever its
-key, torch version aside, is the one asked for; any other config is built and cached under
-``${DPPO_HARNESS_CACHE:-~/.cache/dppo_harness}/models/<config-hash>/`` (atomic write, sha256
-verified on every load).
+key, torch version aside, is the one asked for; any other config is built in memory.
 """
 
 from __future__ import annotations
 
-import fcntl
-import functools
 import hashlib
 import json
 import logging
 import math
 import os
-import secrets
-import shutil
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 import transformers
 
-from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
 from dppo_harness.data.sha256sums import DataIntegrityError, pinned_sha256
 from dppo_harness.local_server.engine import model
 from dppo_harness.local_server.vocab import Vocab, get_renderer, prompt_messages, read_jsonl, solution_reply
@@ -39,7 +31,6 @@ from dppo_harness.local_server.vocab import Vocab, get_renderer, prompt_messages
 if TYPE_CHECKING:
     from tinker_cookbook.renderers import Renderer
 
-    from dppo_harness.local_server.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 # Lines the server logs (stderr) with this marker are forwarded to the harness user by
@@ -67,12 +58,6 @@ RECIPE = {
 def data_dir() -> Path:
     override = os.environ.get("DPPO_HARNESS_GSM8K_DIR")
     return Path(override) if override else Path(__file__).resolve().parents[2] / "data" / "gsm8k"
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get("DPPO_HARNESS_CACHE") or Path.home() / ".cache" / "dppo_harness")
 
 
 def _train_sha256(ddir: Path) -> str:
@@ -108,10 +93,6 @@ def shipped_key(key: dict) -> dict:
     return {k: v for k, v in key.items() if k != "torch"}
 
 
-def config_hash(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def build_example(vocab: Vocab, renderer: Renderer, row: Mapping[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(local token ids [T], loss weights [T]) of one GSM8K train row."""
     msgs = prompt_messages(row["question"]) + [{"role": "assistant", "content": solution_reply(row["answer"])}]
@@ -120,13 +101,7 @@ def build_example(vocab: Vocab, renderer: Renderer, row: Mapping[str, str]) -> t
 
 
 def train(
-    config: model.TinyConfig,
-    vocab: Vocab,
-    seed: int,
-    recipe: dict,
-    ddir: Path,
-    log_every: int = 0,
-    on_step: Callable[[int, torch.nn.Module], object] | None = None,
+    config: model.TinyConfig, vocab: Vocab, seed: int, recipe: dict, ddir: Path
 ) -> tuple[transformers.Qwen3ForCausalLM, dict]:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(int(recipe["num_threads"]))
@@ -156,9 +131,12 @@ def train(
             torch.nn.utils.clip_grad_norm_(net.parameters(), recipe["grad_clip_norm"])
             opt.step()
             losses.append(float(loss.detach()))
-            if on_step is not None:
-                on_step(step, net)
-            last_said = _report_step(step, steps, losses[-1], lr, t0, last_said, log_every)
+            if time.time() - last_said >= PROGRESS_EVERY_S or step == steps - 1:
+                last_said = time.time()
+                _progress(
+                    f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
+                    f"{losses[-1]:.3f} ({last_said - t0:.0f}s)"
+                )
         net.eval()
         info = {
             "data_seconds": t_data,
@@ -235,33 +213,12 @@ def _batch_loss(net: transformers.Qwen3ForCausalLM, batch: _PaddedBatch, vocab_s
     return -(lp * batch.wts_BT[sel]).sum() / batch.wts_BT[sel].sum()
 
 
-def _report_step(step: int, steps: int, loss: float, lr: float, t0: float, last_said: float, log_every: int) -> float:
-    """A progress line every `PROGRESS_EVERY_S` and at the last step, a stdout line every
-    `log_every` steps (0: none); returns when progress was last said."""
-    if time.time() - last_said >= PROGRESS_EVERY_S or step == steps - 1:
-        last_said = time.time()
-        _progress(
-            f"warm start: step {step + 1}/{steps} ({100 * (step + 1) / steps:.0f}%), loss "
-            f"{loss:.3f} ({last_said - t0:.0f}s)"
-        )
-    if log_every and (step % log_every == 0 or step == steps - 1):
-        print(
-            f"warmstart step {step} loss {loss:.4f} lr {lr:.2e} t {time.time() - t0:.1f}s "
-            f"cpu {time.process_time():.1f}s",
-            flush=True,
-        )
-    return last_said
-
-
 def load_or_build(
-    config: model.TinyConfig,
-    vocab: Vocab,
-    seed: int = 0,
-    cache_dir: Path | None = None,
-    recipe: dict | None = None,
-    log_every: int = 0,
+    config: model.TinyConfig, vocab: Vocab, seed: int = 0, recipe: dict | None = None
 ) -> tuple[transformers.Qwen3ForCausalLM, dict]:
-    """Return the warm-started base model (eval mode) and provenance info; build + cache on miss."""
+    """The warm-started base model (eval mode) and its provenance: the shipped one when its key is
+    asked for, else built here (every preset the server starts, at its seed 0, is the shipped one;
+    tests/unit/test_warmstart_shipped.py holds the asset to the recipe)."""
     recipe = dict(recipe or RECIPE)
     ddir = data_dir()
     if not (ddir / "train.jsonl").exists():
@@ -270,42 +227,12 @@ def load_or_build(
     shipped = load_shipped(config, vocab, seed, key)
     if shipped is not None:
         return shipped
-    chash = config_hash(key)
-    final = cache_root(cache_dir) / "models" / chash
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # One builder per cache entry: concurrent servers wait for it and then load its result.
-    with open(final.parent / f".{chash}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _progress(f"warm start: another process is building the cached model {chash[:12]}; waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        wfile, mfile = final / "weights.pt", final / "meta.json"
-        if wfile.exists() and mfile.exists():
-            meta = json.loads(mfile.read_text())
-            refusal = f"cached warm start {wfile} fails its sha256 check; delete {final} to rebuild"
-            return _load_verified(wfile, meta, config, vocab, seed, refusal), meta | {
-                "cache_hit": True,
-                "cache_dir": str(final),
-            }
-        t0 = time.time()
-        _progress(
-            f"warm start: no cached stand-in model at {final}; building it once (deterministic, cached afterwards)"
-        )
-        net, info = train(config, vocab, seed, recipe, ddir, log_every=log_every)
-        state = net.state_dict()
-        meta = {"config_hash": chash, "key": key, "weights_sha256": model.state_sha256(state)}
-        meta |= {"build_seconds": time.time() - t0, **info}
-        tmp = final.parent / f".tmp-{chash}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        torch.save(state, tmp / "weights.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first: keep theirs (same recipe, same bytes)
-            shutil.rmtree(tmp, ignore_errors=True)
-        _progress(f"warm start: built in {time.time() - t0:.0f}s and cached at {final}")
-        return net, meta | {"cache_hit": False, "cache_dir": str(final)}
+    t0 = time.time()
+    _progress("warm start: no shipped stand-in model for this config; building it (deterministic)")
+    net, info = train(config, vocab, seed, recipe, ddir)
+    _progress(f"warm start: built in {time.time() - t0:.0f}s")
+    meta = {"key": key, "weights_sha256": model.state_sha256(net.state_dict()), "build_seconds": time.time() - t0}
+    return net, meta | info | {"cache_hit": False}
 
 
 def _load_verified(
@@ -354,54 +281,3 @@ def write_shipped(net: torch.nn.Module, key: dict, info: dict) -> Path:
 
 def _progress(text: str) -> None:
     log.info("%s%s", PROGRESS_MARKER, text)
-
-
-def signal_rate(
-    engine: Engine,
-    n_groups: int = 32,
-    group_size: int = 8,
-    max_tokens: int = 512,
-    temperature: float = 1.0,
-    sample_seed: int = 0,
-    shuffle_seed: int = 0,
-) -> dict:
-    """Sample the first ``n_groups`` GSM8K train prompts (cookbook order) x ``group_size`` from the
-    engine's base model and score them with the cookbook MathEnv reward. Returns counts, including
-    how many groups have non-constant rewards (the RL signal the diagnostic needs)."""
-    from dppo_harness.data import gsm8k  # imports tinker and the cookbook's math env: kept off the server's start
-
-    renderer = get_renderer()
-    items = gsm8k.load_split("train", seed=shuffle_seed).batch(0, n_groups)
-    prompts = [gsm8k.build_prompt(it, renderer)[0].to_ints() for it in items]
-    t0 = time.time()
-    with ThreadPoolExecutor(max_workers=n_groups) as pool:
-        sample = functools.partial(engine.sample, temperature=temperature, stop_token_ids=[STOP_TOKEN_ID])
-        futs = [
-            pool.submit(sample, BASE_MODEL, p, group_size, max_tokens, seed=sample_seed + g)
-            for g, p in enumerate(prompts)
-        ]
-        groups = [f.result() for f in futs]
-    seconds = time.time() - t0
-    rewards, fmt, correct, stops, n_tokens = [], 0, 0, 0, 0
-    for it, seqs in zip(items, groups, strict=True):
-        graded = [gsm8k.grade_response(it, renderer, s.tokens) for s in seqs]
-        rewards.append([g.reward for g in graded])
-        fmt += sum(g.format_ok for g in graded)
-        correct += sum(g.correct for g in graded)
-        stops += sum(s.stop_reason == "stop" for s in seqs)
-        n_tokens += sum(len(s.tokens) for s in seqs)
-    nonconst = sum(len(set(r)) > 1 for r in rewards)
-    n = n_groups * group_size
-    return {
-        "groups": n_groups,
-        "group_size": group_size,
-        "nonconstant_groups": nonconst,
-        "format_ok": fmt,
-        "correct": correct,
-        "stopped": stops,
-        "samples": n,
-        "sampled_tokens": n_tokens,
-        "sample_seconds": seconds,
-        "tokens_per_second": n_tokens / seconds,
-        "rewards": rewards,
-    }

@@ -1,11 +1,7 @@
-"""aiohttp app speaking the Tinker SDK 0.25 wire protocol over a local `Engine`, and the socket
-that serves it (`run_server` is the CLI's whole server; `start_site` serves the in-process one).
-
-The protocol as read from the SDK source, the routes and the marker: docs/local-server.md "HTTP
-protocol". JSON requests validate into the SDK's own request types and answers are built from its
-response types, so the server cannot drift from the pinned SDK. The `spindle` profile puts the
-exchange's front door (Modal-Key / Modal-Secret) and Spindle's own X-API-Key check in front of the
-routes Spindle has (docs/local-server.md "Spindle profile"; http/spindle.py).
+"""aiohttp app speaking the Tinker SDK 0.25 wire protocol over a local `Engine` (docs/local-server.md
+"HTTP protocol"), and the socket that serves it (`run_server` is the CLI's whole server;
+`start_site` serves one in the test process). JSON requests validate into the SDK's own request
+types and answers are built from its response types, so the server cannot drift from the pinned SDK.
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
@@ -47,20 +44,18 @@ POSTS = (
     "create_session session_heartbeat telemetry create_model get_info unload_model forward_backward optim_step "
     "save_weights load_weights save_weights_for_sampler create_sampling_session asample retrieve_future weights_info"
 )
-SWEEP_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("sweep", asyncio.Task)
 
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(
-        middlewares=[_log_requests, _authenticate, _spindle_gate, _faults_and_errors],
+        middlewares=[_log_requests, _spindle_gate, _faults_and_errors],
         client_max_size=512 * 1024 * 1024,
     )
     app[STATE_KEY] = state
     app.on_response_prepare.append(_add_marker)
     is_spindle = state.profile.is_spindle
     if is_spindle:
-        app.on_startup.append(_start_sweep)
-        app.on_cleanup.append(_stop_sweep)
+        app.cleanup_ctx.append(_idle_sweep)
     for name in POSTS.split():  # each named for its route
         app.router.add_post(f"{API}/{name}", getattr(handlers, name))
     app.router.add_post(f"{API}/client/config", handlers.client_config)
@@ -76,9 +71,8 @@ def build_app(state: ServerState) -> web.Application:
     if is_spindle:  # Spindle's own routes
         gets["spindle/deployments"] = handlers.deployments
         gets["training_runs/{model_id}/checkpoints/{checkpoint_id:.+}/archive"] = handlers.checkpoint_archive
-    else:  # routes Spindle lacks: no session read, no cancel, no user-wide checkpoint list
+    else:  # the SDK's REST reads Spindle lacks: the session read, the user-wide checkpoint list
         gets |= {"sessions/{session_id}": handlers.get_session, "checkpoints": handlers.list_user_checkpoints}
-        app.router.add_post(f"{API}/cancel_future", handlers.cancel_future)
     for path, handler in gets.items():
         app.router.add_get(f"{API}/{path}", handler)
     app.router.add_get("/_harness/stats", handlers.stats)
@@ -105,33 +99,26 @@ async def _log_requests(request: web.Request, handler: Handler) -> web.StreamRes
         request_log.info("%s %s %d %.1fms", request.method, request.path, status, (time.perf_counter() - t0) * 1e3)
 
 
-async def _start_sweep(app: web.Application) -> None:
-    app[SWEEP_KEY] = asyncio.get_running_loop().create_task(spindle.sweep_forever(app[STATE_KEY]))
-
-
-async def _stop_sweep(app: web.Application) -> None:
-    app[SWEEP_KEY].cancel()
+async def _idle_sweep(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.get_running_loop().create_task(spindle.sweep_forever(app[STATE_KEY]))
+    yield
+    task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        await app[SWEEP_KEY]
-
-
-@web.middleware
-async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The research exchange's front door in front of Spindle (spindle profile): Modal-Key and
-    Modal-Secret on every request, before any route is looked at. Not Spindle's own check."""
-    problem = request.app[STATE_KEY].profile.auth_error(request.headers)
-    if problem is not None:
-        return error_json(problem, 401)
-    return await handler(request)
+        await task
 
 
 @web.middleware
 async def _spindle_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Spindle itself (spindle profile): a route it lacks answers FastAPI's 404 before any key check;
-    then X-API-Key must equal TINKER_API_KEY (src/spindle/control_plane/http.py, `authorize`)."""
+    """The spindle profile: first the research exchange's front door (Modal-Key and Modal-Secret on
+    every request, before any route is looked at; not Spindle's own check), then Spindle itself: a
+    route it lacks answers FastAPI's 404 before any key check; then X-API-Key must equal
+    TINKER_API_KEY (src/spindle/control_plane/http.py, `authorize`)."""
     profile = request.app[STATE_KEY].profile
     if not profile.is_spindle:
         return await handler(request)
+    problem = profile.auth_error(request.headers)
+    if problem is not None:
+        return error_json(problem, 401)
     unmatched = request.match_info.http_exception
     if unmatched is not None:
         if unmatched.status == 405:
@@ -153,9 +140,6 @@ async def _faults_and_errors(request: web.Request, handler: Handler) -> web.Stre
     decision = state.faults.decide(kind, counts_toward_death=kind != "healthz")
     if decision.die:
         message = f"local server: fault injection: exiting after {state.faults.config.die_after} API requests (request {kind})"
-        if state.on_die is not None:
-            state.on_die(message)
-            raise web.HTTPServiceUnavailable(text=message)
         print(message, file=sys.stderr, flush=True)
         if state.stats_path is not None:
             with contextlib.suppress(OSError):

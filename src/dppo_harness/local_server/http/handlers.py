@@ -17,9 +17,8 @@ from tinker import types
 
 from dppo_harness import constants
 from dppo_harness.json_types import JsonObject
-from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import SpindleError, UserError
-from dppo_harness.local_server.faults import CAPACITY_EXHAUSTED_TEXT
+from dppo_harness.local_server.faults import CAPACITY_REFUSED
 from dppo_harness.local_server.http import spindle
 from dppo_harness.local_server.http.codecs import (
     ProtocolError,
@@ -108,9 +107,8 @@ async def session_heartbeat(request: web.Request) -> web.Response:
 
 async def telemetry(request: web.Request) -> web.Response:
     raw = await request.read()
-    req = parse_request(types.TelemetrySendRequest, raw)
+    parse_request(types.TelemetrySendRequest, raw)
     state = request.app[STATE_KEY]
-    state.telemetry_events += len(req.events)
     if len(state.telemetry_bodies) < MAX_TELEMETRY_BODIES:
         state.telemetry_bodies.append(raw)
     return ok(types.TelemetryResponse(status="accepted"))
@@ -163,7 +161,7 @@ async def create_model(request: web.Request) -> web.Response:
         assert lora is not None  # refused above
         if state.faults.take_capacity_failure():
             state.model_requests.pop((req.session_id, req.model_seq_id), None)  # a retry is a new creation attempt
-            return Outcome("error", f"{CAPACITY_EXHAUSTED_TEXT}: no trainer available for {req.base_model}", "server")
+            return Outcome("error", CAPACITY_REFUSED, "server")
         state.check_served(req.base_model)
         switches = (lora.train_mlp, lora.train_attn, lora.train_unembed)
         if state.profile.is_spindle:  # the trainer's cold start, a LoRA slot, then Miles' checks
@@ -226,9 +224,6 @@ async def forward_backward(request: web.Request) -> web.Response:
     req = decode_fwdbwd_request(await request.read(), request.headers.get("Content-Encoding"))
     entry = state.model(req.model_id or None)
     label = "forward" if req.forward_only else "forward_backward"
-    server_loss(req.loss_fn)  # UserError naming the supported losses
-    if not req.data:
-        raise UserError(f"{label} without data")
     engine_call = state.engine.forward if req.forward_only else state.engine.forward_backward
 
     def fn() -> Outcome:
@@ -412,10 +407,6 @@ async def asample(request: web.Request) -> web.Response:
         if req.model_path is None:
             state.check_served(target)
     prompt = prompt_tokens_of(req.prompt)
-    if not prompt:
-        raise UserError("asample: empty prompt")
-    if req.num_samples < 1:
-        raise UserError(f"asample: num_samples must be >= 1, got {req.num_samples}")
     params = req.sampling_params
     max_tokens = params.max_tokens
     if max_tokens is None or max_tokens < 1:
@@ -481,18 +472,6 @@ async def retrieve_future(request: web.Request) -> web.Response:
     if outcome.kind == "error":
         return error_json(str(outcome.payload), 200, outcome.category)
     return web.json_response(outcome.payload)
-
-
-async def cancel_future(request: web.Request) -> web.Response:
-    # Same body shape as retrieve_future ({"request_id"}). A running engine call cannot be
-    # interrupted (its result is never fetched); a request a fault still holds ends as cancelled.
-    state = request.app[STATE_KEY]
-    req = await parse_body(request, types.FutureRetrieveRequest)
-    state.cancelled_requests += 1
-    fut = state.results.get(req.request_id)
-    if fut is not None and not fut.done() and state.holds.pop(fut, None) is not None:
-        fut.set_result(Outcome("error", f"request {req.request_id} cancelled by the client", "user"))
-    return ok({})
 
 
 # ---- REST reads (the SDK's RestClient, the cookbook's checkpoint_utils) ---------------------------

@@ -29,7 +29,6 @@ from dppo_harness.local_server.profiles import LORA_TARGETS, MAX_LORA_RANK, spin
 NOT_FOUND_BODY = {"detail": "Not Found"}  # FastAPI's own answers for a route it does not have
 METHOD_NOT_ALLOWED_BODY = {"detail": "Method Not Allowed"}  # / a method a route does not take
 # Texts Spindle sends (src/spindle/errors.py, control_plane/service.py).
-CAPACITY_REFUSED = "engine refused work: trainer capacity exhausted"  # EngineSaturated("trainer capacity exhausted")
 BUFFER_FULL = "engine refused work: operation buffer full"  # EngineSaturated("operation buffer full")
 SESSION_CLOSED = "session closed before producing a result"
 # A creation's polls are answered at once by Spindle (it re-checks placement per poll); the SDK
@@ -86,8 +85,8 @@ async def admit_creation(
     state: ServerState, model_id: str, session_id: str, refusal: str | None = None
 ) -> Outcome | None:
     """Wait until the trainer is up and `model_id` holds one of its LoRA slots: None then, or the
-    Outcome the creation fails with: the trainer full (--fault-trainer-full-refuse), the session
-    reclaimed meanwhile, or Miles' `refusal` at acceptance (`lora_refusal`). Meanwhile the
+    Outcome the creation fails with: the session reclaimed meanwhile, or Miles' `refusal` at
+    acceptance (`lora_refusal`). Meanwhile the
     creation's future is plainly pending, so its polls say queue_state active with no reason."""
     settings = state.profile.spindle
     if state.trainer_ready_at is None:  # the first creation starts the trainer
@@ -97,9 +96,6 @@ async def admit_creation(
         await asyncio.sleep(cold)
     async with state.slot_cond:
         if model_id not in state.slots:
-            if len(state.slots) >= settings.trainer_slots and state.faults.config.trainer_full_refuse:
-                state.faults.injected["create_model:trainer_full_refuse"] += 1
-                return Outcome("error", CAPACITY_REFUSED, "server")
             state.waiting_creations += 1
             try:
                 await state.slot_cond.wait_for(lambda: len(state.slots) < settings.trainer_slots)

@@ -110,11 +110,9 @@ class ServerState:
     faults: FaultInjector
     headers: HeaderRecorder
     profile: Profile = field(default_factory=Profile)
-    on_die: Callable[[str], None] | None = None  # called instead of os._exit in-process
     stats_path: Path | None = None  # written when the process exits on purpose (fault die, SIGTERM)
 
     def __post_init__(self) -> None:
-        self.started = time.time()
         self.sessions: dict[str, SessionEntry] = {}
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, SamplerEntry] = {}
@@ -124,17 +122,12 @@ class ServerState:
         self.sample_pool = ThreadPoolExecutor(SAMPLE_WORKERS, thread_name_prefix="sample")
         self.misc_pool = ThreadPoolExecutor(2, thread_name_prefix="misc")
         self._ids = itertools.count(1)
-        self.engine_seconds: dict[str, float] = {}
-        self.engine_cpu_seconds: dict[str, float] = {}  # process CPU while the call ran (concurrent calls overlap)
         self.engine_calls: dict[str, int] = {}
-        self.inflight = 0
-        self.telemetry_events = 0
         # Telemetry request bodies as received, in memory only (never in stats, logs or files): tests
         # scan them for credential values (the SDK's fatal-error events carry request headers).
         self.telemetry_bodies: list[bytes] = []
         self.tasks: set[asyncio.Task] = set()  # the loop keeps only weak references
         self.holds: dict[asyncio.Future[Outcome], Hold] = {}  # queued requests a fault holds
-        self.cancelled_requests = 0
         # spindle: the one trainer's LoRA slots (model ids holding one), its cold start, and the
         # creations waiting for either (http/spindle.py)
         self.slots: set[str] = set()
@@ -154,10 +147,6 @@ class ServerState:
                 break
             self.results.pop(old_id)
         return request_id, fut
-
-    def engine_model_id(self, model_id: str) -> str:
-        """The engine's id for an SDK model id (tests read gradients through it)."""
-        return self.models[model_id].engine_id
 
     @property
     def stand_in(self) -> str:
@@ -204,26 +193,18 @@ class ServerState:
     def stats(self) -> JsonObject:
         times = os.times()
         return {
-            "uptime_s": time.time() - self.started,
             "process_cpu_seconds": times.user + times.system,
             "served_model": self.stand_in,
             "profile": self.profile.name,
             "faults": self.faults.snapshot(),
             "headers": self.headers.snapshot(),
             "sessions": len(self.sessions),
-            "cancelled_requests": self.cancelled_requests,
             "trainer_slots_held": len(self.slots),
             "waiting_creations": self.waiting_creations,
             "reclaimed_sessions": self.reclaimed_sessions,
             "models": {m: e.engine_id for m, e in self.models.items()},
-            "samplers": len(self.samplers),
             "checkpoints": len(self.checkpoints),
-            "inflight": self.inflight,
-            "telemetry_events": self.telemetry_events,
-            "telemetry_posts": len(self.telemetry_bodies),
             "held_requests": len(self.holds),
-            "engine_seconds": dict(self.engine_seconds),
-            "engine_cpu_seconds": dict(self.engine_cpu_seconds),
             "engine_calls": dict(self.engine_calls),
             "retained_forwards": dict(self.engine.retained_stats),
         }
@@ -326,14 +307,10 @@ class ServerState:
     # -- work
     async def run_engine(self, executor: ThreadPoolExecutor, label: str, fn: Callable[[], T], detail: str = "") -> T:
         t0, c0 = time.perf_counter(), time.process_time()
-        self.inflight += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, fn)
         finally:
-            self.inflight -= 1
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            self.engine_seconds[label] = self.engine_seconds.get(label, 0.0) + wall
-            self.engine_cpu_seconds[label] = self.engine_cpu_seconds.get(label, 0.0) + cpu
             self.engine_calls[label] = self.engine_calls.get(label, 0) + 1
             engine_log.info(
                 "engine %s %.3fs wall %.3fs cpu (process %.2fs cpu)%s",
