@@ -18,7 +18,7 @@ from dppo_harness.evidence.backend import Backend, Block, backend_of
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
 from dppo_harness.evidence.files import FileKind
 from dppo_harness.json_types import JsonObject, JsonValue
-from dppo_harness.plans.models import DeviationField
+from dppo_harness.plans.models import DeviationField, StrictModel
 from dppo_harness.plans.schema_errors import first_error, format_path, rule_error
 
 REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
@@ -80,7 +80,9 @@ class CapacityBlock(Block):
 JsonBlock = Any  # free JSON written by one stage (finite numbers checked on the whole result)
 
 
-class ResultModel(Block):
+class ResultModel(StrictModel):
+    _nullable = frozenset({"generation_audit", "service_wait"})  # free blocks: null is a value there
+
     status: Status
     summary: str
     metrics: Metrics
@@ -135,9 +137,6 @@ def validate_result(r: object) -> None:
     """Raise ResultShapeError unless r has the structured-output shape of ResultModel (+ backend)."""
     if not isinstance(r, dict):
         raise ResultShapeError("result: expected object")
-    for key in ("verdict", "outcome_reason", "capacity_block"):
-        if key in r and r[key] is None:  # optional keys are left out, never null
-            raise ResultShapeError(f"{key}: leave the key out instead of null")
     try:
         ResultModel.model_validate(r)
     except ValidationError as exc:
