@@ -276,8 +276,7 @@ def build_run_config(
     data = _check_dataset(spec, rollout_steps, gpb)
     arms = resolve_arms(spec, baseline)
     criteria = resolve_criteria(spec, arms)
-    _check_gate_metrics(spec)
-    _check_gate_plan(spec, upb)
+    _check_gate(spec, upb)
     check_correctness_paths(spec)
     pilot = values.get("gate_pilot_steps") or Stated(
         DEFAULT_PILOT_STEPS, "harness default", "the resolution file states no gate_pilot_steps", default=True
@@ -406,20 +405,17 @@ def registered_dataset(name: str, at: str) -> dataset.DatasetEntry:
         raise _fail(at, str(exc)) from None
 
 
-def _check_gate_metrics(spec: ExperimentSpec) -> None:
+def _check_gate(spec: ExperimentSpec, updates_per_batch: int) -> None:
+    """Each gate check's metric is provided, and a check of an executed value admits what the plan
+    executes, or the paid pilot fails."""
     provided = {**losses.gate_metric_sources(), **dict.fromkeys(losses.HARNESS_GATE_METRICS, "harness")}
     for i, c in enumerate(spec.activation_gate.checks):
+        at = f"activation_gate.checks[{i}]"
         if c.metric not in provided:
             raise _fail(
-                f"activation_gate.checks[{i}].metric",
+                f"{at}.metric",
                 f"{c.metric!r} is provided by no registered loss (provided: {', '.join(sorted(provided))})",
             )
-
-
-def _check_gate_plan(spec: ExperimentSpec, updates_per_batch: int) -> None:
-    """Gate checks of executed values must admit what the plan executes, or the paid pilot fails."""
-    for i, c in enumerate(spec.activation_gate.checks):
-        at = f"activation_gate.checks[{i}]"
         if c.metric == "executed_updates_per_batch" and not (
             (c.min is None or c.min <= updates_per_batch) and (c.max is None or updates_per_batch <= c.max)
         ):
