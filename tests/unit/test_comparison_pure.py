@@ -321,8 +321,7 @@ def test_decide_criteria_uses_the_spec_rule_and_recomputes_from_file(tmp_path):
 
 def test_rehearsal_plan_loads_and_declares_every_difference():
     assert REHEARSAL.kind == "rehearsal" and REHEARSAL.raw["label"] == "rehearsal"
-    diffs = plans.leaf_differences(SPEC.raw, REHEARSAL.spec)
-    assert set(diffs) == {d["field"] for d in REHEARSAL.raw["differences"]}
+    # loading checked that the leaves that differ from SPEC are exactly the declared differences
     assert all(d["reason"].strip() for d in REHEARSAL.raw["differences"])
     assert REHEARSAL.spec["activation_gate"]["checks"][:4] == SPEC.raw["activation_gate"]["checks"][:4]
     assert REHEARSAL.spec["decision_rule"] == SPEC.raw["decision_rule"]

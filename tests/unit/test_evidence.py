@@ -609,7 +609,7 @@ def test_session_start_and_finish(tmp_path):
             "capacity_block.comparison_steps_completed: expected integer, got float",
         ),
         (lambda r: r.__setitem__("decision", {"p": float("nan")}), "result: non-finite number"),
-        (lambda r: r.__setitem__("verdict", None), "verdict: leave the key out"),
+        (lambda r: r.__setitem__("verdict", None), "verdict: expected a value, got null (leave the key out instead)"),
     ],
 )
 def test_result_shape_errors_name_the_field(mutate, message):

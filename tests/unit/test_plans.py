@@ -333,16 +333,6 @@ def test_malformed_rehearsal_names_the_field(tmp_path, mutate, message):
     assert str(e.value).split(": ", 1)[1].startswith(message), str(e.value)
 
 
-def test_leaf_differences_of_the_shipped_rehearsal_shape(tmp_path):
-    from dppo_harness.plans import leaf_differences
-
-    plan = load_plan(_rehearsal(tmp_path))
-    diffs = leaf_differences(_spec_raw(), plan.spec)
-    assert set(diffs) == {d["field"] for d in plan.raw["differences"]}
-    assert diffs["steps"] == (100, 6)
-    assert leaf_differences({"a": [1, 2]}, {"a": [1]}) == {"a[1]": (2, None)}
-
-
 def test_rehearsal_list_length_change_must_be_declared_at_the_list(tmp_path):
     def drop_seed(r):
         r["spec"]["decision_rule"]["seeds"] = r["spec"]["decision_rule"]["seeds"][:0]

@@ -221,9 +221,8 @@ class EvidenceBundle:
 
     def register_resolution(self, plan: Plan) -> FileEntry | None:
         """The resolution file read beside the plan, by its exact bytes; None when the plan has none."""
-        return (
-            None if plan.resolution is None else self.register_bytes(plan.resolution.file, "plan", plan.resolution.data)
-        )
+        res = plan.resolution
+        return None if res is None else self.register_bytes(res.file, "plan", res.data)
 
     # -- result.json
 
@@ -335,22 +334,12 @@ class EvidenceBundle:
                 return True
             projected, remaining = float(projected_seconds), float(remaining)
             reason = f"projected {projected:.1f}s > remaining {remaining:.1f}s of wall budget"
+            seconds = {"projected_seconds": projected, "remaining_seconds": remaining}
             self._ledger["stages"].append(
-                {
-                    "stage": stage,
-                    "seconds": 0.0,
-                    "status": "blocked_by_budget",
-                    "projected_seconds": projected,
-                    "remaining_seconds": remaining,
-                    "reason": reason,
-                }
+                {"stage": stage, "seconds": 0.0, "status": "blocked_by_budget", **seconds, "reason": reason}
             )
             self._post_ledger(
-                {
-                    f"budget/blocked/{stage}": 1.0,
-                    f"budget/projected_seconds/{stage}": projected,
-                    f"budget/remaining_seconds/{stage}": remaining,
-                }
+                {f"budget/blocked/{stage}": 1.0, **{f"budget/{k}/{stage}": v for k, v in seconds.items()}}
             )
             return False
 

@@ -167,21 +167,6 @@ def build_archive(
     return buf.getvalue(), manifest
 
 
-def verify_archive(data: bytes) -> list[str]:
-    """Problems with an archive's members against its own manifest (empty when intact)."""
-    problems = []
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        manifest = json.loads(zf.read(MANIFEST_MEMBER))
-        names = set(zf.namelist()) - {MANIFEST_MEMBER}
-        listed = {m["path"] for m in manifest["members"]}
-        if names != listed:
-            problems.append(f"members differ from the manifest: {sorted(names ^ listed)[:5]}")
-        for m in manifest["members"]:
-            if m["path"] in names and hashlib.sha256(zf.read(m["path"])).hexdigest() != m["sha256"]:
-                problems.append(f"{m['path']}: sha256 differs from the manifest")
-    return problems
-
-
 def register_code(bundle: EvidenceBundle, root: Path) -> list[FileEntry]:
     """code-revision.json, code.patch when the checkout has uncommitted changes, and the code archive."""
     info, patch = code_revision(Path(root), exclude=[bundle.dir])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -18,7 +18,7 @@ from dppo_harness.evidence.backend import Backend, Block, backend_of
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
 from dppo_harness.evidence.files import FileKind
 from dppo_harness.json_types import JsonObject, JsonValue
-from dppo_harness.plans.models import DeviationField
+from dppo_harness.plans.models import NonNegInt, PlanDeviation, Sha256, StrictModel
 from dppo_harness.plans.schema_errors import first_error, format_path, rule_error
 
 REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
@@ -44,18 +44,11 @@ class Metrics(BaseModel):
     __pydantic_extra__: dict[str, float] = Field(init=False)
 
 
-class Deviation(Block):
-    field: DeviationField
-    original: str
-    effective: str
-    reason: str
-
-
 class FileEntryModel(Block):
     name: str
     kind: FileKind
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-    size: Annotated[int, Field(ge=0)]
+    sha256: Sha256
+    size: NonNegInt
 
 
 class Checkpoint(Block):
@@ -80,12 +73,14 @@ class CapacityBlock(Block):
 JsonBlock = Any  # free JSON written by one stage (finite numbers checked on the whole result)
 
 
-class ResultModel(Block):
+class ResultModel(StrictModel):
+    _nullable = frozenset({"generation_audit", "service_wait"})  # free blocks: null is a value there
+
     status: Status
     summary: str
     metrics: Metrics
     completed_arms: list[str]
-    deviations: list[Deviation]
+    deviations: list[PlanDeviation]
     original_hypothesis_tested: bool | None
     tested_instead: str | None
     correctness_preflight: JsonBlock
@@ -135,9 +130,6 @@ def validate_result(r: object) -> None:
     """Raise ResultShapeError unless r has the structured-output shape of ResultModel (+ backend)."""
     if not isinstance(r, dict):
         raise ResultShapeError("result: expected object")
-    for key in ("verdict", "outcome_reason", "capacity_block"):
-        if key in r and r[key] is None:  # optional keys are left out, never null
-            raise ResultShapeError(f"{key}: leave the key out instead of null")
     try:
         ResultModel.model_validate(r)
     except ValidationError as exc:

@@ -18,7 +18,6 @@ from dppo_harness.plans.plan import (
     parse_plan,
     plan_config,
 )
-from dppo_harness.plans.rehearsal import leaf_differences
 from dppo_harness.plans.run_config import ArmConfig, CriterionConfig, RunConfig
 
 __all__ = [
@@ -36,7 +35,6 @@ __all__ = [
     "effective_config",
     "launch_refusal",
     "launch_undecided_refusal",
-    "leaf_differences",
     "load_plan",
     "parse_plan",
     "plan_config",

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -58,12 +58,9 @@ class Plan:
     @property
     def spec(self) -> JsonObject:
         """The experiment spec this plan runs as JSON: the plan itself, or a rehearsal's inner spec."""
-        if self.kind == "experiment_spec":
-            return self.raw
-        spec = self.raw.get("spec")
-        if self.kind == "rehearsal" and isinstance(spec, dict):  # validated: a rehearsal's spec is an object
-            return spec
-        raise PlanError("kind: a bounded_diagnostic plan carries no experiment spec")
+        if self.kind == "bounded_diagnostic":
+            raise PlanError("kind: a bounded_diagnostic plan carries no experiment spec")
+        return self.raw if self.kind == "experiment_spec" else cast(JsonObject, self.raw["spec"])
 
     @property
     def spec_bytes(self) -> bytes:
@@ -99,7 +96,7 @@ class Plan:
     @property
     def launch(self) -> Launch | None:
         """The plan's own launch block, else its resolution file's (a verbatim spec holds none)."""
-        own = getattr(self.model, "launch", None)
+        own: Launch | None = getattr(self.model, "launch", None)
         return own if own is not None or self.resolution is None else self.resolution.model.launch
 
     @property

@@ -108,16 +108,6 @@ def _changed_leaves(a: JsonValue, b: JsonValue) -> list[JsonPath]:
     return sorted((p for p in la.keys() | lb.keys() if not _same(la.get(p, _MISSING), lb.get(p, _MISSING))), key=str)
 
 
-def leaf_differences(a: JsonValue, b: JsonValue) -> dict[str, tuple[JsonValue, JsonValue]]:
-    """Field path -> (value in a, value in b) of every leaf where two JSON documents differ
-    (None where one side lacks the leaf)."""
-    out: dict[str, tuple[JsonValue, JsonValue]] = {}
-    for p in _changed_leaves(a, b):
-        x, y = _get(a, p), _get(b, p)
-        out[format_path(p)] = (None if isinstance(x, _Missing) else x, None if isinstance(y, _Missing) else y)
-    return out
-
-
 def _derived_from_file(rel: str, plan_path: Path | None, repo_root: Path | None) -> Path:
     if repo_root is not None:
         return Path(repo_root) / rel

@@ -13,7 +13,7 @@ from dppo_harness.data import dataset
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import loss_registry as losses
 from dppo_harness.loss.loss_registry import IMPLEMENTED_PATHS, implemented_list
-from dppo_harness.plans.models import ExperimentSpec, GateCheck, OptimizerConfig, PlanError, _fail
+from dppo_harness.plans.models import ExperimentSpec, GateCheck, OptimizerConfig, _fail
 from dppo_harness.plans.resolution import KEYS, Stated
 
 Role = Literal["baseline", "treatment"]
@@ -276,8 +276,7 @@ def build_run_config(
     data = _check_dataset(spec, rollout_steps, gpb)
     arms = resolve_arms(spec, baseline)
     criteria = resolve_criteria(spec, arms)
-    _check_gate_metrics(spec)
-    _check_gate_plan(spec, upb)
+    _check_gate(spec, upb)
     check_correctness_paths(spec)
     pilot = values.get("gate_pilot_steps") or Stated(
         DEFAULT_PILOT_STEPS, "harness default", "the resolution file states no gate_pilot_steps", default=True
@@ -337,26 +336,20 @@ def _minibatch_split(spec: ExperimentSpec, values: Mapping[str, Stated], upb: in
 def check_correctness_paths(spec: ExperimentSpec) -> None:
     """Each correctness path the spec names is one the harness implements, with the kind the spec
     gives it, named once; at least one when the preflight is required."""
-    block = spec.correctness_preflight
+    block, implemented = spec.correctness_preflight, f"(implemented: {implemented_list()})"
     if block.required and not block.paths:
-        raise PlanError(
-            f"correctness_preflight.paths: the spec requires a correctness preflight but names no path "
-            f"(implemented: {implemented_list()})"
+        raise _fail(
+            "correctness_preflight.paths", f"the spec requires a correctness preflight but names no path {implemented}"
         )
-    seen: set[str] = set()
+    ids = [p.id for p in block.paths]
     for i, path in enumerate(block.paths):
         at = f"correctness_preflight.paths[{i}]"
-        known = IMPLEMENTED_PATHS.get(path.id)
-        if known is None:
-            raise PlanError(
-                f"{at}.id: {path.id!r} is not a correctness path this harness implements "
-                f"(implemented: {implemented_list()})"
-            )
+        if (known := IMPLEMENTED_PATHS.get(path.id)) is None:
+            raise _fail(f"{at}.id", f"{path.id!r} is not a correctness path this harness implements {implemented}")
         if path.kind != known.kind:
-            raise PlanError(f"{at}.kind: {path.kind!r}, but the harness's path {path.id!r} is of kind {known.kind!r}")
-        if path.id in seen:
-            raise PlanError(f"{at}.id: {path.id!r} is named twice")
-        seen.add(path.id)
+            raise _fail(f"{at}.kind", f"{path.kind!r}, but the harness's path {path.id!r} is of kind {known.kind!r}")
+        if path.id in ids[:i]:
+            raise _fail(f"{at}.id", f"{path.id!r} is named twice")
 
 
 def _check_arms(spec: ExperimentSpec) -> int:
@@ -412,20 +405,17 @@ def registered_dataset(name: str, at: str) -> dataset.DatasetEntry:
         raise _fail(at, str(exc)) from None
 
 
-def _check_gate_metrics(spec: ExperimentSpec) -> None:
+def _check_gate(spec: ExperimentSpec, updates_per_batch: int) -> None:
+    """Each gate check's metric is provided, and a check of an executed value admits what the plan
+    executes, or the paid pilot fails."""
     provided = {**losses.gate_metric_sources(), **dict.fromkeys(losses.HARNESS_GATE_METRICS, "harness")}
     for i, c in enumerate(spec.activation_gate.checks):
+        at = f"activation_gate.checks[{i}]"
         if c.metric not in provided:
             raise _fail(
-                f"activation_gate.checks[{i}].metric",
+                f"{at}.metric",
                 f"{c.metric!r} is provided by no registered loss (provided: {', '.join(sorted(provided))})",
             )
-
-
-def _check_gate_plan(spec: ExperimentSpec, updates_per_batch: int) -> None:
-    """Gate checks of executed values must admit what the plan executes, or the paid pilot fails."""
-    for i, c in enumerate(spec.activation_gate.checks):
-        at = f"activation_gate.checks[{i}]"
         if c.metric == "executed_updates_per_batch" and not (
             (c.min is None or c.min <= updates_per_batch) and (c.max is None or updates_per_batch <= c.max)
         ):
