@@ -48,6 +48,7 @@ from dppo_harness.loss.golden import (
 )
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, Normalization, get_loss
 from dppo_harness.loss.references import ref_dppo, ref_ppo
+from dppo_harness.rollout.frozen_batch import rl_datum
 
 # ---------------------------------------------------------------------------------------------
 # The packed path under test: golden rows as datums (prompt junk, varied prompt lengths, stale sampler logprobs)
@@ -91,19 +92,7 @@ def pack_case(case: GoldenCase, seed: int = 0) -> PackedCase:
 
 def to_datums(packed: PackedCase) -> list[tinker.Datum]:
     """The case's rows as the SDK stores them (float32)."""
-    f32, td = np.float32, tinker.TensorData.from_numpy
-    return [
-        tinker.Datum(
-            model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={
-                "target_tokens": td(np.asarray(tokens[1:], dtype=np.int64)),
-                "logprobs": td(mu.astype(f32)),
-                "advantages": td(adv.astype(f32)),
-                "mask": td(mask.astype(f32)),
-            },
-        )
-        for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T)
-    ]
+    return [rl_datum(*row) for row in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T)]
 
 
 @dataclass
