@@ -47,7 +47,7 @@ from dppo_harness.loss.golden import (
     parity_errors,
 )
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, Normalization, get_loss
-from dppo_harness.loss.references import ref_dppo, ref_ppo
+from dppo_harness.loss.references import RefResult, ref_dppo, ref_ppo
 from dppo_harness.rollout.frozen_batch import rl_datum
 
 # ---------------------------------------------------------------------------------------------
@@ -250,9 +250,15 @@ def check_case(case: GoldenCase, mode: str, tolerances: Tolerances | None = None
     tol = tolerances or DEFAULT_TOLERANCES
     packed = pack_case(case, seed=seed)
     subs = [_dppo_check(case, packed, mode, tol)]
-    subs += _baseline_checks(case, packed, mode, tol)
-    if case.grpo_loss is not None:
-        subs.append(_grpo_golden_check(case, packed, mode, tol))
+    for norm, name, note in (
+        ("sum", "grpo_baseline", "vs tinker ppo formula"),
+        ("token_mean", "grpo_baseline_token_mean", "vs tinker ppo formula / loss tokens"),
+    ):
+        run = run_packed(case, packed, "grpo", norm, mode)  # type: ignore[arg-type]
+        rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, norm)
+        subs.append(_baseline_check(name, note, run, rb, tol))
+    if case.grpo_loss is not None:  # `run`, `rb`: the trained normalization's (token_mean)
+        subs.append(_grpo_golden_check(case, run, rb, tol))
     return CaseResult(case.name, mode, subs)
 
 
@@ -277,28 +283,21 @@ def _dppo_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances
     return _loss_grad_check("dppo", (run.loss, run.grad_BT), (exp_loss, exp_grad), tol, _REF, fails, note)
 
 
-def _baseline_checks(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> list[SubCheck]:
-    """Baseline parity: the GRPO path against Tinker's built-in ppo formula, under sum
+def _baseline_check(name: str, note: str, run: PackedRun, rb: RefResult, tol: Tolerances) -> SubCheck:
+    """Baseline parity: the GRPO path against Tinker's built-in ppo formula (`rb`), under sum
     normalization and under the normalization that is trained (token_mean: the same formula
     divided by the call's loss-token count)."""
-    subs = []
-    for norm, name, note in (
-        ("sum", "grpo_baseline", "vs tinker ppo formula"),
-        ("token_mean", "grpo_baseline_token_mean", "vs tinker ppo formula / loss tokens"),
-    ):
-        run = run_packed(case, packed, "grpo", norm, mode)  # type: ignore[arg-type]
-        rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, norm)
-        fails = _common_failures(run)
-        if not np.array_equal(run.clipped_BT, rb.decision_BT):
-            fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
-        if norm == "sum" and run.metrics.get("ppo/clipped") != float(rb.decision_BT.sum()):
-            fails.append("ppo/clipped metric differs")
-        subs.append(_loss_grad_check(name, (run.loss, run.grad_BT), (rb.loss, rb.grad_BT), tol, _BASE, fails, note))
-    return subs
+    fails = _common_failures(run)
+    if not np.array_equal(run.clipped_BT, rb.decision_BT):
+        fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
+    if name == "grpo_baseline" and run.metrics.get("ppo/clipped") != float(rb.decision_BT.sum()):
+        fails.append("ppo/clipped metric differs")
+    return _loss_grad_check(name, (run.loss, run.grad_BT), (rb.loss, rb.grad_BT), tol, _BASE, fails, note)
 
 
-def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> SubCheck:
-    """GRPO path (token_mean) vs the golden grpo_no_dual_clip, on the domain where verl == Tinker ppo."""
+def _grpo_golden_check(case: GoldenCase, run: PackedRun, rv: RefResult, tol: Tolerances) -> SubCheck:
+    """GRPO path (token_mean, `run`; `rv` Tinker's ppo on its inputs) vs the golden
+    grpo_no_dual_clip, on the domain where verl == Tinker ppo."""
     on, verl = case.mask_BT > 0, get_loss(GRPO_LOSS).golden.reference_params
     with np.errstate(over="ignore"):
         lr = np.where(on, case.lp_BT - case.mu_BT, 0.0)
@@ -311,8 +310,6 @@ def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tol
             True,
             f"n/a: {int(outside.sum())} tokens beyond verl's +-20 log-ratio clamp or c=1e4 dual clip, which Tinker ppo lacks; covered by the registry parity + grpo_baseline",
         )
-    run = run_packed(case, packed, "grpo", "token_mean", mode)
-    rv = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean")
     gold_clip = ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean").decision_BT
     cflips = int((rv.decision_BT != gold_clip).sum())
     if cflips == 0 and case.grpo_loss is not None and case.grpo_grad_BT is not None:  # check_case: both set
