@@ -13,7 +13,7 @@ import pytest
 
 from dppo_harness.json_types import as_object
 from dppo_harness.loss import correctness as cx
-from dppo_harness.loss import correctness_golden, correctness_measures, references
+from dppo_harness.loss import correctness_golden, golden, references
 from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,12 +25,12 @@ SPEC = {
             {
                 "id": "grpo_dppo_custom_loss",
                 "kind": "loss",
-                "tolerances": copy.deepcopy(correctness_measures.DEFAULT_TOLERANCES),
+                "tolerances": copy.deepcopy(golden.DEFAULT_TOLERANCES),
             }
         ],
     }
 }
-_, CASES = correctness_golden.load_golden(GOLDEN)
+_, CASES = golden.load_golden(GOLDEN)
 DPPO_PARAMS = get_loss(DPPO_LOSS).params  # delta: the plan's, as the golden file was generated at
 
 
@@ -47,7 +47,7 @@ def test_independent_reference_reproduces_golden_in_float64(case):
     np.testing.assert_allclose(v.grad_BT, case.grpo_grad_BT, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("mode", correctness_measures.MODES)
+@pytest.mark.parametrize("mode", golden.MODES)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_packed_path_parity_every_case_every_mode(case, mode):
     res = correctness_golden.check_case(case, mode)
@@ -73,34 +73,28 @@ def test_packing_has_prompt_junk_varied_lengths_and_an_empty_row():
 
 
 def test_parity_errors_and_acceptance_rule():
-    e = correctness_measures.parity_errors([1.0, 2.0], [1.0, 2.0])
+    e = golden.parity_errors([1.0, 2.0], [1.0, 2.0])
     assert e == {
         "max_abs_error": 0.0,
         "reference_max_abs": 2.0,
         "relative_l2_error": 0.0,
         "cosine_similarity": pytest.approx(1.0),
     }
-    z = correctness_measures.parity_errors([0.0, 0.0], [0.0, 0.0])
+    z = golden.parity_errors([0.0, 0.0], [0.0, 0.0])
     assert z["relative_l2_error"] is None and z["cosine_similarity"] is None
     tol = {"atol": 1e-5, "rtol": 1e-3, "min_cosine": 0.9999}
-    assert correctness_measures.errors_pass(correctness_measures.parity_errors([1.0 + 1.0e-3], [1.0]), tol)[
-        0
-    ]  # 1e-3 <= 1e-5 + 1e-3 * 1
-    assert not correctness_measures.errors_pass(
-        correctness_measures.parity_errors([1.0 + 1.02e-3], [1.0]), {"atol": 1e-5, "rtol": 1e-3}
+    assert golden.errors_pass(golden.parity_errors([1.0 + 1.0e-3], [1.0]), tol)[0]  # 1e-3 <= 1e-5 + 1e-3 * 1
+    assert not golden.errors_pass(golden.parity_errors([1.0 + 1.02e-3], [1.0]), {"atol": 1e-5, "rtol": 1e-3})[0]
+    assert not golden.errors_pass(
+        golden.parity_errors([1.0, -1.0], [1.0, 1.0]), {"atol": 10.0, "rtol": 0.0, "min_cosine": 0.9999}
     )[0]
-    assert not correctness_measures.errors_pass(
-        correctness_measures.parity_errors([1.0, -1.0], [1.0, 1.0]), {"atol": 10.0, "rtol": 0.0, "min_cosine": 0.9999}
-    )[0]
-    assert not correctness_measures.errors_pass(correctness_measures.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[
-        0
-    ]  # zero reference: no cosine
+    assert not golden.errors_pass(golden.parity_errors([1e-6, 0.0], [0.0, 0.0]), tol)[0]  # zero reference: no cosine
 
 
 def test_measures_json_is_parity_errors_as_written():
     """The preflight block writes each ErrorMeasures record with the same keys, order and values."""
     for got, want in (([1.0, 2.0], [1.0, 2.5]), ([0.0], [0.0])):
-        e = correctness_measures.parity_errors(got, want)
+        e = golden.parity_errors(got, want)
         assert list(as_object(e).items()) == list(e.items())
 
 
@@ -129,7 +123,7 @@ def test_check_golden_cli_passes_on_the_shared_file(tmp_path):
     out = tmp_path / "report.json"
     r = _run_cli("check-golden", str(GOLDEN), "--json", str(out))
     lines = r.stdout.strip().splitlines()
-    n = len(CASES) * len(correctness_measures.MODES)
+    n = len(CASES) * len(golden.MODES)
     assert r.returncode == 0, r.stdout + r.stderr
     assert lines[-1] == f"{n} passed, 0 failed"
     assert len(lines) == n + 1 and all(line.startswith("PASS ") for line in lines[:-1])
@@ -182,7 +176,7 @@ def test_check_golden_accepts_any_file_in_the_schema(tmp_path):
     f = tmp_path / "subset.json"
     f.write_text(json.dumps(raw))
     report = correctness_golden.check_golden(f)
-    assert report.n_failed == 0 and len(report.results) == 3 * len(correctness_measures.MODES)
+    assert report.n_failed == 0 and len(report.results) == 3 * len(golden.MODES)
 
 
 def test_malformed_golden_file_names_the_problem(tmp_path, capsys):
@@ -190,15 +184,15 @@ def test_malformed_golden_file_names_the_problem(tmp_path, capsys):
     del raw["cases"][1]["dppo"]["grad_log_prob"]
     f = tmp_path / "broken.json"
     f.write_text(json.dumps(raw))
-    with pytest.raises(correctness_measures.GoldenError, match="zero_and_mixed_advantages.*dppo.grad_log_prob"):
-        correctness_golden.load_golden(f)
+    with pytest.raises(golden.GoldenError, match="zero_and_mixed_advantages.*dppo.grad_log_prob"):
+        golden.load_golden(f)
     assert cx.main(["check-golden", str(f)]) == 1
     captured = capsys.readouterr()
     assert "dppo.grad_log_prob" in captured.err and captured.out.strip().endswith("0 passed, 1 failed")
     raw["schema"] = "other"
     f.write_text(json.dumps(raw))
-    with pytest.raises(correctness_measures.GoldenError, match="schema"):
-        correctness_golden.load_golden(f)
+    with pytest.raises(golden.GoldenError, match="schema"):
+        golden.load_golden(f)
 
 
 @pytest.fixture(scope="module")
@@ -221,9 +215,9 @@ def test_preflight_block_has_the_briefs_shape(good_block):
         "lr_scaling",
     }
     assert p["id"] == "grpo_dppo_custom_loss" and p["lr_scaling"] == []
-    assert p["fixed_input"]["sha256"] == correctness_golden.file_sha256(GOLDEN)
+    assert p["fixed_input"]["sha256"] == golden.file_sha256(GOLDEN)
     assert p["implementation_revision"] == cx.implementation_revision()
-    assert set(p["errors"]) == set(correctness_measures.CHECK_NAMES)
+    assert set(p["errors"]) == set(golden.CHECK_NAMES)
     for e in p["errors"].values():
         assert set(e) == {"max_abs_error", "reference_max_abs", "relative_l2_error", "cosine_similarity"}
 

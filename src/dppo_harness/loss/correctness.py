@@ -25,7 +25,7 @@ from pydantic import JsonValue
 
 from dppo_harness.constants import BASELINE_REVISION, REFERENCE_REVISION
 from dppo_harness.json_types import JsonObject, as_object
-from dppo_harness.loss.correctness_measures import (
+from dppo_harness.loss.golden import (
     CHECK_NAMES,
     DEFAULT_TOLERANCES,
     GOLDEN_SCHEMA,
@@ -100,8 +100,8 @@ def build_preflight_block(report: GoldenReport, spec: JsonObject | None = None) 
     collected: dict[str, list[ErrorMeasures]] = {k: [] for k in CHECK_NAMES}
     for res in report.results:
         for sub in res.subchecks:
-            if sub.name.startswith("ref_") or sub.name == "grpo_golden":
-                continue  # reference-implementation self-checks and the informational GRPO-vs-verl line
+            if sub.name == "grpo_golden":
+                continue  # the informational GRPO-vs-verl line
             for key, err in sub.errors.items():
                 collected[key].append(err)
     errors: JsonObject = {}

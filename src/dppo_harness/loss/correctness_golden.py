@@ -1,10 +1,9 @@
 """Golden parity: every golden case through the packed loss path, in every mode, against the
 golden values, and every registered loss against its own reference and golden cases.
 
-The golden file (``dppo_golden_v1``: rows of the pinned Stable-RL functions' inputs and outputs,
-padded with a response mask) is read and validated here (``load_golden``); each case is laid out
+The golden file (``dppo_golden_v1``) is read and validated by ``golden.load_golden``; each case is laid out
 as datums after junk prompt positions (``pack_case``), run through the packed path
-(``run_packed``) and scattered back, so like is compared with like. Modes (``correctness_measures.MODES``):
+(``run_packed``) and scattered back, so like is compared with like. Modes (``golden.MODES``):
 - ``float64``: flat float64 tensors through ``losses.packed_loss_call`` (tinker.Datum stores only
   float32, so this is the one mode that sees the golden inputs bit-exactly);
 - ``float32``: real Datums + ``losses.make_loss_fn`` with float32 current logprobs (what the SDK
@@ -13,12 +12,11 @@ as datums after junk prompt positions (``pack_case``), run through the packed pa
 In Datum modes the sampler logprobs are float32-rounded; where that moves a token across a
 decision boundary (only the exact-boundary cases do), the expectation is the independent padded
 implementation (``references``) on the rounded inputs, and the line says so (``flips=k``).
-The error measures and records are ``correctness_measures``' (numpy only).
+The error measures and records are ``golden``'s (numpy only).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,119 +26,29 @@ import numpy as np
 import numpy.typing as npt
 import tinker
 import torch
-from pydantic import JsonValue
 
 from dppo_harness.evidence.progress import Ticker, quiet
-from dppo_harness.json_types import JsonObject
 from dppo_harness.loss import losses
-from dppo_harness.loss.correctness_measures import (
+from dppo_harness.loss.golden import (
     DEFAULT_TOLERANCES,
-    GOLDEN_SCHEMA,
     MODES,
+    REGISTRY_TOLERANCE,
     CaseResult,
+    GoldenCase,
     GoldenError,
     GoldenReport,
     SubCheck,
     Tolerances,
+    case_inputs,
+    case_value,
     errors_pass,
+    file_sha256,
+    load_golden,
     parity_errors,
 )
-from dppo_harness.loss.golden import REGISTRY_TOLERANCE, case_inputs
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, Normalization, get_loss
 from dppo_harness.loss.references import RefResult, ref_dppo, ref_ppo
-
-# ---------------------------------------------------------------------------------------------
-# The golden file
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def _value(case: JsonObject, dotted: str, shape: tuple[int, int] | None = None) -> np.ndarray:
-    """A case's field (`a.b`: nested) as a float64 array of `shape`, or a finite number without one."""
-    where = f"case {case.get('name', '?')!r}: {dotted}"
-    obj: JsonValue = case
-    for k in dotted.split("."):
-        obj = obj.get(k) if isinstance(obj, dict) else None
-    if obj is None:
-        raise GoldenError(f"{where} missing")
-    try:
-        arr = np.asarray(obj, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise GoldenError(f"{where} is not numeric: {exc}") from None
-    if shape is None and (isinstance(obj, bool) or arr.shape != () or not np.isfinite(arr)):
-        raise GoldenError(f"{where} must be a finite number, got {obj!r}")
-    if shape is not None and arr.shape != shape:
-        raise GoldenError(f"{where} has shape {arr.shape}, expected {shape}")
-    return arr
-
-
-@dataclass(frozen=True)
-class GoldenCase:
-    name: str
-    lp_BT: np.ndarray
-    mu_BT: np.ndarray
-    adv_BT: np.ndarray
-    mask_BT: np.ndarray
-    dppo_mask_BT: np.ndarray
-    dppo_loss: float
-    dppo_grad_BT: np.ndarray
-    grpo_loss: float | None
-    grpo_grad_BT: np.ndarray | None
-    grpo_clipfrac: float | None
-    dppo_removed: int | None  # n_invalid_tr_tokens, when recorded
-
-
-def _case(c: JsonValue, where: str) -> GoldenCase:
-    """One validated case (`where`: its place in the file, for the error line)."""
-    if not isinstance(c, dict):
-        raise GoldenError(f"{where} is not an object")
-    shape = c.get("shape")
-    dims = [n for n in shape if isinstance(n, int) and n >= 0] if isinstance(shape, list) else []
-    if not (isinstance(shape, list) and len(dims) == len(shape) == 2):
-        raise GoldenError(f"{where}.shape must be [B, T], got {shape!r}")
-    shp = (dims[0], dims[1])
-    mask = _value(c, "response_mask", shp)
-    if not np.isin(mask, (0.0, 1.0)).all():
-        raise GoldenError(f"case {c.get('name')!r}: response_mask must be 0/1")
-    grpo, dppo = c.get("grpo_no_dual_clip"), c.get("dppo")
-    has_grpo = isinstance(grpo, dict)
-    metrics = dppo.get("metrics") if isinstance(dppo, dict) else None
-    removed = metrics.get("n_invalid_tr_tokens") if isinstance(metrics, dict) else None
-    return GoldenCase(
-        name=str(c.get("name")),
-        lp_BT=_value(c, "log_prob", shp),
-        mu_BT=_value(c, "rollout_log_prob", shp),
-        adv_BT=_value(c, "advantages", shp),
-        mask_BT=mask,
-        dppo_mask_BT=_value(c, "dppo.mask", shp),
-        dppo_loss=float(_value(c, "dppo.loss")),
-        dppo_grad_BT=_value(c, "dppo.grad_log_prob", shp),
-        grpo_loss=float(_value(c, "grpo_no_dual_clip.loss")) if has_grpo else None,
-        grpo_grad_BT=_value(c, "grpo_no_dual_clip.grad_log_prob", shp) if has_grpo else None,
-        grpo_clipfrac=float(_value(c, "grpo_no_dual_clip.clipfrac"))
-        if isinstance(grpo, dict) and "clipfrac" in grpo
-        else None,
-        dppo_removed=int(removed) if isinstance(removed, (int, float)) and not isinstance(removed, bool) else None,
-    )
-
-
-def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
-    """Read and validate a ``dppo_golden_v1`` file."""
-    path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise GoldenError(f"cannot read golden file {path}: {exc}") from exc
-    schema = raw.get("schema") if isinstance(raw, dict) else type(raw).__name__
-    if schema != GOLDEN_SCHEMA:
-        raise GoldenError(f"{path}: schema must be {GOLDEN_SCHEMA!r}, got {schema!r}")
-    cases = raw.get("cases")
-    if not isinstance(cases, list) or not cases:
-        raise GoldenError(f"{path}: 'cases' must be a non-empty list")
-    return raw, [_case(c, f"{path}: cases[{i}]") for i, c in enumerate(cases)]
-
+from dppo_harness.rollout.frozen_batch import rl_datum
 
 # ---------------------------------------------------------------------------------------------
 # The packed path under test: golden rows as datums (prompt junk, varied prompt lengths, stale sampler logprobs)
@@ -184,19 +92,7 @@ def pack_case(case: GoldenCase, seed: int = 0) -> PackedCase:
 
 def to_datums(packed: PackedCase) -> list[tinker.Datum]:
     """The case's rows as the SDK stores them (float32)."""
-    f32, td = np.float32, tinker.TensorData.from_numpy
-    return [
-        tinker.Datum(
-            model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={
-                "target_tokens": td(np.asarray(tokens[1:], dtype=np.int64)),
-                "logprobs": td(mu.astype(f32)),
-                "advantages": td(adv.astype(f32)),
-                "mask": td(mask.astype(f32)),
-            },
-        )
-        for tokens, mu, adv, mask in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T)
-    ]
+    return [rl_datum(*row) for row in zip(packed.tokens, packed.mu_T, packed.adv_T, packed.mask_T)]
 
 
 @dataclass
@@ -300,16 +196,13 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
     for c in cases:
         label = f"{name}/{c.get('name', '?')}"
         try:
-            lp, mu, adv, mask = case_inputs(c)
-            shape = lp.shape
-            want = c[entry.golden.key]
-            want_loss, want_grad = (
-                float(want["loss"]),
-                np.asarray(want["grad_log_prob"], dtype=np.float64).reshape(shape),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            lp, mu, adv, mask = case_inputs(c, label)
+            want_loss = float(case_value(c, f"{entry.golden.key}.loss"))
+            want_grad = case_value(c, f"{entry.golden.key}.grad_log_prob", (lp.shape[0], lp.shape[1]))
+        except GoldenError as exc:
             failures.append(f"{label}: malformed golden case ({exc})")
             continue
+        shape = lp.shape
         golden_ref = entry.reference(lp, mu, adv, mask, norm, **entry.params, **entry.golden.reference_params)
         failures += _close(label, "reference loss vs golden", golden_ref.loss, want_loss, tol)
         failures += _close(label, "reference gradient vs golden", golden_ref.grad_BT, want_grad, tol)
@@ -327,13 +220,6 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
 
 # ---------------------------------------------------------------------------------------------
 # Per-case checks
-
-
-def _golden_ref(name: str, case: GoldenCase) -> RefResult:
-    """A registered loss's reference at its golden rule variant (what the golden values are)."""
-    e = get_loss(name)
-    inputs = (case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, e.golden.normalization)
-    return e.reference(*inputs, **e.params, **e.golden.reference_params)
 
 
 _REF, _BASE = ("reference_loss", "reference_gradient"), ("baseline_loss", "baseline_gradient")
@@ -359,33 +245,21 @@ def _loss_grad_check(
 
 
 def check_case(case: GoldenCase, mode: str, tolerances: Tolerances | None = None, seed: int = 0) -> CaseResult:
-    """One golden case in one mode: in float64 the independent references against the golden file,
-    then the packed DPPO path, the packed GRPO path against Tinker's ppo formula (sum and
+    """One golden case in one mode: the packed DPPO path, the packed GRPO path against Tinker's ppo formula (sum and
     token_mean) and the packed GRPO path against the golden GRPO values."""
     tol = tolerances or DEFAULT_TOLERANCES
     packed = pack_case(case, seed=seed)
-    subs = _reference_self_checks(case, tol) if mode == "float64" else []
-    subs.append(_dppo_check(case, packed, mode, tol))
-    subs += _baseline_checks(case, packed, mode, tol)
-    if case.grpo_loss is not None:
-        subs.append(_grpo_golden_check(case, packed, mode, tol))
+    subs = [_dppo_check(case, packed, mode, tol)]
+    for norm, name, note in (
+        ("sum", "grpo_baseline", "vs tinker ppo formula"),
+        ("token_mean", "grpo_baseline_token_mean", "vs tinker ppo formula / loss tokens"),
+    ):
+        run = run_packed(case, packed, "grpo", norm, mode)  # type: ignore[arg-type]
+        rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, norm)
+        subs.append(_baseline_check(name, note, run, rb, tol))
+    if case.grpo_loss is not None:  # `run`, `rb`: the trained normalization's (token_mean)
+        subs.append(_grpo_golden_check(case, run, rb, tol))
     return CaseResult(case.name, mode, subs)
-
-
-def _reference_self_checks(case: GoldenCase, tol: Tolerances) -> list[SubCheck]:
-    """The independent implementation must itself reproduce the golden file (exact masks)."""
-    rd = _golden_ref(DPPO_LOSS, case)
-    fails = [] if np.array_equal(rd.decision_BT, case.dppo_mask_BT > 0) else ["mask differs"]
-    want = (case.dppo_loss, case.dppo_grad_BT)
-    subs = [_loss_grad_check("ref_dppo_vs_golden", (rd.loss, rd.grad_BT), want, tol, _REF, fails)]
-    if case.grpo_loss is not None and case.grpo_grad_BT is not None:  # both or neither (the golden's GRPO entry)
-        rv, n = _golden_ref(GRPO_LOSS, case), float(case.mask_BT.sum())
-        fails = []
-        if case.grpo_clipfrac is not None and int(rv.decision_BT.sum()) != round(case.grpo_clipfrac * (n + 1e-8)):
-            fails.append("clip count differs")
-        want = (case.grpo_loss, case.grpo_grad_BT)
-        subs.append(_loss_grad_check("ref_grpo_vs_golden", (rv.loss, rv.grad_BT), want, tol, _REF, fails))
-    return subs
 
 
 def _dppo_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> SubCheck:
@@ -401,34 +275,29 @@ def _dppo_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances
         exp_loss, exp_grad, exp_mask = r_used.loss, r_used.grad_BT, r_used.decision_BT
         note = f"flips={flips} vs independent ref on rounded inputs"
     fails = _common_failures(run)
+    if flips and mode == "float64":  # exact inputs: the reference must decide as the golden file does
+        fails.append(f"reference mask differs from the golden on {flips} tokens")
     if not np.array_equal(run.keep_BT, exp_mask):
         fails.append(f"mask differs on {int((run.keep_BT != exp_mask).sum())} tokens")
     fails += _metric_failures(run, case, exp_mask, flips == 0)
     return _loss_grad_check("dppo", (run.loss, run.grad_BT), (exp_loss, exp_grad), tol, _REF, fails, note)
 
 
-def _baseline_checks(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> list[SubCheck]:
-    """Baseline parity: the GRPO path against Tinker's built-in ppo formula, under sum
+def _baseline_check(name: str, note: str, run: PackedRun, rb: RefResult, tol: Tolerances) -> SubCheck:
+    """Baseline parity: the GRPO path against Tinker's built-in ppo formula (`rb`), under sum
     normalization and under the normalization that is trained (token_mean: the same formula
     divided by the call's loss-token count)."""
-    subs = []
-    for norm, name, note in (
-        ("sum", "grpo_baseline", "vs tinker ppo formula"),
-        ("token_mean", "grpo_baseline_token_mean", "vs tinker ppo formula / loss tokens"),
-    ):
-        run = run_packed(case, packed, "grpo", norm, mode)  # type: ignore[arg-type]
-        rb = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, norm)
-        fails = _common_failures(run)
-        if not np.array_equal(run.clipped_BT, rb.decision_BT):
-            fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
-        if norm == "sum" and run.metrics.get("ppo/clipped") != float(rb.decision_BT.sum()):
-            fails.append("ppo/clipped metric differs")
-        subs.append(_loss_grad_check(name, (run.loss, run.grad_BT), (rb.loss, rb.grad_BT), tol, _BASE, fails, note))
-    return subs
+    fails = _common_failures(run)
+    if not np.array_equal(run.clipped_BT, rb.decision_BT):
+        fails.append(f"clip decisions differ on {int((run.clipped_BT != rb.decision_BT).sum())} tokens")
+    if name == "grpo_baseline" and run.metrics.get("ppo/clipped") != float(rb.decision_BT.sum()):
+        fails.append("ppo/clipped metric differs")
+    return _loss_grad_check(name, (run.loss, run.grad_BT), (rb.loss, rb.grad_BT), tol, _BASE, fails, note)
 
 
-def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tolerances) -> SubCheck:
-    """GRPO path (token_mean) vs the golden grpo_no_dual_clip, on the domain where verl == Tinker ppo."""
+def _grpo_golden_check(case: GoldenCase, run: PackedRun, rv: RefResult, tol: Tolerances) -> SubCheck:
+    """GRPO path (token_mean, `run`; `rv` Tinker's ppo on its inputs) vs the golden
+    grpo_no_dual_clip, on the domain where verl == Tinker ppo."""
     on, verl = case.mask_BT > 0, get_loss(GRPO_LOSS).golden.reference_params
     with np.errstate(over="ignore"):
         lr = np.where(on, case.lp_BT - case.mu_BT, 0.0)
@@ -439,10 +308,8 @@ def _grpo_golden_check(case: GoldenCase, packed: PackedCase, mode: str, tol: Tol
         return SubCheck(
             "grpo_golden",
             True,
-            f"n/a: {int(outside.sum())} tokens beyond verl's +-20 log-ratio clamp or c=1e4 dual clip, which Tinker ppo lacks; covered by ref_grpo_vs_golden + grpo_baseline",
+            f"n/a: {int(outside.sum())} tokens beyond verl's +-20 log-ratio clamp or c=1e4 dual clip, which Tinker ppo lacks; covered by the registry parity + grpo_baseline",
         )
-    run = run_packed(case, packed, "grpo", "token_mean", mode)
-    rv = ref_ppo(run.used_lp_BT, run.used_mu_BT, run.used_adv_BT, case.mask_BT, "token_mean")
     gold_clip = ref_ppo(case.lp_BT, case.mu_BT, case.adv_BT, case.mask_BT, "token_mean").decision_BT
     cflips = int((rv.decision_BT != gold_clip).sum())
     if cflips == 0 and case.grpo_loss is not None and case.grpo_grad_BT is not None:  # check_case: both set

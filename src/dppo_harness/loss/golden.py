@@ -1,4 +1,7 @@
-"""The golden cases, regenerated from the numpy references at the registered losses' parameters.
+"""The golden file (``dppo_golden_v1``: padded inputs and the pinned reference functions' outputs):
+its reader, the parity measures and records checked against it (numpy only: the parity run,
+``correctness_golden``, and the block and its validator, ``correctness``, both read them), and its
+regeneration from the numpy references at the registered losses' parameters:
 
     python -m dppo_harness.loss.golden [--check] [FILE]
 
@@ -20,15 +23,253 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
+import numpy.typing as npt
 
-from dppo_harness.json_types import JsonObject, JsonValue
+from dppo_harness.json_types import JsonObject, JsonValue, as_object
 from dppo_harness.loss.loss_registry import DPPO_LOSS, LOSSES, LossEntry, get_loss
 from dppo_harness.project import project_root
+
+GOLDEN_SCHEMA = "dppo_golden_v1"
+MODES = ("float64", "float32", "float64-datum")  # the packed path's modes (`correctness_golden`)
+
+
+class GoldenError(ValueError):
+    """The golden file is malformed; the message names the field."""
+
+
+CHECK_NAMES = ("baseline_loss", "baseline_gradient", "reference_loss", "reference_gradient")
+
+
+# The spec's tolerances (plans/exp_e6b0965af3.json, correctness_preflight.paths[0].tolerances);
+# used only when check-golden runs without --spec.
+DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
+    "baseline_loss": {"atol": 1e-5, "rtol": 1e-4},
+    "baseline_gradient": {"atol": 1e-5, "rtol": 1e-3, "min_cosine": 0.9999},
+    "reference_loss": {"atol": 1e-5, "rtol": 1e-4},
+    "reference_gradient": {"atol": 1e-5, "rtol": 1e-3, "min_cosine": 0.9999},
+}
+
+
+Tolerances = Mapping[str, Mapping[str, float]]  # check name -> {atol, rtol, min_cosine}
+
+
+class ErrorMeasures(TypedDict):
+    """One comparison's error measures (a check of the `correctness_preflight` block's `errors`)."""
+
+    max_abs_error: float
+    reference_max_abs: float
+    relative_l2_error: float | None  # None for a zero reference
+    cosine_similarity: float | None  # None for a zero vector
+
+
+def parity_errors(actual: npt.ArrayLike, reference: npt.ArrayLike) -> ErrorMeasures:
+    """max_abs_error, reference_max_abs, relative_l2_error (None for zero reference), cosine (None for a zero vector)."""
+    a = np.asarray(actual, dtype=np.float64).ravel()
+    r = np.asarray(reference, dtype=np.float64).ravel()
+    if a.shape != r.shape:
+        raise ValueError(f"parity_errors: shapes differ {a.shape} vs {r.shape}")
+    diff = a - r
+    ref_norm = float(np.linalg.norm(r))
+    act_norm = float(np.linalg.norm(a))
+    return {
+        "max_abs_error": float(np.max(np.abs(diff))) if diff.size else 0.0,
+        "reference_max_abs": float(np.max(np.abs(r))) if r.size else 0.0,
+        "relative_l2_error": float(np.linalg.norm(diff)) / ref_norm if ref_norm > 0 else None,
+        "cosine_similarity": float(np.dot(a, r)) / (act_norm * ref_norm) if act_norm > 0 and ref_norm > 0 else None,
+    }
+
+
+def errors_pass(errors: Mapping[str, object], tol: Mapping[str, float]) -> tuple[bool, str]:
+    """The acceptance rule: max_abs_error <= atol + rtol * reference_max_abs (both finite and
+    non-negative) and, where `tol` sets min_cosine, cosine_similarity >= it (missing only for an
+    exact zero on both sides); returns (passed, reason). `errors` may be a recorded block's JSON."""
+    measures: list[float] = []
+    for key in ("max_abs_error", "reference_max_abs"):
+        v = errors.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            return False, f"{key} must be a finite non-negative number, got {v!r}"
+        measures.append(v)
+    max_abs, ref_max_abs = measures
+    bound = float(tol["atol"]) + float(tol.get("rtol", 0.0)) * ref_max_abs
+    if not max_abs <= bound:
+        return False, f"max_abs_error {max_abs:.3g} > atol+rtol*ref {bound:.3g}"
+    if "min_cosine" in tol:
+        cos = errors.get("cosine_similarity")
+        exact_zero = max_abs == 0 and ref_max_abs == 0
+        if cos is None and not exact_zero:
+            return False, "cosine_similarity missing (zero vector) but min_cosine is required"
+        if cos is not None and (not isinstance(cos, (int, float)) or not cos >= float(tol["min_cosine"])):
+            return False, f"cosine {cos!r} < min_cosine {tol['min_cosine']}"
+    return True, "ok"
+
+
+@dataclass
+class SubCheck:
+    name: str
+    passed: bool
+    detail: str
+    errors: dict[str, ErrorMeasures] = field(default_factory=dict)  # check name -> error measures
+
+
+@dataclass
+class CaseResult:
+    case: str
+    mode: str
+    subchecks: list[SubCheck]
+
+    @property
+    def passed(self) -> bool:
+        return all(s.passed for s in self.subchecks)
+
+    def line(self) -> str:
+        parts = [f"{s.name}:{'ok' if s.passed else 'FAIL'}({s.detail})" for s in self.subchecks]
+        return f"{'PASS' if self.passed else 'FAIL'} {self.case} [{self.mode}] " + " ".join(parts)
+
+    def to_json(self) -> JsonObject:
+        subchecks = [as_object(asdict(s)) for s in self.subchecks]  # ErrorMeasures as written
+        return {"case": self.case, "mode": self.mode, "passed": self.passed, "subchecks": [*subchecks]}
+
+
+@dataclass
+class GoldenReport:
+    path: str
+    sha256: str
+    results: list[CaseResult]
+
+    @property
+    def n_passed(self) -> int:
+        return sum(r.passed for r in self.results)
+
+    @property
+    def n_failed(self) -> int:
+        return len(self.results) - self.n_passed
+
+    def to_json(self) -> JsonObject:
+        results: list[JsonValue] = [r.to_json() for r in self.results]
+        return {
+            "golden_path": self.path,
+            "golden_sha256": self.sha256,
+            "passed": self.n_passed,
+            "failed": self.n_failed,
+            "results": results,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# The golden file's reader
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def case_value(case: JsonObject, dotted: str, shape: tuple[int, int] | None = None) -> np.ndarray:
+    """A case's field (`a.b`: nested) as a float64 array of `shape`, or a finite number without one."""
+    where = f"case {case.get('name', '?')!r}: {dotted}"
+    obj: JsonValue = case
+    for k in dotted.split("."):
+        obj = obj.get(k) if isinstance(obj, dict) else None
+    if obj is None:
+        raise GoldenError(f"{where} missing")
+    try:
+        arr = np.asarray(obj, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise GoldenError(f"{where} is not numeric: {exc}") from None
+    if shape is None and (isinstance(obj, bool) or arr.shape != () or not np.isfinite(arr)):
+        raise GoldenError(f"{where} must be a finite number, got {obj!r}")
+    if shape is not None and arr.shape != shape:
+        raise GoldenError(f"{where} has shape {arr.shape}, expected {shape}")
+    return arr
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    name: str
+    lp_BT: np.ndarray
+    mu_BT: np.ndarray
+    adv_BT: np.ndarray
+    mask_BT: np.ndarray
+    dppo_mask_BT: np.ndarray
+    dppo_loss: float
+    dppo_grad_BT: np.ndarray
+    grpo_loss: float | None
+    grpo_grad_BT: np.ndarray | None
+    grpo_clipfrac: float | None
+    dppo_removed: int | None  # n_invalid_tr_tokens, when recorded
+
+
+def case_inputs(c: JsonValue, where: str = "case") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A case's (lp, mu, adv, mask) as float64 [B, T] arrays, validated (`where`: its place in the
+    file, for the error line)."""
+    if not isinstance(c, dict):
+        raise GoldenError(f"{where} is not an object")
+    shape = c.get("shape")
+    dims = [n for n in shape if isinstance(n, int) and n >= 0] if isinstance(shape, list) else []
+    if not (isinstance(shape, list) and len(dims) == len(shape) == 2):
+        raise GoldenError(f"{where}.shape must be [B, T], got {shape!r}")
+    shp = (dims[0], dims[1])
+    mask = case_value(c, "response_mask", shp)
+    if not np.isin(mask, (0.0, 1.0)).all():
+        raise GoldenError(f"case {c.get('name')!r}: response_mask must be 0/1")
+    lp, mu, adv = (case_value(c, k, shp) for k in ("log_prob", "rollout_log_prob", "advantages"))
+    return lp, mu, adv, mask
+
+
+def _case(c: JsonValue, where: str) -> GoldenCase:
+    lp, mu, adv, mask = case_inputs(c, where)
+    assert isinstance(c, dict)  # case_inputs refuses anything else
+    shp = (mask.shape[0], mask.shape[1])
+    grpo, dppo = c.get("grpo_no_dual_clip"), c.get("dppo")
+    has_grpo = isinstance(grpo, dict)
+    metrics = dppo.get("metrics") if isinstance(dppo, dict) else None
+    removed = metrics.get("n_invalid_tr_tokens") if isinstance(metrics, dict) else None
+    return GoldenCase(
+        name=str(c.get("name")),
+        lp_BT=lp,
+        mu_BT=mu,
+        adv_BT=adv,
+        mask_BT=mask,
+        dppo_mask_BT=case_value(c, "dppo.mask", shp),
+        dppo_loss=float(case_value(c, "dppo.loss")),
+        dppo_grad_BT=case_value(c, "dppo.grad_log_prob", shp),
+        grpo_loss=float(case_value(c, "grpo_no_dual_clip.loss")) if has_grpo else None,
+        grpo_grad_BT=case_value(c, "grpo_no_dual_clip.grad_log_prob", shp) if has_grpo else None,
+        grpo_clipfrac=float(case_value(c, "grpo_no_dual_clip.clipfrac"))
+        if isinstance(grpo, dict) and "clipfrac" in grpo
+        else None,
+        dppo_removed=int(removed) if isinstance(removed, (int, float)) and not isinstance(removed, bool) else None,
+    )
+
+
+def load_golden(path: Path) -> tuple[dict, list[GoldenCase]]:
+    """Read and validate a ``dppo_golden_v1`` file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GoldenError(f"cannot read golden file {path}: {exc}") from exc
+    schema = raw.get("schema") if isinstance(raw, dict) else type(raw).__name__
+    if schema != GOLDEN_SCHEMA:
+        raise GoldenError(f"{path}: schema must be {GOLDEN_SCHEMA!r}, got {schema!r}")
+    cases = raw.get("cases")
+    if not isinstance(cases, list) or not cases:
+        raise GoldenError(f"{path}: 'cases' must be a non-empty list")
+    return raw, [_case(c, f"{path}: cases[{i}]") for i, c in enumerate(cases)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Regeneration from the references
+
 
 # float64 on both sides: only summation order differs (also the registry parity's tolerance).
 REGISTRY_TOLERANCE = {"atol": 1e-12, "rtol": 1e-9}
@@ -130,14 +371,6 @@ def _boundary_case(case: JsonObject, delta: float) -> JsonObject:
     }
     out["grpo_no_dual_clip"] = {"clipfrac": 0.0}
     return out
-
-
-def case_inputs(case: JsonObject) -> tuple[np.ndarray, ...]:
-    """A case's (lp, mu, adv, mask) as float64 [B, T] arrays (KeyError, TypeError or ValueError when malformed)."""
-    dims = case["shape"]
-    shape = tuple(int(x) for x in dims) if isinstance(dims, list) else ()  # type: ignore[arg-type]
-    keys = ("log_prob", "rollout_log_prob", "advantages", "response_mask")
-    return tuple(np.asarray(case[k], dtype=np.float64).reshape(shape) for k in keys)
 
 
 def _case_entry(case: JsonObject, entry: LossEntry) -> JsonObject:

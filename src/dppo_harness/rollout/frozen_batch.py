@@ -37,6 +37,24 @@ FIELDS: tuple[str, ...] = (
 REQUIRED_METADATA = ("sampler_checkpoint", "created_at", "dtype")
 
 
+def rl_datum(
+    tokens_K: Sequence[int] | np.ndarray, logprobs: np.ndarray, advantages: np.ndarray, mask: np.ndarray
+) -> tinker.Datum:
+    """One full token sequence and its per-target-position inputs as a cookbook-layout datum
+    (float32, as the SDK stores them)."""
+    tokens, td = np.asarray(tokens_K, dtype=np.int64), tinker.TensorData.from_numpy
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1].tolist()),
+        loss_fn_inputs={
+            "target_tokens": td(tokens[1:]),
+            **{
+                k: td(np.array(v, dtype=FLOAT_DTYPE))
+                for k, v in (("logprobs", logprobs), ("advantages", advantages), ("mask", mask))
+            },
+        },
+    )
+
+
 class SequenceView(TypedDict):
     """Read-only slices of one stored sequence in datum layout (``T_s`` positions, tokens ``T_s + 1``)."""
 
@@ -263,18 +281,7 @@ class FrozenBatch:
             if not 0 <= s < self.n_sequences:
                 raise FrozenBatchError(f"sequence index {s} out of range [0, {self.n_sequences})")
             seq = self.sequence(s)
-            tokens = seq["tokens"].tolist()
-            out.append(
-                tinker.Datum(
-                    model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": tinker.TensorData.from_numpy(seq["tokens"][1:].astype(np.int64)),
-                        "logprobs": tinker.TensorData.from_numpy(seq["logprobs"].copy()),
-                        "advantages": tinker.TensorData.from_numpy(seq["advantages"].copy()),
-                        "mask": tinker.TensorData.from_numpy(np.array(seq["mask"], dtype=np.float32)),
-                    },
-                )
-            )
+            out.append(rl_datum(seq["tokens"], seq["logprobs"], seq["advantages"], seq["mask"]))
         return out
 
     def split_minibatches(self, n_minibatches: int) -> list[Minibatch]:

@@ -21,7 +21,7 @@ from dppo_harness.loss.correctness_golden import (
     check_golden,
     registered_loss_parity,
 )
-from dppo_harness.loss.correctness_measures import MODES
+from dppo_harness.loss.golden import MODES
 from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 from dppo_harness.stages.restoration import LrScalingBlock, attach_lr_scaling
 
