@@ -128,9 +128,7 @@ def next_action(
             "plan_id": plan_id,
             "plan_changes": [],
             "served_model": served.served,
-            "measured_on_stand_in": dict(
-                measured or {"state": classification.state, "measured_cause": classification.measured_cause}
-            ),
+            "measured_on_stand_in": dict(measured or {}),  # analyse passes what the run measured
             "not_yet_candidates": [
                 "more epochs over the frozen batch (only after a real-model run shows an inactive regime)"
             ],
