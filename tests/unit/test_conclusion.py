@@ -53,8 +53,8 @@ def test_real_model_inactive_keeps_legitimate_regime_and_more_epochs():
 
 
 def test_code_defect_on_a_stand_in_stays_a_defect():
-    assert cause_for_question("code_or_instrumentation_defect", False, STAND_IN) == "code_or_instrumentation_defect"
-    assert cause_for_question(None, True, STAND_IN) == "missing_evidence"
+    assert cause_for_question("code_or_instrumentation_defect", STAND_IN) == "code_or_instrumentation_defect"
+    assert cause_for_question(None, STAND_IN) == "missing_evidence"
 
 
 @pytest.mark.parametrize("served", [STAND_IN, REAL], ids=["stand-in", "real"])

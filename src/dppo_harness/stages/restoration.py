@@ -1,29 +1,11 @@
-"""The restoration preflight, six steps in order: one shared immutable initial state for both arms, proved.
-
-Flow (`run_restoration_preflight`):
-1. One fresh LoRA client (plan rank) saves its state as the initial checkpoint; a second save
-   under the same name must be refused explicitly for the checkpoint to count as immutable.
-2. Each trained arm's client is restored from that checkpoint with optimizer state
-   (`train.restore`); the load response's path is the proof of what was loaded.
-3. Full per-token logprobs on a fixed tokenized GSM8K batch, on the arms (one arm: against the
-   setup client), before any update: bitwise equal or within `LOGPROB_ATOL`.
-4. Probe (`restore_probe`): the setup client (nothing applied since it saved) is the uninterrupted
-   client; a create-save-restore client applies the same fixed-gradient update and must agree. An
-   arm whose optimizer config differs gets its own probe. The arms' clients are never updated here.
-5. Optimizer checks at creation and at every restore, from what server responses expose.
-6. LR-scaling probe (`lr_scaling_probe`): a fresh state per learning rate (the setup client's
-   update 1 at the planned LR, one client from the initial checkpoint per other LR), the same fixed
-   gradient, norm / LR. Update norms come from an `UpdateNormMeasure` (local backend:
-   `CheckpointUpdateNorm` through `LocalCheckpointReader`; the Tinker API exposes no parameters).
-
-Every check records measured numbers and can fail; `RestorationResult.failures` says which did.
-
-Options of `run_restoration_preflight`: `trained_arms` (None: all) get a client and a provenance
-entry, the others are listed under `excluded_arms` (a single trained arm is compared with the
-setup client); `checkpoint_reader` (local backend) measures adapter_sha256 and the LR-scaling norms,
-without it or `update_norm` the LR probe is recorded unavailable; `probe_service_client` holds the
-setup and probe clients, so the caller can release them; `capacity`/`registry` retry every
-client-creating call on a capacity refusal; `progress` gets a line at every step.
+"""The restoration preflight: one shared immutable initial state for both arms, proved in six steps
+(`run_restoration_preflight` says each as it runs): the initial checkpoint saved by a fresh setup
+client (a duplicate save must be refused explicitly), each trained arm restored from it with
+optimizer (`train.restore`), their initial logprobs on a fixed GSM8K batch compared, the
+create-save-restore probe (`restore_probe`), optimizer checks from what the server's responses
+expose, and the LR-scaling probe (`lr_scaling_probe`; update norms need an `UpdateNormMeasure`: the
+Tinker API exposes no parameters). Every check records measured numbers and can fail;
+`RestorationResult.failures` says which did.
 """
 
 from __future__ import annotations
@@ -95,11 +77,6 @@ def load_ref(arm: str) -> str:
 
 
 PROBE_UPDATES = ["cross_entropy on even datums + optim_step", "cross_entropy on odd datums + optim_step"]
-SETUP_CLIENT_ECHO = (
-    "probe client (the setup client that saved the initial checkpoint, nothing applied "
-    "since) (optim_step response metrics)"
-)
-SETUP_CLIENT = "the setup client that saved the initial checkpoint (no update before update 1)"
 
 
 @dataclass(kw_only=True)
@@ -116,8 +93,11 @@ class RestoreProbeResult:
     optim_metrics: dict[str, dict[str, float]]  # update1, update2_uninterrupted, update2_restored
     echoed_config: dict[str, float]
     echo_ref: str
-    echo_observed_on: str = SETUP_CLIENT_ECHO
-    uninterrupted_client: str = SETUP_CLIENT
+    echo_observed_on: str = (
+        "probe client (the setup client that saved the initial checkpoint, nothing applied since) "
+        "(optim_step response metrics)"
+    )
+    uninterrupted_client: str = "the setup client that saved the initial checkpoint (no update before update 1)"
     base_lr_update_norm: float | None
     failures: list[str]
     own_config_probes: dict[str, RestoreProbeResult] = field(default_factory=dict)  # other trained arms' configs
@@ -138,8 +118,7 @@ class LrScalingUnavailable:
     learning_rates: list[float] = field(default_factory=list)
     available: Literal[False] = False
 
-    def to_json(self) -> JsonObject:
-        """lr-scaling-probe.json when unmeasured."""
+    def to_json(self) -> JsonObject:  # lr-scaling-probe.json when unmeasured
         rates: list[JsonValue] = [*self.learning_rates]
         return {"available": False, "reason": self.reason, "learning_rates": rates, "lr_scaling": [], "passed": None}
 
@@ -159,8 +138,7 @@ class LrScalingMeasured:
     passed: bool | None = None
     problem: str | None = None
 
-    def to_json(self) -> JsonObject:
-        """lr-scaling-probe.json when measured."""
+    def to_json(self) -> JsonObject:  # lr-scaling-probe.json when measured
         return as_object(asdict(self))
 
 
@@ -487,14 +465,11 @@ def restore_probe(
     adam, batch, rec, atol = adam_params(opt_cfg), run.batch, run.rec, LOGPROB_ATOL
     g1, g2 = probe_gradient(batch), reweighted(batch, 1.0, lambda i: i % 2 == 1)
     run.say("4/6: probe update 1 on the uninterrupted client")
-    norm1 = None
-    if update_norm is None:
-        opt1 = fixed_gradient_step(uninterrupted, g1, adam)
-    else:
-        done: dict[str, tinker.OptimStepResponse] = {}
-        norm1 = update_norm(uninterrupted, lambda: done.setdefault("opt", fixed_gradient_step(uninterrupted, g1, adam)))
-        # a measure that never applied the update leaves it to be applied here, unmeasured
-        opt1 = done["opt"] if "opt" in done else fixed_gradient_step(uninterrupted, g1, adam)
+    done: list[tinker.OptimStepResponse] = []
+    update1 = partial(fixed_gradient_step, uninterrupted, g1, adam)
+    norm1 = None if update_norm is None else update_norm(uninterrupted, lambda: done.append(update1()))
+    # without a measure, or one that never applied the update, it is applied here, unmeasured
+    opt1 = done[0] if done else update1()
     echo_ref = rec.keep("probe_optim_step_1", opt1)
     mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
     rec.keep("probe_save_mid", mid)
@@ -918,8 +893,13 @@ def run_restoration_preflight(
     trained_arms: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RestorationResult:
-    """Run the restoration preflight for the initialization group of the plan's spec (a
-    diagnostic's: its original plan's); the six steps and every option are in the module docstring."""
+    """Run the restoration preflight for the initialization group of the plan's spec (a diagnostic's:
+    its original plan's). `trained_arms` (None: all) get a client and a provenance entry, the others
+    are listed under `excluded_arms` (one trained arm is compared with the setup client);
+    `checkpoint_reader` (local backend) measures adapter_sha256 and the LR-scaling norms, without it
+    or `update_norm` the LR probe is recorded unavailable; `probe_service_client` holds the setup and
+    probe clients, so the caller can release them; `capacity`/`registry` retry every client-creating
+    call on a capacity refusal; `progress` gets a line at every step."""
     t0 = time.monotonic()
 
     def say(msg: str) -> None:

@@ -27,15 +27,13 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec
 
 
-def cause_for_question(measured_cause: str | None, active: bool, served: ServedModel) -> str | None:
+def cause_for_question(measured_cause: str | None, served: ServedModel) -> str | None:
     """The cause for the question asked (does the mask engage on the PLANNED model?). On a stand-in
     nothing measured is evidence about the planned model: missing_evidence, whatever the stand-in
     did. A code defect found on the stand-in stays a defect (the code is the same)."""
-    if not served.rehearsal:
-        return measured_cause
-    if measured_cause == "code_or_instrumentation_defect":
-        return measured_cause
-    return "missing_evidence"
+    if served.rehearsal and measured_cause != "code_or_instrumentation_defect":
+        return "missing_evidence"
+    return measured_cause
 
 
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
@@ -91,7 +89,7 @@ def _plain(s: str) -> str:
 def for_planned_model(c: Classification, served: ServedModel) -> Classification:
     """The classification judged for the question asked: on a stand-in, keep the measured state and
     cause (`measured_cause`) but the cause for the planned model is missing_evidence."""
-    cause = cause_for_question(c.cause, c.active, served)
+    cause = cause_for_question(c.cause, served)
     extra = ""
     if served.rehearsal:
         extra = (
@@ -130,9 +128,7 @@ def next_action(
             "plan_id": plan_id,
             "plan_changes": [],
             "served_model": served.served,
-            "measured_on_stand_in": dict(
-                measured or {"state": classification.state, "measured_cause": classification.measured_cause}
-            ),
+            "measured_on_stand_in": dict(measured or {}),  # analyse passes what the run measured
             "not_yet_candidates": [
                 "more epochs over the frozen batch (only after a real-model run shows an inactive regime)"
             ],

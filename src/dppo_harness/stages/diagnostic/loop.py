@@ -103,11 +103,6 @@ class SentinelTracker:
         # Submitted sentinel forwards `collect()` awaits (one wait less per update): (future, after_update, elapsed_s).
         self.pending: list[tuple[tinker.APIFuture[tinker.ForwardBackwardOutput], int, float]] = []
 
-    def submit(self, tc: tinker.TrainingClient) -> tinker.APIFuture[tinker.ForwardBackwardOutput]:
-        """The sentinel forward, submitted (not awaited): queued behind whatever the client has in
-        flight, so it reads the weights after those requests."""
-        return tc.forward(list(self.datums), "cross_entropy")
-
     def collect(self) -> None:
         """Await the deferred sentinel forwards, in submission order, and record their points."""
         while self.pending:
@@ -437,7 +432,7 @@ def _train_epochs(
         # weights) and awaited after the next update's submission (one round trip less per update).
         rec, upd = train_step.train_step(
             tc, datums, loss_fn, adam, recorder, context, persist=persist,
-            submit_behind=partial(sentinels.submit, tc) if due else None,
+            submit_behind=partial(tc.forward, list(sentinels.datums), "cross_entropy") if due else None,
         )  # fmt: skip
         t_collect = clock()
         sentinels.collect()  # the previous update's sentinel: long done by now

@@ -25,7 +25,7 @@ from dppo_harness.evidence.files import MAX_FILE_BYTES
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
-from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, REVISED_SPEC_FILE, pool_calls
+from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, pool_calls
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
 from dppo_harness.stages.diagnostic.classification import (
@@ -275,9 +275,7 @@ def analyse(
 
 
 def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig) -> SelftestReport:
-    """Before any service work: revised spec, deviations, unavailable references, self-test."""
-    if bundle.entry(REVISED_SPEC_FILE) is None:  # normally written at session start (before any update)
-        bundle.register_plan(plan, REVISED_SPEC_FILE)
+    """Before any service work (the session registered the revised spec): deviations, unavailable references, self-test."""
     for dev in plan.diagnostic.deviations:
         bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
     references = [dict(r.model_dump(), available=False) for r in plan.diagnostic.unavailable_references]
