@@ -123,10 +123,6 @@ class Vocab:
         self.sha256 = hashlib.sha256(real.tobytes()).hexdigest()
         self._real_t = torch.from_numpy(real.copy())
 
-    def __contains__(self, real_id: int) -> bool:
-        i = int(np.searchsorted(self.real_ids, real_id))
-        return i < self.size and int(self.real_ids[i]) == int(real_id)
-
     def to_local(self, real_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
         """Real ids -> local indices (int64); unknown ids -> ``unk_index``."""
         r = torch.as_tensor(np.asarray(real_ids, dtype=np.int64))

@@ -484,11 +484,6 @@ class Engine:
             "optim/step": float(tm.steps),
         }
 
-    def get_parameter_grads(self, model_id: str) -> dict[str, torch.Tensor]:
-        tm = self._get(model_id)
-        with tm.lock:
-            return {n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q)) for n, q in tm.params}
-
     # ----- checkpoints ------------------------------------------------------------------------
     def _save(self, model_id: str, kind: str, name: str, overwrite: bool, with_optimizer: bool) -> str:
         tm = self._get(model_id)

@@ -378,7 +378,7 @@ async def create_sampling_session(request: web.Request) -> web.Response:
         if not req.model_path.startswith("tinker://"):
             raise UserError(f"model_path must start with tinker://, got {req.model_path!r}")
         saved = state.checkpoints.get(req.model_path)
-        base_model = base_model or (saved.base_model if saved else None) or constants.BASE_MODEL
+        base_model = base_model or (saved.model.base_model if saved else None) or constants.BASE_MODEL
     sampler_id = state.new_sampler(req.session_id, req.sampling_session_seq_id, base_model, req.model_path)
     return ok(types.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
 
@@ -387,7 +387,7 @@ async def get_sampler(request: web.Request) -> web.Response:
     s = request.app[STATE_KEY].samplers.get(request.match_info["sampler_id"])
     if s is None:
         return error_json(f"unknown sampler {request.match_info['sampler_id']!r}", 404)
-    return ok(types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path))
+    return ok(s)
 
 
 async def asample(request: web.Request) -> web.Response:
@@ -513,7 +513,7 @@ async def list_checkpoints(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     if model_id not in state.models:
         return error_json(f"unknown training run {model_id!r}", 404)
-    mine = [r.checkpoint for r in state.checkpoints.values() if r.model_id == model_id]
+    mine = [r.checkpoint for r in state.checkpoints.values() if r.model.model_id == model_id]
     return ok(types.CheckpointsListResponse(checkpoints=mine))
 
 
@@ -553,12 +553,12 @@ async def weights_info(request: web.Request) -> web.Response:
     req = await parse_body(request, WeightsInfoRequest)
     saved = state.checkpoints.get(req.tinker_path)
     if saved is not None:
-        mlp, attn, unembed = saved.lora_switches
+        mlp, attn, unembed = saved.model.lora_switches
         return ok(
             types.WeightsInfoResponse(
-                base_model=saved.base_model,
+                base_model=saved.model.base_model,
                 is_lora=True,
-                lora_rank=saved.lora_rank,
+                lora_rank=saved.model.lora_rank,
                 train_mlp=mlp,
                 train_attn=attn,
                 train_unembed=unembed,
