@@ -32,12 +32,14 @@ from dppo_harness.local_server.http.codecs import (
 )
 from dppo_harness.local_server.http.state import (
     STATE_KEY,
+    ModelEntry,
     Outcome,
     ServerState,
     SessionEntry,
     error_json,
     future_json,
     parse_body,
+    str_metadata,
 )
 from dppo_harness.local_server.profiles import capabilities_of, spindle_deployments
 
@@ -182,7 +184,9 @@ async def create_model(request: web.Request) -> web.Response:
                 train_unembed=switches[2],
             ),
         )
-        state.new_entry(model_id, engine_id, req.base_model, req.session_id, lora.rank, req.user_metadata, switches)
+        state.models[model_id] = ModelEntry(
+            model_id, engine_id, req.base_model, req.session_id, lora.rank, str_metadata(req.user_metadata), switches
+        )
         return Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
 
     return _creation(state, req.session_id, req.model_seq_id, "create_model", build)
@@ -329,7 +333,9 @@ async def load_weights(request: web.Request) -> web.Response:
         )
         info = await state.run_engine(state.misc_pool, "get_info", lambda: state.engine.get_info(engine_id))
         base_model = req.base_model or info["requested_base_model"]
-        state.new_entry(model_id, engine_id, base_model, session_id, info["lora_rank"], req.user_metadata)
+        state.models[model_id] = ModelEntry(
+            model_id, engine_id, base_model, session_id, info["lora_rank"], str_metadata(req.user_metadata)
+        )
         if state.profile.is_spindle:
             # A creation resolves to its type and model id only, no path
             # (src/spindle/control_plane/service.py, `_retrieve_creation`).
@@ -567,7 +573,7 @@ async def weights_info(request: web.Request) -> web.Response:
     # saved before this server started (a resumed run): the checkpoint's own record on disk names its
     # base model and rank; the LoRA switches were never written, so none is sent
     try:
-        meta = state.engine.checkpoint_meta(req.tinker_path)
+        _, meta = state.engine.read_checkpoint(req.tinker_path)
     except UserError:
         return error_json(f"unknown checkpoint {req.tinker_path!r} (not saved through this server)", 404)
     return ok(

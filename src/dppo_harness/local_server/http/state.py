@@ -62,11 +62,12 @@ class ModelEntry:
     engine_id: str
     base_model: str
     session_id: str
-    executor: ThreadPoolExecutor
-    cond: asyncio.Condition
     lora_rank: int | None = None
     user_metadata: dict[str, str] | None = None
     lora_switches: tuple[bool, bool, bool] = (True, True, True)  # train_mlp, train_attn, train_unembed
+    # the model's ordered requests run one at a time on its own worker, in seq_id order (cond)
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="model"))
+    cond: asyncio.Condition = field(default_factory=asyncio.Condition)
     next_seq: int = 1
     requests_by_seq: dict[int, str] = field(default_factory=dict)
     pending: int = 0  # accepted ordered requests not finished yet (unload_model waits for them)
@@ -241,29 +242,6 @@ class ServerState:
             sampler_id=sampler_id, base_model=base_model, model_path=model_path
         )
         return sampler_id
-
-    def new_entry(
-        self,
-        model_id: str,
-        engine_id: str,
-        base_model: str,
-        session_id: str,
-        lora_rank: int | None,
-        user_metadata: Mapping[str, JsonValue] | None,
-        lora_switches: tuple[bool, bool, bool] = (True, True, True),
-    ) -> None:
-        executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{len(self.models)}")
-        self.models[model_id] = ModelEntry(
-            model_id,
-            engine_id,
-            base_model,
-            session_id,
-            executor,
-            asyncio.Condition(),
-            lora_rank,
-            str_metadata(user_metadata),
-            lora_switches,
-        )
 
     # -- spindle: the trainer's LoRA slots, a trainer that dies (control_plane/service.py `engine_for` / `retrieve`)
     async def release_slot(self, model_id: str) -> None:
