@@ -1,14 +1,13 @@
 """Benchmark the embedded server through HTTP with the stock tinker SDK.
 
 Figures (printed, plus one JSON line at the end):
-- server start time with a cold model cache (empty temp DPPO_HARNESS_CACHE: builds the warm start)
-  and with a warm cache (same dir again);
+- server start time (the shipped warm start is loaded: no cache to be cold or warm);
 - sampling throughput: G GSM8K train prompts x S samples, max_tokens, temperature 1, every request
   in flight together (the rollout shape of the bounded diagnostic);
 - seconds per forward_backward_custom (harness DPPO loss) + optim_step on a minibatch of M groups.
 
     PYTHONPATH=src python benchmarks/local_server.py              # full shape: 32 x 8, 512, M=4
-    PYTHONPATH=src python benchmarks/local_server.py --groups 4 --max-tokens 64 --skip-cold
+    PYTHONPATH=src python benchmarks/local_server.py --groups 4 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,12 +29,6 @@ from tinker import types
 from dppo_harness import constants
 from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.train.train_step import minibatch_update
-
-
-def start_once(cache: Path, run_dir: Path, model: str | None) -> tuple[LocalServerProcess, float]:
-    env = dict(os.environ, DPPO_HARNESS_CACHE=str(cache))
-    server = LocalServerProcess(run_dir=run_dir, env=env, model=model).start()
-    return server, float(server.start_seconds or 0.0)
 
 
 def gsm8k_prompts(n: int) -> tuple[list, list, list, object]:
@@ -58,35 +50,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--updates", type=int, default=3, help="timed forward_backward_custom + optim_step rounds")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--model", default=None, help="engine model preset (default: the server's default)")
-    p.add_argument("--skip-cold", action="store_true", help="do not measure the cold-cache start")
-    p.add_argument(
-        "--cache",
-        default=None,
-        help="warm cache dir to reuse (default: the cold run's temp dir, or the user cache with --skip-cold)",
-    )
     args = p.parse_args(argv)
     figures: dict = {"shape": vars(args).copy()}
     work = Path(tempfile.mkdtemp(prefix="bench-local-server-"))
 
-    # 1. start times ---------------------------------------------------------------------------
-    if args.skip_cold:
-        figures["start_cold_s"] = {"available": False, "reason": "--skip-cold"}
-        cache = (
-            Path(args.cache)
-            if args.cache
-            else Path(os.environ.get("DPPO_HARNESS_CACHE") or Path.home() / ".cache" / "dppo_harness")
-        )
-    else:
-        cache = Path(args.cache) if args.cache else work / "cache"
-        if cache.exists() and any(cache.iterdir()):
-            sys.exit(f"--cache {cache} is not empty: a cold start needs an empty cache dir")
-        server, cold = start_once(cache, work / "cold", args.model)
-        server.stop()
-        figures["start_cold_s"] = cold
-        print(f"server start, cold cache : {cold:8.1f} s   (cache {cache})", flush=True)
-    server, warm = start_once(cache, work / "warm", args.model)
-    figures["start_warm_s"] = warm
-    print(f"server start, warm cache : {warm:8.1f} s", flush=True)
+    # 1. start time ----------------------------------------------------------------------------
+    server = LocalServerProcess(run_dir=work / "server", model=args.model).start()
+    figures["start_s"] = float(server.start_seconds or 0.0)
+    print(f"server start : {figures['start_s']:8.1f} s", flush=True)
 
     try:
         client = tinker.ServiceClient(base_url=server.base_url, api_key=constants.LOCAL_API_KEY)

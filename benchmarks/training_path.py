@@ -34,6 +34,9 @@ from dppo_harness.constants import BASE_MODEL
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from engine_reads import get_parameter_grads
+
 
 def _usage() -> tuple[float, float, int]:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -85,7 +88,7 @@ def main() -> None:
             ]
             (first, _), fwd = measured(lambda data=data: engine.forward(model, data, "cross_entropy"))
             (second, _), bwd = measured(lambda w=weighted: engine.forward_backward(model, w, "cross_entropy"))
-            grads = engine.get_parameter_grads(model)
+            grads = get_parameter_grads(engine, model)
             _, opt = measured(lambda: engine.optim_step(model, {"learning_rate": 1e-2, "eps": 1e-8}))
             h = hashlib.sha256()
             for out in first + second:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from engine_reads import compute_logprobs, direct_loss_grads
+from engine_reads import compute_logprobs, direct_loss_grads, get_parameter_grads
 from warm_start_signal import signal_rate
 
 from dppo_harness.constants import BASE_MODEL, STOP_TOKEN_ID
@@ -70,7 +70,7 @@ def _two_pass_grads(engine, mid, data, loss_fn, sign: float = 1.0) -> dict[str, 
     loss.backward()
     weights = [(-sign * lp.grad).numpy() for lp in lps]
     engine.forward_backward(mid, [_engine_datum(d, w) for d, w in zip(data, weights)], "cross_entropy")
-    grads = engine.get_parameter_grads(mid)
+    grads = get_parameter_grads(engine, mid)
     engine.optim_step(mid, {"learning_rate": 0.0})  # clears the accumulated grads
     return grads
 

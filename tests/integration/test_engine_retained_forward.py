@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_reads import get_parameters
+from engine_reads import get_parameter_grads, get_parameters
 
 from dppo_harness.constants import BASE_MODEL
 from dppo_harness.local_server.engine.engine import Engine
@@ -58,7 +58,7 @@ def _weighted(data, seed: int):
 def _step(eng: Engine, mid: str, fwd_data, bwd_data) -> dict:
     fwd, _ = eng.forward(mid, fwd_data, "cross_entropy")
     bwd, metrics = eng.forward_backward(mid, bwd_data, "cross_entropy")
-    grads = eng.get_parameter_grads(mid)
+    grads = get_parameter_grads(eng, mid)
     optim = eng.optim_step(mid, {"learning_rate": 5e-2, "eps": 1e-8})
     return {
         "fwd": fwd,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from engine_reads import compute_logprobs, get_parameters
+from engine_reads import compute_logprobs, get_parameter_grads, get_parameters
 from tinker import types
 
 from dppo_harness import constants
@@ -371,12 +371,12 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
     )
 
     out = custom_forward_backward(tc, data, loss_fn).result(timeout=300)
-    g_http = engine.get_parameter_grads(mid)
+    g_http = get_parameter_grads(engine, mid)
     # Reference: the same loss differentiated straight through the server's model (accumulates).
     lps = compute_logprobs(engine, mid, _datum_inputs(data), grad=True)
     ref_loss, _ = loss_fn(data, [lp.float() for lp in lps])
     ref_loss.backward()
-    g_ref = _minus(engine.get_parameter_grads(mid), g_http)
+    g_ref = _minus(get_parameter_grads(engine, mid), g_http)
 
     assert out.metrics["loss:sum"] == pytest.approx(float(ref_loss.detach()), rel=1e-5)
     nonzero = sum(1 for g in g_ref.values() if float(g.abs().max()) > 0)
@@ -387,7 +387,7 @@ def test_custom_loss_gradient_equals_direct_autograd_and_a_sign_flip_fails(inpro
     # The same check on a sign-flipped loss must fail (and the HTTP gradient is exactly -g_ref).
     tc2 = trained_model(21)
     custom_forward_backward(tc2, data, flipped).result(timeout=300)
-    g_flip = engine.get_parameter_grads(srv.state.models[tc2.model_id].engine_id)
+    g_flip = get_parameter_grads(engine, srv.state.models[tc2.model_id].engine_id)
     ok_flip, rel_flip = _grads_match(g_flip, g_ref)
     assert not ok_flip and rel_flip == pytest.approx(2.0, rel=1e-3)
     assert _grads_match({k: -v for k, v in g_flip.items()}, g_ref)[0]
@@ -406,7 +406,7 @@ def test_optim_step_equals_torch_adamw_on_the_same_gradient(inproc, prompt, answ
     opt = torch.optim.AdamW([ref[k] for k in names], **hyper)
     for i, batch in enumerate(batches):
         tc.forward_backward(batch, "cross_entropy").result(timeout=300)
-        grads = engine.get_parameter_grads(mid)
+        grads = get_parameter_grads(engine, mid)
         norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())))
         clip = 0.0 if i == 0 else 0.5 * norm  # second step: clipping must engage
         applied = (

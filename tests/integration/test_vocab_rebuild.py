@@ -48,6 +48,8 @@ def test_check_fails_when_the_rebuild_differs(tmp_path):
 
 def test_prompt_is_the_cookbook_math_env_prompt():
     """vocab.prompt_messages renders to the tokens of the cookbook MathEnv's first observation."""
+    from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer
+
     from dppo_harness.data import gsm8k
 
     item = gsm8k.load_split("train", seed=0).batch(0, 1)[0]
@@ -55,4 +57,4 @@ def test_prompt_is_the_cookbook_math_env_prompt():
     ours = renderer.build_generation_prompt(vocab.prompt_messages(item.question)).to_ints()
     assert ours == gsm8k.build_prompt(item, renderer)[0].to_ints()
     row = json.loads((vocab.DATA_DIR / "train.jsonl").read_text().splitlines()[0])
-    assert vocab.solution_reply(row["answer"]).endswith(f"\\boxed{{{vocab.gsm8k_final_answer(row['answer'])}}}.")
+    assert vocab.solution_reply(row["answer"]).endswith(f"\\boxed{{{extract_gsm8k_final_answer(row['answer'])}}}.")

@@ -18,6 +18,12 @@ def get_parameters(engine: Engine, model_id: str) -> dict[str, torch.Tensor]:
         return {n: q.detach().clone() for n, q in tm.params}
 
 
+def get_parameter_grads(engine: Engine, model_id: str) -> dict[str, torch.Tensor]:
+    tm = engine._get(model_id)
+    with tm.lock:
+        return {n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q)) for n, q in tm.params}
+
+
 def compute_logprobs(
     engine: Engine, model_id: str, data: Sequence[DatumIn], *, grad: bool = False
 ) -> list[torch.Tensor]:

@@ -18,12 +18,8 @@ RUN_PREFIXES = ("TINKER_", "MODAL_", "RUNS_PROXY_", "CF_ACCESS_", "DPPO_HARNESS_
 RUN_NAMES = frozenset({"CF-Access-Client-Id", "CF-Access-Client-Secret"})
 
 
-# Where this machine keeps the built stand-in: a machine setting, not a run's (dropping it rebuilds).
-KEPT = frozenset({"DPPO_HARNESS_CACHE"})
-
-
 def is_run_variable(name: str) -> bool:
-    return name not in KEPT and (name in RUN_NAMES or name.upper().startswith(RUN_PREFIXES))
+    return name in RUN_NAMES or name.upper().startswith(RUN_PREFIXES)
 
 
 def scrubbed_environ(env: Mapping[str, str] | None = None) -> dict[str, str]:

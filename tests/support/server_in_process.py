@@ -28,7 +28,7 @@ class InProcessServer:
     """The same app on a background event loop in this process, sharing `engine` with the caller.
 
     Tests use it to compare what crossed HTTP with the engine's own tensors
-    (`engine.get_parameter_grads(server.state.models[training_client.model_id].engine_id)`).
+    (`engine_reads.get_parameter_grads(engine, server.state.models[training_client.model_id].engine_id)`).
     """
 
     def __init__(self, engine: Engine, faults: FaultConfig | None = None, profile: Profile | None = None) -> None:

@@ -12,7 +12,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from dppo_harness import constants
-from dppo_harness.local_server.engine.loss_fns import register_server_loss, server_loss, server_loss_names
+from dppo_harness.local_server.engine.loss_fns import SERVER_LOSSES, server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, parse_request
 from dppo_harness.local_server.profiles import (
@@ -152,15 +152,13 @@ def test_forward_backward_protobuf_decodes_into_its_record():
     assert tokens == [5, 6, 7] and inputs["weights"].tolist() == [0.0, 1.0, 1.0]
 
 
-# ---- loss registry ------------------------------------------------------------------------------
+# ---- loss table --------------------------------------------------------------------------------
 
 
-def test_registry_holds_the_built_in_losses_once():
-    assert server_loss_names() == ("cross_entropy", "importance_sampling", "ppo")
+def test_the_table_holds_the_built_in_losses():
+    assert tuple(SERVER_LOSSES) == ("cross_entropy", "importance_sampling", "ppo")
     with pytest.raises(UserError, match=r"unsupported loss_fn 'dro'.*cross_entropy"):
         server_loss("dro")
-    with pytest.raises(ValueError, match="already registered"):
-        register_server_loss("ppo", inputs=("target_tokens",))(lambda lp, inp, cfg: lp)
 
 
 def test_ppo_config_defaults_and_bounds():

@@ -8,6 +8,7 @@ the client went through.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -221,18 +222,14 @@ def parse_capacity_fail(spec: str) -> CapacityFail:
 
 
 def _parse_nth(spec: str, option: str) -> Nth:
+    """`KIND:N`, e.g. `--fault-model-lost forward_backward:6` (a model's 6th forward_backward finds
+    its trainer gone) or `--fault-never-complete save_weights:1` (the first save never completes)."""
     kind, n = _split(spec, option, 2)
     return Nth(kind, int(_num(n, option, "N", least=1)))
 
 
-def parse_model_lost(spec: str) -> Nth:
-    """`KIND:N`, e.g. `forward_backward:6`: a model's 6th forward_backward finds its trainer gone."""
-    return _parse_nth(spec, "--fault-model-lost")
-
-
-def parse_never_complete(spec: str) -> Nth:
-    """`KIND:N`, e.g. `save_weights:1`: the first save never completes."""
-    return _parse_nth(spec, "--fault-never-complete")
+parse_model_lost = functools.partial(_parse_nth, option="--fault-model-lost")
+parse_never_complete = functools.partial(_parse_nth, option="--fault-never-complete")
 
 
 def parse_latency(spec: str) -> tuple[str, float]:

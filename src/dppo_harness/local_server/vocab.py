@@ -27,7 +27,6 @@ from dppo_harness.constants import RENDERER_NAME
 from dppo_harness.data.tokenizer import TML_QWEN35, TmlQwen35Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
     from tinker_cookbook.renderers import Message, Renderer
 
 ASSET_PATH = Path(__file__).parent / "assets" / "vocab_qwen35_gsm8k.json"
@@ -50,37 +49,27 @@ def get_renderer() -> Renderer:
     return renderers.get_renderer(RENDERER_NAME, tokenizer=get_tokenizer())  # type: ignore[arg-type]
 
 
-@lru_cache(maxsize=1)
-def _math_env() -> type[MathEnv]:
-    # the cookbook's math env imports its RL stack (seconds): only the warm start and the vocabulary rebuild need it
-    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
-
-    return MathEnv
-
-
-def gsm8k_final_answer(answer: str) -> str:
-    """Ground truth of a GSM8K answer field: the cookbook's ``extract_gsm8k_final_answer``."""
-    from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer  # deferred, as in _math_env
-
-    return extract_gsm8k_final_answer(answer)
-
-
 _CALC_RE = re.compile(r"<<[^>]*>>")
 
 
 def solution_reply(answer: str) -> str:
     """Warm-start assistant reply: the GSM8K rationale without calculator annotations and
     without the ``####`` line, ending in ``\\boxed{final}``."""
+    # The cookbook's math env imports its RL stack (seconds): only the warm start and the vocabulary
+    # rebuild need it, not the server's start.
+    from tinker_cookbook.recipes.math_rl.math_env import extract_gsm8k_final_answer
+
     lines = [ln for ln in answer.splitlines() if not ln.strip().startswith("####")]
     body = _CALC_RE.sub("", "\n".join(lines)).strip()
-    return f"{body}\nThe answer is \\boxed{{{gsm8k_final_answer(answer)}}}."
+    return f"{body}\nThe answer is \\boxed{{{extract_gsm8k_final_answer(answer)}}}."
 
 
 def prompt_messages(question: str) -> list[Message]:
     """The cookbook math_rl GSM8K conversation: ``MathEnv``'s one-shot prefix, then the question
     with ``MathEnv.question_suffix()`` (the same messages MathEnv renders)."""
-    env = _math_env()
-    return [*env.standard_fewshot_prefix(), {"role": "user", "content": question + env.question_suffix()}]
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv  # deferred, as in solution_reply
+
+    return [*MathEnv.standard_fewshot_prefix(), {"role": "user", "content": question + MathEnv.question_suffix()}]
 
 
 def read_jsonl(path: Path) -> list[dict[str, str]]:
@@ -122,10 +111,6 @@ class Vocab:
         self.num_embeddings = self.size + 1
         self.sha256 = hashlib.sha256(real.tobytes()).hexdigest()
         self._real_t = torch.from_numpy(real.copy())
-
-    def __contains__(self, real_id: int) -> bool:
-        i = int(np.searchsorted(self.real_ids, real_id))
-        return i < self.size and int(self.real_ids[i]) == int(real_id)
 
     def to_local(self, real_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
         """Real ids -> local indices (int64); unknown ids -> ``unk_index``."""

@@ -126,7 +126,7 @@ def service_backend(
     if "comparison" in harness_options.selected_stages:  # --resume loads states saved by an earlier server
         run_dir = harness_options.evidence_dir / SERVER_DIR
         run_dir.mkdir(parents=True, exist_ok=True)
-    # The first start builds the stand-in model (minutes on 2 cores): its progress is forwarded.
+    # The server's start-up progress lines are forwarded while waiting for it to be ready.
     with LocalServerProcess(run_dir=run_dir, progress=harness_progress) as server:
         yield ServiceBackend("local", server.base_url, server)
 

@@ -484,11 +484,6 @@ class Engine:
             "optim/step": float(tm.steps),
         }
 
-    def get_parameter_grads(self, model_id: str) -> dict[str, torch.Tensor]:
-        tm = self._get(model_id)
-        with tm.lock:
-            return {n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q)) for n, q in tm.params}
-
     # ----- checkpoints ------------------------------------------------------------------------
     def _save(self, model_id: str, kind: str, name: str, overwrite: bool, with_optimizer: bool) -> str:
         tm = self._get(model_id)
@@ -529,7 +524,8 @@ class Engine:
             name = f"sampler-{self._get(model_id).steps}-{secrets.token_hex(4)}"
         return self._save(model_id, "sampler_weights", name, overwrite, with_optimizer=False)
 
-    def _read_ckpt(self, path: str) -> tuple[Path, dict]:
+    def read_checkpoint(self, path: str) -> tuple[Path, dict]:
+        """(its directory, what it says about itself): a restarted server still knows a checkpoint."""
         m = CHECKPOINT_PATH_RE.match(path or "")
         if not m:
             raise UserError(f"malformed checkpoint path {path!r}; expected tinker://<model_id>/weights/<name>")
@@ -541,10 +537,6 @@ class Engine:
             raise UserError(f"checkpoint {path!r} was saved on a different base model (base weights hash differs)")
         return d, meta
 
-    def checkpoint_meta(self, path: str) -> dict:
-        """What a checkpoint on disk says about itself (a restarted server still knows it)."""
-        return self._read_ckpt(path)[1]
-
     def _load_adapter(self, d: Path, meta: dict) -> dict[str, torch.Tensor]:
         adapter = torch.load(d / ADAPTER_FILE, map_location="cpu", weights_only=True)
         if model.state_sha256(adapter) != meta.get("adapter_sha256"):
@@ -553,7 +545,7 @@ class Engine:
 
     def load_state(self, model_id: str, path: str, with_optimizer: bool) -> None:
         tm = self._get(model_id)
-        d, meta = self._read_ckpt(path)
+        d, meta = self.read_checkpoint(path)
         if meta["kind"] != "weights" and with_optimizer:
             raise UserError(f"{path!r} is sampler weights: it has no optimizer state")
         if int(meta["lora_rank"]) != tm.lora_rank:
@@ -574,7 +566,7 @@ class Engine:
                 tm.steps = int(meta.get("optimizer_steps", 0))
 
     def create_model_from_state(self, path: str, with_optimizer: bool, *, model_id: str | None = None) -> str:
-        _, meta = self._read_ckpt(path)
+        _, meta = self.read_checkpoint(path)
         targets = tuple(meta.get("lora_targets") or model.LORA_TARGETS)
         mid = self._create_model(
             meta["requested_base_model"], int(meta["lora_rank"]), int(meta["lora_seed"]), targets, model_id
@@ -595,7 +587,7 @@ class Engine:
         if key == "base":
             net = copy.deepcopy(self.base_model)
         else:
-            d, meta = self._read_ckpt(key)
+            d, meta = self.read_checkpoint(key)
             adapter = self._load_adapter(d, meta)
             # The presets' output head has its own weight (not tied to the embedding), so merging
             # a LoRA delta into it leaves the input embedding alone.
@@ -631,7 +623,7 @@ class Engine:
         if sampler_path_or_base in self.served_models:
             key = "base"
         elif sampler_path_or_base.startswith("tinker://"):
-            self._read_ckpt(sampler_path_or_base)  # validates now, with a clear error
+            self.read_checkpoint(sampler_path_or_base)  # validates now, with a clear error
             key = sampler_path_or_base
         else:
             raise UserError(f"cannot sample from {sampler_path_or_base!r}: not a served base model or tinker:// path")

@@ -1,13 +1,12 @@
-"""The embedded server's built-in losses, in one registry (the way of verl's `register_policy_loss`).
+"""The embedded server's built-in losses, in one table (SERVER_LOSSES).
 
 Each loss maps per-token target logprobs `lp_T` plus the datum's `loss_fn_inputs` to the
 per-token loss (summed by the engine), with one signature:
 
     fn(lp_T, inputs: dict[str, Tensor], config: dict[str, float]) -> elementwise_loss_T
 
-`register_server_loss(name, inputs=..., config=...)` records the inputs the loss needs and its
-`loss_fn_config` keys with defaults; the engine validates against them and refuses unknown names
-with the registry's list. Semantics are the SDK's documented server losses (0.25's LossFnType).
+Each entry records the inputs the loss needs and its `loss_fn_config` keys with defaults; the
+engine validates against them and refuses unknown names with the table's list. Semantics are the SDK's documented server losses (0.25's LossFnType).
 """
 
 from __future__ import annotations
@@ -48,42 +47,17 @@ class ServerLoss:
         return cfg
 
 
-_SERVER_LOSSES: dict[str, ServerLoss] = {}
-
-
-def register_server_loss(
-    name: str,
-    *,
-    inputs: tuple[str, ...],
-    config: Mapping[str, float] | None = None,
-    check_config: Callable[[dict[str, float]], str | None] | None = None,
-) -> Callable[[ElementwiseLoss], ElementwiseLoss]:
-    def decorator(fn: ElementwiseLoss) -> ElementwiseLoss:
-        if name in _SERVER_LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        _SERVER_LOSSES[name] = ServerLoss(name, fn, tuple(inputs), dict(config or {}), check_config)
-        return fn
-
-    return decorator
-
-
 def server_loss(name: str) -> ServerLoss:
-    spec = _SERVER_LOSSES.get(name)
+    spec = SERVER_LOSSES.get(name)
     if spec is None:
-        raise UserError(f"unsupported loss_fn {name!r}; supported: {list(_SERVER_LOSSES)}")
+        raise UserError(f"unsupported loss_fn {name!r}; supported: {list(SERVER_LOSSES)}")
     return spec
 
 
-def server_loss_names() -> tuple[str, ...]:
-    return tuple(_SERVER_LOSSES)
-
-
-@register_server_loss("cross_entropy", inputs=("target_tokens", "weights"))
 def cross_entropy(lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]) -> torch.Tensor:
     return -lp_T * inputs["weights"]
 
 
-@register_server_loss("importance_sampling", inputs=("target_tokens", "logprobs", "advantages"))
 def importance_sampling(
     lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> torch.Tensor:
@@ -97,14 +71,19 @@ def _ppo_bounds(cfg: dict[str, float]) -> str | None:
     return "thresholds must satisfy 0 < clip_low_threshold <= 1 <= clip_high_threshold"
 
 
-@register_server_loss(
-    "ppo",
-    inputs=("target_tokens", "logprobs", "advantages"),
-    config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    check_config=_ppo_bounds,
-)
 def ppo(lp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]) -> torch.Tensor:
     ratio_T = torch.exp(lp_T - inputs["logprobs"])
     adv_T = inputs["advantages"]
     clipped_T = torch.clamp(ratio_T, config["clip_low_threshold"], config["clip_high_threshold"])
     return -torch.minimum(ratio_T * adv_T, clipped_T * adv_T)
+
+
+_POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
+SERVER_LOSSES = {
+    spec.name: spec
+    for spec in (
+        ServerLoss("cross_entropy", cross_entropy, ("target_tokens", "weights")),
+        ServerLoss("importance_sampling", importance_sampling, _POLICY_INPUTS),
+        ServerLoss("ppo", ppo, _POLICY_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, _ppo_bounds),
+    )
+}

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # Lines the server logs (stderr) with this marker are forwarded to the harness user by
-# process.LocalServerProcess while it waits for the ready line: the first start builds the model.
+# process.LocalServerProcess while it waits for the ready line (a config with no shipped model builds it).
 PROGRESS_MARKER = "progress: "
 PROGRESS_EVERY_S = 5.0
 
@@ -232,7 +232,7 @@ def load_or_build(
     net, info = train(config, vocab, seed, recipe, ddir)
     _progress(f"warm start: built in {time.time() - t0:.0f}s")
     meta = {"key": key, "weights_sha256": model.state_sha256(net.state_dict()), "build_seconds": time.time() - t0}
-    return net, meta | info | {"cache_hit": False}
+    return net, meta | info | {"source": "built"}
 
 
 def _load_verified(
@@ -260,7 +260,7 @@ def load_shipped(
         return None
     refusal = f"shipped warm start {wfile} fails its sha256 check {meta.get('weights_sha256')}; reinstall the package"
     net = _load_verified(wfile, meta, config, vocab, seed, refusal)
-    return net, meta | {"cache_hit": True, "source": "shipped", "asset": wfile.name}
+    return net, meta | {"source": "shipped", "asset": wfile.name}
 
 
 def write_shipped(net: torch.nn.Module, key: dict, info: dict) -> Path:

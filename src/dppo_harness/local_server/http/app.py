@@ -213,10 +213,10 @@ async def run_server(args: argparse.Namespace, faults: FaultConfig, run_dir: Pat
     runner = await start_site(state, sock)
     host = f"[{args.host}]" if sock.family == socket.AF_INET6 else args.host
     log.info(
-        "engine %s ready in %.1fs (warm-start cache hit: %s); profile %s; run dir %s",
+        "engine %s ready in %.1fs (warm start: %s); profile %s; run dir %s",
         engine.model_name,
         time.perf_counter() - t0,
-        engine.base_info.get("cache_hit"),
+        engine.base_info.get("source"),
         profile.name,
         run_dir,
     )

@@ -32,12 +32,14 @@ from dppo_harness.local_server.http.codecs import (
 )
 from dppo_harness.local_server.http.state import (
     STATE_KEY,
+    ModelEntry,
     Outcome,
     ServerState,
     SessionEntry,
     error_json,
     future_json,
     parse_body,
+    str_metadata,
 )
 from dppo_harness.local_server.profiles import capabilities_of, spindle_deployments
 
@@ -182,7 +184,9 @@ async def create_model(request: web.Request) -> web.Response:
                 train_unembed=switches[2],
             ),
         )
-        state.new_entry(model_id, engine_id, req.base_model, req.session_id, lora.rank, req.user_metadata, switches)
+        state.models[model_id] = ModelEntry(
+            model_id, engine_id, req.base_model, req.session_id, lora.rank, str_metadata(req.user_metadata), switches
+        )
         return Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
 
     return _creation(state, req.session_id, req.model_seq_id, "create_model", build)
@@ -329,7 +333,9 @@ async def load_weights(request: web.Request) -> web.Response:
         )
         info = await state.run_engine(state.misc_pool, "get_info", lambda: state.engine.get_info(engine_id))
         base_model = req.base_model or info["requested_base_model"]
-        state.new_entry(model_id, engine_id, base_model, session_id, info["lora_rank"], req.user_metadata)
+        state.models[model_id] = ModelEntry(
+            model_id, engine_id, base_model, session_id, info["lora_rank"], str_metadata(req.user_metadata)
+        )
         if state.profile.is_spindle:
             # A creation resolves to its type and model id only, no path
             # (src/spindle/control_plane/service.py, `_retrieve_creation`).
@@ -378,7 +384,7 @@ async def create_sampling_session(request: web.Request) -> web.Response:
         if not req.model_path.startswith("tinker://"):
             raise UserError(f"model_path must start with tinker://, got {req.model_path!r}")
         saved = state.checkpoints.get(req.model_path)
-        base_model = base_model or (saved.base_model if saved else None) or constants.BASE_MODEL
+        base_model = base_model or (saved.model.base_model if saved else None) or constants.BASE_MODEL
     sampler_id = state.new_sampler(req.session_id, req.sampling_session_seq_id, base_model, req.model_path)
     return ok(types.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
 
@@ -387,7 +393,7 @@ async def get_sampler(request: web.Request) -> web.Response:
     s = request.app[STATE_KEY].samplers.get(request.match_info["sampler_id"])
     if s is None:
         return error_json(f"unknown sampler {request.match_info['sampler_id']!r}", 404)
-    return ok(types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path))
+    return ok(s)
 
 
 async def asample(request: web.Request) -> web.Response:
@@ -513,7 +519,7 @@ async def list_checkpoints(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     if model_id not in state.models:
         return error_json(f"unknown training run {model_id!r}", 404)
-    mine = [r.checkpoint for r in state.checkpoints.values() if r.model_id == model_id]
+    mine = [r.checkpoint for r in state.checkpoints.values() if r.model.model_id == model_id]
     return ok(types.CheckpointsListResponse(checkpoints=mine))
 
 
@@ -553,12 +559,12 @@ async def weights_info(request: web.Request) -> web.Response:
     req = await parse_body(request, WeightsInfoRequest)
     saved = state.checkpoints.get(req.tinker_path)
     if saved is not None:
-        mlp, attn, unembed = saved.lora_switches
+        mlp, attn, unembed = saved.model.lora_switches
         return ok(
             types.WeightsInfoResponse(
-                base_model=saved.base_model,
+                base_model=saved.model.base_model,
                 is_lora=True,
-                lora_rank=saved.lora_rank,
+                lora_rank=saved.model.lora_rank,
                 train_mlp=mlp,
                 train_attn=attn,
                 train_unembed=unembed,
@@ -567,7 +573,7 @@ async def weights_info(request: web.Request) -> web.Response:
     # saved before this server started (a resumed run): the checkpoint's own record on disk names its
     # base model and rank; the LoRA switches were never written, so none is sent
     try:
-        meta = state.engine.checkpoint_meta(req.tinker_path)
+        _, meta = state.engine.read_checkpoint(req.tinker_path)
     except UserError:
         return error_json(f"unknown checkpoint {req.tinker_path!r} (not saved through this server)", 404)
     return ok(

@@ -108,41 +108,33 @@ async def admit_creation(
     return None
 
 
-async def reclaim_session(state: ServerState, session_id: str) -> list[str]:
+async def reclaim_session(state: ServerState, session_id: str) -> None:
     """Close an idle session: its models are unloaded (slots freed at once), their pending futures
-    fail, its samplers and ids are forgotten. Returns the reclaimed model ids."""
+    fail, its samplers and ids are forgotten."""
     state.sessions.pop(session_id, None)
     state.reclaimed_sessions += 1
     for key in [k for k in state.model_requests if k[0] == session_id]:
         state.model_requests.pop(key, None)
     for sampler_id in [s for s in state.samplers if s.startswith(f"{session_id}:")]:
         state.samplers.pop(sampler_id, None)
-    reclaimed = []
-    for entry in [e for e in state.models.values() if e.session_id == session_id]:
+    entries = [e for e in state.models.values() if e.session_id == session_id]
+    for entry in entries:
         state.models.pop(entry.model_id, None)
         state.fail_pending(entry, SESSION_CLOSED)
         await state.release_slot(entry.model_id)
         with contextlib.suppress(Exception):
             await asyncio.get_running_loop().run_in_executor(entry.executor, state.engine.unload_model, entry.engine_id)
         entry.executor.shutdown(wait=False, cancel_futures=True)
-        reclaimed.append(entry.model_id)
-    log.info("idle sweep: session %s reclaimed with %d models", session_id, len(reclaimed))
-    return reclaimed
-
-
-async def sweep_once(state: ServerState) -> list[str]:
-    """Reclaim every session not seen for the idle timeout; returns their ids."""
-    cutoff = time.time() - state.profile.spindle.session_idle_timeout_s
-    idle = [sid for sid, s in state.sessions.items() if s.last_heartbeat <= cutoff]
-    for session_id in idle:
-        await reclaim_session(state, session_id)
-    return idle
+    log.info("idle sweep: session %s reclaimed with %d models", session_id, len(entries))
 
 
 async def sweep_forever(state: ServerState) -> None:
+    """Every sweep interval, reclaim every session not seen for the idle timeout."""
     while True:
         await asyncio.sleep(state.profile.spindle.sweep_interval_s)
+        cutoff = time.time() - state.profile.spindle.session_idle_timeout_s
         try:
-            await sweep_once(state)
+            for session_id in [sid for sid, s in state.sessions.items() if s.last_heartbeat <= cutoff]:
+                await reclaim_session(state, session_id)
         except Exception:
             log.exception("idle sweep failed")

@@ -62,11 +62,12 @@ class ModelEntry:
     engine_id: str
     base_model: str
     session_id: str
-    executor: ThreadPoolExecutor
-    cond: asyncio.Condition
     lora_rank: int | None = None
     user_metadata: dict[str, str] | None = None
     lora_switches: tuple[bool, bool, bool] = (True, True, True)  # train_mlp, train_attn, train_unembed
+    # the model's ordered requests run one at a time on its own worker, in seq_id order (cond)
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="model"))
+    cond: asyncio.Condition = field(default_factory=asyncio.Condition)
     next_seq: int = 1
     requests_by_seq: dict[int, str] = field(default_factory=dict)
     pending: int = 0  # accepted ordered requests not finished yet (unload_model waits for them)
@@ -79,22 +80,12 @@ class SessionEntry:
     last_heartbeat: float
 
 
-@dataclass
-class SamplerEntry:
-    sampler_id: str
-    base_model: str
-    model_path: str | None
-
-
 @dataclass(frozen=True)
 class CheckpointRecord:
     """A checkpoint saved through this server, for the REST reads (listing, weights info)."""
 
-    model_id: str
     checkpoint: types.Checkpoint
-    base_model: str
-    lora_rank: int | None
-    lora_switches: tuple[bool, bool, bool]
+    model: ModelEntry  # the model that saved it (its base model, LoRA rank and switches)
 
 
 def str_metadata(meta: Mapping[str, JsonValue] | None) -> dict[str, str] | None:
@@ -115,7 +106,7 @@ class ServerState:
     def __post_init__(self) -> None:
         self.sessions: dict[str, SessionEntry] = {}
         self.models: dict[str, ModelEntry] = {}
-        self.samplers: dict[str, SamplerEntry] = {}
+        self.samplers: dict[str, types.GetSamplerResponse] = {}  # what GET samplers/<id> answers
         self.checkpoints: dict[str, CheckpointRecord] = {}  # tinker path -> record, in save order
         self.results: OrderedDict[str, asyncio.Future[Outcome]] = OrderedDict()
         self.model_requests: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> request
@@ -168,12 +159,10 @@ class ServerState:
             tinker_path=path,
         )
         self.checkpoints.pop(path, None)  # an overwrite moves to the end
-        self.checkpoints[path] = CheckpointRecord(
-            entry.model_id, checkpoint, entry.base_model, entry.lora_rank, entry.lora_switches
-        )
+        self.checkpoints[path] = CheckpointRecord(checkpoint, entry)
 
     def training_run(self, entry: ModelEntry) -> types.TrainingRun:
-        mine = [r.checkpoint for r in self.checkpoints.values() if r.model_id == entry.model_id]
+        mine = [r.checkpoint for r in self.checkpoints.values() if r.model.model_id == entry.model_id]
         last = {
             kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
             for kind in ("training", "sampler")
@@ -249,31 +238,10 @@ class ServerState:
 
     def new_sampler(self, session_id: str, seq: int, base_model: str, model_path: str | None) -> str:
         sampler_id = f"{session_id}:sample:{seq}"
-        self.samplers[sampler_id] = SamplerEntry(sampler_id, base_model, model_path)
-        return sampler_id
-
-    def new_entry(
-        self,
-        model_id: str,
-        engine_id: str,
-        base_model: str,
-        session_id: str,
-        lora_rank: int | None,
-        user_metadata: Mapping[str, JsonValue] | None,
-        lora_switches: tuple[bool, bool, bool] = (True, True, True),
-    ) -> None:
-        executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{len(self.models)}")
-        self.models[model_id] = ModelEntry(
-            model_id,
-            engine_id,
-            base_model,
-            session_id,
-            executor,
-            asyncio.Condition(),
-            lora_rank,
-            str_metadata(user_metadata),
-            lora_switches,
+        self.samplers[sampler_id] = types.GetSamplerResponse(
+            sampler_id=sampler_id, base_model=base_model, model_path=model_path
         )
+        return sampler_id
 
     # -- spindle: the trainer's LoRA slots, a trainer that dies (control_plane/service.py `engine_for` / `retrieve`)
     async def release_slot(self, model_id: str) -> None:
