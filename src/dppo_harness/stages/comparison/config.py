@@ -1,5 +1,5 @@
 """What the comparison adds to the plan's `RunConfig`: the order the arms take each step
-(`ArmOrder`, `comparison_schedule`, from the `--comparison-schedule` option), the sampling seed of each rollout step (the same for both arms), and the errors
+(`ArmOrder`, `comparison_schedule`), the sampling seed of each rollout step (the same for both arms), and the errors
 that name a field the comparison cannot be configured or resumed with."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from dppo_harness.plans import RunConfig
 
 
-# How the arms take each step: one after the other on one thread, or at once on their own clients.
-ArmOrder = Literal["interleaved", "concurrent"]
+# How the arms take each step: one after the other on one thread (`comparison_schedule` says why).
+ArmOrder = Literal["interleaved"]
 
 
 class ComparisonError(RuntimeError):
@@ -38,17 +38,16 @@ class OptimizerMismatch(ComparisonError):
 
 
 def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[ArmOrder, str]:
-    """(arm order, why): --comparison-schedule when given, else arm after arm on any service. That is
-    the schedule the feasibility pilot times (its projection adds the arms' steps), and on Spindle two
-    arms' concurrent forward_backward requests on the one shared trainer are packed into one batch
-    (a failed batch fails both; numerics vary with packing: docs/multi-lora.md), which would tie one
-    arm's step to the other's; on the embedded server 2 CPU cores gain nothing from overlap.
-    `concurrent` overlaps them on request (benchmarks/comparison_schedule.py measures the overlap)."""
+    """(arm order, why): arm after arm on any service. That is the schedule the feasibility pilot
+    times (its projection adds the arms' steps), and on Spindle two arms' concurrent forward_backward
+    requests on the one shared trainer are packed into one batch (a failed batch fails both;
+    numerics vary with packing: docs/multi-lora.md), which would tie one arm's step to the other's;
+    on the embedded server 2 CPU cores gain nothing from overlap."""
     if option:
-        if option not in ("interleaved", "concurrent"):
-            raise ComparisonError(f"--comparison-schedule: {option!r} is not interleaved or concurrent")
-        if option == "concurrent":
-            return "concurrent", "--comparison-schedule (the feasibility projection timed the arms one after the other)"
+        if option != "interleaved":
+            raise ComparisonError(
+                f"--comparison-schedule: {option!r} is not offered; the arms run one after the other (interleaved)"
+            )
         return "interleaved", "--comparison-schedule"
     embedded = backend_kind == "local"
     return "interleaved", (

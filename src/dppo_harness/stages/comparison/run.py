@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -189,7 +188,6 @@ def run_comparison(
         arms = Arms(service_client, bundle, run, state, spath, save_every, tag, progress)
         train = dataset.get(run.dataset).load_split("train", seed=run.seed)
         renderer = tokenizer.make_renderer().renderer
-        pool = ThreadPoolExecutor(max_workers=len(run.arms)) if schedule == "concurrent" else None
         stopped: str | None = None
         capacity_block: JsonObject | None = None
         try:
@@ -209,15 +207,8 @@ def run_comparison(
                         f"[comparison] training rollout step {step + 1} of {run.rollout_steps} ({', '.join(a.name for a in run.arms)})"
                     )
                     items = train.batch(step, int(run.groups_per_batch.value))
-                    if pool is None:  # arm after arm, each committed before the next starts
-                        for name in arms.pending(step):
-                            arms.commit(name, arms.step_with_retry(name, step, items, renderer, call), tracker)
-                    else:  # at once on their own clients, joined before any commit
-                        rows, failure = arms.step_concurrently(step, items, renderer, call, pool)
-                        for name, row in rows:
-                            arms.commit(name, row, tracker, save=failure is None)
-                        if failure is not None:
-                            raise failure
+                    for name in arms.pending(step):  # arm after arm, each committed before the next starts
+                        arms.commit(name, arms.step_with_retry(name, step, items, renderer, call), tracker)
                     if guard is not None:
                         guard.step_seconds.append(guard.clock() - t_step)
                     if stop_after is not None:
@@ -248,8 +239,6 @@ def run_comparison(
         finally:
             if waiter is not None:
                 waiter.replaces_lost = None
-            if pool is not None:
-                pool.shutdown(wait=True)
         steps_completed = min(s.steps_done for s in state.arms.values())
 
         state.save(spath)
@@ -330,23 +319,6 @@ class Arms:
     def pending(self, step: int) -> list[str]:
         """The arms that have not done step `step` (after a stop, one arm may be a step ahead)."""
         return [a.name for a in self.run.arms if self.state.arms[a.name].steps_done <= step]
-
-    def step_concurrently(
-        self,
-        step: int,
-        items: Sequence[Gsm8kItem],
-        renderer: renderers.Renderer,
-        call: Callable[[Callable[[], StepRowJson]], StepRowJson],
-        pool: ThreadPoolExecutor,
-    ) -> tuple[list[tuple[str, StepRowJson]], BaseException | None]:
-        """Step `step` of every pending arm at once, all joined: the rows of the arms that finished
-        (kept even when another failed) and the failure to raise after they are committed, the
-        service's stop when there is one, not what it caused in the other arm (a closed session)."""
-        futures = [(n, pool.submit(self.step_with_retry, n, step, items, renderer, call)) for n in self.pending(step)]
-        wait([f for _, f in futures])
-        failures = [exc for _, f in futures if (exc := f.exception()) is not None]
-        failure = next((e for e in failures if isinstance(e, ServiceStopped)), failures[0]) if failures else None
-        return [(n, f.result()) for n, f in futures if f.exception() is None], failure
 
     def step_with_retry(
         self,
@@ -471,15 +443,14 @@ class Arms:
             )
         self.restores_left = max(0, self.restores_left - 1)
 
-    def commit(self, name: str, row: StepRowJson, tracker: CapacityTracker, *, save: bool = True) -> None:
-        """A finished arm-step: steps done, the state saved at a save step (`save`: not after a
-        concurrent step another arm failed, its clients may be gone), the row kept and posted; a save
+    def commit(self, name: str, row: StepRowJson, tracker: CapacityTracker) -> None:
+        """A finished arm-step: steps done, the state saved at a save step, the row kept and posted; a save
         every arm made registered with a snapshot; the capacity window widened once per step; the arm
         finalized after its last step (final sampler weights + state, checkpoint URIs, metrics)."""
         state, run, bundle = self.state, self.run, self.bundle
         arm = state.arms[name]
         arm.steps_done = row["step"] + 1
-        if save and (arm.steps_done % self.save_every == 0 or arm.steps_done == run.rollout_steps):
+        if arm.steps_done % self.save_every == 0 or arm.steps_done == run.rollout_steps:
             saved = self.clients[name].save_state(
                 f"{self.tag}-{state.run_id}-{name}-step{arm.steps_done}-r{state.resumed}"
             )
@@ -581,7 +552,7 @@ def run_arm_step(
     whether it moved the arm)."""
     t0 = time.perf_counter()
     retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
-    done = arm_step.run_arm_step(
+    sampled, records = arm_step.run_arm_step(
         client,
         arm,
         run,
@@ -593,7 +564,6 @@ def run_arm_step(
         sampler_name=f"{tag}-{arm.name}-s{step}{retry}",
         progress=progress,
     )
-    sampled, records = done.sampled, done.records
     return step_metrics(
         arm.name,
         step,
