@@ -26,15 +26,9 @@ class OptimizerMismatch(ComparisonError):
     stops. Carries the arm's provenance entry with that check and the run-state file the check's
     get_info reference names (to be registered before the provenance is posted), for the evidence."""
 
-    def __init__(
-        self,
-        message: str,
-        arm: str = "",
-        provenance: Mapping[str, JsonValue] | None = None,
-        state_file: str | None = None,
-    ):
+    def __init__(self, message: str, arm: str, provenance: Mapping[str, JsonValue], state_file: str):
         super().__init__(message)
-        self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file
+        self.arm, self.provenance, self.state_file = arm, dict(provenance), state_file
 
 
 def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[ArmOrder, str]:

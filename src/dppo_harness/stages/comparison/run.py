@@ -207,7 +207,8 @@ def run_comparison(
                         f"[comparison] training rollout step {step + 1} of {run.rollout_steps} ({', '.join(a.name for a in run.arms)})"
                     )
                     items = train.batch(step, int(run.groups_per_batch.value))
-                    for name in arms.pending(step):  # arm after arm, each committed before the next starts
+                    # arm after arm, each committed before the next starts (after a stop, one may be a step ahead)
+                    for name in [a.name for a in run.arms if state.arms[a.name].steps_done <= step]:
                         arms.commit(name, arms.step_with_retry(name, step, items, renderer, call), tracker)
                     if guard is not None:
                         guard.step_seconds.append(guard.clock() - t_step)
@@ -230,8 +231,8 @@ def run_comparison(
             progress(f"[comparison] stopped: {exc.line}")
             stopped = f"{exc.kind}: {exc.line}"
         except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
-            if isinstance(exc, OptimizerMismatch) and exc.provenance:  # the check that stopped it, posted
-                if exc.state_file and bundle.entry(exc.state_file) is None:  # with the state it references
+            if isinstance(exc, OptimizerMismatch):  # the check that stopped it, posted
+                if bundle.entry(exc.state_file) is None:  # with the state it references
                     bundle.register_json(exc.state_file, "manifest", state.to_json())
                 bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
             stopped = f"{type(exc).__name__}: {error_text(exc)}"[:500]
@@ -315,10 +316,6 @@ class Arms:
                 self.clients[a.name], prov_arms[a.name] = call(restore_one)
             self.bundle.register_json(ref, "manifest", state.to_json())  # before the result names it
             self.bundle.update_result(initialization_provenance={"arms": prov_arms})
-
-    def pending(self, step: int) -> list[str]:
-        """The arms that have not done step `step` (after a stop, one arm may be a step ahead)."""
-        return [a.name for a in self.run.arms if self.state.arms[a.name].steps_done <= step]
 
     def step_with_retry(
         self,

@@ -8,7 +8,6 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
@@ -97,11 +96,6 @@ class RunState:
             "arms": {a: asdict(s) for a, s in self.arms.items()},
         }
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> RunState:
-        arms = {a: ArmState(**s) for a, s in d["arms"].items()}
-        return cls(**{**{k: v for k, v in d.items() if k != "arms"}, "arms": arms})
-
     def save(self, path: Path) -> None:
         """A unique temp file, fsync, rename, fsync of the directory: never torn, never lost; a
         refused write (disk full, read-only, permission) is the evidence's one line."""
@@ -113,7 +107,8 @@ class RunState:
     @classmethod
     def load(cls, path: Path) -> RunState:
         try:
-            return cls.from_json(json.loads(path.read_text()))
+            d = json.loads(path.read_text())
+            return cls(**{**d, "arms": {a: ArmState(**s) for a, s in d["arms"].items()}})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ComparisonError(f"resume state {path}: unreadable ({exc})") from None
 
