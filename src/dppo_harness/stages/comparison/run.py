@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import tinker
 
+import dppo_harness
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import backend_of, session_served
 from dppo_harness.evidence.progress import Watchdog
+from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
@@ -51,7 +53,6 @@ from dppo_harness.stages.comparison.state import (
     ArmState,
     RunState,
     StepRetry,
-    code_revision,
     hold_run_lock,
     state_file_name,
     state_path,
@@ -585,7 +586,8 @@ def _run_state(
     """A new run's state (locked to this session), or the resumed run's, checked and rewound to
     the last step every arm saved."""
     assert plan.run is not None
-    run, code_rev = plan.run, code_revision()
+    # the package's sources and the data it carries (vendored GSM8K, the stand-in's assets): what a resume must match
+    run, code_rev = plan.run, package_files_sha256(Path(dppo_harness.__file__).parent)
     session = {"run_id": bundle.run_id, "dir": str(bundle.dir.resolve())}
     if resume_run_id is not None:
         return open_resumed(

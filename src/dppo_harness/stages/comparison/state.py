@@ -12,10 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-import dppo_harness
 from dppo_harness.evidence.errors import UnwritableEvidenceError
 from dppo_harness.evidence.files import atomic_write, unwritable_line
-from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.step_rows import StepRowJson
@@ -32,12 +30,6 @@ class StepRetry(TypedDict):
     error: str  # exception type and message, at most 500 characters
     updates_sent_before_failure: int
     restored_from: str | None  # the step-start state restored before the next attempt
-
-
-def code_revision(package_dir: Path | None = None) -> str:
-    """sha256 over the package's sources and the data it carries (`package_files_sha256`: the
-    vendored GSM8K files and their SHA256SUMS, the stand-in's assets): what the resume must match."""
-    return package_files_sha256(package_dir or Path(dppo_harness.__file__).parent)
 
 
 @dataclass
