@@ -37,16 +37,13 @@ def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[A
     requests on the one shared trainer are packed into one batch (a failed batch fails both;
     numerics vary with packing: docs/multi-lora.md), which would tie one arm's step to the other's;
     on the embedded server 2 CPU cores gain nothing from overlap."""
-    if option:
-        if option != "interleaved":
-            raise ComparisonError(
-                f"--comparison-schedule: {option!r} is not offered; the arms run one after the other (interleaved)"
-            )
-        return "interleaved", "--comparison-schedule"
-    embedded = backend_kind == "local"
+    if option not in (None, "", "interleaved"):
+        raise ComparisonError(f"--comparison-schedule: {option!r} is not offered; the arms run one after the other")
     return "interleaved", (
-        "default on the embedded server (arm after arm, as the feasibility pilot timed)"
-        if embedded
+        "--comparison-schedule"
+        if option
+        else "default on the embedded server (arm after arm, as the feasibility pilot timed)"
+        if backend_kind == "local"
         else "default on a real service (arm after arm, as the feasibility pilot timed; concurrent arms' "
         "forward_backward requests are packed into one batch on a shared trainer)"
     )

@@ -47,7 +47,7 @@ from dppo_harness.stages.comparison.config import (
     step_seed,
 )
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, frozen_evaluator
-from dppo_harness.stages.comparison.resume import latest_snapshot, open_resumed, reuse_setup
+from dppo_harness.stages.comparison.resume import newest_snapshot, open_resumed, reuse_setup
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
     ArmState,
@@ -611,7 +611,7 @@ def _run_state(
         initial_checkpoint=restoration.initial_checkpoint,
         arms={a.name: ArmState(a.name) for a in run.arms},
         sessions=[session],
-        setup_snapshot=latest_snapshot(bundle),
+        setup_snapshot=newest_snapshot(bundle.run_id, {e["name"]: e for e in bundle.files()}),
         setup_provenance={
             a.name: {k: as_value(prov[a.name][k]) for k in ("restore_count", "optimizer_checks")} for a in run.arms
         },
