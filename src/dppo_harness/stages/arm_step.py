@@ -28,12 +28,12 @@ if TYPE_CHECKING:  # only types: the callers make the clients and the renderer
 @dataclass
 class ArmStepProgress:
     """How far one arm-step got: its sampled batch, its minibatches once formed, the updates sent
-    (counted before each call: a refusal may come after the server applied it) and returned."""
+    (counted before each call: a refusal may come after the server applied it) and the record of
+    each update returned."""
 
     sampled: rollouts.SampledStep | None = None
     minibatches: list[list[int]] | None = None
     updates_submitted: int = 0
-    updates_done: int = 0
     records: list[ins.LossCallRecord] = field(default_factory=list)
     update_seconds: list[float] = field(default_factory=list)  # each returned update, submit -> awaited
 
@@ -114,4 +114,3 @@ def run_arm_updates(
         )
         progress.records.append(record)
         progress.update_seconds.append(update.seconds)
-        progress.updates_done += 1
