@@ -80,16 +80,14 @@ def test_the_wall_guard_stops_before_a_step_that_would_pass_the_budget(engine, t
     the measured step plus the finishing reserve: stopped there, with the guard's figures."""
     left = iter([1e6, 1.0])
     guard = WallGuard(lambda: next(left))
-    run, bundle = _run(
-        engine, tmp_path, "wall", schedule="concurrent", schedule_source="--comparison-schedule", guard=guard
-    )
+    run, bundle = _run(engine, tmp_path, "wall", schedule_source="--comparison-schedule", guard=guard)
     assert (
         run.stopped.startswith("wall clock: step 2 projected") and "1 s left of the plan's wall budget" in run.stopped
     )
     _assert_stopped_with_evidence(run, bundle, 1)
     block = _training_block(bundle)
     assert block["stopped"] == run.stopped and block["steps_completed"] == 1
-    assert (block["schedule"], block["schedule_source"]) == ("concurrent", "--comparison-schedule")
+    assert (block["schedule"], block["schedule_source"]) == ("interleaved", "--comparison-schedule")
     wall = block["wall_guard"]
     assert len(wall["step_seconds"]) == 1 and wall["step_seconds"][0] > 0
     assert wall["last_check"] == {
@@ -100,7 +98,7 @@ def test_the_wall_guard_stops_before_a_step_that_would_pass_the_budget(engine, t
         "reserve_seconds": FINALIZE_RESERVE_S,
     }
     manifest = json.loads(bundle.file_path("comparison-run-0.json").read_text())
-    assert (manifest["schedule"], manifest["schedule_source"]) == ("concurrent", "--comparison-schedule")
+    assert (manifest["schedule"], manifest["schedule_source"]) == ("interleaved", "--comparison-schedule")
     assert {r["arm"] for r in run.rows} == set(ARM_NAMES) and len(run.rows) == 2
 
 

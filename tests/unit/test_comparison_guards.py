@@ -169,18 +169,19 @@ def test_a_restore_that_did_not_load_the_path_asked_for_stops_the_run(monkeypatc
 @pytest.mark.parametrize(
     "option, backend, want",
     [
-        # arm after arm unless asked: the schedule the feasibility pilot timed, and on a shared
+        # arm after arm: the schedule the feasibility pilot timed, and on a shared
         # trainer concurrent arms' forward_backward requests are packed into one batch
         (None, {"kind": "tinker"}, ("interleaved", "default on a real service")),
         (None, None, ("interleaved", "default on a real service")),
         (None, {"kind": "local"}, ("interleaved", "default on the embedded server")),
         ("interleaved", {"kind": "tinker"}, ("interleaved", "--comparison-schedule")),
-        ("concurrent", {"kind": "local"}, ("concurrent", "--comparison-schedule")),
     ],
 )
-def test_arms_run_one_after_the_other_unless_asked(option, backend, want):
+def test_arms_run_one_after_the_other(option, backend, want):
     schedule, source = comparison_schedule(option, (backend or {}).get("kind"))
     assert (schedule, source.split(" (")[0]) == want
+    with pytest.raises(ComparisonError, match="'concurrent' is not offered"):
+        comparison_schedule("concurrent", "local")
 
 
 def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):
@@ -188,38 +189,6 @@ def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):
 
     assert HarnessOptions.__dataclass_fields__["comparison_schedule"].default is None
     assert pytestconfig.getoption("--comparison-schedule") is None
-
-
-def _concurrent(tmp_path, monkeypatch, fail):
-    """Both arms' step at once; `fail[arm index]` (seconds to wait, exception) makes that arm fail."""
-    import time as _time
-
-    names = [a.name for a in RUN.arms]
-
-    def failing_step(client, arm, run, step, *a, **k):
-        if names.index(arm.name) in fail:
-            delay, exc = fail[names.index(arm.name)]
-            _time.sleep(delay)
-            raise exc
-        return row(arm.name, step)
-
-    out, _bundle, clients = run_fake(tmp_path, monkeypatch, 3, arm_step=failing_step, schedule="concurrent")
-    return out, [p for c in clients.values() for p in c.saved]
-
-
-def test_concurrent_arms_report_the_services_stop_not_what_it_caused_in_the_other_arm(tmp_path, monkeypatch):
-    from dppo_harness.service.wait.policy import ServiceHang
-
-    hang = ServiceHang("forward_backward", RUN.arms[1].name, 900.0, "active")
-    # The second arm's wait stops; the stop closes the sessions, so the first arm then fails on a closed holder.
-    out, _ = _concurrent(
-        tmp_path / "a", monkeypatch, {0: (0.3, RuntimeError("ServiceClient is closed")), 1: (0.0, hang)}
-    )
-    assert out.stopped == f"{hang.kind}: {hang.line}"
-    # The stopping arm is the first one: the second arm finished its step, and its row is kept (not saved).
-    out, saves = _concurrent(tmp_path / "b", monkeypatch, {0: (0.0, hang)})
-    assert out.stopped == f"{hang.kind}: {hang.line}" and [r["arm"] for r in out.rows] == [RUN.arms[1].name]
-    assert saves == [] and out.steps_completed == 0
 
 
 def test_each_rollout_step_says_it_started_so_no_step_is_silent(tmp_path, monkeypatch):

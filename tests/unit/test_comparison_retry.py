@@ -27,13 +27,12 @@ def _restores(monkeypatch, clients):
     return restored
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "concurrent"])
-def test_a_refusal_after_an_update_restores_the_step_start_before_the_retry(tmp_path, monkeypatch, schedule):
+def test_a_refusal_after_an_update_restores_the_step_start_before_the_retry(tmp_path, monkeypatch):
     """The GRPO arm's step 2 is refused after its first update: the arm is restored from its state
     saved after step 1 and ends with exactly 3 x 2 updates, the refusal kept in step_retries."""
     clients = {BASELINE: FakeClient(BASELINE, refuse_at=4), TREATMENT: FakeClient(TREATMENT)}
     restored = _restores(monkeypatch, clients)
-    out, bundle, _ = run_fake(tmp_path, monkeypatch, 3, clients=clients, schedule=schedule)
+    out, bundle, _ = run_fake(tmp_path, monkeypatch, 3, clients=clients)
     assert out.steps_completed == 3 and out.stopped is None
     (where,) = restored
     assert where[0] == BASELINE and where[1].endswith("step1-r0")

@@ -68,7 +68,9 @@ def test_the_decision_rebuilds_from_the_pinned_observations():
         decided,
         decision.verdict(decided, rehearsal=True),
         rehearsal=True,
-        informational=decision.informational_interval(rows, criteria[0], alpha=alpha),
+        informational=stats.paired_binary_informational(
+            rows, criteria[0].treatment, criteria[0].baseline, alpha=alpha, metric=criteria[0].metric
+        ),
     )
     assert json_file_bytes(decision.DECISION_FILE, block) == pinned
     changed = decision.decision_block(

@@ -15,7 +15,7 @@ from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
 from dppo_harness.loss import loss_registry
 from dppo_harness.plans import BackendInfo, CriterionConfig, effective_config, load_plan
 from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
-from dppo_harness.stages.comparison.decision import decide_criteria, decision_block, informational_interval, verdict
+from dppo_harness.stages.comparison.decision import decide_criteria, decision_block, verdict
 from dppo_harness.stages.comparison.step_rows import fraction_names
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
@@ -81,7 +81,9 @@ def _decision():
     ]
     rule = [CriterionConfig("primary", "accuracy", "dppo_seed0", "grpo_seed0", 0.0, (0.0, 1.0))]
     crit = decide_criteria(obs, rule, alpha=0.05)
-    info = informational_interval(obs, rule[0], alpha=0.05)
+    info = stats.paired_binary_informational(
+        obs, rule[0].treatment, rule[0].baseline, alpha=0.05, metric=rule[0].metric
+    )
     return decision_block(b"x\n", crit, verdict(crit, rehearsal=True), rehearsal=True, informational=info)
 
 

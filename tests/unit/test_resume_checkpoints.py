@@ -139,7 +139,7 @@ def test_the_resume_is_refused_in_one_line_before_anything_is_reused(tmp_path):
 def _same_code(monkeypatch):
     from dppo_harness.stages.comparison import run as comparison_run
 
-    monkeypatch.setattr(comparison_run, "code_revision", lambda: "c" * 64)
+    monkeypatch.setattr(comparison_run, "package_files_sha256", lambda _dir: "c" * 64)
 
 
 def test_a_refused_state_write_is_the_evidences_one_line(tmp_path, monkeypatch):

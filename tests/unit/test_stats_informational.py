@@ -122,7 +122,9 @@ def test_the_informational_interval_never_decides():
     rows = _rows(t, b)
     rule = [CriterionConfig("primary", "accuracy", "dppo", "grpo", 0.0, (0.0, 1.0))]
     criteria = comparison_decision.decide_criteria(rows, rule, alpha=0.05)
-    info = comparison_decision.informational_interval(rows, rule[0], alpha=0.05)
+    info = stats.paired_binary_informational(
+        rows, rule[0].treatment, rule[0].baseline, alpha=0.05, metric=rule[0].metric
+    )
     assert info["lower"] > 0 and criteria[0].lower < 0
     verdict = comparison_decision.verdict(criteria, rehearsal=False)
     assert verdict[:2] == ("inconclusive", "insufficient_evidence")

@@ -6,7 +6,7 @@ reached from its `ArmStepProgress` (kept when a call fails part-way). The update
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,38 +24,18 @@ if TYPE_CHECKING:  # only types: the callers make the clients and the renderer
     from dppo_harness.data.gsm8k import Gsm8kItem
     from dppo_harness.plans import ArmConfig, RunConfig
 
-# (1-based update in the batch, sampler path, datum indices of its minibatch) -> the loss call's context
-UpdateContext = Callable[[int, str, list[int]], Mapping[str, int | str]]
-
 
 @dataclass
 class ArmStepProgress:
     """How far one arm-step got: its sampled batch, its minibatches once formed, the updates sent
-    (counted before each call: a refusal may come after the server applied it) and returned."""
+    (counted before each call: a refusal may come after the server applied it) and the record of
+    each update returned."""
 
     sampled: rollouts.SampledStep | None = None
     minibatches: list[list[int]] | None = None
     updates_submitted: int = 0
-    updates_done: int = 0
     records: list[ins.LossCallRecord] = field(default_factory=list)
     update_seconds: list[float] = field(default_factory=list)  # each returned update, submit -> awaited
-
-
-@dataclass(frozen=True)
-class ArmStepResult:
-    sampled: rollouts.SampledStep
-    records: list[ins.LossCallRecord]  # one per update, in order
-
-
-@dataclass(frozen=True)
-class ArmStepRun:
-    """What an arm-step trains with: its client, loss, optimizer and recorder."""
-
-    client: tinker.TrainingClient
-    loss_fn: losses.CustomLossFn
-    adam: tinker.AdamParams
-    recorder: ins.LossCallRecorder
-    updates_per_batch: int
 
 
 def make_loss(arm: ArmConfig, run: RunConfig) -> tuple[losses.CustomLossFn, ins.LossCallRecorder]:
@@ -88,55 +68,49 @@ def run_arm_step(
     seed: int,
     sampler_name: str,
     progress: ArmStepProgress | None = None,
-) -> ArmStepResult:
+) -> tuple[rollouts.SampledStep, list[ins.LossCallRecord]]:
     """Sample `items` from `client`'s current weights as `sampler_name` at the plan's settings, then
     `arm`'s updates, one recorded update per minibatch of whole groups
     (`frozen_batch.split_complete_groups`; ValueError when the groups do not split evenly);
-    `progress` says how far it got."""
+    `progress` says how far it got. Returns the sampled step and one record per update, in order."""
     progress = progress if progress is not None else ArmStepProgress()
-    loss_fn, recorder = loss
-    stepper = ArmStepRun(client, loss_fn, tinker.AdamParams(**arm.adam), recorder, arm.updates_per_batch)
     sampled = rollouts.sample_rollout_batch(
         client, items, renderer, rollout_config(run, seed), sampler_name=sampler_name
     )
     progress.sampled = sampled
     progress.minibatches = [seqs for _, seqs in split_complete_groups(sampled.group_of_datum, arm.updates_per_batch)]
+    run_arm_updates(client, arm, loss, sampled, progress.minibatches, step=step, progress=progress)
+    return sampled, list(progress.records)
 
-    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
-        return {
+
+def run_arm_updates(
+    client: tinker.TrainingClient,
+    arm: ArmConfig,
+    loss: tuple[losses.CustomLossFn, ins.LossCallRecorder],
+    sampled: rollouts.SampledStep,
+    minibatches: Sequence[list[int]],
+    *,
+    step: int,
+    progress: ArmStepProgress,
+) -> None:
+    """The arm-step's update phase: one recorded update per minibatch (indices into
+    `sampled.datums`), in order, with `arm`'s optimizer; each update's record and seconds go to
+    `progress` as it returns."""
+    loss_fn, recorder = loss
+    adam = tinker.AdamParams(**arm.adam)
+    for u, idx in enumerate(minibatches, start=1):
+        progress.updates_submitted += 1
+        context: dict[str, int | str] = {
             "arm": arm.name,
             "step": step,
             "update_in_batch": u,
             "update_index": step * arm.updates_per_batch + u,
-            "sampler_checkpoint": sampler_path,
+            "sampler_checkpoint": sampled.sampler_path,
             "n_sequences": len(idx),
         }
-
-    run_arm_updates(stepper, sampled, progress.minibatches, context=context, progress=progress)
-    return ArmStepResult(sampled, list(progress.records))
-
-
-def run_arm_updates(
-    arm: ArmStepRun,
-    sampled: rollouts.SampledStep,
-    minibatches: Sequence[list[int]],
-    *,
-    context: UpdateContext,
-    progress: ArmStepProgress,
-) -> None:
-    """The arm-step's update phase: one recorded update per minibatch (indices into
-    `sampled.datums`), in order; each update's record and seconds go to `progress` as it returns."""
-    for u, idx in enumerate(minibatches, start=1):
-        progress.updates_submitted += 1
         update: train_step.UpdateResult[None]  # no request submitted behind the update
         record, update = train_step.train_step(
-            arm.client,
-            [sampled.datums[i] for i in idx],
-            arm.loss_fn,
-            arm.adam,
-            arm.recorder,
-            context(u, sampled.sampler_path, idx),
+            client, [sampled.datums[i] for i in idx], loss_fn, adam, recorder, context
         )
         progress.records.append(record)
         progress.update_seconds.append(update.seconds)
-        progress.updates_done += 1

@@ -34,7 +34,7 @@ from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
-from dppo_harness.stages.arm_step import ArmStepProgress, ArmStepRun, run_arm_updates
+from dppo_harness.stages.arm_step import ArmStepProgress, run_arm_updates
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -351,23 +351,14 @@ def run_timing_pilot(
 
 
 def _time_arm_updates(
-    client: tinker.TrainingClient,
-    sampled: rollouts.SampledStep,
-    minibatch: list[int],
-    arm: ArmConfig,
+    client: tinker.TrainingClient, sampled: rollouts.SampledStep, minibatch: list[int], arm: ArmConfig
 ) -> list[float]:
     """Seconds of each of PILOT_UPDATES updates of `arm` on the same minibatch, through the
     arm-step's update phase with the arm's own loss (token_mean), recorder and optimizer."""
     loss_cfg = losses.LossConfig.for_loss(arm.loss, "token_mean")
-    adam = tinker.AdamParams(**arm.adam)
-    run = ArmStepRun(client, losses.make_loss_fn(loss_cfg), adam, ins.LossCallRecorder(loss_cfg), PILOT_UPDATES)
-
-    def context(u: int, sampler_path: str, idx: list[int]) -> dict[str, int | str]:
-        return {"arm": arm.name, "update_in_batch": u, "sampler_checkpoint": sampler_path, "n_sequences": len(idx)}
-
-    minibatches = [minibatch] * PILOT_UPDATES
-    done = ArmStepProgress(sampled=sampled, minibatches=minibatches)
-    run_arm_updates(run, sampled, minibatches, context=context, progress=done)
+    loss = (losses.make_loss_fn(loss_cfg), ins.LossCallRecorder(loss_cfg))
+    done = ArmStepProgress(sampled=sampled)
+    run_arm_updates(client, arm, loss, sampled, [minibatch] * PILOT_UPDATES, step=0, progress=done)
     return list(done.update_seconds)
 
 

@@ -285,7 +285,7 @@ def run_activation_gate(
                     samplers.append(done.sampled.sampler_path)
                     yields.append(done.sampled.batch.response_yield())
                 if done.minibatches is not None:
-                    optim_counts.append(done.updates_done)
+                    optim_counts.append(len(done.records))
             bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
             last = done.records[-1].stats if done.records else {}
             say(

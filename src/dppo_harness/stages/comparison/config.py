@@ -1,5 +1,5 @@
 """What the comparison adds to the plan's `RunConfig`: the order the arms take each step
-(`ArmOrder`, `comparison_schedule`, from the `--comparison-schedule` option), the sampling seed of each rollout step (the same for both arms), and the errors
+(`ArmOrder`, `comparison_schedule`), the sampling seed of each rollout step (the same for both arms), and the errors
 that name a field the comparison cannot be configured or resumed with."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from dppo_harness.plans import RunConfig
 
 
-# How the arms take each step: one after the other on one thread, or at once on their own clients.
-ArmOrder = Literal["interleaved", "concurrent"]
+# How the arms take each step: one after the other on one thread (`comparison_schedule` says why).
+ArmOrder = Literal["interleaved"]
 
 
 class ComparisonError(RuntimeError):
@@ -26,34 +26,24 @@ class OptimizerMismatch(ComparisonError):
     stops. Carries the arm's provenance entry with that check and the run-state file the check's
     get_info reference names (to be registered before the provenance is posted), for the evidence."""
 
-    def __init__(
-        self,
-        message: str,
-        arm: str = "",
-        provenance: Mapping[str, JsonValue] | None = None,
-        state_file: str | None = None,
-    ):
+    def __init__(self, message: str, arm: str, provenance: Mapping[str, JsonValue], state_file: str):
         super().__init__(message)
-        self.arm, self.provenance, self.state_file = arm, dict(provenance or {}), state_file
+        self.arm, self.provenance, self.state_file = arm, dict(provenance), state_file
 
 
 def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[ArmOrder, str]:
-    """(arm order, why): --comparison-schedule when given, else arm after arm on any service. That is
-    the schedule the feasibility pilot times (its projection adds the arms' steps), and on Spindle two
-    arms' concurrent forward_backward requests on the one shared trainer are packed into one batch
-    (a failed batch fails both; numerics vary with packing: docs/multi-lora.md), which would tie one
-    arm's step to the other's; on the embedded server 2 CPU cores gain nothing from overlap.
-    `concurrent` overlaps them on request (benchmarks/comparison_schedule.py measures the overlap)."""
-    if option:
-        if option not in ("interleaved", "concurrent"):
-            raise ComparisonError(f"--comparison-schedule: {option!r} is not interleaved or concurrent")
-        if option == "concurrent":
-            return "concurrent", "--comparison-schedule (the feasibility projection timed the arms one after the other)"
-        return "interleaved", "--comparison-schedule"
-    embedded = backend_kind == "local"
+    """(arm order, why): arm after arm on any service. That is the schedule the feasibility pilot
+    times (its projection adds the arms' steps), and on Spindle two arms' concurrent forward_backward
+    requests on the one shared trainer are packed into one batch (a failed batch fails both;
+    numerics vary with packing: docs/multi-lora.md), which would tie one arm's step to the other's;
+    on the embedded server 2 CPU cores gain nothing from overlap."""
+    if option not in (None, "", "interleaved"):
+        raise ComparisonError(f"--comparison-schedule: {option!r} is not offered; the arms run one after the other")
     return "interleaved", (
-        "default on the embedded server (arm after arm, as the feasibility pilot timed)"
-        if embedded
+        "--comparison-schedule"
+        if option
+        else "default on the embedded server (arm after arm, as the feasibility pilot timed)"
+        if backend_kind == "local"
         else "default on a real service (arm after arm, as the feasibility pilot timed; concurrent arms' "
         "forward_backward requests are packed into one batch on a shared trainer)"
     )

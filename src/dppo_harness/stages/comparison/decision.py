@@ -111,14 +111,6 @@ def verdict(criteria: Sequence[CriterionDecision], *, rehearsal: bool) -> tuple[
     return v, reason, text
 
 
-def informational_interval(rows: Sequence[Observation], criterion: CriterionConfig, *, alpha: float) -> JsonObject:
-    """Newcombe's paired interval and the exact McNemar test for one criterion's pair and metric, at
-    the rule's alpha: shown beside the decision, never used for the verdict."""
-    return stats.paired_binary_informational(
-        rows, criterion.treatment, criterion.baseline, alpha=float(alpha), metric=criterion.metric
-    )
-
-
 def informational_metrics(info: JsonObject) -> dict[str, float]:
     """result.json `metrics` of the informational interval (labelled: none of it decides)."""
     return {
@@ -163,8 +155,12 @@ def decide(
     are several."""
     rows = [json.loads(line) for line in observations.decode().splitlines()]
     criteria = decide_criteria(rows, run.criteria, alpha=run.alpha)
-    # Beside the decision, never deciding: the first criterion's pair (the metrics keys are unqualified).
-    info = informational_interval(rows, run.criteria[0], alpha=run.alpha)
+    # Beside the decision, never deciding: Newcombe's paired interval and the exact McNemar test for
+    # the first criterion's pair and metric (the metrics keys are unqualified).
+    first = run.criteria[0]
+    info = stats.paired_binary_informational(
+        rows, first.treatment, first.baseline, alpha=float(run.alpha), metric=first.metric
+    )
     block = decision_block(
         observations, criteria, verdict(criteria, rehearsal=rehearsal), rehearsal=rehearsal, informational=info
     )

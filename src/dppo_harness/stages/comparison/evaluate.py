@@ -13,7 +13,6 @@ from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence.progress import Ticker
 from dppo_harness.json_types import JsonObject, num
 from dppo_harness.stages.comparison import decision as comparison_decision
-from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import RunState
 
 if TYPE_CHECKING:
@@ -34,8 +33,7 @@ EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} {data
 def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
     """Why the evaluator scores a subset, in words that fit the run: a rehearsal plan's declared
     size (the CPU named only when the embedded server computes), else the spec's own n_examples."""
-    if plan.run is None:
-        raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
+    assert plan.run is not None
     if plan.kind != "rehearsal":
         return EVAL_STATED_REASON.format(n=n, dataset=plan.run.dataset)
     return EVAL_SUBSET_REASON.format(n=n, dataset=plan.run.dataset) + (EVAL_SUBSET_EMBEDDED if embedded else "")
@@ -121,9 +119,8 @@ def evaluate_and_decide(
             checkpoint, what = f"base:{base_model}", "the base model"
             progress(f"[comparison] evaluating the base model on {n} test items (greedy)")
         else:
-            path = state.arms[arm].final_sampler  # evaluation runs once every arm saved its final sampler
-            if path is None:
-                raise ComparisonError(f"{arm}: no final sampler checkpoint to evaluate")
+            path = state.arms[arm].final_sampler
+            assert path is not None  # evaluation runs once every arm saved its final sampler
             client, checkpoint, what = service_client.create_sampling_client(model_path=path), path, arm
             progress(f"[comparison] evaluating {arm} (final checkpoint) on {n} test items")
         res = evaluation.evaluate(

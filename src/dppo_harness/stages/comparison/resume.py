@@ -31,17 +31,13 @@ if TYPE_CHECKING:
 SETUP_BLOCKS = ("correctness_preflight", "initialization_provenance", "activation_calibration", "feasibility")
 
 
-def latest_snapshot(bundle: EvidenceBundle) -> dict[str, str] | None:
-    """The bundle's newest result snapshot: {run_id, name, sha256}, or None if it posted none."""
-    return _newest_snapshot(bundle.run_id, {e["name"]: e for e in bundle.files()})
-
-
 def _registry(run_dir: Path) -> dict[str, dict[str, Any]]:
     result = json.loads((run_dir / RESULT_FILE).read_text())
     return {f["name"]: f for f in result["evidence"]["files"]}
 
 
-def _newest_snapshot(run_id: str, files: Mapping[str, Mapping[str, Any]]) -> dict[str, str] | None:
+def newest_snapshot(run_id: str, files: Mapping[str, Mapping[str, Any]]) -> dict[str, str] | None:
+    """The newest result snapshot among a bundle's `files`: {run_id, name, sha256}, or None."""
     names = sorted(n for n in files if SNAPSHOT_RE.match(n))
     return {"run_id": run_id, "name": names[-1], "sha256": files[names[-1]]["sha256"]} if names else None
 
@@ -238,7 +234,7 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> None:
         for name in gate_reports:
             if not json.loads((setup_dir / FILES_DIR / name).read_bytes())["passed"]:
                 raise _refuse(state.run_id, f"the activation gate of session {snap['run_id']} did not pass ({name})")
-    last = _newest_snapshot(dirs[-1].name, _registry(dirs[-1]))
+    last = newest_snapshot(dirs[-1].name, _registry(dirs[-1]))
     resume = state.resumes[-1]
     continued = {
         "run_id": dirs[-1].name,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -20,11 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import tinker
 
-from dppo_harness import constants
+import dppo_harness
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import backend_of, session_served
 from dppo_harness.evidence.progress import Watchdog
+from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
@@ -48,13 +48,12 @@ from dppo_harness.stages.comparison.config import (
     step_seed,
 )
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, frozen_evaluator
-from dppo_harness.stages.comparison.resume import latest_snapshot, open_resumed, reuse_setup
+from dppo_harness.stages.comparison.resume import newest_snapshot, open_resumed, reuse_setup
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
     ArmState,
     RunState,
     StepRetry,
-    code_revision,
     hold_run_lock,
     state_file_name,
     state_path,
@@ -132,8 +131,6 @@ def run_comparison(
     the reason."""
     if plan.run is None:
         raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
-    if not 1 <= save_every <= constants.MAX_SAVE_EVERY:
-        raise ComparisonError(f"save_every: {save_every} not in [1, {constants.MAX_SAVE_EVERY}]")
     run, state_root = plan.run, Path(state_root)
     with Watchdog(progress, every_s=PROGRESS_EVERY_S) as dog:  # no phase is silent for longer
         progress = dog.say
@@ -189,7 +186,6 @@ def run_comparison(
         arms = Arms(service_client, bundle, run, state, spath, save_every, tag, progress)
         train = dataset.get(run.dataset).load_split("train", seed=run.seed)
         renderer = tokenizer.make_renderer().renderer
-        pool = ThreadPoolExecutor(max_workers=len(run.arms)) if schedule == "concurrent" else None
         stopped: str | None = None
         capacity_block: JsonObject | None = None
         try:
@@ -209,15 +205,9 @@ def run_comparison(
                         f"[comparison] training rollout step {step + 1} of {run.rollout_steps} ({', '.join(a.name for a in run.arms)})"
                     )
                     items = train.batch(step, int(run.groups_per_batch.value))
-                    if pool is None:  # arm after arm, each committed before the next starts
-                        for name in arms.pending(step):
-                            arms.commit(name, arms.step_with_retry(name, step, items, renderer, call), tracker)
-                    else:  # at once on their own clients, joined before any commit
-                        rows, failure = arms.step_concurrently(step, items, renderer, call, pool)
-                        for name, row in rows:
-                            arms.commit(name, row, tracker, save=failure is None)
-                        if failure is not None:
-                            raise failure
+                    # arm after arm, each committed before the next starts (after a stop, one may be a step ahead)
+                    for name in [a.name for a in run.arms if state.arms[a.name].steps_done <= step]:
+                        arms.commit(name, arms.step_with_retry(name, step, items, renderer, call), tracker)
                     if guard is not None:
                         guard.step_seconds.append(guard.clock() - t_step)
                     if stop_after is not None:
@@ -239,8 +229,8 @@ def run_comparison(
             progress(f"[comparison] stopped: {exc.line}")
             stopped = f"{exc.kind}: {exc.line}"
         except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
-            if isinstance(exc, OptimizerMismatch) and exc.provenance:  # the check that stopped it, posted
-                if exc.state_file and bundle.entry(exc.state_file) is None:  # with the state it references
+            if isinstance(exc, OptimizerMismatch):  # the check that stopped it, posted
+                if bundle.entry(exc.state_file) is None:  # with the state it references
                     bundle.register_json(exc.state_file, "manifest", state.to_json())
                 bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
             stopped = f"{type(exc).__name__}: {error_text(exc)}"[:500]
@@ -248,8 +238,6 @@ def run_comparison(
         finally:
             if waiter is not None:
                 waiter.replaces_lost = None
-            if pool is not None:
-                pool.shutdown(wait=True)
         steps_completed = min(s.steps_done for s in state.arms.values())
 
         state.save(spath)
@@ -326,27 +314,6 @@ class Arms:
                 self.clients[a.name], prov_arms[a.name] = call(restore_one)
             self.bundle.register_json(ref, "manifest", state.to_json())  # before the result names it
             self.bundle.update_result(initialization_provenance={"arms": prov_arms})
-
-    def pending(self, step: int) -> list[str]:
-        """The arms that have not done step `step` (after a stop, one arm may be a step ahead)."""
-        return [a.name for a in self.run.arms if self.state.arms[a.name].steps_done <= step]
-
-    def step_concurrently(
-        self,
-        step: int,
-        items: Sequence[Gsm8kItem],
-        renderer: renderers.Renderer,
-        call: Callable[[Callable[[], StepRowJson]], StepRowJson],
-        pool: ThreadPoolExecutor,
-    ) -> tuple[list[tuple[str, StepRowJson]], BaseException | None]:
-        """Step `step` of every pending arm at once, all joined: the rows of the arms that finished
-        (kept even when another failed) and the failure to raise after they are committed, the
-        service's stop when there is one, not what it caused in the other arm (a closed session)."""
-        futures = [(n, pool.submit(self.step_with_retry, n, step, items, renderer, call)) for n in self.pending(step)]
-        wait([f for _, f in futures])
-        failures = [exc for _, f in futures if (exc := f.exception()) is not None]
-        failure = next((e for e in failures if isinstance(e, ServiceStopped)), failures[0]) if failures else None
-        return [(n, f.result()) for n, f in futures if f.exception() is None], failure
 
     def step_with_retry(
         self,
@@ -471,15 +438,14 @@ class Arms:
             )
         self.restores_left = max(0, self.restores_left - 1)
 
-    def commit(self, name: str, row: StepRowJson, tracker: CapacityTracker, *, save: bool = True) -> None:
-        """A finished arm-step: steps done, the state saved at a save step (`save`: not after a
-        concurrent step another arm failed, its clients may be gone), the row kept and posted; a save
+    def commit(self, name: str, row: StepRowJson, tracker: CapacityTracker) -> None:
+        """A finished arm-step: steps done, the state saved at a save step, the row kept and posted; a save
         every arm made registered with a snapshot; the capacity window widened once per step; the arm
         finalized after its last step (final sampler weights + state, checkpoint URIs, metrics)."""
         state, run, bundle = self.state, self.run, self.bundle
         arm = state.arms[name]
         arm.steps_done = row["step"] + 1
-        if save and (arm.steps_done % self.save_every == 0 or arm.steps_done == run.rollout_steps):
+        if arm.steps_done % self.save_every == 0 or arm.steps_done == run.rollout_steps:
             saved = self.clients[name].save_state(
                 f"{self.tag}-{state.run_id}-{name}-step{arm.steps_done}-r{state.resumed}"
             )
@@ -522,9 +488,7 @@ def restore_arm(
         raise ComparisonError(f"{name}: {mismatch}")
     client, loaded = restored.client, restored.loaded_path
     arm.restore_count += 1
-    prior = state.setup_provenance.get(name)
-    if prior is None:
-        raise ComparisonError(f"{name}: the run state holds no preflight provenance to count restores on")
+    prior = state.setup_provenance[name]  # every arm's, from the preflight
     check = optimizer_check(
         after_restore=prior["restore_count"] + arm.restore_count,
         requested_optimizer="adam",
@@ -581,7 +545,7 @@ def run_arm_step(
     whether it moved the arm)."""
     t0 = time.perf_counter()
     retry = f"-retry{attempt}" if attempt else ""  # sampler names are immutable on the service
-    done = arm_step.run_arm_step(
+    sampled, records = arm_step.run_arm_step(
         client,
         arm,
         run,
@@ -593,7 +557,6 @@ def run_arm_step(
         sampler_name=f"{tag}-{arm.name}-s{step}{retry}",
         progress=progress,
     )
-    sampled, records = done.sampled, done.records
     return step_metrics(
         arm.name,
         step,
@@ -623,7 +586,8 @@ def _run_state(
     """A new run's state (locked to this session), or the resumed run's, checked and rewound to
     the last step every arm saved."""
     assert plan.run is not None
-    run, code_rev = plan.run, code_revision()
+    # the package's sources and the data it carries (vendored GSM8K, the stand-in's assets): what a resume must match
+    run, code_rev = plan.run, package_files_sha256(Path(dppo_harness.__file__).parent)
     session = {"run_id": bundle.run_id, "dir": str(bundle.dir.resolve())}
     if resume_run_id is not None:
         return open_resumed(
@@ -647,7 +611,7 @@ def _run_state(
         initial_checkpoint=restoration.initial_checkpoint,
         arms={a.name: ArmState(a.name) for a in run.arms},
         sessions=[session],
-        setup_snapshot=latest_snapshot(bundle),
+        setup_snapshot=newest_snapshot(bundle.run_id, {e["name"]: e for e in bundle.files()}),
         setup_provenance={
             a.name: {k: as_value(prov[a.name][k]) for k in ("restore_count", "optimizer_checks")} for a in run.arms
         },

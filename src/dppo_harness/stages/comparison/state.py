@@ -8,15 +8,12 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-import dppo_harness
 from dppo_harness.evidence.errors import UnwritableEvidenceError
 from dppo_harness.evidence.files import atomic_write, unwritable_line
-from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.step_rows import StepRowJson
@@ -33,12 +30,6 @@ class StepRetry(TypedDict):
     error: str  # exception type and message, at most 500 characters
     updates_sent_before_failure: int
     restored_from: str | None  # the step-start state restored before the next attempt
-
-
-def code_revision(package_dir: Path | None = None) -> str:
-    """sha256 over the package's sources and the data it carries (`package_files_sha256`: the
-    vendored GSM8K files and their SHA256SUMS, the stand-in's assets): what the resume must match."""
-    return package_files_sha256(package_dir or Path(dppo_harness.__file__).parent)
 
 
 @dataclass
@@ -97,11 +88,6 @@ class RunState:
             "arms": {a: asdict(s) for a, s in self.arms.items()},
         }
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> RunState:
-        arms = {a: ArmState(**s) for a, s in d["arms"].items()}
-        return cls(**{**{k: v for k, v in d.items() if k != "arms"}, "arms": arms})
-
     def save(self, path: Path) -> None:
         """A unique temp file, fsync, rename, fsync of the directory: never torn, never lost; a
         refused write (disk full, read-only, permission) is the evidence's one line."""
@@ -113,7 +99,8 @@ class RunState:
     @classmethod
     def load(cls, path: Path) -> RunState:
         try:
-            return cls.from_json(json.loads(path.read_text()))
+            d = json.loads(path.read_text())
+            return cls(**{**d, "arms": {a: ArmState(**s) for a, s in d["arms"].items()}})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ComparisonError(f"resume state {path}: unreadable ({exc})") from None
 

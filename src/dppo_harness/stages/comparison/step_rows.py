@@ -196,11 +196,10 @@ def arm_summary(rows: Sequence[StepRowJson]) -> dict[str, float]:
         out[f"{key}_mean"] = float(np.mean([fraction(r, base).value for r in rows]))
     out["drift_abs_p90_last"] = float(last["drift_abs_p90"])
     for key in ("truncated_frac", "no_answer_frac", "mean_response_tokens"):
-        if all(key in r for r in rows):
-            out[f"{key}_last"] = number(last, key)
-            out[f"{key}_mean"] = float(np.mean([number(r, key) for r in rows]))
+        out[f"{key}_last"] = number(last, key)
+        out[f"{key}_mean"] = float(np.mean([number(r, key) for r in rows]))
     for key in ("kl_sample_train_v1", "kl_sample_train_v2", "entropy"):
-        if key in last:
+        if key in last:  # none when the step had no loss token
             out[f"{key}_last"] = number(last, key)
     out["loss_tokens_total"] = float(sum(r["loss_tokens"] for r in rows))
     out["train_seconds_total"] = float(sum(r["seconds"] for r in rows))
@@ -214,14 +213,10 @@ def step_line(row: StepRowJson, steps: int) -> str:
         f"format {row['format_rate']:.2f}"
     ]
     for base, short in (("dppo_masked_frac", "masked"), ("ppo_clip_frac", "clip")):
-        try:
-            f = fraction(row, base)
-        except KeyError:
-            continue
+        f = fraction(row, base)
         parts.append(f"{'cf ' if f.counterfactual else ''}{short} {f.value:.4g}")
-    if "truncated_frac" in row:
-        parts.append(f"truncated {row['truncated_frac']:.2f}")
-    parts.append(f"|p-q| q90 {row.get('drift_abs_p90', 0.0):.4g}, {row.get('seconds', 0.0):.1f}s")
+    parts.append(f"truncated {row['truncated_frac']:.2f}")
+    parts.append(f"|p-q| q90 {row['drift_abs_p90']:.4g}, {row['seconds']:.1f}s")
     return ", ".join(parts)
 
 
