@@ -309,6 +309,10 @@ def test_policy_options_and_the_capacity_scale():
         WaitPolicy(service_timeout_s=0)
     with pytest.raises(ServiceConfigError, match="DPPO_HARNESS_CAPACITY_SCALE"):
         WaitPolicy.from_options(env={"DPPO_HARNESS_CAPACITY_SCALE": "2"})
+    # the embedded server's windows shrink unless the scale is set
+    assert WaitPolicy.from_options(backend="local", env={}).capacity_patience_s == 6
+    local = WaitPolicy.from_options(backend="local", env={"DPPO_HARNESS_CAPACITY_SCALE": "0.5"})
+    assert local.capacity_patience_s == 300
 
 
 def _bundle(tmp_path):

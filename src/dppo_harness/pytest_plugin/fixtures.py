@@ -36,7 +36,6 @@ from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, Ser
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
 from dppo_harness.stages.session_rules import (
-    capacity_scale,
     record_capacity_stop_before_training,
     runs_feasibility_pilot,
     trained_arms,
@@ -209,7 +208,7 @@ def harness(
         capacity_patience_s=harness_options.capacity_patience_s,
         capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
         service_timeout_s=harness_options.service_timeout_s,
-        scale=capacity_scale(service_backend.kind, os.environ),
+        backend=service_backend.kind,
     )
     poster = BundlePoster(evidence_bundle, client_registry)
     waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=harness_progress)
