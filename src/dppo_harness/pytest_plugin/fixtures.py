@@ -46,8 +46,7 @@ if TYPE_CHECKING:
 
     from dppo_harness.local_server.process import LocalServerProcess  # lazy: see the module docstring
     from dppo_harness.service.connectivity import ConnectivityReport  # lazy: see the module docstring
-    from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
-    from dppo_harness.service.observed import ClientRegistry  # lazy: see the module docstring
+    from dppo_harness.service.observed import ClientRegistry, TrainingClientRecorder  # lazy: see the module docstring
     from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
     from dppo_harness.stages.comparison.run import ComparisonResult  # lazy: see the module docstring
     from dppo_harness.stages.diagnostic.loop import DiagnosticResult  # lazy: see the module docstring
@@ -200,7 +199,7 @@ def harness(
     """Every client of every ServiceClient the harness makes waits under the session's one policy:
     long waits are posted to the evidence, a stop releases the clients and records why. Every
     training client's served identity is recorded, flushed in one file at the end (the file limit)."""
-    from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
+    from dppo_harness.service.observed import TrainingClientRecorder  # lazy: see the module docstring
     from dppo_harness.service.wait.waiter import BundlePoster, ServiceWaiter  # lazy: see the module docstring
 
     observer = TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
@@ -275,7 +274,7 @@ def evidence_bundle(
         test_files=sorted({str(it.path) for it in request.session.items}),
         served_model=served,
     )
-    from dppo_harness.service.identity import record_session_identity  # lazy: see the module docstring
+    from dppo_harness.service.connectivity import record_session_identity  # lazy: see the module docstring
 
     # the connectivity report; on the embedded server (marker), the rehearsal label.
     record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())
