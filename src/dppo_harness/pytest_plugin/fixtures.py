@@ -32,7 +32,7 @@ from dppo_harness.pytest_plugin.hooks import (
     HarnessOptions,
 )
 from dppo_harness.service.config import redact_url, sdk_versions
-from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped, WaitPolicy
+from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
 from dppo_harness.stages.session_rules import (
@@ -203,14 +203,8 @@ def harness(
     from dppo_harness.service.wait.waiter import BundlePoster, ServiceWaiter  # lazy: see the module docstring
 
     observer = TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
-    policy = WaitPolicy.from_options(
-        capacity_patience_s=harness_options.capacity_patience_s,
-        capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
-        service_timeout_s=harness_options.service_timeout_s,
-        backend=service_backend.kind,
-    )
     poster = BundlePoster(evidence_bundle, client_registry)
-    waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=harness_progress)
+    waiter = ServiceWaiter(harness_options.wait_policy, on_post=poster.post, on_stop=poster.stop, say=harness_progress)
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
 
