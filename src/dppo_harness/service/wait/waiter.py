@@ -13,14 +13,13 @@ the harness hands out is a `WaitedClient`, every future it returns a `WaitedFutu
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -481,12 +480,6 @@ class WaitedFuture(Generic[U, V]):
             if not self._value:
                 self._value.append(self._then(value))
             return self._value[0]
-
-    async def result_async(self, timeout: float | None = None) -> V:
-        return await asyncio.to_thread(self.result, timeout)
-
-    def __await__(self) -> Generator[object, None, V]:
-        return self.result_async().__await__()
 
     def future(self) -> concurrent.futures.Future[U]:
         """A concurrent future that completes with the SDK's (a sample's is one already)."""
