@@ -34,7 +34,7 @@ from dppo_harness.service import sdk_internals
 from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client_kwargs
 from dppo_harness.service.rest import CAPABILITIES_PATH, ServiceRest, UnloadOutcome
 from dppo_harness.service.wait.waiter import ServiceWaiter, WaitedFuture, name_client, now_iso, run_beside
-from dppo_harness.service.wait.watch import LogWatch, creation_watch
+from dppo_harness.service.wait.watch import LogWatch
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
@@ -280,7 +280,7 @@ class ObservedServiceClient(tinker.ServiceClient):
         lora = call == "create_lora_training_client"
         named = kwargs.get("base_model" if lora else "path", args[0] if args else None)
         what = f"a new LoRA client on {named}" if lora else f"a client from {named}"
-        watch = creation_watch(placing=lambda: sdk_internals.session_ready(self))
+        watch = LogWatch("creation", placing=lambda: sdk_internals.session_ready(self))
         return self._created(lambda: make(*args, **kwargs), call, what, lambda c: self.adopt(c, call), watch)
 
     # The SDK's own parameters, passed on as given; like the SDK's, each returns the client it made.

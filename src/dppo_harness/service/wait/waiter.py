@@ -48,9 +48,9 @@ from dppo_harness.service.wait.watch import (
     PLACING,
     PLACING_REASON,
     Episode,
+    LogWatch,
     QueueSource,
     sampling_watch,
-    training_watch,
 )
 
 if TYPE_CHECKING:
@@ -190,7 +190,9 @@ class ServiceWaiter:
             return client
         if isinstance(client, TrainingClient):
             model_id = str(client.model_id)
-            waited = WaitedClient(client, self, label or f"training client {model_id}", training_watch(model_id))
+            waited = WaitedClient(
+                client, self, label or f"training client {model_id}", LogWatch("training", model_id, 0.0)
+            )
         elif isinstance(client, SamplingClient):
             waited = WaitedClient(client, self, label or "sampling client", sampling_watch(client))
         elif isinstance(client, RestClient):
