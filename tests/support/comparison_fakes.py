@@ -11,7 +11,7 @@ from typing import Any
 
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.plans import load_plan
-from dppo_harness.service.wait.policy import WaitPolicy
+from dppo_harness.service.wait.policy import CAPACITY_SCALE_VAR, WaitPolicy
 from dppo_harness.stages.comparison import run as comparison_run
 
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
@@ -91,7 +91,7 @@ def run_fake(tmp_path: Path, monkeypatch: Any, steps: int, arm_step: Any = updat
         provenance={"arms": {a.name: {"restore_count": 1, "optimizer_checks": []} for a in plan.run.arms}},
     )
     bundle = EvidenceBundle.create(tmp_path / "runs", "fake")
-    kwargs.setdefault("capacity_policy", WaitPolicy.from_options(scale=1e-4))  # capacity backoff in milliseconds
+    kwargs.setdefault("capacity_policy", WaitPolicy.from_options(env={CAPACITY_SCALE_VAR: "1e-4"}))  # backoff in ms
     result = comparison_run.run_comparison(
         object(), plan, bundle, restoration, backend="local", state_root=tmp_path / "state", **kwargs
     )

@@ -13,7 +13,7 @@ from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
 from dppo_harness.evidence.result import label_summary
 from dppo_harness.evidence.session import closing_fields, start_session
 from dppo_harness.plans import load_plan
-from dppo_harness.service import identity
+from dppo_harness.service import connectivity, observed
 from dppo_harness.service.connectivity import ConnectivityReport
 from dppo_harness.service.rest import RawResponse
 from dppo_harness.service.wait.waiter import ServiceWaiter, WaitedFuture
@@ -27,12 +27,12 @@ CAPS = {
 
 
 def test_marker_from_each_place_and_none_on_a_real_service():
-    assert identity.detect_marker() is None
-    assert identity.detect_marker({"x-embedded-tinker-server": "dppo-harness"}).sources == ["header"]
-    assert identity.detect_marker({EMBEDDED_SERVER_HEADER: "something-else"}) is None
-    m = identity.detect_marker(capabilities=CAPS)
+    assert connectivity.detect_marker() is None
+    assert connectivity.detect_marker({"x-embedded-tinker-server": "dppo-harness"}).sources == ["header"]
+    assert connectivity.detect_marker({EMBEDDED_SERVER_HEADER: "something-else"}) is None
+    m = connectivity.detect_marker(capabilities=CAPS)
     assert (m.stand_in, m.profile, m.sources) == (STAND_IN, "spindle", ["capabilities"])
-    assert identity.detect_marker(capabilities={"supported_models": [], "embedded_server": {"marker": "x"}}) is None
+    assert connectivity.detect_marker(capabilities={"supported_models": [], "embedded_server": {"marker": "x"}}) is None
 
 
 @pytest.mark.parametrize(
@@ -47,12 +47,12 @@ def test_marker_from_each_place_and_none_on_a_real_service():
     ],
 )
 def test_choose_model(requested, served, want):
-    c = identity.choose_model(requested, served)
+    c = connectivity.choose_model(requested, served)
     assert (c, c is not None and c != requested) == want
 
 
 def _report(marker=True, model="Qwen/Qwen3.5-2B", substitution=None):
-    m = identity.detect_marker({EMBEDDED_SERVER_HEADER: EMBEDDED_SERVER_MARKER}, CAPS) if marker else None
+    m = connectivity.detect_marker({EMBEDDED_SERVER_HEADER: EMBEDDED_SERVER_MARKER}, CAPS) if marker else None
     return ConnectivityReport(
         "tinker",
         "http://127.0.0.1:9",
@@ -74,7 +74,7 @@ def _bundle(tmp_path, plan_name="exp_e6b0965af3-diagnostic-r1.json", served=None
 
 def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training(tmp_path):
     b, _plan = _bundle(tmp_path, served=STAND_IN)
-    identity.record_session_identity(b, _report(), "tinker", {"tinker": "0.38.0"})
+    connectivity.record_session_identity(b, _report(), "tinker", {"tinker": "0.38.0"})
     r = b.result
     assert r["backend"]["kind"] == "local" and r["backend"]["requested_backend"] == "tinker"
     assert r["backend"]["served_model"] == STAND_IN and r["backend"]["answers_to"] == "Qwen/Qwen3.5-2B"
@@ -90,7 +90,7 @@ def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training
 def test_real_service_is_not_relabelled(tmp_path):
     b, _plan = _bundle(tmp_path)
     sub = {"field": "model", "original": "Qwen/Qwen3.5-0.8B", "effective": "Qwen/Qwen3.5-2B", "reason": "closest"}
-    identity.record_session_identity(b, _report(marker=False, substitution=sub), "tinker", {})
+    connectivity.record_session_identity(b, _report(marker=False, substitution=sub), "tinker", {})
     r = b.result
     assert r["backend"]["kind"] == "tinker" and not r["summary"].startswith(REHEARSAL_PREFIX)
     assert sub in r["deviations"]
@@ -109,12 +109,12 @@ def test_creation_future_reports_the_client_once():
 
 def test_recorder_keeps_the_complete_model_data(tmp_path):
     b, _ = _bundle(tmp_path, served=STAND_IN)
-    identity.record_session_identity(b, _report(), "tinker", {})
+    connectivity.record_session_identity(b, _report(), "tinker", {})
     full = {"model_id": "m1", "model_data": {"model_name": STAND_IN, "tokenizer_id": "Qwen/Qwen3.5-2B"}}
     answers = {"get_info": RawResponse(200, full, EMBEDDED_SERVER_MARKER), "caps": RawResponse(200, CAPS, None)}
     rest = SimpleNamespace(get_info=lambda *a: answers["get_info"], get=lambda *a: answers["caps"])
     info = SimpleNamespace(model_id="m1", model_dump=lambda mode: {"model_id": "m1"})
-    rec = identity.TrainingClientRecorder(b)
+    rec = observed.TrainingClientRecorder(b)
     out = rec(SimpleNamespace(get_info=lambda: info), "create_lora_training_client", rest)
     assert out.served_model == STAND_IN and out.served_model_source == "get_info().model_data.model_name"
     saved = json.loads(b.file_path("client-identity-01-create_lora_training_client.json").read_bytes())
@@ -144,7 +144,7 @@ def test_the_first_client_names_the_sessions_served_model_on_a_real_service(tmp_
         get=lambda *a: RawResponse(200, {"supported_models": []}, None),
     )
     sdk = SimpleNamespace(model_id="m1", model_dump=lambda mode: info)
-    out = identity.TrainingClientRecorder(b)(SimpleNamespace(get_info=lambda: sdk), "create_lora_training_client", rest)
+    out = observed.TrainingClientRecorder(b)(SimpleNamespace(get_info=lambda: sdk), "create_lora_training_client", rest)
     assert out.served_model == b.result["backend"]["served_model"] == "Qwen/Qwen3.5-2B"
     assert b.result["backend"]["kind"] == "tinker" and not b.result["summary"].startswith(REHEARSAL_PREFIX)
 

@@ -300,8 +300,8 @@ def test_service_wait_options_reach_the_session_and_are_validated(project, monke
         textwrap.dedent(
             """
         def test_opts(harness_options):
-            o = harness_options
-            assert (o.capacity_patience_s, o.capacity_patience_after_steps_s, o.service_timeout_s) == (3.0, 9.0, 2.5)
+            o, w = harness_options, harness_options.wait_policy
+            assert (w.capacity_patience_s, w.capacity_patience_after_steps_s, w.service_timeout_s) == (3.0, 9.0, 2.5)
             assert o.proxy_credentials == "runs" and o.sdk_telemetry is True
         """
         )
@@ -319,8 +319,8 @@ def test_service_wait_options_reach_the_session_and_are_validated(project, monke
         textwrap.dedent(
             """
         def test_opts(harness_options):
-            o = harness_options
-            assert (o.capacity_patience_s, o.capacity_patience_after_steps_s, o.service_timeout_s) == (None, None, None)
+            o, w = harness_options, harness_options.wait_policy
+            assert (w.capacity_patience_s, w.capacity_patience_after_steps_s, w.service_timeout_s) == (6, 18, 900)
             assert o.proxy_credentials == "modal" and o.sdk_telemetry is False
         """
         )
@@ -328,7 +328,7 @@ def test_service_wait_options_reach_the_session_and_are_validated(project, monke
     p.runpytest("tests/unit/test_opts.py").assert_outcomes(passed=1)
     res = p.runpytest("--service-timeout-s=0")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
-    res.stderr.fnmatch_lines(["*--service-timeout-s: expected a positive number of seconds*"])
+    res.stderr.fnmatch_lines(["*--service-timeout-s must be a positive number of seconds*"])
     assert p.runpytest("--proxy-credentials=shared").ret == pytest.ExitCode.USAGE_ERROR
 
 

@@ -233,7 +233,11 @@ def test_capacity_retry_recovers_and_scales():
 
     assert (
         call_with_capacity_retry(
-            fn, policy=WaitPolicy.from_options(scale=0.01), clock=clock, sleep=clock.sleep, on_retry=events.append
+            fn,
+            policy=WaitPolicy.from_options(backend="local", env={}),
+            clock=clock,
+            sleep=clock.sleep,
+            on_retry=events.append,
         )
         == "ok"
     )

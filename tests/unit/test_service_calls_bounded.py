@@ -21,7 +21,6 @@ SERVICE_LAYER = {
     "service/wait/waiter.py",
     "service/wait/watch.py",
     "service/connectivity.py",
-    "service/identity.py",
     "service/rest.py",
     "service/sdk_internals.py",
 }

@@ -252,7 +252,7 @@ def test_the_pause_log_reads_the_sdks_own_warning_lines():
     from tinker.lib.public_interfaces.sampling_client import SamplingClient
     from tinker.lib.queue_state_logger import QueueStateLogger
 
-    from dppo_harness.service.wait.watch import creation_watch, parse_pause_line, pause_log, training_watch
+    from dppo_harness.service.wait.watch import LogWatch, parse_pause_line, pause_log
 
     log = pause_log()
     t0 = time.monotonic()
@@ -263,8 +263,10 @@ def test_the_pause_log_reads_the_sdks_own_warning_lines():
     sampler._last_queue_state_logged, sampler._sampling_session_id = 0.0, "s-1"
     sampler.on_queue_state_change(QueueState.PAUSED_CAPACITY, "sampler queue full")
     assert [(ln.kind, ln.ident, ln.reason) for ln in log.lines("training", None, t0)] == [("training", "m-7", REASON)]
-    assert training_watch("m-7").latest().reason == REASON and training_watch("m-8").latest() is None
-    creation = creation_watch(t0).latest()
+    assert (
+        LogWatch("training", "m-7", 0.0).latest().reason == REASON and LogWatch("training", "m-8", 0.0).latest() is None
+    )
+    creation = LogWatch("creation", None, t0).latest()
     assert creation.state == "paused" and creation.reason == "concurrent training clients rate limit hit"
     assert [(ln.ident, ln.reason) for ln in log.lines("sampling", None, t0)] == [("s-1", "sampler queue full")]
     assert parse_pause_line("HTTP Request: POST /api/v1/retrieve_future 408") is None
@@ -309,6 +311,10 @@ def test_policy_options_and_the_capacity_scale():
         WaitPolicy(service_timeout_s=0)
     with pytest.raises(ServiceConfigError, match="DPPO_HARNESS_CAPACITY_SCALE"):
         WaitPolicy.from_options(env={"DPPO_HARNESS_CAPACITY_SCALE": "2"})
+    # the embedded server's windows shrink unless the scale is set
+    assert WaitPolicy.from_options(backend="local", env={}).capacity_patience_s == 6
+    local = WaitPolicy.from_options(backend="local", env={"DPPO_HARNESS_CAPACITY_SCALE": "0.5"})
+    assert local.capacity_patience_s == 300
 
 
 def _bundle(tmp_path):

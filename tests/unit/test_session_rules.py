@@ -1,12 +1,12 @@
 """The stage fixtures' rules (stages.session_rules): which arms train, whether the feasibility
-pilot runs, the capacity scale on the embedded server, and a capacity stop before training."""
+pilot runs, and a capacity stop before training."""
 
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from dppo_harness import plans
-from dppo_harness.service.wait.policy import CAPACITY_SCALE_VAR, CapacityBlock
+from dppo_harness.service.wait.policy import CapacityBlock
 from dppo_harness.stages import session_rules
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
@@ -18,12 +18,6 @@ def test_a_diagnostic_plan_trains_its_treatment_arm_only_and_runs_no_feasibility
     assert not session_rules.runs_feasibility_pilot(plan)
     spec = plans.load_plan(PLANS / "exp_e6b0965af3.json")
     assert session_rules.trained_arms(spec) is None and session_rules.runs_feasibility_pilot(spec)
-
-
-def test_capacity_windows_shrink_on_the_embedded_server_unless_the_scale_is_set() -> None:
-    assert session_rules.capacity_scale("local", {}) == 0.01
-    assert session_rules.capacity_scale("local", {CAPACITY_SCALE_VAR: "0.5"}) is None
-    assert session_rules.capacity_scale("tinker", {}) is None
 
 
 def _bundle(tested: bool | None) -> Any:

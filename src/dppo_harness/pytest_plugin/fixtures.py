@@ -32,11 +32,10 @@ from dppo_harness.pytest_plugin.hooks import (
     HarnessOptions,
 )
 from dppo_harness.service.config import redact_url, sdk_versions
-from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped, WaitPolicy
+from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
 from dppo_harness.stages.session_rules import (
-    capacity_scale,
     record_capacity_stop_before_training,
     runs_feasibility_pilot,
     trained_arms,
@@ -47,8 +46,7 @@ if TYPE_CHECKING:
 
     from dppo_harness.local_server.process import LocalServerProcess  # lazy: see the module docstring
     from dppo_harness.service.connectivity import ConnectivityReport  # lazy: see the module docstring
-    from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
-    from dppo_harness.service.observed import ClientRegistry  # lazy: see the module docstring
+    from dppo_harness.service.observed import ClientRegistry, TrainingClientRecorder  # lazy: see the module docstring
     from dppo_harness.service.wait.waiter import ServiceWaiter  # lazy: see the module docstring
     from dppo_harness.stages.comparison.run import ComparisonResult  # lazy: see the module docstring
     from dppo_harness.stages.diagnostic.loop import DiagnosticResult  # lazy: see the module docstring
@@ -201,18 +199,12 @@ def harness(
     """Every client of every ServiceClient the harness makes waits under the session's one policy:
     long waits are posted to the evidence, a stop releases the clients and records why. Every
     training client's served identity is recorded, flushed in one file at the end (the file limit)."""
-    from dppo_harness.service.identity import TrainingClientRecorder  # lazy: see the module docstring
+    from dppo_harness.service.observed import TrainingClientRecorder  # lazy: see the module docstring
     from dppo_harness.service.wait.waiter import BundlePoster, ServiceWaiter  # lazy: see the module docstring
 
     observer = TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
-    policy = WaitPolicy.from_options(
-        capacity_patience_s=harness_options.capacity_patience_s,
-        capacity_patience_after_steps_s=harness_options.capacity_patience_after_steps_s,
-        service_timeout_s=harness_options.service_timeout_s,
-        scale=capacity_scale(service_backend.kind, os.environ),
-    )
     poster = BundlePoster(evidence_bundle, client_registry)
-    waiter = ServiceWaiter(policy, on_post=poster.post, on_stop=poster.stop, say=harness_progress)
+    waiter = ServiceWaiter(harness_options.wait_policy, on_post=poster.post, on_stop=poster.stop, say=harness_progress)
     server = service_backend.server
     if server is not None:  # the embedded server dying ends every wait at once, with its exit code and log
 
@@ -276,7 +268,7 @@ def evidence_bundle(
         test_files=sorted({str(it.path) for it in request.session.items}),
         served_model=served,
     )
-    from dppo_harness.service.identity import record_session_identity  # lazy: see the module docstring
+    from dppo_harness.service.connectivity import record_session_identity  # lazy: see the module docstring
 
     # the connectivity report; on the embedded server (marker), the rehearsal label.
     record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())

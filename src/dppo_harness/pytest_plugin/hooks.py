@@ -36,7 +36,7 @@ from dppo_harness.pytest_plugin import stages
 from dppo_harness.pytest_plugin.rootdir import reroot
 from dppo_harness.service.config import redact_url
 from dppo_harness.service.secrets_scan import live_secret_items, unsafe_credentials
-from dppo_harness.service.wait.policy import ServiceStopped
+from dppo_harness.service.wait.policy import ServiceConfigError, ServiceStopped, WaitPolicy
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
@@ -60,11 +60,8 @@ class HarnessOptions:
     # None: the default for the service (comparison.config.comparison_schedule)
     comparison_schedule: Literal["interleaved", "concurrent"] | None = None
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
-    # -- the service wait policy (service.wait.policy.WaitPolicy); None: the default (capacity defaults
-    # shrunk by DPPO_HARNESS_CAPACITY_SCALE, or 100x on the local backend)
-    capacity_patience_s: float | None = None
-    capacity_patience_after_steps_s: float | None = None
-    service_timeout_s: float | None = None
+    # the session's one service wait policy: the options given, else its defaults (capacity_scale)
+    wait_policy: WaitPolicy = field(default_factory=WaitPolicy)
     proxy_credentials: Literal["modal", "runs"] = "modal"  # which proxy tokens feed Modal-Key/Modal-Secret
     sdk_telemetry: bool = False  # let the SDK post its telemetry (off: TINKER_TELEMETRY=0)
 
@@ -221,12 +218,11 @@ def _resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions
             f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (each arm's "
             f"state is saved at least every {constants.MAX_SAVE_EVERY} steps)"
         )
-    waits: dict[str, float | None] = {}
-    for name in ("capacity_patience_s", "capacity_patience_after_steps_s", "service_timeout_s"):
-        opt = "--" + name.replace("_", "-")
-        value = waits[name] = config.getoption(opt)  # None: the policy's default
-        if value is not None and not (value > 0 and value != float("inf")):
-            raise pytest.UsageError(f"{opt}: expected a positive number of seconds, got {value}")
+    waits = ("capacity_patience_s", "capacity_patience_after_steps_s", "service_timeout_s")
+    try:
+        policy = WaitPolicy.from_options(backend=backend, **{n: config.getoption(n) for n in waits})
+    except ServiceConfigError as exc:
+        raise pytest.UsageError(str(exc)) from None
     resume: str | None = config.getoption("--resume")
     if resume is not None and "/" in resume:  # a run id, or the path of that run's bundle under the evidence dir
         path = _user_path(config, resume)
@@ -246,7 +242,7 @@ def _resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions
         save_every=save_every,
         proxy_credentials=config.getoption("--proxy-credentials"),
         sdk_telemetry=config.getoption("--sdk-telemetry"),
-        **waits,
+        wait_policy=policy,
     )
 
 

@@ -7,25 +7,28 @@ header or URL, never a secret value. First contact is read raw (`service.rest`),
 and recorded as sent: `client/config` (the SDK's first request), `client/dynamic_config`,
 `get_server_capabilities` (raw keeps the embedded server's marker, which the SDK's type drops) and
 `spindle/deployments` where served (which models train LoRA: capabilities do not say).
+The embedded server's marker (a header and a capabilities key) makes the session's backend block
+a rehearsal's (`record_session_identity`): which server and profile ran.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypedDict
 
 import httpx
 import tinker
 from pydantic import JsonValue, ValidationError
 
-from dppo_harness.constants import EMBEDDED_SERVER_HEADER
-from dppo_harness.evidence.backend import EmbeddedServer
+from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+from dppo_harness.evidence.backend import EMBEDDED_KEY, Backend, EmbeddedServer, backend_of
 from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
-from dppo_harness.service import identity
 from dppo_harness.service.config import (
     PROXY_VARS,
     ClientKwargs,
@@ -34,7 +37,6 @@ from dppo_harness.service.config import (
     client_kwargs,
     redact_url,
 )
-from dppo_harness.service.identity import Substitution
 from dppo_harness.service.rest import (
     CAPABILITIES_PATH,
     CLIENT_CONFIG_PATH,
@@ -42,13 +44,77 @@ from dppo_harness.service.rest import (
     DYNAMIC_CONFIG_PATH,
     RawResponse,
     ServiceRest,
+    header,
     raw_response,
 )
 from dppo_harness.service.wait.policy import ServiceConfigError
 from dppo_harness.service.wait.waiter import run_beside
 
+if TYPE_CHECKING:
+    from dppo_harness.evidence.bundle import EvidenceBundle
+
 logger = logging.getLogger(__name__)
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
+
+
+def detect_marker(
+    headers: Mapping[str, str] | None = None, capabilities: Mapping[str, JsonValue] | None = None
+) -> EmbeddedServer | None:
+    """The embedded-server marker from its header or capabilities (the evidence's record of it), or
+    None (a real service)."""
+    sources: list[str] = []
+    stand_in = profile = None
+    if headers is not None and header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
+        sources.append("header")
+    caps = (capabilities or {}).get(EMBEDDED_KEY)
+    if isinstance(caps, Mapping) and caps.get("marker") == EMBEDDED_SERVER_MARKER:
+        sources.append("capabilities")
+        stand_in, profile = _text(caps.get("stand_in")), _text(caps.get("profile"))
+    if not sources:
+        return None
+    return EmbeddedServer(marker=EMBEDDED_SERVER_MARKER, stand_in=stand_in, profile=profile, sources=sources)
+
+
+def _text(value: JsonValue) -> str | None:
+    """A name the embedded server sent (a non-empty string), else None."""
+    return value if isinstance(value, str) and value else None
+
+
+class Substitution(TypedDict):
+    """A model deviation: the plan's model (`original`) replaced by `effective`, and why."""
+
+    field: str
+    original: str
+    effective: str
+    reason: str
+
+
+_SIZE_RE = re.compile(r"^(?P<family>.+?)-(?P<size>\d+(?:\.\d+)?)(?P<unit>[BbMm])(?:-(?P<suffix>.*))?$")
+
+
+def _parse(name: str) -> tuple[str, float, str] | None:
+    m = _SIZE_RE.match(name)
+    if not m:
+        return None
+    size = float(m["size"]) * (1.0 if m["unit"] in "Bb" else 1e-3)
+    return m["family"], size, (m["suffix"] or "")
+
+
+def choose_model(requested: str, served: list[str]) -> str | None:
+    """The requested model if served, else the closest served model of the same family (None: none).
+
+    Family = the name before the size (`Qwen/Qwen3.5` of `Qwen/Qwen3.5-0.8B`); closest = smallest
+    |log size ratio|, same variant suffix preferred, ties to the smaller model.
+    """
+    want = _parse(requested)
+    if requested in served or want is None:
+        return requested if requested in served else None
+    cands = []
+    for n in served:
+        p = _parse(n)
+        if p and p[0] == want[0] and p[1] > 0 and want[1] > 0:
+            cands.append(((p[2] != want[2]), abs(math.log(p[1] / want[1])), p[1], n))
+    return min(cands)[3] if cands else None
 
 
 class ConnectivityError(RuntimeError):
@@ -279,7 +345,7 @@ def _choose_base_model(
         if isinstance(m, Mapping) and m.get("model_name") and m.get("trainable") is not False
     ]
     candidates = served if deployments is None else [m for m in served if "lora" in deployments.get(m, [])]
-    choice = identity.choose_model(requested_model, candidates)
+    choice = choose_model(requested_model, candidates)
     if choice is None:
         if deployments is not None and requested_model in served:
             raise ConnectivityError(
@@ -336,11 +402,43 @@ def check_connectivity(
     model, served, substitution = _choose_base_model(
         requested_model, caps.json, _lora_models(deployments), target.shown, ok
     )
-    marker = identity.detect_marker(
+    marker = detect_marker(
         headers={EMBEDDED_SERVER_HEADER: caps.marker_header} if caps.marker_header else None,
         capabilities=caps.json if isinstance(caps.json, dict) else None,
     )
     seconds = time.monotonic() - t0
     return ConnectivityReport(
         backend, target.shown, requested_model, model, served, substitution, marker, caps.json, contact, checks, seconds
+    )
+
+
+def record_session_identity(
+    bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str, sdk_versions: Mapping[str, str]
+) -> None:
+    """Before any training client: the connectivity report, a model choice, and on the embedded
+    server (its marker) the backend block of kind `local`, whatever `--backend` said, which labels
+    every summary a rehearsal and says which server and profile ran."""
+    bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
+    if report.substitution:
+        bundle.add_deviation(**report.substitution)
+    marker = report.marker
+    if marker is None:
+        return
+    block = backend_of(bundle.result)
+    stand_in = marker.stand_in or (block.served_model if block is not None else None)
+    # The model the experiment is about (a rehearsal plan's derived-from spec names it), as the
+    # session recorded it; the connectivity check asked for the plan's own base_model.
+    planned = str((block.requested_model if block is not None else None) or report.requested_model)
+    bundle.set_backend(
+        Backend(
+            kind="local",
+            requested_model=planned,
+            served_model=str(stand_in),
+            sdk_versions=dict(sdk_versions),
+            base_url=report.base_url,
+            requested_backend=option_backend,
+            answers_to=report.model,
+            embedded_server=marker,
+            kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
+        )
     )

@@ -1,7 +1,8 @@
 """The observed ServiceClient: every client it hands out waits under one ServiceWaiter, and every
 training client it creates is listed (stage, role) and reported to an observer before use. The
 registry releases them: every model the harness's sessions created, unloaded per stage and always
-on exit, each release kept as an event (client-releases.json).
+on exit, each release kept as an event (client-releases.json). `TrainingClientRecorder`, the
+harness's observer, records each training client's raw get_info (the served model) and capabilities.
 
 tinker 0.25 has no session close: a model holds its trainer slot until the service's idle sweep
 unless unloaded. So a session's release is the `unload_model` of each model it created, released
@@ -12,23 +13,31 @@ from __future__ import annotations
 
 import atexit
 import gc
+import hashlib
+import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import tinker
+from pydantic import JsonValue
 from tinker.lib.public_interfaces.rest_client import RestClient
 
+from dppo_harness.evidence.backend import backend_of, served_name
 from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import sdk_internals
 from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client_kwargs
-from dppo_harness.service.rest import ServiceRest, UnloadOutcome
+from dppo_harness.service.rest import CAPABILITIES_PATH, ServiceRest, UnloadOutcome
 from dppo_harness.service.wait.waiter import ServiceWaiter, WaitedFuture, name_client, now_iso, run_beside
-from dppo_harness.service.wait.watch import LogWatch, creation_watch
+from dppo_harness.service.wait.watch import LogWatch
+
+if TYPE_CHECKING:
+    from dppo_harness.evidence.bundle import EvidenceBundle
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,6 +86,108 @@ class CreatedClient:
     created_at: str
     role: str | None = None
     release: UnloadOutcome | None = field(default=None, repr=False)
+
+
+@dataclass
+@dataclass
+class ClientIdentity:
+    """One training client's identity record (what goes into evidence)."""
+
+    label: str
+    model_id: str
+    get_info: JsonValue  # raw JSON of get_info (complete model_data), or the SDK's dump if raw failed
+    capabilities: JsonValue  # raw JSON of get_server_capabilities (the embedded server's marker is in it)
+    served_model: str | None
+    served_model_source: str
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> JsonObject:
+        out: JsonObject = asdict(self)
+        out["get_server_capabilities"] = out.pop("capabilities")
+        return out
+
+
+SERVED_SOURCE = "get_info().model_data.model_name"
+
+
+class TrainingClientRecorder:
+    """Records each training client's complete get_info and capabilities before it trains. A failed
+    raw read is recorded with the SDK's own get_info dump, never raised: the record must not break the run."""
+
+    def __init__(self, bundle: EvidenceBundle, timeout_s: float = 10.0):
+        self.bundle, self.timeout_s = bundle, timeout_s
+        self.records: list[ClientIdentity] = []
+        self._written: dict[str, str] = {}  # identity key -> file holding it
+        self._flushed = False
+
+    def __call__(self, client: tinker.TrainingClient, label: str, rest: ServiceRest) -> ClientIdentity:
+        sdk_info = client.get_info()
+        model_id = str(sdk_info.model_id)
+        errors: list[str] = []
+        info_json: JsonValue = sdk_info.model_dump(mode="json")
+        try:
+            raw = rest.get_info(model_id, self.timeout_s)
+            if raw.status == 200 and isinstance(raw.json, dict):
+                info_json = raw.json
+            else:
+                errors.append(f"raw get_info answered HTTP {raw.status}; the SDK's parsed get_info is recorded")
+        except Exception as exc:  # a record must not break the run it describes
+            errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
+        caps: JsonValue = None
+        try:
+            cr = rest.get(CAPABILITIES_PATH, self.timeout_s)
+            caps = cr.json if cr.status == 200 else {"http_status": cr.status}
+        except Exception as exc:
+            errors.append(f"raw get_server_capabilities failed ({type(exc).__name__})")
+        served = served_name(info_json if isinstance(info_json, Mapping) else None)
+        rec = ClientIdentity(label, model_id, info_json, caps, served, SERVED_SOURCE, errors)
+        block = backend_of(self.bundle.result)
+        if block is not None and served is not None and block.served_model != served:
+            # the session's served model is what the service said at client creation
+            self.bundle.set_backend(block.model_copy(update={"served_model": served}))
+        self.records.append(rec)
+        # A file now for the first client and for any client whose identity differs from all earlier
+        # ones; the rest (same identity, other model_id) go into the index written by flush().
+        key = _identity_key(rec)
+        if key not in self._written:
+            safe_label = re.sub(r"[^A-Za-z0-9._-]", "-", label)[:40]
+            name_ = f"client-identity-{len(self._written) + 1:02d}-{safe_label}.json"
+            self.bundle.register_json(name_, "manifest", rec.as_dict())
+            self._written[key] = name_
+        return rec
+
+    def flush(self, name: str = "client-identities.json") -> None:
+        """Every training client's complete get_info, in creation order (once, at session end)."""
+        if not self.records or self._flushed:
+            return
+        self._flushed = True
+        self.bundle.register_json(
+            name,
+            "manifest",
+            {
+                "clients": [
+                    {
+                        **{k: v for k, v in r.as_dict().items() if k != "get_server_capabilities"},
+                        "capabilities_and_identity_file": self._written[_identity_key(r)],
+                    }
+                    for r in self.records
+                ],
+                "note": "get_server_capabilities of each client is in the named file (identical for all clients "
+                "sharing it: the file is written per distinct get_info + capabilities)",
+            },
+        )
+
+
+def _identity_key(rec: ClientIdentity) -> str:
+    """What must be equal for two clients to share an identity file (everything but the model id)."""
+    info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
+    info.pop("model_id", None)
+    blob = json.dumps(
+        [info, rec.capabilities, rec.served_model],
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 class ObservedServiceClient(tinker.ServiceClient):
@@ -169,7 +280,7 @@ class ObservedServiceClient(tinker.ServiceClient):
         lora = call == "create_lora_training_client"
         named = kwargs.get("base_model" if lora else "path", args[0] if args else None)
         what = f"a new LoRA client on {named}" if lora else f"a client from {named}"
-        watch = creation_watch(placing=lambda: sdk_internals.session_ready(self))
+        watch = LogWatch("creation", placing=lambda: sdk_internals.session_ready(self))
         return self._created(lambda: make(*args, **kwargs), call, what, lambda c: self.adopt(c, call), watch)
 
     # The SDK's own parameters, passed on as given; like the SDK's, each returns the client it made.

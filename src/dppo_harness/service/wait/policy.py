@@ -26,16 +26,22 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CAPACITY_SCALE_VAR = "DPPO_HARNESS_CAPACITY_SCALE"
+# The embedded server has no shared capacity to wait for: its capacity windows are this fraction
+# of the defaults, under the same rules.
+LOCAL_CAPACITY_SCALE = 0.01
 
 
 class ServiceConfigError(RuntimeError):
     """The service cannot be configured; the message names the variable or option, never a value."""
 
 
-def capacity_scale(env: Mapping[str, str] | None = None) -> float:
+def capacity_scale(env: Mapping[str, str] | None = None, backend: str = "tinker") -> float:
+    """CAPACITY_SCALE_VAR, else LOCAL_CAPACITY_SCALE on the embedded server, else 1."""
     raw = (os.environ if env is None else env).get(CAPACITY_SCALE_VAR)
+    if not raw:
+        return LOCAL_CAPACITY_SCALE if backend == "local" else 1.0
     try:
-        scale = float(raw) if raw else 1.0
+        scale = float(raw)
     except ValueError:
         scale = math.nan
     if not 0.0 < scale <= 1.0:
@@ -73,12 +79,12 @@ class WaitPolicy:
         capacity_patience_s: float | None = None,
         capacity_patience_after_steps_s: float | None = None,
         service_timeout_s: float | None = None,
-        scale: float | None = None,
+        backend: str = "tinker",
         env: Mapping[str, str] | None = None,
     ) -> WaitPolicy:
         """Options given explicitly are used as they are; the capacity defaults (and the refusal
-        backoff) are shrunk by `scale` (default: DPPO_HARNESS_CAPACITY_SCALE, else 1)."""
-        s = capacity_scale(env) if scale is None else scale
+        backoff) are shrunk by `capacity_scale`."""
+        s = capacity_scale(env, backend)
         patience = cls.capacity_patience_s * s if capacity_patience_s is None else capacity_patience_s
         after = cls.capacity_patience_after_steps_s * s
         timeout = cls.service_timeout_s if service_timeout_s is None else service_timeout_s

@@ -13,14 +13,13 @@ the harness hands out is a `WaitedClient`, every future it returns a `WaitedFutu
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -49,9 +48,9 @@ from dppo_harness.service.wait.watch import (
     PLACING,
     PLACING_REASON,
     Episode,
+    LogWatch,
     QueueSource,
     sampling_watch,
-    training_watch,
 )
 
 if TYPE_CHECKING:
@@ -191,7 +190,9 @@ class ServiceWaiter:
             return client
         if isinstance(client, TrainingClient):
             model_id = str(client.model_id)
-            waited = WaitedClient(client, self, label or f"training client {model_id}", training_watch(model_id))
+            waited = WaitedClient(
+                client, self, label or f"training client {model_id}", LogWatch("training", model_id, 0.0)
+            )
         elif isinstance(client, SamplingClient):
             waited = WaitedClient(client, self, label or "sampling client", sampling_watch(client))
         elif isinstance(client, RestClient):
@@ -481,12 +482,6 @@ class WaitedFuture(Generic[U, V]):
             if not self._value:
                 self._value.append(self._then(value))
             return self._value[0]
-
-    async def result_async(self, timeout: float | None = None) -> V:
-        return await asyncio.to_thread(self.result, timeout)
-
-    def __await__(self) -> Generator[object, None, V]:
-        return self.result_async().__await__()
 
     def future(self) -> concurrent.futures.Future[U]:
         """A concurrent future that completes with the SDK's (a sample's is one already)."""

@@ -248,15 +248,6 @@ class Watches:
         return [e for s in self.sources for e in s.episodes_since(t0)]
 
 
-def creation_watch(t0: float | None = None, placing: Callable[[], bool] | None = None) -> LogWatch:
-    """The pauses of client creations from `t0` on; `placing`: whether the session is set up."""
-    return LogWatch("creation", None, t0, placing=placing)
-
-
-def training_watch(model_id: str) -> LogWatch:
-    return LogWatch("training", model_id, 0.0)
-
-
 def sampling_watch(sampling_client: tinker.SamplingClient) -> Watches:
     from dppo_harness.service import sdk_internals  # the one reach into the SDK's internals
 
