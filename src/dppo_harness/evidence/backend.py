@@ -83,6 +83,6 @@ def served_name(get_info: Mapping[str, JsonValue] | None) -> str | None:
 
 def session_served(result: Mapping[str, JsonValue], planned: str) -> ServedModel:
     """The session's served model: the backend block's `served_model`, which from the first training
-    client on is what get_info named (`service.identity.TrainingClientRecorder`)."""
+    client on is what get_info named (`service.observed.TrainingClientRecorder`)."""
     block = backend_of(result)
     return ServedModel(planned, block.served_model if block is not None else None)

@@ -254,7 +254,6 @@ class BackendInfo:
     backend: BackendKind
     requested_model: str
     served_model: str
-    base_url: str | None = None
     sdk_versions: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -31,7 +31,7 @@ from dppo_harness.pytest_plugin.hooks import (
     STATE_KEY,
     HarnessOptions,
 )
-from dppo_harness.service.config import redact_url, sdk_versions
+from dppo_harness.service.config import sdk_versions
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
@@ -316,7 +316,6 @@ def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.Tra
         backend=service_backend.kind,
         requested_model=plan.base_model,
         served_model=str(served),
-        base_url=redact_url(service_backend.base_url),
         sdk_versions=sdk_versions(),
     )
 

@@ -58,7 +58,7 @@ class HarnessOptions:
     # -- comparison stage
     resume: str | None = None  # --resume RUN_ID: continue that run's saved comparison state
     # None: the default for the service (comparison.config.comparison_schedule)
-    comparison_schedule: Literal["interleaved", "concurrent"] | None = None
+    comparison_schedule: Literal["interleaved"] | None = None
     save_every: int = 5  # --save-every N: each arm's state (weights + optimizer) every N rollout steps
     # the session's one service wait policy: the options given, else its defaults (capacity_scale)
     wait_policy: WaitPolicy = field(default_factory=WaitPolicy)
@@ -102,7 +102,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--evidence-dir", help="evidence root (default: the project's evidence/)")
     add("--resume", metavar="RUN_ID", help="continue a stopped comparison from its arms' last saved state")
     add("--save-every", type=int, default=5, metavar="N", help="comparison: save each arm every N steps (1..10)")
-    add("--comparison-schedule", choices=("interleaved", "concurrent"), help="how the arms advance (interleaved)")
+    add("--comparison-schedule", choices=("interleaved",), help="how the arms advance: one after the other")
     for name, help_text in (
         ("--capacity-patience-s", "give up after the service paused for S seconds, no step done (600)"),
         ("--capacity-patience-after-steps-s", "the same once a comparison step completed (1800)"),
