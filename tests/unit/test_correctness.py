@@ -308,3 +308,14 @@ def test_validate_checks_lr_scaling_when_the_spec_sets_a_tolerance(good_block):
         ),
     )
     assert cx.validate_preflight(spec, bad)[0] == "failed"
+
+
+def test_a_golden_key_that_holds_a_dot_is_read_by_its_key_path():
+    """A loss name may hold a dot (`grpo_clip_eps0.28`): its golden entry is read by a key path, and
+    a missing field still names the full path."""
+    case = {"name": "c", "grpo_clip_eps0.28": {"loss": 0.5}}
+    assert float(golden.case_value(case, ("grpo_clip_eps0.28", "loss"))) == 0.5
+    with pytest.raises(golden.GoldenError, match=r"grpo_clip_eps0\.28\.loss missing"):
+        golden.case_value(case, "grpo_clip_eps0.28.loss")  # a dotted string splits the name
+    with pytest.raises(golden.GoldenError, match="grad_log_prob missing"):
+        golden.case_value(case, ("grpo_clip_eps0.28", "grad_log_prob"), (1, 1))

@@ -197,8 +197,8 @@ def registered_loss_parity(name: str, root: Path, tol: Mapping[str, float] = REG
         label = f"{name}/{c.get('name', '?')}"
         try:
             lp, mu, adv, mask = case_inputs(c, label)
-            want_loss = float(case_value(c, f"{entry.golden.key}.loss"))
-            want_grad = case_value(c, f"{entry.golden.key}.grad_log_prob", (lp.shape[0], lp.shape[1]))
+            want_loss = float(case_value(c, (entry.golden.key, "loss")))
+            want_grad = case_value(c, (entry.golden.key, "grad_log_prob"), (lp.shape[0], lp.shape[1]))
         except GoldenError as exc:
             failures.append(f"{label}: malformed golden case ({exc})")
             continue

@@ -173,11 +173,13 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def case_value(case: JsonObject, dotted: str, shape: tuple[int, int] | None = None) -> np.ndarray:
-    """A case's field (`a.b`: nested) as a float64 array of `shape`, or a finite number without one."""
-    where = f"case {case.get('name', '?')!r}: {dotted}"
+def case_value(case: JsonObject, path: str | tuple[str, ...], shape: tuple[int, int] | None = None) -> np.ndarray:
+    """A case's field (`a.b` or `("a", "b")`: nested; the tuple for a key that holds a dot, such as a
+    loss name) as a float64 array of `shape`, or a finite number without one."""
+    keys = tuple(path.split(".")) if isinstance(path, str) else path
+    where = f"case {case.get('name', '?')!r}: {'.'.join(keys)}"
     obj: JsonValue = case
-    for k in dotted.split("."):
+    for k in keys:
         obj = obj.get(k) if isinstance(obj, dict) else None
     if obj is None:
         raise GoldenError(f"{where} missing")
