@@ -7,6 +7,7 @@ import pytest
 from diagnostic_rehearsal import simulate_records
 
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.plans import load_plan
 from dppo_harness.stages.diagnostic.classification import deterministic_selftest
@@ -44,7 +45,7 @@ def _analysis(drift: float):
         "last": points[-1],
     }
     state = RunState(None, records=records, updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
-    res = analyse(CFG, PLAN, state, deterministic_selftest(), sentinels)
+    res = analyse(CFG, PLAN, state, deterministic_selftest(), sentinels, ServedModel(CFG.base_model, CFG.base_model))
     return res.analysis_json(), res.next_action
 
 

@@ -11,6 +11,7 @@ import pytest
 from dppo_harness import constants
 from dppo_harness.evaluation import stats
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
 from dppo_harness.loss import loss_registry
 from dppo_harness.plans import BackendInfo, CriterionConfig, effective_config, load_plan
@@ -150,7 +151,9 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
     cfg = diagnostic_config(plan)
     state = RunState(None, records=simulate_records(seed=1), updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
-    res = analyse(cfg, plan, state, deterministic_selftest(), {"points": []})
+    res = analyse(
+        cfg, plan, state, deterministic_selftest(), {"points": []}, ServedModel(cfg.base_model, cfg.base_model)
+    )
     analysis = res.analysis_json()
     eff = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))
     analysis["declared"] = {k: eff[k] for k in ("renderer", "loss_normalization")}

@@ -137,7 +137,9 @@ def run_comparison(
         # a rehearsal plan, or a served model that is not the plan's (evidence.backend.ServedModel)
         rehearsal = plan.kind == "rehearsal" or session_served(bundle.result, plan.planned_model).rehearsal
         block = backend_of(bundle.result)  # kind `local`: the embedded server answered, whatever --backend said
-        evaluator = frozen_evaluator(plan, bundle, embedded=backend == "local" or getattr(block, "kind", "") == "local")
+        evaluator = frozen_evaluator(
+            plan, bundle, embedded=backend == "local" or (block is not None and block.kind == "local")
+        )
         state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
         if state.resumed:  # the preflight and gate of the run, hash-verified, and where this session starts
             reuse_setup(bundle, state)

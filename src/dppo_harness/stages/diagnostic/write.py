@@ -99,7 +99,7 @@ class DiagnosticResult:
     classification: Classification
     selftest: SelftestReport
     next_action: JsonObject
-    served: ServedModel | None = None
+    served: ServedModel
 
     @property
     def result_fields(self) -> DiagnosticResultFields:
@@ -137,9 +137,8 @@ class DiagnosticResult:
         if y := self.state.rollout_yield:  # the frozen batch's truncation and answer yield
             metrics |= {f"diagnostic/rollout_{k}": float(y[k]) for k in ("truncated_frac", "no_answer_frac")}
             metrics["diagnostic/rollout_mean_response_tokens"] = float(y["mean_response_tokens"])
-        served = self.served or ServedModel(self.config.base_model, self.config.base_model)
         summary = compose_summary(
-            served=served,
+            served=self.served,
             updates_done=self.state.updates_done,
             max_updates=self.config.max_updates,
             groups=self.config.groups_per_batch,
@@ -220,8 +219,8 @@ def analyse(
     state: RunState,
     selftest: SelftestReport,
     sentinels: SentinelSummary,
+    served: ServedModel,
     spec: ExperimentSpec | None = None,
-    served: ServedModel | None = None,
 ) -> DiagnosticResult:
     """The fixed analysis: ALL second-epoch loss calls pooled by loss tokens (no selection),
     the plan's criteria, integrity re-checks, and the classification."""
@@ -262,8 +261,7 @@ def analyse(
         minibatches_per_epoch=cfg.minibatches_per_epoch,
         errors=state.errors,
     )
-    if served is not None:
-        classification = for_planned_model(classification, served)
+    classification = for_planned_model(classification, served)
     measured: JsonObject = {  # what the run measured, as the next action cites it
         "state": classification.state,
         "measured_cause": classification.measured_cause,
@@ -354,7 +352,7 @@ def write_evidence(
     sentinels = state.sentinels.summary() if state.sentinels is not None else no_sentinels
     info = state.restore.get("get_info")  # the served model as the trained client's own get_info names it
     served = ServedModel(plan.planned_model, served_name(info if isinstance(info, dict) else None))
-    result = analyse(cfg, plan, state, selftest, sentinels, spec, served)
+    result = analyse(cfg, plan, state, selftest, sentinels, served, spec)
     if state.sentinels is not None and state.sentinels.points:
         bundle.register_json(SENTINEL_FILE, "metrics", ins.nan_free(state.sentinels.evidence()))
     effective = (
