@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+from dppo_harness.constants import EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence import REHEARSAL_PREFIX, EvidenceBundle
 from dppo_harness.evidence.result import label_summary
 from dppo_harness.evidence.session import closing_fields, start_session
@@ -28,8 +28,8 @@ CAPS = {
 
 def test_marker_from_each_place_and_none_on_a_real_service():
     assert connectivity.detect_marker() is None
-    assert connectivity.detect_marker({"x-embedded-tinker-server": "dppo-harness"}).sources == ["header"]
-    assert connectivity.detect_marker({EMBEDDED_SERVER_HEADER: "something-else"}) is None
+    assert connectivity.detect_marker("dppo-harness").sources == ["header"]
+    assert connectivity.detect_marker("something-else") is None
     m = connectivity.detect_marker(capabilities=CAPS)
     assert (m.stand_in, m.profile, m.sources) == (STAND_IN, "spindle", ["capabilities"])
     assert connectivity.detect_marker(capabilities={"supported_models": [], "embedded_server": {"marker": "x"}}) is None
@@ -52,7 +52,7 @@ def test_choose_model(requested, served, want):
 
 
 def _report(marker=True, model="Qwen/Qwen3.5-2B", substitution=None):
-    m = connectivity.detect_marker({EMBEDDED_SERVER_HEADER: EMBEDDED_SERVER_MARKER}, CAPS) if marker else None
+    m = connectivity.detect_marker(EMBEDDED_SERVER_MARKER, CAPS) if marker else None
     return ConnectivityReport(
         "tinker",
         "http://127.0.0.1:9",
@@ -111,10 +111,10 @@ def test_recorder_keeps_the_complete_model_data(tmp_path):
     b, _ = _bundle(tmp_path, served=STAND_IN)
     connectivity.record_session_identity(b, _report(), "tinker", {})
     full = {"model_id": "m1", "model_data": {"model_name": STAND_IN, "tokenizer_id": "Qwen/Qwen3.5-2B"}}
-    answers = {"get_info": RawResponse(200, full, EMBEDDED_SERVER_MARKER), "caps": RawResponse(200, CAPS, None)}
-    rest = SimpleNamespace(get_info=lambda *a: answers["get_info"], get=lambda *a: answers["caps"])
+    answers = {"get_info": RawResponse(200, full, EMBEDDED_SERVER_MARKER)}
+    rest = SimpleNamespace(post=lambda *a: answers["get_info"])
     info = SimpleNamespace(model_id="m1", model_dump=lambda mode: {"model_id": "m1"})
-    rec = observed.TrainingClientRecorder(b)
+    rec = observed.TrainingClientRecorder(b, CAPS)
     out = rec(SimpleNamespace(get_info=lambda: info), "create_lora_training_client", rest)
     assert out.served_model == STAND_IN and out.served_model_source == "get_info().model_data.model_name"
     saved = json.loads(b.file_path("client-identity-01-create_lora_training_client.json").read_bytes())
@@ -139,12 +139,11 @@ def test_the_first_client_names_the_sessions_served_model_on_a_real_service(tmp_
     b, _ = _bundle(tmp_path)
     assert b.result["backend"]["served_model"].startswith("reported at client creation")
     info = {"model_id": "m1", "model_data": {"model_name": "Qwen/Qwen3.5-2B"}}
-    rest = SimpleNamespace(
-        get_info=lambda *a: RawResponse(200, info, None),
-        get=lambda *a: RawResponse(200, {"supported_models": []}, None),
-    )
+    rest = SimpleNamespace(post=lambda *a: RawResponse(200, info, None))
     sdk = SimpleNamespace(model_id="m1", model_dump=lambda mode: info)
-    out = observed.TrainingClientRecorder(b)(SimpleNamespace(get_info=lambda: sdk), "create_lora_training_client", rest)
+    out = observed.TrainingClientRecorder(b, {"supported_models": []})(
+        SimpleNamespace(get_info=lambda: sdk), "create_lora_training_client", rest
+    )
     assert out.served_model == b.result["backend"]["served_model"] == "Qwen/Qwen3.5-2B"
     assert b.result["backend"]["kind"] == "tinker" and not b.result["summary"].startswith(REHEARSAL_PREFIX)
 

@@ -24,13 +24,7 @@ from dppo_harness.evidence.files import SERVER_DIR, STATE_ROOT
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.evidence.session import start_session
 from dppo_harness.plans import BackendKind, Plan, load_plan
-from dppo_harness.pytest_plugin.hooks import (
-    CONNECTIVITY_KEY,
-    OPTIONS_KEY,
-    PLAN_KEY,
-    STATE_KEY,
-    HarnessOptions,
-)
+from dppo_harness.pytest_plugin.hooks import OPTIONS_KEY, PLAN_KEY, STATE_KEY, HarnessOptions, session_connectivity
 from dppo_harness.service.config import sdk_versions
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
@@ -195,6 +189,7 @@ def harness(
     client_registry: ClientRegistry,
     evidence_bundle: EvidenceBundle,
     plan: Plan,
+    connectivity: ConnectivityReport,
 ) -> Iterator[Harness]:
     """Every client of every ServiceClient the harness makes waits under the session's one policy:
     long waits are posted to the evidence, a stop releases the clients and records why. Every
@@ -202,7 +197,7 @@ def harness(
     from dppo_harness.service.observed import TrainingClientRecorder  # lazy: see the module docstring
     from dppo_harness.service.wait.waiter import BundlePoster, ServiceWaiter  # lazy: see the module docstring
 
-    observer = TrainingClientRecorder(evidence_bundle)  # reads through each client's own SDK holder
+    observer = TrainingClientRecorder(evidence_bundle, connectivity.capabilities)
     poster = BundlePoster(evidence_bundle, client_registry)
     waiter = ServiceWaiter(harness_options.wait_policy, on_post=poster.post, on_stop=poster.stop, say=harness_progress)
     server = service_backend.server
@@ -276,24 +271,13 @@ def evidence_bundle(
 
 
 @pytest.fixture(scope="session")
-def connectivity(
-    request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan, harness_options: HarnessOptions
-) -> ConnectivityReport:
-    """check_connectivity on the session's backend, once, before any training client (the report
-    the launch-scope check already read, if it did); a failure fails the test with its one line."""
-    from dppo_harness.service.connectivity import ConnectivityError, check_connectivity  # lazy: see above
+def connectivity(request: pytest.FixtureRequest, service_backend: ServiceBackend, plan: Plan) -> ConnectivityReport:
+    """The session's connectivity preflight on its backend (the launch-scope check's report, if it
+    ran), before any training client; a failure fails the test with its one line."""
+    from dppo_harness.service.connectivity import ConnectivityError  # lazy: see the module docstring
 
-    report = request.config.stash.get(CONNECTIVITY_KEY, None)
-    if report is not None:
-        return report
     try:
-        return check_connectivity(
-            service_backend.kind,
-            service_backend.base_url,
-            plan.base_model,
-            proxy_tokens=harness_options.proxy_credentials,
-            sdk_telemetry=harness_options.sdk_telemetry,
-        )
+        return session_connectivity(request.config, service_backend.kind, service_backend.base_url, plan)
     except ConnectivityError as exc:
         line = f"connectivity preflight ({exc.check}): {exc.line}"
     pytest.fail(line, pytrace=False)  # outside the except: the one line, without a chained traceback

@@ -303,13 +303,11 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     if not unauthorized_stages(plan.launch, collected):
         return
     # The connectivity check loads the tinker SDK and torch (seconds): only a session on a service pays for it.
-    from dppo_harness.service.connectivity import ConnectivityError, check_connectivity
+    from dppo_harness.service.connectivity import ConnectivityError
 
     url = os.environ["TINKER_BASE_URL"]
     try:
-        report = check_connectivity(
-            "tinker", url, plan.base_model, proxy_tokens=options.proxy_credentials, sdk_telemetry=options.sdk_telemetry
-        )
+        report = session_connectivity(config, "tinker", url, plan)
     except ConnectivityError as exc:
         line = launch_undecided_refusal(
             plan.name,
@@ -319,7 +317,6 @@ def pytest_runtestloop(session: pytest.Session) -> None:
             seen=f"connectivity preflight ({exc.check}): {exc.line}",
         )
         pytest.exit(str(line), returncode=pytest.ExitCode.USAGE_ERROR)  # stages need authorization: never None
-    config.stash[CONNECTIVITY_KEY] = report
     line = launch_refusal(
         plan.name,
         plan.launch,
@@ -330,6 +327,21 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     )
     if line is not None:
         pytest.exit(line, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def session_connectivity(config: pytest.Config, backend: BackendKind, url: str, plan: Plan) -> ConnectivityReport:
+    """The session's one connectivity preflight (raises ConnectivityError): the launch-scope check's
+    report is the `connectivity` fixture's."""
+    report = config.stash.get(CONNECTIVITY_KEY, None)
+    if report is None:
+        from dppo_harness.service.connectivity import check_connectivity  # the SDK: only when a check runs
+
+        options = config.stash[OPTIONS_KEY]
+        report = check_connectivity(
+            backend, url, plan.base_model, proxy_tokens=options.proxy_credentials, sdk_telemetry=options.sdk_telemetry
+        )
+        config.stash[CONNECTIVITY_KEY] = report
+    return report
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -25,7 +25,7 @@ import httpx
 import tinker
 from pydantic import JsonValue, ValidationError
 
-from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
+from dppo_harness.constants import EMBEDDED_SERVER_MARKER
 from dppo_harness.evidence.backend import EMBEDDED_KEY, Backend, EmbeddedServer, backend_of
 from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
@@ -44,7 +44,6 @@ from dppo_harness.service.rest import (
     DYNAMIC_CONFIG_PATH,
     RawResponse,
     ServiceRest,
-    header,
     raw_response,
 )
 from dppo_harness.service.wait.policy import ServiceConfigError
@@ -58,14 +57,12 @@ _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE
 
 
 def detect_marker(
-    headers: Mapping[str, str] | None = None, capabilities: Mapping[str, JsonValue] | None = None
+    marker_header: str | None = None, capabilities: Mapping[str, JsonValue] | None = None
 ) -> EmbeddedServer | None:
-    """The embedded-server marker from its header or capabilities (the evidence's record of it), or
-    None (a real service)."""
-    sources: list[str] = []
+    """The embedded-server marker from its header's value or capabilities (the evidence's record of
+    it), or None (a real service)."""
+    sources: list[str] = ["header"] if marker_header == EMBEDDED_SERVER_MARKER else []
     stand_in = profile = None
-    if headers is not None and header(headers, EMBEDDED_SERVER_HEADER) == EMBEDDED_SERVER_MARKER:
-        sources.append("header")
     caps = (capabilities or {}).get(EMBEDDED_KEY)
     if isinstance(caps, Mapping) and caps.get("marker") == EMBEDDED_SERVER_MARKER:
         sources.append("capabilities")
@@ -402,10 +399,7 @@ def check_connectivity(
     model, served, substitution = _choose_base_model(
         requested_model, caps.json, _lora_models(deployments), target.shown, ok
     )
-    marker = detect_marker(
-        headers={EMBEDDED_SERVER_HEADER: caps.marker_header} if caps.marker_header else None,
-        capabilities=caps.json if isinstance(caps.json, dict) else None,
-    )
+    marker = detect_marker(caps.marker_header, caps.json if isinstance(caps.json, dict) else None)
     seconds = time.monotonic() - t0
     return ConnectivityReport(
         backend, target.shown, requested_model, model, served, substitution, marker, caps.json, contact, checks, seconds

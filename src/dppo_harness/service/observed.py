@@ -32,7 +32,7 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service import sdk_internals
 from dppo_harness.service.config import ProxyTokens, apply_sdk_telemetry, client_kwargs
-from dppo_harness.service.rest import CAPABILITIES_PATH, ServiceRest, UnloadOutcome
+from dppo_harness.service.rest import GET_INFO_PATH, ServiceRest, UnloadOutcome
 from dppo_harness.service.wait.waiter import ServiceWaiter, WaitedFuture, name_client, now_iso, run_beside
 from dppo_harness.service.wait.watch import LogWatch
 
@@ -111,11 +111,12 @@ SERVED_SOURCE = "get_info().model_data.model_name"
 
 
 class TrainingClientRecorder:
-    """Records each training client's complete get_info and capabilities before it trains. A failed
-    raw read is recorded with the SDK's own get_info dump, never raised: the record must not break the run."""
+    """Records each training client's complete get_info before it trains, beside the service's
+    capabilities as the connectivity preflight read them. A failed raw read is recorded with the
+    SDK's own get_info dump, never raised: the record must not break the run."""
 
-    def __init__(self, bundle: EvidenceBundle, timeout_s: float = 10.0):
-        self.bundle, self.timeout_s = bundle, timeout_s
+    def __init__(self, bundle: EvidenceBundle, capabilities: JsonValue, timeout_s: float = 10.0):
+        self.bundle, self.capabilities, self.timeout_s = bundle, capabilities, timeout_s
         self.records: list[ClientIdentity] = []
         self._written: dict[str, str] = {}  # identity key -> file holding it
         self._flushed = False
@@ -126,21 +127,15 @@ class TrainingClientRecorder:
         errors: list[str] = []
         info_json: JsonValue = sdk_info.model_dump(mode="json")
         try:
-            raw = rest.get_info(model_id, self.timeout_s)
+            raw = rest.post(GET_INFO_PATH, {"model_id": model_id}, self.timeout_s)  # the SDK's type trims model_data
             if raw.status == 200 and isinstance(raw.json, dict):
                 info_json = raw.json
             else:
                 errors.append(f"raw get_info answered HTTP {raw.status}; the SDK's parsed get_info is recorded")
         except Exception as exc:  # a record must not break the run it describes
             errors.append(f"raw get_info failed ({type(exc).__name__}); the SDK's parsed get_info is recorded")
-        caps: JsonValue = None
-        try:
-            cr = rest.get(CAPABILITIES_PATH, self.timeout_s)
-            caps = cr.json if cr.status == 200 else {"http_status": cr.status}
-        except Exception as exc:
-            errors.append(f"raw get_server_capabilities failed ({type(exc).__name__})")
         served = served_name(info_json if isinstance(info_json, Mapping) else None)
-        rec = ClientIdentity(label, model_id, info_json, caps, served, SERVED_SOURCE, errors)
+        rec = ClientIdentity(label, model_id, info_json, self.capabilities, served, SERVED_SOURCE, errors)
         block = backend_of(self.bundle.result)
         if block is not None and served is not None and block.served_model != served:
             # the session's served model is what the service said at client creation

@@ -36,20 +36,12 @@ class RawResponse:
     marker_header: str | None  # value of the embedded-server header, if present
 
 
-def header(headers: Mapping[str, str], name: str) -> str | None:
-    """A header's value, its name matched without case."""
-    for k, v in headers.items():
-        if k.lower() == name.lower():
-            return v
-    return None
-
-
 def raw_response(resp: httpx.Response) -> RawResponse:
     try:
         payload = resp.json()
     except ValueError:
         payload = None
-    return RawResponse(resp.status_code, payload, header(resp.headers, EMBEDDED_SERVER_HEADER))
+    return RawResponse(resp.status_code, payload, resp.headers.get(EMBEDDED_SERVER_HEADER))
 
 
 @dataclass(frozen=True)
@@ -83,10 +75,6 @@ class ServiceRest:
 
     def post(self, path: str, body: JsonObject, timeout_s: float | None = None) -> RawResponse:
         return self._send("POST", path, body, timeout_s)
-
-    def get_info(self, model_id: str, timeout_s: float | None = None) -> RawResponse:
-        """One model's get_info as sent (the complete model_data, which the SDK's type trims)."""
-        return self.post(GET_INFO_PATH, {"model_id": model_id}, timeout_s)
 
     def unload(self, model_id: str, timeout_s: float) -> UnloadOutcome:
         """POST unload_model (the body of the SDK's `UnloadModelRequest`), then its future, both
