@@ -61,9 +61,7 @@ def make_service_client(
     its first call); `registry` lists it under `stage` (released at the stage's end, always on exit)."""
     kwargs = client_kwargs(backend, base_url, env, proxy_tokens=proxy_tokens)
     apply_sdk_telemetry(sdk_telemetry)
-    client = ObservedServiceClient(
-        observer=observer, waiter=waiter, stage_of=(lambda: registry.current_stage) if registry else None, **kwargs
-    )
+    client = ObservedServiceClient(observer=observer, waiter=waiter, registry=registry, **kwargs)
     if registry is not None:
         registry.register(client, stage=stage, label=label or f"{backend}-service-client")
     return client
@@ -88,7 +86,6 @@ class CreatedClient:
     release: UnloadOutcome | None = field(default=None, repr=False)
 
 
-@dataclass
 @dataclass
 class ClientIdentity:
     """One training client's identity record (what goes into evidence)."""
@@ -177,11 +174,7 @@ def _identity_key(rec: ClientIdentity) -> str:
     """What must be equal for two clients to share an identity file (everything but the model id)."""
     info = dict(rec.get_info) if isinstance(rec.get_info, Mapping) else {"raw": rec.get_info}
     info.pop("model_id", None)
-    blob = json.dumps(
-        [info, rec.capabilities, rec.served_model],
-        sort_keys=True,
-        default=str,
-    )
+    blob = json.dumps([info, rec.capabilities, rec.served_model], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -202,13 +195,12 @@ class ObservedServiceClient(tinker.ServiceClient):
         default_headers: Mapping[str, str] | None = None,
         observer: TrainingClientObserver | None = None,
         waiter: ServiceWaiter | None = None,
-        stage_of: Callable[[], str | None] | None = None,
+        registry: ClientRegistry | None = None,
     ):
         headers = dict(default_headers or {})
         super().__init__(base_url=base_url, api_key=api_key, default_headers=headers)
         self.rest = ServiceRest(base_url, {"X-API-Key": api_key, **headers})
-        self._observer = observer
-        self._stage_of = stage_of
+        self._observer, self._registry = observer, registry  # the registry names the stage a client is created in
         self.created: list[CreatedClient] = []
         self.waiter = waiter or ServiceWaiter()
         # Set on the thread an SDK creation runs on: the SDK's own calls back into this client's
@@ -235,14 +227,8 @@ class ObservedServiceClient(tinker.ServiceClient):
     def adopt(self, client: tinker.TrainingClient, label: str) -> tinker.TrainingClient:
         """A training client this session made: listed, shown to the observer, then waited under the policy."""
         model_id = getattr(client, "model_id", None)
-        self.created.append(
-            CreatedClient(
-                None if model_id is None else str(model_id),
-                label,
-                self._stage_of() if self._stage_of else None,
-                now_iso(),
-            )
-        )
+        stage = self._registry.current_stage if self._registry else None
+        self.created.append(CreatedClient(None if model_id is None else str(model_id), label, stage, now_iso()))
         try:
             if self._observer is not None:
                 self._observer(client, label, self.rest)
@@ -404,17 +390,14 @@ class ClientRegistry:
             entry.error = f"not released: {self._gone}; nothing is left to unload"
             return
         try:
-            outcomes = entry.client.release(self.release_timeout_s)
+            failed = [o for o in entry.client.release(self.release_timeout_s) if not o.answered]
+            entry.error = "; ".join(f"{o.model_id}: {o.text}" for o in failed) or None
         except Exception as exc:  # record and carry on: releasing the rest matters more
             entry.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if entry.error is not None:
             logger.warning("releasing %s failed: %s", entry.label, entry.error)
             return
-        failed = [o for o in outcomes if not o.answered]
-        if failed:
-            entry.error = "; ".join(f"{o.model_id}: {o.text}" for o in failed)
-            logger.warning("releasing %s failed: %s", entry.label, entry.error)
-            return
-        entry.released, entry.error, entry.released_at = True, None, now_iso()
+        entry.released, entry.released_at = True, now_iso()
 
     def release_stage(self, stage: str) -> list[JsonObject]:
         """Release the sessions registered under `stage`; their records, kept in `releases`."""

@@ -302,14 +302,6 @@ def is_capacity_error(exc: BaseException) -> bool:
     return isinstance(exc, tinker.RequestFailedError) and bool(_STATUS_IN_TEXT_RE.search(text))
 
 
-@dataclass
-class CapacityEvent:
-    attempt: int
-    elapsed_s: float
-    sleep_s: float
-    error: str
-
-
 def call_with_capacity_retry(
     fn: Callable[[], T],
     *,
@@ -318,7 +310,6 @@ def call_with_capacity_retry(
     registry: ClientRegistry | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    on_retry: Callable[[CapacityEvent], None] | None = None,
 ) -> T:
     """Call fn; on a capacity refusal, back off and retry until the policy's window (re-read on every
     refusal) closes; then release the registry's clients and raise CapacityExhausted. Other errors
@@ -344,9 +335,12 @@ def call_with_capacity_retry(
                 block = CapacityBlock(error_text(exc), int(steps), released)
                 raise CapacityExhausted(block, elapsed, attempt + 1) from exc
             wait = min(policy.backoff(attempt), window - elapsed)
-            event = CapacityEvent(attempt + 1, elapsed, wait, error_text(exc))
-            logger.warning("capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s", *vars(event).values())
-            if on_retry is not None:
-                on_retry(event)
+            logger.warning(
+                "capacity refusal (attempt %d, %.0fs elapsed); retrying in %.0fs: %s",
+                attempt + 1,
+                elapsed,
+                wait,
+                error_text(exc),
+            )
             sleep(wait)
             attempt += 1
