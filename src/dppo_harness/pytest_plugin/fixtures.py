@@ -266,7 +266,7 @@ def evidence_bundle(
     from dppo_harness.service.connectivity import record_session_identity  # lazy: see the module docstring
 
     # the connectivity report; on the embedded server (marker), the rehearsal label.
-    record_session_identity(bundle, connectivity, harness_options.backend, sdk_versions())
+    record_session_identity(bundle, connectivity, harness_options.backend)
     return bundle
 
 

@@ -26,7 +26,7 @@ import tinker
 from pydantic import JsonValue, ValidationError
 
 from dppo_harness.constants import EMBEDDED_SERVER_MARKER
-from dppo_harness.evidence.backend import EMBEDDED_KEY, Backend, EmbeddedServer, backend_of
+from dppo_harness.evidence.backend import EMBEDDED_KEY, EmbeddedServer, backend_of
 from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service.config import (
@@ -406,33 +406,18 @@ def check_connectivity(
     )
 
 
-def record_session_identity(
-    bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str, sdk_versions: Mapping[str, str]
-) -> None:
+def record_session_identity(bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str) -> None:
     """Before any training client: the connectivity report, a model choice, and on the embedded
     server (its marker) the backend block of kind `local`, whatever `--backend` said, which labels
     every summary a rehearsal and says which server and profile ran."""
     bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
     if report.substitution:
         bundle.add_deviation(**report.substitution)
-    marker = report.marker
-    if marker is None:
+    marker, block = report.marker, backend_of(bundle.result)
+    if marker is None or block is None:
         return
-    block = backend_of(bundle.result)
-    stand_in = marker.stand_in or (block.served_model if block is not None else None)
-    # The model the experiment is about (a rehearsal plan's derived-from spec names it), as the
-    # session recorded it; the connectivity check asked for the plan's own base_model.
-    planned = str((block.requested_model if block is not None else None) or report.requested_model)
-    bundle.set_backend(
-        Backend(
-            kind="local",
-            requested_model=planned,
-            served_model=str(stand_in),
-            sdk_versions=dict(sdk_versions),
-            base_url=report.base_url,
-            requested_backend=option_backend,
-            answers_to=report.model,
-            embedded_server=marker,
-            kind_reason="the service carries the embedded-server marker: a rehearsal on a stand-in model",
-        )
-    )
+    # The session's block keeps the model the experiment is about and the SDK versions.
+    update = dict(kind="local", served_model=marker.stand_in or block.served_model, base_url=report.base_url)
+    kind_reason = "the service carries the embedded-server marker: a rehearsal on a stand-in model"
+    update.update(requested_backend=option_backend, answers_to=report.model, kind_reason=kind_reason)
+    bundle.set_backend(block.model_copy(update={**update, "embedded_server": marker}))
