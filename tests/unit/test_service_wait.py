@@ -623,9 +623,6 @@ class CreationWatch(QueueWatch):
             "creation", None, clock(), log=self.log, clock=self.clock, placing=lambda: clock() >= ready_at
         )
 
-    def placing_since(self, now):
-        return self.watch.placing_since(now)
-
 
 def test_a_creation_pending_with_an_active_queue_is_a_capacity_wait_not_a_hang():
     """Spindle keeps a creation pending, queue_state active with no reason, while a trainer starts

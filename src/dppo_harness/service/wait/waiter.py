@@ -264,7 +264,7 @@ class ServiceWaiter:
                     self.stop(WallBudgetSpent(call, client, now - t0))
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
-                rep = self._report(watch, t0, now)
+                rep = self._report(watch, t0)
                 clock.advance(now, rep.began if rep is not None else None)
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
@@ -294,15 +294,10 @@ class ServiceWaiter:
                 self._post(status(outcome) if was_posted else None)
 
     @staticmethod
-    def _report(watch: QueueSource | None, t0: float, now: float) -> Episode | None:
-        """What the watch reported during this call; for a creation with no report, its placement
-        (from when its session was set up: the time before is the session's, under the hang window)."""
+    def _report(watch: QueueSource | None, t0: float) -> Episode | None:
+        """What the watch reports during this call (a pause, or a creation's placement)."""
         latest = watch.latest() if watch is not None else None
-        if latest is not None and latest.seen >= t0:
-            return latest
-        placing = getattr(watch, "placing_since", None)
-        since = placing(now) if placing is not None else None
-        return Episode(0, PLACING, None, max(since, t0), seen=now) if since is not None else None
+        return latest if latest is not None and latest.seen >= t0 else None
 
     def _stop_if_lost(self, exc: Exception, call: str, client: str, watch: QueueSource | None) -> None:
         """Stop when the call failed because the service lost the model (a training watch names it)."""

@@ -180,20 +180,20 @@ class LogWatch:
         self._placing = placing  # a creation: whether its session is set up (then it waits on its model)
         self._placing_since: float | None = None
 
-    def placing_since(self, now: float) -> float | None:
-        """For a creation: when it was first seen with its session set up (waiting on its model), else None."""
-        if self._placing_since is None and self._placing is not None and self._placing():
-            self._placing_since = now
-        return self._placing_since
-
     def episodes_since(self, t0: float) -> list[Episode]:
         lines = self._log.lines(self.kind, self.ident, max(t0, self.t0))
         return _episodes(lines, self._clock(), PAUSE_LOG_FRESH_S)
 
     def latest(self) -> Episode | None:
-        """The pause still lasting, if any."""
+        """The pause still lasting, if any; for a creation with none, its placement from when its
+        session was first seen set up (the time before is the session's, under the hang window)."""
         eps = self.episodes_since(self.t0)
-        return eps[-1] if eps and eps[-1].ended is None else None
+        if eps and eps[-1].ended is None:
+            return eps[-1]
+        now = self._clock()
+        if self._placing_since is None and self._placing is not None and self._placing():
+            self._placing_since = now
+        return None if self._placing_since is None else Episode(0, PLACING, None, self._placing_since, seen=now)
 
 
 class SubmitRefusedWatch:
