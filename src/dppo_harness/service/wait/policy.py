@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:
     from dppo_harness.service.observed import ClientRegistry
@@ -120,22 +120,18 @@ STOPPED_FIELDS: JsonObject = {"status": "failed", "verdict": "inconclusive", "ou
 
 
 class ServiceStopped(BaseException):
-    """The wait policy stopped the stage. `line` is the one line shown; `result_fields()` the
-    result.json fields of the stopped run (status failed, verdict inconclusive,
-    outcome_reason incomplete_execution, plus what stopped it)."""
+    """The wait policy stopped the stage. `line` is the one line shown; `details` what the service
+    said, for result.json's service_wait.stopped (beside kind and line); `result_fields()` the
+    result.json fields of the stopped run (STOPPED_FIELDS, plus what stopped it)."""
 
     kind = "stopped"
 
-    def __init__(self, line: str):
+    def __init__(self, line: str, **details: JsonValue):
         super().__init__(line)
-        self.line = line
+        self.line, self.details = line, details
 
     def result_fields(self) -> JsonObject:
         return dict(STOPPED_FIELDS)
-
-    def details(self) -> JsonObject:
-        """What the service said, for result.json's service_wait.stopped (beside kind and line)."""
-        return {}
 
 
 @dataclass(frozen=True)
@@ -145,10 +141,9 @@ class CapacityBlock:
     released_clients: bool
 
     def as_dict(self) -> JsonObject:
-        return dict(asdict(self))
+        return asdict(self)
 
     def result_fields(self) -> JsonObject:
-        """The result.json fields for a run stopped by capacity."""
         return {**STOPPED_FIELDS, "capacity_block": self.as_dict()}
 
 
@@ -193,12 +188,11 @@ class ServiceDied(ServiceStopped):
     def __init__(self, what: str, exit_code: int | None, log_tail: str):
         super().__init__(
             f"{what} exited (exit code {exit_code}) while the run was using it; "
-            "its last log lines are in result.json service_wait.stopped.log_tail"
+            "its last log lines are in result.json service_wait.stopped.log_tail",
+            exit_code=exit_code,
+            log_tail=log_tail,
         )
-        self.exit_code, self.log_tail = exit_code, log_tail
-
-    def details(self) -> JsonObject:
-        return {"exit_code": self.exit_code, "log_tail": self.log_tail}
+        self.exit_code = exit_code
 
 
 class ModelLost(ServiceStopped):
@@ -213,12 +207,13 @@ class ModelLost(ServiceStopped):
         named = f"{client} (model {model_id})" if model_id and model_id not in client else client
         super().__init__(
             f"{call} on {named}: the service lost the model ({text}); it does not come back, "
-            "a new client must be loaded from a saved checkpoint"
+            "a new client must be loaded from a saved checkpoint",
+            call=call,
+            client=client,
+            model_id=model_id,
+            error=text,
         )
         self.call, self.client, self.model_id, self.text = call, client, model_id, text
-
-    def details(self) -> JsonObject:
-        return {"call": self.call, "client": self.client, "model_id": self.model_id, "error": self.text}
 
 
 class ServiceHang(ServiceStopped):

@@ -425,7 +425,7 @@ class ServiceWaiter:
                 out["stopped"] = {
                     "kind": self.stopped.kind,
                     "line": self.stopped.line,
-                    **self.stopped.details(),
+                    **self.stopped.details,
                     "futures_cancelled": self.abandoned,
                 }
         return out
