@@ -70,11 +70,6 @@ def stops_stage(fixture: Callable[_P, _T]) -> Callable[_P, _T]:
     return run
 
 
-def propose_outcome(config: pytest.Config, **fields: object) -> None:
-    """A stage's final status/verdict/outcome_reason, written at session end only if no test failed."""
-    config.stash[STATE_KEY].outcome = dict(fields)
-
-
 @pytest.fixture(scope="session")
 def harness_options(pytestconfig: pytest.Config) -> HarnessOptions:
     return pytestconfig.stash[OPTIONS_KEY]
@@ -454,7 +449,8 @@ def comparison_run(
     except ComparisonError as exc:  # a refused resume or configuration: its one line
         line = str(exc)
     else:
-        propose_outcome(request.config, **{k: v for k, v in run.final.items() if k != "capacity_block"})
+        # The stage's final status/verdict/outcome_reason, written at session end only if no test failed.
+        state.outcome = {k: v for k, v in run.final.items() if k != "capacity_block"}
         if (
             run.stopped is not None
         ):  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
@@ -489,5 +485,5 @@ def diagnostic_run(
         init_reference=restoration,
         restored=restoration.loaded.get(h.plan.diagnostic.fixed_settings.treatment.arm),
     )
-    propose_outcome(h.config, **run.result_fields["final"])
+    h.config.stash[STATE_KEY].outcome = dict(run.result_fields["final"])  # see comparison_run
     return run

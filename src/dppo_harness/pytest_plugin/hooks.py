@@ -94,6 +94,14 @@ class StageState:
     outcomes: dict[str, StageOutcomes] = field(default_factory=dict)  # stage -> test outcome counts
 
 
+# The wait policy's options, by WaitPolicy field.
+WAIT_OPTIONS = {
+    "capacity_patience_s": "give up after the service paused for S seconds, no step done (600)",
+    "capacity_patience_after_steps_s": "the same once a comparison step completed (1800)",
+    "service_timeout_s": "stop the stage when an active request gives no answer for S seconds (900)",
+}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     """The harness's options; docs/service.md and docs/evidence.md say more of each."""
     add = parser.getgroup("dppo_harness", "DPPO experiment harness").addoption
@@ -103,12 +111,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--resume", metavar="RUN_ID", help="continue a stopped comparison from its arms' last saved state")
     add("--save-every", type=int, default=5, metavar="N", help="comparison: save each arm every N steps (1..10)")
     add("--comparison-schedule", choices=("interleaved",), help="how the arms advance: one after the other")
-    for name, help_text in (
-        ("--capacity-patience-s", "give up after the service paused for S seconds, no step done (600)"),
-        ("--capacity-patience-after-steps-s", "the same once a comparison step completed (1800)"),
-        ("--service-timeout-s", "stop the stage when an active request gives no answer for S seconds (900)"),
-    ):
-        add(name, type=float, metavar="S", help=help_text)
+    for dest, help_text in WAIT_OPTIONS.items():
+        add(f"--{dest.replace('_', '-')}", type=float, metavar="S", help=help_text)
     add("--proxy-credentials", choices=("modal", "runs"), default="modal", help="proxy tokens: MODAL_* or RUNS_*")
     add("--sdk-telemetry", action="store_true", help="let the tinker SDK post its telemetry (off: it may hold headers)")
 
@@ -218,9 +222,8 @@ def _resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions
             f"--save-every: {save_every} is not in 1..{constants.MAX_SAVE_EVERY} (each arm's "
             f"state is saved at least every {constants.MAX_SAVE_EVERY} steps)"
         )
-    waits = ("capacity_patience_s", "capacity_patience_after_steps_s", "service_timeout_s")
     try:
-        policy = WaitPolicy.from_options(backend=backend, **{n: config.getoption(n) for n in waits})
+        policy = WaitPolicy.from_options(backend=backend, **{n: config.getoption(n) for n in WAIT_OPTIONS})
     except ServiceConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
     resume: str | None = config.getoption("--resume")
