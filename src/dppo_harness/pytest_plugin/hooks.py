@@ -507,13 +507,10 @@ def write_session_records(state: StageState) -> None:
     if bundle is None:  # pytest_sessionfinish writes the records only once a bundle exists
         return
     if bundle.entry("client-releases.json") is None:
-        if state.registry is None:
-            from dppo_harness.service.observed import ClientRegistry  # the SDK: only a session with a bundle
+        from dppo_harness.service.observed import ClientRegistry  # the SDK: only a session with a bundle
 
-            record = ClientRegistry().evidence()  # no session was opened: the empty record
-        else:
-            record = state.registry.evidence()
-        bundle.register_json("client-releases.json", "log", record)
+        # With no session opened, the empty record.
+        bundle.register_json("client-releases.json", "log", (state.registry or ClientRegistry()).evidence())
     unit = state.outcomes.get("unit")
     if unit is not None and bundle.entry("unit-parity-summary.json") is None:
         bundle.register_json(

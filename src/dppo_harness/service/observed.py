@@ -1,8 +1,7 @@
 """The observed ServiceClient: every client it hands out waits under one ServiceWaiter, and every
-training client it creates is listed (stage, role) and reported to an observer before use. The
-registry releases them: every model the harness's sessions created, unloaded per stage and always
-on exit, each release kept as an event (client-releases.json). `TrainingClientRecorder`, the
-harness's observer, records each training client's raw get_info (the served model) and capabilities.
+training client it creates is listed (stage, role) and shown to an observer (`TrainingClientRecorder`:
+its raw get_info, the served model) before use. The registry releases them per stage and always on
+exit, each release an event (client-releases.json).
 
 tinker 0.25 has no session close: a model holds its trainer slot until the service's idle sweep
 unless unloaded. So a session's release is the `unload_model` of each model it created, released

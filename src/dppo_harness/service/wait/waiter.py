@@ -1,14 +1,12 @@
-"""ServiceWaiter: one wait policy for every service call (see the package docstring).
+"""ServiceWaiter: one wait policy for every service call.
 
 The stock SDK retries underneath the harness (docs/service.md): a 429 at sample submit loops without
 limit, `retrieve_future` re-polls 408, 5xx and 429 without limit, and a capacity shortage arrives as
 408 `try_again` polls whose queue state only the SDK's own observers see. What reaches the caller
 is a future that does not resolve, so each wait polls it under the policy: a pause that lasts the
 capacity window stops the stage (`CapacityExhausted`), a call with no pause seen and no answer for
-`--service-timeout-s` too (`ServiceHang`), and a long wait is posted (`on_post`). Every client
-the harness hands out is a `WaitedClient`, every future it returns a `WaitedFuture` whose
-`result()` is `ServiceWaiter.wait`. `BundlePoster` writes the wait's evidence: result.json's
-`service_wait` block, rate-limited snapshots, and the stopped run's result.
+`--service-timeout-s` too (`ServiceHang`), and a long wait is posted (`on_post`, written by
+`BundlePoster`). Every client the harness hands out is a `WaitedClient`, every future a `WaitedFuture`.
 """
 
 from __future__ import annotations
