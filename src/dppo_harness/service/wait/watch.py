@@ -43,7 +43,7 @@ PLACING_REASON = (
 )
 # The SDK logs a continuing pause at most every 60 s; a pause with no line for longer has ended.
 PAUSE_LOG_FRESH_S = 90.0
-# A refusal sets a backoff of 1 s (5 s for large prompts); one that ended longer ago than this is over.
+# A refusal sets a backoff of 1 s (5 s for large prompts); none seen for longer than this, the refusals are over.
 REFUSAL_FRESH_S = 10.0
 SUBMIT_REFUSED_REASON = (
     "sample submit refused (HTTP 429 or a billing pause): the SDK backs off and resubmits without limit, "
@@ -144,8 +144,8 @@ def pause_log() -> SdkPauseLog:
         return _pause_log
 
 
-def _episodes(lines: list[PauseLine], now: float, fresh_s: float) -> list[Episode]:
-    """Lines no more than `fresh_s` apart are one pause; the last has ended once `fresh_s` passed."""
+def _episodes(lines: list[PauseLine], now: float, fresh_s: float, state: str = PAUSED) -> list[Episode]:
+    """Signs no more than `fresh_s` apart are one pause; the last has ended once `fresh_s` passed."""
     out: list[Episode] = []
     for ln in lines:
         cur = out[-1] if out else None
@@ -155,7 +155,7 @@ def _episodes(lines: list[PauseLine], now: float, fresh_s: float) -> list[Episod
             continue
         if cur is not None:
             cur.ended = cur.seen
-        out.append(Episode(ln.seq, PAUSED, ln.reason, ln.at, seen=ln.at))
+        out.append(Episode(ln.seq, state, ln.reason, ln.at, seen=ln.at))
     if out and now - out[-1].seen > fresh_s:
         out[-1].ended = out[-1].seen
     return out
@@ -197,41 +197,27 @@ class LogWatch:
 
 
 class SubmitRefusedWatch:
-    """A sampling client's session holding refused sample submits back (`sdk_internals`)."""
+    """A sampling client's session holding refused sample submits back (`sdk_internals`): each new
+    backoff is a sign, and signs make pauses as the SDK's log lines do."""
 
-    def __init__(
-        self,
-        backoff_until: Callable[[], float | None],
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, backoff_until: Callable[[], float | None], clock: Callable[[], float] = time.monotonic):
         self._backoff_until, self._clock = backoff_until, clock
         self._lock = threading.Lock()
-        self._episodes: list[Episode] = []
+        self._signs: list[PauseLine] = []
         self._last_until: float | None = backoff_until()  # a backoff before this watch is not its
-
-    def _refresh(self) -> None:
-        now, until = self._clock(), self._backoff_until()
-        with self._lock:
-            cur = self._episodes[-1] if self._episodes and self._episodes[-1].ended is None else None
-            refused_now = until is not None and until != self._last_until
-            if refused_now:
-                self._last_until = until
-                if cur is None:
-                    ep = Episode(next(_refusal_ids), SUBMIT_REFUSED, SUBMIT_REFUSED_REASON, now, seen=now)
-                    self._episodes.append(ep)
-                else:
-                    cur.seen = now
-            elif cur is not None and (until is None or now - until > REFUSAL_FRESH_S):
-                cur.ended = cur.seen
 
     def latest(self) -> Episode | None:
         eps = self.episodes_since(-math.inf)
         return eps[-1] if eps and eps[-1].ended is None else None
 
     def episodes_since(self, t0: float) -> list[Episode]:
-        self._refresh()
+        now, until = self._clock(), self._backoff_until()
         with self._lock:
-            return [Episode(**vars(e)) for e in self._episodes if e.seen >= t0]
+            if until is not None and until != self._last_until:
+                self._last_until = until
+                self._signs.append(PauseLine(next(_refusal_ids), now, "sampling", "", SUBMIT_REFUSED_REASON))
+            signs = list(self._signs)
+        return [e for e in _episodes(signs, now, REFUSAL_FRESH_S, SUBMIT_REFUSED) if e.seen >= t0]
 
 
 class Watches:
