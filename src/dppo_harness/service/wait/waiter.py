@@ -262,13 +262,16 @@ class ServiceWaiter:
                     self.stop(WallBudgetSpent(call, client, now - t0))
                 if deadline is not None and now >= deadline:
                     raise TimeoutError(f"{call} on {client}: no result within {timeout} s")
-                rep = self._report(watch, t0)
+                rep = watch.latest() if watch is not None else None  # a pause, or a creation's placement
+                rep = rep if rep is not None and rep.seen >= t0 else None  # this call's
                 clock.advance(now, rep.began if rep is not None else None)
                 self._note_pauses(watch, t0, now, call, client, seen)
                 window = p.capacity_window(self.tracker())
                 if clock.paused_s >= window:
                     self._end_pauses(seen, now, "gave_up")
-                    last_pause = rep or self._last_pause(watch, t0)
+                    # the latest pause of the wait (the state may alternate)
+                    eps = watch.episodes_since(t0) if watch is not None else []
+                    last_pause = rep or max(eps, key=lambda e: e.seen, default=Episode(0, PAUSED, None, t0, seen=t0))
                     self.stop(self._capacity_stop(call, client, last_pause, clock.paused_s, window))
                 if clock.quiet_s >= p.service_timeout_s:
                     self.stop(ServiceHang(call, client, clock.quiet_s, rep.state if rep else None))
@@ -291,12 +294,6 @@ class ServiceWaiter:
                 clock.advance(now, rep.began if rep is not None else None)
                 self._post(status(outcome) if was_posted else None)
 
-    @staticmethod
-    def _report(watch: QueueSource | None, t0: float) -> Episode | None:
-        """What the watch reports during this call (a pause, or a creation's placement)."""
-        latest = watch.latest() if watch is not None else None
-        return latest if latest is not None and latest.seen >= t0 else None
-
     def _stop_if_lost(self, exc: Exception, call: str, client: str, watch: QueueSource | None) -> None:
         """Stop when the call failed because the service lost the model (a training watch names it)."""
         lost = model_lost_error(exc)
@@ -307,12 +304,6 @@ class ServiceWaiter:
             self._say(f"service: {stop.line} (the stage replaces it)")
             raise stop
         self.stop(stop)
-
-    @staticmethod
-    def _last_pause(watch: QueueSource | None, t0: float) -> Episode:
-        """The latest pause reported during a wait (for a give-up reached while the state alternates)."""
-        episodes = watch.episodes_since(t0) if watch is not None else []
-        return max(episodes, key=lambda e: e.seen, default=Episode(0, PAUSED, None, t0, seen=t0))
 
     def _note_pauses(
         self, watch: QueueSource | None, t0: float, now: float, call: str, client: str, seen: dict[int, Pause]
