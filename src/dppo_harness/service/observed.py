@@ -18,6 +18,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -471,13 +472,9 @@ class ClientRegistry:
 
     def training_clients_by_stage(self) -> dict[str, int]:
         """How many training clients every registered session created, per stage they were created in."""
-        counts: dict[str, int] = {}
         with self._lock:
-            for e in self._entries:
-                for c in training_clients_of(e.client):
-                    key = c.stage or "outside any stage"
-                    counts[key] = counts.get(key, 0) + 1
-        return counts
+            created = [c for e in self._entries for c in training_clients_of(e.client)]
+        return dict(Counter(c.stage or "outside any stage" for c in created))
 
     def records(self) -> list[JsonObject]:
         with self._lock:
