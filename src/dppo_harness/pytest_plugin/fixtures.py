@@ -20,6 +20,7 @@ import pytest
 
 from dppo_harness import plans, project
 from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence.backend import served_name
 from dppo_harness.evidence.files import SERVER_DIR, STATE_ROOT
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.evidence.session import start_session
@@ -286,17 +287,11 @@ def client_base_model(connectivity: ConnectivityReport, plan: Plan) -> str:
 
 
 def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient) -> plans.BackendInfo:
-    """plans.BackendInfo from what the server reported at client creation."""
-    info = client.get_info()
-    served = info.model_data.model_name or info.model_name  # the embedded server names its stand-in
-    if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
-        served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
-    return plans.BackendInfo(
-        backend=service_backend.kind,
-        requested_model=plan.base_model,
-        served_model=str(served),
-        sdk_versions=sdk_versions(),
-    )
+    """plans.BackendInfo with the model `client`'s get_info names (the one served-model rule); never
+    the requested name when it names none."""
+    served = served_name(client.get_info().model_dump(mode="json"))
+    unavailable = plans.SERVED_MODEL_UNAVAILABLE + " (get_info named no model_data.model_name)"
+    return plans.BackendInfo(service_backend.kind, plan.base_model, served or unavailable, sdk_versions())
 
 
 @pytest.fixture(scope="session")
@@ -451,9 +446,7 @@ def comparison_run(
     else:
         # The stage's final status/verdict/outcome_reason, written at session end only if no test failed.
         state.outcome = {k: v for k, v in run.final.items() if k != "capacity_block"}
-        if (
-            run.stopped is not None
-        ):  # stopped with evidence (capacity, wall clock, mismatch...): the result says why now
+        if run.stopped is not None:  # stopped with evidence (capacity, wall clock...): the result says why now
             bundle.update_result(**run.final)
         return run
     finally:
