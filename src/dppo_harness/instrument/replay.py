@@ -69,8 +69,8 @@ def recompute(
     delta: float = DPPO_DELTA,
     cap: float = DPPO_RATIO_CAP,
     eps: float = PPO_EPS,
-) -> tuple[dict[str, np.ndarray], LossStats]:
-    """Decisions (packed) and statistics of one record from the padded reference path (the
+) -> tuple[TokenTerms, LossStats]:
+    """Terms (packed) and statistics of one record from the padded reference path (the
     references' loss values, the only thing the normalization changes, are not compared)."""
     t, lengths = record.tensors, np.asarray(record.tensors["lengths_S"])
     keys = ("logprobs_N", "sampler_logprobs_N", "advantages_N", "mask_N")
@@ -84,12 +84,14 @@ def recompute(
     # The cap shapes only kept tokens (a dropped token has no gradient to cap).
     cap_hit = on & (adv != 0) & dppo.decision_BT & (ratio > cap)
     padded = {"dppo_keep_N": dppo.decision_BT, "ppo_clipped_N": ppo.decision_BT, "ratio_cap_hit_N": cap_hit}
-    decisions = {k: from_padded(v, lengths) for k, v in {**padded, "prob_diff_N": tv, "loss_token_N": on}.items()}
-    advantages_N = t["advantages_N"].astype(np.float64)
-    nonzero_N = decisions["loss_token_N"] & (advantages_N != 0)
-    extra = {"ratio_N": from_padded(ratio, lengths), "nonzero_adv_N": nonzero_N, "advantages_N": advantages_N}
-    tensors = {k: torch.from_numpy(v) for k, v in {**decisions, **extra}.items()}
-    return decisions, loss_terms.stats(TokenTerms(**tensors, dppo_delta=delta, ppo_eps=eps, ratio_cap=cap))
+    padded |= {"prob_diff_N": tv, "loss_token_N": on, "ratio_N": ratio}
+    packed = {k: torch.from_numpy(from_padded(v, lengths)) for k, v in padded.items()}
+    adv_N = torch.from_numpy(t["advantages_N"].astype(np.float64))
+    nonzero_N = packed["loss_token_N"] & (adv_N != 0)
+    terms = TokenTerms(
+        **packed, nonzero_adv_N=nonzero_N, advantages_N=adv_N, dppo_delta=delta, ppo_eps=eps, ratio_cap=cap
+    )
+    return terms, loss_terms.stats(terms)
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -107,17 +109,15 @@ def check_record(
     """Every logged decision and statistic of one loss call against the independent recompute."""
     where = f"update {record.context.get('update_index', record.call_index)}"
     check = RecordCheck(record.context.get("update_index", record.call_index))
-    decisions, stats = recompute(record, delta, cap, eps)
+    terms, stats = recompute(record, delta, cap, eps)
     check.recomputed = stats
-    near = np.abs(np.abs(decisions["prob_diff_N"]) - delta) <= BOUNDARY_TIE
+    near = np.abs(np.abs(terms.prob_diff_N.numpy()) - delta) <= BOUNDARY_TIE
     for name in ins.DECISION_FIELDS:
-        logged = np.asarray(record.tensors[name]).astype(bool)
-        if logged.shape != decisions[name].shape:
-            check.problems.append(
-                f"{where}: {name} has {logged.shape[0]} entries, recompute {decisions[name].shape[0]}"
-            )
+        logged, replayed = np.asarray(record.tensors[name]).astype(bool), getattr(terms, name).numpy()
+        if logged.shape != replayed.shape:
+            check.problems.append(f"{where}: {name} has {logged.shape[0]} entries, recompute {replayed.shape[0]}")
             continue
-        diff = logged != decisions[name]
+        diff = logged != replayed
         if name == "dppo_keep_N":
             check.ties += int((diff & near).sum())
             diff &= ~near
@@ -212,14 +212,13 @@ def _pooled_problems(
     second = [r for r in records if r.context.get("epoch") == 2]
     if not second:
         return [], None
-    tvs = [recompute(r, delta, cap, eps)[0]["prob_diff_N"] for r in second]
-    pooled = ins.pool_calls(second, tvs)
+    pooled = ins.pool_calls([recompute(r, delta, cap, eps)[0] for r in second])
     path = files_dir / ins.ANALYSIS_FILE
     if not path.exists():
         return [], pooled
     logged = json.loads(path.read_text()).get("pooled_second_epoch") or {}
     problems = []
-    for key in LossStats.names("count") + tuple(ins.RATIO_PARTS) + tuple(ins.POOLED_QUANTILES):
+    for key in LossStats.scalar_names():
         if key in logged and not _close(logged[key], pooled[key]):
             problems.append(f"pooled second epoch: logged {key}={logged[key]}, replay {pooled[key]}")
     return problems, pooled
