@@ -279,14 +279,11 @@ def nan_free(obj: object) -> JsonValue:
     return obj  # type: ignore[return-value]  # str, int, bool, None; json.dumps refuses anything else later
 
 
-def record_terms(record: LossCallRecord, loss_cfg: losses.LossConfig) -> TokenTerms:
-    """The terms of a record's call: kept from the call, else recomputed with the packed path from
-    the saved tensors (records loaded from disk carry none)."""
+def record_terms(record: LossCallRecord) -> TokenTerms:
+    """The terms a record's call decided on (a record read back from disk has none: replay
+    recomputes them independently)."""
     if record.terms is None:
-        t = record.tensors
-        keys = ("sampler_logprobs_N", "advantages_N", "mask_N")
-        mu, adv, mask = (torch.from_numpy(t[k].astype(np.float64)) for k in keys)
-        record.terms = losses.token_terms(torch.from_numpy(t["logprobs_N"]), mu, adv, mask, loss_cfg)
+        raise ValueError(f"loss call {record.call_index} was read back from disk: its terms are replay's to recompute")
     return record.terms
 
 
