@@ -1,10 +1,10 @@
-"""Offline replay of saved loss calls with the INDEPENDENT padded implementation.
+"""Offline replay of saved loss calls with the INDEPENDENT numpy references.
 
     python -m dppo_harness.instrument.replay EVIDENCE_DIR
 
 Reloads every record file of a bundle, recomputes the DPPO keep mask and the counterfactual PPO
 clip with `references` (numpy float64, nothing shared with `losses.py`), and the ratio-cap hits
-and p - q from the padded tensors; its statistics are `terms.stats` of those independent
+and p - q from the stored tensors; its statistics are `terms.stats` of those independent
 decisions, so a disagreement can only come from the decisions or tensors. Every decision,
 statistic and returned metric is compared with what was logged, the anchor with the frozen batch
 when the bundle has one; it prints the counts and exits non-zero on any mismatch.
@@ -40,22 +40,6 @@ FLOAT_RTOL = 1e-9
 FLOAT_ATOL = 1e-12
 
 
-def to_padded(values_N: np.ndarray, lengths_S: np.ndarray, fill: float = 0.0) -> np.ndarray:
-    """Packed [N] -> padded [S, T_max] (right padding with `fill`)."""
-    S = len(lengths_S)
-    T = int(lengths_S.max()) if S else 0
-    out = np.full((S, T), fill, dtype=np.float64)
-    offset = 0
-    for s, n in enumerate(lengths_S):
-        out[s, : int(n)] = values_N[offset : offset + int(n)]
-        offset += int(n)
-    return out
-
-
-def from_padded(values_BT: np.ndarray, lengths_S: np.ndarray) -> np.ndarray:
-    return np.concatenate([values_BT[s, : int(n)] for s, n in enumerate(lengths_S)]) if len(lengths_S) else np.zeros(0)
-
-
 @dataclass
 class RecordCheck:
     update_index: JsonValue  # the record's context update_index, else its call index
@@ -70,11 +54,11 @@ def recompute(
     cap: float = DPPO_RATIO_CAP,
     eps: float = PPO_EPS,
 ) -> tuple[TokenTerms, LossStats]:
-    """Terms (packed) and statistics of one record from the padded reference path (the
-    references' loss values, the only thing the normalization changes, are not compared)."""
-    t, lengths = record.tensors, np.asarray(record.tensors["lengths_S"])
+    """Terms and statistics of one record from the numpy references, on its packed tokens as the
+    one row of a padded batch (every decision is per token; the references' loss values, the only
+    thing the normalization changes, are not compared)."""
     keys = ("logprobs_N", "sampler_logprobs_N", "advantages_N", "mask_N")
-    lp, mu, adv, mask = (to_padded(t[k].astype(np.float64), lengths) for k in keys)
+    lp, mu, adv, mask = (record.tensors[k].astype(np.float64)[None, :] for k in keys)
     on = mask > 0
     dppo = references.ref_dppo(lp, mu, adv, mask, "sum", delta, cap, LOG_RATIO_CLAMP_MAX)
     ppo = references.ref_ppo(lp, mu, adv, mask, "sum", ppo_eps=eps)
@@ -83,13 +67,16 @@ def recompute(
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
     # The cap shapes only kept tokens (a dropped token has no gradient to cap).
     cap_hit = on & (adv != 0) & dppo.decision_BT & (ratio > cap)
-    padded = {"dppo_keep_N": dppo.decision_BT, "ppo_clipped_N": ppo.decision_BT, "ratio_cap_hit_N": cap_hit}
-    padded |= {"prob_diff_N": tv, "loss_token_N": on, "ratio_N": ratio}
-    packed = {k: torch.from_numpy(from_padded(v, lengths)) for k, v in padded.items()}
-    adv_N = torch.from_numpy(t["advantages_N"].astype(np.float64))
-    nonzero_N = packed["loss_token_N"] & (adv_N != 0)
+    row = {"dppo_keep_N": dppo.decision_BT, "ppo_clipped_N": ppo.decision_BT, "ratio_cap_hit_N": cap_hit}
+    row |= {
+        "prob_diff_N": tv,
+        "loss_token_N": on,
+        "ratio_N": ratio,
+        "nonzero_adv_N": on & (adv != 0),
+        "advantages_N": adv,
+    }
     terms = TokenTerms(
-        **packed, nonzero_adv_N=nonzero_N, advantages_N=adv_N, dppo_delta=delta, ppo_eps=eps, ratio_cap=cap
+        **{k: torch.from_numpy(v[0]) for k, v in row.items()}, dppo_delta=delta, ppo_eps=eps, ratio_cap=cap
     )
     return terms, loss_terms.stats(terms)
 
@@ -208,7 +195,7 @@ def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecor
 def _pooled_problems(
     files_dir: Path, records: Sequence[ins.LossCallRecord], delta: float, cap: float, eps: float
 ) -> tuple[list[str], JsonObject | None]:
-    """The logged pooled second-epoch analysis against a pooled recompute from the padded path."""
+    """The logged pooled second-epoch analysis against a pooled recompute from the references."""
     second = [r for r in records if r.context.get("epoch") == 2]
     if not second:
         return [], None
