@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +43,9 @@ FLOAT_ATOL = 1e-12
 @dataclass
 class RecordCheck:
     update_index: JsonValue  # the record's context update_index, else its call index
+    recomputed: LossStats
     problems: list[str] = field(default_factory=list)
     ties: int = 0
-    recomputed: LossStats | None = None
 
 
 def recompute(
@@ -95,9 +95,8 @@ def check_record(
 ) -> RecordCheck:
     """Every logged decision and statistic of one loss call against the independent recompute."""
     where = f"update {record.context.get('update_index', record.call_index)}"
-    check = RecordCheck(record.context.get("update_index", record.call_index))
     terms, stats = recompute(record, delta, cap, eps)
-    check.recomputed = stats
+    check = RecordCheck(record.context.get("update_index", record.call_index), stats)
     near = np.abs(np.abs(terms.prob_diff_N.numpy()) - delta) <= BOUNDARY_TIE
     for name in ins.DECISION_FIELDS:
         logged, replayed = np.asarray(record.tensors[name]).astype(bool), getattr(terms, name).numpy()
@@ -240,12 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     report = replay_bundle(args.evidence_dir)
     for c in report.checks:
-        s: Mapping[str, Any] = c.recomputed or {}
+        s = c.recomputed
         print(
-            f"update {c.update_index}: loss tokens {s.get('tokens/loss')}, removed {s.get('dppo/removed')} "
-            f"(+{s.get('dppo/removed_pos_adv')}/-{s.get('dppo/removed_neg_adv')}), exceed +{s.get('dppo/exceed_pos')}"
-            f"/-{s.get('dppo/exceed_neg')}, cap hits {s.get('dppo/ratio_cap_hits')}, ppo clipped {s.get('ppo/clipped')}, "
-            f"|p-q| q90 {s.get('drift/abs_p90', float('nan')):.6g} -> {'OK' if not c.problems else 'MISMATCH'}"
+            f"update {c.update_index}: loss tokens {s.tokens_loss}, removed {s.dppo_removed} "
+            f"(+{s.dppo_removed_pos_adv}/-{s.dppo_removed_neg_adv}), exceed +{s.dppo_exceed_pos}"
+            f"/-{s.dppo_exceed_neg}, cap hits {s.dppo_ratio_cap_hits}, ppo clipped {s.ppo_clipped}, "
+            f"|p-q| q90 {s.drift_abs_p90:.6g} -> {'OK' if not c.problems else 'MISMATCH'}"
             + (f" ({c.ties} boundary ties)" if c.ties else "")
         )
     if report.pooled:
