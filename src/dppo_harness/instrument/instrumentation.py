@@ -27,7 +27,7 @@ import torch
 
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import losses
-from dppo_harness.loss.losses import CustomLossFn, LossCall, PackedInputs
+from dppo_harness.loss.losses import CustomLossFn
 from dppo_harness.loss.terms import LossStats, TokenTerms, stats
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
@@ -79,37 +79,6 @@ class LossCallRecord:
         }
 
 
-def record_from_call(
-    call_index: int,
-    context: Mapping[str, JsonValue],
-    inputs: PackedInputs,
-    logprobs_list: Sequence[torch.Tensor],
-    call: LossCall,
-) -> LossCallRecord:
-    """The record of one evaluated loss call: the tensors it saw (current logprobs in the dtype
-    the loss received them), its decisions and statistics."""
-    lp_N = torch.cat([lp.detach().reshape(-1) for lp in logprobs_list]) if len(logprobs_list) else torch.zeros(0)
-    terms = call.terms
-    tensors = {
-        "logprobs_N": lp_N.clone().cpu().numpy(),
-        "sampler_logprobs_N": inputs.sampler_logprobs_N,
-        "advantages_N": inputs.advantages_N,
-        "mask_N": inputs.mask_N,
-        "target_tokens_N": inputs.target_tokens_N,
-        "first_token_S": inputs.first_token_S,
-        "lengths_S": inputs.lengths_S,
-        **{name: getattr(terms, name).cpu().numpy().astype(bool) for name in DECISION_FIELDS},
-    }
-    return LossCallRecord(
-        call_index=call_index,
-        context=dict(context),
-        dtype=str(lp_N.dtype).replace("torch.", ""),
-        tensors=tensors,
-        stats=call.stats,
-        terms=terms,
-    )
-
-
 class LossCallRecorder:
     """Wraps the packed loss so every call is recorded from the loss's own evaluation (persisting a
     record is the caller's: `train_step`'s `persist`, before the optimizer step)."""
@@ -128,9 +97,19 @@ class LossCallRecorder:
             started, t0 = time.time(), time.perf_counter()
             inputs, call = packed.evaluate(data, logprobs_list)
             seconds = time.perf_counter() - t0
-            record = record_from_call(len(self.records), context, inputs, logprobs_list, call)
-            record.started_unix, record.loss_seconds = started, seconds
-            record.loss_metrics = packed.metrics(call.stats)
+            lp_N = torch.cat([lp.detach().reshape(-1) for lp in logprobs_list]) if logprobs_list else torch.zeros(0)
+            decisions = {name: getattr(call.terms, name).cpu().numpy().astype(bool) for name in DECISION_FIELDS}
+            record = LossCallRecord(
+                call_index=len(self.records),
+                context=dict(context),
+                dtype=str(lp_N.dtype).replace("torch.", ""),  # as the loss received them
+                tensors={"logprobs_N": lp_N.clone().cpu().numpy(), **vars(inputs), **decisions},
+                stats=call.stats,
+                loss_metrics=packed.metrics(call.stats),
+                started_unix=started,
+                loss_seconds=seconds,
+                terms=call.terms,
+            )
             self.records.append(record)
             return call.loss, record.loss_metrics
 
