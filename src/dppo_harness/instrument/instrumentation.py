@@ -5,9 +5,8 @@ the loss received (the current logprobs of that very call: no extra server pass)
 terms and statistics of its own evaluation (`PackedLoss.evaluate`, computed once per call). One
 record = one loss call = one optimizer update; records are saved as compressed npz files with a
 JSON meta entry (`records_to_npz` / `records_from_npz`), so a file is self-describing and
-`replay.py` needs nothing else to recompute the decisions independently. Pooled statistics of
-several calls (`pool_calls`) and the diagnostic evidence file names that replay and the session
-read live here too: the diagnostic pools the calls it trained, replay its independent recompute.
+`replay.py` needs nothing else to recompute the decisions independently. Pooled statistics
+(`pool_calls`) and the diagnostic file names replay and the session read live here too.
 """
 
 from __future__ import annotations
