@@ -83,7 +83,7 @@ def test_selftest_fails_on_a_broken_loss(mutant, request):
 
 def _analyse(records):
     second = [r for r in records if r.context["epoch"] == 2]
-    pooled = pool_calls(second, [ins.record_prob_diff(r, CFG.loss_config()) for r in second]) if second else None
+    pooled = pool_calls([ins.record_terms(r) for r in second]) if second else None
     crit = evaluate_criteria(CRITERIA, pooled) if pooled else []
     return second, pooled, crit
 
@@ -136,10 +136,10 @@ def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
 
 def test_pooling_weights_by_loss_tokens_not_by_call():
     records = simulate_records(seed=4, drift_per_update=0.02)[8:]
-    pooled = pool_calls(records, [ins.record_prob_diff(r, CFG.loss_config()) for r in records])
+    pooled = pool_calls([ins.record_terms(r) for r in records])
     want = sum(r.stats["dppo/removed"] for r in records) / sum(r.stats["tokens/loss"] for r in records)
     assert pooled["dppo/masked_frac_loss_tokens"] == pytest.approx(want)
-    d = np.concatenate([ins.record_prob_diff(r, CFG.loss_config())[r.tensors["mask_N"] != 0] for r in records])
+    d = np.concatenate([ins.record_terms(r).prob_diff_N.numpy()[r.tensors["mask_N"] != 0] for r in records])
     assert pooled["drift/abs_p90"] == pytest.approx(float(np.quantile(np.abs(d), 0.9)))
     assert sum(sum(h) for h in pooled["hist"].values()) == pooled["tokens/loss"]
 

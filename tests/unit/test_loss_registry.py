@@ -54,7 +54,6 @@ def _pg_reference(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **_params):
 def _entry(**overrides) -> registry.LossEntry:
     fields = dict(
         name=NAME,
-        summary="test-only: importance-ratio policy gradient -A * r, no clip, no mask",
         token_loss=_pg_token_loss,
         params={},
         reference=_pg_reference,

@@ -35,12 +35,12 @@ PRIOR = {
 
 def test_trained_client_gets_its_own_restore_check_and_initial_output():
     own_metrics = {
-        "adam/learning_rate": 2e-5,
-        "adam/beta1": 0.9,
-        "adam/beta2": 0.95,
-        "adam/eps": 1e-8,
-        "adam/weight_decay": 0.0,
-        "adam/grad_clip_norm": 0.0,
+        "optim/learning_rate": 2e-5,
+        "optim/beta1": 0.9,
+        "optim/beta2": 0.95,
+        "optim/eps": 1e-8,
+        "optim/weight_decay": 0.0,
+        "optim/grad_clip_norm": 0.0,
     }
     own = optimizer_check(
         after_restore=0,

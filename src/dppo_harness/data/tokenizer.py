@@ -29,7 +29,7 @@ EXPECTED_SPECIAL_IDS = {"<|im_start|>": 248045, "<|im_end|>": constants.STOP_TOK
 
 
 class TokenizerConfigError(ValueError):
-    """Unknown or malformed tokenizer choice, or a tokenizer that disagrees with the pinned ids."""
+    """A tokenizer that disagrees with the pinned ids."""
 
 
 class TmlQwen35Tokenizer:
@@ -110,13 +110,11 @@ class TokenizerBundle:
     provenance: JsonObject
 
 
-def load_tokenizer(choice: str = TML_QWEN35) -> tuple[Tokenizer, JsonObject]:
-    """Load the configured tokenizer and return it with its provenance record."""
-    if choice != TML_QWEN35:
-        raise TokenizerConfigError(f"unknown tokenizer choice {choice!r}: expected {TML_QWEN35!r}")
+def load_tokenizer() -> tuple[Tokenizer, JsonObject]:
+    """The one tokenizer (`TML_QWEN35`) with its provenance record."""
     tokenizer: Tokenizer = _tml_qwen35()  # type: ignore[assignment]  # a facade with the tokenizer methods renderers call
     prov: JsonObject = {
-        "choice": choice,
+        "choice": TML_QWEN35,
         "kind": "tml-renderers",
         "class": "tml_renderers.tokenizers.Qwen35Tokenizer",
         "adapter": f"{__name__}.TmlQwen35Tokenizer",
@@ -152,9 +150,10 @@ def vocab_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
 
 
-def make_renderer(choice: str = TML_QWEN35, renderer_name: str = constants.RENDERER_NAME) -> TokenizerBundle:
+def make_renderer() -> TokenizerBundle:
     """Tokenizer + cookbook renderer, with a provenance dict for the evidence bundle."""
-    tokenizer, tok_prov = load_tokenizer(choice)
+    renderer_name = constants.RENDERER_NAME
+    tokenizer, tok_prov = load_tokenizer()
     renderer = renderers.get_renderer(renderer_name, tokenizer=tokenizer)
     stop = renderer.get_stop_sequences()
     provenance: JsonObject = {

@@ -5,13 +5,13 @@ the loss received (the current logprobs of that very call: no extra server pass)
 terms and statistics of its own evaluation (`PackedLoss.evaluate`, computed once per call). One
 record = one loss call = one optimizer update; records are saved as compressed npz files with a
 JSON meta entry (`records_to_npz` / `records_from_npz`), so a file is self-describing and
-`replay.py` needs nothing else to recompute the decisions independently. Pooled statistics of
-several calls (`pool_calls`) and the diagnostic evidence file names that replay and the session
-read live here too: the diagnostic pools the calls it trained, replay its independent recompute.
+`replay.py` needs nothing else to recompute the decisions independently. Pooled statistics
+(`pool_calls`) and the diagnostic file names replay and the session read live here too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -26,8 +26,8 @@ import torch
 
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import losses
-from dppo_harness.loss.losses import CustomLossFn, LossCall, PackedInputs
-from dppo_harness.loss.terms import HIST_SIGNS, LossStats
+from dppo_harness.loss.losses import CustomLossFn
+from dppo_harness.loss.terms import LossStats, TokenTerms, stats
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
 META_KEY = "__record_meta__"
@@ -61,7 +61,7 @@ class LossCallRecord:
     loss_metrics: dict[str, float] = field(default_factory=dict)  # what the loss returned to the SDK
     started_unix: float = 0.0
     loss_seconds: float = 0.0
-    prob_diff_N: np.ndarray | None = None  # in memory only: float64 p - q of the packed path
+    terms: TokenTerms | None = None  # in memory only: the terms the packed path decided on
 
     def meta(self) -> JsonObject:
         return {
@@ -76,37 +76,6 @@ class LossCallRecord:
             "hist_bins": [*self.stats.hist.labels()],
             "magnitude_edges": list(self.stats.hist.edges),
         }
-
-
-def record_from_call(
-    call_index: int,
-    context: Mapping[str, JsonValue],
-    inputs: PackedInputs,
-    logprobs_list: Sequence[torch.Tensor],
-    call: LossCall,
-) -> LossCallRecord:
-    """The record of one evaluated loss call: the tensors it saw (current logprobs in the dtype
-    the loss received them), its decisions and statistics."""
-    lp_N = torch.cat([lp.detach().reshape(-1) for lp in logprobs_list]) if len(logprobs_list) else torch.zeros(0)
-    terms = call.terms
-    tensors = {
-        "logprobs_N": lp_N.clone().cpu().numpy(),
-        "sampler_logprobs_N": inputs.sampler_logprobs_N,
-        "advantages_N": inputs.advantages_N,
-        "mask_N": inputs.mask_N,
-        "target_tokens_N": inputs.target_tokens_N,
-        "first_token_S": inputs.first_token_S,
-        "lengths_S": inputs.lengths_S,
-        **{name: getattr(terms, name).cpu().numpy().astype(bool) for name in DECISION_FIELDS},
-    }
-    return LossCallRecord(
-        call_index=call_index,
-        context=dict(context),
-        dtype=str(lp_N.dtype).replace("torch.", ""),
-        tensors=tensors,
-        stats=call.stats,
-        prob_diff_N=terms.prob_diff_N.cpu().numpy(),
-    )
 
 
 class LossCallRecorder:
@@ -127,9 +96,19 @@ class LossCallRecorder:
             started, t0 = time.time(), time.perf_counter()
             inputs, call = packed.evaluate(data, logprobs_list)
             seconds = time.perf_counter() - t0
-            record = record_from_call(len(self.records), context, inputs, logprobs_list, call)
-            record.started_unix, record.loss_seconds = started, seconds
-            record.loss_metrics = packed.metrics(call.stats)
+            lp_N = torch.cat([lp.detach().reshape(-1) for lp in logprobs_list]) if logprobs_list else torch.zeros(0)
+            decisions = {name: getattr(call.terms, name).cpu().numpy().astype(bool) for name in DECISION_FIELDS}
+            record = LossCallRecord(
+                call_index=len(self.records),
+                context=dict(context),
+                dtype=str(lp_N.dtype).replace("torch.", ""),  # as the loss received them
+                tensors={"logprobs_N": lp_N.clone().cpu().numpy(), **vars(inputs), **decisions},
+                stats=call.stats,
+                loss_metrics=packed.metrics(call.stats),
+                started_unix=started,
+                loss_seconds=seconds,
+                terms=call.terms,
+            )
             self.records.append(record)
             return call.loss, record.loss_metrics
 
@@ -278,17 +257,12 @@ def nan_free(obj: object) -> JsonValue:
     return obj  # type: ignore[return-value]  # str, int, bool, None; json.dumps refuses anything else later
 
 
-def record_prob_diff(record: LossCallRecord, loss_cfg: losses.LossConfig) -> np.ndarray:
-    """p - q of a record (float64, 0 off loss tokens): kept from the call, else recomputed with
-    the packed path from the saved tensors (records loaded from disk carry no p - q)."""
-    if record.prob_diff_N is None:
-        t = record.tensors
-        keys = ("sampler_logprobs_N", "advantages_N", "mask_N")
-        mu, adv, mask = (torch.from_numpy(t[k].astype(np.float64)) for k in keys)
-        record.prob_diff_N = losses.token_terms(
-            torch.from_numpy(t["logprobs_N"]), mu, adv, mask, loss_cfg
-        ).prob_diff_N.numpy()
-    return record.prob_diff_N
+def record_terms(record: LossCallRecord) -> TokenTerms:
+    """The terms a record's call decided on (a record read back from disk has none: replay
+    recomputes them independently)."""
+    if record.terms is None:
+        raise ValueError(f"loss call {record.call_index} was read back from disk: its terms are replay's to recompute")
+    return record.terms
 
 
 # ---- pooled statistics and the diagnostic's shared file names (its others: `stages.diagnostic.write`) ----
@@ -297,50 +271,22 @@ ANALYSIS_FILE = "diagnostic-analysis.json"
 REVISED_SPEC_FILE = "revised-diagnostic-spec.json"
 FROZEN_BATCH_STEM = "diagnostic-frozen-batch"
 
-
-# Token-weighted ratios: summed numerator over summed denominator across pooled calls.
-RATIO_PARTS = {
-    "dppo/masked_frac_loss_tokens": ("dppo/removed", "tokens/loss"),
-    "dppo/masked_frac_nonzero_adv": ("dppo/removed", "tokens/nonzero_adv"),
-    "ppo/clip_frac_loss_tokens": ("ppo/clipped", "tokens/loss"),
-    "ppo/clip_frac_nonzero_adv": ("ppo/clipped", "tokens/nonzero_adv"),
-}
-POOLED_QUANTILES = {
-    "drift/abs_p90": (True, 0.9),
-    "drift/abs_p99": (True, 0.99),
-    "drift/signed_p90": (False, 0.9),
-    "drift/signed_p99": (False, 0.99),
-}
+RATIO_PARTS = LossStats.names("float")  # token-weighted: pooled count over pooled tokens
+POOLED_QUANTILES = ("drift/abs_p90", "drift/abs_p99", "drift/signed_p90", "drift/signed_p99")
 
 
-def pool_calls(records: Sequence[LossCallRecord], prob_diffs: Sequence[np.ndarray]) -> JsonObject:
-    """Pooled statistics of the given loss calls, weighted by their loss-token counts."""
-    sums = {k: int(sum(r.stats[k] for r in records)) for k in LossStats.names("count")}
-    pooled: JsonObject = {"calls": len(records), **sums}
-    for metric, (num, den) in RATIO_PARTS.items():
-        pooled[metric] = sums[num] / sums[den] if sums[den] else 0.0
-    loss_d = [d[r.tensors["mask_N"] != 0] for r, d in zip(records, prob_diffs, strict=True)]
-    d = np.concatenate(loss_d) if loss_d else np.zeros(0)
-    adv = (
-        np.concatenate([r.tensors["advantages_N"][r.tensors["mask_N"] != 0] for r in records])
-        if records
-        else np.zeros(0)
-    )
-    for metric, (absolute, q) in POOLED_QUANTILES.items():
-        x = np.abs(d) if absolute else d
-        pooled[metric] = float(np.quantile(x, q)) if x.size else None
-    pooled["drift/abs_max"] = float(np.abs(d).max()) if d.size else None
-    pooled["drift/signed_max"] = float(d.max()) if d.size else None
-    pooled["drift/signed_min"] = float(d.min()) if d.size else None
-    pooled["drift/max_on_pos_adv"] = float(d[adv > 0].max()) if (adv > 0).any() else None
-    pooled["drift/min_on_neg_adv"] = float(d[adv < 0].min()) if (adv < 0).any() else None
-    edges = {r.stats.hist.edges for r in records}
-    if len(edges) > 1:
-        raise ValueError(f"pooled loss calls were binned at different p - q edges: {sorted(edges)}")
-    n_bins = 2 * len(edges.pop()) - 1 if edges else 0
-    hist = {s: np.zeros(n_bins, dtype=np.int64) for s in HIST_SIGNS}
-    for r in records:
-        for s in HIST_SIGNS:
-            hist[s] += np.asarray(getattr(r.stats.hist, s), dtype=np.int64)
-    pooled["hist"] = {s: [*h.tolist()] for s, h in hist.items()}
-    return pooled
+def pool_calls(terms: Sequence[TokenTerms]) -> JsonObject:
+    """Pooled statistics of several loss calls: `terms.stats` of all their tokens together, so
+    counts add up, fractions are weighted by loss tokens and quantiles run over every pooled token."""
+    if len({(t.dppo_delta, t.ppo_eps, t.ratio_cap) for t in terms}) != 1:
+        raise ValueError("pooled loss calls must be decided at one set of thresholds")
+    tensors: dict[str, Any] = {
+        f.name: torch.cat([getattr(t, f.name) for t in terms])
+        for f in dataclasses.fields(TokenTerms)
+        if f.name.endswith("_N")
+    }
+    pooled = stats(dataclasses.replace(terms[0], **tensors))
+    out: JsonObject = {"calls": len(terms), **{k: pooled[k] for k in LossStats.scalar_names()}, "hist": pooled["hist"]}
+    if not pooled.tokens_loss:  # no pooled loss token: no drift measured
+        out.update(dict.fromkeys(LossStats.names("drift")))
+    return out

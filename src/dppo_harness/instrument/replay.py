@@ -1,10 +1,10 @@
-"""Offline replay of saved loss calls with the INDEPENDENT padded implementation.
+"""Offline replay of saved loss calls with the INDEPENDENT numpy references.
 
     python -m dppo_harness.instrument.replay EVIDENCE_DIR
 
 Reloads every record file of a bundle, recomputes the DPPO keep mask and the counterfactual PPO
 clip with `references` (numpy float64, nothing shared with `losses.py`), and the ratio-cap hits
-and p - q from the padded tensors; its statistics are `terms.stats` of those independent
+and p - q from the stored tensors; its statistics are `terms.stats` of those independent
 decisions, so a disagreement can only come from the decisions or tensors. Every decision,
 statistic and returned metric is compared with what was logged, the anchor with the frozen batch
 when the bundle has one; it prints the counts and exits non-zero on any mismatch.
@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,28 +40,12 @@ FLOAT_RTOL = 1e-9
 FLOAT_ATOL = 1e-12
 
 
-def to_padded(values_N: np.ndarray, lengths_S: np.ndarray, fill: float = 0.0) -> np.ndarray:
-    """Packed [N] -> padded [S, T_max] (right padding with `fill`)."""
-    S = len(lengths_S)
-    T = int(lengths_S.max()) if S else 0
-    out = np.full((S, T), fill, dtype=np.float64)
-    offset = 0
-    for s, n in enumerate(lengths_S):
-        out[s, : int(n)] = values_N[offset : offset + int(n)]
-        offset += int(n)
-    return out
-
-
-def from_padded(values_BT: np.ndarray, lengths_S: np.ndarray) -> np.ndarray:
-    return np.concatenate([values_BT[s, : int(n)] for s, n in enumerate(lengths_S)]) if len(lengths_S) else np.zeros(0)
-
-
 @dataclass
 class RecordCheck:
     update_index: JsonValue  # the record's context update_index, else its call index
+    recomputed: LossStats
     problems: list[str] = field(default_factory=list)
     ties: int = 0
-    recomputed: LossStats | None = None
 
 
 def recompute(
@@ -69,12 +53,12 @@ def recompute(
     delta: float = DPPO_DELTA,
     cap: float = DPPO_RATIO_CAP,
     eps: float = PPO_EPS,
-) -> tuple[dict[str, np.ndarray], LossStats]:
-    """Decisions (packed) and statistics of one record from the padded reference path (the
-    references' loss values, the only thing the normalization changes, are not compared)."""
-    t, lengths = record.tensors, np.asarray(record.tensors["lengths_S"])
+) -> tuple[TokenTerms, LossStats]:
+    """Terms and statistics of one record from the numpy references, on its packed tokens as the
+    one row of a padded batch (every decision is per token; the references' loss values, the only
+    thing the normalization changes, are not compared)."""
     keys = ("logprobs_N", "sampler_logprobs_N", "advantages_N", "mask_N")
-    lp, mu, adv, mask = (to_padded(t[k].astype(np.float64), lengths) for k in keys)
+    lp, mu, adv, mask = (record.tensors[k].astype(np.float64)[None, :] for k in keys)
     on = mask > 0
     dppo = references.ref_dppo(lp, mu, adv, mask, "sum", delta, cap, LOG_RATIO_CLAMP_MAX)
     ppo = references.ref_ppo(lp, mu, adv, mask, "sum", ppo_eps=eps)
@@ -83,13 +67,18 @@ def recompute(
         tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
     # The cap shapes only kept tokens (a dropped token has no gradient to cap).
     cap_hit = on & (adv != 0) & dppo.decision_BT & (ratio > cap)
-    padded = {"dppo_keep_N": dppo.decision_BT, "ppo_clipped_N": ppo.decision_BT, "ratio_cap_hit_N": cap_hit}
-    decisions = {k: from_padded(v, lengths) for k, v in {**padded, "prob_diff_N": tv, "loss_token_N": on}.items()}
-    advantages_N = t["advantages_N"].astype(np.float64)
-    nonzero_N = decisions["loss_token_N"] & (advantages_N != 0)
-    extra = {"ratio_N": from_padded(ratio, lengths), "nonzero_adv_N": nonzero_N, "advantages_N": advantages_N}
-    tensors = {k: torch.from_numpy(v) for k, v in {**decisions, **extra}.items()}
-    return decisions, loss_terms.stats(TokenTerms(**tensors, dppo_delta=delta, ppo_eps=eps, ratio_cap=cap))
+    row = {"dppo_keep_N": dppo.decision_BT, "ppo_clipped_N": ppo.decision_BT, "ratio_cap_hit_N": cap_hit}
+    row |= {
+        "prob_diff_N": tv,
+        "loss_token_N": on,
+        "ratio_N": ratio,
+        "nonzero_adv_N": on & (adv != 0),
+        "advantages_N": adv,
+    }
+    terms = TokenTerms(
+        **{k: torch.from_numpy(v[0]) for k, v in row.items()}, dppo_delta=delta, ppo_eps=eps, ratio_cap=cap
+    )
+    return terms, loss_terms.stats(terms)
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -106,18 +95,15 @@ def check_record(
 ) -> RecordCheck:
     """Every logged decision and statistic of one loss call against the independent recompute."""
     where = f"update {record.context.get('update_index', record.call_index)}"
-    check = RecordCheck(record.context.get("update_index", record.call_index))
-    decisions, stats = recompute(record, delta, cap, eps)
-    check.recomputed = stats
-    near = np.abs(np.abs(decisions["prob_diff_N"]) - delta) <= BOUNDARY_TIE
+    terms, stats = recompute(record, delta, cap, eps)
+    check = RecordCheck(record.context.get("update_index", record.call_index), stats)
+    near = np.abs(np.abs(terms.prob_diff_N.numpy()) - delta) <= BOUNDARY_TIE
     for name in ins.DECISION_FIELDS:
-        logged = np.asarray(record.tensors[name]).astype(bool)
-        if logged.shape != decisions[name].shape:
-            check.problems.append(
-                f"{where}: {name} has {logged.shape[0]} entries, recompute {decisions[name].shape[0]}"
-            )
+        logged, replayed = np.asarray(record.tensors[name]).astype(bool), getattr(terms, name).numpy()
+        if logged.shape != replayed.shape:
+            check.problems.append(f"{where}: {name} has {logged.shape[0]} entries, recompute {replayed.shape[0]}")
             continue
-        diff = logged != decisions[name]
+        diff = logged != replayed
         if name == "dppo_keep_N":
             check.ties += int((diff & near).sum())
             diff &= ~near
@@ -208,18 +194,17 @@ def _frozen_anchor_problems(files_dir: Path, records: Sequence[ins.LossCallRecor
 def _pooled_problems(
     files_dir: Path, records: Sequence[ins.LossCallRecord], delta: float, cap: float, eps: float
 ) -> tuple[list[str], JsonObject | None]:
-    """The logged pooled second-epoch analysis against a pooled recompute from the padded path."""
+    """The logged pooled second-epoch analysis against a pooled recompute from the references."""
     second = [r for r in records if r.context.get("epoch") == 2]
     if not second:
         return [], None
-    tvs = [recompute(r, delta, cap, eps)[0]["prob_diff_N"] for r in second]
-    pooled = ins.pool_calls(second, tvs)
+    pooled = ins.pool_calls([recompute(r, delta, cap, eps)[0] for r in second])
     path = files_dir / ins.ANALYSIS_FILE
     if not path.exists():
         return [], pooled
     logged = json.loads(path.read_text()).get("pooled_second_epoch") or {}
     problems = []
-    for key in LossStats.names("count") + tuple(ins.RATIO_PARTS) + tuple(ins.POOLED_QUANTILES):
+    for key in LossStats.scalar_names():
         if key in logged and not _close(logged[key], pooled[key]):
             problems.append(f"pooled second epoch: logged {key}={logged[key]}, replay {pooled[key]}")
     return problems, pooled
@@ -254,12 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     report = replay_bundle(args.evidence_dir)
     for c in report.checks:
-        s: Mapping[str, Any] = c.recomputed or {}
+        s = c.recomputed
         print(
-            f"update {c.update_index}: loss tokens {s.get('tokens/loss')}, removed {s.get('dppo/removed')} "
-            f"(+{s.get('dppo/removed_pos_adv')}/-{s.get('dppo/removed_neg_adv')}), exceed +{s.get('dppo/exceed_pos')}"
-            f"/-{s.get('dppo/exceed_neg')}, cap hits {s.get('dppo/ratio_cap_hits')}, ppo clipped {s.get('ppo/clipped')}, "
-            f"|p-q| q90 {s.get('drift/abs_p90', float('nan')):.6g} -> {'OK' if not c.problems else 'MISMATCH'}"
+            f"update {c.update_index}: loss tokens {s.tokens_loss}, removed {s.dppo_removed} "
+            f"(+{s.dppo_removed_pos_adv}/-{s.dppo_removed_neg_adv}), exceed +{s.dppo_exceed_pos}"
+            f"/-{s.dppo_exceed_neg}, cap hits {s.dppo_ratio_cap_hits}, ppo clipped {s.ppo_clipped}, "
+            f"|p-q| q90 {s.drift_abs_p90:.6g} -> {'OK' if not c.problems else 'MISMATCH'}"
             + (f" ({c.ties} boundary ties)" if c.ties else "")
         )
     if report.pooled:

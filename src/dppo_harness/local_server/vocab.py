@@ -24,7 +24,7 @@ import torch
 from tinker_cookbook import renderers
 
 from dppo_harness.constants import RENDERER_NAME
-from dppo_harness.data.tokenizer import TML_QWEN35, TmlQwen35Tokenizer, load_tokenizer
+from dppo_harness.data.tokenizer import TmlQwen35Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from tinker_cookbook.renderers import Message, Renderer
@@ -37,7 +37,7 @@ TOKENIZER_NAME = "tml_renderers.tokenizers.Qwen35Tokenizer (tml-renderers 0.2.1)
 @lru_cache(maxsize=1)
 def get_tokenizer() -> TmlQwen35Tokenizer:
     """The harness's offline Qwen3.5 tokenizer adapter (dppo_harness.data.tokenizer)."""
-    tok = load_tokenizer(TML_QWEN35)[0]
+    tok = load_tokenizer()[0]
     assert isinstance(tok, TmlQwen35Tokenizer)
     return tok
 

@@ -1,18 +1,9 @@
-"""Golden parity: every golden case through the packed loss path, in every mode, against the
-golden values, and every registered loss against its own reference and golden cases.
-
-The golden file (``dppo_golden_v1``) is read and validated by ``golden.load_golden``; each case is laid out
-as datums after junk prompt positions (``pack_case``), run through the packed path
-(``run_packed``) and scattered back, so like is compared with like. Modes (``golden.MODES``):
-- ``float64``: flat float64 tensors through ``losses.packed_loss_call`` (tinker.Datum stores only
-  float32, so this is the one mode that sees the golden inputs bit-exactly);
-- ``float32``: real Datums + ``losses.make_loss_fn`` with float32 current logprobs (what the SDK
-  hands a custom loss);
-- ``float64-datum``: real Datums with float64 current logprobs.
-In Datum modes the sampler logprobs are float32-rounded; where that moves a token across a
-decision boundary (only the exact-boundary cases do), the expectation is the independent padded
-implementation (``references``) on the rounded inputs, and the line says so (``flips=k``).
-The error measures and records are ``golden``'s (numpy only).
+"""Golden parity: every golden case through the packed loss path, in every mode (``golden.MODES``,
+docs/losses.md), against the golden values, and every registered loss against its own reference
+and golden cases. Each case is laid out as datums after junk prompt positions (``pack_case``), run
+through the packed path (``run_packed``) and scattered back, so like is compared with like. Where
+the Datum modes' float32 rounding moves a token across a decision boundary, the expectation is the
+independent implementation (``references``) on the rounded inputs (``flips=k``).
 """
 
 from __future__ import annotations

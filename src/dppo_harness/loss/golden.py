@@ -1,22 +1,13 @@
 """The golden file (``dppo_golden_v1``: padded inputs and the pinned reference functions' outputs):
 its reader, the parity measures and records checked against it (numpy only: the parity run,
 ``correctness_golden``, and the block and its validator, ``correctness``, both read them), and its
-regeneration from the numpy references at the registered losses' parameters:
+regeneration from the numpy references at the registered losses' parameters (docs/losses.md):
 
     python -m dppo_harness.loss.golden [--check] [FILE]
 
-For every case of FILE (default: the registered losses' golden file) and every registered loss
-whose golden cases live in it, what the harness reads (`loss`, `grad_log_prob` and the decisions'
-`mask`, `n_invalid_tr_tokens`, `actor/pg_clipfrac` and `clipfrac` where the case holds them) is
-recomputed with the loss's reference (`LossEntry.reference` at its `params` and
-`GoldenCases.reference_params`). A stored value the reference reproduces within the registry's
-parity tolerance (float64 summation order) is kept as the implementation the file's `reference`
-names computed it; any other is replaced; entries the harness does not read are left as they are,
-and `params.dppo` follows the registered DPPO loss. The `boundary_exact` case's first two rows are
-rebuilt at the registered delta unless they already sit on it (p - q exactly +-delta, just beyond
-and just inside, in numpy's and torch's exp alike); a rebuilt case drops the entries no reference
-here reproduces.
-`--check` exits 1, naming the differing cases, when FILE is not the generator's fixed point.
+A stored value the reference reproduces within the registry's parity tolerance (float64
+summation order) is kept, any other replaced; `--check` exits 1, naming the differing cases, when
+FILE is not the generator's fixed point.
 """
 
 from __future__ import annotations

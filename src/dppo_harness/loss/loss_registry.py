@@ -86,7 +86,6 @@ class GoldenCases:
 @dataclass(frozen=True)
 class LossEntry:
     name: str  # as a spec's `arms[*].loss` writes it
-    summary: str
     token_loss: TokenLoss
     params: Mapping[str, float]  # the rule's parameters (LossConfig thresholds it pins, or its own)
     # numpy padded reference: ref(lp_BT, mu_BT, adv_BT, mask_BT, normalization, **params) -> RefResult
@@ -156,7 +155,7 @@ def implemented_list() -> str:
 
 
 def _dppo_token_loss(lp_N: torch.Tensor, mu_N: torch.Tensor, adv_N: torch.Tensor, terms: TokenTerms) -> torch.Tensor:
-    """DPPO Binary-TV: -A * w * keep * lp with the detached capped weight w = min(exp(min(lp - mu,
+    """DPPO Binary-TV (arXiv 2602.04879, released-code variant): -A * w * keep * lp with the detached capped weight w = min(exp(min(lp - mu,
     20)), C); no lower clamp on the log-ratio (pinned rule)."""
     log_ratio_N = (lp_N.detach() - mu_N).clamp(max=LOG_RATIO_CLAMP_MAX)
     weight_N = log_ratio_N.exp().clamp(max=terms.ratio_cap)
@@ -176,8 +175,6 @@ _GOLDEN_FILE = "tests/fixtures/dppo_golden_v1.json"
 register_loss(
     LossEntry(
         name=DPPO_LOSS,
-        summary="DPPO Binary-TV (arXiv 2602.04879, released-code variant): directional mask |p - q| > delta "
-        "against the sampler probability, detached weight min(r, C)",
         token_loss=_dppo_token_loss,
         params={"dppo_delta": DPPO_DELTA, "ratio_cap": DPPO_RATIO_CAP},
         reference=references.ref_dppo,
@@ -192,7 +189,6 @@ register_loss(
 register_loss(
     LossEntry(
         name=GRPO_LOSS,
-        summary="GRPO clipped ratio, eps 0.2 (Tinker's built-in ppo formula, no dual clip), ratio against the sampler",
         token_loss=_grpo_token_loss,
         params={"ppo_eps": PPO_EPS},
         reference=references.ref_ppo,

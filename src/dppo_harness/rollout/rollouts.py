@@ -301,9 +301,6 @@ class SampledStep:
     group_of_datum: tuple[int, ...]  # group index of each datum (complete-group minibatches)
     seconds: float  # save for sampler + sampling + grading
 
-    def summary(self) -> JsonObject:
-        return {**self.batch.summary(), "step_seconds": self.seconds}
-
 
 def save_sampler(training_client: tinker.TrainingClient, name: str) -> tuple[str, tinker.SamplingClient]:
     """The training client's current weights as a named sampler checkpoint and its client."""

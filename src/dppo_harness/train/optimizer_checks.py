@@ -54,32 +54,10 @@ def server_optimizer_family(info: tinker.types.GetInfoResponse | Mapping[str, An
     return str(family) if family else None
 
 
-# Keys under which a server may echo applied AdamW hyperparameters in optim_step metrics.
-_ECHO_PREFIXES = ("", "adam/", "optim/", "optimizer/", "adam_", "optim_")
-_ECHO_SUFFIXES = ("", ":mean", ":max", ":min", ":sum")
-_ECHO_ALIASES = {
-    "learning_rate": ("learning_rate", "lr"),
-    "beta1": ("beta1",),
-    "beta2": ("beta2",),
-    "eps": ("eps", "epsilon"),
-    "weight_decay": ("weight_decay",),
-    "grad_clip_norm": ("grad_clip_norm",),
-}
-
-
 def echoed_config(metrics: Mapping[str, float] | None, keys: Sequence[str]) -> dict[str, float]:
-    """The requested config keys that an optim_step response's metrics echo back."""
-    found: dict[str, float] = {}
-    if not metrics:
-        return found
-    for key in keys:
-        for alias in _ECHO_ALIASES.get(key, (key,)):
-            for pre in _ECHO_PREFIXES:
-                for suf in _ECHO_SUFFIXES:
-                    name = f"{pre}{alias}{suf}"
-                    if name in metrics and key not in found:
-                        found[key] = float(metrics[name])
-    return found
+    """The requested config keys that an optim_step response's metrics echo back, as the embedded
+    server names them (`optim/<key>`; Spindle and tinker 0.25's own types echo none)."""
+    return {k: float(metrics[f"optim/{k}"]) for k in keys if metrics and f"optim/{k}" in metrics}
 
 
 def optimizer_check(

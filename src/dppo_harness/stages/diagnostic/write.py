@@ -226,9 +226,7 @@ def analyse(
     the plan's criteria, integrity re-checks, and the classification."""
     loss_cfg, records = cfg.loss_config(), state.records
     second_epoch = [r for r in records if r.context.get("epoch") == 2]
-    pooled = (
-        pool_calls(second_epoch, [ins.record_prob_diff(r, loss_cfg) for r in second_epoch]) if second_epoch else None
-    )
+    pooled = pool_calls([ins.record_terms(r) for r in second_epoch]) if second_epoch else None
     planned = plan.diagnostic.analysis.criteria
     # Without a second-epoch loss call each criterion is reported missing (and failing), not left out.
     criteria = (
