@@ -18,7 +18,6 @@ from server_in_process import InProcessServer
 from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.faults import (
     FaultConfig,
-    parse_never_complete,
     parse_queue_pause,
     parse_reject_first,
     parse_reject_for,
@@ -118,8 +117,8 @@ def test_queue_pauses_and_hangs_reach_the_waiter_through_the_sdks_observers(engi
             parse_queue_pause("create_model:1:1.5"),
             parse_queue_pause("load_weights:1:1.5"),
             parse_queue_pause("optim_step:1:forever"),
+            parse_queue_pause("save_weights:2:forever:active"),
         ),
-        never_complete=(parse_never_complete("save_weights:2"),),
     )
     with _waited_session(engine, faults, WaitPolicy.from_options(capacity_patience_s=3, service_timeout_s=60)) as (
         waiter,

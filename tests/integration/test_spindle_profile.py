@@ -411,7 +411,7 @@ def test_a_request_that_never_completes_stops_the_stage_after_the_service_timeou
     client after --service-timeout-s, reported as no answer, not as capacity."""
     proc, secs, r, stats = _stopped_run(
         tmp_path,
-        ["--fault-never-complete", "save_weights:1"],
+        ["--fault-queue-pause", "save_weights:1:forever:active"],
         ["tests/preflight", f"--plan={plan_file}", "--service-timeout-s=2"],
     )
     assert proc.returncode != 0 and secs < 150, secs
@@ -420,7 +420,7 @@ def test_a_request_that_never_completes_stops_the_stage_after_the_service_timeou
     line = "save_state on setup client (shared): no answer for 2 s"
     assert r["service_wait"]["stopped"]["kind"] == "no_answer" and r["service_wait"]["stopped"]["line"].startswith(line)
     assert line in proc.stdout
-    assert stats["faults"]["injected"] == {"save_weights:never_complete": 1}
+    assert stats["faults"]["injected"] == {"save_weights:queue_pause": 1}
 
 
 def test_a_saturated_sample_submit_gives_up_after_the_patience(plan_file, tmp_path):

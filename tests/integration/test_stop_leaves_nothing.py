@@ -78,7 +78,7 @@ def test_a_stopped_sample_is_abandoned_and_nothing_outlives_the_release(tmp_path
     threads_before, sockets_before, children_before = set(threading.enumerate()), tcp_sockets(), live_child_pids()
     tasks_before = sdk_loop_tasks()  # other tests' clients in this process may still have some
     srv = LocalServerProcess(
-        tmp_path / "srv", model="tiny-qwen3-random", fault_args=["--fault-never-complete", "asample:1"]
+        tmp_path / "srv", model="tiny-qwen3-random", fault_args=["--fault-queue-pause", "asample:1:forever:active"]
     )
     srv.start()
     try:

@@ -9,7 +9,6 @@ from dppo_harness.local_server.faults import (
     FaultConfig,
     FaultInjector,
     FaultSpecError,
-    parse_never_complete,
     parse_queue_pause,
     parse_reject_for,
 )
@@ -21,8 +20,8 @@ def test_the_kth_request_of_a_kind_is_held_with_its_state_and_reason():
             queue_pause=(
                 parse_queue_pause("optim_step:2:30"),
                 parse_queue_pause("create_model:1:forever:paused_rate_limit"),
+                parse_queue_pause("save_weights:1:forever:active"),
             ),
-            never_complete=(parse_never_complete("save_weights:1"),),
         )
     )
     assert inj.take_hold("optim_step") is None
@@ -37,7 +36,7 @@ def test_the_kth_request_of_a_kind_is_held_with_its_state_and_reason():
     assert inj.snapshot()["injected"] == {
         "optim_step:queue_pause": 1,
         "create_model:queue_pause": 1,
-        "save_weights:never_complete": 1,
+        "save_weights:queue_pause": 1,
     }
 
 
@@ -58,8 +57,7 @@ def test_refusal_for_a_while_counts_from_the_first_request():
         (parse_queue_pause, "optim_step:0:5", "counts requests from 1"),
         (parse_queue_pause, "optim_step:1:soon", "SECONDS must be a number or forever"),
         (parse_queue_pause, "optim_step:1:5:paused", "STATE must be one of"),
-        (parse_never_complete, "save_weights", "2 ':'-separated"),
-        (parse_never_complete, "save_weights:x", "N must be an integer"),
+        (parse_queue_pause, "save_weights:x:forever:active", "N must be an integer"),
         (parse_reject_for, "asample:418:5", "status must be one of"),
         (parse_reject_for, "asample:429:forever", "SECONDS must be a number"),
     ],

@@ -28,7 +28,6 @@ from dppo_harness.local_server.faults import (
     parse_capacity_fail,
     parse_latency,
     parse_model_lost,
-    parse_never_complete,
     parse_omit_field,
     parse_queue_pause,
     parse_reject_first,
@@ -58,9 +57,8 @@ _REPEATED_FAULTS: tuple[tuple[str, str, Callable[[str], object], str], ...] = (
         "KIND:N:SECONDS[:STATE][:moving]",
         parse_queue_pause,
         "hold the N-th request of KIND for SECONDS ('forever'); its polls say queue_state STATE "
-        "(paused_capacity, paused_rate_limit, or active: the only one Spindle sends)",
+        "(paused_capacity, paused_rate_limit, or active: the only one Spindle sends; forever:active never completes)",
     ),
-    ("--fault-never-complete", "KIND:N", parse_never_complete, "accept the N-th request of KIND, never complete it"),
     (
         "--fault-capacity-fail",
         "KIND:N1[,N2...]",

@@ -8,7 +8,6 @@ the client went through.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 import time
@@ -79,8 +78,7 @@ class Reject:
 
 @dataclass(frozen=True)
 class Nth:
-    """The `number`-th request of `kind` (1-based): `never_complete` accepts it and never completes
-    it (its queue stays active); `model_lost` (spindle, counted over every model as submits arrive)
+    """`model_lost` (spindle): the `number`-th submit of `kind` (1-based, counted over every model)
     finds the trainer of the model it was sent to gone: that submit and every later one on the
     model answer HTTP 410 model_lost, and its pending futures fail."""
 
@@ -111,7 +109,8 @@ class OmitField:
 class QueuePause:
     """The `number`-th request of `kind` (1-based, counted when its work is queued) waits `seconds`
     (None: forever) before it runs; meanwhile its polls are answered with 408 try_again carrying
-    `queue_state` and a queue_state_reason, as a shared service pauses work it has no capacity for."""
+    `queue_state` and a queue_state_reason, as a shared service pauses work it has no capacity for
+    (state `active`: no reason, a plain pending request; forever, a request that never completes)."""
 
     kind: str
     number: int
@@ -122,7 +121,7 @@ class QueuePause:
 
 @dataclass(frozen=True)
 class Hold:
-    """What keeps one queued request from running (see QueuePause, never_complete)."""
+    """What keeps one queued request from running (see QueuePause)."""
 
     queue_state: QueueState  # what its polls report: paused_capacity, paused_rate_limit, or active (a hang)
     reason: str | None
@@ -146,7 +145,6 @@ class FaultConfig:
     capacity_fail: tuple[CapacityFail, ...] = ()  # ordered training calls whose future fails with capacity
     latency_ms: tuple[tuple[str, float], ...] = ()  # (kind, ms) added before handling
     queue_pause: tuple[QueuePause, ...] = ()  # k-th request of a kind paused (try_again polls)
-    never_complete: tuple[Nth, ...] = ()  # k-th request of a kind never answers
     reject_for: tuple[Reject, ...] = ()  # every request of a kind refused for a while
     die_after: int | None = None  # exit the process when API request K+1 arrives
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
@@ -221,15 +219,10 @@ def parse_capacity_fail(spec: str) -> CapacityFail:
     return CapacityFail(kind, _numbers(numbers, "--fault-capacity-fail", "request"))
 
 
-def _parse_nth(spec: str, option: str) -> Nth:
-    """`KIND:N`, e.g. `--fault-model-lost forward_backward:6` (a model's 6th forward_backward finds
-    its trainer gone) or `--fault-never-complete save_weights:1` (the first save never completes)."""
-    kind, n = _split(spec, option, 2)
-    return Nth(kind, int(_num(n, option, "N", least=1)))
-
-
-parse_model_lost = functools.partial(_parse_nth, option="--fault-model-lost")
-parse_never_complete = functools.partial(_parse_nth, option="--fault-never-complete")
+def parse_model_lost(spec: str) -> Nth:
+    """`KIND:N`, e.g. `forward_backward:6`: a model's 6th forward_backward finds its trainer gone."""
+    kind, n = _split(spec, "--fault-model-lost", 2)
+    return Nth(kind, int(_num(n, "--fault-model-lost", "N", least=1)))
 
 
 def parse_latency(spec: str) -> tuple[str, float]:
@@ -406,9 +399,6 @@ class FaultInjector:
         with self._lock:
             self.queued[kind] += 1
             n = self.queued[kind]
-            if any(_names(never.kind, kind) and never.number == n for never in self.config.never_complete):
-                self.injected[f"{kind}:never_complete"] += 1
-                return Hold("active", None, None)
             for pause in self.config.queue_pause:
                 if _names(pause.kind, kind) and pause.number == n:
                     self.injected[f"{kind}:queue_pause"] += 1

@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import transformers
+from tinker import types
 
 from dppo_harness.constants import BASE_MODEL
 from dppo_harness.data.tokenizer import TmlQwen35Tokenizer
 from dppo_harness.local_server.checkpoint_files import ADAPTER_FILE, CHECKPOINT_PATH_RE, checkpoint_dir
 from dppo_harness.local_server.engine import model, sampling, warmstart
-from dppo_harness.local_server.engine.logprobs import head_target_logprobs, lora_head_parts
+from dppo_harness.local_server.engine.logprobs import head_target_logprobs
 from dppo_harness.local_server.engine.loss_fns import server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.vocab import get_tokenizer, load_vocab
@@ -46,7 +47,6 @@ FwdBwdOut = tuple[list[dict[str, np.ndarray]], dict[str, float]]
 LossConfigIn = Mapping[str, float | str] | None  # a request's loss_fn_config
 Items = list[tuple[torch.Tensor, dict[str, torch.Tensor]]]  # validated datums: local tokens, tensor inputs
 
-ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 TOKEN_BUDGET = 6144  # padded tokens per trainer micro-batch (bounds logits memory)
 # Retained first passes (see Engine._run), engine-wide: their kept float32 logits and their number
 # (a forward_backward_custom the SDK splits into chunks sends one forward per chunk).
@@ -54,14 +54,6 @@ RETAINED_LOGIT_BYTES = 1 << 30
 MAX_RETAINED = 4
 SAMPLER_CACHE_SIZE = 4  # sampler models (base, saved weights) kept merged at once
 _NAME_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
-
-
-@dataclass
-class SampledSeq:
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str  # "stop" | "length"
-    prompt_logprobs: list[float | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -120,11 +112,6 @@ class RetainedForward:
             torch.equal(a[0], b[0]) and torch.equal(a[1]["target_tokens"], b[1]["target_tokens"])
             for a, b in zip(items, self.items)
         )
-
-
-def make_optimizer(params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.AdamW:
-    betas = (ADAM_DEFAULTS["beta1"], ADAM_DEFAULTS["beta2"])
-    return torch.optim.AdamW([p for _, p in params], lr=0.0, betas=betas, eps=ADAM_DEFAULTS["eps"], weight_decay=0.0)
 
 
 def _atomic_dir_write(final: Path, files: dict[str, bytes], overwrite: bool) -> None:
@@ -240,7 +227,16 @@ class Engine:
         net = model.add_lora(copy.deepcopy(self.base_model), lora_rank, lora_seed, targets)
         net.eval()  # no dropout anywhere; training mode is irrelevant for this model
         params = list(model.lora_named_parameters(net))
-        tm = TrainModel(model_id, base_model, lora_rank, lora_seed, net, params, make_optimizer(params), targets)
+        tm = TrainModel(
+            model_id,
+            base_model,
+            lora_rank,
+            lora_seed,
+            net,
+            params,
+            torch.optim.AdamW([q for _, q in params], lr=0.0),
+            targets,
+        )
         with self._models_lock:
             self._models[model_id] = tm
         return model_id
@@ -256,22 +252,6 @@ class Engine:
             tm = self._models.pop(model_id, None)
         if tm is not None:
             self._drop_retained(model_id)
-
-    def get_info(self, model_id: str) -> dict[str, Any]:
-        tm = self._get(model_id)
-        return {
-            "model_name": self.served_model_name,
-            "model_id": model_id,
-            "is_lora": True,
-            "lora_rank": tm.lora_rank,
-            "optimizer_config": {"type": "adamw"},
-            "model_data": {
-                "arch": type(self.base_model).__name__,
-                "model_name": self.served_model_name,
-                "tokenizer_id": BASE_MODEL,
-            },
-            "requested_base_model": tm.requested_base_model,
-        }
 
     # ----- trainer: validated datums, length-sorted micro-batches, target logprobs (the presets'
     # fused head), the registered losses, retained first passes, AdamW steps, parameter reads -----
@@ -336,13 +316,9 @@ class Engine:
         kw = {"attention_mask": mask_BT} if min(lens) != Tm else {}
         causal = net.get_base_model()
         assert isinstance(causal, transformers.PreTrainedModel)  # the Qwen3 causal LM under the peft wrapper
-        head = causal.get_output_embeddings()
-        if lora_head_parts(head) is None:
-            logits_BTV = net(input_ids=ids_BT, use_cache=False, **kw).logits
-            lp_BT = model.token_logprobs(logits_BTV, tgt_BT, self.vocab.size)
-            return [lp_BT[b, : lens[b]] for b in range(len(idx))]
+        head = causal.get_output_embeddings()  # a plain or LoRA float32 Linear in every preset: fusable
         # The output head is most of the compute: run it fused, in row chunks, on the real
-        # (unpadded) positions only; same values as the logits path above.
+        # (unpadded) positions only; same values as `model.token_logprobs` over the full logits.
         hidden_BTH = causal.get_decoder()(input_ids=ids_BT, use_cache=False, **kw).last_hidden_state
         real_BT = mask_BT.bool()  # right padding: row-major order keeps each datum contiguous
         lp_N = head_target_logprobs(
@@ -436,17 +412,12 @@ class Engine:
         """Forward + backward; LoRA gradients accumulate until ``optim_step``."""
         return self._run(model_id, data, loss_fn, loss_fn_config, backward=True)
 
-    def optim_step(self, model_id: str, adam: Mapping[str, float | None]) -> dict[str, float]:
+    def optim_step(self, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
+        """`adam`: `AdamParams` fields; the SDK's defaults fill those left out. The optimizer's
+        hyperparameters are set from them at every step."""
         tm = self._get(model_id)
-        if "learning_rate" not in adam:
-            raise UserError("optim_step needs adam_params.learning_rate")
-        p = {**ADAM_DEFAULTS, **{k: v for k, v in adam.items() if v is not None}}
-        unknown = set(p) - set(ADAM_DEFAULTS) - {"learning_rate"}
-        if unknown:
-            raise UserError(f"unknown adam_params fields {sorted(unknown)}")
-        lr, b1, b2, eps, wd, clip = (
-            float(p[k]) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-        )
+        p = types.AdamParams.model_validate(adam)
+        lr, b1, b2, eps, wd, clip = p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm
         checks = [
             (lr >= 0 and math.isfinite(lr), "learning_rate >= 0"),
             (0 <= b1 < 1, "0 <= beta1 < 1"),
@@ -559,7 +530,7 @@ class Engine:
                 for n, q in tm.params:
                     q.copy_(adapter[n])
                     q.grad = None
-            tm.optimizer = make_optimizer(tm.params)
+            tm.optimizer = torch.optim.AdamW([q for _, q in tm.params], lr=0.0)
             tm.steps = 0
             if with_optimizer:
                 tm.optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
@@ -618,7 +589,7 @@ class Engine:
         stop_strings: Sequence[str] = (),
         seed: int | None = None,
         prompt_logprobs: bool = False,
-    ) -> list[SampledSeq]:
+    ) -> list[sampling.Decoded]:
         """Blocking; concurrent calls are batched together by the sampler thread."""
         if sampler_path_or_base in self.served_models:
             key = "base"
@@ -645,15 +616,16 @@ class Engine:
             raise UserError(f"top_k must be -1 (off) or >= 1, got {top_k!r}")
         if top_p is None or not (0 < top_p <= 1):
             raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
+        V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
         job = _SampleJob(
             key=key,
-            prompt=prompt,
+            prompt=self.vocab.to_local(prompt).tolist(),
             n=num_samples,
             max_tokens=max_tokens,
             temperature=float(temperature),
             top_k=int(top_k),
             top_p=float(top_p),
-            stop_ids=[int(s) for s in stop_token_ids],
+            stop_ids=[s for s in self.vocab.to_local([int(s) for s in stop_token_ids]).tolist() if s < V],
             stop_strings=[s for s in stop_strings if s],
             seed=int(secrets.randbits(63) if seed is None else seed),
             want_prompt_lp=bool(prompt_logprobs),
@@ -686,22 +658,12 @@ class Engine:
                     if not j.future.done():
                         j.future.set_exception(e)
 
-    def _decode_batch(self, net: transformers.PreTrainedModel, jobs: list[_SampleJob]) -> list[list[SampledSeq]]:
-        """Every sample of `jobs` (one sampler) decoded together by the one decode loop
-        (`sampling.generate`), the restricted vocabulary mapped in and out here."""
-        V = self.vocab.size  # OOV stop ids map to the unk row, which is never drawn
-        reqs = []
-        for j in jobs:
-            fields = {f.name: getattr(j, f.name) for f in dataclasses.fields(sampling.DecodeRequest)}
-            prompt = self.vocab.to_local(j.prompt).tolist()
-            stop_ids = [s for s in self.vocab.to_local(j.stop_ids).tolist() if s < V] if j.stop_ids else []
-            reqs.append(sampling.DecodeRequest(**{**fields, "prompt": prompt, "stop_ids": stop_ids}))
+    def _decode_batch(self, net: transformers.PreTrainedModel, jobs: list[_SampleJob]) -> list[list[sampling.Decoded]]:
+        """Every sample of `jobs` (one sampler, their ids local) decoded together by the one decode
+        loop (`sampling.generate`); the sampled ids are mapped back to real ones here."""
         with torch.no_grad():
-            out = sampling.generate(net, reqs, self._preset_text, V)
-        return [
-            [SampledSeq(self.vocab.to_real(d.tokens), d.logprobs, d.stop_reason, d.prompt_logprobs) for d in seqs]
-            for seqs in out
-        ]
+            out = sampling.generate(net, jobs, self._preset_text, self.vocab.size)
+        return [[dataclasses.replace(d, tokens=self.vocab.to_real(d.tokens)) for d in seqs] for seqs in out]
 
     def _preset_text(self, local_ids: list[int]) -> str:
         return self.tokenizer.decode(self.vocab.to_real(local_ids))

@@ -51,8 +51,8 @@ def lora_head_parts(
     return base.weight, lora_a.weight, lora_b.weight, float(head.scaling[name])
 
 
-# The fused head's frozen layout, kept for backward: W, A, B, scaling, in_vocab, chunk_rows, keep.
-_HeadLayout = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float, int, int, bool]
+# The fused head's frozen layout, kept for backward: W, A, B, scaling, in_vocab, chunk_rows.
+_HeadLayout = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float, int, int]
 
 
 class _HeadCtx(Protocol):
@@ -69,7 +69,7 @@ class _HeadCtx(Protocol):
 
 class _HeadTargetLogprobs(torch.autograd.Function):
     """log p(target) under softmax over the first `in_vocab` columns of h W^T + s (h A^T) B^T, in
-    row chunks; the chunks' logits are kept for backward (keep=True) or recomputed (keep=False)."""
+    row chunks; the chunks' logits are kept for backward when one can run (keep)."""
 
     @staticmethod
     def forward(
@@ -107,15 +107,15 @@ class _HeadTargetLogprobs(torch.autograd.Function):
                 logits.append(z_Cv)
         lp_N = torch.where(oov_N, torch.full_like(lp_N, oov_logprob), lp_N)  # constant: no gradient
         ctx.save_for_backward(hidden_NH, safe_N, oov_N, lse_N)
-        ctx.head = (W_VH, A_RH, B_VR, scaling, in_vocab, chunk_rows, keep)
-        ctx.chunks = (logits, xas if keep else [])
+        ctx.head = (W_VH, A_RH, B_VR, scaling, in_vocab, chunk_rows)
+        ctx.chunks = (logits, xas)
         return lp_N
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: _HeadCtx, g_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden_NH, safe_N, oov_N, lse_N = ctx.saved_tensors
-        W_VH, A_RH, B_VR, scaling, in_vocab, chunk_rows, keep = ctx.head
+        W_VH, A_RH, B_VR, scaling, in_vocab, chunk_rows = ctx.head
         if ctx.chunks is None:
             raise RuntimeError("the fused output head's backward ran twice; its logits were consumed")
         logits, xas = ctx.chunks
@@ -128,16 +128,8 @@ class _HeadTargetLogprobs(torch.autograd.Function):
         dA_RH = torch.zeros_like(A_RH) if A_RH is not None and want_a else None
         dB_VR = torch.zeros_like(B_VR) if B_VR is not None and want_b else None
         for i, s in enumerate(range(0, hidden_NH.shape[0], chunk_rows)):
-            h_CH = hidden_NH[s : s + chunk_rows]
-            xa_CR = None
-            if keep:
-                z_Cv = logits[i]
-                xa_CR = xas[i] if A_RH is not None else None
-            else:
-                z_Cv = torch.mm(h_CH, W_vH.t())
-                if A_RH is not None and B_vR is not None:  # a LoRA head has both
-                    xa_CR = torch.mm(h_CH, A_RH.t()).mul_(scaling)
-                    z_Cv.addmm_(xa_CR, B_vR.t())
+            h_CH, z_Cv = hidden_NH[s : s + chunk_rows], logits[i]
+            xa_CR = xas[i] if A_RH is not None else None
             g_C = g_N[s : s + chunk_rows]
             # d lp / d z = onehot(target) - softmax(z), times the upstream gradient (in place on z)
             z_Cv.sub_(lse_N[s : s + chunk_rows, None]).exp_().mul_(g_C.neg()[:, None])
@@ -163,7 +155,6 @@ def head_target_logprobs(
     *,
     oov_logprob: float,
     chunk_rows: int = HEAD_CHUNK_ROWS,
-    keep_logits: bool = True,
 ) -> torch.Tensor:
     """float32 log p(target) per row of `hidden_NH` under the softmax over the head's first
     `in_vocab` output columns (the restricted vocabulary drops its input-only unk row); a target
@@ -184,13 +175,9 @@ def head_target_logprobs(
     W_VH, A_RH, B_VR, scaling = parts
     if not 0 < in_vocab <= W_VH.shape[0]:
         raise ValueError(f"in_vocab {in_vocab} outside the head's {W_VH.shape[0]} rows")
-    keep = (
-        keep_logits
-        and torch.is_grad_enabled()
-        and (
-            hidden_NH.requires_grad
-            or (A_RH is not None and B_VR is not None and (A_RH.requires_grad or B_VR.requires_grad))
-        )
+    keep = torch.is_grad_enabled() and (
+        hidden_NH.requires_grad
+        or (A_RH is not None and B_VR is not None and (A_RH.requires_grad or B_VR.requires_grad))
     )
     return _HeadTargetLogprobs.apply(
         hidden_NH, targets_N, W_VH, A_RH, B_VR, scaling, int(in_vocab), int(chunk_rows), keep, float(oov_logprob)

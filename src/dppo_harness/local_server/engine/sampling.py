@@ -88,7 +88,7 @@ class DecodeRequest:
 
 @dataclass
 class Decoded:
-    tokens: list[int]
+    tokens: list[int]  # the model's rows here; real ids once the engine returns them
     logprobs: list[float]
     stop_reason: str  # "stop" | "length"
     prompt_logprobs: list[float | None] | None

@@ -118,7 +118,9 @@ def train(
         last_said = time.time()
         net = model.build_base_model(config, vocab.num_embeddings, seed)
         net.train()
-        opt = _optimizer(net, recipe)
+        opt = torch.optim.AdamW(
+            net.parameters(), recipe["lr"], tuple(recipe["betas"]), recipe["eps"], recipe["weight_decay"]
+        )
         losses = []
         for step in range(steps):
             lr = _lr_at(step, recipe, sched)
@@ -158,16 +160,6 @@ def _visited_examples(
     visit = sorted({order[k % len(order)] for k in range(n_examples)})
     _progress(f"warm start: rendering {len(visit)} GSM8K train examples")
     return {i: build_example(vocab, renderer, rows[i]) for i in visit}
-
-
-def _optimizer(net: torch.nn.Module, recipe: dict) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        net.parameters(),
-        lr=recipe["lr"],
-        betas=tuple(recipe["betas"]),
-        eps=recipe["eps"],
-        weight_decay=recipe["weight_decay"],
-    )
 
 
 def _lr_at(step: int, recipe: dict, sched: int) -> float:
@@ -235,19 +227,6 @@ def load_or_build(
     return net, meta | info | {"source": "built"}
 
 
-def _load_verified(
-    wfile: Path, meta: dict, config: model.TinyConfig, vocab: Vocab, seed: int, refusal: str
-) -> transformers.Qwen3ForCausalLM:
-    """The base model with the weights of `wfile`, whose sha256 must be the one `meta` records."""
-    state = torch.load(wfile, map_location="cpu", weights_only=True)
-    if model.state_sha256(state) != meta.get("weights_sha256"):
-        raise ValueError(refusal)
-    net = model.build_base_model(config, vocab.num_embeddings, seed)
-    net.load_state_dict(state)
-    net.eval()
-    return net
-
-
 def load_shipped(
     config: model.TinyConfig, vocab: Vocab, seed: int, key: dict
 ) -> tuple[transformers.Qwen3ForCausalLM, dict] | None:
@@ -258,8 +237,14 @@ def load_shipped(
     meta = json.loads(mfile.read_text())
     if meta.get("key") != shipped_key(key):
         return None
-    refusal = f"shipped warm start {wfile} fails its sha256 check {meta.get('weights_sha256')}; reinstall the package"
-    net = _load_verified(wfile, meta, config, vocab, seed, refusal)
+    state = torch.load(wfile, map_location="cpu", weights_only=True)
+    if model.state_sha256(state) != meta.get("weights_sha256"):
+        raise ValueError(
+            f"shipped warm start {wfile} fails its sha256 check {meta.get('weights_sha256')}; reinstall the package"
+        )
+    net = model.build_base_model(config, vocab.num_embeddings, seed)
+    net.load_state_dict(state)
+    net.eval()
     return net, meta | {"source": "shipped", "asset": wfile.name}
 
 

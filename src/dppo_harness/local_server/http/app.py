@@ -28,7 +28,7 @@ from dppo_harness.local_server.engine.engine import DEFAULT_PRESET, Engine
 from dppo_harness.local_server.errors import SpindleError, UserError
 from dppo_harness.local_server.faults import FaultConfig, FaultInjector, HeaderRecorder
 from dppo_harness.local_server.http import handlers, spindle
-from dppo_harness.local_server.http.codecs import API, ProtocolError, dump, kind_of
+from dppo_harness.local_server.http.codecs import API, ProtocolError, dump
 from dppo_harness.local_server.http.state import STATE_KEY, ServerState, error_json, log
 from dppo_harness.local_server.profiles import Profile
 
@@ -56,25 +56,28 @@ def build_app(state: ServerState) -> web.Application:
     is_spindle = state.profile.is_spindle
     if is_spindle:
         app.cleanup_ctx.append(_idle_sweep)
-    for name in POSTS.split():  # each named for its route
-        app.router.add_post(f"{API}/{name}", getattr(handlers, name))
-    app.router.add_post(f"{API}/client/config", handlers.client_config)
-    app.router.add_post(f"{API}/client/dynamic_config", handlers.client_dynamic_config)
+    # Each route is named for its handler: the name is the request's kind for faults and counters.
+    posts = {name: name for name in POSTS.split()} | {
+        "client_config": "client/config",
+        "client_dynamic_config": "client/dynamic_config",
+    }
     gets = {
-        "healthz": handlers.healthz,
-        "get_server_capabilities": handlers.get_server_capabilities,
-        "samplers/{sampler_id}": handlers.get_sampler,
-        "training_runs": handlers.list_training_runs,
-        "training_runs/{model_id}": handlers.get_training_run,
-        "training_runs/{model_id}/checkpoints": handlers.list_checkpoints,
+        "healthz": "healthz",
+        "get_server_capabilities": "get_server_capabilities",
+        "get_sampler": "samplers/{sampler_id}",
+        "list_training_runs": "training_runs",
+        "get_training_run": "training_runs/{model_id}",
+        "list_checkpoints": "training_runs/{model_id}/checkpoints",
     }
     if is_spindle:  # Spindle's own routes
-        gets["spindle/deployments"] = handlers.deployments
-        gets["training_runs/{model_id}/checkpoints/{checkpoint_id:.+}/archive"] = handlers.checkpoint_archive
+        gets["deployments"] = "spindle/deployments"
+        gets["checkpoint_archive"] = "training_runs/{model_id}/checkpoints/{checkpoint_id:.+}/archive"
     else:  # the SDK's REST reads Spindle lacks: the session read, the user-wide checkpoint list
-        gets |= {"sessions/{session_id}": handlers.get_session, "checkpoints": handlers.list_user_checkpoints}
-    for path, handler in gets.items():
-        app.router.add_get(f"{API}/{path}", handler)
+        gets |= {"get_session": "sessions/{session_id}", "list_user_checkpoints": "checkpoints"}
+    for name, path in posts.items():
+        app.router.add_post(f"{API}/{path}", getattr(handlers, name), name=name)
+    for name, path in gets.items():
+        app.router.add_get(f"{API}/{path}", getattr(handlers, name), name=name)
     app.router.add_get("/_harness/stats", handlers.stats)
     return app
 
@@ -135,7 +138,7 @@ async def _faults_and_errors(request: web.Request, handler: Handler) -> web.Stre
     state = request.app[STATE_KEY]
     if request.path.startswith("/_harness/"):
         return await handler(request)
-    kind = kind_of(request.path)
+    kind = request.match_info.route.name or request.path.removeprefix(API).strip("/").replace("/", "_")
     state.headers.record(request.headers)
     decision = state.faults.decide(kind, counts_toward_death=kind != "healthz")
     if decision.die:

@@ -18,7 +18,7 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.local_server.errors import UserError
 
 if TYPE_CHECKING:
-    from dppo_harness.local_server.engine.engine import SampledSeq
+    from dppo_harness.local_server.engine.sampling import Decoded
 
 API = "/api/v1"
 # A zstd fwd/bwd body inflates to at most this (the server takes raw bodies up to 512 MiB).
@@ -32,24 +32,6 @@ _PB_TO_NP = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64}
 
 class ProtocolError(Exception):
     """A request the server cannot parse: answered with HTTP 400 and a message naming the field."""
-
-
-def kind_of(path: str) -> str:
-    """Endpoint name used for fault rules and counters (`/api/v1/create_model` → `create_model`)."""
-    if not path.startswith(API + "/"):
-        return path.strip("/").replace("/", "_") or "root"
-    rest = path[len(API) + 1 :]
-    if rest.startswith("sessions/") and rest.endswith("/finish"):
-        return "session_finish"
-    if rest.startswith("sessions/"):
-        return "get_session"
-    if rest.startswith("samplers/"):
-        return "get_sampler"
-    if rest.startswith("training_runs/"):
-        return "list_checkpoints" if rest.endswith("/checkpoints") else "get_training_run"
-    if rest == "training_runs":
-        return "list_training_runs"
-    return rest.replace("/", "_")
 
 
 def decode_tensor(msg: pb.Tensor) -> np.ndarray:
@@ -151,7 +133,7 @@ def encode_fwdbwd_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str
 
 
 def encode_sample_response(
-    seqs: Sequence[SampledSeq], prompt_logprobs: list[float | None] | None, *, omit_logprobs: bool = False
+    seqs: Sequence[Decoded], prompt_logprobs: list[float | None] | None, *, omit_logprobs: bool = False
 ) -> bytes:
     """`omit_logprobs`: leave every sequence's (optional) logprobs out, as a service may."""
     msg = pb.SampleResponse()

@@ -165,9 +165,8 @@ async def create_model(request: web.Request) -> web.Response:
             state.model_requests.pop((req.session_id, req.model_seq_id), None)  # a retry is a new creation attempt
             return Outcome("error", CAPACITY_REFUSED, "server")
         state.check_served(req.base_model)
-        switches = (lora.train_mlp, lora.train_attn, lora.train_unembed)
         if state.profile.is_spindle:  # the trainer's cold start, a LoRA slot, then Miles' checks
-            refusal = spindle.lora_refusal(lora.rank, lora.seed, switches)
+            refusal = spindle.lora_refusal(lora.rank, lora.seed, (lora.train_mlp, lora.train_attn, lora.train_unembed))
             refused = await spindle.admit_creation(state, model_id, req.session_id, refusal)
             if refused is not None:
                 return refused
@@ -179,13 +178,13 @@ async def create_model(request: web.Request) -> web.Response:
                 lora.rank,
                 lora.seed,
                 model_id=model_id,
-                train_mlp=switches[0],
-                train_attn=switches[1],
-                train_unembed=switches[2],
+                train_mlp=lora.train_mlp,
+                train_attn=lora.train_attn,
+                train_unembed=lora.train_unembed,
             ),
         )
         state.models[model_id] = ModelEntry(
-            model_id, engine_id, req.base_model, req.session_id, lora.rank, str_metadata(req.user_metadata), switches
+            model_id, engine_id, req.base_model, req.session_id, lora.rank, str_metadata(req.user_metadata)
         )
         return Outcome("json", dump(types.CreateModelResponse(model_id=model_id)))
 
@@ -196,30 +195,20 @@ async def get_info(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     req = await parse_body(request, types.GetInfoRequest)
     entry = state.model(req.model_id)
-    if state.profile.is_spindle:
-        # Spindle's fields exactly: no architecture, tokenizer id or optimizer config
-        # (src/spindle/control_plane/http.py, get_info); the model is the one that computes.
-        info: JsonObject = {
-            "type": "get_info",
-            "model_id": entry.model_id,
-            "model_data": {"model_name": state.stand_in},
-            "model_name": state.stand_in,
-            "is_lora": True,
-            "lora_rank": entry.lora_rank,
-            "parameterization": {"type": "lora"},
-        }
-    else:
-        rank = state.engine.get_info(entry.engine_id)["lora_rank"]
-        response = types.GetInfoResponse(
-            type="get_info",
-            # its own model's name, as a service names what computes (the requested name is an alias)
-            model_data=types.ModelData(model_name=state.stand_in, tokenizer_id=entry.base_model),
-            model_id=entry.model_id,
-            is_lora=True,
-            lora_rank=rank,
-            model_name=state.stand_in,
-        )
-        info = dump(response)
+    spindle_profile = state.profile.is_spindle
+    response = types.GetInfoResponse(
+        type="get_info",
+        # its own model's name, as a service names what computes (the requested name is an alias);
+        # Spindle sends no architecture, tokenizer id or optimizer config (control_plane/http.py, get_info)
+        model_data=types.ModelData(
+            model_name=state.stand_in, tokenizer_id=None if spindle_profile else entry.base_model
+        ),
+        model_id=entry.model_id,
+        is_lora=True,
+        lora_rank=entry.lora_rank,
+        model_name=state.stand_in,
+    )
+    info = dump(response) | ({"parameterization": {"type": "lora"}} if spindle_profile else {})
     return ok(state.faults.omit_json("get_info", info))
 
 
@@ -275,7 +264,7 @@ async def save_weights(request: web.Request) -> web.Response:
             text = f"FileExistsError: checkpoint already exists: /checkpoints/{name}/{entry.model_id}"
             return Outcome("error", text, "server")
         path = state.engine.save_state(entry.engine_id, name, overwrite=req.overwrite)
-        state.record_checkpoint(entry, path)
+        state.record_checkpoint(path)
         return Outcome("json", dump(types.SaveWeightsResponse(path=path, type="save_weights")))
 
     return state.submit_ordered(entry, req.seq_id, "save_weights", fn)
@@ -290,7 +279,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
 
     def fn() -> Outcome:
         path = state.engine.save_for_sampler(entry.engine_id, req.path)
-        state.record_checkpoint(entry, path)
+        state.record_checkpoint(path)
         sampler_id = None
         if req.path is None and req.sampling_session_seq_id is not None:
             sampler_id = state.new_sampler(entry.session_id, int(req.sampling_session_seq_id), entry.base_model, path)
@@ -326,15 +315,17 @@ async def load_weights(request: web.Request) -> web.Response:
             refused = await spindle.admit_creation(state, model_id, session_id)
             if refused is not None:
                 return refused
-        engine_id = await state.run_engine(
+        engine_id, meta = await state.run_engine(
             state.misc_pool,
             "load_weights",
-            lambda: state.engine.create_model_from_state(path, req.optimizer, model_id=model_id),
+            lambda: (
+                state.engine.create_model_from_state(path, req.optimizer, model_id=model_id),
+                state.engine.read_checkpoint(path)[1],
+            ),
         )
-        info = await state.run_engine(state.misc_pool, "get_info", lambda: state.engine.get_info(engine_id))
-        base_model = req.base_model or info["requested_base_model"]
+        base_model = req.base_model or meta["requested_base_model"]
         state.models[model_id] = ModelEntry(
-            model_id, engine_id, base_model, session_id, info["lora_rank"], str_metadata(req.user_metadata)
+            model_id, engine_id, base_model, session_id, int(meta["lora_rank"]), str_metadata(req.user_metadata)
         )
         if state.profile.is_spindle:
             # A creation resolves to its type and model id only, no path
@@ -356,7 +347,7 @@ async def unload_model(request: web.Request) -> web.Response:
 
     async def work() -> Outcome:
         # After the requests already accepted for the model, but not after one a fault holds
-        # forever (--fault-never-complete): the unload frees the model all the same.
+        # forever (--fault-queue-pause KIND:N:forever:active): the unload frees the model all the same.
         async with entry.cond:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(entry.cond.wait_for(lambda: entry.pending == 0), UNLOAD_DRAIN_S)
@@ -383,8 +374,10 @@ async def create_sampling_session(request: web.Request) -> web.Response:
     else:
         if not req.model_path.startswith("tinker://"):
             raise UserError(f"model_path must start with tinker://, got {req.model_path!r}")
-        saved = state.checkpoints.get(req.model_path)
-        base_model = base_model or (saved.model.base_model if saved else None) or constants.BASE_MODEL
+        if base_model is None:  # the saving model's, when the checkpoint is readable
+            with contextlib.suppress(UserError):
+                base_model = state.engine.read_checkpoint(req.model_path)[1]["requested_base_model"]
+        base_model = base_model or constants.BASE_MODEL
     sampler_id = state.new_sampler(req.session_id, req.sampling_session_seq_id, base_model, req.model_path)
     return ok(types.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
 
@@ -519,12 +512,11 @@ async def list_checkpoints(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     if model_id not in state.models:
         return error_json(f"unknown training run {model_id!r}", 404)
-    mine = [r.checkpoint for r in state.checkpoints.values() if r.model.model_id == model_id]
-    return ok(types.CheckpointsListResponse(checkpoints=mine))
+    return ok(types.CheckpointsListResponse(checkpoints=state.checkpoints_of(model_id)))
 
 
 async def list_user_checkpoints(request: web.Request) -> web.Response:
-    every = [r.checkpoint for r in request.app[STATE_KEY].checkpoints.values()]
+    every = list(request.app[STATE_KEY].checkpoints.values())
     lo, hi = _page(request, len(every))
     cursor = types.Cursor(offset=lo, limit=hi - lo, total_count=len(every))
     return ok(types.CheckpointsListResponse(checkpoints=every[lo:hi], cursor=cursor))
@@ -557,27 +549,19 @@ class WeightsInfoRequest(pydantic.BaseModel):
 async def weights_info(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     req = await parse_body(request, WeightsInfoRequest)
-    saved = state.checkpoints.get(req.tinker_path)
-    if saved is not None:
-        mlp, attn, unembed = saved.model.lora_switches
-        return ok(
-            types.WeightsInfoResponse(
-                base_model=saved.model.base_model,
-                is_lora=True,
-                lora_rank=saved.model.lora_rank,
-                train_mlp=mlp,
-                train_attn=attn,
-                train_unembed=unembed,
-            )
-        )
-    # saved before this server started (a resumed run): the checkpoint's own record on disk names its
-    # base model and rank; the LoRA switches were never written, so none is sent
+    # the checkpoint's own record on disk: a restarted server (a resumed run) still knows it
     try:
         _, meta = state.engine.read_checkpoint(req.tinker_path)
     except UserError:
         return error_json(f"unknown checkpoint {req.tinker_path!r} (not saved through this server)", 404)
+    targets = meta["lora_targets"]
     return ok(
         types.WeightsInfoResponse(
-            base_model=meta["requested_base_model"], is_lora=True, lora_rank=int(meta["lora_rank"])
+            base_model=meta["requested_base_model"],
+            is_lora=True,
+            lora_rank=int(meta["lora_rank"]),
+            train_mlp="gate_proj" in targets,
+            train_attn="q_proj" in targets,
+            train_unembed="lm_head" in targets,
         )
     )

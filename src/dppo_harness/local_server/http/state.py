@@ -64,7 +64,6 @@ class ModelEntry:
     session_id: str
     lora_rank: int | None = None
     user_metadata: dict[str, str] | None = None
-    lora_switches: tuple[bool, bool, bool] = (True, True, True)  # train_mlp, train_attn, train_unembed
     # the model's ordered requests run one at a time on its own worker, in seq_id order (cond)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="model"))
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -78,14 +77,6 @@ class ModelEntry:
 @dataclass
 class SessionEntry:
     last_heartbeat: float
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    """A checkpoint saved through this server, for the REST reads (listing, weights info)."""
-
-    checkpoint: types.Checkpoint
-    model: ModelEntry  # the model that saved it (its base model, LoRA rank and switches)
 
 
 def str_metadata(meta: Mapping[str, JsonValue] | None) -> dict[str, str] | None:
@@ -107,7 +98,7 @@ class ServerState:
         self.sessions: dict[str, SessionEntry] = {}
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, types.GetSamplerResponse] = {}  # what GET samplers/<id> answers
-        self.checkpoints: dict[str, CheckpointRecord] = {}  # tinker path -> record, in save order
+        self.checkpoints: dict[str, types.Checkpoint] = {}  # tinker path -> saved through this server, in order
         self.results: OrderedDict[str, asyncio.Future[Outcome]] = OrderedDict()
         self.model_requests: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> request
         self.sample_pool = ThreadPoolExecutor(SAMPLE_WORKERS, thread_name_prefix="sample")
@@ -150,7 +141,7 @@ class ServerState:
     def marker(self) -> JsonObject:
         return {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile.name}
 
-    def record_checkpoint(self, entry: ModelEntry, path: str) -> None:
+    def record_checkpoint(self, path: str) -> None:
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
         checkpoint = types.Checkpoint(
             checkpoint_id=parsed.checkpoint_id,
@@ -159,10 +150,13 @@ class ServerState:
             tinker_path=path,
         )
         self.checkpoints.pop(path, None)  # an overwrite moves to the end
-        self.checkpoints[path] = CheckpointRecord(checkpoint, entry)
+        self.checkpoints[path] = checkpoint
+
+    def checkpoints_of(self, model_id: str) -> list[types.Checkpoint]:
+        return [c for path, c in self.checkpoints.items() if path.startswith(f"tinker://{model_id}/")]
 
     def training_run(self, entry: ModelEntry) -> types.TrainingRun:
-        mine = [r.checkpoint for r in self.checkpoints.values() if r.model.model_id == entry.model_id]
+        mine = self.checkpoints_of(entry.model_id)
         last = {
             kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
             for kind in ("training", "sampler")
