@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NotRequired, Protocol, TypedDict
@@ -27,7 +27,7 @@ from pydantic import JsonValue
 
 from dppo_harness import constants
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.json_types import JsonObject, as_object, items, num
+from dppo_harness.json_types import JsonObject, as_object, items
 from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.service.observed import create_from_state_with_response, describe_client
 from dppo_harness.service.wait.policy import call_with_capacity_retry, error_text, is_capacity_error
@@ -201,104 +201,36 @@ class InitializationProvenance(TypedDict):
     failures: NotRequired[list[str]]
 
 
-def initialization_entry(
-    *,
-    base_checkpoint: str,
-    checkpoint_uri: str,
-    checkpoint_immutable: bool | None,
-    loaded_checkpoint_uri: str | None,
-    load_succeeded: bool,
-    evidence_ref: str,
-    restore_count: int,
-    optimizer_checks: Sequence[Mapping[str, object]],
-    initial_output: JsonObject,
-    adapter_sha256: str | None = None,
-    checkpoint_immutable_reason: str | None = None,
-) -> ArmProvenance:
-    """One arm's `initialization_provenance` entry (version 1).
-
-    `checkpoint_immutable` is None when the duplicate save proved nothing (no explicit refusal);
-    `checkpoint_immutable_reason` says what the duplicate save got either way."""
-    init: JsonObject = {
-        "base_checkpoint": base_checkpoint,
-        "checkpoint_uri": checkpoint_uri,
-        "checkpoint_immutable": checkpoint_immutable,
-        "checkpoint_scope": "full_initialization",
-        "loaded_checkpoint_uri": loaded_checkpoint_uri,
-        "load_succeeded": load_succeeded,
-        "source": "server_response",
-        "evidence_ref": evidence_ref,
-        "before_first_update": True,
-    }
-    if checkpoint_immutable_reason is not None:
-        init["checkpoint_immutable_reason"] = checkpoint_immutable_reason
-    if adapter_sha256 is not None:
-        init["adapter_sha256"] = adapter_sha256
-    return {
-        "initialization": init,
-        "restore_count": restore_count,
-        "optimizer_checks": [as_object(c) for c in optimizer_checks],
-        "initial_output": initial_output,
-    }
-
-
-def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) -> list[str]:
-    """Every failure of the group's initialization proof; empty means the group is proved."""
+def check_provenance(entries: Mapping[str, ArmProvenance]) -> list[str]:
+    """Every failure of the group's initialization proof the service's answers can cause (the
+    preflight builds every entry from one checkpoint, one batch and restore_count 1); empty means
+    the group is proved."""
     failures: list[str] = []
-    entries = provenance.get("arms", {})
-    for arm in arms:
-        if arm not in entries:
-            failures.append(f"{arm}: no initialization_provenance entry")
-    present = [a for a in arms if a in entries]
-    for arm in present:
-        e = entries[arm]
+    for arm, e in entries.items():
         init = e["initialization"]
-        if not init.get("load_succeeded"):
-            failures.append(f"{arm}: checkpoint load did not succeed")
-        immutable = init.get("checkpoint_immutable")
+        immutable, why = init["checkpoint_immutable"], init.get("checkpoint_immutable_reason")
         if immutable is None:
-            failures.append(
-                f"{arm}: checkpoint_immutable unverified: "
-                + str(init.get("checkpoint_immutable_reason") or "no explicit refusal to overwrite")
-            )
+            failures.append(f"{arm}: checkpoint_immutable unverified: {why or 'no explicit refusal to overwrite'}")
         elif not immutable:
-            failures.append(
-                f"{arm}: initial checkpoint not shown immutable"
-                + (f": {init['checkpoint_immutable_reason']}" if init.get("checkpoint_immutable_reason") else "")
-            )
-        if init.get("loaded_checkpoint_uri") is None:
+            failures.append(f"{arm}: initial checkpoint not shown immutable" + (f": {why}" if why else ""))
+        if init["loaded_checkpoint_uri"] is None:
             failures.append(f"{arm}: no loaded checkpoint URI in the server's load response")
         elif init["loaded_checkpoint_uri"] != init["checkpoint_uri"]:
             failures.append(
                 f"{arm}: server loaded {init['loaded_checkpoint_uri']!r}, expected {init['checkpoint_uri']!r}"
             )
-        checks = e.get("optimizer_checks", [])
-        covered = sorted(int(num(c["after_restore"])) for c in checks)
-        if covered != list(range(e["restore_count"] + 1)):
-            failures.append(f"{arm}: optimizer checks cover restores {covered}, need 0..{e['restore_count']}")
-        for c in checks:
-            if c["mismatches"]:
-                failures.append(
-                    f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
-                    + "; ".join(str(m) for m in items(c["mismatches"]))
-                )
-        if not e["initial_output"].get("available"):
-            failures.append(f"{arm}: initial output unavailable")
-    # Shared identity: one checkpoint, one loaded URI, one batch, same outputs.
-    for key, label in (
-        ("checkpoint_uri", "initial checkpoint"),
-        ("loaded_checkpoint_uri", "loaded checkpoint"),
-        ("base_checkpoint", "base checkpoint"),
-    ):
-        values = {entries[a]["initialization"].get(key) for a in present}
-        if len(values) > 1:
-            failures.append(f"arms do not share one {label}: {sorted(map(str, values))}")
-    hashes = {str(h) for a in present if (h := entries[a]["initialization"].get("adapter_sha256")) is not None}
+        failures += [
+            f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
+            + "; ".join(str(m) for m in items(c["mismatches"]))
+            for c in e["optimizer_checks"]
+            if c["mismatches"]
+        ]
+    loaded = {str(e["initialization"]["loaded_checkpoint_uri"]) for e in entries.values()}
+    if len(loaded) > 1:
+        failures.append(f"arms do not share one loaded checkpoint: {sorted(loaded)}")
+    hashes = {str(h) for e in entries.values() if (h := e["initialization"].get("adapter_sha256")) is not None}
     if len(hashes) > 1:
         failures.append(f"arms' adapter_sha256 differ: {sorted(hashes)}")
-    batches = {entries[a]["initial_output"].get("batch_sha256") for a in present}
-    if len(batches) > 1:
-        failures.append(f"arms' fixed batches differ: {sorted(map(str, batches))}")
     return failures
 
 
@@ -394,14 +326,15 @@ def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multiplier
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """What every probe of one preflight shares: the ServiceClient its clients live on, the fixed
-    batch, the kept responses, the tolerance, how client-creating calls are made, the progress line."""
+    """What every probe of one preflight shares: the ServiceClient its clients live on, the initial
+    checkpoint, the fixed batch, the kept responses, how client-creating calls are made, the progress line."""
 
     sc: tinker.ServiceClient
+    checkpoint: str
     batch: list[tinker.Datum]
     rec: Recorder
     call: CallWrapper
-    say: Callable[[str], None] = lambda _m: None
+    say: Callable[[str], None]
 
 
 def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.AdamParams:
@@ -428,13 +361,11 @@ def reweighted(batch: Sequence[tinker.Datum], scale: float, keep: Callable[[int]
     for i, d in enumerate(batch):
         _, targets_T, mask_T = datum_arrays(d)
         w_T = (mask_T * np.float32(scale)) if keep(i) else np.zeros_like(mask_T)
+        inputs = {"target_tokens": targets_T, "weights": w_T.astype(np.float32)}
         out.append(
             tinker.Datum(
                 model_input=d.model_input,
-                loss_fn_inputs={
-                    "target_tokens": tinker.TensorData.from_numpy(targets_T),
-                    "weights": tinker.TensorData.from_numpy(w_T.astype(np.float32)),
-                },
+                loss_fn_inputs={k: tinker.TensorData.from_numpy(v) for k, v in inputs.items()},
             )
         )
     return out
@@ -448,7 +379,6 @@ def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
 def restore_probe(
     run: ProbeRun,
     uninterrupted: tinker.TrainingClient,
-    initial_checkpoint: str,
     opt_cfg: Mapping[str, float],
     tag: str,
     update_norm: UpdateNormMeasure | None = None,
@@ -463,10 +393,9 @@ def restore_probe(
     LR-scaling probe at the planned LR (`base_lr_update_norm`).
     """
     adam, batch, rec, atol = adam_params(opt_cfg), run.batch, run.rec, LOGPROB_ATOL
-    g1, g2 = probe_gradient(batch), reweighted(batch, 1.0, lambda i: i % 2 == 1)
     run.say("4/6: probe update 1 on the uninterrupted client")
     done: list[tinker.OptimStepResponse] = []
-    update1 = partial(fixed_gradient_step, uninterrupted, g1, adam)
+    update1 = partial(fixed_gradient_step, uninterrupted, probe_gradient(batch), adam)
     norm1 = None if update_norm is None else update_norm(uninterrupted, lambda: done.append(update1()))
     # without a measure, or one that never applied the update, it is applied here, unmeasured
     opt1 = done[0] if done else update1()
@@ -474,22 +403,24 @@ def restore_probe(
     mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
     rec.keep("probe_save_mid", mid)
     r = run.call(lambda: restore(run.sc, mid.path, f"restore probe ({tag})"))
-    restored, resp = r.client, r.response
-    describe_client(run.sc, restored, "restore probe: created from the uninterrupted probe's mid save")
-    rec.keep("probe_load_mid", resp)
+    describe_client(run.sc, r.client, "restore probe: created from the uninterrupted probe's mid save")
+    rec.keep("probe_load_mid", r.response)
     rec.keep("probe_load_mid.get_info", r.info)
     run.say("4/6: probe update 2 on both clients, then logprobs compared")
+    g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
     before = full_logprobs(uninterrupted, batch)
-    opt2_u = fixed_gradient_step(uninterrupted, g2, adam)
-    opt2_r = fixed_gradient_step(restored, g2, adam)
-    rec.keep("probe_optim_step_2_uninterrupted", opt2_u)
-    rec.keep("probe_optim_step_2_restored", opt2_r)
+    opt2 = {
+        "uninterrupted": fixed_gradient_step(uninterrupted, g2, adam),
+        "restored": fixed_gradient_step(r.client, g2, adam),
+    }
+    for k, v in opt2.items():
+        rec.keep(f"probe_optim_step_2_{k}", v)
     after_u = full_logprobs(uninterrupted, batch)
-    cmp = compare_logprobs(after_u, full_logprobs(restored, batch), atol)
+    cmp = compare_logprobs(after_u, full_logprobs(r.client, batch), atol)
     effect = compare_logprobs(before, after_u, atol)
     failures: list[str] = []
-    if resp.path != mid.path:
-        failures.append(f"probe restore: server load response path {resp.path!r} != saved {mid.path!r}")
+    if r.loaded_path != mid.path:
+        failures.append(f"probe restore: server load response path {r.loaded_path!r} != saved {mid.path!r}")
     if not cmp["within_tolerance"]:
         failures.append(f"restored probe update differs from uninterrupted: max |diff| {cmp['max_abs_diff']} > {atol}")
     if effect["within_tolerance"]:  # too small to tell a lost update from a matching one
@@ -498,16 +429,15 @@ def restore_probe(
             "the restore comparison cannot tell a lost update from a matching one"
         )
     return RestoreProbeResult(
-        initial_checkpoint=initial_checkpoint,
+        initial_checkpoint=run.checkpoint,
         mid_checkpoint=mid.path,
-        loaded_checkpoint_uri=resp.path,
+        loaded_checkpoint_uri=r.loaded_path,
         adam_params=adam.model_dump(),
         restored_vs_uninterrupted=as_object(cmp),
         second_update_effect=as_object(effect),
         optim_metrics={
             "update1": dict(opt1.metrics or {}),
-            "update2_uninterrupted": dict(opt2_u.metrics or {}),
-            "update2_restored": dict(opt2_r.metrics or {}),
+            **{f"update2_{k}": dict(v.metrics or {}) for k, v in opt2.items()},
         },
         echoed_config=echoed_config(opt1.metrics, list(opt_cfg)),
         echo_ref=echo_ref,
@@ -518,7 +448,6 @@ def restore_probe(
 
 def lr_scaling_probe(
     run: ProbeRun,
-    initial_checkpoint: str,
     opt_cfg: Mapping[str, float],
     multipliers: Sequence[float],
     update_norm: UpdateNormMeasure | None,
@@ -532,8 +461,7 @@ def lr_scaling_probe(
     Adam's first step is lr * m_hat / (sqrt(v_hat) + eps) ~ lr * sign(g), so update_norm / lr
     should be the same at every LR; the relative change against the first probe is checked.
     """
-    base_lr = float(opt_cfg["learning_rate"])
-    lrs = [base_lr * float(m) for m in multipliers]
+    lrs = [float(opt_cfg["learning_rate"]) * float(m) for m in multipliers]
     if update_norm is None:
         return LrScalingUnavailable(NO_UPDATE_NORM, lrs)
 
@@ -542,22 +470,21 @@ def lr_scaling_probe(
             f"{update_norm.description}: {getattr(update_norm, 'last_error', None) or 'no measurement'}", lrs
         )
 
-    if any(v is None for v in (measured or {}).values()):
+    norms = dict(measured or {})
+    if None in norms.values():
         return unavailable()
     g = probe_gradient(run.batch)
-    norms: dict[float, float] = {lr: float(v) for lr, v in (measured or {}).items() if v is not None}
     for i, lr in enumerate(lrs, start=1):
         if lr in norms:
             run.say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
             continue
         run.say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
-        client, _ = run.call(lambda: create_from_state_with_response(run.sc, initial_checkpoint))
+        client, _ = run.call(lambda: create_from_state_with_response(run.sc, run.checkpoint))
         describe_client(run.sc, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
-        norm = update_norm(client, partial(fixed_gradient_step, client, g, adam_params(opt_cfg, lr)))
-        if norm is None:
+        norms[lr] = update_norm(client, partial(fixed_gradient_step, client, g, adam_params(opt_cfg, lr)))
+        if norms[lr] is None:
             return unavailable()
-        norms[lr] = float(norm)
-    probes: list[dict[str, float]] = [{"learning_rate": lr, "update_norm": norms[lr]} for lr in lrs]
+    probes = [{"learning_rate": lr, "update_norm": float(n)} for lr in lrs if (n := norms[lr]) is not None]
     errors = lr_scaling_error(probes)
     worst = max(errors)
     passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= LR_SCALING_RTOL)
@@ -932,12 +859,11 @@ def run_restoration_preflight(
         if capacity is None
         else (lambda fn: call_with_capacity_retry(fn, policy=capacity, registry=registry))
     )
-    rec = Recorder()
-    probe_sc = probe_service_client or service_client
-    prun = ProbeRun(probe_sc, batch, rec, call, say)
+    rec, probe_sc = Recorder(), probe_service_client or service_client
 
     say(f"1/6: fresh LoRA rank-{run.lora_rank} client on {base_model} and the shared initial checkpoint")
     shared = fresh_checkpoint(probe_sc, base_model, run.lora_rank, seed, tag, rec, call)
+    prun = ProbeRun(probe_sc, shared.path, batch, rec, call, say)
     bundle.add_checkpoint("initial", 0, shared.path)
     # The setup client's own output, before its first update: what one loaded arm is compared with.
     source_lp = full_logprobs(shared.client, batch) if len(names) == 1 else None
@@ -962,78 +888,87 @@ def run_restoration_preflight(
         update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
     in_plan = update_norm if planned_lr_on_setup_client(update_norm, lr_multipliers) else None
     say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
-    probe = restore_probe(prun, shared.client, shared.path, opt_cfg, tag, update_norm=in_plan)
+    probe = restore_probe(prun, shared.client, opt_cfg, tag, update_norm=in_plan)
     probes = {names[0]: probe}
     for a in names[1:]:
-        cfg = cfgs[a]
-        same = next((p for b, p in probes.items() if cfgs[b] == cfg), None)
-        if same is not None:
-            probes[a] = same
-            continue
-        say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
-        client, _ = call(partial(create_from_state_with_response, probe_sc, shared.path, f"probe-{a}"))
-        describe_client(probe_sc, client, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
-        own = ProbeRun(probe_sc, batch, rec.prefixed(f"{a}:"), call, say)
-        probes[a] = restore_probe(own, client, shared.path, cfg, f"{tag}-{a}")
-        probes[a].echo_observed_on = probes[a].uninterrupted_client = (
-            f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
-        )
-        probe.own_config_probes[a] = probes[a]  # written with the step-4 probe (PROBE_FILE)
+        same = next((p for b, p in probes.items() if cfgs[b] == cfgs[a]), None)
+        if same is None:
+            say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
+            client, _ = call(partial(create_from_state_with_response, probe_sc, shared.path, f"probe-{a}"))
+            describe_client(probe_sc, client, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
+            same = restore_probe(replace(prun, rec=rec.prefixed(f"{a}:")), client, cfgs[a], f"{tag}-{a}")
+            same.echo_observed_on = same.uninterrupted_client = (
+                f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
+            )
+            probe.own_config_probes[a] = same  # written with the step-4 probe (PROBE_FILE)
+        probes[a] = same
     failures += probe.failures + [f"{a}: {m}" for a, r in probe.own_config_probes.items() for m in r.failures]
 
     say("5/6: optimizer checks and initialization provenance")
     arms: dict[str, ArmProvenance] = {}
     for arm in trained:  # optimizer checks at creation (0) and restore (1), against its own config's echo
-        a = arm.name
+        a, p = arm.name, probes[arm.name]
         check = partial(
             optimizer_check,
             requested_optimizer=arm.optimizer,
             requested_config=cfgs[a],
-            echoed=probes[a].echoed_config or None,
-            echo_ref=probes[a].echo_ref,
-            echo_observed_on=probes[a].echo_observed_on,
+            echoed=p.echoed_config or None,
+            echo_ref=p.echo_ref,
+            echo_observed_on=p.echo_observed_on,
         )
-        arms[a] = initialization_entry(
-            base_checkpoint=base_model,
-            checkpoint_uri=shared.path,
-            checkpoint_immutable=shared.immutable,
-            checkpoint_immutable_reason=shared.immutable_reason or None,
-            loaded_checkpoint_uri=loaded[a].loaded_path,
-            load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
-            evidence_ref=load_ref(a),
-            restore_count=1,
-            optimizer_checks=[
-                check(after_restore=0, info=shared.info, info_ref=f"{RESPONSES_FILE}#create_shared.get_info"),
-                check(after_restore=1, info=loaded[a].info, info_ref=f"{load_ref(a)}.get_info"),
+        init: JsonObject = {
+            "base_checkpoint": base_model,
+            "checkpoint_uri": shared.path,
+            "checkpoint_immutable": shared.immutable,  # None: the duplicate save proved nothing
+            "checkpoint_scope": "full_initialization",
+            "loaded_checkpoint_uri": loaded[a].loaded_path,
+            "load_succeeded": True,  # the service answered the load (what it loaded is checked by its path)
+            "source": "server_response",
+            "evidence_ref": load_ref(a),
+            "before_first_update": True,
+            "checkpoint_immutable_reason": shared.immutable_reason,
+        }
+        if adapters[a] is not None:
+            init["adapter_sha256"] = adapters[a]
+        arms[a] = {
+            "initialization": init,
+            "restore_count": 1,
+            "optimizer_checks": [
+                as_object(
+                    check(after_restore=0, info=shared.info, info_ref=f"{RESPONSES_FILE}#create_shared.get_info")
+                ),
+                as_object(check(after_restore=1, info=loaded[a].info, info_ref=f"{load_ref(a)}.get_info")),
             ],
-            initial_output={
+            "initial_output": {
                 "available": True,
                 "batch_sha256": b_sha,
                 "output_sha256": out_sha[a],
                 "evidence_ref": INITIAL_OUTPUT_FILE,
                 "before_first_update": True,
             },
-            adapter_sha256=adapters[a],
-        )
-    failures += check_provenance({"version": 1, "arms": arms}, names)
+        }
+    failures += check_provenance(arms)
 
     say(
         f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
         + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
     )
     measured = {float(opt_cfg["learning_rate"]): probe.base_lr_update_norm} if in_plan else None
-    lr_block = lr_scaling_probe(prun, shared.path, opt_cfg, lr_multipliers, update_norm, measured)
+    lr_block = lr_scaling_probe(prun, opt_cfg, lr_multipliers, update_norm, measured)
     if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
         failures.append(f"LR scaling: {lr_block.problem}")
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
-    # The evidence files; the result's initialization_provenance has `version` and `arms`, and when
-    # some arm does not train also `excluded_arms`, each posted check keeping only what the arm's
-    # OWN responses exposed.
-    provenance: InitializationProvenance = {"version": 1, "arms": arms}
-    posted: InitializationProvenance = {"version": 1, "arms": arms}
+    # The result's initialization_provenance has `version` and `arms`, and when some arm does not
+    # train also `excluded_arms`, each posted check keeping only what the arm's OWN responses exposed.
     excluded = {a.name: EXCLUDED_REASON for a in group if a.name not in names}
+    posted: InitializationProvenance = {"version": 1, "arms": arms}
+    if trained_arms is not None:
+        mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
+        posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
+        posted["excluded_arms"] = excluded
+    provenance: InitializationProvenance = {"version": 1, "arms": arms}
     if excluded:
-        provenance["excluded_arms"] = dict(excluded)
+        provenance["excluded_arms"] = excluded
     provenance["group"] = {
         "arms": list(names),
         "initial_checkpoint": shared.path,
@@ -1043,10 +978,6 @@ def run_restoration_preflight(
         "server_responses": RESPONSES_FILE,
     }
     provenance["passed"], provenance["failures"] = not failures, list(failures)
-    if trained_arms is not None:
-        mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
-        posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
-        posted["excluded_arms"] = dict(excluded)
     bundle.register_json(RESPONSES_FILE, "log", rec.responses)
     bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
