@@ -36,7 +36,7 @@ from dppo_harness.train.clients import RestorationError, datum_arrays, dump_resp
 from dppo_harness.train.fingerprints import LOGPROB_ATOL, batch_sha256, compare_logprobs, logprobs_sha256
 from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, own_response_only
 from dppo_harness.train.restore import Restore, restore
-from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
+from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm, update_norm_from_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -152,7 +152,6 @@ class RestorationResult:
     batch_sha256: str
     output_sha256: dict[str, str]
     provenance: InitializationProvenance  # initialization-provenance.json
-    passed: bool
     failures: list[str]
     lr_scaling: LrScalingBlock
     probe: RestoreProbeResult
@@ -162,6 +161,10 @@ class RestorationResult:
     @property
     def clients(self) -> dict[str, tinker.TrainingClient]:
         return {a: r.client for a, r in self.loaded.items()}
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
 
     def failure_message(self) -> str:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
@@ -257,9 +260,9 @@ class UpdateNormMeasure(Protocol):
 
 
 class LocalCheckpointReader:
-    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir: their hash and
-    the distance between two. Local backend only (the Tinker API exposes no parameters); torch and
-    the embedded server's model module load on the first read, so another backend loads neither."""
+    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir. Local backend
+    only (the Tinker API exposes no parameters); torch and the embedded server's model module load
+    on the first read, so another backend loads neither."""
 
     description = (
         "local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
@@ -288,13 +291,6 @@ class LocalCheckpointReader:
 
         return state_sha256(self.adapter(path))
 
-    def update_norm(self, before: str, after: str) -> float:
-        """||theta_after - theta_before|| over all LoRA parameters, in float64."""
-        a, b = self.adapter(before), self.adapter(after)
-        if sorted(a) != sorted(b):
-            raise RestorationError("checkpoints have different parameter names")
-        return math.sqrt(sum(float(((b[k].double() - a[k].double()) ** 2).sum()) for k in a))
-
 
 class CheckpointUpdateNorm:
     """UpdateNormMeasure via save_state before and after the update (local backend)."""
@@ -310,7 +306,7 @@ class CheckpointUpdateNorm:
         before = client.save_state(f"{self.tag}-norm{self._n}-before").result().path
         apply_update()
         after = client.save_state(f"{self.tag}-norm{self._n}-after").result().path
-        return self.reader.update_norm(before, after)
+        return update_norm_from_tensors(self.reader.adapter(before), self.reader.adapter(after))
 
 
 def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multipliers: Sequence[float]) -> bool:
@@ -521,24 +517,13 @@ def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -
     `update_norm: null`, `available: false` and the reason (never invented, never an empty list),
     and `lr_scaling_status` says why.
     """
-    out = json.loads(json.dumps(correctness_block))
-    status: JsonObject = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE}
+    out, written = json.loads(json.dumps(correctness_block)), lr_block.to_json()
     if isinstance(lr_block, LrScalingMeasured):
-        status.update(
-            passed=lr_block.passed,
-            rtol=lr_block.rtol,
-            relative_error=None if lr_block.relative_error is None else list(lr_block.relative_error),
-            measure=lr_block.measure,
-            reset=lr_block.reset,
-        )
-        entries: list[JsonObject] = [dict(p) for p in lr_block.lr_scaling]
+        keys, entries = ("passed", "rtol", "relative_error", "measure", "reset"), written["lr_scaling"]
     else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
-        reason = lr_block.reason or "not measured"
-        entries = [
-            {"learning_rate": float(lr), "update_norm": None, "available": False, "reason": reason}
-            for lr in lr_block.learning_rates
-        ] or [{"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
-        status["reason"] = lr_block.reason
+        unmeasured: JsonObject = {"update_norm": None, "available": False, "reason": lr_block.reason}
+        keys, entries = ("reason",), [{"learning_rate": lr, **unmeasured} for lr in lr_block.learning_rates or [None]]
+    status = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE, **{k: written[k] for k in keys}}
     for path in out.get("paths", []):
         path["lr_scaling"] = json.loads(json.dumps(entries))
         path["lr_scaling_status"] = status
@@ -756,21 +741,18 @@ def initial_outputs(
     source: Sequence[np.ndarray] | None = None,
 ) -> tuple[dict[str, str], JsonObject, list[str]]:
     """Step 3: full logprobs of every arm on the fixed batch before any update, compared: each arm's
-    output sha256, the comparisons (by `first_vs_other`) and every pair outside the tolerance. With
-    a single arm, `source` (the setup client's logprobs, taken before its first update) is what it
-    is compared with, so the check can still fail."""
-    names = list(arms)
-    logprobs = {a: full_logprobs(arms[a].client, fixed_batch) for a in names}
-    out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
-    stored = dict(logprobs)
-    pairs: list[tuple[str, str, Sequence[np.ndarray]]] = [(names[0], other, logprobs[other]) for other in names[1:]]
-    if len(names) == 1 and source is not None:
-        pairs = [(names[0], SOURCE_OUTPUT_KEY, source)]
+    output sha256, the comparisons (by `first_vs_other`) and every pair outside the tolerance.
+    `source` (the setup client's logprobs, taken before its first update) is what a single arm is
+    compared with, so the check can still fail."""
+    stored = {a: full_logprobs(r.client, fixed_batch) for a, r in arms.items()}
+    out_sha = {a: logprobs_sha256(lp) for a, lp in stored.items()}
+    if source is not None:
         stored[SOURCE_OUTPUT_KEY] = list(source)
+    first, *others = stored
     cmp: JsonObject = {}
     failures: list[str] = []
-    for first, other, lp in pairs:
-        c = compare_logprobs(logprobs[first], lp, LOGPROB_ATOL)
+    for other in others:
+        c = compare_logprobs(stored[first], stored[other], LOGPROB_ATOL)
         cmp[f"{first}_vs_{other}"] = as_object(c)
         if not c["within_tolerance"]:
             failures.append(
@@ -993,7 +975,6 @@ def run_restoration_preflight(
         batch_sha256=b_sha,
         output_sha256=out_sha,
         provenance=provenance,
-        passed=not failures,
         failures=failures,
         lr_scaling=lr_block,
         probe=probe,
