@@ -228,7 +228,6 @@ def run_activation_gate(
     *,
     backend: str,
     progress: Callable[[str], None] | None = None,
-    tag: str = "gate",
 ) -> GateReport:
     """Run the pilot of the plan's treatment arm at the plan's own schedule on a client restored from
     the shared initial checkpoint, evaluate every check of the plan's gate, write the report (own
@@ -263,11 +262,11 @@ def run_activation_gate(
         train = dataset.get(run.dataset).load_split("train", seed=arm.seed)
         for step in range(steps):  # the comparison's arm-step: sample from the current weights, then the updates
             reached.append(done := ArmStepProgress())
-            name, items = f"{tag}-sampler-s{step}", train.batch(step, rollout_cfg.groups_per_batch)
+            name, items = f"gate-sampler-s{step}", train.batch(step, rollout_cfg.groups_per_batch)
             sampled_step, _ = run_arm_step(
                 restored.client, arm, run, loss, step, items, renderer, seed=arm.seed, sampler_name=name, progress=done
             )
-            bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
+            bundle.register_bytes(f"gate-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
             last, y = (done.records[-1].stats if done.records else {}), sampled_step.batch.response_yield()
             say(
                 f"[gate] step {step + 1}/{steps}: {len(done.records)} updates, "
@@ -288,10 +287,7 @@ def run_activation_gate(
         "arm": arm.name,
         "loss": arm.loss,
         "steps": steps,
-        "groups_per_batch": rollout_cfg.groups_per_batch,
-        "group_size": rollout_cfg.group_size,
-        "temperature": rollout_cfg.temperature,
-        "max_tokens": rollout_cfg.max_tokens,
+        **{k: getattr(rollout_cfg, k) for k in ("groups_per_batch", "group_size", "temperature", "max_tokens")},
         "updates_per_batch": arm.updates_per_batch,
         "adam": as_object(arm.adam),
         "normalization": run.normalization,

@@ -170,10 +170,8 @@ class RestorationResult:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
 
     def preflight_service_work(self) -> dict[str, dict[str, int]]:
-        """Optimizer updates the preflight issued on its throwaway probe clients, from its own records:
-        the restore-continuity probe (one update on the uninterrupted client, then one on each of the
-        uninterrupted and the restored client) and one update per measured LR probe, less the one at
-        the planned LR, which is the continuity probe's first update. No sampling."""
+        """Optimizer updates the preflight issued on its throwaway probe clients: the continuity probe's
+        three, and one per measured LR probe less the planned LR's (the continuity probe's update 1)."""
         lr, shared = self.lr_scaling, int(self.probe.base_lr_update_norm is not None)
         lr_updates = max(0, len(lr.lr_scaling) - shared) if isinstance(lr, LrScalingMeasured) else 0
         return {
@@ -193,8 +191,7 @@ class ArmProvenance(TypedDict):
 
 
 class InitializationProvenance(TypedDict):
-    """initialization-provenance.json; the result's `initialization_provenance` has `version`,
-    `arms` and (when some arm does not train) `excluded_arms`."""
+    """initialization-provenance.json (the result's has `version`, `arms`, `excluded_arms`)."""
 
     version: int
     arms: dict[str, ArmProvenance]
@@ -322,8 +319,7 @@ def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multiplier
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """What every probe of one preflight shares: the ServiceClient its clients live on, the initial
-    checkpoint, the fixed batch, the kept responses, how client-creating calls are made, the progress line."""
+    """What every probe of one preflight shares."""
 
     sc: tinker.ServiceClient
     checkpoint: str
@@ -543,7 +539,7 @@ FIXED_BATCH_ITEMS = 4
 
 
 def restoration_arms(spec: ExperimentSpec) -> list[RestorationArm]:
-    """The (single) initialization group's arms with optimizer and config, from the validated spec."""
+    """The (single) initialization group's arms."""
     rp = spec.restoration_preflight
     if not rp.applicable:
         raise RestorationError("plan has no applicable restoration_preflight")
@@ -566,10 +562,9 @@ def reference_completion(solution: str, reference: str) -> str:
 def build_fixed_batch(
     n_items: int = FIXED_BATCH_ITEMS, seed: int = 0, dataset_name: str = "gsm8k"
 ) -> tuple[list[tinker.Datum], JsonObject]:
-    """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered
-    with the qwen3_5 renderer (one-shot prefix, cookbook prompt), reference solutions as the
-    assistant targets; weights 1 on the answer's tokens, 0 on the prompt. Returns the datums and a
-    description (item ids, lengths) for evidence."""
+    """The first `n_items` train items of the plan's dataset (cookbook order, `seed`) rendered with
+    their reference solutions as the assistant targets (weight 1 on the answer's tokens, 0 on the
+    prompt), and a description (item ids, lengths) for evidence."""
     data = dataset.get(dataset_name)
     bundle = tokenizer.make_renderer()
     items = data.load_split("train", seed=seed).items[:n_items]
@@ -680,11 +675,9 @@ def fresh_checkpoint(
 ) -> InitialCheckpoint:
     """Step 1: a fresh LoRA client saves the immutable initial checkpoint.
 
-    No per-model seed is sent: Spindle's multi-LoRA backend refuses one (the creation future fails,
-    "Miles multi-LoRA does not support per-model seeds"), and a seed would prove nothing anyway;
-    every arm is proved to start from this one saved state by its observed load. `seed` is the
-    plan's initialization group's."""
-    # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
+    No per-model seed is sent: Spindle's multi-LoRA backend refuses one ("Miles multi-LoRA does not
+    support per-model seeds"); every arm is proved to start from this one saved state by its
+    observed load. The setup client lives on the probe ServiceClient, released with it."""
     client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank))
     name_client(client, "setup client (shared)")
     describe_client(
@@ -716,9 +709,8 @@ def fresh_checkpoint(
 def adapter_hashes(
     reader: LocalCheckpointReader | None, arms: Mapping[str, Restore], tag: str, rec: Recorder
 ) -> tuple[dict[str, str | None], str, list[str]]:
-    """Each arm's adapter sha256 as loaded (local backend: read back from a save of each arm; not an
-    update; None where unmeasurable), how it was measured, and every arm whose adapter differs from
-    its checkpoint's."""
+    """Each arm's adapter sha256 as loaded (local backend: a save of each arm read back; else None),
+    how it was measured, and every arm whose adapter differs from its checkpoint's."""
     hashes: dict[str, str | None] = dict.fromkeys(arms)
     if reader is None:
         return hashes, ADAPTERS_UNMEASURED, []
@@ -778,8 +770,8 @@ def initial_outputs(
 def backend_update_norm(
     local_run_dir: Path | None, probe_service_client: tinker.ServiceClient
 ) -> tuple[LocalCheckpointReader | None, UpdateNormMeasure | None]:
-    """(checkpoint reader, update-norm measure) a backend allows: the embedded server's checkpoints
-    on disk under `local_run_dir`, else the trained weights read back through the SDK."""
+    """(checkpoint reader, update-norm measure): the embedded server's checkpoints under
+    `local_run_dir`, else the trained weights read back through the SDK."""
     if local_run_dir is not None:
         return LocalCheckpointReader(local_run_dir), None
     return None, ExternalWeightsUpdateNorm(probe_service_client.create_rest_client)
@@ -815,20 +807,17 @@ def run_restoration_preflight(
         if progress is not None:
             progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
 
-    # The group's arms, the trained ones among them (in the group's order), their one seed, the run's checkpoint tag.
     run = plan.spec_plan.run
     assert run is not None  # every experiment spec has its RunConfig from load
-    group = restoration_arms(plan.spec_plan.experiment)
-    if trained_arms is not None and (not trained_arms or set(trained_arms) - {a.name for a in group}):
-        raise RestorationError(
-            f"trained_arms {list(trained_arms)}: not arms of the initialization group {[a.name for a in group]}"
-        )
-    trained = [a for a in group if trained_arms is None or a.name in set(trained_arms)]
-    names, cfgs = [a.name for a in trained], {a.name: a.optimizer_config.model_dump(exclude_none=True) for a in trained}
-    seeds = {a.name: a.seed for a in run.arms}
-    if len({seeds.get(a) for a in names}) > 1:
+    group = [a.name for a in restoration_arms(plan.spec_plan.experiment)]
+    if trained_arms is not None and (not trained_arms or set(trained_arms) - set(group)):
+        raise RestorationError(f"trained_arms {list(trained_arms)}: not arms of the initialization group {group}")
+    trained = [run.arm(a) for a in group if trained_arms is None or a in trained_arms]
+    names, cfgs = [a.name for a in trained], {a.name: a.adam_config_requested() for a in trained}
+    if len({a.seed for a in trained}) > 1:
+        seeds = {a.name: a.seed for a in run.arms}
         raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
-    seed = seeds.get(names[0], 0)
+    seed = trained[0].seed
     tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(bundle.run_id or uuid.uuid4().hex[:12]))[:64]  # names its saves
     if fixed_batch is None:
         fixed_batch, fixed_batch_description = build_fixed_batch(seed=seed, dataset_name=run.dataset)
@@ -847,7 +836,7 @@ def run_restoration_preflight(
     shared = fresh_checkpoint(probe_sc, base_model, run.lora_rank, seed, tag, rec, call)
     prun = ProbeRun(probe_sc, shared.path, batch, rec, call, say)
     bundle.add_checkpoint("initial", 0, shared.path)
-    # The setup client's own output, before its first update: what one loaded arm is compared with.
+    # before its first update, the setup client's output is what one loaded arm is compared with
     source_lp = full_logprobs(shared.client, batch) if len(names) == 1 else None
 
     loaded: dict[str, Restore] = {}
@@ -942,7 +931,7 @@ def run_restoration_preflight(
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
     # The result's initialization_provenance has `version` and `arms`, and when some arm does not
     # train also `excluded_arms`, each posted check keeping only what the arm's OWN responses exposed.
-    excluded = {a.name: EXCLUDED_REASON for a in group if a.name not in names}
+    excluded = {a: EXCLUDED_REASON for a in group if a not in names}
     posted: InitializationProvenance = {"version": 1, "arms": arms}
     if trained_arms is not None:
         mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
